@@ -1,0 +1,285 @@
+/*
+ * cache.h — kvrope's store: model profiles, contexts of tokens with their
+ * K/V blocks, the per-model prefix index, memory accounting and eviction.
+ * This is the whole public API of cache/; it depends on rope/ and libc only
+ * (no libuv), so it builds and tests on its own.
+ *
+ * Threading. A kvr_store is single-threaded: every kvr_store_* call, and the
+ * begin/commit/abort/end calls of a transaction, happen on one thread (the
+ * daemon's loop thread). The *_work calls of a transaction may run on any
+ * other thread while the store goes on serving: they touch only memory the
+ * transaction owns or has leased, never the store's maps.
+ *
+ * Per-token model (DESIGN.md). Every token of a context has: its token id,
+ * its logical position (what attention sees now), the position its stored key
+ * is rotated at ("stored-at"), a group id and flags (KVR_TOKEN_APPROX). Edits,
+ * shifts and layouts change logical positions only; a key is rotated from its
+ * stored form once per read, so error never accumulates.
+ *
+ * Memory. Every allocation of the daemon goes through kvr_mem_* (jemalloc in
+ * release builds, libc under sanitizers); the cap is checked against what the
+ * allocator really holds (usable sizes), not what was requested.
+ *
+ * Errors: 0 or a negative KVR_E* code; functions that can fail take a
+ * kvr_error * (may be NULL) and fill a human-readable message.
+ */
+#ifndef KVR_CACHE_H
+#define KVR_CACHE_H
+
+#include <stddef.h>
+#include <stdint.h>
+#include <stdbool.h>
+#include <sys/uio.h>
+
+#include "rope/rope.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* ---- errors: the negated values of the wire's Status enum ---------------- */
+enum {
+    KVR_OK              = 0,
+    KVR_EINTERNAL       = -1,   /* a bug or an unexpected system failure */
+    KVR_EBADREQUEST     = -2,   /* malformed request: missing/invalid field */
+    KVR_EBADFRAME       = -3,   /* wrong magic/version, undecodable message */
+    KVR_ETOOLARGE       = -4,   /* frame or request over a configured limit */
+    KVR_EUNAUTH         = -5,   /* authentication required or failed */
+    KVR_ENOMODEL        = -6,   /* unknown model */
+    KVR_ENOCTX          = -7,   /* unknown context */
+    KVR_EEXIST          = -8,   /* context id or model name already exists */
+    KVR_ESHAPE          = -9,   /* shape or dtype does not match the model */
+    KVR_EPAYLOAD        = -10,  /* payload length does not match the shapes */
+    KVR_ERANGE          = -11,  /* token range or layer out of bounds */
+    KVR_EFINGERPRINT    = -12,  /* model fingerprint mismatch */
+    KVR_ENOMEM          = -13,  /* memory cap cannot be met even after eviction */
+    KVR_EBUSY           = -14,  /* context is being written by another request */
+    KVR_EINVAL          = -15,  /* invalid argument (overflowing positions, ...) */
+    KVR_EUNSUPPORTED    = -16,  /* valid, but not supported for this model/codec */
+    KVR_ELIMIT          = -17,  /* connection or buffering limit reached */
+    KVR_EPROTECTED      = -18,  /* edit touches protected tokens (sinks) */
+    KVR_EIO             = -19,  /* disk error */
+    KVR_EPINNED         = -20,  /* operation refused because the context is pinned */
+    KVR_ECONFIG         = -21,  /* bad model configuration (rope/ refused it) */
+    KVR_E_COUNT_        = 22,
+};
+const char *kvr_strerror(int code);      /* static string; "unknown error" */
+const char *kvr_error_name(int code);    /* "KVR_ENOCTX", ... */
+
+typedef struct kvr_error {
+    int  code;
+    char msg[256];
+} kvr_error;
+
+/* Sets err (if non-NULL) and returns code: `return kvr_error_set(err, KVR_ENOCTX, "...%s", id);` */
+int kvr_error_set(kvr_error *err, int code, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+
+/* ---- accounted memory --------------------------------------------------- */
+/* Process-wide and thread-safe. All of kvroped's allocations (store, libuv via
+ * uv_replace_allocator, protobuf-c via kvr_mem_protobuf_allocator) go here. */
+void  *kvr_mem_malloc(size_t n);
+void  *kvr_mem_calloc(size_t count, size_t size);
+void  *kvr_mem_realloc(void *p, size_t n);
+void  *kvr_mem_aligned(size_t align, size_t n);    /* free with kvr_mem_free */
+void   kvr_mem_free(void *p);
+size_t kvr_mem_allocated(void);   /* bytes the allocator holds for us now */
+size_t kvr_mem_peak(void);
+
+/* ---- store -------------------------------------------------------------- */
+#define KVR_ID_MAX 255          /* context id and model name, bytes */
+
+typedef struct kvr_store kvr_store;
+
+typedef struct kvr_store_config {
+    size_t   max_memory;        /* cap on kvr_mem_allocated(); 0 = unlimited */
+    uint32_t block_tokens;      /* tokens per block; 0 = default (64) */
+} kvr_store_config;
+
+int  kvr_store_create(kvr_store **out, const kvr_store_config *cfg, kvr_error *err);
+void kvr_store_destroy(kvr_store *s);                /* NULL is a no-op */
+
+/* ---- models ------------------------------------------------------------- */
+typedef struct kvr_model_desc {
+    const char     *name;
+    uint32_t        n_layers, n_kv_heads, head_dim;
+    kvr_dtype       dtype;             /* native dtype of the model's KV */
+    kvr_rope_config rope;              /* head_dim must agree */
+} kvr_model_desc;
+
+typedef struct kvr_model_info {
+    char     name[KVR_ID_MAX + 1];
+    uint32_t n_layers, n_kv_heads, head_dim;
+    kvr_dtype dtype;
+    uint64_t fingerprint;              /* shape + RoPE parameters + dtype */
+    const kvr_rope_config *rope;       /* borrowed; lives as long as the store */
+    const kvr_rope *engine;            /* borrowed; likewise */
+    size_t   n_contexts;
+} kvr_model_info;
+
+/* Registering a name again with an identical fingerprint succeeds (and
+ * returns the existing profile); with a different one it is KVR_EEXIST. */
+int kvr_store_model_register(kvr_store *s, const kvr_model_desc *d,
+                             kvr_model_info *out, kvr_error *err);
+int kvr_store_model_find(const kvr_store *s, const char *name, kvr_model_info *out);
+/* Fills up to cap entries, returns the number of models. */
+size_t kvr_store_model_list(const kvr_store *s, kvr_model_info *out, size_t cap);
+
+/* ---- put: create or append ---------------------------------------------- */
+typedef enum kvr_put_mode {
+    KVR_PUT_CREATE = 0,       /* KVR_EEXIST if the id exists */
+    KVR_PUT_APPEND = 1,       /* KVR_ENOCTX if it does not */
+    KVR_PUT_UPSERT = 2,       /* create or append */
+} kvr_put_mode;
+
+typedef struct kvr_put_params {
+    const char     *ctx_id;
+    const char     *model;
+    kvr_put_mode    mode;
+    uint64_t        fingerprint;   /* 0 = unchecked; else must equal the model's */
+    uint32_t        n_layers, n_kv_heads, head_dim;  /* as the client states them */
+    kvr_dtype       dtype;         /* dtype of the payload */
+    size_t          n_tokens;
+    const uint32_t *tokens;        /* n_tokens ids; copied by put_begin */
+    const int64_t  *positions;     /* NULL: contiguous from pos_start; copied */
+    bool            has_pos_start; /* default: last position + 1 (0 if new) */
+    int64_t         pos_start;
+    bool            pin;           /* pin the context after commit */
+} kvr_put_params;
+
+typedef struct kvr_put_result {
+    size_t  n_tokens;              /* context length after the put */
+    size_t  first_index;           /* index of the first token put */
+    int64_t first_pos, last_pos;   /* positions given to the new tokens */
+} kvr_put_result;
+
+typedef struct kvr_put kvr_put;
+
+/* Validates everything that can be validated before the payload arrives
+ * (model, fingerprint, shapes, positions, id rules, busy), reserves memory
+ * (evicting if it must; KVR_ENOMEM if the cap cannot be met) and prepares
+ * destination memory. While a put is open its context is busy: another put
+ * (or edit) of the same id fails with KVR_EBUSY; reads see only committed
+ * tokens. On success the caller owns *out until commit or abort. */
+int    kvr_store_put_begin(kvr_store *s, const kvr_put_params *p, kvr_put **out,
+                           kvr_error *err);
+/* Exact payload size in bytes: n_layers * 2 * n_tokens * heads * dim * dsize. */
+size_t kvr_put_payload_size(const kvr_put *t);
+/* Where the payload's bytes go, in wire order (layer-major: for each layer K
+ * then V, each [tokens][heads][dim]); the iovecs cover exactly
+ * payload_size bytes and point into block memory when no conversion is
+ * needed. Borrowed, valid until commit/abort. */
+void   kvr_put_payload_iov(const kvr_put *t, const struct iovec **iov, size_t *n);
+/* Heavy part (dtype conversion, checks on the values): any thread. */
+bool   kvr_put_needs_work(const kvr_put *t);
+int    kvr_put_work(kvr_put *t, kvr_error *err);
+/* Loop thread. Links the new tokens into the context and the prefix index,
+ * and frees t whether it succeeds or not; on failure nothing changed. */
+int    kvr_put_commit(kvr_put *t, kvr_put_result *res, kvr_error *err);
+/* Loop thread. Discards everything; the context is exactly as before. */
+void   kvr_put_abort(kvr_put *t);
+
+/* ---- get ---------------------------------------------------------------- */
+#define KVR_TOKEN_APPROX 0x1u   /* KV computed against text that changed since */
+
+typedef struct kvr_get_params {
+    const char     *ctx_id;
+    size_t          start;         /* token index range [start, end) */
+    size_t          end;           /* SIZE_MAX = to the end */
+    kvr_dtype       dtype;         /* output dtype */
+    const int64_t  *positions;     /* NULL = current logical positions, else
+                                      end-start target positions (copied) */
+    const uint32_t *layers;        /* NULL = all layers, else n_layers_sel ids */
+    size_t          n_layers_sel;
+    bool            meta_only;     /* no payload, just tokens/positions/flags */
+} kvr_get_params;
+
+typedef struct kvr_get_info {
+    kvr_model_info  model;
+    size_t          start, n_tokens;
+    kvr_dtype       dtype;
+    size_t          n_layers;      /* layers in the payload */
+    const uint32_t *layers;        /* their ids */
+    const uint32_t *tokens;        /* n_tokens ids */
+    const int64_t  *positions;     /* positions the keys are rotated at */
+    const uint32_t *flags;         /* KVR_TOKEN_* per token */
+    const int32_t  *groups;        /* group id per token */
+} kvr_get_info;
+
+typedef struct kvr_get kvr_get;
+
+/* Resolves the range, leases the blocks (nothing they hold is freed until
+ * kvr_get_end, whatever happens to the context meanwhile) and copies the
+ * metadata. Owned by the caller until kvr_get_end. */
+int  kvr_store_get_begin(kvr_store *s, const kvr_get_params *p, kvr_get **out,
+                         kvr_error *err);
+const kvr_get_info *kvr_get_get_info(const kvr_get *t);  /* borrowed */
+/* Rotation / conversion into the response buffer: any thread. */
+bool kvr_get_needs_work(const kvr_get *t);
+int  kvr_get_work(kvr_get *t, kvr_error *err);
+/* The payload, in wire order, valid after work (if needed) until end. May
+ * point straight into block memory (zero-copy). */
+size_t kvr_get_payload_size(const kvr_get *t);
+void   kvr_get_payload_iov(const kvr_get *t, const struct iovec **iov, size_t *n);
+/* Loop thread: releases the leases and frees t. */
+void kvr_get_end(kvr_get *t);
+
+/* ---- prefix index ------------------------------------------------------- */
+typedef struct kvr_match_result {
+    size_t length;                      /* tokens of the query that are cached */
+    char   ctx_id[KVR_ID_MAX + 1];      /* a context whose first `length` tokens
+                                           equal the query's ("" if length 0) */
+} kvr_match_result;
+
+/* Longest exact cached prefix across all contexts of `model`. Tokens marked
+ * approximate end a context's exact prefix unless include_approx. */
+int kvr_store_match(kvr_store *s, const char *model, const uint32_t *tokens,
+                    size_t n, bool include_approx, kvr_match_result *res,
+                    kvr_error *err);
+
+/* ---- context management ------------------------------------------------- */
+typedef struct kvr_ctx_info {
+    char     id[KVR_ID_MAX + 1];
+    char     model[KVR_ID_MAX + 1];
+    size_t   n_tokens, n_blocks, n_shared_blocks, n_approx;
+    size_t   bytes;                /* block memory this context references */
+    bool     pinned, busy;
+    int64_t  pos_min, pos_max;     /* logical; 0, -1 if empty */
+    uint64_t created_ms, accessed_ms;  /* CLOCK_REALTIME ms */
+    size_t   n_evicted_tokens;     /* tail tokens dropped by eviction, ever */
+} kvr_ctx_info;
+
+int kvr_store_delete(kvr_store *s, const char *ctx_id, kvr_error *err);
+int kvr_store_stat(kvr_store *s, const char *ctx_id, kvr_ctx_info *out, kvr_error *err);
+/* All contexts (of `model` if non-NULL), sorted by id. *out is the caller's,
+ * freed with kvr_mem_free. */
+int kvr_store_list(kvr_store *s, const char *model, kvr_ctx_info **out, size_t *n,
+                   kvr_error *err);
+int kvr_store_pin(kvr_store *s, const char *ctx_id, bool pin, kvr_error *err);
+/* Copy-on-write: dst shares src's blocks until one side changes them. */
+int kvr_store_fork(kvr_store *s, const char *src, const char *dst, kvr_error *err);
+/* llama.cpp seq_add: logical positions of tokens [start, end) += delta (their
+ * keys are re-rotated on read). KVR_EINVAL if a position would overflow. */
+int kvr_store_shift(kvr_store *s, const char *ctx_id, size_t start, size_t end,
+                    int64_t delta, kvr_error *err);
+/* llama.cpp seq_keep on a token range: keep [start, end), drop the rest. */
+int kvr_store_keep(kvr_store *s, const char *ctx_id, size_t start, size_t end,
+                   kvr_error *err);
+
+/* ---- statistics --------------------------------------------------------- */
+typedef struct kvr_store_stats {
+    size_t   mem_allocated, mem_peak, mem_cap;
+    size_t   block_bytes;              /* bytes held in blocks */
+    size_t   n_models, n_contexts, n_blocks, n_tokens;
+    uint64_t n_evicted_blocks, n_evicted_bytes;
+    uint64_t n_puts, n_gets, n_matches, n_match_hits;
+    uint64_t n_refused_nomem;
+    size_t   n_leased_blocks;
+} kvr_store_stats;
+
+void kvr_store_get_stats(const kvr_store *s, kvr_store_stats *out);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* KVR_CACHE_H */

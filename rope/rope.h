@@ -1,0 +1,185 @@
+/*
+ * rope.h — kvrope's positional engine: element types, RoPE configurations
+ * read from Hugging Face config.json, and the kernels that apply, remove and
+ * re-position rotary embeddings on [tokens][heads][head_dim] buffers.
+ *
+ * This is the whole public API of rope/. It has no dependency on libuv and
+ * none on the rest of kvrope; cache/, daemon/ and client/ build on it.
+ *
+ * Conventions (the project's): functions return 0 on success and a negative
+ * errno on failure (-EINVAL for a bad argument or configuration, -ENOMEM).
+ * Functions that can refuse a configuration take `char *err, size_t errlen`
+ * and write a message naming the offending field there (may be NULL).
+ *
+ * Invariants the kernels keep:
+ *  - Angles p * inv_freq[i] are computed in double precision.
+ *  - Dimensions at index >= rotary_dim pass through unchanged (converted only).
+ *  - reposition(k, from, to) is a pure rotation by (to - from): the YaRN
+ *    magnitude factor (attention_factor) is multiplied in by apply, divided out
+ *    by remove, and never touched by reposition, so norms are preserved.
+ *  - In-place operation (dst == src with the same dtype) is allowed.
+ */
+#ifndef KVR_ROPE_H
+#define KVR_ROPE_H
+
+#include <stddef.h>
+#include <stdint.h>
+#include <stdbool.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* ---- element types ------------------------------------------------------ */
+
+typedef enum kvr_dtype {
+    KVR_DTYPE_F32  = 0,
+    KVR_DTYPE_F16  = 1,   /* IEEE binary16 */
+    KVR_DTYPE_BF16 = 2,   /* bfloat16, round-to-nearest-even from f32 */
+} kvr_dtype;
+
+size_t      kvr_dtype_size(kvr_dtype t);            /* 4, 2, 2; 0 if unknown */
+const char *kvr_dtype_name(kvr_dtype t);            /* "f32", "f16", "bf16" */
+int         kvr_dtype_parse(const char *s, kvr_dtype *out); /* 0 or -EINVAL */
+
+float    kvr_f16_to_f32(uint16_t h);
+uint16_t kvr_f32_to_f16(float f);                   /* RNE, inf/nan kept */
+float    kvr_bf16_to_f32(uint16_t h);
+uint16_t kvr_f32_to_bf16(float f);                  /* RNE, nan stays nan */
+
+/* Converts n elements; dst and src may be the same buffer only when the
+ * element sizes are equal. Uses F16C/AVX-512 where the CPU has them. */
+void kvr_convert(void *dst, kvr_dtype dst_type,
+                 const void *src, kvr_dtype src_type, size_t n);
+
+/* ---- configuration ------------------------------------------------------ */
+
+typedef enum kvr_rope_style {
+    KVR_ROPE_NEOX = 0,  /* half-split pairs (i, i + rot/2): HF rotate_half,
+                           ggml GGML_ROPE_TYPE_NEOX.  rot=8 --> [ccccssss] */
+    KVR_ROPE_GPTJ = 1,  /* interleaved pairs (2i, 2i+1): GPT-J, ggml
+                           GGML_ROPE_TYPE_NORMAL.     rot=8 --> [cscscscs] */
+} kvr_rope_style;
+
+typedef enum kvr_rope_scaling {
+    KVR_ROPE_SCALING_DEFAULT  = 0,
+    KVR_ROPE_SCALING_LINEAR   = 1,
+    KVR_ROPE_SCALING_DYNAMIC  = 2,  /* dynamic NTK: frequencies depend on length */
+    KVR_ROPE_SCALING_YARN     = 3,
+    KVR_ROPE_SCALING_LONGROPE = 4,  /* short/long factors depend on length */
+    KVR_ROPE_SCALING_LLAMA3   = 5,
+} kvr_rope_scaling;
+
+#define KVR_ROPE_MAX_HEAD_DIM 1024
+
+/* Everything that determines the rotation, as HF config.json states it.
+ * Fields that a config leaves unset hold the HF defaults after parsing;
+ * doubles documented as "NaN = unset" keep NaN so that the HF rule for the
+ * default applies (e.g. YaRN attention_factor = 0.1*ln(factor)+1). */
+typedef struct kvr_rope_config {
+    /* shape (not part of the rotation, but read from the same file) */
+    int32_t  num_layers;           /* num_hidden_layers, 0 if absent */
+    int32_t  num_heads;            /* num_attention_heads */
+    int32_t  num_kv_heads;         /* num_key_value_heads, default num_heads */
+    int32_t  head_dim;             /* head_dim or hidden_size/num_attention_heads */
+    int32_t  rotary_dim;           /* rotary_dim, or head_dim*partial_rotary_factor */
+    int64_t  max_position_embeddings;
+    char     model_type[32];       /* "llama", "gptj", ... ("" if absent) */
+
+    kvr_rope_style   style;
+    double           theta;        /* rope_theta, default 10000 */
+    kvr_rope_scaling scaling;
+    double   factor;               /* linear/dynamic/yarn/longrope/llama3 */
+    int64_t  original_max_position_embeddings; /* 0 = unset */
+    double   beta_fast, beta_slow;              /* yarn: default 32, 1 */
+    double   attention_factor;                  /* yarn/longrope: NaN = unset */
+    double   mscale, mscale_all_dim;            /* yarn (DeepSeek): NaN = unset */
+    double   low_freq_factor, high_freq_factor; /* llama3 */
+    int32_t  n_short_factor, n_long_factor;     /* longrope: must be rotary_dim/2 */
+    double   short_factor[KVR_ROPE_MAX_HEAD_DIM / 2];
+    double   long_factor[KVR_ROPE_MAX_HEAD_DIM / 2];
+} kvr_rope_config;
+
+/* Fills `cfg` with defaults: NeoX, theta 10000, no scaling, sizes 0. */
+void kvr_rope_config_init(kvr_rope_config *cfg);
+
+/* Parses the text of an HF config.json (len bytes, not necessarily
+ * NUL-terminated). `style_override` is NULL, "neox" or "gptj"; without it the
+ * style follows model_type (gptj, codegen, ... are interleaved). Validates the
+ * result (kvr_rope_config_validate). */
+int kvr_rope_config_from_json(kvr_rope_config *cfg, const char *json, size_t len,
+                              const char *style_override, char *err, size_t errlen);
+int kvr_rope_config_from_file(kvr_rope_config *cfg, const char *path,
+                              const char *style_override, char *err, size_t errlen);
+
+/* Refuses, naming the field: unknown rope type, missing required parameter,
+ * theta <= 0, rotary dim odd or > head_dim, factor <= 0, short/long factor
+ * lists of the wrong length, head_dim out of range. */
+int kvr_rope_config_validate(const kvr_rope_config *cfg, char *err, size_t errlen);
+
+/* Serialises the rotation-relevant fields canonically (for fingerprints and
+ * the wire). Writes at most cap bytes, returns the length needed. */
+size_t kvr_rope_config_canonical(const kvr_rope_config *cfg, char *buf, size_t cap);
+
+/* True if rotation by a delta composes for this configuration (default,
+ * linear, yarn, llama3). Dynamic NTK and longrope do not. */
+bool kvr_rope_config_composes(const kvr_rope_config *cfg);
+
+/* ---- engine ------------------------------------------------------------- */
+
+typedef struct kvr_rope kvr_rope;   /* immutable after create; thread-safe */
+
+/* Builds the frequency tables. The caller owns *out (kvr_rope_destroy). */
+int  kvr_rope_create(kvr_rope **out, const kvr_rope_config *cfg, char *err, size_t errlen);
+void kvr_rope_destroy(kvr_rope *r);                 /* NULL is a no-op */
+const kvr_rope_config *kvr_rope_get_config(const kvr_rope *r);
+
+typedef enum kvr_isa {
+    KVR_ISA_AUTO   = 0,   /* best the CPU supports */
+    KVR_ISA_SCALAR = 1,   /* the reference */
+    KVR_ISA_AVX2   = 2,   /* AVX2 + FMA + F16C */
+    KVR_ISA_AVX512 = 3,
+} kvr_isa;
+
+/* Per-call options; pass NULL for the defaults (all zero). */
+typedef struct kvr_rope_opts {
+    int     n_threads;      /* 0 = 1 thread for small buffers, more for large */
+    kvr_isa isa;            /* force a kernel (tests, bench); AUTO by default */
+    /* Dynamic NTK / longrope only: the sequence length whose frequency table
+     * the key was written with (seq_len_from) and the one to rotate into
+     * (seq_len_to). 0 = the table for lengths within
+     * original_max_position_embeddings. For composing types these are
+     * ignored. reposition with different tables removes with the old table
+     * and applies with the new one (never a delta rotation). */
+    int64_t seq_len_from;
+    int64_t seq_len_to;
+} kvr_rope_opts;
+
+kvr_isa     kvr_isa_best(void);                     /* what AUTO resolves to */
+const char *kvr_isa_name(kvr_isa isa);
+
+/* Buffers are [n_tokens][n_heads][head_dim] contiguous, head_dim from the
+ * config. pos / from / to have n_tokens entries, any int64 values
+ * (non-contiguous, repeated, negative deltas are all fine).
+ * apply:      dst = R(pos) x * mscale                (x un-rotated)
+ * remove:     dst = R(-pos) k / mscale               (k rotated at pos)
+ * reposition: dst = R(to - from) k                   (pure rotation)
+ * Returns -EINVAL for a bad dtype or a NULL buffer with n_tokens > 0. */
+int kvr_rope_apply(const kvr_rope *r, void *dst, kvr_dtype dst_type,
+                   const void *src, kvr_dtype src_type,
+                   size_t n_tokens, size_t n_heads, const int64_t *pos,
+                   const kvr_rope_opts *opts);
+int kvr_rope_remove(const kvr_rope *r, void *dst, kvr_dtype dst_type,
+                    const void *src, kvr_dtype src_type,
+                    size_t n_tokens, size_t n_heads, const int64_t *pos,
+                    const kvr_rope_opts *opts);
+int kvr_rope_reposition(const kvr_rope *r, void *dst, kvr_dtype dst_type,
+                        const void *src, kvr_dtype src_type,
+                        size_t n_tokens, size_t n_heads,
+                        const int64_t *from, const int64_t *to,
+                        const kvr_rope_opts *opts);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* KVR_ROPE_H */

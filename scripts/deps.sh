@@ -1,0 +1,29 @@
+#!/bin/sh
+# Installs the Debian packages kvrope needs, and only the missing ones, so that
+# `make test` and `make run` work on a fresh Debian 12 machine as root.
+# Usage: scripts/deps.sh [core|test|bench]   (each level includes the ones before)
+set -eu
+level=${1:-test}
+pkgs="build-essential pkg-config libuv1-dev libjemalloc-dev libprotobuf-c-dev protobuf-c-compiler liburing-dev libcjson-dev"
+case "$level" in
+  test)  pkgs="$pkgs libcriterion-dev python3 python3-numpy python3-pytest" ;;
+  bench) pkgs="$pkgs libcriterion-dev python3 python3-numpy python3-pytest redis-server redis-tools nodejs npm" ;;
+  core)  ;;
+  *) echo "usage: $0 [core|test|bench]" >&2; exit 2 ;;
+esac
+missing=""
+for p in $pkgs; do
+  st=$(dpkg-query -W -f='${Status}' "$p" 2>/dev/null || true)
+  case "$st" in *"install ok installed"*) ;; *) missing="$missing $p" ;; esac
+done
+[ -z "$missing" ] && exit 0
+if [ "$(id -u)" != 0 ]; then
+  echo "kvrope: missing Debian packages:$missing" >&2
+  echo "kvrope: run as root, or: sudo apt-get install$missing" >&2
+  exit 1
+fi
+echo "kvrope: installing$missing" >&2
+export DEBIAN_FRONTEND=noninteractive
+apt-get update -qq
+# shellcheck disable=SC2086
+apt-get install -y -qq --no-install-recommends $missing >&2

@@ -1,0 +1,42 @@
+#!/bin/bash
+# Runs every Criterion test binary in $KVR_BUILD/tests (and, unless --c-only,
+# the pytest suite with Debian's /usr/bin/python3), then prints one closing
+# line "N passed, N failed" summed over all of them. Exit status is non-zero
+# if anything failed or crashed.
+set -u
+build=${KVR_BUILD:?KVR_BUILD must name the build directory}
+c_only=0; [ "${1:-}" = "--c-only" ] && c_only=1
+export KVR_BUILD KVR_VECTORS=${KVR_VECTORS:-$(cd "$(dirname "$0")/../.." && pwd)/shared/vectors}
+pass=0; fail=0; bad_bins=""
+logdir=$build/test-logs; mkdir -p "$logdir"
+for t in "$build"/tests/test_*; do
+  [ -x "$t" ] || continue
+  name=$(basename "$t")
+  echo "== $name"
+  timeout 1200 "$t" --jobs 2 >"$logdir/$name.log" 2>&1
+  rc=$?
+  syn=$(grep -a 'Synthesis:' "$logdir/$name.log" | tail -1)
+  tested=$(echo "$syn" | sed -n 's/.*Tested: \([0-9]*\).*/\1/p')
+  passing=$(echo "$syn" | sed -n 's/.*Passing: \([0-9]*\).*/\1/p')
+  if [ -z "$tested" ]; then tested=1; passing=0; fi
+  pass=$((pass + passing)); fail=$((fail + tested - passing))
+  if [ $rc -ne 0 ] || [ "$tested" != "$passing" ]; then
+    bad_bins="$bad_bins $name"
+    grep -a -E '\[(FAIL|----)\]|CRASH|ERROR|Sanitizer|runtime error' "$logdir/$name.log" | head -40
+    [ "$tested" = "$passing" ] && fail=$((fail + 1))
+  fi
+  echo "   $syn (rc=$rc)"
+done
+if [ $c_only -eq 0 ] && [ -d tests/python ] && ls tests/python/test_*.py >/dev/null 2>&1; then
+  echo "== pytest"
+  py=${PYTHON:-/usr/bin/python3}
+  out=$(timeout 1200 "$py" -m pytest -q tests/python 2>&1); rc=$?
+  echo "$out" | tail -15
+  p=$(echo "$out" | grep -oE '[0-9]+ passed' | tail -1 | grep -oE '[0-9]+'); p=${p:-0}
+  f=$(echo "$out" | grep -oE '[0-9]+ (failed|errors?)' | awk '{s+=$1} END {print s+0}')
+  pass=$((pass + p)); fail=$((fail + f))
+  if [ $rc -ne 0 ] && [ $rc -ne 5 ]; then bad_bins="$bad_bins pytest"; [ "$f" = 0 ] && fail=$((fail + 1)); fi
+fi
+[ -n "$bad_bins" ] && echo "failing:$bad_bins"
+echo "$pass passed, $fail failed"
+[ -z "$bad_bins" ]
