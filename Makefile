@@ -14,6 +14,7 @@
 #   client/lib/*.c                      -> libkvrope.a / libkvrope.so
 #   client/cli/*.c                      -> kvrope
 #   tests/unit/test_*.c                 -> one Criterion binary each
+#   tests/common/*.h                     -> header-only test helpers (static functions)
 #   tests/bench/bench_*.c               -> one benchmark binary each
 #   tests/fuzz/fuzz_*.c                 -> one libFuzzer target each
 # Files named *_avx2.c / *_avx512.c get the ISA flags for that file only: the
@@ -64,7 +65,6 @@ CLI_SRC    := $(wildcard client/cli/*.c)
 TEST_SRC   := $(wildcard tests/unit/test_*.c)
 BENCH_SRC  := $(wildcard tests/bench/bench_*.c)
 FUZZ_SRC   := $(wildcard tests/fuzz/fuzz_*.c)
-THELP_SRC  := $(wildcard tests/common/*.c)
 
 obj = $(patsubst %.c,$(BUILD)/obj/%.o,$(1))
 
@@ -74,9 +74,17 @@ PROTO_OBJ  := $(call obj,$(PROTO_SRC)) $(BUILD)/obj/gen/kvrope.pb-c.o
 DAEMON_OBJ := $(call obj,$(DAEMON_SRC))
 CLIB_OBJ   := $(call obj,$(CLIB_SRC))
 CLI_OBJ    := $(call obj,$(CLI_SRC))
-THELP_OBJ  := $(call obj,$(THELP_SRC))
 
-INTERNAL_A := $(BUILD)/libkvr-internal.a
+# One archive per module, linked in layering order, so a test links only the
+# modules it exercises (test_rope_* needs rope/ alone, test_cache_* cache/ and
+# rope/, everything else all of them).
+ROPE_A   := $(BUILD)/lib/librope.a
+CACHE_A  := $(BUILD)/lib/libcache.a
+PROTO_A  := $(BUILD)/lib/libproto.a
+DAEMON_A := $(BUILD)/lib/libdaemon.a
+CLIB_A   := $(BUILD)/lib/libclient.a
+ALL_A    := $(DAEMON_A) $(CLIB_A) $(CACHE_A) $(PROTO_A) $(ROPE_A)
+
 CLIENT_A   := $(BUILD)/libkvrope.a
 CLIENT_SO  := $(BUILD)/libkvrope.so
 KVROPED    := $(BUILD)/kvroped
@@ -84,7 +92,7 @@ KVROPE     := $(BUILD)/kvrope
 TESTS      := $(patsubst tests/unit/%.c,$(BUILD)/tests/%,$(TEST_SRC))
 BENCHES    := $(patsubst tests/bench/%.c,$(BUILD)/bench/%,$(BENCH_SRC))
 
-.PHONY: all deps deps-bench run test test-c test-py check bench fuzz clean check-symbols
+.PHONY: all deps deps-bench run test check bench fuzz clean check-symbols
 .DEFAULT_GOAL := all
 
 all: $(KVROPED) $(KVROPE) $(CLIENT_A) $(CLIENT_SO) $(TESTS) $(BENCHES)
@@ -100,7 +108,7 @@ $(PROTO_GEN_C) $(PROTO_GEN_H) &: proto/kvrope.proto
 	@mkdir -p $(GEN)/proto
 	protoc-c --proto_path=proto --c_out=$(GEN)/proto proto/kvrope.proto
 
-# Generated code is not ours to fix; it gets the plain warnings only.
+# Generated code is not ours to fix; it is compiled without our warning set.
 $(BUILD)/obj/gen/kvrope.pb-c.o: $(PROTO_GEN_C)
 	@mkdir -p $(dir $@)
 	$(CC) $(CPPFLAGS) -fPIC -pthread $(OPT) -w -c $< -o $@
@@ -113,27 +121,55 @@ $(BUILD)/obj/%.o: %.c | $(PROTO_GEN_H)
 	@mkdir -p $(dir $@)
 	$(CC) $(CPPFLAGS) $(ALL_CFLAGS) -c $< -o $@
 
-$(INTERNAL_A): $(ROPE_OBJ) $(CACHE_OBJ) $(PROTO_OBJ) $(DAEMON_OBJ) $(CLIB_OBJ)
+define archive
 	@mkdir -p $(dir $@)
 	rm -f $@ && ar rcs $@ $^
+endef
+$(ROPE_A):   $(ROPE_OBJ)   ; $(archive)
+$(CACHE_A):  $(CACHE_OBJ)  ; $(archive)
+$(PROTO_A):  $(PROTO_OBJ)  ; $(archive)
+$(DAEMON_A): $(DAEMON_OBJ) ; $(archive)
+$(CLIB_A):   $(CLIB_OBJ)   ; $(archive)
 
-$(CLIENT_A): $(CLIB_OBJ) $(PROTO_OBJ) $(ROPE_OBJ)
-	rm -f $@ && ar rcs $@ $^
+# The public client library bundles what it needs of proto/ and rope/.
+$(CLIENT_A): $(CLIB_OBJ) $(PROTO_OBJ) $(ROPE_OBJ) ; $(archive)
 
 $(CLIENT_SO): $(CLIB_OBJ) $(PROTO_OBJ) $(ROPE_OBJ)
 	$(CC) -shared $(LDFLAGS_ALL) -o $@ $^ -lprotobuf-c -lcjson -lm -lpthread
 
-$(KVROPED): $(BUILD)/obj/daemon/main.o $(INTERNAL_A)
+$(KVROPED): $(BUILD)/obj/daemon/main.o $(ALL_A)
 	$(CC) $(LDFLAGS_ALL) -o $@ $^ $(LIBS) $(MALLOC_LIB)
 
-$(KVROPE): $(CLI_OBJ) $(INTERNAL_A)
+$(KVROPE): $(CLI_OBJ) $(ALL_A)
 	$(CC) $(LDFLAGS_ALL) -o $@ $^ $(LIBS) $(MALLOC_LIB)
 
-$(BUILD)/tests/%: $(BUILD)/obj/tests/unit/%.o $(THELP_OBJ) $(INTERNAL_A)
+$(BUILD)/tests/test_rope%: $(BUILD)/obj/tests/unit/test_rope%.o $(ROPE_A)
 	@mkdir -p $(dir $@)
 	$(CC) $(LDFLAGS_ALL) -o $@ $^ -lcriterion $(LIBS) $(MALLOC_LIB)
 
-$(BUILD)/bench/%: $(BUILD)/obj/tests/bench/%.o $(THELP_OBJ) $(INTERNAL_A)
+# Codec kernels (cache/codec*.c) test on their own, without the store.
+CODEC_OBJ := $(call obj,$(wildcard cache/codec*.c))
+$(BUILD)/tests/test_codec%: $(BUILD)/obj/tests/unit/test_codec%.o $(CODEC_OBJ) $(ROPE_A)
+	@mkdir -p $(dir $@)
+	$(CC) $(LDFLAGS_ALL) -o $@ $^ -lcriterion $(LIBS) $(MALLOC_LIB)
+
+$(BUILD)/bench/bench_codec%: $(BUILD)/obj/tests/bench/bench_codec%.o $(CODEC_OBJ) $(ROPE_A)
+	@mkdir -p $(dir $@)
+	$(CC) $(LDFLAGS_ALL) -o $@ $^ $(LIBS) $(MALLOC_LIB)
+
+$(BUILD)/tests/test_cache%: $(BUILD)/obj/tests/unit/test_cache%.o $(CACHE_A) $(ROPE_A)
+	@mkdir -p $(dir $@)
+	$(CC) $(LDFLAGS_ALL) -o $@ $^ -lcriterion $(LIBS) $(MALLOC_LIB)
+
+$(BUILD)/tests/%: $(BUILD)/obj/tests/unit/%.o $(ALL_A)
+	@mkdir -p $(dir $@)
+	$(CC) $(LDFLAGS_ALL) -o $@ $^ -lcriterion $(LIBS) $(MALLOC_LIB)
+
+$(BUILD)/bench/bench_rope%: $(BUILD)/obj/tests/bench/bench_rope%.o $(ROPE_A)
+	@mkdir -p $(dir $@)
+	$(CC) $(LDFLAGS_ALL) -o $@ $^ $(LIBS) $(MALLOC_LIB)
+
+$(BUILD)/bench/%: $(BUILD)/obj/tests/bench/%.o $(ALL_A)
 	@mkdir -p $(dir $@)
 	$(CC) $(LDFLAGS_ALL) -o $@ $^ $(LIBS) $(MALLOC_LIB)
 
