@@ -1,0 +1,420 @@
+/*
+ * config.c — kvroped's options: defaults, `--flag value` / `--flag=value`
+ * parsing, the `key = value` config file (same names as the long flags), and
+ * the --help text. The config is a plain value; nothing here touches libuv,
+ * so every rule can be tested without a loop.
+ *
+ * Precedence: built-in defaults < --config FILE < command-line flags.
+ */
+#include "daemon/daemon.h"
+
+#include <ctype.h>
+#include <errno.h>
+#include <inttypes.h>
+#include <limits.h>
+#include <stdarg.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#define GIB (1024ull * 1024ull * 1024ull)
+#define MIB (1024ull * 1024ull)
+
+static void seterr(char *err, size_t errlen, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+static void seterr(char *err, size_t errlen, const char *fmt, ...)
+{
+    if (!err || errlen == 0)
+        return;
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(err, errlen, fmt, ap);
+    va_end(ap);
+}
+
+void kvr_daemon_default_socket(char *buf, size_t cap)
+{
+    const char *xdg = getenv("XDG_RUNTIME_DIR");
+    if (xdg && xdg[0])
+        snprintf(buf, cap, "%s/kvrope/kvroped.sock", xdg);
+    else if (geteuid() == 0)
+        snprintf(buf, cap, "/run/kvrope/kvroped.sock");
+    else
+        snprintf(buf, cap, "/tmp/kvrope-%u/kvroped.sock", (unsigned)getuid());
+}
+
+void kvr_daemon_config_init(kvr_daemon_config *c)
+{
+    memset(c, 0, sizeof *c);
+    uint64_t cap = 4 * GIB;
+    long pages = sysconf(_SC_PHYS_PAGES), psz = sysconf(_SC_PAGESIZE);
+    if (pages > 0 && psz > 0) {
+        uint64_t ram = (uint64_t)pages * (uint64_t)psz;
+        if (ram / 4 < cap)
+            cap = ram / 4;
+    }
+    c->max_memory = cap;
+    c->max_connections = 1024;
+    c->max_frame = 1u << 20;
+    c->max_conn_buffer = 256 * MIB;
+    c->max_drain = 16 * MIB;
+    c->block_tokens = 0;
+    c->threads = 0;
+    c->log_level = KVR_LOG_INFO;
+}
+
+int kvr_parse_size(const char *s, uint64_t *out)
+{
+    if (!s)
+        return -EINVAL;
+    while (isspace((unsigned char)*s))
+        s++;
+    if (!isdigit((unsigned char)*s))
+        return -EINVAL;
+    errno = 0;
+    char *end;
+    unsigned long long v = strtoull(s, &end, 10);
+    if (errno)
+        return -EINVAL;
+    uint64_t mul = 1;
+    switch (toupper((unsigned char)*end)) {
+    case 'K': mul = 1024ull; end++; break;
+    case 'M': mul = MIB; end++; break;
+    case 'G': mul = GIB; end++; break;
+    case 'T': mul = 1024ull * GIB; end++; break;
+    default: break;
+    }
+    if (mul != 1 && (*end == 'i' || *end == 'I'))
+        end++;
+    if (*end == 'B' || *end == 'b')
+        end++;
+    while (isspace((unsigned char)*end))
+        end++;
+    if (*end)
+        return -EINVAL;
+    if (v > UINT64_MAX / mul)
+        return -EINVAL;
+    *out = (uint64_t)v * mul;
+    return 0;
+}
+
+static int parse_u32(const char *s, uint32_t lo, uint32_t hi, uint32_t *out)
+{
+    uint64_t v;
+    if (kvr_parse_size(s, &v) < 0 || v < lo || v > hi)
+        return -EINVAL;
+    *out = (uint32_t)v;
+    return 0;
+}
+
+static int copy_str(char *dst, size_t cap, const char *v)
+{
+    size_t n = strlen(v);
+    if (n >= cap)
+        return -EINVAL;
+    memcpy(dst, v, n + 1);
+    return 0;
+}
+
+int kvr_daemon_config_set(kvr_daemon_config *c, const char *key, const char *v,
+                          char *err, size_t errlen)
+{
+    int rc = 0;
+    uint64_t sz;
+    if (!strcmp(key, "socket")) {
+        rc = copy_str(c->socket_path, sizeof c->socket_path, v);
+        if (rc == 0 && strcmp(v, "none") && strlen(v) >= 108) {
+            seterr(err, errlen, "--socket: path longer than 107 bytes: %s", v);
+            return -EINVAL;
+        }
+    } else if (!strcmp(key, "listen")) {
+        rc = copy_str(c->listen, sizeof c->listen, v);
+    } else if (!strcmp(key, "auth-token-file")) {
+        rc = copy_str(c->auth_token_file, sizeof c->auth_token_file, v);
+    } else if (!strcmp(key, "max-memory")) {
+        rc = kvr_parse_size(v, &sz);
+        if (rc == 0 && sz < MIB)
+            rc = -EINVAL;
+        if (rc == 0)
+            c->max_memory = sz;
+    } else if (!strcmp(key, "max-connections")) {
+        rc = parse_u32(v, 1, 1000000, &c->max_connections);
+    } else if (!strcmp(key, "max-frame")) {
+        rc = parse_u32(v, 64, 1u << 30, &c->max_frame);
+    } else if (!strcmp(key, "max-conn-buffer")) {
+        rc = kvr_parse_size(v, &sz);
+        if (rc == 0 && sz < 4096)
+            rc = -EINVAL;
+        if (rc == 0)
+            c->max_conn_buffer = sz;
+    } else if (!strcmp(key, "max-drain")) {
+        rc = kvr_parse_size(v, &sz);
+        if (rc == 0)
+            c->max_drain = sz;
+    } else if (!strcmp(key, "block-tokens")) {
+        rc = parse_u32(v, 1, 1u << 20, &c->block_tokens);
+    } else if (!strcmp(key, "threads")) {
+        rc = parse_u32(v, 1, 1024, &c->threads);
+    } else if (!strcmp(key, "log-level")) {
+        rc = kvr_log_level_parse(v, &c->log_level);
+    } else {
+        seterr(err, errlen, "unknown option '%s' (see kvroped --help)", key);
+        return -EINVAL;
+    }
+    if (rc < 0)
+        seterr(err, errlen, "invalid value for --%s: '%s' (see kvroped --help)", key, v);
+    return rc;
+}
+
+static char *trim(char *s)
+{
+    while (isspace((unsigned char)*s))
+        s++;
+    size_t n = strlen(s);
+    while (n > 0 && isspace((unsigned char)s[n - 1]))
+        s[--n] = '\0';
+    return s;
+}
+
+int kvr_daemon_config_load_file(kvr_daemon_config *c, const char *path,
+                                char *err, size_t errlen)
+{
+    FILE *f = fopen(path, "r");
+    if (!f) {
+        int e = errno;
+        seterr(err, errlen, "cannot open config file %s: %s", path, strerror(e));
+        return -e;
+    }
+    char line[4096];
+    int lineno = 0, rc = 0;
+    while (fgets(line, sizeof line, f)) {
+        lineno++;
+        char *hash = strchr(line, '#');
+        if (hash)
+            *hash = '\0';
+        char *s = trim(line);
+        if (!*s)
+            continue;
+        char *eq = strchr(s, '=');
+        if (!eq) {
+            seterr(err, errlen, "%s:%d: expected 'key = value'", path, lineno);
+            rc = -EINVAL;
+            break;
+        }
+        *eq = '\0';
+        char *key = trim(s), *val = trim(eq + 1);
+        if (!strcmp(key, "config")) {
+            seterr(err, errlen, "%s:%d: 'config' cannot be nested", path, lineno);
+            rc = -EINVAL;
+            break;
+        }
+        char e2[256];
+        if (kvr_daemon_config_set(c, key, val, e2, sizeof e2) < 0) {
+            seterr(err, errlen, "%s:%d: %s", path, lineno, e2);
+            rc = -EINVAL;
+            break;
+        }
+    }
+    fclose(f);
+    return rc;
+}
+
+static const char *HELP =
+"Usage: kvroped [OPTIONS]\n"
+"\n"
+"kvroped is the kvrope daemon: it stores transformer KV caches and serves them\n"
+"over a Unix socket (default) or TCP, re-rotating RoPE keys to new positions.\n"
+"It runs in the foreground and logs to stderr; stop it with Ctrl-C or SIGTERM\n"
+"(in-flight requests finish, the socket file is removed, exit status 0).\n"
+"\n"
+"Options (every option can also be set in a --config file as `name = value`):\n"
+"  --socket PATH          Unix socket to listen on (created mode 0600; a live\n"
+"                         socket is never clobbered, a stale one is replaced).\n"
+"                         'none' disables it. Default:\n"
+"                         $XDG_RUNTIME_DIR/kvrope/kvroped.sock, or as root\n"
+"                         /run/kvrope/kvroped.sock, else\n"
+"                         /tmp/kvrope-$UID/kvroped.sock (directory created 0700)\n"
+"  --listen HOST:PORT     also listen on TCP. Loopback (127.0.0.1, [::1],\n"
+"                         localhost) needs nothing more; any other address\n"
+"                         requires --auth-token-file.\n"
+"  --auth-token-file FILE shared secret: TCP clients must send Auth with the\n"
+"                         file's content (trailing newline ignored) first\n"
+"  --max-memory SIZE      memory cap for the store, e.g. 4G, 512M or bytes\n"
+"                         (default: 4G or a quarter of RAM, whichever is less)\n"
+"  --max-connections N    simultaneous connections (default 1024)\n"
+"  --max-frame BYTES      largest protobuf message in a frame (default 1M);\n"
+"                         payloads are bounded by --max-memory\n"
+"  --max-conn-buffer SIZE queued response bytes per connection before the\n"
+"                         daemon stops reading from it (default 256M)\n"
+"  --max-drain SIZE       payload bytes read and discarded after a refused put\n"
+"                         so the connection stays usable; larger payloads\n"
+"                         close the connection (default 16M)\n"
+"  --block-tokens N       tokens per KV block (default: the store's, 64)\n"
+"  --threads N            worker threads for conversions/rotations\n"
+"                         (default: libuv's, 4)\n"
+"  --log-level LEVEL      debug | info | warn | error (default info)\n"
+"  --config FILE          read options from FILE first; flags override it\n"
+"  -h, --help             show this help and exit\n"
+"  -V, --version          show the version and exit\n"
+"\n"
+"Examples:\n"
+"  kvroped                                     # default socket, 4G cap\n"
+"  kvroped --socket /tmp/kv.sock --max-memory 512M --log-level debug\n"
+"  kvroped --listen 127.0.0.1:7420             # Unix socket + loopback TCP\n"
+"  kvroped --listen 0.0.0.0:7420 --auth-token-file /etc/kvrope/token\n"
+"  kvroped --config /etc/kvrope/kvroped.conf\n"
+"\n"
+"  A config file:\n"
+"      # /etc/kvrope/kvroped.conf\n"
+"      socket = /run/kvrope/kvroped.sock\n"
+"      max-memory = 8G\n"
+"      log-level = warn\n"
+"\n"
+"Talk to it with the kvrope tool:  kvrope --socket PATH ping\n"
+"The wire protocol is described in docs/protocol.md.\n";
+
+void kvr_daemon_print_help(FILE *out)
+{
+    fputs(HELP, out);
+}
+
+static bool takes_no_value(const char *name)
+{
+    return !strcmp(name, "help") || !strcmp(name, "version");
+}
+
+int kvr_daemon_config_parse_args(kvr_daemon_config *c, int argc, char **argv,
+                                 FILE *out, FILE *errout)
+{
+    char err[512];
+    /* First pass: --help / --version / --config. */
+    for (int i = 1; i < argc; i++) {
+        const char *a = argv[i];
+        if (!strcmp(a, "-h") || !strcmp(a, "--help")) {
+            kvr_daemon_print_help(out);
+            return 1;
+        }
+        if (!strcmp(a, "-V") || !strcmp(a, "--version")) {
+            fprintf(out, "kvroped %s (protocol %u)\n", KVR_DAEMON_VERSION, 1u);
+            return 1;
+        }
+    }
+    for (int i = 1; i < argc; i++) {
+        const char *a = argv[i], *v = NULL;
+        if (!strncmp(a, "--config=", 9))
+            v = a + 9;
+        else if (!strcmp(a, "--config")) {
+            if (i + 1 >= argc) {
+                fprintf(errout, "kvroped: --config needs a value (see --help)\n");
+                return -EINVAL;
+            }
+            v = argv[++i];
+        }
+        if (v && kvr_daemon_config_load_file(c, v, err, sizeof err) < 0) {
+            fprintf(errout, "kvroped: %s\n", err);
+            return -EINVAL;
+        }
+    }
+    /* Second pass: everything else overrides the file. */
+    for (int i = 1; i < argc; i++) {
+        const char *a = argv[i];
+        if (strncmp(a, "--", 2) != 0 || a[2] == '\0') {
+            fprintf(errout, "kvroped: unexpected argument '%s' (see --help)\n", a);
+            return -EINVAL;
+        }
+        char name[64];
+        const char *eq = strchr(a + 2, '='), *v;
+        size_t nlen = eq ? (size_t)(eq - (a + 2)) : strlen(a + 2);
+        if (nlen >= sizeof name) {
+            fprintf(errout, "kvroped: unknown option '%s' (see --help)\n", a);
+            return -EINVAL;
+        }
+        memcpy(name, a + 2, nlen);
+        name[nlen] = '\0';
+        if (takes_no_value(name))
+            continue;
+        if (eq)
+            v = eq + 1;
+        else if (i + 1 < argc)
+            v = argv[++i];
+        else {
+            fprintf(errout, "kvroped: --%s needs a value (see --help)\n", name);
+            return -EINVAL;
+        }
+        if (!strcmp(name, "config"))
+            continue;
+        if (kvr_daemon_config_set(c, name, v, err, sizeof err) < 0) {
+            fprintf(errout, "kvroped: %s\n", err);
+            return -EINVAL;
+        }
+    }
+    if (kvr_daemon_config_check(c, err, sizeof err) < 0) {
+        fprintf(errout, "kvroped: %s\n", err);
+        return -EINVAL;
+    }
+    return 0;
+}
+
+/* Splits "host:port", "[v6]:port". host gets the address without brackets. */
+int kvr_daemon_split_listen(const char *s, char *host, size_t hcap, int *port);
+int kvr_daemon_split_listen(const char *s, char *host, size_t hcap, int *port)
+{
+    const char *colon;
+    const char *h = s;
+    size_t hl;
+    if (s[0] == '[') {
+        const char *rb = strchr(s, ']');
+        if (!rb || rb[1] != ':')
+            return -EINVAL;
+        h = s + 1;
+        hl = (size_t)(rb - h);
+        colon = rb + 1;
+    } else {
+        colon = strrchr(s, ':');
+        if (!colon)
+            return -EINVAL;
+        hl = (size_t)(colon - s);
+    }
+    if (hl == 0 || hl >= hcap)
+        return -EINVAL;
+    memcpy(host, h, hl);
+    host[hl] = '\0';
+    char *end;
+    errno = 0;
+    long p = strtol(colon + 1, &end, 10);
+    if (errno || *end || colon[1] == '\0' || p < 0 || p > 65535)
+        return -EINVAL;
+    *port = (int)p;
+    return 0;
+}
+
+bool kvr_daemon_host_is_loopback(const char *host);
+bool kvr_daemon_host_is_loopback(const char *host)
+{
+    return !strcmp(host, "localhost") || !strcmp(host, "::1") ||
+           !strncmp(host, "127.", 4);
+}
+
+int kvr_daemon_config_check(const kvr_daemon_config *c, char *err, size_t errlen)
+{
+    if (!strcmp(c->socket_path, "none") && !c->listen[0]) {
+        seterr(err, errlen, "--socket none needs --listen HOST:PORT");
+        return -EINVAL;
+    }
+    if (c->listen[0]) {
+        char host[256];
+        int port;
+        if (kvr_daemon_split_listen(c->listen, host, sizeof host, &port) < 0) {
+            seterr(err, errlen, "--listen: expected HOST:PORT, e.g. 127.0.0.1:7420, got '%s'",
+                   c->listen);
+            return -EINVAL;
+        }
+        if (!kvr_daemon_host_is_loopback(host) && !c->auth_token_file[0]) {
+            seterr(err, errlen,
+                   "--listen %s is not a loopback address: it requires "
+                   "--auth-token-file FILE", c->listen);
+            return -EINVAL;
+        }
+    }
+    return 0;
+}

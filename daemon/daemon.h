@@ -1,0 +1,115 @@
+/*
+ * daemon.h — kvroped, the kvrope daemon: configuration (flags, config file),
+ * and the server that serves a kvr_store over Unix-socket and TCP frames on
+ * one libuv loop. This is the whole public API of daemon/; main.c is a thin
+ * wrapper around it and tests drive it through the same calls.
+ *
+ * Ownership: a kvr_daemon_config is a plain value (no heap pointers), so it
+ * can be copied freely. A kvr_daemon owns its loop, store, listeners and
+ * connections; kvr_daemon_destroy releases them all.
+ */
+#ifndef KVR_DAEMON_H
+#define KVR_DAEMON_H
+
+#include <stddef.h>
+#include <stdint.h>
+#include <stdbool.h>
+#include <stdio.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define KVR_DAEMON_VERSION "0.1.0"
+
+typedef enum kvr_log_level {
+    KVR_LOG_DEBUG = 0,
+    KVR_LOG_INFO  = 1,
+    KVR_LOG_WARN  = 2,
+    KVR_LOG_ERROR = 3,
+} kvr_log_level;
+
+typedef struct kvr_daemon_config {
+    char     socket_path[256];      /* "" = default path; "none" = no Unix socket */
+    char     listen[256];           /* "host:port" or "" (no TCP) */
+    char     auth_token_file[1024]; /* "" = no auth */
+    uint64_t max_memory;            /* store cap, bytes */
+    uint32_t max_connections;
+    uint32_t max_frame;             /* protobuf message bytes per frame */
+    uint64_t max_conn_buffer;       /* queued response bytes per connection */
+    uint64_t max_drain;             /* payload bytes drained after a refused put */
+    uint32_t block_tokens;          /* 0 = the store's default */
+    uint32_t threads;               /* libuv threadpool size; 0 = libuv default */
+    kvr_log_level log_level;
+} kvr_daemon_config;
+
+/* Defaults: see `kvroped --help`. max_memory = min(4 GiB, RAM / 4). */
+void kvr_daemon_config_init(kvr_daemon_config *c);
+
+/* Sets one option by its long flag name without dashes ("max-memory").
+ * Returns 0 or -EINVAL and writes a message to err. */
+int kvr_daemon_config_set(kvr_daemon_config *c, const char *key, const char *value,
+                          char *err, size_t errlen);
+
+/* Reads `key = value` lines ('#' starts a comment). 0 or -errno/-EINVAL. */
+int kvr_daemon_config_load_file(kvr_daemon_config *c, const char *path,
+                                char *err, size_t errlen);
+
+/* Parses argv (argv[0] is the program). --config FILE is loaded first,
+ * flags override it. Returns 0 to run, 1 if --help/--version was printed
+ * to `out` (exit 0), or -EINVAL after writing a message to `errout`. */
+int kvr_daemon_config_parse_args(kvr_daemon_config *c, int argc, char **argv,
+                                 FILE *out, FILE *errout);
+
+/* Checks cross-option rules (non-loopback TCP needs a token file, ...). */
+int kvr_daemon_config_check(const kvr_daemon_config *c, char *err, size_t errlen);
+
+/* Writes the default socket path (see docs/protocol.md) to buf. */
+void kvr_daemon_default_socket(char *buf, size_t cap);
+
+/* "4G", "512M", "64k", "1024" (bytes). 0 or -EINVAL. */
+int kvr_parse_size(const char *s, uint64_t *out);
+
+void kvr_daemon_print_help(FILE *out);
+
+/* ---- logging (stderr, timestamped) ------------------------------------- */
+void kvr_log_set_level(kvr_log_level l);
+kvr_log_level kvr_log_get_level(void);
+int  kvr_log_level_parse(const char *s, kvr_log_level *out);
+void kvr_log(kvr_log_level l, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+
+/* ---- server ------------------------------------------------------------ */
+typedef struct kvr_daemon kvr_daemon;
+
+/* Must be the first libuv-related call of the process: installs kvr_mem_*
+ * as libuv's allocator. Idempotent. */
+void kvr_daemon_init_allocator(void);
+
+/* Creates the store, the loop and the listeners (not started yet). On
+ * failure returns a negative code and writes a message to err. */
+int  kvr_daemon_create(kvr_daemon **out, const kvr_daemon_config *c,
+                       char *err, size_t errlen);
+/* Installs SIGINT/SIGTERM handlers that call kvr_daemon_stop. */
+int  kvr_daemon_handle_signals(kvr_daemon *d);
+/* Serves until stopped and every handle is closed. Returns 0. */
+int  kvr_daemon_run(kvr_daemon *d);
+/* Loop thread: stop accepting, finish in-flight requests, close. */
+void kvr_daemon_stop(kvr_daemon *d);
+/* Serves an already-connected stream fd (tests, fuzzing) as a Unix-socket
+ * client: no auth. The daemon owns fd afterwards. */
+int  kvr_daemon_adopt_fd(kvr_daemon *d, int fd);
+/* Runs the loop once without blocking (tests, fuzzing): returns nonzero
+ * while handles or requests are still active. */
+int  kvr_daemon_run_nowait(kvr_daemon *d);
+/* Number of open connections. */
+size_t kvr_daemon_connections(const kvr_daemon *d);
+/* Removes the socket file, frees everything. NULL is a no-op. */
+void kvr_daemon_destroy(kvr_daemon *d);
+
+/* main(): parse, create, run, destroy. Returns the exit code. */
+int kvr_daemon_main(int argc, char **argv);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* KVR_DAEMON_H */
