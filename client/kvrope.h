@@ -1,0 +1,315 @@
+/*
+ * kvrope.h — libkvrope, the C client of kvroped. This is the whole public
+ * API of the library (together with rope/rope.h, which it includes: the
+ * library bundles the RoPE engine so that a worker can re-position keys
+ * locally with the same kernels the daemon uses).
+ *
+ * Model. A kvr_client is one blocking connection to one daemon. Each call
+ * sends one request frame and reads its response before returning; calls on
+ * one handle must not overlap (use one handle per thread). Different handles
+ * are independent and may be used from different threads at once.
+ *
+ * Errors. Every call returns 0 on success or a negative code. Codes -1..-21
+ * are the daemon's wire Status negated (KVR_ERR_NOCTX == -Status E_UNKNOWN_
+ * CONTEXT, equal to cache/'s KVR_ENOCTX); codes <= -1000 are the client's
+ * own (connection, protocol, buffers). After a failure
+ * kvr_client_last_error() returns the daemon's message (or the client's own
+ * description). A daemon error leaves the connection usable; KVR_ERR_SYS,
+ * KVR_ERR_CLOSED and KVR_ERR_PROTO leave it closed, and every later call
+ * fails with KVR_ERR_CLOSED.
+ *
+ * Ownership, in one sentence per kind of thing:
+ *  - Every pointer argument is borrowed for the duration of the call only.
+ *  - Arrays returned through `T **out` (models, contexts, metrics) are the
+ *    caller's, one allocation each, freed with kvr_client_free().
+ *  - A kvr_kv result owns its metadata arrays and, unless the caller supplied
+ *    the destination buffer, its payload: release it with kvr_kv_release().
+ *  - Strings returned as `const char *` are borrowed from the handle (or are
+ *    static) and valid until the next call on the same handle.
+ *
+ * Payload layout (put, get, match+get): layer-major; for each layer, K then
+ * V, each [n_tokens][n_kv_heads][head_dim] little-endian elements of dtype.
+ */
+#ifndef KVR_KVROPE_H
+#define KVR_KVROPE_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <sys/uio.h>
+
+#include "rope/rope.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* ---- errors ------------------------------------------------------------- */
+enum {
+    KVR_ERR_OK          = 0,
+    /* The daemon's statuses, negated (see proto/kvrope.proto). */
+    KVR_ERR_INTERNAL    = -1,
+    KVR_ERR_BADREQUEST  = -2,
+    KVR_ERR_BADFRAME    = -3,
+    KVR_ERR_TOOLARGE    = -4,
+    KVR_ERR_UNAUTH      = -5,
+    KVR_ERR_NOMODEL     = -6,
+    KVR_ERR_NOCTX       = -7,
+    KVR_ERR_EXIST       = -8,
+    KVR_ERR_SHAPE       = -9,
+    KVR_ERR_PAYLOAD     = -10,
+    KVR_ERR_RANGE       = -11,
+    KVR_ERR_FINGERPRINT = -12,
+    KVR_ERR_NOMEM       = -13,
+    KVR_ERR_BUSY        = -14,
+    KVR_ERR_INVAL       = -15,  /* also: a bad argument refused by the client */
+    KVR_ERR_UNSUPPORTED = -16,
+    KVR_ERR_LIMIT       = -17,
+    KVR_ERR_PROTECTED   = -18,
+    KVR_ERR_IO          = -19,
+    KVR_ERR_PINNED      = -20,
+    KVR_ERR_CONFIG      = -21,
+    /* The client's own. */
+    KVR_ERR_SYS         = -1000, /* a system call failed (connect, send, recv, open) */
+    KVR_ERR_CLOSED      = -1001, /* the connection is closed (peer hung up) */
+    KVR_ERR_PROTO       = -1002, /* the daemon sent something undecodable */
+    KVR_ERR_BUFFER      = -1003, /* the caller's buffer is too small for the payload */
+    KVR_ERR_OOM         = -1004, /* the client could not allocate memory */
+};
+
+/* Static strings; "unknown error" / "KVR_ERR_?" for codes not listed. */
+const char *kvr_client_strerror(int code);
+const char *kvr_client_error_name(int code);
+
+/* ---- connection --------------------------------------------------------- */
+typedef struct kvr_client kvr_client;
+
+typedef struct kvr_client_opts {
+    const void *token;      /* shared-secret token (borrowed), NULL = none */
+    size_t      token_len;  /* 0 = strlen(token) */
+    int         timeout_ms; /* send/receive timeout; 0 = wait forever */
+} kvr_client_opts;
+
+/* Connects to `addr`: "unix:PATH", a path containing '/', "tcp:HOST:PORT",
+ * "HOST:PORT" or "[V6ADDR]:PORT". With a token, authenticates first.
+ * opts may be NULL. On success *out is the caller's (kvr_client_close). On
+ * failure *out is NULL and kvr_client_last_error(NULL) returns the reason
+ * (thread-local, valid until the next failed connect on this thread). */
+int  kvr_client_connect(kvr_client **out, const char *addr, const kvr_client_opts *opts);
+void kvr_client_close(kvr_client *c);          /* NULL is a no-op */
+
+/* The message of the last failed call on c ("" if the last call succeeded);
+ * borrowed, valid until the next call on c. c = NULL: see connect. */
+const char *kvr_client_last_error(const kvr_client *c);
+
+/* Frees an array returned by this library. NULL is a no-op. */
+void kvr_client_free(void *p);
+
+/* Called while a payload is sent or received: done/total bytes of the
+ * current call's payload. Runs on the calling thread, inside the call. */
+typedef void (*kvr_progress_fn)(void *ud, uint64_t done, uint64_t total);
+void kvr_client_set_progress(kvr_client *c, kvr_progress_fn fn, void *ud);
+
+typedef struct kvr_pong {
+    char     server[128];   /* daemon name and version */
+    uint32_t protocol;      /* protocol version */
+} kvr_pong;
+int kvr_client_ping(kvr_client *c, kvr_pong *out /* may be NULL */);
+
+/* ---- models ------------------------------------------------------------- */
+#define KVR_NAME_MAX 255
+
+typedef struct kvr_model {
+    char     name[KVR_NAME_MAX + 1];
+    uint32_t n_layers, n_kv_heads, head_dim;
+    kvr_dtype dtype;
+    uint64_t fingerprint;      /* shape + RoPE parameters + dtype */
+    uint64_t n_contexts;
+    kvr_rope_config rope;      /* the RoPE parameters; shape fields as above */
+} kvr_model;
+
+typedef struct kvr_model_params {
+    const char *name;
+    /* Text of an HF config.json (shape and RoPE), or NULL. len 0 = strlen. */
+    const char *config_json;
+    size_t      config_json_len;
+    const char *style;         /* NULL, "neox" or "gptj": overrides the config */
+    /* Explicit shape: 0 = from config_json. */
+    uint32_t    n_layers, n_kv_heads, head_dim;
+    kvr_dtype   dtype;         /* native dtype of the model's KV (F32 is 0: set it) */
+    /* Explicit RoPE parameters, used when config_json is NULL (borrowed). The
+     * shape fields of the struct are ignored; NULL = the HF defaults. */
+    const kvr_rope_config *rope;
+} kvr_model_params;
+
+/* Registers (or re-registers identically) a model; out may be NULL. */
+int kvr_client_model_register(kvr_client *c, const kvr_model_params *p, kvr_model *out);
+/* Convenience: config.json read from a file / given as a NUL-terminated text. */
+int kvr_client_model_register_file(kvr_client *c, const char *name, const char *config_path,
+                                   const char *style, kvr_dtype dtype, kvr_model *out);
+int kvr_client_model_register_json(kvr_client *c, const char *name, const char *json,
+                                   const char *style, kvr_dtype dtype, kvr_model *out);
+/* *out is the caller's (kvr_client_free), *n entries. */
+int kvr_client_model_list(kvr_client *c, kvr_model **out, size_t *n);
+/* Looks one model up by name (via the list); KVR_ERR_NOMODEL if absent. */
+int kvr_client_model_get(kvr_client *c, const char *name, kvr_model *out);
+
+/* ---- put ---------------------------------------------------------------- */
+typedef enum kvr_write_mode {
+    KVR_WRITE_UPSERT = 0,      /* create or append (the default) */
+    KVR_WRITE_CREATE = 1,      /* KVR_ERR_EXIST if the context exists */
+    KVR_WRITE_APPEND = 2,      /* KVR_ERR_NOCTX if it does not */
+} kvr_write_mode;
+
+typedef struct kvr_put_args {
+    const char     *ctx_id;
+    const char     *model;
+    kvr_write_mode  mode;
+    uint64_t        fingerprint;      /* 0 = unchecked */
+    uint32_t        n_layers, n_kv_heads, head_dim;  /* 0 = the model's */
+    kvr_dtype       dtype;            /* of the payload (F32 is 0: set it) */
+    const uint32_t *tokens;           /* n_tokens ids */
+    size_t          n_tokens;
+    const int64_t  *positions;        /* NULL, or one per token */
+    bool            has_pos_start;    /* contiguous from pos_start; neither:
+                                         the context's last position + 1 */
+    int64_t         pos_start;
+    bool            pin;
+    /* The payload: either one contiguous layer-major buffer, or an iovec
+     * list whose concatenation is that buffer (e.g. K and V of each layer
+     * where they already lie). Sent with sendmsg, never copied. Borrowed. */
+    const void         *payload;
+    size_t              payload_len;
+    const struct iovec *iov;
+    size_t              iovcnt;
+} kvr_put_args;
+
+typedef struct kvr_put_res {
+    uint64_t n_tokens;       /* context length after the put */
+    uint64_t first_index;    /* index of the first token put */
+    int64_t  first_pos, last_pos;
+} kvr_put_res;
+
+int kvr_client_put(kvr_client *c, const kvr_put_args *a, kvr_put_res *out /* may be NULL */);
+
+/* Bytes of a layer-major payload: n_layers * 2 * tokens * heads * dim * dsize.
+ * 0 on overflow or an unknown dtype. */
+size_t kvr_payload_size(uint32_t n_layers, size_t n_tokens, uint32_t n_kv_heads,
+                        uint32_t head_dim, kvr_dtype dtype);
+
+/* ---- get ---------------------------------------------------------------- */
+#define KVR_FLAG_APPROX 0x1u      /* per-token flag: KV is approximate */
+
+/* Called during a get as soon as every byte of one layer has arrived, with
+ * that layer's K and V in the destination buffer (borrowed for the callback). */
+typedef void (*kvr_layer_fn)(void *ud, uint32_t index, uint32_t layer,
+                             const void *k, const void *v, size_t bytes_each);
+
+typedef struct kvr_get_args {
+    const char     *ctx_id;
+    uint64_t        start;          /* token index range [start, end) */
+    uint64_t        end;            /* 0 = to the end of the context */
+    kvr_dtype       dtype;          /* of the result (F32 is 0: set it) */
+    const int64_t  *positions;      /* NULL = the current positions, else one
+                                       target position per token in the range */
+    size_t          n_positions;
+    const uint32_t *layers;         /* NULL = all layers, else a subset */
+    size_t          n_layers;
+    bool            meta_only;      /* tokens/positions/flags, no payload */
+    /* Destination: the caller's buffer (borrowed; the payload is received
+     * straight into it; KVR_ERR_BUFFER if too small, connection kept), or
+     * NULL for a buffer the library allocates and kvr_kv_release frees. */
+    void           *dst;
+    size_t          dst_cap;
+    kvr_layer_fn    on_layer;       /* optional streaming callback */
+    void           *on_layer_ud;
+} kvr_get_args;
+
+typedef struct kvr_kv {
+    char      ctx_id[KVR_NAME_MAX + 1];
+    char      model[KVR_NAME_MAX + 1];
+    uint64_t  start, n_tokens;
+    kvr_dtype dtype;
+    uint32_t  n_kv_heads, head_dim;
+    size_t    n_layers;
+    uint32_t *layers;         /* the layer ids in the payload, in order */
+    uint32_t *tokens;         /* n_tokens each */
+    int64_t  *positions;      /* positions the returned keys are rotated at */
+    uint32_t *flags;          /* KVR_FLAG_* */
+    int32_t  *groups;
+    void     *payload;        /* payload_len bytes (NULL if meta_only) */
+    size_t    payload_len;
+    bool      payload_owned;  /* true: allocated by the library. To keep it
+                                 past kvr_kv_release, take the pointer, set
+                                 payload = NULL and kvr_client_free it later. */
+    void     *meta_;          /* internal: the block holding the arrays above */
+} kvr_kv;
+
+/* Frees what the result owns and zeroes it. NULL is a no-op; so is a zeroed kv. */
+void kvr_kv_release(kvr_kv *kv);
+
+/* Pointers to layer i's (index into kv->layers) K and V inside kv->payload. */
+const void *kvr_kv_k(const kvr_kv *kv, size_t i);
+const void *kvr_kv_v(const kvr_kv *kv, size_t i);
+
+/* On failure *out is zeroed and owns nothing. */
+int kvr_client_get(kvr_client *c, const kvr_get_args *a, kvr_kv *out);
+
+/* ---- match -------------------------------------------------------------- */
+typedef struct kvr_match_args {
+    const char     *model;
+    const uint32_t *tokens;
+    size_t          n_tokens;
+    bool            include_approximate;
+    bool            get;              /* also return the matched KV */
+    kvr_dtype       dtype;            /* with get (F32 is 0: set it) */
+    const uint32_t *layers;
+    size_t          n_layers;
+    void           *dst;              /* as kvr_get_args */
+    size_t          dst_cap;
+} kvr_match_args;
+
+typedef struct kvr_match_res {
+    uint64_t length;                  /* cached prefix length, 0 = none */
+    char     ctx_id[KVR_NAME_MAX + 1];
+    bool     has_kv;
+    kvr_kv   kv;                      /* with get and length > 0: release it */
+} kvr_match_res;
+
+int kvr_client_match(kvr_client *c, const kvr_match_args *a, kvr_match_res *out);
+
+/* ---- context management ------------------------------------------------- */
+typedef struct kvr_context {
+    char     id[KVR_NAME_MAX + 1];
+    char     model[KVR_NAME_MAX + 1];
+    uint64_t n_tokens, n_blocks, n_shared_blocks, n_approximate, bytes;
+    bool     pinned, busy;
+    int64_t  pos_min, pos_max;
+    uint64_t created_ms, accessed_ms, n_evicted_tokens;
+} kvr_context;
+
+int kvr_client_delete(kvr_client *c, const char *ctx_id);
+int kvr_client_stat(kvr_client *c, const char *ctx_id, kvr_context *out);
+/* model NULL = all. *out is the caller's (kvr_client_free). */
+int kvr_client_list(kvr_client *c, const char *model, kvr_context **out, size_t *n);
+int kvr_client_pin(kvr_client *c, const char *ctx_id, bool pin);
+int kvr_client_fork(kvr_client *c, const char *src, const char *dst);
+int kvr_client_shift(kvr_client *c, const char *ctx_id, uint64_t start, uint64_t end,
+                     int64_t delta);
+int kvr_client_keep(kvr_client *c, const char *ctx_id, uint64_t start, uint64_t end);
+
+/* ---- statistics --------------------------------------------------------- */
+typedef struct kvr_metric {
+    char   name[120];
+    double value;
+} kvr_metric;
+
+/* *out is the caller's (kvr_client_free), *n entries, in the daemon's order. */
+int kvr_client_stats(kvr_client *c, kvr_metric **out, size_t *n);
+/* Finds a metric by name in such an array; false if absent. */
+bool kvr_metric_find(const kvr_metric *m, size_t n, const char *name, double *value);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* KVR_KVROPE_H */

@@ -1,0 +1,664 @@
+/*
+ * client.c — libkvrope's connection: addressing, frames, the request /
+ * response exchange and the payload paths.
+ *
+ * Invariants:
+ *  - One request is in flight per handle; every call reads its response
+ *    completely (message and payload) before it returns, so the stream is
+ *    always at a frame boundary between calls. A call that cannot keep that
+ *    promise (system error, peer hang-up, undecodable frame) closes the
+ *    socket, and the handle then fails every call with KVR_ERR_CLOSED.
+ *  - Payloads are never copied on the way out (sendmsg over the caller's
+ *    iovecs) and on the way in are received straight into the destination,
+ *    except for the bytes that happened to arrive with the message in the
+ *    small read-ahead buffer.
+ *  - Lengths from the wire are checked before they size anything: the
+ *    message grows as its bytes arrive, and a payload must equal what its
+ *    message describes.
+ */
+#include "client/lib/client_int.h"
+
+#include <errno.h>
+#include <limits.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <poll.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/time.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include "proto/frame.h"
+
+#define RBUF_SIZE        (64u * 1024u)
+#define MAX_MSG_LEN      (256u * 1024u * 1024u)
+#define DIRECT_ALLOC_MAX ((size_t)64 << 20)
+
+static _Thread_local char connect_err[512];
+
+/* ---- errors ------------------------------------------------------------- */
+
+static const char *const err_names[] = {
+    "KVR_ERR_OK", "KVR_ERR_INTERNAL", "KVR_ERR_BADREQUEST", "KVR_ERR_BADFRAME",
+    "KVR_ERR_TOOLARGE", "KVR_ERR_UNAUTH", "KVR_ERR_NOMODEL", "KVR_ERR_NOCTX",
+    "KVR_ERR_EXIST", "KVR_ERR_SHAPE", "KVR_ERR_PAYLOAD", "KVR_ERR_RANGE",
+    "KVR_ERR_FINGERPRINT", "KVR_ERR_NOMEM", "KVR_ERR_BUSY", "KVR_ERR_INVAL",
+    "KVR_ERR_UNSUPPORTED", "KVR_ERR_LIMIT", "KVR_ERR_PROTECTED", "KVR_ERR_IO",
+    "KVR_ERR_PINNED", "KVR_ERR_CONFIG",
+};
+static const char *const err_strs[] = {
+    "success", "internal error", "bad request", "bad frame", "too large",
+    "unauthenticated", "unknown model", "unknown context", "already exists",
+    "shape or dtype mismatch", "payload length mismatch", "range out of bounds",
+    "model fingerprint mismatch", "out of memory (cap)", "busy", "invalid argument",
+    "unsupported", "limit reached", "protected tokens", "I/O error",
+    "context is pinned", "bad model configuration",
+};
+
+const char *kvr_client_strerror(int code)
+{
+    if (code <= 0 && code > -(int)(sizeof err_strs / sizeof *err_strs))
+        return err_strs[-code];
+    switch (code) {
+    case KVR_ERR_SYS:    return "system call failed";
+    case KVR_ERR_CLOSED: return "connection closed";
+    case KVR_ERR_PROTO:  return "protocol error (undecodable response)";
+    case KVR_ERR_BUFFER: return "destination buffer too small";
+    case KVR_ERR_OOM:    return "client out of memory";
+    default:             return "unknown error";
+    }
+}
+
+const char *kvr_client_error_name(int code)
+{
+    if (code <= 0 && code > -(int)(sizeof err_names / sizeof *err_names))
+        return err_names[-code];
+    switch (code) {
+    case KVR_ERR_SYS:    return "KVR_ERR_SYS";
+    case KVR_ERR_CLOSED: return "KVR_ERR_CLOSED";
+    case KVR_ERR_PROTO:  return "KVR_ERR_PROTO";
+    case KVR_ERR_BUFFER: return "KVR_ERR_BUFFER";
+    case KVR_ERR_OOM:    return "KVR_ERR_OOM";
+    default:             return "KVR_ERR_?";
+    }
+}
+
+int kvr__fail(kvr_client *c, int code, const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(c->err, sizeof c->err, fmt, ap);
+    va_end(ap);
+    return code;
+}
+
+/* A failure after which the stream position is unknown: close the socket. */
+static int fatal(kvr_client *c, int code, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+static int fatal(kvr_client *c, int code, const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(c->err, sizeof c->err, fmt, ap);
+    va_end(ap);
+    if (c->fd >= 0) {
+        close(c->fd);
+        c->fd = -1;
+    }
+    c->rpos = c->rlen = 0;
+    return code;
+}
+
+const char *kvr_client_last_error(const kvr_client *c)
+{
+    return c ? c->err : connect_err;
+}
+
+void kvr_client_free(void *p) { free(p); }
+
+void kvr_client_set_progress(kvr_client *c, kvr_progress_fn fn, void *ud)
+{
+    c->progress = fn;
+    c->progress_ud = ud;
+}
+
+size_t kvr_payload_size(uint32_t n_layers, size_t n_tokens, uint32_t n_kv_heads,
+                        uint32_t head_dim, kvr_dtype dtype)
+{
+    size_t ds = kvr_dtype_size(dtype), r = ds;
+    if (ds == 0)
+        return 0;
+    if (__builtin_mul_overflow(r, (size_t)n_layers, &r) ||
+        __builtin_mul_overflow(r, (size_t)2, &r) ||
+        __builtin_mul_overflow(r, n_tokens, &r) ||
+        __builtin_mul_overflow(r, (size_t)n_kv_heads, &r) ||
+        __builtin_mul_overflow(r, (size_t)head_dim, &r))
+        return 0;
+    return r;
+}
+
+/* ---- connecting --------------------------------------------------------- */
+
+static int set_connect_err(int code, const char *fmt, ...)
+    __attribute__((format(printf, 2, 3)));
+static int set_connect_err(int code, const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(connect_err, sizeof connect_err, fmt, ap);
+    va_end(ap);
+    return code;
+}
+
+static void tune_socket(int fd, int timeout_ms)
+{
+    int sz = 4 << 20;
+    (void)setsockopt(fd, SOL_SOCKET, SO_SNDBUF, &sz, sizeof sz);
+    (void)setsockopt(fd, SOL_SOCKET, SO_RCVBUF, &sz, sizeof sz);
+    if (timeout_ms > 0) {
+        struct timeval tv = { .tv_sec = timeout_ms / 1000,
+                              .tv_usec = (timeout_ms % 1000) * 1000 };
+        (void)setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+        (void)setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv);
+    }
+}
+
+static int connect_unix(const char *path, int *fd_out)
+{
+    struct sockaddr_un sa = { .sun_family = AF_UNIX };
+    size_t len = strlen(path);
+    if (len == 0 || len >= sizeof sa.sun_path)
+        return set_connect_err(KVR_ERR_INVAL, "socket path too long or empty: %s", path);
+    memcpy(sa.sun_path, path, len + 1);
+    int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (fd < 0)
+        return set_connect_err(KVR_ERR_SYS, "socket: %s", strerror(errno));
+    if (connect(fd, (struct sockaddr *)&sa, sizeof sa) < 0) {
+        int e = errno;
+        close(fd);
+        return set_connect_err(KVR_ERR_SYS, "cannot connect to %s: %s", path, strerror(e));
+    }
+    *fd_out = fd;
+    return 0;
+}
+
+static int connect_tcp(const char *hostport, int *fd_out)
+{
+    char host[256];
+    const char *port;
+    if (hostport[0] == '[') {
+        const char *rb = strchr(hostport, ']');
+        if (!rb || rb[1] != ':' || (size_t)(rb - hostport - 1) >= sizeof host)
+            return set_connect_err(KVR_ERR_INVAL, "bad address: %s", hostport);
+        memcpy(host, hostport + 1, (size_t)(rb - hostport - 1));
+        host[rb - hostport - 1] = 0;
+        port = rb + 2;
+    } else {
+        const char *colon = strrchr(hostport, ':');
+        if (!colon || (size_t)(colon - hostport) >= sizeof host)
+            return set_connect_err(KVR_ERR_INVAL, "bad address (want HOST:PORT): %s", hostport);
+        memcpy(host, hostport, (size_t)(colon - hostport));
+        host[colon - hostport] = 0;
+        port = colon + 1;
+    }
+    struct addrinfo hints = { .ai_family = AF_UNSPEC, .ai_socktype = SOCK_STREAM };
+    struct addrinfo *res = NULL;
+    int g = getaddrinfo(host[0] ? host : "127.0.0.1", port, &hints, &res);
+    if (g != 0)
+        return set_connect_err(KVR_ERR_SYS, "cannot resolve %s: %s", hostport, gai_strerror(g));
+    int fd = -1, e = 0;
+    for (struct addrinfo *ai = res; ai; ai = ai->ai_next) {
+        fd = socket(ai->ai_family, ai->ai_socktype | SOCK_CLOEXEC, ai->ai_protocol);
+        if (fd < 0) {
+            e = errno;
+            continue;
+        }
+        if (connect(fd, ai->ai_addr, ai->ai_addrlen) == 0)
+            break;
+        e = errno;
+        close(fd);
+        fd = -1;
+    }
+    freeaddrinfo(res);
+    if (fd < 0)
+        return set_connect_err(KVR_ERR_SYS, "cannot connect to %s: %s", hostport, strerror(e));
+    int one = 1;
+    (void)setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+    *fd_out = fd;
+    return 0;
+}
+
+int kvr_client_connect(kvr_client **out, const char *addr, const kvr_client_opts *opts)
+{
+    *out = NULL;
+    connect_err[0] = 0;
+    if (!addr || !*addr)
+        return set_connect_err(KVR_ERR_INVAL, "no address given");
+    int fd = -1, r;
+    if (strncmp(addr, "unix:", 5) == 0)
+        r = connect_unix(addr + 5, &fd);
+    else if (strncmp(addr, "tcp:", 4) == 0)
+        r = connect_tcp(addr + 4, &fd);
+    else if (strchr(addr, '/'))
+        r = connect_unix(addr, &fd);
+    else
+        r = connect_tcp(addr, &fd);
+    if (r < 0)
+        return r;
+    tune_socket(fd, opts ? opts->timeout_ms : 0);
+
+    kvr_client *c = calloc(1, sizeof *c);
+    uint8_t *rbuf = malloc(RBUF_SIZE);
+    if (!c || !rbuf) {
+        free(c);
+        free(rbuf);
+        close(fd);
+        return set_connect_err(KVR_ERR_OOM, "out of memory");
+    }
+    c->fd = fd;
+    c->rbuf = rbuf;
+    c->rcap = RBUF_SIZE;
+    c->next_id = 1;
+
+    if (opts && opts->token) {
+        size_t tl = opts->token_len ? opts->token_len : strlen(opts->token);
+        Kvrope__Auth auth = KVROPE__AUTH__INIT;
+        auth.token.data = (uint8_t *)(uintptr_t)opts->token;
+        auth.token.len = tl;
+        Kvrope__Request req = KVROPE__REQUEST__INIT;
+        req.body_case = KVROPE__REQUEST__BODY_AUTH;
+        req.auth = &auth;
+        Kvrope__Response *resp = NULL;
+        r = kvr__call(c, &req, NULL, 0, 0, &resp, NULL);
+        if (resp)
+            kvrope__response__free_unpacked(resp, NULL);
+        if (r < 0) {
+            set_connect_err(r, "authentication failed: %s", c->err);
+            kvr_client_close(c);
+            return r;
+        }
+    }
+    *out = c;
+    return 0;
+}
+
+void kvr_client_close(kvr_client *c)
+{
+    if (!c)
+        return;
+    if (c->fd >= 0)
+        close(c->fd);
+    free(c->rbuf);
+    free(c->wbuf);
+    free(c);
+}
+
+/* ---- sending ------------------------------------------------------------ */
+
+static int send_all(kvr_client *c, struct iovec *iov, size_t n, size_t head_bytes,
+                    uint64_t payload_len)
+{
+    size_t i = 0;
+    uint64_t sent = 0;
+    while (i < n) {
+        struct msghdr mh = { .msg_iov = iov + i,
+                             .msg_iovlen = n - i > IOV_MAX ? IOV_MAX : n - i };
+        ssize_t w = sendmsg(c->fd, &mh, MSG_NOSIGNAL);
+        if (w < 0) {
+            if (errno == EINTR)
+                continue;
+            return -errno;
+        }
+        sent += (uint64_t)w;
+        size_t left = (size_t)w;
+        while (i < n && left >= iov[i].iov_len) {
+            left -= iov[i].iov_len;
+            i++;
+        }
+        if (i < n) {
+            iov[i].iov_base = (uint8_t *)iov[i].iov_base + left;
+            iov[i].iov_len -= left;
+        }
+        if (c->progress && payload_len > 0 && sent > head_bytes)
+            c->progress(c->progress_ud, sent - head_bytes, payload_len);
+    }
+    return 0;
+}
+
+/* ---- receiving ---------------------------------------------------------- */
+
+static int recv_some(kvr_client *c, void *dst, size_t cap, size_t *got)
+{
+    for (;;) {
+        ssize_t r = recv(c->fd, dst, cap, 0);
+        if (r > 0) {
+            *got = (size_t)r;
+            return 0;
+        }
+        if (r == 0)
+            return fatal(c, KVR_ERR_CLOSED, "connection closed by the daemon");
+        if (errno == EINTR)
+            continue;
+        if (errno == EAGAIN || errno == EWOULDBLOCK)
+            return fatal(c, KVR_ERR_SYS, "receive timed out");
+        return fatal(c, KVR_ERR_SYS, "recv: %s", strerror(errno));
+    }
+}
+
+/* Reads exactly n bytes into dst: first what the read-ahead buffer holds,
+ * then large remainders straight from the socket. `on_chunk` (may be NULL)
+ * is told of every advance. */
+typedef void (*chunk_fn)(kvr_client *c, void *ud, size_t done);
+
+static int recv_exact(kvr_client *c, void *dst, size_t n, chunk_fn on_chunk, void *ud)
+{
+    uint8_t *p = dst;
+    size_t done = 0;
+    size_t have = c->rlen - c->rpos;
+    if (have) {
+        size_t k = have < n ? have : n;
+        if (p)
+            memcpy(p, c->rbuf + c->rpos, k);
+        c->rpos += k;
+        done = k;
+        if (c->rpos == c->rlen)
+            c->rpos = c->rlen = 0;
+        if (on_chunk && k)
+            on_chunk(c, ud, done);
+    }
+    while (done < n) {
+        size_t want = n - done, got;
+        int r;
+        if (p && want >= c->rcap / 2) {
+            r = recv_some(c, p + done, want, &got);
+            if (r < 0)
+                return r;
+            done += got;
+        } else {
+            r = recv_some(c, c->rbuf, c->rcap, &got);
+            if (r < 0)
+                return r;
+            size_t k = got < want ? got : want;
+            if (p)
+                memcpy(p + done, c->rbuf, k);
+            done += k;
+            c->rpos = k;
+            c->rlen = got;
+            if (c->rpos == c->rlen)
+                c->rpos = c->rlen = 0;
+        }
+        if (on_chunk)
+            on_chunk(c, ud, done);
+    }
+    return 0;
+}
+
+int kvr__drain(kvr_client *c, uint64_t n)
+{
+    while (n > 0) {
+        size_t k = n > (uint64_t)SIZE_MAX ? SIZE_MAX : (size_t)n;
+        int r = recv_exact(c, NULL, k, NULL, NULL);
+        if (r < 0)
+            return r;
+        n -= k;
+    }
+    return 0;
+}
+
+/* Reads one response frame's header and message; the payload stays on the
+ * socket (*payload_len bytes). */
+static int recv_response(kvr_client *c, uint64_t id, Kvrope__Response **out,
+                         uint64_t *payload_len)
+{
+    uint8_t hb[KVR_FRAME_HEADER_SIZE];
+    int r = recv_exact(c, hb, sizeof hb, NULL, NULL);
+    if (r < 0)
+        return r;
+    kvr_frame_header h;
+    kvr_frame_limits lim = { .max_msg_len = MAX_MSG_LEN, .max_payload_len = UINT64_MAX };
+    if (kvr_frame_header_decode(hb, &h, &lim) != 0)
+        return fatal(c, KVR_ERR_PROTO, "bad frame header from the daemon");
+    /* The message buffer grows as bytes arrive, never to a declared size. */
+    size_t cap = h.msg_len < RBUF_SIZE ? (h.msg_len ? h.msg_len : 1) : RBUF_SIZE, len = 0;
+    uint8_t *buf = malloc(cap);
+    if (!buf)
+        return fatal(c, KVR_ERR_OOM, "out of memory");
+    while (len < h.msg_len) {
+        if (len == cap) {
+            size_t ncap = cap * 2 > h.msg_len ? h.msg_len : cap * 2;
+            uint8_t *nb = realloc(buf, ncap);
+            if (!nb) {
+                free(buf);
+                return fatal(c, KVR_ERR_OOM, "out of memory");
+            }
+            buf = nb;
+            cap = ncap;
+        }
+        r = recv_exact(c, buf + len, cap - len, NULL, NULL);
+        if (r < 0) {
+            free(buf);
+            return r;
+        }
+        len = cap;
+    }
+    Kvrope__Response *resp = kvrope__response__unpack(NULL, len, buf);
+    free(buf);
+    if (!resp)
+        return fatal(c, KVR_ERR_PROTO, "undecodable response message");
+    if (resp->id != id && resp->id != 0) {
+        kvrope__response__free_unpacked(resp, NULL);
+        return fatal(c, KVR_ERR_PROTO, "response id %llu does not answer request %llu",
+                     (unsigned long long)resp->id, (unsigned long long)id);
+    }
+    *out = resp;
+    *payload_len = h.payload_len;
+    return 0;
+}
+
+int kvr__call(kvr_client *c, Kvrope__Request *req, const struct iovec *piov, size_t piovcnt,
+              uint64_t payload_len, Kvrope__Response **out, uint64_t *resp_payload)
+{
+    *out = NULL;
+    if (resp_payload)
+        *resp_payload = 0;
+    c->err[0] = 0;
+    if (c->fd < 0)
+        return kvr__fail(c, KVR_ERR_CLOSED, "connection is closed");
+    req->id = c->next_id++;
+    size_t mlen = kvrope__request__get_packed_size(req);
+    if (mlen > MAX_MSG_LEN)
+        return kvr__fail(c, KVR_ERR_TOOLARGE, "request message of %zu bytes is too large", mlen);
+    size_t need = KVR_FRAME_HEADER_SIZE + mlen;
+    if (need > c->wcap) {
+        uint8_t *nb = realloc(c->wbuf, need);
+        if (!nb)
+            return kvr__fail(c, KVR_ERR_OOM, "out of memory");
+        c->wbuf = nb;
+        c->wcap = need;
+    }
+    kvr_frame_header_encode(c->wbuf, (uint32_t)mlen, payload_len);
+    kvrope__request__pack(req, c->wbuf + KVR_FRAME_HEADER_SIZE);
+
+    struct iovec stack_iov[16], *iov = stack_iov;
+    if (piovcnt + 1 > 16) {
+        iov = malloc((piovcnt + 1) * sizeof *iov);
+        if (!iov)
+            return kvr__fail(c, KVR_ERR_OOM, "out of memory");
+    }
+    iov[0].iov_base = c->wbuf;
+    iov[0].iov_len = need;
+    size_t n = 1;
+    for (size_t i = 0; i < piovcnt; i++)
+        if (piov[i].iov_len)
+            iov[n++] = piov[i];
+    int sr = send_all(c, iov, n, need, payload_len);
+    if (iov != stack_iov)
+        free(iov);
+    if (sr < 0) {
+        /* The daemon may have answered (and hung up) before taking the whole
+         * payload: its answer says more than EPIPE does. */
+        int e = -sr;
+        Kvrope__Response *resp = NULL;
+        uint64_t pl = 0;
+        if ((e == EPIPE || e == ECONNRESET) && recv_response(c, req->id, &resp, &pl) == 0 &&
+            resp->status != KVROPE__STATUS__OK) {
+            int code = -(int)resp->status;
+            fatal(c, code, "%s", resp->message ? resp->message : kvr_client_strerror(code));
+            kvrope__response__free_unpacked(resp, NULL);
+            return code;
+        }
+        if (resp)
+            kvrope__response__free_unpacked(resp, NULL);
+        if (e == EAGAIN || e == EWOULDBLOCK)
+            return fatal(c, KVR_ERR_SYS, "send timed out");
+        if (e == EPIPE || e == ECONNRESET)
+            return fatal(c, KVR_ERR_CLOSED, "connection closed by the daemon (%s)", strerror(e));
+        return fatal(c, KVR_ERR_SYS, "send: %s", strerror(e));
+    }
+
+    Kvrope__Response *resp = NULL;
+    uint64_t pl = 0;
+    int r = recv_response(c, req->id, &resp, &pl);
+    if (r < 0)
+        return r;
+    if (resp->status != KVROPE__STATUS__OK) {
+        int code = -(int)resp->status;
+        kvr__fail(c, code, "%s", resp->message && *resp->message ? resp->message
+                                                              : kvr_client_strerror(code));
+        kvrope__response__free_unpacked(resp, NULL);
+        if (pl && (r = kvr__drain(c, pl)) < 0)
+            return r;
+        return code;
+    }
+    if (resp_payload)
+        *resp_payload = pl;
+    else if (pl && (r = kvr__drain(c, pl)) < 0) {
+        kvrope__response__free_unpacked(resp, NULL);
+        return r;
+    }
+    *out = resp;
+    return 0;
+}
+
+/* ---- payload reception -------------------------------------------------- */
+
+typedef struct layer_track {
+    uint8_t        *base;
+    size_t          layer_bytes;   /* K + V of one layer */
+    size_t          next;          /* next layer index to announce */
+    size_t          n_layers;
+    const uint32_t *layers;
+    kvr_layer_fn    fn;
+    void           *ud;
+    uint64_t        base_done;     /* bytes received before this chunk run */
+    uint64_t        total;
+} layer_track;
+
+static void on_payload_chunk(kvr_client *c, void *ud, size_t done)
+{
+    layer_track *t = ud;
+    uint64_t all = t->base_done + done;
+    if (c->progress)
+        c->progress(c->progress_ud, all, t->total);
+    if (t->fn && t->layer_bytes) {
+        while (t->next < t->n_layers && all >= (uint64_t)(t->next + 1) * t->layer_bytes) {
+            uint8_t *k = t->base + t->next * t->layer_bytes;
+            size_t half = t->layer_bytes / 2;
+            t->fn(t->ud, (uint32_t)t->next, t->layers ? t->layers[t->next] : (uint32_t)t->next,
+                  k, k + half, half);
+            t->next++;
+        }
+    }
+}
+
+int kvr__recv_payload(kvr_client *c, uint64_t pl, kvr_kv *kv, void *dst, size_t dst_cap,
+                      kvr_layer_fn fn, void *ud)
+{
+    if (pl > SIZE_MAX)
+        return fatal(c, KVR_ERR_PROTO, "payload too large for this process");
+    size_t n = (size_t)pl;
+    size_t layer_bytes = kv->n_layers ? n / kv->n_layers : 0;
+    layer_track t = { .layer_bytes = layer_bytes, .n_layers = kv->n_layers,
+                      .layers = kv->layers, .fn = fn, .ud = ud, .total = pl };
+    if (dst) {
+        if (dst_cap < n) {
+            int r = kvr__drain(c, pl);
+            if (r < 0)
+                return r;
+            return kvr__fail(c, KVR_ERR_BUFFER, "payload of %zu bytes does not fit the "
+                             "%zu-byte buffer", n, dst_cap);
+        }
+        t.base = dst;
+        int r = recv_exact(c, dst, n, on_payload_chunk, &t);
+        if (r < 0)
+            return r;
+        kv->payload = dst;
+        kv->payload_len = n;
+        kv->payload_owned = false;
+        return 0;
+    }
+    /* Library buffer: allocate what the (already cross-checked) metadata
+     * describes, but beyond DIRECT_ALLOC_MAX grow only as bytes arrive. */
+    size_t cap = n < DIRECT_ALLOC_MAX ? n : DIRECT_ALLOC_MAX;
+    uint8_t *buf = malloc(cap ? cap : 1);
+    if (!buf) {
+        int r = kvr__drain(c, pl);
+        return r < 0 ? r : kvr__fail(c, KVR_ERR_OOM, "cannot allocate %zu bytes", n);
+    }
+    size_t done = 0;
+    for (;;) {
+        t.base = buf;
+        t.base_done = done;
+        int r = recv_exact(c, buf + done, cap - done, on_payload_chunk, &t);
+        if (r < 0) {
+            free(buf);
+            return r;
+        }
+        done = cap;
+        if (done == n)
+            break;
+        size_t ncap = cap > n / 2 ? n : cap * 2;
+        uint8_t *nb = realloc(buf, ncap);
+        if (!nb) {
+            free(buf);
+            r = kvr__drain(c, pl - done);
+            return r < 0 ? r : kvr__fail(c, KVR_ERR_OOM, "cannot allocate %zu bytes", n);
+        }
+        buf = nb;
+        cap = ncap;
+    }
+    kv->payload = buf;
+    kv->payload_len = n;
+    kv->payload_owned = true;
+    return 0;
+}
+
+/* ---- ping --------------------------------------------------------------- */
+
+int kvr_client_ping(kvr_client *c, kvr_pong *out)
+{
+    Kvrope__Ping ping = KVROPE__PING__INIT;
+    Kvrope__Request req = KVROPE__REQUEST__INIT;
+    req.body_case = KVROPE__REQUEST__BODY_PING;
+    req.ping = &ping;
+    Kvrope__Response *resp;
+    int r = kvr__call(c, &req, NULL, 0, 0, &resp, NULL);
+    if (r < 0)
+        return r;
+    if (resp->body_case != KVROPE__RESPONSE__BODY_PONG) {
+        kvrope__response__free_unpacked(resp, NULL);
+        return kvr__fail(c, KVR_ERR_PROTO, "ping: unexpected response body");
+    }
+    if (out) {
+        snprintf(out->server, sizeof out->server, "%s",
+                 resp->pong->server ? resp->pong->server : "");
+        out->protocol = resp->pong->protocol;
+    }
+    kvrope__response__free_unpacked(resp, NULL);
+    return 0;
+}

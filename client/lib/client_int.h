@@ -1,0 +1,44 @@
+/*
+ * client_int.h — private to client/lib: the handle's layout and the request
+ * exchange shared by the verbs (ops.c) and the connection code (client.c).
+ */
+#ifndef KVR_CLIENT_INT_H
+#define KVR_CLIENT_INT_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "client/kvrope.h"
+#include "kvrope.pb-c.h"
+
+struct kvr_client {
+    int             fd;            /* -1 once closed */
+    uint64_t        next_id;
+    char            err[512];      /* last error message, "" after success */
+    kvr_progress_fn progress;
+    void           *progress_ud;
+    uint8_t        *rbuf;          /* read-ahead: bytes [rpos, rlen) pending */
+    size_t          rcap, rpos, rlen;
+    uint8_t        *wbuf;          /* header + packed request */
+    size_t          wcap;
+};
+
+/* Sets c->err and returns code (the connection stays open). */
+int kvr__fail(kvr_client *c, int code, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+
+/* Sends req (id assigned here) with an optional payload, reads the response.
+ * A non-OK status becomes its negated code with c->err set, and *out stays
+ * NULL. On success *out is the caller's (kvrope__response__free_unpacked).
+ * resp_payload NULL: any response payload is drained; else its length is
+ * stored and the payload is left on the socket for kvr__recv_payload. */
+int kvr__call(kvr_client *c, Kvrope__Request *req, const struct iovec *piov, size_t piovcnt,
+              uint64_t payload_len, Kvrope__Response **out, uint64_t *resp_payload);
+
+/* Receives a response payload of pl bytes into dst (or a library buffer)
+ * and records it in kv; kv->n_layers/layers must be set for on_layer. */
+int kvr__recv_payload(kvr_client *c, uint64_t pl, kvr_kv *kv, void *dst, size_t dst_cap,
+                      kvr_layer_fn fn, void *ud);
+int kvr__drain(kvr_client *c, uint64_t n);
+
+#endif

@@ -1,0 +1,786 @@
+/*
+ * ops.c — libkvrope's verbs: each builds one Request, exchanges it
+ * (client.c) and turns the Response into the public structs of kvrope.h.
+ * Nothing here keeps pointers into a Response past the call: every string
+ * and array handed to the caller is copied into storage the caller owns.
+ */
+#include "client/lib/client_int.h"
+
+#include <errno.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* protobuf-c fields are `char *` even for data it only reads. */
+static char *unconst(const char *s) { return (char *)(uintptr_t)s; }
+
+static void copy_str(char *dst, size_t cap, const char *src)
+{
+    snprintf(dst, cap, "%s", src ? src : "");
+}
+
+static int bad_body(kvr_client *c, Kvrope__Response *resp, const char *what)
+{
+    kvrope__response__free_unpacked(resp, NULL);
+    return kvr__fail(c, KVR_ERR_PROTO, "%s: unexpected response body", what);
+}
+
+static int check_id(kvr_client *c, const char *what, const char *id)
+{
+    if (!id || !*id)
+        return kvr__fail(c, KVR_ERR_INVAL, "%s: missing id", what);
+    if (strlen(id) > KVR_NAME_MAX)
+        return kvr__fail(c, KVR_ERR_INVAL, "%s: id longer than %d bytes", what, KVR_NAME_MAX);
+    return 0;
+}
+
+static int simple_call(kvr_client *c, Kvrope__Request *req)
+{
+    Kvrope__Response *resp;
+    int r = kvr__call(c, req, NULL, 0, 0, &resp, NULL);
+    if (r < 0)
+        return r;
+    kvrope__response__free_unpacked(resp, NULL);
+    return 0;
+}
+
+/* ---- models ------------------------------------------------------------- */
+
+static void rope_from_wire(kvr_rope_config *cfg, const Kvrope__RopeParams *p)
+{
+    kvr_rope_config_init(cfg);
+    if (!p)
+        return;
+    cfg->style = p->style == KVROPE__ROPE_STYLE__GPTJ ? KVR_ROPE_GPTJ : KVR_ROPE_NEOX;
+    if (p->has_theta)
+        cfg->theta = p->theta;
+    if (p->has_rotary_dim)
+        cfg->rotary_dim = (int32_t)p->rotary_dim;
+    cfg->scaling = (kvr_rope_scaling)p->scaling;
+    if (p->has_factor)
+        cfg->factor = p->factor;
+    if (p->has_original_max_position_embeddings)
+        cfg->original_max_position_embeddings = p->original_max_position_embeddings;
+    if (p->has_beta_fast)
+        cfg->beta_fast = p->beta_fast;
+    if (p->has_beta_slow)
+        cfg->beta_slow = p->beta_slow;
+    if (p->has_attention_factor)
+        cfg->attention_factor = p->attention_factor;
+    if (p->has_mscale)
+        cfg->mscale = p->mscale;
+    if (p->has_mscale_all_dim)
+        cfg->mscale_all_dim = p->mscale_all_dim;
+    if (p->has_low_freq_factor)
+        cfg->low_freq_factor = p->low_freq_factor;
+    if (p->has_high_freq_factor)
+        cfg->high_freq_factor = p->high_freq_factor;
+    if (p->has_max_position_embeddings)
+        cfg->max_position_embeddings = p->max_position_embeddings;
+    size_t maxf = KVR_ROPE_MAX_HEAD_DIM / 2;
+    cfg->n_short_factor = (int32_t)(p->n_short_factor < maxf ? p->n_short_factor : maxf);
+    for (int32_t i = 0; i < cfg->n_short_factor; i++)
+        cfg->short_factor[i] = p->short_factor[i];
+    cfg->n_long_factor = (int32_t)(p->n_long_factor < maxf ? p->n_long_factor : maxf);
+    for (int32_t i = 0; i < cfg->n_long_factor; i++)
+        cfg->long_factor[i] = p->long_factor[i];
+}
+
+/* Fills p from cfg; the factor arrays are borrowed from cfg. */
+static void rope_to_wire(Kvrope__RopeParams *p, const kvr_rope_config *cfg)
+{
+    p->has_style = 1;
+    p->style = cfg->style == KVR_ROPE_GPTJ ? KVROPE__ROPE_STYLE__GPTJ : KVROPE__ROPE_STYLE__NEOX;
+    p->has_theta = 1;
+    p->theta = cfg->theta;
+    if (cfg->rotary_dim > 0) {
+        p->has_rotary_dim = 1;
+        p->rotary_dim = (uint32_t)cfg->rotary_dim;
+    }
+    p->has_scaling = 1;
+    p->scaling = (Kvrope__RopeScaling)cfg->scaling;
+    if (cfg->scaling != KVR_ROPE_SCALING_DEFAULT && !isnan(cfg->factor)) {
+        p->has_factor = 1;
+        p->factor = cfg->factor;
+    }
+#define OPT_D(field)                                 \
+    if (!isnan(cfg->field)) {                        \
+        p->has_##field = 1;                          \
+        p->field = cfg->field;                       \
+    }
+    if (cfg->scaling == KVR_ROPE_SCALING_YARN) {
+        OPT_D(beta_fast);
+        OPT_D(beta_slow);
+        OPT_D(mscale);
+        OPT_D(mscale_all_dim);
+    }
+    if (cfg->scaling == KVR_ROPE_SCALING_YARN || cfg->scaling == KVR_ROPE_SCALING_LONGROPE) {
+        OPT_D(attention_factor);
+    }
+    if (cfg->scaling == KVR_ROPE_SCALING_LLAMA3) {
+        OPT_D(low_freq_factor);
+        OPT_D(high_freq_factor);
+    }
+#undef OPT_D
+    if (cfg->original_max_position_embeddings > 0) {
+        p->has_original_max_position_embeddings = 1;
+        p->original_max_position_embeddings = cfg->original_max_position_embeddings;
+    }
+    if (cfg->max_position_embeddings > 0) {
+        p->has_max_position_embeddings = 1;
+        p->max_position_embeddings = cfg->max_position_embeddings;
+    }
+    if (cfg->n_short_factor > 0) {
+        p->n_short_factor = (size_t)cfg->n_short_factor;
+        p->short_factor = (double *)(uintptr_t)cfg->short_factor;
+    }
+    if (cfg->n_long_factor > 0) {
+        p->n_long_factor = (size_t)cfg->n_long_factor;
+        p->long_factor = (double *)(uintptr_t)cfg->long_factor;
+    }
+}
+
+static void model_from_wire(kvr_model *m, const Kvrope__ModelInfo *mi)
+{
+    memset(m, 0, sizeof *m);
+    copy_str(m->name, sizeof m->name, mi->name);
+    m->n_layers = mi->n_layers;
+    m->n_kv_heads = mi->n_kv_heads;
+    m->head_dim = mi->head_dim;
+    m->dtype = (kvr_dtype)mi->dtype;
+    m->fingerprint = mi->fingerprint;
+    m->n_contexts = mi->has_n_contexts ? mi->n_contexts : 0;
+    rope_from_wire(&m->rope, mi->rope);
+    m->rope.num_layers = (int32_t)mi->n_layers;
+    m->rope.num_kv_heads = (int32_t)mi->n_kv_heads;
+    m->rope.head_dim = (int32_t)mi->head_dim;
+    if (m->rope.rotary_dim <= 0)
+        m->rope.rotary_dim = (int32_t)mi->head_dim;
+}
+
+int kvr_client_model_register(kvr_client *c, const kvr_model_params *p, kvr_model *out)
+{
+    int r = check_id(c, "register model", p ? p->name : NULL);
+    if (r < 0)
+        return r;
+    Kvrope__RegisterModel rm = KVROPE__REGISTER_MODEL__INIT;
+    Kvrope__RopeParams rp = KVROPE__ROPE_PARAMS__INIT;
+    char *json = NULL;
+    rm.name = unconst(p->name);
+    if (p->config_json) {
+        size_t len = p->config_json_len ? p->config_json_len : strlen(p->config_json);
+        json = malloc(len + 1);   /* protobuf strings are NUL-terminated */
+        if (!json)
+            return kvr__fail(c, KVR_ERR_OOM, "out of memory");
+        memcpy(json, p->config_json, len);
+        json[len] = 0;
+        rm.config_json = json;
+    } else if (p->rope) {
+        rope_to_wire(&rp, p->rope);
+        rm.rope = &rp;
+    }
+    if (p->style)
+        rm.style = unconst(p->style);
+    if (p->n_layers) {
+        rm.has_n_layers = 1;
+        rm.n_layers = p->n_layers;
+    }
+    if (p->n_kv_heads) {
+        rm.has_n_kv_heads = 1;
+        rm.n_kv_heads = p->n_kv_heads;
+    }
+    if (p->head_dim) {
+        rm.has_head_dim = 1;
+        rm.head_dim = p->head_dim;
+    }
+    rm.has_dtype = 1;
+    rm.dtype = (Kvrope__DType)p->dtype;
+    Kvrope__Request req = KVROPE__REQUEST__INIT;
+    req.body_case = KVROPE__REQUEST__BODY_REGISTER_MODEL;
+    req.register_model = &rm;
+    Kvrope__Response *resp;
+    r = kvr__call(c, &req, NULL, 0, 0, &resp, NULL);
+    free(json);
+    if (r < 0)
+        return r;
+    if (resp->body_case != KVROPE__RESPONSE__BODY_MODEL)
+        return bad_body(c, resp, "register model");
+    if (out)
+        model_from_wire(out, resp->model);
+    kvrope__response__free_unpacked(resp, NULL);
+    return 0;
+}
+
+int kvr_client_model_register_json(kvr_client *c, const char *name, const char *json,
+                                   const char *style, kvr_dtype dtype, kvr_model *out)
+{
+    kvr_model_params p = { .name = name, .config_json = json, .style = style, .dtype = dtype };
+    if (!json)
+        return kvr__fail(c, KVR_ERR_INVAL, "register model: no config text");
+    return kvr_client_model_register(c, &p, out);
+}
+
+int kvr_client_model_register_file(kvr_client *c, const char *name, const char *config_path,
+                                   const char *style, kvr_dtype dtype, kvr_model *out)
+{
+    c->err[0] = 0;
+    FILE *f = fopen(config_path, "rb");
+    if (!f)
+        return kvr__fail(c, KVR_ERR_SYS, "%s: %s", config_path, strerror(errno));
+    size_t cap = 4096, len = 0;
+    char *buf = malloc(cap);
+    while (buf) {
+        size_t k = fread(buf + len, 1, cap - len, f);
+        len += k;
+        if (len < cap)
+            break;
+        if (cap >= ((size_t)64 << 20)) {
+            free(buf);
+            fclose(f);
+            return kvr__fail(c, KVR_ERR_TOOLARGE, "%s: larger than 64 MiB", config_path);
+        }
+        char *nb = realloc(buf, cap * 2);
+        if (!nb) {
+            free(buf);
+            buf = NULL;
+            break;
+        }
+        buf = nb;
+        cap *= 2;
+    }
+    int ioerr = ferror(f);
+    fclose(f);
+    if (!buf)
+        return kvr__fail(c, KVR_ERR_OOM, "out of memory");
+    if (ioerr) {
+        free(buf);
+        return kvr__fail(c, KVR_ERR_SYS, "%s: read error", config_path);
+    }
+    kvr_model_params p = { .name = name, .config_json = buf, .config_json_len = len,
+                           .style = style, .dtype = dtype };
+    int r = len ? kvr_client_model_register(c, &p, out)
+                : kvr__fail(c, KVR_ERR_INVAL, "%s: empty file", config_path);
+    free(buf);
+    return r;
+}
+
+int kvr_client_model_list(kvr_client *c, kvr_model **out, size_t *n)
+{
+    *out = NULL;
+    *n = 0;
+    Kvrope__ListModels lm = KVROPE__LIST_MODELS__INIT;
+    Kvrope__Request req = KVROPE__REQUEST__INIT;
+    req.body_case = KVROPE__REQUEST__BODY_LIST_MODELS;
+    req.list_models = &lm;
+    Kvrope__Response *resp;
+    int r = kvr__call(c, &req, NULL, 0, 0, &resp, NULL);
+    if (r < 0)
+        return r;
+    if (resp->body_case != KVROPE__RESPONSE__BODY_MODELS)
+        return bad_body(c, resp, "list models");
+    size_t k = resp->models->n_models;
+    kvr_model *arr = calloc(k ? k : 1, sizeof *arr);
+    if (!arr) {
+        kvrope__response__free_unpacked(resp, NULL);
+        return kvr__fail(c, KVR_ERR_OOM, "out of memory");
+    }
+    for (size_t i = 0; i < k; i++)
+        model_from_wire(&arr[i], resp->models->models[i]);
+    kvrope__response__free_unpacked(resp, NULL);
+    *out = arr;
+    *n = k;
+    return 0;
+}
+
+int kvr_client_model_get(kvr_client *c, const char *name, kvr_model *out)
+{
+    kvr_model *arr;
+    size_t n;
+    int r = kvr_client_model_list(c, &arr, &n);
+    if (r < 0)
+        return r;
+    for (size_t i = 0; i < n; i++)
+        if (strcmp(arr[i].name, name) == 0) {
+            *out = arr[i];
+            free(arr);
+            return 0;
+        }
+    free(arr);
+    return kvr__fail(c, KVR_ERR_NOMODEL, "unknown model '%s'", name);
+}
+
+/* ---- put ---------------------------------------------------------------- */
+
+int kvr_client_put(kvr_client *c, const kvr_put_args *a, kvr_put_res *out)
+{
+    c->err[0] = 0;
+    int r = check_id(c, "put", a->ctx_id);
+    if (r < 0 || (r = check_id(c, "put model", a->model)) < 0)
+        return r;
+    if (a->payload && a->iov)
+        return kvr__fail(c, KVR_ERR_INVAL, "put: give either payload or iov, not both");
+    if (a->n_tokens && !a->tokens)
+        return kvr__fail(c, KVR_ERR_INVAL, "put: tokens missing");
+    struct iovec one;
+    const struct iovec *iov = a->iov;
+    size_t iovcnt = a->iovcnt;
+    uint64_t plen = 0;
+    if (a->payload) {
+        one.iov_base = (void *)(uintptr_t)a->payload;
+        one.iov_len = a->payload_len;
+        iov = &one;
+        iovcnt = 1;
+    }
+    for (size_t i = 0; i < iovcnt; i++)
+        plen += iov[i].iov_len;
+    if (a->n_layers && a->n_kv_heads && a->head_dim) {
+        size_t want = kvr_payload_size(a->n_layers, a->n_tokens, a->n_kv_heads, a->head_dim,
+                                       a->dtype);
+        if (want != plen)
+            return kvr__fail(c, KVR_ERR_PAYLOAD, "put: payload is %llu bytes, the shape needs "
+                             "%zu", (unsigned long long)plen, want);
+    }
+
+    Kvrope__Put put = KVROPE__PUT__INIT;
+    put.context_id = unconst(a->ctx_id);
+    put.model = unconst(a->model);
+    put.has_mode = 1;
+    put.mode = a->mode == KVR_WRITE_CREATE   ? KVROPE__PUT_MODE__CREATE
+               : a->mode == KVR_WRITE_APPEND ? KVROPE__PUT_MODE__APPEND
+                                             : KVROPE__PUT_MODE__UPSERT;
+    if (a->fingerprint) {
+        put.has_fingerprint = 1;
+        put.fingerprint = a->fingerprint;
+    }
+    if (a->n_layers) {
+        put.has_n_layers = 1;
+        put.n_layers = a->n_layers;
+    }
+    if (a->n_kv_heads) {
+        put.has_n_kv_heads = 1;
+        put.n_kv_heads = a->n_kv_heads;
+    }
+    if (a->head_dim) {
+        put.has_head_dim = 1;
+        put.head_dim = a->head_dim;
+    }
+    put.has_dtype = 1;
+    put.dtype = (Kvrope__DType)a->dtype;
+    put.n_tokens = a->n_tokens;
+    put.tokens = (uint32_t *)(uintptr_t)a->tokens;
+    if (a->positions) {
+        put.n_positions = a->n_tokens;
+        put.positions = (int64_t *)(uintptr_t)a->positions;
+    } else if (a->has_pos_start) {
+        put.has_pos_start = 1;
+        put.pos_start = a->pos_start;
+    }
+    if (a->pin) {
+        put.has_pin = 1;
+        put.pin = 1;
+    }
+    Kvrope__Request req = KVROPE__REQUEST__INIT;
+    req.body_case = KVROPE__REQUEST__BODY_PUT;
+    req.put = &put;
+    Kvrope__Response *resp;
+    r = kvr__call(c, &req, iov, iovcnt, plen, &resp, NULL);
+    if (r < 0)
+        return r;
+    if (resp->body_case != KVROPE__RESPONSE__BODY_PUT)
+        return bad_body(c, resp, "put");
+    if (out) {
+        out->n_tokens = resp->put->n_tokens;
+        out->first_index = resp->put->first_index;
+        out->first_pos = resp->put->first_pos;
+        out->last_pos = resp->put->last_pos;
+    }
+    kvrope__response__free_unpacked(resp, NULL);
+    return 0;
+}
+
+/* ---- get / match -------------------------------------------------------- */
+
+void kvr_kv_release(kvr_kv *kv)
+{
+    if (!kv)
+        return;
+    free(kv->meta_);
+    if (kv->payload_owned)
+        free(kv->payload);
+    memset(kv, 0, sizeof *kv);
+}
+
+static size_t layer_half(const kvr_kv *kv)
+{
+    return kvr_payload_size(1, kv->n_tokens, kv->n_kv_heads, kv->head_dim, kv->dtype) / 2;
+}
+
+const void *kvr_kv_k(const kvr_kv *kv, size_t i)
+{
+    if (!kv->payload || i >= kv->n_layers)
+        return NULL;
+    return (const uint8_t *)kv->payload + i * 2 * layer_half(kv);
+}
+
+const void *kvr_kv_v(const kvr_kv *kv, size_t i)
+{
+    if (!kv->payload || i >= kv->n_layers)
+        return NULL;
+    return (const uint8_t *)kv->payload + (i * 2 + 1) * layer_half(kv);
+}
+
+/* Copies a KVResult's metadata into kv (one block), cross-checks the
+ * payload length against the shapes, then receives the payload. */
+static int take_kv(kvr_client *c, const Kvrope__KVResult *r, uint64_t pl, kvr_kv *kv,
+                   bool meta_only, void *dst, size_t dst_cap, kvr_layer_fn fn, void *ud)
+{
+    memset(kv, 0, sizeof *kv);
+    size_t n = r->n_tokens;
+    int rc;
+    if (r->token_count != n || (r->n_positions && r->n_positions != n) ||
+        (r->n_flags && r->n_flags != n) || (r->n_groups && r->n_groups != n) ||
+        kvr_dtype_size((kvr_dtype)r->dtype) == 0) {
+        rc = kvr__fail(c, KVR_ERR_PROTO, "inconsistent KV metadata from the daemon");
+        goto drain;
+    }
+    size_t want = meta_only ? 0 : kvr_payload_size((uint32_t)r->n_layers, n, r->n_kv_heads,
+                                                   r->head_dim, (kvr_dtype)r->dtype);
+    if ((uint64_t)want != pl) {
+        rc = kvr__fail(c, KVR_ERR_PROTO, "payload of %llu bytes, the shapes say %zu",
+                       (unsigned long long)pl, want);
+        goto drain;
+    }
+    size_t bytes = n * (sizeof(int64_t) + 3 * sizeof(uint32_t)) + r->n_layers * sizeof(uint32_t);
+    uint8_t *blk = calloc(1, bytes ? bytes : 1);
+    if (!blk) {
+        rc = kvr__fail(c, KVR_ERR_OOM, "out of memory");
+        goto drain;
+    }
+    kv->meta_ = blk;
+    kv->positions = (int64_t *)(void *)blk;
+    kv->tokens = (uint32_t *)(void *)(blk + n * sizeof(int64_t));
+    kv->flags = kv->tokens + n;
+    kv->groups = (int32_t *)(void *)(kv->flags + n);
+    kv->layers = (uint32_t *)(void *)(kv->groups + n);
+    if (n) {
+        memcpy(kv->tokens, r->tokens, n * sizeof *kv->tokens);
+        if (r->n_positions)
+            memcpy(kv->positions, r->positions, n * sizeof *kv->positions);
+        if (r->n_flags)
+            memcpy(kv->flags, r->flags, n * sizeof *kv->flags);
+        if (r->n_groups)
+            memcpy(kv->groups, r->groups, n * sizeof *kv->groups);
+    }
+    if (r->n_layers)
+        memcpy(kv->layers, r->layers, r->n_layers * sizeof *kv->layers);
+    copy_str(kv->ctx_id, sizeof kv->ctx_id, r->context_id);
+    copy_str(kv->model, sizeof kv->model, r->model);
+    kv->start = r->start;
+    kv->n_tokens = n;
+    kv->dtype = (kvr_dtype)r->dtype;
+    kv->n_kv_heads = r->n_kv_heads;
+    kv->head_dim = r->head_dim;
+    kv->n_layers = r->n_layers;
+    if (pl) {
+        rc = kvr__recv_payload(c, pl, kv, dst, dst_cap, fn, ud);
+        if (rc < 0) {
+            kvr_kv_release(kv);
+            return rc;
+        }
+    }
+    return 0;
+drain:
+    if (pl) {
+        int d = kvr__drain(c, pl);
+        if (d < 0)
+            return d;
+    }
+    return rc;
+}
+
+int kvr_client_get(kvr_client *c, const kvr_get_args *a, kvr_kv *out)
+{
+    memset(out, 0, sizeof *out);
+    c->err[0] = 0;
+    int r = check_id(c, "get", a->ctx_id);
+    if (r < 0)
+        return r;
+    Kvrope__Get g = KVROPE__GET__INIT;
+    g.context_id = unconst(a->ctx_id);
+    g.has_start = 1;
+    g.start = a->start;
+    if (a->end) {
+        g.has_end = 1;
+        g.end = a->end;
+    }
+    g.has_dtype = 1;
+    g.dtype = (Kvrope__DType)a->dtype;
+    if (a->positions) {
+        g.n_positions = a->n_positions;
+        g.positions = (int64_t *)(uintptr_t)a->positions;
+    }
+    if (a->layers) {
+        g.n_layers = a->n_layers;
+        g.layers = (uint32_t *)(uintptr_t)a->layers;
+    }
+    if (a->meta_only) {
+        g.has_meta_only = 1;
+        g.meta_only = 1;
+    }
+    Kvrope__Request req = KVROPE__REQUEST__INIT;
+    req.body_case = KVROPE__REQUEST__BODY_GET;
+    req.get = &g;
+    Kvrope__Response *resp;
+    uint64_t pl;
+    r = kvr__call(c, &req, NULL, 0, 0, &resp, &pl);
+    if (r < 0)
+        return r;
+    if (resp->body_case != KVROPE__RESPONSE__BODY_KV) {
+        r = kvr__drain(c, pl);
+        return r < 0 ? r : bad_body(c, resp, "get");
+    }
+    r = take_kv(c, resp->kv, pl, out, a->meta_only, a->dst, a->dst_cap, a->on_layer,
+                a->on_layer_ud);
+    kvrope__response__free_unpacked(resp, NULL);
+    return r;
+}
+
+int kvr_client_match(kvr_client *c, const kvr_match_args *a, kvr_match_res *out)
+{
+    memset(out, 0, sizeof *out);
+    c->err[0] = 0;
+    int r = check_id(c, "match model", a->model);
+    if (r < 0)
+        return r;
+    Kvrope__Match m = KVROPE__MATCH__INIT;
+    m.model = unconst(a->model);
+    m.n_tokens = a->n_tokens;
+    m.tokens = (uint32_t *)(uintptr_t)a->tokens;
+    if (a->include_approximate) {
+        m.has_include_approximate = 1;
+        m.include_approximate = 1;
+    }
+    if (a->get) {
+        m.has_get = 1;
+        m.get = 1;
+        m.has_dtype = 1;
+        m.dtype = (Kvrope__DType)a->dtype;
+        if (a->layers) {
+            m.n_layers = a->n_layers;
+            m.layers = (uint32_t *)(uintptr_t)a->layers;
+        }
+    }
+    Kvrope__Request req = KVROPE__REQUEST__INIT;
+    req.body_case = KVROPE__REQUEST__BODY_MATCH;
+    req.match = &m;
+    Kvrope__Response *resp;
+    uint64_t pl;
+    r = kvr__call(c, &req, NULL, 0, 0, &resp, &pl);
+    if (r < 0)
+        return r;
+    if (resp->body_case != KVROPE__RESPONSE__BODY_MATCH) {
+        r = kvr__drain(c, pl);
+        return r < 0 ? r : bad_body(c, resp, "match");
+    }
+    out->length = resp->match->length;
+    copy_str(out->ctx_id, sizeof out->ctx_id, resp->match->context_id);
+    if (resp->match->kv) {
+        r = take_kv(c, resp->match->kv, pl, &out->kv, false, a->dst, a->dst_cap, NULL, NULL);
+        out->has_kv = r == 0;
+    } else if (pl) {
+        r = kvr__drain(c, pl);
+    }
+    kvrope__response__free_unpacked(resp, NULL);
+    return r;
+}
+
+/* ---- context management ------------------------------------------------- */
+
+int kvr_client_delete(kvr_client *c, const char *ctx_id)
+{
+    int r = check_id(c, "delete", ctx_id);
+    if (r < 0)
+        return r;
+    Kvrope__Delete d = KVROPE__DELETE__INIT;
+    d.context_id = unconst(ctx_id);
+    Kvrope__Request req = KVROPE__REQUEST__INIT;
+    req.body_case = KVROPE__REQUEST__BODY_DELETE;
+    req.delete_ = &d;
+    return simple_call(c, &req);
+}
+
+static void ctx_from_wire(kvr_context *o, const Kvrope__ContextInfo *ci)
+{
+    memset(o, 0, sizeof *o);
+    copy_str(o->id, sizeof o->id, ci->id);
+    copy_str(o->model, sizeof o->model, ci->model);
+    o->n_tokens = ci->n_tokens;
+    o->n_blocks = ci->n_blocks;
+    o->n_shared_blocks = ci->n_shared_blocks;
+    o->n_approximate = ci->n_approximate;
+    o->bytes = ci->bytes;
+    o->pinned = ci->pinned;
+    o->busy = ci->has_busy && ci->busy;
+    o->pos_min = ci->pos_min;
+    o->pos_max = ci->pos_max;
+    o->created_ms = ci->created_ms;
+    o->accessed_ms = ci->accessed_ms;
+    o->n_evicted_tokens = ci->has_n_evicted_tokens ? ci->n_evicted_tokens : 0;
+}
+
+int kvr_client_stat(kvr_client *c, const char *ctx_id, kvr_context *out)
+{
+    int r = check_id(c, "stat", ctx_id);
+    if (r < 0)
+        return r;
+    Kvrope__Stat s = KVROPE__STAT__INIT;
+    s.context_id = unconst(ctx_id);
+    Kvrope__Request req = KVROPE__REQUEST__INIT;
+    req.body_case = KVROPE__REQUEST__BODY_STAT;
+    req.stat = &s;
+    Kvrope__Response *resp;
+    r = kvr__call(c, &req, NULL, 0, 0, &resp, NULL);
+    if (r < 0)
+        return r;
+    if (resp->body_case != KVROPE__RESPONSE__BODY_CONTEXT)
+        return bad_body(c, resp, "stat");
+    if (out)
+        ctx_from_wire(out, resp->context);
+    kvrope__response__free_unpacked(resp, NULL);
+    return 0;
+}
+
+int kvr_client_list(kvr_client *c, const char *model, kvr_context **out, size_t *n)
+{
+    *out = NULL;
+    *n = 0;
+    c->err[0] = 0;
+    Kvrope__List l = KVROPE__LIST__INIT;
+    l.model = model ? unconst(model) : NULL;
+    Kvrope__Request req = KVROPE__REQUEST__INIT;
+    req.body_case = KVROPE__REQUEST__BODY_LIST;
+    req.list = &l;
+    Kvrope__Response *resp;
+    int r = kvr__call(c, &req, NULL, 0, 0, &resp, NULL);
+    if (r < 0)
+        return r;
+    if (resp->body_case != KVROPE__RESPONSE__BODY_CONTEXTS)
+        return bad_body(c, resp, "list");
+    size_t k = resp->contexts->n_contexts;
+    kvr_context *arr = calloc(k ? k : 1, sizeof *arr);
+    if (!arr) {
+        kvrope__response__free_unpacked(resp, NULL);
+        return kvr__fail(c, KVR_ERR_OOM, "out of memory");
+    }
+    for (size_t i = 0; i < k; i++)
+        ctx_from_wire(&arr[i], resp->contexts->contexts[i]);
+    kvrope__response__free_unpacked(resp, NULL);
+    *out = arr;
+    *n = k;
+    return 0;
+}
+
+int kvr_client_pin(kvr_client *c, const char *ctx_id, bool pin)
+{
+    int r = check_id(c, "pin", ctx_id);
+    if (r < 0)
+        return r;
+    Kvrope__Pin p = KVROPE__PIN__INIT;
+    p.context_id = unconst(ctx_id);
+    p.has_pin = 1;
+    p.pin = pin;
+    Kvrope__Request req = KVROPE__REQUEST__INIT;
+    req.body_case = KVROPE__REQUEST__BODY_PIN;
+    req.pin = &p;
+    return simple_call(c, &req);
+}
+
+int kvr_client_fork(kvr_client *c, const char *src, const char *dst)
+{
+    int r = check_id(c, "fork source", src);
+    if (r < 0 || (r = check_id(c, "fork destination", dst)) < 0)
+        return r;
+    Kvrope__Fork f = KVROPE__FORK__INIT;
+    f.src = unconst(src);
+    f.dst = unconst(dst);
+    Kvrope__Request req = KVROPE__REQUEST__INIT;
+    req.body_case = KVROPE__REQUEST__BODY_FORK;
+    req.fork = &f;
+    return simple_call(c, &req);
+}
+
+int kvr_client_shift(kvr_client *c, const char *ctx_id, uint64_t start, uint64_t end,
+                     int64_t delta)
+{
+    int r = check_id(c, "shift", ctx_id);
+    if (r < 0)
+        return r;
+    Kvrope__Shift s = KVROPE__SHIFT__INIT;
+    s.context_id = unconst(ctx_id);
+    s.start = start;
+    s.end = end;
+    s.delta = delta;
+    Kvrope__Request req = KVROPE__REQUEST__INIT;
+    req.body_case = KVROPE__REQUEST__BODY_SHIFT;
+    req.shift = &s;
+    return simple_call(c, &req);
+}
+
+int kvr_client_keep(kvr_client *c, const char *ctx_id, uint64_t start, uint64_t end)
+{
+    int r = check_id(c, "keep", ctx_id);
+    if (r < 0)
+        return r;
+    Kvrope__Keep k = KVROPE__KEEP__INIT;
+    k.context_id = unconst(ctx_id);
+    k.start = start;
+    k.end = end;
+    Kvrope__Request req = KVROPE__REQUEST__INIT;
+    req.body_case = KVROPE__REQUEST__BODY_KEEP;
+    req.keep = &k;
+    return simple_call(c, &req);
+}
+
+/* ---- statistics --------------------------------------------------------- */
+
+int kvr_client_stats(kvr_client *c, kvr_metric **out, size_t *n)
+{
+    *out = NULL;
+    *n = 0;
+    Kvrope__Stats s = KVROPE__STATS__INIT;
+    Kvrope__Request req = KVROPE__REQUEST__INIT;
+    req.body_case = KVROPE__REQUEST__BODY_STATS;
+    req.stats = &s;
+    Kvrope__Response *resp;
+    int r = kvr__call(c, &req, NULL, 0, 0, &resp, NULL);
+    if (r < 0)
+        return r;
+    if (resp->body_case != KVROPE__RESPONSE__BODY_STATS)
+        return bad_body(c, resp, "stats");
+    size_t k = resp->stats->n_metrics;
+    kvr_metric *arr = calloc(k ? k : 1, sizeof *arr);
+    if (!arr) {
+        kvrope__response__free_unpacked(resp, NULL);
+        return kvr__fail(c, KVR_ERR_OOM, "out of memory");
+    }
+    for (size_t i = 0; i < k; i++) {
+        copy_str(arr[i].name, sizeof arr[i].name, resp->stats->metrics[i]->name);
+        arr[i].value = resp->stats->metrics[i]->value;
+    }
+    kvrope__response__free_unpacked(resp, NULL);
+    *out = arr;
+    *n = k;
+    return 0;
+}
+
+bool kvr_metric_find(const kvr_metric *m, size_t n, const char *name, double *value)
+{
+    for (size_t i = 0; i < n; i++)
+        if (strcmp(m[i].name, name) == 0) {
+            if (value)
+                *value = m[i].value;
+            return true;
+        }
+    return false;
+}
