@@ -1,0 +1,105 @@
+/*
+ * dtype.c — element types: names, sizes, the scalar f16/bf16 conversions
+ * (round to nearest even; inf and nan survive), kvr_convert with its run-time
+ * choice of kernel, and the scalar reference "rows" kernel that rotates the
+ * heads of one token.
+ *
+ * The scalar kernel is the reference every SIMD kernel is tested against; it
+ * evaluates the same float expressions in the same order (see
+ * rope_internal.h), so agreement is exact, not approximate.
+ */
+#include <errno.h>
+#include <string.h>
+#include <strings.h>
+#include <math.h>
+
+#include "rope/rope_internal.h"
+
+size_t kvr_dtype_size(kvr_dtype t)
+{
+    switch (t) {
+    case KVR_DTYPE_F32:  return 4;
+    case KVR_DTYPE_F16:  return 2;
+    case KVR_DTYPE_BF16: return 2;
+    }
+    return 0;
+}
+
+const char *kvr_dtype_name(kvr_dtype t)
+{
+    switch (t) {
+    case KVR_DTYPE_F32:  return "f32";
+    case KVR_DTYPE_F16:  return "f16";
+    case KVR_DTYPE_BF16: return "bf16";
+    }
+    return "unknown";
+}
+
+int kvr_dtype_parse(const char *s, kvr_dtype *out)
+{
+    if (!s || !out) return -EINVAL;
+    if (!strcasecmp(s, "f32") || !strcasecmp(s, "float32")) { *out = KVR_DTYPE_F32; return 0; }
+    if (!strcasecmp(s, "f16") || !strcasecmp(s, "float16")) { *out = KVR_DTYPE_F16; return 0; }
+    if (!strcasecmp(s, "bf16") || !strcasecmp(s, "bfloat16")) { *out = KVR_DTYPE_BF16; return 0; }
+    return -EINVAL;
+}
+
+float    kvr_f16_to_f32(uint16_t h)  { return rope_h2f(h); }
+uint16_t kvr_f32_to_f16(float f)     { return rope_f2h(f); }
+float    kvr_bf16_to_f32(uint16_t h) { return rope_b2f(h); }
+uint16_t kvr_f32_to_bf16(float f)    { return rope_f2b(f); }
+
+void rope_convert_scalar(void *dst, kvr_dtype dt, const void *src, kvr_dtype st, size_t n)
+{
+    if (dt == st) {
+        if (dst != src) memmove(dst, src, n * kvr_dtype_size(st));
+        return;
+    }
+    /* Equal element sizes (f16 <-> bf16) may be done in place: each element
+     * is read before it is written. */
+    for (size_t i = 0; i < n; i++)
+        rope_store1(dst, dt, i, rope_load1(src, st, i));
+}
+
+void kvr_convert(void *dst, kvr_dtype dst_type, const void *src, kvr_dtype src_type, size_t n)
+{
+    if (n == 0 || !dst || !src) return;
+    if (kvr_dtype_size(dst_type) == 0 || kvr_dtype_size(src_type) == 0) return;
+    switch (rope_isa_resolve(KVR_ISA_AUTO)) {
+    case KVR_ISA_AVX512: rope_convert_avx512(dst, dst_type, src, src_type, n); break;
+    case KVR_ISA_AVX2:   rope_convert_avx2(dst, dst_type, src, src_type, n); break;
+    default:             rope_convert_scalar(dst, dst_type, src, src_type, n); break;
+    }
+}
+
+/* One token: n_heads rows of head_dim elements. Each row is widened into a
+ * float scratch row first, which also makes dst == src safe. */
+void rope_rows_scalar(void *dst, kvr_dtype dt, const void *src, kvr_dtype st,
+                      size_t n_heads, int head_dim, int rot, int gptj,
+                      const float *c, const float *s)
+{
+    float x[KVR_ROPE_MAX_HEAD_DIM];
+    float y[KVR_ROPE_MAX_HEAD_DIM];
+    size_t hd = (size_t)head_dim;
+    for (size_t h = 0; h < n_heads; h++) {
+        size_t base = h * hd;
+        for (size_t j = 0; j < hd; j++) x[j] = rope_load1(src, st, base + j);
+        if (gptj) {
+            for (int j = 0; j < rot; j += 2) {
+                float x0 = x[j], x1 = x[j + 1];
+                /* same association as the SIMD form fma(x, c, swap(x) * s) */
+                y[j]     = fmaf(x0, c[j], x1 * s[j]);
+                y[j + 1] = fmaf(x1, c[j + 1], x0 * s[j + 1]);
+            }
+        } else {
+            int half = rot / 2;
+            for (int i = 0; i < half; i++) {
+                float x0 = x[i], x1 = x[i + half];
+                y[i]        = fmaf(x0, c[i], -(x1 * s[i]));
+                y[i + half] = fmaf(x1, c[i], x0 * s[i]);
+            }
+        }
+        for (size_t j = (size_t)rot; j < hd; j++) y[j] = x[j];
+        for (size_t j = 0; j < hd; j++) rope_store1(dst, dt, base + j, y[j]);
+    }
+}

@@ -1,0 +1,475 @@
+/*
+ * rope.c — the RoPE engine: frequency tables for every HF rope type (after
+ * transformers' modeling_rope_utils.py), per-token cos/sin tables, threading
+ * and the choice of kernel.
+ *
+ * Every operation is one rotation per token and pair, of angle
+ *     phi_t[i] = a_t * f1[i] + b_t * f2[i]          (double precision)
+ * apply:       a = pos,  f1 = inv_freq(seq_len_to),   b = 0, scaled by mscale
+ * remove:      a = pos,  f1 = -inv_freq(seq_len_from), b = 0, scaled by 1/mscale
+ * reposition:  a = to - from, f1 = inv_freq, b = 0  (one table; pure rotation)
+ *              a = to, f1 = inv_freq(to table), b = from, f2 = -inv_freq(from
+ *              table) when the tables differ (remove-then-apply in one pass;
+ *              the magnitude factors cancel, so none is applied).
+ *
+ * sin/cos must not dominate a memory-bound kernel, so the per-token table is
+ * (1) shared by all heads of the token, (2) reused as is when (a, b) repeats
+ * (an edit shifts a whole suffix by one delta), (3) advanced by an exact
+ * double-precision angle-addition step when (a, b) moves by the same step as
+ * before (contiguous positions), and (4) recomputed with sincos() at every
+ * token index that is a multiple of RESEED, so recurrence error is bounded and
+ * results do not depend on how tokens are split across threads.
+ */
+#include <errno.h>
+#include <pthread.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+#include <math.h>
+
+#include "rope/rope_internal.h"
+
+#define RESEED 32
+
+/* ---- ISA ----------------------------------------------------------------- */
+
+static kvr_isa detect_isa(void)
+{
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+        __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+        __builtin_cpu_supports("fma") && __builtin_cpu_supports("avx2"))
+        return KVR_ISA_AVX512;
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+        __builtin_cpu_supports("f16c"))
+        return KVR_ISA_AVX2;
+    return KVR_ISA_SCALAR;
+}
+
+static pthread_once_t isa_once = PTHREAD_ONCE_INIT;
+static kvr_isa isa_best = KVR_ISA_SCALAR;
+static void isa_init(void) { isa_best = detect_isa(); }
+
+kvr_isa kvr_isa_best(void)
+{
+    pthread_once(&isa_once, isa_init);
+    return isa_best;
+}
+
+const char *kvr_isa_name(kvr_isa isa)
+{
+    switch (isa) {
+    case KVR_ISA_AUTO:   return "auto";
+    case KVR_ISA_SCALAR: return "scalar";
+    case KVR_ISA_AVX2:   return "avx2";
+    case KVR_ISA_AVX512: return "avx512";
+    }
+    return "unknown";
+}
+
+kvr_isa rope_isa_resolve(kvr_isa want)
+{
+    kvr_isa best = kvr_isa_best();
+    if (want == KVR_ISA_AUTO) return best;
+    if (want == KVR_ISA_SCALAR) return KVR_ISA_SCALAR;
+    /* A forced ISA the CPU lacks degrades to the best it has (never faults). */
+    if (want == KVR_ISA_AVX512) return best;
+    if (want == KVR_ISA_AVX2) return best == KVR_ISA_SCALAR ? KVR_ISA_SCALAR : KVR_ISA_AVX2;
+    return best;
+}
+
+/* ---- frequency tables ------------------------------------------------------ */
+
+static double yarn_get_mscale(double scale, double m)
+{
+    if (scale <= 1.0) return 1.0;
+    return 0.1 * m * log(scale) + 1.0;
+}
+
+/* HF find_correction_dim: the dimension whose wavelength makes num_rot turns
+ * over max_pos positions. */
+static double yarn_corr_dim(double num_rot, int dim, double base, double max_pos)
+{
+    return ((double)dim * log(max_pos / (num_rot * 2.0 * M_PI))) / (2.0 * log(base));
+}
+
+void rope_inv_freq(const kvr_rope *r, int64_t seq_len, double *out)
+{
+    const kvr_rope_config *c = &r->cfg;
+    int n = r->npairs, dim = r->rot;
+    double base = c->theta;
+    if (c->scaling == KVR_ROPE_SCALING_DYNAMIC) {
+        double L = (double)(seq_len > r->orig_max ? seq_len : r->orig_max);
+        double om = (double)r->orig_max;
+        base = base * pow((c->factor * L / om) - (c->factor - 1.0),
+                          (double)dim / (double)(dim - 2));
+    }
+    for (int i = 0; i < n; i++)
+        out[i] = 1.0 / pow(base, (double)(2 * i) / (double)dim);
+
+    switch (c->scaling) {
+    case KVR_ROPE_SCALING_LINEAR:
+        for (int i = 0; i < n; i++) out[i] /= c->factor;
+        break;
+    case KVR_ROPE_SCALING_YARN: {
+        double lo = floor(yarn_corr_dim(c->beta_fast, dim, base, (double)r->orig_max));
+        double hi = ceil(yarn_corr_dim(c->beta_slow, dim, base, (double)r->orig_max));
+        if (lo < 0.0) lo = 0.0;
+        if (hi > (double)(dim - 1)) hi = (double)(dim - 1);
+        if (lo == hi) hi += 0.001;
+        for (int i = 0; i < n; i++) {
+            double ramp = ((double)i - lo) / (hi - lo);
+            if (ramp < 0.0) ramp = 0.0;
+            if (ramp > 1.0) ramp = 1.0;
+            double extrap = 1.0 - ramp;            /* inv_freq_extrapolation_factor */
+            double f_ex = out[i], f_in = out[i] / c->factor;
+            out[i] = f_in * (1.0 - extrap) + f_ex * extrap;
+        }
+        break;
+    }
+    case KVR_ROPE_SCALING_LLAMA3: {
+        double old = (double)c->original_max_position_embeddings;
+        double low_wl = old / c->low_freq_factor, high_wl = old / c->high_freq_factor;
+        for (int i = 0; i < n; i++) {
+            double f = out[i], wl = 2.0 * M_PI / f;
+            if (wl < high_wl) continue;
+            if (wl > low_wl) { out[i] = f / c->factor; continue; }
+            double sm = (old / wl - c->low_freq_factor) /
+                        (c->high_freq_factor - c->low_freq_factor);
+            out[i] = (1.0 - sm) * f / c->factor + sm * f;
+        }
+        break;
+    }
+    case KVR_ROPE_SCALING_LONGROPE: {
+        const double *ext = (seq_len > r->orig_max) ? c->long_factor : c->short_factor;
+        for (int i = 0; i < n; i++) out[i] /= ext[i];
+        break;
+    }
+    default:
+        break;
+    }
+}
+
+int kvr_rope_create(kvr_rope **out, const kvr_rope_config *cfg, char *err, size_t errlen)
+{
+    if (!out || !cfg) return -EINVAL;
+    *out = NULL;
+    int rc = kvr_rope_config_validate(cfg, err, errlen);
+    if (rc) return rc;
+    kvr_rope *r = calloc(1, sizeof *r);
+    if (!r) return -ENOMEM;
+    r->cfg = *cfg;
+    r->head_dim = cfg->head_dim;
+    r->rot = cfg->rotary_dim;
+    r->npairs = cfg->rotary_dim / 2;
+    r->orig_max = cfg->original_max_position_embeddings ? cfg->original_max_position_embeddings
+                                                        : cfg->max_position_embeddings;
+    r->factor_eff = cfg->factor;
+    r->mscale = 1.0;
+    switch (cfg->scaling) {
+    case KVR_ROPE_SCALING_YARN:
+        if (!isnan(cfg->attention_factor))
+            r->mscale = cfg->attention_factor;
+        else if (!isnan(cfg->mscale) && !isnan(cfg->mscale_all_dim) &&
+                 cfg->mscale != 0.0 && cfg->mscale_all_dim != 0.0)
+            r->mscale = yarn_get_mscale(cfg->factor, cfg->mscale) /
+                        yarn_get_mscale(cfg->factor, cfg->mscale_all_dim);
+        else
+            r->mscale = yarn_get_mscale(cfg->factor, 1.0);
+        break;
+    case KVR_ROPE_SCALING_LONGROPE:
+        /* HF: with an original_max_position_embeddings, factor is the ratio
+         * max/orig; otherwise the stated factor and orig = max. */
+        if (cfg->original_max_position_embeddings > 0 && cfg->max_position_embeddings > 0)
+            r->factor_eff = (double)cfg->max_position_embeddings /
+                            (double)cfg->original_max_position_embeddings;
+        else if (isnan(cfg->factor))
+            r->factor_eff = 1.0;
+        if (!isnan(cfg->attention_factor))
+            r->mscale = cfg->attention_factor;
+        else if (r->factor_eff <= 1.0)
+            r->mscale = 1.0;
+        else
+            r->mscale = sqrt(1.0 + log(r->factor_eff) / log((double)r->orig_max));
+        break;
+    default:
+        break;
+    }
+    rope_inv_freq(r, 0, r->inv_freq);
+    *out = r;
+    return 0;
+}
+
+void kvr_rope_destroy(kvr_rope *r) { free(r); }
+
+const kvr_rope_config *kvr_rope_get_config(const kvr_rope *r) { return r ? &r->cfg : NULL; }
+
+/* ---- the driver ------------------------------------------------------------ */
+
+typedef struct job {
+    const kvr_rope *r;
+    void *dst; kvr_dtype dt;
+    const void *src; kvr_dtype st;
+    size_t n_heads;
+    const int64_t *a, *b;      /* per token; b may be NULL */
+    int64_t a_off;             /* reposition one table: a_t = to_t - from_t */
+    const int64_t *a_sub;      /* non-NULL: a_t = a[t] - a_sub[t] */
+    const double *f1, *f2;     /* f2 NULL when b is */
+    double mag;                /* multiplies cos and sin */
+    rope_rows_fn rows;
+    size_t t0, t1;
+} job;
+
+/* a_t for token t, or false when it overflows int64 (the caller then falls
+ * back to the two-table form of the angle). */
+static inline bool token_a(const job *j, size_t t, int64_t *out)
+{
+    if (!j->a_sub) { *out = j->a[t]; return true; }
+    return !__builtin_sub_overflow(j->a[t], j->a_sub[t], out);
+}
+
+static void run_range(const job *j)
+{
+    const kvr_rope *r = j->r;
+    int n = r->npairs, rot = r->rot, gptj = r->cfg.style == KVR_ROPE_GPTJ;
+    size_t row_elems = j->n_heads * (size_t)r->head_dim;
+    size_t ssz = kvr_dtype_size(j->st), dsz = kvr_dtype_size(j->dt);
+    double cc[KVR_ROPE_MAX_HEAD_DIM / 2], ss[KVR_ROPE_MAX_HEAD_DIM / 2];
+    double stc[KVR_ROPE_MAX_HEAD_DIM / 2], sts[KVR_ROPE_MAX_HEAD_DIM / 2];
+    float fc[KVR_ROPE_MAX_HEAD_DIM], fs[KVR_ROPE_MAX_HEAD_DIM];
+    int64_t pa = 0, pb = 0, sa = 0, sb = 0;  /* previous (a, b), current step */
+    bool have_prev = false, have_step = false, step_ready = false;
+
+    for (size_t t = j->t0; t < j->t1; t++) {
+        int64_t a, b = j->b ? j->b[t] : 0;
+        const double *f1 = j->f1, *f2 = j->f2;
+        bool wide = false;
+        if (!token_a(j, t, &a)) {
+            /* to - from overflowed: angle = to*f - from*f, via the b term */
+            wide = true;
+        }
+        int mode; /* 0 exact, 1 same as previous, 2 step */
+        int64_t da = 0, db = 0;
+        if (wide || !have_prev || t % RESEED == 0) {
+            mode = 0;
+        } else if (a == pa && b == pb) {
+            mode = 1;
+        } else if (!__builtin_sub_overflow(a, pa, &da) && !__builtin_sub_overflow(b, pb, &db) &&
+                   have_step && da == sa && db == sb) {
+            mode = 2;
+        } else {
+            mode = 0;
+        }
+        if (mode == 0) {
+            if (wide) {
+                double ta = (double)j->a[t], fa = (double)j->a_sub[t];
+                for (int i = 0; i < n; i++) sincos(ta * f1[i] - fa * f1[i], &ss[i], &cc[i]);
+                have_prev = false;
+                have_step = false;
+            } else {
+                double da_ = (double)a, db_ = (double)b;
+                if (f2) for (int i = 0; i < n; i++) sincos(da_ * f1[i] + db_ * f2[i], &ss[i], &cc[i]);
+                else    for (int i = 0; i < n; i++) sincos(da_ * f1[i], &ss[i], &cc[i]);
+                /* remember the step from the previous token for next time */
+                if (have_prev && !__builtin_sub_overflow(a, pa, &da) &&
+                    !__builtin_sub_overflow(b, pb, &db)) {
+                    if (!have_step || da != sa || db != sb) {
+                        sa = da; sb = db; have_step = true; step_ready = false;
+                    }
+                } else {
+                    have_step = false;
+                }
+                have_prev = true;
+            }
+        } else if (mode == 2) {
+            if (!step_ready) {
+                double xa = (double)sa, xb = (double)sb;
+                if (f2) for (int i = 0; i < n; i++) sincos(xa * f1[i] + xb * f2[i], &sts[i], &stc[i]);
+                else    for (int i = 0; i < n; i++) sincos(xa * f1[i], &sts[i], &stc[i]);
+                step_ready = true;
+            }
+            for (int i = 0; i < n; i++) {
+                double c0 = cc[i], s0 = ss[i];
+                cc[i] = c0 * stc[i] - s0 * sts[i];
+                ss[i] = s0 * stc[i] + c0 * sts[i];
+            }
+        }
+        if (mode != 1 || t == j->t0) {
+            double m = j->mag;
+            if (gptj) {
+                for (int i = 0; i < n; i++) {
+                    float c = (float)(cc[i] * m), s = (float)(ss[i] * m);
+                    fc[2 * i] = c; fc[2 * i + 1] = c;
+                    fs[2 * i] = -s; fs[2 * i + 1] = s;
+                }
+            } else {
+                for (int i = 0; i < n; i++) {
+                    fc[i] = (float)(cc[i] * m);
+                    fs[i] = (float)(ss[i] * m);
+                }
+            }
+        }
+        if (mode != 0 || !wide) { pa = a; pb = b; }
+        j->rows((char *)j->dst + t * row_elems * dsz, j->dt,
+                (const char *)j->src + t * row_elems * ssz, j->st,
+                j->n_heads, r->head_dim, rot, gptj, fc, fs);
+    }
+}
+
+static void *thread_main(void *arg)
+{
+    run_range(arg);
+    return NULL;
+}
+
+static int online_cpus(void)
+{
+    long n = sysconf(_SC_NPROCESSORS_ONLN);
+    return n < 1 ? 1 : (n > 64 ? 64 : (int)n);
+}
+
+static int run(job *base, size_t n_tokens, const kvr_rope_opts *opts)
+{
+    size_t bytes = n_tokens * base->n_heads * (size_t)base->r->head_dim *
+                   (kvr_dtype_size(base->st) + kvr_dtype_size(base->dt));
+    int nt = opts ? opts->n_threads : 0;
+    if (nt <= 0) {
+        /* Threads pay off once a buffer is well past the per-thread start-up
+         * cost (tens of microseconds): 4 MiB and up. */
+        nt = bytes >= ((size_t)4 << 20) ? online_cpus() : 1;
+        if (nt > 8) nt = 8;
+    }
+    if (nt > 64) nt = 64;
+    size_t blocks = (n_tokens + RESEED - 1) / RESEED;
+    if ((size_t)nt > blocks) nt = (int)(blocks ? blocks : 1);
+    if (nt <= 1) {
+        base->t0 = 0;
+        base->t1 = n_tokens;
+        run_range(base);
+        return 0;
+    }
+    job jobs[64];
+    pthread_t th[64];
+    int started = 0;
+    for (int i = 0; i < nt; i++) {
+        jobs[i] = *base;
+        /* chunk boundaries on multiples of RESEED keep results independent
+         * of the thread count */
+        jobs[i].t0 = blocks * (size_t)i / (size_t)nt * RESEED;
+        jobs[i].t1 = blocks * (size_t)(i + 1) / (size_t)nt * RESEED;
+        if (jobs[i].t1 > n_tokens) jobs[i].t1 = n_tokens;
+        if (jobs[i].t0 > n_tokens) jobs[i].t0 = n_tokens;
+    }
+    for (int i = 1; i < nt; i++) {
+        if (pthread_create(&th[i], NULL, thread_main, &jobs[i]) != 0) break;
+        started = i;
+    }
+    run_range(&jobs[0]);
+    /* Ranges whose thread could not start run here. */
+    for (int i = started + 1; i < nt; i++) run_range(&jobs[i]);
+    for (int i = 1; i <= started; i++) pthread_join(th[i], NULL);
+    return 0;
+}
+
+static rope_rows_fn pick_rows(const kvr_rope_opts *opts)
+{
+    switch (rope_isa_resolve(opts ? opts->isa : KVR_ISA_AUTO)) {
+    case KVR_ISA_AVX512: return rope_rows_avx512;
+    case KVR_ISA_AVX2:   return rope_rows_avx2;
+    default:             return rope_rows_scalar;
+    }
+}
+
+static int check_args(const kvr_rope *r, const void *dst, kvr_dtype dt, const void *src,
+                      kvr_dtype st, size_t n_tokens, size_t n_heads, const void *p1,
+                      const void *p2)
+{
+    if (!r) return -EINVAL;
+    if (kvr_dtype_size(dt) == 0 || kvr_dtype_size(st) == 0) return -EINVAL;
+    if (n_tokens == 0 || n_heads == 0) return 0;
+    if (!dst || !src || !p1 || !p2) return -EINVAL;
+    /* overflow-safe size: tokens * heads * head_dim * 4 must fit */
+    size_t e;
+    if (__builtin_mul_overflow(n_tokens, n_heads, &e) ||
+        __builtin_mul_overflow(e, (size_t)r->head_dim * 4, &e))
+        return -EINVAL;
+    /* In place only with identical element types. */
+    if (dst == src && dt != st) return -EINVAL;
+    return 1;
+}
+
+static int one_table(const kvr_rope *r, kvr_dtype dt, void *dst, const void *src, kvr_dtype st,
+                     size_t n_tokens, size_t n_heads, const int64_t *pos, int64_t seq_len,
+                     int sign, const kvr_rope_opts *opts)
+{
+    double f[KVR_ROPE_MAX_HEAD_DIM / 2];
+    if (kvr_rope_config_composes(&r->cfg)) memcpy(f, r->inv_freq, sizeof(double) * (size_t)r->npairs);
+    else rope_inv_freq(r, seq_len, f);
+    if (sign < 0) for (int i = 0; i < r->npairs; i++) f[i] = -f[i];
+    job j = {
+        .r = r, .dst = dst, .dt = dt, .src = src, .st = st, .n_heads = n_heads,
+        .a = pos, .f1 = f, .mag = sign < 0 ? 1.0 / r->mscale : r->mscale,
+        .rows = pick_rows(opts),
+    };
+    return run(&j, n_tokens, opts);
+}
+
+int kvr_rope_apply(const kvr_rope *r, void *dst, kvr_dtype dst_type,
+                   const void *src, kvr_dtype src_type,
+                   size_t n_tokens, size_t n_heads, const int64_t *pos,
+                   const kvr_rope_opts *opts)
+{
+    int rc = check_args(r, dst, dst_type, src, src_type, n_tokens, n_heads, pos, pos);
+    if (rc <= 0) return rc;
+    return one_table(r, dst_type, dst, src, src_type, n_tokens, n_heads, pos,
+                     opts ? opts->seq_len_to : 0, +1, opts);
+}
+
+int kvr_rope_remove(const kvr_rope *r, void *dst, kvr_dtype dst_type,
+                    const void *src, kvr_dtype src_type,
+                    size_t n_tokens, size_t n_heads, const int64_t *pos,
+                    const kvr_rope_opts *opts)
+{
+    int rc = check_args(r, dst, dst_type, src, src_type, n_tokens, n_heads, pos, pos);
+    if (rc <= 0) return rc;
+    return one_table(r, dst_type, dst, src, src_type, n_tokens, n_heads, pos,
+                     opts ? opts->seq_len_from : 0, -1, opts);
+}
+
+int kvr_rope_reposition(const kvr_rope *r, void *dst, kvr_dtype dst_type,
+                        const void *src, kvr_dtype src_type,
+                        size_t n_tokens, size_t n_heads,
+                        const int64_t *from, const int64_t *to,
+                        const kvr_rope_opts *opts)
+{
+    int rc = check_args(r, dst, dst_type, src, src_type, n_tokens, n_heads, from, to);
+    if (rc <= 0) return rc;
+    double f_to[KVR_ROPE_MAX_HEAD_DIM / 2], f_from[KVR_ROPE_MAX_HEAD_DIM / 2];
+    size_t fb = sizeof(double) * (size_t)r->npairs;
+    if (kvr_rope_config_composes(&r->cfg)) {
+        memcpy(f_to, r->inv_freq, fb);
+        memcpy(f_from, r->inv_freq, fb);
+    } else {
+        rope_inv_freq(r, opts ? opts->seq_len_to : 0, f_to);
+        rope_inv_freq(r, opts ? opts->seq_len_from : 0, f_from);
+    }
+    job j = {
+        .r = r, .dst = dst, .dt = dst_type, .src = src, .st = src_type, .n_heads = n_heads,
+        .mag = 1.0, .rows = pick_rows(opts),
+    };
+    if (!memcmp(f_to, f_from, fb)) {
+        /* Same table: a pure rotation by the delta. */
+        j.a = to;
+        j.a_sub = from;
+        j.f1 = f_to;
+    } else {
+        /* Different tables: R(to * f_new) R(-from * f_old), one rotation of
+         * angle to*f_new - from*f_old per pair. */
+        for (int i = 0; i < r->npairs; i++) f_from[i] = -f_from[i];
+        j.a = to;
+        j.b = from;
+        j.f1 = f_to;
+        j.f2 = f_from;
+    }
+    return run(&j, n_tokens, opts);
+}

@@ -1,0 +1,170 @@
+/*
+ * rope_avx512.c — AVX-512 (F/BW/VL/DQ) rows kernel and conversions. Built
+ * with AVX-512 flags for this file only; called only when cpuid says the CPU
+ * has them (rope.c).
+ *
+ * 16 floats per vector. f16 goes through vcvtph2ps/vcvtps2ph (exact and
+ * round-to-nearest-even, as the scalar conversion), bf16 through integer
+ * shifts with the same round-to-nearest-even rule as the scalar. Tails use
+ * masked loads and stores, so there is no scalar remainder loop, and the
+ * arithmetic is the scalar reference's (see rope_internal.h):
+ *   NEOX rot=8 --> [ccccssss]: o0 = fmsub(x0, c, x1*s), o1 = fmadd(x1, c, x0*s)
+ *   GPTJ rot=8 --> [cscscscs]: o = fmadd(x, c', swap_pairs(x) * s'), s' = [-s, s]
+ */
+#include <immintrin.h>
+#include <string.h>
+
+#include "rope/rope_internal.h"
+
+#define AI static inline __attribute__((always_inline))
+
+AI __m512 ld(const void *p, size_t i, kvr_dtype t)
+{
+    if (t == KVR_DTYPE_F32) return _mm512_loadu_ps((const float *)p + i);
+    __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)p + i));
+    if (t == KVR_DTYPE_F16) return _mm512_cvtph_ps(h);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+AI __m512 ldm(const void *p, size_t i, kvr_dtype t, __mmask16 m)
+{
+    if (t == KVR_DTYPE_F32) return _mm512_maskz_loadu_ps(m, (const float *)p + i);
+    __m256i h = _mm256_maskz_loadu_epi16(m, (const uint16_t *)p + i);
+    if (t == KVR_DTYPE_F16) return _mm512_cvtph_ps(h);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+AI __m256i to_bf16(__m512 v)
+{
+    __m512i u = _mm512_castps_si512(v);
+    __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb), 16);
+    __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    __m512i q = _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
+    r = _mm512_mask_mov_epi32(r, nan, q);
+    return _mm512_cvtepi32_epi16(r);
+}
+
+AI void st(void *p, size_t i, kvr_dtype t, __m512 v)
+{
+    if (t == KVR_DTYPE_F32) { _mm512_storeu_ps((float *)p + i, v); return; }
+    __m256i h = t == KVR_DTYPE_F16 ? _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
+                                   : to_bf16(v);
+    _mm256_storeu_si256((__m256i *)((uint16_t *)p + i), h);
+}
+
+AI void stm(void *p, size_t i, kvr_dtype t, __m512 v, __mmask16 m)
+{
+    if (t == KVR_DTYPE_F32) { _mm512_mask_storeu_ps((float *)p + i, m, v); return; }
+    __m256i h = t == KVR_DTYPE_F16 ? _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
+                                   : to_bf16(v);
+    _mm256_mask_storeu_epi16((uint16_t *)p + i, m, h);
+}
+
+AI __mmask16 tailmask(size_t n) { return (__mmask16)((1u << n) - 1u); }
+
+AI void conv_span(void *dst, kvr_dtype dt, const void *src, kvr_dtype st_, size_t i0, size_t i1)
+{
+    size_t i = i0;
+    for (; i + 16 <= i1; i += 16) st(dst, i, dt, ld(src, i, st_));
+    if (i < i1) {
+        __mmask16 m = tailmask(i1 - i);
+        stm(dst, i, dt, ldm(src, i, st_, m), m);
+    }
+}
+
+AI void rows_t(void *dst, const kvr_dtype dt, const void *src, const kvr_dtype st_,
+               size_t n_heads, int head_dim, int rot, const int gptj,
+               const float *c, const float *s)
+{
+    size_t hd = (size_t)head_dim, r = (size_t)rot;
+    for (size_t h = 0; h < n_heads; h++) {
+        size_t b = h * hd;
+        if (gptj) {
+            size_t j = 0;
+            for (; j + 16 <= r; j += 16) {
+                __m512 x = ld(src, b + j, st_);
+                __m512 sw = _mm512_permute_ps(x, 0xB1);
+                __m512 o = _mm512_fmadd_ps(x, _mm512_loadu_ps(c + j),
+                                           _mm512_mul_ps(sw, _mm512_loadu_ps(s + j)));
+                st(dst, b + j, dt, o);
+            }
+            if (j < r) {
+                __mmask16 m = tailmask(r - j);
+                __m512 x = ldm(src, b + j, st_, m);
+                __m512 sw = _mm512_permute_ps(x, 0xB1);
+                __m512 o = _mm512_fmadd_ps(x, _mm512_maskz_loadu_ps(m, c + j),
+                                           _mm512_mul_ps(sw, _mm512_maskz_loadu_ps(m, s + j)));
+                stm(dst, b + j, dt, o, m);
+            }
+        } else {
+            size_t half = r / 2, i = 0;
+            for (; i + 16 <= half; i += 16) {
+                __m512 x0 = ld(src, b + i, st_), x1 = ld(src, b + i + half, st_);
+                __m512 cv = _mm512_loadu_ps(c + i), sv = _mm512_loadu_ps(s + i);
+                __m512 o0 = _mm512_fmsub_ps(x0, cv, _mm512_mul_ps(x1, sv));
+                __m512 o1 = _mm512_fmadd_ps(x1, cv, _mm512_mul_ps(x0, sv));
+                st(dst, b + i, dt, o0);
+                st(dst, b + i + half, dt, o1);
+            }
+            if (i < half) {
+                __mmask16 m = tailmask(half - i);
+                __m512 x0 = ldm(src, b + i, st_, m), x1 = ldm(src, b + i + half, st_, m);
+                __m512 cv = _mm512_maskz_loadu_ps(m, c + i), sv = _mm512_maskz_loadu_ps(m, s + i);
+                __m512 o0 = _mm512_fmsub_ps(x0, cv, _mm512_mul_ps(x1, sv));
+                __m512 o1 = _mm512_fmadd_ps(x1, cv, _mm512_mul_ps(x0, sv));
+                stm(dst, b + i, dt, o0, m);
+                stm(dst, b + i + half, dt, o1, m);
+            }
+        }
+        if (r < hd) {
+            if (dt == st_) {
+                if (dst != src)
+                    memcpy((char *)dst + (b + r) * kvr_dtype_size(dt),
+                           (const char *)src + (b + r) * kvr_dtype_size(st_),
+                           (hd - r) * kvr_dtype_size(dt));
+            } else {
+                conv_span(dst, dt, src, st_, b + r, b + hd);
+            }
+        }
+    }
+}
+
+#define ROWS_CASE(S, D)                                                              \
+    if (st == S && dt == D) {                                                        \
+        if (gptj) rows_t(dst, D, src, S, n_heads, head_dim, rot, 1, c, s);           \
+        else      rows_t(dst, D, src, S, n_heads, head_dim, rot, 0, c, s);           \
+        return;                                                                      \
+    }
+
+void rope_rows_avx512(void *dst, kvr_dtype dt, const void *src, kvr_dtype st,
+                      size_t n_heads, int head_dim, int rot, int gptj,
+                      const float *c, const float *s)
+{
+    ROWS_CASE(KVR_DTYPE_F32, KVR_DTYPE_F32)
+    ROWS_CASE(KVR_DTYPE_F32, KVR_DTYPE_F16)
+    ROWS_CASE(KVR_DTYPE_F32, KVR_DTYPE_BF16)
+    ROWS_CASE(KVR_DTYPE_F16, KVR_DTYPE_F32)
+    ROWS_CASE(KVR_DTYPE_F16, KVR_DTYPE_F16)
+    ROWS_CASE(KVR_DTYPE_F16, KVR_DTYPE_BF16)
+    ROWS_CASE(KVR_DTYPE_BF16, KVR_DTYPE_F32)
+    ROWS_CASE(KVR_DTYPE_BF16, KVR_DTYPE_F16)
+    ROWS_CASE(KVR_DTYPE_BF16, KVR_DTYPE_BF16)
+}
+
+#define CONV_CASE(S, D) \
+    if (st == S && dt == D) { conv_span(dst, D, src, S, 0, n); return; }
+
+void rope_convert_avx512(void *dst, kvr_dtype dt, const void *src, kvr_dtype st, size_t n)
+{
+    if (dt == st) {
+        if (dst != src) memmove(dst, src, n * kvr_dtype_size(st));
+        return;
+    }
+    CONV_CASE(KVR_DTYPE_F32, KVR_DTYPE_F16)
+    CONV_CASE(KVR_DTYPE_F32, KVR_DTYPE_BF16)
+    CONV_CASE(KVR_DTYPE_F16, KVR_DTYPE_F32)
+    CONV_CASE(KVR_DTYPE_F16, KVR_DTYPE_BF16)
+    CONV_CASE(KVR_DTYPE_BF16, KVR_DTYPE_F32)
+    CONV_CASE(KVR_DTYPE_BF16, KVR_DTYPE_F16)
+}
