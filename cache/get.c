@@ -1,0 +1,295 @@
+/*
+ * get.c — the get transaction: read a token range of a context, in any
+ * dtype, at its logical positions or at requested ones, optionally a subset
+ * of layers.
+ *
+ * get_begin (loop thread) copies the metadata and leases the blocks; from
+ * then on the transaction reads only leased slots below each block's `used`,
+ * which never change, so get_work may run on any thread while the store
+ * changes around it (even deleting the context).
+ *
+ * Payload: layer-major, for each selected layer K then V, [n][H][D] in the
+ * output dtype. K is zero-copy (iovecs into block memory, one per
+ * contiguous run) when the dtype matches and every target position equals
+ * the stored-at one; V is zero-copy when the dtype matches. Everything else
+ * is produced by get_work into a staging buffer: K with one
+ * kvr_rope_reposition call per run (stored-at -> target, converting in the
+ * same pass), V with kvr_convert.
+ */
+#include <string.h>
+
+#include "cache/store_internal.h"
+
+typedef struct get_seg {
+    kvr_block *b;
+    uint32_t   first, count;
+    size_t     tok;          /* index of its first token in the result */
+    bool       same_pos;     /* targets equal stored-at for every token */
+} get_seg;
+
+struct kvr_get {
+    kvr_store    *s;
+    kvr_model    *m;
+    kvr_get_info  info;
+    uint32_t     *layers, *tokens, *flags;
+    int64_t      *targets, *from;
+    int32_t      *groups;
+    get_seg      *segs;
+    size_t        n_segs;
+    bool          zc_k, zc_v, worked;
+    uint8_t      *staging;
+    size_t        part;      /* bytes of one layer's K (or V) */
+    size_t        payload;
+    struct iovec *iov;
+    size_t        n_iov;
+};
+
+static void get_free(kvr_get *t)
+{
+    for (size_t i = 0; i < t->n_segs; i++) {
+        kvr_block *b = t->segs[i].b;
+        b->holds--;
+        if (--b->leases == 0)
+            t->s->n_leased_blocks--;
+        block_unref(t->s, b);
+    }
+    kvr_mem_free(t->segs);
+    kvr_mem_free(t->layers);
+    kvr_mem_free(t->tokens);
+    kvr_mem_free(t->flags);
+    kvr_mem_free(t->targets);
+    kvr_mem_free(t->from);
+    kvr_mem_free(t->groups);
+    kvr_mem_free(t->staging);
+    kvr_mem_free(t->iov);
+    kvr_mem_free(t);
+}
+
+/* Offset in the staging buffer of layer li's K (kv 0) or V (kv 1). */
+static uint8_t *stage_at(const kvr_get *t, size_t li, int kv)
+{
+    size_t parts = (size_t)!t->zc_k + (size_t)!t->zc_v;
+    size_t off = li * parts * t->part;
+    if (kv == 1 && !t->zc_k)
+        off += t->part;
+    return t->staging + off;
+}
+
+int kvr_store_get_begin(kvr_store *s, const kvr_get_params *p, kvr_get **out,
+                        kvr_error *err)
+{
+    int rc;
+    if (!p || !out)
+        return kvr_error_set(err, KVR_EBADREQUEST, "get: missing parameters");
+    kvr_ctx *c = NULL;
+    if ((rc = ctx_find_live(s, p->ctx_id, &c, err)) != 0)
+        return rc;
+    kvr_model *m = c->model;
+    size_t start = p->start, end = p->end == SIZE_MAX ? c->n_tokens : p->end;
+    if (start > end || end > c->n_tokens)
+        return kvr_error_set(err, KVR_ERANGE,
+                             "token range [%zu, %zu) is outside context '%s' of %zu tokens",
+                             p->start, end, c->id, c->n_tokens);
+    size_t n = end - start;
+    size_t osize = kvr_dtype_size(p->dtype);
+    if (!p->meta_only && osize == 0)
+        return kvr_error_set(err, KVR_EINVAL, "unknown output dtype %d", (int)p->dtype);
+    if (p->layers && p->n_layers_sel == 0)
+        return kvr_error_set(err, KVR_EINVAL, "empty layer selection");
+    size_t nl = p->layers ? p->n_layers_sel : m->n_layers;
+    if (p->layers) {
+        if (nl > 64u * m->n_layers)
+            return kvr_error_set(err, KVR_ERANGE, "%zu layers selected of %u", nl,
+                                 m->n_layers);
+        for (size_t i = 0; i < nl; i++)
+            if (p->layers[i] >= m->n_layers)
+                return kvr_error_set(err, KVR_ERANGE, "layer %u out of range (model '%s' "
+                                     "has %u)", p->layers[i], m->name, m->n_layers);
+    }
+
+    kvr_get *t = kvr_mem_calloc(1, sizeof *t);
+    if (!t)
+        return kvr_error_set(err, KVR_ENOMEM, "out of memory starting a get");
+    t->s = s;
+    t->m = m;
+    size_t cnt = n ? n : 1;
+    t->layers = kvr_mem_malloc(nl * sizeof *t->layers);
+    t->tokens = kvr_mem_malloc(cnt * sizeof *t->tokens);
+    t->flags = kvr_mem_malloc(cnt * sizeof *t->flags);
+    t->targets = kvr_mem_malloc(cnt * sizeof *t->targets);
+    t->from = kvr_mem_malloc(cnt * sizeof *t->from);
+    t->groups = kvr_mem_malloc(cnt * sizeof *t->groups);
+    /* Upper bound on segments: extents overlapping the range. */
+    t->segs = kvr_mem_malloc((c->n_ext ? c->n_ext : 1) * sizeof *t->segs);
+    if (!t->layers || !t->tokens || !t->flags || !t->targets || !t->from ||
+        !t->groups || !t->segs) {
+        rc = kvr_error_set(err, KVR_ENOMEM, "out of memory for a get of %zu tokens", n);
+        goto fail;
+    }
+    for (size_t i = 0; i < nl; i++)
+        t->layers[i] = p->layers ? p->layers[i] : (uint32_t)i;
+
+    /* Walk the extents overlapping [start, end). */
+    size_t k = 0, tok = 0;
+    bool all_same = true;
+    for (size_t i = 0; i < c->n_ext && k < end; i++) {
+        const kvr_extent *e = &c->ext[i];
+        size_t lo = k, hi = k + e->count;
+        k = hi;
+        if (hi <= start)
+            continue;
+        uint32_t a = (uint32_t)(lo < start ? start - lo : 0);
+        uint32_t z = (uint32_t)((hi > end ? end : hi) - lo);
+        bool same = true;
+        for (uint32_t j = a; j < z; j++, tok++) {
+            uint32_t slot = e->first + j;
+            int64_t sp = e->block->stored_pos[slot];
+            t->tokens[tok] = e->block->tokens[slot];
+            t->groups[tok] = e->block->groups[slot];
+            t->flags[tok] = e->flags;
+            t->from[tok] = sp;
+            t->targets[tok] = p->positions ? p->positions[tok] : sp + e->pos_delta;
+            if (t->targets[tok] != sp)
+                same = false;
+        }
+        all_same = all_same && same;
+        if (p->meta_only)
+            continue;
+        get_seg *prev = t->n_segs ? &t->segs[t->n_segs - 1] : NULL;
+        if (prev && prev->b == e->block && prev->first + prev->count == e->first + a) {
+            prev->count += z - a;
+            prev->same_pos = prev->same_pos && same;
+            continue;
+        }
+        get_seg *g = &t->segs[t->n_segs++];
+        *g = (get_seg){ e->block, e->first + a, z - a, tok - (z - a), same };
+        block_ref(g->b);
+        g->b->holds++;
+        if (g->b->leases++ == 0)
+            s->n_leased_blocks++;
+    }
+
+    kvr_get_info *info = &t->info;
+    model_fill_info(m, &info->model);
+    info->start = start;
+    info->n_tokens = n;
+    info->dtype = p->dtype;
+    info->n_layers = p->meta_only ? 0 : nl;
+    info->layers = t->layers;
+    info->tokens = t->tokens;
+    info->positions = t->targets;
+    info->flags = t->flags;
+    info->groups = t->groups;
+
+    if (!p->meta_only && n > 0) {
+        size_t row = (size_t)m->n_kv_heads * m->head_dim;
+        t->part = n * row * osize;
+        t->payload = t->part * 2u * nl;
+        t->zc_v = p->dtype == c->dtype;
+        t->zc_k = t->zc_v && all_same;
+        size_t per_layer = (t->zc_k ? t->n_segs : 1) + (t->zc_v ? t->n_segs : 1);
+        t->iov = kvr_mem_malloc(per_layer * nl * sizeof *t->iov);
+        if (!t->iov) {
+            rc = kvr_error_set(err, KVR_ENOMEM, "out of memory for a get of %zu tokens", n);
+            goto fail;
+        }
+        size_t stage = ((size_t)!t->zc_k + (size_t)!t->zc_v) * t->part * nl;
+        if (stage) {
+            if ((rc = store_reserve(s, stage, err)) != 0)
+                goto fail;
+            t->staging = kvr_mem_aligned(KVR_BLOCK_ALIGN, stage);
+            if (!t->staging) {
+                rc = kvr_error_set(err, KVR_ENOMEM,
+                                   "out of memory for a %zu-byte get buffer", stage);
+                goto fail;
+            }
+        }
+        size_t rowb = row * osize, v = 0;
+        for (size_t li = 0; li < nl; li++) {
+            for (int kv = 0; kv < 2; kv++) {
+                bool zc = kv ? t->zc_v : t->zc_k;
+                if (!zc) {
+                    t->iov[v++] = (struct iovec){ stage_at(t, li, kv), t->part };
+                    continue;
+                }
+                for (size_t g = 0; g < t->n_segs; g++)
+                    t->iov[v++] = (struct iovec){
+                        block_kv(t->segs[g].b, m, t->layers[li], kv, t->segs[g].first),
+                        t->segs[g].count * rowb };
+            }
+        }
+        t->n_iov = v;
+    }
+    lru_touch(s, c);
+    s->n_gets++;
+    *out = t;
+    return 0;
+
+fail:
+    get_free(t);
+    return rc;
+}
+
+const kvr_get_info *kvr_get_get_info(const kvr_get *t)
+{
+    return &t->info;
+}
+
+bool kvr_get_needs_work(const kvr_get *t)
+{
+    return t->staging != NULL && !t->worked;
+}
+
+int kvr_get_work(kvr_get *t, kvr_error *err)
+{
+    if (!t->staging || t->worked)
+        return 0;
+    const kvr_model *m = t->m;
+    size_t row = (size_t)m->n_kv_heads * m->head_dim;
+    size_t rowb = row * kvr_dtype_size(t->info.dtype);
+    kvr_dtype odt = t->info.dtype;
+    for (size_t li = 0; li < t->info.n_layers; li++) {
+        uint32_t l = t->layers[li];
+        for (size_t g = 0; g < t->n_segs; g++) {
+            const get_seg *sg = &t->segs[g];
+            if (!t->zc_k) {
+                uint8_t *dst = stage_at(t, li, 0) + sg->tok * rowb;
+                const uint8_t *src = block_kv(sg->b, m, l, 0, sg->first);
+                if (sg->same_pos) {
+                    kvr_convert(dst, odt, src, sg->b->dtype, sg->count * row);
+                } else {
+                    int rc = kvr_rope_reposition(m->engine, dst, odt, src, sg->b->dtype,
+                                                 sg->count, m->n_kv_heads,
+                                                 t->from + sg->tok, t->targets + sg->tok,
+                                                 NULL);
+                    if (rc != 0)
+                        return kvr_error_set(err, KVR_EINTERNAL,
+                                             "re-rotating keys failed (%d)", rc);
+                }
+            }
+            if (!t->zc_v)
+                kvr_convert(stage_at(t, li, 1) + sg->tok * rowb, odt,
+                            block_kv(sg->b, m, l, 1, sg->first), sg->b->dtype,
+                            sg->count * row);
+        }
+    }
+    t->worked = true;
+    return 0;
+}
+
+size_t kvr_get_payload_size(const kvr_get *t)
+{
+    return t->payload;
+}
+
+void kvr_get_payload_iov(const kvr_get *t, const struct iovec **iov, size_t *n)
+{
+    *iov = t->iov;
+    *n = t->n_iov;
+}
+
+void kvr_get_end(kvr_get *t)
+{
+    if (t)
+        get_free(t);
+}

@@ -1,0 +1,96 @@
+/*
+ * mem.c — the accounted allocator every allocation of the daemon goes
+ * through. It counts what the allocator really holds for each pointer
+ * (malloc_usable_size: jemalloc's size class in release builds, libc's chunk
+ * under sanitizers), so the store's cap is checked against real memory.
+ *
+ * Invariants: `allocated` equals the sum of usable sizes of live pointers
+ * handed out here; `peak` is its running maximum. Both are atomics, so any
+ * thread may allocate and free. A pointer from kvr_mem_* must be freed with
+ * kvr_mem_free (and nothing else).
+ */
+#include <malloc.h>
+#include <stdatomic.h>
+#include <stdlib.h>
+
+#include "cache/cache.h"
+
+static _Atomic size_t allocated;
+static _Atomic size_t peak;
+
+static void account_add(void *p)
+{
+    size_t n = malloc_usable_size(p);
+    size_t now = atomic_fetch_add_explicit(&allocated, n, memory_order_relaxed) + n;
+    size_t pk = atomic_load_explicit(&peak, memory_order_relaxed);
+    while (now > pk &&
+           !atomic_compare_exchange_weak_explicit(&peak, &pk, now,
+                                                  memory_order_relaxed,
+                                                  memory_order_relaxed))
+        ;
+}
+
+static void account_sub(void *p)
+{
+    atomic_fetch_sub_explicit(&allocated, malloc_usable_size(p), memory_order_relaxed);
+}
+
+void *kvr_mem_malloc(size_t n)
+{
+    void *p = malloc(n ? n : 1);
+    if (p)
+        account_add(p);
+    return p;
+}
+
+void *kvr_mem_calloc(size_t count, size_t size)
+{
+    if (count == 0 || size == 0)
+        count = size = 1;
+    void *p = calloc(count, size);
+    if (p)
+        account_add(p);
+    return p;
+}
+
+void *kvr_mem_realloc(void *p, size_t n)
+{
+    if (!p)
+        return kvr_mem_malloc(n);
+    size_t old = malloc_usable_size(p);
+    void *q = realloc(p, n ? n : 1);
+    if (!q)
+        return NULL;    /* p is untouched and still accounted */
+    atomic_fetch_sub_explicit(&allocated, old, memory_order_relaxed);
+    account_add(q);
+    return q;
+}
+
+void *kvr_mem_aligned(size_t align, size_t n)
+{
+    void *p = NULL;
+    if (align < sizeof(void *))
+        align = sizeof(void *);
+    if (posix_memalign(&p, align, n ? n : 1) != 0)
+        return NULL;
+    account_add(p);
+    return p;
+}
+
+void kvr_mem_free(void *p)
+{
+    if (!p)
+        return;
+    account_sub(p);
+    free(p);
+}
+
+size_t kvr_mem_allocated(void)
+{
+    return atomic_load_explicit(&allocated, memory_order_relaxed);
+}
+
+size_t kvr_mem_peak(void)
+{
+    return atomic_load_explicit(&peak, memory_order_relaxed);
+}

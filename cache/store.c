@@ -1,0 +1,846 @@
+/*
+ * store.c — the store: model registry, the context map (chained hash by
+ * id), the LRU list, eviction under the memory cap, and the context
+ * management verbs (delete, stat, list, pin, fork, shift, keep, match,
+ * stats).
+ *
+ * Invariants:
+ *  - Every context (pending ones too) is in the hash map; every non-pending
+ *    one is in the LRU list (head = most recently used) and counted in its
+ *    model's n_contexts.
+ *  - A pending context belongs to an open create-put: readers treat it as
+ *    absent; writers get KVR_EBUSY.
+ *  - Eviction takes tail blocks of the least recently used context that is
+ *    neither pinned nor busy; it first checks that evicting everything
+ *    evictable would be enough, so a refused write harms nothing stored.
+ *  - Shift and keep change extents only: no K/V byte is copied or rotated.
+ */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "cache/store_internal.h"
+
+static uint64_t fnv1a(const void *p, size_t n, uint64_t h)
+{
+    const unsigned char *b = p;
+    for (size_t i = 0; i < n; i++) {
+        h ^= b[i];
+        h *= 1099511628211ull;
+    }
+    return h;
+}
+#define FNV_INIT 14695981039346656037ull
+
+uint64_t now_ms(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    return (uint64_t)ts.tv_sec * 1000u + (uint64_t)ts.tv_nsec / 1000000u;
+}
+
+/* ---- store -------------------------------------------------------------- */
+
+int kvr_store_create(kvr_store **out, const kvr_store_config *cfg, kvr_error *err)
+{
+    kvr_store *s = kvr_mem_calloc(1, sizeof *s);
+    if (!s)
+        return kvr_error_set(err, KVR_ENOMEM, "out of memory creating the store");
+    if (cfg)
+        s->cfg = *cfg;
+    if (s->cfg.block_tokens > (1u << 20)) {
+        kvr_mem_free(s);
+        return kvr_error_set(err, KVR_EINVAL, "block_tokens %u is too large",
+                             s->cfg.block_tokens);
+    }
+    s->B = s->cfg.block_tokens ? s->cfg.block_tokens : KVR_DEFAULT_BLOCK_TOKENS;
+    s->cfg.block_tokens = s->B;
+    s->n_buckets = 64;
+    s->buckets = kvr_mem_calloc(s->n_buckets, sizeof *s->buckets);
+    if (!s->buckets) {
+        kvr_mem_free(s);
+        return kvr_error_set(err, KVR_ENOMEM, "out of memory creating the store");
+    }
+    *out = s;
+    return 0;
+}
+
+void kvr_store_destroy(kvr_store *s)
+{
+    if (!s)
+        return;
+    for (size_t i = 0; i < s->n_buckets; i++) {
+        while (s->buckets[i])
+            ctx_destroy(s, s->buckets[i]);
+    }
+    for (size_t i = 0; i < s->n_models; i++) {
+        kvr_model *m = s->models[i];
+        ptree_free(&m->tree[0]);
+        ptree_free(&m->tree[1]);
+        kvr_rope_destroy(m->engine);
+        kvr_mem_free(m);
+    }
+    kvr_mem_free(s->models);
+    kvr_mem_free(s->buckets);
+    kvr_mem_free(s);
+}
+
+/* ---- ids and the context map -------------------------------------------- */
+
+int ctx_id_check(const char *id, kvr_error *err)
+{
+    if (!id || !id[0])
+        return kvr_error_set(err, KVR_EBADREQUEST, "context id is empty");
+    size_t n = strnlen(id, KVR_ID_MAX + 1);
+    if (n > KVR_ID_MAX)
+        return kvr_error_set(err, KVR_EBADREQUEST,
+                             "context id is longer than %d bytes", KVR_ID_MAX);
+    return 0;
+}
+
+kvr_ctx *ctx_find(const kvr_store *s, const char *id)
+{
+    if (!id)
+        return NULL;
+    size_t n = strnlen(id, KVR_ID_MAX + 1);
+    if (n == 0 || n > KVR_ID_MAX)
+        return NULL;
+    uint64_t h = fnv1a(id, n, FNV_INIT);
+    for (kvr_ctx *c = s->buckets[h & (s->n_buckets - 1)]; c; c = c->hnext)
+        if (c->hash == h && c->id_len == n && memcmp(c->id, id, n) == 0)
+            return c;
+    return NULL;
+}
+
+int ctx_find_live(const kvr_store *s, const char *id, kvr_ctx **out, kvr_error *err)
+{
+    int rc = ctx_id_check(id, err);
+    if (rc != 0)
+        return rc;
+    kvr_ctx *c = ctx_find(s, id);
+    if (!c || c->pending)
+        return kvr_error_set(err, KVR_ENOCTX, "no context '%s'", id);
+    *out = c;
+    return 0;
+}
+
+static void map_grow(kvr_store *s)
+{
+    size_t nb = s->n_buckets * 2;
+    kvr_ctx **b = kvr_mem_calloc(nb, sizeof *b);
+    if (!b)
+        return;     /* longer chains, still correct */
+    for (size_t i = 0; i < s->n_buckets; i++) {
+        kvr_ctx *c = s->buckets[i];
+        while (c) {
+            kvr_ctx *next = c->hnext;
+            c->hnext = b[c->hash & (nb - 1)];
+            b[c->hash & (nb - 1)] = c;
+            c = next;
+        }
+    }
+    kvr_mem_free(s->buckets);
+    s->buckets = b;
+    s->n_buckets = nb;
+}
+
+static void lru_unlink(kvr_store *s, kvr_ctx *c)
+{
+    if (c->lru_prev)
+        c->lru_prev->lru_next = c->lru_next;
+    else if (s->lru_head == c)
+        s->lru_head = c->lru_next;
+    if (c->lru_next)
+        c->lru_next->lru_prev = c->lru_prev;
+    else if (s->lru_tail == c)
+        s->lru_tail = c->lru_prev;
+    c->lru_prev = c->lru_next = NULL;
+}
+
+void lru_touch(kvr_store *s, kvr_ctx *c)
+{
+    c->accessed_ms = now_ms();
+    if (c->pending)
+        return;
+    lru_unlink(s, c);
+    c->lru_next = s->lru_head;
+    if (s->lru_head)
+        s->lru_head->lru_prev = c;
+    s->lru_head = c;
+    if (!s->lru_tail)
+        s->lru_tail = c;
+}
+
+kvr_ctx *ctx_new(kvr_store *s, kvr_model *m, const char *id)
+{
+    kvr_ctx *c = kvr_mem_calloc(1, sizeof *c);
+    if (!c)
+        return NULL;
+    c->id_len = strlen(id);
+    memcpy(c->id, id, c->id_len + 1);
+    c->hash = fnv1a(id, c->id_len, FNV_INIT);
+    c->model = m;
+    c->dtype = m->dtype;
+    c->pending = true;
+    c->created_ms = c->accessed_ms = now_ms();
+    if (s->n_ctx >= s->n_buckets)
+        map_grow(s);
+    size_t b = c->hash & (s->n_buckets - 1);
+    c->hnext = s->buckets[b];
+    s->buckets[b] = c;
+    s->n_ctx++;
+    return c;
+}
+
+void ctx_destroy(kvr_store *s, kvr_ctx *c)
+{
+    kvr_ctx **pp = &s->buckets[c->hash & (s->n_buckets - 1)];
+    while (*pp && *pp != c)
+        pp = &(*pp)->hnext;
+    if (*pp)
+        *pp = c->hnext;
+    s->n_ctx--;
+    if (!c->pending) {
+        lru_unlink(s, c);
+        c->model->n_contexts--;
+    }
+    ptree_truncate(&c->model->tree[0], c, 0);
+    ptree_truncate(&c->model->tree[1], c, 0);
+    for (size_t i = 0; i < c->n_ext; i++)
+        block_unref(s, c->ext[i].block);
+    kvr_mem_free(c->ext);
+    kvr_mem_free(c);
+}
+
+int ctx_ext_reserve(kvr_ctx *c, size_t n)
+{
+    if (c->n_ext + n <= c->cap_ext)
+        return 0;
+    size_t cap = c->cap_ext ? c->cap_ext : 4;
+    while (cap < c->n_ext + n)
+        cap *= 2;
+    kvr_extent *e = kvr_mem_realloc(c->ext, cap * sizeof *e);
+    if (!e)
+        return KVR_ENOMEM;
+    c->ext = e;
+    c->cap_ext = cap;
+    return 0;
+}
+
+int64_t ctx_last_pos(const kvr_ctx *c)
+{
+    if (c->n_ext == 0)
+        return -1;
+    const kvr_extent *e = &c->ext[c->n_ext - 1];
+    return e->block->stored_pos[e->first + e->count - 1] + e->pos_delta;
+}
+
+uint32_t *ctx_gather_tokens(const kvr_ctx *c, kvr_error *err)
+{
+    uint32_t *t = kvr_mem_malloc((c->n_tokens ? c->n_tokens : 1) * sizeof *t);
+    if (!t) {
+        kvr_error_set(err, KVR_ENOMEM, "out of memory gathering %zu tokens",
+                      c->n_tokens);
+        return NULL;
+    }
+    size_t k = 0;
+    for (size_t i = 0; i < c->n_ext; i++) {
+        const kvr_extent *e = &c->ext[i];
+        memcpy(t + k, e->block->tokens + e->first, e->count * sizeof *t);
+        k += e->count;
+    }
+    return t;
+}
+
+static size_t ctx_compute_exact(const kvr_ctx *c)
+{
+    size_t k = 0;
+    for (size_t i = 0; i < c->n_ext; i++) {
+        if (c->ext[i].flags & KVR_TOKEN_APPROX)
+            break;
+        k += c->ext[i].count;
+    }
+    return k;
+}
+
+void ctx_index_rebuild(kvr_store *s, kvr_ctx *c, size_t common)
+{
+    (void)s;
+    kvr_model *m = c->model;
+    c->n_exact = ctx_compute_exact(c);
+    size_t len[2] = { c->n_exact, c->n_tokens };
+    uint32_t *seq = NULL;
+    for (int w = 0; w < 2; w++) {
+        size_t keep = common < len[w] ? common : len[w];
+        ptree_truncate(&m->tree[w], c, keep);
+        if (len[w] > c->idx_len[w] && !seq) {
+            seq = ctx_gather_tokens(c, NULL);
+            if (!seq) {
+                ptree_truncate(&m->tree[w], c, 0);
+                continue;
+            }
+        }
+        if (len[w] > c->idx_len[w] &&
+            ptree_append(&m->tree[w], c, seq + c->idx_len[w], len[w] - c->idx_len[w]) != 0)
+            ptree_truncate(&m->tree[w], c, 0);
+    }
+    kvr_mem_free(seq);
+}
+
+/* Drops the last extent of c (one block's worth at most) for eviction. */
+static void evict_tail(kvr_store *s, kvr_ctx *c)
+{
+    kvr_extent e = c->ext[--c->n_ext];
+    c->n_tokens -= e.count;
+    c->n_evicted_tokens += e.count;
+    if (c->n_exact > c->n_tokens)
+        c->n_exact = c->n_tokens;
+    ptree_truncate(&c->model->tree[0], c, c->n_exact);
+    ptree_truncate(&c->model->tree[1], c, c->n_tokens);
+    s->n_evicted_blocks++;
+    if (e.block->refcount == 1)
+        s->n_evicted_bytes += e.block->bytes;
+    block_unref(s, e.block);
+    if (c->n_tokens == 0)
+        ctx_destroy(s, c);
+}
+
+static bool evictable(const kvr_ctx *c)
+{
+    return !c->pinned && !c->busy && !c->pending;
+}
+
+/* Bytes that evicting every evictable context would give back. */
+static size_t freeable_bytes(kvr_store *s)
+{
+    uint32_t ep = ++s->epoch;
+    for (kvr_ctx *c = s->lru_head; c; c = c->lru_next) {
+        if (!evictable(c))
+            continue;
+        for (size_t i = 0; i < c->n_ext; i++) {
+            kvr_block *b = c->ext[i].block;
+            if (b->mark != ep) {
+                b->mark = ep;
+                b->mcount = 0;
+            }
+            b->mcount++;
+        }
+    }
+    size_t total = 0;
+    ep = ++s->epoch;
+    for (kvr_ctx *c = s->lru_head; c; c = c->lru_next) {
+        if (!evictable(c))
+            continue;
+        for (size_t i = 0; i < c->n_ext; i++) {
+            kvr_block *b = c->ext[i].block;
+            if (b->mark == ep - 1 && b->mcount == b->refcount)
+                total += b->bytes;
+            b->mark = ep;   /* count each block once */
+        }
+    }
+    return total;
+}
+
+int store_reserve(kvr_store *s, size_t need, kvr_error *err)
+{
+    size_t cap = s->cfg.max_memory;
+    if (cap == 0 || kvr_mem_allocated() + need <= cap)
+        return 0;
+    size_t have = kvr_mem_allocated();
+    size_t freeable = freeable_bytes(s);
+    if (need > cap || have - (freeable < have ? freeable : have) + need > cap) {
+        s->n_refused_nomem++;
+        return kvr_error_set(err, KVR_ENOMEM,
+                             "memory cap %zu bytes cannot fit %zu more bytes: %zu in use, "
+                             "only %zu evictable (the rest is pinned, busy or leased)",
+                             cap, need, have, freeable);
+    }
+    while (kvr_mem_allocated() + need > cap) {
+        kvr_ctx *v = s->lru_tail;
+        while (v && !evictable(v))
+            v = v->lru_prev;
+        if (!v) {
+            s->n_refused_nomem++;
+            return kvr_error_set(err, KVR_ENOMEM,
+                                 "memory cap %zu bytes cannot fit %zu more bytes "
+                                 "after evicting everything evictable", cap, need);
+        }
+        evict_tail(s, v);
+    }
+    return 0;
+}
+
+/* ---- models ------------------------------------------------------------- */
+
+kvr_model *model_find(const kvr_store *s, const char *name)
+{
+    if (!name)
+        return NULL;
+    for (size_t i = 0; i < s->n_models; i++)
+        if (strcmp(s->models[i]->name, name) == 0)
+            return s->models[i];
+    return NULL;
+}
+
+void model_fill_info(const kvr_model *m, kvr_model_info *out)
+{
+    memset(out, 0, sizeof *out);
+    memcpy(out->name, m->name, sizeof out->name);
+    out->n_layers = m->n_layers;
+    out->n_kv_heads = m->n_kv_heads;
+    out->head_dim = m->head_dim;
+    out->dtype = m->dtype;
+    out->fingerprint = m->fingerprint;
+    out->rope = &m->rope_cfg;
+    out->engine = m->engine;
+    out->n_contexts = m->n_contexts;
+}
+
+static uint64_t model_fingerprint(const kvr_model_desc *d, const kvr_rope_config *rc,
+                                  int *rc_out)
+{
+    char head[128];
+    int n = snprintf(head, sizeof head, "n_layers=%u;n_kv_heads=%u;head_dim=%u;dtype=%s;rope=",
+                     d->n_layers, d->n_kv_heads, d->head_dim, kvr_dtype_name(d->dtype));
+    uint64_t h = fnv1a(head, (size_t)n, FNV_INIT);
+    size_t need = kvr_rope_config_canonical(rc, NULL, 0);
+    char *buf = kvr_mem_malloc(need + 1);
+    if (!buf) {
+        *rc_out = KVR_ENOMEM;
+        return 0;
+    }
+    size_t got = kvr_rope_config_canonical(rc, buf, need + 1);
+    h = fnv1a(buf, got < need ? got : need, h);
+    kvr_mem_free(buf);
+    *rc_out = 0;
+    return h ? h : 1;   /* 0 means "unchecked" on the wire */
+}
+
+int kvr_store_model_register(kvr_store *s, const kvr_model_desc *d,
+                             kvr_model_info *out, kvr_error *err)
+{
+    int rc;
+    if (!d || !d->name || !d->name[0] || strnlen(d->name, KVR_ID_MAX + 1) > KVR_ID_MAX)
+        return kvr_error_set(err, KVR_EBADREQUEST, "model name must be 1..%d bytes",
+                             KVR_ID_MAX);
+    if (d->n_layers == 0 || d->n_layers > 4096 || d->n_kv_heads == 0 ||
+        d->n_kv_heads > 4096 || d->head_dim == 0 || d->head_dim > KVR_ROPE_MAX_HEAD_DIM)
+        return kvr_error_set(err, KVR_ESHAPE,
+                             "model '%s': bad shape n_layers=%u n_kv_heads=%u head_dim=%u",
+                             d->name, d->n_layers, d->n_kv_heads, d->head_dim);
+    if (kvr_dtype_size(d->dtype) == 0)
+        return kvr_error_set(err, KVR_ESHAPE, "model '%s': unknown dtype %d", d->name,
+                             (int)d->dtype);
+    /* A config that leaves head_dim (and rotary_dim) unset takes the model's. */
+    kvr_rope_config rcfg = d->rope;
+    if (rcfg.head_dim == 0)
+        rcfg.head_dim = (int32_t)d->head_dim;
+    if (rcfg.rotary_dim == 0)
+        rcfg.rotary_dim = rcfg.head_dim;
+    if (rcfg.head_dim != (int32_t)d->head_dim)
+        return kvr_error_set(err, KVR_ESHAPE,
+                             "model '%s': head_dim %u does not match the rope config's %d",
+                             d->name, d->head_dim, rcfg.head_dim);
+    uint64_t fp = model_fingerprint(d, &rcfg, &rc);
+    if (rc != 0)
+        return kvr_error_set(err, rc, "out of memory registering model '%s'", d->name);
+
+    kvr_model *old = model_find(s, d->name);
+    if (old) {
+        if (old->fingerprint != fp)
+            return kvr_error_set(err, KVR_EEXIST,
+                                 "model '%s' is already registered with another "
+                                 "fingerprint (%016llx, new %016llx)", d->name,
+                                 (unsigned long long)old->fingerprint,
+                                 (unsigned long long)fp);
+        if (out)
+            model_fill_info(old, out);
+        return 0;
+    }
+
+    kvr_model *m = kvr_mem_calloc(1, sizeof *m);
+    if (!m) {
+        rc = kvr_error_set(err, KVR_ENOMEM, "out of memory registering model '%s'", d->name);
+        goto fail;
+    }
+    char emsg[200] = "";
+    if (kvr_rope_create(&m->engine, &rcfg, emsg, sizeof emsg) != 0) {
+        rc = kvr_error_set(err, KVR_ECONFIG, "model '%s': rope config refused: %s",
+                           d->name, emsg[0] ? emsg : "invalid");
+        goto fail_model;
+    }
+    if (s->n_models == s->cap_models) {
+        size_t cap = s->cap_models ? s->cap_models * 2 : 4;
+        kvr_model **a = kvr_mem_realloc(s->models, cap * sizeof *a);
+        if (!a) {
+            rc = kvr_error_set(err, KVR_ENOMEM, "out of memory registering model '%s'",
+                               d->name);
+            goto fail_engine;
+        }
+        s->models = a;
+        s->cap_models = cap;
+    }
+    memcpy(m->name, d->name, strlen(d->name) + 1);
+    m->n_layers = d->n_layers;
+    m->n_kv_heads = d->n_kv_heads;
+    m->head_dim = d->head_dim;
+    m->dtype = d->dtype;
+    m->fingerprint = fp;
+    m->rope_cfg = rcfg;
+    ptree_init(&m->tree[0], 0);
+    ptree_init(&m->tree[1], 1);
+    s->models[s->n_models++] = m;
+    if (out)
+        model_fill_info(m, out);
+    return 0;
+
+fail_engine:
+    kvr_rope_destroy(m->engine);
+fail_model:
+    kvr_mem_free(m);
+fail:
+    return rc;
+}
+
+int kvr_store_model_find(const kvr_store *s, const char *name, kvr_model_info *out)
+{
+    kvr_model *m = model_find(s, name);
+    if (!m)
+        return KVR_ENOMODEL;
+    if (out)
+        model_fill_info(m, out);
+    return 0;
+}
+
+size_t kvr_store_model_list(const kvr_store *s, kvr_model_info *out, size_t cap)
+{
+    for (size_t i = 0; i < s->n_models && i < cap; i++)
+        model_fill_info(s->models[i], &out[i]);
+    return s->n_models;
+}
+
+/* ---- match -------------------------------------------------------------- */
+
+int kvr_store_match(kvr_store *s, const char *model, const uint32_t *tokens,
+                    size_t n, bool include_approx, kvr_match_result *res,
+                    kvr_error *err)
+{
+    kvr_model *m = model_find(s, model);
+    if (!m)
+        return kvr_error_set(err, KVR_ENOMODEL, "no model '%s'", model ? model : "");
+    if (n > 0 && !tokens)
+        return kvr_error_set(err, KVR_EBADREQUEST, "match: tokens missing");
+    s->n_matches++;
+    kvr_ctx *rep = NULL;
+    size_t len = n ? ptree_match(&m->tree[include_approx ? 1 : 0], tokens, n, &rep) : 0;
+    res->length = rep ? len : 0;
+    res->ctx_id[0] = '\0';
+    if (rep && len) {
+        memcpy(res->ctx_id, rep->id, rep->id_len + 1);
+        s->n_match_hits++;
+        lru_touch(s, rep);
+    }
+    return 0;
+}
+
+/* ---- context management ------------------------------------------------- */
+
+int kvr_store_delete(kvr_store *s, const char *ctx_id, kvr_error *err)
+{
+    kvr_ctx *c = NULL;
+    int frc = ctx_find_live(s, ctx_id, &c, err);
+    if (frc != 0)
+        return frc;
+    if (c->busy)
+        return kvr_error_set(err, KVR_EBUSY, "context '%s' is being written", ctx_id);
+    ctx_destroy(s, c);
+    return 0;
+}
+
+static void ctx_fill_info(kvr_store *s, const kvr_ctx *c, kvr_ctx_info *o)
+{
+    memset(o, 0, sizeof *o);
+    memcpy(o->id, c->id, c->id_len + 1);
+    memcpy(o->model, c->model->name, sizeof o->model);
+    o->n_tokens = c->n_tokens;
+    o->pinned = c->pinned;
+    o->busy = c->busy;
+    o->created_ms = c->created_ms;
+    o->accessed_ms = c->accessed_ms;
+    o->n_evicted_tokens = c->n_evicted_tokens;
+    o->pos_min = 0;
+    o->pos_max = -1;
+    /* Own references per block first, then count each block once. */
+    uint32_t ep = ++s->epoch;
+    for (size_t i = 0; i < c->n_ext; i++) {
+        kvr_block *b = c->ext[i].block;
+        if (b->mark != ep) {
+            b->mark = ep;
+            b->mcount = 0;
+        }
+        b->mcount++;
+    }
+    ep = ++s->epoch;
+    bool first = true;
+    for (size_t i = 0; i < c->n_ext; i++) {
+        const kvr_extent *e = &c->ext[i];
+        kvr_block *b = e->block;
+        if (b->mark == ep - 1) {
+            o->n_blocks++;
+            o->bytes += b->bytes;
+            if (b->refcount - b->holds > b->mcount)
+                o->n_shared_blocks++;
+            b->mark = ep;
+        }
+        if (e->flags & KVR_TOKEN_APPROX)
+            o->n_approx += e->count;
+        for (uint32_t k = 0; k < e->count; k++) {
+            int64_t p = b->stored_pos[e->first + k] + e->pos_delta;
+            if (first || p < o->pos_min)
+                o->pos_min = p;
+            if (first || p > o->pos_max)
+                o->pos_max = p;
+            first = false;
+        }
+    }
+}
+
+int kvr_store_stat(kvr_store *s, const char *ctx_id, kvr_ctx_info *out, kvr_error *err)
+{
+    kvr_ctx *c = NULL;
+    int frc = ctx_find_live(s, ctx_id, &c, err);
+    if (frc != 0)
+        return frc;
+    ctx_fill_info(s, c, out);
+    return 0;
+}
+
+static int cmp_info(const void *a, const void *b)
+{
+    return strcmp(((const kvr_ctx_info *)a)->id, ((const kvr_ctx_info *)b)->id);
+}
+
+int kvr_store_list(kvr_store *s, const char *model, kvr_ctx_info **out, size_t *n,
+                   kvr_error *err)
+{
+    kvr_model *m = NULL;
+    if (model && !(m = model_find(s, model)))
+        return kvr_error_set(err, KVR_ENOMODEL, "no model '%s'", model);
+    size_t k = 0;
+    for (kvr_ctx *c = s->lru_head; c; c = c->lru_next)
+        if (!m || c->model == m)
+            k++;
+    kvr_ctx_info *a = kvr_mem_malloc((k ? k : 1) * sizeof *a);
+    if (!a)
+        return kvr_error_set(err, KVR_ENOMEM, "out of memory listing %zu contexts", k);
+    size_t i = 0;
+    for (kvr_ctx *c = s->lru_head; c; c = c->lru_next)
+        if (!m || c->model == m)
+            ctx_fill_info(s, c, &a[i++]);
+    qsort(a, k, sizeof *a, cmp_info);
+    *out = a;
+    *n = k;
+    return 0;
+}
+
+int kvr_store_pin(kvr_store *s, const char *ctx_id, bool pin, kvr_error *err)
+{
+    kvr_ctx *c = NULL;
+    int frc = ctx_find_live(s, ctx_id, &c, err);
+    if (frc != 0)
+        return frc;
+    c->pinned = pin;
+    return 0;
+}
+
+int kvr_store_fork(kvr_store *s, const char *src, const char *dst, kvr_error *err)
+{
+    int rc;
+    kvr_ctx *a = NULL;
+    int frc = ctx_find_live(s, src, &a, err);
+    if (frc != 0)
+        return frc;
+    if ((rc = ctx_id_check(dst, err)) != 0)
+        return rc;
+    if (ctx_find(s, dst))
+        return kvr_error_set(err, KVR_EEXIST, "context '%s' already exists", dst);
+    kvr_ctx *b = ctx_new(s, a->model, dst);
+    if (!b)
+        return kvr_error_set(err, KVR_ENOMEM, "out of memory forking '%s'", src);
+    if (ctx_ext_reserve(b, a->n_ext ? a->n_ext : 1) != 0) {
+        rc = kvr_error_set(err, KVR_ENOMEM, "out of memory forking '%s'", src);
+        goto fail_ctx;
+    }
+    if (ptree_clone(&a->model->tree[0], a, b) != 0 ||
+        ptree_clone(&a->model->tree[1], a, b) != 0) {
+        rc = kvr_error_set(err, KVR_ENOMEM, "out of memory forking '%s'", src);
+        goto fail_ctx;    /* ctx_destroy takes b out of the trees */
+    }
+    memcpy(b->ext, a->ext, a->n_ext * sizeof *a->ext);
+    b->n_ext = a->n_ext;
+    for (size_t i = 0; i < b->n_ext; i++)
+        block_ref(b->ext[i].block);
+    b->n_tokens = a->n_tokens;
+    b->n_exact = a->n_exact;
+    b->dtype = a->dtype;
+    b->pending = false;
+    b->model->n_contexts++;
+    lru_touch(s, b);
+    return 0;
+
+fail_ctx:
+    ctx_destroy(s, b);
+    return rc;
+}
+
+/* Makes token index `idx` (0 <= idx <= n_tokens) start an extent (n_ext for
+ * the end); returns that extent's index. May need one free extent slot
+ * (ctx_ext_reserve). */
+static size_t ctx_split_at(kvr_ctx *c, size_t idx)
+{
+    size_t k = 0, i = 0;
+    for (; i < c->n_ext; i++) {
+        if (k == idx)
+            return i;
+        if (idx < k + c->ext[i].count)
+            break;
+        k += c->ext[i].count;
+    }
+    if (i == c->n_ext)
+        return i;
+    uint32_t off = (uint32_t)(idx - k);
+    memmove(c->ext + i + 1, c->ext + i, (c->n_ext - i) * sizeof *c->ext);
+    c->n_ext++;
+    c->ext[i].count = off;
+    c->ext[i + 1].first += off;
+    c->ext[i + 1].count -= off;
+    block_ref(c->ext[i].block);
+    return i + 1;
+}
+
+/* Merges neighbours that are contiguous in one block with equal delta/flags. */
+static void ctx_merge_extents(kvr_store *s, kvr_ctx *c)
+{
+    if (c->n_ext < 2)
+        return;
+    size_t w = 0;
+    for (size_t i = 1; i < c->n_ext; i++) {
+        kvr_extent *p = &c->ext[w], *e = &c->ext[i];
+        if (p->block == e->block && p->first + p->count == e->first &&
+            p->pos_delta == e->pos_delta && p->flags == e->flags) {
+            p->count += e->count;
+            block_unref(s, e->block);
+        } else {
+            c->ext[++w] = *e;
+        }
+    }
+    c->n_ext = w + 1;
+}
+
+static int resolve_range(const kvr_ctx *c, size_t start, size_t *end, kvr_error *err)
+{
+    if (*end == SIZE_MAX)
+        *end = c->n_tokens;
+    if (start > *end || *end > c->n_tokens)
+        return kvr_error_set(err, KVR_ERANGE,
+                             "token range [%zu, %zu) is outside context '%s' of %zu tokens",
+                             start, *end, c->id, c->n_tokens);
+    return 0;
+}
+
+int kvr_store_shift(kvr_store *s, const char *ctx_id, size_t start, size_t end,
+                    int64_t delta, kvr_error *err)
+{
+    int rc;
+    kvr_ctx *c = NULL;
+    int frc = ctx_find_live(s, ctx_id, &c, err);
+    if (frc != 0)
+        return frc;
+    if (c->busy)
+        return kvr_error_set(err, KVR_EBUSY, "context '%s' is being written", ctx_id);
+    if ((rc = resolve_range(c, start, &end, err)) != 0)
+        return rc;
+    if (start == end || delta == 0)
+        return 0;
+    /* Check every position of the range before touching anything. */
+    size_t k = 0;
+    for (size_t i = 0; i < c->n_ext && k < end; i++) {
+        const kvr_extent *e = &c->ext[i];
+        for (uint32_t j = 0; j < e->count; j++, k++) {
+            if (k < start || k >= end)
+                continue;
+            int64_t p = e->block->stored_pos[e->first + j], q;
+            if (__builtin_add_overflow(p, e->pos_delta, &q) ||
+                __builtin_add_overflow(q, delta, &q) ||
+                __builtin_add_overflow(e->pos_delta, delta, &q))
+                return kvr_error_set(err, KVR_EINVAL,
+                                     "shift by %lld overflows the position of token %zu",
+                                     (long long)delta, k);
+        }
+    }
+    if (ctx_ext_reserve(c, 2) != 0)
+        return kvr_error_set(err, KVR_ENOMEM, "out of memory shifting '%s'", ctx_id);
+    size_t i0 = ctx_split_at(c, start);
+    size_t i1 = ctx_split_at(c, end);
+    for (size_t i = i0; i < i1; i++)
+        c->ext[i].pos_delta += delta;
+    ctx_merge_extents(s, c);
+    lru_touch(s, c);
+    return 0;
+}
+
+int kvr_store_keep(kvr_store *s, const char *ctx_id, size_t start, size_t end,
+                   kvr_error *err)
+{
+    int rc;
+    kvr_ctx *c = NULL;
+    int frc = ctx_find_live(s, ctx_id, &c, err);
+    if (frc != 0)
+        return frc;
+    if (c->busy)
+        return kvr_error_set(err, KVR_EBUSY, "context '%s' is being written", ctx_id);
+    if ((rc = resolve_range(c, start, &end, err)) != 0)
+        return rc;
+    if (start == 0 && end == c->n_tokens)
+        return 0;
+    if (ctx_ext_reserve(c, 2) != 0)
+        return kvr_error_set(err, KVR_ENOMEM, "out of memory in keep on '%s'", ctx_id);
+    size_t i0 = ctx_split_at(c, start);
+    size_t i1 = ctx_split_at(c, end);
+    for (size_t i = 0; i < i0; i++)
+        block_unref(s, c->ext[i].block);
+    for (size_t i = i1; i < c->n_ext; i++)
+        block_unref(s, c->ext[i].block);
+    memmove(c->ext, c->ext + i0, (i1 - i0) * sizeof *c->ext);
+    c->n_ext = i1 - i0;
+    c->n_tokens = end - start;
+    ctx_index_rebuild(s, c, start == 0 ? end : 0);
+    lru_touch(s, c);
+    return 0;
+}
+
+/* ---- statistics --------------------------------------------------------- */
+
+void kvr_store_get_stats(const kvr_store *s, kvr_store_stats *out)
+{
+    memset(out, 0, sizeof *out);
+    out->mem_allocated = kvr_mem_allocated();
+    out->mem_peak = kvr_mem_peak();
+    out->mem_cap = s->cfg.max_memory;
+    out->block_bytes = s->block_bytes;
+    out->n_models = s->n_models;
+    out->n_blocks = s->n_blocks;
+    for (const kvr_ctx *c = s->lru_head; c; c = c->lru_next) {
+        out->n_contexts++;
+        out->n_tokens += c->n_tokens;
+    }
+    out->n_evicted_blocks = s->n_evicted_blocks;
+    out->n_evicted_bytes = s->n_evicted_bytes;
+    out->n_puts = s->n_puts;
+    out->n_gets = s->n_gets;
+    out->n_matches = s->n_matches;
+    out->n_match_hits = s->n_match_hits;
+    out->n_refused_nomem = s->n_refused_nomem;
+    out->n_leased_blocks = s->n_leased_blocks;
+}

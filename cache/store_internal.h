@@ -1,0 +1,169 @@
+/*
+ * store_internal.h — private structures of cache/: blocks, extents,
+ * contexts, models, the per-model prefix index and the store itself.
+ *
+ * Invariants:
+ *  - A block holds `block_tokens` token slots for ALL layers: for each layer
+ *    K [B][H][D] then V [B][H][D] in the context's storage dtype, followed by
+ *    per-slot metadata (stored-at position, token id, group id). Slots below
+ *    `used` are immutable once committed; only an exclusively owned block
+ *    (refcount 1) gets its free tail slots filled by a later put.
+ *  - refcount = extents referencing the block + get leases + open put txns
+ *    that write into it. The block (and its accounted memory) is freed when
+ *    it drops to zero, never earlier.
+ *  - A context is an ordered array of extents {block, first slot, count,
+ *    pos_delta, flags}; token logical position = stored-at + pos_delta.
+ *    Extents are never empty.
+ *  - Every committed context sits in its model's two prefix trees (exact
+ *    prefix, full sequence) with its current token sequences, except that a
+ *    context of length 0 in a tree has no node there.
+ *  - Everything is allocated with kvr_mem_*.
+ */
+#ifndef KVR_STORE_INTERNAL_H
+#define KVR_STORE_INTERNAL_H
+
+#include "cache/cache.h"
+
+#define KVR_DEFAULT_BLOCK_TOKENS 64u
+#define KVR_BLOCK_ALIGN 64u
+#define KVR_MAX_PUT_TOKENS (1u << 24)
+
+typedef struct kvr_block kvr_block;
+typedef struct kvr_ctx kvr_ctx;
+typedef struct kvr_model kvr_model;
+typedef struct pnode pnode;
+
+struct kvr_block {
+    uint32_t  refcount;
+    uint32_t  holds;        /* part of refcount: leases + open puts */
+    uint32_t  leases;       /* part of holds: get leases */
+    uint32_t  mark, mcount; /* scratch for whole-store scans (epoch, count) */
+    uint32_t  used;         /* committed slots (a prefix of the block) */
+    uint32_t  cap;          /* slots (the store's block_tokens) */
+    kvr_dtype dtype;        /* storage dtype (codec later) */
+    size_t    bytes;        /* accounted bytes of data */
+    uint8_t  *data;         /* kvr_mem_aligned; layers then metadata */
+    int64_t  *stored_pos;   /* [cap], inside data */
+    uint32_t *tokens;       /* [cap], inside data */
+    int32_t  *groups;       /* [cap], inside data */
+};
+
+typedef struct kvr_extent {
+    kvr_block *block;
+    uint32_t   first, count;
+    int64_t    pos_delta;
+    uint32_t   flags;        /* KVR_TOKEN_* for every token of the extent */
+} kvr_extent;
+
+/* ---- prefix index (prefix.c) -------------------------------------------- */
+struct pnode {
+    uint32_t  *label;        /* edge label (empty for the root) */
+    size_t     len;
+    size_t     depth;        /* tokens from the root to the end of the label */
+    size_t     n_pass;       /* contexts whose sequence covers the whole label */
+    pnode     *parent;
+    pnode    **children;     /* sorted by label[0] */
+    uint32_t   n_children, cap_children;
+    kvr_ctx  **ends;         /* contexts whose sequence ends exactly here */
+    uint32_t   n_ends, cap_ends;
+};
+
+typedef struct kvr_ptree {
+    pnode  root;
+    int    which;            /* 0 exact, 1 full: index into ctx->idx_* */
+    size_t n_nodes;
+} kvr_ptree;
+
+void ptree_init(kvr_ptree *t, int which);
+void ptree_free(kvr_ptree *t);
+/* ctx currently has length ctx->idx_len[which] in the tree; makes it
+ * `n` tokens long where seq[0..n) is the full new sequence and its first
+ * `keep` tokens equal the old sequence's (keep <= both lengths). */
+int  ptree_set(kvr_ptree *t, kvr_ctx *c, const uint32_t *seq, size_t n, size_t keep);
+/* Appends suffix[0..n) to ctx's sequence in the tree. On failure the tree
+ * is unchanged. */
+int  ptree_append(kvr_ptree *t, kvr_ctx *c, const uint32_t *suffix, size_t n);
+/* Truncates ctx's sequence in the tree to n tokens (n <= current). Never fails. */
+void ptree_truncate(kvr_ptree *t, kvr_ctx *c, size_t n);
+/* Adds `dst` at the same place as `src` (fork). */
+int  ptree_clone(kvr_ptree *t, kvr_ctx *src, kvr_ctx *dst);
+size_t ptree_match(const kvr_ptree *t, const uint32_t *q, size_t n, kvr_ctx **rep);
+
+/* ---- models, contexts, store -------------------------------------------- */
+struct kvr_model {
+    char            name[KVR_ID_MAX + 1];
+    uint32_t        n_layers, n_kv_heads, head_dim;
+    kvr_dtype       dtype;
+    uint64_t        fingerprint;
+    kvr_rope_config rope_cfg;
+    kvr_rope       *engine;
+    size_t          n_contexts;
+    kvr_ptree       tree[2];    /* 0: exact prefixes, 1: full sequences */
+};
+
+struct kvr_ctx {
+    char        id[KVR_ID_MAX + 1];
+    size_t      id_len;
+    uint64_t    hash;
+    kvr_ctx    *hnext;          /* hash chain */
+    kvr_ctx    *lru_prev, *lru_next;  /* prev = more recent */
+    kvr_model  *model;
+    kvr_dtype   dtype;          /* storage dtype (codec id later) */
+    kvr_extent *ext;
+    size_t      n_ext, cap_ext;
+    size_t      n_tokens;
+    size_t      n_exact;        /* tokens before the first approximate one */
+    bool        pinned, busy, pending;  /* pending: created by an open put */
+    uint64_t    created_ms, accessed_ms;
+    size_t      n_evicted_tokens;
+    pnode      *idx_node[2];
+    size_t      idx_len[2];
+};
+
+struct kvr_store {
+    kvr_store_config cfg;
+    uint32_t     B;
+    kvr_model  **models;
+    size_t       n_models, cap_models;
+    kvr_ctx    **buckets;
+    size_t       n_buckets, n_ctx;   /* n_ctx includes pending */
+    kvr_ctx     *lru_head, *lru_tail;   /* head = most recent */
+    size_t       n_blocks, block_bytes, n_leased_blocks;
+    uint64_t     n_evicted_blocks, n_evicted_bytes;
+    uint64_t     n_puts, n_gets, n_matches, n_match_hits, n_refused_nomem;
+    uint32_t     epoch;
+};
+
+/* block.c */
+size_t     block_data_bytes(const kvr_store *s, const kvr_model *m, kvr_dtype dt);
+kvr_block *block_new(kvr_store *s, const kvr_model *m, kvr_dtype dt);
+void       block_ref(kvr_block *b);
+void       block_unref(kvr_store *s, kvr_block *b);
+/* Pointer to K (kv=0) or V (kv=1) of `layer` at slot `slot`. */
+uint8_t   *block_kv(const kvr_block *b, const kvr_model *m, uint32_t layer,
+                    int kv, uint32_t slot);
+
+/* store.c helpers shared by put.c / get.c */
+uint64_t   now_ms(void);
+kvr_ctx   *ctx_find(const kvr_store *s, const char *id);   /* includes pending */
+/* Committed (non-pending) context by id: 0, or EBADREQUEST / ENOCTX. */
+int        ctx_find_live(const kvr_store *s, const char *id, kvr_ctx **out,
+                         kvr_error *err);
+int        ctx_id_check(const char *id, kvr_error *err);
+kvr_ctx   *ctx_new(kvr_store *s, kvr_model *m, const char *id);  /* pending, in map */
+void       ctx_destroy(kvr_store *s, kvr_ctx *c);   /* unlink + free everything */
+void       lru_touch(kvr_store *s, kvr_ctx *c);
+int        ctx_ext_reserve(kvr_ctx *c, size_t n);
+int64_t    ctx_last_pos(const kvr_ctx *c);
+kvr_model *model_find(const kvr_store *s, const char *name);
+/* Gathers c's token ids (kvr_mem_malloc'ed, caller frees). */
+uint32_t  *ctx_gather_tokens(const kvr_ctx *c, kvr_error *err);
+/* Makes room for `need` more bytes under the cap (evicting), or KVR_ENOMEM. */
+int        store_reserve(kvr_store *s, size_t need, kvr_error *err);
+/* Recomputes n_exact and resyncs both trees; the first `common` tokens are
+ * known unchanged. On allocation failure c is left out of the index (which
+ * then under-reports, never lies). */
+void       ctx_index_rebuild(kvr_store *s, kvr_ctx *c, size_t common);
+void       model_fill_info(const kvr_model *m, kvr_model_info *out);
+
+#endif /* KVR_STORE_INTERNAL_H */
