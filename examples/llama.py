@@ -32,6 +32,18 @@ pairs (i, i + rot/2); "gptj" (interleaved, ggml NORMAL), rot=8 -->
 Shapes: token sequences are 1-D; per-token tensors are [tokens][heads][dim].
 A kv list has one (K, V) tuple per layer, each [tokens][kv_heads][head_dim].
 
+API (all arrays numpy):
+  make_config(rope="default"|family|rope_scaling dict, style="neox"|"gptj", **shape) -> dict
+  write_config(path, config=None, **kw) -> path;  load_config(path) -> dict
+  rope_parameters(config, seq_len=None) -> (inv_freq, attention_factor)
+  Rope(config, style=None): .apply(x, pos) .remove(k, pos) .reposition(k, from, to)
+  LlamaModel(config, seed=0): .forward(tokens, positions=None, past=None) -> (logits, kv)
+      .apply_rope / .remove_rope / .reposition / .reposition_kv / .pre_rope_keys
+  attention(q, k, v, mask=None, bias=None, logit_scale=None) -> out
+  kv_to_payload(kv, dtype) -> bytes;  payload_to_kv(buf, n_layers, n_tokens, kv_heads,
+      head_dim, dtype) -> kv;  f32_to_bf16 / bf16_to_f32;  kv_concat / kv_slice
+  encode(text) / decode(ids): the byte tokenizer (examples/tokenizer.py)
+
 Dynamic NTK and longrope pick their frequency table from a sequence length.
 HF takes it as max(position_ids) + 1 of the current call (dynamic also keeps
 a grow-only cache of it across calls); here it is stateless: `seq_len`, if

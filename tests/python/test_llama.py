@@ -322,6 +322,9 @@ def test_attention_hooks():
     raw = np.where(mask, raw, -np.inf)
     want = np.exp(raw - raw.max(-1, keepdims=True))
     assert np.allclose(w, want / want.sum(-1, keepdims=True))
+    # a per-head scale of shape [H][Tk] equals the [Tk] one when all heads agree
+    assert np.allclose(L.attention(q, k, v, mask=mask, logit_scale=np.tile(ls, (4, 1))),
+                       L.attention(q, k, v, mask=mask, logit_scale=ls))
     # per-head bias of log S on a block multiplies that block's mass by S
     hb = np.zeros((4, 4, 6))
     hb[:, :, :2] = math.log(3.0)
@@ -618,8 +621,7 @@ def test_torch_hf_llama_forward(fam):
     W = {k: torch.tensor(v, dtype=torch.float64) for k, v in m.weights.items()}
     inv, af = L.rope_parameters(cfg)           # float64 tables: the formulas are checked above
     pos = torch.arange(len(ids))[None]
-    cos, sin = _hf_cos_sin(torch, torch.tensor(inv).double(), af, pos, torch.float64)
-    # _hf_cos_sin casts through float for HF parity; redo in float64 here
+    # LlamaRotaryEmbedding.forward, in float64 (HF's float32 angles are checked above)
     freqs = (torch.tensor(inv)[None, :, None].double() @ pos[:, None, :].double()).transpose(1, 2)
     emb = torch.cat((freqs, freqs), dim=-1)
     cos, sin = emb.cos() * af, emb.sin() * af
