@@ -1,0 +1,462 @@
+/*
+ * test_rope_props.c — properties of the engine that hold for any input:
+ * identities of reposition, norm preservation (a re-applied YaRN magnitude
+ * would break it), reposition == apply(remove), SIMD == scalar to within one
+ * ulp of the output format for every dtype pair and ISA, large positions
+ * against a long-double computation, length-dependent tables (dynamic NTK,
+ * longrope) against a direct computation, thread-count independence, and the
+ * element conversions.
+ */
+#include <criterion/criterion.h>
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+#include <errno.h>
+
+#include "rope/rope.h"
+
+static uint64_t rng = 0x9e3779b97f4a7c15ull;
+static double urand(void)            /* [-1, 1) */
+{
+    rng ^= rng << 13; rng ^= rng >> 7; rng ^= rng << 17;
+    return (double)(rng >> 11) * 0x1p-52 - 1.0;
+}
+
+static void fill(float *x, size_t n)
+{
+    for (size_t i = 0; i < n; i++) x[i] = (float)(urand() * 2.0);
+}
+
+static kvr_rope *make(int head_dim, int rot, kvr_rope_style style, double theta,
+                      kvr_rope_scaling sc, double factor)
+{
+    kvr_rope_config c;
+    kvr_rope_config_init(&c);
+    c.head_dim = head_dim;
+    c.rotary_dim = rot;
+    c.style = style;
+    c.theta = theta;
+    c.scaling = sc;
+    c.factor = factor;
+    c.max_position_embeddings = 4096;
+    if (sc == KVR_ROPE_SCALING_YARN) c.original_max_position_embeddings = 4096;
+    if (sc == KVR_ROPE_SCALING_LLAMA3) {
+        c.original_max_position_embeddings = 8192;
+        c.low_freq_factor = 1.0;
+        c.high_freq_factor = 4.0;
+    }
+    kvr_rope *r = NULL;
+    char err[200] = "";
+    cr_assert_eq(kvr_rope_create(&r, &c, err, sizeof err), 0, "%s", err);
+    return r;
+}
+
+static double row_norm(const float *x, size_t n)
+{
+    double s = 0;
+    for (size_t i = 0; i < n; i++) s += (double)x[i] * (double)x[i];
+    return sqrt(s);
+}
+
+Test(rope_props, reposition_zero_is_identity)
+{
+    kvr_rope_style styles[] = { KVR_ROPE_NEOX, KVR_ROPE_GPTJ };
+    for (int s = 0; s < 2; s++) {
+        kvr_rope *r = make(128, 96, styles[s], 10000, KVR_ROPE_SCALING_YARN, 4.0);
+        size_t T = 70, H = 3, n = T * H * 128;
+        float *x = malloc(n * 4), *y = malloc(n * 4);
+        int64_t *p = malloc(T * 8);
+        fill(x, n);
+        for (size_t t = 0; t < T; t++) p[t] = (int64_t)(t * 7) - 100;
+        cr_assert_eq(kvr_rope_reposition(r, y, KVR_DTYPE_F32, x, KVR_DTYPE_F32, T, H, p, p, NULL), 0);
+        cr_assert_eq(memcmp(x, y, n * 4), 0, "reposition by 0 changed the data");
+        free(x); free(y); free(p);
+        kvr_rope_destroy(r);
+    }
+}
+
+Test(rope_props, reposition_there_and_back)
+{
+    kvr_rope *r = make(128, 128, KVR_ROPE_NEOX, 500000, KVR_ROPE_SCALING_LLAMA3, 8.0);
+    size_t T = 100, H = 2, D = 128, n = T * H * D;
+    float *x = malloc(n * 4), *y = malloc(n * 4), *z = malloc(n * 4);
+    int64_t *a = malloc(T * 8), *b = malloc(T * 8);
+    fill(x, n);
+    for (size_t t = 0; t < T; t++) { a[t] = (int64_t)t * 3; b[t] = a[t] + (t < 50 ? 1000 : -77); }
+    kvr_rope_reposition(r, y, KVR_DTYPE_F32, x, KVR_DTYPE_F32, T, H, a, b, NULL);
+    kvr_rope_reposition(r, z, KVR_DTYPE_F32, y, KVR_DTYPE_F32, T, H, b, a, NULL);
+    for (size_t row = 0; row < T * H; row++) {
+        double nrm = row_norm(x + row * D, D);
+        for (size_t j = 0; j < D; j++)
+            cr_assert_leq(fabs((double)z[row * D + j] - (double)x[row * D + j]), 4e-7 * nrm);
+    }
+    /* and in f16: there and back stays within two f16 roundings */
+    uint16_t *h = malloc(n * 2);
+    kvr_convert(h, KVR_DTYPE_F16, x, KVR_DTYPE_F32, n);
+    kvr_convert(y, KVR_DTYPE_F32, h, KVR_DTYPE_F16, n);
+    kvr_rope_reposition(r, h, KVR_DTYPE_F16, h, KVR_DTYPE_F16, T, H, a, b, NULL);
+    kvr_rope_reposition(r, h, KVR_DTYPE_F16, h, KVR_DTYPE_F16, T, H, b, a, NULL);
+    kvr_convert(z, KVR_DTYPE_F32, h, KVR_DTYPE_F16, n);
+    for (size_t row = 0; row < T * H; row++) {
+        double nrm = row_norm(y + row * D, D);
+        for (size_t j = 0; j < D; j++)
+            cr_assert_leq(fabs((double)z[row * D + j] - (double)y[row * D + j]), 4 * 0x1p-11 * nrm);
+    }
+    free(h); free(x); free(y); free(z); free(a); free(b);
+    kvr_rope_destroy(r);
+}
+
+Test(rope_props, reposition_preserves_norm_yarn)
+{
+    kvr_rope *r = make(64, 64, KVR_ROPE_GPTJ, 10000, KVR_ROPE_SCALING_YARN, 16.0);
+    size_t T = 64, H = 4, D = 64, n = T * H * D;
+    float *x = malloc(n * 4), *k = malloc(n * 4), *k2 = malloc(n * 4);
+    int64_t *a = malloc(T * 8), *b = malloc(T * 8);
+    fill(x, n);
+    for (size_t t = 0; t < T; t++) { a[t] = (int64_t)t; b[t] = (int64_t)t + 12345; }
+    kvr_rope_apply(r, k, KVR_DTYPE_F32, x, KVR_DTYPE_F32, T, H, a, NULL);
+    kvr_rope_reposition(r, k2, KVR_DTYPE_F32, k, KVR_DTYPE_F32, T, H, a, b, NULL);
+    double ms = 0.1 * log(16.0) + 1.0;
+    for (size_t row = 0; row < T * H; row++) {
+        double n0 = row_norm(x + row * D, D), n1 = row_norm(k + row * D, D),
+               n2 = row_norm(k2 + row * D, D);
+        cr_assert_float_eq(n1 / n0, ms, 1e-5, "apply must scale by attention_factor");
+        cr_assert_float_eq(n2 / n1, 1.0, 1e-5, "reposition must not touch the magnitude");
+    }
+    free(x); free(k); free(k2); free(a); free(b);
+    kvr_rope_destroy(r);
+}
+
+Test(rope_props, reposition_equals_apply_of_remove)
+{
+    kvr_rope_scaling scs[] = { KVR_ROPE_SCALING_DEFAULT, KVR_ROPE_SCALING_LINEAR,
+                               KVR_ROPE_SCALING_YARN, KVR_ROPE_SCALING_LLAMA3 };
+    for (int s = 0; s < 4; s++) {
+        kvr_rope *r = make(128, 128, s % 2 ? KVR_ROPE_GPTJ : KVR_ROPE_NEOX, 10000, scs[s], 4.0);
+        size_t T = 90, H = 2, D = 128, n = T * H * D;
+        float *k = malloc(n * 4), *u = malloc(n * 4), *ref = malloc(n * 4), *got = malloc(n * 4);
+        int64_t *a = malloc(T * 8), *b = malloc(T * 8);
+        fill(k, n);
+        for (size_t t = 0; t < T; t++) {
+            a[t] = (int64_t)(urand() * 5000.0) + 5000;
+            b[t] = t % 3 == 0 ? a[t] : (int64_t)(urand() * 5000.0) + 5000; /* repeated, negative */
+        }
+        kvr_rope_remove(r, u, KVR_DTYPE_F32, k, KVR_DTYPE_F32, T, H, a, NULL);
+        kvr_rope_apply(r, ref, KVR_DTYPE_F32, u, KVR_DTYPE_F32, T, H, b, NULL);
+        kvr_rope_reposition(r, got, KVR_DTYPE_F32, k, KVR_DTYPE_F32, T, H, a, b, NULL);
+        for (size_t row = 0; row < T * H; row++) {
+            double nrm = row_norm(k + row * D, D);
+            for (size_t j = 0; j < D; j++)
+                cr_assert_leq(fabs((double)got[row * D + j] - (double)ref[row * D + j]), 1e-6 * nrm,
+                              "scaling %d row %zu dim %zu", s, row, j);
+        }
+        free(k); free(u); free(ref); free(got); free(a); free(b);
+        kvr_rope_destroy(r);
+    }
+}
+
+/* ---- SIMD vs scalar --------------------------------------------------------- */
+
+static double ulp_of(double mag, kvr_dtype t)
+{
+    int e;
+    if (mag == 0.0) mag = 1e-30;
+    frexp(mag, &e);                     /* mag in [2^(e-1), 2^e) */
+    int mbits = t == KVR_DTYPE_F32 ? 23 : t == KVR_DTYPE_F16 ? 10 : 7;
+    if (t == KVR_DTYPE_F16 && e - 1 < -14) e = -13;   /* subnormal spacing */
+    return ldexp(1.0, e - 1 - mbits);
+}
+
+static void simd_vs_scalar(int hd, int rot, kvr_rope_style style, int op)
+{
+    kvr_rope *r = make(hd, rot, style, 10000, KVR_ROPE_SCALING_YARN, 4.0);
+    size_t T = 67, H = 3, n = T * H * (size_t)hd;
+    float *x = malloc(n * 4);
+    fill(x, n);
+    int64_t *a = malloc(T * 8), *b = malloc(T * 8);
+    for (size_t t = 0; t < T; t++) {
+        a[t] = t < 40 ? (int64_t)t : (int64_t)(urand() * 1e5);
+        b[t] = t < 20 ? a[t] + 17 : a[t] - 1000 - (int64_t)t;
+    }
+    kvr_dtype ts[] = { KVR_DTYPE_F32, KVR_DTYPE_F16, KVR_DTYPE_BF16 };
+    kvr_isa isas[] = { KVR_ISA_AVX2, KVR_ISA_AVX512 };
+    void *in = malloc(n * 4), *o_ref = malloc(n * 4), *o = malloc(n * 4);
+    float *fr = malloc(n * 4), *fo = malloc(n * 4);
+    for (int si = 0; si < 3; si++) for (int di = 0; di < 3; di++) {
+        kvr_convert(in, ts[si], x, KVR_DTYPE_F32, n);
+        for (int k = 0; k < 3; k++) {
+            kvr_isa isa = k == 0 ? KVR_ISA_SCALAR : isas[k - 1];
+            if (isa > kvr_isa_best()) continue;
+            kvr_rope_opts opt = { .isa = isa, .n_threads = 1 };
+            void *dst = k == 0 ? o_ref : o;
+            int rc = op == 0 ? kvr_rope_apply(r, dst, ts[di], in, ts[si], T, H, a, &opt)
+                   : op == 1 ? kvr_rope_remove(r, dst, ts[di], in, ts[si], T, H, a, &opt)
+                   : kvr_rope_reposition(r, dst, ts[di], in, ts[si], T, H, a, b, &opt);
+            cr_assert_eq(rc, 0);
+            if (k == 0) { kvr_convert(fr, KVR_DTYPE_F32, o_ref, ts[di], n); continue; }
+            kvr_convert(fo, KVR_DTYPE_F32, o, ts[di], n);
+            for (size_t e = 0; e < n; e++) {
+                double d = fabs((double)fo[e] - (double)fr[e]);
+                cr_assert_leq(d, ulp_of(fabs((double)fr[e]), ts[di]),
+                              "%s %s->%s op %d hd %d rot %d style %d: element %zu %g vs %g",
+                              kvr_isa_name(isa), kvr_dtype_name(ts[si]), kvr_dtype_name(ts[di]),
+                              op, hd, rot, (int)style, e, (double)fo[e], (double)fr[e]);
+            }
+        }
+    }
+    free(in); free(o_ref); free(o); free(fr); free(fo); free(x); free(a); free(b);
+    kvr_rope_destroy(r);
+}
+
+Test(rope_props, simd_equals_scalar)
+{
+    cr_log_info("best ISA: %s", kvr_isa_name(kvr_isa_best()));
+    int shapes[][2] = { { 128, 128 }, { 128, 64 }, { 80, 80 }, { 40, 24 }, { 256, 64 }, { 6, 2 } };
+    for (int s = 0; s < 6; s++)
+        for (int st = 0; st < 2; st++)
+            for (int op = 0; op < 3; op++)
+                simd_vs_scalar(shapes[s][0], shapes[s][1], st ? KVR_ROPE_GPTJ : KVR_ROPE_NEOX, op);
+}
+
+/* ---- precision at large positions ------------------------------------------ */
+
+Test(rope_props, theta_1e6_large_positions_long_double)
+{
+    kvr_rope_style styles[] = { KVR_ROPE_NEOX, KVR_ROPE_GPTJ };
+    for (int s = 0; s < 2; s++) {
+        kvr_rope *r = make(128, 128, styles[s], 1e6, KVR_ROPE_SCALING_DEFAULT, 1.0);
+        size_t T = 200, H = 2, D = 128, n = T * H * D;
+        float *x = malloc(n * 4), *y = malloc(n * 4), *z = malloc(n * 4);
+        int64_t *p = malloc(T * 8), *q = malloc(T * 8);
+        fill(x, n);
+        for (size_t t = 0; t < T; t++) {
+            /* contiguous runs (the recurrence path) and scattered positions */
+            p[t] = t < 100 ? 999900 + (int64_t)t : (int64_t)((urand() + 1.0) * 500000.0);
+            q[t] = t < 100 ? (int64_t)t : p[t] - 777777;
+        }
+        kvr_rope_apply(r, y, KVR_DTYPE_F32, x, KVR_DTYPE_F32, T, H, p, NULL);
+        /* reposition to far away positions, also exercised against long double */
+        kvr_rope_reposition(r, z, KVR_DTYPE_F32, y, KVR_DTYPE_F32, T, H, p, q, NULL);
+        for (size_t t = 0; t < T; t++) for (size_t h = 0; h < H; h++) {
+            const float *xr = x + (t * H + h) * D;
+            double nrm = row_norm(xr, D);
+            for (int i = 0; i < 64; i++) {
+                long double f = powl(1e6L, -(long double)(2 * i) / 128.0L);
+                size_t i0 = styles[s] == KVR_ROPE_GPTJ ? (size_t)(2 * i) : (size_t)i;
+                size_t i1 = styles[s] == KVR_ROPE_GPTJ ? (size_t)(2 * i + 1) : (size_t)i + 64;
+                long double th = (long double)p[t] * f, th2 = (long double)q[t] * f;
+                long double x0 = xr[i0], x1 = xr[i1];
+                long double e0 = x0 * cosl(th) - x1 * sinl(th), e1 = x0 * sinl(th) + x1 * cosl(th);
+                long double g0 = x0 * cosl(th2) - x1 * sinl(th2), g1 = x0 * sinl(th2) + x1 * cosl(th2);
+                const float *yr = y + (t * H + h) * D, *zr = z + (t * H + h) * D;
+                cr_assert_leq(fabsl((long double)yr[i0] - e0), 1e-5L * nrm, "t %zu i %d", t, i);
+                cr_assert_leq(fabsl((long double)yr[i1] - e1), 1e-5L * nrm, "t %zu i %d", t, i);
+                cr_assert_leq(fabsl((long double)zr[i0] - g0), 1e-5L * nrm, "t %zu i %d", t, i);
+                cr_assert_leq(fabsl((long double)zr[i1] - g1), 1e-5L * nrm, "t %zu i %d", t, i);
+            }
+        }
+        free(x); free(y); free(z); free(p); free(q);
+        kvr_rope_destroy(r);
+    }
+}
+
+/* ---- length-dependent tables ----------------------------------------------- */
+
+/* Direct computation of HF's tables, written independently of the engine. */
+static void direct_inv_freq(const kvr_rope_config *c, int64_t seq_len, long double *f)
+{
+    int dim = c->rotary_dim;
+    long double base = c->theta;
+    int64_t orig = c->original_max_position_embeddings ? c->original_max_position_embeddings
+                                                       : c->max_position_embeddings;
+    if (c->scaling == KVR_ROPE_SCALING_DYNAMIC) {
+        long double L = (long double)(seq_len > orig ? seq_len : orig);
+        base *= powl(c->factor * L / (long double)orig - (c->factor - 1), (long double)dim / (dim - 2));
+    }
+    for (int i = 0; i < dim / 2; i++) {
+        f[i] = 1.0L / powl(base, (long double)(2 * i) / dim);
+        if (c->scaling == KVR_ROPE_SCALING_LONGROPE)
+            f[i] /= seq_len > orig ? c->long_factor[i] : c->short_factor[i];
+    }
+}
+
+static void check_len_dependent(const kvr_rope_config *c, long double mscale)
+{
+    kvr_rope *r = NULL;
+    char err[200];
+    cr_assert_eq(kvr_rope_create(&r, c, err, sizeof err), 0, "%s", err);
+    cr_assert(!kvr_rope_config_composes(c));
+    size_t T = 40, H = 2, D = (size_t)c->head_dim, n = T * H * D;
+    int rot = c->rotary_dim;
+    float *x = malloc(n * 4), *k = malloc(n * 4), *k2 = malloc(n * 4), *u = malloc(n * 4),
+          *k3 = malloc(n * 4);
+    int64_t *a = malloc(T * 8), *b = malloc(T * 8);
+    fill(x, n);
+    for (size_t t = 0; t < T; t++) { a[t] = (int64_t)t * 50; b[t] = (int64_t)t * 50 + 9000; }
+    int64_t lens[][2] = { { 0, 0 }, { 0, 20000 }, { 20000, 0 }, { 9000, 30000 }, { 3000, 4000 } };
+    for (int li = 0; li < 5; li++) {
+        kvr_rope_opts o = { .seq_len_from = lens[li][0], .seq_len_to = lens[li][1] };
+        /* k = apply(x, a) with the 'from' table */
+        kvr_rope_opts oa = { .seq_len_to = lens[li][0] };
+        kvr_rope_apply(r, k, KVR_DTYPE_F32, x, KVR_DTYPE_F32, T, H, a, &oa);
+        kvr_rope_reposition(r, k2, KVR_DTYPE_F32, k, KVR_DTYPE_F32, T, H, a, b, &o);
+        /* the same through remove (old table) + apply (new table) */
+        kvr_rope_remove(r, u, KVR_DTYPE_F32, k, KVR_DTYPE_F32, T, H, a, &o);
+        kvr_rope_apply(r, k3, KVR_DTYPE_F32, u, KVR_DTYPE_F32, T, H, b, &o);
+        long double f_to[512];
+        direct_inv_freq(c, lens[li][1], f_to);
+        for (size_t t = 0; t < T; t++) for (size_t h = 0; h < H; h++) {
+            size_t off = (t * H + h) * D;
+            double nrm = row_norm(x + off, D);
+            for (int i = 0; i < rot / 2; i++) {
+                size_t i0 = (size_t)i, i1 = (size_t)(i + rot / 2);
+                long double th = (long double)b[t] * f_to[i];
+                long double x0 = x[off + i0], x1 = x[off + i1];
+                long double e0 = mscale * (x0 * cosl(th) - x1 * sinl(th));
+                long double e1 = mscale * (x0 * sinl(th) + x1 * cosl(th));
+                cr_assert_leq(fabsl(k2[off + i0] - e0), 2e-6L * nrm, "lens %d t %zu i %d", li, t, i);
+                cr_assert_leq(fabsl(k2[off + i1] - e1), 2e-6L * nrm, "lens %d t %zu i %d", li, t, i);
+                cr_assert_leq(fabsl(k3[off + i0] - e0), 2e-6L * nrm);
+                cr_assert_leq(fabsl(k3[off + i1] - e1), 2e-6L * nrm);
+            }
+            for (size_t j = (size_t)rot; j < D; j++) cr_assert_eq(k2[off + j], x[off + j]);
+        }
+    }
+    free(x); free(k); free(k2); free(u); free(k3); free(a); free(b);
+    kvr_rope_destroy(r);
+}
+
+Test(rope_props, dynamic_ntk_tables_by_length)
+{
+    kvr_rope_config c;
+    kvr_rope_config_init(&c);
+    c.head_dim = 128; c.rotary_dim = 96; c.theta = 10000;
+    c.scaling = KVR_ROPE_SCALING_DYNAMIC; c.factor = 2.0; c.max_position_embeddings = 4096;
+    check_len_dependent(&c, 1.0L);
+}
+
+Test(rope_props, longrope_tables_by_length)
+{
+    kvr_rope_config c;
+    kvr_rope_config_init(&c);
+    c.head_dim = 64; c.rotary_dim = 64; c.theta = 10000;
+    c.scaling = KVR_ROPE_SCALING_LONGROPE; c.factor = NAN;
+    c.max_position_embeddings = 131072; c.original_max_position_embeddings = 4096;
+    c.n_short_factor = c.n_long_factor = 32;
+    for (int i = 0; i < 32; i++) { c.short_factor[i] = 1.0 + 0.01 * i; c.long_factor[i] = 1.0 + 1.5 * i; }
+    long double ms = sqrtl(1.0L + logl(32.0L) / logl(4096.0L));
+    check_len_dependent(&c, ms);
+}
+
+/* ---- misc engine behaviour ---------------------------------------------------- */
+
+Test(rope_props, threads_and_in_place_are_bit_identical)
+{
+    kvr_rope *r = make(128, 128, KVR_ROPE_NEOX, 10000, KVR_ROPE_SCALING_YARN, 4.0);
+    size_t T = 1000, H = 4, D = 128, n = T * H * D;
+    float *x = malloc(n * 4), *y1 = malloc(n * 4), *y2 = malloc(n * 4);
+    int64_t *a = malloc(T * 8), *b = malloc(T * 8);
+    fill(x, n);
+    for (size_t t = 0; t < T; t++) { a[t] = (int64_t)t; b[t] = t < 300 ? (int64_t)t : (int64_t)t + 55; }
+    kvr_rope_opts o1 = { .n_threads = 1 }, o3 = { .n_threads = 3 };
+    kvr_rope_apply(r, y1, KVR_DTYPE_F32, x, KVR_DTYPE_F32, T, H, a, &o1);
+    kvr_rope_apply(r, y2, KVR_DTYPE_F32, x, KVR_DTYPE_F32, T, H, a, &o3);
+    cr_assert_eq(memcmp(y1, y2, n * 4), 0);
+    kvr_rope_reposition(r, y1, KVR_DTYPE_F32, x, KVR_DTYPE_F32, T, H, a, b, &o1);
+    memcpy(y2, x, n * 4);
+    kvr_rope_reposition(r, y2, KVR_DTYPE_F32, y2, KVR_DTYPE_F32, T, H, a, b, &o3);
+    cr_assert_eq(memcmp(y1, y2, n * 4), 0, "in place / threaded differs");
+    free(x); free(y1); free(y2); free(a); free(b);
+    kvr_rope_destroy(r);
+}
+
+Test(rope_props, bad_arguments)
+{
+    kvr_rope *r = make(64, 64, KVR_ROPE_NEOX, 10000, KVR_ROPE_SCALING_DEFAULT, 1.0);
+    float x[64];
+    int64_t p = 0;
+    cr_assert_eq(kvr_rope_apply(r, NULL, KVR_DTYPE_F32, x, KVR_DTYPE_F32, 1, 1, &p, NULL), -EINVAL);
+    cr_assert_eq(kvr_rope_apply(r, x, (kvr_dtype)7, x, KVR_DTYPE_F32, 1, 1, &p, NULL), -EINVAL);
+    cr_assert_eq(kvr_rope_reposition(r, x, KVR_DTYPE_F32, x, KVR_DTYPE_F32, 1, 1, &p, NULL, NULL), -EINVAL);
+    cr_assert_eq(kvr_rope_apply(r, x, KVR_DTYPE_F16, x, KVR_DTYPE_F32, 1, 1, &p, NULL), -EINVAL);
+    cr_assert_eq(kvr_rope_apply(r, NULL, KVR_DTYPE_F32, NULL, KVR_DTYPE_F32, 0, 1, NULL, NULL), 0);
+    /* extreme positions: to - from overflows int64 and must still work */
+    int64_t f = INT64_MIN + 5, t = INT64_MAX - 5;
+    for (int i = 0; i < 64; i++) x[i] = 1.0f;
+    cr_assert_eq(kvr_rope_reposition(r, x, KVR_DTYPE_F32, x, KVR_DTYPE_F32, 1, 1, &f, &t, NULL), 0);
+    for (int i = 0; i < 64; i++) cr_assert(isfinite(x[i]));
+    kvr_rope_destroy(r);
+    kvr_rope_destroy(NULL);
+}
+
+/* ---- conversions -------------------------------------------------------------- */
+
+Test(rope_props, f16_bf16_scalar_conversions)
+{
+    cr_assert_eq(kvr_f32_to_f16(1.0f), 0x3c00);
+    cr_assert_eq(kvr_f32_to_f16(-2.0f), 0xc000);
+    cr_assert_eq(kvr_f32_to_f16(65504.0f), 0x7bff);
+    cr_assert_eq(kvr_f32_to_f16(65520.0f), 0x7c00);          /* rounds to inf */
+    cr_assert_eq(kvr_f32_to_f16(INFINITY), 0x7c00);
+    cr_assert_eq(kvr_f32_to_f16(-INFINITY), 0xfc00);
+    cr_assert(isnan(kvr_f16_to_f32(kvr_f32_to_f16(NAN))));
+    cr_assert_eq(kvr_f32_to_f16(0x1p-24f), 0x0001);          /* smallest subnormal */
+    cr_assert_eq(kvr_f32_to_f16(0x1p-25f), 0x0000);          /* tie to even */
+    cr_assert_eq(kvr_f32_to_f16(0x1.8p-24f), 0x0002);        /* tie to even, up */
+    cr_assert_eq(kvr_f32_to_f16(1.0f + 0x1p-11f), 0x3c00);   /* tie to even, down */
+    cr_assert_eq(kvr_f32_to_f16(1.0f + 0x3p-11f), 0x3c02);   /* tie to even, up */
+    cr_assert_eq(kvr_f32_to_bf16(1.0f), 0x3f80);
+    cr_assert_eq(kvr_f32_to_bf16(1.0f + 0x1p-8f), 0x3f80);   /* tie to even */
+    cr_assert_eq(kvr_f32_to_bf16(1.0f + 0x3p-8f), 0x3f82);
+    cr_assert_eq(kvr_f32_to_bf16(INFINITY), 0x7f80);
+    cr_assert(isnan(kvr_bf16_to_f32(kvr_f32_to_bf16(NAN))));
+    cr_assert_eq(kvr_f32_to_bf16(3.4e38f), 0x7f80);          /* overflow rounds to inf */
+    /* every f16 round-trips exactly; every value converts like the SIMD path */
+    static float f[65536], g[65536];
+    static uint16_t h[65536], h2[65536];
+    for (uint32_t i = 0; i < 65536; i++) h[i] = (uint16_t)i;
+    kvr_convert(f, KVR_DTYPE_F32, h, KVR_DTYPE_F16, 65536);
+    for (uint32_t i = 0; i < 65536; i++) {
+        float s = kvr_f16_to_f32((uint16_t)i);
+        if (isnan(s)) { cr_assert(isnan(f[i])); continue; }
+        cr_assert_eq(memcmp(&s, &f[i], 4), 0, "f16 %04x", i);
+        cr_assert_eq(kvr_f32_to_f16(s), (uint16_t)i, "f16 %04x round trip", i);
+    }
+    for (uint32_t i = 0; i < 65536; i++) {
+        uint32_t bits = (uint32_t)(rng = rng * 6364136223846793005ull + 1442695040888963407ull) ;
+        bits = (uint32_t)(rng >> 32);
+        memcpy(&g[i], &bits, 4);
+        if (i < 1000) g[i] = (float)(urand() * 70000.0);
+    }
+    kvr_convert(h, KVR_DTYPE_F16, g, KVR_DTYPE_F32, 65536);
+    kvr_convert(h2, KVR_DTYPE_BF16, g, KVR_DTYPE_F32, 65536);
+    for (uint32_t i = 0; i < 65536; i++) {
+        if (isnan(g[i])) {
+            cr_assert(isnan(kvr_f16_to_f32(h[i])));
+            cr_assert(isnan(kvr_bf16_to_f32(h2[i])));
+            continue;
+        }
+        cr_assert_eq(h[i], kvr_f32_to_f16(g[i]), "f32 %a -> f16", (double)g[i]);
+        cr_assert_eq(h2[i], kvr_f32_to_bf16(g[i]), "f32 %a -> bf16", (double)g[i]);
+        double d = fabs((double)kvr_f16_to_f32(h[i]) - (double)g[i]);
+        if (fabs((double)g[i]) < 65504.0)
+            cr_assert_leq(d, ulp_of(fabs((double)g[i]), KVR_DTYPE_F16) / 2 + 1e-30);
+    }
+    /* f16 <-> bf16 in place */
+    for (uint32_t i = 0; i < 1000; i++) h[i] = kvr_f32_to_f16((float)(urand() * 100.0));
+    memcpy(h2, h, 2000);
+    kvr_convert(h2, KVR_DTYPE_BF16, h2, KVR_DTYPE_F16, 1000);
+    for (uint32_t i = 0; i < 1000; i++)
+        cr_assert_eq(h2[i], kvr_f32_to_bf16(kvr_f16_to_f32(h[i])));
+}
+
+Test(rope_props, dtype_names)
+{
+    kvr_dtype t;
+    cr_assert_eq(kvr_dtype_parse("bf16", &t), 0);
+    cr_assert_eq(t, KVR_DTYPE_BF16);
+    cr_assert_eq(kvr_dtype_parse("f8", &t), -EINVAL);
+    cr_assert_str_eq(kvr_dtype_name(KVR_DTYPE_F16), "f16");
+    cr_assert_eq(kvr_dtype_size(KVR_DTYPE_F32), 4);
+    cr_assert_str_eq(kvr_isa_name(KVR_ISA_AVX512), "avx512");
+}
