@@ -1,18 +1,313 @@
 /*
  * main.c — the `kvrope` command-line tool: global options, then one
  * subcommand. `kvrope rope ...` is handed to the RoPE engine (cli_rope.c)
- * with argv[0] = "rope"; every other subcommand talks to kvroped through
- * libkvrope (cli_cmd.c).
+ * with argv[0] = "rope" and needs no daemon; every other subcommand talks to
+ * kvroped through libkvrope (cli_cmd.c).
+ *
+ * Options may appear anywhere after the subcommand too (`kvrope ls --json`);
+ * `--name=value` and `--name value` are both accepted; `--` ends options.
  */
+#include <errno.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
+#include "client/cli/cli.h"
 #include "client/cli/cli_rope.h"
+
+/* The rope subcommand lives in another engineer's file; until it is linked,
+ * `kvrope rope` says so instead of the whole tool failing to link. */
+#pragma weak kvr_cli_rope_main
+
+static const char help_text[] =
+"usage: kvrope [global options] COMMAND [args] [options]\n"
+"\n"
+"Talks to kvroped, the RoPE-aware KV-cache daemon.\n"
+"\n"
+"Global options:\n"
+"  --socket PATH      Unix socket (default $KVROPE_SOCKET, else the daemon's default:\n"
+"                     $XDG_RUNTIME_DIR/kvrope/kvroped.sock, /run/kvrope/kvroped.sock\n"
+"                     as root, else /tmp/kvrope-$UID/kvroped.sock)\n"
+"  --connect H:P      TCP instead ($KVROPE_CONNECT)\n"
+"  --token-file FILE  shared-secret token for TCP ($KVROPE_TOKEN_FILE)\n"
+"  --timeout MS       give up on a silent daemon after MS milliseconds\n"
+"  --json             one JSON document on stdout (errors too: {\"error\": ...})\n"
+"  -q, --quiet        no human-readable output on success\n"
+"\n"
+"Commands:\n"
+"  ping                               daemon version and round-trip time\n"
+"  stats                              daemon metrics\n"
+"  models [list]                      registered models\n"
+"  models add NAME --config config.json [--style neox|gptj] [--dtype f16]\n"
+"  models add NAME --layers L --heads H --head-dim D [--theta T] [--rotary-dim R]\n"
+"                                     [--style neox|gptj] [--dtype f16]\n"
+"  ls [--model M]                     contexts\n"
+"  stat CTX                           one context\n"
+"  put CTX FILE [--model M] [--mode create|append|upsert] [--pin]\n"
+"        [--tokens 1,2,3 | --tokens-file F] [--pos-start N | --positions p,q,..]\n"
+"        [--dtype D --layers L --heads H --head-dim D] [--fingerprint HEX]\n"
+"                                     FILE *.safetensors: tensors k, v [layers][tokens]\n"
+"                                     [heads][head_dim] (F32/F16/BF16), tokens and\n"
+"                                     positions optional; model from its metadata.\n"
+"                                     Other FILE (or -): raw layer-major payload\n"
+"                                     (per layer K then V, [tokens][heads][dim]); shape\n"
+"                                     and dtype default to the model's.\n"
+"                                     --tokens-file: text ids, or *.bin u32 LE\n"
+"  get CTX -o FILE [--start I] [--end J] [--dtype D] [--layers 0,1,..]\n"
+"        [--positions p,q,.. | --pos-start N] [--meta]\n"
+"                                     FILE by extension as for put (- = stdout);\n"
+"                                     keys are re-rotated to the target positions\n"
+"  match --model M (--tokens .. | --tokens-file F) [--approx] [--get -o FILE]\n"
+"                                     longest cached exact prefix (+ its KV)\n"
+"  rm CTX...                          delete contexts\n"
+"  pin CTX | unpin CTX                protect from / expose to eviction\n"
+"  fork SRC DST                       copy-on-write copy\n"
+"  shift CTX START END DELTA          positions of tokens [START,END) += DELTA\n"
+"  keep CTX START END                 keep tokens [START,END), drop the rest\n"
+"  rope apply|remove|reposition ...   RoPE on raw files, no daemon (kvrope rope --help)\n"
+"\n"
+"Exit status:\n"
+"  0  success\n"
+"  1  the daemon refused the request, or an I/O error\n"
+"  2  usage error\n"
+"  3  not found: unknown context or model, or match found no cached prefix\n"
+"  4  cannot connect to the daemon (or authentication failed)\n"
+"\n"
+"A progress bar is drawn on stderr for long transfers when it is a terminal.\n";
+
+const char *cli_opt(const cli_args *a, const char *name)
+{
+    for (int i = a->nopt - 1; i >= 0; i--)
+        if (!strcmp(a->opt_name[i], name))
+            return a->opt_val[i];
+    return NULL;
+}
+
+bool cli_flag(const cli_args *a, const char *name)
+{
+    for (int i = 0; i < a->nopt; i++)
+        if (!strcmp(a->opt_name[i], name))
+            return true;
+    return false;
+}
+
+static void default_socket(char *buf, size_t cap)
+{
+    const char *xdg = getenv("XDG_RUNTIME_DIR");
+    if (xdg && *xdg)
+        snprintf(buf, cap, "%s/kvrope/kvroped.sock", xdg);
+    else if (geteuid() == 0)
+        snprintf(buf, cap, "/run/kvrope/kvroped.sock");
+    else
+        snprintf(buf, cap, "/tmp/kvrope-%u/kvroped.sock", (unsigned)getuid());
+}
+
+/* Returns 0, or CLI_USAGE after printing why. */
+static int parse_args(int argc, char **argv, cli_args *a)
+{
+    memset(a, 0, sizeof *a);
+    bool opts_done = false;
+    for (int i = 1; i < argc; i++) {
+        char *s = argv[i];
+        if (!opts_done && !strcmp(s, "--")) {
+            opts_done = true;
+            continue;
+        }
+        if (!opts_done && s[0] == '-' && s[1] != 0) {
+            char namebuf[64];
+            const char *name, *val = NULL;
+            if (s[1] == '-') {
+                const char *eq = strchr(s + 2, '=');
+                size_t nl = eq ? (size_t)(eq - s - 2) : strlen(s + 2);
+                if (nl >= sizeof namebuf) {
+                    fprintf(stderr, "kvrope: unknown option %s\n", s);
+                    return CLI_USAGE;
+                }
+                memcpy(namebuf, s + 2, nl);
+                namebuf[nl] = 0;
+                name = namebuf;
+                if (eq)
+                    val = eq + 1;
+            } else if (!strcmp(s, "-o")) {
+                name = "output";
+            } else if (!strcmp(s, "-q")) {
+                name = "quiet";
+            } else if (!strcmp(s, "-h")) {
+                name = "help";
+            } else {   /* a negative number as a positional (shift DELTA) */
+                char *e;
+                (void)strtoll(s, &e, 0);
+                if (*e) {
+                    fprintf(stderr, "kvrope: unknown option %s\n", s);
+                    return CLI_USAGE;
+                }
+                goto positional;
+            }
+            if (cli_option_takes_value(name)) {
+                if (!val) {
+                    if (i + 1 >= argc) {
+                        fprintf(stderr, "kvrope: option --%s needs a value\n", name);
+                        return CLI_USAGE;
+                    }
+                    val = argv[++i];
+                }
+            } else if (val) {
+                fprintf(stderr, "kvrope: option --%s takes no value\n", name);
+                return CLI_USAGE;
+            } else if (strcmp(name, "json") && strcmp(name, "quiet") && strcmp(name, "help") &&
+                       strcmp(name, "pin") && strcmp(name, "get") && strcmp(name, "meta") &&
+                       strcmp(name, "approx") && strcmp(name, "version")) {
+                fprintf(stderr, "kvrope: unknown option --%s\n", name);
+                return CLI_USAGE;
+            }
+            if (a->nopt == CLI_MAX_OPTS) {
+                fprintf(stderr, "kvrope: too many options\n");
+                return CLI_USAGE;
+            }
+            /* Keep the name: copy into argv-lifetime storage. */
+            char *dup = strdup(name);
+            if (!dup)
+                return CLI_USAGE;
+            a->opt_name[a->nopt] = dup;
+            a->opt_val[a->nopt++] = val;
+            continue;
+        }
+    positional:
+        if (!a->cmd) {
+            a->cmd = s;
+        } else {
+            if (a->npos == CLI_MAX_POS) {
+                fprintf(stderr, "kvrope: too many arguments\n");
+                return CLI_USAGE;
+            }
+            a->pos[a->npos++] = s;
+        }
+    }
+    a->socket = cli_opt(a, "socket");
+    a->connect = cli_opt(a, "connect");
+    a->token_file = cli_opt(a, "token-file");
+    a->json = cli_flag(a, "json");
+    a->quiet = cli_flag(a, "quiet");
+    return 0;
+}
+
+static void free_args(cli_args *a)
+{
+    for (int i = 0; i < a->nopt; i++)
+        free((void *)(uintptr_t)a->opt_name[i]);
+}
+
+static int read_token(const char *path, char **out, size_t *len)
+{
+    cli_mapped m;
+    char err[300];
+    if (cli_map_file(path, &m, err, sizeof err) < 0) {
+        fprintf(stderr, "kvrope: token file: %s\n", err);
+        return -1;
+    }
+    size_t n = m.len;
+    const char *p = m.base;
+    while (n && (p[n - 1] == '\n' || p[n - 1] == '\r'))
+        n--;
+    *out = malloc(n + 1);
+    if (*out) {
+        if (n)
+            memcpy(*out, p, n);
+        (*out)[n] = 0;
+    }
+    *len = n;
+    cli_unmap(&m);
+    return *out ? 0 : -1;
+}
 
 int main(int argc, char **argv)
 {
-    if (argc >= 2 && strcmp(argv[1], "rope") == 0)
-        return kvr_cli_rope_main(argc - 1, argv + 1);
-    fprintf(stderr, "usage: kvrope [options] COMMAND ...\n");
-    return 2;
+    /* `rope` needs none of our options: hand over argv untouched. */
+    for (int i = 1; i < argc; i++) {
+        if (!strcmp(argv[i], "rope")) {
+            if (!kvr_cli_rope_main) {
+                fprintf(stderr, "kvrope: the rope subcommand is not built into this binary\n");
+                return CLI_ERR;
+            }
+            return kvr_cli_rope_main(argc - i, argv + i);
+        }
+        if (argv[i][0] != '-')
+            break;
+        if (!strcmp(argv[i], "--socket") || !strcmp(argv[i], "--connect") ||
+            !strcmp(argv[i], "--token-file") || !strcmp(argv[i], "--timeout"))
+            i++;
+    }
+    cli_args a;
+    int rc = parse_args(argc, argv, &a);
+    if (rc) {
+        free_args(&a);
+        return rc;
+    }
+    if (cli_flag(&a, "help") || (a.cmd && !strcmp(a.cmd, "help"))) {
+        fputs(help_text, stdout);
+        free_args(&a);
+        return CLI_OK;
+    }
+    if (cli_flag(&a, "version")) {
+        printf("kvrope (libkvrope, protocol 1)\n");
+        free_args(&a);
+        return CLI_OK;
+    }
+    if (!a.cmd) {
+        fputs(help_text, stderr);
+        free_args(&a);
+        return CLI_USAGE;
+    }
+    if (!cli_known_command(a.cmd)) {
+        fprintf(stderr, "kvrope: unknown command '%s' (see kvrope --help)\n", a.cmd);
+        free_args(&a);
+        return CLI_USAGE;
+    }
+
+    char addr[512];
+    const char *connect_to = a.connect ? a.connect : getenv("KVROPE_CONNECT");
+    const char *sock = a.socket ? a.socket : getenv("KVROPE_SOCKET");
+    if (a.socket || !connect_to || !*connect_to) {
+        if (sock && *sock)
+            snprintf(addr, sizeof addr, "unix:%s", sock);
+        else {
+            char def[400];
+            default_socket(def, sizeof def);
+            snprintf(addr, sizeof addr, "unix:%s", def);
+        }
+    } else {
+        snprintf(addr, sizeof addr, "tcp:%s", connect_to);
+    }
+    kvr_client_opts opts = { 0 };
+    char *token = NULL;
+    const char *tf = a.token_file ? a.token_file : getenv("KVROPE_TOKEN_FILE");
+    if (tf && *tf) {
+        if (read_token(tf, &token, &opts.token_len) < 0) {
+            free_args(&a);
+            return CLI_USAGE;
+        }
+        opts.token = token;
+        if (opts.token_len == 0)
+            opts.token = "";
+    }
+    const char *to = cli_opt(&a, "timeout");
+    if (to)
+        opts.timeout_ms = atoi(to);
+    kvr_client *c;
+    int r = kvr_client_connect(&c, addr, &opts);
+    free(token);
+    if (r < 0) {
+        fprintf(stderr, "kvrope: %s\n", kvr_client_last_error(NULL));
+        if (a.json) {
+            printf("{\"error\": {\"code\": %d, \"name\": \"%s\", \"message\": \"cannot connect\"}}\n",
+                   r, kvr_client_error_name(r));
+        }
+        free_args(&a);
+        return CLI_CONNECT;
+    }
+    rc = cli_run(c, &a);
+    kvr_client_close(c);
+    free_args(&a);
+    return rc;
 }

@@ -24,7 +24,9 @@ struct kvr_client {
 };
 
 /* Sets c->err and returns code (the connection stays open). */
-int kvr__fail(kvr_client *c, int code, const char *fmt, ...)
+#define KVR_HIDDEN __attribute__((visibility("hidden")))
+
+KVR_HIDDEN int kvr__fail(kvr_client *c, int code, const char *fmt, ...)
     __attribute__((format(printf, 3, 4)));
 
 /* Sends req (id assigned here) with an optional payload, reads the response.
@@ -32,13 +34,13 @@ int kvr__fail(kvr_client *c, int code, const char *fmt, ...)
  * NULL. On success *out is the caller's (kvrope__response__free_unpacked).
  * resp_payload NULL: any response payload is drained; else its length is
  * stored and the payload is left on the socket for kvr__recv_payload. */
-int kvr__call(kvr_client *c, Kvrope__Request *req, const struct iovec *piov, size_t piovcnt,
+KVR_HIDDEN int kvr__call(kvr_client *c, Kvrope__Request *req, const struct iovec *piov, size_t piovcnt,
               uint64_t payload_len, Kvrope__Response **out, uint64_t *resp_payload);
 
 /* Receives a response payload of pl bytes into dst (or a library buffer)
  * and records it in kv; kv->n_layers/layers must be set for on_layer. */
-int kvr__recv_payload(kvr_client *c, uint64_t pl, kvr_kv *kv, void *dst, size_t dst_cap,
+KVR_HIDDEN int kvr__recv_payload(kvr_client *c, uint64_t pl, kvr_kv *kv, void *dst, size_t dst_cap,
                       kvr_layer_fn fn, void *ud);
-int kvr__drain(kvr_client *c, uint64_t n);
+KVR_HIDDEN int kvr__drain(kvr_client *c, uint64_t n);
 
 #endif

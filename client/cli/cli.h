@@ -1,0 +1,97 @@
+/*
+ * cli.h — private to client/cli: what the `kvrope` subcommands share
+ * (parsed options, output helpers, tensor files). Not part of libkvrope.
+ */
+#ifndef KVR_CLI_H
+#define KVR_CLI_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <sys/uio.h>
+
+#include "client/kvrope.h"
+
+/* Exit codes, documented in `kvrope --help`. */
+enum {
+    CLI_OK       = 0,
+    CLI_ERR      = 1,   /* the daemon refused the request, or an I/O error */
+    CLI_USAGE    = 2,
+    CLI_NOTFOUND = 3,   /* unknown context or model; match found no prefix */
+    CLI_CONNECT  = 4,   /* cannot reach the daemon */
+};
+
+/* Parsed command line: global options plus the subcommand's. Option values
+ * point into argv (borrowed for the process lifetime). */
+#define CLI_MAX_OPTS 32
+#define CLI_MAX_POS  16
+typedef struct cli_args {
+    const char *socket, *connect, *token_file;
+    bool        json, quiet;
+    const char *cmd;
+    int         npos;
+    const char *pos[CLI_MAX_POS];
+    int         nopt;
+    const char *opt_name[CLI_MAX_OPTS];   /* without the dashes */
+    const char *opt_val[CLI_MAX_OPTS];    /* NULL for a flag */
+} cli_args;
+
+const char *cli_opt(const cli_args *a, const char *name);      /* value or NULL */
+bool        cli_flag(const cli_args *a, const char *name);
+
+/* Subcommands (cli_cmd.c): return the exit code. */
+int cli_run(kvr_client *c, const cli_args *a);
+/* Whether a subcommand exists, and which options take a value. */
+bool cli_known_command(const char *cmd);
+bool cli_option_takes_value(const char *name);
+
+/* Maps a libkvrope code to an exit code, printing the error. */
+int cli_fail(const cli_args *a, kvr_client *c, int code, const char *what);
+
+/* Progress bar on stderr (only when it is a terminal). */
+void cli_progress_begin(kvr_client *c, const char *label);
+void cli_progress_end(void);
+
+/* ---- tensor files (cli_files.c) ----------------------------------------- */
+typedef struct cli_mapped {
+    void  *base;
+    size_t len;
+    bool   mapped;   /* munmap, else free */
+} cli_mapped;
+
+int  cli_map_file(const char *path, cli_mapped *m, char *err, size_t errlen);
+void cli_unmap(cli_mapped *m);
+
+/* A safetensors file with KV tensors k, v [layers][tokens][heads][dim] and
+ * optionally tokens, positions. Arrays are owned by the struct. */
+typedef struct cli_st_kv {
+    cli_mapped   file;
+    kvr_dtype    dtype;
+    uint32_t     n_layers, n_heads, head_dim;
+    size_t       n_tokens;
+    const uint8_t *k, *v;       /* into file */
+    uint32_t    *tokens;        /* NULL if absent */
+    int64_t     *positions;     /* NULL if absent */
+    char         model[KVR_NAME_MAX + 1];  /* from __metadata__, "" if absent */
+} cli_st_kv;
+
+int  cli_st_read(const char *path, cli_st_kv *st, char *err, size_t errlen);
+void cli_st_free(cli_st_kv *st);
+
+/* Writes kv (payload required) as safetensors: k, v, tokens, positions,
+ * flags, groups; metadata names the model and context. */
+int cli_st_write(const char *path, const kvr_kv *kv, char *err, size_t errlen);
+
+/* Writes a buffer / iovecs to path ("-" = stdout). */
+int cli_write_iov(const char *path, struct iovec *iov, size_t n, char *err, size_t errlen);
+
+bool cli_has_suffix(const char *s, const char *suffix);
+
+/* Parses "1,2,3" (also spaces, brackets: a JSON array works) into a new
+ * array (free). Returns count or -1. */
+long cli_parse_u32_list(const char *s, uint32_t **out);
+long cli_parse_i64_list(const char *s, int64_t **out);
+/* Tokens from a file: *.bin = little-endian u32, else text as above. */
+long cli_read_tokens_file(const char *path, uint32_t **out, char *err, size_t errlen);
+
+#endif

@@ -1,0 +1,979 @@
+/*
+ * cli_cmd.c — the `kvrope` subcommands that talk to kvroped. Each prints a
+ * human-readable result, or one JSON document on stdout with --json, and
+ * returns an exit code (cli.h). Errors go to stderr; with --json they are
+ * also printed to stdout as {"error": {...}} so scripts see one document.
+ */
+#include "client/cli/cli.h"
+
+#include <cjson/cJSON.h>
+#include <errno.h>
+#include <stdarg.h>
+#include <inttypes.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+/* ---- output helpers ----------------------------------------------------- */
+
+static void print_json(cJSON *j)
+{
+    char *s = cJSON_Print(j);
+    if (s) {
+        fputs(s, stdout);
+        fputc('\n', stdout);
+        free(s);
+    }
+    cJSON_Delete(j);
+}
+
+static int usage_err(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+static int usage_err(const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    fprintf(stderr, "kvrope: ");
+    vfprintf(stderr, fmt, ap);
+    fprintf(stderr, "\n(see kvrope --help)\n");
+    va_end(ap);
+    return CLI_USAGE;
+}
+
+static int io_err(const cli_args *a, const char *msg)
+{
+    fprintf(stderr, "kvrope: %s\n", msg);
+    if (a->json) {
+        cJSON *j = cJSON_CreateObject();
+        cJSON *e = cJSON_AddObjectToObject(j, "error");
+        cJSON_AddStringToObject(e, "name", "io");
+        cJSON_AddStringToObject(e, "message", msg);
+        print_json(j);
+    }
+    return CLI_ERR;
+}
+
+int cli_fail(const cli_args *a, kvr_client *c, int code, const char *what)
+{
+    const char *msg = kvr_client_last_error(c);
+    if (!msg || !*msg)
+        msg = kvr_client_strerror(code);
+    fprintf(stderr, "kvrope: %s: %s (%s)\n", what, msg, kvr_client_error_name(code));
+    if (a->json) {
+        cJSON *j = cJSON_CreateObject();
+        cJSON *e = cJSON_AddObjectToObject(j, "error");
+        cJSON_AddNumberToObject(e, "code", code);
+        cJSON_AddStringToObject(e, "name", kvr_client_error_name(code));
+        cJSON_AddStringToObject(e, "message", msg);
+        print_json(j);
+    }
+    if (code == KVR_ERR_NOCTX || code == KVR_ERR_NOMODEL)
+        return CLI_NOTFOUND;
+    if (code == KVR_ERR_INVAL && c == NULL)
+        return CLI_USAGE;
+    return CLI_ERR;
+}
+
+static void human_bytes(char *buf, size_t cap, double b)
+{
+    const char *u[] = { "B", "KiB", "MiB", "GiB", "TiB" };
+    int i = 0;
+    while (b >= 1024.0 && i < 4) {
+        b /= 1024.0;
+        i++;
+    }
+    snprintf(buf, cap, i ? "%.1f %s" : "%.0f %s", b, u[i]);
+}
+
+/* ---- progress bar ------------------------------------------------------- */
+
+static struct {
+    bool            active, drawn;
+    const char     *label;
+    struct timespec t0, last;
+} prog;
+
+static double since(const struct timespec *a, const struct timespec *b)
+{
+    return (double)(b->tv_sec - a->tv_sec) + (double)(b->tv_nsec - a->tv_nsec) * 1e-9;
+}
+
+static void on_progress(void *ud, uint64_t done, uint64_t total)
+{
+    (void)ud;
+    if (!prog.active || total == 0)
+        return;
+    struct timespec now;
+    clock_gettime(CLOCK_MONOTONIC, &now);
+    double el = since(&prog.t0, &now);
+    /* Only transfers that take more than a moment get a bar, redrawn at 10 Hz. */
+    if (el < 0.3 || (prog.drawn && since(&prog.last, &now) < 0.1 && done < total))
+        return;
+    prog.last = now;
+    prog.drawn = true;
+    int width = 30, fill = (int)((double)done / (double)total * width);
+    char bar[64], rate[32], tot[32];
+    for (int i = 0; i < width; i++)
+        bar[i] = i < fill ? '=' : (i == fill ? '>' : ' ');
+    bar[width] = 0;
+    human_bytes(rate, sizeof rate, el > 0 ? (double)done / el : 0);
+    human_bytes(tot, sizeof tot, (double)total);
+    fprintf(stderr, "\r%s [%s] %3d%% of %s  %s/s ", prog.label, bar,
+            (int)((double)done * 100.0 / (double)total), tot, rate);
+    fflush(stderr);
+}
+
+void cli_progress_begin(kvr_client *c, const char *label)
+{
+    if (!isatty(2))
+        return;
+    prog.active = true;
+    prog.drawn = false;
+    prog.label = label;
+    clock_gettime(CLOCK_MONOTONIC, &prog.t0);
+    kvr_client_set_progress(c, on_progress, NULL);
+}
+
+void cli_progress_end(void)
+{
+    if (prog.drawn)
+        fputc('\n', stderr);
+    prog.active = prog.drawn = false;
+}
+
+/* ---- option helpers ----------------------------------------------------- */
+
+static int opt_u64(const cli_args *a, const char *name, uint64_t *out, bool *present)
+{
+    const char *v = cli_opt(a, name);
+    if (present)
+        *present = v != NULL;
+    if (!v)
+        return 0;
+    char *end;
+    errno = 0;
+    unsigned long long x = strtoull(v, &end, 0);
+    if (errno || end == v || *end || v[0] == '-')
+        return -1;
+    *out = x;
+    return 0;
+}
+
+static int opt_i64(const cli_args *a, const char *name, int64_t *out, bool *present)
+{
+    const char *v = cli_opt(a, name);
+    if (present)
+        *present = v != NULL;
+    if (!v)
+        return 0;
+    char *end;
+    errno = 0;
+    long long x = strtoll(v, &end, 0);
+    if (errno || end == v || *end)
+        return -1;
+    *out = x;
+    return 0;
+}
+
+static int parse_u64_arg(const char *v, uint64_t *out)
+{
+    char *end;
+    errno = 0;
+    unsigned long long x = strtoull(v, &end, 0);
+    if (errno || end == v || *end || v[0] == '-')
+        return -1;
+    *out = x;
+    return 0;
+}
+
+static int opt_dtype(const cli_args *a, kvr_dtype *out, bool *present)
+{
+    const char *v = cli_opt(a, "dtype");
+    *present = v != NULL;
+    if (!v)
+        return 0;
+    return kvr_dtype_parse(v, out) == 0 ? 0 : -1;
+}
+
+/* ---- JSON of the public structs ---------------------------------------- */
+
+static const char *style_name(kvr_rope_style s) { return s == KVR_ROPE_GPTJ ? "gptj" : "neox"; }
+
+static const char *scaling_name(kvr_rope_scaling s)
+{
+    static const char *n[] = { "default", "linear", "dynamic", "yarn", "longrope", "llama3" };
+    return (unsigned)s < 6 ? n[s] : "?";
+}
+
+static cJSON *model_json(const kvr_model *m)
+{
+    cJSON *j = cJSON_CreateObject();
+    char fp[32];
+    snprintf(fp, sizeof fp, "%016" PRIx64, m->fingerprint);
+    cJSON_AddStringToObject(j, "name", m->name);
+    cJSON_AddNumberToObject(j, "n_layers", m->n_layers);
+    cJSON_AddNumberToObject(j, "n_kv_heads", m->n_kv_heads);
+    cJSON_AddNumberToObject(j, "head_dim", m->head_dim);
+    cJSON_AddStringToObject(j, "dtype", kvr_dtype_name(m->dtype));
+    cJSON_AddStringToObject(j, "fingerprint", fp);
+    cJSON_AddNumberToObject(j, "n_contexts", (double)m->n_contexts);
+    cJSON *r = cJSON_AddObjectToObject(j, "rope");
+    cJSON_AddStringToObject(r, "style", style_name(m->rope.style));
+    cJSON_AddNumberToObject(r, "theta", m->rope.theta);
+    cJSON_AddNumberToObject(r, "rotary_dim", m->rope.rotary_dim);
+    cJSON_AddStringToObject(r, "scaling", scaling_name(m->rope.scaling));
+    if (m->rope.scaling != KVR_ROPE_SCALING_DEFAULT)
+        cJSON_AddNumberToObject(r, "factor", m->rope.factor);
+    return j;
+}
+
+static cJSON *ctx_json(const kvr_context *x)
+{
+    cJSON *j = cJSON_CreateObject();
+    cJSON_AddStringToObject(j, "id", x->id);
+    cJSON_AddStringToObject(j, "model", x->model);
+    cJSON_AddNumberToObject(j, "n_tokens", (double)x->n_tokens);
+    cJSON_AddNumberToObject(j, "n_blocks", (double)x->n_blocks);
+    cJSON_AddNumberToObject(j, "n_shared_blocks", (double)x->n_shared_blocks);
+    cJSON_AddNumberToObject(j, "n_approximate", (double)x->n_approximate);
+    cJSON_AddNumberToObject(j, "bytes", (double)x->bytes);
+    cJSON_AddBoolToObject(j, "pinned", x->pinned);
+    cJSON_AddBoolToObject(j, "busy", x->busy);
+    cJSON_AddNumberToObject(j, "pos_min", (double)x->pos_min);
+    cJSON_AddNumberToObject(j, "pos_max", (double)x->pos_max);
+    cJSON_AddNumberToObject(j, "created_ms", (double)x->created_ms);
+    cJSON_AddNumberToObject(j, "accessed_ms", (double)x->accessed_ms);
+    cJSON_AddNumberToObject(j, "n_evicted_tokens", (double)x->n_evicted_tokens);
+    return j;
+}
+
+static cJSON *kv_json(const kvr_kv *kv, const char *file)
+{
+    cJSON *j = cJSON_CreateObject();
+    cJSON_AddStringToObject(j, "context_id", kv->ctx_id);
+    cJSON_AddStringToObject(j, "model", kv->model);
+    cJSON_AddNumberToObject(j, "start", (double)kv->start);
+    cJSON_AddNumberToObject(j, "n_tokens", (double)kv->n_tokens);
+    cJSON_AddStringToObject(j, "dtype", kvr_dtype_name(kv->dtype));
+    cJSON_AddNumberToObject(j, "n_kv_heads", kv->n_kv_heads);
+    cJSON_AddNumberToObject(j, "head_dim", kv->head_dim);
+    cJSON *ls = cJSON_AddArrayToObject(j, "layers");
+    for (size_t i = 0; i < kv->n_layers; i++)
+        cJSON_AddItemToArray(ls, cJSON_CreateNumber(kv->layers[i]));
+    cJSON *t = cJSON_AddArrayToObject(j, "tokens");
+    cJSON *p = cJSON_AddArrayToObject(j, "positions");
+    cJSON *f = cJSON_AddArrayToObject(j, "flags");
+    for (size_t i = 0; i < kv->n_tokens; i++) {
+        cJSON_AddItemToArray(t, cJSON_CreateNumber(kv->tokens[i]));
+        cJSON_AddItemToArray(p, cJSON_CreateNumber((double)kv->positions[i]));
+        cJSON_AddItemToArray(f, cJSON_CreateNumber(kv->flags[i]));
+    }
+    cJSON_AddNumberToObject(j, "payload_bytes", (double)kv->payload_len);
+    if (file)
+        cJSON_AddStringToObject(j, "file", file);
+    return j;
+}
+
+/* ---- commands ----------------------------------------------------------- */
+
+static int cmd_ping(kvr_client *c, const cli_args *a)
+{
+    struct timespec t0, t1;
+    kvr_pong p;
+    clock_gettime(CLOCK_MONOTONIC, &t0);
+    int r = kvr_client_ping(c, &p);
+    clock_gettime(CLOCK_MONOTONIC, &t1);
+    if (r < 0)
+        return cli_fail(a, c, r, "ping");
+    double ms = since(&t0, &t1) * 1e3;
+    if (a->json) {
+        cJSON *j = cJSON_CreateObject();
+        cJSON_AddStringToObject(j, "server", p.server);
+        cJSON_AddNumberToObject(j, "protocol", p.protocol);
+        cJSON_AddNumberToObject(j, "rtt_ms", ms);
+        print_json(j);
+    } else {
+        printf("%s, protocol %u, %.3f ms\n", p.server, p.protocol, ms);
+    }
+    return CLI_OK;
+}
+
+static int cmd_stats(kvr_client *c, const cli_args *a)
+{
+    kvr_metric *m;
+    size_t n;
+    int r = kvr_client_stats(c, &m, &n);
+    if (r < 0)
+        return cli_fail(a, c, r, "stats");
+    if (a->json) {
+        cJSON *j = cJSON_CreateObject();
+        for (size_t i = 0; i < n; i++)
+            cJSON_AddNumberToObject(j, m[i].name, m[i].value);
+        print_json(j);
+    } else {
+        for (size_t i = 0; i < n; i++) {
+            char hb[32] = "";
+            if (strstr(m[i].name, "bytes"))
+                human_bytes(hb, sizeof hb, m[i].value);
+            printf("%-28s %.15g%s%s%s\n", m[i].name, m[i].value, hb[0] ? "  (" : "", hb,
+                   hb[0] ? ")" : "");
+        }
+    }
+    kvr_client_free(m);
+    return CLI_OK;
+}
+
+static void print_model(const kvr_model *m)
+{
+    printf("%-20s layers=%u kv_heads=%u head_dim=%u dtype=%s rope=%s/%s theta=%g rot=%d "
+           "contexts=%" PRIu64 " fp=%016" PRIx64 "\n",
+           m->name, m->n_layers, m->n_kv_heads, m->head_dim, kvr_dtype_name(m->dtype),
+           style_name(m->rope.style), scaling_name(m->rope.scaling), m->rope.theta,
+           m->rope.rotary_dim, m->n_contexts, m->fingerprint);
+}
+
+static int cmd_models(kvr_client *c, const cli_args *a)
+{
+    const char *sub = a->npos > 0 ? a->pos[0] : "list";
+    if (strcmp(sub, "add") == 0) {
+        if (a->npos != 2)
+            return usage_err("usage: kvrope models add NAME --config config.json");
+        kvr_dtype dt = KVR_DTYPE_F16;
+        bool has_dt;
+        if (opt_dtype(a, &dt, &has_dt) < 0)
+            return usage_err("--dtype: want f32, f16 or bf16");
+        const char *cfg = cli_opt(a, "config"), *style = cli_opt(a, "style");
+        if (style && strcmp(style, "neox") && strcmp(style, "gptj"))
+            return usage_err("--style: want neox or gptj");
+        uint64_t L = 0, H = 0, D = 0;
+        double theta = 10000.0;
+        const char *th = cli_opt(a, "theta");
+        if (opt_u64(a, "layers", &L, NULL) < 0 || opt_u64(a, "heads", &H, NULL) < 0 ||
+            opt_u64(a, "head-dim", &D, NULL) < 0 || L > UINT32_MAX || H > UINT32_MAX ||
+            D > UINT32_MAX)
+            return usage_err("--layers/--heads/--head-dim: want positive integers");
+        if (th && (theta = strtod(th, NULL)) <= 0)
+            return usage_err("--theta: want a positive number");
+        if (!cfg && !(L && H && D))
+            return usage_err("models add: give --config FILE, or --layers, --heads and "
+                             "--head-dim");
+        kvr_model m;
+        int r;
+        if (cfg && !L && !H && !D) {
+            r = kvr_client_model_register_file(c, a->pos[1], cfg, style, dt, &m);
+        } else {
+            kvr_rope_config rc;
+            kvr_rope_config_init(&rc);
+            rc.theta = theta;
+            rc.style = style && !strcmp(style, "gptj") ? KVR_ROPE_GPTJ : KVR_ROPE_NEOX;
+            uint64_t rot = 0;
+            if (opt_u64(a, "rotary-dim", &rot, NULL) < 0)
+                return usage_err("--rotary-dim: want an integer");
+            rc.rotary_dim = (int32_t)rot;
+            char *json = NULL;
+            if (cfg) {
+                cli_mapped mf;
+                char err[256];
+                if (cli_map_file(cfg, &mf, err, sizeof err) < 0)
+                    return io_err(a, err);
+                json = malloc(mf.len + 1);
+                if (json) {
+                    memcpy(json, mf.base, mf.len);
+                    json[mf.len] = 0;
+                }
+                cli_unmap(&mf);
+            }
+            kvr_model_params p = { .name = a->pos[1], .config_json = json, .style = style,
+                                   .n_layers = (uint32_t)L, .n_kv_heads = (uint32_t)H,
+                                   .head_dim = (uint32_t)D, .dtype = dt,
+                                   .rope = json ? NULL : &rc };
+            r = kvr_client_model_register(c, &p, &m);
+            free(json);
+        }
+        if (r < 0)
+            return cli_fail(a, c, r, "models add");
+        if (a->json)
+            print_json(model_json(&m));
+        else
+            print_model(&m);
+        return CLI_OK;
+    }
+    if (strcmp(sub, "list") && strcmp(sub, "ls"))
+        return usage_err("models: unknown subcommand '%s' (list, add)", sub);
+    kvr_model *ms;
+    size_t n;
+    int r = kvr_client_model_list(c, &ms, &n);
+    if (r < 0)
+        return cli_fail(a, c, r, "models");
+    if (a->json) {
+        cJSON *arr = cJSON_CreateArray();
+        for (size_t i = 0; i < n; i++)
+            cJSON_AddItemToArray(arr, model_json(&ms[i]));
+        print_json(arr);
+    } else {
+        if (n == 0)
+            printf("(no models)\n");
+        for (size_t i = 0; i < n; i++)
+            print_model(&ms[i]);
+    }
+    kvr_client_free(ms);
+    return CLI_OK;
+}
+
+static void print_ctx_row(const kvr_context *x)
+{
+    char b[32];
+    human_bytes(b, sizeof b, (double)x->bytes);
+    printf("%-24s %-16s %8" PRIu64 " %8" PRId64 "..%-8" PRId64 " %10s %s%s\n", x->id, x->model,
+           x->n_tokens, x->pos_min, x->pos_max, b, x->pinned ? "pinned" : "",
+           x->n_shared_blocks ? " shared" : "");
+}
+
+static int cmd_ls(kvr_client *c, const cli_args *a)
+{
+    kvr_context *xs;
+    size_t n;
+    int r = kvr_client_list(c, cli_opt(a, "model"), &xs, &n);
+    if (r < 0)
+        return cli_fail(a, c, r, "ls");
+    if (a->json) {
+        cJSON *arr = cJSON_CreateArray();
+        for (size_t i = 0; i < n; i++)
+            cJSON_AddItemToArray(arr, ctx_json(&xs[i]));
+        print_json(arr);
+    } else {
+        printf("%-24s %-16s %8s %18s %10s\n", "ID", "MODEL", "TOKENS", "POSITIONS", "BYTES");
+        for (size_t i = 0; i < n; i++)
+            print_ctx_row(&xs[i]);
+    }
+    kvr_client_free(xs);
+    return CLI_OK;
+}
+
+static int cmd_stat(kvr_client *c, const cli_args *a)
+{
+    if (a->npos != 1)
+        return usage_err("usage: kvrope stat CONTEXT");
+    kvr_context x;
+    int r = kvr_client_stat(c, a->pos[0], &x);
+    if (r < 0)
+        return cli_fail(a, c, r, "stat");
+    if (a->json) {
+        print_json(ctx_json(&x));
+    } else {
+        char b[32];
+        human_bytes(b, sizeof b, (double)x.bytes);
+        printf("id:           %s\nmodel:        %s\ntokens:       %" PRIu64
+               "\npositions:    %" PRId64 "..%" PRId64 "\nblocks:       %" PRIu64
+               " (%" PRIu64 " shared)\napproximate:  %" PRIu64 "\nbytes:        %s\n"
+               "pinned:       %s\nevicted:      %" PRIu64 " tokens\n",
+               x.id, x.model, x.n_tokens, x.pos_min, x.pos_max, x.n_blocks, x.n_shared_blocks,
+               x.n_approximate, b, x.pinned ? "yes" : "no", x.n_evicted_tokens);
+    }
+    return CLI_OK;
+}
+
+static int load_tokens(const cli_args *a, uint32_t **tok, long *n, bool required)
+{
+    const char *tl = cli_opt(a, "tokens"), *tf = cli_opt(a, "tokens-file");
+    *tok = NULL;
+    *n = -1;
+    if (tl && tf)
+        return usage_err("give --tokens or --tokens-file, not both");
+    if (tl) {
+        *n = cli_parse_u32_list(tl, tok);
+        if (*n < 0)
+            return usage_err("--tokens: want comma-separated unsigned integers");
+    } else if (tf) {
+        char err[300];
+        *n = cli_read_tokens_file(tf, tok, err, sizeof err);
+        if (*n < 0) {
+            fprintf(stderr, "kvrope: %s\n", err);
+            return CLI_ERR;
+        }
+    } else if (required) {
+        return usage_err("--tokens or --tokens-file is required");
+    }
+    return CLI_OK;
+}
+
+static int cmd_put(kvr_client *c, const cli_args *a)
+{
+    if (a->npos != 2)
+        return usage_err("usage: kvrope put CONTEXT FILE --model M [options]");
+    const char *ctx = a->pos[0], *file = a->pos[1];
+    bool st_file = cli_has_suffix(file, ".safetensors");
+    kvr_put_args p = { .ctx_id = ctx, .model = cli_opt(a, "model") };
+    const char *mode = cli_opt(a, "mode");
+    if (mode) {
+        if (!strcmp(mode, "create")) p.mode = KVR_WRITE_CREATE;
+        else if (!strcmp(mode, "append")) p.mode = KVR_WRITE_APPEND;
+        else if (!strcmp(mode, "upsert")) p.mode = KVR_WRITE_UPSERT;
+        else return usage_err("--mode: want create, append or upsert");
+    }
+    p.pin = cli_flag(a, "pin");
+    const char *fp = cli_opt(a, "fingerprint");
+    if (fp) {
+        char *end;
+        p.fingerprint = strtoull(fp, &end, 16);
+        if (*end || end == fp)
+            return usage_err("--fingerprint: want hex digits");
+    }
+    bool has_dt;
+    kvr_dtype dt = KVR_DTYPE_F16;
+    if (opt_dtype(a, &dt, &has_dt) < 0)
+        return usage_err("--dtype: want f32, f16 or bf16");
+    uint64_t L = 0, H = 0, D = 0;
+    if (opt_u64(a, "layers", &L, NULL) < 0 || opt_u64(a, "heads", &H, NULL) < 0 ||
+        opt_u64(a, "head-dim", &D, NULL) < 0 || L > UINT32_MAX || H > UINT32_MAX ||
+        D > UINT32_MAX)
+        return usage_err("--layers/--heads/--head-dim: want integers");
+    if (opt_i64(a, "pos-start", &p.pos_start, &p.has_pos_start) < 0)
+        return usage_err("--pos-start: want an integer");
+    int64_t *positions = NULL;
+    const char *pl = cli_opt(a, "positions");
+    long npos = pl ? cli_parse_i64_list(pl, &positions) : -1;
+    if (pl && npos < 0)
+        return usage_err("--positions: want comma-separated integers");
+    uint32_t *tokens = NULL;
+    long ntok;
+    int rc = load_tokens(a, &tokens, &ntok, !st_file);
+    if (rc != CLI_OK) {
+        free(positions);
+        return rc;
+    }
+    char err[400];
+    cli_st_kv st = { 0 };
+    cli_mapped raw = { 0 };
+    struct iovec *iov = NULL;
+    kvr_model m;
+    int r;
+    rc = CLI_OK;
+    if (st_file) {
+        if (cli_st_read(file, &st, err, sizeof err) < 0) {
+            rc = io_err(a, err);
+            goto out;
+        }
+        if (!p.model && st.model[0])
+            p.model = st.model;
+        if (ntok < 0) {
+            if (!st.tokens) {
+                rc = usage_err("%s has no 'tokens' tensor: give --tokens", file);
+                goto out;
+            }
+            ntok = (long)st.n_tokens;
+            tokens = st.tokens;
+            st.tokens = NULL;
+        }
+        if ((size_t)ntok != st.n_tokens) {
+            rc = usage_err("token count does not match the tensors in %s", file);
+            goto out;
+        }
+        if (!positions && !p.has_pos_start && st.positions) {
+            positions = st.positions;
+            npos = ntok;
+            st.positions = NULL;
+        }
+        if (has_dt && dt != st.dtype) {
+            rc = usage_err("--dtype differs from the tensors' dtype in %s", file);
+            goto out;
+        }
+        p.dtype = st.dtype;
+        p.n_layers = st.n_layers;
+        p.n_kv_heads = st.n_heads;
+        p.head_dim = st.head_dim;
+        iov = malloc((2 * (size_t)st.n_layers + 1) * sizeof *iov);
+        if (!iov) {
+            rc = io_err(a, "out of memory");
+            goto out;
+        }
+        size_t slab = kvr_payload_size(1, st.n_tokens, st.n_heads, st.head_dim, st.dtype) / 2;
+        for (uint32_t l = 0; l < st.n_layers; l++) {
+            iov[2 * l] = (struct iovec){ (void *)(uintptr_t)(st.k + l * slab), slab };
+            iov[2 * l + 1] = (struct iovec){ (void *)(uintptr_t)(st.v + l * slab), slab };
+        }
+        p.iov = iov;
+        p.iovcnt = 2 * (size_t)st.n_layers;
+    } else {
+        if (cli_map_file(file, &raw, err, sizeof err) < 0) {
+            rc = io_err(a, err);
+            goto out;
+        }
+        if (!p.model) {
+            rc = usage_err("put: --model is required");
+            goto out;
+        }
+        if (!(L && H && D) || !has_dt) {   /* the rest of the shape from the model */
+            r = kvr_client_model_get(c, p.model, &m);
+            if (r < 0) {
+                rc = cli_fail(a, c, r, "put");
+                goto out;
+            }
+            if (!L) L = m.n_layers;
+            if (!H) H = m.n_kv_heads;
+            if (!D) D = m.head_dim;
+            if (!has_dt) dt = m.dtype;
+        }
+        p.dtype = dt;
+        p.n_layers = (uint32_t)L;
+        p.n_kv_heads = (uint32_t)H;
+        p.head_dim = (uint32_t)D;
+        p.payload = raw.base ? raw.base : "";
+        p.payload_len = raw.len;
+        size_t want = kvr_payload_size(p.n_layers, (size_t)ntok, p.n_kv_heads, p.head_dim, dt);
+        if (want != raw.len) {
+            snprintf(err, sizeof err, "%s: %zu bytes, but %ld tokens x %u layers x %u heads x "
+                     "%u dims x K,V in %s need %zu", file, raw.len, ntok, p.n_layers,
+                     p.n_kv_heads, p.head_dim, kvr_dtype_name(dt), want);
+            rc = io_err(a, err);
+            goto out;
+        }
+    }
+    if (!p.model) {
+        rc = usage_err("put: --model is required");
+        goto out;
+    }
+    if (positions && npos != ntok) {
+        rc = usage_err("--positions: need one per token");
+        goto out;
+    }
+    p.tokens = tokens;
+    p.n_tokens = (size_t)ntok;
+    p.positions = positions;
+    kvr_put_res res;
+    cli_progress_begin(c, "put");
+    r = kvr_client_put(c, &p, &res);
+    cli_progress_end();
+    if (r < 0) {
+        rc = cli_fail(a, c, r, "put");
+        goto out;
+    }
+    if (a->json) {
+        cJSON *j = cJSON_CreateObject();
+        cJSON_AddStringToObject(j, "context_id", ctx);
+        cJSON_AddNumberToObject(j, "n_tokens", (double)res.n_tokens);
+        cJSON_AddNumberToObject(j, "first_index", (double)res.first_index);
+        cJSON_AddNumberToObject(j, "first_pos", (double)res.first_pos);
+        cJSON_AddNumberToObject(j, "last_pos", (double)res.last_pos);
+        print_json(j);
+    } else if (!a->quiet) {
+        printf("%s: put %ld tokens at positions %" PRId64 "..%" PRId64 ", length now %" PRIu64
+               "\n", ctx, ntok, res.first_pos, res.last_pos, res.n_tokens);
+    }
+out:
+    free(iov);
+    free(tokens);
+    free(positions);
+    cli_st_free(&st);
+    cli_unmap(&raw);
+    return rc;
+}
+
+/* Writes a get/match result to `out` by extension, or reports meta only. */
+static int write_kv(const cli_args *a, const kvr_kv *kv, const char *out)
+{
+    char err[400];
+    if (out) {
+        int w;
+        if (cli_has_suffix(out, ".safetensors")) {
+            w = cli_st_write(out, kv, err, sizeof err);
+        } else {
+            struct iovec iov = { kv->payload, kv->payload_len };
+            w = cli_write_iov(out, &iov, 1, err, sizeof err);
+        }
+        if (w < 0)
+            return io_err(a, err);
+    }
+    return CLI_OK;
+}
+
+static int cmd_get(kvr_client *c, const cli_args *a)
+{
+    if (a->npos != 1)
+        return usage_err("usage: kvrope get CONTEXT -o FILE [options]");
+    const char *out = cli_opt(a, "output");
+    bool meta = cli_flag(a, "meta");
+    if (!out && !meta)
+        return usage_err("get: give -o FILE (.safetensors or raw), or --meta");
+    bool to_stdout = out && !strcmp(out, "-");
+    if (to_stdout && a->json)
+        return usage_err("get: --json and -o - both want stdout");
+    kvr_get_args g = { .ctx_id = a->pos[0], .meta_only = meta };
+    bool has_dt;
+    if (opt_dtype(a, &g.dtype, &has_dt) < 0)
+        return usage_err("--dtype: want f32, f16 or bf16");
+    bool has_end;
+    if (opt_u64(a, "start", &g.start, NULL) < 0 || opt_u64(a, "end", &g.end, &has_end) < 0)
+        return usage_err("--start/--end: want token indexes");
+    if (has_end && g.end <= g.start)
+        return usage_err("--end must be greater than --start");
+    int r;
+    if (!has_dt) {   /* default: the model's native dtype */
+        kvr_context x;
+        kvr_model m;
+        r = kvr_client_stat(c, g.ctx_id, &x);
+        if (r == 0)
+            r = kvr_client_model_get(c, x.model, &m);
+        if (r < 0)
+            return cli_fail(a, c, r, "get");
+        g.dtype = m.dtype;
+    }
+    int64_t *pos = NULL;
+    uint32_t *layers = NULL;
+    const char *ps = cli_opt(a, "positions"), *ls = cli_opt(a, "layers");
+    bool has_ps;
+    int64_t pstart = 0;
+    if (opt_i64(a, "pos-start", &pstart, &has_ps) < 0)
+        return usage_err("--pos-start: want an integer");
+    if (ps && has_ps)
+        return usage_err("give --positions or --pos-start, not both");
+    if (ps) {
+        long n = cli_parse_i64_list(ps, &pos);
+        if (n < 0)
+            return usage_err("--positions: want comma-separated integers");
+        g.positions = pos;
+        g.n_positions = (size_t)n;
+    } else if (has_ps) {   /* contiguous target positions: need the range length */
+        kvr_context x;
+        r = kvr_client_stat(c, g.ctx_id, &x);
+        if (r < 0)
+            return cli_fail(a, c, r, "get");
+        uint64_t end = has_end ? g.end : x.n_tokens;
+        size_t n = end > g.start ? (size_t)(end - g.start) : 0;
+        pos = malloc((n ? n : 1) * sizeof *pos);
+        if (!pos)
+            return io_err(a, "out of memory");
+        for (size_t i = 0; i < n; i++)
+            pos[i] = pstart + (int64_t)i;
+        g.positions = pos;
+        g.n_positions = n;
+    }
+    if (ls) {
+        long n = cli_parse_u32_list(ls, &layers);
+        if (n < 0) {
+            free(pos);
+            return usage_err("--layers: want comma-separated layer indexes");
+        }
+        g.layers = layers;
+        g.n_layers = (size_t)n;
+    }
+    kvr_kv kv;
+    cli_progress_begin(c, "get");
+    r = kvr_client_get(c, &g, &kv);
+    cli_progress_end();
+    free(pos);
+    free(layers);
+    if (r < 0)
+        return cli_fail(a, c, r, "get");
+    int rc = meta ? CLI_OK : write_kv(a, &kv, out);
+    if (rc == CLI_OK) {
+        if (a->json) {
+            print_json(kv_json(&kv, meta ? NULL : out));
+        } else if (!a->quiet) {
+            FILE *o = to_stdout ? stderr : stdout;
+            fprintf(o, "%s: %" PRIu64 " tokens [%" PRIu64 ", %" PRIu64 ") of %s, %zu layers, %s",
+                    kv.ctx_id, kv.n_tokens, kv.start, kv.start + kv.n_tokens, kv.model,
+                    kv.n_layers, kvr_dtype_name(kv.dtype));
+            if (kv.n_tokens)
+                fprintf(o, ", positions %" PRId64 "..%" PRId64, kv.positions[0],
+                        kv.positions[kv.n_tokens - 1]);
+            if (!meta)
+                fprintf(o, ", %zu bytes -> %s", kv.payload_len, out);
+            fputc('\n', o);
+        }
+    }
+    kvr_kv_release(&kv);
+    return rc;
+}
+
+static int cmd_match(kvr_client *c, const cli_args *a)
+{
+    const char *model = cli_opt(a, "model"), *out = cli_opt(a, "output");
+    if (!model || a->npos != 0)
+        return usage_err("usage: kvrope match --model M (--tokens 1,2,3 | --tokens-file F) "
+                         "[--get -o FILE]");
+    uint32_t *tok;
+    long n;
+    int rc = load_tokens(a, &tok, &n, true);
+    if (rc != CLI_OK)
+        return rc;
+    kvr_match_args m = { .model = model, .tokens = tok, .n_tokens = (size_t)n,
+                         .include_approximate = cli_flag(a, "approx"),
+                         .get = cli_flag(a, "get") || out != NULL, .dtype = KVR_DTYPE_F16 };
+    bool has_dt;
+    if (opt_dtype(a, &m.dtype, &has_dt) < 0) {
+        free(tok);
+        return usage_err("--dtype: want f32, f16 or bf16");
+    }
+    if (m.get && !has_dt) {
+        kvr_model mi;
+        int r = kvr_client_model_get(c, model, &mi);
+        if (r < 0) {
+            free(tok);
+            return cli_fail(a, c, r, "match");
+        }
+        m.dtype = mi.dtype;
+    }
+    if (m.get && !out) {
+        free(tok);
+        return usage_err("match --get needs -o FILE");
+    }
+    kvr_match_res res;
+    cli_progress_begin(c, "match");
+    int r = kvr_client_match(c, &m, &res);
+    cli_progress_end();
+    free(tok);
+    if (r < 0)
+        return cli_fail(a, c, r, "match");
+    rc = CLI_OK;
+    if (res.has_kv)
+        rc = write_kv(a, &res.kv, out);
+    if (rc == CLI_OK) {
+        if (a->json) {
+            cJSON *j = cJSON_CreateObject();
+            cJSON_AddNumberToObject(j, "length", (double)res.length);
+            cJSON_AddNumberToObject(j, "query_tokens", (double)n);
+            cJSON_AddStringToObject(j, "context_id", res.ctx_id);
+            if (res.has_kv)
+                cJSON_AddItemToObject(j, "kv", kv_json(&res.kv, out));
+            print_json(j);
+        } else if (!a->quiet) {
+            if (res.length)
+                printf("%" PRIu64 " of %ld tokens cached in %s%s%s\n", res.length, n, res.ctx_id,
+                       res.has_kv ? ", KV -> " : "", res.has_kv ? out : "");
+            else
+                printf("no cached prefix (0 of %ld tokens)\n", n);
+        }
+        if (res.length == 0)
+            rc = CLI_NOTFOUND;
+    }
+    kvr_kv_release(&res.kv);
+    return rc;
+}
+
+static int simple_done(const cli_args *a, const char *what, const char *id)
+{
+    if (a->json) {
+        cJSON *j = cJSON_CreateObject();
+        cJSON_AddBoolToObject(j, "ok", 1);
+        cJSON_AddStringToObject(j, "op", what);
+        cJSON_AddStringToObject(j, "context_id", id);
+        print_json(j);
+    } else if (!a->quiet) {
+        printf("%s: %s\n", id, what);
+    }
+    return CLI_OK;
+}
+
+static int cmd_rm(kvr_client *c, const cli_args *a)
+{
+    if (a->npos < 1)
+        return usage_err("usage: kvrope rm CONTEXT...");
+    int rc = CLI_OK;
+    for (int i = 0; i < a->npos; i++) {
+        int r = kvr_client_delete(c, a->pos[i]);
+        if (r < 0)
+            rc = cli_fail(a, c, r, a->pos[i]);
+        else if (!a->json && !a->quiet)
+            printf("%s: deleted\n", a->pos[i]);
+    }
+    if (a->json && rc == CLI_OK) {
+        cJSON *j = cJSON_CreateObject();
+        cJSON_AddBoolToObject(j, "ok", 1);
+        cJSON_AddNumberToObject(j, "deleted", a->npos);
+        print_json(j);
+    }
+    return rc;
+}
+
+static int cmd_pin(kvr_client *c, const cli_args *a, bool pin)
+{
+    if (a->npos != 1)
+        return usage_err(pin ? "usage: kvrope pin CONTEXT" : "usage: kvrope unpin CONTEXT");
+    int r = kvr_client_pin(c, a->pos[0], pin);
+    if (r < 0)
+        return cli_fail(a, c, r, pin ? "pin" : "unpin");
+    return simple_done(a, pin ? "pinned" : "unpinned", a->pos[0]);
+}
+
+static int cmd_fork(kvr_client *c, const cli_args *a)
+{
+    if (a->npos != 2)
+        return usage_err("usage: kvrope fork SRC DST");
+    int r = kvr_client_fork(c, a->pos[0], a->pos[1]);
+    if (r < 0)
+        return cli_fail(a, c, r, "fork");
+    if (a->json) {
+        cJSON *j = cJSON_CreateObject();
+        cJSON_AddBoolToObject(j, "ok", 1);
+        cJSON_AddStringToObject(j, "src", a->pos[0]);
+        cJSON_AddStringToObject(j, "dst", a->pos[1]);
+        print_json(j);
+    } else if (!a->quiet) {
+        printf("%s -> %s: forked (copy-on-write)\n", a->pos[0], a->pos[1]);
+    }
+    return CLI_OK;
+}
+
+static int cmd_shift_keep(kvr_client *c, const cli_args *a, bool shift)
+{
+    uint64_t start, end;
+    int64_t delta = 0;
+    char *e = NULL;
+    if (a->npos != (shift ? 4 : 3) || parse_u64_arg(a->pos[1], &start) < 0 ||
+        parse_u64_arg(a->pos[2], &end) < 0 ||
+        (shift && (errno = 0, delta = strtoll(a->pos[3], &e, 0), errno || *e || e == a->pos[3])))
+        return usage_err(shift ? "usage: kvrope shift CONTEXT START END DELTA"
+                               : "usage: kvrope keep CONTEXT START END");
+    int r = shift ? kvr_client_shift(c, a->pos[0], start, end, delta)
+                  : kvr_client_keep(c, a->pos[0], start, end);
+    if (r < 0)
+        return cli_fail(a, c, r, shift ? "shift" : "keep");
+    return simple_done(a, shift ? "shifted" : "kept", a->pos[0]);
+}
+
+static const char *const commands[] = { "ping", "stats", "models", "ls", "list", "stat",
+                                        "put", "get", "match", "rm", "pin", "unpin",
+                                        "fork", "shift", "keep", NULL };
+
+bool cli_known_command(const char *cmd)
+{
+    for (int i = 0; commands[i]; i++)
+        if (!strcmp(commands[i], cmd))
+            return true;
+    return false;
+}
+
+bool cli_option_takes_value(const char *n)
+{
+    static const char *const v[] = { "socket", "connect", "token-file", "model", "config",
+                                     "style", "dtype", "tokens", "tokens-file", "pos-start",
+                                     "positions", "layers", "heads", "head-dim", "mode",
+                                     "fingerprint", "start", "end", "output", "theta",
+                                     "rotary-dim", "timeout", NULL };
+    for (int i = 0; v[i]; i++)
+        if (!strcmp(v[i], n))
+            return true;
+    return false;
+}
+
+int cli_run(kvr_client *c, const cli_args *a)
+{
+    const char *k = a->cmd;
+    if (!strcmp(k, "ping"))   return cmd_ping(c, a);
+    if (!strcmp(k, "stats"))  return cmd_stats(c, a);
+    if (!strcmp(k, "models")) return cmd_models(c, a);
+    if (!strcmp(k, "ls") || !strcmp(k, "list")) return cmd_ls(c, a);
+    if (!strcmp(k, "stat"))   return cmd_stat(c, a);
+    if (!strcmp(k, "put"))    return cmd_put(c, a);
+    if (!strcmp(k, "get"))    return cmd_get(c, a);
+    if (!strcmp(k, "match"))  return cmd_match(c, a);
+    if (!strcmp(k, "rm"))     return cmd_rm(c, a);
+    if (!strcmp(k, "pin"))    return cmd_pin(c, a, true);
+    if (!strcmp(k, "unpin"))  return cmd_pin(c, a, false);
+    if (!strcmp(k, "fork"))   return cmd_fork(c, a);
+    if (!strcmp(k, "shift"))  return cmd_shift_keep(c, a, true);
+    if (!strcmp(k, "keep"))   return cmd_shift_keep(c, a, false);
+    return usage_err("unknown command '%s'", k);
+}

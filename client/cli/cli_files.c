@@ -1,0 +1,510 @@
+/*
+ * cli_files.c — the files `kvrope put/get` read and write: raw layer-major
+ * payloads, token lists, and safetensors.
+ *
+ * safetensors (https://github.com/huggingface/safetensors): u64 LE header
+ * length N, N bytes of JSON {name: {dtype, shape, data_offsets}}, then the
+ * data; offsets are relative to the end of the header and tensors tile the
+ * data without holes. kvrope writes
+ *   k, v       [layers][tokens][kv_heads][head_dim]  F32 | F16 | BF16
+ *   tokens     [tokens]  I32 (U32 if an id needs 32 bits)
+ *   positions  [tokens]  I64
+ *   flags      [tokens]  I32,  groups [tokens] I32
+ * and __metadata__ {format: "kvrope", model, context_id, start}. The wire's
+ * layer-major K|V interleave is undone with iovecs, never a copy: k is the
+ * K slab of every layer in turn, then v the V slabs.
+ */
+#include "client/cli/cli.h"
+
+#include <cjson/cJSON.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <limits.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+bool cli_has_suffix(const char *s, const char *suffix)
+{
+    size_t a = strlen(s), b = strlen(suffix);
+    return a >= b && strcasecmp(s + a - b, suffix) == 0;
+}
+
+int cli_map_file(const char *path, cli_mapped *m, char *err, size_t errlen)
+{
+    memset(m, 0, sizeof *m);
+    if (strcmp(path, "-") == 0) {   /* stdin: read it all */
+        size_t cap = 1 << 16, len = 0;
+        uint8_t *buf = malloc(cap);
+        for (;;) {
+            if (!buf) {
+                snprintf(err, errlen, "out of memory reading stdin");
+                return -1;
+            }
+            ssize_t r = read(0, buf + len, cap - len);
+            if (r < 0 && errno == EINTR)
+                continue;
+            if (r < 0) {
+                snprintf(err, errlen, "stdin: %s", strerror(errno));
+                free(buf);
+                return -1;
+            }
+            if (r == 0)
+                break;
+            len += (size_t)r;
+            if (len == cap) {
+                uint8_t *nb = realloc(buf, cap * 2);
+                if (!nb)
+                    free(buf);
+                buf = nb;
+                cap *= 2;
+            }
+        }
+        m->base = buf;
+        m->len = len;
+        return 0;
+    }
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0) {
+        snprintf(err, errlen, "%s: %s", path, strerror(errno));
+        return -1;
+    }
+    struct stat st;
+    if (fstat(fd, &st) < 0 || !S_ISREG(st.st_mode)) {
+        snprintf(err, errlen, "%s: not a regular file", path);
+        close(fd);
+        return -1;
+    }
+    m->len = (size_t)st.st_size;
+    if (m->len == 0) {
+        m->base = NULL;
+        close(fd);
+        return 0;
+    }
+    void *p = mmap(NULL, m->len, PROT_READ, MAP_PRIVATE, fd, 0);
+    close(fd);
+    if (p == MAP_FAILED) {
+        snprintf(err, errlen, "%s: mmap: %s", path, strerror(errno));
+        return -1;
+    }
+    (void)madvise(p, m->len, MADV_SEQUENTIAL);
+    m->base = p;
+    m->mapped = true;
+    return 0;
+}
+
+void cli_unmap(cli_mapped *m)
+{
+    if (m->mapped && m->base)
+        munmap(m->base, m->len);
+    else
+        free(m->base);
+    memset(m, 0, sizeof *m);
+}
+
+/* ---- number lists ------------------------------------------------------- */
+
+static long parse_list(const char *s, void **out, bool is_i64)
+{
+    size_t cap = 16, n = 0, es = is_i64 ? sizeof(int64_t) : sizeof(uint32_t);
+    uint8_t *arr = malloc(cap * es);
+    if (!arr)
+        return -1;
+    const char *p = s;
+    for (;;) {
+        while (*p && (*p == ',' || *p == ' ' || *p == '\n' || *p == '\t' || *p == '\r' ||
+                      *p == '[' || *p == ']'))
+            p++;
+        if (!*p)
+            break;
+        char *end;
+        errno = 0;
+        long long v = strtoll(p, &end, 10);
+        if (end == p || errno || (!is_i64 && (v < 0 || v > (long long)UINT32_MAX))) {
+            free(arr);
+            return -1;
+        }
+        if (n == cap) {
+            uint8_t *na = realloc(arr, cap * 2 * es);
+            if (!na) {
+                free(arr);
+                return -1;
+            }
+            arr = na;
+            cap *= 2;
+        }
+        if (is_i64) {
+            int64_t x = v;
+            memcpy(arr + n * es, &x, es);
+        } else {
+            uint32_t x = (uint32_t)v;
+            memcpy(arr + n * es, &x, es);
+        }
+        n++;
+        p = end;
+    }
+    *out = arr;
+    return (long)n;
+}
+
+long cli_parse_u32_list(const char *s, uint32_t **out)
+{
+    void *p = NULL;
+    long n = parse_list(s, &p, false);
+    *out = p;
+    return n;
+}
+
+long cli_parse_i64_list(const char *s, int64_t **out)
+{
+    void *p = NULL;
+    long n = parse_list(s, &p, true);
+    *out = p;
+    return n;
+}
+
+long cli_read_tokens_file(const char *path, uint32_t **out, char *err, size_t errlen)
+{
+    cli_mapped m;
+    if (cli_map_file(path, &m, err, errlen) < 0)
+        return -1;
+    long n;
+    if (cli_has_suffix(path, ".bin")) {
+        if (m.len % 4) {
+            snprintf(err, errlen, "%s: size is not a multiple of 4", path);
+            cli_unmap(&m);
+            return -1;
+        }
+        n = (long)(m.len / 4);
+        *out = malloc(m.len ? m.len : 1);
+        if (*out && m.len)
+            memcpy(*out, m.base, m.len);
+    } else {
+        char *txt = malloc(m.len + 1);
+        if (txt) {
+            if (m.len)
+                memcpy(txt, m.base, m.len);
+            txt[m.len] = 0;
+        }
+        n = txt ? cli_parse_u32_list(txt, out) : -1;
+        free(txt);
+        if (n < 0)
+            snprintf(err, errlen, "%s: expected token ids (unsigned integers)", path);
+    }
+    cli_unmap(&m);
+    return n;
+}
+
+/* ---- writing ------------------------------------------------------------ */
+
+int cli_write_iov(const char *path, struct iovec *iov, size_t n, char *err, size_t errlen)
+{
+    int fd = strcmp(path, "-") == 0 ? 1 : open(path, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+    if (fd < 0) {
+        snprintf(err, errlen, "%s: %s", path, strerror(errno));
+        return -1;
+    }
+    size_t i = 0;
+    int rc = 0;
+    while (i < n) {
+        if (iov[i].iov_len == 0) {
+            i++;
+            continue;
+        }
+        ssize_t w = writev(fd, iov + i, (int)(n - i > IOV_MAX ? IOV_MAX : n - i));
+        if (w < 0) {
+            if (errno == EINTR)
+                continue;
+            snprintf(err, errlen, "%s: %s", path, strerror(errno));
+            rc = -1;
+            break;
+        }
+        size_t left = (size_t)w;
+        while (i < n && left >= iov[i].iov_len) {
+            left -= iov[i].iov_len;
+            i++;
+        }
+        if (i < n) {
+            iov[i].iov_base = (uint8_t *)iov[i].iov_base + left;
+            iov[i].iov_len -= left;
+        }
+    }
+    if (fd != 1 && close(fd) < 0 && rc == 0) {
+        snprintf(err, errlen, "%s: %s", path, strerror(errno));
+        rc = -1;
+    }
+    return rc;
+}
+
+static const char *st_dtype_name(kvr_dtype t)
+{
+    switch (t) {
+    case KVR_DTYPE_F32:  return "F32";
+    case KVR_DTYPE_F16:  return "F16";
+    case KVR_DTYPE_BF16: return "BF16";
+    }
+    return "?";
+}
+
+static void add_tensor(cJSON *root, const char *name, const char *dtype, const size_t *shape,
+                       int ndim, size_t *off, size_t bytes)
+{
+    cJSON *t = cJSON_AddObjectToObject(root, name);
+    cJSON_AddStringToObject(t, "dtype", dtype);
+    cJSON *sh = cJSON_AddArrayToObject(t, "shape");
+    for (int i = 0; i < ndim; i++)
+        cJSON_AddItemToArray(sh, cJSON_CreateNumber((double)shape[i]));
+    cJSON *o = cJSON_AddArrayToObject(t, "data_offsets");
+    cJSON_AddItemToArray(o, cJSON_CreateNumber((double)*off));
+    cJSON_AddItemToArray(o, cJSON_CreateNumber((double)(*off + bytes)));
+    *off += bytes;
+}
+
+int cli_st_write(const char *path, const kvr_kv *kv, char *err, size_t errlen)
+{
+    size_t n = kv->n_tokens, L = kv->n_layers;
+    size_t slab = kvr_payload_size(1, n, kv->n_kv_heads, kv->head_dim, kv->dtype) / 2;
+    bool need_u32 = false;
+    for (size_t i = 0; i < n; i++)
+        if (kv->tokens[i] > INT32_MAX)
+            need_u32 = true;
+    cJSON *root = cJSON_CreateObject();
+    cJSON *meta = cJSON_AddObjectToObject(root, "__metadata__");
+    char buf[64];
+    cJSON_AddStringToObject(meta, "format", "kvrope");
+    cJSON_AddStringToObject(meta, "model", kv->model);
+    cJSON_AddStringToObject(meta, "context_id", kv->ctx_id);
+    snprintf(buf, sizeof buf, "%llu", (unsigned long long)kv->start);
+    cJSON_AddStringToObject(meta, "start", buf);
+    size_t off = 0;
+    size_t shape[4] = { L, n, kv->n_kv_heads, kv->head_dim };
+    add_tensor(root, "k", st_dtype_name(kv->dtype), shape, 4, &off, L * slab);
+    add_tensor(root, "v", st_dtype_name(kv->dtype), shape, 4, &off, L * slab);
+    add_tensor(root, "tokens", need_u32 ? "U32" : "I32", &n, 1, &off, n * 4);
+    add_tensor(root, "positions", "I64", &n, 1, &off, n * 8);
+    add_tensor(root, "flags", "I32", &n, 1, &off, n * 4);
+    add_tensor(root, "groups", "I32", &n, 1, &off, n * 4);
+    char *json = cJSON_PrintUnformatted(root);
+    cJSON_Delete(root);
+    if (!json) {
+        snprintf(err, errlen, "out of memory");
+        return -1;
+    }
+    size_t jl = strlen(json), padded = (jl + 7) & ~(size_t)7;
+    char *hdr = malloc(8 + padded);
+    struct iovec *iov = malloc((2 * L + 6) * sizeof *iov);
+    if (!hdr || !iov) {
+        free(json);
+        free(hdr);
+        free(iov);
+        snprintf(err, errlen, "out of memory");
+        return -1;
+    }
+    uint64_t hl = padded;
+    for (int i = 0; i < 8; i++)
+        hdr[i] = (char)(hl >> (8 * i));
+    memcpy(hdr + 8, json, jl);
+    memset(hdr + 8 + jl, ' ', padded - jl);
+    free(json);
+    size_t k = 0;
+    iov[k++] = (struct iovec){ hdr, 8 + padded };
+    for (size_t l = 0; l < L; l++)
+        iov[k++] = (struct iovec){ (void *)(uintptr_t)kvr_kv_k(kv, l), slab };
+    for (size_t l = 0; l < L; l++)
+        iov[k++] = (struct iovec){ (void *)(uintptr_t)kvr_kv_v(kv, l), slab };
+    iov[k++] = (struct iovec){ kv->tokens, n * 4 };
+    iov[k++] = (struct iovec){ kv->positions, n * 8 };
+    iov[k++] = (struct iovec){ kv->flags, n * 4 };
+    iov[k++] = (struct iovec){ kv->groups, n * 4 };
+    int rc = cli_write_iov(path, iov, k, err, errlen);
+    free(hdr);
+    free(iov);
+    return rc;
+}
+
+/* ---- reading ------------------------------------------------------------ */
+
+typedef struct st_tensor {
+    const char    *dtype;
+    size_t         shape[8];
+    int            ndim;
+    const uint8_t *data;
+    size_t         bytes;
+} st_tensor;
+
+static int st_find(const cJSON *root, const char *name, const uint8_t *data, size_t data_len,
+                   st_tensor *t, char *err, size_t errlen)
+{
+    const cJSON *o = cJSON_GetObjectItemCaseSensitive(root, name);
+    if (!o)
+        return 1;
+    const cJSON *dt = cJSON_GetObjectItemCaseSensitive(o, "dtype");
+    const cJSON *sh = cJSON_GetObjectItemCaseSensitive(o, "shape");
+    const cJSON *off = cJSON_GetObjectItemCaseSensitive(o, "data_offsets");
+    if (!cJSON_IsString(dt) || !cJSON_IsArray(sh) || !cJSON_IsArray(off) ||
+        cJSON_GetArraySize(off) != 2 || cJSON_GetArraySize(sh) > 8) {
+        snprintf(err, errlen, "tensor '%s': malformed entry", name);
+        return -1;
+    }
+    t->dtype = dt->valuestring;
+    t->ndim = 0;
+    const cJSON *d;
+    cJSON_ArrayForEach(d, sh) {
+        if (!cJSON_IsNumber(d) || d->valuedouble < 0) {
+            snprintf(err, errlen, "tensor '%s': bad shape", name);
+            return -1;
+        }
+        t->shape[t->ndim++] = (size_t)d->valuedouble;
+    }
+    double a = cJSON_GetArrayItem(off, 0)->valuedouble, b = cJSON_GetArrayItem(off, 1)->valuedouble;
+    if (!(a >= 0 && b >= a && b <= (double)data_len)) {
+        snprintf(err, errlen, "tensor '%s': data offsets out of the file", name);
+        return -1;
+    }
+    t->data = data + (size_t)a;
+    t->bytes = (size_t)b - (size_t)a;
+    return 0;
+}
+
+static int st_dtype_parse(const char *s, kvr_dtype *out)
+{
+    if (!strcmp(s, "F32"))  { *out = KVR_DTYPE_F32;  return 0; }
+    if (!strcmp(s, "F16"))  { *out = KVR_DTYPE_F16;  return 0; }
+    if (!strcmp(s, "BF16")) { *out = KVR_DTYPE_BF16; return 0; }
+    return -1;
+}
+
+/* Integer vector of n entries of I32/U32/I64/U64 into int64. */
+static int st_ints(const st_tensor *t, size_t n, int64_t *out, const char *name, char *err,
+                   size_t errlen)
+{
+    size_t es = (!strcmp(t->dtype, "I32") || !strcmp(t->dtype, "U32")) ? 4
+              : (!strcmp(t->dtype, "I64") || !strcmp(t->dtype, "U64")) ? 8 : 0;
+    if (!es || t->ndim != 1 || t->shape[0] != n || t->bytes != n * es) {
+        snprintf(err, errlen, "tensor '%s': want [%zu] of I32/U32/I64/U64", name, n);
+        return -1;
+    }
+    for (size_t i = 0; i < n; i++) {
+        if (es == 4) {
+            uint32_t u;
+            memcpy(&u, t->data + 4 * i, 4);
+            out[i] = t->dtype[0] == 'I' ? (int64_t)(int32_t)u : (int64_t)u;
+        } else {
+            memcpy(&out[i], t->data + 8 * i, 8);
+        }
+    }
+    return 0;
+}
+
+void cli_st_free(cli_st_kv *st)
+{
+    cli_unmap(&st->file);
+    free(st->tokens);
+    free(st->positions);
+    memset(st, 0, sizeof *st);
+}
+
+int cli_st_read(const char *path, cli_st_kv *st, char *err, size_t errlen)
+{
+    memset(st, 0, sizeof *st);
+    if (cli_map_file(path, &st->file, err, errlen) < 0)
+        return -1;
+    const uint8_t *base = st->file.base;
+    size_t len = st->file.len;
+    uint64_t hl = 0;
+    if (len < 8) {
+        snprintf(err, errlen, "%s: too short for safetensors", path);
+        goto fail;
+    }
+    for (int i = 0; i < 8; i++)
+        hl |= (uint64_t)base[i] << (8 * i);
+    if (hl > len - 8 || hl > (100u << 20)) {
+        snprintf(err, errlen, "%s: bad safetensors header length", path);
+        goto fail;
+    }
+    cJSON *root = cJSON_ParseWithLength((const char *)base + 8, (size_t)hl);
+    if (!root) {
+        snprintf(err, errlen, "%s: header is not JSON", path);
+        goto fail;
+    }
+    const uint8_t *data = base + 8 + hl;
+    size_t data_len = len - 8 - (size_t)hl;
+    st_tensor k, v, tok, pos;
+    char e2[200] = "";
+    int rk = st_find(root, "k", data, data_len, &k, e2, sizeof e2);
+    int rv = rk == 0 ? st_find(root, "v", data, data_len, &v, e2, sizeof e2) : rk;
+    if (rk || rv) {
+        snprintf(err, errlen, "%s: %s", path, e2[0] ? e2 : "needs tensors 'k' and 'v'");
+        goto fail_json;
+    }
+    if (st_dtype_parse(k.dtype, &st->dtype) < 0 || strcmp(k.dtype, v.dtype) != 0 ||
+        k.ndim != 4 || v.ndim != 4 || memcmp(k.shape, v.shape, 4 * sizeof k.shape[0]) != 0) {
+        snprintf(err, errlen, "%s: 'k' and 'v' must be F32/F16/BF16 of the same shape "
+                 "[layers][tokens][heads][head_dim]", path);
+        goto fail_json;
+    }
+    if (k.shape[0] > UINT32_MAX || k.shape[2] > UINT32_MAX || k.shape[3] > UINT32_MAX) {
+        snprintf(err, errlen, "%s: shape too large", path);
+        goto fail_json;
+    }
+    st->n_layers = (uint32_t)k.shape[0];
+    st->n_tokens = k.shape[1];
+    st->n_heads = (uint32_t)k.shape[2];
+    st->head_dim = (uint32_t)k.shape[3];
+    size_t want = kvr_payload_size(st->n_layers, st->n_tokens, st->n_heads, st->head_dim,
+                                   st->dtype) / 2;
+    if (k.bytes != want || v.bytes != want) {
+        snprintf(err, errlen, "%s: 'k'/'v' byte size does not match the shape", path);
+        goto fail_json;
+    }
+    st->k = k.data;
+    st->v = v.data;
+    size_t n = st->n_tokens;
+    int64_t *tmp = malloc((n ? n : 1) * sizeof *tmp);
+    if (!tmp) {
+        snprintf(err, errlen, "out of memory");
+        goto fail_json;
+    }
+    int rt = st_find(root, "tokens", data, data_len, &tok, e2, sizeof e2);
+    if (rt < 0 || (rt == 0 && st_ints(&tok, n, tmp, "tokens", e2, sizeof e2) < 0)) {
+        snprintf(err, errlen, "%s: %s", path, e2);
+        free(tmp);
+        goto fail_json;
+    }
+    if (rt == 0) {
+        st->tokens = malloc((n ? n : 1) * sizeof *st->tokens);
+        for (size_t i = 0; st->tokens && i < n; i++) {
+            if (tmp[i] < 0 || tmp[i] > (int64_t)UINT32_MAX) {
+                snprintf(err, errlen, "%s: token id out of range at %zu", path, i);
+                free(tmp);
+                goto fail_json;
+            }
+            st->tokens[i] = (uint32_t)tmp[i];
+        }
+    }
+    int rp = st_find(root, "positions", data, data_len, &pos, e2, sizeof e2);
+    if (rp < 0 || (rp == 0 && st_ints(&pos, n, tmp, "positions", e2, sizeof e2) < 0)) {
+        snprintf(err, errlen, "%s: %s", path, e2);
+        free(tmp);
+        goto fail_json;
+    }
+    if (rp == 0) {
+        st->positions = tmp;
+        tmp = NULL;
+    }
+    free(tmp);
+    const cJSON *meta = cJSON_GetObjectItemCaseSensitive(root, "__metadata__");
+    const cJSON *mm = meta ? cJSON_GetObjectItemCaseSensitive(meta, "model") : NULL;
+    if (cJSON_IsString(mm))
+        snprintf(st->model, sizeof st->model, "%s", mm->valuestring);
+    cJSON_Delete(root);
+    return 0;
+fail_json:
+    cJSON_Delete(root);
+fail:
+    cli_st_free(st);
+    return -1;
+}
