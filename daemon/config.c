@@ -6,7 +6,7 @@
  *
  * Precedence: built-in defaults < --config FILE < command-line flags.
  */
-#include "daemon/daemon.h"
+#include "daemon/daemon_internal.h"
 
 #include <ctype.h>
 #include <errno.h>
@@ -278,6 +278,18 @@ void kvr_daemon_print_help(FILE *out)
     fputs(HELP, out);
 }
 
+static bool known_option(const char *name)
+{
+    static const char *names[] = {
+        "socket", "listen", "auth-token-file", "max-memory", "max-connections", "max-frame",
+        "max-conn-buffer", "max-drain", "block-tokens", "threads", "log-level", "config",
+    };
+    for (size_t i = 0; i < sizeof names / sizeof names[0]; i++)
+        if (!strcmp(name, names[i]))
+            return true;
+    return false;
+}
+
 static bool takes_no_value(const char *name)
 {
     return !strcmp(name, "help") || !strcmp(name, "version");
@@ -333,6 +345,10 @@ int kvr_daemon_config_parse_args(kvr_daemon_config *c, int argc, char **argv,
         name[nlen] = '\0';
         if (takes_no_value(name))
             continue;
+        if (!known_option(name)) {
+            fprintf(errout, "kvroped: unknown option '%s' (see --help)\n", a);
+            return -EINVAL;
+        }
         if (eq)
             v = eq + 1;
         else if (i + 1 < argc)
@@ -356,7 +372,6 @@ int kvr_daemon_config_parse_args(kvr_daemon_config *c, int argc, char **argv,
 }
 
 /* Splits "host:port", "[v6]:port". host gets the address without brackets. */
-int kvr_daemon_split_listen(const char *s, char *host, size_t hcap, int *port);
 int kvr_daemon_split_listen(const char *s, char *host, size_t hcap, int *port)
 {
     const char *colon;
@@ -388,7 +403,6 @@ int kvr_daemon_split_listen(const char *s, char *host, size_t hcap, int *port)
     return 0;
 }
 
-bool kvr_daemon_host_is_loopback(const char *host);
 bool kvr_daemon_host_is_loopback(const char *host)
 {
     return !strcmp(host, "localhost") || !strcmp(host, "::1") ||

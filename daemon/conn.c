@@ -1,0 +1,677 @@
+/*
+ * conn.c — one client connection: the frame state machine, reads straight
+ * into the right memory, ordered replies, and closing rules.
+ *
+ *   HDR --24 bytes--> MSG --msg_len bytes--> BUSY (dispatch)
+ *   BUSY --put accepted--> PAYLOAD --payload_len bytes--> BUSY (work, commit)
+ *   BUSY --refused, payload <= max_drain--> DRAIN --> reply --> HDR
+ *   BUSY --reply queued--> HDR
+ *   any --protocol error--> reply, shutdown(write), LINGER --> close
+ *
+ * Invariants:
+ *  - alloc_cb never hands libuv more room than the current state needs, so
+ *    a read never crosses a frame boundary and nothing has to be stashed.
+ *  - The message buffer grows with the bytes that arrived (at most doubling,
+ *    plus 64 KiB), never to the size a peer declared.
+ *  - A put's payload is read straight into the iovecs kvr_put_payload_iov
+ *    gives (block memory when no conversion is needed).
+ *  - Reading is stopped while a request is processed (BUSY), so requests on
+ *    one connection are handled strictly in order, and while more than
+ *    max_conn_buffer bytes of replies wait to be written (back pressure).
+ */
+#include "daemon/daemon_internal.h"
+
+#include <errno.h>
+#include <string.h>
+#include <time.h>
+
+typedef struct write_req {
+    uv_write_t req;
+    kvr_conn  *c;
+    uint8_t   *buf;        /* header + message, kvr_mem */
+    size_t     total;      /* bytes queued (buf + payload) */
+    kvr_get   *get;        /* released when the write completes */
+} write_req;
+
+uint64_t kvr_now_ms(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000u + (uint64_t)ts.tv_nsec / 1000000u;
+}
+
+static void conn_unref(kvr_conn *c)
+{
+    if (--c->refs > 0)
+        return;
+    kvr_mem_free(c->msg);
+    kvr_mem_free(c->pending);
+    kvr_mem_free(c);
+}
+
+static void update_reading(kvr_conn *c);
+static void alloc_cb(uv_handle_t *h, size_t suggested, uv_buf_t *buf);
+static void read_cb(uv_stream_t *s, ssize_t nread, const uv_buf_t *buf);
+
+static void on_close(uv_handle_t *h)
+{
+    kvr_conn *c = h->data;
+    kvr_daemon *d = c->d;
+    if (c->prev)
+        c->prev->next = c->next;
+    else
+        d->conns = c->next;
+    if (c->next)
+        c->next->prev = c->prev;
+    d->n_conns--;
+    kvr_log(KVR_LOG_DEBUG, "connection %p closed", (void *)c);
+    conn_unref(c);
+}
+
+void kvr_conn_close(kvr_conn *c)
+{
+    if (c->closing)
+        return;
+    c->closing = true;
+    if (c->put && c->st == CONN_PAYLOAD) {
+        /* Client went away mid-payload: the context stays as it was. */
+        kvr_log(KVR_LOG_INFO, "client closed during a put payload: put aborted");
+        kvr_put_abort(c->put);
+        c->put = NULL;
+    }
+    if (c->req && c->st != CONN_BUSY) {
+        kvrope__request__free_unpacked(c->req, &kvr_pb_allocator);
+        c->req = NULL;
+    }
+    uv_close(&c->h.handle, on_close);
+}
+
+static void on_shutdown(uv_shutdown_t *req, int status)
+{
+    kvr_conn *c = req->data;
+    kvr_mem_free(req);
+    if (status < 0 && !c->closing)
+        kvr_conn_close(c);
+    conn_unref(c);
+}
+
+/* The reply has been written: shut our write side and read (and discard)
+ * what the peer still sends for a bounded time, so the peer receives the
+ * error reply instead of a reset. */
+static void start_linger(kvr_conn *c)
+{
+    if (c->closing)
+        return;
+    c->st = CONN_LINGER;
+    c->linger_left = KVR_LINGER_BYTES;
+    c->linger_deadline_ms = kvr_now_ms() + KVR_LINGER_MS;
+    uv_shutdown_t *sr = kvr_mem_malloc(sizeof *sr);
+    if (!sr || uv_shutdown(sr, &c->h.stream, on_shutdown) < 0) {
+        kvr_mem_free(sr);
+        kvr_conn_close(c);
+        return;
+    }
+    sr->data = c;
+    c->refs++;
+    update_reading(c);
+}
+
+static void maybe_finish_close(kvr_conn *c)
+{
+    if (c->close_after_write && c->writes_pending == 0 && !c->closing &&
+        c->st != CONN_LINGER) {
+        if (c->linger)
+            start_linger(c);
+        else
+            kvr_conn_close(c);
+    }
+}
+
+static void on_write(uv_write_t *req, int status)
+{
+    write_req *w = (write_req *)req;
+    kvr_conn *c = w->c;
+    if (w->get)
+        kvr_get_end(w->get);
+    kvr_mem_free(w->buf);
+    c->writes_pending--;
+    c->out_queued -= w->total;
+    if (status == 0)
+        c->d->bytes_out += w->total;
+    kvr_mem_free(w);
+    if (!c->closing) {
+        if (status < 0) {
+            kvr_log(KVR_LOG_DEBUG, "write failed: %s", uv_strerror(status));
+            kvr_conn_close(c);
+        } else {
+            maybe_finish_close(c);
+            update_reading(c);
+        }
+    }
+    conn_unref(c);
+}
+
+/* Queues buf (owned, header+message) plus the get's payload iovecs. */
+static int queue_write(kvr_conn *c, uint8_t *buf, size_t len, kvr_get *get,
+                       size_t payload_len)
+{
+    write_req *w = kvr_mem_calloc(1, sizeof *w);
+    if (!w) {
+        kvr_mem_free(buf);
+        if (get)
+            kvr_get_end(get);
+        return KVR_ENOMEM;
+    }
+    const struct iovec *iov = NULL;
+    size_t niov = 0;
+    if (get && payload_len > 0)
+        kvr_get_payload_iov(get, &iov, &niov);
+    uv_buf_t small[8];
+    uv_buf_t *bufs = small;
+    size_t nb = 1 + niov;
+    if (nb > sizeof small / sizeof small[0]) {
+        bufs = kvr_mem_malloc(nb * sizeof *bufs);
+        if (!bufs) {
+            kvr_mem_free(w);
+            kvr_mem_free(buf);
+            if (get)
+                kvr_get_end(get);
+            return KVR_ENOMEM;
+        }
+    }
+    bufs[0] = uv_buf_init((char *)buf, (unsigned)len);
+    size_t k = 1;
+    for (size_t i = 0; i < niov; i++) {
+        if (iov[i].iov_len == 0)
+            continue;
+        bufs[k].base = iov[i].iov_base;
+        bufs[k].len = iov[i].iov_len;
+        k++;
+    }
+    w->c = c;
+    w->buf = buf;
+    w->total = len + payload_len;
+    w->get = get;
+    int rc = uv_write(&w->req, &c->h.stream, bufs, (unsigned)k, on_write);
+    if (bufs != small)
+        kvr_mem_free(bufs);   /* libuv copied the array */
+    if (rc < 0) {
+        kvr_mem_free(buf);
+        if (get)
+            kvr_get_end(get);
+        kvr_mem_free(w);
+        kvr_conn_close(c);
+        return KVR_EIO;
+    }
+    c->refs++;
+    c->writes_pending++;
+    c->out_queued += w->total;
+    return 0;
+}
+
+/* Packs header + message into one kvr_mem buffer. */
+static uint8_t *pack_response(const Kvrope__Response *r, size_t payload_len, size_t *len)
+{
+    size_t n = kvrope__response__get_packed_size(r);
+    if (n > UINT32_MAX || n > SIZE_MAX - KVR_FRAME_HEADER_SIZE)
+        return NULL;
+    uint8_t *buf = kvr_mem_malloc(KVR_FRAME_HEADER_SIZE + n);
+    if (!buf)
+        return NULL;
+    kvrope__response__pack(r, buf + KVR_FRAME_HEADER_SIZE);
+    kvr_frame_header_encode(buf, (uint32_t)n, payload_len);
+    *len = KVR_FRAME_HEADER_SIZE + n;
+    return buf;
+}
+
+static uint8_t *pack_error(uint64_t id, int code, const char *msg, size_t *len)
+{
+    Kvrope__Response r = KVROPE__RESPONSE__INIT;
+    char text[512];
+    snprintf(text, sizeof text, "%s", msg ? msg : kvr_strerror(code));
+    r.id = id;
+    r.status = (Kvrope__Status)kvr_status_of(code);
+    r.message = text;
+    return pack_response(&r, 0, len);
+}
+
+int kvr_conn_send(kvr_conn *c, const Kvrope__Response *r, kvr_get *get,
+                  size_t payload_len, bool close_after)
+{
+    if (r->status != KVROPE__STATUS__OK)
+        c->d->n_errors++;
+    if (c->closing) {
+        if (get)
+            kvr_get_end(get);
+        return 0;
+    }
+    size_t len;
+    uint8_t *buf = pack_response(r, payload_len, &len);
+    if (!buf) {
+        if (get)
+            kvr_get_end(get);
+        /* Fall back to a small error reply; if even that fails, close. */
+        buf = pack_error(r->id, KVR_ENOMEM, "out of memory packing the response", &len);
+        if (!buf) {
+            kvr_conn_close(c);
+            return KVR_ENOMEM;
+        }
+        get = NULL;
+        payload_len = 0;
+    }
+    if (close_after)
+        c->close_after_write = true;
+    int rc = queue_write(c, buf, len, get, payload_len);
+    if (rc == 0 && close_after) {
+        c->st = CONN_BUSY;
+        update_reading(c);
+    }
+    return rc;
+}
+
+void kvr_conn_fail(kvr_conn *c, uint64_t id, int code, const char *msg)
+{
+    kvr_log(KVR_LOG_INFO, "closing connection after error %s: %s",
+            kvr_error_name(code), msg ? msg : kvr_strerror(code));
+    Kvrope__Response r = KVROPE__RESPONSE__INIT;
+    char text[512];
+    snprintf(text, sizeof text, "%s", msg ? msg : kvr_strerror(code));
+    r.id = id;
+    r.status = (Kvrope__Status)kvr_status_of(code);
+    r.message = text;
+    if (c->req) {
+        kvrope__request__free_unpacked(c->req, &kvr_pb_allocator);
+        c->req = NULL;
+    }
+    c->linger = true;
+    kvr_conn_send(c, &r, NULL, 0, true);
+}
+
+void kvr_conn_request_done(kvr_conn *c)
+{
+    if (c->req) {
+        kvrope__request__free_unpacked(c->req, &kvr_pb_allocator);
+        c->req = NULL;
+    }
+    if (c->closing || c->close_after_write)
+        return;
+    c->st = CONN_HDR;
+    c->hdr_have = 0;
+    c->msg_have = 0;
+    if (c->d->stopping) {
+        c->close_after_write = true;
+        if (c->writes_pending == 0)
+            kvr_conn_close(c);
+        return;
+    }
+    update_reading(c);
+}
+
+void kvr_conn_reply_error(kvr_conn *c, int code, const char *msg)
+{
+    uint64_t id = c->req ? c->req->id : 0;
+    const char *text = msg && msg[0] ? msg : kvr_strerror(code);
+    if (c->payload_unread) {
+        if (c->fh.payload_len > c->d->cfg.max_drain) {
+            char m[600];
+            snprintf(m, sizeof m, "%s (payload of %llu bytes not drained: closing)",
+                     text, (unsigned long long)c->fh.payload_len);
+            kvr_conn_fail(c, id, code, m);
+            return;
+        }
+        size_t len;
+        uint8_t *buf = pack_error(id, code, text, &len);
+        if (!buf) {
+            kvr_conn_close(c);
+            return;
+        }
+        c->d->n_errors++;
+        kvr_mem_free(c->pending);
+        c->pending = buf;
+        c->pending_len = len;
+        c->drain_left = c->fh.payload_len;
+        c->payload_unread = false;
+        c->st = CONN_DRAIN;
+        update_reading(c);
+        return;
+    }
+    Kvrope__Response r = KVROPE__RESPONSE__INIT;
+    char t[600];
+    snprintf(t, sizeof t, "%s", text);
+    r.id = id;
+    r.status = (Kvrope__Status)kvr_status_of(code);
+    r.message = t;
+    kvr_conn_send(c, &r, NULL, 0, false);
+    kvr_conn_request_done(c);
+}
+
+static void update_reading(kvr_conn *c)
+{
+    if (c->closing)
+        return;
+    bool want;
+    switch (c->st) {
+    case CONN_HDR:
+    case CONN_MSG:
+    case CONN_PAYLOAD:
+    case CONN_DRAIN:
+        want = !c->close_after_write && c->out_queued <= c->d->cfg.max_conn_buffer;
+        break;
+    case CONN_LINGER:
+        want = true;
+        break;
+    default:
+        want = false;
+        break;
+    }
+    if (want == c->reading)
+        return;
+    if (want) {
+        if (uv_read_start(&c->h.stream, alloc_cb, read_cb) < 0) {
+            kvr_conn_close(c);
+            return;
+        }
+    } else {
+        uv_read_stop(&c->h.stream);
+    }
+    c->reading = want;
+}
+
+/* ---- reading ------------------------------------------------------------ */
+
+static void skip_empty_iov(kvr_conn *c)
+{
+    while (c->iov_i < c->niov && c->iov_off >= c->iov[c->iov_i].iov_len) {
+        c->iov_i++;
+        c->iov_off = 0;
+    }
+}
+
+static void alloc_cb(uv_handle_t *h, size_t suggested, uv_buf_t *buf)
+{
+    kvr_conn *c = h->data;
+    (void)suggested;
+    buf->base = NULL;
+    buf->len = 0;
+    switch (c->st) {
+    case CONN_HDR:
+        buf->base = (char *)c->hdr + c->hdr_have;
+        buf->len = KVR_FRAME_HEADER_SIZE - c->hdr_have;
+        break;
+    case CONN_MSG: {
+        size_t want = c->fh.msg_len - c->msg_have;
+        if (c->msg_cap == c->msg_have) {
+            /* Grow with what has arrived: at most double, plus 64 KiB. */
+            size_t ncap = c->msg_have + (c->msg_have > 65536 ? c->msg_have : 65536);
+            if (ncap > c->fh.msg_len)
+                ncap = c->fh.msg_len;
+            uint8_t *m = kvr_mem_realloc(c->msg, ncap);
+            if (!m)
+                return;   /* UV_ENOBUFS in read_cb */
+            c->msg = m;
+            c->msg_cap = ncap;
+        }
+        size_t room = c->msg_cap - c->msg_have;
+        buf->base = (char *)c->msg + c->msg_have;
+        buf->len = room < want ? room : want;
+        break;
+    }
+    case CONN_PAYLOAD:
+        skip_empty_iov(c);
+        if (c->iov_i < c->niov) {
+            buf->base = (char *)c->iov[c->iov_i].iov_base + c->iov_off;
+            buf->len = c->iov[c->iov_i].iov_len - c->iov_off;
+        }
+        break;
+    case CONN_DRAIN:
+        buf->base = (char *)c->d->scratch;
+        buf->len = c->drain_left < KVR_SCRATCH_SIZE ? (size_t)c->drain_left
+                                                     : KVR_SCRATCH_SIZE;
+        break;
+    case CONN_LINGER:
+        buf->base = (char *)c->d->scratch;
+        buf->len = KVR_SCRATCH_SIZE;
+        break;
+    default:
+        break;
+    }
+}
+
+static void on_header(kvr_conn *c)
+{
+    int rc = kvr_frame_header_decode(c->hdr, &c->fh, &c->d->limits);
+    if (rc == KVR_EBADFRAME) {
+        kvr_conn_fail(c, 0, KVR_EBADFRAME,
+                      "bad frame header (wrong magic, version, header_len or flags)");
+        return;
+    }
+    if (rc == KVR_ETOOLARGE) {
+        char m[200];
+        snprintf(m, sizeof m,
+                 "frame over the limits: msg_len %u (max %u), payload_len %llu (max %llu)",
+                 c->fh.msg_len, c->d->limits.max_msg_len,
+                 (unsigned long long)c->fh.payload_len,
+                 (unsigned long long)c->d->limits.max_payload_len);
+        kvr_conn_fail(c, 0, KVR_ETOOLARGE, m);
+        return;
+    }
+    c->msg_have = 0;
+    c->st = CONN_MSG;
+}
+
+static void on_message(kvr_conn *c)
+{
+    c->st = CONN_BUSY;
+    update_reading(c);
+    static const uint8_t empty[1] = { 0 };
+    Kvrope__Request *req = kvrope__request__unpack(
+        &kvr_pb_allocator, c->fh.msg_len, c->fh.msg_len ? c->msg : empty);
+    /* Keep a small buffer for the next frame; give big ones back. */
+    if (c->msg_cap > 65536) {
+        kvr_mem_free(c->msg);
+        c->msg = NULL;
+        c->msg_cap = 0;
+    }
+    c->msg_have = 0;
+    if (!req) {
+        kvr_conn_fail(c, 0, KVR_EBADFRAME, "message does not decode as a kvrope.Request");
+        return;
+    }
+    c->req = req;
+    c->payload_unread = c->fh.payload_len > 0;
+    c->work_kind = 0;
+    c->d->n_requests++;
+    kvr_dispatch(c);
+}
+
+static void payload_advance(kvr_conn *c, size_t n)
+{
+    while (n > 0 && c->iov_i < c->niov) {
+        size_t room = c->iov[c->iov_i].iov_len - c->iov_off;
+        size_t k = n < room ? n : room;
+        c->iov_off += k;
+        n -= k;
+        skip_empty_iov(c);
+    }
+    skip_empty_iov(c);
+    if (c->iov_i >= c->niov) {
+        c->st = CONN_BUSY;
+        update_reading(c);
+        kvr_dispatch_payload_done(c);
+    }
+}
+
+static void read_cb(uv_stream_t *s, ssize_t nread, const uv_buf_t *buf)
+{
+    kvr_conn *c = s->data;
+    (void)buf;
+    if (c->closing)
+        return;
+    if (nread == 0)
+        return;
+    if (nread < 0) {
+        if (nread == UV_ENOBUFS && c->st == CONN_MSG) {
+            kvr_conn_fail(c, 0, KVR_ENOMEM, "out of memory buffering the message");
+            return;
+        }
+        if (nread != UV_EOF)
+            kvr_log(KVR_LOG_DEBUG, "read: %s", uv_strerror((int)nread));
+        else if (c->st != CONN_HDR || c->hdr_have != 0)
+            kvr_log(KVR_LOG_DEBUG, "client closed mid-frame (state %d)", (int)c->st);
+        kvr_conn_close(c);
+        return;
+    }
+    size_t n = (size_t)nread;
+    c->d->bytes_in += n;
+    switch (c->st) {
+    case CONN_HDR:
+        c->hdr_have += n;
+        if (c->hdr_have == KVR_FRAME_HEADER_SIZE) {
+            on_header(c);
+            if (c->st == CONN_MSG && c->fh.msg_len == 0)
+                on_message(c);
+        }
+        break;
+    case CONN_MSG:
+        c->msg_have += n;
+        if (c->msg_have == c->fh.msg_len)
+            on_message(c);
+        break;
+    case CONN_PAYLOAD:
+        payload_advance(c, n);
+        break;
+    case CONN_DRAIN:
+        c->drain_left -= n;
+        if (c->drain_left == 0) {
+            uint8_t *p = c->pending;
+            size_t len = c->pending_len;
+            c->pending = NULL;
+            c->st = CONN_BUSY;
+            if (queue_write(c, p, len, NULL, 0) == 0)
+                kvr_conn_request_done(c);
+        }
+        break;
+    case CONN_LINGER:
+        if (n >= c->linger_left) {
+            kvr_conn_close(c);
+            return;
+        }
+        c->linger_left -= n;
+        break;
+    default:
+        break;
+    }
+}
+
+void kvr_conn_begin_payload(kvr_conn *c)
+{
+    kvr_put_payload_iov(c->put, &c->iov, &c->niov);
+    c->iov_i = 0;
+    c->iov_off = 0;
+    c->payload_unread = false;
+    c->st = CONN_PAYLOAD;
+    skip_empty_iov(c);
+    if (c->iov_i >= c->niov) {
+        c->st = CONN_BUSY;
+        kvr_dispatch_payload_done(c);
+        return;
+    }
+    update_reading(c);
+}
+
+/* ---- threadpool ---------------------------------------------------------- */
+
+static void work_cb(uv_work_t *w)
+{
+    kvr_conn *c = w->data;
+    memset(&c->work_err, 0, sizeof c->work_err);
+    if (c->work_kind == 1)
+        c->work_rc = kvr_put_work(c->put, &c->work_err);
+    else
+        c->work_rc = kvr_get_work(c->get, &c->work_err);
+}
+
+static void after_work_cb(uv_work_t *w, int status)
+{
+    kvr_conn *c = w->data;
+    if (status < 0 && c->work_rc == 0) {
+        c->work_rc = KVR_EINTERNAL;
+        kvr_error_set(&c->work_err, KVR_EINTERNAL, "work cancelled");
+    }
+    if (c->closing) {
+        /* Nobody to answer: nothing acknowledged, so nothing kept. */
+        if (c->work_kind == 1 && c->put) {
+            kvr_put_abort(c->put);
+            c->put = NULL;
+        } else if (c->get) {
+            kvr_get_end(c->get);
+            c->get = NULL;
+        }
+        if (c->req) {
+            kvrope__request__free_unpacked(c->req, &kvr_pb_allocator);
+            c->req = NULL;
+        }
+    } else {
+        kvr_dispatch_after_work(c);
+    }
+    c->work_kind = 0;
+    conn_unref(c);
+}
+
+void kvr_conn_queue_work(kvr_conn *c, int kind)
+{
+    c->work_kind = kind;
+    c->work.data = c;
+    c->work_rc = 0;
+    int rc = uv_queue_work(&c->d->loop, &c->work, work_cb, after_work_cb);
+    if (rc < 0) {
+        /* Run it here rather than fail the request. */
+        work_cb(&c->work);
+        c->refs++;
+        after_work_cb(&c->work, 0);
+        return;
+    }
+    c->refs++;
+}
+
+/* ---- lifecycle ----------------------------------------------------------- */
+
+void kvr_conn_start(kvr_daemon *d, kvr_conn *c, bool is_tcp)
+{
+    c->d = d;
+    c->refs = 1;
+    c->is_tcp = is_tcp;
+    c->authed = !is_tcp || d->token == NULL;
+    c->h.handle.data = c;
+    c->next = d->conns;
+    if (d->conns)
+        d->conns->prev = c;
+    d->conns = c;
+    d->n_conns++;
+    d->n_conn_total++;
+    c->st = CONN_HDR;
+    update_reading(c);
+}
+
+void kvr_conn_stop(kvr_conn *c)
+{
+    if (c->closing)
+        return;
+    if (c->st == CONN_HDR && c->hdr_have == 0) {
+        if (c->writes_pending == 0) {
+            kvr_conn_close(c);
+            return;
+        }
+        c->close_after_write = true;
+        update_reading(c);
+    }
+    /* Let the request in flight finish; request_done closes it. */
+}
+
+void kvr_conn_sweep(kvr_conn *c, uint64_t now_ms, bool force)
+{
+    if (c->closing)
+        return;
+    if (force || (c->st == CONN_LINGER && now_ms >= c->linger_deadline_ms))
+        kvr_conn_close(c);
+}

@@ -1,0 +1,166 @@
+/*
+ * daemon_internal.h — what the files of daemon/ share: the server and
+ * connection structs, the connection state machine's entry points, and the
+ * request dispatcher. Private to daemon/ (and its tests/fuzz targets).
+ *
+ * Ownership rules:
+ *  - A conn is freed only when its refcount drops to zero: one reference for
+ *    the handle (dropped in the close callback), one per queued write, one
+ *    per queued threadpool job. So callbacks never see freed memory.
+ *  - At most one request per connection is being processed at a time
+ *    (state BUSY: reading is stopped); responses are written in order.
+ */
+#ifndef KVR_DAEMON_INTERNAL_H
+#define KVR_DAEMON_INTERNAL_H
+
+#include <uv.h>
+
+#include "cache/cache.h"
+#include "daemon/daemon.h"
+#include "kvrope.pb-c.h"
+#include "proto/frame.h"
+
+#define KVR_SCRATCH_SIZE (64u * 1024u)
+#define KVR_LINGER_BYTES (1u << 20)    /* discarded before an error close */
+#define KVR_LINGER_MS    2000
+#define KVR_STOP_GRACE_MS 10000
+
+typedef enum conn_state {
+    CONN_HDR = 0,      /* reading the 24-byte header */
+    CONN_MSG,          /* reading msg_len bytes of protobuf */
+    CONN_PAYLOAD,      /* reading a put's payload into the store's iovecs */
+    CONN_DRAIN,        /* discarding a refused payload, then the pending reply */
+    CONN_BUSY,         /* a request is being processed; not reading */
+    CONN_LINGER,       /* error reply sent, write side shut; discarding input */
+} conn_state;
+
+/* Requests counted per verb; index = Request body case - 10. */
+#define KVR_N_VERBS 15
+
+typedef struct kvr_conn kvr_conn;
+
+struct kvr_daemon {
+    uv_loop_t          loop;
+    kvr_daemon_config  cfg;
+    kvr_store         *store;
+    kvr_frame_limits   limits;
+
+    uv_pipe_t  unix_srv;
+    bool       has_unix;
+    char       sock_path[256];
+    bool       sock_created;
+    uv_tcp_t   tcp_srv;
+    bool       has_tcp;
+    uv_signal_t sig_int, sig_term;
+    bool       has_signals;
+    uv_timer_t sweep;            /* lingering closes, stop grace */
+    bool       has_sweep;
+
+    uint8_t   *token;            /* NULL = no auth */
+    size_t     token_len;
+
+    bool       stopping;
+    uint64_t   stop_ms;
+    kvr_conn  *conns;            /* doubly linked, open connections */
+    size_t     n_conns;
+
+    uint8_t    scratch[KVR_SCRATCH_SIZE];   /* discarded bytes land here */
+
+    /* metrics */
+    uint64_t   start_ms;
+    uint64_t   n_conn_total, n_conn_refused, n_requests, n_errors;
+    uint64_t   bytes_in, bytes_out;
+    uint64_t   per_verb[KVR_N_VERBS];
+};
+
+struct kvr_conn {
+    union {
+        uv_handle_t handle;
+        uv_stream_t stream;
+        uv_pipe_t   pipe;
+        uv_tcp_t    tcp;
+    } h;
+    kvr_daemon *d;
+    kvr_conn   *prev, *next;
+    int         refs;
+    bool        is_tcp, authed;
+    bool        closing;          /* uv_close called */
+    bool        close_after_write;/* close once the queued writes are done */
+    bool        reading;
+    bool        linger;           /* drain input briefly before closing */
+    conn_state  st;
+    uint64_t    linger_deadline_ms;
+    uint64_t    linger_left;
+
+    uint8_t     hdr[KVR_FRAME_HEADER_SIZE];
+    size_t      hdr_have;
+    kvr_frame_header fh;
+
+    uint8_t    *msg;
+    size_t      msg_cap, msg_have;
+
+    Kvrope__Request *req;
+
+    /* put in progress */
+    kvr_put    *put;
+    const struct iovec *iov;
+    size_t      niov, iov_i, iov_off;
+
+    bool        payload_unread;   /* the frame's payload is still on the wire */
+    /* drain: bytes left, then this packed reply is written */
+    uint64_t    drain_left;
+    uint8_t    *pending;
+    size_t      pending_len;
+    bool        pending_close;
+
+    /* threadpool job (one at a time) */
+    uv_work_t   work;
+    int         work_kind;        /* 1 put, 2 get, 3 match+get */
+    int         work_rc;
+    kvr_error   work_err;
+    kvr_get    *get;
+    uint64_t    match_len;
+    char        match_ctx[KVR_ID_MAX + 1];
+
+    size_t      writes_pending;
+    uint64_t    out_queued;
+};
+
+/* ---- config.c --------------------------------------------------------- */
+int  kvr_daemon_split_listen(const char *s, char *host, size_t hcap, int *port);
+bool kvr_daemon_host_is_loopback(const char *host);
+
+/* ---- conn.c ----------------------------------------------------------- */
+void kvr_conn_start(kvr_daemon *d, kvr_conn *c, bool is_tcp);
+void kvr_conn_close(kvr_conn *c);
+/* Sends an error reply (id 0 unless known) and closes after it is written. */
+void kvr_conn_fail(kvr_conn *c, uint64_t id, int code, const char *msg);
+/* Stop: close now if idle, else after the current request. */
+void kvr_conn_stop(kvr_conn *c);
+void kvr_conn_sweep(kvr_conn *c, uint64_t now_ms, bool force);
+uint64_t kvr_now_ms(void);
+
+/* Writes a packed response frame (header + message [+ get payload]). */
+int  kvr_conn_send(kvr_conn *c, const Kvrope__Response *r, kvr_get *get,
+                   size_t payload_len, bool close_after);
+/* Finishes the current request: frees it and resumes reading. */
+void kvr_conn_request_done(kvr_conn *c);
+/* Error reply for the current request; if the frame declared a payload, it
+ * is drained (up to max_drain) first, else the connection is closed. */
+void kvr_conn_reply_error(kvr_conn *c, int code, const char *msg);
+/* Start receiving the put payload into c->put's iovecs. */
+void kvr_conn_begin_payload(kvr_conn *c);
+void kvr_conn_queue_work(kvr_conn *c, int kind);
+
+/* ---- dispatch.c ------------------------------------------------------- */
+extern ProtobufCAllocator kvr_pb_allocator;
+/* Called with c->req set and state BUSY. Always ends in a reply (now or
+ * after payload/work) and kvr_conn_request_done, or a close. */
+void kvr_dispatch(kvr_conn *c);
+/* After a threadpool job, on the loop thread (c not closing). */
+void kvr_dispatch_after_work(kvr_conn *c);
+/* After the put payload arrived in full. */
+void kvr_dispatch_payload_done(kvr_conn *c);
+int  kvr_status_of(int code);      /* KVR_E* -> Status */
+
+#endif /* KVR_DAEMON_INTERNAL_H */
