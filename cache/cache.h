@@ -189,6 +189,8 @@ typedef struct kvr_get_params {
     kvr_dtype       dtype;         /* output dtype */
     const int64_t  *positions;     /* NULL = current logical positions, else
                                       end-start target positions (copied) */
+    size_t          n_positions;   /* entries in positions; 0 = end-start
+                                      (added: lets the store check the count) */
     const uint32_t *layers;        /* NULL = all layers, else n_layers_sel ids */
     size_t          n_layers_sel;
     bool            meta_only;     /* no payload, just tokens/positions/flags */

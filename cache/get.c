@@ -91,6 +91,9 @@ int kvr_store_get_begin(kvr_store *s, const kvr_get_params *p, kvr_get **out,
                              "token range [%zu, %zu) is outside context '%s' of %zu tokens",
                              p->start, end, c->id, c->n_tokens);
     size_t n = end - start;
+    if (p->positions && p->n_positions && p->n_positions != n)
+        return kvr_error_set(err, KVR_EINVAL, "%zu target positions for %zu tokens",
+                             p->n_positions, n);
     size_t osize = kvr_dtype_size(p->dtype);
     if (!p->meta_only && osize == 0)
         return kvr_error_set(err, KVR_EINVAL, "unknown output dtype %d", (int)p->dtype);

@@ -186,6 +186,7 @@ static void node_compact(kvr_ptree *t, pnode *n)
     n->cap_children = c->cap_children;
     for (uint32_t i = 0; i < n->n_children; i++)
         n->children[i]->parent = n;
+    kvr_mem_free(n->ends);    /* empty, but may still have room */
     n->ends = c->ends;
     n->n_ends = c->n_ends;
     n->cap_ends = c->cap_ends;

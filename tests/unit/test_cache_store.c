@@ -1,0 +1,658 @@
+/*
+ * test_cache_store.c — the store's put/get/shift/keep/fork/delete paths:
+ * bit-exact round trips, conversions, re-rotation against rope/, copy-on-
+ * write, leases, error codes, aborts and memory accounting.
+ */
+#include <criterion/criterion.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "cache/cache.h"
+
+#define L 3
+#define H 2
+#define D 8
+
+/* A value exactly representable in f32, f16 and bf16. */
+static float val(uint32_t seed, uint32_t l, int kv, uint64_t t, uint32_t h, uint32_t d)
+{
+    uint64_t x = seed * 0x9E3779B97F4A7C15ull ^ (l * 1315423911ull) ^ ((uint64_t)kv << 40) ^
+                 (t * 2654435761ull) ^ (h * 97531ull) ^ (d * 1009ull);
+    x ^= x >> 29;
+    x *= 0xBF58476D1CE4E5B9ull;
+    x ^= x >> 32;
+    return (float)((int)(x % 255) - 127) / 16.0f;
+}
+
+static kvr_store *mk_store(size_t cap, uint32_t B)
+{
+    kvr_store *s = NULL;
+    kvr_store_config c = { .max_memory = cap, .block_tokens = B };
+    kvr_error e = { 0 };
+    cr_assert_eq(kvr_store_create(&s, &c, &e), 0, "%s", e.msg);
+    return s;
+}
+
+static void mk_model(kvr_store *s, const char *name, kvr_dtype dt, kvr_model_info *out)
+{
+    kvr_model_desc d = { .name = name, .n_layers = L, .n_kv_heads = H, .head_dim = D,
+                         .dtype = dt };
+    kvr_rope_config_init(&d.rope);
+    d.rope.head_dim = D;
+    d.rope.rotary_dim = D;
+    kvr_error e = { 0 };
+    cr_assert_eq(kvr_store_model_register(s, &d, out, &e), 0, "%s", e.msg);
+}
+
+/* Payload in wire order for tokens [t0, t0+n) of a context seeded `seed`. */
+static void *make_payload(uint32_t seed, uint64_t t0, size_t n, kvr_dtype dt, size_t *bytes)
+{
+    size_t es = kvr_dtype_size(dt), cnt = (size_t)L * 2 * n * H * D;
+    float *f = malloc(cnt * sizeof *f);
+    size_t k = 0;
+    for (uint32_t l = 0; l < L; l++)
+        for (int kv = 0; kv < 2; kv++)
+            for (size_t t = 0; t < n; t++)
+                for (uint32_t h = 0; h < H; h++)
+                    for (uint32_t d = 0; d < D; d++)
+                        f[k++] = val(seed, l, kv, t0 + t, h, d);
+    void *out = malloc(cnt * es);
+    kvr_convert(out, dt, f, KVR_DTYPE_F32, cnt);
+    free(f);
+    *bytes = cnt * es;
+    return out;
+}
+
+static int do_put(kvr_store *s, const char *id, const char *model, kvr_put_mode mode,
+                  uint32_t seed, uint64_t t0, size_t n, const uint32_t *tokens,
+                  kvr_dtype dt, kvr_error *e)
+{
+    kvr_put_params p = { .ctx_id = id, .model = model, .mode = mode, .n_layers = L,
+                         .n_kv_heads = H, .head_dim = D, .dtype = dt, .n_tokens = n,
+                         .tokens = tokens };
+    kvr_put *t = NULL;
+    int rc = kvr_store_put_begin(s, &p, &t, e);
+    if (rc)
+        return rc;
+    size_t bytes;
+    uint8_t *pl = make_payload(seed, t0, n, dt, &bytes);
+    cr_assert_eq(kvr_put_payload_size(t), bytes);
+    const struct iovec *iov;
+    size_t niov, off = 0;
+    kvr_put_payload_iov(t, &iov, &niov);
+    for (size_t i = 0; i < niov; i++) {
+        memcpy(iov[i].iov_base, pl + off, iov[i].iov_len);
+        off += iov[i].iov_len;
+    }
+    cr_assert_eq(off, bytes);
+    free(pl);
+    if (kvr_put_needs_work(t))
+        cr_assert_eq(kvr_put_work(t, e), 0);
+    return kvr_put_commit(t, NULL, e);
+}
+
+static uint32_t *seq_tokens(uint32_t base, size_t n)
+{
+    uint32_t *t = malloc(n * sizeof *t);
+    for (size_t i = 0; i < n; i++)
+        t[i] = base + (uint32_t)i;
+    return t;
+}
+
+/* Gathers a get's payload into one malloc'ed buffer. */
+static uint8_t *do_get(kvr_store *s, const kvr_get_params *p, size_t *bytes,
+                       kvr_get **keep_open)
+{
+    kvr_get *g = NULL;
+    kvr_error e = { 0 };
+    cr_assert_eq(kvr_store_get_begin(s, p, &g, &e), 0, "%s", e.msg);
+    if (kvr_get_needs_work(g))
+        cr_assert_eq(kvr_get_work(g, &e), 0, "%s", e.msg);
+    size_t n = kvr_get_payload_size(g), off = 0, niov;
+    const struct iovec *iov;
+    kvr_get_payload_iov(g, &iov, &niov);
+    uint8_t *out = malloc(n ? n : 1);
+    for (size_t i = 0; i < niov; i++) {
+        memcpy(out + off, iov[i].iov_base, iov[i].iov_len);
+        off += iov[i].iov_len;
+    }
+    cr_assert_eq(off, n);
+    *bytes = n;
+    if (keep_open)
+        *keep_open = g;
+    else
+        kvr_get_end(g);
+    return out;
+}
+
+/* Expected payload of tokens [start, end) for the given layers, where token
+ * i of the context has value index vidx[i]. */
+static void *expect_payload(uint32_t seed, const uint64_t *vidx, size_t n,
+                            const uint32_t *layers, size_t nl, kvr_dtype dt, size_t *bytes)
+{
+    size_t es = kvr_dtype_size(dt), cnt = nl * 2 * n * H * D, k = 0;
+    float *f = malloc(cnt * sizeof *f);
+    for (size_t li = 0; li < nl; li++)
+        for (int kv = 0; kv < 2; kv++)
+            for (size_t t = 0; t < n; t++)
+                for (uint32_t h = 0; h < H; h++)
+                    for (uint32_t d = 0; d < D; d++)
+                        f[k++] = val(seed, layers[li], kv, vidx[t], h, d);
+    void *out = malloc(cnt * es);
+    kvr_convert(out, dt, f, KVR_DTYPE_F32, cnt);
+    free(f);
+    *bytes = cnt * es;
+    return out;
+}
+
+static const uint32_t ALL[L] = { 0, 1, 2 };
+
+static void check_range(kvr_store *s, const char *id, uint32_t seed, size_t start,
+                        size_t end, kvr_dtype dt, const uint32_t *layers, size_t nl)
+{
+    kvr_get_params p = { .ctx_id = id, .start = start, .end = end, .dtype = dt,
+                         .layers = layers, .n_layers_sel = layers ? nl : 0 };
+    size_t got_n, exp_n;
+    uint8_t *got = do_get(s, &p, &got_n, NULL);
+    uint64_t *vidx = malloc((end - start + 1) * sizeof *vidx);
+    for (size_t i = start; i < end; i++)
+        vidx[i - start] = i;
+    void *exp = expect_payload(seed, vidx, end - start, layers ? layers : ALL,
+                               layers ? nl : L, dt, &exp_n);
+    cr_assert_eq(got_n, exp_n);
+    cr_assert(memcmp(got, exp, exp_n) == 0, "payload of [%zu,%zu) differs", start, end);
+    free(got);
+    free(exp);
+    free(vidx);
+}
+
+static void roundtrip(kvr_dtype dt)
+{
+    kvr_store *s = mk_store(0, 16);
+    mk_model(s, "m", dt, NULL);
+    uint32_t *tok = seq_tokens(100, 50);
+    kvr_error e = { 0 };
+    cr_assert_eq(do_put(s, "c", "m", KVR_PUT_CREATE, 7, 0, 50, tok, dt, &e), 0, "%s", e.msg);
+    check_range(s, "c", 7, 0, 50, dt, NULL, 0);
+    /* Zero-copy on both sides: the get needs no work. */
+    kvr_get_params p = { .ctx_id = "c", .end = SIZE_MAX, .dtype = dt };
+    kvr_get *g;
+    cr_assert_eq(kvr_store_get_begin(s, &p, &g, &e), 0);
+    cr_assert_not(kvr_get_needs_work(g));
+    const kvr_get_info *gi = kvr_get_get_info(g);
+    cr_assert_eq(gi->n_tokens, 50);
+    for (size_t i = 0; i < 50; i++) {
+        cr_assert_eq(gi->tokens[i], 100 + i);
+        cr_assert_eq(gi->positions[i], (int64_t)i);
+        cr_assert_eq(gi->flags[i], 0);
+    }
+    kvr_get_end(g);
+    free(tok);
+    kvr_store_destroy(s);
+}
+
+Test(cache_store, roundtrip_f32) { roundtrip(KVR_DTYPE_F32); }
+Test(cache_store, roundtrip_f16) { roundtrip(KVR_DTYPE_F16); }
+Test(cache_store, roundtrip_bf16) { roundtrip(KVR_DTYPE_BF16); }
+
+Test(cache_store, appends_ranges_layers)
+{
+    kvr_store *s = mk_store(0, 16);
+    mk_model(s, "m", KVR_DTYPE_F16, NULL);
+    kvr_error e = { 0 };
+    size_t sizes[] = { 5, 11, 16, 1, 33, 7 }, total = 0;
+    for (size_t i = 0; i < 6; i++) {
+        uint32_t *tok = seq_tokens((uint32_t)total, sizes[i]);
+        cr_assert_eq(do_put(s, "c", "m", i ? KVR_PUT_APPEND : KVR_PUT_CREATE, 3, total,
+                            sizes[i], tok, KVR_DTYPE_F16, &e), 0, "%s", e.msg);
+        free(tok);
+        total += sizes[i];
+    }
+    kvr_ctx_info ci;
+    cr_assert_eq(kvr_store_stat(s, "c", &ci, &e), 0);
+    cr_assert_eq(ci.n_tokens, total);
+    cr_assert_eq(ci.n_blocks, (total + 15) / 16);   /* tail slots were filled */
+    cr_assert_eq(ci.pos_min, 0);
+    cr_assert_eq(ci.pos_max, (int64_t)total - 1);
+    size_t ranges[][2] = { { 0, 73 }, { 3, 4 }, { 15, 17 }, { 16, 32 }, { 20, 60 }, { 72, 73 },
+                           { 10, 10 } };
+    for (size_t r = 0; r < 7; r++)
+        check_range(s, "c", 3, ranges[r][0], ranges[r][1], KVR_DTYPE_F16, NULL, 0);
+    uint32_t sel[] = { 2, 0 };
+    check_range(s, "c", 3, 5, 40, KVR_DTYPE_F16, sel, 2);
+    uint32_t one[] = { 1 };
+    check_range(s, "c", 3, 0, 73, KVR_DTYPE_F16, one, 1);
+    /* Conversion on get. */
+    check_range(s, "c", 3, 5, 40, KVR_DTYPE_F32, sel, 2);
+    check_range(s, "c", 0 + 3, 0, 73, KVR_DTYPE_BF16, NULL, 0);
+    /* Out of range. */
+    kvr_get *g;
+    kvr_get_params p = { .ctx_id = "c", .start = 10, .end = 74, .dtype = KVR_DTYPE_F16 };
+    cr_assert_eq(kvr_store_get_begin(s, &p, &g, &e), KVR_ERANGE);
+    p = (kvr_get_params){ .ctx_id = "c", .start = 10, .end = 5, .dtype = KVR_DTYPE_F16 };
+    cr_assert_eq(kvr_store_get_begin(s, &p, &g, &e), KVR_ERANGE);
+    uint32_t bad[] = { 3 };
+    p = (kvr_get_params){ .ctx_id = "c", .end = SIZE_MAX, .dtype = KVR_DTYPE_F16,
+                          .layers = bad, .n_layers_sel = 1 };
+    cr_assert_eq(kvr_store_get_begin(s, &p, &g, &e), KVR_ERANGE);
+    int64_t pos[3] = { 1, 2, 3 };
+    p = (kvr_get_params){ .ctx_id = "c", .start = 0, .end = 4, .dtype = KVR_DTYPE_F16,
+                          .positions = pos, .n_positions = 3 };
+    cr_assert_eq(kvr_store_get_begin(s, &p, &g, &e), KVR_EINVAL);
+    kvr_store_destroy(s);
+}
+
+Test(cache_store, put_conversion)
+{
+    kvr_store *s = mk_store(0, 8);
+    mk_model(s, "m", KVR_DTYPE_BF16, NULL);
+    kvr_error e = { 0 };
+    uint32_t *tok = seq_tokens(0, 20);
+    cr_assert_eq(do_put(s, "c", "m", KVR_PUT_CREATE, 9, 0, 20, tok, KVR_DTYPE_F32, &e), 0);
+    cr_assert_eq(do_put(s, "c", "m", KVR_PUT_APPEND, 9, 20, 5, tok, KVR_DTYPE_F16, &e), 0);
+    check_range(s, "c", 9, 0, 25, KVR_DTYPE_BF16, NULL, 0);
+    check_range(s, "c", 9, 0, 25, KVR_DTYPE_F32, NULL, 0);
+    free(tok);
+    kvr_store_destroy(s);
+}
+
+/* Expected K at target positions: kvr_rope_reposition of the stored keys. */
+static void check_rotated(kvr_store *s, const char *id, uint32_t seed, size_t start, size_t end,
+                          const int64_t *stored, const int64_t *target, bool pass_positions,
+                          kvr_dtype sdt, kvr_dtype odt)
+{
+    kvr_model_info mi;
+    cr_assert_eq(kvr_store_model_find(s, "m", &mi), 0);
+    size_t n = end - start;
+    kvr_get_params p = { .ctx_id = id, .start = start, .end = end, .dtype = odt,
+                         .positions = pass_positions ? target : NULL };
+    size_t got_n;
+    kvr_get *g;
+    uint8_t *got = do_get(s, &p, &got_n, &g);
+    const kvr_get_info *gi = kvr_get_get_info(g);
+    for (size_t i = 0; i < n; i++)
+        cr_assert_eq(gi->positions[i], target[i]);
+    kvr_get_end(g);
+    uint64_t *vidx = malloc(n * sizeof *vidx);
+    for (size_t i = 0; i < n; i++)
+        vidx[i] = start + i;
+    size_t sn, on;
+    uint8_t *stored_kv = expect_payload(seed, vidx, n, ALL, L, sdt, &sn);
+    uint8_t *exp = expect_payload(seed, vidx, n, ALL, L, odt, &on);
+    size_t sp = n * H * D * kvr_dtype_size(sdt), op = n * H * D * kvr_dtype_size(odt);
+    for (uint32_t l = 0; l < L; l++)
+        cr_assert_eq(kvr_rope_reposition(mi.engine, exp + 2 * l * op, odt,
+                                         stored_kv + 2 * l * sp, sdt, n, H, stored, target,
+                                         NULL), 0);
+    cr_assert_eq(got_n, on);
+    cr_assert(memcmp(got, exp, on) == 0, "rotated keys differ");
+    free(got);
+    free(exp);
+    free(stored_kv);
+    free(vidx);
+}
+
+Test(cache_store, get_at_positions_and_shift)
+{
+    kvr_store *s = mk_store(0, 8);
+    mk_model(s, "m", KVR_DTYPE_F32, NULL);
+    kvr_error e = { 0 };
+    uint32_t *tok = seq_tokens(0, 30);
+    cr_assert_eq(do_put(s, "c", "m", KVR_PUT_CREATE, 5, 0, 30, tok, KVR_DTYPE_F32, &e), 0);
+    int64_t stored[30], target[30];
+    for (int i = 0; i < 30; i++) {
+        stored[i] = i;
+        target[i] = (i * 7) % 13 + 1000;
+    }
+    check_rotated(s, "c", 5, 0, 30, stored, target, true, KVR_DTYPE_F32, KVR_DTYPE_F32);
+    check_rotated(s, "c", 5, 0, 30, stored, target, true, KVR_DTYPE_F32, KVR_DTYPE_F16);
+    check_rotated(s, "c", 5, 4, 17, stored + 4, target + 4, true, KVR_DTYPE_F32,
+                  KVR_DTYPE_BF16);
+    /* Shift [10, 20) by +100 and [25, 30) by -3: keys re-rotated on read. */
+    cr_assert_eq(kvr_store_shift(s, "c", 10, 20, 100, &e), 0, "%s", e.msg);
+    cr_assert_eq(kvr_store_shift(s, "c", 25, SIZE_MAX, -3, &e), 0, "%s", e.msg);
+    for (int i = 0; i < 30; i++)
+        target[i] = i + (i >= 10 && i < 20 ? 100 : 0) + (i >= 25 ? -3 : 0);
+    check_rotated(s, "c", 5, 0, 30, stored, target, false, KVR_DTYPE_F32, KVR_DTYPE_F32);
+    check_rotated(s, "c", 5, 12, 27, stored + 12, target + 12, false, KVR_DTYPE_F32,
+                  KVR_DTYPE_F16);
+    /* V is untouched by shifts, and unshifted ranges are still bit-exact. */
+    check_range(s, "c", 5, 0, 10, KVR_DTYPE_F32, NULL, 0);
+    /* Shifting back restores stored positions: bit-exact again. */
+    cr_assert_eq(kvr_store_shift(s, "c", 10, 20, -100, &e), 0);
+    cr_assert_eq(kvr_store_shift(s, "c", 25, 30, 3, &e), 0);
+    check_range(s, "c", 5, 0, 30, KVR_DTYPE_F32, NULL, 0);
+    /* Overflow is refused and changes nothing. */
+    cr_assert_eq(kvr_store_shift(s, "c", 0, 5, INT64_MAX, &e), KVR_EINVAL);
+    check_range(s, "c", 5, 0, 30, KVR_DTYPE_F32, NULL, 0);
+    cr_assert_eq(kvr_store_shift(s, "c", 0, 31, 1, &e), KVR_ERANGE);
+    /* Append after a shift continues from the last logical position. */
+    cr_assert_eq(kvr_store_shift(s, "c", 0, 30, 50, &e), 0);
+    kvr_put_params pp = { .ctx_id = "c", .model = "m", .mode = KVR_PUT_APPEND, .n_layers = L,
+                          .n_kv_heads = H, .head_dim = D, .dtype = KVR_DTYPE_F32,
+                          .n_tokens = 2, .tokens = tok };
+    kvr_put *t;
+    cr_assert_eq(kvr_store_put_begin(s, &pp, &t, &e), 0);
+    kvr_put_result res;
+    cr_assert_eq(kvr_put_commit(t, &res, &e), 0);
+    cr_assert_eq(res.first_pos, 80);
+    cr_assert_eq(res.last_pos, 81);
+    cr_assert_eq(res.first_index, 30);
+    cr_assert_eq(res.n_tokens, 32);
+    free(tok);
+    kvr_store_destroy(s);
+}
+
+Test(cache_store, keep)
+{
+    kvr_store *s = mk_store(0, 8);
+    mk_model(s, "m", KVR_DTYPE_F16, NULL);
+    kvr_error e = { 0 };
+    uint32_t *tok = seq_tokens(0, 40);
+    cr_assert_eq(do_put(s, "c", "m", KVR_PUT_CREATE, 2, 0, 40, tok, KVR_DTYPE_F16, &e), 0);
+    cr_assert_eq(kvr_store_keep(s, "c", 5, 30, &e), 0);
+    kvr_get_params p = { .ctx_id = "c", .end = SIZE_MAX, .dtype = KVR_DTYPE_F16 };
+    kvr_get *g;
+    cr_assert_eq(kvr_store_get_begin(s, &p, &g, &e), 0);
+    const kvr_get_info *gi = kvr_get_get_info(g);
+    cr_assert_eq(gi->n_tokens, 25);
+    for (size_t i = 0; i < 25; i++) {
+        cr_assert_eq(gi->tokens[i], 5 + i);
+        cr_assert_eq(gi->positions[i], (int64_t)(5 + i));
+    }
+    kvr_get_end(g);
+    uint64_t vidx[25];
+    for (int i = 0; i < 25; i++)
+        vidx[i] = 5 + (uint64_t)i;
+    size_t gn, en;
+    uint8_t *got = do_get(s, &p, &gn, NULL);
+    void *exp = expect_payload(2, vidx, 25, ALL, L, KVR_DTYPE_F16, &en);
+    cr_assert_eq(gn, en);
+    cr_assert(memcmp(got, exp, en) == 0);
+    free(got);
+    free(exp);
+    kvr_ctx_info ci;
+    cr_assert_eq(kvr_store_stat(s, "c", &ci, &e), 0);
+    cr_assert_eq(ci.n_blocks, 4);     /* blocks 0..3 hold tokens 5..29 */
+    cr_assert_eq(kvr_store_keep(s, "c", 0, 26, &e), KVR_ERANGE);
+    free(tok);
+    kvr_store_destroy(s);
+}
+
+Test(cache_store, fork_cow)
+{
+    size_t base = kvr_mem_allocated();
+    kvr_store *s = mk_store(0, 8);
+    mk_model(s, "m", KVR_DTYPE_F16, NULL);
+    kvr_error e = { 0 };
+    uint32_t *tok = seq_tokens(0, 20);
+    cr_assert_eq(do_put(s, "a", "m", KVR_PUT_CREATE, 1, 0, 20, tok, KVR_DTYPE_F16, &e), 0);
+    cr_assert_eq(kvr_store_fork(s, "a", "b", &e), 0, "%s", e.msg);
+    cr_assert_eq(kvr_store_fork(s, "a", "b", &e), KVR_EEXIST);
+    cr_assert_eq(kvr_store_fork(s, "zz", "y", &e), KVR_ENOCTX);
+    kvr_ctx_info ia, ib;
+    cr_assert_eq(kvr_store_stat(s, "a", &ia, &e), 0);
+    cr_assert_eq(kvr_store_stat(s, "b", &ib, &e), 0);
+    cr_assert_eq(ia.n_shared_blocks, 3);
+    cr_assert_eq(ib.n_shared_blocks, 3);
+    kvr_store_stats st;
+    kvr_store_get_stats(s, &st);
+    cr_assert_eq(st.n_blocks, 3);
+    size_t gn;
+    kvr_get_params p = { .ctx_id = "a", .end = SIZE_MAX, .dtype = KVR_DTYPE_F16 };
+    uint8_t *before = do_get(s, &p, &gn, NULL);
+    /* Append to the fork with other data: the original's bytes don't change,
+     * and the shared tail block (4 free slots) is not written. */
+    cr_assert_eq(do_put(s, "b", "m", KVR_PUT_APPEND, 99, 20, 6, tok, KVR_DTYPE_F16, &e), 0);
+    cr_assert_eq(do_put(s, "a", "m", KVR_PUT_APPEND, 1, 20, 3, tok, KVR_DTYPE_F16, &e), 0);
+    size_t gn2;
+    p.end = 20;
+    uint8_t *after = do_get(s, &p, &gn2, NULL);
+    cr_assert_eq(gn, gn2);
+    cr_assert(memcmp(before, after, gn) == 0);
+    check_range(s, "a", 1, 0, 23, KVR_DTYPE_F16, NULL, 0);
+    check_range(s, "b", 1, 0, 20, KVR_DTYPE_F16, NULL, 0);
+    check_range(s, "b", 99, 20, 26, KVR_DTYPE_F16, NULL, 0);
+    cr_assert_eq(kvr_store_stat(s, "a", &ia, &e), 0);
+    cr_assert_eq(ia.n_tokens, 23);
+    cr_assert_eq(ia.n_shared_blocks, 3);
+    cr_assert_eq(ia.n_blocks, 4);
+    /* Deleting one side unshares. */
+    cr_assert_eq(kvr_store_delete(s, "a", &e), 0);
+    cr_assert_eq(kvr_store_stat(s, "b", &ib, &e), 0);
+    cr_assert_eq(ib.n_shared_blocks, 0);
+    check_range(s, "b", 1, 0, 20, KVR_DTYPE_F16, NULL, 0);
+    free(before);
+    free(after);
+    free(tok);
+    kvr_store_destroy(s);
+    cr_assert_eq(kvr_mem_allocated(), base);
+}
+
+Test(cache_store, delete_while_leased)
+{
+    size_t base = kvr_mem_allocated();
+    kvr_store *s = mk_store(0, 8);
+    mk_model(s, "m", KVR_DTYPE_F32, NULL);
+    kvr_error e = { 0 };
+    uint32_t *tok = seq_tokens(0, 20);
+    cr_assert_eq(do_put(s, "c", "m", KVR_PUT_CREATE, 4, 0, 20, tok, KVR_DTYPE_F32, &e), 0);
+    kvr_get_params p = { .ctx_id = "c", .end = SIZE_MAX, .dtype = KVR_DTYPE_F32 };
+    kvr_get *g;
+    cr_assert_eq(kvr_store_get_begin(s, &p, &g, &e), 0);
+    kvr_store_stats st;
+    kvr_store_get_stats(s, &st);
+    cr_assert_eq(st.n_leased_blocks, 3);
+    size_t held = kvr_mem_allocated();
+    cr_assert_eq(kvr_store_delete(s, "c", &e), 0);
+    cr_assert_eq(kvr_store_delete(s, "c", &e), KVR_ENOCTX);
+    kvr_store_get_stats(s, &st);
+    cr_assert_eq(st.n_blocks, 3);                 /* still held by the lease */
+    cr_assert_geq(kvr_mem_allocated() + 4096, held - 4096);
+    /* Data still readable. */
+    const struct iovec *iov;
+    size_t niov, off = 0, bytes;
+    kvr_get_payload_iov(g, &iov, &niov);
+    uint8_t *exp = make_payload(4, 0, 20, KVR_DTYPE_F32, &bytes);
+    for (size_t i = 0; i < niov; i++) {
+        cr_assert(memcmp(iov[i].iov_base, exp + off, iov[i].iov_len) == 0);
+        off += iov[i].iov_len;
+    }
+    cr_assert_eq(off, bytes);
+    free(exp);
+    kvr_get_end(g);
+    kvr_store_get_stats(s, &st);
+    cr_assert_eq(st.n_blocks, 0);
+    cr_assert_eq(st.n_leased_blocks, 0);
+    cr_assert_eq(st.block_bytes, 0);
+    free(tok);
+    kvr_store_destroy(s);
+    cr_assert_eq(kvr_mem_allocated(), base);
+}
+
+Test(cache_store, errors)
+{
+    kvr_store *s = mk_store(0, 8);
+    kvr_model_info mi;
+    mk_model(s, "m", KVR_DTYPE_F16, &mi);
+    mk_model(s, "m", KVR_DTYPE_F16, NULL);        /* idempotent */
+    kvr_error e = { 0 };
+    kvr_model_desc d = { .name = "m", .n_layers = L, .n_kv_heads = H, .head_dim = D,
+                         .dtype = KVR_DTYPE_F32 };
+    kvr_rope_config_init(&d.rope);
+    cr_assert_eq(kvr_store_model_register(s, &d, NULL, &e), KVR_EEXIST);
+    d.name = "bad";
+    d.dtype = KVR_DTYPE_F16;
+    d.rope.head_dim = 16;
+    cr_assert_eq(kvr_store_model_register(s, &d, NULL, &e), KVR_ESHAPE);
+    d.rope.head_dim = D;
+    d.rope.rotary_dim = 3;
+    cr_assert_eq(kvr_store_model_register(s, &d, NULL, &e), KVR_ECONFIG);
+    cr_assert(strlen(e.msg) > 0);
+    cr_assert_eq(kvr_store_model_find(s, "nope", NULL), KVR_ENOMODEL);
+    cr_assert_eq(kvr_store_model_list(s, &mi, 1), 1);
+
+    uint32_t tok[4] = { 1, 2, 3, 4 };
+    kvr_put_params p = { .ctx_id = "c", .model = "m", .mode = KVR_PUT_CREATE, .n_layers = L,
+                         .n_kv_heads = H, .head_dim = D, .dtype = KVR_DTYPE_F16,
+                         .n_tokens = 4, .tokens = tok, .fingerprint = mi.fingerprint };
+    kvr_put *t, *t2;
+    kvr_put_params q = p;
+    q.fingerprint = mi.fingerprint ^ 1;
+    cr_assert_eq(kvr_store_put_begin(s, &q, &t, &e), KVR_EFINGERPRINT);
+    q = p;
+    q.n_kv_heads = H + 1;
+    cr_assert_eq(kvr_store_put_begin(s, &q, &t, &e), KVR_ESHAPE);
+    q = p;
+    q.head_dim = 4;
+    cr_assert_eq(kvr_store_put_begin(s, &q, &t, &e), KVR_ESHAPE);
+    q = p;
+    q.dtype = (kvr_dtype)9;
+    cr_assert_eq(kvr_store_put_begin(s, &q, &t, &e), KVR_ESHAPE);
+    q = p;
+    q.model = "nope";
+    cr_assert_eq(kvr_store_put_begin(s, &q, &t, &e), KVR_ENOMODEL);
+    q = p;
+    q.mode = KVR_PUT_APPEND;
+    cr_assert_eq(kvr_store_put_begin(s, &q, &t, &e), KVR_ENOCTX);
+    q = p;
+    q.n_tokens = 0;
+    cr_assert_eq(kvr_store_put_begin(s, &q, &t, &e), KVR_EBADREQUEST);
+    q = p;
+    q.ctx_id = "";
+    cr_assert_eq(kvr_store_put_begin(s, &q, &t, &e), KVR_EBADREQUEST);
+    char longid[300];
+    memset(longid, 'x', 299);
+    longid[299] = 0;
+    q.ctx_id = longid;
+    cr_assert_eq(kvr_store_put_begin(s, &q, &t, &e), KVR_EBADREQUEST);
+    q = p;
+    q.has_pos_start = true;
+    q.pos_start = INT64_MAX - 2;
+    cr_assert_eq(kvr_store_put_begin(s, &q, &t, &e), KVR_EINVAL);
+
+    /* Busy: a pending create is invisible to readers, refused to writers. */
+    cr_assert_eq(kvr_store_put_begin(s, &p, &t, &e), 0, "%s", e.msg);
+    cr_assert_eq(kvr_store_put_begin(s, &p, &t2, &e), KVR_EBUSY);
+    kvr_ctx_info ci;
+    cr_assert_eq(kvr_store_stat(s, "c", &ci, &e), KVR_ENOCTX);
+    kvr_put_abort(t);
+    cr_assert_eq(kvr_store_stat(s, "c", &ci, &e), KVR_ENOCTX);
+    cr_assert_eq(kvr_store_put_begin(s, &p, &t, &e), 0);
+    cr_assert_eq(kvr_put_commit(t, NULL, &e), 0);
+    cr_assert_eq(kvr_store_put_begin(s, &p, &t, &e), KVR_EEXIST);
+    q = p;
+    q.mode = KVR_PUT_UPSERT;
+    cr_assert_eq(kvr_store_put_begin(s, &q, &t, &e), 0);
+    cr_assert_eq(kvr_store_put_begin(s, &q, &t2, &e), KVR_EBUSY);
+    cr_assert_eq(kvr_store_delete(s, "c", &e), KVR_EBUSY);
+    cr_assert_eq(kvr_store_stat(s, "c", &ci, &e), 0);
+    cr_assert(ci.busy);
+    cr_assert_eq(ci.n_tokens, 4);
+    kvr_put_abort(t);
+    cr_assert_eq(kvr_store_get_begin(s, &(kvr_get_params){ .ctx_id = "x" }, &(kvr_get *){ 0 },
+                                     &e), KVR_ENOCTX);
+    cr_assert_eq(kvr_store_pin(s, "x", true, &e), KVR_ENOCTX);
+    cr_assert_eq(kvr_store_shift(s, "x", 0, 1, 1, &e), KVR_ENOCTX);
+    cr_assert_eq(kvr_store_keep(s, "x", 0, 1, &e), KVR_ENOCTX);
+    kvr_match_result mr;
+    cr_assert_eq(kvr_store_match(s, "nope", tok, 4, false, &mr, &e), KVR_ENOMODEL);
+    cr_assert_str_eq(kvr_error_name(KVR_ENOCTX), "KVR_ENOCTX");
+    cr_assert_str_eq(kvr_strerror(1), "unknown error");
+    kvr_store_destroy(s);
+}
+
+Test(cache_store, abort_leaves_context_identical)
+{
+    kvr_store *s = mk_store(0, 8);
+    mk_model(s, "m", KVR_DTYPE_F16, NULL);
+    kvr_error e = { 0 };
+    uint32_t *tok = seq_tokens(0, 13);
+    cr_assert_eq(do_put(s, "c", "m", KVR_PUT_CREATE, 6, 0, 13, tok, KVR_DTYPE_F16, &e), 0);
+    size_t n1, n2;
+    kvr_get_params gp = { .ctx_id = "c", .end = SIZE_MAX, .dtype = KVR_DTYPE_F16 };
+    uint8_t *before = do_get(s, &gp, &n1, NULL);
+    kvr_ctx_info i1, i2;
+    cr_assert_eq(kvr_store_stat(s, "c", &i1, &e), 0);
+    kvr_store_stats st1, st2;
+    kvr_store_get_stats(s, &st1);
+    size_t mem1 = kvr_mem_allocated();
+    for (int dt = 0; dt < 2; dt++) {
+        kvr_put_params p = { .ctx_id = "c", .model = "m", .mode = KVR_PUT_APPEND,
+                             .n_layers = L, .n_kv_heads = H, .head_dim = D,
+                             .dtype = dt ? KVR_DTYPE_F32 : KVR_DTYPE_F16, .n_tokens = 12,
+                             .tokens = tok };
+        kvr_put *t;
+        cr_assert_eq(kvr_store_put_begin(s, &p, &t, &e), 0);
+        const struct iovec *iov;
+        size_t niov;
+        kvr_put_payload_iov(t, &iov, &niov);
+        for (size_t i = 0; i < niov; i++)
+            memset(iov[i].iov_base, 0x5a, iov[i].iov_len);
+        if (kvr_put_needs_work(t))
+            kvr_put_work(t, &e);
+        kvr_put_abort(t);
+    }
+    uint8_t *after = do_get(s, &gp, &n2, NULL);
+    cr_assert_eq(n1, n2);
+    cr_assert(memcmp(before, after, n1) == 0);
+    cr_assert_eq(kvr_store_stat(s, "c", &i2, &e), 0);
+    cr_assert_eq(i1.n_tokens, i2.n_tokens);
+    cr_assert_eq(i1.n_blocks, i2.n_blocks);
+    cr_assert_not(i2.busy);
+    kvr_store_get_stats(s, &st2);
+    cr_assert_eq(st1.n_blocks, st2.n_blocks);
+    cr_assert_eq(kvr_mem_allocated(), mem1);
+    /* And a later append works and sees the tail. */
+    cr_assert_eq(do_put(s, "c", "m", KVR_PUT_APPEND, 6, 13, 5, tok, KVR_DTYPE_F16, &e), 0);
+    check_range(s, "c", 6, 0, 18, KVR_DTYPE_F16, NULL, 0);
+    free(before);
+    free(after);
+    free(tok);
+    kvr_store_destroy(s);
+}
+
+Test(cache_store, list_pin_stats_and_baseline)
+{
+    size_t base = kvr_mem_allocated();
+    kvr_store *s = mk_store(0, 0);
+    mk_model(s, "m", KVR_DTYPE_F16, NULL);
+    mk_model(s, "n", KVR_DTYPE_F32, NULL);
+    kvr_error e = { 0 };
+    uint32_t *tok = seq_tokens(0, 100);
+    const char *ids[] = { "delta", "alpha", "charlie", "bravo" };
+    for (int i = 0; i < 4; i++)
+        cr_assert_eq(do_put(s, ids[i], i % 2 ? "n" : "m", KVR_PUT_UPSERT, (uint32_t)i, 0,
+                            10 + (size_t)i * 30, tok, KVR_DTYPE_F16, &e), 0, "%s", e.msg);
+    kvr_ctx_info *li;
+    size_t n;
+    cr_assert_eq(kvr_store_list(s, NULL, &li, &n, &e), 0);
+    cr_assert_eq(n, 4);
+    cr_assert_str_eq(li[0].id, "alpha");
+    cr_assert_str_eq(li[3].id, "delta");
+    cr_assert_eq(li[0].n_tokens, 40);
+    kvr_mem_free(li);
+    cr_assert_eq(kvr_store_list(s, "n", &li, &n, &e), 0);
+    cr_assert_eq(n, 2);
+    cr_assert_str_eq(li[0].id, "alpha");
+    cr_assert_str_eq(li[1].id, "bravo");
+    kvr_mem_free(li);
+    cr_assert_eq(kvr_store_list(s, "zz", &li, &n, &e), KVR_ENOMODEL);
+    cr_assert_eq(kvr_store_pin(s, "alpha", true, &e), 0);
+    kvr_ctx_info ci;
+    cr_assert_eq(kvr_store_stat(s, "alpha", &ci, &e), 0);
+    cr_assert(ci.pinned);
+    cr_assert_eq(ci.bytes > 0, 1);
+    kvr_store_stats st;
+    kvr_store_get_stats(s, &st);
+    cr_assert_eq(st.n_contexts, 4);
+    cr_assert_eq(st.n_models, 2);
+    cr_assert_eq(st.n_tokens, 10 + 40 + 70 + 100);
+    cr_assert_eq(st.n_puts, 4);
+    kvr_model_info mi;
+    cr_assert_eq(kvr_store_model_find(s, "m", &mi), 0);
+    cr_assert_eq(mi.n_contexts, 2);
+    free(tok);
+    kvr_store_destroy(s);
+    cr_assert_eq(kvr_mem_allocated(), base);
+}
