@@ -1,0 +1,835 @@
+/*
+ * codec.c — descriptors, sizes, dispatch, and the scalar reference of every
+ * codec (codec.h documents the rules and byte layouts).
+ *
+ * Invariants: the scalar kernels here ARE the definition of the uniform
+ * codecs; the SIMD kernels (codec_avx2.c) must produce the same bytes and
+ * the same decoded values, and fall back to the scalar group encoder for the
+ * short last group of a row. The ggml block codecs follow ggml's
+ * quantize_row_*_ref / dequantize_row_* operation for operation (same float
+ * expressions, same casts), which is what makes them bit-exact.
+ */
+#include "cache/codec.h"
+#include "cache/cache.h"
+
+#include <errno.h>
+#include <math.h>
+#include <string.h>
+#include <stdlib.h>
+#include <float.h>
+
+/* ---- small helpers ------------------------------------------------------ */
+
+static uint16_t rd16(const uint8_t *p) { return (uint16_t)(p[0] | (p[1] << 8)); }
+static void wr16(uint8_t *p, uint16_t v) { p[0] = (uint8_t)v; p[1] = (uint8_t)(v >> 8); }
+static uint32_t rd32(const uint8_t *p)
+{
+    return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24;
+}
+static void wr32(uint8_t *p, uint32_t v)
+{
+    p[0] = (uint8_t)v; p[1] = (uint8_t)(v >> 8); p[2] = (uint8_t)(v >> 16); p[3] = (uint8_t)(v >> 24);
+}
+static uint32_t f32_bits(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
+static float bits_f32(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
+
+/* Next f16 towards +inf / -inf (finite inputs only). */
+static uint16_t f16_up(uint16_t h)
+{
+    if (h == 0x8000 || h == 0x0000) return 0x0001;
+    return (h & 0x8000) ? (uint16_t)(h - 1) : (uint16_t)(h + 1);
+}
+static uint16_t f16_down(uint16_t h)
+{
+    if (h == 0x8000 || h == 0x0000) return 0x8001;
+    return (h & 0x8000) ? (uint16_t)(h + 1) : (uint16_t)(h - 1);
+}
+
+static float load_elem(const void *src, kvr_dtype t, size_t i)
+{
+    switch (t) {
+    case KVR_DTYPE_F16:  return kvr_f16_to_f32(((const uint16_t *)src)[i]);
+    case KVR_DTYPE_BF16: return kvr_bf16_to_f32(((const uint16_t *)src)[i]);
+    default:             return ((const float *)src)[i];
+    }
+}
+
+static float clamp_f16(float y)
+{
+    if (y > KVR_CODEC_F16_LIMIT) return KVR_CODEC_F16_LIMIT;
+    if (y < -KVR_CODEC_F16_LIMIT) return -KVR_CODEC_F16_LIMIT;
+    return y;
+}
+
+static void store_elem(void *dst, kvr_dtype t, size_t i, float y)
+{
+    switch (t) {
+    case KVR_DTYPE_F16:  ((uint16_t *)dst)[i] = kvr_f32_to_f16(clamp_f16(y)); break;
+    case KVR_DTYPE_BF16: ((uint16_t *)dst)[i] = kvr_f32_to_bf16(y); break;
+    default:             ((float *)dst)[i] = y; break;
+    }
+}
+
+static bool dtype_ok(kvr_dtype t)
+{
+    return t == KVR_DTYPE_F32 || t == KVR_DTYPE_F16 || t == KVR_DTYPE_BF16;
+}
+
+/* ---- descriptors -------------------------------------------------------- */
+
+static const char *const type_names[KVR_CODEC_TYPE_COUNT_] = {
+    "f32", "f16", "bf16", "int8", "int4", "int2", "q8_0", "q4_0", "q4_1", "q5_0",
+};
+
+const char *kvr_codec_type_name(kvr_codec_type t)
+{
+    return ((unsigned)t < KVR_CODEC_TYPE_COUNT_) ? type_names[t] : "?";
+}
+
+bool kvr_codec_is_uniform(kvr_codec_type t)
+{
+    return t == KVR_CODEC_INT8 || t == KVR_CODEC_INT4 || t == KVR_CODEC_INT2;
+}
+
+bool kvr_codec_is_ggml(kvr_codec_type t)
+{
+    return t == KVR_CODEC_Q8_0 || t == KVR_CODEC_Q4_0 || t == KVR_CODEC_Q4_1 || t == KVR_CODEC_Q5_0;
+}
+
+unsigned kvr_codec_value_bits(kvr_codec_type t)
+{
+    static const unsigned b[KVR_CODEC_TYPE_COUNT_] = { 32, 16, 16, 8, 4, 2, 8, 4, 4, 5 };
+    return ((unsigned)t < KVR_CODEC_TYPE_COUNT_) ? b[t] : 0;
+}
+
+uint32_t kvr_codec_group(const kvr_codec *c)
+{
+    if (kvr_codec_is_uniform(c->type)) return c->group ? c->group : KVR_CODEC_GROUP_DEFAULT;
+    if (kvr_codec_is_ggml(c->type)) return 32;
+    return 1;
+}
+
+int kvr_codec_validate(const kvr_codec *c)
+{
+    if (!c || (unsigned)c->type >= KVR_CODEC_TYPE_COUNT_) return KVR_EINVAL;
+    if ((unsigned)c->axis > KVR_CODEC_AXIS_CHANNEL) return KVR_EINVAL;
+    if ((unsigned)c->params > KVR_CODEC_PARAMS_F32) return KVR_EINVAL;
+    if ((unsigned)c->isa > KVR_ISA_AVX512) return KVR_EINVAL;
+    if (kvr_codec_is_uniform(c->type)) {
+        uint32_t g = kvr_codec_group(c);
+        if (g % 32 != 0 || g > KVR_CODEC_GROUP_MAX) return KVR_EINVAL;
+    } else if (c->axis == KVR_CODEC_AXIS_CHANNEL) {
+        return KVR_EUNSUPPORTED;
+    }
+    return 0;
+}
+
+int kvr_codec_parse(const char *s, kvr_codec *out)
+{
+    if (!s || !out) return KVR_EINVAL;
+    memset(out, 0, sizeof *out);
+    const char *slash = strchr(s, '/');
+    size_t len = slash ? (size_t)(slash - s) : strlen(s);
+    for (unsigned t = 0; t < KVR_CODEC_TYPE_COUNT_; t++) {
+        if (strlen(type_names[t]) == len && memcmp(type_names[t], s, len) == 0) {
+            out->type = (kvr_codec_type)t;
+            if (slash) {
+                if (slash[1] != 'g' || slash[2] < '0' || slash[2] > '9') return KVR_EINVAL;
+                char *end;
+                unsigned long g = strtoul(slash + 2, &end, 10);
+                if (*end || g == 0 || g > KVR_CODEC_GROUP_MAX || !kvr_codec_is_uniform(out->type))
+                    return KVR_EINVAL;
+                out->group = (uint32_t)g;
+            }
+            return kvr_codec_validate(out);
+        }
+    }
+    return KVR_EINVAL;
+}
+
+kvr_codec_pair kvr_codec_pair_default(void)
+{
+    kvr_codec_pair p = {
+        .k = { .type = KVR_CODEC_INT4, .group = KVR_CODEC_GROUP_DEFAULT,
+               .axis = KVR_CODEC_AXIS_CHANNEL },
+        .v = { .type = KVR_CODEC_INT2, .group = KVR_CODEC_GROUP_DEFAULT,
+               .axis = KVR_CODEC_AXIS_TOKEN },
+        .window = 128,
+    };
+    return p;
+}
+
+int kvr_codec_pair_validate(const kvr_codec_pair *p)
+{
+    if (!p) return KVR_EINVAL;
+    int rc = kvr_codec_validate(&p->k);
+    if (rc == 0) rc = kvr_codec_validate(&p->v);
+    return rc;
+}
+
+/* ---- sizes -------------------------------------------------------------- */
+
+static size_t param_bytes(const kvr_codec *c) { return c->params == KVR_CODEC_PARAMS_F32 ? 8 : 4; }
+
+static size_t ggml_block_bytes(kvr_codec_type t)
+{
+    switch (t) {
+    case KVR_CODEC_Q8_0: return 34;
+    case KVR_CODEC_Q4_0: return 18;
+    case KVR_CODEC_Q4_1: return 20;
+    case KVR_CODEC_Q5_0: return 22;
+    default:             return 0;
+    }
+}
+
+/* Size without validation of c (callers validated). */
+static size_t row_bytes(const kvr_codec *c, size_t n)
+{
+    if (kvr_codec_is_uniform(c->type)) {
+        size_t g = kvr_codec_group(c);
+        return (n + g - 1) / g * param_bytes(c) + (n + 31) / 32 * 4 * kvr_codec_value_bits(c->type);
+    }
+    if (kvr_codec_is_ggml(c->type)) {
+        if (n % 32) return 0;
+        return n / 32 * ggml_block_bytes(c->type);
+    }
+    return n * (kvr_codec_value_bits(c->type) / 8);
+}
+
+size_t kvr_codec_row_bytes(const kvr_codec *c, size_t n)
+{
+    if (kvr_codec_validate(c) != 0) return 0;
+    /* Overflow guard: rows beyond 2^56 values are no request we serve. */
+    if (n > ((size_t)1 << 56)) return 0;
+    return row_bytes(c, n);
+}
+
+size_t kvr_codec_tile_bytes(const kvr_codec *c, size_t n_ch)
+{
+    if (kvr_codec_validate(c) != 0 || !kvr_codec_is_uniform(c->type)) return 0;
+    if (n_ch > ((size_t)1 << 40)) return 0;
+    return n_ch * row_bytes(c, kvr_codec_group(c));
+}
+
+double kvr_codec_bits_per_value(const kvr_codec *c, size_t n)
+{
+    if (kvr_codec_validate(c) != 0) return 0.0;
+    if (n == 0) {
+        if (kvr_codec_is_uniform(c->type))
+            return kvr_codec_value_bits(c->type) + 8.0 * (double)param_bytes(c) / kvr_codec_group(c);
+        if (kvr_codec_is_ggml(c->type)) return 8.0 * (double)ggml_block_bytes(c->type) / 32.0;
+        return kvr_codec_value_bits(c->type);
+    }
+    size_t b = kvr_codec_row_bytes(c, n);
+    return 8.0 * (double)b / (double)n;
+}
+
+double kvr_codec_pair_bytes_per_token(const kvr_codec_pair *p, uint32_t n_layers,
+                                      uint32_t n_kv_heads, uint32_t head_dim)
+{
+    if (kvr_codec_pair_validate(p) != 0) return 0.0;
+    double per_layer = (double)n_kv_heads * head_dim;
+    double k = kvr_codec_bits_per_value(&p->k, 0), v = kvr_codec_bits_per_value(&p->v, 0);
+    return (double)n_layers * per_layer * (k + v) / 8.0;
+}
+
+void kvr_kivi_split(const kvr_codec_pair *p, size_t n, size_t *k_quant, size_t *v_quant)
+{
+    size_t w = p->window;
+    size_t aged = n > w ? n - w : 0;
+    size_t k = n, v = n;
+    if (kvr_codec_is_uniform(p->k.type) || kvr_codec_is_ggml(p->k.type)) {
+        if (p->k.axis == KVR_CODEC_AXIS_CHANNEL && kvr_codec_is_uniform(p->k.type)) {
+            size_t g = kvr_codec_group(&p->k);
+            k = aged / g * g;
+        } else {
+            k = aged;
+        }
+    }
+    if (kvr_codec_is_uniform(p->v.type) || kvr_codec_is_ggml(p->v.type)) v = aged;
+    if (k_quant) *k_quant = k;
+    if (v_quant) *v_quant = v;
+}
+
+/* ---- uniform groups: parameters ----------------------------------------- */
+
+void kvr_codec_gparams_compute(kvr_codec_gparams *gp, float lo, float hi,
+                               unsigned bits, kvr_codec_params params)
+{
+    const double L = (double)((1u << bits) - 1);
+    /* -0 and +0 compare equal, and min/max kernels may pick either: make the
+     * stored bytes independent of which one was seen. */
+    lo = lo + 0.0f;
+    hi = hi + 0.0f;
+    if (params == KVR_CODEC_PARAMS_F32) {
+        float m = lo, s = 0.0f;
+        if (hi > m) {
+            s = (float)(((double)hi - (double)m) / L);
+            if (s < 0x1p-100f) s = 0x1p-100f;   /* keeps 1/s finite */
+            while ((double)m + L * (double)s < (double)hi) s = nextafterf(s, INFINITY);
+        }
+        gp->m = m; gp->s = s;
+        gp->m_bits = f32_bits(m); gp->s_bits = f32_bits(s);
+    } else {
+        uint16_t mh = kvr_f32_to_f16(lo);
+        if (kvr_f16_to_f32(mh) > lo) mh = f16_down(mh);
+        float m = kvr_f16_to_f32(mh);
+        uint16_t sh = 0;
+        if (hi > m) {
+            sh = kvr_f32_to_f16((float)(((double)hi - (double)m) / L));
+            if (sh == 0) sh = 1;
+            while ((double)m + L * (double)kvr_f16_to_f32(sh) < (double)hi) sh = f16_up(sh);
+        }
+        gp->m = m; gp->s = kvr_f16_to_f32(sh);
+        gp->m_bits = mh; gp->s_bits = sh;
+    }
+    gp->inv = gp->s > 0.0f ? 1.0f / gp->s : 0.0f;
+}
+
+static float params_limit(kvr_codec_params p)
+{
+    return p == KVR_CODEC_PARAMS_F32 ? KVR_CODEC_F32_LIMIT : KVR_CODEC_F16_LIMIT;
+}
+
+/* ---- uniform groups: scalar kernels ------------------------------------- */
+
+static void pack_chunk(uint8_t *qs, const uint8_t *q, unsigned bits)
+{
+    switch (bits) {
+    case 8: memcpy(qs, q, 32); break;
+    case 4:
+        for (int j = 0; j < 16; j++) qs[j] = (uint8_t)(q[j] | q[j + 16] << 4);
+        break;
+    default:
+        for (int j = 0; j < 8; j++)
+            qs[j] = (uint8_t)(q[j] | q[j + 8] << 2 | q[j + 16] << 4 | q[j + 24] << 6);
+        break;
+    }
+}
+
+static void unpack_chunk(uint8_t *q, const uint8_t *qs, unsigned bits)
+{
+    switch (bits) {
+    case 8: memcpy(q, qs, 32); break;
+    case 4:
+        for (int j = 0; j < 16; j++) { q[j] = qs[j] & 15; q[j + 16] = qs[j] >> 4; }
+        break;
+    default:
+        for (int j = 0; j < 8; j++) {
+            q[j] = qs[j] & 3; q[j + 8] = (qs[j] >> 2) & 3;
+            q[j + 16] = (qs[j] >> 4) & 3; q[j + 24] = qs[j] >> 6;
+        }
+        break;
+    }
+}
+
+static void write_params(uint8_t *dst, const kvr_codec_gparams *gp, kvr_codec_params params)
+{
+    if (params == KVR_CODEC_PARAMS_F32) {
+        wr32(dst, gp->s_bits); wr32(dst + 4, gp->m_bits);
+    } else {
+        wr16(dst, (uint16_t)gp->s_bits); wr16(dst + 2, (uint16_t)gp->m_bits);
+    }
+}
+
+static void read_params(const uint8_t *src, float *s, float *m, kvr_codec_params params)
+{
+    if (params == KVR_CODEC_PARAMS_F32) {
+        *s = bits_f32(rd32(src)); *m = bits_f32(rd32(src + 4));
+    } else {
+        *s = kvr_f16_to_f32(rd16(src)); *m = kvr_f16_to_f32(rd16(src + 2));
+    }
+}
+
+/* Encodes one group of m <= 256 values (already checked) at dst; returns
+ * the bytes written. Shared with the SIMD kernels for short groups. */
+size_t kvr_codec_scalar_group(uint8_t *dst, const float *x, size_t m, unsigned bits,
+                              kvr_codec_params params)
+{
+    float lo = x[0], hi = x[0];
+    for (size_t i = 1; i < m; i++) {
+        if (x[i] < lo) lo = x[i];
+        if (x[i] > hi) hi = x[i];
+    }
+    kvr_codec_gparams gp;
+    kvr_codec_gparams_compute(&gp, lo, hi, bits, params);
+    size_t pb = params == KVR_CODEC_PARAMS_F32 ? 8 : 4;
+    write_params(dst, &gp, params);
+    const int L = (1 << bits) - 1;
+    uint8_t q[KVR_CODEC_GROUP_MAX];
+    size_t mp = (m + 31) / 32 * 32;
+    for (size_t i = 0; i < mp; i++) {
+        int v = 0;
+        if (i < m) {
+            float t = (x[i] - gp.m) * gp.inv;
+            v = (int)rintf(t);
+            if (v < 0) v = 0;
+            if (v > L) v = L;
+        }
+        q[i] = (uint8_t)v;
+    }
+    uint8_t *qs = dst + pb;
+    for (size_t c = 0; c < mp / 32; c++) pack_chunk(qs + c * 4 * bits, q + 32 * c, bits);
+    return pb + mp / 32 * 4 * bits;
+}
+
+static int check_f32(const float *x, size_t n, float limit)
+{
+    for (size_t i = 0; i < n; i++)
+        if (!(fabsf(x[i]) <= limit)) return -1;
+    return 0;
+}
+
+static int sc_enc_f32(uint8_t *dst, const float *src, size_t n, unsigned bits,
+                      uint32_t group, kvr_codec_params params)
+{
+    if (check_f32(src, n, params_limit(params))) return -1;
+    for (size_t i = 0; i < n; i += group) {
+        size_t m = n - i < group ? n - i : group;
+        dst += kvr_codec_scalar_group(dst, src + i, m, bits, params);
+    }
+    return 0;
+}
+
+static int sc_enc_f16(uint8_t *dst, const uint16_t *src, size_t n, unsigned bits,
+                      uint32_t group, kvr_codec_params params)
+{
+    float buf[KVR_CODEC_GROUP_MAX];
+    for (size_t i = 0; i < n; i += group) {
+        size_t m = n - i < group ? n - i : group;
+        for (size_t j = 0; j < m; j++) buf[j] = kvr_f16_to_f32(src[i + j]);
+        if (check_f32(buf, m, params_limit(params))) return -1;
+        dst += kvr_codec_scalar_group(dst, buf, m, bits, params);
+    }
+    return 0;
+}
+
+/* Decodes one group of m values into y (f32). Returns bytes consumed. */
+static size_t sc_dec_group(float *y, const uint8_t *src, size_t m, unsigned bits,
+                           kvr_codec_params params)
+{
+    float s, mn;
+    read_params(src, &s, &mn, params);
+    size_t pb = params == KVR_CODEC_PARAMS_F32 ? 8 : 4;
+    const uint8_t *qs = src + pb;
+    uint8_t q[32];
+    size_t nc = (m + 31) / 32;
+    for (size_t c = 0; c < nc; c++) {
+        unpack_chunk(q, qs + c * 4 * bits, bits);
+        size_t e = m - c * 32 < 32 ? m - c * 32 : 32;
+        for (size_t j = 0; j < e; j++) {
+            float p = (float)q[j] * s;
+            y[c * 32 + j] = p + mn;
+        }
+    }
+    return pb + nc * 4 * bits;
+}
+
+static void sc_dec_f32(float *dst, const uint8_t *src, size_t n, unsigned bits,
+                       uint32_t group, kvr_codec_params params)
+{
+    for (size_t i = 0; i < n; i += group) {
+        size_t m = n - i < group ? n - i : group;
+        src += sc_dec_group(dst + i, src, m, bits, params);
+    }
+}
+
+static void sc_dec_f16(uint16_t *dst, const uint8_t *src, size_t n, unsigned bits,
+                       uint32_t group, kvr_codec_params params)
+{
+    float buf[KVR_CODEC_GROUP_MAX];
+    for (size_t i = 0; i < n; i += group) {
+        size_t m = n - i < group ? n - i : group;
+        src += sc_dec_group(buf, src, m, bits, params);
+        for (size_t j = 0; j < m; j++) dst[i + j] = kvr_f32_to_f16(clamp_f16(buf[j]));
+    }
+}
+
+const kvr_codec_kernels kvr_codec_kernels_scalar = {
+    .enc_f32 = sc_enc_f32, .enc_f16 = sc_enc_f16,
+    .dec_f32 = sc_dec_f32, .dec_f16 = sc_dec_f16,
+};
+
+/* ---- dispatch ----------------------------------------------------------- */
+
+static const kvr_codec_kernels *kernels_for(kvr_isa isa)
+{
+    static int have_avx2 = -1;
+    if (have_avx2 < 0) {
+        __builtin_cpu_init();
+        have_avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+                    __builtin_cpu_supports("f16c");
+    }
+    if (isa == KVR_ISA_SCALAR || !have_avx2) return &kvr_codec_kernels_scalar;
+    /* No AVX-512 kernels yet: AVX512 and AUTO both resolve to AVX2. */
+    return &kvr_codec_kernels_avx2;
+}
+
+/* ---- ggml blocks (scalar, bit-exact) ------------------------------------ */
+
+#define QK 32
+
+/* Index of the first element of largest magnitude (for refusing a block
+ * whose f16 d or m would overflow). */
+static size_t argmax_abs(const float *x, size_t n)
+{
+    size_t k = 0;
+    for (size_t i = 1; i < n; i++)
+        if (fabsf(x[i]) > fabsf(x[k])) k = i;
+    return k;
+}
+
+static bool f16_finite(uint16_t h) { return (h & 0x7C00) != 0x7C00; }
+
+/* One block of 32 values x into dst; returns 0 or -1 if d/m overflow f16. */
+static int ggml_block_enc(kvr_codec_type t, uint8_t *y, const float *x)
+{
+    switch (t) {
+    case KVR_CODEC_Q8_0: {
+        float amax = 0.0f;
+        for (int j = 0; j < QK; j++) amax = fmaxf(amax, fabsf(x[j]));
+        const float d = amax / ((1 << 7) - 1);
+        const float id = d != 0.0f ? 1.0f / d : 0.0f;
+        uint16_t dh = kvr_f32_to_f16(d);
+        if (!f16_finite(dh)) return -1;
+        wr16(y, dh);
+        for (int j = 0; j < QK; ++j) {
+            const float x0 = x[j] * id;
+            y[2 + j] = (uint8_t)(int8_t)roundf(x0);
+        }
+        return 0;
+    }
+    case KVR_CODEC_Q4_0:
+    case KVR_CODEC_Q5_0: {
+        const int q5 = t == KVR_CODEC_Q5_0;
+        float amax = 0.0f, max = 0.0f;
+        for (int j = 0; j < QK; j++) {
+            const float v = x[j];
+            if (amax < fabsf(v)) { amax = fabsf(v); max = v; }
+        }
+        const float d = q5 ? max / -16 : max / -8;
+        const float id = d != 0.0f ? 1.0f / d : 0.0f;
+        uint16_t dh = kvr_f32_to_f16(d);
+        if (!f16_finite(dh)) return -1;
+        wr16(y, dh);
+        if (!q5) {
+            for (int j = 0; j < QK / 2; ++j) {
+                const float x0 = x[j] * id;
+                const float x1 = x[QK / 2 + j] * id;
+                int a = (int8_t)(x0 + 8.5f), b = (int8_t)(x1 + 8.5f);
+                const uint8_t xi0 = (uint8_t)(a < 15 ? a : 15);
+                const uint8_t xi1 = (uint8_t)(b < 15 ? b : 15);
+                y[2 + j] = (uint8_t)(xi0 | xi1 << 4);
+            }
+        } else {
+            uint32_t qh = 0;
+            for (int j = 0; j < QK / 2; ++j) {
+                const float x0 = x[j] * id;
+                const float x1 = x[QK / 2 + j] * id;
+                int a = (int8_t)(x0 + 16.5f), b = (int8_t)(x1 + 16.5f);
+                const uint8_t xi0 = (uint8_t)(a < 31 ? a : 31);
+                const uint8_t xi1 = (uint8_t)(b < 31 ? b : 31);
+                y[6 + j] = (uint8_t)((xi0 & 0x0F) | ((xi1 & 0x0F) << 4));
+                qh |= ((xi0 & 0x10u) >> 4) << (j + 0);
+                qh |= ((xi1 & 0x10u) >> 4) << (j + QK / 2);
+            }
+            wr32(y + 2, qh);
+        }
+        return 0;
+    }
+    case KVR_CODEC_Q4_1: {
+        float min = FLT_MAX, max = -FLT_MAX;
+        for (int j = 0; j < QK; j++) {
+            const float v = x[j];
+            if (v < min) min = v;
+            if (v > max) max = v;
+        }
+        const float d = (max - min) / ((1 << 4) - 1);
+        const float id = d != 0.0f ? 1.0f / d : 0.0f;
+        uint16_t dh = kvr_f32_to_f16(d), mh = kvr_f32_to_f16(min);
+        if (!f16_finite(dh) || !f16_finite(mh)) return -1;
+        wr16(y, dh);
+        wr16(y + 2, mh);
+        for (int j = 0; j < QK / 2; ++j) {
+            const float x0 = (x[j] - min) * id;
+            const float x1 = (x[QK / 2 + j] - min) * id;
+            int a = (int8_t)(x0 + 0.5f), b = (int8_t)(x1 + 0.5f);
+            const uint8_t xi0 = (uint8_t)(a < 15 ? a : 15);
+            const uint8_t xi1 = (uint8_t)(b < 15 ? b : 15);
+            y[4 + j] = (uint8_t)(xi0 | xi1 << 4);
+        }
+        return 0;
+    }
+    default:
+        return -1;
+    }
+}
+
+static void ggml_block_dec(kvr_codec_type t, float *y, const uint8_t *x)
+{
+    const float d = kvr_f16_to_f32(rd16(x));
+    switch (t) {
+    case KVR_CODEC_Q8_0:
+        for (int j = 0; j < QK; ++j) y[j] = (float)(int8_t)x[2 + j] * d;
+        break;
+    case KVR_CODEC_Q4_0:
+        for (int j = 0; j < QK / 2; ++j) {
+            const int x0 = (x[2 + j] & 0x0F) - 8;
+            const int x1 = (x[2 + j] >> 4) - 8;
+            y[j] = (float)x0 * d;
+            y[j + QK / 2] = (float)x1 * d;
+        }
+        break;
+    case KVR_CODEC_Q4_1: {
+        const float m = kvr_f16_to_f32(rd16(x + 2));
+        for (int j = 0; j < QK / 2; ++j) {
+            const int x0 = x[4 + j] & 0x0F;
+            const int x1 = x[4 + j] >> 4;
+            float p0 = (float)x0 * d, p1 = (float)x1 * d;
+            y[j] = p0 + m;
+            y[j + QK / 2] = p1 + m;
+        }
+        break;
+    }
+    case KVR_CODEC_Q5_0: {
+        const uint32_t qh = rd32(x + 2);
+        for (int j = 0; j < QK / 2; ++j) {
+            const uint8_t xh_0 = (uint8_t)(((qh >> (j + 0)) << 4) & 0x10);
+            const uint8_t xh_1 = (uint8_t)(((qh >> (j + 12))) & 0x10);
+            const int x0 = ((x[6 + j] & 0x0F) | xh_0) - 16;
+            const int x1 = ((x[6 + j] >> 4) | xh_1) - 16;
+            y[j] = (float)x0 * d;
+            y[j + QK / 2] = (float)x1 * d;
+        }
+        break;
+    }
+    default:
+        break;
+    }
+}
+
+/* ---- public encode / decode --------------------------------------------- */
+
+/* First index (in element order) that is non-finite or beyond limit. */
+static size_t locate_bad(const void *src, kvr_dtype t, size_t n, float limit)
+{
+    for (size_t i = 0; i < n; i++)
+        if (!(fabsf(load_elem(src, t, i)) <= limit)) return i;
+    return n;
+}
+
+static int encode_plain(const kvr_codec *c, void *dst, const void *src, kvr_dtype st,
+                        size_t n, size_t *bad)
+{
+    kvr_dtype dt = c->type == KVR_CODEC_F32 ? KVR_DTYPE_F32
+                 : c->type == KVR_CODEC_F16 ? KVR_DTYPE_F16 : KVR_DTYPE_BF16;
+    /* f16 storage cannot hold more than its range; f32/bf16 only need finite. */
+    float limit = dt == KVR_DTYPE_F16 ? KVR_CODEC_F16_LIMIT : FLT_MAX;
+    size_t b = locate_bad(src, st, n, limit);
+    if (b < n) {
+        if (bad) *bad = b;
+        return KVR_EINVAL;
+    }
+    kvr_convert(dst, dt, src, st, n);
+    return 0;
+}
+
+static int encode_ggml(const kvr_codec *c, uint8_t *dst, const void *src, kvr_dtype st,
+                       size_t n, size_t *bad)
+{
+    if (n % QK) return KVR_EUNSUPPORTED;
+    size_t b = locate_bad(src, st, n, FLT_MAX);
+    if (b < n) {
+        if (bad) *bad = b;
+        return KVR_EINVAL;
+    }
+    size_t bb = ggml_block_bytes(c->type);
+    float x[QK];
+    for (size_t i = 0; i < n; i += QK) {
+        for (size_t j = 0; j < QK; j++) x[j] = load_elem(src, st, i + j);
+        if (ggml_block_enc(c->type, dst + i / QK * bb, x) != 0) {
+            if (bad) *bad = i + argmax_abs(x, QK);
+            return KVR_EINVAL;
+        }
+    }
+    return 0;
+}
+
+static int encode_uniform(const kvr_codec *c, uint8_t *dst, const void *src, kvr_dtype st,
+                          size_t n, size_t *bad)
+{
+    const kvr_codec_kernels *k = kernels_for(c->isa);
+    unsigned bits = kvr_codec_value_bits(c->type);
+    uint32_t g = kvr_codec_group(c);
+    int rc;
+    if (st == KVR_DTYPE_F32) {
+        rc = k->enc_f32(dst, src, n, bits, g, c->params);
+    } else if (st == KVR_DTYPE_F16) {
+        rc = k->enc_f16(dst, src, n, bits, g, c->params);
+    } else {
+        /* bf16: widen a group at a time (exact), encode as f32. */
+        float buf[KVR_CODEC_GROUP_MAX];
+        size_t gb = row_bytes(c, g);
+        rc = 0;
+        for (size_t i = 0; i < n && rc == 0; i += g) {
+            size_t m = n - i < g ? n - i : g;
+            for (size_t j = 0; j < m; j++) buf[j] = kvr_bf16_to_f32(((const uint16_t *)src)[i + j]);
+            rc = k->enc_f32(dst + i / g * gb, buf, m, bits, g, c->params);
+        }
+    }
+    if (rc != 0) {
+        if (bad) *bad = locate_bad(src, st, n, params_limit(c->params));
+        return KVR_EINVAL;
+    }
+    return 0;
+}
+
+int kvr_codec_encode(const kvr_codec *c, void *dst, const void *src,
+                     kvr_dtype src_type, size_t n, size_t *bad)
+{
+    int rc = kvr_codec_validate(c);
+    if (rc) return rc;
+    if (!dtype_ok(src_type)) return KVR_EINVAL;
+    if (n == 0) return 0;
+    if (!dst || !src) return KVR_EINVAL;
+    if (kvr_codec_is_uniform(c->type)) return encode_uniform(c, dst, src, src_type, n, bad);
+    if (kvr_codec_is_ggml(c->type)) return encode_ggml(c, dst, src, src_type, n, bad);
+    return encode_plain(c, dst, src, src_type, n, bad);
+}
+
+int kvr_codec_decode(const kvr_codec *c, void *dst, kvr_dtype dst_type,
+                     const void *src, size_t n)
+{
+    int rc = kvr_codec_validate(c);
+    if (rc) return rc;
+    if (!dtype_ok(dst_type)) return KVR_EINVAL;
+    if (n == 0) return 0;
+    if (!dst || !src) return KVR_EINVAL;
+    if (kvr_codec_is_uniform(c->type)) {
+        const kvr_codec_kernels *k = kernels_for(c->isa);
+        unsigned bits = kvr_codec_value_bits(c->type);
+        uint32_t g = kvr_codec_group(c);
+        if (dst_type == KVR_DTYPE_F32) {
+            k->dec_f32(dst, src, n, bits, g, c->params);
+        } else if (dst_type == KVR_DTYPE_F16) {
+            k->dec_f16(dst, src, n, bits, g, c->params);
+        } else {
+            float buf[KVR_CODEC_GROUP_MAX];
+            size_t gb = row_bytes(c, g);
+            for (size_t i = 0; i < n; i += g) {
+                size_t m = n - i < g ? n - i : g;
+                k->dec_f32(buf, (const uint8_t *)src + i / g * gb, m, bits, g, c->params);
+                for (size_t j = 0; j < m; j++) ((uint16_t *)dst)[i + j] = kvr_f32_to_bf16(buf[j]);
+            }
+        }
+        return 0;
+    }
+    if (kvr_codec_is_ggml(c->type)) {
+        if (n % QK) return KVR_EUNSUPPORTED;
+        size_t bb = ggml_block_bytes(c->type);
+        float y[QK];
+        for (size_t i = 0; i < n; i += QK) {
+            ggml_block_dec(c->type, y, (const uint8_t *)src + i / QK * bb);
+            if (dst_type == KVR_DTYPE_F32) memcpy((float *)dst + i, y, sizeof y);
+            else for (size_t j = 0; j < QK; j++) store_elem(dst, dst_type, i + j, y[j]);
+        }
+        return 0;
+    }
+    kvr_dtype st = c->type == KVR_CODEC_F32 ? KVR_DTYPE_F32
+                 : c->type == KVR_CODEC_F16 ? KVR_DTYPE_F16 : KVR_DTYPE_BF16;
+    if (dst_type == KVR_DTYPE_F16 && st != KVR_DTYPE_F16) {
+        for (size_t i = 0; i < n; i++) store_elem(dst, dst_type, i, load_elem(src, st, i));
+    } else {
+        kvr_convert(dst, dst_type, src, st, n);
+    }
+    return 0;
+}
+
+int kvr_codec_group_params(const kvr_codec *c, const void *src, size_t n, size_t g,
+                           float *scale, float *min)
+{
+    int rc = kvr_codec_validate(c);
+    if (rc) return rc;
+    if (!kvr_codec_is_uniform(c->type)) return KVR_EUNSUPPORTED;
+    uint32_t G = kvr_codec_group(c);
+    if (!src || g >= (n + G - 1) / G) return KVR_EINVAL;
+    float s, m;
+    read_params((const uint8_t *)src + g * row_bytes(c, G), &s, &m, c->params);
+    if (scale) *scale = s;
+    if (min) *min = m;
+    return 0;
+}
+
+/* ---- KIVI tiles --------------------------------------------------------- */
+
+#define TILE_CH 8
+
+int kvr_codec_encode_tile(const kvr_codec *c, void *dst, const void *src,
+                          kvr_dtype src_type, size_t n_ch, size_t ld, size_t *bad)
+{
+    int rc = kvr_codec_validate(c);
+    if (rc) return rc;
+    if (!kvr_codec_is_uniform(c->type)) return KVR_EUNSUPPORTED;
+    if (!dtype_ok(src_type) || ld < n_ch) return KVR_EINVAL;
+    if (n_ch == 0) return 0;
+    if (!dst || !src) return KVR_EINVAL;
+    const kvr_codec_kernels *k = kernels_for(c->isa);
+    unsigned bits = kvr_codec_value_bits(c->type);
+    size_t G = kvr_codec_group(c), gb = row_bytes(c, G);
+    float buf[TILE_CH * KVR_CODEC_GROUP_MAX];
+    for (size_t c0 = 0; c0 < n_ch; c0 += TILE_CH) {
+        size_t cc = n_ch - c0 < TILE_CH ? n_ch - c0 : TILE_CH;
+        for (size_t t = 0; t < G; t++)
+            for (size_t j = 0; j < cc; j++)
+                buf[j * G + t] = load_elem(src, src_type, t * ld + c0 + j);
+        if (k->enc_f32((uint8_t *)dst + c0 * gb, buf, cc * G, bits, (uint32_t)G, c->params)) {
+            float lim = params_limit(c->params);
+            for (size_t t = 0; t < G; t++)
+                for (size_t j = 0; j < n_ch; j++)
+                    if (!(fabsf(load_elem(src, src_type, t * ld + j)) <= lim)) {
+                        if (bad) *bad = t * n_ch + j;
+                        return KVR_EINVAL;
+                    }
+            return KVR_EINVAL;
+        }
+    }
+    return 0;
+}
+
+int kvr_codec_decode_tile(const kvr_codec *c, void *dst, kvr_dtype dst_type,
+                          size_t ld, const void *src, size_t n_ch)
+{
+    int rc = kvr_codec_validate(c);
+    if (rc) return rc;
+    if (!kvr_codec_is_uniform(c->type)) return KVR_EUNSUPPORTED;
+    if (!dtype_ok(dst_type) || ld < n_ch) return KVR_EINVAL;
+    if (n_ch == 0) return 0;
+    if (!dst || !src) return KVR_EINVAL;
+    const kvr_codec_kernels *k = kernels_for(c->isa);
+    unsigned bits = kvr_codec_value_bits(c->type);
+    size_t G = kvr_codec_group(c), gb = row_bytes(c, G);
+    float buf[TILE_CH * KVR_CODEC_GROUP_MAX];
+    for (size_t c0 = 0; c0 < n_ch; c0 += TILE_CH) {
+        size_t cc = n_ch - c0 < TILE_CH ? n_ch - c0 : TILE_CH;
+        k->dec_f32(buf, (const uint8_t *)src + c0 * gb, cc * G, bits, (uint32_t)G, c->params);
+        for (size_t t = 0; t < G; t++)
+            for (size_t j = 0; j < cc; j++)
+                store_elem(dst, dst_type, t * ld + c0 + j, buf[j * G + t]);
+    }
+    return 0;
+}
+
+/* ---- error measure ------------------------------------------------------ */
+
+double kvr_codec_rel_rms(const float *ref, const void *dec, kvr_dtype dec_type, size_t n)
+{
+    double num = 0.0, den = 0.0;
+    for (size_t i = 0; i < n; i++) {
+        double r = (double)ref[i], d = (double)load_elem(dec, dec_type, i) - r;
+        num += d * d;
+        den += r * r;
+    }
+    if (num == 0.0) return 0.0;
+    if (den == 0.0) return INFINITY;
+    return sqrt(num / den);
+}

@@ -1,0 +1,264 @@
+/*
+ * codec.h — kvrope's codecs for K/V at rest (private to cache/).
+ *
+ * A codec turns a run of float values into bytes and back. The store keeps
+ * every block's K and V in the codec its model was configured with; this
+ * header is the kernel layer only: it knows nothing of contexts or blocks,
+ * allocates nothing, and can be linked and tested without the store.
+ *
+ * Codecs
+ *   F32, F16, BF16     plain element types (lossless for data already in them)
+ *   INT8, INT4, INT2   uniform, group-wise ASYMMETRIC: each group of `group`
+ *                      values has a minimum m and a scale s; a value x is
+ *                      stored as q = round((x - m) / s) in [0, 2^bits - 1]
+ *                      and read back as y = q*s + m.
+ *   Q8_0 Q4_0 Q4_1 Q5_0  ggml's legacy blocks of 32, BIT FOR BIT what ggml's
+ *                      quantize_row_*_ref writes and dequantize_row_* reads,
+ *                      so llama.cpp caches can be exchanged byte for byte.
+ *
+ * Uniform groups — exact encoding rule (the scalar reference; the SIMD kernels
+ * produce the same bytes):
+ *   lo, hi  = min and max of the group's values
+ *   m       = PARAMS_F16: the largest f16 <= lo ("min rounded down");
+ *             PARAMS_F32: lo
+ *   s       = 0 if hi == m, else the smallest f16 (or f32) with
+ *             m + L*s >= hi in exact arithmetic, L = 2^bits - 1
+ *             ("scale rounded up")
+ *   inv     = s > 0 ? 1.0f / s : 0
+ *   q       = clamp(rintf((x - m) * inv), 0, L)   (float ops, no FMA, RNE)
+ *   decode: y = (float)q * s + m                  (float mul then add)
+ * Because m and s are chosen from the values as they are STORED (not the
+ * exact ones), every x lies in [m, m + L*s], so |y - x| <= s/2 against the
+ * stored scale, up to float rounding of the three operations above (a few
+ * ulps of max(|x|, |m| + L*s); tests allow 2^-20 of that). A constant group
+ * has s = 0 and decodes exactly whenever the constant is representable in the
+ * parameter type: always for PARAMS_F32, and for PARAMS_F16 whenever the data
+ * came from f16 (or bf16 inside f16's range). Zeros decode to zeros.
+ * Why f16 parameters by default: they cost 32 bits per group (int4 at group 64
+ * is 4.5 bits per value, the same as ggml q4_0), and rounding m down and s up
+ * keeps the half-step bound; the price is a value range limit |x| <= 65504
+ * (f16's), which K/V from f16/bf16 models respects. PARAMS_F32 costs 64 bits
+ * per group and accepts |x| <= 2^64.
+ *
+ * Byte layout of a uniform row of n values (group G, bits b, P = 4 bytes of
+ * parameters for PARAMS_F16, 8 for PARAMS_F32), groups back to back:
+ *
+ *   group:  [ s (f16|f32, LE) ][ m (f16|f32, LE) ][ qs: chunks of 32 values ]
+ *   chunk of 32 quants q[0..31], 32*b/8 bytes:
+ *     INT8  byte j (0..31) = q[j]
+ *     INT4  byte j (0..15) = q[j] | q[j+16] << 4         (ggml q4 nibble order)
+ *     INT2  byte j (0..7)  = q[j] | q[j+8] << 2 | q[j+16] << 4 | q[j+24] << 6
+ *   The last group may be short (n % G values); its last chunk is padded
+ *   with q = 0. row_bytes = ceil(n/G)*P + ceil(n/32)*4*b.
+ *
+ * KIVI. Keys are quantized per CHANNEL over groups of G tokens, values per
+ * TOKEN over groups of G channels; the most recent `window` tokens stay in
+ * full precision and are quantized as they age out (kvr_kivi_split says how
+ * many). A key tile is [G tokens][n_ch channels] (token-major, as the store
+ * holds the data); it is encoded as n_ch uniform groups of G values, channel
+ * after channel:   tile = group(ch 0: tokens 0..G-1) group(ch 1) ...
+ * Values (and non-KIVI keys) use the row functions on each token's
+ * [heads*head_dim] row.
+ *
+ * ggml blocks (n must be a multiple of 32; d, m are f16):
+ *   Q8_0 34 B: d, int8 qs[32]               y = qs[j]*d
+ *   Q4_0 18 B: d, qs[16] = q[j] | q[j+16]<<4   y = (q - 8)*d
+ *   Q4_1 20 B: d, m, qs[16] (as Q4_0)        y = q*d + m
+ *   Q5_0 22 B: d, qh[4] (bit 4 of q[j] at bit j, LE u32), qs[16] (low nibbles
+ *              as Q4_0)                      y = (q - 16)*d
+ *
+ * Errors: 0 on success, a negative KVR_E* code (cache/cache.h) on failure.
+ * Input that is NaN or infinite, or outside the codec's value range, is
+ * refused with KVR_EINVAL and the index of the first offending element in
+ * *bad (when bad is non-NULL) — the store turns it into "layer L token T".
+ * On error dst holds unspecified bytes. Functions never allocate; buffers
+ * are the caller's and only borrowed for the duration of the call.
+ *
+ * Threading: every function is reentrant; CPU features are detected once
+ * (the first call) through __builtin_cpu_supports.
+ */
+#ifndef KVR_CACHE_CODEC_H
+#define KVR_CACHE_CODEC_H
+
+#include <stddef.h>
+#include <stdint.h>
+#include <stdbool.h>
+
+#include "rope/rope.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef enum kvr_codec_type {
+    KVR_CODEC_F32  = 0,
+    KVR_CODEC_F16  = 1,
+    KVR_CODEC_BF16 = 2,
+    KVR_CODEC_INT8 = 3,
+    KVR_CODEC_INT4 = 4,
+    KVR_CODEC_INT2 = 5,
+    KVR_CODEC_Q8_0 = 6,
+    KVR_CODEC_Q4_0 = 7,
+    KVR_CODEC_Q4_1 = 8,
+    KVR_CODEC_Q5_0 = 9,
+    KVR_CODEC_TYPE_COUNT_ = 10,
+} kvr_codec_type;
+
+/* Which way a uniform codec's groups run (only the store acts on it: the
+ * row functions always group contiguous values, the tile functions always
+ * group a channel's tokens). */
+typedef enum kvr_codec_axis {
+    KVR_CODEC_AXIS_TOKEN   = 0,  /* per token: a group is G channels of one token */
+    KVR_CODEC_AXIS_CHANNEL = 1,  /* KIVI keys: a group is G tokens of one channel */
+} kvr_codec_axis;
+
+typedef enum kvr_codec_params {
+    KVR_CODEC_PARAMS_F16 = 0,    /* s and m as f16: 32 bits per group, |x| <= 65504 */
+    KVR_CODEC_PARAMS_F32 = 1,    /* s and m as f32: 64 bits per group, |x| <= 2^64 */
+} kvr_codec_params;
+
+#define KVR_CODEC_GROUP_DEFAULT 64u
+#define KVR_CODEC_GROUP_MAX     256u   /* uniform groups: multiples of 32 up to this */
+#define KVR_CODEC_F16_LIMIT     65504.0f
+#define KVR_CODEC_F32_LIMIT     18446744073709551616.0f  /* 2^64 */
+
+/* A codec descriptor: a plain value, zero-initialised fields are defaults
+ * (group 64, per token, f16 parameters, best ISA). */
+typedef struct kvr_codec {
+    kvr_codec_type   type;
+    uint32_t         group;   /* INT*: values per group, 0 = 64; others ignore it */
+    kvr_codec_axis   axis;
+    kvr_codec_params params;
+    kvr_isa          isa;     /* force a kernel (tests, bench); AUTO = best */
+} kvr_codec;
+
+/* K and V codecs of a model, and the KIVI full-precision window: the most
+ * recent `window` tokens are kept in f16/f32 (the model's dtype) and are
+ * quantized as they leave it. */
+typedef struct kvr_codec_pair {
+    kvr_codec k;
+    kvr_codec v;
+    uint32_t  window;
+} kvr_codec_pair;
+
+/* ---- descriptors -------------------------------------------------------- */
+
+const char *kvr_codec_type_name(kvr_codec_type t);   /* "int4", "q4_0", ...; "?" */
+/* Parses "f32" "f16" "bf16" "int8" "int4" "int2" "q8_0" "q4_0" "q4_1" "q5_0",
+ * optionally followed by "/g<group>" (e.g. "int4/g32"). Other fields of *out
+ * are the defaults. 0 or KVR_EINVAL. */
+int  kvr_codec_parse(const char *s, kvr_codec *out);
+/* KVR_EINVAL for an unknown type, a group that is not a multiple of 32 in
+ * [32, 256], an unknown axis/params/isa; KVR_EUNSUPPORTED for a channel axis
+ * on a non-uniform codec. */
+int  kvr_codec_validate(const kvr_codec *c);
+bool kvr_codec_is_uniform(kvr_codec_type t);          /* INT8/INT4/INT2 */
+bool kvr_codec_is_ggml(kvr_codec_type t);             /* Q8_0..Q5_0 */
+unsigned kvr_codec_value_bits(kvr_codec_type t);      /* 32 16 16 8 4 2 8 4 4 5 */
+uint32_t kvr_codec_group(const kvr_codec *c);         /* effective group (32 for ggml, 1 plain) */
+
+/* K int4 per channel, V int2 per token, both group 64, f16 parameters,
+ * window 128 (KIVI's residual length). */
+kvr_codec_pair kvr_codec_pair_default(void);
+int kvr_codec_pair_validate(const kvr_codec_pair *p); /* both codecs valid */
+
+/* ---- sizes and accounting ----------------------------------------------- */
+
+/* Bytes of an encoded row of n values; 0 if the codec is invalid or n is not
+ * allowed (ggml blocks: n % 32 != 0). n = 0 gives 0. */
+size_t kvr_codec_row_bytes(const kvr_codec *c, size_t n);
+/* Bytes of an encoded key tile of group() tokens by n_ch channels (uniform
+ * codecs only, else 0): n_ch * row_bytes(group). */
+size_t kvr_codec_tile_bytes(const kvr_codec *c, size_t n_ch);
+/* Bits per value including scales/mins, for a row of n values (n = 0: in
+ * the limit of long rows, i.e. bits + parameter bits / group). */
+double kvr_codec_bits_per_value(const kvr_codec *c, size_t n);
+/* Steady-state bytes per token of a model with the pair (K and V, all
+ * layers), the window not counted (it is f16-sized and bounded). */
+double kvr_codec_pair_bytes_per_token(const kvr_codec_pair *p, uint32_t n_layers,
+                                      uint32_t n_kv_heads, uint32_t head_dim);
+
+/* ---- rows --------------------------------------------------------------- */
+
+/* Encodes n values of src (src_type) into dst (row_bytes(c, n) bytes).
+ * Returns 0, KVR_EINVAL (bad codec, NULL buffer with n > 0, non-finite or
+ * out-of-range input: *bad = first such index) or KVR_EUNSUPPORTED (ggml
+ * block codec and n % 32 != 0). dst and src must not overlap. */
+int kvr_codec_encode(const kvr_codec *c, void *dst, const void *src,
+                     kvr_dtype src_type, size_t n, size_t *bad);
+/* Decodes a row of n values into dst (dst_type). Never fails on well-formed
+ * codecs/sizes (it does not validate the bytes: any bytes decode to
+ * something); KVR_EINVAL for a bad codec or dtype. Decoding to f16 clamps to
+ * +-65504 so a value at the edge of f16's range never becomes infinite. */
+int kvr_codec_decode(const kvr_codec *c, void *dst, kvr_dtype dst_type,
+                     const void *src, size_t n);
+
+/* Stored parameters of group g of an encoded uniform row (tests, tools). */
+int kvr_codec_group_params(const kvr_codec *c, const void *src, size_t n, size_t g,
+                           float *scale, float *min);
+
+/* ---- KIVI key tiles ----------------------------------------------------- */
+
+/* src is [G tokens][ld elements] (G = group(c)), of which the first n_ch
+ * channels are encoded, channel by channel, into tile_bytes(c, n_ch) bytes.
+ * *bad is the token-major element index t*n_ch + ch of the first offending
+ * value. Uniform codecs only (else KVR_EUNSUPPORTED). */
+int kvr_codec_encode_tile(const kvr_codec *c, void *dst, const void *src,
+                          kvr_dtype src_type, size_t n_ch, size_t ld, size_t *bad);
+/* The inverse: writes G rows of n_ch values at stride ld elements. */
+int kvr_codec_decode_tile(const kvr_codec *c, void *dst, kvr_dtype dst_type,
+                          size_t ld, const void *src, size_t n_ch);
+
+/* Window bookkeeping for a context of n_tokens tokens (token indices
+ * 0..n-1). Keys [0, *k_quant) are in finished tiles, the rest in full
+ * precision: for a per-channel K codec *k_quant is the largest multiple of G
+ * with n - k_quant >= window (so between window and window+G-1 keys stay
+ * full precision); per token it is max(0, n - window). Values [0, *v_quant),
+ * v_quant = max(0, n - window). Plain (f32/f16/bf16) sides report n. After an
+ * append from n0 to n1 tokens, the store encodes keys [k(n0), k(n1)) as tiles
+ * and values [v(n0), v(n1)) as rows. */
+void kvr_kivi_split(const kvr_codec_pair *p, size_t n_tokens,
+                    size_t *k_quant, size_t *v_quant);
+
+/* ---- error measure ------------------------------------------------------ */
+
+/* sqrt(sum (dec - ref)^2 / sum ref^2) over n values (double accumulation);
+ * 0 for n = 0 or an exact match, +inf if ref is all zeros but dec is not. */
+double kvr_codec_rel_rms(const float *ref, const void *dec, kvr_dtype dec_type, size_t n);
+
+/* ---- internal: kernels and dispatch (codec*.c only) --------------------- */
+
+/* Parameters of one uniform group, as stored (see the rule above). */
+typedef struct kvr_codec_gparams {
+    float s, m, inv;
+    uint32_t s_bits, m_bits;   /* the stored encodings (f16 in the low half) */
+} kvr_codec_gparams;
+void kvr_codec_gparams_compute(kvr_codec_gparams *gp, float lo, float hi,
+                               unsigned bits, kvr_codec_params params);
+
+/* A uniform row kernel set. Encoders assume validated input (finite, within
+ * the params' range) and return 0; an encoder may return -1 if it finds a bad
+ * value, and the caller then locates it with the scalar check. */
+typedef struct kvr_codec_kernels {
+    int  (*enc_f32)(uint8_t *dst, const float *src, size_t n, unsigned bits,
+                    uint32_t group, kvr_codec_params params);
+    int  (*enc_f16)(uint8_t *dst, const uint16_t *src, size_t n, unsigned bits,
+                    uint32_t group, kvr_codec_params params);
+    void (*dec_f32)(float *dst, const uint8_t *src, size_t n, unsigned bits,
+                    uint32_t group, kvr_codec_params params);
+    void (*dec_f16)(uint16_t *dst, const uint8_t *src, size_t n, unsigned bits,
+                    uint32_t group, kvr_codec_params params);
+} kvr_codec_kernels;
+
+/* The scalar encoder of one group of m <= 256 checked values; returns the
+ * bytes written. The SIMD kernels use it for a row's short last group. */
+size_t kvr_codec_scalar_group(uint8_t *dst, const float *x, size_t m, unsigned bits,
+                              kvr_codec_params params);
+
+extern const kvr_codec_kernels kvr_codec_kernels_scalar;
+extern const kvr_codec_kernels kvr_codec_kernels_avx2;    /* codec_avx2.c */
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* KVR_CACHE_CODEC_H */

@@ -1,0 +1,213 @@
+/*
+ * codec_avx2.c — AVX2/FMA/F16C kernels for the uniform INT8/INT4/INT2 codecs
+ * (compiled with -mavx2 -mfma -mf16c; called only after the CPU was checked).
+ *
+ * They must write exactly the bytes of the scalar reference in codec.c, so
+ * they use the same operations in the same order: min/max (the -0/+0
+ * ambiguity is removed in kvr_codec_gparams_compute), parameters from the
+ * shared scalar function, q = cvtps_epi32((x - m) * inv) (RNE, like rintf),
+ * y = q*s + m as a separate multiply and add (never an FMA, which would round
+ * once instead of twice). A row's short last group goes to the scalar kernel.
+ *
+ * Chunk packing (32 quants, see codec.h), after the four vectors of eight
+ * 32-bit quants are narrowed to bytes B[0..31] in order:
+ *   INT4: lo128 | hi128 << 4             -> byte j = B[j] | B[j+16] << 4
+ *   INT2: a = lo128 | hi128 << 4, then a[0..7] | a[8..15] << 2
+ */
+#include "cache/codec.h"
+
+#include <immintrin.h>
+#include <string.h>
+
+#define AI static inline __attribute__((always_inline))
+
+AI __m256 ld8(const void *src, size_t i, int h)
+{
+    if (h) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)src + i)));
+    return _mm256_loadu_ps((const float *)src + i);
+}
+
+AI void st8(void *dst, size_t i, __m256 y, int h)
+{
+    if (h) {
+        const __m256 lim = _mm256_set1_ps(KVR_CODEC_F16_LIMIT);
+        y = _mm256_min_ps(_mm256_max_ps(y, _mm256_sub_ps(_mm256_setzero_ps(), lim)), lim);
+        _mm_storeu_si128((__m128i *)((uint16_t *)dst + i),
+                         _mm256_cvtps_ph(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    } else {
+        _mm256_storeu_ps((float *)dst + i, y);
+    }
+}
+
+AI float hmin8(__m256 v)
+{
+    __m128 a = _mm_min_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    a = _mm_min_ps(a, _mm_movehl_ps(a, a));
+    a = _mm_min_ss(a, _mm_shuffle_ps(a, a, 1));
+    return _mm_cvtss_f32(a);
+}
+
+AI float hmax8(__m256 v)
+{
+    __m128 a = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    a = _mm_max_ps(a, _mm_movehl_ps(a, a));
+    a = _mm_max_ss(a, _mm_shuffle_ps(a, a, 1));
+    return _mm_cvtss_f32(a);
+}
+
+/* One full group of G values at src[i0..]; returns bytes written or 0 if a
+ * value is non-finite or beyond the parameters' range. */
+AI size_t enc_group(uint8_t *dst, const void *src, size_t i0, uint32_t G, unsigned bits,
+                    kvr_codec_params params, int h)
+{
+    const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    const __m256 lim = _mm256_set1_ps(params == KVR_CODEC_PARAMS_F32 ? KVR_CODEC_F32_LIMIT
+                                                                     : KVR_CODEC_F16_LIMIT);
+    __m256 v = ld8(src, i0, h);
+    __m256 vmin = v, vmax = v;
+    __m256 ok = _mm256_cmp_ps(_mm256_and_ps(v, absmask), lim, _CMP_LE_OQ);
+    for (size_t i = 8; i < G; i += 8) {
+        v = ld8(src, i0 + i, h);
+        vmin = _mm256_min_ps(vmin, v);
+        vmax = _mm256_max_ps(vmax, v);
+        ok = _mm256_and_ps(ok, _mm256_cmp_ps(_mm256_and_ps(v, absmask), lim, _CMP_LE_OQ));
+    }
+    if (_mm256_movemask_ps(ok) != 0xFF) return 0;
+
+    kvr_codec_gparams gp;
+    kvr_codec_gparams_compute(&gp, hmin8(vmin), hmax8(vmax), bits, params);
+    size_t pb;
+    if (params == KVR_CODEC_PARAMS_F32) {
+        memcpy(dst, &gp.s_bits, 4);
+        memcpy(dst + 4, &gp.m_bits, 4);
+        pb = 8;
+    } else {
+        uint16_t sh = (uint16_t)gp.s_bits, mh = (uint16_t)gp.m_bits;
+        memcpy(dst, &sh, 2);
+        memcpy(dst + 2, &mh, 2);
+        pb = 4;
+    }
+    uint8_t *qs = dst + pb;
+    const __m256 vm = _mm256_set1_ps(gp.m), vinv = _mm256_set1_ps(gp.inv);
+    const __m256i zero = _mm256_setzero_si256();
+    const __m256i vL = _mm256_set1_epi32((1 << bits) - 1);
+    const __m256i perm = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    for (size_t c = 0; c < G / 32; c++) {
+        __m256i q[4];
+        for (int k = 0; k < 4; k++) {
+            __m256 x = ld8(src, i0 + 32 * c + 8 * (size_t)k, h);
+            __m256 t = _mm256_mul_ps(_mm256_sub_ps(x, vm), vinv);
+            __m256i qi = _mm256_cvtps_epi32(t);
+            q[k] = _mm256_min_epi32(_mm256_max_epi32(qi, zero), vL);
+        }
+        __m256i a = _mm256_packs_epi32(q[0], q[1]);
+        __m256i b = _mm256_packs_epi32(q[2], q[3]);
+        __m256i B = _mm256_permutevar8x32_epi32(_mm256_packus_epi16(a, b), perm);
+        if (bits == 8) {
+            _mm256_storeu_si256((__m256i *)(qs + 32 * c), B);
+        } else {
+            __m128i lo = _mm256_castsi256_si128(B), hi = _mm256_extracti128_si256(B, 1);
+            __m128i p = _mm_or_si128(lo, _mm_slli_epi16(hi, 4));
+            if (bits == 4) {
+                _mm_storeu_si128((__m128i *)(qs + 16 * c), p);
+            } else {
+                __m128i r = _mm_or_si128(p, _mm_slli_epi16(_mm_srli_si128(p, 8), 2));
+                _mm_storel_epi64((__m128i *)(qs + 8 * c), r);
+            }
+        }
+    }
+    return pb + G / 32 * 4 * bits;
+}
+
+AI size_t dec_group(void *dst, size_t i0, const uint8_t *src, uint32_t G, unsigned bits,
+                    kvr_codec_params params, int h)
+{
+    float s, m;
+    size_t pb;
+    if (params == KVR_CODEC_PARAMS_F32) {
+        memcpy(&s, src, 4);
+        memcpy(&m, src + 4, 4);
+        pb = 8;
+    } else {
+        uint16_t sh, mh;
+        memcpy(&sh, src, 2);
+        memcpy(&mh, src + 2, 2);
+        s = _cvtsh_ss(sh);
+        m = _cvtsh_ss(mh);
+        pb = 4;
+    }
+    const uint8_t *qs = src + pb;
+    const __m256 vs = _mm256_set1_ps(s), vm = _mm256_set1_ps(m);
+    for (size_t c = 0; c < G / 32; c++) {
+        __m128i Q0, Q1;
+        if (bits == 8) {
+            Q0 = _mm_loadu_si128((const __m128i *)(qs + 32 * c));
+            Q1 = _mm_loadu_si128((const __m128i *)(qs + 32 * c + 16));
+        } else if (bits == 4) {
+            const __m128i m4 = _mm_set1_epi8(0x0F);
+            __m128i b = _mm_loadu_si128((const __m128i *)(qs + 16 * c));
+            Q0 = _mm_and_si128(b, m4);
+            Q1 = _mm_and_si128(_mm_srli_epi16(b, 4), m4);
+        } else {
+            const __m128i m2 = _mm_set1_epi8(0x03);
+            __m128i b = _mm_loadl_epi64((const __m128i *)(qs + 8 * c));
+            Q0 = _mm_and_si128(_mm_unpacklo_epi64(b, _mm_srli_epi16(b, 2)), m2);
+            Q1 = _mm_and_si128(_mm_unpacklo_epi64(_mm_srli_epi16(b, 4), _mm_srli_epi16(b, 6)), m2);
+        }
+        __m256i q0 = _mm256_cvtepu8_epi32(Q0), q1 = _mm256_cvtepu8_epi32(_mm_srli_si128(Q0, 8));
+        __m256i q2 = _mm256_cvtepu8_epi32(Q1), q3 = _mm256_cvtepu8_epi32(_mm_srli_si128(Q1, 8));
+        size_t o = i0 + 32 * c;
+        st8(dst, o + 0,  _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(q0), vs), vm), h);
+        st8(dst, o + 8,  _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(q1), vs), vm), h);
+        st8(dst, o + 16, _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(q2), vs), vm), h);
+        st8(dst, o + 24, _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(q3), vs), vm), h);
+    }
+    return pb + G / 32 * 4 * bits;
+}
+
+static int av_enc_f32(uint8_t *dst, const float *src, size_t n, unsigned bits,
+                      uint32_t group, kvr_codec_params params)
+{
+    size_t i = 0;
+    for (; i + group <= n; i += group) {
+        size_t w = enc_group(dst, src, i, group, bits, params, 0);
+        if (!w) return -1;
+        dst += w;
+    }
+    if (i < n) return kvr_codec_kernels_scalar.enc_f32(dst, src + i, n - i, bits, group, params);
+    return 0;
+}
+
+static int av_enc_f16(uint8_t *dst, const uint16_t *src, size_t n, unsigned bits,
+                      uint32_t group, kvr_codec_params params)
+{
+    size_t i = 0;
+    for (; i + group <= n; i += group) {
+        size_t w = enc_group(dst, src, i, group, bits, params, 1);
+        if (!w) return -1;
+        dst += w;
+    }
+    if (i < n) return kvr_codec_kernels_scalar.enc_f16(dst, src + i, n - i, bits, group, params);
+    return 0;
+}
+
+static void av_dec_f32(float *dst, const uint8_t *src, size_t n, unsigned bits,
+                       uint32_t group, kvr_codec_params params)
+{
+    size_t i = 0;
+    for (; i + group <= n; i += group) src += dec_group(dst, i, src, group, bits, params, 0);
+    if (i < n) kvr_codec_kernels_scalar.dec_f32(dst + i, src, n - i, bits, group, params);
+}
+
+static void av_dec_f16(uint16_t *dst, const uint8_t *src, size_t n, unsigned bits,
+                       uint32_t group, kvr_codec_params params)
+{
+    size_t i = 0;
+    for (; i + group <= n; i += group) src += dec_group(dst, i, src, group, bits, params, 1);
+    if (i < n) kvr_codec_kernels_scalar.dec_f16(dst + i, src, n - i, bits, group, params);
+}
+
+const kvr_codec_kernels kvr_codec_kernels_avx2 = {
+    .enc_f32 = av_enc_f32, .enc_f16 = av_enc_f16,
+    .dec_f32 = av_dec_f32, .dec_f16 = av_dec_f16,
+};

@@ -1,0 +1,509 @@
+/*
+ * test_codec_quant.c — the uniform group codecs (INT8/INT4/INT2), KIVI key
+ * tiles and window bookkeeping, plain codecs, sizes, refusals, and SIMD ==
+ * scalar byte for byte. Links cache/codec*.c and rope/ only.
+ *
+ * The error bound checked everywhere is codec.h's: |y - x| <= s/2 against the
+ * STORED scale s, plus float slack. Slack: encoding rounds (x - m) and the
+ * product with 1/s (each <= 2^-24 relative), decoding rounds q*s and the sum
+ * with m; in total fewer than 8 ulps of |x| + |m| + L*s, so 2^-20 of that sum
+ * is a safe and still tiny allowance (1e-6 relative).
+ */
+#include <criterion/criterion.h>
+
+#include <math.h>
+#include <string.h>
+#include <stdlib.h>
+#include <float.h>
+
+#include "cache/codec.h"
+#include "cache/cache.h"
+
+/* ---- data --------------------------------------------------------------- */
+
+static uint64_t rng_state;
+static uint64_t rng_next(void)
+{
+    uint64_t x = rng_state;
+    x ^= x >> 12; x ^= x << 25; x ^= x >> 27;
+    rng_state = x;
+    return x * 0x2545F4914F6CDD1DULL;
+}
+static double rng_unit(void) { return (double)(rng_next() >> 11) * 0x1p-53; }
+static double rng_gauss(void)
+{
+    double u = rng_unit(), v = rng_unit();
+    if (u < 1e-300) u = 1e-300;
+    return sqrt(-2.0 * log(u)) * cos(6.283185307179586 * v);
+}
+
+/* Gaussian rows of `row` channels; channels 3, 17 and 100 (mod row) are
+ * outlier channels, 20x larger and offset, as K activations have. */
+static void gen(float *x, size_t n, size_t row, uint64_t seed)
+{
+    rng_state = seed * 0x9E3779B97F4A7C15ULL + 1;
+    for (size_t i = 0; i < n; i++) {
+        size_t ch = i % row;
+        double g = rng_gauss();
+        if (ch == 3 || ch == 17 || ch == 100) g = g * 20.0 + 5.0;
+        x[i] = (float)g;
+    }
+}
+
+static const kvr_codec_type uni_types[] = { KVR_CODEC_INT8, KVR_CODEC_INT4, KVR_CODEC_INT2 };
+
+/* Checks the half-step bound of every element of a decoded row. */
+static void check_bound(const kvr_codec *c, const float *x, const float *y,
+                        const void *enc, size_t n)
+{
+    uint32_t G = kvr_codec_group(c);
+    float L = (float)((1u << kvr_codec_value_bits(c->type)) - 1);
+    for (size_t g = 0; g * G < n; g++) {
+        float s, m;
+        cr_assert_eq(kvr_codec_group_params(c, enc, n, g, &s, &m), 0);
+        size_t e = (g + 1) * G < n ? (g + 1) * G : n;
+        float lo = x[g * G], hi = x[g * G];
+        for (size_t i = g * G; i < e; i++) {
+            double slack = 0x1p-20 * ((double)fabsf(x[i]) + fabs((double)m) + (double)L * (double)s);
+            double err = fabs((double)y[i] - (double)x[i]);
+            cr_assert(err <= 0.5 * (double)s + slack,
+                      "%s g%u p%d n=%zu i=%zu: x=%.9g y=%.9g err=%.3g step=%.3g",
+                      kvr_codec_type_name(c->type), G, (int)c->params, n, i,
+                      (double)x[i], (double)y[i], err, (double)s);
+            if (x[i] < lo) lo = x[i];
+            if (x[i] > hi) hi = x[i];
+        }
+        /* The stored parameters are tight, not just safe: m is within an
+         * f16 ulp below lo and s is (hi - m)/L rounded up by < 2^-9. */
+        cr_assert(m <= lo);
+        cr_assert((double)m + (double)L * (double)s >= (double)hi);
+        cr_assert((double)s <= ((double)hi - (double)m) / (double)L * (1.0 + 0x1p-9) + 0x1p-24,
+                  "scale %.9g too large for range [%.9g, %.9g]", (double)s, (double)m, (double)hi);
+    }
+}
+
+static void roundtrip_bound(const kvr_codec *c, const float *x, size_t n)
+{
+    size_t nb = kvr_codec_row_bytes(c, n);
+    cr_assert(nb > 0);
+    uint8_t *enc = malloc(nb);
+    float *y = malloc(n * sizeof *y);
+    uint16_t *xh = malloc(n * 2), *yh = malloc(n * 2);
+    size_t bad = 12345;
+    cr_assert_eq(kvr_codec_encode(c, enc, x, KVR_DTYPE_F32, n, &bad), 0);
+    cr_assert_eq(bad, 12345, "bad index touched on success");
+    cr_assert_eq(kvr_codec_decode(c, y, KVR_DTYPE_F32, enc, n), 0);
+    check_bound(c, x, y, enc, n);
+
+    /* f16 input: the bound holds against the f16 values; f16 output is the
+     * f32 output rounded. */
+    float *xf = malloc(n * sizeof *xf);
+    bool fits = true;
+    for (size_t i = 0; i < n; i++) fits = fits && fabsf(x[i]) <= 65504.0f;
+    if (!fits) n = 0;   /* not representable as f16 input: skip that half */
+    for (size_t i = 0; i < n; i++) { xh[i] = kvr_f32_to_f16(x[i]); xf[i] = kvr_f16_to_f32(xh[i]); }
+    if (n) {
+        cr_assert_eq(kvr_codec_encode(c, enc, xh, KVR_DTYPE_F16, n, NULL), 0);
+        cr_assert_eq(kvr_codec_decode(c, y, KVR_DTYPE_F32, enc, n), 0);
+        check_bound(c, xf, y, enc, n);
+    }
+    cr_assert_eq(kvr_codec_decode(c, yh, KVR_DTYPE_F16, enc, n), 0);
+    for (size_t i = 0; i < n; i++)
+        cr_assert_eq(yh[i], kvr_f32_to_f16(y[i]), "f16 output at %zu", i);
+    free(xf); free(xh); free(yh); free(y); free(enc);
+}
+
+/* ---- bounds ------------------------------------------------------------- */
+
+Test(codec_uniform, half_step_gaussian_outliers)
+{
+    const size_t lens[] = { 8 * 128 * 4, 8 * 128 * 4 + 45, 1, 31, 33 };
+    const uint32_t groups[] = { 32, 64, 128, 256 };
+    for (size_t li = 0; li < sizeof lens / sizeof *lens; li++) {
+        size_t n = lens[li];
+        float *x = malloc(n * sizeof *x);
+        gen(x, n, 1024, 7 + li);
+        for (size_t t = 0; t < 3; t++)
+            for (size_t gi = 0; gi < 4; gi++)
+                for (int p = 0; p < 2; p++)
+                    for (int isa = KVR_ISA_SCALAR; isa <= KVR_ISA_AVX2; isa++) {
+                        kvr_codec c = { .type = uni_types[t], .group = groups[gi],
+                                        .params = (kvr_codec_params)p, .isa = (kvr_isa)isa };
+                        roundtrip_bound(&c, x, n);
+                    }
+        free(x);
+    }
+}
+
+Test(codec_uniform, half_step_hard_ranges)
+{
+    /* Large offsets, tiny spreads, subnormal-f16 magnitudes, the f16 edge. */
+    const float base[] = { 1000.0f, -3.3e4f, 1e-6f, -7e-5f, 0.1f, 65000.0f, -65504.0f };
+    const float spread[] = { 1e-3f, 2.0f, 3e-8f, 1e-5f, 1e-7f, 504.0f, 1.0f };
+    float x[256];
+    for (size_t k = 0; k < sizeof base / sizeof *base; k++) {
+        rng_state = 99 + k;
+        for (int i = 0; i < 256; i++) x[i] = base[k] + spread[k] * (float)rng_unit();
+        x[0] = base[k];
+        for (size_t t = 0; t < 3; t++)
+            for (int p = 0; p < 2; p++) {
+                kvr_codec c = { .type = uni_types[t], .group = 64, .params = (kvr_codec_params)p };
+                roundtrip_bound(&c, x, 256);
+            }
+    }
+}
+
+Test(codec_uniform, constant_group_exact)
+{
+    const float consts[] = { 0.375f, -1234.5f, 1.0f, -0.0f, 65504.0f, 6e-8f };
+    float x[200], y[200];
+    uint8_t enc[1024];
+    for (size_t k = 0; k < sizeof consts / sizeof *consts; k++)
+        for (size_t t = 0; t < 3; t++)
+            for (int p = 0; p < 2; p++) {
+                float cval = kvr_f16_to_f32(kvr_f32_to_f16(consts[k])); /* f16-representable */
+                for (int i = 0; i < 200; i++) x[i] = cval;
+                kvr_codec c = { .type = uni_types[t], .group = 32, .params = (kvr_codec_params)p };
+                cr_assert_eq(kvr_codec_encode(&c, enc, x, KVR_DTYPE_F32, 200, NULL), 0);
+                cr_assert_eq(kvr_codec_decode(&c, y, KVR_DTYPE_F32, enc, 200), 0);
+                float s, m;
+                cr_assert_eq(kvr_codec_group_params(&c, enc, 200, 3, &s, &m), 0);
+                cr_assert_eq(s, 0.0f);
+                for (int i = 0; i < 200; i++) cr_assert_eq(y[i], cval, "%g -> %g", (double)cval, (double)y[i]);
+            }
+    /* With f32 parameters any finite constant is exact. */
+    for (int i = 0; i < 64; i++) x[i] = 0.1f;
+    kvr_codec c = { .type = KVR_CODEC_INT2, .params = KVR_CODEC_PARAMS_F32 };
+    cr_assert_eq(kvr_codec_encode(&c, enc, x, KVR_DTYPE_F32, 64, NULL), 0);
+    cr_assert_eq(kvr_codec_decode(&c, y, KVR_DTYPE_F32, enc, 64), 0);
+    for (int i = 0; i < 64; i++) cr_assert_eq(y[i], 0.1f);
+}
+
+Test(codec_uniform, zeros_are_zeros)
+{
+    float x[300] = { 0 }, y[300];
+    uint16_t yh[300];
+    uint8_t enc[2048];
+    for (size_t t = 0; t < 3; t++)
+        for (int isa = KVR_ISA_SCALAR; isa <= KVR_ISA_AVX2; isa++) {
+            kvr_codec c = { .type = uni_types[t], .isa = (kvr_isa)isa };
+            cr_assert_eq(kvr_codec_encode(&c, enc, x, KVR_DTYPE_F32, 300, NULL), 0);
+            cr_assert_eq(kvr_codec_decode(&c, y, KVR_DTYPE_F32, enc, 300), 0);
+            cr_assert_eq(kvr_codec_decode(&c, yh, KVR_DTYPE_F16, enc, 300), 0);
+            for (int i = 0; i < 300; i++) {
+                cr_assert_eq(y[i], 0.0f);
+                cr_assert_eq(yh[i] & 0x7FFF, 0);
+            }
+        }
+}
+
+Test(codec_uniform, mixed_signed_zeros_same_bytes)
+{
+    /* min/max kernels may see -0 or +0 first; the bytes must not depend on it. */
+    float a[64], b[64];
+    for (int i = 0; i < 64; i++) { a[i] = (i & 1) ? -0.0f : 0.0f; b[i] = (i & 1) ? 0.0f : -0.0f; }
+    a[5] = b[5] = 2.0f;
+    uint8_t ea[64], eb[64], es[64];
+    kvr_codec c = { .type = KVR_CODEC_INT4 };
+    kvr_codec cs = { .type = KVR_CODEC_INT4, .isa = KVR_ISA_SCALAR };
+    size_t nb = kvr_codec_row_bytes(&c, 64);
+    cr_assert_eq(kvr_codec_encode(&c, ea, a, KVR_DTYPE_F32, 64, NULL), 0);
+    cr_assert_eq(kvr_codec_encode(&c, eb, b, KVR_DTYPE_F32, 64, NULL), 0);
+    cr_assert_eq(kvr_codec_encode(&cs, es, a, KVR_DTYPE_F32, 64, NULL), 0);
+    cr_assert_eq(memcmp(ea, eb, nb), 0);
+    cr_assert_eq(memcmp(ea, es, nb), 0);
+}
+
+/* ---- refusals ----------------------------------------------------------- */
+
+static void expect_refused(const kvr_codec *c, const void *x, kvr_dtype t, size_t n, size_t idx)
+{
+    static uint8_t enc[1 << 16];
+    size_t bad = (size_t)-1;
+    int rc = kvr_codec_encode(c, enc, x, t, n, &bad);
+    cr_assert_eq(rc, KVR_EINVAL, "%s: rc %d", kvr_codec_type_name(c->type), rc);
+    cr_assert_eq(bad, idx, "%s isa %d: bad %zu expected %zu", kvr_codec_type_name(c->type),
+                 (int)c->isa, bad, idx);
+}
+
+Test(codec_uniform, nonfinite_refused_with_index)
+{
+    enum { N = 1024 };
+    static float x[N];
+    static uint16_t xh[N], xb[N];
+    const float badv[] = { NAN, INFINITY, -INFINITY };
+    const size_t where[] = { 0, 77, 1000, N - 1 };
+    for (size_t bi = 0; bi < 3; bi++)
+        for (size_t wi = 0; wi < 4; wi++) {
+            gen(x, N, 128, 3);
+            x[where[wi]] = badv[bi];
+            if (wi == 1) x[900] = NAN;  /* a later bad value: still report the first */
+            for (size_t i = 0; i < N; i++) { xh[i] = kvr_f32_to_f16(x[i]); xb[i] = kvr_f32_to_bf16(x[i]); }
+            for (int ty = 0; ty < KVR_CODEC_TYPE_COUNT_; ty++)
+                for (int isa = KVR_ISA_SCALAR; isa <= KVR_ISA_AVX2; isa++) {
+                    kvr_codec c = { .type = (kvr_codec_type)ty, .isa = (kvr_isa)isa };
+                    expect_refused(&c, x, KVR_DTYPE_F32, N, where[wi]);
+                    expect_refused(&c, xh, KVR_DTYPE_F16, N, where[wi]);
+                    expect_refused(&c, xb, KVR_DTYPE_BF16, N, where[wi]);
+                }
+        }
+}
+
+Test(codec_uniform, f16_param_range_refused)
+{
+    float x[128];
+    gen(x, 128, 128, 5);
+    x[70] = 70000.0f;
+    kvr_codec c16 = { .type = KVR_CODEC_INT4 };
+    expect_refused(&c16, x, KVR_DTYPE_F32, 128, 70);
+    c16.isa = KVR_ISA_SCALAR;
+    expect_refused(&c16, x, KVR_DTYPE_F32, 128, 70);
+    kvr_codec f16 = { .type = KVR_CODEC_F16 };
+    expect_refused(&f16, x, KVR_DTYPE_F32, 128, 70);
+    /* f32 parameters take it, within half a step. */
+    kvr_codec c32 = { .type = KVR_CODEC_INT4, .params = KVR_CODEC_PARAMS_F32 };
+    roundtrip_bound(&c32, x, 128);
+}
+
+/* ---- SIMD == scalar ----------------------------------------------------- */
+
+Test(codec_simd, same_bytes_as_scalar)
+{
+    const size_t lens[] = { 1, 7, 8, 31, 32, 33, 63, 64, 65, 100, 255, 256, 257, 1000, 4099 };
+    const uint32_t groups[] = { 32, 64, 96, 128, 256 };
+    enum { NMAX = 4099 };
+    static float x[NMAX], y1[NMAX], y2[NMAX];
+    static uint16_t xh[NMAX], h1[NMAX], h2[NMAX];
+    static uint8_t e1[NMAX * 2], e2[NMAX * 2];
+    for (int seed = 0; seed < 3; seed++) {
+        gen(x, NMAX, 96 + (size_t)seed, 100 + (uint64_t)seed);
+        /* constant stretches and signed zeros */
+        for (int i = 200; i < 264; i++) x[i] = 0.5f;
+        for (int i = 300; i < 364; i++) x[i] = (i & 1) ? -0.0f : 0.0f;
+        for (size_t i = 0; i < NMAX; i++) xh[i] = kvr_f32_to_f16(x[i]);
+        for (size_t li = 0; li < sizeof lens / sizeof *lens; li++)
+            for (size_t gi = 0; gi < 5; gi++)
+                for (size_t t = 0; t < 3; t++)
+                    for (int p = 0; p < 2; p++) {
+                        size_t n = lens[li];
+                        kvr_codec cs = { .type = uni_types[t], .group = groups[gi],
+                                         .params = (kvr_codec_params)p, .isa = KVR_ISA_SCALAR };
+                        kvr_codec cv = cs;
+                        cv.isa = KVR_ISA_AUTO;
+                        size_t nb = kvr_codec_row_bytes(&cs, n);
+                        for (int in16 = 0; in16 < 2; in16++) {
+                            const void *src = in16 ? (const void *)xh : (const void *)x;
+                            kvr_dtype st = in16 ? KVR_DTYPE_F16 : KVR_DTYPE_F32;
+                            memset(e1, 0xAA, nb + 8);
+                            memset(e2, 0x55, nb + 8);
+                            cr_assert_eq(kvr_codec_encode(&cs, e1, src, st, n, NULL), 0);
+                            cr_assert_eq(kvr_codec_encode(&cv, e2, src, st, n, NULL), 0);
+                            cr_assert_eq(memcmp(e1, e2, nb), 0, "%s g%u p%d n=%zu in16=%d",
+                                         kvr_codec_type_name(cs.type), groups[gi], p, n, in16);
+                            cr_assert_eq(e1[nb], 0xAA, "scalar wrote past row_bytes");
+                            cr_assert_eq(e2[nb], 0x55, "simd wrote past row_bytes");
+                            cr_assert_eq(kvr_codec_decode(&cs, y1, KVR_DTYPE_F32, e1, n), 0);
+                            cr_assert_eq(kvr_codec_decode(&cv, y2, KVR_DTYPE_F32, e1, n), 0);
+                            cr_assert_eq(memcmp(y1, y2, n * 4), 0);
+                            cr_assert_eq(kvr_codec_decode(&cs, h1, KVR_DTYPE_F16, e1, n), 0);
+                            cr_assert_eq(kvr_codec_decode(&cv, h2, KVR_DTYPE_F16, e1, n), 0);
+                            cr_assert_eq(memcmp(h1, h2, n * 2), 0);
+                            cr_assert_eq(kvr_codec_decode(&cv, h2, KVR_DTYPE_BF16, e1, n), 0);
+                            for (size_t i = 0; i < n; i++) cr_assert_eq(h2[i], kvr_f32_to_bf16(y1[i]));
+                        }
+                    }
+    }
+}
+
+/* ---- KIVI --------------------------------------------------------------- */
+
+Test(codec_kivi, key_tile_per_channel)
+{
+    enum { NCH = 136, LD = 140 };
+    const uint32_t groups[] = { 32, 64 };
+    for (size_t gi = 0; gi < 2; gi++)
+        for (size_t t = 0; t < 3; t++)
+            for (int isa = KVR_ISA_SCALAR; isa <= KVR_ISA_AVX2; isa++) {
+                uint32_t G = groups[gi];
+                kvr_codec c = { .type = uni_types[t], .group = G, .axis = KVR_CODEC_AXIS_CHANNEL,
+                                .isa = (kvr_isa)isa };
+                float *x = malloc((size_t)G * LD * 4), *y = malloc((size_t)G * LD * 4);
+                float *col = malloc((size_t)NCH * G * 4), *ycol = malloc((size_t)NCH * G * 4);
+                gen(x, (size_t)G * LD, LD, 11 + t);
+                size_t tb = kvr_codec_tile_bytes(&c, NCH);
+                cr_assert_eq(tb, kvr_codec_row_bytes(&c, (size_t)NCH * G));
+                uint8_t *enc = malloc(tb), *ref = malloc(tb);
+                cr_assert_eq(kvr_codec_encode_tile(&c, enc, x, KVR_DTYPE_F32, NCH, LD, NULL), 0);
+                /* Same bytes as encoding each channel's G tokens as a row. */
+                for (size_t ch = 0; ch < NCH; ch++)
+                    for (size_t tk = 0; tk < G; tk++) col[ch * G + tk] = x[tk * LD + ch];
+                cr_assert_eq(kvr_codec_encode(&c, ref, col, KVR_DTYPE_F32, (size_t)NCH * G, NULL), 0);
+                cr_assert_eq(memcmp(enc, ref, tb), 0);
+                for (size_t i = 0; i < (size_t)G * LD; i++) y[i] = -777.0f;
+                cr_assert_eq(kvr_codec_decode_tile(&c, y, KVR_DTYPE_F32, LD, enc, NCH), 0);
+                for (size_t ch = 0; ch < NCH; ch++)
+                    for (size_t tk = 0; tk < G; tk++) ycol[ch * G + tk] = y[tk * LD + ch];
+                check_bound(&c, col, ycol, enc, (size_t)NCH * G);
+                for (size_t tk = 0; tk < G; tk++)
+                    for (size_t ch = NCH; ch < LD; ch++) cr_assert_eq(y[tk * LD + ch], -777.0f);
+                /* f16 in, f16 out */
+                uint16_t *xh = malloc((size_t)G * LD * 2), *yh = malloc((size_t)G * LD * 2);
+                for (size_t i = 0; i < (size_t)G * LD; i++) xh[i] = kvr_f32_to_f16(x[i]);
+                cr_assert_eq(kvr_codec_encode_tile(&c, enc, xh, KVR_DTYPE_F16, NCH, LD, NULL), 0);
+                cr_assert_eq(kvr_codec_decode_tile(&c, y, KVR_DTYPE_F32, LD, enc, NCH), 0);
+                cr_assert_eq(kvr_codec_decode_tile(&c, yh, KVR_DTYPE_F16, LD, enc, NCH), 0);
+                for (size_t tk = 0; tk < G; tk++)
+                    for (size_t ch = 0; ch < NCH; ch++)
+                        cr_assert_eq(yh[tk * LD + ch], kvr_f32_to_f16(y[tk * LD + ch]));
+                /* A bad value is reported token-major within the tile. */
+                x[5 * LD + 9] = NAN;
+                size_t bad = 0;
+                cr_assert_eq(kvr_codec_encode_tile(&c, enc, x, KVR_DTYPE_F32, NCH, LD, &bad), KVR_EINVAL);
+                cr_assert_eq(bad, (size_t)5 * NCH + 9);
+                free(x); free(y); free(col); free(ycol); free(enc); free(ref); free(xh); free(yh);
+            }
+}
+
+Test(codec_kivi, value_rows_per_token)
+{
+    /* Values: each token's [8 heads][128] row, groups of G channels. */
+    enum { T = 40, C = 8 * 128 };
+    static float x[T * C];
+    gen(x, T * C, C, 21);
+    kvr_codec_pair p = kvr_codec_pair_default();
+    cr_assert_eq(kvr_codec_pair_validate(&p), 0);
+    for (int tk = 0; tk < T; tk++) roundtrip_bound(&p.v, x + tk * C, C);
+}
+
+Test(codec_kivi, window_split_counts)
+{
+    kvr_codec_pair p = kvr_codec_pair_default();   /* K int4/ch G64, V int2, window 128 */
+    size_t k, v, prev_k = 0;
+    size_t flushes = 0;
+    for (size_t n = 0; n <= 1000; n++) {
+        kvr_kivi_split(&p, n, &k, &v);
+        cr_assert_eq(v, n > 128 ? n - 128 : 0);
+        cr_assert_eq(k % 64, 0);
+        cr_assert(k <= v);
+        if (n >= 128) {
+            cr_assert(n - k >= 128 && n - k < 128 + 64, "n=%zu k=%zu", n, k);
+        } else {
+            cr_assert_eq(k, 0);
+        }
+        if (k != prev_k) {
+            /* a key tile is finalised exactly when window + G*j tokens exist */
+            cr_assert_eq(k - prev_k, 64);
+            cr_assert_eq((n - 128) % 64, 0, "flush at n=%zu", n);
+            flushes++;
+        }
+        prev_k = k;
+    }
+    cr_assert_eq(flushes, (1000 - 128) / 64);
+    kvr_kivi_split(&p, 192, &k, &v);
+    cr_assert_eq(k, 64); cr_assert_eq(v, 64);
+    kvr_kivi_split(&p, 191, &k, &v);
+    cr_assert_eq(k, 0); cr_assert_eq(v, 63);
+
+    p.window = 0;
+    kvr_kivi_split(&p, 100, &k, &v);
+    cr_assert_eq(k, 64); cr_assert_eq(v, 100);
+    p.k.axis = KVR_CODEC_AXIS_TOKEN;
+    p.window = 16;
+    kvr_kivi_split(&p, 100, &k, &v);
+    cr_assert_eq(k, 84); cr_assert_eq(v, 84);
+    p.k.type = KVR_CODEC_F16;
+    p.k.axis = KVR_CODEC_AXIS_TOKEN;
+    kvr_kivi_split(&p, 100, &k, &v);
+    cr_assert_eq(k, 100);
+}
+
+/* ---- descriptors, sizes, plain codecs ----------------------------------- */
+
+Test(codec_desc, sizes_and_bits)
+{
+    kvr_codec c = { .type = KVR_CODEC_INT4 };            /* group 64 */
+    cr_assert_eq(kvr_codec_row_bytes(&c, 128), 2 * 4 + 64);
+    cr_assert_float_eq(kvr_codec_bits_per_value(&c, 0), 4.5, 1e-12);
+    c.group = 32;
+    cr_assert_float_eq(kvr_codec_bits_per_value(&c, 0), 5.0, 1e-12);
+    c.type = KVR_CODEC_INT2;
+    cr_assert_eq(kvr_codec_row_bytes(&c, 33), 2 * 4 + 2 * 8);   /* short group, padded chunk */
+    c.params = KVR_CODEC_PARAMS_F32;
+    cr_assert_float_eq(kvr_codec_bits_per_value(&c, 0), 4.0, 1e-12);
+    kvr_codec q = { .type = KVR_CODEC_Q4_0 };
+    cr_assert_eq(kvr_codec_row_bytes(&q, 64), 36);
+    cr_assert_eq(kvr_codec_row_bytes(&q, 65), 0);
+    cr_assert_float_eq(kvr_codec_bits_per_value(&q, 0), 4.5, 1e-12);
+    kvr_codec h = { .type = KVR_CODEC_BF16 };
+    cr_assert_eq(kvr_codec_row_bytes(&h, 10), 20);
+
+    kvr_codec_pair p = kvr_codec_pair_default();
+    double bpt = kvr_codec_pair_bytes_per_token(&p, 32, 8, 128);
+    cr_assert_float_eq(bpt, 32.0 * 8 * 128 * (4.5 + 2.5) / 8.0, 1e-9);
+
+    kvr_codec bad = { .type = KVR_CODEC_INT4, .group = 48 };
+    cr_assert_eq(kvr_codec_validate(&bad), KVR_EINVAL);
+    bad.group = 512;
+    cr_assert_eq(kvr_codec_validate(&bad), KVR_EINVAL);
+    kvr_codec ch = { .type = KVR_CODEC_Q8_0, .axis = KVR_CODEC_AXIS_CHANNEL };
+    cr_assert_eq(kvr_codec_validate(&ch), KVR_EUNSUPPORTED);
+    cr_assert_eq(kvr_codec_tile_bytes(&q, 4), 0);
+}
+
+Test(codec_desc, parse_names)
+{
+    kvr_codec c;
+    cr_assert_eq(kvr_codec_parse("int4/g32", &c), 0);
+    cr_assert_eq(c.type, KVR_CODEC_INT4);
+    cr_assert_eq(c.group, 32);
+    cr_assert_eq(kvr_codec_parse("q5_0", &c), 0);
+    cr_assert_eq(c.type, KVR_CODEC_Q5_0);
+    cr_assert_eq(kvr_codec_parse("q5_0/g64", &c), KVR_EINVAL);
+    cr_assert_eq(kvr_codec_parse("int3", &c), KVR_EINVAL);
+    cr_assert_eq(kvr_codec_parse("int2/g40", &c), KVR_EINVAL);
+    for (int t = 0; t < KVR_CODEC_TYPE_COUNT_; t++) {
+        cr_assert_eq(kvr_codec_parse(kvr_codec_type_name((kvr_codec_type)t), &c), 0);
+        cr_assert_eq((int)c.type, t);
+    }
+}
+
+Test(codec_desc, plain_codecs_roundtrip)
+{
+    enum { N = 333 };
+    float x[N], y[N];
+    uint8_t enc[N * 4];
+    gen(x, N, 64, 9);
+    kvr_codec c32 = { .type = KVR_CODEC_F32 }, c16 = { .type = KVR_CODEC_F16 },
+              cb = { .type = KVR_CODEC_BF16 };
+    cr_assert_eq(kvr_codec_encode(&c32, enc, x, KVR_DTYPE_F32, N, NULL), 0);
+    cr_assert_eq(kvr_codec_decode(&c32, y, KVR_DTYPE_F32, enc, N), 0);
+    cr_assert_eq(memcmp(x, y, sizeof x), 0);
+    cr_assert_eq(kvr_codec_encode(&c16, enc, x, KVR_DTYPE_F32, N, NULL), 0);
+    cr_assert_eq(kvr_codec_decode(&c16, y, KVR_DTYPE_F32, enc, N), 0);
+    for (int i = 0; i < N; i++) cr_assert_eq(y[i], kvr_f16_to_f32(kvr_f32_to_f16(x[i])));
+    cr_assert_eq(kvr_codec_encode(&cb, enc, x, KVR_DTYPE_F32, N, NULL), 0);
+    cr_assert_eq(kvr_codec_decode(&cb, y, KVR_DTYPE_F32, enc, N), 0);
+    for (int i = 0; i < N; i++) cr_assert_eq(y[i], kvr_bf16_to_f32(kvr_f32_to_bf16(x[i])));
+}
+
+Test(codec_desc, rel_rms)
+{
+    float a[4] = { 1, 2, 3, 4 }, b[4] = { 1, 2, 3, 5 }, z[4] = { 0 };
+    cr_assert_float_eq(kvr_codec_rel_rms(a, a, KVR_DTYPE_F32, 4), 0.0, 0);
+    cr_assert_float_eq(kvr_codec_rel_rms(a, b, KVR_DTYPE_F32, 4), sqrt(1.0 / 30.0), 1e-12);
+    cr_assert(isinf(kvr_codec_rel_rms(z, a, KVR_DTYPE_F32, 4)));
+    cr_assert_float_eq(kvr_codec_rel_rms(z, z, KVR_DTYPE_F32, 4), 0.0, 0);
+}
+
+Test(codec_desc, bad_arguments)
+{
+    float x[32] = { 0 };
+    uint8_t enc[64];
+    kvr_codec c = { .type = KVR_CODEC_INT4 };
+    cr_assert_eq(kvr_codec_encode(&c, enc, x, (kvr_dtype)7, 32, NULL), KVR_EINVAL);
+    cr_assert_eq(kvr_codec_encode(&c, NULL, x, KVR_DTYPE_F32, 32, NULL), KVR_EINVAL);
+    cr_assert_eq(kvr_codec_encode(&c, enc, x, KVR_DTYPE_F32, 0, NULL), 0);
+    kvr_codec q = { .type = KVR_CODEC_Q8_0 };
+    cr_assert_eq(kvr_codec_encode(&q, enc, x, KVR_DTYPE_F32, 31, NULL), KVR_EUNSUPPORTED);
+    cr_assert_eq(kvr_codec_encode_tile(&q, enc, x, KVR_DTYPE_F32, 1, 1, NULL), KVR_EUNSUPPORTED);
+}
