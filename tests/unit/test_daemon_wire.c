@@ -1,0 +1,758 @@
+/*
+ * test_daemon_wire.c — starts a real kvroped ($KVR_BUILD/kvroped, else
+ * ./build/kvroped) on a temporary socket and speaks raw frames to it, built
+ * with the generated protobuf-c code (no client library). Every socket has a
+ * receive timeout and every daemon is killed at teardown, so a hang fails a
+ * test instead of stalling the run. Nothing here measures time.
+ */
+#include <criterion/criterion.h>
+
+#include <arpa/inet.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <netinet/in.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/time.h>
+#include <sys/un.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "kvrope.pb-c.h"
+#include "proto/frame.h"
+
+typedef struct daemon_proc {
+    pid_t pid;
+    char dir[64];
+    char sock[100];
+    char log[128];
+} daemon_proc;
+
+static daemon_proc D;
+
+static void sleep_ms(int ms)
+{
+    struct timespec ts = { ms / 1000, (long)(ms % 1000) * 1000000L };
+    nanosleep(&ts, NULL);
+}
+
+static const char *kvroped_path(void)
+{
+    static char path[512];
+    const char *b = getenv("KVR_BUILD");
+    snprintf(path, sizeof path, "%s/kvroped", b && b[0] ? b : "./build");
+    return path;
+}
+
+/* Starts kvroped with --socket D.sock plus extra args (NULL-terminated). */
+static pid_t start_daemon_args(const char *sock, const char *const *extra)
+{
+    const char *argv[32];
+    int n = 0;
+    argv[n++] = kvroped_path();
+    argv[n++] = "--socket";
+    argv[n++] = sock;
+    argv[n++] = "--max-memory";
+    argv[n++] = "256M";
+    for (int i = 0; extra && extra[i] && n < 30; i++)
+        argv[n++] = extra[i];
+    argv[n] = NULL;
+    pid_t pid = fork();
+    cr_assert_neq(pid, -1);
+    if (pid == 0) {
+        int fd = open(D.log, O_WRONLY | O_CREAT | O_APPEND, 0600);
+        if (fd >= 0) {
+            dup2(fd, 2);
+            close(fd);
+        }
+        execv(argv[0], (char *const *)(uintptr_t)argv);
+        _exit(127);
+    }
+    return pid;
+}
+
+static int connect_unix(const char *path)
+{
+    int fd = socket(AF_UNIX, SOCK_STREAM, 0);
+    cr_assert_geq(fd, 0);
+    struct sockaddr_un sa = { .sun_family = AF_UNIX };
+    snprintf(sa.sun_path, sizeof sa.sun_path, "%s", path);
+    if (connect(fd, (struct sockaddr *)&sa, sizeof sa) < 0) {
+        close(fd);
+        return -1;
+    }
+    struct timeval tv = { 10, 0 };
+    setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+    setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv);
+    return fd;
+}
+
+/* Waits (bounded) until the daemon accepts connections. */
+static void wait_ready(const char *sock, pid_t pid)
+{
+    for (int i = 0; i < 1000; i++) {
+        int fd = connect_unix(sock);
+        if (fd >= 0) {
+            close(fd);
+            return;
+        }
+        int st;
+        if (waitpid(pid, &st, WNOHANG) == pid)
+            cr_assert_fail("kvroped exited during startup (see %s)", D.log);
+        sleep_ms(10);
+    }
+    cr_assert_fail("kvroped did not start within 10 s (see %s)", D.log);
+}
+
+static void start_daemon(const char *const *extra)
+{
+    D.pid = start_daemon_args(D.sock, extra);
+    wait_ready(D.sock, D.pid);
+}
+
+static void setup(void)
+{
+    signal(SIGPIPE, SIG_IGN);
+    snprintf(D.dir, sizeof D.dir, "/tmp/kvr-test-XXXXXX");
+    cr_assert_not_null(mkdtemp(D.dir));
+    snprintf(D.sock, sizeof D.sock, "%s/kvroped.sock", D.dir);
+    snprintf(D.log, sizeof D.log, "%s/kvroped.log", D.dir);
+    D.pid = 0;
+}
+
+static void teardown(void)
+{
+    if (D.pid > 0) {
+        kill(D.pid, SIGKILL);
+        waitpid(D.pid, NULL, 0);
+    }
+    char cmd[200];
+    snprintf(cmd, sizeof cmd, "rm -rf '%s'", D.dir);
+    if (system(cmd) != 0)
+        fprintf(stderr, "cleanup of %s failed\n", D.dir);
+}
+
+/* ---- raw frames ------------------------------------------------------------- */
+
+static int write_all(int fd, const void *p, size_t n)
+{
+    const uint8_t *b = p;
+    while (n > 0) {
+        ssize_t k = write(fd, b, n);
+        if (k < 0 && errno == EINTR)
+            continue;
+        if (k <= 0)
+            return -1;
+        b += k;
+        n -= (size_t)k;
+    }
+    return 0;
+}
+
+/* 1 = all read, 0 = EOF at once, -1 = error / short. */
+static int read_all(int fd, void *p, size_t n)
+{
+    uint8_t *b = p;
+    size_t got = 0;
+    while (got < n) {
+        ssize_t k = read(fd, b + got, n - got);
+        if (k < 0 && errno == EINTR)
+            continue;
+        if (k == 0)
+            return got == 0 ? 0 : -1;
+        if (k < 0)
+            return got == 0 && errno == ECONNRESET ? 0 : -1;
+        got += (size_t)k;
+    }
+    return 1;
+}
+
+static void send_req(int fd, Kvrope__Request *r, const void *payload, uint64_t plen)
+{
+    size_t n = kvrope__request__get_packed_size(r);
+    uint8_t *buf = malloc(KVR_FRAME_HEADER_SIZE + n);
+    kvrope__request__pack(r, buf + KVR_FRAME_HEADER_SIZE);
+    kvr_frame_header_encode(buf, (uint32_t)n, plen);
+    cr_assert_eq(write_all(fd, buf, KVR_FRAME_HEADER_SIZE + n), 0);
+    free(buf);
+    if (payload && plen)
+        cr_assert_eq(write_all(fd, payload, (size_t)plen), 0);
+}
+
+/* Reads one response; *payload (malloc) gets its payload if any. */
+static Kvrope__Response *recv_resp(int fd, uint8_t **payload, uint64_t *plen)
+{
+    uint8_t h[KVR_FRAME_HEADER_SIZE];
+    int rc = read_all(fd, h, sizeof h);
+    cr_assert_eq(rc, 1, "no response header (rc %d, errno %d)", rc, errno);
+    kvr_frame_header fh;
+    cr_assert_eq(kvr_frame_header_decode(h, &fh, NULL), 0);
+    uint8_t *m = malloc(fh.msg_len + 1);
+    cr_assert_eq(read_all(fd, m, fh.msg_len), fh.msg_len ? 1 : 0);
+    Kvrope__Response *r = kvrope__response__unpack(NULL, fh.msg_len, m);
+    free(m);
+    cr_assert_not_null(r, "response does not decode");
+    uint8_t *p = NULL;
+    if (fh.payload_len) {
+        p = malloc((size_t)fh.payload_len);
+        cr_assert_eq(read_all(fd, p, (size_t)fh.payload_len), 1);
+    }
+    if (payload)
+        *payload = p;
+    else
+        free(p);
+    if (plen)
+        *plen = fh.payload_len;
+    return r;
+}
+
+static void expect_eof(int fd)
+{
+    uint8_t b[256];
+    for (int i = 0; i < 100; i++) {
+        ssize_t k = read(fd, b, sizeof b);
+        if (k == 0 || (k < 0 && errno == ECONNRESET))
+            return;
+        cr_assert(k > 0, "expected EOF, got error %d", errno);
+    }
+    cr_assert_fail("expected the daemon to close the connection");
+}
+
+static Kvrope__Status ping(int fd, uint64_t id)
+{
+    Kvrope__Request q = KVROPE__REQUEST__INIT;
+    Kvrope__Ping p = KVROPE__PING__INIT;
+    q.id = id;
+    q.body_case = KVROPE__REQUEST__BODY_PING;
+    q.ping = &p;
+    send_req(fd, &q, NULL, 0);
+    Kvrope__Response *r = recv_resp(fd, NULL, NULL);
+    cr_assert_eq(r->id, id);
+    Kvrope__Status st = r->status;
+    if (st == KVROPE__STATUS__OK) {
+        cr_assert_eq(r->body_case, KVROPE__RESPONSE__BODY_PONG);
+        cr_assert_eq(r->pong->protocol, 1);
+    }
+    kvrope__response__free_unpacked(r, NULL);
+    return st;
+}
+
+/* A small model: 2 layers, 2 KV heads, head_dim 8, f16. */
+enum { NL = 2, NH = 2, HD = 8 };
+
+static void register_model(int fd)
+{
+    Kvrope__Request q = KVROPE__REQUEST__INIT;
+    Kvrope__RegisterModel m = KVROPE__REGISTER_MODEL__INIT;
+    m.name = "tiny";
+    m.has_n_layers = m.has_n_kv_heads = m.has_head_dim = 1;
+    m.n_layers = NL;
+    m.n_kv_heads = NH;
+    m.head_dim = HD;
+    m.has_dtype = 1;
+    m.dtype = KVROPE__DTYPE__F16;
+    q.id = 7;
+    q.body_case = KVROPE__REQUEST__BODY_REGISTER_MODEL;
+    q.register_model = &m;
+    send_req(fd, &q, NULL, 0);
+    Kvrope__Response *r = recv_resp(fd, NULL, NULL);
+    cr_assert_eq(r->status, KVROPE__STATUS__OK, "register_model: %s", r->message);
+    cr_assert_eq(r->body_case, KVROPE__RESPONSE__BODY_MODEL);
+    cr_assert_eq(r->model->n_layers, NL);
+    kvrope__response__free_unpacked(r, NULL);
+}
+
+static size_t payload_bytes(size_t ntok)
+{
+    return (size_t)NL * 2 * ntok * NH * HD * 2;
+}
+
+static void fill_payload(uint16_t *p, size_t ntok, unsigned seed)
+{
+    /* Small f16 values: 1.0 + k/1024, exact in f16. */
+    size_t n = payload_bytes(ntok) / 2;
+    for (size_t i = 0; i < n; i++)
+        p[i] = (uint16_t)(0x3C00u + ((i * 7u + seed) & 0x3FFu));
+}
+
+static void make_put(Kvrope__Request *q, Kvrope__Put *p, const char *ctx, uint32_t *tokens,
+                     size_t ntok, Kvrope__PutMode mode)
+{
+    kvrope__request__init(q);
+    kvrope__put__init(p);
+    p->context_id = (char *)(uintptr_t)ctx;
+    p->model = "tiny";
+    p->has_mode = 1;
+    p->mode = mode;
+    p->has_dtype = 1;
+    p->dtype = KVROPE__DTYPE__F16;
+    p->n_tokens = ntok;
+    p->tokens = tokens;
+    q->id = 100;
+    q->body_case = KVROPE__REQUEST__BODY_PUT;
+    q->put = p;
+}
+
+/* ---- tests ---------------------------------------------------------------------- */
+
+TestSuite(daemon_wire, .init = setup, .fini = teardown, .timeout = 120);
+
+Test(daemon_wire, ping_and_pipelining)
+{
+    start_daemon(NULL);
+    int fd = connect_unix(D.sock);
+    cr_assert_geq(fd, 0);
+    cr_assert_eq(ping(fd, 1), KVROPE__STATUS__OK);
+    /* Three requests in one write; three responses, in order. */
+    uint8_t all[1024];
+    size_t off = 0;
+    for (uint64_t id = 10; id < 13; id++) {
+        Kvrope__Request q = KVROPE__REQUEST__INIT;
+        Kvrope__Ping p = KVROPE__PING__INIT;
+        q.id = id;
+        q.body_case = KVROPE__REQUEST__BODY_PING;
+        q.ping = &p;
+        size_t n = kvrope__request__pack(&q, all + off + KVR_FRAME_HEADER_SIZE);
+        kvr_frame_header_encode(all + off, (uint32_t)n, 0);
+        off += KVR_FRAME_HEADER_SIZE + n;
+    }
+    cr_assert_eq(write_all(fd, all, off), 0);
+    for (uint64_t id = 10; id < 13; id++) {
+        Kvrope__Response *r = recv_resp(fd, NULL, NULL);
+        cr_assert_eq(r->id, id);
+        cr_assert_eq(r->status, KVROPE__STATUS__OK);
+        kvrope__response__free_unpacked(r, NULL);
+    }
+    close(fd);
+}
+
+Test(daemon_wire, socket_mode_0600)
+{
+    start_daemon(NULL);
+    struct stat st;
+    cr_assert_eq(stat(D.sock, &st), 0);
+    cr_assert(S_ISSOCK(st.st_mode));
+    cr_assert_eq(st.st_mode & 0777, 0600, "mode %o", st.st_mode & 0777);
+}
+
+Test(daemon_wire, garbage_closes_only_that_connection)
+{
+    start_daemon(NULL);
+    int good = connect_unix(D.sock);
+    cr_assert_eq(ping(good, 1), KVROPE__STATUS__OK);
+
+    int bad = connect_unix(D.sock);
+    const char junk[] = "GET / HTTP/1.1\r\nHost: localhost\r\n\r\nmore garbage here";
+    cr_assert_eq(write_all(bad, junk, sizeof junk), 0);
+    Kvrope__Response *r = recv_resp(bad, NULL, NULL);
+    cr_assert_eq(r->status, KVROPE__STATUS__E_BAD_FRAME);
+    cr_assert_not_null(r->message);
+    cr_assert_eq(r->id, 0);
+    kvrope__response__free_unpacked(r, NULL);
+    expect_eof(bad);
+    close(bad);
+
+    /* Wrong version on another connection: same. */
+    int bad2 = connect_unix(D.sock);
+    uint8_t h[KVR_FRAME_HEADER_SIZE];
+    kvr_frame_header_encode(h, 0, 0);
+    h[4] = 9;
+    cr_assert_eq(write_all(bad2, h, sizeof h), 0);
+    r = recv_resp(bad2, NULL, NULL);
+    cr_assert_eq(r->status, KVROPE__STATUS__E_BAD_FRAME);
+    kvrope__response__free_unpacked(r, NULL);
+    expect_eof(bad2);
+    close(bad2);
+
+    /* A valid header with an undecodable message. */
+    int bad3 = connect_unix(D.sock);
+    uint8_t f[KVR_FRAME_HEADER_SIZE + 4];
+    kvr_frame_header_encode(f, 4, 0);
+    memcpy(f + KVR_FRAME_HEADER_SIZE, "\xff\xff\xff\xff", 4);
+    cr_assert_eq(write_all(bad3, f, sizeof f), 0);
+    r = recv_resp(bad3, NULL, NULL);
+    cr_assert_eq(r->status, KVROPE__STATUS__E_BAD_FRAME);
+    kvrope__response__free_unpacked(r, NULL);
+    expect_eof(bad3);
+    close(bad3);
+
+    cr_assert_eq(ping(good, 2), KVROPE__STATUS__OK);
+    close(good);
+}
+
+Test(daemon_wire, oversize_frame)
+{
+    const char *extra[] = { "--max-frame", "4096", NULL };
+    start_daemon(extra);
+    int fd = connect_unix(D.sock);
+    uint8_t h[KVR_FRAME_HEADER_SIZE];
+    kvr_frame_header_encode(h, 4097, 0);
+    cr_assert_eq(write_all(fd, h, sizeof h), 0);
+    Kvrope__Response *r = recv_resp(fd, NULL, NULL);
+    cr_assert_eq(r->status, KVROPE__STATUS__E_TOO_LARGE);
+    kvrope__response__free_unpacked(r, NULL);
+    expect_eof(fd);
+    close(fd);
+
+    /* A payload over the memory cap: refused before anything is read. */
+    fd = connect_unix(D.sock);
+    kvr_frame_header_encode(h, 2, 1ull << 40);
+    cr_assert_eq(write_all(fd, h, sizeof h), 0);
+    r = recv_resp(fd, NULL, NULL);
+    cr_assert_eq(r->status, KVROPE__STATUS__E_TOO_LARGE);
+    kvrope__response__free_unpacked(r, NULL);
+    expect_eof(fd);
+    close(fd);
+
+    fd = connect_unix(D.sock);
+    cr_assert_eq(ping(fd, 3), KVROPE__STATUS__OK);
+    close(fd);
+}
+
+Test(daemon_wire, truncated_frames_then_disconnect)
+{
+    start_daemon(NULL);
+    int fd = connect_unix(D.sock);
+    uint8_t h[KVR_FRAME_HEADER_SIZE];
+    kvr_frame_header_encode(h, 100, 0);
+    cr_assert_eq(write_all(fd, h, 10), 0);          /* half a header */
+    close(fd);
+    fd = connect_unix(D.sock);
+    cr_assert_eq(write_all(fd, h, sizeof h), 0);    /* header, no message */
+    cr_assert_eq(write_all(fd, "\x08\x01", 2), 0);
+    close(fd);
+    fd = connect_unix(D.sock);
+    cr_assert_eq(ping(fd, 5), KVROPE__STATUS__OK);
+    close(fd);
+}
+
+static Kvrope__Response *get_all(int fd, const char *ctx, uint8_t **payload, uint64_t *plen)
+{
+    Kvrope__Request q = KVROPE__REQUEST__INIT;
+    Kvrope__Get g = KVROPE__GET__INIT;
+    g.context_id = (char *)(uintptr_t)ctx;
+    g.has_dtype = 1;
+    g.dtype = KVROPE__DTYPE__F16;
+    q.id = 200;
+    q.body_case = KVROPE__REQUEST__BODY_GET;
+    q.get = &g;
+    send_req(fd, &q, NULL, 0);
+    return recv_resp(fd, payload, plen);
+}
+
+Test(daemon_wire, put_get_and_disconnect_mid_payload)
+{
+    start_daemon(NULL);
+    int fd = connect_unix(D.sock);
+    register_model(fd);
+
+    uint32_t toks[4] = { 11, 12, 13, 14 };
+    size_t pb = payload_bytes(4);
+    uint16_t *pay = malloc(pb);
+    fill_payload(pay, 4, 1);
+    Kvrope__Request q;
+    Kvrope__Put p;
+    make_put(&q, &p, "ctx-a", toks, 4, KVROPE__PUT_MODE__CREATE);
+    send_req(fd, &q, pay, pb);
+    Kvrope__Response *r = recv_resp(fd, NULL, NULL);
+    cr_assert_eq(r->status, KVROPE__STATUS__OK, "put: %s", r->message);
+    cr_assert_eq(r->body_case, KVROPE__RESPONSE__BODY_PUT);
+    cr_assert_eq(r->put->n_tokens, 4);
+    kvrope__response__free_unpacked(r, NULL);
+
+    /* Same id again with CREATE: E_EXISTS, payload drained, connection usable. */
+    send_req(fd, &q, pay, pb);
+    r = recv_resp(fd, NULL, NULL);
+    cr_assert_eq(r->status, KVROPE__STATUS__E_EXISTS);
+    kvrope__response__free_unpacked(r, NULL);
+    /* Wrong payload length: E_PAYLOAD_LENGTH, drained. */
+    make_put(&q, &p, "ctx-b", toks, 4, KVROPE__PUT_MODE__CREATE);
+    send_req(fd, &q, pay, pb - 2);
+    r = recv_resp(fd, NULL, NULL);
+    cr_assert_eq(r->status, KVROPE__STATUS__E_PAYLOAD_LENGTH);
+    kvrope__response__free_unpacked(r, NULL);
+    /* Unknown model: E_UNKNOWN_MODEL. */
+    make_put(&q, &p, "ctx-c", toks, 4, KVROPE__PUT_MODE__CREATE);
+    p.model = "nope";
+    send_req(fd, &q, pay, pb);
+    r = recv_resp(fd, NULL, NULL);
+    cr_assert_eq(r->status, KVROPE__STATUS__E_UNKNOWN_MODEL);
+    kvrope__response__free_unpacked(r, NULL);
+    cr_assert_eq(ping(fd, 9), KVROPE__STATUS__OK);
+
+    /* Round trip. */
+    uint8_t *got;
+    uint64_t glen;
+    r = get_all(fd, "ctx-a", &got, &glen);
+    cr_assert_eq(r->status, KVROPE__STATUS__OK, "get: %s", r->message);
+    cr_assert_eq(r->body_case, KVROPE__RESPONSE__BODY_KV);
+    cr_assert_eq(r->kv->token_count, 4);
+    cr_assert_eq(r->kv->n_tokens, 4);
+    cr_assert_eq(r->kv->tokens[3], 14);
+    cr_assert_eq(glen, pb);
+    cr_assert_arr_eq(got, pay, pb);
+    free(got);
+    kvrope__response__free_unpacked(r, NULL);
+
+    /* Append on another connection, which dies halfway through the payload. */
+    int fd2 = connect_unix(D.sock);
+    uint32_t more[4] = { 15, 16, 17, 18 };
+    uint16_t *pay2 = malloc(pb);
+    fill_payload(pay2, 4, 99);
+    make_put(&q, &p, "ctx-a", more, 4, KVROPE__PUT_MODE__APPEND);
+    send_req(fd2, &q, pay2, pb / 2);
+    close(fd2);
+
+    /* Unknown context while we are at it. */
+    r = get_all(fd, "missing", NULL, NULL);
+    cr_assert_eq(r->status, KVROPE__STATUS__E_UNKNOWN_CONTEXT);
+    kvrope__response__free_unpacked(r, NULL);
+
+    /* The stored data is intact (the aborted append left nothing). */
+    for (int i = 0; i < 200; i++) {
+        r = get_all(fd, "ctx-a", &got, &glen);
+        cr_assert_eq(r->status, KVROPE__STATUS__OK, "get: %s", r->message);
+        cr_assert_eq(r->kv->token_count, 4);
+        cr_assert_eq(glen, pb);
+        cr_assert_arr_eq(got, pay, pb);
+        free(got);
+        kvrope__response__free_unpacked(r, NULL);
+        /* And the context is writable again (not left busy). */
+        make_put(&q, &p, "ctx-a", more, 4, KVROPE__PUT_MODE__APPEND);
+        send_req(fd, &q, pay2, pb);
+        r = recv_resp(fd, NULL, NULL);
+        Kvrope__Status st = r->status;
+        kvrope__response__free_unpacked(r, NULL);
+        if (st == KVROPE__STATUS__OK)
+            break;
+        cr_assert_eq(st, KVROPE__STATUS__E_BUSY);   /* abort not seen yet */
+        sleep_ms(10);
+    }
+    r = get_all(fd, "ctx-a", &got, &glen);
+    cr_assert_eq(r->kv->token_count, 8);
+    /* Layer 0's K starts with the first four tokens as first stored. */
+    cr_assert_arr_eq(got, pay, (size_t)4 * NH * HD * 2);
+    free(got);
+    kvrope__response__free_unpacked(r, NULL);
+    free(pay);
+    free(pay2);
+    close(fd);
+}
+
+Test(daemon_wire, match_stat_list_stats)
+{
+    start_daemon(NULL);
+    int fd = connect_unix(D.sock);
+    register_model(fd);
+    uint32_t toks[3] = { 1, 2, 3 };
+    size_t pb = payload_bytes(3);
+    uint16_t *pay = malloc(pb);
+    fill_payload(pay, 3, 5);
+    Kvrope__Request q;
+    Kvrope__Put p;
+    make_put(&q, &p, "doc", toks, 3, KVROPE__PUT_MODE__UPSERT);
+    send_req(fd, &q, pay, pb);
+    Kvrope__Response *r = recv_resp(fd, NULL, NULL);
+    cr_assert_eq(r->status, KVROPE__STATUS__OK, "%s", r->message);
+    kvrope__response__free_unpacked(r, NULL);
+
+    Kvrope__Match m = KVROPE__MATCH__INIT;
+    uint32_t query[5] = { 1, 2, 3, 9, 9 };
+    m.model = "tiny";
+    m.n_tokens = 5;
+    m.tokens = query;
+    m.has_get = 1;
+    m.get = 1;
+    kvrope__request__init(&q);
+    q.id = 300;
+    q.body_case = KVROPE__REQUEST__BODY_MATCH;
+    q.match = &m;
+    send_req(fd, &q, NULL, 0);
+    uint8_t *got;
+    uint64_t glen;
+    r = recv_resp(fd, &got, &glen);
+    cr_assert_eq(r->status, KVROPE__STATUS__OK, "%s", r->message);
+    cr_assert_eq(r->match->length, 3);
+    cr_assert_str_eq(r->match->context_id, "doc");
+    cr_assert_not_null(r->match->kv);
+    cr_assert_eq(glen, pb);
+    cr_assert_arr_eq(got, pay, pb);
+    free(got);
+    kvrope__response__free_unpacked(r, NULL);
+
+    Kvrope__Stat s = KVROPE__STAT__INIT;
+    s.context_id = "doc";
+    kvrope__request__init(&q);
+    q.id = 301;
+    q.body_case = KVROPE__REQUEST__BODY_STAT;
+    q.stat = &s;
+    send_req(fd, &q, NULL, 0);
+    r = recv_resp(fd, NULL, NULL);
+    cr_assert_eq(r->status, KVROPE__STATUS__OK);
+    cr_assert_eq(r->context->n_tokens, 3);
+    kvrope__response__free_unpacked(r, NULL);
+
+    Kvrope__Stats st = KVROPE__STATS__INIT;
+    kvrope__request__init(&q);
+    q.id = 302;
+    q.body_case = KVROPE__REQUEST__BODY_STATS;
+    q.stats = &st;
+    send_req(fd, &q, NULL, 0);
+    r = recv_resp(fd, NULL, NULL);
+    cr_assert_eq(r->status, KVROPE__STATUS__OK);
+    bool found = false;
+    for (size_t i = 0; i < r->stats->n_metrics; i++)
+        if (!strcmp(r->stats->metrics[i]->name, "requests_put")) {
+            found = true;
+            cr_assert_eq(r->stats->metrics[i]->value, 1.0);
+        }
+    cr_assert(found);
+    kvrope__response__free_unpacked(r, NULL);
+
+    /* A payload on a verb that takes none: E_BAD_REQUEST, drained. */
+    kvrope__request__init(&q);
+    q.id = 303;
+    q.body_case = KVROPE__REQUEST__BODY_STATS;
+    q.stats = &st;
+    send_req(fd, &q, "abcdefgh", 8);
+    r = recv_resp(fd, NULL, NULL);
+    cr_assert_eq(r->status, KVROPE__STATUS__E_BAD_REQUEST);
+    kvrope__response__free_unpacked(r, NULL);
+    cr_assert_eq(ping(fd, 304), KVROPE__STATUS__OK);
+    free(pay);
+    close(fd);
+}
+
+static int free_tcp_port(void)
+{
+    int s = socket(AF_INET, SOCK_STREAM, 0);
+    struct sockaddr_in a = { .sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK) };
+    cr_assert_eq(bind(s, (struct sockaddr *)&a, sizeof a), 0);
+    socklen_t l = sizeof a;
+    getsockname(s, (struct sockaddr *)&a, &l);
+    close(s);
+    return ntohs(a.sin_port);
+}
+
+static int connect_tcp(int port)
+{
+    int fd = socket(AF_INET, SOCK_STREAM, 0);
+    struct sockaddr_in a = { .sin_family = AF_INET, .sin_port = htons((uint16_t)port),
+                             .sin_addr.s_addr = htonl(INADDR_LOOPBACK) };
+    if (connect(fd, (struct sockaddr *)&a, sizeof a) < 0) {
+        close(fd);
+        return -1;
+    }
+    struct timeval tv = { 10, 0 };
+    setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+    return fd;
+}
+
+static Kvrope__Status auth(int fd, const char *tok)
+{
+    Kvrope__Request q = KVROPE__REQUEST__INIT;
+    Kvrope__Auth a = KVROPE__AUTH__INIT;
+    a.token.data = (uint8_t *)(uintptr_t)tok;
+    a.token.len = strlen(tok);
+    q.id = 1;
+    q.body_case = KVROPE__REQUEST__BODY_AUTH;
+    q.auth = &a;
+    send_req(fd, &q, NULL, 0);
+    Kvrope__Response *r = recv_resp(fd, NULL, NULL);
+    Kvrope__Status st = r->status;
+    kvrope__response__free_unpacked(r, NULL);
+    return st;
+}
+
+Test(daemon_wire, tcp_auth_required)
+{
+    char tokpath[128], listen[64];
+    snprintf(tokpath, sizeof tokpath, "%s/token", D.dir);
+    FILE *f = fopen(tokpath, "w");
+    fputs("s3cret-token\n", f);
+    fclose(f);
+    int port = free_tcp_port();
+    snprintf(listen, sizeof listen, "127.0.0.1:%d", port);
+    const char *extra[] = { "--listen", listen, "--auth-token-file", tokpath, NULL };
+    start_daemon(extra);
+    int fd = -1;
+    for (int i = 0; i < 500 && fd < 0; i++) {
+        fd = connect_tcp(port);
+        if (fd < 0)
+            sleep_ms(10);
+    }
+    cr_assert_geq(fd, 0);
+    cr_assert_eq(ping(fd, 1), KVROPE__STATUS__E_UNAUTHENTICATED);
+    expect_eof(fd);
+    close(fd);
+
+    fd = connect_tcp(port);
+    cr_assert_eq(auth(fd, "wrong"), KVROPE__STATUS__E_UNAUTHENTICATED);
+    expect_eof(fd);
+    close(fd);
+
+    fd = connect_tcp(port);
+    cr_assert_eq(auth(fd, "s3cret-token"), KVROPE__STATUS__OK);
+    cr_assert_eq(ping(fd, 2), KVROPE__STATUS__OK);
+    close(fd);
+
+    /* Unix-socket clients need no auth. */
+    fd = connect_unix(D.sock);
+    cr_assert_eq(ping(fd, 3), KVROPE__STATUS__OK);
+    close(fd);
+}
+
+Test(daemon_wire, non_loopback_needs_token)
+{
+    const char *argv[] = { kvroped_path(), "--socket", D.sock, "--listen", "0.0.0.0:1", NULL };
+    pid_t pid = fork();
+    if (pid == 0) {
+        int fd = open("/dev/null", O_WRONLY);
+        dup2(fd, 2);
+        execv(argv[0], (char *const *)(uintptr_t)argv);
+        _exit(127);
+    }
+    int st;
+    cr_assert_eq(waitpid(pid, &st, 0), pid);
+    cr_assert(WIFEXITED(st) && WEXITSTATUS(st) != 0 && WEXITSTATUS(st) != 127);
+}
+
+Test(daemon_wire, sigterm_removes_socket_and_live_socket_is_kept)
+{
+    start_daemon(NULL);
+    /* A second daemon on the same live socket refuses to start. */
+    pid_t p2 = start_daemon_args(D.sock, NULL);
+    int st;
+    cr_assert_eq(waitpid(p2, &st, 0), p2);
+    cr_assert(WIFEXITED(st) && WEXITSTATUS(st) != 0);
+    int fd = connect_unix(D.sock);
+    cr_assert_eq(ping(fd, 1), KVROPE__STATUS__OK);
+    close(fd);
+
+    cr_assert_eq(kill(D.pid, SIGTERM), 0);
+    cr_assert_eq(waitpid(D.pid, &st, 0), D.pid);
+    D.pid = 0;
+    cr_assert(WIFEXITED(st), "kvroped did not exit normally");
+    cr_assert_eq(WEXITSTATUS(st), 0);
+    struct stat sb;
+    cr_assert_eq(stat(D.sock, &sb), -1, "socket file still there");
+}
+
+Test(daemon_wire, stale_socket_is_replaced)
+{
+    /* Leave a socket file nobody listens on. */
+    int s = socket(AF_UNIX, SOCK_STREAM, 0);
+    struct sockaddr_un sa = { .sun_family = AF_UNIX };
+    snprintf(sa.sun_path, sizeof sa.sun_path, "%s", D.sock);
+    cr_assert_eq(bind(s, (struct sockaddr *)&sa, sizeof sa), 0);
+    close(s);
+    start_daemon(NULL);
+    int fd = connect_unix(D.sock);
+    cr_assert_eq(ping(fd, 1), KVROPE__STATUS__OK);
+    close(fd);
+}
