@@ -141,7 +141,12 @@ static int probe_socket_path(const char *path, char *err, size_t errlen)
     if (fd < 0)
         return -errno;
     struct sockaddr_un sa = { .sun_family = AF_UNIX };
-    snprintf(sa.sun_path, sizeof sa.sun_path, "%s", path);
+    size_t plen = strlen(path);
+    if (plen >= sizeof sa.sun_path) {
+        close(fd);
+        return -ENAMETOOLONG;
+    }
+    memcpy(sa.sun_path, path, plen + 1);
     int rc = connect(fd, (struct sockaddr *)&sa, sizeof sa);
     int e = errno;
     close(fd);

@@ -125,6 +125,42 @@ static void setup(void)
     D.pid = 0;
 }
 
+static void dump_log(void)
+{
+    FILE *f = fopen(D.log, "r");
+    if (!f)
+        return;
+    char line[1024];
+    while (fgets(line, sizeof line, f))
+        fprintf(stderr, "  kvroped: %s", line);
+    fclose(f);
+}
+
+/* SIGTERM, then a bounded wait: kvroped must exit 0 (under sanitizers a
+ * leak or an error report makes the exit status nonzero). */
+static void stop_daemon_clean(void)
+{
+    if (D.pid <= 0)
+        return;
+    cr_assert_eq(kill(D.pid, SIGTERM), 0);
+    int st = 0;
+    pid_t w = 0;
+    for (int i = 0; i < 3000 && w == 0; i++) {
+        w = waitpid(D.pid, &st, WNOHANG);
+        if (w == 0)
+            sleep_ms(10);
+    }
+    if (w == 0) {
+        kill(D.pid, SIGKILL);
+        waitpid(D.pid, &st, 0);
+    }
+    D.pid = 0;
+    if (!(WIFEXITED(st) && WEXITSTATUS(st) == 0))
+        dump_log();
+    cr_assert(w != 0, "kvroped did not stop within 30 s of SIGTERM");
+    cr_assert(WIFEXITED(st) && WEXITSTATUS(st) == 0, "kvroped exit status %d", st);
+}
+
 static void teardown(void)
 {
     if (D.pid > 0) {
@@ -329,6 +365,7 @@ Test(daemon_wire, ping_and_pipelining)
         kvrope__response__free_unpacked(r, NULL);
     }
     close(fd);
+    stop_daemon_clean();
 }
 
 Test(daemon_wire, socket_mode_0600)
@@ -338,6 +375,7 @@ Test(daemon_wire, socket_mode_0600)
     cr_assert_eq(stat(D.sock, &st), 0);
     cr_assert(S_ISSOCK(st.st_mode));
     cr_assert_eq(st.st_mode & 0777, 0600, "mode %o", st.st_mode & 0777);
+    stop_daemon_clean();
 }
 
 Test(daemon_wire, garbage_closes_only_that_connection)
@@ -383,6 +421,7 @@ Test(daemon_wire, garbage_closes_only_that_connection)
 
     cr_assert_eq(ping(good, 2), KVROPE__STATUS__OK);
     close(good);
+    stop_daemon_clean();
 }
 
 Test(daemon_wire, oversize_frame)
@@ -412,6 +451,7 @@ Test(daemon_wire, oversize_frame)
     fd = connect_unix(D.sock);
     cr_assert_eq(ping(fd, 3), KVROPE__STATUS__OK);
     close(fd);
+    stop_daemon_clean();
 }
 
 Test(daemon_wire, truncated_frames_then_disconnect)
@@ -429,6 +469,7 @@ Test(daemon_wire, truncated_frames_then_disconnect)
     fd = connect_unix(D.sock);
     cr_assert_eq(ping(fd, 5), KVROPE__STATUS__OK);
     close(fd);
+    stop_daemon_clean();
 }
 
 static Kvrope__Response *get_all(int fd, const char *ctx, uint8_t **payload, uint64_t *plen)
@@ -542,6 +583,7 @@ Test(daemon_wire, put_get_and_disconnect_mid_payload)
     free(pay);
     free(pay2);
     close(fd);
+    stop_daemon_clean();
 }
 
 Test(daemon_wire, match_stat_list_stats)
@@ -626,6 +668,7 @@ Test(daemon_wire, match_stat_list_stats)
     cr_assert_eq(ping(fd, 304), KVROPE__STATUS__OK);
     free(pay);
     close(fd);
+    stop_daemon_clean();
 }
 
 static int free_tcp_port(void)
@@ -705,6 +748,7 @@ Test(daemon_wire, tcp_auth_required)
     fd = connect_unix(D.sock);
     cr_assert_eq(ping(fd, 3), KVROPE__STATUS__OK);
     close(fd);
+    stop_daemon_clean();
 }
 
 Test(daemon_wire, non_loopback_needs_token)
@@ -755,4 +799,5 @@ Test(daemon_wire, stale_socket_is_replaced)
     int fd = connect_unix(D.sock);
     cr_assert_eq(ping(fd, 1), KVROPE__STATUS__OK);
     close(fd);
+    stop_daemon_clean();
 }
