@@ -1,0 +1,240 @@
+/*
+ * test_cache_match.c — the prefix index through kvr_store_match: shared
+ * prefixes, branching, longest wins, updates on append/delete/keep/fork,
+ * and a randomized comparison against a brute-force matcher.
+ */
+#include <criterion/criterion.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "cache/cache.h"
+
+static kvr_store *setup(void)
+{
+    kvr_store *s = NULL;
+    kvr_store_config c = { .block_tokens = 4 };
+    cr_assert_eq(kvr_store_create(&s, &c, NULL), 0);
+    kvr_model_desc d = { .name = "m", .n_layers = 1, .n_kv_heads = 1, .head_dim = 2,
+                         .dtype = KVR_DTYPE_F16 };
+    kvr_rope_config_init(&d.rope);
+    kvr_error e = { 0 };
+    cr_assert_eq(kvr_store_model_register(s, &d, NULL, &e), 0, "%s", e.msg);
+    return s;
+}
+
+static int put(kvr_store *s, const char *id, kvr_put_mode mode, const uint32_t *tok, size_t n)
+{
+    kvr_put_params p = { .ctx_id = id, .model = "m", .mode = mode, .n_layers = 1,
+                         .n_kv_heads = 1, .head_dim = 2, .dtype = KVR_DTYPE_F16,
+                         .n_tokens = n, .tokens = tok };
+    kvr_put *t;
+    kvr_error e = { 0 };
+    int rc = kvr_store_put_begin(s, &p, &t, &e);
+    if (rc)
+        return rc;
+    const struct iovec *iov;
+    size_t niov;
+    kvr_put_payload_iov(t, &iov, &niov);
+    for (size_t i = 0; i < niov; i++)
+        memset(iov[i].iov_base, 0, iov[i].iov_len);
+    return kvr_put_commit(t, NULL, &e);
+}
+
+static size_t match(kvr_store *s, const uint32_t *q, size_t n, char *id)
+{
+    kvr_match_result r;
+    kvr_error e = { 0 };
+    cr_assert_eq(kvr_store_match(s, "m", q, n, false, &r, &e), 0);
+    kvr_match_result r2;
+    cr_assert_eq(kvr_store_match(s, "m", q, n, true, &r2, &e), 0);
+    cr_assert_eq(r.length, r2.length);    /* no approximate tokens yet */
+    if (id)
+        strcpy(id, r.ctx_id);
+    if (r.length == 0)
+        cr_assert_str_eq(r.ctx_id, "");
+    return r.length;
+}
+
+Test(cache_match, overlapping_prompts)
+{
+    kvr_store *s = setup();
+    uint32_t sys[] = { 1, 2, 3, 4, 5, 6 };
+    uint32_t a[] = { 1, 2, 3, 4, 5, 6, 10, 11, 12 };
+    uint32_t b[] = { 1, 2, 3, 4, 5, 6, 10, 20 };
+    uint32_t c[] = { 1, 2, 9 };
+    cr_assert_eq(put(s, "sys", KVR_PUT_CREATE, sys, 6), 0);
+    cr_assert_eq(put(s, "a", KVR_PUT_CREATE, a, 9), 0);
+    cr_assert_eq(put(s, "b", KVR_PUT_CREATE, b, 8), 0);
+    cr_assert_eq(put(s, "c", KVR_PUT_CREATE, c, 3), 0);
+    char id[300];
+    uint32_t q1[] = { 1, 2, 3, 4, 5, 6, 10, 11, 12, 13 };
+    cr_assert_eq(match(s, q1, 10, id), 9);
+    cr_assert_str_eq(id, "a");
+    uint32_t q2[] = { 1, 2, 3, 4, 5, 6, 10, 20, 30 };
+    cr_assert_eq(match(s, q2, 9, id), 8);
+    cr_assert_str_eq(id, "b");
+    uint32_t q3[] = { 1, 2, 3, 4, 5, 6, 10, 99 };
+    cr_assert_eq(match(s, q3, 8, id), 7);
+    cr_assert(strcmp(id, "a") == 0 || strcmp(id, "b") == 0);
+    uint32_t q4[] = { 1, 2, 3, 7 };
+    cr_assert_eq(match(s, q4, 4, id), 3);
+    uint32_t q5[] = { 1, 2, 9, 9 };
+    cr_assert_eq(match(s, q5, 4, id), 3);
+    cr_assert_str_eq(id, "c");
+    uint32_t q6[] = { 7, 1, 2 };
+    cr_assert_eq(match(s, q6, 3, id), 0);
+    cr_assert_eq(match(s, q6, 0, id), 0);
+    cr_assert_eq(match(s, a, 4, id), 4);    /* a query shorter than the contexts */
+    /* Append extends the match. */
+    uint32_t more[] = { 13, 14 };
+    cr_assert_eq(put(s, "a", KVR_PUT_APPEND, more, 2), 0);
+    cr_assert_eq(match(s, q1, 10, id), 10);
+    cr_assert_str_eq(id, "a");
+    /* Delete. */
+    kvr_error e = { 0 };
+    cr_assert_eq(kvr_store_delete(s, "a", &e), 0);
+    cr_assert_eq(match(s, q1, 10, id), 7);
+    cr_assert_str_eq(id, "b");
+    cr_assert_eq(kvr_store_delete(s, "c", &e), 0);
+    cr_assert_eq(match(s, q5, 4, id), 2);
+    /* Keep: b truncated to 4 tokens, then to its middle. */
+    cr_assert_eq(kvr_store_keep(s, "b", 0, 4, &e), 0);
+    cr_assert_eq(match(s, q2, 9, id), 6);
+    cr_assert_str_eq(id, "sys");
+    cr_assert_eq(kvr_store_delete(s, "sys", &e), 0);
+    cr_assert_eq(match(s, q2, 9, id), 4);
+    cr_assert_str_eq(id, "b");
+    cr_assert_eq(kvr_store_keep(s, "b", 2, 4, &e), 0);
+    cr_assert_eq(match(s, q2, 9, id), 0);
+    uint32_t q7[] = { 3, 4, 5 };
+    cr_assert_eq(match(s, q7, 3, id), 2);
+    /* Fork. */
+    cr_assert_eq(kvr_store_fork(s, "b", "b2", &e), 0);
+    cr_assert_eq(kvr_store_delete(s, "b", &e), 0);
+    cr_assert_eq(match(s, q7, 3, id), 2);
+    cr_assert_str_eq(id, "b2");
+    kvr_store_stats st;
+    kvr_store_get_stats(s, &st);
+    cr_assert_gt(st.n_matches, 0);
+    cr_assert_gt(st.n_match_hits, 0);
+    kvr_store_destroy(s);
+}
+
+/* ---- randomized against brute force ------------------------------------- */
+
+#define MAXC 24
+#define MAXLEN 60
+
+typedef struct ref_ctx {
+    bool     live;
+    uint32_t tok[4 * MAXLEN];
+    size_t   n;
+} ref_ctx;
+
+static uint64_t rng = 88172645463325252ull;
+static uint32_t rnd(uint32_t n)
+{
+    rng ^= rng << 13;
+    rng ^= rng >> 7;
+    rng ^= rng << 17;
+    return (uint32_t)(rng % n);
+}
+
+static size_t brute(const ref_ctx *r, const uint32_t *q, size_t n)
+{
+    size_t best = 0;
+    for (int i = 0; i < MAXC; i++) {
+        if (!r[i].live)
+            continue;
+        size_t k = 0;
+        while (k < n && k < r[i].n && r[i].tok[k] == q[k])
+            k++;
+        if (k > best)
+            best = k;
+    }
+    return best;
+}
+
+Test(cache_match, randomized_vs_brute_force)
+{
+    size_t base = kvr_mem_allocated();
+    kvr_store *s = setup();
+    static ref_ctx r[MAXC];
+    memset(r, 0, sizeof r);
+    kvr_error e = { 0 };
+    char name[16];
+    for (int step = 0; step < 3000; step++) {
+        int i = (int)rnd(MAXC);
+        snprintf(name, sizeof name, "c%d", i);
+        uint32_t op = rnd(10);
+        if (!r[i].live) {
+            /* Create, often sharing a prefix with another context. */
+            size_t n = 1 + rnd(MAXLEN / 2);
+            int j = (int)rnd(MAXC);
+            size_t share = r[j].live ? rnd((uint32_t)r[j].n + 1) : 0;
+            if (share > n)
+                share = n;
+            memcpy(r[i].tok, r[j].tok, share * sizeof(uint32_t));
+            for (size_t k = share; k < n; k++)
+                r[i].tok[k] = rnd(3);
+            cr_assert_eq(put(s, name, KVR_PUT_CREATE, r[i].tok, n), 0);
+            r[i].n = n;
+            r[i].live = true;
+        } else if (op < 3 && r[i].n < 3 * MAXLEN) {
+            size_t n = 1 + rnd(8);
+            for (size_t k = 0; k < n; k++)
+                r[i].tok[r[i].n + k] = rnd(3);
+            cr_assert_eq(put(s, name, KVR_PUT_APPEND, r[i].tok + r[i].n, n), 0);
+            r[i].n += n;
+        } else if (op < 5) {
+            cr_assert_eq(kvr_store_delete(s, name, &e), 0);
+            r[i].live = false;
+        } else if (op < 7) {
+            size_t a = rnd(3) ? 0 : rnd((uint32_t)r[i].n + 1);
+            size_t b = a + rnd((uint32_t)(r[i].n - a) + 1);
+            cr_assert_eq(kvr_store_keep(s, name, a, b, &e), 0, "%s", e.msg);
+            memmove(r[i].tok, r[i].tok + a, (b - a) * sizeof(uint32_t));
+            r[i].n = b - a;
+        } else if (op < 8) {
+            int j = (int)rnd(MAXC);
+            if (!r[j].live) {
+                char dst[16];
+                snprintf(dst, sizeof dst, "c%d", j);
+                cr_assert_eq(kvr_store_fork(s, name, dst, &e), 0);
+                r[j] = r[i];
+            }
+        } else {
+            cr_assert_eq(kvr_store_shift(s, name, 0, SIZE_MAX, 5, &e), 0);
+        }
+        /* Queries: prefixes of live contexts with a random tail, and noise. */
+        for (int q = 0; q < 4; q++) {
+            uint32_t qt[4 * MAXLEN];
+            size_t qn;
+            int j = (int)rnd(MAXC);
+            if (r[j].live && q < 3) {
+                size_t keep = rnd((uint32_t)r[j].n + 1);
+                memcpy(qt, r[j].tok, keep * sizeof(uint32_t));
+                qn = keep + rnd(5);
+                for (size_t k = keep; k < qn; k++)
+                    qt[k] = rnd(3);
+            } else {
+                qn = rnd(20);
+                for (size_t k = 0; k < qn; k++)
+                    qt[k] = rnd(3);
+            }
+            char id[300];
+            size_t got = match(s, qt, qn, id);
+            cr_assert_eq(got, brute(r, qt, qn), "step %d: match %zu", step, got);
+            if (got) {
+                int k = atoi(id + 1);
+                cr_assert(r[k].live);
+                cr_assert_geq(r[k].n, got);
+                cr_assert(memcmp(r[k].tok, qt, got * sizeof(uint32_t)) == 0,
+                          "step %d: %s is not a match", step, id);
+            }
+        }
+    }
+    kvr_store_destroy(s);
+    cr_assert_eq(kvr_mem_allocated(), base);
+}
