@@ -172,6 +172,13 @@ int kvr_store_get_begin(kvr_store *s, const kvr_get_params *p, kvr_get **out,
             s->n_leased_blocks++;
     }
 
+    if (!p->meta_only && !all_same && !kvr_rope_config_composes(&m->rope_cfg)) {
+        rc = kvr_error_set(err, KVR_EUNSUPPORTED,
+                           "model '%s' uses length-dependent RoPE scaling (dynamic NTK / "
+                           "longrope): its keys cannot be moved to other positions",
+                           m->name);
+        goto fail;
+    }
     kvr_get_info *info = &t->info;
     model_fill_info(m, &info->model);
     info->start = start;
@@ -198,7 +205,12 @@ int kvr_store_get_begin(kvr_store *s, const kvr_get_params *p, kvr_get **out,
         }
         size_t stage = ((size_t)!t->zc_k + (size_t)!t->zc_v) * t->part * nl;
         if (stage) {
-            if ((rc = store_reserve(s, stage, err)) != 0)
+            /* Eviction must not take the context being read from under us. */
+            bool was_busy = c->busy;
+            c->busy = true;
+            rc = store_reserve(s, stage, err);
+            c->busy = was_busy;
+            if (rc != 0)
                 goto fail;
             t->staging = kvr_mem_aligned(KVR_BLOCK_ALIGN, stage);
             if (!t->staging) {

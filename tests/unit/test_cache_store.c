@@ -656,3 +656,30 @@ Test(cache_store, list_pin_stats_and_baseline)
     kvr_store_destroy(s);
     cr_assert_eq(kvr_mem_allocated(), base);
 }
+
+Test(cache_store, non_composing_rope_refuses_moves)
+{
+    kvr_store *s = mk_store(0, 8);
+    kvr_model_desc d = { .name = "m", .n_layers = L, .n_kv_heads = H, .head_dim = D,
+                         .dtype = KVR_DTYPE_F32 };
+    kvr_rope_config_init(&d.rope);
+    d.rope.scaling = KVR_ROPE_SCALING_DYNAMIC;
+    d.rope.factor = 2.0;
+    d.rope.max_position_embeddings = 2048;
+    kvr_error e = { 0 };
+    cr_assert_eq(kvr_store_model_register(s, &d, NULL, &e), 0, "%s", e.msg);
+    uint32_t *tok = seq_tokens(0, 10);
+    cr_assert_eq(do_put(s, "c", "m", KVR_PUT_CREATE, 1, 0, 10, tok, KVR_DTYPE_F32, &e), 0);
+    check_range(s, "c", 1, 0, 10, KVR_DTYPE_F16, NULL, 0);   /* same positions: fine */
+    cr_assert_eq(kvr_store_shift(s, "c", 0, 10, 4, &e), 0);
+    kvr_get_params p = { .ctx_id = "c", .end = SIZE_MAX, .dtype = KVR_DTYPE_F32 };
+    kvr_get *g;
+    cr_assert_eq(kvr_store_get_begin(s, &p, &g, &e), KVR_EUNSUPPORTED);
+    p.meta_only = true;
+    cr_assert_eq(kvr_store_get_begin(s, &p, &g, &e), 0);
+    cr_assert_eq(kvr_get_get_info(g)->positions[0], 4);
+    cr_assert_eq(kvr_get_payload_size(g), 0);
+    kvr_get_end(g);
+    free(tok);
+    kvr_store_destroy(s);
+}
