@@ -204,6 +204,55 @@ void kvr_rope_destroy(kvr_rope *r) { free(r); }
 
 const kvr_rope_config *kvr_rope_get_config(const kvr_rope *r) { return r ? &r->cfg : NULL; }
 
+/* ---- sin/cos ----------------------------------------------------------------
+ * sincos() from libm costs more than rotating a token's keys, so tokens whose
+ * angles are all below 2^20 * pi/2 use this one: Cody-Waite reduction by pi/2
+ * in three 33-bit pieces (exact products for quotients below 2^20, as in
+ * fdlibm's medium case) and fdlibm's kernel polynomials on [-pi/4, pi/4].
+ * Absolute error is about 1e-16, far below the float tables it feeds. Larger
+ * angles go to libm. */
+#define FAST_MAX 1.6e6
+static const double PIO2_1 = 1.57079632673412561417e+00;
+static const double PIO2_2 = 6.07710050630396597660e-11;
+static const double PIO2_3 = 2.02226624879595063154e-21;
+
+static inline void sincos_small(double x, double *sp, double *cp)
+{
+    const double shift = 0x1.8p52;
+    double kk = x * M_2_PI + shift;
+    double k = kk - shift;
+    uint64_t kb;
+    memcpy(&kb, &kk, 8);
+    double r = ((x - k * PIO2_1) - k * PIO2_2) - k * PIO2_3;
+    double z = r * r;
+    double sr = r + r * z * (-1.66666666666666324348e-01 + z * (8.33333333332248946124e-03 +
+                z * (-1.98412698298579493134e-04 + z * (2.75573137070700676789e-06 +
+                z * (-2.50507602534068634195e-08 + z * 1.58969099521155010221e-10)))));
+    double cr = 1.0 - 0.5 * z + z * z * (4.16666666666666019037e-02 + z * (-1.38888888888741095749e-03 +
+                z * (2.48015872894767294178e-05 + z * (-2.75573143513906633035e-07 +
+                z * (2.08757232129817482790e-09 + z * -1.13596475577881948265e-11)))));
+    unsigned q = (unsigned)(kb & 3u);
+    double s = (q & 1u) ? cr : sr, c = (q & 1u) ? sr : cr;
+    if (q == 1u || q == 2u) c = -c;
+    if (q & 2u) s = -s;
+    *sp = s;
+    *cp = c;
+}
+
+/* s[i], c[i] = sin, cos(a * f1[i] + b * f2[i]) (f2 may be NULL). */
+static void sincos_table(double a, const double *f1, double b, const double *f2, int n,
+                         double *s, double *c)
+{
+    double ang[KVR_ROPE_MAX_HEAD_DIM / 2];
+    bool small = true;
+    for (int i = 0; i < n; i++) {
+        ang[i] = f2 ? a * f1[i] + b * f2[i] : a * f1[i];
+        small &= fabs(ang[i]) < FAST_MAX;
+    }
+    if (small) for (int i = 0; i < n; i++) sincos_small(ang[i], &s[i], &c[i]);
+    else       for (int i = 0; i < n; i++) sincos(ang[i], &s[i], &c[i]);
+}
+
 /* ---- the driver ------------------------------------------------------------ */
 
 typedef struct job {
@@ -262,14 +311,11 @@ static void run_range(const job *j)
         }
         if (mode == 0) {
             if (wide) {
-                double ta = (double)j->a[t], fa = (double)j->a_sub[t];
-                for (int i = 0; i < n; i++) sincos(ta * f1[i] - fa * f1[i], &ss[i], &cc[i]);
+                sincos_table((double)j->a[t], f1, -(double)j->a_sub[t], f1, n, ss, cc);
                 have_prev = false;
                 have_step = false;
             } else {
-                double da_ = (double)a, db_ = (double)b;
-                if (f2) for (int i = 0; i < n; i++) sincos(da_ * f1[i] + db_ * f2[i], &ss[i], &cc[i]);
-                else    for (int i = 0; i < n; i++) sincos(da_ * f1[i], &ss[i], &cc[i]);
+                sincos_table((double)a, f1, (double)b, f2, n, ss, cc);
                 /* remember the step from the previous token for next time */
                 if (have_prev && !__builtin_sub_overflow(a, pa, &da) &&
                     !__builtin_sub_overflow(b, pb, &db)) {
@@ -283,9 +329,7 @@ static void run_range(const job *j)
             }
         } else if (mode == 2) {
             if (!step_ready) {
-                double xa = (double)sa, xb = (double)sb;
-                if (f2) for (int i = 0; i < n; i++) sincos(xa * f1[i] + xb * f2[i], &sts[i], &stc[i]);
-                else    for (int i = 0; i < n; i++) sincos(xa * f1[i], &sts[i], &stc[i]);
+                sincos_table((double)sa, f1, (double)sb, f2, n, sts, stc);
                 step_ready = true;
             }
             for (int i = 0; i < n; i++) {

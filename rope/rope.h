@@ -150,7 +150,14 @@ typedef struct kvr_rope_opts {
      * (seq_len_to). 0 = the table for lengths within
      * original_max_position_embeddings. For composing types these are
      * ignored. reposition with different tables removes with the old table
-     * and applies with the new one (never a delta rotation). */
+     * and applies with the new one (never a delta rotation). apply rotates
+     * with the seq_len_to table, remove un-rotates with the seq_len_from
+     * table. Tables equal for both lengths (e.g. both within the original
+     * length) make reposition the plain delta rotation. Dynamic NTK:
+     * base = theta * (factor*L/orig - (factor-1))^(rot/(rot-2)), L =
+     * max(seq_len, orig); longrope: long_factor when seq_len > orig, else
+     * short_factor (its attention factor is the same for both, so it cancels
+     * in reposition). */
     int64_t seq_len_from;
     int64_t seq_len_to;
 } kvr_rope_opts;
