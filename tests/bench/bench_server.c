@@ -1,0 +1,527 @@
+/*
+ * bench_server.c — kvroped throughput and latency over the Unix socket,
+ * side by side with Redis in the same run (never asserted; ratios matter,
+ * absolute figures on a shared machine do not).
+ *
+ *  - put and get of 64 KiB and 1 MiB payloads, 1 and 4 client threads,
+ *    against Redis SET/GET of the same sizes (a redis-server started here on
+ *    a Unix socket in a temporary directory, spoken to in RESP by a minimal
+ *    client below). kvrope gets land straight in a caller buffer; Redis GETs
+ *    are read into one too, so both sides do the same client-side work.
+ *    Each kvrope put creates a fresh context and deletes the one put 16
+ *    iterations earlier (a cache's steady state); Redis SET overwrites.
+ *  - match latency p50/p99 for a 32k-token prompt against 1,000 contexts.
+ *
+ * Binaries: $KVR_BUILD/kvroped (default ./build); redis-server from PATH.
+ * Duration per cell: $KVR_BENCH_SECONDS (default 1.0).
+ */
+#include <errno.h>
+#include <pthread.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/prctl.h>
+#include <sys/socket.h>
+#include <sys/uio.h>
+#include <sys/un.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "client/kvrope.h"
+
+static double now_s(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+static void sleep_ms(int ms)
+{
+    struct timespec ts = { ms / 1000, (long)(ms % 1000) * 1000000L };
+    nanosleep(&ts, NULL);
+}
+
+static pid_t spawn(const char *const *argv, const char *log)
+{
+    pid_t parent = getpid();
+    pid_t pid = fork();
+    if (pid == 0) {
+        prctl(PR_SET_PDEATHSIG, SIGTERM);
+        if (getppid() != parent)
+            _exit(127);
+        if (!freopen(log, "w", stdout) || !freopen(log, "a", stderr))
+            _exit(127);
+        execvp(argv[0], (char *const *)(uintptr_t)argv);
+        _exit(127);
+    }
+    return pid;
+}
+
+static void stop(pid_t pid)
+{
+    if (pid <= 0)
+        return;
+    kill(pid, SIGTERM);
+    for (int i = 0; i < 500; i++) {
+        if (waitpid(pid, NULL, WNOHANG) == pid)
+            return;
+        sleep_ms(10);
+    }
+    kill(pid, SIGKILL);
+    waitpid(pid, NULL, 0);
+}
+
+/* ---- minimal RESP client ------------------------------------------------ */
+
+typedef struct resp {
+    int     fd;
+    char    buf[65536];
+    size_t  pos, len;
+} resp;
+
+static int resp_connect(resp *r, const char *path)
+{
+    memset(r, 0, sizeof *r);
+    struct sockaddr_un sa = { .sun_family = AF_UNIX };
+    snprintf(sa.sun_path, sizeof sa.sun_path, "%s", path);
+    r->fd = socket(AF_UNIX, SOCK_STREAM, 0);
+    if (r->fd < 0 || connect(r->fd, (struct sockaddr *)&sa, sizeof sa) < 0) {
+        if (r->fd >= 0)
+            close(r->fd);
+        return -1;
+    }
+    int sz = 4 << 20;
+    setsockopt(r->fd, SOL_SOCKET, SO_SNDBUF, &sz, sizeof sz);
+    setsockopt(r->fd, SOL_SOCKET, SO_RCVBUF, &sz, sizeof sz);
+    return 0;
+}
+
+static int resp_fill(resp *r)
+{
+    if (r->pos == r->len)
+        r->pos = r->len = 0;
+    ssize_t n = read(r->fd, r->buf + r->len, sizeof r->buf - r->len);
+    if (n <= 0)
+        return -1;
+    r->len += (size_t)n;
+    return 0;
+}
+
+/* Reads one line (without CRLF) into line. */
+static int resp_line(resp *r, char *line, size_t cap)
+{
+    for (;;) {
+        char *nl = memchr(r->buf + r->pos, '\n', r->len - r->pos);
+        if (nl) {
+            size_t n = (size_t)(nl - (r->buf + r->pos));
+            if (n && nl[-1] == '\r')
+                n--;
+            if (n >= cap)
+                n = cap - 1;
+            memcpy(line, r->buf + r->pos, n);
+            line[n] = 0;
+            r->pos = (size_t)(nl - r->buf) + 1;
+            return 0;
+        }
+        if (r->pos > 0 && r->len == sizeof r->buf) {
+            memmove(r->buf, r->buf + r->pos, r->len - r->pos);
+            r->len -= r->pos;
+            r->pos = 0;
+        }
+        if (resp_fill(r) < 0)
+            return -1;
+    }
+}
+
+static int resp_read(resp *r, void *dst, size_t n)
+{
+    uint8_t *p = dst;
+    size_t have = r->len - r->pos, k = have < n ? have : n;
+    memcpy(p, r->buf + r->pos, k);
+    r->pos += k;
+    while (k < n) {
+        ssize_t got = read(r->fd, p + k, n - k);
+        if (got <= 0)
+            return -1;
+        k += (size_t)got;
+    }
+    return 0;
+}
+
+static int write_all(int fd, struct iovec *iov, int n)
+{
+    while (n > 0) {
+        ssize_t w = writev(fd, iov, n);
+        if (w < 0) {
+            if (errno == EINTR)
+                continue;
+            return -1;
+        }
+        while (n > 0 && (size_t)w >= iov->iov_len) {
+            w -= (ssize_t)iov->iov_len;
+            iov++;
+            n--;
+        }
+        if (n > 0) {
+            iov->iov_base = (char *)iov->iov_base + w;
+            iov->iov_len -= (size_t)w;
+        }
+    }
+    return 0;
+}
+
+static int resp_set(resp *r, const char *key, const void *val, size_t len)
+{
+    char hdr[256];
+    int hl = snprintf(hdr, sizeof hdr, "*3\r\n$3\r\nSET\r\n$%zu\r\n%s\r\n$%zu\r\n", strlen(key),
+                      key, len);
+    struct iovec iov[3] = { { hdr, (size_t)hl }, { (void *)(uintptr_t)val, len }, { "\r\n", 2 } };
+    if (write_all(r->fd, iov, 3) < 0)
+        return -1;
+    char line[128];
+    if (resp_line(r, line, sizeof line) < 0 || line[0] != '+')
+        return -1;
+    return 0;
+}
+
+static int resp_get(resp *r, const char *key, void *dst, size_t cap)
+{
+    char hdr[256];
+    int hl = snprintf(hdr, sizeof hdr, "*2\r\n$3\r\nGET\r\n$%zu\r\n%s\r\n", strlen(key), key);
+    struct iovec iov[1] = { { hdr, (size_t)hl } };
+    if (write_all(r->fd, iov, 1) < 0)
+        return -1;
+    char line[128], crlf[2];
+    if (resp_line(r, line, sizeof line) < 0 || line[0] != '$')
+        return -1;
+    long n = atol(line + 1);
+    if (n < 0 || (size_t)n > cap)
+        return -1;
+    if (resp_read(r, dst, (size_t)n) < 0 || resp_read(r, crlf, 2) < 0)
+        return -1;
+    return 0;
+}
+
+/* ---- the runs ----------------------------------------------------------- */
+
+/* Model: 4 layers x 8 kv heads x 128 dims, f16: 16 KiB per token. */
+#define B_LAYERS 4
+#define B_HEADS  8
+#define B_DIM    128
+#define TOKEN_BYTES ((size_t)B_LAYERS * 2 * B_HEADS * B_DIM * 2)
+
+typedef enum { OP_PUT, OP_GET } op_kind;
+
+typedef struct job {
+    int         id;
+    op_kind     op;
+    int         redis;
+    size_t      bytes;
+    double      seconds;
+    const char *kvr_addr, *redis_sock;
+    long        ops;
+    int         err;
+    pthread_barrier_t *bar;
+} job;
+
+static void *run_job(void *arg)
+{
+    job *j = arg;
+    size_t n_tokens = j->bytes / TOKEN_BYTES;
+    uint8_t *buf = malloc(j->bytes);
+    memset(buf, 0x3c, j->bytes);   /* finite f16 values */
+    uint32_t *tok = malloc(n_tokens * sizeof *tok);
+    for (size_t i = 0; i < n_tokens; i++)
+        tok[i] = (uint32_t)(j->id * 1000003 + i);
+    kvr_client *c = NULL;
+    resp r;
+    char key[64];
+    snprintf(key, sizeof key, "fixed-%d-%zu", j->id, j->bytes);
+    if (j->redis) {
+        if (resp_connect(&r, j->redis_sock) < 0)
+            j->err = 1;
+        else if (j->op == OP_GET && resp_set(&r, key, buf, j->bytes) < 0)
+            j->err = 1;
+    } else {
+        if (kvr_client_connect(&c, j->kvr_addr, NULL) < 0) {
+            j->err = 1;
+        } else if (j->op == OP_GET) {
+            kvr_put_args p = { .ctx_id = key, .model = "bench", .dtype = KVR_DTYPE_F16,
+                               .tokens = tok, .n_tokens = n_tokens, .payload = buf,
+                               .payload_len = j->bytes };
+            (void)kvr_client_delete(c, key);
+            if (kvr_client_put(c, &p, NULL) < 0)
+                j->err = 1;
+        }
+    }
+    pthread_barrier_wait(j->bar);
+    double t0 = now_s(), end = t0 + j->seconds;
+    long ops = 0;
+    char id[64], old[64];
+    while (!j->err && now_s() < end) {
+        for (int k = 0; k < 4; k++, ops++) {
+            int rc;
+            if (j->redis) {
+                rc = j->op == OP_PUT ? resp_set(&r, key, buf, j->bytes)
+                                     : resp_get(&r, key, buf, j->bytes);
+            } else if (j->op == OP_PUT) {
+                snprintf(id, sizeof id, "p%d-%ld", j->id, ops);
+                kvr_put_args p = { .ctx_id = id, .model = "bench", .dtype = KVR_DTYPE_F16,
+                                   .mode = KVR_WRITE_CREATE, .tokens = tok,
+                                   .n_tokens = n_tokens, .payload = buf,
+                                   .payload_len = j->bytes };
+                rc = kvr_client_put(c, &p, NULL);
+                if (rc == 0 && ops >= 16) {
+                    snprintf(old, sizeof old, "p%d-%ld", j->id, ops - 16);
+                    rc = kvr_client_delete(c, old);
+                }
+            } else {
+                kvr_kv kv;
+                kvr_get_args g = { .ctx_id = key, .dtype = KVR_DTYPE_F16, .dst = buf,
+                                   .dst_cap = j->bytes };
+                rc = kvr_client_get(c, &g, &kv);
+                if (rc == 0 && kv.payload_len != j->bytes)
+                    rc = -1;
+                kvr_kv_release(&kv);
+            }
+            if (rc < 0) {
+                if (!j->err)
+                    fprintf(stderr, "bench: %s %s failed: %d %s\n", j->redis ? "redis" : "kvrope",
+                            j->op == OP_PUT ? "put" : "get", rc,
+                            c ? kvr_client_last_error(c) : "");
+                j->err = 1;
+                break;
+            }
+        }
+    }
+    j->seconds = now_s() - t0;
+    j->ops = ops;
+    if (c) {
+        for (long k = ops - 16; k < ops && j->op == OP_PUT; k++) {
+            if (k < 0)
+                continue;
+            snprintf(old, sizeof old, "p%d-%ld", j->id, k);
+            (void)kvr_client_delete(c, old);
+        }
+        kvr_client_close(c);
+    }
+    if (j->redis && r.fd >= 0)
+        close(r.fd);
+    free(buf);
+    free(tok);
+    return NULL;
+}
+
+/* Returns MB/s (MiB/s), or -1 on error. */
+static double run(op_kind op, int redis, size_t bytes, int threads, const char *kvr_addr,
+                  const char *redis_sock, double seconds)
+{
+    pthread_t th[16];
+    job jobs[16];
+    pthread_barrier_t bar;
+    pthread_barrier_init(&bar, NULL, (unsigned)threads);
+    for (int i = 0; i < threads; i++) {
+        jobs[i] = (job){ .id = i, .op = op, .redis = redis, .bytes = bytes, .seconds = seconds,
+                         .kvr_addr = kvr_addr, .redis_sock = redis_sock, .bar = &bar };
+        pthread_create(&th[i], NULL, run_job, &jobs[i]);
+    }
+    double mbs = 0;
+    int err = 0;
+    for (int i = 0; i < threads; i++) {
+        pthread_join(th[i], NULL);
+        err |= jobs[i].err;
+        mbs += (double)jobs[i].ops * (double)bytes / jobs[i].seconds / (1024.0 * 1024.0);
+    }
+    pthread_barrier_destroy(&bar);
+    return err ? -1 : mbs;
+}
+
+static int cmp_double(const void *a, const void *b)
+{
+    double x = *(const double *)a, y = *(const double *)b;
+    return x < y ? -1 : x > y;
+}
+
+/* 1,000 contexts of 256 tokens; context i shares its first (i % 64) * 4
+ * tokens with the prompt; one long context shares 24,576 of its 32,768. */
+static int bench_match(const char *addr, double *p50, double *p99, uint64_t *len_out)
+{
+    kvr_client *c;
+    if (kvr_client_connect(&c, addr, NULL) < 0)
+        return -1;
+    kvr_rope_config rc;
+    kvr_rope_config_init(&rc);
+    kvr_model_params mp = { .name = "tiny", .n_layers = 1, .n_kv_heads = 1, .head_dim = 8,
+                            .dtype = KVR_DTYPE_F16, .rope = &rc };
+    if (kvr_client_model_register(c, &mp, NULL) < 0) {
+        fprintf(stderr, "bench: register tiny: %s\n", kvr_client_last_error(c));
+        kvr_client_close(c);
+        return -1;
+    }
+    const size_t P = 32768, per = 2 * 8 * 2;
+    uint32_t *prompt = malloc(P * sizeof *prompt);
+    for (size_t i = 0; i < P; i++)
+        prompt[i] = (uint32_t)(i * 2654435761u % 50000u);
+    uint8_t *pl = calloc(P, per);
+    uint32_t tok[256];
+    int rc2 = 0;
+    for (int i = 0; i < 1000 && rc2 == 0; i++) {
+        size_t share = (size_t)(i % 64) * 4;
+        for (size_t t = 0; t < 256; t++)
+            tok[t] = t < share ? prompt[t] : 60000u + (uint32_t)(i * 256 + t);
+        char id[32];
+        snprintf(id, sizeof id, "doc%04d", i);
+        kvr_put_args p = { .ctx_id = id, .model = "tiny", .dtype = KVR_DTYPE_F16, .tokens = tok,
+                           .n_tokens = 256, .payload = pl, .payload_len = 256 * per };
+        rc2 = kvr_client_put(c, &p, NULL);
+    }
+    uint32_t *lt = malloc(P * sizeof *lt);
+    memcpy(lt, prompt, P * sizeof *lt);
+    for (size_t t = 24576; t < P; t++)
+        lt[t] = 70000u + (uint32_t)t;
+    kvr_put_args p = { .ctx_id = "long", .model = "tiny", .dtype = KVR_DTYPE_F16, .tokens = lt,
+                       .n_tokens = P, .payload = pl, .payload_len = P * per };
+    if (rc2 == 0)
+        rc2 = kvr_client_put(c, &p, NULL);
+    if (rc2 < 0) {
+        fprintf(stderr, "bench: match setup: %s\n", kvr_client_last_error(c));
+        kvr_client_close(c);
+        return -1;
+    }
+    enum { N = 300 };
+    double lat[N];
+    kvr_match_args m = { .model = "tiny", .tokens = prompt, .n_tokens = P };
+    for (int i = 0; i < N + 20; i++) {
+        kvr_match_res r;
+        double t0 = now_s();
+        if (kvr_client_match(c, &m, &r) < 0)
+            return -1;
+        double dt = now_s() - t0;
+        if (i >= 20)
+            lat[i - 20] = dt;
+        *len_out = r.length;
+    }
+    qsort(lat, N, sizeof lat[0], cmp_double);
+    *p50 = lat[N / 2] * 1e6;
+    *p99 = lat[N * 99 / 100] * 1e6;
+    kvr_client_close(c);
+    free(prompt);
+    free(lt);
+    free(pl);
+    return 0;
+}
+
+int main(void)
+{
+    const char *b = getenv("KVR_BUILD");
+    const char *secs = getenv("KVR_BENCH_SECONDS");
+    double seconds = secs ? atof(secs) : 1.0;
+    if (seconds <= 0)
+        seconds = 1.0;
+    char dir[] = "/tmp/kvr-bench-XXXXXX";
+    if (!mkdtemp(dir)) {
+        perror("mkdtemp");
+        return 1;
+    }
+    char kvsock[128], rsock[128], kvlog[128], rlog[128], bin[512], addr[160];
+    snprintf(kvsock, sizeof kvsock, "%s/kvroped.sock", dir);
+    snprintf(rsock, sizeof rsock, "%s/redis.sock", dir);
+    snprintf(kvlog, sizeof kvlog, "%s/kvroped.log", dir);
+    snprintf(rlog, sizeof rlog, "%s/redis.log", dir);
+    snprintf(bin, sizeof bin, "%s/kvroped", b && *b ? b : "./build");
+    snprintf(addr, sizeof addr, "unix:%s", kvsock);
+
+    const char *kv_argv[] = { bin, "--socket", kvsock, "--max-memory", "4G", "--log-level",
+                              "warn", NULL };
+    pid_t kvpid = spawn(kv_argv, kvlog);
+    const char *r_argv[] = { "redis-server", "--port", "0", "--unixsocket", rsock,
+                             "--save", "", "--appendonly", "no", "--dir", dir, NULL };
+    pid_t rpid = spawn(r_argv, rlog);
+
+    kvr_client *c = NULL;
+    for (int i = 0; i < 500 && !c; i++) {
+        if (kvr_client_connect(&c, addr, NULL) < 0) {
+            c = NULL;
+            sleep_ms(10);
+        }
+    }
+    int have_redis = 0;
+    for (int i = 0; i < 500 && !have_redis; i++) {
+        resp r;
+        if (resp_connect(&r, rsock) == 0) {
+            have_redis = 1;
+            close(r.fd);
+        } else {
+            sleep_ms(10);
+        }
+    }
+    if (!c) {
+        fprintf(stderr, "bench_server: kvroped (%s) did not start; see %s\n", bin, kvlog);
+        stop(kvpid);
+        stop(rpid);
+        return 1;
+    }
+    if (!have_redis)
+        fprintf(stderr, "bench_server: redis-server did not start; Redis columns absent\n");
+    kvr_rope_config rc;
+    kvr_rope_config_init(&rc);
+    kvr_model_params mp = { .name = "bench", .n_layers = B_LAYERS, .n_kv_heads = B_HEADS,
+                            .head_dim = B_DIM, .dtype = KVR_DTYPE_F16, .rope = &rc };
+    if (kvr_client_model_register(c, &mp, NULL) < 0) {
+        fprintf(stderr, "bench_server: register: %s\n", kvr_client_last_error(c));
+        stop(kvpid);
+        stop(rpid);
+        return 1;
+    }
+    kvr_client_close(c);
+
+    printf("kvroped vs redis-server over Unix sockets, %.1f s per cell "
+           "(MiB/s of payload, higher is better)\n\n", seconds);
+    printf("| op | size | clients | kvrope MiB/s | redis MiB/s | kvrope/redis |\n");
+    printf("| --- | --- | --- | --- | --- | --- |\n");
+    const size_t sizes[] = { 64 * 1024, 1024 * 1024 };
+    const int clients[] = { 1, 4 };
+    double goal = -1;
+    for (int op = 0; op < 2; op++)
+        for (int s = 0; s < 2; s++)
+            for (int k = 0; k < 2; k++) {
+                op_kind o = op == 0 ? OP_GET : OP_PUT;
+                double kv = run(o, 0, sizes[s], clients[k], addr, rsock, seconds);
+                double rd = have_redis ? run(o, 1, sizes[s], clients[k], addr, rsock, seconds)
+                                       : -1;
+                char ratio[32] = "n/a";
+                if (kv > 0 && rd > 0)
+                    snprintf(ratio, sizeof ratio, "%.2fx", kv / rd);
+                if (o == OP_GET && s == 1 && k == 1 && kv > 0 && rd > 0)
+                    goal = kv / rd;
+                printf("| %s | %s | %d | %.0f | %.0f | %s |\n", o == OP_GET ? "get" : "put",
+                       s ? "1 MiB" : "64 KiB", clients[k], kv, rd, ratio);
+                fflush(stdout);
+            }
+    if (goal > 0)
+        printf("\ngoal: get 1 MiB x 4 clients >= 1.5x Redis: %.2fx (%s)\n", goal,
+               goal >= 1.5 ? "met" : "NOT met");
+
+    double p50, p99;
+    uint64_t mlen = 0;
+    if (bench_match(addr, &p50, &p99, &mlen) == 0)
+        printf("\nmatch: 32,768-token prompt vs 1,000 contexts (+1 long): matched %llu tokens, "
+               "p50 %.1f us, p99 %.1f us\n", (unsigned long long)mlen, p50, p99);
+    else
+        printf("\nmatch: failed\n");
+
+    stop(kvpid);
+    stop(rpid);
+    unlink(kvsock);
+    unlink(rsock);
+    unlink(kvlog);
+    unlink(rlog);
+    char dump[200];
+    snprintf(dump, sizeof dump, "%s/dump.rdb", dir);
+    unlink(dump);
+    rmdir(dir);
+    return 0;
+}
