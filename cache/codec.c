@@ -253,6 +253,14 @@ void kvr_kivi_split(const kvr_codec_pair *p, size_t n, size_t *k_quant, size_t *
 
 /* ---- uniform groups: parameters ----------------------------------------- */
 
+/* The stored parameters are defined as unique values (the largest f16 <= lo,
+ * the smallest s passing the coverage check), so any first guess converges to
+ * the same bits: the AVX2 kernels guess differently (F16C) and still agree. */
+int kvr_codec_scale_covers(float m, float s, float hi, unsigned bits)
+{
+    return (double)m + (double)((1u << bits) - 1) * (double)s >= (double)hi;
+}
+
 void kvr_codec_gparams_compute(kvr_codec_gparams *gp, float lo, float hi,
                                unsigned bits, kvr_codec_params params)
 {
@@ -264,9 +272,12 @@ void kvr_codec_gparams_compute(kvr_codec_gparams *gp, float lo, float hi,
     if (params == KVR_CODEC_PARAMS_F32) {
         float m = lo, s = 0.0f;
         if (hi > m) {
+            const float smin = 0x1p-100f;   /* keeps 1/s finite */
             s = (float)(((double)hi - (double)m) / L);
-            if (s < 0x1p-100f) s = 0x1p-100f;   /* keeps 1/s finite */
-            while ((double)m + L * (double)s < (double)hi) s = nextafterf(s, INFINITY);
+            if (s < smin) s = smin;
+            while (!kvr_codec_scale_covers(m, s, hi, bits)) s = nextafterf(s, INFINITY);
+            while (s > smin && kvr_codec_scale_covers(m, nextafterf(s, 0.0f), hi, bits))
+                s = nextafterf(s, 0.0f);
         }
         gp->m = m; gp->s = s;
         gp->m_bits = f32_bits(m); gp->s_bits = f32_bits(s);
@@ -278,7 +289,9 @@ void kvr_codec_gparams_compute(kvr_codec_gparams *gp, float lo, float hi,
         if (hi > m) {
             sh = kvr_f32_to_f16((float)(((double)hi - (double)m) / L));
             if (sh == 0) sh = 1;
-            while ((double)m + L * (double)kvr_f16_to_f32(sh) < (double)hi) sh = f16_up(sh);
+            while (!kvr_codec_scale_covers(m, kvr_f16_to_f32(sh), hi, bits)) sh = f16_up(sh);
+            while (sh > 1 && kvr_codec_scale_covers(m, kvr_f16_to_f32((uint16_t)(sh - 1)), hi, bits))
+                sh--;
         }
         gp->m = m; gp->s = kvr_f16_to_f32(sh);
         gp->m_bits = mh; gp->s_bits = sh;
@@ -445,9 +458,24 @@ static void sc_dec_f16(uint16_t *dst, const uint8_t *src, size_t n, unsigned bit
     }
 }
 
+static void sc_tile_gather(float *buf, const void *src, kvr_dtype t, size_t G,
+                           size_t ld, size_t cc)
+{
+    for (size_t tk = 0; tk < G; tk++)
+        for (size_t j = 0; j < cc; j++) buf[j * G + tk] = load_elem(src, t, tk * ld + j);
+}
+
+static void sc_tile_scatter(void *dst, kvr_dtype t, size_t ld, const float *buf,
+                            size_t G, size_t cc)
+{
+    for (size_t tk = 0; tk < G; tk++)
+        for (size_t j = 0; j < cc; j++) store_elem(dst, t, tk * ld + j, buf[j * G + tk]);
+}
+
 const kvr_codec_kernels kvr_codec_kernels_scalar = {
     .enc_f32 = sc_enc_f32, .enc_f16 = sc_enc_f16,
     .dec_f32 = sc_dec_f32, .dec_f16 = sc_dec_f16,
+    .tile_gather = sc_tile_gather, .tile_scatter = sc_tile_scatter,
 };
 
 /* ---- dispatch ----------------------------------------------------------- */
@@ -610,11 +638,27 @@ static void ggml_block_dec(kvr_codec_type t, float *y, const uint8_t *x)
 
 /* ---- public encode / decode --------------------------------------------- */
 
-/* First index (in element order) that is non-finite or beyond limit. */
+/* First index (in element order) that is non-finite or beyond limit; n if
+ * none. A branch-free pass per block of 256 (which the compiler vectorises)
+ * finds the block, a scalar pass the element. */
 static size_t locate_bad(const void *src, kvr_dtype t, size_t n, float limit)
 {
-    for (size_t i = 0; i < n; i++)
-        if (!(fabsf(load_elem(src, t, i)) <= limit)) return i;
+    for (size_t i0 = 0; i0 < n; i0 += 256) {
+        size_t e = n - i0 < 256 ? n - i0 : 256;
+        int any = 0;
+        if (t == KVR_DTYPE_F16 && limit >= KVR_CODEC_F16_LIMIT) {
+            const uint16_t *h = (const uint16_t *)src + i0;
+            for (size_t i = 0; i < e; i++) any |= (h[i] & 0x7C00) == 0x7C00;
+        } else if (t == KVR_DTYPE_F32) {
+            const float *x = (const float *)src + i0;
+            for (size_t i = 0; i < e; i++) any |= !(fabsf(x[i]) <= limit);
+        } else {
+            any = 1;
+        }
+        if (!any) continue;
+        for (size_t i = i0; i < i0 + e; i++)
+            if (!(fabsf(load_elem(src, t, i)) <= limit)) return i;
+    }
     return n;
 }
 
@@ -624,7 +668,9 @@ static int encode_plain(const kvr_codec *c, void *dst, const void *src, kvr_dtyp
     kvr_dtype dt = c->type == KVR_CODEC_F32 ? KVR_DTYPE_F32
                  : c->type == KVR_CODEC_F16 ? KVR_DTYPE_F16 : KVR_DTYPE_BF16;
     /* f16 storage cannot hold more than its range; f32/bf16 only need finite. */
-    float limit = dt == KVR_DTYPE_F16 ? KVR_CODEC_F16_LIMIT : FLT_MAX;
+    float limit = dt == KVR_DTYPE_F16 ? KVR_CODEC_F16_LIMIT
+                : dt == KVR_DTYPE_BF16 ? 0x1.fep127f   /* largest finite bf16 */
+                : FLT_MAX;
     size_t b = locate_bad(src, st, n, limit);
     if (b < n) {
         if (bad) *bad = b;
@@ -738,7 +784,13 @@ int kvr_codec_decode(const kvr_codec *c, void *dst, kvr_dtype dst_type,
     kvr_dtype st = c->type == KVR_CODEC_F32 ? KVR_DTYPE_F32
                  : c->type == KVR_CODEC_F16 ? KVR_DTYPE_F16 : KVR_DTYPE_BF16;
     if (dst_type == KVR_DTYPE_F16 && st != KVR_DTYPE_F16) {
-        for (size_t i = 0; i < n; i++) store_elem(dst, dst_type, i, load_elem(src, st, i));
+        float buf[256];
+        for (size_t i = 0; i < n; i += 256) {
+            size_t e = n - i < 256 ? n - i : 256;
+            kvr_convert(buf, KVR_DTYPE_F32, (const uint8_t *)src + i * kvr_dtype_size(st), st, e);
+            for (size_t j = 0; j < e; j++) buf[j] = clamp_f16(buf[j]);
+            kvr_convert((uint16_t *)dst + i, KVR_DTYPE_F16, buf, KVR_DTYPE_F32, e);
+        }
     } else {
         kvr_convert(dst, dst_type, src, st, n);
     }
@@ -779,9 +831,8 @@ int kvr_codec_encode_tile(const kvr_codec *c, void *dst, const void *src,
     float buf[TILE_CH * KVR_CODEC_GROUP_MAX];
     for (size_t c0 = 0; c0 < n_ch; c0 += TILE_CH) {
         size_t cc = n_ch - c0 < TILE_CH ? n_ch - c0 : TILE_CH;
-        for (size_t t = 0; t < G; t++)
-            for (size_t j = 0; j < cc; j++)
-                buf[j * G + t] = load_elem(src, src_type, t * ld + c0 + j);
+        k->tile_gather(buf, (const uint8_t *)src + c0 * kvr_dtype_size(src_type), src_type,
+                       G, ld, cc);
         if (k->enc_f32((uint8_t *)dst + c0 * gb, buf, cc * G, bits, (uint32_t)G, c->params)) {
             float lim = params_limit(c->params);
             for (size_t t = 0; t < G; t++)
@@ -812,9 +863,7 @@ int kvr_codec_decode_tile(const kvr_codec *c, void *dst, kvr_dtype dst_type,
     for (size_t c0 = 0; c0 < n_ch; c0 += TILE_CH) {
         size_t cc = n_ch - c0 < TILE_CH ? n_ch - c0 : TILE_CH;
         k->dec_f32(buf, (const uint8_t *)src + c0 * gb, cc * G, bits, (uint32_t)G, c->params);
-        for (size_t t = 0; t < G; t++)
-            for (size_t j = 0; j < cc; j++)
-                store_elem(dst, dst_type, t * ld + c0 + j, buf[j * G + t]);
+        k->tile_scatter((uint8_t *)dst + c0 * kvr_dtype_size(dst_type), dst_type, ld, buf, G, cc);
     }
     return 0;
 }

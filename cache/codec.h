@@ -21,9 +21,9 @@
  *   lo, hi  = min and max of the group's values
  *   m       = PARAMS_F16: the largest f16 <= lo ("min rounded down");
  *             PARAMS_F32: lo
- *   s       = 0 if hi == m, else the smallest f16 (or f32) with
- *             m + L*s >= hi in exact arithmetic, L = 2^bits - 1
- *             ("scale rounded up")
+ *   s       = 0 if hi == m, else the smallest f16 (or f32 >= 2^-100) with
+ *             m + L*s >= hi evaluated in double, L = 2^bits - 1 ("scale
+ *             rounded up"; for f16 the check is exact)
  *   inv     = s > 0 ? 1.0f / s : 0
  *   q       = clamp(rintf((x - m) * inv), 0, L)   (float ops, no FMA, RNE)
  *   decode: y = (float)q * s + m                  (float mul then add)
@@ -76,6 +76,12 @@
  *
  * Threading: every function is reentrant; CPU features are detected once
  * (the first call) through __builtin_cpu_supports.
+ *
+ * Kernels: the uniform codecs' row encode/decode (f32/f16 in and out) and
+ * the KIVI tile transposes have AVX2+FMA+F16C versions (codec_avx2.c) that
+ * produce the scalar reference's bytes exactly; KVR_ISA_AVX512 and AUTO use
+ * them too (there are no AVX-512 kernels yet). bf16 goes through f32 a group
+ * at a time. The ggml block codecs are scalar (bit-exactness first).
  */
 #ifndef KVR_CACHE_CODEC_H
 #define KVR_CACHE_CODEC_H
@@ -235,6 +241,8 @@ typedef struct kvr_codec_gparams {
 } kvr_codec_gparams;
 void kvr_codec_gparams_compute(kvr_codec_gparams *gp, float lo, float hi,
                                unsigned bits, kvr_codec_params params);
+/* The coverage check that defines s: m + (2^bits - 1)*s >= hi, in double. */
+int kvr_codec_scale_covers(float m, float s, float hi, unsigned bits);
 
 /* A uniform row kernel set. Encoders assume validated input (finite, within
  * the params' range) and return 0; an encoder may return -1 if it finds a bad
@@ -248,6 +256,12 @@ typedef struct kvr_codec_kernels {
                     uint32_t group, kvr_codec_params params);
     void (*dec_f16)(uint16_t *dst, const uint8_t *src, size_t n, unsigned bits,
                     uint32_t group, kvr_codec_params params);
+    /* KIVI tiles: buf[j*G + t] = src[t*ld + j] for j < cc <= 8 (converted to
+     * f32), and the inverse (f16 output clamped to +-65504, like decode). */
+    void (*tile_gather)(float *buf, const void *src, kvr_dtype t, size_t G,
+                        size_t ld, size_t cc);
+    void (*tile_scatter)(void *dst, kvr_dtype t, size_t ld, const float *buf,
+                         size_t G, size_t cc);
 } kvr_codec_kernels;
 
 /* The scalar encoder of one group of m <= 256 checked values; returns the

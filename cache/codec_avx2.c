@@ -55,6 +55,53 @@ AI float hmax8(__m256 v)
     return _mm_cvtss_f32(a);
 }
 
+static uint16_t f16_up(uint16_t h)
+{
+    if (h == 0x8000 || h == 0x0000) return 0x0001;
+    return (h & 0x8000) ? (uint16_t)(h - 1) : (uint16_t)(h + 1);
+}
+static uint16_t f16_down(uint16_t h)
+{
+    if (h == 0x8000 || h == 0x0000) return 0x8001;
+    return (h & 0x8000) ? (uint16_t)(h + 1) : (uint16_t)(h - 1);
+}
+
+/* kvr_codec_scale_covers, inlined (the same double expression). */
+AI int covers(float m, float s, float hi, double L)
+{
+    return (double)m + L * (double)s >= (double)hi;
+}
+
+/* kvr_codec_gparams_compute for f16 parameters with F16C conversions and a
+ * float first guess; the result is the same unique (m, s) pair. */
+AI void gparams(kvr_codec_gparams *gp, float lo, float hi, unsigned bits,
+                kvr_codec_params params)
+{
+    if (params == KVR_CODEC_PARAMS_F32) {
+        kvr_codec_gparams_compute(gp, lo, hi, bits, params);
+        return;
+    }
+    lo = lo + 0.0f;
+    hi = hi + 0.0f;
+    uint16_t mh = _cvtss_sh(lo, _MM_FROUND_TO_NEAREST_INT);
+    if (_cvtsh_ss(mh) > lo) mh = f16_down(mh);
+    float m = _cvtsh_ss(mh);
+    uint16_t sh = 0;
+    if (hi > m) {
+        const double L = (double)((1u << bits) - 1);
+        const float rL = bits == 8 ? 1.0f / 255.0f : bits == 4 ? 1.0f / 15.0f : 1.0f / 3.0f;
+        sh = _cvtss_sh((hi - m) * rL, _MM_FROUND_TO_NEAREST_INT);   /* a guess */
+        if (sh == 0) sh = 1;
+        while (!covers(m, _cvtsh_ss(sh), hi, L)) sh = f16_up(sh);
+        while (sh > 1 && covers(m, _cvtsh_ss((uint16_t)(sh - 1)), hi, L)) sh--;
+    }
+    gp->m = m;
+    gp->s = _cvtsh_ss(sh);
+    gp->m_bits = mh;
+    gp->s_bits = sh;
+    gp->inv = gp->s > 0.0f ? 1.0f / gp->s : 0.0f;
+}
+
 /* One full group of G values at src[i0..]; returns bytes written or 0 if a
  * value is non-finite or beyond the parameters' range. */
 AI size_t enc_group(uint8_t *dst, const void *src, size_t i0, uint32_t G, unsigned bits,
@@ -75,7 +122,7 @@ AI size_t enc_group(uint8_t *dst, const void *src, size_t i0, uint32_t G, unsign
     if (_mm256_movemask_ps(ok) != 0xFF) return 0;
 
     kvr_codec_gparams gp;
-    kvr_codec_gparams_compute(&gp, hmin8(vmin), hmax8(vmax), bits, params);
+    gparams(&gp, hmin8(vmin), hmax8(vmax), bits, params);
     size_t pb;
     if (params == KVR_CODEC_PARAMS_F32) {
         memcpy(dst, &gp.s_bits, 4);
@@ -207,7 +254,69 @@ static void av_dec_f16(uint16_t *dst, const uint8_t *src, size_t n, unsigned bit
     if (i < n) kvr_codec_kernels_scalar.dec_f16(dst + i, src, n - i, bits, group, params);
 }
 
+/* 8x8 transpose of r[0..7] in registers. */
+AI void tr8(__m256 r[8])
+{
+    __m256 t0 = _mm256_unpacklo_ps(r[0], r[1]), t1 = _mm256_unpackhi_ps(r[0], r[1]);
+    __m256 t2 = _mm256_unpacklo_ps(r[2], r[3]), t3 = _mm256_unpackhi_ps(r[2], r[3]);
+    __m256 t4 = _mm256_unpacklo_ps(r[4], r[5]), t5 = _mm256_unpackhi_ps(r[4], r[5]);
+    __m256 t6 = _mm256_unpacklo_ps(r[6], r[7]), t7 = _mm256_unpackhi_ps(r[6], r[7]);
+    __m256 s0 = _mm256_shuffle_ps(t0, t2, _MM_SHUFFLE(1, 0, 1, 0));
+    __m256 s1 = _mm256_shuffle_ps(t0, t2, _MM_SHUFFLE(3, 2, 3, 2));
+    __m256 s2 = _mm256_shuffle_ps(t1, t3, _MM_SHUFFLE(1, 0, 1, 0));
+    __m256 s3 = _mm256_shuffle_ps(t1, t3, _MM_SHUFFLE(3, 2, 3, 2));
+    __m256 s4 = _mm256_shuffle_ps(t4, t6, _MM_SHUFFLE(1, 0, 1, 0));
+    __m256 s5 = _mm256_shuffle_ps(t4, t6, _MM_SHUFFLE(3, 2, 3, 2));
+    __m256 s6 = _mm256_shuffle_ps(t5, t7, _MM_SHUFFLE(1, 0, 1, 0));
+    __m256 s7 = _mm256_shuffle_ps(t5, t7, _MM_SHUFFLE(3, 2, 3, 2));
+    r[0] = _mm256_permute2f128_ps(s0, s4, 0x20);
+    r[1] = _mm256_permute2f128_ps(s1, s5, 0x20);
+    r[2] = _mm256_permute2f128_ps(s2, s6, 0x20);
+    r[3] = _mm256_permute2f128_ps(s3, s7, 0x20);
+    r[4] = _mm256_permute2f128_ps(s0, s4, 0x31);
+    r[5] = _mm256_permute2f128_ps(s1, s5, 0x31);
+    r[6] = _mm256_permute2f128_ps(s2, s6, 0x31);
+    r[7] = _mm256_permute2f128_ps(s3, s7, 0x31);
+}
+
+AI void gather(float *buf, const void *src, size_t G, size_t ld, int h)
+{
+    for (size_t t = 0; t < G; t += 8) {
+        __m256 r[8];
+        for (int i = 0; i < 8; i++) r[i] = ld8(src, (t + (size_t)i) * ld, h);
+        tr8(r);
+        for (int j = 0; j < 8; j++) _mm256_storeu_ps(buf + (size_t)j * G + t, r[j]);
+    }
+}
+
+AI void scatter(void *dst, size_t ld, const float *buf, size_t G, int h)
+{
+    for (size_t t = 0; t < G; t += 8) {
+        __m256 r[8];
+        for (int j = 0; j < 8; j++) r[j] = _mm256_loadu_ps(buf + (size_t)j * G + t);
+        tr8(r);
+        for (int i = 0; i < 8; i++) st8(dst, (t + (size_t)i) * ld, r[i], h);
+    }
+}
+
+static void av_tile_gather(float *buf, const void *src, kvr_dtype t, size_t G,
+                           size_t ld, size_t cc)
+{
+    if (cc == 8 && G % 8 == 0 && t == KVR_DTYPE_F32) gather(buf, src, G, ld, 0);
+    else if (cc == 8 && G % 8 == 0 && t == KVR_DTYPE_F16) gather(buf, src, G, ld, 1);
+    else kvr_codec_kernels_scalar.tile_gather(buf, src, t, G, ld, cc);
+}
+
+static void av_tile_scatter(void *dst, kvr_dtype t, size_t ld, const float *buf,
+                            size_t G, size_t cc)
+{
+    if (cc == 8 && G % 8 == 0 && t == KVR_DTYPE_F32) scatter(dst, ld, buf, G, 0);
+    else if (cc == 8 && G % 8 == 0 && t == KVR_DTYPE_F16) scatter(dst, ld, buf, G, 1);
+    else kvr_codec_kernels_scalar.tile_scatter(dst, t, ld, buf, G, cc);
+}
+
 const kvr_codec_kernels kvr_codec_kernels_avx2 = {
     .enc_f32 = av_enc_f32, .enc_f16 = av_enc_f16,
     .dec_f32 = av_dec_f32, .dec_f16 = av_dec_f16,
+    .tile_gather = av_tile_gather, .tile_scatter = av_tile_scatter,
 };

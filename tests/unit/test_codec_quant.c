@@ -315,6 +315,63 @@ Test(codec_simd, same_bytes_as_scalar)
     }
 }
 
+Test(codec_simd, same_bytes_hard_ranges)
+{
+    /* Offsets, tiny spreads and f16-subnormal magnitudes exercise the
+     * parameter search (the AVX2 path starts it from a different guess). */
+    enum { N = 64 * 40 };
+    static float x[N];
+    static uint8_t e1[N * 2], e2[N * 2];
+    rng_state = 4242;
+    for (size_t g = 0; g < N / 64; g++) {
+        double base = (rng_unit() - 0.5) * pow(10.0, (double)(g % 9) - 4.0) * 6.0;
+        double spread = pow(10.0, -(double)(g % 9)) * rng_unit();
+        for (size_t i = 0; i < 64; i++) x[g * 64 + i] = (float)(base + spread * rng_gauss());
+    }
+    for (size_t t = 0; t < 3; t++)
+        for (int p = 0; p < 2; p++) {
+            kvr_codec cs = { .type = uni_types[t], .params = (kvr_codec_params)p, .isa = KVR_ISA_SCALAR };
+            kvr_codec cv = cs;
+            cv.isa = KVR_ISA_AUTO;
+            cr_assert_eq(kvr_codec_encode(&cs, e1, x, KVR_DTYPE_F32, N, NULL), 0);
+            cr_assert_eq(kvr_codec_encode(&cv, e2, x, KVR_DTYPE_F32, N, NULL), 0);
+            cr_assert_eq(memcmp(e1, e2, kvr_codec_row_bytes(&cs, N)), 0, "%s p%d",
+                         kvr_codec_type_name(cs.type), p);
+            roundtrip_bound(&cv, x, N);
+        }
+}
+
+Test(codec_simd, tiles_same_as_scalar)
+{
+    enum { G = 64, NCH = 8 * 5 + 3, LD = 48 };
+    static float x[G * LD], y1[G * LD], y2[G * LD];
+    static uint16_t xh[G * LD], h1[G * LD], h2[G * LD];
+    static uint8_t e1[1 << 16], e2[1 << 16];
+    gen(x, G * LD, LD, 77);
+    for (size_t i = 0; i < G * LD; i++) xh[i] = kvr_f32_to_f16(x[i]);
+    for (size_t t = 0; t < 3; t++)
+        for (int in16 = 0; in16 < 2; in16++) {
+            kvr_codec cs = { .type = uni_types[t], .group = G, .axis = KVR_CODEC_AXIS_CHANNEL,
+                             .isa = KVR_ISA_SCALAR };
+            kvr_codec cv = cs;
+            cv.isa = KVR_ISA_AUTO;
+            const void *src = in16 ? (const void *)xh : (const void *)x;
+            kvr_dtype st = in16 ? KVR_DTYPE_F16 : KVR_DTYPE_F32;
+            size_t tb = kvr_codec_tile_bytes(&cs, NCH);
+            cr_assert_eq(kvr_codec_encode_tile(&cs, e1, src, st, NCH, LD, NULL), 0);
+            cr_assert_eq(kvr_codec_encode_tile(&cv, e2, src, st, NCH, LD, NULL), 0);
+            cr_assert_eq(memcmp(e1, e2, tb), 0);
+            memset(y1, 0, sizeof y1); memset(y2, 0, sizeof y2);
+            cr_assert_eq(kvr_codec_decode_tile(&cs, y1, KVR_DTYPE_F32, LD, e1, NCH), 0);
+            cr_assert_eq(kvr_codec_decode_tile(&cv, y2, KVR_DTYPE_F32, LD, e1, NCH), 0);
+            cr_assert_eq(memcmp(y1, y2, sizeof y1), 0);
+            memset(h1, 0, sizeof h1); memset(h2, 0, sizeof h2);
+            cr_assert_eq(kvr_codec_decode_tile(&cs, h1, KVR_DTYPE_F16, LD, e1, NCH), 0);
+            cr_assert_eq(kvr_codec_decode_tile(&cv, h2, KVR_DTYPE_F16, LD, e1, NCH), 0);
+            cr_assert_eq(memcmp(h1, h2, sizeof h1), 0);
+        }
+}
+
 /* ---- KIVI --------------------------------------------------------------- */
 
 Test(codec_kivi, key_tile_per_channel)

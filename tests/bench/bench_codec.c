@@ -1,0 +1,391 @@
+/*
+ * bench_codec.c — the KV-at-rest codecs: throughput, bytes per token, error.
+ *
+ * Prints markdown tables (never asserts anything):
+ *  1. quantize (f16 -> bytes) and dequantize (bytes -> f16) throughput on one
+ *     core, in GB/s of f16 data, against memcpy of the same f16 buffer;
+ *  2. bytes per token for a Llama-3-8B shape (32 layers, 8 kv heads, head dim
+ *     128, K and V) for each K/V codec pair, against f16;
+ *  3. relative RMS error on Gaussian data with outlier channels, each codec
+ *     next to ggml's own q4_0/q4_1/q5_0/q8_0 run from libggml-base.so of the
+ *     npm package @node-llama-cpp/linux-x64 ($KVR_GGML_DIR), dlopen'ed with
+ *     the few declarations below; if it cannot be loaded, our bit-exact
+ *     implementation stands in and the table says so.
+ */
+#include <dlfcn.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "cache/codec.h"
+#include "cache/cache.h"
+
+/* ---- ggml peer ---------------------------------------------------------- */
+
+enum { GGML_TYPE_Q4_0 = 2, GGML_TYPE_Q4_1 = 3, GGML_TYPE_Q5_0 = 6, GGML_TYPE_Q8_0 = 8 };
+typedef size_t (*quantize_chunk_fn)(int type, const float *src, void *dst, int64_t start,
+                                    int64_t nrows, int64_t n_per_row, const float *imatrix);
+typedef void (*to_float_fn)(const void *x, float *y, int64_t k);
+/* ggml's struct ggml_type_traits (ggml.h, 2024-2025); checked field by field
+ * at run time before to_float is trusted. */
+struct ggml_type_traits_peer {
+    const char *type_name;
+    int64_t     blck_size;
+    int64_t     blck_size_interleave;
+    size_t      type_size;
+    _Bool       is_quantized;
+    to_float_fn to_float;
+    void       *from_float_ref;
+};
+typedef const struct ggml_type_traits_peer *(*get_traits_fn)(int type);
+
+static struct {
+    void *h;
+    quantize_chunk_fn quantize;
+    get_traits_fn traits;
+    char why[256];
+} peer;
+
+static void peer_load(void)
+{
+    const char *dir = getenv("KVR_GGML_DIR");
+    if (!dir || !*dir) {
+        snprintf(peer.why, sizeof peer.why, "KVR_GGML_DIR not set");
+        return;
+    }
+    char path[4096];
+    snprintf(path, sizeof path, "%s/libggml-base.so", dir);
+    peer.h = dlopen(path, RTLD_NOW | RTLD_LOCAL);
+    if (!peer.h) {
+        snprintf(peer.why, sizeof peer.why, "dlopen: %s", dlerror());
+        return;
+    }
+    *(void **)&peer.quantize = dlsym(peer.h, "ggml_quantize_chunk");
+    *(void **)&peer.traits = dlsym(peer.h, "ggml_get_type_traits");
+    if (!peer.quantize) {
+        snprintf(peer.why, sizeof peer.why, "no ggml_quantize_chunk");
+        dlclose(peer.h);
+        peer.h = NULL;
+    }
+}
+
+static to_float_fn peer_to_float(int type, const char *name, size_t type_size)
+{
+    if (peer.traits) {
+        const struct ggml_type_traits_peer *t = peer.traits(type);
+        if (t && t->type_name && strcmp(t->type_name, name) == 0 && t->blck_size == 32 &&
+            t->type_size == type_size && t->to_float)
+            return t->to_float;
+    }
+    char sym[64];
+    snprintf(sym, sizeof sym, "dequantize_row_%s", name);
+    to_float_fn f;
+    *(void **)&f = dlsym(peer.h, sym);
+    return f;
+}
+
+/* ---- helpers ------------------------------------------------------------ */
+
+static double now(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+static uint64_t rng_state = 88172645463325252ULL;
+static double rng_unit(void)
+{
+    uint64_t x = rng_state;
+    x ^= x >> 12; x ^= x << 25; x ^= x >> 27;
+    rng_state = x;
+    return (double)((x * 0x2545F4914F6CDD1DULL) >> 11) * 0x1p-53;
+}
+static double rng_gauss(void)
+{
+    double u = rng_unit(), v = rng_unit();
+    if (u < 1e-300) u = 1e-300;
+    return sqrt(-2.0 * log(u)) * cos(6.283185307179586 * v);
+}
+
+#define HEADS 8
+#define HDIM 128
+#define ROW (HEADS * HDIM)
+
+/* [tokens][8 heads][128] Gaussian, with 4 outlier channels per head (x15,
+ * offset +3), the structure KIVI's per-channel keys are designed for. */
+static void gen(float *x, size_t n)
+{
+    for (size_t i = 0; i < n; i++) {
+        size_t d = i % HDIM;
+        double g = rng_gauss();
+        if (d == 5 || d == 37 || d == 70 || d == 101) g = g * 15.0 + 3.0;
+        x[i] = (float)g;
+    }
+}
+
+/* ---- 1: throughput ------------------------------------------------------ */
+
+typedef struct tcase {
+    const char *name;
+    kvr_codec   c;
+    int         tile;      /* KIVI per-channel key tiles */
+} tcase;
+
+static double best_of(int reps, double (*fn)(void *), void *arg)
+{
+    double best = 1e30;
+    for (int r = 0; r < reps; r++) {
+        double t = fn(arg);
+        if (t < best) best = t;
+    }
+    return best;
+}
+
+static uint16_t *g_src16, *g_dst16;
+static uint8_t *g_enc;
+static size_t g_n;
+static const tcase *g_tc;
+
+static double run_memcpy(void *arg)
+{
+    (void)arg;
+    double t0 = now();
+    memcpy(g_dst16, g_src16, g_n * 2);
+    return now() - t0;
+}
+
+static double run_enc(void *arg)
+{
+    (void)arg;
+    double t0 = now();
+    if (g_tc->tile) {
+        size_t G = kvr_codec_group(&g_tc->c), tb = kvr_codec_tile_bytes(&g_tc->c, ROW);
+        for (size_t t = 0; t + G <= g_n / ROW; t += G)
+            kvr_codec_encode_tile(&g_tc->c, g_enc + t / G * tb, g_src16 + t * ROW,
+                                  KVR_DTYPE_F16, ROW, ROW, NULL);
+    } else {
+        kvr_codec_encode(&g_tc->c, g_enc, g_src16, KVR_DTYPE_F16, g_n, NULL);
+    }
+    return now() - t0;
+}
+
+static double run_dec(void *arg)
+{
+    (void)arg;
+    double t0 = now();
+    if (g_tc->tile) {
+        size_t G = kvr_codec_group(&g_tc->c), tb = kvr_codec_tile_bytes(&g_tc->c, ROW);
+        for (size_t t = 0; t + G <= g_n / ROW; t += G)
+            kvr_codec_decode_tile(&g_tc->c, g_dst16 + t * ROW, KVR_DTYPE_F16, ROW,
+                                  g_enc + t / G * tb, ROW);
+    } else {
+        kvr_codec_decode(&g_tc->c, g_dst16, KVR_DTYPE_F16, g_enc, g_n);
+    }
+    return now() - t0;
+}
+
+static void bench_throughput(void)
+{
+    g_n = (size_t)8192 * ROW;               /* 8M values: 16 MiB of f16 */
+    float *x = malloc(g_n * 4);
+    g_src16 = malloc(g_n * 2);
+    g_dst16 = malloc(g_n * 2);
+    g_enc = malloc(g_n * 4 + 4096);
+    gen(x, g_n);
+    for (size_t i = 0; i < g_n; i++) g_src16[i] = kvr_f32_to_f16(x[i]);
+    memset(g_dst16, 0, g_n * 2);
+    memset(g_enc, 0, g_n * 4 + 4096);
+
+    const tcase cases[] = {
+        { "f16 (copy)",        { .type = KVR_CODEC_F16 }, 0 },
+        { "bf16",              { .type = KVR_CODEC_BF16 }, 0 },
+        { "int8 g64",          { .type = KVR_CODEC_INT8 }, 0 },
+        { "int4 g64",          { .type = KVR_CODEC_INT4 }, 0 },
+        { "int4 g32",          { .type = KVR_CODEC_INT4, .group = 32 }, 0 },
+        { "int2 g64",          { .type = KVR_CODEC_INT2 }, 0 },
+        { "int4 g64 scalar",   { .type = KVR_CODEC_INT4, .isa = KVR_ISA_SCALAR }, 0 },
+        { "int2 g64 scalar",   { .type = KVR_CODEC_INT2, .isa = KVR_ISA_SCALAR }, 0 },
+        { "int4 g64 KIVI key tile", { .type = KVR_CODEC_INT4, .axis = KVR_CODEC_AXIS_CHANNEL }, 1 },
+        { "q8_0 (scalar)",     { .type = KVR_CODEC_Q8_0 }, 0 },
+        { "q4_0 (scalar)",     { .type = KVR_CODEC_Q4_0 }, 0 },
+        { "q4_1 (scalar)",     { .type = KVR_CODEC_Q4_1 }, 0 },
+        { "q5_0 (scalar)",     { .type = KVR_CODEC_Q5_0 }, 0 },
+    };
+    double tm = best_of(7, run_memcpy, NULL);
+    double gb = (double)g_n * 2 / 1e9;
+    printf("## Throughput, one core, GB/s of f16 data (%.0f MiB buffer)\n\n", (double)g_n * 2 / 1048576.0);
+    printf("memcpy of the f16 buffer: %.2f GB/s (the ratio baseline)\n\n", gb / tm);
+    printf("| codec | quantize GB/s | x memcpy | dequantize GB/s | x memcpy |\n");
+    printf("| --- | ---: | ---: | ---: | ---: |\n");
+    for (size_t i = 0; i < sizeof cases / sizeof *cases; i++) {
+        g_tc = &cases[i];
+        double te = best_of(5, run_enc, NULL);
+        double td = best_of(5, run_dec, NULL);
+        printf("| %s | %.2f | %.2f | %.2f | %.2f |\n", cases[i].name, gb / te, tm / te, gb / td, tm / td);
+    }
+    printf("\n");
+    free(x); free(g_src16); free(g_dst16); free(g_enc);
+}
+
+/* ---- 2: bytes per token ------------------------------------------------- */
+
+static void bench_sizes(void)
+{
+    const struct { const char *name; kvr_codec k, v; } pairs[] = {
+        { "f16 / f16",                 { .type = KVR_CODEC_F16 }, { .type = KVR_CODEC_F16 } },
+        { "int8 / int8 g64",           { .type = KVR_CODEC_INT8 }, { .type = KVR_CODEC_INT8 } },
+        { "q8_0 / q8_0",               { .type = KVR_CODEC_Q8_0 }, { .type = KVR_CODEC_Q8_0 } },
+        { "q4_0 / q4_0",               { .type = KVR_CODEC_Q4_0 }, { .type = KVR_CODEC_Q4_0 } },
+        { "int4 / int4 g64",           { .type = KVR_CODEC_INT4 }, { .type = KVR_CODEC_INT4 } },
+        { "K4V2 g32",                  { .type = KVR_CODEC_INT4, .group = 32 }, { .type = KVR_CODEC_INT2, .group = 32 } },
+        { "K4V2 g64 (default)",        { .type = KVR_CODEC_INT4 }, { .type = KVR_CODEC_INT2 } },
+        { "K4V2 g128",                 { .type = KVR_CODEC_INT4, .group = 128 }, { .type = KVR_CODEC_INT2, .group = 128 } },
+        { "K4 g128 / V2 g256",         { .type = KVR_CODEC_INT4, .group = 128 }, { .type = KVR_CODEC_INT2, .group = 256 } },
+        { "K4V2 g256",                 { .type = KVR_CODEC_INT4, .group = 256 }, { .type = KVR_CODEC_INT2, .group = 256 } },
+        { "K4V2 g64, f32 params",      { .type = KVR_CODEC_INT4, .params = KVR_CODEC_PARAMS_F32 },
+                                       { .type = KVR_CODEC_INT2, .params = KVR_CODEC_PARAMS_F32 } },
+    };
+    kvr_codec_pair f16p = { .k = { .type = KVR_CODEC_F16 }, .v = { .type = KVR_CODEC_F16 } };
+    double base = kvr_codec_pair_bytes_per_token(&f16p, 32, HEADS, HDIM);
+    printf("## Bytes per token, Llama-3-8B shape (32 layers x 8 kv heads x 128, K and V)\n\n");
+    printf("| K / V codec | K bits/value | V bits/value | bytes/token | x smaller than f16 |\n");
+    printf("| --- | ---: | ---: | ---: | ---: |\n");
+    for (size_t i = 0; i < sizeof pairs / sizeof *pairs; i++) {
+        kvr_codec_pair p = { .k = pairs[i].k, .v = pairs[i].v };
+        double b = kvr_codec_pair_bytes_per_token(&p, 32, HEADS, HDIM);
+        printf("| %s | %.3f | %.3f | %.0f | %.2f |\n", pairs[i].name,
+               kvr_codec_bits_per_value(&p.k, 0), kvr_codec_bits_per_value(&p.v, 0), b, base / b);
+    }
+    kvr_codec_pair d = kvr_codec_pair_default();
+    printf("\nKIVI window: the %u most recent tokens stay f16 (%.0f bytes each); at 8192 tokens of"
+           " context the default K4V2 g64 averages %.0f bytes/token (%.2fx).\n\n",
+           d.window, base, (kvr_codec_pair_bytes_per_token(&d, 32, HEADS, HDIM) * (8192 - d.window)
+                            + base * d.window) / 8192.0,
+           base * 8192.0 / (kvr_codec_pair_bytes_per_token(&d, 32, HEADS, HDIM) * (8192 - d.window)
+                            + base * d.window));
+}
+
+/* ---- 3: error ----------------------------------------------------------- */
+
+static double our_rms(const kvr_codec *c, int tile, const float *x, size_t n)
+{
+    float *y = malloc(n * 4);
+    uint8_t *enc = malloc(kvr_codec_row_bytes(c, n) + kvr_codec_tile_bytes(c, ROW) + 64);
+    int rc = 0;
+    if (tile) {
+        size_t G = kvr_codec_group(c), tb = kvr_codec_tile_bytes(c, ROW);
+        for (size_t t = 0; t < n / ROW && rc == 0; t += G) {
+            rc = kvr_codec_encode_tile(c, enc, x + t * ROW, KVR_DTYPE_F32, ROW, ROW, NULL);
+            if (rc == 0) rc = kvr_codec_decode_tile(c, y + t * ROW, KVR_DTYPE_F32, ROW, enc, ROW);
+            (void)tb;
+        }
+    } else {
+        rc = kvr_codec_encode(c, enc, x, KVR_DTYPE_F32, n, NULL);
+        if (rc == 0) rc = kvr_codec_decode(c, y, KVR_DTYPE_F32, enc, n);
+    }
+    double r = rc == 0 ? kvr_codec_rel_rms(x, y, KVR_DTYPE_F32, n) : (double)NAN;
+    free(y); free(enc);
+    return r;
+}
+
+/* Runs ggml's quantizer and dequantizer; also reports whether its bytes equal ours. */
+static double peer_rms(int gtype, const char *name, kvr_codec_type ours, size_t bsize,
+                       const float *x, size_t n, int *same)
+{
+    to_float_fn tf = peer_to_float(gtype, name, bsize);
+    if (!tf) return (double)NAN;
+    uint8_t *q = malloc(n / 32 * bsize), *mine = malloc(n / 32 * bsize);
+    float *y = malloc(n * 4);
+    size_t wrote = peer.quantize(gtype, x, q, 0, (int64_t)(n / ROW), ROW, NULL);
+    tf(q, y, (int64_t)n);
+    kvr_codec c = { .type = ours };
+    *same = wrote == n / 32 * bsize &&
+            kvr_codec_encode(&c, mine, x, KVR_DTYPE_F32, n, NULL) == 0 &&
+            memcmp(q, mine, n / 32 * bsize) == 0;
+    double r = kvr_codec_rel_rms(x, y, KVR_DTYPE_F32, n);
+    free(q); free(mine); free(y);
+    return r;
+}
+
+static void bench_error(void)
+{
+    size_t T = 1024, n = T * ROW;
+    float *x = malloc(n * 4);
+    gen(x, n);
+    printf("## Relative RMS error, Gaussian data with 4 outlier channels per head"
+           " (%zu tokens x 8 x 128)\n\n", T);
+    printf("| codec | grouping | bits/value | rel RMS |\n| --- | --- | ---: | ---: |\n");
+    const struct { const char *name; kvr_codec c; int tile; } rows[] = {
+        { "int8 g64",  { .type = KVR_CODEC_INT8 }, 0 },
+        { "int4 g32",  { .type = KVR_CODEC_INT4, .group = 32 }, 0 },
+        { "int4 g64",  { .type = KVR_CODEC_INT4 }, 0 },
+        { "int4 g128", { .type = KVR_CODEC_INT4, .group = 128 }, 0 },
+        { "int2 g32",  { .type = KVR_CODEC_INT2, .group = 32 }, 0 },
+        { "int2 g64",  { .type = KVR_CODEC_INT2 }, 0 },
+        { "int4 g64 KIVI key", { .type = KVR_CODEC_INT4, .axis = KVR_CODEC_AXIS_CHANNEL }, 1 },
+        { "int2 g64 KIVI key", { .type = KVR_CODEC_INT2, .axis = KVR_CODEC_AXIS_CHANNEL }, 1 },
+        { "q8_0 (kvrope)", { .type = KVR_CODEC_Q8_0 }, 0 },
+        { "q5_0 (kvrope)", { .type = KVR_CODEC_Q5_0 }, 0 },
+        { "q4_1 (kvrope)", { .type = KVR_CODEC_Q4_1 }, 0 },
+        { "q4_0 (kvrope)", { .type = KVR_CODEC_Q4_0 }, 0 },
+    };
+    double int4g64 = 0, q40 = (double)NAN;
+    for (size_t i = 0; i < sizeof rows / sizeof *rows; i++) {
+        double r = our_rms(&rows[i].c, rows[i].tile, x, n);
+        if (i == 2) int4g64 = r;
+        if (rows[i].c.type == KVR_CODEC_Q4_0) q40 = r;
+        printf("| %s | %s | %.3f | %.5f |\n", rows[i].name,
+               rows[i].tile ? "per channel, G tokens" : "per token, G channels",
+               kvr_codec_bits_per_value(&rows[i].c, 0), r);
+    }
+    const char *peer_note = "";
+    if (peer.h) {
+        const struct { int g; const char *name; kvr_codec_type ours; size_t bs; } pr[] = {
+            { GGML_TYPE_Q8_0, "q8_0", KVR_CODEC_Q8_0, 34 },
+            { GGML_TYPE_Q5_0, "q5_0", KVR_CODEC_Q5_0, 22 },
+            { GGML_TYPE_Q4_1, "q4_1", KVR_CODEC_Q4_1, 20 },
+            { GGML_TYPE_Q4_0, "q4_0", KVR_CODEC_Q4_0, 18 },
+        };
+        for (size_t i = 0; i < 4; i++) {
+            int same = 0;
+            double r = peer_rms(pr[i].g, pr[i].name, pr[i].ours, pr[i].bs, x, n, &same);
+            if (pr[i].g == GGML_TYPE_Q4_0) q40 = r;
+            printf("| %s (ggml peer) | blocks of 32 | %.3f | %.5f |\n", pr[i].name,
+                   8.0 * (double)pr[i].bs / 32.0, r);
+            printf("|  ↳ ggml's bytes == kvrope's | | | %s |\n", same ? "identical" : "DIFFER");
+        }
+    } else {
+        peer_note = " (ggml peer not loaded: ";
+        printf("\nggml peer could not be loaded (%s); the q*_0 rows above are kvrope's bit-exact"
+               " implementation, checked against ggml's vectors in the unit tests.\n", peer.why);
+    }
+    printf("\n## Goals\n\n");
+    kvr_codec_pair d = kvr_codec_pair_default();
+    kvr_codec_pair f16p = { .k = { .type = KVR_CODEC_F16 }, .v = { .type = KVR_CODEC_F16 } };
+    double ratio = kvr_codec_pair_bytes_per_token(&f16p, 32, HEADS, HDIM) /
+                   kvr_codec_pair_bytes_per_token(&d, 32, HEADS, HDIM);
+    kvr_codec_pair big = { .k = { .type = KVR_CODEC_INT4, .group = 256 },
+                           .v = { .type = KVR_CODEC_INT2, .group = 256 } };
+    double ratio256 = kvr_codec_pair_bytes_per_token(&f16p, 32, HEADS, HDIM) /
+                      kvr_codec_pair_bytes_per_token(&big, 32, HEADS, HDIM);
+    printf("| goal | measured | met |\n| --- | --- | --- |\n");
+    printf("| K4V2 >= 5x smaller than f16 incl. scales | default g64: %.2fx; g256: %.2fx | %s |\n",
+           ratio, ratio256, ratio >= 5.0 ? "yes" : ratio256 >= 5.0 ? "only with g256" : "no");
+    printf("| int4 error <= ggml q4_0 at the same bits/value (4.5) | int4 g64 %.5f vs q4_0 %.5f%s%s | %s |\n",
+           int4g64, q40, peer_note, peer.h ? "" : ")", int4g64 <= q40 ? "yes" : "no");
+    free(x);
+}
+
+int main(void)
+{
+    peer_load();
+    printf("# bench_codec (ISA: %s)\n\n", kvr_isa_name(kvr_isa_best()));
+    bench_sizes();
+    bench_error();
+    printf("\n");
+    bench_throughput();
+    return 0;
+}
