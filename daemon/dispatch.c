@@ -325,10 +325,10 @@ static void do_register_model(kvr_conn *c)
         }
     }
     if (rc->num_layers <= 0 || rc->num_kv_heads <= 0 || rc->head_dim <= 0) {
+        int nl = rc->num_layers, nh = rc->num_kv_heads, hd = rc->head_dim;
         kvr_mem_free(rc);
         reply_errf(c, KVR_EBADREQUEST,
-                   "model shape incomplete: n_layers %d, n_kv_heads %d, head_dim %d",
-                   (int)rc->num_layers, (int)rc->num_kv_heads, (int)rc->head_dim);
+                   "model shape incomplete: n_layers %d, n_kv_heads %d, head_dim %d", nl, nh, hd);
         return;
     }
     kvr_model_desc desc = {

@@ -1,0 +1,113 @@
+/*
+ * fuzz_wire.c — libFuzzer target for everything a peer's bytes reach:
+ *   1. kvr_frame_header_decode on the first 24 bytes,
+ *   2. kvrope.Request unpack of the rest (with the daemon's allocator),
+ *   3. the whole input as a byte stream through a real connection of an
+ *      in-process daemon (socketpair adopted with kvr_daemon_adopt_fd): the
+ *      frame state machine, drains, puts into store memory, gets, closes.
+ * The daemon (and its store) lives for the whole run; the memory cap keeps
+ * it bounded. Its replies are read and discarded.
+ *
+ * Build (from the repository root, after `make build/gen/proto/kvrope.pb-c.h`):
+ *   F="-g -O1 -fsanitize=fuzzer,address,undefined -D_GNU_SOURCE -I. -Ibuild/gen/proto"
+ *   clang $F -mavx2 -mfma -mf16c -c rope/rope_avx2.c -o /tmp/r2.o
+ *   clang $F -mavx512f -mavx512bw -mavx512vl -mavx512dq -mavx2 -mfma -mf16c \
+ *         -c rope/rope_avx512.c -o /tmp/r5.o
+ *   clang $F -mavx2 -mfma -mf16c -c cache/codec_avx2.c -o /tmp/c2.o
+ *   clang $F -o build/fuzz_wire tests/fuzz/fuzz_wire.c daemon/conn.c daemon/dispatch.c \
+ *         daemon/server.c daemon/config.c daemon/log.c proto/frame.c \
+ *         build/gen/proto/kvrope.pb-c.c $(ls cache/*.c rope/*.c | grep -v _avx) \
+ *         /tmp/r2.o /tmp/r5.o /tmp/c2.o -luv -luring -lprotobuf-c -lcjson -lm -lpthread
+ *   build/fuzz_wire -max_total_time=60 -max_len=65536
+ */
+#include <errno.h>
+#include <fcntl.h>
+#include <sched.h>
+#include <signal.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include "daemon/daemon_internal.h"
+
+int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
+
+static kvr_daemon *D;
+
+static void init_daemon(void)
+{
+    signal(SIGPIPE, SIG_IGN);
+    kvr_daemon_init_allocator();
+    kvr_daemon_config cfg;
+    kvr_daemon_config_init(&cfg);
+    snprintf(cfg.socket_path, sizeof cfg.socket_path, "none");
+    cfg.max_memory = 64u << 20;
+    cfg.max_frame = 64u << 10;
+    cfg.max_drain = 64u << 10;
+    cfg.max_conn_buffer = 1u << 20;
+    cfg.log_level = KVR_LOG_ERROR;
+    kvr_log_set_level(KVR_LOG_ERROR);
+    char err[256];
+    if (kvr_daemon_create(&D, &cfg, err, sizeof err) < 0)
+        abort();
+}
+
+static void stream_through_daemon(const uint8_t *data, size_t size)
+{
+    int sv[2];
+    if (socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv) < 0)
+        return;
+    fcntl(sv[1], F_SETFL, O_NONBLOCK);
+    if (kvr_daemon_adopt_fd(D, sv[0]) < 0) {
+        close(sv[0]);
+        close(sv[1]);
+        return;
+    }
+    size_t off = 0;
+    bool shut = false;
+    uint8_t sink[65536];
+    for (long spins = 0; spins < 2000000; spins++) {
+        if (off < size) {
+            ssize_t k = write(sv[1], data + off, size - off);
+            if (k > 0)
+                off += (size_t)k;
+            else if (k < 0 && errno != EAGAIN && errno != EWOULDBLOCK)
+                off = size;   /* daemon closed its side */
+        }
+        if (off == size && !shut) {
+            shutdown(sv[1], SHUT_WR);
+            shut = true;
+        }
+        while (read(sv[1], sink, sizeof sink) > 0) {
+        }
+        kvr_daemon_run_nowait(D);
+        if (shut && kvr_daemon_connections(D) == 0)
+            break;
+        if ((spins & 63) == 63)
+            sched_yield();   /* let threadpool jobs finish */
+    }
+    close(sv[1]);
+    /* Let the close callbacks run. */
+    for (int i = 0; i < 1000 && kvr_daemon_connections(D) > 0; i++)
+        kvr_daemon_run_nowait(D);
+}
+
+int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
+{
+    if (!D)
+        init_daemon();
+    if (size >= KVR_FRAME_HEADER_SIZE) {
+        kvr_frame_header h;
+        kvr_frame_limits lim = { .max_msg_len = 64u << 10, .max_payload_len = 64u << 20 };
+        (void)kvr_frame_header_decode(data, &h, &lim);
+        Kvrope__Request *r = kvrope__request__unpack(&kvr_pb_allocator,
+                                                     size - KVR_FRAME_HEADER_SIZE,
+                                                     data + KVR_FRAME_HEADER_SIZE);
+        if (r)
+            kvrope__request__free_unpacked(r, &kvr_pb_allocator);
+    }
+    stream_through_daemon(data, size);
+    return 0;
+}
