@@ -153,7 +153,7 @@ $(BUILD)/tests/test_codec%: $(BUILD)/obj/tests/unit/test_codec%.o $(CODEC_OBJ) $
 	@mkdir -p $(dir $@)
 	$(CC) $(LDFLAGS_ALL) -o $@ $^ -lcriterion $(LIBS) $(MALLOC_LIB)
 
-$(BUILD)/bench/bench_codec%: $(BUILD)/obj/tests/bench/bench_codec%.o $(CODEC_OBJ) $(ROPE_A)
+$(BUILD)/bench/bench_codec: $(BUILD)/obj/tests/bench/bench_codec.o $(CODEC_OBJ) $(ROPE_A)
 	@mkdir -p $(dir $@)
 	$(CC) $(LDFLAGS_ALL) -o $@ $^ $(LIBS) $(MALLOC_LIB)
 

@@ -21,6 +21,10 @@
 #include <math.h>
 #include "rope/rope.h"
 
+/* Private to rope/: hidden in shared objects (libkvrope.so exports kvr_* only). */
+#pragma GCC visibility push(hidden)
+
+
 struct kvr_rope {
     kvr_rope_config cfg;
     int     head_dim;
@@ -134,5 +138,7 @@ static inline void rope_store1(void *p, kvr_dtype t, size_t i, float v)
     default:             ((float *)p)[i] = v; break;
     }
 }
+
+#pragma GCC visibility pop
 
 #endif /* KVR_ROPE_INTERNAL_H */
