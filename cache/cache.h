@@ -83,6 +83,7 @@ void  *kvr_mem_calloc(size_t count, size_t size);
 void  *kvr_mem_realloc(void *p, size_t n);
 void  *kvr_mem_aligned(size_t align, size_t n);    /* free with kvr_mem_free */
 void   kvr_mem_free(void *p);
+size_t kvr_mem_size_class(size_t n); /* what an allocation of n will really hold */
 size_t kvr_mem_allocated(void);   /* bytes the allocator holds for us now */
 size_t kvr_mem_peak(void);
 

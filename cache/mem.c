@@ -11,6 +11,9 @@
  */
 #include <malloc.h>
 #include <stdatomic.h>
+#ifdef KVR_JEMALLOC
+#include <jemalloc/jemalloc.h>   /* nallocx: the size class of a request */
+#endif
 #include <stdlib.h>
 
 #include "cache/cache.h"
@@ -83,6 +86,22 @@ void kvr_mem_free(void *p)
         return;
     account_sub(p);
     free(p);
+}
+
+size_t kvr_mem_size_class(size_t n)
+{
+    if (n == 0)
+        n = 1;
+#ifdef KVR_JEMALLOC
+    size_t r = nallocx(n, 0);
+    return r ? r : n;
+#else
+    /* glibc: chunks are 16-byte multiples with an 8-byte header; large
+     * requests are mmapped whole pages. An upper bound is what matters. */
+    if (n >= 128 * 1024)
+        return (n + 8 + 4095) & ~(size_t)4095;
+    return ((n + 8 + 15) & ~(size_t)15);
+#endif
 }
 
 size_t kvr_mem_allocated(void)

@@ -174,7 +174,10 @@ int kvr_store_put_begin(kvr_store *s, const kvr_put_params *p, kvr_put **out,
     bool zero_copy = p->dtype == c->dtype;
     size_t n_runs = n_new + (tail ? 1 : 0);
     size_t n_iov = zero_copy ? 2u * m->n_layers * n_runs : 1;
-    size_t need = n_new * (bb + sizeof(kvr_block) + 64) + (zero_copy ? 0 : payload) +
+    /* Reserve what the allocator will really hold (its size classes), not
+     * what is requested: jemalloc rounds a 25 KiB block up to 28 KiB. */
+    size_t need = n_new * (kvr_mem_size_class(bb) + kvr_mem_size_class(sizeof(kvr_block))) +
+                  (zero_copy ? 0 : kvr_mem_size_class(payload)) +
                   n_iov * sizeof(struct iovec) + n * sizeof(uint32_t) +
                   n_runs * sizeof(put_run);
     if ((rc = store_reserve(s, need, err)) != 0)
