@@ -801,3 +801,76 @@ Test(daemon_wire, stale_socket_is_replaced)
     close(fd);
     stop_daemon_clean();
 }
+
+/* An f32 put into an f16 model converts on the threadpool; an f32 get
+ * converts back. Values 1 + k/1024 are exact in f16, so the round trip is
+ * exact. Re-rotating to the same positions is the identity (within f16). */
+Test(daemon_wire, put_f32_converts_off_loop)
+{
+    start_daemon(NULL);
+    int fd = connect_unix(D.sock);
+    register_model(fd);
+    enum { T = 40 };
+    uint32_t toks[T];
+    for (int i = 0; i < T; i++)
+        toks[i] = (uint32_t)(1000 + i);
+    size_t n = (size_t)NL * 2 * T * NH * HD;
+    float *pay = malloc(n * sizeof *pay);
+    for (size_t i = 0; i < n; i++)
+        pay[i] = 1.0f + (float)(i % 1024) / 1024.0f;
+    Kvrope__Request q;
+    Kvrope__Put p;
+    make_put(&q, &p, "f32", toks, T, KVROPE__PUT_MODE__CREATE);
+    p.dtype = KVROPE__DTYPE__F32;
+    send_req(fd, &q, pay, n * sizeof *pay);
+    Kvrope__Response *r = recv_resp(fd, NULL, NULL);
+    cr_assert_eq(r->status, KVROPE__STATUS__OK, "put: %s", r->message);
+    cr_assert_eq(r->put->n_tokens, T);
+    kvrope__response__free_unpacked(r, NULL);
+
+    Kvrope__Get g = KVROPE__GET__INIT;
+    g.context_id = "f32";
+    g.has_dtype = 1;
+    g.dtype = KVROPE__DTYPE__F32;
+    kvrope__request__init(&q);
+    q.id = 400;
+    q.body_case = KVROPE__REQUEST__BODY_GET;
+    q.get = &g;
+    send_req(fd, &q, NULL, 0);
+    uint8_t *got;
+    uint64_t glen;
+    r = recv_resp(fd, &got, &glen);
+    cr_assert_eq(r->status, KVROPE__STATUS__OK, "get: %s", r->message);
+    cr_assert_eq(glen, n * sizeof(float));
+    cr_assert_arr_eq(got, pay, n * sizeof(float));
+    free(got);
+    kvrope__response__free_unpacked(r, NULL);
+
+    /* A layer subset and an explicit range: only those bytes come back. */
+    uint32_t layers[1] = { 1 };
+    g.n_layers = 1;
+    g.layers = layers;
+    g.has_start = g.has_end = 1;
+    g.start = 4;
+    g.end = 6;
+    send_req(fd, &q, NULL, 0);
+    r = recv_resp(fd, &got, &glen);
+    cr_assert_eq(r->status, KVROPE__STATUS__OK, "get: %s", r->message);
+    cr_assert_eq(r->kv->token_count, 2);
+    cr_assert_eq(r->kv->tokens[0], 1004);
+    cr_assert_eq(glen, (size_t)2 * 2 * NH * HD * sizeof(float));
+    free(got);
+    kvrope__response__free_unpacked(r, NULL);
+
+    /* Out of range: E_RANGE; the connection goes on. */
+    g.start = 10;
+    g.end = 1000;
+    send_req(fd, &q, NULL, 0);
+    r = recv_resp(fd, NULL, NULL);
+    cr_assert_eq(r->status, KVROPE__STATUS__E_RANGE, "status %d: %s", r->status, r->message);
+    kvrope__response__free_unpacked(r, NULL);
+    cr_assert_eq(ping(fd, 401), KVROPE__STATUS__OK);
+    free(pay);
+    close(fd);
+    stop_daemon_clean();
+}
