@@ -34,7 +34,12 @@ CPPFLAGS := -D_GNU_SOURCE -I. -I$(GEN)/proto -MMD -MP
 CFLAGS_BASE := $(WARN) -fPIC -pthread -fvisibility=default
 LIBS := -luv -luring -lprotobuf-c -lcjson -lm -lpthread -ldl
 
-ifeq ($(MODE),check)
+ifeq ($(MODE),fuzz)
+  CC := clang
+  OPT := -g -O1 -fsanitize=fuzzer-no-link,address,undefined -fno-omit-frame-pointer
+  LDSAN := -fsanitize=fuzzer,address,undefined
+  MALLOC_LIB :=
+else ifeq ($(MODE),check)
   OPT := -O1 -g -fsanitize=address,undefined -fno-omit-frame-pointer \
          -fno-sanitize-recover=undefined
   LDSAN := -fsanitize=address,undefined
@@ -91,8 +96,9 @@ KVROPED    := $(BUILD)/kvroped
 KVROPE     := $(BUILD)/kvrope
 TESTS      := $(patsubst tests/unit/%.c,$(BUILD)/tests/%,$(TEST_SRC))
 BENCHES    := $(patsubst tests/bench/%.c,$(BUILD)/bench/%,$(BENCH_SRC))
+FUZZERS    := $(patsubst tests/fuzz/%.c,$(BUILD)/fuzz/%,$(FUZZ_SRC))
 
-.PHONY: all deps deps-bench run test check bench fuzz clean check-symbols
+.PHONY: fuzzers all deps deps-bench run test check bench fuzz clean check-symbols
 .DEFAULT_GOAL := all
 
 all: $(KVROPED) $(KVROPE) $(CLIENT_A) $(CLIENT_SO) $(TESTS) $(BENCHES)
@@ -173,6 +179,13 @@ $(BUILD)/bench/%: $(BUILD)/obj/tests/bench/%.o $(ALL_A)
 	@mkdir -p $(dir $@)
 	$(CC) $(LDFLAGS_ALL) -o $@ $^ $(LIBS) $(MALLOC_LIB)
 
+# libFuzzer targets: only built in MODE=fuzz (clang), see `make fuzz`.
+$(BUILD)/fuzz/%: $(BUILD)/obj/tests/fuzz/%.o $(ALL_A)
+	@mkdir -p $(dir $@)
+	$(CC) $(LDFLAGS_ALL) -o $@ $^ $(LIBS)
+
+fuzzers: $(FUZZERS)
+
 # ---- running ---------------------------------------------------------------
 run: deps
 	@$(MAKE) --no-print-directory $(KVROPED) $(KVROPE)
@@ -194,7 +207,8 @@ bench: deps-bench
 	@KVR_BUILD=$(abspath $(BUILD)) KVR_VECTORS=$(SHARED)/vectors scripts/run-bench.sh
 
 fuzz: deps
-	@scripts/run-fuzz.sh
+	@$(MAKE) --no-print-directory BUILD=build/fuzz MODE=fuzz fuzzers
+	@scripts/run-fuzz.sh build/fuzz
 
 # Every exported symbol of the client library carries the kvr_ prefix.
 check-symbols: $(CLIENT_SO)

@@ -482,13 +482,9 @@ const kvr_codec_kernels kvr_codec_kernels_scalar = {
 
 static const kvr_codec_kernels *kernels_for(kvr_isa isa)
 {
-    static int have_avx2 = -1;
-    if (have_avx2 < 0) {
-        __builtin_cpu_init();
-        have_avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-                    __builtin_cpu_supports("f16c");
-    }
-    if (isa == KVR_ISA_SCALAR || !have_avx2) return &kvr_codec_kernels_scalar;
+    /* One CPU probe for the project: rope/'s (AVX2 implies FMA and F16C there). */
+    if (isa == KVR_ISA_SCALAR || kvr_isa_best() == KVR_ISA_SCALAR)
+        return &kvr_codec_kernels_scalar;
     /* No AVX-512 kernels yet: AVX512 and AUTO both resolve to AVX2. */
     return &kvr_codec_kernels_avx2;
 }
@@ -879,6 +875,6 @@ double kvr_codec_rel_rms(const float *ref, const void *dec, kvr_dtype dec_type, 
         den += r * r;
     }
     if (num == 0.0) return 0.0;
-    if (den == 0.0) return INFINITY;
+    if (den == 0.0) return (double)INFINITY;
     return sqrt(num / den);
 }

@@ -27,11 +27,23 @@
 #include <unistd.h>
 #include <math.h>
 
+#include <cpuid.h>
+
 #include "rope/rope_internal.h"
 
 #define RESEED 32
 
 /* ---- ISA ----------------------------------------------------------------- */
+
+/* F16C through CPUID leaf 1 (ECX bit 29): clang 14's __builtin_cpu_supports
+ * does not know the "f16c" feature string. */
+static bool have_f16c(void)
+{
+    unsigned a, b, c, d;
+    if (!__get_cpuid(1, &a, &b, &c, &d))
+        return false;
+    return (c & bit_F16C) != 0;
+}
 
 static kvr_isa detect_isa(void)
 {
@@ -40,8 +52,7 @@ static kvr_isa detect_isa(void)
         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
         __builtin_cpu_supports("fma") && __builtin_cpu_supports("avx2"))
         return KVR_ISA_AVX512;
-    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-        __builtin_cpu_supports("f16c"))
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && have_f16c())
         return KVR_ISA_AVX2;
     return KVR_ISA_SCALAR;
 }
