@@ -8,17 +8,8 @@
  * The daemon (and its store) lives for the whole run; the memory cap keeps
  * it bounded. Its replies are read and discarded.
  *
- * Build (from the repository root, after `make build/gen/proto/kvrope.pb-c.h`):
- *   F="-g -O1 -fsanitize=fuzzer,address,undefined -D_GNU_SOURCE -I. -Ibuild/gen/proto"
- *   clang $F -mavx2 -mfma -mf16c -c rope/rope_avx2.c -o /tmp/r2.o
- *   clang $F -mavx512f -mavx512bw -mavx512vl -mavx512dq -mavx2 -mfma -mf16c \
- *         -c rope/rope_avx512.c -o /tmp/r5.o
- *   clang $F -mavx2 -mfma -mf16c -c cache/codec_avx2.c -o /tmp/c2.o
- *   clang $F -o build/fuzz_wire tests/fuzz/fuzz_wire.c daemon/conn.c daemon/dispatch.c \
- *         daemon/server.c daemon/config.c daemon/log.c proto/frame.c \
- *         build/gen/proto/kvrope.pb-c.c $(ls cache/*.c rope/*.c | grep -v _avx) \
- *         /tmp/r2.o /tmp/r5.o /tmp/c2.o -luv -luring -lprotobuf-c -lcjson -lm -lpthread
- *   build/fuzz_wire -max_total_time=60 -max_len=65536
+ * Build and run: `make fuzz` (clang, libFuzzer + ASan + UBSan; FUZZ_SECONDS
+ * sets the run time of each target, 60 by default; corpus in build/fuzz/corpus).
  */
 #include <errno.h>
 #include <fcntl.h>
