@@ -61,7 +61,10 @@ enum {
     KVR_EIO             = -19,  /* disk error */
     KVR_EPINNED         = -20,  /* operation refused because the context is pinned */
     KVR_ECONFIG         = -21,  /* bad model configuration (rope/ refused it) */
-    KVR_E_COUNT_        = 22,
+    KVR_EPENDING        = -22,  /* range holds tokens whose KV is not there yet */
+    KVR_EPREFIX         = -23,  /* document encoded against another prefix (or
+                                   the prefix changed since): re-encode it */
+    KVR_E_COUNT_        = 24,
 };
 const char *kvr_strerror(int code);      /* static string; "unknown error" */
 const char *kvr_error_name(int code);    /* "KVR_ENOCTX", ... */
@@ -146,6 +149,17 @@ typedef struct kvr_put_params {
     bool            has_pos_start; /* default: last position + 1 (0 if new) */
     int64_t         pos_start;
     bool            pin;           /* pin the context after commit */
+    /* Position layouts (layout.c); all optional, zero = unused. */
+    const char     *prefix_ctx;    /* create: the APE prefix context this KV was
+                                      encoded after; recorded (id, model
+                                      fingerprint, length P, token hash) and
+                                      positions default to P, P+1, ... */
+    const char *const *groups;     /* create: n_groups group names (GPE) */
+    size_t          n_groups;
+    const int64_t  *group_offsets; /* create: start offset phi per group, NULL = 0 */
+    const char     *group;         /* grouped context: the group these tokens
+                                      join; they take its next positions
+                                      (phi + cursor, ...); no explicit positions */
 } kvr_put_params;
 
 typedef struct kvr_put_result {
@@ -182,6 +196,9 @@ void   kvr_put_abort(kvr_put *t);
 
 /* ---- get ---------------------------------------------------------------- */
 #define KVR_TOKEN_APPROX 0x1u   /* KV computed against text that changed since */
+#define KVR_TOKEN_PENDING 0x2u  /* inserted by an edit without KV: no KV until a
+                                   refresh; a get of its KV is KVR_EPENDING, a
+                                   meta_only get works */
 
 typedef struct kvr_get_params {
     const char     *ctx_id;
@@ -250,6 +267,8 @@ typedef struct kvr_ctx_info {
     int64_t  pos_min, pos_max;     /* logical; 0, -1 if empty */
     uint64_t created_ms, accessed_ms;  /* CLOCK_REALTIME ms */
     size_t   n_evicted_tokens;     /* tail tokens dropped by eviction, ever */
+    size_t   n_pending;            /* tokens flagged KVR_TOKEN_PENDING */
+    size_t   n_protected;          /* first tokens edits may not touch (sinks) */
 } kvr_ctx_info;
 
 int kvr_store_delete(kvr_store *s, const char *ctx_id, kvr_error *err);
@@ -269,6 +288,121 @@ int kvr_store_shift(kvr_store *s, const char *ctx_id, size_t start, size_t end,
 int kvr_store_keep(kvr_store *s, const char *ctx_id, size_t start, size_t end,
                    kvr_error *err);
 
+/* ---- edits (PIE): replace / insert / delete, refresh, protected sinks --- */
+/*
+ * An edit replaces the token range [start, end) of the context's CURRENT
+ * sequence with n_tokens new tokens (start == end: insert before index
+ * start, start == n_tokens: append; n_tokens == 0: delete). Several ops in
+ * one request are all in the current coordinates, may come in any order and
+ * must not overlap: sorted by start, each must end at or before the next one
+ * starts, and no two may start at the same index (so [2,4) + [4,6) is fine,
+ * [2,4) + insert at 4 is fine, two inserts at 4 or insert at 4 + [4,6) are
+ * KVR_EINVAL: their order would be ambiguous). An op that changes nothing
+ * (start == end, no tokens) is KVR_EINVAL.
+ *
+ * Positions. The new tokens of an op take consecutive logical positions
+ * from the position of old token `start` (or last position + 1 when start
+ * == n_tokens, 0 in an empty context), moved by the shift of the ops before
+ * it; every old token after an op moves by (new - removed) tokens of all
+ * ops before it. Old tokens are never copied or rotated: only their
+ * extents' pos_delta changes (cost O(extents + ops), whatever the suffix
+ * length), and get rotates each key once from its stored form.
+ *
+ * Flags. Old tokens at or after the first edit point become
+ * KVR_TOKEN_APPROX; new tokens are exact (or KVR_TOKEN_PENDING when sent
+ * without KV). The exact prefix index stops at the first approximate or
+ * pending token; match(include_approx) sees the full current sequence.
+ *
+ * The transaction works like put: begin validates everything and reserves
+ * memory (context busy until commit/abort, KVR_EBUSY for other writers),
+ * the payload (with_kv: layer-major, for each layer K then V of ALL new
+ * tokens of all ops in request order, [n_new][heads][dim] in `dtype`, K
+ * rotated at the planned positions) goes straight into fresh blocks through
+ * the iovecs, work converts off the loop thread, commit splices. Any
+ * refusal, at begin or commit, leaves the context exactly as it was.
+ */
+typedef struct kvr_edit_op {
+    size_t          start, end;    /* [start, end) of the current sequence */
+    size_t          n_tokens;      /* new tokens (0: delete) */
+    const uint32_t *tokens;        /* n_tokens ids; copied by begin */
+} kvr_edit_op;
+
+typedef struct kvr_edit_params {
+    const char        *ctx_id;
+    const char        *model;       /* NULL or "": unchecked; else the context's */
+    uint64_t           fingerprint; /* 0 = unchecked */
+    const kvr_edit_op *ops;         /* n_ops ops, any order; copied */
+    size_t             n_ops;
+    bool               with_kv;     /* payload follows; else new tokens PENDING */
+    uint32_t           n_layers, n_kv_heads, head_dim;  /* with_kv: as stated */
+    kvr_dtype          dtype;       /* with_kv: payload dtype */
+    size_t             payload_bytes; /* with_kv: bytes the client sends; must
+                                         equal kvr_edit_payload_size (EPAYLOAD) */
+} kvr_edit_params;
+
+/* Per op, in request order: where its new tokens land. */
+typedef struct kvr_edit_span {
+    size_t  index;         /* index of its first new token after the edit */
+    int64_t first_pos;     /* logical position of that token; the op's new
+                              tokens have first_pos, first_pos + 1, ... */
+    int64_t shift;         /* position change of the old tokens after it */
+} kvr_edit_span;
+
+typedef struct kvr_edit_result {
+    size_t n_tokens;       /* context length after */
+    size_t n_new, n_removed;
+    size_t first_change;   /* index of the first edit point */
+    size_t n_approx, n_pending;   /* of the whole context after */
+    size_t payload_bytes;  /* bytes of KV this request moves */
+} kvr_edit_result;
+
+typedef struct kvr_edit kvr_edit;   /* an open edit or refresh transaction */
+
+/* Validates p exactly as edit_begin does and returns what the edit would
+ * do (spans: caller's array of n_ops entries, may be NULL; res may be NULL)
+ * without changing anything: the worker computes the new tokens' KV at
+ * spans[i].first_pos.. and then sends the edit with KV. */
+int kvr_store_edit_plan(kvr_store *s, const kvr_edit_params *p, kvr_edit_span *spans,
+                        kvr_edit_result *res, kvr_error *err);
+/* Opens an edit. On success the caller owns *out until commit or abort. */
+int kvr_store_edit_begin(kvr_store *s, const kvr_edit_params *p, kvr_edit **out,
+                         kvr_error *err);
+
+/* Refresh: overwrite the KV of tokens [start, end) with recomputed values
+ * (payload as for an edit, end-start tokens, K rotated at the tokens'
+ * current logical positions) and clear their APPROX/PENDING flags. The KV
+ * goes into fresh blocks spliced in at commit: blocks shared with a fork
+ * (or leased by a get) are never written. */
+typedef struct kvr_refresh_params {
+    const char *ctx_id;
+    const char *model;             /* NULL or "": unchecked */
+    uint64_t    fingerprint;       /* 0 = unchecked */
+    size_t      start, end;        /* end SIZE_MAX = to the end; non-empty */
+    uint32_t    n_layers, n_kv_heads, head_dim;
+    kvr_dtype   dtype;
+    size_t      payload_bytes;     /* must equal kvr_edit_payload_size */
+} kvr_refresh_params;
+int kvr_store_refresh_begin(kvr_store *s, const kvr_refresh_params *p, kvr_edit **out,
+                            kvr_error *err);
+
+/* As the kvr_put_* calls: exact payload size (0 for an edit without KV);
+ * iovecs in wire order (borrowed, valid until commit/abort); work (dtype
+ * conversion) on any thread; commit/abort on the loop thread, both free t.
+ * commit fills spans (n_ops entries, may be NULL; for a refresh one entry)
+ * and res (may be NULL). */
+size_t kvr_edit_payload_size(const kvr_edit *t);
+void   kvr_edit_payload_iov(const kvr_edit *t, const struct iovec **iov, size_t *n);
+bool   kvr_edit_needs_work(const kvr_edit *t);
+int    kvr_edit_work(kvr_edit *t, kvr_error *err);
+int    kvr_edit_commit(kvr_edit *t, kvr_edit_span *spans, kvr_edit_result *res,
+                       kvr_error *err);
+void   kvr_edit_abort(kvr_edit *t);
+
+/* Protects the context's first n tokens (attention sinks): an edit op
+ * starting before n is KVR_EPROTECTED (an insert at index n is allowed).
+ * n <= n_tokens (KVR_ERANGE); 0 removes the protection. */
+int kvr_store_protect(kvr_store *s, const char *ctx_id, size_t n, kvr_error *err);
+
 /* ---- statistics --------------------------------------------------------- */
 typedef struct kvr_store_stats {
     size_t   mem_allocated, mem_peak, mem_cap;
@@ -281,6 +415,158 @@ typedef struct kvr_store_stats {
 } kvr_store_stats;
 
 void kvr_store_get_stats(const kvr_store *s, kvr_store_stats *out);
+
+/* ---- position layouts: APE assemble, GPE groups, sinks + window -------- */
+/*
+ * APE (parallel encoding for RAG). A prefix context holds positions 0..P-1;
+ * each document context was created with kvr_put_params.prefix_ctx naming
+ * it (the worker computed the document's KV with that prefix in view, at
+ * positions P..P+L-1). Assemble concatenates the prefix and an ordered list
+ * of documents into one KV stream, keys re-rotated from their stored-at
+ * positions to the layout's positions in one pass (docs/ape.md gives the
+ * attention formula a worker applies with the segment table).
+ */
+typedef enum kvr_layout_kind {
+    KVR_LAYOUT_PARALLEL   = 0,  /* every document at P..P+L_i-1; query at P + max L_i */
+    KVR_LAYOUT_SEQUENTIAL = 1,  /* documents back to back: P, P+L_1, ... (moved
+                                   documents' tokens are KVR_TOKEN_APPROX) */
+    KVR_LAYOUT_EXPLICIT   = 2,  /* document i at starts[i]..; query at
+                                   max(P, max(starts[i] + L_i)) */
+} kvr_layout_kind;
+
+typedef enum kvr_segment_kind {
+    KVR_SEGMENT_PREFIX   = 0,
+    KVR_SEGMENT_DOCUMENT = 1,
+    KVR_SEGMENT_QUERY    = 2,   /* always last, empty: where the query goes */
+} kvr_segment_kind;
+
+#define KVR_APE_TEMPERATURE 0.9   /* APE paper defaults */
+#define KVR_APE_SCALE       0.9
+#define KVR_ASSEMBLE_MAX_DOCS 4096
+
+typedef struct kvr_assemble_params {
+    const char         *prefix;        /* prefix context id */
+    const char *const  *docs;          /* n_docs document context ids, in order */
+    size_t              n_docs;        /* 1..KVR_ASSEMBLE_MAX_DOCS */
+    kvr_layout_kind     layout;
+    const int64_t      *starts;        /* EXPLICIT: n_docs start positions (copied) */
+    kvr_dtype           dtype;         /* output dtype */
+    const uint32_t     *layers;        /* NULL = all, else n_layers_sel ids */
+    size_t              n_layers_sel;
+    double              temperature;   /* APE T for documents; 0 = 0.9 */
+    double              scale;         /* APE S for documents; 0 = 0.9 */
+    bool                fold_temperature; /* document keys come out as k / T */
+    bool                meta_only;     /* no payload */
+} kvr_assemble_params;
+
+typedef struct kvr_segment {
+    kvr_segment_kind kind;
+    size_t   start, n_tokens;          /* token range [start, start+n) of the stream */
+    int64_t  pos_first, pos_last;      /* positions of its first/last token (query:
+                                          pos_first = query position, pos_last =
+                                          pos_first - 1, as it is empty) */
+    uint32_t doc_index;                /* DOCUMENT: index in params.docs */
+    char     ctx_id[KVR_ID_MAX + 1];   /* prefix / document context ("" for query) */
+    double   temperature, scale;       /* APE T and S to apply (1, 1 outside documents) */
+} kvr_segment;
+
+typedef struct kvr_assemble_info {
+    kvr_model_info     model;
+    kvr_layout_kind    layout;
+    size_t             n_tokens;       /* stream length: prefix + documents */
+    kvr_dtype          dtype;
+    size_t             n_layers;       /* layers in the payload */
+    const uint32_t    *layers;
+    const uint32_t    *tokens;         /* n_tokens ids, stream order */
+    const int64_t     *positions;      /* positions the keys are rotated at */
+    const uint32_t    *flags;          /* KVR_TOKEN_* */
+    const kvr_segment *segments;       /* prefix, documents..., query */
+    size_t             n_segments;
+    int64_t            query_pos;      /* first position of the query tokens */
+    double             temperature, scale;
+    bool               temperature_folded;  /* document keys are k / T */
+    size_t             prefix_len;     /* P */
+} kvr_assemble_info;
+
+typedef struct kvr_assemble kvr_assemble;
+
+/* Loop thread. Resolves the prefix and the documents, checks that every
+ * document was encoded against this prefix as it is now (same context id,
+ * same model fingerprint, same length and token hash; else KVR_EPREFIX, or
+ * KVR_EFINGERPRINT for another model, naming the document), computes the
+ * layout (KVR_EINVAL if a position overflows), leases the blocks and copies
+ * the metadata. Nothing stored changes. Owned by the caller until
+ * kvr_assemble_end. */
+int  kvr_store_assemble_begin(kvr_store *s, const kvr_assemble_params *p,
+                              kvr_assemble **out, kvr_error *err);
+const kvr_assemble_info *kvr_assemble_get_info(const kvr_assemble *t); /* borrowed */
+/* Rotation (one kvr_rope_reposition per run), conversion and temperature
+ * folding into the response buffer: any thread. */
+bool   kvr_assemble_needs_work(const kvr_assemble *t);
+int    kvr_assemble_work(kvr_assemble *t, kvr_error *err);
+/* Payload in wire order (layer-major, for each layer K then V of all
+ * stream tokens), valid after work until end; may point into blocks. */
+size_t kvr_assemble_payload_size(const kvr_assemble *t);
+void   kvr_assemble_payload_iov(const kvr_assemble *t, const struct iovec **iov,
+                                size_t *n);
+void   kvr_assemble_end(kvr_assemble *t);       /* loop thread; NULL is a no-op */
+
+/*
+ * GPE groups. A context created with kvr_put_params.groups has named groups
+ * (ids 0..n-1 in the order given), each with a cursor (tokens appended to it,
+ * ever) and an offset phi; a put naming a group gives its tokens positions
+ * phi + cursor, phi + cursor + 1, ... Tokens are stored in arrival order;
+ * get reports each token's group id (kvr_get_info.groups).
+ */
+#define KVR_MAX_GROUPS 16
+#define KVR_GROUP_NAME_MAX 63
+
+typedef struct kvr_group_info {
+    char     name[KVR_GROUP_NAME_MAX + 1];
+    int32_t  id;
+    int64_t  offset;        /* phi */
+    uint64_t cursor;        /* tokens appended to the group, ever */
+    size_t   n_tokens;      /* of them, in the context now */
+} kvr_group_info;
+
+/* Per-context layout state, for stat. */
+typedef struct kvr_layout_info {
+    bool     has_prefix;                  /* created with prefix_ctx */
+    char     prefix_ctx[KVR_ID_MAX + 1];
+    uint64_t prefix_fingerprint;
+    size_t   prefix_len;                  /* P when encoded */
+    uint64_t prefix_hash;                 /* of its token ids then */
+    size_t   n_groups;
+    kvr_group_info groups[KVR_MAX_GROUPS];
+    bool     has_retention;
+    size_t   sinks, window;
+    size_t   n_dropped;                   /* tokens dropped by the window, ever */
+} kvr_layout_info;
+
+int kvr_store_layout_stat(kvr_store *s, const char *ctx_id, kvr_layout_info *out,
+                          kvr_error *err);
+/* Sets group `name`'s offset to phi: the logical positions of its tokens
+ * move by (phi - old phi) (keys re-rotated at read, no copy), as do its next
+ * positions. Other groups are untouched. KVR_EINVAL for an unknown name or
+ * an overflowing position; nothing changes on error. */
+int kvr_store_set_group_offset(kvr_store *s, const char *ctx_id, const char *name,
+                               int64_t phi, kvr_error *err);
+
+/*
+ * StreamingLLM sinks + window. With a policy, whenever the context is longer
+ * than sinks + window (now, and after every put), tokens [sinks, n - window)
+ * are dropped (blocks freed when nothing references them) and the window's
+ * positions move so they continue right after the last sink (metadata only).
+ * Not supported together with groups (KVR_EUNSUPPORTED).
+ */
+#define KVR_RETENTION_MAX (1u << 30)
+typedef struct kvr_retention {
+    size_t sinks, window;   /* window >= 1; sinks + window <= KVR_RETENTION_MAX */
+    bool   off;             /* remove the policy (sinks/window ignored) */
+} kvr_retention;
+
+int kvr_store_set_retention(kvr_store *s, const char *ctx_id, const kvr_retention *r,
+                            kvr_error *err);
 
 #ifdef __cplusplus
 }

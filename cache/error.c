@@ -14,6 +14,7 @@ static const char *const names[KVR_E_COUNT_] = {
     "KVR_ESHAPE", "KVR_EPAYLOAD", "KVR_ERANGE", "KVR_EFINGERPRINT",
     "KVR_ENOMEM", "KVR_EBUSY", "KVR_EINVAL", "KVR_EUNSUPPORTED", "KVR_ELIMIT",
     "KVR_EPROTECTED", "KVR_EIO", "KVR_EPINNED", "KVR_ECONFIG",
+    "KVR_EPENDING", "KVR_EPREFIX",
 };
 
 static const char *const texts[KVR_E_COUNT_] = {
@@ -39,6 +40,8 @@ static const char *const texts[KVR_E_COUNT_] = {
     "I/O error",
     "context is pinned",
     "bad model configuration",
+    "KV of the range is pending (edited without KV, not refreshed yet)",
+    "document encoded against another prefix",
 };
 
 const char *kvr_strerror(int code)

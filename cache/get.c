@@ -143,6 +143,13 @@ int kvr_store_get_begin(kvr_store *s, const kvr_get_params *p, kvr_get **out,
             continue;
         uint32_t a = (uint32_t)(lo < start ? start - lo : 0);
         uint32_t z = (uint32_t)((hi > end ? end : hi) - lo);
+        if (!p->meta_only && (e->flags & KVR_TOKEN_PENDING)) {
+            rc = kvr_error_set(err, KVR_EPENDING,
+                               "tokens [%zu, %zu) of context '%s' have no KV yet (edited "
+                               "without KV; refresh them first, or get meta_only)",
+                               lo + a, lo + z, c->id);
+            goto fail;
+        }
         bool same = true;
         for (uint32_t j = a; j < z; j++, tok++) {
             uint32_t slot = e->first + j;

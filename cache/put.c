@@ -42,6 +42,7 @@ struct kvr_put {
     size_t        payload;
     struct iovec *iov;
     size_t        n_iov;
+    layout_put    lp;           /* groups / APE record / retention (layout.c) */
 };
 
 static void txn_free(kvr_put *t)
@@ -58,6 +59,7 @@ static void txn_free(kvr_put *t)
     kvr_mem_free(t->staging);
     kvr_mem_free(t->iov);
     kvr_mem_free(t->tokens);
+    layout_put_free(&t->lp);
     kvr_mem_free(t);
 }
 
@@ -115,29 +117,43 @@ int kvr_store_put_begin(kvr_store *s, const kvr_put_params *p, kvr_put **out,
                              "context '%s' belongs to model '%s', not '%s'", p->ctx_id,
                              c->model->name, m->name);
 
+    /* Groups and the APE prefix record (layout.c). */
+    layout_put lp;
+    if ((rc = layout_put_begin(s, c, m, p, &lp, err)) != 0)
+        return rc;
+
     /* Positions: explicit, or contiguous from pos_start / after the last. */
     int64_t first;
     if (p->positions) {
         first = p->positions[0];
     } else if (p->has_pos_start) {
         first = p->pos_start;
+    } else if (lp.has_first) {
+        first = lp.first;
     } else if (c && c->n_tokens) {
-        if (__builtin_add_overflow(ctx_last_pos(c), 1, &first))
+        if (__builtin_add_overflow(ctx_last_pos(c), 1, &first)) {
+            layout_put_free(&lp);
             return kvr_error_set(err, KVR_EINVAL, "next position overflows int64");
+        }
     } else {
         first = 0;
     }
     int64_t last;
     if (p->positions)
         last = p->positions[n - 1];
-    else if (__builtin_add_overflow(first, (int64_t)(n - 1), &last))
+    else if (__builtin_add_overflow(first, (int64_t)(n - 1), &last)) {
+        layout_put_free(&lp);
         return kvr_error_set(err, KVR_EINVAL,
                              "positions from %lld for %zu tokens overflow int64",
                              (long long)first, n);
+    }
 
     kvr_put *t = kvr_mem_calloc(1, sizeof *t);
-    if (!t)
+    if (!t) {
+        layout_put_free(&lp);
         return kvr_error_set(err, KVR_ENOMEM, "out of memory starting a put");
+    }
+    t->lp = lp;
     t->s = s;
     t->m = m;
     t->pdt = p->dtype;
@@ -219,7 +235,7 @@ int kvr_store_put_begin(kvr_store *s, const kvr_put_params *p, kvr_put **out,
             run->b->tokens[run->first + j] = p->tokens[tok];
             run->b->stored_pos[run->first + j] =
                 p->positions ? p->positions[tok] : first + (int64_t)tok;
-            run->b->groups[run->first + j] = 0;
+            run->b->groups[run->first + j] = t->lp.group;
         }
     }
     if (zero_copy) {
@@ -307,12 +323,12 @@ int kvr_put_commit(kvr_put *t, kvr_put_result *res, kvr_error *err)
     }
     /* Index first: it is the only step that can fail. */
     bool exact = c->n_exact == c->n_tokens;
-    if ((rc = ptree_append(&m->tree[1], c, t->tokens, t->n)) != 0) {
+    if (!c->idx_stale && (rc = ptree_append(&m->tree[1], c, t->tokens, t->n)) != 0) {
         kvr_error_set(err, rc, "out of memory indexing '%s'", c->id);
         goto fail;
     }
     if (exact && (rc = ptree_append(&m->tree[0], c, t->tokens, t->n)) != 0) {
-        ptree_truncate(&m->tree[1], c, c->n_tokens);
+        ptree_truncate(&m->tree[1], c, c->n_tokens);   /* no-op when stale */
         kvr_error_set(err, rc, "out of memory indexing '%s'", c->id);
         goto fail;
     }
@@ -340,6 +356,11 @@ int kvr_put_commit(kvr_put *t, kvr_put_result *res, kvr_error *err)
         m->n_contexts++;
     }
     c->busy = false;
+    /* Group cursor, created layout, retention (may drop tokens and move the
+     * window's positions by `moved`). */
+    int64_t moved = layout_put_commit(s, c, &t->lp, t->n);
+    if (first_index + t->n > c->n_tokens)
+        first_index = c->n_tokens > t->n ? c->n_tokens - t->n : 0;
     if (t->pin)
         c->pinned = true;
     lru_touch(s, c);
@@ -347,8 +368,8 @@ int kvr_put_commit(kvr_put *t, kvr_put_result *res, kvr_error *err)
     if (res) {
         res->n_tokens = c->n_tokens;
         res->first_index = first_index;
-        res->first_pos = t->first_pos;
-        res->last_pos = t->last_pos;
+        res->first_pos = t->first_pos + moved;
+        res->last_pos = t->last_pos + moved;
     }
     t->tail = false;
     txn_free(t);

@@ -205,10 +205,12 @@ void ctx_destroy(kvr_store *s, kvr_ctx *c)
         lru_unlink(s, c);
         c->model->n_contexts--;
     }
+    edit_stale_clear(c);
     ptree_truncate(&c->model->tree[0], c, 0);
     ptree_truncate(&c->model->tree[1], c, 0);
     for (size_t i = 0; i < c->n_ext; i++)
         block_unref(s, c->ext[i].block);
+    layout_ctx_free(c);
     kvr_mem_free(c->ext);
     kvr_mem_free(c);
 }
@@ -257,7 +259,7 @@ static size_t ctx_compute_exact(const kvr_ctx *c)
 {
     size_t k = 0;
     for (size_t i = 0; i < c->n_ext; i++) {
-        if (c->ext[i].flags & KVR_TOKEN_APPROX)
+        if (c->ext[i].flags & (KVR_TOKEN_APPROX | KVR_TOKEN_PENDING))
             break;
         k += c->ext[i].count;
     }
@@ -268,6 +270,7 @@ void ctx_index_rebuild(kvr_store *s, kvr_ctx *c, size_t common)
 {
     (void)s;
     kvr_model *m = c->model;
+    edit_stale_clear(c);
     c->n_exact = ctx_compute_exact(c);
     size_t len[2] = { c->n_exact, c->n_tokens };
     uint32_t *seq = NULL;
@@ -532,6 +535,8 @@ int kvr_store_match(kvr_store *s, const char *model, const uint32_t *tokens,
     if (n > 0 && !tokens)
         return kvr_error_set(err, KVR_EBADREQUEST, "match: tokens missing");
     s->n_matches++;
+    if (include_approx && m->n_stale)
+        edit_index_fresh(s, m);
     kvr_ctx *rep = NULL;
     size_t len = n ? ptree_match(&m->tree[include_approx ? 1 : 0], tokens, n, &rep) : 0;
     res->length = rep ? len : 0;
@@ -569,6 +574,7 @@ static void ctx_fill_info(kvr_store *s, const kvr_ctx *c, kvr_ctx_info *o)
     o->created_ms = c->created_ms;
     o->accessed_ms = c->accessed_ms;
     o->n_evicted_tokens = c->n_evicted_tokens;
+    o->n_protected = c->n_protected < c->n_tokens ? c->n_protected : c->n_tokens;
     o->pos_min = 0;
     o->pos_max = -1;
     /* Own references per block first, then count each block once. */
@@ -595,6 +601,8 @@ static void ctx_fill_info(kvr_store *s, const kvr_ctx *c, kvr_ctx_info *o)
         }
         if (e->flags & KVR_TOKEN_APPROX)
             o->n_approx += e->count;
+        if (e->flags & KVR_TOKEN_PENDING)
+            o->n_pending += e->count;
         for (uint32_t k = 0; k < e->count; k++) {
             int64_t p = b->stored_pos[e->first + k] + e->pos_delta;
             if (first || p < o->pos_min)
@@ -673,7 +681,7 @@ int kvr_store_fork(kvr_store *s, const char *src, const char *dst, kvr_error *er
         goto fail_ctx;
     }
     if (ptree_clone(&a->model->tree[0], a, b) != 0 ||
-        ptree_clone(&a->model->tree[1], a, b) != 0) {
+        ptree_clone(&a->model->tree[1], a, b) != 0 || layout_ctx_clone(a, b) != 0) {
         rc = kvr_error_set(err, KVR_ENOMEM, "out of memory forking '%s'", src);
         goto fail_ctx;    /* ctx_destroy takes b out of the trees */
     }
@@ -684,6 +692,11 @@ int kvr_store_fork(kvr_store *s, const char *src, const char *dst, kvr_error *er
     b->n_tokens = a->n_tokens;
     b->n_exact = a->n_exact;
     b->dtype = a->dtype;
+    b->n_protected = a->n_protected;
+    if (a->idx_stale) {
+        b->idx_stale = true;
+        b->model->n_stale++;
+    }
     b->pending = false;
     b->model->n_contexts++;
     lru_touch(s, b);

@@ -46,6 +46,10 @@ struct kvr_block {
     int64_t  *stored_pos;   /* [cap], inside data */
     uint32_t *tokens;       /* [cap], inside data */
     int32_t  *groups;       /* [cap], inside data */
+    /* edit.c: bounds of stored_pos over slots [0, bounds_used), kept lazily
+     * (slots below `used` never change) for O(1) overflow checks. */
+    int64_t   pos_lo, pos_hi;
+    uint32_t  bounds_used;
 };
 
 typedef struct kvr_extent {
@@ -99,6 +103,7 @@ struct kvr_model {
     kvr_rope       *engine;
     size_t          n_contexts;
     kvr_ptree       tree[2];    /* 0: exact prefixes, 1: full sequences */
+    size_t          n_stale;    /* contexts with idx_stale set (edit.c) */
 };
 
 struct kvr_ctx {
@@ -118,6 +123,14 @@ struct kvr_ctx {
     size_t      n_evicted_tokens;
     pnode      *idx_node[2];
     size_t      idx_len[2];
+    /* edit.c. idx_stale: the full-sequence tree holds only a true prefix
+     * (idx_len[1] < n_tokens) of c's sequence after an edit; the rest is
+     * re-inserted on the next include_approx match (edit_index_fresh), so
+     * an edit never costs O(suffix). Writers that append to tree[1] skip a
+     * stale context; ctx_index_rebuild clears the flag. */
+    bool        idx_stale;
+    size_t      n_protected;    /* first tokens edits may not touch */
+    struct kvr_layout *layout;  /* layout.c: APE record, groups, retention; NULL = none */
 };
 
 struct kvr_store {
@@ -165,5 +178,36 @@ int        store_reserve(kvr_store *s, size_t need, kvr_error *err);
  * then under-reports, never lies). */
 void       ctx_index_rebuild(kvr_store *s, kvr_ctx *c, size_t common);
 void       model_fill_info(const kvr_model *m, kvr_model_info *out);
+
+/* edit.c */
+/* Re-inserts the full sequence of every stale context of m into tree[1]
+ * (best effort: on allocation failure a context stays stale). */
+void       edit_index_fresh(kvr_store *s, kvr_model *m);
+/* Clears c's stale mark (c is leaving the store or was fully resynced). */
+void       edit_stale_clear(kvr_ctx *c);
+
+/* layout.c: per-context position layouts. A put carries a layout_put from
+ * begin to commit: begin validates (group names, prefix) and computes the
+ * group's positions, commit installs a created context's layout, advances
+ * the group cursor and applies the retention policy. */
+typedef struct kvr_layout kvr_layout;
+typedef struct layout_put {
+    kvr_layout *created;     /* create: the new context's layout (owned until commit) */
+    int32_t     group;       /* group id of the new tokens */
+    bool        has_first;   /* positions come from the layout (group cursor, APE P) */
+    int64_t     first;
+} layout_put;
+int  layout_put_begin(kvr_store *s, const kvr_ctx *c, const kvr_model *m,
+                      const kvr_put_params *p, layout_put *lp, kvr_error *err);
+/* Returns how far the new tokens' positions moved (retention), 0 usually. */
+int64_t layout_put_commit(kvr_store *s, kvr_ctx *c, layout_put *lp, size_t n);
+void layout_put_free(layout_put *lp);
+void layout_ctx_free(kvr_ctx *c);
+int  layout_ctx_clone(const kvr_ctx *src, kvr_ctx *dst);   /* 0 or KVR_ENOMEM */
+/* Hash of c's token ids (the APE record's prefix hash). */
+int  layout_ctx_hash(const kvr_ctx *c, uint64_t *out, kvr_error *err);
+/* c's APE record (borrowed strings): false if c was not created with one. */
+bool layout_ape_record(const kvr_ctx *c, const char **prefix, uint64_t *fp,
+                       size_t *len, uint64_t *hash);
 
 #endif /* KVR_STORE_INTERNAL_H */
