@@ -1,0 +1,234 @@
+"""ctypes mirror of client/kvrope.h (and the parts of rope/rope.h it uses).
+
+This module only declares: the structs exactly as the C header lays them out,
+and the function prototypes. It holds no protocol knowledge. Everything about
+frames, protobuf and payload streaming lives in libkvrope.
+
+The library is found, in order, at: $KVROPE_LIB; <repo>/build/libkvrope.so
+(relative to this package: client/python/kvrope/../../../build); then
+ctypes.util.find_library("kvrope").
+"""
+
+import ctypes
+import ctypes.util
+import os
+from ctypes import (POINTER, Structure, c_bool, c_char, c_char_p, c_double, c_int, c_int32,
+                    c_int64, c_size_t, c_uint32, c_uint64, c_void_p, CFUNCTYPE)
+
+NAME_MAX = 255
+ROPE_MAX_HEAD_DIM = 1024
+
+# kvr_dtype
+DTYPE_F32, DTYPE_F16, DTYPE_BF16 = 0, 1, 2
+# kvr_write_mode
+WRITE_UPSERT, WRITE_CREATE, WRITE_APPEND = 0, 1, 2
+
+
+class iovec(Structure):
+    _fields_ = [("iov_base", c_void_p), ("iov_len", c_size_t)]
+
+
+class kvr_client_opts(Structure):
+    _fields_ = [("token", c_void_p), ("token_len", c_size_t), ("timeout_ms", c_int)]
+
+
+class kvr_pong(Structure):
+    _fields_ = [("server", c_char * 128), ("protocol", c_uint32)]
+
+
+class kvr_rope_config(Structure):
+    _fields_ = [
+        ("num_layers", c_int32), ("num_heads", c_int32), ("num_kv_heads", c_int32),
+        ("head_dim", c_int32), ("rotary_dim", c_int32),
+        ("max_position_embeddings", c_int64),
+        ("model_type", c_char * 32),
+        ("style", c_int), ("theta", c_double), ("scaling", c_int), ("factor", c_double),
+        ("original_max_position_embeddings", c_int64),
+        ("beta_fast", c_double), ("beta_slow", c_double), ("attention_factor", c_double),
+        ("mscale", c_double), ("mscale_all_dim", c_double),
+        ("low_freq_factor", c_double), ("high_freq_factor", c_double),
+        ("n_short_factor", c_int32), ("n_long_factor", c_int32),
+        ("short_factor", c_double * (ROPE_MAX_HEAD_DIM // 2)),
+        ("long_factor", c_double * (ROPE_MAX_HEAD_DIM // 2)),
+    ]
+
+
+class kvr_model(Structure):
+    _fields_ = [("name", c_char * (NAME_MAX + 1)),
+                ("n_layers", c_uint32), ("n_kv_heads", c_uint32), ("head_dim", c_uint32),
+                ("dtype", c_int), ("fingerprint", c_uint64), ("n_contexts", c_uint64),
+                ("rope", kvr_rope_config)]
+
+
+class kvr_model_params(Structure):
+    _fields_ = [("name", c_char_p), ("config_json", c_char_p), ("config_json_len", c_size_t),
+                ("style", c_char_p),
+                ("n_layers", c_uint32), ("n_kv_heads", c_uint32), ("head_dim", c_uint32),
+                ("dtype", c_int), ("rope", POINTER(kvr_rope_config))]
+
+
+class kvr_put_args(Structure):
+    _fields_ = [("ctx_id", c_char_p), ("model", c_char_p), ("mode", c_int),
+                ("fingerprint", c_uint64),
+                ("n_layers", c_uint32), ("n_kv_heads", c_uint32), ("head_dim", c_uint32),
+                ("dtype", c_int),
+                ("tokens", POINTER(c_uint32)), ("n_tokens", c_size_t),
+                ("positions", POINTER(c_int64)),
+                ("has_pos_start", c_bool), ("pos_start", c_int64), ("pin", c_bool),
+                ("payload", c_void_p), ("payload_len", c_size_t),
+                ("iov", POINTER(iovec)), ("iovcnt", c_size_t)]
+
+
+class kvr_put_res(Structure):
+    _fields_ = [("n_tokens", c_uint64), ("first_index", c_uint64),
+                ("first_pos", c_int64), ("last_pos", c_int64)]
+
+
+LAYER_FN = CFUNCTYPE(None, c_void_p, c_uint32, c_uint32, c_void_p, c_void_p, c_size_t)
+PROGRESS_FN = CFUNCTYPE(None, c_void_p, c_uint64, c_uint64)
+
+
+class kvr_get_args(Structure):
+    _fields_ = [("ctx_id", c_char_p), ("start", c_uint64), ("end", c_uint64), ("dtype", c_int),
+                ("positions", POINTER(c_int64)), ("n_positions", c_size_t),
+                ("layers", POINTER(c_uint32)), ("n_layers", c_size_t),
+                ("meta_only", c_bool),
+                ("dst", c_void_p), ("dst_cap", c_size_t),
+                ("on_layer", LAYER_FN), ("on_layer_ud", c_void_p)]
+
+
+class kvr_kv(Structure):
+    _fields_ = [("ctx_id", c_char * (NAME_MAX + 1)), ("model", c_char * (NAME_MAX + 1)),
+                ("start", c_uint64), ("n_tokens", c_uint64), ("dtype", c_int),
+                ("n_kv_heads", c_uint32), ("head_dim", c_uint32),
+                ("n_layers", c_size_t),
+                ("layers", POINTER(c_uint32)), ("tokens", POINTER(c_uint32)),
+                ("positions", POINTER(c_int64)), ("flags", POINTER(c_uint32)),
+                ("groups", POINTER(c_int32)),
+                ("payload", c_void_p), ("payload_len", c_size_t), ("payload_owned", c_bool),
+                ("meta_", c_void_p)]
+
+
+class kvr_match_args(Structure):
+    _fields_ = [("model", c_char_p), ("tokens", POINTER(c_uint32)), ("n_tokens", c_size_t),
+                ("include_approximate", c_bool), ("get", c_bool), ("dtype", c_int),
+                ("layers", POINTER(c_uint32)), ("n_layers", c_size_t),
+                ("dst", c_void_p), ("dst_cap", c_size_t)]
+
+
+class kvr_match_res(Structure):
+    _fields_ = [("length", c_uint64), ("ctx_id", c_char * (NAME_MAX + 1)),
+                ("has_kv", c_bool), ("kv", kvr_kv)]
+
+
+class kvr_context(Structure):
+    _fields_ = [("id", c_char * (NAME_MAX + 1)), ("model", c_char * (NAME_MAX + 1)),
+                ("n_tokens", c_uint64), ("n_blocks", c_uint64), ("n_shared_blocks", c_uint64),
+                ("n_approximate", c_uint64), ("bytes", c_uint64),
+                ("pinned", c_bool), ("busy", c_bool),
+                ("pos_min", c_int64), ("pos_max", c_int64),
+                ("created_ms", c_uint64), ("accessed_ms", c_uint64),
+                ("n_evicted_tokens", c_uint64)]
+
+
+class kvr_metric(Structure):
+    _fields_ = [("name", c_char * 120), ("value", c_double)]
+
+
+# Every struct above, for the layout self-check in the tests.
+STRUCTS = {c.__name__: c for c in (kvr_client_opts, kvr_pong, kvr_rope_config, kvr_model,
+                                   kvr_model_params, kvr_put_args, kvr_put_res, kvr_get_args,
+                                   kvr_kv, kvr_match_args, kvr_match_res, kvr_context,
+                                   kvr_metric)}
+
+H = c_void_p  # kvr_client *
+
+# name -> (restype, argtypes). Verbs that later versions of libkvrope add go in
+# OPTIONAL: a library without them still loads; the method that needs one
+# raises kvrope.Unsupported naming the missing symbol.
+PROTOTYPES = {
+    "kvr_client_strerror": (c_char_p, [c_int]),
+    "kvr_client_error_name": (c_char_p, [c_int]),
+    "kvr_client_connect": (c_int, [POINTER(H), c_char_p, POINTER(kvr_client_opts)]),
+    "kvr_client_close": (None, [H]),
+    "kvr_client_last_error": (c_char_p, [H]),
+    "kvr_client_free": (None, [c_void_p]),
+    "kvr_client_set_progress": (None, [H, PROGRESS_FN, c_void_p]),
+    "kvr_client_ping": (c_int, [H, POINTER(kvr_pong)]),
+    "kvr_client_model_register": (c_int, [H, POINTER(kvr_model_params), POINTER(kvr_model)]),
+    "kvr_client_model_list": (c_int, [H, POINTER(POINTER(kvr_model)), POINTER(c_size_t)]),
+    "kvr_client_model_get": (c_int, [H, c_char_p, POINTER(kvr_model)]),
+    "kvr_client_put": (c_int, [H, POINTER(kvr_put_args), POINTER(kvr_put_res)]),
+    "kvr_payload_size": (c_size_t, [c_uint32, c_size_t, c_uint32, c_uint32, c_int]),
+    "kvr_kv_release": (None, [POINTER(kvr_kv)]),
+    "kvr_client_get": (c_int, [H, POINTER(kvr_get_args), POINTER(kvr_kv)]),
+    "kvr_client_match": (c_int, [H, POINTER(kvr_match_args), POINTER(kvr_match_res)]),
+    "kvr_client_delete": (c_int, [H, c_char_p]),
+    "kvr_client_stat": (c_int, [H, c_char_p, POINTER(kvr_context)]),
+    "kvr_client_list": (c_int, [H, c_char_p, POINTER(POINTER(kvr_context)), POINTER(c_size_t)]),
+    "kvr_client_pin": (c_int, [H, c_char_p, c_bool]),
+    "kvr_client_fork": (c_int, [H, c_char_p, c_char_p]),
+    "kvr_client_shift": (c_int, [H, c_char_p, c_uint64, c_uint64, c_int64]),
+    "kvr_client_keep": (c_int, [H, c_char_p, c_uint64, c_uint64]),
+    "kvr_client_stats": (c_int, [H, POINTER(POINTER(kvr_metric)), POINTER(c_size_t)]),
+    "kvr_convert": (None, [c_void_p, c_int, c_void_p, c_int, c_size_t]),
+}
+OPTIONAL = set()   # filled as later verbs (edit, refresh, assemble, group append) land
+
+
+def _candidates():
+    env = os.environ.get("KVROPE_LIB")
+    if env:
+        yield env
+        return
+    here = os.path.dirname(os.path.abspath(__file__))
+    yield os.path.normpath(os.path.join(here, "..", "..", "..", "build", "libkvrope.so"))
+    found = ctypes.util.find_library("kvrope")
+    if found:
+        yield found
+
+
+class _Lib:
+    """The loaded library: attributes are the prototyped functions; `path` is
+    where it came from; `has(name)` tells whether an optional symbol exists."""
+
+    def __init__(self, cdll, path):
+        self.path = path
+        self._cdll = cdll
+        self._missing = set()
+        for name, (res, args) in PROTOTYPES.items():
+            try:
+                f = getattr(cdll, name)
+            except AttributeError:
+                if name in OPTIONAL:
+                    self._missing.add(name)
+                    continue
+                raise OSError(f"{path} lacks {name}: an older libkvrope? rebuild it "
+                              f"(make build/libkvrope.so)") from None
+            f.restype, f.argtypes = res, args
+            setattr(self, name, f)
+
+    def has(self, name):
+        return name in PROTOTYPES and name not in self._missing
+
+
+_LIB = None
+
+
+def load():
+    global _LIB
+    if _LIB is None:
+        tried = []
+        for p in _candidates():
+            if os.path.sep in p and not os.path.exists(p):
+                tried.append(f"{p} (absent)")
+                continue
+            try:
+                _LIB = _Lib(ctypes.CDLL(p), p)
+                break
+            except OSError as e:
+                tried.append(f"{p} ({e})")
+        else:
+            raise OSError("libkvrope not found; build it with `make build/libkvrope.so` or set "
+                          "KVROPE_LIB. Tried: " + ("; ".join(tried) or "nothing"))
+    return _LIB

@@ -1,0 +1,622 @@
+"""kvrope.Client: one blocking connection to kvroped, a method per verb.
+
+Each method packs its arguments into libkvrope's structs, calls the C
+function, turns a negative return into a KvropeError and copies results out.
+Shape/dtype/argument checks happen in Python before the call, so a wrong
+argument raises ValueError/TypeError and nothing is sent.
+
+Adding a verb (edit, refresh, assemble, group append as libkvrope gains
+them): declare the struct(s) and prototype in _lib.py (prototype in
+_lib.OPTIONAL so older libraries still load), then a method here that calls
+self._fn("kvr_client_<verb>") (raises kvrope.Unsupported when the loaded
+library lacks it) and self._call(...).
+"""
+
+import ctypes
+import json
+import os
+import threading
+from ctypes import POINTER, byref, c_size_t, c_uint32, c_int64, c_void_p
+from dataclasses import dataclass, field
+from typing import Optional
+
+import numpy as np
+
+from . import _lib, errors, tensors as T
+
+
+def _b(s, what):
+    if isinstance(s, bytes):
+        b = s
+    elif isinstance(s, str):
+        b = s.encode()
+    else:
+        raise TypeError(f"{what} must be a str, got {type(s).__name__}")
+    if not 1 <= len(b) <= _lib.NAME_MAX or b"\0" in b:
+        raise ValueError(f"{what} must be 1..{_lib.NAME_MAX} bytes without NUL, got {s!r}")
+    return b
+
+
+def _u64(x, what):
+    if isinstance(x, bool) or not isinstance(x, (int, np.integer)):
+        raise TypeError(f"{what} must be an int, got {type(x).__name__}")
+    if not 0 <= int(x) < 1 << 64:
+        raise ValueError(f"{what} out of range: {x}")
+    return int(x)
+
+
+def _i64(x, what):
+    if isinstance(x, bool) or not isinstance(x, (int, np.integer)):
+        raise TypeError(f"{what} must be an int, got {type(x).__name__}")
+    if not -(1 << 63) <= int(x) < 1 << 63:
+        raise ValueError(f"{what} out of range: {x}")
+    return int(x)
+
+
+def _int_array(x, dt, what, lo, hi):
+    if T.is_tensor(x):
+        x = x.detach().cpu().numpy()
+    a = np.asarray(x)
+    if a.ndim != 1:
+        raise ValueError(f"{what} must be 1-D, got shape {a.shape}")
+    if a.size and a.dtype.kind not in "iu":
+        raise TypeError(f"{what} must be integers, got {a.dtype}")
+    if a.size and (int(a.min()) < lo or int(a.max()) > hi):
+        raise ValueError(f"{what} out of range [{lo}, {hi}]")
+    return np.ascontiguousarray(a, dtype=dt)
+
+
+def tokens_array(tokens, what="tokens"):
+    """1-D uint32 token ids (list, array or tensor); ValueError/TypeError otherwise."""
+    return _int_array(tokens, np.uint32, what, 0, (1 << 32) - 1)
+
+
+def positions_array(pos, n, what="positions"):
+    a = _int_array(pos, np.int64, what, -(1 << 63), (1 << 63) - 1)
+    if a.size != n:
+        raise ValueError(f"{what}: {a.size} given for {n} tokens")
+    return a
+
+
+def _ptr(a, ctype):
+    return a.ctypes.data_as(POINTER(ctype)) if a is not None and a.size else None
+
+
+# ---- result types -------------------------------------------------------------
+
+STYLES = {0: "neox", 1: "gptj"}
+SCALINGS = {0: "default", 1: "linear", 2: "dynamic", 3: "yarn", 4: "longrope", 5: "llama3"}
+
+
+@dataclass(frozen=True)
+class Model:
+    name: str
+    n_layers: int
+    n_kv_heads: int
+    head_dim: int
+    dtype: str             # native KV dtype at rest: f32 / f16 / bf16
+    fingerprint: int       # shape + RoPE parameters + dtype
+    n_contexts: int
+    rope: dict = field(compare=False)   # style, theta, scaling, factor, rotary_dim, ...
+
+    @classmethod
+    def _from(cls, m):
+        r = m.rope
+        rope = {"style": STYLES.get(r.style, r.style), "theta": r.theta,
+                "scaling": SCALINGS.get(r.scaling, r.scaling), "factor": r.factor,
+                "rotary_dim": r.rotary_dim, "head_dim": r.head_dim,
+                "max_position_embeddings": r.max_position_embeddings,
+                "original_max_position_embeddings": r.original_max_position_embeddings,
+                "attention_factor": r.attention_factor, "model_type": r.model_type.decode()}
+        return cls(m.name.decode(), m.n_layers, m.n_kv_heads, m.head_dim,
+                   T.NAMES.get(m.dtype, str(m.dtype)), m.fingerprint, m.n_contexts, rope)
+
+
+@dataclass(frozen=True)
+class Context:
+    id: str
+    model: str
+    n_tokens: int
+    n_blocks: int
+    n_shared_blocks: int
+    n_approximate: int
+    bytes: int
+    pinned: bool
+    busy: bool
+    pos_min: int
+    pos_max: int
+    created_ms: int
+    accessed_ms: int
+    n_evicted_tokens: int
+
+    @classmethod
+    def _from(cls, c):
+        return cls(c.id.decode(), c.model.decode(), c.n_tokens, c.n_blocks, c.n_shared_blocks,
+                   c.n_approximate, c.bytes, bool(c.pinned), bool(c.busy), c.pos_min, c.pos_max,
+                   c.created_ms, c.accessed_ms, c.n_evicted_tokens)
+
+
+@dataclass(frozen=True)
+class PutResult:
+    n_tokens: int       # context length after the put
+    first_index: int    # index of the first token put
+    first_pos: int
+    last_pos: int
+
+
+@dataclass(frozen=True)
+class Pong:
+    server: str
+    protocol: int
+
+
+FLAG_APPROX = 0x1
+
+
+class KV:
+    """A get/match result. `data` is the payload as one array
+    [n_layers, 2, n_tokens, n_kv_heads, head_dim] (axis 1: 0 = K, 1 = V) of
+    numpy float32 / float16 / uint16 (bf16 bit patterns), or None for
+    meta_only. It is the libkvrope receive buffer itself (no copy), freed when
+    the last view of it is gone. Per token: tokens (uint32), positions (int64:
+    the positions the returned keys are rotated at), flags (uint32,
+    FLAG_APPROX), groups (int32). `layers` lists the layer ids along axis 0."""
+
+    def __init__(self, ctx_id, model, start, dtype, layers, tokens, positions, flags, groups,
+                 data, n_kv_heads, head_dim):
+        self.ctx_id, self.model, self.start, self.dtype = ctx_id, model, start, dtype
+        self.layers, self.tokens, self.positions = layers, tokens, positions
+        self.flags, self.groups, self.data = flags, groups, data
+        self.n_kv_heads, self.head_dim = n_kv_heads, head_dim
+
+    n_tokens = property(lambda self: int(self.tokens.size))
+    n_layers = property(lambda self: len(self.layers))
+    approximate = property(lambda self: (self.flags & FLAG_APPROX) != 0)
+    shape = property(lambda self: (self.n_layers, 2, self.n_tokens, self.n_kv_heads, self.head_dim))
+
+    def __len__(self):
+        return self.n_tokens
+
+    def __repr__(self):
+        return (f"<kvrope.KV {self.ctx_id!r} [{self.start}, {self.start + self.n_tokens}) "
+                f"layers={list(self.layers)} {self.dtype} shape={self.shape}"
+                f"{' meta-only' if self.data is None else ''}>")
+
+    def _need(self):
+        if self.data is None:
+            raise ValueError("this result has no payload (meta_only)")
+        return self.data
+
+    def k(self, i):
+        """K of the i-th returned layer (index into .layers): [T, H, D] view."""
+        return self._need()[i, 0]
+
+    def v(self, i):
+        return self._need()[i, 1]
+
+    @property
+    def keys(self):
+        """All K: [n_layers, T, H, D] view."""
+        return self._need()[:, 0]
+
+    @property
+    def values(self):
+        return self._need()[:, 1]
+
+    def pairs(self, float32=False):
+        """[(K, V), ...] per layer: examples/llama.py's kv form (views, or
+        float32 copies with float32=True)."""
+        d = self.to_float32() if float32 else self._need()
+        return [(d[i, 0], d[i, 1]) for i in range(d.shape[0])]
+
+    def to_float32(self):
+        """The payload widened to float32 (exact for f16 and bf16)."""
+        d = self._need()
+        if self.dtype == "f32":
+            return d
+        if self.dtype == "f16":
+            return d.astype(np.float32)
+        return T.bf16_to_f32(d)
+
+    def to_torch(self):
+        """The payload as a torch tensor sharing its memory (bf16 ->
+        torch.bfloat16). Requires torch."""
+        if not T.HAVE_TORCH:
+            raise ImportError("torch is not importable")
+        d = self._need()
+        t = T.torch.from_numpy(d if self.dtype != "bf16" else d.view(np.int16))
+        return t.view(T.torch.bfloat16) if self.dtype == "bf16" else t
+
+
+@dataclass
+class Match:
+    length: int                 # cached exact prefix length, 0 = none
+    ctx_id: Optional[str]       # a context holding tokens [0, length)
+    kv: Optional[KV] = None     # with get=True and length > 0
+
+
+# ---- the client -----------------------------------------------------------------
+
+_MODES = {"upsert": _lib.WRITE_UPSERT, "create": _lib.WRITE_CREATE, "append": _lib.WRITE_APPEND}
+
+
+class Client:
+    """One connection. Use kvrope.connect(); close() or a `with` block ends it.
+
+    Calls on one Client are serialised with a lock (libkvrope handles must not
+    be used concurrently); use one Client per thread for parallelism. The GIL
+    is released while libkvrope waits for the daemon."""
+
+    def __init__(self, addr, token=None, timeout=None):
+        self._lib = _lib.load()
+        self._lock = threading.Lock()
+        self._models = {}
+        self.addr = os.fspath(addr) if isinstance(addr, os.PathLike) else addr
+        if not isinstance(self.addr, str) or not self.addr:
+            raise TypeError("addr must be a socket path, 'unix:PATH', 'HOST:PORT' or 'tcp:HOST:PORT'")
+        opts = _lib.kvr_client_opts()
+        if token is not None:
+            tok = token.encode() if isinstance(token, str) else bytes(token)
+            if not tok:
+                raise ValueError("empty token")
+            self._tok = ctypes.create_string_buffer(tok, len(tok))
+            opts.token = ctypes.cast(self._tok, c_void_p)
+            opts.token_len = len(tok)
+        if timeout is not None:
+            if timeout <= 0:
+                raise ValueError("timeout must be > 0 seconds (None = wait forever)")
+            opts.timeout_ms = max(1, int(round(timeout * 1000)))
+        h = c_void_p()
+        rc = self._lib.kvr_client_connect(byref(h), self.addr.encode(), byref(opts))
+        if rc < 0:
+            msg = (self._lib.kvr_client_last_error(None) or b"").decode(errors="replace")
+            raise errors.from_c(rc, msg)
+        self._h = h
+
+    # -- plumbing
+    def _fn(self, name):
+        if not self._lib.has(name):
+            raise errors.Unsupported(f"libkvrope at {self._lib.path} has no {name}; "
+                                     f"rebuild it (make build/libkvrope.so)")
+        return getattr(self._lib, name)
+
+    def _call(self, name, *args):
+        f = self._fn(name)
+        with self._lock:
+            if self._h is None:
+                raise errors.ConnectionFailed(-1001, "the client is closed")
+            rc = f(self._h, *args)
+            if rc < 0:
+                msg = (self._lib.kvr_client_last_error(self._h) or b"").decode(errors="replace")
+                raise errors.from_c(rc, msg)
+        return rc
+
+    def close(self):
+        with self._lock:
+            if getattr(self, "_h", None) is not None:
+                self._lib.kvr_client_close(self._h)
+                self._h = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    @property
+    def closed(self):
+        return self._h is None
+
+    # -- verbs
+    def ping(self):
+        """-> Pong(server, protocol)."""
+        p = _lib.kvr_pong()
+        self._call("kvr_client_ping", byref(p))
+        return Pong(p.server.decode(), p.protocol)
+
+    def register_model(self, name, config=None, *, style=None, dtype="f16",
+                       n_layers=0, n_kv_heads=0, head_dim=0):
+        """Registers (or identically re-registers) a model; -> Model.
+
+        config: a dict (sent as JSON text), a path to an HF config.json (or a
+        directory holding one), JSON text (a str starting with '{'), or None
+        with explicit n_layers/n_kv_heads/head_dim (HF default RoPE).
+        style: None, "neox" or "gptj"; None honours a "rope_style" key in the
+        config (examples/llama.py writes one; HF and the daemon ignore it),
+        else the daemon's rule (by model_type).
+        dtype: the model's native KV dtype at rest (default f16, as the daemon's)."""
+        nm = _b(name, "model name")
+        text = None
+        if isinstance(config, dict):
+            text = json.dumps(config)
+        elif isinstance(config, bytes):
+            text = config.decode()
+        elif isinstance(config, str) and config.lstrip().startswith("{"):
+            text = config
+        elif isinstance(config, (str, os.PathLike)):
+            path = os.fspath(config)
+            if os.path.isdir(path):
+                path = os.path.join(path, "config.json")
+            with open(path, encoding="utf-8") as f:
+                text = f.read()
+        elif config is not None:
+            raise TypeError(f"config must be a dict, a path or JSON text, got {type(config).__name__}")
+        if text is None and not (n_layers and n_kv_heads and head_dim):
+            raise ValueError("without a config, give n_layers, n_kv_heads and head_dim")
+        if style is None and text is not None:
+            try:
+                s = json.loads(text).get("rope_style")
+                style = s if s in ("neox", "gptj") else None
+            except (ValueError, AttributeError):
+                pass   # the daemon judges the JSON
+        if style is not None and style not in ("neox", "gptj"):
+            raise ValueError(f"style must be None, 'neox' or 'gptj', got {style!r}")
+        p = _lib.kvr_model_params()
+        p.name = nm
+        tb = text.encode() if text is not None else None
+        p.config_json = tb
+        p.config_json_len = len(tb) if tb is not None else 0
+        p.style = style.encode() if style else None
+        p.n_layers, p.n_kv_heads, p.head_dim = (_u64(n_layers, "n_layers"),
+                                                _u64(n_kv_heads, "n_kv_heads"),
+                                                _u64(head_dim, "head_dim"))
+        p.dtype = T.CODES[T.dtype_name(dtype)]
+        out = _lib.kvr_model()
+        self._call("kvr_client_model_register", byref(p), byref(out))
+        m = Model._from(out)
+        self._models[m.name] = m
+        return m
+
+    def models(self):
+        """-> [Model] (every registered model)."""
+        arr, n = POINTER(_lib.kvr_model)(), c_size_t()
+        self._call("kvr_client_model_list", byref(arr), byref(n))
+        try:
+            ms = [Model._from(arr[i]) for i in range(n.value)]
+        finally:
+            self._lib.kvr_client_free(arr)
+        for m in ms:
+            self._models[m.name] = m
+        return ms
+
+    def model(self, name, refresh=False):
+        """-> Model by name (cached per connection: a name's shape and
+        fingerprint never change once registered). UnknownModel if absent."""
+        nm = _b(name, "model name").decode()
+        if refresh or nm not in self._models:
+            out = _lib.kvr_model()
+            self._call("kvr_client_model_get", nm.encode(), byref(out))
+            self._models[nm] = Model._from(out)
+        return self._models[nm]
+
+    def put(self, ctx_id, model, tokens, kv=None, *, k=None, v=None, dtype=None, mode="upsert",
+            positions=None, pos_start=None, pin=False, check_model=True):
+        """Stores the KV of `tokens` in context `ctx_id` (created or appended
+        to); -> PutResult.
+
+        kv: [n_layers, 2, T, kv_heads, head_dim] array/tensor, or a list of
+        (K, V) per layer ([T, kv_heads, head_dim] each); or k=, v= each
+        [n_layers, T, kv_heads, head_dim]. dtype: wire dtype (default: the
+        data's; see kvrope.tensors). mode: "upsert" | "create" | "append".
+        Positions: `positions` (one per token) or `pos_start` (contiguous), or
+        neither (the context's last position + 1; 0 for a new context).
+        check_model: look the model's shape up (once per connection, cached)
+        and refuse a mismatch locally; the put also carries the model's
+        fingerprint, so the daemon refuses a model re-defined under the name."""
+        cid, mn = _b(ctx_id, "ctx_id"), _b(model, "model")
+        toks = tokens_array(tokens)
+        if not toks.size:
+            raise ValueError("put needs at least one token")
+        if mode not in _MODES:
+            raise ValueError(f"mode must be one of {sorted(_MODES)}, got {mode!r}")
+        pos = positions_array(positions, toks.size) if positions is not None else None
+        if pos is not None and pos_start is not None:
+            raise ValueError("give positions or pos_start, not both")
+        parts, dt, (L, n, H, D) = T.as_kv_parts(kv, k, v, toks.size, dtype)
+        fp = 0
+        if check_model:
+            m = self.model(mn.decode())
+            if (L, H, D) != (m.n_layers, m.n_kv_heads, m.head_dim):
+                raise ValueError(f"KV shape (layers, kv_heads, head_dim) = {(L, H, D)} but model "
+                                 f"{m.name!r} has {(m.n_layers, m.n_kv_heads, m.head_dim)}")
+            fp = m.fingerprint
+        a = _lib.kvr_put_args()
+        a.ctx_id, a.model, a.mode, a.fingerprint = cid, mn, _MODES[mode], fp
+        a.n_layers, a.n_kv_heads, a.head_dim, a.dtype = L, H, D, T.CODES[dt]
+        a.tokens, a.n_tokens = _ptr(toks, c_uint32), toks.size
+        a.positions = _ptr(pos, c_int64)
+        if pos_start is not None:
+            a.has_pos_start, a.pos_start = True, _i64(pos_start, "pos_start")
+        a.pin = bool(pin)
+        if len(parts) == 1:
+            a.payload, a.payload_len = parts[0].ctypes.data, parts[0].nbytes
+        else:
+            iov = (_lib.iovec * len(parts))()
+            for i, p in enumerate(parts):
+                iov[i].iov_base, iov[i].iov_len = p.ctypes.data, p.nbytes
+            a.iov, a.iovcnt = ctypes.cast(iov, POINTER(_lib.iovec)), len(parts)
+        out = _lib.kvr_put_res()
+        self._call("kvr_client_put", byref(a), byref(out))
+        del parts
+        return PutResult(out.n_tokens, out.first_index, out.first_pos, out.last_pos)
+
+    def _layers(self, layers):
+        if layers is None:
+            return None
+        return _int_array(list(layers) if not isinstance(layers, np.ndarray) else layers,
+                          np.uint32, "layers", 0, (1 << 32) - 1)
+
+    @staticmethod
+    def _out_buf(out, dt):
+        if out is None:
+            return None, 0
+        if not isinstance(out, np.ndarray):
+            raise TypeError("out must be a numpy array")
+        if out.dtype != T.NUMPY[dt]:
+            raise TypeError(f"out has dtype {out.dtype}, a {dt} result needs {T.NUMPY[dt]}")
+        if not out.flags.c_contiguous or not out.flags.writeable:
+            raise ValueError("out must be C-contiguous and writeable")
+        return out.ctypes.data, out.nbytes
+
+    def _take(self, kvs, out):
+        """KV from a filled kvr_kv (releases what libkvrope owns)."""
+        try:
+            n, L = kvs.n_tokens, kvs.n_layers
+            dt = T.NAMES[kvs.dtype]
+            def arr(p, dt_):
+                return np.ctypeslib.as_array(p, (n,)).copy() if n else np.empty(0, dt_)
+            tokens, pos = arr(kvs.tokens, np.uint32), arr(kvs.positions, np.int64)
+            flags, groups = arr(kvs.flags, np.uint32), arr(kvs.groups, np.int32)
+            layers = tuple(kvs.layers[i] for i in range(L))
+            shape = (L, 2, n, kvs.n_kv_heads, kvs.head_dim)
+            data = None
+            if kvs.payload:
+                nbytes = kvs.payload_len
+                if kvs.payload_owned:
+                    flat = T.adopt(kvs.payload, nbytes, dt)
+                    kvs.payload = None          # ours now, freed with the array
+                else:
+                    flat = out.reshape(-1).view(np.uint8)[:nbytes].view(T.NUMPY[dt])
+                data = flat.reshape(shape)
+                if out is not None and out.nbytes == nbytes:
+                    data = out.reshape(shape)
+            return KV(kvs.ctx_id.decode(), kvs.model.decode(), kvs.start, dt, layers, tokens,
+                      pos, flags, groups, data, kvs.n_kv_heads, kvs.head_dim)
+        finally:
+            self._lib.kvr_kv_release(byref(kvs))
+
+    def _layer_cb(self, on_layer, kvs, errs):
+        if on_layer is None:
+            return _lib.LAYER_FN()
+
+        def cb(_ud, index, layer, kp, vp, nbytes):
+            try:
+                dt = T.NAMES[kvs.dtype]
+                shape = (kvs.n_tokens, kvs.n_kv_heads, kvs.head_dim)
+                n = nbytes // T.SIZE[dt]
+                on_layer(layer, T.view(kp, n, dt).reshape(shape), T.view(vp, n, dt).reshape(shape))
+            except BaseException as e:  # re-raised after the call
+                errs.append(e)
+        return _lib.LAYER_FN(cb)
+
+    def get(self, ctx_id, start=0, end=None, *, dtype="f32", positions=None, layers=None,
+            meta_only=False, out=None, on_layer=None):
+        """Fetches tokens [start, end) (end None = to the end) of a context; -> KV.
+
+        dtype: of the result (default f32). positions: one target position
+        per token, keys are re-rotated to them (default: current positions).
+        layers: a subset of layer ids, in the order wanted. out: a C-contiguous
+        numpy array of the result dtype (np.float32/np.float16/np.uint16) to
+        receive the payload straight into (BufferTooSmall if too small).
+        on_layer(layer_id, K, V): called as soon as each layer has arrived;
+        K and V are [T, H, D] views valid during the callback (copy to keep)."""
+        cid = _b(ctx_id, "ctx_id")
+        start = _u64(start, "start")
+        if end is not None:
+            end = _u64(end, "end")
+            if end <= start:
+                raise ValueError(f"empty or reversed token range [{start}, {end})")
+        dt = T.dtype_name(dtype)
+        lay = self._layers(layers)
+        pos = None
+        if positions is not None:
+            if end is None:
+                raise ValueError("positions need an explicit end (one position per token)")
+            pos = positions_array(positions, end - start)
+        dst, cap = self._out_buf(out, dt)
+        kvs, errs = _lib.kvr_kv(), []
+        cb = self._layer_cb(on_layer, kvs, errs)
+        a = _lib.kvr_get_args()
+        a.ctx_id, a.start, a.end, a.dtype = cid, start, end or 0, T.CODES[dt]
+        a.positions, a.n_positions = _ptr(pos, c_int64), 0 if pos is None else pos.size
+        a.layers, a.n_layers = _ptr(lay, c_uint32), 0 if lay is None else lay.size
+        a.meta_only = bool(meta_only)
+        a.dst, a.dst_cap = dst, cap
+        a.on_layer = cb
+        self._call("kvr_client_get", byref(a), byref(kvs))
+        res = self._take(kvs, out)
+        if errs:
+            raise errs[0]
+        return res
+
+    def match(self, model, tokens, *, get=False, dtype="f32", layers=None,
+              include_approximate=False, out=None):
+        """Longest cached exact prefix of `tokens` for `model`; -> Match
+        (length, ctx_id, kv). With get=True and length > 0, kv holds tokens
+        [0, length) of ctx_id (see get() for dtype/layers/out)."""
+        mn = _b(model, "model")
+        toks = tokens_array(tokens)
+        dt = T.dtype_name(dtype)
+        lay = self._layers(layers)
+        dst, cap = self._out_buf(out, dt)
+        a = _lib.kvr_match_args()
+        a.model, a.tokens, a.n_tokens = mn, _ptr(toks, c_uint32), toks.size
+        a.include_approximate, a.get, a.dtype = bool(include_approximate), bool(get), T.CODES[dt]
+        a.layers, a.n_layers = _ptr(lay, c_uint32), 0 if lay is None else lay.size
+        a.dst, a.dst_cap = dst, cap
+        r = _lib.kvr_match_res()
+        self._call("kvr_client_match", byref(a), byref(r))
+        kv = self._take(r.kv, out) if r.has_kv else None
+        return Match(int(r.length), r.ctx_id.decode() if r.length else None, kv)
+
+    def delete(self, ctx_id):
+        self._call("kvr_client_delete", _b(ctx_id, "ctx_id"))
+
+    def stat(self, ctx_id):
+        """-> Context."""
+        c = _lib.kvr_context()
+        self._call("kvr_client_stat", _b(ctx_id, "ctx_id"), byref(c))
+        return Context._from(c)
+
+    def exists(self, ctx_id):
+        try:
+            self.stat(ctx_id)
+            return True
+        except errors.UnknownContext:
+            return False
+
+    def list(self, model=None):
+        """-> [Context], sorted by id; model filters."""
+        arr, n = POINTER(_lib.kvr_context)(), c_size_t()
+        self._call("kvr_client_list", _b(model, "model") if model is not None else None,
+                   byref(arr), byref(n))
+        try:
+            return [Context._from(arr[i]) for i in range(n.value)]
+        finally:
+            self._lib.kvr_client_free(arr)
+
+    def pin(self, ctx_id, pin=True):
+        """Protects a context from eviction (pin=False unpins)."""
+        self._call("kvr_client_pin", _b(ctx_id, "ctx_id"), bool(pin))
+
+    def unpin(self, ctx_id):
+        self.pin(ctx_id, False)
+
+    def fork(self, src, dst):
+        """Copy-on-write copy of context src as dst (llama.cpp seq_cp)."""
+        self._call("kvr_client_fork", _b(src, "src"), _b(dst, "dst"))
+
+    def shift(self, ctx_id, start, end, delta):
+        """Logical positions of tokens [start, end) += delta (llama.cpp seq_add)."""
+        self._call("kvr_client_shift", _b(ctx_id, "ctx_id"), _u64(start, "start"),
+                   _u64(end, "end"), _i64(delta, "delta"))
+
+    def keep(self, ctx_id, start, end):
+        """Keeps tokens [start, end), drops the rest (llama.cpp seq_keep)."""
+        self._call("kvr_client_keep", _b(ctx_id, "ctx_id"), _u64(start, "start"),
+                   _u64(end, "end"))
+
+    def stats(self):
+        """-> {metric name: value} in the daemon's order (docs/protocol.md)."""
+        arr, n = POINTER(_lib.kvr_metric)(), c_size_t()
+        self._call("kvr_client_stats", byref(arr), byref(n))
+        try:
+            return {arr[i].name.decode(): arr[i].value for i in range(n.value)}
+        finally:
+            self._lib.kvr_client_free(arr)
