@@ -1,0 +1,486 @@
+/*
+ * layout.c — per-context position layouts: the APE record of the prefix a
+ * document was encoded against, GPE groups (named position cursors with an
+ * offset each) and the StreamingLLM retention policy (sinks + window).
+ *
+ * The state lives in ctx->layout (NULL for a plain context) and is only
+ * touched on the loop thread. Everything here changes metadata: extents'
+ * pos_delta and the extent array. No K/V byte is copied or rotated; get and
+ * assemble rotate each key once from its stored form.
+ *
+ * Invariants:
+ *  - A grouped context's tokens all carry a group id in 0..n_groups-1 (the
+ *    block's per-slot groups[]); group g's k-th token ever appended was
+ *    stored at phi_g(then) + k, and its logical position is phi_g(now) + k
+ *    unless an edit/shift moved it since.
+ *  - With a retention policy, after every put (and when the policy is set)
+ *    n_tokens <= sinks + window, or the context could not grow its extent
+ *    array (out of memory), in which case the next put retries.
+ *  - Every refusal leaves the context exactly as it was.
+ */
+#include <string.h>
+
+#include "cache/store_internal.h"
+
+struct kvr_layout {
+    /* APE: the prefix this context's KV was computed after. */
+    bool     has_prefix;
+    char     prefix[KVR_ID_MAX + 1];
+    uint64_t prefix_fp;
+    size_t   prefix_len;
+    uint64_t prefix_hash;
+    /* GPE groups. */
+    size_t   n_groups;
+    struct {
+        char     name[KVR_GROUP_NAME_MAX + 1];
+        int64_t  phi;
+        uint64_t cursor;
+    } g[KVR_MAX_GROUPS];
+    /* StreamingLLM retention. */
+    bool     has_ret;
+    size_t   sinks, window, n_dropped;
+};
+
+/* Hash of a context's token ids (FNV-1a over their bytes), for the APE
+ * record: a prefix whose tokens change gets another hash. */
+static uint64_t tokens_hash(const uint32_t *t, size_t n)
+{
+    uint64_t h = 14695981039346656037ull;
+    const unsigned char *b = (const unsigned char *)t;
+    for (size_t i = 0; i < n * sizeof *t; i++) {
+        h ^= b[i];
+        h *= 1099511628211ull;
+    }
+    return h;
+}
+
+int layout_ctx_hash(const kvr_ctx *c, uint64_t *out, kvr_error *err)
+{
+    uint32_t *t = ctx_gather_tokens(c, err);
+    if (!t)
+        return KVR_ENOMEM;
+    *out = tokens_hash(t, c->n_tokens);
+    kvr_mem_free(t);
+    return 0;
+}
+
+static int find_group(const kvr_layout *L, const char *name)
+{
+    if (!L || !name)
+        return -1;
+    for (size_t i = 0; i < L->n_groups; i++)
+        if (strcmp(L->g[i].name, name) == 0)
+            return (int)i;
+    return -1;
+}
+
+/* ---- extents ------------------------------------------------------------ */
+
+/* Makes token index idx start an extent; returns its index (n_ext at the
+ * end). Needs one free extent slot. (As store.c's, which is private.) */
+static size_t split_at(kvr_ctx *c, size_t idx)
+{
+    size_t k = 0, i = 0;
+    for (; i < c->n_ext; i++) {
+        if (k == idx)
+            return i;
+        if (idx < k + c->ext[i].count)
+            break;
+        k += c->ext[i].count;
+    }
+    if (i == c->n_ext)
+        return i;
+    uint32_t off = (uint32_t)(idx - k);
+    memmove(c->ext + i + 1, c->ext + i, (c->n_ext - i) * sizeof *c->ext);
+    c->n_ext++;
+    c->ext[i].count = off;
+    c->ext[i + 1].first += off;
+    c->ext[i + 1].count -= off;
+    block_ref(c->ext[i].block);
+    return i + 1;
+}
+
+/* Merges neighbours contiguous in one block with equal delta and flags. */
+static void merge_extents(kvr_store *s, kvr_ctx *c)
+{
+    if (c->n_ext < 2)
+        return;
+    size_t w = 0;
+    for (size_t i = 1; i < c->n_ext; i++) {
+        kvr_extent *p = &c->ext[w], *e = &c->ext[i];
+        if (p->block == e->block && p->first + p->count == e->first &&
+            p->pos_delta == e->pos_delta && p->flags == e->flags) {
+            p->count += e->count;
+            block_unref(s, e->block);
+        } else {
+            c->ext[++w] = *e;
+        }
+    }
+    c->n_ext = w + 1;
+}
+
+static int64_t ext_pos(const kvr_extent *e, uint32_t j)
+{
+    return e->block->stored_pos[e->first + j] + e->pos_delta;
+}
+
+/* ---- retention ---------------------------------------------------------- */
+
+/* Drops tokens [sinks, n - window) and moves the window right after the
+ * last sink (or to where the oldest token was, without sinks). Returns the
+ * position change of the window's tokens. */
+static int64_t retention_apply(kvr_store *s, kvr_ctx *c)
+{
+    kvr_layout *L = c->layout;
+    size_t n = c->n_tokens, S = L->sinks, W = L->window;
+    if (!L->has_ret || n <= S + W)
+        return 0;
+    if (ctx_ext_reserve(c, 2) != 0)
+        return 0;                       /* retried by the next put */
+    size_t i0 = split_at(c, S);
+    size_t i1 = split_at(c, n - W);
+    int64_t base;
+    if (i0 > 0) {
+        const kvr_extent *e = &c->ext[i0 - 1];
+        if (__builtin_add_overflow(ext_pos(e, e->count - 1), 1, &base))
+            base = ext_pos(&c->ext[i1], 0);
+    } else {
+        base = ext_pos(&c->ext[0], 0);
+    }
+    int64_t delta;
+    if (__builtin_sub_overflow(base, ext_pos(&c->ext[i1], 0), &delta))
+        delta = 0;
+    for (size_t i = i1; i < c->n_ext && delta != 0; i++) {
+        const kvr_extent *e = &c->ext[i];
+        int64_t q;
+        if (__builtin_add_overflow(e->pos_delta, delta, &q))
+            delta = 0;
+        for (uint32_t j = 0; j < e->count && delta != 0; j++)
+            if (__builtin_add_overflow(ext_pos(e, j), delta, &q))
+                delta = 0;
+    }
+    for (size_t i = i0; i < i1; i++)
+        block_unref(s, c->ext[i].block);
+    memmove(c->ext + i0, c->ext + i1, (c->n_ext - i1) * sizeof *c->ext);
+    c->n_ext -= i1 - i0;
+    for (size_t i = i0; i < c->n_ext; i++)
+        c->ext[i].pos_delta += delta;
+    merge_extents(s, c);
+    c->n_tokens = S + W;
+    L->n_dropped += n - S - W;
+    ctx_index_rebuild(s, c, S);
+    return delta;
+}
+
+/* ---- put hooks ---------------------------------------------------------- */
+
+void layout_put_free(layout_put *lp)
+{
+    kvr_mem_free(lp->created);
+    lp->created = NULL;
+}
+
+int layout_put_begin(kvr_store *s, const kvr_ctx *c, const kvr_model *m,
+                     const kvr_put_params *p, layout_put *lp, kvr_error *err)
+{
+    memset(lp, 0, sizeof *lp);
+    bool creating = c == NULL;
+    if (!creating && (p->prefix_ctx || p->n_groups))
+        return kvr_error_set(err, KVR_EBADREQUEST,
+                             "context '%s' exists: a prefix or groups can only be given "
+                             "when it is created", p->ctx_id);
+    if (p->n_groups > KVR_MAX_GROUPS)
+        return kvr_error_set(err, KVR_ELIMIT, "%zu groups (at most %d)", p->n_groups,
+                             KVR_MAX_GROUPS);
+    if (p->n_groups && !p->groups)
+        return kvr_error_set(err, KVR_EBADREQUEST, "group names missing");
+    for (size_t i = 0; i < p->n_groups; i++) {
+        const char *g = p->groups[i];
+        size_t len = g ? strnlen(g, KVR_GROUP_NAME_MAX + 1) : 0;
+        if (len == 0 || len > KVR_GROUP_NAME_MAX)
+            return kvr_error_set(err, KVR_EINVAL, "group name %zu must be 1..%d bytes", i,
+                                 KVR_GROUP_NAME_MAX);
+        for (size_t j = 0; j < i; j++)
+            if (strcmp(p->groups[j], g) == 0)
+                return kvr_error_set(err, KVR_EINVAL, "duplicate group name '%s'", g);
+    }
+
+    const kvr_layout *L = creating ? NULL : c->layout;
+    size_t n_groups = creating ? p->n_groups : (L ? L->n_groups : 0);
+    int gid = -1;
+    int64_t phi = 0;
+    uint64_t cursor = 0;
+    if (p->group) {
+        if (creating) {
+            for (size_t i = 0; i < p->n_groups; i++)
+                if (strcmp(p->groups[i], p->group) == 0)
+                    gid = (int)i;
+            if (gid >= 0 && p->group_offsets)
+                phi = p->group_offsets[gid];
+        } else if ((gid = find_group(L, p->group)) >= 0) {
+            phi = L->g[gid].phi;
+            cursor = L->g[gid].cursor;
+        }
+        if (gid < 0)
+            return kvr_error_set(err, KVR_EINVAL, "context '%s' has no group '%s'",
+                                 p->ctx_id, p->group);
+        if (p->positions || p->has_pos_start)
+            return kvr_error_set(err, KVR_EBADREQUEST,
+                                 "a put to group '%s' takes the group's positions; "
+                                 "explicit positions are not allowed", p->group);
+        int64_t first, last;
+        if (cursor > (uint64_t)INT64_MAX ||
+            __builtin_add_overflow(phi, (int64_t)cursor, &first) ||
+            __builtin_add_overflow(first, (int64_t)(p->n_tokens - 1), &last))
+            return kvr_error_set(err, KVR_EINVAL,
+                                 "group '%s': positions from offset %lld + %llu overflow",
+                                 p->group, (long long)phi, (unsigned long long)cursor);
+        lp->group = gid;
+        lp->has_first = true;
+        lp->first = first;
+    } else if (n_groups) {
+        return kvr_error_set(err, KVR_EBADREQUEST,
+                             "context '%s' has groups: a put must name one", p->ctx_id);
+    }
+
+    kvr_layout tmp;
+    memset(&tmp, 0, sizeof tmp);
+    if (p->prefix_ctx) {
+        kvr_ctx *pc = NULL;
+        int rc = ctx_find_live(s, p->prefix_ctx, &pc, err);
+        if (rc != 0)
+            return kvr_error_set(err, rc, "prefix context '%s' not found", p->prefix_ctx);
+        if (pc->model != m)
+            return kvr_error_set(err, KVR_EFINGERPRINT,
+                                 "prefix context '%s' belongs to model '%s', not '%s'",
+                                 p->prefix_ctx, pc->model->name, m->name);
+        if ((rc = layout_ctx_hash(pc, &tmp.prefix_hash, err)) != 0)
+            return rc;
+        tmp.has_prefix = true;
+        memcpy(tmp.prefix, pc->id, pc->id_len + 1);
+        tmp.prefix_fp = m->fingerprint;
+        tmp.prefix_len = pc->n_tokens;
+        if (!lp->has_first && !p->positions && !p->has_pos_start) {
+            lp->has_first = true;
+            lp->first = (int64_t)pc->n_tokens;
+        }
+    }
+    if (creating && (p->prefix_ctx || p->n_groups)) {
+        tmp.n_groups = p->n_groups;
+        for (size_t i = 0; i < p->n_groups; i++) {
+            memcpy(tmp.g[i].name, p->groups[i], strlen(p->groups[i]) + 1);
+            tmp.g[i].phi = p->group_offsets ? p->group_offsets[i] : 0;
+        }
+        lp->created = kvr_mem_malloc(sizeof *lp->created);
+        if (!lp->created)
+            return kvr_error_set(err, KVR_ENOMEM, "out of memory creating '%s'", p->ctx_id);
+        *lp->created = tmp;
+    }
+    return 0;
+}
+
+int64_t layout_put_commit(kvr_store *s, kvr_ctx *c, layout_put *lp, size_t n)
+{
+    if (lp->created) {
+        c->layout = lp->created;
+        lp->created = NULL;
+    }
+    kvr_layout *L = c->layout;
+    if (!L)
+        return 0;
+    if (L->n_groups)
+        L->g[lp->group].cursor += n;
+    return retention_apply(s, c);
+}
+
+void layout_ctx_free(kvr_ctx *c)
+{
+    kvr_mem_free(c->layout);
+    c->layout = NULL;
+}
+
+int layout_ctx_clone(const kvr_ctx *src, kvr_ctx *dst)
+{
+    if (!src->layout)
+        return 0;
+    dst->layout = kvr_mem_malloc(sizeof *dst->layout);
+    if (!dst->layout)
+        return KVR_ENOMEM;
+    *dst->layout = *src->layout;
+    return 0;
+}
+
+/* The APE record of c, for assemble.c: false if c has none. */
+bool layout_ape_record(const kvr_ctx *c, const char **prefix, uint64_t *fp,
+                       size_t *len, uint64_t *hash)
+{
+    const kvr_layout *L = c->layout;
+    if (!L || !L->has_prefix)
+        return false;
+    *prefix = L->prefix;
+    *fp = L->prefix_fp;
+    *len = L->prefix_len;
+    *hash = L->prefix_hash;
+    return true;
+}
+
+/* ---- verbs -------------------------------------------------------------- */
+
+static int writable(kvr_store *s, const char *id, kvr_ctx **out, kvr_error *err)
+{
+    int rc = ctx_find_live(s, id, out, err);
+    if (rc != 0)
+        return rc;
+    if ((*out)->busy)
+        return kvr_error_set(err, KVR_EBUSY, "context '%s' is being written", id);
+    return 0;
+}
+
+int kvr_store_layout_stat(kvr_store *s, const char *ctx_id, kvr_layout_info *out,
+                          kvr_error *err)
+{
+    kvr_ctx *c = NULL;
+    int rc = ctx_find_live(s, ctx_id, &c, err);
+    if (rc != 0)
+        return rc;
+    memset(out, 0, sizeof *out);
+    const kvr_layout *L = c->layout;
+    if (!L)
+        return 0;
+    out->has_prefix = L->has_prefix;
+    memcpy(out->prefix_ctx, L->prefix, sizeof out->prefix_ctx);
+    out->prefix_fingerprint = L->prefix_fp;
+    out->prefix_len = L->prefix_len;
+    out->prefix_hash = L->prefix_hash;
+    out->n_groups = L->n_groups;
+    for (size_t i = 0; i < L->n_groups; i++) {
+        memcpy(out->groups[i].name, L->g[i].name, sizeof out->groups[i].name);
+        out->groups[i].id = (int32_t)i;
+        out->groups[i].offset = L->g[i].phi;
+        out->groups[i].cursor = L->g[i].cursor;
+    }
+    for (size_t i = 0; i < c->n_ext && L->n_groups; i++) {
+        const kvr_extent *e = &c->ext[i];
+        for (uint32_t j = 0; j < e->count; j++) {
+            int32_t g = e->block->groups[e->first + j];
+            if (g >= 0 && (size_t)g < L->n_groups)
+                out->groups[g].n_tokens++;
+        }
+    }
+    out->has_retention = L->has_ret;
+    out->sinks = L->sinks;
+    out->window = L->window;
+    out->n_dropped = L->n_dropped;
+    return 0;
+}
+
+int kvr_store_set_group_offset(kvr_store *s, const char *ctx_id, const char *name,
+                               int64_t phi, kvr_error *err)
+{
+    kvr_ctx *c = NULL;
+    int rc = writable(s, ctx_id, &c, err);
+    if (rc != 0)
+        return rc;
+    kvr_layout *L = c->layout;
+    int g = find_group(L, name);
+    if (g < 0)
+        return kvr_error_set(err, KVR_EINVAL, "context '%s' has no group '%s'", ctx_id,
+                             name ? name : "");
+    int64_t delta, next;
+    if (__builtin_sub_overflow(phi, L->g[g].phi, &delta) ||
+        L->g[g].cursor > (uint64_t)INT64_MAX ||
+        __builtin_add_overflow(phi, (int64_t)L->g[g].cursor, &next))
+        return kvr_error_set(err, KVR_EINVAL,
+                             "group '%s': offset %lld overflows its positions", name,
+                             (long long)phi);
+    if (delta == 0)
+        return 0;
+    /* Check every token of the group and count the pieces first. */
+    size_t pieces = 0;
+    for (size_t i = 0; i < c->n_ext; i++) {
+        const kvr_extent *e = &c->ext[i];
+        int64_t q;
+        bool prev = false;
+        for (uint32_t j = 0; j < e->count; j++) {
+            bool in = e->block->groups[e->first + j] == g;
+            if (j == 0 || in != prev)
+                pieces++;
+            prev = in;
+            if (in && (__builtin_add_overflow(ext_pos(e, j), delta, &q) ||
+                       __builtin_add_overflow(e->pos_delta, delta, &q)))
+                return kvr_error_set(err, KVR_EINVAL,
+                                     "group '%s': offset %lld overflows the position of "
+                                     "one of its tokens", name, (long long)phi);
+        }
+    }
+    kvr_extent *ne = kvr_mem_malloc((pieces ? pieces : 1) * sizeof *ne);
+    if (!ne)
+        return kvr_error_set(err, KVR_ENOMEM, "out of memory moving group '%s'", name);
+    size_t k = 0;
+    for (size_t i = 0; i < c->n_ext; i++) {
+        const kvr_extent *e = &c->ext[i];
+        uint32_t j = 0;
+        while (j < e->count) {
+            bool in = e->block->groups[e->first + j] == g;
+            uint32_t z = j + 1;
+            while (z < e->count && (e->block->groups[e->first + z] == g) == in)
+                z++;
+            ne[k] = *e;
+            ne[k].first = e->first + j;
+            ne[k].count = z - j;
+            if (in)
+                ne[k].pos_delta += delta;
+            if (j > 0)
+                block_ref(e->block);        /* each extra piece holds one */
+            k++;
+            j = z;
+        }
+    }
+    kvr_mem_free(c->ext);
+    c->ext = ne;
+    c->n_ext = k;
+    c->cap_ext = pieces ? pieces : 1;
+    merge_extents(s, c);
+    L->g[g].phi = phi;
+    lru_touch(s, c);
+    return 0;
+}
+
+int kvr_store_set_retention(kvr_store *s, const char *ctx_id, const kvr_retention *r,
+                            kvr_error *err)
+{
+    kvr_ctx *c = NULL;
+    int rc = writable(s, ctx_id, &c, err);
+    if (rc != 0)
+        return rc;
+    if (!r)
+        return kvr_error_set(err, KVR_EBADREQUEST, "retention: missing parameters");
+    if (r->off) {
+        if (c->layout)
+            c->layout->has_ret = false;
+        return 0;
+    }
+    size_t total;
+    if (r->window == 0)
+        return kvr_error_set(err, KVR_EINVAL, "retention window must be at least 1 token");
+    if (__builtin_add_overflow(r->sinks, r->window, &total) || total > KVR_RETENTION_MAX)
+        return kvr_error_set(err, KVR_EINVAL,
+                             "retention sinks %zu + window %zu exceeds the limit of %u tokens",
+                             r->sinks, r->window, KVR_RETENTION_MAX);
+    if (c->layout && c->layout->n_groups)
+        return kvr_error_set(err, KVR_EUNSUPPORTED,
+                             "context '%s' has position groups: a sink + window policy "
+                             "would have to renumber each group separately, which is "
+                             "not supported", ctx_id);
+    if (!c->layout) {
+        c->layout = kvr_mem_calloc(1, sizeof *c->layout);
+        if (!c->layout)
+            return kvr_error_set(err, KVR_ENOMEM, "out of memory setting a retention policy");
+    }
+    c->layout->has_ret = true;
+    c->layout->sinks = r->sinks;
+    c->layout->window = r->window;
+    retention_apply(s, c);
+    lru_touch(s, c);
+    return 0;
+}
