@@ -1,0 +1,1304 @@
+/*
+ * disk.c — the disk tier's storage layer: spill segments, the persistence
+ * log with checkpoints, recovery and the failed state. disk.h documents the
+ * format and the write ordering; this file keeps these invariants:
+ *
+ *  - Every live extent is in exactly one segment's ext[] (sorted by offset)
+ *    with refs > 0; data_bytes/data_blocks are the sums over them.
+ *  - Bytes of a segment are appended at seg->size only; extents never move.
+ *    A segment is "dirty" while it holds writes not yet fdatasync'ed; every
+ *    log append and checkpoint first makes all dirty segments (and the
+ *    directory, if a segment file was created) durable.
+ *  - log_size is the end of the last good record of the current generation;
+ *    nothing past it is ever acknowledged.
+ *  - Once failed_errno is set (an fsync failed) no write path runs again.
+ *  - All mutable state is guarded by mu, except during open/recover/
+ *    recover_done/close, which the caller runs alone.
+ */
+#include <dirent.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <inttypes.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/file.h>
+#include <sys/stat.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "cache/disk.h"
+
+#define EXT_ALIGN     4096u
+#define EXT_HDR       32u
+#define REC_HDR       24u
+#define MAGIC_EXT     0x5852564Bu     /* "KVRX" */
+#define MAGIC_REC     0x4C52564Bu     /* "KVRL" */
+#define REC_CP_BEGIN  0xFFFFFF01u
+#define REC_CP_END    0xFFFFFF02u
+#define READ_WINDOW   (8u << 20)
+#define CP_BUF        (1u << 20)
+
+enum { ST_OPEN = 0, ST_RECOVERING = 1, ST_READY = 2 };
+
+typedef struct ext {
+    uint64_t off, seq;
+    uint32_t alloc, refs;
+} ext;
+
+typedef struct seg {
+    uint32_t id;
+    int      fd;
+    uint64_t size;          /* append offset */
+    bool     dirty;
+    ext     *ext;
+    size_t   n_ext, cap_ext;
+} seg;
+
+struct kvr_disk {
+    kvr_disk_config cfg;
+    char           *dir;
+    int             dirfd, lockfd, logfd;
+    pthread_mutex_t mu;
+    kvr_dio        *io;
+    char            note[160];
+    seg           **segs;           /* sorted by id */
+    size_t          n_segs, cap_segs;
+    seg            *active;
+    uint32_t        next_seg, gen;
+    bool            dir_dirty;
+    uint64_t        log_size, seq;
+    int             state;
+    int             failed_errno;
+    char            failed_msg[200];
+    uint64_t        data_bytes, data_blocks;
+    uint64_t        n_spills, n_loads, n_records, n_checkpoints, n_refused_full;
+    uint64_t        n_quarantined, n_torn_bytes;
+    kvr_disk_recovery last;
+};
+
+struct kvr_disk_cp {
+    kvr_disk *d;
+    int       fd;
+    uint8_t  *buf;
+    size_t    used;
+    uint64_t  off, count;
+    int       err;              /* -errno of the first failure */
+};
+
+/* ---- little helpers ---------------------------------------------------------- */
+static void put32(uint8_t *p, uint32_t v)
+{
+    for (int i = 0; i < 4; i++)
+        p[i] = (uint8_t)(v >> (8 * i));
+}
+
+static void put64(uint8_t *p, uint64_t v)
+{
+    for (int i = 0; i < 8; i++)
+        p[i] = (uint8_t)(v >> (8 * i));
+}
+
+static uint32_t get32(const uint8_t *p)
+{
+    uint32_t v = 0;
+    for (int i = 3; i >= 0; i--)
+        v = (v << 8) | p[i];
+    return v;
+}
+
+static uint64_t get64(const uint8_t *p)
+{
+    uint64_t v = 0;
+    for (int i = 7; i >= 0; i--)
+        v = (v << 8) | p[i];
+    return v;
+}
+
+static uint64_t align_up(uint64_t n)
+{
+    return (n + EXT_ALIGN - 1) & ~(uint64_t)(EXT_ALIGN - 1);
+}
+
+static double mono_ms(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec * 1e3 + (double)ts.tv_nsec / 1e6;
+}
+
+void kvr_disk_handle_encode(const kvr_disk_handle *h, uint8_t out[KVR_DISK_HANDLE_BYTES])
+{
+    put32(out, h->seg);
+    put32(out + 4, h->len);
+    put64(out + 8, h->off);
+    put64(out + 16, h->seq);
+    put32(out + 24, h->crc);
+}
+
+void kvr_disk_handle_decode(const uint8_t in[KVR_DISK_HANDLE_BYTES], kvr_disk_handle *h)
+{
+    h->seg = get32(in);
+    h->len = get32(in + 4);
+    h->off = get64(in + 8);
+    h->seq = get64(in + 16);
+    h->crc = get32(in + 24);
+}
+
+static void ext_header(uint8_t *h, uint64_t seq, uint32_t segid, uint32_t len,
+                       uint32_t dcrc, uint64_t off)
+{
+    uint8_t o[8];
+    memset(h, 0, EXT_HDR);
+    put32(h, MAGIC_EXT);
+    put64(h + 8, seq);
+    put32(h + 16, segid);
+    put32(h + 20, len);
+    put32(h + 24, dcrc);
+    put64(o, off);
+    put32(h + 4, kvr_crc32c(kvr_crc32c(0, h + 8, EXT_HDR - 8), o, 8));
+}
+
+static bool ext_header_ok(const uint8_t *h, const kvr_disk_handle *want)
+{
+    uint8_t o[8];
+    put64(o, want->off);
+    return get32(h) == MAGIC_EXT &&
+           get32(h + 4) == kvr_crc32c(kvr_crc32c(0, h + 8, EXT_HDR - 8), o, 8) &&
+           get64(h + 8) == want->seq && get32(h + 16) == want->seg &&
+           get32(h + 20) == want->len && get32(h + 24) == want->crc;
+}
+
+static void rec_header(uint8_t *h, uint64_t seq, uint32_t type, const void *p,
+                       uint32_t len)
+{
+    put32(h, MAGIC_REC);
+    put64(h + 8, seq);
+    put32(h + 16, type);
+    put32(h + 20, len);
+    put32(h + 4, kvr_crc32c(kvr_crc32c(0, h + 8, REC_HDR - 8), p, len));
+}
+
+/* Marks d failed after an fsync error (never retried) and fills err. */
+static int set_failed(kvr_disk *d, int neg_errno, const char *what, kvr_error *err)
+{
+    if (!d->failed_errno) {
+        d->failed_errno = -neg_errno;
+        snprintf(d->failed_msg, sizeof d->failed_msg,
+                 "disk tier failed: %s returned %s; nothing later is durable, "
+                 "reopen required", what, strerror(-neg_errno));
+    }
+    return kvr_error_set(err, KVR_EIO, "%s", d->failed_msg);
+}
+
+static int io_error(int neg_errno, const char *what, kvr_error *err)
+{
+    if (neg_errno == -ENOMEM)
+        return kvr_error_set(err, KVR_ENOMEM, "%s: out of memory", what);
+    return kvr_error_set(err, KVR_EIO, "disk %s failed: %s", what, strerror(-neg_errno));
+}
+
+/* 0 if writes may run now. */
+static int writable(kvr_disk *d, kvr_error *err)
+{
+    if (d->failed_errno)
+        return kvr_error_set(err, KVR_EIO, "%s", d->failed_msg);
+    if (d->state != ST_READY)
+        return kvr_error_set(err, KVR_EINVAL,
+                             "disk tier not ready: recover and recover_done first");
+    return 0;
+}
+
+static int fsync_dir(kvr_disk *d)
+{
+    return kvr_dio_fsync(d->io, d->dirfd);
+}
+
+/* ---- segments ------------------------------------------------------------------ */
+static void seg_name(char *buf, size_t cap, uint32_t id)
+{
+    snprintf(buf, cap, "seg-%08" PRIx32 ".dat", id);
+}
+
+static seg *seg_find(const kvr_disk *d, uint32_t id)
+{
+    size_t lo = 0, hi = d->n_segs;
+    while (lo < hi) {
+        size_t mid = (lo + hi) / 2;
+        if (d->segs[mid]->id == id)
+            return d->segs[mid];
+        if (d->segs[mid]->id < id)
+            lo = mid + 1;
+        else
+            hi = mid;
+    }
+    return NULL;
+}
+
+/* Index of the first extent with off >= off. */
+static size_t ext_lower(const seg *s, uint64_t off)
+{
+    size_t lo = 0, hi = s->n_ext;
+    while (lo < hi) {
+        size_t mid = (lo + hi) / 2;
+        if (s->ext[mid].off < off)
+            lo = mid + 1;
+        else
+            hi = mid;
+    }
+    return lo;
+}
+
+static ext *ext_find(const seg *s, const kvr_disk_handle *h)
+{
+    size_t i = ext_lower(s, h->off);
+    if (i < s->n_ext && s->ext[i].off == h->off && s->ext[i].seq == h->seq &&
+        s->ext[i].refs > 0)
+        return &s->ext[i];
+    return NULL;
+}
+
+static int ext_insert(seg *s, uint64_t off, uint64_t seq, uint32_t alloc)
+{
+    if (s->n_ext == s->cap_ext) {
+        size_t cap = s->cap_ext ? s->cap_ext * 2 : 16;
+        ext *e = kvr_mem_realloc(s->ext, cap * sizeof *e);
+        if (!e)
+            return -ENOMEM;
+        s->ext = e;
+        s->cap_ext = cap;
+    }
+    size_t i = ext_lower(s, off);
+    memmove(&s->ext[i + 1], &s->ext[i], (s->n_ext - i) * sizeof *s->ext);
+    s->ext[i] = (ext){ .off = off, .seq = seq, .alloc = alloc, .refs = 1 };
+    s->n_ext++;
+    return 0;
+}
+
+static void punch(int fd, uint64_t off, uint64_t len)
+{
+    if (len)   /* advisory: accounting does not depend on it */
+        (void)fallocate(fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE,
+                        (off_t)off, (off_t)len);
+}
+
+static void seg_free(seg *s)
+{
+    if (!s)
+        return;
+    if (s->fd >= 0)
+        close(s->fd);
+    kvr_mem_free(s->ext);
+    kvr_mem_free(s);
+}
+
+/* Removes an empty, non-active segment: file and memory. */
+static void seg_drop(kvr_disk *d, seg *s)
+{
+    char name[64];
+    seg_name(name, sizeof name, s->id);
+    (void)unlinkat(d->dirfd, name, 0);
+    for (size_t i = 0; i < d->n_segs; i++)
+        if (d->segs[i] == s) {
+            memmove(&d->segs[i], &d->segs[i + 1], (d->n_segs - i - 1) * sizeof *d->segs);
+            d->n_segs--;
+            break;
+        }
+    seg_free(s);
+}
+
+static int seg_add(kvr_disk *d, seg *s)
+{
+    if (d->n_segs == d->cap_segs) {
+        size_t cap = d->cap_segs ? d->cap_segs * 2 : 16;
+        seg **v = kvr_mem_realloc(d->segs, cap * sizeof *v);
+        if (!v)
+            return -ENOMEM;
+        d->segs = v;
+        d->cap_segs = cap;
+    }
+    size_t i = d->n_segs;
+    while (i > 0 && d->segs[i - 1]->id > s->id) {
+        d->segs[i] = d->segs[i - 1];
+        i--;
+    }
+    d->segs[i] = s;
+    d->n_segs++;
+    return 0;
+}
+
+/* A fresh active segment; the old one is sealed (and dropped if empty). */
+static int seg_roll(kvr_disk *d, kvr_error *err)
+{
+    seg *s = kvr_mem_calloc(1, sizeof *s);
+    if (!s)
+        return kvr_error_set(err, KVR_ENOMEM, "disk: out of memory");
+    s->id = d->next_seg;
+    char name[64];
+    seg_name(name, sizeof name, s->id);
+    s->fd = openat(d->dirfd, name, O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
+    if (s->fd < 0) {
+        int e = errno;
+        kvr_mem_free(s);
+        return kvr_error_set(err, KVR_EIO, "disk: cannot create %s/%s: %s",
+                             d->dir, name, strerror(e));
+    }
+    if (seg_add(d, s) != 0) {
+        close(s->fd);
+        (void)unlinkat(d->dirfd, name, 0);
+        kvr_mem_free(s);
+        return kvr_error_set(err, KVR_ENOMEM, "disk: out of memory");
+    }
+    d->next_seg++;
+    d->dir_dirty = true;
+    seg *old = d->active;
+    d->active = s;
+    if (old && old->n_ext == 0)
+        seg_drop(d, old);
+    return 0;
+}
+
+/* Makes every spill so far durable (and new segment names). An error here
+ * is an fsync error: the failed state. */
+static int sync_dirty(kvr_disk *d, kvr_error *err)
+{
+    for (size_t i = 0; i < d->n_segs; i++) {
+        seg *s = d->segs[i];
+        if (!s->dirty)
+            continue;
+        int rc = kvr_dio_fsync(d->io, s->fd);
+        if (rc)
+            return set_failed(d, rc, "fdatasync of a data segment", err);
+        s->dirty = false;
+    }
+    if (d->dir_dirty) {
+        int rc = fsync_dir(d);
+        if (rc)
+            return set_failed(d, rc, "fsync of the disk directory", err);
+        d->dir_dirty = false;
+    }
+    return 0;
+}
+
+/* ---- open / close ---------------------------------------------------------------- */
+int kvr_disk_open(kvr_disk **out, const kvr_disk_config *cfg, kvr_error *err)
+{
+    if (!cfg || !cfg->dir || !cfg->dir[0])
+        return kvr_error_set(err, KVR_EINVAL, "disk: no directory given");
+    kvr_disk *d = kvr_mem_calloc(1, sizeof *d);
+    if (!d)
+        return kvr_error_set(err, KVR_ENOMEM, "disk: out of memory");
+    d->cfg = *cfg;
+    if (!d->cfg.segment_bytes)
+        d->cfg.segment_bytes = 256ull << 20;
+    if (!d->cfg.checkpoint_bytes)
+        d->cfg.checkpoint_bytes = 64ull << 20;
+    d->dirfd = d->lockfd = d->logfd = -1;
+    size_t dl = strlen(cfg->dir);
+    d->dir = kvr_mem_malloc(dl + 1);
+    if (!d->dir) {
+        kvr_mem_free(d);
+        return kvr_error_set(err, KVR_ENOMEM, "disk: out of memory");
+    }
+    memcpy(d->dir, cfg->dir, dl + 1);
+    d->cfg.dir = d->dir;
+    pthread_mutex_init(&d->mu, NULL);
+    int rc;
+    if (mkdir(d->dir, 0755) != 0 && errno != EEXIST) {
+        rc = kvr_error_set(err, KVR_EIO, "disk: cannot create %s: %s", d->dir,
+                           strerror(errno));
+        goto fail;
+    }
+    d->dirfd = open(d->dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    if (d->dirfd < 0) {
+        rc = kvr_error_set(err, KVR_EIO, "disk: cannot open %s: %s", d->dir,
+                           strerror(errno));
+        goto fail;
+    }
+    d->lockfd = openat(d->dirfd, "LOCK", O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+    if (d->lockfd < 0) {
+        rc = kvr_error_set(err, KVR_EIO, "disk: cannot open %s/LOCK: %s", d->dir,
+                           strerror(errno));
+        goto fail;
+    }
+    if (flock(d->lockfd, LOCK_EX | LOCK_NB) != 0) {
+        rc = kvr_error_set(err, KVR_EBUSY, "disk: %s is in use by another kvr_disk",
+                           d->dir);
+        goto fail;
+    }
+    rc = kvr_dio_create(&d->io, cfg->engine, cfg->queue_depth, d->note, sizeof d->note);
+    if (rc) {
+        rc = kvr_error_set(err, rc == -ENOMEM ? KVR_ENOMEM : KVR_EUNSUPPORTED,
+                           "disk: io_uring unavailable: %s", strerror(-rc));
+        goto fail;
+    }
+    d->next_seg = 1;
+    *out = d;
+    return 0;
+
+fail:
+    kvr_disk_close(d);
+    return rc;
+}
+
+void kvr_disk_close(kvr_disk *d)
+{
+    if (!d)
+        return;
+    for (size_t i = 0; i < d->n_segs; i++)
+        seg_free(d->segs[i]);
+    kvr_mem_free(d->segs);
+    if (d->logfd >= 0)
+        close(d->logfd);
+    if (d->lockfd >= 0)
+        close(d->lockfd);       /* releases the flock */
+    if (d->dirfd >= 0)
+        close(d->dirfd);
+    kvr_dio_destroy(d->io);
+    pthread_mutex_destroy(&d->mu);
+    kvr_mem_free(d->dir);
+    kvr_mem_free(d);
+}
+
+const char *kvr_disk_engine_name(const kvr_disk *d)
+{
+    return kvr_dio_name(d->io);
+}
+
+const char *kvr_disk_engine_note(const kvr_disk *d)
+{
+    return d->note;
+}
+
+/* ---- recovery ---------------------------------------------------------------------- */
+typedef struct reader {
+    kvr_dio  *io;
+    int       fd;
+    uint64_t  size;
+    uint8_t  *buf;
+    size_t    cap;
+    uint64_t  w_off;
+    size_t    w_len;
+    int       err;
+} reader;
+
+/* n bytes at off, or NULL past the end of file (or on error: r->err). */
+static const uint8_t *rd_get(reader *r, uint64_t off, size_t n)
+{
+    if (off > r->size || n > r->size - off)
+        return NULL;
+    if (off >= r->w_off && off + n <= r->w_off + r->w_len)
+        return r->buf + (off - r->w_off);
+    size_t want = n > READ_WINDOW ? n : READ_WINDOW;
+    if (want > r->size - off)
+        want = (size_t)(r->size - off);
+    if (want > r->cap) {
+        uint8_t *b = kvr_mem_realloc(r->buf, want);
+        if (!b) {
+            r->err = -ENOMEM;
+            return NULL;
+        }
+        r->buf = b;
+        r->cap = want;
+    }
+    kvr_dio_req q = { .fd = r->fd, .write = false, .iovcnt = 1, .off = off };
+    q.iov[0].iov_base = r->buf;
+    q.iov[0].iov_len = want;
+    r->w_len = 0;
+    int rc = kvr_dio_run(r->io, &q, 1);
+    if (rc) {
+        r->err = rc;
+        return NULL;
+    }
+    r->w_off = off;
+    r->w_len = want;
+    return r->buf;
+}
+
+typedef struct parsed {
+    uint64_t       seq;
+    uint32_t       type, len;
+    const uint8_t *payload;
+} parsed;
+
+/* NULL if a valid record with seq > last starts at off, else the reason. */
+static const char *parse_at(reader *r, uint64_t off, uint64_t last, parsed *p)
+{
+    const uint8_t *h = rd_get(r, off, REC_HDR);
+    if (!h)
+        return "incomplete record header";
+    if (get32(h) != MAGIC_REC)
+        return "bad record magic";
+    uint32_t len = get32(h + 20);
+    if (len > KVR_DISK_MAX_RECORD)
+        return "record length out of range";
+    uint32_t crc = get32(h + 4);
+    h = rd_get(r, off, REC_HDR + (size_t)len);
+    if (!h)
+        return "record runs past the end of the file";
+    if (crc != kvr_crc32c(kvr_crc32c(0, h + 8, REC_HDR - 8), h + REC_HDR, len))
+        return "record checksum mismatch";
+    p->seq = get64(h + 8);
+    p->type = get32(h + 16);
+    p->len = len;
+    p->payload = h + REC_HDR;
+    if (p->seq <= last)
+        return "record sequence number not increasing";
+    return NULL;
+}
+
+static uint64_t find_next(reader *r, uint64_t from, uint64_t last)
+{
+    for (uint64_t y = from; y + REC_HDR <= r->size; y++) {
+        const uint8_t *m = rd_get(r, y, 4);
+        if (!m)
+            return UINT64_MAX;
+        if (get32(m) != MAGIC_REC)
+            continue;
+        parsed p;
+        if (!parse_at(r, y, last, &p))
+            return y;
+        if (r->err)
+            return UINT64_MAX;
+    }
+    return UINT64_MAX;
+}
+
+static void log_name(char *buf, size_t cap, uint32_t gen, bool tmp)
+{
+    snprintf(buf, cap, "log-%08" PRIx32 ".kvl%s", gen, tmp ? ".tmp" : "");
+}
+
+static int write_all(kvr_disk *d, int fd, uint64_t off, const void *p, size_t n)
+{
+    kvr_dio_req q = { .fd = fd, .write = true, .iovcnt = 1, .off = off };
+    q.iov[0].iov_base = (void *)(uintptr_t)p;
+    q.iov[0].iov_len = n;
+    return kvr_dio_run(d->io, &q, 1);
+}
+
+/* Creates generation 1 holding an empty checkpoint. */
+static int log_create_first(kvr_disk *d, kvr_error *err)
+{
+    char name[64];
+    log_name(name, sizeof name, 1, false);
+    int fd = openat(d->dirfd, name, O_RDWR | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+    if (fd < 0)
+        return kvr_error_set(err, KVR_EIO, "disk: cannot create %s/%s: %s", d->dir,
+                             name, strerror(errno));
+    uint8_t b[2 * REC_HDR + 12];
+    uint8_t *p0 = b + REC_HDR, *p1 = b + 2 * REC_HDR + 4;
+    put32(p0, 1);
+    rec_header(b, ++d->seq, REC_CP_BEGIN, p0, 4);
+    put64(p1, 0);
+    rec_header(b + REC_HDR + 4, ++d->seq, REC_CP_END, p1, 8);
+    int rc = write_all(d, fd, 0, b, sizeof b);
+    if (rc == 0)
+        rc = kvr_dio_fsync(d->io, fd);
+    if (rc == 0)
+        rc = fsync_dir(d);
+    if (rc) {
+        close(fd);
+        (void)unlinkat(d->dirfd, name, 0);
+        return io_error(rc, "log creation", err);
+    }
+    d->logfd = fd;
+    d->gen = 1;
+    d->log_size = sizeof b;
+    return 0;
+}
+
+static int scan_dir(kvr_disk *d, uint32_t *max_gen, kvr_error *err)
+{
+    int fd = dup(d->dirfd);
+    DIR *dp = fd >= 0 ? fdopendir(fd) : NULL;
+    if (!dp) {
+        if (fd >= 0)
+            close(fd);
+        return kvr_error_set(err, KVR_EIO, "disk: cannot list %s: %s", d->dir,
+                             strerror(errno));
+    }
+    rewinddir(dp);
+    *max_gen = 0;
+    int rc = 0;
+    struct dirent *e;
+    while (rc == 0 && (e = readdir(dp)) != NULL) {
+        unsigned id;
+        char tail[8];
+        if (sscanf(e->d_name, "seg-%8x.da%1s", &id, tail) == 2 &&
+            strlen(e->d_name) == 16) {
+            seg *s = kvr_mem_calloc(1, sizeof *s);
+            if (!s) {
+                rc = kvr_error_set(err, KVR_ENOMEM, "disk: out of memory");
+                break;
+            }
+            s->id = id;
+            s->fd = openat(d->dirfd, e->d_name, O_RDWR | O_CLOEXEC);
+            struct stat st;
+            if (s->fd < 0 || fstat(s->fd, &st) != 0) {
+                rc = kvr_error_set(err, KVR_EIO, "disk: cannot open %s/%s: %s",
+                                   d->dir, e->d_name, strerror(errno));
+                seg_free(s);
+                break;
+            }
+            s->size = (uint64_t)st.st_size;
+            if (seg_add(d, s) != 0) {
+                seg_free(s);
+                rc = kvr_error_set(err, KVR_ENOMEM, "disk: out of memory");
+                break;
+            }
+            if (id >= d->next_seg)
+                d->next_seg = id + 1;
+        } else if (sscanf(e->d_name, "log-%8x.kv%1s", &id, tail) == 2) {
+            size_t l = strlen(e->d_name);
+            if (l == 16 && id > *max_gen)
+                *max_gen = id;
+            else if (l == 20)   /* an unfinished checkpoint */
+                (void)unlinkat(d->dirfd, e->d_name, 0);
+        }
+    }
+    closedir(dp);
+    return rc;
+}
+
+int kvr_disk_recover(kvr_disk *d, kvr_disk_record_fn on_record,
+                     kvr_disk_corrupt_fn on_corrupt, void *arg,
+                     kvr_disk_recovery *out, kvr_error *err)
+{
+    if (d->state != ST_OPEN)
+        return kvr_error_set(err, KVR_EINVAL, "disk: recover runs once, after open");
+    double t0 = mono_ms();
+    kvr_disk_recovery rs = { 0 };
+    uint32_t gen = 0;
+    int rc = scan_dir(d, &gen, err);
+    if (rc)
+        return rc;
+    rs.segments = d->n_segs;
+    if (gen == 0) {
+        rc = log_create_first(d, err);
+        if (rc)
+            return rc;
+        goto done;
+    }
+    char name[64];
+    log_name(name, sizeof name, gen, false);
+    int fd = openat(d->dirfd, name, O_RDWR | O_CLOEXEC);
+    struct stat st;
+    if (fd < 0 || fstat(fd, &st) != 0) {
+        rc = kvr_error_set(err, KVR_EIO, "disk: cannot open %s/%s: %s", d->dir, name,
+                           strerror(errno));
+        if (fd >= 0)
+            close(fd);
+        return rc;
+    }
+    reader r = { .io = d->io, .fd = fd, .size = (uint64_t)st.st_size };
+    uint64_t pos = 0, last = 0;
+    bool in_cp = false;
+    while (pos < r.size) {
+        parsed p;
+        const char *why = parse_at(&r, pos, last, &p);
+        if (r.err)
+            break;
+        if (why) {
+            uint64_t y = find_next(&r, pos + 1, last);
+            if (r.err)
+                break;
+            if (y == UINT64_MAX) {
+                if (on_corrupt)
+                    on_corrupt(arg, name, pos, r.size - pos, why);
+                rs.torn_bytes = r.size - pos;
+                break;
+            }
+            if (on_corrupt)
+                on_corrupt(arg, name, pos, y - pos, why);
+            rs.quarantined++;
+            pos = y;
+            continue;
+        }
+        pos += REC_HDR + (uint64_t)p.len;
+        last = p.seq;
+        if (p.type == REC_CP_BEGIN) {
+            in_cp = true;
+        } else if (p.type == REC_CP_END) {
+            in_cp = false;
+        } else if (p.type > KVR_DISK_REC_USER_MAX) {
+            if (on_corrupt)
+                on_corrupt(arg, name, pos - REC_HDR - p.len, REC_HDR + p.len,
+                           "unknown internal record type");
+            rs.quarantined++;
+        } else {
+            kvr_disk_record rec = { .type = p.type, .seq = p.seq, .payload = p.payload,
+                                    .len = p.len, .in_checkpoint = in_cp };
+            rs.records++;
+            rs.bytes += p.len;
+            if (on_record)
+                on_record(arg, d, &rec);
+        }
+    }
+    kvr_mem_free(r.buf);
+    if (r.err) {
+        close(fd);
+        return io_error(r.err, "read of the log during recovery", err);
+    }
+    rs.log_bytes = r.size;
+    if (rs.torn_bytes) {
+        /* Cut the torn tail so appends continue after the last good record. */
+        int e = ftruncate(fd, (off_t)pos) != 0 ? -errno : kvr_dio_fsync(d->io, fd);
+        if (e) {
+            close(fd);
+            return io_error(e, "truncation of the torn log tail", err);
+        }
+    }
+    d->logfd = fd;
+    d->gen = gen;
+    d->log_size = pos;
+    d->seq = last;
+    /* Older generations are superseded (a crash hit between rename and unlink). */
+    for (uint32_t g = gen - 1; g >= 1 && g + 64 >= gen; g--) {
+        log_name(name, sizeof name, g, false);
+        (void)unlinkat(d->dirfd, name, 0);
+    }
+
+done:
+    rs.ms = mono_ms() - t0;
+    d->n_quarantined += rs.quarantined;
+    d->n_torn_bytes += rs.torn_bytes;
+    d->last = rs;
+    d->state = ST_RECOVERING;
+    if (out)
+        *out = rs;
+    return 0;
+}
+
+/* Reads an extent header through the engine. */
+static int read_header(kvr_disk *d, const seg *s, uint64_t off, uint8_t *h)
+{
+    kvr_dio_req q = { .fd = s->fd, .write = false, .iovcnt = 1, .off = off };
+    q.iov[0].iov_base = h;
+    q.iov[0].iov_len = EXT_HDR;
+    return kvr_dio_run(d->io, &q, 1);
+}
+
+int kvr_disk_claim(kvr_disk *d, const kvr_disk_handle *h, kvr_error *err)
+{
+    pthread_mutex_lock(&d->mu);
+    int rc = 0;
+    seg *s = d->state == ST_RECOVERING ? seg_find(d, h->seg) : NULL;
+    if (d->state != ST_RECOVERING) {
+        rc = kvr_error_set(err, KVR_EINVAL, "disk: claim only between recover and "
+                                            "recover_done");
+        goto out;
+    }
+    if (!s || h->off % EXT_ALIGN || h->off >= s->size) {
+        rc = kvr_error_set(err, KVR_EIO, "disk: handle seg %" PRIu32 " off %" PRIu64
+                           " points at no extent", h->seg, h->off);
+        goto out;
+    }
+    ext *e = ext_find(s, h);
+    if (e) {
+        e->refs++;
+        goto out;
+    }
+    uint8_t hb[EXT_HDR];
+    int io = read_header(d, s, h->off, hb);
+    if (io) {
+        rc = io_error(io, "read of an extent header", err);
+        goto out;
+    }
+    if (!ext_header_ok(hb, h)) {
+        d->n_quarantined++;
+        rc = kvr_error_set(err, KVR_EIO, "disk: extent seg %" PRIu32 " off %" PRIu64
+                           " is corrupt or not the one the handle names",
+                           h->seg, h->off);
+        goto out;
+    }
+    uint64_t alloc = align_up(EXT_HDR + (uint64_t)h->len);
+    size_t i = ext_lower(s, h->off);
+    if ((i > 0 && s->ext[i - 1].off + s->ext[i - 1].alloc > h->off) ||
+        (i < s->n_ext && h->off + alloc > s->ext[i].off)) {
+        rc = kvr_error_set(err, KVR_EIO, "disk: extent seg %" PRIu32 " off %" PRIu64
+                           " overlaps another", h->seg, h->off);
+        goto out;
+    }
+    if (ext_insert(s, h->off, h->seq, (uint32_t)alloc) != 0) {
+        rc = kvr_error_set(err, KVR_ENOMEM, "disk: out of memory");
+        goto out;
+    }
+    d->data_bytes += alloc;
+    d->data_blocks++;
+out:
+    pthread_mutex_unlock(&d->mu);
+    return rc;
+}
+
+int kvr_disk_recover_done(kvr_disk *d, kvr_error *err)
+{
+    if (d->state != ST_RECOVERING)
+        return kvr_error_set(err, KVR_EINVAL, "disk: recover_done after recover only");
+    bool dropped = false;
+    for (size_t i = d->n_segs; i-- > 0;) {
+        seg *s = d->segs[i];
+        if (s->n_ext == 0) {
+            seg_drop(d, s);
+            dropped = true;
+            continue;
+        }
+        uint64_t prev = 0;
+        for (size_t k = 0; k < s->n_ext; k++) {
+            punch(s->fd, prev, s->ext[k].off - prev);
+            prev = s->ext[k].off + s->ext[k].alloc;
+        }
+        if (s->size > prev)
+            punch(s->fd, prev, s->size - prev);
+    }
+    if (dropped) {
+        int rc = fsync_dir(d);
+        if (rc)
+            return set_failed(d, rc, "fsync of the disk directory", err);
+    }
+    d->state = ST_READY;
+    return 0;
+}
+
+/* ---- spill store ------------------------------------------------------------------ */
+int kvr_disk_spill(kvr_disk *d, const kvr_disk_buf *bufs, size_t n,
+                   kvr_disk_handle *hs, bool sync, kvr_error *err)
+{
+    if (n == 0)
+        return 0;
+    uint64_t need = 0;
+    for (size_t i = 0; i < n; i++) {
+        if (bufs[i].len == 0 || bufs[i].len > KVR_DISK_MAX_EXTENT)
+            return kvr_error_set(err, KVR_EINVAL, "disk: spill of %zu bytes (1..%u allowed)",
+                                 bufs[i].len, KVR_DISK_MAX_EXTENT);
+        need += align_up(EXT_HDR + (uint64_t)bufs[i].len);
+        hs[i].len = (uint32_t)bufs[i].len;
+        hs[i].crc = kvr_crc32c(0, bufs[i].data, bufs[i].len);   /* outside the lock */
+    }
+    uint8_t *hdr = kvr_mem_malloc(n * EXT_HDR);
+    kvr_dio_req *q = kvr_mem_calloc(n, sizeof *q);
+    if (!hdr || !q) {
+        kvr_mem_free(hdr);
+        kvr_mem_free(q);
+        return kvr_error_set(err, KVR_ENOMEM, "disk: out of memory");
+    }
+    pthread_mutex_lock(&d->mu);
+    int rc = writable(d, err);
+    if (rc)
+        goto out;
+    if (d->cfg.max_bytes && d->data_bytes + d->log_size + need > d->cfg.max_bytes) {
+        d->n_refused_full++;
+        rc = kvr_error_set(err, KVR_ELIMIT, "disk tier full: %" PRIu64 " bytes used + %"
+                           PRIu64 " needed > --disk-max %" PRIu64,
+                           d->data_bytes + d->log_size, need, d->cfg.max_bytes);
+        goto out;
+    }
+    for (size_t i = 0; i < n; i++) {
+        uint64_t alloc = align_up(EXT_HDR + (uint64_t)bufs[i].len);
+        if (!d->active || (d->active->size > 0 &&
+                           d->active->size + alloc > d->cfg.segment_bytes)) {
+            rc = seg_roll(d, err);
+            if (rc)
+                goto out;
+        }
+        seg *s = d->active;
+        hs[i].seg = s->id;
+        hs[i].off = s->size;
+        hs[i].seq = ++d->seq;
+        s->size += alloc;
+        ext_header(hdr + i * EXT_HDR, hs[i].seq, s->id, hs[i].len, hs[i].crc, hs[i].off);
+        q[i] = (kvr_dio_req){ .fd = s->fd, .write = true, .iovcnt = 2, .off = hs[i].off };
+        q[i].iov[0].iov_base = hdr + i * EXT_HDR;
+        q[i].iov[0].iov_len = EXT_HDR;
+        q[i].iov[1].iov_base = (void *)(uintptr_t)bufs[i].data;
+        q[i].iov[1].iov_len = bufs[i].len;
+    }
+    int io = kvr_dio_run(d->io, q, n);
+    size_t reg = 0;
+    if (io == 0) {
+        for (; reg < n; reg++) {
+            seg *s = seg_find(d, hs[reg].seg);
+            if (ext_insert(s, hs[reg].off, hs[reg].seq,
+                           (uint32_t)align_up(EXT_HDR + (uint64_t)hs[reg].len)) != 0) {
+                io = -ENOMEM;
+                break;
+            }
+            s->dirty = true;
+            d->data_bytes += s->ext[ext_lower(s, hs[reg].off)].alloc;
+            d->data_blocks++;
+        }
+    }
+    if (io == 0 && sync) {
+        rc = sync_dirty(d, err);
+        if (rc)
+            io = -EIO;
+    }
+    if (io) {
+        /* All or nothing: forget this batch; its bytes are garbage. */
+        for (size_t i = 0; i < n; i++) {
+            seg *s = seg_find(d, hs[i].seg);
+            if (!s)
+                continue;
+            if (i < reg) {
+                size_t k = ext_lower(s, hs[i].off);
+                d->data_bytes -= s->ext[k].alloc;
+                d->data_blocks--;
+                memmove(&s->ext[k], &s->ext[k + 1], (s->n_ext - k - 1) * sizeof *s->ext);
+                s->n_ext--;
+            }
+            punch(s->fd, hs[i].off, align_up(EXT_HDR + (uint64_t)hs[i].len));
+        }
+        if (!rc)
+            rc = io_error(io, "spill write", err);
+        goto out;
+    }
+    d->n_spills += n;
+out:
+    pthread_mutex_unlock(&d->mu);
+    kvr_mem_free(hdr);
+    kvr_mem_free(q);
+    return rc;
+}
+
+int kvr_disk_load(kvr_disk *d, const kvr_disk_handle *hs, void *const *dst,
+                  size_t n, int *status, kvr_error *err)
+{
+    if (n == 0)
+        return 0;
+    uint8_t *hdr = kvr_mem_malloc(n * EXT_HDR);
+    kvr_dio_req *q = kvr_mem_calloc(n, sizeof *q);
+    size_t *map = kvr_mem_malloc(n * sizeof *map);
+    if (!hdr || !q || !map) {
+        kvr_mem_free(hdr);
+        kvr_mem_free(q);
+        kvr_mem_free(map);
+        return kvr_error_set(err, KVR_ENOMEM, "disk: out of memory");
+    }
+    int first = 0;
+    size_t nq = 0;
+    pthread_mutex_lock(&d->mu);
+    if (d->state == ST_OPEN) {
+        first = kvr_error_set(err, KVR_EINVAL, "disk: load before recover");
+        goto out;
+    }
+    for (size_t i = 0; i < n; i++) {
+        seg *s = seg_find(d, hs[i].seg);
+        int st = 0;
+        if (!s || !ext_find(s, &hs[i]))
+            st = KVR_EINVAL;
+        if (status)
+            status[i] = st;
+        if (st) {
+            if (!first)
+                first = kvr_error_set(err, st, "disk: handle seg %" PRIu32 " off %"
+                                      PRIu64 " seq %" PRIu64 " is not live",
+                                      hs[i].seg, hs[i].off, hs[i].seq);
+            continue;
+        }
+        q[nq] = (kvr_dio_req){ .fd = s->fd, .write = false, .iovcnt = 2, .off = hs[i].off };
+        q[nq].iov[0].iov_base = hdr + nq * EXT_HDR;
+        q[nq].iov[0].iov_len = EXT_HDR;
+        q[nq].iov[1].iov_base = dst[i];
+        q[nq].iov[1].iov_len = hs[i].len;
+        map[nq++] = i;
+    }
+    (void)kvr_dio_run(d->io, q, nq);
+    for (size_t k = 0; k < nq; k++) {
+        size_t i = map[k];
+        int st = 0;
+        if (q[k].res) {
+            st = KVR_EIO;
+            if (!first)
+                first = io_error(q[k].res, "load read", err);
+        } else if (!ext_header_ok(hdr + k * EXT_HDR, &hs[i]) ||
+                   kvr_crc32c(0, dst[i], hs[i].len) != hs[i].crc) {
+            st = KVR_EIO;
+            d->n_quarantined++;
+            if (!first)
+                first = kvr_error_set(err, KVR_EIO, "disk: extent seg %" PRIu32 " off %"
+                                      PRIu64 " failed its checksum (quarantined)",
+                                      hs[i].seg, hs[i].off);
+        }
+        if (status)
+            status[i] = st;
+    }
+    d->n_loads += nq;
+out:
+    pthread_mutex_unlock(&d->mu);
+    kvr_mem_free(hdr);
+    kvr_mem_free(q);
+    kvr_mem_free(map);
+    return first;
+}
+
+int kvr_disk_ref(kvr_disk *d, const kvr_disk_handle *h, kvr_error *err)
+{
+    pthread_mutex_lock(&d->mu);
+    seg *s = seg_find(d, h->seg);
+    ext *e = s ? ext_find(s, h) : NULL;
+    if (e)
+        e->refs++;
+    pthread_mutex_unlock(&d->mu);
+    return e ? 0 : kvr_error_set(err, KVR_EINVAL, "disk: ref of a handle that is not live");
+}
+
+int kvr_disk_free(kvr_disk *d, const kvr_disk_handle *h, kvr_error *err)
+{
+    pthread_mutex_lock(&d->mu);
+    int rc = 0;
+    seg *s = seg_find(d, h->seg);
+    ext *e = s ? ext_find(s, h) : NULL;
+    if (!e) {
+        rc = kvr_error_set(err, KVR_EINVAL, "disk: free of a handle that is not live");
+    } else if (--e->refs == 0) {
+        d->data_bytes -= e->alloc;
+        d->data_blocks--;
+        punch(s->fd, e->off, e->alloc);
+        size_t k = (size_t)(e - s->ext);
+        memmove(&s->ext[k], &s->ext[k + 1], (s->n_ext - k - 1) * sizeof *s->ext);
+        s->n_ext--;
+        if (s->n_ext == 0 && s != d->active && d->state == ST_READY)
+            seg_drop(d, s);
+    }
+    pthread_mutex_unlock(&d->mu);
+    return rc;
+}
+
+int kvr_disk_sync(kvr_disk *d, kvr_error *err)
+{
+    pthread_mutex_lock(&d->mu);
+    int rc = writable(d, err);
+    if (!rc)
+        rc = sync_dirty(d, err);
+    pthread_mutex_unlock(&d->mu);
+    return rc;
+}
+
+/* ---- log ----------------------------------------------------------------------------- */
+int kvr_disk_log_append(kvr_disk *d, const kvr_disk_rec_in *recs, size_t n,
+                        uint64_t *first_seq, kvr_error *err)
+{
+    if (n == 0)
+        return 0;
+    size_t total = 0;
+    for (size_t i = 0; i < n; i++) {
+        if (recs[i].type > KVR_DISK_REC_USER_MAX || recs[i].len > KVR_DISK_MAX_RECORD)
+            return kvr_error_set(err, KVR_EINVAL, "disk: record type %" PRIu32
+                                 " / length %zu out of range", recs[i].type, recs[i].len);
+        total += REC_HDR + recs[i].len;
+    }
+    uint8_t *buf = kvr_mem_malloc(total);
+    if (!buf)
+        return kvr_error_set(err, KVR_ENOMEM, "disk: out of memory");
+    pthread_mutex_lock(&d->mu);
+    int rc = writable(d, err);
+    if (rc)
+        goto out;
+    rc = sync_dirty(d, err);            /* data before the records naming it */
+    if (rc)
+        goto out;
+    size_t o = 0;
+    for (size_t i = 0; i < n; i++) {
+        if (recs[i].len)
+            memcpy(buf + o + REC_HDR, recs[i].payload, recs[i].len);
+        rec_header(buf + o, d->seq + 1 + i, recs[i].type, buf + o + REC_HDR,
+                   (uint32_t)recs[i].len);
+        o += REC_HDR + recs[i].len;
+    }
+    int io = write_all(d, d->logfd, d->log_size, buf, total);
+    if (io) {
+        /* Cut back whatever part of the batch landed; if even that fails the
+         * log's tail is unknown: failed state. */
+        if (ftruncate(d->logfd, (off_t)d->log_size) != 0)
+            (void)set_failed(d, -errno, "ftruncate of the log after a failed write", NULL);
+        rc = io_error(io, "log write", err);
+        goto out;
+    }
+    io = kvr_dio_fsync(d->io, d->logfd);
+    if (io) {
+        rc = set_failed(d, io, "fdatasync of the log", err);
+        goto out;
+    }
+    if (first_seq)
+        *first_seq = d->seq + 1;
+    d->seq += n;
+    d->log_size += total;
+    d->n_records += n;
+out:
+    pthread_mutex_unlock(&d->mu);
+    kvr_mem_free(buf);
+    return rc;
+}
+
+bool kvr_disk_log_wants_checkpoint(kvr_disk *d)
+{
+    pthread_mutex_lock(&d->mu);
+    bool w = d->state == ST_READY && d->log_size >= d->cfg.checkpoint_bytes;
+    pthread_mutex_unlock(&d->mu);
+    return w;
+}
+
+static int cp_flush(kvr_disk_cp *cp)
+{
+    if (cp->err || cp->used == 0)
+        return cp->err;
+    int rc = write_all(cp->d, cp->fd, cp->off, cp->buf, cp->used);
+    if (rc) {
+        cp->err = rc;
+        return rc;
+    }
+    cp->off += cp->used;
+    cp->used = 0;
+    return 0;
+}
+
+static int cp_put(kvr_disk_cp *cp, uint32_t type, const void *payload, size_t len)
+{
+    if (cp->err)
+        return cp->err;
+    if (REC_HDR + len > CP_BUF - cp->used && cp_flush(cp))
+        return cp->err;
+    uint8_t hb[REC_HDR];
+    rec_header(hb, ++cp->d->seq, type, payload, (uint32_t)len);
+    if (REC_HDR + len <= CP_BUF) {
+        memcpy(cp->buf + cp->used, hb, REC_HDR);
+        if (len)
+            memcpy(cp->buf + cp->used + REC_HDR, payload, len);
+        cp->used += REC_HDR + len;
+        return 0;
+    }
+    kvr_dio_req q = { .fd = cp->fd, .write = true, .iovcnt = 2, .off = cp->off };
+    q.iov[0].iov_base = hb;
+    q.iov[0].iov_len = REC_HDR;
+    q.iov[1].iov_base = (void *)(uintptr_t)payload;
+    q.iov[1].iov_len = len;
+    int rc = kvr_dio_run(cp->d->io, &q, 1);
+    if (rc)
+        return cp->err = rc;
+    cp->off += REC_HDR + len;
+    return 0;
+}
+
+int kvr_disk_cp_add(kvr_disk_cp *cp, uint32_t type, const void *payload, size_t len)
+{
+    if (type > KVR_DISK_REC_USER_MAX || len > KVR_DISK_MAX_RECORD)
+        return KVR_EINVAL;
+    if (cp_put(cp, type, payload, len))
+        return KVR_EIO;
+    cp->count++;
+    return 0;
+}
+
+int kvr_disk_checkpoint(kvr_disk *d, kvr_disk_snapshot_fn fn, void *arg, kvr_error *err)
+{
+    pthread_mutex_lock(&d->mu);
+    kvr_disk_cp cp = { .d = d, .fd = -1 };
+    char tmp[64], fin[64], old[64];
+    log_name(tmp, sizeof tmp, d->gen + 1, true);
+    log_name(fin, sizeof fin, d->gen + 1, false);
+    log_name(old, sizeof old, d->gen, false);
+    int rc = writable(d, err);
+    if (rc)
+        goto out;
+    rc = sync_dirty(d, err);
+    if (rc)
+        goto out;
+    cp.buf = kvr_mem_malloc(CP_BUF);
+    if (!cp.buf) {
+        rc = kvr_error_set(err, KVR_ENOMEM, "disk: out of memory");
+        goto out;
+    }
+    cp.fd = openat(d->dirfd, tmp, O_RDWR | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+    if (cp.fd < 0) {
+        rc = kvr_error_set(err, KVR_EIO, "disk: cannot create %s/%s: %s", d->dir, tmp,
+                           strerror(errno));
+        goto out;
+    }
+    uint8_t g[8];
+    put32(g, d->gen + 1);
+    cp_put(&cp, REC_CP_BEGIN, g, 4);
+    int frc = fn(arg, &cp);
+    if (frc) {
+        rc = kvr_error_set(err, frc < 0 ? frc : KVR_EINTERNAL,
+                           "disk: checkpoint snapshot aborted (%d)", frc);
+        goto out_unlink;
+    }
+    put64(g, cp.count);
+    cp_put(&cp, REC_CP_END, g, 8);
+    if (cp_flush(&cp)) {
+        rc = io_error(cp.err, "checkpoint write", err);
+        goto out_unlink;
+    }
+    int io = kvr_dio_fsync(d->io, cp.fd);
+    if (io) {
+        rc = set_failed(d, io, "fdatasync of a checkpoint", err);
+        goto out_unlink;
+    }
+    if (renameat(d->dirfd, tmp, d->dirfd, fin) != 0) {
+        rc = kvr_error_set(err, KVR_EIO, "disk: rename of %s failed: %s", tmp,
+                           strerror(errno));
+        goto out_unlink;
+    }
+    io = fsync_dir(d);
+    if (io) {
+        /* The rename may or may not be durable: either generation is a
+         * complete state, but which one we cannot say. */
+        rc = set_failed(d, io, "fsync of the directory after a checkpoint", err);
+        close(cp.fd);
+        cp.fd = -1;
+        goto out;
+    }
+    close(d->logfd);
+    (void)unlinkat(d->dirfd, old, 0);
+    d->logfd = cp.fd;
+    cp.fd = -1;
+    d->gen++;
+    d->log_size = cp.off;
+    d->n_checkpoints++;
+    goto out;
+
+out_unlink:
+    close(cp.fd);
+    cp.fd = -1;
+    (void)unlinkat(d->dirfd, tmp, 0);
+out:
+    if (cp.fd >= 0)
+        close(cp.fd);
+    kvr_mem_free(cp.buf);
+    pthread_mutex_unlock(&d->mu);
+    return rc;
+}
+
+/* ---- stats / faults ---------------------------------------------------------------- */
+void kvr_disk_get_stats(kvr_disk *d, kvr_disk_stats *out)
+{
+    pthread_mutex_lock(&d->mu);
+    memset(out, 0, sizeof *out);
+    out->engine = kvr_dio_name(d->io);
+    out->data_bytes = d->data_bytes;
+    out->data_blocks = d->data_blocks;
+    out->segments = d->n_segs;
+    out->log_bytes = d->log_size;
+    out->max_bytes = d->cfg.max_bytes;
+    kvr_dio_counts(d->io, &out->n_writes, &out->n_reads, &out->n_fsyncs,
+                   &out->bytes_written, &out->bytes_read);
+    out->n_spills = d->n_spills;
+    out->n_loads = d->n_loads;
+    out->n_records = d->n_records;
+    out->n_checkpoints = d->n_checkpoints;
+    out->n_refused_full = d->n_refused_full;
+    out->n_quarantined = d->n_quarantined;
+    out->n_torn_bytes = d->n_torn_bytes;
+    out->failed = d->failed_errno != 0;
+    out->last_recovery = d->last;
+    pthread_mutex_unlock(&d->mu);
+}
+
+void kvr_disk_fault_set(kvr_disk *d, unsigned ops, uint64_t nth, int err_no,
+                        uint64_t count)
+{
+    pthread_mutex_lock(&d->mu);
+    kvr_dio_fault_set(d->io, ops, nth, err_no, count);
+    pthread_mutex_unlock(&d->mu);
+}

@@ -1,0 +1,104 @@
+/*
+ * disk_crc.c — CRC32C (Castagnoli, reflected polynomial 0x82F63B78), the
+ * checksum of every disk-tier record and extent. Two implementations with
+ * identical results: slicing-by-8 tables (any CPU) and the SSE4.2 crc32
+ * instruction, picked once at run time; the shipped build needs no -msse4.2.
+ * kvr_crc32c(0, "123456789", 9) == 0xE3069283.
+ */
+#include <stdatomic.h>
+#include <string.h>
+
+#include "cache/disk.h"
+
+static uint32_t table[8][256];
+static atomic_int table_ready;
+
+static void table_init(void)
+{
+    for (uint32_t i = 0; i < 256; i++) {
+        uint32_t c = i;
+        for (int k = 0; k < 8; k++)
+            c = (c & 1u) ? (c >> 1) ^ 0x82F63B78u : c >> 1;
+        table[0][i] = c;
+    }
+    for (uint32_t i = 0; i < 256; i++)
+        for (int t = 1; t < 8; t++)
+            table[t][i] = (table[t - 1][i] >> 8) ^ table[0][table[t - 1][i] & 0xFFu];
+}
+
+static uint32_t crc_sw(uint32_t crc, const uint8_t *p, size_t n)
+{
+    while (n && ((uintptr_t)p & 7u)) {
+        crc = table[0][(crc ^ *p++) & 0xFFu] ^ (crc >> 8);
+        n--;
+    }
+    while (n >= 8) {
+        uint64_t w;
+        memcpy(&w, p, 8);
+        w ^= crc;
+        crc = table[7][w & 0xFF] ^ table[6][(w >> 8) & 0xFF] ^
+              table[5][(w >> 16) & 0xFF] ^ table[4][(w >> 24) & 0xFF] ^
+              table[3][(w >> 32) & 0xFF] ^ table[2][(w >> 40) & 0xFF] ^
+              table[1][(w >> 48) & 0xFF] ^ table[0][w >> 56];
+        p += 8;
+        n -= 8;
+    }
+    while (n--)
+        crc = table[0][(crc ^ *p++) & 0xFFu] ^ (crc >> 8);
+    return crc;
+}
+
+#if defined(__x86_64__)
+__attribute__((target("sse4.2")))
+static uint32_t crc_hw(uint32_t crc, const uint8_t *p, size_t n)
+{
+    uint64_t c = crc;
+    while (n && ((uintptr_t)p & 7u)) {
+        c = __builtin_ia32_crc32qi((uint32_t)c, *p++);
+        n--;
+    }
+    while (n >= 8) {
+        uint64_t w;
+        memcpy(&w, p, 8);
+        c = __builtin_ia32_crc32di(c, w);
+        p += 8;
+        n -= 8;
+    }
+    while (n--)
+        c = __builtin_ia32_crc32qi((uint32_t)c, *p++);
+    return (uint32_t)c;
+}
+#endif
+
+static atomic_int use_hw = -1;
+
+uint32_t kvr_crc32c_portable(uint32_t crc, const void *p, size_t n)
+{
+    /* Racing initialisers write identical tables: harmless but keep one. */
+    if (!atomic_load_explicit(&table_ready, memory_order_acquire)) {
+        static atomic_flag busy = ATOMIC_FLAG_INIT;
+        while (atomic_flag_test_and_set_explicit(&busy, memory_order_acquire))
+            ;
+        if (!atomic_load_explicit(&table_ready, memory_order_relaxed)) {
+            table_init();
+            atomic_store_explicit(&table_ready, 1, memory_order_release);
+        }
+        atomic_flag_clear_explicit(&busy, memory_order_release);
+    }
+    return ~crc_sw(~crc, p, n);
+}
+
+uint32_t kvr_crc32c(uint32_t crc, const void *p, size_t n)
+{
+#if defined(__x86_64__)
+    int hw = atomic_load_explicit(&use_hw, memory_order_relaxed);
+    if (hw < 0) {
+        __builtin_cpu_init();
+        hw = __builtin_cpu_supports("sse4.2") ? 1 : 0;
+        atomic_store_explicit(&use_hw, hw, memory_order_relaxed);
+    }
+    if (hw)
+        return ~crc_hw(~crc, p, n);
+#endif
+    return kvr_crc32c_portable(crc, p, n);
+}

@@ -1,0 +1,282 @@
+/*
+ * disk_io.c — the disk tier's two I/O engines behind one small interface:
+ * io_uring (liburing; a batch of readv/writev requests is one submission)
+ * and plain POSIX preadv/pwritev/fdatasync, used when io_uring is refused
+ * (ENOSYS on old kernels, EPERM under seccomp) or forced.
+ *
+ * Invariants: a request's result is 0 only when every byte was transferred;
+ * short transfers are finished synchronously (io_uring may return partial
+ * counts), and a write that makes no progress is ENOSPC, a read that hits
+ * end of file EIO. The fault hook sits in front of both engines, so tests
+ * exercise the callers' error paths identically for each. A kvr_dio is not
+ * thread-safe: disk.c serialises calls with its mutex.
+ */
+#include <errno.h>
+#include <liburing.h>
+#include <stdio.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "cache/disk.h"
+
+struct kvr_dio {
+    bool            uring;
+    struct io_uring ring;
+    uint32_t        depth;
+    unsigned        f_ops;
+    uint64_t        f_countdown, f_count;
+    int             f_err;
+    uint64_t        n_w, n_r, n_f, bw, br;
+};
+
+int kvr_dio_create(kvr_dio **out, kvr_disk_engine engine, uint32_t depth,
+                   char *note, size_t note_cap)
+{
+    kvr_dio *io = kvr_mem_calloc(1, sizeof *io);
+    if (!io)
+        return -ENOMEM;
+    io->depth = depth ? depth : 64;
+    if (note_cap)
+        note[0] = '\0';
+    if (engine != KVR_DISK_ENGINE_POSIX) {
+        int rc = io_uring_queue_init(io->depth, &io->ring, 0);
+        if (rc == 0) {
+            io->uring = true;
+        } else if (engine == KVR_DISK_ENGINE_URING) {
+            kvr_mem_free(io);
+            return rc;
+        } else if (note_cap) {
+            snprintf(note, note_cap, "io_uring refused (%s), using posix",
+                     strerror(-rc));
+        }
+    } else if (note_cap) {
+        snprintf(note, note_cap, "posix forced");
+    }
+    *out = io;
+    return 0;
+}
+
+void kvr_dio_destroy(kvr_dio *io)
+{
+    if (!io)
+        return;
+    if (io->uring)
+        io_uring_queue_exit(&io->ring);
+    kvr_mem_free(io);
+}
+
+const char *kvr_dio_name(const kvr_dio *io)
+{
+    return io->uring ? "io_uring" : "posix";
+}
+
+void kvr_dio_fault_set(kvr_dio *io, unsigned ops, uint64_t nth, int err_no,
+                       uint64_t count)
+{
+    io->f_ops = ops;
+    io->f_countdown = nth ? nth : 1;
+    io->f_err = err_no;
+    io->f_count = count;
+}
+
+void kvr_dio_counts(const kvr_dio *io, uint64_t *writes, uint64_t *reads,
+                    uint64_t *fsyncs, uint64_t *bw, uint64_t *br)
+{
+    *writes = io->n_w;
+    *reads = io->n_r;
+    *fsyncs = io->n_f;
+    *bw = io->bw;
+    *br = io->br;
+}
+
+/* 0, or -errno if this operation is one the test asked to fail. */
+static int fault_hit(kvr_dio *io, unsigned op)
+{
+    if (!(io->f_ops & op) || io->f_count == 0)
+        return 0;
+    if (--io->f_countdown > 0)
+        return 0;
+    io->f_count--;
+    io->f_countdown = 1;
+    return -io->f_err;
+}
+
+static size_t req_len(const kvr_dio_req *r)
+{
+    size_t n = 0;
+    for (int i = 0; i < r->iovcnt; i++)
+        n += r->iov[i].iov_len;
+    return n;
+}
+
+/* Transfers what is left of r after `done` bytes, synchronously. */
+static int finish_posix(kvr_dio_req *r, size_t done)
+{
+    size_t total = req_len(r);
+    while (done < total) {
+        struct iovec v[2];
+        int nv = 0;
+        size_t skip = done;
+        for (int i = 0; i < r->iovcnt; i++) {
+            size_t l = r->iov[i].iov_len;
+            if (skip >= l) {
+                skip -= l;
+                continue;
+            }
+            v[nv].iov_base = (char *)r->iov[i].iov_base + skip;
+            v[nv].iov_len = l - skip;
+            skip = 0;
+            nv++;
+        }
+        ssize_t k = r->write ? pwritev(r->fd, v, nv, (off_t)(r->off + done))
+                             : preadv(r->fd, v, nv, (off_t)(r->off + done));
+        if (k < 0) {
+            if (errno == EINTR)
+                continue;
+            return -errno;
+        }
+        if (k == 0)
+            return r->write ? -ENOSPC : -EIO;
+        done += (size_t)k;
+    }
+    return 0;
+}
+
+static void account(kvr_dio *io, const kvr_dio_req *r)
+{
+    if (r->write) {
+        io->n_w++;
+        io->bw += req_len(r);
+    } else {
+        io->n_r++;
+        io->br += req_len(r);
+    }
+}
+
+static int run_posix(kvr_dio *io, kvr_dio_req *r, size_t n)
+{
+    int first = 0;
+    for (size_t i = 0; i < n; i++) {
+        int f = fault_hit(io, r[i].write ? KVR_DISK_FAULT_WRITE : KVR_DISK_FAULT_READ);
+        r[i].res = f ? f : finish_posix(&r[i], 0);
+        account(io, &r[i]);
+        if (r[i].res && !first)
+            first = r[i].res;
+    }
+    return first;
+}
+
+static int run_uring(kvr_dio *io, kvr_dio_req *r, size_t n)
+{
+    int first = 0;
+    size_t i = 0;
+    while (i < n) {
+        if (!io->uring) {       /* the ring was dropped mid-batch */
+            int rc = run_posix(io, r + i, n - i);
+            return first ? first : rc;
+        }
+        size_t chunk = n - i < io->depth ? n - i : io->depth;
+        unsigned nsub = 0;
+        for (size_t j = i; j < i + chunk; j++) {
+            account(io, &r[j]);
+            int f = fault_hit(io, r[j].write ? KVR_DISK_FAULT_WRITE : KVR_DISK_FAULT_READ);
+            if (f) {
+                r[j].res = f;
+                continue;
+            }
+            struct io_uring_sqe *sqe = io_uring_get_sqe(&io->ring);
+            if (!sqe) {         /* cannot happen with chunk <= depth */
+                r[j].res = finish_posix(&r[j], 0);
+                continue;
+            }
+            if (r[j].write)
+                io_uring_prep_writev(sqe, r[j].fd, r[j].iov, (unsigned)r[j].iovcnt, r[j].off);
+            else
+                io_uring_prep_readv(sqe, r[j].fd, r[j].iov, (unsigned)r[j].iovcnt, r[j].off);
+            io_uring_sqe_set_data64(sqe, j);
+            r[j].res = 1;       /* in flight */
+            nsub++;
+        }
+        if (nsub) {
+            int rc;
+            do
+                rc = io_uring_submit_and_wait(&io->ring, nsub);
+            while (rc == -EINTR);
+            if (rc < 0) {
+                /* The kernel took nothing: drop the ring (its queued sqes
+                 * must never be submitted later) and finish on POSIX. */
+                io_uring_queue_exit(&io->ring);
+                io->uring = false;
+                for (size_t j = i; j < i + chunk; j++)
+                    if (r[j].res == 1)
+                        r[j].res = finish_posix(&r[j], 0);
+                nsub = 0;
+            }
+        }
+        while (nsub) {
+            struct io_uring_cqe *cqe;
+            int rc = io_uring_wait_cqe(&io->ring, &cqe);
+            if (rc == -EINTR)
+                continue;
+            if (rc < 0)
+                return rc;      /* ring broken: callers see an I/O error */
+            kvr_dio_req *q = &r[io_uring_cqe_get_data64(cqe)];
+            int res = cqe->res;
+            io_uring_cqe_seen(&io->ring, cqe);
+            nsub--;
+            if (res < 0)
+                q->res = res;
+            else if ((size_t)res == req_len(q))
+                q->res = 0;
+            else if (res == 0)
+                q->res = q->write ? -ENOSPC : -EIO;
+            else
+                q->res = finish_posix(q, (size_t)res);
+        }
+        for (size_t j = i; j < i + chunk; j++)
+            if (r[j].res && !first)
+                first = r[j].res;
+        i += chunk;
+    }
+    return first;
+}
+
+int kvr_dio_run(kvr_dio *io, kvr_dio_req *r, size_t n)
+{
+    return io->uring ? run_uring(io, r, n) : run_posix(io, r, n);
+}
+
+int kvr_dio_fsync(kvr_dio *io, int fd)
+{
+    io->n_f++;
+    int f = fault_hit(io, KVR_DISK_FAULT_FSYNC);
+    if (f)
+        return f;
+    if (io->uring) {
+        struct io_uring_sqe *sqe = io_uring_get_sqe(&io->ring);
+        if (sqe) {
+            io_uring_prep_fsync(sqe, fd, IORING_FSYNC_DATASYNC);
+            io_uring_sqe_set_data64(sqe, 0);
+            int rc;
+            do
+                rc = io_uring_submit_and_wait(&io->ring, 1);
+            while (rc == -EINTR);
+            if (rc >= 0) {
+                struct io_uring_cqe *cqe;
+                do
+                    rc = io_uring_wait_cqe(&io->ring, &cqe);
+                while (rc == -EINTR);
+                if (rc < 0)
+                    return rc;
+                int res = cqe->res;
+                io_uring_cqe_seen(&io->ring, cqe);
+                return res < 0 ? res : 0;
+            }
+            /* Submission refused: drop the ring (the queued sqe must
+             * never go in later) and use the synchronous call. */
+            io_uring_queue_exit(&io->ring);
+            io->uring = false;
+        }
+    }
+    return fdatasync(fd) < 0 ? -errno : 0;
+}
