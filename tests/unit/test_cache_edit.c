@@ -362,7 +362,8 @@ static int world_edit(world *w, const char *id, const kvr_edit_op *ops, size_t n
         }
         memmove(w->seq + o->start + o->n_tokens, w->seq + o->end, tail * sizeof *w->seq);
         memmove(w->approx + o->start + o->n_tokens, w->approx + o->end, tail);
-        memcpy(w->seq + o->start, o->tokens, o->n_tokens * sizeof *w->seq);
+        if (o->n_tokens)
+            memcpy(w->seq + o->start, o->tokens, o->n_tokens * sizeof *w->seq);
         memset(w->approx + o->start, 0, o->n_tokens);
         w->n = w->n - rem + o->n_tokens;
     }
