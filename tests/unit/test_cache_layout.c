@@ -351,7 +351,7 @@ Test(layout_groups, refusals_change_nothing, .fini = teardown)
     cr_assert_eq(put("t", pp, u, p, 2, NULL, &e), KVR_EINVAL, "%s", e.msg);
     cr_assert(strstr(e.msg, "duplicate"), "%s", e.msg);
     const char *many[KVR_MAX_GROUPS + 1];
-    char names[KVR_MAX_GROUPS + 1][8];
+    char names[KVR_MAX_GROUPS + 1][16];
     for (int i = 0; i <= KVR_MAX_GROUPS; i++) {
         snprintf(names[i], sizeof names[i], "g%d", i);
         many[i] = names[i];
