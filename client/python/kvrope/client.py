@@ -221,11 +221,10 @@ class KV:
     def to_torch(self):
         """The payload as a torch tensor sharing its memory (bf16 ->
         torch.bfloat16). Requires torch."""
-        if not T.HAVE_TORCH:
-            raise ImportError("torch is not importable")
+        import torch   # ImportError when absent
         d = self._need()
-        t = T.torch.from_numpy(d if self.dtype != "bf16" else d.view(np.int16))
-        return t.view(T.torch.bfloat16) if self.dtype == "bf16" else t
+        t = torch.from_numpy(d if self.dtype != "bf16" else d.view(np.int16))
+        return t.view(torch.bfloat16) if self.dtype == "bf16" else t
 
 
 @dataclass
@@ -484,8 +483,8 @@ class Client:
                 else:
                     flat = out.reshape(-1).view(np.uint8)[:nbytes].view(T.NUMPY[dt])
                 data = flat.reshape(shape)
-                if out is not None and out.nbytes == nbytes:
-                    data = out.reshape(shape)
+                if out is not None and out.shape == shape:
+                    data = out
             return KV(kvs.ctx_id.decode(), kvs.model.decode(), kvs.start, dt, layers, tokens,
                       pos, flags, groups, data, kvs.n_kv_heads, kvs.head_dim)
         finally:

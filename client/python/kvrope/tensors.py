@@ -30,12 +30,18 @@ import numpy as np
 
 from . import _lib
 
-try:  # optional
-    import torch  # noqa: F401
-    HAVE_TORCH = True
-except Exception:  # pragma: no cover - depends on the system
-    torch = None
-    HAVE_TORCH = False
+import importlib.util
+import sys
+
+# torch is optional and slow to import: never import it for numpy users. A
+# tensor can only exist once the caller imported torch, so the checks below
+# look in sys.modules; to_torch() imports it on demand.
+HAVE_TORCH = importlib.util.find_spec("torch") is not None
+
+
+def _torch():
+    return sys.modules.get("torch")
+
 
 CODES = {"f32": _lib.DTYPE_F32, "f16": _lib.DTYPE_F16, "bf16": _lib.DTYPE_BF16}
 NAMES = {v: k for k, v in CODES.items()}
@@ -59,7 +65,8 @@ def dtype_name(d):
         if int(d) in NAMES:
             return NAMES[int(d)]
         raise ValueError(f"unknown dtype code {d!r}")
-    if HAVE_TORCH and isinstance(d, torch.dtype):
+    torch = _torch()
+    if torch is not None and isinstance(d, torch.dtype):
         m = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}
         if d in m:
             return m[d]
@@ -77,7 +84,8 @@ def dtype_name(d):
 
 
 def is_tensor(x):
-    return HAVE_TORCH and isinstance(x, torch.Tensor)
+    torch = _torch()
+    return torch is not None and isinstance(x, torch.Tensor)
 
 
 def to_numpy(x, what):
@@ -86,6 +94,7 @@ def to_numpy(x, what):
     their uint16 bit patterns (no conversion). Raises TypeError for anything
     that is not float32/float16/bfloat16(uint16)/float64."""
     if is_tensor(x):
+        torch = _torch()
         t = x.detach()
         if t.device.type != "cpu":
             t = t.cpu()
