@@ -373,6 +373,15 @@ def test_unsupported_when_the_library_lacks_a_verb(client, monkeypatch):
         client.keep("anything", 0, 1)
     assert e.value.code == 16 and "kvr_client_keep" in e.value.message
     assert isinstance(e.value, NotImplementedError)
+    monkeypatch.undo()
+    later = {"edit": ("c", [(0, 1, [1])]), "edit_plan": ("c", [(0, 1, [1])]), "refresh": ("c", 0),
+             "assemble": ("p", ["d"]), "group_append": ("c", "m", "g", [1])}
+    s0 = client.stats()
+    for verb, args in later.items():
+        if not lib.has(f"kvr_client_{verb}"):
+            with pytest.raises(kvrope.Unsupported, match=f"kvr_client_{verb}"):
+                getattr(client, verb)(*args)
+    assert client.stats()["requests_total"] == s0["requests_total"] + 1
 
 
 def test_closed_client_and_dead_daemon(daemon_factory):

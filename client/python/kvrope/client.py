@@ -619,3 +619,35 @@ class Client:
             return {arr[i].name.decode(): arr[i].value for i in range(n.value)}
         finally:
             self._lib.kvr_client_free(arr)
+
+    # -- verbs libkvrope does not expose yet (the daemon's proto has them: Edit,
+    # EditPlan, Refresh, Assemble, GroupAppend). Each is one method; until
+    # client/kvrope.h declares the C function it raises kvrope.Unsupported
+    # (code 16) without sending anything. Signatures follow proto/kvrope.proto.
+
+    def edit(self, ctx_id, ops, kv=None, *, model=None, dtype=None):
+        """PIE edit: ops = [(start, end, new_tokens), ...] applied atomically;
+        kv = the new tokens' KV (optional). Needs kvr_client_edit."""
+        self._fn("kvr_client_edit")
+
+    def edit_plan(self, ctx_id, ops, *, model=None):
+        """Where an edit's new tokens would go, without changing anything.
+        Needs kvr_client_edit_plan."""
+        self._fn("kvr_client_edit_plan")
+
+    def refresh(self, ctx_id, start, end=None, kv=None, *, model=None, dtype=None):
+        """Replaces the KV of [start, end) with recomputed KV and clears its
+        approximate flags. Needs kvr_client_refresh."""
+        self._fn("kvr_client_refresh")
+
+    def assemble(self, prefix, documents, *, layout="parallel", starts=None, dtype="f32",
+                 layers=None, temperature=None, scale=None, fold_temperature=False,
+                 meta_only=False):
+        """prefix + documents laid out in parallel (APE) / sequentially /
+        explicitly; returns KV plus the segment table. Needs kvr_client_assemble."""
+        self._fn("kvr_client_assemble")
+
+    def group_append(self, ctx_id, model, group, tokens, kv=None, **kw):
+        """Appends to one position group of a grouped context (GPE). Needs
+        kvr_client_group_append."""
+        self._fn("kvr_client_group_append")
