@@ -35,6 +35,8 @@ STATUS = {
     19: ("E_IO", "KVR_ERR_IO"),
     20: ("E_PINNED", "KVR_ERR_PINNED"),
     21: ("E_CONFIG", "KVR_ERR_CONFIG"),
+    22: ("E_PENDING", "KVR_ERR_PENDING"),      # proto has it; kvrope.h not yet
+    23: ("E_PREFIX", "KVR_ERR_PREFIX"),        # proto has it; kvrope.h not yet
 }
 CLIENT = {
     -1000: "KVR_ERR_SYS",
@@ -107,13 +109,15 @@ Protected = _daemon_class("Protected")
 IOFailure = _daemon_class("IOFailure")
 Pinned = _daemon_class("Pinned")
 ConfigRefused = _daemon_class("ConfigRefused")
+Pending = _daemon_class("Pending")
+PrefixMismatch = _daemon_class("PrefixMismatch")
 
 BY_CODE = {
     1: InternalError, 2: BadRequest, 3: BadFrame, 4: TooLarge, 5: Unauthenticated,
     6: UnknownModel, 7: UnknownContext, 8: Exists, 9: ShapeMismatch, 10: PayloadLength,
     11: RangeError, 12: FingerprintMismatch, 13: NoMemory, 14: Busy, 15: InvalidArgument,
     16: UnsupportedByDaemon, 17: LimitExceeded, 18: Protected, 19: IOFailure, 20: Pinned,
-    21: ConfigRefused,
+    21: ConfigRefused, 22: Pending, 23: PrefixMismatch,
     -1000: ConnectionFailed, -1001: ConnectionFailed, -1002: ConnectionFailed,
     -1003: BufferTooSmall, -1004: ClientError,
 }
@@ -121,7 +125,7 @@ BY_CODE = {
 
 def from_c(c_code, message):
     """The exception for a negative libkvrope return value."""
-    code = -c_code if -len(STATUS) <= c_code < 0 else c_code
+    code = -c_code if -1000 < c_code < 0 else c_code   # daemon statuses: -1..-999
     cls = BY_CODE.get(code, DaemonError if code > 0 else ClientError)
     return cls(code, message)
 
