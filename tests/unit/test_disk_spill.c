@@ -1,0 +1,440 @@
+/*
+ * test_disk_spill.c — the disk tier's spill store (cache/disk.h): CRC32C
+ * vectors, bit-exact spill/load round trips of random sizes, batch loads,
+ * references and frees (space returned, empty segments unlinked), handles
+ * surviving a reopen through claim, --disk-max, corrupt extents quarantined,
+ * and the directory lock. Every behaviour runs on io_uring and on the forced
+ * POSIX fallback.
+ */
+#include <criterion/criterion.h>
+#include <fcntl.h>
+#include <ftw.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "cache/disk.h"
+
+static const kvr_disk_engine engines[] = { KVR_DISK_ENGINE_URING, KVR_DISK_ENGINE_POSIX };
+
+static int rm_one(const char *p, const struct stat *sb, int flag, struct FTW *f)
+{
+    (void)sb; (void)flag; (void)f;
+    return remove(p);
+}
+
+static void tmpdir(char *buf, size_t cap)
+{
+    const char *t = getenv("TMPDIR");
+    snprintf(buf, cap, "%s/kvr_disk_XXXXXX", t && *t ? t : "/tmp");
+    cr_assert_not_null(mkdtemp(buf));
+}
+
+static void rmrf(const char *dir)
+{
+    nftw(dir, rm_one, 16, FTW_DEPTH | FTW_PHYS);
+}
+
+static kvr_disk *open_ready(const char *dir, kvr_disk_engine e, uint64_t max,
+                            uint64_t seg_bytes)
+{
+    kvr_disk_config cfg = { .dir = dir, .engine = e, .max_bytes = max,
+                            .segment_bytes = seg_bytes };
+    kvr_disk *d = NULL;
+    kvr_error err = { 0 };
+    cr_assert_eq(kvr_disk_open(&d, &cfg, &err), 0, "%s", err.msg);
+    cr_assert_eq(kvr_disk_recover(d, NULL, NULL, NULL, NULL, &err), 0, "%s", err.msg);
+    cr_assert_eq(kvr_disk_recover_done(d, &err), 0, "%s", err.msg);
+    return d;
+}
+
+static uint64_t rng_state = 0x9E3779B97F4A7C15ull;
+static uint64_t rnd(void)
+{
+    rng_state ^= rng_state << 13;
+    rng_state ^= rng_state >> 7;
+    rng_state ^= rng_state << 17;
+    return rng_state;
+}
+
+static void fill(uint8_t *p, size_t n, uint64_t seed)
+{
+    uint64_t s = seed * 0x2545F4914F6CDD1Dull + 1;
+    for (size_t i = 0; i < n; i++) {
+        s ^= s << 13; s ^= s >> 7; s ^= s << 17;
+        p[i] = (uint8_t)s;
+    }
+}
+
+static size_t count_files(const char *dir, const char *prefix)
+{
+    char cmd[512];
+    snprintf(cmd, sizeof cmd, "ls %s | grep -c '^%s' ", dir, prefix);
+    FILE *f = popen(cmd, "r");
+    size_t n = 0;
+    if (f) {
+        if (fscanf(f, "%zu", &n) != 1)
+            n = 0;
+        pclose(f);
+    }
+    return n;
+}
+
+Test(disk_crc, vectors)
+{
+    cr_assert_eq(kvr_crc32c(0, "123456789", 9), 0xE3069283u);
+    cr_assert_eq(kvr_crc32c_portable(0, "123456789", 9), 0xE3069283u);
+    cr_assert_eq(kvr_crc32c(0, "", 0), 0u);
+    uint8_t z[32] = { 0 };
+    cr_assert_eq(kvr_crc32c(0, z, 32), 0x8A9136AAu);   /* RFC 3720 B.4 */
+    uint8_t buf[4099];
+    fill(buf, sizeof buf, 7);
+    for (size_t off = 0; off < 9; off++)
+        for (size_t n = 0; n + off <= sizeof buf; n += 37) {
+            uint32_t a = kvr_crc32c(0, buf + off, n);
+            cr_assert_eq(a, kvr_crc32c_portable(0, buf + off, n));
+            /* Incremental = one shot. */
+            cr_assert_eq(kvr_crc32c(kvr_crc32c(0, buf + off, n / 3), buf + off + n / 3,
+                                    n - n / 3), a);
+        }
+}
+
+Test(disk_spill, engine_names)
+{
+    char dir[256];
+    tmpdir(dir, sizeof dir);
+    kvr_disk *d = open_ready(dir, KVR_DISK_ENGINE_POSIX, 0, 0);
+    cr_assert_str_eq(kvr_disk_engine_name(d), "posix");
+    kvr_disk_close(d);
+    d = open_ready(dir, KVR_DISK_ENGINE_AUTO, 0, 0);
+    cr_assert(!strcmp(kvr_disk_engine_name(d), "io_uring") ||
+              !strcmp(kvr_disk_engine_name(d), "posix"));
+    kvr_disk_stats st;
+    kvr_disk_get_stats(d, &st);
+    cr_assert_str_eq(st.engine, kvr_disk_engine_name(d));
+    kvr_disk_close(d);
+    rmrf(dir);
+}
+
+static void round_trips(kvr_disk_engine e)
+{
+    char dir[256];
+    tmpdir(dir, sizeof dir);
+    kvr_disk *d = open_ready(dir, e, 0, 1u << 20);   /* small segments: rolls */
+    enum { N = 96 };
+    size_t len[N];
+    uint8_t *src[N];
+    kvr_disk_handle h[N];
+    kvr_error err = { 0 };
+    for (int i = 0; i < N; i++) {
+        len[i] = 1 + (size_t)(rnd() % (i % 8 == 0 ? 600000 : 9000));
+        src[i] = malloc(len[i]);
+        fill(src[i], len[i], (uint64_t)i + 1);
+    }
+    /* Batches of various sizes, some synced. */
+    for (int i = 0; i < N;) {
+        int b = 1 + (int)(rnd() % 9);
+        if (i + b > N)
+            b = N - i;
+        kvr_disk_buf bufs[9];
+        for (int k = 0; k < b; k++)
+            bufs[k] = (kvr_disk_buf){ src[i + k], len[i + k] };
+        cr_assert_eq(kvr_disk_spill(d, bufs, (size_t)b, &h[i], (i & 1) != 0, &err), 0,
+                     "%s", err.msg);
+        i += b;
+    }
+    kvr_disk_stats st;
+    kvr_disk_get_stats(d, &st);
+    cr_assert_eq(st.data_blocks, N);
+    cr_assert_gt(st.segments, 1);
+    /* One batch load of everything, in reverse order. */
+    void *dst[N];
+    kvr_disk_handle hr[N];
+    int status[N];
+    for (int i = 0; i < N; i++) {
+        hr[i] = h[N - 1 - i];
+        dst[i] = malloc(hr[i].len);
+    }
+    cr_assert_eq(kvr_disk_load(d, hr, dst, N, status, &err), 0, "%s", err.msg);
+    for (int i = 0; i < N; i++) {
+        cr_assert_eq(status[i], 0);
+        cr_assert_eq(memcmp(dst[i], src[N - 1 - i], len[N - 1 - i]), 0, "block %d", i);
+    }
+    /* Handles survive encode/decode. */
+    uint8_t enc[KVR_DISK_HANDLE_BYTES];
+    kvr_disk_handle back;
+    kvr_disk_handle_encode(&h[5], enc);
+    kvr_disk_handle_decode(enc, &back);
+    cr_assert_eq(memcmp(&back, &h[5], offsetof(kvr_disk_handle, crc) + 4), 0);
+    /* Free everything: space goes back, full segments are unlinked. */
+    for (int i = 0; i < N; i++)
+        cr_assert_eq(kvr_disk_free(d, &h[i], &err), 0, "%s", err.msg);
+    cr_assert_eq(kvr_disk_free(d, &h[0], &err), KVR_EINVAL);
+    cr_assert_eq(kvr_disk_load(d, &h[1], dst, 1, NULL, &err), KVR_EINVAL);
+    kvr_disk_get_stats(d, &st);
+    cr_assert_eq(st.data_blocks, 0);
+    cr_assert_eq(st.data_bytes, 0);
+    cr_assert_leq(st.segments, 1);
+    cr_assert_leq(count_files(dir, "seg-"), 1);
+    for (int i = 0; i < N; i++) {
+        free(src[i]);
+        free(dst[i]);
+    }
+    kvr_disk_close(d);
+    rmrf(dir);
+}
+
+Test(disk_spill, round_trips_uring) { round_trips(KVR_DISK_ENGINE_URING); }
+Test(disk_spill, round_trips_posix) { round_trips(KVR_DISK_ENGINE_POSIX); }
+
+/* Spilled + synced data survives a reopen; claimed handles stay, the rest
+ * is reclaimed. */
+static void reopen_claim(kvr_disk_engine e)
+{
+    char dir[256];
+    tmpdir(dir, sizeof dir);
+    kvr_disk *d = open_ready(dir, e, 0, 256u << 10);
+    enum { N = 40 };
+    kvr_disk_handle h[N];
+    kvr_error err = { 0 };
+    static uint8_t buf[70000];
+    for (int i = 0; i < N; i++) {
+        size_t n = 1 + (size_t)(rnd() % sizeof buf);
+        fill(buf, n, (uint64_t)i * 31);
+        kvr_disk_buf b = { buf, n };
+        cr_assert_eq(kvr_disk_spill(d, &b, 1, &h[i], false, &err), 0, "%s", err.msg);
+    }
+    cr_assert_eq(kvr_disk_sync(d, &err), 0, "%s", err.msg);
+    kvr_disk_close(d);
+
+    kvr_disk_config cfg = { .dir = dir, .engine = e };
+    cr_assert_eq(kvr_disk_open(&d, &cfg, &err), 0, "%s", err.msg);
+    /* Before recover: nothing may be written. */
+    kvr_disk_buf b0 = { buf, 10 };
+    kvr_disk_handle hx;
+    cr_assert_eq(kvr_disk_spill(d, &b0, 1, &hx, false, &err), KVR_EINVAL);
+    kvr_disk_recovery rs;
+    cr_assert_eq(kvr_disk_recover(d, NULL, NULL, NULL, &rs, &err), 0, "%s", err.msg);
+    cr_assert_gt(rs.segments, 1);
+    for (int i = 0; i < N; i += 2)
+        cr_assert_eq(kvr_disk_claim(d, &h[i], &err), 0, "%s", err.msg);
+    kvr_disk_handle bad = h[1];
+    bad.seq += 1000;
+    cr_assert_eq(kvr_disk_claim(d, &bad, &err), KVR_EIO);
+    cr_assert_eq(kvr_disk_recover_done(d, &err), 0, "%s", err.msg);
+    kvr_disk_stats st;
+    kvr_disk_get_stats(d, &st);
+    cr_assert_eq(st.data_blocks, N / 2);
+    static uint8_t out[70000], want[70000];
+    for (int i = 0; i < N; i++) {
+        void *dst = out;
+        int rc = kvr_disk_load(d, &h[i], &dst, 1, NULL, &err);
+        if (i % 2) {
+            cr_assert_eq(rc, KVR_EINVAL);
+            continue;
+        }
+        cr_assert_eq(rc, 0, "%s", err.msg);
+        fill(want, h[i].len, (uint64_t)i * 31);
+        cr_assert_eq(memcmp(out, want, h[i].len), 0);
+    }
+    /* New spills go to fresh segments and coexist. */
+    kvr_disk_handle hn;
+    cr_assert_eq(kvr_disk_spill(d, &b0, 1, &hn, true, &err), 0, "%s", err.msg);
+    cr_assert_gt(hn.seg, h[N - 1].seg);
+    kvr_disk_close(d);
+    rmrf(dir);
+}
+
+Test(disk_spill, reopen_claim_uring) { reopen_claim(KVR_DISK_ENGINE_URING); }
+Test(disk_spill, reopen_claim_posix) { reopen_claim(KVR_DISK_ENGINE_POSIX); }
+
+static void refs(kvr_disk_engine e)
+{
+    char dir[256];
+    tmpdir(dir, sizeof dir);
+    kvr_disk *d = open_ready(dir, e, 0, 0);
+    kvr_error err = { 0 };
+    uint8_t b[5000];
+    fill(b, sizeof b, 3);
+    kvr_disk_buf kb = { b, sizeof b };
+    kvr_disk_handle h;
+    cr_assert_eq(kvr_disk_spill(d, &kb, 1, &h, false, &err), 0);
+    cr_assert_eq(kvr_disk_ref(d, &h, &err), 0);
+    cr_assert_eq(kvr_disk_free(d, &h, &err), 0);
+    uint8_t out[5000];
+    void *dst = out;
+    cr_assert_eq(kvr_disk_load(d, &h, &dst, 1, NULL, &err), 0, "%s", err.msg);
+    cr_assert_eq(memcmp(out, b, sizeof b), 0);
+    cr_assert_eq(kvr_disk_free(d, &h, &err), 0);
+    cr_assert_eq(kvr_disk_ref(d, &h, &err), KVR_EINVAL);
+    kvr_disk_close(d);
+    rmrf(dir);
+}
+
+Test(disk_spill, refs_uring) { refs(KVR_DISK_ENGINE_URING); }
+Test(disk_spill, refs_posix) { refs(KVR_DISK_ENGINE_POSIX); }
+
+static void disk_max(kvr_disk_engine e)
+{
+    char dir[256];
+    tmpdir(dir, sizeof dir);
+    kvr_disk *d = open_ready(dir, e, 1u << 20, 0);   /* 1 MiB */
+    kvr_error err = { 0 };
+    static uint8_t b[100000];
+    fill(b, sizeof b, 9);
+    kvr_disk_buf kb = { b, sizeof b };
+    kvr_disk_handle h[16];
+    int ok = 0, rc = 0;
+    while (ok < 16 && (rc = kvr_disk_spill(d, &kb, 1, &h[ok], false, &err)) == 0)
+        ok++;
+    cr_assert_eq(rc, KVR_ELIMIT);
+    cr_assert(strstr(err.msg, "--disk-max"), "%s", err.msg);
+    cr_assert_geq(ok, 8);
+    cr_assert_lt(ok, 11);
+    kvr_disk_stats st;
+    kvr_disk_get_stats(d, &st);
+    cr_assert_leq(st.data_bytes + st.log_bytes, 1u << 20);
+    cr_assert_eq(st.n_refused_full, 1);
+    /* Metadata stays writable; freeing makes room again. */
+    kvr_disk_rec_in r = { .type = 1, .payload = "x", .len = 1 };
+    cr_assert_eq(kvr_disk_log_append(d, &r, 1, NULL, &err), 0, "%s", err.msg);
+    cr_assert_eq(kvr_disk_free(d, &h[0], &err), 0);
+    cr_assert_eq(kvr_disk_spill(d, &kb, 1, &h[0], false, &err), 0, "%s", err.msg);
+    /* The earlier ones still read back. */
+    static uint8_t out[100000];
+    void *dst = out;
+    cr_assert_eq(kvr_disk_load(d, &h[1], &dst, 1, NULL, &err), 0);
+    cr_assert_eq(memcmp(out, b, sizeof b), 0);
+    kvr_disk_close(d);
+    rmrf(dir);
+}
+
+Test(disk_spill, disk_max_uring) { disk_max(KVR_DISK_ENGINE_URING); }
+Test(disk_spill, disk_max_posix) { disk_max(KVR_DISK_ENGINE_POSIX); }
+
+/* A flipped byte inside an extent fails its load (quarantined); the
+ * neighbours still load. */
+static void corrupt_extent(kvr_disk_engine e)
+{
+    char dir[256];
+    tmpdir(dir, sizeof dir);
+    kvr_disk *d = open_ready(dir, e, 0, 0);
+    kvr_error err = { 0 };
+    enum { N = 12 };
+    static uint8_t b[N][20000];
+    kvr_disk_buf kb[N];
+    kvr_disk_handle h[N];
+    for (int i = 0; i < N; i++) {
+        fill(b[i], sizeof b[i], (uint64_t)i + 100);
+        kb[i] = (kvr_disk_buf){ b[i], sizeof b[i] };
+    }
+    cr_assert_eq(kvr_disk_spill(d, kb, N, h, true, &err), 0);
+    char path[512];
+    snprintf(path, sizeof path, "%s/seg-%08x.dat", dir, h[4].seg);
+    int fd = open(path, O_RDWR);
+    cr_assert_geq(fd, 0);
+    for (int t = 0; t < 2; t++) {
+        /* t=0: in the data; t=1: in the header of another extent. */
+        int which = t ? 7 : 4;
+        off_t off = (off_t)(h[which].off + (t ? 9 : 32 + rnd() % sizeof b[0]));
+        uint8_t c;
+        cr_assert_eq(pread(fd, &c, 1, off), 1);
+        c ^= (uint8_t)(1u << (rnd() % 8));
+        cr_assert_eq(pwrite(fd, &c, 1, off), 1);
+    }
+    close(fd);
+    static uint8_t out[N][20000];
+    void *dst[N];
+    int st[N];
+    for (int i = 0; i < N; i++)
+        dst[i] = out[i];
+    cr_assert_eq(kvr_disk_load(d, h, dst, N, st, &err), KVR_EIO);
+    for (int i = 0; i < N; i++) {
+        if (i == 4 || i == 7) {
+            cr_assert_eq(st[i], KVR_EIO);
+            continue;
+        }
+        cr_assert_eq(st[i], 0);
+        cr_assert_eq(memcmp(out[i], b[i], sizeof b[i]), 0);
+    }
+    kvr_disk_stats s;
+    kvr_disk_get_stats(d, &s);
+    cr_assert_eq(s.n_quarantined, 2);
+    kvr_disk_close(d);
+    rmrf(dir);
+}
+
+Test(disk_spill, corrupt_extent_uring) { corrupt_extent(KVR_DISK_ENGINE_URING); }
+Test(disk_spill, corrupt_extent_posix) { corrupt_extent(KVR_DISK_ENGINE_POSIX); }
+
+Test(disk_spill, lock_and_args)
+{
+    char dir[256];
+    tmpdir(dir, sizeof dir);
+    kvr_disk *d = open_ready(dir, KVR_DISK_ENGINE_AUTO, 0, 0);
+    kvr_disk_config cfg = { .dir = dir };
+    kvr_disk *d2 = NULL;
+    kvr_error err = { 0 };
+    cr_assert_eq(kvr_disk_open(&d2, &cfg, &err), KVR_EBUSY);
+    kvr_disk_buf b = { "x", 0 };
+    kvr_disk_handle h;
+    cr_assert_eq(kvr_disk_spill(d, &b, 1, &h, false, &err), KVR_EINVAL);
+    kvr_disk_close(d);
+    cr_assert_eq(kvr_disk_open(&d2, &cfg, &err), 0, "%s", err.msg);
+    kvr_disk_close(d2);
+    kvr_disk_close(NULL);
+    cfg.dir = "";
+    cr_assert_eq(kvr_disk_open(&d2, &cfg, &err), KVR_EINVAL);
+    rmrf(dir);
+}
+
+/* Many threads spill, load and free at once (the documented contract). */
+#include <pthread.h>
+static kvr_disk *mt_disk;
+static void *mt_worker(void *arg)
+{
+    uint64_t id = (uint64_t)(uintptr_t)arg;
+    uint8_t *b = malloc(30000), *o = malloc(30000);
+    int bad = 0;
+    for (int i = 0; i < 50 && !bad; i++) {
+        size_t n = 1 + (id * 7919 + (uint64_t)i * 104729) % 30000;
+        fill(b, n, id * 1000 + (uint64_t)i);
+        kvr_disk_buf kb = { b, n };
+        kvr_disk_handle h;
+        if (kvr_disk_spill(mt_disk, &kb, 1, &h, i % 5 == 0, NULL) != 0) {
+            bad = 1;
+            break;
+        }
+        void *dst = o;
+        if (kvr_disk_load(mt_disk, &h, &dst, 1, NULL, NULL) != 0 || memcmp(o, b, n))
+            bad = 1;
+        if (kvr_disk_free(mt_disk, &h, NULL) != 0)
+            bad = 1;
+    }
+    free(b);
+    free(o);
+    return (void *)(uintptr_t)bad;
+}
+
+Test(disk_spill, threads)
+{
+    char dir[256];
+    tmpdir(dir, sizeof dir);
+    for (int e = 0; e < 2; e++) {
+        mt_disk = open_ready(dir, engines[e], 0, 1u << 20);
+        pthread_t t[4];
+        for (uintptr_t i = 0; i < 4; i++)
+            pthread_create(&t[i], NULL, mt_worker, (void *)i);
+        for (int i = 0; i < 4; i++) {
+            void *r;
+            pthread_join(t[i], &r);
+            cr_assert_null(r);
+        }
+        kvr_disk_stats st;
+        kvr_disk_get_stats(mt_disk, &st);
+        cr_assert_eq(st.data_blocks, 0);
+        kvr_disk_close(mt_disk);
+    }
+    rmrf(dir);
+}
