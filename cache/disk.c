@@ -40,7 +40,7 @@
 #define READ_WINDOW   (8u << 20)
 #define CP_BUF        (1u << 20)
 
-enum { ST_OPEN = 0, ST_RECOVERING = 1, ST_READY = 2 };
+enum { ST_OPEN = 0, ST_RECOVERING = 1, ST_READY = 2, ST_BROKEN = 3 };
 
 typedef struct ext {
     uint64_t off, seq;
@@ -662,12 +662,10 @@ static int scan_dir(kvr_disk *d, uint32_t *max_gen, kvr_error *err)
     return rc;
 }
 
-int kvr_disk_recover(kvr_disk *d, kvr_disk_record_fn on_record,
-                     kvr_disk_corrupt_fn on_corrupt, void *arg,
-                     kvr_disk_recovery *out, kvr_error *err)
+static int recover(kvr_disk *d, kvr_disk_record_fn on_record,
+                   kvr_disk_corrupt_fn on_corrupt, void *arg,
+                   kvr_disk_recovery *out, kvr_error *err)
 {
-    if (d->state != ST_OPEN)
-        return kvr_error_set(err, KVR_EINVAL, "disk: recover runs once, after open");
     double t0 = mono_ms();
     kvr_disk_recovery rs = { 0 };
     uint32_t gen = 0;
@@ -675,6 +673,7 @@ int kvr_disk_recover(kvr_disk *d, kvr_disk_record_fn on_record,
     if (rc)
         return rc;
     rs.segments = d->n_segs;
+    d->state = ST_RECOVERING;   /* the record callback may claim */
     if (gen == 0) {
         rc = log_create_first(d, err);
         if (rc)
@@ -765,10 +764,21 @@ done:
     d->n_quarantined += rs.quarantined;
     d->n_torn_bytes += rs.torn_bytes;
     d->last = rs;
-    d->state = ST_RECOVERING;
     if (out)
         *out = rs;
     return 0;
+}
+
+int kvr_disk_recover(kvr_disk *d, kvr_disk_record_fn on_record,
+                     kvr_disk_corrupt_fn on_corrupt, void *arg,
+                     kvr_disk_recovery *out, kvr_error *err)
+{
+    if (d->state != ST_OPEN)
+        return kvr_error_set(err, KVR_EINVAL, "disk: recover runs once, after open");
+    int rc = recover(d, on_record, on_corrupt, arg, out, err);
+    /* A failed recovery leaves d usable for nothing but close. */
+    d->state = rc ? ST_BROKEN : ST_RECOVERING;
+    return rc;
 }
 
 /* Reads an extent header through the engine. */
