@@ -1,0 +1,201 @@
+/*
+ * bench_disk.c — the disk tier's throughput against the device it runs on.
+ * In one run and one directory ($TMPDIR or /tmp): a plain sequential
+ * O_DIRECT write (+ fdatasync) and read of the same number of bytes (what
+ * `dd oflag=direct` / `iflag=direct` measure), then spill (batched, synced)
+ * and reload (batched, checksummed) of 2 MiB blocks with each engine, and
+ * the recovery time per GiB of log. Page cache is dropped before the cold
+ * reads when /proc/sys/vm/drop_caches is writable. Never asserted; prints a
+ * markdown table. KVR_BENCH_DISK_MB sets the size (default 512).
+ */
+#include <fcntl.h>
+#include <ftw.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "cache/disk.h"
+
+#define BLOCK (2u << 20)
+#define BATCH 16
+
+static double now_s(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec / 1e9;
+}
+
+static int rm_one(const char *p, const struct stat *sb, int flag, struct FTW *f)
+{
+    (void)sb; (void)flag; (void)f;
+    return remove(p);
+}
+
+static int drop_caches(void)
+{
+    sync();
+    int fd = open("/proc/sys/vm/drop_caches", O_WRONLY);
+    if (fd < 0)
+        return 0;
+    int ok = write(fd, "1", 1) == 1;
+    close(fd);
+    return ok;
+}
+
+/* dd-equivalent: O_DIRECT sequential write + fdatasync, then read. */
+static void plain(const char *dir, size_t total, double *w, double *r)
+{
+    char path[512];
+    snprintf(path, sizeof path, "%s/plain.dat", dir);
+    size_t chunk = 4u << 20;
+    uint8_t *buf = kvr_mem_aligned(4096, chunk);
+    memset(buf, 0x5A, chunk);
+    int fd = open(path, O_RDWR | O_CREAT | O_TRUNC | O_DIRECT, 0644);
+    int direct = 1;
+    if (fd < 0) {
+        direct = 0;
+        fd = open(path, O_RDWR | O_CREAT | O_TRUNC, 0644);
+    }
+    double t0 = now_s();
+    for (size_t o = 0; o < total; o += chunk)
+        if (pwrite(fd, buf, chunk, (off_t)o) != (ssize_t)chunk)
+            break;
+    fdatasync(fd);
+    *w = (double)total / (now_s() - t0) / 1e9;
+    if (!direct)
+        drop_caches();
+    t0 = now_s();
+    for (size_t o = 0; o < total; o += chunk)
+        if (pread(fd, buf, chunk, (off_t)o) != (ssize_t)chunk)
+            break;
+    *r = (double)total / (now_s() - t0) / 1e9;
+    close(fd);
+    unlink(path);
+    kvr_mem_free(buf);
+}
+
+static void spill_reload(const char *dir, kvr_disk_engine e, size_t total, double *w,
+                         double *r, const char **name, int *cold)
+{
+    char sub[512];
+    snprintf(sub, sizeof sub, "%s/%s", dir, e == KVR_DISK_ENGINE_POSIX ? "posix" : "uring");
+    kvr_disk_config cfg = { .dir = sub, .engine = e, .segment_bytes = 1ull << 30 };
+    kvr_disk *d;
+    kvr_error err = { 0 };
+    if (kvr_disk_open(&d, &cfg, &err) || kvr_disk_recover(d, NULL, NULL, NULL, NULL, &err) ||
+        kvr_disk_recover_done(d, &err)) {
+        fprintf(stderr, "bench_disk: %s\n", err.msg);
+        exit(1);
+    }
+    *name = kvr_disk_engine_name(d);
+    size_t n = total / BLOCK;
+    uint8_t *src = kvr_mem_aligned(4096, (size_t)BATCH * BLOCK);
+    for (size_t i = 0; i < (size_t)BATCH * BLOCK; i++)
+        src[i] = (uint8_t)(i * 131u + 7u);
+    kvr_disk_handle *h = kvr_mem_malloc(n * sizeof *h);
+    kvr_disk_buf bufs[BATCH];
+    for (int k = 0; k < BATCH; k++)
+        bufs[k] = (kvr_disk_buf){ src + (size_t)k * BLOCK, BLOCK };
+    double t0 = now_s();
+    for (size_t i = 0; i < n; i += BATCH) {
+        size_t b = n - i < BATCH ? n - i : BATCH;
+        if (kvr_disk_spill(d, bufs, b, &h[i], false, &err)) {
+            fprintf(stderr, "bench_disk: %s\n", err.msg);
+            exit(1);
+        }
+    }
+    kvr_disk_sync(d, &err);
+    *w = (double)(n * BLOCK) / (now_s() - t0) / 1e9;
+    *cold = drop_caches();
+    void *dst[BATCH];
+    for (int k = 0; k < BATCH; k++)
+        dst[k] = src + (size_t)k * BLOCK;
+    t0 = now_s();
+    for (size_t i = 0; i < n; i += BATCH) {
+        size_t b = n - i < BATCH ? n - i : BATCH;
+        if (kvr_disk_load(d, &h[i], dst, b, NULL, &err)) {
+            fprintf(stderr, "bench_disk: %s\n", err.msg);
+            exit(1);
+        }
+    }
+    *r = (double)(n * BLOCK) / (now_s() - t0) / 1e9;
+    kvr_disk_close(d);
+    kvr_mem_free(h);
+    kvr_mem_free(src);
+}
+
+static double recovery_ms_per_gib(const char *dir, kvr_disk_engine e, size_t log_bytes,
+                                  uint64_t *nrec)
+{
+    char sub[512];
+    snprintf(sub, sizeof sub, "%s/log-%d", dir, (int)e);
+    kvr_disk_config cfg = { .dir = sub, .engine = e, .checkpoint_bytes = 1ull << 40 };
+    kvr_disk *d;
+    kvr_error err = { 0 };
+    kvr_disk_open(&d, &cfg, &err);
+    kvr_disk_recover(d, NULL, NULL, NULL, NULL, &err);
+    kvr_disk_recover_done(d, &err);
+    size_t rl = 16u << 10;
+    uint8_t *p = kvr_mem_malloc(rl);
+    memset(p, 0x33, rl);
+    kvr_disk_rec_in recs[64];
+    for (int k = 0; k < 64; k++)
+        recs[k] = (kvr_disk_rec_in){ .type = 1, .payload = p, .len = rl };
+    for (size_t w = 0; w < log_bytes; w += 64 * rl)
+        if (kvr_disk_log_append(d, recs, 64, NULL, &err))
+            break;
+    kvr_disk_close(d);
+    drop_caches();
+    kvr_disk_recovery rs = { 0 };
+    kvr_disk_open(&d, &cfg, &err);
+    kvr_disk_recover(d, NULL, NULL, NULL, &rs, &err);
+    kvr_disk_close(d);
+    kvr_mem_free(p);
+    *nrec = rs.records;
+    return rs.ms / ((double)rs.log_bytes / (double)(1u << 30));
+}
+
+int main(void)
+{
+    const char *t = getenv("TMPDIR");
+    const char *mb = getenv("KVR_BENCH_DISK_MB");
+    size_t total = (size_t)(mb ? atoi(mb) : 512) << 20;
+    total = (total / ((size_t)BATCH * BLOCK)) * BATCH * BLOCK;
+    if (!total)
+        total = (size_t)BATCH * BLOCK;
+    char dir[256];
+    snprintf(dir, sizeof dir, "%s/kvr_bench_disk_XXXXXX", t && *t ? t : "/tmp");
+    if (!mkdtemp(dir)) {
+        perror("mkdtemp");
+        return 1;
+    }
+    double pw, pr;
+    plain(dir, total, &pw, &pr);
+    printf("## bench_disk: %zu MiB in %s, 2 MiB blocks, batches of %d\n\n",
+           total >> 20, dir, BATCH);
+    printf("| what | engine | write GB/s | read GB/s | write vs plain | read vs plain | reads |\n");
+    printf("| --- | --- | ---: | ---: | ---: | ---: | --- |\n");
+    printf("| plain O_DIRECT sequential (dd) | - | %.2f | %.2f | 1.00 | 1.00 | cold |\n", pw, pr);
+    kvr_disk_engine es[2] = { KVR_DISK_ENGINE_URING, KVR_DISK_ENGINE_POSIX };
+    for (int i = 0; i < 2; i++) {
+        double w, r;
+        const char *name;
+        int cold;
+        spill_reload(dir, es[i], total, &w, &r, &name, &cold);
+        printf("| spill (synced) / reload (crc checked) | %s | %.2f | %.2f | %.2f | %.2f | %s |\n",
+               name, w, r, w / pw, r / pr, cold ? "cold" : "page cache");
+    }
+    printf("\n| recovery | engine | records | ms per GiB of log |\n| --- | --- | ---: | ---: |\n");
+    for (int i = 0; i < 2; i++) {
+        uint64_t nrec;
+        double ms = recovery_ms_per_gib(dir, es[i], total / 2, &nrec);
+        printf("| replay of 16 KiB records | %s | %llu | %.0f |\n",
+               es[i] == KVR_DISK_ENGINE_POSIX ? "posix" : "io_uring",
+               (unsigned long long)nrec, ms);
+    }
+    nftw(dir, rm_one, 16, FTW_DEPTH | FTW_PHYS);
+    return 0;
+}
