@@ -27,6 +27,7 @@
 #include <math.h>
 #include <string.h>
 
+#include "cache/parallel.h"
 #include "cache/store_internal.h"
 
 typedef struct asm_run {
@@ -397,62 +398,69 @@ bool kvr_assemble_needs_work(const kvr_assemble *t)
     return t->staging != NULL && !t->worked;
 }
 
-int kvr_assemble_work(kvr_assemble *t, kvr_error *err)
+/* One layer of the assembled stream (any thread; layers write disjoint parts
+ * of the staging buffer). Folding the temperature into a non-f32 output goes
+ * through a per-call f32 scratch so k / T is rounded once. */
+static int assemble_work_layer(void *ud, size_t li)
 {
-    if (!t->staging || t->worked)
-        return 0;
+    kvr_assemble *t = ud;
     const kvr_model *m = t->m;
     size_t row = (size_t)m->n_kv_heads * m->head_dim;
     kvr_dtype odt = t->info.dtype;
     size_t rowb = row * kvr_dtype_size(odt);
     float inv_t = (float)(1.0 / t->info.temperature);
     float *scratch = NULL;
-    bool need_scratch = false;
-    for (size_t i = 0; i < t->n_runs; i++)
-        if (t->runs[i].fold && odt != KVR_DTYPE_F32)
-            need_scratch = true;
-    if (need_scratch && !(scratch = kvr_mem_malloc(t->max_run * row * sizeof *scratch)))
-        return kvr_error_set(err, KVR_ENOMEM, "out of memory folding the temperature");
     int rc = 0;
-    for (size_t li = 0; li < t->info.n_layers && rc == 0; li++) {
-        uint32_t l = t->layers[li];
-        uint8_t *base = t->staging + li * (t->kst + t->vst);
-        for (size_t i = 0; i < t->n_runs; i++) {
-            const asm_run *r = &t->runs[i];
-            if (!r->k_zc) {
-                uint8_t *dst = base + r->kst_off;
-                const uint8_t *src = block_kv(r->b, m, l, 0, r->first);
-                bool via = r->fold && odt != KVR_DTYPE_F32;
-                void *kd = via ? (void *)scratch : (void *)dst;
-                kvr_dtype kdt = via ? KVR_DTYPE_F32 : odt;
-                size_t ne = r->count * row;
-                if (r->same)
-                    kvr_convert(kd, kdt, src, r->b->dtype, ne);
-                else if ((rc = kvr_rope_reposition(m->engine, kd, kdt, src, r->b->dtype,
-                                                   r->count, m->n_kv_heads,
-                                                   t->from + r->tok, t->targets + r->tok,
-                                                   NULL)) != 0) {
-                    rc = kvr_error_set(err, KVR_EINTERNAL, "re-rotating keys failed (%d)",
-                                       rc);
-                    break;
-                }
-                if (r->fold) {
-                    float *f = kd;
-                    for (size_t k = 0; k < ne; k++)
-                        f[k] *= inv_t;
-                    if (via)
-                        kvr_convert(dst, odt, scratch, KVR_DTYPE_F32, ne);
-                }
+    uint32_t l = t->layers[li];
+    uint8_t *base = t->staging + li * (t->kst + t->vst);
+    for (size_t i = 0; i < t->n_runs && rc == 0; i++) {
+        const asm_run *r = &t->runs[i];
+        if (!r->k_zc) {
+            uint8_t *dst = base + r->kst_off;
+            const uint8_t *src = block_kv(r->b, m, l, 0, r->first);
+            bool via = r->fold && odt != KVR_DTYPE_F32;
+            if (via && !scratch &&
+                !(scratch = kvr_mem_malloc(t->max_run * row * sizeof *scratch))) {
+                rc = KVR_ENOMEM;
+                break;
             }
-            if (!t->zc_v)
-                kvr_convert(base + t->kst + r->tok * rowb, odt,
-                            block_kv(r->b, m, l, 1, r->first), r->b->dtype, r->count * row);
+            void *kd = via ? (void *)scratch : (void *)dst;
+            kvr_dtype kdt = via ? KVR_DTYPE_F32 : odt;
+            size_t ne = r->count * row;
+            if (r->same)
+                kvr_convert(kd, kdt, src, r->b->dtype, ne);
+            else if ((rc = kvr_rope_reposition(m->engine, kd, kdt, src, r->b->dtype,
+                                               r->count, m->n_kv_heads,
+                                               t->from + r->tok, t->targets + r->tok,
+                                               NULL)) != 0)
+                break;
+            if (r->fold) {
+                float *f = kd;
+                for (size_t k = 0; k < ne; k++)
+                    f[k] *= inv_t;
+                if (via)
+                    kvr_convert(dst, odt, scratch, KVR_DTYPE_F32, ne);
+            }
         }
+        if (!t->zc_v)
+            kvr_convert(base + t->kst + r->tok * rowb, odt,
+                        block_kv(r->b, m, l, 1, r->first), r->b->dtype, r->count * row);
     }
     kvr_mem_free(scratch);
-    if (rc == 0)
-        t->worked = true;
     return rc;
+}
+
+int kvr_assemble_work(kvr_assemble *t, kvr_error *err)
+{
+    if (!t->staging || t->worked)
+        return 0;
+    int rc = par_for(t->info.n_layers, par_threads_for(t->payload), assemble_work_layer, t);
+    if (rc == KVR_ENOMEM)
+        return kvr_error_set(err, KVR_ENOMEM, "out of memory folding the temperature");
+    if (rc != 0)
+        return kvr_error_set(err, KVR_EINTERNAL, "re-rotating keys failed (%d)", rc);
+    t->worked = true;
+    return 0;
 }
 
 size_t kvr_assemble_payload_size(const kvr_assemble *t)

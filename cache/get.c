@@ -18,6 +18,7 @@
  */
 #include <string.h>
 
+#include "cache/parallel.h"
 #include "cache/store_internal.h"
 
 typedef struct get_seg {
@@ -262,39 +263,50 @@ bool kvr_get_needs_work(const kvr_get *t)
     return t->staging != NULL && !t->worked;
 }
 
-int kvr_get_work(kvr_get *t, kvr_error *err)
+/* One layer of the response: keys re-rotated (or converted) into the staging
+ * buffer, values converted unless they go out zero-copy. Layers touch
+ * disjoint parts of the staging buffer, so they run on any thread. */
+static int get_work_layer(void *ud, size_t li)
 {
-    if (!t->staging || t->worked)
-        return 0;
+    kvr_get *t = ud;
     const kvr_model *m = t->m;
     size_t row = (size_t)m->n_kv_heads * m->head_dim;
     size_t rowb = row * kvr_dtype_size(t->info.dtype);
     kvr_dtype odt = t->info.dtype;
-    for (size_t li = 0; li < t->info.n_layers; li++) {
-        uint32_t l = t->layers[li];
-        for (size_t g = 0; g < t->n_segs; g++) {
-            const get_seg *sg = &t->segs[g];
-            if (!t->zc_k) {
-                uint8_t *dst = stage_at(t, li, 0) + sg->tok * rowb;
-                const uint8_t *src = block_kv(sg->b, m, l, 0, sg->first);
-                if (sg->same_pos) {
-                    kvr_convert(dst, odt, src, sg->b->dtype, sg->count * row);
-                } else {
-                    int rc = kvr_rope_reposition(m->engine, dst, odt, src, sg->b->dtype,
-                                                 sg->count, m->n_kv_heads,
-                                                 t->from + sg->tok, t->targets + sg->tok,
-                                                 NULL);
-                    if (rc != 0)
-                        return kvr_error_set(err, KVR_EINTERNAL,
-                                             "re-rotating keys failed (%d)", rc);
-                }
+    uint32_t l = t->layers[li];
+    for (size_t g = 0; g < t->n_segs; g++) {
+        const get_seg *sg = &t->segs[g];
+        if (!t->zc_k) {
+            uint8_t *dst = stage_at(t, li, 0) + sg->tok * rowb;
+            const uint8_t *src = block_kv(sg->b, m, l, 0, sg->first);
+            if (sg->same_pos) {
+                kvr_convert(dst, odt, src, sg->b->dtype, sg->count * row);
+            } else {
+                int rc = kvr_rope_reposition(m->engine, dst, odt, src, sg->b->dtype,
+                                             sg->count, m->n_kv_heads,
+                                             t->from + sg->tok, t->targets + sg->tok,
+                                             NULL);
+                if (rc != 0)
+                    return rc;
             }
-            if (!t->zc_v)
-                kvr_convert(stage_at(t, li, 1) + sg->tok * rowb, odt,
-                            block_kv(sg->b, m, l, 1, sg->first), sg->b->dtype,
-                            sg->count * row);
         }
+        if (!t->zc_v)
+            kvr_convert(stage_at(t, li, 1) + sg->tok * rowb, odt,
+                        block_kv(sg->b, m, l, 1, sg->first), sg->b->dtype,
+                        sg->count * row);
     }
+    return 0;
+}
+
+int kvr_get_work(kvr_get *t, kvr_error *err)
+{
+    if (!t->staging || t->worked)
+        return 0;
+    /* Large responses split their layers across threads: re-rotation is
+     * compute-bound enough that one core cannot keep up with the socket. */
+    int rc = par_for(t->info.n_layers, par_threads_for(t->payload), get_work_layer, t);
+    if (rc != 0)
+        return kvr_error_set(err, KVR_EINTERNAL, "re-rotating keys failed (%d)", rc);
     t->worked = true;
     return 0;
 }
