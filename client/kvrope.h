@@ -9,7 +9,7 @@
  * one handle must not overlap (use one handle per thread). Different handles
  * are independent and may be used from different threads at once.
  *
- * Errors. Every call returns 0 on success or a negative code. Codes -1..-21
+ * Errors. Every call returns 0 on success or a negative code. Codes -1..-23
  * are the daemon's wire Status negated (KVR_ERR_NOCTX == -Status E_UNKNOWN_
  * CONTEXT, equal to cache/'s KVR_ENOCTX); codes <= -1000 are the client's
  * own (connection, protocol, buffers). After a failure
@@ -69,6 +69,8 @@ enum {
     KVR_ERR_IO          = -19,
     KVR_ERR_PINNED      = -20,
     KVR_ERR_CONFIG      = -21,
+    KVR_ERR_PENDING     = -22,  /* range holds tokens edited in without KV: refresh */
+    KVR_ERR_PREFIX      = -23,  /* document encoded against another prefix */
     /* The client's own. */
     KVR_ERR_SYS         = -1000, /* a system call failed (connect, send, recv, open) */
     KVR_ERR_CLOSED      = -1001, /* the connection is closed (peer hung up) */
@@ -192,13 +194,37 @@ typedef struct kvr_put_res {
 
 int kvr_client_put(kvr_client *c, const kvr_put_args *a, kvr_put_res *out /* may be NULL */);
 
+/* What a put can do besides storing KV (a separate struct so that
+ * kvr_put_args keeps its layout for bindings). Zero = unused. */
+typedef struct kvr_put_opts {
+    uint64_t            protect_first;  /* after the put, edits may not touch
+                                           tokens [0, n) (attention sinks);
+                                           KVR_ERR_RANGE if n > length */
+    bool                has_protect;    /* send protect_first (0 = unprotect) */
+    /* Create only (position layouts): */
+    const char         *prefix_ctx;     /* APE: this KV was encoded after that
+                                           prefix context; positions default
+                                           to P, P+1, ... */
+    const char *const  *groups;         /* GPE: n_groups group names */
+    size_t              n_groups;
+    const int64_t      *group_offsets;  /* phi per group, NULL = 0 */
+} kvr_put_opts;
+
+/* kvr_client_put with options; o may be NULL (then it is kvr_client_put). */
+int kvr_client_put_ex(kvr_client *c, const kvr_put_args *a, const kvr_put_opts *o,
+                      kvr_put_res *out /* may be NULL */);
+
 /* Bytes of a layer-major payload: n_layers * 2 * tokens * heads * dim * dsize.
  * 0 on overflow or an unknown dtype. */
 size_t kvr_payload_size(uint32_t n_layers, size_t n_tokens, uint32_t n_kv_heads,
                         uint32_t head_dim, kvr_dtype dtype);
 
 /* ---- get ---------------------------------------------------------------- */
-#define KVR_FLAG_APPROX 0x1u      /* per-token flag: KV is approximate */
+#define KVR_FLAG_APPROX 0x1u      /* per-token flag: KV is approximate (computed
+                                     against text that has changed since) */
+#define KVR_FLAG_PENDING 0x2u     /* inserted by an edit without KV: its KV does
+                                     not exist until a refresh (a get of it is
+                                     KVR_ERR_PENDING; a meta_only get works) */
 
 /* Called during a get as soon as every byte of one layer has arrived, with
  * that layer's K and V in the destination buffer (borrowed for the callback). */
@@ -297,6 +323,96 @@ int kvr_client_fork(kvr_client *c, const char *src, const char *dst);
 int kvr_client_shift(kvr_client *c, const char *ctx_id, uint64_t start, uint64_t end,
                      int64_t delta);
 int kvr_client_keep(kvr_client *c, const char *ctx_id, uint64_t start, uint64_t end);
+
+/* Edit-related counters of a context (kept out of kvr_context so that its
+ * layout stays as bindings know it). */
+typedef struct kvr_context_edit {
+    uint64_t n_pending;     /* tokens edited in without KV (KVR_FLAG_PENDING) */
+    uint64_t n_protected;   /* first tokens edits may not touch */
+} kvr_context_edit;
+/* kvr_client_stat plus those counters; out and ed may each be NULL. */
+int kvr_client_stat_ex(kvr_client *c, const char *ctx_id, kvr_context *out,
+                       kvr_context_edit *ed);
+
+/* ---- edits (PIE) -------------------------------------------------------- */
+/*
+ * An op replaces the tokens [start, end) of the context's CURRENT sequence
+ * with n_tokens new tokens: start == end inserts before `start` (start ==
+ * length appends), n_tokens == 0 deletes. The ops of one request are all in
+ * the current coordinates and are applied atomically; sorted by start, each
+ * must end at or before the next one starts and no two may share a start
+ * (KVR_ERR_INVAL); an op that changes nothing is KVR_ERR_INVAL too.
+ *
+ * The suffix after an edit point moves by a pure rotation of its keys (done
+ * at read time, never accumulated); its tokens become KVR_FLAG_APPROX. The
+ * new tokens' KV either comes with the edit (with_kv: layer-major, for each
+ * layer K then V of ALL new tokens of all ops in request order, K rotated at
+ * the positions kvr_client_edit_plan returns), or later through
+ * kvr_client_refresh (until then they are KVR_FLAG_PENDING).
+ * Any refusal leaves the context byte-identical.
+ */
+typedef struct kvr_edit_range {
+    uint64_t        start, end;     /* [start, end) of the current sequence */
+    const uint32_t *tokens;         /* n_tokens new ids (borrowed) */
+    size_t          n_tokens;
+} kvr_edit_range;
+
+typedef struct kvr_edit_args {
+    const char           *ctx_id;
+    const kvr_edit_range *ops;
+    size_t                n_ops;
+    const char           *model;        /* NULL = unchecked */
+    uint64_t              fingerprint;  /* 0 = unchecked */
+    /* Edit only (ignored by edit_plan). */
+    bool                  with_kv;      /* the payload below is the new tokens' KV */
+    uint32_t              n_layers, n_kv_heads, head_dim;  /* 0 = the model's */
+    kvr_dtype             dtype;        /* of the payload (F32 is 0: set it) */
+    const void           *payload;      /* as kvr_put_args: buffer or iovecs */
+    size_t                payload_len;
+    const struct iovec   *iov;
+    size_t                iovcnt;
+} kvr_edit_args;
+
+/* Where one op's new tokens land (one per op, in request order). */
+typedef struct kvr_edit_span_res {
+    uint64_t index;       /* index of its first new token after the edit */
+    int64_t  first_pos;   /* their positions: first_pos, first_pos + 1, ... */
+    int64_t  shift;       /* position change of the old tokens after the op */
+} kvr_edit_span_res;
+
+typedef struct kvr_edit_res {
+    uint64_t           n_tokens;       /* context length after */
+    uint64_t           n_new, n_removed;
+    uint64_t           first_change;   /* index of the first edit point */
+    uint64_t           n_approximate, n_pending;   /* of the whole context */
+    uint64_t           payload_bytes;  /* KV bytes moved (plan: to send with KV,
+                                          in the model's dtype) */
+    kvr_edit_span_res *spans;          /* n_spans; the caller's (kvr_client_free) */
+    size_t             n_spans;
+} kvr_edit_res;
+
+/* Applies the edit. out may be NULL; on failure it owns nothing. */
+int kvr_client_edit(kvr_client *c, const kvr_edit_args *a, kvr_edit_res *out);
+/* What the edit would do (spans, positions), without changing anything. */
+int kvr_client_edit_plan(kvr_client *c, const kvr_edit_args *a, kvr_edit_res *out);
+
+typedef struct kvr_refresh_args {
+    const char         *ctx_id;
+    uint64_t            start, end;     /* token range; end 0 = to the end */
+    const char         *model;          /* NULL = unchecked */
+    uint64_t            fingerprint;
+    uint32_t            n_layers, n_kv_heads, head_dim;  /* 0 = the model's */
+    kvr_dtype           dtype;
+    /* KV of the range recomputed, K rotated at the tokens' current positions. */
+    const void         *payload;
+    size_t              payload_len;
+    const struct iovec *iov;
+    size_t              iovcnt;
+} kvr_refresh_args;
+
+/* Overwrites the range's KV and clears its approximate/pending flags; one
+ * span. out may be NULL. */
+int kvr_client_refresh(kvr_client *c, const kvr_refresh_args *a, kvr_edit_res *out);
 
 /* ---- statistics --------------------------------------------------------- */
 typedef struct kvr_metric {

@@ -31,6 +31,7 @@ typedef struct write_req {
     uint8_t   *buf;        /* header + message, kvr_mem */
     size_t     total;      /* bytes queued (buf + payload) */
     kvr_get   *get;        /* released when the write completes */
+    kvr_assemble *as;      /* likewise */
 } write_req;
 
 uint64_t kvr_now_ms(void)
@@ -78,6 +79,11 @@ void kvr_conn_close(kvr_conn *c)
         kvr_log(KVR_LOG_INFO, "client closed during a put payload: put aborted");
         kvr_put_abort(c->put);
         c->put = NULL;
+    }
+    if (c->edit && c->st == CONN_PAYLOAD) {
+        kvr_log(KVR_LOG_INFO, "client closed during an edit payload: edit aborted");
+        kvr_edit_abort(c->edit);
+        c->edit = NULL;
     }
     if (c->req && c->st != CONN_BUSY) {
         kvrope__request__free_unpacked(c->req, &kvr_pb_allocator);
@@ -133,6 +139,8 @@ static void on_write(uv_write_t *req, int status)
     kvr_conn *c = w->c;
     if (w->get)
         kvr_get_end(w->get);
+    if (w->as)
+        kvr_assemble_end(w->as);
     kvr_mem_free(w->buf);
     c->writes_pending--;
     c->out_queued -= w->total;
@@ -151,21 +159,42 @@ static void on_write(uv_write_t *req, int status)
     conn_unref(c);
 }
 
-/* Queues buf (owned, header+message) plus the get's payload iovecs. */
-static int queue_write(kvr_conn *c, uint8_t *buf, size_t len, kvr_get *get,
+/* The payload source of a reply: a get or an assemble (at most one),
+ * released when its write completes. */
+typedef struct out_payload {
+    kvr_get      *get;
+    kvr_assemble *as;
+} out_payload;
+
+static void release_payload(out_payload *p)
+{
+    if (p->get)
+        kvr_get_end(p->get);
+    if (p->as)
+        kvr_assemble_end(p->as);
+    p->get = NULL;
+    p->as = NULL;
+}
+
+/* Queues buf (owned, header+message) plus the payload's iovecs. */
+static int queue_write(kvr_conn *c, uint8_t *buf, size_t len, out_payload *src,
                        size_t payload_len)
 {
+    out_payload none = { 0 };
+    if (!src)
+        src = &none;
     write_req *w = kvr_mem_calloc(1, sizeof *w);
     if (!w) {
         kvr_mem_free(buf);
-        if (get)
-            kvr_get_end(get);
+        release_payload(src);
         return KVR_ENOMEM;
     }
     const struct iovec *iov = NULL;
     size_t niov = 0;
-    if (get && payload_len > 0)
-        kvr_get_payload_iov(get, &iov, &niov);
+    if (src->get && payload_len > 0)
+        kvr_get_payload_iov(src->get, &iov, &niov);
+    else if (src->as && payload_len > 0)
+        kvr_assemble_payload_iov(src->as, &iov, &niov);
     uv_buf_t small[8];
     uv_buf_t *bufs = small;
     size_t nb = 1 + niov;
@@ -174,8 +203,7 @@ static int queue_write(kvr_conn *c, uint8_t *buf, size_t len, kvr_get *get,
         if (!bufs) {
             kvr_mem_free(w);
             kvr_mem_free(buf);
-            if (get)
-                kvr_get_end(get);
+            release_payload(src);
             return KVR_ENOMEM;
         }
     }
@@ -191,14 +219,14 @@ static int queue_write(kvr_conn *c, uint8_t *buf, size_t len, kvr_get *get,
     w->c = c;
     w->buf = buf;
     w->total = len + payload_len;
-    w->get = get;
+    w->get = src->get;
+    w->as = src->as;
     int rc = uv_write(&w->req, &c->h.stream, bufs, (unsigned)k, on_write);
     if (bufs != small)
         kvr_mem_free(bufs);   /* libuv copied the array */
     if (rc < 0) {
         kvr_mem_free(buf);
-        if (get)
-            kvr_get_end(get);
+        release_payload(src);
         kvr_mem_free(w);
         kvr_conn_close(c);
         return KVR_EIO;
@@ -235,38 +263,49 @@ static uint8_t *pack_error(uint64_t id, int code, const char *msg, size_t *len)
     return pack_response(&r, 0, len);
 }
 
-int kvr_conn_send(kvr_conn *c, const Kvrope__Response *r, kvr_get *get,
-                  size_t payload_len, bool close_after)
+static int send_reply(kvr_conn *c, const Kvrope__Response *r, out_payload *src,
+                      size_t payload_len, bool close_after)
 {
     if (r->status != KVROPE__STATUS__OK)
         c->d->n_errors++;
     if (c->closing) {
-        if (get)
-            kvr_get_end(get);
+        release_payload(src);
         return 0;
     }
     size_t len;
     uint8_t *buf = pack_response(r, payload_len, &len);
     if (!buf) {
-        if (get)
-            kvr_get_end(get);
+        release_payload(src);
         /* Fall back to a small error reply; if even that fails, close. */
         buf = pack_error(r->id, KVR_ENOMEM, "out of memory packing the response", &len);
         if (!buf) {
             kvr_conn_close(c);
             return KVR_ENOMEM;
         }
-        get = NULL;
         payload_len = 0;
     }
     if (close_after)
         c->close_after_write = true;
-    int rc = queue_write(c, buf, len, get, payload_len);
+    int rc = queue_write(c, buf, len, src, payload_len);
     if (rc == 0 && close_after) {
         c->st = CONN_BUSY;
         update_reading(c);
     }
     return rc;
+}
+
+int kvr_conn_send(kvr_conn *c, const Kvrope__Response *r, kvr_get *get,
+                  size_t payload_len, bool close_after)
+{
+    out_payload src = { .get = get };
+    return send_reply(c, r, &src, payload_len, close_after);
+}
+
+int kvr_conn_send_assemble(kvr_conn *c, const Kvrope__Response *r, kvr_assemble *as,
+                           size_t payload_len)
+{
+    out_payload src = { .as = as };
+    return send_reply(c, r, &src, payload_len, false);
 }
 
 void kvr_conn_fail(kvr_conn *c, uint64_t id, int code, const char *msg)
@@ -565,7 +604,10 @@ static void read_cb(uv_stream_t *s, ssize_t nread, const uv_buf_t *buf)
 
 void kvr_conn_begin_payload(kvr_conn *c)
 {
-    kvr_put_payload_iov(c->put, &c->iov, &c->niov);
+    if (c->edit)
+        kvr_edit_payload_iov(c->edit, &c->iov, &c->niov);
+    else
+        kvr_put_payload_iov(c->put, &c->iov, &c->niov);
     c->iov_i = 0;
     c->iov_off = 0;
     c->payload_unread = false;
@@ -585,10 +627,20 @@ static void work_cb(uv_work_t *w)
 {
     kvr_conn *c = w->data;
     memset(&c->work_err, 0, sizeof c->work_err);
-    if (c->work_kind == 1)
+    switch (c->work_kind) {
+    case KVR_WORK_PUT:
         c->work_rc = kvr_put_work(c->put, &c->work_err);
-    else
+        break;
+    case KVR_WORK_EDIT:
+        c->work_rc = kvr_edit_work(c->edit, &c->work_err);
+        break;
+    case KVR_WORK_ASSEMBLE:
+        c->work_rc = kvr_assemble_work(c->as, &c->work_err);
+        break;
+    default:
         c->work_rc = kvr_get_work(c->get, &c->work_err);
+        break;
+    }
 }
 
 static void after_work_cb(uv_work_t *w, int status)
@@ -600,9 +652,15 @@ static void after_work_cb(uv_work_t *w, int status)
     }
     if (c->closing) {
         /* Nobody to answer: nothing acknowledged, so nothing kept. */
-        if (c->work_kind == 1 && c->put) {
+        if (c->work_kind == KVR_WORK_PUT && c->put) {
             kvr_put_abort(c->put);
             c->put = NULL;
+        } else if (c->work_kind == KVR_WORK_EDIT && c->edit) {
+            kvr_edit_abort(c->edit);
+            c->edit = NULL;
+        } else if (c->work_kind == KVR_WORK_ASSEMBLE && c->as) {
+            kvr_assemble_end(c->as);
+            c->as = NULL;
         } else if (c->get) {
             kvr_get_end(c->get);
             c->get = NULL;

@@ -34,10 +34,20 @@ typedef enum conn_state {
     CONN_LINGER,       /* error reply sent, write side shut; discarding input */
 } conn_state;
 
-/* Requests counted per verb; index = Request body case - 10. */
-#define KVR_N_VERBS 15
+/* Requests counted per verb; index = Request body case - 10 (10..44; the
+ * unused cases in between have no name and are not reported). */
+#define KVR_N_VERBS 35
 
 typedef struct kvr_conn kvr_conn;
+
+/* What a threadpool job (or its inline equivalent) works on. */
+enum {
+    KVR_WORK_PUT = 1,       /* c->put: put or group append */
+    KVR_WORK_GET = 2,       /* c->get */
+    KVR_WORK_MATCH = 3,     /* c->get, the get half of a match */
+    KVR_WORK_EDIT = 4,      /* c->edit: edit or refresh */
+    KVR_WORK_ASSEMBLE = 5,  /* c->as */
+};
 
 struct kvr_daemon {
     uv_loop_t          loop;
@@ -101,8 +111,10 @@ struct kvr_conn {
 
     Kvrope__Request *req;
 
-    /* put in progress */
+    /* put (or group append) in progress */
     kvr_put    *put;
+    /* edit or refresh in progress (payload into its iovecs, like a put) */
+    kvr_edit   *edit;
     const struct iovec *iov;
     size_t      niov, iov_i, iov_off;
 
@@ -115,10 +127,11 @@ struct kvr_conn {
 
     /* threadpool job (one at a time) */
     uv_work_t   work;
-    int         work_kind;        /* 1 put, 2 get, 3 match+get */
+    int         work_kind;        /* KVR_WORK_* */
     int         work_rc;
     kvr_error   work_err;
     kvr_get    *get;
+    kvr_assemble *as;
     uint64_t    match_len;
     char        match_ctx[KVR_ID_MAX + 1];
 
@@ -143,12 +156,16 @@ uint64_t kvr_now_ms(void);
 /* Writes a packed response frame (header + message [+ get payload]). */
 int  kvr_conn_send(kvr_conn *c, const Kvrope__Response *r, kvr_get *get,
                    size_t payload_len, bool close_after);
+/* The same with an assembled stream as the payload; `as` ends in the write
+ * callback (or at once if the write cannot be queued). */
+int  kvr_conn_send_assemble(kvr_conn *c, const Kvrope__Response *r, kvr_assemble *as,
+                            size_t payload_len);
 /* Finishes the current request: frees it and resumes reading. */
 void kvr_conn_request_done(kvr_conn *c);
 /* Error reply for the current request; if the frame declared a payload, it
  * is drained (up to max_drain) first, else the connection is closed. */
 void kvr_conn_reply_error(kvr_conn *c, int code, const char *msg);
-/* Start receiving the put payload into c->put's iovecs. */
+/* Start receiving the payload into c->put's (or c->edit's) iovecs. */
 void kvr_conn_begin_payload(kvr_conn *c);
 void kvr_conn_queue_work(kvr_conn *c, int kind);
 
@@ -159,7 +176,7 @@ extern ProtobufCAllocator kvr_pb_allocator;
 void kvr_dispatch(kvr_conn *c);
 /* After a threadpool job, on the loop thread (c not closing). */
 void kvr_dispatch_after_work(kvr_conn *c);
-/* After the put payload arrived in full. */
+/* After the put / edit payload arrived in full. */
 void kvr_dispatch_payload_done(kvr_conn *c);
 int  kvr_status_of(int code);      /* KVR_E* -> Status */
 

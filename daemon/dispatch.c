@@ -157,6 +157,10 @@ static void ctx_to_pb(const kvr_ctx_info *i, Kvrope__ContextInfo *o)
     o->n_evicted_tokens = i->n_evicted_tokens;
     o->has_busy = 1;
     o->busy = i->busy;
+    o->has_n_pending = 1;
+    o->n_pending = i->n_pending;
+    o->has_n_protected = 1;
+    o->n_protected = i->n_protected;
 }
 
 /* Replies with the context's ContextInfo (pin, fork, shift, keep, stat). */
@@ -398,9 +402,14 @@ static void do_list_models(kvr_conn *c)
     kvr_mem_free(rps);
 }
 
-static void do_put(kvr_conn *c)
+/* Group names and offsets of LayoutPutOptions, as kvr_put_params wants
+ * them; the names point into the request. */
+#define MAX_GROUP_ARGS 64
+
+/* Starts a put (Put, or the Put inside a GroupAppend with `group` set). */
+static void start_put(kvr_conn *c, const Kvrope__Put *p, const char *group,
+                      const Kvrope__LayoutPutOptions *lo)
 {
-    const Kvrope__Put *p = c->req->put;
     if (!dtype_ok(p->dtype)) {
         reply_errf(c, KVR_EBADREQUEST, "put.dtype: unknown value %d", (int)p->dtype);
         return;
@@ -433,7 +442,40 @@ static void do_put(kvr_conn *c)
         .has_pos_start = p->has_pos_start,
         .pos_start = p->pos_start,
         .pin = p->has_pin && p->pin,
+        .group = group,
     };
+    if (lo) {
+        if (lo->n_groups > MAX_GROUP_ARGS) {
+            reply_errf(c, KVR_EINVAL, "put: %zu groups (limit %d)", lo->n_groups,
+                       KVR_MAX_GROUPS);
+            return;
+        }
+        if (lo->n_group_offsets && lo->n_group_offsets != lo->n_groups) {
+            reply_errf(c, KVR_EBADREQUEST, "put: %zu group offsets for %zu groups",
+                       lo->n_group_offsets, lo->n_groups);
+            return;
+        }
+        pp.prefix_ctx = lo->prefix_context && lo->prefix_context[0] ? lo->prefix_context : NULL;
+        pp.groups = UNCONST(const char *const *, lo->groups);
+        pp.n_groups = lo->n_groups;
+        pp.group_offsets = lo->n_group_offsets ? lo->group_offsets : NULL;
+    }
+    if (p->has_protect_first) {
+        /* Checked before anything is stored, so a put is never half done:
+         * the protected tokens must exist once it commits. */
+        kvr_ctx_info ci;
+        size_t before = 0;
+        if (p->mode != KVROPE__PUT_MODE__CREATE &&
+            kvr_store_stat(c->d->store, p->context_id, &ci, NULL) == 0)
+            before = ci.n_tokens;
+        if (p->protect_first > (uint64_t)before + p->n_tokens) {
+            reply_errf(c, KVR_ERANGE,
+                       "put: protect_first %llu is beyond the %zu tokens the context "
+                       "will hold", (unsigned long long)p->protect_first,
+                       before + p->n_tokens);
+            return;
+        }
+    }
     if (!p->has_n_layers || !p->has_n_kv_heads || !p->has_head_dim) {
         kvr_model_info mi;
         if (kvr_store_model_find(c->d->store, p->model, &mi) < 0) {
@@ -468,13 +510,35 @@ static void do_put(kvr_conn *c)
     kvr_conn_begin_payload(c);
 }
 
-void kvr_dispatch_payload_done(kvr_conn *c)
+static void do_put(kvr_conn *c)
 {
-    if (kvr_put_needs_work(c->put)) {
-        kvr_conn_queue_work(c, 1);
+    const Kvrope__Put *p = c->req->put;
+    start_put(c, p, NULL, p->layout);
+}
+
+static void do_group_append(kvr_conn *c)
+{
+    const Kvrope__GroupAppend *g = c->req->group_append;
+    if (!g->group || !g->group[0]) {
+        reply_errf(c, KVR_EBADREQUEST, "group_append: missing group");
         return;
     }
-    c->work_kind = 1;
+    if (g->put->n_positions || g->put->has_pos_start) {
+        reply_errf(c, KVR_EBADREQUEST,
+                   "group_append: positions come from the group's cursor; give none");
+        return;
+    }
+    start_put(c, g->put, g->group, g->options ? g->options : g->put->layout);
+}
+
+void kvr_dispatch_payload_done(kvr_conn *c)
+{
+    int kind = c->edit ? KVR_WORK_EDIT : KVR_WORK_PUT;
+    if (c->edit ? kvr_edit_needs_work(c->edit) : kvr_put_needs_work(c->put)) {
+        kvr_conn_queue_work(c, kind);
+        return;
+    }
+    c->work_kind = kind;
     c->work_rc = 0;
     kvr_dispatch_after_work(c);
     c->work_kind = 0;
@@ -496,15 +560,295 @@ static void finish_put(kvr_conn *c)
         reply_err(c, rc, &e);
         return;
     }
+    bool ga = c->req->body_case == KVROPE__REQUEST__BODY_GROUP_APPEND;
+    const Kvrope__Put *p = ga ? c->req->group_append->put : c->req->put;
+    if (p->has_protect_first) {
+        rc = kvr_store_protect(c->d->store, p->context_id, (size_t)p->protect_first, &e);
+        if (rc < 0) {
+            char m[400];
+            snprintf(m, sizeof m, "put stored, but protect_first failed: %s", e.msg);
+            kvr_conn_reply_error(c, rc, m);
+            return;
+        }
+    }
     Kvrope__PutResult pr = KVROPE__PUT_RESULT__INIT;
     pr.n_tokens = res.n_tokens;
     pr.first_index = res.first_index;
     pr.first_pos = res.first_pos;
     pr.last_pos = res.last_pos;
     Kvrope__Response r = KVROPE__RESPONSE__INIT;
-    r.body_case = KVROPE__RESPONSE__BODY_PUT;
-    r.put = &pr;
+    if (ga) {
+        r.body_case = KVROPE__RESPONSE__BODY_GROUP_APPEND;
+        r.group_append = &pr;
+    } else {
+        r.body_case = KVROPE__RESPONSE__BODY_PUT;
+        r.put = &pr;
+    }
     reply_ok(c, &r);
+}
+
+/* ---- edits (PIE) ---------------------------------------------------------- */
+
+/* Resolves the shape fields of an Edit/Refresh: as given, else the model's
+ * (the context's model, or the one named). */
+static int edit_shape(kvr_conn *c, const char *ctx_id, const char *model, bool has_l,
+                      uint32_t *nl, bool has_h, uint32_t *nh, bool has_d, uint32_t *hd,
+                      kvr_error *e)
+{
+    if (has_l && has_h && has_d)
+        return 0;
+    char name[KVR_ID_MAX + 1];
+    if (model && model[0]) {
+        snprintf(name, sizeof name, "%s", model);
+    } else {
+        kvr_ctx_info ci;
+        int rc = kvr_store_stat(c->d->store, ctx_id, &ci, e);
+        if (rc < 0)
+            return rc;
+        snprintf(name, sizeof name, "%s", ci.model);
+    }
+    kvr_model_info mi;
+    if (kvr_store_model_find(c->d->store, name, &mi) < 0)
+        return kvr_error_set(e, KVR_ENOMODEL, "unknown model '%s'", name);
+    if (!has_l)
+        *nl = mi.n_layers;
+    if (!has_h)
+        *nh = mi.n_kv_heads;
+    if (!has_d)
+        *hd = mi.head_dim;
+    return 0;
+}
+
+/* Copies the wire ops into store ops (tokens borrowed from the request). */
+static int edit_ops(kvr_conn *c, Kvrope__EditOp **in, size_t n, kvr_edit_op **out)
+{
+    *out = NULL;
+    if (n == 0)
+        return 0;
+    kvr_edit_op *ops = kvr_mem_calloc(n, sizeof *ops);
+    if (!ops) {
+        reply_errf(c, KVR_ENOMEM, "out of memory for %zu edit ops", n);
+        return KVR_ENOMEM;
+    }
+    for (size_t i = 0; i < n; i++) {
+        if (in[i]->start > SIZE_MAX || in[i]->end > SIZE_MAX) {
+            kvr_mem_free(ops);
+            reply_errf(c, KVR_ERANGE, "edit op %zu: range out of bounds", i);
+            return KVR_ERANGE;
+        }
+        ops[i] = (kvr_edit_op){ .start = (size_t)in[i]->start, .end = (size_t)in[i]->end,
+                                .n_tokens = in[i]->n_tokens, .tokens = in[i]->tokens };
+    }
+    *out = ops;
+    return 0;
+}
+
+static void reply_edit(kvr_conn *c, const kvr_edit_result *res, const kvr_edit_span *spans,
+                       size_t n_spans, uint64_t payload_bytes)
+{
+    Kvrope__EditSpan *sp = n_spans ? kvr_mem_calloc(n_spans, sizeof *sp) : NULL;
+    Kvrope__EditSpan **pp = n_spans ? kvr_mem_calloc(n_spans, sizeof *pp) : NULL;
+    if (n_spans && (!sp || !pp)) {
+        kvr_mem_free(sp);
+        kvr_mem_free(pp);
+        reply_errf(c, KVR_ENOMEM, "out of memory for the edit result");
+        return;
+    }
+    for (size_t i = 0; i < n_spans; i++) {
+        kvrope__edit_span__init(&sp[i]);
+        sp[i].index = spans[i].index;
+        sp[i].first_pos = spans[i].first_pos;
+        sp[i].shift = spans[i].shift;
+        pp[i] = &sp[i];
+    }
+    Kvrope__EditResult er = KVROPE__EDIT_RESULT__INIT;
+    er.context_length = res->n_tokens;
+    er.n_new = res->n_new;
+    er.n_removed = res->n_removed;
+    er.first_change = res->first_change;
+    er.n_approximate = res->n_approx;
+    er.n_pending = res->n_pending;
+    er.n_spans = n_spans;
+    er.spans = pp;
+    er.has_payload_bytes = 1;
+    er.payload_bytes = payload_bytes;
+    Kvrope__Response r = KVROPE__RESPONSE__INIT;
+    r.body_case = KVROPE__RESPONSE__BODY_EDIT;
+    r.edit = &er;
+    reply_ok(c, &r);
+    kvr_mem_free(sp);
+    kvr_mem_free(pp);
+}
+
+/* Edit and Refresh: begin validates (nothing changes on refusal; a refused
+ * request's payload is drained), the payload goes straight into the
+ * transaction's iovecs, then work (threadpool) and commit (finish_edit). */
+static void after_edit_begin(kvr_conn *c, int rc, const kvr_error *e)
+{
+    if (rc < 0) {
+        c->edit = NULL;
+        reply_err(c, rc, e);
+        return;
+    }
+    size_t want = kvr_edit_payload_size(c->edit);
+    if ((uint64_t)want != c->fh.payload_len) {   /* the store checked; be sure */
+        kvr_edit_abort(c->edit);
+        c->edit = NULL;
+        reply_errf(c, KVR_EPAYLOAD, "payload_len %llu, but the new tokens' KV is %zu bytes",
+                   (unsigned long long)c->fh.payload_len, want);
+        return;
+    }
+    kvr_conn_begin_payload(c);
+}
+
+static void do_edit(kvr_conn *c)
+{
+    const Kvrope__Edit *q = c->req->edit;
+    bool with_kv = q->has_with_kv && q->with_kv;
+    if (with_kv && !dtype_ok(q->dtype)) {
+        reply_errf(c, KVR_EBADREQUEST, "edit.dtype: unknown value %d", (int)q->dtype);
+        return;
+    }
+    if (!with_kv && c->fh.payload_len) {
+        reply_errf(c, KVR_EPAYLOAD, "edit without with_kv takes no payload (payload_len %llu)",
+                   (unsigned long long)c->fh.payload_len);
+        return;
+    }
+    if (c->fh.payload_len > SIZE_MAX) {
+        reply_errf(c, KVR_ETOOLARGE, "edit: payload too large");
+        return;
+    }
+    kvr_edit_params ep = {
+        .ctx_id = q->context_id,
+        .model = q->model,
+        .fingerprint = q->has_fingerprint ? q->fingerprint : 0,
+        .n_ops = q->n_ops,
+        .with_kv = with_kv,
+        .n_layers = q->n_layers,
+        .n_kv_heads = q->n_kv_heads,
+        .head_dim = q->head_dim,
+        .dtype = (kvr_dtype)q->dtype,
+        .payload_bytes = (size_t)c->fh.payload_len,
+    };
+    kvr_error e = { 0 };
+    int rc = 0;
+    if (with_kv)
+        rc = edit_shape(c, q->context_id, q->model, q->has_n_layers, &ep.n_layers,
+                        q->has_n_kv_heads, &ep.n_kv_heads, q->has_head_dim, &ep.head_dim, &e);
+    if (rc < 0) {
+        reply_err(c, rc, &e);
+        return;
+    }
+    kvr_edit_op *ops;
+    if (edit_ops(c, q->ops, q->n_ops, &ops) < 0)
+        return;
+    ep.ops = ops;
+    rc = kvr_store_edit_begin(c->d->store, &ep, &c->edit, &e);
+    kvr_mem_free(ops);
+    after_edit_begin(c, rc, &e);
+}
+
+static void do_refresh(kvr_conn *c)
+{
+    const Kvrope__Refresh *q = c->req->refresh;
+    if (!dtype_ok(q->dtype)) {
+        reply_errf(c, KVR_EBADREQUEST, "refresh.dtype: unknown value %d", (int)q->dtype);
+        return;
+    }
+    if (q->start > SIZE_MAX || (q->has_end && q->end > SIZE_MAX) ||
+        c->fh.payload_len > SIZE_MAX) {
+        reply_errf(c, KVR_ERANGE, "refresh: range out of bounds");
+        return;
+    }
+    kvr_refresh_params rp = {
+        .ctx_id = q->context_id,
+        .model = q->model,
+        .fingerprint = q->has_fingerprint ? q->fingerprint : 0,
+        .start = (size_t)q->start,
+        .end = q->has_end ? (size_t)q->end : SIZE_MAX,
+        .n_layers = q->n_layers,
+        .n_kv_heads = q->n_kv_heads,
+        .head_dim = q->head_dim,
+        .dtype = (kvr_dtype)q->dtype,
+        .payload_bytes = (size_t)c->fh.payload_len,
+    };
+    kvr_error e = { 0 };
+    int rc = edit_shape(c, q->context_id, q->model, q->has_n_layers, &rp.n_layers,
+                        q->has_n_kv_heads, &rp.n_kv_heads, q->has_head_dim, &rp.head_dim, &e);
+    if (rc < 0) {
+        reply_err(c, rc, &e);
+        return;
+    }
+    rc = kvr_store_refresh_begin(c->d->store, &rp, &c->edit, &e);
+    after_edit_begin(c, rc, &e);
+}
+
+static void do_edit_plan(kvr_conn *c)
+{
+    const Kvrope__EditPlan *q = c->req->edit_plan;
+    kvr_edit_params ep = {
+        .ctx_id = q->context_id,
+        .model = q->model,
+        .fingerprint = q->has_fingerprint ? q->fingerprint : 0,
+        .n_ops = q->n_ops,
+    };
+    kvr_edit_op *ops;
+    if (edit_ops(c, q->ops, q->n_ops, &ops) < 0)
+        return;
+    ep.ops = ops;
+    kvr_edit_span *spans = q->n_ops ? kvr_mem_calloc(q->n_ops, sizeof *spans) : NULL;
+    if (q->n_ops && !spans) {
+        kvr_mem_free(ops);
+        reply_errf(c, KVR_ENOMEM, "out of memory for %zu edit spans", q->n_ops);
+        return;
+    }
+    kvr_edit_result res;
+    kvr_error e = { 0 };
+    int rc = kvr_store_edit_plan(c->d->store, &ep, spans, &res, &e);
+    kvr_mem_free(ops);
+    if (rc < 0) {
+        kvr_mem_free(spans);
+        reply_err(c, rc, &e);
+        return;
+    }
+    /* What the edit with KV will have to send, in the model's dtype. */
+    uint64_t bytes = 0;
+    kvr_ctx_info ci;
+    kvr_model_info mi;
+    if (kvr_store_stat(c->d->store, q->context_id, &ci, NULL) == 0 &&
+        kvr_store_model_find(c->d->store, ci.model, &mi) == 0)
+        bytes = (uint64_t)mi.n_layers * 2u * res.n_new * mi.n_kv_heads * mi.head_dim *
+                kvr_dtype_size(mi.dtype);
+    reply_edit(c, &res, spans, q->n_ops, bytes);
+    kvr_mem_free(spans);
+}
+
+static void finish_edit(kvr_conn *c)
+{
+    kvr_edit *t = c->edit;
+    c->edit = NULL;
+    if (c->work_rc < 0) {
+        kvr_edit_abort(t);
+        reply_err(c, c->work_rc, &c->work_err);
+        return;
+    }
+    size_t n = c->req->body_case == KVROPE__REQUEST__BODY_EDIT ? c->req->edit->n_ops : 1;
+    kvr_edit_span *spans = kvr_mem_calloc(n ? n : 1, sizeof *spans);
+    if (!spans) {
+        kvr_edit_abort(t);
+        reply_errf(c, KVR_ENOMEM, "out of memory for %zu edit spans", n);
+        return;
+    }
+    kvr_edit_result res;
+    kvr_error e = { 0 };
+    int rc = kvr_edit_commit(t, spans, &res, &e);
+    if (rc < 0) {
+        kvr_mem_free(spans);
+        reply_err(c, rc, &e);
+        return;
+    }
+    reply_edit(c, &res, spans, n, res.payload_bytes);
+    kvr_mem_free(spans);
 }
 
 /* Starts a get (kind 2) or the get half of a match (kind 3). */
@@ -663,12 +1007,239 @@ static void finish_get(kvr_conn *c, int kind)
     kvr_conn_request_done(c);
 }
 
+/* ---- position layouts: assemble (APE), groups (GPE), retention ---------- */
+
+static void do_assemble(kvr_conn *c)
+{
+    const Kvrope__Assemble *q = c->req->assemble;
+    if (!dtype_ok(q->dtype)) {
+        reply_errf(c, KVR_EBADREQUEST, "assemble.dtype: unknown value %d", (int)q->dtype);
+        return;
+    }
+    if ((int)q->layout < 0 || (int)q->layout > KVROPE__LAYOUT__EXPLICIT) {
+        reply_errf(c, KVR_EBADREQUEST, "assemble.layout: unknown value %d", (int)q->layout);
+        return;
+    }
+    if (q->layout == KVROPE__LAYOUT__EXPLICIT && q->n_starts != q->n_documents) {
+        reply_errf(c, KVR_EBADREQUEST, "assemble: explicit layout with %zu starts for %zu "
+                   "documents", q->n_starts, q->n_documents);
+        return;
+    }
+    if (q->layout != KVROPE__LAYOUT__EXPLICIT && q->n_starts) {
+        reply_errf(c, KVR_EBADREQUEST, "assemble: starts are for the explicit layout only");
+        return;
+    }
+    if ((q->has_temperature && !(q->temperature > 0.0 && isfinite(q->temperature))) ||
+        (q->has_scale && !(q->scale > 0.0 && isfinite(q->scale)))) {
+        reply_errf(c, KVR_EINVAL, "assemble: temperature and scale must be positive numbers");
+        return;
+    }
+    bool meta = q->has_meta_only && q->meta_only;
+    kvr_assemble_params ap = {
+        .prefix = q->prefix,
+        .docs = UNCONST(const char *const *, q->documents),
+        .n_docs = q->n_documents,
+        .layout = (kvr_layout_kind)q->layout,
+        .starts = q->n_starts ? q->starts : NULL,
+        .dtype = (kvr_dtype)q->dtype,
+        .layers = q->n_layers ? q->layers : NULL,
+        .n_layers_sel = q->n_layers,
+        .temperature = q->has_temperature ? q->temperature : 0.0,
+        .scale = q->has_scale ? q->scale : 0.0,
+        .fold_temperature = q->has_fold_temperature && q->fold_temperature,
+        .meta_only = meta,
+    };
+    kvr_error e = { 0 };
+    int rc = kvr_store_assemble_begin(c->d->store, &ap, &c->as, &e);
+    if (rc < 0) {
+        c->as = NULL;
+        reply_err(c, rc, &e);
+        return;
+    }
+    if (!meta && kvr_assemble_needs_work(c->as)) {
+        kvr_conn_queue_work(c, KVR_WORK_ASSEMBLE);
+        return;
+    }
+    c->work_kind = KVR_WORK_ASSEMBLE;
+    c->work_rc = 0;
+    kvr_dispatch_after_work(c);
+    c->work_kind = 0;
+}
+
+static void finish_assemble(kvr_conn *c)
+{
+    kvr_assemble *t = c->as;
+    c->as = NULL;
+    if (c->work_rc < 0) {
+        kvr_assemble_end(t);
+        reply_err(c, c->work_rc, &c->work_err);
+        return;
+    }
+    const Kvrope__Assemble *q = c->req->assemble;
+    const kvr_assemble_info *ai = kvr_assemble_get_info(t);
+    bool meta = q->has_meta_only && q->meta_only;
+    size_t payload = meta ? 0 : kvr_assemble_payload_size(t);
+    size_t ns = ai->n_segments;
+    Kvrope__Segment *sg = kvr_mem_calloc(ns ? ns : 1, sizeof *sg);
+    Kvrope__Segment **sp = kvr_mem_calloc(ns ? ns : 1, sizeof *sp);
+    if (!sg || !sp) {
+        kvr_mem_free(sg);
+        kvr_mem_free(sp);
+        kvr_assemble_end(t);
+        reply_errf(c, KVR_ENOMEM, "out of memory for the segment table");
+        return;
+    }
+    for (size_t i = 0; i < ns; i++) {
+        const kvr_segment *x = &ai->segments[i];
+        kvrope__segment__init(&sg[i]);
+        sg[i].kind = (Kvrope__SegmentKind)x->kind;
+        sg[i].start = x->start;
+        sg[i].token_count = x->n_tokens;
+        sg[i].pos_first = x->pos_first;
+        sg[i].pos_last = x->pos_last;
+        if (x->ctx_id[0])
+            sg[i].context_id = UNCONST(char *, x->ctx_id);
+        if (x->kind == KVR_SEGMENT_DOCUMENT) {
+            sg[i].has_doc_index = 1;
+            sg[i].doc_index = x->doc_index;
+        }
+        sg[i].temperature = x->temperature;
+        sg[i].scale = x->scale;
+        sp[i] = &sg[i];
+    }
+    Kvrope__KVResult kv = KVROPE__KVRESULT__INIT;
+    kv.context_id = q->prefix;
+    kv.model = UNCONST(char *, ai->model.name);
+    kv.start = 0;
+    kv.token_count = ai->n_tokens;
+    kv.dtype = (Kvrope__DType)ai->dtype;
+    kv.n_kv_heads = ai->model.n_kv_heads;
+    kv.head_dim = ai->model.head_dim;
+    kv.n_layers = ai->n_layers;
+    kv.layers = UNCONST(uint32_t *, ai->layers);
+    kv.n_tokens = ai->n_tokens;
+    kv.tokens = UNCONST(uint32_t *, ai->tokens);
+    kv.n_positions = ai->positions ? ai->n_tokens : 0;
+    kv.positions = UNCONST(int64_t *, ai->positions);
+    kv.n_flags = ai->flags ? ai->n_tokens : 0;
+    kv.flags = UNCONST(uint32_t *, ai->flags);
+    Kvrope__AssembleResult ar = KVROPE__ASSEMBLE_RESULT__INIT;
+    ar.kv = &kv;
+    ar.n_segments = ns;
+    ar.segments = sp;
+    ar.query_pos = ai->query_pos;
+    ar.temperature = ai->temperature;
+    ar.scale = ai->scale;
+    ar.has_temperature_folded = 1;
+    ar.temperature_folded = ai->temperature_folded;
+    ar.prefix_len = ai->prefix_len;
+    Kvrope__Response r = KVROPE__RESPONSE__INIT;
+    r.id = c->req->id;
+    r.status = KVROPE__STATUS__OK;
+    r.body_case = KVROPE__RESPONSE__BODY_ASSEMBLE;
+    r.assemble = &ar;
+    /* Packed before t can end (the message points into its metadata). */
+    kvr_conn_send_assemble(c, &r, t, payload);
+    kvr_mem_free(sg);
+    kvr_mem_free(sp);
+    kvr_conn_request_done(c);
+}
+
+/* Replies with the context's LayoutInfo (layout_stat, set_group_offset,
+ * set_retention). */
+static void reply_layout(kvr_conn *c, const char *id)
+{
+    kvr_layout_info *li = kvr_mem_malloc(sizeof *li);
+    if (!li) {
+        reply_errf(c, KVR_ENOMEM, "out of memory");
+        return;
+    }
+    kvr_error e = { 0 };
+    int rc = kvr_store_layout_stat(c->d->store, id, li, &e);
+    if (rc < 0) {
+        kvr_mem_free(li);
+        reply_err(c, rc, &e);
+        return;
+    }
+    Kvrope__GroupInfo gi[KVR_MAX_GROUPS];
+    Kvrope__GroupInfo *gp[KVR_MAX_GROUPS];
+    size_t ng = li->n_groups < KVR_MAX_GROUPS ? li->n_groups : KVR_MAX_GROUPS;
+    for (size_t i = 0; i < ng; i++) {
+        kvrope__group_info__init(&gi[i]);
+        gi[i].name = li->groups[i].name;
+        gi[i].id = li->groups[i].id;
+        gi[i].offset = li->groups[i].offset;
+        gi[i].cursor = li->groups[i].cursor;
+        gi[i].token_count = li->groups[i].n_tokens;
+        gp[i] = &gi[i];
+    }
+    Kvrope__LayoutInfo lo = KVROPE__LAYOUT_INFO__INIT;
+    lo.context_id = UNCONST(char *, id);
+    if (li->has_prefix) {
+        lo.prefix_context = li->prefix_ctx;
+        lo.has_prefix_fingerprint = 1;
+        lo.prefix_fingerprint = li->prefix_fingerprint;
+        lo.has_prefix_len = 1;
+        lo.prefix_len = li->prefix_len;
+        lo.has_prefix_hash = 1;
+        lo.prefix_hash = li->prefix_hash;
+    }
+    lo.n_groups = ng;
+    lo.groups = gp;
+    lo.has_retention = 1;
+    lo.retention = li->has_retention;
+    if (li->has_retention) {
+        lo.has_sinks = lo.has_window = 1;
+        lo.sinks = li->sinks;
+        lo.window = li->window;
+    }
+    lo.has_dropped = 1;
+    lo.dropped = li->n_dropped;
+    Kvrope__Response r = KVROPE__RESPONSE__INIT;
+    r.body_case = KVROPE__RESPONSE__BODY_LAYOUT;
+    r.layout = &lo;
+    reply_ok(c, &r);
+    kvr_mem_free(li);
+}
+
+static void do_set_group_offset(kvr_conn *c)
+{
+    const Kvrope__SetGroupOffset *q = c->req->set_group_offset;
+    kvr_error e = { 0 };
+    int rc = kvr_store_set_group_offset(c->d->store, q->context_id, q->group, q->offset, &e);
+    if (rc < 0) {
+        reply_err(c, rc, &e);
+        return;
+    }
+    reply_layout(c, q->context_id);
+}
+
+static void do_set_retention(kvr_conn *c)
+{
+    const Kvrope__SetRetention *q = c->req->set_retention;
+    bool off = q->has_off && q->off;
+    if (!off && (q->sinks > SIZE_MAX || q->window > SIZE_MAX)) {
+        reply_errf(c, KVR_EINVAL, "set_retention: sinks/window out of range");
+        return;
+    }
+    kvr_retention rt = { .sinks = (size_t)q->sinks, .window = (size_t)q->window, .off = off };
+    kvr_error e = { 0 };
+    int rc = kvr_store_set_retention(c->d->store, q->context_id, &rt, &e);
+    if (rc < 0) {
+        reply_err(c, rc, &e);
+        return;
+    }
+    reply_layout(c, q->context_id);
+}
+
 void kvr_dispatch_after_work(kvr_conn *c)
 {
-    if (c->work_kind == 1)
-        finish_put(c);
-    else
-        finish_get(c, c->work_kind);
+    switch (c->work_kind) {
+    case KVR_WORK_PUT:      finish_put(c); break;
+    case KVR_WORK_EDIT:     finish_edit(c); break;
+    case KVR_WORK_ASSEMBLE: finish_assemble(c); break;
+    default:                finish_get(c, c->work_kind); break;
+    }
 }
 
 static void do_list(kvr_conn *c)
@@ -725,6 +1296,9 @@ static void do_simple(kvr_conn *c, int rc, const kvr_error *e, const char *ctx_f
 static const char *VERB_NAMES[KVR_N_VERBS] = {
     "auth", "ping", "register_model", "list_models", "put", "get", "match", "delete",
     "list", "stat", "pin", "fork", "shift", "keep", "stats",
+    [30 - 10] = "edit", [31 - 10] = "refresh", [32 - 10] = "edit_plan",
+    [40 - 10] = "assemble", [41 - 10] = "group_append", [42 - 10] = "set_group_offset",
+    [43 - 10] = "set_retention", [44 - 10] = "layout_stat",
 };
 
 static void do_stats(kvr_conn *c)
@@ -762,21 +1336,25 @@ static void do_stats(kvr_conn *c)
     Kvrope__Metric ms[N];
     Kvrope__Metric *ptrs[N];
     char names[KVR_N_VERBS][40];
+    size_t nm = 0;
     for (size_t i = 0; i < N; i++) {
-        kvrope__metric__init(&ms[i]);
-        ptrs[i] = &ms[i];
+        if (i >= NF && !VERB_NAMES[i - NF])
+            continue;   /* an unused body case */
+        kvrope__metric__init(&ms[nm]);
+        ptrs[nm] = &ms[nm];
         if (i < NF) {
-            ms[i].name = UNCONST(char *, fixed[i].name);
-            ms[i].value = fixed[i].v;
+            ms[nm].name = UNCONST(char *, fixed[i].name);
+            ms[nm].value = fixed[i].v;
         } else {
             size_t k = i - NF;
             snprintf(names[k], sizeof names[k], "requests_%s", VERB_NAMES[k]);
-            ms[i].name = names[k];
-            ms[i].value = (double)d->per_verb[k];
+            ms[nm].name = names[k];
+            ms[nm].value = (double)d->per_verb[k];
         }
+        nm++;
     }
     Kvrope__StatsResult sr = KVROPE__STATS_RESULT__INIT;
-    sr.n_metrics = N;
+    sr.n_metrics = nm;
     sr.metrics = ptrs;
     Kvrope__Response r = KVROPE__RESPONSE__INIT;
     r.body_case = KVROPE__RESPONSE__BODY_STATS;
@@ -789,11 +1367,11 @@ void kvr_dispatch(kvr_conn *c)
     Kvrope__Request *q = c->req;
     kvr_daemon *d = c->d;
     int bc = (int)q->body_case;
-    if (bc >= 10 && bc < 10 + KVR_N_VERBS)
+    const char *verb = bc >= 10 && bc < 10 + KVR_N_VERBS ? VERB_NAMES[bc - 10] : NULL;
+    if (verb)
         d->per_verb[bc - 10]++;
     kvr_log(KVR_LOG_DEBUG, "request id %llu: %s, msg %u bytes, payload %llu bytes",
-            (unsigned long long)q->id,
-            bc >= 10 && bc < 10 + KVR_N_VERBS ? VERB_NAMES[bc - 10] : "(none)",
+            (unsigned long long)q->id, verb ? verb : "(none)",
             c->fh.msg_len, (unsigned long long)c->fh.payload_len);
 
     if (!c->authed) {
@@ -805,7 +1383,10 @@ void kvr_dispatch(kvr_conn *c)
                       "authentication required: send Auth with the token first");
         return;
     }
-    if (c->payload_unread && q->body_case != KVROPE__REQUEST__BODY_PUT) {
+    if (c->payload_unread && q->body_case != KVROPE__REQUEST__BODY_PUT &&
+        q->body_case != KVROPE__REQUEST__BODY_EDIT &&
+        q->body_case != KVROPE__REQUEST__BODY_REFRESH &&
+        q->body_case != KVROPE__REQUEST__BODY_GROUP_APPEND) {
         reply_errf(c, KVR_EBADREQUEST, "this request takes no payload (payload_len %llu)",
                    (unsigned long long)c->fh.payload_len);
         return;
@@ -853,6 +1434,16 @@ void kvr_dispatch(kvr_conn *c)
         do_simple(c, rc, &e, q->keep->context_id);
         break;
     case KVROPE__REQUEST__BODY_STATS: do_stats(c); break;
+    case KVROPE__REQUEST__BODY_EDIT: do_edit(c); break;
+    case KVROPE__REQUEST__BODY_REFRESH: do_refresh(c); break;
+    case KVROPE__REQUEST__BODY_EDIT_PLAN: do_edit_plan(c); break;
+    case KVROPE__REQUEST__BODY_ASSEMBLE: do_assemble(c); break;
+    case KVROPE__REQUEST__BODY_GROUP_APPEND: do_group_append(c); break;
+    case KVROPE__REQUEST__BODY_SET_GROUP_OFFSET: do_set_group_offset(c); break;
+    case KVROPE__REQUEST__BODY_SET_RETENTION: do_set_retention(c); break;
+    case KVROPE__REQUEST__BODY_LAYOUT_STAT:
+        reply_layout(c, q->layout_stat->context_id);
+        break;
     default:
         reply_errf(c, KVR_EBADREQUEST, "request %llu has no body (or an unknown verb)",
                    (unsigned long long)q->id);

@@ -513,6 +513,11 @@ static int cmd_put(kvr_client *c, const cli_args *a)
         else return usage_err("--mode: want create, append or upsert");
     }
     p.pin = cli_flag(a, "pin");
+    kvr_put_opts po = { 0 };
+    bool has_protect;
+    if (opt_u64(a, "protect", &po.protect_first, &has_protect) < 0)
+        return usage_err("--protect: want a token count");
+    po.has_protect = has_protect;
     const char *fp = cli_opt(a, "fingerprint");
     if (fp) {
         char *end;
@@ -643,7 +648,7 @@ static int cmd_put(kvr_client *c, const cli_args *a)
     p.positions = positions;
     kvr_put_res res;
     cli_progress_begin(c, "put");
-    r = kvr_client_put(c, &p, &res);
+    r = kvr_client_put_ex(c, &p, &po, &res);
     cli_progress_end();
     if (r < 0) {
         rc = cli_fail(a, c, r, "put");
@@ -656,6 +661,8 @@ static int cmd_put(kvr_client *c, const cli_args *a)
         cJSON_AddNumberToObject(j, "first_index", (double)res.first_index);
         cJSON_AddNumberToObject(j, "first_pos", (double)res.first_pos);
         cJSON_AddNumberToObject(j, "last_pos", (double)res.last_pos);
+        if (has_protect)
+            cJSON_AddNumberToObject(j, "protected", (double)po.protect_first);
         print_json(j);
     } else if (!a->quiet) {
         printf("%s: put %ld tokens at positions %" PRId64 "..%" PRId64 ", length now %" PRIu64
@@ -933,9 +940,290 @@ static int cmd_shift_keep(kvr_client *c, const cli_args *a, bool shift)
     return simple_done(a, shift ? "shifted" : "kept", a->pos[0]);
 }
 
+/* ---- edit / refresh ----------------------------------------------------- */
+
+/* The KV of `n` tokens for an edit or refresh, from FILE: *.safetensors (k, v
+ * [layers][tokens][heads][dim]; gives shape and dtype) or raw layer-major
+ * bytes in --dtype (default: the model's). Fills the args' shape, dtype and
+ * payload (iovecs into the file, kept in st/raw until the caller frees). */
+typedef struct kv_src {
+    cli_st_kv     st;
+    cli_mapped    raw;
+    struct iovec *iov;
+    size_t        iovcnt;
+    const void   *payload;
+    size_t        payload_len;
+    kvr_dtype     dtype;
+    uint32_t      n_layers, n_heads, head_dim;
+} kv_src;
+
+static void kv_src_free(kv_src *k)
+{
+    free(k->iov);
+    cli_st_free(&k->st);
+    cli_unmap(&k->raw);
+    memset(k, 0, sizeof *k);
+}
+
+static int kv_src_load(kvr_client *c, const cli_args *a, const char *ctx, const char *file,
+                       size_t n, kv_src *k)
+{
+    char err[400];
+    memset(k, 0, sizeof *k);
+    bool has_dt;
+    kvr_dtype dt = KVR_DTYPE_F16;
+    if (opt_dtype(a, &dt, &has_dt) < 0)
+        return usage_err("--dtype: want f32, f16 or bf16");
+    if (cli_has_suffix(file, ".safetensors")) {
+        if (cli_st_read(file, &k->st, err, sizeof err) < 0)
+            return io_err(a, err);
+        if (k->st.n_tokens != n) {
+            snprintf(err, sizeof err, "%s holds %zu tokens, the request needs %zu", file,
+                     k->st.n_tokens, n);
+            return io_err(a, err);
+        }
+        if (has_dt && dt != k->st.dtype)
+            return usage_err("--dtype differs from the tensors' dtype in %s", file);
+        k->dtype = k->st.dtype;
+        k->n_layers = k->st.n_layers;
+        k->n_heads = k->st.n_heads;
+        k->head_dim = k->st.head_dim;
+        k->iov = malloc((2 * (size_t)k->n_layers + 1) * sizeof *k->iov);
+        if (!k->iov)
+            return io_err(a, "out of memory");
+        size_t slab = kvr_payload_size(1, n, k->n_heads, k->head_dim, k->dtype) / 2;
+        for (uint32_t l = 0; l < k->n_layers; l++) {
+            k->iov[2 * l] = (struct iovec){ (void *)(uintptr_t)(k->st.k + l * slab), slab };
+            k->iov[2 * l + 1] = (struct iovec){ (void *)(uintptr_t)(k->st.v + l * slab), slab };
+        }
+        k->iovcnt = 2 * (size_t)k->n_layers;
+        return CLI_OK;
+    }
+    if (cli_map_file(file, &k->raw, err, sizeof err) < 0)
+        return io_err(a, err);
+    kvr_context x;
+    kvr_model m;
+    int r = kvr_client_stat(c, ctx, &x);
+    if (r == 0)
+        r = kvr_client_model_get(c, x.model, &m);
+    if (r < 0)
+        return cli_fail(a, c, r, "edit");
+    k->dtype = has_dt ? dt : m.dtype;
+    k->n_layers = m.n_layers;
+    k->n_heads = m.n_kv_heads;
+    k->head_dim = m.head_dim;
+    k->payload = k->raw.base ? k->raw.base : "";
+    k->payload_len = k->raw.len;
+    size_t want = kvr_payload_size(k->n_layers, n, k->n_heads, k->head_dim, k->dtype);
+    if (want != k->raw.len) {
+        snprintf(err, sizeof err, "%s: %zu bytes, but %zu tokens x %u layers x %u heads x "
+                 "%u dims x K,V in %s need %zu", file, k->raw.len, n, k->n_layers,
+                 k->n_heads, k->head_dim, kvr_dtype_name(k->dtype), want);
+        return io_err(a, err);
+    }
+    return CLI_OK;
+}
+
+/* Parses the --ops JSON: [{"start": S, "end": E, "tokens": [..]}, ...]
+ * ("end" defaults to "start": an insert; "tokens" to none: a delete). */
+static int load_ops(const cli_args *a, const char *path, kvr_edit_range **out, size_t *n,
+                    uint32_t **tokbuf, size_t *n_new)
+{
+    char err[400];
+    cli_mapped m;
+    *out = NULL;
+    *tokbuf = NULL;
+    *n = *n_new = 0;
+    if (cli_map_file(path, &m, err, sizeof err) < 0)
+        return io_err(a, err);
+    cJSON *j = cJSON_ParseWithLength(m.base ? m.base : "", m.len);
+    cli_unmap(&m);
+    if (!j || !cJSON_IsArray(j) || cJSON_GetArraySize(j) == 0) {
+        cJSON_Delete(j);
+        return usage_err("%s: want a non-empty JSON array of {\"start\", \"end\", \"tokens\"}",
+                         path);
+    }
+    size_t k = (size_t)cJSON_GetArraySize(j), total = 0;
+    const cJSON *it;
+    cJSON_ArrayForEach(it, j) {
+        const cJSON *t = cJSON_GetObjectItemCaseSensitive(it, "tokens");
+        if (t && !cJSON_IsArray(t)) {
+            cJSON_Delete(j);
+            return usage_err("%s: \"tokens\" must be an array of token ids", path);
+        }
+        total += t ? (size_t)cJSON_GetArraySize(t) : 0;
+    }
+    kvr_edit_range *ops = calloc(k, sizeof *ops);
+    uint32_t *tb = malloc((total ? total : 1) * sizeof *tb);
+    if (!ops || !tb) {
+        free(ops);
+        free(tb);
+        cJSON_Delete(j);
+        return io_err(a, "out of memory");
+    }
+    size_t i = 0, off = 0;
+    cJSON_ArrayForEach(it, j) {
+        const cJSON *s = cJSON_GetObjectItemCaseSensitive(it, "start");
+        const cJSON *e = cJSON_GetObjectItemCaseSensitive(it, "end");
+        const cJSON *t = cJSON_GetObjectItemCaseSensitive(it, "tokens");
+        if (!cJSON_IsObject(it) || !cJSON_IsNumber(s) || s->valuedouble < 0 ||
+            (e && (!cJSON_IsNumber(e) || e->valuedouble < 0))) {
+            free(ops);
+            free(tb);
+            cJSON_Delete(j);
+            return usage_err("%s: op %zu needs \"start\" (and optionally \"end\") as "
+                             "non-negative integers", path, i);
+        }
+        ops[i].start = (uint64_t)s->valuedouble;
+        ops[i].end = e ? (uint64_t)e->valuedouble : ops[i].start;
+        ops[i].tokens = tb + off;
+        const cJSON *x;
+        cJSON_ArrayForEach(x, t) {
+            if (!cJSON_IsNumber(x) || x->valuedouble < 0 || x->valuedouble > 4294967295.0) {
+                free(ops);
+                free(tb);
+                cJSON_Delete(j);
+                return usage_err("%s: op %zu: token ids are unsigned 32-bit integers", path, i);
+            }
+            tb[off++] = (uint32_t)x->valuedouble;
+            ops[i].n_tokens++;
+        }
+        i++;
+    }
+    cJSON_Delete(j);
+    *out = ops;
+    *n = k;
+    *tokbuf = tb;
+    *n_new = total;
+    return CLI_OK;
+}
+
+static void print_edit(const cli_args *a, const char *ctx, const char *what,
+                       const kvr_edit_res *r)
+{
+    if (a->json) {
+        cJSON *j = cJSON_CreateObject();
+        cJSON_AddStringToObject(j, "context_id", ctx);
+        cJSON_AddStringToObject(j, "op", what);
+        cJSON_AddNumberToObject(j, "n_tokens", (double)r->n_tokens);
+        cJSON_AddNumberToObject(j, "n_new", (double)r->n_new);
+        cJSON_AddNumberToObject(j, "n_removed", (double)r->n_removed);
+        cJSON_AddNumberToObject(j, "first_change", (double)r->first_change);
+        cJSON_AddNumberToObject(j, "n_approximate", (double)r->n_approximate);
+        cJSON_AddNumberToObject(j, "n_pending", (double)r->n_pending);
+        cJSON_AddNumberToObject(j, "payload_bytes", (double)r->payload_bytes);
+        cJSON *sp = cJSON_AddArrayToObject(j, "spans");
+        for (size_t i = 0; i < r->n_spans; i++) {
+            cJSON *o = cJSON_CreateObject();
+            cJSON_AddNumberToObject(o, "index", (double)r->spans[i].index);
+            cJSON_AddNumberToObject(o, "first_pos", (double)r->spans[i].first_pos);
+            cJSON_AddNumberToObject(o, "shift", (double)r->spans[i].shift);
+            cJSON_AddItemToArray(sp, o);
+        }
+        print_json(j);
+        return;
+    }
+    if (a->quiet)
+        return;
+    printf("%s: %s: %" PRIu64 " new, %" PRIu64 " removed, length %" PRIu64 ", first change at %"
+           PRIu64 ", %" PRIu64 " approximate, %" PRIu64 " pending, %" PRIu64 " KV bytes\n", ctx,
+           what, r->n_new, r->n_removed, r->n_tokens, r->first_change, r->n_approximate,
+           r->n_pending, r->payload_bytes);
+    for (size_t i = 0; i < r->n_spans; i++)
+        printf("  op %zu: new tokens at index %" PRIu64 ", positions from %" PRId64
+               ", later tokens shift by %+" PRId64 "\n", i, r->spans[i].index,
+               r->spans[i].first_pos, r->spans[i].shift);
+}
+
+static int cmd_edit(kvr_client *c, const cli_args *a)
+{
+    const char *ops_path = cli_opt(a, "ops"), *kvf = cli_opt(a, "kv");
+    bool plan = cli_flag(a, "plan");
+    if (a->npos != 1 || !ops_path)
+        return usage_err("usage: kvrope edit CONTEXT --ops ops.json [--kv FILE [--dtype D]] "
+                         "[--plan]");
+    if (plan && kvf)
+        return usage_err("edit: --plan sends no KV (drop --kv)");
+    const char *ctx = a->pos[0];
+    kvr_edit_range *ops;
+    size_t n_ops, n_new;
+    uint32_t *tb;
+    int rc = load_ops(a, ops_path, &ops, &n_ops, &tb, &n_new);
+    if (rc != CLI_OK)
+        return rc;
+    kvr_edit_args e = { .ctx_id = ctx, .ops = ops, .n_ops = n_ops, .model = cli_opt(a, "model") };
+    kv_src k;
+    memset(&k, 0, sizeof k);
+    kvr_edit_res res;
+    int r;
+    if (plan) {
+        r = kvr_client_edit_plan(c, &e, &res);
+    } else {
+        if (kvf) {
+            rc = kv_src_load(c, a, ctx, kvf, n_new, &k);
+            if (rc != CLI_OK)
+                goto out;
+            e.with_kv = true;
+            e.dtype = k.dtype;
+            e.n_layers = k.n_layers;
+            e.n_kv_heads = k.n_heads;
+            e.head_dim = k.head_dim;
+            e.payload = k.payload;
+            e.payload_len = k.payload_len;
+            e.iov = k.iov;
+            e.iovcnt = k.iovcnt;
+        }
+        cli_progress_begin(c, "edit");
+        r = kvr_client_edit(c, &e, &res);
+        cli_progress_end();
+    }
+    if (r < 0) {
+        rc = cli_fail(a, c, r, plan ? "edit --plan" : "edit");
+        goto out;
+    }
+    print_edit(a, ctx, plan ? "plan" : "edited", &res);
+    kvr_client_free(res.spans);
+    rc = CLI_OK;
+out:
+    kv_src_free(&k);
+    free(ops);
+    free(tb);
+    return rc;
+}
+
+static int cmd_refresh(kvr_client *c, const cli_args *a)
+{
+    uint64_t start, end;
+    if (a->npos != 4 || parse_u64_arg(a->pos[1], &start) < 0 ||
+        parse_u64_arg(a->pos[2], &end) < 0 || end <= start)
+        return usage_err("usage: kvrope refresh CONTEXT START END FILE (END > START)");
+    const char *ctx = a->pos[0];
+    kv_src k;
+    int rc = kv_src_load(c, a, ctx, a->pos[3], (size_t)(end - start), &k);
+    if (rc != CLI_OK) {
+        kv_src_free(&k);
+        return rc;
+    }
+    kvr_refresh_args f = { .ctx_id = ctx, .start = start, .end = end,
+                           .model = cli_opt(a, "model"), .dtype = k.dtype,
+                           .n_layers = k.n_layers, .n_kv_heads = k.n_heads,
+                           .head_dim = k.head_dim, .payload = k.payload,
+                           .payload_len = k.payload_len, .iov = k.iov, .iovcnt = k.iovcnt };
+    kvr_edit_res res;
+    cli_progress_begin(c, "refresh");
+    int r = kvr_client_refresh(c, &f, &res);
+    cli_progress_end();
+    kv_src_free(&k);
+    if (r < 0)
+        return cli_fail(a, c, r, "refresh");
+    print_edit(a, ctx, "refreshed", &res);
+    kvr_client_free(res.spans);
+    return CLI_OK;
+}
+
 static const char *const commands[] = { "ping", "stats", "models", "ls", "list", "stat",
                                         "put", "get", "match", "rm", "pin", "unpin",
-                                        "fork", "shift", "keep", NULL };
+                                        "fork", "shift", "keep", "edit", "refresh", NULL };
 
 bool cli_known_command(const char *cmd)
 {
@@ -951,7 +1239,7 @@ bool cli_option_takes_value(const char *n)
                                      "style", "dtype", "tokens", "tokens-file", "pos-start",
                                      "positions", "layers", "heads", "head-dim", "mode",
                                      "fingerprint", "start", "end", "output", "theta",
-                                     "rotary-dim", "timeout", NULL };
+                                     "rotary-dim", "timeout", "protect", "ops", "kv", NULL };
     for (int i = 0; v[i]; i++)
         if (!strcmp(v[i], n))
             return true;
@@ -975,5 +1263,7 @@ int cli_run(kvr_client *c, const cli_args *a)
     if (!strcmp(k, "fork"))   return cmd_fork(c, a);
     if (!strcmp(k, "shift"))  return cmd_shift_keep(c, a, true);
     if (!strcmp(k, "keep"))   return cmd_shift_keep(c, a, false);
+    if (!strcmp(k, "edit"))   return cmd_edit(c, a);
+    if (!strcmp(k, "refresh")) return cmd_refresh(c, a);
     return usage_err("unknown command '%s'", k);
 }

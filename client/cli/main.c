@@ -44,7 +44,7 @@ static const char help_text[] =
 "                                     [--style neox|gptj] [--dtype f16]\n"
 "  ls [--model M]                     contexts\n"
 "  stat CTX                           one context\n"
-"  put CTX FILE [--model M] [--mode create|append|upsert] [--pin]\n"
+"  put CTX FILE [--model M] [--mode create|append|upsert] [--pin] [--protect N]\n"
 "        [--tokens 1,2,3 | --tokens-file F] [--pos-start N | --positions p,q,..]\n"
 "        [--dtype D --layers L --heads H --head-dim D] [--fingerprint HEX]\n"
 "                                     FILE *.safetensors: tensors k, v [layers][tokens]\n"
@@ -54,6 +54,7 @@ static const char help_text[] =
 "                                     (per layer K then V, [tokens][heads][dim]); shape\n"
 "                                     and dtype default to the model's.\n"
 "                                     --tokens-file: text ids, or *.bin u32 LE\n"
+"                                     --protect N: edits may not touch tokens [0,N)\n"
 "  get CTX -o FILE [--start I] [--end J] [--dtype D] [--layers 0,1,..]\n"
 "        [--positions p,q,.. | --pos-start N] [--meta]\n"
 "                                     FILE by extension as for put (- = stdout);\n"
@@ -65,6 +66,26 @@ static const char help_text[] =
 "  fork SRC DST                       copy-on-write copy\n"
 "  shift CTX START END DELTA          positions of tokens [START,END) += DELTA\n"
 "  keep CTX START END                 keep tokens [START,END), drop the rest\n"
+"";
+static const char help_edit[] =
+"  edit CTX --ops ops.json [--kv FILE [--dtype D]] [--plan]\n"
+"                                     PIE edit, all ops at once. ops.json is an array\n"
+"                                     of {\"start\": S, \"end\": E, \"tokens\": [ids]}:\n"
+"                                     replace [S,E) of the CURRENT sequence with tokens\n"
+"                                     (E omitted or == S: insert; no tokens: delete).\n"
+"                                     Ops may not overlap or share a start.\n"
+"                                     --plan: print where the new tokens land (index,\n"
+"                                     first position), change nothing.\n"
+"                                     --kv FILE: the new tokens' KV (all ops, in file\n"
+"                                     order), K rotated at the planned positions;\n"
+"                                     *.safetensors (k, v [layers][tokens][heads][dim])\n"
+"                                     or raw layer-major. Without --kv the new tokens\n"
+"                                     are pending (no KV) until a refresh.\n"
+"  refresh CTX START END FILE         overwrite the KV of tokens [START,END) (K at\n"
+"                                     their current positions; FILE as for --kv);\n"
+"                                     clears their approximate/pending flags\n"
+"";
+static const char help_tail[] =
 "  rope apply|remove|reposition ...   RoPE on raw files, no daemon (kvrope rope --help)\n"
 "\n"
 "Exit status:\n"
@@ -157,7 +178,8 @@ static int parse_args(int argc, char **argv, cli_args *a)
                 return CLI_USAGE;
             } else if (strcmp(name, "json") && strcmp(name, "quiet") && strcmp(name, "help") &&
                        strcmp(name, "pin") && strcmp(name, "get") && strcmp(name, "meta") &&
-                       strcmp(name, "approx") && strcmp(name, "version")) {
+                       strcmp(name, "approx") && strcmp(name, "version") &&
+                       strcmp(name, "plan")) {
                 fprintf(stderr, "kvrope: unknown option --%s\n", name);
                 return CLI_USAGE;
             }
@@ -246,6 +268,8 @@ int main(int argc, char **argv)
     }
     if (cli_flag(&a, "help") || (a.cmd && !strcmp(a.cmd, "help"))) {
         fputs(help_text, stdout);
+        fputs(help_edit, stdout);
+        fputs(help_tail, stdout);
         free_args(&a);
         return CLI_OK;
     }
@@ -256,6 +280,8 @@ int main(int argc, char **argv)
     }
     if (!a.cmd) {
         fputs(help_text, stderr);
+        fputs(help_edit, stderr);
+        fputs(help_tail, stderr);
         free_args(&a);
         return CLI_USAGE;
     }

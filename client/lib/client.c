@@ -49,7 +49,7 @@ static const char *const err_names[] = {
     "KVR_ERR_EXIST", "KVR_ERR_SHAPE", "KVR_ERR_PAYLOAD", "KVR_ERR_RANGE",
     "KVR_ERR_FINGERPRINT", "KVR_ERR_NOMEM", "KVR_ERR_BUSY", "KVR_ERR_INVAL",
     "KVR_ERR_UNSUPPORTED", "KVR_ERR_LIMIT", "KVR_ERR_PROTECTED", "KVR_ERR_IO",
-    "KVR_ERR_PINNED", "KVR_ERR_CONFIG",
+    "KVR_ERR_PINNED", "KVR_ERR_CONFIG", "KVR_ERR_PENDING", "KVR_ERR_PREFIX",
 };
 static const char *const err_strs[] = {
     "success", "internal error", "bad request", "bad frame", "too large",
@@ -58,6 +58,7 @@ static const char *const err_strs[] = {
     "model fingerprint mismatch", "out of memory (cap)", "busy", "invalid argument",
     "unsupported", "limit reached", "protected tokens", "I/O error",
     "context is pinned", "bad model configuration",
+    "tokens without KV (pending a refresh)", "document encoded against another prefix",
 };
 
 const char *kvr_client_strerror(int code)

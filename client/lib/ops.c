@@ -314,6 +314,32 @@ int kvr_client_model_get(kvr_client *c, const char *name, kvr_model *out)
 
 int kvr_client_put(kvr_client *c, const kvr_put_args *a, kvr_put_res *out)
 {
+    return kvr_client_put_ex(c, a, NULL, out);
+}
+
+/* The payload of a put/edit/refresh as one iovec list: either the buffer
+ * (in *one) or the caller's iovecs. Returns the total length. */
+static uint64_t payload_iov(const void *payload, size_t len, const struct iovec *in,
+                            size_t incnt, struct iovec *one, const struct iovec **iov,
+                            size_t *iovcnt)
+{
+    *iov = in;
+    *iovcnt = incnt;
+    if (payload) {
+        one->iov_base = (void *)(uintptr_t)payload;
+        one->iov_len = len;
+        *iov = one;
+        *iovcnt = 1;
+    }
+    uint64_t n = 0;
+    for (size_t i = 0; i < *iovcnt; i++)
+        n += (*iov)[i].iov_len;
+    return n;
+}
+
+int kvr_client_put_ex(kvr_client *c, const kvr_put_args *a, const kvr_put_opts *o,
+                      kvr_put_res *out)
+{
     c->err[0] = 0;
     int r = check_id(c, "put", a->ctx_id);
     if (r < 0 || (r = check_id(c, "put model", a->model)) < 0)
@@ -379,6 +405,25 @@ int kvr_client_put(kvr_client *c, const kvr_put_args *a, kvr_put_res *out)
     if (a->pin) {
         put.has_pin = 1;
         put.pin = 1;
+    }
+    Kvrope__LayoutPutOptions lo = KVROPE__LAYOUT_PUT_OPTIONS__INIT;
+    if (o) {
+        if (o->has_protect || o->protect_first) {
+            put.has_protect_first = 1;
+            put.protect_first = o->protect_first;
+        }
+        if (o->n_groups && !o->groups)
+            return kvr__fail(c, KVR_ERR_INVAL, "put: group names missing");
+        if (o->prefix_ctx || o->n_groups) {
+            lo.prefix_context = unconst(o->prefix_ctx);
+            lo.n_groups = o->n_groups;
+            lo.groups = (char **)(uintptr_t)o->groups;
+            if (o->group_offsets) {
+                lo.n_group_offsets = o->n_groups;
+                lo.group_offsets = (int64_t *)(uintptr_t)o->group_offsets;
+            }
+            put.layout = &lo;
+        }
     }
     Kvrope__Request req = KVROPE__REQUEST__INIT;
     req.body_case = KVROPE__REQUEST__BODY_PUT;
@@ -610,6 +655,35 @@ int kvr_client_delete(kvr_client *c, const char *ctx_id)
     return simple_call(c, &req);
 }
 
+static void ctx_from_wire(kvr_context *o, const Kvrope__ContextInfo *ci);
+
+int kvr_client_stat_ex(kvr_client *c, const char *ctx_id, kvr_context *out,
+                       kvr_context_edit *ed)
+{
+    int r = check_id(c, "stat", ctx_id);
+    if (r < 0)
+        return r;
+    Kvrope__Stat s = KVROPE__STAT__INIT;
+    s.context_id = unconst(ctx_id);
+    Kvrope__Request req = KVROPE__REQUEST__INIT;
+    req.body_case = KVROPE__REQUEST__BODY_STAT;
+    req.stat = &s;
+    Kvrope__Response *resp;
+    r = kvr__call(c, &req, NULL, 0, 0, &resp, NULL);
+    if (r < 0)
+        return r;
+    if (resp->body_case != KVROPE__RESPONSE__BODY_CONTEXT)
+        return bad_body(c, resp, "stat");
+    if (out)
+        ctx_from_wire(out, resp->context);
+    if (ed) {
+        ed->n_pending = resp->context->has_n_pending ? resp->context->n_pending : 0;
+        ed->n_protected = resp->context->has_n_protected ? resp->context->n_protected : 0;
+    }
+    kvrope__response__free_unpacked(resp, NULL);
+    return 0;
+}
+
 static void ctx_from_wire(kvr_context *o, const Kvrope__ContextInfo *ci)
 {
     memset(o, 0, sizeof *o);
@@ -783,4 +857,220 @@ bool kvr_metric_find(const kvr_metric *m, size_t n, const char *name, double *va
             return true;
         }
     return false;
+}
+
+/* ---- edits (PIE) -------------------------------------------------------- */
+
+/* EditResult -> kvr_edit_res (spans copied into one malloc'ed array). */
+static int take_edit(kvr_client *c, Kvrope__Response *resp, const char *what,
+                     kvr_edit_res *out)
+{
+    if (resp->body_case != KVROPE__RESPONSE__BODY_EDIT)
+        return bad_body(c, resp, what);
+    const Kvrope__EditResult *er = resp->edit;
+    if (out) {
+        memset(out, 0, sizeof *out);
+        out->n_tokens = er->context_length;
+        out->n_new = er->n_new;
+        out->n_removed = er->n_removed;
+        out->first_change = er->first_change;
+        out->n_approximate = er->n_approximate;
+        out->n_pending = er->n_pending;
+        out->payload_bytes = er->has_payload_bytes ? er->payload_bytes : 0;
+        if (er->n_spans) {
+            out->spans = calloc(er->n_spans, sizeof *out->spans);
+            if (!out->spans) {
+                kvrope__response__free_unpacked(resp, NULL);
+                return kvr__fail(c, KVR_ERR_OOM, "out of memory");
+            }
+            for (size_t i = 0; i < er->n_spans; i++) {
+                out->spans[i].index = er->spans[i]->index;
+                out->spans[i].first_pos = er->spans[i]->first_pos;
+                out->spans[i].shift = er->spans[i]->shift;
+            }
+            out->n_spans = er->n_spans;
+        }
+    }
+    kvrope__response__free_unpacked(resp, NULL);
+    return 0;
+}
+
+/* Wire ops of a, in a calloc'ed array of EditOp and of pointers. */
+static int edit_ops(kvr_client *c, const kvr_edit_args *a, Kvrope__EditOp **ops,
+                    Kvrope__EditOp ***ptrs)
+{
+    *ops = NULL;
+    *ptrs = NULL;
+    if (a->n_ops && !a->ops)
+        return kvr__fail(c, KVR_ERR_INVAL, "edit: ops missing");
+    if (a->n_ops == 0)
+        return kvr__fail(c, KVR_ERR_INVAL, "edit: no ops");
+    *ops = calloc(a->n_ops, sizeof **ops);
+    *ptrs = calloc(a->n_ops, sizeof **ptrs);
+    if (!*ops || !*ptrs) {
+        free(*ops);
+        free(*ptrs);
+        return kvr__fail(c, KVR_ERR_OOM, "out of memory");
+    }
+    for (size_t i = 0; i < a->n_ops; i++) {
+        if (a->ops[i].n_tokens && !a->ops[i].tokens) {
+            free(*ops);
+            free(*ptrs);
+            return kvr__fail(c, KVR_ERR_INVAL, "edit op %zu: tokens missing", i);
+        }
+        kvrope__edit_op__init(&(*ops)[i]);
+        (*ops)[i].start = a->ops[i].start;
+        (*ops)[i].end = a->ops[i].end;
+        (*ops)[i].n_tokens = a->ops[i].n_tokens;
+        (*ops)[i].tokens = (uint32_t *)(uintptr_t)a->ops[i].tokens;
+        (*ptrs)[i] = &(*ops)[i];
+    }
+    return 0;
+}
+
+int kvr_client_edit(kvr_client *c, const kvr_edit_args *a, kvr_edit_res *out)
+{
+    if (out)
+        memset(out, 0, sizeof *out);
+    c->err[0] = 0;
+    int r = check_id(c, "edit", a->ctx_id);
+    if (r < 0)
+        return r;
+    if (a->payload && a->iov)
+        return kvr__fail(c, KVR_ERR_INVAL, "edit: give either payload or iov, not both");
+    struct iovec one;
+    const struct iovec *iov;
+    size_t iovcnt;
+    uint64_t plen = payload_iov(a->payload, a->payload_len, a->iov, a->iovcnt, &one, &iov,
+                                &iovcnt);
+    if (!a->with_kv && plen)
+        return kvr__fail(c, KVR_ERR_INVAL, "edit: a payload needs with_kv");
+    Kvrope__EditOp *ops;
+    Kvrope__EditOp **ptrs;
+    if ((r = edit_ops(c, a, &ops, &ptrs)) < 0)
+        return r;
+    Kvrope__Edit e = KVROPE__EDIT__INIT;
+    e.context_id = unconst(a->ctx_id);
+    e.n_ops = a->n_ops;
+    e.ops = ptrs;
+    if (a->model)
+        e.model = unconst(a->model);
+    if (a->fingerprint) {
+        e.has_fingerprint = 1;
+        e.fingerprint = a->fingerprint;
+    }
+    if (a->with_kv) {
+        e.has_with_kv = 1;
+        e.with_kv = 1;
+        e.has_dtype = 1;
+        e.dtype = (Kvrope__DType)a->dtype;
+        if (a->n_layers) {
+            e.has_n_layers = 1;
+            e.n_layers = a->n_layers;
+        }
+        if (a->n_kv_heads) {
+            e.has_n_kv_heads = 1;
+            e.n_kv_heads = a->n_kv_heads;
+        }
+        if (a->head_dim) {
+            e.has_head_dim = 1;
+            e.head_dim = a->head_dim;
+        }
+    }
+    Kvrope__Request req = KVROPE__REQUEST__INIT;
+    req.body_case = KVROPE__REQUEST__BODY_EDIT;
+    req.edit = &e;
+    Kvrope__Response *resp;
+    r = kvr__call(c, &req, iov, iovcnt, plen, &resp, NULL);
+    free(ops);
+    free(ptrs);
+    if (r < 0)
+        return r;
+    return take_edit(c, resp, "edit", out);
+}
+
+int kvr_client_edit_plan(kvr_client *c, const kvr_edit_args *a, kvr_edit_res *out)
+{
+    if (out)
+        memset(out, 0, sizeof *out);
+    c->err[0] = 0;
+    int r = check_id(c, "edit plan", a->ctx_id);
+    if (r < 0)
+        return r;
+    Kvrope__EditOp *ops;
+    Kvrope__EditOp **ptrs;
+    if ((r = edit_ops(c, a, &ops, &ptrs)) < 0)
+        return r;
+    Kvrope__EditPlan e = KVROPE__EDIT_PLAN__INIT;
+    e.context_id = unconst(a->ctx_id);
+    e.n_ops = a->n_ops;
+    e.ops = ptrs;
+    if (a->model)
+        e.model = unconst(a->model);
+    if (a->fingerprint) {
+        e.has_fingerprint = 1;
+        e.fingerprint = a->fingerprint;
+    }
+    Kvrope__Request req = KVROPE__REQUEST__INIT;
+    req.body_case = KVROPE__REQUEST__BODY_EDIT_PLAN;
+    req.edit_plan = &e;
+    Kvrope__Response *resp;
+    r = kvr__call(c, &req, NULL, 0, 0, &resp, NULL);
+    free(ops);
+    free(ptrs);
+    if (r < 0)
+        return r;
+    return take_edit(c, resp, "edit plan", out);
+}
+
+int kvr_client_refresh(kvr_client *c, const kvr_refresh_args *a, kvr_edit_res *out)
+{
+    if (out)
+        memset(out, 0, sizeof *out);
+    c->err[0] = 0;
+    int r = check_id(c, "refresh", a->ctx_id);
+    if (r < 0)
+        return r;
+    if (a->payload && a->iov)
+        return kvr__fail(c, KVR_ERR_INVAL, "refresh: give either payload or iov, not both");
+    struct iovec one;
+    const struct iovec *iov;
+    size_t iovcnt;
+    uint64_t plen = payload_iov(a->payload, a->payload_len, a->iov, a->iovcnt, &one, &iov,
+                                &iovcnt);
+    Kvrope__Refresh f = KVROPE__REFRESH__INIT;
+    f.context_id = unconst(a->ctx_id);
+    f.start = a->start;
+    if (a->end) {
+        f.has_end = 1;
+        f.end = a->end;
+    }
+    if (a->model)
+        f.model = unconst(a->model);
+    if (a->fingerprint) {
+        f.has_fingerprint = 1;
+        f.fingerprint = a->fingerprint;
+    }
+    f.has_dtype = 1;
+    f.dtype = (Kvrope__DType)a->dtype;
+    if (a->n_layers) {
+        f.has_n_layers = 1;
+        f.n_layers = a->n_layers;
+    }
+    if (a->n_kv_heads) {
+        f.has_n_kv_heads = 1;
+        f.n_kv_heads = a->n_kv_heads;
+    }
+    if (a->head_dim) {
+        f.has_head_dim = 1;
+        f.head_dim = a->head_dim;
+    }
+    Kvrope__Request req = KVROPE__REQUEST__INIT;
+    req.body_case = KVROPE__REQUEST__BODY_REFRESH;
+    req.refresh = &f;
+    Kvrope__Response *resp;
+    r = kvr__call(c, &req, iov, iovcnt, plen, &resp, NULL);
+    if (r < 0)
+        return r;
+    return take_edit(c, resp, "refresh", out);
 }
