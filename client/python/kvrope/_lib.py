@@ -131,6 +131,46 @@ class kvr_context(Structure):
                 ("n_evicted_tokens", c_uint64)]
 
 
+class kvr_context_edit(Structure):
+    _fields_ = [("n_pending", c_uint64), ("n_protected", c_uint64)]
+
+
+# ---- edits (PIE) ----
+class kvr_edit_range(Structure):
+    _fields_ = [("start", c_uint64), ("end", c_uint64),
+                ("tokens", POINTER(c_uint32)), ("n_tokens", c_size_t)]
+
+
+class kvr_edit_args(Structure):
+    _fields_ = [("ctx_id", c_char_p), ("ops", POINTER(kvr_edit_range)), ("n_ops", c_size_t),
+                ("model", c_char_p), ("fingerprint", c_uint64),
+                ("with_kv", c_bool),
+                ("n_layers", c_uint32), ("n_kv_heads", c_uint32), ("head_dim", c_uint32),
+                ("dtype", c_int),
+                ("payload", c_void_p), ("payload_len", c_size_t),
+                ("iov", POINTER(iovec)), ("iovcnt", c_size_t)]
+
+
+class kvr_edit_span_res(Structure):
+    _fields_ = [("index", c_uint64), ("first_pos", c_int64), ("shift", c_int64)]
+
+
+class kvr_edit_res(Structure):
+    _fields_ = [("n_tokens", c_uint64), ("n_new", c_uint64), ("n_removed", c_uint64),
+                ("first_change", c_uint64), ("n_approximate", c_uint64), ("n_pending", c_uint64),
+                ("payload_bytes", c_uint64),
+                ("spans", POINTER(kvr_edit_span_res)), ("n_spans", c_size_t)]
+
+
+class kvr_refresh_args(Structure):
+    _fields_ = [("ctx_id", c_char_p), ("start", c_uint64), ("end", c_uint64),
+                ("model", c_char_p), ("fingerprint", c_uint64),
+                ("n_layers", c_uint32), ("n_kv_heads", c_uint32), ("head_dim", c_uint32),
+                ("dtype", c_int),
+                ("payload", c_void_p), ("payload_len", c_size_t),
+                ("iov", POINTER(iovec)), ("iovcnt", c_size_t)]
+
+
 class kvr_metric(Structure):
     _fields_ = [("name", c_char * 120), ("value", c_double)]
 
@@ -139,7 +179,9 @@ class kvr_metric(Structure):
 STRUCTS = {c.__name__: c for c in (kvr_client_opts, kvr_pong, kvr_rope_config, kvr_model,
                                    kvr_model_params, kvr_put_args, kvr_put_res, kvr_get_args,
                                    kvr_kv, kvr_match_args, kvr_match_res, kvr_context,
-                                   kvr_metric)}
+                                   kvr_metric, kvr_context_edit, kvr_edit_range,
+                                   kvr_edit_args, kvr_edit_span_res, kvr_edit_res,
+                                   kvr_refresh_args)}
 
 H = c_void_p  # kvr_client *
 
@@ -172,8 +214,15 @@ PROTOTYPES = {
     "kvr_client_keep": (c_int, [H, c_char_p, c_uint64, c_uint64]),
     "kvr_client_stats": (c_int, [H, POINTER(POINTER(kvr_metric)), POINTER(c_size_t)]),
     "kvr_convert": (None, [c_void_p, c_int, c_void_p, c_int, c_size_t]),
+    # edits (PIE)
+    "kvr_client_stat_ex": (c_int, [H, c_char_p, POINTER(kvr_context), POINTER(kvr_context_edit)]),
+    "kvr_client_edit": (c_int, [H, POINTER(kvr_edit_args), POINTER(kvr_edit_res)]),
+    "kvr_client_edit_plan": (c_int, [H, POINTER(kvr_edit_args), POINTER(kvr_edit_res)]),
+    "kvr_client_refresh": (c_int, [H, POINTER(kvr_refresh_args), POINTER(kvr_edit_res)]),
 }
-OPTIONAL = set()   # filled as later verbs (edit, refresh, assemble, group append) land
+# Verbs later libkvrope versions added: a library without them still loads.
+OPTIONAL = {"kvr_client_stat_ex", "kvr_client_edit", "kvr_client_edit_plan",
+            "kvr_client_refresh"}
 
 
 def _candidates():

@@ -150,7 +150,7 @@ class Pong:
     protocol: int
 
 
-FLAG_APPROX = 0x1
+FLAG_APPROX = 0x1     # KV computed against text that has changed since (edits)
 
 
 class KV:
@@ -172,6 +172,7 @@ class KV:
     n_tokens = property(lambda self: int(self.tokens.size))
     n_layers = property(lambda self: len(self.layers))
     approximate = property(lambda self: (self.flags & FLAG_APPROX) != 0)
+    pending = property(lambda self: (self.flags & 0x2) != 0)   # FLAG_PENDING
     shape = property(lambda self: (self.n_layers, 2, self.n_tokens, self.n_kv_heads, self.head_dim))
 
     def __len__(self):
@@ -433,16 +434,10 @@ class Client:
         if pos_start is not None:
             a.has_pos_start, a.pos_start = True, _i64(pos_start, "pos_start")
         a.pin = bool(pin)
-        if len(parts) == 1:
-            a.payload, a.payload_len = parts[0].ctypes.data, parts[0].nbytes
-        else:
-            iov = (_lib.iovec * len(parts))()
-            for i, p in enumerate(parts):
-                iov[i].iov_base, iov[i].iov_len = p.ctypes.data, p.nbytes
-            a.iov, a.iovcnt = ctypes.cast(iov, POINTER(_lib.iovec)), len(parts)
+        keep = _set_payload(a, parts)
         out = _lib.kvr_put_res()
         self._call("kvr_client_put", byref(a), byref(out))
-        del parts
+        del parts, keep
         return PutResult(out.n_tokens, out.first_index, out.first_pos, out.last_pos)
 
     def _layers(self, layers):
@@ -620,25 +615,138 @@ class Client:
         finally:
             self._lib.kvr_client_free(arr)
 
-    # -- verbs libkvrope does not expose yet (the daemon's proto has them: Edit,
-    # EditPlan, Refresh, Assemble, GroupAppend). Each is one method; until
-    # client/kvrope.h declares the C function it raises kvrope.Unsupported
-    # (code 16) without sending anything. Signatures follow proto/kvrope.proto.
+    # -- edits (PIE): kvr_client_edit / _edit_plan / _refresh
 
-    def edit(self, ctx_id, ops, kv=None, *, model=None, dtype=None):
-        """PIE edit: ops = [(start, end, new_tokens), ...] applied atomically;
-        kv = the new tokens' KV (optional). Needs kvr_client_edit."""
-        self._fn("kvr_client_edit")
+    def _edit_args(self, ctx_id, ops, model):
+        """kvr_edit_args with ctx_id, ops, model and fingerprint set; plus the
+        objects that must outlive the call and the per-op token counts."""
+        cid = _b(ctx_id, "ctx_id")
+        norm = _edit_ops(ops)
+        rng = (_lib.kvr_edit_range * len(norm))()
+        keep = [rng]
+        for i, (s, e, t) in enumerate(norm):
+            rng[i].start, rng[i].end = s, e
+            rng[i].tokens, rng[i].n_tokens = _ptr(t, c_uint32), t.size
+            keep.append(t)
+        a = _lib.kvr_edit_args()
+        a.ctx_id = cid
+        a.ops, a.n_ops = ctypes.cast(rng, POINTER(_lib.kvr_edit_range)), len(norm)
+        m = None
+        if model is not None:
+            m = self.model(_b(model, "model").decode())
+            a.model, a.fingerprint = m.name.encode(), m.fingerprint
+        return a, keep, [t.size for _, _, t in norm], m
+
+    def _edit_result(self, out, counts):
+        try:
+            spans = []
+            for i in range(out.n_spans):
+                sp = out.spans[i]
+                n = counts[i] if counts is not None and i < len(counts) else None
+                spans.append(EditSpan(int(sp.index), int(sp.first_pos), int(sp.shift), n))
+            return EditResult(int(out.n_tokens), int(out.n_new), int(out.n_removed),
+                              int(out.first_change), int(out.n_approximate),
+                              int(out.n_pending), int(out.payload_bytes), tuple(spans))
+        finally:
+            if out.spans:
+                self._lib.kvr_client_free(out.spans)
+                out.spans = None
 
     def edit_plan(self, ctx_id, ops, *, model=None):
-        """Where an edit's new tokens would go, without changing anything.
-        Needs kvr_client_edit_plan."""
-        self._fn("kvr_client_edit_plan")
+        """Where an edit's new tokens would go, without changing anything;
+        -> EditResult (spans[i].positions: the positions to compute op i's new
+        tokens at; .positions: all of them in request order; payload_bytes:
+        the KV to send, in the model's dtype).
 
-    def refresh(self, ctx_id, start, end=None, kv=None, *, model=None, dtype=None):
-        """Replaces the KV of [start, end) with recomputed KV and clears its
-        approximate flags. Needs kvr_client_refresh."""
-        self._fn("kvr_client_refresh")
+        ops: [(start, end, new_tokens), ...] in the context's current token
+        indices: start == end inserts before `start`, empty new_tokens deletes.
+        model: checked by the daemon (name and fingerprint) when given."""
+        fn_name = "kvr_client_edit_plan"
+        self._fn(fn_name)
+        a, keep, counts, _ = self._edit_args(ctx_id, ops, model)
+        out = _lib.kvr_edit_res()
+        self._call(fn_name, byref(a), byref(out))
+        del keep
+        return self._edit_result(out, counts)
+
+    def edit(self, ctx_id, ops, kv=None, *, k=None, v=None, model=None, dtype=None):
+        """Applies a PIE edit atomically; -> EditResult.
+
+        ops: as edit_plan. kv: the new tokens' KV, ALL new tokens of all ops
+        in request order, K rotated at the positions edit_plan returned; given
+        like put's (stacked [n_layers, 2, T, kv_heads, head_dim], a list of
+        (K, V), or k=/v=). Without KV the new tokens are FLAG_PENDING until
+        refresh(). The tokens after the first edit point become FLAG_APPROX
+        (their keys are re-rotated by the daemon, their values are unchanged).
+        model: checked locally (shape) and by the daemon (fingerprint)."""
+        fn_name = "kvr_client_edit"
+        self._fn(fn_name)
+        a, keep, counts, m = self._edit_args(ctx_id, ops, model)
+        parts = None
+        if kv is not None or k is not None or v is not None:
+            n_new = sum(counts)
+            if n_new == 0:
+                raise ValueError("KV given but the ops insert no tokens")
+            parts, dt, (L, n, H, D) = T.as_kv_parts(kv, k, v, n_new, dtype)
+            if m is not None and (L, H, D) != (m.n_layers, m.n_kv_heads, m.head_dim):
+                raise ValueError(f"KV shape (layers, kv_heads, head_dim) = {(L, H, D)} but model "
+                                 f"{m.name!r} has {(m.n_layers, m.n_kv_heads, m.head_dim)}")
+            a.with_kv = True
+            a.n_layers, a.n_kv_heads, a.head_dim, a.dtype = L, H, D, T.CODES[dt]
+            keep.append(_set_payload(a, parts))
+        out = _lib.kvr_edit_res()
+        self._call(fn_name, byref(a), byref(out))
+        del keep, parts
+        return self._edit_result(out, counts)
+
+    def refresh(self, ctx_id, start, end=None, kv=None, *, k=None, v=None, model=None,
+                dtype=None):
+        """Overwrites the KV of tokens [start, end) with recomputed KV (K
+        rotated at the tokens' current positions, see get(meta_only=True))
+        and clears their FLAG_APPROX / FLAG_PENDING; -> EditResult (one span).
+        end None = start + the KV's token count. kv as in put()."""
+        fn_name = "kvr_client_refresh"
+        self._fn(fn_name)
+        cid = _b(ctx_id, "ctx_id")
+        start = _u64(start, "start")
+        if kv is None and k is None and v is None:
+            raise TypeError("refresh needs the range's recomputed KV (kv=, or k= and v=)")
+        if end is not None:
+            end = _u64(end, "end")
+            if end <= start:
+                raise ValueError(f"empty or reversed token range [{start}, {end})")
+            n = end - start
+        else:
+            n = None
+        parts, dt, (L, n_kv, H, D) = T.as_kv_parts(kv, k, v, n if n is not None else -1, dtype,
+                                                    check_tokens=n is not None)
+        if end is None:
+            end = start + n_kv
+        a = _lib.kvr_refresh_args()
+        a.ctx_id, a.start, a.end = cid, start, end
+        if model is not None:
+            m = self.model(_b(model, "model").decode())
+            if (L, H, D) != (m.n_layers, m.n_kv_heads, m.head_dim):
+                raise ValueError(f"KV shape (layers, kv_heads, head_dim) = {(L, H, D)} but model "
+                                 f"{m.name!r} has {(m.n_layers, m.n_kv_heads, m.head_dim)}")
+            a.model, a.fingerprint = m.name.encode(), m.fingerprint
+        a.n_layers, a.n_kv_heads, a.head_dim, a.dtype = L, H, D, T.CODES[dt]
+        keep = _set_payload(a, parts)
+        out = _lib.kvr_edit_res()
+        self._call(fn_name, byref(a), byref(out))
+        del keep, parts
+        return self._edit_result(out, [end - start])
+
+    def stat_edit(self, ctx_id):
+        """-> (n_pending, n_protected) of a context (kvr_client_stat_ex)."""
+        ed = _lib.kvr_context_edit()
+        self._call("kvr_client_stat_ex", _b(ctx_id, "ctx_id"), None, byref(ed))
+        return int(ed.n_pending), int(ed.n_protected)
+
+    # -- verbs libkvrope does not expose yet (the daemon's proto has them:
+    # Assemble, GroupAppend). Each is one method; until client/kvrope.h
+    # declares the C function it raises kvrope.Unsupported (code 16) without
+    # sending anything. Signatures follow proto/kvrope.proto.
 
     def assemble(self, prefix, documents, *, layout="parallel", starts=None, dtype="f32",
                  layers=None, temperature=None, scale=None, fold_temperature=False,
@@ -651,3 +759,84 @@ class Client:
         """Appends to one position group of a grouped context (GPE). Needs
         kvr_client_group_append."""
         self._fn("kvr_client_group_append")
+
+
+def _set_payload(a, parts):
+    """Points a's payload (or iov list) at parts; returns what must stay alive."""
+    if len(parts) == 1:
+        a.payload, a.payload_len = parts[0].ctypes.data, parts[0].nbytes
+        return None
+    iov = (_lib.iovec * len(parts))()
+    for i, p in enumerate(parts):
+        iov[i].iov_base, iov[i].iov_len = p.ctypes.data, p.nbytes
+    a.iov, a.iovcnt = ctypes.cast(iov, POINTER(_lib.iovec)), len(parts)
+    return iov
+
+
+def _edit_ops(ops):
+    """[(start, end, uint32 tokens)] from ops given as (start, end, tokens)
+    tuples or {"start", "end", "tokens"} dicts. Types only: the daemon judges
+    order, overlap and ranges (and refuses the whole request)."""
+    if isinstance(ops, dict) or (isinstance(ops, tuple) and len(ops) == 3
+                                 and isinstance(ops[0], (int, np.integer))):
+        ops = [ops]                      # one op given bare
+    if not isinstance(ops, (list, tuple)) or not ops:
+        raise ValueError("ops must be a non-empty list of (start, end, new_tokens)")
+    out = []
+    for i, op in enumerate(ops):
+        if isinstance(op, dict):
+            try:
+                s, e, t = op["start"], op["end"], op.get("tokens", ())
+            except KeyError as ex:
+                raise ValueError(f"op {i}: missing {ex.args[0]!r}") from None
+        elif isinstance(op, (tuple, list)) and len(op) == 3:
+            s, e, t = op
+        else:
+            raise TypeError(f"op {i} must be (start, end, new_tokens), got {op!r}")
+        s, e = _u64(s, f"op {i} start"), _u64(e, f"op {i} end")
+        if e < s:
+            raise ValueError(f"op {i}: end {e} < start {s}")
+        out.append((s, e, tokens_array(t if t is not None else (), f"op {i} tokens")))
+    return out
+
+
+FLAG_PENDING = 0x2
+
+
+@dataclass(frozen=True)
+class EditSpan:
+    index: int            # index of the op's first new token after the edit
+    first_pos: int        # their positions: first_pos, first_pos + 1, ...
+    shift: int            # position change of the old tokens after the op
+    n_tokens: Optional[int] = None   # the op's new tokens (known from the request)
+
+    @property
+    def positions(self):
+        return np.arange(self.first_pos, self.first_pos + (self.n_tokens or 0), dtype=np.int64)
+
+    @property
+    def indices(self):
+        return np.arange(self.index, self.index + (self.n_tokens or 0), dtype=np.int64)
+
+
+@dataclass(frozen=True)
+class EditResult:
+    n_tokens: int          # context length after
+    n_new: int
+    n_removed: int
+    first_change: int      # index of the first edit point
+    n_approximate: int     # of the whole context
+    n_pending: int
+    payload_bytes: int     # KV bytes moved (plan: to send with KV, in the model's dtype)
+    spans: tuple           # EditSpan per op, request order
+
+    @property
+    def positions(self):
+        """Positions of all new tokens, request order (where to compute their K)."""
+        ps = [s.positions for s in self.spans]
+        return np.concatenate(ps) if ps else np.empty(0, np.int64)
+
+    @property
+    def indices(self):
+        ps = [s.indices for s in self.spans]
+        return np.concatenate(ps) if ps else np.empty(0, np.int64)

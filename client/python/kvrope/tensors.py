@@ -171,7 +171,7 @@ def f32_to_bf16(a):
     return convert(np.asarray(a, dtype=np.float32), "f32", "bf16")
 
 
-def as_kv_parts(kv, k, v, n_tokens, dtype):
+def as_kv_parts(kv, k, v, n_tokens, dtype, check_tokens=True):
     """Normalises put()'s KV argument(s). Returns (parts, wire dtype name,
     (n_layers, T, heads, dim)); `parts` is either [one stacked contiguous
     array] or a list of 2*n_layers contiguous [T, H, D] arrays (K0, V0, K1, ...),
@@ -227,7 +227,7 @@ def as_kv_parts(kv, k, v, n_tokens, dtype):
     else:
         raise TypeError(f"kv: expected an array/tensor [L,2,T,H,D] or a list of (K, V) pairs, "
                         f"got {type(kv).__name__}")
-    if shape[1] != n_tokens:
+    if check_tokens and shape[1] != n_tokens:
         raise ValueError(f"the KV holds {shape[1]} tokens but {n_tokens} token ids were given")
     if min(shape[0], shape[2], shape[3]) == 0:
         raise ValueError(f"empty KV shape (layers, tokens, heads, dim) = {shape}")
