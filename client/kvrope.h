@@ -414,6 +414,94 @@ typedef struct kvr_refresh_args {
  * span. out may be NULL. */
 int kvr_client_refresh(kvr_client *c, const kvr_refresh_args *a, kvr_edit_res *out);
 
+/* ---- position layouts: APE assemble, GPE groups, sinks + window --------- */
+/* Semantics: docs/protocol.md (Position layouts) and docs/ape.md. */
+
+/* A put to one group of a grouped context: the tokens take the group's next
+ * positions (no positions / pos_start in a). To create the context, give
+ * the group names in o->groups (mode CREATE or UPSERT). out has the
+ * positions given. */
+int kvr_client_group_append(kvr_client *c, const kvr_put_args *a, const char *group,
+                            const kvr_put_opts *o, kvr_put_res *out);
+
+typedef enum kvr_assemble_layout {
+    KVR_ASSEMBLE_PARALLEL   = 0,  /* every document at P..; query at P + max L */
+    KVR_ASSEMBLE_SEQUENTIAL = 1,  /* documents back to back (moved ones approximate) */
+    KVR_ASSEMBLE_EXPLICIT   = 2,  /* document i at starts[i] */
+} kvr_assemble_layout;
+
+typedef enum kvr_segment_type {
+    KVR_SEG_PREFIX = 0, KVR_SEG_DOCUMENT = 1, KVR_SEG_QUERY = 2,
+} kvr_segment_type;
+
+typedef struct kvr_assemble_args {
+    const char         *prefix;
+    const char *const  *docs;
+    size_t              n_docs;
+    kvr_assemble_layout layout;
+    const int64_t      *starts;         /* EXPLICIT: n_docs start positions */
+    kvr_dtype           dtype;          /* of the stream (F32 is 0: set it) */
+    const uint32_t     *layers;         /* NULL = all */
+    size_t              n_layers;
+    double              temperature;    /* APE T; 0 = 0.9 */
+    double              scale;          /* APE S; 0 = 0.9 */
+    bool                fold_temperature;  /* document keys come as k / T */
+    bool                meta_only;
+    void               *dst;            /* as kvr_get_args */
+    size_t              dst_cap;
+} kvr_assemble_args;
+
+typedef struct kvr_segment_res {
+    kvr_segment_type kind;
+    uint64_t start, n_tokens;           /* token range in the stream */
+    int64_t  pos_first, pos_last;       /* query: pos_first = query position, empty */
+    uint32_t doc_index;
+    char     ctx_id[KVR_NAME_MAX + 1];  /* "" for the query */
+    double   temperature, scale;        /* 1, 1 outside documents */
+} kvr_segment_res;
+
+typedef struct kvr_assemble_res {
+    kvr_kv           kv;                /* the stream: tokens, positions, flags, K/V */
+    kvr_segment_res *segments;          /* prefix, documents..., query */
+    size_t           n_segments;
+    int64_t          query_pos;
+    double           temperature, scale;
+    bool             temperature_folded;
+    uint64_t         prefix_len;
+} kvr_assemble_res;
+
+/* On success release out with kvr_assemble_release; on failure it owns nothing. */
+int  kvr_client_assemble(kvr_client *c, const kvr_assemble_args *a, kvr_assemble_res *out);
+void kvr_assemble_release(kvr_assemble_res *r);   /* NULL / zeroed: no-op */
+
+#define KVR_LAYOUT_MAX_GROUPS 16
+typedef struct kvr_group_res {
+    char     name[64];
+    int32_t  id;
+    int64_t  offset;       /* phi */
+    uint64_t cursor;       /* tokens ever appended */
+    uint64_t n_tokens;     /* of them in the context now */
+} kvr_group_res;
+
+typedef struct kvr_layout_res {
+    bool          has_prefix;               /* an APE document */
+    char          prefix_ctx[KVR_NAME_MAX + 1];
+    uint64_t      prefix_len;
+    kvr_group_res groups[KVR_LAYOUT_MAX_GROUPS];
+    size_t        n_groups;
+    bool          retention;
+    uint64_t      sinks, window, n_dropped;
+} kvr_layout_res;
+
+/* out may be NULL in all three. */
+int kvr_client_layout_stat(kvr_client *c, const char *ctx_id, kvr_layout_res *out);
+int kvr_client_set_group_offset(kvr_client *c, const char *ctx_id, const char *group,
+                                int64_t offset, kvr_layout_res *out);
+/* Keep the first `sinks` and the last `window` tokens (after every put too);
+ * off = remove the policy. */
+int kvr_client_set_retention(kvr_client *c, const char *ctx_id, uint64_t sinks,
+                             uint64_t window, bool off, kvr_layout_res *out);
+
 /* ---- statistics --------------------------------------------------------- */
 typedef struct kvr_metric {
     char   name[120];

@@ -337,8 +337,29 @@ static uint64_t payload_iov(const void *payload, size_t len, const struct iovec 
     return n;
 }
 
+static int put_common(kvr_client *c, const kvr_put_args *a, const kvr_put_opts *o,
+                      const char *group, kvr_put_res *out);
+
 int kvr_client_put_ex(kvr_client *c, const kvr_put_args *a, const kvr_put_opts *o,
                       kvr_put_res *out)
+{
+    return put_common(c, a, o, NULL, out);
+}
+
+int kvr_client_group_append(kvr_client *c, const kvr_put_args *a, const char *group,
+                            const kvr_put_opts *o, kvr_put_res *out)
+{
+    int r = check_id(c, "group append: group", group);
+    if (r < 0)
+        return r;
+    if (a->positions || a->has_pos_start)
+        return kvr__fail(c, KVR_ERR_INVAL, "group append: positions come from the group");
+    return put_common(c, a, o, group, out);
+}
+
+/* A put, or (group set) a group append wrapping the same Put. */
+static int put_common(kvr_client *c, const kvr_put_args *a, const kvr_put_opts *o,
+                      const char *group, kvr_put_res *out)
 {
     c->err[0] = 0;
     int r = check_id(c, "put", a->ctx_id);
@@ -426,19 +447,33 @@ int kvr_client_put_ex(kvr_client *c, const kvr_put_args *a, const kvr_put_opts *
         }
     }
     Kvrope__Request req = KVROPE__REQUEST__INIT;
-    req.body_case = KVROPE__REQUEST__BODY_PUT;
-    req.put = &put;
+    Kvrope__GroupAppend ga = KVROPE__GROUP_APPEND__INIT;
+    if (group) {
+        ga.put = &put;
+        ga.group = unconst(group);
+        if (put.layout) {
+            ga.options = put.layout;
+            put.layout = NULL;
+        }
+        req.body_case = KVROPE__REQUEST__BODY_GROUP_APPEND;
+        req.group_append = &ga;
+    } else {
+        req.body_case = KVROPE__REQUEST__BODY_PUT;
+        req.put = &put;
+    }
     Kvrope__Response *resp;
     r = kvr__call(c, &req, iov, iovcnt, plen, &resp, NULL);
     if (r < 0)
         return r;
-    if (resp->body_case != KVROPE__RESPONSE__BODY_PUT)
-        return bad_body(c, resp, "put");
+    const Kvrope__PutResult *pr = group ? resp->group_append : resp->put;
+    if (resp->body_case != (group ? KVROPE__RESPONSE__BODY_GROUP_APPEND
+                                  : KVROPE__RESPONSE__BODY_PUT))
+        return bad_body(c, resp, group ? "group append" : "put");
     if (out) {
-        out->n_tokens = resp->put->n_tokens;
-        out->first_index = resp->put->first_index;
-        out->first_pos = resp->put->first_pos;
-        out->last_pos = resp->put->last_pos;
+        out->n_tokens = pr->n_tokens;
+        out->first_index = pr->first_index;
+        out->first_pos = pr->first_pos;
+        out->last_pos = pr->last_pos;
     }
     kvrope__response__free_unpacked(resp, NULL);
     return 0;
@@ -1073,4 +1108,193 @@ int kvr_client_refresh(kvr_client *c, const kvr_refresh_args *a, kvr_edit_res *o
     if (r < 0)
         return r;
     return take_edit(c, resp, "refresh", out);
+}
+
+/* ---- position layouts ---------------------------------------------------- */
+
+void kvr_assemble_release(kvr_assemble_res *r)
+{
+    if (!r)
+        return;
+    kvr_kv_release(&r->kv);
+    free(r->segments);
+    memset(r, 0, sizeof *r);
+}
+
+int kvr_client_assemble(kvr_client *c, const kvr_assemble_args *a, kvr_assemble_res *out)
+{
+    memset(out, 0, sizeof *out);
+    c->err[0] = 0;
+    int r = check_id(c, "assemble prefix", a->prefix);
+    if (r < 0)
+        return r;
+    if (a->n_docs && !a->docs)
+        return kvr__fail(c, KVR_ERR_INVAL, "assemble: documents missing");
+    for (size_t i = 0; i < a->n_docs; i++)
+        if ((r = check_id(c, "assemble document", a->docs[i])) < 0)
+            return r;
+    Kvrope__Assemble m = KVROPE__ASSEMBLE__INIT;
+    m.prefix = unconst(a->prefix);
+    m.n_documents = a->n_docs;
+    m.documents = (char **)(uintptr_t)a->docs;
+    m.has_layout = 1;
+    m.layout = (Kvrope__Layout)a->layout;
+    if (a->layout == KVR_ASSEMBLE_EXPLICIT) {
+        if (!a->starts)
+            return kvr__fail(c, KVR_ERR_INVAL, "assemble: explicit layout needs starts");
+        m.n_starts = a->n_docs;
+        m.starts = (int64_t *)(uintptr_t)a->starts;
+    }
+    m.has_dtype = 1;
+    m.dtype = (Kvrope__DType)a->dtype;
+    if (a->layers) {
+        m.n_layers = a->n_layers;
+        m.layers = (uint32_t *)(uintptr_t)a->layers;
+    }
+    if (a->temperature > 0) {
+        m.has_temperature = 1;
+        m.temperature = a->temperature;
+    }
+    if (a->scale > 0) {
+        m.has_scale = 1;
+        m.scale = a->scale;
+    }
+    if (a->fold_temperature) {
+        m.has_fold_temperature = 1;
+        m.fold_temperature = 1;
+    }
+    if (a->meta_only) {
+        m.has_meta_only = 1;
+        m.meta_only = 1;
+    }
+    Kvrope__Request req = KVROPE__REQUEST__INIT;
+    req.body_case = KVROPE__REQUEST__BODY_ASSEMBLE;
+    req.assemble = &m;
+    Kvrope__Response *resp;
+    uint64_t pl;
+    r = kvr__call(c, &req, NULL, 0, 0, &resp, &pl);
+    if (r < 0)
+        return r;
+    if (resp->body_case != KVROPE__RESPONSE__BODY_ASSEMBLE || !resp->assemble->kv) {
+        r = kvr__drain(c, pl);
+        return r < 0 ? r : bad_body(c, resp, "assemble");
+    }
+    const Kvrope__AssembleResult *ar = resp->assemble;
+    size_t ns = ar->n_segments;
+    out->segments = calloc(ns ? ns : 1, sizeof *out->segments);
+    if (!out->segments) {
+        r = kvr__drain(c, pl);
+        kvrope__response__free_unpacked(resp, NULL);
+        return r < 0 ? r : kvr__fail(c, KVR_ERR_OOM, "out of memory");
+    }
+    for (size_t i = 0; i < ns; i++) {
+        const Kvrope__Segment *g = ar->segments[i];
+        kvr_segment_res *o = &out->segments[i];
+        o->kind = (kvr_segment_type)g->kind;
+        o->start = g->start;
+        o->n_tokens = g->token_count;
+        o->pos_first = g->pos_first;
+        o->pos_last = g->pos_last;
+        o->doc_index = g->has_doc_index ? g->doc_index : 0;
+        copy_str(o->ctx_id, sizeof o->ctx_id, g->context_id);
+        o->temperature = g->temperature;
+        o->scale = g->scale;
+    }
+    out->n_segments = ns;
+    out->query_pos = ar->query_pos;
+    out->temperature = ar->temperature;
+    out->scale = ar->scale;
+    out->temperature_folded = ar->has_temperature_folded && ar->temperature_folded;
+    out->prefix_len = ar->prefix_len;
+    r = take_kv(c, ar->kv, pl, &out->kv, a->meta_only, a->dst, a->dst_cap, NULL, NULL);
+    kvrope__response__free_unpacked(resp, NULL);
+    if (r < 0) {
+        free(out->segments);
+        memset(out, 0, sizeof *out);
+    }
+    return r;
+}
+
+static int layout_call(kvr_client *c, Kvrope__Request *req, const char *what,
+                       kvr_layout_res *out)
+{
+    Kvrope__Response *resp;
+    int r = kvr__call(c, req, NULL, 0, 0, &resp, NULL);
+    if (r < 0)
+        return r;
+    if (resp->body_case != KVROPE__RESPONSE__BODY_LAYOUT)
+        return bad_body(c, resp, what);
+    if (out) {
+        const Kvrope__LayoutInfo *li = resp->layout;
+        memset(out, 0, sizeof *out);
+        copy_str(out->prefix_ctx, sizeof out->prefix_ctx, li->prefix_context);
+        out->has_prefix = li->prefix_context != NULL;
+        out->prefix_len = li->has_prefix_len ? li->prefix_len : 0;
+        size_t ng = li->n_groups < KVR_LAYOUT_MAX_GROUPS ? li->n_groups : KVR_LAYOUT_MAX_GROUPS;
+        for (size_t i = 0; i < ng; i++) {
+            copy_str(out->groups[i].name, sizeof out->groups[i].name, li->groups[i]->name);
+            out->groups[i].id = li->groups[i]->id;
+            out->groups[i].offset = li->groups[i]->offset;
+            out->groups[i].cursor = li->groups[i]->cursor;
+            out->groups[i].n_tokens = li->groups[i]->token_count;
+        }
+        out->n_groups = ng;
+        out->retention = li->has_retention && li->retention;
+        out->sinks = li->has_sinks ? li->sinks : 0;
+        out->window = li->has_window ? li->window : 0;
+        out->n_dropped = li->has_dropped ? li->dropped : 0;
+    }
+    kvrope__response__free_unpacked(resp, NULL);
+    return 0;
+}
+
+int kvr_client_layout_stat(kvr_client *c, const char *ctx_id, kvr_layout_res *out)
+{
+    int r = check_id(c, "layout stat", ctx_id);
+    if (r < 0)
+        return r;
+    Kvrope__LayoutStat m = KVROPE__LAYOUT_STAT__INIT;
+    m.context_id = unconst(ctx_id);
+    Kvrope__Request req = KVROPE__REQUEST__INIT;
+    req.body_case = KVROPE__REQUEST__BODY_LAYOUT_STAT;
+    req.layout_stat = &m;
+    return layout_call(c, &req, "layout stat", out);
+}
+
+int kvr_client_set_group_offset(kvr_client *c, const char *ctx_id, const char *group,
+                                int64_t offset, kvr_layout_res *out)
+{
+    int r = check_id(c, "set group offset", ctx_id);
+    if (r < 0 || (r = check_id(c, "set group offset: group", group)) < 0)
+        return r;
+    Kvrope__SetGroupOffset m = KVROPE__SET_GROUP_OFFSET__INIT;
+    m.context_id = unconst(ctx_id);
+    m.group = unconst(group);
+    m.offset = offset;
+    Kvrope__Request req = KVROPE__REQUEST__INIT;
+    req.body_case = KVROPE__REQUEST__BODY_SET_GROUP_OFFSET;
+    req.set_group_offset = &m;
+    return layout_call(c, &req, "set group offset", out);
+}
+
+int kvr_client_set_retention(kvr_client *c, const char *ctx_id, uint64_t sinks,
+                             uint64_t window, bool off, kvr_layout_res *out)
+{
+    int r = check_id(c, "set retention", ctx_id);
+    if (r < 0)
+        return r;
+    Kvrope__SetRetention m = KVROPE__SET_RETENTION__INIT;
+    m.context_id = unconst(ctx_id);
+    if (off) {
+        m.has_off = 1;
+        m.off = 1;
+    } else {
+        m.has_sinks = m.has_window = 1;
+        m.sinks = sinks;
+        m.window = window;
+    }
+    Kvrope__Request req = KVROPE__REQUEST__INIT;
+    req.body_case = KVROPE__REQUEST__BODY_SET_RETENTION;
+    req.set_retention = &m;
+    return layout_call(c, &req, "set retention", out);
 }

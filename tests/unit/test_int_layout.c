@@ -1,0 +1,293 @@
+/*
+ * test_int_layout.c — position layouts end to end through kvroped and
+ * libkvrope: APE assemble (parallel, sequential) with its segment table,
+ * GPE group appends and offsets, sinks + window retention. Keys are checked
+ * against a fresh rope(E[token], position) computed here (E seeded by the
+ * token id), within one f16 rounding; values bit for bit.
+ */
+#include <criterion/criterion.h>
+#include <math.h>
+
+#include "tests/common/kvr_testd.h"
+
+static kvr_testd D;
+static kvr_client *C;
+static kvr_rope *R;
+static const kvr_dtype DT = KVR_DTYPE_F16;
+
+static void setup(void)
+{
+    cr_assert_eq(testd_start(&D, NULL), 0, "daemon did not start");
+    C = testd_connect(&D);
+    cr_assert_not_null(C);
+    kvr_model m;
+    cr_assert_eq(testd_register(C, "tiny", DT, &m), 0, "%s", kvr_client_last_error(C));
+    char err[200];
+    cr_assert_eq(kvr_rope_create(&R, &m.rope, err, sizeof err), 0, "%s", err);
+}
+
+static void teardown(void)
+{
+    kvr_rope_destroy(R);
+    kvr_client_close(C);
+    testd_stop(&D);
+}
+
+TestSuite(int_layout, .init = setup, .fini = teardown, .timeout = 180);
+
+static void embed(uint32_t id, uint32_t layer, uint32_t kv, float *out)
+{
+    for (uint32_t h = 0; h < T_HEADS; h++)
+        for (uint32_t d = 0; d < T_DIM; d++)
+            out[h * T_DIM + d] = testd_val(id, layer, kv, 0, h, d);
+}
+
+static void *make_kv(const uint32_t *tok, const int64_t *pos, size_t n, size_t *len)
+{
+    const size_t per = (size_t)T_HEADS * T_DIM;
+    *len = kvr_payload_size(T_LAYERS, n, T_HEADS, T_DIM, DT);
+    uint8_t *buf = malloc(*len ? *len : 1);
+    float *x = malloc((n ? n : 1) * per * sizeof *x);
+    size_t half = n * per * 2;
+    for (uint32_t l = 0; l < T_LAYERS; l++) {
+        uint8_t *k = buf + (size_t)l * 2 * half, *v = k + half;
+        for (size_t i = 0; i < n; i++)
+            embed(tok[i], l, 0, x + i * per);
+        if (n)
+            cr_assert_eq(kvr_rope_apply(R, k, DT, x, KVR_DTYPE_F32, n, T_HEADS, pos, NULL), 0);
+        for (size_t i = 0; i < n; i++)
+            embed(tok[i], l, 1, x + i * per);
+        kvr_convert(v, DT, x, KVR_DTYPE_F32, n * per);
+    }
+    free(x);
+    return buf;
+}
+
+static float h2f(const uint8_t *p)
+{
+    uint16_t u;
+    memcpy(&u, p, 2);
+    return kvr_f16_to_f32(u);
+}
+
+/* kv's keys equal rope(E[tok], kv positions) and its values V[tok]. */
+static void check_kv(const kvr_kv *kv, const uint32_t *tok, const int64_t *pos, size_t n)
+{
+    cr_assert_eq(kv->n_tokens, n);
+    for (size_t i = 0; i < n; i++) {
+        cr_assert_eq(kv->tokens[i], tok[i], "token %zu", i);
+        cr_assert_eq(kv->positions[i], pos[i], "position %zu: %lld != %lld", i,
+                     (long long)kv->positions[i], (long long)pos[i]);
+    }
+    size_t len;
+    uint8_t *want = make_kv(tok, pos, n, &len);
+    cr_assert_eq(kv->payload_len, len);
+    const uint8_t *got = kv->payload;
+    size_t half = n * T_HEADS * T_DIM * 2;
+    for (uint32_t l = 0; l < T_LAYERS; l++) {
+        const uint8_t *gk = got + (size_t)l * 2 * half, *wk = want + (size_t)l * 2 * half;
+        for (size_t i = 0; i < half / 2; i++) {
+            float a = h2f(gk + 2 * i), b = h2f(wk + 2 * i);
+            cr_assert(fabsf(a - b) <= 1.0f / 1024.0f + 1e-6f, "layer %u key %zu: %g vs %g", l,
+                      i, (double)a, (double)b);
+        }
+        cr_assert(memcmp(gk + half, wk + half, half) == 0, "layer %u values differ", l);
+    }
+    free(want);
+}
+
+static void put_at(const char *ctx, const uint32_t *tok, size_t n, int64_t p0,
+                   const kvr_put_opts *o)
+{
+    int64_t pos[256];
+    for (size_t i = 0; i < n; i++)
+        pos[i] = p0 + (int64_t)i;
+    size_t len;
+    void *pl = make_kv(tok, pos, n, &len);
+    kvr_put_args a = { .ctx_id = ctx, .model = "tiny", .dtype = DT, .tokens = tok, .n_tokens = n,
+                       .has_pos_start = o == NULL || o->prefix_ctx == NULL, .pos_start = p0,
+                       .payload = pl, .payload_len = len };
+    cr_assert_eq(kvr_client_put_ex(C, &a, o, NULL), 0, "%s", kvr_client_last_error(C));
+    free(pl);
+}
+
+Test(int_layout, assemble_parallel_and_sequential)
+{
+    uint32_t pre[8], d1[6], d2[4];
+    for (uint32_t i = 0; i < 8; i++)
+        pre[i] = 10 + i;
+    for (uint32_t i = 0; i < 6; i++)
+        d1[i] = 100 + i;
+    for (uint32_t i = 0; i < 4; i++)
+        d2[i] = 200 + i;
+    put_at("pre", pre, 8, 0, NULL);
+    kvr_put_opts o = { .prefix_ctx = "pre" };
+    put_at("d1", d1, 6, 8, &o);
+    put_at("d2", d2, 4, 8, &o);
+    kvr_layout_res lr;
+    cr_assert_eq(kvr_client_layout_stat(C, "d1", &lr), 0, "%s", kvr_client_last_error(C));
+    cr_assert(lr.has_prefix);
+    cr_assert_str_eq(lr.prefix_ctx, "pre");
+    cr_assert_eq(lr.prefix_len, 8);
+
+    const char *docs[] = { "d1", "d2" };
+    uint32_t tok[18];
+    memcpy(tok, pre, sizeof pre);
+    memcpy(tok + 8, d1, sizeof d1);
+    memcpy(tok + 14, d2, sizeof d2);
+    int64_t pos[18];
+    for (int i = 0; i < 8; i++)
+        pos[i] = i;
+    for (int i = 0; i < 6; i++)
+        pos[8 + i] = 8 + i;
+    for (int i = 0; i < 4; i++)
+        pos[14 + i] = 8 + i;
+
+    kvr_assemble_args a = { .prefix = "pre", .docs = docs, .n_docs = 2,
+                            .layout = KVR_ASSEMBLE_PARALLEL, .dtype = DT };
+    kvr_assemble_res r;
+    cr_assert_eq(kvr_client_assemble(C, &a, &r), 0, "%s", kvr_client_last_error(C));
+    check_kv(&r.kv, tok, pos, 18);
+    cr_assert_eq(r.query_pos, 14);
+    cr_assert_eq(r.prefix_len, 8);
+    cr_assert_eq(r.n_segments, 4);
+    cr_assert_eq(r.segments[0].kind, KVR_SEG_PREFIX);
+    cr_assert_eq(r.segments[0].n_tokens, 8);
+    cr_assert_float_eq(r.segments[0].temperature, 1.0, 1e-12);
+    cr_assert_eq(r.segments[1].kind, KVR_SEG_DOCUMENT);
+    cr_assert_str_eq(r.segments[1].ctx_id, "d1");
+    cr_assert_eq(r.segments[1].start, 8);
+    cr_assert_eq(r.segments[1].pos_first, 8);
+    cr_assert_eq(r.segments[1].pos_last, 13);
+    cr_assert_float_eq(r.segments[1].temperature, 0.9, 1e-12);
+    cr_assert_float_eq(r.segments[1].scale, 0.9, 1e-12);
+    cr_assert_eq(r.segments[2].doc_index, 1);
+    cr_assert_eq(r.segments[2].start, 14);
+    cr_assert_eq(r.segments[2].pos_first, 8);
+    cr_assert_eq(r.segments[3].kind, KVR_SEG_QUERY);
+    cr_assert_eq(r.segments[3].pos_first, 14);
+    kvr_assemble_release(&r);
+
+    a.layout = KVR_ASSEMBLE_SEQUENTIAL;
+    a.temperature = 0.5;
+    cr_assert_eq(kvr_client_assemble(C, &a, &r), 0, "%s", kvr_client_last_error(C));
+    for (int i = 0; i < 4; i++)
+        pos[14 + i] = 14 + i;
+    check_kv(&r.kv, tok, pos, 18);
+    cr_assert_eq(r.query_pos, 18);
+    cr_assert_float_eq(r.segments[1].temperature, 0.5, 1e-12);
+    for (int i = 14; i < 18; i++)
+        cr_assert(r.kv.flags[i] & KVR_FLAG_APPROX, "moved document token %d approximate", i);
+    for (int i = 0; i < 8; i++)
+        cr_assert_eq(r.kv.flags[i] & KVR_FLAG_APPROX, 0u);
+    kvr_assemble_release(&r);
+
+    /* A document of another prefix is refused; the connection is fine. */
+    put_at("pre2", pre, 8, 0, NULL);
+    kvr_put_opts o2 = { .prefix_ctx = "pre2" };
+    put_at("d3", d2, 4, 8, &o2);
+    const char *bad[] = { "d1", "d3" };
+    a.docs = bad;
+    cr_assert_eq(kvr_client_assemble(C, &a, &r), KVR_ERR_PREFIX, "%s", kvr_client_last_error(C));
+    a.docs = docs;
+    a.prefix = "nope";
+    cr_assert_eq(kvr_client_assemble(C, &a, &r), KVR_ERR_NOCTX);
+    cr_assert_eq(kvr_client_ping(C, NULL), 0);
+}
+
+static void group_put(const char *ctx, const char *group, const uint32_t *tok, size_t n,
+                      int64_t expect_first, const kvr_put_opts *o)
+{
+    /* The KV is computed at the positions the group will give. */
+    int64_t pos[64];
+    for (size_t i = 0; i < n; i++)
+        pos[i] = expect_first + (int64_t)i;
+    size_t len;
+    void *pl = make_kv(tok, pos, n, &len);
+    kvr_put_args a = { .ctx_id = ctx, .model = "tiny", .dtype = DT, .tokens = tok, .n_tokens = n,
+                       .payload = pl, .payload_len = len };
+    kvr_put_res res;
+    cr_assert_eq(kvr_client_group_append(C, &a, group, o, &res), 0, "%s",
+                 kvr_client_last_error(C));
+    cr_assert_eq(res.first_pos, expect_first);
+    cr_assert_eq(res.last_pos, expect_first + (int64_t)n - 1);
+    free(pl);
+}
+
+Test(int_layout, groups)
+{
+    const char *names[] = { "src", "tgt" };
+    kvr_put_opts o = { .groups = names, .n_groups = 2 };
+    uint32_t s1[] = { 1, 2, 3 }, t1[] = { 50, 51 }, s2[] = { 4, 5 };
+    group_put("g", "src", s1, 3, 0, &o);
+    group_put("g", "tgt", t1, 2, 0, NULL);
+    group_put("g", "src", s2, 2, 3, NULL);
+
+    kvr_get_args g = { .ctx_id = "g", .dtype = DT };
+    kvr_kv kv;
+    cr_assert_eq(kvr_client_get(C, &g, &kv), 0, "%s", kvr_client_last_error(C));
+    uint32_t tok[] = { 1, 2, 3, 50, 51, 4, 5 };
+    int64_t pos[] = { 0, 1, 2, 0, 1, 3, 4 };
+    int32_t grp[] = { 0, 0, 0, 1, 1, 0, 0 };
+    check_kv(&kv, tok, pos, 7);
+    for (int i = 0; i < 7; i++)
+        cr_assert_eq(kv.groups[i], grp[i], "group of token %d", i);
+    kvr_kv_release(&kv);
+
+    kvr_layout_res lr;
+    cr_assert_eq(kvr_client_set_group_offset(C, "g", "tgt", 100, &lr), 0, "%s",
+                 kvr_client_last_error(C));
+    cr_assert_eq(lr.n_groups, 2);
+    cr_assert_str_eq(lr.groups[1].name, "tgt");
+    cr_assert_eq(lr.groups[1].offset, 100);
+    cr_assert_eq(lr.groups[0].cursor, 5);
+    cr_assert_eq(lr.groups[1].n_tokens, 2);
+    uint32_t t2[] = { 52 };
+    group_put("g", "tgt", t2, 1, 102, NULL);
+    cr_assert_eq(kvr_client_get(C, &g, &kv), 0, "%s", kvr_client_last_error(C));
+    uint32_t tok2[] = { 1, 2, 3, 50, 51, 4, 5, 52 };
+    int64_t pos2[] = { 0, 1, 2, 100, 101, 3, 4, 102 };
+    check_kv(&kv, tok2, pos2, 8);
+    kvr_kv_release(&kv);
+
+    cr_assert_eq(kvr_client_set_group_offset(C, "g", "nope", 1, NULL), KVR_ERR_INVAL);
+    cr_assert_eq(kvr_client_ping(C, NULL), 0);
+}
+
+Test(int_layout, sinks_and_window)
+{
+    uint32_t tok[10];
+    for (uint32_t i = 0; i < 10; i++)
+        tok[i] = 700 + i;
+    put_at("w", tok, 10, 0, NULL);
+    kvr_layout_res lr;
+    cr_assert_eq(kvr_client_set_retention(C, "w", 2, 4, false, &lr), 0, "%s",
+                 kvr_client_last_error(C));
+    cr_assert(lr.retention);
+    cr_assert_eq(lr.sinks, 2);
+    cr_assert_eq(lr.window, 4);
+    cr_assert_eq(lr.n_dropped, 4);
+    kvr_get_args g = { .ctx_id = "w", .dtype = DT };
+    kvr_kv kv;
+    cr_assert_eq(kvr_client_get(C, &g, &kv), 0, "%s", kvr_client_last_error(C));
+    uint32_t kept[] = { 700, 701, 706, 707, 708, 709 };
+    int64_t pos[] = { 0, 1, 2, 3, 4, 5 };
+    check_kv(&kv, kept, pos, 6);
+    kvr_kv_release(&kv);
+
+    /* A later append slides the window again. */
+    uint32_t more[] = { 800, 801 };
+    size_t len;
+    int64_t mp[] = { 6, 7 };
+    void *pl = make_kv(more, mp, 2, &len);
+    kvr_put_args a = { .ctx_id = "w", .model = "tiny", .dtype = DT, .tokens = more,
+                       .n_tokens = 2, .payload = pl, .payload_len = len };
+    cr_assert_eq(kvr_client_put(C, &a, NULL), 0, "%s", kvr_client_last_error(C));
+    free(pl);
+    cr_assert_eq(kvr_client_get(C, &g, &kv), 0, "%s", kvr_client_last_error(C));
+    uint32_t kept2[] = { 700, 701, 708, 709, 800, 801 };
+    check_kv(&kv, kept2, pos, 6);
+    kvr_kv_release(&kv);
+    cr_assert_eq(kvr_client_set_retention(C, "w", 0, 0, true, &lr), 0);
+    cr_assert(!lr.retention);
+}
