@@ -4,6 +4,8 @@ against a real kvroped, with the KV of new tokens computed by examples/llama.py.
 
 Run: /usr/bin/python3 -m pytest -q tests/python/test_edit.py
 """
+import os
+
 import numpy as np
 import pytest
 
@@ -253,3 +255,38 @@ def test_single_op_forms_and_dict_ops(client, uid, llm):
     assert r.n_new == 1 and r.n_pending == 0
     g = client.get(cid, 1, 2)
     np.testing.assert_allclose(g.k(0), kvn[0][0], rtol=2e-3, atol=2e-3)
+
+
+# ---- examples/editor.py (use case 2) end to end ------------------------------------
+
+def test_editor_example(kvroped, client):
+    import re
+    import subprocess
+    from conftest import PYTHON, ROOT
+    need_edit(client)
+    env = dict(os.environ)
+    r = subprocess.run([PYTHON, os.path.join(ROOT, "examples", "editor.py"),
+                        "--socket", kvroped.socket], capture_output=True, text=True,
+                       timeout=300, env=env)
+    assert r.returncode == 0, r.stdout + r.stderr
+    out = r.stdout
+    assert "encoded rope/rope.c (first" in out
+    for i in (1, 2, 3):
+        assert f"\nedit {i}: " in out
+    assert "rename 'inv_freq' to 'inverse_frequency'" in out and "delete the line" in out
+    diffs = [float(x) for x in re.findall(r"max \|logit diff\| = ([0-9.e+-]+)", out)]
+    assert len(diffs) == 3 and all(np.isfinite(diffs))
+    assert len(re.findall(r"argmax (agrees|differs)", out)) == 3
+    shares = [float(x) for x in re.findall(r"not re-encoded: \d+ of \d+ \(([0-9.]+)%\)", out)]
+    assert len(shares) == 3 and min(shares) > 90.0
+    assert "0 approximate left" in out and "-> exact" in out
+    assert out.rstrip().endswith("only the new tokens were encoded")
+
+
+def test_editor_without_daemon_exits_2(tmp_path):
+    import subprocess
+    from conftest import PYTHON, ROOT
+    r = subprocess.run([PYTHON, os.path.join(ROOT, "examples", "editor.py"),
+                        "--socket", str(tmp_path / "none.sock")], capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 2 and "make run" in r.stderr
