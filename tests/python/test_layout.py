@@ -61,3 +61,144 @@ def test_edit_structs_are_declared():
               "kvr_refresh_args", "kvr_context_edit"):
         assert s in _lib.STRUCTS
     assert os.path.exists(os.path.join(ROOT, "client", "kvrope.h"))
+
+
+# ---- position layouts through the binding: APE assemble, GPE groups, retention -----
+
+import numpy as np  # noqa: E402
+
+import kvrope  # noqa: E402
+import llama as L  # noqa: E402
+
+CFG = L.make_config("default", num_hidden_layers=2, num_key_value_heads=2, head_dim=32)
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return L.LlamaModel(CFG, seed=7)
+
+
+def need(client, fn):
+    if not client._lib.has(fn):
+        pytest.skip(f"libkvrope without {fn}")
+
+
+def rag_setup(client, llm, uid, docs=("Doc A: cats purr.\n", "Doc B: dogs bark loudly.\n")):
+    need(client, "kvr_client_assemble")
+    name = f"lay-{uid}"
+    client.register_model(name, CFG, dtype="f32")
+    pre = L.encode("System: answer from the documents.\n")
+    _, kvp = llm.forward(pre)
+    client.put(f"p-{uid}", name, pre, kvp, mode="create")
+    out = []
+    for i, d in enumerate(docs):
+        t = L.encode(d)
+        P = len(pre)
+        _, kvd, pk = llm.forward(t, positions=np.arange(P, P + len(t)), past=kvp,
+                                 return_pre_rope=True)
+        r = client.put(f"d{i}-{uid}", name, t, kvd, mode="create", prefix=f"p-{uid}")
+        assert (r.first_pos, r.last_pos) == (P, P + len(t) - 1)
+        out.append((t, kvd, pk))
+    return name, pre, kvp, out
+
+
+def test_assemble_parallel_and_sequential(client, llm, uid):
+    name, pre, kvp, docs = rag_setup(client, llm, uid)
+    P = len(pre)
+    ids = [f"d{i}-{uid}" for i in range(len(docs))]
+    lay = client.layout(ids[0])
+    assert lay.prefix_ctx == f"p-{uid}" and lay.prefix_len == P and not lay.groups
+    a = client.assemble(f"p-{uid}", ids)
+    lens = [len(t) for t, _, _ in docs]
+    kinds = [s.kind for s in a.segments]
+    assert kinds == ["prefix", "document", "document", "query"]
+    assert a.query_pos == P + max(lens) and a.prefix_len == P
+    assert (a.temperature, a.scale, a.temperature_folded) == (0.9, 0.9, False)
+    d0, d1 = a.segments[1], a.segments[2]
+    assert (d0.start, d0.n_tokens, d0.pos_first, d0.ctx_id) == (P, lens[0], P, ids[0])
+    assert (d1.start, d1.pos_first, d1.doc_index) == (P + lens[0], P, 1)
+    assert a.kv.tokens.tolist() == pre + docs[0][0] + docs[1][0]
+    assert not a.kv.flags.any()                       # parallel: every doc where it was encoded
+    assert a.document_mask().sum() == sum(lens)
+    for i in range(2):                                # keys exactly as stored
+        np.testing.assert_array_equal(a.kv.k(i)[:P], kvp[i][0])
+        np.testing.assert_array_equal(a.kv.k(i)[d1.start:d1.end], docs[1][1][i][0])
+
+    s = client.assemble(f"p-{uid}", ids, layout="sequential", temperature=1.0, scale=1.0)
+    assert s.query_pos == P + sum(lens)
+    assert s.kv.positions.tolist() == list(range(P + sum(lens)))
+    assert not s.kv.flags[:P + lens[0]].any() and s.kv.approximate[P + lens[0]:].all()
+    d1 = s.segments[2]
+    for i in range(2):                                # doc 1 re-rotated after doc 0
+        want = llm.apply_rope(docs[1][2][i], np.arange(d1.pos_first, d1.pos_last + 1))
+        np.testing.assert_allclose(s.kv.k(i)[d1.start:d1.end], want, rtol=1e-5, atol=1e-5)
+
+    e = client.assemble(f"p-{uid}", ids, layout="explicit", starts=[P, P + 100], meta_only=True)
+    assert e.kv.data is None and e.segments[2].pos_first == P + 100
+    f = client.assemble(f"p-{uid}", ids[:1], fold_temperature=True, temperature=0.5)
+    assert f.temperature_folded
+    np.testing.assert_allclose(f.kv.k(0)[P:], docs[0][1][0][0] / 0.5, rtol=1e-6)
+
+
+def test_assemble_refusals(client, llm, uid):
+    name, pre, kvp, docs = rag_setup(client, llm, uid)
+    other = L.encode("Another prefix.\n")
+    _, kvo = llm.forward(other)
+    client.put(f"q-{uid}", name, other, kvo, mode="create")
+    with pytest.raises(kvrope.PrefixMismatch) as e:
+        client.assemble(f"q-{uid}", [f"d0-{uid}"])
+    assert e.value.name == "E_PREFIX" and e.value.code == 23 and f"d0-{uid}" in e.value.message
+    with pytest.raises(kvrope.UnknownContext):
+        client.assemble(f"p-{uid}", [f"nope-{uid}"])
+    with pytest.raises(ValueError):
+        client.assemble(f"p-{uid}", [f"d0-{uid}"], layout="explicit")     # no starts
+    with pytest.raises(ValueError):
+        client.assemble(f"p-{uid}", [])
+    with pytest.raises(ValueError):
+        client.assemble(f"p-{uid}", [f"d0-{uid}"], layout="diagonal")
+
+
+def test_group_append_positions(client, llm, uid):
+    need(client, "kvr_client_group_append")
+    name = f"grp-{uid}"
+    client.register_model(name, CFG, dtype="f32")
+    src, tgt = L.encode("Hallo Welt"), L.encode("Hello world")
+    _, ks = llm.forward(src)
+    _, kt = llm.forward(tgt)
+    cid = f"g-{uid}"
+    r = client.group_append(cid, name, "src", src[:4], L.kv_slice(ks, 0, 4),
+                            groups=["src", "tgt"], group_offsets=[0, 1000])
+    assert (r.first_pos, r.last_pos) == (0, 3)
+    r = client.group_append(cid, name, "tgt", tgt[:3], L.kv_slice(kt, 0, 3))
+    assert (r.first_index, r.first_pos, r.last_pos) == (4, 1000, 1002)
+    r = client.group_append(cid, name, "src", src[4:], L.kv_slice(ks, 4))
+    assert (r.first_pos, r.last_pos) == (4, len(src) - 1)
+    g = client.get(cid)
+    assert g.groups.tolist() == [0] * 4 + [1] * 3 + [0] * (len(src) - 4)
+    np.testing.assert_array_equal(g.k(0)[7:], ks[0][0][4:])   # keys where they were computed
+    lay = client.set_group_offset(cid, "tgt", 2000)
+    assert [(x.name, x.offset, x.cursor) for x in lay.groups] == \
+        [("src", 0, len(src)), ("tgt", 2000, 3)]
+    r = client.group_append(cid, name, "tgt", tgt[3:4], L.kv_slice(kt, 3, 4))
+    assert r.first_pos == 2003
+    with pytest.raises(kvrope.KvropeError) as e:
+        client.group_append(cid, name, "nope", tgt[:1], L.kv_slice(kt, 0, 1))
+    assert e.value.code > 0
+
+
+def test_retention_sinks_and_window(client, llm, uid):
+    need(client, "kvr_client_set_retention")
+    name = f"ret-{uid}"
+    client.register_model(name, CFG, dtype="f32")
+    t = L.encode("abcdefghij")
+    _, kv = llm.forward(t)
+    cid = f"r-{uid}"
+    client.put(cid, name, t[:6], L.kv_slice(kv, 0, 6), mode="create")
+    lay = client.set_retention(cid, sinks=2, window=3)
+    assert lay.retention and (lay.sinks, lay.window) == (2, 3)
+    client.put(cid, name, t[6:], L.kv_slice(kv, 6), mode="append")
+    g = client.get(cid, meta_only=True)
+    # StreamingLLM: the window is renumbered to follow the sinks (positions within the cache)
+    assert L.decode(g.tokens) == "abhij" and g.positions.tolist() == [0, 1, 2, 3, 4]
+    assert client.layout(cid).n_dropped == 5
+    assert not client.set_retention(cid, off=True).retention

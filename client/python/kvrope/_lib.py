@@ -171,6 +171,54 @@ class kvr_refresh_args(Structure):
                 ("iov", POINTER(iovec)), ("iovcnt", c_size_t)]
 
 
+# ---- put options, position layouts (APE assemble, GPE groups, retention) ----
+class kvr_put_opts(Structure):
+    _fields_ = [("protect_first", c_uint64), ("has_protect", c_bool),
+                ("prefix_ctx", c_char_p),
+                ("groups", POINTER(c_char_p)), ("n_groups", c_size_t),
+                ("group_offsets", POINTER(c_int64))]
+
+
+ASSEMBLE_PARALLEL, ASSEMBLE_SEQUENTIAL, ASSEMBLE_EXPLICIT = 0, 1, 2
+SEG_PREFIX, SEG_DOCUMENT, SEG_QUERY = 0, 1, 2
+LAYOUT_MAX_GROUPS = 16
+
+
+class kvr_assemble_args(Structure):
+    _fields_ = [("prefix", c_char_p), ("docs", POINTER(c_char_p)), ("n_docs", c_size_t),
+                ("layout", c_int), ("starts", POINTER(c_int64)), ("dtype", c_int),
+                ("layers", POINTER(c_uint32)), ("n_layers", c_size_t),
+                ("temperature", c_double), ("scale", c_double),
+                ("fold_temperature", c_bool), ("meta_only", c_bool),
+                ("dst", c_void_p), ("dst_cap", c_size_t)]
+
+
+class kvr_segment_res(Structure):
+    _fields_ = [("kind", c_int), ("start", c_uint64), ("n_tokens", c_uint64),
+                ("pos_first", c_int64), ("pos_last", c_int64), ("doc_index", c_uint32),
+                ("ctx_id", c_char * (NAME_MAX + 1)),
+                ("temperature", c_double), ("scale", c_double)]
+
+
+class kvr_assemble_res(Structure):
+    _fields_ = [("kv", kvr_kv), ("segments", POINTER(kvr_segment_res)), ("n_segments", c_size_t),
+                ("query_pos", c_int64), ("temperature", c_double), ("scale", c_double),
+                ("temperature_folded", c_bool), ("prefix_len", c_uint64)]
+
+
+class kvr_group_res(Structure):
+    _fields_ = [("name", c_char * 64), ("id", c_int32), ("offset", c_int64),
+                ("cursor", c_uint64), ("n_tokens", c_uint64)]
+
+
+class kvr_layout_res(Structure):
+    _fields_ = [("has_prefix", c_bool), ("prefix_ctx", c_char * (NAME_MAX + 1)),
+                ("prefix_len", c_uint64),
+                ("groups", kvr_group_res * LAYOUT_MAX_GROUPS), ("n_groups", c_size_t),
+                ("retention", c_bool), ("sinks", c_uint64), ("window", c_uint64),
+                ("n_dropped", c_uint64)]
+
+
 class kvr_metric(Structure):
     _fields_ = [("name", c_char * 120), ("value", c_double)]
 
@@ -181,7 +229,9 @@ STRUCTS = {c.__name__: c for c in (kvr_client_opts, kvr_pong, kvr_rope_config, k
                                    kvr_kv, kvr_match_args, kvr_match_res, kvr_context,
                                    kvr_metric, kvr_context_edit, kvr_edit_range,
                                    kvr_edit_args, kvr_edit_span_res, kvr_edit_res,
-                                   kvr_refresh_args)}
+                                   kvr_refresh_args, kvr_put_opts, kvr_assemble_args,
+                                   kvr_segment_res, kvr_assemble_res, kvr_group_res,
+                                   kvr_layout_res)}
 
 H = c_void_p  # kvr_client *
 
@@ -219,10 +269,24 @@ PROTOTYPES = {
     "kvr_client_edit": (c_int, [H, POINTER(kvr_edit_args), POINTER(kvr_edit_res)]),
     "kvr_client_edit_plan": (c_int, [H, POINTER(kvr_edit_args), POINTER(kvr_edit_res)]),
     "kvr_client_refresh": (c_int, [H, POINTER(kvr_refresh_args), POINTER(kvr_edit_res)]),
+    # put options, position layouts
+    "kvr_client_put_ex": (c_int, [H, POINTER(kvr_put_args), POINTER(kvr_put_opts),
+                                  POINTER(kvr_put_res)]),
+    "kvr_client_group_append": (c_int, [H, POINTER(kvr_put_args), c_char_p,
+                                        POINTER(kvr_put_opts), POINTER(kvr_put_res)]),
+    "kvr_client_assemble": (c_int, [H, POINTER(kvr_assemble_args), POINTER(kvr_assemble_res)]),
+    "kvr_assemble_release": (None, [POINTER(kvr_assemble_res)]),
+    "kvr_client_layout_stat": (c_int, [H, c_char_p, POINTER(kvr_layout_res)]),
+    "kvr_client_set_group_offset": (c_int, [H, c_char_p, c_char_p, c_int64,
+                                            POINTER(kvr_layout_res)]),
+    "kvr_client_set_retention": (c_int, [H, c_char_p, c_uint64, c_uint64, c_bool,
+                                         POINTER(kvr_layout_res)]),
 }
 # Verbs later libkvrope versions added: a library without them still loads.
 OPTIONAL = {"kvr_client_stat_ex", "kvr_client_edit", "kvr_client_edit_plan",
-            "kvr_client_refresh"}
+            "kvr_client_refresh", "kvr_client_put_ex", "kvr_client_group_append",
+            "kvr_client_assemble", "kvr_assemble_release", "kvr_client_layout_stat",
+            "kvr_client_set_group_offset", "kvr_client_set_retention"}
 
 
 def _candidates():

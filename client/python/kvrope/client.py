@@ -396,7 +396,8 @@ class Client:
         return self._models[nm]
 
     def put(self, ctx_id, model, tokens, kv=None, *, k=None, v=None, dtype=None, mode="upsert",
-            positions=None, pos_start=None, pin=False, check_model=True):
+            positions=None, pos_start=None, pin=False, check_model=True, protect_first=None,
+            prefix=None, groups=None, group_offsets=None):
         """Stores the KV of `tokens` in context `ctx_id` (created or appended
         to); -> PutResult.
 
@@ -408,7 +409,27 @@ class Client:
         neither (the context's last position + 1; 0 for a new context).
         check_model: look the model's shape up (once per connection, cached)
         and refuse a mismatch locally; the put also carries the model's
-        fingerprint, so the daemon refuses a model re-defined under the name."""
+        fingerprint, so the daemon refuses a model re-defined under the name.
+
+        Options (kvr_client_put_ex): protect_first=n: edits may not touch
+        tokens [0, n) (attention sinks; 0 unprotects). On create only:
+        prefix=ctx: an APE document encoded after that prefix context
+        (positions default to P, P+1, ...; see assemble()); groups=[names],
+        group_offsets=[phi...]: a grouped context (GPE, see group_append())."""
+        a, keep, opts = self._put_args(ctx_id, model, tokens, kv, k, v, dtype, mode, positions,
+                                       pos_start, pin, check_model, protect_first, prefix,
+                                       groups, group_offsets)
+        out = _lib.kvr_put_res()
+        if opts is None:
+            self._call("kvr_client_put", byref(a), byref(out))
+        else:
+            self._call("kvr_client_put_ex", byref(a), byref(opts), byref(out))
+        del keep
+        return PutResult(out.n_tokens, out.first_index, out.first_pos, out.last_pos)
+
+    def _put_args(self, ctx_id, model, tokens, kv, k, v, dtype, mode, positions, pos_start,
+                  pin, check_model, protect_first=None, prefix=None, groups=None,
+                  group_offsets=None):
         cid, mn = _b(ctx_id, "ctx_id"), _b(model, "model")
         toks = tokens_array(tokens)
         if not toks.size:
@@ -418,6 +439,7 @@ class Client:
         pos = positions_array(positions, toks.size) if positions is not None else None
         if pos is not None and pos_start is not None:
             raise ValueError("give positions or pos_start, not both")
+        opts, okeep = self._put_opts(protect_first, prefix, groups, group_offsets)
         parts, dt, (L, n, H, D) = T.as_kv_parts(kv, k, v, toks.size, dtype)
         fp = 0
         if check_model:
@@ -434,11 +456,34 @@ class Client:
         if pos_start is not None:
             a.has_pos_start, a.pos_start = True, _i64(pos_start, "pos_start")
         a.pin = bool(pin)
-        keep = _set_payload(a, parts)
-        out = _lib.kvr_put_res()
-        self._call("kvr_client_put", byref(a), byref(out))
-        del parts, keep
-        return PutResult(out.n_tokens, out.first_index, out.first_pos, out.last_pos)
+        keep = [cid, mn, toks, pos, parts, _set_payload(a, parts), okeep]
+        return a, keep, opts
+
+    def _put_opts(self, protect_first, prefix, groups, group_offsets):
+        """kvr_put_opts or None when no option is given; plus what must stay alive."""
+        if protect_first is None and prefix is None and groups is None and group_offsets is None:
+            return None, None
+        o = _lib.kvr_put_opts()
+        keep = []
+        if protect_first is not None:
+            o.has_protect, o.protect_first = True, _u64(protect_first, "protect_first")
+        if prefix is not None:
+            o.prefix_ctx = _b(prefix, "prefix")
+        if group_offsets is not None and groups is None:
+            raise ValueError("group_offsets need groups")
+        if groups is not None:
+            if isinstance(groups, (str, bytes)) or not len(groups):
+                raise ValueError("groups must be a non-empty list of group names")
+            if len(groups) > _lib.LAYOUT_MAX_GROUPS:
+                raise ValueError(f"at most {_lib.LAYOUT_MAX_GROUPS} groups")
+            names = (ctypes.c_char_p * len(groups))(*[_b(g, "group name") for g in groups])
+            o.groups, o.n_groups = ctypes.cast(names, POINTER(ctypes.c_char_p)), len(groups)
+            keep.append(names)
+            if group_offsets is not None:
+                offs = positions_array(group_offsets, len(groups), "group_offsets")
+                o.group_offsets = _ptr(offs, c_int64)
+                keep.append(offs)
+        return o, keep
 
     def _layers(self, layers):
         if layers is None:
@@ -743,22 +788,169 @@ class Client:
         self._call("kvr_client_stat_ex", _b(ctx_id, "ctx_id"), None, byref(ed))
         return int(ed.n_pending), int(ed.n_protected)
 
-    # -- verbs libkvrope does not expose yet (the daemon's proto has them:
-    # Assemble, GroupAppend). Each is one method; until client/kvrope.h
-    # declares the C function it raises kvrope.Unsupported (code 16) without
-    # sending anything. Signatures follow proto/kvrope.proto.
+    # -- position layouts: APE assemble, GPE groups, sinks + window retention
+
+    def group_append(self, ctx_id, model, group, tokens, kv=None, *, k=None, v=None, dtype=None,
+                     mode="upsert", pin=False, check_model=True, groups=None,
+                     group_offsets=None):
+        """Appends tokens to one position group of a grouped context (GPE):
+        they take the group's next positions (cursor + phi), so interleaved
+        streams (e.g. source and target of a simultaneous translation) each
+        keep contiguous positions. To create the context, give all group
+        names in `groups` (and optionally their offsets phi). -> PutResult
+        (first_pos..last_pos: the positions given). kv as in put()."""
+        self._fn("kvr_client_group_append")
+        g = _b(group, "group")
+        a, keep, opts = self._put_args(ctx_id, model, tokens, kv, k, v, dtype, mode, None, None,
+                                       pin, check_model, None, None, groups, group_offsets)
+        out = _lib.kvr_put_res()
+        self._call("kvr_client_group_append", byref(a), g,
+                   byref(opts) if opts is not None else None, byref(out))
+        del keep
+        return PutResult(out.n_tokens, out.first_index, out.first_pos, out.last_pos)
 
     def assemble(self, prefix, documents, *, layout="parallel", starts=None, dtype="f32",
                  layers=None, temperature=None, scale=None, fold_temperature=False,
-                 meta_only=False):
-        """prefix + documents laid out in parallel (APE) / sequentially /
-        explicitly; returns KV plus the segment table. Needs kvr_client_assemble."""
+                 meta_only=False, out=None):
+        """One KV stream: the prefix context, then each document context (put
+        with prefix=<that prefix>), laid out "parallel" (APE: every document
+        at P..), "sequential" (back to back; moved documents approximate) or
+        "explicit" (document i at starts[i]); -> Assembly (kv: a KV of the
+        whole stream; segments: the segment table; query_pos: where the
+        worker's query tokens go; temperature / scale: APE's T and S, default
+        0.9; temperature_folded). See docs/ape.md for the attention to apply."""
         self._fn("kvr_client_assemble")
+        pf = _b(prefix, "prefix")
+        if isinstance(documents, (str, bytes)) or not len(documents):
+            raise ValueError("documents must be a non-empty list of context ids")
+        docs = (ctypes.c_char_p * len(documents))(*[_b(d, "document") for d in documents])
+        if layout not in _LAYOUTS:
+            raise ValueError(f"layout must be one of {sorted(_LAYOUTS)}, got {layout!r}")
+        st = None
+        if layout == "explicit":
+            if starts is None:
+                raise ValueError("layout='explicit' needs starts (one per document)")
+            st = positions_array(starts, len(documents), "starts")
+        elif starts is not None:
+            raise ValueError("starts are for layout='explicit'")
+        dt = T.dtype_name(dtype)
+        lay = self._layers(layers)
+        for nm, x in (("temperature", temperature), ("scale", scale)):
+            if x is not None and not (float(x) > 0):
+                raise ValueError(f"{nm} must be > 0 (None = the daemon's default 0.9)")
+        dst, cap = self._out_buf(out, dt)
+        a = _lib.kvr_assemble_args()
+        a.prefix, a.docs, a.n_docs = pf, ctypes.cast(docs, POINTER(ctypes.c_char_p)), len(documents)
+        a.layout, a.starts, a.dtype = _LAYOUTS[layout], _ptr(st, c_int64), T.CODES[dt]
+        a.layers, a.n_layers = _ptr(lay, c_uint32), 0 if lay is None else lay.size
+        a.temperature = float(temperature) if temperature is not None else 0.0
+        a.scale = float(scale) if scale is not None else 0.0
+        a.fold_temperature, a.meta_only = bool(fold_temperature), bool(meta_only)
+        a.dst, a.dst_cap = dst, cap
+        r = _lib.kvr_assemble_res()
+        self._call("kvr_client_assemble", byref(a), byref(r))
+        try:
+            segs = tuple(Segment._from(r.segments[i]) for i in range(r.n_segments))
+            meta = (int(r.query_pos), float(r.temperature), float(r.scale),
+                    bool(r.temperature_folded), int(r.prefix_len))
+            kv = self._take(r.kv, out)       # releases (and zeroes) r.kv
+        finally:
+            self._lib.kvr_assemble_release(byref(r))
+        return Assembly(kv, segs, *meta)
 
-    def group_append(self, ctx_id, model, group, tokens, kv=None, **kw):
-        """Appends to one position group of a grouped context (GPE). Needs
-        kvr_client_group_append."""
-        self._fn("kvr_client_group_append")
+    def layout(self, ctx_id):
+        """-> Layout of a context (APE prefix, groups, retention)."""
+        r = _lib.kvr_layout_res()
+        self._call("kvr_client_layout_stat", _b(ctx_id, "ctx_id"), byref(r))
+        return Layout._from(r)
+
+    def set_group_offset(self, ctx_id, group, offset):
+        """Sets a group's position offset phi (later appends use it); -> Layout."""
+        r = _lib.kvr_layout_res()
+        self._call("kvr_client_set_group_offset", _b(ctx_id, "ctx_id"), _b(group, "group"),
+                   _i64(offset, "offset"), byref(r))
+        return Layout._from(r)
+
+    def set_retention(self, ctx_id, sinks=0, window=0, off=False):
+        """Keeps the first `sinks` and the last `window` tokens (after every
+        put too; StreamingLLM); off=True removes the policy. -> Layout."""
+        r = _lib.kvr_layout_res()
+        self._call("kvr_client_set_retention", _b(ctx_id, "ctx_id"), _u64(sinks, "sinks"),
+                   _u64(window, "window"), bool(off), byref(r))
+        return Layout._from(r)
+
+
+_LAYOUTS = {"parallel": _lib.ASSEMBLE_PARALLEL, "sequential": _lib.ASSEMBLE_SEQUENTIAL,
+            "explicit": _lib.ASSEMBLE_EXPLICIT}
+SEGMENT_KINDS = {_lib.SEG_PREFIX: "prefix", _lib.SEG_DOCUMENT: "document",
+                 _lib.SEG_QUERY: "query"}
+
+
+@dataclass(frozen=True)
+class Segment:
+    kind: str              # "prefix" | "document" | "query"
+    start: int             # token range [start, start + n_tokens) of the stream
+    n_tokens: int
+    pos_first: int         # positions of its keys (query: the query position)
+    pos_last: int
+    doc_index: int
+    ctx_id: str            # "" for the query
+    temperature: float     # APE T (1 outside documents)
+    scale: float           # APE S (1 outside documents)
+
+    end = property(lambda self: self.start + self.n_tokens)
+
+    @classmethod
+    def _from(cls, s):
+        return cls(SEGMENT_KINDS.get(s.kind, str(s.kind)), int(s.start), int(s.n_tokens),
+                   int(s.pos_first), int(s.pos_last), int(s.doc_index), s.ctx_id.decode(),
+                   float(s.temperature), float(s.scale))
+
+
+@dataclass
+class Assembly:
+    kv: KV                   # the stream: prefix, documents (tokens, positions, flags, K/V)
+    segments: tuple          # Segment per prefix / document / query
+    query_pos: int           # the worker's first query token goes here
+    temperature: float
+    scale: float
+    temperature_folded: bool # document keys came as k / T
+    prefix_len: int
+
+    def document_mask(self):
+        """bool [n_tokens]: True for document (APE "context") tokens."""
+        m = np.zeros(self.kv.n_tokens, dtype=bool)
+        for s in self.segments:
+            if s.kind == "document":
+                m[s.start:s.end] = True
+        return m
+
+
+@dataclass(frozen=True)
+class Group:
+    name: str
+    id: int
+    offset: int      # phi
+    cursor: int      # tokens ever appended
+    n_tokens: int    # of them in the context now
+
+
+@dataclass(frozen=True)
+class Layout:
+    prefix_ctx: Optional[str]
+    prefix_len: int
+    groups: tuple
+    retention: bool
+    sinks: int
+    window: int
+    n_dropped: int
+
+    @classmethod
+    def _from(cls, r):
+        gs = tuple(Group(g.name.decode(), int(g.id), int(g.offset), int(g.cursor),
+                         int(g.n_tokens)) for g in r.groups[:r.n_groups])
+        return cls(r.prefix_ctx.decode() if r.has_prefix else None, int(r.prefix_len), gs,
+                   bool(r.retention), int(r.sinks), int(r.window), int(r.n_dropped))
 
 
 def _set_payload(a, parts):
