@@ -202,3 +202,27 @@ def test_retention_sinks_and_window(client, llm, uid):
     assert L.decode(g.tokens) == "abhij" and g.positions.tolist() == [0, 1, 2, 3, 4]
     assert client.layout(cid).n_dropped == 5
     assert not client.set_retention(cid, off=True).retention
+
+
+# ---- examples/rag.py (use case 3) end to end ---------------------------------------
+
+def test_rag_example(kvroped, client):
+    import re
+    import subprocess
+    from conftest import PYTHON
+    need(client, "kvr_client_assemble")
+    for run in (1, 2):                                # the second run reuses every document
+        r = subprocess.run([PYTHON, os.path.join(ROOT, "examples", "rag.py"),
+                            "--socket", kvroped.socket], capture_output=True, text=True,
+                           timeout=300)
+        assert r.returncode == 0, r.stdout + r.stderr
+        out = r.stdout
+        assert "parallel layout: the daemon assembled" in out
+        assert "sequential layout: the daemon assembled" in out
+        assert "APE with T = S = 1 vs ordinary attention: max |diff| = 0 -> identical" in out \
+            or "-> identical" in out
+        assert "re-rotated (approximate)" in out and "T=0.9 S=0.9" in out
+        assert len(re.findall(r"max \|logit diff\| = [0-9.e+-]+; argmax (agrees|differs)", out)) == 2
+        assert "OK: documents were encoded once" in out
+        if run == 2:
+            assert "this run encoded 0 of them" in out
