@@ -226,3 +226,21 @@ def test_rag_example(kvroped, client):
         assert "OK: documents were encoded once" in out
         if run == 2:
             assert "this run encoded 0 of them" in out
+
+
+# ---- examples/streaming.py (use case 4) end to end ---------------------------------
+
+@pytest.mark.parametrize("offset", [0, 1000])
+def test_streaming_example(kvroped, client, offset):
+    import subprocess
+    from conftest import PYTHON
+    need(client, "kvr_client_group_append")
+    r = subprocess.run([PYTHON, os.path.join(ROOT, "examples", "streaming.py"),
+                        "--socket", kvroped.socket, "--target-offset", str(offset)],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    out = r.stdout
+    assert "step 4: source 'schnurrt.' -> group src at positions 31..39" in out
+    assert "group src: 40 tokens at positions 0..39 (contiguous)" in out
+    assert f"group tgt: 16 tokens at positions {offset}..{offset + 15} (contiguous)" in out
+    assert "-> identical" in out and "OK: both streams kept their own positions" in out
