@@ -324,15 +324,16 @@ int kvr_store_assemble_begin(kvr_store *s, const kvr_assemble_params *p,
         t->zc_v = true;
         for (size_t i = 0; i < t->n_runs; i++) {
             asm_run *r = &t->runs[i];
-            if (r->b->dtype != p->dtype)
+            if (r->b->dtype != p->dtype || r->b->quant)
                 t->zc_v = false;
-            r->k_zc = r->b->dtype == p->dtype && r->same && !r->fold;
+            r->k_zc = r->b->dtype == p->dtype && r->same && !r->fold && !r->b->quant;
             if (!r->k_zc) {
                 r->kst_off = t->kst;
                 t->kst += r->count * rowb;
             }
-            if (r->count > t->max_run)
-                t->max_run = r->count;
+            size_t span = r->count + (r->b->quant ? QH(r->b)->ktile : 0);
+            if (span > t->max_run)
+                t->max_run = span;
         }
         t->vst = t->zc_v ? 0 : N * rowb;
         t->payload = N * rowb * 2u * nl;
@@ -419,15 +420,22 @@ static int assemble_work_layer(void *ud, size_t li)
             uint8_t *dst = base + r->kst_off;
             const uint8_t *src = block_kv(r->b, m, l, 0, r->first);
             bool via = r->fold && odt != KVR_DTYPE_F32;
-            if (via && !scratch &&
-                !(scratch = kvr_mem_malloc(t->max_run * row * sizeof *scratch))) {
+            if ((via || r->b->quant) && !scratch &&
+                !(scratch = kvr_mem_malloc(2 * t->max_run * row * sizeof *scratch))) {
                 rc = KVR_ENOMEM;
                 break;
             }
             void *kd = via ? (void *)scratch : (void *)dst;
             kvr_dtype kdt = via ? KVR_DTYPE_F32 : odt;
             size_t ne = r->count * row;
-            if (r->same)
+            if (r->b->quant) {
+                /* Pre-RoPE keys: dequantize and rotate to the layout's
+                 * positions (quant.c); the scratch's tail is the f32 staging. */
+                float *qs = scratch + (via ? ne : 0);
+                if ((rc = block_read_side(m, r->b, l, 0, r->first, r->count, kd, kdt, NULL,
+                                          t->targets + r->tok, qs)) != 0)
+                    break;
+            } else if (r->same)
                 kvr_convert(kd, kdt, src, r->b->dtype, ne);
             else if ((rc = kvr_rope_reposition(m->engine, kd, kdt, src, r->b->dtype,
                                                r->count, m->n_kv_heads,
@@ -442,7 +450,10 @@ static int assemble_work_layer(void *ud, size_t li)
                     kvr_convert(dst, odt, scratch, KVR_DTYPE_F32, ne);
             }
         }
-        if (!t->zc_v)
+        if (!t->zc_v && r->b->quant)
+            block_read_side(m, r->b, l, 1, r->first, r->count, base + t->kst + r->tok * rowb,
+                            odt, NULL, NULL, NULL);
+        else if (!t->zc_v)
             kvr_convert(base + t->kst + r->tok * rowb, odt,
                         block_kv(r->b, m, l, 1, r->first), r->b->dtype, r->count * row);
     }

@@ -10,7 +10,8 @@
  *   stored_pos int64[B] | tokens uint32[B] | groups int32[B]
  *
  * Each K/V slab is B*H*D*dsize bytes; with B a multiple of 16 and dsize >= 2
- * every slab stays 64-byte aligned for the SIMD kernels. A block is freed
+ * every slab stays 64-byte aligned for the SIMD kernels. Quantized blocks
+ * (quant.c) hold encoded slabs instead, keys pre-RoPE. A block is freed
  * when its refcount (extents + leases + open puts) drops to zero.
  */
 #include <malloc.h>
@@ -82,6 +83,14 @@ void block_unref(kvr_store *s, kvr_block *b)
 uint8_t *block_kv(const kvr_block *b, const kvr_model *m, uint32_t layer, int kv,
                   uint32_t slot)
 {
+    if (b->quant) {
+        /* quant.c: per layer K slab then V slab; K rows or tiles of ktile. */
+        uint8_t *base = b->data + KVR_QHDR_BYTES +
+                        (size_t)layer * (QH(b)->kslab + QH(b)->vslab);
+        if (kv)
+            return base + QH(b)->kslab + QH(b)->vrow * slot;
+        return base + QH(b)->krow * (slot / QH(b)->ktile);
+    }
     size_t row = (size_t)m->n_kv_heads * m->head_dim * kvr_dtype_size(b->dtype);
     size_t slab = row * b->cap;
     return b->data + slab * (2u * layer + (unsigned)kv) + row * slot;

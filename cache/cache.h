@@ -92,6 +92,7 @@ size_t kvr_mem_peak(void);
 
 /* ---- store -------------------------------------------------------------- */
 #define KVR_ID_MAX 255          /* context id and model name, bytes */
+#define KVR_CODEC_NAME_MAX 64   /* canonical codec spec, with its NUL */
 
 typedef struct kvr_store kvr_store;
 
@@ -109,6 +110,9 @@ typedef struct kvr_model_desc {
     uint32_t        n_layers, n_kv_heads, head_dim;
     kvr_dtype       dtype;             /* native dtype of the model's KV */
     kvr_rope_config rope;              /* head_dim must agree */
+    const char     *codec;             /* default codec of its contexts
+                                          (docs/quantized.md grammar, e.g.
+                                          "k4v2"); NULL/"" = dtype, plain */
 } kvr_model_desc;
 
 typedef struct kvr_model_info {
@@ -119,7 +123,13 @@ typedef struct kvr_model_info {
     const kvr_rope_config *rope;       /* borrowed; lives as long as the store */
     const kvr_rope *engine;            /* borrowed; likewise */
     size_t   n_contexts;
+    char     codec[KVR_CODEC_NAME_MAX];  /* default codec, canonical spec */
 } kvr_model_info;
+
+/* Canonical form of a codec spec for model `model` (0, KVR_ENOMODEL or
+ * KVR_EINVAL with a message naming what is wrong). */
+int kvr_store_codec_check(const kvr_store *s, const char *model, const char *spec,
+                          char out[KVR_CODEC_NAME_MAX], kvr_error *err);
 
 /* Registering a name again with an identical fingerprint succeeds (and
  * returns the existing profile); with a different one it is KVR_EEXIST. */
@@ -160,6 +170,13 @@ typedef struct kvr_put_params {
     const char     *group;         /* grouped context: the group these tokens
                                       join; they take its next positions
                                       (phi + cursor, ...); no explicit positions */
+    const char     *codec;         /* create: storage codec (docs/quantized.md);
+                                      NULL/"" = the model's default. Quantized
+                                      codecs store keys pre-RoPE: the put's
+                                      rotated keys are un-rotated at their
+                                      positions (full precision) first. A
+                                      payload with nan/inf is KVR_EINVAL
+                                      naming the layer and token. */
 } kvr_put_params;
 
 typedef struct kvr_put_result {
@@ -212,6 +229,9 @@ typedef struct kvr_get_params {
     const uint32_t *layers;        /* NULL = all layers, else n_layers_sel ids */
     size_t          n_layers_sel;
     bool            meta_only;     /* no payload, just tokens/positions/flags */
+    bool            raw;           /* quantized contexts: the encoded rows/tiles
+                                      as stored (docs/quantized.md), keys
+                                      pre-RoPE; dtype and positions ignored */
 } kvr_get_params;
 
 typedef struct kvr_get_info {
@@ -224,6 +244,9 @@ typedef struct kvr_get_info {
     const int64_t  *positions;     /* positions the keys are rotated at */
     const uint32_t *flags;         /* KVR_TOKEN_* per token */
     const int32_t  *groups;        /* group id per token */
+    bool            raw;           /* payload is encoded (docs/quantized.md) */
+    char            codec[KVR_CODEC_NAME_MAX];  /* the context's codec */
+    size_t          k_bytes, v_bytes;  /* raw: bytes of one layer's K / V */
 } kvr_get_info;
 
 typedef struct kvr_get kvr_get;
@@ -269,6 +292,13 @@ typedef struct kvr_ctx_info {
     size_t   n_evicted_tokens;     /* tail tokens dropped by eviction, ever */
     size_t   n_pending;            /* tokens flagged KVR_TOKEN_PENDING */
     size_t   n_protected;          /* first tokens edits may not touch (sinks) */
+    /* Codec at rest (docs/quantized.md). */
+    char     codec[KVR_CODEC_NAME_MAX];
+    size_t   n_window;             /* tokens in full-precision (plain) blocks */
+    size_t   kv_bytes;             /* K/V bytes its tokens occupy (incl. scales) */
+    size_t   bytes_saved;          /* vs the model dtype, plain: 0 */
+    double   bits_per_value;       /* kv_bytes * 8 / values */
+    double   rel_rms_k, rel_rms_v; /* measured at put time on quantized data */
 } kvr_ctx_info;
 
 int kvr_store_delete(kvr_store *s, const char *ctx_id, kvr_error *err);
@@ -412,6 +442,9 @@ typedef struct kvr_store_stats {
     uint64_t n_puts, n_gets, n_matches, n_match_hits;
     uint64_t n_refused_nomem;
     size_t   n_leased_blocks;
+    size_t   n_quant_contexts;         /* contexts with a quantized codec */
+    size_t   quant_bytes_saved;        /* sum of their bytes_saved */
+    double   quant_bits_per_value;     /* over their tokens (0 if none) */
 } kvr_store_stats;
 
 void kvr_store_get_stats(const kvr_store *s, kvr_store_stats *out);

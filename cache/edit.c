@@ -356,7 +356,10 @@ static int txn_alloc(kvr_edit *t, size_t payload, kvr_error *err)
     kvr_ctx *c = t->c;
     size_t n_blocks = (t->n_new + s->B - 1) / s->B;
     size_t bb = block_data_bytes(s, m, c->dtype);
-    bool zero_copy = t->pdt == c->dtype;
+    /* Quantized contexts: new tokens join the full-precision window (plain
+     * blocks in the window dtype) and are quantized by a later put's flush;
+     * their payload is staged so work can refuse nan/inf first. */
+    bool zero_copy = t->pdt == c->dtype && !c->codec.quant;
     size_t n_iov = !payload ? 0 : zero_copy ? 2u * m->n_layers * n_blocks : 1;
     size_t need = n_blocks * (bb + sizeof(kvr_block) + 64) + (zero_copy ? 0 : payload) +
                   n_iov * sizeof(struct iovec) + n_blocks * sizeof(erun) +
@@ -544,11 +547,19 @@ bool kvr_edit_needs_work(const kvr_edit *t)
 
 int kvr_edit_work(kvr_edit *t, kvr_error *err)
 {
-    (void)err;
     if (!t->staging || t->worked)
         return 0;
     const kvr_model *m = t->m;
     size_t row = (size_t)m->n_kv_heads * m->head_dim, psize = kvr_dtype_size(t->pdt);
+    uint32_t bl;
+    int bkv;
+    size_t btok;
+    if (t->c->codec.quant &&
+        quant_find_nonfinite(t->staging, t->pdt, m->n_layers, t->n_new, row, &bl, &bkv, &btok))
+        return kvr_error_set(err, KVR_EINVAL, "%s of '%s': %s of layer %u, new token %zu "
+                             "is nan or inf; nothing was changed",
+                             t->refresh ? "refresh" : "edit", t->c->id, bkv ? "V" : "K", bl,
+                             btok);
     const uint8_t *src = t->staging;
     for (uint32_t l = 0; l < m->n_layers; l++)
         for (int kv = 0; kv < 2; kv++)

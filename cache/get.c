@@ -38,6 +38,7 @@ struct kvr_get {
     get_seg      *segs;
     size_t        n_segs;
     bool          zc_k, zc_v, worked;
+    size_t        qscratch;  /* floats of scratch a layer needs (quantized segs) */
     uint8_t      *staging;
     size_t        part;      /* bytes of one layer's K (or V) */
     size_t        payload;
@@ -74,6 +75,57 @@ static uint8_t *stage_at(const kvr_get *t, size_t li, int kv)
     if (kv == 1 && !t->zc_k)
         off += t->part;
     return t->staging + off;
+}
+
+/* Raw get (docs/quantized.md): the encoded rows/tiles as stored, zero-copy.
+ * Only quantized blocks; KIVI key tiles must line up with the range (every
+ * segment starts on a tile boundary and all but the last hold whole tiles),
+ * so token i of the range is row i % G of tile i / G. */
+static int raw_begin(kvr_get *t, const kvr_ctx *c, size_t nl, kvr_error *err)
+{
+    const kvr_model *m = t->m;
+    if (!c->codec.quant)
+        return kvr_error_set(err, KVR_EUNSUPPORTED, "raw get of context '%s': its codec "
+                             "%s is not quantized (get it in a dtype)", c->id,
+                             c->codec.name);
+    size_t kb = 0, vb = 0;
+    for (size_t g = 0; g < t->n_segs; g++) {
+        const get_seg *sg = &t->segs[g];
+        if (!sg->b->quant)
+            return kvr_error_set(err, KVR_EUNSUPPORTED,
+                                 "raw get of context '%s': tokens [%zu, %zu) are in the "
+                                 "full-precision window (get them with raw = false)", c->id,
+                                 t->info.start + sg->tok, t->info.start + sg->tok + sg->count);
+        uint32_t G = QH(sg->b)->ktile;
+        if (sg->first % G || (g + 1 < t->n_segs && sg->count % G))
+            return kvr_error_set(err, KVR_EUNSUPPORTED,
+                                 "raw get of context '%s': tokens from %zu do not line up "
+                                 "with its %u-token key tiles (edited or a partial range)",
+                                 c->id, t->info.start + sg->tok, G);
+        kb += G > 1 ? (sg->count + G - 1) / G * QH(sg->b)->krow : sg->count * QH(sg->b)->krow;
+        vb += sg->count * QH(sg->b)->vrow;
+    }
+    t->info.raw = true;
+    t->info.k_bytes = kb;
+    t->info.v_bytes = vb;
+    t->payload = (kb + vb) * nl;
+    t->iov = kvr_mem_malloc((2 * t->n_segs + 1) * nl * sizeof *t->iov);
+    if (!t->iov)
+        return kvr_error_set(err, KVR_ENOMEM, "out of memory for a raw get");
+    size_t v = 0;
+    for (size_t li = 0; li < nl; li++)
+        for (int kv = 0; kv < 2; kv++)
+            for (size_t g = 0; g < t->n_segs; g++) {
+                const get_seg *sg = &t->segs[g];
+                uint32_t G = QH(sg->b)->ktile;
+                size_t len = kv ? sg->count * QH(sg->b)->vrow
+                           : G > 1 ? (sg->count + G - 1) / G * QH(sg->b)->krow
+                                   : sg->count * QH(sg->b)->krow;
+                t->iov[v++] = (struct iovec){ block_kv(sg->b, m, t->layers[li], kv, sg->first),
+                                              len };
+            }
+    t->n_iov = v;
+    return 0;
 }
 
 int kvr_store_get_begin(kvr_store *s, const kvr_get_params *p, kvr_get **out,
@@ -180,7 +232,16 @@ int kvr_store_get_begin(kvr_store *s, const kvr_get_params *p, kvr_get **out,
             s->n_leased_blocks++;
     }
 
-    if (!p->meta_only && !all_same && !kvr_rope_config_composes(&m->rope_cfg)) {
+    bool any_quant = false;
+    for (size_t g = 0; g < t->n_segs; g++)
+        if (t->segs[g].b->quant) {
+            any_quant = true;
+            size_t need = (t->segs[g].count + QH(t->segs[g].b)->ktile) *
+                          (size_t)m->n_kv_heads * m->head_dim;
+            if (need > t->qscratch)
+                t->qscratch = need;
+        }
+    if (!p->meta_only && !p->raw && !all_same && !kvr_rope_config_composes(&m->rope_cfg)) {
         rc = kvr_error_set(err, KVR_EUNSUPPORTED,
                            "model '%s' uses length-dependent RoPE scaling (dynamic NTK / "
                            "longrope): its keys cannot be moved to other positions",
@@ -198,12 +259,23 @@ int kvr_store_get_begin(kvr_store *s, const kvr_get_params *p, kvr_get **out,
     info->positions = t->targets;
     info->flags = t->flags;
     info->groups = t->groups;
+    memcpy(info->codec, c->codec.name, sizeof info->codec);
+
+    if (!p->meta_only && p->raw && n > 0) {
+        rc = raw_begin(t, c, nl, err);
+        if (rc != 0)
+            goto fail;
+        lru_touch(s, c);
+        s->n_gets++;
+        *out = t;
+        return 0;
+    }
 
     if (!p->meta_only && n > 0) {
         size_t row = (size_t)m->n_kv_heads * m->head_dim;
         t->part = n * row * osize;
         t->payload = t->part * 2u * nl;
-        t->zc_v = p->dtype == c->dtype;
+        t->zc_v = p->dtype == c->dtype && !any_quant;
         t->zc_k = t->zc_v && all_same;
         size_t per_layer = (t->zc_k ? t->n_segs : 1) + (t->zc_v ? t->n_segs : 1);
         t->iov = kvr_mem_malloc(per_layer * nl * sizeof *t->iov);
@@ -274,8 +346,26 @@ static int get_work_layer(void *ud, size_t li)
     size_t rowb = row * kvr_dtype_size(t->info.dtype);
     kvr_dtype odt = t->info.dtype;
     uint32_t l = t->layers[li];
+    float *scratch = NULL;
+    if (t->qscratch && !(scratch = kvr_mem_malloc(t->qscratch * sizeof *scratch)))
+        return KVR_ENOMEM;
     for (size_t g = 0; g < t->n_segs; g++) {
         const get_seg *sg = &t->segs[g];
+        if (sg->b->quant) {
+            /* Dequantize, and rotate the pre-RoPE keys to their targets. */
+            int rc = block_read_side(m, sg->b, l, 0, sg->first, sg->count,
+                                     stage_at(t, li, 0) + sg->tok * rowb, odt, NULL,
+                                     t->targets + sg->tok, scratch);
+            if (rc == 0)
+                rc = block_read_side(m, sg->b, l, 1, sg->first, sg->count,
+                                     stage_at(t, li, 1) + sg->tok * rowb, odt, NULL, NULL,
+                                     scratch);
+            if (rc != 0) {
+                kvr_mem_free(scratch);
+                return rc;
+            }
+            continue;
+        }
         if (!t->zc_k) {
             uint8_t *dst = stage_at(t, li, 0) + sg->tok * rowb;
             const uint8_t *src = block_kv(sg->b, m, l, 0, sg->first);
@@ -286,8 +376,10 @@ static int get_work_layer(void *ud, size_t li)
                                              sg->count, m->n_kv_heads,
                                              t->from + sg->tok, t->targets + sg->tok,
                                              NULL);
-                if (rc != 0)
+                if (rc != 0) {
+                    kvr_mem_free(scratch);
                     return rc;
+                }
             }
         }
         if (!t->zc_v)
@@ -295,6 +387,7 @@ static int get_work_layer(void *ud, size_t li)
                         block_kv(sg->b, m, l, 1, sg->first), sg->b->dtype,
                         sg->count * row);
     }
+    kvr_mem_free(scratch);
     return 0;
 }
 
@@ -305,6 +398,8 @@ int kvr_get_work(kvr_get *t, kvr_error *err)
     /* Large responses split their layers across threads: re-rotation is
      * compute-bound enough that one core cannot keep up with the socket. */
     int rc = par_for(t->info.n_layers, par_threads_for(t->payload), get_work_layer, t);
+    if (rc == KVR_ENOMEM)
+        return kvr_error_set(err, KVR_ENOMEM, "out of memory dequantizing");
     if (rc != 0)
         return kvr_error_set(err, KVR_EINTERNAL, "re-rotating keys failed (%d)", rc);
     t->worked = true;

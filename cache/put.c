@@ -43,6 +43,14 @@ struct kvr_put {
     struct iovec *iov;
     size_t        n_iov;
     layout_put    lp;           /* groups / APE record / retention (layout.c) */
+    /* Quantized contexts (quant.c): the first fl_old window tokens of the
+     * context and the first fl_new tokens of this put go into quantized
+     * slots qruns (in that order); the rest of the put goes to window runs. */
+    bool          quant;
+    qrun         *qruns, *wsrc;     /* destinations; old window sources (ref'd) */
+    size_t        n_qruns, n_wsrc, fl_old, fl_new;
+    int64_t      *qpos;             /* stored-at positions of the flushed tokens */
+    double        sse[2], ss[2];
 };
 
 static void txn_free(kvr_put *t)
@@ -55,6 +63,13 @@ static void txn_free(kvr_put *t)
             t->runs[i].b->holds--;
         block_unref(s, t->runs[i].b);
     }
+    for (size_t i = 0; i < t->n_qruns; i++)
+        block_unref(s, t->qruns[i].b);
+    for (size_t i = 0; i < t->n_wsrc; i++)
+        block_unref(s, t->wsrc[i].b);
+    kvr_mem_free(t->qruns);
+    kvr_mem_free(t->wsrc);
+    kvr_mem_free(t->qpos);
     kvr_mem_free(t->runs);
     kvr_mem_free(t->staging);
     kvr_mem_free(t->iov);
@@ -66,6 +81,311 @@ static void txn_free(kvr_put *t)
 static int mul_ok(size_t *out, size_t a, size_t b)
 {
     return !__builtin_mul_overflow(a, b, out);
+}
+
+/* ---- quantized contexts (quant.c) ----------------------------------------
+ *
+ * Window: after the put the context has n' tokens; window tokens (in plain
+ * blocks) with index < n' - window are due for quantization, taken in
+ * context order (old ones first, then the put's own) and, for a KIVI K
+ * codec, in whole tiles of G (so between window and window + G - 1 recent
+ * tokens stay in full precision, exactly kvr_kivi_split's count for keys;
+ * values follow the keys' boundary). Quantized slots go to the tail of the
+ * context's last quantized block when it is exclusively owned and ends on
+ * a tile boundary, then to fresh blocks.
+ */
+static bool same_codec(const kvr_block *b, const kvr_qspec *q)
+{
+    return b->quant && !memcmp(&QH(b)->kc, &q->pair.k, sizeof QH(b)->kc) &&
+           !memcmp(&QH(b)->vc, &q->pair.v, sizeof QH(b)->vc);
+}
+
+/* Last quantized block of c, if put may append to it. */
+static kvr_block *quant_tail(const kvr_ctx *c)
+{
+    for (size_t i = c->n_ext; i-- > 0;) {
+        const kvr_extent *e = &c->ext[i];
+        if (!e->block->quant)
+            continue;
+        kvr_block *b = e->block;
+        if (b->refcount == 1 && e->first + e->count == b->used && b->used < b->cap &&
+            b->used % QH(b)->ktile == 0 && same_codec(b, &c->codec))
+            return b;
+        return NULL;
+    }
+    return NULL;
+}
+
+static int plan_quant(kvr_put *t, const kvr_put_params *p, size_t *need, kvr_error *err)
+{
+    (void)p;
+    (void)err;
+    kvr_store *s = t->s;
+    kvr_ctx *c = t->c;
+    const kvr_qspec *q = &c->codec;
+    size_t n0 = c->n_tokens, n1 = n0 + t->n, R = q->pair.window;
+    size_t lim = n1 > R ? n1 - R : 0, cand_old = 0, k = 0;
+    for (size_t i = 0; i < c->n_ext && k < lim; k += c->ext[i].count, i++)
+        if (!c->ext[i].block->quant) {
+            size_t hi = k + c->ext[i].count < lim ? k + c->ext[i].count : lim;
+            cand_old += hi - k;
+        }
+    size_t cand_new = lim > n0 ? lim - n0 : 0, G = qspec_ktile(q);
+    size_t f = (cand_old + cand_new) / G * G;
+    t->fl_old = f < cand_old ? f : cand_old;
+    t->fl_new = f - t->fl_old;
+    kvr_block *qt = f ? quant_tail(c) : NULL;
+    size_t qfree = qt ? qt->cap - qt->used : 0;
+    if (qfree > f)
+        qfree = f;
+    uint32_t cap = qspec_block_cap(s, q);
+    size_t nb = (f - qfree + cap - 1) / cap;
+    size_t row = (size_t)t->m->n_kv_heads * t->m->head_dim;
+    *need = nb * (kvr_mem_size_class(block_quant_bytes(s, t->m, q)) +
+                  kvr_mem_size_class(sizeof(kvr_block))) +
+            (nb + 1 + c->n_ext) * sizeof(qrun) + f * sizeof(int64_t) +
+            (f + 2u * G) * row * sizeof(float) +
+            (c->n_ext + c->n_ext + 2 * nb + 8) * sizeof(kvr_extent);
+    return 0;
+}
+
+static int alloc_quant(kvr_put *t, const kvr_put_params *p, kvr_error *err)
+{
+    kvr_store *s = t->s;
+    kvr_ctx *c = t->c;
+    size_t f = t->fl_old + t->fl_new;
+    if (f == 0)
+        return 0;
+    uint32_t cap = qspec_block_cap(s, &c->codec);
+    kvr_block *qt = quant_tail(c);
+    size_t qfree = qt ? qt->cap - qt->used : 0;
+    if (qfree > f)
+        qfree = f;
+    size_t nq = (qt ? 1 : 0) + (f - qfree + cap - 1) / cap;
+    t->qruns = kvr_mem_calloc(nq, sizeof *t->qruns);
+    t->wsrc = kvr_mem_calloc(c->n_ext + 1, sizeof *t->wsrc);
+    t->qpos = kvr_mem_malloc(f * sizeof *t->qpos);
+    if (!t->qruns || !t->wsrc || !t->qpos)
+        goto nomem;
+    size_t left = f;
+    if (qt) {
+        block_ref(qt);
+        t->qruns[t->n_qruns++] = (qrun){ qt, qt->used, (uint32_t)qfree };
+        left -= qfree;
+    }
+    while (left) {
+        kvr_block *b = block_new_quant(s, t->m, &c->codec);
+        if (!b)
+            goto nomem;
+        uint32_t k = left < cap ? (uint32_t)left : cap;
+        t->qruns[t->n_qruns++] = (qrun){ b, 0, k };
+        left -= k;
+    }
+    /* Old window sources, in context order. */
+    size_t want = t->fl_old;
+    for (size_t i = 0; i < c->n_ext && want; i++) {
+        const kvr_extent *e = &c->ext[i];
+        if (e->block->quant)
+            continue;
+        uint32_t k = e->count < want ? e->count : (uint32_t)want;
+        block_ref(e->block);
+        t->wsrc[t->n_wsrc++] = (qrun){ e->block, e->first, k };
+        want -= k;
+    }
+    /* Metadata of the quantized slots. */
+    size_t r = 0, off = 0, g = 0;
+    for (size_t i = 0; i < t->n_wsrc; i++)
+        for (uint32_t j = 0; j < t->wsrc[i].count; j++, g++) {
+            const kvr_block *src = t->wsrc[i].b;
+            kvr_block *b = t->qruns[r].b;
+            uint32_t sl = t->qruns[r].first + (uint32_t)off, from = t->wsrc[i].first + j;
+            b->tokens[sl] = src->tokens[from];
+            b->stored_pos[sl] = t->qpos[g] = src->stored_pos[from];
+            b->groups[sl] = src->groups[from];
+            if (++off == t->qruns[r].count) {
+                r++;
+                off = 0;
+            }
+        }
+    for (size_t j = 0; j < t->fl_new; j++, g++) {
+        kvr_block *b = t->qruns[r].b;
+        uint32_t sl = t->qruns[r].first + (uint32_t)off;
+        b->tokens[sl] = p->tokens[j];
+        b->stored_pos[sl] = t->qpos[g] = p->positions ? p->positions[j]
+                                                      : t->first_pos + (int64_t)j;
+        b->groups[sl] = t->lp.group;
+        if (++off == t->qruns[r].count) {
+            r++;
+            off = 0;
+        }
+    }
+    return 0;
+
+nomem:
+    return kvr_error_set(err, KVR_ENOMEM, "out of memory preparing quantized blocks for "
+                         "%zu tokens", f);
+}
+
+/* Work of a quantized put: refuse non-finite input, un-rotate and quantize
+ * the flushed tokens, convert the window's. */
+static int work_quant(kvr_put *t, kvr_error *err)
+{
+    const kvr_model *m = t->m;
+    size_t row = (size_t)m->n_kv_heads * m->head_dim, psize = kvr_dtype_size(t->pdt);
+    uint32_t bl;
+    int bkv;
+    size_t btok;
+    if (quant_find_nonfinite(t->staging, t->pdt, m->n_layers, t->n, row, &bl, &bkv, &btok))
+        return kvr_error_set(err, KVR_EINVAL,
+                             "put into '%s': %s of layer %u, token %zu of the put "
+                             "(position %lld) is nan or inf; nothing was stored",
+                             t->c->id, bkv ? "V" : "K", bl, btok,
+                             (long long)(t->first_pos + (int64_t)btok));
+    size_t f = t->fl_old + t->fl_new;
+    size_t G = qspec_ktile(&t->c->codec);
+    float *x = NULL, *scratch = NULL;
+    if (f) {
+        x = kvr_mem_malloc(f * row * sizeof *x);
+        scratch = kvr_mem_malloc(2u * G * row * sizeof *scratch);
+        if (!x || !scratch) {
+            kvr_mem_free(x);
+            kvr_mem_free(scratch);
+            return kvr_error_set(err, KVR_ENOMEM, "out of memory quantizing %zu tokens", f);
+        }
+    }
+    int rc = 0;
+    size_t part = t->n * row * psize;
+    for (uint32_t l = 0; l < m->n_layers && rc == 0; l++) {
+        for (int kv = 0; kv < 2 && rc == 0; kv++) {
+            const uint8_t *pay = t->staging + (2u * l + (unsigned)kv) * part;
+            if (f) {
+                size_t g = 0;
+                for (size_t i = 0; i < t->n_wsrc && rc == 0; i++) {
+                    const qrun *w = &t->wsrc[i];
+                    const uint8_t *src = block_kv(w->b, m, l, kv, w->first);
+                    if (kv)
+                        kvr_convert(x + g * row, KVR_DTYPE_F32, src, w->b->dtype,
+                                    w->count * row);
+                    else
+                        rc = kvr_rope_remove(m->engine, x + g * row, KVR_DTYPE_F32, src,
+                                             w->b->dtype, w->count, m->n_kv_heads,
+                                             t->qpos + g, NULL);
+                    g += w->count;
+                }
+                if (t->fl_new && rc == 0) {
+                    if (kv)
+                        kvr_convert(x + g * row, KVR_DTYPE_F32, pay, t->pdt,
+                                    t->fl_new * row);
+                    else
+                        rc = kvr_rope_remove(m->engine, x + g * row, KVR_DTYPE_F32, pay,
+                                             t->pdt, t->fl_new, m->n_kv_heads, t->qpos + g,
+                                             NULL);
+                }
+                if (rc != 0) {
+                    rc = kvr_error_set(err, KVR_EINTERNAL, "un-rotating keys failed (%d)",
+                                       rc);
+                    break;
+                }
+                rc = quant_encode_side(m, t->qruns, t->n_qruns, l, kv, x, scratch,
+                                       &t->sse[kv], &t->ss[kv]);
+                if (rc != 0) {
+                    rc = kvr_error_set(err, rc, "put into '%s': %s of layer %u is outside "
+                                       "the range of codec %s", t->c->id, kv ? "V" : "K",
+                                       l, t->c->codec.name);
+                    break;
+                }
+            }
+            const uint8_t *src = pay + t->fl_new * row * psize;
+            for (size_t r = 0; r < t->n_runs; r++) {
+                const put_run *run = &t->runs[r];
+                kvr_convert(block_kv(run->b, m, l, kv, run->first), run->b->dtype, src,
+                            t->pdt, run->count * row);
+                src += run->count * row * psize;
+            }
+        }
+    }
+    kvr_mem_free(x);
+    kvr_mem_free(scratch);
+    if (rc == 0)
+        t->worked = true;
+    return rc;
+}
+
+/* Appends e (carrying one reference) to a, merging with the last extent. */
+static void ext_push(kvr_store *s, kvr_extent *a, size_t *n, kvr_extent e)
+{
+    kvr_extent *last = *n ? &a[*n - 1] : NULL;
+    if (last && last->block == e.block && last->first + last->count == e.first &&
+        last->pos_delta == e.pos_delta && last->flags == e.flags) {
+        last->count += e.count;
+        block_unref(s, e.block);
+        return;
+    }
+    a[(*n)++] = e;
+}
+
+typedef struct qcursor {
+    size_t r, off;
+} qcursor;
+
+static void emit_quant(kvr_put *t, kvr_extent *a, size_t *n, qcursor *cur, size_t count,
+                       int64_t delta, uint32_t flags)
+{
+    while (count) {
+        qrun *q = &t->qruns[cur->r];
+        size_t k = q->count - cur->off < count ? q->count - cur->off : count;
+        block_ref(q->b);
+        ext_push(t->s, a, n, (kvr_extent){ q->b, q->first + (uint32_t)cur->off,
+                                           (uint32_t)k, delta, flags });
+        count -= k;
+        if ((cur->off += k) == q->count) {
+            cur->r++;
+            cur->off = 0;
+        }
+    }
+}
+
+/* Commit's splice for a quantized put (after the index succeeded): a new
+ * extent array; cannot fail (allocated before). */
+static void commit_quant(kvr_put *t, kvr_extent *a)
+{
+    kvr_store *s = t->s;
+    kvr_ctx *c = t->c;
+    size_t n = 0, left = t->fl_old;
+    qcursor cur = { 0, 0 };
+    for (size_t i = 0; i < c->n_ext; i++) {
+        kvr_extent e = c->ext[i];
+        if (e.block->quant || left == 0) {
+            ext_push(s, a, &n, e);
+            continue;
+        }
+        uint32_t k = e.count < left ? e.count : (uint32_t)left;
+        emit_quant(t, a, &n, &cur, k, e.pos_delta, e.flags);
+        left -= k;
+        if (k < e.count)
+            ext_push(s, a, &n, (kvr_extent){ e.block, e.first + k, e.count - k,
+                                             e.pos_delta, e.flags });
+        else
+            block_unref(s, e.block);
+    }
+    emit_quant(t, a, &n, &cur, t->fl_new, 0, 0);
+    for (size_t r = 0; r < t->n_runs; r++) {
+        put_run *run = &t->runs[r];
+        if (r == 0 && t->tail)
+            run->b->holds--;
+        run->b->used = run->first + run->count;
+        ext_push(s, a, &n, (kvr_extent){ run->b, run->first, run->count, 0, 0 });
+        run->b = NULL;
+    }
+    for (size_t r = 0; r < t->n_qruns; r++)
+        t->qruns[r].b->used = t->qruns[r].first + t->qruns[r].count;
+    kvr_mem_free(c->ext);
+    c->ext = a;
+    c->n_ext = n;
+    for (int kv = 0; kv < 2; kv++) {
+        c->q_sse[kv] += t->sse[kv];
+        c->q_ss[kv] += t->ss[kv];
+    }
 }
 
 int kvr_store_put_begin(kvr_store *s, const kvr_put_params *p, kvr_put **out,
@@ -168,9 +488,14 @@ int kvr_store_put_begin(kvr_store *s, const kvr_put_params *p, kvr_put **out,
             goto fail_txn;
         }
         t->created = true;
+        if (p->codec && p->codec[0] &&
+            (rc = qspec_parse(p->codec, m, m->dtype, &c->codec, err)) != 0)
+            goto fail_ctx_early;
+        c->dtype = c->codec.dtype;
     }
     t->c = c;
     c->busy = true;
+    t->quant = c->codec.quant;
 
     /* Plan: tail slots of an exclusively owned last block, then new blocks. */
     kvr_block *tail = NULL;
@@ -178,16 +503,28 @@ int kvr_store_put_begin(kvr_store *s, const kvr_put_params *p, kvr_put **out,
     if (c->n_ext) {
         kvr_extent *e = &c->ext[c->n_ext - 1];
         if (e->block->refcount == 1 && e->first + e->count == e->block->used &&
-            e->block->used < e->block->cap && e->block->dtype == c->dtype) {
+            e->block->used < e->block->cap && e->block->dtype == c->dtype &&
+            !e->block->quant) {
             tail = e->block;
             tail_free = tail->cap - tail->used;
             if (tail_free > n)
                 tail_free = (uint32_t)n;
         }
     }
-    size_t n_new = (n - tail_free + s->B - 1) / s->B;
+    size_t qneed = 0;
+    if (t->quant) {
+        if ((rc = plan_quant(t, p, &qneed, err)) != 0)
+            goto fail_ctx;
+        size_t nw = n - t->fl_new;     /* tokens for the window */
+        if (tail_free > nw)
+            tail_free = (uint32_t)nw;
+        if (nw == 0)
+            tail = NULL;
+    }
+    size_t nwin = n - t->fl_new;
+    size_t n_new = (nwin - tail_free + s->B - 1) / s->B;
     size_t bb = block_data_bytes(s, m, c->dtype);
-    bool zero_copy = p->dtype == c->dtype;
+    bool zero_copy = p->dtype == c->dtype && !t->quant;
     size_t n_runs = n_new + (tail ? 1 : 0);
     size_t n_iov = zero_copy ? 2u * m->n_layers * n_runs : 1;
     /* Reserve what the allocator will really hold (its size classes), not
@@ -195,11 +532,13 @@ int kvr_store_put_begin(kvr_store *s, const kvr_put_params *p, kvr_put **out,
     size_t need = n_new * (kvr_mem_size_class(bb) + kvr_mem_size_class(sizeof(kvr_block))) +
                   (zero_copy ? 0 : kvr_mem_size_class(payload)) +
                   n_iov * sizeof(struct iovec) + n * sizeof(uint32_t) +
-                  n_runs * sizeof(put_run);
+                  n_runs * sizeof(put_run) + qneed;
     if ((rc = store_reserve(s, need, err)) != 0)
         goto fail_ctx;
+    if (t->quant && (rc = alloc_quant(t, p, err)) != 0)
+        goto fail_ctx;
 
-    t->runs = kvr_mem_calloc(n_runs, sizeof *t->runs);
+    t->runs = kvr_mem_calloc(n_runs ? n_runs : 1, sizeof *t->runs);
     t->tokens = kvr_mem_malloc(n * sizeof *t->tokens);
     t->iov = kvr_mem_malloc(n_iov * sizeof *t->iov);
     if (!t->runs || !t->tokens || !t->iov) {
@@ -207,7 +546,7 @@ int kvr_store_put_begin(kvr_store *s, const kvr_put_params *p, kvr_put **out,
         goto fail_ctx;
     }
     memcpy(t->tokens, p->tokens, n * sizeof *t->tokens);
-    size_t left = n;
+    size_t left = nwin;
     if (tail) {
         block_ref(tail);
         tail->holds++;
@@ -228,7 +567,7 @@ int kvr_store_put_begin(kvr_store *s, const kvr_put_params *p, kvr_put **out,
         left -= k;
     }
     /* Metadata into the (still invisible) slots. */
-    size_t tok = 0;
+    size_t tok = t->fl_new;
     for (size_t r = 0; r < t->n_runs; r++) {
         put_run *run = &t->runs[r];
         for (uint32_t j = 0; j < run->count; j++, tok++) {
@@ -265,6 +604,9 @@ fail_ctx:
         ctx_destroy(s, c);
     else
         c->busy = false;
+    goto fail_txn;
+fail_ctx_early:
+    ctx_destroy(s, c);
 fail_txn:
     txn_free(t);
     return rc;
@@ -288,9 +630,10 @@ bool kvr_put_needs_work(const kvr_put *t)
 
 int kvr_put_work(kvr_put *t, kvr_error *err)
 {
-    (void)err;
     if (!t->staging || t->worked)
         return 0;
+    if (t->quant)
+        return work_quant(t, err);
     const kvr_model *m = t->m;
     size_t row = (size_t)m->n_kv_heads * m->head_dim;
     const uint8_t *src = t->staging;
@@ -317,7 +660,13 @@ int kvr_put_commit(kvr_put *t, kvr_put_result *res, kvr_error *err)
     kvr_model *m = t->m;
     if (t->staging && !t->worked && (rc = kvr_put_work(t, err)) != 0)
         goto fail;
-    if (ctx_ext_reserve(c, t->n_runs) != 0) {
+    kvr_extent *qext = NULL;
+    size_t qcap = c->n_ext + 2 * t->n_wsrc + t->n_qruns + t->n_runs + 4;
+    if (t->quant && !(qext = kvr_mem_malloc(qcap * sizeof *qext))) {
+        rc = kvr_error_set(err, KVR_ENOMEM, "out of memory committing a put to '%s'", c->id);
+        goto fail;
+    }
+    if (!t->quant && ctx_ext_reserve(c, t->n_runs) != 0) {
         rc = kvr_error_set(err, KVR_ENOMEM, "out of memory committing a put to '%s'", c->id);
         goto fail;
     }
@@ -325,15 +674,21 @@ int kvr_put_commit(kvr_put *t, kvr_put_result *res, kvr_error *err)
     bool exact = c->n_exact == c->n_tokens;
     if (!c->idx_stale && (rc = ptree_append(&m->tree[1], c, t->tokens, t->n)) != 0) {
         kvr_error_set(err, rc, "out of memory indexing '%s'", c->id);
+        kvr_mem_free(qext);
         goto fail;
     }
     if (exact && (rc = ptree_append(&m->tree[0], c, t->tokens, t->n)) != 0) {
         ptree_truncate(&m->tree[1], c, c->n_tokens);   /* no-op when stale */
         kvr_error_set(err, rc, "out of memory indexing '%s'", c->id);
+        kvr_mem_free(qext);
         goto fail;
     }
     size_t first_index = c->n_tokens;
-    for (size_t r = 0; r < t->n_runs; r++) {
+    if (t->quant) {
+        commit_quant(t, qext);
+        c->cap_ext = qcap;
+    }
+    for (size_t r = 0; r < t->n_runs && !t->quant; r++) {
         put_run *run = &t->runs[r];
         kvr_extent *last = c->n_ext ? &c->ext[c->n_ext - 1] : NULL;
         if (r == 0 && t->tail)

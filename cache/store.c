@@ -15,6 +15,8 @@
  *    evictable would be enough, so a refused write harms nothing stored.
  *  - Shift and keep change extents only: no K/V byte is copied or rotated.
  */
+#include <math.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -181,7 +183,8 @@ kvr_ctx *ctx_new(kvr_store *s, kvr_model *m, const char *id)
     memcpy(c->id, id, c->id_len + 1);
     c->hash = fnv1a(id, c->id_len, FNV_INIT);
     c->model = m;
-    c->dtype = m->dtype;
+    c->codec = m->codec;
+    c->dtype = m->codec.dtype;
     c->pending = true;
     c->created_ms = c->accessed_ms = now_ms();
     if (s->n_ctx >= s->n_buckets)
@@ -398,6 +401,7 @@ void model_fill_info(const kvr_model *m, kvr_model_info *out)
     out->rope = &m->rope_cfg;
     out->engine = m->engine;
     out->n_contexts = m->n_contexts;
+    memcpy(out->codec, m->codec.name, sizeof out->codec);
 }
 
 static uint64_t model_fingerprint(const kvr_model_desc *d, const kvr_rope_config *rc,
@@ -491,6 +495,8 @@ int kvr_store_model_register(kvr_store *s, const kvr_model_desc *d,
     m->dtype = d->dtype;
     m->fingerprint = fp;
     m->rope_cfg = rcfg;
+    if ((rc = qspec_parse(d->codec, m, d->dtype, &m->codec, err)) != 0)
+        goto fail_engine;
     ptree_init(&m->tree[0], 0);
     ptree_init(&m->tree[1], 1);
     s->models[s->n_models++] = m;
@@ -578,6 +584,8 @@ static void ctx_fill_info(kvr_store *s, const kvr_ctx *c, kvr_ctx_info *o)
     o->pos_min = 0;
     o->pos_max = -1;
     /* Own references per block first, then count each block once. */
+    memcpy(o->codec, c->codec.name, sizeof o->codec);
+    double kvbytes = 0;
     uint32_t ep = ++s->epoch;
     for (size_t i = 0; i < c->n_ext; i++) {
         kvr_block *b = c->ext[i].block;
@@ -599,6 +607,12 @@ static void ctx_fill_info(kvr_store *s, const kvr_ctx *c, kvr_ctx_info *o)
                 o->n_shared_blocks++;
             b->mark = ep;
         }
+        size_t row = (size_t)c->model->n_kv_heads * c->model->head_dim;
+        double per_tok = b->quant ? (double)(QH(b)->kslab + QH(b)->vslab) * c->model->n_layers / b->cap
+                                  : 2.0 * c->model->n_layers * row * kvr_dtype_size(b->dtype);
+        kvbytes += per_tok * e->count;
+        if (c->codec.quant && !b->quant)
+            o->n_window += e->count;
         if (e->flags & KVR_TOKEN_APPROX)
             o->n_approx += e->count;
         if (e->flags & KVR_TOKEN_PENDING)
@@ -612,6 +626,14 @@ static void ctx_fill_info(kvr_store *s, const kvr_ctx *c, kvr_ctx_info *o)
             first = false;
         }
     }
+    size_t values = c->n_tokens * 2u * c->model->n_layers * c->model->n_kv_heads *
+                    c->model->head_dim;
+    double plain = (double)values * (double)kvr_dtype_size(c->model->dtype);
+    o->kv_bytes = (size_t)(kvbytes + 0.5);
+    o->bytes_saved = c->codec.quant && plain > kvbytes ? (size_t)(plain - kvbytes + 0.5) : 0;
+    o->bits_per_value = values ? kvbytes * 8.0 / (double)values : 0;
+    o->rel_rms_k = c->q_ss[0] > 0 ? sqrt(c->q_sse[0] / c->q_ss[0]) : 0;
+    o->rel_rms_v = c->q_ss[1] > 0 ? sqrt(c->q_sse[1] / c->q_ss[1]) : 0;
 }
 
 int kvr_store_stat(kvr_store *s, const char *ctx_id, kvr_ctx_info *out, kvr_error *err)
@@ -692,6 +714,9 @@ int kvr_store_fork(kvr_store *s, const char *src, const char *dst, kvr_error *er
     b->n_tokens = a->n_tokens;
     b->n_exact = a->n_exact;
     b->dtype = a->dtype;
+    b->codec = a->codec;
+    memcpy(b->q_sse, a->q_sse, sizeof b->q_sse);
+    memcpy(b->q_ss, a->q_ss, sizeof b->q_ss);
     b->n_protected = a->n_protected;
     if (a->idx_stale) {
         b->idx_stale = true;
@@ -856,4 +881,19 @@ void kvr_store_get_stats(const kvr_store *s, kvr_store_stats *out)
     out->n_match_hits = s->n_match_hits;
     out->n_refused_nomem = s->n_refused_nomem;
     out->n_leased_blocks = s->n_leased_blocks;
+    /* Codec figures: the same sums stat makes, over quantized contexts. */
+    double bits = 0, values = 0;
+    for (const kvr_ctx *c = s->lru_head; c; c = c->lru_next) {
+        if (!c->codec.quant || c->pending)
+            continue;
+        kvr_ctx_info ci;
+        ctx_fill_info((kvr_store *)(uintptr_t)s, c, &ci);
+        out->n_quant_contexts++;
+        out->quant_bytes_saved += ci.bytes_saved;
+        double v = (double)c->n_tokens * 2.0 * c->model->n_layers * c->model->n_kv_heads *
+                   c->model->head_dim;
+        bits += ci.bits_per_value * v;
+        values += v;
+    }
+    out->quant_bits_per_value = values > 0 ? bits / values : 0;
 }

@@ -23,6 +23,7 @@
 #define KVR_STORE_INTERNAL_H
 
 #include "cache/cache.h"
+#include "cache/codec.h"
 
 #define KVR_DEFAULT_BLOCK_TOKENS 64u
 #define KVR_BLOCK_ALIGN 64u
@@ -33,6 +34,16 @@ typedef struct kvr_ctx kvr_ctx;
 typedef struct kvr_model kvr_model;
 typedef struct pnode pnode;
 
+/* Header of a quantized block, in the first KVR_QHDR_BYTES of its data (so
+ * plain blocks keep their small struct). */
+typedef struct kvr_qhdr {
+    kvr_codec kc, vc;
+    uint32_t  ktile;        /* 1 = K rows; else K tile tokens (cap % ktile == 0) */
+    size_t    krow, vrow, kslab, vslab;
+} kvr_qhdr;
+#define KVR_QHDR_BYTES 128u
+#define QH(b) ((const kvr_qhdr *)(const void *)(b)->data)
+
 struct kvr_block {
     uint32_t  refcount;
     uint32_t  holds;        /* part of refcount: leases + open puts */
@@ -40,7 +51,12 @@ struct kvr_block {
     uint32_t  mark, mcount; /* scratch for whole-store scans (epoch, count) */
     uint32_t  used;         /* committed slots (a prefix of the block) */
     uint32_t  cap;          /* slots (the store's block_tokens) */
-    kvr_dtype dtype;        /* storage dtype (codec later) */
+    kvr_dtype dtype;        /* plain blocks: storage dtype; quant: window dtype */
+    /* Quantized blocks (quant.c). K and V hold encoded rows (per-token
+     * codecs: `krow`/`vrow` bytes per slot) or, for a per-channel K codec,
+     * tiles of `ktile` slots (`krow` bytes per tile); keys are stored
+     * UN-ROTATED (pre-RoPE), so stored_pos is metadata only. */
+    bool      quant;        /* header (kvr_qhdr) at the start of data */
     size_t    bytes;        /* accounted bytes of data */
     uint8_t  *data;         /* kvr_mem_aligned; layers then metadata */
     int64_t  *stored_pos;   /* [cap], inside data */
@@ -94,8 +110,20 @@ int  ptree_clone(kvr_ptree *t, kvr_ctx *src, kvr_ctx *dst);
 size_t ptree_match(const kvr_ptree *t, const uint32_t *q, size_t n, kvr_ctx **rep);
 
 /* ---- models, contexts, store -------------------------------------------- */
+/* A storage codec of a model or context (quant.c). plain: blocks in
+ * `dtype`, keys rotated at their stored-at positions (the historical
+ * format). quant: quantized blocks with pre-RoPE keys, plus plain window
+ * blocks in `dtype` (the model's) for the most recent tokens. */
+typedef struct kvr_qspec {
+    bool           quant;
+    kvr_dtype      dtype;
+    kvr_codec_pair pair;
+    char           name[KVR_CODEC_NAME_MAX];
+} kvr_qspec;
+
 struct kvr_model {
     char            name[KVR_ID_MAX + 1];
+    kvr_qspec       codec;      /* default codec of new contexts */
     uint32_t        n_layers, n_kv_heads, head_dim;
     kvr_dtype       dtype;
     uint64_t        fingerprint;
@@ -113,7 +141,9 @@ struct kvr_ctx {
     kvr_ctx    *hnext;          /* hash chain */
     kvr_ctx    *lru_prev, *lru_next;  /* prev = more recent */
     kvr_model  *model;
-    kvr_dtype   dtype;          /* storage dtype (codec id later) */
+    kvr_dtype   dtype;          /* plain (window) blocks' storage dtype */
+    kvr_qspec   codec;
+    double      q_sse[2], q_ss[2];  /* K, V: sum sq. error / sum sq. of quantized data */
     kvr_extent *ext;
     size_t      n_ext, cap_ext;
     size_t      n_tokens;
@@ -209,5 +239,45 @@ int  layout_ctx_hash(const kvr_ctx *c, uint64_t *out, kvr_error *err);
 /* c's APE record (borrowed strings): false if c was not created with one. */
 bool layout_ape_record(const kvr_ctx *c, const char **prefix, uint64_t *fp,
                        size_t *len, uint64_t *hash);
+
+/* quant.c: codecs at rest. */
+/* Parses a codec spec (docs/quantized.md) for a model of dtype mdt and
+ * shape; "" or NULL = plain mdt. KVR_EINVAL with a message on error. */
+int  qspec_parse(const char *spec, const kvr_model *m, kvr_dtype mdt, kvr_qspec *out,
+                 kvr_error *err);
+/* Slots per quantized block of a context with this codec. */
+uint32_t qspec_block_cap(const kvr_store *s, const kvr_qspec *q);
+kvr_block *block_new_quant(kvr_store *s, const kvr_model *m, const kvr_qspec *q);
+size_t     block_quant_bytes(const kvr_store *s, const kvr_model *m, const kvr_qspec *q);
+/* Tile size alignment of a context's quantized K (1 for rows). */
+uint32_t qspec_ktile(const kvr_qspec *q);
+
+/* Encodes n tokens of one layer side (kv 0: keys, already pre-RoPE, f32
+ * [n][row]; kv 1: values) into consecutive slots of quantized blocks
+ * (runs). K tiles must start on a tile boundary; a run's last partial tile
+ * is padded by repeating its last token (so the group ranges do not grow).
+ * Accumulates the measured squared error and squared values. `scratch`
+ * holds 2 * ktile * row floats. */
+typedef struct qrun {
+    kvr_block *b;
+    uint32_t   first, count;
+} qrun;
+int  quant_encode_side(const kvr_model *m, const qrun *runs, size_t n_runs, uint32_t layer,
+                       int kv, const float *src, float *scratch, double *sse, double *ss);
+/* Decodes slots [first, first+count) of layer/kv of a quantized block into
+ * f32 [count][row]. tilebuf: ktile * row floats (K tiles only). */
+void quant_decode_side(const kvr_model *m, const kvr_block *b, uint32_t layer, int kv,
+                       uint32_t first, uint32_t count, float *dst, float *tilebuf);
+/* Reads keys (kv 0) or values (kv 1) of slots [first, first+count) of any
+ * block into dst (odt), keys rotated from their stored form to `to`
+ * (plain blocks: reposition from `from`; quantized: apply at `to`).
+ * scratch: (count + ktile) * row floats for quantized blocks. */
+int  block_read_side(const kvr_model *m, const kvr_block *b, uint32_t layer, int kv,
+                     uint32_t first, uint32_t count, void *dst, kvr_dtype odt,
+                     const int64_t *from, const int64_t *to, float *scratch);
+/* Finds the first non-finite value of a payload [layers][2][n][row] in dt:
+ * true and the layer / kv / token index if any. */
+bool quant_find_nonfinite(const void *payload, kvr_dtype dt, uint32_t n_layers, size_t n,
+                          size_t row, uint32_t *layer, int *kv, size_t *tok);
 
 #endif /* KVR_STORE_INTERNAL_H */

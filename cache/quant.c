@@ -1,0 +1,427 @@
+/*
+ * quant.c — K/V codecs at rest in the store: codec specs, quantized blocks,
+ * encoding a put's data into them and reading them back.
+ *
+ * A context's codec (kvr_qspec) is plain (its blocks hold K/V in one float
+ * dtype, keys rotated at their stored-at positions: the historical format)
+ * or quantized. A quantized context has two kinds of blocks:
+ *   - quantized blocks (block->quant): per layer, K then V, each an encoded
+ *     slab (codec.h rows per token, or KIVI tiles of `ktile` tokens for a
+ *     per-channel K codec); keys are stored UN-ROTATED (pre-RoPE, as
+ *     KVQuant does), so a token's stored-at position is metadata only and
+ *     every position change (edit, shift, assemble, groups, sinks) is exact
+ *     and never re-quantizes anything. A read dequantizes and applies RoPE
+ *     at the target positions in one pass (kvr_rope_apply).
+ *   - window blocks: plain blocks in the model's dtype holding the most
+ *     recent tokens appended by put, rotated as a plain context would hold
+ *     them. A put moves window tokens older than the window (and, for
+ *     tiles, in whole tiles) into quantized blocks in its work function
+ *     (off the loop thread), un-rotating their keys in f32 first.
+ *
+ * Invariants: a quantized block's slots below `used` never change; a K
+ * tile is only ever written whole (a partial last tile is padded by
+ * repeating its last token, and no later put appends to a block whose
+ * `used` is not on a tile boundary). Blocks are never written once shared.
+ */
+#include <math.h>
+#include <malloc.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "cache/store_internal.h"
+
+/* ---- specs --------------------------------------------------------------- */
+
+#define DEFAULT_KTILE  128u   /* "k4v2": keys per channel over 128 tokens */
+#define DEFAULT_VGROUP 256u   /* "k4v2": values per token over 256 channels */
+#define DEFAULT_WINDOW 128u
+#define MAX_WINDOW     (1u << 20)
+
+static int parse_bits(const char *s, kvr_codec_type *t)
+{
+    if (s[0] == '8') { *t = KVR_CODEC_INT8; return 1; }
+    if (s[0] == '4') { *t = KVR_CODEC_INT4; return 1; }
+    if (s[0] == '2') { *t = KVR_CODEC_INT2; return 1; }
+    return 0;
+}
+
+/* "int4/g128/c" etc. */
+static int parse_side(const char *s, kvr_codec *c)
+{
+    char buf[48];
+    size_t n = strlen(s);
+    if (n == 0 || n >= sizeof buf)
+        return KVR_EINVAL;
+    memcpy(buf, s, n + 1);
+    bool chan = false;
+    if (n > 2 && strcmp(buf + n - 2, "/c") == 0) {
+        chan = true;
+        buf[n - 2] = '\0';
+    }
+    if (kvr_codec_parse(buf, c) != 0)
+        return KVR_EINVAL;
+    if (chan)
+        c->axis = KVR_CODEC_AXIS_CHANNEL;
+    return kvr_codec_validate(c) == 0 ? 0 : KVR_EINVAL;
+}
+
+static bool parse_uint(const char *s, const char **end, uint32_t *out)
+{
+    char *e;
+    if (*s < '0' || *s > '9')
+        return false;
+    unsigned long v = strtoul(s, &e, 10);
+    if (v > MAX_WINDOW * 4ul)
+        return false;
+    *out = (uint32_t)v;
+    *end = e;
+    return true;
+}
+
+static void side_name(char *out, size_t cap, const kvr_codec *c)
+{
+    if (kvr_codec_is_uniform(c->type))
+        snprintf(out, cap, "%s/g%u%s", kvr_codec_type_name(c->type), kvr_codec_group(c),
+                 c->axis == KVR_CODEC_AXIS_CHANNEL ? "/c" : "");
+    else
+        snprintf(out, cap, "%s", kvr_codec_type_name(c->type));
+}
+
+static bool is_plain(kvr_codec_type t)
+{
+    return t == KVR_CODEC_F32 || t == KVR_CODEC_F16 || t == KVR_CODEC_BF16;
+}
+
+static kvr_dtype plain_dtype(kvr_codec_type t)
+{
+    return t == KVR_CODEC_F32 ? KVR_DTYPE_F32 : t == KVR_CODEC_F16 ? KVR_DTYPE_F16
+                                                                    : KVR_DTYPE_BF16;
+}
+
+int qspec_parse(const char *spec, const kvr_model *m, kvr_dtype mdt, kvr_qspec *out,
+                kvr_error *err)
+{
+    memset(out, 0, sizeof *out);
+    out->dtype = mdt;
+    if (!spec || !spec[0]) {
+        snprintf(out->name, sizeof out->name, "%s", kvr_dtype_name(mdt));
+        return 0;
+    }
+    kvr_codec_pair p;
+    memset(&p, 0, sizeof p);
+    kvr_dtype dt;
+    const char *e;
+    if (strlen(spec) >= 128)
+        goto bad;
+    if (kvr_dtype_parse(spec, &dt) == 0) {
+        out->dtype = dt;
+        snprintf(out->name, sizeof out->name, "%s", kvr_dtype_name(dt));
+        return 0;
+    }
+    if (strcmp(spec, "quant") == 0 || strcmp(spec, "default") == 0)
+        spec = "k4v2";
+    if (spec[0] == 'k' && spec[1] && parse_bits(spec + 1, &p.k.type) && spec[2] == 'v' &&
+        spec[3] && parse_bits(spec + 3, &p.v.type) && spec[4] == '\0') {
+        p.k.group = DEFAULT_KTILE;
+        p.k.axis = KVR_CODEC_AXIS_CHANNEL;
+        p.v.group = DEFAULT_VGROUP;
+        p.window = DEFAULT_WINDOW;
+    } else if (strncmp(spec, "kivi:k", 6) == 0) {
+        const char *q = spec + 6;
+        if (!parse_bits(q, &p.k.type) || q[1] != 'v' || !parse_bits(q + 2, &p.v.type))
+            goto bad;
+        q += 3;
+        uint32_t g = DEFAULT_KTILE, r = DEFAULT_WINDOW;
+        while (*q) {
+            if (q[0] == ':' && q[1] == 'g' && parse_uint(q + 2, &e, &g))
+                q = e;
+            else if (q[0] == ':' && q[1] == 'r' && parse_uint(q + 2, &e, &r))
+                q = e;
+            else
+                goto bad;
+        }
+        p.k.group = p.v.group = g;
+        p.k.axis = KVR_CODEC_AXIS_CHANNEL;
+        p.window = r;
+    } else if (strncmp(spec, "k=", 2) == 0) {
+        char buf[128];
+        memcpy(buf, spec, strlen(spec) + 1);
+        char *vpart = strstr(buf, ",v=");
+        if (!vpart)
+            goto bad;
+        *vpart = '\0';
+        vpart += 3;
+        char *rpart = strstr(vpart, ",r=");
+        if (rpart) {
+            *rpart = '\0';
+            rpart += 3;
+            if (!parse_uint(rpart, &e, &p.window) || *e)
+                goto bad;
+        }
+        if (parse_side(buf + 2, &p.k) != 0 || parse_side(vpart, &p.v) != 0)
+            goto bad;
+    } else {
+        if (parse_side(spec, &p.k) != 0)
+            goto bad;
+        p.v = p.k;
+    }
+    if (kvr_codec_validate(&p.k) != 0 || kvr_codec_validate(&p.v) != 0)
+        goto bad;
+    if (p.v.axis != KVR_CODEC_AXIS_TOKEN)
+        return kvr_error_set(err, KVR_EINVAL, "codec '%s': values are grouped per token "
+                             "(no /c on v)", spec);
+    if (p.window > MAX_WINDOW)
+        return kvr_error_set(err, KVR_EINVAL, "codec '%s': window over %u tokens", spec,
+                             MAX_WINDOW);
+    if (is_plain(p.k.type) && p.k.type == p.v.type && p.window == 0) {
+        out->dtype = plain_dtype(p.k.type);
+        snprintf(out->name, sizeof out->name, "%s", kvr_dtype_name(out->dtype));
+        return 0;
+    }
+    if (!kvr_rope_config_composes(&m->rope_cfg))
+        return kvr_error_set(err, KVR_EUNSUPPORTED, "codec '%s': quantized keys are stored "
+                             "pre-RoPE, and model '%s' uses length-dependent RoPE scaling",
+                             spec, m->name);
+    size_t row = (size_t)m->n_kv_heads * m->head_dim;
+    if (kvr_codec_row_bytes(&p.k, row) == 0 || kvr_codec_row_bytes(&p.v, row) == 0)
+        return kvr_error_set(err, KVR_EINVAL, "codec '%s' does not fit rows of %zu values "
+                             "(ggml blocks need a multiple of 32)", spec, row);
+    out->quant = true;
+    out->pair = p;
+    char ks[20], vs[20];
+    side_name(ks, sizeof ks, &p.k);
+    side_name(vs, sizeof vs, &p.v);
+    snprintf(out->name, sizeof out->name, "k=%s,v=%s,r=%u", ks, vs, p.window);
+    return 0;
+
+bad:
+    return kvr_error_set(err, KVR_EINVAL,
+                         "bad codec spec '%.128s' (expected f32|f16|bf16, int8|int4|int2"
+                         "[/gN], q8_0|q4_0|q4_1|q5_0, k4v2-style k<b>v<b>, "
+                         "kivi:k<b>v<b>[:gG][:rR], or k=<codec>[/c],v=<codec>[,r=R])",
+                         spec);
+}
+
+int kvr_store_codec_check(const kvr_store *s, const char *model, const char *spec,
+                          char out[KVR_CODEC_NAME_MAX], kvr_error *err)
+{
+    kvr_model *m = model_find(s, model);
+    if (!m)
+        return kvr_error_set(err, KVR_ENOMODEL, "no model '%s'", model ? model : "");
+    kvr_qspec q;
+    int rc = qspec_parse(spec, m, m->dtype, &q, err);
+    if (rc == 0 && out)
+        memcpy(out, q.name, KVR_CODEC_NAME_MAX);
+    return rc;
+}
+
+uint32_t qspec_ktile(const kvr_qspec *q)
+{
+    if (!q->quant || q->pair.k.axis != KVR_CODEC_AXIS_CHANNEL)
+        return 1;
+    return kvr_codec_group(&q->pair.k);
+}
+
+uint32_t qspec_block_cap(const kvr_store *s, const kvr_qspec *q)
+{
+    uint32_t g = qspec_ktile(q);
+    return (s->B + g - 1) / g * g;
+}
+
+/* ---- blocks -------------------------------------------------------------- */
+
+static size_t align64(size_t n)
+{
+    return (n + KVR_BLOCK_ALIGN - 1) & ~(size_t)(KVR_BLOCK_ALIGN - 1);
+}
+
+typedef struct qgeom {
+    uint32_t cap, ktile;
+    size_t   krow, vrow, kslab, vslab, kv;
+} qgeom;
+
+static void geom(const kvr_store *s, const kvr_model *m, const kvr_qspec *q, qgeom *g)
+{
+    size_t row = (size_t)m->n_kv_heads * m->head_dim;
+    g->cap = qspec_block_cap(s, q);
+    g->ktile = qspec_ktile(q);
+    g->krow = g->ktile > 1 ? kvr_codec_tile_bytes(&q->pair.k, row)
+                           : kvr_codec_row_bytes(&q->pair.k, row);
+    g->vrow = kvr_codec_row_bytes(&q->pair.v, row);
+    g->kslab = align64(g->krow * (g->cap / g->ktile));
+    g->vslab = align64(g->vrow * g->cap);
+    g->kv = KVR_QHDR_BYTES + (g->kslab + g->vslab) * m->n_layers;
+}
+
+size_t block_quant_bytes(const kvr_store *s, const kvr_model *m, const kvr_qspec *q)
+{
+    qgeom g;
+    geom(s, m, q, &g);
+    return g.kv + (size_t)g.cap * (sizeof(int64_t) + sizeof(uint32_t) + sizeof(int32_t));
+}
+
+kvr_block *block_new_quant(kvr_store *s, const kvr_model *m, const kvr_qspec *q)
+{
+    qgeom g;
+    geom(s, m, q, &g);
+    kvr_block *b = kvr_mem_calloc(1, sizeof *b);
+    if (!b)
+        return NULL;
+    size_t bytes = block_quant_bytes(s, m, q);
+    b->data = kvr_mem_aligned(KVR_BLOCK_ALIGN, bytes);
+    if (!b->data) {
+        kvr_mem_free(b);
+        return NULL;
+    }
+    /* Padding and unused tails are never read, but keep them defined. */
+    memset(b->data, 0, g.kv);
+    b->stored_pos = (int64_t *)(void *)(b->data + g.kv);
+    b->tokens = (uint32_t *)(void *)(b->data + g.kv + (size_t)g.cap * sizeof(int64_t));
+    b->groups = (int32_t *)(void *)(b->data + g.kv + (size_t)g.cap * 12u);
+    b->refcount = 1;
+    b->cap = g.cap;
+    b->dtype = q->dtype;
+    b->quant = true;
+    kvr_qhdr *h = (kvr_qhdr *)(void *)b->data;
+    h->kc = q->pair.k;
+    h->vc = q->pair.v;
+    h->ktile = g.ktile;
+    h->krow = g.krow;
+    h->vrow = g.vrow;
+    h->kslab = g.kslab;
+    h->vslab = g.vslab;
+    b->bytes = malloc_usable_size(b->data) + malloc_usable_size(b);
+    s->n_blocks++;
+    s->block_bytes += b->bytes;
+    return b;
+}
+
+/* ---- encode / decode ----------------------------------------------------- */
+
+static void acc(const float *ref, const float *dec, size_t n, double *sse, double *ss)
+{
+    double e = 0, r = 0;
+    for (size_t i = 0; i < n; i++) {
+        double d = (double)dec[i] - (double)ref[i];
+        e += d * d;
+        r += (double)ref[i] * (double)ref[i];
+    }
+    *sse += e;
+    *ss += r;
+}
+
+int quant_encode_side(const kvr_model *m, const qrun *runs, size_t n_runs, uint32_t layer,
+                      int kv, const float *src, float *scratch, double *sse, double *ss)
+{
+    size_t row = (size_t)m->n_kv_heads * m->head_dim, bad = 0;
+    const float *x = src;
+    for (size_t r = 0; r < n_runs; r++) {
+        const kvr_block *b = runs[r].b;
+        const kvr_codec *c = kv ? &QH(b)->vc : &QH(b)->kc;
+        if (kv || QH(b)->ktile == 1) {
+            for (uint32_t j = 0; j < runs[r].count; j++, x += row) {
+                uint8_t *dst = block_kv(b, m, layer, kv, runs[r].first + j);
+                int rc = kvr_codec_encode(c, dst, x, KVR_DTYPE_F32, row, &bad);
+                if (rc != 0)
+                    return rc;
+                kvr_codec_decode(c, scratch, KVR_DTYPE_F32, dst, row);
+                acc(x, scratch, row, sse, ss);
+            }
+            continue;
+        }
+        uint32_t G = QH(b)->ktile;
+        for (uint32_t j = 0; j < runs[r].count; j += G) {
+            uint32_t k = runs[r].count - j < G ? runs[r].count - j : G;
+            const float *tsrc = x;
+            if (k < G) {
+                memcpy(scratch, x, (size_t)k * row * sizeof *scratch);
+                for (uint32_t t = k; t < G; t++)
+                    memcpy(scratch + (size_t)t * row, x + (size_t)(k - 1) * row,
+                           row * sizeof *scratch);
+                tsrc = scratch;
+            }
+            uint8_t *dst = block_kv(b, m, layer, 0, runs[r].first + j);
+            int rc = kvr_codec_encode_tile(c, dst, tsrc, KVR_DTYPE_F32, row, row, &bad);
+            if (rc != 0)
+                return rc;
+            float *dec = scratch + (size_t)G * row;
+            kvr_codec_decode_tile(c, dec, KVR_DTYPE_F32, row, dst, row);
+            acc(x, dec, (size_t)k * row, sse, ss);
+            x += (size_t)k * row;
+        }
+    }
+    return 0;
+}
+
+void quant_decode_side(const kvr_model *m, const kvr_block *b, uint32_t layer, int kv,
+                       uint32_t first, uint32_t count, float *dst, float *tilebuf)
+{
+    size_t row = (size_t)m->n_kv_heads * m->head_dim;
+    const kvr_codec *c = kv ? &QH(b)->vc : &QH(b)->kc;
+    if (kv || QH(b)->ktile == 1) {
+        for (uint32_t j = 0; j < count; j++)
+            kvr_codec_decode(c, dst + (size_t)j * row, KVR_DTYPE_F32,
+                             block_kv(b, m, layer, kv, first + j), row);
+        return;
+    }
+    uint32_t G = QH(b)->ktile, s = first, end = first + count;
+    while (s < end) {
+        uint32_t t0 = s / G * G, e = t0 + G < end ? t0 + G : end;
+        kvr_codec_decode_tile(c, tilebuf, KVR_DTYPE_F32, row, block_kv(b, m, layer, 0, t0),
+                              row);
+        memcpy(dst + (size_t)(s - first) * row, tilebuf + (size_t)(s - t0) * row,
+               (size_t)(e - s) * row * sizeof *dst);
+        s = e;
+    }
+}
+
+int block_read_side(const kvr_model *m, const kvr_block *b, uint32_t layer, int kv,
+                    uint32_t first, uint32_t count, void *dst, kvr_dtype odt,
+                    const int64_t *from, const int64_t *to, float *scratch)
+{
+    size_t row = (size_t)m->n_kv_heads * m->head_dim;
+    if (!b->quant) {
+        const uint8_t *src = block_kv(b, m, layer, kv, first);
+        if (kv || !from || !to) {
+            kvr_convert(dst, odt, src, b->dtype, count * row);
+            return 0;
+        }
+        return kvr_rope_reposition(m->engine, dst, odt, src, b->dtype, count,
+                                   m->n_kv_heads, from, to, NULL);
+    }
+    if (kv) {
+        size_t osz = kvr_dtype_size(odt);
+        for (uint32_t j = 0; j < count; j++)
+            kvr_codec_decode(&QH(b)->vc, (uint8_t *)dst + (size_t)j * row * osz, odt,
+                             block_kv(b, m, layer, 1, first + j), row);
+        return 0;
+    }
+    quant_decode_side(m, b, layer, 0, first, count, scratch, scratch + (size_t)count * row);
+    return kvr_rope_apply(m->engine, dst, odt, scratch, KVR_DTYPE_F32, count,
+                          m->n_kv_heads, to, NULL);
+}
+
+bool quant_find_nonfinite(const void *payload, kvr_dtype dt, uint32_t n_layers, size_t n,
+                          size_t row, uint32_t *layer, int *kv, size_t *tok)
+{
+    size_t per = n * row, total = per * 2u * n_layers, i = 0;
+    if (dt == KVR_DTYPE_F32) {
+        const float *f = payload;
+        for (; i < total; i++)
+            if (!isfinite(f[i]))
+                break;
+    } else {
+        const uint16_t *h = payload;
+        uint16_t mask = dt == KVR_DTYPE_F16 ? 0x7c00u : 0x7f80u;
+        for (; i < total; i++)
+            if ((h[i] & mask) == mask)
+                break;
+    }
+    if (i == total)
+        return false;
+    *layer = (uint32_t)(i / (2 * per));
+    *kv = (int)(i / per % 2);
+    *tok = i % per / row;
+    return true;
+}
