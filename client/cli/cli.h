@@ -24,7 +24,7 @@ enum {
 /* Parsed command line: global options plus the subcommand's. Option values
  * point into argv (borrowed for the process lifetime). */
 #define CLI_MAX_OPTS 32
-#define CLI_MAX_POS  16
+#define CLI_MAX_POS  128   /* assemble PREFIX DOC...: room for many documents */
 typedef struct cli_args {
     const char *socket, *connect, *token_file;
     bool        json, quiet;
@@ -82,6 +82,22 @@ void cli_st_free(cli_st_kv *st);
  * flags, groups; metadata names the model and context. */
 int cli_st_write(const char *path, const kvr_kv *kv, char *err, size_t errlen);
 
+/* One more tensor for cli_st_write_ex (data borrowed for the call). */
+typedef struct cli_st_extra {
+    const char *name;
+    const char *dtype;      /* safetensors dtype name: "I64", "F64", ... */
+    size_t      shape[4];
+    int         ndim;
+    const void *data;
+    size_t      bytes;
+} cli_st_extra;
+
+/* cli_st_write plus n_meta metadata entries (extra_meta holds key, value,
+ * key, value, ... strings) and n_extra tensors after the standard ones. */
+int cli_st_write_ex(const char *path, const kvr_kv *kv, const char *const *extra_meta,
+                    size_t n_meta, const cli_st_extra *extra, size_t n_extra, char *err,
+                    size_t errlen);
+
 /* Writes a buffer / iovecs to path ("-" = stdout). */
 int cli_write_iov(const char *path, struct iovec *iov, size_t n, char *err, size_t errlen);
 
@@ -93,5 +109,38 @@ long cli_parse_u32_list(const char *s, uint32_t **out);
 long cli_parse_i64_list(const char *s, int64_t **out);
 /* Tokens from a file: *.bin = little-endian u32, else text as above. */
 long cli_read_tokens_file(const char *path, uint32_t **out, char *err, size_t errlen);
+
+/* ---- position layouts (cli_layout.c) ------------------------------------ */
+struct cJSON;
+
+/* The `kvrope --help` section of the layout commands (two strings: each
+ * stays under the compiler's string-literal limit). */
+extern const char cli_layout_help[];
+extern const char cli_layout_help_file[];
+
+/* assemble, group, retain: known/dispatched by main.c next to cli_run. */
+bool cli_layout_command(const char *cmd);
+int  cli_layout_run(kvr_client *c, const cli_args *a);
+bool cli_layout_option_takes_value(const char *name);
+bool cli_layout_option_is_flag(const char *name);
+
+/* put's layout options: --prefix-ctx P (APE document), --group NAME and
+ * --groups A,B[:PHI] (GPE). Fills po and, for a group put, clears p's
+ * positions (the group gives them) and sets lay->group: the caller then
+ * uses kvr_client_group_append. Returns CLI_OK or CLI_USAGE (printed). */
+typedef struct cli_put_layout {
+    const char *group;                              /* NULL: a plain put */
+    char        name_buf[KVR_LAYOUT_MAX_GROUPS][64];
+    const char *names[KVR_LAYOUT_MAX_GROUPS];
+    int64_t     offsets[KVR_LAYOUT_MAX_GROUPS];
+} cli_put_layout;
+int cli_put_layout_opts(const cli_args *a, kvr_put_args *p, kvr_put_opts *po,
+                        cli_put_layout *lay);
+
+/* stat: the context's layout (APE prefix, groups, retention) added to its
+ * JSON object as "layout", or printed as more "label: value" lines. A
+ * failed layout_stat adds / prints nothing. */
+void cli_layout_stat_json(kvr_client *c, const char *ctx, struct cJSON *j);
+void cli_layout_stat_print(kvr_client *c, const char *ctx);
 
 #endif

@@ -460,7 +460,9 @@ static int cmd_stat(kvr_client *c, const cli_args *a)
     if (r < 0)
         return cli_fail(a, c, r, "stat");
     if (a->json) {
-        print_json(ctx_json(&x));
+        cJSON *j = ctx_json(&x);
+        cli_layout_stat_json(c, a->pos[0], j);
+        print_json(j);
     } else {
         char b[32];
         human_bytes(b, sizeof b, (double)x.bytes);
@@ -470,6 +472,7 @@ static int cmd_stat(kvr_client *c, const cli_args *a)
                "pinned:       %s\nevicted:      %" PRIu64 " tokens\n",
                x.id, x.model, x.n_tokens, x.pos_min, x.pos_max, x.n_blocks, x.n_shared_blocks,
                x.n_approximate, b, x.pinned ? "yes" : "no", x.n_evicted_tokens);
+        cli_layout_stat_print(c, a->pos[0]);
     }
     return CLI_OK;
 }
@@ -646,9 +649,14 @@ static int cmd_put(kvr_client *c, const cli_args *a)
     p.tokens = tokens;
     p.n_tokens = (size_t)ntok;
     p.positions = positions;
+    cli_put_layout lay;   /* --prefix-ctx, --group, --groups (cli_layout.c) */
+    rc = cli_put_layout_opts(a, &p, &po, &lay);
+    if (rc != CLI_OK)
+        goto out;
     kvr_put_res res;
     cli_progress_begin(c, "put");
-    r = kvr_client_put_ex(c, &p, &po, &res);
+    r = lay.group ? kvr_client_group_append(c, &p, lay.group, &po, &res)
+                  : kvr_client_put_ex(c, &p, &po, &res);
     cli_progress_end();
     if (r < 0) {
         rc = cli_fail(a, c, r, "put");

@@ -10,7 +10,8 @@
  *   tokens     [tokens]  I32 (U32 if an id needs 32 bits)
  *   positions  [tokens]  I64
  *   flags      [tokens]  I32,  groups [tokens] I32
- * and __metadata__ {format: "kvrope", model, context_id, start}. The wire's
+ * and __metadata__ {format: "kvrope", model, context_id, start}; an assemble
+ * adds its segment table (metadata and tensors, see cli_layout.c). The wire's
  * layer-major K|V interleave is undone with iovecs, never a copy: k is the
  * K slab of every layer in turn, then v the V slabs.
  */
@@ -265,6 +266,13 @@ static void add_tensor(cJSON *root, const char *name, const char *dtype, const s
 
 int cli_st_write(const char *path, const kvr_kv *kv, char *err, size_t errlen)
 {
+    return cli_st_write_ex(path, kv, NULL, 0, NULL, 0, err, errlen);
+}
+
+int cli_st_write_ex(const char *path, const kvr_kv *kv, const char *const *extra_meta,
+                    size_t n_meta, const cli_st_extra *extra, size_t n_extra, char *err,
+                    size_t errlen)
+{
     size_t n = kv->n_tokens, L = kv->n_layers;
     size_t slab = kvr_payload_size(1, n, kv->n_kv_heads, kv->head_dim, kv->dtype) / 2;
     bool need_u32 = false;
@@ -279,6 +287,8 @@ int cli_st_write(const char *path, const kvr_kv *kv, char *err, size_t errlen)
     cJSON_AddStringToObject(meta, "context_id", kv->ctx_id);
     snprintf(buf, sizeof buf, "%llu", (unsigned long long)kv->start);
     cJSON_AddStringToObject(meta, "start", buf);
+    for (size_t i = 0; i < n_meta; i++)
+        cJSON_AddStringToObject(meta, extra_meta[2 * i], extra_meta[2 * i + 1]);
     size_t off = 0;
     size_t shape[4] = { L, n, kv->n_kv_heads, kv->head_dim };
     add_tensor(root, "k", st_dtype_name(kv->dtype), shape, 4, &off, L * slab);
@@ -287,6 +297,9 @@ int cli_st_write(const char *path, const kvr_kv *kv, char *err, size_t errlen)
     add_tensor(root, "positions", "I64", &n, 1, &off, n * 8);
     add_tensor(root, "flags", "I32", &n, 1, &off, n * 4);
     add_tensor(root, "groups", "I32", &n, 1, &off, n * 4);
+    for (size_t i = 0; i < n_extra; i++)
+        add_tensor(root, extra[i].name, extra[i].dtype, extra[i].shape, extra[i].ndim, &off,
+                   extra[i].bytes);
     char *json = cJSON_PrintUnformatted(root);
     cJSON_Delete(root);
     if (!json) {
@@ -295,7 +308,7 @@ int cli_st_write(const char *path, const kvr_kv *kv, char *err, size_t errlen)
     }
     size_t jl = strlen(json), padded = (jl + 7) & ~(size_t)7;
     char *hdr = malloc(8 + padded);
-    struct iovec *iov = malloc((2 * L + 6) * sizeof *iov);
+    struct iovec *iov = malloc((2 * L + 6 + n_extra) * sizeof *iov);
     if (!hdr || !iov) {
         free(json);
         free(hdr);
@@ -319,6 +332,8 @@ int cli_st_write(const char *path, const kvr_kv *kv, char *err, size_t errlen)
     iov[k++] = (struct iovec){ kv->positions, n * 8 };
     iov[k++] = (struct iovec){ kv->flags, n * 4 };
     iov[k++] = (struct iovec){ kv->groups, n * 4 };
+    for (size_t i = 0; i < n_extra; i++)
+        iov[k++] = (struct iovec){ (void *)(uintptr_t)extra[i].data, extra[i].bytes };
     int rc = cli_write_iov(path, iov, k, err, errlen);
     free(hdr);
     free(iov);

@@ -2,7 +2,8 @@
  * main.c — the `kvrope` command-line tool: global options, then one
  * subcommand. `kvrope rope ...` is handed to the RoPE engine (cli_rope.c)
  * with argv[0] = "rope" and needs no daemon; every other subcommand talks to
- * kvroped through libkvrope (cli_cmd.c).
+ * kvroped through libkvrope (cli_cmd.c; the position-layout commands
+ * assemble, group and retain in cli_layout.c).
  *
  * Options may appear anywhere after the subcommand too (`kvrope ls --json`);
  * `--name=value` and `--name value` are both accepted; `--` ends options.
@@ -165,7 +166,7 @@ static int parse_args(int argc, char **argv, cli_args *a)
                 }
                 goto positional;
             }
-            if (cli_option_takes_value(name)) {
+            if (cli_option_takes_value(name) || cli_layout_option_takes_value(name)) {
                 if (!val) {
                     if (i + 1 >= argc) {
                         fprintf(stderr, "kvrope: option --%s needs a value\n", name);
@@ -179,7 +180,7 @@ static int parse_args(int argc, char **argv, cli_args *a)
             } else if (strcmp(name, "json") && strcmp(name, "quiet") && strcmp(name, "help") &&
                        strcmp(name, "pin") && strcmp(name, "get") && strcmp(name, "meta") &&
                        strcmp(name, "approx") && strcmp(name, "version") &&
-                       strcmp(name, "plan")) {
+                       strcmp(name, "plan") && !cli_layout_option_is_flag(name)) {
                 fprintf(stderr, "kvrope: unknown option --%s\n", name);
                 return CLI_USAGE;
             }
@@ -269,6 +270,8 @@ int main(int argc, char **argv)
     if (cli_flag(&a, "help") || (a.cmd && !strcmp(a.cmd, "help"))) {
         fputs(help_text, stdout);
         fputs(help_edit, stdout);
+        fputs(cli_layout_help, stdout);
+        fputs(cli_layout_help_file, stdout);
         fputs(help_tail, stdout);
         free_args(&a);
         return CLI_OK;
@@ -281,11 +284,13 @@ int main(int argc, char **argv)
     if (!a.cmd) {
         fputs(help_text, stderr);
         fputs(help_edit, stderr);
+        fputs(cli_layout_help, stderr);
+        fputs(cli_layout_help_file, stderr);
         fputs(help_tail, stderr);
         free_args(&a);
         return CLI_USAGE;
     }
-    if (!cli_known_command(a.cmd)) {
+    if (!cli_known_command(a.cmd) && !cli_layout_command(a.cmd)) {
         fprintf(stderr, "kvrope: unknown command '%s' (see kvrope --help)\n", a.cmd);
         free_args(&a);
         return CLI_USAGE;
@@ -332,7 +337,7 @@ int main(int argc, char **argv)
         free_args(&a);
         return CLI_CONNECT;
     }
-    rc = cli_run(c, &a);
+    rc = cli_layout_command(a.cmd) ? cli_layout_run(c, &a) : cli_run(c, &a);
     kvr_client_close(c);
     free_args(&a);
     return rc;
