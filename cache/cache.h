@@ -177,6 +177,10 @@ typedef struct kvr_put_params {
                                       positions (full precision) first. A
                                       payload with nan/inf is KVR_EINVAL
                                       naming the layer and token. */
+    bool            has_payload_bytes; /* the sender's declared payload length:  */
+    size_t          payload_bytes;     /* checked before anything is reserved or
+                                          evicted (KVR_EPAYLOAD), so a refused
+                                          put changes nothing */
 } kvr_put_params;
 
 typedef struct kvr_put_result {

@@ -424,6 +424,11 @@ int kvr_store_put_begin(kvr_store *s, const kvr_put_params *p, kvr_put **out,
     if (!mul_ok(&payload, row, psize) || !mul_ok(&payload, payload, n) ||
         !mul_ok(&payload, payload, 2u * (size_t)m->n_layers))
         return kvr_error_set(err, KVR_ETOOLARGE, "put payload size overflows");
+    if (p->has_payload_bytes && p->payload_bytes != payload)
+        return kvr_error_set(err, KVR_EPAYLOAD,
+                             "put: payload_len %zu, but %u layers x 2 x %zu tokens x %u heads "
+                             "x %u dims x %zu bytes = %zu", p->payload_bytes, m->n_layers, n,
+                             m->n_kv_heads, m->head_dim, psize, payload);
 
     kvr_ctx *c = ctx_find(s, p->ctx_id);
     if (c && c->busy)

@@ -489,6 +489,10 @@ static void start_put(kvr_conn *c, const Kvrope__Put *p, const char *group,
         if (!p->has_head_dim)
             pp.head_dim = mi.head_dim;
     }
+    /* The store checks the declared length before it reserves (and maybe
+     * evicts) anything: a put refused for its length changes nothing. */
+    pp.has_payload_bytes = true;
+    pp.payload_bytes = (size_t)c->fh.payload_len;
     kvr_error e = { 0 };
     int rc = kvr_store_put_begin(c->d->store, &pp, &c->put, &e);
     if (rc < 0) {

@@ -211,3 +211,31 @@ Test(cache_evict, leased_blocks_survive_eviction)
     kvr_store_destroy(s);
     cr_assert_eq(kvr_mem_allocated(), base);
 }
+
+/* A put whose declared payload length does not match its shape is refused
+ * before anything is reserved: nothing is evicted (review finding: a client
+ * could empty the cache with a put it never meant to send). */
+Test(cache_evict, refused_length_evicts_nothing)
+{
+    size_t bb;
+    kvr_store *s = setup(4, &bb);
+    kvr_error e = { 0 };
+    cr_assert_eq(put(s, "victim", 1, 4 * B, &e), 0, "%s", e.msg);
+    size_t n = 64 * B;   /* would need every block the cap has, and more */
+    uint32_t *tok = calloc(n, sizeof *tok);
+    kvr_put_params p = { .ctx_id = "big", .model = "m", .mode = KVR_PUT_CREATE, .n_layers = L,
+                         .n_kv_heads = H, .head_dim = D, .dtype = KVR_DTYPE_F16,
+                         .n_tokens = n, .tokens = tok, .has_payload_bytes = true,
+                         .payload_bytes = 0 };
+    kvr_put *tx = NULL;
+    cr_assert_eq(kvr_store_put_begin(s, &p, &tx, &e), KVR_EPAYLOAD);
+    cr_assert_null(tx);
+    cr_assert(strstr(e.msg, "payload_len 0") != NULL, "%s", e.msg);
+    check_intact(s, "victim", 1, 4 * B);
+    kvr_ctx_info ci;
+    cr_assert_eq(kvr_store_stat(s, "victim", &ci, NULL), 0);
+    cr_assert_eq(ci.n_evicted_tokens, 0);
+    cr_assert_eq(kvr_store_stat(s, "big", &ci, NULL), KVR_ENOCTX);
+    free(tok);
+    kvr_store_destroy(s);
+}
