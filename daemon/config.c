@@ -60,6 +60,9 @@ void kvr_daemon_config_init(kvr_daemon_config *c)
     c->max_drain = 16 * MIB;
     c->block_tokens = 0;
     c->threads = 0;
+    c->io_timeout = 30;
+    c->auth_timeout = 5;
+    c->max_unauth_connections = 64;
     c->log_level = KVR_LOG_INFO;
 }
 
@@ -155,6 +158,12 @@ int kvr_daemon_config_set(kvr_daemon_config *c, const char *key, const char *v,
         rc = parse_u32(v, 1, 1u << 20, &c->block_tokens);
     } else if (!strcmp(key, "threads")) {
         rc = parse_u32(v, 1, 1024, &c->threads);
+    } else if (!strcmp(key, "io-timeout")) {
+        rc = parse_u32(v, 0, 86400, &c->io_timeout);
+    } else if (!strcmp(key, "auth-timeout")) {
+        rc = parse_u32(v, 0, 3600, &c->auth_timeout);
+    } else if (!strcmp(key, "max-unauth-connections")) {
+        rc = parse_u32(v, 1, 1000000, &c->max_unauth_connections);
     } else if (!strcmp(key, "log-level")) {
         rc = kvr_log_level_parse(v, &c->log_level);
     } else {
@@ -241,7 +250,20 @@ static const char *HELP =
 "                         file's content (trailing newline ignored) first\n"
 "  --max-memory SIZE      memory cap for the store, e.g. 4G, 512M or bytes\n"
 "                         (default: 4G or a quarter of RAM, whichever is less)\n"
-"  --max-connections N    simultaneous connections (default 1024)\n"
+"  --max-connections N    simultaneous connections (default 1024); TCP clients\n"
+"                         that still owe Auth count against\n"
+"                         --max-unauth-connections instead\n"
+"  --max-unauth-connections N\n"
+"                         TCP connections that have not authenticated yet\n"
+"                         (with --auth-token-file; default 64), so clients\n"
+"                         without the token cannot lock out local workers\n"
+"  --auth-timeout SECONDS close a connection that has not authenticated\n"
+"                         within this time (default 5; 0 = never)\n"
+"  --io-timeout SECONDS   close a connection that makes no progress for this\n"
+"                         long while sending a frame (a put's payload is\n"
+"                         then aborted) or while a reply waits to be read\n"
+"                         (default 30; 0 = never). Idle connections between\n"
+"                         requests are kept.\n"
 "  --max-frame BYTES      largest protobuf message in a frame (default 1M);\n"
 "                         payloads are bounded by --max-memory\n"
 "  --max-conn-buffer SIZE queued response bytes per connection before the\n"
@@ -283,6 +305,7 @@ static bool known_option(const char *name)
     static const char *names[] = {
         "socket", "listen", "auth-token-file", "max-memory", "max-connections", "max-frame",
         "max-conn-buffer", "max-drain", "block-tokens", "threads", "log-level", "config",
+        "io-timeout", "auth-timeout", "max-unauth-connections",
     };
     for (size_t i = 0; i < sizeof names / sizeof names[0]; i++)
         if (!strcmp(name, names[i]))

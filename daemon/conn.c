@@ -18,6 +18,12 @@
  *  - Reading is stopped while a request is processed (BUSY), so requests on
  *    one connection are handled strictly in order, and while more than
  *    max_conn_buffer bytes of replies wait to be written (back pressure).
+ *  - No peer holds daemon resources by stalling: mid-frame (a partial
+ *    header, MSG, PAYLOAD, DRAIN) and with replies queued, a connection
+ *    that makes no progress for --io-timeout is closed (an open put or edit
+ *    is aborted, leases are released); one that owes Auth is closed after
+ *    --auth-timeout whatever it does. An idle connection between frames
+ *    costs nothing and is kept.
  */
 #include "daemon/daemon_internal.h"
 
@@ -65,6 +71,8 @@ static void on_close(uv_handle_t *h)
     if (c->next)
         c->next->prev = c->prev;
     d->n_conns--;
+    if (!c->authed)
+        d->n_unauth--;
     kvr_log(KVR_LOG_DEBUG, "connection %p closed", (void *)c);
     conn_unref(c);
 }
@@ -143,6 +151,8 @@ static void on_write(uv_write_t *req, int status)
         kvr_assemble_end(w->as);
     kvr_mem_free(w->buf);
     c->writes_pending--;
+    c->write_ms = kvr_now_ms();
+    c->write_q = c->closing ? 0 : uv_stream_get_write_queue_size(&c->h.stream);
     c->out_queued -= w->total;
     if (status == 0)
         c->d->bytes_out += w->total;
@@ -232,7 +242,10 @@ static int queue_write(kvr_conn *c, uint8_t *buf, size_t len, out_payload *src,
         return KVR_EIO;
     }
     c->refs++;
-    c->writes_pending++;
+    if (c->writes_pending++ == 0) {
+        c->write_ms = kvr_now_ms();
+        c->write_q = uv_stream_get_write_queue_size(&c->h.stream);
+    }
     c->out_queued += w->total;
     return 0;
 }
@@ -410,6 +423,7 @@ static void update_reading(kvr_conn *c)
             kvr_conn_close(c);
             return;
         }
+        c->read_ms = kvr_now_ms();   /* the stall clock starts now */
     } else {
         uv_read_stop(&c->h.stream);
     }
@@ -562,6 +576,7 @@ static void read_cb(uv_stream_t *s, ssize_t nread, const uv_buf_t *buf)
     }
     size_t n = (size_t)nread;
     c->d->bytes_in += n;
+    c->read_ms = kvr_now_ms();
     switch (c->st) {
     case CONN_HDR:
         c->hdr_have += n;
@@ -700,6 +715,10 @@ void kvr_conn_start(kvr_daemon *d, kvr_conn *c, bool is_tcp)
     c->refs = 1;
     c->is_tcp = is_tcp;
     c->authed = !is_tcp || d->token == NULL;
+    if (!c->authed) {
+        d->n_unauth++;
+        c->auth_deadline_ms = kvr_now_ms() + (uint64_t)d->cfg.auth_timeout * 1000u;
+    }
     c->h.handle.data = c;
     c->next = d->conns;
     if (d->conns)
@@ -726,10 +745,68 @@ void kvr_conn_stop(kvr_conn *c)
     /* Let the request in flight finish; request_done closes it. */
 }
 
+void kvr_conn_set_authed(kvr_conn *c)
+{
+    if (c->authed)
+        return;
+    c->authed = true;
+    c->d->n_unauth--;
+}
+
+/* True while the peer owes us bytes of a frame it has started. */
+static bool mid_frame(const kvr_conn *c)
+{
+    switch (c->st) {
+    case CONN_HDR:
+        return c->hdr_have > 0;
+    case CONN_MSG:
+    case CONN_PAYLOAD:
+    case CONN_DRAIN:
+        return true;
+    default:
+        return false;
+    }
+}
+
 void kvr_conn_sweep(kvr_conn *c, uint64_t now_ms, bool force)
 {
     if (c->closing)
         return;
-    if (force || (c->st == CONN_LINGER && now_ms >= c->linger_deadline_ms))
+    if (force || (c->st == CONN_LINGER && now_ms >= c->linger_deadline_ms)) {
         kvr_conn_close(c);
+        return;
+    }
+    if (c->st == CONN_LINGER)
+        return;
+    const kvr_daemon_config *cfg = &c->d->cfg;
+    if (!c->authed && cfg->auth_timeout && now_ms >= c->auth_deadline_ms) {
+        kvr_log(KVR_LOG_INFO, "closing a connection that did not authenticate within "
+                "--auth-timeout %u s", cfg->auth_timeout);
+        kvr_conn_close(c);
+        return;
+    }
+    if (!cfg->io_timeout)
+        return;
+    uint64_t limit = (uint64_t)cfg->io_timeout * 1000u;
+    if (c->writes_pending > 0) {
+        /* Progress = libuv's queue of unwritten bytes shrank. */
+        size_t q = uv_stream_get_write_queue_size(&c->h.stream);
+        if (q < c->write_q)
+            c->write_ms = now_ms;
+        c->write_q = q;
+        if (now_ms - c->write_ms >= limit) {
+            kvr_log(KVR_LOG_INFO, "closing a connection that read none of its replies "
+                    "for --io-timeout %u s (%llu bytes queued)", cfg->io_timeout,
+                    (unsigned long long)c->out_queued);
+            kvr_conn_close(c);
+            return;
+        }
+    }
+    /* Reading stopped for back pressure is the write side's business. */
+    if (c->reading && mid_frame(c) && now_ms - c->read_ms >= limit) {
+        kvr_log(KVR_LOG_INFO, "closing a connection stalled mid-frame (state %d) for "
+                "--io-timeout %u s%s", (int)c->st, cfg->io_timeout,
+                c->st == CONN_PAYLOAD ? ": its put/edit is aborted" : "");
+        kvr_conn_close(c);
+    }
 }

@@ -40,6 +40,9 @@ typedef struct kvr_daemon_config {
     uint64_t max_drain;             /* payload bytes drained after a refused put */
     uint32_t block_tokens;          /* 0 = the store's default */
     uint32_t threads;               /* libuv threadpool size; 0 = libuv default */
+    uint32_t io_timeout;            /* s without progress mid-frame or on a reply; 0 = none */
+    uint32_t auth_timeout;          /* s an unauthenticated connection may stay; 0 = none */
+    uint32_t max_unauth_connections;/* connections still owing Auth (TCP + token) */
     kvr_log_level log_level;
 } kvr_daemon_config;
 

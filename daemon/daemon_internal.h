@@ -73,6 +73,7 @@ struct kvr_daemon {
     uint64_t   stop_ms;
     kvr_conn  *conns;            /* doubly linked, open connections */
     size_t     n_conns;
+    size_t     n_unauth;         /* of n_conns: still owing Auth */
 
     uint8_t    scratch[KVR_SCRATCH_SIZE];   /* discarded bytes land here */
 
@@ -101,6 +102,12 @@ struct kvr_conn {
     conn_state  st;
     uint64_t    linger_deadline_ms;
     uint64_t    linger_left;
+    /* Timeouts (kvr_conn_sweep): Auth due by auth_deadline_ms; the last
+     * time bytes arrived (or reading resumed), and the last time queued
+     * reply bytes drained (write_q: libuv's queue size seen then). */
+    uint64_t    auth_deadline_ms;
+    uint64_t    read_ms, write_ms;
+    size_t      write_q;
 
     uint8_t     hdr[KVR_FRAME_HEADER_SIZE];
     size_t      hdr_have;
@@ -150,7 +157,12 @@ void kvr_conn_close(kvr_conn *c);
 void kvr_conn_fail(kvr_conn *c, uint64_t id, int code, const char *msg);
 /* Stop: close now if idle, else after the current request. */
 void kvr_conn_stop(kvr_conn *c);
+/* Closes c if its linger ended, `force`, or a timeout expired: Auth not
+ * sent within --auth-timeout, or no progress for --io-timeout mid-frame
+ * (a put/edit payload is aborted) or on a queued reply. */
 void kvr_conn_sweep(kvr_conn *c, uint64_t now_ms, bool force);
+/* Marks c authenticated (leaves the unauthenticated count). */
+void kvr_conn_set_authed(kvr_conn *c);
 uint64_t kvr_now_ms(void);
 
 /* Writes a packed response frame (header + message [+ get payload]). */

@@ -199,7 +199,13 @@ static void do_auth(kvr_conn *c)
             kvr_conn_fail(c, c->req->id, KVR_EUNAUTH, "authentication failed: wrong token");
             return;
         }
-        c->authed = true;
+        /* From here on it counts against --max-connections. */
+        kvr_conn_set_authed(c);
+        if (d->n_conns - d->n_unauth > d->cfg.max_connections) {
+            d->n_conn_refused++;
+            kvr_conn_fail(c, c->req->id, KVR_ELIMIT, "too many connections (--max-connections)");
+            return;
+        }
     }
     Kvrope__Response r = KVROPE__RESPONSE__INIT;
     reply_ok(c, &r);

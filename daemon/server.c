@@ -82,13 +82,25 @@ static void on_connection(uv_stream_t *srv, int status)
     }
     if (is_tcp)
         uv_tcp_nodelay(&c->h.tcp, 1);
-    bool over = d->n_conns >= d->cfg.max_connections;
+    /* Clients that still owe Auth have their own (smaller) limit, so anyone
+     * who can reach the TCP port cannot lock local workers out. */
+    bool unauth = is_tcp && d->token;
+    bool over = unauth ? d->n_unauth >= d->cfg.max_unauth_connections
+                       : d->n_conns - d->n_unauth >= d->cfg.max_connections;
     kvr_conn_start(d, c, is_tcp);
     if (over) {
         d->n_conn_refused++;
-        kvr_log(KVR_LOG_WARN, "refusing a connection: %zu open (--max-connections %u)",
-                d->n_conns - 1, d->cfg.max_connections);
-        kvr_conn_fail(c, 0, KVR_ELIMIT, "too many connections (--max-connections)");
+        if (unauth) {
+            kvr_log(KVR_LOG_WARN, "refusing a connection: %zu unauthenticated open "
+                    "(--max-unauth-connections %u)", d->n_unauth - 1,
+                    d->cfg.max_unauth_connections);
+            kvr_conn_fail(c, 0, KVR_ELIMIT,
+                          "too many unauthenticated connections (--max-unauth-connections)");
+        } else {
+            kvr_log(KVR_LOG_WARN, "refusing a connection: %zu open (--max-connections %u)",
+                    d->n_conns - d->n_unauth - 1, d->cfg.max_connections);
+            kvr_conn_fail(c, 0, KVR_ELIMIT, "too many connections (--max-connections)");
+        }
         return;
     }
     kvr_log(KVR_LOG_DEBUG, "connection %p accepted (%s)", (void *)c, is_tcp ? "tcp" : "unix");

@@ -874,3 +874,279 @@ Test(daemon_wire, put_f32_converts_off_loop)
     close(fd);
     stop_daemon_clean();
 }
+
+/* ---- timeouts and connection limits -------------------------------------------- */
+
+/* One metric of a Stats reply (-1 if absent). */
+static double stat_metric(int fd, const char *name)
+{
+    Kvrope__Request q = KVROPE__REQUEST__INIT;
+    Kvrope__Stats st = KVROPE__STATS__INIT;
+    q.id = 900;
+    q.body_case = KVROPE__REQUEST__BODY_STATS;
+    q.stats = &st;
+    send_req(fd, &q, NULL, 0);
+    Kvrope__Response *r = recv_resp(fd, NULL, NULL);
+    cr_assert_eq(r->status, KVROPE__STATUS__OK);
+    double v = -1;
+    for (size_t i = 0; i < r->stats->n_metrics; i++)
+        if (!strcmp(r->stats->metrics[i]->name, name))
+            v = r->stats->metrics[i]->value;
+    kvrope__response__free_unpacked(r, NULL);
+    return v;
+}
+
+static int tcp_connect_retry(int port)
+{
+    int fd = -1;
+    for (int i = 0; i < 500 && fd < 0; i++) {
+        fd = connect_tcp(port);
+        if (fd < 0)
+            sleep_ms(10);
+    }
+    cr_assert_geq(fd, 0);
+    return fd;
+}
+
+static int start_tcp_daemon_with_token(const char *const *more)
+{
+    static char tokpath[128], listen[64];
+    snprintf(tokpath, sizeof tokpath, "%s/token", D.dir);
+    FILE *f = fopen(tokpath, "w");
+    fputs("s3cret-token\n", f);
+    fclose(f);
+    int port = free_tcp_port();
+    snprintf(listen, sizeof listen, "127.0.0.1:%d", port);
+    const char *extra[24] = { "--listen", listen, "--auth-token-file", tokpath };
+    int n = 4;
+    for (int i = 0; more && more[i] && n < 23; i++)
+        extra[n++] = more[i];
+    extra[n] = NULL;
+    start_daemon(extra);
+    return port;
+}
+
+/* A client that sends a put's header, message and half its payload, then
+ * stalls with the connection open: after --io-timeout the put is aborted
+ * and the connection closed, so the context is writable again and holds
+ * exactly what it held before. */
+Test(daemon_wire, stalled_put_is_aborted_after_io_timeout)
+{
+    const char *extra[] = { "--io-timeout", "1", NULL };
+    start_daemon(extra);
+    int fd = connect_unix(D.sock);
+    register_model(fd);
+    uint32_t toks[4] = { 11, 12, 13, 14 }, more[4] = { 15, 16, 17, 18 };
+    size_t pb = payload_bytes(4);
+    uint16_t *pay = malloc(pb), *pay2 = malloc(pb);
+    fill_payload(pay, 4, 1);
+    fill_payload(pay2, 4, 99);
+    Kvrope__Request q;
+    Kvrope__Put p;
+    make_put(&q, &p, "ctx-a", toks, 4, KVROPE__PUT_MODE__CREATE);
+    send_req(fd, &q, pay, pb);
+    Kvrope__Response *r = recv_resp(fd, NULL, NULL);
+    cr_assert_eq(r->status, KVROPE__STATUS__OK, "put: %s", r->message);
+    kvrope__response__free_unpacked(r, NULL);
+
+    int stall = connect_unix(D.sock);
+    make_put(&q, &p, "ctx-a", more, 4, KVROPE__PUT_MODE__APPEND);
+    send_req(stall, &q, NULL, pb);               /* declares pb bytes ... */
+    cr_assert_eq(write_all(stall, pay2, pb / 2), 0);   /* ... sends half */
+    /* Wait (via Stat's busy flag, which changes nothing) until the stalled
+     * put holds the context. */
+    bool busy = false;
+    for (int i = 0; i < 1000 && !busy; i++) {
+        Kvrope__Stat sq = KVROPE__STAT__INIT;
+        sq.context_id = "ctx-a";
+        kvrope__request__init(&q);
+        q.id = 301;
+        q.body_case = KVROPE__REQUEST__BODY_STAT;
+        q.stat = &sq;
+        send_req(fd, &q, NULL, 0);
+        r = recv_resp(fd, NULL, NULL);
+        cr_assert_eq(r->status, KVROPE__STATUS__OK);
+        busy = r->context->busy;
+        kvrope__response__free_unpacked(r, NULL);
+        if (!busy)
+            sleep_ms(5);
+    }
+    cr_assert(busy, "the stalled put never held the context");
+    /* Others get E_BUSY until the put is aborted. */
+    Kvrope__Status st = KVROPE__STATUS__E_BUSY;
+    for (int i = 0; i < 1000 && st == KVROPE__STATUS__E_BUSY; i++) {
+        make_put(&q, &p, "ctx-a", more, 4, KVROPE__PUT_MODE__APPEND);
+        send_req(fd, &q, pay2, pb);
+        r = recv_resp(fd, NULL, NULL);
+        st = r->status;
+        kvrope__response__free_unpacked(r, NULL);
+        if (st == KVROPE__STATUS__E_BUSY)
+            sleep_ms(10);
+    }
+    cr_assert_eq(st, KVROPE__STATUS__OK, "context still busy after the stalled put");
+    expect_eof(stall);
+    close(stall);
+
+    /* The stalled put left nothing: 4 + the 4 appended here. */
+    uint8_t *got;
+    uint64_t glen;
+    r = get_all(fd, "ctx-a", &got, &glen);
+    cr_assert_eq(r->status, KVROPE__STATUS__OK);
+    cr_assert_eq(r->kv->token_count, 8);
+    cr_assert_eq(r->kv->tokens[4], 15);
+    cr_assert_arr_eq(got, pay, (size_t)4 * NH * HD * 2);
+    cr_assert_arr_eq(got + (size_t)4 * NH * HD * 2, pay2, (size_t)4 * NH * HD * 2);
+    free(got);
+    kvrope__response__free_unpacked(r, NULL);
+    free(pay);
+    free(pay2);
+    close(fd);
+    stop_daemon_clean();
+}
+
+/* Half a header, then nothing: closed after --io-timeout. An idle
+ * connection between frames is kept however long it waits. */
+Test(daemon_wire, partial_header_times_out_idle_is_kept)
+{
+    const char *extra[] = { "--io-timeout", "1", NULL };
+    start_daemon(extra);
+    int idle = connect_unix(D.sock);
+    cr_assert_eq(ping(idle, 1), KVROPE__STATUS__OK);
+    int fd = connect_unix(D.sock);
+    uint8_t h[KVR_FRAME_HEADER_SIZE];
+    kvr_frame_header_encode(h, 100, 0);
+    cr_assert_eq(write_all(fd, h, 10), 0);
+    expect_eof(fd);
+    close(fd);
+    cr_assert_eq(ping(idle, 2), KVROPE__STATUS__OK);
+    close(idle);
+    stop_daemon_clean();
+}
+
+/* A TCP client that connects and never authenticates is closed after
+ * --auth-timeout, whether it sends nothing or dribbles a frame. */
+Test(daemon_wire, unauthenticated_tcp_client_times_out)
+{
+    const char *more[] = { "--auth-timeout", "1", "--io-timeout", "0", NULL };
+    int port = start_tcp_daemon_with_token(more);
+    int fd = tcp_connect_retry(port);
+    expect_eof(fd);
+    close(fd);
+    fd = connect_tcp(port);
+    uint8_t h[KVR_FRAME_HEADER_SIZE];
+    kvr_frame_header_encode(h, 100, 0);
+    cr_assert_eq(write_all(fd, h, 5), 0);
+    sleep_ms(300);
+    (void)!write(fd, h + 5, 5);
+    expect_eof(fd);
+    close(fd);
+    /* An authenticated one is kept. */
+    fd = connect_tcp(port);
+    cr_assert_eq(auth(fd, "s3cret-token"), KVROPE__STATUS__OK);
+    sleep_ms(1500);
+    cr_assert_eq(ping(fd, 2), KVROPE__STATUS__OK);
+    close(fd);
+    stop_daemon_clean();
+}
+
+/* Unauthenticated TCP connections have their own limit: they cannot use
+ * up --max-connections, which Unix clients (and authenticated ones) share. */
+Test(daemon_wire, unauthenticated_connection_limit)
+{
+    const char *more[] = { "--max-unauth-connections", "2", "--max-connections", "2", NULL };
+    int port = start_tcp_daemon_with_token(more);
+    int a = tcp_connect_retry(port);
+    int b = connect_tcp(port);
+    int c = connect_tcp(port);
+    cr_assert_geq(b, 0);
+    cr_assert_geq(c, 0);
+    Kvrope__Response *r = recv_resp(c, NULL, NULL);
+    cr_assert_eq(r->status, KVROPE__STATUS__E_LIMIT, "status %d", r->status);
+    cr_assert_not_null(strstr(r->message, "unauthenticated"));
+    kvrope__response__free_unpacked(r, NULL);
+    expect_eof(c);
+    close(c);
+
+    /* Local workers still get in, up to --max-connections. */
+    int u1 = connect_unix(D.sock), u2 = connect_unix(D.sock);
+    cr_assert_eq(ping(u1, 1), KVROPE__STATUS__OK);
+    cr_assert_eq(ping(u2, 2), KVROPE__STATUS__OK);
+    int u3 = connect_unix(D.sock);
+    r = recv_resp(u3, NULL, NULL);
+    cr_assert_eq(r->status, KVROPE__STATUS__E_LIMIT);
+    kvrope__response__free_unpacked(r, NULL);
+    close(u3);
+
+    /* Authenticating moves a connection into --max-connections: full. */
+    cr_assert_eq(auth(a, "s3cret-token"), KVROPE__STATUS__E_LIMIT);
+    expect_eof(a);
+    close(a);
+    close(u2);
+    /* Once a slot is free (the close is seen asynchronously), b gets in. */
+    Kvrope__Status st = KVROPE__STATUS__E_LIMIT;
+    for (int i = 0; i < 500 && st == KVROPE__STATUS__E_LIMIT; i++) {
+        if (b < 0)
+            b = tcp_connect_retry(port);
+        st = auth(b, "s3cret-token");
+        if (st == KVROPE__STATUS__E_LIMIT) {
+            close(b);
+            b = -1;
+            sleep_ms(10);
+        }
+    }
+    cr_assert_eq(st, KVROPE__STATUS__OK);
+    cr_assert_eq(ping(b, 3), KVROPE__STATUS__OK);
+    close(b);
+    close(u1);
+    stop_daemon_clean();
+}
+
+/* A client that asks for gets and never reads the replies: once no reply
+ * byte has drained for --io-timeout the connection is closed, releasing
+ * its leases and staging. */
+Test(daemon_wire, unread_replies_time_out)
+{
+    const char *extra[] = { "--io-timeout", "1", "--max-conn-buffer", "4096", NULL };
+    start_daemon(extra);
+    int fd = connect_unix(D.sock);
+    register_model(fd);
+    enum { T = 4096 };
+    uint32_t *toks = malloc(T * sizeof *toks);
+    for (uint32_t i = 0; i < T; i++)
+        toks[i] = i;
+    size_t pb = payload_bytes(T);
+    uint16_t *pay = malloc(pb);
+    fill_payload(pay, T, 3);
+    Kvrope__Request q;
+    Kvrope__Put p;
+    make_put(&q, &p, "big", toks, T, KVROPE__PUT_MODE__CREATE);
+    send_req(fd, &q, pay, pb);
+    Kvrope__Response *r = recv_resp(fd, NULL, NULL);
+    cr_assert_eq(r->status, KVROPE__STATUS__OK, "put: %s", r->message);
+    kvrope__response__free_unpacked(r, NULL);
+
+    int slow = connect_unix(D.sock);
+    for (int i = 0; i < 4; i++) {
+        Kvrope__Get g = KVROPE__GET__INIT;
+        g.context_id = "big";
+        g.has_dtype = 1;
+        g.dtype = KVROPE__DTYPE__F32;
+        kvrope__request__init(&q);
+        q.id = 500 + (uint64_t)i;
+        q.body_case = KVROPE__REQUEST__BODY_GET;
+        q.get = &g;
+        send_req(slow, &q, NULL, 0);
+    }
+    double n = 2;
+    for (int i = 0; i < 1000 && n > 1; i++) {
+        n = stat_metric(fd, "connections");
+        if (n > 1)
+            sleep_ms(10);
+    }
+    cr_assert_eq(n, 1, "the connection that reads nothing is still open");
+    close(slow);
+    free(toks);
+    free(pay);
+    close(fd);
+    stop_daemon_clean();
+}
