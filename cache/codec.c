@@ -483,10 +483,12 @@ const kvr_codec_kernels kvr_codec_kernels_scalar = {
 static const kvr_codec_kernels *kernels_for(kvr_isa isa)
 {
     /* One CPU probe for the project: rope/'s (AVX2 implies FMA and F16C there). */
-    if (isa == KVR_ISA_SCALAR || kvr_isa_best() == KVR_ISA_SCALAR)
+    kvr_isa best = kvr_isa_best();
+    if (isa == KVR_ISA_SCALAR || best == KVR_ISA_SCALAR)
         return &kvr_codec_kernels_scalar;
-    /* No AVX-512 kernels yet: AVX512 and AUTO both resolve to AVX2. */
-    return &kvr_codec_kernels_avx2;
+    if (isa == KVR_ISA_AVX2 || best == KVR_ISA_AVX2)
+        return &kvr_codec_kernels_avx2;
+    return &kvr_codec_kernels_avx512;
 }
 
 /* ---- ggml blocks (scalar, bit-exact) ------------------------------------ */
@@ -824,23 +826,29 @@ int kvr_codec_encode_tile(const kvr_codec *c, void *dst, const void *src,
     const kvr_codec_kernels *k = kernels_for(c->isa);
     unsigned bits = kvr_codec_value_bits(c->type);
     size_t G = kvr_codec_group(c), gb = row_bytes(c, G);
-    float buf[TILE_CH * KVR_CODEC_GROUP_MAX];
-    for (size_t c0 = 0; c0 < n_ch; c0 += TILE_CH) {
-        size_t cc = n_ch - c0 < TILE_CH ? n_ch - c0 : TILE_CH;
-        k->tile_gather(buf, (const uint8_t *)src + c0 * kvr_dtype_size(src_type), src_type,
-                       G, ld, cc);
-        if (k->enc_f32((uint8_t *)dst + c0 * gb, buf, cc * G, bits, (uint32_t)G, c->params)) {
-            float lim = params_limit(c->params);
-            for (size_t t = 0; t < G; t++)
-                for (size_t j = 0; j < n_ch; j++)
-                    if (!(fabsf(load_elem(src, src_type, t * ld + j)) <= lim)) {
-                        if (bad) *bad = t * n_ch + j;
-                        return KVR_EINVAL;
-                    }
-            return KVR_EINVAL;
+    int krc = k->tile_enc ? k->tile_enc(dst, src, src_type, n_ch, ld, G, bits, c->params) : 1;
+    if (krc == 0) return 0;
+    if (krc > 0) {
+        float buf[TILE_CH * KVR_CODEC_GROUP_MAX];
+        for (size_t c0 = 0; c0 < n_ch && krc > 0; c0 += TILE_CH) {
+            size_t cc = n_ch - c0 < TILE_CH ? n_ch - c0 : TILE_CH;
+            k->tile_gather(buf, (const uint8_t *)src + c0 * kvr_dtype_size(src_type), src_type,
+                           G, ld, cc);
+            if (k->enc_f32((uint8_t *)dst + c0 * gb, buf, cc * G, bits, (uint32_t)G, c->params))
+                krc = -1;
+            else if (c0 + cc >= n_ch)
+                krc = 0;
         }
+        if (krc == 0) return 0;
     }
-    return 0;
+    float lim = params_limit(c->params);
+    for (size_t t = 0; t < G; t++)
+        for (size_t j = 0; j < n_ch; j++)
+            if (!(fabsf(load_elem(src, src_type, t * ld + j)) <= lim)) {
+                if (bad) *bad = t * n_ch + j;
+                return KVR_EINVAL;
+            }
+    return KVR_EINVAL;
 }
 
 int kvr_codec_decode_tile(const kvr_codec *c, void *dst, kvr_dtype dst_type,
@@ -855,6 +863,8 @@ int kvr_codec_decode_tile(const kvr_codec *c, void *dst, kvr_dtype dst_type,
     const kvr_codec_kernels *k = kernels_for(c->isa);
     unsigned bits = kvr_codec_value_bits(c->type);
     size_t G = kvr_codec_group(c), gb = row_bytes(c, G);
+    if (k->tile_dec && k->tile_dec(dst, dst_type, ld, src, n_ch, G, bits, c->params) == 0)
+        return 0;
     float buf[TILE_CH * KVR_CODEC_GROUP_MAX];
     for (size_t c0 = 0; c0 < n_ch; c0 += TILE_CH) {
         size_t cc = n_ch - c0 < TILE_CH ? n_ch - c0 : TILE_CH;

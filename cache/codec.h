@@ -79,9 +79,12 @@
  *
  * Kernels: the uniform codecs' row encode/decode (f32/f16 in and out) and
  * the KIVI tile transposes have AVX2+FMA+F16C versions (codec_avx2.c) that
- * produce the scalar reference's bytes exactly; KVR_ISA_AVX512 and AUTO use
- * them too (there are no AVX-512 kernels yet). bf16 goes through f32 a group
- * at a time. The ggml block codecs are scalar (bit-exactness first).
+ * produce the scalar reference's bytes exactly. KVR_ISA_AVX512 (and AUTO on
+ * a CPU with AVX-512 F/BW/VL/DQ) adds codec_avx512.c: row encoding 16
+ * groups at a time with vectorised parameter choice, and whole KIVI tiles
+ * encoded/decoded vectorised across channels, f16 parameters (f32
+ * parameters use the AVX2 kernels); same bytes again. bf16 goes through f32
+ * a group at a time. The ggml block codecs are scalar (bit-exactness first).
  */
 #ifndef KVR_CACHE_CODEC_H
 #define KVR_CACHE_CODEC_H
@@ -262,6 +265,14 @@ typedef struct kvr_codec_kernels {
                         size_t ld, size_t cc);
     void (*tile_scatter)(void *dst, kvr_dtype t, size_t ld, const float *buf,
                          size_t G, size_t cc);
+    /* Optional whole-tile kernels (NULL: gather/scatter + rows). A tile of G
+     * tokens x n_ch channels at stride ld, as kvr_codec_encode_tile /
+     * decode_tile. Return 0 done, 1 not handled (this dtype/params: use the
+     * generic path), -1 (encode) a bad value somewhere in the tile. */
+    int  (*tile_enc)(uint8_t *dst, const void *src, kvr_dtype t, size_t n_ch, size_t ld,
+                     size_t G, unsigned bits, kvr_codec_params params);
+    int  (*tile_dec)(void *dst, kvr_dtype t, size_t ld, const uint8_t *src, size_t n_ch,
+                     size_t G, unsigned bits, kvr_codec_params params);
 } kvr_codec_kernels;
 
 /* The scalar encoder of one group of m <= 256 checked values; returns the
@@ -271,6 +282,7 @@ size_t kvr_codec_scalar_group(uint8_t *dst, const float *x, size_t m, unsigned b
 
 extern const kvr_codec_kernels kvr_codec_kernels_scalar;
 extern const kvr_codec_kernels kvr_codec_kernels_avx2;    /* codec_avx2.c */
+extern const kvr_codec_kernels kvr_codec_kernels_avx512;  /* codec_avx512.c */
 
 #ifdef __cplusplus
 }

@@ -126,7 +126,7 @@ Test(codec_uniform, half_step_gaussian_outliers)
         for (size_t t = 0; t < 3; t++)
             for (size_t gi = 0; gi < 4; gi++)
                 for (int p = 0; p < 2; p++)
-                    for (int isa = KVR_ISA_SCALAR; isa <= KVR_ISA_AVX2; isa++) {
+                    for (int isa = KVR_ISA_SCALAR; isa <= KVR_ISA_AVX512; isa++) {
                         kvr_codec c = { .type = uni_types[t], .group = groups[gi],
                                         .params = (kvr_codec_params)p, .isa = (kvr_isa)isa };
                         roundtrip_bound(&c, x, n);
@@ -185,7 +185,7 @@ Test(codec_uniform, zeros_are_zeros)
     uint16_t yh[300];
     uint8_t enc[2048];
     for (size_t t = 0; t < 3; t++)
-        for (int isa = KVR_ISA_SCALAR; isa <= KVR_ISA_AVX2; isa++) {
+        for (int isa = KVR_ISA_SCALAR; isa <= KVR_ISA_AVX512; isa++) {
             kvr_codec c = { .type = uni_types[t], .isa = (kvr_isa)isa };
             cr_assert_eq(kvr_codec_encode(&c, enc, x, KVR_DTYPE_F32, 300, NULL), 0);
             cr_assert_eq(kvr_codec_decode(&c, y, KVR_DTYPE_F32, enc, 300), 0);
@@ -240,7 +240,7 @@ Test(codec_uniform, nonfinite_refused_with_index)
             if (wi == 1) x[900] = NAN;  /* a later bad value: still report the first */
             for (size_t i = 0; i < N; i++) { xh[i] = kvr_f32_to_f16(x[i]); xb[i] = kvr_f32_to_bf16(x[i]); }
             for (int ty = 0; ty < KVR_CODEC_TYPE_COUNT_; ty++)
-                for (int isa = KVR_ISA_SCALAR; isa <= KVR_ISA_AVX2; isa++) {
+                for (int isa = KVR_ISA_SCALAR; isa <= KVR_ISA_AVX512; isa++) {
                     kvr_codec c = { .type = (kvr_codec_type)ty, .isa = (kvr_isa)isa };
                     expect_refused(&c, x, KVR_DTYPE_F32, N, where[wi]);
                     expect_refused(&c, xh, KVR_DTYPE_F16, N, where[wi]);
@@ -288,10 +288,11 @@ Test(codec_simd, same_bytes_as_scalar)
                         size_t n = lens[li];
                         kvr_codec cs = { .type = uni_types[t], .group = groups[gi],
                                          .params = (kvr_codec_params)p, .isa = KVR_ISA_SCALAR };
-                        kvr_codec cv = cs;
-                        cv.isa = KVR_ISA_AUTO;
                         size_t nb = kvr_codec_row_bytes(&cs, n);
+                        for (int isa = KVR_ISA_AVX2; isa <= KVR_ISA_AVX512; isa++)
                         for (int in16 = 0; in16 < 2; in16++) {
+                            kvr_codec cv = cs;
+                            cv.isa = (kvr_isa)isa;
                             const void *src = in16 ? (const void *)xh : (const void *)x;
                             kvr_dtype st = in16 ? KVR_DTYPE_F16 : KVR_DTYPE_F32;
                             memset(e1, 0xAA, nb + 8);
@@ -331,13 +332,15 @@ Test(codec_simd, same_bytes_hard_ranges)
     for (size_t t = 0; t < 3; t++)
         for (int p = 0; p < 2; p++) {
             kvr_codec cs = { .type = uni_types[t], .params = (kvr_codec_params)p, .isa = KVR_ISA_SCALAR };
-            kvr_codec cv = cs;
-            cv.isa = KVR_ISA_AUTO;
-            cr_assert_eq(kvr_codec_encode(&cs, e1, x, KVR_DTYPE_F32, N, NULL), 0);
-            cr_assert_eq(kvr_codec_encode(&cv, e2, x, KVR_DTYPE_F32, N, NULL), 0);
-            cr_assert_eq(memcmp(e1, e2, kvr_codec_row_bytes(&cs, N)), 0, "%s p%d",
-                         kvr_codec_type_name(cs.type), p);
-            roundtrip_bound(&cv, x, N);
+            for (int isa = KVR_ISA_AVX2; isa <= KVR_ISA_AVX512; isa++) {
+                kvr_codec cv = cs;
+                cv.isa = (kvr_isa)isa;
+                cr_assert_eq(kvr_codec_encode(&cs, e1, x, KVR_DTYPE_F32, N, NULL), 0);
+                cr_assert_eq(kvr_codec_encode(&cv, e2, x, KVR_DTYPE_F32, N, NULL), 0);
+                cr_assert_eq(memcmp(e1, e2, kvr_codec_row_bytes(&cs, N)), 0, "%s p%d isa %d",
+                             kvr_codec_type_name(cs.type), p, isa);
+                roundtrip_bound(&cv, x, N);
+            }
         }
 }
 
@@ -372,6 +375,150 @@ Test(codec_simd, tiles_same_as_scalar)
         }
 }
 
+/* Hard data for the parameter search: each group (row) or channel (tile)
+ * gets its own offset and spread over 12 decades, including f16-subnormal
+ * magnitudes, constants, signed zeros and the f16 range edge. */
+static float hard_value(size_t grp, size_t i)
+{
+    switch (grp % 11) {
+    case 0:  return 0.5f;                                        /* constant */
+    case 1:  return (i & 1) ? -0.0f : 0.0f;                      /* signed zeros */
+    case 2:  return (float)(6e-8 * (double)(i % 7));             /* f16 subnormals */
+    case 3:  return -65504.0f + (float)(i % 3) * 32.0f;          /* f16 edge */
+    case 4:  return 65504.0f - (float)(i % 5) * 16.0f;
+    default: break;
+    }
+    double base = (rng_unit() - 0.5) * pow(10.0, (double)(grp % 9) - 4.0) * 6.0;
+    double spread = pow(10.0, -(double)(grp % 13)) * rng_unit();
+    double v = base + spread * rng_gauss();
+    if (v > 65504.0) v = 65504.0;
+    if (v < -65504.0) v = -65504.0;
+    return (float)v;
+}
+
+Test(codec_simd, rows_hard_ranges_all_groups)
+{
+    const uint32_t groups[] = { 32, 64, 96, 128, 160, 192, 224, 256 };
+    enum { NMAX = 256 * 21 + 77 };
+    static float x[NMAX];
+    static uint16_t xh[NMAX];
+    static uint8_t e1[NMAX * 2], e2[NMAX * 2];
+    for (size_t gi = 0; gi < sizeof groups / sizeof *groups; gi++) {
+        uint32_t G = groups[gi];
+        rng_state = 1000 + gi;
+        for (size_t i = 0; i < NMAX; i++) x[i] = hard_value(i / G * 7 + i / 37 % 2, i);
+        for (size_t i = 0; i < NMAX; i++) xh[i] = kvr_f32_to_f16(x[i]);
+        const size_t lens[] = { (size_t)G * 17, (size_t)G * 16 + 5, (size_t)G * 33 % NMAX, NMAX };
+        for (size_t li = 0; li < 4; li++)
+            for (size_t t = 0; t < 3; t++)
+                for (int p = 0; p < 2; p++)
+                    for (int in16 = 0; in16 < 2; in16++) {
+                        size_t n = lens[li];
+                        kvr_codec cs = { .type = uni_types[t], .group = G,
+                                         .params = (kvr_codec_params)p, .isa = KVR_ISA_SCALAR };
+                        kvr_codec cv = cs;
+                        cv.isa = KVR_ISA_AVX512;
+                        const void *src = in16 ? (const void *)xh : (const void *)x;
+                        kvr_dtype st = in16 ? KVR_DTYPE_F16 : KVR_DTYPE_F32;
+                        size_t nb = kvr_codec_row_bytes(&cs, n);
+                        memset(e1, 0xAA, nb + 8);
+                        memset(e2, 0x55, nb + 8);
+                        cr_assert_eq(kvr_codec_encode(&cs, e1, src, st, n, NULL), 0);
+                        cr_assert_eq(kvr_codec_encode(&cv, e2, src, st, n, NULL), 0);
+                        cr_assert_eq(memcmp(e1, e2, nb), 0, "%s g%u p%d n=%zu in16=%d",
+                                     kvr_codec_type_name(cs.type), G, p, n, in16);
+                        cr_assert_eq(e2[nb], 0x55, "simd wrote past row_bytes");
+                    }
+    }
+}
+
+/* Tiles: every group size, odd channel counts (partial 16-channel strips),
+ * ld > n_ch, f16/f32 in, f32/f16/bf16 out, both parameter types, every
+ * SIMD ISA against the scalar reference; hard per-channel ranges. */
+Test(codec_simd, tiles_all_shapes_same_as_scalar)
+{
+    const uint32_t groups[] = { 32, 64, 96, 128, 160, 256 };
+    const size_t nchs[] = { 1, 5, 15, 16, 17, 33, 43, 136 };
+    enum { LDX = 150, GMAX = 256 };
+    static float x[GMAX * LDX], y1[GMAX * LDX], y2[GMAX * LDX];
+    static uint16_t xh[GMAX * LDX], h1[GMAX * LDX], h2[GMAX * LDX];
+    static uint8_t e1[1 << 18], e2[1 << 18];
+    for (size_t gi = 0; gi < sizeof groups / sizeof *groups; gi++)
+        for (size_t ni = 0; ni < sizeof nchs / sizeof *nchs; ni++) {
+            uint32_t G = groups[gi];
+            size_t nch = nchs[ni], ld = nch + (ni % 3) * 7;
+            rng_state = 77 + gi * 31 + ni;
+            for (size_t tk = 0; tk < G; tk++)
+                for (size_t ch = 0; ch < ld; ch++)
+                    x[tk * ld + ch] = ni % 2 ? hard_value(ch, tk) : (float)rng_gauss();
+            for (size_t i = 0; i < (size_t)G * ld; i++) xh[i] = kvr_f32_to_f16(x[i]);
+            for (size_t t = 0; t < 3; t++)
+                for (int p = 0; p < 2; p++)
+                    for (int in16 = 0; in16 < 2; in16++) {
+                        kvr_codec cs = { .type = uni_types[t], .group = G,
+                                         .axis = KVR_CODEC_AXIS_CHANNEL,
+                                         .params = (kvr_codec_params)p, .isa = KVR_ISA_SCALAR };
+                        const void *src = in16 ? (const void *)xh : (const void *)x;
+                        kvr_dtype st = in16 ? KVR_DTYPE_F16 : KVR_DTYPE_F32;
+                        size_t tb = kvr_codec_tile_bytes(&cs, nch);
+                        memset(e1, 0xAA, tb + 8);
+                        cr_assert_eq(kvr_codec_encode_tile(&cs, e1, src, st, nch, ld, NULL), 0);
+                        for (int isa = KVR_ISA_AVX2; isa <= KVR_ISA_AVX512; isa++) {
+                            kvr_codec cv = cs;
+                            cv.isa = (kvr_isa)isa;
+                            memset(e2, 0x55, tb + 8);
+                            cr_assert_eq(kvr_codec_encode_tile(&cv, e2, src, st, nch, ld, NULL), 0);
+                            cr_assert_eq(memcmp(e1, e2, tb), 0, "%s g%u p%d nch=%zu in16=%d isa %d",
+                                         kvr_codec_type_name(cs.type), G, p, nch, in16, isa);
+                            cr_assert_eq(e2[tb], 0x55, "simd wrote past tile_bytes");
+                            for (kvr_dtype od = KVR_DTYPE_F32; od <= KVR_DTYPE_BF16;
+                                 od = (kvr_dtype)(od + 1)) {
+                                size_t es = kvr_dtype_size(od);
+                                void *a = es == 4 ? (void *)y1 : (void *)h1;
+                                void *b = es == 4 ? (void *)y2 : (void *)h2;
+                                memset(a, 0x3C, (size_t)G * ld * es);
+                                memset(b, 0x3C, (size_t)G * ld * es);
+                                cr_assert_eq(kvr_codec_decode_tile(&cs, a, od, ld, e1, nch), 0);
+                                cr_assert_eq(kvr_codec_decode_tile(&cv, b, od, ld, e1, nch), 0);
+                                cr_assert_eq(memcmp(a, b, (size_t)G * ld * es), 0,
+                                             "decode %s g%u p%d nch=%zu dt %d isa %d",
+                                             kvr_codec_type_name(cs.type), G, p, nch, (int)od, isa);
+                            }
+                        }
+                    }
+        }
+}
+
+Test(codec_simd, tile_refusals_same_index)
+{
+    enum { G = 128, NCH = 40, LD = 40 };
+    static float x[G * LD];
+    static uint16_t xh[G * LD];
+    static uint8_t enc[1 << 16];
+    const size_t where[] = { 0, 17, 5 * NCH + 39, 100 * NCH + 16, G * NCH - 1 };
+    const float badv[] = { NAN, INFINITY, -INFINITY, 70000.0f };
+    for (size_t wi = 0; wi < 5; wi++)
+        for (size_t bi = 0; bi < 4; bi++) {
+            gen(x, G * LD, LD, 5 + wi);
+            x[where[wi]] = badv[bi];
+            if (wi == 1) x[where[4]] = NAN;   /* a later one: the first is reported */
+            for (size_t i = 0; i < G * LD; i++) xh[i] = kvr_f32_to_f16(x[i]);
+            for (int isa = KVR_ISA_SCALAR; isa <= KVR_ISA_AVX512; isa++)
+                for (int in16 = 0; in16 < 2; in16++) {
+                    if (in16 && bi == 3) continue;   /* 70000 is inf in f16: same as bi 1 */
+                    kvr_codec c = { .type = KVR_CODEC_INT4, .group = G,
+                                    .axis = KVR_CODEC_AXIS_CHANNEL, .isa = (kvr_isa)isa };
+                    size_t bad = (size_t)-1;
+                    cr_assert_eq(kvr_codec_encode_tile(&c, enc, in16 ? (const void *)xh
+                                                                     : (const void *)x,
+                                                       in16 ? KVR_DTYPE_F16 : KVR_DTYPE_F32,
+                                                       NCH, LD, &bad), KVR_EINVAL);
+                    cr_assert_eq(bad, where[wi], "isa %d in16 %d: bad %zu expected %zu",
+                                 isa, in16, bad, where[wi]);
+                }
+        }
+}
+
 /* ---- KIVI --------------------------------------------------------------- */
 
 Test(codec_kivi, key_tile_per_channel)
@@ -380,7 +527,7 @@ Test(codec_kivi, key_tile_per_channel)
     const uint32_t groups[] = { 32, 64 };
     for (size_t gi = 0; gi < 2; gi++)
         for (size_t t = 0; t < 3; t++)
-            for (int isa = KVR_ISA_SCALAR; isa <= KVR_ISA_AVX2; isa++) {
+            for (int isa = KVR_ISA_SCALAR; isa <= KVR_ISA_AVX512; isa++) {
                 uint32_t G = groups[gi];
                 kvr_codec c = { .type = uni_types[t], .group = G, .axis = KVR_CODEC_AXIS_CHANNEL,
                                 .isa = (kvr_isa)isa };

@@ -1,0 +1,512 @@
+/*
+ * codec_avx512.c — AVX-512 (F/BW/VL/DQ) + F16C kernels for the uniform
+ * INT8/INT4/INT2 codecs with f16 parameters (compiled with the Makefile's
+ * AVX-512 flags; called only after kvr_isa_best() reported AVX512).
+ *
+ * They write exactly the scalar reference's bytes (codec.c), computing the
+ * same values by other routes:
+ *
+ *   - Group ranges: 16 groups at a time. Per-token rows reduce each group to
+ *     one vector of partial minima/maxima, then a 4-level shuffle tree turns
+ *     16 such vectors into one vector of 16 groups' lo (and hi); KIVI key
+ *     tiles are vectorised across channels, so a strip of 16 channels has
+ *     its lo/hi after a vertical min/max over the G tokens, no reduction.
+ *   - Parameters of the 16 groups at once (gparams16). m: the largest f16
+ *     <= lo is exactly vcvtps2ph with rounding toward -inf (lo is normalised
+ *     to +0 first, as the reference does, so -0 never appears). s: the
+ *     coverage check m + L*s >= hi is EXACT in double when m and s are f16
+ *     (L*s has <= 19 significant bits, and both terms are multiples of 2^-24
+ *     below 2^25), so the reference's s is the smallest positive f16 with
+ *     that check true. We start from (hi - m)/L in float rounded UP to f16
+ *     and step up while the check fails, then down while the next lower f16
+ *     still passes, in vectors; the fixed point is unique, hence the
+ *     reference's bits. Typically one check each way.
+ *   - Quantize: q = clamp(cvtps_epi32((x - m) * inv), 0, L): the same float
+ *     subtract and multiply, RNE like rintf.
+ *   - Decode (tiles): y = (float)q * s + m, multiply then add (no FMA).
+ *
+ * f32 parameters (not the default) and bf16 tiles are delegated to the AVX2
+ * kernels; a row's short last group goes to the scalar kernel.
+ *
+ * KIVI tiles: a strip of 16 channels produces "packed vectors" PV[k], k
+ * counting the packed bytes of a channel's group (lane = channel), with the
+ * chunk packing of codec.h applied vertically (INT4: PV[16c+j] =
+ * q[32c+j] | q[32c+j+16] << 4, ...); a 16x16 dword transpose turns 16 PVs
+ * into 16 channels' 16 consecutive bytes. Decoding runs it backwards.
+ */
+#include "cache/codec.h"
+
+#include <immintrin.h>
+#include <string.h>
+
+#define AI static inline __attribute__((always_inline))
+
+/* bits of 65504.0f: |x| <= 65504 (and not NaN) iff (bits & 0x7fffffff) <= it. */
+#define F16_LIMIT_BITS 0x477FE000u
+
+/* ---- loads with the range check ----------------------------------------- */
+
+/* 16 values at src[i] as f32; folds the magnitude bits into *acc (f16
+ * input: the f16 bits & 0x7fff, in 16-bit lanes; f32: the f32 bits &
+ * 0x7fffffff, in 32-bit lanes) for one unsigned max check at the end. */
+AI __m512 ld16(const void *src, size_t i, int h, __m512i *acc)
+{
+    if (h) {
+        __m256i r = _mm256_loadu_si256((const __m256i *)((const uint16_t *)src + i));
+        *acc = _mm512_max_epu16(*acc, _mm512_zextsi256_si512(
+                   _mm256_and_si256(r, _mm256_set1_epi16(0x7fff))));
+        return _mm512_cvtph_ps(r);
+    }
+    __m512 v = _mm512_loadu_ps((const float *)src + i);
+    *acc = _mm512_max_epu32(*acc, _mm512_and_si512(_mm512_castps_si512(v),
+                                                   _mm512_set1_epi32(0x7fffffff)));
+    return v;
+}
+
+/* The same for 16 channels of one token row (masked: lanes >= cc read 0). */
+AI __m512 ld16m(const void *src, size_t i, __mmask16 k, int h, __m512i *acc)
+{
+    if (h) {
+        __m256i r = _mm256_maskz_loadu_epi16(k, (const uint16_t *)src + i);
+        *acc = _mm512_max_epu16(*acc, _mm512_zextsi256_si512(
+                   _mm256_and_si256(r, _mm256_set1_epi16(0x7fff))));
+        return _mm512_cvtph_ps(r);
+    }
+    __m512 v = _mm512_maskz_loadu_ps(k, (const float *)src + i);
+    *acc = _mm512_max_epu32(*acc, _mm512_and_si512(_mm512_castps_si512(v),
+                                                   _mm512_set1_epi32(0x7fffffff)));
+    return v;
+}
+
+/* Without the check (second pass over data already checked). */
+AI __m512 ld16q(const void *src, size_t i, int h)
+{
+    if (h) return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)src + i)));
+    return _mm512_loadu_ps((const float *)src + i);
+}
+
+AI __m512 ld16qm(const void *src, size_t i, __mmask16 k, int h)
+{
+    if (h) return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, (const uint16_t *)src + i));
+    return _mm512_maskz_loadu_ps(k, (const float *)src + i);
+}
+
+AI int acc_bad(__m512i acc, int h)
+{
+    if (h) {
+        /* 16-bit lanes; the upper half of acc only ever held zeros. */
+        return _mm512_cmpgt_epu16_mask(acc, _mm512_set1_epi16(0x7bff)) != 0;
+    }
+    return _mm512_cmpgt_epu32_mask(acc, _mm512_set1_epi32((int)F16_LIMIT_BITS)) != 0;
+}
+
+/* ---- parameters of 16 groups -------------------------------------------- */
+
+/* m + L*s >= hi in double, per lane (exact for f16 m and s, see above). */
+AI __mmask16 covers16(__m512 m, __m512 s, __m512 hi, __m512d vL)
+{
+    __m512d m0 = _mm512_cvtps_pd(_mm512_castps512_ps256(m));
+    __m512d m1 = _mm512_cvtps_pd(_mm512_extractf32x8_ps(m, 1));
+    __m512d s0 = _mm512_cvtps_pd(_mm512_castps512_ps256(s));
+    __m512d s1 = _mm512_cvtps_pd(_mm512_extractf32x8_ps(s, 1));
+    __m512d h0 = _mm512_cvtps_pd(_mm512_castps512_ps256(hi));
+    __m512d h1 = _mm512_cvtps_pd(_mm512_extractf32x8_ps(hi, 1));
+    __mmask8 c0 = _mm512_cmp_pd_mask(_mm512_add_pd(m0, _mm512_mul_pd(vL, s0)), h0, _CMP_GE_OQ);
+    __mmask8 c1 = _mm512_cmp_pd_mask(_mm512_add_pd(m1, _mm512_mul_pd(vL, s1)), h1, _CMP_GE_OQ);
+    return (__mmask16)((unsigned)c0 | (unsigned)c1 << 8);
+}
+
+typedef struct gp16 {
+    __m512  m, inv, s;
+    __m512i hdr;        /* per lane: s bits | m bits << 16 (the stored 4 bytes, LE) */
+} gp16;
+
+/* kvr_codec_gparams_compute for 16 groups, f16 parameters. */
+AI void gparams16(gp16 *p, __m512 lo, __m512 hi, unsigned bits)
+{
+    const __m512 z = _mm512_setzero_ps();
+    const __m256i one = _mm256_set1_epi16(1);
+    const __m512d vL = _mm512_set1_pd((double)((1u << bits) - 1));
+    const float rL = bits == 8 ? 1.0f / 255.0f : bits == 4 ? 1.0f / 15.0f : 1.0f / 3.0f;
+    lo = _mm512_add_ps(lo, z);
+    hi = _mm512_add_ps(hi, z);
+    __m256i mh = _mm512_cvtps_ph(lo, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    __m512 m = _mm512_cvtph_ps(mh);
+    __mmask16 act = _mm512_cmp_ps_mask(hi, m, _CMP_GT_OQ);
+    __m512 d = _mm512_mul_ps(_mm512_sub_ps(hi, m), _mm512_set1_ps(rL));
+    __m256i sh = _mm512_cvtps_ph(d, _MM_FROUND_TO_POS_INF | _MM_FROUND_NO_EXC);
+    sh = _mm256_maskz_max_epu16(act, sh, one);
+    for (;;) {
+        __mmask16 up = act & (__mmask16)~covers16(m, _mm512_cvtph_ps(sh), hi, vL);
+        if (!up) break;
+        sh = _mm256_mask_add_epi16(sh, up, sh, one);
+    }
+    for (;;) {
+        __mmask16 cand = act & _mm256_cmpgt_epu16_mask(sh, one);
+        if (!cand) break;
+        __m256i lower = _mm256_sub_epi16(sh, one);
+        __mmask16 dn = cand & covers16(m, _mm512_cvtph_ps(lower), hi, vL);
+        if (!dn) break;
+        sh = _mm256_mask_sub_epi16(sh, dn, sh, one);
+    }
+    p->m = m;
+    p->s = _mm512_cvtph_ps(sh);
+    p->inv = _mm512_maskz_div_ps(act, _mm512_set1_ps(1.0f), p->s);
+    p->hdr = _mm512_or_si512(_mm512_cvtepu16_epi32(sh),
+                             _mm512_slli_epi32(_mm512_cvtepu16_epi32(mh), 16));
+}
+
+/* ---- 16 vectors -> one vector of 16 reductions --------------------------- */
+
+/* r[j] holds partial minima (or maxima) of group j; returns lane j = group j. */
+#define RED16(NAME, OP)                                                                   \
+    AI __m512 NAME(const __m512 r[16])                                                    \
+    {                                                                                     \
+        __m512 a[8], b[4], c[2];                                                          \
+        for (int i = 0; i < 8; i++)                                                       \
+            a[i] = OP(_mm512_shuffle_f32x4(r[2 * i], r[2 * i + 1], 0x44),                 \
+                      _mm512_shuffle_f32x4(r[2 * i], r[2 * i + 1], 0xEE));                \
+        for (int i = 0; i < 4; i++)                                                       \
+            b[i] = OP(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0x88),                 \
+                      _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0xDD));                \
+        for (int i = 0; i < 2; i++)                                                       \
+            c[i] = OP(_mm512_shuffle_ps(b[2 * i], b[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)), \
+                      _mm512_shuffle_ps(b[2 * i], b[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));\
+        __m512 d = OP(_mm512_shuffle_ps(c[0], c[1], _MM_SHUFFLE(2, 0, 2, 0)),             \
+                      _mm512_shuffle_ps(c[0], c[1], _MM_SHUFFLE(3, 1, 3, 1)));            \
+        /* lane 4k + j now holds group k + 4j */                                          \
+        const __m512i idx = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14,     \
+                                              3, 7, 11, 15);                              \
+        return _mm512_permutexvar_ps(idx, d);                                             \
+    }
+RED16(red16_min, _mm512_min_ps)
+RED16(red16_max, _mm512_max_ps)
+
+/* ---- rows --------------------------------------------------------------- */
+
+AI __m512i quant16(__m512 x, __m512 vm, __m512 vinv, __m512i vL)
+{
+    __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_sub_ps(x, vm), vinv));
+    return _mm512_min_epi32(_mm512_max_epi32(q, _mm512_setzero_si512()), vL);
+}
+
+/* Quantizes and packs one full group (params already chosen). */
+AI void quant_group(uint8_t *qs, const void *src, size_t base, uint32_t G, unsigned bits,
+                    __m512 vm, __m512 vinv, int h)
+{
+    const __m512i vL = _mm512_set1_epi32((1 << bits) - 1);
+    const size_t nc = G / 32;
+    if (bits == 8) {
+        for (size_t c = 0; c < nc; c++) {
+            __m512i q0 = quant16(ld16q(src, base + 32 * c, h), vm, vinv, vL);
+            __m512i q1 = quant16(ld16q(src, base + 32 * c + 16, h), vm, vinv, vL);
+            _mm_storeu_si128((__m128i *)(qs + 32 * c), _mm512_cvtepi32_epi8(q0));
+            _mm_storeu_si128((__m128i *)(qs + 32 * c + 16), _mm512_cvtepi32_epi8(q1));
+        }
+    } else if (bits == 4) {
+        for (size_t c = 0; c < nc; c++) {
+            __m512i q0 = quant16(ld16q(src, base + 32 * c, h), vm, vinv, vL);
+            __m512i q1 = quant16(ld16q(src, base + 32 * c + 16, h), vm, vinv, vL);
+            _mm_storeu_si128((__m128i *)(qs + 16 * c),
+                             _mm512_cvtepi32_epi8(_mm512_or_si512(q0, _mm512_slli_epi32(q1, 4))));
+        }
+    } else {
+        size_t c = 0;
+        for (; c + 2 <= nc; c += 2) {
+            __m512i p0 = _mm512_or_si512(quant16(ld16q(src, base + 32 * c, h), vm, vinv, vL),
+                         _mm512_slli_epi32(quant16(ld16q(src, base + 32 * c + 16, h), vm, vinv, vL), 4));
+            __m512i p1 = _mm512_or_si512(quant16(ld16q(src, base + 32 * c + 32, h), vm, vinv, vL),
+                         _mm512_slli_epi32(quant16(ld16q(src, base + 32 * c + 48, h), vm, vinv, vL), 4));
+            __m512i lo = _mm512_shuffle_i32x4(p0, p1, 0x44), hi = _mm512_shuffle_i32x4(p0, p1, 0xEE);
+            _mm_storeu_si128((__m128i *)(qs + 8 * c),
+                             _mm512_cvtepi32_epi8(_mm512_or_si512(lo, _mm512_slli_epi32(hi, 2))));
+        }
+        if (c < nc) {
+            __m512i p0 = _mm512_or_si512(quant16(ld16q(src, base + 32 * c, h), vm, vinv, vL),
+                         _mm512_slli_epi32(quant16(ld16q(src, base + 32 * c + 16, h), vm, vinv, vL), 4));
+            __m512i hi = _mm512_shuffle_i32x4(p0, p0, 0xEE);
+            _mm_storel_epi64((__m128i *)(qs + 8 * c),
+                             _mm512_cvtepi32_epi8(_mm512_or_si512(p0, _mm512_slli_epi32(hi, 2))));
+        }
+    }
+}
+
+/* Full groups of a row, 16 at a time; returns the groups done or -1 on a bad
+ * value. */
+AI long enc_rows(uint8_t *dst, const void *src, size_t n, unsigned bits, uint32_t G, int h)
+{
+    const size_t gb = 4 + (size_t)G * bits / 8, ng = n / G, nv = G / 16;
+    __m512i acc = _mm512_setzero_si512();
+    for (size_t g0 = 0; g0 < ng; g0 += 16) {
+        size_t k = ng - g0 < 16 ? ng - g0 : 16;
+        __m512 mn[16], mx[16];
+        for (size_t j = 0; j < k; j++) {
+            size_t base = (g0 + j) * G;
+            __m512 v = ld16(src, base, h, &acc), a = v, b = v;
+            for (size_t i = 1; i < nv; i++) {
+                v = ld16(src, base + 16 * i, h, &acc);
+                a = _mm512_min_ps(a, v);
+                b = _mm512_max_ps(b, v);
+            }
+            mn[j] = a;
+            mx[j] = b;
+        }
+        if (acc_bad(acc, h)) return -1;
+        for (size_t j = k; j < 16; j++) {   /* padding lanes: any finite range */
+            mn[j] = _mm512_setzero_ps();
+            mx[j] = _mm512_setzero_ps();
+        }
+        gp16 p;
+        gparams16(&p, red16_min(mn), red16_max(mx), bits);
+        float vm[16], vinv[16];
+        uint32_t hdr[16];
+        _mm512_storeu_ps(vm, p.m);
+        _mm512_storeu_ps(vinv, p.inv);
+        _mm512_storeu_si512(hdr, p.hdr);
+        for (size_t j = 0; j < k; j++) {
+            uint8_t *o = dst + (g0 + j) * gb;
+            memcpy(o, &hdr[j], 4);
+            quant_group(o + 4, src, (g0 + j) * G, G, bits, _mm512_set1_ps(vm[j]),
+                        _mm512_set1_ps(vinv[j]), h);
+        }
+    }
+    return (long)ng;
+}
+
+static int x5_enc_f32(uint8_t *dst, const float *src, size_t n, unsigned bits,
+                      uint32_t group, kvr_codec_params params)
+{
+    if (params != KVR_CODEC_PARAMS_F16)
+        return kvr_codec_kernels_avx2.enc_f32(dst, src, n, bits, group, params);
+    long ng = enc_rows(dst, src, n, bits, group, 0);
+    if (ng < 0) return -1;
+    size_t i = (size_t)ng * group;
+    if (i < n)
+        return kvr_codec_kernels_scalar.enc_f32(dst + (size_t)ng * (4 + group * bits / 8),
+                                                src + i, n - i, bits, group, params);
+    return 0;
+}
+
+static int x5_enc_f16(uint8_t *dst, const uint16_t *src, size_t n, unsigned bits,
+                      uint32_t group, kvr_codec_params params)
+{
+    if (params != KVR_CODEC_PARAMS_F16)
+        return kvr_codec_kernels_avx2.enc_f16(dst, src, n, bits, group, params);
+    long ng = enc_rows(dst, src, n, bits, group, 1);
+    if (ng < 0) return -1;
+    size_t i = (size_t)ng * group;
+    if (i < n)
+        return kvr_codec_kernels_scalar.enc_f16(dst + (size_t)ng * (4 + group * bits / 8),
+                                                src + i, n - i, bits, group, params);
+    return 0;
+}
+
+/* ---- KIVI tiles --------------------------------------------------------- */
+
+/* 16x16 dword transpose in registers. */
+AI void tr16(__m512i r[16])
+{
+    __m512i t[16];
+    for (int i = 0; i < 8; i++) {
+        t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; i++) {
+        r[4 * i]     = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+        r[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+        r[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+        r[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+    }
+    for (int j = 0; j < 4; j++) {
+        __m512i u0 = _mm512_shuffle_i32x4(r[j], r[4 + j], 0x44);
+        __m512i u1 = _mm512_shuffle_i32x4(r[j], r[4 + j], 0xEE);
+        __m512i u2 = _mm512_shuffle_i32x4(r[8 + j], r[12 + j], 0x44);
+        __m512i u3 = _mm512_shuffle_i32x4(r[8 + j], r[12 + j], 0xEE);
+        t[j]      = _mm512_shuffle_i32x4(u0, u2, 0x88);
+        t[4 + j]  = _mm512_shuffle_i32x4(u0, u2, 0xDD);
+        t[8 + j]  = _mm512_shuffle_i32x4(u1, u3, 0x88);
+        t[12 + j] = _mm512_shuffle_i32x4(u1, u3, 0xDD);
+    }
+    for (int i = 0; i < 16; i++) r[i] = t[i];
+}
+
+/* Encodes a strip of cc <= 16 channels starting at channel c0. */
+AI int tile_enc_strip(uint8_t *dst, const void *src, size_t c0, size_t cc, size_t ld, size_t G,
+                      unsigned bits, int h)
+{
+    const size_t gb = 4 + G * bits / 8, nbytes = G * bits / 8;
+    const __mmask16 km = cc >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << cc) - 1);
+    __m512i acc = _mm512_setzero_si512();
+    __m512 lo = ld16m(src, c0, km, h, &acc), hi = lo;
+    for (size_t t = 1; t < G; t++) {
+        __m512 v = ld16m(src, t * ld + c0, km, h, &acc);
+        lo = _mm512_min_ps(lo, v);
+        hi = _mm512_max_ps(hi, v);
+    }
+    if (acc_bad(acc, h)) return -1;
+    gp16 p;
+    gparams16(&p, lo, hi, bits);
+    uint32_t hdr[16];
+    _mm512_storeu_si512(hdr, p.hdr);
+    for (size_t j = 0; j < cc; j++) memcpy(dst + (c0 + j) * gb, &hdr[j], 4);
+    const __m512i vL = _mm512_set1_epi32((1 << bits) - 1);
+#define QT(t) quant16(ld16qm(src, (size_t)(t) * ld + c0, km, h), p.m, p.inv, vL)
+    for (size_t blk = 0; blk * 16 < nbytes; blk++) {
+        __m512i pv[16];
+        size_t w = nbytes - blk * 16 < 16 ? 8 : 16;   /* bytes per channel in this block */
+        if (bits == 8) {
+            for (int j = 0; j < 16; j++) pv[j] = QT(16 * blk + (size_t)j);
+        } else if (bits == 4) {
+            for (int j = 0; j < 16; j++)
+                pv[j] = _mm512_or_si512(QT(32 * blk + (size_t)j),
+                                        _mm512_slli_epi32(QT(32 * blk + 16 + (size_t)j), 4));
+        } else {
+            for (size_t half = 0; half < 2; half++) {
+                size_t t0 = 64 * blk + 32 * half;
+                for (size_t j = 0; j < 8; j++) {
+                    if (half && w == 8) {
+                        pv[8 + j] = _mm512_setzero_si512();
+                        continue;
+                    }
+                    __m512i a = _mm512_or_si512(QT(t0 + j), _mm512_slli_epi32(QT(t0 + j + 8), 2));
+                    __m512i b = _mm512_or_si512(_mm512_slli_epi32(QT(t0 + j + 16), 4),
+                                                _mm512_slli_epi32(QT(t0 + j + 24), 6));
+                    pv[8 * half + j] = _mm512_or_si512(a, b);
+                }
+            }
+        }
+        tr16(pv);
+        for (size_t j = 0; j < cc; j++) {
+            __m128i b = _mm512_cvtepi32_epi8(pv[j]);
+            uint8_t *o = dst + (c0 + j) * gb + 4 + 16 * blk;
+            if (w == 16) _mm_storeu_si128((__m128i *)o, b);
+            else _mm_storel_epi64((__m128i *)o, b);
+        }
+    }
+#undef QT
+    return 0;
+}
+
+static int x5_tile_enc(uint8_t *dst, const void *src, kvr_dtype t, size_t n_ch, size_t ld,
+                       size_t G, unsigned bits, kvr_codec_params params)
+{
+    if (params != KVR_CODEC_PARAMS_F16 || (t != KVR_DTYPE_F16 && t != KVR_DTYPE_F32))
+        return 1;
+    int h = t == KVR_DTYPE_F16;
+    for (size_t c0 = 0; c0 < n_ch; c0 += 16) {
+        size_t cc = n_ch - c0 < 16 ? n_ch - c0 : 16;
+        int rc = h ? tile_enc_strip(dst, src, c0, cc, ld, G, bits, 1)
+                   : tile_enc_strip(dst, src, c0, cc, ld, G, bits, 0);
+        if (rc) return rc;
+    }
+    return 0;
+}
+
+AI void st16m(void *dst, size_t i, __mmask16 k, __m512 y, int h)
+{
+    if (h) {
+        const __m512 lim = _mm512_set1_ps(KVR_CODEC_F16_LIMIT);
+        y = _mm512_min_ps(_mm512_max_ps(y, _mm512_sub_ps(_mm512_setzero_ps(), lim)), lim);
+        _mm256_mask_storeu_epi16((uint16_t *)dst + i, k,
+                                 _mm512_cvtps_ph(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    } else {
+        _mm512_mask_storeu_ps((float *)dst + i, k, y);
+    }
+}
+
+AI void tile_dec_strip(void *dst, size_t ld, const uint8_t *src, size_t c0, size_t cc, size_t G,
+                       unsigned bits, int h)
+{
+    const size_t gb = 4 + G * bits / 8, nbytes = G * bits / 8;
+    const __mmask16 km = cc >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << cc) - 1);
+    uint32_t hdr[16] = { 0 };
+    for (size_t j = 0; j < cc; j++) memcpy(&hdr[j], src + (c0 + j) * gb, 4);
+    __m512i hv = _mm512_loadu_si512(hdr);
+    const __m512 s = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(hv));
+    const __m512 m = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(hv, 16)));
+#define DT(t, q) st16m(dst, (size_t)(t) * ld + c0, km, \
+                       _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(q), s), m), h)
+    for (size_t blk = 0; blk * 16 < nbytes; blk++) {
+        __m512i pv[16];
+        size_t w = nbytes - blk * 16 < 16 ? 8 : 16;
+        for (size_t j = 0; j < 16; j++) {
+            if (j >= cc) {
+                pv[j] = _mm512_setzero_si512();
+                continue;
+            }
+            const uint8_t *in = src + (c0 + j) * gb + 4 + 16 * blk;
+            __m128i b = w == 16 ? _mm_loadu_si128((const __m128i *)in)
+                                : _mm_loadl_epi64((const __m128i *)in);
+            pv[j] = _mm512_cvtepu8_epi32(b);
+        }
+        tr16(pv);
+        if (bits == 8) {
+            for (size_t j = 0; j < 16; j++) DT(16 * blk + j, pv[j]);
+        } else if (bits == 4) {
+            const __m512i m4 = _mm512_set1_epi32(15);
+            for (size_t j = 0; j < 16; j++) {
+                DT(32 * blk + j, _mm512_and_si512(pv[j], m4));
+                DT(32 * blk + 16 + j, _mm512_srli_epi32(pv[j], 4));
+            }
+        } else {
+            const __m512i m2 = _mm512_set1_epi32(3);
+            for (size_t half = 0; half < (w == 16 ? 2u : 1u); half++) {
+                size_t t0 = 64 * blk + 32 * half;
+                for (size_t j = 0; j < 8; j++) {
+                    __m512i v = pv[8 * half + j];
+                    DT(t0 + j, _mm512_and_si512(v, m2));
+                    DT(t0 + j + 8, _mm512_and_si512(_mm512_srli_epi32(v, 2), m2));
+                    DT(t0 + j + 16, _mm512_and_si512(_mm512_srli_epi32(v, 4), m2));
+                    DT(t0 + j + 24, _mm512_srli_epi32(v, 6));
+                }
+            }
+        }
+    }
+#undef DT
+}
+
+static int x5_tile_dec(void *dst, kvr_dtype t, size_t ld, const uint8_t *src, size_t n_ch,
+                       size_t G, unsigned bits, kvr_codec_params params)
+{
+    if (params != KVR_CODEC_PARAMS_F16 || (t != KVR_DTYPE_F16 && t != KVR_DTYPE_F32))
+        return 1;
+    for (size_t c0 = 0; c0 < n_ch; c0 += 16) {
+        size_t cc = n_ch - c0 < 16 ? n_ch - c0 : 16;
+        if (t == KVR_DTYPE_F16) tile_dec_strip(dst, ld, src, c0, cc, G, bits, 1);
+        else tile_dec_strip(dst, ld, src, c0, cc, G, bits, 0);
+    }
+    return 0;
+}
+
+/* Row decoding and the generic tile transposes: the AVX2 kernels (already
+ * at memory speed for rows). */
+static void x5_dec_f32(float *dst, const uint8_t *src, size_t n, unsigned bits,
+                       uint32_t group, kvr_codec_params params)
+{
+    kvr_codec_kernels_avx2.dec_f32(dst, src, n, bits, group, params);
+}
+
+static void x5_dec_f16(uint16_t *dst, const uint8_t *src, size_t n, unsigned bits,
+                       uint32_t group, kvr_codec_params params)
+{
+    kvr_codec_kernels_avx2.dec_f16(dst, src, n, bits, group, params);
+}
+
+static void x5_tile_gather(float *buf, const void *src, kvr_dtype t, size_t G, size_t ld,
+                           size_t cc)
+{
+    kvr_codec_kernels_avx2.tile_gather(buf, src, t, G, ld, cc);
+}
+
+static void x5_tile_scatter(void *dst, kvr_dtype t, size_t ld, const float *buf, size_t G,
+                            size_t cc)
+{
+    kvr_codec_kernels_avx2.tile_scatter(dst, t, ld, buf, G, cc);
+}
+
+const kvr_codec_kernels kvr_codec_kernels_avx512 = {
+    .enc_f32 = x5_enc_f32, .enc_f16 = x5_enc_f16,
+    .dec_f32 = x5_dec_f32, .dec_f16 = x5_dec_f16,
+    .tile_gather = x5_tile_gather, .tile_scatter = x5_tile_scatter,
+    .tile_enc = x5_tile_enc, .tile_dec = x5_tile_dec,
+};
