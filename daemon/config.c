@@ -143,7 +143,7 @@ int kvr_daemon_config_set(kvr_daemon_config *c, const char *key, const char *v,
     } else if (!strcmp(key, "max-connections")) {
         rc = parse_u32(v, 1, 1000000, &c->max_connections);
     } else if (!strcmp(key, "max-frame")) {
-        rc = parse_u32(v, 64, 1u << 30, &c->max_frame);
+        rc = parse_u32(v, 64, KVR_MAX_FRAME_CEILING, &c->max_frame);
     } else if (!strcmp(key, "max-conn-buffer")) {
         rc = kvr_parse_size(v, &sz);
         if (rc == 0 && sz < 4096)
@@ -264,8 +264,12 @@ static const char *HELP =
 "                         then aborted) or while a reply waits to be read\n"
 "                         (default 30; 0 = never). Idle connections between\n"
 "                         requests are kept.\n"
-"  --max-frame BYTES      largest protobuf message in a frame (default 1M);\n"
-"                         payloads are bounded by --max-memory\n"
+"  --max-frame BYTES      largest protobuf message in a frame (default 1M,\n"
+"                         at most 64M). Decoding one takes up to ~20x its\n"
+"                         size, so the daemon lowers the limit to keep that\n"
+"                         under a quarter of --max-memory; before Auth a\n"
+"                         frame may carry 4 KiB and no payload.\n"
+"                         Payloads are bounded by --max-memory\n"
 "  --max-conn-buffer SIZE queued response bytes per connection before the\n"
 "                         daemon stops reading from it (default 256M)\n"
 "  --max-drain SIZE       payload bytes read and discarded after a refused put\n"

@@ -508,6 +508,15 @@ static void on_header(kvr_conn *c)
         kvr_conn_fail(c, 0, KVR_ETOOLARGE, m);
         return;
     }
+    if (!c->authed && (c->fh.msg_len > KVR_UNAUTH_MAX_MSG || c->fh.payload_len > 0)) {
+        /* Refused from the header alone: nothing is buffered or unpacked. */
+        char m[200];
+        snprintf(m, sizeof m, "authentication required: a frame before Auth may carry at "
+                 "most %u message bytes and no payload (msg_len %u, payload_len %llu)",
+                 KVR_UNAUTH_MAX_MSG, c->fh.msg_len, (unsigned long long)c->fh.payload_len);
+        kvr_conn_fail(c, 0, KVR_EUNAUTH, m);
+        return;
+    }
     c->msg_have = 0;
     c->st = CONN_MSG;
 }

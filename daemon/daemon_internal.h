@@ -24,6 +24,15 @@
 #define KVR_LINGER_BYTES (1u << 20)    /* discarded before an error close */
 #define KVR_LINGER_MS    2000
 #define KVR_STOP_GRACE_MS 10000
+/* Before Auth a frame is at most this message (Auth is tiny) and no
+ * payload, so unauthenticated peers cannot make us buffer or unpack much. */
+#define KVR_UNAUTH_MAX_MSG 4096u
+/* protobuf-c's unpacked request can take ~20x the message's bytes (repeated
+ * small sub-messages become structs plus pointer arrays), all outside the
+ * store's reservations: one message's unpack is kept under a quarter of the
+ * memory cap (the effective message limit is lowered at start if needed). */
+#define KVR_UNPACK_FACTOR 20u
+#define KVR_MAX_FRAME_CEILING (64u << 20)
 
 typedef enum conn_state {
     CONN_HDR = 0,      /* reading the 24-byte header */

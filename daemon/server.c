@@ -406,6 +406,15 @@ int kvr_daemon_create(kvr_daemon **out, const kvr_daemon_config *cfg, char *err,
     d->start_ms = kvr_now_ms();
     d->limits.max_msg_len = cfg->max_frame;
     d->limits.max_payload_len = cfg->max_memory;
+    uint64_t unpack_max = cfg->max_memory / (4u * KVR_UNPACK_FACTOR);
+    if (unpack_max < KVR_UNAUTH_MAX_MSG)
+        unpack_max = KVR_UNAUTH_MAX_MSG;
+    if (unpack_max < d->limits.max_msg_len) {
+        d->limits.max_msg_len = (uint32_t)unpack_max;
+        kvr_log(KVR_LOG_INFO, "messages limited to %u bytes (not --max-frame %u): unpacking "
+                "one takes up to %ux its size, kept under a quarter of --max-memory",
+                d->limits.max_msg_len, cfg->max_frame, KVR_UNPACK_FACTOR);
+    }
     int rc = uv_loop_init(&d->loop);
     if (rc < 0) {
         seterr(err, errlen, "uv_loop_init: %s", uv_strerror(rc));

@@ -90,6 +90,12 @@ Test(daemon_config, refusals)
     cr_assert_lt(parse(&c, a9, 2), 0);   /* nothing to listen on */
     const char *a10[] = { "stray" };
     cr_assert_lt(parse(&c, a10, 1), 0);
+    /* Unpacking a message takes up to ~20x its size: 64 MiB at most. */
+    kvr_daemon_config_init(&c);
+    const char *a11[] = { "--max-frame", "128M" };
+    cr_assert_lt(parse(&c, a11, 2), 0);
+    const char *a12[] = { "--max-frame", "64M" };
+    cr_assert_eq(parse(&c, a12, 2), 0);
 }
 
 Test(daemon_config, file_then_flags)

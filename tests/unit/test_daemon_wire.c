@@ -1150,3 +1150,57 @@ Test(daemon_wire, unread_replies_time_out)
     close(fd);
     stop_daemon_clean();
 }
+
+/* Before Auth a frame may carry a few KiB of message and no payload: a
+ * larger one is refused from its header alone (the daemon neither waits
+ * for nor buffers the rest) and the connection closed. */
+Test(daemon_wire, large_frame_before_auth_is_refused)
+{
+    int port = start_tcp_daemon_with_token(NULL);
+    int fd = tcp_connect_retry(port);
+    uint8_t h[KVR_FRAME_HEADER_SIZE];
+    kvr_frame_header_encode(h, 512u << 10, 0);    /* under --max-frame */
+    cr_assert_eq(write_all(fd, h, sizeof h), 0);
+    Kvrope__Response *r = recv_resp(fd, NULL, NULL);
+    cr_assert_eq(r->status, KVROPE__STATUS__E_UNAUTHENTICATED, "status %d", r->status);
+    kvrope__response__free_unpacked(r, NULL);
+    expect_eof(fd);
+    close(fd);
+
+    fd = connect_tcp(port);
+    kvr_frame_header_encode(h, 8, 1u << 20);       /* a payload before Auth */
+    cr_assert_eq(write_all(fd, h, sizeof h), 0);
+    r = recv_resp(fd, NULL, NULL);
+    cr_assert_eq(r->status, KVROPE__STATUS__E_UNAUTHENTICATED, "status %d", r->status);
+    kvrope__response__free_unpacked(r, NULL);
+    expect_eof(fd);
+    close(fd);
+
+    /* After Auth the usual limits apply. */
+    fd = connect_tcp(port);
+    cr_assert_eq(auth(fd, "s3cret-token"), KVROPE__STATUS__OK);
+    cr_assert_eq(ping(fd, 2), KVROPE__STATUS__OK);
+    close(fd);
+    stop_daemon_clean();
+}
+
+/* With a small memory cap the message limit drops below --max-frame, so
+ * one message's unpacked form (~20x) stays under a quarter of the cap. */
+Test(daemon_wire, message_limit_follows_memory_cap)
+{
+    const char *extra[] = { "--max-memory", "1M", NULL };
+    start_daemon(extra);
+    int fd = connect_unix(D.sock);
+    uint8_t h[KVR_FRAME_HEADER_SIZE];
+    kvr_frame_header_encode(h, 64u << 10, 0);     /* under --max-frame 1M */
+    cr_assert_eq(write_all(fd, h, sizeof h), 0);
+    Kvrope__Response *r = recv_resp(fd, NULL, NULL);
+    cr_assert_eq(r->status, KVROPE__STATUS__E_TOO_LARGE, "status %d", r->status);
+    kvrope__response__free_unpacked(r, NULL);
+    expect_eof(fd);
+    close(fd);
+    fd = connect_unix(D.sock);
+    cr_assert_eq(ping(fd, 1), KVROPE__STATUS__OK);
+    close(fd);
+    stop_daemon_clean();
+}
