@@ -319,6 +319,21 @@ int kvr_store_assemble_begin(kvr_store *s, const kvr_assemble_params *p,
     for (size_t i = 0; i < p->n_docs; i++)
         lru_touch(s, ctx_find(s, p->docs[i]));
 
+    /* Disk tier: spilled blocks come back now (the leases keep them). */
+    if (s->tier && !p->meta_only && t->n_runs) {
+        kvr_block **bs = kvr_mem_malloc(t->n_runs * sizeof *bs);
+        if (!bs) {
+            rc = kvr_error_set(err, KVR_ENOMEM, "out of memory assembling");
+            goto fail;
+        }
+        for (size_t i = 0; i < t->n_runs; i++)
+            bs[i] = t->runs[i].b;
+        rc = tier_fault_in(s, bs, t->n_runs, NULL, err);
+        kvr_mem_free(bs);
+        if (rc != 0)
+            goto fail;
+    }
+
     if (!p->meta_only && N > 0) {
         size_t row = (size_t)m->n_kv_heads * m->head_dim, rowb = row * osize;
         t->zc_v = true;

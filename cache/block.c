@@ -74,6 +74,7 @@ void block_unref(kvr_store *s, kvr_block *b)
 {
     if (!b || --b->refcount > 0)
         return;
+    tier_block_gone(s, b);
     s->n_blocks--;
     s->block_bytes -= b->bytes;
     kvr_mem_free(b->data);

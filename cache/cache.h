@@ -181,6 +181,9 @@ typedef struct kvr_put_params {
     size_t          payload_bytes;     /* checked before anything is reserved or
                                           evicted (KVR_EPAYLOAD), so a refused
                                           put changes nothing */
+    bool            persist;       /* mark the context persistent (tier.c):
+                                      every later change is logged to disk
+                                      (kvr_store_persist); needs a disk tier */
 } kvr_put_params;
 
 typedef struct kvr_put_result {
@@ -604,6 +607,86 @@ typedef struct kvr_retention {
 
 int kvr_store_set_retention(kvr_store *s, const char *ctx_id, const kvr_retention *r,
                             kvr_error *err);
+
+/* ---- disk tier and persistence (tier.c) --------------------------------- */
+/*
+ * With a disk tier, eviction spills blocks to disk instead of dropping them
+ * (the block keeps its metadata; get/assemble/put reload it), and contexts
+ * marked persistent have every change logged so that a restart recovers
+ * them. Everything here is loop-thread only except kvr_persist_batch_work.
+ */
+typedef struct kvr_tier_config {
+    const char *dir;            /* created if missing */
+    uint64_t    max_bytes;      /* live data + log; 0 = unbounded */
+    int         engine;         /* 0 auto, 1 io_uring only, 2 POSIX (forced) */
+    bool        persist_all;    /* every created context is persistent */
+    uint64_t    checkpoint_bytes; /* log size that triggers a checkpoint; 0 = 64 MiB */
+} kvr_tier_config;
+
+typedef struct kvr_tier_recovery {
+    size_t   models, contexts, tokens, blocks;
+    uint64_t bytes;             /* block bytes read back */
+    uint64_t records;           /* log records replayed */
+    uint64_t quarantined;       /* corrupt records / extents skipped */
+    uint64_t torn_bytes;        /* cut from the log's tail */
+    size_t   dropped_contexts;  /* contexts whose data could not be read */
+    double   ms;
+    uint64_t at_ms;             /* wall clock when it finished */
+} kvr_tier_recovery;
+
+/* level: KVR_TIER_LOG_INFO / _WARN; msg is borrowed for the call. */
+enum { KVR_TIER_LOG_INFO = 1, KVR_TIER_LOG_WARN = 2 };
+typedef void (*kvr_tier_log_fn)(void *arg, int level, const char *msg);
+
+/* Opens the disk tier in cfg->dir, replays its log (reporting corrupt or
+ * torn records through log, which may be NULL) and rebuilds the persistent
+ * models and contexts in s (which must have no contexts yet). Contexts
+ * whose blocks cannot be read are dropped and reported. rec may be NULL. */
+int  kvr_store_tier_open(kvr_store *s, const kvr_tier_config *cfg, kvr_tier_log_fn log,
+                         void *arg, kvr_tier_recovery *rec, kvr_error *err);
+/* "io_uring" / "posix", or NULL without a disk tier (static string). */
+const char *kvr_store_tier_engine(const kvr_store *s);
+/* Why io_uring was not used ("" if it was); borrowed. */
+const char *kvr_store_tier_engine_note(const kvr_store *s);
+
+typedef struct kvr_tier_stats {
+    bool     enabled;
+    const char *engine;
+    size_t   mem_blocks, mem_bytes;        /* resident blocks / their bytes */
+    size_t   spilled_blocks;               /* blocks whose data is on disk only */
+    uint64_t disk_blocks, disk_bytes;      /* live extents on disk (4 KiB granules) */
+    uint64_t disk_log_bytes, disk_max_bytes;
+    uint64_t n_spills, spill_bytes;        /* blocks written by eviction */
+    uint64_t n_reloads, reload_bytes;      /* blocks read back */
+    uint64_t n_spill_refused;              /* evictions that fell back to dropping */
+    uint64_t reads_mem, reads_disk;        /* get/assemble served from memory / needing disk */
+    uint64_t n_persist_records, n_persist_errors, n_checkpoints;
+    size_t   persistent_contexts;
+    uint64_t quarantined;                  /* corrupt records and extents seen */
+    bool     failed;                       /* an fsync failed: restart required */
+    kvr_tier_recovery recovery;            /* the last recovery */
+} kvr_tier_stats;
+void kvr_store_tier_stats(const kvr_store *s, kvr_tier_stats *out);
+
+/* Persistence. After a change to context ctx_id was committed (or after it
+ * was deleted), kvr_store_persist queues one record of its whole state
+ * (blocks not yet on disk are written first) if the context is (or was)
+ * persistent, and returns 1: done(arg, rc, err) runs from the
+ * kvr_persist_batch_end that wrote it (rc 0: on stable storage). Returns 0
+ * if there is nothing to log, a KVR_E* code if nothing could be queued.
+ * Records reach the disk in the order they were queued. */
+typedef void (*kvr_persist_done_fn)(void *arg, int rc, const kvr_error *err);
+int  kvr_store_persist(kvr_store *s, const char *ctx_id, kvr_persist_done_fn done,
+                       void *arg, kvr_error *err);
+bool kvr_store_ctx_persistent(const kvr_store *s, const char *ctx_id);
+/* A batch of every queued record, or NULL if none is queued or a batch is
+ * still in flight (one at a time, so records stay in order). */
+typedef struct kvr_persist_batch kvr_persist_batch;
+kvr_persist_batch *kvr_store_persist_take(kvr_store *s);
+void kvr_persist_batch_work(kvr_persist_batch *b);   /* any thread: spill + append */
+void kvr_persist_batch_end(kvr_persist_batch *b);    /* loop: install, done()s, free */
+/* Loop thread: takes, works and ends batches inline until none is queued. */
+void kvr_store_persist_flush(kvr_store *s);
 
 #ifdef __cplusplus
 }

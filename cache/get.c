@@ -232,6 +232,22 @@ int kvr_store_get_begin(kvr_store *s, const kvr_get_params *p, kvr_get **out,
             s->n_leased_blocks++;
     }
 
+    /* Disk tier: spilled blocks of the range come back now (the leases
+     * keep them), with the rest of the context as a prefetch (tier.c). */
+    if (s->tier && !p->meta_only && t->n_segs) {
+        kvr_block **bs = kvr_mem_malloc(t->n_segs * sizeof *bs);
+        if (!bs) {
+            rc = kvr_error_set(err, KVR_ENOMEM, "out of memory for a get of %zu tokens", n);
+            goto fail;
+        }
+        for (size_t g = 0; g < t->n_segs; g++)
+            bs[g] = t->segs[g].b;
+        rc = tier_fault_in(s, bs, t->n_segs, c, err);
+        kvr_mem_free(bs);
+        if (rc != 0)
+            goto fail;
+    }
+
     bool any_quant = false;
     for (size_t g = 0; g < t->n_segs; g++)
         if (t->segs[g].b->quant) {

@@ -310,6 +310,30 @@ int layout_ctx_clone(const kvr_ctx *src, kvr_ctx *dst)
     return 0;
 }
 
+size_t layout_blob_size(void)
+{
+    return sizeof(kvr_layout);
+}
+
+bool layout_blob_get(const kvr_ctx *c, void *out)
+{
+    if (!c->layout)
+        return false;
+    memcpy(out, c->layout, sizeof *c->layout);
+    return true;
+}
+
+int layout_blob_set(kvr_ctx *c, const void *in)
+{
+    kvr_layout *L = kvr_mem_malloc(sizeof *L);
+    if (!L)
+        return KVR_ENOMEM;
+    memcpy(L, in, sizeof *L);
+    kvr_mem_free(c->layout);
+    c->layout = L;
+    return 0;
+}
+
 /* The APE record of c, for assemble.c: false if c has none. */
 bool layout_ape_record(const kvr_ctx *c, const char **prefix, uint64_t *fp,
                        size_t *len, uint64_t *hash)

@@ -31,7 +31,7 @@ struct kvr_put {
     kvr_store    *s;
     kvr_ctx      *c;
     kvr_model    *m;
-    bool          created, tail, pin, worked;
+    bool          created, tail, pin, worked, persist;
     kvr_dtype     pdt;          /* payload dtype */
     size_t        n;
     uint32_t     *tokens;       /* copy, for the prefix index */
@@ -65,8 +65,10 @@ static void txn_free(kvr_put *t)
     }
     for (size_t i = 0; i < t->n_qruns; i++)
         block_unref(s, t->qruns[i].b);
-    for (size_t i = 0; i < t->n_wsrc; i++)
+    for (size_t i = 0; i < t->n_wsrc; i++) {
+        t->wsrc[i].b->holds--;      /* held: eviction must not spill it */
         block_unref(s, t->wsrc[i].b);
+    }
     kvr_mem_free(t->qruns);
     kvr_mem_free(t->wsrc);
     kvr_mem_free(t->qpos);
@@ -109,7 +111,7 @@ static kvr_block *quant_tail(const kvr_ctx *c)
             continue;
         kvr_block *b = e->block;
         if (b->refcount == 1 && e->first + e->count == b->used && b->used < b->cap &&
-            b->used % QH(b)->ktile == 0 && same_codec(b, &c->codec))
+            b->used % QH(b)->ktile == 0 && same_codec(b, &c->codec) && !b->spilled)
             return b;
         return NULL;
     }
@@ -189,8 +191,25 @@ static int alloc_quant(kvr_put *t, const kvr_put_params *p, kvr_error *err)
             continue;
         uint32_t k = e->count < want ? e->count : (uint32_t)want;
         block_ref(e->block);
+        e->block->holds++;
         t->wsrc[t->n_wsrc++] = (qrun){ e->block, e->first, k };
         want -= k;
+    }
+    /* put_work re-encodes these window tokens: their data must be in
+     * memory (disk tier: reloaded here, on the loop thread). */
+    for (size_t i = 0; i < t->n_wsrc; i++) {
+        if (!t->wsrc[i].b->spilled)
+            continue;
+        kvr_block **bs = kvr_mem_malloc(t->n_wsrc * sizeof *bs);
+        if (!bs)
+            goto nomem;
+        for (size_t j = 0; j < t->n_wsrc; j++)
+            bs[j] = t->wsrc[j].b;
+        int frc = tier_fault_in(s, bs, t->n_wsrc, NULL, err);
+        kvr_mem_free(bs);
+        if (frc != 0)
+            return frc;
+        break;
     }
     /* Metadata of the quantized slots. */
     size_t r = 0, off = 0, g = 0;
@@ -417,6 +436,9 @@ int kvr_store_put_begin(kvr_store *s, const kvr_put_params *p, kvr_put **out,
         return kvr_error_set(err, KVR_EBADREQUEST, "unknown put mode %d", (int)p->mode);
     if (p->n_tokens == 0 || !p->tokens)
         return kvr_error_set(err, KVR_EBADREQUEST, "put of no tokens");
+    if (p->persist && !s->tier)
+        return kvr_error_set(err, KVR_EUNSUPPORTED, "persist: this daemon has no disk "
+                             "tier (start it with --disk-dir)");
     if (p->n_tokens > KVR_MAX_PUT_TOKENS)
         return kvr_error_set(err, KVR_ETOOLARGE, "put of %zu tokens (limit %u)",
                              p->n_tokens, KVR_MAX_PUT_TOKENS);
@@ -484,6 +506,7 @@ int kvr_store_put_begin(kvr_store *s, const kvr_put_params *p, kvr_put **out,
     t->pdt = p->dtype;
     t->n = n;
     t->pin = p->pin;
+    t->persist = p->persist;
     t->payload = payload;
     t->first_pos = first;
     t->last_pos = last;
@@ -509,7 +532,7 @@ int kvr_store_put_begin(kvr_store *s, const kvr_put_params *p, kvr_put **out,
         kvr_extent *e = &c->ext[c->n_ext - 1];
         if (e->block->refcount == 1 && e->first + e->count == e->block->used &&
             e->block->used < e->block->cap && e->block->dtype == c->dtype &&
-            !e->block->quant) {
+            !e->block->quant && !e->block->spilled) {
             tail = e->block;
             tail_free = tail->cap - tail->used;
             if (tail_free > n)
@@ -538,7 +561,7 @@ int kvr_store_put_begin(kvr_store *s, const kvr_put_params *p, kvr_put **out,
                   (zero_copy ? 0 : kvr_mem_size_class(payload)) +
                   n_iov * sizeof(struct iovec) + n * sizeof(uint32_t) +
                   n_runs * sizeof(put_run) + qneed;
-    if ((rc = store_reserve_request(s, need, "put", err)) != 0)
+    if ((rc = store_reserve(s, need, err)) != 0)
         goto fail_ctx;
     if (t->quant && (rc = alloc_quant(t, p, err)) != 0)
         goto fail_ctx;
@@ -723,6 +746,8 @@ int kvr_put_commit(kvr_put *t, kvr_put_result *res, kvr_error *err)
         first_index = c->n_tokens > t->n ? c->n_tokens - t->n : 0;
     if (t->pin)
         c->pinned = true;
+    if (s->tier && (t->persist || (t->created && tier_persist_all(s))))
+        c->persist = true;
     lru_touch(s, c);
     s->n_puts++;
     if (res) {

@@ -72,6 +72,7 @@ void kvr_store_destroy(kvr_store *s)
 {
     if (!s)
         return;
+    tier_destroy(s);
     for (size_t i = 0; i < s->n_buckets; i++) {
         while (s->buckets[i])
             ctx_destroy(s, s->buckets[i]);
@@ -83,6 +84,7 @@ void kvr_store_destroy(kvr_store *s)
         kvr_rope_destroy(m->engine);
         kvr_mem_free(m);
     }
+    tier_close(s);
     kvr_mem_free(s->models);
     kvr_mem_free(s->buckets);
     kvr_mem_free(s);
@@ -204,6 +206,7 @@ void ctx_destroy(kvr_store *s, kvr_ctx *c)
     if (*pp)
         *pp = c->hnext;
     s->n_ctx--;
+    tier_ctx_gone(s, c);
     if (!c->pending) {
         lru_unlink(s, c);
         c->model->n_contexts--;
@@ -354,7 +357,7 @@ int store_reserve(kvr_store *s, size_t need, kvr_error *err)
     if (cap == 0 || kvr_mem_allocated() + need <= cap)
         return 0;
     size_t have = kvr_mem_allocated();
-    size_t freeable = freeable_bytes(s);
+    size_t freeable = freeable_bytes(s) + tier_freeable(s);
     if (need > cap || have - (freeable < have ? freeable : have) + need > cap) {
         s->n_refused_nomem++;
         return kvr_error_set(err, KVR_ENOMEM,
@@ -363,8 +366,14 @@ int store_reserve(kvr_store *s, size_t need, kvr_error *err)
                              cap, need, have, freeable);
     }
     while (kvr_mem_allocated() + need > cap) {
+        /* Disk tier: spill the least recently used block instead; drop
+         * only when the disk refuses (full, failed) or nothing is left to
+         * spill. Persistent contexts are never dropped. */
+        int sp = tier_evict_one(s);
+        if (sp == 1)
+            continue;
         kvr_ctx *v = s->lru_tail;
-        while (v && !evictable(v))
+        while (v && (!evictable(v) || (s->tier && v->persist)))
             v = v->lru_prev;
         if (!v) {
             s->n_refused_nomem++;
@@ -375,26 +384,6 @@ int store_reserve(kvr_store *s, size_t need, kvr_error *err)
         evict_tail(s, v);
     }
     return 0;
-}
-
-size_t store_request_max(const kvr_store *s)
-{
-    size_t cap = s->cfg.max_memory;
-    if (cap == 0)
-        return SIZE_MAX;
-    size_t floor = cap < KVR_REQUEST_FLOOR ? cap : KVR_REQUEST_FLOOR;
-    return cap / 4 > floor ? cap / 4 : floor;
-}
-
-int store_reserve_request(kvr_store *s, size_t need, const char *what, kvr_error *err)
-{
-    size_t max = store_request_max(s);
-    if (need > max)
-        return kvr_error_set(err, KVR_ETOOLARGE,
-                             "%s needs %zu bytes, over the %zu one request may use (a "
-                             "quarter of the %zu-byte memory cap): split it", what, need,
-                             max, s->cfg.max_memory);
-    return store_reserve(s, need, err);
 }
 
 /* ---- models ------------------------------------------------------------- */
@@ -738,6 +727,7 @@ int kvr_store_fork(kvr_store *s, const char *src, const char *dst, kvr_error *er
     memcpy(b->q_sse, a->q_sse, sizeof b->q_sse);
     memcpy(b->q_ss, a->q_ss, sizeof b->q_ss);
     b->n_protected = a->n_protected;
+    b->persist = a->persist;
     if (a->idx_stale) {
         b->idx_stale = true;
         b->model->n_stale++;

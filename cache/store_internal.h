@@ -24,6 +24,7 @@
 
 #include "cache/cache.h"
 #include "cache/codec.h"
+#include "cache/disk.h"
 
 #define KVR_DEFAULT_BLOCK_TOKENS 64u
 #define KVR_BLOCK_ALIGN 64u
@@ -57,6 +58,9 @@ struct kvr_block {
      * tiles of `ktile` slots (`krow` bytes per tile); keys are stored
      * UN-ROTATED (pre-RoPE), so stored_pos is metadata only. */
     bool      quant;        /* header (kvr_qhdr) at the start of data */
+    bool      spilled;      /* tier.c: `data` holds only the metadata (the
+                               quantized header, then stored_pos/tokens/
+                               groups); the K/V bytes are on disk */
     size_t    bytes;        /* accounted bytes of data */
     uint8_t  *data;         /* kvr_mem_aligned; layers then metadata */
     int64_t  *stored_pos;   /* [cap], inside data */
@@ -66,7 +70,18 @@ struct kvr_block {
      * (slots below `used` never change) for O(1) overflow checks. */
     int64_t   pos_lo, pos_hi;
     uint32_t  bounds_used;
+    /* tier.c: the disk copy (NULL: none), allocated only for blocks that
+     * have one so that memory-only blocks stay small. */
+    struct kvr_block_disk *disk;
 };
+
+/* A block's disk copy: h is a live handle the block owns one reference
+ * of; it is a valid copy iff used == the block's used (slots below `used`
+ * never change). A spilled block always has a valid copy. */
+typedef struct kvr_block_disk {
+    kvr_disk_handle h;
+    uint32_t        used;
+} kvr_block_disk;
 
 typedef struct kvr_extent {
     kvr_block *block;
@@ -161,6 +176,7 @@ struct kvr_ctx {
     bool        idx_stale;
     size_t      n_protected;    /* first tokens edits may not touch */
     struct kvr_layout *layout;  /* layout.c: APE record, groups, retention; NULL = none */
+    bool        persist;        /* tier.c: every change is logged to disk */
 };
 
 struct kvr_store {
@@ -175,6 +191,7 @@ struct kvr_store {
     uint64_t     n_evicted_blocks, n_evicted_bytes;
     uint64_t     n_puts, n_gets, n_matches, n_match_hits, n_refused_nomem;
     uint32_t     epoch;
+    struct kvr_tier *tier;           /* tier.c: disk tier, NULL = memory only */
 };
 
 /* block.c */
@@ -203,16 +220,6 @@ kvr_model *model_find(const kvr_store *s, const char *name);
 uint32_t  *ctx_gather_tokens(const kvr_ctx *c, kvr_error *err);
 /* Makes room for `need` more bytes under the cap (evicting), or KVR_ENOMEM. */
 int        store_reserve(kvr_store *s, size_t need, kvr_error *err);
-/* The most one request (a put, edit, refresh, or a get's / assemble's
- * staging) may reserve: a quarter of the cap, but at least
- * KVR_REQUEST_FLOOR (or the whole cap if smaller). SIZE_MAX without a cap. */
-#define KVR_REQUEST_FLOOR ((size_t)4 << 20)
-size_t     store_request_max(const kvr_store *s);
-/* store_reserve for one request's `need` bytes; KVR_ETOOLARGE (naming
- * `what`, evicting nothing) over store_request_max, so a single request
- * cannot evict the whole cache before it sends a byte. */
-int        store_reserve_request(kvr_store *s, size_t need, const char *what,
-                                 kvr_error *err);
 /* Recomputes n_exact and resyncs both trees; the first `common` tokens are
  * known unchanged. On allocation failure c is left out of the index (which
  * then under-reports, never lies). */
@@ -289,5 +296,36 @@ int  block_read_side(const kvr_model *m, const kvr_block *b, uint32_t layer, int
  * true and the layer / kv / token index if any. */
 bool quant_find_nonfinite(const void *payload, kvr_dtype dt, uint32_t n_layers, size_t n,
                           size_t row, uint32_t *layer, int *kv, size_t *tok);
+
+/* tier.c: the disk tier (see its header comment). All loop thread. */
+/* Bytes of a block's full data allocation (K/V + metadata). */
+size_t tier_data_len(const kvr_block *b);
+/* Frees one block's worth of memory by spilling the least recently used
+ * resident, unheld block of an evictable context: 1 if memory was freed,
+ * 0 if there is nothing to spill, a KVR_E* code if the disk refused. */
+int  tier_evict_one(kvr_store *s);
+/* Bytes that spilling every resident unheld block of evictable contexts
+ * would give back. */
+size_t tier_freeable(kvr_store *s);
+/* Makes blocks bs[0..n) resident (synchronous batched load; the blocks
+ * must be held so that eviction cannot take them back), and prefetches
+ * the other spilled blocks of `pf` (may be NULL) as far as memory allows. */
+int  tier_fault_in(kvr_store *s, kvr_block *const *bs, size_t n, kvr_ctx *pf,
+                   kvr_error *err);
+/* block_unref's last reference: releases the disk copy (deferred while a
+ * persisted record may still point at it). */
+void tier_block_gone(kvr_store *s, kvr_block *b);
+/* ctx_destroy of a persistent context: remembered for the DELETE record. */
+void tier_ctx_gone(kvr_store *s, kvr_ctx *c);
+/* kvr_store_destroy: tier_destroy before the contexts go (fails queued
+ * records, stops logging), tier_close after (closes the disk). */
+void tier_destroy(kvr_store *s);
+void tier_close(kvr_store *s);
+bool tier_persist_all(const kvr_store *s);
+
+/* layout.c: the layout as an opaque blob (tier.c's records). */
+size_t layout_blob_size(void);
+bool   layout_blob_get(const kvr_ctx *c, void *out);   /* false: no layout */
+int    layout_blob_set(kvr_ctx *c, const void *in);    /* 0 or KVR_ENOMEM */
 
 #endif /* KVR_STORE_INTERNAL_H */

@@ -210,6 +210,14 @@ typedef struct kvr_put_opts {
     const int64_t      *group_offsets;  /* phi per group, NULL = 0 */
 } kvr_put_opts;
 
+/* kvr_client_put_ex that also marks the context persistent (persist =
+ * true; a daemon without --disk-dir refuses it with E_UNSUPPORTED):
+ * the put, and every later change of the context, is acknowledged only
+ * once it is on disk, and the context survives a restart or kill -9. A
+ * separate call so that kvr_put_args and kvr_put_opts keep their layout. */
+int kvr_client_put_persist(kvr_client *c, const kvr_put_args *a, const kvr_put_opts *o,
+                           bool persist, kvr_put_res *out);
+
 /* kvr_client_put with options; o may be NULL (then it is kvr_client_put). */
 int kvr_client_put_ex(kvr_client *c, const kvr_put_args *a, const kvr_put_opts *o,
                       kvr_put_res *out /* may be NULL */);

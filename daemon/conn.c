@@ -314,6 +314,26 @@ int kvr_conn_send(kvr_conn *c, const Kvrope__Response *r, kvr_get *get,
     return send_reply(c, r, &src, payload_len, close_after);
 }
 
+int kvr_conn_send_packed(kvr_conn *c, uint8_t *buf, size_t len)
+{
+    if (c->closing) {
+        kvr_mem_free(buf);
+        return 0;
+    }
+    out_payload src = { 0 };
+    return queue_write(c, buf, len, &src, 0);
+}
+
+void kvr_conn_ref(kvr_conn *c)
+{
+    c->refs++;
+}
+
+void kvr_conn_unref(kvr_conn *c)
+{
+    conn_unref(c);
+}
+
 int kvr_conn_send_assemble(kvr_conn *c, const Kvrope__Response *r, kvr_assemble *as,
                            size_t payload_len)
 {

@@ -44,6 +44,11 @@ typedef struct kvr_daemon_config {
     uint32_t auth_timeout;          /* s an unauthenticated connection may stay; 0 = none */
     uint32_t max_unauth_connections;/* connections still owing Auth (TCP + token) */
     kvr_log_level log_level;
+    /* disk tier (cache/tier.c) */
+    char     disk_dir[1024];        /* "" = memory only */
+    uint64_t disk_max;              /* live data + log bytes; 0 = unbounded */
+    int      disk_engine;           /* 0 auto, 1 uring, 2 posix */
+    bool     persist_all;           /* every context is persistent */
 } kvr_daemon_config;
 
 /* Defaults: see `kvroped --help`. max_memory = min(4 GiB, RAM / 4). */

@@ -181,6 +181,11 @@ int  kvr_conn_send(kvr_conn *c, const Kvrope__Response *r, kvr_get *get,
  * callback (or at once if the write cannot be queued). */
 int  kvr_conn_send_assemble(kvr_conn *c, const Kvrope__Response *r, kvr_assemble *as,
                             size_t payload_len);
+/* Queues a packed frame (header + message, no payload); takes buf. */
+int  kvr_conn_send_packed(kvr_conn *c, uint8_t *buf, size_t len);
+/* A reference that keeps c's memory alive (persist.c's pending replies). */
+void kvr_conn_ref(kvr_conn *c);
+void kvr_conn_unref(kvr_conn *c);
 /* Finishes the current request: frees it and resumes reading. */
 void kvr_conn_request_done(kvr_conn *c);
 /* Error reply for the current request; if the frame declared a payload, it
@@ -200,5 +205,16 @@ void kvr_dispatch_after_work(kvr_conn *c);
 /* After the put / edit payload arrived in full. */
 void kvr_dispatch_payload_done(kvr_conn *c);
 int  kvr_status_of(int code);      /* KVR_E* -> Status */
+
+/* ---- persist.c: the disk tier ------------------------------------------ */
+/* Opens --disk-dir and recovers the persistent contexts (before listening). */
+int  kvr_persist_open(kvr_daemon *d, char *err, size_t errlen);
+/* reply_ok's hook: if the request changed a persistent context, the reply
+ * (r, packed now) is sent only once its record is on disk, or an error
+ * instead; returns true then (the request is finished later). */
+bool kvr_persist_reply(kvr_conn *c, Kvrope__Response *r);
+/* Metrics of the disk tier for stats: fills up to cap, returns the count.
+ * Names are static strings. */
+size_t kvr_persist_metrics(kvr_daemon *d, const char **names, double *values, size_t cap);
 
 #endif /* KVR_DAEMON_INTERNAL_H */

@@ -49,6 +49,8 @@ static void reply_ok(kvr_conn *c, Kvrope__Response *r)
 {
     r->id = c->req->id;
     r->status = KVROPE__STATUS__OK;
+    if (kvr_persist_reply(c, r))
+        return;     /* persist.c: sent once the change is on disk */
     kvr_conn_send(c, r, NULL, 0, false);
     kvr_conn_request_done(c);
 }
@@ -449,6 +451,7 @@ static void start_put(kvr_conn *c, const Kvrope__Put *p, const char *group,
         .pos_start = p->pos_start,
         .pin = p->has_pin && p->pin,
         .group = group,
+        .persist = p->has_persist && p->persist,
     };
     if (lo) {
         if (lo->n_groups > MAX_GROUP_ARGS) {
@@ -1342,9 +1345,9 @@ static void do_stats(kvr_conn *c)
         { "bytes_in", (double)d->bytes_in },
         { "bytes_out", (double)d->bytes_out },
     };
-    enum { NF = sizeof fixed / sizeof fixed[0], N = NF + KVR_N_VERBS };
-    Kvrope__Metric ms[N];
-    Kvrope__Metric *ptrs[N];
+    enum { NF = sizeof fixed / sizeof fixed[0], N = NF + KVR_N_VERBS, ND = 48 };
+    Kvrope__Metric ms[N + ND];
+    Kvrope__Metric *ptrs[N + ND];
     char names[KVR_N_VERBS][40];
     size_t nm = 0;
     for (size_t i = 0; i < N; i++) {
@@ -1362,6 +1365,16 @@ static void do_stats(kvr_conn *c)
             ms[nm].value = (double)d->per_verb[k];
         }
         nm++;
+    }
+    /* Disk tier (persist.c): per-tier bytes/blocks, hit rates, recovery. */
+    const char *dn[ND];
+    double dv[ND];
+    size_t nd = kvr_persist_metrics(d, dn, dv, ND);
+    for (size_t i = 0; i < nd; i++, nm++) {
+        kvrope__metric__init(&ms[nm]);
+        ptrs[nm] = &ms[nm];
+        ms[nm].name = UNCONST(char *, dn[i]);
+        ms[nm].value = dv[i];
     }
     Kvrope__StatsResult sr = KVROPE__STATS_RESULT__INIT;
     sr.n_metrics = nm;

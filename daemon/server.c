@@ -431,6 +431,9 @@ int kvr_daemon_create(kvr_daemon **out, const kvr_daemon_config *cfg, char *err,
     }
     if ((rc = read_token(d, err, errlen)) < 0)
         goto fail;
+    /* Disk tier: recovered before anything is accepted. */
+    if ((rc = kvr_persist_open(d, err, errlen)) < 0)
+        goto fail;
     if ((rc = listen_unix(d, err, errlen)) < 0)
         goto fail;
     if ((rc = listen_tcp(d, err, errlen)) < 0)

@@ -346,6 +346,15 @@ int kvr_client_put_ex(kvr_client *c, const kvr_put_args *a, const kvr_put_opts *
     return put_common(c, a, o, NULL, out);
 }
 
+int kvr_client_put_persist(kvr_client *c, const kvr_put_args *a, const kvr_put_opts *o,
+                           bool persist, kvr_put_res *out)
+{
+    c->put_persist = persist;
+    int r = put_common(c, a, o, NULL, out);
+    c->put_persist = false;
+    return r;
+}
+
 int kvr_client_group_append(kvr_client *c, const kvr_put_args *a, const char *group,
                             const kvr_put_opts *o, kvr_put_res *out)
 {
@@ -445,6 +454,10 @@ static int put_common(kvr_client *c, const kvr_put_args *a, const kvr_put_opts *
             }
             put.layout = &lo;
         }
+    }
+    if (c->put_persist) {
+        put.has_persist = 1;
+        put.persist = 1;
     }
     Kvrope__Request req = KVROPE__REQUEST__INIT;
     Kvrope__GroupAppend ga = KVROPE__GROUP_APPEND__INIT;

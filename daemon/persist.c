@@ -1,0 +1,245 @@
+/*
+ * persist.c — the daemon's side of the disk tier (cache/tier.c): opening
+ * and recovering --disk-dir before the listeners start, deferring the
+ * replies of changes to persistent contexts until their records are on
+ * disk, and the disk metrics of stats.
+ *
+ * A change to a persistent context is committed in memory as usual; then,
+ * instead of the reply, kvr_persist_reply packs the reply and queues the
+ * context's record (kvr_store_persist). One batch of records at a time
+ * runs on the libuv threadpool (kvr_persist_batch_work: spill + append +
+ * fsync); its after-callback (loop thread) ends the batch, which calls
+ * on_done for each record: the held reply goes out if the append returned
+ * 0, else an E_IO error. The connection stays BUSY (not reading) meanwhile,
+ * so its requests are still answered in order, and holds a reference so
+ * its memory outlives a close.
+ */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "daemon/daemon_internal.h"
+
+typedef struct held_reply {
+    kvr_conn *c;
+    uint8_t  *buf;
+    size_t    len;
+} held_reply;
+
+typedef struct batch_job {
+    uv_work_t          w;
+    kvr_daemon        *d;
+    kvr_persist_batch *b;
+} batch_job;
+
+static void kick(kvr_daemon *d);
+
+static void tier_log(void *arg, int level, const char *msg)
+{
+    (void)arg;
+    kvr_log(level == KVR_TIER_LOG_WARN ? KVR_LOG_WARN : KVR_LOG_INFO, "%s", msg);
+}
+
+int kvr_persist_open(kvr_daemon *d, char *err, size_t errlen)
+{
+    const kvr_daemon_config *cfg = &d->cfg;
+    if (!cfg->disk_dir[0])
+        return 0;
+    kvr_tier_config tc = {
+        .dir = cfg->disk_dir,
+        .max_bytes = cfg->disk_max,
+        .engine = cfg->disk_engine,
+        .persist_all = cfg->persist_all,
+    };
+    /* Tests only: a small log so checkpoints happen. */
+    const char *cp = getenv("KVR_DISK_CHECKPOINT_BYTES");
+    if (cp)
+        tc.checkpoint_bytes = strtoull(cp, NULL, 10);
+    kvr_tier_recovery rec;
+    kvr_error e = { 0 };
+    int rc = kvr_store_tier_open(d->store, &tc, tier_log, d, &rec, &e);
+    if (rc < 0) {
+        snprintf(err, errlen, "disk tier %s: %s", cfg->disk_dir,
+                 e.msg[0] ? e.msg : kvr_strerror(rc));
+        return rc;
+    }
+    const char *note = kvr_store_tier_engine_note(d->store);
+    kvr_log(KVR_LOG_INFO, "disk tier %s: engine %s%s%s%s, max %llu bytes%s", cfg->disk_dir,
+            kvr_store_tier_engine(d->store), note[0] ? " (" : "", note, note[0] ? ")" : "",
+            (unsigned long long)cfg->disk_max, cfg->persist_all ? ", every context persistent" : "");
+    kvr_log(rec.quarantined || rec.dropped_contexts ? KVR_LOG_WARN : KVR_LOG_INFO,
+            "recovered %zu models, %zu contexts, %zu tokens, %llu bytes in %.1f ms "
+            "(%llu records; %llu quarantined, %llu torn bytes, %zu contexts dropped)",
+            rec.models, rec.contexts, rec.tokens, (unsigned long long)rec.bytes, rec.ms,
+            (unsigned long long)rec.records, (unsigned long long)rec.quarantined,
+            (unsigned long long)rec.torn_bytes, rec.dropped_contexts);
+    return 0;
+}
+
+/* The context a request changes, if it is a change. */
+static const char *changed_ctx(const Kvrope__Request *q)
+{
+    switch (q->body_case) {
+    case KVROPE__REQUEST__BODY_PUT:              return q->put->context_id;
+    case KVROPE__REQUEST__BODY_GROUP_APPEND:     return q->group_append->put->context_id;
+    case KVROPE__REQUEST__BODY_EDIT:             return q->edit->context_id;
+    case KVROPE__REQUEST__BODY_REFRESH:          return q->refresh->context_id;
+    case KVROPE__REQUEST__BODY_DELETE:           return q->delete_->context_id;
+    case KVROPE__REQUEST__BODY_PIN:              return q->pin->context_id;
+    case KVROPE__REQUEST__BODY_FORK:             return q->fork->dst;
+    case KVROPE__REQUEST__BODY_SHIFT:            return q->shift->context_id;
+    case KVROPE__REQUEST__BODY_KEEP:             return q->keep->context_id;
+    case KVROPE__REQUEST__BODY_SET_GROUP_OFFSET: return q->set_group_offset->context_id;
+    case KVROPE__REQUEST__BODY_SET_RETENTION:    return q->set_retention->context_id;
+    default:                                     return NULL;
+    }
+}
+
+static void on_done(void *arg, int rc, const kvr_error *e)
+{
+    held_reply *h = arg;
+    kvr_conn *c = h->c;
+    if (c->closing) {
+        kvr_mem_free(h->buf);
+    } else if (rc == 0) {
+        kvr_conn_send_packed(c, h->buf, h->len);
+        kvr_conn_request_done(c);
+    } else {
+        kvr_mem_free(h->buf);
+        kvr_log(KVR_LOG_WARN, "persistence failed: %s", e && e->msg[0] ? e->msg : "");
+        kvr_conn_reply_error(c, rc, e && e->msg[0] ? e->msg : NULL);
+    }
+    kvr_conn_unref(c);
+    kvr_mem_free(h);
+}
+
+bool kvr_persist_reply(kvr_conn *c, Kvrope__Response *r)
+{
+    kvr_daemon *d = c->d;
+    if (!c->req || !kvr_store_tier_engine(d->store))
+        return false;
+    const char *id = changed_ctx(c->req);
+    if (!id)
+        return false;
+    size_t n = kvrope__response__get_packed_size(r);
+    held_reply *h = kvr_mem_calloc(1, sizeof *h);
+    uint8_t *buf = n <= UINT32_MAX ? kvr_mem_malloc(KVR_FRAME_HEADER_SIZE + n) : NULL;
+    if (!h || !buf) {
+        kvr_mem_free(h);
+        kvr_mem_free(buf);
+        kvr_conn_reply_error(c, KVR_ENOMEM, "out of memory holding a reply");
+        return true;
+    }
+    kvrope__response__pack(r, buf + KVR_FRAME_HEADER_SIZE);
+    kvr_frame_header_encode(buf, (uint32_t)n, 0);
+    h->c = c;
+    h->buf = buf;
+    h->len = KVR_FRAME_HEADER_SIZE + n;
+    kvr_error e = { 0 };
+    int rc = kvr_store_persist(d->store, id, on_done, h, &e);
+    if (rc == 0) {
+        kvr_mem_free(buf);
+        kvr_mem_free(h);
+        return false;
+    }
+    if (rc < 0) {
+        kvr_mem_free(buf);
+        kvr_mem_free(h);
+        char m[400];
+        snprintf(m, sizeof m, "not durable: %s (the change is in memory only)",
+                 e.msg[0] ? e.msg : kvr_strerror(rc));
+        kvr_conn_reply_error(c, rc == KVR_ENOMEM ? rc : KVR_EIO, m);
+        return true;
+    }
+    kvr_conn_ref(c);
+    kick(d);
+    return true;
+}
+
+static void batch_work(uv_work_t *w)
+{
+    batch_job *j = w->data;
+    kvr_persist_batch_work(j->b);
+}
+
+static void batch_after(uv_work_t *w, int status)
+{
+    (void)status;     /* a cancelled batch cannot happen: we never cancel */
+    batch_job *j = w->data;
+    kvr_daemon *d = j->d;
+    kvr_persist_batch_end(j->b);
+    kvr_mem_free(j);
+    kick(d);
+}
+
+static void kick(kvr_daemon *d)
+{
+    kvr_persist_batch *b = kvr_store_persist_take(d->store);
+    if (!b)
+        return;
+    batch_job *j = kvr_mem_calloc(1, sizeof *j);
+    if (j) {
+        j->d = d;
+        j->b = b;
+        j->w.data = j;
+        if (uv_queue_work(&d->loop, &j->w, batch_work, batch_after) == 0)
+            return;
+        kvr_mem_free(j);
+    }
+    /* No threadpool: write it here (the loop stalls for it). */
+    kvr_persist_batch_work(b);
+    kvr_persist_batch_end(b);
+    kick(d);
+}
+
+size_t kvr_persist_metrics(kvr_daemon *d, const char **names, double *v, size_t cap)
+{
+    kvr_tier_stats t;
+    kvr_store_tier_stats(d->store, &t);
+    uint64_t reads = t.reads_mem + t.reads_disk;
+    const char *eng = t.engine ? t.engine : "";
+    struct { const char *n; double v; } m[] = {
+        { "disk_enabled", t.enabled ? 1 : 0 },
+        { "disk_engine_io_uring", !strcmp(eng, "io_uring") ? 1 : 0 },
+        { "disk_engine_posix", !strcmp(eng, "posix") ? 1 : 0 },
+        { "tier_mem_blocks", (double)t.mem_blocks },
+        { "tier_mem_bytes", (double)t.mem_bytes },
+        { "tier_spilled_blocks", (double)t.spilled_blocks },
+        { "tier_disk_blocks", (double)t.disk_blocks },
+        { "tier_disk_bytes", (double)t.disk_bytes },
+        { "tier_disk_log_bytes", (double)t.disk_log_bytes },
+        { "tier_disk_max_bytes", (double)t.disk_max_bytes },
+        { "tier_reads_mem", (double)t.reads_mem },
+        { "tier_reads_disk", (double)t.reads_disk },
+        { "tier_hit_rate_mem", reads ? (double)t.reads_mem / (double)reads : 0 },
+        { "tier_hit_rate_disk", reads ? (double)t.reads_disk / (double)reads : 0 },
+        { "tier_spills", (double)t.n_spills },
+        { "tier_spill_bytes", (double)t.spill_bytes },
+        { "tier_reloads", (double)t.n_reloads },
+        { "tier_reload_bytes", (double)t.reload_bytes },
+        { "tier_spill_refused", (double)t.n_spill_refused },
+        { "persist_contexts", (double)t.persistent_contexts },
+        { "persist_records", (double)t.n_persist_records },
+        { "persist_errors", (double)t.n_persist_errors },
+        { "persist_checkpoints", (double)t.n_checkpoints },
+        { "disk_quarantined", (double)t.quarantined },
+        { "disk_failed", t.failed ? 1 : 0 },
+        { "recovery_unix_ms", (double)t.recovery.at_ms },
+        { "recovery_ms", t.recovery.ms },
+        { "recovery_models", (double)t.recovery.models },
+        { "recovery_contexts", (double)t.recovery.contexts },
+        { "recovery_tokens", (double)t.recovery.tokens },
+        { "recovery_bytes", (double)t.recovery.bytes },
+        { "recovery_records", (double)t.recovery.records },
+        { "recovery_quarantined", (double)t.recovery.quarantined },
+        { "recovery_dropped_contexts", (double)t.recovery.dropped_contexts },
+    };
+    size_t n = sizeof m / sizeof m[0];
+    if (n > cap)
+        n = cap;
+    for (size_t i = 0; i < n; i++) {
+        names[i] = m[i].n;
+        v[i] = m[i].v;
+    }
+    return n;
+}
