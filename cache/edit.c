@@ -364,7 +364,7 @@ static int txn_alloc(kvr_edit *t, size_t payload, kvr_error *err)
     size_t need = n_blocks * (bb + sizeof(kvr_block) + 64) + (zero_copy ? 0 : payload) +
                   n_iov * sizeof(struct iovec) + n_blocks * sizeof(erun) +
                   (c->n_ext + 3 * t->n_ops + n_blocks + 1) * sizeof(kvr_extent);
-    int rc = store_reserve(s, need, err);
+    int rc = store_reserve_request(s, need, t->refresh ? "refresh" : "edit", err);
     if (rc != 0)
         return rc;
     t->payload = payload;

@@ -561,7 +561,7 @@ int kvr_store_put_begin(kvr_store *s, const kvr_put_params *p, kvr_put **out,
                   (zero_copy ? 0 : kvr_mem_size_class(payload)) +
                   n_iov * sizeof(struct iovec) + n * sizeof(uint32_t) +
                   n_runs * sizeof(put_run) + qneed;
-    if ((rc = store_reserve(s, need, err)) != 0)
+    if ((rc = store_reserve_request(s, need, "put", err)) != 0)
         goto fail_ctx;
     if (t->quant && (rc = alloc_quant(t, p, err)) != 0)
         goto fail_ctx;

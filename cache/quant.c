@@ -299,59 +299,163 @@ kvr_block *block_new_quant(kvr_store *s, const kvr_model *m, const kvr_qspec *q)
 
 /* ---- encode / decode ----------------------------------------------------- */
 
-static void acc(const float *ref, const float *dec, size_t n, double *sse, double *ss)
+/* Rows of one side are consecutive slots, and a row of `row` values whose
+ * group divides it is exactly its groups back to back, so `count` rows
+ * encode/decode as one row of count*row values (codec.h's layout). */
+static bool rows_concat(const kvr_codec *c, size_t row)
 {
-    double e = 0, r = 0;
-    for (size_t i = 0; i < n; i++) {
-        double d = (double)dec[i] - (double)ref[i];
-        e += d * d;
-        r += (double)ref[i] * (double)ref[i];
-    }
-    *sse += e;
-    *ss += r;
+    return kvr_codec_is_uniform(c->type) ? row % kvr_codec_group(c) == 0
+                                         : kvr_codec_is_ggml(c->type) && row % 32 == 0;
 }
+
+/* The error measure: per row (or per tile), e = sum (dec - ref)^2 and r =
+ * sum ref^2, each accumulated in element order from 0 in double, then added
+ * to *sse / *ss in row order. Several rows' sums are independent chains, so
+ * up to 4 run side by side (the same additions in the same order per chain;
+ * only the latency is shared), then added in row order: the totals are
+ * bit-identical to one row at a time. */
+static void acc_rows(const float *ref, const float *dec, size_t n_rows, size_t len,
+                     double *sse, double *ss)
+{
+    size_t i = 0;
+    for (; i + 4 <= n_rows; i += 4) {
+        const float *r0 = ref + i * len, *r1 = r0 + len, *r2 = r1 + len, *r3 = r2 + len;
+        const float *d0 = dec + i * len, *d1 = d0 + len, *d2 = d1 + len, *d3 = d2 + len;
+        double e0 = 0, e1 = 0, e2 = 0, e3 = 0, q0 = 0, q1 = 0, q2 = 0, q3 = 0;
+        for (size_t k = 0; k < len; k++) {
+            double a0 = (double)d0[k] - (double)r0[k], a1 = (double)d1[k] - (double)r1[k];
+            double a2 = (double)d2[k] - (double)r2[k], a3 = (double)d3[k] - (double)r3[k];
+            e0 += a0 * a0;
+            e1 += a1 * a1;
+            e2 += a2 * a2;
+            e3 += a3 * a3;
+            q0 += (double)r0[k] * (double)r0[k];
+            q1 += (double)r1[k] * (double)r1[k];
+            q2 += (double)r2[k] * (double)r2[k];
+            q3 += (double)r3[k] * (double)r3[k];
+        }
+        *sse += e0; *ss += q0;
+        *sse += e1; *ss += q1;
+        *sse += e2; *ss += q2;
+        *sse += e3; *ss += q3;
+    }
+    for (; i < n_rows; i++) {
+        const float *r0 = ref + i * len, *d0 = dec + i * len;
+        double e = 0, q = 0;
+        for (size_t k = 0; k < len; k++) {
+            double a = (double)d0[k] - (double)r0[k];
+            e += a * a;
+            q += (double)r0[k] * (double)r0[k];
+        }
+        *sse += e;
+        *ss += q;
+    }
+}
+
+/* Makes *buf hold at least n floats (contents not kept). */
+static bool grow(float **buf, size_t *cap, size_t n)
+{
+    if (*cap >= n)
+        return true;
+    kvr_mem_free(*buf);
+    *cap = 0;
+    if (!(*buf = kvr_mem_malloc(n * sizeof **buf)))
+        return false;
+    *cap = n;
+    return true;
+}
+
+/* Rows per batch when decoding for the error measure (the tile path needs
+ * its own buffer anyway; rows use `scratch` two at a time otherwise). */
+#define ACC_BATCH 64u
 
 int quant_encode_side(const kvr_model *m, const qrun *runs, size_t n_runs, uint32_t layer,
                       int kv, const float *src, float *scratch, double *sse, double *ss)
 {
     size_t row = (size_t)m->n_kv_heads * m->head_dim, bad = 0;
     const float *x = src;
-    for (size_t r = 0; r < n_runs; r++) {
+    float *big = NULL;   /* decode buffer for batched rows / whole tiles */
+    size_t big_n = 0;
+    int rc = 0;
+    for (size_t r = 0; r < n_runs && rc == 0; r++) {
         const kvr_block *b = runs[r].b;
         const kvr_codec *c = kv ? &QH(b)->vc : &QH(b)->kc;
         if (kv || QH(b)->ktile == 1) {
-            for (uint32_t j = 0; j < runs[r].count; j++, x += row) {
+            bool cat = rows_concat(c, row) && grow(&big, &big_n, (size_t)ACC_BATCH * row);
+            for (uint32_t j = 0; j < runs[r].count && rc == 0;) {
+                uint32_t k = cat ? (runs[r].count - j < ACC_BATCH ? runs[r].count - j
+                                                                   : ACC_BATCH)
+                                 : 1;
                 uint8_t *dst = block_kv(b, m, layer, kv, runs[r].first + j);
-                int rc = kvr_codec_encode(c, dst, x, KVR_DTYPE_F32, row, &bad);
-                if (rc != 0)
-                    return rc;
-                kvr_codec_decode(c, scratch, KVR_DTYPE_F32, dst, row);
-                acc(x, scratch, row, sse, ss);
+                float *dec = cat ? big : scratch;
+                rc = kvr_codec_encode(c, dst, x, KVR_DTYPE_F32, (size_t)k * row, &bad);
+                if (rc == 0) {
+                    kvr_codec_decode(c, dec, KVR_DTYPE_F32, dst, (size_t)k * row);
+                    acc_rows(x, dec, k, row, sse, ss);
+                }
+                x += (size_t)k * row;
+                j += k;
             }
             continue;
         }
+        /* K tiles: up to 4 whole tiles are decoded side by side so their error
+         * sums run as parallel chains (acc_rows, one chain per tile). */
         uint32_t G = QH(b)->ktile;
-        for (uint32_t j = 0; j < runs[r].count; j += G) {
-            uint32_t k = runs[r].count - j < G ? runs[r].count - j : G;
-            const float *tsrc = x;
-            if (k < G) {
-                memcpy(scratch, x, (size_t)k * row * sizeof *scratch);
-                for (uint32_t t = k; t < G; t++)
-                    memcpy(scratch + (size_t)t * row, x + (size_t)(k - 1) * row,
-                           row * sizeof *scratch);
-                tsrc = scratch;
+        size_t tile = (size_t)G * row;
+        if (!grow(&big, &big_n, 4 * tile))
+            rc = KVR_ENOMEM;
+        for (uint32_t j = 0; j < runs[r].count && rc == 0;) {
+            uint32_t left = runs[r].count - j, nt = left / G < 4 ? left / G : 4;
+            if (nt > 0) {
+                for (uint32_t i = 0; i < nt && rc == 0; i++) {
+                    uint8_t *dst = block_kv(b, m, layer, 0, runs[r].first + j + i * G);
+                    rc = kvr_codec_encode_tile(c, dst, x + i * tile, KVR_DTYPE_F32, row, row,
+                                               &bad);
+                    if (rc == 0)
+                        kvr_codec_decode_tile(c, big + i * tile, KVR_DTYPE_F32, row, dst, row);
+                }
+                if (rc != 0)
+                    break;
+                acc_rows(x, big, nt, tile, sse, ss);
+                x += nt * tile;
+                j += nt * G;
+                continue;
             }
+            /* The run's partial last tile, padded by repeating its last token. */
+            uint32_t k = left;
+            memcpy(scratch, x, (size_t)k * row * sizeof *scratch);
+            for (uint32_t t = k; t < G; t++)
+                memcpy(scratch + (size_t)t * row, x + (size_t)(k - 1) * row,
+                       row * sizeof *scratch);
             uint8_t *dst = block_kv(b, m, layer, 0, runs[r].first + j);
-            int rc = kvr_codec_encode_tile(c, dst, tsrc, KVR_DTYPE_F32, row, row, &bad);
+            rc = kvr_codec_encode_tile(c, dst, scratch, KVR_DTYPE_F32, row, row, &bad);
             if (rc != 0)
-                return rc;
-            float *dec = scratch + (size_t)G * row;
+                break;
+            float *dec = scratch + tile;
             kvr_codec_decode_tile(c, dec, KVR_DTYPE_F32, row, dst, row);
-            acc(x, dec, (size_t)k * row, sse, ss);
+            acc_rows(x, dec, 1, (size_t)k * row, sse, ss);
             x += (size_t)k * row;
+            j += k;
         }
     }
-    return 0;
+    kvr_mem_free(big);
+    return rc;
+}
+
+/* Decodes slots [first, first+count) of a row-coded side (V, or per-token
+ * K) into dst (odt): one call when the rows concatenate. */
+static void decode_rows(const kvr_model *m, const kvr_block *b, uint32_t layer, int kv,
+                        uint32_t first, uint32_t count, void *dst, kvr_dtype odt)
+{
+    size_t row = (size_t)m->n_kv_heads * m->head_dim, osz = kvr_dtype_size(odt);
+    const kvr_codec *c = kv ? &QH(b)->vc : &QH(b)->kc;
+    if (rows_concat(c, row)) {
+        kvr_codec_decode(c, dst, odt, block_kv(b, m, layer, kv, first), (size_t)count * row);
+        return;
+    }
+    for (uint32_t j = 0; j < count; j++)
+        kvr_codec_decode(c, (uint8_t *)dst + (size_t)j * row * osz, odt,
+                         block_kv(b, m, layer, kv, first + j), row);
 }
 
 void quant_decode_side(const kvr_model *m, const kvr_block *b, uint32_t layer, int kv,
@@ -360,18 +464,20 @@ void quant_decode_side(const kvr_model *m, const kvr_block *b, uint32_t layer, i
     size_t row = (size_t)m->n_kv_heads * m->head_dim;
     const kvr_codec *c = kv ? &QH(b)->vc : &QH(b)->kc;
     if (kv || QH(b)->ktile == 1) {
-        for (uint32_t j = 0; j < count; j++)
-            kvr_codec_decode(c, dst + (size_t)j * row, KVR_DTYPE_F32,
-                             block_kv(b, m, layer, kv, first + j), row);
+        decode_rows(m, b, layer, kv, first, count, dst, KVR_DTYPE_F32);
         return;
     }
     uint32_t G = QH(b)->ktile, s = first, end = first + count;
     while (s < end) {
         uint32_t t0 = s / G * G, e = t0 + G < end ? t0 + G : end;
-        kvr_codec_decode_tile(c, tilebuf, KVR_DTYPE_F32, row, block_kv(b, m, layer, 0, t0),
-                              row);
-        memcpy(dst + (size_t)(s - first) * row, tilebuf + (size_t)(s - t0) * row,
-               (size_t)(e - s) * row * sizeof *dst);
+        float *out = dst + (size_t)(s - first) * row;
+        if (s == t0 && e == t0 + G) {   /* a whole tile: straight into place */
+            kvr_codec_decode_tile(c, out, KVR_DTYPE_F32, row, block_kv(b, m, layer, 0, t0), row);
+        } else {
+            kvr_codec_decode_tile(c, tilebuf, KVR_DTYPE_F32, row, block_kv(b, m, layer, 0, t0),
+                                  row);
+            memcpy(out, tilebuf + (size_t)(s - t0) * row, (size_t)(e - s) * row * sizeof *dst);
+        }
         s = e;
     }
 }
@@ -391,32 +497,70 @@ int block_read_side(const kvr_model *m, const kvr_block *b, uint32_t layer, int 
                                    m->n_kv_heads, from, to, NULL);
     }
     if (kv) {
-        size_t osz = kvr_dtype_size(odt);
-        for (uint32_t j = 0; j < count; j++)
-            kvr_codec_decode(&QH(b)->vc, (uint8_t *)dst + (size_t)j * row * osz, odt,
-                             block_kv(b, m, layer, 1, first + j), row);
+        decode_rows(m, b, layer, 1, first, count, dst, odt);
         return 0;
     }
-    quant_decode_side(m, b, layer, 0, first, count, scratch, scratch + (size_t)count * row);
-    return kvr_rope_apply(m->engine, dst, odt, scratch, KVR_DTYPE_F32, count,
-                          m->n_kv_heads, to, NULL);
+    /* Keys: dequantize a piece (a tile, or a bounded run of rows) into the
+     * f32 scratch and rotate it to its targets while it is still in cache. */
+    size_t osz = kvr_dtype_size(odt);
+    uint32_t G = QH(b)->ktile, s = first, end = first + count;
+    uint32_t piece = G > 1 ? G : 64;
+    while (s < end) {
+        uint32_t t0 = G > 1 ? s / G * G : s;
+        uint32_t e = t0 + piece < end ? t0 + piece : end;
+        const float *src = scratch;
+        if (G > 1) {
+            kvr_codec_decode_tile(&QH(b)->kc, scratch, KVR_DTYPE_F32, row,
+                                  block_kv(b, m, layer, 0, t0), row);
+            src = scratch + (size_t)(s - t0) * row;
+        } else {
+            decode_rows(m, b, layer, 0, s, e - s, scratch, KVR_DTYPE_F32);
+        }
+        int rc = kvr_rope_apply(m->engine, (uint8_t *)dst + (size_t)(s - first) * row * osz,
+                                odt, src, KVR_DTYPE_F32, e - s, m->n_kv_heads,
+                                to + (s - first), NULL);
+        if (rc != 0)
+            return rc;
+        s = e;
+    }
+    return 0;
 }
 
 bool quant_find_nonfinite(const void *payload, kvr_dtype dt, uint32_t n_layers, size_t n,
                           size_t row, uint32_t *layer, int *kv, size_t *tok)
 {
-    size_t per = n * row, total = per * 2u * n_layers, i = 0;
-    if (dt == KVR_DTYPE_F32) {
-        const float *f = payload;
-        for (; i < total; i++)
-            if (!isfinite(f[i]))
-                break;
-    } else {
-        const uint16_t *h = payload;
-        uint16_t mask = dt == KVR_DTYPE_F16 ? 0x7c00u : 0x7f80u;
-        for (; i < total; i++)
-            if ((h[i] & mask) == mask)
-                break;
+    size_t per = n * row, total = per * 2u * n_layers, i = total;
+    /* A branch-free pass per block (vectorised by the compiler) finds the
+     * block, a scalar pass the first element in it. */
+    enum { BLK = 4096 };
+    for (size_t b0 = 0; b0 < total && i == total; b0 += BLK) {
+        size_t e = total - b0 < BLK ? total - b0 : BLK;
+        unsigned any = 0;
+        if (dt == KVR_DTYPE_F32) {
+            const uint32_t *u = (const uint32_t *)payload + b0;
+            for (size_t k = 0; k < e; k++)
+                any |= (u[k] & 0x7f800000u) == 0x7f800000u;
+            if (!any)
+                continue;
+            const float *f = (const float *)payload + b0;
+            for (size_t k = 0; k < e; k++)
+                if (!isfinite(f[k])) {
+                    i = b0 + k;
+                    break;
+                }
+        } else {
+            const uint16_t *h = (const uint16_t *)payload + b0;
+            uint16_t mask = dt == KVR_DTYPE_F16 ? 0x7c00u : 0x7f80u;
+            for (size_t k = 0; k < e; k++)
+                any |= (h[k] & mask) == mask;
+            if (!any)
+                continue;
+            for (size_t k = 0; k < e; k++)
+                if ((h[k] & mask) == mask) {
+                    i = b0 + k;
+                    break;
+                }
+        }
     }
     if (i == total)
         return false;

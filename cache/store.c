@@ -386,6 +386,26 @@ int store_reserve(kvr_store *s, size_t need, kvr_error *err)
     return 0;
 }
 
+size_t store_request_max(const kvr_store *s)
+{
+    size_t cap = s->cfg.max_memory;
+    if (cap == 0)
+        return SIZE_MAX;
+    size_t floor = cap < KVR_REQUEST_FLOOR ? cap : KVR_REQUEST_FLOOR;
+    return cap / 4 > floor ? cap / 4 : floor;
+}
+
+int store_reserve_request(kvr_store *s, size_t need, const char *what, kvr_error *err)
+{
+    size_t max = store_request_max(s);
+    if (need > max)
+        return kvr_error_set(err, KVR_ETOOLARGE,
+                             "%s needs %zu bytes, over the %zu one request may use (a "
+                             "quarter of the %zu-byte memory cap): split it", what, need,
+                             max, s->cfg.max_memory);
+    return store_reserve(s, need, err);
+}
+
 /* ---- models ------------------------------------------------------------- */
 
 kvr_model *model_find(const kvr_store *s, const char *name)

@@ -220,6 +220,16 @@ kvr_model *model_find(const kvr_store *s, const char *name);
 uint32_t  *ctx_gather_tokens(const kvr_ctx *c, kvr_error *err);
 /* Makes room for `need` more bytes under the cap (evicting), or KVR_ENOMEM. */
 int        store_reserve(kvr_store *s, size_t need, kvr_error *err);
+/* The most one request (a put, edit, refresh, or a get's / assemble's
+ * staging) may reserve: a quarter of the cap, but at least
+ * KVR_REQUEST_FLOOR (or the whole cap if smaller). SIZE_MAX without a cap. */
+#define KVR_REQUEST_FLOOR ((size_t)4 << 20)
+size_t     store_request_max(const kvr_store *s);
+/* store_reserve for one request's `need` bytes; KVR_ETOOLARGE (naming
+ * `what`, evicting nothing) over store_request_max, so a single request
+ * cannot evict the whole cache before it sends a byte. */
+int        store_reserve_request(kvr_store *s, size_t need, const char *what,
+                                 kvr_error *err);
 /* Recomputes n_exact and resyncs both trees; the first `common` tokens are
  * known unchanged. On allocation failure c is left out of the index (which
  * then under-reports, never lies). */

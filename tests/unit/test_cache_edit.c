@@ -749,15 +749,38 @@ Test(cache_edit, enomem_is_harmless)
     fam fams[32];
     load_families(fams, 32);
     world w;
-    /* Cap: what the process holds now + 4 MiB; the edit wants ~8 MiB of new
-     * blocks and the only context is pinned, so nothing can be evicted. */
-    world_init(&w, &fams[0].cfg, KVR_DTYPE_F16, 16, kvr_mem_allocated() + (4u << 20));
+    /* Cap: what the process holds now + 40 MiB, filled with pinned
+     * contexts; the edit wants ~8 MiB of new blocks (under the quarter of
+     * the cap one request may use) and nothing can be evicted. */
+    world_init(&w, &fams[0].cfg, KVR_DTYPE_F16, 16, kvr_mem_allocated() + (40u << 20));
     uint32_t init[64];
     for (uint32_t i = 0; i < 64; i++)
         init[i] = i;
     world_put(&w, "c", init, 64);
     kvr_error e = { 0 };
     cr_assert_eq(kvr_store_pin(w.s, "c", true, &e), 0);
+    uint32_t *fill_tok = calloc(1024, 4);
+    int frc = 0;
+    for (int i = 0; i < 64 && frc == 0; i++) {
+        char id[16];
+        snprintf(id, sizeof id, "fill%d", i);
+        kvr_put_params fp = { .ctx_id = id, .model = "m", .mode = KVR_PUT_CREATE,
+                              .n_layers = L, .n_kv_heads = H, .head_dim = w.D,
+                              .dtype = KVR_DTYPE_F16, .n_tokens = 1024, .tokens = fill_tok,
+                              .pin = true };
+        kvr_put *ft;
+        frc = kvr_store_put_begin(w.s, &fp, &ft, &e);
+        if (frc == 0) {
+            const struct iovec *fiov;
+            size_t fn;
+            kvr_put_payload_iov(ft, &fiov, &fn);
+            for (size_t k = 0; k < fn; k++)
+                memset(fiov[k].iov_base, 0, fiov[k].iov_len);
+            cr_assert_eq(kvr_put_commit(ft, NULL, &e), 0, "%s", e.msg);
+        }
+    }
+    cr_assert_eq(frc, KVR_ENOMEM, "filling the cap: %s", e.msg);
+    free(fill_tok);
     snap a;
     take(&w, "c", &a);
     size_t rowb = (size_t)H * w.D * 2;

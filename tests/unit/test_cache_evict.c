@@ -164,9 +164,10 @@ Test(cache_evict, enomem_when_all_pinned_harms_nothing)
     cr_assert_eq(kvr_store_stat(s, "c", &ci, &e), KVR_ENOCTX);
     check_intact(s, "a", 1, 2 * B);
     check_intact(s, "b", 2, 2 * B);
-    /* Too large for the cap at all: refused, nothing evicted. */
+    /* Too large for the cap at all (so over what one request may use):
+     * refused, nothing evicted. */
     cr_assert_eq(kvr_store_pin(s, "b", false, &e), 0);
-    cr_assert_eq(put(s, "d", 4, 100 * B, &e), KVR_ENOMEM);
+    cr_assert_eq(put(s, "d", 4, 100 * B, &e), KVR_ETOOLARGE);
     check_intact(s, "b", 2, 2 * B);
     /* Unpinned b is evicted to make room for a fitting put. */
     cr_assert_eq(put(s, "c", 3, 4 * B, &e), 0, "%s", e.msg);
@@ -174,7 +175,60 @@ Test(cache_evict, enomem_when_all_pinned_harms_nothing)
     check_intact(s, "c", 3, 4 * B);
     kvr_store_stats st;
     kvr_store_get_stats(s, &st);
-    cr_assert_geq(st.n_refused_nomem, 2);
+    cr_assert_geq(st.n_refused_nomem, 1);
+    kvr_store_destroy(s);
+    cr_assert_eq(kvr_mem_allocated(), base);
+}
+
+/* One request may reserve at most a quarter of the cap (4 MiB at least):
+ * a larger put, edit or refresh is KVR_ETOOLARGE before anything is
+ * evicted, so one request cannot empty the cache before sending a byte. */
+Test(cache_evict, one_request_uses_at_most_a_quarter_of_the_cap)
+{
+    size_t base = kvr_mem_allocated();
+    kvr_store *s = NULL;
+    kvr_store_config c = { .block_tokens = B, .max_memory = base + (64u << 20) };
+    cr_assert_eq(kvr_store_create(&s, &c, NULL), 0);
+    kvr_model_desc d = { .name = "m", .n_layers = L, .n_kv_heads = H, .head_dim = D,
+                         .dtype = KVR_DTYPE_F16 };
+    kvr_rope_config_init(&d.rope);
+    cr_assert_eq(kvr_store_model_register(s, &d, NULL, NULL), 0);
+    kvr_error e = { 0 };
+    size_t tok_bytes = 2u * L * H * D * 2;           /* K and V, f16 */
+    size_t chunk = (4u << 20) / tok_bytes;          /* ~4 MiB per context */
+    char id[16];
+    for (int i = 0; i < 10; i++) {
+        snprintf(id, sizeof id, "v%d", i);
+        cr_assert_eq(put(s, id, (uint32_t)i + 1, chunk, &e), 0, "%s", e.msg);
+    }
+    kvr_store_stats st0, st1;
+    kvr_store_get_stats(s, &st0);
+    /* 20 MiB: over a quarter of the cap, though the cache could make room. */
+    int rc = put(s, "big", 99, 5 * chunk, &e);
+    cr_assert_eq(rc, KVR_ETOOLARGE, "rc %d: %s", rc, e.msg);
+    cr_assert(strstr(e.msg, "quarter") != NULL, "%s", e.msg);
+    kvr_ctx_info ci;
+    cr_assert_eq(kvr_store_stat(s, "big", &ci, NULL), KVR_ENOCTX);
+    /* An edit inserting as many tokens: the same. */
+    uint32_t *many = calloc(5 * chunk, sizeof *many);
+    kvr_edit_op op = { 0, 0, 5 * chunk, many };
+    kvr_edit_params ep = { .ctx_id = "v0", .ops = &op, .n_ops = 1, .with_kv = true,
+                           .n_layers = L, .n_kv_heads = H, .head_dim = D,
+                           .dtype = KVR_DTYPE_F16, .payload_bytes = 5 * chunk * tok_bytes };
+    kvr_edit *et = NULL;
+    rc = kvr_store_edit_begin(s, &ep, &et, &e);
+    cr_assert_eq(rc, KVR_ETOOLARGE, "edit rc %d: %s", rc, e.msg);
+    free(many);
+    kvr_store_get_stats(s, &st1);
+    cr_assert_eq(st1.n_evicted_blocks, st0.n_evicted_blocks, "a refused request evicted");
+    for (int i = 0; i < 10; i++) {
+        snprintf(id, sizeof id, "v%d", i);
+        check_intact(s, id, (uint32_t)i + 1, chunk);
+    }
+    /* 8 MiB of payload (~12 MiB with block overhead) is allowed, evicting
+     * the oldest to make room. */
+    cr_assert_eq(put(s, "big", 99, 2 * chunk, &e), 0, "%s", e.msg);
+    check_intact(s, "big", 99, 2 * chunk);
     kvr_store_destroy(s);
     cr_assert_eq(kvr_mem_allocated(), base);
 }
