@@ -25,6 +25,7 @@
  * documents after the first, explicit starts other than P).
  */
 #include <math.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "cache/parallel.h"
@@ -117,6 +118,38 @@ static bool bad_factor(double x)
     return !(x > 0.0) || !isfinite(x) || x > 1e6 || x < 1e-6;
 }
 
+static int cmp_ptr(const void *a, const void *b)
+{
+    uintptr_t x = (uintptr_t)*(const kvr_ctx *const *)a;
+    uintptr_t y = (uintptr_t)*(const kvr_ctx *const *)b;
+    return x < y ? -1 : x > y;
+}
+
+/* A document may appear once: the same one many times would stage (and
+ * evict for) its KV as often, for a stream no model needs. Unknown ids are
+ * left to the caller's lookup. */
+static int docs_unique(const kvr_store *s, const kvr_assemble_params *p, kvr_error *err)
+{
+    if (p->n_docs < 2)
+        return 0;
+    const kvr_ctx **v = kvr_mem_malloc(p->n_docs * sizeof *v);
+    if (!v)
+        return kvr_error_set(err, KVR_ENOMEM, "out of memory checking the documents");
+    size_t n = 0;
+    for (size_t i = 0; i < p->n_docs; i++) {
+        const kvr_ctx *d = ctx_find(s, p->docs[i]);
+        if (d)
+            v[n++] = d;
+    }
+    qsort(v, n, sizeof *v, cmp_ptr);
+    int rc = 0;
+    for (size_t i = 1; i < n && rc == 0; i++)
+        if (v[i] == v[i - 1])
+            rc = kvr_error_set(err, KVR_EINVAL, "document '%s' is listed twice", v[i]->id);
+    kvr_mem_free(v);
+    return rc;
+}
+
 int kvr_store_assemble_begin(kvr_store *s, const kvr_assemble_params *p,
                              kvr_assemble **out, kvr_error *err)
 {
@@ -152,15 +185,10 @@ int kvr_store_assemble_begin(kvr_store *s, const kvr_assemble_params *p,
     if (p->layers && p->n_layers_sel == 0)
         return kvr_error_set(err, KVR_EINVAL, "empty layer selection");
     size_t nl = p->layers ? p->n_layers_sel : m->n_layers;
-    if (p->layers) {
-        if (nl > 64u * m->n_layers)
-            return kvr_error_set(err, KVR_ERANGE, "%zu layers selected of %u", nl,
-                                 m->n_layers);
-        for (size_t i = 0; i < nl; i++)
-            if (p->layers[i] >= m->n_layers)
-                return kvr_error_set(err, KVR_ERANGE, "layer %u out of range (model '%s' "
-                                     "has %u)", p->layers[i], m->name, m->n_layers);
-    }
+    if (p->layers && (rc = layers_check(m, p->layers, nl, err)) != 0)
+        return rc;
+    if ((rc = docs_unique(s, p, err)) != 0)
+        return rc;
     uint64_t phash;
     if ((rc = layout_ctx_hash(pc, &phash, err)) != 0)
         return rc;
@@ -361,7 +389,7 @@ int kvr_store_assemble_begin(kvr_store *s, const kvr_assemble_params *p,
         }
         size_t stage = (t->kst + t->vst) * nl;
         if (stage) {
-            if ((rc = store_reserve(s, stage, err)) != 0)
+            if ((rc = store_reserve_request(s, stage, "assemble", err)) != 0)
                 goto fail;
             t->staging = kvr_mem_aligned(KVR_BLOCK_ALIGN, stage);
             if (!t->staging) {

@@ -153,15 +153,8 @@ int kvr_store_get_begin(kvr_store *s, const kvr_get_params *p, kvr_get **out,
     if (p->layers && p->n_layers_sel == 0)
         return kvr_error_set(err, KVR_EINVAL, "empty layer selection");
     size_t nl = p->layers ? p->n_layers_sel : m->n_layers;
-    if (p->layers) {
-        if (nl > 64u * m->n_layers)
-            return kvr_error_set(err, KVR_ERANGE, "%zu layers selected of %u", nl,
-                                 m->n_layers);
-        for (size_t i = 0; i < nl; i++)
-            if (p->layers[i] >= m->n_layers)
-                return kvr_error_set(err, KVR_ERANGE, "layer %u out of range (model '%s' "
-                                     "has %u)", p->layers[i], m->name, m->n_layers);
-    }
+    if (p->layers && (rc = layers_check(m, p->layers, nl, err)) != 0)
+        return rc;
 
     kvr_get *t = kvr_mem_calloc(1, sizeof *t);
     if (!t)
@@ -304,7 +297,7 @@ int kvr_store_get_begin(kvr_store *s, const kvr_get_params *p, kvr_get **out,
             /* Eviction must not take the context being read from under us. */
             bool was_busy = c->busy;
             c->busy = true;
-            rc = store_reserve(s, stage, err);
+            rc = store_reserve_request(s, stage, "get", err);
             c->busy = was_busy;
             if (rc != 0)
                 goto fail;

@@ -225,6 +225,11 @@ int        store_reserve(kvr_store *s, size_t need, kvr_error *err);
  * KVR_REQUEST_FLOOR (or the whole cap if smaller). SIZE_MAX without a cap. */
 #define KVR_REQUEST_FLOOR ((size_t)4 << 20)
 size_t     store_request_max(const kvr_store *s);
+/* A get's / assemble's layer selection: every id below m->n_layers and
+ * none twice (a read cannot ask for 64x the context's bytes of staging).
+ * 0, KVR_ERANGE, KVR_EINVAL or KVR_ENOMEM. */
+int        layers_check(const kvr_model *m, const uint32_t *layers, size_t nl,
+                        kvr_error *err);
 /* store_reserve for one request's `need` bytes; KVR_ETOOLARGE (naming
  * `what`, evicting nothing) over store_request_max, so a single request
  * cannot evict the whole cache before it sends a byte. */

@@ -293,3 +293,68 @@ Test(cache_evict, refused_length_evicts_nothing)
     free(tok);
     kvr_store_destroy(s);
 }
+
+/* Reads cannot evict the cache: a get's layer selection may not repeat a
+ * layer (it multiplied staging up to 64x), and a get's staging is held to
+ * the per-request limit (a quarter of the cap, 4 MiB at least) instead of
+ * evicting whatever it takes. */
+Test(cache_evict, reads_cannot_evict_the_cache)
+{
+    size_t base = kvr_mem_allocated();
+    kvr_store *s = NULL;
+    kvr_store_config c = { .block_tokens = B, .max_memory = base + (32u << 20) };
+    cr_assert_eq(kvr_store_create(&s, &c, NULL), 0);
+    kvr_model_desc d = { .name = "m", .n_layers = L, .n_kv_heads = H, .head_dim = D,
+                         .dtype = KVR_DTYPE_F16 };
+    kvr_rope_config_init(&d.rope);
+    cr_assert_eq(kvr_store_model_register(s, &d, NULL, NULL), 0);
+    kvr_error e = { 0 };
+    for (int i = 0; i < 4; i++)            /* 40000 tokens: 5 MiB of f16 K/V */
+        cr_assert_eq(put(s, "big", 7, 10000, &e), 0, "%s", e.msg);
+    /* Others fill the cap to ~26 MiB (with block overhead). */
+    char id[16];
+    for (int i = 0; i < 5; i++) {
+        snprintf(id, sizeof id, "o%d", i);
+        cr_assert_eq(put(s, id, 8 + (uint32_t)i, 20000, &e), 0, "%s", e.msg);
+    }
+    kvr_store_stats st0, st1;
+    kvr_store_get_stats(s, &st0);
+
+    uint32_t dup[4] = { 0, 1, 0, 1 };
+    kvr_get_params p = { .ctx_id = "big", .end = SIZE_MAX, .dtype = KVR_DTYPE_F16,
+                         .layers = dup, .n_layers_sel = 4 };
+    kvr_get *g = NULL;
+    int rc = kvr_store_get_begin(s, &p, &g, &e);
+    cr_assert_eq(rc, KVR_EINVAL, "rc %d: %s", rc, e.msg);
+    cr_assert(strstr(e.msg, "twice") != NULL, "%s", e.msg);
+    uint32_t many[64 * L] = { 0 };
+    p.layers = many;
+    p.n_layers_sel = 64 * L;
+    cr_assert_eq(kvr_store_get_begin(s, &p, &g, &e), KVR_EINVAL);
+    uint32_t one[1] = { 1 };
+    p.layers = one;
+    p.n_layers_sel = 1;
+    cr_assert_eq(kvr_store_get_begin(s, &p, &g, &e), 0, "%s", e.msg);
+    kvr_get_end(g);
+
+    /* All of it as f32: 10 MiB of staging, over the 8 MiB one request may
+     * use; reserving it would evict other contexts. */
+    p.layers = NULL;
+    p.n_layers_sel = 0;
+    p.dtype = KVR_DTYPE_F32;
+    rc = kvr_store_get_begin(s, &p, &g, &e);
+    cr_assert_eq(rc, KVR_ETOOLARGE, "rc %d: %s", rc, e.msg);
+    kvr_store_get_stats(s, &st1);
+    cr_assert_eq(st1.n_evicted_blocks, st0.n_evicted_blocks);
+    cr_assert_eq(st1.n_leased_blocks, 0);
+    for (int i = 0; i < 5; i++) {
+        snprintf(id, sizeof id, "o%d", i);
+        check_intact(s, id, 8 + (uint32_t)i, 20000);
+    }
+    /* A range of it is fine. */
+    p.end = 10000;
+    cr_assert_eq(kvr_store_get_begin(s, &p, &g, &e), 0, "%s", e.msg);
+    kvr_get_end(g);
+    kvr_store_destroy(s);
+    cr_assert_eq(kvr_mem_allocated(), base);
+}

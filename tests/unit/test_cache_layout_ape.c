@@ -479,6 +479,38 @@ Test(layout_ape, f16_layers_subset)
     kvr_store_destroy(f.s);
 }
 
+/* A document or a layer listed twice is refused: reads must not multiply
+ * their staging (and evict the cache for it) by repeating what they ask. */
+Test(layout_ape, duplicates_refused)
+{
+    fam f = { 0 };
+    small(&f);
+    build(&f);
+    kvr_error e = { 0 };
+    kvr_assemble *t = NULL;
+    const char *d[3] = { "A", "B", "A" };
+    kvr_assemble_params p = { .prefix = "pre", .docs = d, .n_docs = 3,
+                              .dtype = KVR_DTYPE_F32 };
+    int rc = kvr_store_assemble_begin(f.s, &p, &t, &e);
+    cr_assert_eq(rc, KVR_EINVAL, "rc %d: %s", rc, e.msg);
+    cr_assert(strstr(e.msg, "'A'") && strstr(e.msg, "twice"), "%s", e.msg);
+    cr_assert_null(t);
+    d[2] = "C";
+    uint32_t layers[2] = { 1, 1 };
+    p.layers = layers;
+    p.n_layers_sel = 2;
+    rc = kvr_store_assemble_begin(f.s, &p, &t, &e);
+    cr_assert_eq(rc, KVR_EINVAL, "rc %d: %s", rc, e.msg);
+    cr_assert(strstr(e.msg, "layer 1") && strstr(e.msg, "twice"), "%s", e.msg);
+    layers[0] = 0;
+    cr_assert_eq(kvr_store_assemble_begin(f.s, &p, &t, &e), 0, "%s", e.msg);
+    kvr_assemble_end(t);
+    kvr_store_stats st;
+    kvr_store_get_stats(f.s, &st);
+    cr_assert_eq(st.n_leased_blocks, 0);
+    kvr_store_destroy(f.s);
+}
+
 Test(layout_ape, refusals)
 {
     fam f = { 0 };

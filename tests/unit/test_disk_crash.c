@@ -13,6 +13,7 @@
  * corruption tests.
  */
 #include <criterion/criterion.h>
+#include <poll.h>
 #include <ftw.h>
 #include <signal.h>
 #include <stdio.h>
@@ -136,13 +137,33 @@ Test(disk_crash, kill9_random_instants, .timeout = 600)
             child(dir, e, p[1]);
         }
         close(p[1]);
-        usleep((useconds_t)(1000 + rand() % 60000));
+        int64_t acked = -1;
+        uint32_t v;
+        /* Every fourth trial first waits for 45 acknowledgements (past the
+         * first checkpoint at 40), so the checkpoint paths are crashed into
+         * however slow the machine is; the others die at a random instant
+         * of their first 61 ms. */
+        if (trial % 4 == 3) {
+            struct pollfd pf = { .fd = p[0], .events = POLLIN };
+            for (int waited = 0; acked < 45 && waited < 30000;) {
+                int r = poll(&pf, 1, 100);
+                if (r == 0) {
+                    waited += 100;
+                    continue;
+                }
+                if (r < 0 || read(p[0], &v, 4) != 4)
+                    break;
+                cr_assert_eq((int64_t)v, acked + 1);
+                acked = v;
+            }
+            usleep((useconds_t)(rand() % 5000));
+        } else {
+            usleep((useconds_t)(1000 + rand() % 60000));
+        }
         kill(pid, SIGKILL);
         int wst;
         waitpid(pid, &wst, 0);
         cr_assert(WIFSIGNALED(wst), "child exited %d", WEXITSTATUS(wst));
-        int64_t acked = -1;
-        uint32_t v;
         while (read(p[0], &v, 4) == 4) {
             cr_assert_eq((int64_t)v, acked + 1);
             acked = v;
