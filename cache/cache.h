@@ -687,6 +687,10 @@ void kvr_persist_batch_work(kvr_persist_batch *b);   /* any thread: spill + appe
 void kvr_persist_batch_end(kvr_persist_batch *b);    /* loop: install, done()s, free */
 /* Loop thread: takes, works and ends batches inline until none is queued. */
 void kvr_store_persist_flush(kvr_store *s);
+/* Spills least recently used unheld blocks until `bytes` of memory are
+ * freed (SIZE_MAX: everything spillable), then makes the spills durable.
+ * Returns the bytes freed, or a KVR_E* code (benchmarks, admin). */
+int64_t kvr_store_tier_evict(kvr_store *s, size_t bytes, kvr_error *err);
 
 #ifdef __cplusplus
 }

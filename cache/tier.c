@@ -577,6 +577,23 @@ int tier_evict_one(kvr_store *s)
     return 0;
 }
 
+int64_t kvr_store_tier_evict(kvr_store *s, size_t bytes, kvr_error *err)
+{
+    if (!s->tier)
+        return kvr_error_set(err, KVR_EUNSUPPORTED, "no disk tier");
+    size_t before = s->block_bytes, freed = 0;
+    while (freed < bytes) {
+        int rc = tier_evict_one(s);
+        if (rc < 0)
+            return kvr_error_set(err, rc, "spilling failed");
+        if (rc == 0)
+            break;
+        freed = before - s->block_bytes;
+    }
+    int rc = kvr_disk_sync(s->tier->d, err);
+    return rc < 0 ? rc : (int64_t)freed;
+}
+
 /* ---- reload ------------------------------------------------------------------------- */
 
 int tier_fault_in(kvr_store *s, kvr_block *const *bs, size_t n, kvr_ctx *pf, kvr_error *err)

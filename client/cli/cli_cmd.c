@@ -656,7 +656,7 @@ static int cmd_put(kvr_client *c, const cli_args *a)
     kvr_put_res res;
     cli_progress_begin(c, "put");
     r = lay.group ? kvr_client_group_append(c, &p, lay.group, &po, &res)
-                  : kvr_client_put_ex(c, &p, &po, &res);
+                  : kvr_client_put_persist(c, &p, &po, cli_flag(a, "persist"), &res);
     cli_progress_end();
     if (r < 0) {
         rc = cli_fail(a, c, r, "put");

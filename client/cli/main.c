@@ -46,6 +46,8 @@ static const char help_text[] =
 "  ls [--model M]                     contexts\n"
 "  stat CTX                           one context\n"
 "  put CTX FILE [--model M] [--mode create|append|upsert] [--pin] [--protect N]\n"
+"        [--persist]                  keep the context on disk (daemon --disk-dir):\n"
+"                                     acknowledged once durable, survives restarts\n"
 "        [--tokens 1,2,3 | --tokens-file F] [--pos-start N | --positions p,q,..]\n"
 "        [--dtype D --layers L --heads H --head-dim D] [--fingerprint HEX]\n"
 "                                     FILE *.safetensors: tensors k, v [layers][tokens]\n"

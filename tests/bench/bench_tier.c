@@ -1,0 +1,220 @@
+/*
+ * bench_tier.c — the disk tier through the store (cache/tier.c), against a
+ * plain sequential O_DIRECT write (+ fdatasync) and read of the same number
+ * of bytes in the same directory and run (what `dd oflag=direct` /
+ * `iflag=direct` measure):
+ *  - spill: every block of the store written out and its memory freed
+ *    (kvr_store_tier_evict, synced at the end);
+ *  - reload: a get of every context (spilled blocks read back, checksummed,
+ *    with the context's prefetch); page cache dropped first when possible;
+ *  - persist: persistent puts acknowledged (blocks + record, synced);
+ *  - recovery: a new store recovering all of it (ms per GiB).
+ * Per engine. Never asserted; prints a markdown table. KVR_BENCH_TIER_MB
+ * sets the size (default 256).
+ */
+#include <fcntl.h>
+#include <ftw.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "cache/cache.h"
+
+#define NL 8
+#define NH 8
+#define HD 128
+#define CTX_TOKENS 1024
+
+static double now_s(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec / 1e9;
+}
+
+static int rm_one(const char *p, const struct stat *sb, int flag, struct FTW *f)
+{
+    (void)sb;
+    (void)flag;
+    (void)f;
+    return remove(p);
+}
+
+static void drop_caches(void)
+{
+    sync();
+    FILE *f = fopen("/proc/sys/vm/drop_caches", "w");
+    if (f) {
+        fputs("3\n", f);
+        fclose(f);
+    }
+}
+
+static void plain(const char *dir, size_t total, double *w, double *r)
+{
+    char path[600];
+    snprintf(path, sizeof path, "%.500s/plain.dat", dir);
+    size_t chunk = 4u << 20;
+    uint8_t *buf = kvr_mem_aligned(4096, chunk);
+    memset(buf, 0x5A, chunk);
+    int fd = open(path, O_RDWR | O_CREAT | O_TRUNC | O_DIRECT, 0644);
+    if (fd < 0)
+        fd = open(path, O_RDWR | O_CREAT | O_TRUNC, 0644);
+    double t0 = now_s();
+    for (size_t o = 0; o < total; o += chunk)
+        if (pwrite(fd, buf, chunk, (off_t)o) != (ssize_t)chunk)
+            break;
+    fdatasync(fd);
+    *w = (double)total / (now_s() - t0) / 1e9;
+    drop_caches();
+    t0 = now_s();
+    for (size_t o = 0; o < total; o += chunk)
+        if (pread(fd, buf, chunk, (off_t)o) != (ssize_t)chunk)
+            break;
+    *r = (double)total / (now_s() - t0) / 1e9;
+    close(fd);
+    unlink(path);
+    kvr_mem_free(buf);
+}
+
+static kvr_store *open_store(const char *dir, int engine, kvr_tier_recovery *rec)
+{
+    kvr_store *s;
+    kvr_store_config cfg = { 0 };
+    kvr_error e = { 0 };
+    if (kvr_store_create(&s, &cfg, &e) != 0)
+        return NULL;
+    kvr_tier_config tc = { .dir = dir, .engine = engine, .checkpoint_bytes = 1ull << 30 };
+    kvr_tier_recovery r;
+    if (kvr_store_tier_open(s, &tc, NULL, NULL, &r, &e) != 0) {
+        fprintf(stderr, "tier: %s\n", e.msg);
+        kvr_store_destroy(s);
+        return NULL;
+    }
+    if (rec)
+        *rec = r;
+    if (kvr_store_model_find(s, "m", NULL) != 0) {
+        kvr_model_desc d = { .name = "m", .n_layers = NL, .n_kv_heads = NH, .head_dim = HD,
+                             .dtype = KVR_DTYPE_F16 };
+        kvr_rope_config_init(&d.rope);
+        kvr_store_model_register(s, &d, NULL, NULL);
+    }
+    return s;
+}
+
+static int put(kvr_store *s, const char *id, const void *payload, bool persist)
+{
+    static uint32_t tok[CTX_TOKENS];
+    for (uint32_t i = 0; i < CTX_TOKENS; i++)
+        tok[i] = i;
+    kvr_put_params pp = { .ctx_id = id, .model = "m", .n_layers = NL, .n_kv_heads = NH,
+                          .head_dim = HD, .dtype = KVR_DTYPE_F16, .n_tokens = CTX_TOKENS,
+                          .tokens = tok, .persist = persist };
+    kvr_put *t;
+    if (kvr_store_put_begin(s, &pp, &t, NULL) != 0)
+        return -1;
+    const struct iovec *iov;
+    size_t ni;
+    kvr_put_payload_iov(t, &iov, &ni);
+    const uint8_t *src = payload;
+    for (size_t i = 0; i < ni; i++) {
+        memcpy(iov[i].iov_base, src, iov[i].iov_len);
+        src += iov[i].iov_len;
+    }
+    if (kvr_put_commit(t, NULL, NULL) != 0)
+        return -1;
+    if (persist && kvr_store_persist(s, id, NULL, NULL, NULL) < 0)
+        return -1;
+    kvr_store_persist_flush(s);
+    return 0;
+}
+
+static double get_all(kvr_store *s, size_t n_ctx)
+{
+    double t0 = now_s();
+    for (size_t i = 0; i < n_ctx; i++) {
+        char id[32];
+        snprintf(id, sizeof id, "c%zu", i);
+        kvr_get_params gp = { .ctx_id = id, .end = SIZE_MAX, .dtype = KVR_DTYPE_F16 };
+        kvr_get *g;
+        if (kvr_store_get_begin(s, &gp, &g, NULL) != 0)
+            return -1;
+        if (kvr_get_needs_work(g))
+            kvr_get_work(g, NULL);
+        kvr_get_end(g);
+    }
+    return now_s() - t0;
+}
+
+int main(void)
+{
+    const char *mb = getenv("KVR_BENCH_TIER_MB");
+    size_t total = (size_t)(mb ? atoi(mb) : 256) << 20;
+    size_t ctx_bytes = (size_t)NL * 2 * CTX_TOKENS * NH * HD * 2;
+    size_t n_ctx = total / ctx_bytes ? total / ctx_bytes : 1;
+    total = n_ctx * ctx_bytes;
+    const char *tmp = getenv("TMPDIR");
+    char dir[512];
+    snprintf(dir, sizeof dir, "%s/kvr-bench-tier-XXXXXX", tmp && *tmp ? tmp : "/tmp");
+    if (!mkdtemp(dir)) {
+        perror("mkdtemp");
+        return 1;
+    }
+    uint8_t *payload = malloc(ctx_bytes);
+    for (size_t i = 0; i < ctx_bytes; i++)
+        payload[i] = (uint8_t)(i * 131u >> 3);
+    double pw, pr;
+    plain(dir, total, &pw, &pr);
+    printf("\nbench_tier: %zu MiB (%zu contexts of %d tokens, %dx%dx%d f16) in %s\n\n",
+           total >> 20, n_ctx, CTX_TOKENS, NL, NH, HD, dir);
+    printf("| engine | plain write GB/s | spill GB/s | spill / plain | plain read GB/s | "
+           "reload GB/s | reload / plain | persist put GB/s | recovery ms/GiB |\n");
+    printf("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |\n");
+    static const int engines[] = { 0, 2 };
+    for (int ei = 0; ei < 2; ei++) {
+        char sub[600];
+        snprintf(sub, sizeof sub, "%.500s/e%d", dir, ei);
+        kvr_store *s = open_store(sub, engines[ei], NULL);
+        if (!s)
+            continue;
+        const char *eng = kvr_store_tier_engine(s);
+        for (size_t i = 0; i < n_ctx; i++) {
+            char id[32];
+            snprintf(id, sizeof id, "c%zu", i);
+            put(s, id, payload, false);
+        }
+        double t0 = now_s();
+        int64_t freed = kvr_store_tier_evict(s, SIZE_MAX, NULL);
+        double ts = now_s() - t0;
+        drop_caches();
+        double tr = get_all(s, n_ctx);
+        kvr_store_destroy(s);
+        nftw(sub, rm_one, 16, FTW_DEPTH | FTW_PHYS);
+        /* Persistent puts, then recovery. */
+        s = open_store(sub, engines[ei], NULL);
+        t0 = now_s();
+        for (size_t i = 0; i < n_ctx; i++) {
+            char id[32];
+            snprintf(id, sizeof id, "c%zu", i);
+            put(s, id, payload, true);
+        }
+        double tp = now_s() - t0;
+        kvr_store_destroy(s);
+        drop_caches();
+        kvr_tier_recovery rec;
+        s = open_store(sub, engines[ei], &rec);
+        kvr_store_destroy(s);
+        nftw(sub, rm_one, 16, FTW_DEPTH | FTW_PHYS);
+        double sg = freed > 0 ? (double)freed / ts / 1e9 : 0, rg = (double)total / tr / 1e9;
+        printf("| %s | %.2f | %.2f | %.2f | %.2f | %.2f | %.2f | %.2f | %.0f (%zu ctx, %.0f ms) |\n",
+               eng, pw, sg, sg / pw, pr, rg, rg / pr, (double)total / tp / 1e9,
+               rec.ms / ((double)rec.bytes / (double)(1u << 30)), rec.contexts, rec.ms);
+    }
+    printf("\nspill = kvr_store_tier_evict of every block + one sync; reload = get of every "
+           "context (checksummed, prefetch); persist put = put + record, acknowledged durable.\n");
+    free(payload);
+    nftw(dir, rm_one, 16, FTW_DEPTH | FTW_PHYS);
+    return 0;
+}
