@@ -153,6 +153,28 @@ int kvr_client_model_register_json(kvr_client *c, const char *name, const char *
                                    const char *style, kvr_dtype dtype, kvr_model *out);
 /* *out is the caller's (kvr_client_free), *n entries. */
 int kvr_client_model_list(kvr_client *c, kvr_model **out, size_t *n);
+
+/* ---- codecs at rest (docs/quantized.md) --------------------------------- */
+/* Canonical codec specs fit in this many bytes (with the NUL). Specs:
+ * "f32" | "f16" | "bf16" (plain), "int8" | "int4" | "int2" ["/gN"], "q8_0" |
+ * "q4_0" | "q4_1" | "q5_0", "k4v2"-style "k<b>v<b>" (the default grouping;
+ * "quant" = "k4v2"), "kivi:k<b>v<b>[:gG][:rR]", "k=<codec>[/c],v=<codec>[,r=R]".
+ * A bad spec is KVR_ERR_INVAL with the daemon's explanation. */
+#define KVR_CODEC_MAX 64
+
+/* What kvr_model does not carry (kept apart so its layout stays). */
+typedef struct kvr_model_ex {
+    char codec[KVR_CODEC_MAX];   /* default codec of its contexts, canonical
+                                    ("f16": plain, "k=int4/g128/c,v=..,r=128") */
+} kvr_model_ex;
+
+/* kvr_client_model_register with a default codec for the model's contexts
+ * (codec NULL or "": the dtype, plain). out and ex may be NULL. */
+int kvr_client_model_register_ex(kvr_client *c, const kvr_model_params *p, const char *codec,
+                                 kvr_model *out, kvr_model_ex *ex);
+/* kvr_client_model_list plus one kvr_model_ex per model in *ex (the caller's,
+ * kvr_client_free; ex may be NULL). */
+int kvr_client_model_list_ex(kvr_client *c, kvr_model **out, kvr_model_ex **ex, size_t *n);
 /* Looks one model up by name (via the list); KVR_ERR_NOMODEL if absent. */
 int kvr_client_model_get(kvr_client *c, const char *name, kvr_model *out);
 
@@ -208,6 +230,11 @@ typedef struct kvr_put_opts {
     const char *const  *groups;         /* GPE: n_groups group names */
     size_t              n_groups;
     const int64_t      *group_offsets;  /* phi per group, NULL = 0 */
+    /* Appended (the Python binding mirrors this struct; zero = unused): */
+    const char         *codec;          /* create: storage codec of the new
+                                           context (docs/quantized.md), NULL =
+                                           the model's default. On an existing
+                                           context it must be its codec. */
 } kvr_put_opts;
 
 /* kvr_client_put_ex that also marks the context persistent (persist =
@@ -289,6 +316,38 @@ const void *kvr_kv_v(const kvr_kv *kv, size_t i);
 /* On failure *out is zeroed and owns nothing. */
 int kvr_client_get(kvr_client *c, const kvr_get_args *a, kvr_kv *out);
 
+/* Raw get of a quantized context: the stored encoded bytes, keys pre-RoPE
+ * (docs/quantized.md). For each layer of kv->layers: k_bytes of K, then
+ * v_bytes of V. V: one row of v_unit_bytes per token. K per token: likewise
+ * (k_unit_bytes). K per channel: ceil(n/k_group) tiles of k_unit_bytes, token
+ * i = row i % k_group of tile i / k_group (rows past the end are padding).
+ * A worker decodes, then rotates the keys at kv->positions. */
+typedef struct kvr_raw_layout {
+    bool     raw;                     /* the payload is encoded (else ignore) */
+    char     codec[KVR_CODEC_MAX];    /* the context's canonical codec */
+    char     k_codec[32], v_codec[32];/* "int4/g128", "q4_0", ... (no "/c") */
+    bool     k_per_channel;           /* K in tiles of k_group tokens (KIVI) */
+    uint32_t k_group, v_group;        /* values per group (ggml 32, plain 1) */
+    uint32_t window;                  /* full-precision window R */
+    uint64_t k_bytes, v_bytes;        /* of one layer */
+    uint64_t k_unit_bytes, v_unit_bytes;
+} kvr_raw_layout;
+
+typedef struct kvr_get_opts {
+    bool raw;                         /* the stored encoded bytes; a get of
+                                         tokens still in the full-precision
+                                         window is KVR_ERR_UNSUPPORTED; dtype,
+                                         positions and on_layer are ignored */
+} kvr_get_opts;
+
+/* kvr_client_get with options (o may be NULL); layout (may be NULL) says
+ * how the payload is encoded when it is raw. */
+int kvr_client_get_ex(kvr_client *c, const kvr_get_args *a, const kvr_get_opts *o,
+                      kvr_kv *out, kvr_raw_layout *layout);
+/* Layer i's K and V in a raw result (NULL if out of range). */
+const void *kvr_kv_raw_k(const kvr_kv *kv, const kvr_raw_layout *l, size_t i);
+const void *kvr_kv_raw_v(const kvr_kv *kv, const kvr_raw_layout *l, size_t i);
+
 /* ---- match -------------------------------------------------------------- */
 typedef struct kvr_match_args {
     const char     *model;
@@ -341,6 +400,20 @@ typedef struct kvr_context_edit {
 /* kvr_client_stat plus those counters; out and ed may each be NULL. */
 int kvr_client_stat_ex(kvr_client *c, const char *ctx_id, kvr_context *out,
                        kvr_context_edit *ed);
+
+/* Codec figures of a context (docs/quantized.md, Statistics). */
+typedef struct kvr_context_codec {
+    char     codec[KVR_CODEC_MAX];  /* canonical spec; plain: the dtype name */
+    bool     quantized;
+    uint64_t n_window;              /* tokens in full-precision blocks */
+    uint64_t kv_bytes;              /* K/V bytes its tokens occupy, scales included */
+    uint64_t bytes_saved;           /* against the model's dtype (plain: 0) */
+    double   bits_per_value;
+    double   rel_rms_k, rel_rms_v;  /* measured at quantization, keys pre-RoPE */
+} kvr_context_codec;
+/* kvr_client_stat_ex plus the codec figures; out, ed, cc may each be NULL. */
+int kvr_client_stat_codec(kvr_client *c, const char *ctx_id, kvr_context *out,
+                          kvr_context_edit *ed, kvr_context_codec *cc);
 
 /* ---- edits (PIE) -------------------------------------------------------- */
 /*

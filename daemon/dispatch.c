@@ -11,6 +11,7 @@
 
 #include <errno.h>
 #include <stdarg.h>
+#include <stdlib.h>
 #include <math.h>
 #include <string.h>
 
@@ -138,6 +139,7 @@ static void model_to_pb(const kvr_model_info *m, Kvrope__ModelInfo *o, Kvrope__R
     o->rope = rp;
     o->has_n_contexts = 1;
     o->n_contexts = m->n_contexts;
+    o->codec = UNCONST(char *, m->codec);
 }
 
 static void ctx_to_pb(const kvr_ctx_info *i, Kvrope__ContextInfo *o)
@@ -163,6 +165,19 @@ static void ctx_to_pb(const kvr_ctx_info *i, Kvrope__ContextInfo *o)
     o->n_pending = i->n_pending;
     o->has_n_protected = 1;
     o->n_protected = i->n_protected;
+    o->codec = UNCONST(char *, i->codec);
+    o->has_n_window = 1;
+    o->n_window = i->n_window;
+    o->has_kv_bytes = 1;
+    o->kv_bytes = i->kv_bytes;
+    o->has_bytes_saved = 1;
+    o->bytes_saved = i->bytes_saved;
+    o->has_bits_per_value = 1;
+    o->bits_per_value = i->bits_per_value;
+    o->has_rel_rms_k = 1;
+    o->rel_rms_k = i->rel_rms_k;
+    o->has_rel_rms_v = 1;
+    o->rel_rms_v = i->rel_rms_v;
 }
 
 /* Replies with the context's ContextInfo (pin, fork, shift, keep, stat). */
@@ -350,6 +365,7 @@ static void do_register_model(kvr_conn *c)
         .head_dim = (uint32_t)rc->head_dim,
         .dtype = (kvr_dtype)m->dtype,
         .rope = *rc,
+        .codec = m->codec && m->codec[0] ? m->codec : NULL,   /* checked by the store */
     };
     kvr_mem_free(rc);
     kvr_model_info info;
@@ -414,6 +430,32 @@ static void do_list_models(kvr_conn *c)
  * them; the names point into the request. */
 #define MAX_GROUP_ARGS 64
 
+/* Put.codec: a bad spec is E_INVALID (the store's message) whatever the
+ * mode; on an existing context (append/upsert) it must be the context's
+ * codec, since a context's codec is fixed at create. Replies on failure. */
+static int put_codec_check(kvr_conn *c, const Kvrope__Put *p)
+{
+    char canon[KVR_CODEC_NAME_MAX];
+    kvr_error e = { 0 };
+    int rc = kvr_store_codec_check(c->d->store, p->model, p->codec, canon, &e);
+    if (rc < 0) {
+        if (rc == KVR_ENOMODEL)
+            reply_errf(c, rc, "unknown model '%s'", p->model);
+        else
+            reply_err(c, rc, &e);
+        return rc;
+    }
+    kvr_ctx_info ci;
+    if (p->mode != KVROPE__PUT_MODE__CREATE &&
+        kvr_store_stat(c->d->store, p->context_id, &ci, NULL) == 0 &&
+        strcmp(ci.codec, canon) != 0) {
+        reply_errf(c, KVR_EINVAL, "put: context '%s' is stored as %s, not %s (a context's "
+                   "codec is chosen when it is created)", p->context_id, ci.codec, canon);
+        return KVR_EINVAL;
+    }
+    return 0;
+}
+
 /* Starts a put (Put, or the Put inside a GroupAppend with `group` set). */
 static void start_put(kvr_conn *c, const Kvrope__Put *p, const char *group,
                       const Kvrope__LayoutPutOptions *lo)
@@ -452,7 +494,10 @@ static void start_put(kvr_conn *c, const Kvrope__Put *p, const char *group,
         .pin = p->has_pin && p->pin,
         .group = group,
         .persist = p->has_persist && p->persist,
+        .codec = p->codec && p->codec[0] ? p->codec : NULL,
     };
+    if (pp.codec && put_codec_check(c, p) < 0)
+        return;
     if (lo) {
         if (lo->n_groups > MAX_GROUP_ARGS) {
             reply_errf(c, KVR_EINVAL, "put: %zu groups (limit %d)", lo->n_groups,
@@ -926,6 +971,7 @@ static void do_get(kvr_conn *c)
         .layers = g->n_layers ? g->layers : NULL,
         .n_layers_sel = g->n_layers,
         .meta_only = g->has_meta_only && g->meta_only,
+        .raw = g->has_raw && g->raw,
     };
     start_get(c, &gp, 2);
 }
@@ -969,6 +1015,61 @@ static void do_match(kvr_conn *c)
     reply_ok(c, &r);
 }
 
+/* One side of a canonical codec spec ("int4/g128/c", "q4_0", "f16") as
+ * RawLayout wants it: the codec without "/c", per channel or not, group. */
+static void raw_side(const char *side, size_t len, char *out, size_t cap, bool *chan,
+                     uint32_t *group)
+{
+    *chan = len > 2 && side[len - 2] == '/' && side[len - 1] == 'c';
+    if (*chan)
+        len -= 2;
+    snprintf(out, cap, "%.*s", (int)len, side);
+    const char *g = strstr(out, "/g");
+    if (g)
+        *group = (uint32_t)strtoul(g + 2, NULL, 10);
+    else if (out[0] == 'q')
+        *group = 32;    /* ggml blocks */
+    else
+        *group = 1;     /* plain */
+}
+
+/* RawLayout of a raw get from its canonical codec "k=K,v=V,r=R" and the
+ * byte counts; the strings live in buf (3 x 64 bytes). */
+static void raw_layout(const kvr_get_info *gi, Kvrope__RawLayout *rl, char buf[3][64])
+{
+    kvrope__raw_layout__init(rl);
+    snprintf(buf[0], 64, "%s", gi->codec);
+    rl->codec = buf[0];
+    rl->k_codec = buf[1];
+    rl->v_codec = buf[2];
+    buf[1][0] = buf[2][0] = '\0';
+    const char *k = strstr(gi->codec, "k="), *v = strstr(gi->codec, ",v="),
+               *r = strstr(gi->codec, ",r=");
+    bool kc = false, vc = false;
+    uint32_t kg = 1, vg = 1;
+    if (k && v) {
+        raw_side(k + 2, (size_t)(v - k - 2), buf[1], 64, &kc, &kg);
+        size_t vl = r ? (size_t)(r - v - 3) : strlen(v + 3);
+        raw_side(v + 3, vl, buf[2], 64, &vc, &vg);
+    }
+    rl->has_k_per_channel = 1;
+    rl->k_per_channel = kc;
+    rl->has_k_group = rl->has_v_group = 1;
+    rl->k_group = kg;
+    rl->v_group = vg;
+    rl->k_bytes = gi->k_bytes;
+    rl->v_bytes = gi->v_bytes;
+    size_t n = gi->n_tokens;
+    size_t ku = kc && kg ? (n + kg - 1) / kg : n;
+    rl->has_k_unit_bytes = rl->has_v_unit_bytes = 1;
+    rl->k_unit_bytes = ku ? gi->k_bytes / ku : 0;
+    rl->v_unit_bytes = n ? gi->v_bytes / n : 0;
+    if (r) {
+        rl->has_window = 1;
+        rl->window = (uint32_t)strtoul(r + 3, NULL, 10);
+    }
+}
+
 /* Sends the KV reply of a finished get / match+get; the payload is written
  * straight from the get's iovecs and the get ends in the write callback. */
 static void finish_get(kvr_conn *c, int kind)
@@ -1001,6 +1102,12 @@ static void finish_get(kvr_conn *c, int kind)
     kv.flags = UNCONST(uint32_t *, gi->flags);
     kv.n_groups = gi->groups ? gi->n_tokens : 0;
     kv.groups = UNCONST(int32_t *, gi->groups);
+    Kvrope__RawLayout rl;
+    char rl_buf[3][64];
+    if (gi->raw && !meta_only) {
+        raw_layout(gi, &rl, rl_buf);
+        kv.raw = &rl;
+    }
     Kvrope__Response r = KVROPE__RESPONSE__INIT;
     Kvrope__MatchResult mr = KVROPE__MATCH_RESULT__INIT;
     r.id = c->req->id;
@@ -1337,6 +1444,9 @@ static void do_stats(kvr_conn *c)
         { "store_gets", (double)s.n_gets },
         { "store_matches", (double)s.n_matches },
         { "store_match_hits", (double)s.n_match_hits },
+        { "quant_contexts", (double)s.n_quant_contexts },
+        { "quant_bytes_saved", (double)s.quant_bytes_saved },
+        { "quant_bits_per_value", s.quant_bits_per_value },
         { "connections", (double)d->n_conns },
         { "connections_total", (double)d->n_conn_total },
         { "connections_refused", (double)d->n_conn_refused },

@@ -206,7 +206,7 @@ static const char *scaling_name(kvr_rope_scaling s)
     return (unsigned)s < 6 ? n[s] : "?";
 }
 
-static cJSON *model_json(const kvr_model *m)
+static cJSON *model_json(const kvr_model *m, const kvr_model_ex *ex)
 {
     cJSON *j = cJSON_CreateObject();
     char fp[32];
@@ -218,6 +218,8 @@ static cJSON *model_json(const kvr_model *m)
     cJSON_AddStringToObject(j, "dtype", kvr_dtype_name(m->dtype));
     cJSON_AddStringToObject(j, "fingerprint", fp);
     cJSON_AddNumberToObject(j, "n_contexts", (double)m->n_contexts);
+    if (ex)
+        cJSON_AddStringToObject(j, "codec", ex->codec);
     cJSON *r = cJSON_AddObjectToObject(j, "rope");
     cJSON_AddStringToObject(r, "style", style_name(m->rope.style));
     cJSON_AddNumberToObject(r, "theta", m->rope.theta);
@@ -324,13 +326,14 @@ static int cmd_stats(kvr_client *c, const cli_args *a)
     return CLI_OK;
 }
 
-static void print_model(const kvr_model *m)
+static void print_model(const kvr_model *m, const kvr_model_ex *ex)
 {
     printf("%-20s layers=%u kv_heads=%u head_dim=%u dtype=%s rope=%s/%s theta=%g rot=%d "
-           "contexts=%" PRIu64 " fp=%016" PRIx64 "\n",
+           "contexts=%" PRIu64 " fp=%016" PRIx64 "%s%s\n",
            m->name, m->n_layers, m->n_kv_heads, m->head_dim, kvr_dtype_name(m->dtype),
            style_name(m->rope.style), scaling_name(m->rope.scaling), m->rope.theta,
-           m->rope.rotary_dim, m->n_contexts, m->fingerprint);
+           m->rope.rotary_dim, m->n_contexts, m->fingerprint, ex ? " codec=" : "",
+           ex ? ex->codec : "");
 }
 
 static int cmd_models(kvr_client *c, const cli_args *a)
@@ -359,8 +362,10 @@ static int cmd_models(kvr_client *c, const cli_args *a)
             return usage_err("models add: give --config FILE, or --layers, --heads and "
                              "--head-dim");
         kvr_model m;
+        kvr_model_ex mx;
+        const char *codec = cli_opt(a, "codec");
         int r;
-        if (cfg && !L && !H && !D) {
+        if (cfg && !L && !H && !D && !codec) {
             r = kvr_client_model_register_file(c, a->pos[1], cfg, style, dt, &m);
         } else {
             kvr_rope_config rc;
@@ -388,36 +393,43 @@ static int cmd_models(kvr_client *c, const cli_args *a)
                                    .n_layers = (uint32_t)L, .n_kv_heads = (uint32_t)H,
                                    .head_dim = (uint32_t)D, .dtype = dt,
                                    .rope = json ? NULL : &rc };
-            r = kvr_client_model_register(c, &p, &m);
+            if (cfg && !json)
+                return io_err(a, "out of memory");
+            r = kvr_client_model_register_ex(c, &p, codec, &m, &mx);
             free(json);
         }
         if (r < 0)
             return cli_fail(a, c, r, "models add");
+        /* The file path does not report the codec: it is the dtype, plain. */
+        if (cfg && !L && !H && !D && !codec)
+            snprintf(mx.codec, sizeof mx.codec, "%s", kvr_dtype_name(m.dtype));
         if (a->json)
-            print_json(model_json(&m));
+            print_json(model_json(&m, &mx));
         else
-            print_model(&m);
+            print_model(&m, &mx);
         return CLI_OK;
     }
     if (strcmp(sub, "list") && strcmp(sub, "ls"))
         return usage_err("models: unknown subcommand '%s' (list, add)", sub);
     kvr_model *ms;
+    kvr_model_ex *mx;
     size_t n;
-    int r = kvr_client_model_list(c, &ms, &n);
+    int r = kvr_client_model_list_ex(c, &ms, &mx, &n);
     if (r < 0)
         return cli_fail(a, c, r, "models");
     if (a->json) {
         cJSON *arr = cJSON_CreateArray();
         for (size_t i = 0; i < n; i++)
-            cJSON_AddItemToArray(arr, model_json(&ms[i]));
+            cJSON_AddItemToArray(arr, model_json(&ms[i], &mx[i]));
         print_json(arr);
     } else {
         if (n == 0)
             printf("(no models)\n");
         for (size_t i = 0; i < n; i++)
-            print_model(&ms[i]);
+            print_model(&ms[i], &mx[i]);
     }
     kvr_client_free(ms);
+    kvr_client_free(mx);
     return CLI_OK;
 }
 
@@ -456,11 +468,20 @@ static int cmd_stat(kvr_client *c, const cli_args *a)
     if (a->npos != 1)
         return usage_err("usage: kvrope stat CONTEXT");
     kvr_context x;
-    int r = kvr_client_stat(c, a->pos[0], &x);
+    kvr_context_codec cc;
+    int r = kvr_client_stat_codec(c, a->pos[0], &x, NULL, &cc);
     if (r < 0)
         return cli_fail(a, c, r, "stat");
     if (a->json) {
         cJSON *j = ctx_json(&x);
+        cJSON_AddStringToObject(j, "codec", cc.codec);
+        cJSON_AddBoolToObject(j, "quantized", cc.quantized);
+        cJSON_AddNumberToObject(j, "n_window", (double)cc.n_window);
+        cJSON_AddNumberToObject(j, "kv_bytes", (double)cc.kv_bytes);
+        cJSON_AddNumberToObject(j, "bytes_saved", (double)cc.bytes_saved);
+        cJSON_AddNumberToObject(j, "bits_per_value", cc.bits_per_value);
+        cJSON_AddNumberToObject(j, "rel_rms_k", cc.rel_rms_k);
+        cJSON_AddNumberToObject(j, "rel_rms_v", cc.rel_rms_v);
         cli_layout_stat_json(c, a->pos[0], j);
         print_json(j);
     } else {
@@ -472,6 +493,15 @@ static int cmd_stat(kvr_client *c, const cli_args *a)
                "pinned:       %s\nevicted:      %" PRIu64 " tokens\n",
                x.id, x.model, x.n_tokens, x.pos_min, x.pos_max, x.n_blocks, x.n_shared_blocks,
                x.n_approximate, b, x.pinned ? "yes" : "no", x.n_evicted_tokens);
+        char kb[32], sb[32];
+        human_bytes(kb, sizeof kb, (double)cc.kv_bytes);
+        human_bytes(sb, sizeof sb, (double)cc.bytes_saved);
+        printf("codec:        %s\n", cc.codec);
+        if (cc.quantized)
+            printf("window:       %" PRIu64 " tokens in full precision\n"
+                   "kv bytes:     %s (%.3f bits/value), %s saved\n"
+                   "rel. RMS:     K %.4g, V %.4g\n",
+                   cc.n_window, kb, cc.bits_per_value, sb, cc.rel_rms_k, cc.rel_rms_v);
         cli_layout_stat_print(c, a->pos[0]);
     }
     return CLI_OK;
@@ -521,6 +551,7 @@ static int cmd_put(kvr_client *c, const cli_args *a)
     if (opt_u64(a, "protect", &po.protect_first, &has_protect) < 0)
         return usage_err("--protect: want a token count");
     po.has_protect = has_protect;
+    po.codec = cli_opt(a, "codec");   /* create: storage codec (docs/quantized.md) */
     const char *fp = cli_opt(a, "fingerprint");
     if (fp) {
         char *end;
@@ -714,6 +745,11 @@ static int cmd_get(kvr_client *c, const cli_args *a)
     bool to_stdout = out && !strcmp(out, "-");
     if (to_stdout && a->json)
         return usage_err("get: --json and -o - both want stdout");
+    kvr_get_opts go = { .raw = cli_flag(a, "raw") };
+    if (go.raw && (cli_opt(a, "positions") || cli_opt(a, "pos-start") || cli_opt(a, "dtype")))
+        return usage_err("get --raw: the stored bytes, keys pre-RoPE: no --dtype/--positions");
+    if (go.raw && out && cli_has_suffix(out, ".safetensors"))
+        return usage_err("get --raw: write a raw file (.safetensors holds float tensors)");
     kvr_get_args g = { .ctx_id = a->pos[0], .meta_only = meta };
     bool has_dt;
     if (opt_dtype(a, &g.dtype, &has_dt) < 0)
@@ -724,7 +760,7 @@ static int cmd_get(kvr_client *c, const cli_args *a)
     if (has_end && g.end <= g.start)
         return usage_err("--end must be greater than --start");
     int r;
-    if (!has_dt) {   /* default: the model's native dtype */
+    if (!has_dt && !go.raw) {   /* default: the model's native dtype */
         kvr_context x;
         kvr_model m;
         r = kvr_client_stat(c, g.ctx_id, &x);
@@ -774,8 +810,9 @@ static int cmd_get(kvr_client *c, const cli_args *a)
         g.n_layers = (size_t)n;
     }
     kvr_kv kv;
+    kvr_raw_layout rl;
     cli_progress_begin(c, "get");
-    r = kvr_client_get(c, &g, &kv);
+    r = kvr_client_get_ex(c, &g, &go, &kv, &rl);
     cli_progress_end();
     free(pos);
     free(layers);
@@ -784,7 +821,31 @@ static int cmd_get(kvr_client *c, const cli_args *a)
     int rc = meta ? CLI_OK : write_kv(a, &kv, out);
     if (rc == CLI_OK) {
         if (a->json) {
-            print_json(kv_json(&kv, meta ? NULL : out));
+            cJSON *j = kv_json(&kv, meta ? NULL : out);
+            if (rl.raw) {
+                cJSON *o = cJSON_AddObjectToObject(j, "raw");
+                cJSON_AddStringToObject(o, "codec", rl.codec);
+                cJSON_AddStringToObject(o, "k_codec", rl.k_codec);
+                cJSON_AddStringToObject(o, "v_codec", rl.v_codec);
+                cJSON_AddBoolToObject(o, "k_per_channel", rl.k_per_channel);
+                cJSON_AddNumberToObject(o, "k_group", rl.k_group);
+                cJSON_AddNumberToObject(o, "v_group", rl.v_group);
+                cJSON_AddNumberToObject(o, "window", rl.window);
+                cJSON_AddNumberToObject(o, "k_bytes", (double)rl.k_bytes);
+                cJSON_AddNumberToObject(o, "v_bytes", (double)rl.v_bytes);
+                cJSON_AddNumberToObject(o, "k_unit_bytes", (double)rl.k_unit_bytes);
+                cJSON_AddNumberToObject(o, "v_unit_bytes", (double)rl.v_unit_bytes);
+            }
+            print_json(j);
+        } else if (rl.raw && !a->quiet) {
+            FILE *o = to_stdout ? stderr : stdout;
+            fprintf(o, "%s: %" PRIu64 " tokens [%" PRIu64 ", %" PRIu64 ") raw %s: per layer K "
+                    "%" PRIu64 " B (%s%s, %" PRIu64 " B per %s) then V %" PRIu64 " B (%s, %"
+                    PRIu64 " B per row), %zu layers, %zu bytes -> %s\n",
+                    kv.ctx_id, kv.n_tokens, kv.start, kv.start + kv.n_tokens, rl.codec,
+                    rl.k_bytes, rl.k_codec, rl.k_per_channel ? " per channel" : "",
+                    rl.k_unit_bytes, rl.k_per_channel ? "tile" : "row", rl.v_bytes, rl.v_codec,
+                    rl.v_unit_bytes, kv.n_layers, kv.payload_len, out ? out : "-");
         } else if (!a->quiet) {
             FILE *o = to_stdout ? stderr : stdout;
             fprintf(o, "%s: %" PRIu64 " tokens [%" PRIu64 ", %" PRIu64 ") of %s, %zu layers, %s",
@@ -1247,7 +1308,8 @@ bool cli_option_takes_value(const char *n)
                                      "style", "dtype", "tokens", "tokens-file", "pos-start",
                                      "positions", "layers", "heads", "head-dim", "mode",
                                      "fingerprint", "start", "end", "output", "theta",
-                                     "rotary-dim", "timeout", "protect", "ops", "kv", NULL };
+                                     "rotary-dim", "timeout", "protect", "ops", "kv",
+                                     "codec", NULL };
     for (int i = 0; v[i]; i++)
         if (!strcmp(v[i], n))
             return true;

@@ -43,6 +43,11 @@ static const char help_text[] =
 "  models add NAME --config config.json [--style neox|gptj] [--dtype f16]\n"
 "  models add NAME --layers L --heads H --head-dim D [--theta T] [--rotary-dim R]\n"
 "                                     [--style neox|gptj] [--dtype f16]\n"
+"        [--codec SPEC]               default codec of its contexts at rest:\n"
+"                                     f32|f16|bf16, int8|int4|int2[/gN],\n"
+"                                     q8_0|q4_0|q4_1|q5_0, k4v2 (= quant),\n"
+"                                     kivi:k4v2[:gG][:rR], k=C[/c],v=C[,r=R]\n"
+"                                     (docs/quantized.md)\n"
 "  ls [--model M]                     contexts\n"
 "  stat CTX                           one context\n"
 "  put CTX FILE [--model M] [--mode create|append|upsert] [--pin] [--protect N]\n"
@@ -50,6 +55,7 @@ static const char help_text[] =
 "                                     acknowledged once durable, survives restarts\n"
 "        [--tokens 1,2,3 | --tokens-file F] [--pos-start N | --positions p,q,..]\n"
 "        [--dtype D --layers L --heads H --head-dim D] [--fingerprint HEX]\n"
+"        [--codec SPEC]               create: the context's codec (default: model's)\n"
 "                                     FILE *.safetensors: tensors k, v [layers][tokens]\n"
 "                                     [heads][head_dim] (F32/F16/BF16), tokens and\n"
 "                                     positions optional; model from its metadata.\n"
@@ -59,7 +65,9 @@ static const char help_text[] =
 "                                     --tokens-file: text ids, or *.bin u32 LE\n"
 "                                     --protect N: edits may not touch tokens [0,N)\n"
 "  get CTX -o FILE [--start I] [--end J] [--dtype D] [--layers 0,1,..]\n"
-"        [--positions p,q,.. | --pos-start N] [--meta]\n"
+"        [--positions p,q,.. | --pos-start N] [--meta] [--raw]\n"
+"                                     --raw: quantized contexts' stored bytes, keys\n"
+"                                     pre-RoPE (layout: --json, docs/quantized.md)\n"
 "                                     FILE by extension as for put (- = stdout);\n"
 "                                     keys are re-rotated to the target positions\n"
 "  match --model M (--tokens .. | --tokens-file F) [--approx] [--get -o FILE]\n"
@@ -182,7 +190,8 @@ static int parse_args(int argc, char **argv, cli_args *a)
             } else if (strcmp(name, "json") && strcmp(name, "quiet") && strcmp(name, "help") &&
                        strcmp(name, "pin") && strcmp(name, "get") && strcmp(name, "meta") &&
                        strcmp(name, "approx") && strcmp(name, "version") &&
-                       strcmp(name, "plan") && !cli_layout_option_is_flag(name)) {
+                       strcmp(name, "plan") && strcmp(name, "raw") &&
+                       !cli_layout_option_is_flag(name)) {
                 fprintf(stderr, "kvrope: unknown option --%s\n", name);
                 return CLI_USAGE;
             }

@@ -159,7 +159,29 @@ static void model_from_wire(kvr_model *m, const Kvrope__ModelInfo *mi)
         m->rope.rotary_dim = (int32_t)mi->head_dim;
 }
 
+static int model_register(kvr_client *c, const kvr_model_params *p, const char *codec,
+                          kvr_model *out, kvr_model_ex *ex);
+
 int kvr_client_model_register(kvr_client *c, const kvr_model_params *p, kvr_model *out)
+{
+    return model_register(c, p, NULL, out, NULL);
+}
+
+int kvr_client_model_register_ex(kvr_client *c, const kvr_model_params *p, const char *codec,
+                                 kvr_model *out, kvr_model_ex *ex)
+{
+    return model_register(c, p, codec, out, ex);
+}
+
+static void model_ex_from_wire(kvr_model_ex *ex, const Kvrope__ModelInfo *mi)
+{
+    memset(ex, 0, sizeof *ex);
+    copy_str(ex->codec, sizeof ex->codec, mi->codec ? mi->codec : kvr_dtype_name(
+                                              (kvr_dtype)mi->dtype));
+}
+
+static int model_register(kvr_client *c, const kvr_model_params *p, const char *codec,
+                          kvr_model *out, kvr_model_ex *ex)
 {
     int r = check_id(c, "register model", p ? p->name : NULL);
     if (r < 0)
@@ -196,6 +218,8 @@ int kvr_client_model_register(kvr_client *c, const kvr_model_params *p, kvr_mode
     }
     rm.has_dtype = 1;
     rm.dtype = (Kvrope__DType)p->dtype;
+    if (codec && codec[0])
+        rm.codec = unconst(codec);
     Kvrope__Request req = KVROPE__REQUEST__INIT;
     req.body_case = KVROPE__REQUEST__BODY_REGISTER_MODEL;
     req.register_model = &rm;
@@ -208,6 +232,8 @@ int kvr_client_model_register(kvr_client *c, const kvr_model_params *p, kvr_mode
         return bad_body(c, resp, "register model");
     if (out)
         model_from_wire(out, resp->model);
+    if (ex)
+        model_ex_from_wire(ex, resp->model);
     kvrope__response__free_unpacked(resp, NULL);
     return 0;
 }
@@ -267,6 +293,13 @@ int kvr_client_model_register_file(kvr_client *c, const char *name, const char *
 
 int kvr_client_model_list(kvr_client *c, kvr_model **out, size_t *n)
 {
+    return kvr_client_model_list_ex(c, out, NULL, n);
+}
+
+int kvr_client_model_list_ex(kvr_client *c, kvr_model **out, kvr_model_ex **ex, size_t *n)
+{
+    if (ex)
+        *ex = NULL;
     *out = NULL;
     *n = 0;
     Kvrope__ListModels lm = KVROPE__LIST_MODELS__INIT;
@@ -281,13 +314,21 @@ int kvr_client_model_list(kvr_client *c, kvr_model **out, size_t *n)
         return bad_body(c, resp, "list models");
     size_t k = resp->models->n_models;
     kvr_model *arr = calloc(k ? k : 1, sizeof *arr);
-    if (!arr) {
+    kvr_model_ex *xs = ex ? calloc(k ? k : 1, sizeof *xs) : NULL;
+    if (!arr || (ex && !xs)) {
+        free(arr);
+        free(xs);
         kvrope__response__free_unpacked(resp, NULL);
         return kvr__fail(c, KVR_ERR_OOM, "out of memory");
     }
-    for (size_t i = 0; i < k; i++)
+    for (size_t i = 0; i < k; i++) {
         model_from_wire(&arr[i], resp->models->models[i]);
+        if (xs)
+            model_ex_from_wire(&xs[i], resp->models->models[i]);
+    }
     kvrope__response__free_unpacked(resp, NULL);
+    if (ex)
+        *ex = xs;
     *out = arr;
     *n = k;
     return 0;
@@ -454,6 +495,8 @@ static int put_common(kvr_client *c, const kvr_put_args *a, const kvr_put_opts *
             }
             put.layout = &lo;
         }
+        if (o->codec && o->codec[0])
+            put.codec = unconst(o->codec);
     }
     if (c->put_persist) {
         put.has_persist = 1;
@@ -539,6 +582,10 @@ static int take_kv(kvr_client *c, const Kvrope__KVResult *r, uint64_t pl, kvr_kv
     }
     size_t want = meta_only ? 0 : kvr_payload_size((uint32_t)r->n_layers, n, r->n_kv_heads,
                                                    r->head_dim, (kvr_dtype)r->dtype);
+    if (r->raw && !meta_only) {   /* encoded: the layout's byte counts */
+        want = (size_t)(r->n_layers * (r->raw->k_bytes + r->raw->v_bytes));
+        fn = NULL;                /* K and V halves differ: no per-layer callback */
+    }
     if ((uint64_t)want != pl) {
         rc = kvr__fail(c, KVR_ERR_PROTO, "payload of %llu bytes, the shapes say %zu",
                        (unsigned long long)pl, want);
@@ -592,9 +639,50 @@ drain:
     return rc;
 }
 
+static void raw_from_wire(kvr_raw_layout *l, const Kvrope__RawLayout *w)
+{
+    memset(l, 0, sizeof *l);
+    if (!w)
+        return;
+    l->raw = true;
+    copy_str(l->codec, sizeof l->codec, w->codec);
+    copy_str(l->k_codec, sizeof l->k_codec, w->k_codec);
+    copy_str(l->v_codec, sizeof l->v_codec, w->v_codec);
+    l->k_per_channel = w->has_k_per_channel && w->k_per_channel;
+    l->k_group = w->has_k_group ? w->k_group : 0;
+    l->v_group = w->has_v_group ? w->v_group : 0;
+    l->window = w->has_window ? w->window : 0;
+    l->k_bytes = w->k_bytes;
+    l->v_bytes = w->v_bytes;
+    l->k_unit_bytes = w->has_k_unit_bytes ? w->k_unit_bytes : 0;
+    l->v_unit_bytes = w->has_v_unit_bytes ? w->v_unit_bytes : 0;
+}
+
+const void *kvr_kv_raw_k(const kvr_kv *kv, const kvr_raw_layout *l, size_t i)
+{
+    if (!kv->payload || !l || !l->raw || i >= kv->n_layers)
+        return NULL;
+    return (const uint8_t *)kv->payload + i * (l->k_bytes + l->v_bytes);
+}
+
+const void *kvr_kv_raw_v(const kvr_kv *kv, const kvr_raw_layout *l, size_t i)
+{
+    if (!kv->payload || !l || !l->raw || i >= kv->n_layers)
+        return NULL;
+    return (const uint8_t *)kv->payload + i * (l->k_bytes + l->v_bytes) + l->k_bytes;
+}
+
 int kvr_client_get(kvr_client *c, const kvr_get_args *a, kvr_kv *out)
 {
+    return kvr_client_get_ex(c, a, NULL, out, NULL);
+}
+
+int kvr_client_get_ex(kvr_client *c, const kvr_get_args *a, const kvr_get_opts *o,
+                      kvr_kv *out, kvr_raw_layout *layout)
+{
     memset(out, 0, sizeof *out);
+    if (layout)
+        memset(layout, 0, sizeof *layout);
     c->err[0] = 0;
     int r = check_id(c, "get", a->ctx_id);
     if (r < 0)
@@ -621,6 +709,10 @@ int kvr_client_get(kvr_client *c, const kvr_get_args *a, kvr_kv *out)
         g.has_meta_only = 1;
         g.meta_only = 1;
     }
+    if (o && o->raw) {
+        g.has_raw = 1;
+        g.raw = 1;
+    }
     Kvrope__Request req = KVROPE__REQUEST__INIT;
     req.body_case = KVROPE__REQUEST__BODY_GET;
     req.get = &g;
@@ -635,6 +727,8 @@ int kvr_client_get(kvr_client *c, const kvr_get_args *a, kvr_kv *out)
     }
     r = take_kv(c, resp->kv, pl, out, a->meta_only, a->dst, a->dst_cap, a->on_layer,
                 a->on_layer_ud);
+    if (r == 0 && layout)
+        raw_from_wire(layout, resp->kv->raw);
     kvrope__response__free_unpacked(resp, NULL);
     return r;
 }
@@ -708,6 +802,12 @@ static void ctx_from_wire(kvr_context *o, const Kvrope__ContextInfo *ci);
 int kvr_client_stat_ex(kvr_client *c, const char *ctx_id, kvr_context *out,
                        kvr_context_edit *ed)
 {
+    return kvr_client_stat_codec(c, ctx_id, out, ed, NULL);
+}
+
+int kvr_client_stat_codec(kvr_client *c, const char *ctx_id, kvr_context *out,
+                          kvr_context_edit *ed, kvr_context_codec *cc)
+{
     int r = check_id(c, "stat", ctx_id);
     if (r < 0)
         return r;
@@ -727,6 +827,18 @@ int kvr_client_stat_ex(kvr_client *c, const char *ctx_id, kvr_context *out,
     if (ed) {
         ed->n_pending = resp->context->has_n_pending ? resp->context->n_pending : 0;
         ed->n_protected = resp->context->has_n_protected ? resp->context->n_protected : 0;
+    }
+    if (cc) {
+        const Kvrope__ContextInfo *ci = resp->context;
+        memset(cc, 0, sizeof *cc);
+        copy_str(cc->codec, sizeof cc->codec, ci->codec);
+        cc->quantized = ci->codec && strncmp(ci->codec, "k=", 2) == 0;
+        cc->n_window = ci->has_n_window ? ci->n_window : 0;
+        cc->kv_bytes = ci->has_kv_bytes ? ci->kv_bytes : 0;
+        cc->bytes_saved = ci->has_bytes_saved ? ci->bytes_saved : 0;
+        cc->bits_per_value = ci->has_bits_per_value ? ci->bits_per_value : 0.0;
+        cc->rel_rms_k = ci->has_rel_rms_k ? ci->rel_rms_k : 0.0;
+        cc->rel_rms_v = ci->has_rel_rms_v ? ci->rel_rms_v : 0.0;
     }
     kvrope__response__free_unpacked(resp, NULL);
     return 0;

@@ -30,8 +30,10 @@ ValueError / TypeError before anything is sent.
 
 Verbs: ping, register_model, models, model, put, get, match, delete, list,
 stat, exists, pin, unpin, fork, shift, keep, stats, edit_plan, edit,
-refresh, stat_edit, assemble, group_append, layout, set_group_offset,
-set_retention — one Client method each. On an older libkvrope lacking a
+refresh, stat_edit, stat_codec, assemble, group_append, layout,
+set_group_offset, set_retention — one Client method each. Codecs at rest
+(docs/quantized.md): register_model(codec=), put(codec=), get(raw=True) ->
+RawKV, stat_codec() -> CodecInfo. On an older libkvrope lacking a
 verb's C function, its method raises kvrope.Unsupported (nothing is sent).
 """
 
@@ -39,7 +41,8 @@ import os
 
 from . import errors, tensors
 from .client import (Client, Context, KV, Match, Model, Pong, PutResult, EditResult, EditSpan,
-                     Assembly, Segment, Layout, Group, FLAG_APPROX, FLAG_PENDING)
+                     Assembly, Segment, Layout, Group, CodecInfo, RawKV, FLAG_APPROX,
+                     FLAG_PENDING)
 from .errors import *  # noqa: F401,F403  (KvropeError and its subclasses)
 from .errors import KvropeError, Unsupported
 from .tensors import dtype_name, bf16_to_f32, f32_to_bf16, HAVE_TORCH

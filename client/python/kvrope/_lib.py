@@ -176,7 +176,8 @@ class kvr_put_opts(Structure):
     _fields_ = [("protect_first", c_uint64), ("has_protect", c_bool),
                 ("prefix_ctx", c_char_p),
                 ("groups", POINTER(c_char_p)), ("n_groups", c_size_t),
-                ("group_offsets", POINTER(c_int64))]
+                ("group_offsets", POINTER(c_int64)),
+                ("codec", c_char_p)]   # appended: create-time storage codec
 
 
 ASSEMBLE_PARALLEL, ASSEMBLE_SEQUENTIAL, ASSEMBLE_EXPLICIT = 0, 1, 2
@@ -219,6 +220,32 @@ class kvr_layout_res(Structure):
                 ("n_dropped", c_uint64)]
 
 
+# ---- codecs at rest (docs/quantized.md) ----
+CODEC_MAX = 64
+
+
+class kvr_model_ex(Structure):
+    _fields_ = [("codec", c_char * CODEC_MAX)]
+
+
+class kvr_raw_layout(Structure):
+    _fields_ = [("raw", c_bool), ("codec", c_char * CODEC_MAX),
+                ("k_codec", c_char * 32), ("v_codec", c_char * 32),
+                ("k_per_channel", c_bool), ("k_group", c_uint32), ("v_group", c_uint32),
+                ("window", c_uint32), ("k_bytes", c_uint64), ("v_bytes", c_uint64),
+                ("k_unit_bytes", c_uint64), ("v_unit_bytes", c_uint64)]
+
+
+class kvr_get_opts(Structure):
+    _fields_ = [("raw", c_bool)]
+
+
+class kvr_context_codec(Structure):
+    _fields_ = [("codec", c_char * CODEC_MAX), ("quantized", c_bool),
+                ("n_window", c_uint64), ("kv_bytes", c_uint64), ("bytes_saved", c_uint64),
+                ("bits_per_value", c_double), ("rel_rms_k", c_double), ("rel_rms_v", c_double)]
+
+
 class kvr_metric(Structure):
     _fields_ = [("name", c_char * 120), ("value", c_double)]
 
@@ -231,7 +258,8 @@ STRUCTS = {c.__name__: c for c in (kvr_client_opts, kvr_pong, kvr_rope_config, k
                                    kvr_edit_args, kvr_edit_span_res, kvr_edit_res,
                                    kvr_refresh_args, kvr_put_opts, kvr_assemble_args,
                                    kvr_segment_res, kvr_assemble_res, kvr_group_res,
-                                   kvr_layout_res)}
+                                   kvr_layout_res, kvr_model_ex, kvr_raw_layout,
+                                   kvr_get_opts, kvr_context_codec)}
 
 H = c_void_p  # kvr_client *
 
@@ -281,12 +309,23 @@ PROTOTYPES = {
                                             POINTER(kvr_layout_res)]),
     "kvr_client_set_retention": (c_int, [H, c_char_p, c_uint64, c_uint64, c_bool,
                                          POINTER(kvr_layout_res)]),
+    # codecs at rest
+    "kvr_client_model_register_ex": (c_int, [H, POINTER(kvr_model_params), c_char_p,
+                                             POINTER(kvr_model), POINTER(kvr_model_ex)]),
+    "kvr_client_model_list_ex": (c_int, [H, POINTER(POINTER(kvr_model)),
+                                         POINTER(POINTER(kvr_model_ex)), POINTER(c_size_t)]),
+    "kvr_client_get_ex": (c_int, [H, POINTER(kvr_get_args), POINTER(kvr_get_opts),
+                                  POINTER(kvr_kv), POINTER(kvr_raw_layout)]),
+    "kvr_client_stat_codec": (c_int, [H, c_char_p, POINTER(kvr_context), POINTER(kvr_context_edit),
+                                      POINTER(kvr_context_codec)]),
 }
 # Verbs later libkvrope versions added: a library without them still loads.
 OPTIONAL = {"kvr_client_stat_ex", "kvr_client_edit", "kvr_client_edit_plan",
             "kvr_client_refresh", "kvr_client_put_ex", "kvr_client_group_append",
             "kvr_client_assemble", "kvr_assemble_release", "kvr_client_layout_stat",
-            "kvr_client_set_group_offset", "kvr_client_set_retention"}
+            "kvr_client_set_group_offset", "kvr_client_set_retention",
+            "kvr_client_model_register_ex", "kvr_client_model_list_ex", "kvr_client_get_ex",
+            "kvr_client_stat_codec"}
 
 
 def _candidates():

@@ -98,9 +98,12 @@ class Model:
     fingerprint: int       # shape + RoPE parameters + dtype
     n_contexts: int
     rope: dict = field(compare=False)   # style, theta, scaling, factor, rotary_dim, ...
+    codec: str = field(default="", compare=False)
+    # default codec of its contexts, canonical (docs/quantized.md); "" when
+    # the library cannot tell (older libkvrope)
 
     @classmethod
-    def _from(cls, m):
+    def _from(cls, m, ex=None):
         r = m.rope
         rope = {"style": STYLES.get(r.style, r.style), "theta": r.theta,
                 "scaling": SCALINGS.get(r.scaling, r.scaling), "factor": r.factor,
@@ -109,7 +112,58 @@ class Model:
                 "original_max_position_embeddings": r.original_max_position_embeddings,
                 "attention_factor": r.attention_factor, "model_type": r.model_type.decode()}
         return cls(m.name.decode(), m.n_layers, m.n_kv_heads, m.head_dim,
-                   T.NAMES.get(m.dtype, str(m.dtype)), m.fingerprint, m.n_contexts, rope)
+                   T.NAMES.get(m.dtype, str(m.dtype)), m.fingerprint, m.n_contexts, rope,
+                   ex.codec.decode() if ex is not None else "")
+
+
+@dataclass(frozen=True)
+class CodecInfo:
+    """A context's codec at rest (docs/quantized.md, Statistics)."""
+    codec: str             # canonical spec; plain contexts: the dtype name
+    quantized: bool
+    n_window: int          # tokens in full-precision blocks
+    kv_bytes: int          # K/V bytes its tokens occupy, scales included
+    bytes_saved: int       # against the model's dtype
+    bits_per_value: float
+    rel_rms_k: float       # measured at quantization (keys pre-RoPE)
+    rel_rms_v: float
+
+    @classmethod
+    def _from(cls, c):
+        return cls(c.codec.decode(), bool(c.quantized), c.n_window, c.kv_bytes, c.bytes_saved,
+                   c.bits_per_value, c.rel_rms_k, c.rel_rms_v)
+
+
+class RawKV:
+    """A raw get (get(raw=True)) of a quantized context: the stored encoded
+    bytes, keys pre-RoPE. `data` is a uint8 array; for each layer of `layers`,
+    layout["k_bytes"] of K then layout["v_bytes"] of V (docs/quantized.md).
+    layout: codec, k_codec, v_codec, k_per_channel, k_group, v_group, window,
+    k_bytes, v_bytes, k_unit_bytes, v_unit_bytes. positions: where to rotate
+    the decoded keys."""
+
+    def __init__(self, ctx_id, model, start, layers, tokens, positions, flags, groups, data,
+                 layout, n_kv_heads, head_dim):
+        self.ctx_id, self.model, self.start, self.layers = ctx_id, model, start, layers
+        self.tokens, self.positions, self.flags, self.groups = tokens, positions, flags, groups
+        self.data, self.layout = data, layout
+        self.n_kv_heads, self.head_dim = n_kv_heads, head_dim
+
+    n_tokens = property(lambda self: int(self.tokens.size))
+    n_layers = property(lambda self: len(self.layers))
+    codec = property(lambda self: self.layout["codec"])
+
+    def __len__(self):
+        return self.n_tokens
+
+    def k(self, i):
+        """Encoded K bytes of the i-th returned layer."""
+        kb, vb = self.layout["k_bytes"], self.layout["v_bytes"]
+        return self.data[i * (kb + vb): i * (kb + vb) + kb]
+
+    def v(self, i):
+        kb, vb = self.layout["k_bytes"], self.layout["v_bytes"]
+        return self.data[i * (kb + vb) + kb: (i + 1) * (kb + vb)]
 
 
 @dataclass(frozen=True)
@@ -321,7 +375,7 @@ class Client:
         return Pong(p.server.decode(), p.protocol)
 
     def register_model(self, name, config=None, *, style=None, dtype="f16",
-                       n_layers=0, n_kv_heads=0, head_dim=0):
+                       n_layers=0, n_kv_heads=0, head_dim=0, codec=None):
         """Registers (or identically re-registers) a model; -> Model.
 
         config: a dict (sent as JSON text), a path to an HF config.json (or a
@@ -330,7 +384,10 @@ class Client:
         style: None, "neox" or "gptj"; None honours a "rope_style" key in the
         config (examples/llama.py writes one; HF and the daemon ignore it),
         else the daemon's rule (by model_type).
-        dtype: the model's native KV dtype at rest (default f16, as the daemon's)."""
+        dtype: the model's native KV dtype at rest (default f16, as the daemon's).
+        codec: default codec of its contexts at rest (docs/quantized.md: "k4v2",
+        "int8", "q4_0", "kivi:k4v2:r64", ...); None = the dtype, plain. A bad
+        spec raises InvalidArgument (E_INVALID) with the daemon's explanation."""
         nm = _b(name, "model name")
         text = None
         if isinstance(config, dict):
@@ -368,19 +425,34 @@ class Client:
                                                 _u64(head_dim, "head_dim"))
         p.dtype = T.CODES[T.dtype_name(dtype)]
         out = _lib.kvr_model()
-        self._call("kvr_client_model_register", byref(p), byref(out))
-        m = Model._from(out)
+        if codec is not None or self._lib.has("kvr_client_model_register_ex"):
+            ex = _lib.kvr_model_ex()
+            cb = _b(codec, "codec") if codec is not None else None
+            self._call("kvr_client_model_register_ex", byref(p), cb, byref(out), byref(ex))
+            m = Model._from(out, ex)
+        else:
+            self._call("kvr_client_model_register", byref(p), byref(out))
+            m = Model._from(out)
         self._models[m.name] = m
         return m
 
     def models(self):
         """-> [Model] (every registered model)."""
         arr, n = POINTER(_lib.kvr_model)(), c_size_t()
-        self._call("kvr_client_model_list", byref(arr), byref(n))
-        try:
-            ms = [Model._from(arr[i]) for i in range(n.value)]
-        finally:
-            self._lib.kvr_client_free(arr)
+        if self._lib.has("kvr_client_model_list_ex"):
+            exs = POINTER(_lib.kvr_model_ex)()
+            self._call("kvr_client_model_list_ex", byref(arr), byref(exs), byref(n))
+            try:
+                ms = [Model._from(arr[i], exs[i]) for i in range(n.value)]
+            finally:
+                self._lib.kvr_client_free(arr)
+                self._lib.kvr_client_free(exs)
+        else:
+            self._call("kvr_client_model_list", byref(arr), byref(n))
+            try:
+                ms = [Model._from(arr[i]) for i in range(n.value)]
+            finally:
+                self._lib.kvr_client_free(arr)
         for m in ms:
             self._models[m.name] = m
         return ms
@@ -390,14 +462,18 @@ class Client:
         fingerprint never change once registered). UnknownModel if absent."""
         nm = _b(name, "model name").decode()
         if refresh or nm not in self._models:
-            out = _lib.kvr_model()
-            self._call("kvr_client_model_get", nm.encode(), byref(out))
-            self._models[nm] = Model._from(out)
+            if self._lib.has("kvr_client_model_list_ex"):   # with its codec
+                self.models()
+            if nm not in self._models or refresh and not self._lib.has(
+                    "kvr_client_model_list_ex"):
+                out = _lib.kvr_model()
+                self._call("kvr_client_model_get", nm.encode(), byref(out))
+                self._models[nm] = Model._from(out)
         return self._models[nm]
 
     def put(self, ctx_id, model, tokens, kv=None, *, k=None, v=None, dtype=None, mode="upsert",
             positions=None, pos_start=None, pin=False, check_model=True, protect_first=None,
-            prefix=None, groups=None, group_offsets=None):
+            prefix=None, groups=None, group_offsets=None, codec=None):
         """Stores the KV of `tokens` in context `ctx_id` (created or appended
         to); -> PutResult.
 
@@ -415,10 +491,13 @@ class Client:
         tokens [0, n) (attention sinks; 0 unprotects). On create only:
         prefix=ctx: an APE document encoded after that prefix context
         (positions default to P, P+1, ...; see assemble()); groups=[names],
-        group_offsets=[phi...]: a grouped context (GPE, see group_append())."""
+        group_offsets=[phi...]: a grouped context (GPE, see group_append());
+        codec="k4v2" (docs/quantized.md): the new context's codec at rest
+        (default: the model's); the daemon quantizes off its loop thread. On
+        an existing context it must be the context's codec."""
         a, keep, opts = self._put_args(ctx_id, model, tokens, kv, k, v, dtype, mode, positions,
                                        pos_start, pin, check_model, protect_first, prefix,
-                                       groups, group_offsets)
+                                       groups, group_offsets, codec)
         out = _lib.kvr_put_res()
         if opts is None:
             self._call("kvr_client_put", byref(a), byref(out))
@@ -429,7 +508,7 @@ class Client:
 
     def _put_args(self, ctx_id, model, tokens, kv, k, v, dtype, mode, positions, pos_start,
                   pin, check_model, protect_first=None, prefix=None, groups=None,
-                  group_offsets=None):
+                  group_offsets=None, codec=None):
         cid, mn = _b(ctx_id, "ctx_id"), _b(model, "model")
         toks = tokens_array(tokens)
         if not toks.size:
@@ -439,7 +518,7 @@ class Client:
         pos = positions_array(positions, toks.size) if positions is not None else None
         if pos is not None and pos_start is not None:
             raise ValueError("give positions or pos_start, not both")
-        opts, okeep = self._put_opts(protect_first, prefix, groups, group_offsets)
+        opts, okeep = self._put_opts(protect_first, prefix, groups, group_offsets, codec)
         parts, dt, (L, n, H, D) = T.as_kv_parts(kv, k, v, toks.size, dtype)
         fp = 0
         if check_model:
@@ -459,12 +538,15 @@ class Client:
         keep = [cid, mn, toks, pos, parts, _set_payload(a, parts), okeep]
         return a, keep, opts
 
-    def _put_opts(self, protect_first, prefix, groups, group_offsets):
+    def _put_opts(self, protect_first, prefix, groups, group_offsets, codec=None):
         """kvr_put_opts or None when no option is given; plus what must stay alive."""
-        if protect_first is None and prefix is None and groups is None and group_offsets is None:
+        if (protect_first is None and prefix is None and groups is None and
+                group_offsets is None and codec is None):
             return None, None
         o = _lib.kvr_put_opts()
         keep = []
+        if codec is not None:
+            o.codec = _b(codec, "codec")
         if protect_first is not None:
             o.has_protect, o.protect_first = True, _u64(protect_first, "protect_first")
         if prefix is not None:
@@ -544,8 +626,35 @@ class Client:
                 errs.append(e)
         return _lib.LAYER_FN(cb)
 
+    def _take_raw(self, kvs, rl):
+        """RawKV from a filled kvr_kv of a raw get (releases what libkvrope owns)."""
+        try:
+            n, L = kvs.n_tokens, kvs.n_layers
+            def arr(p, dt_):
+                return np.ctypeslib.as_array(p, (n,)).copy() if n else np.empty(0, dt_)
+            data = None
+            if kvs.payload:
+                buf = (ctypes.c_uint8 * kvs.payload_len).from_address(kvs.payload)
+                if kvs.payload_owned:   # ours now, freed with the array
+                    buf._kvrope_owner = T._Free(kvs.payload)
+                    kvs.payload = None
+                    data = np.frombuffer(buf, dtype=np.uint8)
+                else:
+                    data = np.frombuffer(buf, dtype=np.uint8).copy()
+            layout = {"codec": rl.codec.decode(), "k_codec": rl.k_codec.decode(),
+                      "v_codec": rl.v_codec.decode(), "k_per_channel": bool(rl.k_per_channel),
+                      "k_group": rl.k_group, "v_group": rl.v_group, "window": rl.window,
+                      "k_bytes": rl.k_bytes, "v_bytes": rl.v_bytes,
+                      "k_unit_bytes": rl.k_unit_bytes, "v_unit_bytes": rl.v_unit_bytes}
+            return RawKV(kvs.ctx_id.decode(), kvs.model.decode(), kvs.start,
+                         tuple(kvs.layers[i] for i in range(L)), arr(kvs.tokens, np.uint32),
+                         arr(kvs.positions, np.int64), arr(kvs.flags, np.uint32),
+                         arr(kvs.groups, np.int32), data, layout, kvs.n_kv_heads, kvs.head_dim)
+        finally:
+            self._lib.kvr_kv_release(byref(kvs))
+
     def get(self, ctx_id, start=0, end=None, *, dtype="f32", positions=None, layers=None,
-            meta_only=False, out=None, on_layer=None):
+            meta_only=False, out=None, on_layer=None, raw=False):
         """Fetches tokens [start, end) (end None = to the end) of a context; -> KV.
 
         dtype: of the result (default f32). positions: one target position
@@ -554,8 +663,28 @@ class Client:
         numpy array of the result dtype (np.float32/np.float16/np.uint16) to
         receive the payload straight into (BufferTooSmall if too small).
         on_layer(layer_id, K, V): called as soon as each layer has arrived;
-        K and V are [T, H, D] views valid during the callback (copy to keep)."""
+        K and V are [T, H, D] views valid during the callback (copy to keep).
+        raw=True (quantized contexts): -> RawKV, the stored encoded bytes with
+        their layout (keys pre-RoPE; docs/quantized.md); dtype, positions, out
+        and on_layer do not apply. Tokens still in the full-precision window
+        raise UnsupportedByDaemon (E_UNSUPPORTED): fetch those with raw=False."""
         cid = _b(ctx_id, "ctx_id")
+        if raw:
+            if positions is not None or out is not None or on_layer is not None:
+                raise ValueError("raw get: positions, out and on_layer do not apply")
+            start = _u64(start, "start")
+            if end is not None:
+                end = _u64(end, "end")
+                if end <= start:
+                    raise ValueError(f"empty or reversed token range [{start}, {end})")
+            lay = self._layers(layers)
+            a = _lib.kvr_get_args()
+            a.ctx_id, a.start, a.end, a.dtype = cid, start, end or 0, T.CODES["f32"]
+            a.layers, a.n_layers = _ptr(lay, c_uint32), 0 if lay is None else lay.size
+            a.meta_only = bool(meta_only)
+            o, kvs, rl = _lib.kvr_get_opts(raw=True), _lib.kvr_kv(), _lib.kvr_raw_layout()
+            self._call("kvr_client_get_ex", byref(a), byref(o), byref(kvs), byref(rl))
+            return self._take_raw(kvs, rl)
         start = _u64(start, "start")
         if end is not None:
             end = _u64(end, "end")
@@ -781,6 +910,13 @@ class Client:
         self._call(fn_name, byref(a), byref(out))
         del keep, parts
         return self._edit_result(out, [end - start])
+
+    def stat_codec(self, ctx_id):
+        """-> CodecInfo of a context: codec, window, bytes, bytes saved,
+        bits per value, relative RMS error of K and V (kvr_client_stat_codec)."""
+        cc = _lib.kvr_context_codec()
+        self._call("kvr_client_stat_codec", _b(ctx_id, "ctx_id"), None, None, byref(cc))
+        return CodecInfo._from(cc)
 
     def stat_edit(self, ctx_id):
         """-> (n_pending, n_protected) of a context (kvr_client_stat_ex)."""
