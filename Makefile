@@ -203,6 +203,7 @@ check: deps
 	@$(MAKE) --no-print-directory BUILD=build/check MODE=check all
 	@KVR_BUILD=$(abspath build/check) KVR_VECTORS=$(SHARED)/vectors KVR_SANITIZE=1 \
 	  ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1 \
+	  LSAN_OPTIONS=suppressions=$(abspath tests/lsan.supp) \
 	  scripts/run-tests.sh --c-only
 
 bench: deps-bench
