@@ -698,14 +698,21 @@ int kvr_put_commit(kvr_put *t, kvr_put_result *res, kvr_error *err)
         rc = kvr_error_set(err, KVR_ENOMEM, "out of memory committing a put to '%s'", c->id);
         goto fail;
     }
-    /* Index first: it is the only step that can fail. */
+    /* Index first: it is the only step that can fail. A tree is appended
+     * to only where it holds all of c (an allocation failure in
+     * ctx_index_rebuild or an edit can leave c dropped or a true prefix
+     * there): appending at a shorter node would index a sequence c does not
+     * have. Such a tree is resynced below, after the tokens are in. */
     bool exact = c->n_exact == c->n_tokens;
-    if (!c->idx_stale && (rc = ptree_append(&m->tree[1], c, t->tokens, t->n)) != 0) {
+    bool in0 = exact && c->idx_len[0] == c->n_exact;
+    bool in1 = !c->idx_stale && c->idx_len[1] == c->n_tokens;
+    bool resync = (exact && !in0) || (!c->idx_stale && !in1);
+    if (in1 && (rc = ptree_append(&m->tree[1], c, t->tokens, t->n)) != 0) {
         kvr_error_set(err, rc, "out of memory indexing '%s'", c->id);
         kvr_mem_free(qext);
         goto fail;
     }
-    if (exact && (rc = ptree_append(&m->tree[0], c, t->tokens, t->n)) != 0) {
+    if (in0 && (rc = ptree_append(&m->tree[0], c, t->tokens, t->n)) != 0) {
         ptree_truncate(&m->tree[1], c, c->n_tokens);   /* no-op when stale */
         kvr_error_set(err, rc, "out of memory indexing '%s'", c->id);
         kvr_mem_free(qext);
@@ -734,6 +741,8 @@ int kvr_put_commit(kvr_put *t, kvr_put_result *res, kvr_error *err)
     c->n_tokens += t->n;
     if (exact)
         c->n_exact = c->n_tokens;
+    if (resync)
+        ctx_index_rebuild(s, c, c->n_tokens);   /* best effort; never lies */
     if (t->created) {
         c->pending = false;
         m->n_contexts++;
