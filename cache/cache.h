@@ -184,6 +184,12 @@ typedef struct kvr_put_params {
     bool            persist;       /* mark the context persistent (tier.c):
                                       every later change is logged to disk
                                       (kvr_store_persist); needs a disk tier */
+    bool            has_protect_first; /* set n_protected at commit (0 removes */
+    size_t          protect_first;     /* it), after retention, clamped to what
+                                          the context then holds: part of the
+                                          put, so a stored put never fails on
+                                          it. KVR_ERANGE at begin if beyond the
+                                          length the context will have. */
 } kvr_put_params;
 
 typedef struct kvr_put_result {

@@ -32,6 +32,8 @@ struct kvr_put {
     kvr_ctx      *c;
     kvr_model    *m;
     bool          created, tail, pin, worked, persist;
+    bool          has_protect;  /* protect_first given: n_protected at commit */
+    size_t        protect;
     kvr_dtype     pdt;          /* payload dtype */
     size_t        n;
     uint32_t     *tokens;       /* copy, for the prefix index */
@@ -464,6 +466,11 @@ int kvr_store_put_begin(kvr_store *s, const kvr_put_params *p, kvr_put **out,
                              "context '%s' belongs to model '%s', not '%s'", p->ctx_id,
                              c->model->name, m->name);
 
+    if (p->has_protect_first && p->protect_first > (c ? c->n_tokens : 0) + n)
+        return kvr_error_set(err, KVR_ERANGE, "put: protect_first %zu is beyond the %zu "
+                             "tokens the context will hold", p->protect_first,
+                             (c ? c->n_tokens : 0) + n);
+
     /* Groups and the APE prefix record (layout.c). */
     layout_put lp;
     if ((rc = layout_put_begin(s, c, m, p, &lp, err)) != 0)
@@ -507,6 +514,8 @@ int kvr_store_put_begin(kvr_store *s, const kvr_put_params *p, kvr_put **out,
     t->n = n;
     t->pin = p->pin;
     t->persist = p->persist;
+    t->has_protect = p->has_protect_first;
+    t->protect = p->protect_first;
     t->payload = payload;
     t->first_pos = first;
     t->last_pos = last;
@@ -751,6 +760,9 @@ int kvr_put_commit(kvr_put *t, kvr_put_result *res, kvr_error *err)
     /* Group cursor, created layout, retention (may drop tokens and move the
      * window's positions by `moved`). */
     int64_t moved = layout_put_commit(s, c, &t->lp, t->n);
+    /* After retention, which may have left fewer tokens than asked for. */
+    if (t->has_protect)
+        c->n_protected = t->protect < c->n_tokens ? t->protect : c->n_tokens;
     if (first_index + t->n > c->n_tokens)
         first_index = c->n_tokens > t->n ? c->n_tokens - t->n : 0;
     if (t->pin)

@@ -515,20 +515,10 @@ static void start_put(kvr_conn *c, const Kvrope__Put *p, const char *group,
         pp.group_offsets = lo->n_group_offsets ? lo->group_offsets : NULL;
     }
     if (p->has_protect_first) {
-        /* Checked before anything is stored, so a put is never half done:
-         * the protected tokens must exist once it commits. */
-        kvr_ctx_info ci;
-        size_t before = 0;
-        if (p->mode != KVROPE__PUT_MODE__CREATE &&
-            kvr_store_stat(c->d->store, p->context_id, &ci, NULL) == 0)
-            before = ci.n_tokens;
-        if (p->protect_first > (uint64_t)before + p->n_tokens) {
-            reply_errf(c, KVR_ERANGE,
-                       "put: protect_first %llu is beyond the %zu tokens the context "
-                       "will hold", (unsigned long long)p->protect_first,
-                       before + p->n_tokens);
-            return;
-        }
+        /* Part of the put (checked at begin, applied at commit after
+         * retention), so a put is never stored and then refused. */
+        pp.has_protect_first = true;
+        pp.protect_first = p->protect_first > SIZE_MAX ? SIZE_MAX : (size_t)p->protect_first;
     }
     if (!p->has_n_layers || !p->has_n_kv_heads || !p->has_head_dim) {
         kvr_model_info mi;
@@ -619,16 +609,6 @@ static void finish_put(kvr_conn *c)
         return;
     }
     bool ga = c->req->body_case == KVROPE__REQUEST__BODY_GROUP_APPEND;
-    const Kvrope__Put *p = ga ? c->req->group_append->put : c->req->put;
-    if (p->has_protect_first) {
-        rc = kvr_store_protect(c->d->store, p->context_id, (size_t)p->protect_first, &e);
-        if (rc < 0) {
-            char m[400];
-            snprintf(m, sizeof m, "put stored, but protect_first failed: %s", e.msg);
-            kvr_conn_reply_error(c, rc, m);
-            return;
-        }
-    }
     Kvrope__PutResult pr = KVROPE__PUT_RESULT__INIT;
     pr.n_tokens = res.n_tokens;
     pr.first_index = res.first_index;

@@ -514,3 +514,45 @@ Test(layout_retention, refusals, .fini = teardown)
     cr_assert(!li.has_retention);
     check_ctx("r", u, p, NULL, 4);
 }
+
+/* protect_first is part of the put: checked at begin (nothing stored when
+ * it is out of range), applied at commit after retention, so a committed
+ * put never fails on it even when retention leaves fewer tokens. */
+Test(layout_retention, protect_first_applies_after_retention, .fini = teardown)
+{
+    setup(8);
+    uint32_t u[8];
+    int64_t p[8];
+    for (int i = 0; i < 8; i++) {
+        u[i] = (uint32_t)i;
+        p[i] = i;
+    }
+    kvr_error e = { 0 };
+    cr_assert_eq(put("r", (kvr_put_params){ .mode = KVR_PUT_CREATE }, u, p, 6, NULL, &e), 0);
+    kvr_retention r = { .sinks = 2, .window = 4 };
+    cr_assert_eq(kvr_store_set_retention(S_, "r", &r, &e), 0, "%s", e.msg);
+    /* 6 + 2 = 8 before retention, 6 after: protect_first 8 is valid at
+     * begin and clamps to the 6 tokens left. */
+    kvr_put_result res;
+    int rc = put("r", (kvr_put_params){ .mode = KVR_PUT_APPEND, .has_protect_first = true,
+                                       .protect_first = 8 }, u + 6, p + 6, 2, &res, &e);
+    cr_assert_eq(rc, 0, "%s", e.msg);
+    kvr_ctx_info ci;
+    cr_assert_eq(kvr_store_stat(S_, "r", &ci, NULL), 0);
+    cr_assert_eq(ci.n_tokens, 6);
+    cr_assert_eq(ci.n_protected, 6);
+    /* Beyond what the context will hold: refused at begin, nothing stored. */
+    rc = put("r", (kvr_put_params){ .mode = KVR_PUT_APPEND, .has_protect_first = true,
+                                   .protect_first = 9 }, u + 6, p + 6, 2, NULL, &e);
+    cr_assert_eq(rc, KVR_ERANGE, "%s", e.msg);
+    cr_assert(strstr(e.msg, "protect_first") != NULL, "%s", e.msg);
+    cr_assert_eq(kvr_store_stat(S_, "r", &ci, NULL), 0);
+    cr_assert_eq(ci.n_tokens, 6);
+    cr_assert_eq(ci.n_protected, 6);
+    /* 0 removes the protection. */
+    cr_assert_eq(put("r", (kvr_put_params){ .mode = KVR_PUT_APPEND, .has_protect_first = true,
+                                           .protect_first = 0 }, u + 6, p + 6, 1, NULL, &e),
+                 0, "%s", e.msg);
+    cr_assert_eq(kvr_store_stat(S_, "r", &ci, NULL), 0);
+    cr_assert_eq(ci.n_protected, 0);
+}

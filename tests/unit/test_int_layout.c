@@ -291,3 +291,36 @@ Test(int_layout, sinks_and_window)
     cr_assert_eq(kvr_client_set_retention(C, "w", 0, 0, true, &lr), 0);
     cr_assert(!lr.retention);
 }
+
+/* protect_first beyond what retention leaves: the put is stored and
+ * answered OK (it used to be stored, then answered E_RANGE), with every
+ * remaining token protected. */
+Test(int_layout, protect_first_with_retention)
+{
+    uint32_t tok[6];
+    for (uint32_t i = 0; i < 6; i++)
+        tok[i] = 900 + i;
+    put_at("pw", tok, 6, 0, NULL);
+    kvr_layout_res lr;
+    cr_assert_eq(kvr_client_set_retention(C, "pw", 2, 4, false, &lr), 0, "%s",
+                 kvr_client_last_error(C));
+    uint32_t more[] = { 950, 951 };
+    int64_t mp[] = { 6, 7 };
+    size_t len;
+    void *pl = make_kv(more, mp, 2, &len);
+    kvr_put_args a = { .ctx_id = "pw", .model = "tiny", .dtype = DT, .tokens = more,
+                       .n_tokens = 2, .payload = pl, .payload_len = len };
+    kvr_put_opts o = { .protect_first = 8, .has_protect = true };
+    cr_assert_eq(kvr_client_put_ex(C, &a, &o, NULL), 0, "%s", kvr_client_last_error(C));
+    kvr_context ci;
+    kvr_context_edit ce;
+    cr_assert_eq(kvr_client_stat_ex(C, "pw", &ci, &ce), 0, "%s", kvr_client_last_error(C));
+    cr_assert_eq(ci.n_tokens, 6);
+    cr_assert_eq(ce.n_protected, 6);
+    /* Out of range at begin: refused, nothing stored. */
+    o.protect_first = 9;
+    cr_assert_eq(kvr_client_put_ex(C, &a, &o, NULL), KVR_ERR_RANGE);
+    cr_assert_eq(kvr_client_stat(C, "pw", &ci), 0);
+    cr_assert_eq(ci.n_tokens, 6);
+    free(pl);
+}
