@@ -60,10 +60,20 @@ static void update_reading(kvr_conn *c);
 static void alloc_cb(uv_handle_t *h, size_t suggested, uv_buf_t *buf);
 static void read_cb(uv_stream_t *s, ssize_t nread, const uv_buf_t *buf);
 
+int kvr_conn_test_write_failures;
+
 static void on_close(uv_handle_t *h)
 {
     kvr_conn *c = h->data;
     kvr_daemon *d = c->d;
+    /* A request still held with no work queued would never be freed
+     * (kvr_conn_close keeps it while BUSY, for the dispatch code still on
+     * the stack; that code has returned by now). Work in flight frees it in
+     * after_work_cb. */
+    if (c->req && c->work_kind == 0) {
+        kvrope__request__free_unpacked(c->req, &kvr_pb_allocator);
+        c->req = NULL;
+    }
     if (c->prev)
         c->prev->next = c->next;
     else
@@ -231,7 +241,8 @@ static int queue_write(kvr_conn *c, uint8_t *buf, size_t len, out_payload *src,
     w->total = len + payload_len;
     w->get = src->get;
     w->as = src->as;
-    int rc = uv_write(&w->req, &c->h.stream, bufs, (unsigned)k, on_write);
+    int rc = kvr_conn_test_write_failures > 0 ? (kvr_conn_test_write_failures--, UV_EPIPE)
+             : uv_write(&w->req, &c->h.stream, bufs, (unsigned)k, on_write);
     if (bufs != small)
         kvr_mem_free(bufs);   /* libuv copied the array */
     if (rc < 0) {

@@ -170,6 +170,9 @@ void kvr_conn_stop(kvr_conn *c);
  * sent within --auth-timeout, or no progress for --io-timeout mid-frame
  * (a put/edit payload is aborted) or on a queued reply. */
 void kvr_conn_sweep(kvr_conn *c, uint64_t now_ms, bool force);
+/* Tests only: while > 0, each reply write fails at once (as uv_write does
+ * for a stream that is gone) and the count drops by one. */
+extern int kvr_conn_test_write_failures;
 /* Marks c authenticated (leaves the unauthenticated count). */
 void kvr_conn_set_authed(kvr_conn *c);
 uint64_t kvr_now_ms(void);
