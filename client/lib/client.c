@@ -454,9 +454,10 @@ static int recv_response(kvr_client *c, uint64_t id, Kvrope__Response **out,
     /* id 0 answers any request only as an error: the daemon uses it for a
      * protocol-level failure before it knew the request's id. */
     if (resp->id != id && (resp->id != 0 || resp->status == KVROPE__STATUS__OK)) {
+        unsigned long long got = (unsigned long long)resp->id;
         kvrope__response__free_unpacked(resp, NULL);
         return fatal(c, KVR_ERR_PROTO, "response id %llu does not answer request %llu",
-                     (unsigned long long)resp->id, (unsigned long long)id);
+                     got, (unsigned long long)id);
     }
     *out = resp;
     *payload_len = h.payload_len;
