@@ -10,11 +10,16 @@
  *
  * Payload: layer-major, for each selected layer K then V, [n][H][D] in the
  * output dtype. K is zero-copy (iovecs into block memory, one per
- * contiguous run) when the dtype matches and every target position equals
- * the stored-at one; V is zero-copy when the dtype matches. Everything else
- * is produced by get_work into a staging buffer: K with one
+ * contiguous run) when every run is a plain block of the output dtype and
+ * every target position equals the stored-at one; V is zero-copy run by run,
+ * for each run in a plain block of the output dtype (so a quantized run, or
+ * one in another dtype, does not cost the others their zero-copy). Everything
+ * else is produced by get_work into a staging buffer: K with one
  * kvr_rope_reposition call per run (stored-at -> target, converting in the
- * same pass), V with kvr_convert.
+ * same pass), V with kvr_convert (or dequantized).
+ *
+ *   staging, per selected layer:  [ K: n rows (if K is staged) | V rows of
+ *   the staged runs only, in run order ]   (vst bytes of V per layer)
  */
 #include <string.h>
 
@@ -26,6 +31,8 @@ typedef struct get_seg {
     uint32_t   first, count;
     size_t     tok;          /* index of its first token in the result */
     bool       same_pos;     /* targets equal stored-at for every token */
+    bool       zc_v;         /* V goes out zero-copy from the block */
+    size_t     v_off;        /* else: its V's offset in the layer's V staging */
 } get_seg;
 
 struct kvr_get {
@@ -37,7 +44,8 @@ struct kvr_get {
     int32_t      *groups;
     get_seg      *segs;
     size_t        n_segs;
-    bool          zc_k, zc_v, worked;
+    bool          zc_k, worked;
+    size_t        vst;       /* bytes of staged V per layer (0: all zero-copy) */
     size_t        qscratch;  /* floats of scratch a layer needs (quantized segs) */
     uint8_t      *staging;
     size_t        part;      /* bytes of one layer's K (or V) */
@@ -67,13 +75,13 @@ static void get_free(kvr_get *t)
     kvr_mem_free(t);
 }
 
-/* Offset in the staging buffer of layer li's K (kv 0) or V (kv 1). */
+/* Start in the staging buffer of layer li's K (kv 0) or staged V (kv 1). */
 static uint8_t *stage_at(const kvr_get *t, size_t li, int kv)
 {
-    size_t parts = (size_t)!t->zc_k + (size_t)!t->zc_v;
-    size_t off = li * parts * t->part;
-    if (kv == 1 && !t->zc_k)
-        off += t->part;
+    size_t kst = t->zc_k ? 0 : t->part;
+    size_t off = li * (kst + t->vst);
+    if (kv == 1)
+        off += kst;
     return t->staging + off;
 }
 
@@ -218,7 +226,8 @@ int kvr_store_get_begin(kvr_store *s, const kvr_get_params *p, kvr_get **out,
             continue;
         }
         get_seg *g = &t->segs[t->n_segs++];
-        *g = (get_seg){ e->block, e->first + a, z - a, tok - (z - a), same };
+        *g = (get_seg){ .b = e->block, .first = e->first + a, .count = z - a,
+                        .tok = tok - (z - a), .same_pos = same };
         block_ref(g->b);
         g->b->holds++;
         if (g->b->leases++ == 0)
@@ -241,10 +250,8 @@ int kvr_store_get_begin(kvr_store *s, const kvr_get_params *p, kvr_get **out,
             goto fail;
     }
 
-    bool any_quant = false;
     for (size_t g = 0; g < t->n_segs; g++)
         if (t->segs[g].b->quant) {
-            any_quant = true;
             size_t need = (t->segs[g].count + QH(t->segs[g].b)->ktile) *
                           (size_t)m->n_kv_heads * m->head_dim;
             if (need > t->qscratch)
@@ -284,15 +291,26 @@ int kvr_store_get_begin(kvr_store *s, const kvr_get_params *p, kvr_get **out,
         size_t row = (size_t)m->n_kv_heads * m->head_dim;
         t->part = n * row * osize;
         t->payload = t->part * 2u * nl;
-        t->zc_v = p->dtype == c->dtype && !any_quant;
-        t->zc_k = t->zc_v && all_same;
-        size_t per_layer = (t->zc_k ? t->n_segs : 1) + (t->zc_v ? t->n_segs : 1);
+        size_t rowb = row * osize;
+        bool all_zc = true;
+        t->vst = 0;
+        for (size_t g = 0; g < t->n_segs; g++) {
+            get_seg *sg = &t->segs[g];
+            sg->zc_v = sg->b->dtype == p->dtype && !sg->b->quant;
+            all_zc = all_zc && sg->zc_v;
+            if (!sg->zc_v) {
+                sg->v_off = t->vst;
+                t->vst += sg->count * rowb;
+            }
+        }
+        t->zc_k = all_zc && all_same;
+        size_t per_layer = (t->zc_k ? t->n_segs : 1) + t->n_segs;
         t->iov = kvr_mem_malloc(per_layer * nl * sizeof *t->iov);
         if (!t->iov) {
             rc = kvr_error_set(err, KVR_ENOMEM, "out of memory for a get of %zu tokens", n);
             goto fail;
         }
-        size_t stage = ((size_t)!t->zc_k + (size_t)!t->zc_v) * t->part * nl;
+        size_t stage = ((t->zc_k ? 0 : t->part) + t->vst) * nl;
         if (stage) {
             /* Eviction must not take the context being read from under us. */
             bool was_busy = c->busy;
@@ -308,18 +326,29 @@ int kvr_store_get_begin(kvr_store *s, const kvr_get_params *p, kvr_get **out,
                 goto fail;
             }
         }
-        size_t rowb = row * osize, v = 0;
+        size_t v = 0;
         for (size_t li = 0; li < nl; li++) {
-            for (int kv = 0; kv < 2; kv++) {
-                bool zc = kv ? t->zc_v : t->zc_k;
-                if (!zc) {
-                    t->iov[v++] = (struct iovec){ stage_at(t, li, kv), t->part };
-                    continue;
-                }
+            if (!t->zc_k) {
+                t->iov[v++] = (struct iovec){ stage_at(t, li, 0), t->part };
+            } else {
                 for (size_t g = 0; g < t->n_segs; g++)
                     t->iov[v++] = (struct iovec){
-                        block_kv(t->segs[g].b, m, t->layers[li], kv, t->segs[g].first),
+                        block_kv(t->segs[g].b, m, t->layers[li], 0, t->segs[g].first),
                         t->segs[g].count * rowb };
+            }
+            /* V: block memory for zero-copy runs; staged runs are laid out
+             * back to back, so consecutive ones share one iovec. */
+            for (size_t g = 0; g < t->n_segs; g++) {
+                const get_seg *sg = &t->segs[g];
+                size_t len = sg->count * rowb;
+                if (sg->zc_v) {
+                    t->iov[v++] = (struct iovec){
+                        block_kv(sg->b, m, t->layers[li], 1, sg->first), len };
+                } else if (g > 0 && !t->segs[g - 1].zc_v) {
+                    t->iov[v - 1].iov_len += len;
+                } else {
+                    t->iov[v++] = (struct iovec){ stage_at(t, li, 1) + sg->v_off, len };
+                }
             }
         }
         t->n_iov = v;
@@ -367,7 +396,7 @@ static int get_work_layer(void *ud, size_t li)
                                      t->targets + sg->tok, scratch);
             if (rc == 0)
                 rc = block_read_side(m, sg->b, l, 1, sg->first, sg->count,
-                                     stage_at(t, li, 1) + sg->tok * rowb, odt, NULL, NULL,
+                                     stage_at(t, li, 1) + sg->v_off, odt, NULL, NULL,
                                      scratch);
             if (rc != 0) {
                 kvr_mem_free(scratch);
@@ -391,8 +420,8 @@ static int get_work_layer(void *ud, size_t li)
                 }
             }
         }
-        if (!t->zc_v)
-            kvr_convert(stage_at(t, li, 1) + sg->tok * rowb, odt,
+        if (!sg->zc_v)
+            kvr_convert(stage_at(t, li, 1) + sg->v_off, odt,
                         block_kv(sg->b, m, l, 1, sg->first), sg->b->dtype,
                         sg->count * row);
     }

@@ -625,3 +625,60 @@ Test(quant, edit_with_kv_then_flush)
     free(g);
     free(pl);
 }
+
+/* A get over quantized runs and full-precision window runs: the window's V
+ * still goes out zero-copy (it was staged for the whole request as soon as
+ * one run was quantized), and the bytes are those of separate gets. */
+Test(quant, window_v_zero_copy_in_a_mixed_get)
+{
+    kvr_error e = { 0 };
+    cr_assert_eq(put("z", KVR_PUT_CREATE, "kivi:k4v2:g32:r64", 0, 300, 0, &e), 0, "%s", e.msg);
+    kvr_ctx_info ci;
+    cr_assert_eq(kvr_store_stat(S, "z", &ci, &e), 0);
+    cr_assert_gt(ci.n_window, 0);
+    cr_assert_lt(ci.n_window, 300);
+    size_t w0 = 300 - ci.n_window;
+    /* Window alone: V is zero-copy; note where its first row lives. */
+    kvr_get_params p = { .ctx_id = "z", .start = w0, .end = 300, .dtype = KVR_DTYPE_F32 };
+    kvr_get *gw = NULL;
+    cr_assert_eq(kvr_store_get_begin(S, &p, &gw, &e), 0, "%s", e.msg);
+    const struct iovec *iov;
+    size_t niov;
+    kvr_get_payload_iov(gw, &iov, &niov);
+    size_t part = ci.n_window * ROW * sizeof(float), off = 0;
+    const void *wv = NULL;
+    for (size_t i = 0; i < niov && !wv; i++) {
+        if (off == part)                /* layer 0's V starts here */
+            wv = iov[i].iov_base;
+        off += iov[i].iov_len;
+    }
+    cr_assert_not_null(wv);
+    /* Everything: some iovec of it points at that same block memory. */
+    p.start = 0;
+    p.end = SIZE_MAX;
+    kvr_get *ga = NULL;
+    cr_assert_eq(kvr_store_get_begin(S, &p, &ga, &e), 0, "%s", e.msg);
+    if (kvr_get_needs_work(ga))
+        cr_assert_eq(kvr_get_work(ga, &e), 0, "%s", e.msg);
+    kvr_get_payload_iov(ga, &iov, &niov);
+    bool shared = false;
+    for (size_t i = 0; i < niov; i++)
+        shared = shared || iov[i].iov_base == wv;
+    cr_assert(shared, "the window's V was staged, not sent from its blocks");
+    kvr_get_end(gw);
+    kvr_get_end(ga);
+    /* Contents: the whole equals the quantized part followed by the window. */
+    size_t ba, bq, bw;
+    uint8_t *all = get("z", false, 0, SIZE_MAX, NULL, &ba, NULL, NULL);
+    uint8_t *q = get("z", false, 0, w0, NULL, &bq, NULL, NULL);
+    uint8_t *w = get("z", false, w0, 300, NULL, &bw, NULL, NULL);
+    cr_assert_eq(ba, bq + bw);
+    size_t pq = w0 * ROW * sizeof(float), pw = part;
+    for (size_t s = 0; s < (size_t)L * 2; s++) {
+        cr_assert(memcmp(all + s * (pq + pw), q + s * pq, pq) == 0, "side %zu: quantized", s);
+        cr_assert(memcmp(all + s * (pq + pw) + pq, w + s * pw, pw) == 0, "side %zu: window", s);
+    }
+    free(all);
+    free(q);
+    free(w);
+}
