@@ -515,6 +515,18 @@ int kvr_store_model_register(kvr_store *s, const kvr_model_desc *d,
                                  "fingerprint (%016llx, new %016llx)", d->name,
                                  (unsigned long long)old->fingerprint,
                                  (unsigned long long)fp);
+        /* The default codec is not part of the fingerprint (it is storage,
+         * not the model), but asking for another one must not be silently
+         * ignored: a re-register that names a codec must name the same. */
+        if (d->codec && d->codec[0]) {
+            kvr_qspec q;
+            if ((rc = qspec_parse(d->codec, old, d->dtype, &q, err)) != 0)
+                return rc;
+            if (strcmp(q.name, old->codec.name) != 0)
+                return kvr_error_set(err, KVR_EEXIST,
+                                     "model '%s' is already registered with default codec "
+                                     "'%s', not '%s'", d->name, old->codec.name, q.name);
+        }
         if (out)
             model_fill_info(old, out);
         return 0;

@@ -682,3 +682,25 @@ Test(quant, window_v_zero_copy_in_a_mixed_get)
     free(q);
     free(w);
 }
+
+/* A model's default codec is not in its fingerprint, but re-registering the
+ * name with another codec is refused rather than silently ignored; the same
+ * codec (any spelling) or none at all is the idempotent re-register. */
+Test(quant, reregister_with_other_codec_refused)
+{
+    kvr_error e = { 0 };
+    kvr_model_desc d = { .name = "rereg", .n_layers = 2, .n_kv_heads = 2, .head_dim = 64,
+                         .dtype = KVR_DTYPE_F16, .codec = "k4v2" };
+    kvr_rope_config_init(&d.rope);
+    cr_assert_eq(kvr_store_model_register(S, &d, NULL, &e), 0, "%s", e.msg);
+    d.codec = "k=int4/g128/c,v=int2/g256,r=128";       /* the canonical spelling */
+    cr_assert_eq(kvr_store_model_register(S, &d, NULL, &e), 0, "%s", e.msg);
+    d.codec = NULL;
+    cr_assert_eq(kvr_store_model_register(S, &d, NULL, &e), 0, "%s", e.msg);
+    d.codec = "int8";
+    cr_assert_eq(kvr_store_model_register(S, &d, NULL, &e), KVR_EEXIST);
+    cr_assert(strstr(e.msg, "default codec") != NULL, "%s", e.msg);
+    kvr_model_info mi;
+    cr_assert_eq(kvr_store_model_find(S, "rereg", &mi), 0);
+    cr_assert_str_eq(mi.codec, "k=int4/g128/c,v=int2/g256,r=128");
+}
