@@ -143,4 +143,11 @@ int cli_put_layout_opts(const cli_args *a, kvr_put_args *p, kvr_put_opts *po,
 void cli_layout_stat_json(kvr_client *c, const char *ctx, struct cJSON *j);
 void cli_layout_stat_print(kvr_client *c, const char *ctx);
 
+
+/* Shared by the command files (cli_cmd.c defines them). */
+void cli_print_json(struct cJSON *j);         /* prints and frees j */
+int  cli_usage_err(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+int  cli_io_err(const cli_args *a, const char *msg);
+int  cli_parse_u64(const char *v, uint64_t *out);   /* 0, or -1 if not a u64 */
+
 #endif

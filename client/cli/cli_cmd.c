@@ -18,7 +18,7 @@
 
 /* ---- output helpers ----------------------------------------------------- */
 
-static void print_json(cJSON *j)
+void cli_print_json(struct cJSON *j)
 {
     char *s = cJSON_Print(j);
     if (s) {
@@ -29,8 +29,7 @@ static void print_json(cJSON *j)
     cJSON_Delete(j);
 }
 
-static int usage_err(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
-static int usage_err(const char *fmt, ...)
+int cli_usage_err(const char *fmt, ...)
 {
     va_list ap;
     va_start(ap, fmt);
@@ -41,7 +40,7 @@ static int usage_err(const char *fmt, ...)
     return CLI_USAGE;
 }
 
-static int io_err(const cli_args *a, const char *msg)
+int cli_io_err(const cli_args *a, const char *msg)
 {
     fprintf(stderr, "kvrope: %s\n", msg);
     if (a->json) {
@@ -49,7 +48,7 @@ static int io_err(const cli_args *a, const char *msg)
         cJSON *e = cJSON_AddObjectToObject(j, "error");
         cJSON_AddStringToObject(e, "name", "io");
         cJSON_AddStringToObject(e, "message", msg);
-        print_json(j);
+        cli_print_json(j);
     }
     return CLI_ERR;
 }
@@ -66,7 +65,7 @@ int cli_fail(const cli_args *a, kvr_client *c, int code, const char *what)
         cJSON_AddNumberToObject(e, "code", code);
         cJSON_AddStringToObject(e, "name", kvr_client_error_name(code));
         cJSON_AddStringToObject(e, "message", msg);
-        print_json(j);
+        cli_print_json(j);
     }
     if (code == KVR_ERR_NOCTX || code == KVR_ERR_NOMODEL)
         return CLI_NOTFOUND;
@@ -176,7 +175,7 @@ static int opt_i64(const cli_args *a, const char *name, int64_t *out, bool *pres
     return 0;
 }
 
-static int parse_u64_arg(const char *v, uint64_t *out)
+int cli_parse_u64(const char *v, uint64_t *out)
 {
     char *end;
     errno = 0;
@@ -294,7 +293,7 @@ static int cmd_ping(kvr_client *c, const cli_args *a)
         cJSON_AddStringToObject(j, "server", p.server);
         cJSON_AddNumberToObject(j, "protocol", p.protocol);
         cJSON_AddNumberToObject(j, "rtt_ms", ms);
-        print_json(j);
+        cli_print_json(j);
     } else {
         printf("%s, protocol %u, %.3f ms\n", p.server, p.protocol, ms);
     }
@@ -312,7 +311,7 @@ static int cmd_stats(kvr_client *c, const cli_args *a)
         cJSON *j = cJSON_CreateObject();
         for (size_t i = 0; i < n; i++)
             cJSON_AddNumberToObject(j, m[i].name, m[i].value);
-        print_json(j);
+        cli_print_json(j);
     } else {
         for (size_t i = 0; i < n; i++) {
             char hb[32] = "";
@@ -341,25 +340,25 @@ static int cmd_models(kvr_client *c, const cli_args *a)
     const char *sub = a->npos > 0 ? a->pos[0] : "list";
     if (strcmp(sub, "add") == 0) {
         if (a->npos != 2)
-            return usage_err("usage: kvrope models add NAME --config config.json");
+            return cli_usage_err("usage: kvrope models add NAME --config config.json");
         kvr_dtype dt = KVR_DTYPE_F16;
         bool has_dt;
         if (opt_dtype(a, &dt, &has_dt) < 0)
-            return usage_err("--dtype: want f32, f16 or bf16");
+            return cli_usage_err("--dtype: want f32, f16 or bf16");
         const char *cfg = cli_opt(a, "config"), *style = cli_opt(a, "style");
         if (style && strcmp(style, "neox") && strcmp(style, "gptj"))
-            return usage_err("--style: want neox or gptj");
+            return cli_usage_err("--style: want neox or gptj");
         uint64_t L = 0, H = 0, D = 0;
         double theta = 10000.0;
         const char *th = cli_opt(a, "theta");
         if (opt_u64(a, "layers", &L, NULL) < 0 || opt_u64(a, "heads", &H, NULL) < 0 ||
             opt_u64(a, "head-dim", &D, NULL) < 0 || L > UINT32_MAX || H > UINT32_MAX ||
             D > UINT32_MAX)
-            return usage_err("--layers/--heads/--head-dim: want positive integers");
+            return cli_usage_err("--layers/--heads/--head-dim: want positive integers");
         if (th && (theta = strtod(th, NULL)) <= 0)
-            return usage_err("--theta: want a positive number");
+            return cli_usage_err("--theta: want a positive number");
         if (!cfg && !(L && H && D))
-            return usage_err("models add: give --config FILE, or --layers, --heads and "
+            return cli_usage_err("models add: give --config FILE, or --layers, --heads and "
                              "--head-dim");
         kvr_model m;
         kvr_model_ex mx;
@@ -374,14 +373,14 @@ static int cmd_models(kvr_client *c, const cli_args *a)
             rc.style = style && !strcmp(style, "gptj") ? KVR_ROPE_GPTJ : KVR_ROPE_NEOX;
             uint64_t rot = 0;
             if (opt_u64(a, "rotary-dim", &rot, NULL) < 0)
-                return usage_err("--rotary-dim: want an integer");
+                return cli_usage_err("--rotary-dim: want an integer");
             rc.rotary_dim = (int32_t)rot;
             char *json = NULL;
             if (cfg) {
                 cli_mapped mf;
                 char err[256];
                 if (cli_map_file(cfg, &mf, err, sizeof err) < 0)
-                    return io_err(a, err);
+                    return cli_io_err(a, err);
                 json = malloc(mf.len + 1);
                 if (json) {
                     memcpy(json, mf.base, mf.len);
@@ -394,7 +393,7 @@ static int cmd_models(kvr_client *c, const cli_args *a)
                                    .head_dim = (uint32_t)D, .dtype = dt,
                                    .rope = json ? NULL : &rc };
             if (cfg && !json)
-                return io_err(a, "out of memory");
+                return cli_io_err(a, "out of memory");
             r = kvr_client_model_register_ex(c, &p, codec, &m, &mx);
             free(json);
         }
@@ -404,13 +403,13 @@ static int cmd_models(kvr_client *c, const cli_args *a)
         if (cfg && !L && !H && !D && !codec)
             snprintf(mx.codec, sizeof mx.codec, "%s", kvr_dtype_name(m.dtype));
         if (a->json)
-            print_json(model_json(&m, &mx));
+            cli_print_json(model_json(&m, &mx));
         else
             print_model(&m, &mx);
         return CLI_OK;
     }
     if (strcmp(sub, "list") && strcmp(sub, "ls"))
-        return usage_err("models: unknown subcommand '%s' (list, add)", sub);
+        return cli_usage_err("models: unknown subcommand '%s' (list, add)", sub);
     kvr_model *ms;
     kvr_model_ex *mx;
     size_t n;
@@ -421,7 +420,7 @@ static int cmd_models(kvr_client *c, const cli_args *a)
         cJSON *arr = cJSON_CreateArray();
         for (size_t i = 0; i < n; i++)
             cJSON_AddItemToArray(arr, model_json(&ms[i], &mx[i]));
-        print_json(arr);
+        cli_print_json(arr);
     } else {
         if (n == 0)
             printf("(no models)\n");
@@ -453,7 +452,7 @@ static int cmd_ls(kvr_client *c, const cli_args *a)
         cJSON *arr = cJSON_CreateArray();
         for (size_t i = 0; i < n; i++)
             cJSON_AddItemToArray(arr, ctx_json(&xs[i]));
-        print_json(arr);
+        cli_print_json(arr);
     } else {
         printf("%-24s %-16s %8s %18s %10s\n", "ID", "MODEL", "TOKENS", "POSITIONS", "BYTES");
         for (size_t i = 0; i < n; i++)
@@ -466,7 +465,7 @@ static int cmd_ls(kvr_client *c, const cli_args *a)
 static int cmd_stat(kvr_client *c, const cli_args *a)
 {
     if (a->npos != 1)
-        return usage_err("usage: kvrope stat CONTEXT");
+        return cli_usage_err("usage: kvrope stat CONTEXT");
     kvr_context x;
     kvr_context_codec cc;
     int r = kvr_client_stat_codec(c, a->pos[0], &x, NULL, &cc);
@@ -483,7 +482,7 @@ static int cmd_stat(kvr_client *c, const cli_args *a)
         cJSON_AddNumberToObject(j, "rel_rms_k", cc.rel_rms_k);
         cJSON_AddNumberToObject(j, "rel_rms_v", cc.rel_rms_v);
         cli_layout_stat_json(c, a->pos[0], j);
-        print_json(j);
+        cli_print_json(j);
     } else {
         char b[32];
         human_bytes(b, sizeof b, (double)x.bytes);
@@ -513,11 +512,11 @@ static int load_tokens(const cli_args *a, uint32_t **tok, long *n, bool required
     *tok = NULL;
     *n = -1;
     if (tl && tf)
-        return usage_err("give --tokens or --tokens-file, not both");
+        return cli_usage_err("give --tokens or --tokens-file, not both");
     if (tl) {
         *n = cli_parse_u32_list(tl, tok);
         if (*n < 0)
-            return usage_err("--tokens: want comma-separated unsigned integers");
+            return cli_usage_err("--tokens: want comma-separated unsigned integers");
     } else if (tf) {
         char err[300];
         *n = cli_read_tokens_file(tf, tok, err, sizeof err);
@@ -526,7 +525,7 @@ static int load_tokens(const cli_args *a, uint32_t **tok, long *n, bool required
             return CLI_ERR;
         }
     } else if (required) {
-        return usage_err("--tokens or --tokens-file is required");
+        return cli_usage_err("--tokens or --tokens-file is required");
     }
     return CLI_OK;
 }
@@ -534,7 +533,7 @@ static int load_tokens(const cli_args *a, uint32_t **tok, long *n, bool required
 static int cmd_put(kvr_client *c, const cli_args *a)
 {
     if (a->npos != 2)
-        return usage_err("usage: kvrope put CONTEXT FILE --model M [options]");
+        return cli_usage_err("usage: kvrope put CONTEXT FILE --model M [options]");
     const char *ctx = a->pos[0], *file = a->pos[1];
     bool st_file = cli_has_suffix(file, ".safetensors");
     kvr_put_args p = { .ctx_id = ctx, .model = cli_opt(a, "model") };
@@ -543,13 +542,13 @@ static int cmd_put(kvr_client *c, const cli_args *a)
         if (!strcmp(mode, "create")) p.mode = KVR_WRITE_CREATE;
         else if (!strcmp(mode, "append")) p.mode = KVR_WRITE_APPEND;
         else if (!strcmp(mode, "upsert")) p.mode = KVR_WRITE_UPSERT;
-        else return usage_err("--mode: want create, append or upsert");
+        else return cli_usage_err("--mode: want create, append or upsert");
     }
     p.pin = cli_flag(a, "pin");
     kvr_put_opts po = { 0 };
     bool has_protect;
     if (opt_u64(a, "protect", &po.protect_first, &has_protect) < 0)
-        return usage_err("--protect: want a token count");
+        return cli_usage_err("--protect: want a token count");
     po.has_protect = has_protect;
     po.codec = cli_opt(a, "codec");   /* create: storage codec (docs/quantized.md) */
     const char *fp = cli_opt(a, "fingerprint");
@@ -557,24 +556,24 @@ static int cmd_put(kvr_client *c, const cli_args *a)
         char *end;
         p.fingerprint = strtoull(fp, &end, 16);
         if (*end || end == fp)
-            return usage_err("--fingerprint: want hex digits");
+            return cli_usage_err("--fingerprint: want hex digits");
     }
     bool has_dt;
     kvr_dtype dt = KVR_DTYPE_F16;
     if (opt_dtype(a, &dt, &has_dt) < 0)
-        return usage_err("--dtype: want f32, f16 or bf16");
+        return cli_usage_err("--dtype: want f32, f16 or bf16");
     uint64_t L = 0, H = 0, D = 0;
     if (opt_u64(a, "layers", &L, NULL) < 0 || opt_u64(a, "heads", &H, NULL) < 0 ||
         opt_u64(a, "head-dim", &D, NULL) < 0 || L > UINT32_MAX || H > UINT32_MAX ||
         D > UINT32_MAX)
-        return usage_err("--layers/--heads/--head-dim: want integers");
+        return cli_usage_err("--layers/--heads/--head-dim: want integers");
     if (opt_i64(a, "pos-start", &p.pos_start, &p.has_pos_start) < 0)
-        return usage_err("--pos-start: want an integer");
+        return cli_usage_err("--pos-start: want an integer");
     int64_t *positions = NULL;
     const char *pl = cli_opt(a, "positions");
     long npos = pl ? cli_parse_i64_list(pl, &positions) : -1;
     if (pl && npos < 0)
-        return usage_err("--positions: want comma-separated integers");
+        return cli_usage_err("--positions: want comma-separated integers");
     uint32_t *tokens = NULL;
     long ntok;
     int rc = load_tokens(a, &tokens, &ntok, !st_file);
@@ -591,14 +590,14 @@ static int cmd_put(kvr_client *c, const cli_args *a)
     rc = CLI_OK;
     if (st_file) {
         if (cli_st_read(file, &st, err, sizeof err) < 0) {
-            rc = io_err(a, err);
+            rc = cli_io_err(a, err);
             goto out;
         }
         if (!p.model && st.model[0])
             p.model = st.model;
         if (ntok < 0) {
             if (!st.tokens) {
-                rc = usage_err("%s has no 'tokens' tensor: give --tokens", file);
+                rc = cli_usage_err("%s has no 'tokens' tensor: give --tokens", file);
                 goto out;
             }
             ntok = (long)st.n_tokens;
@@ -606,7 +605,7 @@ static int cmd_put(kvr_client *c, const cli_args *a)
             st.tokens = NULL;
         }
         if ((size_t)ntok != st.n_tokens) {
-            rc = usage_err("token count does not match the tensors in %s", file);
+            rc = cli_usage_err("token count does not match the tensors in %s", file);
             goto out;
         }
         if (!positions && !p.has_pos_start && st.positions) {
@@ -615,7 +614,7 @@ static int cmd_put(kvr_client *c, const cli_args *a)
             st.positions = NULL;
         }
         if (has_dt && dt != st.dtype) {
-            rc = usage_err("--dtype differs from the tensors' dtype in %s", file);
+            rc = cli_usage_err("--dtype differs from the tensors' dtype in %s", file);
             goto out;
         }
         p.dtype = st.dtype;
@@ -624,7 +623,7 @@ static int cmd_put(kvr_client *c, const cli_args *a)
         p.head_dim = st.head_dim;
         iov = malloc((2 * (size_t)st.n_layers + 1) * sizeof *iov);
         if (!iov) {
-            rc = io_err(a, "out of memory");
+            rc = cli_io_err(a, "out of memory");
             goto out;
         }
         size_t slab = kvr_payload_size(1, st.n_tokens, st.n_heads, st.head_dim, st.dtype) / 2;
@@ -636,11 +635,11 @@ static int cmd_put(kvr_client *c, const cli_args *a)
         p.iovcnt = 2 * (size_t)st.n_layers;
     } else {
         if (cli_map_file(file, &raw, err, sizeof err) < 0) {
-            rc = io_err(a, err);
+            rc = cli_io_err(a, err);
             goto out;
         }
         if (!p.model) {
-            rc = usage_err("put: --model is required");
+            rc = cli_usage_err("put: --model is required");
             goto out;
         }
         if (!(L && H && D) || !has_dt) {   /* the rest of the shape from the model */
@@ -665,16 +664,16 @@ static int cmd_put(kvr_client *c, const cli_args *a)
             snprintf(err, sizeof err, "%s: %zu bytes, but %ld tokens x %u layers x %u heads x "
                      "%u dims x K,V in %s need %zu", file, raw.len, ntok, p.n_layers,
                      p.n_kv_heads, p.head_dim, kvr_dtype_name(dt), want);
-            rc = io_err(a, err);
+            rc = cli_io_err(a, err);
             goto out;
         }
     }
     if (!p.model) {
-        rc = usage_err("put: --model is required");
+        rc = cli_usage_err("put: --model is required");
         goto out;
     }
     if (positions && npos != ntok) {
-        rc = usage_err("--positions: need one per token");
+        rc = cli_usage_err("--positions: need one per token");
         goto out;
     }
     p.tokens = tokens;
@@ -702,7 +701,7 @@ static int cmd_put(kvr_client *c, const cli_args *a)
         cJSON_AddNumberToObject(j, "last_pos", (double)res.last_pos);
         if (has_protect)
             cJSON_AddNumberToObject(j, "protected", (double)po.protect_first);
-        print_json(j);
+        cli_print_json(j);
     } else if (!a->quiet) {
         printf("%s: put %ld tokens at positions %" PRId64 "..%" PRId64 ", length now %" PRIu64
                "\n", ctx, ntok, res.first_pos, res.last_pos, res.n_tokens);
@@ -729,7 +728,7 @@ static int write_kv(const cli_args *a, const kvr_kv *kv, const char *out)
             w = cli_write_iov(out, &iov, 1, err, sizeof err);
         }
         if (w < 0)
-            return io_err(a, err);
+            return cli_io_err(a, err);
     }
     return CLI_OK;
 }
@@ -737,28 +736,28 @@ static int write_kv(const cli_args *a, const kvr_kv *kv, const char *out)
 static int cmd_get(kvr_client *c, const cli_args *a)
 {
     if (a->npos != 1)
-        return usage_err("usage: kvrope get CONTEXT -o FILE [options]");
+        return cli_usage_err("usage: kvrope get CONTEXT -o FILE [options]");
     const char *out = cli_opt(a, "output");
     bool meta = cli_flag(a, "meta");
     if (!out && !meta)
-        return usage_err("get: give -o FILE (.safetensors or raw), or --meta");
+        return cli_usage_err("get: give -o FILE (.safetensors or raw), or --meta");
     bool to_stdout = out && !strcmp(out, "-");
     if (to_stdout && a->json)
-        return usage_err("get: --json and -o - both want stdout");
+        return cli_usage_err("get: --json and -o - both want stdout");
     kvr_get_opts go = { .raw = cli_flag(a, "raw") };
     if (go.raw && (cli_opt(a, "positions") || cli_opt(a, "pos-start") || cli_opt(a, "dtype")))
-        return usage_err("get --raw: the stored bytes, keys pre-RoPE: no --dtype/--positions");
+        return cli_usage_err("get --raw: the stored bytes, keys pre-RoPE: no --dtype/--positions");
     if (go.raw && out && cli_has_suffix(out, ".safetensors"))
-        return usage_err("get --raw: write a raw file (.safetensors holds float tensors)");
+        return cli_usage_err("get --raw: write a raw file (.safetensors holds float tensors)");
     kvr_get_args g = { .ctx_id = a->pos[0], .meta_only = meta };
     bool has_dt;
     if (opt_dtype(a, &g.dtype, &has_dt) < 0)
-        return usage_err("--dtype: want f32, f16 or bf16");
+        return cli_usage_err("--dtype: want f32, f16 or bf16");
     bool has_end;
     if (opt_u64(a, "start", &g.start, NULL) < 0 || opt_u64(a, "end", &g.end, &has_end) < 0)
-        return usage_err("--start/--end: want token indexes");
+        return cli_usage_err("--start/--end: want token indexes");
     if (has_end && g.end <= g.start)
-        return usage_err("--end must be greater than --start");
+        return cli_usage_err("--end must be greater than --start");
     int r;
     if (!has_dt && !go.raw) {   /* default: the model's native dtype */
         kvr_context x;
@@ -776,13 +775,13 @@ static int cmd_get(kvr_client *c, const cli_args *a)
     bool has_ps;
     int64_t pstart = 0;
     if (opt_i64(a, "pos-start", &pstart, &has_ps) < 0)
-        return usage_err("--pos-start: want an integer");
+        return cli_usage_err("--pos-start: want an integer");
     if (ps && has_ps)
-        return usage_err("give --positions or --pos-start, not both");
+        return cli_usage_err("give --positions or --pos-start, not both");
     if (ps) {
         long n = cli_parse_i64_list(ps, &pos);
         if (n < 0)
-            return usage_err("--positions: want comma-separated integers");
+            return cli_usage_err("--positions: want comma-separated integers");
         g.positions = pos;
         g.n_positions = (size_t)n;
     } else if (has_ps) {   /* contiguous target positions: need the range length */
@@ -794,7 +793,7 @@ static int cmd_get(kvr_client *c, const cli_args *a)
         size_t n = end > g.start ? (size_t)(end - g.start) : 0;
         pos = malloc((n ? n : 1) * sizeof *pos);
         if (!pos)
-            return io_err(a, "out of memory");
+            return cli_io_err(a, "out of memory");
         for (size_t i = 0; i < n; i++)
             pos[i] = pstart + (int64_t)i;
         g.positions = pos;
@@ -804,7 +803,7 @@ static int cmd_get(kvr_client *c, const cli_args *a)
         long n = cli_parse_u32_list(ls, &layers);
         if (n < 0) {
             free(pos);
-            return usage_err("--layers: want comma-separated layer indexes");
+            return cli_usage_err("--layers: want comma-separated layer indexes");
         }
         g.layers = layers;
         g.n_layers = (size_t)n;
@@ -836,7 +835,7 @@ static int cmd_get(kvr_client *c, const cli_args *a)
                 cJSON_AddNumberToObject(o, "k_unit_bytes", (double)rl.k_unit_bytes);
                 cJSON_AddNumberToObject(o, "v_unit_bytes", (double)rl.v_unit_bytes);
             }
-            print_json(j);
+            cli_print_json(j);
         } else if (rl.raw && !a->quiet) {
             FILE *o = to_stdout ? stderr : stdout;
             fprintf(o, "%s: %" PRIu64 " tokens [%" PRIu64 ", %" PRIu64 ") raw %s: per layer K "
@@ -867,7 +866,7 @@ static int cmd_match(kvr_client *c, const cli_args *a)
 {
     const char *model = cli_opt(a, "model"), *out = cli_opt(a, "output");
     if (!model || a->npos != 0)
-        return usage_err("usage: kvrope match --model M (--tokens 1,2,3 | --tokens-file F) "
+        return cli_usage_err("usage: kvrope match --model M (--tokens 1,2,3 | --tokens-file F) "
                          "[--get -o FILE]");
     uint32_t *tok;
     long n;
@@ -880,7 +879,7 @@ static int cmd_match(kvr_client *c, const cli_args *a)
     bool has_dt;
     if (opt_dtype(a, &m.dtype, &has_dt) < 0) {
         free(tok);
-        return usage_err("--dtype: want f32, f16 or bf16");
+        return cli_usage_err("--dtype: want f32, f16 or bf16");
     }
     if (m.get && !has_dt) {
         kvr_model mi;
@@ -893,7 +892,7 @@ static int cmd_match(kvr_client *c, const cli_args *a)
     }
     if (m.get && !out) {
         free(tok);
-        return usage_err("match --get needs -o FILE");
+        return cli_usage_err("match --get needs -o FILE");
     }
     kvr_match_res res;
     cli_progress_begin(c, "match");
@@ -913,7 +912,7 @@ static int cmd_match(kvr_client *c, const cli_args *a)
             cJSON_AddStringToObject(j, "context_id", res.ctx_id);
             if (res.has_kv)
                 cJSON_AddItemToObject(j, "kv", kv_json(&res.kv, out));
-            print_json(j);
+            cli_print_json(j);
         } else if (!a->quiet) {
             if (res.length)
                 printf("%" PRIu64 " of %ld tokens cached in %s%s%s\n", res.length, n, res.ctx_id,
@@ -935,7 +934,7 @@ static int simple_done(const cli_args *a, const char *what, const char *id)
         cJSON_AddBoolToObject(j, "ok", 1);
         cJSON_AddStringToObject(j, "op", what);
         cJSON_AddStringToObject(j, "context_id", id);
-        print_json(j);
+        cli_print_json(j);
     } else if (!a->quiet) {
         printf("%s: %s\n", id, what);
     }
@@ -945,7 +944,7 @@ static int simple_done(const cli_args *a, const char *what, const char *id)
 static int cmd_rm(kvr_client *c, const cli_args *a)
 {
     if (a->npos < 1)
-        return usage_err("usage: kvrope rm CONTEXT...");
+        return cli_usage_err("usage: kvrope rm CONTEXT...");
     int rc = CLI_OK;
     for (int i = 0; i < a->npos; i++) {
         int r = kvr_client_delete(c, a->pos[i]);
@@ -958,7 +957,7 @@ static int cmd_rm(kvr_client *c, const cli_args *a)
         cJSON *j = cJSON_CreateObject();
         cJSON_AddBoolToObject(j, "ok", 1);
         cJSON_AddNumberToObject(j, "deleted", a->npos);
-        print_json(j);
+        cli_print_json(j);
     }
     return rc;
 }
@@ -966,7 +965,7 @@ static int cmd_rm(kvr_client *c, const cli_args *a)
 static int cmd_pin(kvr_client *c, const cli_args *a, bool pin)
 {
     if (a->npos != 1)
-        return usage_err(pin ? "usage: kvrope pin CONTEXT" : "usage: kvrope unpin CONTEXT");
+        return cli_usage_err(pin ? "usage: kvrope pin CONTEXT" : "usage: kvrope unpin CONTEXT");
     int r = kvr_client_pin(c, a->pos[0], pin);
     if (r < 0)
         return cli_fail(a, c, r, pin ? "pin" : "unpin");
@@ -976,7 +975,7 @@ static int cmd_pin(kvr_client *c, const cli_args *a, bool pin)
 static int cmd_fork(kvr_client *c, const cli_args *a)
 {
     if (a->npos != 2)
-        return usage_err("usage: kvrope fork SRC DST");
+        return cli_usage_err("usage: kvrope fork SRC DST");
     int r = kvr_client_fork(c, a->pos[0], a->pos[1]);
     if (r < 0)
         return cli_fail(a, c, r, "fork");
@@ -985,7 +984,7 @@ static int cmd_fork(kvr_client *c, const cli_args *a)
         cJSON_AddBoolToObject(j, "ok", 1);
         cJSON_AddStringToObject(j, "src", a->pos[0]);
         cJSON_AddStringToObject(j, "dst", a->pos[1]);
-        print_json(j);
+        cli_print_json(j);
     } else if (!a->quiet) {
         printf("%s -> %s: forked (copy-on-write)\n", a->pos[0], a->pos[1]);
     }
@@ -997,10 +996,10 @@ static int cmd_shift_keep(kvr_client *c, const cli_args *a, bool shift)
     uint64_t start, end;
     int64_t delta = 0;
     char *e = NULL;
-    if (a->npos != (shift ? 4 : 3) || parse_u64_arg(a->pos[1], &start) < 0 ||
-        parse_u64_arg(a->pos[2], &end) < 0 ||
+    if (a->npos != (shift ? 4 : 3) || cli_parse_u64(a->pos[1], &start) < 0 ||
+        cli_parse_u64(a->pos[2], &end) < 0 ||
         (shift && (errno = 0, delta = strtoll(a->pos[3], &e, 0), errno || *e || e == a->pos[3])))
-        return usage_err(shift ? "usage: kvrope shift CONTEXT START END DELTA"
+        return cli_usage_err(shift ? "usage: kvrope shift CONTEXT START END DELTA"
                                : "usage: kvrope keep CONTEXT START END");
     int r = shift ? kvr_client_shift(c, a->pos[0], start, end, delta)
                   : kvr_client_keep(c, a->pos[0], start, end);
@@ -1042,24 +1041,24 @@ static int kv_src_load(kvr_client *c, const cli_args *a, const char *ctx, const 
     bool has_dt;
     kvr_dtype dt = KVR_DTYPE_F16;
     if (opt_dtype(a, &dt, &has_dt) < 0)
-        return usage_err("--dtype: want f32, f16 or bf16");
+        return cli_usage_err("--dtype: want f32, f16 or bf16");
     if (cli_has_suffix(file, ".safetensors")) {
         if (cli_st_read(file, &k->st, err, sizeof err) < 0)
-            return io_err(a, err);
+            return cli_io_err(a, err);
         if (k->st.n_tokens != n) {
             snprintf(err, sizeof err, "%s holds %zu tokens, the request needs %zu", file,
                      k->st.n_tokens, n);
-            return io_err(a, err);
+            return cli_io_err(a, err);
         }
         if (has_dt && dt != k->st.dtype)
-            return usage_err("--dtype differs from the tensors' dtype in %s", file);
+            return cli_usage_err("--dtype differs from the tensors' dtype in %s", file);
         k->dtype = k->st.dtype;
         k->n_layers = k->st.n_layers;
         k->n_heads = k->st.n_heads;
         k->head_dim = k->st.head_dim;
         k->iov = malloc((2 * (size_t)k->n_layers + 1) * sizeof *k->iov);
         if (!k->iov)
-            return io_err(a, "out of memory");
+            return cli_io_err(a, "out of memory");
         size_t slab = kvr_payload_size(1, n, k->n_heads, k->head_dim, k->dtype) / 2;
         for (uint32_t l = 0; l < k->n_layers; l++) {
             k->iov[2 * l] = (struct iovec){ (void *)(uintptr_t)(k->st.k + l * slab), slab };
@@ -1069,7 +1068,7 @@ static int kv_src_load(kvr_client *c, const cli_args *a, const char *ctx, const 
         return CLI_OK;
     }
     if (cli_map_file(file, &k->raw, err, sizeof err) < 0)
-        return io_err(a, err);
+        return cli_io_err(a, err);
     kvr_context x;
     kvr_model m;
     int r = kvr_client_stat(c, ctx, &x);
@@ -1088,7 +1087,7 @@ static int kv_src_load(kvr_client *c, const cli_args *a, const char *ctx, const 
         snprintf(err, sizeof err, "%s: %zu bytes, but %zu tokens x %u layers x %u heads x "
                  "%u dims x K,V in %s need %zu", file, k->raw.len, n, k->n_layers,
                  k->n_heads, k->head_dim, kvr_dtype_name(k->dtype), want);
-        return io_err(a, err);
+        return cli_io_err(a, err);
     }
     return CLI_OK;
 }
@@ -1104,12 +1103,12 @@ static int load_ops(const cli_args *a, const char *path, kvr_edit_range **out, s
     *tokbuf = NULL;
     *n = *n_new = 0;
     if (cli_map_file(path, &m, err, sizeof err) < 0)
-        return io_err(a, err);
+        return cli_io_err(a, err);
     cJSON *j = cJSON_ParseWithLength(m.base ? m.base : "", m.len);
     cli_unmap(&m);
     if (!j || !cJSON_IsArray(j) || cJSON_GetArraySize(j) == 0) {
         cJSON_Delete(j);
-        return usage_err("%s: want a non-empty JSON array of {\"start\", \"end\", \"tokens\"}",
+        return cli_usage_err("%s: want a non-empty JSON array of {\"start\", \"end\", \"tokens\"}",
                          path);
     }
     size_t k = (size_t)cJSON_GetArraySize(j), total = 0;
@@ -1118,7 +1117,7 @@ static int load_ops(const cli_args *a, const char *path, kvr_edit_range **out, s
         const cJSON *t = cJSON_GetObjectItemCaseSensitive(it, "tokens");
         if (t && !cJSON_IsArray(t)) {
             cJSON_Delete(j);
-            return usage_err("%s: \"tokens\" must be an array of token ids", path);
+            return cli_usage_err("%s: \"tokens\" must be an array of token ids", path);
         }
         total += t ? (size_t)cJSON_GetArraySize(t) : 0;
     }
@@ -1128,7 +1127,7 @@ static int load_ops(const cli_args *a, const char *path, kvr_edit_range **out, s
         free(ops);
         free(tb);
         cJSON_Delete(j);
-        return io_err(a, "out of memory");
+        return cli_io_err(a, "out of memory");
     }
     size_t i = 0, off = 0;
     cJSON_ArrayForEach(it, j) {
@@ -1140,7 +1139,7 @@ static int load_ops(const cli_args *a, const char *path, kvr_edit_range **out, s
             free(ops);
             free(tb);
             cJSON_Delete(j);
-            return usage_err("%s: op %zu needs \"start\" (and optionally \"end\") as "
+            return cli_usage_err("%s: op %zu needs \"start\" (and optionally \"end\") as "
                              "non-negative integers", path, i);
         }
         ops[i].start = (uint64_t)s->valuedouble;
@@ -1152,7 +1151,7 @@ static int load_ops(const cli_args *a, const char *path, kvr_edit_range **out, s
                 free(ops);
                 free(tb);
                 cJSON_Delete(j);
-                return usage_err("%s: op %zu: token ids are unsigned 32-bit integers", path, i);
+                return cli_usage_err("%s: op %zu: token ids are unsigned 32-bit integers", path, i);
             }
             tb[off++] = (uint32_t)x->valuedouble;
             ops[i].n_tokens++;
@@ -1189,7 +1188,7 @@ static void print_edit(const cli_args *a, const char *ctx, const char *what,
             cJSON_AddNumberToObject(o, "shift", (double)r->spans[i].shift);
             cJSON_AddItemToArray(sp, o);
         }
-        print_json(j);
+        cli_print_json(j);
         return;
     }
     if (a->quiet)
@@ -1209,10 +1208,10 @@ static int cmd_edit(kvr_client *c, const cli_args *a)
     const char *ops_path = cli_opt(a, "ops"), *kvf = cli_opt(a, "kv");
     bool plan = cli_flag(a, "plan");
     if (a->npos != 1 || !ops_path)
-        return usage_err("usage: kvrope edit CONTEXT --ops ops.json [--kv FILE [--dtype D]] "
+        return cli_usage_err("usage: kvrope edit CONTEXT --ops ops.json [--kv FILE [--dtype D]] "
                          "[--plan]");
     if (plan && kvf)
-        return usage_err("edit: --plan sends no KV (drop --kv)");
+        return cli_usage_err("edit: --plan sends no KV (drop --kv)");
     const char *ctx = a->pos[0];
     kvr_edit_range *ops;
     size_t n_ops, n_new;
@@ -1263,9 +1262,9 @@ out:
 static int cmd_refresh(kvr_client *c, const cli_args *a)
 {
     uint64_t start, end;
-    if (a->npos != 4 || parse_u64_arg(a->pos[1], &start) < 0 ||
-        parse_u64_arg(a->pos[2], &end) < 0 || end <= start)
-        return usage_err("usage: kvrope refresh CONTEXT START END FILE (END > START)");
+    if (a->npos != 4 || cli_parse_u64(a->pos[1], &start) < 0 ||
+        cli_parse_u64(a->pos[2], &end) < 0 || end <= start)
+        return cli_usage_err("usage: kvrope refresh CONTEXT START END FILE (END > START)");
     const char *ctx = a->pos[0];
     kv_src k;
     int rc = kv_src_load(c, a, ctx, a->pos[3], (size_t)(end - start), &k);
@@ -1335,5 +1334,5 @@ int cli_run(kvr_client *c, const cli_args *a)
     if (!strcmp(k, "keep"))   return cmd_shift_keep(c, a, false);
     if (!strcmp(k, "edit"))   return cmd_edit(c, a);
     if (!strcmp(k, "refresh")) return cmd_refresh(c, a);
-    return usage_err("unknown command '%s'", k);
+    return cli_usage_err("unknown command '%s'", k);
 }

@@ -82,53 +82,6 @@ const char cli_layout_help_file[] =
 
 /* ---- output helpers (as cli_cmd.c's) ------------------------------------ */
 
-static void print_json(cJSON *j)
-{
-    char *s = cJSON_Print(j);
-    if (s) {
-        fputs(s, stdout);
-        fputc('\n', stdout);
-        free(s);
-    }
-    cJSON_Delete(j);
-}
-
-static int usage_err(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
-static int usage_err(const char *fmt, ...)
-{
-    va_list ap;
-    va_start(ap, fmt);
-    fprintf(stderr, "kvrope: ");
-    vfprintf(stderr, fmt, ap);
-    fprintf(stderr, "\n(see kvrope --help)\n");
-    va_end(ap);
-    return CLI_USAGE;
-}
-
-static int io_err(const cli_args *a, const char *msg)
-{
-    fprintf(stderr, "kvrope: %s\n", msg);
-    if (a->json) {
-        cJSON *j = cJSON_CreateObject();
-        cJSON *e = cJSON_AddObjectToObject(j, "error");
-        cJSON_AddStringToObject(e, "name", "io");
-        cJSON_AddStringToObject(e, "message", msg);
-        print_json(j);
-    }
-    return CLI_ERR;
-}
-
-static int parse_u64(const char *v, uint64_t *out)
-{
-    char *end;
-    errno = 0;
-    unsigned long long x = strtoull(v, &end, 0);
-    if (errno || end == v || *end || v[0] == '-')
-        return -1;
-    *out = x;
-    return 0;
-}
-
 static int parse_i64(const char *v, int64_t *out)
 {
     char *end;
@@ -257,7 +210,7 @@ static int layout_done(const cli_args *a, const char *ctx, const char *what,
         cJSON_AddStringToObject(j, "op", what);
         cJSON_AddStringToObject(j, "context_id", ctx);
         cJSON_AddItemToObject(j, "layout", layout_json(l));
-        print_json(j);
+        cli_print_json(j);
     } else if (!a->quiet) {
         printf("%s: %s\n", ctx, what);
         layout_print(l, true);
@@ -277,13 +230,13 @@ static long parse_groups(const char *s, cli_put_layout *lay, bool *any_offset)
         const char *end = strchr(p, ',');
         size_t len = end ? (size_t)(end - p) : strlen(p);
         if (n == KVR_LAYOUT_MAX_GROUPS) {
-            usage_err("--groups: at most %d groups", KVR_LAYOUT_MAX_GROUPS);
+            cli_usage_err("--groups: at most %d groups", KVR_LAYOUT_MAX_GROUPS);
             return -1;
         }
         const char *colon = memchr(p, ':', len);
         size_t nl = colon ? (size_t)(colon - p) : len;
         if (nl == 0 || nl >= sizeof lay->name_buf[0]) {
-            usage_err("--groups: group names are 1..%zu bytes (NAME or NAME:PHI, "
+            cli_usage_err("--groups: group names are 1..%zu bytes (NAME or NAME:PHI, "
                       "comma-separated)", sizeof lay->name_buf[0] - 1);
             return -1;
         }
@@ -295,13 +248,13 @@ static long parse_groups(const char *s, cli_put_layout *lay, bool *any_offset)
             char num[32];
             size_t ml = len - nl - 1;
             if (ml == 0 || ml >= sizeof num) {
-                usage_err("--groups: want NAME:PHI with an integer PHI");
+                cli_usage_err("--groups: want NAME:PHI with an integer PHI");
                 return -1;
             }
             memcpy(num, colon + 1, ml);
             num[ml] = 0;
             if (parse_i64(num, &lay->offsets[n]) < 0) {
-                usage_err("--groups: '%s' is not an integer offset", num);
+                cli_usage_err("--groups: '%s' is not an integer offset", num);
                 return -1;
             }
             *any_offset = true;
@@ -322,17 +275,17 @@ int cli_put_layout_opts(const cli_args *a, kvr_put_args *p, kvr_put_opts *po,
     lay->group = cli_opt(a, "group");
     if (prefix) {
         if (!*prefix)
-            return usage_err("--prefix-ctx: want a context id");
+            return cli_usage_err("--prefix-ctx: want a context id");
         po->prefix_ctx = prefix;
     }
     if (groups && !lay->group)
-        return usage_err("--groups creates a grouped context: name the group these tokens "
+        return cli_usage_err("--groups creates a grouped context: name the group these tokens "
                          "join with --group NAME");
     if (lay->group) {
         if (!*lay->group)
-            return usage_err("--group: want a group name");
+            return cli_usage_err("--group: want a group name");
         if (cli_opt(a, "positions") || cli_opt(a, "pos-start"))
-            return usage_err("--group: the group gives the positions (drop --positions / "
+            return cli_usage_err("--group: the group gives the positions (drop --positions / "
                              "--pos-start)");
         p->positions = NULL;   /* e.g. from the file: the group decides */
         p->has_pos_start = false;
@@ -356,11 +309,11 @@ static int cmd_group(kvr_client *c, const cli_args *a)
     const char *sub = a->npos > 0 ? a->pos[0] : "";
     if (!strcmp(sub, "append")) {
         if (a->npos != 4)
-            return usage_err("usage: kvrope group append CONTEXT GROUP FILE [put options]");
+            return cli_usage_err("usage: kvrope group append CONTEXT GROUP FILE [put options]");
         if (cli_opt(a, "group"))
-            return usage_err("group append: the group is the GROUP argument (drop --group)");
+            return cli_usage_err("group append: the group is the GROUP argument (drop --group)");
         if (a->nopt == CLI_MAX_OPTS)
-            return usage_err("too many options");
+            return cli_usage_err("too many options");
         /* It is a put with --group: same files, options and output. */
         cli_args p = *a;
         p.cmd = "put";
@@ -374,7 +327,7 @@ static int cmd_group(kvr_client *c, const cli_args *a)
     if (!strcmp(sub, "offset")) {
         int64_t phi;
         if (a->npos != 4 || parse_i64(a->pos[3], &phi) < 0)
-            return usage_err("usage: kvrope group offset CONTEXT GROUP PHI (an integer)");
+            return cli_usage_err("usage: kvrope group offset CONTEXT GROUP PHI (an integer)");
         kvr_layout_res l;
         int r = kvr_client_set_group_offset(c, a->pos[1], a->pos[2], phi, &l);
         if (r < 0)
@@ -383,7 +336,7 @@ static int cmd_group(kvr_client *c, const cli_args *a)
         snprintf(what, sizeof what, "group %s offset %" PRId64, a->pos[2], phi);
         return layout_done(a, a->pos[1], what, &l);
     }
-    return usage_err("usage: kvrope group append CONTEXT GROUP FILE | group offset CONTEXT "
+    return cli_usage_err("usage: kvrope group append CONTEXT GROUP FILE | group offset CONTEXT "
                      "GROUP PHI");
 }
 
@@ -394,11 +347,11 @@ static int cmd_retain(kvr_client *c, const cli_args *a)
     const char *sv = cli_opt(a, "sinks"), *wv = cli_opt(a, "window");
     bool off = cli_flag(a, "off");
     if (a->npos != 1 || (off && (sv || wv)) || (!off && !wv))
-        return usage_err("usage: kvrope retain CONTEXT [--sinks S] --window W | "
+        return cli_usage_err("usage: kvrope retain CONTEXT [--sinks S] --window W | "
                          "retain CONTEXT --off");
     uint64_t sinks = 0, window = 0;
-    if ((sv && parse_u64(sv, &sinks) < 0) || (wv && parse_u64(wv, &window) < 0))
-        return usage_err("--sinks/--window: want token counts");
+    if ((sv && cli_parse_u64(sv, &sinks) < 0) || (wv && cli_parse_u64(wv, &window) < 0))
+        return cli_usage_err("--sinks/--window: want token counts");
     kvr_layout_res l;
     int r = kvr_client_set_retention(c, a->pos[0], sinks, window, off, &l);
     if (r < 0)
@@ -581,15 +534,15 @@ out:
 static int cmd_assemble(kvr_client *c, const cli_args *a)
 {
     if (a->npos < 2)
-        return usage_err("usage: kvrope assemble PREFIX DOC... (-o FILE | --meta) [options]");
+        return cli_usage_err("usage: kvrope assemble PREFIX DOC... (-o FILE | --meta) [options]");
     const char *out = cli_opt(a, "output"), *lv = cli_opt(a, "layout");
     const char *sv = cli_opt(a, "starts"), *ls = cli_opt(a, "layers");
     bool meta = cli_flag(a, "meta");
     if (!out && !meta)
-        return usage_err("assemble: give -o FILE (.safetensors or raw), or --meta");
+        return cli_usage_err("assemble: give -o FILE (.safetensors or raw), or --meta");
     bool to_stdout = out && !meta && !strcmp(out, "-");
     if (to_stdout && a->json)
-        return usage_err("assemble: --json and -o - both want stdout");
+        return cli_usage_err("assemble: --json and -o - both want stdout");
     size_t n_docs = (size_t)a->npos - 1;
     kvr_assemble_args g = { .prefix = a->pos[0], .docs = a->pos + 1, .n_docs = n_docs,
                             .layout = KVR_ASSEMBLE_PARALLEL, .meta_only = meta,
@@ -598,31 +551,31 @@ static int cmd_assemble(kvr_client *c, const cli_args *a)
         if (!strcmp(lv, "parallel"))        g.layout = KVR_ASSEMBLE_PARALLEL;
         else if (!strcmp(lv, "sequential")) g.layout = KVR_ASSEMBLE_SEQUENTIAL;
         else if (!strcmp(lv, "explicit"))   g.layout = KVR_ASSEMBLE_EXPLICIT;
-        else return usage_err("--layout: want parallel, sequential or explicit");
+        else return cli_usage_err("--layout: want parallel, sequential or explicit");
         if (sv && g.layout != KVR_ASSEMBLE_EXPLICIT)
-            return usage_err("--starts goes with --layout explicit");
+            return cli_usage_err("--starts goes with --layout explicit");
         if (!sv && g.layout == KVR_ASSEMBLE_EXPLICIT)
-            return usage_err("--layout explicit needs --starts S1,S2,.. (one per document)");
+            return cli_usage_err("--layout explicit needs --starts S1,S2,.. (one per document)");
     } else if (sv) {
         g.layout = KVR_ASSEMBLE_EXPLICIT;
     }
     const char *tv = cli_opt(a, "temperature"), *scv = cli_opt(a, "scale");
     if (tv && parse_pos_double(tv, &g.temperature) < 0)
-        return usage_err("--temperature: want a positive number");
+        return cli_usage_err("--temperature: want a positive number");
     if (scv && parse_pos_double(scv, &g.scale) < 0)
-        return usage_err("--scale: want a positive number");
+        return cli_usage_err("--scale: want a positive number");
     const char *dv = cli_opt(a, "dtype");
     if (dv && kvr_dtype_parse(dv, &g.dtype) != 0)
-        return usage_err("--dtype: want f32, f16 or bf16");
+        return cli_usage_err("--dtype: want f32, f16 or bf16");
     int64_t *starts = NULL;
     uint32_t *layers = NULL;
     if (sv) {
         long n = cli_parse_i64_list(sv, &starts);
         if (n < 0)
-            return usage_err("--starts: want comma-separated integers");
+            return cli_usage_err("--starts: want comma-separated integers");
         if ((size_t)n != n_docs) {
             free(starts);
-            return usage_err("--starts: %ld values for %zu documents (want one each)", n,
+            return cli_usage_err("--starts: %ld values for %zu documents (want one each)", n,
                              n_docs);
         }
         g.starts = starts;
@@ -631,7 +584,7 @@ static int cmd_assemble(kvr_client *c, const cli_args *a)
         long n = cli_parse_u32_list(ls, &layers);
         if (n < 0) {
             free(starts);
-            return usage_err("--layers: want comma-separated layer indexes");
+            return cli_usage_err("--layers: want comma-separated layer indexes");
         }
         g.layers = layers;
         g.n_layers = (size_t)n;
@@ -669,11 +622,11 @@ static int cmd_assemble(kvr_client *c, const cli_args *a)
             w = cli_write_iov(file, &iov, 1, err, sizeof err);
         }
         if (w < 0)
-            rc = io_err(a, err);
+            rc = cli_io_err(a, err);
     }
     if (rc == CLI_OK) {
         if (a->json)
-            print_json(assemble_json(a, g.layout, &res, file));
+            cli_print_json(assemble_json(a, g.layout, &res, file));
         else if (!a->quiet)
             assemble_print(to_stdout ? stderr : stdout, a, g.layout, &res, file);
     }
@@ -690,5 +643,5 @@ int cli_layout_run(kvr_client *c, const cli_args *a)
     if (!strcmp(k, "assemble")) return cmd_assemble(c, a);
     if (!strcmp(k, "group"))    return cmd_group(c, a);
     if (!strcmp(k, "retain"))   return cmd_retain(c, a);
-    return usage_err("unknown command '%s'", k);
+    return cli_usage_err("unknown command '%s'", k);
 }
