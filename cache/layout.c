@@ -76,49 +76,6 @@ static int find_group(const kvr_layout *L, const char *name)
 
 /* ---- extents ------------------------------------------------------------ */
 
-/* Makes token index idx start an extent; returns its index (n_ext at the
- * end). Needs one free extent slot. (As store.c's, which is private.) */
-static size_t split_at(kvr_ctx *c, size_t idx)
-{
-    size_t k = 0, i = 0;
-    for (; i < c->n_ext; i++) {
-        if (k == idx)
-            return i;
-        if (idx < k + c->ext[i].count)
-            break;
-        k += c->ext[i].count;
-    }
-    if (i == c->n_ext)
-        return i;
-    uint32_t off = (uint32_t)(idx - k);
-    memmove(c->ext + i + 1, c->ext + i, (c->n_ext - i) * sizeof *c->ext);
-    c->n_ext++;
-    c->ext[i].count = off;
-    c->ext[i + 1].first += off;
-    c->ext[i + 1].count -= off;
-    block_ref(c->ext[i].block);
-    return i + 1;
-}
-
-/* Merges neighbours contiguous in one block with equal delta and flags. */
-static void merge_extents(kvr_store *s, kvr_ctx *c)
-{
-    if (c->n_ext < 2)
-        return;
-    size_t w = 0;
-    for (size_t i = 1; i < c->n_ext; i++) {
-        kvr_extent *p = &c->ext[w], *e = &c->ext[i];
-        if (p->block == e->block && p->first + p->count == e->first &&
-            p->pos_delta == e->pos_delta && p->flags == e->flags) {
-            p->count += e->count;
-            block_unref(s, e->block);
-        } else {
-            c->ext[++w] = *e;
-        }
-    }
-    c->n_ext = w + 1;
-}
-
 static int64_t ext_pos(const kvr_extent *e, uint32_t j)
 {
     return e->block->stored_pos[e->first + j] + e->pos_delta;
@@ -137,8 +94,8 @@ static int64_t retention_apply(kvr_store *s, kvr_ctx *c)
         return 0;
     if (ctx_ext_reserve(c, 2) != 0)
         return 0;                       /* retried by the next put */
-    size_t i0 = split_at(c, S);
-    size_t i1 = split_at(c, n - W);
+    size_t i0 = ctx_split_at(c, S);
+    size_t i1 = ctx_split_at(c, n - W);
     int64_t base;
     if (i0 > 0) {
         const kvr_extent *e = &c->ext[i0 - 1];
@@ -165,7 +122,7 @@ static int64_t retention_apply(kvr_store *s, kvr_ctx *c)
     c->n_ext -= i1 - i0;
     for (size_t i = i0; i < c->n_ext; i++)
         c->ext[i].pos_delta += delta;
-    merge_extents(s, c);
+    ctx_merge_extents(s, c);
     c->n_tokens = S + W;
     L->n_dropped += n - S - W;
     ctx_index_rebuild(s, c, S);
@@ -464,7 +421,7 @@ int kvr_store_set_group_offset(kvr_store *s, const char *ctx_id, const char *nam
     c->ext = ne;
     c->n_ext = k;
     c->cap_ext = pieces ? pieces : 1;
-    merge_extents(s, c);
+    ctx_merge_extents(s, c);
     L->g[g].phi = phi;
     lru_touch(s, c);
     return 0;

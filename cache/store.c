@@ -802,7 +802,7 @@ fail_ctx:
 /* Makes token index `idx` (0 <= idx <= n_tokens) start an extent (n_ext for
  * the end); returns that extent's index. May need one free extent slot
  * (ctx_ext_reserve). */
-static size_t ctx_split_at(kvr_ctx *c, size_t idx)
+size_t ctx_split_at(kvr_ctx *c, size_t idx)
 {
     size_t k = 0, i = 0;
     for (; i < c->n_ext; i++) {
@@ -825,7 +825,7 @@ static size_t ctx_split_at(kvr_ctx *c, size_t idx)
 }
 
 /* Merges neighbours that are contiguous in one block with equal delta/flags. */
-static void ctx_merge_extents(kvr_store *s, kvr_ctx *c)
+void ctx_merge_extents(kvr_store *s, kvr_ctx *c)
 {
     if (c->n_ext < 2)
         return;

@@ -213,6 +213,12 @@ int        ctx_id_check(const char *id, kvr_error *err);
 kvr_ctx   *ctx_new(kvr_store *s, kvr_model *m, const char *id);  /* pending, in map */
 void       ctx_destroy(kvr_store *s, kvr_ctx *c);   /* unlink + free everything */
 void       lru_touch(kvr_store *s, kvr_ctx *c);
+/* Makes token index idx (0 <= idx <= n_tokens) start an extent and returns
+ * that extent's index (n_ext for the end); needs one free extent slot
+ * (ctx_ext_reserve). */
+size_t     ctx_split_at(kvr_ctx *c, size_t idx);
+/* Merges neighbours contiguous in one block with equal delta and flags. */
+void       ctx_merge_extents(kvr_store *s, kvr_ctx *c);
 int        ctx_ext_reserve(kvr_ctx *c, size_t n);
 int64_t    ctx_last_pos(const kvr_ctx *c);
 kvr_model *model_find(const kvr_store *s, const char *name);
