@@ -32,7 +32,9 @@
 #include "cache/store_internal.h"
 
 typedef struct asm_run {
-    kvr_block *b;
+    kvr_block *b;            /* leased */
+    const kvr_block *rd;     /* what work and the iovecs read: b, or its
+                                disk-tier reload view (tier.c) */
     uint32_t   first, count;
     size_t     tok;          /* index of its first token in the stream */
     bool       same;         /* targets equal stored-at for every token */
@@ -56,6 +58,7 @@ struct kvr_assemble {
     size_t             payload;
     struct iovec      *iov;
     size_t             n_iov;
+    tier_reload       *rl;           /* spilled blocks, loaded by work */
 };
 
 static void asm_free(kvr_assemble *t)
@@ -67,6 +70,7 @@ static void asm_free(kvr_assemble *t)
             t->s->n_leased_blocks--;
         block_unref(t->s, b);
     }
+    tier_reload_end(t->s, t->rl);     /* after the leases (see get.c) */
     kvr_mem_free(t->runs);
     kvr_mem_free(t->layers);
     kvr_mem_free(t->tokens);
@@ -301,6 +305,7 @@ int kvr_store_assemble_begin(kvr_store *s, const kvr_assemble_params *p,
             asm_run *r = &t->runs[t->n_runs++];
             *r = (asm_run){ .b = e->block, .first = e->first, .count = e->count,
                             .tok = tok0, .same = same, .fold = fold };
+            r->rd = r->b;
             block_ref(r->b);
             r->b->holds++;
             if (r->b->leases++ == 0)
@@ -347,7 +352,9 @@ int kvr_store_assemble_begin(kvr_store *s, const kvr_assemble_params *p,
     for (size_t i = 0; i < p->n_docs; i++)
         lru_touch(s, ctx_find(s, p->docs[i]));
 
-    /* Disk tier: spilled blocks come back now (the leases keep them). */
+    /* Disk tier: spilled blocks get memory now (the leases keep them) and
+     * are read by work, off the loop thread (tier.c); everything below
+     * reads a spilled block through its reload view. */
     if (s->tier && !p->meta_only && t->n_runs) {
         kvr_block **bs = kvr_mem_malloc(t->n_runs * sizeof *bs);
         if (!bs) {
@@ -356,10 +363,12 @@ int kvr_store_assemble_begin(kvr_store *s, const kvr_assemble_params *p,
         }
         for (size_t i = 0; i < t->n_runs; i++)
             bs[i] = t->runs[i].b;
-        rc = tier_fault_in(s, bs, t->n_runs, NULL, err);
+        rc = tier_reload_begin(s, bs, t->n_runs, NULL, &t->rl, err);
         kvr_mem_free(bs);
         if (rc != 0)
             goto fail;
+        for (size_t i = 0; i < t->n_runs; i++)
+            t->runs[i].rd = tier_reload_view(t->rl, t->runs[i].b);
     }
 
     if (!p->meta_only && N > 0) {
@@ -367,14 +376,14 @@ int kvr_store_assemble_begin(kvr_store *s, const kvr_assemble_params *p,
         t->zc_v = true;
         for (size_t i = 0; i < t->n_runs; i++) {
             asm_run *r = &t->runs[i];
-            if (r->b->dtype != p->dtype || r->b->quant)
+            if (r->rd->dtype != p->dtype || r->rd->quant)
                 t->zc_v = false;
-            r->k_zc = r->b->dtype == p->dtype && r->same && !r->fold && !r->b->quant;
+            r->k_zc = r->rd->dtype == p->dtype && r->same && !r->fold && !r->rd->quant;
             if (!r->k_zc) {
                 r->kst_off = t->kst;
                 t->kst += r->count * rowb;
             }
-            size_t span = r->count + (r->b->quant ? QH(r->b)->ktile : 0);
+            size_t span = r->count + (r->rd->quant ? QH(r->rd)->ktile : 0);
             if (span > t->max_run)
                 t->max_run = span;
         }
@@ -403,7 +412,7 @@ int kvr_store_assemble_begin(kvr_store *s, const kvr_assemble_params *p,
             uint8_t *base = t->staging ? t->staging + li * (t->kst + t->vst) : NULL;
             for (size_t i = 0; i < t->n_runs; i++) {
                 const asm_run *r = &t->runs[i];
-                uint8_t *ptr = r->k_zc ? block_kv(r->b, m, t->layers[li], 0, r->first)
+                uint8_t *ptr = r->k_zc ? block_kv(r->rd, m, t->layers[li], 0, r->first)
                                        : base + r->kst_off;
                 size_t len = r->count * rowb;
                 if (v && (uint8_t *)t->iov[v - 1].iov_base + t->iov[v - 1].iov_len == ptr)
@@ -417,7 +426,7 @@ int kvr_store_assemble_begin(kvr_store *s, const kvr_assemble_params *p,
             }
             for (size_t i = 0; i < t->n_runs; i++) {
                 const asm_run *r = &t->runs[i];
-                t->iov[v++] = (struct iovec){ block_kv(r->b, m, t->layers[li], 1, r->first),
+                t->iov[v++] = (struct iovec){ block_kv(r->rd, m, t->layers[li], 1, r->first),
                                               r->count * rowb };
             }
         }
@@ -439,7 +448,7 @@ const kvr_assemble_info *kvr_assemble_get_info(const kvr_assemble *t)
 
 bool kvr_assemble_needs_work(const kvr_assemble *t)
 {
-    return t->staging != NULL && !t->worked;
+    return (t->staging != NULL || tier_reload_pending(t->rl)) && !t->worked;
 }
 
 /* One layer of the assembled stream (any thread; layers write disjoint parts
@@ -461,9 +470,9 @@ static int assemble_work_layer(void *ud, size_t li)
         const asm_run *r = &t->runs[i];
         if (!r->k_zc) {
             uint8_t *dst = base + r->kst_off;
-            const uint8_t *src = block_kv(r->b, m, l, 0, r->first);
+            const uint8_t *src = block_kv(r->rd, m, l, 0, r->first);
             bool via = r->fold && odt != KVR_DTYPE_F32;
-            if ((via || r->b->quant) && !scratch &&
+            if ((via || r->rd->quant) && !scratch &&
                 !(scratch = kvr_mem_malloc(2 * t->max_run * row * sizeof *scratch))) {
                 rc = KVR_ENOMEM;
                 break;
@@ -471,16 +480,16 @@ static int assemble_work_layer(void *ud, size_t li)
             void *kd = via ? (void *)scratch : (void *)dst;
             kvr_dtype kdt = via ? KVR_DTYPE_F32 : odt;
             size_t ne = r->count * row;
-            if (r->b->quant) {
+            if (r->rd->quant) {
                 /* Pre-RoPE keys: dequantize and rotate to the layout's
                  * positions (quant.c); the scratch's tail is the f32 staging. */
                 float *qs = scratch + (via ? ne : 0);
-                if ((rc = block_read_side(m, r->b, l, 0, r->first, r->count, kd, kdt, NULL,
+                if ((rc = block_read_side(m, r->rd, l, 0, r->first, r->count, kd, kdt, NULL,
                                           t->targets + r->tok, qs)) != 0)
                     break;
             } else if (r->same)
-                kvr_convert(kd, kdt, src, r->b->dtype, ne);
-            else if ((rc = kvr_rope_reposition(m->engine, kd, kdt, src, r->b->dtype,
+                kvr_convert(kd, kdt, src, r->rd->dtype, ne);
+            else if ((rc = kvr_rope_reposition(m->engine, kd, kdt, src, r->rd->dtype,
                                                r->count, m->n_kv_heads,
                                                t->from + r->tok, t->targets + r->tok,
                                                NULL)) != 0)
@@ -493,12 +502,12 @@ static int assemble_work_layer(void *ud, size_t li)
                     kvr_convert(dst, odt, scratch, KVR_DTYPE_F32, ne);
             }
         }
-        if (!t->zc_v && r->b->quant)
-            block_read_side(m, r->b, l, 1, r->first, r->count, base + t->kst + r->tok * rowb,
+        if (!t->zc_v && r->rd->quant)
+            block_read_side(m, r->rd, l, 1, r->first, r->count, base + t->kst + r->tok * rowb,
                             odt, NULL, NULL, NULL);
         else if (!t->zc_v)
             kvr_convert(base + t->kst + r->tok * rowb, odt,
-                        block_kv(r->b, m, l, 1, r->first), r->b->dtype, r->count * row);
+                        block_kv(r->rd, m, l, 1, r->first), r->rd->dtype, r->count * row);
     }
     kvr_mem_free(scratch);
     return rc;
@@ -506,9 +515,17 @@ static int assemble_work_layer(void *ud, size_t li)
 
 int kvr_assemble_work(kvr_assemble *t, kvr_error *err)
 {
-    if (!t->staging || t->worked)
+    if (t->worked)
         return 0;
-    int rc = par_for(t->info.n_layers, par_threads_for(t->payload), assemble_work_layer, t);
+    /* Disk tier: one batched load of the spilled blocks first. */
+    int rc = t->rl ? tier_reload_work(t->rl, err) : 0;
+    if (rc != 0)
+        return rc;
+    if (!t->staging) {
+        t->worked = true;
+        return 0;
+    }
+    rc = par_for(t->info.n_layers, par_threads_for(t->payload), assemble_work_layer, t);
     if (rc == KVR_ENOMEM)
         return kvr_error_set(err, KVR_ENOMEM, "out of memory folding the temperature");
     if (rc != 0)

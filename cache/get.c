@@ -27,7 +27,9 @@
 #include "cache/store_internal.h"
 
 typedef struct get_seg {
-    kvr_block *b;
+    kvr_block *b;            /* leased */
+    const kvr_block *rd;     /* what work and the iovecs read: b, or its
+                                disk-tier reload view (tier.c) */
     uint32_t   first, count;
     size_t     tok;          /* index of its first token in the result */
     bool       same_pos;     /* targets equal stored-at for every token */
@@ -52,6 +54,7 @@ struct kvr_get {
     size_t        payload;
     struct iovec *iov;
     size_t        n_iov;
+    tier_reload  *rl;        /* spilled blocks of the range, loaded by work */
 };
 
 static void get_free(kvr_get *t)
@@ -63,6 +66,9 @@ static void get_free(kvr_get *t)
             t->s->n_leased_blocks--;
         block_unref(t->s, b);
     }
+    /* After the leases: a block only the reload still references was
+     * deleted meanwhile (its buffer is freed, not installed). */
+    tier_reload_end(t->s, t->rl);
     kvr_mem_free(t->segs);
     kvr_mem_free(t->layers);
     kvr_mem_free(t->tokens);
@@ -99,19 +105,19 @@ static int raw_begin(kvr_get *t, const kvr_ctx *c, size_t nl, kvr_error *err)
     size_t kb = 0, vb = 0;
     for (size_t g = 0; g < t->n_segs; g++) {
         const get_seg *sg = &t->segs[g];
-        if (!sg->b->quant)
+        if (!sg->rd->quant)
             return kvr_error_set(err, KVR_EUNSUPPORTED,
                                  "raw get of context '%s': tokens [%zu, %zu) are in the "
                                  "full-precision window (get them with raw = false)", c->id,
                                  t->info.start + sg->tok, t->info.start + sg->tok + sg->count);
-        uint32_t G = QH(sg->b)->ktile;
+        uint32_t G = QH(sg->rd)->ktile;
         if (sg->first % G || (g + 1 < t->n_segs && sg->count % G))
             return kvr_error_set(err, KVR_EUNSUPPORTED,
                                  "raw get of context '%s': tokens from %zu do not line up "
                                  "with its %u-token key tiles (edited or a partial range)",
                                  c->id, t->info.start + sg->tok, G);
-        kb += G > 1 ? (sg->count + G - 1) / G * QH(sg->b)->krow : sg->count * QH(sg->b)->krow;
-        vb += sg->count * QH(sg->b)->vrow;
+        kb += G > 1 ? (sg->count + G - 1) / G * QH(sg->rd)->krow : sg->count * QH(sg->rd)->krow;
+        vb += sg->count * QH(sg->rd)->vrow;
     }
     t->info.raw = true;
     t->info.k_bytes = kb;
@@ -125,11 +131,11 @@ static int raw_begin(kvr_get *t, const kvr_ctx *c, size_t nl, kvr_error *err)
         for (int kv = 0; kv < 2; kv++)
             for (size_t g = 0; g < t->n_segs; g++) {
                 const get_seg *sg = &t->segs[g];
-                uint32_t G = QH(sg->b)->ktile;
-                size_t len = kv ? sg->count * QH(sg->b)->vrow
-                           : G > 1 ? (sg->count + G - 1) / G * QH(sg->b)->krow
-                                   : sg->count * QH(sg->b)->krow;
-                t->iov[v++] = (struct iovec){ block_kv(sg->b, m, t->layers[li], kv, sg->first),
+                uint32_t G = QH(sg->rd)->ktile;
+                size_t len = kv ? sg->count * QH(sg->rd)->vrow
+                           : G > 1 ? (sg->count + G - 1) / G * QH(sg->rd)->krow
+                                   : sg->count * QH(sg->rd)->krow;
+                t->iov[v++] = (struct iovec){ block_kv(sg->rd, m, t->layers[li], kv, sg->first),
                                               len };
             }
     t->n_iov = v;
@@ -228,14 +234,17 @@ int kvr_store_get_begin(kvr_store *s, const kvr_get_params *p, kvr_get **out,
         get_seg *g = &t->segs[t->n_segs++];
         *g = (get_seg){ .b = e->block, .first = e->first + a, .count = z - a,
                         .tok = tok - (z - a), .same_pos = same };
+        g->rd = g->b;
         block_ref(g->b);
         g->b->holds++;
         if (g->b->leases++ == 0)
             s->n_leased_blocks++;
     }
 
-    /* Disk tier: spilled blocks of the range come back now (the leases
-     * keep them), with the rest of the context as a prefetch (tier.c). */
+    /* Disk tier: spilled blocks of the range get memory now (the leases
+     * keep them) and are read by work, off the loop thread, with the rest
+     * of the context as a bounded prefetch (tier.c). Everything below
+     * reads a spilled block through its reload view. */
     if (s->tier && !p->meta_only && t->n_segs) {
         kvr_block **bs = kvr_mem_malloc(t->n_segs * sizeof *bs);
         if (!bs) {
@@ -244,15 +253,17 @@ int kvr_store_get_begin(kvr_store *s, const kvr_get_params *p, kvr_get **out,
         }
         for (size_t g = 0; g < t->n_segs; g++)
             bs[g] = t->segs[g].b;
-        rc = tier_fault_in(s, bs, t->n_segs, c, err);
+        rc = tier_reload_begin(s, bs, t->n_segs, c, &t->rl, err);
         kvr_mem_free(bs);
         if (rc != 0)
             goto fail;
+        for (size_t g = 0; g < t->n_segs; g++)
+            t->segs[g].rd = tier_reload_view(t->rl, t->segs[g].b);
     }
 
     for (size_t g = 0; g < t->n_segs; g++)
-        if (t->segs[g].b->quant) {
-            size_t need = (t->segs[g].count + QH(t->segs[g].b)->ktile) *
+        if (t->segs[g].rd->quant) {
+            size_t need = (t->segs[g].count + QH(t->segs[g].rd)->ktile) *
                           (size_t)m->n_kv_heads * m->head_dim;
             if (need > t->qscratch)
                 t->qscratch = need;
@@ -296,7 +307,7 @@ int kvr_store_get_begin(kvr_store *s, const kvr_get_params *p, kvr_get **out,
         t->vst = 0;
         for (size_t g = 0; g < t->n_segs; g++) {
             get_seg *sg = &t->segs[g];
-            sg->zc_v = sg->b->dtype == p->dtype && !sg->b->quant;
+            sg->zc_v = sg->rd->dtype == p->dtype && !sg->rd->quant;
             all_zc = all_zc && sg->zc_v;
             if (!sg->zc_v) {
                 sg->v_off = t->vst;
@@ -333,7 +344,7 @@ int kvr_store_get_begin(kvr_store *s, const kvr_get_params *p, kvr_get **out,
             } else {
                 for (size_t g = 0; g < t->n_segs; g++)
                     t->iov[v++] = (struct iovec){
-                        block_kv(t->segs[g].b, m, t->layers[li], 0, t->segs[g].first),
+                        block_kv(t->segs[g].rd, m, t->layers[li], 0, t->segs[g].first),
                         t->segs[g].count * rowb };
             }
             /* V: block memory for zero-copy runs; staged runs are laid out
@@ -343,7 +354,7 @@ int kvr_store_get_begin(kvr_store *s, const kvr_get_params *p, kvr_get **out,
                 size_t len = sg->count * rowb;
                 if (sg->zc_v) {
                     t->iov[v++] = (struct iovec){
-                        block_kv(sg->b, m, t->layers[li], 1, sg->first), len };
+                        block_kv(sg->rd, m, t->layers[li], 1, sg->first), len };
                 } else if (g > 0 && !t->segs[g - 1].zc_v) {
                     t->iov[v - 1].iov_len += len;
                 } else {
@@ -370,7 +381,14 @@ const kvr_get_info *kvr_get_get_info(const kvr_get *t)
 
 bool kvr_get_needs_work(const kvr_get *t)
 {
-    return t->staging != NULL && !t->worked;
+    return (t->staging != NULL || tier_reload_pending(t->rl)) && !t->worked;
+}
+
+/* Disk tier: reads the spilled blocks of the range (one batched load, any
+ * thread; idempotent). Every work entry point calls it first. */
+static int get_load(kvr_get *t, kvr_error *err)
+{
+    return t->rl ? tier_reload_work(t->rl, err) : 0;
 }
 
 /* One layer of the response: keys re-rotated (or converted) into the staging
@@ -389,13 +407,13 @@ static int get_work_layer(void *ud, size_t li)
         return KVR_ENOMEM;
     for (size_t g = 0; g < t->n_segs; g++) {
         const get_seg *sg = &t->segs[g];
-        if (sg->b->quant) {
+        if (sg->rd->quant) {
             /* Dequantize, and rotate the pre-RoPE keys to their targets. */
-            int rc = block_read_side(m, sg->b, l, 0, sg->first, sg->count,
+            int rc = block_read_side(m, sg->rd, l, 0, sg->first, sg->count,
                                      stage_at(t, li, 0) + sg->tok * rowb, odt, NULL,
                                      t->targets + sg->tok, scratch);
             if (rc == 0)
-                rc = block_read_side(m, sg->b, l, 1, sg->first, sg->count,
+                rc = block_read_side(m, sg->rd, l, 1, sg->first, sg->count,
                                      stage_at(t, li, 1) + sg->v_off, odt, NULL, NULL,
                                      scratch);
             if (rc != 0) {
@@ -406,11 +424,11 @@ static int get_work_layer(void *ud, size_t li)
         }
         if (!t->zc_k) {
             uint8_t *dst = stage_at(t, li, 0) + sg->tok * rowb;
-            const uint8_t *src = block_kv(sg->b, m, l, 0, sg->first);
+            const uint8_t *src = block_kv(sg->rd, m, l, 0, sg->first);
             if (sg->same_pos) {
-                kvr_convert(dst, odt, src, sg->b->dtype, sg->count * row);
+                kvr_convert(dst, odt, src, sg->rd->dtype, sg->count * row);
             } else {
-                int rc = kvr_rope_reposition(m->engine, dst, odt, src, sg->b->dtype,
+                int rc = kvr_rope_reposition(m->engine, dst, odt, src, sg->rd->dtype,
                                              sg->count, m->n_kv_heads,
                                              t->from + sg->tok, t->targets + sg->tok,
                                              NULL);
@@ -422,7 +440,7 @@ static int get_work_layer(void *ud, size_t li)
         }
         if (!sg->zc_v)
             kvr_convert(stage_at(t, li, 1) + sg->v_off, odt,
-                        block_kv(sg->b, m, l, 1, sg->first), sg->b->dtype,
+                        block_kv(sg->rd, m, l, 1, sg->first), sg->rd->dtype,
                         sg->count * row);
     }
     kvr_mem_free(scratch);
@@ -431,11 +449,18 @@ static int get_work_layer(void *ud, size_t li)
 
 int kvr_get_work(kvr_get *t, kvr_error *err)
 {
-    if (!t->staging || t->worked)
+    if (t->worked)
         return 0;
+    int rc = get_load(t, err);
+    if (rc != 0)
+        return rc;
+    if (!t->staging) {
+        t->worked = true;
+        return 0;
+    }
     /* Large responses split their layers across threads: re-rotation is
      * compute-bound enough that one core cannot keep up with the socket. */
-    int rc = par_for(t->info.n_layers, par_threads_for(t->payload), get_work_layer, t);
+    rc = par_for(t->info.n_layers, par_threads_for(t->payload), get_work_layer, t);
     if (rc == KVR_ENOMEM)
         return kvr_error_set(err, KVR_ENOMEM, "out of memory dequantizing");
     if (rc != 0)

@@ -318,7 +318,8 @@ int  block_read_side(const kvr_model *m, const kvr_block *b, uint32_t layer, int
 bool quant_find_nonfinite(const void *payload, kvr_dtype dt, uint32_t n_layers, size_t n,
                           size_t row, uint32_t *layer, int *kv, size_t *tok);
 
-/* tier.c: the disk tier (see its header comment). All loop thread. */
+/* tier.c: the disk tier (see its header comment). Loop thread, except
+ * tier_reload_work. */
 /* Bytes of a block's full data allocation (K/V + metadata). */
 size_t tier_data_len(const kvr_block *b);
 /* Frees one block's worth of memory by spilling the least recently used
@@ -328,11 +329,36 @@ int  tier_evict_one(kvr_store *s);
 /* Bytes that spilling every resident unheld block of evictable contexts
  * would give back. */
 size_t tier_freeable(kvr_store *s);
-/* Makes blocks bs[0..n) resident (synchronous batched load; the blocks
- * must be held so that eviction cannot take them back), and prefetches
- * the other spilled blocks of `pf` (may be NULL) as far as memory allows. */
+/* Makes blocks bs[0..n) resident (synchronous batched load on the calling
+ * thread: begin + work + end below; the blocks must be held so that
+ * eviction cannot take them back), and prefetches the other spilled blocks
+ * of `pf` (may be NULL) as far as memory allows. */
 int  tier_fault_in(kvr_store *s, kvr_block *const *bs, size_t n, kvr_ctx *pf,
                    kvr_error *err);
+/* A transaction's reload of spilled blocks, off the loop thread:
+ *  begin (loop): for the spilled blocks among bs[0..n) (held by the
+ *    caller), reserves memory (store_reserve: evicts/spills others; ENOMEM
+ *    if impossible), allocates their buffers and takes a reference; adds
+ *    the other spilled blocks of `pf` (may be NULL; made busy meanwhile) as
+ *    a prefetch while they fit under the cap without evicting (bounded
+ *    look-ahead). *out = NULL when nothing is spilled.
+ *  view (loop, at begin): what to read b through: b itself if resident,
+ *    else a copy of its fields whose data is the buffer (filled by work;
+ *    valid until end). Iovecs may point into it (zero-copy).
+ *  pending: work has not run yet.
+ *  work (any thread, idempotent): one batched kvr_disk_load; KVR_EIO with
+ *    a message if a block of the request failed (checksum / I/O; the layer
+ *    quarantines it), prefetch failures are ignored. Touches no store map.
+ *  end (loop; NULL ok): installs loaded buffers into blocks still spilled
+ *    and still referenced elsewhere; frees the others (reloaded meanwhile
+ *    by another request, or deleted); drops the references; stats. */
+typedef struct tier_reload tier_reload;
+int  tier_reload_begin(kvr_store *s, kvr_block *const *bs, size_t n, kvr_ctx *pf,
+                       tier_reload **out, kvr_error *err);
+const kvr_block *tier_reload_view(const tier_reload *r, const kvr_block *b);
+bool tier_reload_pending(const tier_reload *r);
+int  tier_reload_work(tier_reload *r, kvr_error *err);
+void tier_reload_end(kvr_store *s, tier_reload *r);
 /* block_unref's last reference: releases the disk copy (deferred while a
  * persisted record may still point at it). */
 void tier_block_gone(kvr_store *s, kvr_block *b);

@@ -9,13 +9,27 @@
  *    needs (bounded by the request's size). A block that already has a
  *    valid disk copy (a persistent context's, or one reloaded since) is
  *    dropped from memory without any I/O.
- *  - Reload: synchronous, on the loop thread, in get/assemble begin (after
- *    the blocks are leased) and in a quantized put's begin (window blocks
- *    its work re-encodes). One batched kvr_disk_load reads the needed
- *    blocks and, as a prefetch, the context's other spilled blocks (as far
- *    as the memory cap allows). This stalls the loop for the read; it is
- *    the first version (correct and simple); moving it into the get's work
- *    is the next step (see "next" below).
+ *  - Reload for get / assemble: off the loop thread (tier_reload_*). Begin
+ *    (loop) leases the blocks as before, reserves memory for the spilled
+ *    ones (store_reserve: evicts/spills others; KVR_ENOMEM if impossible),
+ *    allocates their buffers, and builds a "view" per block (its fields
+ *    with data in the new buffer) that the transaction's iovecs and work
+ *    read: so the response is zero-copy from the new buffer. A get also
+ *    prefetches the context's other spilled blocks, but only into memory
+ *    that fits under the cap without evicting, and at most
+ *    TIER_PREFETCH_MAX bytes (a bounded look-ahead). The transaction's
+ *    work (worker thread) does one batched kvr_disk_load of them all, then
+ *    the usual rotation/conversion; it touches no store map. End (loop)
+ *    installs each loaded buffer into its block, unless the block was
+ *    reloaded meanwhile by another request (that copy stays, this one is
+ *    freed) or deleted (only the reload's reference is left: freed). A load
+ *    failure (checksum mismatch: quarantined by the layer; EIO) fails that
+ *    request with KVR_EIO; the block stays spilled, nothing else changes.
+ *  - Reload for a quantized put (window blocks its work re-encodes):
+ *    still synchronous on the loop thread in put begin (tier_fault_in: the
+ *    same begin/work/end run in place). Rare (only window blocks old enough
+ *    to be spilled while their context is being appended to) and bounded
+ *    by the put's flush size.
  *  - Persistence: off the loop thread. kvr_store_persist (loop, after the
  *    commit) encodes the record and leases the blocks that have no valid
  *    disk copy yet; the daemon runs kvr_persist_batch_work on a worker
@@ -57,8 +71,8 @@
  * disk may or may not have it) and the next record of the context writes
  * its whole state again.
  *
- * Next: reloads in the get's work (begin reserves and leases, work loads
- * into fresh memory, end installs), delta records.
+ * Next: the quantized put's reloads in its work, batched eviction spills,
+ * delta records.
  */
 #include <inttypes.h>
 #include <stddef.h>
@@ -596,100 +610,235 @@ int64_t kvr_store_tier_evict(kvr_store *s, size_t bytes, kvr_error *err)
 
 /* ---- reload ------------------------------------------------------------------------- */
 
-int tier_fault_in(kvr_store *s, kvr_block *const *bs, size_t n, kvr_ctx *pf, kvr_error *err)
+/* One block a transaction reloads: begin (loop) takes a reference and
+ * allocates buf; work (any thread) reads the disk copy into buf; end (loop)
+ * installs buf into the block or frees it. `view` is a copy of the block's
+ * fields with its data in buf: what the transaction's work reads (and its
+ * iovecs point at), so the block itself is not touched off the loop. */
+typedef struct rl_ent {
+    kvr_block      *b;
+    kvr_block       view;
+    uint8_t        *buf;
+    kvr_disk_handle h;
+    int             st;
+    bool            needed;      /* read by the request (else a prefetch) */
+} rl_ent;
+
+struct tier_reload {
+    kvr_disk  *d;
+    rl_ent    *e;                /* sorted by block address (tier_reload_view) */
+    size_t     n;
+    bool       loaded;           /* work ran */
+    int        rc;               /* its result (the request's blocks only) */
+    kvr_error  err;
+};
+
+/* The most a get prefetches beyond its own blocks: a bounded look-ahead. */
+#define TIER_PREFETCH_MAX ((size_t)64 << 20)
+
+static int rl_cmp(const void *a, const void *b)
+{
+    uintptr_t x = (uintptr_t)((const rl_ent *)a)->b, y = (uintptr_t)((const rl_ent *)b)->b;
+    return x < y ? -1 : x > y;
+}
+
+static void rl_free(kvr_store *s, tier_reload *r)
+{
+    for (size_t i = 0; i < r->n; i++) {
+        kvr_mem_free(r->e[i].buf);
+        block_unref(s, r->e[i].b);
+    }
+    kvr_mem_free(r->e);
+    kvr_mem_free(r);
+}
+
+int tier_reload_begin(kvr_store *s, kvr_block *const *bs, size_t n, kvr_ctx *pf,
+                      tier_reload **out, kvr_error *err)
 {
     kvr_tier *t = s->tier;
+    *out = NULL;
+    if (!t)
+        return 0;
     size_t need = 0;
     for (size_t i = 0; i < n; i++)
         if (bs[i]->spilled)
             need++;
-    if (!t || need == 0) {
-        if (t)
-            t->reads_mem++;
+    if (need == 0) {
+        t->reads_mem++;
         return 0;
     }
     t->reads_disk++;
     size_t cap = need + (pf ? pf->n_ext : 0);
-    kvr_block **v = kvr_mem_malloc(cap * sizeof *v);
-    uint8_t **bufs = kvr_mem_calloc(cap, sizeof *bufs);
-    kvr_disk_handle *hs = kvr_mem_malloc(cap * sizeof *hs);
-    int *st = kvr_mem_malloc(cap * sizeof *st);
-    int rc = 0;
-    size_t k = 0;
-    if (!v || !bufs || !hs || !st) {
-        rc = kvr_error_set(err, KVR_ENOMEM, "out of memory reloading blocks");
-        goto out;
+    tier_reload *r = kvr_mem_calloc(1, sizeof *r);
+    if (!r || !(r->e = kvr_mem_calloc(cap, sizeof *r->e))) {
+        kvr_mem_free(r);
+        return kvr_error_set(err, KVR_ENOMEM, "out of memory reloading blocks");
     }
+    r->d = t->d;
+    /* Memory for the request's blocks, evicting (spilling) others: the
+     * callers hold these blocks, and the context being read is made busy,
+     * so the eviction cannot take them. */
     uint32_t ep = ++s->epoch;
+    size_t bytes = 0;
     for (size_t i = 0; i < n; i++)
         if (bs[i]->spilled && bs[i]->mark != ep) {
             bs[i]->mark = ep;
-            v[k++] = bs[i];
+            block_ref(bs[i]);
+            r->e[r->n++] = (rl_ent){ .b = bs[i], .needed = true };
+            bytes += kvr_mem_size_class(spilled_len(bs[i]));
         }
-    size_t n_needed = k;
-    /* Memory for the needed blocks: their holders keep them (and the
-     * context being read, if any) out of the eviction's reach. */
     bool was_busy = pf ? pf->busy : false;
     if (pf)
         pf->busy = true;
-    size_t bytes = 0;
-    for (size_t i = 0; i < k; i++)
-        bytes += kvr_mem_size_class(spilled_len(v[i]));
-    rc = store_reserve(s, bytes, err);
-    if (rc == 0) {
-        for (size_t i = 0; i < k && rc == 0; i++) {
-            bufs[i] = kvr_mem_aligned(KVR_BLOCK_ALIGN, spilled_len(v[i]));
-            if (!bufs[i])
-                rc = kvr_error_set(err, KVR_ENOMEM, "out of memory reloading a block");
-        }
-    }
-    /* Prefetch: the rest of the context's spilled blocks, while they fit. */
-    if (rc == 0 && pf) {
-        for (size_t i = 0; i < pf->n_ext && k < cap; i++) {
-            kvr_block *b = pf->ext[i].block;
-            if (!b->spilled || b->mark == ep)
-                continue;
-            size_t len = spilled_len(b);
-            if (s->cfg.max_memory &&
-                kvr_mem_allocated() + kvr_mem_size_class(len) > s->cfg.max_memory)
-                break;     /* no eviction for a prefetch */
-            uint8_t *buf = kvr_mem_aligned(KVR_BLOCK_ALIGN, len);
-            if (!buf)
-                break;
-            b->mark = ep;
-            bufs[k] = buf;
-            v[k++] = b;
-        }
+    int rc = store_reserve(s, bytes, err);
+    for (size_t i = 0; i < r->n && rc == 0; i++)
+        if (!(r->e[i].buf = kvr_mem_aligned(KVR_BLOCK_ALIGN, spilled_len(r->e[i].b))))
+            rc = kvr_error_set(err, KVR_ENOMEM, "out of memory reloading a block");
+    /* Prefetch: the context's other spilled blocks, while they fit under
+     * the cap without evicting anything, up to TIER_PREFETCH_MAX bytes.
+     * (store_reserve used the marks: mark the request's blocks again.) */
+    ep = ++s->epoch;
+    for (size_t i = 0; i < r->n; i++)
+        r->e[i].b->mark = ep;
+    size_t pbytes = 0;
+    for (size_t i = 0; rc == 0 && pf && i < pf->n_ext && r->n < cap; i++) {
+        kvr_block *b = pf->ext[i].block;
+        if (!b->spilled || b->mark == ep)
+            continue;
+        size_t len = spilled_len(b), sc = kvr_mem_size_class(len);
+        if (pbytes + sc > TIER_PREFETCH_MAX ||
+            (s->cfg.max_memory && kvr_mem_allocated() + sc > s->cfg.max_memory))
+            break;
+        uint8_t *buf = kvr_mem_aligned(KVR_BLOCK_ALIGN, len);
+        if (!buf)
+            break;
+        b->mark = ep;
+        block_ref(b);
+        pbytes += sc;
+        r->e[r->n++] = (rl_ent){ .b = b, .buf = buf };
     }
     if (pf)
         pf->busy = was_busy;
-    if (rc != 0)
-        goto out;
-    for (size_t i = 0; i < k; i++)
-        hs[i] = v[i]->disk->h;
-    kvr_error le;
-    int lrc = kvr_disk_load(t->d, hs, (void *const *)bufs, k, st, &le);
-    (void)lrc;
-    for (size_t i = 0; i < k; i++) {
-        if (st[i] != 0) {
-            if (i < n_needed && rc == 0)
-                rc = kvr_error_set(err, KVR_EIO, "reading a spilled block back failed "
-                                   "(seg %" PRIu32 " off %" PRIu64 "): %s", hs[i].seg,
-                                   hs[i].off, le.msg);
-            continue;
-        }
-        install_data(s, v[i], bufs[i]);
-        bufs[i] = NULL;
-        t->n_reloads++;
-        t->reload_bytes += hs[i].len;
+    if (rc != 0) {
+        rl_free(s, r);
+        return rc;
     }
-out:
-    for (size_t i = 0; bufs && i < cap; i++)
-        kvr_mem_free(bufs[i]);
-    kvr_mem_free(v);
-    kvr_mem_free(bufs);
-    kvr_mem_free(hs);
-    kvr_mem_free(st);
+    for (size_t i = 0; i < r->n; i++) {
+        rl_ent *x = &r->e[i];
+        x->h = x->b->disk->h;
+        x->view = *x->b;
+        x->view.data = x->buf;
+        x->view.spilled = false;
+        x->view.disk = NULL;
+        size_t full_off = spilled_len(x->b) - (size_t)x->b->cap * 16u;
+        set_ptrs(&x->view, x->buf, full_off);
+        /* The view is readable at begin: its quantized header and metadata
+         * (kept in memory while spilled) go in now; the load rewrites the
+         * same bytes. */
+        if (x->b->quant)
+            memcpy(x->buf, x->b->data, KVR_QHDR_BYTES);
+        memcpy(x->buf + full_off, x->b->stored_pos, (size_t)x->b->cap * 16u);
+        x->st = KVR_EIO;      /* not loaded yet */
+    }
+    qsort(r->e, r->n, sizeof *r->e, rl_cmp);
+    *out = r;
+    return 0;
+}
+
+const kvr_block *tier_reload_view(const tier_reload *r, const kvr_block *b)
+{
+    if (!r || !b->spilled)
+        return b;
+    size_t lo = 0, hi = r->n;
+    while (lo < hi) {
+        size_t mid = lo + (hi - lo) / 2;
+        if (r->e[mid].b == b)
+            return &r->e[mid].view;
+        if ((uintptr_t)r->e[mid].b < (uintptr_t)b)
+            lo = mid + 1;
+        else
+            hi = mid;
+    }
+    return b;
+}
+
+bool tier_reload_pending(const tier_reload *r)
+{
+    return r && !r->loaded;
+}
+
+/* Worker thread: one batched load. Touches only r (and the thread-safe
+ * disk layer), never the store. */
+int tier_reload_work(tier_reload *r, kvr_error *err)
+{
+    if (!r)
+        return 0;
+    if (!r->loaded) {
+        kvr_disk_handle *hs = kvr_mem_malloc(r->n * sizeof *hs);
+        void **bufs = kvr_mem_malloc(r->n * sizeof *bufs);
+        int *st = kvr_mem_malloc(r->n * sizeof *st);
+        r->rc = 0;
+        if (!hs || !bufs || !st) {
+            r->rc = kvr_error_set(&r->err, KVR_ENOMEM, "out of memory reloading blocks");
+        } else {
+            for (size_t i = 0; i < r->n; i++) {
+                hs[i] = r->e[i].h;
+                bufs[i] = r->e[i].buf;
+            }
+            kvr_error le = { 0 };
+            kvr_disk_load(r->d, hs, (void *const *)bufs, r->n, st, &le);
+            for (size_t i = 0; i < r->n; i++) {
+                r->e[i].st = st[i];
+                if (st[i] != 0 && r->e[i].needed && r->rc == 0)
+                    r->rc = kvr_error_set(&r->err, KVR_EIO,
+                                          "reading a spilled block back failed (seg %" PRIu32
+                                          " off %" PRIu64 "): %s", hs[i].seg, hs[i].off,
+                                          le.msg[0] ? le.msg : "I/O error");
+            }
+        }
+        kvr_mem_free(hs);
+        kvr_mem_free(bufs);
+        kvr_mem_free(st);
+        r->loaded = true;
+    }
+    if (r->rc != 0 && err)
+        *err = r->err;
+    return r->rc;
+}
+
+void tier_reload_end(kvr_store *s, tier_reload *r)
+{
+    if (!r)
+        return;
+    kvr_tier *t = s->tier;
+    for (size_t i = 0; i < r->n; i++) {
+        rl_ent *x = &r->e[i];
+        if (!r->loaded || x->st != 0)
+            continue;     /* failed (the layer quarantined it) or never read */
+        if (t) {
+            t->n_reloads++;
+            t->reload_bytes += x->h.len;
+        }
+        /* Install unless another request did meanwhile (keep that one) or
+         * the block was deleted meanwhile (only this reference is left):
+         * then the buffer is freed below. */
+        if (t && x->b->spilled && x->b->refcount > 1 && x->b->disk &&
+            x->b->disk->h.seg == x->h.seg && x->b->disk->h.off == x->h.off) {
+            install_data(s, x->b, x->buf);
+            x->buf = NULL;
+        }
+    }
+    rl_free(s, r);
+}
+
+int tier_fault_in(kvr_store *s, kvr_block *const *bs, size_t n, kvr_ctx *pf, kvr_error *err)
+{
+    tier_reload *r;
+    int rc = tier_reload_begin(s, bs, n, pf, &r, err);
+    if (rc != 0 || !r)
+        return rc;
+    rc = tier_reload_work(r, err);
+    tier_reload_end(s, r);
     return rc;
 }
 
