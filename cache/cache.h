@@ -277,6 +277,22 @@ int  kvr_get_work(kvr_get *t, kvr_error *err);
  * point straight into block memory (zero-copy). */
 size_t kvr_get_payload_size(const kvr_get *t);
 void   kvr_get_payload_iov(const kvr_get *t, const struct iovec **iov, size_t *n);
+/* Layer by layer, for streaming a response while it is produced (payload
+ * layer i = the i-th entry of kvr_get_info.layers, not a model layer id):
+ *  - kvr_get_work_layers does the work of payload layers [l0, l1) only
+ *    (KVR_EINVAL if l0 > l1 or l1 > n_layers). Any thread. The first call
+ *    must return before any other starts (it also does the get's one-time
+ *    preparation, such as the disk-tier load); after that, calls on
+ *    disjoint ranges may run concurrently. Once every layer has been worked
+ *    the payload is complete; kvr_get_needs_work still answers for the
+ *    whole-range kvr_get_work, which remains the call for everyone else.
+ *  - kvr_get_payload_iov_layers gives the iovecs covering exactly those
+ *    layers' bytes, in wire order (a sub-array of kvr_get_payload_iov's;
+ *    n = 0 for an empty or invalid range). Their bytes are valid once the
+ *    range has been worked (if work is needed), until kvr_get_end. */
+int  kvr_get_work_layers(kvr_get *t, size_t l0, size_t l1, kvr_error *err);
+void kvr_get_payload_iov_layers(const kvr_get *t, size_t l0, size_t l1,
+                                const struct iovec **iov, size_t *n);
 /* Loop thread: releases the leases and frees t. */
 void kvr_get_end(kvr_get *t);
 

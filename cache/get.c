@@ -480,6 +480,77 @@ void kvr_get_payload_iov(const kvr_get *t, const struct iovec **iov, size_t *n)
     *n = t->n_iov;
 }
 
+/* ---- layer ranges (streaming) ------------------------------------------- */
+
+typedef struct get_range {
+    kvr_get *t;
+    size_t   l0;
+} get_range;
+
+static int get_work_layer_in(void *ud, size_t i)
+{
+    const get_range *r = ud;
+    return get_work_layer(r->t, r->l0 + i);
+}
+
+int kvr_get_work_layers(kvr_get *t, size_t l0, size_t l1, kvr_error *err)
+{
+    size_t nl = t->info.n_layers;
+    if (l0 > l1 || l1 > nl)
+        return kvr_error_set(err, KVR_EINVAL, "layer range [%zu, %zu) of a %zu-layer get",
+                             l0, l1, nl);
+    if (t->worked)
+        return 0;
+    int rc = get_load(t, err);
+    if (rc != 0)
+        return rc;
+    if (!t->staging || l0 == l1)
+        return 0;
+    get_range r = { t, l0 };
+    rc = par_for(l1 - l0, par_threads_for(t->payload / nl * (l1 - l0)), get_work_layer_in, &r);
+    if (rc == KVR_ENOMEM)
+        return kvr_error_set(err, KVR_ENOMEM, "out of memory dequantizing");
+    if (rc != 0)
+        return kvr_error_set(err, KVR_EINTERNAL, "re-rotating keys failed (%d)", rc);
+    return 0;
+}
+
+/* No iovec of a get spans two layers, and every layer has the same number
+ * of them (one layout per segment); the walk is the fallback should that
+ * ever change. */
+static size_t get_iov_at(const kvr_get *t, size_t li)
+{
+    size_t nl = t->info.n_layers, per = t->payload / nl;
+    if (li == 0)
+        return 0;
+    if (li >= nl)
+        return t->n_iov;
+    if (t->n_iov % nl == 0) {
+        size_t k = t->n_iov / nl, sum = 0;
+        for (size_t i = 0; i < k; i++)
+            sum += t->iov[i].iov_len;
+        if (sum == per)
+            return li * k;
+    }
+    size_t want = li * per, have = 0, i = 0;
+    while (i < t->n_iov && have < want)
+        have += t->iov[i++].iov_len;
+    return i;
+}
+
+void kvr_get_payload_iov_layers(const kvr_get *t, size_t l0, size_t l1,
+                                const struct iovec **iov, size_t *n)
+{
+    size_t nl = t->info.n_layers;
+    *iov = t->iov;
+    *n = 0;
+    if (!t->iov || nl == 0 || l0 >= l1 || l1 > nl)
+        return;
+    size_t a = get_iov_at(t, l0), b = get_iov_at(t, l1);
+    *iov = t->iov + a;
+    *n = b - a;
+}
+
 void kvr_get_end(kvr_get *t)
 {
     if (t)

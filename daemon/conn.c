@@ -38,6 +38,7 @@ typedef struct write_req {
     size_t     total;      /* bytes queued (buf + payload) */
     kvr_get   *get;        /* released when the write completes */
     kvr_assemble *as;      /* likewise */
+    kvr_stream *stream;    /* a chunk of a streamed reply (see below) */
 } write_req;
 
 uint64_t kvr_now_ms(void)
@@ -57,6 +58,7 @@ static void conn_unref(kvr_conn *c)
 }
 
 static void update_reading(kvr_conn *c);
+static void stream_write_done(kvr_stream *s);
 static void alloc_cb(uv_handle_t *h, size_t suggested, uv_buf_t *buf);
 static void read_cb(uv_stream_t *s, ssize_t nread, const uv_buf_t *buf);
 
@@ -166,6 +168,7 @@ static void on_write(uv_write_t *req, int status)
     c->out_queued -= w->total;
     if (status == 0)
         c->d->bytes_out += w->total;
+    kvr_stream *st = w->stream;
     kvr_mem_free(w);
     if (!c->closing) {
         if (status < 0) {
@@ -176,14 +179,20 @@ static void on_write(uv_write_t *req, int status)
             update_reading(c);
         }
     }
+    if (st)
+        stream_write_done(st);
     conn_unref(c);
 }
 
 /* The payload source of a reply: a get or an assemble (at most one),
- * released when its write completes. */
+ * released when its write completes; or a chunk of a streamed reply (the
+ * given iovecs; the stream is told when the write completes). */
 typedef struct out_payload {
     kvr_get      *get;
     kvr_assemble *as;
+    kvr_stream   *stream;
+    const struct iovec *iov;
+    size_t        niov;
 } out_payload;
 
 static void release_payload(out_payload *p)
@@ -196,7 +205,8 @@ static void release_payload(out_payload *p)
     p->as = NULL;
 }
 
-/* Queues buf (owned, header+message) plus the payload's iovecs. */
+/* Queues buf (owned, header+message; NULL for a stream chunk) plus the
+ * payload's iovecs. */
 static int queue_write(kvr_conn *c, uint8_t *buf, size_t len, out_payload *src,
                        size_t payload_len)
 {
@@ -211,7 +221,10 @@ static int queue_write(kvr_conn *c, uint8_t *buf, size_t len, out_payload *src,
     }
     const struct iovec *iov = NULL;
     size_t niov = 0;
-    if (src->get && payload_len > 0)
+    if (src->stream) {
+        iov = src->iov;
+        niov = src->niov;
+    } else if (src->get && payload_len > 0)
         kvr_get_payload_iov(src->get, &iov, &niov);
     else if (src->as && payload_len > 0)
         kvr_assemble_payload_iov(src->as, &iov, &niov);
@@ -227,8 +240,9 @@ static int queue_write(kvr_conn *c, uint8_t *buf, size_t len, out_payload *src,
             return KVR_ENOMEM;
         }
     }
-    bufs[0] = uv_buf_init((char *)buf, (unsigned)len);
-    size_t k = 1;
+    size_t k = 0;
+    if (buf)
+        bufs[k++] = uv_buf_init((char *)buf, (unsigned)len);
     for (size_t i = 0; i < niov; i++) {
         if (iov[i].iov_len == 0)
             continue;
@@ -241,6 +255,7 @@ static int queue_write(kvr_conn *c, uint8_t *buf, size_t len, out_payload *src,
     w->total = len + payload_len;
     w->get = src->get;
     w->as = src->as;
+    w->stream = src->stream;
     int rc = kvr_conn_test_write_failures > 0 ? (kvr_conn_test_write_failures--, UV_EPIPE)
              : uv_write(&w->req, &c->h.stream, bufs, (unsigned)k, on_write);
     if (bufs != small)
@@ -350,6 +365,195 @@ int kvr_conn_send_assemble(kvr_conn *c, const Kvrope__Response *r, kvr_assemble 
 {
     out_payload src = { .as = as };
     return send_reply(c, r, &src, payload_len, false);
+}
+
+/* ---- streamed replies ----------------------------------------------------
+ *
+ * Chunk k (layers [k*per, (k+1)*per) of the payload) is worked in job slot
+ * k % KVR_STREAM_WINDOW and written as soon as it and every chunk before it
+ * are: writes go out in order. A slot is free again once its chunk's write
+ * is queued. New work is queued only while fewer than KVR_STREAM_WINDOW
+ * chunk writes wait on the socket, so a slow reader holds back the work (and
+ * the --io-timeout write clock sees it as a stalled reply); chunk 0 runs
+ * alone (kvr_get_work_layers' first call does the one-time preparation).
+ * The stream ends when nothing is queued any more: after the last write
+ * (then the request is done), or after a failure or a close once the work
+ * and the writes in flight have come back. Each queued job and write holds
+ * a reference on the connection, so it outlives the stream.
+ */
+enum { SLOT_FREE = 0, SLOT_QUEUED, SLOT_READY };
+
+static void stream_pump(kvr_stream *s);
+
+typedef struct stream_job {
+    uv_work_t   w;
+    kvr_stream *s;
+    size_t      chunk;
+    int         state;       /* SLOT_* */
+    int         rc;
+    kvr_error   err;
+} stream_job;
+
+struct kvr_stream {
+    kvr_conn  *c;
+    kvr_get   *get;
+    size_t     n_layers, per, n_chunks, layer_bytes;
+    size_t     next_queue, next_write;   /* chunks queued for work / written */
+    int        jobs, writes;             /* in flight */
+    bool       first_done;               /* chunk 0's work came back */
+    bool       failed;
+    stream_job job[KVR_STREAM_WINDOW];
+};
+
+static void stream_range(const kvr_stream *s, size_t chunk, size_t *l0, size_t *l1)
+{
+    *l0 = chunk * s->per;
+    *l1 = *l0 + s->per < s->n_layers ? *l0 + s->per : s->n_layers;
+}
+
+static void stream_work_cb(uv_work_t *w)
+{
+    stream_job *j = w->data;
+    size_t l0, l1;
+    stream_range(j->s, j->chunk, &l0, &l1);
+    memset(&j->err, 0, sizeof j->err);
+    j->rc = kvr_get_work_layers(j->s->get, l0, l1, &j->err);
+}
+
+static void stream_fail(kvr_stream *s, const char *why)
+{
+    kvr_conn *c = s->c;
+    if (!s->failed)
+        kvr_log(KVR_LOG_ERROR, "streamed reply failed after its header was sent: %s "
+                "(closing the connection)", why);
+    s->failed = true;
+    if (!c->closing)
+        kvr_conn_close(c);
+}
+
+static void stream_after_work_cb(uv_work_t *w, int status)
+{
+    stream_job *j = w->data;
+    kvr_stream *s = j->s;
+    kvr_conn *c = s->c;
+    s->jobs--;
+    if (status < 0 && j->rc == 0) {
+        j->rc = KVR_EINTERNAL;
+        kvr_error_set(&j->err, KVR_EINTERNAL, "work cancelled");
+    }
+    j->state = SLOT_READY;
+    if (j->chunk == 0)
+        s->first_done = true;
+    if (j->rc != 0)
+        stream_fail(s, j->err.msg[0] ? j->err.msg : kvr_strerror(j->rc));
+    stream_pump(s);
+    conn_unref(c);
+}
+
+static void stream_finish(kvr_stream *s)
+{
+    kvr_conn *c = s->c;
+    bool ok = !s->failed && !c->closing && s->next_write == s->n_chunks;
+    if (!ok)
+        c->d->n_stream_aborted++;
+    kvr_get_end(s->get);
+    c->stream = NULL;
+    kvr_mem_free(s);
+    if (ok)
+        kvr_conn_request_done(c);
+}
+
+/* Writes what is ready, in order; queues work while the window allows;
+ * ends the stream when nothing is left in flight. May free s. */
+static void stream_pump(kvr_stream *s)
+{
+    kvr_conn *c = s->c;
+    while (!c->closing && !s->failed && s->next_write < s->n_chunks) {
+        stream_job *j = &s->job[s->next_write % KVR_STREAM_WINDOW];
+        if (j->state != SLOT_READY || j->chunk != s->next_write)
+            break;
+        size_t l0, l1;
+        stream_range(s, s->next_write, &l0, &l1);
+        out_payload src = { .stream = s };
+        kvr_get_payload_iov_layers(s->get, l0, l1, &src.iov, &src.niov);
+        j->state = SLOT_FREE;
+        s->next_write++;
+        if (queue_write(c, NULL, 0, &src, (l1 - l0) * s->layer_bytes) != 0) {
+            stream_fail(s, "the payload write could not be queued");
+            break;
+        }
+        s->writes++;
+    }
+    while (!c->closing && !s->failed && s->next_queue < s->n_chunks &&
+           s->writes < KVR_STREAM_WINDOW && (s->next_queue == 0 || s->first_done)) {
+        stream_job *j = &s->job[s->next_queue % KVR_STREAM_WINDOW];
+        if (j->state != SLOT_FREE)
+            break;
+        j->s = s;
+        j->chunk = s->next_queue;
+        j->rc = 0;
+        j->w.data = j;
+        if (uv_queue_work(&c->d->loop, &j->w, stream_work_cb, stream_after_work_cb) < 0) {
+            stream_fail(s, "the work could not be queued");
+            break;
+        }
+        j->state = SLOT_QUEUED;
+        c->refs++;
+        s->jobs++;
+        s->next_queue++;
+    }
+    if (s->jobs > 0 || s->writes > 0)
+        return;
+    if (!c->closing && !s->failed && s->next_write < s->n_chunks)
+        stream_fail(s, "the stream stalled");   /* cannot happen; never hang */
+    stream_finish(s);
+}
+
+static void stream_write_done(kvr_stream *s)
+{
+    s->writes--;
+    stream_pump(s);
+}
+
+void kvr_conn_send_stream(kvr_conn *c, const Kvrope__Response *r, kvr_get *get,
+                          size_t payload_len)
+{
+    if (c->closing) {
+        kvr_get_end(get);
+        return;
+    }
+    size_t nl = kvr_get_get_info(get)->n_layers;
+    kvr_stream *s = kvr_mem_calloc(1, sizeof *s);
+    size_t len = 0;
+    uint8_t *buf = s ? pack_response(r, payload_len, &len) : NULL;
+    if (!buf || nl == 0) {
+        kvr_mem_free(s);
+        kvr_mem_free(buf);
+        kvr_get_end(get);
+        kvr_conn_reply_error(c, KVR_ENOMEM, "out of memory starting a streamed reply");
+        return;
+    }
+    s->c = c;
+    s->get = get;
+    s->n_layers = nl;
+    s->layer_bytes = payload_len / nl;
+    s->per = s->layer_bytes ? KVR_STREAM_CHUNK_BYTES / s->layer_bytes : nl;
+    if (s->per == 0)
+        s->per = 1;
+    s->n_chunks = (nl + s->per - 1) / s->per;
+    c->stream = s;
+    c->d->n_streamed++;
+    /* The message is packed: the request is no longer needed. */
+    if (c->req) {
+        kvrope__request__free_unpacked(c->req, &kvr_pb_allocator);
+        c->req = NULL;
+    }
+    if (queue_write(c, buf, len, NULL, 0) != 0) {
+        stream_fail(s, "the header write could not be queued");
+        stream_finish(s);
+        return;
+    }
+    stream_pump(s);
 }
 
 void kvr_conn_fail(kvr_conn *c, uint64_t id, int code, const char *msg)

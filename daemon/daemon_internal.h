@@ -48,6 +48,17 @@ typedef enum conn_state {
 #define KVR_N_VERBS 35
 
 typedef struct kvr_conn kvr_conn;
+/* A reply whose payload is produced and written chunk by chunk (conn.c). */
+typedef struct kvr_stream kvr_stream;
+
+/* Streamed replies: a get (or match+get) that needs work and whose payload
+ * is over KVR_STREAM_MIN_BYTES sends its header and message at once, then
+ * works and writes its layers in chunks of about KVR_STREAM_CHUNK_BYTES
+ * (whole layers, at least one), at most KVR_STREAM_WINDOW chunks being
+ * worked and as many written at a time, so rotation overlaps sending. */
+#define KVR_STREAM_MIN_BYTES   (4u << 20)
+#define KVR_STREAM_CHUNK_BYTES (8u << 20)
+#define KVR_STREAM_WINDOW      2
 
 /* What a threadpool job (or its inline equivalent) works on. */
 enum {
@@ -90,6 +101,7 @@ struct kvr_daemon {
     uint64_t   start_ms;
     uint64_t   n_conn_total, n_conn_refused, n_requests, n_errors;
     uint64_t   bytes_in, bytes_out;
+    uint64_t   n_streamed, n_stream_aborted;   /* streamed replies; cut short */
     uint64_t   per_verb[KVR_N_VERBS];
 };
 
@@ -153,6 +165,8 @@ struct kvr_conn {
 
     size_t      writes_pending;
     uint64_t    out_queued;
+
+    kvr_stream *stream;           /* streamed reply in progress (state BUSY) */
 };
 
 /* ---- config.c --------------------------------------------------------- */
@@ -184,6 +198,16 @@ int  kvr_conn_send(kvr_conn *c, const Kvrope__Response *r, kvr_get *get,
  * callback (or at once if the write cannot be queued). */
 int  kvr_conn_send_assemble(kvr_conn *c, const Kvrope__Response *r, kvr_assemble *as,
                             size_t payload_len);
+/* Streams the reply r (status OK) to a get that needs work: header and
+ * message now, then the payload chunk by chunk, each chunk's work on the
+ * threadpool (kvr_get_work_layers). Takes get (ended after the last write
+ * completes) and finishes the request (kvr_conn_request_done after the
+ * last write; the caller must not). The status is sent before the payload
+ * exists: a work failure afterwards closes the connection, as does a write
+ * failure; a disconnect stops the stream, waits for the work in flight and
+ * ends the get. */
+void kvr_conn_send_stream(kvr_conn *c, const Kvrope__Response *r, kvr_get *get,
+                          size_t payload_len);
 /* Queues a packed frame (header + message, no payload); takes buf. */
 int  kvr_conn_send_packed(kvr_conn *c, uint8_t *buf, size_t len);
 /* A reference that keeps c's memory alive (persist.c's pending replies). */

@@ -889,7 +889,11 @@ static void finish_edit(kvr_conn *c)
     kvr_mem_free(spans);
 }
 
-/* Starts a get (kind 2) or the get half of a match (kind 3). */
+static void finish_get_as(kvr_conn *c, int kind, bool stream);
+
+/* Starts a get (kind 2) or the get half of a match (kind 3). A large one
+ * that needs work is streamed (kvr_conn_send_stream): its status is decided
+ * here, by begin, before any of its payload exists. */
 static void start_get(kvr_conn *c, const kvr_get_params *gp, int kind)
 {
     kvr_error e = { 0 };
@@ -900,6 +904,12 @@ static void start_get(kvr_conn *c, const kvr_get_params *gp, int kind)
         return;
     }
     if (!gp->meta_only && kvr_get_needs_work(c->get)) {
+        if (kvr_get_payload_size(c->get) > KVR_STREAM_MIN_BYTES &&
+            kvr_get_get_info(c->get)->n_layers > 1) {
+            c->work_rc = 0;
+            finish_get_as(c, kind, true);
+            return;
+        }
         kvr_conn_queue_work(c, kind);
         return;
     }
@@ -1051,8 +1061,10 @@ static void raw_layout(const kvr_get_info *gi, Kvrope__RawLayout *rl, char buf[3
 }
 
 /* Sends the KV reply of a finished get / match+get; the payload is written
- * straight from the get's iovecs and the get ends in the write callback. */
-static void finish_get(kvr_conn *c, int kind)
+ * straight from the get's iovecs and the get ends in the write callback.
+ * stream: the get's work has not been done; it is done chunk by chunk as
+ * the payload is written (kvr_conn_send_stream). */
+static void finish_get_as(kvr_conn *c, int kind, bool stream)
 {
     kvr_get *t = c->get;
     c->get = NULL;
@@ -1103,8 +1115,17 @@ static void finish_get(kvr_conn *c, int kind)
         r.match = &mr;
     }
     /* The message points into t's metadata: pack before t can end. */
+    if (stream) {
+        kvr_conn_send_stream(c, &r, t, payload);
+        return;
+    }
     kvr_conn_send(c, &r, t, payload, false);
     kvr_conn_request_done(c);
+}
+
+static void finish_get(kvr_conn *c, int kind)
+{
+    finish_get_as(c, kind, false);
 }
 
 /* ---- position layouts: assemble (APE), groups (GPE), retention ---------- */
@@ -1434,6 +1455,8 @@ static void do_stats(kvr_conn *c)
         { "errors_total", (double)d->n_errors },
         { "bytes_in", (double)d->bytes_in },
         { "bytes_out", (double)d->bytes_out },
+        { "streamed_replies", (double)d->n_streamed },
+        { "streams_aborted", (double)d->n_stream_aborted },
     };
     enum { NF = sizeof fixed / sizeof fixed[0], N = NF + KVR_N_VERBS, ND = 48 };
     Kvrope__Metric ms[N + ND];

@@ -1,0 +1,312 @@
+/*
+ * test_int_stream.c — streamed get replies end to end through a real
+ * kvroped and libkvrope: a large get whose keys must be re-rotated goes out
+ * layer chunk by layer chunk while the daemon is still rotating (see
+ * docs/protocol.md). Checked here: the bytes equal the single-shot result
+ * (computed locally with kvr_rope_reposition), the per-layer callback fires
+ * in order, match+get streams too, a client that disconnects mid-stream
+ * leaves the daemon healthy (and, under `make check`, leak-free: the daemon
+ * must exit 0 under ASan/LSan), and unedited zero-copy gets do not stream.
+ *
+ * Shape: 32 layers x 8 KV heads x 128 dims, f16, 300 tokens (1.2 MiB a
+ * layer, 37.5 MiB in all: several 8 MiB chunks).
+ */
+#include <criterion/criterion.h>
+
+#include <sys/socket.h>
+#include <sys/un.h>
+
+#include "kvrope.pb-c.h"
+#include "proto/frame.h"
+#include "tests/common/kvr_testd.h"
+
+#define NL 32
+#define NH 8
+#define ND 128
+#define NT 300
+#define SHIFT 1000
+
+static kvr_testd D;
+static kvr_client *C;
+static kvr_rope *R;
+static void *PL;        /* what was put: K at positions 0..NT-1 */
+static size_t PL_LEN;
+static uint32_t TOK[NT];
+
+static void setup(void)
+{
+    cr_assert_eq(testd_start(&D, NULL), 0, "daemon did not start");
+    C = testd_connect(&D);
+    cr_assert_not_null(C);
+    kvr_rope_config rc;
+    kvr_rope_config_init(&rc);
+    rc.head_dim = ND;
+    rc.rotary_dim = ND;
+    kvr_model_params p = { .name = "big", .n_layers = NL, .n_kv_heads = NH, .head_dim = ND,
+                           .dtype = KVR_DTYPE_F16, .rope = &rc };
+    kvr_model m;
+    cr_assert_eq(kvr_client_model_register(C, &p, &m), 0, "%s", kvr_client_last_error(C));
+    char err[200];
+    cr_assert_eq(kvr_rope_create(&R, &m.rope, err, sizeof err), 0, "%s", err);
+    PL_LEN = kvr_payload_size(NL, NT, NH, ND, KVR_DTYPE_F16);
+    PL = malloc(PL_LEN);
+    cr_assert_not_null(PL);
+    testd_fill(PL, 7, NULL, NL, 0, NT, NH, ND, KVR_DTYPE_F16);
+    for (uint32_t i = 0; i < NT; i++)
+        TOK[i] = 100 + i;
+}
+
+static void teardown(void)
+{
+    kvr_rope_destroy(R);
+    R = NULL;
+    free(PL);
+    PL = NULL;
+    kvr_client_close(C);
+    C = NULL;
+    /* Exit status 0: under ASan/LSan, nothing leaked. */
+    cr_expect_eq(testd_stop(&D), 0, "the daemon did not exit cleanly");
+}
+
+TestSuite(int_stream, .init = setup, .fini = teardown, .timeout = 240);
+
+static void put_ctx(const char *ctx)
+{
+    kvr_put_args a = { .ctx_id = ctx, .model = "big", .dtype = KVR_DTYPE_F16, .tokens = TOK,
+                       .n_tokens = NT, .has_pos_start = true, .pos_start = 0,
+                       .payload = PL, .payload_len = PL_LEN };
+    cr_assert_eq(kvr_client_put(C, &a, NULL), 0, "%s", kvr_client_last_error(C));
+}
+
+/* The single-shot result of a get of the whole context after every token
+ * moved by +SHIFT: K re-rotated from i to i + SHIFT, V as stored. */
+static uint8_t *expected_shifted(void)
+{
+    uint8_t *want = malloc(PL_LEN);
+    cr_assert_not_null(want);
+    int64_t from[NT], to[NT];
+    for (size_t i = 0; i < NT; i++) {
+        from[i] = (int64_t)i;
+        to[i] = (int64_t)i + SHIFT;
+    }
+    size_t half = (size_t)NT * NH * ND * 2;
+    const uint8_t *src = PL;
+    for (size_t l = 0; l < NL; l++) {
+        cr_assert_eq(kvr_rope_reposition(R, want + l * 2 * half, KVR_DTYPE_F16,
+                                         src + l * 2 * half, KVR_DTYPE_F16, NT, NH, from, to,
+                                         NULL), 0);
+        memcpy(want + l * 2 * half + half, src + l * 2 * half + half, half);
+    }
+    return want;
+}
+
+typedef struct layer_log {
+    uint32_t n;
+    uint32_t index[NL], layer[NL];
+    size_t   bytes;
+    int      bad_ptr;
+    const uint8_t *base;
+} layer_log;
+
+static void on_layer(void *ud, uint32_t index, uint32_t layer, const void *k, const void *v,
+                     size_t bytes_each)
+{
+    layer_log *g = ud;
+    if (g->n < NL) {
+        g->index[g->n] = index;
+        g->layer[g->n] = layer;
+    }
+    g->n++;
+    g->bytes = bytes_each;
+    /* K and V of payload layer `index`, in the destination buffer. */
+    if (g->base && ((const uint8_t *)k != g->base + (size_t)index * 2 * bytes_each ||
+                    (const uint8_t *)v != (const uint8_t *)k + bytes_each))
+        g->bad_ptr++;
+}
+
+static void check_layers(const layer_log *g)
+{
+    cr_assert_eq(g->n, NL, "%u layer callbacks", g->n);
+    for (uint32_t i = 0; i < NL; i++) {
+        cr_assert_eq(g->index[i], i, "callback %u had index %u", i, g->index[i]);
+        cr_assert_eq(g->layer[i], i, "callback %u had layer %u", i, g->layer[i]);
+    }
+    cr_assert_eq(g->bytes, (size_t)NT * NH * ND * 2);
+    cr_assert_eq(g->bad_ptr, 0, "a callback pointed outside its layer");
+}
+
+static void assert_same(const uint8_t *got, const uint8_t *want, size_t len)
+{
+    size_t half = (size_t)NT * NH * ND * 2;
+    for (size_t off = 0; off < len; off += half)
+        cr_assert(memcmp(got + off, want + off, half) == 0, "layer %zu %s differs",
+                  off / (2 * half), (off / half) % 2 ? "V" : "K");
+}
+
+static kvr_kv get_all(const char *ctx, void *dst, layer_log *g)
+{
+    kvr_get_args a = { .ctx_id = ctx, .dtype = KVR_DTYPE_F16, .dst = dst,
+                       .dst_cap = dst ? PL_LEN : 0, .on_layer = on_layer, .on_layer_ud = g };
+    kvr_kv kv;
+    cr_assert_eq(kvr_client_get(C, &a, &kv), 0, "get: %s", kvr_client_last_error(C));
+    cr_assert_eq(kv.payload_len, PL_LEN);
+    cr_assert_eq(kv.n_tokens, NT);
+    return kv;
+}
+
+Test(int_stream, shifted_get_streams_and_matches_the_single_shot_result)
+{
+    put_ctx("s");
+    cr_assert_eq(kvr_client_shift(C, "s", 0, NT, SHIFT), 0, "%s", kvr_client_last_error(C));
+    uint8_t *want = expected_shifted();
+    double streamed0 = testd_metric(C, "streamed_replies");
+    cr_assert_geq(streamed0, 0, "no streamed_replies metric");
+    for (int rep = 0; rep < 3; rep++) {
+        void *dst = malloc(PL_LEN);
+        layer_log g = { .base = dst };
+        kvr_kv kv = get_all("s", dst, &g);
+        for (size_t i = 0; i < NT; i++)
+            cr_assert_eq(kv.positions[i], (int64_t)i + SHIFT);
+        assert_same(kv.payload, want, PL_LEN);
+        check_layers(&g);
+        kvr_kv_release(&kv);
+        free(dst);
+    }
+    /* Into a library-owned buffer too. */
+    layer_log g = { 0 };
+    kvr_kv kv = get_all("s", NULL, &g);
+    assert_same(kv.payload, want, PL_LEN);
+    check_layers(&g);
+    kvr_kv_release(&kv);
+    cr_assert_eq(testd_metric(C, "streamed_replies"), streamed0 + 4);
+    cr_assert_eq(testd_metric(C, "streams_aborted"), 0);
+    /* A small re-rotated get (one layer: 1.2 MiB) still goes out whole. */
+    uint32_t one = 5;
+    kvr_get_args a = { .ctx_id = "s", .dtype = KVR_DTYPE_F16, .layers = &one, .n_layers = 1 };
+    cr_assert_eq(kvr_client_get(C, &a, &kv), 0, "%s", kvr_client_last_error(C));
+    size_t lb = PL_LEN / NL;
+    cr_assert_eq(kv.payload_len, lb);
+    cr_assert(memcmp(kv.payload, want + 5 * lb, lb) == 0);
+    kvr_kv_release(&kv);
+    cr_assert_eq(testd_metric(C, "streamed_replies"), streamed0 + 4);
+    free(want);
+}
+
+Test(int_stream, match_with_get_streams_too)
+{
+    put_ctx("m");
+    cr_assert_eq(kvr_client_shift(C, "m", 0, NT, SHIFT), 0, "%s", kvr_client_last_error(C));
+    uint8_t *want = expected_shifted();
+    double streamed0 = testd_metric(C, "streamed_replies");
+    kvr_match_args ma = { .model = "big", .tokens = TOK, .n_tokens = NT, .get = true,
+                          .include_approximate = true,
+                          .dtype = KVR_DTYPE_F16 };
+    kvr_match_res mr;
+    cr_assert_eq(kvr_client_match(C, &ma, &mr), 0, "%s", kvr_client_last_error(C));
+    cr_assert_eq(mr.length, NT);
+    cr_assert_eq(mr.kv.payload_len, PL_LEN);
+    assert_same(mr.kv.payload, want, PL_LEN);
+    kvr_kv_release(&mr.kv);
+    cr_assert_eq(testd_metric(C, "streamed_replies"), streamed0 + 1);
+    free(want);
+}
+
+Test(int_stream, unedited_get_is_zero_copy_and_not_streamed)
+{
+    put_ctx("u");
+    double streamed0 = testd_metric(C, "streamed_replies");
+    void *dst = malloc(PL_LEN);
+    layer_log g = { .base = dst };
+    kvr_kv kv = get_all("u", dst, &g);
+    cr_assert(memcmp(kv.payload, PL, PL_LEN) == 0, "unedited payload differs");
+    check_layers(&g);
+    kvr_kv_release(&kv);
+    free(dst);
+    cr_assert_eq(testd_metric(C, "streamed_replies"), streamed0);
+}
+
+/* ---- a client that goes away mid-stream --------------------------------- */
+
+static int raw_connect(void)
+{
+    int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    cr_assert_geq(fd, 0);
+    struct sockaddr_un sa = { .sun_family = AF_UNIX };
+    size_t sl = strlen(D.sock);
+    cr_assert_lt(sl, sizeof sa.sun_path);
+    memcpy(sa.sun_path, D.sock, sl + 1);
+    cr_assert_eq(connect(fd, (struct sockaddr *)&sa, sizeof sa), 0, "connect %s", D.sock);
+    return fd;
+}
+
+static void send_all(int fd, const uint8_t *p, size_t n)
+{
+    while (n > 0) {
+        ssize_t w = write(fd, p, n);
+        cr_assert_gt(w, 0);
+        p += w;
+        n -= (size_t)w;
+    }
+}
+
+/* Sends a get of the whole context, reads `read_bytes` of the reply, closes. */
+static void get_and_leave(const char *ctx, size_t read_bytes)
+{
+    int fd = raw_connect();
+    Kvrope__Get g = KVROPE__GET__INIT;
+    g.context_id = (char *)(uintptr_t)ctx;
+    g.dtype = KVROPE__DTYPE__F16;
+    Kvrope__Request rq = KVROPE__REQUEST__INIT;
+    rq.id = 1;
+    rq.body_case = KVROPE__REQUEST__BODY_GET;
+    rq.get = &g;
+    size_t n = kvrope__request__get_packed_size(&rq);
+    uint8_t *buf = malloc(KVR_FRAME_HEADER_SIZE + n);
+    cr_assert_not_null(buf);
+    kvrope__request__pack(&rq, buf + KVR_FRAME_HEADER_SIZE);
+    kvr_frame_header_encode(buf, (uint32_t)n, 0);
+    send_all(fd, buf, KVR_FRAME_HEADER_SIZE + n);
+    free(buf);
+    static uint8_t sink[1 << 16];
+    size_t got = 0;
+    while (got < read_bytes) {
+        size_t want = read_bytes - got < sizeof sink ? read_bytes - got : sizeof sink;
+        ssize_t r = read(fd, sink, want);
+        cr_assert_gt(r, 0, "the reply ended after %zu bytes", got);
+        got += (size_t)r;
+    }
+    close(fd);
+}
+
+Test(int_stream, client_leaving_mid_stream_leaves_the_daemon_healthy)
+{
+    put_ctx("d");
+    cr_assert_eq(kvr_client_shift(C, "d", 0, NT, SHIFT), 0, "%s", kvr_client_last_error(C));
+    double leased0 = testd_metric(C, "leased_blocks");
+    /* Leave after the header, after part of the first chunk, and deep in. */
+    static const size_t cut[] = { 1, 100u << 10, 12u << 20, 30u << 20 };
+    for (size_t i = 0; i < sizeof cut / sizeof *cut; i++)
+        get_and_leave("d", cut[i]);
+    /* Another client is served at once; the streams wind down. */
+    cr_assert_eq(kvr_client_ping(C, NULL), 0, "%s", kvr_client_last_error(C));
+    double aborted = 0;
+    for (int i = 0; i < 500; i++) {
+        aborted = testd_metric(C, "streams_aborted");
+        if (aborted >= 4 && testd_metric(C, "leased_blocks") == leased0 &&
+            testd_metric(C, "connections") == 1)
+            break;
+        testd_sleep_ms(10);
+    }
+    cr_assert_eq(aborted, 4, "streams_aborted %g", aborted);
+    cr_assert_eq(testd_metric(C, "leased_blocks"), leased0, "leases were not released");
+    cr_assert_eq(testd_metric(C, "connections"), 1);
+    /* And a full streamed get still works. */
+    uint8_t *want = expected_shifted();
+    layer_log g = { 0 };
+    kvr_kv kv = get_all("d", NULL, &g);
+    assert_same(kv.payload, want, PL_LEN);
+    check_layers(&g);
+    kvr_kv_release(&kv);
+    free(want);
+    cr_assert(testd_alive(&D));
+}
