@@ -6,6 +6,7 @@
 #   make check      the tests under ASan + UBSan with libc malloc (build/check)
 #   make bench      the benchmarks (ratios against memcpy, Redis, ggml in the same run)
 #   make fuzz       libFuzzer targets (clang), a short run of each
+#   make soak       the long crash run: 1,000 kill -9 trials (CI runs 100)
 #   make clean
 #
 # Sources are picked up by directory, so adding a file needs no edit here:
@@ -101,7 +102,7 @@ TESTS      := $(patsubst tests/unit/%.c,$(BUILD)/tests/%,$(TEST_SRC))
 BENCHES    := $(patsubst tests/bench/%.c,$(BUILD)/bench/%,$(BENCH_SRC))
 FUZZERS    := $(patsubst tests/fuzz/%.c,$(BUILD)/fuzz/%,$(FUZZ_SRC))
 
-.PHONY: fuzzers all deps deps-bench run test check bench fuzz clean check-symbols
+.PHONY: soak fuzzers all deps deps-bench run test check bench fuzz clean check-symbols
 .DEFAULT_GOAL := all
 
 all: $(KVROPED) $(KVROPE) $(CLIENT_A) $(CLIENT_SO) $(TESTS) $(BENCHES)
@@ -209,6 +210,14 @@ check: deps
 bench: deps-bench
 	@$(MAKE) --no-print-directory all
 	@KVR_BUILD=$(abspath $(BUILD)) KVR_VECTORS=$(SHARED)/vectors scripts/run-bench.sh
+
+# The long crash run: 1,000 kill -9 trials through the daemon and 1,000
+# against the storage layer (CI runs 100 of each inside `make test`).
+soak: deps
+	@$(MAKE) --no-print-directory $(BUILD)/kvroped $(BUILD)/tests/test_int_disk $(BUILD)/tests/test_disk_crash
+	@KVR_BUILD=$(abspath $(BUILD)) KVR_DISK_KILL_TRIALS=$${KVR_DISK_KILL_TRIALS:-1000} \
+	  KVR_DISK_CRASH_TRIALS=$${KVR_DISK_CRASH_TRIALS:-1000} \
+	  sh -c '$(BUILD)/tests/test_disk_crash && $(BUILD)/tests/test_int_disk --filter "*kill*"'
 
 fuzz: deps
 	@$(MAKE) --no-print-directory BUILD=build/fuzz MODE=fuzz fuzzers
