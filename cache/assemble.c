@@ -470,7 +470,6 @@ static int assemble_work_layer(void *ud, size_t li)
         const asm_run *r = &t->runs[i];
         if (!r->k_zc) {
             uint8_t *dst = base + r->kst_off;
-            const uint8_t *src = block_kv(r->rd, m, l, 0, r->first);
             bool via = r->fold && odt != KVR_DTYPE_F32;
             if ((via || r->rd->quant) && !scratch &&
                 !(scratch = kvr_mem_malloc(2 * t->max_run * row * sizeof *scratch))) {
@@ -480,19 +479,13 @@ static int assemble_work_layer(void *ud, size_t li)
             void *kd = via ? (void *)scratch : (void *)dst;
             kvr_dtype kdt = via ? KVR_DTYPE_F32 : odt;
             size_t ne = r->count * row;
-            if (r->rd->quant) {
-                /* Pre-RoPE keys: dequantize and rotate to the layout's
-                 * positions (quant.c); the scratch's tail is the f32 staging. */
-                float *qs = scratch + (via ? ne : 0);
-                if ((rc = block_read_side(m, r->rd, l, 0, r->first, r->count, kd, kdt, NULL,
-                                          t->targets + r->tok, qs)) != 0)
-                    break;
-            } else if (r->same)
-                kvr_convert(kd, kdt, src, r->rd->dtype, ne);
-            else if ((rc = kvr_rope_reposition(m->engine, kd, kdt, src, r->rd->dtype,
-                                               r->count, m->n_kv_heads,
-                                               t->from + r->tok, t->targets + r->tok,
-                                               NULL)) != 0)
+            /* Any block (quant.c): plain keys re-rotated or converted,
+             * quantized pre-RoPE keys dequantized and rotated to the layout's
+             * positions; the scratch's tail is the f32 staging that needs. */
+            float *qs = scratch ? scratch + (via ? ne : 0) : NULL;
+            if ((rc = block_read_side(m, r->rd, l, 0, r->first, r->count, kd, kdt,
+                                      r->same ? NULL : t->from + r->tok, t->targets + r->tok,
+                                      qs)) != 0)
                 break;
             if (r->fold) {
                 float *f = kd;
@@ -502,12 +495,9 @@ static int assemble_work_layer(void *ud, size_t li)
                     kvr_convert(dst, odt, scratch, KVR_DTYPE_F32, ne);
             }
         }
-        if (!t->zc_v && r->rd->quant)
-            block_read_side(m, r->rd, l, 1, r->first, r->count, base + t->kst + r->tok * rowb,
-                            odt, NULL, NULL, NULL);
-        else if (!t->zc_v)
-            kvr_convert(base + t->kst + r->tok * rowb, odt,
-                        block_kv(r->rd, m, l, 1, r->first), r->rd->dtype, r->count * row);
+        if (rc == 0 && !t->zc_v)
+            rc = block_read_side(m, r->rd, l, 1, r->first, r->count,
+                                 base + t->kst + r->tok * rowb, odt, NULL, NULL, NULL);
     }
     kvr_mem_free(scratch);
     return rc;

@@ -405,43 +405,25 @@ static int get_work_layer(void *ud, size_t li)
     float *scratch = NULL;
     if (t->qscratch && !(scratch = kvr_mem_malloc(t->qscratch * sizeof *scratch)))
         return KVR_ENOMEM;
+    /* block_read_side serves every kind of block: plain keys re-rotated from
+     * stored-at (or converted where the positions agree), quantized pre-RoPE
+     * keys dequantized and rotated to their targets, values converted or
+     * dequantized. A quantized segment never goes out zero-copy. */
     for (size_t g = 0; g < t->n_segs; g++) {
         const get_seg *sg = &t->segs[g];
-        if (sg->rd->quant) {
-            /* Dequantize, and rotate the pre-RoPE keys to their targets. */
-            int rc = block_read_side(m, sg->rd, l, 0, sg->first, sg->count,
-                                     stage_at(t, li, 0) + sg->tok * rowb, odt, NULL,
-                                     t->targets + sg->tok, scratch);
-            if (rc == 0)
-                rc = block_read_side(m, sg->rd, l, 1, sg->first, sg->count,
-                                     stage_at(t, li, 1) + sg->v_off, odt, NULL, NULL,
-                                     scratch);
-            if (rc != 0) {
-                kvr_mem_free(scratch);
-                return rc;
-            }
-            continue;
+        int rc = 0;
+        if (!t->zc_k)
+            rc = block_read_side(m, sg->rd, l, 0, sg->first, sg->count,
+                                 stage_at(t, li, 0) + sg->tok * rowb, odt,
+                                 sg->same_pos ? NULL : t->from + sg->tok,
+                                 t->targets + sg->tok, scratch);
+        if (rc == 0 && !sg->zc_v)
+            rc = block_read_side(m, sg->rd, l, 1, sg->first, sg->count,
+                                 stage_at(t, li, 1) + sg->v_off, odt, NULL, NULL, scratch);
+        if (rc != 0) {
+            kvr_mem_free(scratch);
+            return rc;
         }
-        if (!t->zc_k) {
-            uint8_t *dst = stage_at(t, li, 0) + sg->tok * rowb;
-            const uint8_t *src = block_kv(sg->rd, m, l, 0, sg->first);
-            if (sg->same_pos) {
-                kvr_convert(dst, odt, src, sg->rd->dtype, sg->count * row);
-            } else {
-                int rc = kvr_rope_reposition(m->engine, dst, odt, src, sg->rd->dtype,
-                                             sg->count, m->n_kv_heads,
-                                             t->from + sg->tok, t->targets + sg->tok,
-                                             NULL);
-                if (rc != 0) {
-                    kvr_mem_free(scratch);
-                    return rc;
-                }
-            }
-        }
-        if (!sg->zc_v)
-            kvr_convert(stage_at(t, li, 1) + sg->v_off, odt,
-                        block_kv(sg->rd, m, l, 1, sg->first), sg->rd->dtype,
-                        sg->count * row);
     }
     kvr_mem_free(scratch);
     return 0;
