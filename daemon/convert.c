@@ -13,7 +13,6 @@
 
 #include <errno.h>
 #include <math.h>
-#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -39,22 +38,7 @@ ProtobufCAllocator kvr_pb_allocator = { pb_alloc, pb_free, NULL };
 
 int kvr_status_of(int code)
 {
-    if (code == 0)
-        return KVROPE__STATUS__OK;
-    if (code < 0 && -code < KVR_E_COUNT_)
-        return -code;
-    return KVROPE__STATUS__E_INTERNAL;
-}
-
-static int fail(char *err, size_t cap, int code, const char *fmt, ...)
-    __attribute__((format(printf, 4, 5)));
-static int fail(char *err, size_t cap, int code, const char *fmt, ...)
-{
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(err, cap, fmt, ap);
-    va_end(ap);
-    return code;
+    return kvr_error_status(code);   /* rope/error.h: local codes -> E_INTERNAL */
 }
 
 /* n messages of type T and the pointers to them in one allocation: returns
@@ -86,7 +70,7 @@ bool kvrd_dtype_ok(int t)
     return t == KVROPE__DTYPE__F32 || t == KVROPE__DTYPE__F16 || t == KVROPE__DTYPE__BF16;
 }
 
-int kvrd_rope_from_pb(const Kvrope__RopeParams *p, kvr_rope_config *rc, char *err, size_t cap)
+int kvrd_rope_from_pb(const Kvrope__RopeParams *p, kvr_rope_config *rc, kvr_error *err)
 {
     if (!p)
         return 0;
@@ -98,8 +82,8 @@ int kvrd_rope_from_pb(const Kvrope__RopeParams *p, kvr_rope_config *rc, char *er
         rc->rotary_dim = (int32_t)p->rotary_dim;
     if (p->has_scaling) {
         if ((int)p->scaling < 0 || (int)p->scaling > KVR_ROPE_SCALING_LLAMA3)
-            return fail(err, cap, KVR_ECONFIG, "rope.scaling: unknown value %d",
-                        (int)p->scaling);
+            return kvr_error_set(err, KVR_ECONFIG, "rope.scaling: unknown value %d",
+                                 (int)p->scaling);
         rc->scaling = (kvr_rope_scaling)p->scaling;
     }
 #define SET(field) if (p->has_##field) rc->field = p->field;
@@ -116,8 +100,8 @@ int kvrd_rope_from_pb(const Kvrope__RopeParams *p, kvr_rope_config *rc, char *er
 #undef SET
     const size_t maxf = KVR_ROPE_MAX_HEAD_DIM / 2;
     if (p->n_short_factor > maxf || p->n_long_factor > maxf)
-        return fail(err, cap, KVR_ECONFIG,
-                    "rope.short_factor/long_factor: more than %zu entries", maxf);
+        return kvr_error_set(err, KVR_ECONFIG,
+                             "rope.short_factor/long_factor: more than %zu entries", maxf);
     if (p->n_short_factor) {
         memcpy(rc->short_factor, p->short_factor, p->n_short_factor * sizeof(double));
         rc->n_short_factor = (int32_t)p->n_short_factor;
@@ -130,30 +114,31 @@ int kvrd_rope_from_pb(const Kvrope__RopeParams *p, kvr_rope_config *rc, char *er
 }
 
 int kvrd_model_desc_from_pb(const Kvrope__RegisterModel *m, kvr_model_desc *out,
-                            char *err, size_t cap)
+                            kvr_error *err)
 {
     kvr_rope_config *rc = &out->rope;
-    char why[256] = "";
+    kvr_error why = { 0 };
     const char *style = m->style;
     if (style && strcmp(style, "neox") && strcmp(style, "gptj"))
-        return fail(err, cap, KVR_EBADREQUEST,
-                    "register_model.style must be \"neox\" or \"gptj\", not \"%s\"", style);
+        return kvr_error_set(err, KVR_EBADREQUEST, "register_model.style must be \"neox\" "
+                             "or \"gptj\", not \"%s\"", style);
     if (!kvrd_dtype_ok(m->dtype))
-        return fail(err, cap, KVR_EBADREQUEST, "register_model.dtype: unknown value %d",
-                    (int)m->dtype);
+        return kvr_error_set(err, KVR_EBADREQUEST, "register_model.dtype: unknown value %d",
+                             (int)m->dtype);
     if (m->config_json) {
         if (kvr_rope_config_from_json(rc, m->config_json, strlen(m->config_json), style,
-                                      why, sizeof why) < 0)
-            return fail(err, cap, KVR_ECONFIG, "config_json refused: %s",
-                        why[0] ? why : "invalid");
+                                      &why) < 0)
+            return kvr_error_set(err, KVR_ECONFIG, "config_json refused: %s",
+                                 why.msg[0] ? why.msg : "invalid");
     } else {
         if (!m->has_n_layers || !m->has_n_kv_heads || !m->has_head_dim)
-            return fail(err, cap, KVR_EBADREQUEST,
-                        "register_model needs config_json, or n_layers, n_kv_heads and head_dim");
+            return kvr_error_set(err, KVR_EBADREQUEST,
+                                 "register_model needs config_json, or n_layers, "
+                                 "n_kv_heads and head_dim");
         kvr_rope_config_init(rc);
         rc->head_dim = (int32_t)m->head_dim;
         rc->rotary_dim = (int32_t)m->head_dim;
-        int r = kvrd_rope_from_pb(m->rope, rc, err, cap);
+        int r = kvrd_rope_from_pb(m->rope, rc, err);
         if (r < 0)
             return r;
         if (style)
@@ -171,13 +156,13 @@ int kvrd_model_desc_from_pb(const Kvrope__RegisterModel *m, kvr_model_desc *out,
     if (m->has_n_layers || m->has_n_kv_heads || m->has_head_dim || !m->config_json) {
         if (rc->num_heads <= 0)
             rc->num_heads = rc->num_kv_heads;
-        if (kvr_rope_config_validate(rc, why, sizeof why) < 0)
-            return fail(err, cap, KVR_ECONFIG, "rope configuration refused: %s", why);
+        if (kvr_rope_config_validate(rc, &why) < 0)
+            return kvr_error_set(err, KVR_ECONFIG, "rope configuration refused: %s", why.msg);
     }
     if (rc->num_layers <= 0 || rc->num_kv_heads <= 0 || rc->head_dim <= 0)
-        return fail(err, cap, KVR_EBADREQUEST,
-                    "model shape incomplete: n_layers %d, n_kv_heads %d, head_dim %d",
-                    rc->num_layers, rc->num_kv_heads, rc->head_dim);
+        return kvr_error_set(err, KVR_EBADREQUEST,
+                             "model shape incomplete: n_layers %d, n_kv_heads %d, head_dim %d",
+                             rc->num_layers, rc->num_kv_heads, rc->head_dim);
     out->name = m->name;
     out->n_layers = (uint32_t)rc->num_layers;
     out->n_kv_heads = (uint32_t)rc->num_kv_heads;
@@ -188,17 +173,17 @@ int kvrd_model_desc_from_pb(const Kvrope__RegisterModel *m, kvr_model_desc *out,
 }
 
 int kvrd_put_params_from_pb(const Kvrope__Put *p, const char *group, uint64_t payload_len,
-                            kvr_put_params *out, char *err, size_t cap)
+                            kvr_put_params *out, kvr_error *err)
 {
     if (!kvrd_dtype_ok(p->dtype))
-        return fail(err, cap, KVR_EBADREQUEST, "put.dtype: unknown value %d", (int)p->dtype);
+        return kvr_error_set(err, KVR_EBADREQUEST, "put.dtype: unknown value %d", (int)p->dtype);
     if ((int)p->mode < 0 || (int)p->mode > KVROPE__PUT_MODE__UPSERT)
-        return fail(err, cap, KVR_EBADREQUEST, "put.mode: unknown value %d", (int)p->mode);
+        return kvr_error_set(err, KVR_EBADREQUEST, "put.mode: unknown value %d", (int)p->mode);
     if (p->n_positions && p->n_positions != p->n_tokens)
-        return fail(err, cap, KVR_EBADREQUEST, "put: %zu positions for %zu tokens",
-                    p->n_positions, p->n_tokens);
+        return kvr_error_set(err, KVR_EBADREQUEST, "put: %zu positions for %zu tokens",
+                             p->n_positions, p->n_tokens);
     if (p->n_positions && p->has_pos_start)
-        return fail(err, cap, KVR_EBADREQUEST, "put: give pos_start or positions, not both");
+        return kvr_error_set(err, KVR_EBADREQUEST, "put: give pos_start or positions, not both");
     *out = (kvr_put_params){
         .ctx_id = p->context_id,
         .model = p->model,
@@ -237,16 +222,16 @@ int kvrd_put_params_from_pb(const Kvrope__Put *p, const char *group, uint64_t pa
 #define MAX_GROUP_ARGS 64
 
 int kvrd_put_layout_from_pb(const Kvrope__LayoutPutOptions *lo, kvr_put_params *out,
-                            char *err, size_t cap)
+                            kvr_error *err)
 {
     if (!lo)
         return 0;
     if (lo->n_groups > MAX_GROUP_ARGS)
-        return fail(err, cap, KVR_EINVAL, "put: %zu groups (limit %d)", lo->n_groups,
-                    KVR_MAX_GROUPS);
+        return kvr_error_set(err, KVR_EINVAL, "put: %zu groups (limit %d)", lo->n_groups,
+                             KVR_MAX_GROUPS);
     if (lo->n_group_offsets && lo->n_group_offsets != lo->n_groups)
-        return fail(err, cap, KVR_EBADREQUEST, "put: %zu group offsets for %zu groups",
-                    lo->n_group_offsets, lo->n_groups);
+        return kvr_error_set(err, KVR_EBADREQUEST, "put: %zu group offsets for %zu groups",
+                             lo->n_group_offsets, lo->n_groups);
     out->prefix_ctx = lo->prefix_context && lo->prefix_context[0] ? lo->prefix_context : NULL;
     out->groups = UNCONST(const char *const *, lo->groups);
     out->n_groups = lo->n_groups;
@@ -254,12 +239,12 @@ int kvrd_put_layout_from_pb(const Kvrope__LayoutPutOptions *lo, kvr_put_params *
     return 0;
 }
 
-int kvrd_get_params_from_pb(const Kvrope__Get *g, kvr_get_params *out, char *err, size_t cap)
+int kvrd_get_params_from_pb(const Kvrope__Get *g, kvr_get_params *out, kvr_error *err)
 {
     if (!kvrd_dtype_ok(g->dtype))
-        return fail(err, cap, KVR_EBADREQUEST, "get.dtype: unknown value %d", (int)g->dtype);
+        return kvr_error_set(err, KVR_EBADREQUEST, "get.dtype: unknown value %d", (int)g->dtype);
     if (g->start > SIZE_MAX || (g->has_end && g->end > SIZE_MAX))
-        return fail(err, cap, KVR_ERANGE, "get: range out of bounds");
+        return kvr_error_set(err, KVR_ERANGE, "get: range out of bounds");
     *out = (kvr_get_params){
         .ctx_id = g->context_id,
         .start = (size_t)g->start,
@@ -275,24 +260,24 @@ int kvrd_get_params_from_pb(const Kvrope__Get *g, kvr_get_params *out, char *err
 }
 
 int kvrd_assemble_params_from_pb(const Kvrope__Assemble *q, kvr_assemble_params *out,
-                                 char *err, size_t cap)
+                                 kvr_error *err)
 {
     if (!kvrd_dtype_ok(q->dtype))
-        return fail(err, cap, KVR_EBADREQUEST, "assemble.dtype: unknown value %d",
-                    (int)q->dtype);
+        return kvr_error_set(err, KVR_EBADREQUEST, "assemble.dtype: unknown value %d",
+                             (int)q->dtype);
     if ((int)q->layout < 0 || (int)q->layout > KVROPE__LAYOUT__EXPLICIT)
-        return fail(err, cap, KVR_EBADREQUEST, "assemble.layout: unknown value %d",
-                    (int)q->layout);
+        return kvr_error_set(err, KVR_EBADREQUEST, "assemble.layout: unknown value %d",
+                             (int)q->layout);
     if (q->layout == KVROPE__LAYOUT__EXPLICIT && q->n_starts != q->n_documents)
-        return fail(err, cap, KVR_EBADREQUEST, "assemble: explicit layout with %zu starts "
-                    "for %zu documents", q->n_starts, q->n_documents);
+        return kvr_error_set(err, KVR_EBADREQUEST, "assemble: explicit layout with %zu starts "
+                             "for %zu documents", q->n_starts, q->n_documents);
     if (q->layout != KVROPE__LAYOUT__EXPLICIT && q->n_starts)
-        return fail(err, cap, KVR_EBADREQUEST,
-                    "assemble: starts are for the explicit layout only");
+        return kvr_error_set(err, KVR_EBADREQUEST,
+                             "assemble: starts are for the explicit layout only");
     if ((q->has_temperature && !(q->temperature > 0.0 && isfinite(q->temperature))) ||
         (q->has_scale && !(q->scale > 0.0 && isfinite(q->scale))))
-        return fail(err, cap, KVR_EINVAL,
-                    "assemble: temperature and scale must be positive numbers");
+        return kvr_error_set(err, KVR_EINVAL,
+                             "assemble: temperature and scale must be positive numbers");
     *out = (kvr_assemble_params){
         .prefix = q->prefix,
         .docs = UNCONST(const char *const *, q->documents),
@@ -311,17 +296,17 @@ int kvrd_assemble_params_from_pb(const Kvrope__Assemble *q, kvr_assemble_params 
 }
 
 int kvrd_edit_params_from_pb(const Kvrope__Edit *q, uint64_t payload_len,
-                             kvr_edit_params *out, char *err, size_t cap)
+                             kvr_edit_params *out, kvr_error *err)
 {
     bool with_kv = q->has_with_kv && q->with_kv;
     if (with_kv && !kvrd_dtype_ok(q->dtype))
-        return fail(err, cap, KVR_EBADREQUEST, "edit.dtype: unknown value %d", (int)q->dtype);
+        return kvr_error_set(err, KVR_EBADREQUEST, "edit.dtype: unknown value %d", (int)q->dtype);
     if (!with_kv && payload_len)
-        return fail(err, cap, KVR_EPAYLOAD,
-                    "edit without with_kv takes no payload (payload_len %llu)",
-                    (unsigned long long)payload_len);
+        return kvr_error_set(err, KVR_EPAYLOAD,
+                             "edit without with_kv takes no payload (payload_len %llu)",
+                             (unsigned long long)payload_len);
     if (payload_len > SIZE_MAX)
-        return fail(err, cap, KVR_ETOOLARGE, "edit: payload too large");
+        return kvr_error_set(err, KVR_ETOOLARGE, "edit: payload too large");
     *out = (kvr_edit_params){
         .ctx_id = q->context_id,
         .model = q->model,
@@ -338,13 +323,13 @@ int kvrd_edit_params_from_pb(const Kvrope__Edit *q, uint64_t payload_len,
 }
 
 int kvrd_refresh_params_from_pb(const Kvrope__Refresh *q, uint64_t payload_len,
-                                kvr_refresh_params *out, char *err, size_t cap)
+                                kvr_refresh_params *out, kvr_error *err)
 {
     if (!kvrd_dtype_ok(q->dtype))
-        return fail(err, cap, KVR_EBADREQUEST, "refresh.dtype: unknown value %d",
-                    (int)q->dtype);
+        return kvr_error_set(err, KVR_EBADREQUEST, "refresh.dtype: unknown value %d",
+                             (int)q->dtype);
     if (q->start > SIZE_MAX || (q->has_end && q->end > SIZE_MAX) || payload_len > SIZE_MAX)
-        return fail(err, cap, KVR_ERANGE, "refresh: range out of bounds");
+        return kvr_error_set(err, KVR_ERANGE, "refresh: range out of bounds");
     *out = (kvr_refresh_params){
         .ctx_id = q->context_id,
         .model = q->model,
@@ -361,18 +346,18 @@ int kvrd_refresh_params_from_pb(const Kvrope__Refresh *q, uint64_t payload_len,
 }
 
 int kvrd_edit_ops_from_pb(Kvrope__EditOp *const *in, size_t n, kvr_edit_op **out,
-                          char *err, size_t cap)
+                          kvr_error *err)
 {
     *out = NULL;
     if (n == 0)
         return 0;
     kvr_edit_op *ops = kvr_mem_calloc(n, sizeof *ops);
     if (!ops)
-        return fail(err, cap, KVR_ENOMEM, "out of memory for %zu edit ops", n);
+        return kvr_error_set(err, KVR_ENOMEM, "out of memory for %zu edit ops", n);
     for (size_t i = 0; i < n; i++) {
         if (in[i]->start > SIZE_MAX || in[i]->end > SIZE_MAX) {
             kvr_mem_free(ops);
-            return fail(err, cap, KVR_ERANGE, "edit op %zu: range out of bounds", i);
+            return kvr_error_set(err, KVR_ERANGE, "edit op %zu: range out of bounds", i);
         }
         ops[i] = (kvr_edit_op){ .start = (size_t)in[i]->start, .end = (size_t)in[i]->end,
                                 .n_tokens = in[i]->n_tokens, .tokens = in[i]->tokens };
@@ -382,10 +367,10 @@ int kvrd_edit_ops_from_pb(Kvrope__EditOp *const *in, size_t n, kvr_edit_op **out
 }
 
 int kvrd_range_from_pb(const char *verb, uint64_t start, uint64_t end, size_t *s, size_t *e,
-                       char *err, size_t cap)
+                       kvr_error *err)
 {
     if (start > SIZE_MAX || end > SIZE_MAX)
-        return fail(err, cap, KVR_ERANGE, "%s: range out of bounds", verb);
+        return kvr_error_set(err, KVR_ERANGE, "%s: range out of bounds", verb);
     *s = (size_t)start;
     *e = (size_t)end;
     return 0;

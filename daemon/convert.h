@@ -7,7 +7,7 @@
  * Conventions:
  *  - wire -> store (`kvrd_*_from_pb`): validate what the message alone can
  *    tell, fill the store's parameter struct, return 0 or a negative KVR_E*
- *    code with the reason written to err (KVRD_ERR_MAX bytes). The store
+ *    code with the reason in err (kvr_error_set; may be NULL). The store
  *    structs borrow strings and arrays from the message: keep the message
  *    alive while they are used.
  *  - store -> wire (`kvrd_pb_*`): fill a generated message that borrows the
@@ -36,35 +36,35 @@ int kvr_status_of(int code);
 /* ---- wire -> store ------------------------------------------------------ */
 bool kvrd_dtype_ok(int t);
 /* RopeParams over rc (fields the message has; NULL p changes nothing). */
-int kvrd_rope_from_pb(const Kvrope__RopeParams *p, kvr_rope_config *rc, char *err, size_t cap);
+int kvrd_rope_from_pb(const Kvrope__RopeParams *p, kvr_rope_config *rc, kvr_error *err);
 /* RegisterModel -> model description (its rope built in out->rope from
  * config_json or the shape fields; strings borrowed from m). */
 int kvrd_model_desc_from_pb(const Kvrope__RegisterModel *m, kvr_model_desc *out,
-                            char *err, size_t cap);
+                            kvr_error *err);
 /* Put (or a GroupAppend's put, with `group`) -> put params, without the
  * layout options (kvrd_put_layout_from_pb) and with n_layers / n_kv_heads /
  * head_dim as given (0 when absent: the caller fills in the model's). */
 int kvrd_put_params_from_pb(const Kvrope__Put *p, const char *group, uint64_t payload_len,
-                            kvr_put_params *out, char *err, size_t cap);
+                            kvr_put_params *out, kvr_error *err);
 int kvrd_put_layout_from_pb(const Kvrope__LayoutPutOptions *lo, kvr_put_params *out,
-                            char *err, size_t cap);
+                            kvr_error *err);
 /* Get -> get params; the count of positions is checked against the range by
  * the caller (it needs the context's length). */
-int kvrd_get_params_from_pb(const Kvrope__Get *g, kvr_get_params *out, char *err, size_t cap);
+int kvrd_get_params_from_pb(const Kvrope__Get *g, kvr_get_params *out, kvr_error *err);
 int kvrd_assemble_params_from_pb(const Kvrope__Assemble *q, kvr_assemble_params *out,
-                                 char *err, size_t cap);
+                                 kvr_error *err);
 /* Edit / Refresh -> params; shapes as given, ops left to kvrd_edit_ops_from_pb. */
 int kvrd_edit_params_from_pb(const Kvrope__Edit *q, uint64_t payload_len,
-                             kvr_edit_params *out, char *err, size_t cap);
+                             kvr_edit_params *out, kvr_error *err);
 int kvrd_refresh_params_from_pb(const Kvrope__Refresh *q, uint64_t payload_len,
-                                kvr_refresh_params *out, char *err, size_t cap);
+                                kvr_refresh_params *out, kvr_error *err);
 /* The wire ops as store ops in *out (kvr_mem, caller frees; NULL for none);
  * tokens borrowed from the message. */
 int kvrd_edit_ops_from_pb(Kvrope__EditOp *const *in, size_t n, kvr_edit_op **out,
-                          char *err, size_t cap);
+                          kvr_error *err);
 /* A [start, end) range of uint64 on the wire as size_t (KVR_ERANGE). */
 int kvrd_range_from_pb(const char *verb, uint64_t start, uint64_t end, size_t *s, size_t *e,
-                       char *err, size_t cap);
+                       kvr_error *err);
 
 /* ---- store -> wire ------------------------------------------------------ */
 void kvrd_pb_rope(const kvr_rope_config *rc, Kvrope__RopeParams *p);

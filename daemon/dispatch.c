@@ -22,8 +22,8 @@
  * Invariants: every path ends in exactly one kvrd_request_end (after the
  * reply was handed to conn.c, or when the connection closed under it);
  * when it ends the request holds no store transaction and no reply; at
- * most one of put / edit / get / as is open. Store errors map to Status as
- * -code (kvr_status_of).
+ * most one of put / edit / get / as is open. Store errors map to Status
+ * with kvr_error_status (kvr_status_of).
  */
 #include "daemon/daemon_internal.h"
 
@@ -444,10 +444,10 @@ static void do_ping(kvrd_request *r)
 static void do_register_model(kvrd_request *r)
 {
     kvr_model_desc desc = { 0 };
-    char err[KVRD_ERR_MAX];
-    int rc = kvrd_model_desc_from_pb(r->msg->register_model, &desc, err, sizeof err);
+    kvr_error err = { 0 };
+    int rc = kvrd_model_desc_from_pb(r->msg->register_model, &desc, &err);
     if (rc < 0) {
-        reply_error(r, rc, err);
+        reply_err(r, rc, &err);
         return;
     }
     kvr_model_info info;
@@ -550,11 +550,11 @@ static void do_fork(kvrd_request *r)
 static void range_op(kvrd_request *r, const char *verb, const char *id, uint64_t start,
                      uint64_t end, const int64_t *delta)
 {
-    char err[KVRD_ERR_MAX];
+    kvr_error err = { 0 };
     size_t s, t;
-    int rc = kvrd_range_from_pb(verb, start, end, &s, &t, err, sizeof err);
+    int rc = kvrd_range_from_pb(verb, start, end, &s, &t, &err);
     if (rc < 0) {
-        reply_error(r, rc, err);
+        reply_err(r, rc, &err);
         return;
     }
     kvr_error e = { 0 };
@@ -678,17 +678,17 @@ static int put_codec_check(kvrd_request *r, const Kvrope__Put *p)
 static void start_put(kvrd_request *r, const Kvrope__Put *p, const char *group,
                       const Kvrope__LayoutPutOptions *lo)
 {
-    char err[KVRD_ERR_MAX];
+    kvr_error err = { 0 };
     kvr_put_params pp;
-    int rc = kvrd_put_params_from_pb(p, group, r->payload_len, &pp, err, sizeof err);
+    int rc = kvrd_put_params_from_pb(p, group, r->payload_len, &pp, &err);
     if (rc < 0) {
-        reply_error(r, rc, err);
+        reply_err(r, rc, &err);
         return;
     }
     if (pp.codec && put_codec_check(r, p) < 0)
         return;
-    if ((rc = kvrd_put_layout_from_pb(lo, &pp, err, sizeof err)) < 0) {
-        reply_error(r, rc, err);
+    if ((rc = kvrd_put_layout_from_pb(lo, &pp, &err)) < 0) {
+        reply_err(r, rc, &err);
         return;
     }
     if (!p->has_n_layers || !p->has_n_kv_heads || !p->has_head_dim) {
@@ -844,11 +844,11 @@ static void after_edit_begin(kvrd_request *r, int rc, const kvr_error *e)
 static void do_edit(kvrd_request *r)
 {
     const Kvrope__Edit *q = r->msg->edit;
-    char err[KVRD_ERR_MAX];
+    kvr_error err = { 0 };
     kvr_edit_params ep;
-    int rc = kvrd_edit_params_from_pb(q, r->payload_len, &ep, err, sizeof err);
+    int rc = kvrd_edit_params_from_pb(q, r->payload_len, &ep, &err);
     if (rc < 0) {
-        reply_error(r, rc, err);
+        reply_err(r, rc, &err);
         return;
     }
     kvr_error e = { 0 };
@@ -860,8 +860,8 @@ static void do_edit(kvrd_request *r)
         return;
     }
     kvr_edit_op *ops;
-    if ((rc = kvrd_edit_ops_from_pb(q->ops, q->n_ops, &ops, err, sizeof err)) < 0) {
-        reply_error(r, rc, err);
+    if ((rc = kvrd_edit_ops_from_pb(q->ops, q->n_ops, &ops, &err)) < 0) {
+        reply_err(r, rc, &err);
         return;
     }
     ep.ops = ops;
@@ -873,11 +873,11 @@ static void do_edit(kvrd_request *r)
 static void do_refresh(kvrd_request *r)
 {
     const Kvrope__Refresh *q = r->msg->refresh;
-    char err[KVRD_ERR_MAX];
+    kvr_error err = { 0 };
     kvr_refresh_params rp;
-    int rc = kvrd_refresh_params_from_pb(q, r->payload_len, &rp, err, sizeof err);
+    int rc = kvrd_refresh_params_from_pb(q, r->payload_len, &rp, &err);
     if (rc < 0) {
-        reply_error(r, rc, err);
+        reply_err(r, rc, &err);
         return;
     }
     kvr_error e = { 0 };
@@ -900,11 +900,11 @@ static void do_edit_plan(kvrd_request *r)
         .fingerprint = q->has_fingerprint ? q->fingerprint : 0,
         .n_ops = q->n_ops,
     };
-    char err[KVRD_ERR_MAX];
+    kvr_error err = { 0 };
     kvr_edit_op *ops;
-    int rc = kvrd_edit_ops_from_pb(q->ops, q->n_ops, &ops, err, sizeof err);
+    int rc = kvrd_edit_ops_from_pb(q->ops, q->n_ops, &ops, &err);
     if (rc < 0) {
-        reply_error(r, rc, err);
+        reply_err(r, rc, &err);
         return;
     }
     ep.ops = ops;
@@ -992,11 +992,11 @@ static void start_get(kvrd_request *r, const kvr_get_params *gp)
 static void do_get(kvrd_request *r)
 {
     const Kvrope__Get *g = r->msg->get;
-    char err[KVRD_ERR_MAX];
+    kvr_error err = { 0 };
     kvr_get_params gp;
-    int rc = kvrd_get_params_from_pb(g, &gp, err, sizeof err);
+    int rc = kvrd_get_params_from_pb(g, &gp, &err);
     if (rc < 0) {
-        reply_error(r, rc, err);
+        reply_err(r, rc, &err);
         return;
     }
     if (g->n_positions) {
@@ -1131,11 +1131,11 @@ static void finish_get(kvrd_request *r)
 
 static void do_assemble(kvrd_request *r)
 {
-    char err[KVRD_ERR_MAX];
+    kvr_error err = { 0 };
     kvr_assemble_params ap;
-    int rc = kvrd_assemble_params_from_pb(r->msg->assemble, &ap, err, sizeof err);
+    int rc = kvrd_assemble_params_from_pb(r->msg->assemble, &ap, &err);
     if (rc < 0) {
-        reply_error(r, rc, err);
+        reply_err(r, rc, &err);
         return;
     }
     kvr_error e = { 0 };

@@ -15,7 +15,7 @@
 #include "daemon/convert.h"
 #include "proto/frame.h"
 
-static char err[KVRD_ERR_MAX];
+static kvr_error err;
 
 /* ---- status and frames -------------------------------------------------- */
 
@@ -25,7 +25,8 @@ Test(daemon_convert, status_of_maps_codes_and_refuses_the_rest)
     cr_assert_eq(kvr_status_of(KVR_ENOCTX), KVROPE__STATUS__E_UNKNOWN_CONTEXT);
     cr_assert_eq(kvr_status_of(KVR_EPREFIX), KVROPE__STATUS__E_PREFIX);
     cr_assert_eq(kvr_status_of(KVR_EIO), KVROPE__STATUS__E_IO);
-    cr_assert_eq(kvr_status_of(-KVR_E_COUNT_), KVROPE__STATUS__E_INTERNAL);
+    cr_assert_eq(kvr_status_of(KVR_ESYS), KVROPE__STATUS__E_INTERNAL, "local codes never travel");
+    cr_assert_eq(kvr_status_of(-7), KVROPE__STATUS__E_INTERNAL, "not a KVR_E* code");
     cr_assert_eq(kvr_status_of(-100000), KVROPE__STATUS__E_INTERNAL);
     cr_assert_eq(kvr_status_of(5), KVROPE__STATUS__E_INTERNAL);
 }
@@ -118,7 +119,7 @@ Test(daemon_convert, rope_round_trips_through_the_wire)
     kvr_rope_config b;
     kvr_rope_config_init(&b);
     b.head_dim = 64;
-    cr_assert_eq(kvrd_rope_from_pb(q, &b, err, sizeof err), 0);
+    cr_assert_eq(kvrd_rope_from_pb(q, &b, &err), 0);
     cr_assert_eq(b.style, a.style);
     cr_assert_eq(b.theta, a.theta);
     cr_assert_eq(b.rotary_dim, a.rotary_dim);
@@ -140,15 +141,15 @@ Test(daemon_convert, rope_from_pb_refuses_bad_scaling_and_long_factor_lists)
     Kvrope__RopeParams p = KVROPE__ROPE_PARAMS__INIT;
     p.has_scaling = 1;
     p.scaling = (Kvrope__RopeScaling)99;
-    cr_assert_eq(kvrd_rope_from_pb(&p, &rc, err, sizeof err), KVR_ECONFIG);
-    cr_assert_str_eq(err, "rope.scaling: unknown value 99");
+    cr_assert_eq(kvrd_rope_from_pb(&p, &rc, &err), KVR_ECONFIG);
+    cr_assert_str_eq(err.msg, "rope.scaling: unknown value 99");
     p.has_scaling = 0;
     double f[KVR_ROPE_MAX_HEAD_DIM / 2 + 1] = { 0 };
     p.n_short_factor = KVR_ROPE_MAX_HEAD_DIM / 2 + 1;
     p.short_factor = f;
-    cr_assert_eq(kvrd_rope_from_pb(&p, &rc, err, sizeof err), KVR_ECONFIG);
-    cr_assert(strstr(err, "more than"), "%s", err);
-    cr_assert_eq(kvrd_rope_from_pb(NULL, &rc, err, sizeof err), 0);
+    cr_assert_eq(kvrd_rope_from_pb(&p, &rc, &err), KVR_ECONFIG);
+    cr_assert(strstr(err.msg, "more than"), "%s", err.msg);
+    cr_assert_eq(kvrd_rope_from_pb(NULL, &rc, &err), 0);
 }
 
 Test(daemon_convert, model_desc_from_shape_fields)
@@ -163,7 +164,7 @@ Test(daemon_convert, model_desc_from_shape_fields)
     m.style = "gptj";
     m.codec = "k4v2";
     kvr_model_desc d = { 0 };
-    cr_assert_eq(kvrd_model_desc_from_pb(&m, &d, err, sizeof err), 0, "%s", err);
+    cr_assert_eq(kvrd_model_desc_from_pb(&m, &d, &err), 0, "%s", err.msg);
     cr_assert_str_eq(d.name, "tiny");
     cr_assert_eq(d.n_layers, 2);
     cr_assert_eq(d.n_kv_heads, 4);
@@ -174,7 +175,7 @@ Test(daemon_convert, model_desc_from_shape_fields)
     cr_assert_eq(d.rope.num_heads, 4);
     cr_assert_str_eq(d.codec, "k4v2");
     m.codec = "";
-    cr_assert_eq(kvrd_model_desc_from_pb(&m, &d, err, sizeof err), 0);
+    cr_assert_eq(kvrd_model_desc_from_pb(&m, &d, &err), 0);
     cr_assert_null(d.codec);
 }
 
@@ -184,26 +185,26 @@ Test(daemon_convert, model_desc_refusals_name_the_field)
     m.name = "x";
     m.dtype = KVROPE__DTYPE__F32;
     kvr_model_desc d = { 0 };
-    cr_assert_eq(kvrd_model_desc_from_pb(&m, &d, err, sizeof err), KVR_EBADREQUEST);
-    cr_assert_str_eq(err, "register_model needs config_json, or n_layers, n_kv_heads and head_dim");
+    cr_assert_eq(kvrd_model_desc_from_pb(&m, &d, &err), KVR_EBADREQUEST);
+    cr_assert_str_eq(err.msg, "register_model needs config_json, or n_layers, n_kv_heads and head_dim");
     m.style = "rotary";
-    cr_assert_eq(kvrd_model_desc_from_pb(&m, &d, err, sizeof err), KVR_EBADREQUEST);
-    cr_assert_str_eq(err, "register_model.style must be \"neox\" or \"gptj\", not \"rotary\"");
+    cr_assert_eq(kvrd_model_desc_from_pb(&m, &d, &err), KVR_EBADREQUEST);
+    cr_assert_str_eq(err.msg, "register_model.style must be \"neox\" or \"gptj\", not \"rotary\"");
     m.style = NULL;
     m.dtype = (Kvrope__DType)9;
-    cr_assert_eq(kvrd_model_desc_from_pb(&m, &d, err, sizeof err), KVR_EBADREQUEST);
-    cr_assert_str_eq(err, "register_model.dtype: unknown value 9");
+    cr_assert_eq(kvrd_model_desc_from_pb(&m, &d, &err), KVR_EBADREQUEST);
+    cr_assert_str_eq(err.msg, "register_model.dtype: unknown value 9");
     m.dtype = KVROPE__DTYPE__F32;
     m.config_json = "{ not json";
-    cr_assert_eq(kvrd_model_desc_from_pb(&m, &d, err, sizeof err), KVR_ECONFIG);
-    cr_assert(!strncmp(err, "config_json refused: ", 21), "%s", err);
+    cr_assert_eq(kvrd_model_desc_from_pb(&m, &d, &err), KVR_ECONFIG);
+    cr_assert(!strncmp(err.msg, "config_json refused: ", 21), "%s", err.msg);
     m.config_json = NULL;
     m.has_n_layers = m.has_n_kv_heads = m.has_head_dim = 1;
     m.n_layers = 1;
     m.n_kv_heads = 1;
     m.head_dim = 7;      /* odd: the rope configuration refuses it */
-    cr_assert_eq(kvrd_model_desc_from_pb(&m, &d, err, sizeof err), KVR_ECONFIG);
-    cr_assert(!strncmp(err, "rope configuration refused: ", 28), "%s", err);
+    cr_assert_eq(kvrd_model_desc_from_pb(&m, &d, &err), KVR_ECONFIG);
+    cr_assert(!strncmp(err.msg, "rope configuration refused: ", 28), "%s", err.msg);
 }
 
 Test(daemon_convert, model_info_to_pb)
@@ -255,7 +256,7 @@ Test(daemon_convert, put_params_map_every_field)
     p.has_protect_first = 1;
     p.protect_first = 2;
     kvr_put_params pp;
-    cr_assert_eq(kvrd_put_params_from_pb(&p, "g", 777, &pp, err, sizeof err), 0, "%s", err);
+    cr_assert_eq(kvrd_put_params_from_pb(&p, "g", 777, &pp, &err), 0, "%s", err.msg);
     cr_assert_str_eq(pp.ctx_id, "c");
     cr_assert_str_eq(pp.model, "m");
     cr_assert_eq(pp.mode, KVR_PUT_UPSERT);
@@ -277,7 +278,7 @@ Test(daemon_convert, put_params_map_every_field)
     p.n_positions = 0;
     p.codec = "";
     p.has_protect_first = 0;
-    cr_assert_eq(kvrd_put_params_from_pb(&p, NULL, 0, &pp, err, sizeof err), 0);
+    cr_assert_eq(kvrd_put_params_from_pb(&p, NULL, 0, &pp, &err), 0);
     cr_assert_eq(pp.fingerprint, 0);
     cr_assert_null(pp.positions);
     cr_assert_null(pp.codec);
@@ -292,12 +293,12 @@ Test(daemon_convert, put_params_refusals)
     p.model = "m";
     p.dtype = (Kvrope__DType)7;
     kvr_put_params pp;
-    cr_assert_eq(kvrd_put_params_from_pb(&p, NULL, 0, &pp, err, sizeof err), KVR_EBADREQUEST);
-    cr_assert_str_eq(err, "put.dtype: unknown value 7");
+    cr_assert_eq(kvrd_put_params_from_pb(&p, NULL, 0, &pp, &err), KVR_EBADREQUEST);
+    cr_assert_str_eq(err.msg, "put.dtype: unknown value 7");
     p.dtype = KVROPE__DTYPE__F16;
     p.mode = (Kvrope__PutMode)3;
-    cr_assert_eq(kvrd_put_params_from_pb(&p, NULL, 0, &pp, err, sizeof err), KVR_EBADREQUEST);
-    cr_assert_str_eq(err, "put.mode: unknown value 3");
+    cr_assert_eq(kvrd_put_params_from_pb(&p, NULL, 0, &pp, &err), KVR_EBADREQUEST);
+    cr_assert_str_eq(err.msg, "put.mode: unknown value 3");
     p.mode = KVROPE__PUT_MODE__CREATE;
     uint32_t tok[3] = { 0 };
     int64_t pos[2] = { 0 };
@@ -305,18 +306,18 @@ Test(daemon_convert, put_params_refusals)
     p.tokens = tok;
     p.n_positions = 2;
     p.positions = pos;
-    cr_assert_eq(kvrd_put_params_from_pb(&p, NULL, 0, &pp, err, sizeof err), KVR_EBADREQUEST);
-    cr_assert_str_eq(err, "put: 2 positions for 3 tokens");
+    cr_assert_eq(kvrd_put_params_from_pb(&p, NULL, 0, &pp, &err), KVR_EBADREQUEST);
+    cr_assert_str_eq(err.msg, "put: 2 positions for 3 tokens");
     p.n_tokens = 2;
     p.has_pos_start = 1;
-    cr_assert_eq(kvrd_put_params_from_pb(&p, NULL, 0, &pp, err, sizeof err), KVR_EBADREQUEST);
-    cr_assert_str_eq(err, "put: give pos_start or positions, not both");
+    cr_assert_eq(kvrd_put_params_from_pb(&p, NULL, 0, &pp, &err), KVR_EBADREQUEST);
+    cr_assert_str_eq(err.msg, "put: give pos_start or positions, not both");
 }
 
 Test(daemon_convert, put_layout_options)
 {
     kvr_put_params pp = { 0 };
-    cr_assert_eq(kvrd_put_layout_from_pb(NULL, &pp, err, sizeof err), 0);
+    cr_assert_eq(kvrd_put_layout_from_pb(NULL, &pp, &err), 0);
     char *names[2] = { "a", "b" };
     int64_t offs[2] = { 0, 100 };
     Kvrope__LayoutPutOptions lo = KVROPE__LAYOUT_PUT_OPTIONS__INIT;
@@ -325,21 +326,21 @@ Test(daemon_convert, put_layout_options)
     lo.groups = names;
     lo.n_group_offsets = 2;
     lo.group_offsets = offs;
-    cr_assert_eq(kvrd_put_layout_from_pb(&lo, &pp, err, sizeof err), 0);
+    cr_assert_eq(kvrd_put_layout_from_pb(&lo, &pp, &err), 0);
     cr_assert_str_eq(pp.prefix_ctx, "sys");
     cr_assert_eq(pp.n_groups, 2);
     cr_assert_str_eq(pp.groups[1], "b");
     cr_assert_eq(pp.group_offsets, offs);
     lo.n_group_offsets = 1;
-    cr_assert_eq(kvrd_put_layout_from_pb(&lo, &pp, err, sizeof err), KVR_EBADREQUEST);
-    cr_assert_str_eq(err, "put: 1 group offsets for 2 groups");
+    cr_assert_eq(kvrd_put_layout_from_pb(&lo, &pp, &err), KVR_EBADREQUEST);
+    cr_assert_str_eq(err.msg, "put: 1 group offsets for 2 groups");
     lo.n_groups = 65;
-    cr_assert_eq(kvrd_put_layout_from_pb(&lo, &pp, err, sizeof err), KVR_EINVAL);
-    cr_assert_str_eq(err, "put: 65 groups (limit 16)");
+    cr_assert_eq(kvrd_put_layout_from_pb(&lo, &pp, &err), KVR_EINVAL);
+    cr_assert_str_eq(err.msg, "put: 65 groups (limit 16)");
     lo.n_groups = 0;
     lo.n_group_offsets = 0;
     lo.prefix_context = "";
-    cr_assert_eq(kvrd_put_layout_from_pb(&lo, &pp, err, sizeof err), 0);
+    cr_assert_eq(kvrd_put_layout_from_pb(&lo, &pp, &err), 0);
     cr_assert_null(pp.prefix_ctx);
     cr_assert_null(pp.group_offsets);
 }
@@ -368,7 +369,7 @@ Test(daemon_convert, get_params)
     g.n_layers = 2;
     g.layers = layers;
     kvr_get_params gp;
-    cr_assert_eq(kvrd_get_params_from_pb(&g, &gp, err, sizeof err), 0);
+    cr_assert_eq(kvrd_get_params_from_pb(&g, &gp, &err), 0);
     cr_assert_str_eq(gp.ctx_id, "c");
     cr_assert_eq(gp.start, 2);
     cr_assert_eq(gp.end, SIZE_MAX, "no end: to the end");
@@ -382,13 +383,13 @@ Test(daemon_convert, get_params)
     g.positions = pos;
     g.has_meta_only = g.meta_only = 1;
     g.has_raw = g.raw = 1;
-    cr_assert_eq(kvrd_get_params_from_pb(&g, &gp, err, sizeof err), 0);
+    cr_assert_eq(kvrd_get_params_from_pb(&g, &gp, &err), 0);
     cr_assert_eq(gp.end, 6);
     cr_assert_eq(gp.positions, pos);
     cr_assert(gp.meta_only && gp.raw);
     g.dtype = (Kvrope__DType)5;
-    cr_assert_eq(kvrd_get_params_from_pb(&g, &gp, err, sizeof err), KVR_EBADREQUEST);
-    cr_assert_str_eq(err, "get.dtype: unknown value 5");
+    cr_assert_eq(kvrd_get_params_from_pb(&g, &gp, &err), KVR_EBADREQUEST);
+    cr_assert_str_eq(err.msg, "get.dtype: unknown value 5");
 }
 
 Test(daemon_convert, assemble_params_and_refusals)
@@ -407,7 +408,7 @@ Test(daemon_convert, assemble_params_and_refusals)
     q.temperature = 0.5;
     q.has_fold_temperature = q.fold_temperature = 1;
     kvr_assemble_params ap;
-    cr_assert_eq(kvrd_assemble_params_from_pb(&q, &ap, err, sizeof err), 0, "%s", err);
+    cr_assert_eq(kvrd_assemble_params_from_pb(&q, &ap, &err), 0, "%s", err.msg);
     cr_assert_str_eq(ap.prefix, "sys");
     cr_assert_eq(ap.n_docs, 2);
     cr_assert_str_eq(ap.docs[1], "d2");
@@ -417,23 +418,23 @@ Test(daemon_convert, assemble_params_and_refusals)
     cr_assert_eq(ap.scale, 0.0, "absent: the store's default");
     cr_assert(ap.fold_temperature && !ap.meta_only);
     q.n_starts = 1;
-    cr_assert_eq(kvrd_assemble_params_from_pb(&q, &ap, err, sizeof err), KVR_EBADREQUEST);
-    cr_assert_str_eq(err, "assemble: explicit layout with 1 starts for 2 documents");
+    cr_assert_eq(kvrd_assemble_params_from_pb(&q, &ap, &err), KVR_EBADREQUEST);
+    cr_assert_str_eq(err.msg, "assemble: explicit layout with 1 starts for 2 documents");
     q.layout = KVROPE__LAYOUT__PARALLEL;
-    cr_assert_eq(kvrd_assemble_params_from_pb(&q, &ap, err, sizeof err), KVR_EBADREQUEST);
-    cr_assert_str_eq(err, "assemble: starts are for the explicit layout only");
+    cr_assert_eq(kvrd_assemble_params_from_pb(&q, &ap, &err), KVR_EBADREQUEST);
+    cr_assert_str_eq(err.msg, "assemble: starts are for the explicit layout only");
     q.n_starts = 0;
     q.temperature = NAN;
-    cr_assert_eq(kvrd_assemble_params_from_pb(&q, &ap, err, sizeof err), KVR_EINVAL);
+    cr_assert_eq(kvrd_assemble_params_from_pb(&q, &ap, &err), KVR_EINVAL);
     q.temperature = 1.0;
     q.has_scale = 1;
     q.scale = 0.0;
-    cr_assert_eq(kvrd_assemble_params_from_pb(&q, &ap, err, sizeof err), KVR_EINVAL);
-    cr_assert_str_eq(err, "assemble: temperature and scale must be positive numbers");
+    cr_assert_eq(kvrd_assemble_params_from_pb(&q, &ap, &err), KVR_EINVAL);
+    cr_assert_str_eq(err.msg, "assemble: temperature and scale must be positive numbers");
     q.has_scale = 0;
     q.layout = (Kvrope__Layout)9;
-    cr_assert_eq(kvrd_assemble_params_from_pb(&q, &ap, err, sizeof err), KVR_EBADREQUEST);
-    cr_assert_str_eq(err, "assemble.layout: unknown value 9");
+    cr_assert_eq(kvrd_assemble_params_from_pb(&q, &ap, &err), KVR_EBADREQUEST);
+    cr_assert_str_eq(err.msg, "assemble.layout: unknown value 9");
 }
 
 static kvr_model_info model_info(void)
@@ -573,32 +574,32 @@ Test(daemon_convert, edit_and_refresh_params)
     q.model = "m";
     q.dtype = KVROPE__DTYPE__F16;
     kvr_edit_params ep;
-    cr_assert_eq(kvrd_edit_params_from_pb(&q, 10, &ep, err, sizeof err), KVR_EPAYLOAD);
-    cr_assert_str_eq(err, "edit without with_kv takes no payload (payload_len 10)");
+    cr_assert_eq(kvrd_edit_params_from_pb(&q, 10, &ep, &err), KVR_EPAYLOAD);
+    cr_assert_str_eq(err.msg, "edit without with_kv takes no payload (payload_len 10)");
     q.has_with_kv = q.with_kv = 1;
     q.n_layers = 2;
-    cr_assert_eq(kvrd_edit_params_from_pb(&q, 10, &ep, err, sizeof err), 0);
+    cr_assert_eq(kvrd_edit_params_from_pb(&q, 10, &ep, &err), 0);
     cr_assert(ep.with_kv);
     cr_assert_eq(ep.payload_bytes, 10);
     cr_assert_eq(ep.n_layers, 2);
     cr_assert_str_eq(ep.ctx_id, "c");
     q.dtype = (Kvrope__DType)4;
-    cr_assert_eq(kvrd_edit_params_from_pb(&q, 10, &ep, err, sizeof err), KVR_EBADREQUEST);
-    cr_assert_str_eq(err, "edit.dtype: unknown value 4");
+    cr_assert_eq(kvrd_edit_params_from_pb(&q, 10, &ep, &err), KVR_EBADREQUEST);
+    cr_assert_str_eq(err.msg, "edit.dtype: unknown value 4");
 
     Kvrope__Refresh f = KVROPE__REFRESH__INIT;
     f.context_id = "c";
     f.start = 3;
     f.dtype = KVROPE__DTYPE__BF16;
     kvr_refresh_params rp;
-    cr_assert_eq(kvrd_refresh_params_from_pb(&f, 64, &rp, err, sizeof err), 0);
+    cr_assert_eq(kvrd_refresh_params_from_pb(&f, 64, &rp, &err), 0);
     cr_assert_eq(rp.start, 3);
     cr_assert_eq(rp.end, SIZE_MAX);
     cr_assert_eq(rp.dtype, KVR_DTYPE_BF16);
     cr_assert_eq(rp.payload_bytes, 64);
     f.has_end = 1;
     f.end = 9;
-    cr_assert_eq(kvrd_refresh_params_from_pb(&f, 64, &rp, err, sizeof err), 0);
+    cr_assert_eq(kvrd_refresh_params_from_pb(&f, 64, &rp, &err), 0);
     cr_assert_eq(rp.end, 9);
 }
 
@@ -615,7 +616,7 @@ Test(daemon_convert, edit_ops_copy_ranges_and_borrow_tokens)
     b.end = 7;
     Kvrope__EditOp *in[2] = { &a, &b };
     kvr_edit_op *ops;
-    cr_assert_eq(kvrd_edit_ops_from_pb(in, 2, &ops, err, sizeof err), 0);
+    cr_assert_eq(kvrd_edit_ops_from_pb(in, 2, &ops, &err), 0);
     cr_assert_eq(ops[0].start, 1);
     cr_assert_eq(ops[0].end, 3);
     cr_assert_eq(ops[0].n_tokens, 2);
@@ -623,7 +624,7 @@ Test(daemon_convert, edit_ops_copy_ranges_and_borrow_tokens)
     cr_assert_eq(ops[1].start, 7);
     cr_assert_eq(ops[1].n_tokens, 0);
     kvr_mem_free(ops);
-    cr_assert_eq(kvrd_edit_ops_from_pb(in, 0, &ops, err, sizeof err), 0);
+    cr_assert_eq(kvrd_edit_ops_from_pb(in, 0, &ops, &err), 0);
     cr_assert_null(ops);
     cr_assert_eq(kvr_mem_allocated(), base);
 }
@@ -658,12 +659,12 @@ Test(daemon_convert, edit_result_with_spans)
 Test(daemon_convert, ranges_refuse_what_size_t_cannot_hold)
 {
     size_t s, e;
-    cr_assert_eq(kvrd_range_from_pb("shift", 2, 9, &s, &e, err, sizeof err), 0);
+    cr_assert_eq(kvrd_range_from_pb("shift", 2, 9, &s, &e, &err), 0);
     cr_assert_eq(s, 2);
     cr_assert_eq(e, 9);
 #if SIZE_MAX < UINT64_MAX
-    cr_assert_eq(kvrd_range_from_pb("keep", UINT64_MAX, 1, &s, &e, err, sizeof err), KVR_ERANGE);
-    cr_assert_str_eq(err, "keep: range out of bounds");
+    cr_assert_eq(kvrd_range_from_pb("keep", UINT64_MAX, 1, &s, &e, &err), KVR_ERANGE);
+    cr_assert_str_eq(err.msg, "keep: range out of bounds");
 #endif
 }
 
