@@ -6,10 +6,10 @@
  * back as packed buffers plus payload iovecs (kvrd_conn_write). What a
  * request means, and the store transactions behind it, are dispatch.c's.
  *
- *   HDR --24 bytes--> MSG --msg_len bytes--> BUSY (dispatch)
- *   BUSY --put accepted--> PAYLOAD --payload_len bytes--> BUSY (work, commit)
- *   BUSY --refused, payload <= max_drain--> DRAIN --> reply --> HDR
- *   BUSY --reply queued--> HDR
+ *   HDR --24 bytes--> MSG --msg_len bytes--> BUSY (kvrd_dispatch_frame)
+ *   BUSY --kvrd_conn_read_payload--> PAYLOAD --payload_len bytes--> BUSY
+ *   BUSY --error, payload <= max_drain--> DRAIN --> reply --> HDR
+ *   BUSY --kvrd_conn_request_done--> HDR
  *   any --protocol error--> reply, shutdown(write), LINGER --> close
  *
  * Invariants:
