@@ -58,6 +58,7 @@ static void conn_unref(kvr_conn *c)
     if (--c->refs > 0)
         return;
     assert(c->closing && c->writes_pending == 0 && c->req == NULL);
+    kvr_mem_free(c->req_spare);
     kvr_mem_free(c->msg);
     kvr_mem_free(c->pending);
     kvr_mem_free(c);

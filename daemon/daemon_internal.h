@@ -153,6 +153,8 @@ struct kvr_conn {
     uint64_t    out_queued;
 
     kvrd_request *req;            /* dispatch.c's: the request in progress */
+    kvrd_request *req_spare;      /* dispatch.c's: storage for the next one
+                                     (kvr_mem; freed with the connection) */
 };
 
 /* ---- config.c --------------------------------------------------------- */

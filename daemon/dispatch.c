@@ -28,7 +28,9 @@
 #include "daemon/daemon_internal.h"
 
 #include <assert.h>
+#include <pthread.h>
 #include <stdarg.h>
+#include <stddef.h>
 #include <stdio.h>
 #include <string.h>
 
@@ -78,6 +80,11 @@ struct kvrd_request {
     kvr_edit        *edit;
     kvr_get         *get;
     kvr_assemble    *as;
+    /* PERSIST: the packed reply */
+    uint8_t         *held;
+    size_t           held_len;
+    /* From here on each field is set before it is read, so a reused
+     * request is cleared only up to `work`. */
     /* threadpool job */
     uv_work_t        work;
     int              work_rc;
@@ -85,9 +92,6 @@ struct kvrd_request {
     /* match: what matched (the get half reads it) */
     uint64_t         match_len;
     char             match_ctx[KVR_ID_MAX + 1];
-    /* PERSIST: the packed reply */
-    uint8_t         *held;
-    size_t           held_len;
 };
 
 static const kvrd_verb VERBS[KVR_N_VERBS];
@@ -128,7 +132,12 @@ void kvrd_request_end(kvrd_request *r, int status)
     if (r->msg)
         kvrope__request__free_unpacked(r->msg, &kvr_pb_allocator);
     c->req = NULL;
-    kvr_mem_free(r);
+    /* Kept for the connection's next request (freed with the connection):
+     * one allocation per connection, not one per request. */
+    if (!c->req_spare)
+        c->req_spare = r;
+    else
+        kvr_mem_free(r);
     kvrd_conn_request_done(c);
 }
 
@@ -1298,12 +1307,24 @@ const char *kvrd_verb_name(size_t i)
     return i < KVR_N_VERBS ? VERBS[i].name : NULL;
 }
 
+/* Body case -> 1 + index in VERBS (0: none), built once from the table. */
+#define MAX_BODY_CASE 64
+static uint8_t verb_of_body[MAX_BODY_CASE];
+static pthread_once_t verb_index_once = PTHREAD_ONCE_INIT;
+
+static void build_verb_index(void)
+{
+    for (size_t i = 0; i < KVR_N_VERBS; i++) {
+        assert(VERBS[i].body > 0 && VERBS[i].body < MAX_BODY_CASE);
+        verb_of_body[VERBS[i].body] = (uint8_t)(i + 1);
+    }
+}
+
 static const kvrd_verb *find_verb(Kvrope__Request__BodyCase body)
 {
-    for (size_t i = 0; i < KVR_N_VERBS; i++)
-        if (VERBS[i].body == body)
-            return &VERBS[i];
-    return NULL;
+    pthread_once(&verb_index_once, build_verb_index);
+    unsigned b = (unsigned)body;
+    return b < MAX_BODY_CASE && verb_of_body[b] ? &VERBS[verb_of_body[b] - 1] : NULL;
 }
 
 /* ---- a frame comes in -------------------------------------------------------- */
@@ -1312,14 +1333,19 @@ void kvrd_dispatch_frame(kvr_conn *c, const kvr_frame_header *fh, const uint8_t 
 {
     assert(c->req == NULL && c->st == KVRD_CONN_BUSY);
     kvr_daemon *d = c->d;
-    kvrd_request *r = kvr_mem_calloc(1, sizeof *r);
+    kvrd_request *r = c->req_spare;
+    c->req_spare = NULL;
+    if (r)
+        memset(r, 0, offsetof(kvrd_request, work));   /* the rest is set before use */
+    else
+        r = kvr_mem_calloc(1, sizeof *r);
     if (!r) {
         kvr_conn_fail(c, 0, KVR_ENOMEM, "out of memory for the request");
         return;
     }
     Kvrope__Request *q = kvrope__request__unpack(&kvr_pb_allocator, fh->msg_len, msg);
     if (!q) {
-        kvr_mem_free(r);
+        c->req_spare = r;
         kvr_conn_fail(c, 0, KVR_EBADFRAME, "message does not decode as a kvrope.Request");
         return;
     }
