@@ -295,6 +295,14 @@ int kvrd_assemble_params_from_pb(const Kvrope__Assemble *q, kvr_assemble_params 
     return 0;
 }
 
+/* The fields Edit and Refresh share, in a designated initialiser. */
+#define EDIT_SHAPE_FIELDS(q, payload_len)                                    \
+    .ctx_id = (q)->context_id, .model = (q)->model,                          \
+    .fingerprint = (q)->has_fingerprint ? (q)->fingerprint : 0,              \
+    .n_layers = (q)->n_layers, .n_kv_heads = (q)->n_kv_heads,                \
+    .head_dim = (q)->head_dim, .dtype = (kvr_dtype)(q)->dtype,               \
+    .payload_bytes = (size_t)(payload_len)
+
 int kvrd_edit_params_from_pb(const Kvrope__Edit *q, uint64_t payload_len,
                              kvr_edit_params *out, kvr_error *err)
 {
@@ -308,16 +316,9 @@ int kvrd_edit_params_from_pb(const Kvrope__Edit *q, uint64_t payload_len,
     if (payload_len > SIZE_MAX)
         return kvr_error_set(err, KVR_ETOOLARGE, "edit: payload too large");
     *out = (kvr_edit_params){
-        .ctx_id = q->context_id,
-        .model = q->model,
-        .fingerprint = q->has_fingerprint ? q->fingerprint : 0,
+        EDIT_SHAPE_FIELDS(q, payload_len),
         .n_ops = q->n_ops,
         .with_kv = with_kv,
-        .n_layers = q->n_layers,
-        .n_kv_heads = q->n_kv_heads,
-        .head_dim = q->head_dim,
-        .dtype = (kvr_dtype)q->dtype,
-        .payload_bytes = (size_t)payload_len,
     };
     return 0;
 }
@@ -331,16 +332,9 @@ int kvrd_refresh_params_from_pb(const Kvrope__Refresh *q, uint64_t payload_len,
     if (q->start > SIZE_MAX || (q->has_end && q->end > SIZE_MAX) || payload_len > SIZE_MAX)
         return kvr_error_set(err, KVR_ERANGE, "refresh: range out of bounds");
     *out = (kvr_refresh_params){
-        .ctx_id = q->context_id,
-        .model = q->model,
-        .fingerprint = q->has_fingerprint ? q->fingerprint : 0,
+        EDIT_SHAPE_FIELDS(q, payload_len),
         .start = (size_t)q->start,
         .end = q->has_end ? (size_t)q->end : SIZE_MAX,
-        .n_layers = q->n_layers,
-        .n_kv_heads = q->n_kv_heads,
-        .head_dim = q->head_dim,
-        .dtype = (kvr_dtype)q->dtype,
-        .payload_bytes = (size_t)payload_len,
     };
     return 0;
 }

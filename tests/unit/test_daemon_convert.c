@@ -43,6 +43,18 @@ static Kvrope__Response *unframe(const uint8_t *buf, size_t len, uint64_t *paylo
     return r;
 }
 
+/* r packed into a frame and decoded again (free with ..._free_unpacked). */
+static Kvrope__Response *through_the_wire(const Kvrope__Response *r)
+{
+    size_t len;
+    uint8_t *buf = kvrd_pack_response(r, 0, &len);
+    cr_assert(buf);
+    uint64_t pl;
+    Kvrope__Response *u = unframe(buf, len, &pl);
+    kvr_mem_free(buf);
+    return u;
+}
+
 Test(daemon_convert, pack_response_frames_message_and_announces_payload)
 {
     Kvrope__Pong p = KVROPE__PONG__INIT;
@@ -550,17 +562,13 @@ Test(daemon_convert, assemble_result_segments_and_memory)
     cr_assert(ar.has_temperature_folded && ar.temperature_folded);
     cr_assert_eq(ar.prefix_len, 2);
     /* It packs as a valid message. */
-    Kvrope__Response r = KVROPE__RESPONSE__INIT;
-    r.body_case = KVROPE__RESPONSE__BODY_ASSEMBLE;
-    r.assemble = &ar;
-    size_t len;
-    uint8_t *buf = kvrd_pack_response(&r, 0, &len);
-    uint64_t pl;
-    Kvrope__Response *u = unframe(buf, len, &pl);
+    Kvrope__Response *u = through_the_wire(&(Kvrope__Response){
+        .base = PROTOBUF_C_MESSAGE_INIT(&kvrope__response__descriptor),
+        .body_case = KVROPE__RESPONSE__BODY_ASSEMBLE,
+        .assemble = &ar });
     cr_assert_eq(u->assemble->n_segments, 3);
     cr_assert_str_eq(u->assemble->segments[1]->context_id, "d");
     kvrope__response__free_unpacked(u, NULL);
-    kvr_mem_free(buf);
     kvrd_pb_assemble_result_free(&ar);
     cr_assert_eq(kvr_mem_allocated(), base);
 }
@@ -742,17 +750,13 @@ Test(daemon_convert, lists_allocate_once_and_free_all)
     cr_assert_eq(ml.n_models, 2);
     cr_assert_str_eq(ml.models[1]->name, "other");
     cr_assert(ml.models[1]->rope && ml.models[1]->rope != ml.models[0]->rope);
-    Kvrope__Response r = KVROPE__RESPONSE__INIT;
-    r.body_case = KVROPE__RESPONSE__BODY_MODELS;
-    r.models = &ml;
-    size_t len;
-    uint8_t *buf = kvrd_pack_response(&r, 0, &len);
-    uint64_t pl;
-    Kvrope__Response *u = unframe(buf, len, &pl);
+    Kvrope__Response *u = through_the_wire(&(Kvrope__Response){
+        .base = PROTOBUF_C_MESSAGE_INIT(&kvrope__response__descriptor),
+        .body_case = KVROPE__RESPONSE__BODY_MODELS,
+        .models = &ml });
     cr_assert_eq(u->models->n_models, 2);
     cr_assert_eq(u->models->models[1]->rope->theta, 10000.0);
     kvrope__response__free_unpacked(u, NULL);
-    kvr_mem_free(buf);
     kvrd_pb_model_list_free(&ml);
     cr_assert_eq(kvrd_pb_model_list(NULL, 0, &ml), 0);
     kvrd_pb_model_list_free(&ml);
