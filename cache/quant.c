@@ -493,8 +493,9 @@ int block_read_side(const kvr_model *m, const kvr_block *b, uint32_t layer, int 
             kvr_convert(dst, odt, src, b->dtype, count * row);
             return 0;
         }
-        return kvr_rope_reposition(m->engine, dst, odt, src, b->dtype, count,
-                                   m->n_kv_heads, from, to, NULL);
+        /* the layer's own RoPE (per-layer models: sliding / NoPE layers) */
+        return kvr_rope_reposition(kvr_rope_layer(m->engine, layer), dst, odt, src, b->dtype,
+                                   count, m->n_kv_heads, from, to, NULL);
     }
     if (kv) {
         decode_rows(m, b, layer, 1, first, count, dst, odt);
@@ -516,8 +517,9 @@ int block_read_side(const kvr_model *m, const kvr_block *b, uint32_t layer, int 
         } else {
             decode_rows(m, b, layer, 0, s, e - s, scratch, KVR_DTYPE_F32);
         }
-        int rc = kvr_rope_apply(m->engine, (uint8_t *)dst + (size_t)(s - first) * row * osz,
-                                odt, src, KVR_DTYPE_F32, e - s, m->n_kv_heads,
+        int rc = kvr_rope_apply(kvr_rope_layer(m->engine, layer),
+                                (uint8_t *)dst + (size_t)(s - first) * row * osz, odt,
+                                src, KVR_DTYPE_F32, e - s, m->n_kv_heads,
                                 to + (s - first), NULL);
         if (rc != 0)
             return rc;
