@@ -485,7 +485,7 @@ static int assemble_work_layer(void *ud, size_t li)
             float *qs = scratch ? scratch + (via ? ne : 0) : NULL;
             if ((rc = block_read_side(m, r->rd, l, 0, r->first, r->count, kd, kdt,
                                       r->same ? NULL : t->from + r->tok, t->targets + r->tok,
-                                      qs)) != 0)
+                                      qs, NULL)) != 0)
                 break;
             if (r->fold) {
                 float *f = kd;
@@ -497,7 +497,7 @@ static int assemble_work_layer(void *ud, size_t li)
         }
         if (rc == 0 && !t->zc_v)
             rc = block_read_side(m, r->rd, l, 1, r->first, r->count,
-                                 base + t->kst + r->tok * rowb, odt, NULL, NULL, NULL);
+                                 base + t->kst + r->tok * rowb, odt, NULL, NULL, NULL, NULL);
     }
     kvr_mem_free(scratch);
     return rc;

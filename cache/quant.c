@@ -484,7 +484,8 @@ void quant_decode_side(const kvr_model *m, const kvr_block *b, uint32_t layer, i
 
 int block_read_side(const kvr_model *m, const kvr_block *b, uint32_t layer, int kv,
                     uint32_t first, uint32_t count, void *dst, kvr_dtype odt,
-                    const int64_t *from, const int64_t *to, float *scratch)
+                    const int64_t *from, const int64_t *to, float *scratch,
+                    const kvr_rope_opts *ro)
 {
     size_t row = (size_t)m->n_kv_heads * m->head_dim;
     if (!b->quant) {
@@ -495,7 +496,7 @@ int block_read_side(const kvr_model *m, const kvr_block *b, uint32_t layer, int 
         }
         /* the layer's own RoPE (per-layer models: sliding / NoPE layers) */
         return kvr_rope_reposition(kvr_rope_layer(m->engine, layer), dst, odt, src, b->dtype,
-                                   count, m->n_kv_heads, from, to, NULL);
+                                   count, m->n_kv_heads, from, to, ro);
     }
     if (kv) {
         decode_rows(m, b, layer, 1, first, count, dst, odt);
@@ -520,7 +521,7 @@ int block_read_side(const kvr_model *m, const kvr_block *b, uint32_t layer, int 
         int rc = kvr_rope_apply(kvr_rope_layer(m->engine, layer),
                                 (uint8_t *)dst + (size_t)(s - first) * row * osz, odt,
                                 src, KVR_DTYPE_F32, e - s, m->n_kv_heads,
-                                to + (s - first), NULL);
+                                to + (s - first), ro);
         if (rc != 0)
             return rc;
         s = e;
