@@ -487,17 +487,14 @@ int kvr_rope_config_from_json(kvr_rope_config *cfg, const char *json, size_t len
 
     /* Multi-head latent attention caches something else than per-head K/V. */
     if ((v = get(o, "kv_lora_rank"))) {
-        rc = fail(err, errlen, "kv_lora_rank: %g: multi-head latent attention (DeepSeek-V2/V3 "
-                  "MLA) caches one compressed latent of kv_lora_rank values plus one rotary "
-                  "key k_pe of qk_rope_head_dim dims per token, not per-head K and V; kvrope "
-                  "stores per-head keys, so this model is not supported",
-                  cJSON_IsNumber(v) ? v->valuedouble : 0.0);
+        rc = fail(err, errlen, "kv_lora_rank: %g: DeepSeek MLA caches a compressed latent "
+                  "plus one shared rotary key k_pe (qk_rope_head_dim) per token, not "
+                  "per-head K/V: not supported", cJSON_IsNumber(v) ? v->valuedouble : 0.0);
         goto out;
     }
     if ((v = get(o, "qk_rope_head_dim"))) {
-        rc = fail(err, errlen, "qk_rope_head_dim: %g: only part of each query/key head is "
-                  "rotated (MLA-style split heads); kvrope stores per-head keys rotated "
-                  "over rotary_dim and cannot serve this layout",
+        rc = fail(err, errlen, "qk_rope_head_dim: %g: heads split into rotated and "
+                  "unrotated parts (MLA style) are not per-head K/V: not supported",
                   cJSON_IsNumber(v) ? v->valuedouble : 0.0);
         goto out;
     }
