@@ -143,8 +143,9 @@ static int raw_begin(kvr_get *t, const kvr_ctx *c, size_t nl, kvr_error *err)
     return 0;
 }
 
-/* The sequence lengths of a context's RoPE tables (see get_begin). */
-static void ctx_rope_lens(const kvr_ctx *c, const int64_t *targets, size_t n,
+/* The sequence lengths of a context's RoPE tables (see get_begin):
+ * requested targets -> max target + 1; else the context's logical length. */
+static void ctx_rope_lens(const kvr_ctx *c, const int64_t *targets, size_t n, bool requested,
                           kvr_rope_opts *ro)
 {
     int64_t smax = -1, lmax = -1;
@@ -160,7 +161,7 @@ static void ctx_rope_lens(const kvr_ctx *c, const int64_t *targets, size_t n,
     }
     int64_t tl = kvr_rope_default_seq_len(targets, n);
     ro->seq_len_from = smax + 1;
-    ro->seq_len_to = tl > lmax + 1 ? tl : lmax + 1;
+    ro->seq_len_to = requested || tl > lmax + 1 ? tl : lmax + 1;
 }
 
 int kvr_store_get_begin(kvr_store *s, const kvr_get_params *p, kvr_get **out,
@@ -293,11 +294,12 @@ int kvr_store_get_begin(kvr_store *s, const kvr_get_params *p, kvr_get **out,
      * so the context knows its length. Its keys are taken as rotated with the
      * table of the positions they are stored at (max stored-at + 1, what
      * transformers uses for a forward over them), and they are read with the
-     * table of the context at its logical positions or at the requested
-     * targets (max + 1). Where the two tables differ, every key is re-rotated
-     * (removed with the old table, applied with the new), moved or not. */
+     * table of the requested targets (max + 1), or of the context's logical
+     * length when none are requested. Where the two tables differ, every key
+     * is re-rotated (removed with the old table, applied with the new), moved
+     * or not. */
     if (!p->meta_only && !p->raw && !kvr_rope_config_composes(&m->rope_cfg)) {
-        ctx_rope_lens(c, t->targets, n, &t->ro);
+        ctx_rope_lens(c, t->targets, n, p->positions != NULL, &t->ro);
         if (!kvr_rope_same_table(m->engine, t->ro.seq_len_from, t->ro.seq_len_to)) {
             all_same = false;
             for (size_t g = 0; g < t->n_segs; g++)
