@@ -110,8 +110,8 @@ static double *pre_keys(const model *m)
     return E;
 }
 
-static void put(model *m, const char *id, const char *codec, const double *E,
-                const int64_t *pos)
+static void put_ex(model *m, const char *id, const char *codec, const double *E,
+                   const int64_t *pos, const char *prefix)
 {
     size_t row = (size_t)m->H * m->D, part = T * row;
     float *pl = malloc((size_t)m->L * 2 * part * sizeof *pl);
@@ -129,7 +129,7 @@ static void put(model *m, const char *id, const char *codec, const double *E,
     kvr_put_params p = { .ctx_id = id, .model = m->mi.name, .mode = KVR_PUT_CREATE,
                          .n_layers = m->L, .n_kv_heads = m->H, .head_dim = m->D,
                          .dtype = KVR_DTYPE_F32, .n_tokens = T, .tokens = tok,
-                         .positions = pos, .codec = codec };
+                         .positions = pos, .codec = codec, .prefix_ctx = prefix };
     kvr_put *t = NULL;
     kvr_error e = { 0 };
     cr_assert_eq(kvr_store_put_begin(m->s, &p, &t, &e), 0, "%s", e.msg);
@@ -145,6 +145,12 @@ static void put(model *m, const char *id, const char *codec, const double *E,
     cr_assert_eq(kvr_put_commit(t, NULL, &e), 0, "%s", e.msg);
     free(k);
     free(pl);
+}
+
+static void put(model *m, const char *id, const char *codec, const double *E,
+                const int64_t *pos)
+{
+    put_ex(m, id, codec, E, pos, NULL);
 }
 
 static float *get(model *m, const char *id, const int64_t *targets)
@@ -228,6 +234,64 @@ Test(rope_layers, gemma3_every_read_path_uses_the_layers_base)
     got = get(&m, "q", NULL);
     check_layers(&m, got, E, to7, 2e-2, "int8 get after a shift");
     free(got);
+    free(E);
+    kvr_store_destroy(m.s);
+}
+
+/* APE assemble: a document moved to an explicit start rotates per layer. */
+Test(rope_layers, gemma3_assemble_uses_the_layers_base)
+{
+    kvr_rope_config rc;
+    char err[256] = "";
+    const char *path = configs_path("gemma3-1b.json");
+    cr_assert_eq(kvr_rope_config_from_file(&rc, path, NULL, err, sizeof err), 0, "%s: %s",
+                 path, err);
+    model m = { 0 };
+    mk(&m, "gemma3", &rc, 1);
+    double *E = pre_keys(&m);
+    int64_t pos[T], dpos[T], to[T];
+    for (int i = 0; i < T; i++) {
+        pos[i] = i;
+        dpos[i] = T + i;
+        to[i] = 700 + i;
+    }
+    put(&m, "p", NULL, E, pos);
+    put_ex(&m, "d", NULL, E, dpos, "p");
+    const char *docs[] = { "d" };
+    int64_t starts[] = { 700 };
+    kvr_assemble_params ap = { .prefix = "p", .docs = docs, .n_docs = 1,
+                               .layout = KVR_LAYOUT_EXPLICIT, .starts = starts,
+                               .dtype = KVR_DTYPE_F32, .temperature = 1.0, .scale = 1.0 };
+    kvr_assemble *a = NULL;
+    kvr_error e = { 0 };
+    cr_assert_eq(kvr_store_assemble_begin(m.s, &ap, &a, &e), 0, "%s", e.msg);
+    if (kvr_assemble_needs_work(a))
+        cr_assert_eq(kvr_assemble_work(a, &e), 0, "%s", e.msg);
+    size_t n = kvr_assemble_payload_size(a), off = 0, niov;
+    const struct iovec *iov;
+    kvr_assemble_payload_iov(a, &iov, &niov);
+    float *out = malloc(n);
+    for (size_t i = 0; i < niov; i++) {
+        memcpy((uint8_t *)out + off, iov[i].iov_base, iov[i].iov_len);
+        off += iov[i].iov_len;
+    }
+    kvr_assemble_end(a);
+    size_t row = (size_t)m.H * m.D, part = T * row;
+    cr_assert_eq(n, (size_t)m.L * 2 * 2 * part * sizeof(float));
+    /* the document's keys: stream tokens T..2T-1 of each layer's K */
+    float *doc = malloc((size_t)m.L * 2 * part * sizeof *doc);
+    for (uint32_t l = 0; l < m.L; l++) {
+        memcpy(doc + (size_t)l * 2 * part, out + (size_t)l * 4 * part + part,
+               part * sizeof *doc);
+        memset(doc + (size_t)l * 2 * part + part, 0, part * sizeof *doc);
+    }
+    check_layers(&m, doc, E, to, 2e-6, "assembled document at an explicit start");
+    /* the prefix did not move */
+    for (uint32_t l = 0; l < m.L; l++)
+        memcpy(doc + (size_t)l * 2 * part, out + (size_t)l * 4 * part, part * sizeof *doc);
+    check_layers(&m, doc, E, pos, 1e-6, "assembled prefix");
+    free(doc);
+    free(out);
     free(E);
     kvr_store_destroy(m.s);
 }
