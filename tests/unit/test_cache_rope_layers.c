@@ -360,7 +360,7 @@ Test(rope_layers, fingerprint_includes_the_layer_map)
     model m = { 0 };
     for (int i = 0; i < 4; i++) {
         kvr_rope_config rc;
-        char err[256] = "", name[8];
+        char err[256] = "", name[16];
         cr_assert_eq(kvr_rope_config_from_json(&rc, all[i], strlen(all[i]), NULL, err,
                                                sizeof err), 0, "%s", err);
         snprintf(name, sizeof name, "m%d", i);
