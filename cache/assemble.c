@@ -322,8 +322,9 @@ int kvr_store_assemble_begin(kvr_store *s, const kvr_assemble_params *p,
     if (!p->meta_only && !all_same && !kvr_rope_config_composes(&m->rope_cfg)) {
         rc = kvr_error_set(err, KVR_EUNSUPPORTED,
                            "model '%s' uses length-dependent RoPE scaling (dynamic NTK / "
-                           "longrope): its keys cannot be moved to other positions",
-                           m->name);
+                           "longrope): assemble cannot move its documents' keys (each "
+                           "context has its own table length); get each context at the "
+                           "positions wanted instead", m->name);
         goto fail;
     }
 
