@@ -212,14 +212,14 @@ static kvr_rope *rope_build(const kvr_rope_config *cfg)
     return r;
 }
 
-int kvr_rope_create(kvr_rope **out, const kvr_rope_config *cfg, char *err, size_t errlen)
+int kvr_rope_create(kvr_rope **out, const kvr_rope_config *cfg, kvr_error *err)
 {
-    if (!out || !cfg) return -EINVAL;
+    if (!out || !cfg) return kvr_error_set(err, KVR_EINVAL, "rope: NULL argument");
     *out = NULL;
-    int rc = kvr_rope_config_validate(cfg, err, errlen);
+    int rc = kvr_rope_config_validate(cfg, err);
     if (rc) return rc;
     kvr_rope *r = rope_build(cfg);
-    if (!r) return -ENOMEM;
+    if (!r) return kvr_error_set(err, KVR_ENOMEM, "rope: out of memory");
     bool want_local = false, want_none = false;
     for (int32_t l = 0; l < cfg->n_layer_kinds; l++) {
         want_local |= cfg->layer_kind[l] == KVR_ROPE_LAYER_LOCAL;
@@ -235,16 +235,22 @@ int kvr_rope_create(kvr_rope **out, const kvr_rope_config *cfg, char *err, size_
     sub.n_short_factor = sub.n_long_factor = 0;
     if (want_local) {
         sub.theta = cfg->local_theta;
-        if ((rc = kvr_rope_config_validate(&sub, err, errlen)) != 0) {
+        if ((rc = kvr_rope_config_validate(&sub, err)) != 0) {
             kvr_rope_destroy(r);
             return rc;
         }
-        if (!(r->local = rope_build(&sub))) { kvr_rope_destroy(r); return -ENOMEM; }
+        if (!(r->local = rope_build(&sub))) {
+            kvr_rope_destroy(r);
+            return kvr_error_set(err, KVR_ENOMEM, "rope: out of memory");
+        }
     }
     if (want_none) {
         sub.theta = cfg->theta;
         sub.rotary_dim = 0;
-        if (!(r->none = rope_build(&sub))) { kvr_rope_destroy(r); return -ENOMEM; }
+        if (!(r->none = rope_build(&sub))) {
+            kvr_rope_destroy(r);
+            return kvr_error_set(err, KVR_ENOMEM, "rope: out of memory");
+        }
     }
     *out = r;
     return 0;
@@ -513,17 +519,17 @@ static int check_args(const kvr_rope *r, const void *dst, kvr_dtype dt, const vo
                       kvr_dtype st, size_t n_tokens, size_t n_heads, const void *p1,
                       const void *p2)
 {
-    if (!r) return -EINVAL;
-    if (kvr_dtype_size(dt) == 0 || kvr_dtype_size(st) == 0) return -EINVAL;
+    if (!r) return KVR_EINVAL;
+    if (kvr_dtype_size(dt) == 0 || kvr_dtype_size(st) == 0) return KVR_EINVAL;
     if (n_tokens == 0 || n_heads == 0) return 0;
-    if (!dst || !src || !p1 || !p2) return -EINVAL;
+    if (!dst || !src || !p1 || !p2) return KVR_EINVAL;
     /* overflow-safe size: tokens * heads * head_dim * 4 must fit */
     size_t e;
     if (__builtin_mul_overflow(n_tokens, n_heads, &e) ||
         __builtin_mul_overflow(e, (size_t)r->head_dim * 4, &e))
-        return -EINVAL;
+        return KVR_EINVAL;
     /* In place only with identical element types. */
-    if (dst == src && dt != st) return -EINVAL;
+    if (dst == src && dt != st) return KVR_EINVAL;
     if (r->npairs == 0) {
         /* A layer without RoPE: keys pass through, converted. */
         if (dst != src) kvr_convert((void *)(uintptr_t)dst, dt, src, st, e / 4);

@@ -190,9 +190,9 @@ int kvr_cli_rope_main(int argc, char **argv)
     if (from_seq_s && verb == APPLY) return usage("--from-seq-len is for remove and reposition");
 
     kvr_rope_config cfg;
-    char err[256] = "";
-    if (kvr_rope_config_from_file(&cfg, config, style, err, sizeof err) != 0) {
-        fprintf(stderr, "kvrope rope: %s: %s\n", config, err);
+    kvr_error err = { 0 };
+    if (kvr_rope_config_from_file(&cfg, config, style, &err) != 0) {
+        fprintf(stderr, "kvrope rope: %s: %s\n", config, err.msg);
         return 1;
     }
     size_t n_el;
@@ -206,8 +206,8 @@ int kvr_cli_rope_main(int argc, char **argv)
     void *src = NULL, *dst = NULL;
     int64_t *p = NULL, *pf = NULL;
     FILE *fo = NULL;
-    if (kvr_rope_create(&r, &cfg, err, sizeof err) != 0) {
-        fprintf(stderr, "kvrope rope: %s: %s\n", config, err);
+    if (kvr_rope_create(&r, &cfg, &err) != 0) {
+        fprintf(stderr, "kvrope rope: %s: %s\n", config, err.msg);
         goto done;
     }
     if (layer_s && cfg.num_layers > 0 && layer >= (size_t)cfg.num_layers) {
@@ -237,7 +237,7 @@ int kvr_cli_rope_main(int argc, char **argv)
     int e = verb == APPLY ? kvr_rope_apply(lr, dst, dt_out, src, dt_in, tokens, heads, p, &ro)
           : verb == REMOVE ? kvr_rope_remove(lr, dst, dt_out, src, dt_in, tokens, heads, p, &ro)
           : kvr_rope_reposition(lr, dst, dt_out, src, dt_in, tokens, heads, pf, p, &ro);
-    if (e) { fprintf(stderr, "kvrope rope: %s\n", strerror(-e)); goto done; }
+    if (e) { fprintf(stderr, "kvrope rope: %s\n", kvr_strerror(e)); goto done; }
     fo = fopen(out, "wb");
     if (!fo) { fprintf(stderr, "kvrope rope: --out %s: %s\n", out, strerror(errno)); goto done; }
     size_t ob = n_el * kvr_dtype_size(dt_out);

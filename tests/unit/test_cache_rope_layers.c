@@ -198,10 +198,10 @@ static void check_layers(const model *m, const float *got, const double *E, cons
 Test(rope_layers, gemma3_every_read_path_uses_the_layers_base)
 {
     kvr_rope_config rc;
-    char err[256] = "";
+    kvr_error err = { 0 };
     const char *path = configs_path("gemma3-1b.json");
-    cr_assert_eq(kvr_rope_config_from_file(&rc, path, NULL, err, sizeof err), 0, "%s: %s",
-                 path, err);
+    cr_assert_eq(kvr_rope_config_from_file(&rc, path, NULL, &err), 0, "%s: %s",
+                 path, err.msg);
     model m = { 0 };
     mk(&m, "gemma3", &rc, 1);
     cr_assert_eq(m.theta[0], 10000.0);
@@ -242,10 +242,10 @@ Test(rope_layers, gemma3_every_read_path_uses_the_layers_base)
 Test(rope_layers, gemma3_assemble_uses_the_layers_base)
 {
     kvr_rope_config rc;
-    char err[256] = "";
+    kvr_error err = { 0 };
     const char *path = configs_path("gemma3-1b.json");
-    cr_assert_eq(kvr_rope_config_from_file(&rc, path, NULL, err, sizeof err), 0, "%s: %s",
-                 path, err);
+    cr_assert_eq(kvr_rope_config_from_file(&rc, path, NULL, &err), 0, "%s: %s",
+                 path, err.msg);
     model m = { 0 };
     mk(&m, "gemma3", &rc, 1);
     double *E = pre_keys(&m);
@@ -309,9 +309,9 @@ Test(rope_layers, nope_layers_pass_keys_through)
     };
     for (size_t c = 0; c < sizeof cfgs / sizeof *cfgs; c++) {
         kvr_rope_config rc;
-        char err[256] = "";
-        cr_assert_eq(kvr_rope_config_from_json(&rc, cfgs[c], strlen(cfgs[c]), "neox", err,
-                                               sizeof err), 0, "%s", err);
+        kvr_error err = { 0 };
+        cr_assert_eq(kvr_rope_config_from_json(&rc, cfgs[c], strlen(cfgs[c]), "neox", &err),
+                     0, "%s", err.msg);
         cr_assert_eq(kvr_rope_config_layer_kind(&rc, 3), KVR_ROPE_LAYER_NONE);
         cr_assert_eq(kvr_rope_config_layer_kind(&rc, 7), KVR_ROPE_LAYER_NONE);
         cr_assert_eq(kvr_rope_config_layer_kind(&rc, 2), KVR_ROPE_LAYER_GLOBAL);
@@ -360,9 +360,10 @@ Test(rope_layers, fingerprint_includes_the_layer_map)
     model m = { 0 };
     for (int i = 0; i < 4; i++) {
         kvr_rope_config rc;
-        char err[256] = "", name[16];
-        cr_assert_eq(kvr_rope_config_from_json(&rc, all[i], strlen(all[i]), NULL, err,
-                                               sizeof err), 0, "%s", err);
+        kvr_error err = { 0 };
+        char name[16];
+        cr_assert_eq(kvr_rope_config_from_json(&rc, all[i], strlen(all[i]), NULL, &err),
+                     0, "%s", err.msg);
         snprintf(name, sizeof name, "m%d", i);
         mk(&m, name, &rc, 1);
         fp[i] = m.mi.fingerprint;
@@ -371,7 +372,7 @@ Test(rope_layers, fingerprint_includes_the_layer_map)
     }
     /* a layer count other than the map's is refused */
     kvr_rope_config rc;
-    cr_assert_eq(kvr_rope_config_from_json(&rc, a, strlen(a), NULL, NULL, 0), 0);
+    cr_assert_eq(kvr_rope_config_from_json(&rc, a, strlen(a), NULL, NULL), 0);
     kvr_model_desc d = { .name = "short", .n_layers = 4, .n_kv_heads = 1, .head_dim = 16,
                          .dtype = KVR_DTYPE_F32, .rope = rc };
     kvr_error e = { 0 };
@@ -389,9 +390,9 @@ Test(rope_layers, dynamic_ntk_get_uses_the_target_length)
                      "\"rope_theta\":10000,\"max_position_embeddings\":64,"
                      "\"rope_scaling\":{\"type\":\"dynamic\",\"factor\":2.0}}";
     kvr_rope_config rc;
-    char err[256] = "";
-    cr_assert_eq(kvr_rope_config_from_json(&rc, js, strlen(js), NULL, err, sizeof err), 0,
-                 "%s", err);
+    kvr_error err = { 0 };
+    cr_assert_eq(kvr_rope_config_from_json(&rc, js, strlen(js), NULL, &err), 0,
+                 "%s", err.msg);
     model m = { 0 };
     mk(&m, "dyn", &rc, 2);
     double *E = pre_keys(&m);

@@ -687,7 +687,7 @@ Test(cache_store, non_composing_rope_moves_with_its_length)
     kvr_rope_config rc = d.rope;
     rc.head_dim = rc.rotary_dim = D;
     kvr_rope *r;
-    cr_assert_eq(kvr_rope_create(&r, &rc, NULL, 0), 0);
+    cr_assert_eq(kvr_rope_create(&r, &rc, NULL), 0);
     int64_t from[10], to[10];
     for (int i = 0; i < 10; i++) {
         from[i] = i;
