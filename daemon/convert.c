@@ -21,6 +21,8 @@
 
 /* The generated structs take non-const pointers; the data is only read. */
 #define UNCONST(T, p) ((T)(uintptr_t)(p))
+/* Sets an optional scalar field of a generated message. */
+#define OPT(o, field, value) ((o)->has_##field = 1, (o)->field = (value))
 
 static void *pb_alloc(void *ud, size_t n)
 {
@@ -130,6 +132,10 @@ int kvrd_model_desc_from_pb(const Kvrope__RegisterModel *m, kvr_model_desc *out,
                                       &why) < 0)
             return kvr_error_set(err, KVR_ECONFIG, "config_json refused: %s",
                                  why.msg[0] ? why.msg : "invalid");
+        /* Explicit RoPE fields override what config_json says. */
+        int r = kvrd_rope_from_pb(m->rope, rc, err);
+        if (r < 0)
+            return r;
     } else {
         if (!m->has_n_layers || !m->has_n_kv_heads || !m->has_head_dim)
             return kvr_error_set(err, KVR_EBADREQUEST,
@@ -153,7 +159,7 @@ int kvrd_model_desc_from_pb(const Kvrope__RegisterModel *m, kvr_model_desc *out,
             rc->rotary_dim = (int32_t)m->head_dim;
         rc->head_dim = (int32_t)m->head_dim;
     }
-    if (m->has_n_layers || m->has_n_kv_heads || m->has_head_dim || !m->config_json) {
+    if (m->has_n_layers || m->has_n_kv_heads || m->has_head_dim || !m->config_json || m->rope) {
         if (rc->num_heads <= 0)
             rc->num_heads = rc->num_kv_heads;
         if (kvr_rope_config_validate(rc, &why) < 0)
@@ -421,6 +427,16 @@ void kvrd_pb_rope(const kvr_rope_config *rc, Kvrope__RopeParams *p)
         p->has_max_position_embeddings = 1;
         p->max_position_embeddings = rc->max_position_embeddings;
     }
+    p->model_type = UNCONST(char *, rc->model_type);
+    if (!isnan(rc->local_theta))
+        OPT(p, local_theta, rc->local_theta);
+    if (rc->n_layer_kinds > 0 && rc->n_layer_kinds <= KVR_ROPE_MAX_LAYERS) {
+        p->has_layer_kinds = 1;
+        p->layer_kinds.len = (size_t)rc->n_layer_kinds;
+        p->layer_kinds.data = UNCONST(uint8_t *, rc->layer_kind);
+    }
+    if (rc->scaling == KVR_ROPE_SCALING_YARN && !rc->yarn_truncate)
+        OPT(p, yarn_truncate, 0);
 }
 
 void kvrd_pb_model(const kvr_model_info *m, Kvrope__ModelInfo *o, Kvrope__RopeParams *rp)
@@ -433,14 +449,16 @@ void kvrd_pb_model(const kvr_model_info *m, Kvrope__ModelInfo *o, Kvrope__RopePa
     o->dtype = (Kvrope__DType)m->dtype;
     o->fingerprint = m->fingerprint;
     kvrd_pb_rope(m->rope, rp);
+    /* Longrope's factor is derived (max / original positions) when the
+     * config does not state it: report the one the engine uses. */
+    if (m->rope && m->engine && m->rope->scaling == KVR_ROPE_SCALING_LONGROPE &&
+        isnan(m->rope->factor))
+        OPT(rp, factor, kvr_rope_factor(m->engine));
     o->rope = rp;
     o->has_n_contexts = 1;
     o->n_contexts = m->n_contexts;
     o->codec = UNCONST(char *, m->codec);
 }
-
-/* Sets an optional scalar field of a generated message. */
-#define OPT(o, field, value) ((o)->has_##field = 1, (o)->field = (value))
 
 void kvrd_pb_context(const kvr_ctx_info *i, Kvrope__ContextInfo *o)
 {

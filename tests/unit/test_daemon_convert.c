@@ -146,6 +146,28 @@ Test(daemon_convert, rope_round_trips_through_the_wire)
     kvrope__rope_params__free_unpacked(q, NULL);
 }
 
+Test(daemon_convert, rope_reports_per_layer_kinds_and_model_type)
+{
+    kvr_rope_config a;
+    kvr_rope_config_init(&a);
+    snprintf(a.model_type, sizeof a.model_type, "gemma3_text");
+    a.local_theta = 10000.0;
+    a.n_layer_kinds = 3;
+    a.layer_kind[0] = 1;
+    a.layer_kind[1] = 0;
+    a.layer_kind[2] = 2;
+    Kvrope__RopeParams p;
+    kvrd_pb_rope(&a, &p);
+    cr_assert_str_eq(p.model_type, "gemma3_text");
+    cr_assert(p.has_local_theta && p.local_theta == 10000.0);
+    cr_assert(p.has_layer_kinds && p.layer_kinds.len == 3);
+    cr_assert_eq(p.layer_kinds.data[2], 2);
+    cr_assert(!p.has_yarn_truncate, "only reported when yarn does not truncate");
+    a.n_layer_kinds = 0;
+    kvrd_pb_rope(&a, &p);
+    cr_assert(!p.has_layer_kinds);
+}
+
 Test(daemon_convert, rope_from_pb_refuses_bad_scaling_and_long_factor_lists)
 {
     kvr_rope_config rc;
