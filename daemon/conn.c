@@ -98,6 +98,7 @@ void kvr_conn_close(kvr_conn *c)
     c->closing = true;
     /* A request reading its payload is aborted: the context stays as it was. */
     kvrd_dispatch_conn_closing(c);
+    kvrd_shm_conn_closed(c);
     uv_close(&c->h.handle, on_close);
 }
 
@@ -348,6 +349,14 @@ static void update_reading(kvr_conn *c)
         uv_read_stop(&c->h.stream);
     }
     c->reading = want;
+}
+
+void kvrd_conn_quiet(kvr_conn *c)
+{
+    if (c->reading || c->closing)
+        return;
+    if (uv_read_start(&c->h.stream, alloc_cb, read_cb) == 0)
+        uv_read_stop(&c->h.stream);
 }
 
 /* ---- reading ------------------------------------------------------------ */

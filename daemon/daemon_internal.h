@@ -56,9 +56,18 @@ typedef enum kvrd_conn_state {
 
 /* Requests counted per verb: one counter per entry of dispatch.c's verb
  * table, in its order (kvrd_verb_name gives the names). */
-#define KVR_N_VERBS 23
+#define KVR_N_VERBS 25
 
 typedef struct kvr_conn kvr_conn;
+/* A shared-memory region of a connection (shm.c). */
+typedef struct kvrd_region kvrd_region;
+struct kvrd_region {
+    uint32_t     id;
+    int          refs;           /* loop thread only */
+    uint8_t     *base;           /* mapped read-write, size bytes */
+    size_t       size;
+    kvrd_region *next;           /* the connection's list */
+};
 /* One request in progress (dispatch.c; opaque elsewhere). */
 typedef struct kvrd_request kvrd_request;
 
@@ -152,6 +161,11 @@ struct kvr_conn {
     size_t      writes_pending;
     uint64_t    out_queued;
 
+    /* Shared-memory regions (shm.c), Unix socket only. */
+    kvrd_region *regions;
+    uint32_t    n_regions, region_seq;
+    uint64_t    region_bytes;
+
     kvrd_request *req;            /* dispatch.c's: the request in progress */
     kvrd_request *req_spare;      /* dispatch.c's: storage for the next one
                                      (kvr_mem; freed with the connection) */
@@ -202,6 +216,29 @@ void kvrd_conn_request_done(kvr_conn *c);
 /* A reference that keeps c's memory alive (work, held replies, streams). */
 void kvr_conn_ref(kvr_conn *c);
 void kvr_conn_unref(kvr_conn *c);
+
+/* Stops the read watcher of a connection that is not reading (libuv's
+ * uv_accept re-arms it when it hands over the last queued fd). */
+void kvrd_conn_quiet(kvr_conn *c);
+
+/* ---- shm.c: shared-memory regions ------------------------------------- */
+/* The fds that came with the current frame: the first is returned (the
+ * caller's, or -1 if none came), any others are closed. */
+int  kvrd_shm_take_fd(kvr_conn *c);
+/* Validates fd (a memfd sealed against shrinking, >= size bytes, not
+ * write-sealed), the per-connection limits, and maps it; the region is
+ * the connection's (*out borrowed). fd stays the caller's. */
+int  kvrd_shm_register(kvr_conn *c, int fd, uint64_t size, kvrd_region **out, kvr_error *e);
+kvrd_region *kvrd_shm_find(kvr_conn *c, uint32_t id);
+int  kvrd_shm_release(kvr_conn *c, uint32_t id, kvr_error *e);
+/* The connection closes: its references go (requests keep theirs). */
+void kvrd_shm_conn_closed(kvr_conn *c);
+/* [offset, offset + length) of region `region`, checked; on success the
+ * caller holds a reference (*out, kvrd_region_unref) and *p points there. */
+int  kvrd_shm_slice(kvr_conn *c, uint32_t region, uint64_t offset, uint64_t length,
+                    kvrd_region **out, uint8_t **p, kvr_error *e);
+void kvrd_region_ref(kvrd_region *g);
+void kvrd_region_unref(kvrd_region *g);   /* NULL: no-op; the last one unmaps */
 
 /* ---- dispatch.c ------------------------------------------------------- */
 /* A complete frame's message arrived (fh: its header; msg: fh->msg_len

@@ -33,6 +33,7 @@
 #include <stddef.h>
 #include <stdio.h>
 #include <string.h>
+#include <unistd.h>
 
 /* The generated structs take non-const pointers; the data is only read. */
 #define UNCONST(T, p) ((T)(uintptr_t)(p))
@@ -83,6 +84,14 @@ struct kvrd_request {
     /* PERSIST: the packed reply */
     uint8_t         *held;
     size_t           held_len;
+    /* Request.shm (shm.c): the payload's place instead of the socket; the
+     * region is referenced until the request ends. */
+    kvrd_region     *shm;
+    uint8_t         *shm_p;
+    size_t           shm_len;
+    bool             meta;          /* get/assemble: meta_only (no payload) */
+    bool             needs_work;    /* run(): the verb's work is to be done */
+    int              fd;            /* came with the frame (-1 none); closed at the end */
     /* From here on each field is set before it is read, so a reused
      * request is cleared only up to `work`. */
     /* threadpool job */
@@ -131,6 +140,11 @@ void kvrd_request_end(kvrd_request *r, int status)
                 (double)(uv_hrtime() - r->start_ns) / 1e6, (unsigned long long)r->bytes_out);
     if (r->msg)
         kvrope__request__free_unpacked(r->msg, &kvr_pb_allocator);
+    kvrd_region_unref(r->shm);      /* work on it is over: unmapped if released */
+    r->shm = NULL;
+    if (r->fd >= 0)
+        close(r->fd);
+    r->fd = -1;
     c->req = NULL;
     /* Kept for the connection's next request (freed with the connection):
      * one allocation per connection, not one per request. */
@@ -264,11 +278,84 @@ static void reply_ok(kvrd_request *r, Kvrope__Response *resp)
 
 /* ---- the threadpool: one way to run a transaction's work ----------------- */
 
+/* ---- shared memory: payloads in the client's region ------------------------ */
+
+static uint8_t *copy_iov_to(uint8_t *dst, const struct iovec *iov, size_t n)
+{
+    for (size_t i = 0; i < n; i++) {
+        memcpy(dst, iov[i].iov_base, iov[i].iov_len);
+        dst += iov[i].iov_len;
+    }
+    return dst;
+}
+
+/* Put / edit: copy the region's bytes into the transaction's iovecs first;
+ * every check (nan/inf, conversion) then runs on the daemon's copy, so a
+ * client changing its bytes meanwhile can only change what it stores. */
+static void shm_copy_in(kvrd_request *r)
+{
+    const struct iovec *iov;
+    size_t n;
+    if (r->edit)
+        kvr_edit_payload_iov(r->edit, &iov, &n);
+    else
+        kvr_put_payload_iov(r->put, &iov, &n);
+    const uint8_t *src = r->shm_p;
+    for (size_t i = 0; i < n; i++) {
+        memcpy(iov[i].iov_base, src, iov[i].iov_len);
+        src += iov[i].iov_len;
+    }
+}
+
+/* Get / match+get / assemble: the work (rotation, conversion,
+ * dequantization) and the copy into the region, on this worker thread. A
+ * get that needs work goes layer by layer, so each layer is copied while
+ * it is still in cache; zero-copy runs go straight from block memory. */
+static int shm_copy_out(kvrd_request *r, kvr_error *e)
+{
+    const struct iovec *iov;
+    size_t n;
+    int rc;
+    if (r->meta)
+        return 0;
+    if (r->get) {
+        size_t nl = kvr_get_get_info(r->get)->n_layers;
+        if (r->needs_work && nl > 1) {
+            uint8_t *d = r->shm_p;
+            for (size_t l = 0; l < nl; l++) {
+                if ((rc = kvr_get_work_layers(r->get, l, l + 1, e)) < 0)
+                    return rc;
+                kvr_get_payload_iov_layers(r->get, l, l + 1, &iov, &n);
+                d = copy_iov_to(d, iov, n);
+            }
+            return 0;
+        }
+        if (r->needs_work && (rc = kvr_get_work(r->get, e)) < 0)
+            return rc;
+        kvr_get_payload_iov(r->get, &iov, &n);
+    } else {
+        if (r->needs_work && (rc = kvr_assemble_work(r->as, e)) < 0)
+            return rc;
+        kvr_assemble_payload_iov(r->as, &iov, &n);
+    }
+    copy_iov_to(r->shm_p, iov, n);
+    return 0;
+}
+
 static void work_cb(uv_work_t *w)
 {
     kvrd_request *r = w->data;
     memset(&r->work_err, 0, sizeof r->work_err);
-    r->work_rc = r->verb->work(r, &r->work_err);
+    int rc = 0;
+    if (r->shm && (r->verb->flags & V_PAYLOAD_OUT)) {
+        rc = shm_copy_out(r, &r->work_err);
+    } else {
+        if (r->shm)
+            shm_copy_in(r);
+        if (r->needs_work)
+            rc = r->verb->work(r, &r->work_err);
+    }
+    r->work_rc = rc;
 }
 
 static void after_work_cb(uv_work_t *w, int status)
@@ -298,7 +385,8 @@ static void run(kvrd_request *r, bool needs_work)
 {
     assert(r->phase == RQ_RUN && r->verb->finish);
     r->work_rc = 0;
-    if (!needs_work) {
+    r->needs_work = needs_work;
+    if (!needs_work && !r->shm) {
         r->verb->finish(r);
         return;
     }
@@ -338,6 +426,10 @@ static void read_payload(kvrd_request *r)
     if (r->c->closing) {
         release_txn(r);
         kvrd_request_end(r, KVR_EIO);
+        return;
+    }
+    if (r->shm) {   /* copied from the region by the worker (shm_copy_in) */
+        run(r, r->edit ? kvr_edit_needs_work(r->edit) : kvr_put_needs_work(r->put));
         return;
     }
     const struct iovec *iov;
@@ -989,6 +1081,18 @@ static void start_get(kvrd_request *r, const kvr_get_params *gp)
         return;
     }
     bool work = !gp->meta_only && kvr_get_needs_work(r->get);
+    r->meta = gp->meta_only;
+    if (r->shm) {
+        size_t need = gp->meta_only ? 0 : kvr_get_payload_size(r->get);
+        if (need > r->shm_len) {
+            release_txn(r);
+            reply_errf(r, KVR_ERANGE, "shm: the payload is %zu bytes, the region slice "
+                       "holds %zu", need, r->shm_len);
+            return;
+        }
+        run(r, work);   /* no stream: the worker writes the region */
+        return;
+    }
     if (work && kvr_get_payload_size(r->get) > KVR_STREAM_MIN_BYTES &&
         kvr_get_get_info(r->get)->n_layers > 1) {
         r->work_rc = 0;
@@ -1104,6 +1208,16 @@ static void send_get(kvrd_request *r, bool stream)
         resp.body_case = KVROPE__RESPONSE__BODY_MATCH;
         resp.match = &mr;
     }
+    Kvrope__ShmSlice sl = KVROPE__SHM_SLICE__INIT;
+    if (r->shm) {   /* the payload is in the client's region already */
+        sl.region = r->shm->id;
+        sl.offset = (uint64_t)(r->shm_p - r->shm->base);
+        sl.length = payload;
+        resp.shm = &sl;
+        send_ok(r, &resp, NULL, 0, 0, NULL, NULL);
+        kvr_get_end(t);
+        return;
+    }
     if (!stream) {
         const struct iovec *iov = NULL;
         size_t niov = 0;
@@ -1154,6 +1268,14 @@ static void do_assemble(kvrd_request *r)
         reply_err(r, rc, &e);
         return;
     }
+    r->meta = ap.meta_only;
+    size_t need = ap.meta_only ? 0 : kvr_assemble_payload_size(r->as);
+    if (r->shm && need > r->shm_len) {
+        release_txn(r);
+        reply_errf(r, KVR_ERANGE, "shm: the assembled payload is %zu bytes, the region slice "
+                   "holds %zu", need, r->shm_len);
+        return;
+    }
     run(r, !ap.meta_only && kvr_assemble_needs_work(r->as));
 }
 
@@ -1179,6 +1301,17 @@ static void finish_assemble(kvrd_request *r)
     Kvrope__Response resp = KVROPE__RESPONSE__INIT;
     resp.body_case = KVROPE__RESPONSE__BODY_ASSEMBLE;
     resp.assemble = &ar;
+    Kvrope__ShmSlice sl = KVROPE__SHM_SLICE__INIT;
+    if (r->shm) {
+        sl.region = r->shm->id;
+        sl.offset = (uint64_t)(r->shm_p - r->shm->base);
+        sl.length = payload;
+        resp.shm = &sl;
+        send_ok(r, &resp, NULL, 0, 0, NULL, NULL);
+        kvr_assemble_end(t);
+        kvrd_pb_assemble_result_free(&ar);
+        return;
+    }
     const struct iovec *iov = NULL;
     size_t niov = 0;
     if (payload > 0)
@@ -1249,6 +1382,46 @@ static void do_set_retention(kvrd_request *r)
     reply_layout(r, q->context_id);
 }
 
+/* ---- shared-memory regions (shm.c) ---------------------------------------------- */
+
+static void reply_region(kvrd_request *r, uint32_t id, uint64_t size)
+{
+    Kvrope__RegionInfo ri = KVROPE__REGION_INFO__INIT;
+    ri.region = id;
+    ri.size = size;
+    ri.n_regions = r->c->n_regions;
+    ri.bytes = r->c->region_bytes;
+    Kvrope__Response resp = KVROPE__RESPONSE__INIT;
+    resp.body_case = KVROPE__RESPONSE__BODY_REGION;
+    resp.region = &ri;
+    reply_ok(r, &resp);
+}
+
+static void do_register_region(kvrd_request *r)
+{
+    kvrd_region *g;
+    kvr_error e = { 0 };
+    int rc = kvrd_shm_register(r->c, r->fd, r->msg->register_region->size, &g, &e);
+    if (rc < 0) {
+        reply_err(r, rc, &e);
+        return;
+    }
+    kvr_log(KVR_LOG_DEBUG, "region %u registered: %zu bytes", g->id, g->size);
+    reply_region(r, g->id, g->size);
+}
+
+static void do_release_region(kvrd_request *r)
+{
+    uint32_t id = r->msg->release_region->region;
+    kvr_error e = { 0 };
+    int rc = kvrd_shm_release(r->c, id, &e);
+    if (rc < 0) {
+        reply_err(r, rc, &e);
+        return;
+    }
+    reply_region(r, id, 0);
+}
+
 /* ---- the verb table ------------------------------------------------------------ */
 
 /* Which context a change request changes (persistence). */
@@ -1299,6 +1472,8 @@ static const kvrd_verb VERBS[KVR_N_VERBS] = {
          NULL),
     VERB(set_retention,    SET_RETENTION,    0,             changes_set_retention, NULL, NULL),
     VERB(layout_stat,      LAYOUT_STAT,      0,             NULL, NULL, NULL),
+    VERB(register_region,  REGISTER_REGION,  0,             NULL, NULL, NULL),
+    VERB(release_region,   RELEASE_REGION,   0,             NULL, NULL, NULL),
 };
 #undef VERB
 
@@ -1308,7 +1483,7 @@ const char *kvrd_verb_name(size_t i)
 }
 
 /* Body case -> 1 + index in VERBS (0: none), built once from the table. */
-#define MAX_BODY_CASE 64
+#define MAX_BODY_CASE 72
 static uint8_t verb_of_body[MAX_BODY_CASE];
 static pthread_once_t verb_index_once = PTHREAD_ONCE_INIT;
 
@@ -1357,6 +1532,7 @@ void kvrd_dispatch_frame(kvr_conn *c, const kvr_frame_header *fh, const uint8_t 
     r->payload_len = fh->payload_len;
     r->start_ns = uv_hrtime();
     r->verb = find_verb(q->body_case);
+    r->fd = kvrd_shm_take_fd(c);   /* fds never pile up on the handle */
     c->req = r;
     const kvrd_verb *v = r->verb;
     if (v)
@@ -1384,6 +1560,33 @@ void kvrd_dispatch_frame(kvr_conn *c, const kvr_frame_header *fh, const uint8_t 
         reply_errf(r, KVR_EBADREQUEST, "request %llu has no body (or an unknown verb)",
                    (unsigned long long)q->id);
         return;
+    }
+    if (q->shm) {
+        if (!(v->flags & (V_PAYLOAD_IN | V_PAYLOAD_OUT))) {
+            reply_errf(r, KVR_EBADREQUEST, "shm: a %s request has no payload to place",
+                       v->name);
+            return;
+        }
+        if (r->payload_len) {
+            reply_errf(r, KVR_EBADREQUEST, "shm: the payload is in the region; the frame "
+                       "may not carry one too (payload_len %llu)",
+                       (unsigned long long)r->payload_len);
+            return;
+        }
+        kvr_error e = { 0 };
+        int rc = kvrd_shm_slice(c, q->shm->region, q->shm->offset, q->shm->length, &r->shm,
+                                &r->shm_p, &e);
+        if (rc < 0) {
+            reply_err(r, rc, &e);
+            return;
+        }
+        if (q->shm->length > SIZE_MAX) {
+            reply_errf(r, KVR_ERANGE, "shm: length out of range");
+            return;
+        }
+        r->shm_len = (size_t)q->shm->length;
+        if (v->flags & V_PAYLOAD_IN)
+            r->payload_len = q->shm->length;   /* what the put/edit declares */
     }
     v->start(r);
 }

@@ -60,7 +60,8 @@ static void on_connection(uv_stream_t *srv, int status)
         kvr_log(KVR_LOG_ERROR, "out of memory accepting a connection");
         return;
     }
-    int rc = is_tcp ? uv_tcp_init(&d->loop, &c->h.tcp) : uv_pipe_init(&d->loop, &c->h.pipe, 0);
+    /* Unix connections in ipc mode: a client may send a memfd (shm.c). */
+    int rc = is_tcp ? uv_tcp_init(&d->loop, &c->h.tcp) : uv_pipe_init(&d->loop, &c->h.pipe, 1);
     if (rc < 0) {
         kvr_mem_free(c);
         return;
@@ -101,7 +102,7 @@ int kvr_daemon_adopt_fd(kvr_daemon *d, int fd)
     kvr_conn *c = kvr_mem_calloc(1, sizeof *c);
     if (!c)
         return KVR_ENOMEM;
-    int rc = uv_pipe_init(&d->loop, &c->h.pipe, 0);
+    int rc = uv_pipe_init(&d->loop, &c->h.pipe, 1);
     if (rc == 0)
         rc = uv_pipe_open(&c->h.pipe, fd);
     if (rc < 0) {
