@@ -250,6 +250,11 @@ class kvr_context_codec(Structure):
                 ("bits_per_value", c_double), ("rel_rms_k", c_double), ("rel_rms_v", c_double)]
 
 
+class kvr_shm(Structure):
+    """A slice of a shared-memory region (kvrope.h kvr_shm)."""
+    _fields_ = [("region", c_uint32), ("offset", c_uint64), ("length", c_uint64)]
+
+
 class kvr_metric(Structure):
     _fields_ = [("name", c_char * 120), ("value", c_double)]
 
@@ -325,6 +330,13 @@ PROTOTYPES = {
                                   POINTER(kvr_kv), POINTER(kvr_raw_layout)]),
     "kvr_client_stat_codec": (c_int, [H, c_char_p, POINTER(kvr_context), POINTER(kvr_context_edit),
                                       POINTER(kvr_context_codec)]),
+    # shared memory (Unix socket)
+    "kvr_client_region_create": (c_int, [H, c_size_t, POINTER(c_uint32), POINTER(c_void_p)]),
+    "kvr_client_region_release": (c_int, [H, c_uint32]),
+    "kvr_client_put_shm": (c_int, [H, POINTER(kvr_put_args), POINTER(kvr_put_opts),
+                                   POINTER(kvr_shm), POINTER(kvr_put_res)]),
+    "kvr_client_get_shm": (c_int, [H, POINTER(kvr_get_args), POINTER(kvr_get_opts),
+                                   POINTER(kvr_shm), POINTER(kvr_kv), POINTER(kvr_raw_layout)]),
 }
 # Verbs later libkvrope versions added: a library without them still loads.
 OPTIONAL = {"kvr_client_stat_ex", "kvr_client_edit", "kvr_client_edit_plan",
@@ -332,7 +344,8 @@ OPTIONAL = {"kvr_client_stat_ex", "kvr_client_edit", "kvr_client_edit_plan",
             "kvr_client_assemble", "kvr_assemble_release", "kvr_client_layout_stat",
             "kvr_client_set_group_offset", "kvr_client_set_retention",
             "kvr_client_model_register_ex", "kvr_client_model_list_ex", "kvr_client_get_ex",
-            "kvr_client_stat_codec"}
+            "kvr_client_stat_codec", "kvr_client_region_create", "kvr_client_region_release",
+            "kvr_client_put_shm", "kvr_client_get_shm"}
 
 
 def _candidates():
