@@ -113,6 +113,9 @@ struct kvr_daemon {
     uint64_t   n_conn_total, n_conn_refused, n_requests, n_errors;
     uint64_t   bytes_in, bytes_out;
     uint64_t   n_streamed, n_stream_aborted;   /* streamed replies; cut short */
+    /* server.c's idle purge of the allocator's retained pages */
+    uint64_t   purge_seen, purge_idle_ms;
+    bool       purged;
     uint64_t   per_verb[KVR_N_VERBS];
 };
 

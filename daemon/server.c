@@ -13,6 +13,12 @@
  */
 #include "daemon/daemon_internal.h"
 
+#ifdef KVR_JEMALLOC
+#include <jemalloc/jemalloc.h>   /* mallctl: the idle purge */
+#endif
+#define KVR_STR_(x) #x
+#define KVR_STR(x) KVR_STR_(x)
+
 #include <assert.h>
 #include <errno.h>
 #include <stdarg.h>
@@ -283,10 +289,31 @@ static int read_token(kvr_daemon *d, kvr_error *err)
 
 /* ---- timers, signals, stop --------------------------------------------------- */
 
+/* Freed pages the allocator keeps for reuse (main.c's malloc_conf) go back
+ * to the kernel once no request arrived for KVR_IDLE_PURGE_MS. */
+#define KVR_IDLE_PURGE_MS 2000
+
+static void idle_purge(kvr_daemon *d, uint64_t now)
+{
+    if (d->n_requests != d->purge_seen) {
+        d->purge_seen = d->n_requests;
+        d->purge_idle_ms = now;
+        d->purged = false;
+        return;
+    }
+    if (d->purged || now - d->purge_idle_ms < KVR_IDLE_PURGE_MS)
+        return;
+    d->purged = true;
+#ifdef KVR_JEMALLOC
+    (void)mallctl("arena." KVR_STR(MALLCTL_ARENAS_ALL) ".purge", NULL, NULL, NULL, 0);
+#endif
+}
+
 static void on_sweep(uv_timer_t *t)
 {
     kvr_daemon *d = t->data;
     uint64_t now = kvr_now_ms();
+    idle_purge(d, now);
     bool force = d->stopping && now >= d->stop_ms + KVR_STOP_GRACE_MS;
     for (kvr_conn *c = d->conns, *n; c; c = n) {
         n = c->next;
