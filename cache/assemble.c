@@ -29,7 +29,7 @@
 #include <string.h>
 
 #include "cache/parallel.h"
-#include "cache/store_internal.h"
+#include "cache/layout.h"
 
 typedef struct asm_run {
     kvr_block *b;            /* leased */
@@ -58,19 +58,16 @@ struct kvr_assemble {
     size_t             payload;
     struct iovec      *iov;
     size_t             n_iov;
-    tier_reload       *rl;           /* spilled blocks, loaded by work */
+    kvr_reload       *rl;           /* spilled blocks, loaded by work */
 };
 
 static void asm_free(kvr_assemble *t)
 {
     for (size_t i = 0; i < t->n_runs; i++) {
         kvr_block *b = t->runs[i].b;
-        b->holds--;
-        if (--b->leases == 0)
-            t->s->n_leased_blocks--;
-        block_unref(t->s, b);
+        kvr_block_unlease(&t->s->pool, b);
     }
-    tier_reload_end(t->s, t->rl);     /* after the leases (see get.c) */
+    kvr_store_reload_end(t->s, t->rl);     /* after the leases (see get.c) */
     kvr_mem_free(t->runs);
     kvr_mem_free(t->layers);
     kvr_mem_free(t->tokens);
@@ -94,7 +91,7 @@ static int check_doc(const kvr_ctx *pc, uint64_t phash, const kvr_ctx *d, size_t
         return kvr_error_set(err, KVR_EFINGERPRINT,
                              "document %zu '%s' belongs to model '%s', the prefix '%s' "
                              "to '%s'", i, d->id, d->model->name, pc->id, pc->model->name);
-    if (!layout_ape_record(d, &pid, &fp, &len, &hash))
+    if (!kvr_layout_ape_record(d, &pid, &fp, &len, &hash))
         return kvr_error_set(err, KVR_EPREFIX,
                              "document %zu '%s' was not encoded against a prefix (create "
                              "it with prefix_ctx '%s')", i, d->id, pc->id);
@@ -141,7 +138,7 @@ static int docs_unique(const kvr_store *s, const kvr_assemble_params *p, kvr_err
         return kvr_error_set(err, KVR_ENOMEM, "out of memory checking the documents");
     size_t n = 0;
     for (size_t i = 0; i < p->n_docs; i++) {
-        const kvr_ctx *d = ctx_find(s, p->docs[i]);
+        const kvr_ctx *d = kvr_store_ctx_find(s, p->docs[i]);
         if (d)
             v[n++] = d;
     }
@@ -182,19 +179,19 @@ int kvr_store_assemble_begin(kvr_store *s, const kvr_assemble_params *p,
         return kvr_error_set(err, KVR_EINVAL, "unknown output dtype %d", (int)p->dtype);
 
     kvr_ctx *pc = NULL;
-    if ((rc = ctx_find_live(s, p->prefix, &pc, err)) != 0)
+    if ((rc = kvr_store_ctx_live(s, p->prefix, &pc, err)) != 0)
         return kvr_error_set(err, rc, "prefix context '%s' not found",
                              p->prefix ? p->prefix : "");
     kvr_model *m = pc->model;
     if (p->layers && p->n_layers_sel == 0)
         return kvr_error_set(err, KVR_EINVAL, "empty layer selection");
     size_t nl = p->layers ? p->n_layers_sel : m->n_layers;
-    if (p->layers && (rc = layers_check(m, p->layers, nl, err)) != 0)
+    if (p->layers && (rc = kvr_layers_check(m, p->layers, nl, err)) != 0)
         return rc;
     if ((rc = docs_unique(s, p, err)) != 0)
         return rc;
     uint64_t phash;
-    if ((rc = layout_ctx_hash(pc, &phash, err)) != 0)
+    if ((rc = kvr_layout_ctx_hash(pc, &phash, err)) != 0)
         return rc;
 
     /* Resolve and check the documents, and lay them out. */
@@ -202,7 +199,7 @@ int kvr_store_assemble_begin(kvr_store *s, const kvr_assemble_params *p,
     int64_t qpos = (int64_t)P, cur = (int64_t)P;
     for (size_t i = 0; i < p->n_docs; i++) {
         kvr_ctx *d = NULL;
-        if ((rc = ctx_find_live(s, p->docs[i], &d, err)) != 0)
+        if ((rc = kvr_store_ctx_live(s, p->docs[i], &d, err)) != 0)
             return kvr_error_set(err, rc, "document %zu '%s' not found", i,
                                  p->docs[i] ? p->docs[i] : "");
         if ((rc = check_doc(pc, phash, d, i, err)) != 0)
@@ -252,7 +249,7 @@ int kvr_store_assemble_begin(kvr_store *s, const kvr_assemble_params *p,
     bool all_same = true;
     cur = (int64_t)P;
     for (size_t src = 0; src <= p->n_docs; src++) {
-        const kvr_ctx *c = src == 0 ? pc : ctx_find(s, p->docs[src - 1]);
+        const kvr_ctx *c = src == 0 ? pc : kvr_store_ctx_find(s, p->docs[src - 1]);
         bool doc = src > 0;
         int64_t start = !doc ? 0 : p->layout == KVR_LAYOUT_PARALLEL ? (int64_t)P :
                         p->layout == KVR_LAYOUT_SEQUENTIAL ? cur : p->starts[src - 1];
@@ -306,10 +303,7 @@ int kvr_store_assemble_begin(kvr_store *s, const kvr_assemble_params *p,
             *r = (asm_run){ .b = e->block, .first = e->first, .count = e->count,
                             .tok = tok0, .same = same, .fold = fold };
             r->rd = r->b;
-            block_ref(r->b);
-            r->b->holds++;
-            if (r->b->leases++ == 0)
-                s->n_leased_blocks++;
+            kvr_block_lease(&s->pool, r->b);
         }
     }
     kvr_segment *q = &t->segs[p->n_docs + 1];
@@ -328,7 +322,7 @@ int kvr_store_assemble_begin(kvr_store *s, const kvr_assemble_params *p,
     }
 
     kvr_assemble_info *info = &t->info;
-    model_fill_info(m, &info->model);
+    kvr_model_fill_info(m, &info->model);
     info->layout = p->layout;
     info->n_tokens = N;
     info->dtype = p->dtype;
@@ -348,9 +342,9 @@ int kvr_store_assemble_begin(kvr_store *s, const kvr_assemble_params *p,
     /* Touch the contexts now: nothing below looks at them again, so the
      * eviction store_reserve may do cannot pull them from under us (the
      * leases keep their blocks). */
-    lru_touch(s, pc);
+    kvr_store_touch(s, pc);
     for (size_t i = 0; i < p->n_docs; i++)
-        lru_touch(s, ctx_find(s, p->docs[i]));
+        kvr_store_touch(s, kvr_store_ctx_find(s, p->docs[i]));
 
     /* Disk tier: spilled blocks get memory now (the leases keep them) and
      * are read by work, off the loop thread (tier.c); everything below
@@ -363,12 +357,12 @@ int kvr_store_assemble_begin(kvr_store *s, const kvr_assemble_params *p,
         }
         for (size_t i = 0; i < t->n_runs; i++)
             bs[i] = t->runs[i].b;
-        rc = tier_reload_begin(s, bs, t->n_runs, NULL, &t->rl, err);
+        rc = kvr_store_reload_begin(s, bs, t->n_runs, NULL, &t->rl, err);
         kvr_mem_free(bs);
         if (rc != 0)
             goto fail;
         for (size_t i = 0; i < t->n_runs; i++)
-            t->runs[i].rd = tier_reload_view(t->rl, t->runs[i].b);
+            t->runs[i].rd = kvr_store_reload_view(s, t->rl, t->runs[i].b);
     }
 
     if (!p->meta_only && N > 0) {
@@ -383,7 +377,7 @@ int kvr_store_assemble_begin(kvr_store *s, const kvr_assemble_params *p,
                 r->kst_off = t->kst;
                 t->kst += r->count * rowb;
             }
-            size_t span = r->count + (r->rd->quant ? QH(r->rd)->ktile : 0);
+            size_t span = r->count + (r->rd->quant ? KVR_QH(r->rd)->ktile : 0);
             if (span > t->max_run)
                 t->max_run = span;
         }
@@ -398,7 +392,7 @@ int kvr_store_assemble_begin(kvr_store *s, const kvr_assemble_params *p,
         }
         size_t stage = (t->kst + t->vst) * nl;
         if (stage) {
-            if ((rc = store_reserve_request(s, stage, "assemble", err)) != 0)
+            if ((rc = kvr_store_reserve_request(s, stage, "assemble", err)) != 0)
                 goto fail;
             t->staging = kvr_mem_aligned(KVR_BLOCK_ALIGN, stage);
             if (!t->staging) {
@@ -412,7 +406,7 @@ int kvr_store_assemble_begin(kvr_store *s, const kvr_assemble_params *p,
             uint8_t *base = t->staging ? t->staging + li * (t->kst + t->vst) : NULL;
             for (size_t i = 0; i < t->n_runs; i++) {
                 const asm_run *r = &t->runs[i];
-                uint8_t *ptr = r->k_zc ? block_kv(r->rd, m, t->layers[li], 0, r->first)
+                uint8_t *ptr = r->k_zc ? kvr_block_kv(r->rd, t->layers[li], 0, r->first)
                                        : base + r->kst_off;
                 size_t len = r->count * rowb;
                 if (v && (uint8_t *)t->iov[v - 1].iov_base + t->iov[v - 1].iov_len == ptr)
@@ -426,7 +420,7 @@ int kvr_store_assemble_begin(kvr_store *s, const kvr_assemble_params *p,
             }
             for (size_t i = 0; i < t->n_runs; i++) {
                 const asm_run *r = &t->runs[i];
-                t->iov[v++] = (struct iovec){ block_kv(r->rd, m, t->layers[li], 1, r->first),
+                t->iov[v++] = (struct iovec){ kvr_block_kv(r->rd, t->layers[li], 1, r->first),
                                               r->count * rowb };
             }
         }
@@ -448,7 +442,7 @@ const kvr_assemble_info *kvr_assemble_get_info(const kvr_assemble *t)
 
 bool kvr_assemble_needs_work(const kvr_assemble *t)
 {
-    return (t->staging != NULL || tier_reload_pending(t->rl)) && !t->worked;
+    return (t->staging != NULL || kvr_store_reload_pending(t->s, t->rl)) && !t->worked;
 }
 
 /* One layer of the assembled stream (any thread; layers write disjoint parts
@@ -483,7 +477,7 @@ static int assemble_work_layer(void *ud, size_t li)
              * quantized pre-RoPE keys dequantized and rotated to the layout's
              * positions; the scratch's tail is the f32 staging that needs. */
             float *qs = scratch ? scratch + (via ? ne : 0) : NULL;
-            if ((rc = block_read_side(m, r->rd, l, 0, r->first, r->count, kd, kdt,
+            if ((rc = kvr_block_read_side(m->engine, m->n_kv_heads, r->rd, l, 0, r->first, r->count, kd, kdt,
                                       r->same ? NULL : t->from + r->tok, t->targets + r->tok,
                                       qs)) != 0)
                 break;
@@ -496,7 +490,7 @@ static int assemble_work_layer(void *ud, size_t li)
             }
         }
         if (rc == 0 && !t->zc_v)
-            rc = block_read_side(m, r->rd, l, 1, r->first, r->count,
+            rc = kvr_block_read_side(m->engine, m->n_kv_heads, r->rd, l, 1, r->first, r->count,
                                  base + t->kst + r->tok * rowb, odt, NULL, NULL, NULL);
     }
     kvr_mem_free(scratch);
@@ -508,7 +502,7 @@ int kvr_assemble_work(kvr_assemble *t, kvr_error *err)
     if (t->worked)
         return 0;
     /* Disk tier: one batched load of the spilled blocks first. */
-    int rc = t->rl ? tier_reload_work(t->rl, err) : 0;
+    int rc = t->rl ? kvr_store_reload_work(t->s, t->rl, err) : 0;
     if (rc != 0)
         return rc;
     if (!t->staging) {

@@ -24,7 +24,7 @@
 #include <string.h>
 
 #include "cache/parallel.h"
-#include "cache/store_internal.h"
+#include "cache/layout.h"
 
 typedef struct get_seg {
     kvr_block *b;            /* leased */
@@ -54,21 +54,18 @@ struct kvr_get {
     size_t        payload;
     struct iovec *iov;
     size_t        n_iov;
-    tier_reload  *rl;        /* spilled blocks of the range, loaded by work */
+    kvr_reload  *rl;        /* spilled blocks of the range, loaded by work */
 };
 
 static void get_free(kvr_get *t)
 {
     for (size_t i = 0; i < t->n_segs; i++) {
         kvr_block *b = t->segs[i].b;
-        b->holds--;
-        if (--b->leases == 0)
-            t->s->n_leased_blocks--;
-        block_unref(t->s, b);
+        kvr_block_unlease(&t->s->pool, b);
     }
     /* After the leases: a block only the reload still references was
      * deleted meanwhile (its buffer is freed, not installed). */
-    tier_reload_end(t->s, t->rl);
+    kvr_store_reload_end(t->s, t->rl);
     kvr_mem_free(t->segs);
     kvr_mem_free(t->layers);
     kvr_mem_free(t->tokens);
@@ -97,7 +94,6 @@ static uint8_t *stage_at(const kvr_get *t, size_t li, int kv)
  * so token i of the range is row i % G of tile i / G. */
 static int raw_begin(kvr_get *t, const kvr_ctx *c, size_t nl, kvr_error *err)
 {
-    const kvr_model *m = t->m;
     if (!c->codec.quant)
         return kvr_error_set(err, KVR_EUNSUPPORTED, "raw get of context '%s': its codec "
                              "%s is not quantized (get it in a dtype)", c->id,
@@ -110,14 +106,14 @@ static int raw_begin(kvr_get *t, const kvr_ctx *c, size_t nl, kvr_error *err)
                                  "raw get of context '%s': tokens [%zu, %zu) are in the "
                                  "full-precision window (get them with raw = false)", c->id,
                                  t->info.start + sg->tok, t->info.start + sg->tok + sg->count);
-        uint32_t G = QH(sg->rd)->ktile;
+        uint32_t G = KVR_QH(sg->rd)->ktile;
         if (sg->first % G || (g + 1 < t->n_segs && sg->count % G))
             return kvr_error_set(err, KVR_EUNSUPPORTED,
                                  "raw get of context '%s': tokens from %zu do not line up "
                                  "with its %u-token key tiles (edited or a partial range)",
                                  c->id, t->info.start + sg->tok, G);
-        kb += G > 1 ? (sg->count + G - 1) / G * QH(sg->rd)->krow : sg->count * QH(sg->rd)->krow;
-        vb += sg->count * QH(sg->rd)->vrow;
+        kb += G > 1 ? (sg->count + G - 1) / G * KVR_QH(sg->rd)->krow : sg->count * KVR_QH(sg->rd)->krow;
+        vb += sg->count * KVR_QH(sg->rd)->vrow;
     }
     t->info.raw = true;
     t->info.k_bytes = kb;
@@ -131,11 +127,11 @@ static int raw_begin(kvr_get *t, const kvr_ctx *c, size_t nl, kvr_error *err)
         for (int kv = 0; kv < 2; kv++)
             for (size_t g = 0; g < t->n_segs; g++) {
                 const get_seg *sg = &t->segs[g];
-                uint32_t G = QH(sg->rd)->ktile;
-                size_t len = kv ? sg->count * QH(sg->rd)->vrow
-                           : G > 1 ? (sg->count + G - 1) / G * QH(sg->rd)->krow
-                                   : sg->count * QH(sg->rd)->krow;
-                t->iov[v++] = (struct iovec){ block_kv(sg->rd, m, t->layers[li], kv, sg->first),
+                uint32_t G = KVR_QH(sg->rd)->ktile;
+                size_t len = kv ? sg->count * KVR_QH(sg->rd)->vrow
+                           : G > 1 ? (sg->count + G - 1) / G * KVR_QH(sg->rd)->krow
+                                   : sg->count * KVR_QH(sg->rd)->krow;
+                t->iov[v++] = (struct iovec){ kvr_block_kv(sg->rd, t->layers[li], kv, sg->first),
                                               len };
             }
     t->n_iov = v;
@@ -149,7 +145,7 @@ int kvr_store_get_begin(kvr_store *s, const kvr_get_params *p, kvr_get **out,
     if (!p || !out)
         return kvr_error_set(err, KVR_EBADREQUEST, "get: missing parameters");
     kvr_ctx *c = NULL;
-    if ((rc = ctx_find_live(s, p->ctx_id, &c, err)) != 0)
+    if ((rc = kvr_store_ctx_live(s, p->ctx_id, &c, err)) != 0)
         return rc;
     kvr_model *m = c->model;
     size_t start = p->start, end = p->end == SIZE_MAX ? c->n_tokens : p->end;
@@ -167,7 +163,7 @@ int kvr_store_get_begin(kvr_store *s, const kvr_get_params *p, kvr_get **out,
     if (p->layers && p->n_layers_sel == 0)
         return kvr_error_set(err, KVR_EINVAL, "empty layer selection");
     size_t nl = p->layers ? p->n_layers_sel : m->n_layers;
-    if (p->layers && (rc = layers_check(m, p->layers, nl, err)) != 0)
+    if (p->layers && (rc = kvr_layers_check(m, p->layers, nl, err)) != 0)
         return rc;
 
     kvr_get *t = kvr_mem_calloc(1, sizeof *t);
@@ -235,10 +231,7 @@ int kvr_store_get_begin(kvr_store *s, const kvr_get_params *p, kvr_get **out,
         *g = (get_seg){ .b = e->block, .first = e->first + a, .count = z - a,
                         .tok = tok - (z - a), .same_pos = same };
         g->rd = g->b;
-        block_ref(g->b);
-        g->b->holds++;
-        if (g->b->leases++ == 0)
-            s->n_leased_blocks++;
+        kvr_block_lease(&s->pool, g->b);
     }
 
     /* Disk tier: spilled blocks of the range get memory now (the leases
@@ -253,17 +246,17 @@ int kvr_store_get_begin(kvr_store *s, const kvr_get_params *p, kvr_get **out,
         }
         for (size_t g = 0; g < t->n_segs; g++)
             bs[g] = t->segs[g].b;
-        rc = tier_reload_begin(s, bs, t->n_segs, c, &t->rl, err);
+        rc = kvr_store_reload_begin(s, bs, t->n_segs, c, &t->rl, err);
         kvr_mem_free(bs);
         if (rc != 0)
             goto fail;
         for (size_t g = 0; g < t->n_segs; g++)
-            t->segs[g].rd = tier_reload_view(t->rl, t->segs[g].b);
+            t->segs[g].rd = kvr_store_reload_view(s, t->rl, t->segs[g].b);
     }
 
     for (size_t g = 0; g < t->n_segs; g++)
         if (t->segs[g].rd->quant) {
-            size_t need = (t->segs[g].count + QH(t->segs[g].rd)->ktile) *
+            size_t need = (t->segs[g].count + KVR_QH(t->segs[g].rd)->ktile) *
                           (size_t)m->n_kv_heads * m->head_dim;
             if (need > t->qscratch)
                 t->qscratch = need;
@@ -276,7 +269,7 @@ int kvr_store_get_begin(kvr_store *s, const kvr_get_params *p, kvr_get **out,
         goto fail;
     }
     kvr_get_info *info = &t->info;
-    model_fill_info(m, &info->model);
+    kvr_model_fill_info(m, &info->model);
     info->start = start;
     info->n_tokens = n;
     info->dtype = p->dtype;
@@ -292,7 +285,7 @@ int kvr_store_get_begin(kvr_store *s, const kvr_get_params *p, kvr_get **out,
         rc = raw_begin(t, c, nl, err);
         if (rc != 0)
             goto fail;
-        lru_touch(s, c);
+        kvr_store_touch(s, c);
         s->n_gets++;
         *out = t;
         return 0;
@@ -326,7 +319,7 @@ int kvr_store_get_begin(kvr_store *s, const kvr_get_params *p, kvr_get **out,
             /* Eviction must not take the context being read from under us. */
             bool was_busy = c->busy;
             c->busy = true;
-            rc = store_reserve_request(s, stage, "get", err);
+            rc = kvr_store_reserve_request(s, stage, "get", err);
             c->busy = was_busy;
             if (rc != 0)
                 goto fail;
@@ -344,7 +337,7 @@ int kvr_store_get_begin(kvr_store *s, const kvr_get_params *p, kvr_get **out,
             } else {
                 for (size_t g = 0; g < t->n_segs; g++)
                     t->iov[v++] = (struct iovec){
-                        block_kv(t->segs[g].rd, m, t->layers[li], 0, t->segs[g].first),
+                        kvr_block_kv(t->segs[g].rd, t->layers[li], 0, t->segs[g].first),
                         t->segs[g].count * rowb };
             }
             /* V: block memory for zero-copy runs; staged runs are laid out
@@ -354,7 +347,7 @@ int kvr_store_get_begin(kvr_store *s, const kvr_get_params *p, kvr_get **out,
                 size_t len = sg->count * rowb;
                 if (sg->zc_v) {
                     t->iov[v++] = (struct iovec){
-                        block_kv(sg->rd, m, t->layers[li], 1, sg->first), len };
+                        kvr_block_kv(sg->rd, t->layers[li], 1, sg->first), len };
                 } else if (g > 0 && !t->segs[g - 1].zc_v) {
                     t->iov[v - 1].iov_len += len;
                 } else {
@@ -364,7 +357,7 @@ int kvr_store_get_begin(kvr_store *s, const kvr_get_params *p, kvr_get **out,
         }
         t->n_iov = v;
     }
-    lru_touch(s, c);
+    kvr_store_touch(s, c);
     s->n_gets++;
     *out = t;
     return 0;
@@ -381,14 +374,14 @@ const kvr_get_info *kvr_get_get_info(const kvr_get *t)
 
 bool kvr_get_needs_work(const kvr_get *t)
 {
-    return (t->staging != NULL || tier_reload_pending(t->rl)) && !t->worked;
+    return (t->staging != NULL || kvr_store_reload_pending(t->s, t->rl)) && !t->worked;
 }
 
 /* Disk tier: reads the spilled blocks of the range (one batched load, any
  * thread; idempotent). Every work entry point calls it first. */
 static int get_load(kvr_get *t, kvr_error *err)
 {
-    return t->rl ? tier_reload_work(t->rl, err) : 0;
+    return t->rl ? kvr_store_reload_work(t->s, t->rl, err) : 0;
 }
 
 /* One layer of the response: keys re-rotated (or converted) into the staging
@@ -413,12 +406,12 @@ static int get_work_layer(void *ud, size_t li)
         const get_seg *sg = &t->segs[g];
         int rc = 0;
         if (!t->zc_k)
-            rc = block_read_side(m, sg->rd, l, 0, sg->first, sg->count,
+            rc = kvr_block_read_side(m->engine, m->n_kv_heads, sg->rd, l, 0, sg->first, sg->count,
                                  stage_at(t, li, 0) + sg->tok * rowb, odt,
                                  sg->same_pos ? NULL : t->from + sg->tok,
                                  t->targets + sg->tok, scratch);
         if (rc == 0 && !sg->zc_v)
-            rc = block_read_side(m, sg->rd, l, 1, sg->first, sg->count,
+            rc = kvr_block_read_side(m->engine, m->n_kv_heads, sg->rd, l, 1, sg->first, sg->count,
                                  stage_at(t, li, 1) + sg->v_off, odt, NULL, NULL, scratch);
         if (rc != 0) {
             kvr_mem_free(scratch);
