@@ -153,6 +153,33 @@ void kvr_block_unlease(kvr_block_pool *p, kvr_block *b)
     kvr_block_unhold(p, b);
 }
 
+size_t kvr_brun_iov(const kvr_brun *runs, size_t n, uint32_t n_layers, struct iovec *iov)
+{
+    size_t k = 0;
+    for (uint32_t l = 0; l < n_layers; l++)
+        for (int kv = 0; kv < 2; kv++)
+            for (size_t r = 0; r < n; r++) {
+                const kvr_block *b = runs[r].b;
+                size_t rowb = (size_t)b->row * kvr_dtype_size(b->dtype);
+                iov[k++] = (struct iovec){ kvr_block_kv(b, l, kv, runs[r].first),
+                                           runs[r].count * rowb };
+            }
+    return k;
+}
+
+const uint8_t *kvr_brun_fill(const kvr_brun *runs, size_t n, uint32_t layer, int kv,
+                             const uint8_t *src, kvr_dtype sdt)
+{
+    for (size_t r = 0; r < n; r++) {
+        const kvr_block *b = runs[r].b;
+        assert(!b->quant && runs[r].first >= b->used);
+        size_t ne = (size_t)runs[r].count * b->row;
+        kvr_convert(kvr_block_kv(b, layer, kv, runs[r].first), b->dtype, src, sdt, ne);
+        src += ne * kvr_dtype_size(sdt);
+    }
+    return src;
+}
+
 size_t kvr_block_meta_off(const kvr_block *b)
 {
     return (size_t)((const uint8_t *)(const void *)b->stored_pos - b->data);

@@ -32,6 +32,7 @@
 #include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <sys/uio.h>
 
 #include "cache/cache.h"
 #include "cache/codec.h"
@@ -164,6 +165,21 @@ static inline void kvr_block_commit(kvr_block *b, uint32_t used)
     assert(used >= b->used && used <= b->cap);
     b->used = used;
 }
+
+/* A run of consecutive slots of one block (a write's destination). */
+typedef struct kvr_brun {
+    kvr_block *b;
+    uint32_t   first, count;
+} kvr_brun;
+
+/* Zero-copy iovecs for a payload [layer][K, V][the runs' tokens back to
+ * back] written straight into the runs' slots (in their storage dtype);
+ * iov holds 2 * n_layers * n. Returns the count. */
+size_t kvr_brun_iov(const kvr_brun *runs, size_t n, uint32_t n_layers, struct iovec *iov);
+/* Converts one layer side of such a payload from src (dtype sdt) into the
+ * runs' slots; returns src advanced past it. */
+const uint8_t *kvr_brun_fill(const kvr_brun *runs, size_t n, uint32_t layer, int kv,
+                             const uint8_t *src, kvr_dtype sdt);
 
 /* Offset of the metadata in data; the full data length. */
 size_t kvr_block_meta_off(const kvr_block *b);

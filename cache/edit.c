@@ -33,7 +33,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "cache/store.h"
+#include "cache/txn.h"
 
 typedef struct eop {
     size_t  start, end, n;   /* old range, new token count */
@@ -45,25 +45,17 @@ typedef struct eop {
     const uint32_t *tokens;  /* borrowed from the params (begin/plan only) */
 } eop;
 
-typedef struct erun {
-    kvr_block *b;
-    uint32_t   count;        /* slots [0, count) */
-} erun;
-
 struct kvr_edit {
     kvr_store    *s;
     kvr_ctx      *c;
     kvr_model    *m;
-    bool          refresh, with_kv, worked;
+    bool          refresh, with_kv;
     kvr_dtype     pdt;
     eop          *ops;       /* sorted by start */
     size_t        n_ops, n_new, n_removed;
-    erun         *runs;
+    kvr_brun     *runs;      /* fresh blocks, slots [0, count) */
     size_t        n_runs;
-    uint8_t      *staging;
-    size_t        payload;
-    struct iovec *iov;
-    size_t        n_iov;
+    kvr_wpay      w;         /* the new tokens' payload (none without KV) */
 };
 
 /* ---- helpers ------------------------------------------------------------- */
@@ -93,8 +85,15 @@ static int cmp_eop(const void *a, const void *b)
     return x->req < y->req ? -1 : x->req > y->req;
 }
 
-static int check_owner(const kvr_ctx *c, const char *model, uint64_t fp, kvr_error *err)
+/* The context an edit or refresh writes: live, of the model the request
+ * names (if any), not being written. */
+static int edit_target(kvr_store *s, const char *id, const char *model, uint64_t fp,
+                       kvr_ctx **out, kvr_error *err)
 {
+    int rc = kvr_store_ctx_live(s, id, out, err);
+    if (rc != 0)
+        return rc;
+    const kvr_ctx *c = *out;
     if (model && model[0] && strcmp(model, c->model->name) != 0)
         return kvr_error_set(err, KVR_EFINGERPRINT,
                              "context '%s' belongs to model '%s', not '%s'", c->id,
@@ -104,6 +103,8 @@ static int check_owner(const kvr_ctx *c, const char *model, uint64_t fp, kvr_err
                              "fingerprint %016llx does not match model '%s' (%016llx)",
                              (unsigned long long)fp, c->model->name,
                              (unsigned long long)c->model->fingerprint);
+    if (c->busy)
+        return kvr_error_set(err, KVR_EBUSY, "context '%s' is being written", c->id);
     return 0;
 }
 
@@ -144,12 +145,8 @@ static int edit_prepare(kvr_store *s, const kvr_edit_params *p, kvr_ctx **cout,
     kvr_ctx *c = NULL;
     if (!p)
         return kvr_error_set(err, KVR_EBADREQUEST, "edit: missing parameters");
-    if ((rc = kvr_store_ctx_live(s, p->ctx_id, &c, err)) != 0)
+    if ((rc = edit_target(s, p->ctx_id, p->model, p->fingerprint, &c, err)) != 0)
         return rc;
-    if ((rc = check_owner(c, p->model, p->fingerprint, err)) != 0)
-        return rc;
-    if (c->busy)
-        return kvr_error_set(err, KVR_EBUSY, "context '%s' is being written", c->id);
     if (p->n_ops == 0 || !p->ops)
         return kvr_error_set(err, KVR_EBADREQUEST, "edit of '%s' with no ops", c->id);
     if (p->n_ops > KVR_MAX_PUT_TOKENS)
@@ -298,8 +295,7 @@ static void txn_free(kvr_edit *t)
         kvr_block_unref(&t->s->pool, t->runs[i].b);
     kvr_mem_free(t->runs);
     kvr_mem_free(t->ops);
-    kvr_mem_free(t->staging);
-    kvr_mem_free(t->iov);
+    kvr_wpay_free(&t->w);
     kvr_mem_free(t);
 }
 
@@ -319,15 +315,13 @@ static int txn_alloc(kvr_edit *t, size_t payload, kvr_error *err)
     bool zero_copy = t->pdt == c->dtype && !c->codec.quant;
     size_t n_iov = !payload ? 0 : zero_copy ? 2u * m->n_layers * n_blocks : 1;
     size_t need = n_blocks * (bb + sizeof(kvr_block) + 64) + (zero_copy ? 0 : payload) +
-                  n_iov * sizeof(struct iovec) + n_blocks * sizeof(erun) +
+                  n_iov * sizeof(struct iovec) + n_blocks * sizeof(kvr_brun) +
                   (c->n_ext + 3 * t->n_ops + n_blocks + 1) * sizeof(kvr_extent);
     int rc = kvr_store_reserve_request(s, need, t->refresh ? "refresh" : "edit", err);
     if (rc != 0)
         return rc;
-    t->payload = payload;
+    t->w.p.bytes = payload;
     if (n_blocks && !(t->runs = kvr_mem_calloc(n_blocks, sizeof *t->runs)))
-        goto nomem;
-    if (n_iov && !(t->iov = kvr_mem_malloc(n_iov * sizeof *t->iov)))
         goto nomem;
     size_t left = t->n_new;
     while (left) {
@@ -335,25 +329,12 @@ static int txn_alloc(kvr_edit *t, size_t payload, kvr_error *err)
         if (!b)
             goto nomem;
         uint32_t k = left < s->B ? (uint32_t)left : s->B;
-        t->runs[t->n_runs++] = (erun){ b, k };
+        t->runs[t->n_runs++] = (kvr_brun){ b, 0, k };
         left -= k;
     }
-    if (!payload)
-        return 0;
-    if (zero_copy) {
-        size_t rowb = (size_t)m->n_kv_heads * m->head_dim * kvr_dtype_size(c->dtype), k = 0;
-        for (uint32_t l = 0; l < m->n_layers; l++)
-            for (int kv = 0; kv < 2; kv++)
-                for (size_t r = 0; r < t->n_runs; r++)
-                    t->iov[k++] = (struct iovec){ kvr_block_kv(t->runs[r].b, l, kv, 0),
-                                                  t->runs[r].count * rowb };
-        t->n_iov = k;
-    } else {
-        if (!(t->staging = kvr_mem_aligned(KVR_BLOCK_ALIGN, payload)))
-            goto nomem;
-        t->iov[0] = (struct iovec){ t->staging, payload };
-        t->n_iov = 1;
-    }
+    if (payload && kvr_wpay_init(&t->w, t->runs, t->n_runs, m->n_layers, payload,
+                                 zero_copy) != 0)
+        goto nomem;
     return 0;
 
 nomem:
@@ -422,12 +403,8 @@ int kvr_store_refresh_begin(kvr_store *s, const kvr_refresh_params *p, kvr_edit 
     kvr_ctx *c = NULL;
     if (!p || !out)
         return kvr_error_set(err, KVR_EBADREQUEST, "refresh: missing parameters");
-    if ((rc = kvr_store_ctx_live(s, p->ctx_id, &c, err)) != 0)
+    if ((rc = edit_target(s, p->ctx_id, p->model, p->fingerprint, &c, err)) != 0)
         return rc;
-    if ((rc = check_owner(c, p->model, p->fingerprint, err)) != 0)
-        return rc;
-    if (c->busy)
-        return kvr_error_set(err, KVR_EBUSY, "context '%s' is being written", c->id);
     size_t start = p->start, end = p->end == SIZE_MAX ? c->n_tokens : p->end;
     if (start >= end || end > c->n_tokens)
         return kvr_error_set(err, KVR_ERANGE,
@@ -483,47 +460,28 @@ int kvr_store_refresh_begin(kvr_store *s, const kvr_refresh_params *p, kvr_edit 
     return 0;
 }
 
-size_t kvr_edit_payload_size(const kvr_edit *t)
-{
-    return t->payload;
-}
-
-void kvr_edit_payload_iov(const kvr_edit *t, const struct iovec **iov, size_t *n)
-{
-    *iov = t->iov;
-    *n = t->n_iov;
-}
-
-bool kvr_edit_needs_work(const kvr_edit *t)
-{
-    return t->staging != NULL && !t->worked;
-}
+KVR_WRITE_TXN_API(kvr_edit, kvr_edit)
 
 int kvr_edit_work(kvr_edit *t, kvr_error *err)
 {
-    if (!t->staging || t->worked)
+    if (!t->w.staging || t->w.worked)
         return 0;
     const kvr_model *m = t->m;
-    size_t row = (size_t)m->n_kv_heads * m->head_dim, psize = kvr_dtype_size(t->pdt);
+    size_t row = kvr_model_row(m);
     uint32_t bl;
     int bkv;
     size_t btok;
     if (t->c->codec.quant &&
-        kvr_quant_find_nonfinite(t->staging, t->pdt, m->n_layers, t->n_new, row, &bl, &bkv, &btok))
+        kvr_quant_find_nonfinite(t->w.staging, t->pdt, m->n_layers, t->n_new, row, &bl, &bkv, &btok))
         return kvr_error_set(err, KVR_EINVAL, "%s of '%s': %s of layer %u, new token %zu "
                              "is nan or inf; nothing was changed",
                              t->refresh ? "refresh" : "edit", t->c->id, bkv ? "V" : "K", bl,
                              btok);
-    const uint8_t *src = t->staging;
+    const uint8_t *src = t->w.staging;
     for (uint32_t l = 0; l < m->n_layers; l++)
         for (int kv = 0; kv < 2; kv++)
-            for (size_t r = 0; r < t->n_runs; r++) {
-                const erun *run = &t->runs[r];
-                kvr_convert(kvr_block_kv(run->b, l, kv, 0), run->b->dtype, src, t->pdt,
-                            run->count * row);
-                src += run->count * row * psize;
-            }
-    t->worked = true;
+            src = kvr_brun_fill(t->runs, t->n_runs, l, kv, src, t->pdt);
+    t->w.worked = true;
     return 0;
 }
 
@@ -561,7 +519,7 @@ int kvr_edit_commit(kvr_edit *t, kvr_edit_span *spans, kvr_edit_result *res, kvr
     int rc;
     kvr_store *s = t->s;
     kvr_ctx *c = t->c;
-    if (t->staging && !t->worked && (rc = kvr_edit_work(t, err)) != 0)
+    if (t->w.staging && !t->w.worked && (rc = kvr_edit_work(t, err)) != 0)
         goto fail;
     size_t cap = c->n_ext + 3 * t->n_ops + t->n_runs + 1;
     ebuild o = { kvr_mem_malloc(cap * sizeof(kvr_extent)), 0 };
@@ -630,7 +588,7 @@ int kvr_edit_commit(kvr_edit *t, kvr_edit_span *spans, kvr_edit_result *res, kvr
         res->first_change = first;
         res->n_approx = kvr_ctx_count_flag(c, 0, c->n_tokens, KVR_TOKEN_APPROX);
         res->n_pending = kvr_ctx_count_flag(c, 0, c->n_tokens, KVR_TOKEN_PENDING);
-        res->payload_bytes = t->payload;
+        res->payload_bytes = t->w.p.bytes;
     }
     txn_free(t);
     return 0;
@@ -653,11 +611,9 @@ void kvr_edit_abort(kvr_edit *t)
 int kvr_store_protect(kvr_store *s, const char *ctx_id, size_t n, kvr_error *err)
 {
     kvr_ctx *c = NULL;
-    int rc = kvr_store_ctx_live(s, ctx_id, &c, err);
+    int rc = kvr_store_ctx_writable(s, ctx_id, &c, err);
     if (rc != 0)
         return rc;
-    if (c->busy)
-        return kvr_error_set(err, KVR_EBUSY, "context '%s' is being written", c->id);
     if (n > c->n_tokens)
         return kvr_error_set(err, KVR_ERANGE,
                              "cannot protect %zu tokens of context '%s' of %zu", n, c->id,

@@ -272,16 +272,6 @@ bool kvr_layout_ape_record(const kvr_ctx *c, const char **prefix, uint64_t *fp,
 
 /* ---- verbs -------------------------------------------------------------- */
 
-static int writable(kvr_store *s, const char *id, kvr_ctx **out, kvr_error *err)
-{
-    int rc = kvr_store_ctx_live(s, id, out, err);
-    if (rc != 0)
-        return rc;
-    if ((*out)->busy)
-        return kvr_error_set(err, KVR_EBUSY, "context '%s' is being written", id);
-    return 0;
-}
-
 int kvr_store_layout_stat(kvr_store *s, const char *ctx_id, kvr_layout_info *out,
                           kvr_error *err)
 {
@@ -324,7 +314,7 @@ int kvr_store_set_group_offset(kvr_store *s, const char *ctx_id, const char *nam
                                int64_t phi, kvr_error *err)
 {
     kvr_ctx *c = NULL;
-    int rc = writable(s, ctx_id, &c, err);
+    int rc = kvr_store_ctx_writable(s, ctx_id, &c, err);
     if (rc != 0)
         return rc;
     kvr_layout *L = c->layout;
@@ -393,7 +383,7 @@ int kvr_store_set_retention(kvr_store *s, const char *ctx_id, const kvr_retentio
                             kvr_error *err)
 {
     kvr_ctx *c = NULL;
-    int rc = writable(s, ctx_id, &c, err);
+    int rc = kvr_store_ctx_writable(s, ctx_id, &c, err);
     if (rc != 0)
         return rc;
     if (!r)

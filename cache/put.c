@@ -21,35 +21,28 @@
 #include <string.h>
 
 #include "cache/layout.h"
-
-typedef struct put_run {
-    kvr_block *b;
-    uint32_t   first, count;
-} put_run;
+#include "cache/txn.h"
 
 struct kvr_put {
     kvr_store    *s;
     kvr_ctx      *c;
     kvr_model    *m;
-    bool          created, tail, pin, worked, persist;
+    bool          created, tail, pin, persist;
     bool          has_protect;  /* protect_first given: n_protected at commit */
     size_t        protect;
     kvr_dtype     pdt;          /* payload dtype */
     size_t        n;
     uint32_t     *tokens;       /* copy, for the prefix index */
     int64_t       first_pos, last_pos;
-    put_run      *runs;
+    kvr_brun      *runs;
     size_t        n_runs;
-    uint8_t      *staging;
-    size_t        payload;
-    struct iovec *iov;
-    size_t        n_iov;
-    kvr_layout_put    lp;           /* groups / APE record / retention (layout.c) */
+    kvr_wpay      w;            /* the payload: into runs, or staged */
+    kvr_layout_put lp;           /* groups / APE record / retention (layout.c) */
     /* Quantized contexts (quant.c): the first fl_old window tokens of the
      * context and the first fl_new tokens of this put go into quantized
      * slots qruns (in that order); the rest of the put goes to window runs. */
     bool          quant;
-    kvr_qrun         *qruns, *wsrc;     /* destinations; old window sources (ref'd) */
+    kvr_brun     *qruns, *wsrc;     /* destinations; old window sources (ref'd) */
     size_t        n_qruns, n_wsrc, fl_old, fl_new;
     int64_t      *qpos;             /* stored-at positions of the flushed tokens */
     double        sse[2], ss[2];
@@ -74,8 +67,7 @@ static void txn_free(kvr_put *t)
     kvr_mem_free(t->wsrc);
     kvr_mem_free(t->qpos);
     kvr_mem_free(t->runs);
-    kvr_mem_free(t->staging);
-    kvr_mem_free(t->iov);
+    kvr_wpay_free(&t->w);
     kvr_mem_free(t->tokens);
     kvr_layout_put_free(&t->lp);
     kvr_mem_free(t);
@@ -146,7 +138,7 @@ static int plan_quant(kvr_put *t, const kvr_put_params *p, size_t *need, kvr_err
     size_t row = (size_t)t->m->n_kv_heads * t->m->head_dim;
     *need = nb * (kvr_mem_size_class(kvr_store_block_bytes(s, c, true)) +
                   kvr_mem_size_class(sizeof(kvr_block))) +
-            (nb + 1 + c->n_ext) * sizeof(kvr_qrun) + f * sizeof(int64_t) +
+            (nb + 1 + c->n_ext) * sizeof(kvr_brun) + f * sizeof(int64_t) +
             (f + 2u * G) * row * sizeof(float) +
             (c->n_ext + c->n_ext + 2 * nb + 8) * sizeof(kvr_extent);
     return 0;
@@ -173,7 +165,7 @@ static int alloc_quant(kvr_put *t, const kvr_put_params *p, kvr_error *err)
     size_t left = f;
     if (qt) {
         kvr_block_ref(qt);
-        t->qruns[t->n_qruns++] = (kvr_qrun){ qt, qt->used, (uint32_t)qfree };
+        t->qruns[t->n_qruns++] = (kvr_brun){ qt, qt->used, (uint32_t)qfree };
         left -= qfree;
     }
     while (left) {
@@ -181,7 +173,7 @@ static int alloc_quant(kvr_put *t, const kvr_put_params *p, kvr_error *err)
         if (!b)
             goto nomem;
         uint32_t k = left < cap ? (uint32_t)left : cap;
-        t->qruns[t->n_qruns++] = (kvr_qrun){ b, 0, k };
+        t->qruns[t->n_qruns++] = (kvr_brun){ b, 0, k };
         left -= k;
     }
     /* Old window sources, in context order. */
@@ -192,7 +184,7 @@ static int alloc_quant(kvr_put *t, const kvr_put_params *p, kvr_error *err)
             continue;
         uint32_t k = e->count < want ? e->count : (uint32_t)want;
         kvr_block_hold(e->block);
-        t->wsrc[t->n_wsrc++] = (kvr_qrun){ e->block, e->first, k };
+        t->wsrc[t->n_wsrc++] = (kvr_brun){ e->block, e->first, k };
         want -= k;
     }
     /* put_work re-encodes these window tokens: their data must be in
@@ -251,7 +243,7 @@ static int work_quant(kvr_put *t, kvr_error *err)
     uint32_t bl;
     int bkv;
     size_t btok;
-    if (kvr_quant_find_nonfinite(t->staging, t->pdt, m->n_layers, t->n, row, &bl, &bkv, &btok))
+    if (kvr_quant_find_nonfinite(t->w.staging, t->pdt, m->n_layers, t->n, row, &bl, &bkv, &btok))
         return kvr_error_set(err, KVR_EINVAL,
                              "put into '%s': %s of layer %u, token %zu of the put "
                              "(position %lld) is nan or inf; nothing was stored",
@@ -273,11 +265,11 @@ static int work_quant(kvr_put *t, kvr_error *err)
     size_t part = t->n * row * psize;
     for (uint32_t l = 0; l < m->n_layers && rc == 0; l++) {
         for (int kv = 0; kv < 2 && rc == 0; kv++) {
-            const uint8_t *pay = t->staging + (2u * l + (unsigned)kv) * part;
+            const uint8_t *pay = t->w.staging + (2u * l + (unsigned)kv) * part;
             if (f) {
                 size_t g = 0;
                 for (size_t i = 0; i < t->n_wsrc && rc == 0; i++) {
-                    const kvr_qrun *w = &t->wsrc[i];
+                    const kvr_brun *w = &t->wsrc[i];
                     const uint8_t *src = kvr_block_kv(w->b, l, kv, w->first);
                     if (kv)
                         kvr_convert(x + g * row, KVR_DTYPE_F32, src, w->b->dtype,
@@ -311,19 +303,13 @@ static int work_quant(kvr_put *t, kvr_error *err)
                     break;
                 }
             }
-            const uint8_t *src = pay + t->fl_new * row * psize;
-            for (size_t r = 0; r < t->n_runs; r++) {
-                const put_run *run = &t->runs[r];
-                kvr_convert(kvr_block_kv(run->b, l, kv, run->first), run->b->dtype, src,
-                            t->pdt, run->count * row);
-                src += run->count * row * psize;
-            }
+            kvr_brun_fill(t->runs, t->n_runs, l, kv, pay + t->fl_new * row * psize, t->pdt);
         }
     }
     kvr_mem_free(x);
     kvr_mem_free(scratch);
     if (rc == 0)
-        t->worked = true;
+        t->w.worked = true;
     return rc;
 }
 
@@ -342,7 +328,7 @@ static void emit_quant(kvr_put *t, kvr_extent *a, size_t *n, qcursor *cur, size_
                        int64_t delta, uint32_t flags)
 {
     while (count) {
-        kvr_qrun *q = &t->qruns[cur->r];
+        kvr_brun *q = &t->qruns[cur->r];
         size_t k = q->count - cur->off < count ? q->count - cur->off : count;
         kvr_block_ref(q->b);
         ext_push(t->s, a, n, (kvr_extent){ q->b, q->first + (uint32_t)cur->off,
@@ -381,7 +367,7 @@ static void commit_quant(kvr_put *t, kvr_extent *a, size_t cap)
     }
     emit_quant(t, a, &n, &cur, t->fl_new, 0, 0);
     for (size_t r = 0; r < t->n_runs; r++) {
-        put_run *run = &t->runs[r];
+        kvr_brun *run = &t->runs[r];
         if (r == 0 && t->tail)
             kvr_block_hold_to_ref(run->b);
         kvr_block_commit(run->b, run->first + run->count);
@@ -505,7 +491,6 @@ int kvr_store_put_begin(kvr_store *s, const kvr_put_params *p, kvr_put **out,
     t->persist = p->persist;
     t->has_protect = p->has_protect_first;
     t->protect = p->protect_first;
-    t->payload = payload;
     t->first_pos = first;
     t->last_pos = last;
     if (!c) {
@@ -558,7 +543,7 @@ int kvr_store_put_begin(kvr_store *s, const kvr_put_params *p, kvr_put **out,
     size_t need = n_new * (kvr_mem_size_class(bb) + kvr_mem_size_class(sizeof(kvr_block))) +
                   (zero_copy ? 0 : kvr_mem_size_class(payload)) +
                   n_iov * sizeof(struct iovec) + n * sizeof(uint32_t) +
-                  n_runs * sizeof(put_run) + qneed;
+                  n_runs * sizeof(kvr_brun) + qneed;
     if ((rc = kvr_store_reserve_request(s, need, "put", err)) != 0)
         goto fail_ctx;
     if (t->quant && (rc = alloc_quant(t, p, err)) != 0)
@@ -566,8 +551,7 @@ int kvr_store_put_begin(kvr_store *s, const kvr_put_params *p, kvr_put **out,
 
     t->runs = kvr_mem_calloc(n_runs ? n_runs : 1, sizeof *t->runs);
     t->tokens = kvr_mem_malloc(n * sizeof *t->tokens);
-    t->iov = kvr_mem_malloc(n_iov * sizeof *t->iov);
-    if (!t->runs || !t->tokens || !t->iov) {
+    if (!t->runs || !t->tokens) {
         rc = kvr_error_set(err, KVR_ENOMEM, "out of memory preparing a put of %zu tokens", n);
         goto fail_ctx;
     }
@@ -576,7 +560,7 @@ int kvr_store_put_begin(kvr_store *s, const kvr_put_params *p, kvr_put **out,
     if (tail) {
         kvr_block_hold(tail);
         t->tail = true;
-        t->runs[0] = (put_run){ tail, tail->used, tail_free };
+        t->runs[0] = (kvr_brun){ tail, tail->used, tail_free };
         t->n_runs = 1;
         left -= tail_free;
     }
@@ -588,37 +572,23 @@ int kvr_store_put_begin(kvr_store *s, const kvr_put_params *p, kvr_put **out,
             goto fail_ctx;
         }
         uint32_t k = left < s->B ? (uint32_t)left : s->B;
-        t->runs[t->n_runs++] = (put_run){ b, 0, k };
+        t->runs[t->n_runs++] = (kvr_brun){ b, 0, k };
         left -= k;
     }
     /* Metadata into the (still invisible) slots. */
     size_t tok = t->fl_new;
     for (size_t r = 0; r < t->n_runs; r++) {
-        put_run *run = &t->runs[r];
+        kvr_brun *run = &t->runs[r];
         for (uint32_t j = 0; j < run->count; j++, tok++) {
             kvr_block_set_meta(run->b, run->first + j, p->tokens[tok],
                                p->positions ? p->positions[tok] : first + (int64_t)tok,
                                t->lp.group);
         }
     }
-    if (zero_copy) {
-        size_t rowb = row * psize, k = 0;
-        for (uint32_t l = 0; l < m->n_layers; l++)
-            for (int kv = 0; kv < 2; kv++)
-                for (size_t r = 0; r < t->n_runs; r++)
-                    t->iov[k++] = (struct iovec){
-                        kvr_block_kv(t->runs[r].b, l, kv, t->runs[r].first),
-                        t->runs[r].count * rowb };
-        t->n_iov = k;
-    } else {
-        t->staging = kvr_mem_aligned(KVR_BLOCK_ALIGN, payload);
-        if (!t->staging) {
-            rc = kvr_error_set(err, KVR_ENOMEM, "out of memory for a %zu-byte staging buffer",
-                               payload);
-            goto fail_ctx;
-        }
-        t->iov[0] = (struct iovec){ t->staging, payload };
-        t->n_iov = 1;
+    if (kvr_wpay_init(&t->w, t->runs, t->n_runs, m->n_layers, payload, zero_copy) != 0) {
+        rc = kvr_error_set(err, KVR_ENOMEM, "out of memory for the %zu-byte payload of a put",
+                           payload);
+        goto fail_ctx;
     }
     *out = t;
     return 0;
@@ -636,43 +606,19 @@ fail_txn:
     return rc;
 }
 
-size_t kvr_put_payload_size(const kvr_put *t)
-{
-    return t->payload;
-}
-
-void kvr_put_payload_iov(const kvr_put *t, const struct iovec **iov, size_t *n)
-{
-    *iov = t->iov;
-    *n = t->n_iov;
-}
-
-bool kvr_put_needs_work(const kvr_put *t)
-{
-    return t->staging != NULL && !t->worked;
-}
+KVR_WRITE_TXN_API(kvr_put, kvr_put)
 
 int kvr_put_work(kvr_put *t, kvr_error *err)
 {
-    if (!t->staging || t->worked)
+    if (!t->w.staging || t->w.worked)
         return 0;
     if (t->quant)
         return work_quant(t, err);
-    const kvr_model *m = t->m;
-    size_t row = (size_t)m->n_kv_heads * m->head_dim;
-    const uint8_t *src = t->staging;
-    size_t psize = kvr_dtype_size(t->pdt);
-    for (uint32_t l = 0; l < m->n_layers; l++) {
-        for (int kv = 0; kv < 2; kv++) {
-            for (size_t r = 0; r < t->n_runs; r++) {
-                const put_run *run = &t->runs[r];
-                kvr_convert(kvr_block_kv(run->b, l, kv, run->first), run->b->dtype,
-                            src, t->pdt, run->count * row);
-                src += run->count * row * psize;
-            }
-        }
-    }
-    t->worked = true;
+    const uint8_t *src = t->w.staging;
+    for (uint32_t l = 0; l < t->m->n_layers; l++)
+        for (int kv = 0; kv < 2; kv++)
+            src = kvr_brun_fill(t->runs, t->n_runs, l, kv, src, t->pdt);
+    t->w.worked = true;
     return 0;
 }
 
@@ -681,7 +627,7 @@ int kvr_put_commit(kvr_put *t, kvr_put_result *res, kvr_error *err)
     int rc;
     kvr_store *s = t->s;
     kvr_ctx *c = t->c;
-    if (t->staging && !t->worked && (rc = kvr_put_work(t, err)) != 0)
+    if (t->w.staging && !t->w.worked && (rc = kvr_put_work(t, err)) != 0)
         goto fail;
     kvr_extent *qext = NULL;
     size_t qcap = c->n_ext + 2 * t->n_wsrc + t->n_qruns + t->n_runs + 4;
@@ -717,7 +663,7 @@ int kvr_put_commit(kvr_put *t, kvr_put_result *res, kvr_error *err)
     if (t->quant)
         commit_quant(t, qext, qcap);
     for (size_t r = 0; r < t->n_runs && !t->quant; r++) {
-        put_run *run = &t->runs[r];
+        kvr_brun *run = &t->runs[r];
         if (r == 0 && t->tail)
             kvr_block_hold_to_ref(run->b);
         kvr_block_commit(run->b, run->first + run->count);

@@ -315,7 +315,7 @@ static bool grow(float **buf, size_t *cap, size_t n)
  * its own buffer anyway; rows use `scratch` two at a time otherwise). */
 #define ACC_BATCH 64u
 
-int kvr_quant_encode_side(const kvr_qrun *runs, size_t n_runs, uint32_t layer, int kv,
+int kvr_quant_encode_side(const kvr_brun *runs, size_t n_runs, uint32_t layer, int kv,
                           const float *src, float *scratch, double *sse, double *ss)
 {
     size_t row = n_runs ? runs[0].b->row : 0, bad = 0;

@@ -36,19 +36,13 @@ uint32_t kvr_qspec_block_cap(const kvr_qspec *q, uint32_t B);
 void     kvr_qspec_geom(const kvr_qspec *q, uint32_t B, uint32_t n_layers, uint32_t row,
                         kvr_block_geom *g);
 
-/* A run of consecutive slots of one block. */
-typedef struct kvr_qrun {
-    kvr_block *b;
-    uint32_t   first, count;
-} kvr_qrun;
-
 /* Encodes n tokens of one layer side (kv 0: keys, already pre-RoPE, f32
  * [n][row]; kv 1: values) into consecutive slots of quantized blocks
  * (runs). K tiles must start on a tile boundary; a run's last partial tile
  * is padded by repeating its last token (so the group ranges do not grow).
  * Accumulates the measured squared error and squared values. `scratch`
  * holds 2 * ktile * row floats. */
-int  kvr_quant_encode_side(const kvr_qrun *runs, size_t n_runs, uint32_t layer, int kv,
+int  kvr_quant_encode_side(const kvr_brun *runs, size_t n_runs, uint32_t layer, int kv,
                            const float *src, float *scratch, double *sse, double *ss);
 /* Reads keys (kv 0) or values (kv 1) of slots [first, first+count) of any
  * block into dst (odt), keys rotated from their stored form to `to`

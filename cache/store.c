@@ -131,6 +131,32 @@ int kvr_store_ctx_live(const kvr_store *s, const char *id, kvr_ctx **out, kvr_er
     return 0;
 }
 
+int kvr_store_ctx_writable(kvr_store *s, const char *id, kvr_ctx **out, kvr_error *err)
+{
+    int rc = kvr_store_ctx_live(s, id, out, err);
+    if (rc != 0)
+        return rc;
+    if ((*out)->busy)
+        return kvr_error_set(err, KVR_EBUSY, "context '%s' is being written", id);
+    return 0;
+}
+
+int kvr_store_ctx_range(kvr_store *s, const char *id, size_t start, size_t *end,
+                        kvr_ctx **out, kvr_error *err)
+{
+    int rc = kvr_store_ctx_writable(s, id, out, err);
+    if (rc != 0)
+        return rc;
+    const kvr_ctx *c = *out;
+    if (*end == SIZE_MAX)
+        *end = c->n_tokens;
+    if (start > *end || *end > c->n_tokens)
+        return kvr_error_set(err, KVR_ERANGE,
+                             "token range [%zu, %zu) is outside context '%s' of %zu tokens",
+                             start, *end, c->id, c->n_tokens);
+    return 0;
+}
+
 static void map_grow(kvr_store *s)
 {
     size_t nb = s->n_buckets * 2;
@@ -242,22 +268,27 @@ static bool evictable(const kvr_ctx *c)
     return !c->pinned && !c->busy && !c->pending;
 }
 
+/* Counts, in each block's mcount, the references c's extents hold (blocks
+ * first seen in epoch ep start from 0). */
+static void count_refs(const kvr_ctx *c, uint32_t ep)
+{
+    for (size_t i = 0; i < c->n_ext; i++) {
+        kvr_block *b = c->ext[i].block;
+        if (b->mark != ep) {
+            b->mark = ep;
+            b->mcount = 0;
+        }
+        b->mcount++;
+    }
+}
+
 /* Bytes that evicting every evictable context would give back. */
 static size_t freeable_bytes(kvr_store *s)
 {
     uint32_t ep = ++s->epoch;
-    for (kvr_ctx *c = s->lru_head; c; c = c->lru_next) {
-        if (!evictable(c))
-            continue;
-        for (size_t i = 0; i < c->n_ext; i++) {
-            kvr_block *b = c->ext[i].block;
-            if (b->mark != ep) {
-                b->mark = ep;
-                b->mcount = 0;
-            }
-            b->mcount++;
-        }
-    }
+    for (kvr_ctx *c = s->lru_head; c; c = c->lru_next)
+        if (evictable(c))
+            count_refs(c, ep);
     size_t total = 0;
     ep = ++s->epoch;
     for (kvr_ctx *c = s->lru_head; c; c = c->lru_next) {
@@ -614,11 +645,9 @@ int kvr_store_match(kvr_store *s, const char *model, const uint32_t *tokens,
 int kvr_store_delete(kvr_store *s, const char *ctx_id, kvr_error *err)
 {
     kvr_ctx *c = NULL;
-    int frc = kvr_store_ctx_live(s, ctx_id, &c, err);
-    if (frc != 0)
-        return frc;
-    if (c->busy)
-        return kvr_error_set(err, KVR_EBUSY, "context '%s' is being written", ctx_id);
+    int rc = kvr_store_ctx_writable(s, ctx_id, &c, err);
+    if (rc != 0)
+        return rc;
     kvr_store_ctx_destroy(s, c);
     return 0;
 }
@@ -641,14 +670,7 @@ static void ctx_fill_info(kvr_store *s, const kvr_ctx *c, kvr_ctx_info *o)
     memcpy(o->codec, c->codec.name, sizeof o->codec);
     double kvbytes = 0;
     uint32_t ep = ++s->epoch;
-    for (size_t i = 0; i < c->n_ext; i++) {
-        kvr_block *b = c->ext[i].block;
-        if (b->mark != ep) {
-            b->mark = ep;
-            b->mcount = 0;
-        }
-        b->mcount++;
-    }
+    count_refs(c, ep);
     ep = ++s->epoch;
     bool first = true;
     for (size_t i = 0; i < c->n_ext; i++) {
@@ -779,28 +801,12 @@ fail_ctx:
     return rc;
 }
 
-static int resolve_range(const kvr_ctx *c, size_t start, size_t *end, kvr_error *err)
-{
-    if (*end == SIZE_MAX)
-        *end = c->n_tokens;
-    if (start > *end || *end > c->n_tokens)
-        return kvr_error_set(err, KVR_ERANGE,
-                             "token range [%zu, %zu) is outside context '%s' of %zu tokens",
-                             start, *end, c->id, c->n_tokens);
-    return 0;
-}
-
 int kvr_store_shift(kvr_store *s, const char *ctx_id, size_t start, size_t end,
                     int64_t delta, kvr_error *err)
 {
-    int rc;
     kvr_ctx *c = NULL;
-    int frc = kvr_store_ctx_live(s, ctx_id, &c, err);
-    if (frc != 0)
-        return frc;
-    if (c->busy)
-        return kvr_error_set(err, KVR_EBUSY, "context '%s' is being written", ctx_id);
-    if ((rc = resolve_range(c, start, &end, err)) != 0)
+    int rc = kvr_store_ctx_range(s, ctx_id, start, &end, &c, err);
+    if (rc != 0)
         return rc;
     if (start == end || delta == 0)
         return 0;
@@ -834,14 +840,9 @@ int kvr_store_shift(kvr_store *s, const char *ctx_id, size_t start, size_t end,
 int kvr_store_keep(kvr_store *s, const char *ctx_id, size_t start, size_t end,
                    kvr_error *err)
 {
-    int rc;
     kvr_ctx *c = NULL;
-    int frc = kvr_store_ctx_live(s, ctx_id, &c, err);
-    if (frc != 0)
-        return frc;
-    if (c->busy)
-        return kvr_error_set(err, KVR_EBUSY, "context '%s' is being written", ctx_id);
-    if ((rc = resolve_range(c, start, &end, err)) != 0)
+    int rc = kvr_store_ctx_range(s, ctx_id, start, &end, &c, err);
+    if (rc != 0)
         return rc;
     if (start == 0 && end == c->n_tokens)
         return 0;

@@ -76,6 +76,14 @@ kvr_ctx   *kvr_store_ctx_find(const kvr_store *s, const char *id);
 int        kvr_store_ctx_live(const kvr_store *s, const char *id, kvr_ctx **out,
                               kvr_error *err);
 int        kvr_ctx_id_check(const char *id, kvr_error *err);
+/* A committed context no transaction is writing: 0, or as kvr_store_ctx_live,
+ * or KVR_EBUSY. */
+int        kvr_store_ctx_writable(kvr_store *s, const char *id, kvr_ctx **out,
+                                  kvr_error *err);
+/* kvr_store_ctx_writable, then the token range [start, *end) of it
+ * (*end SIZE_MAX: to the end) or KVR_ERANGE. */
+int        kvr_store_ctx_range(kvr_store *s, const char *id, size_t start, size_t *end,
+                               kvr_ctx **out, kvr_error *err);
 /* A new pending context in the map (NULL: ENOMEM). */
 kvr_ctx   *kvr_store_ctx_new(kvr_store *s, kvr_model *m, const char *id);
 /* Makes a pending context live: LRU list, model count. */
