@@ -260,9 +260,9 @@ static int work_layer(void *ud, size_t li)
                                      run->same ? NULL : r->from + run->tok,
                                      r->targets + run->tok, qs);
             if (rc == 0 && run->fold) {
-                float *f = kd;
+                float *f = kd, inv_t = r->inv_t;   /* a local: f cannot alias it */
                 for (size_t k = 0; k < ne; k++)
-                    f[k] *= r->inv_t;
+                    f[k] *= inv_t;
                 if (via)
                     kvr_convert(dst, odt, scratch, KVR_DTYPE_F32, ne);
             }

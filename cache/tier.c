@@ -255,30 +255,16 @@ static const void *r_raw(rbuf *r, size_t n)
     r->off += n;
     return v;
 }
-static uint32_t r_u32(rbuf *r)
+/* Reads n bytes into v (left as it is, zero, when the record is short). */
+static void r_val(rbuf *r, void *v, size_t n)
 {
-    uint32_t v = 0;
-    const void *p = r_raw(r, 4);
+    const void *p = r_raw(r, n);
     if (p)
-        memcpy(&v, p, 4);
-    return v;
+        memcpy(v, p, n);
 }
-static uint64_t r_u64(rbuf *r)
-{
-    uint64_t v = 0;
-    const void *p = r_raw(r, 8);
-    if (p)
-        memcpy(&v, p, 8);
-    return v;
-}
-static double r_f64(rbuf *r)
-{
-    double v = 0;
-    const void *p = r_raw(r, 8);
-    if (p)
-        memcpy(&v, p, 8);
-    return v;
-}
+static uint32_t r_u32(rbuf *r) { uint32_t v = 0; r_val(r, &v, 4); return v; }
+static uint64_t r_u64(rbuf *r) { uint64_t v = 0; r_val(r, &v, 8); return v; }
+static double r_f64(rbuf *r) { double v = 0; r_val(r, &v, 8); return v; }
 static void r_str(rbuf *r, char *out, size_t cap)
 {
     uint32_t n = r_u32(r);
