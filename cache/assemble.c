@@ -276,7 +276,8 @@ fail:
     return rc;
 }
 
-KVR_READ_TXN_API(kvr_assemble, kvr_assemble_info, kvr_assemble, "out of memory folding the temperature")
+KVR_READ_TXN_API(kvr_assemble, kvr_assemble_info, kvr_assemble,
+                 "out of memory folding the temperature")
 
 void kvr_assemble_end(kvr_assemble *t)
 {

@@ -118,7 +118,7 @@ void kvr_layout_put_free(kvr_layout_put *lp)
 }
 
 int kvr_layout_put_begin(kvr_store *s, const kvr_ctx *c, const kvr_model *m,
-                     const kvr_put_params *p, kvr_layout_put *lp, kvr_error *err)
+                         const kvr_put_params *p, kvr_layout_put *lp, kvr_error *err)
 {
     memset(lp, 0, sizeof *lp);
     bool creating = c == NULL;
@@ -258,7 +258,7 @@ int kvr_layout_blob_set(kvr_ctx *c, const void *in)
 
 /* The APE record of c, for assemble.c: false if c has none. */
 bool kvr_layout_ape_record(const kvr_ctx *c, const char **prefix, uint64_t *fp,
-                       size_t *len, uint64_t *hash)
+                           size_t *len, uint64_t *hash)
 {
     const kvr_layout *L = c->layout;
     if (!L || !L->has_prefix)

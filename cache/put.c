@@ -34,10 +34,10 @@ struct kvr_put {
     size_t        n;
     uint32_t     *tokens;       /* copy, for the prefix index */
     int64_t       first_pos, last_pos;
-    kvr_brun      *runs;
+    kvr_brun     *runs;
     size_t        n_runs;
     kvr_wpay      w;            /* the payload: into runs, or staged */
-    kvr_layout_put lp;           /* groups / APE record / retention (layout.c) */
+    kvr_layout_put lp;          /* groups / APE record / retention (layout.c) */
     /* Quantized contexts (quant.c): the first fl_old window tokens of the
      * context and the first fl_new tokens of this put go into quantized
      * slots qruns (in that order); the rest of the put goes to window runs. */

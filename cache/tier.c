@@ -363,6 +363,8 @@ typedef struct kvr_block_disk {
 /* Drops b's K/V bytes from memory (it has a valid disk copy). */
 static int make_spilled(kvr_store *s, kvr_block *b)
 {
+    /* Only an unheld block with a valid disk copy goes. */
+    assert(!b->spilled && b->holds == 0 && b->disk && b->disk->used == b->used);
     uint8_t *m = kvr_mem_aligned(KVR_BLOCK_ALIGN, kvr_block_spilled_bytes(b));
     if (!m)
         return KVR_ENOMEM;
@@ -389,6 +391,7 @@ static size_t full_meta_off(const kvr_block *b)
 /* Installs freshly loaded full data into a spilled block. */
 static void install_data(kvr_store *s, kvr_block *b, uint8_t *buf)
 {
+    assert(b->spilled && b->disk);
     kvr_block_set_data(&s->pool, b, buf, full_meta_off(b), false);
 }
 
@@ -646,6 +649,7 @@ static int reload_begin(kvr_store *s, kvr_block *const *bs, size_t n, kvr_ctx *p
     size_t bytes = 0;
     for (size_t i = 0; i < n; i++)
         if (bs[i]->spilled && bs[i]->mark != ep) {
+            assert(bs[i]->holds > 0 && bs[i]->disk);   /* held by the caller */
             bs[i]->mark = ep;
             kvr_block_ref(bs[i]);
             r->e[r->n++] = (rl_ent){ .b = bs[i], .needed = true };
