@@ -238,15 +238,8 @@ int kvr_store_assemble_begin(kvr_store *s, const kvr_assemble_params *p,
         goto fail;
 
     kvr_assemble_info *info = &t->info;
-    kvr_model_fill_info(m, &info->model);
+    KVR_READ_INFO(info, r);
     info->layout = p->layout;
-    info->n_tokens = N;
-    info->dtype = p->dtype;
-    info->n_layers = p->meta_only ? 0 : nl;
-    info->layers = r->layers;
-    info->tokens = r->tokens;
-    info->positions = r->targets;
-    info->flags = r->flags;
     info->segments = t->segs;
     info->n_segments = n_segs;
     info->query_pos = qpos;

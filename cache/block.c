@@ -20,11 +20,7 @@ static size_t align64(size_t n)
 void kvr_block_geom_plain(kvr_block_geom *g, uint32_t cap, uint32_t n_layers, uint32_t row,
                           kvr_dtype dt)
 {
-    memset(g, 0, sizeof *g);
-    g->cap = cap;
-    g->n_layers = n_layers;
-    g->row = row;
-    g->dtype = dt;
+    *g = (kvr_block_geom){ .cap = cap, .n_layers = n_layers, .row = row, .dtype = dt };
 }
 
 /* Bytes before the metadata: K/V slabs (plus the quantized header). */
@@ -79,15 +75,9 @@ kvr_block *kvr_block_create(kvr_block_pool *p, const kvr_block_geom *g, uint8_t 
             memcpy(data, &g->qh, sizeof g->qh);
         }
     }
-    b->data = data;
-    b->cap = g->cap;
-    b->row = g->row;
-    b->dtype = g->dtype;
-    b->quant = g->quant;
-    b->used = used;
-    b->refcount = 1;
-    b->pos_lo = 0;
-    b->pos_hi = -1;
+    *b = (kvr_block){ .refcount = 1, .used = used, .cap = g->cap, .row = g->row,
+                      .dtype = g->dtype, .quant = g->quant, .data = data, .pos_lo = 0,
+                      .pos_hi = -1 };
     set_ptrs(b, data, meta);
     b->bytes = malloc_usable_size(b->data) + malloc_usable_size(b);
     p->n_blocks++;

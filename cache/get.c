@@ -94,15 +94,8 @@ int kvr_store_get_begin(kvr_store *s, const kvr_get_params *p, kvr_get **out,
     if (!p->raw && (rc = kvr_read_check_rope(r, err)) != 0)
         goto fail;
     kvr_get_info *info = &t->info;
-    kvr_model_fill_info(m, &info->model);
+    KVR_READ_INFO(info, r);
     info->start = start;
-    info->n_tokens = n;
-    info->dtype = p->dtype;
-    info->n_layers = p->meta_only ? 0 : nl;
-    info->layers = r->layers;
-    info->tokens = r->tokens;
-    info->positions = r->targets;
-    info->flags = r->flags;
     info->groups = r->groups;
     memcpy(info->codec, c->codec.name, sizeof info->codec);
 

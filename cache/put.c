@@ -482,17 +482,9 @@ int kvr_store_put_begin(kvr_store *s, const kvr_put_params *p, kvr_put **out,
         kvr_layout_put_free(&lp);
         return kvr_error_set(err, KVR_ENOMEM, "out of memory starting a put");
     }
-    t->lp = lp;
-    t->s = s;
-    t->m = m;
-    t->pdt = p->dtype;
-    t->n = n;
-    t->pin = p->pin;
-    t->persist = p->persist;
-    t->has_protect = p->has_protect_first;
-    t->protect = p->protect_first;
-    t->first_pos = first;
-    t->last_pos = last;
+    *t = (kvr_put){ .s = s, .m = m, .lp = lp, .pdt = p->dtype, .n = n, .pin = p->pin,
+                    .persist = p->persist, .has_protect = p->has_protect_first,
+                    .protect = p->protect_first, .first_pos = first, .last_pos = last };
     if (!c) {
         if (!(c = kvr_store_ctx_new(s, m, p->ctx_id))) {
             rc = kvr_error_set(err, KVR_ENOMEM, "out of memory creating '%s'", p->ctx_id);

@@ -13,16 +13,9 @@ int kvr_read_init(kvr_read *r, kvr_store *s, kvr_model *m, const uint32_t *layer
                   size_t nl, size_t n, size_t max_runs, bool groups, bool meta_only,
                   kvr_dtype odt)
 {
-    memset(r, 0, sizeof *r);
-    r->s = s;
-    r->m = m;
-    r->odt = odt;
-    r->meta_only = meta_only;
-    r->all_same = true;
-    r->n = n;
-    r->nl = nl;
+    *r = (kvr_read){ .s = s, .m = m, .odt = odt, .meta_only = meta_only, .all_same = true,
+                     .n = n, .nl = nl, .cap_runs = max_runs ? max_runs : 1 };
     size_t cnt = n ? n : 1;
-    r->cap_runs = max_runs ? max_runs : 1;
     r->layers = kvr_mem_malloc((nl ? nl : 1) * sizeof *r->layers);
     r->tokens = kvr_mem_malloc(cnt * sizeof *r->tokens);
     r->flags = kvr_mem_malloc(cnt * sizeof *r->flags);

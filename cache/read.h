@@ -99,6 +99,20 @@ void kvr_read_iov_layers(const kvr_read *r, size_t l0, size_t l1, const struct i
                          size_t *n);
 void kvr_read_free(kvr_read *r);
 
+/* Fills the fields kvr_get_info and kvr_assemble_info share from the plan
+ * (borrowed arrays, valid until the plan is freed). */
+#define KVR_READ_INFO(info, r)                                                 \
+    do {                                                                       \
+        kvr_model_fill_info((r)->m, &(info)->model);                           \
+        (info)->n_tokens = (r)->n;                                             \
+        (info)->dtype = (r)->odt;                                              \
+        (info)->n_layers = (r)->meta_only ? 0 : (r)->nl;                       \
+        (info)->layers = (r)->layers;                                          \
+        (info)->tokens = (r)->tokens;                                          \
+        (info)->positions = (r)->targets;                                      \
+        (info)->flags = (r)->flags;                                            \
+    } while (0)
+
 /* The public accessors (cache.h) of a read transaction: a struct `type`
  * whose members `r` and `info` are its kvr_read and info; nomem: its message for KVR_ENOMEM. */
 #define KVR_READ_TXN_API(type, info_type, prefix, nomem)                       \
