@@ -633,7 +633,7 @@ int kvr_put_commit(kvr_put *t, kvr_put_result *res, kvr_error *err)
     }
     /* Index first: it is the only step that can fail. A tree is appended
      * to only where it holds all of c (an allocation failure in
-     * ctx_index_rebuild or an edit can leave c dropped or a true prefix
+     * kvr_ctx_index_rebuild or an edit can leave c dropped or a true prefix
      * there): appending at a shorter node would index a sequence c does not
      * have. Such a tree is resynced below, after the tokens are in. */
     bool exact = c->n_exact == c->n_tokens;

@@ -5,13 +5,13 @@
  *
  * Where the I/O happens (the store is single-threaded on the loop thread):
  *  - Spill at eviction: synchronous, on the loop thread, inside
- *    store_reserve; one block per step and only as many as the request
+ *    kvr_store_reserve; one block per step and only as many as the request
  *    needs (bounded by the request's size). A block that already has a
  *    valid disk copy (a persistent context's, or one reloaded since) is
  *    dropped from memory without any I/O.
  *  - Reload for get / assemble: off the loop thread (the reload hooks, store.h). Begin
  *    (loop) leases the blocks as before, reserves memory for the spilled
- *    ones (store_reserve: evicts/spills others; KVR_ENOMEM if impossible),
+ *    ones (kvr_store_reserve: evicts/spills others; KVR_ENOMEM if impossible),
  *    allocates their buffers, and builds a "view" per block (its fields
  *    with data in the new buffer) that the transaction's iovecs and work
  *    read: so the response is zero-copy from the new buffer. A get also
@@ -664,7 +664,7 @@ static int reload_begin(kvr_store *s, kvr_block *const *bs, size_t n, kvr_ctx *p
             rc = kvr_error_set(err, KVR_ENOMEM, "out of memory reloading a block");
     /* Prefetch: the context's other spilled blocks, while they fit under
      * the cap without evicting anything, up to TIER_PREFETCH_MAX bytes.
-     * (store_reserve used the marks: mark the request's blocks again.) */
+     * (kvr_store_reserve used the marks: mark the request's blocks again.) */
     ep = ++s->epoch;
     for (size_t i = 0; i < r->n; i++)
         r->e[i].b->mark = ep;
