@@ -91,8 +91,9 @@ int kvr_store_get_begin(kvr_store *s, const kvr_get_params *p, kvr_get **out,
      * of the context as a bounded prefetch. */
     if ((rc = kvr_read_reload(r, c, err)) != 0)
         goto fail;
-    if (!p->raw && (rc = kvr_read_check_rope(r, err)) != 0)
-        goto fail;
+    /* Length-dependent RoPE: the context knows its length (read.c). */
+    if (!p->raw)
+        kvr_read_rope_lens(r, c, p->positions != NULL);
     kvr_get_info *info = &t->info;
     KVR_READ_INFO(info, r);
     info->start = start;

@@ -407,7 +407,7 @@ static void decode_rows(const kvr_block *b, uint32_t layer, int kv, uint32_t fir
 int kvr_block_read_side(const kvr_rope *engine, uint32_t n_heads, const kvr_block *b,
                         uint32_t layer, int kv, uint32_t first, uint32_t count, void *dst,
                         kvr_dtype odt, const int64_t *from, const int64_t *to,
-                        float *scratch)
+                        float *scratch, const kvr_rope_opts *ro)
 {
     size_t row = b->row;
     if (!b->quant) {
@@ -417,7 +417,7 @@ int kvr_block_read_side(const kvr_rope *engine, uint32_t n_heads, const kvr_bloc
             return 0;
         }
         return kvr_rope_reposition(engine, dst, odt, src, b->dtype, count,
-                                   n_heads, from, to, NULL);
+                                   n_heads, from, to, ro);
     }
     if (kv) {
         decode_rows(b, layer, 1, first, count, dst, odt);
@@ -441,7 +441,7 @@ int kvr_block_read_side(const kvr_rope *engine, uint32_t n_heads, const kvr_bloc
         }
         int rc = kvr_rope_apply(engine, (uint8_t *)dst + (size_t)(s - first) * row * osz,
                                 odt, src, KVR_DTYPE_F32, e - s, n_heads,
-                                to + (s - first), NULL);
+                                to + (s - first), ro);
         if (rc != 0)
             return rc;
         s = e;

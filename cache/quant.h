@@ -47,12 +47,15 @@ int  kvr_quant_encode_side(const kvr_brun *runs, size_t n_runs, uint32_t layer, 
 /* Reads keys (kv 0) or values (kv 1) of slots [first, first+count) of any
  * block into dst (odt), keys rotated from their stored form to `to`
  * (plain blocks: reposition from `from`, or converted when from is NULL;
- * quantized: applied at `to`) by `engine` for rows of n_heads heads.
- * scratch: (count + ktile) * row floats for quantized blocks. */
+ * quantized: applied at `to`) by `engine` (the layer's own RoPE: callers
+ * pass kvr_rope_layer(model engine, layer)) for rows of n_heads heads.
+ * scratch: (count + ktile) * row floats for quantized blocks. ro: the
+ * sequence lengths of length-dependent RoPE (dynamic NTK / longrope; NULL =
+ * the base table). */
 int  kvr_block_read_side(const kvr_rope *engine, uint32_t n_heads, const kvr_block *b,
                          uint32_t layer, int kv, uint32_t first, uint32_t count, void *dst,
                          kvr_dtype odt, const int64_t *from, const int64_t *to,
-                         float *scratch);
+                         float *scratch, const kvr_rope_opts *ro);
 /* Finds the first non-finite value of a payload [layers][2][n][row] in dt:
  * true and the layer / kv / token index if any. */
 bool kvr_quant_find_nonfinite(const void *payload, kvr_dtype dt, uint32_t n_layers, size_t n,

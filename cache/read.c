@@ -94,8 +94,42 @@ int kvr_read_check_rope(const kvr_read *r, kvr_error *err)
         return 0;
     return kvr_error_set(err, KVR_EUNSUPPORTED,
                          "model '%s' uses length-dependent RoPE scaling (dynamic NTK / "
-                         "longrope): its keys cannot be moved to other positions",
-                         r->m->name);
+                         "longrope): assemble cannot move its documents' keys (each "
+                         "context has its own table length); get each context at the "
+                         "positions wanted instead", r->m->name);
+}
+
+/* Dynamic NTK / longrope: the frequencies depend on the sequence length,
+ * so the context knows its length. Its keys are taken as rotated with the
+ * table of the positions they are stored at (max stored-at + 1, what
+ * transformers uses for a forward over them), and they are read with the
+ * table of the requested targets (max + 1), or of the context's logical
+ * length when none are requested. Where the two tables differ, every key
+ * is re-rotated (removed with the old table, applied with the new), moved
+ * or not. */
+void kvr_read_rope_lens(kvr_read *r, const kvr_ctx *c, bool requested)
+{
+    if (r->meta_only || kvr_rope_config_composes(&r->m->rope_cfg))
+        return;
+    int64_t smax = -1, lmax = -1;
+    for (size_t i = 0; i < c->n_ext; i++) {
+        const kvr_extent *e = &c->ext[i];
+        for (uint32_t j = 0; j < e->count; j++) {
+            int64_t sp = e->block->stored_pos[e->first + j], lp;
+            if (sp > smax)
+                smax = sp;
+            if (!__builtin_add_overflow(sp, e->pos_delta, &lp) && lp > lmax)
+                lmax = lp;
+        }
+    }
+    int64_t tl = kvr_rope_default_seq_len(r->targets, r->n);
+    r->ro.seq_len_from = smax + 1;
+    r->ro.seq_len_to = requested || tl > lmax + 1 ? tl : lmax + 1;
+    if (!kvr_rope_same_table(r->m->engine, r->ro.seq_len_from, r->ro.seq_len_to)) {
+        r->all_same = false;
+        for (size_t g = 0; g < r->n_runs; g++)
+            r->runs[g].same = false;
+    }
 }
 
 /* Appends an iovec, joining it to the previous one of the same layer when
@@ -248,10 +282,12 @@ static int work_layer(void *ud, size_t li)
             size_t ne = run->count * row;
             void *kd = via ? (void *)scratch : (void *)dst;
             float *qs = scratch ? scratch + (via ? ne : 0) : NULL;
-            rc = kvr_block_read_side(m->engine, m->n_kv_heads, run->rd, l, 0, run->first,
-                                     run->count, kd, via ? KVR_DTYPE_F32 : odt,
+            /* the layer's own RoPE (per-layer models: sliding / NoPE layers) */
+            rc = kvr_block_read_side(kvr_rope_layer(m->engine, l), m->n_kv_heads, run->rd, l,
+                                     0, run->first, run->count, kd,
+                                     via ? KVR_DTYPE_F32 : odt,
                                      run->same ? NULL : r->from + run->tok,
-                                     r->targets + run->tok, qs);
+                                     r->targets + run->tok, qs, &r->ro);
             if (rc == 0 && run->fold) {
                 float *f = kd, inv_t = r->inv_t;   /* a local: f cannot alias it */
                 for (size_t k = 0; k < ne; k++)
@@ -263,7 +299,7 @@ static int work_layer(void *ud, size_t li)
         if (rc == 0 && !run->v_zc)
             rc = kvr_block_read_side(m->engine, m->n_kv_heads, run->rd, l, 1, run->first,
                                      run->count, base + r->kst + run->v_off, odt, NULL,
-                                     NULL, NULL);
+                                     NULL, NULL, NULL);
     }
     kvr_mem_free(scratch);
     return rc;

@@ -57,6 +57,7 @@ typedef struct kvr_read {
     kvr_read_run *runs;
     size_t        n_runs, cap_runs, n_added;
     float         inv_t;         /* 1/T for folded runs */
+    kvr_rope_opts ro;            /* dynamic NTK / longrope: the tables' lengths */
     kvr_reload   *rl;            /* spilled blocks, loaded by work */
     size_t        kst, vst;      /* staged bytes per layer: K, V */
     size_t        scratch;       /* floats of scratch one layer needs */
@@ -79,8 +80,13 @@ void kvr_read_add(kvr_read *r, const kvr_extent *e, uint32_t a, uint32_t z,
  * rest of pf, may be NULL); everything after reads through their views. */
 int  kvr_read_reload(kvr_read *r, kvr_ctx *pf, kvr_error *err);
 /* KVR_EUNSUPPORTED when keys must move and the model's RoPE does not
- * compose. */
+ * compose (assemble: its documents come from several contexts). */
 int  kvr_read_check_rope(const kvr_read *r, kvr_error *err);
+/* Length-dependent RoPE (dynamic NTK / longrope) read from one context c:
+ * sets the tables' lengths (read.c says which) and marks every run moved
+ * when the two tables differ. requested: the targets were asked for. No-op
+ * for RoPE that composes. After every kvr_read_add. */
+void kvr_read_rope_lens(kvr_read *r, const kvr_ctx *c, bool requested);
 /* Zero-copy decisions, the staging buffer (reserved as request `what`;
  * `keep`, may be NULL, is made busy meanwhile so eviction spares it) and
  * the iovecs. */
