@@ -76,6 +76,14 @@ const char *kvr_client_last_error(const kvr_client *c)
 
 void kvr_client_free(void *p) { free(p); }
 
+#define STR_(x) #x
+#define STR(x) STR_(x)
+unsigned kvr_version(void) { return KVR_VERSION_HEX; }
+const char *kvr_version_string(void)
+{
+    return STR(KVR_VERSION_MAJOR) "." STR(KVR_VERSION_MINOR) "." STR(KVR_VERSION_PATCH);
+}
+
 void kvr_client_set_progress(kvr_client *c, kvr_progress_fn fn, void *ud)
 {
     c->progress = fn;

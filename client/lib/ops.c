@@ -30,8 +30,8 @@ static int check_id(kvr_client *c, const char *what, const char *id)
 {
     if (!id || !*id)
         return kvr__fail(c, KVR_EINVAL, "%s: missing id", what);
-    if (strlen(id) > KVR_NAME_MAX)
-        return kvr__fail(c, KVR_EINVAL, "%s: id longer than %d bytes", what, KVR_NAME_MAX);
+    if (strlen(id) > KVR_ID_MAX)
+        return kvr__fail(c, KVR_EINVAL, "%s: id longer than %d bytes", what, KVR_ID_MAX);
     return 0;
 }
 
@@ -157,31 +157,10 @@ static void model_from_wire(kvr_model *m, const Kvrope__ModelInfo *mi)
     m->rope.head_dim = (int32_t)mi->head_dim;
     if (m->rope.rotary_dim <= 0)
         m->rope.rotary_dim = (int32_t)mi->head_dim;
+    copy_str(m->codec, sizeof m->codec, mi->codec ? mi->codec : kvr_dtype_name(m->dtype));
 }
-
-static int model_register(kvr_client *c, const kvr_model_params *p, const char *codec,
-                          kvr_model *out, kvr_model_ex *ex);
 
 int kvr_client_model_register(kvr_client *c, const kvr_model_params *p, kvr_model *out)
-{
-    return model_register(c, p, NULL, out, NULL);
-}
-
-int kvr_client_model_register_ex(kvr_client *c, const kvr_model_params *p, const char *codec,
-                                 kvr_model *out, kvr_model_ex *ex)
-{
-    return model_register(c, p, codec, out, ex);
-}
-
-static void model_ex_from_wire(kvr_model_ex *ex, const Kvrope__ModelInfo *mi)
-{
-    memset(ex, 0, sizeof *ex);
-    copy_str(ex->codec, sizeof ex->codec, mi->codec ? mi->codec : kvr_dtype_name(
-                                              (kvr_dtype)mi->dtype));
-}
-
-static int model_register(kvr_client *c, const kvr_model_params *p, const char *codec,
-                          kvr_model *out, kvr_model_ex *ex)
 {
     int r = check_id(c, "register model", p ? p->name : NULL);
     if (r < 0)
@@ -218,8 +197,8 @@ static int model_register(kvr_client *c, const kvr_model_params *p, const char *
     }
     rm.has_dtype = 1;
     rm.dtype = (Kvrope__DType)p->dtype;
-    if (codec && codec[0])
-        rm.codec = unconst(codec);
+    if (p->codec && p->codec[0])
+        rm.codec = unconst(p->codec);
     Kvrope__Request req = KVROPE__REQUEST__INIT;
     req.body_case = KVROPE__REQUEST__BODY_REGISTER_MODEL;
     req.register_model = &rm;
@@ -232,8 +211,6 @@ static int model_register(kvr_client *c, const kvr_model_params *p, const char *
         return bad_body(c, resp, "register model");
     if (out)
         model_from_wire(out, resp->model);
-    if (ex)
-        model_ex_from_wire(ex, resp->model);
     kvrope__response__free_unpacked(resp, NULL);
     return 0;
 }
@@ -293,13 +270,6 @@ int kvr_client_model_register_file(kvr_client *c, const char *name, const char *
 
 int kvr_client_model_list(kvr_client *c, kvr_model **out, size_t *n)
 {
-    return kvr_client_model_list_ex(c, out, NULL, n);
-}
-
-int kvr_client_model_list_ex(kvr_client *c, kvr_model **out, kvr_model_ex **ex, size_t *n)
-{
-    if (ex)
-        *ex = NULL;
     *out = NULL;
     *n = 0;
     Kvrope__ListModels lm = KVROPE__LIST_MODELS__INIT;
@@ -314,21 +284,13 @@ int kvr_client_model_list_ex(kvr_client *c, kvr_model **out, kvr_model_ex **ex, 
         return bad_body(c, resp, "list models");
     size_t k = resp->models->n_models;
     kvr_model *arr = calloc(k ? k : 1, sizeof *arr);
-    kvr_model_ex *xs = ex ? calloc(k ? k : 1, sizeof *xs) : NULL;
-    if (!arr || (ex && !xs)) {
-        free(arr);
-        free(xs);
+    if (!arr) {
         kvrope__response__free_unpacked(resp, NULL);
         return kvr__fail(c, KVR_ENOMEM, "out of memory");
     }
-    for (size_t i = 0; i < k; i++) {
+    for (size_t i = 0; i < k; i++)
         model_from_wire(&arr[i], resp->models->models[i]);
-        if (xs)
-            model_ex_from_wire(&xs[i], resp->models->models[i]);
-    }
     kvrope__response__free_unpacked(resp, NULL);
-    if (ex)
-        *ex = xs;
     *out = arr;
     *n = k;
     return 0;
@@ -353,11 +315,6 @@ int kvr_client_model_get(kvr_client *c, const char *name, kvr_model *out)
 
 /* ---- put ---------------------------------------------------------------- */
 
-int kvr_client_put(kvr_client *c, const kvr_put_args *a, kvr_put_res *out)
-{
-    return kvr_client_put_ex(c, a, NULL, out);
-}
-
 /* The payload of a put/edit/refresh as one iovec list: either the buffer
  * (in *one) or the caller's iovecs. Returns the total length. */
 static uint64_t payload_iov(const void *payload, size_t len, const struct iovec *in,
@@ -378,38 +335,28 @@ static uint64_t payload_iov(const void *payload, size_t len, const struct iovec 
     return n;
 }
 
-static int put_common(kvr_client *c, const kvr_put_args *a, const kvr_put_opts *o,
-                      const char *group, kvr_put_res *out);
+static int put_common(kvr_client *c, const kvr_put_args *a, const char *group,
+                      kvr_put_res *out);
 
-int kvr_client_put_ex(kvr_client *c, const kvr_put_args *a, const kvr_put_opts *o,
-                      kvr_put_res *out)
+int kvr_client_put(kvr_client *c, const kvr_put_args *a, kvr_put_res *out)
 {
-    return put_common(c, a, o, NULL, out);
-}
-
-int kvr_client_put_persist(kvr_client *c, const kvr_put_args *a, const kvr_put_opts *o,
-                           bool persist, kvr_put_res *out)
-{
-    c->put_persist = persist;
-    int r = put_common(c, a, o, NULL, out);
-    c->put_persist = false;
-    return r;
+    return put_common(c, a, NULL, out);
 }
 
 int kvr_client_group_append(kvr_client *c, const kvr_put_args *a, const char *group,
-                            const kvr_put_opts *o, kvr_put_res *out)
+                            kvr_put_res *out)
 {
     int r = check_id(c, "group append: group", group);
     if (r < 0)
         return r;
     if (a->positions || a->has_pos_start)
         return kvr__fail(c, KVR_EINVAL, "group append: positions come from the group");
-    return put_common(c, a, o, group, out);
+    return put_common(c, a, group, out);
 }
 
 /* A put, or (group set) a group append wrapping the same Put. */
-static int put_common(kvr_client *c, const kvr_put_args *a, const kvr_put_opts *o,
-                      const char *group, kvr_put_res *out)
+static int put_common(kvr_client *c, const kvr_put_args *a, const char *group,
+                      kvr_put_res *out)
 {
     c->err[0] = 0;
     int r = check_id(c, "put", a->ctx_id);
@@ -419,6 +366,8 @@ static int put_common(kvr_client *c, const kvr_put_args *a, const kvr_put_opts *
         return kvr__fail(c, KVR_EINVAL, "put: give either payload or iov, not both");
     if (a->n_tokens && !a->tokens)
         return kvr__fail(c, KVR_EINVAL, "put: tokens missing");
+    if (a->mode != KVR_PUT_CREATE && a->mode != KVR_PUT_APPEND && a->mode != KVR_PUT_UPSERT)
+        return kvr__fail(c, KVR_EINVAL, "put: unknown mode %d", (int)a->mode);
     struct iovec one;
     const struct iovec *iov = a->iov;
     size_t iovcnt = a->iovcnt;
@@ -443,9 +392,7 @@ static int put_common(kvr_client *c, const kvr_put_args *a, const kvr_put_opts *
     put.context_id = unconst(a->ctx_id);
     put.model = unconst(a->model);
     put.has_mode = 1;
-    put.mode = a->mode == KVR_WRITE_CREATE   ? KVROPE__PUT_MODE__CREATE
-               : a->mode == KVR_WRITE_APPEND ? KVROPE__PUT_MODE__APPEND
-                                             : KVROPE__PUT_MODE__UPSERT;
+    put.mode = (Kvrope__PutMode)a->mode;   /* same values (proto/frame.c) */
     if (a->fingerprint) {
         put.has_fingerprint = 1;
         put.fingerprint = a->fingerprint;
@@ -478,27 +425,25 @@ static int put_common(kvr_client *c, const kvr_put_args *a, const kvr_put_opts *
         put.pin = 1;
     }
     Kvrope__LayoutPutOptions lo = KVROPE__LAYOUT_PUT_OPTIONS__INIT;
-    if (o) {
-        if (o->has_protect || o->protect_first) {
-            put.has_protect_first = 1;
-            put.protect_first = o->protect_first;
-        }
-        if (o->n_groups && !o->groups)
-            return kvr__fail(c, KVR_EINVAL, "put: group names missing");
-        if (o->prefix_ctx || o->n_groups) {
-            lo.prefix_context = unconst(o->prefix_ctx);
-            lo.n_groups = o->n_groups;
-            lo.groups = (char **)(uintptr_t)o->groups;
-            if (o->group_offsets) {
-                lo.n_group_offsets = o->n_groups;
-                lo.group_offsets = (int64_t *)(uintptr_t)o->group_offsets;
-            }
-            put.layout = &lo;
-        }
-        if (o->codec && o->codec[0])
-            put.codec = unconst(o->codec);
+    if (a->has_protect || a->protect_first) {
+        put.has_protect_first = 1;
+        put.protect_first = a->protect_first;
     }
-    if (c->put_persist) {
+    if (a->n_groups && !a->groups)
+        return kvr__fail(c, KVR_EINVAL, "put: group names missing");
+    if (a->prefix_ctx || a->n_groups) {
+        lo.prefix_context = unconst(a->prefix_ctx);
+        lo.n_groups = a->n_groups;
+        lo.groups = (char **)(uintptr_t)a->groups;
+        if (a->group_offsets) {
+            lo.n_group_offsets = a->n_groups;
+            lo.group_offsets = (int64_t *)(uintptr_t)a->group_offsets;
+        }
+        put.layout = &lo;
+    }
+    if (a->codec && a->codec[0])
+        put.codec = unconst(a->codec);
+    if (a->persist) {
         put.has_persist = 1;
         put.persist = 1;
     }
@@ -658,31 +603,25 @@ static void raw_from_wire(kvr_raw_layout *l, const Kvrope__RawLayout *w)
     l->v_unit_bytes = w->has_v_unit_bytes ? w->v_unit_bytes : 0;
 }
 
-const void *kvr_kv_raw_k(const kvr_kv *kv, const kvr_raw_layout *l, size_t i)
+const void *kvr_kv_raw_k(const kvr_kv *kv, size_t i)
 {
-    if (!kv->payload || !l || !l->raw || i >= kv->n_layers)
+    const kvr_raw_layout *l = &kv->raw;
+    if (!kv->payload || !l->raw || i >= kv->n_layers)
         return NULL;
     return (const uint8_t *)kv->payload + i * (l->k_bytes + l->v_bytes);
 }
 
-const void *kvr_kv_raw_v(const kvr_kv *kv, const kvr_raw_layout *l, size_t i)
+const void *kvr_kv_raw_v(const kvr_kv *kv, size_t i)
 {
-    if (!kv->payload || !l || !l->raw || i >= kv->n_layers)
+    const kvr_raw_layout *l = &kv->raw;
+    if (!kv->payload || !l->raw || i >= kv->n_layers)
         return NULL;
     return (const uint8_t *)kv->payload + i * (l->k_bytes + l->v_bytes) + l->k_bytes;
 }
 
 int kvr_client_get(kvr_client *c, const kvr_get_args *a, kvr_kv *out)
 {
-    return kvr_client_get_ex(c, a, NULL, out, NULL);
-}
-
-int kvr_client_get_ex(kvr_client *c, const kvr_get_args *a, const kvr_get_opts *o,
-                      kvr_kv *out, kvr_raw_layout *layout)
-{
     memset(out, 0, sizeof *out);
-    if (layout)
-        memset(layout, 0, sizeof *layout);
     c->err[0] = 0;
     int r = check_id(c, "get", a->ctx_id);
     if (r < 0)
@@ -709,7 +648,7 @@ int kvr_client_get_ex(kvr_client *c, const kvr_get_args *a, const kvr_get_opts *
         g.has_meta_only = 1;
         g.meta_only = 1;
     }
-    if (o && o->raw) {
+    if (a->raw) {
         g.has_raw = 1;
         g.raw = 1;
     }
@@ -727,8 +666,8 @@ int kvr_client_get_ex(kvr_client *c, const kvr_get_args *a, const kvr_get_opts *
     }
     r = take_kv(c, resp->kv, pl, out, a->meta_only, a->dst, a->dst_cap, a->on_layer,
                 a->on_layer_ud);
-    if (r == 0 && layout)
-        raw_from_wire(layout, resp->kv->raw);
+    if (r == 0)
+        raw_from_wire(&out->raw, resp->kv->raw);
     kvrope__response__free_unpacked(resp, NULL);
     return r;
 }
@@ -799,14 +738,7 @@ int kvr_client_delete(kvr_client *c, const char *ctx_id)
 
 static void ctx_from_wire(kvr_context *o, const Kvrope__ContextInfo *ci);
 
-int kvr_client_stat_ex(kvr_client *c, const char *ctx_id, kvr_context *out,
-                       kvr_context_edit *ed)
-{
-    return kvr_client_stat_codec(c, ctx_id, out, ed, NULL);
-}
-
-int kvr_client_stat_codec(kvr_client *c, const char *ctx_id, kvr_context *out,
-                          kvr_context_edit *ed, kvr_context_codec *cc)
+int kvr_client_stat(kvr_client *c, const char *ctx_id, kvr_context *out)
 {
     int r = check_id(c, "stat", ctx_id);
     if (r < 0)
@@ -824,22 +756,6 @@ int kvr_client_stat_codec(kvr_client *c, const char *ctx_id, kvr_context *out,
         return bad_body(c, resp, "stat");
     if (out)
         ctx_from_wire(out, resp->context);
-    if (ed) {
-        ed->n_pending = resp->context->has_n_pending ? resp->context->n_pending : 0;
-        ed->n_protected = resp->context->has_n_protected ? resp->context->n_protected : 0;
-    }
-    if (cc) {
-        const Kvrope__ContextInfo *ci = resp->context;
-        memset(cc, 0, sizeof *cc);
-        copy_str(cc->codec, sizeof cc->codec, ci->codec);
-        cc->quantized = ci->codec && strncmp(ci->codec, "k=", 2) == 0;
-        cc->n_window = ci->has_n_window ? ci->n_window : 0;
-        cc->kv_bytes = ci->has_kv_bytes ? ci->kv_bytes : 0;
-        cc->bytes_saved = ci->has_bytes_saved ? ci->bytes_saved : 0;
-        cc->bits_per_value = ci->has_bits_per_value ? ci->bits_per_value : 0.0;
-        cc->rel_rms_k = ci->has_rel_rms_k ? ci->rel_rms_k : 0.0;
-        cc->rel_rms_v = ci->has_rel_rms_v ? ci->rel_rms_v : 0.0;
-    }
     kvrope__response__free_unpacked(resp, NULL);
     return 0;
 }
@@ -861,28 +777,16 @@ static void ctx_from_wire(kvr_context *o, const Kvrope__ContextInfo *ci)
     o->created_ms = ci->created_ms;
     o->accessed_ms = ci->accessed_ms;
     o->n_evicted_tokens = ci->has_n_evicted_tokens ? ci->n_evicted_tokens : 0;
-}
-
-int kvr_client_stat(kvr_client *c, const char *ctx_id, kvr_context *out)
-{
-    int r = check_id(c, "stat", ctx_id);
-    if (r < 0)
-        return r;
-    Kvrope__Stat s = KVROPE__STAT__INIT;
-    s.context_id = unconst(ctx_id);
-    Kvrope__Request req = KVROPE__REQUEST__INIT;
-    req.body_case = KVROPE__REQUEST__BODY_STAT;
-    req.stat = &s;
-    Kvrope__Response *resp;
-    r = kvr__call(c, &req, NULL, 0, 0, &resp, NULL);
-    if (r < 0)
-        return r;
-    if (resp->body_case != KVROPE__RESPONSE__BODY_CONTEXT)
-        return bad_body(c, resp, "stat");
-    if (out)
-        ctx_from_wire(out, resp->context);
-    kvrope__response__free_unpacked(resp, NULL);
-    return 0;
+    o->n_pending = ci->has_n_pending ? ci->n_pending : 0;
+    o->n_protected = ci->has_n_protected ? ci->n_protected : 0;
+    copy_str(o->codec, sizeof o->codec, ci->codec);
+    o->quantized = ci->codec && strncmp(ci->codec, "k=", 2) == 0;
+    o->n_window = ci->has_n_window ? ci->n_window : 0;
+    o->kv_bytes = ci->has_kv_bytes ? ci->kv_bytes : 0;
+    o->bytes_saved = ci->has_bytes_saved ? ci->bytes_saved : 0;
+    o->bits_per_value = ci->has_bits_per_value ? ci->bits_per_value : 0.0;
+    o->rel_rms_k = ci->has_rel_rms_k ? ci->rel_rms_k : 0.0;
+    o->rel_rms_v = ci->has_rel_rms_v ? ci->rel_rms_v : 0.0;
 }
 
 int kvr_client_list(kvr_client *c, const char *model, kvr_context **out, size_t *n)
@@ -1264,7 +1168,7 @@ int kvr_client_assemble(kvr_client *c, const kvr_assemble_args *a, kvr_assemble_
     m.documents = (char **)(uintptr_t)a->docs;
     m.has_layout = 1;
     m.layout = (Kvrope__Layout)a->layout;
-    if (a->layout == KVR_ASSEMBLE_EXPLICIT) {
+    if (a->layout == KVR_LAYOUT_EXPLICIT) {
         if (!a->starts)
             return kvr__fail(c, KVR_EINVAL, "assemble: explicit layout needs starts");
         m.n_starts = a->n_docs;
@@ -1315,7 +1219,7 @@ int kvr_client_assemble(kvr_client *c, const kvr_assemble_args *a, kvr_assemble_
     for (size_t i = 0; i < ns; i++) {
         const Kvrope__Segment *g = ar->segments[i];
         kvr_segment_res *o = &out->segments[i];
-        o->kind = (kvr_segment_type)g->kind;
+        o->kind = (kvr_segment_kind)g->kind;
         o->start = g->start;
         o->n_tokens = g->token_count;
         o->pos_first = g->pos_first;
@@ -1355,7 +1259,7 @@ static int layout_call(kvr_client *c, Kvrope__Request *req, const char *what,
         copy_str(out->prefix_ctx, sizeof out->prefix_ctx, li->prefix_context);
         out->has_prefix = li->prefix_context != NULL;
         out->prefix_len = li->has_prefix_len ? li->prefix_len : 0;
-        size_t ng = li->n_groups < KVR_LAYOUT_MAX_GROUPS ? li->n_groups : KVR_LAYOUT_MAX_GROUPS;
+        size_t ng = li->n_groups < KVR_MAX_GROUPS ? li->n_groups : KVR_MAX_GROUPS;
         for (size_t i = 0; i < ng; i++) {
             copy_str(out->groups[i].name, sizeof out->groups[i].name, li->groups[i]->name);
             out->groups[i].id = li->groups[i]->id;
