@@ -255,8 +255,10 @@ fuzz: deps
 	@scripts/run-fuzz.sh build/fuzz
 
 # Every exported symbol of the client library carries the kvr_ prefix (the
-# protobuf-c code included), and the library has its SONAME.
-check-symbols: $(CLIENT_SO)
+# protobuf-c code included), and the library has its SONAME; the cross-file
+# symbols of rope/, proto/ and client/ carry kvr_ or their module's prefix
+# (rope_, cli_; kvrope__ is protoc-c's generated code).
+check-symbols: $(CLIENT_SO) $(ROPE_A) $(PROTO_A) $(CLIB_A) $(CLI_OBJ)
 	@bad=$$(nm -D --defined-only $(CLIENT_SOREAL) | awk '$$2 ~ /[TDBRVW]/ {print $$3}' | \
 	  sed 's/@.*//' | grep -v -E '^(kvr_|_init$$|_fini$$|_edata$$|_end$$|__bss_start$$)' || true); \
 	if [ -n "$$bad" ]; then echo "unprefixed exports:"; echo "$$bad"; exit 1; fi; \
@@ -264,6 +266,12 @@ check-symbols: $(CLIENT_SO)
 	if [ "$$so" != "$(CLIENT_SONAME)" ]; then echo "SONAME is '$$so', want $(CLIENT_SONAME)"; exit 1; fi; \
 	n=$$(nm -D --defined-only $(CLIENT_SOREAL) | grep -c ' [TDBRVW] kvr_'); \
 	echo "check-symbols: ok ($$n kvr_* exports, SONAME $$so)"
+	@bad=$$(nm -g --defined-only $(ROPE_A) $(PROTO_A) $(CLIB_A) $(CLI_OBJ) 2>/dev/null | \
+	  awk '$$2 ~ /[TDBRVW]/ {print $$3}' | \
+	  grep -v -E '^(kvr_|rope_|cli_|kvrope__|main$$)' || true); \
+	if [ -n "$$bad" ]; then echo "unprefixed cross-file symbols in rope/ proto/ client/:"; \
+	  echo "$$bad"; exit 1; fi; \
+	echo "check-symbols: rope/ proto/ client/ internals carry kvr_ / rope_ / cli_"
 
 clean:
 	rm -rf build

@@ -4,6 +4,7 @@
  * kvr_error fillers. Lookups scan the table: there are a few dozen codes and
  * they are looked up only when something already failed.
  */
+#include <assert.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <string.h>
@@ -128,6 +129,7 @@ int kvr_error_sys(kvr_error *err, int code, int errnum, const char *fmt, ...)
         kvr_error_vset(err, code, fmt, ap);
         va_end(ap);
         size_t n = strlen(err->msg);
+        assert(n < sizeof err->msg);
         snprintf(err->msg + n, sizeof err->msg - n, ": %s", strerror(errnum));
     }
     return code;
