@@ -81,10 +81,10 @@ static void *worker_main(void *arg)
     kvr_pool *p = arg;
     pthread_mutex_lock(&p->lock);
     for (;;) {
-        pool_job *j;
+        pool_job *j = NULL;
         while (!p->stop && !(j = job_to_help(p)))
             pthread_cond_wait(&p->work_cv, &p->lock);
-        if (p->stop)
+        if (p->stop || !j)
             break;
         j->wanted--;
         j->running++;

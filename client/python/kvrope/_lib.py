@@ -15,6 +15,10 @@ import os
 from ctypes import (POINTER, Structure, c_bool, c_char, c_char_p, c_double, c_int, c_int32,
                     c_int64, c_size_t, c_uint32, c_uint64, c_void_p, CFUNCTYPE)
 
+# The libkvrope ABI these structs mirror: KVR_VERSION_MAJOR, KVR_VERSION_MINOR
+# (0.x minors may change struct layouts; the loader refuses another one).
+ABI = (0, 2)
+
 NAME_MAX = 255            # KVR_ID_MAX (rope/types.h)
 ROPE_MAX_HEAD_DIM = 1024
 CODEC_MAX = 64            # KVR_CODEC_NAME_MAX
@@ -329,6 +333,11 @@ class _Lib:
                               f"(make build/libkvrope.so)") from None
             f.restype, f.argtypes = res, args
             setattr(self, name, f)
+        v = self.kvr_version()
+        if (v >> 16, (v >> 8) & 0xFF) != ABI:
+            raise OSError(f"{path} is libkvrope {self.kvr_version_string().decode()}; this "
+                          f"binding mirrors the structs of {ABI[0]}.{ABI[1]}.x: rebuild it "
+                          f"(make build/libkvrope.so)")
 
     def has(self, name):
         return name in PROTOTYPES and name not in self._missing
