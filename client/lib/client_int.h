@@ -21,7 +21,6 @@ struct kvr_client {
     size_t          rcap, rpos, rlen;
     uint8_t        *wbuf;          /* header + packed request */
     size_t          wcap;
-    bool            put_persist;   /* kvr_client_put_persist: Put.persist */
     /* Shared memory (shm.c). */
     struct kvr__region *regions;   /* n_regions registered on this connection */
     size_t          n_regions, cap_regions;

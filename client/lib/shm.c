@@ -208,20 +208,19 @@ static void place_out(kvr_client *c, const kvr_shm *at)
     kvr_client_shm_next(c, &p);
 }
 
-int kvr_client_put_shm(kvr_client *c, const kvr_put_args *a, const kvr_put_opts *o,
-                       const kvr_shm *at, kvr_put_res *out)
+int kvr_client_put_shm(kvr_client *c, const kvr_put_args *a, const kvr_shm *at,
+                       kvr_put_res *out)
 {
     kvr_client_shm_next(c, at);
-    int r = kvr_client_put_ex(c, a, o, out);
+    int r = kvr_client_put(c, a, out);
     c->shm_next = false;
     return r;
 }
 
-int kvr_client_get_shm(kvr_client *c, const kvr_get_args *a, const kvr_get_opts *o,
-                       const kvr_shm *at, kvr_kv *out, kvr_raw_layout *layout)
+int kvr_client_get_shm(kvr_client *c, const kvr_get_args *a, const kvr_shm *at, kvr_kv *out)
 {
     place_out(c, at);
-    int r = kvr_client_get_ex(c, a, o, out, layout);
+    int r = kvr_client_get(c, a, out);
     c->shm_next = false;
     return r;
 }

@@ -304,7 +304,7 @@ static void *run_job(void *arg)
         } else if (j->op == OP_PUT) {
             snprintf(id, sizeof id, "p%d-%ld", j->id, ops);
             kvr_put_args p = { .ctx_id = id, .model = "bench", .dtype = KVR_DTYPE_F16,
-                               .mode = KVR_WRITE_CREATE, .tokens = tok,
+                               .mode = KVR_PUT_CREATE, .tokens = tok,
                                .n_tokens = n_tokens };
             if (j->mode == M_UNIX) {
                 p.payload = buf;
@@ -312,7 +312,7 @@ static void *run_job(void *arg)
                 rc = kvr_client_put(c, &p, NULL);
             } else {
                 kvr_shm at = { region, 0, j->bytes };
-                rc = kvr_client_put_shm(c, &p, NULL, &at, NULL);
+                rc = kvr_client_put_shm(c, &p, &at, NULL);
             }
             if (rc == 0 && ops >= keep) {
                 snprintf(old, sizeof old, "p%d-%ld", j->id, ops - keep);
@@ -330,7 +330,7 @@ static void *run_job(void *arg)
                 rc = kvr_client_get(c, &g, &kv);
             } else {
                 kvr_shm at = { region, 0, j->bytes };
-                rc = kvr_client_get_shm(c, &g, NULL, &at, &kv, NULL);
+                rc = kvr_client_get_shm(c, &g, &at, &kv);
             }
             if (rc == 0 && kv.payload_len != j->bytes)
                 rc = -1;

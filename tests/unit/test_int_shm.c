@@ -61,16 +61,16 @@ static void put_ctx(kvr_client *c, uint32_t id, void *base, const char *ctx, con
     kvr_put_args a = { .ctx_id = ctx, .model = model, .dtype = dt, .tokens = tok, .n_tokens = n,
                        .has_pos_start = true, .pos_start = 0, .n_layers = T_LAYERS,
                        .n_kv_heads = T_HEADS, .head_dim = T_DIM };
-    kvr_put_opts o = { .codec = codec };
+    a.codec = codec;
     int r;
     if (id) {
         memcpy((uint8_t *)base + 4096, pl, len);
         kvr_shm at = { id, 4096, len };
-        r = kvr_client_put_shm(c, &a, &o, &at, NULL);
+        r = kvr_client_put_shm(c, &a, &at, NULL);
     } else {
         a.payload = pl;
         a.payload_len = len;
-        r = kvr_client_put_ex(c, &a, &o, NULL);
+        r = kvr_client_put(c, &a, NULL);
     }
     cr_assert_eq(r, 0, "put %s: %s", ctx, kvr_client_last_error(c));
     free(pl);
@@ -82,14 +82,14 @@ static void same_get(uint32_t id, void *base, const char *ctx_sock, const char *
                      const kvr_get_args *g0, bool raw)
 {
     kvr_get_args g = *g0;
-    kvr_get_opts o = { .raw = raw };
+    g.raw = raw;
     kvr_kv a, b;
     g.ctx_id = ctx_sock;
-    cr_assert_eq(kvr_client_get_ex(C, &g, &o, &a, NULL), 0, "%s", kvr_client_last_error(C));
+    cr_assert_eq(kvr_client_get(C, &g, &a), 0, "%s", kvr_client_last_error(C));
     g.ctx_id = ctx_shm;
     memset(base, 0xA5, REGION);
     kvr_shm at = { id, 8192, 0 };
-    cr_assert_eq(kvr_client_get_shm(C, &g, &o, &at, &b, NULL), 0, "%s",
+    cr_assert_eq(kvr_client_get_shm(C, &g, &at, &b), 0, "%s",
                  kvr_client_last_error(C));
     cr_assert_eq(a.payload_len, b.payload_len);
     cr_assert_eq(b.payload, (uint8_t *)base + 8192, "the result is a view of the region");
@@ -173,14 +173,14 @@ Test(int_shm, match_assemble_edit_refresh)
         uint32_t *dt = testd_tokens(5000 + 100 * (uint32_t)i, 30);
         kvr_put_args a = { .ctx_id = i ? "d1" : "d0", .model = "tiny", .dtype = KVR_DTYPE_F16,
                            .tokens = dt, .n_tokens = 30, .payload = pl, .payload_len = len };
-        kvr_put_opts o = { .prefix_ctx = "pre" };
-        cr_assert_eq(kvr_client_put_ex(C, &a, &o, NULL), 0, "%s", kvr_client_last_error(C));
+        a.prefix_ctx = "pre";
+        cr_assert_eq(kvr_client_put(C, &a, NULL), 0, "%s", kvr_client_last_error(C));
         free(pl);
         free(dt);
     }
     const char *docs[] = { "d0", "d1" };
     kvr_assemble_args as = { .prefix = "pre", .docs = docs, .n_docs = 2,
-                             .layout = KVR_ASSEMBLE_SEQUENTIAL, .dtype = KVR_DTYPE_F16 };
+                             .layout = KVR_LAYOUT_SEQUENTIAL, .dtype = KVR_DTYPE_F16 };
     kvr_assemble_res r1, r2;
     cr_assert_eq(kvr_client_assemble(C, &as, &r1), 0, "%s", kvr_client_last_error(C));
     at.offset = 64;
@@ -234,16 +234,16 @@ Test(int_shm, put_checks_the_daemons_copy)
     kvr_put_args a = { .ctx_id = "q", .model = "tiny", .dtype = KVR_DTYPE_F32, .tokens = tok,
                        .n_tokens = 40, .n_layers = T_LAYERS, .n_kv_heads = T_HEADS,
                        .head_dim = T_DIM };
-    kvr_put_opts o = { .codec = "int8" };
+    a.codec = "int8";
     kvr_shm at = { id, 0, len };
-    cr_assert_eq(kvr_client_put_shm(C, &a, &o, &at, NULL), KVR_EINVAL);
+    cr_assert_eq(kvr_client_put_shm(C, &a, &at, NULL), KVR_EINVAL);
     cr_assert(strstr(kvr_client_last_error(C), "nan") || strstr(kvr_client_last_error(C), "NaN")
               || strstr(kvr_client_last_error(C), "finite"), "%s", kvr_client_last_error(C));
     kvr_context ci;
     cr_assert_eq(kvr_client_stat(C, "q", &ci), KVR_ENOCTX, "a refused put stores nothing");
     /* a slice of the wrong length is E_PAYLOAD */
     at.length = len - 4;
-    cr_assert_eq(kvr_client_put_shm(C, &a, NULL, &at, NULL), KVR_EPAYLOAD);
+    cr_assert_eq(kvr_client_put_shm(C, &a, &at, NULL), KVR_EPAYLOAD);
     free(pl);
     free(tok);
 }
@@ -305,14 +305,14 @@ Test(int_shm, refusals)
         { good + 100, 0, 64 },                   /* unknown region */
     };
     for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
-        int r = kvr_client_get_shm(C, &g, NULL, &bad[i], &kv, NULL);
+        int r = kvr_client_get_shm(C, &g, &bad[i], &kv);
         cr_assert(r == KVR_ERANGE || r == KVR_EINVAL, "slice %zu: %d %s", i, r,
                   kvr_client_last_error(C));
     }
     /* too small for the payload: nothing written */
     memset(base, 0x5A, 64);
     kvr_shm small = { good, 0, 64 };
-    cr_assert_eq(kvr_client_get_shm(C, &g, NULL, &small, &kv, NULL), KVR_ERANGE);
+    cr_assert_eq(kvr_client_get_shm(C, &g, &small, &kv), KVR_ERANGE);
     cr_assert_eq(((uint8_t *)base)[0], 0x5A);
     /* shm on a request without a payload */
     kvr_client_shm_next(C, &small);
@@ -422,7 +422,7 @@ static void vanishing_client(int how)
         signal(SIGALRM, SIG_DFL);
         struct itimerval it = { { 0, 0 }, { 0, 300 } };
         setitimer(ITIMER_REAL, &it, NULL);
-        kvr_client_get_shm(c, &g, NULL, &at, &kv, NULL);
+        kvr_client_get_shm(c, &g, &at, &kv);
         _exit(0);
     }
     int st;
@@ -450,7 +450,7 @@ Test(int_shm, clients_that_vanish)
     void *base;
     uint32_t id = make_region(C, &base);
     kvr_shm at = { id, 0, 0 };
-    cr_assert_eq(kvr_client_get_shm(C, &g, NULL, &at, &kv, NULL), 0, "%s",
+    cr_assert_eq(kvr_client_get_shm(C, &g, &at, &kv), 0, "%s",
                  kvr_client_last_error(C));
     want = testd_payload(3, T_LAYERS, 0, 2000, KVR_DTYPE_F16, &len);
     cr_assert_eq(memcmp(base, want, len), 0);
@@ -493,14 +493,14 @@ static void *worker(void *p)
         kvr_put_args a = { .ctx_id = ctx, .model = "tiny", .dtype = KVR_DTYPE_F16, .tokens = tok,
                            .n_tokens = n, .has_pos_start = true };
         kvr_shm at = { ids[ri], 0, len };
-        if (kvr_client_put_shm(c, &a, NULL, &at, NULL) < 0) {
+        if (kvr_client_put_shm(c, &a, &at, NULL) < 0) {
             snprintf(w->why, sizeof w->why, "put: %s", kvr_client_last_error(c));
             w->fails++;
         }
         kvr_get_args g = { .ctx_id = ctx, .dtype = KVR_DTYPE_F16 };
         kvr_shm out = { ids[(ri + 1) % 3], 512, 0 };
         kvr_kv kv;
-        if (kvr_client_get_shm(c, &g, NULL, &out, &kv, NULL) < 0) {
+        if (kvr_client_get_shm(c, &g, &out, &kv) < 0) {
             snprintf(w->why, sizeof w->why, "get: %s", kvr_client_last_error(c));
             w->fails++;
         } else {
