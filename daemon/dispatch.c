@@ -280,10 +280,13 @@ static void reply_ok(kvrd_request *r, Kvrope__Response *resp)
 
 /* ---- shared memory: payloads in the client's region ------------------------ */
 
+/* Copies iov to dst, skipping what the store already produced in place
+ * (kvr_get_params.dst: the iovecs then point into the region itself). */
 static uint8_t *copy_iov_to(uint8_t *dst, const struct iovec *iov, size_t n)
 {
     for (size_t i = 0; i < n; i++) {
-        memcpy(dst, iov[i].iov_base, iov[i].iov_len);
+        if (iov[i].iov_base != dst)
+            memcpy(dst, iov[i].iov_base, iov[i].iov_len);
         dst += iov[i].iov_len;
     }
     return dst;
@@ -308,9 +311,12 @@ static void shm_copy_in(kvrd_request *r)
 }
 
 /* Get / match+get / assemble: the work (rotation, conversion,
- * dequantization) and the copy into the region, on this worker thread. A
- * get that needs work goes layer by layer, so each layer is copied while
- * it is still in cache; zero-copy runs go straight from block memory. */
+ * dequantization) and the copy into the region, on this worker thread.
+ * Normally the store produces straight into the region (start_get gives it
+ * as kvr_get_params.dst: no staging, work split over the pool's threads)
+ * and there is nothing left to copy. Raw gets, and any read the store did
+ * not place, are copied here: a get that needs work layer by layer, so
+ * each layer is copied while it is still in cache. */
 static int shm_copy_out(kvrd_request *r, kvr_error *e)
 {
     const struct iovec *iov;
@@ -320,7 +326,9 @@ static int shm_copy_out(kvrd_request *r, kvr_error *e)
         return 0;
     if (r->get) {
         size_t nl = kvr_get_get_info(r->get)->n_layers;
-        if (r->needs_work && nl > 1) {
+        kvr_get_payload_iov(r->get, &iov, &n);
+        bool placed = n > 0 && iov[0].iov_base == (void *)r->shm_p;
+        if (r->needs_work && nl > 1 && !placed) {
             uint8_t *d = r->shm_p;
             for (size_t l = 0; l < nl; l++) {
                 if ((rc = kvr_get_work_layers(r->get, l, l + 1, e)) < 0)
@@ -1071,8 +1079,14 @@ static void send_get(kvrd_request *r, bool stream);
 /* Starts a get, or the get half of a match. A large one that needs work is
  * streamed (stream.c): its status is decided here, by begin, before any of
  * its payload exists. */
-static void start_get(kvrd_request *r, const kvr_get_params *gp)
+static void start_get(kvrd_request *r, const kvr_get_params *gp0)
 {
+    kvr_get_params g = *gp0;
+    const kvr_get_params *gp = &g;
+    if (r->shm && !g.meta_only) {   /* produced straight into the region */
+        g.dst = r->shm_p;
+        g.dst_cap = r->shm_len;
+    }
     kvr_error e = { 0 };
     int rc = kvr_store_get_begin(r->d->store, gp, &r->get, &e);
     if (rc < 0) {
@@ -1262,6 +1276,10 @@ static void do_assemble(kvrd_request *r)
         return;
     }
     kvr_error e = { 0 };
+    if (r->shm && !ap.meta_only) {   /* produced straight into the region */
+        ap.dst = r->shm_p;
+        ap.dst_cap = r->shm_len;
+    }
     rc = kvr_store_assemble_begin(r->d->store, &ap, &r->as, &e);
     if (rc < 0) {
         r->as = NULL;
