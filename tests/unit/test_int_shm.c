@@ -531,3 +531,40 @@ Test(int_shm, many_regions_and_clients)
     }
     cr_assert_eq(kvr_client_ping(C, NULL), 0);
 }
+
+Test(int_shm, cli_put_and_get_through_shared_memory)
+{
+    cr_assert_eq(testd_register(C, "tiny", KVR_DTYPE_F16, NULL), 0);
+    size_t len;
+    void *pl = testd_payload(9, T_LAYERS, 0, 12, KVR_DTYPE_F16, &len);
+    char in[400], out1[400], out2[400];
+    snprintf(in, sizeof in, "%s/in.bin", D.dir);
+    snprintf(out1, sizeof out1, "%s/o1.bin", D.dir);
+    snprintf(out2, sizeof out2, "%s/o2.bin", D.dir);
+    FILE *f = fopen(in, "wb");
+    cr_assert_eq(fwrite(pl, 1, len, f), len);
+    fclose(f);
+    const char *put[] = { "put", "cli", in, "--model", "tiny", "--tokens",
+                          "1,2,3,4,5,6,7,8,9,10,11,12", "--shm", "-q", NULL };
+    cr_assert_eq(testd_cli(&D, NULL, 0, put), 0);
+    const char *g1[] = { "get", "cli", "-o", out1, "--shm", "--pos-start", "50", "-q", NULL };
+    const char *g2[] = { "get", "cli", "-o", out2, "--pos-start", "50", "-q", NULL };
+    cr_assert_eq(testd_cli(&D, NULL, 0, g1), 0);
+    cr_assert_eq(testd_cli(&D, NULL, 0, g2), 0);
+    char *b1 = malloc(len + 1), *b2 = malloc(len + 1);
+    f = fopen(out1, "rb");
+    cr_assert_eq(fread(b1, 1, len + 1, f), len);
+    fclose(f);
+    f = fopen(out2, "rb");
+    cr_assert_eq(fread(b2, 1, len + 1, f), len);
+    fclose(f);
+    cr_assert_eq(memcmp(b1, b2, len), 0, "--shm get equals the socket get");
+    kvr_get_args g = { .ctx_id = "cli", .dtype = KVR_DTYPE_F16 };
+    kvr_kv kv;
+    cr_assert_eq(kvr_client_get(C, &g, &kv), 0);
+    cr_assert_eq(memcmp(kv.payload, pl, len), 0, "--shm put stored the file's bytes");
+    kvr_kv_release(&kv);
+    free(b1);
+    free(b2);
+    free(pl);
+}
