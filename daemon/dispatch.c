@@ -295,19 +295,47 @@ static uint8_t *copy_iov_to(uint8_t *dst, const struct iovec *iov, size_t n)
 /* Put / edit: copy the region's bytes into the transaction's iovecs first;
  * every check (nan/inf, conversion) then runs on the daemon's copy, so a
  * client changing its bytes meanwhile can only change what it stores. */
+typedef struct copy_in {
+    const struct iovec *iov;
+    size_t              n;
+    const uint8_t      *src;
+    size_t              total, chunk;
+} copy_in;
+
+/* Bytes [i * chunk, (i + 1) * chunk) of the payload, from the region into
+ * the iovecs that cover them. */
+static int copy_in_chunk(void *ud, size_t i)
+{
+    const copy_in *ci = ud;
+    size_t lo = i * ci->chunk, hi = lo + ci->chunk < ci->total ? lo + ci->chunk : ci->total;
+    size_t at = 0;
+    for (size_t k = 0; k < ci->n && at < hi; k++) {
+        size_t len = ci->iov[k].iov_len, a = at > lo ? at : lo, z = at + len < hi ? at + len : hi;
+        if (a < z)
+            memcpy((uint8_t *)ci->iov[k].iov_base + (a - at), ci->src + a, z - a);
+        at += len;
+    }
+    return 0;
+}
+
+#define SHM_COPY_CHUNK ((size_t)4 << 20)
+
 static void shm_copy_in(kvrd_request *r)
 {
-    const struct iovec *iov;
-    size_t n;
+    copy_in ci = { .src = r->shm_p, .chunk = SHM_COPY_CHUNK };
     if (r->edit)
-        kvr_edit_payload_iov(r->edit, &iov, &n);
+        kvr_edit_payload_iov(r->edit, &ci.iov, &ci.n);
     else
-        kvr_put_payload_iov(r->put, &iov, &n);
-    const uint8_t *src = r->shm_p;
-    for (size_t i = 0; i < n; i++) {
-        memcpy(iov[i].iov_base, src, iov[i].iov_len);
-        src += iov[i].iov_len;
-    }
+        kvr_put_payload_iov(r->put, &ci.iov, &ci.n);
+    for (size_t i = 0; i < ci.n; i++)
+        ci.total += ci.iov[i].iov_len;
+    size_t chunks = (ci.total + ci.chunk - 1) / ci.chunk;
+    /* Large payloads: the copy is split over the worker pool's threads
+     * (one core's memcpy does not saturate memory bandwidth). */
+    if (chunks > 1)
+        (void)kvr_pool_for(NULL, chunks, 8, copy_in_chunk, &ci);
+    else if (chunks)
+        copy_in_chunk(&ci, 0);
 }
 
 /* Get / match+get / assemble: the work (rotation, conversion,
