@@ -17,7 +17,11 @@
 #include <sys/mman.h>
 #include <sys/socket.h>
 #include <sys/time.h>
+#include <sys/un.h>
+#include <dirent.h>
 
+#include "kvrope.pb-c.h"
+#include "proto/frame.h"
 #include "tests/common/kvr_testd.h"
 
 static kvr_testd D;
@@ -567,4 +571,100 @@ Test(int_shm, cli_put_and_get_through_shared_memory)
     free(b1);
     free(b2);
     free(pl);
+}
+
+/* ---- raw frames: descriptors that come without a RegisterRegion, and a
+ * RegisterRegion that comes without one ---------------------------------- */
+
+static int raw_connect(void)
+{
+    int fd = socket(AF_UNIX, SOCK_STREAM, 0);
+    struct sockaddr_un sa = { .sun_family = AF_UNIX };
+    cr_assert_lt(strlen(D.sock), sizeof sa.sun_path);
+    memcpy(sa.sun_path, D.sock, strlen(D.sock) + 1);
+    cr_assert_eq(connect(fd, (struct sockaddr *)&sa, sizeof sa), 0);
+    struct timeval tv = { 20, 0 };
+    setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+    return fd;
+}
+
+/* Sends req, with `pass` (>= 0) attached by SCM_RIGHTS; returns the status. */
+static int raw_call(int fd, Kvrope__Request *req, int pass)
+{
+    uint8_t buf[512];
+    size_t n = kvrope__request__get_packed_size(req);
+    cr_assert(n + KVR_FRAME_HEADER_SIZE <= sizeof buf);
+    kvr_frame_header_encode(buf, (uint32_t)n, 0);
+    kvrope__request__pack(req, buf + KVR_FRAME_HEADER_SIZE);
+    struct iovec iov = { buf, n + KVR_FRAME_HEADER_SIZE };
+    union {
+        struct cmsghdr h;
+        char b[CMSG_SPACE(sizeof(int))];
+    } cm;
+    struct msghdr mh = { .msg_iov = &iov, .msg_iovlen = 1 };
+    if (pass >= 0) {
+        memset(&cm, 0, sizeof cm);
+        mh.msg_control = cm.b;
+        mh.msg_controllen = sizeof cm.b;
+        struct cmsghdr *h = CMSG_FIRSTHDR(&mh);
+        h->cmsg_level = SOL_SOCKET;
+        h->cmsg_type = SCM_RIGHTS;
+        h->cmsg_len = CMSG_LEN(sizeof(int));
+        memcpy(CMSG_DATA(h), &pass, sizeof(int));
+    }
+    cr_assert_eq(sendmsg(fd, &mh, MSG_NOSIGNAL), (ssize_t)iov.iov_len);
+    uint8_t hdr[KVR_FRAME_HEADER_SIZE];
+    cr_assert_eq(recv(fd, hdr, sizeof hdr, MSG_WAITALL), (ssize_t)sizeof hdr);
+    kvr_frame_header fh;
+    cr_assert_eq(kvr_frame_header_decode(hdr, &fh, NULL), 0);
+    uint8_t *m = malloc(fh.msg_len ? fh.msg_len : 1);
+    cr_assert_eq(recv(fd, m, fh.msg_len, MSG_WAITALL), (ssize_t)fh.msg_len);
+    Kvrope__Response *r = kvrope__response__unpack(NULL, fh.msg_len, m);
+    free(m);
+    cr_assert_not_null(r);
+    int st = (int)r->status;
+    kvrope__response__free_unpacked(r, NULL);
+    return st;
+}
+
+static int count_fds(pid_t pid)
+{
+    char path[64];
+    snprintf(path, sizeof path, "/proc/%d/fd", (int)pid);
+    DIR *d = opendir(path);
+    cr_assert_not_null(d);
+    int n = 0;
+    while (readdir(d))
+        n++;
+    closedir(d);
+    return n;
+}
+
+Test(int_shm, stray_descriptors_are_closed)
+{
+    int fd = raw_connect();
+    Kvrope__Request q = KVROPE__REQUEST__INIT;
+    Kvrope__Ping ping = KVROPE__PING__INIT;
+    q.id = 1;
+    q.body_case = KVROPE__REQUEST__BODY_PING;
+    q.ping = &ping;
+    cr_assert_eq(raw_call(fd, &q, -1), KVROPE__STATUS__OK);
+    int before = count_fds(D.pid);
+    int mfd = raw_memfd(4096, F_SEAL_SHRINK);
+    for (int i = 0; i < 50; i++)   /* fds riding on pings: closed, not kept */
+        cr_assert_eq(raw_call(fd, &q, mfd), KVROPE__STATUS__OK);
+    cr_assert_leq(count_fds(D.pid), before, "the daemon keeps no stray descriptor");
+    /* a RegisterRegion without a descriptor */
+    Kvrope__RegisterRegion rr = KVROPE__REGISTER_REGION__INIT;
+    rr.size = 4096;
+    Kvrope__Request g = KVROPE__REQUEST__INIT;
+    g.id = 2;
+    g.body_case = KVROPE__REQUEST__BODY_REGISTER_REGION;
+    g.register_region = &rr;
+    cr_assert_eq(raw_call(fd, &g, -1), KVROPE__STATUS__E_BAD_REQUEST);
+    /* and with one it works; the connection's close unmaps it */
+    cr_assert_eq(raw_call(fd, &g, mfd), KVROPE__STATUS__OK);
+    close(mfd);
+    close(fd);
+    cr_assert_eq(kvr_client_ping(C, NULL), 0);
 }
