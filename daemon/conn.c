@@ -403,6 +403,14 @@ static void alloc_cb(uv_handle_t *h, size_t suggested, uv_buf_t *buf)
         if (c->iov_i < c->niov) {
             buf->base = (char *)c->iov[c->iov_i].iov_base + c->iov_off;
             buf->len = c->iov[c->iov_i].iov_len - c->iov_off;
+            /* A small payload in several iovecs (a put's blocks, layer by
+             * layer): one read into the scratch and a scatter, instead of
+             * one read per iovec. Never past the payload's end. */
+            if (c->niov - c->iov_i > 1 && c->payload_left <= KVR_SCRATCH_SIZE &&
+                c->payload_left > buf->len) {
+                buf->base = (char *)c->d->scratch;
+                buf->len = (size_t)c->payload_left;
+            }
         }
         break;
     case KVRD_CONN_DRAIN:
@@ -470,8 +478,27 @@ static void on_message(kvr_conn *c)
     c->msg_have = 0;
 }
 
+/* Bytes read into the scratch (alloc_cb's small-payload read) go to the
+ * iovecs they stand for; then payload_advance. */
+static void payload_scatter(kvr_conn *c, const uint8_t *src, size_t n)
+{
+    size_t i = c->iov_i, off = c->iov_off;
+    while (n > 0 && i < c->niov) {
+        size_t room = c->iov[i].iov_len - off, k = n < room ? n : room;
+        memcpy((uint8_t *)c->iov[i].iov_base + off, src, k);
+        src += k;
+        n -= k;
+        off += k;
+        if (off == c->iov[i].iov_len) {
+            i++;
+            off = 0;
+        }
+    }
+}
+
 static void payload_advance(kvr_conn *c, size_t n)
 {
+    c->payload_left -= n;
     while (n > 0 && c->iov_i < c->niov) {
         size_t room = c->iov[c->iov_i].iov_len - c->iov_off;
         size_t k = n < room ? n : room;
@@ -491,7 +518,6 @@ static void payload_advance(kvr_conn *c, size_t n)
 static void read_cb(uv_stream_t *s, ssize_t nread, const uv_buf_t *buf)
 {
     kvr_conn *c = s->data;
-    (void)buf;
     if (c->closing)
         return;
     if (nread == 0)
@@ -528,6 +554,8 @@ static void read_cb(uv_stream_t *s, ssize_t nread, const uv_buf_t *buf)
             on_message(c);
         break;
     case KVRD_CONN_PAYLOAD:
+        if (buf->base == (char *)c->d->scratch)
+            payload_scatter(c, c->d->scratch, n);
         payload_advance(c, n);
         break;
     case KVRD_CONN_DRAIN:
@@ -561,6 +589,9 @@ void kvrd_conn_read_payload(kvr_conn *c, const struct iovec *iov, size_t niov)
     c->niov = niov;
     c->iov_i = 0;
     c->iov_off = 0;
+    c->payload_left = 0;
+    for (size_t i = 0; i < niov; i++)
+        c->payload_left += iov[i].iov_len;
     c->payload_unread = false;
     c->st = KVRD_CONN_PAYLOAD;
     skip_empty_iov(c);

@@ -154,6 +154,7 @@ struct kvr_conn {
     /* The payload being read (PAYLOAD): dispatch's iovecs, borrowed. */
     const struct iovec *iov;
     size_t      niov, iov_i, iov_off;
+    uint64_t    payload_left;     /* bytes of it still to come */
 
     bool        payload_unread;   /* the frame's payload is still on the wire */
     /* drain: bytes left, then this packed reply is written */
