@@ -79,6 +79,11 @@ static void on_connection(uv_stream_t *srv, int status)
     }
     if (is_tcp)
         uv_tcp_nodelay(&c->h.tcp, 1);
+    /* Room for a whole MiB-sized reply in the socket: with the default
+     * (~208 KiB) a 1 MiB get is written in five rounds of write, EAGAIN and
+     * wake-up. The kernel caps it at net.core.wmem_max. */
+    int sndbuf = 4 << 20;
+    (void)uv_send_buffer_size(&c->h.handle, &sndbuf);
     /* Clients that still owe Auth have their own (smaller) limit, so anyone
      * who can reach the TCP port cannot lock local workers out. */
     bool unauth = is_tcp && d->token;
