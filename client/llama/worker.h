@@ -49,6 +49,11 @@ typedef struct kvr_wk_hunk {
 int kvr_wk_diff(const int32_t *a, size_t na, const int32_t *b, size_t nb, size_t max_d,
                 kvr_wk_hunk **out, size_t *n);
 
+/* Joins neighbouring hunks separated by fewer than min_gap equal tokens (an
+ * editor's changes come in clusters; each hunk is one edit point that costs a
+ * round of decoding and refreshing). In place; *n shrinks. */
+void kvr_wk_hunks_merge(kvr_wk_hunk *h, size_t *n, size_t min_gap);
+
 /* ---- sequence states ------------------------------------------------------ */
 #define KVR_WK_GGML_F32  0
 #define KVR_WK_GGML_F16  1
@@ -206,6 +211,7 @@ typedef struct kvr_wk_edit_opts {
     uint32_t refresh;      /* K tokens re-encoded after each edit point */
     bool     check;        /* also a full re-encode of the new file */
     size_t   max_d;        /* diff budget; 0 = 2048 */
+    size_t   min_gap;      /* hunks closer than this are one op; 0 = 8 */
 } kvr_wk_edit_opts;
 int kvr_wk_edit(kvr_wk_env *e, const int32_t *a, size_t na, const int32_t *b, size_t nb,
                 const kvr_wk_edit_opts *o);

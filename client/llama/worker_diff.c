@@ -170,3 +170,17 @@ int kvr_wk_diff(const int32_t *a, size_t na, const int32_t *b, size_t nb, size_t
     *n_out = n;
     return 0;
 }
+
+void kvr_wk_hunks_merge(kvr_wk_hunk *h, size_t *n, size_t min_gap)
+{
+    size_t o = 0;
+    for (size_t i = 0; i < *n; i++) {
+        if (o > 0 && h[i].a0 - h[o - 1].a1 < min_gap) {
+            h[o - 1].a1 = h[i].a1;       /* the equal tokens between become part of it */
+            h[o - 1].b1 = h[i].b1;
+        } else {
+            h[o++] = h[i];
+        }
+    }
+    *n = o;
+}

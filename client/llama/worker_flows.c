@@ -595,6 +595,7 @@ int kvr_wk_edit(kvr_wk_env *e, const int32_t *a, size_t na, const int32_t *b, si
         r = fail(e, r, "out of memory in the diff");
         goto out;
     }
+    kvr_wk_hunks_merge(hk, &nh, o->min_gap ? o->min_gap : 8);
     double t_diff = kvr_wk_now_ms() - td0;
     size_t n_new = 0, n_removed = 0;
     ops = calloc(nh ? nh : 1, sizeof *ops);
