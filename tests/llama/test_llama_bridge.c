@@ -14,11 +14,20 @@
 #include <criterion/criterion.h>
 #include <criterion/logging.h>
 
+#include "tests/llama/llama_test.h"   /* llama.h first: kvrope_llama.h's context helper */
 #include "client/llama/kvrope_llama.h"
 #include "tests/common/kvr_testd.h"
-#include "tests/llama/llama_test.h"
 
 #define N_PROMPT 48
+
+/* llama.cpp v0.5.0's K-shift on a YaRN model (factor 4): the factor its shift
+ * multiplies key norms by, as measured by yarn_shift_keeps_norms_and_llama_
+ * shift_is_measured (1 would be a pure rotation). Measured: 1.138629 (f32
+ * cache), 1.13839..1.13885 (f16) = 0.1 ln 4 + 1, the YaRN magnitude: this
+ * release still applies it again on every shift (ggml_rope_ext in
+ * build_rope_shift gets the context's yarn_attn_factor). */
+#define YARN_SHIFT_RATIO 1.1386294361119891   /* 0.1 * ln(4) + 1 */
+#define YARN_SHIFT_TOL   1e-3
 
 static kvr_testd D;
 static char TMP[256];
@@ -407,4 +416,116 @@ Test(llama_bridge, reposition_equals_llama_shift_norm)
 Test(llama_bridge, reposition_equals_llama_shift_neox)
 {
     shift_matrix("--arch qwen2 --layers 2 --width 128 --heads 2 --kv-heads 2 --qkv-bias --seed 4", "neox");
+}
+
+/* ---- YaRN: norms after a shift ------------------------------------------------ */
+
+/* Per-head key norms of layer 0 for cells [0, n) (layer 0's keys before RoPE
+ * do not depend on positions, so every path must give the same norms). */
+static double *k0_norms(const kvr_llama_model *m, const unsigned char *s, size_t l, uint32_t n)
+{
+    kvr_llama_state *st;
+    float *f = decode_all(m, s, l, n, false, &st);
+    double *out = calloc((size_t)n * m->n_kv_heads, sizeof *out);
+    for (uint32_t t = 0; t < n; t++)
+        for (uint32_t h = 0; h < m->n_kv_heads; h++) {
+            double q = 0;
+            const float *k = f + ((size_t)t * m->n_kv_heads + h) * m->head_dim;
+            for (uint32_t d = 0; d < m->rotary_dim; d++) q += (double)k[d] * (double)k[d];
+            out[t * m->n_kv_heads + h] = sqrt(q);
+        }
+    free(f);
+    kvr_llama_state_free(st);
+    return out;
+}
+
+static int open_profile(lt_lm *lm, const char *path, const kvr_llama_model *m, int type)
+{
+    memset(lm, 0, sizeof *lm);
+    lm->model = llama_model_load_from_file(path, llama_model_default_params());
+    if (!lm->model) return -1;
+    struct llama_context_params cp = llama_context_default_params();
+    cp.n_ctx = cp.n_batch = cp.n_ubatch = 256;
+    cp.n_threads = cp.n_threads_batch = 2;
+    cp.type_k = cp.type_v = (enum ggml_type)type;
+    cp.flash_attn_type = LLAMA_FLASH_ATTN_TYPE_ENABLED;
+    kvr_llama_model_context_params(m, &cp);
+    lm->ctx = llama_init_from_model(lm->model, cp);
+    lm->vocab = llama_model_get_vocab(lm->model);
+    lm->n_vocab = llama_vocab_n_tokens(lm->vocab);
+    return lm->ctx ? 0 : -1;
+}
+
+Test(llama_bridge, yarn_shift_keeps_norms_and_llama_shift_is_measured)
+{
+    kvr_client *c = testd_connect(&D);
+    char path[512];
+    kvr_llama_model m;
+    model(path, sizeof path, "yarn", "--arch llama --layers 2 --width 128 --heads 2 --kv-heads 1 "
+          "--head-dim 64 --rope-scaling yarn --rope-factor 4 --orig-ctx 512 --ctx 2048 --seed 2", &m, c);
+    cr_assert_eq(m.scaling, KVR_ROPE_SCALING_YARN);
+    double mscale = 0.1 * log(4.0) + 1.0;
+    cr_assert_float_eq(m.mscale, mscale, 1e-12, "YaRN magnitude (0.1 ln 4 + 1) in the profile");
+    llama_token toks[N_PROMPT + 1];
+    lt_tokens(toks, N_PROMPT + 1, 3);
+    const int delta = 700;
+    static const struct { int type; kvr_llama_type kt; double tol; } TY[] = {
+        { GGML_TYPE_F32, KVR_LLAMA_F32, 1e-6 }, { GGML_TYPE_F16, KVR_LLAMA_F16, 2e-3 },
+    };
+    for (size_t t = 0; t < 2; t++) {
+        lt_lm a, b, f;
+        cr_assert_eq(open_profile(&a, path, &m, TY[t].type), 0);
+        cr_assert_eq(lt_decode(&a, toks, N_PROMPT, 0, NULL), 0);
+        size_t l0;
+        unsigned char *s0 = lt_state(&a, &l0);
+        /* fresh encode at the shifted positions */
+        cr_assert_eq(open_profile(&f, path, &m, TY[t].type), 0);
+        cr_assert_eq(lt_decode(&f, toks, N_PROMPT, delta, NULL), 0);
+        size_t lf;
+        unsigned char *sf = lt_state(&f, &lf);
+        /* kvrope's shift */
+        char ctx[32];
+        snprintf(ctx, sizeof ctx, "yarn%zu", t);
+        import_state(c, ctx, &m, s0, l0, toks, N_PROMPT);
+        kvr_llama_export_opts o = { .type_k = TY[t].kt, .type_v = TY[t].kt, .has_pos_start = true,
+                                    .pos_start = delta };
+        size_t l1;
+        unsigned char *s1 = export_state(c, ctx, &m, &o, &l1);
+        /* llama.cpp's own shift, applied by the next decode */
+        llama_memory_seq_add(llama_get_memory(a.ctx), 0, -1, -1, delta);
+        cr_assert_eq(lt_decode(&a, toks + N_PROMPT, 1, N_PROMPT + delta, NULL), 0);
+        size_t la;
+        unsigned char *sa = lt_state(&a, &la);
+        /* and kvrope's state is usable: a decode on top works */
+        cr_assert_eq(open_profile(&b, path, &m, TY[t].type), 0);
+        cr_assert_eq(llama_state_seq_set_data(b.ctx, s1, l1, 0), l1);
+        cr_assert_eq(lt_decode(&b, toks + N_PROMPT, 1, N_PROMPT + delta, NULL), 0);
+
+        double *n0 = k0_norms(&m, s0, l0, N_PROMPT), *nf = k0_norms(&m, sf, lf, N_PROMPT);
+        double *nk = k0_norms(&m, s1, l1, N_PROMPT), *nl = k0_norms(&m, sa, la, N_PROMPT);
+        double worst_kv = 0, worst_fresh = 0, ratio_min = 1e9, ratio_max = 0;
+        for (size_t i = 0; i < (size_t)N_PROMPT * m.n_kv_heads; i++) {
+            worst_kv = fmax(worst_kv, fabs(nk[i] / nf[i] - 1));
+            worst_fresh = fmax(worst_fresh, fabs(n0[i] / nf[i] - 1));
+            ratio_min = fmin(ratio_min, nl[i] / nf[i]);
+            ratio_max = fmax(ratio_max, nl[i] / nf[i]);
+        }
+        cr_log_info("YaRN %s: kvrope's shifted key norms vs a fresh encode: max rel diff %.2e; "
+                    "llama.cpp's shift multiplies the norms by %.6f..%.6f (YaRN magnitude %.6f)",
+                    kvr_llama_type_name(TY[t].kt), worst_kv, ratio_min, ratio_max, mscale);
+        cr_expect_leq(worst_fresh, TY[t].tol, "a fresh encode's norms do not depend on position");
+        cr_expect_leq(worst_kv, TY[t].tol, "kvrope's shift is a pure rotation: norms kept (%.2e)",
+                      worst_kv);
+        /* What llama.cpp v0.5.0's own K-shift does to them, measured: see
+         * YARN_SHIFT_RATIO below. */
+        cr_expect(fabs(ratio_min - YARN_SHIFT_RATIO) <= YARN_SHIFT_TOL &&
+                  fabs(ratio_max - YARN_SHIFT_RATIO) <= YARN_SHIFT_TOL,
+                  "llama.cpp's YaRN shift scales key norms by %.6f..%.6f (recorded: %.6f)",
+                  ratio_min, ratio_max, (double)YARN_SHIFT_RATIO);
+        free(n0); free(nf); free(nk); free(nl);
+        free(s0); free(sf); free(sa);
+        kvr_llama_free(s1);
+        lt_close(&a); lt_close(&b); lt_close(&f);
+    }
+    kvr_client_close(c);
 }
