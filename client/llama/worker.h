@@ -116,8 +116,10 @@ typedef struct kvr_wk_lm_opts {
 /* Loads the model (no context yet). Errors: a missing file, a file that is
  * not a GGUF model (llama.cpp's reason is quoted). */
 int  kvr_wk_lm_load(kvr_wk_lm **out, const char *gguf, int n_threads, char *err, size_t errlen);
-/* (Re)creates the context with at least n_ctx cells. */
-int  kvr_wk_lm_context(kvr_wk_lm *lm, uint32_t n_ctx, char *err, size_t errlen);
+/* (Re)creates the context with at least n_ctx cells, and warms it up with
+ * one throw-away decode (its time: kvr_wk_lm_warmup_ms). */
+int    kvr_wk_lm_context(kvr_wk_lm *lm, uint32_t n_ctx, char *err, size_t errlen);
+double kvr_wk_lm_warmup_ms(const kvr_wk_lm *lm);
 void kvr_wk_lm_destroy(kvr_wk_lm *lm);
 
 typedef struct kvr_wk_lm_info {

@@ -397,6 +397,7 @@ int main(int argc, char **argv)
             goto done;
         r = kvr_wk_ppl(&e, tk[0], ntk[0], files[0].len, in->add_bos);
     }
+    kvr_wk_rep_num(&rep, "timings_ms", "warmup", kvr_wk_lm_warmup_ms(e.lm));
     if (r < 0)
         rc = die(exit_of(&e), "%s: %s", a.command, e.err);
     else

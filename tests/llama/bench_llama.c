@@ -180,6 +180,7 @@ static double llama_own_edit(const char *model, const char *ctx, const char *old
     ggml_backend_load_all_from_path(KVR_LLAMA_LIBDIR);
     llama_backend_init();
     struct llama_model_params mp = llama_model_default_params();
+    mp.load_mode = LLAMA_LOAD_MODE_NONE;      /* as the worker loads it */
     struct llama_model *m = llama_model_load_from_file(model, mp);
     if (!m)
         return NAN;
