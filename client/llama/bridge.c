@@ -364,6 +364,11 @@ int kvr_llama_state_export(kvr_client *c, const char *ctx, const kvr_llama_model
     ga.dtype = dt;
     ga.positions = want;
     ga.n_positions = want ? (size_t)n : 0;
+    size_t need = kvr_llama_payload_size(m, (size_t)n, dt);
+    if (opts->scratch && opts->scratch_cap >= need) {
+        ga.dst = opts->scratch;
+        ga.dst_cap = opts->scratch_cap;
+    }
     kvr_kv kv;
     rc = kvr_client_get(c, &ga, &kv);
     free(want);
@@ -406,7 +411,13 @@ int kvr_llama_state_export(kvr_client *c, const char *ctx, const kvr_llama_model
                          kv.payload_len, kvr_llama_payload_size(m, (size_t)n, dt));
         goto out;
     }
-    if ((rc = kvr_llama_state_encode(m, &ea, state, len, err, errlen)) != 0) goto out;
+    if (opts->dst) {
+        if ((rc = kvr_llama_state_encode_to(m, &ea, opts->dst, opts->dst_cap, len, err, errlen)) != 0)
+            goto out;
+        *state = opts->dst;
+    } else if ((rc = kvr_llama_state_encode(m, &ea, state, len, err, errlen)) != 0) {
+        goto out;
+    }
     if (info) {
         info->n_cells = n;
         info->pos_first = pos[0];

@@ -28,6 +28,9 @@
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
 
 int kvr_br_fail(char *err, size_t errlen, int code, const char *fmt, ...)
 {
@@ -179,16 +182,27 @@ static void blk_dec(kvr_llama_type t, float *y, const uint8_t *x)
     }
 }
 
+/* roundf (half away from zero) for |x| < 2^31, without the libm call. */
+static inline int round_half_away(float x)
+{
+    int t = (int)x;                 /* truncates toward zero */
+    float fr = x - (float)t;        /* exact */
+    return fr >= 0.5f ? t + 1 : fr <= -0.5f ? t - 1 : t;
+}
+
 static void blk_enc(kvr_llama_type t, uint8_t *y, const float *x)
 {
     switch (t) {
     case KVR_LLAMA_Q8_0: {
         float amax = 0.0f;
-        for (int j = 0; j < QK; j++) amax = fmaxf(amax, fabsf(x[j]));
+        for (int j = 0; j < QK; j++) {
+            float a = fabsf(x[j]);
+            amax = a > amax ? a : amax;   /* fmaxf for finite values */
+        }
         const float d = amax / ((1 << 7) - 1);
         const float id = d != 0.0f ? 1.0f / d : 0.0f;
         wr16(y, kvr_f32_to_f16(d));
-        for (int j = 0; j < QK; ++j) y[2 + j] = (uint8_t)(int8_t)roundf(x[j] * id);
+        for (int j = 0; j < QK; ++j) y[2 + j] = (uint8_t)(int8_t)round_half_away(x[j] * id);
         break;
     }
     case KVR_LLAMA_Q4_0:
@@ -612,6 +626,53 @@ static void decode_rows(kvr_llama_type t, const uint8_t *src, uint64_t row, uint
     }
 }
 
+/* cells per transposed chunk: few enough that the rows written at power-of-two
+ * strides stay in cache together */
+#define TW 32
+
+/* dst[c][r] = src[r][c] for 16-bit elements: rows x cols of src (row stride
+ * ss elements) into cols x rows of dst (row stride ds elements); 8x8 tiles
+ * with SSE2 where available. */
+static void transpose16(uint16_t *dst, size_t ds, const uint16_t *src, size_t ss, size_t rows,
+                        size_t cols)
+{
+    size_t r0 = 0;
+#if defined(__SSE2__)
+    for (; r0 + 8 <= rows; r0 += 8) {
+        size_t c0 = 0;
+        for (; c0 + 8 <= cols; c0 += 8) {
+            __m128i a[8], b[8];
+            for (int i = 0; i < 8; i++)
+                a[i] = _mm_loadu_si128((const __m128i *)(const void *)(src + (r0 + i) * ss + c0));
+            for (int i = 0; i < 4; i++) {
+                b[2 * i] = _mm_unpacklo_epi16(a[2 * i], a[2 * i + 1]);
+                b[2 * i + 1] = _mm_unpackhi_epi16(a[2 * i], a[2 * i + 1]);
+            }
+            /* b0 = r0r1 lo (c0..3), b1 = r0r1 hi (c4..7), b2 = r2r3 lo, ... */
+            __m128i c[8];
+            c[0] = _mm_unpacklo_epi32(b[0], b[2]);  /* c0,c1 of r0..r3 */
+            c[1] = _mm_unpackhi_epi32(b[0], b[2]);  /* c2,c3 */
+            c[2] = _mm_unpacklo_epi32(b[1], b[3]);  /* c4,c5 */
+            c[3] = _mm_unpackhi_epi32(b[1], b[3]);  /* c6,c7 */
+            c[4] = _mm_unpacklo_epi32(b[4], b[6]);  /* c0,c1 of r4..r7 */
+            c[5] = _mm_unpackhi_epi32(b[4], b[6]);
+            c[6] = _mm_unpacklo_epi32(b[5], b[7]);
+            c[7] = _mm_unpackhi_epi32(b[5], b[7]);
+            for (int i = 0; i < 4; i++) {
+                __m128i lo = _mm_unpacklo_epi64(c[i], c[i + 4]);  /* column 2i */
+                __m128i hi = _mm_unpackhi_epi64(c[i], c[i + 4]);  /* column 2i+1 */
+                _mm_storeu_si128((__m128i *)(void *)(dst + (c0 + 2 * i) * ds + r0), lo);
+                _mm_storeu_si128((__m128i *)(void *)(dst + (c0 + 2 * i + 1) * ds + r0), hi);
+            }
+        }
+        for (; c0 < cols; c0++)
+            for (size_t i = 0; i < 8; i++) dst[c0 * ds + r0 + i] = src[(r0 + i) * ss + c0];
+    }
+#endif
+    for (; r0 < rows; r0++)
+        for (size_t c0 = 0; c0 < cols; c0++) dst[c0 * ds + r0] = src[r0 * ss + c0];
+}
+
 /* v_trans: src is [n][n_cells] elements of t (plain); dst [nc][n] of dtype */
 static void decode_trans(kvr_llama_type t, const uint8_t *src, uint32_t n_cells, uint32_t c0,
                          uint32_t c1, uint32_t n, kvr_dtype dtype, uint8_t *dst, float *tmp)
@@ -620,19 +681,12 @@ static void decode_trans(kvr_llama_type t, const uint8_t *src, uint32_t n_cells,
     size_t es = kvr_dtype_size(st), ds = kvr_dtype_size(dtype);
     size_t nc = c1 - c0;
     if (st == dtype && es == 2) {
-        /* blocked transpose of 16-bit elements */
-        for (size_t j0 = 0; j0 < n; j0 += 32)
-            for (size_t i0 = 0; i0 < nc; i0 += 32) {
-                size_t j1 = j0 + 32 < n ? j0 + 32 : n, i1 = i0 + 32 < nc ? i0 + 32 : nc;
-                for (size_t j = j0; j < j1; j++) {
-                    const uint16_t *s = (const uint16_t *)(const void *)(src + (j * n_cells + c0) * 2);
-                    for (size_t i = i0; i < i1; i++) {
-                        uint16_t v;
-                        memcpy(&v, s + i, 2);
-                        memcpy(dst + (i * n + j) * 2, &v, 2);
-                    }
-                }
-            }
+        /* src rows j (n of them, n_cells elements each, from cell c0) -> dst rows i */
+        for (size_t i0 = 0; i0 < nc; i0 += TW) {
+            size_t w = nc - i0 < TW ? nc - i0 : TW;
+            transpose16((uint16_t *)(void *)(dst + i0 * n * 2), n,
+                        (const uint16_t *)(const void *)(src + (c0 + i0) * 2), n_cells, n, w);
+        }
         return;
     }
     for (size_t i = 0; i < nc; i++) {
@@ -731,13 +785,12 @@ static void encode_trans(kvr_llama_type t, uint8_t *dst, const uint8_t *src, kvr
     kvr_dtype dt = plain_dtype(t);
     size_t es = kvr_dtype_size(dt), ds = kvr_dtype_size(dtype);
     if (dt == dtype && es == 2) {
-        for (size_t j0 = 0; j0 < n; j0 += 32)
-            for (size_t i0 = 0; i0 < nc; i0 += 32) {
-                size_t j1 = j0 + 32 < n ? j0 + 32 : n, i1 = i0 + 32 < nc ? i0 + 32 : nc;
-                for (size_t j = j0; j < j1; j++)
-                    for (size_t i = i0; i < i1; i++)
-                        memcpy(dst + (j * nc + i) * 2, src + (i * n + j) * 2, 2);
-            }
+        /* src [nc][n] -> dst [n][nc] */
+        for (size_t i0 = 0; i0 < nc; i0 += TW) {
+            size_t w = nc - i0 < TW ? nc - i0 : TW;
+            transpose16((uint16_t *)(void *)(dst + i0 * 2), nc,
+                        (const uint16_t *)(const void *)(src + i0 * n * 2), n, w, n);
+        }
         return;
     }
     for (size_t j = 0; j < n; j++)
@@ -745,11 +798,28 @@ static void encode_trans(kvr_llama_type t, uint8_t *dst, const uint8_t *src, kvr
             kvr_convert(dst + (j * nc + i) * es, dt, src + (i * n + j) * ds, dtype, 1);
 }
 
+static int encode(const kvr_llama_model *m, const kvr_llama_encode_args *a, void **out,
+                  uint8_t *dst, size_t cap, size_t *len, char *err, size_t errlen);
+
 int kvr_llama_state_encode(const kvr_llama_model *m, const kvr_llama_encode_args *a,
                            void **out, size_t *len, char *err, size_t errlen)
 {
     *out = NULL;
     *len = 0;
+    return encode(m, a, out, NULL, 0, len, err, errlen);
+}
+
+int kvr_llama_state_encode_to(const kvr_llama_model *m, const kvr_llama_encode_args *a,
+                              void *dst, size_t cap, size_t *len, char *err, size_t errlen)
+{
+    *len = 0;
+    if (!dst && cap) return kvr_br_fail(err, errlen, KVR_ERR_INVAL, "no destination buffer");
+    return encode(m, a, NULL, dst, cap, len, err, errlen);
+}
+
+static int encode(const kvr_llama_model *m, const kvr_llama_encode_args *a, void **out,
+                  uint8_t *dst, size_t cap, size_t *len, char *err, size_t errlen)
+{
     if (!m || !a) return kvr_br_fail(err, errlen, KVR_ERR_INVAL, "no model or arguments");
     if (a->n_cells && (!a->pos || !a->payload))
         return kvr_br_fail(err, errlen, KVR_ERR_INVAL, "cells without positions or payload");
@@ -778,10 +848,13 @@ int kvr_llama_state_encode(const kvr_llama_model *m, const kvr_llama_encode_args
     bool ok;
     size_t total = state_size(m, &aa, &ok);
     if (!ok) return kvr_br_fail(err, errlen, KVR_ERR_TOOLARGE, "state too large");
-    uint8_t *b = malloc(total ? total : 1);
+    if (!out && cap < total)
+        return kvr_br_fail(err, errlen, KVR_ERR_BUFFER, "the state needs %zu bytes, %zu given",
+                           total, cap);
+    uint8_t *b = out ? malloc(total ? total : 1) : dst;
     float *tmp = malloc((size_t)n * sizeof *tmp);
     if (!b || !tmp) {
-        free(b);
+        if (out) free(b);
         free(tmp);
         return kvr_br_fail(err, errlen, KVR_ERR_OOM, "out of memory (%zu bytes)", total);
     }
@@ -842,10 +915,10 @@ int kvr_llama_state_encode(const kvr_llama_model *m, const kvr_llama_encode_args
     }
     free(tmp);
     if ((size_t)(p - b) != total) {
-        free(b);
+        if (out) free(b);
         return kvr_br_fail(err, errlen, KVR_ERR_INTERNAL, "state size mismatch");
     }
-    *out = b;
+    if (out) *out = b;
     *len = total;
     return 0;
 }

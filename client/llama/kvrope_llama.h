@@ -225,6 +225,11 @@ typedef struct kvr_llama_encode_args {
  * nearest even; quantization is ggml's reference quantizer (bit for bit). */
 int kvr_llama_state_encode(const kvr_llama_model *m, const kvr_llama_encode_args *a,
                            void **out, size_t *len, char *err, size_t errlen);
+/* The same into the caller's buffer (cap bytes; KVR_ERR_BUFFER if smaller
+ * than kvr_llama_state_size): no allocation of the state, so a worker can
+ * reuse one buffer. */
+int kvr_llama_state_encode_to(const kvr_llama_model *m, const kvr_llama_encode_args *a,
+                              void *dst, size_t cap, size_t *len, char *err, size_t errlen);
 size_t kvr_llama_state_size(const kvr_llama_model *m, const kvr_llama_encode_args *a);
 
 void kvr_llama_free(void *p);                           /* free() of this library's buffers */
@@ -294,6 +299,14 @@ typedef struct kvr_llama_export_opts {
     bool            no_attn_rot;
     int32_t         seq_id;       /* written in the raw header and the cells */
     kvr_llama_form  form;         /* RAW (set_data) or SESSION (load_file, with tokens) */
+    /* Optional buffers the caller keeps between exports (no allocation and no
+     * page faults per call): the state is written into dst (dst_cap bytes;
+     * KVR_ERR_BUFFER if too small) and *state = dst; the daemon's payload is
+     * received into scratch (scratch_cap bytes) when it is large enough. */
+    void           *dst;
+    size_t          dst_cap;
+    void           *scratch;
+    size_t          scratch_cap;
 } kvr_llama_export_opts;
 
 typedef struct kvr_llama_export_info {
@@ -308,7 +321,8 @@ typedef struct kvr_llama_export_info {
 /* Exports tokens [start, end) of ctx, all layers, as a state: keys re-rotated
  * by the daemon to the positions asked, converted to the destination types
  * (Hadamard included). A range holding pending tokens is KVR_ERR_PENDING;
- * positions beyond int32 are KVR_ERR_RANGE. *state is malloc'd (kvr_llama_free).
+ * positions beyond int32 are KVR_ERR_RANGE. *state is malloc'd (kvr_llama_free),
+ * or opts->dst when given (not to be freed).
  * opts and info may be NULL. */
 int kvr_llama_state_export(kvr_client *c, const char *ctx, const kvr_llama_model *m,
                            const kvr_llama_export_opts *opts, void **state, size_t *len,
