@@ -574,6 +574,36 @@ Test(llama_import, modes_append_refresh_replace)
     cr_assert(l1 == lq && memcmp(e, q, lq) == 0, "q8_0/q4_0 state back byte for byte");
     kvr_llama_free(e);
     kvr_llama_free(q);
+    /* a quantized codec at rest: the daemon stores the keys pre-RoPE; an export
+     * at other positions is the plain context's export up to int8 error */
+    kvr_llama_import_opts oq = { .codec = "int8" };
+    cr_assert_eq(kvr_llama_state_import(c, "i8", s, len, &m, &oq, &info, err, sizeof err), 0, "%s", err);
+    cr_assert_str_eq(info.codec, "k=int8/g64,v=int8/g64,r=0");
+    kvr_llama_import_opts opl = { 0 };
+    cr_assert_eq(kvr_llama_state_import(c, "plain", s, len, &m, &opl, NULL, err, sizeof err), 0, "%s", err);
+    kvr_llama_export_opts sh = { .has_pos_start = true, .pos_start = 500, .type_k = KVR_LLAMA_F32,
+                                 .type_v = KVR_LLAMA_F32 };
+    size_t la, lb;
+    unsigned char *xa = exp_state(c, "i8", &m, &sh, &la), *xb = exp_state(c, "plain", &m, &sh, &lb);
+    cr_assert_eq(la, lb);
+    kvr_llama_state *sa, *sb;
+    cr_assert_eq(kvr_llama_state_parse(xa, la, &m, &sa, err, sizeof err), 0, "%s", err);
+    cr_assert_eq(kvr_llama_state_parse(xb, lb, &m, &sb, err, sizeof err), 0, "%s", err);
+    cr_assert_eq(sa->pos[0], 500);
+    double e2 = 0, q2 = 0;
+    for (uint32_t l = 0; l < m.n_layers; l++)
+        for (size_t i = 0; i < (size_t)40 * 32; i++) {
+            float x, y;
+            memcpy(&x, sa->k[l] + i * 4, 4);
+            memcpy(&y, sb->k[l] + i * 4, 4);
+            e2 += ((double)x - (double)y) * ((double)x - (double)y);
+            q2 += (double)y * (double)y;
+        }
+    cr_assert_leq(sqrt(e2 / q2), 0.02, "int8 keys re-rotated to 500: rel RMS %.4f", sqrt(e2 / q2));
+    kvr_llama_state_free(sa);
+    kvr_llama_state_free(sb);
+    kvr_llama_free(xa);
+    kvr_llama_free(xb);
     kvr_llama_free(s);
     kvr_client_close(c);
 }
