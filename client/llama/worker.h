@@ -131,6 +131,10 @@ typedef struct kvr_wk_lm_info {
 const kvr_wk_lm_info *kvr_wk_lm_info_get(const kvr_wk_lm *lm);
 struct llama_model;
 const struct llama_model *kvr_wk_lm_model(const kvr_wk_lm *lm);   /* borrowed */
+/* The bridge's profile of the model (borrowed; NULL = none): its RoPE
+ * parameters go into every context created after. */
+struct kvr_llama_model;
+void kvr_wk_lm_set_profile(kvr_wk_lm *lm, const struct kvr_llama_model *m);
 
 /* Tokenizes text (BOS as the vocabulary says when bos). *out is the caller's. */
 int kvr_wk_lm_tokenize(kvr_wk_lm *lm, const char *text, size_t len, bool bos, int32_t **out,
@@ -193,8 +197,10 @@ void   kvr_wk_rep_print(const kvr_wk_report *r, bool json, FILE *out);
 void   kvr_wk_quote(const char *s, size_t n, char *out, size_t cap);
 
 /* ---- the flows (worker_flows.c) ------------------------------------------ */
+struct kvr_llama_model;
 typedef struct kvr_wk_env {
     kvr_wk_lm     *lm;
+    struct kvr_llama_model *profile;      /* the GGUF's (owned; NULL if unread) */
     kvr_client    *kc;                    /* NULL for ppl */
     char           model[KVR_NAME_MAX + 1];
     uint64_t       fingerprint;
@@ -204,7 +210,11 @@ typedef struct kvr_wk_env {
     char           err[1024];
 } kvr_wk_env;
 
-/* Registers the GGUF's model in kvrope (name and fingerprint into e). */
+/* Reads the GGUF's profile (the bridge's) into e->profile and hands it to
+ * the llama.cpp context parameters. */
+int kvr_wk_profile(kvr_wk_env *e, const char *gguf);
+/* Registers the profile in kvrope under the bridge's default name (name
+ * and fingerprint into e); reads the profile first if needed. */
 int kvr_wk_register(kvr_wk_env *e, const char *gguf);
 
 int kvr_wk_complete(kvr_wk_env *e, const int32_t *toks, size_t n, bool use_cache);

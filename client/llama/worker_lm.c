@@ -26,6 +26,7 @@
 #include "ggml-backend.h"
 #include "llama.h"
 
+#include "client/llama/kvrope_llama.h"
 #include "client/llama/worker.h"
 
 #ifndef KVR_LLAMA_LIBDIR
@@ -42,7 +43,10 @@ struct kvr_wk_lm {
     struct llama_batch        batch;
     const float              *last_logits;
     double                    warmup_ms;
+    const kvr_llama_model    *profile;
 };
+
+void kvr_wk_lm_set_profile(kvr_wk_lm *lm, const kvr_llama_model *m) { lm->profile = m; }
 
 static char log_last[512];
 static int  log_verbose = -1;
@@ -182,6 +186,8 @@ int kvr_wk_lm_context(kvr_wk_lm *lm, uint32_t n_ctx, char *err, size_t errlen)
     cp.type_k = GGML_TYPE_F16;
     cp.type_v = GGML_TYPE_F16;
     cp.no_perf = true;
+    if (lm->profile)
+        kvr_llama_model_context_params(lm->profile, &cp);
     log_last[0] = 0;
     lm->ctx = llama_init_from_model(lm->model, cp);
     if (!lm->ctx) {

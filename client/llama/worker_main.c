@@ -356,6 +356,11 @@ int main(int argc, char **argv)
         return die(EX_FAIL, "%s", e.err);
     }
     double t_model = kvr_wk_now_ms() - t_load0;
+    /* ppl runs without the profile if the bridge does not know the model. */
+    if (kvr_wk_profile(&e, a.model) < 0 && !is_ppl) {
+        rc = die(EX_FAIL, "%s", e.err);
+        goto done;
+    }
     if (!is_ppl && kvr_wk_register(&e, a.model) < 0) {
         rc = die(exit_of(&e) == EX_CONNECT ? EX_CONNECT : EX_FAIL, "%s", e.err);
         goto done;
@@ -409,6 +414,7 @@ done:
         free(files[i].data);
     kvr_wk_rep_free(&rep);
     kvr_wk_lm_destroy(e.lm);
+    free(e.profile);
     kvr_client_close(e.kc);
     return rc;
 }
