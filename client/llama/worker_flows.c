@@ -240,7 +240,7 @@ static int ctx_len(kvr_wk_env *e, const char *ctx, kvr_context *info)
 static int del_quiet(kvr_wk_env *e, const char *ctx)
 {
     int r = kvr_client_delete(e->kc, ctx);
-    return r < 0 && r != KVR_ERR_NOCTX ? kv_fail(e, r, "delete", ctx) : 0;
+    return r < 0 && r != KVR_ENOCTX ? kv_fail(e, r, "delete", ctx) : 0;
 }
 
 /* A fresh context `dst` holding tokens [0, n) of `src` (copy-on-write). */

@@ -278,9 +278,9 @@ static int tokenize(kvr_wk_env *e, const text *t, bool bos, const char *what, co
 
 static int exit_of(const kvr_wk_env *e)
 {
-    if (e->kv_code == KVR_ERR_SYS || e->kv_code == KVR_ERR_CLOSED)
+    if (e->kv_code == KVR_ESYS || e->kv_code == KVR_ECLOSED)
         return EX_CONNECT;
-    if (e->kv_code == KVR_ERR_NOCTX || e->kv_code == KVR_ERR_NOMODEL)
+    if (e->kv_code == KVR_ENOCTX || e->kv_code == KVR_ENOMODEL)
         return EX_NOTFOUND;
     return EX_FAIL;
 }
