@@ -61,16 +61,16 @@ bool cli_llama_option_is_flag(const char *n)
 
 static int fail(const cli_args *a, int code, const char *msg)
 {
-    fprintf(stderr, "kvrope: llama: %s (%s)\n", msg, kvr_client_error_name(code));
+    fprintf(stderr, "kvrope: llama: %s (%s)\n", msg, kvr_error_name(code));
     if (a->json) {
         cJSON *j = cJSON_CreateObject();
         cJSON *e = cJSON_AddObjectToObject(j, "error");
         cJSON_AddNumberToObject(e, "code", code);
-        cJSON_AddStringToObject(e, "name", kvr_client_error_name(code));
+        cJSON_AddStringToObject(e, "name", kvr_error_name(code));
         cJSON_AddStringToObject(e, "message", msg);
         cli_print_json(j);
     }
-    if (code == KVR_ERR_NOCTX || code == KVR_ERR_NOMODEL) return CLI_NOTFOUND;
+    if (code == KVR_ENOCTX || code == KVR_ENOMODEL) return CLI_NOTFOUND;
     return CLI_ERR;
 }
 
@@ -130,7 +130,7 @@ static int cmd_import(kvr_client *c, const cli_args *a)
     cli_mapped sf;
     if (cli_map_file(file, &sf, err, sizeof err) < 0) {
         free(toks);
-        return fail(a, KVR_ERR_SYS, err);
+        return fail(a, KVR_ESYS, err);
     }
     kvr_llama_model m;
     char name[KVR_NAME_MAX + 1];
@@ -230,7 +230,7 @@ static int cmd_export(kvr_client *c, const cli_args *a)
     struct iovec iov = { st, len };
     r = cli_write_iov(out, &iov, 1, err, sizeof err);
     kvr_llama_free(st);
-    if (r < 0) return fail(a, KVR_ERR_SYS, err);
+    if (r < 0) return fail(a, KVR_ESYS, err);
     if (a->json) {
         cJSON *j = cJSON_CreateObject();
         cJSON_AddStringToObject(j, "context", ctx);

@@ -91,13 +91,13 @@ const char *kvr_llama_type_name(kvr_llama_type t)
 
 int kvr_llama_type_parse(const char *s, kvr_llama_type *out)
 {
-    if (!s) return KVR_ERR_INVAL;
+    if (!s) return KVR_EINVAL;
     for (size_t i = 0; i < N_TYPES; i++)
         if (strcmp(s, TYPES[i].name) == 0) {
             *out = TYPES[i].t;
             return 0;
         }
-    return KVR_ERR_INVAL;
+    return KVR_EINVAL;
 }
 
 bool kvr_llama_type_is_quantized(kvr_llama_type t)
@@ -359,95 +359,95 @@ static bool data_starts_at(const cur *c, uint64_t off, uint32_t n_cells)
 static int parse_mem(cur *c, kvr_llama_state *st, bool seq_known, char *err, size_t errlen)
 {
     const char *fn = form_name(st->form);
-    if (!have(c, 4)) return kvr_br_fail(err, errlen, KVR_ERR_INVAL, "truncated %s: no stream count", fn);
+    if (!have(c, 4)) return kvr_br_fail(err, errlen, KVR_EINVAL, "truncated %s: no stream count", fn);
     uint32_t n_stream = kvr_br_rd32(c->p + c->off);
     c->off += 4;
     if (n_stream != 1)
-        return kvr_br_fail(err, errlen, KVR_ERR_UNSUPPORTED,
+        return kvr_br_fail(err, errlen, KVR_EUNSUPPORTED,
                            "the %s has %u streams: only one-stream states are supported "
                            "(a context with kv_unified = true, or n_seq_max = 1)", fn, n_stream);
-    if (!have(c, 4)) return kvr_br_fail(err, errlen, KVR_ERR_INVAL, "truncated %s: no cell count", fn);
+    if (!have(c, 4)) return kvr_br_fail(err, errlen, KVR_EINVAL, "truncated %s: no cell count", fn);
     uint32_t n_cells = kvr_br_rd32(c->p + c->off);
     c->off += 4;
     st->n_cells = n_cells;
     if (n_cells == 0) {
         if (c->off != c->len)
-            return kvr_br_fail(err, errlen, KVR_ERR_INVAL,
+            return kvr_br_fail(err, errlen, KVR_EINVAL,
                                "%zu bytes after the end of an empty %s", c->len - c->off, fn);
         return 0;
     }
     /* Cells: 12 bytes each without extra per-cell data. */
     if (!have(c, (uint64_t)n_cells * 12))
-        return kvr_br_fail(err, errlen, KVR_ERR_INVAL,
+        return kvr_br_fail(err, errlen, KVR_EINVAL,
                            "truncated %s: %u cells declared, %zu bytes left", fn, n_cells,
                            c->len - c->off);
     if (!data_starts_at(c, c->off + (uint64_t)n_cells * 12, n_cells)) {
         if (have(c, (uint64_t)n_cells * 24) &&
             data_starts_at(c, c->off + (uint64_t)n_cells * 24, n_cells) &&
             kvr_br_rd32(c->p + c->off + 4) == 1)
-            return kvr_br_fail(err, errlen, KVR_ERR_UNSUPPORTED,
+            return kvr_br_fail(err, errlen, KVR_EUNSUPPORTED,
                                "the %s's cells carry 12 bytes of extra per-cell data (M-RoPE "
                                "positions / token ids): models with per-cell data are not "
                                "supported", fn);
     }
     st->pos = malloc((size_t)n_cells * sizeof *st->pos);
-    if (!st->pos) return kvr_br_fail(err, errlen, KVR_ERR_OOM, "out of memory");
+    if (!st->pos) return kvr_br_fail(err, errlen, KVR_ENOMEM, "out of memory");
     for (uint32_t i = 0; i < n_cells; i++) {
         const uint8_t *q = c->p + c->off + (size_t)i * 12;
         int32_t pos, sq;
         memcpy(&pos, q, 4);
         uint32_t ns = kvr_br_rd32(q + 4);
         if (ns != 1)
-            return kvr_br_fail(err, errlen, KVR_ERR_UNSUPPORTED,
+            return kvr_br_fail(err, errlen, KVR_EUNSUPPORTED,
                                "cell %u (position %d) belongs to %u sequences: only states of "
                                "one sequence are supported (llama_state_seq_get_data with a "
                                "seq_id >= 0)", i, pos, ns);
         memcpy(&sq, q + 8, 4);
         if (!seq_known && i == 0) st->seq_id = sq;
         if (sq != st->seq_id)
-            return kvr_br_fail(err, errlen, KVR_ERR_UNSUPPORTED,
+            return kvr_br_fail(err, errlen, KVR_EUNSUPPORTED,
                                "cell %u (position %d) belongs to sequence %d, the %s's is %d", i,
                                pos, sq, fn, st->seq_id);
         if (pos < 0)
-            return kvr_br_fail(err, errlen, KVR_ERR_INVAL, "cell %u has a negative position %d",
+            return kvr_br_fail(err, errlen, KVR_EINVAL, "cell %u has a negative position %d",
                                i, pos);
         st->pos[i] = pos;
     }
     c->off += (size_t)n_cells * 12;
 
-    if (!have(c, 8)) return kvr_br_fail(err, errlen, KVR_ERR_INVAL, "truncated %s: no v_trans / layer count", fn);
+    if (!have(c, 8)) return kvr_br_fail(err, errlen, KVR_EINVAL, "truncated %s: no v_trans / layer count", fn);
     uint32_t vt = kvr_br_rd32(c->p + c->off), nl = kvr_br_rd32(c->p + c->off + 4);
     c->off += 8;
-    if (vt > 1) return kvr_br_fail(err, errlen, KVR_ERR_INVAL, "v_trans is %u (0 or 1 expected)", vt);
-    if (nl == 0) return kvr_br_fail(err, errlen, KVR_ERR_INVAL, "the %s has 0 layers", fn);
+    if (vt > 1) return kvr_br_fail(err, errlen, KVR_EINVAL, "v_trans is %u (0 or 1 expected)", vt);
+    if (nl == 0) return kvr_br_fail(err, errlen, KVR_EINVAL, "the %s has 0 layers", fn);
     /* each layer needs at least 12 + 12 header bytes: bounds nl by the input */
     if (!have(c, (uint64_t)nl * 24))
-        return kvr_br_fail(err, errlen, KVR_ERR_INVAL,
+        return kvr_br_fail(err, errlen, KVR_EINVAL,
                            "truncated %s: %u layers declared, %zu bytes left", fn, nl,
                            c->len - c->off);
     st->v_trans = vt == 1;
     st->n_layers = nl;
     st->k = calloc(nl, sizeof *st->k);
     st->v = calloc(nl, sizeof *st->v);
-    if (!st->k || !st->v) return kvr_br_fail(err, errlen, KVR_ERR_OOM, "out of memory");
+    if (!st->k || !st->v) return kvr_br_fail(err, errlen, KVR_ENOMEM, "out of memory");
 
     for (int side = 0; side < 2; side++) {
         const char *sn = side ? "V" : "K";
         for (uint32_t l = 0; l < nl; l++) {
             if (!have(c, 4))
-                return kvr_br_fail(err, errlen, KVR_ERR_INVAL, "truncated %s at layer %u's %s type", fn, l, sn);
+                return kvr_br_fail(err, errlen, KVR_EINVAL, "truncated %s at layer %u's %s type", fn, l, sn);
             int32_t gt;
             memcpy(&gt, c->p + c->off, 4);
             c->off += 4;
             kvr_llama_type t = kvr_llama_type_from_ggml(gt);
             if (t == KVR_LLAMA_TYPE_DEFAULT)
-                return kvr_br_fail(err, errlen, KVR_ERR_UNSUPPORTED,
+                return kvr_br_fail(err, errlen, KVR_EUNSUPPORTED,
                                    "layer %u: %s has ggml type %d, which the bridge does not know "
                                    "(f32, f16, bf16, q8_0, q4_0, q4_1, q5_0 are supported)", l, sn, gt);
             kvr_llama_type *tp = side ? &st->type_v : &st->type_k;
             if (l == 0) *tp = t;
             else if (*tp != t)
-                return kvr_br_fail(err, errlen, KVR_ERR_UNSUPPORTED,
+                return kvr_br_fail(err, errlen, KVR_EUNSUPPORTED,
                                    "layer %u: %s type %s differs from layer 0's %s (mixed cache "
                                    "types are not supported)", l, sn, kvr_llama_type_name(t),
                                    kvr_llama_type_name(*tp));
@@ -455,26 +455,26 @@ static int parse_mem(cur *c, kvr_llama_state *st, bool seq_known, char *err, siz
             kvr_br_type_geom(t, &b, &s);
             if (side == 1 && st->v_trans) {
                 if (!is_plain(t))
-                    return kvr_br_fail(err, errlen, KVR_ERR_UNSUPPORTED,
+                    return kvr_br_fail(err, errlen, KVR_EUNSUPPORTED,
                                        "layer %u: quantized V (%s) with v_trans 1", l,
                                        kvr_llama_type_name(t));
                 if (!have(c, 8))
-                    return kvr_br_fail(err, errlen, KVR_ERR_INVAL, "truncated %s at layer %u's V header", fn, l);
+                    return kvr_br_fail(err, errlen, KVR_EINVAL, "truncated %s at layer %u's V header", fn, l);
                 uint32_t el = kvr_br_rd32(c->p + c->off), ne = kvr_br_rd32(c->p + c->off + 4);
                 c->off += 8;
                 if (el != s)
-                    return kvr_br_fail(err, errlen, KVR_ERR_INVAL,
+                    return kvr_br_fail(err, errlen, KVR_EINVAL,
                                        "layer %u: V element size %u, type %s has %u", l, el,
                                        kvr_llama_type_name(t), s);
                 if (ne == 0)
-                    return kvr_br_fail(err, errlen, KVR_ERR_INVAL, "layer %u: V has 0 values per cell", l);
+                    return kvr_br_fail(err, errlen, KVR_EINVAL, "layer %u: V has 0 values per cell", l);
                 if (l == 0) { st->n_embd_v = ne; st->row_v = el; }
                 else if (ne != st->n_embd_v)
-                    return kvr_br_fail(err, errlen, KVR_ERR_UNSUPPORTED,
+                    return kvr_br_fail(err, errlen, KVR_EUNSUPPORTED,
                                        "layer %u: %u V values per cell, layer 0 has %u", l, ne, st->n_embd_v);
                 uint64_t need = (uint64_t)ne * n_cells * el;
                 if (!have(c, need))
-                    return kvr_br_fail(err, errlen, KVR_ERR_INVAL,
+                    return kvr_br_fail(err, errlen, KVR_EINVAL,
                                        "truncated %s: layer %u's V needs %llu bytes, %zu left", fn, l,
                                        (unsigned long long)need, c->len - c->off);
                 st->v[l] = c->p + c->off;
@@ -482,11 +482,11 @@ static int parse_mem(cur *c, kvr_llama_state *st, bool seq_known, char *err, siz
                 continue;
             }
             if (!have(c, 8))
-                return kvr_br_fail(err, errlen, KVR_ERR_INVAL, "truncated %s at layer %u's %s row size", fn, l, sn);
+                return kvr_br_fail(err, errlen, KVR_EINVAL, "truncated %s at layer %u's %s row size", fn, l, sn);
             uint64_t row = kvr_br_rd64(c->p + c->off);
             c->off += 8;
             if (row == 0 || row % s || row / s > (1u << 24))
-                return kvr_br_fail(err, errlen, KVR_ERR_INVAL,
+                return kvr_br_fail(err, errlen, KVR_EINVAL,
                                    "layer %u: %s row of %llu bytes is not a whole number of %s "
                                    "blocks (or is 0 or huge)", l, sn, (unsigned long long)row,
                                    kvr_llama_type_name(t));
@@ -495,10 +495,10 @@ static int parse_mem(cur *c, kvr_llama_state *st, bool seq_known, char *err, siz
             uint64_t *rp = side ? &st->row_v : &st->row_k;
             if (l == 0) { *np = ne; *rp = row; }
             else if (ne != *np)
-                return kvr_br_fail(err, errlen, KVR_ERR_UNSUPPORTED,
+                return kvr_br_fail(err, errlen, KVR_EUNSUPPORTED,
                                    "layer %u: %u %s values per cell, layer 0 has %u", l, ne, sn, *np);
             if (row > (c->len - c->off) / n_cells)
-                return kvr_br_fail(err, errlen, KVR_ERR_INVAL,
+                return kvr_br_fail(err, errlen, KVR_EINVAL,
                                    "truncated %s: layer %u's %s needs %u rows of %llu bytes, %zu left",
                                    fn, l, sn, n_cells, (unsigned long long)row, c->len - c->off);
             (side ? st->v : st->k)[l] = c->p + c->off;
@@ -506,7 +506,7 @@ static int parse_mem(cur *c, kvr_llama_state *st, bool seq_known, char *err, siz
         }
     }
     if (c->off != c->len)
-        return kvr_br_fail(err, errlen, KVR_ERR_INVAL,
+        return kvr_br_fail(err, errlen, KVR_EINVAL,
                            "%zu bytes after the end of the %s (oversized, or not one sequence)",
                            c->len - c->off, fn);
     return 0;
@@ -516,13 +516,13 @@ int kvr_llama_state_parse(const void *buf, size_t len, const kvr_llama_model *m,
                           kvr_llama_state **out, char *err, size_t errlen)
 {
     *out = NULL;
-    if (!buf && len) return kvr_br_fail(err, errlen, KVR_ERR_INVAL, "no state bytes");
+    if (!buf && len) return kvr_br_fail(err, errlen, KVR_EINVAL, "no state bytes");
     cur c = { buf, len, 0 };
     if (len < 8)
-        return kvr_br_fail(err, errlen, KVR_ERR_INVAL,
+        return kvr_br_fail(err, errlen, KVR_EINVAL,
                            "not a llama.cpp sequence state: %zu bytes", len);
     kvr_llama_state *st = calloc(1, sizeof *st);
-    if (!st) return kvr_br_fail(err, errlen, KVR_ERR_OOM, "out of memory");
+    if (!st) return kvr_br_fail(err, errlen, KVR_ENOMEM, "out of memory");
     uint32_t magic = kvr_br_rd32(c.p);
     int rc;
     bool seq_known = false;
@@ -535,20 +535,20 @@ int kvr_llama_state_parse(const void *buf, size_t len, const kvr_llama_model *m,
         st->form = KVR_LLAMA_FORM_SESSION;
         uint32_t ver = kvr_br_rd32(c.p + 4);
         if (ver != KVR_LLAMA_SESSION_VERSION) {
-            rc = kvr_br_fail(err, errlen, KVR_ERR_UNSUPPORTED,
+            rc = kvr_br_fail(err, errlen, KVR_EUNSUPPORTED,
                              "sequence state file version %u (llama.cpp v0.5.0 writes %u)", ver,
                              KVR_LLAMA_SESSION_VERSION);
             goto fail;
         }
         c.off = 8;
         if (!have(&c, 4)) {
-            rc = kvr_br_fail(err, errlen, KVR_ERR_INVAL, "truncated session file: no token count");
+            rc = kvr_br_fail(err, errlen, KVR_EINVAL, "truncated session file: no token count");
             goto fail;
         }
         uint32_t nt = kvr_br_rd32(c.p + 8);
         c.off = 12;
         if (!have(&c, (uint64_t)nt * 4)) {
-            rc = kvr_br_fail(err, errlen, KVR_ERR_INVAL,
+            rc = kvr_br_fail(err, errlen, KVR_EINVAL,
                              "truncated session file: %u tokens declared, %zu bytes left", nt,
                              len - c.off);
             goto fail;
@@ -556,18 +556,18 @@ int kvr_llama_state_parse(const void *buf, size_t len, const kvr_llama_model *m,
         st->n_tokens = nt;
         if (nt) {
             st->tokens = malloc((size_t)nt * 4);
-            if (!st->tokens) { rc = kvr_br_fail(err, errlen, KVR_ERR_OOM, "out of memory"); goto fail; }
+            if (!st->tokens) { rc = kvr_br_fail(err, errlen, KVR_ENOMEM, "out of memory"); goto fail; }
             memcpy(st->tokens, c.p + 12, (size_t)nt * 4);
             for (uint32_t i = 0; i < nt; i++)
                 if (st->tokens[i] < 0) {
-                    rc = kvr_br_fail(err, errlen, KVR_ERR_INVAL, "session token %u is %d (negative)",
+                    rc = kvr_br_fail(err, errlen, KVR_EINVAL, "session token %u is %d (negative)",
                                      i, st->tokens[i]);
                     goto fail;
                 }
         }
         c.off += (size_t)nt * 4;
     } else {
-        rc = kvr_br_fail(err, errlen, KVR_ERR_INVAL,
+        rc = kvr_br_fail(err, errlen, KVR_EINVAL,
                          "not a llama.cpp sequence state: magic 0x%08x (expected 0x%08x from "
                          "llama_state_seq_get_data or 'ggsq' from llama_state_seq_save_file)",
                          magic, KVR_LLAMA_STATE_MAGIC);
@@ -575,13 +575,13 @@ int kvr_llama_state_parse(const void *buf, size_t len, const kvr_llama_model *m,
     }
     if ((rc = parse_mem(&c, st, seq_known, err, errlen)) != 0) goto fail;
     if (st->n_cells && st->type_k == KVR_LLAMA_TYPE_DEFAULT) {
-        rc = kvr_br_fail(err, errlen, KVR_ERR_INVAL, "the state has no K data");
+        rc = kvr_br_fail(err, errlen, KVR_EINVAL, "the state has no K data");
         goto fail;
     }
     if (m && st->n_cells) {
         uint32_t want = m->n_kv_heads * m->head_dim;
         if (st->n_layers != m->n_layers || st->n_embd_k != want || st->n_embd_v != want) {
-            rc = kvr_br_fail(err, errlen, KVR_ERR_SHAPE,
+            rc = kvr_br_fail(err, errlen, KVR_ESHAPE,
                              "the state was made by another model: %u layers x %u K / %u V values "
                              "per cell; model '%s' (%s) has %u layers x %u (%u KV heads x %u)",
                              st->n_layers, st->n_embd_k, st->n_embd_v,
@@ -704,22 +704,22 @@ int kvr_llama_state_decode(const kvr_llama_state *st, const kvr_llama_model *m, 
                            uint32_t c1, bool no_attn_rot, kvr_dtype dtype, void *dst,
                            size_t cap, char *err, size_t errlen)
 {
-    if (!st || !m) return kvr_br_fail(err, errlen, KVR_ERR_INVAL, "no state or model");
+    if (!st || !m) return kvr_br_fail(err, errlen, KVR_EINVAL, "no state or model");
     if (c0 > c1 || c1 > st->n_cells)
-        return kvr_br_fail(err, errlen, KVR_ERR_RANGE, "cells [%u, %u) outside the state's %u",
+        return kvr_br_fail(err, errlen, KVR_ERANGE, "cells [%u, %u) outside the state's %u",
                            c0, c1, st->n_cells);
-    if (kvr_dtype_size(dtype) == 0) return kvr_br_fail(err, errlen, KVR_ERR_INVAL, "bad dtype");
+    if (kvr_dtype_size(dtype) == 0) return kvr_br_fail(err, errlen, KVR_EINVAL, "bad dtype");
     if (c0 == c1) return 0;
     uint32_t n = m->n_kv_heads * m->head_dim;
     if (st->n_layers != m->n_layers || st->n_embd_k != n || st->n_embd_v != n)
-        return kvr_br_fail(err, errlen, KVR_ERR_SHAPE, "state and model '%s' differ in shape",
+        return kvr_br_fail(err, errlen, KVR_ESHAPE, "state and model '%s' differ in shape",
                            m->name);
     size_t need = kvr_llama_payload_size(m, c1 - c0, dtype);
     if (!dst || cap < need)
-        return kvr_br_fail(err, errlen, KVR_ERR_BUFFER, "payload needs %zu bytes, %zu given",
+        return kvr_br_fail(err, errlen, KVR_EBUFFER, "payload needs %zu bytes, %zu given",
                            need, cap);
     float *tmp = malloc((size_t)n * sizeof *tmp);
-    if (!tmp) return kvr_br_fail(err, errlen, KVR_ERR_OOM, "out of memory");
+    if (!tmp) return kvr_br_fail(err, errlen, KVR_ENOMEM, "out of memory");
     uint32_t rk = kvr_br_rot_k(st->type_k, m->head_dim, no_attn_rot);
     uint32_t rv = kvr_br_rot_v(st->type_v, m->head_dim, no_attn_rot);
     size_t side = (size_t)(c1 - c0) * n * kvr_dtype_size(dtype);
@@ -813,50 +813,50 @@ int kvr_llama_state_encode_to(const kvr_llama_model *m, const kvr_llama_encode_a
                               void *dst, size_t cap, size_t *len, char *err, size_t errlen)
 {
     *len = 0;
-    if (!dst && cap) return kvr_br_fail(err, errlen, KVR_ERR_INVAL, "no destination buffer");
+    if (!dst && cap) return kvr_br_fail(err, errlen, KVR_EINVAL, "no destination buffer");
     return encode(m, a, NULL, dst, cap, len, err, errlen);
 }
 
 static int encode(const kvr_llama_model *m, const kvr_llama_encode_args *a, void **out,
                   uint8_t *dst, size_t cap, size_t *len, char *err, size_t errlen)
 {
-    if (!m || !a) return kvr_br_fail(err, errlen, KVR_ERR_INVAL, "no model or arguments");
+    if (!m || !a) return kvr_br_fail(err, errlen, KVR_EINVAL, "no model or arguments");
     if (a->n_cells && (!a->pos || !a->payload))
-        return kvr_br_fail(err, errlen, KVR_ERR_INVAL, "cells without positions or payload");
+        return kvr_br_fail(err, errlen, KVR_EINVAL, "cells without positions or payload");
     if (kvr_dtype_size(a->dtype) == 0)
-        return kvr_br_fail(err, errlen, KVR_ERR_INVAL, "bad payload dtype %d", (int)a->dtype);
+        return kvr_br_fail(err, errlen, KVR_EINVAL, "bad payload dtype %d", (int)a->dtype);
     kvr_llama_type tk = norm_type(a->type_k), tv = norm_type(a->type_v);
     if (kvr_llama_type_to_ggml(tk) < 0 || kvr_llama_type_to_ggml(tv) < 0)
-        return kvr_br_fail(err, errlen, KVR_ERR_INVAL, "unknown destination type");
+        return kvr_br_fail(err, errlen, KVR_EINVAL, "unknown destination type");
     if (a->v_trans && !is_plain(tv))
-        return kvr_br_fail(err, errlen, KVR_ERR_UNSUPPORTED,
+        return kvr_br_fail(err, errlen, KVR_EUNSUPPORTED,
                            "quantized V (%s) needs v_trans 0 (flash attention)", kvr_llama_type_name(tv));
     uint32_t n = m->n_kv_heads * m->head_dim;
-    if (!n || !m->n_layers) return kvr_br_fail(err, errlen, KVR_ERR_INVAL, "model without shape");
+    if (!n || !m->n_layers) return kvr_br_fail(err, errlen, KVR_EINVAL, "model without shape");
     uint64_t rk = kvr_br_row_bytes(tk, n), rv = kvr_br_row_bytes(tv, n);
     if (!rk || !rv)
-        return kvr_br_fail(err, errlen, KVR_ERR_UNSUPPORTED,
+        return kvr_br_fail(err, errlen, KVR_EUNSUPPORTED,
                            "%u values per cell is not a multiple of %s/%s's block of 32", n,
                            kvr_llama_type_name(tk), kvr_llama_type_name(tv));
     for (uint32_t i = 0; i < a->n_cells; i++)
         if (a->pos[i] < 0)
-            return kvr_br_fail(err, errlen, KVR_ERR_RANGE, "cell %u at negative position %d", i,
+            return kvr_br_fail(err, errlen, KVR_ERANGE, "cell %u at negative position %d", i,
                                a->pos[i]);
     kvr_llama_encode_args aa = *a;
     aa.type_k = tk;
     aa.type_v = tv;
     bool ok;
     size_t total = state_size(m, &aa, &ok);
-    if (!ok) return kvr_br_fail(err, errlen, KVR_ERR_TOOLARGE, "state too large");
+    if (!ok) return kvr_br_fail(err, errlen, KVR_ETOOLARGE, "state too large");
     if (!out && cap < total)
-        return kvr_br_fail(err, errlen, KVR_ERR_BUFFER, "the state needs %zu bytes, %zu given",
+        return kvr_br_fail(err, errlen, KVR_EBUFFER, "the state needs %zu bytes, %zu given",
                            total, cap);
     uint8_t *b = out ? malloc(total ? total : 1) : dst;
     float *tmp = malloc((size_t)n * sizeof *tmp);
     if (!b || !tmp) {
         if (out) free(b);
         free(tmp);
-        return kvr_br_fail(err, errlen, KVR_ERR_OOM, "out of memory (%zu bytes)", total);
+        return kvr_br_fail(err, errlen, KVR_ENOMEM, "out of memory (%zu bytes)", total);
     }
     uint8_t *p = b;
     if (a->form == KVR_LLAMA_FORM_SESSION) {
@@ -916,7 +916,7 @@ static int encode(const kvr_llama_model *m, const kvr_llama_encode_args *a, void
     free(tmp);
     if ((size_t)(p - b) != total) {
         if (out) free(b);
-        return kvr_br_fail(err, errlen, KVR_ERR_INTERNAL, "state size mismatch");
+        return kvr_br_fail(err, errlen, KVR_EINTERNAL, "state size mismatch");
     }
     if (out) *out = b;
     *len = total;

@@ -34,12 +34,12 @@
  * restored from it computes bit-identical logits). Quantized states import as
  * f32 (the exact dequantized, Hadamard-undone values) unless a codec is asked.
  *
- * Errors: 0 or a negative KVR_ERR_* code (client/kvrope.h): KVR_ERR_INVAL
- * (malformed input: truncated, oversized, inconsistent), KVR_ERR_UNSUPPORTED
+ * Errors: 0 or a negative KVR_E* code (client/kvrope.h): KVR_EINVAL
+ * (malformed input: truncated, oversized, inconsistent), KVR_EUNSUPPORTED
  * (well-formed but not supported: ggml type, several streams, a cell in several
  * sequences, per-cell M-RoPE data, a GGUF that is not a supported model),
- * KVR_ERR_SHAPE (state and model disagree), KVR_ERR_NOMODEL / _NOCTX /
- * _EXIST / ... from the daemon, KVR_ERR_OOM, KVR_ERR_SYS (file I/O). Every
+ * KVR_ESHAPE (state and model disagree), KVR_ENOMODEL / _NOCTX /
+ * _EXIST / ... from the daemon, KVR_ENOMEM, KVR_ESYS (file I/O). Every
  * function that can fail writes a message naming what is wrong into
  * `err` (errlen bytes, always NUL-terminated; err may be NULL). A refused
  * import changes nothing stored: everything is parsed and checked before the
@@ -82,7 +82,7 @@ typedef enum kvr_llama_type {
 kvr_llama_type kvr_llama_type_from_ggml(int ggml_type);
 int            kvr_llama_type_to_ggml(kvr_llama_type t);
 const char    *kvr_llama_type_name(kvr_llama_type t);      /* "f16", "q8_0", ...; DEFAULT: "f16" */
-int            kvr_llama_type_parse(const char *s, kvr_llama_type *out); /* 0 or KVR_ERR_INVAL */
+int            kvr_llama_type_parse(const char *s, kvr_llama_type *out); /* 0 or KVR_EINVAL */
 bool           kvr_llama_type_is_quantized(kvr_llama_type t);
 
 /* llama_rope_type values. */
@@ -148,7 +148,7 @@ char *kvr_llama_model_default_name(const kvr_llama_model *m, char *buf, size_t c
 /* Registers the profile in the daemon under `name` (NULL = the default name):
  * its shape, RoPE configuration and dtype f16 (the model's default codec; each
  * import picks the context's codec). Registering again identically is fine; a
- * name taken by another profile is KVR_ERR_EXIST. out may be NULL. */
+ * name taken by another profile is KVR_EEXIST. out may be NULL. */
 int kvr_llama_model_register(kvr_client *c, const kvr_llama_model *m, const char *name,
                              kvr_model *out, char *err, size_t errlen);
 
@@ -183,7 +183,7 @@ typedef struct kvr_llama_state {
 } kvr_llama_state;
 
 /* Parses a state of either form (detected by the magic). With m, the shape is
- * checked against the model (layers, K/V values per cell): KVR_ERR_SHAPE
+ * checked against the model (layers, K/V values per cell): KVR_ESHAPE
  * naming both. Refuses truncated input, trailing bytes, declared sizes beyond
  * the input, unknown or mixed ggml types, row sizes that disagree with the
  * type, several streams, a cell in more than one sequence (or another sequence
@@ -225,7 +225,7 @@ typedef struct kvr_llama_encode_args {
  * nearest even; quantization is ggml's reference quantizer (bit for bit). */
 int kvr_llama_state_encode(const kvr_llama_model *m, const kvr_llama_encode_args *a,
                            void **out, size_t *len, char *err, size_t errlen);
-/* The same into the caller's buffer (cap bytes; KVR_ERR_BUFFER if smaller
+/* The same into the caller's buffer (cap bytes; KVR_EBUFFER if smaller
  * than kvr_llama_state_size): no allocation of the state, so a worker can
  * reuse one buffer. */
 int kvr_llama_state_encode_to(const kvr_llama_model *m, const kvr_llama_encode_args *a,
@@ -237,7 +237,7 @@ void kvr_llama_free(void *p);                           /* free() of this librar
 /* ---- through the daemon --------------------------------------------------- */
 
 typedef enum kvr_llama_import_mode {
-    KVR_LLAMA_IMPORT_CREATE  = 0,  /* a new context (KVR_ERR_EXIST if it exists) */
+    KVR_LLAMA_IMPORT_CREATE  = 0,  /* a new context (KVR_EEXIST if it exists) */
     KVR_LLAMA_IMPORT_REPLACE = 1,  /* delete the context if it exists, then create */
     KVR_LLAMA_IMPORT_APPEND  = 2,  /* append the cells taken (the context must exist) */
     KVR_LLAMA_IMPORT_REFRESH = 3,  /* overwrite the KV of context tokens [ctx_start,
@@ -282,7 +282,7 @@ typedef struct kvr_llama_import_info {
 /* Imports the state (len bytes, either form) into context ctx. The model
  * must be registered (kvr_llama_model_register) under opts->model; an
  * existing context (APPEND, REFRESH) must belong to that model, else
- * KVR_ERR_FINGERPRINT naming both models. opts and info may be NULL (CREATE,
+ * KVR_EFINGERPRINT naming both models. opts and info may be NULL (CREATE,
  * all cells, default name, session tokens). */
 int kvr_llama_state_import(kvr_client *c, const char *ctx, const void *state, size_t len,
                            const kvr_llama_model *m, const kvr_llama_import_opts *opts,
@@ -301,7 +301,7 @@ typedef struct kvr_llama_export_opts {
     kvr_llama_form  form;         /* RAW (set_data) or SESSION (load_file, with tokens) */
     /* Optional buffers the caller keeps between exports (no allocation and no
      * page faults per call): the state is written into dst (dst_cap bytes;
-     * KVR_ERR_BUFFER if too small) and *state = dst; the daemon's payload is
+     * KVR_EBUFFER if too small) and *state = dst; the daemon's payload is
      * received into scratch (scratch_cap bytes) when it is large enough. */
     void           *dst;
     size_t          dst_cap;
@@ -320,8 +320,8 @@ typedef struct kvr_llama_export_info {
 
 /* Exports tokens [start, end) of ctx, all layers, as a state: keys re-rotated
  * by the daemon to the positions asked, converted to the destination types
- * (Hadamard included). A range holding pending tokens is KVR_ERR_PENDING;
- * positions beyond int32 are KVR_ERR_RANGE. *state is malloc'd (kvr_llama_free),
+ * (Hadamard included). A range holding pending tokens is KVR_EPENDING;
+ * positions beyond int32 are KVR_ERANGE. *state is malloc'd (kvr_llama_free),
  * or opts->dst when given (not to be freed).
  * opts and info may be NULL. */
 int kvr_llama_state_export(kvr_client *c, const char *ctx, const kvr_llama_model *m,

@@ -186,22 +186,22 @@ Test(llama_gguf, bad_files_are_named)
     gb g;
     gb_head(&g, 0, 0);
     g.buf[0] = 'X';
-    expect_gguf_err(&g, KVR_ERR_INVAL, "not a GGUF file");
+    expect_gguf_err(&g, KVR_EINVAL, "not a GGUF file");
     gb_head(&g, 0, 1);
     gb_kv_str(&g, "tokenizer.ggml.model", "llama");
-    expect_gguf_err(&g, KVR_ERR_UNSUPPORTED, "not a model: no general.architecture");
+    expect_gguf_err(&g, KVR_EUNSUPPORTED, "not a model: no general.architecture");
     /* a vocabulary-only file: the architecture but no hyperparameters / tensors */
     gb_head(&g, 0, 2);
     gb_kv_str(&g, "general.architecture", "llama");
     gb_kv_str(&g, "tokenizer.ggml.model", "llama");
-    expect_gguf_err(&g, KVR_ERR_UNSUPPORTED, "not a model: no llama.block_count");
+    expect_gguf_err(&g, KVR_EUNSUPPORTED, "not a model: no llama.block_count");
     gb_head(&g, 0, 4);
     llama_kvs(&g);
-    expect_gguf_err(&g, KVR_ERR_UNSUPPORTED, "not a model: no tensor token_embd.weight");
+    expect_gguf_err(&g, KVR_EUNSUPPORTED, "not a model: no tensor token_embd.weight");
     gb_head(&g, 0, 2);
     gb_kv_str(&g, "general.type", "adapter");
     gb_kv_str(&g, "general.architecture", "llama");
-    expect_gguf_err(&g, KVR_ERR_UNSUPPORTED, "general.type is 'adapter'");
+    expect_gguf_err(&g, KVR_EUNSUPPORTED, "general.type is 'adapter'");
     gb_head(&g, 2, 4);
     gb_kv_str(&g, "general.architecture", "mamba");
     gb_kv_u32(&g, "mamba.block_count", 2);
@@ -209,40 +209,40 @@ Test(llama_gguf, bad_files_are_named)
     gb_kv_u32(&g, "mamba.attention.head_count", 2);
     gb_tensor(&g, "token_embd.weight");
     gb_tensor(&g, "blk.0.attn_k.weight");
-    expect_gguf_err(&g, KVR_ERR_UNSUPPORTED, "architecture 'mamba' is not supported");
+    expect_gguf_err(&g, KVR_EUNSUPPORTED, "architecture 'mamba' is not supported");
     gb_head(&g, 2, 5);
     llama_kvs(&g);
     gb_kv_str(&g, "llama.rope.dimension_sections", "x");
     gb_tensor(&g, "token_embd.weight");
     gb_tensor(&g, "blk.0.attn_k.weight");
-    expect_gguf_err(&g, KVR_ERR_UNSUPPORTED, "M-RoPE");
+    expect_gguf_err(&g, KVR_EUNSUPPORTED, "M-RoPE");
     gb_head(&g, 2, 5);
     llama_kvs(&g);
     gb_kv_str(&g, "llama.rope.scaling.type", "longrope");
     gb_tensor(&g, "token_embd.weight");
     gb_tensor(&g, "blk.0.attn_k.weight");
-    expect_gguf_err(&g, KVR_ERR_UNSUPPORTED, "'longrope' is not supported");
+    expect_gguf_err(&g, KVR_EUNSUPPORTED, "'longrope' is not supported");
     /* huge declared lengths */
     gb_head(&g, 0, 1);
     gb_u64(&g, 1ull << 60);
     gb_pad(&g, 64);
-    expect_gguf_err(&g, KVR_ERR_INVAL, "declares 1152921504606846976 bytes");
+    expect_gguf_err(&g, KVR_EINVAL, "declares 1152921504606846976 bytes");
     gb_head(&g, 0, 1ull << 40);
-    expect_gguf_err(&g, KVR_ERR_INVAL, "key/values, more than");
+    expect_gguf_err(&g, KVR_EINVAL, "key/values, more than");
     gb_head(&g, 1ull << 40, 0);
-    expect_gguf_err(&g, KVR_ERR_INVAL, "tensors, more than");
+    expect_gguf_err(&g, KVR_EINVAL, "tensors, more than");
     gb_head(&g, 0, 1);
     gb_str(&g, "tokenizer.ggml.tokens");
     gb_u32(&g, 9);
     gb_u32(&g, 8);
     gb_u64(&g, 1ull << 50);
     gb_pad(&g, 64);
-    expect_gguf_err(&g, KVR_ERR_INVAL, "strings declared");
+    expect_gguf_err(&g, KVR_EINVAL, "strings declared");
     gb_head(&g, 0, 1);
     gb_str(&g, "x");
     gb_u32(&g, 99);
     gb_pad(&g, 64);
-    expect_gguf_err(&g, KVR_ERR_INVAL, "unknown value type 99");
+    expect_gguf_err(&g, KVR_EINVAL, "unknown value type 99");
     /* a valid model, cut anywhere in its metadata: refused, never read past */
     char path[512];
     gen(path, sizeof path, "cut", "--layers 1 --width 32 --heads 1");
@@ -296,7 +296,7 @@ Test(llama_state, encode_parse_decode_every_type_and_layout)
                                                     .dtype = KVR_DTYPE_F16, .type_k = T[ik], .type_v = T[iv],
                                                     .v_trans = true };
                         void *o;
-                        cr_assert_eq(kvr_llama_state_encode(&m, &a, &o, &len, err, sizeof err), KVR_ERR_UNSUPPORTED);
+                        cr_assert_eq(kvr_llama_state_encode(&m, &a, &o, &len, err, sizeof err), KVR_EUNSUPPORTED);
                         continue;
                     }
                     s = mk_state(&m, n, T[ik], T[iv], vt, (kvr_llama_form)form, &len);
@@ -394,51 +394,51 @@ Test(llama_state, bad_states_are_named)
     for (size_t cut = 0; cut < len; cut++) {
         unsigned char *p = malloc(cut ? cut : 1);
         memcpy(p, s, cut);
-        expect_state_err(&m, p, cut, KVR_ERR_INVAL, NULL);
+        expect_state_err(&m, p, cut, KVR_EINVAL, NULL);
         free(p);
     }
-    expect_state_err(&m, s, len - 1, KVR_ERR_INVAL, "truncated");
+    expect_state_err(&m, s, len - 1, KVR_EINVAL, "truncated");
     /* oversized */
     memcpy(b, s, len);
     b[len] = 0;
-    expect_state_err(&m, b, len + 1, KVR_ERR_INVAL, "1 bytes after the end");
+    expect_state_err(&m, b, len + 1, KVR_EINVAL, "1 bytes after the end");
     /* magic, version */
     memcpy(b, s, len);
     put32(b, 0x12345678);
-    expect_state_err(&m, b, len, KVR_ERR_INVAL, "magic 0x12345678");
+    expect_state_err(&m, b, len, KVR_EINVAL, "magic 0x12345678");
     unsigned char *ss;
     size_t sl;
     ss = mk_state(&m, n, KVR_LLAMA_F16, KVR_LLAMA_F16, false, KVR_LLAMA_FORM_SESSION, &sl);
     put32(ss + 4, 2);
-    expect_state_err(&m, ss, sl, KVR_ERR_UNSUPPORTED, "version 2");
+    expect_state_err(&m, ss, sl, KVR_EUNSUPPORTED, "version 2");
     put32(ss + 4, 3);
     put32(ss + 8, 0xfffffff0u);
-    expect_state_err(&m, ss, sl, KVR_ERR_INVAL, "4294967280 tokens declared");
+    expect_state_err(&m, ss, sl, KVR_EINVAL, "4294967280 tokens declared");
     kvr_llama_free(ss);
     /* unknown / unsupported ggml types, mixed types */
     memcpy(b, s, len);
     put32(b + OFF_K0TYPE(n), 99);
-    expect_state_err(&m, b, len, KVR_ERR_UNSUPPORTED, "ggml type 99");
+    expect_state_err(&m, b, len, KVR_EUNSUPPORTED, "ggml type 99");
     put32(b + OFF_K0TYPE(n), 7);   /* q5_1: ggml's, not the bridge's */
-    expect_state_err(&m, b, len, KVR_ERR_UNSUPPORTED, "layer 0: K has ggml type 7");
+    expect_state_err(&m, b, len, KVR_EUNSUPPORTED, "layer 0: K has ggml type 7");
     memcpy(b, s, len);
     size_t k1 = OFF_K0TYPE(n) + 12 + (size_t)n * 64;
     put32(b + k1, 0);
-    expect_state_err(&m, b, len, KVR_ERR_UNSUPPORTED, "layer 1: K type f32 differs");
+    expect_state_err(&m, b, len, KVR_EUNSUPPORTED, "layer 1: K type f32 differs");
     /* several streams */
     memcpy(b, s, len);
     put32(b + OFF_NSTREAM, 2);
-    expect_state_err(&m, b, len, KVR_ERR_UNSUPPORTED, "2 streams");
+    expect_state_err(&m, b, len, KVR_EUNSUPPORTED, "2 streams");
     /* a cell in two sequences: n_seq_id 2 and one more id */
     memcpy(b, s, OFF_CELL(4) + 12);
     put32(b + OFF_CELL(4) + 4, 2);
     put32(b + OFF_CELL(4) + 12, 1);
     memcpy(b + OFF_CELL(4) + 16, s + OFF_CELL(4) + 12, len - OFF_CELL(4) - 12);
-    expect_state_err(&m, b, len + 4, KVR_ERR_UNSUPPORTED, "cell 4 (position 4) belongs to 2 sequences");
+    expect_state_err(&m, b, len + 4, KVR_EUNSUPPORTED, "cell 4 (position 4) belongs to 2 sequences");
     /* a cell of another sequence */
     memcpy(b, s, len);
     put32(b + OFF_CELL(2) + 8, 5);
-    expect_state_err(&m, b, len, KVR_ERR_UNSUPPORTED, "belongs to sequence 5");
+    expect_state_err(&m, b, len, KVR_EUNSUPPORTED, "belongs to sequence 5");
     /* extra per-cell data (M-RoPE: 12 bytes x, y, tok after n_seq_id) */
     {
         size_t o = 0, i = 0;
@@ -451,39 +451,39 @@ Test(llama_state, bad_states_are_named)
             o += 24;
         }
         memcpy(b + o, s + OFF_VT(n), len - OFF_VT(n));
-        expect_state_err(&m, b, len + 12 * n, KVR_ERR_UNSUPPORTED, "extra per-cell data");
+        expect_state_err(&m, b, len + 12 * n, KVR_EUNSUPPORTED, "extra per-cell data");
     }
     /* huge declared lengths */
     memcpy(b, s, len);
     put32(b + OFF_NCELLS, 0xffffffffu);
-    expect_state_err(&m, b, len, KVR_ERR_INVAL, "4294967295 cells declared");
+    expect_state_err(&m, b, len, KVR_EINVAL, "4294967295 cells declared");
     memcpy(b, s, len);
     put32(b + OFF_VT(n) + 4, 0x7fffffffu);
-    expect_state_err(&m, b, len, KVR_ERR_INVAL, "2147483647 layers declared");
+    expect_state_err(&m, b, len, KVR_EINVAL, "2147483647 layers declared");
     memcpy(b, s, len);
     uint64_t huge = 1ull << 62;
     memcpy(b + OFF_K0TYPE(n) + 4, &huge, 8);
-    expect_state_err(&m, b, len, KVR_ERR_INVAL, "is not a whole number");
+    expect_state_err(&m, b, len, KVR_EINVAL, "is not a whole number");
     huge = 64 * 4096;
     memcpy(b + OFF_K0TYPE(n) + 4, &huge, 8);
-    expect_state_err(&m, b, len, KVR_ERR_INVAL, "needs 9 rows of 262144 bytes");
+    expect_state_err(&m, b, len, KVR_EINVAL, "needs 9 rows of 262144 bytes");
     memcpy(b, s, len);
     put32(b + OFF_VT(n), 3);
-    expect_state_err(&m, b, len, KVR_ERR_INVAL, "v_trans is 3");
+    expect_state_err(&m, b, len, KVR_EINVAL, "v_trans is 3");
     memcpy(b, s, len);
     put32(b + OFF_CELL(1), 0xffffffffu);
-    expect_state_err(&m, b, len, KVR_ERR_INVAL, "negative position");
+    expect_state_err(&m, b, len, KVR_EINVAL, "negative position");
     /* V transposed with a huge element count */
     ss = mk_state(&m, n, KVR_LLAMA_F16, KVR_LLAMA_F16, true, KVR_LLAMA_FORM_RAW, &sl);
     size_t v0 = OFF_K0TYPE(n) + 2 * (12 + (size_t)n * 64);
     put32(ss + v0 + 8, 0x40000000u);
-    expect_state_err(&m, ss, sl, KVR_ERR_INVAL, "V needs");
+    expect_state_err(&m, ss, sl, KVR_EINVAL, "V needs");
     put32(ss + v0 + 8, 64);
     put32(ss + v0 + 4, 4);
-    expect_state_err(&m, ss, sl, KVR_ERR_INVAL, "V element size 4");
+    expect_state_err(&m, ss, sl, KVR_EINVAL, "V element size 4");
     kvr_llama_free(ss);
     /* another model's state */
-    expect_state_err(&other, s, len, KVR_ERR_SHAPE, "the state was made by another model: 2 layers");
+    expect_state_err(&other, s, len, KVR_ESHAPE, "the state was made by another model: 2 layers");
     free(b);
     kvr_llama_free(s);
 }
@@ -541,7 +541,7 @@ Test(llama_import, modes_append_refresh_replace)
     kvr_llama_free(e);
     /* create again: refused, context unchanged */
     kvr_llama_import_opts o3 = { 0 };
-    cr_assert_eq(kvr_llama_state_import(c, "doc", s, len, &m, &o3, NULL, err, sizeof err), KVR_ERR_EXIST);
+    cr_assert_eq(kvr_llama_state_import(c, "doc", s, len, &m, &o3, NULL, err, sizeof err), KVR_EEXIST);
     /* refresh after an edit without KV: pending tokens get the state's KV */
     uint32_t nt[3] = { 9, 9, 9 };
     kvr_edit_range op = { .start = 10, .end = 13, .tokens = nt, .n_tokens = 3 };
@@ -558,7 +558,7 @@ Test(llama_import, modes_append_refresh_replace)
     /* refresh at the wrong positions: refused by position */
     kvr_llama_import_opts o5 = { .mode = KVR_LLAMA_IMPORT_REFRESH, .cell_start = 11, .cell_end = 14,
                                  .ctx_start = 10 };
-    cr_assert_eq(kvr_llama_state_import(c, "doc", s, len, &m, &o5, NULL, err, sizeof err), KVR_ERR_RANGE);
+    cr_assert_eq(kvr_llama_state_import(c, "doc", s, len, &m, &o5, NULL, err, sizeof err), KVR_ERANGE);
     cr_assert(strstr(err, "cell 11 is at position 11, context token 10 at 10") != NULL, "%s", err);
     /* replace */
     kvr_llama_import_opts o6 = { .mode = KVR_LLAMA_IMPORT_REPLACE, .cell_end = 5 };
@@ -647,14 +647,14 @@ Test(llama_import, refusals_change_nothing)
     for (int k = 0; k < 5; k++) {
         memcpy(bad, s, len);
         size_t l = len;
-        int code = KVR_ERR_INVAL;
+        int code = KVR_EINVAL;
         const char *needle = NULL;
         switch (k) {
         case 0: l = len - 3; needle = "truncated"; break;
         case 1: bad[len] = 1; l = len + 1; needle = "after the end"; break;
-        case 2: put32(bad + 12 + 4 * 20, 3); code = KVR_ERR_UNSUPPORTED; needle = "3 streams"; break;
-        case 3: put32(bad + 12 + 4 * 20 + 8 + 12 * 20 + 8, 1234); code = KVR_ERR_UNSUPPORTED; needle = "ggml type 1234"; break;
-        case 4: put32(bad + 12 + 4 * 20 + 8 + 12 * 3 + 4, 2); code = KVR_ERR_UNSUPPORTED; needle = NULL; break;
+        case 2: put32(bad + 12 + 4 * 20, 3); code = KVR_EUNSUPPORTED; needle = "3 streams"; break;
+        case 3: put32(bad + 12 + 4 * 20 + 8 + 12 * 20 + 8, 1234); code = KVR_EUNSUPPORTED; needle = "ggml type 1234"; break;
+        case 4: put32(bad + 12 + 4 * 20 + 8 + 12 * 3 + 4, 2); code = KVR_EUNSUPPORTED; needle = NULL; break;
         }
         kvr_llama_import_opts oa = { .mode = KVR_LLAMA_IMPORT_APPEND };
         int rc = kvr_llama_state_import(c, "doc", bad, l, &m, &oa, NULL, err, sizeof err);
@@ -667,37 +667,37 @@ Test(llama_import, refusals_change_nothing)
     }
     /* another model's shape */
     kvr_llama_import_opts oa = { .mode = KVR_LLAMA_IMPORT_APPEND };
-    cr_assert_eq(kvr_llama_state_import(c, "doc", s, len, &other, &oa, NULL, err, sizeof err), KVR_ERR_SHAPE);
+    cr_assert_eq(kvr_llama_state_import(c, "doc", s, len, &other, &oa, NULL, err, sizeof err), KVR_ESHAPE);
     cr_assert(strstr(err, "made by another model") != NULL, "%s", err);
     /* same shape, another model (other weights): refused by name */
     cr_assert_eq(kvr_llama_state_import(c, "doc", s, len, &same_shape, &oa, NULL, err, sizeof err),
-                 KVR_ERR_FINGERPRINT);
+                 KVR_EFINGERPRINT);
     cr_assert(strstr(err, "was made by model") != NULL, "%s", err);
     void *st;
     size_t sl;
     cr_assert_eq(kvr_llama_state_export(c, "doc", &same_shape, NULL, &st, &sl, NULL, err, sizeof err),
-                 KVR_ERR_FINGERPRINT);
+                 KVR_EFINGERPRINT);
     cr_assert(strstr(err, "was made by model") != NULL, "%s", err);
     /* a model that is not registered */
     cr_assert_eq(kvr_llama_state_import(c, "new", s, len, &other, NULL, NULL, err, sizeof err),
-                 KVR_ERR_SHAPE);
+                 KVR_ESHAPE);
     size_t lo;
     unsigned char *so = mk_state(&other, 4, KVR_LLAMA_F16, KVR_LLAMA_F16, false, KVR_LLAMA_FORM_SESSION, &lo);
     cr_assert_eq(kvr_llama_state_import(c, "new", so, lo, &other, NULL, NULL, err, sizeof err),
-                 KVR_ERR_NOMODEL);
+                 KVR_ENOMODEL);
     cr_assert(strstr(err, "is not registered") != NULL, "%s", err);
     /* raw form without tokens */
     size_t lr;
     unsigned char *sr = mk_state(&m, 4, KVR_LLAMA_F16, KVR_LLAMA_F16, false, KVR_LLAMA_FORM_RAW, &lr);
-    cr_assert_eq(kvr_llama_state_import(c, "new", sr, lr, &m, NULL, NULL, err, sizeof err), KVR_ERR_INVAL);
+    cr_assert_eq(kvr_llama_state_import(c, "new", sr, lr, &m, NULL, NULL, err, sizeof err), KVR_EINVAL);
     cr_assert(strstr(err, "carries no token ids") != NULL, "%s", err);
     /* export refusals: range, positions */
     kvr_llama_export_opts eo = { .start = 5, .end = 50 };
-    cr_assert_eq(kvr_llama_state_export(c, "doc", &m, &eo, &st, &sl, NULL, err, sizeof err), KVR_ERR_RANGE);
+    cr_assert_eq(kvr_llama_state_export(c, "doc", &m, &eo, &st, &sl, NULL, err, sizeof err), KVR_ERANGE);
     kvr_llama_export_opts ep = { .has_pos_start = true, .pos_start = (int64_t)INT32_MAX - 3 };
-    cr_assert_eq(kvr_llama_state_export(c, "doc", &m, &ep, &st, &sl, NULL, err, sizeof err), KVR_ERR_RANGE);
+    cr_assert_eq(kvr_llama_state_export(c, "doc", &m, &ep, &st, &sl, NULL, err, sizeof err), KVR_ERANGE);
     kvr_llama_export_opts eq = { .type_v = KVR_LLAMA_Q8_0, .v_trans = true };
-    cr_assert_eq(kvr_llama_state_export(c, "doc", &m, &eq, &st, &sl, NULL, err, sizeof err), KVR_ERR_UNSUPPORTED);
+    cr_assert_eq(kvr_llama_state_export(c, "doc", &m, &eq, &st, &sl, NULL, err, sizeof err), KVR_EUNSUPPORTED);
 
     size_t b1;
     uint64_t n1;
@@ -705,7 +705,7 @@ Test(llama_import, refusals_change_nothing)
     cr_assert_eq(n1, n0);
     cr_assert(b0 == b1 && memcmp(before, after, b0) == 0, "the context is byte for byte as before");
     kvr_context ci;
-    cr_assert_eq(kvr_client_stat(c, "new", &ci), KVR_ERR_NOCTX, "no context was created by a refusal");
+    cr_assert_eq(kvr_client_stat(c, "new", &ci), KVR_ENOCTX, "no context was created by a refusal");
     free(before);
     free(after);
     free(bad);
