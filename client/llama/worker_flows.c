@@ -31,6 +31,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "client/llama/kvrope_llama.h"
 #include "client/llama/worker.h"
 
 #define F16 KVR_DTYPE_F16
@@ -95,58 +96,34 @@ static int check_kv_shape(kvr_wk_env *e, const kvr_kv *kv, const char *ctx)
 
 /* ---- loading and storing ------------------------------------------------ */
 
-/* Loads tokens [0, n) of ctx into seq 0 at positions 0..n-1. */
+/* Loads tokens [0, n) of ctx into seq 0 at positions 0..n-1: the bridge's
+ * export (keys re-rotated by the daemon where they are stored elsewhere),
+ * then llama_state_seq_set_data. */
 static int load_prefix(kvr_wk_env *e, const char *ctx, size_t n, double *t_fetch,
                        double *t_load)
 {
+    if (n == 0)
+        return 0;
     double t0 = kvr_wk_now_ms();
-    kvr_kv kv;
-    kvr_get_args g = { .ctx_id = ctx, .start = 0, .end = n, .dtype = F16 };
-    int r = kvr_client_get(e->kc, &g, &kv);
-    if (r < 0)
-        return kv_fail(e, r, "get", ctx);
-    bool at_index = kv.n_tokens == n;
-    for (size_t i = 0; at_index && i < n; i++)
-        at_index = kv.positions[i] == (int64_t)i;
-    int64_t *pos = malloc((n ? n : 1) * sizeof *pos);
-    if (!pos) {
-        kvr_kv_release(&kv);
-        return fail(e, -ENOMEM, "out of memory");
-    }
-    for (size_t i = 0; i < n; i++)
-        pos[i] = (int64_t)i;
-    if (!at_index) {            /* someone moved it: ask for keys at 0..n-1 */
-        kvr_kv_release(&kv);
-        g.positions = pos;
-        g.n_positions = n;
-        r = kvr_client_get(e->kc, &g, &kv);
-        if (r < 0) {
-            free(pos);
-            return kv_fail(e, r, "get", ctx);
-        }
-    }
-    if ((r = check_kv_shape(e, &kv, ctx)) < 0) {
-        free(pos);
-        kvr_kv_release(&kv);
-        return r;
+    kvr_llama_export_opts xo = { .model = e->model, .start = 0, .end = n,
+                                 .has_pos_start = true, .pos_start = 0,
+                                 .type_k = KVR_LLAMA_F16, .type_v = KVR_LLAMA_F16,
+                                 .v_trans = kvr_wk_lm_v_trans(e->lm),
+                                 .form = KVR_LLAMA_FORM_RAW };
+    void *st = NULL;
+    size_t len = 0;
+    char err[512] = "";
+    int r = kvr_llama_state_export(e->kc, ctx, e->profile, &xo, &st, &len, NULL, err,
+                                   sizeof err);
+    if (r < 0) {
+        e->kv_code = r;
+        return fail(e, r, "loading %zu tokens of %s: %s", n, ctx, err);
     }
     double t1 = kvr_wk_now_ms();
-    kvr_wk_sbuild b;
-    r = kvr_wk_sbuild_init(&b, (uint32_t)n, n_layer(e), kvr_wk_lm_cache_type(e->lm),
-                           (uint32_t)n_embd(e), kvr_wk_lm_v_trans(e->lm));
-    if (r == 0)
-        r = kvr_wk_sbuild_add(&b, kv.payload, n, 0, n, pos);
-    kvr_kv_release(&kv);
-    free(pos);
-    if (r < 0) {
-        kvr_wk_sbuild_free(&b);
-        return fail(e, r, "cannot build a state of %zu tokens", n);
-    }
-    r = kvr_wk_lm_state_set(e->lm, b.buf, b.len, e->err, sizeof e->err);
-    kvr_wk_sbuild_free(&b);
-    double t2 = kvr_wk_now_ms();
+    r = kvr_wk_lm_state_set(e->lm, st, len, e->err, sizeof e->err);
+    kvr_llama_free(st);
     *t_fetch += t1 - t0;
-    *t_load += t2 - t1;
+    *t_load += kvr_wk_now_ms() - t1;
     return r;
 }
 
@@ -297,10 +274,17 @@ static int store_seq(kvr_wk_env *e, const int32_t *S, size_t ns, const char *kin
     seqstate s;
     if ((r = seqstate_get(e, &s, ns)) < 0)
         return r;
-    void *pl = seqstate_payload(e, &s, NULL, ns - L, L);
-    seqstate_free(&s);
-    if (!pl)
+    /* Cells in position order (the usual case: loaded, then decoded at the
+     * end) go through the bridge's import straight from the state bytes;
+     * others are gathered by position here. */
+    bool in_order = s.st.n_cells == ns;
+    for (size_t p = L; in_order && p < ns; p++)
+        in_order = s.cell[p] == (long)p;
+    void *pl = NULL;
+    if (!in_order && !(pl = seqstate_payload(e, &s, NULL, ns - L, L))) {
+        seqstate_free(&s);
         return -EINVAL;
+    }
     kvr_write_mode mode = KVR_WRITE_APPEND;
     if (L > 0 && info.n_tokens == L && info.pos_max == (int64_t)L - 1 &&
         strncmp(m.ctx_id, "kvl-c-", 6) == 0) {
@@ -309,6 +293,7 @@ static int store_seq(kvr_wk_env *e, const int32_t *S, size_t ns, const char *kin
     } else if (L > 0) {
         if ((r = fork_prefix(e, m.ctx_id, mine, L, (size_t)info.n_tokens)) < 0) {
             free(pl);
+            seqstate_free(&s);
             return r;
         }
         snprintf(out->ctx, sizeof out->ctx, "%s", mine);
@@ -316,12 +301,31 @@ static int store_seq(kvr_wk_env *e, const int32_t *S, size_t ns, const char *kin
     } else {
         if ((r = del_quiet(e, mine)) < 0) {
             free(pl);
+            seqstate_free(&s);
             return r;
         }
         snprintf(out->ctx, sizeof out->ctx, "%s", mine);
         out->how = "created";
         mode = KVR_WRITE_CREATE;
     }
+    if (in_order) {
+        kvr_llama_import_opts io = { .model = e->model,
+                                     .mode = mode == KVR_WRITE_CREATE ? KVR_LLAMA_IMPORT_CREATE
+                                                                      : KVR_LLAMA_IMPORT_APPEND,
+                                     .cell_start = (uint32_t)L, .cell_end = (uint32_t)ns,
+                                     .tokens = (const uint32_t *)S + L, .n_tokens = ns - L };
+        char err[512] = "";
+        r = kvr_llama_state_import(e->kc, out->ctx, s.buf, s.len, e->profile, &io, NULL, err,
+                                   sizeof err);
+        seqstate_free(&s);
+        if (r < 0) {
+            e->kv_code = r;
+            return fail(e, r, "storing %zu tokens into %s: %s", ns - L, out->ctx, err);
+        }
+        out->n_new = ns - L;
+        return 0;
+    }
+    seqstate_free(&s);
     kvr_put_args p = { .ctx_id = out->ctx, .model = e->model, .mode = mode,
                        .fingerprint = e->fingerprint, .dtype = F16,
                        .tokens = (const uint32_t *)S + L, .n_tokens = ns - L,
@@ -624,7 +628,7 @@ int kvr_wk_edit(kvr_wk_env *e, const int32_t *a, size_t na, const int32_t *b, si
     size_t n_refreshed = 0, n_decoded = 0;
     if (nh == 0) {
         snprintf(ctx, sizeof ctx, "%s", old.ctx);
-        if ((r = load_prefix(e, ctx, nb - 1, &t_fetch, &t_load)) < 0)
+        if (nb > 1 && (r = load_prefix(e, ctx, nb - 1, &t_fetch, &t_load)) < 0)
             goto out_k;
     } else {
         ctx_name(e, ctx, sizeof ctx, "e", b, nb, NULL, 0);
