@@ -296,6 +296,18 @@ uint32_t kvr_br_rot_v(kvr_llama_type t, uint32_t head_dim, bool no_attn_rot)
     return 64;
 }
 
+/* One butterfly pass of length len >= 4 over a block: contiguous halves, so
+ * the compiler vectorises it; each output is one IEEE add or subtract, as in
+ * ggml's scalar and SIMD passes, so the result is the same bit for bit. */
+static void fwht_pass(float *restrict a, float *restrict b, uint32_t len)
+{
+    for (uint32_t j = 0; j < len; j++) {
+        float u = a[j], v = b[j];
+        a[j] = u + v;
+        b[j] = u - v;
+    }
+}
+
 void kvr_br_fwht(float *x, size_t n, uint32_t nrot)
 {
     if (!nrot) return;
@@ -303,13 +315,20 @@ void kvr_br_fwht(float *x, size_t n, uint32_t nrot)
     for (size_t r = 0; r + nrot <= n; r += nrot) {
         float *row = x + r;
         for (uint32_t j = 0; j < nrot; j++) row[j] = row[j] * scale;
-        for (uint32_t len = 1; len < nrot; len <<= 1)
-            for (uint32_t i = 0; i < nrot; i += 2 * len)
-                for (uint32_t j = 0; j < len; j++) {
-                    float u = row[i + j], v = row[i + len + j];
-                    row[i + j] = u + v;
-                    row[i + len + j] = u - v;
-                }
+        for (uint32_t i = 0; i < nrot; i += 2) {
+            float u = row[i], v = row[i + 1];
+            row[i] = u + v;
+            row[i + 1] = u - v;
+        }
+        for (uint32_t i = 0; i < nrot; i += 4) {
+            float u0 = row[i], u1 = row[i + 1], v0 = row[i + 2], v1 = row[i + 3];
+            row[i] = u0 + v0;
+            row[i + 1] = u1 + v1;
+            row[i + 2] = u0 - v0;
+            row[i + 3] = u1 - v1;
+        }
+        for (uint32_t len = 4; len < nrot; len <<= 1)
+            for (uint32_t i = 0; i < nrot; i += 2 * len) fwht_pass(row + i, row + i + len, len);
     }
 }
 
