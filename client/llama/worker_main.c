@@ -295,8 +295,19 @@ int main(int argc, char **argv)
     g_command = a.command;
     bool is_ppl = !strcmp(a.command, "ppl");
 
-    /* Inputs first: a missing file is reported before anything is loaded. */
+    /* Everything released at `done`, whatever the way out. */
     text files[260];
+    memset(files, 0, sizeof files);
+    int32_t *tk[260] = { 0 };
+    size_t ntk[260] = { 0 };
+    kvr_wk_env e;
+    memset(&e, 0, sizeof e);
+    e.n_gen = a.n_gen;
+    kvr_wk_report rep;
+    kvr_wk_rep_init(&rep, a.command);
+    e.rep = &rep;
+
+    /* Inputs first: a missing file is reported before anything is loaded. */
     const char *names[260], *what[260];
     size_t nf = 0;
 #define ADD(w, p)            \
@@ -321,39 +332,36 @@ int main(int argc, char **argv)
 #undef ADD
     for (size_t i = 0; i < nf; i++)
         if ((rc = read_file(what[i], names[i], &files[i])) != 0)
-            return rc;
+            goto done;
     struct stat sb;
-    if (stat(a.model, &sb) < 0)
-        return die(errno == ENOENT ? EX_NOTFOUND : EX_FAIL, "model %s: %s", a.model,
-                   strerror(errno));
+    if (stat(a.model, &sb) < 0) {
+        rc = die(errno == ENOENT ? EX_NOTFOUND : EX_FAIL, "model %s: %s", a.model,
+                 strerror(errno));
+        goto done;
+    }
 
-    kvr_wk_env e;
-    memset(&e, 0, sizeof e);
-    e.n_gen = a.n_gen;
-    kvr_wk_report rep;
-    kvr_wk_rep_init(&rep, a.command);
-    e.rep = &rep;
     char sock[512];
     if (!is_ppl) {
         if (a.socket)
             snprintf(sock, sizeof sock, "%s", a.socket);
         else
             default_socket(sock, sizeof sock);
-        if (kvr_client_connect(&e.kc, sock, NULL) < 0)
-            return die(EX_CONNECT, "cannot connect to kvroped at %s: %s", sock,
-                       kvr_client_last_error(NULL));
+        if (kvr_client_connect(&e.kc, sock, NULL) < 0) {
+            rc = die(EX_CONNECT, "cannot connect to kvroped at %s: %s", sock,
+                     kvr_client_last_error(NULL));
+            goto done;
+        }
         int r = kvr_client_ping(e.kc, NULL);
         if (r < 0) {
             rc = die(EX_CONNECT, "kvroped at %s does not answer: %s", sock,
                      kvr_client_last_error(e.kc));
-            kvr_client_close(e.kc);
-            return rc;
+            goto done;
         }
     }
     double t_load0 = kvr_wk_now_ms();
     if (kvr_wk_lm_load(&e.lm, a.model, a.threads, e.err, sizeof e.err) < 0) {
-        kvr_client_close(e.kc);
-        return die(EX_FAIL, "%s", e.err);
+        rc = die(EX_FAIL, "%s", e.err);
+        goto done;
     }
     double t_model = kvr_wk_now_ms() - t_load0;
     /* ppl runs without the profile if the bridge does not know the model. */
@@ -374,8 +382,6 @@ int main(int argc, char **argv)
                     in->arch, in->n_layer, in->n_head_kv, in->head_dim, in->n_vocab,
                     is_ppl ? "" : " as kvrope model ", is_ppl ? "" : e.model);
 
-    int32_t *tk[260] = { 0 };
-    size_t ntk[260] = { 0 };
     int r = 0;
     if (!strcmp(a.command, "complete")) {
         if ((rc = tokenize(&e, &files[0], in->add_bos, "prompt file", a.prompt, &tk[0], &ntk[0])))
@@ -407,11 +413,11 @@ int main(int argc, char **argv)
         rc = die(exit_of(&e), "%s: %s", a.command, e.err);
     else
         kvr_wk_rep_print(&rep, a.json, stdout);
-    for (size_t i = 0; i < 260; i++)
-        free(tk[i]);
 done:
-    for (size_t i = 0; i < nf; i++)
+    for (size_t i = 0; i < 260; i++) {
+        free(tk[i]);
         free(files[i].data);
+    }
     kvr_wk_rep_free(&rep);
     kvr_wk_lm_destroy(e.lm);
     free(e.profile);

@@ -472,7 +472,8 @@ Test(llama_worker, diff_rebuilds_the_new_sequence)
         cr_assert_eq(memcmp(out, b, nb * sizeof *b), 0, "trial %d: content", trial);
         /* Merged hunks still rebuild b, and keep min_gap equal tokens apart. */
         kvr_wk_hunk *hm = malloc((nh ? nh : 1) * sizeof *hm);
-        memcpy(hm, h, nh * sizeof *hm);
+        if (nh)
+            memcpy(hm, h, nh * sizeof *hm);
         size_t nm = nh;
         kvr_wk_hunks_merge(hm, &nm, 8);
         cr_assert_leq(nm, nh);
