@@ -313,6 +313,52 @@ Test(llama_worker, edit_decodes_only_the_new_tokens, .init = setup, .fini = tear
     cJSON_Delete(j3);
 }
 
+/* ---- NEOX pairing (qwen2) ----------------------------------------------- */
+Test(llama_worker, qwen2_neox_complete_and_edit, .init = setup, .fini = teardown,
+     .timeout = 600)
+{
+    snprintf(model, sizeof model, "%s/q.gguf", dir);
+    gen_model(model, "--arch qwen2 --layers 2 --width 128 --heads 2 --kv-heads 1 --qkv-bias "
+                     "--dtype f16 --seed 3");
+    char p[512], app[512], mid[512];
+    write_file("p.txt", SRC, p, sizeof p);
+    const char *a[] = { "complete", "--prompt-file", p, "--n", "8", NULL };
+    cJSON *cold = run_json(a), *warm = run_json(a);
+    const char *b[] = { "complete", "--prompt-file", p, "--n", "8", "--no-cache", NULL };
+    cJSON *plain = run_json(b);
+    cr_expect_eq(num(warm, NULL, "reused_tokens"), (double)strlen(SRC));
+    cr_expect(same_tokens(warm, plain) && same_tokens(cold, plain));
+    /* Appending at the end: exact. */
+    char appended[4096];
+    snprintf(appended, sizeof appended, "%s/* end */\n", SRC);
+    write_file("app.txt", appended, app, sizeof app);
+    const char *c[] = { "edit", "--old", p, "--new", app, "--check", "--n", "4", NULL };
+    cJSON *j = run_json(c);
+    cr_expect_eq(num(j, NULL, "approximate_tokens"), 0);
+    cr_expect_eq(num(j, "check", "next_token_agrees"), 1);
+    cr_expect_lt(num(j, "check", "logit_max_abs_err"), 0.05);
+    /* A line removed in the middle: the suffix moves back (keys re-rotated
+     * by kvrope in NEOX pairs); close to a full re-encode. */
+    char removed[4096];
+    const char *l = strstr(SRC, "    r->buf[r->head++");
+    const char *e = strchr(l, '\n') + 1;
+    snprintf(removed, sizeof removed, "%.*s%s", (int)(l - SRC), SRC, e);
+    write_file("mid.txt", removed, mid, sizeof mid);
+    const char *d[] = { "edit", "--old", p, "--new", mid, "--refresh", "8", "--check", "--n", "4",
+                        NULL };
+    cJSON *k = run_json(d);
+    cr_expect_eq(num(k, NULL, "removed_tokens") - num(k, NULL, "inserted_tokens"),
+                 (double)(e - l));
+    cr_expect_gt(num(k, NULL, "approximate_tokens"), 0);
+    double err = num(k, "check", "logit_rms_err"), rms = num(k, "check", "logit_rms");
+    cr_expect(isfinite(err) && rms > 0 && err < rms, "rms err %g vs logit rms %g", err, rms);
+    cJSON_Delete(cold);
+    cJSON_Delete(warm);
+    cJSON_Delete(plain);
+    cJSON_Delete(j);
+    cJSON_Delete(k);
+}
+
 /* ---- rag ----------------------------------------------------------------- */
 Test(llama_worker, rag_encodes_each_document_once, .init = setup, .fini = teardown,
      .timeout = 600)
