@@ -361,6 +361,11 @@ static int profile(const gguf *g, kvr_llama_model *m, char *err, size_t errlen)
                            A, hv, m->head_dim);
     if (m->head_dim == 0 || m->head_dim > KVR_ROPE_MAX_HEAD_DIM || m->head_dim % 2)
         return kvr_br_fail(err, errlen, KVR_EUNSUPPORTED, "head_dim %u out of range", m->head_dim);
+    if ((uint64_t)m->n_kv_heads * m->head_dim > (1u << 20) || m->n_layers > 65536)
+        return kvr_br_fail(err, errlen, KVR_EUNSUPPORTED,
+                           "%u layers x %u KV heads x %u: a shape beyond the bridge's limits "
+                           "(65536 layers, 2^20 values per cell)", m->n_layers, m->n_kv_heads,
+                           m->head_dim);
     m->rotary_dim = m->head_dim;
     if ((rc = get_u32(g, findf(g, A, "rope.dimension_count"), &m->rotary_dim, false, err, errlen)) < 0) return rc;
     if (m->rotary_dim == 0 || m->rotary_dim % 2 || m->rotary_dim > m->head_dim)

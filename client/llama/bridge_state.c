@@ -485,12 +485,18 @@ static int parse_mem(cur *c, kvr_llama_state *st, bool seq_known, char *err, siz
                     return kvr_br_fail(err, errlen, KVR_EINVAL,
                                        "layer %u: V element size %u, type %s has %u", l, el,
                                        kvr_llama_type_name(t), s);
-                if (ne == 0)
-                    return kvr_br_fail(err, errlen, KVR_EINVAL, "layer %u: V has 0 values per cell", l);
+                if (ne == 0 || ne > (1u << 24))
+                    return kvr_br_fail(err, errlen, KVR_EINVAL, "layer %u: V has %u values per cell",
+                                       l, ne);
                 if (l == 0) { st->n_embd_v = ne; st->row_v = el; }
                 else if (ne != st->n_embd_v)
                     return kvr_br_fail(err, errlen, KVR_EUNSUPPORTED,
                                        "layer %u: %u V values per cell, layer 0 has %u", l, ne, st->n_embd_v);
+                if ((uint64_t)ne > (c->len - c->off) / n_cells / el)
+                    return kvr_br_fail(err, errlen, KVR_EINVAL,
+                                       "truncated %s: layer %u's V needs %u x %u elements of %u "
+                                       "bytes, %zu bytes left", fn, l, ne, n_cells, el,
+                                       c->len - c->off);
                 uint64_t need = (uint64_t)ne * n_cells * el;
                 if (!have(c, need))
                     return kvr_br_fail(err, errlen, KVR_EINVAL,
@@ -504,7 +510,7 @@ static int parse_mem(cur *c, kvr_llama_state *st, bool seq_known, char *err, siz
                 return kvr_br_fail(err, errlen, KVR_EINVAL, "truncated %s at layer %u's %s row size", fn, l, sn);
             uint64_t row = kvr_br_rd64(c->p + c->off);
             c->off += 8;
-            if (row == 0 || row % s || row / s > (1u << 24))
+            if (row == 0 || row % s || row / s * b > (1u << 24))
                 return kvr_br_fail(err, errlen, KVR_EINVAL,
                                    "layer %u: %s row of %llu bytes is not a whole number of %s "
                                    "blocks (or is 0 or huge)", l, sn, (unsigned long long)row,
@@ -729,11 +735,14 @@ int kvr_llama_state_decode(const kvr_llama_state *st, const kvr_llama_model *m, 
                            c0, c1, st->n_cells);
     if (kvr_dtype_size(dtype) == 0) return kvr_br_fail(err, errlen, KVR_EINVAL, "bad dtype");
     if (c0 == c1) return 0;
+    if ((uint64_t)m->n_kv_heads * m->head_dim > (1u << 24))
+        return kvr_br_fail(err, errlen, KVR_ESHAPE, "model '%s' has a huge shape", m->name);
     uint32_t n = m->n_kv_heads * m->head_dim;
     if (st->n_layers != m->n_layers || st->n_embd_k != n || st->n_embd_v != n)
         return kvr_br_fail(err, errlen, KVR_ESHAPE, "state and model '%s' differ in shape",
                            m->name);
     size_t need = kvr_llama_payload_size(m, c1 - c0, dtype);
+    if (need == 0) return kvr_br_fail(err, errlen, KVR_ETOOLARGE, "payload size overflows");
     if (!dst || cap < need)
         return kvr_br_fail(err, errlen, KVR_EBUFFER, "payload needs %zu bytes, %zu given",
                            need, cap);
@@ -759,16 +768,18 @@ int kvr_llama_state_decode(const kvr_llama_state *st, const kvr_llama_model *m, 
 static size_t state_size(const kvr_llama_model *m, const kvr_llama_encode_args *a, bool *ok)
 {
     *ok = false;
-    uint32_t n = m->n_kv_heads * m->head_dim;
+    uint64_t n = (uint64_t)m->n_kv_heads * m->head_dim;
+    if (n == 0 || n > (1u << 24)) return 0;
     uint64_t rk = kvr_br_row_bytes(a->type_k, n), rv = kvr_br_row_bytes(a->type_v, n);
     if (!rk || !rv) return 0;
     uint64_t s = a->form == KVR_LLAMA_FORM_SESSION ? 12 + (uint64_t)(a->tokens ? a->n_cells : 0) * 4 : 8;
     s += 8;                                   /* n_stream, cell_count */
     if (a->n_cells) {
-        s += (uint64_t)a->n_cells * 12 + 8;
-        s += (uint64_t)m->n_layers * (12 + rk * a->n_cells);
-        if (a->v_trans) s += (uint64_t)m->n_layers * (12 + rv * a->n_cells);
-        else s += (uint64_t)m->n_layers * (12 + rv * a->n_cells);
+        uint64_t per_layer, all;
+        /* rows are < 2^27 bytes and cells < 2^32: the product fits; layers may not */
+        per_layer = 24 + (rk + rv) * a->n_cells;
+        if (__builtin_mul_overflow(per_layer, (uint64_t)m->n_layers, &all)) return 0;
+        if (__builtin_add_overflow(s, all + (uint64_t)a->n_cells * 12 + 8, &s)) return 0;
     }
     *ok = s <= SIZE_MAX;
     return (size_t)s;
@@ -850,8 +861,10 @@ static int encode(const kvr_llama_model *m, const kvr_llama_encode_args *a, void
     if (a->v_trans && !is_plain(tv))
         return kvr_br_fail(err, errlen, KVR_EUNSUPPORTED,
                            "quantized V (%s) needs v_trans 0 (flash attention)", kvr_llama_type_name(tv));
+    if ((uint64_t)m->n_kv_heads * m->head_dim > (1u << 24) || !m->n_layers)
+        return kvr_br_fail(err, errlen, KVR_EINVAL, "model without a shape (or a huge one)");
     uint32_t n = m->n_kv_heads * m->head_dim;
-    if (!n || !m->n_layers) return kvr_br_fail(err, errlen, KVR_EINVAL, "model without shape");
+    if (!n) return kvr_br_fail(err, errlen, KVR_EINVAL, "model without shape");
     uint64_t rk = kvr_br_row_bytes(tk, n), rv = kvr_br_row_bytes(tv, n);
     if (!rk || !rv)
         return kvr_br_fail(err, errlen, KVR_EUNSUPPORTED,

@@ -477,6 +477,8 @@ Test(llama_state, bad_states_are_named)
     ss = mk_state(&m, n, KVR_LLAMA_F16, KVR_LLAMA_F16, true, KVR_LLAMA_FORM_RAW, &sl);
     size_t v0 = OFF_K0TYPE(n) + 2 * (12 + (size_t)n * 64);
     put32(ss + v0 + 8, 0x40000000u);
+    expect_state_err(&m, ss, sl, KVR_EINVAL, "V has 1073741824 values per cell");
+    put32(ss + v0 + 8, 1u << 20);
     expect_state_err(&m, ss, sl, KVR_EINVAL, "V needs");
     put32(ss + v0 + 8, 64);
     put32(ss + v0 + 4, 4);
