@@ -658,9 +658,11 @@ static void decode_rows(kvr_llama_type t, const uint8_t *src, uint64_t row, uint
 /* dst[c][r] = src[r][c] for 16-bit elements: rows x cols of src (row stride
  * ss elements) into cols x rows of dst (row stride ds elements); 8x8 tiles
  * with SSE2 where available. */
-static void transpose16(uint16_t *dst, size_t ds, const uint16_t *src, size_t ss, size_t rows,
+static void transpose16(uint8_t *dst, size_t ds, const uint8_t *src, size_t ss, size_t rows,
                         size_t cols)
 {
+    /* element (r, c) of src at src + 2 (r ss + c); of dst at dst + 2 (c ds + r).
+     * Byte pointers and unaligned loads: the state's bytes need not be aligned. */
     size_t r0 = 0;
 #if defined(__SSE2__)
     for (; r0 + 8 <= rows; r0 += 8) {
@@ -668,7 +670,7 @@ static void transpose16(uint16_t *dst, size_t ds, const uint16_t *src, size_t ss
         for (; c0 + 8 <= cols; c0 += 8) {
             __m128i a[8], b[8];
             for (int i = 0; i < 8; i++)
-                a[i] = _mm_loadu_si128((const __m128i *)(const void *)(src + (r0 + i) * ss + c0));
+                a[i] = _mm_loadu_si128((const __m128i *)(const void *)(src + 2 * ((r0 + i) * ss + c0)));
             for (int i = 0; i < 4; i++) {
                 b[2 * i] = _mm_unpacklo_epi16(a[2 * i], a[2 * i + 1]);
                 b[2 * i + 1] = _mm_unpackhi_epi16(a[2 * i], a[2 * i + 1]);
@@ -686,16 +688,18 @@ static void transpose16(uint16_t *dst, size_t ds, const uint16_t *src, size_t ss
             for (int i = 0; i < 4; i++) {
                 __m128i lo = _mm_unpacklo_epi64(c[i], c[i + 4]);  /* column 2i */
                 __m128i hi = _mm_unpackhi_epi64(c[i], c[i + 4]);  /* column 2i+1 */
-                _mm_storeu_si128((__m128i *)(void *)(dst + (c0 + 2 * i) * ds + r0), lo);
-                _mm_storeu_si128((__m128i *)(void *)(dst + (c0 + 2 * i + 1) * ds + r0), hi);
+                _mm_storeu_si128((__m128i *)(void *)(dst + 2 * ((c0 + 2 * i) * ds + r0)), lo);
+                _mm_storeu_si128((__m128i *)(void *)(dst + 2 * ((c0 + 2 * i + 1) * ds + r0)), hi);
             }
         }
         for (; c0 < cols; c0++)
-            for (size_t i = 0; i < 8; i++) dst[c0 * ds + r0 + i] = src[(r0 + i) * ss + c0];
+            for (size_t i = 0; i < 8; i++)
+                memcpy(dst + 2 * (c0 * ds + r0 + i), src + 2 * ((r0 + i) * ss + c0), 2);
     }
 #endif
     for (; r0 < rows; r0++)
-        for (size_t c0 = 0; c0 < cols; c0++) dst[c0 * ds + r0] = src[r0 * ss + c0];
+        for (size_t c0 = 0; c0 < cols; c0++)
+            memcpy(dst + 2 * (c0 * ds + r0), src + 2 * (r0 * ss + c0), 2);
 }
 
 /* v_trans: src is [n][n_cells] elements of t (plain); dst [nc][n] of dtype */
@@ -709,8 +713,7 @@ static void decode_trans(kvr_llama_type t, const uint8_t *src, uint32_t n_cells,
         /* src rows j (n of them, n_cells elements each, from cell c0) -> dst rows i */
         for (size_t i0 = 0; i0 < nc; i0 += TW) {
             size_t w = nc - i0 < TW ? nc - i0 : TW;
-            transpose16((uint16_t *)(void *)(dst + i0 * n * 2), n,
-                        (const uint16_t *)(const void *)(src + (c0 + i0) * 2), n_cells, n, w);
+            transpose16(dst + i0 * n * 2, n, src + (c0 + i0) * 2, n_cells, n, w);
         }
         return;
     }
@@ -818,8 +821,7 @@ static void encode_trans(kvr_llama_type t, uint8_t *dst, const uint8_t *src, kvr
         /* src [nc][n] -> dst [n][nc] */
         for (size_t i0 = 0; i0 < nc; i0 += TW) {
             size_t w = nc - i0 < TW ? nc - i0 : TW;
-            transpose16((uint16_t *)(void *)(dst + i0 * 2), nc,
-                        (const uint16_t *)(const void *)(src + i0 * n * 2), n, w, n);
+            transpose16(dst + i0 * 2, nc, src + i0 * n * 2, n, w, n);
         }
         return;
     }
