@@ -529,3 +529,46 @@ Test(llama_bridge, yarn_shift_keeps_norms_and_llama_shift_is_measured)
     }
     kvr_client_close(c);
 }
+
+/* llama.cpp v0.5.0 cannot shift a quantized K cache without the Hadamard
+ * transform (head_dim 32: a NULL matrix in its shift graph crashes the next
+ * decode). kvrope can: the shifted state loads and decodes, and its logits
+ * are as close to a fresh encode at the new positions as one requantization
+ * allows. */
+Test(llama_bridge, quantized_cache_without_hadamard_shifts_through_kvrope)
+{
+    kvr_client *c = testd_connect(&D);
+    char path[512];
+    kvr_llama_model m;
+    model(path, sizeof path, "q32", "--layers 2 --width 64 --heads 2 --kv-heads 1 --head-dim 32 --seed 6", &m, c);
+    llama_token toks[N_PROMPT + 1];
+    lt_tokens(toks, N_PROMPT + 1, 8);
+    lt_lm a, b, f;
+    cr_assert_eq(lt_open(&a, path, GGML_TYPE_Q8_0, GGML_TYPE_F16, 1, 256), 0);
+    cr_assert_eq(lt_decode(&a, toks, N_PROMPT, 0, NULL), 0);
+    size_t l0;
+    unsigned char *s0 = lt_state(&a, &l0);
+    import_state(c, "q32", &m, s0, l0, toks, N_PROMPT);
+    kvr_llama_export_opts o = { .type_k = KVR_LLAMA_Q8_0, .type_v = KVR_LLAMA_F16,
+                                .has_pos_start = true, .pos_start = 300 };
+    size_t l1;
+    unsigned char *s1 = export_state(c, "q32", &m, &o, &l1);
+    float *lb = malloc((size_t)a.n_vocab * 4), *lf = malloc((size_t)a.n_vocab * 4);
+    cr_assert_eq(lt_open(&b, path, GGML_TYPE_Q8_0, GGML_TYPE_F16, 1, 256), 0);
+    cr_assert_eq(llama_state_seq_set_data(b.ctx, s1, l1, 0), l1);
+    cr_assert_eq(lt_decode(&b, toks + N_PROMPT, 1, 300 + N_PROMPT, lb), 0);
+    cr_assert_eq(lt_open(&f, path, GGML_TYPE_Q8_0, GGML_TYPE_F16, 1, 256), 0);
+    cr_assert_eq(lt_decode(&f, toks, N_PROMPT + 1, 300, lf), 0);
+    double diff = lt_max_diff(lb, lf, a.n_vocab), mx = lt_max_abs(lf, a.n_vocab);
+    cr_log_info("q8_0, head_dim 32, shifted by 300 through kvrope: logits vs a fresh encode %.3g (max %.3g)",
+                diff, mx);
+    cr_expect_leq(diff, 0.02 * mx, "logits within q8_0 error of a fresh encode (%.3g)", diff);
+    free(s0);
+    kvr_llama_free(s1);
+    free(lb);
+    free(lf);
+    lt_close(&a);
+    lt_close(&b);
+    lt_close(&f);
+    kvr_client_close(c);
+}
