@@ -202,7 +202,7 @@ typedef struct kvr_wk_env {
     kvr_wk_lm     *lm;
     struct kvr_llama_model *profile;      /* the GGUF's (owned; NULL if unread) */
     kvr_client    *kc;                    /* NULL for ppl */
-    char           model[KVR_NAME_MAX + 1];
+    char           model[KVR_ID_MAX + 1];
     uint64_t       fingerprint;
     kvr_wk_report *rep;
     int            n_gen;                 /* tokens to generate / predict */

@@ -234,7 +234,7 @@ static int fork_prefix(kvr_wk_env *e, const char *src, const char *dst, size_t n
 }
 
 typedef struct stored {
-    char   ctx[KVR_NAME_MAX + 1];
+    char   ctx[KVR_ID_MAX + 1];
     size_t n_new;            /* tokens sent */
     size_t n_reused;         /* tokens already there */
     const char *how;         /* "cached", "appended", "forked+appended", "created" */
@@ -256,7 +256,7 @@ static int store_seq(kvr_wk_env *e, const int32_t *S, size_t ns, const char *kin
     kvr_context info = { 0 };
     if (L > 0 && (r = ctx_len(e, m.ctx_id, &info)) < 0)
         return r;
-    char mine[KVR_NAME_MAX + 1];
+    char mine[KVR_ID_MAX + 1];
     ctx_name(e, mine, sizeof mine, kind, S, ns, NULL, 0);
     out->n_reused = L;
     if (L >= ns) {
@@ -285,7 +285,7 @@ static int store_seq(kvr_wk_env *e, const int32_t *S, size_t ns, const char *kin
         seqstate_free(&s);
         return -EINVAL;
     }
-    kvr_write_mode mode = KVR_WRITE_APPEND;
+    kvr_put_mode mode = KVR_PUT_APPEND;
     if (L > 0 && info.n_tokens == L && info.pos_max == (int64_t)L - 1 &&
         strncmp(m.ctx_id, "kvl-c-", 6) == 0) {
         snprintf(out->ctx, sizeof out->ctx, "%s", m.ctx_id);
@@ -306,11 +306,11 @@ static int store_seq(kvr_wk_env *e, const int32_t *S, size_t ns, const char *kin
         }
         snprintf(out->ctx, sizeof out->ctx, "%s", mine);
         out->how = "created";
-        mode = KVR_WRITE_CREATE;
+        mode = KVR_PUT_CREATE;
     }
     if (in_order) {
         kvr_llama_import_opts io = { .model = e->model,
-                                     .mode = mode == KVR_WRITE_CREATE ? KVR_LLAMA_IMPORT_CREATE
+                                     .mode = mode == KVR_PUT_CREATE ? KVR_LLAMA_IMPORT_CREATE
                                                                       : KVR_LLAMA_IMPORT_APPEND,
                                      .cell_start = (uint32_t)L, .cell_end = (uint32_t)ns,
                                      .tokens = (const uint32_t *)S + L, .n_tokens = ns - L };
@@ -624,7 +624,7 @@ int kvr_wk_edit(kvr_wk_env *e, const int32_t *a, size_t na, const int32_t *b, si
     kvr_wk_lm_clear(e->lm);
     double te0 = kvr_wk_now_ms(), t_fetch = 0, t_load = 0, t_decode = 0, t_last = 0,
            t_store = 0, t_kv = 0;
-    char ctx[KVR_NAME_MAX + 1];
+    char ctx[KVR_ID_MAX + 1];
     size_t n_refreshed = 0, n_decoded = 0;
     if (nh == 0) {
         snprintf(ctx, sizeof ctx, "%s", old.ctx);
@@ -798,8 +798,6 @@ int kvr_wk_edit(kvr_wk_env *e, const int32_t *a, size_t na, const int32_t *b, si
     kvr_context info = { 0 };
     if ((r = ctx_len(e, ctx, &info)) < 0)
         goto out_k;
-    kvr_context_edit ced = { 0 };
-    kvr_client_stat_ex(e->kc, ctx, NULL, &ced);
 
     char text[2048];
     text_of(e, gen, n_gen, text, sizeof text);
@@ -813,7 +811,7 @@ int kvr_wk_edit(kvr_wk_env *e, const int32_t *a, size_t na, const int32_t *b, si
     kvr_wk_rep_num(R, NULL, "computed_tokens", (double)n_decoded);
     kvr_wk_rep_num(R, NULL, "refreshed_tokens", (double)n_refreshed);
     kvr_wk_rep_num(R, NULL, "approximate_tokens", (double)info.n_approximate);
-    kvr_wk_rep_num(R, NULL, "pending_tokens", (double)ced.n_pending);
+    kvr_wk_rep_num(R, NULL, "pending_tokens", (double)info.n_pending);
     kvr_wk_rep_str(R, NULL, "old_context", old.ctx);
     kvr_wk_rep_str(R, NULL, "old_store", old.how);
     kvr_wk_rep_num(R, NULL, "old_computed_tokens", (double)old_computed);
@@ -842,7 +840,7 @@ int kvr_wk_edit(kvr_wk_env *e, const int32_t *a, size_t na, const int32_t *b, si
     kvr_wk_rep_line(R, "computed: %zu tokens (%zu new, %zu refreshed after the edit points%s)",
                     n_decoded, n_new, n_refreshed, have ? "" : ", the last one for its logits");
     kvr_wk_rep_line(R, "kvrope: %llu tokens approximate, %llu pending",
-                    (unsigned long long)info.n_approximate, (unsigned long long)ced.n_pending);
+                    (unsigned long long)info.n_approximate, (unsigned long long)info.n_pending);
     kvr_wk_rep_line(R, "timings: diff %.2f ms, fetch %.2f ms, load %.2f ms, decode %.2f ms, "
                     "last token %.2f ms, first token %.2f ms, store %.2f ms, edit total %.2f ms, "
                     "generate %.2f ms", t_diff, t_fetch, t_load, t_decode, t_last, t_predict,
@@ -900,7 +898,7 @@ int kvr_wk_rag(kvr_wk_env *e, const int32_t *P, size_t np, const int32_t *const 
     int r = kvr_wk_lm_context(e->lm, (uint32_t)(total + n_gen + 16), e->err, sizeof e->err);
     if (r < 0)
         return r;
-    char (*ids)[KVR_NAME_MAX + 1] = calloc(n_docs, sizeof *ids);
+    char (*ids)[KVR_ID_MAX + 1] = calloc(n_docs, sizeof *ids);
     const char **idp = calloc(n_docs, sizeof *idp);
     int32_t *full = malloc(total * sizeof *full), *gen = calloc(n_gen, sizeof *gen);
     int32_t *ref_gen = calloc(n_gen, sizeof *ref_gen);
@@ -914,7 +912,7 @@ int kvr_wk_rag(kvr_wk_env *e, const int32_t *P, size_t np, const int32_t *const 
     }
     double t0 = kvr_wk_now_ms(), t_prefix = 0, t_docs = 0, tf = 0, tl = 0;
     /* The prefix, in a context of its own (documents record it). */
-    char pctx[KVR_NAME_MAX + 1];
+    char pctx[KVR_ID_MAX + 1];
     ctx_name(e, pctx, sizeof pctx, "p", P, np, NULL, 0);
     kvr_context info;
     bool prefix_cached = kvr_client_stat(e->kc, pctx, &info) == 0 && info.n_tokens == np &&
@@ -973,13 +971,12 @@ int kvr_wk_rag(kvr_wk_env *e, const int32_t *P, size_t np, const int32_t *const 
             free(pl);
             goto out;
         }
-        kvr_put_args pa = { .ctx_id = ids[i], .model = e->model, .mode = KVR_WRITE_CREATE,
+        kvr_put_args pa = { .ctx_id = ids[i], .model = e->model, .mode = KVR_PUT_CREATE,
                             .fingerprint = e->fingerprint, .dtype = F16,
                             .tokens = (const uint32_t *)docs[i], .n_tokens = nd[i],
                             .has_pos_start = true, .pos_start = (int64_t)np, .payload = pl,
-                            .payload_len = payload_bytes(e, nd[i]) };
-        kvr_put_opts po = { .prefix_ctx = pctx };
-        r = kvr_client_put_ex(e->kc, &pa, &po, NULL);
+                            .payload_len = payload_bytes(e, nd[i]), .prefix_ctx = pctx };
+        r = kvr_client_put(e->kc, &pa, NULL);
         free(pl);
         if (r < 0) {
             r = kv_fail(e, r, "put", ids[i]);
@@ -990,8 +987,8 @@ int kvr_wk_rag(kvr_wk_env *e, const int32_t *P, size_t np, const int32_t *const 
     /* Assemble, load, decode the query on top. */
     double ta0 = kvr_wk_now_ms();
     kvr_assemble_args aa = { .prefix = pctx, .docs = idp, .n_docs = n_docs,
-                             .layout = parallel ? KVR_ASSEMBLE_PARALLEL
-                                                : KVR_ASSEMBLE_SEQUENTIAL,
+                             .layout = parallel ? KVR_LAYOUT_PARALLEL
+                                                : KVR_LAYOUT_SEQUENTIAL,
                              .dtype = F16 };
     if ((r = kvr_client_assemble(e->kc, &aa, &ar)) < 0) {
         r = kv_fail(e, r, "assemble", pctx);

@@ -332,7 +332,7 @@ int main(void)
     if (!cold)
         goto out;
     double t_prefill = jnum(cold, "timings_ms", "prefill");
-    char ctx[KVR_NAME_MAX + 1];
+    char ctx[KVR_ID_MAX + 1];
     snprintf(ctx, sizeof ctx, "%s", jstr(cold, "stored_in"));
     double hit[3], fetch[3], load[3], dec[3];
     for (int i = 0; i < 3; i++) {
