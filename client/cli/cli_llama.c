@@ -133,7 +133,7 @@ static int cmd_import(kvr_client *c, const cli_args *a)
         return fail(a, KVR_ESYS, err);
     }
     kvr_llama_model m;
-    char name[KVR_NAME_MAX + 1];
+    char name[KVR_ID_MAX + 1];
     int rc = load_model(c, a, &m, name, sizeof name);
     if (rc) {
         cli_unmap(&sf);
@@ -217,7 +217,7 @@ static int cmd_export(kvr_client *c, const cli_args *a)
     o.no_attn_rot = cli_flag(a, "no-attn-rot");
     o.form = cli_flag(a, "session") ? KVR_LLAMA_FORM_SESSION : KVR_LLAMA_FORM_RAW;
     kvr_llama_model m;
-    char name[KVR_NAME_MAX + 1];
+    char name[KVR_ID_MAX + 1];
     int rc = load_model(c, a, &m, name, sizeof name);
     if (rc) return rc;
     o.model = name;

@@ -29,7 +29,7 @@ int kvr_llama_model_register(kvr_client *c, const kvr_llama_model *m, const char
                              kvr_model *out, char *err, size_t errlen)
 {
     if (!c || !m) return kvr_br_fail(err, errlen, KVR_EINVAL, "no client or model");
-    char nb[KVR_NAME_MAX + 1];
+    char nb[KVR_ID_MAX + 1];
     kvr_model_params p;
     memset(&p, 0, sizeof p);
     p.name = model_name(m, name, nb, sizeof nb);
@@ -103,7 +103,7 @@ int kvr_llama_state_import(kvr_client *c, const char *ctx, const void *state, si
     kvr_llama_state *st;
     int rc = kvr_llama_state_parse(state, len, m, &st, err, errlen);
     if (rc) return rc;
-    char nb[KVR_NAME_MAX + 1];
+    char nb[KVR_ID_MAX + 1];
     const char *name = model_name(m, opts->model, nb, sizeof nb);
     uint32_t c0 = opts->cell_start, c1 = opts->cell_end ? opts->cell_end : st->n_cells;
     uint32_t *toks = NULL;
@@ -256,7 +256,7 @@ int kvr_llama_state_import(kvr_client *c, const char *ctx, const void *state, si
         memset(&pa, 0, sizeof pa);
         pa.ctx_id = ctx;
         pa.model = name;
-        pa.mode = exists ? KVR_WRITE_APPEND : KVR_WRITE_CREATE;
+        pa.mode = exists ? KVR_PUT_APPEND : KVR_PUT_CREATE;
         pa.dtype = dt;
         pa.tokens = toks;
         pa.n_tokens = n;
@@ -265,12 +265,10 @@ int kvr_llama_state_import(kvr_client *c, const char *ctx, const void *state, si
         pa.payload_len = iov ? 0 : plen;
         pa.iov = iov;
         pa.iovcnt = iovcnt;
-        kvr_put_opts po;
-        memset(&po, 0, sizeof po);
-        po.codec = exists ? NULL : codec;
+        pa.codec = exists ? NULL : codec;
+        pa.persist = opts->persist;
         kvr_put_res pr;
-        rc = opts->persist ? kvr_client_put_persist(c, &pa, &po, true, &pr)
-                           : kvr_client_put_ex(c, &pa, &po, &pr);
+        rc = kvr_client_put(c, &pa, &pr);
         if (rc) {
             rc = kvr_br_fail(err, errlen, rc, "storing into '%s': %s", ctx, kvr_client_last_error(c));
             goto out;
@@ -292,8 +290,8 @@ int kvr_llama_state_import(kvr_client *c, const char *ctx, const void *state, si
         info->ctx_tokens = ctx_len;
         info->state_bytes = len;
         info->payload_bytes = plen;
-        kvr_context_codec cc;
-        if (kvr_client_stat_codec(c, ctx, NULL, NULL, &cc) == 0)
+        kvr_context cc;
+        if (kvr_client_stat(c, ctx, &cc) == 0)
             snprintf(info->codec, sizeof info->codec, "%s", cc.codec);
         else
             snprintf(info->codec, sizeof info->codec, "%s", codec);
@@ -320,7 +318,7 @@ int kvr_llama_state_export(kvr_client *c, const char *ctx, const kvr_llama_model
     if (len) *len = 0;
     if (!c || !ctx || !m || !state || !len)
         return kvr_br_fail(err, errlen, KVR_EINVAL, "no client, context, model or output");
-    char nb[KVR_NAME_MAX + 1];
+    char nb[KVR_ID_MAX + 1];
     const char *name = model_name(m, opts->model, nb, sizeof nb);
     kvr_llama_type tk = opts->type_k ? opts->type_k : KVR_LLAMA_F16;
     kvr_llama_type tv = opts->type_v ? opts->type_v : KVR_LLAMA_F16;
@@ -391,7 +389,7 @@ int kvr_llama_state_export(kvr_client *c, const char *ctx, const kvr_llama_model
         }
         pos[i] = (int32_t)kv.positions[i];
         toks[i] = (int32_t)kv.tokens[i];
-        if (kv.flags && (kv.flags[i] & KVR_FLAG_APPROX)) approx++;
+        if (kv.flags && (kv.flags[i] & KVR_TOKEN_APPROX)) approx++;
     }
     kvr_llama_encode_args ea;
     memset(&ea, 0, sizeof ea);

@@ -313,7 +313,7 @@ static int profile(const gguf *g, kvr_llama_model *m, char *err, size_t errlen)
     memcpy(m->arch, s, n);
     m->arch[n] = '\0';
     if (get_str(find(g, "general.name"), &s, &n)) {
-        size_t k = n < KVR_NAME_MAX - 20 ? n : KVR_NAME_MAX - 20;
+        size_t k = n < KVR_ID_MAX - 20 ? n : KVR_ID_MAX - 20;
         memcpy(m->name, s, k);
         m->name[k] = '\0';
         for (size_t i = 0; i < k; i++)

@@ -94,7 +94,7 @@ bool           kvr_llama_type_is_quantized(kvr_llama_type t);
 
 typedef struct kvr_llama_model {
     char     arch[KVR_LLAMA_ARCH_MAX];  /* general.architecture */
-    char     name[KVR_NAME_MAX + 1];    /* general.name ("" if absent) */
+    char     name[KVR_ID_MAX + 1];    /* general.name ("" if absent) */
     uint32_t n_layers;                  /* <arch>.block_count */
     uint32_t n_embd;                    /* <arch>.embedding_length */
     uint32_t n_heads;                   /* <arch>.attention.head_count */
@@ -275,8 +275,8 @@ typedef struct kvr_llama_import_info {
     uint64_t       ctx_tokens;        /* context length after the import */
     uint64_t       state_bytes;       /* bytes of the state */
     uint64_t       payload_bytes;     /* bytes sent to the daemon */
-    char           codec[KVR_CODEC_MAX];    /* the context's codec */
-    char           model[KVR_NAME_MAX + 1];
+    char           codec[KVR_CODEC_NAME_MAX];    /* the context's codec */
+    char           model[KVR_ID_MAX + 1];
 } kvr_llama_import_info;
 
 /* Imports the state (len bytes, either form) into context ctx. The model

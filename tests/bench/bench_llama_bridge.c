@@ -206,7 +206,7 @@ int main(void)
         if (kvr_llama_state_import(c, "a", st, len, &m, &o, NULL, err, sizeof err) != 0) die("import", err);
         double dt = now_s() - t0;
         if (dt < t_imp) t_imp = dt;
-        kvr_put_args pa = { .ctx_id = "p", .model = "bench", .mode = KVR_WRITE_CREATE,
+        kvr_put_args pa = { .ctx_id = "p", .model = "bench", .mode = KVR_PUT_CREATE,
                             .dtype = KVR_DTYPE_F16, .tokens = tok, .n_tokens = NT, .payload = pl,
                             .payload_len = pbytes };
         t0 = now_s();

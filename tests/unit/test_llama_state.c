@@ -549,13 +549,13 @@ Test(llama_import, modes_append_refresh_replace)
     kvr_edit_range op = { .start = 10, .end = 13, .tokens = nt, .n_tokens = 3 };
     kvr_edit_args ea = { .ctx_id = "doc", .ops = &op, .n_ops = 1 };
     cr_assert_eq(kvr_client_edit(c, &ea, NULL), 0, "%s", kvr_client_last_error(c));
-    kvr_context_edit ed;
-    cr_assert_eq(kvr_client_stat_ex(c, "doc", NULL, &ed), 0);
+    kvr_context ed;
+    cr_assert_eq(kvr_client_stat(c, "doc", &ed), 0);
     cr_assert_eq(ed.n_pending, 3);
     kvr_llama_import_opts o4 = { .mode = KVR_LLAMA_IMPORT_REFRESH, .cell_start = 10, .cell_end = 13,
                                  .ctx_start = 10 };
     cr_assert_eq(kvr_llama_state_import(c, "doc", s, len, &m, &o4, &info, err, sizeof err), 0, "%s", err);
-    cr_assert_eq(kvr_client_stat_ex(c, "doc", NULL, &ed), 0);
+    cr_assert_eq(kvr_client_stat(c, "doc", &ed), 0);
     cr_assert_eq(ed.n_pending, 0);
     /* refresh at the wrong positions: refused by position */
     kvr_llama_import_opts o5 = { .mode = KVR_LLAMA_IMPORT_REFRESH, .cell_start = 11, .cell_end = 14,
