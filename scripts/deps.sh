@@ -6,8 +6,8 @@ set -eu
 level=${1:-test}
 pkgs="build-essential pkg-config libuv1-dev libjemalloc-dev libprotobuf-c-dev protobuf-c-compiler liburing-dev libcjson-dev"
 case "$level" in
-  test)  pkgs="$pkgs libcriterion-dev python3 python3-numpy python3-pytest" ;;
-  bench) pkgs="$pkgs libcriterion-dev python3 python3-numpy python3-pytest redis-server redis-tools nodejs npm" ;;
+  test)  pkgs="$pkgs libcriterion-dev python3 python3-numpy python3-pytest python3-torch" ;;
+  bench) pkgs="$pkgs libcriterion-dev python3 python3-numpy python3-pytest python3-torch redis-server redis-tools nodejs npm" ;;
   core)  ;;
   *) echo "usage: $0 [core|test|bench]" >&2; exit 2 ;;
 esac
