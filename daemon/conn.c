@@ -26,6 +26,7 @@
  *    costs nothing and is kept.
  */
 #include "daemon/daemon_internal.h"
+#include "proto/check.h"
 
 #include <errno.h>
 #include <string.h>
@@ -763,6 +764,10 @@ static void on_message(kvr_conn *c)
     static const uint8_t empty[1] = { 0 };
     Kvrope__Request *req = kvrope__request__unpack(
         &kvr_pb_allocator, c->fh.msg_len, c->fh.msg_len ? c->msg : empty);
+    /* Ids are byte strings: one with a NUL would reach C cut short. */
+    c->req_nul_field = req ? kvr_proto_find_nul_string(&kvrope__request__descriptor,
+                                                       c->msg, c->fh.msg_len)
+                           : NULL;
     /* Keep a small buffer for the next frame; give big ones back. */
     if (c->msg_cap > 65536) {
         kvr_mem_free(c->msg);

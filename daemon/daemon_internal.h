@@ -138,6 +138,7 @@ struct kvr_conn {
     size_t      msg_cap, msg_have;
 
     Kvrope__Request *req;
+    const char *req_nul_field;    /* a string field of req's bytes holding a NUL */
 
     /* put (or group append) in progress */
     kvr_put    *put;

@@ -1519,6 +1519,11 @@ void kvr_dispatch(kvr_conn *c)
                       "authentication required: send Auth with the token first");
         return;
     }
+    if (c->req_nul_field) {
+        reply_errf(c, KVR_EBADREQUEST, "field '%s' holds a NUL byte: ids, names and other "
+                   "strings may not contain NUL", c->req_nul_field);
+        return;
+    }
     if (c->payload_unread && q->body_case != KVROPE__REQUEST__BODY_PUT &&
         q->body_case != KVROPE__REQUEST__BODY_EDIT &&
         q->body_case != KVROPE__REQUEST__BODY_REFRESH &&

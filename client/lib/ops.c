@@ -192,6 +192,8 @@ static int model_register(kvr_client *c, const kvr_model_params *p, const char *
     rm.name = unconst(p->name);
     if (p->config_json) {
         size_t len = p->config_json_len ? p->config_json_len : strlen(p->config_json);
+        if (memchr(p->config_json, 0, len))
+            return kvr__fail(c, KVR_ERR_INVAL, "register model: config_json holds a NUL byte");
         json = malloc(len + 1);   /* protobuf strings are NUL-terminated */
         if (!json)
             return kvr__fail(c, KVR_ERR_OOM, "out of memory");
