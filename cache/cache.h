@@ -229,6 +229,9 @@ void   kvr_put_abort(kvr_put *t);
 #define KVR_TOKEN_PENDING 0x2u  /* inserted by an edit without KV: no KV until a
                                    refresh; a get of its KV is KVR_EPENDING, a
                                    meta_only get works */
+#define KVR_TOKEN_STALE 0x4u    /* restored from an older record: the context's
+                                   newest persisted state was lost (corrupt log
+                                   record); set with KVR_TOKEN_APPROX */
 
 typedef struct kvr_get_params {
     const char     *ctx_id;
@@ -652,6 +655,8 @@ typedef struct kvr_tier_recovery {
     uint64_t quarantined;       /* corrupt records / extents skipped */
     uint64_t torn_bytes;        /* cut from the log's tail */
     size_t   dropped_contexts;  /* contexts whose data could not be read */
+    size_t   stale_contexts;    /* restored from an older state, marked KVR_TOKEN_STALE */
+    size_t   lost_contexts;     /* newest record corrupt and no older one */
     double   ms;
     uint64_t at_ms;             /* wall clock when it finished */
 } kvr_tier_recovery;

@@ -260,6 +260,9 @@ size_t kvr_payload_size(uint32_t n_layers, size_t n_tokens, uint32_t n_kv_heads,
 #define KVR_FLAG_PENDING 0x2u     /* inserted by an edit without KV: its KV does
                                      not exist until a refresh (a get of it is
                                      KVR_ERR_PENDING; a meta_only get works) */
+#define KVR_FLAG_STALE 0x4u       /* with KVR_FLAG_APPROX: the context was restored
+                                     from an older state after its newest log
+                                     record was found corrupt (docs/protocol.md) */
 
 /* Called during a get as soon as every byte of one layer has arrived, with
  * that layer's K and V in the destination buffer (borrowed for the callback). */
