@@ -89,6 +89,12 @@ void   kvr_mem_free(void *p);
 size_t kvr_mem_size_class(size_t n); /* what an allocation of n will really hold */
 size_t kvr_mem_allocated(void);   /* bytes the allocator holds for us now */
 size_t kvr_mem_peak(void);
+/* Test hook (mem.c): the nth kvr_mem_* allocation from now fails (NULL),
+ * and with sticky every later one too; 0 turns it off. Returns false if
+ * compiled out (KVR_NO_FAULT_INJECT). kvr_mem_fault_failed: allocations
+ * failed since the last set. */
+bool     kvr_mem_fault_set(uint64_t nth, bool sticky);
+uint64_t kvr_mem_fault_failed(void);
 
 /* ---- store -------------------------------------------------------------- */
 #define KVR_ID_MAX 255          /* context id and model name, bytes */
