@@ -10,6 +10,9 @@
 #   make soak       the long crash run: 1,000 kill -9 trials (CI runs 100)
 #   make clean
 #
+# MODE=release (default: -O2, -DNDEBUG, jemalloc), MODE=debug (-O0, assert()
+# on, jemalloc), MODE=check (ASan + UBSan, assert() on, libc malloc), MODE=fuzz.
+#
 # Sources are picked up by directory, so adding a file needs no edit here:
 #   rope/*.c cache/*.c proto/*.c        -> internal archive (and libkvrope)
 #   daemon/*.c (but main.c)             -> internal archive;  daemon/main.c -> kvroped
@@ -49,8 +52,15 @@ else ifeq ($(MODE),check)
          -fno-sanitize-recover=undefined
   LDSAN := -fsanitize=address,undefined
   MALLOC_LIB :=
+else ifeq ($(MODE),debug)
+  OPT := -O0 -g
+  LDSAN :=
+  MALLOC_LIB := -ljemalloc
+  CPPFLAGS += -DKVR_JEMALLOC=1
 else
-  OPT := -O2 -g
+  # Only the release build drops assert(): check, debug and fuzz builds run
+  # every invariant check.
+  OPT := -O2 -g -DNDEBUG
   LDSAN :=
   MALLOC_LIB := -ljemalloc
   CPPFLAGS += -DKVR_JEMALLOC=1
@@ -105,6 +115,10 @@ FUZZERS    := $(patsubst tests/fuzz/%.c,$(BUILD)/fuzz/%,$(FUZZ_SRC))
 
 .PHONY: fuzz-ci soak fuzzers all deps deps-bench run test check bench fuzz clean check-symbols
 .DEFAULT_GOAL := all
+# Every file make builds is kept: the test and bench objects are intermediate
+# (built only on the way to their binary), and make would delete them after
+# each build and rebuild them all on the next one.
+.SECONDARY:
 
 all: $(KVROPED) $(KVROPE) $(CLIENT_A) $(CLIENT_SO) $(TESTS) $(BENCHES)
 
@@ -171,6 +185,9 @@ $(BUILD)/bench/bench_codec: $(BUILD)/obj/tests/bench/bench_codec.o $(CODEC_OBJ) 
 $(BUILD)/tests/test_cache%: $(BUILD)/obj/tests/unit/test_cache%.o $(CACHE_A) $(ROPE_A)
 	@mkdir -p $(dir $@)
 	$(CC) $(LDFLAGS_ALL) -o $@ $^ -lcriterion $(LIBS) $(MALLOC_LIB)
+
+# Start-up failure tests make chosen allocations fail (tests/unit/test_daemon_start.c).
+$(BUILD)/tests/test_daemon_start: LDFLAGS += -Wl,--wrap=kvr_mem_malloc
 
 $(BUILD)/tests/%: $(BUILD)/obj/tests/unit/%.o $(ALL_A)
 	@mkdir -p $(dir $@)

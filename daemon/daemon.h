@@ -16,6 +16,8 @@
 #include <stdbool.h>
 #include <stdio.h>
 
+#include "rope/error.h"
+
 #ifdef __cplusplus
 extern "C" {
 #endif
@@ -55,27 +57,28 @@ typedef struct kvr_daemon_config {
 void kvr_daemon_config_init(kvr_daemon_config *c);
 
 /* Sets one option by its long flag name without dashes ("max-memory").
- * Returns 0 or -EINVAL and writes a message to err. */
+ * Returns 0 or KVR_EINVAL and fills err (may be NULL). */
 int kvr_daemon_config_set(kvr_daemon_config *c, const char *key, const char *value,
-                          char *err, size_t errlen);
+                          kvr_error *err);
 
-/* Reads `key = value` lines ('#' starts a comment). 0 or -errno/-EINVAL. */
+/* Reads `key = value` lines ('#' starts a comment). 0, KVR_EIO (cannot
+ * open; strerror text in err) or KVR_EINVAL. */
 int kvr_daemon_config_load_file(kvr_daemon_config *c, const char *path,
-                                char *err, size_t errlen);
+                                kvr_error *err);
 
 /* Parses argv (argv[0] is the program). --config FILE is loaded first,
  * flags override it. Returns 0 to run, 1 if --help/--version was printed
- * to `out` (exit 0), or -EINVAL after writing a message to `errout`. */
+ * to `out` (exit 0), or KVR_EINVAL after writing a message to `errout`. */
 int kvr_daemon_config_parse_args(kvr_daemon_config *c, int argc, char **argv,
                                  FILE *out, FILE *errout);
 
 /* Checks cross-option rules (non-loopback TCP needs a token file, ...). */
-int kvr_daemon_config_check(const kvr_daemon_config *c, char *err, size_t errlen);
+int kvr_daemon_config_check(const kvr_daemon_config *c, kvr_error *err);
 
 /* Writes the default socket path (see docs/protocol.md) to buf. */
 void kvr_daemon_default_socket(char *buf, size_t cap);
 
-/* "4G", "512M", "64k", "1024" (bytes). 0 or -EINVAL. */
+/* "4G", "512M", "64k", "1024" (bytes). 0 or KVR_EINVAL. */
 int kvr_parse_size(const char *s, uint64_t *out);
 
 void kvr_daemon_print_help(FILE *out);
@@ -94,9 +97,9 @@ typedef struct kvr_daemon kvr_daemon;
 void kvr_daemon_init_allocator(void);
 
 /* Creates the store, the loop and the listeners (not started yet). On
- * failure returns a negative code and writes a message to err. */
+ * failure returns a negative KVR_E* code and fills err (may be NULL). */
 int  kvr_daemon_create(kvr_daemon **out, const kvr_daemon_config *c,
-                       char *err, size_t errlen);
+                       kvr_error *err);
 /* Installs SIGINT/SIGTERM handlers that call kvr_daemon_stop. */
 int  kvr_daemon_handle_signals(kvr_daemon *d);
 /* Serves until stopped and every handle is closed. Returns 0. */

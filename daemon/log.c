@@ -28,7 +28,7 @@ int kvr_log_level_parse(const char *s, kvr_log_level *out)
         *out = KVR_LOG_WARN;
         return 0;
     }
-    return -22;
+    return KVR_EINVAL;
 }
 
 void kvr_log(kvr_log_level l, const char *fmt, ...)

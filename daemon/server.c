@@ -13,6 +13,7 @@
  */
 #include "daemon/daemon_internal.h"
 
+#include <assert.h>
 #include <errno.h>
 #include <stdarg.h>
 #include <fcntl.h>
@@ -24,17 +25,6 @@
 #include <sys/un.h>
 #include <unistd.h>
 
-static void seterr(char *err, size_t errlen, const char *fmt, ...)
-    __attribute__((format(printf, 3, 4)));
-static void seterr(char *err, size_t errlen, const char *fmt, ...)
-{
-    if (!err || !errlen)
-        return;
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(err, errlen, fmt, ap);
-    va_end(ap);
-}
 
 static void *uv_realloc_cb(void *p, size_t n)
 {
@@ -124,7 +114,7 @@ int kvr_daemon_adopt_fd(kvr_daemon *d, int fd)
 
 /* ---- listeners ------------------------------------------------------------ */
 
-static int mkdir_parent(const char *path, char *err, size_t errlen)
+static int mkdir_parent(const char *path, kvr_error *err)
 {
     char dir[256];
     snprintf(dir, sizeof dir, "%s", path);
@@ -132,53 +122,46 @@ static int mkdir_parent(const char *path, char *err, size_t errlen)
     if (!slash || slash == dir)
         return 0;
     *slash = '\0';
-    if (mkdir(dir, 0700) < 0 && errno != EEXIST) {
-        seterr(err, errlen, "cannot create %s: %s", dir, strerror(errno));
-        return -errno;
-    }
+    if (mkdir(dir, 0700) < 0 && errno != EEXIST)
+        return kvr_error_sys(err, KVR_ESYS, errno, "cannot create %s", dir);
     return 0;
 }
 
 /* 0: path free (or stale socket removed); <0: refuse. */
-static int probe_socket_path(const char *path, char *err, size_t errlen)
+static int probe_socket_path(const char *path, kvr_error *err)
 {
     struct stat st;
     if (lstat(path, &st) < 0)
-        return errno == ENOENT ? 0 : -errno;
-    if (!S_ISSOCK(st.st_mode)) {
-        seterr(err, errlen, "%s exists and is not a socket: refusing to replace it", path);
-        return -EEXIST;
-    }
+        return errno == ENOENT ? 0 : kvr_error_sys(err, KVR_ESYS, errno, "%s", path);
+    if (!S_ISSOCK(st.st_mode))
+        return kvr_error_set(err, KVR_EEXIST,
+                             "%s exists and is not a socket: refusing to replace it", path);
     int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
     if (fd < 0)
-        return -errno;
+        return kvr_error_sys(err, KVR_ESYS, errno, "%s: socket", path);
     struct sockaddr_un sa = { .sun_family = AF_UNIX };
     size_t plen = strlen(path);
     if (plen >= sizeof sa.sun_path) {
         close(fd);
-        return -ENAMETOOLONG;
+        return kvr_error_set(err, KVR_EINVAL, "socket path too long (max 107 bytes): %s", path);
     }
     memcpy(sa.sun_path, path, plen + 1);
     int rc = connect(fd, (struct sockaddr *)&sa, sizeof sa);
     int e = errno;
     close(fd);
-    if (rc == 0) {
-        seterr(err, errlen, "%s: another kvroped is listening there (stop it first)", path);
-        return -EADDRINUSE;
-    }
+    if (rc == 0)
+        return kvr_error_set(err, KVR_EEXIST,
+                             "%s: another kvroped is listening there (stop it first)", path);
     if (e == ECONNREFUSED || e == ENOENT) {
         kvr_log(KVR_LOG_INFO, "removing stale socket %s", path);
-        if (unlink(path) < 0 && errno != ENOENT) {
-            seterr(err, errlen, "cannot remove stale socket %s: %s", path, strerror(errno));
-            return -errno;
-        }
+        if (unlink(path) < 0 && errno != ENOENT)
+            return kvr_error_sys(err, KVR_ESYS, errno, "cannot remove stale socket %s", path);
         return 0;
     }
-    seterr(err, errlen, "%s: cannot probe existing socket: %s", path, strerror(e));
-    return -e;
+    return kvr_error_sys(err, KVR_ESYS, e, "%s: cannot probe existing socket", path);
 }
 
-static int listen_unix(kvr_daemon *d, char *err, size_t errlen)
+static int listen_unix(kvr_daemon *d, kvr_error *err)
 {
     const char *cfgp = d->cfg.socket_path;
     if (!strcmp(cfgp, "none"))
@@ -187,20 +170,16 @@ static int listen_unix(kvr_daemon *d, char *err, size_t errlen)
         snprintf(d->sock_path, sizeof d->sock_path, "%s", cfgp);
     } else {
         kvr_daemon_default_socket(d->sock_path, sizeof d->sock_path);
-        int rc = mkdir_parent(d->sock_path, err, errlen);
+        int rc = mkdir_parent(d->sock_path, err);
         if (rc < 0)
             return rc;
     }
-    if (strlen(d->sock_path) >= sizeof(((struct sockaddr_un *)0)->sun_path)) {
-        seterr(err, errlen, "socket path too long (max 107 bytes): %s", d->sock_path);
-        return -ENAMETOOLONG;
-    }
-    int rc = probe_socket_path(d->sock_path, err, errlen);
-    if (rc < 0) {
-        if (!err || !err[0])
-            seterr(err, errlen, "%s: %s", d->sock_path, strerror(-rc));
+    if (strlen(d->sock_path) >= sizeof(((struct sockaddr_un *)0)->sun_path))
+        return kvr_error_set(err, KVR_EINVAL, "socket path too long (max 107 bytes): %s",
+                             d->sock_path);
+    int rc = probe_socket_path(d->sock_path, err);
+    if (rc < 0)
         return rc;
-    }
     rc = uv_pipe_init(&d->loop, &d->unix_srv, 0);
     if (rc < 0)
         goto uv_fail;
@@ -212,30 +191,26 @@ static int listen_unix(kvr_daemon *d, char *err, size_t errlen)
     if (rc < 0)
         goto uv_fail;
     d->sock_created = true;
-    if (chmod(d->sock_path, 0600) < 0) {
-        seterr(err, errlen, "chmod %s: %s", d->sock_path, strerror(errno));
-        return -errno;
-    }
+    if (chmod(d->sock_path, 0600) < 0)
+        return kvr_error_sys(err, KVR_ESYS, errno, "chmod %s", d->sock_path);
     rc = uv_listen((uv_stream_t *)&d->unix_srv, 128, on_connection);
     if (rc < 0)
         goto uv_fail;
     kvr_log(KVR_LOG_INFO, "listening on unix socket %s", d->sock_path);
     return 0;
-uv_fail:
-    seterr(err, errlen, "unix socket %s: %s", d->sock_path, uv_strerror(rc));
-    return rc;
+uv_fail:   /* libuv's codes are -errno on Unix */
+    return kvr_error_sys(err, KVR_ESYS, -rc, "unix socket %s", d->sock_path);
 }
 
-static int listen_tcp(kvr_daemon *d, char *err, size_t errlen)
+static int listen_tcp(kvr_daemon *d, kvr_error *err)
 {
     if (!d->cfg.listen[0])
         return 0;
     char host[256];
     int port;
-    if (kvr_daemon_split_listen(d->cfg.listen, host, sizeof host, &port) < 0) {
-        seterr(err, errlen, "--listen: expected HOST:PORT, got '%s'", d->cfg.listen);
-        return -EINVAL;
-    }
+    if (kvr_daemon_split_listen(d->cfg.listen, host, sizeof host, &port) < 0)
+        return kvr_error_set(err, KVR_EINVAL, "--listen: expected HOST:PORT, got '%s'",
+                             d->cfg.listen);
     if (!strcmp(host, "localhost"))
         snprintf(host, sizeof host, "127.0.0.1");
     struct sockaddr_storage ss;
@@ -244,10 +219,8 @@ static int listen_tcp(kvr_daemon *d, char *err, size_t errlen)
         rc = uv_ip6_addr(host, port, (struct sockaddr_in6 *)&ss);
     else
         rc = uv_ip4_addr(host, port, (struct sockaddr_in *)&ss);
-    if (rc < 0) {
-        seterr(err, errlen, "--listen: '%s' is not a numeric IP address", host);
-        return rc;
-    }
+    if (rc < 0)
+        return kvr_error_set(err, KVR_EINVAL, "--listen: '%s' is not a numeric IP address", host);
     rc = uv_tcp_init(&d->loop, &d->tcp_srv);
     if (rc < 0)
         goto fail;
@@ -275,38 +248,33 @@ static int listen_tcp(kvr_daemon *d, char *err, size_t errlen)
             d->token ? " (auth required)" : "");
     return 0;
 fail:
-    seterr(err, errlen, "--listen %s: %s", d->cfg.listen, uv_strerror(rc));
-    return rc;
+    return kvr_error_sys(err, KVR_ESYS, -rc, "--listen %s", d->cfg.listen);
 }
 
-static int read_token(kvr_daemon *d, char *err, size_t errlen)
+static int read_token(kvr_daemon *d, kvr_error *err)
 {
     const char *path = d->cfg.auth_token_file;
     if (!path[0])
         return 0;
     FILE *f = fopen(path, "rb");
-    if (!f) {
-        seterr(err, errlen, "--auth-token-file %s: %s", path, strerror(errno));
-        return -errno;
-    }
+    if (!f)
+        return kvr_error_sys(err, KVR_EIO, errno, "--auth-token-file %s", path);
     uint8_t buf[4097];
     size_t n = fread(buf, 1, sizeof buf, f);
     fclose(f);
-    if (n == sizeof buf) {
-        seterr(err, errlen, "--auth-token-file %s: token longer than 4096 bytes", path);
-        return -EINVAL;
-    }
+    if (n == sizeof buf)
+        return kvr_error_set(err, KVR_EINVAL, "--auth-token-file %s: token longer than 4096 bytes",
+                             path);
     if (n > 0 && buf[n - 1] == '\n')
         n--;
     if (n > 0 && buf[n - 1] == '\r')
         n--;
-    if (n == 0) {
-        seterr(err, errlen, "--auth-token-file %s: empty token", path);
-        return -EINVAL;
-    }
+    if (n == 0)
+        return kvr_error_set(err, KVR_EINVAL, "--auth-token-file %s: empty token", path);
     d->token = kvr_mem_malloc(n);
     if (!d->token)
-        return -ENOMEM;
+        return kvr_error_set(err, KVR_ENOMEM, "--auth-token-file %s: out of memory for the token",
+                             path);
     memcpy(d->token, buf, n);
     d->token_len = n;
     return 0;
@@ -392,16 +360,13 @@ void kvr_daemon_stop(kvr_daemon *d)
 
 /* ---- create / run / destroy ------------------------------------------------- */
 
-int kvr_daemon_create(kvr_daemon **out, const kvr_daemon_config *cfg, char *err, size_t errlen)
+int kvr_daemon_create(kvr_daemon **out, const kvr_daemon_config *cfg, kvr_error *err)
 {
     kvr_daemon_init_allocator();
-    if (err && errlen)
-        err[0] = '\0';
+    kvr_error_set(err, KVR_OK, "%s", "");
     kvr_daemon *d = kvr_mem_calloc(1, sizeof *d);
-    if (!d) {
-        seterr(err, errlen, "out of memory");
-        return KVR_ENOMEM;
-    }
+    if (!d)
+        return kvr_error_set(err, KVR_ENOMEM, "out of memory");
     d->cfg = *cfg;
     d->start_ms = kvr_now_ms();
     d->limits.max_msg_len = cfg->max_frame;
@@ -417,26 +382,28 @@ int kvr_daemon_create(kvr_daemon **out, const kvr_daemon_config *cfg, char *err,
     }
     int rc = uv_loop_init(&d->loop);
     if (rc < 0) {
-        seterr(err, errlen, "uv_loop_init: %s", uv_strerror(rc));
         kvr_mem_free(d);
-        return KVR_EINTERNAL;
+        return kvr_error_sys(err, KVR_EINTERNAL, -rc, "uv_loop_init");
     }
     kvr_store_config sc = { .max_memory = cfg->max_memory, .block_tokens = cfg->block_tokens };
     kvr_error e = { 0 };
     rc = kvr_store_create(&d->store, &sc, &e);
     if (rc < 0) {
-        seterr(err, errlen, "store: %s", e.msg[0] ? e.msg : kvr_strerror(rc));
+        kvr_error_set(err, rc, "store: %s", e.msg[0] ? e.msg : kvr_strerror(rc));
         d->store = NULL;
         goto fail;
     }
-    if ((rc = read_token(d, err, errlen)) < 0)
+    if ((rc = read_token(d, err)) < 0)
         goto fail;
     /* Disk tier: recovered before anything is accepted. */
-    if ((rc = kvr_persist_open(d, err, errlen)) < 0)
+    char pmsg[sizeof e.msg] = "";
+    if ((rc = kvr_persist_open(d, pmsg, sizeof pmsg)) < 0) {
+        kvr_error_set(err, rc, "%s", pmsg[0] ? pmsg : kvr_strerror(rc));
         goto fail;
-    if ((rc = listen_unix(d, err, errlen)) < 0)
+    }
+    if ((rc = listen_unix(d, err)) < 0)
         goto fail;
-    if ((rc = listen_tcp(d, err, errlen)) < 0)
+    if ((rc = listen_tcp(d, err)) < 0)
         goto fail;
     uv_timer_init(&d->loop, &d->sweep);
     d->sweep.data = d;
@@ -447,7 +414,8 @@ int kvr_daemon_create(kvr_daemon **out, const kvr_daemon_config *cfg, char *err,
     return 0;
 fail:
     kvr_daemon_destroy(d);
-    return rc < 0 ? rc : KVR_EINTERNAL;
+    assert(rc < 0 && (!err || err->code == rc));
+    return rc;
 }
 
 int kvr_daemon_run(kvr_daemon *d)
@@ -523,11 +491,11 @@ int kvr_daemon_main(int argc, char **argv)
         snprintf(n, sizeof n, "%u", cfg.threads);
         setenv("UV_THREADPOOL_SIZE", n, 1);
     }
-    char err[512];
+    kvr_error err = { 0 };
     kvr_daemon *d;
-    rc = kvr_daemon_create(&d, &cfg, err, sizeof err);
+    rc = kvr_daemon_create(&d, &cfg, &err);
     if (rc < 0) {
-        kvr_log(KVR_LOG_ERROR, "cannot start: %s", err[0] ? err : kvr_strerror(rc));
+        kvr_log(KVR_LOG_ERROR, "cannot start: %s", err.msg[0] ? err.msg : kvr_strerror(rc));
         return 1;
     }
     if (kvr_daemon_handle_signals(d) < 0) {

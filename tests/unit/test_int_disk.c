@@ -77,7 +77,7 @@ static uint64_t ctx_hash(kvr_client *c, const char *id, kvr_dtype dt)
     kvr_get_args a = { .ctx_id = id, .dtype = dt };
     kvr_kv kv;
     int r = kvr_client_get(c, &a, &kv);
-    if (r == KVR_ERR_NOCTX)
+    if (r == KVR_ENOCTX)
         return 0;
     if (r != 0)
         return 1;
@@ -382,8 +382,8 @@ Test(int_disk, killed_daemon_gives_errors, .timeout = 120)
     d.pid = 0;
     int r = put_p(c, "b", KVR_DTYPE_F32, 2, 0, 20000, false, NULL);
     cr_assert_lt(r, 0, "a put to a killed daemon must fail");
-    cr_assert(r == KVR_ERR_CLOSED || r == KVR_ERR_SYS, "%d: %s", r, kvr_client_last_error(c));
-    cr_assert_eq(kvr_client_ping(c, NULL), KVR_ERR_CLOSED);
+    cr_assert(r == KVR_ECLOSED || r == KVR_ESYS, "%d: %s", r, kvr_client_last_error(c));
+    cr_assert_eq(kvr_client_ping(c, NULL), KVR_ECLOSED);
     cr_assert_eq(ctx_hash(c, "a", KVR_DTYPE_F32), 1);
     kvr_client_close(c);
     testd_stop(&d);
@@ -504,7 +504,7 @@ static void fsync_fault(const char *engine)
         if (r == 0)
             ok++;
         else {
-            cr_assert_eq(r, KVR_ERR_IO, "%s", kvr_client_last_error(c));
+            cr_assert_eq(r, KVR_EIO, "%s", kvr_client_last_error(c));
             io++;
         }
     }
@@ -552,7 +552,7 @@ Test(int_disk, enospc_small_tmpfs, .timeout = 120)
             ok++;
             hashes[i] = ctx_hash(c, id, KVR_DTYPE_F32);
         } else {
-            cr_assert_eq(r, KVR_ERR_IO, "%s", kvr_client_last_error(c));
+            cr_assert_eq(r, KVR_EIO, "%s", kvr_client_last_error(c));
             io++;
         }
     }

@@ -298,7 +298,7 @@ Test(int_harden, end_max_means_to_the_end)
     cr_assert_eq(kv.n_tokens, 40);
     kvr_kv_release(&kv);
     g.end = 51;
-    cr_assert_eq(kvr_client_get(C, &g, &kv), KVR_ERR_RANGE);
+    cr_assert_eq(kvr_client_get(C, &g, &kv), KVR_ERANGE);
     cr_assert_eq(kvr_client_shift(C, "c", 20, UINT64_MAX, 100), 0, "%s",
                  kvr_client_last_error(C));
     g.end = 0;
@@ -308,7 +308,7 @@ Test(int_harden, end_max_means_to_the_end)
     cr_assert_eq(kv.positions[20], 120);
     cr_assert_eq(kv.positions[49], 149);
     kvr_kv_release(&kv);
-    cr_assert_eq(kvr_client_shift(C, "c", 0, UINT64_MAX - 1, 1), KVR_ERR_RANGE);
+    cr_assert_eq(kvr_client_shift(C, "c", 0, UINT64_MAX - 1, 1), KVR_ERANGE);
     cr_assert_eq(kvr_client_keep(C, "c", 30, UINT64_MAX), 0, "%s", kvr_client_last_error(C));
     cr_assert_eq(n_tokens("c"), 20);
 }
@@ -330,7 +330,7 @@ Test(int_harden, assemble_over_doc_limit_keeps_connection)
                             .meta_only = true };
     kvr_assemble_res res;
     int r = kvr_client_assemble(C, &a, &res);
-    cr_assert_eq(r, KVR_ERR_LIMIT, "%d: %s", r, kvr_client_last_error(C));
+    cr_assert_eq(r, KVR_ELIMIT, "%d: %s", r, kvr_client_last_error(C));
     cr_assert_eq(kvr_client_ping(C, NULL), 0, "E_LIMIT on assemble leaves the connection open");
     cr_assert_eq(n_tokens("p"), 4);
     free(docs);
