@@ -26,8 +26,8 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     snprintf(path, sizeof path, "/proc/self/fd/%d", fd);
     kvr_daemon_config c;
     kvr_daemon_config_init(&c);
-    char err[512];
-    if (kvr_daemon_config_load_file(&c, path, err, sizeof err) == 0)
-        (void)kvr_daemon_config_check(&c, err, sizeof err);
+    kvr_error err;
+    if (kvr_daemon_config_load_file(&c, path, &err) == 0)
+        (void)kvr_daemon_config_check(&c, &err);
     return 0;
 }

@@ -17,16 +17,15 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     static const char *const styles[] = { NULL, "neox", "gptj" };
     for (int i = 0; i < 3; i++) {
         kvr_rope_config cfg;
-        char err[512];
-        if (kvr_rope_config_from_json(&cfg, (const char *)data, size, styles[i], err,
-                                      sizeof err) != 0)
+        kvr_error err;
+        if (kvr_rope_config_from_json(&cfg, (const char *)data, size, styles[i], &err) != 0)
             continue;
         if (cfg.head_dim > 512)
             continue;    /* tables grow with head_dim x positions: keep runs fast */
-        if (kvr_rope_config_validate(&cfg, err, sizeof err) != 0)
+        if (kvr_rope_config_validate(&cfg, &err) != 0)
             continue;
         kvr_rope *r = NULL;
-        if (kvr_rope_create(&r, &cfg, err, sizeof err) == 0)
+        if (kvr_rope_create(&r, &cfg, &err) == 0)
             kvr_rope_destroy(r);
     }
     return 0;
