@@ -67,6 +67,9 @@ typedef struct kvr_store kvr_store;
 typedef struct kvr_store_config {
     size_t   max_memory;        /* cap on kvr_mem_allocated(); 0 = unlimited */
     uint32_t block_tokens;      /* tokens per block; 0 = default (64) */
+    size_t   max_contexts;      /* contexts (forks included); 0 = unlimited;
+                                   a create or fork past it is KVR_ELIMIT */
+    uint32_t max_models;        /* registered models; 0 = unlimited (KVR_ELIMIT) */
 } kvr_store_config;
 
 int  kvr_store_create(kvr_store **out, const kvr_store_config *cfg, kvr_error *err);
@@ -104,6 +107,11 @@ int kvr_store_codec_check(const kvr_store *s, const char *model, const char *spe
 int kvr_store_model_register(kvr_store *s, const kvr_model_desc *d,
                              kvr_model_info *out, kvr_error *err);
 int kvr_store_model_find(const kvr_store *s, const char *name, kvr_model_info *out);
+/* Removes a model that no context uses (KVR_EBUSY naming how many do, or
+ * while any read holds leases: its work may still use a model whose last
+ * context was deleted meanwhile; KVR_ENOMODEL if unknown). A model the disk tier has persisted is
+ * KVR_EUNSUPPORTED (its record would bring it back at the next start). */
+int kvr_store_model_remove(kvr_store *s, const char *name, kvr_error *err);
 /* Fills up to cap entries, returns the number of models. */
 size_t kvr_store_model_list(const kvr_store *s, kvr_model_info *out, size_t cap);
 

@@ -520,6 +520,8 @@ int kvr_store_put_begin(kvr_store *s, const kvr_put_params *p, kvr_put **out,
     t->first_pos = first;
     t->last_pos = last;
     if (!c) {
+        if ((rc = ctx_limit_check(s, p->ctx_id, err)) != 0)
+            goto fail_txn;
         if (!(c = ctx_new(s, m, p->ctx_id))) {
             rc = kvr_error_set(err, KVR_ENOMEM, "out of memory creating '%s'", p->ctx_id);
             goto fail_txn;

@@ -176,6 +176,14 @@ void lru_touch(kvr_store *s, kvr_ctx *c)
         s->lru_tail = c;
 }
 
+int ctx_limit_check(const kvr_store *s, const char *id, kvr_error *err)
+{
+    if (s->cfg.max_contexts && s->n_ctx >= s->cfg.max_contexts)
+        return kvr_error_set(err, KVR_ELIMIT, "cannot create '%s': %zu contexts exist, the "
+                             "limit (--max-contexts); delete some first", id, s->n_ctx);
+    return 0;
+}
+
 kvr_ctx *ctx_new(kvr_store *s, kvr_model *m, const char *id)
 {
     kvr_ctx *c = kvr_mem_calloc(1, sizeof *c);
@@ -532,6 +540,9 @@ int kvr_store_model_register(kvr_store *s, const kvr_model_desc *d,
         return 0;
     }
 
+    if (s->cfg.max_models && s->n_models >= s->cfg.max_models)
+        return kvr_error_set(err, KVR_ELIMIT, "model '%s': %zu models are registered, the "
+                             "limit (--max-models); remove one first", d->name, s->n_models);
     kvr_model *m = kvr_mem_calloc(1, sizeof *m);
     if (!m) {
         rc = kvr_error_set(err, KVR_ENOMEM, "out of memory registering model '%s'", d->name);
@@ -576,6 +587,37 @@ fail_model:
     kvr_mem_free(m);
 fail:
     return rc;
+}
+
+int kvr_store_model_remove(kvr_store *s, const char *name, kvr_error *err)
+{
+    size_t k = 0;
+    while (k < s->n_models && (!name || strcmp(s->models[k]->name, name) != 0))
+        k++;
+    if (k == s->n_models)
+        return kvr_error_set(err, KVR_ENOMODEL, "no model '%s'", name ? name : "");
+    kvr_model *m = s->models[k];
+    /* Every context counts, committed or still being created. */
+    size_t users = 0;
+    for (size_t i = 0; i < s->n_buckets; i++)
+        for (kvr_ctx *c = s->buckets[i]; c; c = c->hnext)
+            users += c->model == m;
+    if (users)
+        return kvr_error_set(err, KVR_EBUSY, "model '%s' is used by %zu context%s: delete "
+                             "them first", name, users, users == 1 ? "" : "s");
+    if (s->n_leased_blocks)
+        return kvr_error_set(err, KVR_EBUSY, "model '%s': reads are in flight; retry",
+                             name);
+    if (tier_model_persisted(s, m))
+        return kvr_error_set(err, KVR_EUNSUPPORTED, "model '%s' is persisted on the disk "
+                             "tier: removing it is not supported", name);
+    ptree_free(&m->tree[0]);
+    ptree_free(&m->tree[1]);
+    kvr_rope_destroy(m->engine);
+    kvr_mem_free(m);
+    memmove(&s->models[k], &s->models[k + 1], (s->n_models - k - 1) * sizeof *s->models);
+    s->n_models--;
+    return 0;
 }
 
 int kvr_store_model_find(const kvr_store *s, const char *name, kvr_model_info *out)
@@ -761,6 +803,8 @@ int kvr_store_fork(kvr_store *s, const char *src, const char *dst, kvr_error *er
         return rc;
     if (ctx_find(s, dst))
         return kvr_error_set(err, KVR_EEXIST, "context '%s' already exists", dst);
+    if ((rc = ctx_limit_check(s, dst, err)) != 0)
+        return rc;
     kvr_ctx *b = ctx_new(s, a->model, dst);
     if (!b)
         return kvr_error_set(err, KVR_ENOMEM, "out of memory forking '%s'", src);

@@ -211,6 +211,7 @@ int        ctx_find_live(const kvr_store *s, const char *id, kvr_ctx **out,
                          kvr_error *err);
 int        ctx_id_check(const char *id, kvr_error *err);
 kvr_ctx   *ctx_new(kvr_store *s, kvr_model *m, const char *id);  /* pending, in map */
+int        ctx_limit_check(const kvr_store *s, const char *id, kvr_error *err);  /* ELIMIT */
 void       ctx_destroy(kvr_store *s, kvr_ctx *c);   /* unlink + free everything */
 void       lru_touch(kvr_store *s, kvr_ctx *c);
 /* Makes token index idx (0 <= idx <= n_tokens) start an extent and returns
@@ -322,6 +323,7 @@ bool quant_find_nonfinite(const void *payload, kvr_dtype dt, uint32_t n_layers, 
  * tier_reload_work. */
 /* Bytes of a block's full data allocation (K/V + metadata). */
 size_t tier_data_len(const kvr_block *b);
+bool   tier_model_persisted(const kvr_store *s, const kvr_model *m);
 /* Frees one block's worth of memory by spilling the least recently used
  * resident, unheld block of an evictable context: 1 if memory was freed,
  * 0 if there is nothing to spill, a KVR_E* code if the disk refused. */

@@ -1139,6 +1139,11 @@ static bool model_logged(kvr_tier *t, const kvr_model *m)
     return false;
 }
 
+bool tier_model_persisted(const kvr_store *s, const kvr_model *m)
+{
+    return s->tier && model_logged(s->tier, m);
+}
+
 static void model_unlog(kvr_tier *t, const kvr_model *m)
 {
     for (size_t i = 0; i < t->n_logged; i++)

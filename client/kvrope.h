@@ -144,6 +144,9 @@ int kvr_client_model_register_ex(kvr_client *c, const kvr_model_params *p, const
 int kvr_client_model_list_ex(kvr_client *c, kvr_model **out, kvr_model_ex **ex, size_t *n);
 /* Looks one model up by name (via the list); KVR_ENOMODEL if absent. */
 int kvr_client_model_get(kvr_client *c, const char *name, kvr_model *out);
+/* Removes a model no context uses (KVR_EBUSY otherwise, KVR_ENOMODEL if
+ * absent; KVR_EUNSUPPORTED for a model persisted on the disk tier). */
+int kvr_client_model_remove(kvr_client *c, const char *name);
 
 /* ---- put ---------------------------------------------------------------- */
 typedef enum kvr_write_mode {

@@ -103,6 +103,9 @@ struct kvr_daemon {
     uint64_t   bytes_in, bytes_out;
     uint64_t   n_streamed, n_stream_aborted;   /* streamed replies; cut short */
     uint64_t   per_verb[KVR_N_VERBS];
+    /* Unfinished messages of all connections (conn.c) against their limit. */
+    uint64_t   msg_buffered, msg_buffer_limit;
+    uint64_t   n_msg_limited, n_slow_closed;
 };
 
 struct kvr_conn {
@@ -136,6 +139,9 @@ struct kvr_conn {
 
     uint8_t    *msg;
     size_t      msg_cap, msg_have;
+    bool        msg_over_limit;   /* growing msg would pass d->msg_buffer_limit */
+    /* The frame deadline (--min-rate): set when its first header byte came. */
+    uint64_t    frame_ms, frame_deadline_ms;
 
     Kvrope__Request *req;
     const char *req_nul_field;    /* a string field of req's bytes holding a NUL */

@@ -1413,7 +1413,7 @@ static void do_simple(kvr_conn *c, int rc, const kvr_error *e, const char *ctx_f
 
 static const char *VERB_NAMES[KVR_N_VERBS] = {
     "auth", "ping", "register_model", "list_models", "put", "get", "match", "delete",
-    "list", "stat", "pin", "fork", "shift", "keep", "stats",
+    "list", "stat", "pin", "fork", "shift", "keep", "stats", "remove_model",
     [30 - 10] = "edit", [31 - 10] = "refresh", [32 - 10] = "edit_plan",
     [40 - 10] = "assemble", [41 - 10] = "group_append", [42 - 10] = "set_group_offset",
     [43 - 10] = "set_retention", [44 - 10] = "layout_stat",
@@ -1454,6 +1454,10 @@ static void do_stats(kvr_conn *c)
         { "bytes_out", (double)d->bytes_out },
         { "streamed_replies", (double)d->n_streamed },
         { "streams_aborted", (double)d->n_stream_aborted },
+        { "msg_buffered_bytes", (double)d->msg_buffered },
+        { "msg_buffer_limit_bytes", (double)d->msg_buffer_limit },
+        { "msg_buffer_refused", (double)d->n_msg_limited },
+        { "slow_frames_closed", (double)d->n_slow_closed },
     };
     enum { NF = sizeof fixed / sizeof fixed[0], N = NF + KVR_N_VERBS, ND = 48 };
     Kvrope__Metric ms[N + ND];
@@ -1544,6 +1548,10 @@ void kvr_dispatch(kvr_conn *c)
         do_simple(c, rc, &e, NULL);
         break;
     case KVROPE__REQUEST__BODY_LIST: do_list(c); break;
+    case KVROPE__REQUEST__BODY_REMOVE_MODEL:
+        rc = kvr_store_model_remove(d->store, q->remove_model->name, &e);
+        do_simple(c, rc, &e, NULL);
+        break;
     case KVROPE__REQUEST__BODY_STAT: reply_ctx(c, q->stat->context_id); break;
     case KVROPE__REQUEST__BODY_PIN:
         rc = kvr_store_pin(d->store, q->pin->context_id, q->pin->pin, &e);

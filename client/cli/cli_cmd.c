@@ -409,8 +409,23 @@ static int cmd_models(kvr_client *c, const cli_args *a)
             print_model(&m, &mx);
         return CLI_OK;
     }
+    if (!strcmp(sub, "rm") || !strcmp(sub, "remove")) {
+        if (a->npos != 2)
+            return cli_usage_err("usage: kvrope models rm NAME");
+        int r = kvr_client_model_remove(c, a->pos[1]);
+        if (r < 0)
+            return cli_fail(a, c, r, "models rm");
+        if (a->json) {
+            cJSON *j = cJSON_CreateObject();
+            cJSON_AddStringToObject(j, "removed", a->pos[1]);
+            cli_print_json(j);
+        } else if (!a->quiet) {
+            printf("removed model %s\n", a->pos[1]);
+        }
+        return CLI_OK;
+    }
     if (strcmp(sub, "list") && strcmp(sub, "ls"))
-        return cli_usage_err("models: unknown subcommand '%s' (list, add)", sub);
+        return cli_usage_err("models: unknown subcommand '%s' (list, add, rm)", sub);
     kvr_model *ms;
     kvr_model_ex *mx;
     size_t n;

@@ -786,6 +786,19 @@ int kvr_client_match(kvr_client *c, const kvr_match_args *a, kvr_match_res *out)
 
 /* ---- context management ------------------------------------------------- */
 
+int kvr_client_model_remove(kvr_client *c, const char *name)
+{
+    int r = check_id(c, "remove model", name);
+    if (r < 0)
+        return r;
+    Kvrope__RemoveModel rm = KVROPE__REMOVE_MODEL__INIT;
+    rm.name = unconst(name);
+    Kvrope__Request req = KVROPE__REQUEST__INIT;
+    req.body_case = KVROPE__REQUEST__BODY_REMOVE_MODEL;
+    req.remove_model = &rm;
+    return simple_call(c, &req);
+}
+
 int kvr_client_delete(kvr_client *c, const char *ctx_id)
 {
     int r = check_id(c, "delete", ctx_id);

@@ -44,3 +44,18 @@ def test_nul_in_config_json_refused(client, uid):
         client.register_model(f"cfg-{uid}", '{"hidden_size": 64, "num_attention_heads": 2,'
                               ' "num_hidden_layers": 1, "model_type": "llama\0x"}')
     client.ping()
+
+
+def test_remove_model(client, uid):
+    m = f"rm-{uid}"
+    client.register_model(m, n_layers=2, n_kv_heads=2, head_dim=16, dtype="f32")
+    kv = np.zeros((2, 2, 1, 2, 16), dtype=np.float32)
+    client.put(f"c-{uid}", m, [1], kv)
+    with pytest.raises(kvrope.KvropeError) as e:
+        client.remove_model(m)
+    assert e.value.name == "E_BUSY"
+    client.delete(f"c-{uid}")
+    client.remove_model(m)
+    assert m not in [x.name for x in client.models()]
+    with pytest.raises(kvrope.UnknownModel):
+        client.remove_model(m)
