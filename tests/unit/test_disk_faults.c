@@ -76,6 +76,7 @@ static int spill(kvr_disk *d, wl *w, uint32_t first, uint32_t n, bool sync)
 {
     static uint8_t data[NEXT][EXT_BYTES];
     kvr_disk_buf b[NEXT];
+    memset(b, 0, sizeof b);
     for (uint32_t k = 0; k < n; k++) {
         fill(data[first + k], EXT_BYTES, 1000 + first + k);
         b[k] = (kvr_disk_buf){ data[first + k], EXT_BYTES };
