@@ -123,7 +123,7 @@ static uint8_t *put_frame(const char *ctx, size_t n_tok, size_t *len, uint64_t *
 Test(int_limits, trickled_put_is_aborted_and_frees_its_context, .timeout = 120)
 {
     kvr_testd d;
-    const char *args[] = { "--io-timeout", "1", "--min-rate", "64K", "--max-memory", "64M",
+    const char *args[] = { "--io-timeout", "2", "--min-rate", "64K", "--max-memory", "64M",
                            NULL };
     cr_assert_eq(testd_start(&d, args), 0);
     kvr_client *c = testd_connect(&d);
@@ -137,7 +137,7 @@ Test(int_limits, trickled_put_is_aborted_and_frees_its_context, .timeout = 120)
     int fd = raw_connect(&d);
     size_t flen;
     uint64_t plen;
-    uint8_t *fr = put_frame("x", 400, &flen, &plen);    /* ~150 KB: ~3.4 s at 64K/s + 1 s */
+    uint8_t *fr = put_frame("x", 400, &flen, &plen);    /* ~150 KB: ~2.4 s at 64K/s + 2 s */
     cr_assert_eq(send_all(fd, fr, flen), 0);
     free(fr);
     /* Wait until the daemon has opened the put (x busy), without touching x. */
