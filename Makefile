@@ -113,7 +113,7 @@ TESTS      := $(patsubst tests/unit/%.c,$(BUILD)/tests/%,$(TEST_SRC))
 BENCHES    := $(patsubst tests/bench/%.c,$(BUILD)/bench/%,$(BENCH_SRC))
 FUZZERS    := $(patsubst tests/fuzz/%.c,$(BUILD)/fuzz/%,$(FUZZ_SRC))
 
-.PHONY: fuzz-ci soak fuzzers all deps deps-bench run test check bench fuzz clean check-symbols
+.PHONY: deps-fuzz fuzz-ci soak fuzzers all deps deps-bench run test check bench fuzz clean check-symbols
 .DEFAULT_GOAL := all
 # Every file make builds is kept: the test and bench objects are intermediate
 # (built only on the way to their binary), and make would delete them after
@@ -127,6 +127,9 @@ deps:
 
 deps-bench:
 	@scripts/deps.sh bench
+
+deps-fuzz:
+	@scripts/deps.sh fuzz
 
 # ---- code generation -------------------------------------------------------
 $(PROTO_GEN_C) $(PROTO_GEN_H) &: proto/kvrope.proto
@@ -243,13 +246,13 @@ soak: deps
 	  KVR_DISK_CRASH_TRIALS=$${KVR_DISK_CRASH_TRIALS:-1000} \
 	  sh -c '$(BUILD)/tests/test_disk_crash && $(BUILD)/tests/test_int_disk --filter "*kill*"'
 
-fuzz: deps
+fuzz: deps-fuzz
 	@$(MAKE) --no-print-directory BUILD=build/fuzz MODE=fuzz fuzzers
 	@scripts/run-fuzz.sh build/fuzz
 
 # CI's short run: every target for FUZZ_CI_SECONDS (default 4) from the
 # committed seeds in tests/fuzz/corpus/<target>/.
-fuzz-ci: deps
+fuzz-ci: deps-fuzz
 	@$(MAKE) --no-print-directory BUILD=build/fuzz MODE=fuzz fuzzers
 	@FUZZ_SECONDS=$${FUZZ_CI_SECONDS:-4} scripts/run-fuzz.sh build/fuzz
 
