@@ -228,29 +228,27 @@ static int one_op(kvr_client *ref, kvr_client *tgt, unsigned *seed, int k, uint6
     kvr_client_delete(ref, "bk");
     if (exists)
         cr_assert_eq(kvr_client_fork(ref, id, "bk"), 0);
-    /* An edit needs a token to cut: an edit that removed every token leaves
-     * an existing but empty context, which gets a put instead (a modulo by
-     * its zero length was this test's occasional SIGFPE). */
-    uint64_t n_now = 0;
-    if (exists != 0 && kind >= 5 && kind < 8) {
-        kvr_get_args a = { .ctx_id = id, .dtype = KVR_DTYPE_F16, .meta_only = true };
-        kvr_kv kv;
-        cr_assert_eq(kvr_client_get(ref, &a, &kv), 0);
-        n_now = kv.n_tokens;
-        kvr_kv_release(&kv);
-    }
-    if (exists == 0 || kind < 5 || (kind < 8 && n_now == 0)) {
+    if (exists == 0 || kind < 5) {
         size_t n = 1 + (size_t)(rand_r(seed) % 90);
         uint32_t base = w->next_base;
         w->next_base += (uint32_t)n;
         r_ref = put_p(ref, id, KVR_DTYPE_F16, (uint32_t)k, base, n, false, NULL);
         r = put_p(tgt, id, KVR_DTYPE_F16, (uint32_t)k, base, n, true, NULL);
     } else if (kind < 8) {
-        uint64_t n = n_now;
-        uint64_t s0 = (uint64_t)rand_r(seed) % n, len = 1 + (uint64_t)rand_r(seed) % 8;
+        kvr_get_args a = { .ctx_id = id, .dtype = KVR_DTYPE_F16, .meta_only = true };
+        kvr_kv kv;
+        cr_assert_eq(kvr_client_get(ref, &a, &kv), 0);
+        uint64_t n = kv.n_tokens;
+        kvr_kv_release(&kv);
+        /* A context an earlier edit emptied has n == 0: then the op inserts
+         * (no modulo by zero; the same draws from the seed either way). */
+        uint64_t r1 = (uint64_t)rand_r(seed), r2 = (uint64_t)rand_r(seed);
+        uint64_t s0 = n ? r1 % n : 0, len = n ? 1 + r2 % 8 : 0;
         if (s0 + len > n)
             len = n - s0;
         uint32_t nt = (uint32_t)(rand_r(seed) % 4), toks[4];
+        if (n == 0 && nt == 0)
+            nt = 1;
         for (uint32_t i = 0; i < nt; i++)
             toks[i] = w->next_base++;
         kvr_edit_range op = { .start = s0, .end = s0 + len, .tokens = toks, .n_tokens = nt };
