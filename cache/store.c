@@ -68,6 +68,15 @@ int kvr_store_create(kvr_store **out, const kvr_store_config *cfg, kvr_error *er
     return 0;
 }
 
+/* Everything a model owns (destroy, remove_model). */
+static void model_free(kvr_model *m)
+{
+    ptree_free(&m->tree[0]);
+    ptree_free(&m->tree[1]);
+    kvr_rope_destroy(m->engine);
+    kvr_mem_free(m);
+}
+
 void kvr_store_destroy(kvr_store *s)
 {
     if (!s)
@@ -77,13 +86,8 @@ void kvr_store_destroy(kvr_store *s)
         while (s->buckets[i])
             ctx_destroy(s, s->buckets[i]);
     }
-    for (size_t i = 0; i < s->n_models; i++) {
-        kvr_model *m = s->models[i];
-        ptree_free(&m->tree[0]);
-        ptree_free(&m->tree[1]);
-        kvr_rope_destroy(m->engine);
-        kvr_mem_free(m);
-    }
+    for (size_t i = 0; i < s->n_models; i++)
+        model_free(s->models[i]);
     tier_close(s);
     kvr_mem_free(s->models);
     kvr_mem_free(s->buckets);
@@ -618,10 +622,7 @@ int kvr_store_model_remove(kvr_store *s, const char *name, kvr_error *err)
     if (tier_model_persisted(s, m))
         return kvr_error_set(err, KVR_EUNSUPPORTED, "model '%s' is persisted on the disk "
                              "tier: removing it is not supported", name);
-    ptree_free(&m->tree[0]);
-    ptree_free(&m->tree[1]);
-    kvr_rope_destroy(m->engine);
-    kvr_mem_free(m);
+    model_free(m);
     memmove(&s->models[k], &s->models[k + 1], (s->n_models - k - 1) * sizeof *s->models);
     s->n_models--;
     return 0;
