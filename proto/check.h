@@ -19,6 +19,9 @@
 extern "C" {
 #endif
 
+/* Internal to the daemon (and tests): not part of libkvrope's ABI. */
+#pragma GCC visibility push(hidden)
+
 /* Returns the name of the first `string` field (at any depth of nested
  * messages) of the encoded message `buf[0..len)` of type `desc` that holds a
  * NUL byte, or NULL when there is none. The name is borrowed from the
@@ -26,6 +29,8 @@ extern "C" {
  * (NULL): decoding them is protobuf-c's job, which refuses them. */
 const char *kvr_proto_find_nul_string(const ProtobufCMessageDescriptor *desc,
                                       const uint8_t *buf, size_t len);
+
+#pragma GCC visibility pop
 
 #ifdef __cplusplus
 }

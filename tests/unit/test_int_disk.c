@@ -99,11 +99,12 @@ static int put_p(kvr_client *c, const char *ctx, kvr_dtype dt, uint32_t seed, ui
     uint32_t *tok = testd_tokens(base, n);
     kvr_put_args a = { .ctx_id = ctx, .model = "m", .dtype = dt, .tokens = tok, .n_tokens = n,
                        .n_layers = T_LAYERS, .n_kv_heads = T_HEADS, .head_dim = T_DIM,
-                       .payload = pl, .payload_len = len };
+                       .payload = pl, .payload_len = len, .mode = KVR_PUT_UPSERT,
+                       .persist = persist };
     /* Codecs at rest are covered at store level (test_cache_tier); the
      * client's codec option is not wired in this tree yet. */
     (void)codec;
-    int r = kvr_client_put_persist(c, &a, NULL, persist, NULL);
+    int r = kvr_client_put(c, &a, NULL);
     free(pl);
     free(tok);
     return r;
@@ -454,7 +455,7 @@ static void corrupt(const char *engine)
         kvr_kv mk;
         bool stale = false;
         if (now > 1 && now != h[i] && kvr_client_get(c, &ma, &mk) == 0) {
-            stale = mk.n_tokens > 0 && (mk.flags[0] & KVR_FLAG_STALE);
+            stale = mk.n_tokens > 0 && (mk.flags[0] & KVR_TOKEN_STALE);
             kvr_kv_release(&mk);
         }
         cr_assert(now == h[i] || now == 0 || now == 1 || stale,
@@ -688,7 +689,7 @@ static void corrupt_newest(int how)
         uint64_t n;
         int64_t p0;
         uint32_t fx = ctx_flags(c, "x", &n, &p0);
-        cr_assert_eq(fx, KVR_FLAG_STALE | KVR_FLAG_APPROX,
+        cr_assert_eq(fx, KVR_TOKEN_STALE | KVR_TOKEN_APPROX,
                      "round %d: x was rolled back to its state before the shift without a "
                      "mark (flags %#x)", round, fx);
         cr_assert_eq(n, 100);
@@ -698,7 +699,7 @@ static void corrupt_newest(int how)
             cr_assert_eq(ctx_flags(c, "y", NULL, NULL), 0, "y is not the lost record's");
             cr_assert_eq(ctx_flags(c, "w", NULL, NULL), UINT32_MAX, "w had one record: lost");
         } else {
-            cr_assert_eq(ctx_flags(c, "y", NULL, NULL), KVR_FLAG_STALE | KVR_FLAG_APPROX,
+            cr_assert_eq(ctx_flags(c, "y", NULL, NULL), KVR_TOKEN_STALE | KVR_TOKEN_APPROX,
                          "an unattributed loss marks every context older than it");
         }
         if (round == 0) {

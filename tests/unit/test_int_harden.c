@@ -326,7 +326,7 @@ Test(int_harden, assemble_over_doc_limit_keeps_connection)
         docs[i] = names[i];
     }
     kvr_assemble_args a = { .prefix = "p", .docs = docs, .n_docs = N,
-                            .layout = KVR_ASSEMBLE_PARALLEL, .dtype = KVR_DTYPE_F16,
+                            .layout = KVR_LAYOUT_PARALLEL, .dtype = KVR_DTYPE_F16,
                             .meta_only = true };
     kvr_assemble_res res;
     int r = kvr_client_assemble(C, &a, &res);
