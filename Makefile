@@ -7,6 +7,9 @@
 #   make bench      the benchmarks (ratios against memcpy, Redis, ggml in the same run)
 #   make fuzz       libFuzzer targets (clang), a short run of each
 #   make soak       the long crash run: 1,000 kill -9 trials (CI runs 100)
+#   make install    PREFIX=/usr/local DESTDIR= : binaries, libkvrope, headers,
+#                   kvrope.pc, man pages, systemd units, an example config
+#   make uninstall  removes what install put there (not the config file)
 #   make clean
 #
 # Sources are picked up by directory, so adding a file needs no edit here:
@@ -33,7 +36,7 @@ WARN := -std=c11 -Wall -Wextra -Wpedantic -Wshadow -Wstrict-prototypes \
 GEN  := $(BUILD)/gen
 CPPFLAGS := -D_GNU_SOURCE -I. -I$(GEN)/proto -MMD -MP
 CFLAGS_BASE := $(WARN) -fPIC -pthread -fvisibility=default
-LIBS := -luv -luring -lprotobuf-c -lcjson -lm -lpthread -ldl
+LIBS := -luv -luring -lprotobuf-c -lcjson -lmicrohttpd -lsystemd -lm -lpthread -ldl
 
 ifeq ($(MODE),fuzz)
   CC := clang
@@ -102,7 +105,8 @@ TESTS      := $(patsubst tests/unit/%.c,$(BUILD)/tests/%,$(TEST_SRC))
 BENCHES    := $(patsubst tests/bench/%.c,$(BUILD)/bench/%,$(BENCH_SRC))
 FUZZERS    := $(patsubst tests/fuzz/%.c,$(BUILD)/fuzz/%,$(FUZZ_SRC))
 
-.PHONY: soak fuzzers all deps deps-bench run test check bench fuzz clean check-symbols
+.PHONY: soak fuzzers all deps deps-bench run test check bench fuzz clean check-symbols \
+        install uninstall
 .DEFAULT_GOAL := all
 
 all: $(KVROPED) $(KVROPE) $(CLIENT_A) $(CLIENT_SO) $(TESTS) $(BENCHES)
@@ -229,6 +233,90 @@ check-symbols: $(CLIENT_SO)
 	  grep -v -E '^(kvr_|kvrope__|_init$$|_fini$$|_edata$$|_end$$|__bss_start$$)' || true); \
 	if [ -n "$$bad" ]; then echo "unprefixed exports:"; echo "$$bad"; exit 1; fi; \
 	echo "check-symbols: ok"
+
+# ---- install ----------------------------------------------------------------
+# GNU-style directories; DESTDIR is prepended to every path (staging).
+PREFIX      ?= /usr/local
+BINDIR      ?= $(PREFIX)/bin
+LIBDIR      ?= $(PREFIX)/lib
+INCLUDEDIR  ?= $(PREFIX)/include
+DATADIR     ?= $(PREFIX)/share
+MANDIR      ?= $(DATADIR)/man
+DOCDIR      ?= $(DATADIR)/doc/kvrope
+PKGCONFIGDIR ?= $(LIBDIR)/pkgconfig
+ifeq ($(PREFIX),/usr)
+  SYSCONFDIR ?= /etc
+  UNITDIR    ?= /usr/lib/systemd/system
+  SYSUSERSDIR ?= /usr/lib/sysusers.d
+else
+  SYSCONFDIR ?= $(PREFIX)/etc
+  UNITDIR    ?= $(PREFIX)/lib/systemd/system
+  SYSUSERSDIR ?= $(PREFIX)/lib/sysusers.d
+endif
+INSTALL ?= install
+KVR_VERSION := $(shell sed -n 's/^\#define KVR_DAEMON_VERSION "\(.*\)"/\1/p' daemon/daemon.h)
+# What the build produces for the client library: the shared object (its
+# real file, its SONAME link and the libkvrope.so link are derived from it
+# at install time, so a SONAME'd build installs its symlinks too) and the
+# archive. Public headers: client/kvrope.h and what it includes.
+INSTALL_SO      ?= $(CLIENT_SO)
+INSTALL_A       ?= $(CLIENT_A)
+INSTALL_HEADERS ?= client/kvrope.h rope/rope.h
+UNITS := kvroped.service kvroped.socket kvroped-metrics.socket
+SUBST = sed -e 's|@PREFIX@|$(PREFIX)|g' -e 's|@BINDIR@|$(BINDIR)|g' \
+            -e 's|@LIBDIR@|$(LIBDIR)|g' -e 's|@INCLUDEDIR@|$(INCLUDEDIR)|g' \
+            -e 's|@SYSCONFDIR@|$(SYSCONFDIR)|g' -e 's|@VERSION@|$(KVR_VERSION)|g'
+
+install: $(KVROPED) $(KVROPE) $(INSTALL_SO) $(INSTALL_A)
+	$(INSTALL) -d $(DESTDIR)$(BINDIR) $(DESTDIR)$(LIBDIR) $(DESTDIR)$(PKGCONFIGDIR) \
+	  $(DESTDIR)$(INCLUDEDIR)/kvrope/rope $(DESTDIR)$(MANDIR)/man1 $(DESTDIR)$(MANDIR)/man8 \
+	  $(DESTDIR)$(UNITDIR) $(DESTDIR)$(SYSUSERSDIR) $(DESTDIR)$(SYSCONFDIR)/kvrope $(DESTDIR)$(DOCDIR)
+	$(INSTALL) -m 755 $(KVROPED) $(KVROPE) $(DESTDIR)$(BINDIR)/
+	@real=$$(readlink -f $(INSTALL_SO)); file=$$(basename $$real); \
+	soname=$$(objdump -p $$real | awk '$$1 == "SONAME" {print $$2}'); \
+	echo "$(INSTALL) -m 755 $$real $(DESTDIR)$(LIBDIR)/$$file"; \
+	$(INSTALL) -m 755 $$real $(DESTDIR)$(LIBDIR)/$$file || exit 1; \
+	if [ -n "$$soname" ] && [ "$$soname" != "$$file" ]; then \
+	  echo "ln -sf $$file $(DESTDIR)$(LIBDIR)/$$soname"; ln -sf $$file $(DESTDIR)$(LIBDIR)/$$soname; fi; \
+	if [ "$$file" != libkvrope.so ]; then \
+	  link=$${soname:-$$file}; echo "ln -sf $$link $(DESTDIR)$(LIBDIR)/libkvrope.so"; \
+	  ln -sf $$link $(DESTDIR)$(LIBDIR)/libkvrope.so; fi
+	$(INSTALL) -m 644 $(INSTALL_A) $(DESTDIR)$(LIBDIR)/
+	$(INSTALL) -m 644 client/kvrope.h $(DESTDIR)$(INCLUDEDIR)/kvrope/
+	$(INSTALL) -m 644 rope/rope.h $(DESTDIR)$(INCLUDEDIR)/kvrope/rope/
+	$(SUBST) dist/kvrope.pc.in > $(DESTDIR)$(PKGCONFIGDIR)/kvrope.pc
+	$(INSTALL) -m 644 dist/man/kvrope.1 $(DESTDIR)$(MANDIR)/man1/
+	$(INSTALL) -m 644 dist/man/kvroped.8 $(DESTDIR)$(MANDIR)/man8/
+	for u in $(UNITS); do $(SUBST) dist/systemd/$$u.in > $(DESTDIR)$(UNITDIR)/$$u || exit 1; done
+	$(INSTALL) -m 644 dist/systemd/kvrope.sysusers $(DESTDIR)$(SYSUSERSDIR)/kvrope.conf
+	$(INSTALL) -m 644 dist/kvroped.conf $(DESTDIR)$(DOCDIR)/kvroped.conf.example
+	$(INSTALL) -m 644 docs/operations.md docs/protocol.md $(DESTDIR)$(DOCDIR)/
+	@# The config is the operator's once it exists: never overwritten.
+	@if [ ! -e $(DESTDIR)$(SYSCONFDIR)/kvrope/kvroped.conf ]; then \
+	  echo "$(INSTALL) -m 644 dist/kvroped.conf $(DESTDIR)$(SYSCONFDIR)/kvrope/kvroped.conf"; \
+	  $(INSTALL) -m 644 dist/kvroped.conf $(DESTDIR)$(SYSCONFDIR)/kvrope/kvroped.conf; \
+	else echo "kept $(DESTDIR)$(SYSCONFDIR)/kvrope/kvroped.conf"; fi
+
+# Removes what install put there. The config file is kept if it differs
+# from the example (it is the operator's then).
+uninstall:
+	rm -f $(DESTDIR)$(BINDIR)/kvroped $(DESTDIR)$(BINDIR)/kvrope
+	rm -f $(DESTDIR)$(LIBDIR)/libkvrope.so $(DESTDIR)$(LIBDIR)/libkvrope.so.* \
+	  $(DESTDIR)$(LIBDIR)/libkvrope.a $(DESTDIR)$(PKGCONFIGDIR)/kvrope.pc
+	rm -f $(DESTDIR)$(INCLUDEDIR)/kvrope/kvrope.h $(DESTDIR)$(INCLUDEDIR)/kvrope/rope/rope.h
+	-rmdir $(DESTDIR)$(INCLUDEDIR)/kvrope/rope $(DESTDIR)$(INCLUDEDIR)/kvrope 2>/dev/null
+	rm -f $(DESTDIR)$(MANDIR)/man1/kvrope.1 $(DESTDIR)$(MANDIR)/man8/kvroped.8
+	for u in $(UNITS); do rm -f $(DESTDIR)$(UNITDIR)/$$u; done
+	rm -f $(DESTDIR)$(SYSUSERSDIR)/kvrope.conf
+	rm -f $(DESTDIR)$(DOCDIR)/kvroped.conf.example $(DESTDIR)$(DOCDIR)/operations.md \
+	  $(DESTDIR)$(DOCDIR)/protocol.md
+	-rmdir $(DESTDIR)$(DOCDIR) 2>/dev/null
+	@if cmp -s dist/kvroped.conf $(DESTDIR)$(SYSCONFDIR)/kvrope/kvroped.conf; then \
+	  echo "rm -f $(DESTDIR)$(SYSCONFDIR)/kvrope/kvroped.conf"; \
+	  rm -f $(DESTDIR)$(SYSCONFDIR)/kvrope/kvroped.conf; \
+	  rmdir $(DESTDIR)$(SYSCONFDIR)/kvrope 2>/dev/null || true; \
+	elif [ -e $(DESTDIR)$(SYSCONFDIR)/kvrope/kvroped.conf ]; then \
+	  echo "kept $(DESTDIR)$(SYSCONFDIR)/kvrope/kvroped.conf (changed)"; fi
 
 clean:
 	rm -rf build

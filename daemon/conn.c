@@ -273,6 +273,7 @@ static int queue_write(kvr_conn *c, uint8_t *buf, size_t len, out_payload *src,
         c->write_q = uv_stream_get_write_queue_size(&c->h.stream);
     }
     c->out_queued += w->total;
+    c->m_out += payload_len;
     return 0;
 }
 
@@ -305,6 +306,7 @@ static uint8_t *pack_error(uint64_t id, int code, const char *msg, size_t *len)
 static int send_reply(kvr_conn *c, const Kvrope__Response *r, out_payload *src,
                       size_t payload_len, bool close_after)
 {
+    c->m_status = (int)r->status;
     if (r->status != KVROPE__STATUS__OK)
         c->d->n_errors++;
     if (c->closing) {
@@ -556,6 +558,18 @@ void kvr_conn_send_stream(kvr_conn *c, const Kvrope__Response *r, kvr_get *get,
     stream_pump(s);
 }
 
+/* The request's one metrics observation, when its reply is queued (or the
+ * connection is failed with it). */
+static void request_complete(kvr_conn *c)
+{
+    if (!c->m_open)
+        return;
+    c->m_open = false;
+    kvr_metrics_observe(c->d->metrics, c->m_verb, c->m_status,
+                        c->payload_unread ? 0 : c->fh.payload_len, c->m_out,
+                        (double)(kvr_now_ns() - c->m_t0_ns) / 1e9);
+}
+
 void kvr_conn_fail(kvr_conn *c, uint64_t id, int code, const char *msg)
 {
     kvr_log(KVR_LOG_INFO, "closing connection after error %s: %s",
@@ -572,10 +586,12 @@ void kvr_conn_fail(kvr_conn *c, uint64_t id, int code, const char *msg)
     }
     c->linger = true;
     kvr_conn_send(c, &r, NULL, 0, true);
+    request_complete(c);
 }
 
 void kvr_conn_request_done(kvr_conn *c)
 {
+    request_complete(c);
     if (c->req) {
         kvrope__request__free_unpacked(c->req, &kvr_pb_allocator);
         c->req = NULL;
@@ -613,6 +629,7 @@ void kvr_conn_reply_error(kvr_conn *c, int code, const char *msg)
             return;
         }
         c->d->n_errors++;
+        c->m_status = kvr_status_of(code);
         kvr_mem_free(c->pending);
         c->pending = buf;
         c->pending_len = len;
@@ -727,6 +744,7 @@ static void alloc_cb(uv_handle_t *h, size_t suggested, uv_buf_t *buf)
 
 static void on_header(kvr_conn *c)
 {
+    c->m_t0_ns = kvr_now_ns();
     int rc = kvr_frame_header_decode(c->hdr, &c->fh, &c->d->limits);
     if (rc == KVR_EBADFRAME) {
         kvr_conn_fail(c, 0, KVR_EBADFRAME,
@@ -775,6 +793,10 @@ static void on_message(kvr_conn *c)
         return;
     }
     c->req = req;
+    c->m_open = true;
+    c->m_verb = (int)req->body_case;
+    c->m_status = KVROPE__STATUS__OK;
+    c->m_out = 0;
     c->payload_unread = c->fh.payload_len > 0;
     c->work_kind = 0;
     c->d->n_requests++;

@@ -19,6 +19,9 @@
 #include "daemon/daemon.h"
 #include "kvrope.pb-c.h"
 #include "proto/frame.h"
+#include "daemon/metrics.h"
+
+#include <sys/types.h>
 
 #define KVR_SCRATCH_SIZE (64u * 1024u)
 #define KVR_LINGER_BYTES (1u << 20)    /* discarded before an error close */
@@ -81,8 +84,15 @@ struct kvr_daemon {
     bool       sock_created;
     uv_tcp_t   tcp_srv;
     bool       has_tcp;
-    uv_signal_t sig_int, sig_term;
+    uv_signal_t sig_int, sig_term, sig_hup;
     bool       has_signals;
+    /* The socket file we bound (issue 12: unlink only if it is still ours). */
+    dev_t      sock_dev;
+    ino_t      sock_ino;
+    bool       unix_activated, tcp_activated;   /* fds passed by systemd */
+    int        argc;                 /* kvr_daemon_set_args: re-read on SIGHUP */
+    char     **argv;
+    kvr_metrics *metrics;
     uv_timer_t sweep;            /* lingering closes, stop grace */
     bool       has_sweep;
 
@@ -167,11 +177,30 @@ struct kvr_conn {
     uint64_t    out_queued;
 
     kvr_stream *stream;           /* streamed reply in progress (state BUSY) */
+
+    /* The request being served, for its one metrics observation at
+     * completion (kvr_conn_request_done): body case (0 = none yet), the
+     * reply's status, payload bytes sent, start (the header's arrival). */
+    bool        m_open;           /* a decoded request not yet observed */
+    int         m_verb;
+    int         m_status;
+    uint64_t    m_out;
+    uint64_t    m_t0_ns;
 };
 
 /* ---- config.c --------------------------------------------------------- */
 int  kvr_daemon_split_listen(const char *s, char *host, size_t hcap, int *port);
 bool kvr_daemon_host_is_loopback(const char *host);
+
+/* ---- server.c --------------------------------------------------------- */
+/* Reads a token file (trailing newline ignored, 1..4096 bytes) into a
+ * kvr_mem buffer the caller frees; warns (log) when group or others may
+ * read it. 0 or -errno/-EINVAL with a message in err. */
+int  kvr_daemon_read_token(const char *path, uint8_t **tok, size_t *len, char *err,
+                           size_t errlen);
+/* Is this bound/listening socket address loopback (127/8, ::1, ::ffff:127/8)? */
+bool kvr_daemon_sockaddr_is_loopback(const struct sockaddr *sa);
+uint64_t kvr_now_ns(void);
 
 /* ---- conn.c ----------------------------------------------------------- */
 void kvr_conn_start(kvr_daemon *d, kvr_conn *c, bool is_tcp);
