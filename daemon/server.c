@@ -240,16 +240,25 @@ static int listen_unix(kvr_daemon *d, char *err, size_t errlen)
             seterr(err, errlen, "%s: %s", d->sock_path, strerror(-rc));
         return rc;
     }
-    rc = uv_pipe_init(&d->loop, &d->unix_srv, 0);
-    if (rc < 0)
-        goto uv_fail;
-    d->has_unix = true;
-    d->unix_srv.data = d;
+    /* Bound here rather than with uv_pipe_bind: libuv unlinks the path it
+     * bound when the handle closes, whoever's socket it names by then
+     * (issue 12); remove_socket does it only while the inode is ours. */
+    int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+    if (fd < 0) {
+        rc = -errno;
+        seterr(err, errlen, "unix socket %s: %s", d->sock_path, strerror(errno));
+        return rc;
+    }
+    struct sockaddr_un sa = { .sun_family = AF_UNIX };
+    memcpy(sa.sun_path, d->sock_path, strlen(d->sock_path) + 1);
     mode_t old = umask(0177);
-    rc = uv_pipe_bind(&d->unix_srv, d->sock_path);
+    rc = bind(fd, (struct sockaddr *)&sa, sizeof sa) < 0 ? -errno : 0;
     umask(old);
-    if (rc < 0)
-        goto uv_fail;
+    if (rc < 0) {
+        close(fd);
+        seterr(err, errlen, "unix socket %s: %s", d->sock_path, strerror(-rc));
+        return rc;
+    }
     d->sock_created = true;
     struct stat st;
     if (lstat(d->sock_path, &st) == 0) {
@@ -257,8 +266,22 @@ static int listen_unix(kvr_daemon *d, char *err, size_t errlen)
         d->sock_ino = st.st_ino;
     }
     if (chmod(d->sock_path, 0600) < 0) {
-        seterr(err, errlen, "chmod %s: %s", d->sock_path, strerror(errno));
-        return -errno;
+        rc = -errno;
+        close(fd);
+        seterr(err, errlen, "chmod %s: %s", d->sock_path, strerror(-rc));
+        return rc;
+    }
+    rc = uv_pipe_init(&d->loop, &d->unix_srv, 0);
+    if (rc < 0) {
+        close(fd);
+        goto uv_fail;
+    }
+    d->has_unix = true;
+    d->unix_srv.data = d;
+    rc = uv_pipe_open(&d->unix_srv, fd);
+    if (rc < 0) {
+        close(fd);
+        goto uv_fail;
     }
     rc = uv_listen((uv_stream_t *)&d->unix_srv, 128, on_connection);
     if (rc < 0)
@@ -680,11 +703,11 @@ void kvr_daemon_stop(kvr_daemon *d)
     d->stop_ms = kvr_now_ms();
     notify_status(d, "STOPPING=1\n");
     kvr_metrics_stop(d);
+    remove_socket(d);
     if (d->has_unix) {
         uv_close((uv_handle_t *)&d->unix_srv, NULL);
         d->has_unix = false;
     }
-    remove_socket(d);
     if (d->has_tcp) {
         uv_close((uv_handle_t *)&d->tcp_srv, NULL);
         d->has_tcp = false;
