@@ -4,10 +4,13 @@
 # Usage: scripts/deps.sh [core|test|bench]   (each level includes the ones before)
 set -eu
 level=${1:-test}
-pkgs="build-essential pkg-config libuv1-dev libjemalloc-dev libprotobuf-c-dev protobuf-c-compiler liburing-dev libcjson-dev"
+pkgs="build-essential pkg-config libuv1-dev libjemalloc-dev libprotobuf-c-dev protobuf-c-compiler liburing-dev libcjson-dev libmicrohttpd-dev libsystemd-dev"
+# Tests: Criterion, the Python suite, and for the operations tests promtool
+# (prometheus), systemd-analyze (systemd) and groff (the man pages).
+testpkgs="libcriterion-dev python3 python3-numpy python3-pytest prometheus systemd groff-base"
 case "$level" in
-  test)  pkgs="$pkgs libcriterion-dev python3 python3-numpy python3-pytest" ;;
-  bench) pkgs="$pkgs libcriterion-dev python3 python3-numpy python3-pytest redis-server redis-tools nodejs npm" ;;
+  test)  pkgs="$pkgs $testpkgs" ;;
+  bench) pkgs="$pkgs $testpkgs redis-server redis-tools nodejs npm" ;;
   core)  ;;
   *) echo "usage: $0 [core|test|bench]" >&2; exit 2 ;;
 esac
