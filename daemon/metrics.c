@@ -456,18 +456,6 @@ static int render_snapshot(const kvr_metrics *m, const snapshot *s, char **out, 
     return 0;
 }
 
-int kvr_metrics_render(kvr_daemon *d, char **out, size_t *len)
-{
-    kvr_metrics *m = d->metrics;
-    if (!m)
-        return KVR_EINVAL;
-    publish(m);
-    pthread_mutex_lock(&m->lock);
-    int rc = render_snapshot(m, m->snap, out, len);
-    pthread_mutex_unlock(&m->lock);
-    return rc;
-}
-
 /* ---- HTTP (libmicrohttpd's thread) ---------------------------------------- */
 
 static enum MHD_Result send_text(struct MHD_Connection *conn, unsigned code, const char *text,

@@ -37,10 +37,6 @@ int  kvr_metrics_set_token(kvr_metrics *m, const uint8_t *token, size_t len);
 /* Loop thread: the address /metrics is served on ("" if none). */
 const char *kvr_metrics_address(const kvr_metrics *m);
 
-/* Loop thread: renders the current figures (a fresh snapshot) as the
- * exposition text; the caller frees *out with kvr_mem_free. Tests. */
-int  kvr_metrics_render(kvr_daemon *d, char **out, size_t *len);
-
 /* Loop thread: stops the HTTP thread (joined) and closes the async handle.
  * Idempotent; kvr_metrics_destroy calls it. */
 void kvr_metrics_stop(kvr_daemon *d);
