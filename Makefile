@@ -12,6 +12,9 @@
 #   make uninstall  removes what install put there (not the config file)
 #   make clean
 #
+# MODE=release (default: -O2, -DNDEBUG, jemalloc), MODE=debug (-O0, assert()
+# on, jemalloc), MODE=check (ASan + UBSan, assert() on, libc malloc), MODE=fuzz.
+#
 # Sources are picked up by directory, so adding a file needs no edit here:
 #   rope/*.c cache/*.c proto/*.c        -> internal archive (and libkvrope)
 #   daemon/*.c (but main.c)             -> internal archive;  daemon/main.c -> kvroped
@@ -51,8 +54,15 @@ else ifeq ($(MODE),check)
          -fno-sanitize-recover=undefined
   LDSAN := -fsanitize=address,undefined
   MALLOC_LIB :=
+else ifeq ($(MODE),debug)
+  OPT := -O0 -g
+  LDSAN :=
+  MALLOC_LIB := -ljemalloc
+  CPPFLAGS += -DKVR_JEMALLOC=1
 else
-  OPT := -O2 -g
+  # Only the release build drops assert(): check, debug and fuzz builds run
+  # every invariant check.
+  OPT := -O2 -g -DNDEBUG
   LDSAN :=
   MALLOC_LIB := -ljemalloc
   CPPFLAGS += -DKVR_JEMALLOC=1
@@ -108,6 +118,10 @@ FUZZERS    := $(patsubst tests/fuzz/%.c,$(BUILD)/fuzz/%,$(FUZZ_SRC))
 .PHONY: soak fuzzers all deps deps-bench run test check bench fuzz clean check-symbols \
         install uninstall
 .DEFAULT_GOAL := all
+# Every file make builds is kept: the test and bench objects are intermediate
+# (built only on the way to their binary), and make would delete them after
+# each build and rebuild them all on the next one.
+.SECONDARY:
 
 all: $(KVROPED) $(KVROPE) $(CLIENT_A) $(CLIENT_SO) $(TESTS) $(BENCHES)
 
@@ -174,6 +188,9 @@ $(BUILD)/bench/bench_codec: $(BUILD)/obj/tests/bench/bench_codec.o $(CODEC_OBJ) 
 $(BUILD)/tests/test_cache%: $(BUILD)/obj/tests/unit/test_cache%.o $(CACHE_A) $(ROPE_A)
 	@mkdir -p $(dir $@)
 	$(CC) $(LDFLAGS_ALL) -o $@ $^ -lcriterion $(LIBS) $(MALLOC_LIB)
+
+# Start-up failure tests make chosen allocations fail (tests/unit/test_daemon_start.c).
+$(BUILD)/tests/test_daemon_start: LDFLAGS += -Wl,--wrap=kvr_mem_malloc
 
 $(BUILD)/tests/%: $(BUILD)/obj/tests/unit/%.o $(ALL_A)
 	@mkdir -p $(dir $@)
@@ -258,10 +275,11 @@ KVR_VERSION := $(shell sed -n 's/^\#define KVR_DAEMON_VERSION "\(.*\)"/\1/p' dae
 # What the build produces for the client library: the shared object (its
 # real file, its SONAME link and the libkvrope.so link are derived from it
 # at install time, so a SONAME'd build installs its symlinks too) and the
-# archive. Public headers: client/kvrope.h and what it includes.
+# archive. Public headers: client/kvrope.h (as kvrope/kvrope.h) and what it
+# includes, INSTALL_HEADERS, each under kvrope/ at its path in the tree.
 INSTALL_SO      ?= $(CLIENT_SO)
 INSTALL_A       ?= $(CLIENT_A)
-INSTALL_HEADERS ?= client/kvrope.h rope/rope.h
+INSTALL_HEADERS ?= rope/rope.h rope/error.h
 UNITS := kvroped.service kvroped.socket kvroped-metrics.socket
 SUBST = sed -e 's|@PREFIX@|$(PREFIX)|g' -e 's|@BINDIR@|$(BINDIR)|g' \
             -e 's|@LIBDIR@|$(LIBDIR)|g' -e 's|@INCLUDEDIR@|$(INCLUDEDIR)|g' \
@@ -272,7 +290,7 @@ SUBST = sed -e 's|@PREFIX@|$(PREFIX)|g' -e 's|@BINDIR@|$(BINDIR)|g' \
 INSTALL_DEPS ?= $(KVROPED) $(KVROPE) $(INSTALL_SO) $(INSTALL_A)
 install: $(INSTALL_DEPS)
 	$(INSTALL) -d $(DESTDIR)$(BINDIR) $(DESTDIR)$(LIBDIR) $(DESTDIR)$(PKGCONFIGDIR) \
-	  $(DESTDIR)$(INCLUDEDIR)/kvrope/rope $(DESTDIR)$(MANDIR)/man1 $(DESTDIR)$(MANDIR)/man8 \
+	  $(DESTDIR)$(INCLUDEDIR)/kvrope $(DESTDIR)$(MANDIR)/man1 $(DESTDIR)$(MANDIR)/man8 \
 	  $(DESTDIR)$(UNITDIR) $(DESTDIR)$(SYSUSERSDIR) $(DESTDIR)$(SYSCONFDIR)/kvrope $(DESTDIR)$(DOCDIR)
 	$(INSTALL) -m 755 $(KVROPED) $(KVROPE) $(DESTDIR)$(BINDIR)/
 	@real=$$(readlink -f $(INSTALL_SO)); file=$$(basename $$real); \
@@ -286,7 +304,7 @@ install: $(INSTALL_DEPS)
 	  ln -sf $$link $(DESTDIR)$(LIBDIR)/libkvrope.so; fi
 	$(INSTALL) -m 644 $(INSTALL_A) $(DESTDIR)$(LIBDIR)/
 	$(INSTALL) -m 644 client/kvrope.h $(DESTDIR)$(INCLUDEDIR)/kvrope/
-	$(INSTALL) -m 644 rope/rope.h $(DESTDIR)$(INCLUDEDIR)/kvrope/rope/
+	for h in $(INSTALL_HEADERS); do $(INSTALL) -D -m 644 $$h $(DESTDIR)$(INCLUDEDIR)/kvrope/$$h || exit 1; done
 	$(SUBST) dist/kvrope.pc.in > $(DESTDIR)$(PKGCONFIGDIR)/kvrope.pc
 	$(INSTALL) -m 644 dist/man/kvrope.1 $(DESTDIR)$(MANDIR)/man1/
 	$(INSTALL) -m 644 dist/man/kvroped.8 $(DESTDIR)$(MANDIR)/man8/
@@ -306,8 +324,10 @@ uninstall:
 	rm -f $(DESTDIR)$(BINDIR)/kvroped $(DESTDIR)$(BINDIR)/kvrope
 	rm -f $(DESTDIR)$(LIBDIR)/libkvrope.so $(DESTDIR)$(LIBDIR)/libkvrope.so.* \
 	  $(DESTDIR)$(LIBDIR)/libkvrope.a $(DESTDIR)$(PKGCONFIGDIR)/kvrope.pc
-	rm -f $(DESTDIR)$(INCLUDEDIR)/kvrope/kvrope.h $(DESTDIR)$(INCLUDEDIR)/kvrope/rope/rope.h
-	-rmdir $(DESTDIR)$(INCLUDEDIR)/kvrope/rope $(DESTDIR)$(INCLUDEDIR)/kvrope 2>/dev/null
+	rm -f $(DESTDIR)$(INCLUDEDIR)/kvrope/kvrope.h
+	for h in $(INSTALL_HEADERS); do rm -f $(DESTDIR)$(INCLUDEDIR)/kvrope/$$h; \
+	  rmdir $$(dirname $(DESTDIR)$(INCLUDEDIR)/kvrope/$$h) 2>/dev/null || true; done
+	-rmdir $(DESTDIR)$(INCLUDEDIR)/kvrope 2>/dev/null
 	rm -f $(DESTDIR)$(MANDIR)/man1/kvrope.1 $(DESTDIR)$(MANDIR)/man8/kvroped.8
 	for u in $(UNITS); do rm -f $(DESTDIR)$(UNITDIR)/$$u; done
 	rm -f $(DESTDIR)$(SYSUSERSDIR)/kvrope.conf

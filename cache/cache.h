@@ -37,46 +37,8 @@
 extern "C" {
 #endif
 
-/* ---- errors: the negated values of the wire's Status enum ---------------- */
-enum {
-    KVR_OK              = 0,
-    KVR_EINTERNAL       = -1,   /* a bug or an unexpected system failure */
-    KVR_EBADREQUEST     = -2,   /* malformed request: missing/invalid field */
-    KVR_EBADFRAME       = -3,   /* wrong magic/version, undecodable message */
-    KVR_ETOOLARGE       = -4,   /* frame or request over a configured limit */
-    KVR_EUNAUTH         = -5,   /* authentication required or failed */
-    KVR_ENOMODEL        = -6,   /* unknown model */
-    KVR_ENOCTX          = -7,   /* unknown context */
-    KVR_EEXIST          = -8,   /* context id or model name already exists */
-    KVR_ESHAPE          = -9,   /* shape or dtype does not match the model */
-    KVR_EPAYLOAD        = -10,  /* payload length does not match the shapes */
-    KVR_ERANGE          = -11,  /* token range or layer out of bounds */
-    KVR_EFINGERPRINT    = -12,  /* model fingerprint mismatch */
-    KVR_ENOMEM          = -13,  /* memory cap cannot be met even after eviction */
-    KVR_EBUSY           = -14,  /* context is being written by another request */
-    KVR_EINVAL          = -15,  /* invalid argument (overflowing positions, ...) */
-    KVR_EUNSUPPORTED    = -16,  /* valid, but not supported for this model/codec */
-    KVR_ELIMIT          = -17,  /* connection or buffering limit reached */
-    KVR_EPROTECTED      = -18,  /* edit touches protected tokens (sinks) */
-    KVR_EIO             = -19,  /* disk error */
-    KVR_EPINNED         = -20,  /* operation refused because the context is pinned */
-    KVR_ECONFIG         = -21,  /* bad model configuration (rope/ refused it) */
-    KVR_EPENDING        = -22,  /* range holds tokens whose KV is not there yet */
-    KVR_EPREFIX         = -23,  /* document encoded against another prefix (or
-                                   the prefix changed since): re-encode it */
-    KVR_E_COUNT_        = 24,
-};
-const char *kvr_strerror(int code);      /* static string; "unknown error" */
-const char *kvr_error_name(int code);    /* "KVR_ENOCTX", ... */
-
-typedef struct kvr_error {
-    int  code;
-    char msg[256];
-} kvr_error;
-
-/* Sets err (if non-NULL) and returns code: `return kvr_error_set(err, KVR_ENOCTX, "...%s", id);` */
-int kvr_error_set(kvr_error *err, int code, const char *fmt, ...)
-    __attribute__((format(printf, 3, 4)));
+/* ---- errors: KVR_E*, kvr_error, kvr_error_set, kvr_strerror come from
+ * rope/error.h (included through rope/rope.h): one space for the project. */
 
 /* ---- accounted memory --------------------------------------------------- */
 /* Process-wide and thread-safe. All of kvroped's allocations (store, libuv via

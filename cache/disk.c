@@ -427,12 +427,9 @@ int kvr_disk_open(kvr_disk **out, const kvr_disk_config *cfg, kvr_error *err)
                            d->dir);
         goto fail;
     }
-    rc = kvr_dio_create(&d->io, cfg->engine, cfg->queue_depth, d->note, sizeof d->note);
-    if (rc) {
-        rc = kvr_error_set(err, rc == -ENOMEM ? KVR_ENOMEM : KVR_EUNSUPPORTED,
-                           "disk: io_uring unavailable: %s", strerror(-rc));
+    rc = kvr_dio_create(&d->io, cfg->engine, cfg->queue_depth, d->note, sizeof d->note, err);
+    if (rc)
         goto fail;
-    }
     d->next_seg = 1;
     *out = d;
     return 0;

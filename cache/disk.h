@@ -284,15 +284,20 @@ typedef struct kvr_dio_req {
     struct iovec iov[2];
     int          iovcnt;
     uint64_t     off;
-    int          res;             /* out: 0 or -errno (short = -EIO/-ENOSPC) */
+    int          res;             /* out: 0 or -errno (short = -EIO/-ENOSPC); the
+                                     raw system result, which disk.c turns into
+                                     KVR_EIO / KVR_ENOMEM with its strerror text */
 } kvr_dio_req;
 
-/* engine: AUTO/URING/POSIX; note receives why io_uring was not used. */
+/* engine: AUTO/URING/POSIX; note receives why io_uring was not used (not an
+ * error). 0, KVR_ENOMEM, or KVR_EUNSUPPORTED when URING is forced and the
+ * kernel refuses it (strerror text in err). */
 int  kvr_dio_create(kvr_dio **out, kvr_disk_engine engine, uint32_t depth,
-                    char *note, size_t note_cap);
+                    char *note, size_t note_cap, kvr_error *err);
 void kvr_dio_destroy(kvr_dio *io);
 const char *kvr_dio_name(const kvr_dio *io);
-/* Runs n requests (batched on io_uring); returns 0 or the first error. */
+/* Runs n requests (batched on io_uring); returns 0 or the first request's
+ * -errno (the system's value, as in kvr_dio_req.res). */
 int  kvr_dio_run(kvr_dio *io, kvr_dio_req *r, size_t n);
 int  kvr_dio_fsync(kvr_dio *io, int fd);     /* fdatasync semantics */
 void kvr_dio_fault_set(kvr_dio *io, unsigned ops, uint64_t nth, int err_no,

@@ -30,11 +30,11 @@ struct kvr_dio {
 };
 
 int kvr_dio_create(kvr_dio **out, kvr_disk_engine engine, uint32_t depth,
-                   char *note, size_t note_cap)
+                   char *note, size_t note_cap, kvr_error *err)
 {
     kvr_dio *io = kvr_mem_calloc(1, sizeof *io);
     if (!io)
-        return -ENOMEM;
+        return kvr_error_set(err, KVR_ENOMEM, "disk: out of memory for the I/O engine");
     io->depth = depth ? depth : 64;
     if (note_cap)
         note[0] = '\0';
@@ -44,7 +44,7 @@ int kvr_dio_create(kvr_dio **out, kvr_disk_engine engine, uint32_t depth,
             io->uring = true;
         } else if (engine == KVR_DISK_ENGINE_URING) {
             kvr_mem_free(io);
-            return rc;
+            return kvr_error_sys(err, KVR_EUNSUPPORTED, -rc, "disk: io_uring unavailable");
         } else if (note_cap) {
             snprintf(note, note_cap, "io_uring refused (%s), using posix",
                      strerror(-rc));

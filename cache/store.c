@@ -537,10 +537,10 @@ int kvr_store_model_register(kvr_store *s, const kvr_model_desc *d,
         rc = kvr_error_set(err, KVR_ENOMEM, "out of memory registering model '%s'", d->name);
         goto fail;
     }
-    char emsg[200] = "";
-    if (kvr_rope_create(&m->engine, &rcfg, emsg, sizeof emsg) != 0) {
+    kvr_error emsg = { 0 };
+    if (kvr_rope_create(&m->engine, &rcfg, &emsg) != 0) {
         rc = kvr_error_set(err, KVR_ECONFIG, "model '%s': rope config refused: %s",
-                           d->name, emsg[0] ? emsg : "invalid");
+                           d->name, emsg.msg[0] ? emsg.msg : "invalid");
         goto fail_model;
     }
     if (s->n_models == s->cap_models) {

@@ -9,14 +9,15 @@
  * one handle must not overlap (use one handle per thread). Different handles
  * are independent and may be used from different threads at once.
  *
- * Errors. Every call returns 0 on success or a negative code. Codes -1..-23
- * are the daemon's wire Status negated (KVR_ERR_NOCTX == -Status E_UNKNOWN_
- * CONTEXT, equal to cache/'s KVR_ENOCTX); codes <= -1000 are the client's
- * own (connection, protocol, buffers). After a failure
- * kvr_client_last_error() returns the daemon's message (or the client's own
- * description). A daemon error leaves the connection usable; KVR_ERR_SYS,
- * KVR_ERR_CLOSED and KVR_ERR_PROTO leave it closed, and every later call
- * fails with KVR_ERR_CLOSED.
+ * Errors. Every call returns 0 on success or a negative KVR_E* code
+ * (rope/error.h): a daemon's Status s arrives as KVR_E_FROM_STATUS(s), the
+ * very code the daemon's store returned (KVR_ENOCTX for E_UNKNOWN_CONTEXT);
+ * KVR_ESYS, KVR_ECLOSED, KVR_EPROTO and KVR_EBUFFER are the client's own
+ * (connection, protocol, buffers), KVR_ENOMEM also when the client cannot
+ * allocate. After a failure kvr_client_last_error() returns the daemon's
+ * message (or the client's own description). A daemon error leaves the
+ * connection usable; KVR_ESYS, KVR_ECLOSED and KVR_EPROTO leave it closed,
+ * and every later call fails with KVR_ECLOSED.
  *
  * Ownership, in one sentence per kind of thing:
  *  - Every pointer argument is borrowed for the duration of the call only.
@@ -45,43 +46,9 @@ extern "C" {
 #endif
 
 /* ---- errors ------------------------------------------------------------- */
-enum {
-    KVR_ERR_OK          = 0,
-    /* The daemon's statuses, negated (see proto/kvrope.proto). */
-    KVR_ERR_INTERNAL    = -1,
-    KVR_ERR_BADREQUEST  = -2,
-    KVR_ERR_BADFRAME    = -3,
-    KVR_ERR_TOOLARGE    = -4,
-    KVR_ERR_UNAUTH      = -5,
-    KVR_ERR_NOMODEL     = -6,
-    KVR_ERR_NOCTX       = -7,
-    KVR_ERR_EXIST       = -8,
-    KVR_ERR_SHAPE       = -9,
-    KVR_ERR_PAYLOAD     = -10,
-    KVR_ERR_RANGE       = -11,
-    KVR_ERR_FINGERPRINT = -12,
-    KVR_ERR_NOMEM       = -13,
-    KVR_ERR_BUSY        = -14,
-    KVR_ERR_INVAL       = -15,  /* also: a bad argument refused by the client */
-    KVR_ERR_UNSUPPORTED = -16,
-    KVR_ERR_LIMIT       = -17,
-    KVR_ERR_PROTECTED   = -18,
-    KVR_ERR_IO          = -19,
-    KVR_ERR_PINNED      = -20,
-    KVR_ERR_CONFIG      = -21,
-    KVR_ERR_PENDING     = -22,  /* range holds tokens edited in without KV: refresh */
-    KVR_ERR_PREFIX      = -23,  /* document encoded against another prefix */
-    /* The client's own. */
-    KVR_ERR_SYS         = -1000, /* a system call failed (connect, send, recv, open) */
-    KVR_ERR_CLOSED      = -1001, /* the connection is closed (peer hung up) */
-    KVR_ERR_PROTO       = -1002, /* the daemon sent something undecodable */
-    KVR_ERR_BUFFER      = -1003, /* the caller's buffer is too small for the payload */
-    KVR_ERR_OOM         = -1004, /* the client could not allocate memory */
-};
-
-/* Static strings; "unknown error" / "KVR_ERR_?" for codes not listed. */
-const char *kvr_client_strerror(int code);
-const char *kvr_client_error_name(int code);
+/* The codes (KVR_E*), kvr_strerror, kvr_error_name and the wire mapping are
+ * rope/error.h's, included through rope/rope.h: the library, the daemon and
+ * the store share one error space. */
 
 /* ---- connection --------------------------------------------------------- */
 typedef struct kvr_client kvr_client;
@@ -159,7 +126,7 @@ int kvr_client_model_list(kvr_client *c, kvr_model **out, size_t *n);
  * "f32" | "f16" | "bf16" (plain), "int8" | "int4" | "int2" ["/gN"], "q8_0" |
  * "q4_0" | "q4_1" | "q5_0", "k4v2"-style "k<b>v<b>" (the default grouping;
  * "quant" = "k4v2"), "kivi:k<b>v<b>[:gG][:rR]", "k=<codec>[/c],v=<codec>[,r=R]".
- * A bad spec is KVR_ERR_INVAL with the daemon's explanation. */
+ * A bad spec is KVR_EINVAL with the daemon's explanation. */
 #define KVR_CODEC_MAX 64
 
 /* What kvr_model does not carry (kept apart so its layout stays). */
@@ -175,14 +142,14 @@ int kvr_client_model_register_ex(kvr_client *c, const kvr_model_params *p, const
 /* kvr_client_model_list plus one kvr_model_ex per model in *ex (the caller's,
  * kvr_client_free; ex may be NULL). */
 int kvr_client_model_list_ex(kvr_client *c, kvr_model **out, kvr_model_ex **ex, size_t *n);
-/* Looks one model up by name (via the list); KVR_ERR_NOMODEL if absent. */
+/* Looks one model up by name (via the list); KVR_ENOMODEL if absent. */
 int kvr_client_model_get(kvr_client *c, const char *name, kvr_model *out);
 
 /* ---- put ---------------------------------------------------------------- */
 typedef enum kvr_write_mode {
     KVR_WRITE_UPSERT = 0,      /* create or append (the default) */
-    KVR_WRITE_CREATE = 1,      /* KVR_ERR_EXIST if the context exists */
-    KVR_WRITE_APPEND = 2,      /* KVR_ERR_NOCTX if it does not */
+    KVR_WRITE_CREATE = 1,      /* KVR_EEXIST if the context exists */
+    KVR_WRITE_APPEND = 2,      /* KVR_ENOCTX if it does not */
 } kvr_write_mode;
 
 typedef struct kvr_put_args {
@@ -221,7 +188,7 @@ int kvr_client_put(kvr_client *c, const kvr_put_args *a, kvr_put_res *out /* may
 typedef struct kvr_put_opts {
     uint64_t            protect_first;  /* after the put, edits may not touch
                                            tokens [0, n) (attention sinks);
-                                           KVR_ERR_RANGE if n > length */
+                                           KVR_ERANGE if n > length */
     bool                has_protect;    /* send protect_first (0 = unprotect) */
     /* Create only (position layouts): */
     const char         *prefix_ctx;     /* APE: this KV was encoded after that
@@ -259,7 +226,7 @@ size_t kvr_payload_size(uint32_t n_layers, size_t n_tokens, uint32_t n_kv_heads,
                                      against text that has changed since) */
 #define KVR_FLAG_PENDING 0x2u     /* inserted by an edit without KV: its KV does
                                      not exist until a refresh (a get of it is
-                                     KVR_ERR_PENDING; a meta_only get works) */
+                                     KVR_EPENDING; a meta_only get works) */
 
 /* Called during a get as soon as every byte of one layer has arrived, with
  * that layer's K and V in the destination buffer (borrowed for the callback). */
@@ -278,7 +245,7 @@ typedef struct kvr_get_args {
     size_t          n_layers;
     bool            meta_only;      /* tokens/positions/flags, no payload */
     /* Destination: the caller's buffer (borrowed; the payload is received
-     * straight into it; KVR_ERR_BUFFER if too small, connection kept), or
+     * straight into it; KVR_EBUFFER if too small, connection kept), or
      * NULL for a buffer the library allocates and kvr_kv_release frees. */
     void           *dst;
     size_t          dst_cap;
@@ -336,7 +303,7 @@ typedef struct kvr_raw_layout {
 typedef struct kvr_get_opts {
     bool raw;                         /* the stored encoded bytes; a get of
                                          tokens still in the full-precision
-                                         window is KVR_ERR_UNSUPPORTED; dtype,
+                                         window is KVR_EUNSUPPORTED; dtype,
                                          positions and on_layer are ignored */
 } kvr_get_opts;
 
@@ -422,7 +389,7 @@ int kvr_client_stat_codec(kvr_client *c, const char *ctx_id, kvr_context *out,
  * length appends), n_tokens == 0 deletes. The ops of one request are all in
  * the current coordinates and are applied atomically; sorted by start, each
  * must end at or before the next one starts and no two may share a start
- * (KVR_ERR_INVAL); an op that changes nothing is KVR_ERR_INVAL too.
+ * (KVR_EINVAL); an op that changes nothing is KVR_EINVAL too.
  *
  * The suffix after an edit point moves by a pure rotation of its keys (done
  * at read time, never accumulated); its tokens become KVR_FLAG_APPROX. The

@@ -23,15 +23,18 @@
 #define GIB (1024ull * 1024ull * 1024ull)
 #define MIB (1024ull * 1024ull)
 
-static void seterr(char *err, size_t errlen, const char *fmt, ...)
-    __attribute__((format(printf, 3, 4)));
-static void seterr(char *err, size_t errlen, const char *fmt, ...)
+/* A refused option: KVR_EINVAL with the message. */
+static void seterr(kvr_error *err, const char *fmt, ...)
+    __attribute__((format(printf, 2, 3)));
+static void seterr(kvr_error *err, const char *fmt, ...)
 {
-    if (!err || errlen == 0)
+    if (!err)
         return;
     va_list ap;
+    err->code = KVR_EINVAL;
     va_start(ap, fmt);
-    vsnprintf(err, errlen, fmt, ap);
+    if (vsnprintf(err->msg, sizeof err->msg, fmt, ap) < 0)
+        err->msg[0] = '\0';
     va_end(ap);
 }
 
@@ -72,16 +75,16 @@ void kvr_daemon_config_init(kvr_daemon_config *c)
 int kvr_parse_size(const char *s, uint64_t *out)
 {
     if (!s)
-        return -EINVAL;
+        return KVR_EINVAL;
     while (isspace((unsigned char)*s))
         s++;
     if (!isdigit((unsigned char)*s))
-        return -EINVAL;
+        return KVR_EINVAL;
     errno = 0;
     char *end;
     unsigned long long v = strtoull(s, &end, 10);
     if (errno)
-        return -EINVAL;
+        return KVR_EINVAL;
     uint64_t mul = 1;
     switch (toupper((unsigned char)*end)) {
     case 'K': mul = 1024ull; end++; break;
@@ -97,9 +100,9 @@ int kvr_parse_size(const char *s, uint64_t *out)
     while (isspace((unsigned char)*end))
         end++;
     if (*end)
-        return -EINVAL;
+        return KVR_EINVAL;
     if (v > UINT64_MAX / mul)
-        return -EINVAL;
+        return KVR_EINVAL;
     *out = (uint64_t)v * mul;
     return 0;
 }
@@ -108,7 +111,7 @@ static int parse_u32(const char *s, uint32_t lo, uint32_t hi, uint32_t *out)
 {
     uint64_t v;
     if (kvr_parse_size(s, &v) < 0 || v < lo || v > hi)
-        return -EINVAL;
+        return KVR_EINVAL;
     *out = (uint32_t)v;
     return 0;
 }
@@ -117,21 +120,21 @@ static int copy_str(char *dst, size_t cap, const char *v)
 {
     size_t n = strlen(v);
     if (n >= cap)
-        return -EINVAL;
+        return KVR_EINVAL;
     memcpy(dst, v, n + 1);
     return 0;
 }
 
 int kvr_daemon_config_set(kvr_daemon_config *c, const char *key, const char *v,
-                          char *err, size_t errlen)
+                          kvr_error *err)
 {
     int rc = 0;
     uint64_t sz;
     if (!strcmp(key, "socket")) {
         rc = copy_str(c->socket_path, sizeof c->socket_path, v);
         if (rc == 0 && strcmp(v, "none") && strlen(v) >= 108) {
-            seterr(err, errlen, "--socket: path longer than 107 bytes: %s", v);
-            return -EINVAL;
+            seterr(err, "--socket: path longer than 107 bytes: %s", v);
+            return KVR_EINVAL;
         }
     } else if (!strcmp(key, "listen")) {
         rc = copy_str(c->listen, sizeof c->listen, v);
@@ -140,7 +143,7 @@ int kvr_daemon_config_set(kvr_daemon_config *c, const char *key, const char *v,
     } else if (!strcmp(key, "max-memory")) {
         rc = kvr_parse_size(v, &sz);
         if (rc == 0 && sz < MIB)
-            rc = -EINVAL;
+            rc = KVR_EINVAL;
         if (rc == 0)
             c->max_memory = sz;
     } else if (!strcmp(key, "max-connections")) {
@@ -150,7 +153,7 @@ int kvr_daemon_config_set(kvr_daemon_config *c, const char *key, const char *v,
     } else if (!strcmp(key, "max-conn-buffer")) {
         rc = kvr_parse_size(v, &sz);
         if (rc == 0 && sz < 4096)
-            rc = -EINVAL;
+            rc = KVR_EINVAL;
         if (rc == 0)
             c->max_conn_buffer = sz;
     } else if (!strcmp(key, "max-drain")) {
@@ -177,7 +180,7 @@ int kvr_daemon_config_set(kvr_daemon_config *c, const char *key, const char *v,
         rc = copy_str(c->metrics_listen, sizeof c->metrics_listen, v);
     } else if (!strcmp(key, "disk-dir")) {
         if (strlen(v) >= sizeof c->disk_dir)
-            rc = -EINVAL;
+            rc = KVR_EINVAL;
         else
             snprintf(c->disk_dir, sizeof c->disk_dir, "%s", v);
     } else if (!strcmp(key, "disk-max")) {
@@ -192,7 +195,7 @@ int kvr_daemon_config_set(kvr_daemon_config *c, const char *key, const char *v,
         else if (!strcmp(v, "posix"))
             c->disk_engine = 2;
         else
-            rc = -EINVAL;
+            rc = KVR_EINVAL;
     } else if (!strcmp(key, "persist-all")) {
         if (!strcmp(v, "1") || !strcmp(v, "true") || !strcmp(v, "yes") || !strcmp(v, "on"))
             c->persist_all = true;
@@ -200,13 +203,15 @@ int kvr_daemon_config_set(kvr_daemon_config *c, const char *key, const char *v,
                  !strcmp(v, "off"))
             c->persist_all = false;
         else
-            rc = -EINVAL;
+            rc = KVR_EINVAL;
     } else {
-        seterr(err, errlen, "unknown option '%s' (see kvroped --help)", key);
-        return -EINVAL;
+        seterr(err, "unknown option '%s' (see kvroped --help)", key);
+        return KVR_EINVAL;
     }
-    if (rc < 0)
-        seterr(err, errlen, "invalid value for --%s: '%s' (see kvroped --help)", key, v);
+    if (rc < 0) {
+        seterr(err, "invalid value for --%s: '%s' (see kvroped --help)", key, v);
+        rc = KVR_EINVAL;
+    }
     return rc;
 }
 
@@ -221,14 +226,11 @@ static char *trim(char *s)
 }
 
 int kvr_daemon_config_load_file(kvr_daemon_config *c, const char *path,
-                                char *err, size_t errlen)
+                                kvr_error *err)
 {
     FILE *f = fopen(path, "r");
-    if (!f) {
-        int e = errno;
-        seterr(err, errlen, "cannot open config file %s: %s", path, strerror(e));
-        return -e;
-    }
+    if (!f)
+        return kvr_error_sys(err, KVR_EIO, errno, "cannot open config file %s", path);
     char line[4096];
     int lineno = 0, rc = 0;
     while (fgets(line, sizeof line, f)) {
@@ -241,21 +243,21 @@ int kvr_daemon_config_load_file(kvr_daemon_config *c, const char *path,
             continue;
         char *eq = strchr(s, '=');
         if (!eq) {
-            seterr(err, errlen, "%s:%d: expected 'key = value'", path, lineno);
-            rc = -EINVAL;
+            seterr(err, "%s:%d: expected 'key = value'", path, lineno);
+            rc = KVR_EINVAL;
             break;
         }
         *eq = '\0';
         char *key = trim(s), *val = trim(eq + 1);
         if (!strcmp(key, "config")) {
-            seterr(err, errlen, "%s:%d: 'config' cannot be nested", path, lineno);
-            rc = -EINVAL;
+            seterr(err, "%s:%d: 'config' cannot be nested", path, lineno);
+            rc = KVR_EINVAL;
             break;
         }
-        char e2[256];
-        if (kvr_daemon_config_set(c, key, val, e2, sizeof e2) < 0) {
-            seterr(err, errlen, "%s:%d: %s", path, lineno, e2);
-            rc = -EINVAL;
+        kvr_error e2 = { 0 };
+        if (kvr_daemon_config_set(c, key, val, &e2) < 0) {
+            seterr(err, "%s:%d: %s", path, lineno, e2.msg);
+            rc = KVR_EINVAL;
             break;
         }
     }
@@ -403,7 +405,7 @@ static bool takes_no_value(const char *name)
 int kvr_daemon_config_parse_args(kvr_daemon_config *c, int argc, char **argv,
                                  FILE *out, FILE *errout)
 {
-    char err[512];
+    kvr_error err = { 0 };
     /* First pass: --help / --version / --config. */
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
@@ -423,13 +425,13 @@ int kvr_daemon_config_parse_args(kvr_daemon_config *c, int argc, char **argv,
         else if (!strcmp(a, "--config")) {
             if (i + 1 >= argc) {
                 fprintf(errout, "kvroped: --config needs a value (see --help)\n");
-                return -EINVAL;
+                return KVR_EINVAL;
             }
             v = argv[++i];
         }
-        if (v && kvr_daemon_config_load_file(c, v, err, sizeof err) < 0) {
-            fprintf(errout, "kvroped: %s\n", err);
-            return -EINVAL;
+        if (v && kvr_daemon_config_load_file(c, v, &err) < 0) {
+            fprintf(errout, "kvroped: %s\n", err.msg);
+            return KVR_EINVAL;
         }
     }
     /* Second pass: everything else overrides the file. */
@@ -437,14 +439,14 @@ int kvr_daemon_config_parse_args(kvr_daemon_config *c, int argc, char **argv,
         const char *a = argv[i];
         if (strncmp(a, "--", 2) != 0 || a[2] == '\0') {
             fprintf(errout, "kvroped: unexpected argument '%s' (see --help)\n", a);
-            return -EINVAL;
+            return KVR_EINVAL;
         }
         char name[64];
         const char *eq = strchr(a + 2, '='), *v;
         size_t nlen = eq ? (size_t)(eq - (a + 2)) : strlen(a + 2);
         if (nlen >= sizeof name) {
             fprintf(errout, "kvroped: unknown option '%s' (see --help)\n", a);
-            return -EINVAL;
+            return KVR_EINVAL;
         }
         memcpy(name, a + 2, nlen);
         name[nlen] = '\0';
@@ -452,7 +454,7 @@ int kvr_daemon_config_parse_args(kvr_daemon_config *c, int argc, char **argv,
             continue;
         if (!strcmp(name, "check-config")) {
             fprintf(errout, "kvroped: --check-config FILE takes no other options\n");
-            return -EINVAL;
+            return KVR_EINVAL;
         }
         if (!strcmp(name, "persist-all") && !eq) {
             c->persist_all = true;     /* a plain switch on the command line */
@@ -460,7 +462,7 @@ int kvr_daemon_config_parse_args(kvr_daemon_config *c, int argc, char **argv,
         }
         if (!known_option(name)) {
             fprintf(errout, "kvroped: unknown option '%s' (see --help)\n", a);
-            return -EINVAL;
+            return KVR_EINVAL;
         }
         if (eq)
             v = eq + 1;
@@ -468,18 +470,18 @@ int kvr_daemon_config_parse_args(kvr_daemon_config *c, int argc, char **argv,
             v = argv[++i];
         else {
             fprintf(errout, "kvroped: --%s needs a value (see --help)\n", name);
-            return -EINVAL;
+            return KVR_EINVAL;
         }
         if (!strcmp(name, "config"))
             continue;
-        if (kvr_daemon_config_set(c, name, v, err, sizeof err) < 0) {
-            fprintf(errout, "kvroped: %s\n", err);
-            return -EINVAL;
+        if (kvr_daemon_config_set(c, name, v, &err) < 0) {
+            fprintf(errout, "kvroped: %s\n", err.msg);
+            return KVR_EINVAL;
         }
     }
-    if (kvr_daemon_config_check(c, err, sizeof err) < 0) {
-        fprintf(errout, "kvroped: %s\n", err);
-        return -EINVAL;
+    if (kvr_daemon_config_check(c, &err) < 0) {
+        fprintf(errout, "kvroped: %s\n", err.msg);
+        return KVR_EINVAL;
     }
     return 0;
 }
@@ -493,25 +495,25 @@ int kvr_daemon_split_listen(const char *s, char *host, size_t hcap, int *port)
     if (s[0] == '[') {
         const char *rb = strchr(s, ']');
         if (!rb || rb[1] != ':')
-            return -EINVAL;
+            return KVR_EINVAL;
         h = s + 1;
         hl = (size_t)(rb - h);
         colon = rb + 1;
     } else {
         colon = strrchr(s, ':');
         if (!colon)
-            return -EINVAL;
+            return KVR_EINVAL;
         hl = (size_t)(colon - s);
     }
     if (hl == 0 || hl >= hcap)
-        return -EINVAL;
+        return KVR_EINVAL;
     memcpy(host, h, hl);
     host[hl] = '\0';
     char *end;
     errno = 0;
     long p = strtol(colon + 1, &end, 10);
     if (errno || *end || colon[1] == '\0' || p < 0 || p > 65535)
-        return -EINVAL;
+        return KVR_EINVAL;
     *port = (int)p;
     return 0;
 }
@@ -522,15 +524,15 @@ bool kvr_daemon_host_is_loopback(const char *host)
            !strncmp(host, "127.", 4);
 }
 
-int kvr_daemon_config_check(const kvr_daemon_config *c, char *err, size_t errlen)
+int kvr_daemon_config_check(const kvr_daemon_config *c, kvr_error *err)
 {
     if (!strcmp(c->socket_path, "none") && !c->listen[0]) {
-        seterr(err, errlen, "--socket none needs --listen HOST:PORT");
-        return -EINVAL;
+        seterr(err, "--socket none needs --listen HOST:PORT");
+        return KVR_EINVAL;
     }
     if (c->persist_all && !c->disk_dir[0]) {
-        seterr(err, errlen, "--persist-all needs --disk-dir DIR");
-        return -EINVAL;
+        seterr(err, "--persist-all needs --disk-dir DIR");
+        return KVR_EINVAL;
     }
     const struct { const char *flag, *val; } addrs[] = {
         { "listen", c->listen }, { "metrics-listen", c->metrics_listen },
@@ -541,57 +543,54 @@ int kvr_daemon_config_check(const kvr_daemon_config *c, char *err, size_t errlen
         char host[256];
         int port;
         if (kvr_daemon_split_listen(addrs[i].val, host, sizeof host, &port) < 0) {
-            seterr(err, errlen, "--%s: expected HOST:PORT, e.g. 127.0.0.1:7420, got '%s'",
+            seterr(err, "--%s: expected HOST:PORT, e.g. 127.0.0.1:7420, got '%s'",
                    addrs[i].flag, addrs[i].val);
-            return -EINVAL;
+            return KVR_EINVAL;
         }
         if (!kvr_daemon_host_is_loopback(host) && !c->auth_token_file[0]) {
-            seterr(err, errlen,
-                   "--%s %s is not a loopback address: it requires "
+            seterr(err, "--%s %s is not a loopback address: it requires "
                    "--auth-token-file FILE", addrs[i].flag, addrs[i].val);
-            return -EINVAL;
+            return KVR_EINVAL;
         }
     }
     return 0;
 }
 
 /* A numeric address a listener can bind (what server.c and metrics.c take). */
-static int check_numeric(const char *flag, const char *val, char *err, size_t errlen)
+static int check_numeric(const char *flag, const char *val, kvr_error *err)
 {
     char host[256];
     int port;
     if (kvr_daemon_split_listen(val, host, sizeof host, &port) < 0)
-        return -EINVAL;
+        return KVR_EINVAL;
     if (!strcmp(host, "localhost"))
         return 0;
     struct in6_addr a6;
     struct in_addr a4;
     if (inet_pton(AF_INET, host, &a4) == 1 || inet_pton(AF_INET6, host, &a6) == 1)
         return 0;
-    seterr(err, errlen, "--%s: '%s' is not a numeric IP address", flag, host);
-    return -EINVAL;
+    seterr(err, "--%s: '%s' is not a numeric IP address", flag, host);
+    return KVR_EINVAL;
 }
 
 int kvr_daemon_check_config_file(const char *path, FILE *out, FILE *errout)
 {
     kvr_daemon_config c;
     kvr_daemon_config_init(&c);
-    char err[1200] = "";
-    if (kvr_daemon_config_load_file(&c, path, err, sizeof err) < 0 ||
-        kvr_daemon_config_check(&c, err, sizeof err) < 0 ||
-        (c.listen[0] && check_numeric("listen", c.listen, err, sizeof err) < 0) ||
-        (c.metrics_listen[0] &&
-         check_numeric("metrics-listen", c.metrics_listen, err, sizeof err) < 0)) {
-        fprintf(errout, "kvroped: %s\n", err);
+    kvr_error err = { 0 };
+    if (kvr_daemon_config_load_file(&c, path, &err) < 0 || kvr_daemon_config_check(&c, &err) < 0 ||
+        (c.listen[0] && check_numeric("listen", c.listen, &err) < 0) ||
+        (c.metrics_listen[0] && check_numeric("metrics-listen", c.metrics_listen, &err) < 0)) {
+        fprintf(errout, "kvroped: %s\n", err.msg);
         return 1;
     }
     if (c.auth_token_file[0]) {
         uint8_t *tok = NULL;
         size_t n = 0;
-        int rc = kvr_daemon_read_token(c.auth_token_file, &tok, &n, err, sizeof err);
+        int rc = kvr_daemon_read_token(c.auth_token_file, &tok, &n, &err);
         kvr_mem_free(tok);
         if (rc < 0) {
-            fprintf(errout, "kvroped: %s: %s\n", path, err);
+            fprintf(errout, "kvroped: %s: %s\n", path, err.msg);
             return 1;
         }
     }

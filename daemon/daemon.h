@@ -16,6 +16,8 @@
 #include <stdbool.h>
 #include <stdio.h>
 
+#include "rope/error.h"
+
 #ifdef __cplusplus
 extern "C" {
 #endif
@@ -64,33 +66,34 @@ typedef struct kvr_daemon_config {
 void kvr_daemon_config_init(kvr_daemon_config *c);
 
 /* Sets one option by its long flag name without dashes ("max-memory").
- * Returns 0 or -EINVAL and writes a message to err. */
+ * Returns 0 or KVR_EINVAL and fills err (may be NULL). */
 int kvr_daemon_config_set(kvr_daemon_config *c, const char *key, const char *value,
-                          char *err, size_t errlen);
+                          kvr_error *err);
 
-/* Reads `key = value` lines ('#' starts a comment). 0 or -errno/-EINVAL. */
+/* Reads `key = value` lines ('#' starts a comment). 0, KVR_EIO (cannot
+ * open; strerror text in err) or KVR_EINVAL. */
 int kvr_daemon_config_load_file(kvr_daemon_config *c, const char *path,
-                                char *err, size_t errlen);
+                                kvr_error *err);
 
 /* Parses argv (argv[0] is the program). --config FILE is loaded first,
  * flags override it. Returns 0 to run, 1 if --help/--version was printed
- * to `out` (exit 0), or -EINVAL after writing a message to `errout`. */
+ * to `out` (exit 0), or KVR_EINVAL after writing a message to `errout`. */
 int kvr_daemon_config_parse_args(kvr_daemon_config *c, int argc, char **argv,
                                  FILE *out, FILE *errout);
 
 /* Checks cross-option rules (non-loopback TCP needs a token file, ...). */
-int kvr_daemon_config_check(const kvr_daemon_config *c, char *err, size_t errlen);
+int kvr_daemon_config_check(const kvr_daemon_config *c, kvr_error *err);
 
 /* `kvroped --check-config FILE`: loads FILE alone (no other flags), checks
  * it as a start would (cross-option rules, listen addresses, the token
  * file) without binding anything. Writes "FILE: ok" to out and returns 0,
- * or writes the reason to errout and returns 1. */
+ * or writes the reason to errout and returns 1 (the exit status). */
 int kvr_daemon_check_config_file(const char *path, FILE *out, FILE *errout);
 
 /* Writes the default socket path (see docs/protocol.md) to buf. */
 void kvr_daemon_default_socket(char *buf, size_t cap);
 
-/* "4G", "512M", "64k", "1024" (bytes). 0 or -EINVAL. */
+/* "4G", "512M", "64k", "1024" (bytes). 0 or KVR_EINVAL. */
 int kvr_parse_size(const char *s, uint64_t *out);
 
 void kvr_daemon_print_help(FILE *out);
@@ -103,8 +106,8 @@ void kvr_log_set_format(kvr_log_format f);
 int  kvr_log_format_parse(const char *s, kvr_log_format *out);
 /* Sends the log to path (appending, created 0640), or to stderr for "".
  * Called again (SIGHUP) it reopens the file, for log rotation. On failure
- * the current destination is kept and 0 / -errno is returned. */
-int  kvr_log_open(const char *path, char *err, size_t errlen);
+ * the current destination is kept: KVR_EIO (or KVR_ENOMEM) with err filled. */
+int  kvr_log_open(const char *path, kvr_error *err);
 void kvr_log(kvr_log_level l, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 
 /* ---- server ------------------------------------------------------------ */
@@ -115,9 +118,9 @@ typedef struct kvr_daemon kvr_daemon;
 void kvr_daemon_init_allocator(void);
 
 /* Creates the store, the loop and the listeners (not started yet). On
- * failure returns a negative code and writes a message to err. */
+ * failure returns a negative KVR_E* code and fills err (may be NULL). */
 int  kvr_daemon_create(kvr_daemon **out, const kvr_daemon_config *c,
-                       char *err, size_t errlen);
+                       kvr_error *err);
 /* Installs SIGINT/SIGTERM handlers that call kvr_daemon_stop, and SIGHUP:
  * reopen the log and reload what can change safely (kvr_daemon_reload). */
 int  kvr_daemon_handle_signals(kvr_daemon *d);
@@ -129,8 +132,8 @@ void kvr_daemon_stop(kvr_daemon *d);
  * then its flags, as at start) and applies what can change while running:
  * log level/format/file, the auth token, timeouts and connection limits.
  * Options that need a restart are reported and left as they are. A config
- * that does not parse changes nothing. argv is kept by the daemon (as given
- * to kvr_daemon_set_args; NULL: nothing is re-read but the log). */
+ * that does not parse changes nothing. argv is borrowed from
+ * kvr_daemon_set_args (none set: only the log is reopened). */
 void kvr_daemon_reload(kvr_daemon *d);
 void kvr_daemon_set_args(kvr_daemon *d, int argc, char **argv);
 /* Serves an already-connected stream fd (tests, fuzzing) as a Unix-socket

@@ -195,9 +195,8 @@ bool kvr_daemon_host_is_loopback(const char *host);
 /* ---- server.c --------------------------------------------------------- */
 /* Reads a token file (trailing newline ignored, 1..4096 bytes) into a
  * kvr_mem buffer the caller frees; warns (log) when group or others may
- * read it. 0 or -errno/-EINVAL with a message in err. */
-int  kvr_daemon_read_token(const char *path, uint8_t **tok, size_t *len, char *err,
-                           size_t errlen);
+ * read it. 0, or KVR_EIO / KVR_EINVAL / KVR_ENOMEM with err filled. */
+int  kvr_daemon_read_token(const char *path, uint8_t **tok, size_t *len, kvr_error *err);
 /* Is this bound/listening socket address loopback (127/8, ::1, ::ffff:127/8)? */
 bool kvr_daemon_sockaddr_is_loopback(const struct sockaddr *sa);
 uint64_t kvr_now_ns(void);

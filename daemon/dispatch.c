@@ -5,7 +5,7 @@
  * and come back in kvr_dispatch_after_work.
  *
  * Every path ends in exactly one reply followed by kvr_conn_request_done,
- * or in closing the connection. Store errors map to Status as -code.
+ * or in closing the connection. Store errors map to Status with kvr_error_status.
  */
 #include "daemon/daemon_internal.h"
 
@@ -34,11 +34,7 @@ ProtobufCAllocator kvr_pb_allocator = { pb_alloc, pb_free, NULL };
 
 int kvr_status_of(int code)
 {
-    if (code == 0)
-        return KVROPE__STATUS__OK;
-    if (code < 0 && -code < KVR_E_COUNT_)
-        return -code;
-    return KVROPE__STATUS__E_INTERNAL;
+    return kvr_error_status(code);   /* rope/error.h: local codes -> E_INTERNAL */
 }
 
 static bool dtype_ok(int t)
@@ -254,7 +250,7 @@ static int rope_from_pb(const Kvrope__RopeParams *p, kvr_rope_config *rc, char *
     if (p->has_scaling) {
         if ((int)p->scaling < 0 || (int)p->scaling > KVR_ROPE_SCALING_LLAMA3) {
             snprintf(err, errlen, "rope.scaling: unknown value %d", (int)p->scaling);
-            return -EINVAL;
+            return KVR_EINVAL;
         }
         rc->scaling = (kvr_rope_scaling)p->scaling;
     }
@@ -273,7 +269,7 @@ static int rope_from_pb(const Kvrope__RopeParams *p, kvr_rope_config *rc, char *
     const size_t maxf = KVR_ROPE_MAX_HEAD_DIM / 2;
     if (p->n_short_factor > maxf || p->n_long_factor > maxf) {
         snprintf(err, errlen, "rope.short_factor/long_factor: more than %zu entries", maxf);
-        return -EINVAL;
+        return KVR_EINVAL;
     }
     if (p->n_short_factor) {
         memcpy(rc->short_factor, p->short_factor, p->n_short_factor * sizeof(double));
@@ -294,7 +290,8 @@ static void do_register_model(kvr_conn *c)
         reply_errf(c, KVR_ENOMEM, "out of memory");
         return;
     }
-    char err[256] = "";
+    kvr_error rerr = { 0 };
+    char *err = rerr.msg;
     const char *style = m->style;
     if (style && strcmp(style, "neox") && strcmp(style, "gptj")) {
         kvr_mem_free(rc);
@@ -309,7 +306,7 @@ static void do_register_model(kvr_conn *c)
     }
     if (m->config_json) {
         int rc2 = kvr_rope_config_from_json(rc, m->config_json, strlen(m->config_json), style,
-                                            err, sizeof err);
+                                            &rerr);
         if (rc2 < 0) {
             kvr_mem_free(rc);
             reply_errf(c, KVR_ECONFIG, "config_json refused: %s", err[0] ? err : "invalid");
@@ -325,7 +322,7 @@ static void do_register_model(kvr_conn *c)
         kvr_rope_config_init(rc);
         rc->head_dim = (int32_t)m->head_dim;
         rc->rotary_dim = (int32_t)m->head_dim;
-        if (rope_from_pb(m->rope, rc, err, sizeof err) < 0) {
+        if (rope_from_pb(m->rope, rc, err, sizeof rerr.msg) < 0) {
             kvr_mem_free(rc);
             reply_errf(c, KVR_ECONFIG, "%s", err);
             return;
@@ -345,7 +342,7 @@ static void do_register_model(kvr_conn *c)
     if (m->has_n_layers || m->has_n_kv_heads || m->has_head_dim || !m->config_json) {
         if (rc->num_heads <= 0)
             rc->num_heads = rc->num_kv_heads;
-        if (kvr_rope_config_validate(rc, err, sizeof err) < 0) {
+        if (kvr_rope_config_validate(rc, &rerr) < 0) {
             kvr_mem_free(rc);
             reply_errf(c, KVR_ECONFIG, "rope configuration refused: %s", err);
             return;

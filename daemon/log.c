@@ -46,7 +46,7 @@ int kvr_log_level_parse(const char *s, kvr_log_level *out)
         *out = KVR_LOG_WARN;
         return 0;
     }
-    return -22;
+    return KVR_EINVAL;
 }
 
 int kvr_log_format_parse(const char *s, kvr_log_format *out)
@@ -59,10 +59,10 @@ int kvr_log_format_parse(const char *s, kvr_log_format *out)
         *out = KVR_LOG_FORMAT_JSON;
         return 0;
     }
-    return -22;
+    return KVR_EINVAL;
 }
 
-int kvr_log_open(const char *path, char *err, size_t errlen)
+int kvr_log_open(const char *path, kvr_error *err)
 {
     FILE *nf = NULL;
     if (path && path[0]) {
@@ -71,9 +71,7 @@ int kvr_log_open(const char *path, char *err, size_t errlen)
             int e = errno;
             if (fd >= 0)
                 close(fd);
-            if (err && errlen)
-                snprintf(err, errlen, "--log-file %s: %s", path, strerror(e));
-            return -e;
+            return kvr_error_sys(err, KVR_EIO, e, "--log-file %s", path);
         }
         setvbuf(nf, NULL, _IOLBF, 0);
     }

@@ -604,7 +604,7 @@ static void name_of(const struct sockaddr_storage *ss, char *buf, size_t cap)
     }
 }
 
-static int start_http(kvr_metrics *m, int listen_fd, char *err, size_t errlen)
+static int start_http(kvr_metrics *m, int listen_fd, kvr_error *err)
 {
     const kvr_daemon_config *cfg = &m->d->cfg;
     unsigned flags = MHD_USE_INTERNAL_POLLING_THREAD | MHD_USE_ERROR_LOG;
@@ -614,9 +614,8 @@ static int start_http(kvr_metrics *m, int listen_fd, char *err, size_t errlen)
         char host[256];
         int port;
         if (kvr_daemon_split_listen(cfg->metrics_listen, host, sizeof host, &port) < 0) {
-            snprintf(err, errlen, "--metrics-listen: expected HOST:PORT, got '%s'",
+            return kvr_error_set(err, KVR_EINVAL, "--metrics-listen: expected HOST:PORT, got '%s'",
                      cfg->metrics_listen);
-            return KVR_EINVAL;
         }
         if (!strcmp(host, "localhost"))
             snprintf(host, sizeof host, "127.0.0.1");
@@ -630,22 +629,19 @@ static int start_http(kvr_metrics *m, int listen_fd, char *err, size_t errlen)
             a6->sin6_port = htons((uint16_t)port);
             flags |= MHD_USE_IPv6;
         } else {
-            snprintf(err, errlen, "--metrics-listen: '%s' is not a numeric IP address", host);
-            return KVR_EINVAL;
+            return kvr_error_set(err, KVR_EINVAL, "--metrics-listen: '%s' is not a numeric IP address", host);
         }
     } else {
         socklen_t sl = sizeof ss;
         if (getsockname(listen_fd, (struct sockaddr *)&ss, &sl) < 0 ||
             (ss.ss_family != AF_INET && ss.ss_family != AF_INET6)) {
-            snprintf(err, errlen, "the activated metrics socket is not a TCP socket");
-            return KVR_EINVAL;
+            return kvr_error_set(err, KVR_EINVAL, "the activated metrics socket is not a TCP socket");
         }
         if (ss.ss_family == AF_INET6)
             flags |= MHD_USE_IPv6;
         if (!kvr_daemon_sockaddr_is_loopback((struct sockaddr *)&ss) && !m->token) {
-            snprintf(err, errlen, "the activated metrics socket is not on a loopback address: "
+            return kvr_error_set(err, KVR_EINVAL, "the activated metrics socket is not on a loopback address: "
                      "it requires --auth-token-file FILE");
-            return KVR_EINVAL;
         }
     }
     if (listen_fd >= 0)
@@ -665,9 +661,8 @@ static int start_http(kvr_metrics *m, int listen_fd, char *err, size_t errlen)
                                   MHD_OPTION_CONNECTION_MEMORY_LIMIT, (size_t)32768,
                                   MHD_OPTION_END);
     if (!m->mhd) {
-        snprintf(err, errlen, "--metrics-listen %s: cannot start the HTTP server (address in "
+        return kvr_error_set(err, KVR_EIO, "--metrics-listen %s: cannot start the HTTP server (address in "
                  "use or not available?)", listen_fd >= 0 ? "(activated)" : cfg->metrics_listen);
-        return KVR_EIO;
     }
     /* The bound address (port 0 picks one). */
     const union MHD_DaemonInfo *fi = MHD_get_daemon_info(m->mhd, MHD_DAEMON_INFO_LISTEN_FD);
@@ -710,7 +705,7 @@ const char *kvr_metrics_address(const kvr_metrics *m)
     return m && m->mhd ? m->addr : "";
 }
 
-int kvr_metrics_create(kvr_daemon *d, int listen_fd, char *err, size_t errlen)
+int kvr_metrics_create(kvr_daemon *d, int listen_fd, kvr_error *err)
 {
     kvr_metrics *m = kvr_mem_calloc(1, sizeof *m);
     snapshot *a = kvr_mem_calloc(1, sizeof *a), *b = kvr_mem_calloc(1, sizeof *b);
@@ -718,8 +713,7 @@ int kvr_metrics_create(kvr_daemon *d, int listen_fd, char *err, size_t errlen)
         kvr_mem_free(m);
         kvr_mem_free(a);
         kvr_mem_free(b);
-        snprintf(err, errlen, "out of memory");
-        return KVR_ENOMEM;
+        return kvr_error_set(err, KVR_ENOMEM, "out of memory");
     }
     m->d = d;
     m->snap = a;
@@ -743,20 +737,18 @@ int kvr_metrics_create(kvr_daemon *d, int listen_fd, char *err, size_t errlen)
     }
     d->metrics = m;
     if (kvr_metrics_set_token(m, d->token, d->token_len) < 0) {
-        snprintf(err, errlen, "out of memory");
-        return KVR_ENOMEM;
+        return kvr_error_set(err, KVR_ENOMEM, "out of memory");
     }
     int rc = uv_async_init(&d->loop, &m->async, on_async);
     if (rc < 0) {
-        snprintf(err, errlen, "uv_async_init: %s", uv_strerror(rc));
-        return KVR_EINTERNAL;
+        return kvr_error_sys(err, KVR_EINTERNAL, -rc, "uv_async_init");
     }
     m->has_async = true;
     m->async.data = m;
     uv_unref((uv_handle_t *)&m->async);    /* never keeps the loop alive */
     publish(m);
     if (listen_fd >= 0 || d->cfg.metrics_listen[0])
-        return start_http(m, listen_fd, err, errlen);
+        return start_http(m, listen_fd, err);
     return 0;
 }
 

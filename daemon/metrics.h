@@ -16,13 +16,15 @@
 #include <stdint.h>
 #include <stddef.h>
 
+#include "rope/error.h"
+
 typedef struct kvr_daemon kvr_daemon;
 typedef struct kvr_metrics kvr_metrics;
 
 /* Loop thread, in kvr_daemon_create: allocates d->metrics and, with
  * --metrics-listen (or an activated fd named "metrics", listen_fd >= 0),
- * starts the HTTP thread. 0 or a negative code with a message in err. */
-int  kvr_metrics_create(kvr_daemon *d, int listen_fd, char *err, size_t errlen);
+ * starts the HTTP thread. 0 or a negative KVR_E* code with err filled. */
+int  kvr_metrics_create(kvr_daemon *d, int listen_fd, kvr_error *err);
 
 /* THE per-request observation, one call when a request completes (its
  * reply queued): verb = the Request body case (0 or unknown: "none"),

@@ -23,6 +23,7 @@
  */
 #include "daemon/daemon_internal.h"
 
+#include <assert.h>
 #include <errno.h>
 #include <stdarg.h>
 #include <fcntl.h>
@@ -35,17 +36,6 @@
 #include <systemd/sd-daemon.h>
 #include <unistd.h>
 
-static void seterr(char *err, size_t errlen, const char *fmt, ...)
-    __attribute__((format(printf, 3, 4)));
-static void seterr(char *err, size_t errlen, const char *fmt, ...)
-{
-    if (!err || !errlen)
-        return;
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(err, errlen, fmt, ap);
-    va_end(ap);
-}
 
 static void *uv_realloc_cb(void *p, size_t n)
 {
@@ -139,7 +129,7 @@ int kvr_daemon_adopt_fd(kvr_daemon *d, int fd)
  * it is a real directory (not a symlink) owned by us that neither group
  * nor others can write (issue 12: another user's directory lets that user
  * replace the socket). */
-static int private_parent(const char *path, char *err, size_t errlen)
+static int private_parent(const char *path, kvr_error *err)
 {
     char dir[256];
     snprintf(dir, sizeof dir, "%s", path);
@@ -147,77 +137,63 @@ static int private_parent(const char *path, char *err, size_t errlen)
     if (!slash || slash == dir)
         return 0;
     *slash = '\0';
-    if (mkdir(dir, 0700) < 0 && errno != EEXIST) {
-        int e = errno;
-        seterr(err, errlen, "cannot create %s: %s", dir, strerror(e));
-        return -e;
-    }
+    if (mkdir(dir, 0700) < 0 && errno != EEXIST)
+        return kvr_error_sys(err, KVR_ESYS, errno, "cannot create %s", dir);
     struct stat st;
-    if (lstat(dir, &st) < 0) {
-        int e = errno;
-        seterr(err, errlen, "%s: %s", dir, strerror(e));
-        return -e;
-    }
-    if (!S_ISDIR(st.st_mode)) {
-        seterr(err, errlen, "default socket directory %s is not a directory (a symlink?): "
-               "refusing to use it (remove it, or pass --socket PATH)", dir);
-        return -ENOTDIR;
-    }
-    if (st.st_uid != geteuid()) {
-        seterr(err, errlen, "default socket directory %s belongs to uid %u, not to us (uid %u): "
-               "refusing to use it (another user could replace the socket; remove it, or "
-               "pass --socket PATH)", dir, (unsigned)st.st_uid, (unsigned)geteuid());
-        return -EPERM;
-    }
-    if (st.st_mode & (S_IWGRP | S_IWOTH)) {
-        seterr(err, errlen, "default socket directory %s is writable by %s (mode %04o): "
-               "refusing to use it (chmod 700 it, or pass --socket PATH)", dir,
-               (st.st_mode & S_IWOTH) ? "others" : "its group", (unsigned)(st.st_mode & 07777));
-        return -EPERM;
-    }
+    if (lstat(dir, &st) < 0)
+        return kvr_error_sys(err, KVR_ESYS, errno, "%s", dir);
+    if (!S_ISDIR(st.st_mode))
+        return kvr_error_set(err, KVR_EEXIST, "default socket directory %s is not a directory "
+                             "(a symlink?): refusing to use it (remove it, or pass --socket PATH)",
+                             dir);
+    if (st.st_uid != geteuid())
+        return kvr_error_set(err, KVR_EUNAUTH, "default socket directory %s belongs to uid %u, "
+                             "not to us (uid %u): refusing to use it (another user could replace "
+                             "the socket; remove it, or pass --socket PATH)", dir,
+                             (unsigned)st.st_uid, (unsigned)geteuid());
+    if (st.st_mode & (S_IWGRP | S_IWOTH))
+        return kvr_error_set(err, KVR_EUNAUTH, "default socket directory %s is writable by %s "
+                             "(mode %04o): refusing to use it (chmod 700 it, or pass --socket PATH)",
+                             dir, (st.st_mode & S_IWOTH) ? "others" : "its group",
+                             (unsigned)(st.st_mode & 07777));
     return 0;
 }
 
 /* 0: path free (or stale socket removed); <0: refuse. */
-static int probe_socket_path(const char *path, char *err, size_t errlen)
+static int probe_socket_path(const char *path, kvr_error *err)
 {
     struct stat st;
     if (lstat(path, &st) < 0)
-        return errno == ENOENT ? 0 : -errno;
-    if (!S_ISSOCK(st.st_mode)) {
-        seterr(err, errlen, "%s exists and is not a socket: refusing to replace it", path);
-        return -EEXIST;
-    }
+        return errno == ENOENT ? 0 : kvr_error_sys(err, KVR_ESYS, errno, "%s", path);
+    if (!S_ISSOCK(st.st_mode))
+        return kvr_error_set(err, KVR_EEXIST,
+                             "%s exists and is not a socket: refusing to replace it", path);
     int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
     if (fd < 0)
-        return -errno;
+        return kvr_error_sys(err, KVR_ESYS, errno, "%s: socket", path);
     struct sockaddr_un sa = { .sun_family = AF_UNIX };
     size_t plen = strlen(path);
     if (plen >= sizeof sa.sun_path) {
         close(fd);
-        return -ENAMETOOLONG;
+        return kvr_error_set(err, KVR_EINVAL, "socket path too long (max 107 bytes): %s", path);
     }
     memcpy(sa.sun_path, path, plen + 1);
     int rc = connect(fd, (struct sockaddr *)&sa, sizeof sa);
     int e = errno;
     close(fd);
-    if (rc == 0) {
-        seterr(err, errlen, "%s: another kvroped is listening there (stop it first)", path);
-        return -EADDRINUSE;
-    }
+    if (rc == 0)
+        return kvr_error_set(err, KVR_EEXIST,
+                             "%s: another kvroped is listening there (stop it first)", path);
     if (e == ECONNREFUSED || e == ENOENT) {
         kvr_log(KVR_LOG_INFO, "removing stale socket %s", path);
-        if (unlink(path) < 0 && errno != ENOENT) {
-            seterr(err, errlen, "cannot remove stale socket %s: %s", path, strerror(errno));
-            return -errno;
-        }
+        if (unlink(path) < 0 && errno != ENOENT)
+            return kvr_error_sys(err, KVR_ESYS, errno, "cannot remove stale socket %s", path);
         return 0;
     }
-    seterr(err, errlen, "%s: cannot probe existing socket: %s", path, strerror(e));
-    return -e;
+    return kvr_error_sys(err, KVR_ESYS, e, "%s: cannot probe existing socket", path);
 }
 
-static int listen_unix(kvr_daemon *d, char *err, size_t errlen)
+static int listen_unix(kvr_daemon *d, kvr_error *err)
 {
     const char *cfgp = d->cfg.socket_path;
     if (!strcmp(cfgp, "none"))
@@ -226,38 +202,31 @@ static int listen_unix(kvr_daemon *d, char *err, size_t errlen)
         snprintf(d->sock_path, sizeof d->sock_path, "%s", cfgp);
     } else {
         kvr_daemon_default_socket(d->sock_path, sizeof d->sock_path);
-        int rc = private_parent(d->sock_path, err, errlen);
+        int rc = private_parent(d->sock_path, err);
         if (rc < 0)
             return rc;
     }
-    if (strlen(d->sock_path) >= sizeof(((struct sockaddr_un *)0)->sun_path)) {
-        seterr(err, errlen, "socket path too long (max 107 bytes): %s", d->sock_path);
-        return -ENAMETOOLONG;
-    }
-    int rc = probe_socket_path(d->sock_path, err, errlen);
-    if (rc < 0) {
-        if (!err || !err[0])
-            seterr(err, errlen, "%s: %s", d->sock_path, strerror(-rc));
+    if (strlen(d->sock_path) >= sizeof(((struct sockaddr_un *)0)->sun_path))
+        return kvr_error_set(err, KVR_EINVAL, "socket path too long (max 107 bytes): %s",
+                             d->sock_path);
+    int rc = probe_socket_path(d->sock_path, err);
+    if (rc < 0)
         return rc;
-    }
     /* Bound here rather than with uv_pipe_bind: libuv unlinks the path it
      * bound when the handle closes, whoever's socket it names by then
      * (issue 12); remove_socket does it only while the inode is ours. */
     int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
-    if (fd < 0) {
-        rc = -errno;
-        seterr(err, errlen, "unix socket %s: %s", d->sock_path, strerror(errno));
-        return rc;
-    }
+    if (fd < 0)
+        return kvr_error_sys(err, KVR_ESYS, errno, "unix socket %s", d->sock_path);
     struct sockaddr_un sa = { .sun_family = AF_UNIX };
     memcpy(sa.sun_path, d->sock_path, strlen(d->sock_path) + 1);
     mode_t old = umask(0177);
-    rc = bind(fd, (struct sockaddr *)&sa, sizeof sa) < 0 ? -errno : 0;
+    int bind_rc = bind(fd, (struct sockaddr *)&sa, sizeof sa);
+    int bind_errno = errno;
     umask(old);
-    if (rc < 0) {
+    if (bind_rc < 0) {
         close(fd);
-        seterr(err, errlen, "unix socket %s: %s", d->sock_path, strerror(-rc));
-        return rc;
+        return kvr_error_sys(err, KVR_ESYS, bind_errno, "unix socket %s", d->sock_path);
     }
     d->sock_created = true;
     struct stat st;
@@ -266,10 +235,9 @@ static int listen_unix(kvr_daemon *d, char *err, size_t errlen)
         d->sock_ino = st.st_ino;
     }
     if (chmod(d->sock_path, 0600) < 0) {
-        rc = -errno;
+        int e = errno;
         close(fd);
-        seterr(err, errlen, "chmod %s: %s", d->sock_path, strerror(-rc));
-        return rc;
+        return kvr_error_sys(err, KVR_ESYS, e, "chmod %s", d->sock_path);
     }
     rc = uv_pipe_init(&d->loop, &d->unix_srv, 0);
     if (rc < 0) {
@@ -288,21 +256,19 @@ static int listen_unix(kvr_daemon *d, char *err, size_t errlen)
         goto uv_fail;
     kvr_log(KVR_LOG_INFO, "listening on unix socket %s", d->sock_path);
     return 0;
-uv_fail:
-    seterr(err, errlen, "unix socket %s: %s", d->sock_path, uv_strerror(rc));
-    return rc;
+uv_fail:   /* libuv's codes are -errno on Unix */
+    return kvr_error_sys(err, KVR_ESYS, -rc, "unix socket %s", d->sock_path);
 }
 
-static int listen_tcp(kvr_daemon *d, char *err, size_t errlen)
+static int listen_tcp(kvr_daemon *d, kvr_error *err)
 {
     if (!d->cfg.listen[0])
         return 0;
     char host[256];
     int port;
-    if (kvr_daemon_split_listen(d->cfg.listen, host, sizeof host, &port) < 0) {
-        seterr(err, errlen, "--listen: expected HOST:PORT, got '%s'", d->cfg.listen);
-        return -EINVAL;
-    }
+    if (kvr_daemon_split_listen(d->cfg.listen, host, sizeof host, &port) < 0)
+        return kvr_error_set(err, KVR_EINVAL, "--listen: expected HOST:PORT, got '%s'",
+                             d->cfg.listen);
     if (!strcmp(host, "localhost"))
         snprintf(host, sizeof host, "127.0.0.1");
     struct sockaddr_storage ss;
@@ -311,10 +277,8 @@ static int listen_tcp(kvr_daemon *d, char *err, size_t errlen)
         rc = uv_ip6_addr(host, port, (struct sockaddr_in6 *)&ss);
     else
         rc = uv_ip4_addr(host, port, (struct sockaddr_in *)&ss);
-    if (rc < 0) {
-        seterr(err, errlen, "--listen: '%s' is not a numeric IP address", host);
-        return rc;
-    }
+    if (rc < 0)
+        return kvr_error_set(err, KVR_EINVAL, "--listen: '%s' is not a numeric IP address", host);
     rc = uv_tcp_init(&d->loop, &d->tcp_srv);
     if (rc < 0)
         goto fail;
@@ -342,21 +306,16 @@ static int listen_tcp(kvr_daemon *d, char *err, size_t errlen)
             d->token ? " (auth required)" : "");
     return 0;
 fail:
-    seterr(err, errlen, "--listen %s: %s", d->cfg.listen, uv_strerror(rc));
-    return rc;
+    return kvr_error_sys(err, KVR_ESYS, -rc, "--listen %s", d->cfg.listen);
 }
 
-int kvr_daemon_read_token(const char *path, uint8_t **tok, size_t *len, char *err,
-                          size_t errlen)
+int kvr_daemon_read_token(const char *path, uint8_t **tok, size_t *len, kvr_error *err)
 {
     *tok = NULL;
     *len = 0;
     FILE *f = fopen(path, "rb");
-    if (!f) {
-        int e = errno;
-        seterr(err, errlen, "--auth-token-file %s: %s", path, strerror(e));
-        return -e;
-    }
+    if (!f)
+        return kvr_error_sys(err, KVR_EIO, errno, "--auth-token-file %s", path);
     struct stat st;
     if (fstat(fileno(f), &st) == 0 && (st.st_mode & (S_IRWXG | S_IRWXO)))
         kvr_log(KVR_LOG_WARN, "--auth-token-file %s can be read or written by %s (mode %04o): "
@@ -366,31 +325,29 @@ int kvr_daemon_read_token(const char *path, uint8_t **tok, size_t *len, char *er
     uint8_t buf[4097];
     size_t n = fread(buf, 1, sizeof buf, f);
     fclose(f);
-    if (n == sizeof buf) {
-        seterr(err, errlen, "--auth-token-file %s: token longer than 4096 bytes", path);
-        return -EINVAL;
-    }
+    if (n == sizeof buf)
+        return kvr_error_set(err, KVR_EINVAL, "--auth-token-file %s: token longer than 4096 bytes",
+                             path);
     if (n > 0 && buf[n - 1] == '\n')
         n--;
     if (n > 0 && buf[n - 1] == '\r')
         n--;
-    if (n == 0) {
-        seterr(err, errlen, "--auth-token-file %s: empty token", path);
-        return -EINVAL;
-    }
+    if (n == 0)
+        return kvr_error_set(err, KVR_EINVAL, "--auth-token-file %s: empty token", path);
     *tok = kvr_mem_malloc(n);
     if (!*tok)
-        return -ENOMEM;
+        return kvr_error_set(err, KVR_ENOMEM, "--auth-token-file %s: out of memory for the token",
+                             path);
     memcpy(*tok, buf, n);
     *len = n;
     return 0;
 }
 
-static int read_token(kvr_daemon *d, char *err, size_t errlen)
+static int read_token(kvr_daemon *d, kvr_error *err)
 {
     if (!d->cfg.auth_token_file[0])
         return 0;
-    return kvr_daemon_read_token(d->cfg.auth_token_file, &d->token, &d->token_len, err, errlen);
+    return kvr_daemon_read_token(d->cfg.auth_token_file, &d->token, &d->token_len, err);
 }
 
 /* ---- socket activation -------------------------------------------------------- */
@@ -398,85 +355,76 @@ static int read_token(kvr_daemon *d, char *err, size_t errlen)
 /* Takes the sockets systemd passed (LISTEN_FDS/LISTEN_PID, unset for our
  * children): a Unix stream socket replaces --socket, a TCP one --listen,
  * one named "metrics" (FileDescriptorName=) serves /metrics. */
-static int take_activated(kvr_daemon *d, int *metrics_fd, char *err, size_t errlen)
+static int take_one(kvr_daemon *d, int fd, const char *name, int *metrics_fd, kvr_error *err)
+{
+    if (!strcmp(name, "metrics") && sd_is_socket(fd, AF_UNSPEC, SOCK_STREAM, 1) > 0) {
+        if (*metrics_fd >= 0)
+            return kvr_error_set(err, KVR_EINVAL, "socket activation: more than one metrics socket");
+        *metrics_fd = fd;
+        return 0;
+    }
+    int rc;
+    if (sd_is_socket_unix(fd, SOCK_STREAM, 1, NULL, 0) > 0) {
+        if (d->has_unix)
+            return kvr_error_set(err, KVR_EINVAL, "socket activation: more than one Unix socket");
+        struct sockaddr_un sa;
+        socklen_t sl = sizeof sa;
+        memset(&sa, 0, sizeof sa);
+        if (getsockname(fd, (struct sockaddr *)&sa, &sl) == 0 && sa.sun_path[0])
+            snprintf(d->sock_path, sizeof d->sock_path, "%.*s", (int)sizeof sa.sun_path,
+                     sa.sun_path);
+        else
+            snprintf(d->sock_path, sizeof d->sock_path, "(fd %d)", fd);
+        if ((rc = uv_pipe_init(&d->loop, &d->unix_srv, 0)) == 0) {
+            d->has_unix = true;
+            d->unix_srv.data = d;
+            rc = uv_pipe_open(&d->unix_srv, fd);
+        }
+        if (rc == 0)
+            rc = uv_listen((uv_stream_t *)&d->unix_srv, 128, on_connection);
+        if (rc < 0)
+            return kvr_error_sys(err, KVR_ESYS, -rc, "activated unix socket %s", d->sock_path);
+        d->unix_activated = true;
+        kvr_log(KVR_LOG_INFO, "listening on unix socket %s (socket activation)", d->sock_path);
+        return 0;
+    }
+    if (sd_is_socket_inet(fd, AF_UNSPEC, SOCK_STREAM, 1, 0) > 0) {
+        if (d->has_tcp)
+            return kvr_error_set(err, KVR_EINVAL, "socket activation: more than one TCP socket");
+        struct sockaddr_storage ss;
+        socklen_t sl = sizeof ss;
+        if (getsockname(fd, (struct sockaddr *)&ss, &sl) < 0 ||
+            (!kvr_daemon_sockaddr_is_loopback((struct sockaddr *)&ss) && !d->token))
+            return kvr_error_set(err, KVR_EINVAL, "the activated TCP socket is not on a loopback "
+                                 "address: it requires --auth-token-file FILE");
+        if ((rc = uv_tcp_init(&d->loop, &d->tcp_srv)) == 0) {
+            d->has_tcp = true;
+            d->tcp_srv.data = d;
+            rc = uv_tcp_open(&d->tcp_srv, fd);
+        }
+        if (rc == 0)
+            rc = uv_listen((uv_stream_t *)&d->tcp_srv, 128, on_connection);
+        if (rc < 0)
+            return kvr_error_sys(err, KVR_ESYS, -rc, "activated tcp socket");
+        d->tcp_activated = true;
+        kvr_log(KVR_LOG_INFO, "listening on tcp (socket activation, fd %d)%s", fd,
+                d->token ? " (auth required)" : "");
+        return 0;
+    }
+    return kvr_error_set(err, KVR_EINVAL, "socket activation: fd %d (%s) is not a listening "
+                         "stream socket", fd, name[0] ? name : "unnamed");
+}
+
+static int take_activated(kvr_daemon *d, int *metrics_fd, kvr_error *err)
 {
     char **names = NULL;
     int n = sd_listen_fds_with_names(1, &names);
+    if (n < 0)
+        return kvr_error_sys(err, KVR_ESYS, -n, "socket activation (LISTEN_FDS)");
     int rc = 0;
-    if (n < 0) {
-        seterr(err, errlen, "socket activation: %s", strerror(-n));
-        return n;
-    }
-    for (int i = 0; i < n && rc == 0; i++) {
-        int fd = SD_LISTEN_FDS_START + i;
-        const char *name = names && names[i] ? names[i] : "";
-        if (!strcmp(name, "metrics") && sd_is_socket(fd, AF_UNSPEC, SOCK_STREAM, 1) > 0) {
-            if (*metrics_fd >= 0) {
-                seterr(err, errlen, "socket activation: more than one metrics socket");
-                rc = -EINVAL;
-            }
-            *metrics_fd = fd;
-        } else if (sd_is_socket_unix(fd, SOCK_STREAM, 1, NULL, 0) > 0) {
-            if (d->has_unix) {
-                seterr(err, errlen, "socket activation: more than one Unix socket");
-                rc = -EINVAL;
-                break;
-            }
-            struct sockaddr_un sa;
-            socklen_t sl = sizeof sa;
-            memset(&sa, 0, sizeof sa);
-            if (getsockname(fd, (struct sockaddr *)&sa, &sl) == 0 && sa.sun_path[0])
-                snprintf(d->sock_path, sizeof d->sock_path, "%s", sa.sun_path);
-            else
-                snprintf(d->sock_path, sizeof d->sock_path, "(fd %d)", fd);
-            if ((rc = uv_pipe_init(&d->loop, &d->unix_srv, 0)) == 0) {
-                d->has_unix = true;
-                d->unix_srv.data = d;
-                rc = uv_pipe_open(&d->unix_srv, fd);
-            }
-            if (rc == 0)
-                rc = uv_listen((uv_stream_t *)&d->unix_srv, 128, on_connection);
-            if (rc < 0) {
-                seterr(err, errlen, "activated unix socket %s: %s", d->sock_path, uv_strerror(rc));
-                break;
-            }
-            d->unix_activated = true;
-            kvr_log(KVR_LOG_INFO, "listening on unix socket %s (socket activation)", d->sock_path);
-        } else if (sd_is_socket_inet(fd, AF_UNSPEC, SOCK_STREAM, 1, 0) > 0) {
-            if (d->has_tcp) {
-                seterr(err, errlen, "socket activation: more than one TCP socket");
-                rc = -EINVAL;
-                break;
-            }
-            struct sockaddr_storage ss;
-            socklen_t sl = sizeof ss;
-            if (getsockname(fd, (struct sockaddr *)&ss, &sl) < 0 ||
-                (!kvr_daemon_sockaddr_is_loopback((struct sockaddr *)&ss) && !d->token)) {
-                seterr(err, errlen, "the activated TCP socket is not on a loopback address: it "
-                       "requires --auth-token-file FILE");
-                rc = -EINVAL;
-                break;
-            }
-            if ((rc = uv_tcp_init(&d->loop, &d->tcp_srv)) == 0) {
-                d->has_tcp = true;
-                d->tcp_srv.data = d;
-                rc = uv_tcp_open(&d->tcp_srv, fd);
-            }
-            if (rc == 0)
-                rc = uv_listen((uv_stream_t *)&d->tcp_srv, 128, on_connection);
-            if (rc < 0) {
-                seterr(err, errlen, "activated tcp socket: %s", uv_strerror(rc));
-                break;
-            }
-            d->tcp_activated = true;
-            kvr_log(KVR_LOG_INFO, "listening on tcp (socket activation, fd %d)%s", fd,
-                    d->token ? " (auth required)" : "");
-        } else {
-            seterr(err, errlen, "socket activation: fd %d (%s) is not a listening stream "
-                   "socket", fd, name[0] ? name : "unnamed");
-            rc = -EINVAL;
-        }
-    }
+    for (int i = 0; i < n && rc == 0; i++)
+        rc = take_one(d, SD_LISTEN_FDS_START + i, names && names[i] ? names[i] : "", metrics_fd,
+                      err);
     if (names) {
         for (int i = 0; i < n; i++)
             free(names[i]);
@@ -593,7 +541,7 @@ void kvr_daemon_reload(kvr_daemon *d)
     if (d->stopping)
         return;
     sd_notify(0, "RELOADING=1\nSTATUS=reloading");
-    char err[1200] = "";
+    kvr_error err = { 0 };
     kvr_daemon_config nc = d->cfg;
     bool parsed = true;
     if (d->argv) {
@@ -621,8 +569,8 @@ void kvr_daemon_reload(kvr_daemon *d)
     if (!parsed)
         nc = d->cfg;
     /* The log first, so what follows lands in the new one. */
-    if (kvr_log_open(nc.log_file, err, sizeof err) < 0) {
-        kvr_log(KVR_LOG_ERROR, "reload: %s (keeping the current log)", err);
+    if (kvr_log_open(nc.log_file, &err) < 0) {
+        kvr_log(KVR_LOG_ERROR, "reload: %s (keeping the current log)", err.msg);
         snprintf(nc.log_file, sizeof nc.log_file, "%s", d->cfg.log_file);
     }
     kvr_log_set_level(nc.log_level);
@@ -636,8 +584,8 @@ void kvr_daemon_reload(kvr_daemon *d)
     if (nc.auth_token_file[0]) {
         uint8_t *tok;
         size_t len;
-        if (kvr_daemon_read_token(nc.auth_token_file, &tok, &len, err, sizeof err) < 0) {
-            kvr_log(KVR_LOG_ERROR, "reload: %s (keeping the current token)", err);
+        if (kvr_daemon_read_token(nc.auth_token_file, &tok, &len, &err) < 0) {
+            kvr_log(KVR_LOG_ERROR, "reload: %s (keeping the current token)", err.msg);
             snprintf(nc.auth_token_file, sizeof nc.auth_token_file, "%s", d->cfg.auth_token_file);
         } else if (kvr_metrics_set_token(d->metrics, tok, len) < 0) {
             kvr_mem_free(tok);
@@ -724,16 +672,13 @@ void kvr_daemon_stop(kvr_daemon *d)
 
 /* ---- create / run / destroy ------------------------------------------------- */
 
-int kvr_daemon_create(kvr_daemon **out, const kvr_daemon_config *cfg, char *err, size_t errlen)
+int kvr_daemon_create(kvr_daemon **out, const kvr_daemon_config *cfg, kvr_error *err)
 {
     kvr_daemon_init_allocator();
-    if (err && errlen)
-        err[0] = '\0';
+    kvr_error_set(err, KVR_OK, "%s", "");
     kvr_daemon *d = kvr_mem_calloc(1, sizeof *d);
-    if (!d) {
-        seterr(err, errlen, "out of memory");
-        return KVR_ENOMEM;
-    }
+    if (!d)
+        return kvr_error_set(err, KVR_ENOMEM, "out of memory");
     d->cfg = *cfg;
     d->start_ms = kvr_now_ms();
     d->limits.max_msg_len = cfg->max_frame;
@@ -749,31 +694,33 @@ int kvr_daemon_create(kvr_daemon **out, const kvr_daemon_config *cfg, char *err,
     }
     int rc = uv_loop_init(&d->loop);
     if (rc < 0) {
-        seterr(err, errlen, "uv_loop_init: %s", uv_strerror(rc));
         kvr_mem_free(d);
-        return KVR_EINTERNAL;
+        return kvr_error_sys(err, KVR_EINTERNAL, -rc, "uv_loop_init");
     }
     kvr_store_config sc = { .max_memory = cfg->max_memory, .block_tokens = cfg->block_tokens };
     kvr_error e = { 0 };
     rc = kvr_store_create(&d->store, &sc, &e);
     if (rc < 0) {
-        seterr(err, errlen, "store: %s", e.msg[0] ? e.msg : kvr_strerror(rc));
+        kvr_error_set(err, rc, "store: %s", e.msg[0] ? e.msg : kvr_strerror(rc));
         d->store = NULL;
         goto fail;
     }
-    if ((rc = read_token(d, err, errlen)) < 0)
+    if ((rc = read_token(d, err)) < 0)
         goto fail;
     /* Disk tier: recovered before anything is accepted. */
-    if ((rc = kvr_persist_open(d, err, errlen)) < 0)
+    char pmsg[sizeof e.msg] = "";
+    if ((rc = kvr_persist_open(d, pmsg, sizeof pmsg)) < 0) {
+        kvr_error_set(err, rc, "%s", pmsg[0] ? pmsg : kvr_strerror(rc));
         goto fail;
+    }
     int metrics_fd = -1;
-    if ((rc = take_activated(d, &metrics_fd, err, errlen)) < 0)
+    if ((rc = take_activated(d, &metrics_fd, err)) < 0)
         goto fail;
-    if (!d->unix_activated && (rc = listen_unix(d, err, errlen)) < 0)
+    if (!d->unix_activated && (rc = listen_unix(d, err)) < 0)
         goto fail;
-    if (!d->tcp_activated && (rc = listen_tcp(d, err, errlen)) < 0)
+    if (!d->tcp_activated && (rc = listen_tcp(d, err)) < 0)
         goto fail;
-    if ((rc = kvr_metrics_create(d, metrics_fd, err, errlen)) < 0)
+    if ((rc = kvr_metrics_create(d, metrics_fd, err)) < 0)
         goto fail;
     uv_timer_init(&d->loop, &d->sweep);
     d->sweep.data = d;
@@ -784,7 +731,8 @@ int kvr_daemon_create(kvr_daemon **out, const kvr_daemon_config *cfg, char *err,
     return 0;
 fail:
     kvr_daemon_destroy(d);
-    return rc < 0 ? rc : KVR_EINTERNAL;
+    assert(rc < 0 && (!err || err->code == rc));
+    return rc;
 }
 
 int kvr_daemon_run(kvr_daemon *d)
@@ -870,9 +818,9 @@ int kvr_daemon_main(int argc, char **argv)
     kvr_log_set_level(cfg.log_level);
     kvr_log_set_format(cfg.log_format);
     if (cfg.log_file[0]) {
-        char lerr[1200];
-        if (kvr_log_open(cfg.log_file, lerr, sizeof lerr) < 0) {
-            fprintf(stderr, "kvroped: %s\n", lerr);
+        kvr_error lerr = { 0 };
+        if (kvr_log_open(cfg.log_file, &lerr) < 0) {
+            fprintf(stderr, "kvroped: %s\n", lerr.msg);
             return 1;
         }
     }
@@ -881,13 +829,13 @@ int kvr_daemon_main(int argc, char **argv)
         snprintf(n, sizeof n, "%u", cfg.threads);
         setenv("UV_THREADPOOL_SIZE", n, 1);
     }
-    char err[1200];
+    kvr_error err = { 0 };
     kvr_daemon *d;
-    rc = kvr_daemon_create(&d, &cfg, err, sizeof err);
+    rc = kvr_daemon_create(&d, &cfg, &err);
     if (rc < 0) {
-        kvr_log(KVR_LOG_ERROR, "cannot start: %s", err[0] ? err : kvr_strerror(rc));
-        char st[1300];
-        snprintf(st, sizeof st, "STATUS=cannot start: %s", err[0] ? err : kvr_strerror(rc));
+        kvr_log(KVR_LOG_ERROR, "cannot start: %s", err.msg[0] ? err.msg : kvr_strerror(rc));
+        char st[400];
+        snprintf(st, sizeof st, "STATUS=cannot start: %s", err.msg[0] ? err.msg : kvr_strerror(rc));
         sd_notify(0, st);
         return 1;
     }

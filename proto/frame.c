@@ -9,9 +9,21 @@
 
 #include <string.h>
 
-/* The store's codes (cache.h); repeated so proto/ does not depend on cache/. */
-#define FRAME_EBADFRAME  (-3)
-#define FRAME_ETOOLARGE  (-4)
+#include "kvrope.pb-c.h"
+#include "rope/error.h"
+
+/* The error space (rope/error.h) and the wire's Status enum are one list:
+ * every wire code's number is its Status value, so the daemon sends
+ * kvr_error_status(code) and a client maps Status s back with
+ * KVR_E_FROM_STATUS(s). A renumbered or renamed Status fails to build here. */
+#define STATUS_MATCHES(name, n, wire, text)                                      \
+    _Static_assert((n) == KVROPE__STATUS__##wire &&                              \
+                   KVR_E##name == KVR_E_FROM_STATUS(KVROPE__STATUS__##wire),     \
+                   "KVR_E" #name " is not Status " #wire);
+KVR_ERRORS_WIRE(STATUS_MATCHES)
+#undef STATUS_MATCHES
+_Static_assert(KVROPE__STATUS__OK == 0 && KVR_E_FROM_STATUS(KVROPE__STATUS__OK) == KVR_OK,
+               "OK is 0 on both sides");
 
 static void put_u16(uint8_t *p, uint16_t v)
 {
@@ -77,10 +89,10 @@ int kvr_frame_header_decode(const uint8_t in[KVR_FRAME_HEADER_SIZE],
         *h = t;
     if (t.magic != KVR_FRAME_MAGIC || t.version != KVR_FRAME_VERSION ||
         t.header_len != KVR_FRAME_HEADER_SIZE || t.flags != 0)
-        return FRAME_EBADFRAME;
+        return KVR_EBADFRAME;
     if (lim) {
         if (t.msg_len > lim->max_msg_len || t.payload_len > lim->max_payload_len)
-            return FRAME_ETOOLARGE;
+            return KVR_ETOOLARGE;
     }
     return 0;
 }

@@ -19,6 +19,8 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "rope/error.h"
+
 #ifdef __cplusplus
 extern "C" {
 #endif
@@ -48,7 +50,7 @@ void kvr_frame_header_encode(uint8_t out[KVR_FRAME_HEADER_SIZE],
 
 /* Parses and checks a header: magic, version, header_len, flags, then the
  * lengths against lim (NULL = no length limits). Returns 0, KVR_EBADFRAME
- * (-3) for a header that is not ours, or KVR_ETOOLARGE (-4) for lengths over
+ * for a header that is not ours, or KVR_ETOOLARGE for lengths over
  * the limits. Never reads past 24 bytes. */
 int kvr_frame_header_decode(const uint8_t in[KVR_FRAME_HEADER_SIZE],
                             kvr_frame_header *h, const kvr_frame_limits *lim);

@@ -19,18 +19,21 @@
 
 #include "rope/rope_internal.h"
 
-static int fail(char *err, size_t errlen, const char *fmt, ...)
-    __attribute__((format(printf, 3, 4)));
+/* A refused configuration: KVR_EINVAL with a message naming the field. */
+static int fail(kvr_error *err, const char *fmt, ...)
+    __attribute__((format(printf, 2, 3)));
 
-static int fail(char *err, size_t errlen, const char *fmt, ...)
+static int fail(kvr_error *err, const char *fmt, ...)
 {
-    if (err && errlen) {
+    if (err) {
         va_list ap;
+        err->code = KVR_EINVAL;
         va_start(ap, fmt);
-        vsnprintf(err, errlen, fmt, ap);
+        if (vsnprintf(err->msg, sizeof err->msg, fmt, ap) < 0)
+            err->msg[0] = '\0';
         va_end(ap);
     }
-    return -EINVAL;
+    return KVR_EINVAL;
 }
 
 void kvr_rope_config_init(kvr_rope_config *cfg)
@@ -69,101 +72,101 @@ static bool uses_factor(kvr_rope_scaling s)
            s == KVR_ROPE_SCALING_YARN || s == KVR_ROPE_SCALING_LLAMA3;
 }
 
-int kvr_rope_config_validate(const kvr_rope_config *cfg, char *err, size_t errlen)
+int kvr_rope_config_validate(const kvr_rope_config *cfg, kvr_error *err)
 {
-    if (!cfg) return fail(err, errlen, "config: NULL");
+    if (!cfg) return fail(err, "config: NULL");
     if (cfg->head_dim <= 0 || cfg->head_dim > KVR_ROPE_MAX_HEAD_DIM)
-        return fail(err, errlen, "head_dim: %d is out of range (1..%d)",
+        return fail(err, "head_dim: %d is out of range (1..%d)",
                     (int)cfg->head_dim, KVR_ROPE_MAX_HEAD_DIM);
     if (cfg->rotary_dim <= 0)
-        return fail(err, errlen, "rotary_dim: %d must be positive", (int)cfg->rotary_dim);
+        return fail(err, "rotary_dim: %d must be positive", (int)cfg->rotary_dim);
     if (cfg->rotary_dim % 2)
-        return fail(err, errlen, "rotary_dim: %d is odd (rotation pairs dimensions)",
+        return fail(err, "rotary_dim: %d is odd (rotation pairs dimensions)",
                     (int)cfg->rotary_dim);
     if (cfg->rotary_dim > cfg->head_dim)
-        return fail(err, errlen, "rotary_dim: %d is larger than head_dim %d",
+        return fail(err, "rotary_dim: %d is larger than head_dim %d",
                     (int)cfg->rotary_dim, (int)cfg->head_dim);
     if (cfg->style != KVR_ROPE_NEOX && cfg->style != KVR_ROPE_GPTJ)
-        return fail(err, errlen, "style: unknown pairing style %d", (int)cfg->style);
+        return fail(err, "style: unknown pairing style %d", (int)cfg->style);
     if (!(cfg->theta > 0.0) || !isfinite(cfg->theta))
-        return fail(err, errlen, "rope_theta: %g must be > 0", cfg->theta);
+        return fail(err, "rope_theta: %g must be > 0", cfg->theta);
     if ((int)cfg->scaling < 0 || (int)cfg->scaling > KVR_ROPE_SCALING_LLAMA3)
-        return fail(err, errlen, "rope_scaling.rope_type: unknown rope type %d", (int)cfg->scaling);
+        return fail(err, "rope_scaling.rope_type: unknown rope type %d", (int)cfg->scaling);
 
     kvr_rope_scaling s = cfg->scaling;
     const char *sn = scaling_name(s);
     if (uses_factor(s)) {
         if (isnan(cfg->factor))
-            return fail(err, errlen, "rope_scaling.factor: required for rope type %s", sn);
+            return fail(err, "rope_scaling.factor: required for rope type %s", sn);
         if (!(cfg->factor > 0.0) || !isfinite(cfg->factor))
-            return fail(err, errlen, "rope_scaling.factor: %g must be > 0", cfg->factor);
+            return fail(err, "rope_scaling.factor: %g must be > 0", cfg->factor);
     }
     if (s == KVR_ROPE_SCALING_LONGROPE && !isnan(cfg->factor) && !(cfg->factor > 0.0))
-        return fail(err, errlen, "rope_scaling.factor: %g must be > 0", cfg->factor);
+        return fail(err, "rope_scaling.factor: %g must be > 0", cfg->factor);
     if (cfg->original_max_position_embeddings < 0)
-        return fail(err, errlen, "original_max_position_embeddings: must not be negative");
+        return fail(err, "original_max_position_embeddings: must not be negative");
     if (cfg->max_position_embeddings < 0)
-        return fail(err, errlen, "max_position_embeddings: must not be negative");
+        return fail(err, "max_position_embeddings: must not be negative");
     int64_t orig = cfg->original_max_position_embeddings ? cfg->original_max_position_embeddings
                                                          : cfg->max_position_embeddings;
     switch (s) {
     case KVR_ROPE_SCALING_DYNAMIC:
         if (orig <= 0)
-            return fail(err, errlen, "max_position_embeddings: required for rope type dynamic");
+            return fail(err, "max_position_embeddings: required for rope type dynamic");
         if (cfg->rotary_dim <= 2)
-            return fail(err, errlen, "rotary_dim: dynamic NTK needs rotary_dim > 2");
+            return fail(err, "rotary_dim: dynamic NTK needs rotary_dim > 2");
         break;
     case KVR_ROPE_SCALING_YARN:
         if (orig <= 0)
-            return fail(err, errlen, "rope_scaling.original_max_position_embeddings: required "
+            return fail(err, "rope_scaling.original_max_position_embeddings: required "
                         "for rope type yarn (or max_position_embeddings)");
         if (!isfinite(cfg->beta_fast) || !isfinite(cfg->beta_slow) ||
             !(cfg->beta_fast > 0.0) || !(cfg->beta_slow > 0.0))
-            return fail(err, errlen, "rope_scaling.beta_fast/beta_slow: must be > 0");
+            return fail(err, "rope_scaling.beta_fast/beta_slow: must be > 0");
         if (!isnan(cfg->attention_factor) && !(cfg->attention_factor > 0.0))
-            return fail(err, errlen, "rope_scaling.attention_factor: %g must be > 0",
+            return fail(err, "rope_scaling.attention_factor: %g must be > 0",
                         cfg->attention_factor);
         break;
     case KVR_ROPE_SCALING_LLAMA3:
         if (cfg->original_max_position_embeddings <= 0)
-            return fail(err, errlen, "rope_scaling.original_max_position_embeddings: required "
+            return fail(err, "rope_scaling.original_max_position_embeddings: required "
                         "for rope type llama3");
         if (isnan(cfg->low_freq_factor))
-            return fail(err, errlen, "rope_scaling.low_freq_factor: required for rope type llama3");
+            return fail(err, "rope_scaling.low_freq_factor: required for rope type llama3");
         if (isnan(cfg->high_freq_factor))
-            return fail(err, errlen, "rope_scaling.high_freq_factor: required for rope type llama3");
+            return fail(err, "rope_scaling.high_freq_factor: required for rope type llama3");
         if (!(cfg->low_freq_factor > 0.0))
-            return fail(err, errlen, "rope_scaling.low_freq_factor: %g must be > 0",
+            return fail(err, "rope_scaling.low_freq_factor: %g must be > 0",
                         cfg->low_freq_factor);
         if (!(cfg->high_freq_factor > cfg->low_freq_factor))
-            return fail(err, errlen, "rope_scaling.high_freq_factor: %g must be larger than "
+            return fail(err, "rope_scaling.high_freq_factor: %g must be larger than "
                         "low_freq_factor %g", cfg->high_freq_factor, cfg->low_freq_factor);
         break;
     case KVR_ROPE_SCALING_LONGROPE: {
         int want = cfg->rotary_dim / 2;
         if (cfg->n_short_factor <= 0)
-            return fail(err, errlen, "rope_scaling.short_factor: required for rope type longrope");
+            return fail(err, "rope_scaling.short_factor: required for rope type longrope");
         if (cfg->n_long_factor <= 0)
-            return fail(err, errlen, "rope_scaling.long_factor: required for rope type longrope");
+            return fail(err, "rope_scaling.long_factor: required for rope type longrope");
         if (cfg->n_short_factor != want)
-            return fail(err, errlen, "rope_scaling.short_factor: has %d entries, expected "
+            return fail(err, "rope_scaling.short_factor: has %d entries, expected "
                         "rotary_dim/2 = %d", (int)cfg->n_short_factor, want);
         if (cfg->n_long_factor != want)
-            return fail(err, errlen, "rope_scaling.long_factor: has %d entries, expected "
+            return fail(err, "rope_scaling.long_factor: has %d entries, expected "
                         "rotary_dim/2 = %d", (int)cfg->n_long_factor, want);
         for (int i = 0; i < want; i++) {
             if (!(cfg->short_factor[i] > 0.0) || !isfinite(cfg->short_factor[i]))
-                return fail(err, errlen, "rope_scaling.short_factor[%d]: %g must be > 0",
+                return fail(err, "rope_scaling.short_factor[%d]: %g must be > 0",
                             i, cfg->short_factor[i]);
             if (!(cfg->long_factor[i] > 0.0) || !isfinite(cfg->long_factor[i]))
-                return fail(err, errlen, "rope_scaling.long_factor[%d]: %g must be > 0",
+                return fail(err, "rope_scaling.long_factor[%d]: %g must be > 0",
                             i, cfg->long_factor[i]);
         }
         if (orig <= 0)
-            return fail(err, errlen, "original_max_position_embeddings: required for rope "
+            return fail(err, "original_max_position_embeddings: required for rope "
                         "type longrope (or max_position_embeddings)");
         if (!isnan(cfg->attention_factor) && !(cfg->attention_factor > 0.0))
-            return fail(err, errlen, "rope_scaling.attention_factor: %g must be > 0",
+            return fail(err, "rope_scaling.attention_factor: %g must be > 0",
                         cfg->attention_factor);
         break;
     }
@@ -263,39 +266,39 @@ static const cJSON *get_any(const cJSON *o, const char *const *keys, const char 
     return NULL;
 }
 
-static int read_num(const cJSON *v, const char *name, double *out, char *err, size_t errlen)
+static int read_num(const cJSON *v, const char *name, double *out, kvr_error *err)
 {
     if (!cJSON_IsNumber(v))
-        return fail(err, errlen, "%s: expected a number", name);
+        return fail(err, "%s: expected a number", name);
     *out = v->valuedouble;
     return 0;
 }
 
 static int read_int(const cJSON *v, const char *name, int64_t lo, int64_t hi, int64_t *out,
-                    char *err, size_t errlen)
+                    kvr_error *err)
 {
     if (!cJSON_IsNumber(v))
-        return fail(err, errlen, "%s: expected an integer", name);
+        return fail(err, "%s: expected an integer", name);
     double d = v->valuedouble;
     if (d != floor(d) || d < (double)lo || d > (double)hi)
-        return fail(err, errlen, "%s: %g is not an integer in range", name, d);
+        return fail(err, "%s: %g is not an integer in range", name, d);
     *out = (int64_t)d;
     return 0;
 }
 
 static int read_list(const cJSON *v, const char *name, double *out, int32_t *n,
-                     char *err, size_t errlen)
+                     kvr_error *err)
 {
     if (!cJSON_IsArray(v))
-        return fail(err, errlen, "%s: expected a list of numbers", name);
+        return fail(err, "%s: expected a list of numbers", name);
     int cnt = cJSON_GetArraySize(v);
     if (cnt > KVR_ROPE_MAX_HEAD_DIM / 2)
-        return fail(err, errlen, "%s: has %d entries, more than head_dim/2 can be", name, cnt);
+        return fail(err, "%s: has %d entries, more than head_dim/2 can be", name, cnt);
     int i = 0;
     const cJSON *e;
     cJSON_ArrayForEach(e, v) {
         if (!cJSON_IsNumber(e))
-            return fail(err, errlen, "%s[%d]: expected a number", name, i);
+            return fail(err, "%s[%d]: expected a number", name, i);
         out[i++] = e->valuedouble;
     }
     *n = cnt;
@@ -313,22 +316,22 @@ static bool interleaved_model(const char *mt)
 }
 
 int kvr_rope_config_from_json(kvr_rope_config *cfg, const char *json, size_t len,
-                              const char *style_override, char *err, size_t errlen)
+                              const char *style_override, kvr_error *err)
 {
-    if (!cfg || (!json && len)) return fail(err, errlen, "config: NULL argument");
+    if (!cfg || (!json && len)) return fail(err, "config: NULL argument");
     kvr_rope_config_init(cfg);
     cJSON *root = cJSON_ParseWithLength(json, len);
-    if (!root) return fail(err, errlen, "config.json: not valid JSON");
-    int rc = -EINVAL;
+    if (!root) return fail(err, "config.json: not valid JSON");
+    int rc = KVR_EINVAL;
     int64_t iv;
     double dv = 0.0;
     const char *which = NULL;
     const cJSON *v;
 
-    if (!cJSON_IsObject(root)) { rc = fail(err, errlen, "config.json: not a JSON object"); goto out; }
+    if (!cJSON_IsObject(root)) { rc = fail(err, "config.json: not a JSON object"); goto out; }
 
     if ((v = get(root, "model_type"))) {
-        if (!cJSON_IsString(v)) { rc = fail(err, errlen, "model_type: expected a string"); goto out; }
+        if (!cJSON_IsString(v)) { rc = fail(err, "model_type: expected a string"); goto out; }
         snprintf(cfg->model_type, sizeof cfg->model_type, "%s", v->valuestring);
     }
 
@@ -342,54 +345,54 @@ int kvr_rope_config_from_json(kvr_rope_config *cfg, const char *json, size_t len
     static const char *const k_prf[] = { "partial_rotary_factor", "rotary_pct", NULL };
 
     if ((v = get_any(root, k_layers, &which))) {
-        if (read_int(v, which, 0, INT32_MAX, &iv, err, errlen)) goto out;
+        if (read_int(v, which, 0, INT32_MAX, &iv, err)) goto out;
         cfg->num_layers = (int32_t)iv;
     }
     int64_t hidden = 0;
     if ((v = get_any(root, k_heads, &which))) {
-        if (read_int(v, which, 0, INT32_MAX, &iv, err, errlen)) goto out;
+        if (read_int(v, which, 0, INT32_MAX, &iv, err)) goto out;
         cfg->num_heads = (int32_t)iv;
     }
     if ((v = get_any(root, k_hidden, &which))) {
-        if (read_int(v, which, 0, INT32_MAX, &hidden, err, errlen)) goto out;
+        if (read_int(v, which, 0, INT32_MAX, &hidden, err)) goto out;
     }
     cfg->num_kv_heads = cfg->num_heads;
     if ((v = get_any(root, k_kv, &which))) {
-        if (read_int(v, which, 1, INT32_MAX, &iv, err, errlen)) goto out;
+        if (read_int(v, which, 1, INT32_MAX, &iv, err)) goto out;
         cfg->num_kv_heads = (int32_t)iv;
     }
     if ((v = get(root, "head_dim"))) {
-        if (read_int(v, "head_dim", 1, INT32_MAX, &iv, err, errlen)) goto out;
+        if (read_int(v, "head_dim", 1, INT32_MAX, &iv, err)) goto out;
         cfg->head_dim = iv > INT32_MAX ? INT32_MAX : (int32_t)iv;
     } else if (hidden > 0 && cfg->num_heads > 0) {
         if (hidden % cfg->num_heads) {
-            rc = fail(err, errlen, "head_dim: hidden_size %lld is not a multiple of "
+            rc = fail(err, "head_dim: hidden_size %lld is not a multiple of "
                       "num_attention_heads %d", (long long)hidden, (int)cfg->num_heads);
             goto out;
         }
         cfg->head_dim = (int32_t)(hidden / cfg->num_heads);
     } else {
-        rc = fail(err, errlen, "head_dim: absent, and hidden_size/num_attention_heads "
+        rc = fail(err, "head_dim: absent, and hidden_size/num_attention_heads "
                   "cannot give it");
         goto out;
     }
     if ((v = get_any(root, k_maxpos, &which))) {
-        if (read_int(v, which, 0, INT64_MAX / 2, &iv, err, errlen)) goto out;
+        if (read_int(v, which, 0, INT64_MAX / 2, &iv, err)) goto out;
         cfg->max_position_embeddings = iv;
     }
     if ((v = get_any(root, k_theta, &which))) {
-        if (read_num(v, which, &cfg->theta, err, errlen)) goto out;
+        if (read_num(v, which, &cfg->theta, err)) goto out;
     }
 
     /* rotary_dim: explicit, else head_dim * partial_rotary_factor (HF int()). */
     cfg->rotary_dim = cfg->head_dim;
     if ((v = get(root, "rotary_dim"))) {
-        if (read_int(v, "rotary_dim", INT32_MIN, INT32_MAX, &iv, err, errlen)) goto out;
+        if (read_int(v, "rotary_dim", INT32_MIN, INT32_MAX, &iv, err)) goto out;
         cfg->rotary_dim = (int32_t)iv;
     } else if ((v = get_any(root, k_prf, &which))) {
-        if (read_num(v, which, &dv, err, errlen)) goto out;
+        if (read_num(v, which, &dv, err)) goto out;
         if (!(dv > 0.0) || dv > 1.0) {
-            rc = fail(err, errlen, "%s: %g must be in (0, 1]", which, dv);
+            rc = fail(err, "%s: %g must be in (0, 1]", which, dv);
             goto out;
         }
         cfg->rotary_dim = (int32_t)((double)cfg->head_dim * dv);
@@ -402,17 +405,17 @@ int kvr_rope_config_from_json(kvr_rope_config *cfg, const char *json, size_t len
     if (!rs && (rs = get(root, "rope_parameters"))) {
         rsn = "rope_parameters";
         if ((v = get(rs, "rope_theta")) && read_num(v, "rope_parameters.rope_theta",
-                                                    &cfg->theta, err, errlen))
+                                                    &cfg->theta, err))
             goto out;
     }
     if (rs) {
-        if (!cJSON_IsObject(rs)) { rc = fail(err, errlen, "%s: expected an object", rsn); goto out; }
+        if (!cJSON_IsObject(rs)) { rc = fail(err, "%s: expected an object", rsn); goto out; }
         const cJSON *t = get(rs, "rope_type");
         const char *tkey = "rope_type";
         if (!t) { t = get(rs, "type"); tkey = "type"; }
         const char *tn = "default";
         if (t) {
-            if (!cJSON_IsString(t)) { rc = fail(err, errlen, "%s.%s: expected a string", rsn, tkey); goto out; }
+            if (!cJSON_IsString(t)) { rc = fail(err, "%s.%s: expected a string", rsn, tkey); goto out; }
             tn = t->valuestring;
         }
         if (!strcmp(tn, "default")) cfg->scaling = KVR_ROPE_SCALING_DEFAULT;
@@ -421,13 +424,13 @@ int kvr_rope_config_from_json(kvr_rope_config *cfg, const char *json, size_t len
         else if (!strcmp(tn, "yarn")) cfg->scaling = KVR_ROPE_SCALING_YARN;
         else if (!strcmp(tn, "longrope") || !strcmp(tn, "su")) cfg->scaling = KVR_ROPE_SCALING_LONGROPE;
         else if (!strcmp(tn, "llama3")) cfg->scaling = KVR_ROPE_SCALING_LLAMA3;
-        else { rc = fail(err, errlen, "%s.%s: unknown rope type '%s'", rsn, tkey, tn); goto out; }
+        else { rc = fail(err, "%s.%s: unknown rope type '%s'", rsn, tkey, tn); goto out; }
 
         char name[96];
 #define RS_NUM(key, dst) do {                                                    \
             if ((v = get(rs, key))) {                                            \
                 snprintf(name, sizeof name, "%s.%s", rsn, key);                 \
-                if (read_num(v, name, &(dst), err, errlen)) goto out;            \
+                if (read_num(v, name, &(dst), err)) goto out;            \
             }                                                                    \
         } while (0)
         if (cfg->scaling != KVR_ROPE_SCALING_DEFAULT) {
@@ -435,7 +438,7 @@ int kvr_rope_config_from_json(kvr_rope_config *cfg, const char *json, size_t len
             cfg->factor = NAN;
             RS_NUM("factor", cfg->factor);
             if (!has_factor && uses_factor(cfg->scaling)) {
-                rc = fail(err, errlen, "%s.factor: required for rope type %s", rsn, tn);
+                rc = fail(err, "%s.factor: required for rope type %s", rsn, tn);
                 goto out;
             }
         }
@@ -449,27 +452,27 @@ int kvr_rope_config_from_json(kvr_rope_config *cfg, const char *json, size_t len
 #undef RS_NUM
         if ((v = get(rs, "original_max_position_embeddings"))) {
             snprintf(name, sizeof name, "%s.original_max_position_embeddings", rsn);
-            if (read_int(v, name, 1, INT64_MAX / 2, &iv, err, errlen)) goto out;
+            if (read_int(v, name, 1, INT64_MAX / 2, &iv, err)) goto out;
             cfg->original_max_position_embeddings = iv;
         }
         if (cfg->scaling == KVR_ROPE_SCALING_LONGROPE) {
             if (!(v = get(rs, "short_factor"))) {
-                rc = fail(err, errlen, "%s.short_factor: required for rope type longrope", rsn);
+                rc = fail(err, "%s.short_factor: required for rope type longrope", rsn);
                 goto out;
             }
             if (read_list(v, "rope_scaling.short_factor", cfg->short_factor,
-                          &cfg->n_short_factor, err, errlen)) goto out;
+                          &cfg->n_short_factor, err)) goto out;
             if (!(v = get(rs, "long_factor"))) {
-                rc = fail(err, errlen, "%s.long_factor: required for rope type longrope", rsn);
+                rc = fail(err, "%s.long_factor: required for rope type longrope", rsn);
                 goto out;
             }
             if (read_list(v, "rope_scaling.long_factor", cfg->long_factor,
-                          &cfg->n_long_factor, err, errlen)) goto out;
+                          &cfg->n_long_factor, err)) goto out;
             /* Phi-3 states original_max_position_embeddings at top level. */
             if (!cfg->original_max_position_embeddings &&
                 (v = get(root, "original_max_position_embeddings"))) {
                 if (read_int(v, "original_max_position_embeddings", 1, INT64_MAX / 2, &iv,
-                             err, errlen)) goto out;
+                             err)) goto out;
                 cfg->original_max_position_embeddings = iv;
             }
         }
@@ -479,50 +482,47 @@ int kvr_rope_config_from_json(kvr_rope_config *cfg, const char *json, size_t len
     if (style_override && *style_override) {
         if (!strcasecmp(style_override, "neox")) cfg->style = KVR_ROPE_NEOX;
         else if (!strcasecmp(style_override, "gptj")) cfg->style = KVR_ROPE_GPTJ;
-        else { rc = fail(err, errlen, "style: '%s' is neither neox nor gptj", style_override); goto out; }
+        else { rc = fail(err, "style: '%s' is neither neox nor gptj", style_override); goto out; }
     } else {
         cfg->style = interleaved_model(cfg->model_type) ? KVR_ROPE_GPTJ : KVR_ROPE_NEOX;
     }
 
-    rc = kvr_rope_config_validate(cfg, err, errlen);
+    rc = kvr_rope_config_validate(cfg, err);
 out:
     cJSON_Delete(root);
     return rc;
 }
 
 int kvr_rope_config_from_file(kvr_rope_config *cfg, const char *path,
-                              const char *style_override, char *err, size_t errlen)
+                              const char *style_override, kvr_error *err)
 {
-    if (!cfg || !path) return fail(err, errlen, "config: NULL argument");
+    if (!cfg || !path) return fail(err, "config: NULL argument");
     FILE *f = fopen(path, "rb");
-    if (!f) {
-        int e = errno;
-        fail(err, errlen, "%s: %s", path, strerror(e));
-        return -e;
-    }
+    if (!f)
+        return kvr_error_sys(err, KVR_EIO, errno, "%s", path);
     size_t cap = 1 << 16, len = 0;
     char *buf = malloc(cap);
     int rc = 0;
-    if (!buf) { fclose(f); return fail(err, errlen, "%s: out of memory", path), -ENOMEM; }
+    if (!buf) { fclose(f); return kvr_error_set(err, KVR_ENOMEM, "%s: out of memory", path); }
     for (;;) {
         if (len == cap) {
             if (cap >= ((size_t)64 << 20)) {
-                rc = fail(err, errlen, "%s: larger than 64 MiB, not a config.json", path);
+                rc = fail(err, "%s: larger than 64 MiB, not a config.json", path);
                 goto out;
             }
             char *nb = realloc(buf, cap * 2);
-            if (!nb) { rc = -ENOMEM; fail(err, errlen, "%s: out of memory", path); goto out; }
+            if (!nb) { rc = kvr_error_set(err, KVR_ENOMEM, "%s: out of memory", path); goto out; }
             buf = nb;
             cap *= 2;
         }
         size_t n = fread(buf + len, 1, cap - len, f);
         len += n;
         if (n == 0) {
-            if (ferror(f)) { rc = -EIO; fail(err, errlen, "%s: read error", path); goto out; }
+            if (ferror(f)) { rc = kvr_error_set(err, KVR_EIO, "%s: read error", path); goto out; }
             break;
         }
     }
-    rc = kvr_rope_config_from_json(cfg, buf, len, style_override, err, errlen);
+    rc = kvr_rope_config_from_json(cfg, buf, len, style_override, err);
 out:
     free(buf);
     fclose(f);

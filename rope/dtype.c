@@ -37,11 +37,11 @@ const char *kvr_dtype_name(kvr_dtype t)
 
 int kvr_dtype_parse(const char *s, kvr_dtype *out)
 {
-    if (!s || !out) return -EINVAL;
+    if (!s || !out) return KVR_EINVAL;
     if (!strcasecmp(s, "f32") || !strcasecmp(s, "float32")) { *out = KVR_DTYPE_F32; return 0; }
     if (!strcasecmp(s, "f16") || !strcasecmp(s, "float16")) { *out = KVR_DTYPE_F16; return 0; }
     if (!strcasecmp(s, "bf16") || !strcasecmp(s, "bfloat16")) { *out = KVR_DTYPE_BF16; return 0; }
-    return -EINVAL;
+    return KVR_EINVAL;
 }
 
 float    kvr_f16_to_f32(uint16_t h)  { return rope_h2f(h); }

@@ -161,14 +161,14 @@ void rope_inv_freq(const kvr_rope *r, int64_t seq_len, double *out)
     }
 }
 
-int kvr_rope_create(kvr_rope **out, const kvr_rope_config *cfg, char *err, size_t errlen)
+int kvr_rope_create(kvr_rope **out, const kvr_rope_config *cfg, kvr_error *err)
 {
-    if (!out || !cfg) return -EINVAL;
+    if (!out || !cfg) return kvr_error_set(err, KVR_EINVAL, "rope: NULL argument");
     *out = NULL;
-    int rc = kvr_rope_config_validate(cfg, err, errlen);
+    int rc = kvr_rope_config_validate(cfg, err);
     if (rc) return rc;
     kvr_rope *r = calloc(1, sizeof *r);
-    if (!r) return -ENOMEM;
+    if (!r) return kvr_error_set(err, KVR_ENOMEM, "rope: out of memory");
     r->cfg = *cfg;
     r->head_dim = cfg->head_dim;
     r->rot = cfg->rotary_dim;
@@ -439,17 +439,17 @@ static int check_args(const kvr_rope *r, const void *dst, kvr_dtype dt, const vo
                       kvr_dtype st, size_t n_tokens, size_t n_heads, const void *p1,
                       const void *p2)
 {
-    if (!r) return -EINVAL;
-    if (kvr_dtype_size(dt) == 0 || kvr_dtype_size(st) == 0) return -EINVAL;
+    if (!r) return KVR_EINVAL;
+    if (kvr_dtype_size(dt) == 0 || kvr_dtype_size(st) == 0) return KVR_EINVAL;
     if (n_tokens == 0 || n_heads == 0) return 0;
-    if (!dst || !src || !p1 || !p2) return -EINVAL;
+    if (!dst || !src || !p1 || !p2) return KVR_EINVAL;
     /* overflow-safe size: tokens * heads * head_dim * 4 must fit */
     size_t e;
     if (__builtin_mul_overflow(n_tokens, n_heads, &e) ||
         __builtin_mul_overflow(e, (size_t)r->head_dim * 4, &e))
-        return -EINVAL;
+        return KVR_EINVAL;
     /* In place only with identical element types. */
-    if (dst == src && dt != st) return -EINVAL;
+    if (dst == src && dt != st) return KVR_EINVAL;
     return 1;
 }
 

@@ -6,10 +6,11 @@
  * This is the whole public API of rope/. It has no dependency on libuv and
  * none on the rest of kvrope; cache/, daemon/ and client/ build on it.
  *
- * Conventions (the project's): functions return 0 on success and a negative
- * errno on failure (-EINVAL for a bad argument or configuration, -ENOMEM).
- * Functions that can refuse a configuration take `char *err, size_t errlen`
- * and write a message naming the offending field there (may be NULL).
+ * Conventions (the project's, rope/error.h): functions return 0 on success
+ * and a negative KVR_E* code on failure (KVR_EINVAL for a bad argument or
+ * configuration, KVR_ENOMEM, KVR_EIO for a file that cannot be read).
+ * Functions that can refuse a configuration take a `kvr_error *` (may be
+ * NULL) and write a message naming the offending field there.
  *
  * Invariants the kernels keep:
  *  - Angles p * inv_freq[i] are computed in double precision.
@@ -26,6 +27,8 @@
 #include <stdint.h>
 #include <stdbool.h>
 
+#include "rope/error.h"
+
 #ifdef __cplusplus
 extern "C" {
 #endif
@@ -40,7 +43,7 @@ typedef enum kvr_dtype {
 
 size_t      kvr_dtype_size(kvr_dtype t);            /* 4, 2, 2; 0 if unknown */
 const char *kvr_dtype_name(kvr_dtype t);            /* "f32", "f16", "bf16" */
-int         kvr_dtype_parse(const char *s, kvr_dtype *out); /* 0 or -EINVAL */
+int         kvr_dtype_parse(const char *s, kvr_dtype *out); /* 0 or KVR_EINVAL */
 
 float    kvr_f16_to_f32(uint16_t h);
 uint16_t kvr_f32_to_f16(float f);                   /* RNE, inf/nan kept */
@@ -108,14 +111,14 @@ void kvr_rope_config_init(kvr_rope_config *cfg);
  * style follows model_type (gptj, codegen, ... are interleaved). Validates the
  * result (kvr_rope_config_validate). */
 int kvr_rope_config_from_json(kvr_rope_config *cfg, const char *json, size_t len,
-                              const char *style_override, char *err, size_t errlen);
+                              const char *style_override, kvr_error *err);
 int kvr_rope_config_from_file(kvr_rope_config *cfg, const char *path,
-                              const char *style_override, char *err, size_t errlen);
+                              const char *style_override, kvr_error *err);
 
 /* Refuses, naming the field: unknown rope type, missing required parameter,
  * theta <= 0, rotary dim odd or > head_dim, factor <= 0, short/long factor
  * lists of the wrong length, head_dim out of range. */
-int kvr_rope_config_validate(const kvr_rope_config *cfg, char *err, size_t errlen);
+int kvr_rope_config_validate(const kvr_rope_config *cfg, kvr_error *err);
 
 /* Serialises the rotation-relevant fields canonically (for fingerprints and
  * the wire). Writes at most cap bytes, returns the length needed. */
@@ -130,7 +133,7 @@ bool kvr_rope_config_composes(const kvr_rope_config *cfg);
 typedef struct kvr_rope kvr_rope;   /* immutable after create; thread-safe */
 
 /* Builds the frequency tables. The caller owns *out (kvr_rope_destroy). */
-int  kvr_rope_create(kvr_rope **out, const kvr_rope_config *cfg, char *err, size_t errlen);
+int  kvr_rope_create(kvr_rope **out, const kvr_rope_config *cfg, kvr_error *err);
 void kvr_rope_destroy(kvr_rope *r);                 /* NULL is a no-op */
 const kvr_rope_config *kvr_rope_get_config(const kvr_rope *r);
 
@@ -171,7 +174,7 @@ const char *kvr_isa_name(kvr_isa isa);
  * apply:      dst = R(pos) x * mscale                (x un-rotated)
  * remove:     dst = R(-pos) k / mscale               (k rotated at pos)
  * reposition: dst = R(to - from) k                   (pure rotation)
- * Returns -EINVAL for a bad dtype or a NULL buffer with n_tokens > 0. */
+ * Returns KVR_EINVAL for a bad dtype or a NULL buffer with n_tokens > 0. */
 int kvr_rope_apply(const kvr_rope *r, void *dst, kvr_dtype dst_type,
                    const void *src, kvr_dtype src_type,
                    size_t n_tokens, size_t n_heads, const int64_t *pos,

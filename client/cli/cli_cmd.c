@@ -57,19 +57,19 @@ int cli_fail(const cli_args *a, kvr_client *c, int code, const char *what)
 {
     const char *msg = kvr_client_last_error(c);
     if (!msg || !*msg)
-        msg = kvr_client_strerror(code);
-    fprintf(stderr, "kvrope: %s: %s (%s)\n", what, msg, kvr_client_error_name(code));
+        msg = kvr_strerror(code);
+    fprintf(stderr, "kvrope: %s: %s (%s)\n", what, msg, kvr_error_name(code));
     if (a->json) {
         cJSON *j = cJSON_CreateObject();
         cJSON *e = cJSON_AddObjectToObject(j, "error");
         cJSON_AddNumberToObject(e, "code", code);
-        cJSON_AddStringToObject(e, "name", kvr_client_error_name(code));
+        cJSON_AddStringToObject(e, "name", kvr_error_name(code));
         cJSON_AddStringToObject(e, "message", msg);
         cli_print_json(j);
     }
-    if (code == KVR_ERR_NOCTX || code == KVR_ERR_NOMODEL)
+    if (code == KVR_ENOCTX || code == KVR_ENOMODEL)
         return CLI_NOTFOUND;
-    if (code == KVR_ERR_INVAL && c == NULL)
+    if (code == KVR_EINVAL && c == NULL)
         return CLI_USAGE;
     return CLI_ERR;
 }

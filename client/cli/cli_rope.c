@@ -166,9 +166,9 @@ int kvr_cli_rope_main(int argc, char **argv)
         return usage("--style must be neox or gptj");
 
     kvr_rope_config cfg;
-    char err[256] = "";
-    if (kvr_rope_config_from_file(&cfg, config, style, err, sizeof err) != 0) {
-        fprintf(stderr, "kvrope rope: %s: %s\n", config, err);
+    kvr_error err = { 0 };
+    if (kvr_rope_config_from_file(&cfg, config, style, &err) != 0) {
+        fprintf(stderr, "kvrope rope: %s: %s\n", config, err.msg);
         return 1;
     }
     size_t n_el;
@@ -182,8 +182,8 @@ int kvr_cli_rope_main(int argc, char **argv)
     void *src = NULL, *dst = NULL;
     int64_t *p = NULL, *pf = NULL;
     FILE *fo = NULL;
-    if (kvr_rope_create(&r, &cfg, err, sizeof err) != 0) {
-        fprintf(stderr, "kvrope rope: %s: %s\n", config, err);
+    if (kvr_rope_create(&r, &cfg, &err) != 0) {
+        fprintf(stderr, "kvrope rope: %s: %s\n", config, err.msg);
         goto done;
     }
     src = read_exact(in, n_el * kvr_dtype_size(dt_in), "--in");
@@ -196,7 +196,7 @@ int kvr_cli_rope_main(int argc, char **argv)
     int e = verb == APPLY ? kvr_rope_apply(r, dst, dt_out, src, dt_in, tokens, heads, p, NULL)
           : verb == REMOVE ? kvr_rope_remove(r, dst, dt_out, src, dt_in, tokens, heads, p, NULL)
           : kvr_rope_reposition(r, dst, dt_out, src, dt_in, tokens, heads, pf, p, NULL);
-    if (e) { fprintf(stderr, "kvrope rope: %s\n", strerror(-e)); goto done; }
+    if (e) { fprintf(stderr, "kvrope rope: %s\n", kvr_strerror(e)); goto done; }
     fo = fopen(out, "wb");
     if (!fo) { fprintf(stderr, "kvrope rope: --out %s: %s\n", out, strerror(errno)); goto done; }
     size_t ob = n_el * kvr_dtype_size(dt_out);

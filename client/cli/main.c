@@ -343,7 +343,7 @@ int main(int argc, char **argv)
         fprintf(stderr, "kvrope: %s\n", kvr_client_last_error(NULL));
         if (a.json) {
             printf("{\"error\": {\"code\": %d, \"name\": \"%s\", \"message\": \"cannot connect\"}}\n",
-                   r, kvr_client_error_name(r));
+                   r, kvr_error_name(r));
         }
         free_args(&a);
         return CLI_CONNECT;

@@ -7,7 +7,7 @@
  *    completely (message and payload) before it returns, so the stream is
  *    always at a frame boundary between calls. A call that cannot keep that
  *    promise (system error, peer hang-up, undecodable frame) closes the
- *    socket, and the handle then fails every call with KVR_ERR_CLOSED.
+ *    socket, and the handle then fails every call with KVR_ECLOSED.
  *  - Payloads are never copied on the way out (sendmsg over the caller's
  *    iovecs) and on the way in are received straight into the destination,
  *    except for the bytes that happened to arrive with the message in the
@@ -41,53 +41,7 @@
 
 static _Thread_local char connect_err[512];
 
-/* ---- errors ------------------------------------------------------------- */
-
-static const char *const err_names[] = {
-    "KVR_ERR_OK", "KVR_ERR_INTERNAL", "KVR_ERR_BADREQUEST", "KVR_ERR_BADFRAME",
-    "KVR_ERR_TOOLARGE", "KVR_ERR_UNAUTH", "KVR_ERR_NOMODEL", "KVR_ERR_NOCTX",
-    "KVR_ERR_EXIST", "KVR_ERR_SHAPE", "KVR_ERR_PAYLOAD", "KVR_ERR_RANGE",
-    "KVR_ERR_FINGERPRINT", "KVR_ERR_NOMEM", "KVR_ERR_BUSY", "KVR_ERR_INVAL",
-    "KVR_ERR_UNSUPPORTED", "KVR_ERR_LIMIT", "KVR_ERR_PROTECTED", "KVR_ERR_IO",
-    "KVR_ERR_PINNED", "KVR_ERR_CONFIG", "KVR_ERR_PENDING", "KVR_ERR_PREFIX",
-};
-static const char *const err_strs[] = {
-    "success", "internal error", "bad request", "bad frame", "too large",
-    "unauthenticated", "unknown model", "unknown context", "already exists",
-    "shape or dtype mismatch", "payload length mismatch", "range out of bounds",
-    "model fingerprint mismatch", "out of memory (cap)", "busy", "invalid argument",
-    "unsupported", "limit reached", "protected tokens", "I/O error",
-    "context is pinned", "bad model configuration",
-    "tokens without KV (pending a refresh)", "document encoded against another prefix",
-};
-
-const char *kvr_client_strerror(int code)
-{
-    if (code <= 0 && code > -(int)(sizeof err_strs / sizeof *err_strs))
-        return err_strs[-code];
-    switch (code) {
-    case KVR_ERR_SYS:    return "system call failed";
-    case KVR_ERR_CLOSED: return "connection closed";
-    case KVR_ERR_PROTO:  return "protocol error (undecodable response)";
-    case KVR_ERR_BUFFER: return "destination buffer too small";
-    case KVR_ERR_OOM:    return "client out of memory";
-    default:             return "unknown error";
-    }
-}
-
-const char *kvr_client_error_name(int code)
-{
-    if (code <= 0 && code > -(int)(sizeof err_names / sizeof *err_names))
-        return err_names[-code];
-    switch (code) {
-    case KVR_ERR_SYS:    return "KVR_ERR_SYS";
-    case KVR_ERR_CLOSED: return "KVR_ERR_CLOSED";
-    case KVR_ERR_PROTO:  return "KVR_ERR_PROTO";
-    case KVR_ERR_BUFFER: return "KVR_ERR_BUFFER";
-    case KVR_ERR_OOM:    return "KVR_ERR_OOM";
-    default:             return "KVR_ERR_?";
-    }
-}
+/* ---- errors (the codes and their tables: rope/error.h) ---------------- */
 
 int kvr__fail(kvr_client *c, int code, const char *fmt, ...)
 {
@@ -174,15 +128,15 @@ static int connect_unix(const char *path, int *fd_out)
     struct sockaddr_un sa = { .sun_family = AF_UNIX };
     size_t len = strlen(path);
     if (len == 0 || len >= sizeof sa.sun_path)
-        return set_connect_err(KVR_ERR_INVAL, "socket path too long or empty: %s", path);
+        return set_connect_err(KVR_EINVAL, "socket path too long or empty: %s", path);
     memcpy(sa.sun_path, path, len + 1);
     int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
     if (fd < 0)
-        return set_connect_err(KVR_ERR_SYS, "socket: %s", strerror(errno));
+        return set_connect_err(KVR_ESYS, "socket: %s", strerror(errno));
     if (connect(fd, (struct sockaddr *)&sa, sizeof sa) < 0) {
         int e = errno;
         close(fd);
-        return set_connect_err(KVR_ERR_SYS, "cannot connect to %s: %s", path, strerror(e));
+        return set_connect_err(KVR_ESYS, "cannot connect to %s: %s", path, strerror(e));
     }
     *fd_out = fd;
     return 0;
@@ -195,14 +149,14 @@ static int connect_tcp(const char *hostport, int *fd_out)
     if (hostport[0] == '[') {
         const char *rb = strchr(hostport, ']');
         if (!rb || rb[1] != ':' || (size_t)(rb - hostport - 1) >= sizeof host)
-            return set_connect_err(KVR_ERR_INVAL, "bad address: %s", hostport);
+            return set_connect_err(KVR_EINVAL, "bad address: %s", hostport);
         memcpy(host, hostport + 1, (size_t)(rb - hostport - 1));
         host[rb - hostport - 1] = 0;
         port = rb + 2;
     } else {
         const char *colon = strrchr(hostport, ':');
         if (!colon || (size_t)(colon - hostport) >= sizeof host)
-            return set_connect_err(KVR_ERR_INVAL, "bad address (want HOST:PORT): %s", hostport);
+            return set_connect_err(KVR_EINVAL, "bad address (want HOST:PORT): %s", hostport);
         memcpy(host, hostport, (size_t)(colon - hostport));
         host[colon - hostport] = 0;
         port = colon + 1;
@@ -211,7 +165,7 @@ static int connect_tcp(const char *hostport, int *fd_out)
     struct addrinfo *res = NULL;
     int g = getaddrinfo(host[0] ? host : "127.0.0.1", port, &hints, &res);
     if (g != 0)
-        return set_connect_err(KVR_ERR_SYS, "cannot resolve %s: %s", hostport, gai_strerror(g));
+        return set_connect_err(KVR_ESYS, "cannot resolve %s: %s", hostport, gai_strerror(g));
     int fd = -1, e = 0;
     for (struct addrinfo *ai = res; ai; ai = ai->ai_next) {
         fd = socket(ai->ai_family, ai->ai_socktype | SOCK_CLOEXEC, ai->ai_protocol);
@@ -227,7 +181,7 @@ static int connect_tcp(const char *hostport, int *fd_out)
     }
     freeaddrinfo(res);
     if (fd < 0)
-        return set_connect_err(KVR_ERR_SYS, "cannot connect to %s: %s", hostport, strerror(e));
+        return set_connect_err(KVR_ESYS, "cannot connect to %s: %s", hostport, strerror(e));
     int one = 1;
     (void)setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
     *fd_out = fd;
@@ -239,7 +193,7 @@ int kvr_client_connect(kvr_client **out, const char *addr, const kvr_client_opts
     *out = NULL;
     connect_err[0] = 0;
     if (!addr || !*addr)
-        return set_connect_err(KVR_ERR_INVAL, "no address given");
+        return set_connect_err(KVR_EINVAL, "no address given");
     int fd = -1, r;
     if (strncmp(addr, "unix:", 5) == 0)
         r = connect_unix(addr + 5, &fd);
@@ -259,7 +213,7 @@ int kvr_client_connect(kvr_client **out, const char *addr, const kvr_client_opts
         free(c);
         free(rbuf);
         close(fd);
-        return set_connect_err(KVR_ERR_OOM, "out of memory");
+        return set_connect_err(KVR_ENOMEM, "out of memory");
     }
     c->fd = fd;
     c->rbuf = rbuf;
@@ -342,12 +296,12 @@ static int recv_some(kvr_client *c, void *dst, size_t cap, size_t *got)
             return 0;
         }
         if (r == 0)
-            return fatal(c, KVR_ERR_CLOSED, "connection closed by the daemon");
+            return fatal(c, KVR_ECLOSED, "connection closed by the daemon");
         if (errno == EINTR)
             continue;
         if (errno == EAGAIN || errno == EWOULDBLOCK)
-            return fatal(c, KVR_ERR_SYS, "receive timed out");
-        return fatal(c, KVR_ERR_SYS, "recv: %s", strerror(errno));
+            return fatal(c, KVR_ESYS, "receive timed out");
+        return fatal(c, KVR_ESYS, "recv: %s", strerror(errno));
     }
 }
 
@@ -423,19 +377,19 @@ static int recv_response(kvr_client *c, uint64_t id, Kvrope__Response **out,
     kvr_frame_header h;
     kvr_frame_limits lim = { .max_msg_len = MAX_MSG_LEN, .max_payload_len = UINT64_MAX };
     if (kvr_frame_header_decode(hb, &h, &lim) != 0)
-        return fatal(c, KVR_ERR_PROTO, "bad frame header from the daemon");
+        return fatal(c, KVR_EPROTO, "bad frame header from the daemon");
     /* The message buffer grows as bytes arrive, never to a declared size. */
     size_t cap = h.msg_len < RBUF_SIZE ? (h.msg_len ? h.msg_len : 1) : RBUF_SIZE, len = 0;
     uint8_t *buf = malloc(cap);
     if (!buf)
-        return fatal(c, KVR_ERR_OOM, "out of memory");
+        return fatal(c, KVR_ENOMEM, "out of memory");
     while (len < h.msg_len) {
         if (len == cap) {
             size_t ncap = cap * 2 > h.msg_len ? h.msg_len : cap * 2;
             uint8_t *nb = realloc(buf, ncap);
             if (!nb) {
                 free(buf);
-                return fatal(c, KVR_ERR_OOM, "out of memory");
+                return fatal(c, KVR_ENOMEM, "out of memory");
             }
             buf = nb;
             cap = ncap;
@@ -450,13 +404,13 @@ static int recv_response(kvr_client *c, uint64_t id, Kvrope__Response **out,
     Kvrope__Response *resp = kvrope__response__unpack(NULL, len, buf);
     free(buf);
     if (!resp)
-        return fatal(c, KVR_ERR_PROTO, "undecodable response message");
+        return fatal(c, KVR_EPROTO, "undecodable response message");
     /* id 0 answers any request only as an error: the daemon uses it for a
      * protocol-level failure before it knew the request's id. */
     if (resp->id != id && (resp->id != 0 || resp->status == KVROPE__STATUS__OK)) {
         unsigned long long got = (unsigned long long)resp->id;
         kvrope__response__free_unpacked(resp, NULL);
-        return fatal(c, KVR_ERR_PROTO, "response id %llu does not answer request %llu",
+        return fatal(c, KVR_EPROTO, "response id %llu does not answer request %llu",
                      got, (unsigned long long)id);
     }
     *out = resp;
@@ -472,16 +426,16 @@ int kvr__call(kvr_client *c, Kvrope__Request *req, const struct iovec *piov, siz
         *resp_payload = 0;
     c->err[0] = 0;
     if (c->fd < 0)
-        return kvr__fail(c, KVR_ERR_CLOSED, "connection is closed");
+        return kvr__fail(c, KVR_ECLOSED, "connection is closed");
     req->id = c->next_id++;
     size_t mlen = kvrope__request__get_packed_size(req);
     if (mlen > MAX_MSG_LEN)
-        return kvr__fail(c, KVR_ERR_TOOLARGE, "request message of %zu bytes is too large", mlen);
+        return kvr__fail(c, KVR_ETOOLARGE, "request message of %zu bytes is too large", mlen);
     size_t need = KVR_FRAME_HEADER_SIZE + mlen;
     if (need > c->wcap) {
         uint8_t *nb = realloc(c->wbuf, need);
         if (!nb)
-            return kvr__fail(c, KVR_ERR_OOM, "out of memory");
+            return kvr__fail(c, KVR_ENOMEM, "out of memory");
         c->wbuf = nb;
         c->wcap = need;
     }
@@ -492,7 +446,7 @@ int kvr__call(kvr_client *c, Kvrope__Request *req, const struct iovec *piov, siz
     if (piovcnt + 1 > 16) {
         iov = malloc((piovcnt + 1) * sizeof *iov);
         if (!iov)
-            return kvr__fail(c, KVR_ERR_OOM, "out of memory");
+            return kvr__fail(c, KVR_ENOMEM, "out of memory");
     }
     iov[0].iov_base = c->wbuf;
     iov[0].iov_len = need;
@@ -511,18 +465,18 @@ int kvr__call(kvr_client *c, Kvrope__Request *req, const struct iovec *piov, siz
         uint64_t pl = 0;
         if ((e == EPIPE || e == ECONNRESET) && recv_response(c, req->id, &resp, &pl) == 0 &&
             resp->status != KVROPE__STATUS__OK) {
-            int code = -(int)resp->status;
-            fatal(c, code, "%s", resp->message ? resp->message : kvr_client_strerror(code));
+            int code = kvr_error_from_status((int)resp->status);
+            fatal(c, code, "%s", resp->message ? resp->message : kvr_strerror(code));
             kvrope__response__free_unpacked(resp, NULL);
             return code;
         }
         if (resp)
             kvrope__response__free_unpacked(resp, NULL);
         if (e == EAGAIN || e == EWOULDBLOCK)
-            return fatal(c, KVR_ERR_SYS, "send timed out");
+            return fatal(c, KVR_ESYS, "send timed out");
         if (e == EPIPE || e == ECONNRESET)
-            return fatal(c, KVR_ERR_CLOSED, "connection closed by the daemon (%s)", strerror(e));
-        return fatal(c, KVR_ERR_SYS, "send: %s", strerror(e));
+            return fatal(c, KVR_ECLOSED, "connection closed by the daemon (%s)", strerror(e));
+        return fatal(c, KVR_ESYS, "send: %s", strerror(e));
     }
 
     Kvrope__Response *resp = NULL;
@@ -531,9 +485,9 @@ int kvr__call(kvr_client *c, Kvrope__Request *req, const struct iovec *piov, siz
     if (r < 0)
         return r;
     if (resp->status != KVROPE__STATUS__OK) {
-        int code = -(int)resp->status;
+        int code = kvr_error_from_status((int)resp->status);
         kvr__fail(c, code, "%s", resp->message && *resp->message ? resp->message
-                                                              : kvr_client_strerror(code));
+                                                              : kvr_strerror(code));
         kvrope__response__free_unpacked(resp, NULL);
         if (pl && (r = kvr__drain(c, pl)) < 0)
             return r;
@@ -584,7 +538,7 @@ int kvr__recv_payload(kvr_client *c, uint64_t pl, kvr_kv *kv, void *dst, size_t 
                       kvr_layer_fn fn, void *ud)
 {
     if (pl > SIZE_MAX)
-        return fatal(c, KVR_ERR_PROTO, "payload too large for this process");
+        return fatal(c, KVR_EPROTO, "payload too large for this process");
     size_t n = (size_t)pl;
     size_t layer_bytes = kv->n_layers ? n / kv->n_layers : 0;
     layer_track t = { .layer_bytes = layer_bytes, .n_layers = kv->n_layers,
@@ -594,7 +548,7 @@ int kvr__recv_payload(kvr_client *c, uint64_t pl, kvr_kv *kv, void *dst, size_t 
             int r = kvr__drain(c, pl);
             if (r < 0)
                 return r;
-            return kvr__fail(c, KVR_ERR_BUFFER, "payload of %zu bytes does not fit the "
+            return kvr__fail(c, KVR_EBUFFER, "payload of %zu bytes does not fit the "
                              "%zu-byte buffer", n, dst_cap);
         }
         t.base = dst;
@@ -612,7 +566,7 @@ int kvr__recv_payload(kvr_client *c, uint64_t pl, kvr_kv *kv, void *dst, size_t 
     uint8_t *buf = malloc(cap ? cap : 1);
     if (!buf) {
         int r = kvr__drain(c, pl);
-        return r < 0 ? r : kvr__fail(c, KVR_ERR_OOM, "cannot allocate %zu bytes", n);
+        return r < 0 ? r : kvr__fail(c, KVR_ENOMEM, "cannot allocate %zu bytes", n);
     }
     size_t done = 0;
     for (;;) {
@@ -631,7 +585,7 @@ int kvr__recv_payload(kvr_client *c, uint64_t pl, kvr_kv *kv, void *dst, size_t 
         if (!nb) {
             free(buf);
             r = kvr__drain(c, pl - done);
-            return r < 0 ? r : kvr__fail(c, KVR_ERR_OOM, "cannot allocate %zu bytes", n);
+            return r < 0 ? r : kvr__fail(c, KVR_ENOMEM, "cannot allocate %zu bytes", n);
         }
         buf = nb;
         cap = ncap;
@@ -656,7 +610,7 @@ int kvr_client_ping(kvr_client *c, kvr_pong *out)
         return r;
     if (resp->body_case != KVROPE__RESPONSE__BODY_PONG) {
         kvrope__response__free_unpacked(resp, NULL);
-        return kvr__fail(c, KVR_ERR_PROTO, "ping: unexpected response body");
+        return kvr__fail(c, KVR_EPROTO, "ping: unexpected response body");
     }
     if (out) {
         snprintf(out->server, sizeof out->server, "%s",

@@ -23,15 +23,15 @@ static void copy_str(char *dst, size_t cap, const char *src)
 static int bad_body(kvr_client *c, Kvrope__Response *resp, const char *what)
 {
     kvrope__response__free_unpacked(resp, NULL);
-    return kvr__fail(c, KVR_ERR_PROTO, "%s: unexpected response body", what);
+    return kvr__fail(c, KVR_EPROTO, "%s: unexpected response body", what);
 }
 
 static int check_id(kvr_client *c, const char *what, const char *id)
 {
     if (!id || !*id)
-        return kvr__fail(c, KVR_ERR_INVAL, "%s: missing id", what);
+        return kvr__fail(c, KVR_EINVAL, "%s: missing id", what);
     if (strlen(id) > KVR_NAME_MAX)
-        return kvr__fail(c, KVR_ERR_INVAL, "%s: id longer than %d bytes", what, KVR_NAME_MAX);
+        return kvr__fail(c, KVR_EINVAL, "%s: id longer than %d bytes", what, KVR_NAME_MAX);
     return 0;
 }
 
@@ -194,7 +194,7 @@ static int model_register(kvr_client *c, const kvr_model_params *p, const char *
         size_t len = p->config_json_len ? p->config_json_len : strlen(p->config_json);
         json = malloc(len + 1);   /* protobuf strings are NUL-terminated */
         if (!json)
-            return kvr__fail(c, KVR_ERR_OOM, "out of memory");
+            return kvr__fail(c, KVR_ENOMEM, "out of memory");
         memcpy(json, p->config_json, len);
         json[len] = 0;
         rm.config_json = json;
@@ -243,7 +243,7 @@ int kvr_client_model_register_json(kvr_client *c, const char *name, const char *
 {
     kvr_model_params p = { .name = name, .config_json = json, .style = style, .dtype = dtype };
     if (!json)
-        return kvr__fail(c, KVR_ERR_INVAL, "register model: no config text");
+        return kvr__fail(c, KVR_EINVAL, "register model: no config text");
     return kvr_client_model_register(c, &p, out);
 }
 
@@ -253,7 +253,7 @@ int kvr_client_model_register_file(kvr_client *c, const char *name, const char *
     c->err[0] = 0;
     FILE *f = fopen(config_path, "rb");
     if (!f)
-        return kvr__fail(c, KVR_ERR_SYS, "%s: %s", config_path, strerror(errno));
+        return kvr__fail(c, KVR_ESYS, "%s: %s", config_path, strerror(errno));
     size_t cap = 4096, len = 0;
     char *buf = malloc(cap);
     while (buf) {
@@ -264,7 +264,7 @@ int kvr_client_model_register_file(kvr_client *c, const char *name, const char *
         if (cap >= ((size_t)64 << 20)) {
             free(buf);
             fclose(f);
-            return kvr__fail(c, KVR_ERR_TOOLARGE, "%s: larger than 64 MiB", config_path);
+            return kvr__fail(c, KVR_ETOOLARGE, "%s: larger than 64 MiB", config_path);
         }
         char *nb = realloc(buf, cap * 2);
         if (!nb) {
@@ -278,15 +278,15 @@ int kvr_client_model_register_file(kvr_client *c, const char *name, const char *
     int ioerr = ferror(f);
     fclose(f);
     if (!buf)
-        return kvr__fail(c, KVR_ERR_OOM, "out of memory");
+        return kvr__fail(c, KVR_ENOMEM, "out of memory");
     if (ioerr) {
         free(buf);
-        return kvr__fail(c, KVR_ERR_SYS, "%s: read error", config_path);
+        return kvr__fail(c, KVR_ESYS, "%s: read error", config_path);
     }
     kvr_model_params p = { .name = name, .config_json = buf, .config_json_len = len,
                            .style = style, .dtype = dtype };
     int r = len ? kvr_client_model_register(c, &p, out)
-                : kvr__fail(c, KVR_ERR_INVAL, "%s: empty file", config_path);
+                : kvr__fail(c, KVR_EINVAL, "%s: empty file", config_path);
     free(buf);
     return r;
 }
@@ -319,7 +319,7 @@ int kvr_client_model_list_ex(kvr_client *c, kvr_model **out, kvr_model_ex **ex, 
         free(arr);
         free(xs);
         kvrope__response__free_unpacked(resp, NULL);
-        return kvr__fail(c, KVR_ERR_OOM, "out of memory");
+        return kvr__fail(c, KVR_ENOMEM, "out of memory");
     }
     for (size_t i = 0; i < k; i++) {
         model_from_wire(&arr[i], resp->models->models[i]);
@@ -348,7 +348,7 @@ int kvr_client_model_get(kvr_client *c, const char *name, kvr_model *out)
             return 0;
         }
     free(arr);
-    return kvr__fail(c, KVR_ERR_NOMODEL, "unknown model '%s'", name);
+    return kvr__fail(c, KVR_ENOMODEL, "unknown model '%s'", name);
 }
 
 /* ---- put ---------------------------------------------------------------- */
@@ -403,7 +403,7 @@ int kvr_client_group_append(kvr_client *c, const kvr_put_args *a, const char *gr
     if (r < 0)
         return r;
     if (a->positions || a->has_pos_start)
-        return kvr__fail(c, KVR_ERR_INVAL, "group append: positions come from the group");
+        return kvr__fail(c, KVR_EINVAL, "group append: positions come from the group");
     return put_common(c, a, o, group, out);
 }
 
@@ -416,9 +416,9 @@ static int put_common(kvr_client *c, const kvr_put_args *a, const kvr_put_opts *
     if (r < 0 || (r = check_id(c, "put model", a->model)) < 0)
         return r;
     if (a->payload && a->iov)
-        return kvr__fail(c, KVR_ERR_INVAL, "put: give either payload or iov, not both");
+        return kvr__fail(c, KVR_EINVAL, "put: give either payload or iov, not both");
     if (a->n_tokens && !a->tokens)
-        return kvr__fail(c, KVR_ERR_INVAL, "put: tokens missing");
+        return kvr__fail(c, KVR_EINVAL, "put: tokens missing");
     struct iovec one;
     const struct iovec *iov = a->iov;
     size_t iovcnt = a->iovcnt;
@@ -435,7 +435,7 @@ static int put_common(kvr_client *c, const kvr_put_args *a, const kvr_put_opts *
         size_t want = kvr_payload_size(a->n_layers, a->n_tokens, a->n_kv_heads, a->head_dim,
                                        a->dtype);
         if (want != plen)
-            return kvr__fail(c, KVR_ERR_PAYLOAD, "put: payload is %llu bytes, the shape needs "
+            return kvr__fail(c, KVR_EPAYLOAD, "put: payload is %llu bytes, the shape needs "
                              "%zu", (unsigned long long)plen, want);
     }
 
@@ -484,7 +484,7 @@ static int put_common(kvr_client *c, const kvr_put_args *a, const kvr_put_opts *
             put.protect_first = o->protect_first;
         }
         if (o->n_groups && !o->groups)
-            return kvr__fail(c, KVR_ERR_INVAL, "put: group names missing");
+            return kvr__fail(c, KVR_EINVAL, "put: group names missing");
         if (o->prefix_ctx || o->n_groups) {
             lo.prefix_context = unconst(o->prefix_ctx);
             lo.n_groups = o->n_groups;
@@ -577,7 +577,7 @@ static int take_kv(kvr_client *c, const Kvrope__KVResult *r, uint64_t pl, kvr_kv
     if (r->token_count != n || (r->n_positions && r->n_positions != n) ||
         (r->n_flags && r->n_flags != n) || (r->n_groups && r->n_groups != n) ||
         kvr_dtype_size((kvr_dtype)r->dtype) == 0) {
-        rc = kvr__fail(c, KVR_ERR_PROTO, "inconsistent KV metadata from the daemon");
+        rc = kvr__fail(c, KVR_EPROTO, "inconsistent KV metadata from the daemon");
         goto drain;
     }
     size_t want = meta_only ? 0 : kvr_payload_size((uint32_t)r->n_layers, n, r->n_kv_heads,
@@ -587,14 +587,14 @@ static int take_kv(kvr_client *c, const Kvrope__KVResult *r, uint64_t pl, kvr_kv
         fn = NULL;                /* K and V halves differ: no per-layer callback */
     }
     if ((uint64_t)want != pl) {
-        rc = kvr__fail(c, KVR_ERR_PROTO, "payload of %llu bytes, the shapes say %zu",
+        rc = kvr__fail(c, KVR_EPROTO, "payload of %llu bytes, the shapes say %zu",
                        (unsigned long long)pl, want);
         goto drain;
     }
     size_t bytes = n * (sizeof(int64_t) + 3 * sizeof(uint32_t)) + r->n_layers * sizeof(uint32_t);
     uint8_t *blk = calloc(1, bytes ? bytes : 1);
     if (!blk) {
-        rc = kvr__fail(c, KVR_ERR_OOM, "out of memory");
+        rc = kvr__fail(c, KVR_ENOMEM, "out of memory");
         goto drain;
     }
     kv->meta_ = blk;
@@ -905,7 +905,7 @@ int kvr_client_list(kvr_client *c, const char *model, kvr_context **out, size_t 
     kvr_context *arr = calloc(k ? k : 1, sizeof *arr);
     if (!arr) {
         kvrope__response__free_unpacked(resp, NULL);
-        return kvr__fail(c, KVR_ERR_OOM, "out of memory");
+        return kvr__fail(c, KVR_ENOMEM, "out of memory");
     }
     for (size_t i = 0; i < k; i++)
         ctx_from_wire(&arr[i], resp->contexts->contexts[i]);
@@ -996,7 +996,7 @@ int kvr_client_stats(kvr_client *c, kvr_metric **out, size_t *n)
     kvr_metric *arr = calloc(k ? k : 1, sizeof *arr);
     if (!arr) {
         kvrope__response__free_unpacked(resp, NULL);
-        return kvr__fail(c, KVR_ERR_OOM, "out of memory");
+        return kvr__fail(c, KVR_ENOMEM, "out of memory");
     }
     for (size_t i = 0; i < k; i++) {
         copy_str(arr[i].name, sizeof arr[i].name, resp->stats->metrics[i]->name);
@@ -1041,7 +1041,7 @@ static int take_edit(kvr_client *c, Kvrope__Response *resp, const char *what,
             out->spans = calloc(er->n_spans, sizeof *out->spans);
             if (!out->spans) {
                 kvrope__response__free_unpacked(resp, NULL);
-                return kvr__fail(c, KVR_ERR_OOM, "out of memory");
+                return kvr__fail(c, KVR_ENOMEM, "out of memory");
             }
             for (size_t i = 0; i < er->n_spans; i++) {
                 out->spans[i].index = er->spans[i]->index;
@@ -1062,21 +1062,21 @@ static int edit_ops(kvr_client *c, const kvr_edit_args *a, Kvrope__EditOp **ops,
     *ops = NULL;
     *ptrs = NULL;
     if (a->n_ops && !a->ops)
-        return kvr__fail(c, KVR_ERR_INVAL, "edit: ops missing");
+        return kvr__fail(c, KVR_EINVAL, "edit: ops missing");
     if (a->n_ops == 0)
-        return kvr__fail(c, KVR_ERR_INVAL, "edit: no ops");
+        return kvr__fail(c, KVR_EINVAL, "edit: no ops");
     *ops = calloc(a->n_ops, sizeof **ops);
     *ptrs = calloc(a->n_ops, sizeof **ptrs);
     if (!*ops || !*ptrs) {
         free(*ops);
         free(*ptrs);
-        return kvr__fail(c, KVR_ERR_OOM, "out of memory");
+        return kvr__fail(c, KVR_ENOMEM, "out of memory");
     }
     for (size_t i = 0; i < a->n_ops; i++) {
         if (a->ops[i].n_tokens && !a->ops[i].tokens) {
             free(*ops);
             free(*ptrs);
-            return kvr__fail(c, KVR_ERR_INVAL, "edit op %zu: tokens missing", i);
+            return kvr__fail(c, KVR_EINVAL, "edit op %zu: tokens missing", i);
         }
         kvrope__edit_op__init(&(*ops)[i]);
         (*ops)[i].start = a->ops[i].start;
@@ -1097,14 +1097,14 @@ int kvr_client_edit(kvr_client *c, const kvr_edit_args *a, kvr_edit_res *out)
     if (r < 0)
         return r;
     if (a->payload && a->iov)
-        return kvr__fail(c, KVR_ERR_INVAL, "edit: give either payload or iov, not both");
+        return kvr__fail(c, KVR_EINVAL, "edit: give either payload or iov, not both");
     struct iovec one;
     const struct iovec *iov;
     size_t iovcnt;
     uint64_t plen = payload_iov(a->payload, a->payload_len, a->iov, a->iovcnt, &one, &iov,
                                 &iovcnt);
     if (!a->with_kv && plen)
-        return kvr__fail(c, KVR_ERR_INVAL, "edit: a payload needs with_kv");
+        return kvr__fail(c, KVR_EINVAL, "edit: a payload needs with_kv");
     Kvrope__EditOp *ops;
     Kvrope__EditOp **ptrs;
     if ((r = edit_ops(c, a, &ops, &ptrs)) < 0)
@@ -1192,7 +1192,7 @@ int kvr_client_refresh(kvr_client *c, const kvr_refresh_args *a, kvr_edit_res *o
     if (r < 0)
         return r;
     if (a->payload && a->iov)
-        return kvr__fail(c, KVR_ERR_INVAL, "refresh: give either payload or iov, not both");
+        return kvr__fail(c, KVR_EINVAL, "refresh: give either payload or iov, not both");
     struct iovec one;
     const struct iovec *iov;
     size_t iovcnt;
@@ -1254,7 +1254,7 @@ int kvr_client_assemble(kvr_client *c, const kvr_assemble_args *a, kvr_assemble_
     if (r < 0)
         return r;
     if (a->n_docs && !a->docs)
-        return kvr__fail(c, KVR_ERR_INVAL, "assemble: documents missing");
+        return kvr__fail(c, KVR_EINVAL, "assemble: documents missing");
     for (size_t i = 0; i < a->n_docs; i++)
         if ((r = check_id(c, "assemble document", a->docs[i])) < 0)
             return r;
@@ -1266,7 +1266,7 @@ int kvr_client_assemble(kvr_client *c, const kvr_assemble_args *a, kvr_assemble_
     m.layout = (Kvrope__Layout)a->layout;
     if (a->layout == KVR_ASSEMBLE_EXPLICIT) {
         if (!a->starts)
-            return kvr__fail(c, KVR_ERR_INVAL, "assemble: explicit layout needs starts");
+            return kvr__fail(c, KVR_EINVAL, "assemble: explicit layout needs starts");
         m.n_starts = a->n_docs;
         m.starts = (int64_t *)(uintptr_t)a->starts;
     }
@@ -1310,7 +1310,7 @@ int kvr_client_assemble(kvr_client *c, const kvr_assemble_args *a, kvr_assemble_
     if (!out->segments) {
         r = kvr__drain(c, pl);
         kvrope__response__free_unpacked(resp, NULL);
-        return r < 0 ? r : kvr__fail(c, KVR_ERR_OOM, "out of memory");
+        return r < 0 ? r : kvr__fail(c, KVR_ENOMEM, "out of memory");
     }
     for (size_t i = 0; i < ns; i++) {
         const Kvrope__Segment *g = ar->segments[i];

@@ -183,7 +183,7 @@ int main(void)
     cfg.rotary_dim = HD;
     cfg.num_kv_heads = N_HEAD;
     kvr_rope *r = NULL;
-    if (kvr_rope_create(&r, &cfg, NULL, 0)) { fprintf(stderr, "create failed\n"); return 1; }
+    if (kvr_rope_create(&r, &cfg, NULL)) { fprintf(stderr, "create failed\n"); return 1; }
 
     size_t nel = (size_t)T_TOK * N_HEAD * HD;
     float *x = malloc(nel * 4);

@@ -40,8 +40,7 @@ static void init_daemon(void)
     cfg.max_conn_buffer = 1u << 20;
     cfg.log_level = KVR_LOG_ERROR;
     kvr_log_set_level(KVR_LOG_ERROR);
-    char err[256];
-    if (kvr_daemon_create(&D, &cfg, err, sizeof err) < 0)
+    if (kvr_daemon_create(&D, &cfg, NULL) < 0)
         abort();
 }
 

@@ -60,7 +60,7 @@ def test_ping_and_library(client, kvroped):
 def test_connect_failure_is_client_error(tmp_path):
     with pytest.raises(kvrope.ConnectionFailed) as e:
         kvrope.connect(str(tmp_path / "nobody.sock"))
-    assert e.value.code == -1000 and e.value.name == "KVR_ERR_SYS" and "nobody.sock" in e.value.message
+    assert e.value.code == kvrope.errors.KVR_ESYS and e.value.name == "KVR_ESYS" and "nobody.sock" in e.value.message
 
 
 def test_register_model_forms(client, uid, tmp_path):
@@ -93,7 +93,7 @@ def test_register_errors(client, uid):
     assert e.value.code == 21 and "head_dim" in e.value.message
     with pytest.raises(kvrope.UnknownModel) as e:
         client.model(f"absent-{uid}")
-    assert e.value.code == 6 and e.value.c_code == -6
+    assert e.value.code == 6 and e.value.c_code == kvrope.errors.KVR_ENOMODEL
     with pytest.raises(FileNotFoundError):
         client.register_model(f"nofile-{uid}", "/nonexistent/config.json")
     with pytest.raises(ValueError):
@@ -157,7 +157,7 @@ def test_get_into_buffer_and_streaming(client, uid):
     assert np.array_equal(g.data, kv) and np.shares_memory(g.data, big)
     with pytest.raises(kvrope.BufferTooSmall) as e:
         client.get(f"c-{uid}", out=np.zeros(10, dtype=np.float32))
-    assert e.value.code == -1003
+    assert e.value.code == kvrope.errors.KVR_EBUFFER
     assert np.array_equal(client.get(f"c-{uid}").data, kv)     # connection kept
 
     def boom(*_):
@@ -303,7 +303,7 @@ def test_daemon_errors_carry_code_and_message(client, uid):
             call()
         err = e.value
         assert isinstance(err, kvrope.KvropeError) and isinstance(err, kvrope.DaemonError)
-        assert (err.code, err.name, err.c_code) == (code, cname, -code)
+        assert (err.code, err.name, err.c_code) == (code, cname, getattr(kvrope.errors, kvrope.errors.STATUS[code][1]))
         assert err.message and words in err.message and cname in str(err)
     assert np.array_equal(client.get(f"e-{uid}").data, kv)     # the connection and data survive
 
@@ -391,7 +391,7 @@ def test_closed_client_and_dead_daemon(daemon_factory):
     assert d.stop() == 0
     with pytest.raises(kvrope.ConnectionFailed) as e:
         c.ping()
-    assert e.value.code in (-1000, -1001)
+    assert e.value.code in (kvrope.errors.KVR_ESYS, kvrope.errors.KVR_ECLOSED)
     with pytest.raises(kvrope.ConnectionFailed) as e:
         c.ping()                                   # stays closed
     c.close()
@@ -482,3 +482,19 @@ def test_worker_without_daemon_exits_2(tmp_path):
     r = subprocess.run([PYTHON, os.path.join(ROOT, "examples", "worker.py"), "--socket",
                         str(tmp_path / "none.sock")], capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "make run" in r.stderr
+
+
+def test_error_space_comes_from_the_library():
+    # The codes are rope/error.h's, read from libkvrope: every class the
+    # binding maps names a code the library has, and every wire Status has
+    # a class.
+    t = kvrope.errors._tables()
+    assert set(kvrope.errors.CLASS_OF) <= set(t.by_name)
+    for status, (sname, cname) in kvrope.errors.STATUS.items():
+        assert status > 0 and sname.startswith("E_") and cname in kvrope.errors.CLASS_OF
+        err = kvrope.errors.from_c(t.by_name[cname], "m")
+        assert err.code == status and err.name == sname and isinstance(err, kvrope.DaemonError)
+    assert kvrope.errors.STATUS[7] == ("E_UNKNOWN_CONTEXT", "KVR_ENOCTX")
+    assert kvrope.errors.KVR_ENOCTX < -4096           # never a -errno
+    e = kvrope.errors.from_c(kvrope.errors.KVR_ECLOSED, "gone")
+    assert isinstance(e, kvrope.ConnectionFailed) and e.code == e.c_code and e.name == "KVR_ECLOSED"

@@ -74,11 +74,11 @@ static int load_families(fam *out, int cap)
         if (rs && !cJSON_IsNull(rs))
             cJSON_AddItemToObject(j, "rope_scaling", cJSON_Duplicate(rs, 1));
         char *ct = cJSON_PrintUnformatted(j);
-        char err[256] = "";
+        kvr_error err = { 0 };
         int rc = kvr_rope_config_from_json(&f->cfg, ct, strlen(ct),
                                            cJSON_GetObjectItem(c, "style")->valuestring,
-                                           err, sizeof err);
-        cr_assert_eq(rc, 0, "%s: %s", f->name, err);
+                                           &err);
+        cr_assert_eq(rc, 0, "%s: %s", f->name, err.msg);
         free(ct);
         cJSON_Delete(j);
     }
@@ -134,7 +134,7 @@ static void world_init(world *w, const kvr_rope_config *cfg, kvr_dtype dt, uint3
     kvr_model_info mi;
     cr_assert_eq(kvr_store_model_register(w->s, &d, &mi, &e), 0, "%s", e.msg);
     w->fp = mi.fingerprint;
-    cr_assert_eq(kvr_rope_create(&w->rope, cfg, NULL, 0), 0);
+    cr_assert_eq(kvr_rope_create(&w->rope, cfg, NULL), 0);
     w->cap = 1024;
     w->seq = malloc(w->cap * sizeof *w->seq);
     w->approx = malloc(w->cap);

@@ -251,10 +251,10 @@ Test(layout_ape, every_family_every_layout_keys_exact)
         char *ct = cJSON_PrintUnformatted(cfgj);
         kvr_model_desc d = { .name = name, .n_layers = NL, .n_kv_heads = (uint32_t)f.H,
                              .head_dim = (uint32_t)f.D, .dtype = KVR_DTYPE_F32 };
-        char emsg[256] = "";
+        kvr_error emsg = { 0 };
         cr_assert_eq(kvr_rope_config_from_json(&d.rope, ct, strlen(ct),
                                                cJSON_GetObjectItem(c, "style")->valuestring,
-                                               emsg, sizeof emsg), 0, "%s: %s", name, emsg);
+                                               &emsg), 0, "%s: %s", name, emsg.msg);
         free(ct);
         cJSON_Delete(cfgj);
         snprintf(path, sizeof path, "%s/rope/%s", vec_dir(),

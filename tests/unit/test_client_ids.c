@@ -99,7 +99,7 @@ Test(client_ids, ok_reply_with_id_0_is_not_an_answer)
 {
     signal(SIGPIPE, SIG_IGN);
     int rc = ping_fake(0, KVROPE__STATUS__OK);
-    cr_assert_eq(rc, KVR_ERR_PROTO, "an OK reply with id 0 was taken as the answer (rc %d)",
+    cr_assert_eq(rc, KVR_EPROTO, "an OK reply with id 0 was taken as the answer (rc %d)",
                  rc);
 }
 
@@ -107,12 +107,12 @@ Test(client_ids, error_reply_with_id_0_answers)
 {
     signal(SIGPIPE, SIG_IGN);
     int rc = ping_fake(0, KVROPE__STATUS__E_BAD_FRAME);
-    cr_assert_eq(rc, -(int)KVROPE__STATUS__E_BAD_FRAME, "rc %d", rc);
+    cr_assert_eq(rc, KVR_EBADFRAME, "rc %d", rc);
 }
 
 Test(client_ids, reply_with_its_own_id_answers)
 {
     signal(SIGPIPE, SIG_IGN);
     cr_assert_eq(ping_fake(1, KVROPE__STATUS__OK), 0);   /* the first request's id is 1 */
-    cr_assert_eq(ping_fake(7, KVROPE__STATUS__OK), KVR_ERR_PROTO);
+    cr_assert_eq(ping_fake(7, KVROPE__STATUS__OK), KVR_EPROTO);
 }

@@ -41,8 +41,8 @@ static kvr_daemon *start(void)
     cfg.log_level = KVR_LOG_ERROR;
     kvr_log_set_level(KVR_LOG_ERROR);
     kvr_daemon *d = NULL;
-    char err[256];
-    cr_assert_eq(kvr_daemon_create(&d, &cfg, err, sizeof err), 0, "%s", err);
+    kvr_error err = { 0 };
+    cr_assert_eq(kvr_daemon_create(&d, &cfg, &err), 0, "%s", err.msg);
     return d;
 }
 

@@ -67,7 +67,7 @@ Test(int_basic, ping_and_models)
     kvr_model g;
     cr_assert_eq(kvr_client_model_get(C, "llamaish", &g), 0);
     cr_assert_eq(g.fingerprint, m3.fingerprint);
-    cr_assert_eq(kvr_client_model_get(C, "nope", &g), KVR_ERR_NOMODEL);
+    cr_assert_eq(kvr_client_model_get(C, "nope", &g), KVR_ENOMODEL);
 }
 
 static void roundtrip(kvr_dtype dt, const char *model)
@@ -217,7 +217,7 @@ Test(int_basic, buffer_too_small_and_streaming)
     char *buf = malloc(len);
     kvr_kv kv;
     kvr_get_args g = { .ctx_id = "s", .dtype = KVR_DTYPE_F16, .dst = buf, .dst_cap = len - 1 };
-    cr_assert_eq(kvr_client_get(C, &g, &kv), KVR_ERR_BUFFER);
+    cr_assert_eq(kvr_client_get(C, &g, &kv), KVR_EBUFFER);
     cr_assert_null(kv.payload);
     /* The connection is still in step. */
     cr_assert_eq(kvr_client_ping(C, NULL), 0);
@@ -291,7 +291,7 @@ Test(int_basic, match_overlapping_prompts)
     cr_assert_eq(kvr_client_match(C, &m, &r), 0);
     cr_assert_eq(r.length, 0);
     m.model = "ghost";
-    cr_assert_eq(kvr_client_match(C, &m, &r), KVR_ERR_NOMODEL);
+    cr_assert_eq(kvr_client_match(C, &m, &r), KVR_ENOMODEL);
 }
 
 Test(int_basic, match_with_get_one_round_trip)
@@ -347,8 +347,8 @@ Test(int_basic, fork_copy_on_write)
     cr_assert(memcmp(kv.payload, want, len) == 0);
     kvr_kv_release(&kv);
     free(want);
-    cr_assert_eq(kvr_client_fork(C, "dst", "dst"), KVR_ERR_EXIST);
-    cr_assert_eq(kvr_client_fork(C, "src", "x"), KVR_ERR_NOCTX);
+    cr_assert_eq(kvr_client_fork(C, "dst", "dst"), KVR_EEXIST);
+    cr_assert_eq(kvr_client_fork(C, "src", "x"), KVR_ENOCTX);
 }
 
 Test(int_basic, shift_keep_metadata)
@@ -407,9 +407,9 @@ Test(int_basic, list_stat_pin_delete_stats)
     cr_assert_gt(x.bytes, 0);
 
     cr_assert_eq(kvr_client_delete(C, "a"), 0);
-    cr_assert_eq(kvr_client_stat(C, "a", &x), KVR_ERR_NOCTX);
+    cr_assert_eq(kvr_client_stat(C, "a", &x), KVR_ENOCTX);
     cr_assert(strlen(kvr_client_last_error(C)) > 0);
-    cr_assert_eq(kvr_client_delete(C, "a"), KVR_ERR_NOCTX);
+    cr_assert_eq(kvr_client_delete(C, "a"), KVR_ENOCTX);
 
     kvr_metric *ms;
     cr_assert_eq(kvr_client_stats(C, &ms, &n), 0);

@@ -258,7 +258,7 @@ Test(int_cli, management_and_exit_codes)
     cr_assert_eq(CLI("stat", "b", "--json"), 3);
     j = json_out();
     cr_assert_str_eq(cJSON_GetObjectItem(cJSON_GetObjectItem(j, "error"), "name")->valuestring,
-                     "KVR_ERR_NOCTX");
+                     "KVR_ENOCTX");
     cJSON_Delete(j);
     cr_assert_eq(CLI("match", "--model", "m", "--tokens", "999,998"), 3);
     /* daemon refusal: 1 */

@@ -30,8 +30,8 @@ static void setup(void)
     cr_assert_not_null(C);
     kvr_model m;
     cr_assert_eq(testd_register(C, "tiny", DT, &m), 0, "%s", kvr_client_last_error(C));
-    char err[200];
-    cr_assert_eq(kvr_rope_create(&R, &m.rope, err, sizeof err), 0, "%s", err);
+    kvr_error err = { 0 };
+    cr_assert_eq(kvr_rope_create(&R, &m.rope, &err), 0, "%s", err.msg);
 }
 
 static void teardown(void)
@@ -488,7 +488,7 @@ Test(int_cli_layout, assemble_bad_input)
     cr_assert_eq(CLI("assemble", "pre", "d1", "d3", "--meta", "--json"), 1);
     cJSON *j = json_out();
     const cJSON *e = cJSON_GetObjectItem(j, "error");
-    cr_assert_str_eq(jstr(e, "name"), "KVR_ERR_PREFIX");
+    cr_assert_str_eq(jstr(e, "name"), "KVR_EPREFIX");
     cr_assert(strstr(jstr(e, "message"), "d3") != NULL, "%s", jstr(e, "message"));
     cJSON_Delete(j);
     /* A prefix created without --prefix-ctx is not a document of anything. */
@@ -497,7 +497,7 @@ Test(int_cli_layout, assemble_bad_input)
     cr_assert_eq(CLI("assemble", "pre", "d1", "nope", "--meta", "--json"), 3);
     j = json_out();
     e = cJSON_GetObjectItem(j, "error");
-    cr_assert_str_eq(jstr(e, "name"), "KVR_ERR_NOCTX");
+    cr_assert_str_eq(jstr(e, "name"), "KVR_ENOCTX");
     cr_assert(strstr(jstr(e, "message"), "nope") != NULL, "%s", jstr(e, "message"));
     cJSON_Delete(j);
     cr_assert_eq(CLI("assemble", "nope", "d1", "--meta", "--dtype", "f16"), 3);
@@ -590,7 +590,7 @@ Test(int_cli_layout, groups)
     /* Refusals: unknown group (1), no such context (3), usage (2). */
     cr_assert_eq(CLI("group", "offset", "g", "nope", "1", "--json"), 1);
     j = json_out();
-    cr_assert_str_eq(jstr(cJSON_GetObjectItem(j, "error"), "name"), "KVR_ERR_INVAL");
+    cr_assert_str_eq(jstr(cJSON_GetObjectItem(j, "error"), "name"), "KVR_EINVAL");
     cJSON_Delete(j);
     cr_assert_eq(CLI("group", "append", "g", "nope", f, "--model", "tiny", "--tokens", ids), 1);
     cr_assert_eq(CLI("put", "g", f, "--model", "tiny", "--tokens", ids), 1);  /* names no group */

@@ -77,7 +77,7 @@ static uint64_t ctx_hash(kvr_client *c, const char *id, kvr_dtype dt)
     kvr_get_args a = { .ctx_id = id, .dtype = dt };
     kvr_kv kv;
     int r = kvr_client_get(c, &a, &kv);
-    if (r == KVR_ERR_NOCTX)
+    if (r == KVR_ENOCTX)
         return 0;
     if (r != 0)
         return 1;
@@ -462,7 +462,7 @@ static void fsync_fault(const char *engine)
         if (r == 0)
             ok++;
         else {
-            cr_assert_eq(r, KVR_ERR_IO, "%s", kvr_client_last_error(c));
+            cr_assert_eq(r, KVR_EIO, "%s", kvr_client_last_error(c));
             io++;
         }
     }
@@ -510,7 +510,7 @@ Test(int_disk, enospc_small_tmpfs, .timeout = 120)
             ok++;
             hashes[i] = ctx_hash(c, id, KVR_DTYPE_F32);
         } else {
-            cr_assert_eq(r, KVR_ERR_IO, "%s", kvr_client_last_error(c));
+            cr_assert_eq(r, KVR_EIO, "%s", kvr_client_last_error(c));
             io++;
         }
     }

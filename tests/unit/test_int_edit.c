@@ -28,8 +28,8 @@ static void setup(void)
     cr_assert_not_null(C);
     kvr_model m;
     cr_assert_eq(testd_register(C, "tiny", DT, &m), 0, "%s", kvr_client_last_error(C));
-    char err[200];
-    cr_assert_eq(kvr_rope_create(&R, &m.rope, err, sizeof err), 0, "%s", err);
+    kvr_error err = { 0 };
+    cr_assert_eq(kvr_rope_create(&R, &m.rope, &err), 0, "%s", err.msg);
 }
 
 static void teardown(void)
@@ -292,7 +292,7 @@ Test(int_edit, pending_then_refresh)
     /* KV of pending tokens does not exist: E_PENDING, connection fine. */
     kvr_get_args g = { .ctx_id = "p", .dtype = DT };
     kvr_kv kv;
-    cr_assert_eq(kvr_client_get(C, &g, &kv), KVR_ERR_PENDING, "%s", kvr_client_last_error(C));
+    cr_assert_eq(kvr_client_get(C, &g, &kv), KVR_EPENDING, "%s", kvr_client_last_error(C));
     g.end = 10;   /* a range without them works */
     cr_assert_eq(kvr_client_get(C, &g, &kv), 0, "%s", kvr_client_last_error(C));
     kvr_kv_release(&kv);
@@ -417,7 +417,7 @@ static void refused(const kvr_edit_args *e, int want, snap *sn)
     kvr_edit_res res;
     int r = kvr_client_edit(C, e, &res);
     cr_assert_eq(r, want, "edit: %d (%s), wanted %s", r, kvr_client_last_error(C),
-                 kvr_client_error_name(want));
+                 kvr_error_name(want));
     cr_assert_str_neq(kvr_client_last_error(C), "");
     same_snap(e->ctx_id, sn);
 }
@@ -440,26 +440,26 @@ Test(int_edit, refusals_leave_context_identical)
     uint32_t t[] = { 1, 2, 3 };
     kvr_edit_range out_of_range = { .start = 20, .end = 30, .tokens = t, .n_tokens = 1 };
     kvr_edit_args e = { .ctx_id = "r", .ops = &out_of_range, .n_ops = 1 };
-    refused(&e, KVR_ERR_RANGE, &sn);
+    refused(&e, KVR_ERANGE, &sn);
 
     kvr_edit_range overlap[2] = { { .start = 5, .end = 9 }, { .start = 8, .end = 12 } };
     e.ops = overlap;
     e.n_ops = 2;
-    refused(&e, KVR_ERR_INVAL, &sn);
+    refused(&e, KVR_EINVAL, &sn);
     kvr_edit_range same_start[2] = { { .start = 6, .end = 6, .tokens = t, .n_tokens = 1 },
                                      { .start = 6, .end = 8 } };
     e.ops = same_start;
-    refused(&e, KVR_ERR_INVAL, &sn);
+    refused(&e, KVR_EINVAL, &sn);
     kvr_edit_range noop = { .start = 7, .end = 7 };
     e.ops = &noop;
     e.n_ops = 1;
-    refused(&e, KVR_ERR_INVAL, &sn);
+    refused(&e, KVR_EINVAL, &sn);
 
     /* Protected sinks: deleting token 2 is refused (inserting at 4, the
      * boundary, is allowed: the last step below). */
     kvr_edit_range prot = { .start = 2, .end = 3 };
     e.ops = &prot;
-    refused(&e, KVR_ERR_PROTECTED, &sn);
+    refused(&e, KVR_EPROTECTED, &sn);
 
     /* Payload that does not match the new tokens' shape. */
     kvr_edit_range rep = { .start = 8, .end = 9, .tokens = t, .n_tokens = 2 };
@@ -468,24 +468,24 @@ Test(int_edit, refusals_leave_context_identical)
     void *pl = make_kv(t, pos, 3, &len);
     kvr_edit_args ek = { .ctx_id = "r", .ops = &rep, .n_ops = 1, .with_kv = true, .dtype = DT,
                          .payload = pl, .payload_len = len };
-    refused(&ek, KVR_ERR_PAYLOAD, &sn);
+    refused(&ek, KVR_EPAYLOAD, &sn);
     ek.payload_len = len / 3 * 2 - 1;
-    refused(&ek, KVR_ERR_PAYLOAD, &sn);
+    refused(&ek, KVR_EPAYLOAD, &sn);
 
     /* Refresh with a wrong length, and of an out-of-range span. */
     kvr_refresh_args ra = { .ctx_id = "r", .start = 0, .end = 2, .dtype = DT, .payload = pl,
                             .payload_len = len };
     kvr_edit_res res;
-    cr_assert_eq(kvr_client_refresh(C, &ra, &res), KVR_ERR_PAYLOAD);
+    cr_assert_eq(kvr_client_refresh(C, &ra, &res), KVR_EPAYLOAD);
     same_snap("r", &sn);
     ra.end = 1000;
-    cr_assert_eq(kvr_client_refresh(C, &ra, &res), KVR_ERR_RANGE);
+    cr_assert_eq(kvr_client_refresh(C, &ra, &res), KVR_ERANGE);
     same_snap("r", &sn);
 
     /* Unknown context. */
     e.ctx_id = "nope";
-    cr_assert_eq(kvr_client_edit(C, &e, &res), KVR_ERR_NOCTX);
-    cr_assert_eq(kvr_client_edit_plan(C, &e, &res), KVR_ERR_NOCTX);
+    cr_assert_eq(kvr_client_edit(C, &e, &res), KVR_ENOCTX);
+    cr_assert_eq(kvr_client_edit_plan(C, &e, &res), KVR_ENOCTX);
     same_snap("r", &sn);
     kvr_kv_release(&sn.kv);
 

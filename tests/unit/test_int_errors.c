@@ -63,42 +63,42 @@ static int put_with(const char *ctx, const char *model, kvr_write_mode mode, uin
 Test(int_errors, unknown_model_and_context)
 {
     cr_assert_eq(put_with("x", "ghost", KVR_WRITE_UPSERT, T_LAYERS, T_HEADS, T_DIM,
-                          KVR_DTYPE_F16, 4, 0, 0), KVR_ERR_NOMODEL);
+                          KVR_DTYPE_F16, 4, 0, 0), KVR_ENOMODEL);
     cr_assert(strlen(kvr_client_last_error(C)) > 0);
     still_fine();
     kvr_kv kv;
     kvr_get_args g = { .ctx_id = "nope", .dtype = KVR_DTYPE_F16 };
-    cr_assert_eq(kvr_client_get(C, &g, &kv), KVR_ERR_NOCTX);
+    cr_assert_eq(kvr_client_get(C, &g, &kv), KVR_ENOCTX);
     still_fine();
-    cr_assert_eq(kvr_client_shift(C, "nope", 0, 1, 1), KVR_ERR_NOCTX);
-    cr_assert_eq(kvr_client_keep(C, "nope", 0, 1), KVR_ERR_NOCTX);
-    cr_assert_eq(kvr_client_pin(C, "nope", true), KVR_ERR_NOCTX);
+    cr_assert_eq(kvr_client_shift(C, "nope", 0, 1, 1), KVR_ENOCTX);
+    cr_assert_eq(kvr_client_keep(C, "nope", 0, 1), KVR_ENOCTX);
+    cr_assert_eq(kvr_client_pin(C, "nope", true), KVR_ENOCTX);
     cr_assert_eq(put_with("nope", "m", KVR_WRITE_APPEND, T_LAYERS, T_HEADS, T_DIM,
-                          KVR_DTYPE_F16, 4, 0, 0), KVR_ERR_NOCTX);
+                          KVR_DTYPE_F16, 4, 0, 0), KVR_ENOCTX);
     still_fine();
 }
 
 Test(int_errors, shape_and_dtype_mismatch)
 {
     cr_assert_eq(put_with("x", "m", KVR_WRITE_UPSERT, T_LAYERS + 1, T_HEADS, T_DIM,
-                          KVR_DTYPE_F16, 4, 0, 0), KVR_ERR_SHAPE);
+                          KVR_DTYPE_F16, 4, 0, 0), KVR_ESHAPE);
     still_fine();
     cr_assert_eq(put_with("x", "m", KVR_WRITE_UPSERT, T_LAYERS, T_HEADS, T_DIM * 2,
-                          KVR_DTYPE_F16, 4, 0, 0), KVR_ERR_SHAPE);
+                          KVR_DTYPE_F16, 4, 0, 0), KVR_ESHAPE);
     still_fine();
     /* Appending in a different dtype than the context holds is allowed to
      * convert or refuse, but a bad dtype number never passes. */
     kvr_context x;
-    cr_assert_eq(kvr_client_stat(C, "x", &x), KVR_ERR_NOCTX, "a refused put created 'x'");
+    cr_assert_eq(kvr_client_stat(C, "x", &x), KVR_ENOCTX, "a refused put created 'x'");
 }
 
 Test(int_errors, payload_length_mismatch)
 {
     cr_assert_eq(put_with("x", "m", KVR_WRITE_UPSERT, T_LAYERS, T_HEADS, T_DIM, KVR_DTYPE_F16,
-                          8, -2, 0), KVR_ERR_PAYLOAD);
+                          8, -2, 0), KVR_EPAYLOAD);
     still_fine();
     cr_assert_eq(put_with("x", "m", KVR_WRITE_UPSERT, T_LAYERS, T_HEADS, T_DIM, KVR_DTYPE_F16,
-                          8, 64, 0), KVR_ERR_PAYLOAD);
+                          8, 64, 0), KVR_EPAYLOAD);
     still_fine();
     /* The client refuses a length it can see is wrong, without a round trip. */
     size_t len = kvr_payload_size(T_LAYERS, 8, T_HEADS, T_DIM, KVR_DTYPE_F16);
@@ -107,7 +107,7 @@ Test(int_errors, payload_length_mismatch)
     kvr_put_args a = { .ctx_id = "x", .model = "m", .dtype = KVR_DTYPE_F16, .tokens = tok,
                        .n_tokens = 8, .n_layers = T_LAYERS, .n_kv_heads = T_HEADS,
                        .head_dim = T_DIM, .payload = pl, .payload_len = len - 1 };
-    cr_assert_eq(kvr_client_put(C, &a, NULL), KVR_ERR_PAYLOAD);
+    cr_assert_eq(kvr_client_put(C, &a, NULL), KVR_EPAYLOAD);
     free(pl);
     still_fine();
 }
@@ -116,31 +116,31 @@ Test(int_errors, range_out_of_bounds)
 {
     kvr_kv kv;
     kvr_get_args g = { .ctx_id = "keep", .dtype = KVR_DTYPE_F16, .start = 10, .end = 65 };
-    cr_assert_eq(kvr_client_get(C, &g, &kv), KVR_ERR_RANGE);
+    cr_assert_eq(kvr_client_get(C, &g, &kv), KVR_ERANGE);
     still_fine();
     g.start = 100;
     g.end = 0;
-    cr_assert_eq(kvr_client_get(C, &g, &kv), KVR_ERR_RANGE);
+    cr_assert_eq(kvr_client_get(C, &g, &kv), KVR_ERANGE);
     still_fine();
     uint32_t layers[] = { 0, T_LAYERS };
     g = (kvr_get_args){ .ctx_id = "keep", .dtype = KVR_DTYPE_F16, .layers = layers,
                         .n_layers = 2 };
-    cr_assert_eq(kvr_client_get(C, &g, &kv), KVR_ERR_RANGE);
+    cr_assert_eq(kvr_client_get(C, &g, &kv), KVR_ERANGE);
     still_fine();
-    cr_assert_eq(kvr_client_shift(C, "keep", 10, 70, 5), KVR_ERR_RANGE);
-    cr_assert_eq(kvr_client_keep(C, "keep", 0, 65), KVR_ERR_RANGE);
+    cr_assert_eq(kvr_client_shift(C, "keep", 10, 70, 5), KVR_ERANGE);
+    cr_assert_eq(kvr_client_keep(C, "keep", 0, 65), KVR_ERANGE);
     still_fine();
 }
 
 Test(int_errors, duplicate_and_fingerprint)
 {
     cr_assert_eq(put_with("keep", "m", KVR_WRITE_CREATE, T_LAYERS, T_HEADS, T_DIM,
-                          KVR_DTYPE_F16, 4, 0, 0), KVR_ERR_EXIST);
+                          KVR_DTYPE_F16, 4, 0, 0), KVR_EEXIST);
     still_fine();
     kvr_model m;
     cr_assert_eq(kvr_client_model_get(C, "m", &m), 0);
     cr_assert_eq(put_with("fp", "m", KVR_WRITE_UPSERT, T_LAYERS, T_HEADS, T_DIM, KVR_DTYPE_F16,
-                          4, 0, m.fingerprint ^ 1), KVR_ERR_FINGERPRINT);
+                          4, 0, m.fingerprint ^ 1), KVR_EFINGERPRINT);
     still_fine();
     cr_assert_eq(put_with("fp", "m", KVR_WRITE_UPSERT, T_LAYERS, T_HEADS, T_DIM, KVR_DTYPE_F16,
                           4, 0, m.fingerprint), 0, "%s", kvr_client_last_error(C));
@@ -150,7 +150,7 @@ Test(int_errors, duplicate_and_fingerprint)
     rc.theta = 12345.0;
     kvr_model_params p = { .name = "m", .n_layers = T_LAYERS, .n_kv_heads = T_HEADS,
                            .head_dim = T_DIM, .dtype = KVR_DTYPE_F16, .rope = &rc };
-    cr_assert_eq(kvr_client_model_register(C, &p, NULL), KVR_ERR_EXIST);
+    cr_assert_eq(kvr_client_model_register(C, &p, NULL), KVR_EEXIST);
     still_fine();
 }
 
@@ -159,17 +159,17 @@ Test(int_errors, bad_config_and_arguments)
     cr_assert_eq(kvr_client_model_register_json(C, "bad", "{\"rope_theta\": -1, "
                                                 "\"num_hidden_layers\": 2, \"hidden_size\": 64,"
                                                 "\"num_attention_heads\": 4}", NULL,
-                                                KVR_DTYPE_F16, NULL), KVR_ERR_CONFIG);
+                                                KVR_DTYPE_F16, NULL), KVR_ECONFIG);
     still_fine();
     cr_assert_eq(kvr_client_model_register_json(C, "bad", "not json", NULL, KVR_DTYPE_F16, NULL),
-                 KVR_ERR_CONFIG);
+                 KVR_ECONFIG);
     still_fine();
     /* Client-side refusals need no daemon round trip. */
     char big[300];
     memset(big, 'a', sizeof big - 1);
     big[sizeof big - 1] = 0;
-    cr_assert_eq(kvr_client_delete(C, big), KVR_ERR_INVAL);
-    cr_assert_eq(kvr_client_delete(C, ""), KVR_ERR_INVAL);
+    cr_assert_eq(kvr_client_delete(C, big), KVR_EINVAL);
+    cr_assert_eq(kvr_client_delete(C, ""), KVR_EINVAL);
     still_fine();
     /* Wrong count of target positions. */
     int64_t pos[3] = { 1, 2, 3 };
@@ -177,19 +177,19 @@ Test(int_errors, bad_config_and_arguments)
     kvr_get_args g = { .ctx_id = "keep", .dtype = KVR_DTYPE_F16, .positions = pos,
                        .n_positions = 3 };
     int r = kvr_client_get(C, &g, &kv);
-    cr_assert(r == KVR_ERR_BADREQUEST || r == KVR_ERR_RANGE || r == KVR_ERR_INVAL, "got %d", r);
+    cr_assert(r == KVR_EBADREQUEST || r == KVR_ERANGE || r == KVR_EINVAL, "got %d", r);
     still_fine();
 }
 
 Test(int_errors, connect_failures)
 {
     kvr_client *c;
-    cr_assert_eq(kvr_client_connect(&c, "/nonexistent/dir/sock", NULL), KVR_ERR_SYS);
+    cr_assert_eq(kvr_client_connect(&c, "/nonexistent/dir/sock", NULL), KVR_ESYS);
     cr_assert_null(c);
     cr_assert(strlen(kvr_client_last_error(NULL)) > 0);
-    cr_assert_eq(kvr_client_connect(&c, "nocolon", NULL), KVR_ERR_INVAL);
-    cr_assert_str_eq(kvr_client_error_name(KVR_ERR_NOCTX), "KVR_ERR_NOCTX");
-    cr_assert_str_eq(kvr_client_strerror(KVR_ERR_NOCTX), "unknown context");
+    cr_assert_eq(kvr_client_connect(&c, "nocolon", NULL), KVR_EINVAL);
+    cr_assert_str_eq(kvr_error_name(KVR_ENOCTX), "KVR_ENOCTX");
+    cr_assert_str_eq(kvr_strerror(KVR_ENOCTX), "unknown context");
     still_fine();
 }
 
@@ -203,8 +203,8 @@ static kvr_rope *local_rope(void)
     rc.rotary_dim = T_DIM;
     rc.num_kv_heads = T_HEADS;
     kvr_rope *r = NULL;
-    char err[200];
-    cr_assert_eq(kvr_rope_create(&r, &rc, err, sizeof err), 0, "%s", err);
+    kvr_error err = { 0 };
+    cr_assert_eq(kvr_rope_create(&r, &rc, &err), 0, "%s", err.msg);
     return r;
 }
 

@@ -133,6 +133,7 @@ Test(install, destdir_install_pkg_config_program_runs_then_uninstall)
     cr_assert(exists("%s%s/lib/libkvrope.a", dest, p));
     cr_assert(exists("%s%s/include/kvrope/kvrope.h", dest, p));
     cr_assert(exists("%s%s/include/kvrope/rope/rope.h", dest, p));
+    cr_assert(exists("%s%s/include/kvrope/rope/error.h", dest, p));
     cr_assert(exists("%s%s/lib/pkgconfig/kvrope.pc", dest, p));
     cr_assert(exists("%s%s/share/man/man8/kvroped.8", dest, p));
     cr_assert(exists("%s%s/share/man/man1/kvrope.1", dest, p));

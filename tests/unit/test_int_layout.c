@@ -22,8 +22,8 @@ static void setup(void)
     cr_assert_not_null(C);
     kvr_model m;
     cr_assert_eq(testd_register(C, "tiny", DT, &m), 0, "%s", kvr_client_last_error(C));
-    char err[200];
-    cr_assert_eq(kvr_rope_create(&R, &m.rope, err, sizeof err), 0, "%s", err);
+    kvr_error err = { 0 };
+    cr_assert_eq(kvr_rope_create(&R, &m.rope, &err), 0, "%s", err.msg);
 }
 
 static void teardown(void)
@@ -188,10 +188,10 @@ Test(int_layout, assemble_parallel_and_sequential)
     put_at("d3", d2, 4, 8, &o2);
     const char *bad[] = { "d1", "d3" };
     a.docs = bad;
-    cr_assert_eq(kvr_client_assemble(C, &a, &r), KVR_ERR_PREFIX, "%s", kvr_client_last_error(C));
+    cr_assert_eq(kvr_client_assemble(C, &a, &r), KVR_EPREFIX, "%s", kvr_client_last_error(C));
     a.docs = docs;
     a.prefix = "nope";
-    cr_assert_eq(kvr_client_assemble(C, &a, &r), KVR_ERR_NOCTX);
+    cr_assert_eq(kvr_client_assemble(C, &a, &r), KVR_ENOCTX);
     cr_assert_eq(kvr_client_ping(C, NULL), 0);
 }
 
@@ -250,7 +250,7 @@ Test(int_layout, groups)
     check_kv(&kv, tok2, pos2, 8);
     kvr_kv_release(&kv);
 
-    cr_assert_eq(kvr_client_set_group_offset(C, "g", "nope", 1, NULL), KVR_ERR_INVAL);
+    cr_assert_eq(kvr_client_set_group_offset(C, "g", "nope", 1, NULL), KVR_EINVAL);
     cr_assert_eq(kvr_client_ping(C, NULL), 0);
 }
 
@@ -319,7 +319,7 @@ Test(int_layout, protect_first_with_retention)
     cr_assert_eq(ce.n_protected, 6);
     /* Out of range at begin: refused, nothing stored. */
     o.protect_first = 9;
-    cr_assert_eq(kvr_client_put_ex(C, &a, &o, NULL), KVR_ERR_RANGE);
+    cr_assert_eq(kvr_client_put_ex(C, &a, &o, NULL), KVR_ERANGE);
     cr_assert_eq(kvr_client_stat(C, "pw", &ci), 0);
     cr_assert_eq(ci.n_tokens, 6);
     free(pl);

@@ -128,7 +128,7 @@ Test(int_load, eviction_under_small_cap, .fini = teardown, .timeout = 300)
         char ctx[32];
         snprintf(ctx, sizeof ctx, "c%02d", i);
         int r = testd_put(c, ctx, "m", KVR_DTYPE_F32, (uint32_t)i, (uint32_t)i * 10000, 0, n);
-        if (r == KVR_ERR_NOMEM)
+        if (r == KVR_ENOMEM)
             refused++;
         else
             cr_assert_eq(r, 0, "put %s: %s", ctx, kvr_client_last_error(c));
@@ -160,6 +160,6 @@ Test(int_load, eviction_under_small_cap, .fini = teardown, .timeout = 300)
     /* The oldest was evicted (whole, or its tail). */
     kvr_context x;
     int r = kvr_client_stat(c, "c00", &x);
-    cr_assert(r == KVR_ERR_NOCTX || (r == 0 && x.n_tokens < n), "c00 survived whole");
+    cr_assert(r == KVR_ENOCTX || (r == 0 && x.n_tokens < n), "c00 survived whole");
     kvr_client_close(c);
 }

@@ -47,8 +47,8 @@ static void setup(void)
     cr_assert_eq(kvr_client_model_register_ex(C, &p, NULL, &m, &mx), 0, "%s",
                  kvr_client_last_error(C));
     cr_assert_str_eq(mx.codec, "f32");
-    char err[200];
-    cr_assert_eq(kvr_rope_create(&R, &m.rope, err, sizeof err), 0, "%s", err);
+    kvr_error err = { 0 };
+    cr_assert_eq(kvr_rope_create(&R, &m.rope, &err), 0, "%s", err.msg);
 }
 
 static void teardown(void)
@@ -332,7 +332,7 @@ static void round_trip(const char *spec, int idx)
                                   (double)pl[o]);
                 }
         int r = kvr_client_get_ex(C, &ga, &go, &kv, &rl);
-        cr_assert_eq(r, KVR_ERR_UNSUPPORTED, "%s: raw get of a plain context: %d", spec, r);
+        cr_assert_eq(r, KVR_EUNSUPPORTED, "%s: raw get of a plain context: %d", spec, r);
         goto out;
     }
     cr_assert(strncmp(cc.codec, "k=", 2) == 0, "%s -> %s", spec, cc.codec);
@@ -448,20 +448,20 @@ Test(int_quant, model_default_codec_and_bad_specs)
     const char *bad[] = { "int3", "k4v3", "int4/g48", "kivi:k4", "k=int4,v=int4/c", "x" };
     for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
         int r = put_kv("bad", "q", KVR_WRITE_CREATE, bad[i], ids, pos, 200, pl);
-        cr_assert_eq(r, KVR_ERR_INVAL, "spec '%s': %d", bad[i], r);
+        cr_assert_eq(r, KVR_EINVAL, "spec '%s': %d", bad[i], r);
         cr_assert(strstr(kvr_client_last_error(C), "codec"), "%s",
                   kvr_client_last_error(C));
-        cr_assert_eq(kvr_client_stat(C, "bad", NULL), KVR_ERR_NOCTX);
+        cr_assert_eq(kvr_client_stat(C, "bad", NULL), KVR_ENOCTX);
     }
     p.name = "qbad";
-    cr_assert_eq(kvr_client_model_register_ex(C, &p, "int5", NULL, NULL), KVR_ERR_INVAL);
+    cr_assert_eq(kvr_client_model_register_ex(C, &p, "int5", NULL, NULL), KVR_EINVAL);
     cr_assert(strstr(kvr_client_last_error(C), "bad codec spec"), "%s",
               kvr_client_last_error(C));
-    cr_assert_eq(kvr_client_model_get(C, "qbad", &(kvr_model){ 0 }), KVR_ERR_NOMODEL);
+    cr_assert_eq(kvr_client_model_get(C, "qbad", &(kvr_model){ 0 }), KVR_ENOMODEL);
     /* Append with another codec than the context's: refused, unchanged. */
     int64_t p2 = 200;
     int r = put_kv("dflt", "qd", KVR_WRITE_APPEND, "int8", ids, &p2, 1, pl);
-    cr_assert_eq(r, KVR_ERR_INVAL, "%d %s", r, kvr_client_last_error(C));
+    cr_assert_eq(r, KVR_EINVAL, "%d %s", r, kvr_client_last_error(C));
     /* ...and with its own codec (any spelling): fine. */
     kvr_put_args a = { .ctx_id = "dflt", .model = "qd", .mode = KVR_WRITE_APPEND,
                        .dtype = KVR_DTYPE_F32, .tokens = ids, .n_tokens = 1,
@@ -493,7 +493,7 @@ Test(int_quant, nan_refused_context_unchanged)
     /* V of layer 1, token 5 of the put */
     add[((size_t)1 * 2 + 1) * 10 * ROW + 5 * ROW + 7] = NAN;
     int r = put_kv("nan", "q", KVR_WRITE_APPEND, NULL, ids, pos, 10, add);
-    cr_assert_eq(r, KVR_ERR_INVAL, "%d", r);
+    cr_assert_eq(r, KVR_EINVAL, "%d", r);
     const char *m = kvr_client_last_error(C);
     cr_assert(strstr(m, "layer 1") && strstr(m, "token 5"), "message: %s", m);
     size_t n1;
@@ -508,10 +508,10 @@ Test(int_quant, nan_refused_context_unchanged)
     add[((size_t)1 * 2 + 1) * 10 * ROW + 5 * ROW + 7] = 0.5f;
     add[2 * ROW + 3] = INFINITY;
     r = put_kv("nan2", "q", KVR_WRITE_CREATE, "k4v2", ids, pos, 10, add);
-    cr_assert_eq(r, KVR_ERR_INVAL, "%d", r);
+    cr_assert_eq(r, KVR_EINVAL, "%d", r);
     m = kvr_client_last_error(C);
     cr_assert(strstr(m, "layer 0") && strstr(m, "token 2"), "message: %s", m);
-    cr_assert_eq(kvr_client_stat(C, "nan2", NULL), KVR_ERR_NOCTX);
+    cr_assert_eq(kvr_client_stat(C, "nan2", NULL), KVR_ENOCTX);
     /* The connection is fine and the clean put goes through. */
     add[2 * ROW + 3] = 0.25f;
     cr_assert_eq(put_kv("nan", "q", KVR_WRITE_APPEND, NULL, ids, pos, 10, add), 0, "%s",

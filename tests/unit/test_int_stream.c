@@ -46,8 +46,8 @@ static void setup(void)
                            .dtype = KVR_DTYPE_F16, .rope = &rc };
     kvr_model m;
     cr_assert_eq(kvr_client_model_register(C, &p, &m), 0, "%s", kvr_client_last_error(C));
-    char err[200];
-    cr_assert_eq(kvr_rope_create(&R, &m.rope, err, sizeof err), 0, "%s", err);
+    kvr_error err = { 0 };
+    cr_assert_eq(kvr_rope_create(&R, &m.rope, &err), 0, "%s", err.msg);
     PL_LEN = kvr_payload_size(NL, NT, NH, ND, KVR_DTYPE_F16);
     PL = malloc(PL_LEN);
     cr_assert_not_null(PL);

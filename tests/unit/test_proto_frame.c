@@ -13,6 +13,7 @@
 #include <unistd.h>
 
 #include "proto/frame.h"
+#include "rope/error.h"
 
 static const kvr_frame_limits LIM = { .max_msg_len = 1u << 20,
                                       .max_payload_len = 1ull << 32 };
@@ -62,10 +63,10 @@ Test(proto_frame, wrong_magic)
     for (int i = 0; i < 4; i++) {
         kvr_frame_header_encode(b, 4, 0);
         b[i] ^= 0x20;
-        cr_assert_eq(kvr_frame_header_decode(b, NULL, &LIM), -3);
+        cr_assert_eq(kvr_frame_header_decode(b, NULL, &LIM), KVR_EBADFRAME);
     }
     memcpy(b, "GET / HTTP/1.1\r\nHost: x\r\n", 24);
-    cr_assert_eq(kvr_frame_header_decode(b, NULL, &LIM), -3);
+    cr_assert_eq(kvr_frame_header_decode(b, NULL, &LIM), KVR_EBADFRAME);
 }
 
 Test(proto_frame, wrong_version)
@@ -73,13 +74,13 @@ Test(proto_frame, wrong_version)
     uint8_t b[KVR_FRAME_HEADER_SIZE];
     kvr_frame_header_encode(b, 4, 0);
     b[4] = 2;
-    cr_assert_eq(kvr_frame_header_decode(b, NULL, &LIM), -3);
+    cr_assert_eq(kvr_frame_header_decode(b, NULL, &LIM), KVR_EBADFRAME);
     kvr_frame_header_encode(b, 4, 0);
     b[5] = 1;   /* version 257 */
-    cr_assert_eq(kvr_frame_header_decode(b, NULL, &LIM), -3);
+    cr_assert_eq(kvr_frame_header_decode(b, NULL, &LIM), KVR_EBADFRAME);
     kvr_frame_header_encode(b, 4, 0);
     b[4] = 0;
-    cr_assert_eq(kvr_frame_header_decode(b, NULL, &LIM), -3);
+    cr_assert_eq(kvr_frame_header_decode(b, NULL, &LIM), KVR_EBADFRAME);
 }
 
 Test(proto_frame, wrong_header_len_and_flags)
@@ -87,10 +88,10 @@ Test(proto_frame, wrong_header_len_and_flags)
     uint8_t b[KVR_FRAME_HEADER_SIZE];
     kvr_frame_header_encode(b, 4, 0);
     b[6] = 32;
-    cr_assert_eq(kvr_frame_header_decode(b, NULL, &LIM), -3);
+    cr_assert_eq(kvr_frame_header_decode(b, NULL, &LIM), KVR_EBADFRAME);
     kvr_frame_header_encode(b, 4, 0);
     b[15] = 0x80;
-    cr_assert_eq(kvr_frame_header_decode(b, NULL, &LIM), -3);
+    cr_assert_eq(kvr_frame_header_decode(b, NULL, &LIM), KVR_EBADFRAME);
 }
 
 Test(proto_frame, oversize)
@@ -99,14 +100,14 @@ Test(proto_frame, oversize)
     kvr_frame_header_encode(b, LIM.max_msg_len, LIM.max_payload_len);
     cr_assert_eq(kvr_frame_header_decode(b, NULL, &LIM), 0);
     kvr_frame_header_encode(b, LIM.max_msg_len + 1, 0);
-    cr_assert_eq(kvr_frame_header_decode(b, NULL, &LIM), -4);
+    cr_assert_eq(kvr_frame_header_decode(b, NULL, &LIM), KVR_ETOOLARGE);
     kvr_frame_header_encode(b, 0, LIM.max_payload_len + 1);
-    cr_assert_eq(kvr_frame_header_decode(b, NULL, &LIM), -4);
+    cr_assert_eq(kvr_frame_header_decode(b, NULL, &LIM), KVR_ETOOLARGE);
     kvr_frame_header_encode(b, UINT32_MAX, UINT64_MAX);
-    cr_assert_eq(kvr_frame_header_decode(b, NULL, &LIM), -4);
+    cr_assert_eq(kvr_frame_header_decode(b, NULL, &LIM), KVR_ETOOLARGE);
     /* The header check comes first: garbage is a bad frame, not too large. */
     b[0] = 'X';
-    cr_assert_eq(kvr_frame_header_decode(b, NULL, &LIM), -3);
+    cr_assert_eq(kvr_frame_header_decode(b, NULL, &LIM), KVR_EBADFRAME);
 }
 
 /* A truncated header is the caller's business (it waits for 24 bytes); what
@@ -119,7 +120,7 @@ Test(proto_frame, truncated)
     for (size_t cut = 0; cut < 7; cut++) {
         uint8_t b[KVR_FRAME_HEADER_SIZE] = { 0 };
         memcpy(b, full, cut);
-        cr_assert_eq(kvr_frame_header_decode(b, NULL, &LIM), -3, "cut at %zu", cut);
+        cr_assert_eq(kvr_frame_header_decode(b, NULL, &LIM), KVR_EBADFRAME, "cut at %zu", cut);
     }
 }
 
@@ -137,9 +138,9 @@ Test(proto_frame, guard_page)
     cr_assert_eq(h.msg_len, 77);
     cr_assert_eq(h.payload_len, 99);
     hdr[0] = 0;
-    cr_assert_eq(kvr_frame_header_decode(hdr, &h, &LIM), -3);
+    cr_assert_eq(kvr_frame_header_decode(hdr, &h, &LIM), KVR_EBADFRAME);
     kvr_frame_header_encode(hdr, UINT32_MAX, 0);
-    cr_assert_eq(kvr_frame_header_decode(hdr, &h, &LIM), -4);
+    cr_assert_eq(kvr_frame_header_decode(hdr, &h, &LIM), KVR_ETOOLARGE);
     /* Encode also stays inside its 24 bytes. */
     kvr_frame_header_encode(hdr, 1, 2);
     munmap(m, (size_t)ps * 2);

@@ -16,19 +16,19 @@
 static kvr_rope_config parse_ok(const char *json, const char *style)
 {
     kvr_rope_config c;
-    char err[256] = "";
-    int rc = kvr_rope_config_from_json(&c, json, strlen(json), style, err, sizeof err);
-    cr_assert_eq(rc, 0, "refused: %s", err);
+    kvr_error err = { 0 };
+    int rc = kvr_rope_config_from_json(&c, json, strlen(json), style, &err);
+    cr_assert_eq(rc, 0, "refused: %s", err.msg);
     return c;
 }
 
 static void refuse(const char *json, const char *field)
 {
     kvr_rope_config c;
-    char err[256] = "";
-    int rc = kvr_rope_config_from_json(&c, json, strlen(json), NULL, err, sizeof err);
-    cr_assert_eq(rc, -EINVAL, "accepted: %s", json);
-    cr_assert(strstr(err, field) != NULL, "message '%s' does not name '%s'", err, field);
+    kvr_error err = { 0 };
+    int rc = kvr_rope_config_from_json(&c, json, strlen(json), NULL, &err);
+    cr_assert_eq(rc, KVR_EINVAL, "accepted: %s", json);
+    cr_assert(strstr(err.msg, field) != NULL, "message '%s' does not name '%s'", err.msg, field);
 }
 
 /* Rotates e_0 (cos component of pair i) by one position to read the engine's
@@ -36,7 +36,7 @@ static void refuse(const char *json, const char *field)
 static double engine_freq(const kvr_rope_config *c, int i)
 {
     kvr_rope *r = NULL;
-    cr_assert_eq(kvr_rope_create(&r, c, NULL, 0), 0);
+    cr_assert_eq(kvr_rope_create(&r, c, NULL), 0);
     float x[KVR_ROPE_MAX_HEAD_DIM] = { 0 }, y[KVR_ROPE_MAX_HEAD_DIM];
     int rot = c->rotary_dim;
     int i0 = c->style == KVR_ROPE_GPTJ ? 2 * i : i, i1 = c->style == KVR_ROPE_GPTJ ? 2 * i + 1 : i + rot / 2;
@@ -144,7 +144,7 @@ Test(rope_config, phi3_longrope)
     cr_assert(!kvr_rope_config_composes(&c));
     /* attention factor sqrt(1 + ln(131072/4096) / ln(4096)) on the magnitude */
     kvr_rope *r;
-    cr_assert_eq(kvr_rope_create(&r, &c, NULL, 0), 0);
+    cr_assert_eq(kvr_rope_create(&r, &c, NULL), 0);
     float x[96] = { 0 }, y[96];
     x[0] = 1.0f;
     int64_t p = 0;
@@ -191,7 +191,7 @@ Test(rope_config, yarn_qwen_style)
         "\"type\":\"yarn\"}}";
     c = parse_ok(d, NULL);
     kvr_rope *r;
-    cr_assert_eq(kvr_rope_create(&r, &c, NULL, 0), 0);
+    cr_assert_eq(kvr_rope_create(&r, &c, NULL), 0);
     float x[64] = { 1.0f }, y[64];
     int64_t p = 0;
     kvr_rope_apply(r, y, KVR_DTYPE_F32, x, KVR_DTYPE_F32, 1, 1, &p, NULL);
@@ -203,7 +203,7 @@ Test(rope_config, yarn_qwen_style)
         "{\"head_dim\":64,\"max_position_embeddings\":8192,\"rope_scaling\":{\"rope_type\":\"yarn\","
         "\"factor\":2.0,\"attention_factor\":1.25}}";
     c = parse_ok(e, NULL);
-    cr_assert_eq(kvr_rope_create(&r, &c, NULL, 0), 0);
+    cr_assert_eq(kvr_rope_create(&r, &c, NULL), 0);
     kvr_rope_apply(r, y, KVR_DTYPE_F32, x, KVR_DTYPE_F32, 1, 1, &p, NULL);
     cr_assert_float_eq(y[0], 1.25, 1e-6);
     kvr_rope_destroy(r);
@@ -316,24 +316,24 @@ Test(rope_config, refusals)
     refuse("{\"head_dim\":64,", "JSON");
 
     kvr_rope_config c;
-    char err[200] = "";
-    cr_assert_eq(kvr_rope_config_from_json(&c, "{\"head_dim\":64}", 15, "sideways", err, sizeof err), -EINVAL);
-    cr_assert(strstr(err, "style"));
+    kvr_error err = { 0 };
+    cr_assert_eq(kvr_rope_config_from_json(&c, "{\"head_dim\":64}", 15, "sideways", &err), KVR_EINVAL);
+    cr_assert(strstr(err.msg, "style"));
     /* validate on a hand-filled struct, and create refuses what validate refuses */
     kvr_rope_config_init(&c);
     c.head_dim = 64; c.rotary_dim = 64; c.theta = -1;
     kvr_rope *r = (kvr_rope *)&c;
-    cr_assert_eq(kvr_rope_create(&r, &c, err, sizeof err), -EINVAL);
+    cr_assert_eq(kvr_rope_create(&r, &c, &err), KVR_EINVAL);
     cr_assert_null(r);
-    cr_assert(strstr(err, "rope_theta"));
+    cr_assert(strstr(err.msg, "rope_theta"));
     c.theta = 10000; c.scaling = KVR_ROPE_SCALING_LINEAR; c.factor = NAN;
-    cr_assert_eq(kvr_rope_config_validate(&c, err, sizeof err), -EINVAL);
-    cr_assert(strstr(err, "factor"));
+    cr_assert_eq(kvr_rope_config_validate(&c, &err), KVR_EINVAL);
+    cr_assert(strstr(err.msg, "factor"));
     c.scaling = (kvr_rope_scaling)42;
-    cr_assert_eq(kvr_rope_config_validate(&c, err, sizeof err), -EINVAL);
-    cr_assert(strstr(err, "rope_type"));
+    cr_assert_eq(kvr_rope_config_validate(&c, &err), KVR_EINVAL);
+    cr_assert(strstr(err.msg, "rope_type"));
     /* NULL err buffer is fine */
-    cr_assert_eq(kvr_rope_config_validate(&c, NULL, 0), -EINVAL);
+    cr_assert_eq(kvr_rope_config_validate(&c, NULL), KVR_EINVAL);
 }
 
 Test(rope_config, from_file)
@@ -344,12 +344,12 @@ Test(rope_config, from_file)
     cr_assert_eq(write(fd, LLAMA31, strlen(LLAMA31)), (ssize_t)strlen(LLAMA31));
     close(fd);
     kvr_rope_config c;
-    char err[200] = "";
-    cr_assert_eq(kvr_rope_config_from_file(&c, path, NULL, err, sizeof err), 0, "%s", err);
+    kvr_error err = { 0 };
+    cr_assert_eq(kvr_rope_config_from_file(&c, path, NULL, &err), 0, "%s", err.msg);
     cr_assert_eq(c.scaling, KVR_ROPE_SCALING_LLAMA3);
     unlink(path);
-    cr_assert_lt(kvr_rope_config_from_file(&c, "/nonexistent/config.json", NULL, err, sizeof err), 0);
-    cr_assert(strstr(err, "/nonexistent/config.json"));
+    cr_assert_lt(kvr_rope_config_from_file(&c, "/nonexistent/config.json", NULL, &err), 0);
+    cr_assert(strstr(err.msg, "/nonexistent/config.json"));
 }
 
 Test(rope_config, canonical_text)

@@ -46,8 +46,8 @@ static kvr_rope *make(int head_dim, int rot, kvr_rope_style style, double theta,
         c.high_freq_factor = 4.0;
     }
     kvr_rope *r = NULL;
-    char err[200] = "";
-    cr_assert_eq(kvr_rope_create(&r, &c, err, sizeof err), 0, "%s", err);
+    kvr_error err = { 0 };
+    cr_assert_eq(kvr_rope_create(&r, &c, &err), 0, "%s", err.msg);
     return r;
 }
 
@@ -283,8 +283,8 @@ static void direct_inv_freq(const kvr_rope_config *c, int64_t seq_len, long doub
 static void check_len_dependent(const kvr_rope_config *c, long double mscale)
 {
     kvr_rope *r = NULL;
-    char err[200];
-    cr_assert_eq(kvr_rope_create(&r, c, err, sizeof err), 0, "%s", err);
+    kvr_error err = { 0 };
+    cr_assert_eq(kvr_rope_create(&r, c, &err), 0, "%s", err.msg);
     cr_assert(!kvr_rope_config_composes(c));
     size_t T = 40, H = 2, D = (size_t)c->head_dim, n = T * H * D;
     int rot = c->rotary_dim;
@@ -375,10 +375,10 @@ Test(rope_props, bad_arguments)
     kvr_rope *r = make(64, 64, KVR_ROPE_NEOX, 10000, KVR_ROPE_SCALING_DEFAULT, 1.0);
     float x[64];
     int64_t p = 0;
-    cr_assert_eq(kvr_rope_apply(r, NULL, KVR_DTYPE_F32, x, KVR_DTYPE_F32, 1, 1, &p, NULL), -EINVAL);
-    cr_assert_eq(kvr_rope_apply(r, x, (kvr_dtype)7, x, KVR_DTYPE_F32, 1, 1, &p, NULL), -EINVAL);
-    cr_assert_eq(kvr_rope_reposition(r, x, KVR_DTYPE_F32, x, KVR_DTYPE_F32, 1, 1, &p, NULL, NULL), -EINVAL);
-    cr_assert_eq(kvr_rope_apply(r, x, KVR_DTYPE_F16, x, KVR_DTYPE_F32, 1, 1, &p, NULL), -EINVAL);
+    cr_assert_eq(kvr_rope_apply(r, NULL, KVR_DTYPE_F32, x, KVR_DTYPE_F32, 1, 1, &p, NULL), KVR_EINVAL);
+    cr_assert_eq(kvr_rope_apply(r, x, (kvr_dtype)7, x, KVR_DTYPE_F32, 1, 1, &p, NULL), KVR_EINVAL);
+    cr_assert_eq(kvr_rope_reposition(r, x, KVR_DTYPE_F32, x, KVR_DTYPE_F32, 1, 1, &p, NULL, NULL), KVR_EINVAL);
+    cr_assert_eq(kvr_rope_apply(r, x, KVR_DTYPE_F16, x, KVR_DTYPE_F32, 1, 1, &p, NULL), KVR_EINVAL);
     cr_assert_eq(kvr_rope_apply(r, NULL, KVR_DTYPE_F32, NULL, KVR_DTYPE_F32, 0, 1, NULL, NULL), 0);
     /* extreme positions: to - from overflows int64 and must still work */
     int64_t f = INT64_MIN + 5, t = INT64_MAX - 5;
@@ -455,7 +455,7 @@ Test(rope_props, dtype_names)
     kvr_dtype t;
     cr_assert_eq(kvr_dtype_parse("bf16", &t), 0);
     cr_assert_eq(t, KVR_DTYPE_BF16);
-    cr_assert_eq(kvr_dtype_parse("f8", &t), -EINVAL);
+    cr_assert_eq(kvr_dtype_parse("f8", &t), KVR_EINVAL);
     cr_assert_str_eq(kvr_dtype_name(KVR_DTYPE_F16), "f16");
     cr_assert_eq(kvr_dtype_size(KVR_DTYPE_F32), 4);
     cr_assert_str_eq(kvr_isa_name(KVR_ISA_AVX512), "avx512");

@@ -106,11 +106,11 @@ static void load_cases(void)
         if (rs && !cJSON_IsNull(rs))
             cJSON_AddItemToObject(cfgj, "rope_scaling", cJSON_Duplicate(rs, 1));
         char *ct = cJSON_PrintUnformatted(cfgj);
-        char err[256] = "";
+        kvr_error err = { 0 };
         int rc = kvr_rope_config_from_json(&v->cfg, ct, strlen(ct),
                                            cJSON_GetObjectItem(c, "style")->valuestring,
-                                           err, sizeof err);
-        cr_assert_eq(rc, 0, "%s: config refused: %s", v->name, err);
+                                           &err);
+        cr_assert_eq(rc, 0, "%s: config refused: %s", v->name, err.msg);
         free(ct);
         cJSON_Delete(cfgj);
         const cJSON *f = cJSON_GetObjectItem(c, "files");
@@ -151,8 +151,8 @@ static double pair_mag(const float *row, const kvr_rope_config *cfg, size_t j)
 static void check_case(const vcase *v, enum op op, kvr_dtype dt, kvr_isa isa)
 {
     kvr_rope *r = NULL;
-    char err[256] = "";
-    cr_assert_eq(kvr_rope_create(&r, &v->cfg, err, sizeof err), 0, "%s", err);
+    kvr_error err = { 0 };
+    cr_assert_eq(kvr_rope_create(&r, &v->cfg, &err), 0, "%s", err.msg);
     size_t nel = v->n_tokens * v->n_heads * v->hd;
     size_t es = kvr_dtype_size(dt);
     void *in = malloc(nel * es), *out = malloc(nel * es);
@@ -225,7 +225,7 @@ Test(rope_vectors, apply_mixed_dtypes)
     for (int c = 0; c < n_cases; c++) {
         const vcase *v = &cases[c];
         kvr_rope *r = NULL;
-        cr_assert_eq(kvr_rope_create(&r, &v->cfg, NULL, 0), 0);
+        cr_assert_eq(kvr_rope_create(&r, &v->cfg, NULL), 0);
         size_t nel = v->n_tokens * v->n_heads * v->hd;
         uint16_t *h = malloc(nel * 2);
         float *back = malloc(nel * 4);

@@ -267,8 +267,11 @@ H = c_void_p  # kvr_client *
 # OPTIONAL: a library without them still loads; the method that needs one
 # raises kvrope.Unsupported naming the missing symbol.
 PROTOTYPES = {
-    "kvr_client_strerror": (c_char_p, [c_int]),
-    "kvr_client_error_name": (c_char_p, [c_int]),
+    "kvr_strerror": (c_char_p, [c_int]),
+    "kvr_error_name": (c_char_p, [c_int]),
+    "kvr_error_status": (c_int, [c_int]),
+    "kvr_error_status_name": (c_char_p, [c_int]),
+    "kvr_error_codes": (POINTER(c_int), [POINTER(c_size_t)]),
     "kvr_client_connect": (c_int, [POINTER(H), c_char_p, POINTER(kvr_client_opts)]),
     "kvr_client_close": (None, [H]),
     "kvr_client_last_error": (c_char_p, [H]),

@@ -338,7 +338,7 @@ class Client:
         f = self._fn(name)
         with self._lock:
             if self._h is None:
-                raise errors.ConnectionFailed(-1001, "the client is closed")
+                raise errors.ConnectionFailed(errors.KVR_ECLOSED, "the client is closed")
             rc = f(self._h, *args)
             if rc < 0:
                 msg = (self._lib.kvr_client_last_error(self._h) or b"").decode(errors="replace")

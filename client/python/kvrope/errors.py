@@ -1,60 +1,38 @@
 """Exceptions. Every failure of a call that reached libkvrope raises a
 KvropeError (or a subclass chosen by its code) carrying:
 
-  .code     the daemon's wire Status number (1..21, docs/protocol.md), or for
-            the client's own failures libkvrope's negative code (-1000..)
+  .code     the daemon's wire Status number (1..999, docs/protocol.md), or for
+            the client's own failures libkvrope's negative code (KVR_ESYS, ...)
   .name     the Status name ("E_UNKNOWN_CONTEXT") or the client code's name
-            ("KVR_ERR_CLOSED")
-  .c_code   libkvrope's return value (-code for daemon statuses)
+            ("KVR_ESYS")
+  .c_code   libkvrope's return value (a KVR_E* code, rope/error.h)
   .message  the daemon's human-readable message (or the client's)
+
+The codes, names and Status numbers are not repeated here: they are read from
+the loaded libkvrope (kvr_error_codes and friends, generated in C from the one
+list in rope/error.h). `errors.KVR_ENOCTX` etc. are the library's values;
+`errors.STATUS` maps Status number -> (protocol name, libkvrope name).
+This module only chooses which Python class each code raises.
 
 Arguments that are wrong before anything is sent (dtype, shape, lengths,
 types) raise ValueError / TypeError instead, and nothing goes on the wire.
 """
 
-# Status number -> (protocol name, libkvrope name), from docs/protocol.md / kvrope.h.
-STATUS = {
-    1: ("E_INTERNAL", "KVR_ERR_INTERNAL"),
-    2: ("E_BAD_REQUEST", "KVR_ERR_BADREQUEST"),
-    3: ("E_BAD_FRAME", "KVR_ERR_BADFRAME"),
-    4: ("E_TOO_LARGE", "KVR_ERR_TOOLARGE"),
-    5: ("E_UNAUTHENTICATED", "KVR_ERR_UNAUTH"),
-    6: ("E_UNKNOWN_MODEL", "KVR_ERR_NOMODEL"),
-    7: ("E_UNKNOWN_CONTEXT", "KVR_ERR_NOCTX"),
-    8: ("E_EXISTS", "KVR_ERR_EXIST"),
-    9: ("E_SHAPE", "KVR_ERR_SHAPE"),
-    10: ("E_PAYLOAD_LENGTH", "KVR_ERR_PAYLOAD"),
-    11: ("E_RANGE", "KVR_ERR_RANGE"),
-    12: ("E_FINGERPRINT", "KVR_ERR_FINGERPRINT"),
-    13: ("E_NO_MEMORY", "KVR_ERR_NOMEM"),
-    14: ("E_BUSY", "KVR_ERR_BUSY"),
-    15: ("E_INVALID", "KVR_ERR_INVAL"),
-    16: ("E_UNSUPPORTED", "KVR_ERR_UNSUPPORTED"),
-    17: ("E_LIMIT", "KVR_ERR_LIMIT"),
-    18: ("E_PROTECTED", "KVR_ERR_PROTECTED"),
-    19: ("E_IO", "KVR_ERR_IO"),
-    20: ("E_PINNED", "KVR_ERR_PINNED"),
-    21: ("E_CONFIG", "KVR_ERR_CONFIG"),
-    22: ("E_PENDING", "KVR_ERR_PENDING"),      # proto has it; kvrope.h not yet
-    23: ("E_PREFIX", "KVR_ERR_PREFIX"),        # proto has it; kvrope.h not yet
-}
-CLIENT = {
-    -1000: "KVR_ERR_SYS",
-    -1001: "KVR_ERR_CLOSED",
-    -1002: "KVR_ERR_PROTO",
-    -1003: "KVR_ERR_BUFFER",
-    -1004: "KVR_ERR_OOM",
-}
+from ctypes import byref, c_size_t
 
 
 class KvropeError(Exception):
     """A call failed in the daemon or in libkvrope."""
 
     def __init__(self, code, message="", name=None, c_code=None):
+        t = _tables()
         self.code = int(code)
-        self.c_code = int(c_code) if c_code is not None else (-self.code if self.code > 0 else self.code)
+        if c_code is None:
+            c_code = t.by_status[self.code][0] if self.code in t.by_status else self.code
+        self.c_code = int(c_code)
         if name is None:
-            name = STATUS[self.code][0] if self.code in STATUS else CLIENT.get(self.code, "E_?")
+            info = t.by_c.get(self.c_code)
+            name = (info[2] or info[1]) if info else "E_?"
         self.name = name
         self.message = message
         super().__init__(f"{name} ({self.code}): {message}" if message else f"{name} ({self.code})")
@@ -65,15 +43,15 @@ class DaemonError(KvropeError):
 
 
 class ClientError(KvropeError):
-    """libkvrope itself failed (connection, protocol, buffer, memory)."""
+    """libkvrope itself failed (connection, protocol, buffer)."""
 
 
 class ConnectionFailed(ClientError):
-    """KVR_ERR_SYS / KVR_ERR_CLOSED / KVR_ERR_PROTO: the connection is closed."""
+    """KVR_ESYS / KVR_ECLOSED / KVR_EPROTO: the connection is closed."""
 
 
 class BufferTooSmall(ClientError):
-    """KVR_ERR_BUFFER: the caller's `out` array cannot hold the payload."""
+    """KVR_EBUFFER: the caller's `out` array cannot hold the payload."""
 
 
 class Unsupported(KvropeError, NotImplementedError):
@@ -112,23 +90,76 @@ ConfigRefused = _daemon_class("ConfigRefused")
 Pending = _daemon_class("Pending")
 PrefixMismatch = _daemon_class("PrefixMismatch")
 
-BY_CODE = {
-    1: InternalError, 2: BadRequest, 3: BadFrame, 4: TooLarge, 5: Unauthenticated,
-    6: UnknownModel, 7: UnknownContext, 8: Exists, 9: ShapeMismatch, 10: PayloadLength,
-    11: RangeError, 12: FingerprintMismatch, 13: NoMemory, 14: Busy, 15: InvalidArgument,
-    16: UnsupportedByDaemon, 17: LimitExceeded, 18: Protected, 19: IOFailure, 20: Pinned,
-    21: ConfigRefused, 22: Pending, 23: PrefixMismatch,
-    -1000: ConnectionFailed, -1001: ConnectionFailed, -1002: ConnectionFailed,
-    -1003: BufferTooSmall, -1004: ClientError,
+# libkvrope code name -> Python class. A code the library has and this table
+# lacks raises DaemonError / ClientError (tests/python check both directions).
+CLASS_OF = {
+    "KVR_EINTERNAL": InternalError, "KVR_EBADREQUEST": BadRequest, "KVR_EBADFRAME": BadFrame,
+    "KVR_ETOOLARGE": TooLarge, "KVR_EUNAUTH": Unauthenticated, "KVR_ENOMODEL": UnknownModel,
+    "KVR_ENOCTX": UnknownContext, "KVR_EEXIST": Exists, "KVR_ESHAPE": ShapeMismatch,
+    "KVR_EPAYLOAD": PayloadLength, "KVR_ERANGE": RangeError,
+    "KVR_EFINGERPRINT": FingerprintMismatch, "KVR_ENOMEM": NoMemory, "KVR_EBUSY": Busy,
+    "KVR_EINVAL": InvalidArgument, "KVR_EUNSUPPORTED": UnsupportedByDaemon,
+    "KVR_ELIMIT": LimitExceeded, "KVR_EPROTECTED": Protected, "KVR_EIO": IOFailure,
+    "KVR_EPINNED": Pinned, "KVR_ECONFIG": ConfigRefused, "KVR_EPENDING": Pending,
+    "KVR_EPREFIX": PrefixMismatch,
+    "KVR_ESYS": ConnectionFailed, "KVR_ECLOSED": ConnectionFailed,
+    "KVR_EPROTO": ConnectionFailed, "KVR_EBUFFER": BufferTooSmall,
 }
+
+
+class _Tables:
+    """The error space as the loaded libkvrope defines it."""
+
+    def __init__(self, lib):
+        n = c_size_t()
+        arr = lib.kvr_error_codes(byref(n))
+        self.by_c = {}        # c_code -> (status or None, c name, status name or None, text)
+        self.by_status = {}   # status -> (c_code, status name)
+        self.by_name = {}     # c name -> c_code
+        for i in range(n.value):
+            c = arr[i]
+            name = lib.kvr_error_name(c).decode()
+            sname = lib.kvr_error_status_name(c)
+            sname = sname.decode() if sname else None
+            status = lib.kvr_error_status(c) if sname else None
+            self.by_c[c] = (status, name, sname, lib.kvr_strerror(c).decode())
+            self.by_name[name] = c
+            if sname is not None:
+                self.by_status[status] = (c, sname)
+
+
+_TABLES = None
+
+
+def _tables():
+    global _TABLES
+    if _TABLES is None:
+        from . import _lib
+        _TABLES = _Tables(_lib.load())
+    return _TABLES
+
+
+def __getattr__(attr):
+    """errors.KVR_ENOCTX, errors.STATUS: read from the library on first use."""
+    if attr == "STATUS":
+        t = _tables()
+        return {s: (sn, t.by_c[c][1]) for s, (c, sn) in t.by_status.items() if s}
+    if attr.startswith("KVR_") and attr in _tables().by_name:
+        return _tables().by_name[attr]
+    raise AttributeError(f"module {__name__!r} has no attribute {attr!r}")
 
 
 def from_c(c_code, message):
     """The exception for a negative libkvrope return value."""
-    code = -c_code if -1000 < c_code < 0 else c_code   # daemon statuses: -1..-999
-    cls = BY_CODE.get(code, DaemonError if code > 0 else ClientError)
-    return cls(code, message)
+    t = _tables()
+    info = t.by_c.get(c_code)
+    if info is None:
+        return ClientError(c_code, message, name="KVR_EUNKNOWN", c_code=c_code)
+    status, name, sname, _ = info
+    code = status if sname is not None else c_code
+    cls = CLASS_OF.get(name, DaemonError if sname is not None else ClientError)
+    return cls(code, message, name=sname or name, c_code=c_code)
 
 
 __all__ = ["KvropeError", "DaemonError", "ClientError", "ConnectionFailed", "BufferTooSmall",
-           "Unsupported", "STATUS"] + [c.__name__ for c in set(BY_CODE.values())]
+           "Unsupported"] + sorted({c.__name__ for c in CLASS_OF.values()})
