@@ -197,9 +197,11 @@ bool kvr_daemon_host_is_loopback(const char *host);
  * kvr_mem buffer the caller frees; warns (log) when group or others may
  * read it. 0, or KVR_EIO / KVR_EINVAL / KVR_ENOMEM with err filled. */
 int  kvr_daemon_read_token(const char *path, uint8_t **tok, size_t *len, kvr_error *err);
+
+/* ---- metrics.c (besides metrics.h) ----------------------------------- */
 /* Is this bound/listening socket address loopback (127/8, ::1, ::ffff:127/8)? */
 bool kvr_daemon_sockaddr_is_loopback(const struct sockaddr *sa);
-uint64_t kvr_now_ns(void);
+uint64_t kvr_now_ns(void);     /* CLOCK_MONOTONIC, request latencies */
 
 /* ---- conn.c ----------------------------------------------------------- */
 void kvr_conn_start(kvr_daemon *d, kvr_conn *c, bool is_tcp);
