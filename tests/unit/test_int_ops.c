@@ -285,8 +285,11 @@ Test(ops, json_logs_are_one_object_per_line)
     cr_assert_eq(kvr_client_connect(&c, sock, NULL), 0);
     /* Names with quotes, a backslash, a tab, UTF-8 and a byte that is not
      * UTF-8 end up in log messages. */
-    const char *names[] = { "q\"uo\\te", "t\tab", "caf\xc3\xa9", "bad\xff" "byte" };
-    for (size_t i = 0; i < 4; i++)
+    const char *names[] = { "q\"uo\\te", "t\tab", "caf\xc3\xa9", "bad\xff" "byte",
+                            /* overlong, surrogate, past U+10FFFF, cut short, 4-byte ok */
+                            "o\xc0\xaf", "s\xed\xa0\x80", "p\xf4\x90\x80\x80", "c\xe2\x82",
+                            "e\xf0\x9f\x98\x80" };
+    for (size_t i = 0; i < sizeof names / sizeof names[0]; i++)
         testd_register(c, names[i], KVR_DTYPE_F16, NULL);
     kvr_client_close(c);
     cr_assert_eq(opsd_stop(pid), 0);
@@ -315,6 +318,12 @@ Test(ops, json_logs_are_one_object_per_line)
     free(t);
     cr_assert(lines >= 5, "%d lines", lines);
     cr_assert_eq(registered, 4, "each name logged, escaped (%d)", registered);
+    /* Strict UTF-8 and JSON for every line (cJSON does not check UTF-8). */
+    char cmd[700];
+    snprintf(cmd, sizeof cmd, "/usr/bin/python3 -c \"import json,sys\n"
+             "for l in open(sys.argv[1], 'rb').read().decode('utf-8').splitlines():\n"
+             "    o = json.loads(l); assert set(o) == {'ts', 'level', 'pid', 'msg'}, o\" '%s'", log);
+    cr_assert_eq(system(cmd), 0, "a log line is not strict UTF-8 JSON");
 }
 
 /* ---- SIGHUP ------------------------------------------------------------------ */
