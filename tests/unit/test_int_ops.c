@@ -376,7 +376,26 @@ Test(ops, sighup_reopens_the_log_and_reloads_what_can_change)
     cr_assert_eq(opsd_http(port, "GET", "/metrics", "Authorization: Bearer first", &body), 401);
     free(body);
     cr_assert_eq(opsd_http(port, "GET", "/metrics", "Authorization: Bearer second", &body), 200);
+    double refused0 = opsd_sample(body, "kvrope_connections_refused_total");
     free(body);
+
+    /* A connection limit lowered by a reload holds for new connections. */
+    snprintf(text, sizeof text, "socket = %s\nlog-file = %s\nlog-level = debug\n"
+             "auth-token-file = %s\nmetrics-listen = 127.0.0.1:0\nmax-memory = 64M\n"
+             "max-connections = 1\n", sock, log, tok);
+    cr_assert_eq(opsd_write_file(cfg, text, 0600), 0);
+    kill(pid, SIGHUP);
+    cr_assert(opsd_wait_log(log, "max-connections 1,", 30000));
+    kvr_client *first;
+    cr_assert_eq(kvr_client_connect(&first, sock, NULL), 0);
+    cr_assert_eq(kvr_client_ping(first, NULL), 0);
+    cr_assert_neq(opsd_ping(sock), 0, "a second connection is refused after the reload");
+    kvr_client_close(first);
+    cr_assert_eq(opsd_http(port, "GET", "/metrics", "Authorization: Bearer second", &body), 200);
+    cr_assert_eq(opsd_sample(body, "kvrope_connections_refused_total"), refused0 + 1);
+    free(body);
+    /* The first one is gone once its close is seen: wait until a ping goes through. */
+    cr_assert_eq(opsd_wait_ping(sock, 30000), 0);
 
     /* A file that does not parse changes nothing; the daemon keeps serving. */
     cr_assert_eq(opsd_write_file(cfg, "log-level = loud\n", 0600), 0);
