@@ -16,6 +16,9 @@
  *  - The async handle outlives the HTTP thread: kvr_metrics_stop joins the
  *    thread (MHD_stop_daemon) before closing the handle, so no
  *    uv_async_send can reach a closed handle.
+ *  - A scrape's text is plain malloc, outside the store's accounting, so
+ *    monitoring still answers when the store is at its memory cap (at most
+ *    MAX_SCRAPE_CONNS of them, ~50 KB each).
  *  - Non-loopback addresses need a token (kvr_daemon_config_check); with a
  *    token every scrape must send "Authorization: Bearer TOKEN" (compared in
  *    constant time in the token's content), loopback or not, as on TCP.
@@ -205,7 +208,7 @@ static void sb_printf(sbuf *b, const char *fmt, ...)
         size_t ncap = b->cap ? b->cap * 2 : 64 * 1024;
         while (ncap < b->len + (size_t)n + 1)
             ncap *= 2;
-        char *np = kvr_mem_realloc(b->p, ncap);
+        char *np = realloc(b->p, ncap);
         if (!np) {
             b->oom = true;
             return;
@@ -448,7 +451,7 @@ static int render_snapshot(const kvr_metrics *m, const snapshot *s, char **out, 
     sbuf b = { 0 };
     render(m, s, &b);
     if (b.oom || !b.p) {
-        kvr_mem_free(b.p);
+        free(b.p);
         return KVR_ENOMEM;
     }
     *out = b.p;
@@ -548,10 +551,9 @@ static enum MHD_Result on_http(void *cls, struct MHD_Connection *conn, const cha
     pthread_mutex_unlock(&m->lock);
     if (rc < 0)
         return send_text(conn, MHD_HTTP_SERVICE_UNAVAILABLE, "out of memory\n", NULL, NULL);
-    struct MHD_Response *r = MHD_create_response_from_buffer_with_free_callback(
-        len, text, kvr_mem_free);
+    struct MHD_Response *r = MHD_create_response_from_buffer_with_free_callback(len, text, free);
     if (!r) {
-        kvr_mem_free(text);
+        free(text);
         return MHD_NO;
     }
     MHD_add_response_header(r, "Content-Type", "text/plain; version=0.0.4; charset=utf-8");
