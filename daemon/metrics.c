@@ -89,6 +89,8 @@ struct kvr_metrics {
     pthread_mutex_t lock;
     pthread_cond_t  cond;
     snapshot   *snap;              /* under lock */
+    uint64_t    asked, served;     /* under lock: scrape tickets; the last one a
+                                      published snapshot was begun after */
     bool        closing;           /* under lock */
     uint8_t    *token;             /* under lock (malloc: also freed off-loop) */
     size_t      token_len;
@@ -164,11 +166,15 @@ static void build(kvr_metrics *m, snapshot *s)
 
 static void publish(kvr_metrics *m)
 {
+    pthread_mutex_lock(&m->lock);
+    uint64_t serving = m->asked;   /* every scrape that asked so far sees this one */
+    pthread_mutex_unlock(&m->lock);
     build(m, m->stage);
     pthread_mutex_lock(&m->lock);
     uint64_t gen = m->snap->gen + 1;
     memcpy(m->snap, m->stage, sizeof *m->snap);
     m->snap->gen = gen;
+    m->served = serving;
     pthread_cond_broadcast(&m->cond);
     pthread_mutex_unlock(&m->lock);
 }
@@ -531,9 +537,10 @@ static enum MHD_Result on_http(void *cls, struct MHD_Connection *conn, const cha
         return send_text(conn, MHD_HTTP_NOT_FOUND, "kvroped serves GET /metrics only\n", NULL,
                          NULL);
 
-    /* A fresh snapshot from the loop, or the last one after SNAP_WAIT_MS. */
+    /* A snapshot the loop began after this request (its ticket), or the
+     * last one published after SNAP_WAIT_MS. */
     pthread_mutex_lock(&m->lock);
-    uint64_t want = m->snap->gen + 1;
+    uint64_t ticket = ++m->asked;
     bool closing = m->closing;
     pthread_mutex_unlock(&m->lock);
     if (!closing)
@@ -542,7 +549,7 @@ static enum MHD_Result on_http(void *cls, struct MHD_Connection *conn, const cha
     clock_gettime(CLOCK_REALTIME, &dl);
     dl.tv_sec += SNAP_WAIT_MS / 1000;
     pthread_mutex_lock(&m->lock);
-    while (!m->closing && m->snap->gen < want)
+    while (!m->closing && m->served < ticket)
         if (pthread_cond_timedwait(&m->cond, &m->lock, &dl) == ETIMEDOUT)
             break;
     char *text = NULL;
