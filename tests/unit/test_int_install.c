@@ -180,10 +180,21 @@ Test(install, destdir_install_pkg_config_program_runs_then_uninstall)
             "pkg-config --cflags --libs kvrope", dest, p, dest, sanflags, prog_c, prog);
     cr_assert_eq(rc, 0, "pkg-config build: %s", out);
     cr_assert(strstr(out, "-I") && strstr(out, dest), "flags point into DESTDIR: %s", out);
+    /* Static linking against libkvrope.a with --static works too. */
+    char sprog[420];
+    snprintf(sprog, sizeof sprog, "%s-static", prog);
+    rc = sh(out, sizeof out,
+            "export PKG_CONFIG_PATH='%s%s/lib/pkgconfig' PKG_CONFIG_SYSROOT_DIR='%s'; "
+            "cc -std=c11 %s '%s' -Wl,-Bstatic -lkvrope -Wl,-Bdynamic "
+            "$(pkg-config --cflags kvrope) $(pkg-config --static --libs-only-L kvrope) "
+            "$(pkg-config --static --libs kvrope | sed 's/-lkvrope//') -o '%s'",
+            dest, p, dest, sanflags, prog_c, sprog);
+    cr_assert_eq(rc, 0, "static build: %s", out);
     kvr_testd d;
     cr_assert_eq(testd_start(&d, NULL), 0);
-    rc = sh(out, sizeof out, "LD_LIBRARY_PATH='%s%s/lib' '%s' '%s' && LD_LIBRARY_PATH='%s%s/lib' ldd '%s'",
-            dest, p, prog, d.sock, dest, p, prog);
+    rc = sh(out, sizeof out, "'%s' '%s' && LD_LIBRARY_PATH='%s%s/lib' '%s' '%s' && "
+            "LD_LIBRARY_PATH='%s%s/lib' ldd '%s'", sprog, d.sock, dest, p, prog, d.sock,
+            dest, p, prog);
     testd_stop(&d);
     cr_assert_eq(rc, 0, "the program: %s", out);
     cr_assert(strstr(out, "ping 0 theta 10000"), "%s", out);
