@@ -306,8 +306,8 @@ install: $(INSTALL_DEPS)
 	$(INSTALL) -m 644 client/kvrope.h $(DESTDIR)$(INCLUDEDIR)/kvrope/
 	for h in $(INSTALL_HEADERS); do $(INSTALL) -D -m 644 $$h $(DESTDIR)$(INCLUDEDIR)/kvrope/$$h || exit 1; done
 	$(SUBST) dist/kvrope.pc.in > $(DESTDIR)$(PKGCONFIGDIR)/kvrope.pc
-	$(INSTALL) -m 644 dist/man/kvrope.1 $(DESTDIR)$(MANDIR)/man1/
-	$(INSTALL) -m 644 dist/man/kvroped.8 $(DESTDIR)$(MANDIR)/man8/
+	$(SUBST) dist/man/kvrope.1 > $(DESTDIR)$(MANDIR)/man1/kvrope.1
+	$(SUBST) dist/man/kvroped.8 > $(DESTDIR)$(MANDIR)/man8/kvroped.8
 	for u in $(UNITS); do $(SUBST) dist/systemd/$$u.in > $(DESTDIR)$(UNITDIR)/$$u || exit 1; done
 	$(INSTALL) -m 644 dist/systemd/kvrope.sysusers $(DESTDIR)$(SYSUSERSDIR)/kvrope.conf
 	$(INSTALL) -m 644 dist/kvroped.conf $(DESTDIR)$(DOCDIR)/kvroped.conf.example

@@ -13,6 +13,7 @@
 #include <criterion/criterion.h>
 #include <sys/stat.h>
 
+#include "daemon/daemon.h"
 #include "tests/common/kvr_opsd.h"
 
 static char g_tmp[256];
@@ -217,6 +218,7 @@ Test(install, destdir_install_pkg_config_program_runs_then_uninstall)
         }
         rc = sh(out, sizeof out, "groff -man -Tascii -P-cbou '%s%s/share/man/man8/kvroped.8'", dest, p);
         cr_assert(strstr(out, "check-config") && strstr(out, "SIGHUP"), "%.400s", out);
+        cr_assert(strstr(out, "kvrope " KVR_DAEMON_VERSION), "the version is filled in: %.400s", out);
     }
 
     /* A second install keeps an edited config. */
