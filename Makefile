@@ -272,18 +272,22 @@ else
 endif
 INSTALL ?= install
 KVR_VERSION := $(shell sed -n 's/^\#define KVR_DAEMON_VERSION "\(.*\)"/\1/p' daemon/daemon.h)
+# kvrope.pc's Version: the library's (KVR_VER, when the build defines it).
+KVR_PC_VERSION = $(if $(KVR_VER),$(KVR_VER),$(KVR_VERSION))
 # What the build produces for the client library: the shared object (its
 # real file, its SONAME link and the libkvrope.so link are derived from it
 # at install time, so a SONAME'd build installs its symlinks too) and the
-# archive. Public headers: client/kvrope.h (as kvrope/kvrope.h) and what it
-# includes, INSTALL_HEADERS, each under kvrope/ at its path in the tree.
+# archive. Public headers: client/kvrope.h (as kvrope/kvrope.h) and every
+# project header it includes, directly or not (INSTALL_HEADERS, found by
+# following its #include "..." lines), each under kvrope/ at its path.
 INSTALL_SO      ?= $(CLIENT_SO)
 INSTALL_A       ?= $(CLIENT_A)
-INSTALL_HEADERS ?= rope/rope.h rope/error.h
+INSTALL_HEADERS ?= $(shell scripts/public-headers.sh client/kvrope.h)
 UNITS := kvroped.service kvroped.socket kvroped-metrics.socket
 SUBST = sed -e 's|@PREFIX@|$(PREFIX)|g' -e 's|@BINDIR@|$(BINDIR)|g' \
             -e 's|@LIBDIR@|$(LIBDIR)|g' -e 's|@INCLUDEDIR@|$(INCLUDEDIR)|g' \
-            -e 's|@SYSCONFDIR@|$(SYSCONFDIR)|g' -e 's|@VERSION@|$(KVR_VERSION)|g'
+            -e 's|@SYSCONFDIR@|$(SYSCONFDIR)|g' -e 's|@VERSION@|$(KVR_VERSION)|g' \
+            -e 's|@LIBVERSION@|$(KVR_PC_VERSION)|g'
 
 # INSTALL_DEPS= (empty) installs what is built without checking it is up
 # to date (the install test does, so it never builds under a running suite).
