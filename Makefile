@@ -218,12 +218,13 @@ run: deps
 
 test: deps
 	@$(MAKE) --no-print-directory all
-	@KVR_BUILD=$(abspath $(BUILD)) KVR_VECTORS=$(SHARED)/vectors PYTHON=$(PYTHON) \
-	  scripts/run-tests.sh
+	@KVR_BUILD=$(abspath $(BUILD)) KVR_VECTORS=$(SHARED)/vectors KVR_CONFIGS=$(SHARED)/configs \
+	  PYTHON=$(PYTHON) scripts/run-tests.sh
 
 check: deps
 	@$(MAKE) --no-print-directory BUILD=build/check MODE=check all
-	@KVR_BUILD=$(abspath build/check) KVR_VECTORS=$(SHARED)/vectors KVR_SANITIZE=1 \
+	@KVR_BUILD=$(abspath build/check) KVR_VECTORS=$(SHARED)/vectors KVR_CONFIGS=$(SHARED)/configs \
+	  KVR_SANITIZE=1 \
 	  ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1 \
 	  LSAN_OPTIONS=suppressions=$(abspath tests/lsan.supp) \
 	  scripts/run-tests.sh --c-only

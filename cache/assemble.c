@@ -322,8 +322,9 @@ int kvr_store_assemble_begin(kvr_store *s, const kvr_assemble_params *p,
     if (!p->meta_only && !all_same && !kvr_rope_config_composes(&m->rope_cfg)) {
         rc = kvr_error_set(err, KVR_EUNSUPPORTED,
                            "model '%s' uses length-dependent RoPE scaling (dynamic NTK / "
-                           "longrope): its keys cannot be moved to other positions",
-                           m->name);
+                           "longrope): assemble cannot move its documents' keys (each "
+                           "context has its own table length); get each context at the "
+                           "positions wanted instead", m->name);
         goto fail;
     }
 
@@ -485,7 +486,7 @@ static int assemble_work_layer(void *ud, size_t li)
             float *qs = scratch ? scratch + (via ? ne : 0) : NULL;
             if ((rc = block_read_side(m, r->rd, l, 0, r->first, r->count, kd, kdt,
                                       r->same ? NULL : t->from + r->tok, t->targets + r->tok,
-                                      qs)) != 0)
+                                      qs, NULL)) != 0)
                 break;
             if (r->fold) {
                 float *f = kd;
@@ -497,7 +498,7 @@ static int assemble_work_layer(void *ud, size_t li)
         }
         if (rc == 0 && !t->zc_v)
             rc = block_read_side(m, r->rd, l, 1, r->first, r->count,
-                                 base + t->kst + r->tok * rowb, odt, NULL, NULL, NULL);
+                                 base + t->kst + r->tok * rowb, odt, NULL, NULL, NULL, NULL);
     }
     kvr_mem_free(scratch);
     return rc;

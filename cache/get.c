@@ -55,6 +55,7 @@ struct kvr_get {
     struct iovec *iov;
     size_t        n_iov;
     tier_reload  *rl;        /* spilled blocks of the range, loaded by work */
+    kvr_rope_opts ro;        /* dynamic NTK / longrope: the tables' lengths */
 };
 
 static void get_free(kvr_get *t)
@@ -140,6 +141,27 @@ static int raw_begin(kvr_get *t, const kvr_ctx *c, size_t nl, kvr_error *err)
             }
     t->n_iov = v;
     return 0;
+}
+
+/* The sequence lengths of a context's RoPE tables (see get_begin):
+ * requested targets -> max target + 1; else the context's logical length. */
+static void ctx_rope_lens(const kvr_ctx *c, const int64_t *targets, size_t n, bool requested,
+                          kvr_rope_opts *ro)
+{
+    int64_t smax = -1, lmax = -1;
+    for (size_t i = 0; i < c->n_ext; i++) {
+        const kvr_extent *e = &c->ext[i];
+        for (uint32_t j = 0; j < e->count; j++) {
+            int64_t sp = e->block->stored_pos[e->first + j], lp;
+            if (sp > smax)
+                smax = sp;
+            if (!__builtin_add_overflow(sp, e->pos_delta, &lp) && lp > lmax)
+                lmax = lp;
+        }
+    }
+    int64_t tl = kvr_rope_default_seq_len(targets, n);
+    ro->seq_len_from = smax + 1;
+    ro->seq_len_to = requested || tl > lmax + 1 ? tl : lmax + 1;
 }
 
 int kvr_store_get_begin(kvr_store *s, const kvr_get_params *p, kvr_get **out,
@@ -268,12 +290,21 @@ int kvr_store_get_begin(kvr_store *s, const kvr_get_params *p, kvr_get **out,
             if (need > t->qscratch)
                 t->qscratch = need;
         }
-    if (!p->meta_only && !p->raw && !all_same && !kvr_rope_config_composes(&m->rope_cfg)) {
-        rc = kvr_error_set(err, KVR_EUNSUPPORTED,
-                           "model '%s' uses length-dependent RoPE scaling (dynamic NTK / "
-                           "longrope): its keys cannot be moved to other positions",
-                           m->name);
-        goto fail;
+    /* Dynamic NTK / longrope: the frequencies depend on the sequence length,
+     * so the context knows its length. Its keys are taken as rotated with the
+     * table of the positions they are stored at (max stored-at + 1, what
+     * transformers uses for a forward over them), and they are read with the
+     * table of the requested targets (max + 1), or of the context's logical
+     * length when none are requested. Where the two tables differ, every key
+     * is re-rotated (removed with the old table, applied with the new), moved
+     * or not. */
+    if (!p->meta_only && !p->raw && !kvr_rope_config_composes(&m->rope_cfg)) {
+        ctx_rope_lens(c, t->targets, n, p->positions != NULL, &t->ro);
+        if (!kvr_rope_same_table(m->engine, t->ro.seq_len_from, t->ro.seq_len_to)) {
+            all_same = false;
+            for (size_t g = 0; g < t->n_segs; g++)
+                t->segs[g].same_pos = false;
+        }
     }
     kvr_get_info *info = &t->info;
     model_fill_info(m, &info->model);
@@ -416,10 +447,11 @@ static int get_work_layer(void *ud, size_t li)
             rc = block_read_side(m, sg->rd, l, 0, sg->first, sg->count,
                                  stage_at(t, li, 0) + sg->tok * rowb, odt,
                                  sg->same_pos ? NULL : t->from + sg->tok,
-                                 t->targets + sg->tok, scratch);
+                                 t->targets + sg->tok, scratch, &t->ro);
         if (rc == 0 && !sg->zc_v)
             rc = block_read_side(m, sg->rd, l, 1, sg->first, sg->count,
-                                 stage_at(t, li, 1) + sg->v_off, odt, NULL, NULL, scratch);
+                                 stage_at(t, li, 1) + sg->v_off, odt, NULL, NULL, scratch,
+                                 NULL);
         if (rc != 0) {
             kvr_mem_free(scratch);
             return rc;

@@ -288,9 +288,9 @@ static int work_quant(kvr_put *t, kvr_error *err)
                         kvr_convert(x + g * row, KVR_DTYPE_F32, src, w->b->dtype,
                                     w->count * row);
                     else
-                        rc = kvr_rope_remove(m->engine, x + g * row, KVR_DTYPE_F32, src,
-                                             w->b->dtype, w->count, m->n_kv_heads,
-                                             t->qpos + g, NULL);
+                        rc = kvr_rope_remove(kvr_rope_layer(m->engine, l), x + g * row,
+                                             KVR_DTYPE_F32, src, w->b->dtype, w->count,
+                                             m->n_kv_heads, t->qpos + g, NULL);
                     g += w->count;
                 }
                 if (t->fl_new && rc == 0) {
@@ -298,9 +298,9 @@ static int work_quant(kvr_put *t, kvr_error *err)
                         kvr_convert(x + g * row, KVR_DTYPE_F32, pay, t->pdt,
                                     t->fl_new * row);
                     else
-                        rc = kvr_rope_remove(m->engine, x + g * row, KVR_DTYPE_F32, pay,
-                                             t->pdt, t->fl_new, m->n_kv_heads, t->qpos + g,
-                                             NULL);
+                        rc = kvr_rope_remove(kvr_rope_layer(m->engine, l), x + g * row,
+                                             KVR_DTYPE_F32, pay, t->pdt, t->fl_new,
+                                             m->n_kv_heads, t->qpos + g, NULL);
                 }
                 if (rc != 0) {
                     rc = kvr_error_set(err, KVR_EINTERNAL, "un-rotating keys failed (%d)",

@@ -484,7 +484,8 @@ void quant_decode_side(const kvr_model *m, const kvr_block *b, uint32_t layer, i
 
 int block_read_side(const kvr_model *m, const kvr_block *b, uint32_t layer, int kv,
                     uint32_t first, uint32_t count, void *dst, kvr_dtype odt,
-                    const int64_t *from, const int64_t *to, float *scratch)
+                    const int64_t *from, const int64_t *to, float *scratch,
+                    const kvr_rope_opts *ro)
 {
     size_t row = (size_t)m->n_kv_heads * m->head_dim;
     if (!b->quant) {
@@ -493,8 +494,9 @@ int block_read_side(const kvr_model *m, const kvr_block *b, uint32_t layer, int 
             kvr_convert(dst, odt, src, b->dtype, count * row);
             return 0;
         }
-        return kvr_rope_reposition(m->engine, dst, odt, src, b->dtype, count,
-                                   m->n_kv_heads, from, to, NULL);
+        /* the layer's own RoPE (per-layer models: sliding / NoPE layers) */
+        return kvr_rope_reposition(kvr_rope_layer(m->engine, layer), dst, odt, src, b->dtype,
+                                   count, m->n_kv_heads, from, to, ro);
     }
     if (kv) {
         decode_rows(m, b, layer, 1, first, count, dst, odt);
@@ -516,9 +518,10 @@ int block_read_side(const kvr_model *m, const kvr_block *b, uint32_t layer, int 
         } else {
             decode_rows(m, b, layer, 0, s, e - s, scratch, KVR_DTYPE_F32);
         }
-        int rc = kvr_rope_apply(m->engine, (uint8_t *)dst + (size_t)(s - first) * row * osz,
-                                odt, src, KVR_DTYPE_F32, e - s, m->n_kv_heads,
-                                to + (s - first), NULL);
+        int rc = kvr_rope_apply(kvr_rope_layer(m->engine, layer),
+                                (uint8_t *)dst + (size_t)(s - first) * row * osz, odt,
+                                src, KVR_DTYPE_F32, e - s, m->n_kv_heads,
+                                to + (s - first), ro);
         if (rc != 0)
             return rc;
         s = e;

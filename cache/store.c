@@ -503,6 +503,13 @@ int kvr_store_model_register(kvr_store *s, const kvr_model_desc *d,
         return kvr_error_set(err, KVR_ESHAPE,
                              "model '%s': head_dim %u does not match the rope config's %d",
                              d->name, d->head_dim, rcfg.head_dim);
+    /* A per-layer RoPE map (rope/: Gemma 3, Llama 4, Cohere 2) names every
+     * layer: it must be the model's layer count. */
+    if (rcfg.n_layer_kinds > 0 && (uint32_t)rcfg.n_layer_kinds != d->n_layers)
+        return kvr_error_set(err, KVR_ESHAPE,
+                             "model '%s': n_layers %u, but the rope config has a per-layer "
+                             "RoPE map of %d layers", d->name, d->n_layers,
+                             (int)rcfg.n_layer_kinds);
     uint64_t fp = model_fingerprint(d, &rcfg, &rc);
     if (rc != 0)
         return kvr_error_set(err, rc, "out of memory registering model '%s'", d->name);

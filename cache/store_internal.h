@@ -309,10 +309,13 @@ void quant_decode_side(const kvr_model *m, const kvr_block *b, uint32_t layer, i
 /* Reads keys (kv 0) or values (kv 1) of slots [first, first+count) of any
  * block into dst (odt), keys rotated from their stored form to `to`
  * (plain blocks: reposition from `from`; quantized: apply at `to`).
- * scratch: (count + ktile) * row floats for quantized blocks. */
+ * scratch: (count + ktile) * row floats for quantized blocks. Every layer
+ * rotates with its own RoPE (kvr_rope_layer). ro: the sequence lengths of
+ * length-dependent RoPE (dynamic NTK / longrope; NULL = the base table). */
 int  block_read_side(const kvr_model *m, const kvr_block *b, uint32_t layer, int kv,
                      uint32_t first, uint32_t count, void *dst, kvr_dtype odt,
-                     const int64_t *from, const int64_t *to, float *scratch);
+                     const int64_t *from, const int64_t *to, float *scratch,
+                     const kvr_rope_opts *ro);
 /* Finds the first non-finite value of a payload [layers][2][n][row] in dt:
  * true and the layer / kv / token index if any. */
 bool quant_find_nonfinite(const void *payload, kvr_dtype dt, uint32_t n_layers, size_t n,

@@ -120,6 +120,20 @@ static void rope_to_pb(const kvr_rope_config *rc, Kvrope__RopeParams *p)
         p->has_max_position_embeddings = 1;
         p->max_position_embeddings = rc->max_position_embeddings;
     }
+    p->model_type = UNCONST(char *, rc->model_type);
+    if (!isnan(rc->local_theta)) {
+        p->has_local_theta = 1;
+        p->local_theta = rc->local_theta;
+    }
+    if (rc->n_layer_kinds > 0 && rc->n_layer_kinds <= KVR_ROPE_MAX_LAYERS) {
+        p->has_layer_kinds = 1;
+        p->layer_kinds.len = (size_t)rc->n_layer_kinds;
+        p->layer_kinds.data = UNCONST(uint8_t *, rc->layer_kind);
+    }
+    if (rc->scaling == KVR_ROPE_SCALING_YARN && !rc->yarn_truncate) {
+        p->has_yarn_truncate = 1;
+        p->yarn_truncate = 0;
+    }
 }
 
 static void model_to_pb(const kvr_model_info *m, Kvrope__ModelInfo *o, Kvrope__RopeParams *rp)
@@ -132,6 +146,13 @@ static void model_to_pb(const kvr_model_info *m, Kvrope__ModelInfo *o, Kvrope__R
     o->dtype = (Kvrope__DType)m->dtype;
     o->fingerprint = m->fingerprint;
     rope_to_pb(m->rope, rp);
+    /* Longrope's factor is derived (max / original positions) when the
+     * config does not state it: report the one the engine uses. */
+    if (m->rope && m->engine && m->rope->scaling == KVR_ROPE_SCALING_LONGROPE &&
+        isnan(m->rope->factor)) {
+        rp->has_factor = 1;
+        rp->factor = kvr_rope_factor(m->engine);
+    }
     o->rope = rp;
     o->has_n_contexts = 1;
     o->n_contexts = m->n_contexts;
@@ -312,6 +333,12 @@ static void do_register_model(kvr_conn *c)
             reply_errf(c, KVR_ECONFIG, "config_json refused: %s", err[0] ? err : "invalid");
             return;
         }
+        /* Explicit RoPE fields override what config_json says. */
+        if (m->rope && rope_from_pb(m->rope, rc, err, sizeof rerr.msg) < 0) {
+            kvr_mem_free(rc);
+            reply_errf(c, KVR_ECONFIG, "%s", err);
+            return;
+        }
     } else {
         if (!m->has_n_layers || !m->has_n_kv_heads || !m->has_head_dim) {
             kvr_mem_free(rc);
@@ -339,7 +366,7 @@ static void do_register_model(kvr_conn *c)
             rc->rotary_dim = (int32_t)m->head_dim;
         rc->head_dim = (int32_t)m->head_dim;
     }
-    if (m->has_n_layers || m->has_n_kv_heads || m->has_head_dim || !m->config_json) {
+    if (m->has_n_layers || m->has_n_kv_heads || m->has_head_dim || !m->config_json || m->rope) {
         if (rc->num_heads <= 0)
             rc->num_heads = rc->num_kv_heads;
         if (kvr_rope_config_validate(rc, &rerr) < 0) {

@@ -113,7 +113,7 @@ def make_config(rope="default", style="neox", *, hidden_size=128, intermediate_s
     elif rope == "yarn":
         scaling = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": orig,
                    "beta_fast": 32.0, "beta_slow": 1.0}
-        max_pos = 4 * orig   # HF derives factor = max_pos / original: keep them consistent
+        max_pos = 4 * orig   # factor 4 over the original context
     elif rope == "longrope":
         short, long = _longrope_factors(rot // 2)
         scaling = {"rope_type": "longrope", "short_factor": short, "long_factor": long}
@@ -256,13 +256,11 @@ def rope_parameters(config, seq_len=None):
         attention_factor = rs.get("attention_factor")
         mscale = rs.get("mscale")
         mscale_all_dim = rs.get("mscale_all_dim")
-        # DeepSeek-V3 style: with original_max_position_embeddings in the rope
-        # dict, HF (v4.4x-4.5x) takes factor = max_pos / original.
-        if "original_max_position_embeddings" in rs:
-            orig = int(rs["original_max_position_embeddings"])
-            factor = max_pos / orig
-        else:
-            orig = max_pos
+        # The stated factor, as transformers computes it since PR #40320
+        # (issue #38224; older versions took max_pos / original when the
+        # rope dict names original_max_position_embeddings) and as kvrope's
+        # engine does.
+        orig = int(rs.get("original_max_position_embeddings") or max_pos)
 
         def get_mscale(scale, m=1.0):
             return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0

@@ -51,6 +51,16 @@ void kvr_rope_config_init(kvr_rope_config *cfg)
     cfg->mscale_all_dim = NAN;
     cfg->low_freq_factor = NAN;
     cfg->high_freq_factor = NAN;
+    cfg->yarn_truncate = 1;
+    cfg->local_theta = NAN;
+}
+
+kvr_rope_layer_kind kvr_rope_config_layer_kind(const kvr_rope_config *cfg, uint32_t layer)
+{
+    if (!cfg || cfg->n_layer_kinds <= 0 || layer >= (uint32_t)cfg->n_layer_kinds ||
+        layer >= KVR_ROPE_MAX_LAYERS)
+        return KVR_ROPE_LAYER_GLOBAL;
+    return (kvr_rope_layer_kind)cfg->layer_kind[layer];
 }
 
 static const char *scaling_name(kvr_rope_scaling s)
@@ -93,6 +103,21 @@ int kvr_rope_config_validate(const kvr_rope_config *cfg, kvr_error *err)
     if ((int)cfg->scaling < 0 || (int)cfg->scaling > KVR_ROPE_SCALING_LLAMA3)
         return fail(err, "rope_scaling.rope_type: unknown rope type %d", (int)cfg->scaling);
 
+    if (cfg->n_layer_kinds < 0 || cfg->n_layer_kinds > KVR_ROPE_MAX_LAYERS)
+        return fail(err, "layer_types: %d layers, kvrope keeps a per-layer RoPE map "
+                    "for at most %d", (int)cfg->n_layer_kinds, KVR_ROPE_MAX_LAYERS);
+    if (cfg->n_layer_kinds > 0 && cfg->num_layers > 0 && cfg->n_layer_kinds != cfg->num_layers)
+        return fail(err, "layer_types: %d entries for num_hidden_layers %d",
+                    (int)cfg->n_layer_kinds, (int)cfg->num_layers);
+    for (int32_t l = 0; l < cfg->n_layer_kinds; l++) {
+        if (cfg->layer_kind[l] > KVR_ROPE_LAYER_NONE)
+            return fail(err, "layer_types[%d]: unknown layer kind %d", (int)l,
+                        (int)cfg->layer_kind[l]);
+        if (cfg->layer_kind[l] == KVR_ROPE_LAYER_LOCAL &&
+            (!(cfg->local_theta > 0.0) || !isfinite(cfg->local_theta)))
+            return fail(err, "rope_local_base_freq: %g must be > 0 (layer %d is a "
+                        "sliding layer with its own base)", cfg->local_theta, (int)l);
+    }
     kvr_rope_scaling s = cfg->scaling;
     const char *sn = scaling_name(s);
     if (uses_factor(s)) {
@@ -236,6 +261,20 @@ size_t kvr_rope_config_canonical(const kvr_rope_config *cfg, char *buf, size_t c
         sb_double(&b, "low_freq_factor", cfg->low_freq_factor);
         sb_double(&b, "high_freq_factor", cfg->high_freq_factor);
     }
+    if (s == KVR_ROPE_SCALING_YARN && !cfg->yarn_truncate)
+        sb_printf(&b, "truncate=0;");
+    /* The per-layer map, when some layer differs from the config's RoPE
+     * (a map of all-GLOBAL layers rotates exactly as no map). */
+    bool mixed = false;
+    for (int32_t l = 0; l < cfg->n_layer_kinds && l < KVR_ROPE_MAX_LAYERS; l++)
+        mixed |= cfg->layer_kind[l] != KVR_ROPE_LAYER_GLOBAL;
+    if (mixed) {
+        sb_printf(&b, "layers=");
+        for (int32_t l = 0; l < cfg->n_layer_kinds && l < KVR_ROPE_MAX_LAYERS; l++)
+            sb_printf(&b, "%c", "GLN"[cfg->layer_kind[l] <= 2 ? cfg->layer_kind[l] : 0]);
+        sb_printf(&b, ";");
+        sb_double(&b, "local_theta", cfg->local_theta);
+    }
     if (s == KVR_ROPE_SCALING_LONGROPE) {
         sb_printf(&b, "short_factor=[");
         for (int i = 0; i < cfg->n_short_factor && i < KVR_ROPE_MAX_HEAD_DIM / 2; i++)
@@ -308,11 +347,117 @@ static int read_list(const cJSON *v, const char *name, double *out, int32_t *n,
 static bool interleaved_model(const char *mt)
 {
     static const char *const names[] = {
-        "gptj", "gpt-j", "codegen", "chatglm", "glm", "glm4", "cohere", "cohere2", NULL
+        "gptj", "gpt-j", "codegen", "chatglm", "glm", "glm4", "cohere", "cohere2",
+        "llama4", "llama4_text", NULL
     };
     for (int i = 0; names[i]; i++)
         if (!strcmp(mt, names[i])) return true;
     return false;
+}
+
+/* Per-layer RoPE as transformers builds it for the models that mix it:
+ *   gemma3 / gemma3_text: sliding layers rotate with rope_local_base_freq
+ *     (default 10000) and no scaling (Gemma3's rotary_emb_local);
+ *   cohere2: sliding layers rotate, full-attention layers have no RoPE;
+ *   llama4 / llama4_text: no_rope_layers[l] == 0 (default: every
+ *     no_rope_layer_interval-th layer, 4) have no RoPE.
+ * Layer types come from layer_types, else from sliding_window_pattern
+ * (layer l is sliding unless (l + 1) % pattern == 0). Other models (gpt-oss,
+ * Qwen, Mistral ...) use one RoPE for sliding and full layers alike. */
+static int layer_map(kvr_rope_config *cfg, const cJSON *o, const cJSON *rs_local,
+                     kvr_error *err)
+{
+    const char *mt = cfg->model_type;
+    bool gemma3 = !strcmp(mt, "gemma3") || !strcmp(mt, "gemma3_text");
+    bool cohere2 = !strcmp(mt, "cohere2");
+    bool llama4 = !strcmp(mt, "llama4") || !strcmp(mt, "llama4_text");
+    if (!gemma3 && !cohere2 && !llama4 && !rs_local)
+        return 0;
+    int32_t nl = cfg->num_layers;
+    if (nl <= 0)
+        return fail(err, "num_hidden_layers: required for the per-layer RoPE of "
+                    "model type %s", mt[0] ? mt : "(v5 per-layer rope_parameters)");
+    if (nl > KVR_ROPE_MAX_LAYERS)
+        return fail(err, "num_hidden_layers: %d layers, kvrope keeps a per-layer "
+                    "RoPE map for at most %d", (int)nl, KVR_ROPE_MAX_LAYERS);
+    const cJSON *v;
+    double dv = 0.0;
+    cfg->n_layer_kinds = nl;
+    memset(cfg->layer_kind, KVR_ROPE_LAYER_GLOBAL, sizeof cfg->layer_kind);
+    if (llama4) {
+        if ((v = get(o, "no_rope_layers"))) {
+            if (!cJSON_IsArray(v) || cJSON_GetArraySize(v) != nl)
+                return fail(err, "no_rope_layers: expected a list of %d 0/1 entries "
+                            "(one per layer)", (int)nl);
+            int i = 0;
+            const cJSON *e;
+            cJSON_ArrayForEach(e, v) {
+                if (!cJSON_IsNumber(e) && !cJSON_IsBool(e))
+                    return fail(err, "no_rope_layers[%d]: expected 0 or 1", i);
+                bool use = cJSON_IsBool(e) ? cJSON_IsTrue(e) : e->valuedouble != 0.0;
+                cfg->layer_kind[i++] = use ? KVR_ROPE_LAYER_GLOBAL : KVR_ROPE_LAYER_NONE;
+            }
+        } else {
+            int64_t every = 4;
+            if ((v = get(o, "no_rope_layer_interval")) &&
+                read_int(v, "no_rope_layer_interval", 1, INT32_MAX, &every, err))
+                return KVR_EINVAL;
+            for (int32_t l = 0; l < nl; l++)
+                if ((l + 1) % every == 0) cfg->layer_kind[l] = KVR_ROPE_LAYER_NONE;
+        }
+        return 0;
+    }
+    /* sliding / full per layer */
+    uint8_t sliding_kind = gemma3 || rs_local ? KVR_ROPE_LAYER_LOCAL : KVR_ROPE_LAYER_GLOBAL;
+    uint8_t full_kind = cohere2 ? KVR_ROPE_LAYER_NONE : KVR_ROPE_LAYER_GLOBAL;
+    if (sliding_kind == KVR_ROPE_LAYER_LOCAL) {
+        cfg->local_theta = 10000.0;
+        if ((v = get(o, "rope_local_base_freq")) &&
+            read_num(v, "rope_local_base_freq", &cfg->local_theta, err))
+            return KVR_EINVAL;
+        if (rs_local) {
+            if (!cJSON_IsObject(rs_local))
+                return fail(err, "rope_parameters.sliding_attention: expected an object");
+            const cJSON *t = get(rs_local, "rope_type");
+            if (!t) t = get(rs_local, "type");
+            if (t && (!cJSON_IsString(t) || strcmp(t->valuestring, "default")))
+                return fail(err, "rope_parameters.sliding_attention.rope_type: only "
+                            "'default' is supported for sliding layers");
+            if ((v = get(rs_local, "rope_theta")) &&
+                read_num(v, "rope_parameters.sliding_attention.rope_theta", &cfg->local_theta,
+                         err))
+                return KVR_EINVAL;
+        }
+    }
+    if ((v = get(o, "layer_types"))) {
+        if (!cJSON_IsArray(v) || cJSON_GetArraySize(v) != nl)
+            return fail(err, "layer_types: expected a list of %d layer types", (int)nl);
+        int i = 0;
+        const cJSON *e;
+        cJSON_ArrayForEach(e, v) {
+            if (!cJSON_IsString(e))
+                return fail(err, "layer_types[%d]: expected a string", i);
+            if (!strcmp(e->valuestring, "sliding_attention"))
+                cfg->layer_kind[i] = sliding_kind;
+            else if (!strcmp(e->valuestring, "full_attention"))
+                cfg->layer_kind[i] = full_kind;
+            else
+                return fail(err, "layer_types[%d]: unknown layer type '%s' (expected "
+                            "sliding_attention or full_attention)", i, e->valuestring);
+            i++;
+        }
+        return 0;
+    }
+    int64_t pattern = cohere2 ? 4 : 6;
+    if ((v = get(o, "sliding_window_pattern"))) {
+        if (read_num(v, "sliding_window_pattern", &dv, err)) return KVR_EINVAL;
+        if (dv != floor(dv) || dv < 1 || dv > INT32_MAX)
+            return fail(err, "sliding_window_pattern: %g must be a positive integer", dv);
+        pattern = (int64_t)dv;
+    }
+    for (int32_t l = 0; l < nl; l++)
+        cfg->layer_kind[l] = (l + 1) % pattern ? sliding_kind : full_kind;
+    return 0;
 }
 
 int kvr_rope_config_from_json(kvr_rope_config *cfg, const char *json, size_t len,
@@ -330,9 +475,31 @@ int kvr_rope_config_from_json(kvr_rope_config *cfg, const char *json, size_t len
 
     if (!cJSON_IsObject(root)) { rc = fail(err, "config.json: not a JSON object"); goto out; }
 
-    if ((v = get(root, "model_type"))) {
+    /* A composite config (vision-language models, transformers'
+     * get_text_config()): the text model's fields are in text_config. */
+    const cJSON *o = root;
+    if ((v = get(o, "text_config"))) {
+        if (!cJSON_IsObject(v)) { rc = fail(err, "text_config: expected an object"); goto out; }
+        o = v;
+    }
+    if ((v = get(o, "model_type")) || (v = get(root, "model_type"))) {
         if (!cJSON_IsString(v)) { rc = fail(err, "model_type: expected a string"); goto out; }
         snprintf(cfg->model_type, sizeof cfg->model_type, "%s", v->valuestring);
+    }
+    const char *mt = cfg->model_type;
+
+    /* Multi-head latent attention caches something else than per-head K/V. */
+    if ((v = get(o, "kv_lora_rank"))) {
+        rc = fail(err, "kv_lora_rank: %g: DeepSeek MLA caches a compressed latent "
+                  "plus one shared rotary key k_pe (qk_rope_head_dim) per token, not "
+                  "per-head K/V: not supported", cJSON_IsNumber(v) ? v->valuedouble : 0.0);
+        goto out;
+    }
+    if ((v = get(o, "qk_rope_head_dim"))) {
+        rc = fail(err, "qk_rope_head_dim: %g: heads split into rotated and "
+                  "unrotated parts (MLA style) are not per-head K/V: not supported",
+                  cJSON_IsNumber(v) ? v->valuedouble : 0.0);
+        goto out;
     }
 
     static const char *const k_layers[] = { "num_hidden_layers", "n_layer", "num_layers", NULL };
@@ -344,25 +511,32 @@ int kvr_rope_config_from_json(kvr_rope_config *cfg, const char *json, size_t len
     static const char *const k_theta[] = { "rope_theta", "rotary_emb_base", NULL };
     static const char *const k_prf[] = { "partial_rotary_factor", "rotary_pct", NULL };
 
-    if ((v = get_any(root, k_layers, &which))) {
+    if ((v = get_any(o, k_layers, &which))) {
         if (read_int(v, which, 0, INT32_MAX, &iv, err)) goto out;
         cfg->num_layers = (int32_t)iv;
     }
     int64_t hidden = 0;
-    if ((v = get_any(root, k_heads, &which))) {
+    if ((v = get_any(o, k_heads, &which))) {
         if (read_int(v, which, 0, INT32_MAX, &iv, err)) goto out;
         cfg->num_heads = (int32_t)iv;
     }
-    if ((v = get_any(root, k_hidden, &which))) {
+    if ((v = get_any(o, k_hidden, &which))) {
         if (read_int(v, which, 0, INT32_MAX, &hidden, err)) goto out;
     }
     cfg->num_kv_heads = cfg->num_heads;
-    if ((v = get_any(root, k_kv, &which))) {
+    /* ChatGLM: multi_query_group_num counts KV heads only with
+     * multi_query_attention. */
+    const cJSON *mqa = get(o, "multi_query_attention");
+    if (mqa && cJSON_IsFalse(mqa) && !get(o, "num_key_value_heads")) {
+        /* every head has its own K/V */
+    } else if ((v = get_any(o, k_kv, &which))) {
         if (read_int(v, which, 1, INT32_MAX, &iv, err)) goto out;
         cfg->num_kv_heads = (int32_t)iv;
     }
-    if ((v = get(root, "head_dim"))) {
-        if (read_int(v, "head_dim", 1, INT32_MAX, &iv, err)) goto out;
+    const cJSON *kvc = get(o, "kv_channels");   /* ChatGLM's head dim */
+    if ((v = get(o, "head_dim")) || (v = kvc)) {
+        const char *hn = v == kvc ? "kv_channels" : "head_dim";
+        if (read_int(v, hn, 1, INT32_MAX, &iv, err)) goto out;
         cfg->head_dim = iv > INT32_MAX ? INT32_MAX : (int32_t)iv;
     } else if (hidden > 0 && cfg->num_heads > 0) {
         if (hidden % cfg->num_heads) {
@@ -376,20 +550,20 @@ int kvr_rope_config_from_json(kvr_rope_config *cfg, const char *json, size_t len
                   "cannot give it");
         goto out;
     }
-    if ((v = get_any(root, k_maxpos, &which))) {
+    if ((v = get_any(o, k_maxpos, &which))) {
         if (read_int(v, which, 0, INT64_MAX / 2, &iv, err)) goto out;
         cfg->max_position_embeddings = iv;
     }
-    if ((v = get_any(root, k_theta, &which))) {
+    if ((v = get_any(o, k_theta, &which))) {
         if (read_num(v, which, &cfg->theta, err)) goto out;
     }
 
     /* rotary_dim: explicit, else head_dim * partial_rotary_factor (HF int()). */
     cfg->rotary_dim = cfg->head_dim;
-    if ((v = get(root, "rotary_dim"))) {
+    if ((v = get(o, "rotary_dim"))) {
         if (read_int(v, "rotary_dim", INT32_MIN, INT32_MAX, &iv, err)) goto out;
         cfg->rotary_dim = (int32_t)iv;
-    } else if ((v = get_any(root, k_prf, &which))) {
+    } else if ((v = get_any(o, k_prf, &which))) {
         if (read_num(v, which, &dv, err)) goto out;
         if (!(dv > 0.0) || dv > 1.0) {
             rc = fail(err, "%s: %g must be in (0, 1]", which, dv);
@@ -397,13 +571,32 @@ int kvr_rope_config_from_json(kvr_rope_config *cfg, const char *json, size_t len
         }
         cfg->rotary_dim = (int32_t)((double)cfg->head_dim * dv);
     }
+    /* ChatGLM (modeling_chatglm.py): RotaryEmbedding(rotary_dim // 2) with
+     * rotary_dim = kv_channels, so only the first kv_channels/2 dims of a
+     * head rotate, interleaved, base 10000 * rope_ratio. */
+    if (!strncmp(mt, "chatglm", 7)) {
+        if (!get(o, "rotary_dim"))
+            cfg->rotary_dim = cfg->head_dim / 2;
+        if ((v = get(o, "rope_ratio"))) {
+            if (read_num(v, "rope_ratio", &dv, err)) goto out;
+            if (!(dv > 0.0)) { rc = fail(err, "rope_ratio: %g must be > 0", dv); goto out; }
+            cfg->theta *= dv;
+        }
+    }
 
     /* rope_scaling (or transformers v5's rope_parameters, which also carries
      * rope_theta). */
-    const cJSON *rs = get(root, "rope_scaling");
+    const cJSON *rs = get(o, "rope_scaling");
+    const cJSON *rs_local = NULL;    /* v5 per layer type: sliding layers' parameters */
     const char *rsn = "rope_scaling";
-    if (!rs && (rs = get(root, "rope_parameters"))) {
+    if (!rs && (rs = get(o, "rope_parameters"))) {
         rsn = "rope_parameters";
+        const cJSON *full = get(rs, "full_attention");
+        if (full) {
+            rs_local = get(rs, "sliding_attention");
+            rs = full;
+            rsn = "rope_parameters.full_attention";
+        }
         if ((v = get(rs, "rope_theta")) && read_num(v, "rope_parameters.rope_theta",
                                                     &cfg->theta, err))
             goto out;
@@ -450,6 +643,10 @@ int kvr_rope_config_from_json(kvr_rope_config *cfg, const char *json, size_t len
         RS_NUM("low_freq_factor", cfg->low_freq_factor);
         RS_NUM("high_freq_factor", cfg->high_freq_factor);
 #undef RS_NUM
+        if ((v = get(rs, "truncate"))) {
+            if (!cJSON_IsBool(v)) { rc = fail(err, "%s.truncate: expected true or false", rsn); goto out; }
+            cfg->yarn_truncate = cJSON_IsTrue(v) ? 1 : 0;
+        }
         if ((v = get(rs, "original_max_position_embeddings"))) {
             snprintf(name, sizeof name, "%s.original_max_position_embeddings", rsn);
             if (read_int(v, name, 1, INT64_MAX / 2, &iv, err)) goto out;
@@ -470,13 +667,17 @@ int kvr_rope_config_from_json(kvr_rope_config *cfg, const char *json, size_t len
                           &cfg->n_long_factor, err)) goto out;
             /* Phi-3 states original_max_position_embeddings at top level. */
             if (!cfg->original_max_position_embeddings &&
-                (v = get(root, "original_max_position_embeddings"))) {
+                (v = get(o, "original_max_position_embeddings"))) {
                 if (read_int(v, "original_max_position_embeddings", 1, INT64_MAX / 2, &iv,
                              err)) goto out;
                 cfg->original_max_position_embeddings = iv;
             }
         }
     }
+
+    if ((rc = layer_map(cfg, o, rs_local, err)) != 0)
+        goto out;
+    rc = KVR_EINVAL;
 
     /* Pairing style. */
     if (style_override && *style_override) {

@@ -123,8 +123,12 @@ void rope_inv_freq(const kvr_rope *r, int64_t seq_len, double *out)
         for (int i = 0; i < n; i++) out[i] /= c->factor;
         break;
     case KVR_ROPE_SCALING_YARN: {
-        double lo = floor(yarn_corr_dim(c->beta_fast, dim, base, (double)r->orig_max));
-        double hi = ceil(yarn_corr_dim(c->beta_slow, dim, base, (double)r->orig_max));
+        double lo = yarn_corr_dim(c->beta_fast, dim, base, (double)r->orig_max);
+        double hi = yarn_corr_dim(c->beta_slow, dim, base, (double)r->orig_max);
+        if (c->yarn_truncate) {
+            lo = floor(lo);
+            hi = ceil(hi);
+        }
         if (lo < 0.0) lo = 0.0;
         if (hi > (double)(dim - 1)) hi = (double)(dim - 1);
         if (lo == hi) hi += 0.001;
@@ -161,14 +165,11 @@ void rope_inv_freq(const kvr_rope *r, int64_t seq_len, double *out)
     }
 }
 
-int kvr_rope_create(kvr_rope **out, const kvr_rope_config *cfg, kvr_error *err)
+/* Builds one engine from a validated config (or a NONE layer's, rot 0). */
+static kvr_rope *rope_build(const kvr_rope_config *cfg)
 {
-    if (!out || !cfg) return kvr_error_set(err, KVR_EINVAL, "rope: NULL argument");
-    *out = NULL;
-    int rc = kvr_rope_config_validate(cfg, err);
-    if (rc) return rc;
     kvr_rope *r = calloc(1, sizeof *r);
-    if (!r) return kvr_error_set(err, KVR_ENOMEM, "rope: out of memory");
+    if (!r) return NULL;
     r->cfg = *cfg;
     r->head_dim = cfg->head_dim;
     r->rot = cfg->rotary_dim;
@@ -206,14 +207,93 @@ int kvr_rope_create(kvr_rope **out, const kvr_rope_config *cfg, kvr_error *err)
     default:
         break;
     }
-    rope_inv_freq(r, 0, r->inv_freq);
+    if (r->npairs > 0)
+        rope_inv_freq(r, 0, r->inv_freq);
+    return r;
+}
+
+int kvr_rope_create(kvr_rope **out, const kvr_rope_config *cfg, kvr_error *err)
+{
+    if (!out || !cfg) return kvr_error_set(err, KVR_EINVAL, "rope: NULL argument");
+    *out = NULL;
+    int rc = kvr_rope_config_validate(cfg, err);
+    if (rc) return rc;
+    kvr_rope *r = rope_build(cfg);
+    if (!r) return kvr_error_set(err, KVR_ENOMEM, "rope: out of memory");
+    bool want_local = false, want_none = false;
+    for (int32_t l = 0; l < cfg->n_layer_kinds; l++) {
+        want_local |= cfg->layer_kind[l] == KVR_ROPE_LAYER_LOCAL;
+        want_none |= cfg->layer_kind[l] == KVR_ROPE_LAYER_NONE;
+    }
+    /* The per-layer engines: the same shape and pairing, their own
+     * frequencies, no map of their own. */
+    kvr_rope_config sub = *cfg;
+    sub.n_layer_kinds = 0;
+    sub.scaling = KVR_ROPE_SCALING_DEFAULT;
+    sub.factor = 1.0;
+    sub.attention_factor = NAN;
+    sub.n_short_factor = sub.n_long_factor = 0;
+    if (want_local) {
+        sub.theta = cfg->local_theta;
+        if ((rc = kvr_rope_config_validate(&sub, err)) != 0) {
+            kvr_rope_destroy(r);
+            return rc;
+        }
+        if (!(r->local = rope_build(&sub))) {
+            kvr_rope_destroy(r);
+            return kvr_error_set(err, KVR_ENOMEM, "rope: out of memory");
+        }
+    }
+    if (want_none) {
+        sub.theta = cfg->theta;
+        sub.rotary_dim = 0;
+        if (!(r->none = rope_build(&sub))) {
+            kvr_rope_destroy(r);
+            return kvr_error_set(err, KVR_ENOMEM, "rope: out of memory");
+        }
+    }
     *out = r;
     return 0;
 }
 
-void kvr_rope_destroy(kvr_rope *r) { free(r); }
+void kvr_rope_destroy(kvr_rope *r)
+{
+    if (!r) return;
+    free(r->local);
+    free(r->none);
+    free(r);
+}
 
 const kvr_rope_config *kvr_rope_get_config(const kvr_rope *r) { return r ? &r->cfg : NULL; }
+
+const kvr_rope *kvr_rope_layer(const kvr_rope *r, uint32_t layer)
+{
+    if (!r) return NULL;
+    switch (kvr_rope_config_layer_kind(&r->cfg, layer)) {
+    case KVR_ROPE_LAYER_LOCAL: return r->local ? r->local : r;
+    case KVR_ROPE_LAYER_NONE:  return r->none ? r->none : r;
+    default:                   return r;
+    }
+}
+
+double kvr_rope_factor(const kvr_rope *r) { return r ? r->factor_eff : (double)NAN; }
+double kvr_rope_attention_scale(const kvr_rope *r) { return r ? r->mscale : (double)NAN; }
+
+bool kvr_rope_same_table(const kvr_rope *r, int64_t a, int64_t b)
+{
+    if (!r || kvr_rope_config_composes(&r->cfg) || r->npairs == 0) return true;
+    if (a <= r->orig_max && b <= r->orig_max) return true;
+    if (r->cfg.scaling == KVR_ROPE_SCALING_LONGROPE) return (a > r->orig_max) == (b > r->orig_max);
+    return a == b;
+}
+
+int64_t kvr_rope_default_seq_len(const int64_t *pos, size_t n)
+{
+    int64_t m = 0;
+    for (size_t i = 0; i < n; i++)
+        if (pos[i] > m) m = pos[i];
+    return m < INT64_MAX ? m + 1 : m;
+}
 
 /* ---- sin/cos ----------------------------------------------------------------
  * sincos() from libm costs more than rotating a token's keys, so tokens whose
@@ -450,6 +530,11 @@ static int check_args(const kvr_rope *r, const void *dst, kvr_dtype dt, const vo
         return KVR_EINVAL;
     /* In place only with identical element types. */
     if (dst == src && dt != st) return KVR_EINVAL;
+    if (r->npairs == 0) {
+        /* A layer without RoPE: keys pass through, converted. */
+        if (dst != src) kvr_convert((void *)(uintptr_t)dst, dt, src, st, e / 4);
+        return 0;
+    }
     return 1;
 }
 

@@ -74,6 +74,16 @@ typedef enum kvr_rope_scaling {
 } kvr_rope_scaling;
 
 #define KVR_ROPE_MAX_HEAD_DIM 1024
+#define KVR_ROPE_MAX_LAYERS   1024   /* longest per-layer map a config may state */
+
+/* What a layer does with positions, for models that mix RoPE per layer. */
+typedef enum kvr_rope_layer_kind {
+    KVR_ROPE_LAYER_GLOBAL = 0,  /* the config's own RoPE (theta, scaling, ...) */
+    KVR_ROPE_LAYER_LOCAL  = 1,  /* sliding-window layers with their own base and
+                                   no scaling: Gemma 3's rope_local_base_freq */
+    KVR_ROPE_LAYER_NONE   = 2,  /* no RoPE at all (Llama 4 NoPE layers, Cohere 2
+                                   global layers): keys pass through */
+} kvr_rope_layer_kind;
 
 /* Everything that determines the rotation, as HF config.json states it.
  * Fields that a config leaves unset hold the HF defaults after parsing;
@@ -98,18 +108,35 @@ typedef struct kvr_rope_config {
     double   attention_factor;                  /* yarn/longrope: NaN = unset */
     double   mscale, mscale_all_dim;            /* yarn (DeepSeek): NaN = unset */
     double   low_freq_factor, high_freq_factor; /* llama3 */
+    int32_t  yarn_truncate;                     /* yarn: 1 (HF default) floors/ceils
+                                                   the correction range, 0 not (gpt-oss) */
+    /* Per-layer RoPE. n_layer_kinds is 0 when every layer uses the config
+     * above; else it equals num_layers and layer_kind[l] says what layer l
+     * does (kvr_rope_layer_kind). local_theta is the base of LOCAL layers
+     * (NaN when there are none). */
+    double   local_theta;
+    int32_t  n_layer_kinds;
+    uint8_t  layer_kind[KVR_ROPE_MAX_LAYERS];
     int32_t  n_short_factor, n_long_factor;     /* longrope: must be rotary_dim/2 */
     double   short_factor[KVR_ROPE_MAX_HEAD_DIM / 2];
     double   long_factor[KVR_ROPE_MAX_HEAD_DIM / 2];
 } kvr_rope_config;
 
-/* Fills `cfg` with defaults: NeoX, theta 10000, no scaling, sizes 0. */
+/* Fills `cfg` with defaults: NeoX, theta 10000, no scaling, sizes 0, one
+ * RoPE for every layer. */
 void kvr_rope_config_init(kvr_rope_config *cfg);
 
 /* Parses the text of an HF config.json (len bytes, not necessarily
  * NUL-terminated). `style_override` is NULL, "neox" or "gptj"; without it the
- * style follows model_type (gptj, codegen, ... are interleaved). Validates the
- * result (kvr_rope_config_validate). */
+ * style follows model_type (gptj, codegen, chatglm, llama4, ... are
+ * interleaved). Validates the result (kvr_rope_config_validate).
+ * As transformers reads them: a composite config (text_config) is read from
+ * its text_config; transformers v5's rope_parameters (also per layer type);
+ * ChatGLM's kv_channels (rotary over kv_channels/2, base 10000*rope_ratio);
+ * per-layer RoPE of Gemma 3 (sliding layers: rope_local_base_freq), Llama 4
+ * (no_rope_layers) and Cohere 2 (global layers without RoPE), from
+ * layer_types or sliding_window_pattern. Refused with the field named: MLA
+ * models (kv_lora_rank: DeepSeek-V2/V3 cache a latent, not per-head K/V). */
 int kvr_rope_config_from_json(kvr_rope_config *cfg, const char *json, size_t len,
                               const char *style_override, kvr_error *err);
 int kvr_rope_config_from_file(kvr_rope_config *cfg, const char *path,
@@ -128,6 +155,15 @@ size_t kvr_rope_config_canonical(const kvr_rope_config *cfg, char *buf, size_t c
  * linear, yarn, llama3). Dynamic NTK and longrope do not. */
 bool kvr_rope_config_composes(const kvr_rope_config *cfg);
 
+/* The kind of layer `layer` (KVR_ROPE_LAYER_GLOBAL when the config has no
+ * per-layer map or the layer is past it). */
+kvr_rope_layer_kind kvr_rope_config_layer_kind(const kvr_rope_config *cfg, uint32_t layer);
+
+/* The sequence length transformers would use for a forward over these
+ * positions (max + 1, at least 1): the default seq_len of a dynamic NTK /
+ * longrope table. */
+int64_t kvr_rope_default_seq_len(const int64_t *pos, size_t n);
+
 /* ---- engine ------------------------------------------------------------- */
 
 typedef struct kvr_rope kvr_rope;   /* immutable after create; thread-safe */
@@ -136,6 +172,23 @@ typedef struct kvr_rope kvr_rope;   /* immutable after create; thread-safe */
 int  kvr_rope_create(kvr_rope **out, const kvr_rope_config *cfg, kvr_error *err);
 void kvr_rope_destroy(kvr_rope *r);                 /* NULL is a no-op */
 const kvr_rope_config *kvr_rope_get_config(const kvr_rope *r);
+
+/* The engine of one layer: r itself for GLOBAL layers (and for configs
+ * without a per-layer map), else an engine owned by r for that layer's kind
+ * (LOCAL: local_theta, no scaling; NONE: no rotation, kernels only convert).
+ * Never NULL for a non-NULL r. */
+const kvr_rope *kvr_rope_layer(const kvr_rope *r, uint32_t layer);
+
+/* Effective values the engine derived (what model info reports): the factor
+ * (longrope: max/original positions when both are given) and the magnitude
+ * applied with the rotation (YaRN / longrope attention factor, else 1). */
+double kvr_rope_factor(const kvr_rope *r);
+double kvr_rope_attention_scale(const kvr_rope *r);
+
+/* True if the frequency tables for the two sequence lengths are the same
+ * (always for composing types; dynamic NTK: both within the original
+ * length; longrope: both on the same side of it). */
+bool kvr_rope_same_table(const kvr_rope *r, int64_t seq_len_a, int64_t seq_len_b);
 
 typedef enum kvr_isa {
     KVR_ISA_AUTO   = 0,   /* best the CPU supports */

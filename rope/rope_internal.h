@@ -34,6 +34,7 @@ struct kvr_rope {
     int64_t orig_max;               /* effective original_max_position_embeddings */
     double  factor_eff;             /* effective factor (longrope: max/orig) */
     double  inv_freq[KVR_ROPE_MAX_HEAD_DIM / 2]; /* table for seq_len 0 */
+    struct kvr_rope *local, *none;  /* per-layer engines (owned), or NULL */
 };
 
 /* Frequency table for a sequence length (dynamic / longrope depend on it;

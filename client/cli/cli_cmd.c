@@ -10,6 +10,7 @@
 #include <errno.h>
 #include <stdarg.h>
 #include <inttypes.h>
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -226,6 +227,17 @@ static cJSON *model_json(const kvr_model *m, const kvr_model_ex *ex)
     cJSON_AddStringToObject(r, "scaling", scaling_name(m->rope.scaling));
     if (m->rope.scaling != KVR_ROPE_SCALING_DEFAULT)
         cJSON_AddNumberToObject(r, "factor", m->rope.factor);
+    cJSON_AddStringToObject(r, "model_type", m->rope.model_type);
+    if (m->rope.n_layer_kinds > 0) {
+        /* per-layer RoPE: "global", "local" (base local_theta) or "none" */
+        static const char *const kinds[] = { "global", "local", "none" };
+        cJSON *ls = cJSON_AddArrayToObject(r, "layers");
+        for (int32_t l = 0; l < m->rope.n_layer_kinds && l < KVR_ROPE_MAX_LAYERS; l++)
+            cJSON_AddItemToArray(ls, cJSON_CreateString(
+                m->rope.layer_kind[l] <= 2 ? kinds[m->rope.layer_kind[l]] : "?"));
+        if (!isnan(m->rope.local_theta))
+            cJSON_AddNumberToObject(r, "local_theta", m->rope.local_theta);
+    }
     return j;
 }
 
@@ -335,6 +347,46 @@ static void print_model(const kvr_model *m, const kvr_model_ex *ex)
            ex ? ex->codec : "");
 }
 
+/* Explicit --theta / --rotary-dim override what a config.json says (as the
+ * protocol's explicit fields do): written into the text the daemon parses,
+ * in the object transformers reads the text model from (text_config for a
+ * composite config), and into rope_parameters when it carries rope_theta
+ * (transformers v5). Returns a malloc'ed text, or NULL (out of memory, or
+ * not a JSON object: then the daemon reports the config as it is). */
+static char *config_overrides(const char *json, size_t len, const char *theta,
+                              const char *rot)
+{
+    cJSON *root = cJSON_ParseWithLength(json, len);
+    if (!root || !cJSON_IsObject(root)) {
+        cJSON_Delete(root);
+        return NULL;
+    }
+    cJSON *o = cJSON_GetObjectItemCaseSensitive(root, "text_config");
+    if (!cJSON_IsObject(o))
+        o = root;
+    if (theta) {
+        double th = strtod(theta, NULL);
+        cJSON_DeleteItemFromObjectCaseSensitive(o, "rope_theta");
+        cJSON_DeleteItemFromObjectCaseSensitive(o, "rotary_emb_base");
+        cJSON_AddNumberToObject(o, "rope_theta", th);
+        cJSON *rp = cJSON_GetObjectItemCaseSensitive(o, "rope_parameters");
+        if (cJSON_IsObject(rp)) {
+            cJSON *full = cJSON_GetObjectItemCaseSensitive(rp, "full_attention");
+            if (cJSON_IsObject(full))
+                rp = full;
+            cJSON_DeleteItemFromObjectCaseSensitive(rp, "rope_theta");
+            cJSON_AddNumberToObject(rp, "rope_theta", th);
+        }
+    }
+    if (rot) {
+        cJSON_DeleteItemFromObjectCaseSensitive(o, "rotary_dim");
+        cJSON_AddNumberToObject(o, "rotary_dim", strtod(rot, NULL));
+    }
+    char *out = cJSON_PrintUnformatted(root);
+    cJSON_Delete(root);
+    return out;
+}
+
 static int cmd_models(kvr_client *c, const cli_args *a)
 {
     const char *sub = a->npos > 0 ? a->pos[0] : "list";
@@ -364,7 +416,8 @@ static int cmd_models(kvr_client *c, const cli_args *a)
         kvr_model_ex mx;
         const char *codec = cli_opt(a, "codec");
         int r;
-        if (cfg && !L && !H && !D && !codec) {
+        const char *rot_s = cli_opt(a, "rotary-dim");
+        if (cfg && !L && !H && !D && !codec && !th && !rot_s) {
             r = kvr_client_model_register_file(c, a->pos[1], cfg, style, dt, &m);
         } else {
             kvr_rope_config rc;
@@ -381,8 +434,9 @@ static int cmd_models(kvr_client *c, const cli_args *a)
                 char err[256];
                 if (cli_map_file(cfg, &mf, err, sizeof err) < 0)
                     return cli_io_err(a, err);
-                json = malloc(mf.len + 1);
-                if (json) {
+                if (th || rot_s)
+                    json = config_overrides(mf.base ? mf.base : "", mf.len, th, rot_s);
+                if (!json && (json = malloc(mf.len + 1))) {
                     memcpy(json, mf.base, mf.len);
                     json[mf.len] = 0;
                 }
@@ -400,7 +454,7 @@ static int cmd_models(kvr_client *c, const cli_args *a)
         if (r < 0)
             return cli_fail(a, c, r, "models add");
         /* The file path does not report the codec: it is the dtype, plain. */
-        if (cfg && !L && !H && !D && !codec)
+        if (cfg && !L && !H && !D && !codec && !th && !rot_s)
             snprintf(mx.codec, sizeof mx.codec, "%s", kvr_dtype_name(m.dtype));
         if (a->json)
             cli_print_json(model_json(&m, &mx));

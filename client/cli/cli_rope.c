@@ -8,7 +8,13 @@
  *
  * Data files are [tokens][heads][head_dim] in --dtype (f32|f16|bf16; output in
  * --out-dtype, default the input's); position files are int32 (or int64 with
- * --pos-dtype i64), one per token. Exit status: 0 done, 2 bad arguments
+ * --pos-dtype i64), one per token. --layer L picks layer L's RoPE for models
+ * that mix it per layer (Gemma 3 sliding layers, Llama 4 NoPE layers).
+ * Dynamic NTK / longrope tables depend on the sequence length: --seq-len
+ * (the table rotated into; default max(--pos) + 1, what transformers uses
+ * for a forward over those positions) and --from-seq-len (the table the keys
+ * were rotated with; default max(--from-pos) + 1 for reposition, --seq-len
+ * for remove). Exit status: 0 done, 2 bad arguments
  * (usage on stderr), 1 configuration refused, I/O error or a file whose size
  * does not match tokens * heads * head_dim.
  */
@@ -25,10 +31,17 @@ static const char cli_rope_usage[] =
 "usage: kvrope rope apply|remove|reposition --config config.json [--style neox|gptj]\n"
 "                   --tokens N --heads H [--dtype f32|f16|bf16] [--out-dtype f32|f16|bf16]\n"
 "                   --in FILE --pos FILE [--pos-dtype i32|i64] [--from-pos FILE] --out FILE\n"
+"                   [--layer L] [--seq-len N] [--from-seq-len N]\n"
 "  apply       rotate un-rotated keys to --pos\n"
 "  remove      un-rotate keys stored at --pos\n"
-"  reposition  move keys from --from-pos to --pos (a pure rotation)\n"
-"  files are raw little-endian [tokens][heads][head_dim]; positions int32 (or int64)\n";
+"  reposition  move keys from --from-pos to --pos (a pure rotation; dynamic NTK /\n"
+"              longrope: removed with the old table, applied with the new)\n"
+"  files are raw little-endian [tokens][heads][head_dim]; positions int32 (or int64)\n"
+"  --layer L        the RoPE of layer L (per-layer models: Gemma 3, Llama 4, Cohere 2)\n"
+"  --seq-len N      dynamic NTK / longrope: the sequence length of the table rotated\n"
+"                   into (default max(--pos) + 1, as transformers for those positions)\n"
+"  --from-seq-len N the table the keys were rotated with (reposition: default\n"
+"                   max(--from-pos) + 1; remove: default --seq-len, else max(--pos) + 1)\n";
 
 static int usage(const char *why)
 {
@@ -120,6 +133,7 @@ int kvr_cli_rope_main(int argc, char **argv)
     const char *config = NULL, *style = NULL, *in = NULL, *pos = NULL, *from = NULL, *out = NULL;
     const char *dtype_s = "f32", *out_dtype_s = NULL, *pos_dtype = "i32";
     const char *tokens_s = NULL, *heads_s = NULL;
+    const char *layer_s = NULL, *seq_s = NULL, *from_seq_s = NULL;
     for (int i = 2; i < argc; i++) {
         const char *a = argv[i];
         const char **slot = NULL;
@@ -134,6 +148,9 @@ int kvr_cli_rope_main(int argc, char **argv)
         else if (!strcmp(a, "--pos-dtype")) slot = &pos_dtype;
         else if (!strcmp(a, "--from-pos")) slot = &from;
         else if (!strcmp(a, "--out")) slot = &out;
+        else if (!strcmp(a, "--layer")) slot = &layer_s;
+        else if (!strcmp(a, "--seq-len")) slot = &seq_s;
+        else if (!strcmp(a, "--from-seq-len")) slot = &from_seq_s;
         else {
             fprintf(stderr, "kvrope rope: unknown option '%s'\n", a);
             return usage(NULL);
@@ -164,6 +181,13 @@ int kvr_cli_rope_main(int argc, char **argv)
     else return usage("--pos-dtype must be i32 or i64");
     if (style && strcmp(style, "neox") && strcmp(style, "gptj"))
         return usage("--style must be neox or gptj");
+    size_t layer = 0, seq = 0, from_seq = 0;
+    if (layer_s && strcmp(layer_s, "0") && parse_size(layer_s, &layer))
+        return usage("--layer must be a layer index (0, 1, ...)");
+    if (seq_s && parse_size(seq_s, &seq)) return usage("--seq-len must be a positive integer");
+    if (from_seq_s && parse_size(from_seq_s, &from_seq))
+        return usage("--from-seq-len must be a positive integer");
+    if (from_seq_s && verb == APPLY) return usage("--from-seq-len is for remove and reposition");
 
     kvr_rope_config cfg;
     kvr_error err = { 0 };
@@ -186,6 +210,12 @@ int kvr_cli_rope_main(int argc, char **argv)
         fprintf(stderr, "kvrope rope: %s: %s\n", config, err.msg);
         goto done;
     }
+    if (layer_s && cfg.num_layers > 0 && layer >= (size_t)cfg.num_layers) {
+        fprintf(stderr, "kvrope rope: --layer %zu: %s has %d layers\n", layer, config,
+                (int)cfg.num_layers);
+        goto done;
+    }
+    const kvr_rope *lr = kvr_rope_layer(r, (uint32_t)layer);
     src = read_exact(in, n_el * kvr_dtype_size(dt_in), "--in");
     if (!src) goto done;
     p = read_pos(pos, tokens, wide, "--pos");
@@ -193,9 +223,20 @@ int kvr_cli_rope_main(int argc, char **argv)
     if (verb == REPOSITION && !(pf = read_pos(from, tokens, wide, "--from-pos"))) goto done;
     dst = malloc(n_el * kvr_dtype_size(dt_out));
     if (!dst) { fprintf(stderr, "kvrope rope: out of memory\n"); goto done; }
-    int e = verb == APPLY ? kvr_rope_apply(r, dst, dt_out, src, dt_in, tokens, heads, p, NULL)
-          : verb == REMOVE ? kvr_rope_remove(r, dst, dt_out, src, dt_in, tokens, heads, p, NULL)
-          : kvr_rope_reposition(r, dst, dt_out, src, dt_in, tokens, heads, pf, p, NULL);
+    /* The tables' sequence lengths (dynamic NTK / longrope; others ignore
+     * them): what transformers would use for a forward over the positions
+     * given, unless stated. */
+    kvr_rope_opts ro = { 0 };
+    ro.seq_len_to = seq ? (int64_t)seq : kvr_rope_default_seq_len(p, tokens);
+    if (from_seq)
+        ro.seq_len_from = (int64_t)from_seq;
+    else if (verb == REPOSITION)
+        ro.seq_len_from = kvr_rope_default_seq_len(pf, tokens);
+    else
+        ro.seq_len_from = ro.seq_len_to;
+    int e = verb == APPLY ? kvr_rope_apply(lr, dst, dt_out, src, dt_in, tokens, heads, p, &ro)
+          : verb == REMOVE ? kvr_rope_remove(lr, dst, dt_out, src, dt_in, tokens, heads, p, &ro)
+          : kvr_rope_reposition(lr, dst, dt_out, src, dt_in, tokens, heads, pf, p, &ro);
     if (e) { fprintf(stderr, "kvrope rope: %s\n", kvr_strerror(e)); goto done; }
     fo = fopen(out, "wb");
     if (!fo) { fprintf(stderr, "kvrope rope: --out %s: %s\n", out, strerror(errno)); goto done; }

@@ -85,6 +85,16 @@ static void rope_from_wire(kvr_rope_config *cfg, const Kvrope__RopeParams *p)
     cfg->n_long_factor = (int32_t)(p->n_long_factor < maxf ? p->n_long_factor : maxf);
     for (int32_t i = 0; i < cfg->n_long_factor; i++)
         cfg->long_factor[i] = p->long_factor[i];
+    if (p->model_type)
+        snprintf(cfg->model_type, sizeof cfg->model_type, "%s", p->model_type);
+    if (p->has_local_theta)
+        cfg->local_theta = p->local_theta;
+    if (p->has_layer_kinds && p->layer_kinds.len <= KVR_ROPE_MAX_LAYERS) {
+        cfg->n_layer_kinds = (int32_t)p->layer_kinds.len;
+        memcpy(cfg->layer_kind, p->layer_kinds.data, p->layer_kinds.len);
+    }
+    if (p->has_yarn_truncate)
+        cfg->yarn_truncate = p->yarn_truncate ? 1 : 0;
 }
 
 /* Fills p from cfg; the factor arrays are borrowed from cfg. */

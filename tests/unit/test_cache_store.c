@@ -657,7 +657,10 @@ Test(cache_store, list_pin_stats_and_baseline)
     cr_assert_eq(kvr_mem_allocated(), base);
 }
 
-Test(cache_store, non_composing_rope_refuses_moves)
+/* Dynamic NTK: a moved key is read with the table of the context's length
+ * (the same table here: every length is within max_position_embeddings, so
+ * the move is the plain delta rotation; test_cache_rope_layers crosses it). */
+Test(cache_store, non_composing_rope_moves_with_its_length)
 {
     kvr_store *s = mk_store(0, 8);
     kvr_model_desc d = { .name = "m", .n_layers = L, .n_kv_heads = H, .head_dim = D,
@@ -674,7 +677,32 @@ Test(cache_store, non_composing_rope_refuses_moves)
     cr_assert_eq(kvr_store_shift(s, "c", 0, 10, 4, &e), 0);
     kvr_get_params p = { .ctx_id = "c", .end = SIZE_MAX, .dtype = KVR_DTYPE_F32 };
     kvr_get *g;
-    cr_assert_eq(kvr_store_get_begin(s, &p, &g, &e), KVR_EUNSUPPORTED);
+    size_t got_n, exp_n;
+    uint8_t *got = do_get(s, &p, &got_n, NULL);
+    uint64_t vidx[10];
+    for (size_t i = 0; i < 10; i++)
+        vidx[i] = i;
+    float *exp = expect_payload(1, vidx, 10, ALL, L, KVR_DTYPE_F32, &exp_n);
+    cr_assert_eq(got_n, exp_n);
+    kvr_rope_config rc = d.rope;
+    rc.head_dim = rc.rotary_dim = D;
+    kvr_rope *r;
+    cr_assert_eq(kvr_rope_create(&r, &rc, NULL), 0);
+    int64_t from[10], to[10];
+    for (int i = 0; i < 10; i++) {
+        from[i] = i;
+        to[i] = i + 4;
+    }
+    kvr_rope_opts ro = { .seq_len_from = 10, .seq_len_to = 14 };
+    for (uint32_t l = 0; l < L; l++) {
+        float *k = exp + (size_t)l * 2 * 10 * H * D;
+        cr_assert_eq(kvr_rope_reposition(r, k, KVR_DTYPE_F32, k, KVR_DTYPE_F32, 10, H, from, to,
+                                         &ro), 0);
+    }
+    cr_assert(memcmp(got, exp, exp_n) == 0, "moved dynamic-NTK keys differ from the engine's");
+    kvr_rope_destroy(r);
+    free(got);
+    free(exp);
     p.meta_only = true;
     cr_assert_eq(kvr_store_get_begin(s, &p, &g, &e), 0);
     cr_assert_eq(kvr_get_get_info(g)->positions[0], 4);

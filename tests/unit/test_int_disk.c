@@ -240,10 +240,15 @@ static int one_op(kvr_client *ref, kvr_client *tgt, unsigned *seed, int k, uint6
         cr_assert_eq(kvr_client_get(ref, &a, &kv), 0);
         uint64_t n = kv.n_tokens;
         kvr_kv_release(&kv);
-        uint64_t s0 = (uint64_t)rand_r(seed) % n, len = 1 + (uint64_t)rand_r(seed) % 8;
+        /* A context an earlier edit emptied has n == 0: then the op inserts
+         * (no modulo by zero; the same draws from the seed either way). */
+        uint64_t r1 = (uint64_t)rand_r(seed), r2 = (uint64_t)rand_r(seed);
+        uint64_t s0 = n ? r1 % n : 0, len = n ? 1 + r2 % 8 : 0;
         if (s0 + len > n)
             len = n - s0;
         uint32_t nt = (uint32_t)(rand_r(seed) % 4), toks[4];
+        if (n == 0 && nt == 0)
+            nt = 1;
         for (uint32_t i = 0; i < nt; i++)
             toks[i] = w->next_base++;
         kvr_edit_range op = { .start = s0, .end = s0 + len, .tokens = toks, .n_tokens = nt };

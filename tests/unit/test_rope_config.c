@@ -384,3 +384,141 @@ Test(rope_config, canonical_text)
     cr_assert(n1 < sizeof t1);
     cr_assert(strstr(t1, "long_factor=[1,1.8999999999999999,"), "%s", t1);
 }
+
+/* ---- issue 18: model families that transformers reads specially ---------------- */
+
+Test(rope_config, chatglm_rotates_half_of_kv_channels_interleaved)
+{
+    /* modeling_chatglm.py: RotaryEmbedding(kv_channels // 2), pairs (2i, 2i+1),
+     * base 10000 * rope_ratio; multi_query_group_num KV heads with MQA. */
+    kvr_rope_config c = parse_ok(
+        "{\"model_type\":\"chatglm\",\"hidden_size\":4096,\"num_attention_heads\":32,"
+        "\"kv_channels\":128,\"multi_query_attention\":true,\"multi_query_group_num\":2,"
+        "\"num_layers\":28,\"seq_length\":8192,\"rope_ratio\":50}", NULL);
+    cr_assert_eq(c.head_dim, 128);
+    cr_assert_eq(c.rotary_dim, 64);
+    cr_assert_eq(c.style, KVR_ROPE_GPTJ);
+    cr_assert_eq(c.num_kv_heads, 2);
+    cr_assert_eq(c.theta, 500000.0);
+    cr_assert_float_eq(engine_freq(&c, 3), 1.0 / pow(500000.0, 6.0 / 64.0), 1e-6);
+    c = parse_ok("{\"model_type\":\"chatglm\",\"hidden_size\":4096,\"num_attention_heads\":32,"
+                 "\"kv_channels\":128,\"multi_query_attention\":false,"
+                 "\"multi_query_group_num\":2,\"num_layers\":28}", NULL);
+    cr_assert_eq(c.num_kv_heads, 32);
+}
+
+Test(rope_config, composite_config_reads_text_config)
+{
+    kvr_rope_config c = parse_ok(
+        "{\"model_type\":\"mistral3\",\"vision_config\":{\"head_dim\":64,\"rope_theta\":10000},"
+        "\"text_config\":{\"model_type\":\"ministral3\",\"head_dim\":128,\"hidden_size\":3072,"
+        "\"num_attention_heads\":32,\"num_key_value_heads\":8,\"num_hidden_layers\":26,"
+        "\"max_position_embeddings\":262144,\"rope_parameters\":{\"rope_type\":\"yarn\","
+        "\"factor\":16.0,\"original_max_position_embeddings\":16384,\"rope_theta\":1e6,"
+        "\"mscale\":1.0,\"mscale_all_dim\":1.0,\"beta_fast\":32,\"beta_slow\":1}}}", NULL);
+    cr_assert_str_eq(c.model_type, "ministral3");
+    cr_assert_eq(c.head_dim, 128);
+    cr_assert_eq(c.num_kv_heads, 8);
+    cr_assert_eq(c.scaling, KVR_ROPE_SCALING_YARN);
+    cr_assert_eq(c.factor, 16.0);
+    cr_assert_eq(c.theta, 1e6);
+    kvr_rope *r;
+    cr_assert_eq(kvr_rope_create(&r, &c, NULL), 0);
+    cr_assert_float_eq(kvr_rope_attention_scale(r), 1.0, 1e-12);
+    kvr_rope_destroy(r);
+}
+
+Test(rope_config, mla_models_refused_naming_the_field)
+{
+    refuse("{\"model_type\":\"deepseek_v3\",\"hidden_size\":7168,\"num_attention_heads\":128,"
+           "\"kv_lora_rank\":512,\"qk_rope_head_dim\":64,\"qk_nope_head_dim\":128}",
+           "kv_lora_rank");
+    refuse("{\"hidden_size\":1024,\"num_attention_heads\":8,\"qk_rope_head_dim\":64}",
+           "qk_rope_head_dim");
+}
+
+Test(rope_config, gemma3_sliding_layers_use_the_local_base)
+{
+    kvr_rope_config c = parse_ok(
+        "{\"model_type\":\"gemma3_text\",\"num_hidden_layers\":12,\"num_attention_heads\":4,"
+        "\"num_key_value_heads\":1,\"head_dim\":32,\"rope_theta\":1000000,"
+        "\"rope_local_base_freq\":10000,\"sliding_window_pattern\":6,"
+        "\"rope_scaling\":{\"rope_type\":\"linear\",\"factor\":8.0}}", NULL);
+    cr_assert_eq(c.n_layer_kinds, 12);
+    for (uint32_t l = 0; l < 12; l++)
+        cr_assert_eq(kvr_rope_config_layer_kind(&c, l),
+                     (l + 1) % 6 ? KVR_ROPE_LAYER_LOCAL : KVR_ROPE_LAYER_GLOBAL, "layer %u", l);
+    kvr_rope *r;
+    cr_assert_eq(kvr_rope_create(&r, &c, NULL), 0);
+    /* global layers: theta 1e6 with linear scaling; local: 1e4, no scaling */
+    const kvr_rope_config *g = kvr_rope_get_config(kvr_rope_layer(r, 5));
+    const kvr_rope_config *lo = kvr_rope_get_config(kvr_rope_layer(r, 0));
+    cr_assert_eq(g->theta, 1e6);
+    cr_assert_eq(g->scaling, KVR_ROPE_SCALING_LINEAR);
+    cr_assert_eq(lo->theta, 1e4);
+    cr_assert_eq(lo->scaling, KVR_ROPE_SCALING_DEFAULT);
+    cr_assert_float_eq(engine_freq(lo, 2), 1.0 / pow(1e4, 4.0 / 32.0), 1e-6);
+    cr_assert_float_eq(engine_freq(g, 2), 1.0 / pow(1e6, 4.0 / 32.0) / 8.0, 1e-7);
+    kvr_rope_destroy(r);
+    /* explicit layer_types, and transformers v5's per-layer-type rope_parameters */
+    c = parse_ok("{\"model_type\":\"gemma3_text\",\"num_hidden_layers\":3,"
+                 "\"num_attention_heads\":4,\"num_key_value_heads\":1,\"head_dim\":32,"
+                 "\"layer_types\":[\"full_attention\",\"sliding_attention\",\"full_attention\"],"
+                 "\"rope_parameters\":{\"full_attention\":{\"rope_type\":\"default\","
+                 "\"rope_theta\":1e6},\"sliding_attention\":{\"rope_type\":\"default\","
+                 "\"rope_theta\":20000}}}", NULL);
+    cr_assert_eq(c.theta, 1e6);
+    cr_assert_eq(c.local_theta, 20000.0);
+    cr_assert_eq(kvr_rope_config_layer_kind(&c, 0), KVR_ROPE_LAYER_GLOBAL);
+    cr_assert_eq(kvr_rope_config_layer_kind(&c, 1), KVR_ROPE_LAYER_LOCAL);
+    refuse("{\"model_type\":\"gemma3_text\",\"num_hidden_layers\":3,\"num_attention_heads\":4,"
+           "\"head_dim\":32,\"layer_types\":[\"full_attention\"]}", "layer_types");
+    refuse("{\"model_type\":\"gemma3_text\",\"num_hidden_layers\":2,\"num_attention_heads\":4,"
+           "\"head_dim\":32,\"layer_types\":[\"full_attention\",\"chunked\"]}", "layer_types[1]");
+}
+
+Test(rope_config, llama4_nope_layers)
+{
+    kvr_rope_config c = parse_ok(
+        "{\"model_type\":\"llama4\",\"text_config\":{\"model_type\":\"llama4_text\","
+        "\"num_hidden_layers\":4,\"num_attention_heads\":8,\"num_key_value_heads\":2,"
+        "\"head_dim\":16,\"rope_theta\":500000,\"no_rope_layers\":[1,0,1,1]}}", NULL);
+    cr_assert_eq(c.style, KVR_ROPE_GPTJ);      /* complex (interleaved) rotary */
+    cr_assert_eq(kvr_rope_config_layer_kind(&c, 1), KVR_ROPE_LAYER_NONE);
+    cr_assert_eq(kvr_rope_config_layer_kind(&c, 3), KVR_ROPE_LAYER_GLOBAL);
+    kvr_rope *r;
+    cr_assert_eq(kvr_rope_create(&r, &c, NULL), 0);
+    float x[32], y[32];
+    for (int i = 0; i < 32; i++)
+        x[i] = (float)i - 7.5f;
+    int64_t p = 12345;
+    cr_assert_eq(kvr_rope_apply(kvr_rope_layer(r, 1), y, KVR_DTYPE_F32, x, KVR_DTYPE_F32,
+                                1, 2, &p, NULL), 0);
+    cr_assert(memcmp(x, y, sizeof x) == 0, "a NoPE layer rotated its keys");
+    kvr_rope_destroy(r);
+}
+
+Test(rope_config, yarn_truncate_false)
+{
+    /* gpt-oss: "truncate": false keeps the correction range unrounded */
+#define GPT_OSS_LIKE(extra) "{\"hidden_size\":512,\"num_attention_heads\":8,\"head_dim\":64," \
+        "\"rope_theta\":150000,\"max_position_embeddings\":131072," \
+        "\"rope_scaling\":{\"rope_type\":\"yarn\",\"factor\":32.0," \
+        "\"original_max_position_embeddings\":4096,\"beta_fast\":32,\"beta_slow\":1" extra "}}"
+    const char *a = GPT_OSS_LIKE(""), *b = GPT_OSS_LIKE(",\"truncate\":false");
+#undef GPT_OSS_LIKE
+    kvr_rope_config ca = parse_ok(a, NULL), cb = parse_ok(b, NULL);
+    cr_assert_eq(ca.yarn_truncate, 1);
+    cr_assert_eq(cb.yarn_truncate, 0);
+    /* HF: low = corr(32), high = corr(1), ramp over them, not floored */
+    double dim = 64, lo = dim * log(4096 / (32 * 2 * M_PI)) / (2 * log(150000.0));
+    double hi = dim * log(4096 / (1 * 2 * M_PI)) / (2 * log(150000.0));
+    int i = 10;
+    double ramp = fmin(fmax((i - lo) / (hi - lo), 0.0), 1.0), f = 1.0 / pow(150000.0, 2.0 * i / dim);
+    double want = f / 32.0 * ramp + f * (1.0 - ramp);
+    cr_assert_float_eq(engine_freq(&cb, i), want, 1e-7);
+    char ka[2048], kb[2048];
+    kvr_rope_config_canonical(&ca, ka, sizeof ka);
+    kvr_rope_config_canonical(&cb, kb, sizeof kb);
+    cr_assert_str_neq(ka, kb);
+}

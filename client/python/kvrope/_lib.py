@@ -13,10 +13,11 @@ import ctypes
 import ctypes.util
 import os
 from ctypes import (POINTER, Structure, c_bool, c_char, c_char_p, c_double, c_int, c_int32,
-                    c_int64, c_size_t, c_uint32, c_uint64, c_void_p, CFUNCTYPE)
+                    c_int64, c_size_t, c_uint8, c_uint32, c_uint64, c_void_p, CFUNCTYPE)
 
 NAME_MAX = 255
 ROPE_MAX_HEAD_DIM = 1024
+ROPE_MAX_LAYERS = 1024     # rope.h KVR_ROPE_MAX_LAYERS
 
 # kvr_dtype
 DTYPE_F32, DTYPE_F16, DTYPE_BF16 = 0, 1, 2
@@ -47,6 +48,9 @@ class kvr_rope_config(Structure):
         ("beta_fast", c_double), ("beta_slow", c_double), ("attention_factor", c_double),
         ("mscale", c_double), ("mscale_all_dim", c_double),
         ("low_freq_factor", c_double), ("high_freq_factor", c_double),
+        ("yarn_truncate", c_int32),
+        ("local_theta", c_double), ("n_layer_kinds", c_int32),
+        ("layer_kind", c_uint8 * ROPE_MAX_LAYERS),
         ("n_short_factor", c_int32), ("n_long_factor", c_int32),
         ("short_factor", c_double * (ROPE_MAX_HEAD_DIM // 2)),
         ("long_factor", c_double * (ROPE_MAX_HEAD_DIM // 2)),

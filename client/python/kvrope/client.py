@@ -85,6 +85,7 @@ def _ptr(a, ctype):
 # ---- result types -------------------------------------------------------------
 
 STYLES = {0: "neox", 1: "gptj"}
+LAYER_KINDS = {0: "global", 1: "local", 2: "none"}
 SCALINGS = {0: "default", 1: "linear", 2: "dynamic", 3: "yarn", 4: "longrope", 5: "llama3"}
 
 
@@ -110,7 +111,11 @@ class Model:
                 "rotary_dim": r.rotary_dim, "head_dim": r.head_dim,
                 "max_position_embeddings": r.max_position_embeddings,
                 "original_max_position_embeddings": r.original_max_position_embeddings,
-                "attention_factor": r.attention_factor, "model_type": r.model_type.decode()}
+                "attention_factor": r.attention_factor, "model_type": r.model_type.decode(),
+                # per-layer RoPE: "global" / "local" (base local_theta) / "none" per layer
+                "local_theta": r.local_theta,
+                "layers": [LAYER_KINDS.get(r.layer_kind[i], r.layer_kind[i])
+                           for i in range(min(r.n_layer_kinds, len(r.layer_kind)))]}
         return cls(m.name.decode(), m.n_layers, m.n_kv_heads, m.head_dim,
                    T.NAMES.get(m.dtype, str(m.dtype)), m.fingerprint, m.n_contexts, rope,
                    ex.codec.decode() if ex is not None else "")
