@@ -265,11 +265,11 @@ static void render(const kvr_metrics *m, const snapshot *s, sbuf *b)
         if (m->verb_names[v])
             sb_printf(b, "kvrope_request_payload_received_bytes_total{verb=\"%s\"} %llu\n",
                       m->verb_names[v], (unsigned long long)o->pay_in[v]);
-    family(b, "kvrope_request_payload_sent_bytes_total", "counter",
-           "Tensor payload bytes sent with replies, by verb.");
+    family(b, "kvrope_request_sent_bytes_total", "counter",
+           "Reply bytes sent (frame header, message and tensor payload), by verb.");
     for (int v = 0; v < N_VERB_SLOTS; v++)
         if (m->verb_names[v])
-            sb_printf(b, "kvrope_request_payload_sent_bytes_total{verb=\"%s\"} %llu\n",
+            sb_printf(b, "kvrope_request_sent_bytes_total{verb=\"%s\"} %llu\n",
                       m->verb_names[v], (unsigned long long)o->pay_out[v]);
     family(b, "kvrope_request_duration_seconds", "histogram",
            "Time from a request's frame header to its reply being queued, by verb.");
