@@ -8,6 +8,9 @@
 #   make fuzz       libFuzzer targets (clang), a short run of each
 #   make fuzz-ci    every fuzz target for a few seconds from tests/fuzz/corpus (CI)
 #   make soak       the long crash run: 1,000 kill -9 trials (CI runs 100)
+#   make install    PREFIX=/usr/local DESTDIR= : binaries, libkvrope, headers,
+#                   kvrope.pc, man pages, systemd units, an example config
+#   make uninstall  removes what install put there (not the config file)
 #   make clean
 #
 # MODE=release (default: -O2, -DNDEBUG, jemalloc), MODE=debug (-O0, assert()
@@ -38,7 +41,7 @@ WARN := -std=c11 -Wall -Wextra -Wpedantic -Wshadow -Wstrict-prototypes \
 GEN  := $(BUILD)/gen
 CPPFLAGS := -D_GNU_SOURCE -I. -I$(GEN)/proto -MMD -MP
 CFLAGS_BASE := $(WARN) -fPIC -pthread -fvisibility=default
-LIBS := -luv -luring -lprotobuf-c -lcjson -lm -lpthread -ldl
+LIBS := -luv -luring -lprotobuf-c -lcjson -lmicrohttpd -lsystemd -lm -lpthread -ldl
 
 ifeq ($(MODE),fuzz)
   CC := clang
@@ -123,7 +126,8 @@ FUZZERS    := $(patsubst tests/fuzz/%.c,$(BUILD)/fuzz/%,$(FUZZ_SRC))
 # llama.cpp: the bridge (into libkvrope), and what links libllama (fetched from npm).
 include client/llama/llama.mk
 
-.PHONY: deps-fuzz fuzz-ci soak fuzzers all deps deps-bench run test check bench fuzz clean check-symbols
+.PHONY: deps-fuzz fuzz-ci soak fuzzers all deps deps-bench run test check bench fuzz clean \
+        check-symbols install uninstall
 .DEFAULT_GOAL := all
 # Every file make builds is kept: the test and bench objects are intermediate
 # (built only on the way to their binary), and make would delete them after
@@ -293,6 +297,100 @@ check-symbols: $(CLIENT_SO) $(ROPE_A) $(PROTO_A) $(CLIB_A) $(CLI_OBJ)
 	if [ -n "$$bad" ]; then echo "unprefixed cross-file symbols in rope/ proto/ client/:"; \
 	  echo "$$bad"; exit 1; fi; \
 	echo "check-symbols: rope/ proto/ client/ internals carry kvr_ / rope_ / cli_"
+
+# ---- install ----------------------------------------------------------------
+# GNU-style directories; DESTDIR is prepended to every path (staging).
+PREFIX      ?= /usr/local
+BINDIR      ?= $(PREFIX)/bin
+LIBDIR      ?= $(PREFIX)/lib
+INCLUDEDIR  ?= $(PREFIX)/include
+DATADIR     ?= $(PREFIX)/share
+MANDIR      ?= $(DATADIR)/man
+DOCDIR      ?= $(DATADIR)/doc/kvrope
+PKGCONFIGDIR ?= $(LIBDIR)/pkgconfig
+ifeq ($(PREFIX),/usr)
+  SYSCONFDIR ?= /etc
+  UNITDIR    ?= /usr/lib/systemd/system
+  SYSUSERSDIR ?= /usr/lib/sysusers.d
+else
+  SYSCONFDIR ?= $(PREFIX)/etc
+  UNITDIR    ?= $(PREFIX)/lib/systemd/system
+  SYSUSERSDIR ?= $(PREFIX)/lib/sysusers.d
+endif
+INSTALL ?= install
+KVR_VERSION := $(shell sed -n 's/^\#define KVR_DAEMON_VERSION "\(.*\)"/\1/p' daemon/daemon.h)
+# kvrope.pc's Version: the library's (KVR_VER, when the build defines it).
+KVR_PC_VERSION = $(if $(KVR_VER),$(KVR_VER),$(KVR_VERSION))
+# What the build produces for the client library: the shared object (its
+# real file, its SONAME link and the libkvrope.so link are derived from it
+# at install time, so a SONAME'd build installs its symlinks too) and the
+# archive. Public headers: client/kvrope.h (as kvrope/kvrope.h) and every
+# project header it includes, directly or not (INSTALL_HEADERS, found by
+# following its #include "..." lines), each under kvrope/ at its path.
+INSTALL_SO      ?= $(CLIENT_SO)
+INSTALL_A       ?= $(CLIENT_A)
+INSTALL_HEADERS ?= $(shell scripts/public-headers.sh client/kvrope.h)
+UNITS := kvroped.service kvroped.socket kvroped-metrics.socket
+SUBST = sed -e 's|@PREFIX@|$(PREFIX)|g' -e 's|@BINDIR@|$(BINDIR)|g' \
+            -e 's|@LIBDIR@|$(LIBDIR)|g' -e 's|@INCLUDEDIR@|$(INCLUDEDIR)|g' \
+            -e 's|@SYSCONFDIR@|$(SYSCONFDIR)|g' -e 's|@VERSION@|$(KVR_VERSION)|g' \
+            -e 's|@LIBVERSION@|$(KVR_PC_VERSION)|g'
+
+# INSTALL_DEPS= (empty) installs what is built without checking it is up
+# to date (the install test does, so it never builds under a running suite).
+INSTALL_DEPS ?= $(KVROPED) $(KVROPE) $(INSTALL_SO) $(INSTALL_A)
+install: $(INSTALL_DEPS)
+	$(INSTALL) -d $(DESTDIR)$(BINDIR) $(DESTDIR)$(LIBDIR) $(DESTDIR)$(PKGCONFIGDIR) \
+	  $(DESTDIR)$(INCLUDEDIR)/kvrope $(DESTDIR)$(MANDIR)/man1 $(DESTDIR)$(MANDIR)/man8 \
+	  $(DESTDIR)$(UNITDIR) $(DESTDIR)$(SYSUSERSDIR) $(DESTDIR)$(SYSCONFDIR)/kvrope $(DESTDIR)$(DOCDIR)
+	$(INSTALL) -m 755 $(KVROPED) $(KVROPE) $(DESTDIR)$(BINDIR)/
+	@real=$$(readlink -f $(INSTALL_SO)); file=$$(basename $$real); \
+	soname=$$(objdump -p $$real | awk '$$1 == "SONAME" {print $$2}'); \
+	echo "$(INSTALL) -m 755 $$real $(DESTDIR)$(LIBDIR)/$$file"; \
+	$(INSTALL) -m 755 $$real $(DESTDIR)$(LIBDIR)/$$file || exit 1; \
+	if [ -n "$$soname" ] && [ "$$soname" != "$$file" ]; then \
+	  echo "ln -sf $$file $(DESTDIR)$(LIBDIR)/$$soname"; ln -sf $$file $(DESTDIR)$(LIBDIR)/$$soname; fi; \
+	if [ "$$file" != libkvrope.so ]; then \
+	  link=$${soname:-$$file}; echo "ln -sf $$link $(DESTDIR)$(LIBDIR)/libkvrope.so"; \
+	  ln -sf $$link $(DESTDIR)$(LIBDIR)/libkvrope.so; fi
+	$(INSTALL) -m 644 $(INSTALL_A) $(DESTDIR)$(LIBDIR)/
+	$(INSTALL) -m 644 client/kvrope.h $(DESTDIR)$(INCLUDEDIR)/kvrope/
+	for h in $(INSTALL_HEADERS); do $(INSTALL) -D -m 644 $$h $(DESTDIR)$(INCLUDEDIR)/kvrope/$$h || exit 1; done
+	$(SUBST) dist/kvrope.pc.in > $(DESTDIR)$(PKGCONFIGDIR)/kvrope.pc
+	$(SUBST) dist/man/kvrope.1 > $(DESTDIR)$(MANDIR)/man1/kvrope.1
+	$(SUBST) dist/man/kvroped.8 > $(DESTDIR)$(MANDIR)/man8/kvroped.8
+	for u in $(UNITS); do $(SUBST) dist/systemd/$$u.in > $(DESTDIR)$(UNITDIR)/$$u || exit 1; done
+	$(INSTALL) -m 644 dist/systemd/kvrope.sysusers $(DESTDIR)$(SYSUSERSDIR)/kvrope.conf
+	$(INSTALL) -m 644 dist/kvroped.conf $(DESTDIR)$(DOCDIR)/kvroped.conf.example
+	$(INSTALL) -m 644 docs/operations.md docs/protocol.md $(DESTDIR)$(DOCDIR)/
+	@# The config is the operator's once it exists: never overwritten.
+	@if [ ! -e $(DESTDIR)$(SYSCONFDIR)/kvrope/kvroped.conf ]; then \
+	  echo "$(INSTALL) -m 644 dist/kvroped.conf $(DESTDIR)$(SYSCONFDIR)/kvrope/kvroped.conf"; \
+	  $(INSTALL) -m 644 dist/kvroped.conf $(DESTDIR)$(SYSCONFDIR)/kvrope/kvroped.conf; \
+	else echo "kept $(DESTDIR)$(SYSCONFDIR)/kvrope/kvroped.conf"; fi
+
+# Removes what install put there. The config file is kept if it differs
+# from the example (it is the operator's then).
+uninstall:
+	rm -f $(DESTDIR)$(BINDIR)/kvroped $(DESTDIR)$(BINDIR)/kvrope
+	rm -f $(DESTDIR)$(LIBDIR)/libkvrope.so $(DESTDIR)$(LIBDIR)/libkvrope.so.* \
+	  $(DESTDIR)$(LIBDIR)/libkvrope.a $(DESTDIR)$(PKGCONFIGDIR)/kvrope.pc
+	rm -f $(DESTDIR)$(INCLUDEDIR)/kvrope/kvrope.h
+	for h in $(INSTALL_HEADERS); do rm -f $(DESTDIR)$(INCLUDEDIR)/kvrope/$$h; \
+	  rmdir $$(dirname $(DESTDIR)$(INCLUDEDIR)/kvrope/$$h) 2>/dev/null || true; done
+	-rmdir $(DESTDIR)$(INCLUDEDIR)/kvrope 2>/dev/null
+	rm -f $(DESTDIR)$(MANDIR)/man1/kvrope.1 $(DESTDIR)$(MANDIR)/man8/kvroped.8
+	for u in $(UNITS); do rm -f $(DESTDIR)$(UNITDIR)/$$u; done
+	rm -f $(DESTDIR)$(SYSUSERSDIR)/kvrope.conf
+	rm -f $(DESTDIR)$(DOCDIR)/kvroped.conf.example $(DESTDIR)$(DOCDIR)/operations.md \
+	  $(DESTDIR)$(DOCDIR)/protocol.md
+	-rmdir $(DESTDIR)$(DOCDIR) 2>/dev/null
+	@if cmp -s dist/kvroped.conf $(DESTDIR)$(SYSCONFDIR)/kvrope/kvroped.conf; then \
+	  echo "rm -f $(DESTDIR)$(SYSCONFDIR)/kvrope/kvroped.conf"; \
+	  rm -f $(DESTDIR)$(SYSCONFDIR)/kvrope/kvroped.conf; \
+	  rmdir $(DESTDIR)$(SYSCONFDIR)/kvrope 2>/dev/null || true; \
+	elif [ -e $(DESTDIR)$(SYSCONFDIR)/kvrope/kvroped.conf ]; then \
+	  echo "kept $(DESTDIR)$(SYSCONFDIR)/kvrope/kvroped.conf (changed)"; fi
 
 clean:
 	rm -rf build

@@ -15,6 +15,9 @@
 #include <stdarg.h>
 #include <stdlib.h>
 #include <string.h>
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #define GIB (1024ull * 1024ull * 1024ull)
@@ -177,6 +180,12 @@ int kvr_daemon_config_set(kvr_daemon_config *c, const char *key, const char *v,
         rc = parse_u32(v, 1, 1000000, &c->max_unauth_connections);
     } else if (!strcmp(key, "log-level")) {
         rc = kvr_log_level_parse(v, &c->log_level);
+    } else if (!strcmp(key, "log-format")) {
+        rc = kvr_log_format_parse(v, &c->log_format);
+    } else if (!strcmp(key, "log-file")) {
+        rc = copy_str(c->log_file, sizeof c->log_file, v);
+    } else if (!strcmp(key, "metrics-listen")) {
+        rc = copy_str(c->metrics_listen, sizeof c->metrics_listen, v);
     } else if (!strcmp(key, "disk-dir")) {
         if (strlen(v) >= sizeof c->disk_dir)
             rc = KVR_EINVAL;
@@ -360,6 +369,23 @@ static const char *HELP_LIMITS =
 "                         remove_model frees one)\n"
 "  --max-contexts N       contexts, forks included (default max-memory / 4K,\n"
 "                         at least 1024; E_LIMIT past it)\n";
+/* Split in parts: C11 compilers need only take 4095-byte literals. */
+static const char *HELP_OPS =
+"  --metrics-listen HOST:PORT\n"
+"                         serve GET /metrics (Prometheus text format) on\n"
+"                         this address, from its own thread. Like --listen:\n"
+"                         a non-loopback address requires --auth-token-file,\n"
+"                         and with a token every scrape must send\n"
+"                         'Authorization: Bearer TOKEN'\n"
+"  --log-format FORMAT    text | json (one JSON object per line; default text)\n"
+"  --log-file FILE        log to FILE (appended) instead of stderr; SIGHUP\n"
+"                         reopens it (log rotation)\n"
+"  --check-config FILE    check FILE as a start would (options, addresses,\n"
+"                         the token file), print 'FILE: ok' and exit 0, or\n"
+"                         the reason and exit 1\n"
+"\n"
+"\n"
+;
 
 static const char *HELP_TAIL =
 "  --max-regions N        shared-memory regions one connection may register\n"
@@ -369,6 +395,13 @@ static const char *HELP_TAIL =
 "  --config FILE          read options from FILE first; flags override it\n"
 "  -h, --help             show this help and exit\n"
 "  -V, --version          show the version and exit\n"
+"\n"
+"Signals: SIGINT/SIGTERM stop (in-flight requests finish); SIGHUP reopens the\n"
+"log and re-reads --config and the flags: log level/format/file, the token\n"
+"file, timeouts and connection limits change at once, the others need a\n"
+"restart (logged). Under systemd: Type=notify (READY=1, STOPPING=1,\n"
+"STATUS=) and socket activation of the Unix socket, TCP and metrics\n"
+"(FileDescriptorName=metrics); see docs/operations.md.\n"
 "\n"
 "Examples:\n"
 "  kvroped                                     # default socket, 4G cap\n"
@@ -390,6 +423,7 @@ void kvr_daemon_print_help(FILE *out)
 {
     fputs(HELP, out);
     fputs(HELP_LIMITS, out);
+    fputs(HELP_OPS, out);
     fputs(HELP_TAIL, out);
 }
 
@@ -401,6 +435,7 @@ static bool known_option(const char *name)
         "io-timeout", "auth-timeout", "max-unauth-connections",
         "disk-dir", "disk-max", "disk-engine", "persist-all",
         "min-rate", "max-msg-buffers", "max-models", "max-contexts",
+        "metrics-listen", "log-format", "log-file",
     };
     for (size_t i = 0; i < sizeof names / sizeof names[0]; i++)
         if (!strcmp(name, names[i]))
@@ -463,6 +498,10 @@ int kvr_daemon_config_parse_args(kvr_daemon_config *c, int argc, char **argv,
         name[nlen] = '\0';
         if (takes_no_value(name))
             continue;
+        if (!strcmp(name, "check-config")) {
+            fprintf(errout, "kvroped: --check-config FILE takes no other options\n");
+            return KVR_EINVAL;
+        }
         if (!strcmp(name, "persist-all") && !eq) {
             c->persist_all = true;     /* a plain switch on the command line */
             continue;
@@ -541,20 +580,74 @@ int kvr_daemon_config_check(const kvr_daemon_config *c, kvr_error *err)
         seterr(err, "--persist-all needs --disk-dir DIR");
         return KVR_EINVAL;
     }
-    if (c->listen[0]) {
+    const struct { const char *flag, *val; } addrs[] = {
+        { "listen", c->listen }, { "metrics-listen", c->metrics_listen },
+    };
+    for (size_t i = 0; i < sizeof addrs / sizeof addrs[0]; i++) {
+        if (!addrs[i].val[0])
+            continue;
         char host[256];
         int port;
-        if (kvr_daemon_split_listen(c->listen, host, sizeof host, &port) < 0) {
-            seterr(err, "--listen: expected HOST:PORT, e.g. 127.0.0.1:7420, got '%s'",
-                   c->listen);
+        if (kvr_daemon_split_listen(addrs[i].val, host, sizeof host, &port) < 0) {
+            seterr(err, "--%s: expected HOST:PORT, e.g. 127.0.0.1:7420, got '%s'",
+                   addrs[i].flag, addrs[i].val);
             return KVR_EINVAL;
         }
         if (!kvr_daemon_host_is_loopback(host) && !c->auth_token_file[0]) {
-            seterr(err,
-                   "--listen %s is not a loopback address: it requires "
-                   "--auth-token-file FILE", c->listen);
+            seterr(err, "--%s %s is not a loopback address: it requires "
+                   "--auth-token-file FILE", addrs[i].flag, addrs[i].val);
             return KVR_EINVAL;
         }
     }
+    return 0;
+}
+
+/* A numeric address a listener can bind (what server.c and metrics.c take). */
+static int check_numeric(const char *flag, const char *val, kvr_error *err)
+{
+    char host[256];
+    int port;
+    if (kvr_daemon_split_listen(val, host, sizeof host, &port) < 0)
+        return KVR_EINVAL;
+    if (!strcmp(host, "localhost"))
+        return 0;
+    struct in6_addr a6;
+    struct in_addr a4;
+    if (inet_pton(AF_INET, host, &a4) == 1 || inet_pton(AF_INET6, host, &a6) == 1)
+        return 0;
+    seterr(err, "--%s: '%s' is not a numeric IP address", flag, host);
+    return KVR_EINVAL;
+}
+
+int kvr_daemon_check_config_file(const char *path, FILE *out, FILE *errout)
+{
+    kvr_daemon_config c;
+    kvr_daemon_config_init(&c);
+    kvr_error err = { 0 };
+    if (kvr_daemon_config_load_file(&c, path, &err) < 0 || kvr_daemon_config_check(&c, &err) < 0 ||
+        (c.listen[0] && check_numeric("listen", c.listen, &err) < 0) ||
+        (c.metrics_listen[0] && check_numeric("metrics-listen", c.metrics_listen, &err) < 0)) {
+        fprintf(errout, "kvroped: %s\n", err.msg);
+        return 1;
+    }
+    if (c.auth_token_file[0]) {
+        uint8_t *tok = NULL;
+        size_t n = 0;
+        int rc = kvr_daemon_read_token(c.auth_token_file, &tok, &n, &err);
+        kvr_mem_free(tok);
+        if (rc < 0) {
+            fprintf(errout, "kvroped: %s: %s\n", path, err.msg);
+            return 1;
+        }
+    }
+    if (c.disk_dir[0]) {
+        struct stat st;
+        if (stat(c.disk_dir, &st) == 0 && !S_ISDIR(st.st_mode)) {
+            fprintf(errout, "kvroped: %s: disk-dir %s exists and is not a directory\n", path,
+                    c.disk_dir);
+            return 1;
+        }
+    }
+    fprintf(out, "%s: ok\n", path);
     return 0;
 }

@@ -31,6 +31,11 @@ typedef enum kvr_log_level {
     KVR_LOG_ERROR = 3,
 } kvr_log_level;
 
+typedef enum kvr_log_format {
+    KVR_LOG_FORMAT_TEXT = 0,        /* "2025-01-31T12:00:00.123Z kvroped[pid] info: msg" */
+    KVR_LOG_FORMAT_JSON = 1,        /* one JSON object per line */
+} kvr_log_format;
+
 typedef struct kvr_daemon_config {
     char     socket_path[256];      /* "" = default path; "none" = no Unix socket */
     char     listen[256];           /* "host:port" or "" (no TCP) */
@@ -60,6 +65,10 @@ typedef struct kvr_daemon_config {
                                        0 = max_memory / 8 */
     uint32_t max_models;            /* registered models */
     uint64_t max_contexts;          /* contexts; 0 = max(1024, max_memory / 4 KiB) */
+    /* operations (daemon/metrics.c, log.c) */
+    char     metrics_listen[256];   /* "host:port" for GET /metrics, or "" */
+    char     log_file[1024];        /* "" = stderr; reopened on SIGHUP */
+    kvr_log_format log_format;
 } kvr_daemon_config;
 
 /* Defaults: see `kvroped --help`. max_memory = min(4 GiB, RAM / 4). */
@@ -84,6 +93,12 @@ int kvr_daemon_config_parse_args(kvr_daemon_config *c, int argc, char **argv,
 /* Checks cross-option rules (non-loopback TCP needs a token file, ...). */
 int kvr_daemon_config_check(const kvr_daemon_config *c, kvr_error *err);
 
+/* `kvroped --check-config FILE`: loads FILE alone (no other flags), checks
+ * it as a start would (cross-option rules, listen addresses, the token
+ * file) without binding anything. Writes "FILE: ok" to out and returns 0,
+ * or writes the reason to errout and returns 1 (the exit status). */
+int kvr_daemon_check_config_file(const char *path, FILE *out, FILE *errout);
+
 /* Writes the default socket path (see docs/protocol.md) to buf. */
 void kvr_daemon_default_socket(char *buf, size_t cap);
 
@@ -92,10 +107,16 @@ int kvr_parse_size(const char *s, uint64_t *out);
 
 void kvr_daemon_print_help(FILE *out);
 
-/* ---- logging (stderr, timestamped) ------------------------------------- */
+/* ---- logging (stderr or --log-file, timestamped) ----------------------- */
 void kvr_log_set_level(kvr_log_level l);
 kvr_log_level kvr_log_get_level(void);
 int  kvr_log_level_parse(const char *s, kvr_log_level *out);
+void kvr_log_set_format(kvr_log_format f);
+int  kvr_log_format_parse(const char *s, kvr_log_format *out);
+/* Sends the log to path (appending, created 0640), or to stderr for "".
+ * Called again (SIGHUP) it reopens the file, for log rotation. On failure
+ * the current destination is kept: KVR_EIO (or KVR_ENOMEM) with err filled. */
+int  kvr_log_open(const char *path, kvr_error *err);
 void kvr_log(kvr_log_level l, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 
 /* ---- server ------------------------------------------------------------ */
@@ -109,12 +130,21 @@ void kvr_daemon_init_allocator(void);
  * failure returns a negative KVR_E* code and fills err (may be NULL). */
 int  kvr_daemon_create(kvr_daemon **out, const kvr_daemon_config *c,
                        kvr_error *err);
-/* Installs SIGINT/SIGTERM handlers that call kvr_daemon_stop. */
+/* Installs SIGINT/SIGTERM handlers that call kvr_daemon_stop, and SIGHUP:
+ * reopen the log and reload what can change safely (kvr_daemon_reload). */
 int  kvr_daemon_handle_signals(kvr_daemon *d);
 /* Serves until stopped and every handle is closed. Returns 0. */
 int  kvr_daemon_run(kvr_daemon *d);
 /* Loop thread: stop accepting, finish in-flight requests, close. */
 void kvr_daemon_stop(kvr_daemon *d);
+/* Loop thread (SIGHUP): reopens the log; re-reads argv (its --config file,
+ * then its flags, as at start) and applies what can change while running:
+ * log level/format/file, the auth token, timeouts and connection limits.
+ * Options that need a restart are reported and left as they are. A config
+ * that does not parse changes nothing. argv is borrowed from
+ * kvr_daemon_set_args (none set: only the log is reopened). */
+void kvr_daemon_reload(kvr_daemon *d);
+void kvr_daemon_set_args(kvr_daemon *d, int argc, char **argv);
 /* Serves an already-connected stream fd (tests, fuzzing) as a Unix-socket
  * client: no auth. The daemon owns fd afterwards. */
 int  kvr_daemon_adopt_fd(kvr_daemon *d, int fd);

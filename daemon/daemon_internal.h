@@ -30,6 +30,9 @@
 #include "daemon/daemon.h"
 #include "kvrope.pb-c.h"
 #include "proto/frame.h"
+#include "daemon/metrics.h"
+
+#include <sys/types.h>
 
 #define KVR_SCRATCH_SIZE (64u * 1024u)
 #define KVR_LINGER_BYTES (1u << 20)    /* discarded before an error close */
@@ -92,8 +95,15 @@ struct kvr_daemon {
     bool       sock_created;
     uv_tcp_t   tcp_srv;
     bool       has_tcp;
-    uv_signal_t sig_int, sig_term;
+    uv_signal_t sig_int, sig_term, sig_hup;
     bool       has_signals;
+    /* The socket file we bound (issue 12: unlink only if it is still ours). */
+    dev_t      sock_dev;
+    ino_t      sock_ino;
+    bool       unix_activated, tcp_activated;   /* fds passed by systemd */
+    int        argc;                 /* kvr_daemon_set_args: re-read on SIGHUP */
+    char     **argv;
+    kvr_metrics *metrics;
     uv_timer_t sweep;            /* lingering closes, stop grace */
     bool       has_sweep;
 
@@ -184,6 +194,17 @@ struct kvr_conn {
 /* ---- config.c --------------------------------------------------------- */
 int  kvr_daemon_split_listen(const char *s, char *host, size_t hcap, int *port);
 bool kvr_daemon_host_is_loopback(const char *host);
+
+/* ---- server.c --------------------------------------------------------- */
+/* Reads a token file (trailing newline ignored, 1..4096 bytes) into a
+ * kvr_mem buffer the caller frees; warns (log) when group or others may
+ * read it. 0, or KVR_EIO / KVR_EINVAL / KVR_ENOMEM with err filled. */
+int  kvr_daemon_read_token(const char *path, uint8_t **tok, size_t *len, kvr_error *err);
+
+/* ---- metrics.c (besides metrics.h) ----------------------------------- */
+/* Is this bound/listening socket address loopback (127/8, ::1, ::ffff:127/8)? */
+bool kvr_daemon_sockaddr_is_loopback(const struct sockaddr *sa);
+uint64_t kvr_now_ns(void);     /* CLOCK_MONOTONIC, request latencies */
 
 /* ---- conn.c ----------------------------------------------------------- */
 void kvr_conn_start(kvr_daemon *d, kvr_conn *c, bool is_tcp);

@@ -134,6 +134,9 @@ void kvrd_request_end(kvrd_request *r, int status)
      * connection closed under it ends with KVR_EIO), latency
      * uv_hrtime() - r->start_ns, bytes in KVR_FRAME_HEADER_SIZE +
      * r->msg_len + r->payload_len, bytes out r->bytes_out. */
+    kvr_metrics_observe(c->d->metrics, r->verb ? (int)r->verb->body : 0, kvr_error_status(status),
+                        r->payload_len, r->bytes_out,
+                        (double)(uv_hrtime() - r->start_ns) / 1e9);
     if (kvr_log_get_level() <= KVR_LOG_DEBUG)
         kvr_log(KVR_LOG_DEBUG, "request id %llu: %s -> %s in %.3f ms, %llu bytes out",
                 (unsigned long long)r->id, r->verb ? r->verb->name : "(none)",

@@ -1,15 +1,25 @@
 /*
  * server.c — kvroped's lifecycle: the store, the libuv loop, the Unix and
- * TCP listeners, signals, and an orderly stop.
+ * TCP listeners (bound here or passed by systemd), signals, readiness
+ * notification, reload, and an orderly stop.
  *
  * The Unix socket is created with mode 0600 (umask around bind, then chmod)
  * before listen(), so no other user can ever connect. An existing path is
  * probed first: a live daemon there makes us refuse to start; a stale
  * socket is removed; anything that is not a socket is left alone and we
- * refuse. Stopping (SIGINT/SIGTERM or kvr_daemon_stop) closes the
- * listeners and removes the socket file at once, lets each connection finish
- * the request it is in (up to KVR_STOP_GRACE_MS), then closes everything so
- * uv_run returns.
+ * refuse. The default socket's directory must be ours and writable by no
+ * one else (another user could replace the socket otherwise). Stopping
+ * (SIGINT/SIGTERM or kvr_daemon_stop) closes the listeners and removes the
+ * socket file at once, but only if the path still names the socket we
+ * bound (same device and inode: a successor may have replaced it), lets
+ * each connection finish the request it is in (up to KVR_STOP_GRACE_MS),
+ * then closes everything so uv_run returns.
+ *
+ * systemd: sockets passed with LISTEN_FDS (sd_listen_fds) replace the Unix
+ * socket and the TCP listener (a stream socket named "metrics" serves
+ * /metrics); such a socket belongs to systemd and is never unlinked.
+ * READY=1 is sent once everything listens, STOPPING=1 when a stop begins,
+ * RELOADING=1 / READY=1 around a SIGHUP reload, STATUS= with each.
  */
 #include "daemon/daemon_internal.h"
 
@@ -29,6 +39,7 @@
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/un.h>
+#include <systemd/sd-daemon.h>
 #include <unistd.h>
 
 
@@ -126,7 +137,11 @@ int kvr_daemon_adopt_fd(kvr_daemon *d, int fd)
 
 /* ---- listeners ------------------------------------------------------------ */
 
-static int mkdir_parent(const char *path, kvr_error *err)
+/* The default socket's directory: created 0700 if missing; refused unless
+ * it is a real directory (not a symlink) owned by us that neither group
+ * nor others can write (issue 12: another user's directory lets that user
+ * replace the socket). */
+static int private_parent(const char *path, kvr_error *err)
 {
     char dir[256];
     snprintf(dir, sizeof dir, "%s", path);
@@ -136,6 +151,23 @@ static int mkdir_parent(const char *path, kvr_error *err)
     *slash = '\0';
     if (mkdir(dir, 0700) < 0 && errno != EEXIST)
         return kvr_error_sys(err, KVR_ESYS, errno, "cannot create %s", dir);
+    struct stat st;
+    if (lstat(dir, &st) < 0)
+        return kvr_error_sys(err, KVR_ESYS, errno, "%s", dir);
+    if (!S_ISDIR(st.st_mode))
+        return kvr_error_set(err, KVR_EEXIST, "default socket directory %s is not a directory "
+                             "(a symlink?): refusing to use it (remove it, or pass --socket PATH)",
+                             dir);
+    if (st.st_uid != geteuid())
+        return kvr_error_set(err, KVR_EUNAUTH, "default socket directory %s belongs to uid %u, "
+                             "not to us (uid %u): refusing to use it (another user could replace "
+                             "the socket; remove it, or pass --socket PATH)", dir,
+                             (unsigned)st.st_uid, (unsigned)geteuid());
+    if (st.st_mode & (S_IWGRP | S_IWOTH))
+        return kvr_error_set(err, KVR_EUNAUTH, "default socket directory %s is writable by %s "
+                             "(mode %04o): refusing to use it (chmod 700 it, or pass --socket PATH)",
+                             dir, (st.st_mode & S_IWOTH) ? "others" : "its group",
+                             (unsigned)(st.st_mode & 07777));
     return 0;
 }
 
@@ -182,7 +214,7 @@ static int listen_unix(kvr_daemon *d, kvr_error *err)
         snprintf(d->sock_path, sizeof d->sock_path, "%s", cfgp);
     } else {
         kvr_daemon_default_socket(d->sock_path, sizeof d->sock_path);
-        int rc = mkdir_parent(d->sock_path, err);
+        int rc = private_parent(d->sock_path, err);
         if (rc < 0)
             return rc;
     }
@@ -192,19 +224,45 @@ static int listen_unix(kvr_daemon *d, kvr_error *err)
     int rc = probe_socket_path(d->sock_path, err);
     if (rc < 0)
         return rc;
+    /* Bound here rather than with uv_pipe_bind: libuv unlinks the path it
+     * bound when the handle closes, whoever's socket it names by then
+     * (issue 12); remove_socket does it only while the inode is ours. */
+    int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+    if (fd < 0)
+        return kvr_error_sys(err, KVR_ESYS, errno, "unix socket %s", d->sock_path);
+    struct sockaddr_un sa = { .sun_family = AF_UNIX };
+    memcpy(sa.sun_path, d->sock_path, strlen(d->sock_path) + 1);
+    mode_t old = umask(0177);
+    int bind_rc = bind(fd, (struct sockaddr *)&sa, sizeof sa);
+    int bind_errno = errno;
+    umask(old);
+    if (bind_rc < 0) {
+        close(fd);
+        return kvr_error_sys(err, KVR_ESYS, bind_errno, "unix socket %s", d->sock_path);
+    }
+    d->sock_created = true;
+    struct stat st;
+    if (lstat(d->sock_path, &st) == 0) {
+        d->sock_dev = st.st_dev;
+        d->sock_ino = st.st_ino;
+    }
+    if (chmod(d->sock_path, 0600) < 0) {
+        int e = errno;
+        close(fd);
+        return kvr_error_sys(err, KVR_ESYS, e, "chmod %s", d->sock_path);
+    }
     rc = uv_pipe_init(&d->loop, &d->unix_srv, 0);
-    if (rc < 0)
+    if (rc < 0) {
+        close(fd);
         goto uv_fail;
+    }
     d->has_unix = true;
     d->unix_srv.data = d;
-    mode_t old = umask(0177);
-    rc = uv_pipe_bind(&d->unix_srv, d->sock_path);
-    umask(old);
-    if (rc < 0)
+    rc = uv_pipe_open(&d->unix_srv, fd);
+    if (rc < 0) {
+        close(fd);
         goto uv_fail;
-    d->sock_created = true;
-    if (chmod(d->sock_path, 0600) < 0)
-        return kvr_error_sys(err, KVR_ESYS, errno, "chmod %s", d->sock_path);
+    }
     rc = uv_listen((uv_stream_t *)&d->unix_srv, 128, on_connection);
     if (rc < 0)
         goto uv_fail;
@@ -263,14 +321,19 @@ fail:
     return kvr_error_sys(err, KVR_ESYS, -rc, "--listen %s", d->cfg.listen);
 }
 
-static int read_token(kvr_daemon *d, kvr_error *err)
+int kvr_daemon_read_token(const char *path, uint8_t **tok, size_t *len, kvr_error *err)
 {
-    const char *path = d->cfg.auth_token_file;
-    if (!path[0])
-        return 0;
+    *tok = NULL;
+    *len = 0;
     FILE *f = fopen(path, "rb");
     if (!f)
         return kvr_error_sys(err, KVR_EIO, errno, "--auth-token-file %s", path);
+    struct stat st;
+    if (fstat(fileno(f), &st) == 0 && (st.st_mode & (S_IRWXG | S_IRWXO)))
+        kvr_log(KVR_LOG_WARN, "--auth-token-file %s can be read or written by %s (mode %04o): "
+                "anyone who reads it can use the daemon; chmod 600 it", path,
+                (st.st_mode & S_IRWXO) ? "other users" : "its group",
+                (unsigned)(st.st_mode & 07777));
     uint8_t buf[4097];
     size_t n = fread(buf, 1, sizeof buf, f);
     fclose(f);
@@ -283,13 +346,103 @@ static int read_token(kvr_daemon *d, kvr_error *err)
         n--;
     if (n == 0)
         return kvr_error_set(err, KVR_EINVAL, "--auth-token-file %s: empty token", path);
-    d->token = kvr_mem_malloc(n);
-    if (!d->token)
+    *tok = kvr_mem_malloc(n);
+    if (!*tok)
         return kvr_error_set(err, KVR_ENOMEM, "--auth-token-file %s: out of memory for the token",
                              path);
-    memcpy(d->token, buf, n);
-    d->token_len = n;
+    memcpy(*tok, buf, n);
+    *len = n;
     return 0;
+}
+
+static int read_token(kvr_daemon *d, kvr_error *err)
+{
+    if (!d->cfg.auth_token_file[0])
+        return 0;
+    return kvr_daemon_read_token(d->cfg.auth_token_file, &d->token, &d->token_len, err);
+}
+
+/* ---- socket activation -------------------------------------------------------- */
+
+/* Takes the sockets systemd passed (LISTEN_FDS/LISTEN_PID, unset for our
+ * children): a Unix stream socket replaces --socket, a TCP one --listen,
+ * one named "metrics" (FileDescriptorName=) serves /metrics. */
+static int take_one(kvr_daemon *d, int fd, const char *name, int *metrics_fd, kvr_error *err)
+{
+    if (!strcmp(name, "metrics") && sd_is_socket(fd, AF_UNSPEC, SOCK_STREAM, 1) > 0) {
+        if (*metrics_fd >= 0)
+            return kvr_error_set(err, KVR_EINVAL, "socket activation: more than one metrics socket");
+        *metrics_fd = fd;
+        return 0;
+    }
+    int rc;
+    if (sd_is_socket_unix(fd, SOCK_STREAM, 1, NULL, 0) > 0) {
+        if (d->has_unix)
+            return kvr_error_set(err, KVR_EINVAL, "socket activation: more than one Unix socket");
+        struct sockaddr_un sa;
+        socklen_t sl = sizeof sa;
+        memset(&sa, 0, sizeof sa);
+        if (getsockname(fd, (struct sockaddr *)&sa, &sl) == 0 && sa.sun_path[0])
+            snprintf(d->sock_path, sizeof d->sock_path, "%.*s", (int)sizeof sa.sun_path,
+                     sa.sun_path);
+        else
+            snprintf(d->sock_path, sizeof d->sock_path, "(fd %d)", fd);
+        if ((rc = uv_pipe_init(&d->loop, &d->unix_srv, 0)) == 0) {
+            d->has_unix = true;
+            d->unix_srv.data = d;
+            rc = uv_pipe_open(&d->unix_srv, fd);
+        }
+        if (rc == 0)
+            rc = uv_listen((uv_stream_t *)&d->unix_srv, 128, on_connection);
+        if (rc < 0)
+            return kvr_error_sys(err, KVR_ESYS, -rc, "activated unix socket %s", d->sock_path);
+        d->unix_activated = true;
+        kvr_log(KVR_LOG_INFO, "listening on unix socket %s (socket activation)", d->sock_path);
+        return 0;
+    }
+    if (sd_is_socket_inet(fd, AF_UNSPEC, SOCK_STREAM, 1, 0) > 0) {
+        if (d->has_tcp)
+            return kvr_error_set(err, KVR_EINVAL, "socket activation: more than one TCP socket");
+        struct sockaddr_storage ss;
+        socklen_t sl = sizeof ss;
+        if (getsockname(fd, (struct sockaddr *)&ss, &sl) < 0 ||
+            (!kvr_daemon_sockaddr_is_loopback((struct sockaddr *)&ss) && !d->token))
+            return kvr_error_set(err, KVR_EINVAL, "the activated TCP socket is not on a loopback "
+                                 "address: it requires --auth-token-file FILE");
+        if ((rc = uv_tcp_init(&d->loop, &d->tcp_srv)) == 0) {
+            d->has_tcp = true;
+            d->tcp_srv.data = d;
+            rc = uv_tcp_open(&d->tcp_srv, fd);
+        }
+        if (rc == 0)
+            rc = uv_listen((uv_stream_t *)&d->tcp_srv, 128, on_connection);
+        if (rc < 0)
+            return kvr_error_sys(err, KVR_ESYS, -rc, "activated tcp socket");
+        d->tcp_activated = true;
+        kvr_log(KVR_LOG_INFO, "listening on tcp (socket activation, fd %d)%s", fd,
+                d->token ? " (auth required)" : "");
+        return 0;
+    }
+    return kvr_error_set(err, KVR_EINVAL, "socket activation: fd %d (%s) is not a listening "
+                         "stream socket", fd, name[0] ? name : "unnamed");
+}
+
+static int take_activated(kvr_daemon *d, int *metrics_fd, kvr_error *err)
+{
+    char **names = NULL;
+    int n = sd_listen_fds_with_names(1, &names);
+    if (n < 0)
+        return kvr_error_sys(err, KVR_ESYS, -n, "socket activation (LISTEN_FDS)");
+    int rc = 0;
+    for (int i = 0; i < n && rc == 0; i++)
+        rc = take_one(d, SD_LISTEN_FDS_START + i, names && names[i] ? names[i] : "", metrics_fd,
+                      err);
+    if (names) {
+        for (int i = 0; i < n; i++)
+            free(names[i]);
+        free(names);
+    }
+    return rc;
 }
 
 /* ---- timers, signals, stop --------------------------------------------------- */
@@ -334,6 +487,11 @@ static void on_sweep(uv_timer_t *t)
 static void on_signal(uv_signal_t *s, int signum)
 {
     kvr_daemon *d = s->data;
+    if (signum == SIGHUP) {
+        kvr_log(KVR_LOG_INFO, "SIGHUP received: reopening the log, reloading the configuration");
+        kvr_daemon_reload(d);
+        return;
+    }
     kvr_log(KVR_LOG_INFO, "%s received: stopping", signum == SIGINT ? "SIGINT" : "SIGTERM");
     kvr_daemon_stop(d);
 }
@@ -343,23 +501,179 @@ int kvr_daemon_handle_signals(kvr_daemon *d)
     int rc = uv_signal_init(&d->loop, &d->sig_int);
     if (rc == 0)
         rc = uv_signal_init(&d->loop, &d->sig_term);
+    if (rc == 0)
+        rc = uv_signal_init(&d->loop, &d->sig_hup);
     if (rc < 0)
         return rc;
     d->has_signals = true;
     d->sig_int.data = d;
     d->sig_term.data = d;
+    d->sig_hup.data = d;
     uv_signal_start(&d->sig_int, on_signal, SIGINT);
     uv_signal_start(&d->sig_term, on_signal, SIGTERM);
+    uv_signal_start(&d->sig_hup, on_signal, SIGHUP);
+    /* SIGHUP must not keep the loop alive on its own (SIGINT/SIGTERM do
+     * not either once the listeners are closed: they are closed at stop). */
+    uv_unref((uv_handle_t *)&d->sig_hup);
     return 0;
 }
 
+static void close_signals(kvr_daemon *d)
+{
+    if (d->has_signals) {
+        uv_close((uv_handle_t *)&d->sig_int, NULL);
+        uv_close((uv_handle_t *)&d->sig_term, NULL);
+        uv_close((uv_handle_t *)&d->sig_hup, NULL);
+        d->has_signals = false;
+    }
+}
+
+/* Unlinks the socket file only while it is still the one we bound: if the
+ * path was removed and another kvroped bound it since, that socket is its
+ * own (issue 12). The check and the unlink are two calls; a replacement in
+ * between cannot be excluded, but only by a process that can write the
+ * directory, which is ours alone for the default path. */
 static void remove_socket(kvr_daemon *d)
 {
-    if (d->sock_created) {
-        if (unlink(d->sock_path) < 0 && errno != ENOENT)
-            kvr_log(KVR_LOG_WARN, "cannot remove %s: %s", d->sock_path, strerror(errno));
-        d->sock_created = false;
+    if (!d->sock_created)
+        return;
+    d->sock_created = false;
+    struct stat st;
+    if (lstat(d->sock_path, &st) < 0)
+        return;          /* already gone */
+    if (st.st_dev != d->sock_dev || st.st_ino != d->sock_ino || !S_ISSOCK(st.st_mode)) {
+        kvr_log(KVR_LOG_INFO, "%s is no longer our socket (replaced since we bound it): "
+                "leaving it", d->sock_path);
+        return;
     }
+    if (unlink(d->sock_path) < 0 && errno != ENOENT)
+        kvr_log(KVR_LOG_WARN, "cannot remove %s: %s", d->sock_path, strerror(errno));
+}
+
+/* ---- systemd notification, reload -------------------------------------------- */
+
+static void notify_status(kvr_daemon *d, const char *state)
+{
+    char msg[600];
+    snprintf(msg, sizeof msg, "%sSTATUS=%s: %zu connections; unix %s; tcp %s; metrics %s",
+             state, d->stopping ? "stopping" : "serving", d->n_conns,
+             d->has_unix || d->unix_activated ? d->sock_path : "off",
+             d->has_tcp ? (d->tcp_activated ? "activated" : d->cfg.listen) : "off",
+             kvr_metrics_address(d->metrics)[0] ? kvr_metrics_address(d->metrics) : "off");
+    sd_notify(0, msg);
+}
+
+void kvr_daemon_set_args(kvr_daemon *d, int argc, char **argv)
+{
+    d->argc = argc;
+    d->argv = argv;
+}
+
+void kvr_daemon_reload(kvr_daemon *d)
+{
+    if (d->stopping)
+        return;
+    sd_notify(0, "RELOADING=1\nSTATUS=reloading");
+    kvr_error err = { 0 };
+    kvr_daemon_config nc = d->cfg;
+    bool parsed = true;
+    if (d->argv) {
+        kvr_daemon_config_init(&nc);
+        FILE *sink = fopen("/dev/null", "w");
+        char *buf = NULL;
+        size_t blen = 0;
+        FILE *errs = open_memstream(&buf, &blen);
+        int rc = kvr_daemon_config_parse_args(&nc, d->argc, d->argv, sink ? sink : stdout,
+                                              errs ? errs : stderr);
+        if (errs)
+            fclose(errs);
+        if (sink)
+            fclose(sink);
+        if (rc != 0) {
+            size_t n = buf ? strlen(buf) : 0;
+            while (n > 0 && buf[n - 1] == '\n')
+                buf[--n] = '\0';
+            kvr_log(KVR_LOG_ERROR, "reload: the configuration does not parse, nothing changed: %s",
+                    buf && buf[0] ? buf : "(no message)");
+            parsed = false;
+        }
+        free(buf);
+    }
+    if (!parsed)
+        nc = d->cfg;
+    /* The log first, so what follows lands in the new one. */
+    if (kvr_log_open(nc.log_file, &err) < 0) {
+        kvr_log(KVR_LOG_ERROR, "reload: %s (keeping the current log)", err.msg);
+        snprintf(nc.log_file, sizeof nc.log_file, "%s", d->cfg.log_file);
+    }
+    kvr_log_set_level(nc.log_level);
+    kvr_log_set_format(nc.log_format);
+    if (!parsed) {
+        notify_status(d, "READY=1\n");
+        return;
+    }
+    /* The token: re-read (rotated secrets); new connections and scrapes
+     * use the new one, authenticated connections stay. */
+    if (nc.auth_token_file[0]) {
+        uint8_t *tok;
+        size_t len;
+        if (kvr_daemon_read_token(nc.auth_token_file, &tok, &len, &err) < 0) {
+            kvr_log(KVR_LOG_ERROR, "reload: %s (keeping the current token)", err.msg);
+            snprintf(nc.auth_token_file, sizeof nc.auth_token_file, "%s", d->cfg.auth_token_file);
+        } else if (kvr_metrics_set_token(d->metrics, tok, len) < 0) {
+            kvr_mem_free(tok);
+            kvr_log(KVR_LOG_ERROR, "reload: out of memory (keeping the current token)");
+            snprintf(nc.auth_token_file, sizeof nc.auth_token_file, "%s", d->cfg.auth_token_file);
+        } else {
+            kvr_mem_free(d->token);
+            d->token = tok;
+            d->token_len = len;
+        }
+    } else if (d->cfg.auth_token_file[0]) {
+        /* Dropping auth while running could expose a non-loopback port. */
+        kvr_log(KVR_LOG_WARN, "reload: auth-token-file cannot be removed while running "
+                "(restart to change it); keeping the current token");
+        snprintf(nc.auth_token_file, sizeof nc.auth_token_file, "%s", d->cfg.auth_token_file);
+    }
+    /* What only a restart can change: reported and kept. */
+    const kvr_daemon_config *o = &d->cfg;
+    struct { const char *name; bool changed; } fixed[] = {
+        { "socket", strcmp(o->socket_path, nc.socket_path) != 0 },
+        { "listen", strcmp(o->listen, nc.listen) != 0 },
+        { "metrics-listen", strcmp(o->metrics_listen, nc.metrics_listen) != 0 },
+        { "max-memory", o->max_memory != nc.max_memory },
+        { "max-frame", o->max_frame != nc.max_frame },
+        { "block-tokens", o->block_tokens != nc.block_tokens },
+        { "threads", o->threads != nc.threads },
+        { "disk-dir", strcmp(o->disk_dir, nc.disk_dir) != 0 },
+        { "disk-max", o->disk_max != nc.disk_max },
+        { "disk-engine", o->disk_engine != nc.disk_engine },
+        { "persist-all", o->persist_all != nc.persist_all },
+    };
+    for (size_t i = 0; i < sizeof fixed / sizeof fixed[0]; i++)
+        if (fixed[i].changed)
+            kvr_log(KVR_LOG_WARN, "reload: %s changed but needs a restart: keeping the "
+                    "current value", fixed[i].name);
+    kvr_daemon_config applied = *o;
+    snprintf(applied.log_file, sizeof applied.log_file, "%s", nc.log_file);
+    applied.log_level = nc.log_level;
+    applied.log_format = nc.log_format;
+    snprintf(applied.auth_token_file, sizeof applied.auth_token_file, "%s", nc.auth_token_file);
+    applied.io_timeout = nc.io_timeout;
+    applied.auth_timeout = nc.auth_timeout;
+    applied.max_connections = nc.max_connections;
+    applied.max_unauth_connections = nc.max_unauth_connections;
+    applied.max_conn_buffer = nc.max_conn_buffer;
+    applied.max_drain = nc.max_drain;
+    d->cfg = applied;
+    kvr_log(KVR_LOG_INFO, "reloaded: log-level %d, log-format %s, io-timeout %u s, "
+            "auth-timeout %u s, max-connections %u, max-unauth-connections %u, "
+            "max-conn-buffer %llu, max-drain %llu%s", (int)applied.log_level,
+            applied.log_format == KVR_LOG_FORMAT_JSON ? "json" : "text", applied.io_timeout,
+            applied.auth_timeout, applied.max_connections, applied.max_unauth_connections,
+            (unsigned long long)applied.max_conn_buffer, (unsigned long long)applied.max_drain,
+            d->token ? ", token re-read" : "");
+    notify_status(d, "READY=1\n");
 }
 
 void kvr_daemon_stop(kvr_daemon *d)
@@ -368,20 +682,18 @@ void kvr_daemon_stop(kvr_daemon *d)
         return;
     d->stopping = true;
     d->stop_ms = kvr_now_ms();
+    notify_status(d, "STOPPING=1\n");
+    kvr_metrics_stop(d);
+    remove_socket(d);
     if (d->has_unix) {
         uv_close((uv_handle_t *)&d->unix_srv, NULL);
         d->has_unix = false;
     }
-    remove_socket(d);
     if (d->has_tcp) {
         uv_close((uv_handle_t *)&d->tcp_srv, NULL);
         d->has_tcp = false;
     }
-    if (d->has_signals) {
-        uv_close((uv_handle_t *)&d->sig_int, NULL);
-        uv_close((uv_handle_t *)&d->sig_term, NULL);
-        d->has_signals = false;
-    }
+    close_signals(d);
     for (kvr_conn *c = d->conns, *n; c; c = n) {
         n = c->next;
         kvr_conn_stop(c);
@@ -449,9 +761,14 @@ int kvr_daemon_create(kvr_daemon **out, const kvr_daemon_config *cfg, kvr_error 
         kvr_error_set(err, rc, "%s", pmsg[0] ? pmsg : kvr_strerror(rc));
         goto fail;
     }
-    if ((rc = listen_unix(d, err)) < 0)
+    int metrics_fd = -1;
+    if ((rc = take_activated(d, &metrics_fd, err)) < 0)
         goto fail;
-    if ((rc = listen_tcp(d, err)) < 0)
+    if (!d->unix_activated && (rc = listen_unix(d, err)) < 0)
+        goto fail;
+    if (!d->tcp_activated && (rc = listen_tcp(d, err)) < 0)
+        goto fail;
+    if ((rc = kvr_metrics_create(d, metrics_fd, err)) < 0)
         goto fail;
     uv_timer_init(&d->loop, &d->sweep);
     d->sweep.data = d;
@@ -503,10 +820,8 @@ void kvr_daemon_destroy(kvr_daemon *d)
         uv_close((uv_handle_t *)&d->unix_srv, NULL);
     if (d->has_tcp)
         uv_close((uv_handle_t *)&d->tcp_srv, NULL);
-    if (d->has_signals) {
-        uv_close((uv_handle_t *)&d->sig_int, NULL);
-        uv_close((uv_handle_t *)&d->sig_term, NULL);
-    }
+    close_signals(d);
+    kvr_metrics_stop(d);
     if (d->has_sweep)
         uv_close((uv_handle_t *)&d->sweep, NULL);
     d->has_unix = d->has_tcp = d->has_signals = d->has_sweep = false;
@@ -516,6 +831,7 @@ void kvr_daemon_destroy(kvr_daemon *d)
         uv_run(&d->loop, UV_RUN_DEFAULT);
         uv_loop_close(&d->loop);
     }
+    kvr_metrics_destroy(d);
     kvr_store_destroy(d->store);
     kvr_mem_free(d->token);
     kvr_mem_free(d);
@@ -526,6 +842,20 @@ int kvr_daemon_main(int argc, char **argv)
     /* Before any other libuv call. */
     kvr_daemon_init_allocator();
     signal(SIGPIPE, SIG_IGN);
+    for (int i = 1; i < argc; i++) {
+        const char *a = argv[i], *file = NULL;
+        if (!strncmp(a, "--check-config=", 15))
+            file = a + 15;
+        else if (!strcmp(a, "--check-config"))
+            file = i + 1 < argc ? argv[i + 1] : "";
+        else
+            continue;
+        if (argc != (a[14] == '=' ? 2 : 3) || !file[0]) {
+            fprintf(stderr, "kvroped: usage: kvroped --check-config FILE (alone)\n");
+            return 2;
+        }
+        return kvr_daemon_check_config_file(file, stdout, stderr);
+    }
     kvr_daemon_config cfg;
     kvr_daemon_config_init(&cfg);
     int rc = kvr_daemon_config_parse_args(&cfg, argc, argv, stdout, stderr);
@@ -534,6 +864,14 @@ int kvr_daemon_main(int argc, char **argv)
     if (rc < 0)
         return 2;
     kvr_log_set_level(cfg.log_level);
+    kvr_log_set_format(cfg.log_format);
+    if (cfg.log_file[0]) {
+        kvr_error lerr = { 0 };
+        if (kvr_log_open(cfg.log_file, &lerr) < 0) {
+            fprintf(stderr, "kvroped: %s\n", lerr.msg);
+            return 1;
+        }
+    }
     if (cfg.threads) {
         char n[16];
         snprintf(n, sizeof n, "%u", cfg.threads);
@@ -544,8 +882,12 @@ int kvr_daemon_main(int argc, char **argv)
     rc = kvr_daemon_create(&d, &cfg, &err);
     if (rc < 0) {
         kvr_log(KVR_LOG_ERROR, "cannot start: %s", err.msg[0] ? err.msg : kvr_strerror(rc));
+        char st[400];
+        snprintf(st, sizeof st, "STATUS=cannot start: %s", err.msg[0] ? err.msg : kvr_strerror(rc));
+        sd_notify(0, st);
         return 1;
     }
+    kvr_daemon_set_args(d, argc, argv);
     if (kvr_daemon_handle_signals(d) < 0) {
         kvr_log(KVR_LOG_ERROR, "cannot install signal handlers");
         kvr_daemon_destroy(d);
@@ -553,6 +895,7 @@ int kvr_daemon_main(int argc, char **argv)
     }
     kvr_log(KVR_LOG_INFO, "kvroped %s ready: memory cap %llu bytes, max frame %u bytes",
             KVR_DAEMON_VERSION, (unsigned long long)cfg.max_memory, cfg.max_frame);
+    notify_status(d, "READY=1\n");
     kvr_daemon_run(d);
     kvr_daemon_destroy(d);
     kvr_log(KVR_LOG_INFO, "stopped");

@@ -1,0 +1,796 @@
+/*
+ * metrics.c — kvroped's figures for Prometheus: per-request observations
+ * (kvr_metrics_observe, one call per completed request), a snapshot the
+ * loop publishes, and GET /metrics in the text exposition format (0.0.4)
+ * served by libmicrohttpd on its own thread.
+ *
+ * Invariants:
+ *  - The loop thread owns `obs` (the observations) and is the only thread
+ *    that reads the store, the disk tier or the daemon's counters. It
+ *    copies all of them into `snap` under `lock` (publish), so a scrape
+ *    shows one instant: requests_total agrees with the histogram counts.
+ *  - The HTTP thread reads only `snap`, `token` and `addr`, under `lock`.
+ *    A scrape asks for a fresh snapshot (uv_async_send) and waits at most
+ *    SNAP_WAIT_MS for it; after that, or while stopping, it serves the last
+ *    one published, never blocking on the loop for long.
+ *  - The async handle outlives the HTTP thread: kvr_metrics_stop joins the
+ *    thread (MHD_stop_daemon) before closing the handle, so no
+ *    uv_async_send can reach a closed handle.
+ *  - A scrape's text is plain malloc, outside the store's accounting, so
+ *    monitoring still answers when the store is at its memory cap (at most
+ *    MAX_SCRAPE_CONNS of them, ~50 KB each).
+ *  - Non-loopback addresses need a token (kvr_daemon_config_check); with a
+ *    token every scrape must send "Authorization: Bearer TOKEN" (compared in
+ *    constant time in the token's content), loopback or not, as on TCP.
+ *
+ * Names follow Prometheus conventions: kvrope_ prefix, base units
+ * (_seconds, _bytes), _total for counters, HELP and TYPE for every family.
+ */
+#include "daemon/daemon_internal.h"
+#include "daemon/metrics.h"
+
+#include <errno.h>
+#include <microhttpd.h>
+#include <pthread.h>
+#include <stdarg.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <time.h>
+#include <netinet/in.h>
+#include <arpa/inet.h>
+
+#define N_VERB_SLOTS (KVR_N_VERBS + 1)   /* + "none": no or unknown body */
+#define N_STATUS 24                      /* Status 0..23 (proto/kvrope.proto) */
+#define SNAP_WAIT_MS 1000
+#define MAX_SCRAPE_CONNS 16
+
+/* Latency buckets (seconds): 50 us .. 10 s. */
+static const double BUCKETS[] = {
+    0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01,
+    0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10,
+};
+static const char *const BUCKET_LE[] = {
+    "5e-05", "0.0001", "0.00025", "0.0005", "0.001", "0.0025", "0.005", "0.01",
+    "0.025", "0.05", "0.1", "0.25", "0.5", "1", "2.5", "5", "10",
+};
+#define N_BUCKETS (sizeof BUCKETS / sizeof BUCKETS[0])
+
+typedef struct obs {
+    uint64_t req[N_VERB_SLOTS][N_STATUS];
+    uint64_t pay_in[N_VERB_SLOTS], pay_out[N_VERB_SLOTS];
+    uint64_t hist[N_VERB_SLOTS][N_BUCKETS + 1];   /* per bucket, last = above 10 s */
+    uint64_t hcount[N_VERB_SLOTS];
+    double   hsum[N_VERB_SLOTS];
+} obs;
+
+typedef struct snapshot {
+    obs             o;
+    kvr_store_stats s;
+    kvr_tier_stats  t;
+    char            engine[32];   /* t.engine, copied */
+    uint64_t conns, unauth, conn_total, conn_refused;
+    uint64_t requests, errors, wire_in, wire_out, streamed, stream_aborted;
+    double   start_unix, uptime, published_unix;
+    uint64_t gen;
+} snapshot;
+
+struct kvr_metrics {
+    kvr_daemon *d;
+    obs         obs;               /* loop thread only */
+    const char *verb_names[N_VERB_SLOTS];
+    const char *status_names[N_STATUS];
+    double      start_unix;
+
+    uv_async_t  async;
+    bool        has_async;
+    snapshot   *stage;             /* loop thread: built here, then copied */
+
+    pthread_mutex_t lock;
+    pthread_cond_t  cond;
+    snapshot   *snap;              /* under lock */
+    uint64_t    asked, served;     /* under lock: scrape tickets; the last one a
+                                      published snapshot was begun after */
+    bool        closing;           /* under lock */
+    uint8_t    *token;             /* under lock (malloc: also freed off-loop) */
+    size_t      token_len;
+    char        addr[300];
+
+    struct MHD_Daemon *mhd;
+};
+
+uint64_t kvr_now_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
+}
+
+static double now_unix(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec / 1e9;
+}
+
+/* ---- observations (loop thread) ------------------------------------------ */
+
+void kvr_metrics_observe(kvr_metrics *m, int verb, int status, uint64_t bytes_in,
+                         uint64_t bytes_out, double seconds)
+{
+    if (!m)
+        return;
+    int v = verb - 10;
+    if (v < 0 || v >= KVR_N_VERBS || !m->verb_names[v])
+        v = KVR_N_VERBS;
+    if (status < 0 || status >= N_STATUS)
+        status = KVROPE__STATUS__E_INTERNAL;
+    obs *o = &m->obs;
+    o->req[v][status]++;
+    o->pay_in[v] += bytes_in;
+    o->pay_out[v] += bytes_out;
+    if (seconds < 0)
+        seconds = 0;
+    size_t b = 0;
+    while (b < N_BUCKETS && seconds > BUCKETS[b])
+        b++;
+    o->hist[v][b]++;
+    o->hcount[v]++;
+    o->hsum[v] += seconds;
+}
+
+/* ---- snapshot (loop thread) ---------------------------------------------- */
+
+static void build(kvr_metrics *m, snapshot *s)
+{
+    kvr_daemon *d = m->d;
+    memcpy(&s->o, &m->obs, sizeof s->o);
+    kvr_store_get_stats(d->store, &s->s);
+    kvr_store_tier_stats(d->store, &s->t);
+    snprintf(s->engine, sizeof s->engine, "%s", s->t.engine ? s->t.engine : "");
+    s->t.engine = NULL;
+    s->conns = d->n_conns;
+    s->unauth = d->n_unauth;
+    s->conn_total = d->n_conn_total;
+    s->conn_refused = d->n_conn_refused;
+    s->requests = d->n_requests;
+    s->errors = d->n_errors;
+    s->wire_in = d->bytes_in;
+    s->wire_out = d->bytes_out;
+    s->streamed = d->n_streamed;
+    s->stream_aborted = d->n_stream_aborted;
+    s->start_unix = m->start_unix;
+    s->uptime = (double)(kvr_now_ms() - d->start_ms) / 1000.0;
+    s->published_unix = now_unix();
+}
+
+static void publish(kvr_metrics *m)
+{
+    pthread_mutex_lock(&m->lock);
+    uint64_t serving = m->asked;   /* every scrape that asked so far sees this one */
+    pthread_mutex_unlock(&m->lock);
+    build(m, m->stage);
+    pthread_mutex_lock(&m->lock);
+    uint64_t gen = m->snap->gen + 1;
+    memcpy(m->snap, m->stage, sizeof *m->snap);
+    m->snap->gen = gen;
+    m->served = serving;
+    pthread_cond_broadcast(&m->cond);
+    pthread_mutex_unlock(&m->lock);
+}
+
+static void on_async(uv_async_t *a)
+{
+    publish(a->data);
+}
+
+/* ---- exposition text ------------------------------------------------------ */
+
+typedef struct sbuf {
+    char  *p;
+    size_t len, cap;
+    bool   oom;
+} sbuf;
+
+static void sb_printf(sbuf *b, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+static void sb_printf(sbuf *b, const char *fmt, ...)
+{
+    if (b->oom)
+        return;
+    for (;;) {
+        va_list ap;
+        va_start(ap, fmt);
+        size_t room = b->cap - b->len;
+        int n = vsnprintf(b->p ? b->p + b->len : NULL, b->p ? room : 0, fmt, ap);
+        va_end(ap);
+        if (n < 0) {
+            b->oom = true;
+            return;
+        }
+        if (b->p && (size_t)n < room) {
+            b->len += (size_t)n;
+            return;
+        }
+        size_t ncap = b->cap ? b->cap * 2 : 64 * 1024;
+        while (ncap < b->len + (size_t)n + 1)
+            ncap *= 2;
+        char *np = realloc(b->p, ncap);
+        if (!np) {
+            b->oom = true;
+            return;
+        }
+        b->p = np;
+        b->cap = ncap;
+    }
+}
+
+static void family(sbuf *b, const char *name, const char *type, const char *help)
+{
+    sb_printf(b, "# HELP %s %s\n# TYPE %s %s\n", name, help, name, type);
+}
+
+static void scalar(sbuf *b, const char *name, const char *type, const char *help, double v)
+{
+    family(b, name, type, help);
+    sb_printf(b, "%s %.17g\n", name, v);
+}
+
+static void scalar_u(sbuf *b, const char *name, const char *type, const char *help, uint64_t v)
+{
+    family(b, name, type, help);
+    sb_printf(b, "%s %llu\n", name, (unsigned long long)v);
+}
+
+static void render(const kvr_metrics *m, const snapshot *s, sbuf *b)
+{
+    const obs *o = &s->o;
+    /* Requests by verb and status: every verb's OK series exists (0 until
+     * used), error statuses appear once they happen. */
+    family(b, "kvrope_requests_total", "counter",
+           "Requests completed (reply queued), by verb and status.");
+    for (int v = 0; v < N_VERB_SLOTS; v++) {
+        if (!m->verb_names[v])
+            continue;
+        for (int st = 0; st < N_STATUS; st++) {
+            if (st != 0 && o->req[v][st] == 0)
+                continue;
+            sb_printf(b, "kvrope_requests_total{verb=\"%s\",status=\"%s\"} %llu\n",
+                      m->verb_names[v], m->status_names[st],
+                      (unsigned long long)o->req[v][st]);
+        }
+    }
+    family(b, "kvrope_request_payload_received_bytes_total", "counter",
+           "Tensor payload bytes received with requests, by verb.");
+    for (int v = 0; v < N_VERB_SLOTS; v++)
+        if (m->verb_names[v])
+            sb_printf(b, "kvrope_request_payload_received_bytes_total{verb=\"%s\"} %llu\n",
+                      m->verb_names[v], (unsigned long long)o->pay_in[v]);
+    family(b, "kvrope_request_sent_bytes_total", "counter",
+           "Reply bytes sent (frame header, message and tensor payload), by verb.");
+    for (int v = 0; v < N_VERB_SLOTS; v++)
+        if (m->verb_names[v])
+            sb_printf(b, "kvrope_request_sent_bytes_total{verb=\"%s\"} %llu\n",
+                      m->verb_names[v], (unsigned long long)o->pay_out[v]);
+    family(b, "kvrope_request_duration_seconds", "histogram",
+           "Time from a request's frame header to its reply being queued, by verb.");
+    for (int v = 0; v < N_VERB_SLOTS; v++) {
+        if (!m->verb_names[v])
+            continue;
+        uint64_t cum = 0;
+        for (size_t k = 0; k < N_BUCKETS; k++) {
+            cum += o->hist[v][k];
+            sb_printf(b, "kvrope_request_duration_seconds_bucket{verb=\"%s\",le=\"%s\"} %llu\n",
+                      m->verb_names[v], BUCKET_LE[k], (unsigned long long)cum);
+        }
+        sb_printf(b, "kvrope_request_duration_seconds_bucket{verb=\"%s\",le=\"+Inf\"} %llu\n",
+                  m->verb_names[v], (unsigned long long)o->hcount[v]);
+        sb_printf(b, "kvrope_request_duration_seconds_sum{verb=\"%s\"} %.17g\n",
+                  m->verb_names[v], o->hsum[v]);
+        sb_printf(b, "kvrope_request_duration_seconds_count{verb=\"%s\"} %llu\n",
+                  m->verb_names[v], (unsigned long long)o->hcount[v]);
+    }
+    scalar_u(b, "kvrope_frames_total", "counter",
+             "Request frames decoded (including those refused before a reply).", s->requests);
+    scalar_u(b, "kvrope_error_replies_total", "counter",
+             "Replies with a status other than OK, including protocol errors.", s->errors);
+    scalar_u(b, "kvrope_network_received_bytes_total", "counter",
+             "Bytes read from client connections (frames and payloads).", s->wire_in);
+    scalar_u(b, "kvrope_network_sent_bytes_total", "counter",
+             "Bytes written to client connections.", s->wire_out);
+    scalar_u(b, "kvrope_streamed_replies_total", "counter",
+             "Replies whose payload was streamed layer chunk by chunk.", s->streamed);
+    scalar_u(b, "kvrope_streamed_replies_aborted_total", "counter",
+             "Streamed replies cut short (client gone or work failed).", s->stream_aborted);
+
+    /* Connections. */
+    scalar_u(b, "kvrope_connections", "gauge", "Client connections open now.", s->conns);
+    scalar_u(b, "kvrope_connections_unauthenticated", "gauge",
+             "Open TCP connections that have not authenticated yet.", s->unauth);
+    scalar_u(b, "kvrope_connections_accepted_total", "counter",
+             "Client connections accepted.", s->conn_total);
+    scalar_u(b, "kvrope_connections_refused_total", "counter",
+             "Connections refused by --max-connections or --max-unauth-connections.",
+             s->conn_refused);
+
+    /* Memory and store. */
+    scalar_u(b, "kvrope_memory_allocated_bytes", "gauge",
+             "Bytes the accounted allocator holds now.", s->s.mem_allocated);
+    scalar_u(b, "kvrope_memory_cap_bytes", "gauge", "The memory cap (--max-memory).",
+             s->s.mem_cap);
+    scalar_u(b, "kvrope_memory_peak_bytes", "gauge",
+             "Highest value of kvrope_memory_allocated_bytes since start.", s->s.mem_peak);
+    scalar_u(b, "kvrope_memory_block_bytes", "gauge", "Bytes held in KV blocks in memory.",
+             s->s.block_bytes);
+    scalar_u(b, "kvrope_models", "gauge", "Registered models.", s->s.n_models);
+    scalar_u(b, "kvrope_contexts", "gauge", "Contexts stored.", s->s.n_contexts);
+    scalar_u(b, "kvrope_blocks", "gauge", "KV blocks resident in memory.", s->s.n_blocks);
+    scalar_u(b, "kvrope_tokens", "gauge", "Tokens stored over all contexts.", s->s.n_tokens);
+    scalar_u(b, "kvrope_leased_blocks", "gauge",
+             "Blocks held by reads in flight (gets, assembles).", s->s.n_leased_blocks);
+    scalar_u(b, "kvrope_evicted_blocks_total", "counter",
+             "Blocks evicted from memory (spilled to disk or dropped).", s->s.n_evicted_blocks);
+    scalar_u(b, "kvrope_evicted_bytes_total", "counter", "Bytes of the evicted blocks.",
+             s->s.n_evicted_bytes);
+    scalar_u(b, "kvrope_refused_no_memory_total", "counter",
+             "Requests refused with E_NO_MEMORY by the store.", s->s.n_refused_nomem);
+    scalar_u(b, "kvrope_store_puts_total", "counter", "Puts committed by the store.",
+             s->s.n_puts);
+    scalar_u(b, "kvrope_store_gets_total", "counter", "Gets served by the store.",
+             s->s.n_gets);
+    family(b, "kvrope_prefix_matches_total", "counter",
+           "Prefix matches, by result (hit: at least one token cached).");
+    sb_printf(b, "kvrope_prefix_matches_total{result=\"hit\"} %llu\n",
+              (unsigned long long)s->s.n_match_hits);
+    sb_printf(b, "kvrope_prefix_matches_total{result=\"miss\"} %llu\n",
+              (unsigned long long)(s->s.n_matches >= s->s.n_match_hits
+                                   ? s->s.n_matches - s->s.n_match_hits : 0));
+
+    /* Tiers: memory, disk; a remote tier gets its own label when it exists.
+     * A block read is a hit in the first tier that holds it and a miss in
+     * each tier above. */
+    const kvr_tier_stats *t = &s->t;
+    struct { const char *tier; bool present; uint64_t hits, misses; } tiers[] = {
+        { "memory", true, t->reads_mem, t->reads_disk },
+        { "disk", t->enabled, t->reads_disk, 0 },
+    };
+    family(b, "kvrope_tier_hits_total", "counter",
+           "Block reads (get, assemble) served by a tier, by tier.");
+    for (size_t i = 0; i < sizeof tiers / sizeof tiers[0]; i++)
+        if (tiers[i].present)
+            sb_printf(b, "kvrope_tier_hits_total{tier=\"%s\"} %llu\n", tiers[i].tier,
+                      (unsigned long long)tiers[i].hits);
+    family(b, "kvrope_tier_misses_total", "counter",
+           "Block reads a tier did not hold and a lower tier served, by tier.");
+    for (size_t i = 0; i < sizeof tiers / sizeof tiers[0]; i++)
+        if (tiers[i].present)
+            sb_printf(b, "kvrope_tier_misses_total{tier=\"%s\"} %llu\n", tiers[i].tier,
+                      (unsigned long long)tiers[i].misses);
+    family(b, "kvrope_tier_blocks", "gauge", "Blocks held by a tier, by tier.");
+    sb_printf(b, "kvrope_tier_blocks{tier=\"memory\"} %llu\n", (unsigned long long)t->mem_blocks);
+    if (t->enabled)
+        sb_printf(b, "kvrope_tier_blocks{tier=\"disk\"} %llu\n",
+                  (unsigned long long)t->disk_blocks);
+    family(b, "kvrope_tier_bytes", "gauge", "KV bytes held by a tier, by tier.");
+    sb_printf(b, "kvrope_tier_bytes{tier=\"memory\"} %llu\n", (unsigned long long)t->mem_bytes);
+    if (t->enabled)
+        sb_printf(b, "kvrope_tier_bytes{tier=\"disk\"} %llu\n",
+                  (unsigned long long)t->disk_bytes);
+
+    scalar_u(b, "kvrope_disk_enabled", "gauge", "1 if the disk tier (--disk-dir) is on.",
+             t->enabled ? 1 : 0);
+    if (t->enabled) {
+        family(b, "kvrope_disk_engine_info", "gauge", "The disk tier's I/O engine (value 1).");
+        sb_printf(b, "kvrope_disk_engine_info{engine=\"%s\"} 1\n", s->engine);
+        scalar_u(b, "kvrope_disk_log_bytes", "gauge", "Bytes of the disk tier's log.",
+                 t->disk_log_bytes);
+        scalar_u(b, "kvrope_disk_max_bytes", "gauge", "The disk tier's bound (0: none).",
+                 t->disk_max_bytes);
+        scalar_u(b, "kvrope_disk_spilled_blocks", "gauge",
+                 "Blocks whose data is on disk only.", t->spilled_blocks);
+        scalar_u(b, "kvrope_disk_spills_total", "counter", "Blocks written to disk by eviction.",
+                 t->n_spills);
+        scalar_u(b, "kvrope_disk_spilled_bytes_total", "counter", "Bytes written by spills.",
+                 t->spill_bytes);
+        scalar_u(b, "kvrope_disk_reloads_total", "counter", "Blocks read back from disk.",
+                 t->n_reloads);
+        scalar_u(b, "kvrope_disk_reloaded_bytes_total", "counter", "Bytes read back from disk.",
+                 t->reload_bytes);
+        scalar_u(b, "kvrope_disk_spills_refused_total", "counter",
+                 "Evictions that dropped blocks because the disk tier was full.",
+                 t->n_spill_refused);
+        scalar_u(b, "kvrope_persistent_contexts", "gauge", "Persistent contexts.",
+                 t->persistent_contexts);
+        scalar_u(b, "kvrope_persist_records_total", "counter",
+                 "Records appended to the log (acknowledged changes).", t->n_persist_records);
+        scalar_u(b, "kvrope_persist_errors_total", "counter",
+                 "Persistence failures (the change was not acknowledged as durable).",
+                 t->n_persist_errors);
+        scalar_u(b, "kvrope_disk_checkpoints_total", "counter", "Log checkpoints written.",
+                 t->n_checkpoints);
+        scalar_u(b, "kvrope_disk_quarantined", "gauge",
+                 "Corrupt records and extents found and quarantined.", t->quarantined);
+        scalar_u(b, "kvrope_disk_failed", "gauge",
+                 "1 after an fsync failure: persistence is off until a restart.",
+                 t->failed ? 1 : 0);
+        const kvr_tier_recovery *r = &t->recovery;
+        scalar(b, "kvrope_last_recovery_timestamp_seconds", "gauge",
+               "When the last recovery of the disk tier ran (Unix time).",
+               (double)r->at_ms / 1000.0);
+        scalar(b, "kvrope_last_recovery_duration_seconds", "gauge",
+               "How long the last recovery took.", r->ms / 1000.0);
+        scalar_u(b, "kvrope_last_recovery_contexts", "gauge", "Contexts the last recovery restored.",
+                 r->contexts);
+        scalar_u(b, "kvrope_last_recovery_tokens", "gauge", "Tokens the last recovery restored.",
+                 r->tokens);
+        scalar_u(b, "kvrope_last_recovery_bytes", "gauge", "KV bytes the last recovery restored.",
+                 r->bytes);
+        scalar_u(b, "kvrope_last_recovery_records", "gauge", "Log records the last recovery read.",
+                 r->records);
+        scalar_u(b, "kvrope_last_recovery_quarantined", "gauge",
+                 "Corrupt records the last recovery quarantined.", r->quarantined);
+        scalar_u(b, "kvrope_last_recovery_dropped_contexts", "gauge",
+                 "Contexts the last recovery could not restore.", r->dropped_contexts);
+    }
+
+    /* Quantization at rest. */
+    scalar_u(b, "kvrope_quantized_contexts", "gauge", "Contexts stored with a quantized codec.",
+             s->s.n_quant_contexts);
+    scalar_u(b, "kvrope_quantization_saved_bytes", "gauge",
+             "Bytes quantization saves over the contexts' native dtype.", s->s.quant_bytes_saved);
+    scalar(b, "kvrope_quantization_value_size_bytes", "gauge",
+           "Mean stored size of one K/V value over quantized contexts (0.5: 4 bits; 0: none).",
+           s->s.quant_bits_per_value / 8.0);
+
+    /* Process. */
+    family(b, "kvrope_build_info", "gauge", "kvroped's version (value 1).");
+    sb_printf(b, "kvrope_build_info{version=\"%s\",protocol=\"%u\"} 1\n", KVR_DAEMON_VERSION,
+              (unsigned)KVR_PROTOCOL_VERSION);
+    scalar(b, "kvrope_start_time_seconds", "gauge", "When kvroped started (Unix time).",
+           s->start_unix);
+    scalar(b, "kvrope_uptime_seconds", "gauge", "Seconds since kvroped started.", s->uptime);
+    scalar(b, "kvrope_metrics_snapshot_timestamp_seconds", "gauge",
+           "When the figures of this scrape were taken (Unix time).", s->published_unix);
+}
+
+static int render_snapshot(const kvr_metrics *m, const snapshot *s, char **out, size_t *len)
+{
+    sbuf b = { 0 };
+    render(m, s, &b);
+    if (b.oom || !b.p) {
+        free(b.p);
+        return KVR_ENOMEM;
+    }
+    *out = b.p;
+    *len = b.len;
+    return 0;
+}
+
+/* ---- HTTP (libmicrohttpd's thread) ---------------------------------------- */
+
+static enum MHD_Result send_text(struct MHD_Connection *conn, unsigned code, const char *text,
+                                 const char *hdr, const char *hval)
+{
+    struct MHD_Response *r = MHD_create_response_from_buffer(strlen(text), (void *)(uintptr_t)text,
+                                                             MHD_RESPMEM_PERSISTENT);
+    if (!r)
+        return MHD_NO;
+    MHD_add_response_header(r, "Content-Type", "text/plain; charset=utf-8");
+    if (hdr)
+        MHD_add_response_header(r, hdr, hval);
+    enum MHD_Result rc = MHD_queue_response(conn, code, r);
+    MHD_destroy_response(r);
+    return rc;
+}
+
+/* Under m->lock. */
+static bool authorized(const kvr_metrics *m, const char *h)
+{
+    if (!m->token)
+        return true;
+    if (!h || strncasecmp(h, "Bearer ", 7) != 0)
+        return false;
+    h += 7;
+    while (*h == ' ')
+        h++;
+    size_t n = strlen(h);
+    while (n > 0 && (h[n - 1] == ' ' || h[n - 1] == '\t'))
+        n--;
+    unsigned diff = n != m->token_len;
+    for (size_t i = 0; i < m->token_len; i++) {
+        uint8_t x = i < n ? (uint8_t)h[i] : 0;
+        diff |= (unsigned)(x ^ m->token[i]);
+    }
+    return diff == 0;
+}
+
+static enum MHD_Result on_http(void *cls, struct MHD_Connection *conn, const char *url,
+                               const char *method, const char *version, const char *upload,
+                               size_t *upload_size, void **con_cls)
+{
+    kvr_metrics *m = cls;
+    (void)version;
+    (void)upload;
+    if (!*con_cls) {
+        /* First call: headers only. Answer once they are all in. */
+        *con_cls = (void *)m;
+        return MHD_YES;
+    }
+    if (*upload_size) {
+        *upload_size = 0;      /* a body is ignored (and refused below) */
+        return MHD_YES;
+    }
+    bool head = !strcmp(method, "HEAD");
+    if (strcmp(method, "GET") && !head)
+        return send_text(conn, MHD_HTTP_METHOD_NOT_ALLOWED, "only GET /metrics\n", "Allow",
+                         "GET, HEAD");
+    const char *auth = MHD_lookup_connection_value(conn, MHD_HEADER_KIND,
+                                                   MHD_HTTP_HEADER_AUTHORIZATION);
+    pthread_mutex_lock(&m->lock);
+    bool ok = authorized(m, auth);
+    pthread_mutex_unlock(&m->lock);
+    if (!ok)
+        return send_text(conn, MHD_HTTP_UNAUTHORIZED,
+                         "authentication required: send 'Authorization: Bearer TOKEN' with the "
+                         "content of --auth-token-file\n",
+                         MHD_HTTP_HEADER_WWW_AUTHENTICATE, "Bearer realm=\"kvrope\"");
+    if (strcmp(url, "/metrics") != 0)
+        return send_text(conn, MHD_HTTP_NOT_FOUND, "kvroped serves GET /metrics only\n", NULL,
+                         NULL);
+
+    /* A snapshot the loop began after this request (its ticket), or the
+     * last one published after SNAP_WAIT_MS. */
+    pthread_mutex_lock(&m->lock);
+    uint64_t ticket = ++m->asked;
+    bool closing = m->closing;
+    pthread_mutex_unlock(&m->lock);
+    if (!closing)
+        uv_async_send(&m->async);
+    struct timespec dl;
+    clock_gettime(CLOCK_REALTIME, &dl);
+    dl.tv_sec += SNAP_WAIT_MS / 1000;
+    pthread_mutex_lock(&m->lock);
+    while (!m->closing && m->served < ticket)
+        if (pthread_cond_timedwait(&m->cond, &m->lock, &dl) == ETIMEDOUT)
+            break;
+    char *text = NULL;
+    size_t len = 0;
+    int rc = render_snapshot(m, m->snap, &text, &len);
+    pthread_mutex_unlock(&m->lock);
+    if (rc < 0)
+        return send_text(conn, MHD_HTTP_SERVICE_UNAVAILABLE, "out of memory\n", NULL, NULL);
+    struct MHD_Response *r = MHD_create_response_from_buffer_with_free_callback(len, text, free);
+    if (!r) {
+        free(text);
+        return MHD_NO;
+    }
+    MHD_add_response_header(r, "Content-Type", "text/plain; version=0.0.4; charset=utf-8");
+    MHD_add_response_header(r, "Cache-Control", "no-store");
+    enum MHD_Result qr = MHD_queue_response(conn, MHD_HTTP_OK, r);
+    MHD_destroy_response(r);
+    return qr;
+}
+
+static void mhd_log(void *cls, const char *fmt, va_list ap)
+{
+    (void)cls;
+    char msg[512];
+    vsnprintf(msg, sizeof msg, fmt, ap);
+    size_t n = strlen(msg);
+    while (n > 0 && msg[n - 1] == '\n')
+        msg[--n] = '\0';
+    kvr_log(KVR_LOG_WARN, "metrics http: %s", msg);
+}
+
+bool kvr_daemon_sockaddr_is_loopback(const struct sockaddr *sa)
+{
+    if (sa->sa_family == AF_INET) {
+        const struct sockaddr_in *a = (const struct sockaddr_in *)(const void *)sa;
+        return (ntohl(a->sin_addr.s_addr) >> 24) == 127;
+    }
+    if (sa->sa_family == AF_INET6) {
+        const struct sockaddr_in6 *a = (const struct sockaddr_in6 *)(const void *)sa;
+        if (IN6_IS_ADDR_LOOPBACK(&a->sin6_addr))
+            return true;
+        return IN6_IS_ADDR_V4MAPPED(&a->sin6_addr) && a->sin6_addr.s6_addr[12] == 127;
+    }
+    return false;
+}
+
+static void name_of(const struct sockaddr_storage *ss, char *buf, size_t cap)
+{
+    char host[INET6_ADDRSTRLEN] = "?";
+    int port = 0;
+    if (ss->ss_family == AF_INET6) {
+        const struct sockaddr_in6 *a = (const struct sockaddr_in6 *)(const void *)ss;
+        inet_ntop(AF_INET6, &a->sin6_addr, host, sizeof host);
+        port = ntohs(a->sin6_port);
+        snprintf(buf, cap, "[%s]:%d", host, port);
+    } else {
+        const struct sockaddr_in *a = (const struct sockaddr_in *)(const void *)ss;
+        inet_ntop(AF_INET, &a->sin_addr, host, sizeof host);
+        port = ntohs(a->sin_port);
+        snprintf(buf, cap, "%s:%d", host, port);
+    }
+}
+
+static int start_http(kvr_metrics *m, int listen_fd, kvr_error *err)
+{
+    const kvr_daemon_config *cfg = &m->d->cfg;
+    unsigned flags = MHD_USE_INTERNAL_POLLING_THREAD | MHD_USE_ERROR_LOG;
+    struct sockaddr_storage ss;
+    memset(&ss, 0, sizeof ss);
+    if (listen_fd < 0) {
+        char host[256];
+        int port;
+        if (kvr_daemon_split_listen(cfg->metrics_listen, host, sizeof host, &port) < 0) {
+            return kvr_error_set(err, KVR_EINVAL, "--metrics-listen: expected HOST:PORT, got '%s'",
+                     cfg->metrics_listen);
+        }
+        if (!strcmp(host, "localhost"))
+            snprintf(host, sizeof host, "127.0.0.1");
+        struct sockaddr_in *a4 = (struct sockaddr_in *)(void *)&ss;
+        struct sockaddr_in6 *a6 = (struct sockaddr_in6 *)(void *)&ss;
+        if (inet_pton(AF_INET, host, &a4->sin_addr) == 1) {
+            a4->sin_family = AF_INET;
+            a4->sin_port = htons((uint16_t)port);
+        } else if (inet_pton(AF_INET6, host, &a6->sin6_addr) == 1) {
+            a6->sin6_family = AF_INET6;
+            a6->sin6_port = htons((uint16_t)port);
+            flags |= MHD_USE_IPv6;
+        } else {
+            return kvr_error_set(err, KVR_EINVAL, "--metrics-listen: '%s' is not a numeric IP address", host);
+        }
+    } else {
+        socklen_t sl = sizeof ss;
+        if (getsockname(listen_fd, (struct sockaddr *)&ss, &sl) < 0 ||
+            (ss.ss_family != AF_INET && ss.ss_family != AF_INET6)) {
+            return kvr_error_set(err, KVR_EINVAL, "the activated metrics socket is not a TCP socket");
+        }
+        if (ss.ss_family == AF_INET6)
+            flags |= MHD_USE_IPv6;
+        if (!kvr_daemon_sockaddr_is_loopback((struct sockaddr *)&ss) && !m->token) {
+            return kvr_error_set(err, KVR_EINVAL, "the activated metrics socket is not on a loopback address: "
+                     "it requires --auth-token-file FILE");
+        }
+    }
+    if (listen_fd >= 0)
+        m->mhd = MHD_start_daemon(flags, 0, NULL, NULL, on_http, m,
+                                  MHD_OPTION_EXTERNAL_LOGGER, mhd_log, m,
+                                  MHD_OPTION_LISTEN_SOCKET, (MHD_socket)listen_fd,
+                                  MHD_OPTION_CONNECTION_LIMIT, (unsigned)MAX_SCRAPE_CONNS,
+                                  MHD_OPTION_CONNECTION_TIMEOUT, (unsigned)10,
+                                  MHD_OPTION_CONNECTION_MEMORY_LIMIT, (size_t)32768,
+                                  MHD_OPTION_END);
+    else
+        m->mhd = MHD_start_daemon(flags, 0, NULL, NULL, on_http, m,
+                                  MHD_OPTION_EXTERNAL_LOGGER, mhd_log, m,
+                                  MHD_OPTION_SOCK_ADDR, (struct sockaddr *)&ss,
+                                  MHD_OPTION_CONNECTION_LIMIT, (unsigned)MAX_SCRAPE_CONNS,
+                                  MHD_OPTION_CONNECTION_TIMEOUT, (unsigned)10,
+                                  MHD_OPTION_CONNECTION_MEMORY_LIMIT, (size_t)32768,
+                                  MHD_OPTION_END);
+    if (!m->mhd) {
+        return kvr_error_set(err, KVR_EIO, "--metrics-listen %s: cannot start the HTTP server (address in "
+                 "use or not available?)", listen_fd >= 0 ? "(activated)" : cfg->metrics_listen);
+    }
+    /* The bound address (port 0 picks one). */
+    const union MHD_DaemonInfo *fi = MHD_get_daemon_info(m->mhd, MHD_DAEMON_INFO_LISTEN_FD);
+    if (fi) {
+        struct sockaddr_storage b;
+        socklen_t bl = sizeof b;
+        if (getsockname(fi->listen_fd, (struct sockaddr *)&b, &bl) == 0)
+            ss = b;
+    }
+    name_of(&ss, m->addr, sizeof m->addr);
+    kvr_log(KVR_LOG_INFO, "metrics on http://%s/metrics%s%s", m->addr,
+            listen_fd >= 0 ? " (socket activation)" : "", m->token ? " (bearer token required)" : "");
+    return 0;
+}
+
+/* ---- lifecycle -------------------------------------------------------------- */
+
+int kvr_metrics_set_token(kvr_metrics *m, const uint8_t *token, size_t len)
+{
+    if (!m)
+        return 0;
+    uint8_t *copy = NULL;
+    if (token && len) {
+        copy = malloc(len);
+        if (!copy)
+            return KVR_ENOMEM;
+        memcpy(copy, token, len);
+    }
+    pthread_mutex_lock(&m->lock);
+    uint8_t *old = m->token;
+    m->token = copy;
+    m->token_len = copy ? len : 0;
+    pthread_mutex_unlock(&m->lock);
+    free(old);
+    return 0;
+}
+
+const char *kvr_metrics_address(const kvr_metrics *m)
+{
+    return m && m->mhd ? m->addr : "";
+}
+
+int kvr_metrics_create(kvr_daemon *d, int listen_fd, kvr_error *err)
+{
+    kvr_metrics *m = kvr_mem_calloc(1, sizeof *m);
+    snapshot *a = kvr_mem_calloc(1, sizeof *a), *b = kvr_mem_calloc(1, sizeof *b);
+    if (!m || !a || !b) {
+        kvr_mem_free(m);
+        kvr_mem_free(a);
+        kvr_mem_free(b);
+        return kvr_error_set(err, KVR_ENOMEM, "out of memory");
+    }
+    m->d = d;
+    m->snap = a;
+    m->stage = b;
+    m->start_unix = now_unix();
+    pthread_mutex_init(&m->lock, NULL);
+    pthread_condattr_t ca;
+    pthread_condattr_init(&ca);
+    pthread_cond_init(&m->cond, &ca);
+    pthread_condattr_destroy(&ca);
+    for (int v = 0; v < KVR_N_VERBS; v++) {
+        const ProtobufCFieldDescriptor *f =
+            protobuf_c_message_descriptor_get_field(&kvrope__request__descriptor, (unsigned)(v + 10));
+        m->verb_names[v] = f ? f->name : NULL;
+    }
+    m->verb_names[KVR_N_VERBS] = "none";
+    for (int st = 0; st < N_STATUS; st++) {
+        const ProtobufCEnumValue *ev =
+            protobuf_c_enum_descriptor_get_value(&kvrope__status__descriptor, st);
+        m->status_names[st] = ev ? ev->name : "E_INTERNAL";
+    }
+    d->metrics = m;
+    if (kvr_metrics_set_token(m, d->token, d->token_len) < 0) {
+        return kvr_error_set(err, KVR_ENOMEM, "out of memory");
+    }
+    int rc = uv_async_init(&d->loop, &m->async, on_async);
+    if (rc < 0) {
+        return kvr_error_sys(err, KVR_EINTERNAL, -rc, "uv_async_init");
+    }
+    m->has_async = true;
+    m->async.data = m;
+    uv_unref((uv_handle_t *)&m->async);    /* never keeps the loop alive */
+    publish(m);
+    if (listen_fd >= 0 || d->cfg.metrics_listen[0])
+        return start_http(m, listen_fd, err);
+    return 0;
+}
+
+void kvr_metrics_stop(kvr_daemon *d)
+{
+    kvr_metrics *m = d->metrics;
+    if (!m)
+        return;
+    pthread_mutex_lock(&m->lock);
+    m->closing = true;
+    pthread_cond_broadcast(&m->cond);
+    pthread_mutex_unlock(&m->lock);
+    if (m->mhd) {
+        MHD_stop_daemon(m->mhd);     /* joins the HTTP thread */
+        m->mhd = NULL;
+    }
+    if (m->has_async) {
+        uv_close((uv_handle_t *)&m->async, NULL);
+        m->has_async = false;
+    }
+}
+
+void kvr_metrics_destroy(kvr_daemon *d)
+{
+    kvr_metrics *m = d->metrics;
+    if (!m)
+        return;
+    kvr_metrics_stop(d);
+    pthread_mutex_destroy(&m->lock);
+    pthread_cond_destroy(&m->cond);
+    free(m->token);
+    kvr_mem_free(m->snap);
+    kvr_mem_free(m->stage);
+    kvr_mem_free(m);
+    d->metrics = NULL;
+}

@@ -1,0 +1,47 @@
+/*
+ * metrics.h — private to daemon/: per-request observations, the snapshot the
+ * loop publishes, and the Prometheus endpoint (GET /metrics over HTTP,
+ * libmicrohttpd on its own thread).
+ *
+ * Threads: kvr_metrics_observe and everything that reads the store or the
+ * daemon run on the loop thread only. The HTTP thread reads nothing but the
+ * published snapshot (under the metrics mutex); to serve a scrape it asks
+ * the loop for a fresh one (uv_async) and waits a bounded time for it, so a
+ * scrape shows the figures of one instant, and a stuck loop gives the last
+ * snapshot rather than a hung scrape.
+ */
+#ifndef KVR_METRICS_H
+#define KVR_METRICS_H
+
+#include <stdint.h>
+#include <stddef.h>
+
+#include "rope/error.h"
+
+typedef struct kvr_daemon kvr_daemon;
+typedef struct kvr_metrics kvr_metrics;
+
+/* Loop thread, in kvr_daemon_create: allocates d->metrics and, with
+ * --metrics-listen (or an activated fd named "metrics", listen_fd >= 0),
+ * starts the HTTP thread. 0 or a negative KVR_E* code with err filled. */
+int  kvr_metrics_create(kvr_daemon *d, int listen_fd, kvr_error *err);
+
+/* THE per-request observation, one call when a request completes (its
+ * reply queued): verb = the Request body case (0 or unknown: "none"),
+ * status = the reply's Status, payload bytes received / sent, seconds from
+ * the frame's header to the reply. Loop thread; m may be NULL. */
+void kvr_metrics_observe(kvr_metrics *m, int verb, int status, uint64_t bytes_in,
+                         uint64_t bytes_out, double seconds);
+
+/* Loop thread (SIGHUP): the token scrapes must send (NULL: none). */
+int  kvr_metrics_set_token(kvr_metrics *m, const uint8_t *token, size_t len);
+
+/* Loop thread: the address /metrics is served on ("" if none). */
+const char *kvr_metrics_address(const kvr_metrics *m);
+
+/* Loop thread: stops the HTTP thread (joined) and closes the async handle.
+ * Idempotent; kvr_metrics_destroy calls it. */
+void kvr_metrics_stop(kvr_daemon *d);
+void kvr_metrics_destroy(kvr_daemon *d);
+
+#endif /* KVR_METRICS_H */
