@@ -4,9 +4,9 @@
 # Usage: scripts/deps.sh [core|test|bench]   (each level includes the ones before)
 set -eu
 level=${1:-test}
-pkgs="build-essential pkg-config libuv1-dev libjemalloc-dev libprotobuf-c-dev protobuf-c-compiler liburing-dev libcjson-dev"
+pkgs="build-essential pkg-config libuv1-dev libjemalloc-dev libprotobuf-c-dev protobuf-c-compiler liburing-dev libcjson-dev libhiredis-dev"
 case "$level" in
-  test)  pkgs="$pkgs libcriterion-dev python3 python3-numpy python3-pytest" ;;
+  test)  pkgs="$pkgs libcriterion-dev python3 python3-numpy python3-pytest redis-server redis-tools" ;;
   bench) pkgs="$pkgs libcriterion-dev python3 python3-numpy python3-pytest redis-server redis-tools nodejs npm" ;;
   core)  ;;
   *) echo "usage: $0 [core|test|bench]" >&2; exit 2 ;;
