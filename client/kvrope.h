@@ -212,6 +212,19 @@ typedef struct kvr_put_opts {
 int kvr_client_put_persist(kvr_client *c, const kvr_put_args *a, const kvr_put_opts *o,
                            bool persist, kvr_put_res *out);
 
+/* kvr_client_put_ex with flags (a separate call for the same reason):
+ * KVR_PUT_PERSIST as kvr_client_put_persist; KVR_PUT_SHARE publishes the
+ * context to the daemon's shared tier (--remote-tier, docs/cluster.md)
+ * after the local acknowledgement; KVR_PUT_SHARE_SYNC acknowledges only
+ * once it is published (KVR_EIO "stored locally, not shared: ..." if the
+ * publication failed: the local put stands). A daemon without a remote
+ * tier refuses a share with KVR_EUNSUPPORTED before storing anything. */
+#define KVR_PUT_PERSIST    0x1u
+#define KVR_PUT_SHARE      0x2u
+#define KVR_PUT_SHARE_SYNC 0x6u     /* includes KVR_PUT_SHARE */
+int kvr_client_put_flags(kvr_client *c, const kvr_put_args *a, const kvr_put_opts *o,
+                         unsigned flags, kvr_put_res *out);
+
 /* kvr_client_put with options; o may be NULL (then it is kvr_client_put). */
 int kvr_client_put_ex(kvr_client *c, const kvr_put_args *a, const kvr_put_opts *o,
                       kvr_put_res *out /* may be NULL */);

@@ -187,6 +187,21 @@ int kvr_daemon_config_set(kvr_daemon_config *c, const char *key, const char *v,
             c->disk_engine = 2;
         else
             rc = KVR_EINVAL;
+    } else if (!strcmp(key, "remote-tier")) {
+        if (strlen(v) >= sizeof c->remote_tier)
+            rc = KVR_EINVAL;
+        else
+            snprintf(c->remote_tier, sizeof c->remote_tier, "%s", v);
+    } else if (!strcmp(key, "remote-auth-file")) {
+        rc = copy_str(c->remote_auth_file, sizeof c->remote_auth_file, v);
+    } else if (!strcmp(key, "share-all")) {
+        if (!strcmp(v, "1") || !strcmp(v, "true") || !strcmp(v, "yes") || !strcmp(v, "on"))
+            c->share_all = true;
+        else if (!strcmp(v, "0") || !strcmp(v, "false") || !strcmp(v, "no") ||
+                 !strcmp(v, "off"))
+            c->share_all = false;
+        else
+            rc = KVR_EINVAL;
     } else if (!strcmp(key, "persist-all")) {
         if (!strcmp(v, "1") || !strcmp(v, "true") || !strcmp(v, "yes") || !strcmp(v, "on"))
             c->persist_all = true;
@@ -322,6 +337,14 @@ static const char *HELP =
 
 /* Split in two: C11 compilers need only take 4095-byte literals. */
 static const char *HELP_TAIL =
+"  --remote-tier redis://HOST:PORT[,HOST:PORT...]\n"
+"                         shared tier on a Redis Cluster (seed nodes): puts\n"
+"                         with Put.share are published there, and a local\n"
+"                         miss of get/match asks it (docs/cluster.md)\n"
+"  --remote-auth-file FILE  Redis ACL credentials: 'USER PASSWORD' (or just\n"
+"                         'PASSWORD') on the first line\n"
+"  --share-all            publish every put (else per put: Put.share); needs\n"
+"                         --remote-tier. In a config file: share-all = true\n"
 "  --config FILE          read options from FILE first; flags override it\n"
 "  -h, --help             show this help and exit\n"
 "  -V, --version          show the version and exit\n"
@@ -355,6 +378,7 @@ static bool known_option(const char *name)
         "max-conn-buffer", "max-drain", "block-tokens", "threads", "log-level", "config",
         "io-timeout", "auth-timeout", "max-unauth-connections",
         "disk-dir", "disk-max", "disk-engine", "persist-all",
+        "remote-tier", "remote-auth-file", "share-all",
     };
     for (size_t i = 0; i < sizeof names / sizeof names[0]; i++)
         if (!strcmp(name, names[i]))
@@ -419,6 +443,10 @@ int kvr_daemon_config_parse_args(kvr_daemon_config *c, int argc, char **argv,
             continue;
         if (!strcmp(name, "persist-all") && !eq) {
             c->persist_all = true;     /* a plain switch on the command line */
+            continue;
+        }
+        if (!strcmp(name, "share-all") && !eq) {
+            c->share_all = true;
             continue;
         }
         if (!known_option(name)) {
@@ -493,6 +521,11 @@ int kvr_daemon_config_check(const kvr_daemon_config *c, kvr_error *err)
     }
     if (c->persist_all && !c->disk_dir[0]) {
         seterr(err, "--persist-all needs --disk-dir DIR");
+        return KVR_EINVAL;
+    }
+    if ((c->share_all || c->remote_auth_file[0]) && !c->remote_tier[0]) {
+        seterr(err, "--%s needs --remote-tier redis://HOST:PORT",
+               c->share_all ? "share-all" : "remote-auth-file");
         return KVR_EINVAL;
     }
     if (c->listen[0]) {

@@ -26,6 +26,7 @@
  *    costs nothing and is kept.
  */
 #include "daemon/daemon_internal.h"
+#include "daemon/remote.h"
 
 #include <errno.h>
 #include <string.h>
@@ -896,6 +897,10 @@ static void work_cb(uv_work_t *w)
     case KVR_WORK_ASSEMBLE:
         c->work_rc = kvr_assemble_work(c->as, &c->work_err);
         break;
+    case KVR_WORK_REMOTE:
+        kvr_remote_job_work(c->rjob);
+        c->work_rc = 0;
+        break;
     default:
         c->work_rc = kvr_get_work(c->get, &c->work_err);
         break;
@@ -920,6 +925,9 @@ static void after_work_cb(uv_work_t *w, int status)
         } else if (c->work_kind == KVR_WORK_ASSEMBLE && c->as) {
             kvr_assemble_end(c->as);
             c->as = NULL;
+        } else if (c->work_kind == KVR_WORK_REMOTE) {
+            kvr_remote_job_free(c->rjob);
+            c->rjob = NULL;
         } else if (c->get) {
             kvr_get_end(c->get);
             c->get = NULL;

@@ -67,6 +67,7 @@ enum {
     KVR_WORK_MATCH = 3,     /* c->get, the get half of a match */
     KVR_WORK_EDIT = 4,      /* c->edit: edit or refresh */
     KVR_WORK_ASSEMBLE = 5,  /* c->as */
+    KVR_WORK_REMOTE = 6,    /* c->rjob: a fetch from the shared tier */
 };
 
 struct kvr_daemon {
@@ -85,6 +86,8 @@ struct kvr_daemon {
     bool       has_signals;
     uv_timer_t sweep;            /* lingering closes, stop grace */
     bool       has_sweep;
+
+    struct kvr_remote *remote;   /* shared tier; NULL = none (remote.c) */
 
     uint8_t   *token;            /* NULL = no auth */
     size_t     token_len;
@@ -167,6 +170,11 @@ struct kvr_conn {
     uint64_t    out_queued;
 
     kvr_stream *stream;           /* streamed reply in progress (state BUSY) */
+
+    /* shared tier: the fetch job of this request, and whether the request
+     * already asked the cluster (it is then answered from what landed) */
+    struct kvr_rjob *rjob;
+    bool        remote_tried;
 };
 
 /* ---- config.c --------------------------------------------------------- */
@@ -232,6 +240,9 @@ void kvr_dispatch_after_work(kvr_conn *c);
 /* After the put / edit payload arrived in full. */
 void kvr_dispatch_payload_done(kvr_conn *c);
 int  kvr_status_of(int code);      /* KVR_E* -> Status */
+
+/* After a shared-tier fetch (KVR_WORK_REMOTE), on the loop thread. */
+void kvr_dispatch_remote_done(kvr_conn *c);
 
 /* ---- persist.c: the disk tier ------------------------------------------ */
 /* Opens --disk-dir and recovers the persistent contexts (before listening). */

@@ -8,6 +8,7 @@
  * or in closing the connection. Store errors map to Status with kvr_error_status.
  */
 #include "daemon/daemon_internal.h"
+#include "daemon/remote.h"
 
 #include <errno.h>
 #include <stdarg.h>
@@ -522,6 +523,12 @@ static void start_put(kvr_conn *c, const Kvrope__Put *p, const char *group,
     };
     if (pp.codec && put_codec_check(c, p) < 0)
         return;
+    if (((p->has_share && p->share) || (p->has_share_sync && p->share_sync)) &&
+        !c->d->remote) {
+        reply_errf(c, KVR_EUNSUPPORTED, "put.share: this kvroped has no shared tier (start it "
+                   "with --remote-tier redis://HOST:PORT); nothing was stored");
+        return;
+    }
     if (lo) {
         if (lo->n_groups > MAX_GROUP_ARGS) {
             reply_errf(c, KVR_EINVAL, "put: %zu groups (limit %d)", lo->n_groups,
@@ -633,6 +640,9 @@ static void finish_put(kvr_conn *c)
         return;
     }
     bool ga = c->req->body_case == KVROPE__REQUEST__BODY_GROUP_APPEND;
+    const Kvrope__Put *pq = ga ? c->req->group_append->put : c->req->put;
+    bool share_sync = pq->has_share_sync && pq->share_sync;
+    bool share = share_sync || (pq->has_share && pq->share) || c->d->cfg.share_all;
     Kvrope__PutResult pr = KVROPE__PUT_RESULT__INIT;
     pr.n_tokens = res.n_tokens;
     pr.first_index = res.first_index;
@@ -645,6 +655,37 @@ static void finish_put(kvr_conn *c)
     } else {
         r.body_case = KVROPE__RESPONSE__BODY_PUT;
         r.put = &pr;
+    }
+    if (share && c->d->remote) {
+        /* Published after the local commit: the cluster can only ever
+         * lack what is here, never hold what is not. A synchronous share
+         * of a non-persistent put holds its reply until it is published;
+         * a persistent one waits for the disk (persist.c) and publishes
+         * asynchronously. */
+        bool persistent = c->d->cfg.persist_all || (pq->has_persist && pq->persist);
+        const char *id = pq->context_id;
+        if (share_sync && !persistent) {
+            r.id = c->req->id;
+            r.status = KVROPE__STATUS__OK;
+            size_t n = kvrope__response__get_packed_size(&r);
+            uint8_t *buf = kvr_mem_malloc(KVR_FRAME_HEADER_SIZE + n);
+            if (!buf) {
+                reply_errf(c, KVR_ENOMEM, "stored locally, not shared: out of memory");
+                return;
+            }
+            kvrope__response__pack(&r, buf + KVR_FRAME_HEADER_SIZE);
+            kvr_frame_header_encode(buf, (uint32_t)n, 0);
+            e = (kvr_error){ 0 };
+            rc = kvr_remote_publish(c->d->remote, id, c, buf, KVR_FRAME_HEADER_SIZE + n, &e);
+            if (rc < 0) {
+                kvr_mem_free(buf);
+                reply_errf(c, rc, "stored locally, not shared: %s", e.msg);
+            }
+            return;
+        }
+        e = (kvr_error){ 0 };
+        if (kvr_remote_publish(c->d->remote, id, NULL, NULL, 0, &e) < 0)
+            kvr_log(KVR_LOG_WARN, "'%s' stored locally, not shared: %s", id, e.msg);
     }
     reply_ok(c, &r);
 }
@@ -943,9 +984,24 @@ static void start_get(kvr_conn *c, const kvr_get_params *gp, int kind)
     c->work_kind = 0;
 }
 
+/* A local miss that the shared tier may answer: queue its fetch (true) or
+ * answer from what is local (false). */
+static bool ask_remote(kvr_conn *c, kvr_rjob *j)
+{
+    if (!j)
+        return false;
+    c->rjob = j;
+    kvr_conn_queue_work(c, KVR_WORK_REMOTE);
+    return true;
+}
+
 static void do_get(kvr_conn *c)
 {
     const Kvrope__Get *g = c->req->get;
+    if (c->d->remote && !c->remote_tried &&
+        kvr_store_stat(c->d->store, g->context_id, &(kvr_ctx_info){ 0 }, NULL) == KVR_ENOCTX &&
+        ask_remote(c, kvr_remote_job_get(c->d->remote, g->context_id)))
+        return;
     if (!dtype_ok(g->dtype)) {
         reply_errf(c, KVR_EBADREQUEST, "get.dtype: unknown value %d", (int)g->dtype);
         return;
@@ -1005,6 +1061,10 @@ static void do_match(kvr_conn *c)
         reply_err(c, rc, &e);
         return;
     }
+    if (c->d->remote && !c->remote_tried && mr.length < m->n_tokens &&
+        ask_remote(c, kvr_remote_job_prefix(c->d->remote, m->model, m->tokens, m->n_tokens,
+                                            mr.length)))
+        return;
     c->match_len = mr.length;
     snprintf(c->match_ctx, sizeof c->match_ctx, "%s", mr.ctx_id);
     if (m->has_get && m->get && mr.length > 0) {
@@ -1383,8 +1443,23 @@ void kvr_dispatch_after_work(kvr_conn *c)
     case KVR_WORK_PUT:      finish_put(c); break;
     case KVR_WORK_EDIT:     finish_edit(c); break;
     case KVR_WORK_ASSEMBLE: finish_assemble(c); break;
+    case KVR_WORK_REMOTE:   kvr_dispatch_remote_done(c); break;
     default:                finish_get(c, c->work_kind); break;
     }
+}
+
+void kvr_dispatch_remote_done(kvr_conn *c)
+{
+    kvr_rjob *j = c->rjob;
+    c->rjob = NULL;
+    kvr_remote_job_land(j);     /* a miss leaves the store as it was */
+    kvr_remote_job_free(j);
+    c->remote_tried = true;
+    /* Answer as if it had been local all along (or as the miss it is). */
+    if (c->req->body_case == KVROPE__REQUEST__BODY_GET)
+        do_get(c);
+    else
+        do_match(c);
 }
 
 static void do_list(kvr_conn *c)
@@ -1482,7 +1557,7 @@ static void do_stats(kvr_conn *c)
         { "streamed_replies", (double)d->n_streamed },
         { "streams_aborted", (double)d->n_stream_aborted },
     };
-    enum { NF = sizeof fixed / sizeof fixed[0], N = NF + KVR_N_VERBS, ND = 48 };
+    enum { NF = sizeof fixed / sizeof fixed[0], N = NF + KVR_N_VERBS, ND = 72 };
     Kvrope__Metric ms[N + ND];
     Kvrope__Metric *ptrs[N + ND];
     char names[KVR_N_VERBS][40];
@@ -1507,6 +1582,8 @@ static void do_stats(kvr_conn *c)
     const char *dn[ND];
     double dv[ND];
     size_t nd = kvr_persist_metrics(d, dn, dv, ND);
+    if (d->remote)
+        nd += kvr_remote_metrics(d->remote, dn + nd, dv + nd, ND - nd);
     for (size_t i = 0; i < nd; i++, nm++) {
         kvrope__metric__init(&ms[nm]);
         ptrs[nm] = &ms[nm];
@@ -1533,6 +1610,7 @@ void kvr_dispatch(kvr_conn *c)
     kvr_log(KVR_LOG_DEBUG, "request id %llu: %s, msg %u bytes, payload %llu bytes",
             (unsigned long long)q->id, verb ? verb : "(none)",
             c->fh.msg_len, (unsigned long long)c->fh.payload_len);
+    c->remote_tried = false;
 
     if (!c->authed) {
         if (q->body_case == KVROPE__REQUEST__BODY_AUTH && !c->payload_unread) {

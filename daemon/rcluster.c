@@ -449,12 +449,11 @@ static bool err_is(const redisReply *r, const char *prefix)
     return r->type == REDIS_REPLY_ERROR && !strncmp(r->str, prefix, strlen(prefix));
 }
 
-int kvr_rc_command(kvr_rc *rc, int argc, const char **argv, const size_t *argvlen,
-                   redisReply **out, kvr_error *err)
+static int command_until(kvr_rc *rc, int argc, const char **argv, const size_t *argvlen,
+                         redisReply **out, kvr_error *err, uint64_t deadline)
 {
     *out = NULL;
     unsigned slot = kvr_rc_key_slot(argv[1], argvlen[1]);
-    uint64_t deadline = now_ms() + (uint64_t)rc->retry_ms;
     int ask_node = -1, redirects = 0, backoff = 10;
     kvr_error last = { 0 };
     kvr_error_set(&last, KVR_EIO, "remote tier: no reachable node serves slot %u", slot);
@@ -555,6 +554,8 @@ int kvr_rc_command(kvr_rc *rc, int argc, const char **argv, const size_t *argvle
         }
         if (retry_now)
             continue;
+        if (getenv("KVR_RC_DEBUG"))
+            fprintf(stderr, "rcluster: slot %u node %d: %s\n", slot, idx, last.msg);
         if (now_ms() >= deadline)
             break;
         sleep_ms(backoff);
@@ -566,9 +567,17 @@ int kvr_rc_command(kvr_rc *rc, int argc, const char **argv, const size_t *argvle
     return KVR_EIO;
 }
 
+int kvr_rc_command(kvr_rc *rc, int argc, const char **argv, const size_t *argvlen,
+                   redisReply **out, kvr_error *err)
+{
+    return command_until(rc, argc, argv, argvlen, out, err, now_ms() + (uint64_t)rc->retry_ms);
+}
+
 size_t kvr_rc_batch(kvr_rc *rc, size_t n, const kvr_rc_cmd *cmds, redisReply **out)
 {
     size_t ok = 0;
+    /* One retry budget for the whole batch, not one per command. */
+    uint64_t deadline = now_ms() + (uint64_t)rc->retry_ms;
     if (n == 0)
         return 0;
     int *node = malloc(n * sizeof *node);
@@ -631,7 +640,8 @@ size_t kvr_rc_batch(kvr_rc *rc, size_t n, const kvr_rc_cmd *cmds, redisReply **o
         if (done[i])
             continue;
         redisReply *r;
-        if (kvr_rc_command(rc, cmds[i].argc, cmds[i].argv, cmds[i].argvlen, &r, NULL) == 0) {
+        if (command_until(rc, cmds[i].argc, cmds[i].argv, cmds[i].argvlen, &r, NULL,
+                          deadline) == 0) {
             out[i] = r;
             ok++;
         }

@@ -12,6 +12,7 @@
  * uv_run returns.
  */
 #include "daemon/daemon_internal.h"
+#include "daemon/remote.h"
 
 #include <assert.h>
 #include <errno.h>
@@ -401,6 +402,10 @@ int kvr_daemon_create(kvr_daemon **out, const kvr_daemon_config *cfg, kvr_error 
         kvr_error_set(err, rc, "%s", pmsg[0] ? pmsg : kvr_strerror(rc));
         goto fail;
     }
+    /* Shared tier: a wrong password stops the start; an unreachable
+     * cluster is logged and joined later. */
+    if ((rc = kvr_remote_create(&d->remote, d, err)) < 0)
+        goto fail;
     if ((rc = listen_unix(d, err)) < 0)
         goto fail;
     if ((rc = listen_tcp(d, err)) < 0)
@@ -462,12 +467,14 @@ void kvr_daemon_destroy(kvr_daemon *d)
     if (d->has_sweep)
         uv_close((uv_handle_t *)&d->sweep, NULL);
     d->has_unix = d->has_tcp = d->has_signals = d->has_sweep = false;
+    kvr_remote_close(d->remote);
     uv_run(&d->loop, UV_RUN_DEFAULT);
     if (uv_loop_close(&d->loop) == UV_EBUSY) {
         uv_walk(&d->loop, close_walk, NULL);
         uv_run(&d->loop, UV_RUN_DEFAULT);
         uv_loop_close(&d->loop);
     }
+    kvr_remote_destroy(d->remote);
     kvr_store_destroy(d->store);
     kvr_mem_free(d->token);
     kvr_mem_free(d);

@@ -10,7 +10,7 @@
 #
 # Every server binds 127.0.0.1 only. Ports: a random base in 20000..44999 (the
 # cluster bus is port + 10000); if a port is taken the whole set is retried on
-# another base. Every wait is bounded; `start` cleans up after itself on
+# another base (KVR_CLUSTER_BASE=N: exactly N..N+5, one try). Every wait is bounded; `start` cleans up after itself on
 # failure. With OWNER_PID, a watcher stops the cluster when that process is
 # gone, so a crashed test never leaves servers running.
 #
@@ -35,6 +35,8 @@ stop_all() {
   return 0
 }
 
+# cluster_state:ok on every live node, and every live replica in sync (a
+# replica that never synced cannot take over when its master dies).
 wait_ok() {
   local deadline=$((SECONDS + ${1:-40}))
   while [ $SECONDS -lt $deadline ]; do
@@ -44,6 +46,10 @@ wait_ok() {
       st=$(timeout 2 redis-cli -h 127.0.0.1 -p "$p" cluster info 2>/dev/null | tr -d '\r' |
            sed -n 's/^cluster_state://p')
       [ "$st" = ok ] || { all=0; break; }
+      rep=$(timeout 2 redis-cli -h 127.0.0.1 -p "$p" info replication 2>/dev/null | tr -d '\r')
+      case "$rep" in
+        *role:slave*) case "$rep" in *master_link_status:up*) ;; *) all=0; break ;; esac ;;
+      esac
     done
     [ $all = 1 ] && return 0
     sleep 0.2
@@ -59,6 +65,7 @@ start_one() { # port
     --dir "$d" --pidfile "$d/redis.pid" --logfile "$d/redis.log" \
     --cluster-enabled yes --cluster-config-file "$d/nodes.conf" \
     --cluster-node-timeout "$NODE_TIMEOUT_MS" --save '' --appendonly no \
+    --repl-diskless-sync-delay 0 --cluster-replica-validity-factor 0 \
     --user kvr on '>kvrpass' '~*' '&*' '+@all' \
     --maxmemory 1gb --maxmemory-policy allkeys-lru >/dev/null 2>&1 || return 1
   for _ in $(seq 1 100); do
@@ -74,6 +81,7 @@ start)
   mkdir -p "$dir"
   for attempt in 1 2 3 4 5; do
     base=$((20000 + (RANDOM * 32768 + RANDOM) % 25000))
+    [ -n "${KVR_CLUSTER_BASE:-}" ] && base=$KVR_CLUSTER_BASE   # one fixed try
     ports=""; okp=1
     for i in 0 1 2 3 4 5; do
       p=$((base + i))
@@ -100,6 +108,7 @@ start)
     fi
     stop_all
     rm -rf "${dir:?}"/[0-9]*
+    [ -n "${KVR_CLUSTER_BASE:-}" ] && break
   done
   echo "redis-cluster: could not start a cluster" >&2
   exit 1

@@ -740,7 +740,11 @@ static int cmd_put(kvr_client *c, const cli_args *a)
     kvr_put_res res;
     cli_progress_begin(c, "put");
     r = lay.group ? kvr_client_group_append(c, &p, lay.group, &po, &res)
-                  : kvr_client_put_persist(c, &p, &po, cli_flag(a, "persist"), &res);
+                  : kvr_client_put_flags(c, &p, &po,
+                                         (cli_flag(a, "persist") ? KVR_PUT_PERSIST : 0) |
+                                         (cli_flag(a, "share-sync") ? KVR_PUT_SHARE_SYNC
+                                          : cli_flag(a, "share") ? KVR_PUT_SHARE : 0),
+                                         &res);
     cli_progress_end();
     if (r < 0) {
         rc = cli_fail(a, c, r, "put");

@@ -53,6 +53,8 @@ static const char help_text[] =
 "  put CTX FILE [--model M] [--mode create|append|upsert] [--pin] [--protect N]\n"
 "        [--persist]                  keep the context on disk (daemon --disk-dir):\n"
 "                                     acknowledged once durable, survives restarts\n"
+"        [--share | --share-sync]     publish it to the shared tier (kvroped\n"
+"                                     --remote-tier): after the ack, or before it\n"
 "        [--tokens 1,2,3 | --tokens-file F] [--pos-start N | --positions p,q,..]\n"
 "        [--dtype D --layers L --heads H --head-dim D] [--fingerprint HEX]\n"
 "        [--codec SPEC]               create: the context's codec (default: model's)\n"
@@ -191,6 +193,7 @@ static int parse_args(int argc, char **argv, cli_args *a)
                        strcmp(name, "pin") && strcmp(name, "get") && strcmp(name, "meta") &&
                        strcmp(name, "approx") && strcmp(name, "version") &&
                        strcmp(name, "plan") && strcmp(name, "raw") &&
+                       strcmp(name, "share") && strcmp(name, "share-sync") &&
                        !cli_layout_option_is_flag(name)) {
                 fprintf(stderr, "kvrope: unknown option --%s\n", name);
                 return CLI_USAGE;

@@ -406,6 +406,17 @@ int kvr_client_put_persist(kvr_client *c, const kvr_put_args *a, const kvr_put_o
     return r;
 }
 
+int kvr_client_put_flags(kvr_client *c, const kvr_put_args *a, const kvr_put_opts *o,
+                         unsigned flags, kvr_put_res *out)
+{
+    c->put_persist = (flags & KVR_PUT_PERSIST) != 0;
+    c->put_share = (flags & KVR_PUT_SHARE_SYNC) ? 2 : (flags & KVR_PUT_SHARE) ? 1 : 0;
+    int r = put_common(c, a, o, NULL, out);
+    c->put_persist = false;
+    c->put_share = 0;
+    return r;
+}
+
 int kvr_client_group_append(kvr_client *c, const kvr_put_args *a, const char *group,
                             const kvr_put_opts *o, kvr_put_res *out)
 {
@@ -511,6 +522,14 @@ static int put_common(kvr_client *c, const kvr_put_args *a, const kvr_put_opts *
     if (c->put_persist) {
         put.has_persist = 1;
         put.persist = 1;
+    }
+    if (c->put_share) {
+        put.has_share = 1;
+        put.share = 1;
+        if (c->put_share > 1) {
+            put.has_share_sync = 1;
+            put.share_sync = 1;
+        }
     }
     Kvrope__Request req = KVROPE__REQUEST__INIT;
     Kvrope__GroupAppend ga = KVROPE__GROUP_APPEND__INIT;

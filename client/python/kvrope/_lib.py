@@ -325,6 +325,9 @@ PROTOTYPES = {
                                   POINTER(kvr_kv), POINTER(kvr_raw_layout)]),
     "kvr_client_stat_codec": (c_int, [H, c_char_p, POINTER(kvr_context), POINTER(kvr_context_edit),
                                       POINTER(kvr_context_codec)]),
+    # the shared tier (docs/cluster.md)
+    "kvr_client_put_flags": (c_int, [H, POINTER(kvr_put_args), POINTER(kvr_put_opts), c_uint32,
+                                     POINTER(kvr_put_res)]),
 }
 # Verbs later libkvrope versions added: a library without them still loads.
 OPTIONAL = {"kvr_client_stat_ex", "kvr_client_edit", "kvr_client_edit_plan",
@@ -332,7 +335,7 @@ OPTIONAL = {"kvr_client_stat_ex", "kvr_client_edit", "kvr_client_edit_plan",
             "kvr_client_assemble", "kvr_assemble_release", "kvr_client_layout_stat",
             "kvr_client_set_group_offset", "kvr_client_set_retention",
             "kvr_client_model_register_ex", "kvr_client_model_list_ex", "kvr_client_get_ex",
-            "kvr_client_stat_codec"}
+            "kvr_client_stat_codec", "kvr_client_put_flags"}
 
 
 def _candidates():

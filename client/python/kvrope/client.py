@@ -478,9 +478,14 @@ class Client:
 
     def put(self, ctx_id, model, tokens, kv=None, *, k=None, v=None, dtype=None, mode="upsert",
             positions=None, pos_start=None, pin=False, check_model=True, protect_first=None,
-            prefix=None, groups=None, group_offsets=None, codec=None):
+            prefix=None, groups=None, group_offsets=None, codec=None, share=False,
+            share_sync=False):
         """Stores the KV of `tokens` in context `ctx_id` (created or appended
         to); -> PutResult.
+
+        share=True publishes the context to the daemon's shared tier
+        (kvroped --remote-tier, docs/cluster.md) after the acknowledgement;
+        share_sync=True acknowledges only once it is published.
 
         kv: [n_layers, 2, T, kv_heads, head_dim] array/tensor, or a list of
         (K, V) per layer ([T, kv_heads, head_dim] each); or k=, v= each
@@ -504,7 +509,12 @@ class Client:
                                        pos_start, pin, check_model, protect_first, prefix,
                                        groups, group_offsets, codec)
         out = _lib.kvr_put_res()
-        if opts is None:
+        if share or share_sync:
+            if opts is None:
+                opts = _lib.kvr_put_opts()
+            self._call("kvr_client_put_flags", byref(a), byref(opts),
+                       0x6 if share_sync else 0x2, byref(out))
+        elif opts is None:
             self._call("kvr_client_put", byref(a), byref(out))
         else:
             self._call("kvr_client_put_ex", byref(a), byref(opts), byref(out))
