@@ -104,8 +104,14 @@ DAEMON_A := $(BUILD)/lib/libdaemon.a
 CLIB_A   := $(BUILD)/lib/libclient.a
 ALL_A    := $(DAEMON_A) $(CLIB_A) $(CACHE_A) $(PROTO_A) $(ROPE_A)
 
+# libkvrope's version: client/kvrope.h's KVR_VERSION_* (read here, not repeated).
+KVR_VER := $(shell awk '/^\#define KVR_VERSION_(MAJOR|MINOR|PATCH) /{v=v s $$3; s="."} END{print v}' client/kvrope.h)
+KVR_SOMAJOR := $(firstword $(subst ., ,$(KVR_VER)))
 CLIENT_A   := $(BUILD)/libkvrope.a
 CLIENT_SO  := $(BUILD)/libkvrope.so
+CLIENT_SONAME := libkvrope.so.$(KVR_SOMAJOR)
+CLIENT_SOREAL := $(BUILD)/libkvrope.so.$(KVR_VER)
+CLIENT_MAP := client/lib/kvrope.map
 KVROPED    := $(BUILD)/kvroped
 KVROPE     := $(BUILD)/kvrope
 TESTS      := $(patsubst tests/unit/%.c,$(BUILD)/tests/%,$(TEST_SRC))
@@ -158,8 +164,16 @@ $(CLIB_A):   $(CLIB_OBJ)   ; $(archive)
 # The public client library bundles what it needs of proto/ and rope/.
 $(CLIENT_A): $(CLIB_OBJ) $(PROTO_OBJ) $(ROPE_OBJ) ; $(archive)
 
-$(CLIENT_SO): $(CLIB_OBJ) $(PROTO_OBJ) $(ROPE_OBJ)
-	$(CC) -shared $(LDFLAGS_ALL) -o $@ $^ -lprotobuf-c -lcjson -lm -lpthread
+# The shared library: SONAME libkvrope.so.MAJOR, the file libkvrope.so.X.Y.Z,
+# the usual symlinks (libkvrope.so.MAJOR for the loader, libkvrope.so for the
+# linker and the Python binding), kvr_* exported only (client/lib/kvrope.map).
+$(CLIENT_SOREAL): $(CLIB_OBJ) $(PROTO_OBJ) $(ROPE_OBJ) $(CLIENT_MAP)
+	$(CC) -shared $(LDFLAGS_ALL) -Wl,-soname,$(CLIENT_SONAME) \
+	  -Wl,--version-script=$(CLIENT_MAP) -o $@ $(filter %.o,$^) -lprotobuf-c -lcjson -lm -lpthread
+
+$(CLIENT_SO): $(CLIENT_SOREAL)
+	ln -sf $(notdir $(CLIENT_SOREAL)) $(BUILD)/$(CLIENT_SONAME)
+	ln -sf $(CLIENT_SONAME) $@
 
 $(KVROPED): $(BUILD)/obj/daemon/main.o $(ALL_A)
 	$(CC) $(LDFLAGS_ALL) -o $@ $^ $(LIBS) $(MALLOC_LIB)
@@ -241,12 +255,24 @@ fuzz: deps
 	@$(MAKE) --no-print-directory BUILD=build/fuzz MODE=fuzz fuzzers
 	@scripts/run-fuzz.sh build/fuzz
 
-# Every exported symbol of the client library carries the kvr_ prefix.
-check-symbols: $(CLIENT_SO)
-	@bad=$$(nm -D --defined-only $(CLIENT_SO) | awk '$$2 ~ /[TDB]/ {print $$3}' | \
-	  grep -v -E '^(kvr_|kvrope__|_init$$|_fini$$|_edata$$|_end$$|__bss_start$$)' || true); \
+# Every exported symbol of the client library carries the kvr_ prefix (the
+# protobuf-c code included), and the library has its SONAME; the cross-file
+# symbols of rope/, proto/ and client/ carry kvr_ or their module's prefix
+# (rope_, cli_; kvrope__ is protoc-c's generated code).
+check-symbols: $(CLIENT_SO) $(ROPE_A) $(PROTO_A) $(CLIB_A) $(CLI_OBJ)
+	@bad=$$(nm -D --defined-only $(CLIENT_SOREAL) | awk '$$2 ~ /[TDBRVW]/ {print $$3}' | \
+	  sed 's/@.*//' | grep -v -E '^(kvr_|_init$$|_fini$$|_edata$$|_end$$|__bss_start$$)' || true); \
 	if [ -n "$$bad" ]; then echo "unprefixed exports:"; echo "$$bad"; exit 1; fi; \
-	echo "check-symbols: ok"
+	so=$$(readelf -d $(CLIENT_SOREAL) | sed -n 's/.*(SONAME).*\[\(.*\)\]/\1/p'); \
+	if [ "$$so" != "$(CLIENT_SONAME)" ]; then echo "SONAME is '$$so', want $(CLIENT_SONAME)"; exit 1; fi; \
+	n=$$(nm -D --defined-only $(CLIENT_SOREAL) | grep -c ' [TDBRVW] kvr_'); \
+	echo "check-symbols: ok ($$n kvr_* exports, SONAME $$so)"
+	@bad=$$(nm -g --defined-only $(ROPE_A) $(PROTO_A) $(CLIB_A) $(CLI_OBJ) 2>/dev/null | \
+	  awk '$$2 ~ /[TDBRVW]/ {print $$3}' | \
+	  grep -v -E '^(kvr_|rope_|cli_|kvrope__|main$$)' || true); \
+	if [ -n "$$bad" ]; then echo "unprefixed cross-file symbols in rope/ proto/ client/:"; \
+	  echo "$$bad"; exit 1; fi; \
+	echo "check-symbols: rope/ proto/ client/ internals carry kvr_ / rope_ / cli_"
 
 clean:
 	rm -rf build

@@ -1,98 +1,220 @@
 /*
- * block.c — K/V blocks: fixed-size, refcounted slabs holding B token slots
- * for all layers of a model.
+ * block.c — the block layer: the one constructor, reference / hold / lease
+ * counting, the release hook, data swaps for the disk tier (block.h has
+ * the layout and the invariants).
  *
- * Layout of block->data (one kvr_mem_aligned allocation, 64-byte aligned):
- *
- *   layer 0: K [B][H][D]  V [B][H][D]
- *   layer 1: K [B][H][D]  V [B][H][D]
- *   ...
- *   stored_pos int64[B] | tokens uint32[B] | groups int32[B]
- *
- * Each K/V slab is B*H*D*dsize bytes; with B a multiple of 16 and dsize >= 2
- * every slab stays 64-byte aligned for the SIMD kernels. Quantized blocks
- * (quant.c) hold encoded slabs instead, keys pre-RoPE. A block is freed
- * when its refcount (extents + leases + open puts) drops to zero.
+ * Each K/V slab of a plain block is cap*row*dsize bytes; with cap a multiple
+ * of 16 and dsize >= 2 every slab stays 64-byte aligned for the SIMD
+ * kernels. A block is freed when its last reference goes, never earlier.
  */
 #include <malloc.h>
 #include <string.h>
 
-#include "cache/store_internal.h"
+#include "cache/block.h"
 
-static size_t slab_bytes(const kvr_store *s, const kvr_model *m, kvr_dtype dt)
+static size_t align64(size_t n)
 {
-    return (size_t)s->B * m->n_kv_heads * m->head_dim * kvr_dtype_size(dt);
+    return (n + KVR_BLOCK_ALIGN - 1) & ~(size_t)(KVR_BLOCK_ALIGN - 1);
 }
 
-/* K/V part, rounded up so the metadata arrays stay aligned. */
-static size_t kv_bytes(const kvr_store *s, const kvr_model *m, kvr_dtype dt)
+void kvr_block_geom_plain(kvr_block_geom *g, uint32_t cap, uint32_t n_layers, uint32_t row,
+                          kvr_dtype dt)
 {
-    size_t kv = slab_bytes(s, m, dt) * 2u * m->n_layers;
-    return (kv + KVR_BLOCK_ALIGN - 1) & ~(size_t)(KVR_BLOCK_ALIGN - 1);
+    *g = (kvr_block_geom){ .cap = cap, .n_layers = n_layers, .row = row, .dtype = dt };
 }
 
-size_t block_data_bytes(const kvr_store *s, const kvr_model *m, kvr_dtype dt)
+/* Bytes before the metadata: K/V slabs (plus the quantized header). */
+static size_t geom_kv_bytes(const kvr_block_geom *g)
 {
-    size_t kv = kv_bytes(s, m, dt);
-    return kv + (size_t)s->B * (sizeof(int64_t) + sizeof(uint32_t) + sizeof(int32_t));
+    if (g->quant)
+        return KVR_QHDR_BYTES + (g->qh.kslab + g->qh.vslab) * g->n_layers;
+    size_t slab = (size_t)g->cap * g->row * kvr_dtype_size(g->dtype);
+    return align64(slab * 2u * g->n_layers);
 }
 
-kvr_block *block_new(kvr_store *s, const kvr_model *m, kvr_dtype dt)
+size_t kvr_block_geom_bytes(const kvr_block_geom *g)
 {
+    return geom_kv_bytes(g) + (size_t)g->cap * KVR_BLOCK_META_SLOT;
+}
+
+static void set_ptrs(kvr_block *b, uint8_t *base, size_t off)
+{
+    b->stored_pos = (int64_t *)(void *)(base + off);
+    b->tokens = (uint32_t *)(void *)(base + off + (size_t)b->cap * sizeof(int64_t));
+    b->groups = (int32_t *)(void *)(base + off + (size_t)b->cap * 12u);
+}
+
+static void account(kvr_block_pool *p, kvr_block *b)
+{
+    p->bytes -= b->bytes;
+    b->bytes = malloc_usable_size(b->data) + malloc_usable_size(b);
+    p->bytes += b->bytes;
+}
+
+kvr_block *kvr_block_create(kvr_block_pool *p, const kvr_block_geom *g, uint8_t *data,
+                            size_t len, uint32_t used)
+{
+    assert(g->cap > 0 && used <= g->cap);
     kvr_block *b = kvr_mem_calloc(1, sizeof *b);
     if (!b)
-        goto fail;
-    size_t bytes = block_data_bytes(s, m, dt);
-    b->data = kvr_mem_aligned(KVR_BLOCK_ALIGN, bytes);
-    if (!b->data)
-        goto fail_block;
-    size_t kv = kv_bytes(s, m, dt);
-    b->stored_pos = (int64_t *)(void *)(b->data + kv);
-    b->tokens = (uint32_t *)(void *)(b->data + kv + (size_t)s->B * sizeof(int64_t));
-    b->groups = (int32_t *)(void *)(b->data + kv + (size_t)s->B * 12u);
-    b->refcount = 1;
-    b->used = 0;
-    b->cap = s->B;
-    b->dtype = dt;
+        return NULL;
+    size_t meta;
+    if (data) {
+        assert(len >= (size_t)g->cap * KVR_BLOCK_META_SLOT);
+        meta = len - (size_t)g->cap * KVR_BLOCK_META_SLOT;
+    } else {
+        meta = geom_kv_bytes(g);
+        data = kvr_mem_aligned(KVR_BLOCK_ALIGN, kvr_block_geom_bytes(g));
+        if (!data) {
+            kvr_mem_free(b);
+            return NULL;
+        }
+        if (g->quant) {
+            /* Padding and unused tails are never read, but keep them defined. */
+            memset(data, 0, meta);
+            memcpy(data, &g->qh, sizeof g->qh);
+        }
+    }
+    *b = (kvr_block){ .refcount = 1, .used = used, .cap = g->cap, .row = g->row,
+                      .dtype = g->dtype, .quant = g->quant, .data = data, .pos_lo = 0,
+                      .pos_hi = -1 };
+    set_ptrs(b, data, meta);
     b->bytes = malloc_usable_size(b->data) + malloc_usable_size(b);
-    s->n_blocks++;
-    s->block_bytes += b->bytes;
+    p->n_blocks++;
+    p->bytes += b->bytes;
     return b;
-
-fail_block:
-    kvr_mem_free(b);
-fail:
-    return NULL;
 }
 
-void block_ref(kvr_block *b)
+void kvr_block_ref(kvr_block *b)
 {
+    kvr_block_check(b);
     b->refcount++;
 }
 
-void block_unref(kvr_store *s, kvr_block *b)
+void kvr_block_unref(kvr_block_pool *p, kvr_block *b)
 {
-    if (!b || --b->refcount > 0)
+    if (!b)
         return;
-    tier_block_gone(s, b);
-    s->n_blocks--;
-    s->block_bytes -= b->bytes;
+    kvr_block_check(b);
+    assert(b->refcount > b->holds);   /* a hold is dropped with unhold */
+    if (--b->refcount > 0)
+        return;
+    if (p->on_release)
+        p->on_release(p->release_arg, b);
+    assert(p->n_blocks > 0 && p->bytes >= b->bytes);
+    p->n_blocks--;
+    p->bytes -= b->bytes;
     kvr_mem_free(b->data);
     kvr_mem_free(b);
 }
 
-uint8_t *block_kv(const kvr_block *b, const kvr_model *m, uint32_t layer, int kv,
-                  uint32_t slot)
+void kvr_block_hold(kvr_block *b)
 {
-    if (b->quant) {
-        /* quant.c: per layer K slab then V slab; K rows or tiles of ktile. */
-        uint8_t *base = b->data + KVR_QHDR_BYTES +
-                        (size_t)layer * (QH(b)->kslab + QH(b)->vslab);
-        if (kv)
-            return base + QH(b)->kslab + QH(b)->vrow * slot;
-        return base + QH(b)->krow * (slot / QH(b)->ktile);
+    kvr_block_check(b);
+    b->refcount++;
+    b->holds++;
+}
+
+void kvr_block_hold_to_ref(kvr_block *b)
+{
+    assert(b->holds > b->leases);
+    b->holds--;
+    kvr_block_check(b);
+}
+
+void kvr_block_unhold(kvr_block_pool *p, kvr_block *b)
+{
+    kvr_block_hold_to_ref(b);
+    kvr_block_unref(p, b);
+}
+
+void kvr_block_lease(kvr_block_pool *p, kvr_block *b)
+{
+    kvr_block_hold(b);
+    if (b->leases++ == 0)
+        p->n_leased++;
+}
+
+void kvr_block_unlease(kvr_block_pool *p, kvr_block *b)
+{
+    assert(b->leases > 0 && p->n_leased > 0);
+    if (--b->leases == 0)
+        p->n_leased--;
+    kvr_block_unhold(p, b);
+}
+
+size_t kvr_brun_iov(const kvr_brun *runs, size_t n, uint32_t n_layers, struct iovec *iov)
+{
+    size_t k = 0;
+    for (uint32_t l = 0; l < n_layers; l++)
+        for (int kv = 0; kv < 2; kv++)
+            for (size_t r = 0; r < n; r++) {
+                const kvr_block *b = runs[r].b;
+                size_t rowb = (size_t)b->row * kvr_dtype_size(b->dtype);
+                iov[k++] = (struct iovec){ kvr_block_kv(b, l, kv, runs[r].first),
+                                           runs[r].count * rowb };
+            }
+    return k;
+}
+
+const uint8_t *kvr_brun_fill(const kvr_brun *runs, size_t n, uint32_t layer, int kv,
+                             const uint8_t *src, kvr_dtype sdt)
+{
+    for (size_t r = 0; r < n; r++) {
+        const kvr_block *b = runs[r].b;
+        assert(!b->quant && runs[r].first >= b->used);
+        size_t ne = (size_t)runs[r].count * b->row;
+        kvr_convert(kvr_block_kv(b, layer, kv, runs[r].first), b->dtype, src, sdt, ne);
+        src += ne * kvr_dtype_size(sdt);
     }
-    size_t row = (size_t)m->n_kv_heads * m->head_dim * kvr_dtype_size(b->dtype);
-    size_t slab = row * b->cap;
-    return b->data + slab * (2u * layer + (unsigned)kv) + row * slot;
+    return src;
+}
+
+size_t kvr_block_meta_off(const kvr_block *b)
+{
+    return (size_t)((const uint8_t *)(const void *)b->stored_pos - b->data);
+}
+
+size_t kvr_block_data_len(const kvr_block *b)
+{
+    return kvr_block_meta_off(b) + (size_t)b->cap * KVR_BLOCK_META_SLOT;
+}
+
+size_t kvr_block_spilled_bytes(const kvr_block *b)
+{
+    return (b->quant ? KVR_QHDR_BYTES : 0) + (size_t)b->cap * KVR_BLOCK_META_SLOT;
+}
+
+void kvr_block_set_data(kvr_block_pool *p, kvr_block *b, uint8_t *data, size_t meta_off,
+                        bool spilled)
+{
+    kvr_mem_free(b->data);
+    b->data = data;
+    set_ptrs(b, data, meta_off);
+    b->spilled = spilled;
+    account(p, b);
+}
+
+void kvr_block_view(const kvr_block *b, kvr_block *view, uint8_t *buf, size_t meta_off)
+{
+    *view = *b;
+    view->data = buf;
+    view->spilled = false;
+    view->disk = NULL;
+    set_ptrs(view, buf, meta_off);
+}
+
+void kvr_block_pos_bounds(kvr_block *b, int64_t *lo, int64_t *hi)
+{
+    for (uint32_t j = b->bounds_used; j < b->used; j++) {
+        int64_t q = b->stored_pos[j];
+        if (j == 0 || q < b->pos_lo)
+            b->pos_lo = q;
+        if (j == 0 || q > b->pos_hi)
+            b->pos_hi = q;
+    }
+    if (b->used > b->bounds_used)
+        b->bounds_used = b->used;
+    *lo = b->pos_lo;
+    *hi = b->pos_hi;
 }

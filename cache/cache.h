@@ -32,6 +32,7 @@
 #include <sys/uio.h>
 
 #include "rope/rope.h"
+#include "rope/types.h"
 
 #ifdef __cplusplus
 extern "C" {
@@ -53,8 +54,7 @@ size_t kvr_mem_allocated(void);   /* bytes the allocator holds for us now */
 size_t kvr_mem_peak(void);
 
 /* ---- store -------------------------------------------------------------- */
-#define KVR_ID_MAX 255          /* context id and model name, bytes */
-#define KVR_CODEC_NAME_MAX 64   /* canonical codec spec, with its NUL */
+/* KVR_ID_MAX, KVR_CODEC_NAME_MAX: rope/types.h (shared with kvrope.h). */
 
 typedef struct kvr_store kvr_store;
 
@@ -102,11 +102,7 @@ int kvr_store_model_find(const kvr_store *s, const char *name, kvr_model_info *o
 size_t kvr_store_model_list(const kvr_store *s, kvr_model_info *out, size_t cap);
 
 /* ---- put: create or append ---------------------------------------------- */
-typedef enum kvr_put_mode {
-    KVR_PUT_CREATE = 0,       /* KVR_EEXIST if the id exists */
-    KVR_PUT_APPEND = 1,       /* KVR_ENOCTX if it does not */
-    KVR_PUT_UPSERT = 2,       /* create or append */
-} kvr_put_mode;
+/* kvr_put_mode (KVR_PUT_CREATE / APPEND / UPSERT): rope/types.h. */
 
 typedef struct kvr_put_params {
     const char     *ctx_id;
@@ -187,10 +183,7 @@ int    kvr_put_commit(kvr_put *t, kvr_put_result *res, kvr_error *err);
 void   kvr_put_abort(kvr_put *t);
 
 /* ---- get ---------------------------------------------------------------- */
-#define KVR_TOKEN_APPROX 0x1u   /* KV computed against text that changed since */
-#define KVR_TOKEN_PENDING 0x2u  /* inserted by an edit without KV: no KV until a
-                                   refresh; a get of its KV is KVR_EPENDING, a
-                                   meta_only get works */
+/* Token flags KVR_TOKEN_APPROX / KVR_TOKEN_PENDING: rope/types.h. */
 
 typedef struct kvr_get_params {
     const char     *ctx_id;
@@ -450,22 +443,7 @@ void kvr_store_get_stats(const kvr_store *s, kvr_store_stats *out);
  * positions to the layout's positions in one pass (docs/ape.md gives the
  * attention formula a worker applies with the segment table).
  */
-typedef enum kvr_layout_kind {
-    KVR_LAYOUT_PARALLEL   = 0,  /* every document at P..P+L_i-1; query at P + max L_i */
-    KVR_LAYOUT_SEQUENTIAL = 1,  /* documents back to back: P, P+L_1, ... (moved
-                                   documents' tokens are KVR_TOKEN_APPROX) */
-    KVR_LAYOUT_EXPLICIT   = 2,  /* document i at starts[i]..; query at
-                                   max(P, max(starts[i] + L_i)) */
-} kvr_layout_kind;
-
-typedef enum kvr_segment_kind {
-    KVR_SEGMENT_PREFIX   = 0,
-    KVR_SEGMENT_DOCUMENT = 1,
-    KVR_SEGMENT_QUERY    = 2,   /* always last, empty: where the query goes */
-} kvr_segment_kind;
-
-#define KVR_APE_TEMPERATURE 0.9   /* APE paper defaults */
-#define KVR_APE_SCALE       0.9
+/* kvr_layout_kind, kvr_segment_kind, KVR_APE_TEMPERATURE / SCALE: rope/types.h. */
 #define KVR_ASSEMBLE_MAX_DOCS 4096
 
 typedef struct kvr_assemble_params {
@@ -542,8 +520,7 @@ void   kvr_assemble_end(kvr_assemble *t);       /* loop thread; NULL is a no-op 
  * phi + cursor, phi + cursor + 1, ... Tokens are stored in arrival order;
  * get reports each token's group id (kvr_get_info.groups).
  */
-#define KVR_MAX_GROUPS 16
-#define KVR_GROUP_NAME_MAX 63
+/* KVR_MAX_GROUPS, KVR_GROUP_NAME_MAX: rope/types.h. */
 
 typedef struct kvr_group_info {
     char     name[KVR_GROUP_NAME_MAX + 1];

@@ -24,7 +24,7 @@
  *    full-sequence tree is truncated at the first edit point; when the
  *    suffix to re-insert is longer than the new tokens (+64), the context is
  *    marked stale instead and re-inserted by the next include_approx match
- *    (edit_index_fresh). A stale tree entry is a true prefix: it can
+ *    (store.c, kvr_ctx_index_extend). A stale tree entry is a true prefix: it can
  *    under-report, never lie.
  *  - Overflow checks are O(extents): every block caches the bounds of its
  *    stored-at positions (slots below `used` never change); only when the
@@ -33,7 +33,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "cache/store_internal.h"
+#include "cache/txn.h"
 
 typedef struct eop {
     size_t  start, end, n;   /* old range, new token count */
@@ -45,41 +45,20 @@ typedef struct eop {
     const uint32_t *tokens;  /* borrowed from the params (begin/plan only) */
 } eop;
 
-typedef struct erun {
-    kvr_block *b;
-    uint32_t   count;        /* slots [0, count) */
-} erun;
-
 struct kvr_edit {
     kvr_store    *s;
     kvr_ctx      *c;
     kvr_model    *m;
-    bool          refresh, with_kv, worked;
+    bool          refresh, with_kv;
     kvr_dtype     pdt;
     eop          *ops;       /* sorted by start */
     size_t        n_ops, n_new, n_removed;
-    erun         *runs;
+    kvr_brun     *runs;      /* fresh blocks, slots [0, count) */
     size_t        n_runs;
-    uint8_t      *staging;
-    size_t        payload;
-    struct iovec *iov;
-    size_t        n_iov;
+    kvr_wpay      w;         /* the new tokens' payload (none without KV) */
 };
 
 /* ---- helpers ------------------------------------------------------------- */
-
-static void block_bounds(kvr_block *b)
-{
-    for (uint32_t j = b->bounds_used; j < b->used; j++) {
-        int64_t p = b->stored_pos[j];
-        if (j == 0 || p < b->pos_lo)
-            b->pos_lo = p;
-        if (j == 0 || p > b->pos_hi)
-            b->pos_hi = p;
-    }
-    if (b->used > b->bounds_used)
-        b->bounds_used = b->used;
-}
 
 /* True if every token of slots [a, z) of e still has a representable
  * position after its delta grows by `shift`. */
@@ -88,44 +67,14 @@ static bool piece_shift_ok(const kvr_extent *e, uint32_t a, uint32_t z, int64_t 
     int64_t d, x;
     if (__builtin_add_overflow(e->pos_delta, shift, &d))
         return false;
-    block_bounds(e->block);
-    if (!__builtin_add_overflow(e->block->pos_lo, d, &x) &&
-        !__builtin_add_overflow(e->block->pos_hi, d, &x))
+    int64_t lo, hi;
+    kvr_block_pos_bounds(e->block, &lo, &hi);
+    if (!__builtin_add_overflow(lo, d, &x) && !__builtin_add_overflow(hi, d, &x))
         return true;
     for (uint32_t j = a; j < z; j++)
         if (__builtin_add_overflow(e->block->stored_pos[e->first + j], d, &x))
             return false;
     return true;
-}
-
-/* Moves the cursor (extent i starting at token k) to the extent holding
- * token idx (or n_ext). */
-static void cur_to(const kvr_ctx *c, size_t *i, size_t *k, size_t idx)
-{
-    while (*i < c->n_ext && *k + c->ext[*i].count <= idx) {
-        *k += c->ext[*i].count;
-        (*i)++;
-    }
-}
-
-static int64_t pos_at(const kvr_ctx *c, size_t *i, size_t *k, size_t idx)
-{
-    cur_to(c, i, k, idx);
-    const kvr_extent *e = &c->ext[*i];
-    return e->block->stored_pos[e->first + (idx - *k)] + e->pos_delta;
-}
-
-/* Tokens of [from, to) of c with any of `flags`. */
-static size_t count_flag(const kvr_ctx *c, size_t from, size_t to, uint32_t flags)
-{
-    size_t n = 0, k = 0;
-    for (size_t i = 0; i < c->n_ext && k < to; k += c->ext[i].count, i++) {
-        size_t lo = k > from ? k : from, hi = k + c->ext[i].count < to ?
-                                              k + c->ext[i].count : to;
-        if (hi > lo && (c->ext[i].flags & flags))
-            n += hi - lo;
-    }
-    return n;
 }
 
 static int cmp_eop(const void *a, const void *b)
@@ -136,8 +85,15 @@ static int cmp_eop(const void *a, const void *b)
     return x->req < y->req ? -1 : x->req > y->req;
 }
 
-static int check_owner(const kvr_ctx *c, const char *model, uint64_t fp, kvr_error *err)
+/* The context an edit or refresh writes: live, of the model the request
+ * names (if any), not being written. */
+static int edit_target(kvr_store *s, const char *id, const char *model, uint64_t fp,
+                       kvr_ctx **out, kvr_error *err)
 {
+    int rc = kvr_store_ctx_live(s, id, out, err);
+    if (rc != 0)
+        return rc;
+    const kvr_ctx *c = *out;
     if (model && model[0] && strcmp(model, c->model->name) != 0)
         return kvr_error_set(err, KVR_EFINGERPRINT,
                              "context '%s' belongs to model '%s', not '%s'", c->id,
@@ -147,6 +103,8 @@ static int check_owner(const kvr_ctx *c, const char *model, uint64_t fp, kvr_err
                              "fingerprint %016llx does not match model '%s' (%016llx)",
                              (unsigned long long)fp, c->model->name,
                              (unsigned long long)c->model->fingerprint);
+    if (c->busy)
+        return kvr_error_set(err, KVR_EBUSY, "context '%s' is being written", c->id);
     return 0;
 }
 
@@ -187,12 +145,8 @@ static int edit_prepare(kvr_store *s, const kvr_edit_params *p, kvr_ctx **cout,
     kvr_ctx *c = NULL;
     if (!p)
         return kvr_error_set(err, KVR_EBADREQUEST, "edit: missing parameters");
-    if ((rc = ctx_find_live(s, p->ctx_id, &c, err)) != 0)
+    if ((rc = edit_target(s, p->ctx_id, p->model, p->fingerprint, &c, err)) != 0)
         return rc;
-    if ((rc = check_owner(c, p->model, p->fingerprint, err)) != 0)
-        return rc;
-    if (c->busy)
-        return kvr_error_set(err, KVR_EBUSY, "context '%s' is being written", c->id);
     if (p->n_ops == 0 || !p->ops)
         return kvr_error_set(err, KVR_EBADREQUEST, "edit of '%s' with no ops", c->id);
     if (p->n_ops > KVR_MAX_PUT_TOKENS)
@@ -251,12 +205,12 @@ static int edit_prepare(kvr_store *s, const kvr_edit_params *p, kvr_ctx **cout,
     }
     /* Placement and overflow checks: one pass over the extents. */
     size_t ci = 0, ck = 0, wi = 0, wk = 0;
-    int64_t shift = 0, last = n ? ctx_last_pos(c) : -1;
+    int64_t shift = 0, last = n ? kvr_ctx_last_pos(c) : -1;
     for (size_t j = 0; j < p->n_ops; j++) {
         eop *o = &ops[j];
         int64_t base;
         if (o->start < n)
-            base = pos_at(c, &ci, &ck, o->start);
+            base = kvr_ctx_pos_at(c, &ci, &ck, o->start);
         else if (n == 0)
             base = 0;
         else if (__builtin_add_overflow(last, 1, &base))
@@ -272,7 +226,7 @@ static int edit_prepare(kvr_store *s, const kvr_edit_params *p, kvr_ctx **cout,
         size_t to = j + 1 < p->n_ops ? ops[j + 1].start : n;
         if (shift == 0 || o->end >= to)
             continue;
-        cur_to(c, &wi, &wk, o->end);
+        kvr_ctx_seek(c, &wi, &wk, o->end);
         for (size_t i = wi, k = wk; i < c->n_ext && k < to; k += c->ext[i].count, i++) {
             const kvr_extent *e = &c->ext[i];
             uint32_t a = (uint32_t)(o->end > k ? o->end - k : 0);
@@ -320,12 +274,12 @@ int kvr_store_edit_plan(kvr_store *s, const kvr_edit_params *p, kvr_edit_span *s
         res->n_new = n_new;
         res->n_removed = n_rem;
         res->first_change = first;
-        res->n_approx = count_flag(c, 0, first, KVR_TOKEN_APPROX) + (n - first) -
+        res->n_approx = kvr_ctx_count_flag(c, 0, first, KVR_TOKEN_APPROX) + (n - first) -
                         (n_rem);
         /* Kept old tokens stay pending; new ones are pending without KV. */
-        size_t pend = count_flag(c, 0, n, KVR_TOKEN_PENDING);
+        size_t pend = kvr_ctx_count_flag(c, 0, n, KVR_TOKEN_PENDING);
         for (size_t j = 0; j < p->n_ops; j++)
-            pend -= count_flag(c, ops[j].start, ops[j].end, KVR_TOKEN_PENDING);
+            pend -= kvr_ctx_count_flag(c, ops[j].start, ops[j].end, KVR_TOKEN_PENDING);
         res->n_pending = pend + (p->with_kv ? 0 : n_new);
         res->payload_bytes = payload;
     }
@@ -338,11 +292,10 @@ int kvr_store_edit_plan(kvr_store *s, const kvr_edit_params *p, kvr_edit_span *s
 static void txn_free(kvr_edit *t)
 {
     for (size_t i = 0; i < t->n_runs; i++)
-        block_unref(t->s, t->runs[i].b);
+        kvr_block_unref(&t->s->pool, t->runs[i].b);
     kvr_mem_free(t->runs);
     kvr_mem_free(t->ops);
-    kvr_mem_free(t->staging);
-    kvr_mem_free(t->iov);
+    kvr_wpay_free(&t->w);
     kvr_mem_free(t);
 }
 
@@ -355,48 +308,33 @@ static int txn_alloc(kvr_edit *t, size_t payload, kvr_error *err)
     kvr_model *m = t->m;
     kvr_ctx *c = t->c;
     size_t n_blocks = (t->n_new + s->B - 1) / s->B;
-    size_t bb = block_data_bytes(s, m, c->dtype);
+    size_t bb = kvr_store_block_bytes(s, c, false);
     /* Quantized contexts: new tokens join the full-precision window (plain
      * blocks in the window dtype) and are quantized by a later put's flush;
      * their payload is staged so work can refuse nan/inf first. */
     bool zero_copy = t->pdt == c->dtype && !c->codec.quant;
     size_t n_iov = !payload ? 0 : zero_copy ? 2u * m->n_layers * n_blocks : 1;
     size_t need = n_blocks * (bb + sizeof(kvr_block) + 64) + (zero_copy ? 0 : payload) +
-                  n_iov * sizeof(struct iovec) + n_blocks * sizeof(erun) +
+                  n_iov * sizeof(struct iovec) + n_blocks * sizeof(kvr_brun) +
                   (c->n_ext + 3 * t->n_ops + n_blocks + 1) * sizeof(kvr_extent);
-    int rc = store_reserve_request(s, need, t->refresh ? "refresh" : "edit", err);
+    int rc = kvr_store_reserve_request(s, need, t->refresh ? "refresh" : "edit", err);
     if (rc != 0)
         return rc;
-    t->payload = payload;
+    t->w.p.bytes = payload;
     if (n_blocks && !(t->runs = kvr_mem_calloc(n_blocks, sizeof *t->runs)))
-        goto nomem;
-    if (n_iov && !(t->iov = kvr_mem_malloc(n_iov * sizeof *t->iov)))
         goto nomem;
     size_t left = t->n_new;
     while (left) {
-        kvr_block *b = block_new(s, m, c->dtype);
+        kvr_block *b = kvr_store_block_new(s, c, false);
         if (!b)
             goto nomem;
         uint32_t k = left < s->B ? (uint32_t)left : s->B;
-        t->runs[t->n_runs++] = (erun){ b, k };
+        t->runs[t->n_runs++] = (kvr_brun){ b, 0, k };
         left -= k;
     }
-    if (!payload)
-        return 0;
-    if (zero_copy) {
-        size_t rowb = (size_t)m->n_kv_heads * m->head_dim * kvr_dtype_size(c->dtype), k = 0;
-        for (uint32_t l = 0; l < m->n_layers; l++)
-            for (int kv = 0; kv < 2; kv++)
-                for (size_t r = 0; r < t->n_runs; r++)
-                    t->iov[k++] = (struct iovec){ block_kv(t->runs[r].b, m, l, kv, 0),
-                                                  t->runs[r].count * rowb };
-        t->n_iov = k;
-    } else {
-        if (!(t->staging = kvr_mem_aligned(KVR_BLOCK_ALIGN, payload)))
-            goto nomem;
-        t->iov[0] = (struct iovec){ t->staging, payload };
-        t->n_iov = 1;
-    }
+    if (payload && kvr_wpay_init(&t->w, t->runs, t->n_runs, m->n_layers, payload,
+                                 zero_copy) != 0)
+        goto nomem;
     return 0;
 
 nomem:
@@ -445,9 +383,7 @@ int kvr_store_edit_begin(kvr_store *s, const kvr_edit_params *p, kvr_edit **out,
         for (size_t q = 0; q < o->n; q++) {
             uint32_t slot;
             kvr_block *b = new_slot(t, o->tok + q, &slot);
-            b->tokens[slot] = o->tokens[q];
-            b->stored_pos[slot] = o->first_pos + (int64_t)q;
-            b->groups[slot] = 0;
+            kvr_block_set_meta(b, slot, o->tokens[q], o->first_pos + (int64_t)q, 0);
         }
         t->ops[j].tokens = NULL;     /* borrowed from p: not valid after begin */
     }
@@ -467,12 +403,8 @@ int kvr_store_refresh_begin(kvr_store *s, const kvr_refresh_params *p, kvr_edit 
     kvr_ctx *c = NULL;
     if (!p || !out)
         return kvr_error_set(err, KVR_EBADREQUEST, "refresh: missing parameters");
-    if ((rc = ctx_find_live(s, p->ctx_id, &c, err)) != 0)
+    if ((rc = edit_target(s, p->ctx_id, p->model, p->fingerprint, &c, err)) != 0)
         return rc;
-    if ((rc = check_owner(c, p->model, p->fingerprint, err)) != 0)
-        return rc;
-    if (c->busy)
-        return kvr_error_set(err, KVR_EBUSY, "context '%s' is being written", c->id);
     size_t start = p->start, end = p->end == SIZE_MAX ? c->n_tokens : p->end;
     if (start >= end || end > c->n_tokens)
         return kvr_error_set(err, KVR_ERANGE,
@@ -494,7 +426,7 @@ int kvr_store_refresh_begin(kvr_store *s, const kvr_refresh_params *p, kvr_edit 
     }
     size_t ci = 0, ck = 0;
     *op = (eop){ .start = start, .end = end, .n = n, .index = start,
-                 .first_pos = pos_at(c, &ci, &ck, start) };
+                 .first_pos = kvr_ctx_pos_at(c, &ci, &ck, start) };
     t->s = s;
     t->c = c;
     t->m = c->model;
@@ -512,7 +444,7 @@ int kvr_store_refresh_begin(kvr_store *s, const kvr_refresh_params *p, kvr_edit 
     }
     /* Same ids and groups; stored at the current logical positions. */
     size_t g = 0;
-    cur_to(c, &ci, &ck, start);
+    kvr_ctx_seek(c, &ci, &ck, start);
     for (size_t i = ci, k = ck; i < c->n_ext && k < end; k += c->ext[i].count, i++) {
         const kvr_extent *e = &c->ext[i];
         uint32_t a = (uint32_t)(start > k ? start - k : 0);
@@ -520,56 +452,36 @@ int kvr_store_refresh_begin(kvr_store *s, const kvr_refresh_params *p, kvr_edit 
         for (uint32_t j = a; j < z; j++, g++) {
             uint32_t slot, from = e->first + j;
             kvr_block *b = new_slot(t, g, &slot);
-            b->tokens[slot] = e->block->tokens[from];
-            b->stored_pos[slot] = e->block->stored_pos[from] + e->pos_delta;
-            b->groups[slot] = e->block->groups[from];
+            kvr_block_set_meta(b, slot, e->block->tokens[from], kvr_ext_pos(e, j),
+                               e->block->groups[from]);
         }
     }
     *out = t;
     return 0;
 }
 
-size_t kvr_edit_payload_size(const kvr_edit *t)
-{
-    return t->payload;
-}
-
-void kvr_edit_payload_iov(const kvr_edit *t, const struct iovec **iov, size_t *n)
-{
-    *iov = t->iov;
-    *n = t->n_iov;
-}
-
-bool kvr_edit_needs_work(const kvr_edit *t)
-{
-    return t->staging != NULL && !t->worked;
-}
+KVR_WRITE_TXN_API(kvr_edit, kvr_edit)
 
 int kvr_edit_work(kvr_edit *t, kvr_error *err)
 {
-    if (!t->staging || t->worked)
+    if (!t->w.staging || t->w.worked)
         return 0;
     const kvr_model *m = t->m;
-    size_t row = (size_t)m->n_kv_heads * m->head_dim, psize = kvr_dtype_size(t->pdt);
+    size_t row = kvr_model_row(m);
     uint32_t bl;
     int bkv;
     size_t btok;
     if (t->c->codec.quant &&
-        quant_find_nonfinite(t->staging, t->pdt, m->n_layers, t->n_new, row, &bl, &bkv, &btok))
+        kvr_quant_find_nonfinite(t->w.staging, t->pdt, m->n_layers, t->n_new, row, &bl, &bkv, &btok))
         return kvr_error_set(err, KVR_EINVAL, "%s of '%s': %s of layer %u, new token %zu "
                              "is nan or inf; nothing was changed",
                              t->refresh ? "refresh" : "edit", t->c->id, bkv ? "V" : "K", bl,
                              btok);
-    const uint8_t *src = t->staging;
+    const uint8_t *src = t->w.staging;
     for (uint32_t l = 0; l < m->n_layers; l++)
         for (int kv = 0; kv < 2; kv++)
-            for (size_t r = 0; r < t->n_runs; r++) {
-                const erun *run = &t->runs[r];
-                kvr_convert(block_kv(run->b, m, l, kv, 0), run->b->dtype, src, t->pdt,
-                            run->count * row);
-                src += run->count * row * psize;
-            }
-    t->worked = true;
+            src = kvr_brun_fill(t->runs, t->n_runs, l, kv, src, t->pdt);
+    t->w.worked = true;
     return 0;
 }
 
@@ -583,16 +495,9 @@ typedef struct ebuild {
 static void emit(ebuild *o, kvr_block *b, uint32_t first, uint32_t count, int64_t delta,
                  uint32_t flags)
 {
-    if (count == 0)
-        return;
-    kvr_extent *p = o->n ? &o->ext[o->n - 1] : NULL;
-    if (p && p->block == b && p->first + p->count == first && p->pos_delta == delta &&
-        p->flags == flags) {
-        p->count += count;
-        return;
-    }
-    block_ref(b);
-    o->ext[o->n++] = (kvr_extent){ b, first, count, delta, flags };
+    if (count > 0 && !kvr_ext_append(o->ext, &o->n, (kvr_extent){ b, first, count, delta,
+                                                                   flags }))
+        kvr_block_ref(b);
 }
 
 static void emit_old(ebuild *o, const kvr_ctx *c, size_t *ci, size_t *ck, size_t from,
@@ -600,7 +505,7 @@ static void emit_old(ebuild *o, const kvr_ctx *c, size_t *ci, size_t *ck, size_t
 {
     if (from >= to)
         return;
-    cur_to(c, ci, ck, from);
+    kvr_ctx_seek(c, ci, ck, from);
     for (size_t i = *ci, k = *ck; i < c->n_ext && k < to; k += c->ext[i].count, i++) {
         const kvr_extent *e = &c->ext[i];
         uint32_t a = (uint32_t)(from > k ? from - k : 0);
@@ -609,67 +514,12 @@ static void emit_old(ebuild *o, const kvr_ctx *c, size_t *ci, size_t *ck, size_t
     }
 }
 
-/* Token ids [from, to) of an extent array into dst. */
-static void gather(const kvr_extent *ext, size_t n_ext, size_t from, size_t to,
-                   uint32_t *dst)
-{
-    size_t k = 0;
-    for (size_t i = 0; i < n_ext && k < to; k += ext[i].count, i++) {
-        size_t lo = k > from ? k : from, hi = k + ext[i].count < to ? k + ext[i].count : to;
-        if (hi > lo)
-            memcpy(dst + (lo - from), ext[i].block->tokens + ext[i].first + (lo - k),
-                   (hi - lo) * sizeof *dst);
-    }
-}
-
-/* Appends tokens [idx_len[w], len) of c to tree w; false on failure. */
-static bool index_extend(kvr_ctx *c, int w, size_t len)
-{
-    size_t from = c->idx_len[w];
-    if (len <= from)
-        return true;
-    uint32_t *seq = kvr_mem_malloc((len - from) * sizeof *seq);
-    if (!seq)
-        return false;
-    gather(c->ext, c->n_ext, from, len, seq);
-    int rc = ptree_append(&c->model->tree[w], c, seq, len - from);
-    kvr_mem_free(seq);
-    return rc == 0;
-}
-
-static void stale_set(kvr_ctx *c)
-{
-    if (!c->idx_stale) {
-        c->idx_stale = true;
-        c->model->n_stale++;
-    }
-}
-
-void edit_stale_clear(kvr_ctx *c)
-{
-    if (c->idx_stale) {
-        c->idx_stale = false;
-        c->model->n_stale--;
-    }
-}
-
-void edit_index_fresh(kvr_store *s, kvr_model *m)
-{
-    for (kvr_ctx *c = s->lru_head; c && m->n_stale; c = c->lru_next) {
-        if (c->model != m || !c->idx_stale)
-            continue;
-        if (index_extend(c, 1, c->n_tokens))
-            edit_stale_clear(c);
-    }
-}
-
 int kvr_edit_commit(kvr_edit *t, kvr_edit_span *spans, kvr_edit_result *res, kvr_error *err)
 {
     int rc;
     kvr_store *s = t->s;
     kvr_ctx *c = t->c;
-    kvr_model *m = t->m;
-    if (t->staging && !t->worked && (rc = kvr_edit_work(t, err)) != 0)
+    if (t->w.staging && !t->w.worked && (rc = kvr_edit_work(t, err)) != 0)
         goto fail;
     size_t cap = c->n_ext + 3 * t->n_ops + t->n_runs + 1;
     ebuild o = { kvr_mem_malloc(cap * sizeof(kvr_extent)), 0 };
@@ -680,7 +530,7 @@ int kvr_edit_commit(kvr_edit *t, kvr_edit_span *spans, kvr_edit_result *res, kvr
     }
     /* Slots become visible before any extent points at them. */
     for (size_t r = 0; r < t->n_runs; r++)
-        t->runs[r].b->used = t->runs[r].count;
+        kvr_block_commit(t->runs[r].b, t->runs[r].count);
 
     size_t ci = 0, ck = 0, pos = 0, n_old = c->n_tokens;
     int64_t shift = 0;
@@ -706,41 +556,29 @@ int kvr_edit_commit(kvr_edit *t, kvr_edit_span *spans, kvr_edit_result *res, kvr
     emit_old(&o, c, &ci, &ck, pos, n_old, shift, add);
 
     /* Swap in the new extents; the old array's references go. */
-    kvr_extent *old = c->ext;
-    size_t n_old_ext = c->n_ext;
     size_t old_exact = c->n_exact, first = t->ops[0].start;
-    c->ext = o.ext;
-    c->n_ext = o.n;
-    c->cap_ext = cap;
-    c->n_tokens = n_old - t->n_removed + t->n_new;
-    for (size_t i = 0; i < n_old_ext; i++)
-        block_unref(s, old[i].block);
-    kvr_mem_free(old);
-    size_t exact = 0;
-    for (size_t i = 0; i < c->n_ext; i++) {
-        if (c->ext[i].flags & (KVR_TOKEN_APPROX | KVR_TOKEN_PENDING))
-            break;
-        exact += c->ext[i].count;
-    }
-    c->n_exact = exact;
+    kvr_ctx_replace_extents(&s->pool, c, o.ext, o.n, cap);
+    assert(c->n_tokens == n_old - t->n_removed + t->n_new);
+    size_t exact = c->n_exact;
 
     /* Index. Failures leave c under-reported (a true prefix), never wrong. */
     size_t keep0 = t->refresh ? old_exact : (old_exact < first ? old_exact : first);
-    ptree_truncate(&m->tree[0], c, keep0);
-    if (!index_extend(c, 0, exact))
-        ptree_truncate(&m->tree[0], c, keep0);
+    kvr_ctx_index_truncate(c, 0, keep0);
+    if (!kvr_ctx_index_extend(c, 0, exact))
+        kvr_ctx_index_truncate(c, 0, keep0);
     if (!t->refresh) {
-        ptree_truncate(&m->tree[1], c, first);
-        if (!c->idx_stale && c->n_tokens - c->idx_len[1] <= t->n_new + 64) {
-            if (!index_extend(c, 1, c->n_tokens))
-                stale_set(c);
+        kvr_ctx_index_truncate(c, 1, first);
+        if (!c->idx_stale && c->n_tokens - c->idx[1].len <= t->n_new + 64) {
+            if (!kvr_ctx_index_extend(c, 1, c->n_tokens))
+                kvr_ctx_stale_set(c);
         } else {
-            stale_set(c);
+            kvr_ctx_stale_set(c);
         }
     }
+    kvr_ctx_check(c);
 
     c->busy = false;
-    lru_touch(s, c);
+    kvr_store_touch(s, c);
     fill_spans(t->ops, t->n_ops, spans);
     if (res) {
         memset(res, 0, sizeof *res);
@@ -748,9 +586,9 @@ int kvr_edit_commit(kvr_edit *t, kvr_edit_span *spans, kvr_edit_result *res, kvr
         res->n_new = t->refresh ? 0 : t->n_new;
         res->n_removed = t->refresh ? 0 : t->n_removed;
         res->first_change = first;
-        res->n_approx = count_flag(c, 0, c->n_tokens, KVR_TOKEN_APPROX);
-        res->n_pending = count_flag(c, 0, c->n_tokens, KVR_TOKEN_PENDING);
-        res->payload_bytes = t->payload;
+        res->n_approx = kvr_ctx_count_flag(c, 0, c->n_tokens, KVR_TOKEN_APPROX);
+        res->n_pending = kvr_ctx_count_flag(c, 0, c->n_tokens, KVR_TOKEN_PENDING);
+        res->payload_bytes = t->w.p.bytes;
     }
     txn_free(t);
     return 0;
@@ -773,11 +611,9 @@ void kvr_edit_abort(kvr_edit *t)
 int kvr_store_protect(kvr_store *s, const char *ctx_id, size_t n, kvr_error *err)
 {
     kvr_ctx *c = NULL;
-    int rc = ctx_find_live(s, ctx_id, &c, err);
+    int rc = kvr_store_ctx_writable(s, ctx_id, &c, err);
     if (rc != 0)
         return rc;
-    if (c->busy)
-        return kvr_error_set(err, KVR_EBUSY, "context '%s' is being written", c->id);
     if (n > c->n_tokens)
         return kvr_error_set(err, KVR_ERANGE,
                              "cannot protect %zu tokens of context '%s' of %zu", n, c->id,

@@ -3,7 +3,8 @@
  * document was encoded against, GPE groups (named position cursors with an
  * offset each) and the StreamingLLM retention policy (sinks + window).
  *
- * The state lives in ctx->layout (NULL for a plain context) and is only
+ * The state lives in ctx->layout (NULL for a plain context), one flat
+ * allocation the context frees and forks bytewise (ctx.c), and is only
  * touched on the loop thread. Everything here changes metadata: extents'
  * pos_delta and the extent array. No K/V byte is copied or rotated; get and
  * assemble rotate each key once from its stored form.
@@ -20,7 +21,7 @@
  */
 #include <string.h>
 
-#include "cache/store_internal.h"
+#include "cache/layout.h"
 
 struct kvr_layout {
     /* APE: the prefix this context's KV was computed after. */
@@ -41,25 +42,14 @@ struct kvr_layout {
     size_t   sinks, window, n_dropped;
 };
 
-/* Hash of a context's token ids (FNV-1a over their bytes), for the APE
- * record: a prefix whose tokens change gets another hash. */
-static uint64_t tokens_hash(const uint32_t *t, size_t n)
+int kvr_layout_ctx_hash(const kvr_ctx *c, uint64_t *out, kvr_error *err)
 {
-    uint64_t h = 14695981039346656037ull;
-    const unsigned char *b = (const unsigned char *)t;
-    for (size_t i = 0; i < n * sizeof *t; i++) {
-        h ^= b[i];
-        h *= 1099511628211ull;
-    }
-    return h;
-}
-
-int layout_ctx_hash(const kvr_ctx *c, uint64_t *out, kvr_error *err)
-{
-    uint32_t *t = ctx_gather_tokens(c, err);
+    uint32_t *t = kvr_ctx_gather_tokens(c, err);
     if (!t)
         return KVR_ENOMEM;
-    *out = tokens_hash(t, c->n_tokens);
+    /* FNV-1a over the ids' bytes: a prefix whose tokens change gets
+     * another hash. */
+    *out = kvr_fnv1a(t, c->n_tokens * sizeof *t, KVR_FNV_INIT);
     kvr_mem_free(t);
     return 0;
 }
@@ -74,13 +64,6 @@ static int find_group(const kvr_layout *L, const char *name)
     return -1;
 }
 
-/* ---- extents ------------------------------------------------------------ */
-
-static int64_t ext_pos(const kvr_extent *e, uint32_t j)
-{
-    return e->block->stored_pos[e->first + j] + e->pos_delta;
-}
-
 /* ---- retention ---------------------------------------------------------- */
 
 /* Drops tokens [sinks, n - window) and moves the window right after the
@@ -92,20 +75,20 @@ static int64_t retention_apply(kvr_store *s, kvr_ctx *c)
     size_t n = c->n_tokens, S = L->sinks, W = L->window;
     if (!L->has_ret || n <= S + W)
         return 0;
-    if (ctx_ext_reserve(c, 2) != 0)
+    if (kvr_ctx_ext_reserve(c, 2) != 0)
         return 0;                       /* retried by the next put */
-    size_t i0 = ctx_split_at(c, S);
-    size_t i1 = ctx_split_at(c, n - W);
+    size_t i0 = kvr_ctx_split_at(c, S);
+    size_t i1 = kvr_ctx_split_at(c, n - W);
     int64_t base;
     if (i0 > 0) {
         const kvr_extent *e = &c->ext[i0 - 1];
-        if (__builtin_add_overflow(ext_pos(e, e->count - 1), 1, &base))
-            base = ext_pos(&c->ext[i1], 0);
+        if (__builtin_add_overflow(kvr_ext_pos(e, e->count - 1), 1, &base))
+            base = kvr_ext_pos(&c->ext[i1], 0);
     } else {
-        base = ext_pos(&c->ext[0], 0);
+        base = kvr_ext_pos(&c->ext[0], 0);
     }
     int64_t delta;
-    if (__builtin_sub_overflow(base, ext_pos(&c->ext[i1], 0), &delta))
+    if (__builtin_sub_overflow(base, kvr_ext_pos(&c->ext[i1], 0), &delta))
         delta = 0;
     for (size_t i = i1; i < c->n_ext && delta != 0; i++) {
         const kvr_extent *e = &c->ext[i];
@@ -113,32 +96,29 @@ static int64_t retention_apply(kvr_store *s, kvr_ctx *c)
         if (__builtin_add_overflow(e->pos_delta, delta, &q))
             delta = 0;
         for (uint32_t j = 0; j < e->count && delta != 0; j++)
-            if (__builtin_add_overflow(ext_pos(e, j), delta, &q))
+            if (__builtin_add_overflow(kvr_ext_pos(e, j), delta, &q))
                 delta = 0;
     }
-    for (size_t i = i0; i < i1; i++)
-        block_unref(s, c->ext[i].block);
-    memmove(c->ext + i0, c->ext + i1, (c->n_ext - i1) * sizeof *c->ext);
-    c->n_ext -= i1 - i0;
-    for (size_t i = i0; i < c->n_ext; i++)
-        c->ext[i].pos_delta += delta;
-    ctx_merge_extents(s, c);
-    c->n_tokens = S + W;
+    kvr_ctx_drop_extents(&s->pool, c, i0, i1);
+    kvr_ctx_add_delta(c, i0, c->n_ext, delta);
+    kvr_ctx_merge_extents(&s->pool, c);
+    assert(c->n_tokens == S + W);
     L->n_dropped += n - S - W;
-    ctx_index_rebuild(s, c, S);
+    kvr_ctx_index_rebuild(c, S);
+    kvr_ctx_check(c);
     return delta;
 }
 
 /* ---- put hooks ---------------------------------------------------------- */
 
-void layout_put_free(layout_put *lp)
+void kvr_layout_put_free(kvr_layout_put *lp)
 {
     kvr_mem_free(lp->created);
     lp->created = NULL;
 }
 
-int layout_put_begin(kvr_store *s, const kvr_ctx *c, const kvr_model *m,
-                     const kvr_put_params *p, layout_put *lp, kvr_error *err)
+int kvr_layout_put_begin(kvr_store *s, const kvr_ctx *c, const kvr_model *m,
+                         const kvr_put_params *p, kvr_layout_put *lp, kvr_error *err)
 {
     memset(lp, 0, sizeof *lp);
     bool creating = c == NULL;
@@ -204,14 +184,14 @@ int layout_put_begin(kvr_store *s, const kvr_ctx *c, const kvr_model *m,
     memset(&tmp, 0, sizeof tmp);
     if (p->prefix_ctx) {
         kvr_ctx *pc = NULL;
-        int rc = ctx_find_live(s, p->prefix_ctx, &pc, err);
+        int rc = kvr_store_ctx_live(s, p->prefix_ctx, &pc, err);
         if (rc != 0)
             return kvr_error_set(err, rc, "prefix context '%s' not found", p->prefix_ctx);
         if (pc->model != m)
             return kvr_error_set(err, KVR_EFINGERPRINT,
                                  "prefix context '%s' belongs to model '%s', not '%s'",
                                  p->prefix_ctx, pc->model->name, m->name);
-        if ((rc = layout_ctx_hash(pc, &tmp.prefix_hash, err)) != 0)
+        if ((rc = kvr_layout_ctx_hash(pc, &tmp.prefix_hash, err)) != 0)
             return rc;
         tmp.has_prefix = true;
         memcpy(tmp.prefix, pc->id, pc->id_len + 1);
@@ -236,10 +216,11 @@ int layout_put_begin(kvr_store *s, const kvr_ctx *c, const kvr_model *m,
     return 0;
 }
 
-int64_t layout_put_commit(kvr_store *s, kvr_ctx *c, layout_put *lp, size_t n)
+int64_t kvr_layout_put_commit(kvr_store *s, kvr_ctx *c, kvr_layout_put *lp, size_t n)
 {
     if (lp->created) {
         c->layout = lp->created;
+        c->layout_bytes = sizeof *lp->created;
         lp->created = NULL;
     }
     kvr_layout *L = c->layout;
@@ -250,29 +231,12 @@ int64_t layout_put_commit(kvr_store *s, kvr_ctx *c, layout_put *lp, size_t n)
     return retention_apply(s, c);
 }
 
-void layout_ctx_free(kvr_ctx *c)
-{
-    kvr_mem_free(c->layout);
-    c->layout = NULL;
-}
-
-int layout_ctx_clone(const kvr_ctx *src, kvr_ctx *dst)
-{
-    if (!src->layout)
-        return 0;
-    dst->layout = kvr_mem_malloc(sizeof *dst->layout);
-    if (!dst->layout)
-        return KVR_ENOMEM;
-    *dst->layout = *src->layout;
-    return 0;
-}
-
-size_t layout_blob_size(void)
+size_t kvr_layout_blob_size(void)
 {
     return sizeof(kvr_layout);
 }
 
-bool layout_blob_get(const kvr_ctx *c, void *out)
+bool kvr_layout_blob_get(const kvr_ctx *c, void *out)
 {
     if (!c->layout)
         return false;
@@ -280,7 +244,7 @@ bool layout_blob_get(const kvr_ctx *c, void *out)
     return true;
 }
 
-int layout_blob_set(kvr_ctx *c, const void *in)
+int kvr_layout_blob_set(kvr_ctx *c, const void *in)
 {
     kvr_layout *L = kvr_mem_malloc(sizeof *L);
     if (!L)
@@ -288,12 +252,13 @@ int layout_blob_set(kvr_ctx *c, const void *in)
     memcpy(L, in, sizeof *L);
     kvr_mem_free(c->layout);
     c->layout = L;
+    c->layout_bytes = sizeof *L;
     return 0;
 }
 
 /* The APE record of c, for assemble.c: false if c has none. */
-bool layout_ape_record(const kvr_ctx *c, const char **prefix, uint64_t *fp,
-                       size_t *len, uint64_t *hash)
+bool kvr_layout_ape_record(const kvr_ctx *c, const char **prefix, uint64_t *fp,
+                           size_t *len, uint64_t *hash)
 {
     const kvr_layout *L = c->layout;
     if (!L || !L->has_prefix)
@@ -307,21 +272,11 @@ bool layout_ape_record(const kvr_ctx *c, const char **prefix, uint64_t *fp,
 
 /* ---- verbs -------------------------------------------------------------- */
 
-static int writable(kvr_store *s, const char *id, kvr_ctx **out, kvr_error *err)
-{
-    int rc = ctx_find_live(s, id, out, err);
-    if (rc != 0)
-        return rc;
-    if ((*out)->busy)
-        return kvr_error_set(err, KVR_EBUSY, "context '%s' is being written", id);
-    return 0;
-}
-
 int kvr_store_layout_stat(kvr_store *s, const char *ctx_id, kvr_layout_info *out,
                           kvr_error *err)
 {
     kvr_ctx *c = NULL;
-    int rc = ctx_find_live(s, ctx_id, &c, err);
+    int rc = kvr_store_ctx_live(s, ctx_id, &c, err);
     if (rc != 0)
         return rc;
     memset(out, 0, sizeof *out);
@@ -359,7 +314,7 @@ int kvr_store_set_group_offset(kvr_store *s, const char *ctx_id, const char *nam
                                int64_t phi, kvr_error *err)
 {
     kvr_ctx *c = NULL;
-    int rc = writable(s, ctx_id, &c, err);
+    int rc = kvr_store_ctx_writable(s, ctx_id, &c, err);
     if (rc != 0)
         return rc;
     kvr_layout *L = c->layout;
@@ -387,7 +342,7 @@ int kvr_store_set_group_offset(kvr_store *s, const char *ctx_id, const char *nam
             if (j == 0 || in != prev)
                 pieces++;
             prev = in;
-            if (in && (__builtin_add_overflow(ext_pos(e, j), delta, &q) ||
+            if (in && (__builtin_add_overflow(kvr_ext_pos(e, j), delta, &q) ||
                        __builtin_add_overflow(e->pos_delta, delta, &q)))
                 return kvr_error_set(err, KVR_EINVAL,
                                      "group '%s': offset %lld overflows the position of "
@@ -411,19 +366,16 @@ int kvr_store_set_group_offset(kvr_store *s, const char *ctx_id, const char *nam
             ne[k].count = z - j;
             if (in)
                 ne[k].pos_delta += delta;
-            if (j > 0)
-                block_ref(e->block);        /* each extra piece holds one */
+            kvr_block_ref(e->block);            /* each piece holds one */
             k++;
             j = z;
         }
     }
-    kvr_mem_free(c->ext);
-    c->ext = ne;
-    c->n_ext = k;
-    c->cap_ext = pieces ? pieces : 1;
-    ctx_merge_extents(s, c);
+    kvr_ctx_replace_extents(&s->pool, c, ne, k, pieces ? pieces : 1);
+    kvr_ctx_merge_extents(&s->pool, c);
+    kvr_ctx_check(c);
     L->g[g].phi = phi;
-    lru_touch(s, c);
+    kvr_store_touch(s, c);
     return 0;
 }
 
@@ -431,7 +383,7 @@ int kvr_store_set_retention(kvr_store *s, const char *ctx_id, const kvr_retentio
                             kvr_error *err)
 {
     kvr_ctx *c = NULL;
-    int rc = writable(s, ctx_id, &c, err);
+    int rc = kvr_store_ctx_writable(s, ctx_id, &c, err);
     if (rc != 0)
         return rc;
     if (!r)
@@ -462,6 +414,6 @@ int kvr_store_set_retention(kvr_store *s, const char *ctx_id, const kvr_retentio
     c->layout->sinks = r->sinks;
     c->layout->window = r->window;
     retention_apply(s, c);
-    lru_touch(s, c);
+    kvr_store_touch(s, c);
     return 0;
 }

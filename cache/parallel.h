@@ -1,8 +1,9 @@
 /*
- * parallel.h — a small fork/join helper for the store's *_work functions
- * (private to cache/). A get or an assemble that re-rotates many keys splits
- * its layers across a few short-lived threads; small requests stay on the
- * calling thread, where thread start-up would cost more than it saves.
+ * parallel.h — the store's fork/join over layers for its *_work functions
+ * (private to cache/), a thin user of the process's worker pool (rope/pool.c).
+ * A get or an assemble that re-rotates many keys splits its layers across the
+ * pool's threads; small requests stay on the calling thread, where waking
+ * workers would cost more than it saves.
  */
 #ifndef KVR_CACHE_PARALLEL_H
 #define KVR_CACHE_PARALLEL_H
@@ -18,7 +19,7 @@ unsigned par_threads_for(size_t work_bytes);
 /* Calls fn(ud, i) for every i in [0, n), on up to n_threads threads (the
  * caller's included); items are handed out one at a time. Stops handing out
  * items after the first non-zero return and returns it (0 if all succeeded).
- * If threads cannot be created, the caller does the work alone. */
+ * Without free workers the caller does the work alone. */
 int par_for(size_t n, unsigned n_threads, int (*fn)(void *ud, size_t i), void *ud);
 
 #pragma GCC visibility pop

@@ -11,17 +11,17 @@
  *    n_pass 0 are removed at once, so every leaf has an end, and every
  *    node's subtree holds at least one context (the match representative).
  *  - A context's sequence ends exactly at a node boundary (edges are split
- *    there); ctx->idx_node[which] is that node, NULL for length 0.
+ *    there); the entry's node is that node, NULL for length 0.
  *  - Costs: match O(query + depth*log(fanout)); removal/truncation walks up
  *    from the context's end node, appends go down from it.
  */
 #include <string.h>
 
-#include "cache/store_internal.h"
+#include "cache/prefix.h"
 
-static pnode *node_new(const uint32_t *label, size_t len)
+static kvr_pnode *node_new(const uint32_t *label, size_t len)
 {
-    pnode *n = kvr_mem_calloc(1, sizeof *n);
+    kvr_pnode *n = kvr_mem_calloc(1, sizeof *n);
     if (!n)
         return NULL;
     if (len) {
@@ -36,7 +36,7 @@ static pnode *node_new(const uint32_t *label, size_t len)
     return n;
 }
 
-static void node_free_rec(pnode *n, bool self)
+static void node_free_rec(kvr_pnode *n, bool self)
 {
     for (uint32_t i = 0; i < n->n_children; i++)
         node_free_rec(n->children[i], true);
@@ -47,13 +47,12 @@ static void node_free_rec(pnode *n, bool self)
         kvr_mem_free(n);
 }
 
-void ptree_init(kvr_ptree *t, int which)
+void kvr_ptree_init(kvr_ptree *t)
 {
     memset(t, 0, sizeof *t);
-    t->which = which;
 }
 
-void ptree_free(kvr_ptree *t)
+void kvr_ptree_free(kvr_ptree *t)
 {
     node_free_rec(&t->root, false);
     memset(&t->root, 0, sizeof t->root);
@@ -61,7 +60,7 @@ void ptree_free(kvr_ptree *t)
 
 /* Index of the child whose label starts with tok, or the insertion point
  * (negative: -(pos+1)). */
-static long child_find(const pnode *n, uint32_t tok)
+static long child_find(const kvr_pnode *n, uint32_t tok)
 {
     long lo = 0, hi = (long)n->n_children - 1;
     while (lo <= hi) {
@@ -77,11 +76,11 @@ static long child_find(const pnode *n, uint32_t tok)
     return -(lo + 1);
 }
 
-static int child_insert(pnode *n, pnode *c, size_t pos)
+static int child_insert(kvr_pnode *n, kvr_pnode *c, size_t pos)
 {
     if (n->n_children == n->cap_children) {
         uint32_t cap = n->cap_children ? n->cap_children * 2 : 2;
-        pnode **a = kvr_mem_realloc(n->children, cap * sizeof *a);
+        kvr_pnode **a = kvr_mem_realloc(n->children, cap * sizeof *a);
         if (!a)
             return KVR_ENOMEM;
         n->children = a;
@@ -95,7 +94,7 @@ static int child_insert(pnode *n, pnode *c, size_t pos)
     return 0;
 }
 
-static void child_remove(pnode *n, pnode *c)
+static void child_remove(kvr_pnode *n, kvr_pnode *c)
 {
     long i = child_find(n, c->label[0]);
     if (i < 0)
@@ -105,11 +104,11 @@ static void child_remove(pnode *n, pnode *c)
     n->n_children--;
 }
 
-static int ends_add(pnode *n, kvr_ctx *c)
+static int ends_add(kvr_pnode *n, kvr_pentry *c)
 {
     if (n->n_ends == n->cap_ends) {
         uint32_t cap = n->cap_ends ? n->cap_ends * 2 : 1;
-        kvr_ctx **a = kvr_mem_realloc(n->ends, cap * sizeof *a);
+        kvr_pentry **a = kvr_mem_realloc(n->ends, cap * sizeof *a);
         if (!a)
             return KVR_ENOMEM;
         n->ends = a;
@@ -119,7 +118,7 @@ static int ends_add(pnode *n, kvr_ctx *c)
     return 0;
 }
 
-static void ends_remove(pnode *n, kvr_ctx *c)
+static void ends_remove(kvr_pnode *n, kvr_pentry *c)
 {
     for (uint32_t i = 0; i < n->n_ends; i++) {
         if (n->ends[i] == c) {
@@ -131,12 +130,12 @@ static void ends_remove(pnode *n, kvr_ctx *c)
 
 /* Splits n after k label tokens (0 < k < len): n keeps the upper part and
  * gets one child holding the rest, its children and its ends. */
-static int node_split(kvr_ptree *t, pnode *n, size_t k)
+static int node_split(kvr_ptree *t, kvr_pnode *n, size_t k)
 {
-    pnode *low = node_new(n->label + k, n->len - k);
+    kvr_pnode *low = node_new(n->label + k, n->len - k);
     if (!low)
         return KVR_ENOMEM;
-    pnode **one = kvr_mem_malloc(sizeof *one);
+    kvr_pnode **one = kvr_mem_malloc(sizeof *one);
     if (!one) {
         node_free_rec(low, true);
         return KVR_ENOMEM;
@@ -150,7 +149,7 @@ static int node_split(kvr_ptree *t, pnode *n, size_t k)
     low->n_ends = n->n_ends;
     low->cap_ends = n->cap_ends;
     for (uint32_t i = 0; i < low->n_ends; i++)
-        low->ends[i]->idx_node[t->which] = low;
+        low->ends[i]->node = low;
     low->n_pass = n->n_pass;
     low->depth = n->depth;
     low->parent = n;
@@ -168,11 +167,11 @@ static int node_split(kvr_ptree *t, pnode *n, size_t k)
 
 /* Merges n's only child into n when n is a non-root node with no ends. Best
  * effort: on allocation failure the tree just stays less compressed. */
-static void node_compact(kvr_ptree *t, pnode *n)
+static void node_compact(kvr_ptree *t, kvr_pnode *n)
 {
     if (n == &t->root || n->n_ends || n->n_children != 1)
         return;
-    pnode *c = n->children[0];
+    kvr_pnode *c = n->children[0];
     uint32_t *lab = kvr_mem_realloc(n->label, (n->len + c->len) * sizeof *lab);
     if (!lab)
         return;
@@ -191,39 +190,38 @@ static void node_compact(kvr_ptree *t, pnode *n)
     n->n_ends = c->n_ends;
     n->cap_ends = c->cap_ends;
     for (uint32_t i = 0; i < n->n_ends; i++)
-        n->ends[i]->idx_node[t->which] = n;
+        n->ends[i]->node = n;
     kvr_mem_free(c->label);
     kvr_mem_free(c);
     t->n_nodes--;
 }
 
 /* Drops n (n_pass reached 0, so it has no children and no ends). */
-static void node_drop(kvr_ptree *t, pnode *n)
+static void node_drop(kvr_ptree *t, kvr_pnode *n)
 {
     child_remove(n->parent, n);
     node_free_rec(n, true);
     t->n_nodes--;
 }
 
-void ptree_truncate(kvr_ptree *t, kvr_ctx *c, size_t n)
+void kvr_ptree_truncate(kvr_ptree *t, kvr_pentry *c, size_t n)
 {
-    int w = t->which;
-    pnode *node = c->idx_node[w];
-    if (!node || n >= c->idx_len[w])
+    kvr_pnode *node = c->node;
+    if (!node || n >= c->len)
         return;
     ends_remove(node, c);
     /* Nodes entirely beyond n lose c. */
     while (node != &t->root && node->depth - node->len >= n) {
-        pnode *up = node->parent;
+        kvr_pnode *up = node->parent;
         if (--node->n_pass == 0)
             node_drop(t, node);
         else if (node->n_ends == 0 && node->n_children == 1)
             node_compact(t, node);
         node = up;
     }
-    c->idx_len[w] = n;
+    c->len = n;
     if (n == 0) {
-        c->idx_node[w] = NULL;
+        c->node = NULL;
         if (node != &t->root && node->n_ends == 0 && node->n_children == 1)
             node_compact(t, node);
         return;
@@ -235,31 +233,31 @@ void ptree_truncate(kvr_ptree *t, kvr_ctx *c, size_t n)
             node->len -= node->depth - n;
             node->depth = n;
         } else if (node_split(t, node, node->len - (node->depth - n)) == 0) {
-            pnode *low = node->children[0];
+            kvr_pnode *low = node->children[0];
             low->n_pass--;    /* > 0: others passed through */
         } else {
             /* Cannot split: leave c at its old place, a longer sequence
              * than it has. Matching still only returns true prefixes of
              * some context, except for c's lost tail; accept degraded. */
             node->n_pass--;
-            c->idx_node[w] = NULL;
-            c->idx_len[w] = 0;
+            c->node = NULL;
+            c->len = 0;
             goto unwind_up;
         }
     }
     if (ends_add(node, c) != 0) {
         node->n_pass--;
-        c->idx_node[w] = NULL;
-        c->idx_len[w] = 0;
+        c->node = NULL;
+        c->len = 0;
         goto unwind_up;
     }
-    c->idx_node[w] = node;
+    c->node = node;
     return;
 
 unwind_up:
     /* c has been removed from node and below; remove it from the rest. */
-    for (pnode *u = node->parent; u && u != &t->root;) {
-        pnode *up = u->parent;
+    for (kvr_pnode *u = node->parent; u && u != &t->root;) {
+        kvr_pnode *up = u->parent;
         if (--u->n_pass == 0)
             node_drop(t, u);
         u = up;
@@ -270,17 +268,16 @@ unwind_up:
 
 /* Inserts seq[0..n) below `from` (whose depth is where seq starts); c must
  * already be counted in `from` and above. */
-static int insert_below(kvr_ptree *t, pnode *from, kvr_ctx *c, const uint32_t *seq,
+static int insert_below(kvr_ptree *t, kvr_pnode *from, kvr_pentry *c, const uint32_t *seq,
                         size_t n)
 {
-    int w = t->which;
-    pnode *cur = from;
+    kvr_pnode *cur = from;
     size_t i = 0;
     int rc;
     while (i < n) {
         long k = child_find(cur, seq[i]);
         if (k < 0) {
-            pnode *leaf = node_new(seq + i, n - i);
+            kvr_pnode *leaf = node_new(seq + i, n - i);
             if (!leaf) {
                 rc = KVR_ENOMEM;
                 goto fail;
@@ -296,7 +293,7 @@ static int insert_below(kvr_ptree *t, pnode *from, kvr_ctx *c, const uint32_t *s
             i = n;
             break;
         }
-        pnode *ch = cur->children[k];
+        kvr_pnode *ch = cur->children[k];
         size_t m = 1, lim = ch->len < n - i ? ch->len : n - i;
         while (m < lim && ch->label[m] == seq[i + m])
             m++;
@@ -308,13 +305,13 @@ static int insert_below(kvr_ptree *t, pnode *from, kvr_ctx *c, const uint32_t *s
     }
     if ((rc = ends_add(cur, c)) != 0)
         goto fail;
-    c->idx_node[w] = cur;
+    c->node = cur;
     return 0;
 
 fail:
     /* Undo the counts below `from`. */
     while (cur != from) {
-        pnode *up = cur->parent;
+        kvr_pnode *up = cur->parent;
         if (--cur->n_pass == 0)
             node_drop(t, cur);
         cur = up;
@@ -322,65 +319,62 @@ fail:
     return rc;
 }
 
-int ptree_append(kvr_ptree *t, kvr_ctx *c, const uint32_t *suffix, size_t n)
+int kvr_ptree_append(kvr_ptree *t, kvr_pentry *c, const uint32_t *suffix, size_t n)
 {
-    int w = t->which;
     if (n == 0)
         return 0;
-    pnode *from = c->idx_node[w] ? c->idx_node[w] : &t->root;
+    kvr_pnode *from = c->node ? c->node : &t->root;
     if (from != &t->root)
         ends_remove(from, c);
     int rc = insert_below(t, from, c, suffix, n);
     if (rc != 0) {
         if (from != &t->root)
             (void)ends_add(from, c);   /* the slot it had is still there */
-        c->idx_node[w] = from != &t->root ? from : NULL;
+        c->node = from != &t->root ? from : NULL;
         return rc;
     }
-    c->idx_len[w] += n;
+    c->len += n;
     node_compact(t, from);
     return 0;
 }
 
-int ptree_set(kvr_ptree *t, kvr_ctx *c, const uint32_t *seq, size_t n, size_t keep)
+int kvr_ptree_set(kvr_ptree *t, kvr_pentry *c, const uint32_t *seq, size_t n, size_t keep)
 {
-    int w = t->which;
     if (keep > n)
         keep = n;
-    if (keep < c->idx_len[w])
-        ptree_truncate(t, c, keep);
-    keep = c->idx_len[w];    /* may be less after a degraded truncation */
-    return ptree_append(t, c, seq + keep, n - keep);
+    if (keep < c->len)
+        kvr_ptree_truncate(t, c, keep);
+    keep = c->len;    /* may be less after a degraded truncation */
+    return kvr_ptree_append(t, c, seq + keep, n - keep);
 }
 
-int ptree_clone(kvr_ptree *t, kvr_ctx *src, kvr_ctx *dst)
+int kvr_ptree_clone(kvr_ptree *t, kvr_pentry *src, kvr_pentry *dst)
 {
-    int w = t->which;
-    pnode *n = src->idx_node[w];
-    dst->idx_node[w] = NULL;
-    dst->idx_len[w] = 0;
+    kvr_pnode *n = src->node;
+    dst->node = NULL;
+    dst->len = 0;
     if (!n)
         return 0;
     int rc = ends_add(n, dst);
     if (rc != 0)
         return rc;
-    for (pnode *u = n; u != &t->root; u = u->parent)
+    for (kvr_pnode *u = n; u != &t->root; u = u->parent)
         u->n_pass++;
-    dst->idx_node[w] = n;
-    dst->idx_len[w] = src->idx_len[w];
+    dst->node = n;
+    dst->len = src->len;
     return 0;
 }
 
-size_t ptree_match(const kvr_ptree *t, const uint32_t *q, size_t n, kvr_ctx **rep)
+size_t kvr_ptree_match(const kvr_ptree *t, const uint32_t *q, size_t n, kvr_ctx **rep)
 {
-    const pnode *cur = &t->root;
+    const kvr_pnode *cur = &t->root;
     size_t matched = 0;
     *rep = NULL;
     while (matched < n) {
         long k = child_find(cur, q[matched]);
         if (k < 0)
             break;
-        const pnode *ch = cur->children[k];
+        const kvr_pnode *ch = cur->children[k];
         size_t m = 1, lim = ch->len < n - matched ? ch->len : n - matched;
         while (m < lim && ch->label[m] == q[matched + m])
             m++;
@@ -393,6 +387,6 @@ size_t ptree_match(const kvr_ptree *t, const uint32_t *q, size_t n, kvr_ctx **re
         return 0;
     while (cur->n_ends == 0 && cur->n_children > 0)
         cur = cur->children[0];
-    *rep = cur->n_ends ? cur->ends[0] : NULL;
+    *rep = cur->n_ends ? cur->ends[0]->owner : NULL;
     return *rep ? matched : 0;
 }

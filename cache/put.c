@@ -20,36 +20,29 @@
  */
 #include <string.h>
 
-#include "cache/store_internal.h"
-
-typedef struct put_run {
-    kvr_block *b;
-    uint32_t   first, count;
-} put_run;
+#include "cache/layout.h"
+#include "cache/txn.h"
 
 struct kvr_put {
     kvr_store    *s;
     kvr_ctx      *c;
     kvr_model    *m;
-    bool          created, tail, pin, worked, persist;
+    bool          created, tail, pin, persist;
     bool          has_protect;  /* protect_first given: n_protected at commit */
     size_t        protect;
     kvr_dtype     pdt;          /* payload dtype */
     size_t        n;
     uint32_t     *tokens;       /* copy, for the prefix index */
     int64_t       first_pos, last_pos;
-    put_run      *runs;
+    kvr_brun     *runs;
     size_t        n_runs;
-    uint8_t      *staging;
-    size_t        payload;
-    struct iovec *iov;
-    size_t        n_iov;
-    layout_put    lp;           /* groups / APE record / retention (layout.c) */
+    kvr_wpay      w;            /* the payload: into runs, or staged */
+    kvr_layout_put lp;          /* groups / APE record / retention (layout.c) */
     /* Quantized contexts (quant.c): the first fl_old window tokens of the
      * context and the first fl_new tokens of this put go into quantized
      * slots qruns (in that order); the rest of the put goes to window runs. */
     bool          quant;
-    qrun         *qruns, *wsrc;     /* destinations; old window sources (ref'd) */
+    kvr_brun     *qruns, *wsrc;     /* destinations; old window sources (ref'd) */
     size_t        n_qruns, n_wsrc, fl_old, fl_new;
     int64_t      *qpos;             /* stored-at positions of the flushed tokens */
     double        sse[2], ss[2];
@@ -62,23 +55,21 @@ static void txn_free(kvr_put *t)
         if (!t->runs[i].b)
             continue;
         if (i == 0 && t->tail)
-            t->runs[i].b->holds--;
-        block_unref(s, t->runs[i].b);
+            kvr_block_unhold(&s->pool, t->runs[i].b);
+        else
+            kvr_block_unref(&s->pool, t->runs[i].b);
     }
     for (size_t i = 0; i < t->n_qruns; i++)
-        block_unref(s, t->qruns[i].b);
-    for (size_t i = 0; i < t->n_wsrc; i++) {
-        t->wsrc[i].b->holds--;      /* held: eviction must not spill it */
-        block_unref(s, t->wsrc[i].b);
-    }
+        kvr_block_unref(&s->pool, t->qruns[i].b);
+    for (size_t i = 0; i < t->n_wsrc; i++)
+        kvr_block_unhold(&s->pool, t->wsrc[i].b);   /* held: eviction must not spill it */
     kvr_mem_free(t->qruns);
     kvr_mem_free(t->wsrc);
     kvr_mem_free(t->qpos);
     kvr_mem_free(t->runs);
-    kvr_mem_free(t->staging);
-    kvr_mem_free(t->iov);
+    kvr_wpay_free(&t->w);
     kvr_mem_free(t->tokens);
-    layout_put_free(&t->lp);
+    kvr_layout_put_free(&t->lp);
     kvr_mem_free(t);
 }
 
@@ -100,8 +91,8 @@ static int mul_ok(size_t *out, size_t a, size_t b)
  */
 static bool same_codec(const kvr_block *b, const kvr_qspec *q)
 {
-    return b->quant && !memcmp(&QH(b)->kc, &q->pair.k, sizeof QH(b)->kc) &&
-           !memcmp(&QH(b)->vc, &q->pair.v, sizeof QH(b)->vc);
+    return b->quant && !memcmp(&KVR_QH(b)->kc, &q->pair.k, sizeof KVR_QH(b)->kc) &&
+           !memcmp(&KVR_QH(b)->vc, &q->pair.v, sizeof KVR_QH(b)->vc);
 }
 
 /* Last quantized block of c, if put may append to it. */
@@ -112,8 +103,8 @@ static kvr_block *quant_tail(const kvr_ctx *c)
         if (!e->block->quant)
             continue;
         kvr_block *b = e->block;
-        if (b->refcount == 1 && e->first + e->count == b->used && b->used < b->cap &&
-            b->used % QH(b)->ktile == 0 && same_codec(b, &c->codec) && !b->spilled)
+        if (kvr_block_exclusive(b) && e->first + e->count == b->used && b->used < b->cap &&
+            b->used % KVR_QH(b)->ktile == 0 && same_codec(b, &c->codec) && !b->spilled)
             return b;
         return NULL;
     }
@@ -134,7 +125,7 @@ static int plan_quant(kvr_put *t, const kvr_put_params *p, size_t *need, kvr_err
             size_t hi = k + c->ext[i].count < lim ? k + c->ext[i].count : lim;
             cand_old += hi - k;
         }
-    size_t cand_new = lim > n0 ? lim - n0 : 0, G = qspec_ktile(q);
+    size_t cand_new = lim > n0 ? lim - n0 : 0, G = kvr_qspec_ktile(q);
     size_t f = (cand_old + cand_new) / G * G;
     t->fl_old = f < cand_old ? f : cand_old;
     t->fl_new = f - t->fl_old;
@@ -142,12 +133,12 @@ static int plan_quant(kvr_put *t, const kvr_put_params *p, size_t *need, kvr_err
     size_t qfree = qt ? qt->cap - qt->used : 0;
     if (qfree > f)
         qfree = f;
-    uint32_t cap = qspec_block_cap(s, q);
+    uint32_t cap = kvr_qspec_block_cap(q, s->B);
     size_t nb = (f - qfree + cap - 1) / cap;
     size_t row = (size_t)t->m->n_kv_heads * t->m->head_dim;
-    *need = nb * (kvr_mem_size_class(block_quant_bytes(s, t->m, q)) +
+    *need = nb * (kvr_mem_size_class(kvr_store_block_bytes(s, c, true)) +
                   kvr_mem_size_class(sizeof(kvr_block))) +
-            (nb + 1 + c->n_ext) * sizeof(qrun) + f * sizeof(int64_t) +
+            (nb + 1 + c->n_ext) * sizeof(kvr_brun) + f * sizeof(int64_t) +
             (f + 2u * G) * row * sizeof(float) +
             (c->n_ext + c->n_ext + 2 * nb + 8) * sizeof(kvr_extent);
     return 0;
@@ -160,7 +151,7 @@ static int alloc_quant(kvr_put *t, const kvr_put_params *p, kvr_error *err)
     size_t f = t->fl_old + t->fl_new;
     if (f == 0)
         return 0;
-    uint32_t cap = qspec_block_cap(s, &c->codec);
+    uint32_t cap = kvr_qspec_block_cap(&c->codec, s->B);
     kvr_block *qt = quant_tail(c);
     size_t qfree = qt ? qt->cap - qt->used : 0;
     if (qfree > f)
@@ -173,16 +164,16 @@ static int alloc_quant(kvr_put *t, const kvr_put_params *p, kvr_error *err)
         goto nomem;
     size_t left = f;
     if (qt) {
-        block_ref(qt);
-        t->qruns[t->n_qruns++] = (qrun){ qt, qt->used, (uint32_t)qfree };
+        kvr_block_ref(qt);
+        t->qruns[t->n_qruns++] = (kvr_brun){ qt, qt->used, (uint32_t)qfree };
         left -= qfree;
     }
     while (left) {
-        kvr_block *b = block_new_quant(s, t->m, &c->codec);
+        kvr_block *b = kvr_store_block_new(s, c, true);
         if (!b)
             goto nomem;
         uint32_t k = left < cap ? (uint32_t)left : cap;
-        t->qruns[t->n_qruns++] = (qrun){ b, 0, k };
+        t->qruns[t->n_qruns++] = (kvr_brun){ b, 0, k };
         left -= k;
     }
     /* Old window sources, in context order. */
@@ -192,9 +183,8 @@ static int alloc_quant(kvr_put *t, const kvr_put_params *p, kvr_error *err)
         if (e->block->quant)
             continue;
         uint32_t k = e->count < want ? e->count : (uint32_t)want;
-        block_ref(e->block);
-        e->block->holds++;
-        t->wsrc[t->n_wsrc++] = (qrun){ e->block, e->first, k };
+        kvr_block_hold(e->block);
+        t->wsrc[t->n_wsrc++] = (kvr_brun){ e->block, e->first, k };
         want -= k;
     }
     /* put_work re-encodes these window tokens: their data must be in
@@ -207,7 +197,7 @@ static int alloc_quant(kvr_put *t, const kvr_put_params *p, kvr_error *err)
             goto nomem;
         for (size_t j = 0; j < t->n_wsrc; j++)
             bs[j] = t->wsrc[j].b;
-        int frc = tier_fault_in(s, bs, t->n_wsrc, NULL, err);
+        int frc = kvr_store_fault_in(s, bs, t->n_wsrc, err);
         kvr_mem_free(bs);
         if (frc != 0)
             return frc;
@@ -220,9 +210,8 @@ static int alloc_quant(kvr_put *t, const kvr_put_params *p, kvr_error *err)
             const kvr_block *src = t->wsrc[i].b;
             kvr_block *b = t->qruns[r].b;
             uint32_t sl = t->qruns[r].first + (uint32_t)off, from = t->wsrc[i].first + j;
-            b->tokens[sl] = src->tokens[from];
-            b->stored_pos[sl] = t->qpos[g] = src->stored_pos[from];
-            b->groups[sl] = src->groups[from];
+            t->qpos[g] = src->stored_pos[from];
+            kvr_block_set_meta(b, sl, src->tokens[from], t->qpos[g], src->groups[from]);
             if (++off == t->qruns[r].count) {
                 r++;
                 off = 0;
@@ -231,10 +220,8 @@ static int alloc_quant(kvr_put *t, const kvr_put_params *p, kvr_error *err)
     for (size_t j = 0; j < t->fl_new; j++, g++) {
         kvr_block *b = t->qruns[r].b;
         uint32_t sl = t->qruns[r].first + (uint32_t)off;
-        b->tokens[sl] = p->tokens[j];
-        b->stored_pos[sl] = t->qpos[g] = p->positions ? p->positions[j]
-                                                      : t->first_pos + (int64_t)j;
-        b->groups[sl] = t->lp.group;
+        t->qpos[g] = p->positions ? p->positions[j] : t->first_pos + (int64_t)j;
+        kvr_block_set_meta(b, sl, p->tokens[j], t->qpos[g], t->lp.group);
         if (++off == t->qruns[r].count) {
             r++;
             off = 0;
@@ -256,14 +243,14 @@ static int work_quant(kvr_put *t, kvr_error *err)
     uint32_t bl;
     int bkv;
     size_t btok;
-    if (quant_find_nonfinite(t->staging, t->pdt, m->n_layers, t->n, row, &bl, &bkv, &btok))
+    if (kvr_quant_find_nonfinite(t->w.staging, t->pdt, m->n_layers, t->n, row, &bl, &bkv, &btok))
         return kvr_error_set(err, KVR_EINVAL,
                              "put into '%s': %s of layer %u, token %zu of the put "
                              "(position %lld) is nan or inf; nothing was stored",
                              t->c->id, bkv ? "V" : "K", bl, btok,
                              (long long)(t->first_pos + (int64_t)btok));
     size_t f = t->fl_old + t->fl_new;
-    size_t G = qspec_ktile(&t->c->codec);
+    size_t G = kvr_qspec_ktile(&t->c->codec);
     float *x = NULL, *scratch = NULL;
     if (f) {
         x = kvr_mem_malloc(f * row * sizeof *x);
@@ -278,12 +265,12 @@ static int work_quant(kvr_put *t, kvr_error *err)
     size_t part = t->n * row * psize;
     for (uint32_t l = 0; l < m->n_layers && rc == 0; l++) {
         for (int kv = 0; kv < 2 && rc == 0; kv++) {
-            const uint8_t *pay = t->staging + (2u * l + (unsigned)kv) * part;
+            const uint8_t *pay = t->w.staging + (2u * l + (unsigned)kv) * part;
             if (f) {
                 size_t g = 0;
                 for (size_t i = 0; i < t->n_wsrc && rc == 0; i++) {
-                    const qrun *w = &t->wsrc[i];
-                    const uint8_t *src = block_kv(w->b, m, l, kv, w->first);
+                    const kvr_brun *w = &t->wsrc[i];
+                    const uint8_t *src = kvr_block_kv(w->b, l, kv, w->first);
                     if (kv)
                         kvr_convert(x + g * row, KVR_DTYPE_F32, src, w->b->dtype,
                                     w->count * row);
@@ -307,7 +294,7 @@ static int work_quant(kvr_put *t, kvr_error *err)
                                        rc);
                     break;
                 }
-                rc = quant_encode_side(m, t->qruns, t->n_qruns, l, kv, x, scratch,
+                rc = kvr_quant_encode_side(t->qruns, t->n_qruns, l, kv, x, scratch,
                                        &t->sse[kv], &t->ss[kv]);
                 if (rc != 0) {
                     rc = kvr_error_set(err, rc, "put into '%s': %s of layer %u is outside "
@@ -316,33 +303,21 @@ static int work_quant(kvr_put *t, kvr_error *err)
                     break;
                 }
             }
-            const uint8_t *src = pay + t->fl_new * row * psize;
-            for (size_t r = 0; r < t->n_runs; r++) {
-                const put_run *run = &t->runs[r];
-                kvr_convert(block_kv(run->b, m, l, kv, run->first), run->b->dtype, src,
-                            t->pdt, run->count * row);
-                src += run->count * row * psize;
-            }
+            kvr_brun_fill(t->runs, t->n_runs, l, kv, pay + t->fl_new * row * psize, t->pdt);
         }
     }
     kvr_mem_free(x);
     kvr_mem_free(scratch);
     if (rc == 0)
-        t->worked = true;
+        t->w.worked = true;
     return rc;
 }
 
 /* Appends e (carrying one reference) to a, merging with the last extent. */
 static void ext_push(kvr_store *s, kvr_extent *a, size_t *n, kvr_extent e)
 {
-    kvr_extent *last = *n ? &a[*n - 1] : NULL;
-    if (last && last->block == e.block && last->first + last->count == e.first &&
-        last->pos_delta == e.pos_delta && last->flags == e.flags) {
-        last->count += e.count;
-        block_unref(s, e.block);
-        return;
-    }
-    a[(*n)++] = e;
+    if (kvr_ext_append(a, n, e))
+        kvr_block_unref(&s->pool, e.block);
 }
 
 typedef struct qcursor {
@@ -353,9 +328,9 @@ static void emit_quant(kvr_put *t, kvr_extent *a, size_t *n, qcursor *cur, size_
                        int64_t delta, uint32_t flags)
 {
     while (count) {
-        qrun *q = &t->qruns[cur->r];
+        kvr_brun *q = &t->qruns[cur->r];
         size_t k = q->count - cur->off < count ? q->count - cur->off : count;
-        block_ref(q->b);
+        kvr_block_ref(q->b);
         ext_push(t->s, a, n, (kvr_extent){ q->b, q->first + (uint32_t)cur->off,
                                            (uint32_t)k, delta, flags });
         count -= k;
@@ -368,7 +343,7 @@ static void emit_quant(kvr_put *t, kvr_extent *a, size_t *n, qcursor *cur, size_
 
 /* Commit's splice for a quantized put (after the index succeeded): a new
  * extent array; cannot fail (allocated before). */
-static void commit_quant(kvr_put *t, kvr_extent *a)
+static void commit_quant(kvr_put *t, kvr_extent *a, size_t cap)
 {
     kvr_store *s = t->s;
     kvr_ctx *c = t->c;
@@ -377,32 +352,32 @@ static void commit_quant(kvr_put *t, kvr_extent *a)
     for (size_t i = 0; i < c->n_ext; i++) {
         kvr_extent e = c->ext[i];
         if (e.block->quant || left == 0) {
+            kvr_block_ref(e.block);
             ext_push(s, a, &n, e);
             continue;
         }
         uint32_t k = e.count < left ? e.count : (uint32_t)left;
         emit_quant(t, a, &n, &cur, k, e.pos_delta, e.flags);
         left -= k;
-        if (k < e.count)
+        if (k < e.count) {
+            kvr_block_ref(e.block);
             ext_push(s, a, &n, (kvr_extent){ e.block, e.first + k, e.count - k,
                                              e.pos_delta, e.flags });
-        else
-            block_unref(s, e.block);
+        }
     }
     emit_quant(t, a, &n, &cur, t->fl_new, 0, 0);
     for (size_t r = 0; r < t->n_runs; r++) {
-        put_run *run = &t->runs[r];
+        kvr_brun *run = &t->runs[r];
         if (r == 0 && t->tail)
-            run->b->holds--;
-        run->b->used = run->first + run->count;
+            kvr_block_hold_to_ref(run->b);
+        kvr_block_commit(run->b, run->first + run->count);
         ext_push(s, a, &n, (kvr_extent){ run->b, run->first, run->count, 0, 0 });
         run->b = NULL;
     }
     for (size_t r = 0; r < t->n_qruns; r++)
-        t->qruns[r].b->used = t->qruns[r].first + t->qruns[r].count;
-    kvr_mem_free(c->ext);
-    c->ext = a;
-    c->n_ext = n;
+        kvr_block_commit(t->qruns[r].b, t->qruns[r].first + t->qruns[r].count);
+    /* The old array's references go (the pieces kept took their own). */
+    kvr_ctx_replace_extents(&s->pool, c, a, n, cap);
     for (int kv = 0; kv < 2; kv++) {
         c->q_sse[kv] += t->sse[kv];
         c->q_ss[kv] += t->ss[kv];
@@ -415,9 +390,9 @@ int kvr_store_put_begin(kvr_store *s, const kvr_put_params *p, kvr_put **out,
     int rc;
     if (!p || !out)
         return kvr_error_set(err, KVR_EBADREQUEST, "put: missing parameters");
-    if ((rc = ctx_id_check(p->ctx_id, err)) != 0)
+    if ((rc = kvr_ctx_id_check(p->ctx_id, err)) != 0)
         return rc;
-    kvr_model *m = model_find(s, p->model);
+    kvr_model *m = kvr_store_model(s, p->model);
     if (!m)
         return kvr_error_set(err, KVR_ENOMODEL, "no model '%s'", p->model ? p->model : "");
     if (p->fingerprint && p->fingerprint != m->fingerprint)
@@ -454,7 +429,7 @@ int kvr_store_put_begin(kvr_store *s, const kvr_put_params *p, kvr_put **out,
                              "x %u dims x %zu bytes = %zu", p->payload_bytes, m->n_layers, n,
                              m->n_kv_heads, m->head_dim, psize, payload);
 
-    kvr_ctx *c = ctx_find(s, p->ctx_id);
+    kvr_ctx *c = kvr_store_ctx_find(s, p->ctx_id);
     if (c && c->busy)
         return kvr_error_set(err, KVR_EBUSY, "context '%s' is being written", p->ctx_id);
     if (c && p->mode == KVR_PUT_CREATE)
@@ -472,8 +447,8 @@ int kvr_store_put_begin(kvr_store *s, const kvr_put_params *p, kvr_put **out,
                              (c ? c->n_tokens : 0) + n);
 
     /* Groups and the APE prefix record (layout.c). */
-    layout_put lp;
-    if ((rc = layout_put_begin(s, c, m, p, &lp, err)) != 0)
+    kvr_layout_put lp;
+    if ((rc = kvr_layout_put_begin(s, c, m, p, &lp, err)) != 0)
         return rc;
 
     /* Positions: explicit, or contiguous from pos_start / after the last. */
@@ -485,8 +460,8 @@ int kvr_store_put_begin(kvr_store *s, const kvr_put_params *p, kvr_put **out,
     } else if (lp.has_first) {
         first = lp.first;
     } else if (c && c->n_tokens) {
-        if (__builtin_add_overflow(ctx_last_pos(c), 1, &first)) {
-            layout_put_free(&lp);
+        if (__builtin_add_overflow(kvr_ctx_last_pos(c), 1, &first)) {
+            kvr_layout_put_free(&lp);
             return kvr_error_set(err, KVR_EINVAL, "next position overflows int64");
         }
     } else {
@@ -496,7 +471,7 @@ int kvr_store_put_begin(kvr_store *s, const kvr_put_params *p, kvr_put **out,
     if (p->positions)
         last = p->positions[n - 1];
     else if (__builtin_add_overflow(first, (int64_t)(n - 1), &last)) {
-        layout_put_free(&lp);
+        kvr_layout_put_free(&lp);
         return kvr_error_set(err, KVR_EINVAL,
                              "positions from %lld for %zu tokens overflow int64",
                              (long long)first, n);
@@ -504,29 +479,20 @@ int kvr_store_put_begin(kvr_store *s, const kvr_put_params *p, kvr_put **out,
 
     kvr_put *t = kvr_mem_calloc(1, sizeof *t);
     if (!t) {
-        layout_put_free(&lp);
+        kvr_layout_put_free(&lp);
         return kvr_error_set(err, KVR_ENOMEM, "out of memory starting a put");
     }
-    t->lp = lp;
-    t->s = s;
-    t->m = m;
-    t->pdt = p->dtype;
-    t->n = n;
-    t->pin = p->pin;
-    t->persist = p->persist;
-    t->has_protect = p->has_protect_first;
-    t->protect = p->protect_first;
-    t->payload = payload;
-    t->first_pos = first;
-    t->last_pos = last;
+    *t = (kvr_put){ .s = s, .m = m, .lp = lp, .pdt = p->dtype, .n = n, .pin = p->pin,
+                    .persist = p->persist, .has_protect = p->has_protect_first,
+                    .protect = p->protect_first, .first_pos = first, .last_pos = last };
     if (!c) {
-        if (!(c = ctx_new(s, m, p->ctx_id))) {
+        if (!(c = kvr_store_ctx_new(s, m, p->ctx_id))) {
             rc = kvr_error_set(err, KVR_ENOMEM, "out of memory creating '%s'", p->ctx_id);
             goto fail_txn;
         }
         t->created = true;
         if (p->codec && p->codec[0] &&
-            (rc = qspec_parse(p->codec, m, m->dtype, &c->codec, err)) != 0)
+            (rc = kvr_model_codec(m, p->codec, &c->codec, err)) != 0)
             goto fail_ctx_early;
         c->dtype = c->codec.dtype;
     }
@@ -539,7 +505,7 @@ int kvr_store_put_begin(kvr_store *s, const kvr_put_params *p, kvr_put **out,
     uint32_t tail_free = 0;
     if (c->n_ext) {
         kvr_extent *e = &c->ext[c->n_ext - 1];
-        if (e->block->refcount == 1 && e->first + e->count == e->block->used &&
+        if (kvr_block_exclusive(e->block) && e->first + e->count == e->block->used &&
             e->block->used < e->block->cap && e->block->dtype == c->dtype &&
             !e->block->quant && !e->block->spilled) {
             tail = e->block;
@@ -560,7 +526,7 @@ int kvr_store_put_begin(kvr_store *s, const kvr_put_params *p, kvr_put **out,
     }
     size_t nwin = n - t->fl_new;
     size_t n_new = (nwin - tail_free + s->B - 1) / s->B;
-    size_t bb = block_data_bytes(s, m, c->dtype);
+    size_t bb = kvr_store_block_bytes(s, c, false);
     bool zero_copy = p->dtype == c->dtype && !t->quant;
     size_t n_runs = n_new + (tail ? 1 : 0);
     size_t n_iov = zero_copy ? 2u * m->n_layers * n_runs : 1;
@@ -569,123 +535,82 @@ int kvr_store_put_begin(kvr_store *s, const kvr_put_params *p, kvr_put **out,
     size_t need = n_new * (kvr_mem_size_class(bb) + kvr_mem_size_class(sizeof(kvr_block))) +
                   (zero_copy ? 0 : kvr_mem_size_class(payload)) +
                   n_iov * sizeof(struct iovec) + n * sizeof(uint32_t) +
-                  n_runs * sizeof(put_run) + qneed;
-    if ((rc = store_reserve_request(s, need, "put", err)) != 0)
+                  n_runs * sizeof(kvr_brun) + qneed;
+    if ((rc = kvr_store_reserve_request(s, need, "put", err)) != 0)
         goto fail_ctx;
     if (t->quant && (rc = alloc_quant(t, p, err)) != 0)
         goto fail_ctx;
 
     t->runs = kvr_mem_calloc(n_runs ? n_runs : 1, sizeof *t->runs);
     t->tokens = kvr_mem_malloc(n * sizeof *t->tokens);
-    t->iov = kvr_mem_malloc(n_iov * sizeof *t->iov);
-    if (!t->runs || !t->tokens || !t->iov) {
+    if (!t->runs || !t->tokens) {
         rc = kvr_error_set(err, KVR_ENOMEM, "out of memory preparing a put of %zu tokens", n);
         goto fail_ctx;
     }
     memcpy(t->tokens, p->tokens, n * sizeof *t->tokens);
     size_t left = nwin;
     if (tail) {
-        block_ref(tail);
-        tail->holds++;
+        kvr_block_hold(tail);
         t->tail = true;
-        t->runs[0] = (put_run){ tail, tail->used, tail_free };
+        t->runs[0] = (kvr_brun){ tail, tail->used, tail_free };
         t->n_runs = 1;
         left -= tail_free;
     }
     while (left) {
-        kvr_block *b = block_new(s, m, c->dtype);
+        kvr_block *b = kvr_store_block_new(s, c, false);
         if (!b) {
             rc = kvr_error_set(err, KVR_ENOMEM,
                                "out of memory allocating blocks for %zu tokens", n);
             goto fail_ctx;
         }
         uint32_t k = left < s->B ? (uint32_t)left : s->B;
-        t->runs[t->n_runs++] = (put_run){ b, 0, k };
+        t->runs[t->n_runs++] = (kvr_brun){ b, 0, k };
         left -= k;
     }
     /* Metadata into the (still invisible) slots. */
     size_t tok = t->fl_new;
     for (size_t r = 0; r < t->n_runs; r++) {
-        put_run *run = &t->runs[r];
+        kvr_brun *run = &t->runs[r];
         for (uint32_t j = 0; j < run->count; j++, tok++) {
-            run->b->tokens[run->first + j] = p->tokens[tok];
-            run->b->stored_pos[run->first + j] =
-                p->positions ? p->positions[tok] : first + (int64_t)tok;
-            run->b->groups[run->first + j] = t->lp.group;
+            kvr_block_set_meta(run->b, run->first + j, p->tokens[tok],
+                               p->positions ? p->positions[tok] : first + (int64_t)tok,
+                               t->lp.group);
         }
     }
-    if (zero_copy) {
-        size_t rowb = row * psize, k = 0;
-        for (uint32_t l = 0; l < m->n_layers; l++)
-            for (int kv = 0; kv < 2; kv++)
-                for (size_t r = 0; r < t->n_runs; r++)
-                    t->iov[k++] = (struct iovec){
-                        block_kv(t->runs[r].b, m, l, kv, t->runs[r].first),
-                        t->runs[r].count * rowb };
-        t->n_iov = k;
-    } else {
-        t->staging = kvr_mem_aligned(KVR_BLOCK_ALIGN, payload);
-        if (!t->staging) {
-            rc = kvr_error_set(err, KVR_ENOMEM, "out of memory for a %zu-byte staging buffer",
-                               payload);
-            goto fail_ctx;
-        }
-        t->iov[0] = (struct iovec){ t->staging, payload };
-        t->n_iov = 1;
+    if (kvr_wpay_init(&t->w, t->runs, t->n_runs, m->n_layers, payload, zero_copy) != 0) {
+        rc = kvr_error_set(err, KVR_ENOMEM, "out of memory for the %zu-byte payload of a put",
+                           payload);
+        goto fail_ctx;
     }
     *out = t;
     return 0;
 
 fail_ctx:
     if (t->created)
-        ctx_destroy(s, c);
+        kvr_store_ctx_destroy(s, c);
     else
         c->busy = false;
     goto fail_txn;
 fail_ctx_early:
-    ctx_destroy(s, c);
+    kvr_store_ctx_destroy(s, c);
 fail_txn:
     txn_free(t);
     return rc;
 }
 
-size_t kvr_put_payload_size(const kvr_put *t)
-{
-    return t->payload;
-}
-
-void kvr_put_payload_iov(const kvr_put *t, const struct iovec **iov, size_t *n)
-{
-    *iov = t->iov;
-    *n = t->n_iov;
-}
-
-bool kvr_put_needs_work(const kvr_put *t)
-{
-    return t->staging != NULL && !t->worked;
-}
+KVR_WRITE_TXN_API(kvr_put, kvr_put)
 
 int kvr_put_work(kvr_put *t, kvr_error *err)
 {
-    if (!t->staging || t->worked)
+    if (!t->w.staging || t->w.worked)
         return 0;
     if (t->quant)
         return work_quant(t, err);
-    const kvr_model *m = t->m;
-    size_t row = (size_t)m->n_kv_heads * m->head_dim;
-    const uint8_t *src = t->staging;
-    size_t psize = kvr_dtype_size(t->pdt);
-    for (uint32_t l = 0; l < m->n_layers; l++) {
-        for (int kv = 0; kv < 2; kv++) {
-            for (size_t r = 0; r < t->n_runs; r++) {
-                const put_run *run = &t->runs[r];
-                kvr_convert(block_kv(run->b, m, l, kv, run->first), run->b->dtype,
-                            src, t->pdt, run->count * row);
-                src += run->count * row * psize;
-            }
-        }
-    }
-    t->worked = true;
+    const uint8_t *src = t->w.staging;
+    for (uint32_t l = 0; l < t->m->n_layers; l++)
+        for (int kv = 0; kv < 2; kv++)
+            src = kvr_brun_fill(t->runs, t->n_runs, l, kv, src, t->pdt);
+    t->w.worked = true;
     return 0;
 }
 
@@ -694,8 +619,7 @@ int kvr_put_commit(kvr_put *t, kvr_put_result *res, kvr_error *err)
     int rc;
     kvr_store *s = t->s;
     kvr_ctx *c = t->c;
-    kvr_model *m = t->m;
-    if (t->staging && !t->worked && (rc = kvr_put_work(t, err)) != 0)
+    if (t->w.staging && !t->w.worked && (rc = kvr_put_work(t, err)) != 0)
         goto fail;
     kvr_extent *qext = NULL;
     size_t qcap = c->n_ext + 2 * t->n_wsrc + t->n_qruns + t->n_runs + 4;
@@ -703,63 +627,52 @@ int kvr_put_commit(kvr_put *t, kvr_put_result *res, kvr_error *err)
         rc = kvr_error_set(err, KVR_ENOMEM, "out of memory committing a put to '%s'", c->id);
         goto fail;
     }
-    if (!t->quant && ctx_ext_reserve(c, t->n_runs) != 0) {
+    if (!t->quant && kvr_ctx_ext_reserve(c, t->n_runs) != 0) {
         rc = kvr_error_set(err, KVR_ENOMEM, "out of memory committing a put to '%s'", c->id);
         goto fail;
     }
     /* Index first: it is the only step that can fail. A tree is appended
      * to only where it holds all of c (an allocation failure in
-     * ctx_index_rebuild or an edit can leave c dropped or a true prefix
+     * kvr_ctx_index_rebuild or an edit can leave c dropped or a true prefix
      * there): appending at a shorter node would index a sequence c does not
      * have. Such a tree is resynced below, after the tokens are in. */
     bool exact = c->n_exact == c->n_tokens;
-    bool in0 = exact && c->idx_len[0] == c->n_exact;
-    bool in1 = !c->idx_stale && c->idx_len[1] == c->n_tokens;
+    bool in0 = exact && c->idx[0].len == c->n_exact;
+    bool in1 = !c->idx_stale && c->idx[1].len == c->n_tokens;
     bool resync = (exact && !in0) || (!c->idx_stale && !in1);
-    if (in1 && (rc = ptree_append(&m->tree[1], c, t->tokens, t->n)) != 0) {
+    if (in1 && (rc = kvr_ctx_index_append(c, 1, t->tokens, t->n)) != 0) {
         kvr_error_set(err, rc, "out of memory indexing '%s'", c->id);
         kvr_mem_free(qext);
         goto fail;
     }
-    if (in0 && (rc = ptree_append(&m->tree[0], c, t->tokens, t->n)) != 0) {
-        ptree_truncate(&m->tree[1], c, c->n_tokens);   /* no-op when stale */
+    if (in0 && (rc = kvr_ctx_index_append(c, 0, t->tokens, t->n)) != 0) {
+        kvr_ctx_index_truncate(c, 1, c->n_tokens);   /* no-op when stale */
         kvr_error_set(err, rc, "out of memory indexing '%s'", c->id);
         kvr_mem_free(qext);
         goto fail;
     }
-    size_t first_index = c->n_tokens;
-    if (t->quant) {
-        commit_quant(t, qext);
-        c->cap_ext = qcap;
-    }
+    size_t first_index = c->n_tokens, old_exact = c->n_exact;
+    if (t->quant)
+        commit_quant(t, qext, qcap);
     for (size_t r = 0; r < t->n_runs && !t->quant; r++) {
-        put_run *run = &t->runs[r];
-        kvr_extent *last = c->n_ext ? &c->ext[c->n_ext - 1] : NULL;
+        kvr_brun *run = &t->runs[r];
         if (r == 0 && t->tail)
-            run->b->holds--;
-        if (last && last->block == run->b && last->first + last->count == run->first &&
-            last->pos_delta == 0 && last->flags == 0) {
-            last->count += run->count;
-            block_unref(s, run->b);     /* the extent already holds one */
-        } else {
-            c->ext[c->n_ext++] = (kvr_extent){ run->b, run->first, run->count, 0, 0 };
-        }
-        run->b->used = run->first + run->count;
+            kvr_block_hold_to_ref(run->b);
+        kvr_block_commit(run->b, run->first + run->count);
+        kvr_ctx_push(&s->pool, c, (kvr_extent){ run->b, run->first, run->count, 0, 0 });
         run->b = NULL;                  /* the reference now belongs to c */
     }
-    c->n_tokens += t->n;
-    if (exact)
-        c->n_exact = c->n_tokens;
+    assert(c->n_tokens == first_index + t->n);
+    c->n_exact = exact ? c->n_tokens : old_exact;
     if (resync)
-        ctx_index_rebuild(s, c, c->n_tokens);   /* best effort; never lies */
-    if (t->created) {
-        c->pending = false;
-        m->n_contexts++;
-    }
+        kvr_ctx_index_rebuild(c, c->n_tokens);   /* best effort; never lies */
+    kvr_ctx_check(c);
+    if (t->created)
+        kvr_store_ctx_commit(s, c);
     c->busy = false;
     /* Group cursor, created layout, retention (may drop tokens and move the
      * window's positions by `moved`). */
-    int64_t moved = layout_put_commit(s, c, &t->lp, t->n);
+    int64_t moved = kvr_layout_put_commit(s, c, &t->lp, t->n);
     /* After retention, which may have left fewer tokens than asked for. */
     if (t->has_protect)
         c->n_protected = t->protect < c->n_tokens ? t->protect : c->n_tokens;
@@ -767,9 +680,9 @@ int kvr_put_commit(kvr_put *t, kvr_put_result *res, kvr_error *err)
         first_index = c->n_tokens > t->n ? c->n_tokens - t->n : 0;
     if (t->pin)
         c->pinned = true;
-    if (s->tier && (t->persist || (t->created && tier_persist_all(s))))
+    if (s->tier && (t->persist || (t->created && s->persist_all)))
         c->persist = true;
-    lru_touch(s, c);
+    kvr_store_touch(s, c);
     s->n_puts++;
     if (res) {
         res->n_tokens = c->n_tokens;
@@ -791,7 +704,7 @@ void kvr_put_abort(kvr_put *t)
     if (!t)
         return;
     if (t->created)
-        ctx_destroy(t->s, t->c);
+        kvr_store_ctx_destroy(t->s, t->c);
     else
         t->c->busy = false;
     txn_free(t);

@@ -29,7 +29,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "cache/store_internal.h"
+#include "cache/quant.h"
 
 /* ---- specs --------------------------------------------------------------- */
 
@@ -99,8 +99,8 @@ static kvr_dtype plain_dtype(kvr_codec_type t)
                                                                     : KVR_DTYPE_BF16;
 }
 
-int qspec_parse(const char *spec, const kvr_model *m, kvr_dtype mdt, kvr_qspec *out,
-                kvr_error *err)
+int kvr_qspec_parse(const char *spec, const kvr_rope_config *rc, const char *model,
+                    uint32_t row, kvr_dtype mdt, kvr_qspec *out, kvr_error *err)
 {
     memset(out, 0, sizeof *out);
     out->dtype = mdt;
@@ -179,13 +179,12 @@ int qspec_parse(const char *spec, const kvr_model *m, kvr_dtype mdt, kvr_qspec *
         snprintf(out->name, sizeof out->name, "%s", kvr_dtype_name(out->dtype));
         return 0;
     }
-    if (!kvr_rope_config_composes(&m->rope_cfg))
+    if (!kvr_rope_config_composes(rc))
         return kvr_error_set(err, KVR_EUNSUPPORTED, "codec '%s': quantized keys are stored "
                              "pre-RoPE, and model '%s' uses length-dependent RoPE scaling",
-                             spec, m->name);
-    size_t row = (size_t)m->n_kv_heads * m->head_dim;
+                             spec, model);
     if (kvr_codec_row_bytes(&p.k, row) == 0 || kvr_codec_row_bytes(&p.v, row) == 0)
-        return kvr_error_set(err, KVR_EINVAL, "codec '%s' does not fit rows of %zu values "
+        return kvr_error_set(err, KVR_EINVAL, "codec '%s' does not fit rows of %u values "
                              "(ggml blocks need a multiple of 32)", spec, row);
     out->quant = true;
     out->pair = p;
@@ -203,30 +202,17 @@ bad:
                          spec);
 }
 
-int kvr_store_codec_check(const kvr_store *s, const char *model, const char *spec,
-                          char out[KVR_CODEC_NAME_MAX], kvr_error *err)
-{
-    kvr_model *m = model_find(s, model);
-    if (!m)
-        return kvr_error_set(err, KVR_ENOMODEL, "no model '%s'", model ? model : "");
-    kvr_qspec q;
-    int rc = qspec_parse(spec, m, m->dtype, &q, err);
-    if (rc == 0 && out)
-        memcpy(out, q.name, KVR_CODEC_NAME_MAX);
-    return rc;
-}
-
-uint32_t qspec_ktile(const kvr_qspec *q)
+uint32_t kvr_qspec_ktile(const kvr_qspec *q)
 {
     if (!q->quant || q->pair.k.axis != KVR_CODEC_AXIS_CHANNEL)
         return 1;
     return kvr_codec_group(&q->pair.k);
 }
 
-uint32_t qspec_block_cap(const kvr_store *s, const kvr_qspec *q)
+uint32_t kvr_qspec_block_cap(const kvr_qspec *q, uint32_t B)
 {
-    uint32_t g = qspec_ktile(q);
-    return (s->B + g - 1) / g * g;
+    uint32_t g = kvr_qspec_ktile(q);
+    return (B + g - 1) / g * g;
 }
 
 /* ---- blocks -------------------------------------------------------------- */
@@ -236,65 +222,25 @@ static size_t align64(size_t n)
     return (n + KVR_BLOCK_ALIGN - 1) & ~(size_t)(KVR_BLOCK_ALIGN - 1);
 }
 
-typedef struct qgeom {
-    uint32_t cap, ktile;
-    size_t   krow, vrow, kslab, vslab, kv;
-} qgeom;
-
-static void geom(const kvr_store *s, const kvr_model *m, const kvr_qspec *q, qgeom *g)
+void kvr_qspec_geom(const kvr_qspec *q, uint32_t B, uint32_t n_layers, uint32_t row,
+                    kvr_block_geom *g)
 {
-    size_t row = (size_t)m->n_kv_heads * m->head_dim;
-    g->cap = qspec_block_cap(s, q);
-    g->ktile = qspec_ktile(q);
-    g->krow = g->ktile > 1 ? kvr_codec_tile_bytes(&q->pair.k, row)
-                           : kvr_codec_row_bytes(&q->pair.k, row);
-    g->vrow = kvr_codec_row_bytes(&q->pair.v, row);
-    g->kslab = align64(g->krow * (g->cap / g->ktile));
-    g->vslab = align64(g->vrow * g->cap);
-    g->kv = KVR_QHDR_BYTES + (g->kslab + g->vslab) * m->n_layers;
-}
-
-size_t block_quant_bytes(const kvr_store *s, const kvr_model *m, const kvr_qspec *q)
-{
-    qgeom g;
-    geom(s, m, q, &g);
-    return g.kv + (size_t)g.cap * (sizeof(int64_t) + sizeof(uint32_t) + sizeof(int32_t));
-}
-
-kvr_block *block_new_quant(kvr_store *s, const kvr_model *m, const kvr_qspec *q)
-{
-    qgeom g;
-    geom(s, m, q, &g);
-    kvr_block *b = kvr_mem_calloc(1, sizeof *b);
-    if (!b)
-        return NULL;
-    size_t bytes = block_quant_bytes(s, m, q);
-    b->data = kvr_mem_aligned(KVR_BLOCK_ALIGN, bytes);
-    if (!b->data) {
-        kvr_mem_free(b);
-        return NULL;
-    }
-    /* Padding and unused tails are never read, but keep them defined. */
-    memset(b->data, 0, g.kv);
-    b->stored_pos = (int64_t *)(void *)(b->data + g.kv);
-    b->tokens = (uint32_t *)(void *)(b->data + g.kv + (size_t)g.cap * sizeof(int64_t));
-    b->groups = (int32_t *)(void *)(b->data + g.kv + (size_t)g.cap * 12u);
-    b->refcount = 1;
-    b->cap = g.cap;
-    b->dtype = q->dtype;
-    b->quant = true;
-    kvr_qhdr *h = (kvr_qhdr *)(void *)b->data;
+    assert(q->quant);
+    memset(g, 0, sizeof *g);
+    g->cap = kvr_qspec_block_cap(q, B);
+    g->row = row;
+    g->n_layers = n_layers;
+    g->dtype = q->dtype;
+    g->quant = true;
+    kvr_qhdr *h = &g->qh;
     h->kc = q->pair.k;
     h->vc = q->pair.v;
-    h->ktile = g.ktile;
-    h->krow = g.krow;
-    h->vrow = g.vrow;
-    h->kslab = g.kslab;
-    h->vslab = g.vslab;
-    b->bytes = malloc_usable_size(b->data) + malloc_usable_size(b);
-    s->n_blocks++;
-    s->block_bytes += b->bytes;
-    return b;
+    h->ktile = kvr_qspec_ktile(q);
+    h->krow = h->ktile > 1 ? kvr_codec_tile_bytes(&q->pair.k, row)
+                           : kvr_codec_row_bytes(&q->pair.k, row);
+    h->vrow = kvr_codec_row_bytes(&q->pair.v, row);
+    h->kslab = align64(h->krow * (g->cap / h->ktile));
+    h->vslab = align64(h->vrow * g->cap);
 }
 
 /* ---- encode / decode ----------------------------------------------------- */
@@ -369,24 +315,24 @@ static bool grow(float **buf, size_t *cap, size_t n)
  * its own buffer anyway; rows use `scratch` two at a time otherwise). */
 #define ACC_BATCH 64u
 
-int quant_encode_side(const kvr_model *m, const qrun *runs, size_t n_runs, uint32_t layer,
-                      int kv, const float *src, float *scratch, double *sse, double *ss)
+int kvr_quant_encode_side(const kvr_brun *runs, size_t n_runs, uint32_t layer, int kv,
+                          const float *src, float *scratch, double *sse, double *ss)
 {
-    size_t row = (size_t)m->n_kv_heads * m->head_dim, bad = 0;
+    size_t row = n_runs ? runs[0].b->row : 0, bad = 0;
     const float *x = src;
     float *big = NULL;   /* decode buffer for batched rows / whole tiles */
     size_t big_n = 0;
     int rc = 0;
     for (size_t r = 0; r < n_runs && rc == 0; r++) {
         const kvr_block *b = runs[r].b;
-        const kvr_codec *c = kv ? &QH(b)->vc : &QH(b)->kc;
-        if (kv || QH(b)->ktile == 1) {
+        const kvr_codec *c = kv ? &KVR_QH(b)->vc : &KVR_QH(b)->kc;
+        if (kv || KVR_QH(b)->ktile == 1) {
             bool cat = rows_concat(c, row) && grow(&big, &big_n, (size_t)ACC_BATCH * row);
             for (uint32_t j = 0; j < runs[r].count && rc == 0;) {
                 uint32_t k = cat ? (runs[r].count - j < ACC_BATCH ? runs[r].count - j
                                                                    : ACC_BATCH)
                                  : 1;
-                uint8_t *dst = block_kv(b, m, layer, kv, runs[r].first + j);
+                uint8_t *dst = kvr_block_kv(b, layer, kv, runs[r].first + j);
                 float *dec = cat ? big : scratch;
                 rc = kvr_codec_encode(c, dst, x, KVR_DTYPE_F32, (size_t)k * row, &bad);
                 if (rc == 0) {
@@ -400,7 +346,7 @@ int quant_encode_side(const kvr_model *m, const qrun *runs, size_t n_runs, uint3
         }
         /* K tiles: up to 4 whole tiles are decoded side by side so their error
          * sums run as parallel chains (acc_rows, one chain per tile). */
-        uint32_t G = QH(b)->ktile;
+        uint32_t G = KVR_QH(b)->ktile;
         size_t tile = (size_t)G * row;
         if (!grow(&big, &big_n, 4 * tile))
             rc = KVR_ENOMEM;
@@ -408,7 +354,7 @@ int quant_encode_side(const kvr_model *m, const qrun *runs, size_t n_runs, uint3
             uint32_t left = runs[r].count - j, nt = left / G < 4 ? left / G : 4;
             if (nt > 0) {
                 for (uint32_t i = 0; i < nt && rc == 0; i++) {
-                    uint8_t *dst = block_kv(b, m, layer, 0, runs[r].first + j + i * G);
+                    uint8_t *dst = kvr_block_kv(b, layer, 0, runs[r].first + j + i * G);
                     rc = kvr_codec_encode_tile(c, dst, x + i * tile, KVR_DTYPE_F32, row, row,
                                                &bad);
                     if (rc == 0)
@@ -427,7 +373,7 @@ int quant_encode_side(const kvr_model *m, const qrun *runs, size_t n_runs, uint3
             for (uint32_t t = k; t < G; t++)
                 memcpy(scratch + (size_t)t * row, x + (size_t)(k - 1) * row,
                        row * sizeof *scratch);
-            uint8_t *dst = block_kv(b, m, layer, 0, runs[r].first + j);
+            uint8_t *dst = kvr_block_kv(b, layer, 0, runs[r].first + j);
             rc = kvr_codec_encode_tile(c, dst, scratch, KVR_DTYPE_F32, row, row, &bad);
             if (rc != 0)
                 break;
@@ -444,83 +390,57 @@ int quant_encode_side(const kvr_model *m, const qrun *runs, size_t n_runs, uint3
 
 /* Decodes slots [first, first+count) of a row-coded side (V, or per-token
  * K) into dst (odt): one call when the rows concatenate. */
-static void decode_rows(const kvr_model *m, const kvr_block *b, uint32_t layer, int kv,
-                        uint32_t first, uint32_t count, void *dst, kvr_dtype odt)
+static void decode_rows(const kvr_block *b, uint32_t layer, int kv, uint32_t first,
+                        uint32_t count, void *dst, kvr_dtype odt)
 {
-    size_t row = (size_t)m->n_kv_heads * m->head_dim, osz = kvr_dtype_size(odt);
-    const kvr_codec *c = kv ? &QH(b)->vc : &QH(b)->kc;
+    size_t row = b->row, osz = kvr_dtype_size(odt);
+    const kvr_codec *c = kv ? &KVR_QH(b)->vc : &KVR_QH(b)->kc;
     if (rows_concat(c, row)) {
-        kvr_codec_decode(c, dst, odt, block_kv(b, m, layer, kv, first), (size_t)count * row);
+        kvr_codec_decode(c, dst, odt, kvr_block_kv(b, layer, kv, first), (size_t)count * row);
         return;
     }
     for (uint32_t j = 0; j < count; j++)
         kvr_codec_decode(c, (uint8_t *)dst + (size_t)j * row * osz, odt,
-                         block_kv(b, m, layer, kv, first + j), row);
+                         kvr_block_kv(b, layer, kv, first + j), row);
 }
 
-void quant_decode_side(const kvr_model *m, const kvr_block *b, uint32_t layer, int kv,
-                       uint32_t first, uint32_t count, float *dst, float *tilebuf)
+int kvr_block_read_side(const kvr_rope *engine, uint32_t n_heads, const kvr_block *b,
+                        uint32_t layer, int kv, uint32_t first, uint32_t count, void *dst,
+                        kvr_dtype odt, const int64_t *from, const int64_t *to,
+                        float *scratch, const kvr_rope_opts *ro)
 {
-    size_t row = (size_t)m->n_kv_heads * m->head_dim;
-    const kvr_codec *c = kv ? &QH(b)->vc : &QH(b)->kc;
-    if (kv || QH(b)->ktile == 1) {
-        decode_rows(m, b, layer, kv, first, count, dst, KVR_DTYPE_F32);
-        return;
-    }
-    uint32_t G = QH(b)->ktile, s = first, end = first + count;
-    while (s < end) {
-        uint32_t t0 = s / G * G, e = t0 + G < end ? t0 + G : end;
-        float *out = dst + (size_t)(s - first) * row;
-        if (s == t0 && e == t0 + G) {   /* a whole tile: straight into place */
-            kvr_codec_decode_tile(c, out, KVR_DTYPE_F32, row, block_kv(b, m, layer, 0, t0), row);
-        } else {
-            kvr_codec_decode_tile(c, tilebuf, KVR_DTYPE_F32, row, block_kv(b, m, layer, 0, t0),
-                                  row);
-            memcpy(out, tilebuf + (size_t)(s - t0) * row, (size_t)(e - s) * row * sizeof *dst);
-        }
-        s = e;
-    }
-}
-
-int block_read_side(const kvr_model *m, const kvr_block *b, uint32_t layer, int kv,
-                    uint32_t first, uint32_t count, void *dst, kvr_dtype odt,
-                    const int64_t *from, const int64_t *to, float *scratch,
-                    const kvr_rope_opts *ro)
-{
-    size_t row = (size_t)m->n_kv_heads * m->head_dim;
+    size_t row = b->row;
     if (!b->quant) {
-        const uint8_t *src = block_kv(b, m, layer, kv, first);
+        const uint8_t *src = kvr_block_kv(b, layer, kv, first);
         if (kv || !from || !to) {
             kvr_convert(dst, odt, src, b->dtype, count * row);
             return 0;
         }
-        /* the layer's own RoPE (per-layer models: sliding / NoPE layers) */
-        return kvr_rope_reposition(kvr_rope_layer(m->engine, layer), dst, odt, src, b->dtype,
-                                   count, m->n_kv_heads, from, to, ro);
+        return kvr_rope_reposition(engine, dst, odt, src, b->dtype, count,
+                                   n_heads, from, to, ro);
     }
     if (kv) {
-        decode_rows(m, b, layer, 1, first, count, dst, odt);
+        decode_rows(b, layer, 1, first, count, dst, odt);
         return 0;
     }
     /* Keys: dequantize a piece (a tile, or a bounded run of rows) into the
      * f32 scratch and rotate it to its targets while it is still in cache. */
     size_t osz = kvr_dtype_size(odt);
-    uint32_t G = QH(b)->ktile, s = first, end = first + count;
+    uint32_t G = KVR_QH(b)->ktile, s = first, end = first + count;
     uint32_t piece = G > 1 ? G : 64;
     while (s < end) {
         uint32_t t0 = G > 1 ? s / G * G : s;
         uint32_t e = t0 + piece < end ? t0 + piece : end;
         const float *src = scratch;
         if (G > 1) {
-            kvr_codec_decode_tile(&QH(b)->kc, scratch, KVR_DTYPE_F32, row,
-                                  block_kv(b, m, layer, 0, t0), row);
+            kvr_codec_decode_tile(&KVR_QH(b)->kc, scratch, KVR_DTYPE_F32, row,
+                                  kvr_block_kv(b, layer, 0, t0), row);
             src = scratch + (size_t)(s - t0) * row;
         } else {
-            decode_rows(m, b, layer, 0, s, e - s, scratch, KVR_DTYPE_F32);
+            decode_rows(b, layer, 0, s, e - s, scratch, KVR_DTYPE_F32);
         }
-        int rc = kvr_rope_apply(kvr_rope_layer(m->engine, layer),
-                                (uint8_t *)dst + (size_t)(s - first) * row * osz, odt,
-                                src, KVR_DTYPE_F32, e - s, m->n_kv_heads,
+        int rc = kvr_rope_apply(engine, (uint8_t *)dst + (size_t)(s - first) * row * osz,
+                                odt, src, KVR_DTYPE_F32, e - s, n_heads,
                                 to + (s - first), ro);
         if (rc != 0)
             return rc;
@@ -529,7 +449,7 @@ int block_read_side(const kvr_model *m, const kvr_block *b, uint32_t layer, int 
     return 0;
 }
 
-bool quant_find_nonfinite(const void *payload, kvr_dtype dt, uint32_t n_layers, size_t n,
+bool kvr_quant_find_nonfinite(const void *payload, kvr_dtype dt, uint32_t n_layers, size_t n,
                           size_t row, uint32_t *layer, int *kv, size_t *tok)
 {
     size_t per = n * row, total = per * 2u * n_layers, i = total;

@@ -22,9 +22,9 @@
 #include <string.h>
 #include <time.h>
 
-#include "cache/store_internal.h"
+#include "cache/store.h"
 
-static uint64_t fnv1a(const void *p, size_t n, uint64_t h)
+uint64_t kvr_fnv1a(const void *p, size_t n, uint64_t h)
 {
     const unsigned char *b = p;
     for (size_t i = 0; i < n; i++) {
@@ -33,9 +33,8 @@ static uint64_t fnv1a(const void *p, size_t n, uint64_t h)
     }
     return h;
 }
-#define FNV_INIT 14695981039346656037ull
 
-uint64_t now_ms(void)
+uint64_t kvr_store_now_ms(void)
 {
     struct timespec ts;
     clock_gettime(CLOCK_REALTIME, &ts);
@@ -72,19 +71,22 @@ void kvr_store_destroy(kvr_store *s)
 {
     if (!s)
         return;
-    tier_destroy(s);
+    if (s->hooks)
+        s->hooks->destroy(s);
     for (size_t i = 0; i < s->n_buckets; i++) {
         while (s->buckets[i])
-            ctx_destroy(s, s->buckets[i]);
+            kvr_store_ctx_destroy(s, s->buckets[i]);
     }
     for (size_t i = 0; i < s->n_models; i++) {
         kvr_model *m = s->models[i];
-        ptree_free(&m->tree[0]);
-        ptree_free(&m->tree[1]);
+        kvr_ptree_free(&m->tree[0]);
+        kvr_ptree_free(&m->tree[1]);
         kvr_rope_destroy(m->engine);
         kvr_mem_free(m);
     }
-    tier_close(s);
+    if (s->hooks)
+        s->hooks->close(s);
+    assert(s->pool.n_blocks == 0 && s->pool.n_leased == 0);
     kvr_mem_free(s->models);
     kvr_mem_free(s->buckets);
     kvr_mem_free(s);
@@ -92,7 +94,7 @@ void kvr_store_destroy(kvr_store *s)
 
 /* ---- ids and the context map -------------------------------------------- */
 
-int ctx_id_check(const char *id, kvr_error *err)
+int kvr_ctx_id_check(const char *id, kvr_error *err)
 {
     if (!id || !id[0])
         return kvr_error_set(err, KVR_EBADREQUEST, "context id is empty");
@@ -103,29 +105,55 @@ int ctx_id_check(const char *id, kvr_error *err)
     return 0;
 }
 
-kvr_ctx *ctx_find(const kvr_store *s, const char *id)
+kvr_ctx *kvr_store_ctx_find(const kvr_store *s, const char *id)
 {
     if (!id)
         return NULL;
     size_t n = strnlen(id, KVR_ID_MAX + 1);
     if (n == 0 || n > KVR_ID_MAX)
         return NULL;
-    uint64_t h = fnv1a(id, n, FNV_INIT);
+    uint64_t h = kvr_fnv1a(id, n, KVR_FNV_INIT);
     for (kvr_ctx *c = s->buckets[h & (s->n_buckets - 1)]; c; c = c->hnext)
         if (c->hash == h && c->id_len == n && memcmp(c->id, id, n) == 0)
             return c;
     return NULL;
 }
 
-int ctx_find_live(const kvr_store *s, const char *id, kvr_ctx **out, kvr_error *err)
+int kvr_store_ctx_live(const kvr_store *s, const char *id, kvr_ctx **out, kvr_error *err)
 {
-    int rc = ctx_id_check(id, err);
+    int rc = kvr_ctx_id_check(id, err);
     if (rc != 0)
         return rc;
-    kvr_ctx *c = ctx_find(s, id);
+    kvr_ctx *c = kvr_store_ctx_find(s, id);
     if (!c || c->pending)
         return kvr_error_set(err, KVR_ENOCTX, "no context '%s'", id);
     *out = c;
+    return 0;
+}
+
+int kvr_store_ctx_writable(kvr_store *s, const char *id, kvr_ctx **out, kvr_error *err)
+{
+    int rc = kvr_store_ctx_live(s, id, out, err);
+    if (rc != 0)
+        return rc;
+    if ((*out)->busy)
+        return kvr_error_set(err, KVR_EBUSY, "context '%s' is being written", id);
+    return 0;
+}
+
+int kvr_store_ctx_range(kvr_store *s, const char *id, size_t start, size_t *end,
+                        kvr_ctx **out, kvr_error *err)
+{
+    int rc = kvr_store_ctx_writable(s, id, out, err);
+    if (rc != 0)
+        return rc;
+    const kvr_ctx *c = *out;
+    if (*end == SIZE_MAX)
+        *end = c->n_tokens;
+    if (start > *end || *end > c->n_tokens)
+        return kvr_error_set(err, KVR_ERANGE,
+                             "token range [%zu, %zu) is outside context '%s' of %zu tokens",
+                             start, *end, c->id, c->n_tokens);
     return 0;
 }
 
@@ -162,9 +190,9 @@ static void lru_unlink(kvr_store *s, kvr_ctx *c)
     c->lru_prev = c->lru_next = NULL;
 }
 
-void lru_touch(kvr_store *s, kvr_ctx *c)
+void kvr_store_touch(kvr_store *s, kvr_ctx *c)
 {
-    c->accessed_ms = now_ms();
+    c->accessed_ms = kvr_store_now_ms();
     if (c->pending)
         return;
     lru_unlink(s, c);
@@ -176,19 +204,11 @@ void lru_touch(kvr_store *s, kvr_ctx *c)
         s->lru_tail = c;
 }
 
-kvr_ctx *ctx_new(kvr_store *s, kvr_model *m, const char *id)
+kvr_ctx *kvr_store_ctx_new(kvr_store *s, kvr_model *m, const char *id)
 {
-    kvr_ctx *c = kvr_mem_calloc(1, sizeof *c);
+    kvr_ctx *c = kvr_ctx_create(m, id, kvr_fnv1a(id, strlen(id), KVR_FNV_INIT), kvr_store_now_ms());
     if (!c)
         return NULL;
-    c->id_len = strlen(id);
-    memcpy(c->id, id, c->id_len + 1);
-    c->hash = fnv1a(id, c->id_len, FNV_INIT);
-    c->model = m;
-    c->codec = m->codec;
-    c->dtype = m->codec.dtype;
-    c->pending = true;
-    c->created_ms = c->accessed_ms = now_ms();
     if (s->n_ctx >= s->n_buckets)
         map_grow(s);
     size_t b = c->hash & (s->n_buckets - 1);
@@ -198,121 +218,49 @@ kvr_ctx *ctx_new(kvr_store *s, kvr_model *m, const char *id)
     return c;
 }
 
-void ctx_destroy(kvr_store *s, kvr_ctx *c)
+void kvr_store_ctx_commit(kvr_store *s, kvr_ctx *c)
+{
+    assert(c->pending);
+    kvr_ctx_check(c);
+    c->pending = false;
+    c->model->n_contexts++;
+    kvr_store_touch(s, c);
+}
+
+void kvr_store_ctx_destroy(kvr_store *s, kvr_ctx *c)
 {
     kvr_ctx **pp = &s->buckets[c->hash & (s->n_buckets - 1)];
     while (*pp && *pp != c)
         pp = &(*pp)->hnext;
+    assert(*pp == c);
     if (*pp)
         *pp = c->hnext;
+    assert(s->n_ctx > 0);
     s->n_ctx--;
-    tier_ctx_gone(s, c);
+    if (s->hooks && c->persist && !c->pending)
+        s->hooks->ctx_gone(s, c);
     if (!c->pending) {
         lru_unlink(s, c);
         c->model->n_contexts--;
     }
-    edit_stale_clear(c);
-    ptree_truncate(&c->model->tree[0], c, 0);
-    ptree_truncate(&c->model->tree[1], c, 0);
-    for (size_t i = 0; i < c->n_ext; i++)
-        block_unref(s, c->ext[i].block);
-    layout_ctx_free(c);
-    kvr_mem_free(c->ext);
-    kvr_mem_free(c);
-}
-
-int ctx_ext_reserve(kvr_ctx *c, size_t n)
-{
-    if (c->n_ext + n <= c->cap_ext)
-        return 0;
-    size_t cap = c->cap_ext ? c->cap_ext : 4;
-    while (cap < c->n_ext + n)
-        cap *= 2;
-    kvr_extent *e = kvr_mem_realloc(c->ext, cap * sizeof *e);
-    if (!e)
-        return KVR_ENOMEM;
-    c->ext = e;
-    c->cap_ext = cap;
-    return 0;
-}
-
-int64_t ctx_last_pos(const kvr_ctx *c)
-{
-    if (c->n_ext == 0)
-        return -1;
-    const kvr_extent *e = &c->ext[c->n_ext - 1];
-    return e->block->stored_pos[e->first + e->count - 1] + e->pos_delta;
-}
-
-uint32_t *ctx_gather_tokens(const kvr_ctx *c, kvr_error *err)
-{
-    uint32_t *t = kvr_mem_malloc((c->n_tokens ? c->n_tokens : 1) * sizeof *t);
-    if (!t) {
-        kvr_error_set(err, KVR_ENOMEM, "out of memory gathering %zu tokens",
-                      c->n_tokens);
-        return NULL;
-    }
-    size_t k = 0;
-    for (size_t i = 0; i < c->n_ext; i++) {
-        const kvr_extent *e = &c->ext[i];
-        memcpy(t + k, e->block->tokens + e->first, e->count * sizeof *t);
-        k += e->count;
-    }
-    return t;
-}
-
-static size_t ctx_compute_exact(const kvr_ctx *c)
-{
-    size_t k = 0;
-    for (size_t i = 0; i < c->n_ext; i++) {
-        if (c->ext[i].flags & (KVR_TOKEN_APPROX | KVR_TOKEN_PENDING))
-            break;
-        k += c->ext[i].count;
-    }
-    return k;
-}
-
-void ctx_index_rebuild(kvr_store *s, kvr_ctx *c, size_t common)
-{
-    (void)s;
-    kvr_model *m = c->model;
-    edit_stale_clear(c);
-    c->n_exact = ctx_compute_exact(c);
-    size_t len[2] = { c->n_exact, c->n_tokens };
-    uint32_t *seq = NULL;
-    for (int w = 0; w < 2; w++) {
-        size_t keep = common < len[w] ? common : len[w];
-        ptree_truncate(&m->tree[w], c, keep);
-        if (len[w] > c->idx_len[w] && !seq) {
-            seq = ctx_gather_tokens(c, NULL);
-            if (!seq) {
-                ptree_truncate(&m->tree[w], c, 0);
-                continue;
-            }
-        }
-        if (len[w] > c->idx_len[w] &&
-            ptree_append(&m->tree[w], c, seq + c->idx_len[w], len[w] - c->idx_len[w]) != 0)
-            ptree_truncate(&m->tree[w], c, 0);
-    }
-    kvr_mem_free(seq);
+    kvr_ctx_free(&s->pool, c);
 }
 
 /* Drops the last extent of c (one block's worth at most) for eviction. */
 static void evict_tail(kvr_store *s, kvr_ctx *c)
 {
-    kvr_extent e = c->ext[--c->n_ext];
-    c->n_tokens -= e.count;
-    c->n_evicted_tokens += e.count;
-    if (c->n_exact > c->n_tokens)
-        c->n_exact = c->n_tokens;
-    ptree_truncate(&c->model->tree[0], c, c->n_exact);
-    ptree_truncate(&c->model->tree[1], c, c->n_tokens);
+    kvr_block *b = c->ext[c->n_ext - 1].block;
+    size_t before = c->n_tokens;
     s->n_evicted_blocks++;
-    if (e.block->refcount == 1)
-        s->n_evicted_bytes += e.block->bytes;
-    block_unref(s, e.block);
+    if (kvr_block_exclusive(b))
+        s->n_evicted_bytes += b->bytes;
+    kvr_ctx_drop_extents(&s->pool, c, c->n_ext - 1, c->n_ext);
+    c->n_evicted_tokens += before - c->n_tokens;
+    kvr_ctx_index_truncate(c, 0, c->n_exact);
+    kvr_ctx_index_truncate(c, 1, c->n_tokens);
+    kvr_ctx_check(c);
     if (c->n_tokens == 0)
-        ctx_destroy(s, c);
+        kvr_store_ctx_destroy(s, c);
 }
 
 static bool evictable(const kvr_ctx *c)
@@ -320,22 +268,27 @@ static bool evictable(const kvr_ctx *c)
     return !c->pinned && !c->busy && !c->pending;
 }
 
+/* Counts, in each block's mcount, the references c's extents hold (blocks
+ * first seen in epoch ep start from 0). */
+static void count_refs(const kvr_ctx *c, uint32_t ep)
+{
+    for (size_t i = 0; i < c->n_ext; i++) {
+        kvr_block *b = c->ext[i].block;
+        if (b->mark != ep) {
+            b->mark = ep;
+            b->mcount = 0;
+        }
+        b->mcount++;
+    }
+}
+
 /* Bytes that evicting every evictable context would give back. */
 static size_t freeable_bytes(kvr_store *s)
 {
     uint32_t ep = ++s->epoch;
-    for (kvr_ctx *c = s->lru_head; c; c = c->lru_next) {
-        if (!evictable(c))
-            continue;
-        for (size_t i = 0; i < c->n_ext; i++) {
-            kvr_block *b = c->ext[i].block;
-            if (b->mark != ep) {
-                b->mark = ep;
-                b->mcount = 0;
-            }
-            b->mcount++;
-        }
-    }
+    for (kvr_ctx *c = s->lru_head; c; c = c->lru_next)
+        if (evictable(c))
+            count_refs(c, ep);
     size_t total = 0;
     ep = ++s->epoch;
     for (kvr_ctx *c = s->lru_head; c; c = c->lru_next) {
@@ -351,13 +304,13 @@ static size_t freeable_bytes(kvr_store *s)
     return total;
 }
 
-int store_reserve(kvr_store *s, size_t need, kvr_error *err)
+int kvr_store_reserve(kvr_store *s, size_t need, kvr_error *err)
 {
     size_t cap = s->cfg.max_memory;
     if (cap == 0 || kvr_mem_allocated() + need <= cap)
         return 0;
     size_t have = kvr_mem_allocated();
-    size_t freeable = freeable_bytes(s) + tier_freeable(s);
+    size_t freeable = freeable_bytes(s) + (s->hooks ? s->hooks->freeable(s) : 0);
     if (need > cap || have - (freeable < have ? freeable : have) + need > cap) {
         s->n_refused_nomem++;
         return kvr_error_set(err, KVR_ENOMEM,
@@ -369,7 +322,7 @@ int store_reserve(kvr_store *s, size_t need, kvr_error *err)
         /* Disk tier: spill the least recently used block instead; drop
          * only when the disk refuses (full, failed) or nothing is left to
          * spill. Persistent contexts are never dropped. */
-        int sp = tier_evict_one(s);
+        int sp = s->hooks ? s->hooks->evict_one(s) : 0;
         if (sp == 1)
             continue;
         kvr_ctx *v = s->lru_tail;
@@ -386,7 +339,7 @@ int store_reserve(kvr_store *s, size_t need, kvr_error *err)
     return 0;
 }
 
-size_t store_request_max(const kvr_store *s)
+size_t kvr_store_request_max(const kvr_store *s)
 {
     size_t cap = s->cfg.max_memory;
     if (cap == 0)
@@ -395,7 +348,7 @@ size_t store_request_max(const kvr_store *s)
     return cap / 4 > floor ? cap / 4 : floor;
 }
 
-int layers_check(const kvr_model *m, const uint32_t *layers, size_t nl, kvr_error *err)
+int kvr_layers_check(const kvr_model *m, const uint32_t *layers, size_t nl, kvr_error *err)
 {
     if (nl == 0)
         return kvr_error_set(err, KVR_EINVAL, "empty layer selection");
@@ -420,20 +373,20 @@ int layers_check(const kvr_model *m, const uint32_t *layers, size_t nl, kvr_erro
     return rc;
 }
 
-int store_reserve_request(kvr_store *s, size_t need, const char *what, kvr_error *err)
+int kvr_store_reserve_request(kvr_store *s, size_t need, const char *what, kvr_error *err)
 {
-    size_t max = store_request_max(s);
+    size_t max = kvr_store_request_max(s);
     if (need > max)
         return kvr_error_set(err, KVR_ETOOLARGE,
                              "%s needs %zu bytes, over the %zu one request may use (a "
                              "quarter of the %zu-byte memory cap): split it", what, need,
                              max, s->cfg.max_memory);
-    return store_reserve(s, need, err);
+    return kvr_store_reserve(s, need, err);
 }
 
 /* ---- models ------------------------------------------------------------- */
 
-kvr_model *model_find(const kvr_store *s, const char *name)
+kvr_model *kvr_store_model(const kvr_store *s, const char *name)
 {
     if (!name)
         return NULL;
@@ -443,7 +396,7 @@ kvr_model *model_find(const kvr_store *s, const char *name)
     return NULL;
 }
 
-void model_fill_info(const kvr_model *m, kvr_model_info *out)
+void kvr_model_fill_info(const kvr_model *m, kvr_model_info *out)
 {
     memset(out, 0, sizeof *out);
     memcpy(out->name, m->name, sizeof out->name);
@@ -464,7 +417,7 @@ static uint64_t model_fingerprint(const kvr_model_desc *d, const kvr_rope_config
     char head[128];
     int n = snprintf(head, sizeof head, "n_layers=%u;n_kv_heads=%u;head_dim=%u;dtype=%s;rope=",
                      d->n_layers, d->n_kv_heads, d->head_dim, kvr_dtype_name(d->dtype));
-    uint64_t h = fnv1a(head, (size_t)n, FNV_INIT);
+    uint64_t h = kvr_fnv1a(head, (size_t)n, KVR_FNV_INIT);
     size_t need = kvr_rope_config_canonical(rc, NULL, 0);
     char *buf = kvr_mem_malloc(need + 1);
     if (!buf) {
@@ -472,7 +425,7 @@ static uint64_t model_fingerprint(const kvr_model_desc *d, const kvr_rope_config
         return 0;
     }
     size_t got = kvr_rope_config_canonical(rc, buf, need + 1);
-    h = fnv1a(buf, got < need ? got : need, h);
+    h = kvr_fnv1a(buf, got < need ? got : need, h);
     kvr_mem_free(buf);
     *rc_out = 0;
     return h ? h : 1;   /* 0 means "unchecked" on the wire */
@@ -514,7 +467,7 @@ int kvr_store_model_register(kvr_store *s, const kvr_model_desc *d,
     if (rc != 0)
         return kvr_error_set(err, rc, "out of memory registering model '%s'", d->name);
 
-    kvr_model *old = model_find(s, d->name);
+    kvr_model *old = kvr_store_model(s, d->name);
     if (old) {
         if (old->fingerprint != fp)
             return kvr_error_set(err, KVR_EEXIST,
@@ -527,7 +480,8 @@ int kvr_store_model_register(kvr_store *s, const kvr_model_desc *d,
          * ignored: a re-register that names a codec must name the same. */
         if (d->codec && d->codec[0]) {
             kvr_qspec q;
-            if ((rc = qspec_parse(d->codec, old, d->dtype, &q, err)) != 0)
+            if ((rc = kvr_qspec_parse(d->codec, &old->rope_cfg, old->name, kvr_model_row(old),
+                                      d->dtype, &q, err)) != 0)
                 return rc;
             if (strcmp(q.name, old->codec.name) != 0)
                 return kvr_error_set(err, KVR_EEXIST,
@@ -535,7 +489,7 @@ int kvr_store_model_register(kvr_store *s, const kvr_model_desc *d,
                                      "'%s', not '%s'", d->name, old->codec.name, q.name);
         }
         if (out)
-            model_fill_info(old, out);
+            kvr_model_fill_info(old, out);
         return 0;
     }
 
@@ -568,13 +522,14 @@ int kvr_store_model_register(kvr_store *s, const kvr_model_desc *d,
     m->dtype = d->dtype;
     m->fingerprint = fp;
     m->rope_cfg = rcfg;
-    if ((rc = qspec_parse(d->codec, m, d->dtype, &m->codec, err)) != 0)
+    if ((rc = kvr_qspec_parse(d->codec, &m->rope_cfg, m->name, kvr_model_row(m), d->dtype,
+                              &m->codec, err)) != 0)
         goto fail_engine;
-    ptree_init(&m->tree[0], 0);
-    ptree_init(&m->tree[1], 1);
+    kvr_ptree_init(&m->tree[0]);
+    kvr_ptree_init(&m->tree[1]);
     s->models[s->n_models++] = m;
     if (out)
-        model_fill_info(m, out);
+        kvr_model_fill_info(m, out);
     return 0;
 
 fail_engine:
@@ -587,43 +542,107 @@ fail:
 
 int kvr_store_model_find(const kvr_store *s, const char *name, kvr_model_info *out)
 {
-    kvr_model *m = model_find(s, name);
+    kvr_model *m = kvr_store_model(s, name);
     if (!m)
         return KVR_ENOMODEL;
     if (out)
-        model_fill_info(m, out);
+        kvr_model_fill_info(m, out);
     return 0;
 }
 
 size_t kvr_store_model_list(const kvr_store *s, kvr_model_info *out, size_t cap)
 {
     for (size_t i = 0; i < s->n_models && i < cap; i++)
-        model_fill_info(s->models[i], &out[i]);
+        kvr_model_fill_info(s->models[i], &out[i]);
     return s->n_models;
 }
 
+int kvr_model_codec(const kvr_model *m, const char *spec, kvr_qspec *out, kvr_error *err)
+{
+    return kvr_qspec_parse(spec, &m->rope_cfg, m->name, kvr_model_row(m), m->dtype, out, err);
+}
+
+int kvr_store_codec_check(const kvr_store *s, const char *model, const char *spec,
+                          char out[KVR_CODEC_NAME_MAX], kvr_error *err)
+{
+    kvr_model *m = kvr_store_model(s, model);
+    if (!m)
+        return kvr_error_set(err, KVR_ENOMODEL, "no model '%s'", model ? model : "");
+    kvr_qspec q;
+    int rc = kvr_model_codec(m, spec, &q, err);
+    if (rc == 0 && out)
+        memcpy(out, q.name, KVR_CODEC_NAME_MAX);
+    return rc;
+}
+
+static void block_geom(const kvr_store *s, const kvr_ctx *c, bool quant, kvr_block_geom *g)
+{
+    const kvr_model *m = c->model;
+    if (quant)
+        kvr_qspec_geom(&c->codec, s->B, m->n_layers, kvr_model_row(m), g);
+    else
+        kvr_block_geom_plain(g, s->B, m->n_layers, kvr_model_row(m), c->dtype);
+}
+
+kvr_block *kvr_store_block_new(kvr_store *s, const kvr_ctx *c, bool quant)
+{
+    kvr_block_geom g;
+    block_geom(s, c, quant, &g);
+    return kvr_block_create(&s->pool, &g, NULL, 0, 0);
+}
+
+size_t kvr_store_block_bytes(const kvr_store *s, const kvr_ctx *c, bool quant)
+{
+    kvr_block_geom g;
+    block_geom(s, c, quant, &g);
+    return kvr_block_geom_bytes(&g);
+}
+
+int kvr_store_fault_in(kvr_store *s, kvr_block *const *bs, size_t n, kvr_error *err)
+{
+    kvr_reload *r;
+    int rc = kvr_store_reload_begin(s, bs, n, NULL, &r, err);
+    if (rc != 0 || !r)
+        return rc;
+    rc = kvr_store_reload_work(s, r, err);
+    kvr_store_reload_end(s, r);
+    return rc;
+}
+
 /* ---- match -------------------------------------------------------------- */
+
+/* Re-inserts the full sequence of every stale context of m into tree 1
+ * (best effort: on allocation failure a context stays stale). */
+static void index_fresh(kvr_store *s, kvr_model *m)
+{
+    for (kvr_ctx *c = s->lru_head; c && m->n_stale; c = c->lru_next) {
+        if (c->model != m || !c->idx_stale)
+            continue;
+        if (kvr_ctx_index_extend(c, 1, c->n_tokens))
+            kvr_ctx_stale_clear(c);
+    }
+}
 
 int kvr_store_match(kvr_store *s, const char *model, const uint32_t *tokens,
                     size_t n, bool include_approx, kvr_match_result *res,
                     kvr_error *err)
 {
-    kvr_model *m = model_find(s, model);
+    kvr_model *m = kvr_store_model(s, model);
     if (!m)
         return kvr_error_set(err, KVR_ENOMODEL, "no model '%s'", model ? model : "");
     if (n > 0 && !tokens)
         return kvr_error_set(err, KVR_EBADREQUEST, "match: tokens missing");
     s->n_matches++;
     if (include_approx && m->n_stale)
-        edit_index_fresh(s, m);
+        index_fresh(s, m);
     kvr_ctx *rep = NULL;
-    size_t len = n ? ptree_match(&m->tree[include_approx ? 1 : 0], tokens, n, &rep) : 0;
+    size_t len = n ? kvr_ptree_match(&m->tree[include_approx ? 1 : 0], tokens, n, &rep) : 0;
     res->length = rep ? len : 0;
     res->ctx_id[0] = '\0';
     if (rep && len) {
         memcpy(res->ctx_id, rep->id, rep->id_len + 1);
         s->n_match_hits++;
-        lru_touch(s, rep);
+        kvr_store_touch(s, rep);
     }
     return 0;
 }
@@ -633,12 +652,10 @@ int kvr_store_match(kvr_store *s, const char *model, const uint32_t *tokens,
 int kvr_store_delete(kvr_store *s, const char *ctx_id, kvr_error *err)
 {
     kvr_ctx *c = NULL;
-    int frc = ctx_find_live(s, ctx_id, &c, err);
-    if (frc != 0)
-        return frc;
-    if (c->busy)
-        return kvr_error_set(err, KVR_EBUSY, "context '%s' is being written", ctx_id);
-    ctx_destroy(s, c);
+    int rc = kvr_store_ctx_writable(s, ctx_id, &c, err);
+    if (rc != 0)
+        return rc;
+    kvr_store_ctx_destroy(s, c);
     return 0;
 }
 
@@ -660,14 +677,7 @@ static void ctx_fill_info(kvr_store *s, const kvr_ctx *c, kvr_ctx_info *o)
     memcpy(o->codec, c->codec.name, sizeof o->codec);
     double kvbytes = 0;
     uint32_t ep = ++s->epoch;
-    for (size_t i = 0; i < c->n_ext; i++) {
-        kvr_block *b = c->ext[i].block;
-        if (b->mark != ep) {
-            b->mark = ep;
-            b->mcount = 0;
-        }
-        b->mcount++;
-    }
+    count_refs(c, ep);
     ep = ++s->epoch;
     bool first = true;
     for (size_t i = 0; i < c->n_ext; i++) {
@@ -681,7 +691,7 @@ static void ctx_fill_info(kvr_store *s, const kvr_ctx *c, kvr_ctx_info *o)
             b->mark = ep;
         }
         size_t row = (size_t)c->model->n_kv_heads * c->model->head_dim;
-        double per_tok = b->quant ? (double)(QH(b)->kslab + QH(b)->vslab) * c->model->n_layers / b->cap
+        double per_tok = b->quant ? (double)(KVR_QH(b)->kslab + KVR_QH(b)->vslab) * c->model->n_layers / b->cap
                                   : 2.0 * c->model->n_layers * row * kvr_dtype_size(b->dtype);
         kvbytes += per_tok * e->count;
         if (c->codec.quant && !b->quant)
@@ -712,7 +722,7 @@ static void ctx_fill_info(kvr_store *s, const kvr_ctx *c, kvr_ctx_info *o)
 int kvr_store_stat(kvr_store *s, const char *ctx_id, kvr_ctx_info *out, kvr_error *err)
 {
     kvr_ctx *c = NULL;
-    int frc = ctx_find_live(s, ctx_id, &c, err);
+    int frc = kvr_store_ctx_live(s, ctx_id, &c, err);
     if (frc != 0)
         return frc;
     ctx_fill_info(s, c, out);
@@ -728,7 +738,7 @@ int kvr_store_list(kvr_store *s, const char *model, kvr_ctx_info **out, size_t *
                    kvr_error *err)
 {
     kvr_model *m = NULL;
-    if (model && !(m = model_find(s, model)))
+    if (model && !(m = kvr_store_model(s, model)))
         return kvr_error_set(err, KVR_ENOMODEL, "no model '%s'", model);
     size_t k = 0;
     for (kvr_ctx *c = s->lru_head; c; c = c->lru_next)
@@ -750,7 +760,7 @@ int kvr_store_list(kvr_store *s, const char *model, kvr_ctx_info **out, size_t *
 int kvr_store_pin(kvr_store *s, const char *ctx_id, bool pin, kvr_error *err)
 {
     kvr_ctx *c = NULL;
-    int frc = ctx_find_live(s, ctx_id, &c, err);
+    int frc = kvr_store_ctx_live(s, ctx_id, &c, err);
     if (frc != 0)
         return frc;
     c->pinned = pin;
@@ -761,117 +771,49 @@ int kvr_store_fork(kvr_store *s, const char *src, const char *dst, kvr_error *er
 {
     int rc;
     kvr_ctx *a = NULL;
-    int frc = ctx_find_live(s, src, &a, err);
+    int frc = kvr_store_ctx_live(s, src, &a, err);
     if (frc != 0)
         return frc;
-    if ((rc = ctx_id_check(dst, err)) != 0)
+    if ((rc = kvr_ctx_id_check(dst, err)) != 0)
         return rc;
-    if (ctx_find(s, dst))
+    if (kvr_store_ctx_find(s, dst))
         return kvr_error_set(err, KVR_EEXIST, "context '%s' already exists", dst);
-    kvr_ctx *b = ctx_new(s, a->model, dst);
+    kvr_ctx *b = kvr_store_ctx_new(s, a->model, dst);
     if (!b)
         return kvr_error_set(err, KVR_ENOMEM, "out of memory forking '%s'", src);
-    if (ctx_ext_reserve(b, a->n_ext ? a->n_ext : 1) != 0) {
+    if (kvr_ctx_ext_reserve(b, a->n_ext ? a->n_ext : 1) != 0) {
         rc = kvr_error_set(err, KVR_ENOMEM, "out of memory forking '%s'", src);
         goto fail_ctx;
     }
-    if (ptree_clone(&a->model->tree[0], a, b) != 0 ||
-        ptree_clone(&a->model->tree[1], a, b) != 0 || layout_ctx_clone(a, b) != 0) {
+    if (kvr_ptree_clone(&a->model->tree[0], &a->idx[0], &b->idx[0]) != 0 ||
+        kvr_ptree_clone(&a->model->tree[1], &a->idx[1], &b->idx[1]) != 0 ||
+        kvr_ctx_copy_layout(b, a) != 0) {
         rc = kvr_error_set(err, KVR_ENOMEM, "out of memory forking '%s'", src);
-        goto fail_ctx;    /* ctx_destroy takes b out of the trees */
+        goto fail_ctx;    /* destroying b takes it out of the trees */
     }
-    memcpy(b->ext, a->ext, a->n_ext * sizeof *a->ext);
-    b->n_ext = a->n_ext;
-    for (size_t i = 0; i < b->n_ext; i++)
-        block_ref(b->ext[i].block);
-    b->n_tokens = a->n_tokens;
-    b->n_exact = a->n_exact;
+    kvr_ctx_share_extents(b, a);
     b->dtype = a->dtype;
     b->codec = a->codec;
     memcpy(b->q_sse, a->q_sse, sizeof b->q_sse);
     memcpy(b->q_ss, a->q_ss, sizeof b->q_ss);
     b->n_protected = a->n_protected;
     b->persist = a->persist;
-    if (a->idx_stale) {
-        b->idx_stale = true;
-        b->model->n_stale++;
-    }
-    b->pending = false;
-    b->model->n_contexts++;
-    lru_touch(s, b);
+    if (a->idx_stale)
+        kvr_ctx_stale_set(b);
+    kvr_store_ctx_commit(s, b);
     return 0;
 
 fail_ctx:
-    ctx_destroy(s, b);
+    kvr_store_ctx_destroy(s, b);
     return rc;
-}
-
-/* Makes token index `idx` (0 <= idx <= n_tokens) start an extent (n_ext for
- * the end); returns that extent's index. May need one free extent slot
- * (ctx_ext_reserve). */
-size_t ctx_split_at(kvr_ctx *c, size_t idx)
-{
-    size_t k = 0, i = 0;
-    for (; i < c->n_ext; i++) {
-        if (k == idx)
-            return i;
-        if (idx < k + c->ext[i].count)
-            break;
-        k += c->ext[i].count;
-    }
-    if (i == c->n_ext)
-        return i;
-    uint32_t off = (uint32_t)(idx - k);
-    memmove(c->ext + i + 1, c->ext + i, (c->n_ext - i) * sizeof *c->ext);
-    c->n_ext++;
-    c->ext[i].count = off;
-    c->ext[i + 1].first += off;
-    c->ext[i + 1].count -= off;
-    block_ref(c->ext[i].block);
-    return i + 1;
-}
-
-/* Merges neighbours that are contiguous in one block with equal delta/flags. */
-void ctx_merge_extents(kvr_store *s, kvr_ctx *c)
-{
-    if (c->n_ext < 2)
-        return;
-    size_t w = 0;
-    for (size_t i = 1; i < c->n_ext; i++) {
-        kvr_extent *p = &c->ext[w], *e = &c->ext[i];
-        if (p->block == e->block && p->first + p->count == e->first &&
-            p->pos_delta == e->pos_delta && p->flags == e->flags) {
-            p->count += e->count;
-            block_unref(s, e->block);
-        } else {
-            c->ext[++w] = *e;
-        }
-    }
-    c->n_ext = w + 1;
-}
-
-static int resolve_range(const kvr_ctx *c, size_t start, size_t *end, kvr_error *err)
-{
-    if (*end == SIZE_MAX)
-        *end = c->n_tokens;
-    if (start > *end || *end > c->n_tokens)
-        return kvr_error_set(err, KVR_ERANGE,
-                             "token range [%zu, %zu) is outside context '%s' of %zu tokens",
-                             start, *end, c->id, c->n_tokens);
-    return 0;
 }
 
 int kvr_store_shift(kvr_store *s, const char *ctx_id, size_t start, size_t end,
                     int64_t delta, kvr_error *err)
 {
-    int rc;
     kvr_ctx *c = NULL;
-    int frc = ctx_find_live(s, ctx_id, &c, err);
-    if (frc != 0)
-        return frc;
-    if (c->busy)
-        return kvr_error_set(err, KVR_EBUSY, "context '%s' is being written", ctx_id);
-    if ((rc = resolve_range(c, start, &end, err)) != 0)
+    int rc = kvr_store_ctx_range(s, ctx_id, start, &end, &c, err);
+    if (rc != 0)
         return rc;
     if (start == end || delta == 0)
         return 0;
@@ -891,44 +833,36 @@ int kvr_store_shift(kvr_store *s, const char *ctx_id, size_t start, size_t end,
                                      (long long)delta, k);
         }
     }
-    if (ctx_ext_reserve(c, 2) != 0)
+    if (kvr_ctx_ext_reserve(c, 2) != 0)
         return kvr_error_set(err, KVR_ENOMEM, "out of memory shifting '%s'", ctx_id);
-    size_t i0 = ctx_split_at(c, start);
-    size_t i1 = ctx_split_at(c, end);
-    for (size_t i = i0; i < i1; i++)
-        c->ext[i].pos_delta += delta;
-    ctx_merge_extents(s, c);
-    lru_touch(s, c);
+    size_t i0 = kvr_ctx_split_at(c, start);
+    size_t i1 = kvr_ctx_split_at(c, end);
+    kvr_ctx_add_delta(c, i0, i1, delta);
+    kvr_ctx_merge_extents(&s->pool, c);
+    kvr_ctx_check(c);
+    kvr_store_touch(s, c);
     return 0;
 }
 
 int kvr_store_keep(kvr_store *s, const char *ctx_id, size_t start, size_t end,
                    kvr_error *err)
 {
-    int rc;
     kvr_ctx *c = NULL;
-    int frc = ctx_find_live(s, ctx_id, &c, err);
-    if (frc != 0)
-        return frc;
-    if (c->busy)
-        return kvr_error_set(err, KVR_EBUSY, "context '%s' is being written", ctx_id);
-    if ((rc = resolve_range(c, start, &end, err)) != 0)
+    int rc = kvr_store_ctx_range(s, ctx_id, start, &end, &c, err);
+    if (rc != 0)
         return rc;
     if (start == 0 && end == c->n_tokens)
         return 0;
-    if (ctx_ext_reserve(c, 2) != 0)
+    if (kvr_ctx_ext_reserve(c, 2) != 0)
         return kvr_error_set(err, KVR_ENOMEM, "out of memory in keep on '%s'", ctx_id);
-    size_t i0 = ctx_split_at(c, start);
-    size_t i1 = ctx_split_at(c, end);
-    for (size_t i = 0; i < i0; i++)
-        block_unref(s, c->ext[i].block);
-    for (size_t i = i1; i < c->n_ext; i++)
-        block_unref(s, c->ext[i].block);
-    memmove(c->ext, c->ext + i0, (i1 - i0) * sizeof *c->ext);
-    c->n_ext = i1 - i0;
-    c->n_tokens = end - start;
-    ctx_index_rebuild(s, c, start == 0 ? end : 0);
-    lru_touch(s, c);
+    size_t i0 = kvr_ctx_split_at(c, start);
+    size_t i1 = kvr_ctx_split_at(c, end);
+    kvr_ctx_drop_extents(&s->pool, c, i1, c->n_ext);
+    kvr_ctx_drop_extents(&s->pool, c, 0, i0);
+    assert(c->n_tokens == end - start);
+    kvr_ctx_index_rebuild(c, start == 0 ? end : 0);
+    kvr_ctx_check(c);
+    kvr_store_touch(s, c);
     return 0;
 }
 
@@ -940,9 +874,9 @@ void kvr_store_get_stats(const kvr_store *s, kvr_store_stats *out)
     out->mem_allocated = kvr_mem_allocated();
     out->mem_peak = kvr_mem_peak();
     out->mem_cap = s->cfg.max_memory;
-    out->block_bytes = s->block_bytes;
+    out->block_bytes = s->pool.bytes;
     out->n_models = s->n_models;
-    out->n_blocks = s->n_blocks;
+    out->n_blocks = s->pool.n_blocks;
     for (const kvr_ctx *c = s->lru_head; c; c = c->lru_next) {
         out->n_contexts++;
         out->n_tokens += c->n_tokens;
@@ -954,7 +888,7 @@ void kvr_store_get_stats(const kvr_store *s, kvr_store_stats *out)
     out->n_matches = s->n_matches;
     out->n_match_hits = s->n_match_hits;
     out->n_refused_nomem = s->n_refused_nomem;
-    out->n_leased_blocks = s->n_leased_blocks;
+    out->n_leased_blocks = s->pool.n_leased;
     /* Codec figures: the same sums stat makes, over quantized contexts. */
     double bits = 0, values = 0;
     for (const kvr_ctx *c = s->lru_head; c; c = c->lru_next) {

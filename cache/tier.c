@@ -5,13 +5,13 @@
  *
  * Where the I/O happens (the store is single-threaded on the loop thread):
  *  - Spill at eviction: synchronous, on the loop thread, inside
- *    store_reserve; one block per step and only as many as the request
+ *    kvr_store_reserve; one block per step and only as many as the request
  *    needs (bounded by the request's size). A block that already has a
  *    valid disk copy (a persistent context's, or one reloaded since) is
  *    dropped from memory without any I/O.
- *  - Reload for get / assemble: off the loop thread (tier_reload_*). Begin
+ *  - Reload for get / assemble: off the loop thread (the reload hooks, store.h). Begin
  *    (loop) leases the blocks as before, reserves memory for the spilled
- *    ones (store_reserve: evicts/spills others; KVR_ENOMEM if impossible),
+ *    ones (kvr_store_reserve: evicts/spills others; KVR_ENOMEM if impossible),
  *    allocates their buffers, and builds a "view" per block (its fields
  *    with data in the new buffer) that the transaction's iovecs and work
  *    read: so the response is zero-copy from the new buffer. A get also
@@ -26,7 +26,7 @@
  *    failure (checksum mismatch: quarantined by the layer; EIO) fails that
  *    request with KVR_EIO; the block stays spilled, nothing else changes.
  *  - Reload for a quantized put (window blocks its work re-encodes):
- *    still synchronous on the loop thread in put begin (tier_fault_in: the
+ *    still synchronous on the loop thread in put begin (kvr_store_fault_in: the
  *    same begin/work/end run in place). Rare (only window blocks old enough
  *    to be spilled while their context is being appended to) and bounded
  *    by the put's flush size.
@@ -84,7 +84,8 @@
 #include <string.h>
 #include <time.h>
 
-#include "cache/store_internal.h"
+#include "cache/disk.h"
+#include "cache/layout.h"
 
 enum { REC_MODEL = 1, REC_CTX = 2, REC_DELETE = 3 };
 #define REC_VERSION 1u
@@ -254,30 +255,16 @@ static const void *r_raw(rbuf *r, size_t n)
     r->off += n;
     return v;
 }
-static uint32_t r_u32(rbuf *r)
+/* Reads n bytes into v (left as it is, zero, when the record is short). */
+static void r_val(rbuf *r, void *v, size_t n)
 {
-    uint32_t v = 0;
-    const void *p = r_raw(r, 4);
+    const void *p = r_raw(r, n);
     if (p)
-        memcpy(&v, p, 4);
-    return v;
+        memcpy(v, p, n);
 }
-static uint64_t r_u64(rbuf *r)
-{
-    uint64_t v = 0;
-    const void *p = r_raw(r, 8);
-    if (p)
-        memcpy(&v, p, 8);
-    return v;
-}
-static double r_f64(rbuf *r)
-{
-    double v = 0;
-    const void *p = r_raw(r, 8);
-    if (p)
-        memcpy(&v, p, 8);
-    return v;
-}
+static uint32_t r_u32(rbuf *r) { uint32_t v = 0; r_val(r, &v, 4); return v; }
+static uint64_t r_u64(rbuf *r) { uint64_t v = 0; r_val(r, &v, 8); return v; }
+static double r_f64(rbuf *r) { double v = 0; r_val(r, &v, 8); return v; }
 static void r_str(rbuf *r, char *out, size_t cap)
 {
     uint32_t n = r_u32(r);
@@ -365,50 +352,27 @@ static void tlog(kvr_tier *t, int level, const char *fmt, ...)
 
 /* ---- blocks: spill state --------------------------------------------------------- */
 
-static size_t meta_off(const kvr_block *b)
-{
-    return (size_t)((const uint8_t *)(const void *)b->stored_pos - b->data);
-}
-
-size_t tier_data_len(const kvr_block *b)
-{
-    return meta_off(b) + (size_t)b->cap * 16u;
-}
-
-static size_t meta_bytes(const kvr_block *b)
-{
-    return (b->quant ? KVR_QHDR_BYTES : 0) + (size_t)b->cap * 16u;
-}
-
-static void set_ptrs(kvr_block *b, uint8_t *base, size_t off)
-{
-    b->stored_pos = (int64_t *)(void *)(base + off);
-    b->tokens = (uint32_t *)(void *)(base + off + (size_t)b->cap * 8u);
-    b->groups = (int32_t *)(void *)(base + off + (size_t)b->cap * 12u);
-}
-
-static void account(kvr_store *s, kvr_block *b)
-{
-    s->block_bytes -= b->bytes;
-    b->bytes = malloc_usable_size(b->data) + malloc_usable_size(b);
-    s->block_bytes += b->bytes;
-}
+/* A block's disk copy: h is a live handle the block owns one reference
+ * of; it is a valid copy iff used == the block's used (slots below `used`
+ * never change). A spilled block always has a valid copy. */
+typedef struct kvr_block_disk {
+    kvr_disk_handle h;
+    uint32_t        used;
+} kvr_block_disk;
 
 /* Drops b's K/V bytes from memory (it has a valid disk copy). */
 static int make_spilled(kvr_store *s, kvr_block *b)
 {
-    uint8_t *m = kvr_mem_aligned(KVR_BLOCK_ALIGN, meta_bytes(b));
+    /* Only an unheld block with a valid disk copy goes. */
+    assert(!b->spilled && b->holds == 0 && b->disk && b->disk->used == b->used);
+    uint8_t *m = kvr_mem_aligned(KVR_BLOCK_ALIGN, kvr_block_spilled_bytes(b));
     if (!m)
         return KVR_ENOMEM;
     size_t mo = b->quant ? KVR_QHDR_BYTES : 0;
     if (b->quant)
         memcpy(m, b->data, KVR_QHDR_BYTES);
-    memcpy(m + mo, b->stored_pos, (size_t)b->cap * 16u);
-    kvr_mem_free(b->data);
-    b->data = m;
-    set_ptrs(b, m, mo);
-    b->spilled = true;
-    account(s, b);
+    memcpy(m + mo, b->stored_pos, (size_t)b->cap * KVR_BLOCK_META_SLOT);
+    kvr_block_set_data(&s->pool, b, m, mo, true);
     return 0;
 }
 
@@ -418,15 +382,17 @@ static size_t spilled_len(const kvr_block *b)
     return b->disk->h.len;
 }
 
+/* Where the metadata sits in a spilled block's full data. */
+static size_t full_meta_off(const kvr_block *b)
+{
+    return spilled_len(b) - (size_t)b->cap * KVR_BLOCK_META_SLOT;
+}
+
 /* Installs freshly loaded full data into a spilled block. */
 static void install_data(kvr_store *s, kvr_block *b, uint8_t *buf)
 {
-    size_t full_off = spilled_len(b) - (size_t)b->cap * 16u;
-    kvr_mem_free(b->data);
-    b->data = buf;
-    set_ptrs(b, buf, full_off);
-    b->spilled = false;
-    account(s, b);
+    assert(b->spilled && b->disk);
+    kvr_block_set_data(&s->pool, b, buf, full_meta_off(b), false);
 }
 
 /* A handle this store no longer needs: freed now if no durable record
@@ -464,8 +430,12 @@ static void pending_sweep(kvr_store *s)
     t->n_pending = w;
 }
 
-void tier_block_gone(kvr_store *s, kvr_block *b)
+/* The block pool's release hook: a block's last reference goes. Its disk
+ * copy is released (deferred while a persisted record may still point at
+ * it). Stays installed after the tier closes (then it only frees). */
+static void on_block_release(void *arg, kvr_block *b)
 {
+    kvr_store *s = arg;
     if (!b->disk)
         return;
     if (s->tier && !s->tier->closing)
@@ -489,7 +459,8 @@ static int set_copy(kvr_store *s, kvr_block *b, const kvr_disk_handle *h, uint32
     return 0;
 }
 
-void tier_ctx_gone(kvr_store *s, kvr_ctx *c)
+/* A persistent context leaves the store: remembered for the DELETE record. */
+static void on_ctx_gone(kvr_store *s, kvr_ctx *c)
 {
     kvr_tier *t = s->tier;
     if (!t || t->closing || !c->persist || c->pending)
@@ -509,11 +480,6 @@ void tier_ctx_gone(kvr_store *s, kvr_ctx *c)
     t->deleted[t->n_deleted++] = id;
 }
 
-bool tier_persist_all(const kvr_store *s)
-{
-    return s->tier && s->tier->cfg.persist_all;
-}
-
 /* ---- eviction ----------------------------------------------------------------------- */
 
 static bool evictable(const kvr_ctx *c)
@@ -526,7 +492,7 @@ static bool spillable(const kvr_block *b)
     return !b->spilled && b->holds == 0 && b->used > 0;
 }
 
-size_t tier_freeable(kvr_store *s)
+static size_t tier_freeable(kvr_store *s)
 {
     if (!s->tier)
         return 0;
@@ -541,7 +507,8 @@ size_t tier_freeable(kvr_store *s)
                 continue;
             b->mark = ep;
             if (spillable(b))
-                total += b->bytes > meta_bytes(b) ? b->bytes - meta_bytes(b) : 0;
+                total += b->bytes > kvr_block_spilled_bytes(b)
+                             ? b->bytes - kvr_block_spilled_bytes(b) : 0;
         }
     }
     return total;
@@ -552,7 +519,7 @@ static int spill_block(kvr_store *s, kvr_block *b)
 {
     kvr_tier *t = s->tier;
     if (!(b->disk && b->disk->used == b->used)) {
-        kvr_disk_buf buf = { b->data, tier_data_len(b) };
+        kvr_disk_buf buf = { b->data, kvr_block_data_len(b) };
         kvr_disk_handle h;
         kvr_error e;
         int rc = kvr_disk_spill(t->d, &buf, 1, &h, false, &e);
@@ -568,7 +535,7 @@ static int spill_block(kvr_store *s, kvr_block *b)
     return make_spilled(s, b);
 }
 
-int tier_evict_one(kvr_store *s)
+static int tier_evict_one(kvr_store *s)
 {
     kvr_tier *t = s->tier;
     if (!t)
@@ -595,14 +562,14 @@ int64_t kvr_store_tier_evict(kvr_store *s, size_t bytes, kvr_error *err)
 {
     if (!s->tier)
         return kvr_error_set(err, KVR_EUNSUPPORTED, "no disk tier");
-    size_t before = s->block_bytes, freed = 0;
+    size_t before = s->pool.bytes, freed = 0;
     while (freed < bytes) {
         int rc = tier_evict_one(s);
         if (rc < 0)
             return kvr_error_set(err, rc, "spilling failed");
         if (rc == 0)
             break;
-        freed = before - s->block_bytes;
+        freed = before - s->pool.bytes;
     }
     int rc = kvr_disk_sync(s->tier->d, err);
     return rc < 0 ? rc : (int64_t)freed;
@@ -624,9 +591,9 @@ typedef struct rl_ent {
     bool            needed;      /* read by the request (else a prefetch) */
 } rl_ent;
 
-struct tier_reload {
+struct kvr_reload {
     kvr_disk  *d;
-    rl_ent    *e;                /* sorted by block address (tier_reload_view) */
+    rl_ent    *e;                /* sorted by block address (reload_view) */
     size_t     n;
     bool       loaded;           /* work ran */
     int        rc;               /* its result (the request's blocks only) */
@@ -642,18 +609,18 @@ static int rl_cmp(const void *a, const void *b)
     return x < y ? -1 : x > y;
 }
 
-static void rl_free(kvr_store *s, tier_reload *r)
+static void rl_free(kvr_store *s, kvr_reload *r)
 {
     for (size_t i = 0; i < r->n; i++) {
         kvr_mem_free(r->e[i].buf);
-        block_unref(s, r->e[i].b);
+        kvr_block_unref(&s->pool, r->e[i].b);
     }
     kvr_mem_free(r->e);
     kvr_mem_free(r);
 }
 
-int tier_reload_begin(kvr_store *s, kvr_block *const *bs, size_t n, kvr_ctx *pf,
-                      tier_reload **out, kvr_error *err)
+static int reload_begin(kvr_store *s, kvr_block *const *bs, size_t n, kvr_ctx *pf,
+                        kvr_reload **out, kvr_error *err)
 {
     kvr_tier *t = s->tier;
     *out = NULL;
@@ -669,7 +636,7 @@ int tier_reload_begin(kvr_store *s, kvr_block *const *bs, size_t n, kvr_ctx *pf,
     }
     t->reads_disk++;
     size_t cap = need + (pf ? pf->n_ext : 0);
-    tier_reload *r = kvr_mem_calloc(1, sizeof *r);
+    kvr_reload *r = kvr_mem_calloc(1, sizeof *r);
     if (!r || !(r->e = kvr_mem_calloc(cap, sizeof *r->e))) {
         kvr_mem_free(r);
         return kvr_error_set(err, KVR_ENOMEM, "out of memory reloading blocks");
@@ -682,21 +649,22 @@ int tier_reload_begin(kvr_store *s, kvr_block *const *bs, size_t n, kvr_ctx *pf,
     size_t bytes = 0;
     for (size_t i = 0; i < n; i++)
         if (bs[i]->spilled && bs[i]->mark != ep) {
+            assert(bs[i]->holds > 0 && bs[i]->disk);   /* held by the caller */
             bs[i]->mark = ep;
-            block_ref(bs[i]);
+            kvr_block_ref(bs[i]);
             r->e[r->n++] = (rl_ent){ .b = bs[i], .needed = true };
             bytes += kvr_mem_size_class(spilled_len(bs[i]));
         }
     bool was_busy = pf ? pf->busy : false;
     if (pf)
         pf->busy = true;
-    int rc = store_reserve(s, bytes, err);
+    int rc = kvr_store_reserve(s, bytes, err);
     for (size_t i = 0; i < r->n && rc == 0; i++)
         if (!(r->e[i].buf = kvr_mem_aligned(KVR_BLOCK_ALIGN, spilled_len(r->e[i].b))))
             rc = kvr_error_set(err, KVR_ENOMEM, "out of memory reloading a block");
     /* Prefetch: the context's other spilled blocks, while they fit under
      * the cap without evicting anything, up to TIER_PREFETCH_MAX bytes.
-     * (store_reserve used the marks: mark the request's blocks again.) */
+     * (kvr_store_reserve used the marks: mark the request's blocks again.) */
     ep = ++s->epoch;
     for (size_t i = 0; i < r->n; i++)
         r->e[i].b->mark = ep;
@@ -713,7 +681,7 @@ int tier_reload_begin(kvr_store *s, kvr_block *const *bs, size_t n, kvr_ctx *pf,
         if (!buf)
             break;
         b->mark = ep;
-        block_ref(b);
+        kvr_block_ref(b);
         pbytes += sc;
         r->e[r->n++] = (rl_ent){ .b = b, .buf = buf };
     }
@@ -726,18 +694,14 @@ int tier_reload_begin(kvr_store *s, kvr_block *const *bs, size_t n, kvr_ctx *pf,
     for (size_t i = 0; i < r->n; i++) {
         rl_ent *x = &r->e[i];
         x->h = x->b->disk->h;
-        x->view = *x->b;
-        x->view.data = x->buf;
-        x->view.spilled = false;
-        x->view.disk = NULL;
-        size_t full_off = spilled_len(x->b) - (size_t)x->b->cap * 16u;
-        set_ptrs(&x->view, x->buf, full_off);
+        size_t full_off = full_meta_off(x->b);
+        kvr_block_view(x->b, &x->view, x->buf, full_off);
         /* The view is readable at begin: its quantized header and metadata
          * (kept in memory while spilled) go in now; the load rewrites the
          * same bytes. */
         if (x->b->quant)
             memcpy(x->buf, x->b->data, KVR_QHDR_BYTES);
-        memcpy(x->buf + full_off, x->b->stored_pos, (size_t)x->b->cap * 16u);
+        memcpy(x->buf + full_off, x->b->stored_pos, (size_t)x->b->cap * KVR_BLOCK_META_SLOT);
         x->st = KVR_EIO;      /* not loaded yet */
     }
     qsort(r->e, r->n, sizeof *r->e, rl_cmp);
@@ -745,7 +709,7 @@ int tier_reload_begin(kvr_store *s, kvr_block *const *bs, size_t n, kvr_ctx *pf,
     return 0;
 }
 
-const kvr_block *tier_reload_view(const tier_reload *r, const kvr_block *b)
+static const kvr_block *reload_view(const kvr_reload *r, const kvr_block *b)
 {
     if (!r || !b->spilled)
         return b;
@@ -762,14 +726,14 @@ const kvr_block *tier_reload_view(const tier_reload *r, const kvr_block *b)
     return b;
 }
 
-bool tier_reload_pending(const tier_reload *r)
+static bool reload_pending(const kvr_reload *r)
 {
     return r && !r->loaded;
 }
 
 /* Worker thread: one batched load. Touches only r (and the thread-safe
  * disk layer), never the store. */
-int tier_reload_work(tier_reload *r, kvr_error *err)
+static int reload_work(kvr_reload *r, kvr_error *err)
 {
     if (!r)
         return 0;
@@ -806,7 +770,7 @@ int tier_reload_work(tier_reload *r, kvr_error *err)
     return r->rc;
 }
 
-void tier_reload_end(kvr_store *s, tier_reload *r)
+static void reload_end(kvr_store *s, kvr_reload *r)
 {
     if (!r)
         return;
@@ -822,24 +786,13 @@ void tier_reload_end(kvr_store *s, tier_reload *r)
         /* Install unless another request did meanwhile (keep that one) or
          * the block was deleted meanwhile (only this reference is left):
          * then the buffer is freed below. */
-        if (t && x->b->spilled && x->b->refcount > 1 && x->b->disk &&
+        if (t && x->b->spilled && !kvr_block_exclusive(x->b) && x->b->disk &&
             x->b->disk->h.seg == x->h.seg && x->b->disk->h.off == x->h.off) {
             install_data(s, x->b, x->buf);
             x->buf = NULL;
         }
     }
     rl_free(s, r);
-}
-
-int tier_fault_in(kvr_store *s, kvr_block *const *bs, size_t n, kvr_ctx *pf, kvr_error *err)
-{
-    tier_reload *r;
-    int rc = tier_reload_begin(s, bs, n, pf, &r, err);
-    if (rc != 0 || !r)
-        return rc;
-    rc = tier_reload_work(r, err);
-    tier_reload_end(s, r);
-    return rc;
 }
 
 /* ---- records --------------------------------------------------------------------------- */
@@ -888,11 +841,11 @@ static int enc_ctx(kvr_store *s, kvr_ctx *c, pjob *j)
     w_f64(w, c->q_sse[1]);
     w_f64(w, c->q_ss[0]);
     w_f64(w, c->q_ss[1]);
-    size_t lb = layout_blob_size();
+    size_t lb = kvr_layout_blob_size();
     uint8_t *blob = kvr_mem_malloc(lb);
     if (!blob)
         return KVR_ENOMEM;
-    if (layout_blob_get(c, blob)) {
+    if (kvr_layout_blob_get(c, blob)) {
         w_u32(w, (uint32_t)lb);
         w_raw(w, blob, lb);
     } else {
@@ -924,9 +877,8 @@ static int enc_ctx(kvr_store *s, kvr_ctx *c, pjob *j)
         if (b->disk && b->disk->used == b->used) {
             kvr_disk_handle_encode(&b->disk->h, hb);
         } else {
-            block_ref(b);
-            b->holds++;
-            j->sp[j->n_sp++] = (pspill){ b, b->data, tier_data_len(b), b->used, w->len };
+            kvr_block_hold(b);
+            j->sp[j->n_sp++] = (pspill){ b, b->data, kvr_block_data_len(b), b->used, w->len };
         }
         w_raw(w, hb, sizeof hb);
         w_u32(w, b->used);
@@ -1137,10 +1089,8 @@ static int model_log_mark(kvr_tier *t, kvr_model *m)
 
 static void job_free(kvr_store *s, pjob *j)
 {
-    for (size_t i = 0; i < j->n_sp; i++) {
-        j->sp[i].b->holds--;
-        block_unref(s, j->sp[i].b);
-    }
+    for (size_t i = 0; i < j->n_sp; i++)
+        kvr_block_unhold(&s->pool, j->sp[i].b);
     kvr_mem_free(j->sp);
     kvr_mem_free(j->rec.p);
     kvr_mem_free(j);
@@ -1157,7 +1107,7 @@ static void enqueue(kvr_tier *t, pjob *j)
 
 bool kvr_store_ctx_persistent(const kvr_store *s, const char *ctx_id)
 {
-    kvr_ctx *c = ctx_find(s, ctx_id);
+    kvr_ctx *c = kvr_store_ctx_find(s, ctx_id);
     return s->tier && c && !c->pending && c->persist;
 }
 
@@ -1167,7 +1117,7 @@ int kvr_store_persist(kvr_store *s, const char *ctx_id, kvr_persist_done_fn done
     kvr_tier *t = s->tier;
     if (!t || !ctx_id)
         return 0;
-    kvr_ctx *c = ctx_find(s, ctx_id);
+    kvr_ctx *c = kvr_store_ctx_find(s, ctx_id);
     size_t di = SIZE_MAX;
     for (size_t i = 0; i < t->n_deleted; i++)
         if (strcmp(t->deleted[i], ctx_id) == 0)
@@ -1447,7 +1397,7 @@ static int recover_model(kvr_store *s, kvr_tier *t, const trec *r)
              " but its record says %016" PRIx64, name, mi.fingerprint, fp);
         return KVR_EFINGERPRINT;
     }
-    kvr_model *m = model_find(s, name);
+    kvr_model *m = kvr_store_model(s, name);
     if (m && !model_logged(t, m))
         model_log_mark(t, m);
     t->rec.models++;
@@ -1479,14 +1429,14 @@ static int recover_ctx(kvr_store *s, kvr_tier *t, hmap *blocks, const trec *r)
         qs[i] = r_f64(&b);
     uint32_t lb = r_u32(&b);
     const void *blob = lb ? r_raw(&b, lb) : NULL;
-    if (lb && lb != layout_blob_size())
+    if (lb && lb != kvr_layout_blob_size())
         b.bad = true;
     uint32_t nb = r_u32(&b);
     if (b.bad || nb > r->len / (KVR_DISK_HANDLE_BYTES + 16)) {
         tlog(t, KVR_TIER_LOG_WARN, "disk: context record '%s' is unreadable: dropped", id);
         return KVR_EINVAL;
     }
-    kvr_model *m = model_find(s, model);
+    kvr_model *m = kvr_store_model(s, model);
     if (!m || m->fingerprint != fp) {
         tlog(t, KVR_TIER_LOG_WARN, "disk: context '%s': model '%s' %s: dropped", id, model,
              m ? "has another fingerprint" : "was not restored");
@@ -1571,33 +1521,28 @@ static int recover_ctx(kvr_store *s, kvr_tier *t, hmap *blocks, const trec *r)
         }
         for (size_t q = 0; q < k && rc == 0; q++) {
             uint32_t bi = which[q];
-            kvr_block *blk = kvr_mem_calloc(1, sizeof *blk);
+            /* The block adopts the loaded data (header and metadata in it);
+             * its one reference is this function's until the extents take
+             * theirs. */
+            kvr_block_geom g = { .cap = rb[bi].cap, .row = kvr_model_row(m),
+                                 .n_layers = m->n_layers,
+                                 .dtype = (kvr_dtype)rb[bi].dtype,
+                                 .quant = rb[bi].quant != 0 };
+            kvr_block *blk = kvr_block_create(&s->pool, &g, bufs[q], rb[bi].h.len,
+                                              rb[bi].used);
             if (!blk) {
                 rc = KVR_ENOMEM;
                 break;
             }
-            blk->data = bufs[q];
             bufs[q] = NULL;
-            blk->cap = rb[bi].cap;
-            blk->used = rb[bi].used;
-            blk->dtype = (kvr_dtype)rb[bi].dtype;
-            blk->quant = rb[bi].quant != 0;
-            blk->refcount = 1;     /* this function's until the extents take theirs */
-            set_ptrs(blk, blk->data, rb[bi].h.len - (size_t)blk->cap * 16u);
-            blk->pos_lo = 0;
-            blk->pos_hi = -1;
             blk->disk = kvr_mem_malloc(sizeof *blk->disk);
             if (!blk->disk) {
-                kvr_mem_free(blk->data);
-                kvr_mem_free(blk);
+                kvr_block_unref(&s->pool, blk);
                 rc = KVR_ENOMEM;
                 break;
             }
             blk->disk->h = rb[bi].h;
             blk->disk->used = blk->used;
-            blk->bytes = malloc_usable_size(blk->data) + malloc_usable_size(blk);
-            s->n_blocks++;
-            s->block_bytes += blk->bytes;
             rb[bi].b = blk;
             rb[bi].fresh = false;     /* owned by the block now (freed with it) */
             rb[bi].built = true;
@@ -1613,21 +1558,20 @@ static int recover_ctx(kvr_store *s, kvr_tier *t, hmap *blocks, const trec *r)
         }
         /* Room for the next chunk: spill least recently used blocks. */
         if (rc == 0 && s->cfg.max_memory)
-            store_reserve(s, chunk_max, NULL);
+            kvr_store_reserve(s, chunk_max, NULL);
     }
     kvr_mem_free(which);
     kvr_ctx *c = NULL;
-    if (rc == 0 && (ctx_find(s, id) || ctx_id_check(id, NULL) != 0))
+    if (rc == 0 && (kvr_store_ctx_find(s, id) || kvr_ctx_id_check(id, NULL) != 0))
         rc = KVR_EEXIST;
-    if (rc == 0 && !(c = ctx_new(s, m, id)))
+    if (rc == 0 && !(c = kvr_store_ctx_new(s, m, id)))
         rc = KVR_ENOMEM;
-    if (rc == 0 && codec[0] && qspec_parse(codec, m, m->dtype, &c->codec, NULL) != 0)
+    if (rc == 0 && codec[0] && kvr_model_codec(m, codec, &c->codec, NULL) != 0)
         rc = KVR_EINVAL;
-    if (rc == 0 && ctx_ext_reserve(c, ne ? ne : 1) != 0)
+    if (rc == 0 && kvr_ctx_ext_reserve(c, ne ? ne : 1) != 0)
         rc = KVR_ENOMEM;
-    if (rc == 0 && blob && layout_blob_set(c, blob) != 0)
+    if (rc == 0 && blob && kvr_layout_blob_set(c, blob) != 0)
         rc = KVR_ENOMEM;
-    size_t total = 0;
     for (uint32_t i = 0; i < ne && rc == 0; i++) {
         uint32_t bi = r_u32(&b), first = r_u32(&b), count = r_u32(&b), fl = r_u32(&b);
         int64_t delta = (int64_t)r_u64(&b);
@@ -1636,31 +1580,28 @@ static int recover_ctx(kvr_store *s, kvr_tier *t, hmap *blocks, const trec *r)
             rc = KVR_EINVAL;
             break;
         }
-        block_ref(rb[bi].b);
-        c->ext[c->n_ext++] = (kvr_extent){ rb[bi].b, first, count, delta, fl };
-        total += count;
+        kvr_block_ref(rb[bi].b);
+        kvr_ctx_push(&s->pool, c, (kvr_extent){ rb[bi].b, first, count, delta, fl });
     }
+    size_t total = c ? c->n_tokens : 0;
     if (rc == 0 && total != ntok)
         rc = KVR_EINVAL;
     if (rc == 0) {
         c->dtype = (kvr_dtype)dtype;
         c->pinned = flags & 1u;
         c->created_ms = created;
-        c->n_tokens = total;
         c->n_protected = nprot;
         c->q_sse[0] = qs[0];
         c->q_sse[1] = qs[1];
         c->q_ss[0] = qs[2];
         c->q_ss[1] = qs[3];
         c->persist = true;
-        c->pending = false;
-        m->n_contexts++;
-        lru_touch(s, c);
-        ctx_index_rebuild(s, c, 0);
+        kvr_store_ctx_commit(s, c);
+        kvr_ctx_index_rebuild(c, 0);
         t->rec.contexts++;
         t->rec.tokens += total;
     } else if (c) {
-        ctx_destroy(s, c);
+        kvr_store_ctx_destroy(s, c);
     }
     if (rc != 0 && rc != KVR_ENOMEM && rc != KVR_EIO && rc != KVR_EEXIST)
         tlog(t, KVR_TIER_LOG_WARN, "disk: context record '%s' is inconsistent: dropped", id);
@@ -1670,9 +1611,9 @@ static int recover_ctx(kvr_store *s, kvr_tier *t, hmap *blocks, const trec *r)
         if (rb[i].fresh) {
             kvr_disk_free(t->d, &rb[i].h, NULL);
         } else if (rb[i].built) {
-            if (rb[i].b->refcount == 1)
+            if (kvr_block_exclusive(rb[i].b))
                 hmap_add(blocks, hkey(&rb[i].h), -(int64_t)(uintptr_t)rb[i].b);
-            block_unref(s, rb[i].b);
+            kvr_block_unref(&s->pool, rb[i].b);
         }
     }
     for (size_t i = 0; bufs && i < nb; i++)
@@ -1683,6 +1624,22 @@ static int recover_ctx(kvr_store *s, kvr_tier *t, hmap *blocks, const trec *r)
     kvr_mem_free(rb);
     return rc;
 }
+
+static void tier_destroy(kvr_store *s);
+static void tier_close(kvr_store *s);
+
+static const kvr_tier_hooks tier_hooks = {
+    .ctx_gone = on_ctx_gone,
+    .freeable = tier_freeable,
+    .evict_one = tier_evict_one,
+    .reload_begin = reload_begin,
+    .reload_view = reload_view,
+    .reload_pending = reload_pending,
+    .reload_work = reload_work,
+    .reload_end = reload_end,
+    .destroy = tier_destroy,
+    .close = tier_close,
+};
 
 static double mono_ms(void)
 {
@@ -1701,6 +1658,9 @@ int kvr_store_tier_open(kvr_store *s, const kvr_tier_config *cfg, kvr_tier_log_f
     if (s->n_ctx)
         return kvr_error_set(err, KVR_EINVAL, "disk tier: open it before any context exists");
     double t0 = mono_ms();
+    /* From now on blocks may carry a disk copy: its release is ours. */
+    s->pool.on_release = on_block_release;
+    s->pool.release_arg = s;
     kvr_tier *t = kvr_mem_calloc(1, sizeof *t);
     if (!t)
         return kvr_error_set(err, KVR_ENOMEM, "out of memory opening the disk tier");
@@ -1730,7 +1690,10 @@ int kvr_store_tier_open(kvr_store *s, const kvr_tier_config *cfg, kvr_tier_log_f
     for (trec *r = t->tab.head; r; r = r->next)
         if (r->type == REC_MODEL)
             recover_model(s, t, r);
-    s->tier = t;     /* eviction during recovery spills (blocks are on disk: no I/O) */
+    /* Eviction during recovery spills (blocks are on disk: no I/O). */
+    s->tier = t;
+    s->hooks = &tier_hooks;
+    s->persist_all = t->cfg.persist_all;
     hmap blocks = { 0 };
     trec *prev = NULL;
     for (trec *r = t->tab.head; r;) {
@@ -1760,6 +1723,7 @@ int kvr_store_tier_open(kvr_store *s, const kvr_tier_config *cfg, kvr_tier_log_f
     hmap_free(&blocks);
     if ((rc = kvr_disk_recover_done(t->d, err)) != 0) {
         s->tier = NULL;
+        s->hooks = NULL;
         goto fail_store;
     }
     /* Tests only (hidden): KVR_DISK_FAULT="ops:nth:errno:count" injects
@@ -1787,7 +1751,7 @@ int kvr_store_tier_open(kvr_store *s, const kvr_tier_config *cfg, kvr_tier_log_f
     t->rec.quarantined = dr.quarantined + rv.bad;
     t->rec.torn_bytes = dr.torn_bytes;
     t->rec.ms = mono_ms() - t0;
-    t->rec.at_ms = now_ms();
+    t->rec.at_ms = kvr_store_now_ms();
     if (out)
         *out = t->rec;
     return 0;
@@ -1796,17 +1760,18 @@ fail_store:
     /* Contexts rebuilt so far go; the directory stays as it is. */
     for (size_t i = 0; i < s->n_buckets; i++)
         while (s->buckets[i])
-            ctx_destroy(s, s->buckets[i]);
+            kvr_store_ctx_destroy(s, s->buckets[i]);
 fail:
     tab_free(&t->tab);
     kvr_disk_close(t->d);
     kvr_mem_free(t->logged);
     kvr_mem_free(t);
     s->tier = NULL;
+    s->hooks = NULL;
     return rc;
 }
 
-void tier_destroy(kvr_store *s)
+static void tier_destroy(kvr_store *s)
 {
     kvr_tier *t = s->tier;
     if (!t)
@@ -1824,7 +1789,7 @@ void tier_destroy(kvr_store *s)
     t->q_head = t->q_tail = NULL;
 }
 
-void tier_close(kvr_store *s)
+static void tier_close(kvr_store *s)
 {
     kvr_tier *t = s->tier;
     if (!t)
@@ -1838,6 +1803,7 @@ void tier_close(kvr_store *s)
     kvr_mem_free(t->logged);
     kvr_mem_free(t);
     s->tier = NULL;
+    s->hooks = NULL;
 }
 
 const char *kvr_store_tier_engine(const kvr_store *s)
@@ -1854,8 +1820,8 @@ void kvr_store_tier_stats(const kvr_store *s, kvr_tier_stats *out)
 {
     memset(out, 0, sizeof *out);
     kvr_tier *t = s->tier;
-    out->mem_blocks = s->n_blocks;
-    out->mem_bytes = s->block_bytes;
+    out->mem_blocks = s->pool.n_blocks;
+    out->mem_bytes = s->pool.bytes;
     if (!t)
         return;
     out->enabled = true;
@@ -1897,7 +1863,7 @@ void kvr_store_tier_stats(const kvr_store *s, kvr_tier_stats *out)
         }
     }
     out->spilled_blocks = spilled;
-    out->mem_blocks = s->n_blocks - (spilled < s->n_blocks ? spilled : s->n_blocks);
-    out->mem_bytes = s->block_bytes - (spilled_bytes < s->block_bytes ? spilled_bytes
-                                                                     : s->block_bytes);
+    out->mem_blocks = s->pool.n_blocks - (spilled < s->pool.n_blocks ? spilled : s->pool.n_blocks);
+    out->mem_bytes = s->pool.bytes - (spilled_bytes < s->pool.bytes ? spilled_bytes
+                                                                     : s->pool.bytes);
 }

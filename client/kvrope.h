@@ -40,10 +40,24 @@
 #include <sys/uio.h>
 
 #include "rope/rope.h"
+#include "rope/types.h"
 
 #ifdef __cplusplus
 extern "C" {
 #endif
+
+/* ---- version ------------------------------------------------------------ */
+/* The library's version. The ABI is that of the major version (SONAME
+ * libkvrope.so.KVR_VERSION_MAJOR); 0.x releases may change it in a minor. */
+#define KVR_VERSION_MAJOR 0
+#define KVR_VERSION_MINOR 3
+#define KVR_VERSION_PATCH 0
+#define KVR_VERSION_HEX ((KVR_VERSION_MAJOR << 16) | (KVR_VERSION_MINOR << 8) | KVR_VERSION_PATCH)
+
+/* Of the library actually loaded (compare with KVR_VERSION_HEX, the one
+ * compiled against): (major << 16) | (minor << 8) | patch, and "0.3.0". */
+unsigned    kvr_version(void);
+const char *kvr_version_string(void);
 
 /* ---- errors ------------------------------------------------------------- */
 /* The codes (KVR_E*), kvr_strerror, kvr_error_name and the wire mapping are
@@ -86,14 +100,22 @@ typedef struct kvr_pong {
 int kvr_client_ping(kvr_client *c, kvr_pong *out /* may be NULL */);
 
 /* ---- models ------------------------------------------------------------- */
-#define KVR_NAME_MAX 255
+/* Names (context ids, model names) are at most KVR_ID_MAX bytes, canonical
+ * codec specs fit in KVR_CODEC_NAME_MAX bytes with the NUL (rope/types.h).
+ * Codec specs (docs/quantized.md): "f32" | "f16" | "bf16" (plain), "int8" |
+ * "int4" | "int2" ["/gN"], "q8_0" | "q4_0" | "q4_1" | "q5_0", "k4v2"-style
+ * "k<b>v<b>" (the default grouping; "quant" = "k4v2"),
+ * "kivi:k<b>v<b>[:gG][:rR]", "k=<codec>[/c],v=<codec>[,r=R]". A bad spec is
+ * KVR_EINVAL with the daemon's explanation. */
 
 typedef struct kvr_model {
-    char     name[KVR_NAME_MAX + 1];
+    char     name[KVR_ID_MAX + 1];
     uint32_t n_layers, n_kv_heads, head_dim;
     kvr_dtype dtype;
     uint64_t fingerprint;      /* shape + RoPE parameters + dtype */
     uint64_t n_contexts;
+    char     codec[KVR_CODEC_NAME_MAX]; /* default codec of its contexts, canonical
+                                           ("f16": plain, "k=int4/g128/c,v=..,r=128") */
     kvr_rope_config rope;      /* the RoPE parameters; shape fields as above */
 } kvr_model;
 
@@ -109,6 +131,8 @@ typedef struct kvr_model_params {
     /* Explicit RoPE parameters, used when config_json is NULL (borrowed). The
      * shape fields of the struct are ignored; NULL = the HF defaults. */
     const kvr_rope_config *rope;
+    const char *codec;         /* default codec of the model's contexts; NULL or
+                                  "": the dtype, plain */
 } kvr_model_params;
 
 /* Registers (or re-registers identically) a model; out may be NULL. */
@@ -121,41 +145,17 @@ int kvr_client_model_register_json(kvr_client *c, const char *name, const char *
 /* *out is the caller's (kvr_client_free), *n entries. */
 int kvr_client_model_list(kvr_client *c, kvr_model **out, size_t *n);
 
-/* ---- codecs at rest (docs/quantized.md) --------------------------------- */
-/* Canonical codec specs fit in this many bytes (with the NUL). Specs:
- * "f32" | "f16" | "bf16" (plain), "int8" | "int4" | "int2" ["/gN"], "q8_0" |
- * "q4_0" | "q4_1" | "q5_0", "k4v2"-style "k<b>v<b>" (the default grouping;
- * "quant" = "k4v2"), "kivi:k<b>v<b>[:gG][:rR]", "k=<codec>[/c],v=<codec>[,r=R]".
- * A bad spec is KVR_EINVAL with the daemon's explanation. */
-#define KVR_CODEC_MAX 64
-
-/* What kvr_model does not carry (kept apart so its layout stays). */
-typedef struct kvr_model_ex {
-    char codec[KVR_CODEC_MAX];   /* default codec of its contexts, canonical
-                                    ("f16": plain, "k=int4/g128/c,v=..,r=128") */
-} kvr_model_ex;
-
-/* kvr_client_model_register with a default codec for the model's contexts
- * (codec NULL or "": the dtype, plain). out and ex may be NULL. */
-int kvr_client_model_register_ex(kvr_client *c, const kvr_model_params *p, const char *codec,
-                                 kvr_model *out, kvr_model_ex *ex);
-/* kvr_client_model_list plus one kvr_model_ex per model in *ex (the caller's,
- * kvr_client_free; ex may be NULL). */
-int kvr_client_model_list_ex(kvr_client *c, kvr_model **out, kvr_model_ex **ex, size_t *n);
 /* Looks one model up by name (via the list); KVR_ENOMODEL if absent. */
 int kvr_client_model_get(kvr_client *c, const char *name, kvr_model *out);
 
 /* ---- put ---------------------------------------------------------------- */
-typedef enum kvr_write_mode {
-    KVR_WRITE_UPSERT = 0,      /* create or append (the default) */
-    KVR_WRITE_CREATE = 1,      /* KVR_EEXIST if the context exists */
-    KVR_WRITE_APPEND = 2,      /* KVR_ENOCTX if it does not */
-} kvr_write_mode;
-
+/* Modes: kvr_put_mode, the store's (rope/types.h): KVR_PUT_CREATE = 0
+ * (KVR_EEXIST if the context exists), KVR_PUT_APPEND (KVR_ENOCTX if it does
+ * not), KVR_PUT_UPSERT (create or append). */
 typedef struct kvr_put_args {
     const char     *ctx_id;
     const char     *model;
-    kvr_write_mode  mode;
+    kvr_put_mode    mode;
     uint64_t        fingerprint;      /* 0 = unchecked */
     uint32_t        n_layers, n_kv_heads, head_dim;  /* 0 = the model's */
     kvr_dtype       dtype;            /* of the payload (F32 is 0: set it) */
@@ -173,19 +173,7 @@ typedef struct kvr_put_args {
     size_t              payload_len;
     const struct iovec *iov;
     size_t              iovcnt;
-} kvr_put_args;
-
-typedef struct kvr_put_res {
-    uint64_t n_tokens;       /* context length after the put */
-    uint64_t first_index;    /* index of the first token put */
-    int64_t  first_pos, last_pos;
-} kvr_put_res;
-
-int kvr_client_put(kvr_client *c, const kvr_put_args *a, kvr_put_res *out /* may be NULL */);
-
-/* What a put can do besides storing KV (a separate struct so that
- * kvr_put_args keeps its layout for bindings). Zero = unused. */
-typedef struct kvr_put_opts {
+    /* What a put can do besides storing KV; zero = unused. */
     uint64_t            protect_first;  /* after the put, edits may not touch
                                            tokens [0, n) (attention sinks);
                                            KVR_ERANGE if n > length */
@@ -197,37 +185,35 @@ typedef struct kvr_put_opts {
     const char *const  *groups;         /* GPE: n_groups group names */
     size_t              n_groups;
     const int64_t      *group_offsets;  /* phi per group, NULL = 0 */
-    /* Appended (the Python binding mirrors this struct; zero = unused): */
     const char         *codec;          /* create: storage codec of the new
                                            context (docs/quantized.md), NULL =
                                            the model's default. On an existing
                                            context it must be its codec. */
-} kvr_put_opts;
+    bool                persist;        /* the put, and every later change of the
+                                           context, is acknowledged only once on
+                                           disk; it survives restarts and kill -9
+                                           (a daemon without --disk-dir refuses
+                                           it with KVR_EUNSUPPORTED) */
+    bool                share;          /* publish the context to the daemon's
+                                           shared tier (kvroped --remote-tier,
+                                           docs/cluster.md) after the local
+                                           acknowledgement (ABI 0.3) */
+    bool                share_sync;     /* with or without share: acknowledge
+                                           only once published; if that fails,
+                                           KVR_EIO "stored locally, not shared:
+                                           ..." (the local put stands). A daemon
+                                           without a remote tier refuses a share
+                                           with KVR_EUNSUPPORTED, storing nothing */
+} kvr_put_args;
 
-/* kvr_client_put_ex that also marks the context persistent (persist =
- * true; a daemon without --disk-dir refuses it with E_UNSUPPORTED):
- * the put, and every later change of the context, is acknowledged only
- * once it is on disk, and the context survives a restart or kill -9. A
- * separate call so that kvr_put_args and kvr_put_opts keep their layout. */
-int kvr_client_put_persist(kvr_client *c, const kvr_put_args *a, const kvr_put_opts *o,
-                           bool persist, kvr_put_res *out);
+typedef struct kvr_put_res {
+    uint64_t n_tokens;       /* context length after the put */
+    uint64_t first_index;    /* index of the first token put */
+    int64_t  first_pos, last_pos;
+} kvr_put_res;
 
-/* kvr_client_put_ex with flags (a separate call for the same reason):
- * KVR_PUT_PERSIST as kvr_client_put_persist; KVR_PUT_SHARE publishes the
- * context to the daemon's shared tier (--remote-tier, docs/cluster.md)
- * after the local acknowledgement; KVR_PUT_SHARE_SYNC acknowledges only
- * once it is published (KVR_EIO "stored locally, not shared: ..." if the
- * publication failed: the local put stands). A daemon without a remote
- * tier refuses a share with KVR_EUNSUPPORTED before storing anything. */
-#define KVR_PUT_PERSIST    0x1u
-#define KVR_PUT_SHARE      0x2u
-#define KVR_PUT_SHARE_SYNC 0x6u     /* includes KVR_PUT_SHARE */
-int kvr_client_put_flags(kvr_client *c, const kvr_put_args *a, const kvr_put_opts *o,
-                         unsigned flags, kvr_put_res *out);
+int kvr_client_put(kvr_client *c, const kvr_put_args *a, kvr_put_res *out /* may be NULL */);
 
-/* kvr_client_put with options; o may be NULL (then it is kvr_client_put). */
-int kvr_client_put_ex(kvr_client *c, const kvr_put_args *a, const kvr_put_opts *o,
-                      kvr_put_res *out /* may be NULL */);
 
 /* Bytes of a layer-major payload: n_layers * 2 * tokens * heads * dim * dsize.
  * 0 on overflow or an unknown dtype. */
@@ -235,11 +221,9 @@ size_t kvr_payload_size(uint32_t n_layers, size_t n_tokens, uint32_t n_kv_heads,
                         uint32_t head_dim, kvr_dtype dtype);
 
 /* ---- get ---------------------------------------------------------------- */
-#define KVR_FLAG_APPROX 0x1u      /* per-token flag: KV is approximate (computed
-                                     against text that has changed since) */
-#define KVR_FLAG_PENDING 0x2u     /* inserted by an edit without KV: its KV does
-                                     not exist until a refresh (a get of it is
-                                     KVR_EPENDING; a meta_only get works) */
+/* Per-token flags: KVR_TOKEN_APPROX (KV computed against text that has
+ * changed since), KVR_TOKEN_PENDING (inserted by an edit without KV: none
+ * until a refresh; a get of it is KVR_EPENDING, a meta_only get works). */
 
 /* Called during a get as soon as every byte of one layer has arrived, with
  * that layer's K and V in the destination buffer (borrowed for the callback). */
@@ -264,11 +248,35 @@ typedef struct kvr_get_args {
     size_t          dst_cap;
     kvr_layer_fn    on_layer;       /* optional streaming callback */
     void           *on_layer_ud;
+    bool            raw;            /* the stored encoded bytes of a quantized
+                                       context (kvr_kv.raw says how they are
+                                       laid out); a get of tokens still in the
+                                       full-precision window is
+                                       KVR_EUNSUPPORTED; dtype, positions and
+                                       on_layer are ignored */
 } kvr_get_args;
 
+/* Raw get of a quantized context: the stored encoded bytes, keys pre-RoPE
+ * (docs/quantized.md). For each layer of kv->layers: k_bytes of K, then
+ * v_bytes of V. V: one row of v_unit_bytes per token. K per token: likewise
+ * (k_unit_bytes). K per channel: ceil(n/k_group) tiles of k_unit_bytes, token
+ * i = row i % k_group of tile i / k_group (rows past the end are padding).
+ * A worker decodes, then rotates the keys at kv->positions. Filled in
+ * kvr_kv.raw by a get with kvr_get_args.raw (raw.raw false otherwise). */
+typedef struct kvr_raw_layout {
+    bool     raw;                     /* the payload is encoded (else ignore) */
+    char     codec[KVR_CODEC_NAME_MAX]; /* the context's canonical codec */
+    char     k_codec[32], v_codec[32];/* "int4/g128", "q4_0", ... (no "/c") */
+    bool     k_per_channel;           /* K in tiles of k_group tokens (KIVI) */
+    uint32_t k_group, v_group;        /* values per group (ggml 32, plain 1) */
+    uint32_t window;                  /* full-precision window R */
+    uint64_t k_bytes, v_bytes;        /* of one layer */
+    uint64_t k_unit_bytes, v_unit_bytes;
+} kvr_raw_layout;
+
 typedef struct kvr_kv {
-    char      ctx_id[KVR_NAME_MAX + 1];
-    char      model[KVR_NAME_MAX + 1];
+    char      ctx_id[KVR_ID_MAX + 1];
+    char      model[KVR_ID_MAX + 1];
     uint64_t  start, n_tokens;
     kvr_dtype dtype;
     uint32_t  n_kv_heads, head_dim;
@@ -276,13 +284,14 @@ typedef struct kvr_kv {
     uint32_t *layers;         /* the layer ids in the payload, in order */
     uint32_t *tokens;         /* n_tokens each */
     int64_t  *positions;      /* positions the returned keys are rotated at */
-    uint32_t *flags;          /* KVR_FLAG_* */
+    uint32_t *flags;          /* KVR_TOKEN_* */
     int32_t  *groups;
     void     *payload;        /* payload_len bytes (NULL if meta_only) */
     size_t    payload_len;
     bool      payload_owned;  /* true: allocated by the library. To keep it
                                  past kvr_kv_release, take the pointer, set
                                  payload = NULL and kvr_client_free it later. */
+    kvr_raw_layout raw;       /* a raw get: how the payload is encoded */
     void     *meta_;          /* internal: the block holding the arrays above */
 } kvr_kv;
 
@@ -296,37 +305,9 @@ const void *kvr_kv_v(const kvr_kv *kv, size_t i);
 /* On failure *out is zeroed and owns nothing. */
 int kvr_client_get(kvr_client *c, const kvr_get_args *a, kvr_kv *out);
 
-/* Raw get of a quantized context: the stored encoded bytes, keys pre-RoPE
- * (docs/quantized.md). For each layer of kv->layers: k_bytes of K, then
- * v_bytes of V. V: one row of v_unit_bytes per token. K per token: likewise
- * (k_unit_bytes). K per channel: ceil(n/k_group) tiles of k_unit_bytes, token
- * i = row i % k_group of tile i / k_group (rows past the end are padding).
- * A worker decodes, then rotates the keys at kv->positions. */
-typedef struct kvr_raw_layout {
-    bool     raw;                     /* the payload is encoded (else ignore) */
-    char     codec[KVR_CODEC_MAX];    /* the context's canonical codec */
-    char     k_codec[32], v_codec[32];/* "int4/g128", "q4_0", ... (no "/c") */
-    bool     k_per_channel;           /* K in tiles of k_group tokens (KIVI) */
-    uint32_t k_group, v_group;        /* values per group (ggml 32, plain 1) */
-    uint32_t window;                  /* full-precision window R */
-    uint64_t k_bytes, v_bytes;        /* of one layer */
-    uint64_t k_unit_bytes, v_unit_bytes;
-} kvr_raw_layout;
-
-typedef struct kvr_get_opts {
-    bool raw;                         /* the stored encoded bytes; a get of
-                                         tokens still in the full-precision
-                                         window is KVR_EUNSUPPORTED; dtype,
-                                         positions and on_layer are ignored */
-} kvr_get_opts;
-
-/* kvr_client_get with options (o may be NULL); layout (may be NULL) says
- * how the payload is encoded when it is raw. */
-int kvr_client_get_ex(kvr_client *c, const kvr_get_args *a, const kvr_get_opts *o,
-                      kvr_kv *out, kvr_raw_layout *layout);
-/* Layer i's K and V in a raw result (NULL if out of range). */
-const void *kvr_kv_raw_k(const kvr_kv *kv, const kvr_raw_layout *l, size_t i);
-const void *kvr_kv_raw_v(const kvr_kv *kv, const kvr_raw_layout *l, size_t i);
+/* Layer i's K and V in a raw result (NULL if out of range or not raw). */
+const void *kvr_kv_raw_k(const kvr_kv *kv, size_t i);
+const void *kvr_kv_raw_v(const kvr_kv *kv, size_t i);
 
 /* ---- match -------------------------------------------------------------- */
 typedef struct kvr_match_args {
@@ -344,7 +325,7 @@ typedef struct kvr_match_args {
 
 typedef struct kvr_match_res {
     uint64_t length;                  /* cached prefix length, 0 = none */
-    char     ctx_id[KVR_NAME_MAX + 1];
+    char     ctx_id[KVR_ID_MAX + 1];
     bool     has_kv;
     kvr_kv   kv;                      /* with get and length > 0: release it */
 } kvr_match_res;
@@ -353,15 +334,29 @@ int kvr_client_match(kvr_client *c, const kvr_match_args *a, kvr_match_res *out)
 
 /* ---- context management ------------------------------------------------- */
 typedef struct kvr_context {
-    char     id[KVR_NAME_MAX + 1];
-    char     model[KVR_NAME_MAX + 1];
+    char     id[KVR_ID_MAX + 1];
+    char     model[KVR_ID_MAX + 1];
     uint64_t n_tokens, n_blocks, n_shared_blocks, n_approximate, bytes;
     bool     pinned, busy;
     int64_t  pos_min, pos_max;
     uint64_t created_ms, accessed_ms, n_evicted_tokens;
+    /* Edits. */
+    uint64_t n_pending;             /* tokens edited in without KV (KVR_TOKEN_PENDING) */
+    uint64_t n_protected;           /* first tokens edits may not touch */
+    /* Codec figures (docs/quantized.md, Statistics). */
+    char     codec[KVR_CODEC_NAME_MAX];  /* canonical spec; plain: the dtype name */
+    bool     quantized;
+    uint64_t n_window;              /* tokens in full-precision blocks */
+    uint64_t kv_bytes;              /* K/V bytes its tokens occupy, scales included */
+    uint64_t bytes_saved;           /* against the model's dtype (plain: 0) */
+    double   bits_per_value;
+    double   rel_rms_k, rel_rms_v;  /* measured at quantization, keys pre-RoPE */
 } kvr_context;
 
 int kvr_client_delete(kvr_client *c, const char *ctx_id);
+/* Everything the daemon reports of one context (list fills the same
+ * struct; the codec figures and edit counters of a listed context are
+ * those the daemon sends in its listing). */
 int kvr_client_stat(kvr_client *c, const char *ctx_id, kvr_context *out);
 /* model NULL = all. *out is the caller's (kvr_client_free). */
 int kvr_client_list(kvr_client *c, const char *model, kvr_context **out, size_t *n);
@@ -370,30 +365,6 @@ int kvr_client_fork(kvr_client *c, const char *src, const char *dst);
 int kvr_client_shift(kvr_client *c, const char *ctx_id, uint64_t start, uint64_t end,
                      int64_t delta);
 int kvr_client_keep(kvr_client *c, const char *ctx_id, uint64_t start, uint64_t end);
-
-/* Edit-related counters of a context (kept out of kvr_context so that its
- * layout stays as bindings know it). */
-typedef struct kvr_context_edit {
-    uint64_t n_pending;     /* tokens edited in without KV (KVR_FLAG_PENDING) */
-    uint64_t n_protected;   /* first tokens edits may not touch */
-} kvr_context_edit;
-/* kvr_client_stat plus those counters; out and ed may each be NULL. */
-int kvr_client_stat_ex(kvr_client *c, const char *ctx_id, kvr_context *out,
-                       kvr_context_edit *ed);
-
-/* Codec figures of a context (docs/quantized.md, Statistics). */
-typedef struct kvr_context_codec {
-    char     codec[KVR_CODEC_MAX];  /* canonical spec; plain: the dtype name */
-    bool     quantized;
-    uint64_t n_window;              /* tokens in full-precision blocks */
-    uint64_t kv_bytes;              /* K/V bytes its tokens occupy, scales included */
-    uint64_t bytes_saved;           /* against the model's dtype (plain: 0) */
-    double   bits_per_value;
-    double   rel_rms_k, rel_rms_v;  /* measured at quantization, keys pre-RoPE */
-} kvr_context_codec;
-/* kvr_client_stat_ex plus the codec figures; out, ed, cc may each be NULL. */
-int kvr_client_stat_codec(kvr_client *c, const char *ctx_id, kvr_context *out,
-                          kvr_context_edit *ed, kvr_context_codec *cc);
 
 /* ---- edits (PIE) -------------------------------------------------------- */
 /*
@@ -405,11 +376,11 @@ int kvr_client_stat_codec(kvr_client *c, const char *ctx_id, kvr_context *out,
  * (KVR_EINVAL); an op that changes nothing is KVR_EINVAL too.
  *
  * The suffix after an edit point moves by a pure rotation of its keys (done
- * at read time, never accumulated); its tokens become KVR_FLAG_APPROX. The
+ * at read time, never accumulated); its tokens become KVR_TOKEN_APPROX. The
  * new tokens' KV either comes with the edit (with_kv: layer-major, for each
  * layer K then V of ALL new tokens of all ops in request order, K rotated at
  * the positions kvr_client_edit_plan returns), or later through
- * kvr_client_refresh (until then they are KVR_FLAG_PENDING).
+ * kvr_client_refresh (until then they are KVR_TOKEN_PENDING).
  * Any refusal leaves the context byte-identical.
  */
 typedef struct kvr_edit_range {
@@ -480,32 +451,26 @@ int kvr_client_refresh(kvr_client *c, const kvr_refresh_args *a, kvr_edit_res *o
 
 /* A put to one group of a grouped context: the tokens take the group's next
  * positions (no positions / pos_start in a). To create the context, give
- * the group names in o->groups (mode CREATE or UPSERT). out has the
+ * the group names in a->groups (mode CREATE or UPSERT). out has the
  * positions given. */
 int kvr_client_group_append(kvr_client *c, const kvr_put_args *a, const char *group,
-                            const kvr_put_opts *o, kvr_put_res *out);
+                            kvr_put_res *out);
 
-typedef enum kvr_assemble_layout {
-    KVR_ASSEMBLE_PARALLEL   = 0,  /* every document at P..; query at P + max L */
-    KVR_ASSEMBLE_SEQUENTIAL = 1,  /* documents back to back (moved ones approximate) */
-    KVR_ASSEMBLE_EXPLICIT   = 2,  /* document i at starts[i] */
-} kvr_assemble_layout;
-
-typedef enum kvr_segment_type {
-    KVR_SEG_PREFIX = 0, KVR_SEG_DOCUMENT = 1, KVR_SEG_QUERY = 2,
-} kvr_segment_type;
+/* Layouts and segment kinds: kvr_layout_kind (KVR_LAYOUT_PARALLEL,
+ * _SEQUENTIAL, _EXPLICIT) and kvr_segment_kind (KVR_SEGMENT_PREFIX,
+ * _DOCUMENT, _QUERY), the store's (rope/types.h). */
 
 typedef struct kvr_assemble_args {
     const char         *prefix;
     const char *const  *docs;
     size_t              n_docs;
-    kvr_assemble_layout layout;
+    kvr_layout_kind     layout;
     const int64_t      *starts;         /* EXPLICIT: n_docs start positions */
     kvr_dtype           dtype;          /* of the stream (F32 is 0: set it) */
     const uint32_t     *layers;         /* NULL = all */
     size_t              n_layers;
-    double              temperature;    /* APE T; 0 = 0.9 */
-    double              scale;          /* APE S; 0 = 0.9 */
+    double              temperature;    /* APE T; 0 = KVR_APE_TEMPERATURE */
+    double              scale;          /* APE S; 0 = KVR_APE_SCALE */
     bool                fold_temperature;  /* document keys come as k / T */
     bool                meta_only;
     void               *dst;            /* as kvr_get_args */
@@ -513,11 +478,11 @@ typedef struct kvr_assemble_args {
 } kvr_assemble_args;
 
 typedef struct kvr_segment_res {
-    kvr_segment_type kind;
+    kvr_segment_kind kind;
     uint64_t start, n_tokens;           /* token range in the stream */
     int64_t  pos_first, pos_last;       /* query: pos_first = query position, empty */
     uint32_t doc_index;
-    char     ctx_id[KVR_NAME_MAX + 1];  /* "" for the query */
+    char     ctx_id[KVR_ID_MAX + 1];    /* "" for the query */
     double   temperature, scale;        /* 1, 1 outside documents */
 } kvr_segment_res;
 
@@ -535,9 +500,8 @@ typedef struct kvr_assemble_res {
 int  kvr_client_assemble(kvr_client *c, const kvr_assemble_args *a, kvr_assemble_res *out);
 void kvr_assemble_release(kvr_assemble_res *r);   /* NULL / zeroed: no-op */
 
-#define KVR_LAYOUT_MAX_GROUPS 16
 typedef struct kvr_group_res {
-    char     name[64];
+    char     name[KVR_GROUP_NAME_MAX + 1];
     int32_t  id;
     int64_t  offset;       /* phi */
     uint64_t cursor;       /* tokens ever appended */
@@ -546,9 +510,9 @@ typedef struct kvr_group_res {
 
 typedef struct kvr_layout_res {
     bool          has_prefix;               /* an APE document */
-    char          prefix_ctx[KVR_NAME_MAX + 1];
+    char          prefix_ctx[KVR_ID_MAX + 1];
     uint64_t      prefix_len;
-    kvr_group_res groups[KVR_LAYOUT_MAX_GROUPS];
+    kvr_group_res groups[KVR_MAX_GROUPS];
     size_t        n_groups;
     bool          retention;
     uint64_t      sinks, window, n_dropped;

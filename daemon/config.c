@@ -25,13 +25,9 @@ static void seterr(kvr_error *err, const char *fmt, ...)
     __attribute__((format(printf, 2, 3)));
 static void seterr(kvr_error *err, const char *fmt, ...)
 {
-    if (!err)
-        return;
     va_list ap;
-    err->code = KVR_EINVAL;
     va_start(ap, fmt);
-    if (vsnprintf(err->msg, sizeof err->msg, fmt, ap) < 0)
-        err->msg[0] = '\0';
+    kvr_error_vset(err, KVR_EINVAL, fmt, ap);
     va_end(ap);
 }
 

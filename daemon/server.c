@@ -386,6 +386,9 @@ int kvr_daemon_create(kvr_daemon **out, const kvr_daemon_config *cfg, kvr_error 
         kvr_mem_free(d);
         return kvr_error_sys(err, KVR_EINTERNAL, -rc, "uv_loop_init");
     }
+    /* The worker pool for rotation and codecs (rope/pool.c), started now
+     * rather than by the first large get. */
+    (void)kvr_pool_default();
     kvr_store_config sc = { .max_memory = cfg->max_memory, .block_tokens = cfg->block_tokens };
     kvr_error e = { 0 };
     rc = kvr_store_create(&d->store, &sc, &e);

@@ -11,6 +11,7 @@
 
 #include "kvrope.pb-c.h"
 #include "rope/error.h"
+#include "rope/types.h"
 
 /* The error space (rope/error.h) and the wire's Status enum are one list:
  * every wire code's number is its Status value, so the daemon sends
@@ -24,6 +25,18 @@ KVR_ERRORS_WIRE(STATUS_MATCHES)
 #undef STATUS_MATCHES
 _Static_assert(KVROPE__STATUS__OK == 0 && KVR_E_FROM_STATUS(KVROPE__STATUS__OK) == KVR_OK,
                "OK is 0 on both sides");
+
+/* The shared vocabulary (rope/types.h) has the wire's values, so the client
+ * and the daemon copy modes, layouts and segment kinds without a table. */
+_Static_assert((int)KVR_PUT_CREATE == KVROPE__PUT_MODE__CREATE &&
+               (int)KVR_PUT_APPEND == KVROPE__PUT_MODE__APPEND &&
+               (int)KVR_PUT_UPSERT == KVROPE__PUT_MODE__UPSERT, "put modes");
+_Static_assert((int)KVR_LAYOUT_PARALLEL == KVROPE__LAYOUT__PARALLEL &&
+               (int)KVR_LAYOUT_SEQUENTIAL == KVROPE__LAYOUT__SEQUENTIAL &&
+               (int)KVR_LAYOUT_EXPLICIT == KVROPE__LAYOUT__EXPLICIT, "assemble layouts");
+_Static_assert((int)KVR_SEGMENT_PREFIX == KVROPE__SEGMENT_KIND__SEGMENT_PREFIX &&
+               (int)KVR_SEGMENT_DOCUMENT == KVROPE__SEGMENT_KIND__SEGMENT_DOCUMENT &&
+               (int)KVR_SEGMENT_QUERY == KVROPE__SEGMENT_KIND__SEGMENT_QUERY, "segment kinds");
 
 static void put_u16(uint8_t *p, uint16_t v)
 {

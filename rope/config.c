@@ -25,14 +25,10 @@ static int fail(kvr_error *err, const char *fmt, ...)
 
 static int fail(kvr_error *err, const char *fmt, ...)
 {
-    if (err) {
-        va_list ap;
-        err->code = KVR_EINVAL;
-        va_start(ap, fmt);
-        if (vsnprintf(err->msg, sizeof err->msg, fmt, ap) < 0)
-            err->msg[0] = '\0';
-        va_end(ap);
-    }
+    va_list ap;
+    va_start(ap, fmt);
+    kvr_error_vset(err, KVR_EINVAL, fmt, ap);
+    va_end(ap);
     return KVR_EINVAL;
 }
 

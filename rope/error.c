@@ -4,6 +4,7 @@
  * kvr_error fillers. Lookups scan the table: there are a few dozen codes and
  * they are looked up only when something already failed.
  */
+#include <assert.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <string.h>
@@ -99,17 +100,22 @@ const int *kvr_error_codes(size_t *n)
     return codes;
 }
 
-int kvr_error_set(kvr_error *err, int code, const char *fmt, ...)
+int kvr_error_vset(kvr_error *err, int code, const char *fmt, va_list ap)
 {
     if (err) {
-        va_list ap;
         err->code = code;
-        va_start(ap, fmt);
-        int n = vsnprintf(err->msg, sizeof err->msg, fmt, ap);
-        va_end(ap);
-        if (n < 0)
+        if (vsnprintf(err->msg, sizeof err->msg, fmt, ap) < 0)
             err->msg[0] = '\0';
     }
+    return code;
+}
+
+int kvr_error_set(kvr_error *err, int code, const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    kvr_error_vset(err, code, fmt, ap);
+    va_end(ap);
     return code;
 }
 
@@ -119,14 +125,12 @@ int kvr_error_sys(kvr_error *err, int code, int errnum, const char *fmt, ...)
         code = KVR_ENOMEM;
     if (err) {
         va_list ap;
-        err->code = code;
         va_start(ap, fmt);
-        int n = vsnprintf(err->msg, sizeof err->msg, fmt, ap);
+        kvr_error_vset(err, code, fmt, ap);
         va_end(ap);
-        if (n < 0)
-            n = 0;
-        if ((size_t)n < sizeof err->msg)
-            snprintf(err->msg + n, sizeof err->msg - (size_t)n, ": %s", strerror(errnum));
+        size_t n = strlen(err->msg);
+        assert(n < sizeof err->msg);
+        snprintf(err->msg + n, sizeof err->msg - n, ": %s", strerror(errnum));
     }
     return code;
 }

@@ -24,6 +24,7 @@
 #ifndef KVR_ERROR_H
 #define KVR_ERROR_H
 
+#include <stdarg.h>
 #include <stddef.h>
 
 #ifdef __cplusplus
@@ -105,6 +106,10 @@ typedef struct kvr_error {
  *   return kvr_error_set(err, KVR_ENOCTX, "unknown context '%s'", id);   */
 int kvr_error_set(kvr_error *err, int code, const char *fmt, ...)
     __attribute__((format(printf, 3, 4)));
+
+/* kvr_error_set with a va_list (for the project's own printf-like fillers). */
+int kvr_error_vset(kvr_error *err, int code, const char *fmt, va_list ap)
+    __attribute__((format(printf, 3, 0)));
 
 /* A system call failed with errno value errnum: ENOMEM becomes KVR_ENOMEM,
  * anything else `code` (KVR_EIO, KVR_ESYS, ...); the message is the

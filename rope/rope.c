@@ -20,7 +20,7 @@
  * token index that is a multiple of RESEED, so recurrence error is bounded and
  * results do not depend on how tokens are split across threads.
  */
-#include <errno.h>
+#include <assert.h>
 #include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
@@ -451,16 +451,32 @@ static void run_range(const job *j)
     }
 }
 
-static void *thread_main(void *arg)
-{
-    run_range(arg);
-    return NULL;
-}
-
 static int online_cpus(void)
 {
     long n = sysconf(_SC_NPROCESSORS_ONLN);
     return n < 1 ? 1 : (n > 64 ? 64 : (int)n);
+}
+
+/* One chunk of a threaded run: tokens [blocks*i/nt, blocks*(i+1)/nt) * RESEED. */
+typedef struct chunked {
+    const job *base;
+    size_t     n_tokens, blocks;
+    unsigned   nt;
+} chunked;
+
+static int run_chunk(void *ud, size_t i)
+{
+    const chunked *c = ud;
+    job j = *c->base;
+    /* chunk boundaries on multiples of RESEED keep results independent of
+     * the thread count (and of which thread runs which chunk) */
+    j.t0 = c->blocks * i / c->nt * RESEED;
+    j.t1 = c->blocks * (i + 1) / c->nt * RESEED;
+    if (j.t1 > c->n_tokens) j.t1 = c->n_tokens;
+    if (j.t0 > c->n_tokens) j.t0 = c->n_tokens;
+    assert(j.t0 <= j.t1 && j.t0 % RESEED == 0);
+    run_range(&j);
+    return 0;
 }
 
 static int run(job *base, size_t n_tokens, const kvr_rope_opts *opts)
@@ -469,8 +485,8 @@ static int run(job *base, size_t n_tokens, const kvr_rope_opts *opts)
                    (kvr_dtype_size(base->st) + kvr_dtype_size(base->dt));
     int nt = opts ? opts->n_threads : 0;
     if (nt <= 0) {
-        /* Threads pay off once a buffer is well past the per-thread start-up
-         * cost (tens of microseconds): 4 MiB and up. */
+        /* Threads pay off once a buffer is well past the cost of waking the
+         * pool's workers: 4 MiB and up. */
         nt = bytes >= ((size_t)4 << 20) ? online_cpus() : 1;
         if (nt > 8) nt = 8;
     }
@@ -483,27 +499,10 @@ static int run(job *base, size_t n_tokens, const kvr_rope_opts *opts)
         run_range(base);
         return 0;
     }
-    job jobs[64];
-    pthread_t th[64];
-    int started = 0;
-    for (int i = 0; i < nt; i++) {
-        jobs[i] = *base;
-        /* chunk boundaries on multiples of RESEED keep results independent
-         * of the thread count */
-        jobs[i].t0 = blocks * (size_t)i / (size_t)nt * RESEED;
-        jobs[i].t1 = blocks * (size_t)(i + 1) / (size_t)nt * RESEED;
-        if (jobs[i].t1 > n_tokens) jobs[i].t1 = n_tokens;
-        if (jobs[i].t0 > n_tokens) jobs[i].t0 = n_tokens;
-    }
-    for (int i = 1; i < nt; i++) {
-        if (pthread_create(&th[i], NULL, thread_main, &jobs[i]) != 0) break;
-        started = i;
-    }
-    run_range(&jobs[0]);
-    /* Ranges whose thread could not start run here. */
-    for (int i = started + 1; i < nt; i++) run_range(&jobs[i]);
-    for (int i = 1; i <= started; i++) pthread_join(th[i], NULL);
-    return 0;
+    /* nt chunks on the process's pool: at most nt threads, the caller's
+     * included; chunks no worker takes run here. */
+    chunked c = { .base = base, .n_tokens = n_tokens, .blocks = blocks, .nt = (unsigned)nt };
+    return kvr_pool_for(NULL, (size_t)nt, (unsigned)nt, run_chunk, &c);
 }
 
 static rope_rows_fn pick_rows(const kvr_rope_opts *opts)

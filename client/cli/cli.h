@@ -72,7 +72,7 @@ typedef struct cli_st_kv {
     const uint8_t *k, *v;       /* into file */
     uint32_t    *tokens;        /* NULL if absent */
     int64_t     *positions;     /* NULL if absent */
-    char         model[KVR_NAME_MAX + 1];  /* from __metadata__, "" if absent */
+    char         model[KVR_ID_MAX + 1];  /* from __metadata__, "" if absent */
 } cli_st_kv;
 
 int  cli_st_read(const char *path, cli_st_kv *st, char *err, size_t errlen);
@@ -130,12 +130,11 @@ bool cli_layout_option_is_flag(const char *name);
  * uses kvr_client_group_append. Returns CLI_OK or CLI_USAGE (printed). */
 typedef struct cli_put_layout {
     const char *group;                              /* NULL: a plain put */
-    char        name_buf[KVR_LAYOUT_MAX_GROUPS][64];
-    const char *names[KVR_LAYOUT_MAX_GROUPS];
-    int64_t     offsets[KVR_LAYOUT_MAX_GROUPS];
+    char        name_buf[KVR_MAX_GROUPS][KVR_GROUP_NAME_MAX + 1];
+    const char *names[KVR_MAX_GROUPS];
+    int64_t     offsets[KVR_MAX_GROUPS];
 } cli_put_layout;
-int cli_put_layout_opts(const cli_args *a, kvr_put_args *p, kvr_put_opts *po,
-                        cli_put_layout *lay);
+int cli_put_layout_opts(const cli_args *a, kvr_put_args *p, cli_put_layout *lay);
 
 /* stat: the context's layout (APE prefix, groups, retention) added to its
  * JSON object as "layout", or printed as more "label: value" lines. A

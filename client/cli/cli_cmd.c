@@ -206,7 +206,7 @@ static const char *scaling_name(kvr_rope_scaling s)
     return (unsigned)s < 6 ? n[s] : "?";
 }
 
-static cJSON *model_json(const kvr_model *m, const kvr_model_ex *ex)
+static cJSON *model_json(const kvr_model *m)
 {
     cJSON *j = cJSON_CreateObject();
     char fp[32];
@@ -218,8 +218,7 @@ static cJSON *model_json(const kvr_model *m, const kvr_model_ex *ex)
     cJSON_AddStringToObject(j, "dtype", kvr_dtype_name(m->dtype));
     cJSON_AddStringToObject(j, "fingerprint", fp);
     cJSON_AddNumberToObject(j, "n_contexts", (double)m->n_contexts);
-    if (ex)
-        cJSON_AddStringToObject(j, "codec", ex->codec);
+    cJSON_AddStringToObject(j, "codec", m->codec);
     cJSON *r = cJSON_AddObjectToObject(j, "rope");
     cJSON_AddStringToObject(r, "style", style_name(m->rope.style));
     cJSON_AddNumberToObject(r, "theta", m->rope.theta);
@@ -337,14 +336,13 @@ static int cmd_stats(kvr_client *c, const cli_args *a)
     return CLI_OK;
 }
 
-static void print_model(const kvr_model *m, const kvr_model_ex *ex)
+static void print_model(const kvr_model *m)
 {
     printf("%-20s layers=%u kv_heads=%u head_dim=%u dtype=%s rope=%s/%s theta=%g rot=%d "
            "contexts=%" PRIu64 " fp=%016" PRIx64 "%s%s\n",
            m->name, m->n_layers, m->n_kv_heads, m->head_dim, kvr_dtype_name(m->dtype),
            style_name(m->rope.style), scaling_name(m->rope.scaling), m->rope.theta,
-           m->rope.rotary_dim, m->n_contexts, m->fingerprint, ex ? " codec=" : "",
-           ex ? ex->codec : "");
+           m->rope.rotary_dim, m->n_contexts, m->fingerprint, " codec=", m->codec);
 }
 
 /* Explicit --theta / --rotary-dim override what a config.json says (as the
@@ -413,7 +411,6 @@ static int cmd_models(kvr_client *c, const cli_args *a)
             return cli_usage_err("models add: give --config FILE, or --layers, --heads and "
                              "--head-dim");
         kvr_model m;
-        kvr_model_ex mx;
         const char *codec = cli_opt(a, "codec");
         int r;
         const char *rot_s = cli_opt(a, "rotary-dim");
@@ -445,44 +442,39 @@ static int cmd_models(kvr_client *c, const cli_args *a)
             kvr_model_params p = { .name = a->pos[1], .config_json = json, .style = style,
                                    .n_layers = (uint32_t)L, .n_kv_heads = (uint32_t)H,
                                    .head_dim = (uint32_t)D, .dtype = dt,
-                                   .rope = json ? NULL : &rc };
+                                   .rope = json ? NULL : &rc, .codec = codec };
             if (cfg && !json)
                 return cli_io_err(a, "out of memory");
-            r = kvr_client_model_register_ex(c, &p, codec, &m, &mx);
+            r = kvr_client_model_register(c, &p, &m);
             free(json);
         }
         if (r < 0)
             return cli_fail(a, c, r, "models add");
-        /* The file path does not report the codec: it is the dtype, plain. */
-        if (cfg && !L && !H && !D && !codec && !th && !rot_s)
-            snprintf(mx.codec, sizeof mx.codec, "%s", kvr_dtype_name(m.dtype));
         if (a->json)
-            cli_print_json(model_json(&m, &mx));
+            cli_print_json(model_json(&m));
         else
-            print_model(&m, &mx);
+            print_model(&m);
         return CLI_OK;
     }
     if (strcmp(sub, "list") && strcmp(sub, "ls"))
         return cli_usage_err("models: unknown subcommand '%s' (list, add)", sub);
     kvr_model *ms;
-    kvr_model_ex *mx;
     size_t n;
-    int r = kvr_client_model_list_ex(c, &ms, &mx, &n);
+    int r = kvr_client_model_list(c, &ms, &n);
     if (r < 0)
         return cli_fail(a, c, r, "models");
     if (a->json) {
         cJSON *arr = cJSON_CreateArray();
         for (size_t i = 0; i < n; i++)
-            cJSON_AddItemToArray(arr, model_json(&ms[i], &mx[i]));
+            cJSON_AddItemToArray(arr, model_json(&ms[i]));
         cli_print_json(arr);
     } else {
         if (n == 0)
             printf("(no models)\n");
         for (size_t i = 0; i < n; i++)
-            print_model(&ms[i], &mx[i]);
+            print_model(&ms[i]);
     }
     kvr_client_free(ms);
-    kvr_client_free(mx);
     return CLI_OK;
 }
 
@@ -521,20 +513,20 @@ static int cmd_stat(kvr_client *c, const cli_args *a)
     if (a->npos != 1)
         return cli_usage_err("usage: kvrope stat CONTEXT");
     kvr_context x;
-    kvr_context_codec cc;
-    int r = kvr_client_stat_codec(c, a->pos[0], &x, NULL, &cc);
+    int r = kvr_client_stat(c, a->pos[0], &x);
+    const kvr_context *cc = &x;
     if (r < 0)
         return cli_fail(a, c, r, "stat");
     if (a->json) {
         cJSON *j = ctx_json(&x);
-        cJSON_AddStringToObject(j, "codec", cc.codec);
-        cJSON_AddBoolToObject(j, "quantized", cc.quantized);
-        cJSON_AddNumberToObject(j, "n_window", (double)cc.n_window);
-        cJSON_AddNumberToObject(j, "kv_bytes", (double)cc.kv_bytes);
-        cJSON_AddNumberToObject(j, "bytes_saved", (double)cc.bytes_saved);
-        cJSON_AddNumberToObject(j, "bits_per_value", cc.bits_per_value);
-        cJSON_AddNumberToObject(j, "rel_rms_k", cc.rel_rms_k);
-        cJSON_AddNumberToObject(j, "rel_rms_v", cc.rel_rms_v);
+        cJSON_AddStringToObject(j, "codec", cc->codec);
+        cJSON_AddBoolToObject(j, "quantized", cc->quantized);
+        cJSON_AddNumberToObject(j, "n_window", (double)cc->n_window);
+        cJSON_AddNumberToObject(j, "kv_bytes", (double)cc->kv_bytes);
+        cJSON_AddNumberToObject(j, "bytes_saved", (double)cc->bytes_saved);
+        cJSON_AddNumberToObject(j, "bits_per_value", cc->bits_per_value);
+        cJSON_AddNumberToObject(j, "rel_rms_k", cc->rel_rms_k);
+        cJSON_AddNumberToObject(j, "rel_rms_v", cc->rel_rms_v);
         cli_layout_stat_json(c, a->pos[0], j);
         cli_print_json(j);
     } else {
@@ -547,14 +539,14 @@ static int cmd_stat(kvr_client *c, const cli_args *a)
                x.id, x.model, x.n_tokens, x.pos_min, x.pos_max, x.n_blocks, x.n_shared_blocks,
                x.n_approximate, b, x.pinned ? "yes" : "no", x.n_evicted_tokens);
         char kb[32], sb[32];
-        human_bytes(kb, sizeof kb, (double)cc.kv_bytes);
-        human_bytes(sb, sizeof sb, (double)cc.bytes_saved);
-        printf("codec:        %s\n", cc.codec);
-        if (cc.quantized)
+        human_bytes(kb, sizeof kb, (double)cc->kv_bytes);
+        human_bytes(sb, sizeof sb, (double)cc->bytes_saved);
+        printf("codec:        %s\n", cc->codec);
+        if (cc->quantized)
             printf("window:       %" PRIu64 " tokens in full precision\n"
                    "kv bytes:     %s (%.3f bits/value), %s saved\n"
                    "rel. RMS:     K %.4g, V %.4g\n",
-                   cc.n_window, kb, cc.bits_per_value, sb, cc.rel_rms_k, cc.rel_rms_v);
+                   cc->n_window, kb, cc->bits_per_value, sb, cc->rel_rms_k, cc->rel_rms_v);
         cli_layout_stat_print(c, a->pos[0]);
     }
     return CLI_OK;
@@ -590,21 +582,20 @@ static int cmd_put(kvr_client *c, const cli_args *a)
         return cli_usage_err("usage: kvrope put CONTEXT FILE --model M [options]");
     const char *ctx = a->pos[0], *file = a->pos[1];
     bool st_file = cli_has_suffix(file, ".safetensors");
-    kvr_put_args p = { .ctx_id = ctx, .model = cli_opt(a, "model") };
+    kvr_put_args p = { .ctx_id = ctx, .model = cli_opt(a, "model"), .mode = KVR_PUT_UPSERT };
     const char *mode = cli_opt(a, "mode");
     if (mode) {
-        if (!strcmp(mode, "create")) p.mode = KVR_WRITE_CREATE;
-        else if (!strcmp(mode, "append")) p.mode = KVR_WRITE_APPEND;
-        else if (!strcmp(mode, "upsert")) p.mode = KVR_WRITE_UPSERT;
+        if (!strcmp(mode, "create")) p.mode = KVR_PUT_CREATE;
+        else if (!strcmp(mode, "append")) p.mode = KVR_PUT_APPEND;
+        else if (!strcmp(mode, "upsert")) p.mode = KVR_PUT_UPSERT;
         else return cli_usage_err("--mode: want create, append or upsert");
     }
     p.pin = cli_flag(a, "pin");
-    kvr_put_opts po = { 0 };
     bool has_protect;
-    if (opt_u64(a, "protect", &po.protect_first, &has_protect) < 0)
+    if (opt_u64(a, "protect", &p.protect_first, &has_protect) < 0)
         return cli_usage_err("--protect: want a token count");
-    po.has_protect = has_protect;
-    po.codec = cli_opt(a, "codec");   /* create: storage codec (docs/quantized.md) */
+    p.has_protect = has_protect;
+    p.codec = cli_opt(a, "codec");   /* create: storage codec (docs/quantized.md) */
     const char *fp = cli_opt(a, "fingerprint");
     if (fp) {
         char *end;
@@ -734,17 +725,16 @@ static int cmd_put(kvr_client *c, const cli_args *a)
     p.n_tokens = (size_t)ntok;
     p.positions = positions;
     cli_put_layout lay;   /* --prefix-ctx, --group, --groups (cli_layout.c) */
-    rc = cli_put_layout_opts(a, &p, &po, &lay);
+    rc = cli_put_layout_opts(a, &p, &lay);
     if (rc != CLI_OK)
         goto out;
     kvr_put_res res;
     cli_progress_begin(c, "put");
-    r = lay.group ? kvr_client_group_append(c, &p, lay.group, &po, &res)
-                  : kvr_client_put_flags(c, &p, &po,
-                                         (cli_flag(a, "persist") ? KVR_PUT_PERSIST : 0) |
-                                         (cli_flag(a, "share-sync") ? KVR_PUT_SHARE_SYNC
-                                          : cli_flag(a, "share") ? KVR_PUT_SHARE : 0),
-                                         &res);
+    p.persist = cli_flag(a, "persist");
+    p.share = cli_flag(a, "share");
+    p.share_sync = cli_flag(a, "share-sync");
+    r = lay.group ? kvr_client_group_append(c, &p, lay.group, &res)
+                  : kvr_client_put(c, &p, &res);
     cli_progress_end();
     if (r < 0) {
         rc = cli_fail(a, c, r, "put");
@@ -758,7 +748,7 @@ static int cmd_put(kvr_client *c, const cli_args *a)
         cJSON_AddNumberToObject(j, "first_pos", (double)res.first_pos);
         cJSON_AddNumberToObject(j, "last_pos", (double)res.last_pos);
         if (has_protect)
-            cJSON_AddNumberToObject(j, "protected", (double)po.protect_first);
+            cJSON_AddNumberToObject(j, "protected", (double)p.protect_first);
         cli_print_json(j);
     } else if (!a->quiet) {
         printf("%s: put %ld tokens at positions %" PRId64 "..%" PRId64 ", length now %" PRIu64
@@ -802,12 +792,12 @@ static int cmd_get(kvr_client *c, const cli_args *a)
     bool to_stdout = out && !strcmp(out, "-");
     if (to_stdout && a->json)
         return cli_usage_err("get: --json and -o - both want stdout");
-    kvr_get_opts go = { .raw = cli_flag(a, "raw") };
-    if (go.raw && (cli_opt(a, "positions") || cli_opt(a, "pos-start") || cli_opt(a, "dtype")))
+    bool raw = cli_flag(a, "raw");
+    if (raw && (cli_opt(a, "positions") || cli_opt(a, "pos-start") || cli_opt(a, "dtype")))
         return cli_usage_err("get --raw: the stored bytes, keys pre-RoPE: no --dtype/--positions");
-    if (go.raw && out && cli_has_suffix(out, ".safetensors"))
+    if (raw && out && cli_has_suffix(out, ".safetensors"))
         return cli_usage_err("get --raw: write a raw file (.safetensors holds float tensors)");
-    kvr_get_args g = { .ctx_id = a->pos[0], .meta_only = meta };
+    kvr_get_args g = { .ctx_id = a->pos[0], .meta_only = meta, .raw = raw };
     bool has_dt;
     if (opt_dtype(a, &g.dtype, &has_dt) < 0)
         return cli_usage_err("--dtype: want f32, f16 or bf16");
@@ -817,7 +807,7 @@ static int cmd_get(kvr_client *c, const cli_args *a)
     if (has_end && g.end <= g.start)
         return cli_usage_err("--end must be greater than --start");
     int r;
-    if (!has_dt && !go.raw) {   /* default: the model's native dtype */
+    if (!has_dt && !raw) {   /* default: the model's native dtype */
         kvr_context x;
         kvr_model m;
         r = kvr_client_stat(c, g.ctx_id, &x);
@@ -867,9 +857,9 @@ static int cmd_get(kvr_client *c, const cli_args *a)
         g.n_layers = (size_t)n;
     }
     kvr_kv kv;
-    kvr_raw_layout rl;
     cli_progress_begin(c, "get");
-    r = kvr_client_get_ex(c, &g, &go, &kv, &rl);
+    r = kvr_client_get(c, &g, &kv);
+    const kvr_raw_layout *rl = &kv.raw;
     cli_progress_end();
     free(pos);
     free(layers);
@@ -879,30 +869,30 @@ static int cmd_get(kvr_client *c, const cli_args *a)
     if (rc == CLI_OK) {
         if (a->json) {
             cJSON *j = kv_json(&kv, meta ? NULL : out);
-            if (rl.raw) {
+            if (rl->raw) {
                 cJSON *o = cJSON_AddObjectToObject(j, "raw");
-                cJSON_AddStringToObject(o, "codec", rl.codec);
-                cJSON_AddStringToObject(o, "k_codec", rl.k_codec);
-                cJSON_AddStringToObject(o, "v_codec", rl.v_codec);
-                cJSON_AddBoolToObject(o, "k_per_channel", rl.k_per_channel);
-                cJSON_AddNumberToObject(o, "k_group", rl.k_group);
-                cJSON_AddNumberToObject(o, "v_group", rl.v_group);
-                cJSON_AddNumberToObject(o, "window", rl.window);
-                cJSON_AddNumberToObject(o, "k_bytes", (double)rl.k_bytes);
-                cJSON_AddNumberToObject(o, "v_bytes", (double)rl.v_bytes);
-                cJSON_AddNumberToObject(o, "k_unit_bytes", (double)rl.k_unit_bytes);
-                cJSON_AddNumberToObject(o, "v_unit_bytes", (double)rl.v_unit_bytes);
+                cJSON_AddStringToObject(o, "codec", rl->codec);
+                cJSON_AddStringToObject(o, "k_codec", rl->k_codec);
+                cJSON_AddStringToObject(o, "v_codec", rl->v_codec);
+                cJSON_AddBoolToObject(o, "k_per_channel", rl->k_per_channel);
+                cJSON_AddNumberToObject(o, "k_group", rl->k_group);
+                cJSON_AddNumberToObject(o, "v_group", rl->v_group);
+                cJSON_AddNumberToObject(o, "window", rl->window);
+                cJSON_AddNumberToObject(o, "k_bytes", (double)rl->k_bytes);
+                cJSON_AddNumberToObject(o, "v_bytes", (double)rl->v_bytes);
+                cJSON_AddNumberToObject(o, "k_unit_bytes", (double)rl->k_unit_bytes);
+                cJSON_AddNumberToObject(o, "v_unit_bytes", (double)rl->v_unit_bytes);
             }
             cli_print_json(j);
-        } else if (rl.raw && !a->quiet) {
+        } else if (rl->raw && !a->quiet) {
             FILE *o = to_stdout ? stderr : stdout;
             fprintf(o, "%s: %" PRIu64 " tokens [%" PRIu64 ", %" PRIu64 ") raw %s: per layer K "
                     "%" PRIu64 " B (%s%s, %" PRIu64 " B per %s) then V %" PRIu64 " B (%s, %"
                     PRIu64 " B per row), %zu layers, %zu bytes -> %s\n",
-                    kv.ctx_id, kv.n_tokens, kv.start, kv.start + kv.n_tokens, rl.codec,
-                    rl.k_bytes, rl.k_codec, rl.k_per_channel ? " per channel" : "",
-                    rl.k_unit_bytes, rl.k_per_channel ? "tile" : "row", rl.v_bytes, rl.v_codec,
-                    rl.v_unit_bytes, kv.n_layers, kv.payload_len, out ? out : "-");
+                    kv.ctx_id, kv.n_tokens, kv.start, kv.start + kv.n_tokens, rl->codec,
+                    rl->k_bytes, rl->k_codec, rl->k_per_channel ? " per channel" : "",
+                    rl->k_unit_bytes, rl->k_per_channel ? "tile" : "row", rl->v_bytes, rl->v_codec,
+                    rl->v_unit_bytes, kv.n_layers, kv.payload_len, out ? out : "-");
         } else if (!a->quiet) {
             FILE *o = to_stdout ? stderr : stdout;
             fprintf(o, "%s: %" PRIu64 " tokens [%" PRIu64 ", %" PRIu64 ") of %s, %zu layers, %s",

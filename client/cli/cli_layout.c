@@ -229,8 +229,8 @@ static long parse_groups(const char *s, cli_put_layout *lay, bool *any_offset)
     for (;;) {
         const char *end = strchr(p, ',');
         size_t len = end ? (size_t)(end - p) : strlen(p);
-        if (n == KVR_LAYOUT_MAX_GROUPS) {
-            cli_usage_err("--groups: at most %d groups", KVR_LAYOUT_MAX_GROUPS);
+        if (n == KVR_MAX_GROUPS) {
+            cli_usage_err("--groups: at most %d groups", KVR_MAX_GROUPS);
             return -1;
         }
         const char *colon = memchr(p, ':', len);
@@ -267,8 +267,7 @@ static long parse_groups(const char *s, cli_put_layout *lay, bool *any_offset)
     return (long)n;
 }
 
-int cli_put_layout_opts(const cli_args *a, kvr_put_args *p, kvr_put_opts *po,
-                        cli_put_layout *lay)
+int cli_put_layout_opts(const cli_args *a, kvr_put_args *p, cli_put_layout *lay)
 {
     memset(lay, 0, sizeof *lay);
     const char *prefix = cli_opt(a, "prefix-ctx"), *groups = cli_opt(a, "groups");
@@ -276,7 +275,7 @@ int cli_put_layout_opts(const cli_args *a, kvr_put_args *p, kvr_put_opts *po,
     if (prefix) {
         if (!*prefix)
             return cli_usage_err("--prefix-ctx: want a context id");
-        po->prefix_ctx = prefix;
+        p->prefix_ctx = prefix;
     }
     if (groups && !lay->group)
         return cli_usage_err("--groups creates a grouped context: name the group these tokens "
@@ -295,9 +294,9 @@ int cli_put_layout_opts(const cli_args *a, kvr_put_args *p, kvr_put_opts *po,
         long n = parse_groups(groups, lay, &any_offset);
         if (n < 0)
             return CLI_USAGE;
-        po->groups = lay->names;
-        po->n_groups = (size_t)n;
-        po->group_offsets = any_offset ? lay->offsets : NULL;
+        p->groups = lay->names;
+        p->n_groups = (size_t)n;
+        p->group_offsets = any_offset ? lay->offsets : NULL;
     }
     return CLI_OK;
 }
@@ -361,22 +360,22 @@ static int cmd_retain(kvr_client *c, const cli_args *a)
 
 /* ---- assemble ----------------------------------------------------------- */
 
-static const char *seg_kind(kvr_segment_type k)
+static const char *seg_kind(kvr_segment_kind k)
 {
     switch (k) {
-    case KVR_SEG_PREFIX:   return "prefix";
-    case KVR_SEG_DOCUMENT: return "document";
-    case KVR_SEG_QUERY:    return "query";
+    case KVR_SEGMENT_PREFIX:   return "prefix";
+    case KVR_SEGMENT_DOCUMENT: return "document";
+    case KVR_SEGMENT_QUERY:    return "query";
     }
     return "?";
 }
 
-static const char *layout_name(kvr_assemble_layout l)
+static const char *layout_name(kvr_layout_kind l)
 {
     switch (l) {
-    case KVR_ASSEMBLE_PARALLEL:   return "parallel";
-    case KVR_ASSEMBLE_SEQUENTIAL: return "sequential";
-    case KVR_ASSEMBLE_EXPLICIT:   return "explicit";
+    case KVR_LAYOUT_PARALLEL:   return "parallel";
+    case KVR_LAYOUT_SEQUENTIAL: return "sequential";
+    case KVR_LAYOUT_EXPLICIT:   return "explicit";
     }
     return "?";
 }
@@ -388,11 +387,11 @@ static cJSON *segments_json(const kvr_assemble_res *r)
         const kvr_segment_res *s = &r->segments[i];
         cJSON *o = cJSON_CreateObject();
         cJSON_AddStringToObject(o, "kind", seg_kind(s->kind));
-        if (s->kind == KVR_SEG_QUERY)
+        if (s->kind == KVR_SEGMENT_QUERY)
             cJSON_AddNullToObject(o, "context_id");
         else
             cJSON_AddStringToObject(o, "context_id", s->ctx_id);
-        if (s->kind == KVR_SEG_DOCUMENT)
+        if (s->kind == KVR_SEGMENT_DOCUMENT)
             cJSON_AddNumberToObject(o, "doc_index", s->doc_index);
         cJSON_AddNumberToObject(o, "start", (double)s->start);
         cJSON_AddNumberToObject(o, "end", (double)(s->start + s->n_tokens));
@@ -406,7 +405,7 @@ static cJSON *segments_json(const kvr_assemble_res *r)
     return arr;
 }
 
-static cJSON *assemble_json(const cli_args *a, kvr_assemble_layout lay,
+static cJSON *assemble_json(const cli_args *a, kvr_layout_kind lay,
                             const kvr_assemble_res *r, const char *file)
 {
     const kvr_kv *kv = &r->kv;
@@ -444,7 +443,7 @@ static cJSON *assemble_json(const cli_args *a, kvr_assemble_layout lay,
     return j;
 }
 
-static void assemble_print(FILE *o, const cli_args *a, kvr_assemble_layout lay,
+static void assemble_print(FILE *o, const cli_args *a, kvr_layout_kind lay,
                            const kvr_assemble_res *r, const char *file)
 {
     const kvr_kv *kv = &r->kv;
@@ -461,12 +460,12 @@ static void assemble_print(FILE *o, const cli_args *a, kvr_assemble_layout lay,
         char range[48], pos[48];
         snprintf(range, sizeof range, "[%" PRIu64 ", %" PRIu64 ")", s->start,
                  s->start + s->n_tokens);
-        if (s->kind == KVR_SEG_QUERY || s->n_tokens == 0)
+        if (s->kind == KVR_SEGMENT_QUERY || s->n_tokens == 0)
             snprintf(pos, sizeof pos, "%" PRId64 "..", s->pos_first);
         else
             snprintf(pos, sizeof pos, "%" PRId64 "..%" PRId64, s->pos_first, s->pos_last);
         fprintf(o, "  %-9s %-20s %-16s %-18s %-8g %g\n", seg_kind(s->kind),
-                s->kind == KVR_SEG_QUERY ? "-" : s->ctx_id, range, pos, s->temperature,
+                s->kind == KVR_SEGMENT_QUERY ? "-" : s->ctx_id, range, pos, s->temperature,
                 s->scale);
     }
     fprintf(o, "query starts at position %" PRId64 " (prefix %" PRIu64 " tokens; T = %g, "
@@ -476,7 +475,7 @@ static void assemble_print(FILE *o, const cli_args *a, kvr_assemble_layout lay,
 }
 
 /* The .safetensors file: the stream plus the segment table (header comment). */
-static int assemble_write_st(const char *path, const cli_args *a, kvr_assemble_layout lay,
+static int assemble_write_st(const char *path, const cli_args *a, kvr_layout_kind lay,
                              const kvr_assemble_res *r, char *err, size_t errlen)
 {
     size_t ns = r->n_segments;
@@ -499,7 +498,7 @@ static int assemble_write_st(const char *path, const cli_args *a, kvr_assemble_l
         const kvr_segment_res *s = &r->segments[i];
         int64_t row[6] = { (int64_t)s->kind, (int64_t)s->start, (int64_t)s->n_tokens,
                            s->pos_first, s->pos_last,
-                           s->kind == KVR_SEG_DOCUMENT ? (int64_t)s->doc_index : -1 };
+                           s->kind == KVR_SEGMENT_DOCUMENT ? (int64_t)s->doc_index : -1 };
         memcpy(seg + 6 * i, row, sizeof row);
         ts[2 * i] = s->temperature;
         ts[2 * i + 1] = s->scale;
@@ -545,19 +544,19 @@ static int cmd_assemble(kvr_client *c, const cli_args *a)
         return cli_usage_err("assemble: --json and -o - both want stdout");
     size_t n_docs = (size_t)a->npos - 1;
     kvr_assemble_args g = { .prefix = a->pos[0], .docs = a->pos + 1, .n_docs = n_docs,
-                            .layout = KVR_ASSEMBLE_PARALLEL, .meta_only = meta,
+                            .layout = KVR_LAYOUT_PARALLEL, .meta_only = meta,
                             .fold_temperature = cli_flag(a, "fold-temperature") };
     if (lv) {
-        if (!strcmp(lv, "parallel"))        g.layout = KVR_ASSEMBLE_PARALLEL;
-        else if (!strcmp(lv, "sequential")) g.layout = KVR_ASSEMBLE_SEQUENTIAL;
-        else if (!strcmp(lv, "explicit"))   g.layout = KVR_ASSEMBLE_EXPLICIT;
+        if (!strcmp(lv, "parallel"))        g.layout = KVR_LAYOUT_PARALLEL;
+        else if (!strcmp(lv, "sequential")) g.layout = KVR_LAYOUT_SEQUENTIAL;
+        else if (!strcmp(lv, "explicit"))   g.layout = KVR_LAYOUT_EXPLICIT;
         else return cli_usage_err("--layout: want parallel, sequential or explicit");
-        if (sv && g.layout != KVR_ASSEMBLE_EXPLICIT)
+        if (sv && g.layout != KVR_LAYOUT_EXPLICIT)
             return cli_usage_err("--starts goes with --layout explicit");
-        if (!sv && g.layout == KVR_ASSEMBLE_EXPLICIT)
+        if (!sv && g.layout == KVR_LAYOUT_EXPLICIT)
             return cli_usage_err("--layout explicit needs --starts S1,S2,.. (one per document)");
     } else if (sv) {
-        g.layout = KVR_ASSEMBLE_EXPLICIT;
+        g.layout = KVR_LAYOUT_EXPLICIT;
     }
     const char *tv = cli_opt(a, "temperature"), *scv = cli_opt(a, "scale");
     if (tv && parse_pos_double(tv, &g.temperature) < 0)

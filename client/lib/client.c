@@ -18,6 +18,7 @@
  */
 #include "client/lib/client_int.h"
 
+#include <assert.h>
 #include <errno.h>
 #include <limits.h>
 #include <netdb.h>
@@ -75,6 +76,14 @@ const char *kvr_client_last_error(const kvr_client *c)
 }
 
 void kvr_client_free(void *p) { free(p); }
+
+#define STR_(x) #x
+#define STR(x) STR_(x)
+unsigned kvr_version(void) { return KVR_VERSION_HEX; }
+const char *kvr_version_string(void)
+{
+    return STR(KVR_VERSION_MAJOR) "." STR(KVR_VERSION_MINOR) "." STR(KVR_VERSION_PATCH);
+}
 
 void kvr_client_set_progress(kvr_client *c, kvr_progress_fn fn, void *ud)
 {
@@ -314,6 +323,7 @@ static int recv_exact(kvr_client *c, void *dst, size_t n, chunk_fn on_chunk, voi
 {
     uint8_t *p = dst;
     size_t done = 0;
+    assert(c->rpos <= c->rlen && c->rlen <= c->rcap);   /* read-ahead window */
     size_t have = c->rlen - c->rpos;
     if (have) {
         size_t k = have < n ? have : n;
@@ -427,6 +437,10 @@ int kvr__call(kvr_client *c, Kvrope__Request *req, const struct iovec *piov, siz
     c->err[0] = 0;
     if (c->fd < 0)
         return kvr__fail(c, KVR_ECLOSED, "connection is closed");
+    /* Between calls the stream is at a frame boundary: whatever is left in
+     * the read-ahead belongs to no request yet (the daemon sends nothing
+     * unasked but id-0 errors). */
+    assert(c->rpos <= c->rlen && c->rlen <= c->rcap);
     req->id = c->next_id++;
     size_t mlen = kvrope__request__get_packed_size(req);
     if (mlen > MAX_MSG_LEN)

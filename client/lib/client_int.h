@@ -21,8 +21,6 @@ struct kvr_client {
     size_t          rcap, rpos, rlen;
     uint8_t        *wbuf;          /* header + packed request */
     size_t          wcap;
-    bool            put_persist;   /* kvr_client_put_persist: Put.persist */
-    int             put_share;     /* kvr_client_put_flags: 1 share, 2 share_sync */
 };
 
 /* Sets c->err and returns code (the connection stays open). */

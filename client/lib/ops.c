@@ -15,6 +15,38 @@
 /* protobuf-c fields are `char *` even for data it only reads. */
 static char *unconst(const char *s) { return (char *)(uintptr_t)s; }
 
+/* The shapes every verb repeats, in one place each.
+ * SET_IF: an optional proto2 field, sent when v is non-zero (kvrope.h's
+ * "0 = unset/default"); SET_FLAG: a proto2 bool sent only when true;
+ * SET_SHAPE: a payload's shape (0 = the model's) and dtype (put, edit,
+ * refresh); REQUEST: declares `req`, a Request whose one body is `field`. */
+#define SET_IF(msg, field, v)                                                   \
+    do {                                                                        \
+        if (v) {                                                                \
+            (msg).has_##field = 1;                                              \
+            (msg).field = (v);                                                  \
+        }                                                                       \
+    } while (0)
+#define SET_FLAG(msg, field, b)                                                 \
+    do {                                                                        \
+        if (b) {                                                                \
+            (msg).has_##field = 1;                                              \
+            (msg).field = 1;                                                    \
+        }                                                                       \
+    } while (0)
+#define SET_SHAPE(msg, a)                                                       \
+    do {                                                                        \
+        SET_IF(msg, n_layers, (a)->n_layers);                                   \
+        SET_IF(msg, n_kv_heads, (a)->n_kv_heads);                               \
+        SET_IF(msg, head_dim, (a)->head_dim);                                   \
+        (msg).has_dtype = 1;                                                    \
+        (msg).dtype = (Kvrope__DType)(a)->dtype;                                \
+    } while (0)
+#define REQUEST(req, CASE, field, body)                                         \
+    Kvrope__Request req = KVROPE__REQUEST__INIT;                                \
+    req.body_case = KVROPE__REQUEST__BODY_##CASE;                               \
+    req.field = (body)
+
 static void copy_str(char *dst, size_t cap, const char *src)
 {
     snprintf(dst, cap, "%s", src ? src : "");
@@ -30,8 +62,83 @@ static int check_id(kvr_client *c, const char *what, const char *id)
 {
     if (!id || !*id)
         return kvr__fail(c, KVR_EINVAL, "%s: missing id", what);
-    if (strlen(id) > KVR_NAME_MAX)
-        return kvr__fail(c, KVR_EINVAL, "%s: id longer than %d bytes", what, KVR_NAME_MAX);
+    if (strlen(id) > KVR_ID_MAX)
+        return kvr__fail(c, KVR_EINVAL, "%s: id longer than %d bytes", what, KVR_ID_MAX);
+    return 0;
+}
+
+/* Sends req (no payload) and reads the response: 0 with *out (the caller's,
+ * kvrope__response__free_unpacked) of body `body`, else the error. */
+static int call_expect(kvr_client *c, Kvrope__Request *req, Kvrope__Response__BodyCase body,
+                       const char *what, Kvrope__Response **out)
+{
+    int r = kvr__call(c, req, NULL, 0, 0, out, NULL);
+    if (r < 0)
+        return r;
+    if ((*out)->body_case != body)
+        return bad_body(c, *out, what);
+    return 0;
+}
+
+/* A verb that answers with a list (models, contexts, metrics): the body
+ * expected, the item count, the size of one public struct and how to fill it. */
+typedef struct list_kind {
+    Kvrope__Response__BodyCase body;
+    const char                *what;
+    size_t                     elem;
+    size_t (*count)(const Kvrope__Response *resp);
+    void   (*fill)(void *dst, const Kvrope__Response *resp, size_t i);
+} list_kind;
+
+/* Sends req and copies the list into one calloc'ed array (*arr, the
+ * caller's: kvr_client_free), *n entries; on failure *arr is NULL, *n 0. */
+static int list_call(kvr_client *c, Kvrope__Request *req, const list_kind *lk, void **arr,
+                     size_t *n)
+{
+    *arr = NULL;
+    *n = 0;
+    Kvrope__Response *resp;
+    int r = call_expect(c, req, lk->body, lk->what, &resp);
+    if (r < 0)
+        return r;
+    size_t k = lk->count(resp);
+    uint8_t *a = calloc(k ? k : 1, lk->elem);
+    if (a)
+        for (size_t i = 0; i < k; i++)
+            lk->fill(a + i * lk->elem, resp, i);
+    kvrope__response__free_unpacked(resp, NULL);
+    if (!a)
+        return kvr__fail(c, KVR_ENOMEM, "out of memory");
+    *arr = a;
+    *n = k;
+    return 0;
+}
+
+/* The payload of a put/edit/refresh as one iovec list: the caller's buffer
+ * (in w->one) or its iovecs, not both; w->len is the total. */
+typedef struct wire_payload {
+    struct iovec        one;
+    const struct iovec *iov;
+    size_t              iovcnt;
+    uint64_t            len;
+} wire_payload;
+
+static int payload_iov(kvr_client *c, const char *what, const void *payload, size_t plen,
+                       const struct iovec *in, size_t incnt, wire_payload *w)
+{
+    w->iov = in;
+    w->iovcnt = incnt;
+    w->len = 0;
+    if (payload && in)
+        return kvr__fail(c, KVR_EINVAL, "%s: give either payload or iov, not both", what);
+    if (payload) {
+        w->one.iov_base = (void *)(uintptr_t)payload;
+        w->one.iov_len = plen;
+        w->iov = &w->one;
+        w->iovcnt = 1;
+    }
+    for (size_t i = 0; i < w->iovcnt; i++)
+        w->len += w->iov[i].iov_len;
     return 0;
 }
 
@@ -52,32 +159,23 @@ static void rope_from_wire(kvr_rope_config *cfg, const Kvrope__RopeParams *p)
     kvr_rope_config_init(cfg);
     if (!p)
         return;
+#define GET_IF(field) if (p->has_##field) cfg->field = p->field
     cfg->style = p->style == KVROPE__ROPE_STYLE__GPTJ ? KVR_ROPE_GPTJ : KVR_ROPE_NEOX;
-    if (p->has_theta)
-        cfg->theta = p->theta;
+    GET_IF(theta);
     if (p->has_rotary_dim)
         cfg->rotary_dim = (int32_t)p->rotary_dim;
     cfg->scaling = (kvr_rope_scaling)p->scaling;
-    if (p->has_factor)
-        cfg->factor = p->factor;
-    if (p->has_original_max_position_embeddings)
-        cfg->original_max_position_embeddings = p->original_max_position_embeddings;
-    if (p->has_beta_fast)
-        cfg->beta_fast = p->beta_fast;
-    if (p->has_beta_slow)
-        cfg->beta_slow = p->beta_slow;
-    if (p->has_attention_factor)
-        cfg->attention_factor = p->attention_factor;
-    if (p->has_mscale)
-        cfg->mscale = p->mscale;
-    if (p->has_mscale_all_dim)
-        cfg->mscale_all_dim = p->mscale_all_dim;
-    if (p->has_low_freq_factor)
-        cfg->low_freq_factor = p->low_freq_factor;
-    if (p->has_high_freq_factor)
-        cfg->high_freq_factor = p->high_freq_factor;
-    if (p->has_max_position_embeddings)
-        cfg->max_position_embeddings = p->max_position_embeddings;
+    GET_IF(factor);
+    GET_IF(original_max_position_embeddings);
+    GET_IF(beta_fast);
+    GET_IF(beta_slow);
+    GET_IF(attention_factor);
+    GET_IF(mscale);
+    GET_IF(mscale_all_dim);
+    GET_IF(low_freq_factor);
+    GET_IF(high_freq_factor);
+    GET_IF(max_position_embeddings);
+#undef GET_IF
     size_t maxf = KVR_ROPE_MAX_HEAD_DIM / 2;
     cfg->n_short_factor = (int32_t)(p->n_short_factor < maxf ? p->n_short_factor : maxf);
     for (int32_t i = 0; i < cfg->n_short_factor; i++)
@@ -167,31 +265,10 @@ static void model_from_wire(kvr_model *m, const Kvrope__ModelInfo *mi)
     m->rope.head_dim = (int32_t)mi->head_dim;
     if (m->rope.rotary_dim <= 0)
         m->rope.rotary_dim = (int32_t)mi->head_dim;
+    copy_str(m->codec, sizeof m->codec, mi->codec ? mi->codec : kvr_dtype_name(m->dtype));
 }
-
-static int model_register(kvr_client *c, const kvr_model_params *p, const char *codec,
-                          kvr_model *out, kvr_model_ex *ex);
 
 int kvr_client_model_register(kvr_client *c, const kvr_model_params *p, kvr_model *out)
-{
-    return model_register(c, p, NULL, out, NULL);
-}
-
-int kvr_client_model_register_ex(kvr_client *c, const kvr_model_params *p, const char *codec,
-                                 kvr_model *out, kvr_model_ex *ex)
-{
-    return model_register(c, p, codec, out, ex);
-}
-
-static void model_ex_from_wire(kvr_model_ex *ex, const Kvrope__ModelInfo *mi)
-{
-    memset(ex, 0, sizeof *ex);
-    copy_str(ex->codec, sizeof ex->codec, mi->codec ? mi->codec : kvr_dtype_name(
-                                              (kvr_dtype)mi->dtype));
-}
-
-static int model_register(kvr_client *c, const kvr_model_params *p, const char *codec,
-                          kvr_model *out, kvr_model_ex *ex)
 {
     int r = check_id(c, "register model", p ? p->name : NULL);
     if (r < 0)
@@ -214,25 +291,14 @@ static int model_register(kvr_client *c, const kvr_model_params *p, const char *
     }
     if (p->style)
         rm.style = unconst(p->style);
-    if (p->n_layers) {
-        rm.has_n_layers = 1;
-        rm.n_layers = p->n_layers;
-    }
-    if (p->n_kv_heads) {
-        rm.has_n_kv_heads = 1;
-        rm.n_kv_heads = p->n_kv_heads;
-    }
-    if (p->head_dim) {
-        rm.has_head_dim = 1;
-        rm.head_dim = p->head_dim;
-    }
+    SET_IF(rm, n_layers, p->n_layers);
+    SET_IF(rm, n_kv_heads, p->n_kv_heads);
+    SET_IF(rm, head_dim, p->head_dim);
     rm.has_dtype = 1;
     rm.dtype = (Kvrope__DType)p->dtype;
-    if (codec && codec[0])
-        rm.codec = unconst(codec);
-    Kvrope__Request req = KVROPE__REQUEST__INIT;
-    req.body_case = KVROPE__REQUEST__BODY_REGISTER_MODEL;
-    req.register_model = &rm;
+    if (p->codec && p->codec[0])
+        rm.codec = unconst(p->codec);
+    REQUEST(req, REGISTER_MODEL, register_model, &rm);
     Kvrope__Response *resp;
     r = kvr__call(c, &req, NULL, 0, 0, &resp, NULL);
     free(json);
@@ -242,8 +308,6 @@ static int model_register(kvr_client *c, const kvr_model_params *p, const char *
         return bad_body(c, resp, "register model");
     if (out)
         model_from_wire(out, resp->model);
-    if (ex)
-        model_ex_from_wire(ex, resp->model);
     kvrope__response__free_unpacked(resp, NULL);
     return 0;
 }
@@ -301,47 +365,22 @@ int kvr_client_model_register_file(kvr_client *c, const char *name, const char *
     return r;
 }
 
+static size_t count_models(const Kvrope__Response *resp) { return resp->models->n_models; }
+static void fill_model(void *dst, const Kvrope__Response *resp, size_t i)
+{
+    model_from_wire(dst, resp->models->models[i]);
+}
+static const list_kind MODEL_LIST = { KVROPE__RESPONSE__BODY_MODELS, "list models",
+                                      sizeof(kvr_model), count_models, fill_model };
+
 int kvr_client_model_list(kvr_client *c, kvr_model **out, size_t *n)
 {
-    return kvr_client_model_list_ex(c, out, NULL, n);
-}
-
-int kvr_client_model_list_ex(kvr_client *c, kvr_model **out, kvr_model_ex **ex, size_t *n)
-{
-    if (ex)
-        *ex = NULL;
-    *out = NULL;
-    *n = 0;
     Kvrope__ListModels lm = KVROPE__LIST_MODELS__INIT;
-    Kvrope__Request req = KVROPE__REQUEST__INIT;
-    req.body_case = KVROPE__REQUEST__BODY_LIST_MODELS;
-    req.list_models = &lm;
-    Kvrope__Response *resp;
-    int r = kvr__call(c, &req, NULL, 0, 0, &resp, NULL);
-    if (r < 0)
-        return r;
-    if (resp->body_case != KVROPE__RESPONSE__BODY_MODELS)
-        return bad_body(c, resp, "list models");
-    size_t k = resp->models->n_models;
-    kvr_model *arr = calloc(k ? k : 1, sizeof *arr);
-    kvr_model_ex *xs = ex ? calloc(k ? k : 1, sizeof *xs) : NULL;
-    if (!arr || (ex && !xs)) {
-        free(arr);
-        free(xs);
-        kvrope__response__free_unpacked(resp, NULL);
-        return kvr__fail(c, KVR_ENOMEM, "out of memory");
-    }
-    for (size_t i = 0; i < k; i++) {
-        model_from_wire(&arr[i], resp->models->models[i]);
-        if (xs)
-            model_ex_from_wire(&xs[i], resp->models->models[i]);
-    }
-    kvrope__response__free_unpacked(resp, NULL);
-    if (ex)
-        *ex = xs;
+    REQUEST(req, LIST_MODELS, list_models, &lm);
+    void *arr;
+    int r = list_call(c, &req, &MODEL_LIST, &arr, n);
     *out = arr;
-    *n = k;
-    return 0;
+    return r;
 }
 
 int kvr_client_model_get(kvr_client *c, const char *name, kvr_model *out)
@@ -363,95 +402,41 @@ int kvr_client_model_get(kvr_client *c, const char *name, kvr_model *out)
 
 /* ---- put ---------------------------------------------------------------- */
 
+static int put_common(kvr_client *c, const kvr_put_args *a, const char *group,
+                      kvr_put_res *out);
+
 int kvr_client_put(kvr_client *c, const kvr_put_args *a, kvr_put_res *out)
 {
-    return kvr_client_put_ex(c, a, NULL, out);
-}
-
-/* The payload of a put/edit/refresh as one iovec list: either the buffer
- * (in *one) or the caller's iovecs. Returns the total length. */
-static uint64_t payload_iov(const void *payload, size_t len, const struct iovec *in,
-                            size_t incnt, struct iovec *one, const struct iovec **iov,
-                            size_t *iovcnt)
-{
-    *iov = in;
-    *iovcnt = incnt;
-    if (payload) {
-        one->iov_base = (void *)(uintptr_t)payload;
-        one->iov_len = len;
-        *iov = one;
-        *iovcnt = 1;
-    }
-    uint64_t n = 0;
-    for (size_t i = 0; i < *iovcnt; i++)
-        n += (*iov)[i].iov_len;
-    return n;
-}
-
-static int put_common(kvr_client *c, const kvr_put_args *a, const kvr_put_opts *o,
-                      const char *group, kvr_put_res *out);
-
-int kvr_client_put_ex(kvr_client *c, const kvr_put_args *a, const kvr_put_opts *o,
-                      kvr_put_res *out)
-{
-    return put_common(c, a, o, NULL, out);
-}
-
-int kvr_client_put_persist(kvr_client *c, const kvr_put_args *a, const kvr_put_opts *o,
-                           bool persist, kvr_put_res *out)
-{
-    c->put_persist = persist;
-    int r = put_common(c, a, o, NULL, out);
-    c->put_persist = false;
-    return r;
-}
-
-int kvr_client_put_flags(kvr_client *c, const kvr_put_args *a, const kvr_put_opts *o,
-                         unsigned flags, kvr_put_res *out)
-{
-    c->put_persist = (flags & KVR_PUT_PERSIST) != 0;
-    c->put_share = (flags & KVR_PUT_SHARE_SYNC) ? 2 : (flags & KVR_PUT_SHARE) ? 1 : 0;
-    int r = put_common(c, a, o, NULL, out);
-    c->put_persist = false;
-    c->put_share = 0;
-    return r;
+    return put_common(c, a, NULL, out);
 }
 
 int kvr_client_group_append(kvr_client *c, const kvr_put_args *a, const char *group,
-                            const kvr_put_opts *o, kvr_put_res *out)
+                            kvr_put_res *out)
 {
     int r = check_id(c, "group append: group", group);
     if (r < 0)
         return r;
     if (a->positions || a->has_pos_start)
         return kvr__fail(c, KVR_EINVAL, "group append: positions come from the group");
-    return put_common(c, a, o, group, out);
+    return put_common(c, a, group, out);
 }
 
 /* A put, or (group set) a group append wrapping the same Put. */
-static int put_common(kvr_client *c, const kvr_put_args *a, const kvr_put_opts *o,
-                      const char *group, kvr_put_res *out)
+static int put_common(kvr_client *c, const kvr_put_args *a, const char *group,
+                      kvr_put_res *out)
 {
     c->err[0] = 0;
     int r = check_id(c, "put", a->ctx_id);
     if (r < 0 || (r = check_id(c, "put model", a->model)) < 0)
         return r;
-    if (a->payload && a->iov)
-        return kvr__fail(c, KVR_EINVAL, "put: give either payload or iov, not both");
     if (a->n_tokens && !a->tokens)
         return kvr__fail(c, KVR_EINVAL, "put: tokens missing");
-    struct iovec one;
-    const struct iovec *iov = a->iov;
-    size_t iovcnt = a->iovcnt;
-    uint64_t plen = 0;
-    if (a->payload) {
-        one.iov_base = (void *)(uintptr_t)a->payload;
-        one.iov_len = a->payload_len;
-        iov = &one;
-        iovcnt = 1;
-    }
-    for (size_t i = 0; i < iovcnt; i++)
-        plen += iov[i].iov_len;
+    if (a->mode != KVR_PUT_CREATE && a->mode != KVR_PUT_APPEND && a->mode != KVR_PUT_UPSERT)
+        return kvr__fail(c, KVR_EINVAL, "put: unknown mode %d", (int)a->mode);
+    wire_payload w;
+    if ((r = payload_iov(c, "put", a->payload, a->payload_len, a->iov, a->iovcnt, &w)) < 0)
+        return r;
+    uint64_t plen = w.len;
     if (a->n_layers && a->n_kv_heads && a->head_dim) {
         size_t want = kvr_payload_size(a->n_layers, a->n_tokens, a->n_kv_heads, a->head_dim,
                                        a->dtype);
@@ -464,27 +449,9 @@ static int put_common(kvr_client *c, const kvr_put_args *a, const kvr_put_opts *
     put.context_id = unconst(a->ctx_id);
     put.model = unconst(a->model);
     put.has_mode = 1;
-    put.mode = a->mode == KVR_WRITE_CREATE   ? KVROPE__PUT_MODE__CREATE
-               : a->mode == KVR_WRITE_APPEND ? KVROPE__PUT_MODE__APPEND
-                                             : KVROPE__PUT_MODE__UPSERT;
-    if (a->fingerprint) {
-        put.has_fingerprint = 1;
-        put.fingerprint = a->fingerprint;
-    }
-    if (a->n_layers) {
-        put.has_n_layers = 1;
-        put.n_layers = a->n_layers;
-    }
-    if (a->n_kv_heads) {
-        put.has_n_kv_heads = 1;
-        put.n_kv_heads = a->n_kv_heads;
-    }
-    if (a->head_dim) {
-        put.has_head_dim = 1;
-        put.head_dim = a->head_dim;
-    }
-    put.has_dtype = 1;
-    put.dtype = (Kvrope__DType)a->dtype;
+    put.mode = (Kvrope__PutMode)a->mode;   /* same values (proto/frame.c) */
+    SET_IF(put, fingerprint, a->fingerprint);
+    SET_SHAPE(put, a);
     put.n_tokens = a->n_tokens;
     put.tokens = (uint32_t *)(uintptr_t)a->tokens;
     if (a->positions) {
@@ -494,43 +461,29 @@ static int put_common(kvr_client *c, const kvr_put_args *a, const kvr_put_opts *
         put.has_pos_start = 1;
         put.pos_start = a->pos_start;
     }
-    if (a->pin) {
-        put.has_pin = 1;
-        put.pin = 1;
-    }
+    SET_FLAG(put, pin, a->pin);
     Kvrope__LayoutPutOptions lo = KVROPE__LAYOUT_PUT_OPTIONS__INIT;
-    if (o) {
-        if (o->has_protect || o->protect_first) {
-            put.has_protect_first = 1;
-            put.protect_first = o->protect_first;
-        }
-        if (o->n_groups && !o->groups)
-            return kvr__fail(c, KVR_EINVAL, "put: group names missing");
-        if (o->prefix_ctx || o->n_groups) {
-            lo.prefix_context = unconst(o->prefix_ctx);
-            lo.n_groups = o->n_groups;
-            lo.groups = (char **)(uintptr_t)o->groups;
-            if (o->group_offsets) {
-                lo.n_group_offsets = o->n_groups;
-                lo.group_offsets = (int64_t *)(uintptr_t)o->group_offsets;
-            }
-            put.layout = &lo;
-        }
-        if (o->codec && o->codec[0])
-            put.codec = unconst(o->codec);
+    if (a->has_protect || a->protect_first) {
+        put.has_protect_first = 1;
+        put.protect_first = a->protect_first;
     }
-    if (c->put_persist) {
-        put.has_persist = 1;
-        put.persist = 1;
-    }
-    if (c->put_share) {
-        put.has_share = 1;
-        put.share = 1;
-        if (c->put_share > 1) {
-            put.has_share_sync = 1;
-            put.share_sync = 1;
+    if (a->n_groups && !a->groups)
+        return kvr__fail(c, KVR_EINVAL, "put: group names missing");
+    if (a->prefix_ctx || a->n_groups) {
+        lo.prefix_context = unconst(a->prefix_ctx);
+        lo.n_groups = a->n_groups;
+        lo.groups = (char **)(uintptr_t)a->groups;
+        if (a->group_offsets) {
+            lo.n_group_offsets = a->n_groups;
+            lo.group_offsets = (int64_t *)(uintptr_t)a->group_offsets;
         }
+        put.layout = &lo;
     }
+    if (a->codec && a->codec[0])
+        put.codec = unconst(a->codec);
+    SET_FLAG(put, persist, a->persist);
+    SET_FLAG(put, share, a->share || a->share_sync);
+    SET_FLAG(put, share_sync, a->share_sync);
     Kvrope__Request req = KVROPE__REQUEST__INIT;
     Kvrope__GroupAppend ga = KVROPE__GROUP_APPEND__INIT;
     if (group) {
@@ -547,7 +500,7 @@ static int put_common(kvr_client *c, const kvr_put_args *a, const kvr_put_opts *
         req.put = &put;
     }
     Kvrope__Response *resp;
-    r = kvr__call(c, &req, iov, iovcnt, plen, &resp, NULL);
+    r = kvr__call(c, &req, w.iov, w.iovcnt, w.len, &resp, NULL);
     if (r < 0)
         return r;
     const Kvrope__PutResult *pr = group ? resp->group_append : resp->put;
@@ -687,31 +640,25 @@ static void raw_from_wire(kvr_raw_layout *l, const Kvrope__RawLayout *w)
     l->v_unit_bytes = w->has_v_unit_bytes ? w->v_unit_bytes : 0;
 }
 
-const void *kvr_kv_raw_k(const kvr_kv *kv, const kvr_raw_layout *l, size_t i)
+const void *kvr_kv_raw_k(const kvr_kv *kv, size_t i)
 {
-    if (!kv->payload || !l || !l->raw || i >= kv->n_layers)
+    const kvr_raw_layout *l = &kv->raw;
+    if (!kv->payload || !l->raw || i >= kv->n_layers)
         return NULL;
     return (const uint8_t *)kv->payload + i * (l->k_bytes + l->v_bytes);
 }
 
-const void *kvr_kv_raw_v(const kvr_kv *kv, const kvr_raw_layout *l, size_t i)
+const void *kvr_kv_raw_v(const kvr_kv *kv, size_t i)
 {
-    if (!kv->payload || !l || !l->raw || i >= kv->n_layers)
+    const kvr_raw_layout *l = &kv->raw;
+    if (!kv->payload || !l->raw || i >= kv->n_layers)
         return NULL;
     return (const uint8_t *)kv->payload + i * (l->k_bytes + l->v_bytes) + l->k_bytes;
 }
 
 int kvr_client_get(kvr_client *c, const kvr_get_args *a, kvr_kv *out)
 {
-    return kvr_client_get_ex(c, a, NULL, out, NULL);
-}
-
-int kvr_client_get_ex(kvr_client *c, const kvr_get_args *a, const kvr_get_opts *o,
-                      kvr_kv *out, kvr_raw_layout *layout)
-{
     memset(out, 0, sizeof *out);
-    if (layout)
-        memset(layout, 0, sizeof *layout);
     c->err[0] = 0;
     int r = check_id(c, "get", a->ctx_id);
     if (r < 0)
@@ -720,10 +667,7 @@ int kvr_client_get_ex(kvr_client *c, const kvr_get_args *a, const kvr_get_opts *
     g.context_id = unconst(a->ctx_id);
     g.has_start = 1;
     g.start = a->start;
-    if (a->end) {
-        g.has_end = 1;
-        g.end = a->end;
-    }
+    SET_IF(g, end, a->end);
     g.has_dtype = 1;
     g.dtype = (Kvrope__DType)a->dtype;
     if (a->positions) {
@@ -734,17 +678,9 @@ int kvr_client_get_ex(kvr_client *c, const kvr_get_args *a, const kvr_get_opts *
         g.n_layers = a->n_layers;
         g.layers = (uint32_t *)(uintptr_t)a->layers;
     }
-    if (a->meta_only) {
-        g.has_meta_only = 1;
-        g.meta_only = 1;
-    }
-    if (o && o->raw) {
-        g.has_raw = 1;
-        g.raw = 1;
-    }
-    Kvrope__Request req = KVROPE__REQUEST__INIT;
-    req.body_case = KVROPE__REQUEST__BODY_GET;
-    req.get = &g;
+    SET_FLAG(g, meta_only, a->meta_only);
+    SET_FLAG(g, raw, a->raw);
+    REQUEST(req, GET, get, &g);
     Kvrope__Response *resp;
     uint64_t pl;
     r = kvr__call(c, &req, NULL, 0, 0, &resp, &pl);
@@ -756,8 +692,8 @@ int kvr_client_get_ex(kvr_client *c, const kvr_get_args *a, const kvr_get_opts *
     }
     r = take_kv(c, resp->kv, pl, out, a->meta_only, a->dst, a->dst_cap, a->on_layer,
                 a->on_layer_ud);
-    if (r == 0 && layout)
-        raw_from_wire(layout, resp->kv->raw);
+    if (r == 0)
+        raw_from_wire(&out->raw, resp->kv->raw);
     kvrope__response__free_unpacked(resp, NULL);
     return r;
 }
@@ -773,10 +709,7 @@ int kvr_client_match(kvr_client *c, const kvr_match_args *a, kvr_match_res *out)
     m.model = unconst(a->model);
     m.n_tokens = a->n_tokens;
     m.tokens = (uint32_t *)(uintptr_t)a->tokens;
-    if (a->include_approximate) {
-        m.has_include_approximate = 1;
-        m.include_approximate = 1;
-    }
+    SET_FLAG(m, include_approximate, a->include_approximate);
     if (a->get) {
         m.has_get = 1;
         m.get = 1;
@@ -787,9 +720,7 @@ int kvr_client_match(kvr_client *c, const kvr_match_args *a, kvr_match_res *out)
             m.layers = (uint32_t *)(uintptr_t)a->layers;
         }
     }
-    Kvrope__Request req = KVROPE__REQUEST__INIT;
-    req.body_case = KVROPE__REQUEST__BODY_MATCH;
-    req.match = &m;
+    REQUEST(req, MATCH, match, &m);
     Kvrope__Response *resp;
     uint64_t pl;
     r = kvr__call(c, &req, NULL, 0, 0, &resp, &pl);
@@ -820,55 +751,26 @@ int kvr_client_delete(kvr_client *c, const char *ctx_id)
         return r;
     Kvrope__Delete d = KVROPE__DELETE__INIT;
     d.context_id = unconst(ctx_id);
-    Kvrope__Request req = KVROPE__REQUEST__INIT;
-    req.body_case = KVROPE__REQUEST__BODY_DELETE;
-    req.delete_ = &d;
+    REQUEST(req, DELETE, delete_, &d);
     return simple_call(c, &req);
 }
 
 static void ctx_from_wire(kvr_context *o, const Kvrope__ContextInfo *ci);
 
-int kvr_client_stat_ex(kvr_client *c, const char *ctx_id, kvr_context *out,
-                       kvr_context_edit *ed)
-{
-    return kvr_client_stat_codec(c, ctx_id, out, ed, NULL);
-}
-
-int kvr_client_stat_codec(kvr_client *c, const char *ctx_id, kvr_context *out,
-                          kvr_context_edit *ed, kvr_context_codec *cc)
+int kvr_client_stat(kvr_client *c, const char *ctx_id, kvr_context *out)
 {
     int r = check_id(c, "stat", ctx_id);
     if (r < 0)
         return r;
     Kvrope__Stat s = KVROPE__STAT__INIT;
     s.context_id = unconst(ctx_id);
-    Kvrope__Request req = KVROPE__REQUEST__INIT;
-    req.body_case = KVROPE__REQUEST__BODY_STAT;
-    req.stat = &s;
+    REQUEST(req, STAT, stat, &s);
     Kvrope__Response *resp;
-    r = kvr__call(c, &req, NULL, 0, 0, &resp, NULL);
+    r = call_expect(c, &req, KVROPE__RESPONSE__BODY_CONTEXT, "stat", &resp);
     if (r < 0)
         return r;
-    if (resp->body_case != KVROPE__RESPONSE__BODY_CONTEXT)
-        return bad_body(c, resp, "stat");
     if (out)
         ctx_from_wire(out, resp->context);
-    if (ed) {
-        ed->n_pending = resp->context->has_n_pending ? resp->context->n_pending : 0;
-        ed->n_protected = resp->context->has_n_protected ? resp->context->n_protected : 0;
-    }
-    if (cc) {
-        const Kvrope__ContextInfo *ci = resp->context;
-        memset(cc, 0, sizeof *cc);
-        copy_str(cc->codec, sizeof cc->codec, ci->codec);
-        cc->quantized = ci->codec && strncmp(ci->codec, "k=", 2) == 0;
-        cc->n_window = ci->has_n_window ? ci->n_window : 0;
-        cc->kv_bytes = ci->has_kv_bytes ? ci->kv_bytes : 0;
-        cc->bytes_saved = ci->has_bytes_saved ? ci->bytes_saved : 0;
-        cc->bits_per_value = ci->has_bits_per_value ? ci->bits_per_value : 0.0;
-        cc->rel_rms_k = ci->has_rel_rms_k ? ci->rel_rms_k : 0.0;
-        cc->rel_rms_v = ci->has_rel_rms_v ? ci->rel_rms_v : 0.0;
-    }
     kvrope__response__free_unpacked(resp, NULL);
     return 0;
 }
@@ -890,58 +792,36 @@ static void ctx_from_wire(kvr_context *o, const Kvrope__ContextInfo *ci)
     o->created_ms = ci->created_ms;
     o->accessed_ms = ci->accessed_ms;
     o->n_evicted_tokens = ci->has_n_evicted_tokens ? ci->n_evicted_tokens : 0;
+    o->n_pending = ci->has_n_pending ? ci->n_pending : 0;
+    o->n_protected = ci->has_n_protected ? ci->n_protected : 0;
+    copy_str(o->codec, sizeof o->codec, ci->codec);
+    o->quantized = ci->codec && strncmp(ci->codec, "k=", 2) == 0;
+    o->n_window = ci->has_n_window ? ci->n_window : 0;
+    o->kv_bytes = ci->has_kv_bytes ? ci->kv_bytes : 0;
+    o->bytes_saved = ci->has_bytes_saved ? ci->bytes_saved : 0;
+    o->bits_per_value = ci->has_bits_per_value ? ci->bits_per_value : 0.0;
+    o->rel_rms_k = ci->has_rel_rms_k ? ci->rel_rms_k : 0.0;
+    o->rel_rms_v = ci->has_rel_rms_v ? ci->rel_rms_v : 0.0;
 }
 
-int kvr_client_stat(kvr_client *c, const char *ctx_id, kvr_context *out)
+static size_t count_contexts(const Kvrope__Response *resp) { return resp->contexts->n_contexts; }
+static void fill_context(void *dst, const Kvrope__Response *resp, size_t i)
 {
-    int r = check_id(c, "stat", ctx_id);
-    if (r < 0)
-        return r;
-    Kvrope__Stat s = KVROPE__STAT__INIT;
-    s.context_id = unconst(ctx_id);
-    Kvrope__Request req = KVROPE__REQUEST__INIT;
-    req.body_case = KVROPE__REQUEST__BODY_STAT;
-    req.stat = &s;
-    Kvrope__Response *resp;
-    r = kvr__call(c, &req, NULL, 0, 0, &resp, NULL);
-    if (r < 0)
-        return r;
-    if (resp->body_case != KVROPE__RESPONSE__BODY_CONTEXT)
-        return bad_body(c, resp, "stat");
-    if (out)
-        ctx_from_wire(out, resp->context);
-    kvrope__response__free_unpacked(resp, NULL);
-    return 0;
+    ctx_from_wire(dst, resp->contexts->contexts[i]);
 }
+static const list_kind CONTEXT_LIST = { KVROPE__RESPONSE__BODY_CONTEXTS, "list",
+                                        sizeof(kvr_context), count_contexts, fill_context };
 
 int kvr_client_list(kvr_client *c, const char *model, kvr_context **out, size_t *n)
 {
-    *out = NULL;
-    *n = 0;
     c->err[0] = 0;
     Kvrope__List l = KVROPE__LIST__INIT;
     l.model = model ? unconst(model) : NULL;
-    Kvrope__Request req = KVROPE__REQUEST__INIT;
-    req.body_case = KVROPE__REQUEST__BODY_LIST;
-    req.list = &l;
-    Kvrope__Response *resp;
-    int r = kvr__call(c, &req, NULL, 0, 0, &resp, NULL);
-    if (r < 0)
-        return r;
-    if (resp->body_case != KVROPE__RESPONSE__BODY_CONTEXTS)
-        return bad_body(c, resp, "list");
-    size_t k = resp->contexts->n_contexts;
-    kvr_context *arr = calloc(k ? k : 1, sizeof *arr);
-    if (!arr) {
-        kvrope__response__free_unpacked(resp, NULL);
-        return kvr__fail(c, KVR_ENOMEM, "out of memory");
-    }
-    for (size_t i = 0; i < k; i++)
-        ctx_from_wire(&arr[i], resp->contexts->contexts[i]);
-    kvrope__response__free_unpacked(resp, NULL);
+    REQUEST(req, LIST, list, &l);
+    void *arr;
+    int r = list_call(c, &req, &CONTEXT_LIST, &arr, n);
     *out = arr;
-    *n = k;
-    return 0;
+    return r;
 }
 
 int kvr_client_pin(kvr_client *c, const char *ctx_id, bool pin)
@@ -953,9 +833,7 @@ int kvr_client_pin(kvr_client *c, const char *ctx_id, bool pin)
     p.context_id = unconst(ctx_id);
     p.has_pin = 1;
     p.pin = pin;
-    Kvrope__Request req = KVROPE__REQUEST__INIT;
-    req.body_case = KVROPE__REQUEST__BODY_PIN;
-    req.pin = &p;
+    REQUEST(req, PIN, pin, &p);
     return simple_call(c, &req);
 }
 
@@ -967,9 +845,7 @@ int kvr_client_fork(kvr_client *c, const char *src, const char *dst)
     Kvrope__Fork f = KVROPE__FORK__INIT;
     f.src = unconst(src);
     f.dst = unconst(dst);
-    Kvrope__Request req = KVROPE__REQUEST__INIT;
-    req.body_case = KVROPE__REQUEST__BODY_FORK;
-    req.fork = &f;
+    REQUEST(req, FORK, fork, &f);
     return simple_call(c, &req);
 }
 
@@ -984,9 +860,7 @@ int kvr_client_shift(kvr_client *c, const char *ctx_id, uint64_t start, uint64_t
     s.start = start;
     s.end = end;
     s.delta = delta;
-    Kvrope__Request req = KVROPE__REQUEST__INIT;
-    req.body_case = KVROPE__REQUEST__BODY_SHIFT;
-    req.shift = &s;
+    REQUEST(req, SHIFT, shift, &s);
     return simple_call(c, &req);
 }
 
@@ -999,42 +873,30 @@ int kvr_client_keep(kvr_client *c, const char *ctx_id, uint64_t start, uint64_t 
     k.context_id = unconst(ctx_id);
     k.start = start;
     k.end = end;
-    Kvrope__Request req = KVROPE__REQUEST__INIT;
-    req.body_case = KVROPE__REQUEST__BODY_KEEP;
-    req.keep = &k;
+    REQUEST(req, KEEP, keep, &k);
     return simple_call(c, &req);
 }
 
 /* ---- statistics --------------------------------------------------------- */
 
+static size_t count_metrics(const Kvrope__Response *resp) { return resp->stats->n_metrics; }
+static void fill_metric(void *dst, const Kvrope__Response *resp, size_t i)
+{
+    kvr_metric *m = dst;
+    copy_str(m->name, sizeof m->name, resp->stats->metrics[i]->name);
+    m->value = resp->stats->metrics[i]->value;
+}
+static const list_kind METRIC_LIST = { KVROPE__RESPONSE__BODY_STATS, "stats",
+                                       sizeof(kvr_metric), count_metrics, fill_metric };
+
 int kvr_client_stats(kvr_client *c, kvr_metric **out, size_t *n)
 {
-    *out = NULL;
-    *n = 0;
     Kvrope__Stats s = KVROPE__STATS__INIT;
-    Kvrope__Request req = KVROPE__REQUEST__INIT;
-    req.body_case = KVROPE__REQUEST__BODY_STATS;
-    req.stats = &s;
-    Kvrope__Response *resp;
-    int r = kvr__call(c, &req, NULL, 0, 0, &resp, NULL);
-    if (r < 0)
-        return r;
-    if (resp->body_case != KVROPE__RESPONSE__BODY_STATS)
-        return bad_body(c, resp, "stats");
-    size_t k = resp->stats->n_metrics;
-    kvr_metric *arr = calloc(k ? k : 1, sizeof *arr);
-    if (!arr) {
-        kvrope__response__free_unpacked(resp, NULL);
-        return kvr__fail(c, KVR_ENOMEM, "out of memory");
-    }
-    for (size_t i = 0; i < k; i++) {
-        copy_str(arr[i].name, sizeof arr[i].name, resp->stats->metrics[i]->name);
-        arr[i].value = resp->stats->metrics[i]->value;
-    }
-    kvrope__response__free_unpacked(resp, NULL);
+    REQUEST(req, STATS, stats, &s);
+    void *arr;
+    int r = list_call(c, &req, &METRIC_LIST, &arr, n);
     *out = arr;
-    *n = k;
-    return 0;
+    return r;
 }
 
 bool kvr_metric_find(const kvr_metric *m, size_t n, const char *name, double *value)
@@ -1117,148 +979,98 @@ static int edit_ops(kvr_client *c, const kvr_edit_args *a, Kvrope__EditOp **ops,
     return 0;
 }
 
-int kvr_client_edit(kvr_client *c, const kvr_edit_args *a, kvr_edit_res *out)
+/* The part of every edit-family call before its message: zero out, check the
+ * id. */
+static int edit_begin(kvr_client *c, const char *what, const char *ctx_id, kvr_edit_res *out)
 {
     if (out)
         memset(out, 0, sizeof *out);
     c->err[0] = 0;
-    int r = check_id(c, "edit", a->ctx_id);
+    return check_id(c, what, ctx_id);
+}
+
+/* Edit and EditPlan carry the same target fields. */
+#define SET_EDIT_TARGET(msg, a, ptrs)                                           \
+    do {                                                                        \
+        (msg).context_id = unconst((a)->ctx_id);                                \
+        (msg).n_ops = (a)->n_ops;                                               \
+        (msg).ops = (ptrs);                                                     \
+        (msg).model = unconst((a)->model);                                      \
+        SET_IF(msg, fingerprint, (a)->fingerprint);                             \
+    } while (0)
+
+/* An edit, or (plan) the plan of one: same ops and target; only an edit
+ * carries KV. */
+static int edit_call(kvr_client *c, const kvr_edit_args *a, bool plan, kvr_edit_res *out)
+{
+    const char *what = plan ? "edit plan" : "edit";
+    int r = edit_begin(c, what, a->ctx_id, out);
     if (r < 0)
         return r;
-    if (a->payload && a->iov)
-        return kvr__fail(c, KVR_EINVAL, "edit: give either payload or iov, not both");
-    struct iovec one;
-    const struct iovec *iov;
-    size_t iovcnt;
-    uint64_t plen = payload_iov(a->payload, a->payload_len, a->iov, a->iovcnt, &one, &iov,
-                                &iovcnt);
-    if (!a->with_kv && plen)
-        return kvr__fail(c, KVR_EINVAL, "edit: a payload needs with_kv");
+    wire_payload w = { .len = 0 };
+    if (!plan) {
+        if ((r = payload_iov(c, what, a->payload, a->payload_len, a->iov, a->iovcnt, &w)) < 0)
+            return r;
+        if (!a->with_kv && w.len)
+            return kvr__fail(c, KVR_EINVAL, "edit: a payload needs with_kv");
+    }
     Kvrope__EditOp *ops;
     Kvrope__EditOp **ptrs;
     if ((r = edit_ops(c, a, &ops, &ptrs)) < 0)
         return r;
     Kvrope__Edit e = KVROPE__EDIT__INIT;
-    e.context_id = unconst(a->ctx_id);
-    e.n_ops = a->n_ops;
-    e.ops = ptrs;
-    if (a->model)
-        e.model = unconst(a->model);
-    if (a->fingerprint) {
-        e.has_fingerprint = 1;
-        e.fingerprint = a->fingerprint;
-    }
-    if (a->with_kv) {
-        e.has_with_kv = 1;
-        e.with_kv = 1;
-        e.has_dtype = 1;
-        e.dtype = (Kvrope__DType)a->dtype;
-        if (a->n_layers) {
-            e.has_n_layers = 1;
-            e.n_layers = a->n_layers;
-        }
-        if (a->n_kv_heads) {
-            e.has_n_kv_heads = 1;
-            e.n_kv_heads = a->n_kv_heads;
-        }
-        if (a->head_dim) {
-            e.has_head_dim = 1;
-            e.head_dim = a->head_dim;
-        }
-    }
+    Kvrope__EditPlan ep = KVROPE__EDIT_PLAN__INIT;
     Kvrope__Request req = KVROPE__REQUEST__INIT;
-    req.body_case = KVROPE__REQUEST__BODY_EDIT;
-    req.edit = &e;
+    if (plan) {
+        SET_EDIT_TARGET(ep, a, ptrs);
+        req.body_case = KVROPE__REQUEST__BODY_EDIT_PLAN;
+        req.edit_plan = &ep;
+    } else {
+        SET_EDIT_TARGET(e, a, ptrs);
+        if (a->with_kv) {
+            SET_FLAG(e, with_kv, true);
+            SET_SHAPE(e, a);
+        }
+        req.body_case = KVROPE__REQUEST__BODY_EDIT;
+        req.edit = &e;
+    }
     Kvrope__Response *resp;
-    r = kvr__call(c, &req, iov, iovcnt, plen, &resp, NULL);
+    r = kvr__call(c, &req, w.iov, w.iovcnt, w.len, &resp, NULL);
     free(ops);
     free(ptrs);
     if (r < 0)
         return r;
-    return take_edit(c, resp, "edit", out);
+    return take_edit(c, resp, what, out);
+}
+
+int kvr_client_edit(kvr_client *c, const kvr_edit_args *a, kvr_edit_res *out)
+{
+    return edit_call(c, a, false, out);
 }
 
 int kvr_client_edit_plan(kvr_client *c, const kvr_edit_args *a, kvr_edit_res *out)
 {
-    if (out)
-        memset(out, 0, sizeof *out);
-    c->err[0] = 0;
-    int r = check_id(c, "edit plan", a->ctx_id);
-    if (r < 0)
-        return r;
-    Kvrope__EditOp *ops;
-    Kvrope__EditOp **ptrs;
-    if ((r = edit_ops(c, a, &ops, &ptrs)) < 0)
-        return r;
-    Kvrope__EditPlan e = KVROPE__EDIT_PLAN__INIT;
-    e.context_id = unconst(a->ctx_id);
-    e.n_ops = a->n_ops;
-    e.ops = ptrs;
-    if (a->model)
-        e.model = unconst(a->model);
-    if (a->fingerprint) {
-        e.has_fingerprint = 1;
-        e.fingerprint = a->fingerprint;
-    }
-    Kvrope__Request req = KVROPE__REQUEST__INIT;
-    req.body_case = KVROPE__REQUEST__BODY_EDIT_PLAN;
-    req.edit_plan = &e;
-    Kvrope__Response *resp;
-    r = kvr__call(c, &req, NULL, 0, 0, &resp, NULL);
-    free(ops);
-    free(ptrs);
-    if (r < 0)
-        return r;
-    return take_edit(c, resp, "edit plan", out);
+    return edit_call(c, a, true, out);
 }
 
 int kvr_client_refresh(kvr_client *c, const kvr_refresh_args *a, kvr_edit_res *out)
 {
-    if (out)
-        memset(out, 0, sizeof *out);
-    c->err[0] = 0;
-    int r = check_id(c, "refresh", a->ctx_id);
+    int r = edit_begin(c, "refresh", a->ctx_id, out);
     if (r < 0)
         return r;
-    if (a->payload && a->iov)
-        return kvr__fail(c, KVR_EINVAL, "refresh: give either payload or iov, not both");
-    struct iovec one;
-    const struct iovec *iov;
-    size_t iovcnt;
-    uint64_t plen = payload_iov(a->payload, a->payload_len, a->iov, a->iovcnt, &one, &iov,
-                                &iovcnt);
+    wire_payload w;
+    if ((r = payload_iov(c, "refresh", a->payload, a->payload_len, a->iov, a->iovcnt, &w)) < 0)
+        return r;
     Kvrope__Refresh f = KVROPE__REFRESH__INIT;
     f.context_id = unconst(a->ctx_id);
     f.start = a->start;
-    if (a->end) {
-        f.has_end = 1;
-        f.end = a->end;
-    }
-    if (a->model)
-        f.model = unconst(a->model);
-    if (a->fingerprint) {
-        f.has_fingerprint = 1;
-        f.fingerprint = a->fingerprint;
-    }
-    f.has_dtype = 1;
-    f.dtype = (Kvrope__DType)a->dtype;
-    if (a->n_layers) {
-        f.has_n_layers = 1;
-        f.n_layers = a->n_layers;
-    }
-    if (a->n_kv_heads) {
-        f.has_n_kv_heads = 1;
-        f.n_kv_heads = a->n_kv_heads;
-    }
-    if (a->head_dim) {
-        f.has_head_dim = 1;
-        f.head_dim = a->head_dim;
-    }
-    Kvrope__Request req = KVROPE__REQUEST__INIT;
-    req.body_case = KVROPE__REQUEST__BODY_REFRESH;
-    req.refresh = &f;
+    SET_IF(f, end, a->end);
+    f.model = unconst(a->model);
+    SET_IF(f, fingerprint, a->fingerprint);
+    SET_SHAPE(f, a);
+    REQUEST(req, REFRESH, refresh, &f);
     Kvrope__Response *resp;
-    r = kvr__call(c, &req, iov, iovcnt, plen, &resp, NULL);
+    r = kvr__call(c, &req, w.iov, w.iovcnt, w.len, &resp, NULL);
     if (r < 0)
         return r;
     return take_edit(c, resp, "refresh", out);
@@ -1293,7 +1105,7 @@ int kvr_client_assemble(kvr_client *c, const kvr_assemble_args *a, kvr_assemble_
     m.documents = (char **)(uintptr_t)a->docs;
     m.has_layout = 1;
     m.layout = (Kvrope__Layout)a->layout;
-    if (a->layout == KVR_ASSEMBLE_EXPLICIT) {
+    if (a->layout == KVR_LAYOUT_EXPLICIT) {
         if (!a->starts)
             return kvr__fail(c, KVR_EINVAL, "assemble: explicit layout needs starts");
         m.n_starts = a->n_docs;
@@ -1313,17 +1125,9 @@ int kvr_client_assemble(kvr_client *c, const kvr_assemble_args *a, kvr_assemble_
         m.has_scale = 1;
         m.scale = a->scale;
     }
-    if (a->fold_temperature) {
-        m.has_fold_temperature = 1;
-        m.fold_temperature = 1;
-    }
-    if (a->meta_only) {
-        m.has_meta_only = 1;
-        m.meta_only = 1;
-    }
-    Kvrope__Request req = KVROPE__REQUEST__INIT;
-    req.body_case = KVROPE__REQUEST__BODY_ASSEMBLE;
-    req.assemble = &m;
+    SET_FLAG(m, fold_temperature, a->fold_temperature);
+    SET_FLAG(m, meta_only, a->meta_only);
+    REQUEST(req, ASSEMBLE, assemble, &m);
     Kvrope__Response *resp;
     uint64_t pl;
     r = kvr__call(c, &req, NULL, 0, 0, &resp, &pl);
@@ -1344,7 +1148,7 @@ int kvr_client_assemble(kvr_client *c, const kvr_assemble_args *a, kvr_assemble_
     for (size_t i = 0; i < ns; i++) {
         const Kvrope__Segment *g = ar->segments[i];
         kvr_segment_res *o = &out->segments[i];
-        o->kind = (kvr_segment_type)g->kind;
+        o->kind = (kvr_segment_kind)g->kind;
         o->start = g->start;
         o->n_tokens = g->token_count;
         o->pos_first = g->pos_first;
@@ -1384,7 +1188,7 @@ static int layout_call(kvr_client *c, Kvrope__Request *req, const char *what,
         copy_str(out->prefix_ctx, sizeof out->prefix_ctx, li->prefix_context);
         out->has_prefix = li->prefix_context != NULL;
         out->prefix_len = li->has_prefix_len ? li->prefix_len : 0;
-        size_t ng = li->n_groups < KVR_LAYOUT_MAX_GROUPS ? li->n_groups : KVR_LAYOUT_MAX_GROUPS;
+        size_t ng = li->n_groups < KVR_MAX_GROUPS ? li->n_groups : KVR_MAX_GROUPS;
         for (size_t i = 0; i < ng; i++) {
             copy_str(out->groups[i].name, sizeof out->groups[i].name, li->groups[i]->name);
             out->groups[i].id = li->groups[i]->id;
@@ -1409,9 +1213,7 @@ int kvr_client_layout_stat(kvr_client *c, const char *ctx_id, kvr_layout_res *ou
         return r;
     Kvrope__LayoutStat m = KVROPE__LAYOUT_STAT__INIT;
     m.context_id = unconst(ctx_id);
-    Kvrope__Request req = KVROPE__REQUEST__INIT;
-    req.body_case = KVROPE__REQUEST__BODY_LAYOUT_STAT;
-    req.layout_stat = &m;
+    REQUEST(req, LAYOUT_STAT, layout_stat, &m);
     return layout_call(c, &req, "layout stat", out);
 }
 
@@ -1425,9 +1227,7 @@ int kvr_client_set_group_offset(kvr_client *c, const char *ctx_id, const char *g
     m.context_id = unconst(ctx_id);
     m.group = unconst(group);
     m.offset = offset;
-    Kvrope__Request req = KVROPE__REQUEST__INIT;
-    req.body_case = KVROPE__REQUEST__BODY_SET_GROUP_OFFSET;
-    req.set_group_offset = &m;
+    REQUEST(req, SET_GROUP_OFFSET, set_group_offset, &m);
     return layout_call(c, &req, "set group offset", out);
 }
 
@@ -1447,8 +1247,6 @@ int kvr_client_set_retention(kvr_client *c, const char *ctx_id, uint64_t sinks,
         m.sinks = sinks;
         m.window = window;
     }
-    Kvrope__Request req = KVROPE__REQUEST__INIT;
-    req.body_case = KVROPE__REQUEST__BODY_SET_RETENTION;
-    req.set_retention = &m;
+    REQUEST(req, SET_RETENTION, set_retention, &m);
     return layout_call(c, &req, "set retention", out);
 }

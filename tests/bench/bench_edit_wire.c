@@ -83,7 +83,7 @@ int main(void)
             tok[i] = (uint32_t)(i % 50000);
         char ctx[32];
         snprintf(ctx, sizeof ctx, "ctx%zu", n);
-        kvr_put_args pa = { .ctx_id = ctx, .model = "llama3-8b", .mode = KVR_WRITE_CREATE,
+        kvr_put_args pa = { .ctx_id = ctx, .model = "llama3-8b", .mode = KVR_PUT_CREATE,
                             .dtype = KVR_DTYPE_F16, .tokens = tok, .n_tokens = n,
                             .payload = pl, .payload_len = bytes };
         if (kvr_client_put(c, &pa, NULL) != 0) {

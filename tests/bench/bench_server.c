@@ -249,7 +249,7 @@ static void *run_job(void *arg)
         if (kvr_client_connect(&c, j->kvr_addr, NULL) < 0) {
             j->err = 1;
         } else if (j->op == OP_GET) {
-            kvr_put_args p = { .ctx_id = key, .model = "bench", .dtype = KVR_DTYPE_F16,
+            kvr_put_args p = { .mode = KVR_PUT_UPSERT, .ctx_id = key, .model = "bench", .dtype = KVR_DTYPE_F16,
                                .tokens = tok, .n_tokens = n_tokens, .payload = buf,
                                .payload_len = j->bytes };
             (void)kvr_client_delete(c, key);
@@ -270,7 +270,7 @@ static void *run_job(void *arg)
             } else if (j->op == OP_PUT) {
                 snprintf(id, sizeof id, "p%d-%ld", j->id, ops);
                 kvr_put_args p = { .ctx_id = id, .model = "bench", .dtype = KVR_DTYPE_F16,
-                                   .mode = KVR_WRITE_CREATE, .tokens = tok,
+                                   .mode = KVR_PUT_CREATE, .tokens = tok,
                                    .n_tokens = n_tokens, .payload = buf,
                                    .payload_len = j->bytes };
                 rc = kvr_client_put(c, &p, NULL);
@@ -374,7 +374,7 @@ static int bench_match(const char *addr, double *p50, double *p99, uint64_t *len
             tok[t] = t < share ? prompt[t] : 60000u + (uint32_t)(i * 256 + t);
         char id[32];
         snprintf(id, sizeof id, "doc%04d", i);
-        kvr_put_args p = { .ctx_id = id, .model = "tiny", .dtype = KVR_DTYPE_F16, .tokens = tok,
+        kvr_put_args p = { .mode = KVR_PUT_UPSERT, .ctx_id = id, .model = "tiny", .dtype = KVR_DTYPE_F16, .tokens = tok,
                            .n_tokens = 256, .payload = pl, .payload_len = 256 * per };
         rc2 = kvr_client_put(c, &p, NULL);
     }
@@ -382,7 +382,7 @@ static int bench_match(const char *addr, double *p50, double *p99, uint64_t *len
     memcpy(lt, prompt, P * sizeof *lt);
     for (size_t t = 24576; t < P; t++)
         lt[t] = 70000u + (uint32_t)t;
-    kvr_put_args p = { .ctx_id = "long", .model = "tiny", .dtype = KVR_DTYPE_F16, .tokens = lt,
+    kvr_put_args p = { .mode = KVR_PUT_UPSERT, .ctx_id = "long", .model = "tiny", .dtype = KVR_DTYPE_F16, .tokens = lt,
                        .n_tokens = P, .payload = pl, .payload_len = P * per };
     if (rc2 == 0)
         rc2 = kvr_client_put(c, &p, NULL);

@@ -312,7 +312,7 @@ static inline int testd_put(kvr_client *c, const char *ctx, const char *model, k
     size_t len;
     void *pl = testd_payload(seed, T_LAYERS, t0, n, dt, &len);
     uint32_t *tok = testd_tokens(base, n);
-    kvr_put_args a = { .ctx_id = ctx, .model = model, .dtype = dt, .tokens = tok, .n_tokens = n,
+    kvr_put_args a = { .mode = KVR_PUT_UPSERT, .ctx_id = ctx, .model = model, .dtype = dt, .tokens = tok, .n_tokens = n,
                        .has_pos_start = true, .pos_start = (int64_t)t0,
                        .n_layers = T_LAYERS, .n_kv_heads = T_HEADS, .head_dim = T_DIM,
                        .payload = pl, .payload_len = len };

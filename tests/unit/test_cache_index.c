@@ -12,7 +12,7 @@
 #include <string.h>
 
 #include "cache/cache.h"
-#include "cache/store_internal.h"
+#include "cache/store.h"
 
 static kvr_store *setup(void)
 {
@@ -77,19 +77,19 @@ Test(cache_index, append_after_dropped_from_index)
     kvr_store *s = setup();
     uint32_t a[4] = { 1, 2, 3, 4 }, more[2] = { 5, 6 };
     put(s, "a", KVR_PUT_CREATE, a, 4);
-    kvr_ctx *c = ctx_find(s, "a");
+    kvr_ctx *c = kvr_store_ctx_find(s, "a");
     cr_assert_not_null(c);
-    ptree_truncate(&c->model->tree[0], c, 0);
-    ptree_truncate(&c->model->tree[1], c, 0);
-    cr_assert_eq(c->idx_len[0], 0);
+    kvr_ctx_index_truncate(c, 0, 0);
+    kvr_ctx_index_truncate(c, 1, 0);
+    cr_assert_eq(c->idx[0].len, 0);
     put(s, "a", KVR_PUT_APPEND, more, 2);
     cr_assert_eq(match_checked(s, more, 2), 0);
     uint32_t full[6] = { 1, 2, 3, 4, 5, 6 };
     size_t n = match_checked(s, full, 6);
     cr_assert(n == 0 || n == 6, "%zu", n);
     /* Never longer than the context's true indexed state. */
-    cr_assert_leq(c->idx_len[0], c->n_exact);
-    cr_assert_leq(c->idx_len[1], c->n_tokens);
+    cr_assert_leq(c->idx[0].len, c->n_exact);
+    cr_assert_leq(c->idx[1].len, c->n_tokens);
     kvr_store_destroy(s);
 }
 
@@ -101,9 +101,9 @@ Test(cache_index, append_after_truncated_exact_index)
     kvr_store *s = setup();
     uint32_t a[6] = { 1, 2, 3, 4, 5, 6 }, more[1] = { 7 };
     put(s, "a", KVR_PUT_CREATE, a, 6);
-    kvr_ctx *c = ctx_find(s, "a");
-    ptree_truncate(&c->model->tree[0], c, 2);
-    cr_assert_eq(c->idx_len[0], 2);
+    kvr_ctx *c = kvr_store_ctx_find(s, "a");
+    kvr_ctx_index_truncate(c, 0, 2);
+    cr_assert_eq(c->idx[0].len, 2);
     cr_assert_eq(c->n_exact, 6);
     put(s, "a", KVR_PUT_APPEND, more, 1);
     uint32_t q[3] = { 1, 2, 7 };
@@ -111,14 +111,14 @@ Test(cache_index, append_after_truncated_exact_index)
     uint32_t full[7] = { 1, 2, 3, 4, 5, 6, 7 };
     size_t n = match_checked(s, full, 7);
     cr_assert(n >= 2, "%zu", n);
-    cr_assert_leq(c->idx_len[0], c->n_exact);
+    cr_assert_leq(c->idx[0].len, c->n_exact);
     /* The full-sequence tree likewise, truncated and not marked stale. */
-    ptree_truncate(&c->model->tree[1], c, 3);
+    kvr_ctx_index_truncate(c, 1, 3);
     put(s, "a", KVR_PUT_APPEND, more, 1);
     uint32_t q2[4] = { 1, 2, 3, 7 };
     match_checked(s, q2, 4);
     uint32_t full2[8] = { 1, 2, 3, 4, 5, 6, 7, 7 };
     match_checked(s, full2, 8);
-    cr_assert_leq(c->idx_len[1], c->n_tokens);
+    cr_assert_leq(c->idx[1].len, c->n_tokens);
     kvr_store_destroy(s);
 }

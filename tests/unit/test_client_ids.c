@@ -116,3 +116,13 @@ Test(client_ids, reply_with_its_own_id_answers)
     cr_assert_eq(ping_fake(1, KVROPE__STATUS__OK), 0);   /* the first request's id is 1 */
     cr_assert_eq(ping_fake(7, KVROPE__STATUS__OK), KVR_EPROTO);
 }
+
+Test(client_ids, version_macros_and_functions_agree)
+{
+    cr_assert_eq(kvr_version(), (unsigned)KVR_VERSION_HEX);
+    char want[32];
+    snprintf(want, sizeof want, "%d.%d.%d", KVR_VERSION_MAJOR, KVR_VERSION_MINOR,
+             KVR_VERSION_PATCH);
+    cr_assert_str_eq(kvr_version_string(), want);
+    cr_assert_eq(kvr_version() >> 16, (unsigned)KVR_VERSION_MAJOR);
+}

@@ -138,7 +138,7 @@ Test(int_basic, iovec_put_equals_contiguous)
         iov[k++] = (struct iovec){ kp + half, half };
     }
     uint32_t *tok = testd_tokens(5, n);
-    kvr_put_args a = { .ctx_id = "iov", .model = "m", .dtype = KVR_DTYPE_F16, .tokens = tok,
+    kvr_put_args a = { .mode = KVR_PUT_UPSERT, .ctx_id = "iov", .model = "m", .dtype = KVR_DTYPE_F16, .tokens = tok,
                        .n_tokens = n, .iov = iov, .iovcnt = k };
     kvr_put_res res;
     cr_assert_eq(kvr_client_put(C, &a, &res), 0, "%s", kvr_client_last_error(C));
@@ -164,7 +164,7 @@ Test(int_basic, append_and_layer_subset)
     size_t len;
     void *pl = testd_payload(9, T_LAYERS, 40, 30, KVR_DTYPE_F32, &len);
     uint32_t *tok = testd_tokens(40, 30);
-    kvr_put_args a = { .ctx_id = "a", .model = "m", .mode = KVR_WRITE_APPEND,
+    kvr_put_args a = { .ctx_id = "a", .model = "m", .mode = KVR_PUT_APPEND,
                        .dtype = KVR_DTYPE_F32, .tokens = tok, .n_tokens = 30, .payload = pl,
                        .payload_len = len };
     kvr_put_res res;
@@ -251,7 +251,7 @@ Test(int_basic, match_overlapping_prompts)
     uint32_t tb[80];
     for (int i = 0; i < 80; i++)
         tb[i] = i < 60 ? 100 + (uint32_t)i : 5000 + (uint32_t)i;
-    kvr_put_args a = { .ctx_id = "B", .model = "m", .dtype = KVR_DTYPE_F16, .tokens = tb,
+    kvr_put_args a = { .mode = KVR_PUT_UPSERT, .ctx_id = "B", .model = "m", .dtype = KVR_DTYPE_F16, .tokens = tb,
                        .n_tokens = 80, .payload = pl, .payload_len = len };
     cr_assert_eq(kvr_client_put(C, &a, NULL), 0);
     free(pl);

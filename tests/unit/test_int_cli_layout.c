@@ -430,7 +430,7 @@ Test(int_cli_layout, assemble_sequential_explicit_folded)
     check_positions_json(j, pos, 18);
     const cJSON *fl = cJSON_GetObjectItem(j, "flags");
     for (int i = 0; i < 18; i++) {
-        bool approx = ((uint32_t)cJSON_GetArrayItem(fl, i)->valuedouble & KVR_FLAG_APPROX) != 0;
+        bool approx = ((uint32_t)cJSON_GetArrayItem(fl, i)->valuedouble & KVR_TOKEN_APPROX) != 0;
         cr_assert_eq(approx, i >= 14, "flag of token %d", i);
     }
     cJSON_Delete(j);

@@ -23,6 +23,10 @@
 #include "tests/common/kvr_cluster.h"
 #include "tests/common/kvr_testd.h"
 
+/* How a test put publishes. */
+#define SHARE      1u
+#define SHARE_SYNC 2u
+
 static kvr_tcluster T;
 static kvr_testd A, B;
 static kvr_client *CA, *CB;
@@ -76,8 +80,9 @@ static int put_flags(kvr_client *c, const char *ctx, uint32_t seed, uint32_t bas
     uint32_t *tok = testd_tokens(base, n);
     kvr_put_args a = { .ctx_id = ctx, .model = "tiny", .dtype = KVR_DTYPE_F16, .tokens = tok,
                        .n_tokens = n, .has_pos_start = true, .pos_start = 0,
-                       .payload = pl, .payload_len = len };
-    int r = kvr_client_put_flags(c, &a, NULL, flags, NULL);
+                       .payload = pl, .payload_len = len, .share = flags != 0,
+                       .share_sync = (flags & SHARE_SYNC) != 0 };
+    int r = kvr_client_put(c, &a, NULL);
     free(pl);
     free(tok);
     return r;
@@ -105,7 +110,7 @@ TestSuite(int_cluster, .init = setup, .fini = teardown, .timeout = 240);
 
 Test(int_cluster, share_on_a_get_and_match_on_b)
 {
-    cr_assert_eq(put_flags(CA, "doc", 7, 1000, 200, KVR_PUT_SHARE_SYNC), 0);
+    cr_assert_eq(put_flags(CA, "doc", 7, 1000, 200, SHARE_SYNC), 0);
     /* B has never seen it: the get fetches manifest + blocks. */
     kvr_kv ka, kb;
     cr_assert_eq(get_kv(CA, "doc", 0, 0, NULL, &ka), 0);
@@ -155,7 +160,7 @@ Test(int_cluster, share_on_a_get_and_match_on_b)
     free(prompt);
 
     /* Asynchronous share: acknowledged first, visible on B shortly after. */
-    cr_assert_eq(put_flags(CA, "later", 9, 3000, 70, KVR_PUT_SHARE), 0);
+    cr_assert_eq(put_flags(CA, "later", 9, 3000, 70, SHARE), 0);
     int r = -1;
     for (int i = 0; i < 500 && r != 0; i++) {
         r = get_kv(CB, "later", 0, 0, NULL, &kb);
@@ -174,9 +179,9 @@ Test(int_cluster, share_on_a_get_and_match_on_b)
     void *pl = testd_payload(1, T_LAYERS, 0, 64, KVR_DTYPE_F16, &len);
     uint32_t *tok = testd_tokens(1, 64);
     kvr_put_args a = { .ctx_id = "q", .model = "tiny", .dtype = KVR_DTYPE_F16, .tokens = tok,
-                       .n_tokens = 64, .payload = pl, .payload_len = len };
-    kvr_put_opts o = { .codec = "int8" };
-    r = kvr_client_put_flags(CA, &a, &o, KVR_PUT_SHARE_SYNC, NULL);
+                       .n_tokens = 64, .payload = pl, .payload_len = len, .codec = "int8",
+                       .share_sync = true };
+    r = kvr_client_put(CA, &a, NULL);
     cr_assert_neq(r, 0);
     cr_assert(strstr(kvr_client_last_error(CA), "not shared"), "%s",
               kvr_client_last_error(CA));
@@ -205,8 +210,8 @@ static void rc_set(kvr_rc *rc, const char *key, const void *v, size_t n)
 
 Test(int_cluster, garbage_is_a_miss)
 {
-    cr_assert_eq(put_flags(CA, "g1", 3, 10, 130, KVR_PUT_SHARE_SYNC), 0);
-    cr_assert_eq(put_flags(CA, "g2", 4, 10, 10, KVR_PUT_SHARE_SYNC), 0);
+    cr_assert_eq(put_flags(CA, "g1", 3, 10, 130, SHARE_SYNC), 0);
+    cr_assert_eq(put_flags(CA, "g2", 4, 10, 10, SHARE_SYNC), 0);
     kvr_rt_desc desc = { MA.fingerprint, T_LAYERS, T_HEADS, T_DIM, KVR_DTYPE_F16 };
     uint32_t *tok = testd_tokens(10, 130);
     int64_t pos[130];
@@ -277,7 +282,7 @@ static void *a_traffic(void *arg)
         int k = t->next;
         snprintf(id, sizeof id, "t%d", k);
         int r = put_flags(c, id, 100 + (uint32_t)k, 50000 + 1000 * (uint32_t)k, 150,
-                          KVR_PUT_SHARE_SYNC);
+                          SHARE_SYNC);
         if (r == 0) {
             t->n_put++;
         } else if (r == KVR_EIO && strstr(kvr_client_last_error(c), "stored locally")) {
@@ -412,7 +417,7 @@ Test(int_cluster, master_killed_during_traffic)
     cr_assert_gt(t.n_put, before, "puts were not shared again after the failover");
     cr_assert_gt(t.n_get_hit, 0);
     /* After the failover a new share is visible on B. */
-    cr_assert_eq(put_flags(CA, "after", 5, 99, 100, KVR_PUT_SHARE_SYNC), 0,
+    cr_assert_eq(put_flags(CA, "after", 5, 99, 100, SHARE_SYNC), 0,
                  "%s", kvr_client_last_error(CA));
     kvr_kv kv;
     cr_assert_eq(get_kv(CB, "after", 0, 0, NULL, &kv), 0);
@@ -501,7 +506,7 @@ Test(int_cluster_start, unreachable_then_joined, .timeout = 240)
     cr_assert_eq(testd_register(c, "tiny", KVR_DTYPE_F16, NULL), 0);
     /* Local service goes on; a share is "stored locally, not shared". */
     cr_assert_eq(put_flags(c, "local", 1, 1, 100, 0), 0);
-    cr_assert_eq(put_flags(c, "s", 1, 1, 100, KVR_PUT_SHARE_SYNC), KVR_EIO);
+    cr_assert_eq(put_flags(c, "s", 1, 1, 100, SHARE_SYNC), KVR_EIO);
     cr_assert(strstr(kvr_client_last_error(c), "stored locally"), "%s",
               kvr_client_last_error(c));
     kvr_kv kv;
@@ -523,7 +528,7 @@ Test(int_cluster_start, unreachable_then_joined, .timeout = 240)
     for (int i = 0; i < 100 && r != 0; i++) {
         char id[32];
         snprintf(id, sizeof id, "s2-%d", i);
-        r = put_flags(c, id, 2, 2, 100, KVR_PUT_SHARE_SYNC);
+        r = put_flags(c, id, 2, 2, 100, SHARE_SYNC);
         if (r != 0)
             testd_sleep_ms(100);
     }

@@ -99,11 +99,12 @@ static int put_p(kvr_client *c, const char *ctx, kvr_dtype dt, uint32_t seed, ui
     uint32_t *tok = testd_tokens(base, n);
     kvr_put_args a = { .ctx_id = ctx, .model = "m", .dtype = dt, .tokens = tok, .n_tokens = n,
                        .n_layers = T_LAYERS, .n_kv_heads = T_HEADS, .head_dim = T_DIM,
-                       .payload = pl, .payload_len = len };
+                       .payload = pl, .payload_len = len, .mode = KVR_PUT_UPSERT,
+                       .persist = persist };
     /* Codecs at rest are covered at store level (test_cache_tier); the
      * client's codec option is not wired in this tree yet. */
     (void)codec;
-    int r = kvr_client_put_persist(c, &a, NULL, persist, NULL);
+    int r = kvr_client_put(c, &a, NULL);
     free(pl);
     free(tok);
     return r;

@@ -138,9 +138,9 @@ static void put_seq(const char *ctx, seq *s, uint32_t base, size_t n, uint64_t p
     void *pl = make_kv(s->tok, pos, n, &len);
     kvr_put_args a = { .ctx_id = ctx, .model = "tiny", .dtype = DT, .tokens = s->tok,
                        .n_tokens = n, .has_pos_start = true, .pos_start = 0,
-                       .payload = pl, .payload_len = len };
-    kvr_put_opts o = { .protect_first = protect, .has_protect = protect > 0 };
-    cr_assert_eq(kvr_client_put_ex(C, &a, &o, NULL), 0, "%s", kvr_client_last_error(C));
+                       .payload = pl, .payload_len = len, .mode = KVR_PUT_UPSERT,
+                       .protect_first = protect, .has_protect = protect > 0 };
+    cr_assert_eq(kvr_client_put(C, &a, NULL), 0, "%s", kvr_client_last_error(C));
     free(pl);
 }
 
@@ -254,13 +254,12 @@ Test(int_edit, plan_then_edit_with_kv)
     uint32_t *f = flags_of("doc", &n);
     cr_assert_eq(n, 41);
     for (size_t i = 0; i < n; i++)
-        cr_assert_eq(f[i] & KVR_FLAG_APPROX, i >= 9 ? KVR_FLAG_APPROX : 0u, "flag %zu", i);
+        cr_assert_eq(f[i] & KVR_TOKEN_APPROX, i >= 9 ? KVR_TOKEN_APPROX : 0u, "flag %zu", i);
     free(f);
     kvr_context x;
-    kvr_context_edit xe;
-    cr_assert_eq(kvr_client_stat_ex(C, "doc", &x, &xe), 0);
+    cr_assert_eq(kvr_client_stat(C, "doc", &x), 0);
     cr_assert_eq(x.n_approximate, 32);
-    cr_assert_eq(xe.n_pending, 0);
+    cr_assert_eq(x.n_pending, 0);
 
     /* The exact index stops at the first approximate token. */
     kvr_match_args m = { .model = "tiny", .tokens = s.tok, .n_tokens = s.n };
@@ -300,13 +299,13 @@ Test(int_edit, pending_then_refresh)
     uint32_t *f = flags_of("p", &n);
     cr_assert_eq(n, 33);
     for (size_t i = 0; i < n; i++) {
-        cr_assert_eq(f[i] & KVR_FLAG_PENDING, i >= 10 && i < 13 ? KVR_FLAG_PENDING : 0u,
+        cr_assert_eq(f[i] & KVR_TOKEN_PENDING, i >= 10 && i < 13 ? KVR_TOKEN_PENDING : 0u,
                      "pending flag %zu", i);
-        cr_assert_eq(f[i] & KVR_FLAG_APPROX, i >= 13 ? KVR_FLAG_APPROX : 0u, "approx %zu", i);
+        cr_assert_eq(f[i] & KVR_TOKEN_APPROX, i >= 13 ? KVR_TOKEN_APPROX : 0u, "approx %zu", i);
     }
     free(f);
-    kvr_context_edit xe;
-    cr_assert_eq(kvr_client_stat_ex(C, "p", NULL, &xe), 0);
+    kvr_context xe;
+    cr_assert_eq(kvr_client_stat(C, "p", &xe), 0);
     cr_assert_eq(xe.n_pending, 3);
 
     /* Refresh the pending tokens at their current positions. */
@@ -426,8 +425,8 @@ Test(int_edit, refusals_leave_context_identical)
 {
     static seq s;
     put_seq("r", &s, 400, 24, 4);
-    kvr_context_edit xe;
-    cr_assert_eq(kvr_client_stat_ex(C, "r", NULL, &xe), 0);
+    kvr_context xe;
+    cr_assert_eq(kvr_client_stat(C, "r", &xe), 0);
     cr_assert_eq(xe.n_protected, 4);
     /* One earlier edit so approximate flags and shifted positions exist. */
     uint32_t t1[] = { 9000 };
@@ -585,7 +584,7 @@ Test(int_edit, cli_edit_json_ops_and_safetensors)
     const char *put[] = { "put", "sinks", raw, "--model", "tiny", "--tokens", "50,51,52,53,54,55",
                           "--protect", "2", "-q", NULL };
     cr_assert_eq(testd_cli(&D, out, sizeof out, put), 0, "%s", out);
-    kvr_context_edit xe;
-    cr_assert_eq(kvr_client_stat_ex(C, "sinks", NULL, &xe), 0);
+    kvr_context xe;
+    cr_assert_eq(kvr_client_stat(C, "sinks", &xe), 0);
     cr_assert_eq(xe.n_protected, 2);
 }

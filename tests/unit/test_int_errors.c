@@ -40,7 +40,7 @@ static void still_fine(void)
     cr_assert(testd_alive(&D));
 }
 
-static int put_with(const char *ctx, const char *model, kvr_write_mode mode, uint32_t layers,
+static int put_with(const char *ctx, const char *model, kvr_put_mode mode, uint32_t layers,
                     uint32_t heads, uint32_t dim, kvr_dtype dt, size_t n, long len_delta,
                     uint64_t fp)
 {
@@ -62,7 +62,7 @@ static int put_with(const char *ctx, const char *model, kvr_write_mode mode, uin
 
 Test(int_errors, unknown_model_and_context)
 {
-    cr_assert_eq(put_with("x", "ghost", KVR_WRITE_UPSERT, T_LAYERS, T_HEADS, T_DIM,
+    cr_assert_eq(put_with("x", "ghost", KVR_PUT_UPSERT, T_LAYERS, T_HEADS, T_DIM,
                           KVR_DTYPE_F16, 4, 0, 0), KVR_ENOMODEL);
     cr_assert(strlen(kvr_client_last_error(C)) > 0);
     still_fine();
@@ -73,17 +73,17 @@ Test(int_errors, unknown_model_and_context)
     cr_assert_eq(kvr_client_shift(C, "nope", 0, 1, 1), KVR_ENOCTX);
     cr_assert_eq(kvr_client_keep(C, "nope", 0, 1), KVR_ENOCTX);
     cr_assert_eq(kvr_client_pin(C, "nope", true), KVR_ENOCTX);
-    cr_assert_eq(put_with("nope", "m", KVR_WRITE_APPEND, T_LAYERS, T_HEADS, T_DIM,
+    cr_assert_eq(put_with("nope", "m", KVR_PUT_APPEND, T_LAYERS, T_HEADS, T_DIM,
                           KVR_DTYPE_F16, 4, 0, 0), KVR_ENOCTX);
     still_fine();
 }
 
 Test(int_errors, shape_and_dtype_mismatch)
 {
-    cr_assert_eq(put_with("x", "m", KVR_WRITE_UPSERT, T_LAYERS + 1, T_HEADS, T_DIM,
+    cr_assert_eq(put_with("x", "m", KVR_PUT_UPSERT, T_LAYERS + 1, T_HEADS, T_DIM,
                           KVR_DTYPE_F16, 4, 0, 0), KVR_ESHAPE);
     still_fine();
-    cr_assert_eq(put_with("x", "m", KVR_WRITE_UPSERT, T_LAYERS, T_HEADS, T_DIM * 2,
+    cr_assert_eq(put_with("x", "m", KVR_PUT_UPSERT, T_LAYERS, T_HEADS, T_DIM * 2,
                           KVR_DTYPE_F16, 4, 0, 0), KVR_ESHAPE);
     still_fine();
     /* Appending in a different dtype than the context holds is allowed to
@@ -94,17 +94,17 @@ Test(int_errors, shape_and_dtype_mismatch)
 
 Test(int_errors, payload_length_mismatch)
 {
-    cr_assert_eq(put_with("x", "m", KVR_WRITE_UPSERT, T_LAYERS, T_HEADS, T_DIM, KVR_DTYPE_F16,
+    cr_assert_eq(put_with("x", "m", KVR_PUT_UPSERT, T_LAYERS, T_HEADS, T_DIM, KVR_DTYPE_F16,
                           8, -2, 0), KVR_EPAYLOAD);
     still_fine();
-    cr_assert_eq(put_with("x", "m", KVR_WRITE_UPSERT, T_LAYERS, T_HEADS, T_DIM, KVR_DTYPE_F16,
+    cr_assert_eq(put_with("x", "m", KVR_PUT_UPSERT, T_LAYERS, T_HEADS, T_DIM, KVR_DTYPE_F16,
                           8, 64, 0), KVR_EPAYLOAD);
     still_fine();
     /* The client refuses a length it can see is wrong, without a round trip. */
     size_t len = kvr_payload_size(T_LAYERS, 8, T_HEADS, T_DIM, KVR_DTYPE_F16);
     uint32_t tok[8] = { 0 };
     char *pl = calloc(1, len);
-    kvr_put_args a = { .ctx_id = "x", .model = "m", .dtype = KVR_DTYPE_F16, .tokens = tok,
+    kvr_put_args a = { .mode = KVR_PUT_UPSERT, .ctx_id = "x", .model = "m", .dtype = KVR_DTYPE_F16, .tokens = tok,
                        .n_tokens = 8, .n_layers = T_LAYERS, .n_kv_heads = T_HEADS,
                        .head_dim = T_DIM, .payload = pl, .payload_len = len - 1 };
     cr_assert_eq(kvr_client_put(C, &a, NULL), KVR_EPAYLOAD);
@@ -134,15 +134,15 @@ Test(int_errors, range_out_of_bounds)
 
 Test(int_errors, duplicate_and_fingerprint)
 {
-    cr_assert_eq(put_with("keep", "m", KVR_WRITE_CREATE, T_LAYERS, T_HEADS, T_DIM,
+    cr_assert_eq(put_with("keep", "m", KVR_PUT_CREATE, T_LAYERS, T_HEADS, T_DIM,
                           KVR_DTYPE_F16, 4, 0, 0), KVR_EEXIST);
     still_fine();
     kvr_model m;
     cr_assert_eq(kvr_client_model_get(C, "m", &m), 0);
-    cr_assert_eq(put_with("fp", "m", KVR_WRITE_UPSERT, T_LAYERS, T_HEADS, T_DIM, KVR_DTYPE_F16,
+    cr_assert_eq(put_with("fp", "m", KVR_PUT_UPSERT, T_LAYERS, T_HEADS, T_DIM, KVR_DTYPE_F16,
                           4, 0, m.fingerprint ^ 1), KVR_EFINGERPRINT);
     still_fine();
-    cr_assert_eq(put_with("fp", "m", KVR_WRITE_UPSERT, T_LAYERS, T_HEADS, T_DIM, KVR_DTYPE_F16,
+    cr_assert_eq(put_with("fp", "m", KVR_PUT_UPSERT, T_LAYERS, T_HEADS, T_DIM, KVR_DTYPE_F16,
                           4, 0, m.fingerprint), 0, "%s", kvr_client_last_error(C));
     /* A model name re-registered with other parameters. */
     kvr_rope_config rc;

@@ -96,18 +96,20 @@ static void check_kv(const kvr_kv *kv, const uint32_t *tok, const int64_t *pos, 
     free(want);
 }
 
+/* o: the layout fields of the put (prefix_ctx, groups, ...), or NULL. */
 static void put_at(const char *ctx, const uint32_t *tok, size_t n, int64_t p0,
-                   const kvr_put_opts *o)
+                   const kvr_put_args *o)
 {
     int64_t pos[256];
     for (size_t i = 0; i < n; i++)
         pos[i] = p0 + (int64_t)i;
     size_t len;
     void *pl = make_kv(tok, pos, n, &len);
-    kvr_put_args a = { .ctx_id = ctx, .model = "tiny", .dtype = DT, .tokens = tok, .n_tokens = n,
-                       .has_pos_start = o == NULL || o->prefix_ctx == NULL, .pos_start = p0,
-                       .payload = pl, .payload_len = len };
-    cr_assert_eq(kvr_client_put_ex(C, &a, o, NULL), 0, "%s", kvr_client_last_error(C));
+    kvr_put_args a = o ? *o : (kvr_put_args){ 0 };
+    a.ctx_id = ctx, a.model = "tiny", a.dtype = DT, a.tokens = tok, a.n_tokens = n;
+    a.has_pos_start = o == NULL || o->prefix_ctx == NULL, a.pos_start = p0;
+    a.payload = pl, a.payload_len = len, a.mode = KVR_PUT_UPSERT;
+    cr_assert_eq(kvr_client_put(C, &a, NULL), 0, "%s", kvr_client_last_error(C));
     free(pl);
 }
 
@@ -121,7 +123,7 @@ Test(int_layout, assemble_parallel_and_sequential)
     for (uint32_t i = 0; i < 4; i++)
         d2[i] = 200 + i;
     put_at("pre", pre, 8, 0, NULL);
-    kvr_put_opts o = { .prefix_ctx = "pre" };
+    kvr_put_args o = { .prefix_ctx = "pre" };
     put_at("d1", d1, 6, 8, &o);
     put_at("d2", d2, 4, 8, &o);
     kvr_layout_res lr;
@@ -144,17 +146,17 @@ Test(int_layout, assemble_parallel_and_sequential)
         pos[14 + i] = 8 + i;
 
     kvr_assemble_args a = { .prefix = "pre", .docs = docs, .n_docs = 2,
-                            .layout = KVR_ASSEMBLE_PARALLEL, .dtype = DT };
+                            .layout = KVR_LAYOUT_PARALLEL, .dtype = DT };
     kvr_assemble_res r;
     cr_assert_eq(kvr_client_assemble(C, &a, &r), 0, "%s", kvr_client_last_error(C));
     check_kv(&r.kv, tok, pos, 18);
     cr_assert_eq(r.query_pos, 14);
     cr_assert_eq(r.prefix_len, 8);
     cr_assert_eq(r.n_segments, 4);
-    cr_assert_eq(r.segments[0].kind, KVR_SEG_PREFIX);
+    cr_assert_eq(r.segments[0].kind, KVR_SEGMENT_PREFIX);
     cr_assert_eq(r.segments[0].n_tokens, 8);
     cr_assert_float_eq(r.segments[0].temperature, 1.0, 1e-12);
-    cr_assert_eq(r.segments[1].kind, KVR_SEG_DOCUMENT);
+    cr_assert_eq(r.segments[1].kind, KVR_SEGMENT_DOCUMENT);
     cr_assert_str_eq(r.segments[1].ctx_id, "d1");
     cr_assert_eq(r.segments[1].start, 8);
     cr_assert_eq(r.segments[1].pos_first, 8);
@@ -164,11 +166,11 @@ Test(int_layout, assemble_parallel_and_sequential)
     cr_assert_eq(r.segments[2].doc_index, 1);
     cr_assert_eq(r.segments[2].start, 14);
     cr_assert_eq(r.segments[2].pos_first, 8);
-    cr_assert_eq(r.segments[3].kind, KVR_SEG_QUERY);
+    cr_assert_eq(r.segments[3].kind, KVR_SEGMENT_QUERY);
     cr_assert_eq(r.segments[3].pos_first, 14);
     kvr_assemble_release(&r);
 
-    a.layout = KVR_ASSEMBLE_SEQUENTIAL;
+    a.layout = KVR_LAYOUT_SEQUENTIAL;
     a.temperature = 0.5;
     cr_assert_eq(kvr_client_assemble(C, &a, &r), 0, "%s", kvr_client_last_error(C));
     for (int i = 0; i < 4; i++)
@@ -177,14 +179,14 @@ Test(int_layout, assemble_parallel_and_sequential)
     cr_assert_eq(r.query_pos, 18);
     cr_assert_float_eq(r.segments[1].temperature, 0.5, 1e-12);
     for (int i = 14; i < 18; i++)
-        cr_assert(r.kv.flags[i] & KVR_FLAG_APPROX, "moved document token %d approximate", i);
+        cr_assert(r.kv.flags[i] & KVR_TOKEN_APPROX, "moved document token %d approximate", i);
     for (int i = 0; i < 8; i++)
-        cr_assert_eq(r.kv.flags[i] & KVR_FLAG_APPROX, 0u);
+        cr_assert_eq(r.kv.flags[i] & KVR_TOKEN_APPROX, 0u);
     kvr_assemble_release(&r);
 
     /* A document of another prefix is refused; the connection is fine. */
     put_at("pre2", pre, 8, 0, NULL);
-    kvr_put_opts o2 = { .prefix_ctx = "pre2" };
+    kvr_put_args o2 = { .prefix_ctx = "pre2" };
     put_at("d3", d2, 4, 8, &o2);
     const char *bad[] = { "d1", "d3" };
     a.docs = bad;
@@ -196,7 +198,7 @@ Test(int_layout, assemble_parallel_and_sequential)
 }
 
 static void group_put(const char *ctx, const char *group, const uint32_t *tok, size_t n,
-                      int64_t expect_first, const kvr_put_opts *o)
+                      int64_t expect_first, const kvr_put_args *o)
 {
     /* The KV is computed at the positions the group will give. */
     int64_t pos[64];
@@ -204,10 +206,11 @@ static void group_put(const char *ctx, const char *group, const uint32_t *tok, s
         pos[i] = expect_first + (int64_t)i;
     size_t len;
     void *pl = make_kv(tok, pos, n, &len);
-    kvr_put_args a = { .ctx_id = ctx, .model = "tiny", .dtype = DT, .tokens = tok, .n_tokens = n,
-                       .payload = pl, .payload_len = len };
+    kvr_put_args a = o ? *o : (kvr_put_args){ 0 };
+    a.ctx_id = ctx, a.model = "tiny", a.dtype = DT, a.tokens = tok, a.n_tokens = n;
+    a.payload = pl, a.payload_len = len, a.mode = KVR_PUT_UPSERT;
     kvr_put_res res;
-    cr_assert_eq(kvr_client_group_append(C, &a, group, o, &res), 0, "%s",
+    cr_assert_eq(kvr_client_group_append(C, &a, group, &res), 0, "%s",
                  kvr_client_last_error(C));
     cr_assert_eq(res.first_pos, expect_first);
     cr_assert_eq(res.last_pos, expect_first + (int64_t)n - 1);
@@ -217,7 +220,7 @@ static void group_put(const char *ctx, const char *group, const uint32_t *tok, s
 Test(int_layout, groups)
 {
     const char *names[] = { "src", "tgt" };
-    kvr_put_opts o = { .groups = names, .n_groups = 2 };
+    kvr_put_args o = { .groups = names, .n_groups = 2 };
     uint32_t s1[] = { 1, 2, 3 }, t1[] = { 50, 51 }, s2[] = { 4, 5 };
     group_put("g", "src", s1, 3, 0, &o);
     group_put("g", "tgt", t1, 2, 0, NULL);
@@ -280,7 +283,7 @@ Test(int_layout, sinks_and_window)
     size_t len;
     int64_t mp[] = { 6, 7 };
     void *pl = make_kv(more, mp, 2, &len);
-    kvr_put_args a = { .ctx_id = "w", .model = "tiny", .dtype = DT, .tokens = more,
+    kvr_put_args a = { .mode = KVR_PUT_UPSERT, .ctx_id = "w", .model = "tiny", .dtype = DT, .tokens = more,
                        .n_tokens = 2, .payload = pl, .payload_len = len };
     cr_assert_eq(kvr_client_put(C, &a, NULL), 0, "%s", kvr_client_last_error(C));
     free(pl);
@@ -309,17 +312,16 @@ Test(int_layout, protect_first_with_retention)
     size_t len;
     void *pl = make_kv(more, mp, 2, &len);
     kvr_put_args a = { .ctx_id = "pw", .model = "tiny", .dtype = DT, .tokens = more,
-                       .n_tokens = 2, .payload = pl, .payload_len = len };
-    kvr_put_opts o = { .protect_first = 8, .has_protect = true };
-    cr_assert_eq(kvr_client_put_ex(C, &a, &o, NULL), 0, "%s", kvr_client_last_error(C));
+                       .n_tokens = 2, .payload = pl, .payload_len = len, .mode = KVR_PUT_UPSERT,
+                       .protect_first = 8, .has_protect = true };
+    cr_assert_eq(kvr_client_put(C, &a, NULL), 0, "%s", kvr_client_last_error(C));
     kvr_context ci;
-    kvr_context_edit ce;
-    cr_assert_eq(kvr_client_stat_ex(C, "pw", &ci, &ce), 0, "%s", kvr_client_last_error(C));
+    cr_assert_eq(kvr_client_stat(C, "pw", &ci), 0, "%s", kvr_client_last_error(C));
     cr_assert_eq(ci.n_tokens, 6);
-    cr_assert_eq(ce.n_protected, 6);
+    cr_assert_eq(ci.n_protected, 6);
     /* Out of range at begin: refused, nothing stored. */
-    o.protect_first = 9;
-    cr_assert_eq(kvr_client_put_ex(C, &a, &o, NULL), KVR_ERANGE);
+    a.protect_first = 9;
+    cr_assert_eq(kvr_client_put(C, &a, NULL), KVR_ERANGE);
     cr_assert_eq(kvr_client_stat(C, "pw", &ci), 0);
     cr_assert_eq(ci.n_tokens, 6);
     free(pl);

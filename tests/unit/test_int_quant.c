@@ -43,10 +43,8 @@ static void setup(void)
     kvr_model_params p = { .name = "q", .n_layers = QL, .n_kv_heads = QH, .head_dim = QD,
                            .dtype = KVR_DTYPE_F32, .rope = &rc };
     kvr_model m;
-    kvr_model_ex mx;
-    cr_assert_eq(kvr_client_model_register_ex(C, &p, NULL, &m, &mx), 0, "%s",
-                 kvr_client_last_error(C));
-    cr_assert_str_eq(mx.codec, "f32");
+    cr_assert_eq(kvr_client_model_register(C, &p, &m), 0, "%s", kvr_client_last_error(C));
+    cr_assert_str_eq(m.codec, "f32");
     kvr_error err = { 0 };
     cr_assert_eq(kvr_rope_create(&R, &m.rope, &err), 0, "%s", err.msg);
 }
@@ -107,15 +105,23 @@ static int64_t *pos_from(int64_t p0, size_t n)
     return p;
 }
 
-static int put_kv(const char *ctx, const char *model, kvr_write_mode mode, const char *codec,
+/* A raw get (g->raw set): the result and its layout (kv->raw). */
+static int get_raw(const kvr_get_args *g, kvr_kv *kv, kvr_raw_layout *rl)
+{
+    int r = kvr_client_get(C, g, kv);
+    *rl = kv->raw;
+    return r;
+}
+
+static int put_kv(const char *ctx, const char *model, kvr_put_mode mode, const char *codec,
                   const uint32_t *ids, const int64_t *pos, size_t n, const float *pl)
 {
     kvr_put_args a = { .ctx_id = ctx, .model = model, .mode = mode, .dtype = KVR_DTYPE_F32,
                        .tokens = ids, .n_tokens = n, .positions = pos,
                        .n_layers = QL, .n_kv_heads = QH, .head_dim = QD, .payload = pl,
-                       .payload_len = (size_t)QL * 2 * n * ROW * sizeof(float) };
-    kvr_put_opts o = { .codec = codec };
-    return kvr_client_put_ex(C, &a, &o, NULL);
+                       .payload_len = (size_t)QL * 2 * n * ROW * sizeof(float),
+                       .codec = codec };
+    return kvr_client_put(C, &a, NULL);
 }
 
 /* A context of N tokens (ids base..) at positions POS0.. with `codec`;
@@ -125,7 +131,7 @@ static float *put_ctx(const char *ctx, const char *codec, uint32_t base)
     uint32_t *ids = ids_from(base, N);
     int64_t *pos = pos_from(POS0, N);
     float *pl = make_kv(ids, pos, N);
-    int r = put_kv(ctx, "q", KVR_WRITE_CREATE, codec, ids, pos, N, pl);
+    int r = put_kv(ctx, "q", KVR_PUT_CREATE, codec, ids, pos, N, pl);
     cr_assert_eq(r, 0, "put %s codec %s: %s", ctx, codec, kvr_client_last_error(C));
     free(ids);
     free(pos);
@@ -306,15 +312,13 @@ static void round_trip(const char *spec, int idx)
     int64_t *pos = pos_from(POS0, N);
     float *pre = pre_rope(pl, pos, N);
     kvr_context x;
-    kvr_context_codec cc;
-    cr_assert_eq(kvr_client_stat_codec(C, id, &x, NULL, &cc), 0, "%s",
-                 kvr_client_last_error(C));
+    cr_assert_eq(kvr_client_stat(C, id, &x), 0, "%s", kvr_client_last_error(C));
+    const kvr_context cc = x;
     cr_assert_eq(x.n_tokens, N);
     size_t n;
     float *g = get_f32(id, &n, NULL);
     cr_assert_eq(n, N);
-    kvr_get_args ga = { .ctx_id = id, .end = 0 };
-    kvr_get_opts go = { .raw = true };
+    kvr_get_args ga = { .ctx_id = id, .end = 0, .raw = true };
     kvr_kv kv;
     kvr_raw_layout rl;
     float k[ROW], v[ROW];
@@ -331,7 +335,7 @@ static void round_trip(const char *spec, int idx)
                                   "%s: elem %zu %g vs %g", spec, o, (double)g[o],
                                   (double)pl[o]);
                 }
-        int r = kvr_client_get_ex(C, &ga, &go, &kv, &rl);
+        int r = get_raw(&ga, &kv, &rl);
         cr_assert_eq(r, KVR_EUNSUPPORTED, "%s: raw get of a plain context: %d", spec, r);
         goto out;
     }
@@ -347,7 +351,7 @@ static void round_trip(const char *spec, int idx)
     cr_assert_gt(nq, 0, "%s: nothing quantized (window %llu)", spec,
                  (unsigned long long)cc.n_window);
     ga.end = nq;
-    int r = kvr_client_get_ex(C, &ga, &go, &kv, &rl);
+    int r = get_raw(&ga, &kv, &rl);
     cr_assert_eq(r, 0, "%s: raw get: %s", spec, kvr_client_last_error(C));
     cr_assert(rl.raw);
     cr_assert_str_eq(rl.codec, cc.codec);
@@ -355,7 +359,7 @@ static void round_trip(const char *spec, int idx)
     cr_assert_eq(kv.payload_len, (size_t)QL * (rl.k_bytes + rl.v_bytes));
     for (size_t i = 0; i < nq; i++)
         cr_assert_eq(kv.positions[i], pos[i]);
-    cr_assert_eq(kvr_kv_raw_v(&kv, &rl, 1),
+    cr_assert_eq(kvr_kv_raw_v(&kv, 1),
                  (const uint8_t *)kv.payload + rl.k_bytes * 2 + rl.v_bytes);
     /* pre-RoPE reference of just the quantized range, [l][kv][nq][ROW] */
     float *preq = malloc((size_t)QL * 2 * nq * ROW * sizeof *preq);
@@ -413,33 +417,32 @@ Test(int_quant, model_default_codec_and_bad_specs)
     rc.rotary_dim = QD;
     kvr_model_params p = { .name = "qd", .n_layers = QL, .n_kv_heads = QH, .head_dim = QD,
                            .dtype = KVR_DTYPE_F32, .rope = &rc };
-    kvr_model_ex mx;
-    cr_assert_eq(kvr_client_model_register_ex(C, &p, "k4v2", NULL, &mx), 0, "%s",
-                 kvr_client_last_error(C));
+    kvr_model mx;
+    p.codec = "k4v2";
+    cr_assert_eq(kvr_client_model_register(C, &p, &mx), 0, "%s", kvr_client_last_error(C));
     cr_assert_str_eq(mx.codec, "k=int4/g128/c,v=int2/g256,r=128");
     kvr_model *ms;
-    kvr_model_ex *xs;
+
     size_t nm;
-    cr_assert_eq(kvr_client_model_list_ex(C, &ms, &xs, &nm), 0);
+    cr_assert_eq(kvr_client_model_list(C, &ms, &nm), 0);
     bool seen = false;
     for (size_t i = 0; i < nm; i++)
         if (!strcmp(ms[i].name, "qd")) {
-            cr_assert_str_eq(xs[i].codec, mx.codec);
+            cr_assert_str_eq(ms[i].codec, mx.codec);
             seen = true;
         } else if (!strcmp(ms[i].name, "q")) {
-            cr_assert_str_eq(xs[i].codec, "f32");
+            cr_assert_str_eq(ms[i].codec, "f32");
         }
     cr_assert(seen);
     kvr_client_free(ms);
-    kvr_client_free(xs);
     /* A context of qd without a codec takes the model's. */
     uint32_t *ids = ids_from(1, 200);
     int64_t *pos = pos_from(0, 200);
     float *pl = make_kv(ids, pos, 200);
-    cr_assert_eq(put_kv("dflt", "qd", KVR_WRITE_CREATE, NULL, ids, pos, 200, pl), 0, "%s",
+    cr_assert_eq(put_kv("dflt", "qd", KVR_PUT_CREATE, NULL, ids, pos, 200, pl), 0, "%s",
                  kvr_client_last_error(C));
-    kvr_context_codec cc;
-    cr_assert_eq(kvr_client_stat_codec(C, "dflt", NULL, NULL, &cc), 0);
+    kvr_context cc;
+    cr_assert_eq(kvr_client_stat(C, "dflt", &cc), 0);
     cr_assert_str_eq(cc.codec, mx.codec);
     cr_assert(cc.quantized);
     cr_assert_eq(cc.n_window, 200);   /* 200 - 128 < one 128-token tile */
@@ -447,30 +450,31 @@ Test(int_quant, model_default_codec_and_bad_specs)
     /* Bad specs: E_INVALID with the store's explanation, nothing created. */
     const char *bad[] = { "int3", "k4v3", "int4/g48", "kivi:k4", "k=int4,v=int4/c", "x" };
     for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
-        int r = put_kv("bad", "q", KVR_WRITE_CREATE, bad[i], ids, pos, 200, pl);
+        int r = put_kv("bad", "q", KVR_PUT_CREATE, bad[i], ids, pos, 200, pl);
         cr_assert_eq(r, KVR_EINVAL, "spec '%s': %d", bad[i], r);
         cr_assert(strstr(kvr_client_last_error(C), "codec"), "%s",
                   kvr_client_last_error(C));
         cr_assert_eq(kvr_client_stat(C, "bad", NULL), KVR_ENOCTX);
     }
     p.name = "qbad";
-    cr_assert_eq(kvr_client_model_register_ex(C, &p, "int5", NULL, NULL), KVR_EINVAL);
+    p.codec = "int5";
+    cr_assert_eq(kvr_client_model_register(C, &p, NULL), KVR_EINVAL);
     cr_assert(strstr(kvr_client_last_error(C), "bad codec spec"), "%s",
               kvr_client_last_error(C));
     cr_assert_eq(kvr_client_model_get(C, "qbad", &(kvr_model){ 0 }), KVR_ENOMODEL);
     /* Append with another codec than the context's: refused, unchanged. */
     int64_t p2 = 200;
-    int r = put_kv("dflt", "qd", KVR_WRITE_APPEND, "int8", ids, &p2, 1, pl);
+    int r = put_kv("dflt", "qd", KVR_PUT_APPEND, "int8", ids, &p2, 1, pl);
     cr_assert_eq(r, KVR_EINVAL, "%d %s", r, kvr_client_last_error(C));
     /* ...and with its own codec (any spelling): fine. */
-    kvr_put_args a = { .ctx_id = "dflt", .model = "qd", .mode = KVR_WRITE_APPEND,
+    kvr_put_args a = { .ctx_id = "dflt", .model = "qd", .mode = KVR_PUT_APPEND,
                        .dtype = KVR_DTYPE_F32, .tokens = ids, .n_tokens = 1,
                        .n_layers = QL, .n_kv_heads = QH, .head_dim = QD };
     float *one = make_kv(ids, &p2, 1);
     a.payload = one;
     a.payload_len = (size_t)QL * 2 * ROW * sizeof(float);
-    kvr_put_opts o = { .codec = "quant" };
-    cr_assert_eq(kvr_client_put_ex(C, &a, &o, NULL), 0, "%s", kvr_client_last_error(C));
+    a.codec = "quant";
+    cr_assert_eq(kvr_client_put(C, &a, NULL), 0, "%s", kvr_client_last_error(C));
     free(one);
     free(ids);
     free(pos);
@@ -485,14 +489,14 @@ Test(int_quant, nan_refused_context_unchanged)
     free(pl);
     size_t n0;
     float *before = get_f32("nan", &n0, NULL);
-    kvr_context_codec cc0;
-    cr_assert_eq(kvr_client_stat_codec(C, "nan", NULL, NULL, &cc0), 0);
+    kvr_context cc0;
+    cr_assert_eq(kvr_client_stat(C, "nan", &cc0), 0);
     uint32_t *ids = ids_from(60000, 10);
     int64_t *pos = pos_from(POS0 + N, 10);
     float *add = make_kv(ids, pos, 10);
     /* V of layer 1, token 5 of the put */
     add[((size_t)1 * 2 + 1) * 10 * ROW + 5 * ROW + 7] = NAN;
-    int r = put_kv("nan", "q", KVR_WRITE_APPEND, NULL, ids, pos, 10, add);
+    int r = put_kv("nan", "q", KVR_PUT_APPEND, NULL, ids, pos, 10, add);
     cr_assert_eq(r, KVR_EINVAL, "%d", r);
     const char *m = kvr_client_last_error(C);
     cr_assert(strstr(m, "layer 1") && strstr(m, "token 5"), "message: %s", m);
@@ -500,21 +504,21 @@ Test(int_quant, nan_refused_context_unchanged)
     float *after = get_f32("nan", &n1, NULL);
     cr_assert_eq(n1, n0);
     cr_assert_eq(memcmp(before, after, (size_t)QL * 2 * n0 * ROW * sizeof(float)), 0);
-    kvr_context_codec cc1;
-    cr_assert_eq(kvr_client_stat_codec(C, "nan", NULL, NULL, &cc1), 0);
+    kvr_context cc1;
+    cr_assert_eq(kvr_client_stat(C, "nan", &cc1), 0);
     cr_assert_eq(cc1.kv_bytes, cc0.kv_bytes);
     cr_assert_eq(cc1.rel_rms_k, cc0.rel_rms_k);
     /* inf in K of layer 0, token 2, on create: nothing is created. */
     add[((size_t)1 * 2 + 1) * 10 * ROW + 5 * ROW + 7] = 0.5f;
     add[2 * ROW + 3] = INFINITY;
-    r = put_kv("nan2", "q", KVR_WRITE_CREATE, "k4v2", ids, pos, 10, add);
+    r = put_kv("nan2", "q", KVR_PUT_CREATE, "k4v2", ids, pos, 10, add);
     cr_assert_eq(r, KVR_EINVAL, "%d", r);
     m = kvr_client_last_error(C);
     cr_assert(strstr(m, "layer 0") && strstr(m, "token 2"), "message: %s", m);
     cr_assert_eq(kvr_client_stat(C, "nan2", NULL), KVR_ENOCTX);
     /* The connection is fine and the clean put goes through. */
     add[2 * ROW + 3] = 0.25f;
-    cr_assert_eq(put_kv("nan", "q", KVR_WRITE_APPEND, NULL, ids, pos, 10, add), 0, "%s",
+    cr_assert_eq(put_kv("nan", "q", KVR_PUT_APPEND, NULL, ids, pos, 10, add), 0, "%s",
                  kvr_client_last_error(C));
     free(before);
     free(after);
@@ -529,15 +533,14 @@ static void edit_on(const char *spec, const char *id)
 {
     float *pl = put_ctx(id, spec, 70000);
     int64_t *pos = pos_from(POS0, N);
-    kvr_context_codec cc;
-    cr_assert_eq(kvr_client_stat_codec(C, id, NULL, NULL, &cc), 0);
+    kvr_context cc;
+    cr_assert_eq(kvr_client_stat(C, id, &cc), 0);
     size_t nq = N - (size_t)cc.n_window;
     /* Q of the quantized range, from the raw bytes. */
-    kvr_get_args ga = { .ctx_id = id, .end = nq };
-    kvr_get_opts go = { .raw = true };
+    kvr_get_args ga = { .ctx_id = id, .end = nq, .raw = true };
     kvr_kv kv;
     kvr_raw_layout rl;
-    cr_assert_eq(kvr_client_get_ex(C, &ga, &go, &kv, &rl), 0, "%s", kvr_client_last_error(C));
+    cr_assert_eq(get_raw(&ga, &kv, &rl), 0, "%s", kvr_client_last_error(C));
     float *pre = pre_rope(pl, pos, N);
     float *preq = malloc((size_t)QL * 2 * nq * ROW * sizeof *preq);
     for (int l = 0; l < QL; l++)

@@ -72,7 +72,7 @@ TestSuite(int_stream, .init = setup, .fini = teardown, .timeout = 240);
 
 static void put_ctx(const char *ctx)
 {
-    kvr_put_args a = { .ctx_id = ctx, .model = "big", .dtype = KVR_DTYPE_F16, .tokens = TOK,
+    kvr_put_args a = { .mode = KVR_PUT_UPSERT, .ctx_id = ctx, .model = "big", .dtype = KVR_DTYPE_F16, .tokens = TOK,
                        .n_tokens = NT, .has_pos_start = true, .pos_start = 0,
                        .payload = PL, .payload_len = PL_LEN };
     cr_assert_eq(kvr_client_put(C, &a, NULL), 0, "%s", kvr_client_last_error(C));

@@ -15,14 +15,20 @@ import os
 from ctypes import (POINTER, Structure, c_bool, c_char, c_char_p, c_double, c_int, c_int32,
                     c_int64, c_size_t, c_uint8, c_uint32, c_uint64, c_void_p, CFUNCTYPE)
 
-NAME_MAX = 255
+# The libkvrope ABI these structs mirror: KVR_VERSION_MAJOR, KVR_VERSION_MINOR
+# (0.x minors may change struct layouts; the loader refuses another one).
+ABI = (0, 3)
+
+NAME_MAX = 255            # KVR_ID_MAX (rope/types.h)
 ROPE_MAX_HEAD_DIM = 1024
-ROPE_MAX_LAYERS = 1024     # rope.h KVR_ROPE_MAX_LAYERS
+CODEC_MAX = 64            # KVR_CODEC_NAME_MAX
+GROUP_NAME_MAX = 63       # KVR_GROUP_NAME_MAX
+ROPE_MAX_LAYERS = 1024    # rope.h KVR_ROPE_MAX_LAYERS
 
 # kvr_dtype
 DTYPE_F32, DTYPE_F16, DTYPE_BF16 = 0, 1, 2
-# kvr_write_mode
-WRITE_UPSERT, WRITE_CREATE, WRITE_APPEND = 0, 1, 2
+# kvr_put_mode (the store's and the wire's values)
+PUT_CREATE, PUT_APPEND, PUT_UPSERT = 0, 1, 2
 
 
 class iovec(Structure):
@@ -61,14 +67,14 @@ class kvr_model(Structure):
     _fields_ = [("name", c_char * (NAME_MAX + 1)),
                 ("n_layers", c_uint32), ("n_kv_heads", c_uint32), ("head_dim", c_uint32),
                 ("dtype", c_int), ("fingerprint", c_uint64), ("n_contexts", c_uint64),
-                ("rope", kvr_rope_config)]
+                ("codec", c_char * CODEC_MAX), ("rope", kvr_rope_config)]
 
 
 class kvr_model_params(Structure):
     _fields_ = [("name", c_char_p), ("config_json", c_char_p), ("config_json_len", c_size_t),
                 ("style", c_char_p),
                 ("n_layers", c_uint32), ("n_kv_heads", c_uint32), ("head_dim", c_uint32),
-                ("dtype", c_int), ("rope", POINTER(kvr_rope_config))]
+                ("dtype", c_int), ("rope", POINTER(kvr_rope_config)), ("codec", c_char_p)]
 
 
 class kvr_put_args(Structure):
@@ -80,7 +86,13 @@ class kvr_put_args(Structure):
                 ("positions", POINTER(c_int64)),
                 ("has_pos_start", c_bool), ("pos_start", c_int64), ("pin", c_bool),
                 ("payload", c_void_p), ("payload_len", c_size_t),
-                ("iov", POINTER(iovec)), ("iovcnt", c_size_t)]
+                ("iov", POINTER(iovec)), ("iovcnt", c_size_t),
+                ("protect_first", c_uint64), ("has_protect", c_bool),
+                ("prefix_ctx", c_char_p),
+                ("groups", POINTER(c_char_p)), ("n_groups", c_size_t),
+                ("group_offsets", POINTER(c_int64)),
+                ("codec", c_char_p), ("persist", c_bool),
+                ("share", c_bool), ("share_sync", c_bool)]
 
 
 class kvr_put_res(Structure):
@@ -98,7 +110,15 @@ class kvr_get_args(Structure):
                 ("layers", POINTER(c_uint32)), ("n_layers", c_size_t),
                 ("meta_only", c_bool),
                 ("dst", c_void_p), ("dst_cap", c_size_t),
-                ("on_layer", LAYER_FN), ("on_layer_ud", c_void_p)]
+                ("on_layer", LAYER_FN), ("on_layer_ud", c_void_p), ("raw", c_bool)]
+
+
+class kvr_raw_layout(Structure):
+    _fields_ = [("raw", c_bool), ("codec", c_char * CODEC_MAX),
+                ("k_codec", c_char * 32), ("v_codec", c_char * 32),
+                ("k_per_channel", c_bool), ("k_group", c_uint32), ("v_group", c_uint32),
+                ("window", c_uint32), ("k_bytes", c_uint64), ("v_bytes", c_uint64),
+                ("k_unit_bytes", c_uint64), ("v_unit_bytes", c_uint64)]
 
 
 class kvr_kv(Structure):
@@ -110,7 +130,7 @@ class kvr_kv(Structure):
                 ("positions", POINTER(c_int64)), ("flags", POINTER(c_uint32)),
                 ("groups", POINTER(c_int32)),
                 ("payload", c_void_p), ("payload_len", c_size_t), ("payload_owned", c_bool),
-                ("meta_", c_void_p)]
+                ("raw", kvr_raw_layout), ("meta_", c_void_p)]
 
 
 class kvr_match_args(Structure):
@@ -132,11 +152,11 @@ class kvr_context(Structure):
                 ("pinned", c_bool), ("busy", c_bool),
                 ("pos_min", c_int64), ("pos_max", c_int64),
                 ("created_ms", c_uint64), ("accessed_ms", c_uint64),
-                ("n_evicted_tokens", c_uint64)]
-
-
-class kvr_context_edit(Structure):
-    _fields_ = [("n_pending", c_uint64), ("n_protected", c_uint64)]
+                ("n_evicted_tokens", c_uint64),
+                ("n_pending", c_uint64), ("n_protected", c_uint64),
+                ("codec", c_char * CODEC_MAX), ("quantized", c_bool),
+                ("n_window", c_uint64), ("kv_bytes", c_uint64), ("bytes_saved", c_uint64),
+                ("bits_per_value", c_double), ("rel_rms_k", c_double), ("rel_rms_v", c_double)]
 
 
 # ---- edits (PIE) ----
@@ -175,18 +195,11 @@ class kvr_refresh_args(Structure):
                 ("iov", POINTER(iovec)), ("iovcnt", c_size_t)]
 
 
-# ---- put options, position layouts (APE assemble, GPE groups, retention) ----
-class kvr_put_opts(Structure):
-    _fields_ = [("protect_first", c_uint64), ("has_protect", c_bool),
-                ("prefix_ctx", c_char_p),
-                ("groups", POINTER(c_char_p)), ("n_groups", c_size_t),
-                ("group_offsets", POINTER(c_int64)),
-                ("codec", c_char_p)]   # appended: create-time storage codec
-
-
-ASSEMBLE_PARALLEL, ASSEMBLE_SEQUENTIAL, ASSEMBLE_EXPLICIT = 0, 1, 2
-SEG_PREFIX, SEG_DOCUMENT, SEG_QUERY = 0, 1, 2
-LAYOUT_MAX_GROUPS = 16
+# ---- position layouts (APE assemble, GPE groups, retention) ----
+# kvr_layout_kind, kvr_segment_kind, KVR_MAX_GROUPS
+LAYOUT_PARALLEL, LAYOUT_SEQUENTIAL, LAYOUT_EXPLICIT = 0, 1, 2
+SEGMENT_PREFIX, SEGMENT_DOCUMENT, SEGMENT_QUERY = 0, 1, 2
+MAX_GROUPS = 16
 
 
 class kvr_assemble_args(Structure):
@@ -212,42 +225,16 @@ class kvr_assemble_res(Structure):
 
 
 class kvr_group_res(Structure):
-    _fields_ = [("name", c_char * 64), ("id", c_int32), ("offset", c_int64),
+    _fields_ = [("name", c_char * (GROUP_NAME_MAX + 1)), ("id", c_int32), ("offset", c_int64),
                 ("cursor", c_uint64), ("n_tokens", c_uint64)]
 
 
 class kvr_layout_res(Structure):
     _fields_ = [("has_prefix", c_bool), ("prefix_ctx", c_char * (NAME_MAX + 1)),
                 ("prefix_len", c_uint64),
-                ("groups", kvr_group_res * LAYOUT_MAX_GROUPS), ("n_groups", c_size_t),
+                ("groups", kvr_group_res * MAX_GROUPS), ("n_groups", c_size_t),
                 ("retention", c_bool), ("sinks", c_uint64), ("window", c_uint64),
                 ("n_dropped", c_uint64)]
-
-
-# ---- codecs at rest (docs/quantized.md) ----
-CODEC_MAX = 64
-
-
-class kvr_model_ex(Structure):
-    _fields_ = [("codec", c_char * CODEC_MAX)]
-
-
-class kvr_raw_layout(Structure):
-    _fields_ = [("raw", c_bool), ("codec", c_char * CODEC_MAX),
-                ("k_codec", c_char * 32), ("v_codec", c_char * 32),
-                ("k_per_channel", c_bool), ("k_group", c_uint32), ("v_group", c_uint32),
-                ("window", c_uint32), ("k_bytes", c_uint64), ("v_bytes", c_uint64),
-                ("k_unit_bytes", c_uint64), ("v_unit_bytes", c_uint64)]
-
-
-class kvr_get_opts(Structure):
-    _fields_ = [("raw", c_bool)]
-
-
-class kvr_context_codec(Structure):
-    _fields_ = [("codec", c_char * CODEC_MAX), ("quantized", c_bool),
-                ("n_window", c_uint64), ("kv_bytes", c_uint64), ("bytes_saved", c_uint64),
-                ("bits_per_value", c_double), ("rel_rms_k", c_double), ("rel_rms_v", c_double)]
 
 
 class kvr_metric(Structure):
@@ -257,20 +244,21 @@ class kvr_metric(Structure):
 # Every struct above, for the layout self-check in the tests.
 STRUCTS = {c.__name__: c for c in (kvr_client_opts, kvr_pong, kvr_rope_config, kvr_model,
                                    kvr_model_params, kvr_put_args, kvr_put_res, kvr_get_args,
-                                   kvr_kv, kvr_match_args, kvr_match_res, kvr_context,
-                                   kvr_metric, kvr_context_edit, kvr_edit_range,
+                                   kvr_raw_layout, kvr_kv, kvr_match_args, kvr_match_res,
+                                   kvr_context, kvr_metric, kvr_edit_range,
                                    kvr_edit_args, kvr_edit_span_res, kvr_edit_res,
-                                   kvr_refresh_args, kvr_put_opts, kvr_assemble_args,
+                                   kvr_refresh_args, kvr_assemble_args,
                                    kvr_segment_res, kvr_assemble_res, kvr_group_res,
-                                   kvr_layout_res, kvr_model_ex, kvr_raw_layout,
-                                   kvr_get_opts, kvr_context_codec)}
+                                   kvr_layout_res)}
 
 H = c_void_p  # kvr_client *
 
-# name -> (restype, argtypes). Verbs that later versions of libkvrope add go in
-# OPTIONAL: a library without them still loads; the method that needs one
-# raises kvrope.Unsupported naming the missing symbol.
+# name -> (restype, argtypes): the whole of client/kvrope.h (and what it
+# uses of rope/). The binding and the library are built together from one
+# tree (libkvrope.so.0), so every symbol is required.
 PROTOTYPES = {
+    "kvr_version": (c_uint32, []),
+    "kvr_version_string": (c_char_p, []),
     "kvr_strerror": (c_char_p, [c_int]),
     "kvr_error_name": (c_char_p, [c_int]),
     "kvr_error_status": (c_int, [c_int]),
@@ -300,15 +288,12 @@ PROTOTYPES = {
     "kvr_client_stats": (c_int, [H, POINTER(POINTER(kvr_metric)), POINTER(c_size_t)]),
     "kvr_convert": (None, [c_void_p, c_int, c_void_p, c_int, c_size_t]),
     # edits (PIE)
-    "kvr_client_stat_ex": (c_int, [H, c_char_p, POINTER(kvr_context), POINTER(kvr_context_edit)]),
     "kvr_client_edit": (c_int, [H, POINTER(kvr_edit_args), POINTER(kvr_edit_res)]),
     "kvr_client_edit_plan": (c_int, [H, POINTER(kvr_edit_args), POINTER(kvr_edit_res)]),
     "kvr_client_refresh": (c_int, [H, POINTER(kvr_refresh_args), POINTER(kvr_edit_res)]),
-    # put options, position layouts
-    "kvr_client_put_ex": (c_int, [H, POINTER(kvr_put_args), POINTER(kvr_put_opts),
-                                  POINTER(kvr_put_res)]),
+    # position layouts
     "kvr_client_group_append": (c_int, [H, POINTER(kvr_put_args), c_char_p,
-                                        POINTER(kvr_put_opts), POINTER(kvr_put_res)]),
+                                        POINTER(kvr_put_res)]),
     "kvr_client_assemble": (c_int, [H, POINTER(kvr_assemble_args), POINTER(kvr_assemble_res)]),
     "kvr_assemble_release": (None, [POINTER(kvr_assemble_res)]),
     "kvr_client_layout_stat": (c_int, [H, c_char_p, POINTER(kvr_layout_res)]),
@@ -316,26 +301,10 @@ PROTOTYPES = {
                                             POINTER(kvr_layout_res)]),
     "kvr_client_set_retention": (c_int, [H, c_char_p, c_uint64, c_uint64, c_bool,
                                          POINTER(kvr_layout_res)]),
-    # codecs at rest
-    "kvr_client_model_register_ex": (c_int, [H, POINTER(kvr_model_params), c_char_p,
-                                             POINTER(kvr_model), POINTER(kvr_model_ex)]),
-    "kvr_client_model_list_ex": (c_int, [H, POINTER(POINTER(kvr_model)),
-                                         POINTER(POINTER(kvr_model_ex)), POINTER(c_size_t)]),
-    "kvr_client_get_ex": (c_int, [H, POINTER(kvr_get_args), POINTER(kvr_get_opts),
-                                  POINTER(kvr_kv), POINTER(kvr_raw_layout)]),
-    "kvr_client_stat_codec": (c_int, [H, c_char_p, POINTER(kvr_context), POINTER(kvr_context_edit),
-                                      POINTER(kvr_context_codec)]),
-    # the shared tier (docs/cluster.md)
-    "kvr_client_put_flags": (c_int, [H, POINTER(kvr_put_args), POINTER(kvr_put_opts), c_uint32,
-                                     POINTER(kvr_put_res)]),
 }
-# Verbs later libkvrope versions added: a library without them still loads.
-OPTIONAL = {"kvr_client_stat_ex", "kvr_client_edit", "kvr_client_edit_plan",
-            "kvr_client_refresh", "kvr_client_put_ex", "kvr_client_group_append",
-            "kvr_client_assemble", "kvr_assemble_release", "kvr_client_layout_stat",
-            "kvr_client_set_group_offset", "kvr_client_set_retention",
-            "kvr_client_model_register_ex", "kvr_client_model_list_ex", "kvr_client_get_ex",
-            "kvr_client_stat_codec", "kvr_client_put_flags"}
+# Symbols a library may lack and still load (the method that needs one raises
+# kvrope.Unsupported): none since the ABI was folded at 0.2.0.
+OPTIONAL = set()
 
 
 def _candidates():
@@ -369,6 +338,11 @@ class _Lib:
                               f"(make build/libkvrope.so)") from None
             f.restype, f.argtypes = res, args
             setattr(self, name, f)
+        v = self.kvr_version()
+        if (v >> 16, (v >> 8) & 0xFF) != ABI:
+            raise OSError(f"{path} is libkvrope {self.kvr_version_string().decode()}; this "
+                          f"binding mirrors the structs of {ABI[0]}.{ABI[1]}.x: rebuild it "
+                          f"(make build/libkvrope.so)")
 
     def has(self, name):
         return name in PROTOTYPES and name not in self._missing

@@ -5,9 +5,8 @@ function, turns a negative return into a KvropeError and copies results out.
 Shape/dtype/argument checks happen in Python before the call, so a wrong
 argument raises ValueError/TypeError and nothing is sent.
 
-Adding a verb (edit, refresh, assemble, group append as libkvrope gains
-them): declare the struct(s) and prototype in _lib.py (prototype in
-_lib.OPTIONAL so older libraries still load), then a method here that calls
+Adding a verb: declare the struct(s) and prototype in _lib.py (a new
+optional symbol goes in _lib.OPTIONAL), then a method here that calls
 self._fn("kvr_client_<verb>") (raises kvrope.Unsupported when the loaded
 library lacks it) and self._call(...).
 """
@@ -100,11 +99,10 @@ class Model:
     n_contexts: int
     rope: dict = field(compare=False)   # style, theta, scaling, factor, rotary_dim, ...
     codec: str = field(default="", compare=False)
-    # default codec of its contexts, canonical (docs/quantized.md); "" when
-    # the library cannot tell (older libkvrope)
+    # default codec of its contexts, canonical (docs/quantized.md)
 
     @classmethod
-    def _from(cls, m, ex=None):
+    def _from(cls, m):
         r = m.rope
         rope = {"style": STYLES.get(r.style, r.style), "theta": r.theta,
                 "scaling": SCALINGS.get(r.scaling, r.scaling), "factor": r.factor,
@@ -118,7 +116,7 @@ class Model:
                            for i in range(min(r.n_layer_kinds, len(r.layer_kind)))]}
         return cls(m.name.decode(), m.n_layers, m.n_kv_heads, m.head_dim,
                    T.NAMES.get(m.dtype, str(m.dtype)), m.fingerprint, m.n_contexts, rope,
-                   ex.codec.decode() if ex is not None else "")
+                   m.codec.decode())
 
 
 @dataclass(frozen=True)
@@ -296,7 +294,7 @@ class Match:
 
 # ---- the client -----------------------------------------------------------------
 
-_MODES = {"upsert": _lib.WRITE_UPSERT, "create": _lib.WRITE_CREATE, "append": _lib.WRITE_APPEND}
+_MODES = {"upsert": _lib.PUT_UPSERT, "create": _lib.PUT_CREATE, "append": _lib.PUT_APPEND}
 
 
 class Client:
@@ -429,35 +427,21 @@ class Client:
                                                 _u64(n_kv_heads, "n_kv_heads"),
                                                 _u64(head_dim, "head_dim"))
         p.dtype = T.CODES[T.dtype_name(dtype)]
+        p.codec = _b(codec, "codec") if codec is not None else None
         out = _lib.kvr_model()
-        if codec is not None or self._lib.has("kvr_client_model_register_ex"):
-            ex = _lib.kvr_model_ex()
-            cb = _b(codec, "codec") if codec is not None else None
-            self._call("kvr_client_model_register_ex", byref(p), cb, byref(out), byref(ex))
-            m = Model._from(out, ex)
-        else:
-            self._call("kvr_client_model_register", byref(p), byref(out))
-            m = Model._from(out)
+        self._call("kvr_client_model_register", byref(p), byref(out))
+        m = Model._from(out)
         self._models[m.name] = m
         return m
 
     def models(self):
         """-> [Model] (every registered model)."""
         arr, n = POINTER(_lib.kvr_model)(), c_size_t()
-        if self._lib.has("kvr_client_model_list_ex"):
-            exs = POINTER(_lib.kvr_model_ex)()
-            self._call("kvr_client_model_list_ex", byref(arr), byref(exs), byref(n))
-            try:
-                ms = [Model._from(arr[i], exs[i]) for i in range(n.value)]
-            finally:
-                self._lib.kvr_client_free(arr)
-                self._lib.kvr_client_free(exs)
-        else:
-            self._call("kvr_client_model_list", byref(arr), byref(n))
-            try:
-                ms = [Model._from(arr[i]) for i in range(n.value)]
-            finally:
-                self._lib.kvr_client_free(arr)
+        self._call("kvr_client_model_list", byref(arr), byref(n))
+        try:
+            ms = [Model._from(arr[i]) for i in range(n.value)]
+        finally:
+            self._lib.kvr_client_free(arr)
         for m in ms:
             self._models[m.name] = m
         return ms
@@ -467,13 +451,9 @@ class Client:
         fingerprint never change once registered). UnknownModel if absent."""
         nm = _b(name, "model name").decode()
         if refresh or nm not in self._models:
-            if self._lib.has("kvr_client_model_list_ex"):   # with its codec
-                self.models()
-            if nm not in self._models or refresh and not self._lib.has(
-                    "kvr_client_model_list_ex"):
-                out = _lib.kvr_model()
-                self._call("kvr_client_model_get", nm.encode(), byref(out))
-                self._models[nm] = Model._from(out)
+            out = _lib.kvr_model()
+            self._call("kvr_client_model_get", nm.encode(), byref(out))
+            self._models[nm] = Model._from(out)
         return self._models[nm]
 
     def put(self, ctx_id, model, tokens, kv=None, *, k=None, v=None, dtype=None, mode="upsert",
@@ -485,7 +465,8 @@ class Client:
 
         share=True publishes the context to the daemon's shared tier
         (kvroped --remote-tier, docs/cluster.md) after the acknowledgement;
-        share_sync=True acknowledges only once it is published.
+        share_sync=True acknowledges only once it is published (else
+        kvrope.Error "stored locally, not shared: ..."; the put stands).
 
         kv: [n_layers, 2, T, kv_heads, head_dim] array/tensor, or a list of
         (K, V) per layer ([T, kv_heads, head_dim] each); or k=, v= each
@@ -497,7 +478,7 @@ class Client:
         and refuse a mismatch locally; the put also carries the model's
         fingerprint, so the daemon refuses a model re-defined under the name.
 
-        Options (kvr_client_put_ex): protect_first=n: edits may not touch
+        Options (kvr_put_args): protect_first=n: edits may not touch
         tokens [0, n) (attention sinks; 0 unprotects). On create only:
         prefix=ctx: an APE document encoded after that prefix context
         (positions default to P, P+1, ...; see assemble()); groups=[names],
@@ -505,19 +486,12 @@ class Client:
         codec="k4v2" (docs/quantized.md): the new context's codec at rest
         (default: the model's); the daemon quantizes off its loop thread. On
         an existing context it must be the context's codec."""
-        a, keep, opts = self._put_args(ctx_id, model, tokens, kv, k, v, dtype, mode, positions,
-                                       pos_start, pin, check_model, protect_first, prefix,
-                                       groups, group_offsets, codec)
+        a, keep = self._put_args(ctx_id, model, tokens, kv, k, v, dtype, mode, positions,
+                                 pos_start, pin, check_model, protect_first, prefix,
+                                 groups, group_offsets, codec)
+        a.share, a.share_sync = bool(share or share_sync), bool(share_sync)
         out = _lib.kvr_put_res()
-        if share or share_sync:
-            if opts is None:
-                opts = _lib.kvr_put_opts()
-            self._call("kvr_client_put_flags", byref(a), byref(opts),
-                       0x6 if share_sync else 0x2, byref(out))
-        elif opts is None:
-            self._call("kvr_client_put", byref(a), byref(out))
-        else:
-            self._call("kvr_client_put_ex", byref(a), byref(opts), byref(out))
+        self._call("kvr_client_put", byref(a), byref(out))
         del keep
         return PutResult(out.n_tokens, out.first_index, out.first_pos, out.last_pos)
 
@@ -533,7 +507,8 @@ class Client:
         pos = positions_array(positions, toks.size) if positions is not None else None
         if pos is not None and pos_start is not None:
             raise ValueError("give positions or pos_start, not both")
-        opts, okeep = self._put_opts(protect_first, prefix, groups, group_offsets, codec)
+        a = _lib.kvr_put_args()
+        okeep = self._put_opts(a, protect_first, prefix, groups, group_offsets, codec)
         parts, dt, (L, n, H, D) = T.as_kv_parts(kv, k, v, toks.size, dtype)
         fp = 0
         if check_model:
@@ -542,7 +517,6 @@ class Client:
                 raise ValueError(f"KV shape (layers, kv_heads, head_dim) = {(L, H, D)} but model "
                                  f"{m.name!r} has {(m.n_layers, m.n_kv_heads, m.head_dim)}")
             fp = m.fingerprint
-        a = _lib.kvr_put_args()
         a.ctx_id, a.model, a.mode, a.fingerprint = cid, mn, _MODES[mode], fp
         a.n_layers, a.n_kv_heads, a.head_dim, a.dtype = L, H, D, T.CODES[dt]
         a.tokens, a.n_tokens = _ptr(toks, c_uint32), toks.size
@@ -551,14 +525,10 @@ class Client:
             a.has_pos_start, a.pos_start = True, _i64(pos_start, "pos_start")
         a.pin = bool(pin)
         keep = [cid, mn, toks, pos, parts, _set_payload(a, parts), okeep]
-        return a, keep, opts
+        return a, keep
 
-    def _put_opts(self, protect_first, prefix, groups, group_offsets, codec=None):
-        """kvr_put_opts or None when no option is given; plus what must stay alive."""
-        if (protect_first is None and prefix is None and groups is None and
-                group_offsets is None and codec is None):
-            return None, None
-        o = _lib.kvr_put_opts()
+    def _put_opts(self, o, protect_first, prefix, groups, group_offsets, codec=None):
+        """Fills the put options of kvr_put_args o; -> what must stay alive."""
         keep = []
         if codec is not None:
             o.codec = _b(codec, "codec")
@@ -571,8 +541,8 @@ class Client:
         if groups is not None:
             if isinstance(groups, (str, bytes)) or not len(groups):
                 raise ValueError("groups must be a non-empty list of group names")
-            if len(groups) > _lib.LAYOUT_MAX_GROUPS:
-                raise ValueError(f"at most {_lib.LAYOUT_MAX_GROUPS} groups")
+            if len(groups) > _lib.MAX_GROUPS:
+                raise ValueError(f"at most {_lib.MAX_GROUPS} groups")
             names = (ctypes.c_char_p * len(groups))(*[_b(g, "group name") for g in groups])
             o.groups, o.n_groups = ctypes.cast(names, POINTER(ctypes.c_char_p)), len(groups)
             keep.append(names)
@@ -580,7 +550,7 @@ class Client:
                 offs = positions_array(group_offsets, len(groups), "group_offsets")
                 o.group_offsets = _ptr(offs, c_int64)
                 keep.append(offs)
-        return o, keep
+        return keep
 
     def _layers(self, layers):
         if layers is None:
@@ -696,10 +666,10 @@ class Client:
             a = _lib.kvr_get_args()
             a.ctx_id, a.start, a.end, a.dtype = cid, start, end or 0, T.CODES["f32"]
             a.layers, a.n_layers = _ptr(lay, c_uint32), 0 if lay is None else lay.size
-            a.meta_only = bool(meta_only)
-            o, kvs, rl = _lib.kvr_get_opts(raw=True), _lib.kvr_kv(), _lib.kvr_raw_layout()
-            self._call("kvr_client_get_ex", byref(a), byref(o), byref(kvs), byref(rl))
-            return self._take_raw(kvs, rl)
+            a.meta_only, a.raw = bool(meta_only), True
+            kvs = _lib.kvr_kv()
+            self._call("kvr_client_get", byref(a), byref(kvs))
+            return self._take_raw(kvs, kvs.raw)
         start = _u64(start, "start")
         if end is not None:
             end = _u64(end, "end")
@@ -928,15 +898,15 @@ class Client:
 
     def stat_codec(self, ctx_id):
         """-> CodecInfo of a context: codec, window, bytes, bytes saved,
-        bits per value, relative RMS error of K and V (kvr_client_stat_codec)."""
-        cc = _lib.kvr_context_codec()
-        self._call("kvr_client_stat_codec", _b(ctx_id, "ctx_id"), None, None, byref(cc))
+        bits per value, relative RMS error of K and V (kvr_client_stat)."""
+        cc = _lib.kvr_context()
+        self._call("kvr_client_stat", _b(ctx_id, "ctx_id"), byref(cc))
         return CodecInfo._from(cc)
 
     def stat_edit(self, ctx_id):
-        """-> (n_pending, n_protected) of a context (kvr_client_stat_ex)."""
-        ed = _lib.kvr_context_edit()
-        self._call("kvr_client_stat_ex", _b(ctx_id, "ctx_id"), None, byref(ed))
+        """-> (n_pending, n_protected) of a context (kvr_client_stat)."""
+        ed = _lib.kvr_context()
+        self._call("kvr_client_stat", _b(ctx_id, "ctx_id"), byref(ed))
         return int(ed.n_pending), int(ed.n_protected)
 
     # -- position layouts: APE assemble, GPE groups, sinks + window retention
@@ -952,11 +922,10 @@ class Client:
         (first_pos..last_pos: the positions given). kv as in put()."""
         self._fn("kvr_client_group_append")
         g = _b(group, "group")
-        a, keep, opts = self._put_args(ctx_id, model, tokens, kv, k, v, dtype, mode, None, None,
-                                       pin, check_model, None, None, groups, group_offsets)
+        a, keep = self._put_args(ctx_id, model, tokens, kv, k, v, dtype, mode, None, None,
+                                 pin, check_model, None, None, groups, group_offsets)
         out = _lib.kvr_put_res()
-        self._call("kvr_client_group_append", byref(a), g,
-                   byref(opts) if opts is not None else None, byref(out))
+        self._call("kvr_client_group_append", byref(a), g, byref(out))
         del keep
         return PutResult(out.n_tokens, out.first_index, out.first_pos, out.last_pos)
 
@@ -1031,10 +1000,10 @@ class Client:
         return Layout._from(r)
 
 
-_LAYOUTS = {"parallel": _lib.ASSEMBLE_PARALLEL, "sequential": _lib.ASSEMBLE_SEQUENTIAL,
-            "explicit": _lib.ASSEMBLE_EXPLICIT}
-SEGMENT_KINDS = {_lib.SEG_PREFIX: "prefix", _lib.SEG_DOCUMENT: "document",
-                 _lib.SEG_QUERY: "query"}
+_LAYOUTS = {"parallel": _lib.LAYOUT_PARALLEL, "sequential": _lib.LAYOUT_SEQUENTIAL,
+            "explicit": _lib.LAYOUT_EXPLICIT}
+SEGMENT_KINDS = {_lib.SEGMENT_PREFIX: "prefix", _lib.SEGMENT_DOCUMENT: "document",
+                 _lib.SEGMENT_QUERY: "query"}
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,204 @@
+/*
+ * block.h — the block layer of cache/ (private): fixed-size, reference
+ * counted slabs holding `cap` token slots for every layer of a model, and
+ * the pool that accounts them. This is the bottom of the store; it calls
+ * nothing but the allocator, and learns that a block goes through the
+ * pool's release hook (the disk tier's, which owns `disk`).
+ *
+ * Layout of block->data (one kvr_mem_aligned allocation, 64-byte aligned):
+ *
+ *   plain:  layer 0: K [cap][row] V [cap][row] | layer 1: ... | pad to 64
+ *   quant:  kvr_qhdr (KVR_QHDR_BYTES) | layer 0: K slab, V slab | ...
+ *   then:   stored_pos int64[cap] | tokens uint32[cap] | groups int32[cap]
+ *
+ * A spilled block (disk tier) keeps only its header and metadata in
+ * memory; kvr_block_set_data swaps the buffer either way.
+ *
+ * Invariants (checked with assert):
+ *  - refcount >= holds >= leases. refcount counts extents, holds and the
+ *    owners of fresh blocks; holds are the references that keep the block's
+ *    data in memory (open puts, persist batches, leases); leases are
+ *    readers' (get / assemble) holds, counted in the pool.
+ *  - Slots below `used` never change; metadata is written only into slots
+ *    at or above `used` of a block nobody else reads (kvr_block_set_meta),
+ *    and kvr_block_commit only moves `used` forward.
+ *  - Fields are written only here (and `disk` by the release hook's owner,
+ *    `mark`/`mcount` by whole-store scans); the layers above read them.
+ */
+#ifndef KVR_CACHE_BLOCK_H
+#define KVR_CACHE_BLOCK_H
+
+#include <assert.h>
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <sys/uio.h>
+
+#include "cache/cache.h"
+#include "cache/codec.h"
+
+#pragma GCC visibility push(hidden)
+
+#define KVR_BLOCK_ALIGN 64u
+#define KVR_QHDR_BYTES 128u
+/* Bytes of per-slot metadata: stored_pos, token id, group id. */
+#define KVR_BLOCK_META_SLOT 16u
+
+typedef struct kvr_block kvr_block;
+
+/* Header of a quantized block, in the first KVR_QHDR_BYTES of its data (so
+ * plain blocks keep their small struct). */
+typedef struct kvr_qhdr {
+    kvr_codec kc, vc;
+    uint32_t  ktile;        /* 1 = K rows; else K tile tokens (cap % ktile == 0) */
+    size_t    krow, vrow, kslab, vslab;
+} kvr_qhdr;
+#define KVR_QH(b) ((const kvr_qhdr *)(const void *)(b)->data)
+
+struct kvr_block {
+    uint32_t  refcount;
+    uint32_t  holds;        /* part of refcount */
+    uint32_t  leases;       /* part of holds */
+    uint32_t  mark, mcount; /* scratch for whole-store scans (epoch, count) */
+    uint32_t  used;         /* committed slots (a prefix of the block) */
+    uint32_t  cap;          /* slots */
+    uint32_t  row;          /* values per K or V row (kv_heads * head_dim) */
+    kvr_dtype dtype;        /* plain blocks: storage dtype; quant: window dtype */
+    /* Quantized: the header at the start of data; keys are stored
+     * UN-ROTATED (pre-RoPE), so stored_pos is metadata only. */
+    bool      quant;
+    bool      spilled;      /* data holds only the header and metadata */
+    size_t    bytes;        /* accounted bytes (data + struct) */
+    uint8_t  *data;
+    int64_t  *stored_pos;   /* [cap], inside data */
+    uint32_t *tokens;       /* [cap], inside data */
+    int32_t  *groups;       /* [cap], inside data */
+    /* Bounds of stored_pos over slots [0, bounds_used), kept lazily. */
+    int64_t   pos_lo, pos_hi;
+    uint32_t  bounds_used;
+    /* The disk tier's copy (NULL: none); the release hook frees it. */
+    struct kvr_block_disk *disk;
+};
+
+/* Geometry of a block: kvr_block_geom_plain, or quant.c for a codec. */
+typedef struct kvr_block_geom {
+    uint32_t  cap, row, n_layers;
+    kvr_dtype dtype;
+    bool      quant;
+    kvr_qhdr  qh;           /* quant only */
+} kvr_block_geom;
+
+/* Accounting of every live block of a store, and the release hook. */
+typedef struct kvr_block_pool {
+    size_t n_blocks, bytes, n_leased;
+    /* Called once per block, on its last reference, before it is freed. */
+    void (*on_release)(void *arg, kvr_block *b);
+    void  *release_arg;
+} kvr_block_pool;
+
+void   kvr_block_geom_plain(kvr_block_geom *g, uint32_t cap, uint32_t n_layers,
+                            uint32_t row, kvr_dtype dt);
+/* Bytes of a block's full data (K/V, header, metadata). */
+size_t kvr_block_geom_bytes(const kvr_block_geom *g);
+
+/* The one constructor. data NULL: a fresh, empty block (used 0). Else the
+ * block adopts `data` (kvr_mem_aligned, `len` bytes laid out as above, the
+ * metadata in its last cap * KVR_BLOCK_META_SLOT bytes, a quantized block's
+ * header already in it) with `used` committed slots (disk recovery).
+ * Returns the block with one reference (the caller's), or NULL (ENOMEM;
+ * adopted data is not freed then). */
+kvr_block *kvr_block_create(kvr_block_pool *p, const kvr_block_geom *g, uint8_t *data,
+                            size_t len, uint32_t used);
+
+static inline void kvr_block_check(const kvr_block *b)
+{
+    assert(b->refcount >= b->holds && b->holds >= b->leases);
+    assert(b->used <= b->cap);
+    (void)b;
+}
+
+void kvr_block_ref(kvr_block *b);
+/* Drops one reference; the last one runs the release hook and frees. NULL ok. */
+void kvr_block_unref(kvr_block_pool *p, kvr_block *b);
+/* A reference that keeps the data in memory (open puts, persist batches). */
+void kvr_block_hold(kvr_block *b);
+void kvr_block_unhold(kvr_block_pool *p, kvr_block *b);
+/* Turns a hold back into a plain reference (a put's commit hands it to an
+ * extent). */
+void kvr_block_hold_to_ref(kvr_block *b);
+/* A reader's hold (get / assemble), counted in the pool's n_leased. */
+void kvr_block_lease(kvr_block_pool *p, kvr_block *b);
+void kvr_block_unlease(kvr_block_pool *p, kvr_block *b);
+/* Only the caller's reference: nobody else can see the block. */
+static inline bool kvr_block_exclusive(const kvr_block *b)
+{
+    return b->refcount == 1;
+}
+
+/* K (kv 0) or V (kv 1) of `layer` at `slot` (for K tiles: of its tile). */
+static inline uint8_t *kvr_block_kv(const kvr_block *b, uint32_t layer, int kv, uint32_t slot)
+{
+    if (b->quant) {
+        const kvr_qhdr *h = KVR_QH(b);
+        uint8_t *base = b->data + KVR_QHDR_BYTES + (size_t)layer * (h->kslab + h->vslab);
+        if (kv)
+            return base + h->kslab + h->vrow * slot;
+        return base + h->krow * (slot / h->ktile);
+    }
+    size_t rowb = (size_t)b->row * kvr_dtype_size(b->dtype);
+    return b->data + rowb * b->cap * (2u * layer + (unsigned)kv) + rowb * slot;
+}
+
+/* Metadata of a not yet committed slot (slot >= used). */
+static inline void kvr_block_set_meta(kvr_block *b, uint32_t slot, uint32_t token,
+                                      int64_t pos, int32_t group)
+{
+    assert(slot >= b->used && slot < b->cap);
+    b->tokens[slot] = token;
+    b->stored_pos[slot] = pos;
+    b->groups[slot] = group;
+}
+
+/* Makes slots [0, used) visible (used only grows). */
+static inline void kvr_block_commit(kvr_block *b, uint32_t used)
+{
+    assert(used >= b->used && used <= b->cap);
+    b->used = used;
+}
+
+/* A run of consecutive slots of one block (a write's destination). */
+typedef struct kvr_brun {
+    kvr_block *b;
+    uint32_t   first, count;
+} kvr_brun;
+
+/* Zero-copy iovecs for a payload [layer][K, V][the runs' tokens back to
+ * back] written straight into the runs' slots (in their storage dtype);
+ * iov holds 2 * n_layers * n. Returns the count. */
+size_t kvr_brun_iov(const kvr_brun *runs, size_t n, uint32_t n_layers, struct iovec *iov);
+/* Converts one layer side of such a payload from src (dtype sdt) into the
+ * runs' slots; returns src advanced past it. */
+const uint8_t *kvr_brun_fill(const kvr_brun *runs, size_t n, uint32_t layer, int kv,
+                             const uint8_t *src, kvr_dtype sdt);
+
+/* Offset of the metadata in data; the full data length. */
+size_t kvr_block_meta_off(const kvr_block *b);
+size_t kvr_block_data_len(const kvr_block *b);
+/* Bytes a spilled block keeps in memory (header + metadata). */
+size_t kvr_block_spilled_bytes(const kvr_block *b);
+
+/* Replaces b's data by `data` (its metadata at meta_off; the old buffer is
+ * freed) and re-accounts it; spilled: data holds only header + metadata. */
+void kvr_block_set_data(kvr_block_pool *p, kvr_block *b, uint8_t *data, size_t meta_off,
+                        bool spilled);
+/* A read-only copy of b's fields reading from `buf` (its full data, the
+ * metadata at meta_off): the disk tier's reload view. */
+void kvr_block_view(const kvr_block *b, kvr_block *view, uint8_t *buf, size_t meta_off);
+
+/* Bounds of stored_pos over the committed slots (cached; slots below used
+ * never change). */
+void kvr_block_pos_bounds(kvr_block *b, int64_t *lo, int64_t *hi);
+
+#pragma GCC visibility pop
+
+#endif /* KVR_CACHE_BLOCK_H */

@@ -1,0 +1,397 @@
+/*
+ * read.c — the read plan under get and assemble (read.h has the payload
+ * layout and the invariants): the stream's metadata, leases, the disk
+ * tier's reloads, zero-copy decisions, staging and iovecs, and the
+ * per-layer work that fills the staging on any thread.
+ */
+#include <string.h>
+
+#include "cache/parallel.h"
+#include "cache/read.h"
+
+int kvr_read_init(kvr_read *r, kvr_store *s, kvr_model *m, const uint32_t *layers,
+                  size_t nl, size_t n, size_t max_runs, bool groups, bool meta_only,
+                  kvr_dtype odt)
+{
+    *r = (kvr_read){ .s = s, .m = m, .odt = odt, .meta_only = meta_only, .all_same = true,
+                     .n = n, .nl = nl, .cap_runs = max_runs ? max_runs : 1 };
+    size_t cnt = n ? n : 1;
+    r->layers = kvr_mem_malloc((nl ? nl : 1) * sizeof *r->layers);
+    r->tokens = kvr_mem_malloc(cnt * sizeof *r->tokens);
+    r->flags = kvr_mem_malloc(cnt * sizeof *r->flags);
+    r->targets = kvr_mem_malloc(cnt * sizeof *r->targets);
+    r->from = kvr_mem_malloc(cnt * sizeof *r->from);
+    r->groups = groups ? kvr_mem_malloc(cnt * sizeof *r->groups) : NULL;
+    r->runs = kvr_mem_malloc(r->cap_runs * sizeof *r->runs);
+    if (!r->layers || !r->tokens || !r->flags || !r->targets || !r->from ||
+        (groups && !r->groups) || !r->runs)
+        return KVR_ENOMEM;
+    for (size_t i = 0; i < nl; i++)
+        r->layers[i] = layers ? layers[i] : (uint32_t)i;
+    return 0;
+}
+
+void kvr_read_add(kvr_read *r, const kvr_extent *e, uint32_t a, uint32_t z,
+                  const int64_t *targets, int64_t *next, bool mark_moved, bool fold)
+{
+    assert(a < z && z <= e->count && r->n_added + (z - a) <= r->n);
+    size_t tok0 = r->n_added;
+    bool same = true;
+    for (uint32_t j = a; j < z; j++) {
+        size_t i = r->n_added++;
+        uint32_t slot = e->first + j;
+        int64_t sp = e->block->stored_pos[slot], logical = sp + e->pos_delta;
+        r->tokens[i] = e->block->tokens[slot];
+        if (r->groups)
+            r->groups[i] = e->block->groups[slot];
+        r->flags[i] = e->flags;
+        r->from[i] = sp;
+        r->targets[i] = targets ? targets[i] : next ? (*next)++ : logical;
+        if (mark_moved && r->targets[i] != logical)
+            r->flags[i] |= KVR_TOKEN_APPROX;
+        if (r->targets[i] != sp)
+            same = false;
+    }
+    r->all_same = r->all_same && same;
+    if (r->meta_only)
+        return;
+    kvr_read_run *prev = r->n_runs ? &r->runs[r->n_runs - 1] : NULL;
+    if (prev && prev->b == e->block && prev->first + prev->count == e->first + a &&
+        prev->fold == fold && prev->tok + prev->count == tok0) {
+        prev->count += z - a;
+        prev->same = prev->same && same;
+        return;
+    }
+    assert(r->n_runs < r->cap_runs);
+    kvr_read_run *run = &r->runs[r->n_runs++];
+    *run = (kvr_read_run){ .b = e->block, .rd = e->block, .first = e->first + a,
+                           .count = z - a, .tok = tok0, .same = same, .fold = fold };
+    kvr_block_lease(&r->s->pool, run->b);
+}
+
+int kvr_read_reload(kvr_read *r, kvr_ctx *pf, kvr_error *err)
+{
+    if (!r->s->hooks || r->meta_only || r->n_runs == 0)
+        return 0;
+    kvr_block **bs = kvr_mem_malloc(r->n_runs * sizeof *bs);
+    if (!bs)
+        return kvr_error_set(err, KVR_ENOMEM, "out of memory reloading %zu blocks",
+                             r->n_runs);
+    for (size_t i = 0; i < r->n_runs; i++)
+        bs[i] = r->runs[i].b;
+    int rc = kvr_store_reload_begin(r->s, bs, r->n_runs, pf, &r->rl, err);
+    kvr_mem_free(bs);
+    if (rc != 0)
+        return rc;
+    for (size_t i = 0; i < r->n_runs; i++)
+        r->runs[i].rd = kvr_store_reload_view(r->s, r->rl, r->runs[i].b);
+    return 0;
+}
+
+int kvr_read_check_rope(const kvr_read *r, kvr_error *err)
+{
+    if (r->meta_only || r->all_same || kvr_rope_config_composes(&r->m->rope_cfg))
+        return 0;
+    return kvr_error_set(err, KVR_EUNSUPPORTED,
+                         "model '%s' uses length-dependent RoPE scaling (dynamic NTK / "
+                         "longrope): assemble cannot move its documents' keys (each "
+                         "context has its own table length); get each context at the "
+                         "positions wanted instead", r->m->name);
+}
+
+/* Dynamic NTK / longrope: the frequencies depend on the sequence length,
+ * so the context knows its length. Its keys are taken as rotated with the
+ * table of the positions they are stored at (max stored-at + 1, what
+ * transformers uses for a forward over them), and they are read with the
+ * table of the requested targets (max + 1), or of the context's logical
+ * length when none are requested. Where the two tables differ, every key
+ * is re-rotated (removed with the old table, applied with the new), moved
+ * or not. */
+void kvr_read_rope_lens(kvr_read *r, const kvr_ctx *c, bool requested)
+{
+    if (r->meta_only || kvr_rope_config_composes(&r->m->rope_cfg))
+        return;
+    int64_t smax = -1, lmax = -1;
+    for (size_t i = 0; i < c->n_ext; i++) {
+        const kvr_extent *e = &c->ext[i];
+        for (uint32_t j = 0; j < e->count; j++) {
+            int64_t sp = e->block->stored_pos[e->first + j], lp;
+            if (sp > smax)
+                smax = sp;
+            if (!__builtin_add_overflow(sp, e->pos_delta, &lp) && lp > lmax)
+                lmax = lp;
+        }
+    }
+    int64_t tl = kvr_rope_default_seq_len(r->targets, r->n);
+    r->ro.seq_len_from = smax + 1;
+    r->ro.seq_len_to = requested || tl > lmax + 1 ? tl : lmax + 1;
+    if (!kvr_rope_same_table(r->m->engine, r->ro.seq_len_from, r->ro.seq_len_to)) {
+        r->all_same = false;
+        for (size_t g = 0; g < r->n_runs; g++)
+            r->runs[g].same = false;
+    }
+}
+
+/* Appends an iovec, joining it to the previous one of the same layer when
+ * they touch. */
+static void iov_push(kvr_read *r, size_t layer_first, uint8_t *p, size_t len)
+{
+    struct iovec *last = r->out.n_iov > layer_first ? &r->out.iov[r->out.n_iov - 1] : NULL;
+    if (last && (uint8_t *)last->iov_base + last->iov_len == p) {
+        last->iov_len += len;
+        return;
+    }
+    r->out.iov[r->out.n_iov++] = (struct iovec){ p, len };
+}
+
+int kvr_read_stage(kvr_read *r, kvr_ctx *keep, const char *what, kvr_error *err)
+{
+    if (r->meta_only || r->n == 0)
+        return 0;
+    const kvr_model *m = r->m;
+    size_t row = kvr_model_row(m), rowb = row * kvr_dtype_size(r->odt);
+    for (size_t i = 0; i < r->n_runs; i++) {
+        kvr_read_run *run = &r->runs[i];
+        bool plain = run->rd->dtype == r->odt && !run->rd->quant;
+        run->v_zc = plain;
+        run->k_zc = plain && run->same && !run->fold;
+        size_t need = 0;
+        if (!run->k_zc) {
+            run->k_off = r->kst;
+            r->kst += run->count * rowb;
+            if (run->fold && r->odt != KVR_DTYPE_F32)
+                need += run->count * row;            /* f32 keys before 1/T */
+            if (run->rd->quant)
+                need += (run->count + KVR_QH(run->rd)->ktile) * row;
+        }
+        if (!run->v_zc) {
+            run->v_off = r->vst;
+            r->vst += run->count * rowb;
+        }
+        if (need > r->scratch)
+            r->scratch = need;
+    }
+    r->out.bytes = r->n * rowb * 2u * r->nl;
+    r->out.iov = kvr_mem_malloc(2 * r->n_runs * r->nl * sizeof *r->out.iov);
+    if (!r->out.iov)
+        return kvr_error_set(err, KVR_ENOMEM, "out of memory for a %s of %zu tokens", what,
+                             r->n);
+    size_t stage = (r->kst + r->vst) * r->nl;
+    if (stage) {
+        bool was_busy = keep ? keep->busy : false;
+        if (keep)
+            keep->busy = true;
+        int rc = kvr_store_reserve_request(r->s, stage, what, err);
+        if (keep)
+            keep->busy = was_busy;
+        if (rc != 0)
+            return rc;
+        r->staging = kvr_mem_aligned(KVR_BLOCK_ALIGN, stage);
+        if (!r->staging)
+            return kvr_error_set(err, KVR_ENOMEM, "out of memory for a %zu-byte %s buffer",
+                                 stage, what);
+    }
+    for (size_t li = 0; li < r->nl; li++) {
+        uint8_t *base = r->staging ? r->staging + li * (r->kst + r->vst) : NULL;
+        uint32_t l = r->layers[li];
+        size_t v0 = r->out.n_iov;
+        for (size_t i = 0; i < r->n_runs; i++) {
+            const kvr_read_run *run = &r->runs[i];
+            iov_push(r, v0, run->k_zc ? kvr_block_kv(run->rd, l, 0, run->first)
+                                      : base + run->k_off, run->count * rowb);
+        }
+        for (size_t i = 0; i < r->n_runs; i++) {
+            const kvr_read_run *run = &r->runs[i];
+            iov_push(r, v0, run->v_zc ? kvr_block_kv(run->rd, l, 1, run->first)
+                                      : base + r->kst + run->v_off, run->count * rowb);
+        }
+    }
+    return 0;
+}
+
+int kvr_read_stage_raw(kvr_read *r, const char *ctx_id, size_t start, size_t *kbytes,
+                       size_t *vbytes, kvr_error *err)
+{
+    size_t kb = 0, vb = 0;
+    for (size_t g = 0; g < r->n_runs; g++) {
+        const kvr_read_run *run = &r->runs[g];
+        if (!run->rd->quant)
+            return kvr_error_set(err, KVR_EUNSUPPORTED,
+                                 "raw get of context '%s': tokens [%zu, %zu) are in the "
+                                 "full-precision window (get them with raw = false)", ctx_id,
+                                 start + run->tok, start + run->tok + run->count);
+        const kvr_qhdr *h = KVR_QH(run->rd);
+        uint32_t G = h->ktile;
+        if (run->first % G || (g + 1 < r->n_runs && run->count % G))
+            return kvr_error_set(err, KVR_EUNSUPPORTED,
+                                 "raw get of context '%s': tokens from %zu do not line up "
+                                 "with its %u-token key tiles (edited or a partial range)",
+                                 ctx_id, start + run->tok, G);
+        kb += G > 1 ? (run->count + G - 1) / G * h->krow : run->count * h->krow;
+        vb += run->count * h->vrow;
+    }
+    *kbytes = kb;
+    *vbytes = vb;
+    r->out.bytes = (kb + vb) * r->nl;
+    r->out.iov = kvr_mem_malloc((2 * r->n_runs + 1) * r->nl * sizeof *r->out.iov);
+    if (!r->out.iov)
+        return kvr_error_set(err, KVR_ENOMEM, "out of memory for a raw get");
+    for (size_t li = 0; li < r->nl; li++)
+        for (int kv = 0; kv < 2; kv++)
+            for (size_t g = 0; g < r->n_runs; g++) {
+                const kvr_read_run *run = &r->runs[g];
+                const kvr_qhdr *h = KVR_QH(run->rd);
+                uint32_t G = h->ktile;
+                size_t len = kv ? run->count * h->vrow
+                           : G > 1 ? (run->count + G - 1) / G * h->krow
+                                   : run->count * h->krow;
+                r->out.iov[r->out.n_iov++] = (struct iovec){
+                    kvr_block_kv(run->rd, r->layers[li], kv, run->first), len };
+            }
+    return 0;
+}
+
+bool kvr_read_needs_work(const kvr_read *r)
+{
+    return (r->staging != NULL || kvr_store_reload_pending(r->s, r->rl)) && !r->worked;
+}
+
+/* One layer of the stream (any thread; layers write disjoint parts of the
+ * staging). Every kind of block reads through kvr_block_read_side: plain
+ * keys re-rotated from stored-at (or converted where the positions agree),
+ * quantized pre-RoPE keys dequantized and rotated to their targets, values
+ * converted or dequantized. Folding the temperature into a non-f32 output
+ * goes through f32 scratch so k / T is rounded once. */
+static int work_layer(void *ud, size_t li)
+{
+    kvr_read *r = ud;
+    const kvr_model *m = r->m;
+    size_t row = kvr_model_row(m);
+    kvr_dtype odt = r->odt;
+    uint32_t l = r->layers[li];
+    uint8_t *base = r->staging + li * (r->kst + r->vst);
+    float *scratch = NULL;
+    if (r->scratch && !(scratch = kvr_mem_malloc(r->scratch * sizeof *scratch)))
+        return KVR_ENOMEM;
+    int rc = 0;
+    for (size_t i = 0; i < r->n_runs && rc == 0; i++) {
+        const kvr_read_run *run = &r->runs[i];
+        if (!run->k_zc) {
+            uint8_t *dst = base + run->k_off;
+            bool via = run->fold && odt != KVR_DTYPE_F32;
+            size_t ne = run->count * row;
+            void *kd = via ? (void *)scratch : (void *)dst;
+            float *qs = scratch ? scratch + (via ? ne : 0) : NULL;
+            /* the layer's own RoPE (per-layer models: sliding / NoPE layers) */
+            rc = kvr_block_read_side(kvr_rope_layer(m->engine, l), m->n_kv_heads, run->rd, l,
+                                     0, run->first, run->count, kd,
+                                     via ? KVR_DTYPE_F32 : odt,
+                                     run->same ? NULL : r->from + run->tok,
+                                     r->targets + run->tok, qs, &r->ro);
+            if (rc == 0 && run->fold) {
+                float *f = kd, inv_t = r->inv_t;   /* a local: f cannot alias it */
+                for (size_t k = 0; k < ne; k++)
+                    f[k] *= inv_t;
+                if (via)
+                    kvr_convert(dst, odt, scratch, KVR_DTYPE_F32, ne);
+            }
+        }
+        if (rc == 0 && !run->v_zc)
+            rc = kvr_block_read_side(m->engine, m->n_kv_heads, run->rd, l, 1, run->first,
+                                     run->count, base + r->kst + run->v_off, odt, NULL,
+                                     NULL, NULL, NULL);
+    }
+    kvr_mem_free(scratch);
+    return rc;
+}
+
+typedef struct layer_range {
+    kvr_read *r;
+    size_t    l0;
+} layer_range;
+
+static int work_layer_in(void *ud, size_t i)
+{
+    const layer_range *lr = ud;
+    return work_layer(lr->r, lr->l0 + i);
+}
+
+int kvr_read_work(kvr_read *r, size_t l0, size_t l1, const char *nomem, kvr_error *err)
+{
+    assert(l0 <= l1 && l1 <= r->nl);
+    if (r->worked)
+        return 0;
+    /* Disk tier: one batched load of the spilled blocks first (idempotent). */
+    int rc = kvr_store_reload_work(r->s, r->rl, err);
+    if (rc != 0)
+        return rc;
+    bool all = l0 == 0 && l1 == r->nl;
+    if (r->staging && l0 < l1) {
+        /* Large reads split their layers across threads: re-rotation is
+         * compute-bound enough that one core cannot keep up with a socket. */
+        layer_range lr = { r, l0 };
+        size_t bytes = all ? r->out.bytes : r->out.bytes / r->nl * (l1 - l0);
+        rc = par_for(l1 - l0, par_threads_for(bytes), work_layer_in, &lr);
+        if (rc == KVR_ENOMEM)
+            return kvr_error_set(err, KVR_ENOMEM, "%s", nomem);
+        if (rc != 0)
+            return kvr_error_set(err, KVR_EINTERNAL, "re-rotating keys failed (%d)", rc);
+    }
+    if (all)
+        r->worked = true;
+    return 0;
+}
+
+/* First iovec of layer li. No iovec spans two layers, and every layer has
+ * the same number of them (one layout per run); the walk is the fallback
+ * should that ever change. */
+static size_t iov_at(const kvr_read *r, size_t li)
+{
+    size_t nl = r->nl, per = r->out.bytes / nl;
+    if (li == 0)
+        return 0;
+    if (li >= nl)
+        return r->out.n_iov;
+    if (r->out.n_iov % nl == 0) {
+        size_t k = r->out.n_iov / nl, sum = 0;
+        for (size_t i = 0; i < k; i++)
+            sum += r->out.iov[i].iov_len;
+        if (sum == per)
+            return li * k;
+    }
+    size_t want = li * per, have = 0, i = 0;
+    while (i < r->out.n_iov && have < want)
+        have += r->out.iov[i++].iov_len;
+    return i;
+}
+
+void kvr_read_iov_layers(const kvr_read *r, size_t l0, size_t l1, const struct iovec **iov,
+                         size_t *n)
+{
+    *iov = r->out.iov;
+    *n = 0;
+    if (!r->out.iov || r->nl == 0 || l0 >= l1 || l1 > r->nl)
+        return;
+    size_t a = iov_at(r, l0), b = iov_at(r, l1);
+    *iov = r->out.iov + a;
+    *n = b - a;
+}
+
+void kvr_read_free(kvr_read *r)
+{
+    for (size_t i = 0; i < r->n_runs; i++)
+        kvr_block_unlease(&r->s->pool, r->runs[i].b);
+    /* After the leases: a block only the reload still references was
+     * deleted meanwhile (its buffer is freed, not installed). */
+    kvr_store_reload_end(r->s, r->rl);
+    kvr_mem_free(r->runs);
+    kvr_mem_free(r->layers);
+    kvr_mem_free(r->tokens);
+    kvr_mem_free(r->flags);
+    kvr_mem_free(r->targets);
+    kvr_mem_free(r->from);
+    kvr_mem_free(r->groups);
+    kvr_mem_free(r->staging);
+    kvr_mem_free(r->out.iov);
+    memset(r, 0, sizeof *r);
+}

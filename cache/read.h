@@ -1,0 +1,141 @@
+/*
+ * read.h — the read plan shared by get and assemble (private to cache/;
+ * read.c). A read is a stream of tokens taken from extents of one or more
+ * contexts, each with a target position; the plan leases their blocks,
+ * lets the disk tier reload spilled ones, decides per run what goes out
+ * zero-copy from block memory and what is produced into a staging buffer,
+ * and does that work (rotation, conversion, dequantization, APE's
+ * temperature) layer by layer on any thread.
+ *
+ * Payload: layer-major, for each selected layer K then V of every token,
+ * [n][H][D] in the output dtype. Per run (consecutive slots of one block):
+ * K is zero-copy when the run is a plain block of the output dtype, every
+ * target equals the stored-at position and no temperature is folded in; V
+ * when the run is a plain block of the output dtype. Everything else is
+ * staged, per layer:
+ *
+ *   [ K of the staged runs, in run order | V of the staged runs, in order ]
+ *
+ * and the iovecs walk the runs in order, joining neighbours that touch.
+ *
+ * Invariants: after kvr_read_add every run's block is leased until
+ * kvr_read_free; work reads only leased slots below each block's `used`,
+ * which never change, so it may run on any thread while the store changes
+ * around it (even deleting the contexts). Calls the store (reservations,
+ * the tier's reload hooks), blocks and quant.h; never the tier directly.
+ */
+#ifndef KVR_CACHE_READ_H
+#define KVR_CACHE_READ_H
+
+#include <sys/uio.h>
+
+#include "cache/txn.h"
+
+#pragma GCC visibility push(hidden)
+
+typedef struct kvr_read_run {
+    kvr_block       *b;          /* leased */
+    const kvr_block *rd;         /* what work and the iovecs read: b, or its
+                                    disk-tier reload view */
+    uint32_t         first, count;
+    size_t           tok;        /* index of its first token in the stream */
+    bool             same;       /* targets equal stored-at for every token */
+    bool             fold;       /* keys divided by the temperature */
+    bool             k_zc, v_zc; /* zero-copy from block memory */
+    size_t           k_off, v_off;   /* else: offsets in the layer's staging */
+} kvr_read_run;
+
+typedef struct kvr_read {
+    kvr_store    *s;
+    kvr_model    *m;
+    kvr_dtype     odt;
+    bool          meta_only, worked, all_same;
+    size_t        n, nl;         /* tokens, selected layers */
+    uint32_t     *layers, *tokens, *flags;
+    int64_t      *targets, *from;
+    int32_t      *groups;        /* NULL unless asked for */
+    kvr_read_run *runs;
+    size_t        n_runs, cap_runs, n_added;
+    float         inv_t;         /* 1/T for folded runs */
+    kvr_rope_opts ro;            /* dynamic NTK / longrope: the tables' lengths */
+    kvr_reload   *rl;            /* spilled blocks, loaded by work */
+    size_t        kst, vst;      /* staged bytes per layer: K, V */
+    size_t        scratch;       /* floats of scratch one layer needs */
+    uint8_t      *staging;
+    kvr_payload   out;           /* the iovecs: block memory and staging */
+} kvr_read;
+
+/* Allocates the metadata of a read of n tokens from at most max_runs
+ * extents, layers[0..nl) (NULL: the first nl). 0 or KVR_ENOMEM. */
+int  kvr_read_init(kvr_read *r, kvr_store *s, kvr_model *m, const uint32_t *layers,
+                   size_t nl, size_t n, size_t max_runs, bool groups, bool meta_only,
+                   kvr_dtype odt);
+/* Appends slots [a, z) of extent e to the stream. Targets: targets[i] for
+ * stream token i if given; else consecutive from *next (advanced) if
+ * given, marking tokens moved off their logical position approximate when
+ * mark_moved; else the logical positions. fold: divide keys by 1/inv_t. */
+void kvr_read_add(kvr_read *r, const kvr_extent *e, uint32_t a, uint32_t z,
+                  const int64_t *targets, int64_t *next, bool mark_moved, bool fold);
+/* Disk tier: reloads of the spilled blocks of the runs (prefetching the
+ * rest of pf, may be NULL); everything after reads through their views. */
+int  kvr_read_reload(kvr_read *r, kvr_ctx *pf, kvr_error *err);
+/* KVR_EUNSUPPORTED when keys must move and the model's RoPE does not
+ * compose (assemble: its documents come from several contexts). */
+int  kvr_read_check_rope(const kvr_read *r, kvr_error *err);
+/* Length-dependent RoPE (dynamic NTK / longrope) read from one context c:
+ * sets the tables' lengths (read.c says which) and marks every run moved
+ * when the two tables differ. requested: the targets were asked for. No-op
+ * for RoPE that composes. After every kvr_read_add. */
+void kvr_read_rope_lens(kvr_read *r, const kvr_ctx *c, bool requested);
+/* Zero-copy decisions, the staging buffer (reserved as request `what`;
+ * `keep`, may be NULL, is made busy meanwhile so eviction spares it) and
+ * the iovecs. */
+int  kvr_read_stage(kvr_read *r, kvr_ctx *keep, const char *what, kvr_error *err);
+/* Raw read (quantized blocks as stored, zero-copy): *kb / *vb bytes of K /
+ * V per layer; KVR_EUNSUPPORTED (naming ctx_id, token `start` + i) where
+ * the runs cannot go out raw. */
+int  kvr_read_stage_raw(kvr_read *r, const char *ctx_id, size_t start, size_t *kb,
+                        size_t *vb, kvr_error *err);
+bool kvr_read_needs_work(const kvr_read *r);
+/* Produces layers [l0, l1) of the staging (the reload first); all layers
+ * mark the read worked. nomem: the message for KVR_ENOMEM. */
+int  kvr_read_work(kvr_read *r, size_t l0, size_t l1, const char *nomem, kvr_error *err);
+/* The iovecs of layers [l0, l1). */
+void kvr_read_iov_layers(const kvr_read *r, size_t l0, size_t l1, const struct iovec **iov,
+                         size_t *n);
+void kvr_read_free(kvr_read *r);
+
+/* Fills the fields kvr_get_info and kvr_assemble_info share from the plan
+ * (borrowed arrays, valid until the plan is freed). */
+#define KVR_READ_INFO(info, r)                                                 \
+    do {                                                                       \
+        kvr_model_fill_info((r)->m, &(info)->model);                           \
+        (info)->n_tokens = (r)->n;                                             \
+        (info)->dtype = (r)->odt;                                              \
+        (info)->n_layers = (r)->meta_only ? 0 : (r)->nl;                       \
+        (info)->layers = (r)->layers;                                          \
+        (info)->tokens = (r)->tokens;                                          \
+        (info)->positions = (r)->targets;                                      \
+        (info)->flags = (r)->flags;                                            \
+    } while (0)
+
+/* The public accessors (cache.h) of a read transaction: a struct `type`
+ * whose members `r` and `info` are its kvr_read and info; nomem: its message for KVR_ENOMEM. */
+#define KVR_READ_TXN_API(type, info_type, prefix, nomem)                       \
+    const info_type *prefix##_get_info(const type *t)                          \
+    {                                                                          \
+        return &t->info;                                                       \
+    }                                                                          \
+    bool prefix##_needs_work(const type *t)                                    \
+    {                                                                          \
+        return kvr_read_needs_work(&t->r);                                     \
+    }                                                                          \
+    int prefix##_work(type *t, kvr_error *err)                                 \
+    {                                                                          \
+        return kvr_read_work(&t->r, 0, t->r.nl, nomem, err);                   \
+    }                                                                          \
+    KVR_PAYLOAD_API(type, prefix, r.out)
+
+#pragma GCC visibility pop
+
+#endif /* KVR_CACHE_READ_H */

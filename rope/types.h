@@ -1,0 +1,53 @@
+/*
+ * types.h — the vocabulary the store (cache/cache.h) and the client library
+ * (client/kvrope.h) share: name limits, write modes, per-token flags,
+ * assemble layouts and segment kinds, group limits. Where both sides speak
+ * of the same thing they use these names and these values, which are also
+ * the wire's (proto/frame.c asserts each against the generated enums).
+ *
+ * Header only; it lives in rope/, the lowest layer, next to error.h, so that
+ * libkvrope's public headers need nothing from cache/.
+ */
+#ifndef KVR_TYPES_H
+#define KVR_TYPES_H
+
+#define KVR_ID_MAX 255          /* context id and model name, bytes (no NUL) */
+#define KVR_CODEC_NAME_MAX 64   /* canonical codec spec, with its NUL */
+
+/* How a put treats an existing context (wire PutMode). */
+typedef enum kvr_put_mode {
+    KVR_PUT_CREATE = 0,         /* KVR_EEXIST if the id exists */
+    KVR_PUT_APPEND = 1,         /* KVR_ENOCTX if it does not */
+    KVR_PUT_UPSERT = 2,         /* create or append */
+} kvr_put_mode;
+
+/* Per-token flags (a get's flags array). */
+#define KVR_TOKEN_APPROX 0x1u   /* KV computed against text that changed since */
+#define KVR_TOKEN_PENDING 0x2u  /* inserted by an edit without KV: no KV until a
+                                   refresh; a get of its KV is KVR_EPENDING, a
+                                   meta_only get works */
+
+/* Assemble layouts (APE, docs/ape.md; wire Layout). */
+typedef enum kvr_layout_kind {
+    KVR_LAYOUT_PARALLEL   = 0,  /* every document at P..P+L_i-1; query at P + max L_i */
+    KVR_LAYOUT_SEQUENTIAL = 1,  /* documents back to back: P, P+L_1, ... (moved
+                                   documents' tokens are KVR_TOKEN_APPROX) */
+    KVR_LAYOUT_EXPLICIT   = 2,  /* document i at starts[i]..; query at
+                                   max(P, max(starts[i] + L_i)) */
+} kvr_layout_kind;
+
+/* Segments of an assembled stream (wire SegmentKind). */
+typedef enum kvr_segment_kind {
+    KVR_SEGMENT_PREFIX   = 0,
+    KVR_SEGMENT_DOCUMENT = 1,
+    KVR_SEGMENT_QUERY    = 2,   /* always last, empty: where the query goes */
+} kvr_segment_kind;
+
+#define KVR_APE_TEMPERATURE 0.9   /* APE paper defaults */
+#define KVR_APE_SCALE       0.9
+
+/* Position groups (GPE). */
+#define KVR_MAX_GROUPS 16
+#define KVR_GROUP_NAME_MAX 63     /* bytes, without the NUL */
+
+#endif /* KVR_TYPES_H */
