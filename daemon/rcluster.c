@@ -554,8 +554,6 @@ static int command_until(kvr_rc *rc, int argc, const char **argv, const size_t *
         }
         if (retry_now)
             continue;
-        if (getenv("KVR_RC_DEBUG"))
-            fprintf(stderr, "rcluster: slot %u node %d: %s\n", slot, idx, last.msg);
         if (now_ms() >= deadline)
             break;
         sleep_ms(backoff);
@@ -573,85 +571,144 @@ int kvr_rc_command(kvr_rc *rc, int argc, const char **argv, const size_t *argvle
     return command_until(rc, argc, argv, argvlen, out, err, now_ms() + (uint64_t)rc->retry_ms);
 }
 
-size_t kvr_rc_batch(kvr_rc *rc, size_t n, const kvr_rc_cmd *cmds, redisReply **out)
+/* One node's share of a batch: a pipeline on one connection. Each part
+ * touches only its own commands' entries of done[] and out[]. */
+typedef struct batch_part {
+    kvr_rc           *rc;
+    int               idx;          /* node index */
+    size_t           *ix;           /* its commands */
+    size_t            nix;
+    const kvr_rc_cmd *cmds;
+    bool             *done;
+    redisReply      **out;          /* NULL: cb consumes */
+    kvr_rc_reply_fn   cb;
+    void             *ud;
+    size_t            ok;
+    pthread_t         th;
+    bool              threaded;
+} batch_part;
+
+static bool deliver(batch_part *p, size_t j, redisReply *r)
 {
-    size_t ok = 0;
+    if (p->cb) {
+        bool keep = p->cb(p->ud, j, r);
+        freeReplyObject(r);
+        return keep;
+    }
+    p->out[j] = r;
+    return true;
+}
+
+static void *run_part(void *arg)
+{
+    batch_part *p = arg;
+    kvr_rc *rc = p->rc;
+    rc_node *nd = node_at(rc, p->idx);
+    redisContext *x = nd ? node_get(rc, nd, NULL) : NULL;
+    if (!x)
+        return NULL;                 /* all left to the one-by-one path */
+    for (size_t k = 0; k < p->nix; k++) {
+        const kvr_rc_cmd *c = &p->cmds[p->ix[k]];
+        redisAppendCommandArgv(x, c->argc, c->argv, c->argvlen);
+    }
+    bool healthy = true;
+    for (size_t k = 0; k < p->nix && healthy; k++) {
+        size_t j = p->ix[k];
+        redisReply *r = NULL;
+        if (redisGetReply(x, (void **)&r) != REDIS_OK || !r) {
+            healthy = false;
+            break;
+        }
+        if (r->type == REDIS_REPLY_ERROR) {
+            freeReplyObject(r);     /* redirect or failure: one by one */
+            continue;
+        }
+        p->done[j] = true;
+        if (deliver(p, j, r))
+            p->ok++;
+    }
+    if (!healthy)
+        count(rc, &rc->conn_errors);
+    node_put(nd, x, healthy);
+    return NULL;
+}
+
+size_t kvr_rc_batch_cb(kvr_rc *rc, size_t n, const kvr_rc_cmd *cmds, redisReply **out,
+                       kvr_rc_reply_fn cb, void *ud)
+{
     /* One retry budget for the whole batch, not one per command. */
     uint64_t deadline = now_ms() + (uint64_t)rc->retry_ms;
     if (n == 0)
         return 0;
+    for (size_t i = 0; out && i < n; i++)
+        out[i] = NULL;
     int *node = malloc(n * sizeof *node);
+    size_t *ix = malloc(n * sizeof *ix);
     bool *done = calloc(n, sizeof *done);
-    if (!node || !done) {
+    batch_part *parts = calloc(KVR_RC_MAX_NODES, sizeof *parts);
+    if (!node || !ix || !done || !parts) {
         free(node);
+        free(ix);
         free(done);
-        for (size_t i = 0; i < n; i++)
-            out[i] = NULL;
+        free(parts);
         return 0;
     }
+    int np = 0;
     for (size_t i = 0; i < n; i++) {
-        out[i] = NULL;
         node[i] = slot_node(rc, kvr_rc_key_slot(cmds[i].argv[1], cmds[i].argvlen[1]));
-    }
-    /* One pipeline per node, in turn. */
-    for (size_t i = 0; i < n; i++) {
-        if (done[i] || node[i] < 0)
-            continue;
-        int idx = node[i];
-        rc_node *nd = node_at(rc, idx);
-        redisContext *x = nd ? node_get(rc, nd, NULL) : NULL;
-        if (!x) {
-            for (size_t j = i; j < n; j++)
-                if (node[j] == idx)
-                    node[j] = -1;     /* left to the one-by-one path */
-            continue;
+        int k;
+        for (k = 0; k < np && parts[k].idx != node[i]; k++) {
         }
-        size_t sent = 0;
-        for (size_t j = i; j < n; j++)
-            if (!done[j] && node[j] == idx) {
-                redisAppendCommandArgv(x, cmds[j].argc, cmds[j].argv, cmds[j].argvlen);
-                sent++;
-            }
-        bool healthy = true;
-        for (size_t j = i; j < n && sent; j++) {
-            if (done[j] || node[j] != idx)
-                continue;
-            sent--;
-            redisReply *r = NULL;
-            if (!healthy || redisGetReply(x, (void **)&r) != REDIS_OK || !r) {
-                healthy = false;
-                node[j] = -1;
-                continue;
-            }
-            if (r->type == REDIS_REPLY_ERROR) {
-                freeReplyObject(r);
-                node[j] = -1;        /* redirect or failure: one by one */
-                continue;
-            }
-            out[j] = r;
-            done[j] = true;
-            ok++;
-        }
-        if (!healthy)
-            count(rc, &rc->conn_errors);
-        node_put(nd, x, healthy);
+        if (node[i] >= 0 && k == np)
+            parts[np++] = (batch_part){ .rc = rc, .idx = node[i], .cmds = cmds, .done = done,
+                                        .out = out, .cb = cb, .ud = ud };
     }
+    /* Each part's commands, in order, in one array. */
+    size_t at = 0;
+    for (int k = 0; k < np; k++) {
+        parts[k].ix = ix + at;
+        for (size_t i = 0; i < n; i++)
+            if (node[i] == parts[k].idx)
+                ix[at++] = i;
+        parts[k].nix = (size_t)(ix + at - parts[k].ix);
+    }
+    /* The nodes' pipelines run at once: one thread per node but the last,
+     * which runs here (large values then arrive from every master in
+     * parallel, and each thread checks what it received while it is hot). */
+    for (int k = 0; k + 1 < np; k++)
+        parts[k].threaded = pthread_create(&parts[k].th, NULL, run_part, &parts[k]) == 0;
+    for (int k = 0; k < np; k++)
+        if (!parts[k].threaded)
+            run_part(&parts[k]);
+    size_t ok = 0;
+    for (int k = 0; k < np; k++) {
+        if (parts[k].threaded)
+            pthread_join(parts[k].th, NULL);
+        ok += parts[k].ok;
+    }
+    batch_part one = { .rc = rc, .idx = -1, .cmds = cmds, .done = done, .out = out, .cb = cb,
+                       .ud = ud };
     for (size_t i = 0; i < n; i++) {
         if (done[i])
             continue;
         redisReply *r;
         if (command_until(rc, cmds[i].argc, cmds[i].argv, cmds[i].argvlen, &r, NULL,
-                          deadline) == 0) {
-            out[i] = r;
+                          deadline) == 0 && deliver(&one, i, r))
             ok++;
-        }
     }
     pthread_mutex_lock(&rc->mu);
     rc->commands += n;
     pthread_mutex_unlock(&rc->mu);
     free(node);
+    free(ix);
     free(done);
+    free(parts);
     return ok;
+}
+
+size_t kvr_rc_batch(kvr_rc *rc, size_t n, const kvr_rc_cmd *cmds, redisReply **out)
+{
+    return kvr_rc_batch_cb(rc, n, cmds, out, NULL, NULL);
 }
 
 /* ---- life cycle -------------------------------------------------------- */

@@ -88,6 +88,13 @@ typedef struct kvr_rc_cmd {
     const size_t  *argvlen;
 } kvr_rc_cmd;
 size_t kvr_rc_batch(kvr_rc *rc, size_t n, const kvr_rc_cmd *cmds, redisReply **out);
+/* The same, each node's pipeline on its own thread, and every reply handed
+ * to cb(ud, i, reply) as it arrives (possibly concurrently, for distinct
+ * i; the reply is freed when cb returns) instead of stored in out (NULL).
+ * Returns how many replies cb accepted (returned true for). */
+typedef bool (*kvr_rc_reply_fn)(void *ud, size_t i, const redisReply *r);
+size_t kvr_rc_batch_cb(kvr_rc *rc, size_t n, const kvr_rc_cmd *cmds, redisReply **out,
+                       kvr_rc_reply_fn cb, void *ud);
 
 void kvr_rc_get_stats(kvr_rc *rc, kvr_rc_stats *out);
 

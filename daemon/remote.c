@@ -874,8 +874,39 @@ static redisReply *get_one(kvr_rc *rc, const char *key, size_t klen)
     return x;
 }
 
+/* What the reply callback of fetch_blocks checks each block against. */
+typedef struct fetch_ctx {
+    kvr_rjob       *j;
+    const uint64_t *chains;
+    size_t          n_ctx;
+    const uint32_t *tokens;
+    const int64_t  *pos;
+    char          (*keys)[KVR_RT_KEY_MAX];
+    bool           *good;
+} fetch_ctx;
+
+/* Runs on the batch's node threads, as each block arrives (while it is in
+ * cache); distinct blocks write distinct parts of the payload. */
+static bool on_block(void *ud, size_t b, const redisReply *rep)
+{
+    fetch_ctx *f = ud;
+    if (rep->type != REDIS_REPLY_STRING)
+        return false;
+    size_t s = b * KVR_RT_BLOCK, n = f->n_ctx - s < KVR_RT_BLOCK ? f->n_ctx - s : KVR_RT_BLOCK;
+    kvr_error e = { 0 };
+    if (kvr_rt_block_decode((const uint8_t *)rep->str, rep->len, &f->j->desc, f->chains[b], s,
+                            f->tokens + s, f->pos + s, n, f->j->payload, f->n_ctx, &e) < 0) {
+        char why[400];
+        snprintf(why, sizeof why, "%s: %s", f->keys[b], e.msg);
+        miss(f->j, true, why);
+        return false;
+    }
+    f->good[b] = true;
+    return true;
+}
+
 /* GETs blocks [0, nb) and decodes them into j->payload; returns how many
- * leading blocks were good (stops at the first missing or bad one). */
+ * leading blocks were good (up to the first missing or bad one). */
 static size_t fetch_blocks(kvr_rjob *j, const uint64_t *chains, size_t nb, size_t n_ctx,
                            const uint32_t *tokens, const int64_t *pos)
 {
@@ -884,9 +915,9 @@ static size_t fetch_blocks(kvr_rjob *j, const uint64_t *chains, size_t nb, size_
     kvr_rc_cmd *cmds = kvr_mem_malloc(nb * sizeof *cmds + 1);
     const char **argv = kvr_mem_malloc(nb * 2 * sizeof *argv + 1);
     size_t *argl = kvr_mem_malloc(nb * 2 * sizeof *argl + 1);
-    redisReply **rep = kvr_mem_calloc(nb + 1, sizeof *rep);
-    size_t good = 0;
-    if (!keys || !cmds || !argv || !argl || !rep)
+    bool *good = kvr_mem_calloc(nb + 1, sizeof *good);
+    size_t n_good = 0;
+    if (!keys || !cmds || !argv || !argl || !good)
         goto out;
     for (size_t b = 0; b < nb; b++) {
         argv[2 * b] = "GET";
@@ -895,33 +926,19 @@ static size_t fetch_blocks(kvr_rjob *j, const uint64_t *chains, size_t nb, size_
         argv[2 * b + 1] = keys[b];
         cmds[b] = (kvr_rc_cmd){ 2, argv + 2 * b, argl + 2 * b };
     }
-    kvr_rc_batch(r->rc, nb, cmds, rep);
-    for (size_t b = 0; b < nb; b++) {
-        if (!rep[b] || rep[b]->type != REDIS_REPLY_STRING) {
-            miss(j, false, "a block is not in the cluster (evicted, or never published)");
-            break;
-        }
-        size_t s = b * KVR_RT_BLOCK, n = n_ctx - s < KVR_RT_BLOCK ? n_ctx - s : KVR_RT_BLOCK;
-        kvr_error e = { 0 };
-        if (kvr_rt_block_decode((const uint8_t *)rep[b]->str, rep[b]->len, &j->desc, chains[b],
-                                s, tokens + s, pos + s, n, j->payload, n_ctx, &e) < 0) {
-            char why[400];
-            snprintf(why, sizeof why, "%s: %s", keys[b], e.msg);
-            miss(j, true, why);
-            break;
-        }
-        good++;
-    }
+    fetch_ctx f = { j, chains, n_ctx, tokens, pos, keys, good };
+    kvr_rc_batch_cb(r->rc, nb, cmds, NULL, on_block, &f);
+    while (n_good < nb && good[n_good])
+        n_good++;
+    if (n_good < nb)
+        miss(j, false, "a block is missing or bad (evicted, never published, or corrupt)");
 out:
-    for (size_t b = 0; rep && b < nb; b++)
-        if (rep[b])
-            freeReplyObject(rep[b]);
     kvr_mem_free(keys);
     kvr_mem_free(cmds);
     kvr_mem_free(argv);
     kvr_mem_free(argl);
-    kvr_mem_free(rep);
-    return good;
+    kvr_mem_free(good);
+    return n_good;
 }
 
 static void work_by_id(kvr_rjob *j)
@@ -1035,10 +1052,13 @@ void kvr_remote_job_work(kvr_rjob *j)
         miss(j, false, "the cluster is unreachable");
         return;
     }
+    uint64_t t0 = mono_ms();
     if (j->by_id)
         work_by_id(j);
     else
         work_prefix(j);
+    kvr_log(KVR_LOG_DEBUG, "remote tier: fetch of '%s' took %llu ms", j->ctx_id,
+            (unsigned long long)(mono_ms() - t0));
 }
 
 /* A local model for the fetched data: the named one if its fingerprint
@@ -1073,6 +1093,7 @@ int kvr_remote_job_land(kvr_rjob *j)
         miss(j, true, "the fetched shape differs from the local model's");
         return KVR_ENOCTX;
     }
+    uint64_t t_land = mono_ms();
     kvr_put_params pp = {
         .ctx_id = j->ctx_id,
         .model = mi.name,
@@ -1114,6 +1135,7 @@ int kvr_remote_job_land(kvr_rjob *j)
         kvr_log(KVR_LOG_WARN, "remote tier: cannot keep '%s' locally: %s", j->ctx_id, e.msg);
         return rc;
     }
+    kvr_log(KVR_LOG_DEBUG, "remote tier: landing took %llu ms", (unsigned long long)(mono_ms() - t_land));
     atomic_fetch_add(&r->fetch_hits, 1);
     atomic_fetch_add(&r->fetch_tokens, j->n_tokens);
     kvr_log(KVR_LOG_DEBUG, "remote tier: fetched '%s' (%zu tokens)", j->ctx_id, j->n_tokens);
