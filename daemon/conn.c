@@ -937,15 +937,21 @@ static void after_work_cb(uv_work_t *w, int status)
             c->req = NULL;
         }
     } else {
+        c->work_requeued = false;
         kvr_dispatch_after_work(c);
     }
-    c->work_kind = 0;
+    /* A job may queue its next step from its completion (the remote
+     * tier's fetch by id): that one keeps its kind. */
+    if (!c->work_requeued)
+        c->work_kind = 0;
+    c->work_requeued = false;
     conn_unref(c);
 }
 
 void kvr_conn_queue_work(kvr_conn *c, int kind)
 {
     c->work_kind = kind;
+    c->work_requeued = true;
     c->work.data = c;
     c->work_rc = 0;
     int rc = uv_queue_work(&c->d->loop, &c->work, work_cb, after_work_cb);

@@ -175,6 +175,7 @@ struct kvr_conn {
      * already asked the cluster (it is then answered from what landed) */
     struct kvr_rjob *rjob;
     bool        remote_tried;
+    bool        work_requeued;    /* kvr_conn_queue_work ran during after-work */
 };
 
 /* ---- config.c --------------------------------------------------------- */

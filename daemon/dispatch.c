@@ -1452,8 +1452,14 @@ void kvr_dispatch_remote_done(kvr_conn *c)
 {
     kvr_rjob *j = c->rjob;
     c->rjob = NULL;
-    kvr_remote_job_land(j);     /* a miss leaves the store as it was */
-    kvr_remote_job_free(j);
+    if (kvr_remote_job_land(j) == 1) {
+        /* The manifest is here and the local put is open: now its blocks,
+         * straight into that put's memory. */
+        c->rjob = j;
+        kvr_conn_queue_work(c, KVR_WORK_REMOTE);
+        return;
+    }
+    kvr_remote_job_free(j);     /* a miss leaves the store as it was */
     c->remote_tried = true;
     /* Answer as if it had been local all along (or as the miss it is). */
     if (c->req->body_case == KVROPE__REQUEST__BODY_GET)

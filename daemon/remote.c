@@ -155,9 +155,56 @@ uint8_t *kvr_rt_block_encode(const kvr_rt_desc *d, uint64_t chain, uint64_t star
     return v;
 }
 
+/* Where decoded K/V goes: one flat layer-major payload, or the same bytes
+ * spread over iovecs (a put's, straight into block memory); starts[i] is
+ * the payload offset of iov[i]. */
+typedef struct rt_dst {
+    uint8_t            *flat;
+    const struct iovec *iov;
+    size_t              niov;
+    const size_t       *starts;
+} rt_dst;
+
+static void dst_write(const rt_dst *d, size_t off, const uint8_t *src, size_t len)
+{
+    if (d->flat) {
+        memcpy(d->flat + off, src, len);
+        return;
+    }
+    size_t lo = 0, hi = d->niov;
+    while (hi - lo > 1) {            /* the last iov starting at or before off */
+        size_t mid = (lo + hi) / 2;
+        if (d->starts[mid] <= off)
+            lo = mid;
+        else
+            hi = mid;
+    }
+    for (size_t i = lo; len && i < d->niov; i++) {
+        size_t in = off - d->starts[i], take = d->iov[i].iov_len - in;
+        if (take > len)
+            take = len;
+        memcpy((uint8_t *)d->iov[i].iov_base + in, src, take);
+        src += take;
+        off += take;
+        len -= take;
+    }
+}
+
+static int decode_to(const uint8_t *v, size_t len, const kvr_rt_desc *d, uint64_t chain,
+                     uint64_t start, const uint32_t *tokens, const int64_t *pos, size_t n,
+                     const rt_dst *dst, size_t n_ctx, kvr_error *err);
+
 int kvr_rt_block_decode(const uint8_t *v, size_t len, const kvr_rt_desc *d, uint64_t chain,
                         uint64_t start, const uint32_t *tokens, const int64_t *pos, size_t n,
                         uint8_t *dst, size_t n_ctx, kvr_error *err)
+{
+    rt_dst flat = { .flat = dst };
+    return decode_to(v, len, d, chain, start, tokens, pos, n, &flat, n_ctx, err);
+}
+
+static int decode_to(const uint8_t *v, size_t len, const kvr_rt_desc *d, uint64_t chain,
+                     uint64_t start, const uint32_t *tokens, const int64_t *pos, size_t n,
+                     const rt_dst *dst, size_t n_ctx, kvr_error *err)
 {
     size_t kv = kv_bytes(d, n), row = row_bytes(d);
     if (len < BLOCK_HDR + 4 || memcmp(v, BLOCK_MAGIC, 4) != 0)
@@ -183,7 +230,7 @@ int kvr_rt_block_decode(const uint8_t *v, size_t len, const kvr_rt_desc *d, uint
         return kvr_error_set(err, KVR_EIO, "block value: tokens or positions differ");
     p += n * 12;
     for (size_t l = 0; l < 2 * (size_t)d->n_layers; l++) {
-        memcpy(dst + (l * n_ctx + start) * row, p, n * row);
+        dst_write(dst, (l * n_ctx + start) * row, p, n * row);
         p += n * row;
     }
     return 0;
@@ -339,6 +386,14 @@ struct kvr_rjob {
     kvr_rt_manifest m;          /* by_id: the manifest; prefix: tokens/positions */
     uint8_t    *payload;
     size_t      n_tokens;
+    /* by_id runs twice: the manifest (phase 0), then, once the loop opened
+     * the local put, the blocks straight into its memory (phase 1). */
+    int         phase;
+    bool        have_manifest;
+    kvr_put    *put;
+    const struct iovec *iov;
+    size_t      niov;
+    size_t     *starts;
 };
 
 static uint64_t mono_ms(void)
@@ -846,6 +901,9 @@ void kvr_remote_job_free(kvr_rjob *j)
 {
     if (!j)
         return;
+    if (j->put)
+        kvr_put_abort(j->put);      /* loop thread: nothing was committed */
+    kvr_mem_free(j->starts);
     kvr_rt_manifest_free(&j->m);
     kvr_mem_free(j->payload);
     kvr_mem_free(j);
@@ -883,6 +941,7 @@ typedef struct fetch_ctx {
     const int64_t  *pos;
     char          (*keys)[KVR_RT_KEY_MAX];
     bool           *good;
+    rt_dst          dst;
 } fetch_ctx;
 
 /* Runs on the batch's node threads, as each block arrives (while it is in
@@ -894,8 +953,8 @@ static bool on_block(void *ud, size_t b, const redisReply *rep)
         return false;
     size_t s = b * KVR_RT_BLOCK, n = f->n_ctx - s < KVR_RT_BLOCK ? f->n_ctx - s : KVR_RT_BLOCK;
     kvr_error e = { 0 };
-    if (kvr_rt_block_decode((const uint8_t *)rep->str, rep->len, &f->j->desc, f->chains[b], s,
-                            f->tokens + s, f->pos + s, n, f->j->payload, f->n_ctx, &e) < 0) {
+    if (decode_to((const uint8_t *)rep->str, rep->len, &f->j->desc, f->chains[b], s,
+                  f->tokens + s, f->pos + s, n, &f->dst, f->n_ctx, &e) < 0) {
         char why[400];
         snprintf(why, sizeof why, "%s: %s", f->keys[b], e.msg);
         miss(f->j, true, why);
@@ -926,7 +985,9 @@ static size_t fetch_blocks(kvr_rjob *j, const uint64_t *chains, size_t nb, size_
         argv[2 * b + 1] = keys[b];
         cmds[b] = (kvr_rc_cmd){ 2, argv + 2 * b, argl + 2 * b };
     }
-    fetch_ctx f = { j, chains, n_ctx, tokens, pos, keys, good };
+    fetch_ctx f = { j, chains, n_ctx, tokens, pos, keys, good,
+                    { .flat = j->put ? NULL : j->payload, .iov = j->iov, .niov = j->niov,
+                      .starts = j->starts } };
     kvr_rc_batch_cb(r->rc, nb, cmds, NULL, on_block, &f);
     while (n_good < nb && good[n_good])
         n_good++;
@@ -944,6 +1005,14 @@ out:
 static void work_by_id(kvr_rjob *j)
 {
     kvr_remote *r = j->r;
+    if (j->phase == 1) {
+        if (fetch_blocks(j, j->m.chains, j->m.n_blocks, j->m.n_tokens, j->m.tokens,
+                         j->m.positions) == j->m.n_blocks) {
+            j->hit = true;
+            j->n_tokens = j->m.n_tokens;
+        }
+        return;
+    }
     char mk[KVR_RT_KEY_MAX];
     size_t mkl = kvr_rt_manifest_key(j->ctx_id, mk);
     redisReply *x = get_one(r->rc, mk, mkl);
@@ -961,15 +1030,7 @@ static void work_by_id(kvr_rjob *j)
         return;
     }
     j->desc = j->m.desc;
-    size_t psz = kv_bytes(&j->desc, j->m.n_tokens);
-    j->payload = psz ? kvr_mem_malloc(psz) : NULL;
-    if (!j->payload)
-        return;
-    if (fetch_blocks(j, j->m.chains, j->m.n_blocks, j->m.n_tokens, j->m.tokens,
-                     j->m.positions) == j->m.n_blocks) {
-        j->hit = true;
-        j->n_tokens = j->m.n_tokens;
-    }
+    j->have_manifest = true;     /* the loop opens the put, then phase 1 */
 }
 
 static void work_prefix(kvr_rjob *j)
@@ -1077,9 +1138,40 @@ static int find_model(kvr_store *s, const char *name, uint64_t fp, kvr_model_inf
     return KVR_ENOMODEL;
 }
 
+/* Loop thread: the fetched K/V is in t's memory; convert if needed, commit. */
+static int land_commit(kvr_rjob *j, kvr_put *t)
+{
+    kvr_error e = { 0 };
+    int rc;
+    if (kvr_put_needs_work(t) && (rc = kvr_put_work(t, &e)) < 0) {
+        kvr_put_abort(t);
+        kvr_log(KVR_LOG_WARN, "remote tier: fetched '%s' refused: %s", j->ctx_id, e.msg);
+        return rc;
+    }
+    kvr_put_result res;
+    rc = kvr_put_commit(t, &res, &e);
+    if (rc < 0) {
+        kvr_log(KVR_LOG_WARN, "remote tier: cannot keep '%s' locally: %s", j->ctx_id, e.msg);
+        return rc;
+    }
+    atomic_fetch_add(&j->r->fetch_hits, 1);
+    atomic_fetch_add(&j->r->fetch_tokens, j->n_tokens);
+    kvr_log(KVR_LOG_DEBUG, "remote tier: fetched '%s' (%zu tokens)", j->ctx_id, j->n_tokens);
+    return 0;
+}
+
 int kvr_remote_job_land(kvr_rjob *j)
 {
-    if (!j->hit)
+    if (j->by_id && j->phase == 1) {
+        kvr_put *t = j->put;
+        j->put = NULL;
+        if (!j->hit) {
+            kvr_put_abort(t);
+            return KVR_ENOCTX;
+        }
+        return land_commit(j, t);
+    }
+    if (j->by_id ? !j->have_manifest : !j->hit)
         return KVR_ENOCTX;
     kvr_remote *r = j->r;
     kvr_store *s = r->d->store;
@@ -1093,7 +1185,8 @@ int kvr_remote_job_land(kvr_rjob *j)
         miss(j, true, "the fetched shape differs from the local model's");
         return KVR_ENOCTX;
     }
-    uint64_t t_land = mono_ms();
+    if (j->by_id)
+        j->n_tokens = j->m.n_tokens;
     kvr_put_params pp = {
         .ctx_id = j->ctx_id,
         .model = mi.name,
@@ -1118,28 +1211,37 @@ int kvr_remote_job_land(kvr_rjob *j)
         return rc;
     }
     const struct iovec *iov;
-    size_t niov, off = 0;
+    size_t niov;
     kvr_put_payload_iov(t, &iov, &niov);
+    if (kvr_put_payload_size(t) != kv_bytes(&j->desc, j->n_tokens)) {
+        kvr_put_abort(t);
+        miss(j, true, "the fetched context's size differs from the local put's");
+        return KVR_ENOCTX;
+    }
+    if (j->by_id) {
+        /* Phase 1: the blocks are fetched straight into the put's memory. */
+        j->starts = kvr_mem_malloc((niov + 1) * sizeof *j->starts);
+        if (!j->starts) {
+            kvr_put_abort(t);
+            return KVR_ENOMEM;
+        }
+        size_t off = 0;
+        for (size_t i = 0; i < niov; i++) {
+            j->starts[i] = off;
+            off += iov[i].iov_len;
+        }
+        j->put = t;
+        j->iov = iov;
+        j->niov = niov;
+        j->phase = 1;
+        return 1;
+    }
+    size_t off = 0;
     for (size_t i = 0; i < niov; i++) {
         memcpy(iov[i].iov_base, j->payload + off, iov[i].iov_len);
         off += iov[i].iov_len;
     }
-    if (kvr_put_needs_work(t) && (rc = kvr_put_work(t, &e)) < 0) {
-        kvr_put_abort(t);
-        kvr_log(KVR_LOG_WARN, "remote tier: fetched '%s' refused: %s", j->ctx_id, e.msg);
-        return rc;
-    }
-    kvr_put_result res;
-    rc = kvr_put_commit(t, &res, &e);
-    if (rc < 0) {
-        kvr_log(KVR_LOG_WARN, "remote tier: cannot keep '%s' locally: %s", j->ctx_id, e.msg);
-        return rc;
-    }
-    kvr_log(KVR_LOG_DEBUG, "remote tier: landing took %llu ms", (unsigned long long)(mono_ms() - t_land));
-    atomic_fetch_add(&r->fetch_hits, 1);
-    atomic_fetch_add(&r->fetch_tokens, j->n_tokens);
-    kvr_log(KVR_LOG_DEBUG, "remote tier: fetched '%s' (%zu tokens)", j->ctx_id, j->n_tokens);
-    return 0;
+    return land_commit(j, t);
 }
 
 size_t kvr_remote_metrics(kvr_remote *r, const char **names, double *values, size_t cap)

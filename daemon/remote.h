@@ -102,7 +102,9 @@ int  kvr_remote_publish(kvr_remote *r, const char *ctx_id, kvr_conn *conn, uint8
 
 /* Fetch jobs: built on the loop (NULL if nothing to ask), worked on the
  * threadpool, landed on the loop (a local put; 0 if a context now holds
- * the data). */
+ * the data, < 0 a miss, 1: work the job once more, then land it again —
+ * a get by id opens its local put after the manifest and fetches the
+ * blocks straight into it). Free aborts a put still open. */
 kvr_rjob *kvr_remote_job_get(kvr_remote *r, const char *ctx_id);
 kvr_rjob *kvr_remote_job_prefix(kvr_remote *r, const char *model, const uint32_t *tokens,
                                 size_t n, size_t local_len);

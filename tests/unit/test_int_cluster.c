@@ -114,7 +114,7 @@ Test(int_cluster, share_on_a_get_and_match_on_b)
     /* B has never seen it: the get fetches manifest + blocks. */
     kvr_kv ka, kb;
     cr_assert_eq(get_kv(CA, "doc", 0, 0, NULL, &ka), 0);
-    cr_assert_eq(get_kv(CB, "doc", 0, 0, NULL, &kb), 0);
+    cr_assert_eq(get_kv(CB, "doc", 0, 0, NULL, &kb), 0, "%s", kvr_client_last_error(CB));
     assert_same(&ka, &kb);
     kvr_kv_release(&kb);
     kvr_kv_release(&ka);
