@@ -797,6 +797,11 @@ int kvr_remote_publish(kvr_remote *r, const char *ctx_id, kvr_conn *conn, uint8_
     if (ci.n_pending)
         return kvr_error_set(err, KVR_EPENDING, "share: '%s' has %zu tokens without KV "
                              "(refresh them first)", ctx_id, ci.n_pending);
+    /* A reader lands what it fetches as exact KV: approximate tokens (an
+     * edit's suffix, a parallel encoding) are not published. */
+    if (ci.n_approx)
+        return kvr_error_set(err, KVR_EUNSUPPORTED, "share: '%s' has %zu approximate tokens "
+                             "(refresh them first)", ctx_id, ci.n_approx);
     kvr_get *g;
     kvr_get_params gp = { .ctx_id = ctx_id, .start = 0, .end = SIZE_MAX, .dtype = dt };
     if ((rc = kvr_store_get_begin(s, &gp, &g, err)) < 0)

@@ -172,6 +172,27 @@ Test(int_cluster, share_on_a_get_and_match_on_b)
     assert_same(&ka, &kb);
     kvr_kv_release(&kb);
     kvr_kv_release(&ka);
+    /* The CLI: kvrope put --share-sync on A, get on B. */
+    {
+        char in[400], toks[400], out[8192];
+        snprintf(in, sizeof in, "%s/cli.raw", A.dir);
+        snprintf(toks, sizeof toks, "%s/cli.tok", A.dir);
+        size_t pl_len;
+        void *raw = testd_payload(11, T_LAYERS, 0, 10, KVR_DTYPE_F16, &pl_len);
+        FILE *fp = fopen(in, "wb");
+        fwrite(raw, 1, pl_len, fp);
+        fclose(fp);
+        free(raw);
+        fp = fopen(toks, "w");
+        fprintf(fp, "1,2,3,4,5,6,7,8,9,10\n");
+        fclose(fp);
+        const char *args[] = { "put", "cli-doc", in, "--model", "tiny", "--tokens-file", toks,
+                               "--share-sync", NULL };
+        cr_assert_eq(testd_cli(&A, out, sizeof out, args), 0, "%s", out);
+        cr_assert_eq(get_kv(CB, "cli-doc", 0, 0, NULL, &kb), 0);
+        cr_assert_eq(kb.n_tokens, 10);
+        kvr_kv_release(&kb);
+    }
     /* Unknown everywhere: still "unknown context". */
     cr_assert_eq(get_kv(CB, "nowhere", 0, 0, NULL, &kb), KVR_ENOCTX);
     /* A share of a quantized context is refused with the reason. */
