@@ -121,40 +121,6 @@ static size_t kv_bytes(const kvr_rt_desc *d, size_t n)
     return (size_t)d->n_layers * 2 * n * row;
 }
 
-uint8_t *kvr_rt_block_encode(const kvr_rt_desc *d, uint64_t chain, uint64_t start,
-                             const uint32_t *tokens, const int64_t *pos, size_t n,
-                             const uint8_t *ctx_payload, size_t n_ctx, size_t *len)
-{
-    size_t kv = kv_bytes(d, n), row = row_bytes(d);
-    size_t total = BLOCK_HDR + n * 12 + kv + 4;
-    uint8_t *v = kvr_mem_malloc(total);
-    if (!v)
-        return NULL;
-    memcpy(v, BLOCK_MAGIC, 4);
-    put32(v + 4, RT_VERSION);
-    put64(v + 8, d->fingerprint);
-    put32(v + 16, d->n_layers);
-    put32(v + 20, d->n_kv_heads);
-    put32(v + 24, d->head_dim);
-    put32(v + 28, (uint32_t)d->dtype);
-    put32(v + 32, KVR_RT_BLOCK);
-    put32(v + 36, (uint32_t)n);
-    put64(v + 40, chain);
-    put64(v + 48, start);
-    uint8_t *p = v + BLOCK_HDR;
-    memcpy(p, tokens, n * 4);
-    p += n * 4;
-    memcpy(p, pos, n * 8);
-    p += n * 8;
-    for (size_t l = 0; l < 2 * (size_t)d->n_layers; l++) {
-        memcpy(p, ctx_payload + (l * n_ctx + start) * row, n * row);
-        p += n * row;
-    }
-    put32(p, kvr_crc32c(0, v, (size_t)(p - v)));
-    *len = total;
-    return v;
-}
-
 /* Where decoded K/V goes: one flat layer-major payload, or the same bytes
  * spread over iovecs (a put's, straight into block memory); starts[i] is
  * the payload offset of iov[i]. */
@@ -188,6 +154,81 @@ static void dst_write(const rt_dst *d, size_t off, const uint8_t *src, size_t le
         off += take;
         len -= take;
     }
+}
+
+/* Where a block's K/V is read from when it is encoded: the same two forms
+ * (a flat payload, or a get's iovecs: block memory, leased). */
+typedef rt_dst rt_src;
+
+static void src_read(const rt_src *d, size_t off, uint8_t *out, size_t len)
+{
+    if (d->flat) {
+        memcpy(out, d->flat + off, len);
+        return;
+    }
+    size_t lo = 0, hi = d->niov;
+    while (hi - lo > 1) {
+        size_t mid = (lo + hi) / 2;
+        if (d->starts[mid] <= off)
+            lo = mid;
+        else
+            hi = mid;
+    }
+    for (size_t i = lo; len && i < d->niov; i++) {
+        size_t in = off - d->starts[i], take = d->iov[i].iov_len - in;
+        if (take > len)
+            take = len;
+        memcpy(out, (const uint8_t *)d->iov[i].iov_base + in, take);
+        out += take;
+        off += take;
+        len -= take;
+    }
+}
+
+static uint8_t *encode_from(const kvr_rt_desc *d, uint64_t chain, uint64_t start,
+                            const uint32_t *tokens, const int64_t *pos, size_t n,
+                            const rt_src *src, size_t n_ctx, size_t *len);
+
+uint8_t *kvr_rt_block_encode(const kvr_rt_desc *d, uint64_t chain, uint64_t start,
+                             const uint32_t *tokens, const int64_t *pos, size_t n,
+                             const uint8_t *ctx_payload, size_t n_ctx, size_t *len)
+{
+    rt_src flat = { .flat = (uint8_t *)(uintptr_t)ctx_payload };
+    return encode_from(d, chain, start, tokens, pos, n, &flat, n_ctx, len);
+}
+
+static uint8_t *encode_from(const kvr_rt_desc *d, uint64_t chain, uint64_t start,
+                            const uint32_t *tokens, const int64_t *pos, size_t n,
+                            const rt_src *src, size_t n_ctx, size_t *len)
+{
+    size_t kv = kv_bytes(d, n), row = row_bytes(d);
+    size_t total = BLOCK_HDR + n * 12 + kv + 4;
+    uint8_t *v = kvr_mem_malloc(total);
+    if (!v)
+        return NULL;
+    memcpy(v, BLOCK_MAGIC, 4);
+    put32(v + 4, RT_VERSION);
+    put64(v + 8, d->fingerprint);
+    put32(v + 16, d->n_layers);
+    put32(v + 20, d->n_kv_heads);
+    put32(v + 24, d->head_dim);
+    put32(v + 28, (uint32_t)d->dtype);
+    put32(v + 32, KVR_RT_BLOCK);
+    put32(v + 36, (uint32_t)n);
+    put64(v + 40, chain);
+    put64(v + 48, start);
+    uint8_t *p = v + BLOCK_HDR;
+    memcpy(p, tokens, n * 4);
+    p += n * 4;
+    memcpy(p, pos, n * 8);
+    p += n * 8;
+    for (size_t l = 0; l < 2 * (size_t)d->n_layers; l++) {
+        src_read(src, (l * n_ctx + start) * row, p, n * row);
+        p += n * row;
+    }
+    put32(p, kvr_crc32c(0, v, (size_t)(p - v)));
+    *len = total;
+    return v;
 }
 
 static int decode_to(const uint8_t *v, size_t len, const kvr_rt_desc *d, uint64_t chain,
@@ -346,7 +387,10 @@ int kvr_rt_manifest_decode(const uint8_t *v, size_t len, const char *want_id,
 typedef struct pub_job {
     struct pub_job *next;
     kvr_rt_manifest m;
-    uint8_t  *payload;          /* layer-major over m.n_tokens */
+    kvr_get  *get;              /* the snapshot: leased blocks (ended on the loop) */
+    const struct iovec *iov;    /* its payload (after its work, if any) */
+    size_t    niov;
+    size_t   *starts;           /* payload offset of each iov */
     kvr_conn *conn;             /* synchronous put: reply after */
     uint8_t  *reply;
     size_t    reply_len;
@@ -434,6 +478,29 @@ static void publish_one(kvr_remote *r, pub_job *j)
         snprintf(j->msg, sizeof j->msg, "remote tier: the cluster is unreachable");
         return;
     }
+    /* The snapshot's conversion/rotation (if any) and its layout, here,
+     * off the loop thread; the bytes are read straight from its leased
+     * block memory. */
+    kvr_error ge = { 0 };
+    if (kvr_get_needs_work(j->get) && kvr_get_work(j->get, &ge) < 0) {
+        j->rc = KVR_EIO;
+        snprintf(j->msg, sizeof j->msg, "remote tier: snapshot of '%.200s': %.250s", m->ctx_id,
+                 ge.msg);
+        return;
+    }
+    kvr_get_payload_iov(j->get, &j->iov, &j->niov);
+    j->starts = kvr_mem_malloc((j->niov + 1) * sizeof *j->starts);
+    if (!j->starts) {
+        j->rc = KVR_ENOMEM;
+        snprintf(j->msg, sizeof j->msg, "remote tier: out of memory publishing");
+        return;
+    }
+    size_t off = 0;
+    for (size_t i = 0; i < j->niov; i++) {
+        j->starts[i] = off;
+        off += j->iov[i].iov_len;
+    }
+    rt_src src = { .iov = j->iov, .niov = j->niov, .starts = j->starts };
     size_t nb = m->n_blocks;
     uint64_t h = kvr_rt_chain_seed(&m->desc);
     for (size_t b = 0; b < nb; b++) {
@@ -483,9 +550,8 @@ static void publish_one(kvr_remote *r, pub_job *j)
             }
             size_t s = b * KVR_RT_BLOCK, n = m->n_tokens - s < KVR_RT_BLOCK ? m->n_tokens - s
                                                                             : KVR_RT_BLOCK;
-            vals[k] = kvr_rt_block_encode(&m->desc, m->chains[b], s, m->tokens + s,
-                                          m->positions + s, n, j->payload, m->n_tokens,
-                                          &vlen[k]);
+            vals[k] = encode_from(&m->desc, m->chains[b], s, m->tokens + s, m->positions + s,
+                                  n, &src, m->n_tokens, &vlen[k]);
             if (!vals[k]) {
                 failed++;
                 continue;
@@ -613,8 +679,9 @@ static void job_finish(kvr_remote *r, pub_job *j)
         }
         kvr_conn_unref(c);
     }
+    kvr_get_end(j->get);     /* loop thread: the leases go */
     kvr_rt_manifest_free(&j->m);
-    kvr_mem_free(j->payload);
+    kvr_mem_free(j->starts);
     kvr_mem_free(j);
 }
 
@@ -802,41 +869,32 @@ int kvr_remote_publish(kvr_remote *r, const char *ctx_id, kvr_conn *conn, uint8_
     if (ci.n_approx)
         return kvr_error_set(err, KVR_EUNSUPPORTED, "share: '%s' has %zu approximate tokens "
                              "(refresh them first)", ctx_id, ci.n_approx);
+    /* The snapshot is a get of the whole context: its blocks are leased
+     * (whatever happens to the context meanwhile) until the publication is
+     * done and job_finish ends it on the loop. Nothing is copied here. */
     kvr_get *g;
     kvr_get_params gp = { .ctx_id = ctx_id, .start = 0, .end = SIZE_MAX, .dtype = dt };
     if ((rc = kvr_store_get_begin(s, &gp, &g, err)) < 0)
         return rc;
-    if (kvr_get_needs_work(g) && (rc = kvr_get_work(g, err)) < 0) {
-        kvr_get_end(g);
-        return rc;
-    }
     const kvr_get_info *gi = kvr_get_get_info(g);
     pub_job *j = kvr_mem_calloc(1, sizeof *j);
-    size_t n = gi->n_tokens, psz = kvr_get_payload_size(g);
+    size_t n = gi->n_tokens;
     size_t nb = (n + KVR_RT_BLOCK - 1) / KVR_RT_BLOCK;
     if (j) {
-        j->payload = kvr_mem_malloc(psz ? psz : 1);
         j->m.chains = kvr_mem_malloc(nb * 8 + 1);
         j->m.tokens = kvr_mem_malloc(n * 4 + 1);
         j->m.positions = kvr_mem_malloc(n * 8 + 1);
         j->m.flags = kvr_mem_calloc(n + 1, 4);
     }
-    if (!j || !j->payload || !j->m.chains || !j->m.tokens || !j->m.positions || !j->m.flags) {
+    if (!j || !j->m.chains || !j->m.tokens || !j->m.positions || !j->m.flags) {
         if (j) {
             kvr_rt_manifest_free(&j->m);
-            kvr_mem_free(j->payload);
             kvr_mem_free(j);
         }
         kvr_get_end(g);
         return kvr_error_set(err, KVR_ENOMEM, "share: out of memory for the snapshot");
     }
-    const struct iovec *iov;
-    size_t niov, off = 0;
-    kvr_get_payload_iov(g, &iov, &niov);
-    for (size_t i = 0; i < niov; i++) {
-        memcpy(j->payload + off, iov[i].iov_base, iov[i].iov_len);
-        off += iov[i].iov_len;
-    }
+    j->get = g;
     j->m.desc = (kvr_rt_desc){ mi.fingerprint, mi.n_layers, mi.n_kv_heads, mi.head_dim, dt };
     snprintf(j->m.ctx_id, sizeof j->m.ctx_id, "%s", ctx_id);
     snprintf(j->m.model, sizeof j->m.model, "%s", mi.name);
@@ -846,7 +904,6 @@ int kvr_remote_publish(kvr_remote *r, const char *ctx_id, kvr_conn *conn, uint8_
     memcpy(j->m.positions, gi->positions, n * 8);
     if (gi->flags)
         memcpy(j->m.flags, gi->flags, n * 4);
-    kvr_get_end(g);
     if (conn) {
         j->conn = conn;
         j->reply = buf;
