@@ -391,9 +391,8 @@ typedef struct pub_job {
     const struct iovec *iov;    /* its payload (after its work, if any) */
     size_t    niov;
     size_t   *starts;           /* payload offset of each iov */
-    kvr_conn *conn;             /* synchronous put: reply after */
-    uint8_t  *reply;
-    size_t    reply_len;
+    kvr_remote_done_fn done;    /* loop thread, when finished (may be NULL) */
+    void     *done_arg;
     int       rc;
     char      msg[512];
 } pub_job;
@@ -664,21 +663,8 @@ static void job_finish(kvr_remote *r, pub_job *j)
     (void)r;
     if (j->rc < 0)
         kvr_log(KVR_LOG_WARN, "%s", j->msg);
-    kvr_conn *c = j->conn;
-    if (c) {
-        if (c->closing) {
-            kvr_mem_free(j->reply);
-        } else if (j->rc == 0) {
-            kvr_conn_send_packed(c, j->reply, j->reply_len);
-            kvr_conn_request_done(c);
-        } else {
-            kvr_mem_free(j->reply);
-            char m[400];
-            snprintf(m, sizeof m, "stored locally, not shared: %.350s", j->msg);
-            kvr_conn_reply_error(c, j->rc == KVR_ENOMEM ? j->rc : KVR_EIO, m);
-        }
-        kvr_conn_unref(c);
-    }
+    if (j->done)
+        j->done(j->done_arg, j->rc, j->msg);
     kvr_get_end(j->get);     /* loop thread: the leases go */
     kvr_rt_manifest_free(&j->m);
     kvr_mem_free(j->starts);
@@ -844,8 +830,8 @@ static int plain_dtype(const char *codec, kvr_dtype *out)
     return kvr_dtype_parse(codec, out) == 0 ? 0 : KVR_EUNSUPPORTED;
 }
 
-int kvr_remote_publish(kvr_remote *r, const char *ctx_id, kvr_conn *conn, uint8_t *buf,
-                       size_t len, kvr_error *err)
+int kvr_remote_publish(kvr_remote *r, const char *ctx_id, kvr_remote_done_fn done, void *arg,
+                       kvr_error *err)
 {
     kvr_store *s = r->d->store;
     kvr_ctx_info ci;
@@ -904,12 +890,8 @@ int kvr_remote_publish(kvr_remote *r, const char *ctx_id, kvr_conn *conn, uint8_
     memcpy(j->m.positions, gi->positions, n * 8);
     if (gi->flags)
         memcpy(j->m.flags, gi->flags, n * 4);
-    if (conn) {
-        j->conn = conn;
-        j->reply = buf;
-        j->reply_len = len;
-        kvr_conn_ref(conn);
-    }
+    j->done = done;
+    j->done_arg = arg;
     pthread_mutex_lock(&r->mu);
     if (r->q_tail)
         r->q_tail->next = j;

@@ -93,12 +93,14 @@ int  kvr_remote_create(kvr_remote **out, kvr_daemon *d, kvr_error *err);
 void kvr_remote_close(kvr_remote *r);
 void kvr_remote_destroy(kvr_remote *r);
 
-/* Loop thread: snapshots ctx_id now and queues its publication. If conn is
- * non-NULL the packed reply (buf, len; taken) is sent once the publication
- * is done, or an error instead; conn is referenced meanwhile. Returns 0
- * (queued), or a negative code (nothing queued, buf not taken). */
-int  kvr_remote_publish(kvr_remote *r, const char *ctx_id, kvr_conn *conn, uint8_t *buf,
-                        size_t len, kvr_error *err);
+/* Loop thread: snapshots ctx_id now (its blocks leased) and queues its
+ * publication. done (may be NULL) is called on the loop thread once it is
+ * published (rc 0) or failed (rc < 0, msg says why). Returns 0 (queued:
+ * done will be called, also at shutdown), or a negative code (nothing
+ * queued, done never called). */
+typedef void (*kvr_remote_done_fn)(void *arg, int rc, const char *msg);
+int  kvr_remote_publish(kvr_remote *r, const char *ctx_id, kvr_remote_done_fn done, void *arg,
+                        kvr_error *err);
 
 /* Fetch jobs: built on the loop (NULL if nothing to ask), worked on the
  * threadpool, landed on the loop (a local put; 0 if a context now holds
