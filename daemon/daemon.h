@@ -57,6 +57,13 @@ typedef struct kvr_daemon_config {
     char     remote_tier[1024];     /* seed nodes; "" = none */
     char     remote_auth_file[1024];/* "USER PASSWORD"; "" = no AUTH */
     bool     share_all;             /* publish every put */
+    /* What a client can make the daemon hold (issue 12). */
+    uint64_t min_rate;              /* bytes/s a frame must arrive at (after an
+                                       --io-timeout grace); 0 = no deadline */
+    uint64_t max_msg_buffers;       /* unfinished messages of all connections;
+                                       0 = max_memory / 8 */
+    uint32_t max_models;            /* registered models */
+    uint64_t max_contexts;          /* contexts; 0 = max(1024, max_memory / 4 KiB) */
 } kvr_daemon_config;
 
 /* Defaults: see `kvroped --help`. max_memory = min(4 GiB, RAM / 4). */
