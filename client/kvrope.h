@@ -50,12 +50,12 @@ extern "C" {
 /* The library's version. The ABI is that of the major version (SONAME
  * libkvrope.so.KVR_VERSION_MAJOR); 0.x releases may change it in a minor. */
 #define KVR_VERSION_MAJOR 0
-#define KVR_VERSION_MINOR 2
+#define KVR_VERSION_MINOR 3
 #define KVR_VERSION_PATCH 0
 #define KVR_VERSION_HEX ((KVR_VERSION_MAJOR << 16) | (KVR_VERSION_MINOR << 8) | KVR_VERSION_PATCH)
 
 /* Of the library actually loaded (compare with KVR_VERSION_HEX, the one
- * compiled against): (major << 16) | (minor << 8) | patch, and "0.2.0". */
+ * compiled against): (major << 16) | (minor << 8) | patch, and "0.3.0". */
 unsigned    kvr_version(void);
 const char *kvr_version_string(void);
 
@@ -197,6 +197,16 @@ typedef struct kvr_put_args {
                                            disk; it survives restarts and kill -9
                                            (a daemon without --disk-dir refuses
                                            it with KVR_EUNSUPPORTED) */
+    bool                share;          /* publish the context to the daemon's
+                                           shared tier (kvroped --remote-tier,
+                                           docs/cluster.md) after the local
+                                           acknowledgement (ABI 0.3) */
+    bool                share_sync;     /* with or without share: acknowledge
+                                           only once published; if that fails,
+                                           KVR_EIO "stored locally, not shared:
+                                           ..." (the local put stands). A daemon
+                                           without a remote tier refuses a share
+                                           with KVR_EUNSUPPORTED, storing nothing */
 } kvr_put_args;
 
 typedef struct kvr_put_res {

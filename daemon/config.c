@@ -204,6 +204,21 @@ int kvr_daemon_config_set(kvr_daemon_config *c, const char *key, const char *v,
             c->disk_engine = 2;
         else
             rc = KVR_EINVAL;
+    } else if (!strcmp(key, "remote-tier")) {
+        if (strlen(v) >= sizeof c->remote_tier)
+            rc = KVR_EINVAL;
+        else
+            snprintf(c->remote_tier, sizeof c->remote_tier, "%s", v);
+    } else if (!strcmp(key, "remote-auth-file")) {
+        rc = copy_str(c->remote_auth_file, sizeof c->remote_auth_file, v);
+    } else if (!strcmp(key, "share-all")) {
+        if (!strcmp(v, "1") || !strcmp(v, "true") || !strcmp(v, "yes") || !strcmp(v, "on"))
+            c->share_all = true;
+        else if (!strcmp(v, "0") || !strcmp(v, "false") || !strcmp(v, "no") ||
+                 !strcmp(v, "off"))
+            c->share_all = false;
+        else
+            rc = KVR_EINVAL;
     } else if (!strcmp(key, "min-rate")) {
         rc = kvr_parse_size(v, &sz);
         if (rc == 0)
@@ -388,6 +403,14 @@ static const char *HELP_OPS =
 ;
 
 static const char *HELP_TAIL =
+"  --remote-tier redis://HOST:PORT[,HOST:PORT...]\n"
+"                         shared tier on a Redis Cluster (seed nodes): puts\n"
+"                         with Put.share are published there, and a local\n"
+"                         miss of get/match asks it (docs/cluster.md)\n"
+"  --remote-auth-file FILE  Redis ACL credentials: 'USER PASSWORD' (or just\n"
+"                         'PASSWORD') on the first line\n"
+"  --share-all            publish every put (else per put: Put.share); needs\n"
+"                         --remote-tier. In a config file: share-all = true\n"
 "  --max-regions N        shared-memory regions one connection may register\n"
 "                         (default 64; 0 = shared memory off)\n"
 "  --max-region-bytes SIZE  their total size per connection (default 64G;\n"
@@ -434,6 +457,7 @@ static bool known_option(const char *name)
         "max-conn-buffer", "max-drain", "max-regions", "max-region-bytes", "block-tokens", "threads", "log-level", "config",
         "io-timeout", "auth-timeout", "max-unauth-connections",
         "disk-dir", "disk-max", "disk-engine", "persist-all",
+        "remote-tier", "remote-auth-file", "share-all",
         "min-rate", "max-msg-buffers", "max-models", "max-contexts",
         "metrics-listen", "log-format", "log-file",
     };
@@ -504,6 +528,10 @@ int kvr_daemon_config_parse_args(kvr_daemon_config *c, int argc, char **argv,
         }
         if (!strcmp(name, "persist-all") && !eq) {
             c->persist_all = true;     /* a plain switch on the command line */
+            continue;
+        }
+        if (!strcmp(name, "share-all") && !eq) {
+            c->share_all = true;
             continue;
         }
         if (!known_option(name)) {
@@ -578,6 +606,11 @@ int kvr_daemon_config_check(const kvr_daemon_config *c, kvr_error *err)
     }
     if (c->persist_all && !c->disk_dir[0]) {
         seterr(err, "--persist-all needs --disk-dir DIR");
+        return KVR_EINVAL;
+    }
+    if ((c->share_all || c->remote_auth_file[0]) && !c->remote_tier[0]) {
+        seterr(err, "--%s needs --remote-tier redis://HOST:PORT",
+               c->share_all ? "share-all" : "remote-auth-file");
         return KVR_EINVAL;
     }
     const struct { const char *flag, *val; } addrs[] = {

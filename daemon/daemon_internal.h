@@ -87,6 +87,7 @@ struct kvr_daemon {
     uv_loop_t          loop;
     kvr_daemon_config  cfg;
     kvr_store         *store;
+    struct kvr_remote *remote;   /* shared tier; NULL = none (remote.c) */
     kvr_frame_limits   limits;
 
     uv_pipe_t  unix_srv;

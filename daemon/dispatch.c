@@ -26,6 +26,7 @@
  * with kvr_error_status (kvr_status_of).
  */
 #include "daemon/daemon_internal.h"
+#include "daemon/remote.h"
 #include "proto/check.h"
 
 #include <assert.h>
@@ -93,6 +94,10 @@ struct kvrd_request {
     bool             meta;          /* get/assemble: meta_only (no payload) */
     bool             needs_work;    /* run(): the verb's work is to be done */
     int              fd;            /* came with the frame (-1 none); closed at the end */
+    /* shared tier (remote.c): this get/match's fetch job, and whether the
+     * request already asked the cluster (then it answers from what landed) */
+    struct kvr_rjob *rjob;
+    bool             remote_tried;
     /* From here on each field is set before it is read, so a reused
      * request is cleared only up to `work`. */
     /* threadpool job */
@@ -114,6 +119,8 @@ static void release_txn(kvrd_request *r)
         kvr_put_abort(r->put);
     if (r->edit)
         kvr_edit_abort(r->edit);
+    kvr_remote_job_free(r->rjob);   /* aborts the put a fetch may hold open */
+    r->rjob = NULL;
     kvr_get_end(r->get);
     kvr_assemble_end(r->as);
     r->put = NULL;
@@ -278,6 +285,126 @@ static void reply_ok(kvrd_request *r, Kvrope__Response *resp)
         return;
     }
     send_ok(r, resp, NULL, 0, 0, NULL, NULL);
+}
+
+/* ---- the shared tier (remote.c) ------------------------------------------- */
+
+/* A synchronous share: the reply waits (phase PERSIST, the held reply)
+ * until the publication is done; then it is sent, or "stored locally, not
+ * shared: ..." instead. */
+static void shared_done(void *arg, int rc, const char *msg)
+{
+    kvrd_request *r = arg;
+    kvr_conn *c = r->c;
+    assert(r->phase == RQ_PERSIST && r->held);
+    r->phase = RQ_RUN;
+    uint8_t *buf = r->held;
+    r->held = NULL;
+    if (c->closing) {
+        kvr_mem_free(buf);
+        kvrd_request_end(r, rc ? rc : KVR_EIO);
+    } else if (rc == 0) {
+        r->bytes_out += r->held_len;
+        kvrd_conn_write(c, buf, r->held_len, NULL, 0, 0, NULL, NULL);
+        kvrd_request_end(r, 0);
+    } else {
+        kvr_mem_free(buf);
+        reply_errf(r, rc == KVR_ENOMEM ? rc : KVR_EIO, "stored locally, not shared: %s",
+                   msg ? msg : kvr_strerror(rc));
+    }
+    kvr_conn_unref(c);
+}
+
+static void reply_shared(kvrd_request *r, Kvrope__Response *resp, const char *ctx_id)
+{
+    resp->id = r->id;
+    resp->status = KVROPE__STATUS__OK;
+    size_t len;
+    uint8_t *buf = kvrd_pack_response(resp, 0, &len);
+    if (!buf) {
+        reply_error(r, KVR_ENOMEM, "stored locally, not shared: out of memory");
+        return;
+    }
+    r->held = buf;
+    r->held_len = len;
+    r->phase = RQ_PERSIST;
+    kvr_conn_ref(r->c);
+    kvr_error e = { 0 };
+    if (kvr_remote_publish(r->d->remote, ctx_id, shared_done, r, &e) == 0)
+        return;     /* shared_done answers */
+    r->phase = RQ_RUN;
+    r->held = NULL;
+    kvr_mem_free(buf);
+    kvr_conn_unref(r->c);
+    reply_errf(r, e.code ? e.code : KVR_EIO, "stored locally, not shared: %s", e.msg);
+}
+
+static void do_get(kvrd_request *r);
+static void do_match(kvrd_request *r);
+static void remote_queue(kvrd_request *r);
+
+static void remote_work_cb(uv_work_t *w)
+{
+    kvrd_request *r = w->data;
+    kvr_remote_job_work(r->rjob);
+}
+
+/* After a fetch: land it (a local put), maybe fetch again (a get by id:
+ * the blocks, straight into the put opened for them), then answer as if
+ * it had been local all along (or as the miss it is). */
+static void remote_done(kvrd_request *r)
+{
+    kvr_rjob *j = r->rjob;
+    r->rjob = NULL;
+    if (kvr_remote_job_land(j) == 1) {
+        r->rjob = j;
+        remote_queue(r);
+        return;
+    }
+    kvr_remote_job_free(j);
+    r->remote_tried = true;
+    if (r->verb->body == KVROPE__REQUEST__BODY_GET)
+        do_get(r);
+    else
+        do_match(r);
+}
+
+static void remote_after_cb(uv_work_t *w, int status)
+{
+    (void)status;     /* never cancelled */
+    kvrd_request *r = w->data;
+    kvr_conn *c = r->c;
+    assert(r->phase == RQ_WORK);
+    r->phase = RQ_RUN;
+    if (c->closing) {
+        release_txn(r);
+        kvrd_request_end(r, KVR_EIO);
+    } else {
+        remote_done(r);
+    }
+    kvr_conn_unref(c);
+}
+
+static void remote_queue(kvrd_request *r)
+{
+    r->phase = RQ_WORK;
+    r->work.data = r;
+    kvr_conn_ref(r->c);
+    if (uv_queue_work(&r->d->loop, &r->work, remote_work_cb, remote_after_cb) < 0) {
+        remote_work_cb(&r->work);          /* rather than fail the request */
+        remote_after_cb(&r->work, 0);
+    }
+}
+
+/* A local miss the shared tier may answer: queue its fetch (true), or
+ * answer from what is local (false). */
+static bool ask_remote(kvrd_request *r, kvr_rjob *j)
+{
+    if (!j)
+        return false;
+    r->rjob = j;
+    remote_queue(r);
+    return true;
 }
 
 /* ---- the threadpool: one way to run a transaction's work ----------------- */
@@ -763,7 +890,7 @@ static void do_stats(kvrd_request *r)
         { "msg_buffer_refused", (double)d->n_msg_limited },
         { "slow_frames_closed", (double)d->n_slow_closed },
     };
-    enum { NF = sizeof fixed / sizeof fixed[0], ND = 48, N = NF + KVR_N_VERBS + ND };
+    enum { NF = sizeof fixed / sizeof fixed[0], ND = 72, N = NF + KVR_N_VERBS + ND };
     Kvrope__Metric ms[N];
     Kvrope__Metric *ptrs[N];
     char names[KVR_N_VERBS][40];
@@ -771,6 +898,8 @@ static void do_stats(kvrd_request *r)
     double dv[ND];
     /* Disk tier (persist.c): per-tier bytes/blocks, hit rates, recovery. */
     size_t nd = kvr_persist_metrics(d, dn, dv, ND);
+    if (d->remote)
+        nd += kvr_remote_metrics(d->remote, dn + nd, dv + nd, ND - nd);
     size_t nm = 0;
     for (size_t i = 0; i < NF + KVR_N_VERBS + nd; i++, nm++) {
         kvrope__metric__init(&ms[nm]);
@@ -839,6 +968,11 @@ static void start_put(kvrd_request *r, const Kvrope__Put *p, const char *group,
     }
     if (pp.codec && put_codec_check(r, p) < 0)
         return;
+    if (((p->has_share && p->share) || (p->has_share_sync && p->share_sync)) && !r->d->remote) {
+        reply_errf(r, KVR_EUNSUPPORTED, "put.share: this kvroped has no shared tier (start it "
+                   "with --remote-tier redis://HOST:PORT); nothing was stored");
+        return;
+    }
     if ((rc = kvrd_put_layout_from_pb(lo, &pp, &err)) < 0) {
         reply_err(r, rc, &err);
         return;
@@ -916,12 +1050,29 @@ static void finish_put(kvrd_request *r)
     Kvrope__PutResult pr;
     kvrd_pb_put_result(&res, &pr);
     Kvrope__Response resp = KVROPE__RESPONSE__INIT;
-    if (r->verb->body == KVROPE__REQUEST__BODY_GROUP_APPEND) {
+    bool ga = r->verb->body == KVROPE__REQUEST__BODY_GROUP_APPEND;
+    if (ga) {
         resp.body_case = KVROPE__RESPONSE__BODY_GROUP_APPEND;
         resp.group_append = &pr;
     } else {
         resp.body_case = KVROPE__RESPONSE__BODY_PUT;
         resp.put = &pr;
+    }
+    const Kvrope__Put *pq = ga ? r->msg->group_append->put : r->msg->put;
+    bool share_sync = pq->has_share_sync && pq->share_sync;
+    if (r->d->remote && (share_sync || (pq->has_share && pq->share) || r->d->cfg.share_all)) {
+        /* Published after the local commit: the cluster can only ever lack
+         * what is here, never hold what is not. A synchronous share of a
+         * non-persistent put holds its reply until it is published; a
+         * persistent one waits for the disk and publishes asynchronously. */
+        bool persistent = r->d->cfg.persist_all || (pq->has_persist && pq->persist);
+        if (share_sync && !persistent) {
+            reply_shared(r, &resp, pq->context_id);
+            return;
+        }
+        e = (kvr_error){ 0 };
+        if (kvr_remote_publish(r->d->remote, pq->context_id, NULL, NULL, &e) < 0)
+            kvr_log(KVR_LOG_WARN, "'%s' stored locally, not shared: %s", pq->context_id, e.msg);
     }
     reply_ok(r, &resp);
 }
@@ -1162,6 +1313,10 @@ static void start_get(kvrd_request *r, const kvr_get_params *gp0)
 static void do_get(kvrd_request *r)
 {
     const Kvrope__Get *g = r->msg->get;
+    if (r->d->remote && !r->remote_tried &&
+        kvr_store_stat(r->d->store, g->context_id, &(kvr_ctx_info){ 0 }, NULL) == KVR_ENOCTX &&
+        ask_remote(r, kvr_remote_job_get(r->d->remote, g->context_id)))
+        return;
     kvr_error err = { 0 };
     kvr_get_params gp;
     int rc = kvrd_get_params_from_pb(g, &gp, &err);
@@ -1207,6 +1362,10 @@ static void do_match(kvrd_request *r)
         reply_err(r, rc, &e);
         return;
     }
+    if (r->d->remote && !r->remote_tried && mr.length < m->n_tokens &&
+        ask_remote(r, kvr_remote_job_prefix(r->d->remote, m->model, m->tokens, m->n_tokens,
+                                            mr.length)))
+        return;
     r->match_len = mr.length;
     snprintf(r->match_ctx, sizeof r->match_ctx, "%s", mr.ctx_id);
     if (m->has_get && m->get && mr.length > 0) {

@@ -22,6 +22,7 @@
  * RELOADING=1 / READY=1 around a SIGHUP reload, STATUS= with each.
  */
 #include "daemon/daemon_internal.h"
+#include "daemon/remote.h"
 
 #ifdef KVR_JEMALLOC
 #include <jemalloc/jemalloc.h>   /* mallctl: the idle purge */
@@ -761,6 +762,10 @@ int kvr_daemon_create(kvr_daemon **out, const kvr_daemon_config *cfg, kvr_error 
         kvr_error_set(err, rc, "%s", pmsg[0] ? pmsg : kvr_strerror(rc));
         goto fail;
     }
+    /* Shared tier: a wrong password stops the start; an unreachable
+     * cluster is logged and joined later. */
+    if ((rc = kvr_remote_create(&d->remote, d, err)) < 0)
+        goto fail;
     int metrics_fd = -1;
     if ((rc = take_activated(d, &metrics_fd, err)) < 0)
         goto fail;
@@ -825,6 +830,7 @@ void kvr_daemon_destroy(kvr_daemon *d)
     if (d->has_sweep)
         uv_close((uv_handle_t *)&d->sweep, NULL);
     d->has_unix = d->has_tcp = d->has_signals = d->has_sweep = false;
+    kvr_remote_close(d->remote);
     uv_run(&d->loop, UV_RUN_DEFAULT);
     if (uv_loop_close(&d->loop) == UV_EBUSY) {
         uv_walk(&d->loop, close_walk, NULL);
@@ -832,6 +838,7 @@ void kvr_daemon_destroy(kvr_daemon *d)
         uv_loop_close(&d->loop);
     }
     kvr_metrics_destroy(d);
+    kvr_remote_destroy(d->remote);
     kvr_store_destroy(d->store);
     kvr_mem_free(d->token);
     kvr_mem_free(d);

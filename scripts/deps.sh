@@ -5,12 +5,12 @@
 # core and test; fuzz adds clang and its libFuzzer runtime for make fuzz/fuzz-ci)
 set -eu
 level=${1:-test}
-pkgs="build-essential pkg-config libuv1-dev libjemalloc-dev libprotobuf-c-dev protobuf-c-compiler liburing-dev libcjson-dev libmicrohttpd-dev libsystemd-dev"
+pkgs="build-essential pkg-config libuv1-dev libjemalloc-dev libprotobuf-c-dev protobuf-c-compiler liburing-dev libcjson-dev libmicrohttpd-dev libsystemd-dev libhiredis-dev"
 # Tests: Criterion, the Python suite, and for the operations tests promtool
 # (prometheus), systemd-analyze (systemd) and groff (the man pages).
 testpkgs="libcriterion-dev python3 python3-numpy python3-pytest prometheus systemd groff-base"
 case "$level" in
-  test)  pkgs="$pkgs $testpkgs python3-torch git nodejs npm" ;;
+  test)  pkgs="$pkgs $testpkgs python3-torch git nodejs npm redis-server redis-tools" ;;
   bench) pkgs="$pkgs $testpkgs python3-torch git nodejs npm redis-server redis-tools" ;;
   fuzz)  pkgs="$pkgs $testpkgs python3-torch git nodejs npm clang libclang-rt-14-dev" ;;
   core)  ;;

@@ -747,6 +747,8 @@ static int cmd_put(kvr_client *c, const cli_args *a)
     kvr_put_res res;
     cli_progress_begin(c, "put");
     p.persist = cli_flag(a, "persist");
+    p.share = cli_flag(a, "share");
+    p.share_sync = cli_flag(a, "share-sync");
     if (cli_flag(a, "shm")) {
         /* The payload through a memfd region instead of the socket. */
         uint64_t len = p.payload_len;

@@ -55,6 +55,7 @@ static const char help_text[] =
 "        [--persist]                  keep the context on disk (daemon --disk-dir):\n"
 "                                     acknowledged once durable, survives restarts\n"
 "        [--shm]                      payload through shared memory, not the socket\n"
+"        [--share | --share-sync]     publish to kvroped's --remote-tier (after/before ack)\n"
 "        [--tokens 1,2,3 | --tokens-file F] [--pos-start N | --positions p,q,..]\n"
 "        [--dtype D --layers L --heads H --head-dim D] [--fingerprint HEX]\n"
 "        [--codec SPEC]               create: the context's codec (default: model's)\n"
@@ -123,7 +124,7 @@ const char *cli_opt(const cli_args *a, const char *name)
 /* The options that take no value (every other --name takes one). */
 static const char *const value_less[] = {
     "json", "quiet", "help", "pin", "get", "meta", "approx", "version", "plan", "raw",
-    "persist", "shm",
+    "persist", "shm", "share", "share-sync",
 };
 
 static bool is_flag(const char *name)

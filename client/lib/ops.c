@@ -486,6 +486,8 @@ static int put_common(kvr_client *c, const kvr_put_args *a, const char *group,
     if (a->codec && a->codec[0])
         put.codec = unconst(a->codec);
     SET_FLAG(put, persist, a->persist);
+    SET_FLAG(put, share, a->share || a->share_sync);
+    SET_FLAG(put, share_sync, a->share_sync);
     Kvrope__Request req = KVROPE__REQUEST__INIT;
     Kvrope__GroupAppend ga = KVROPE__GROUP_APPEND__INIT;
     if (group) {

@@ -47,7 +47,7 @@ from .errors import *  # noqa: F401,F403  (KvropeError and its subclasses)
 from .errors import KvropeError, Unsupported
 from .tensors import dtype_name, bf16_to_f32, f32_to_bf16, HAVE_TORCH
 
-__version__ = "0.2.0"   # libkvrope KVR_VERSION_* (kvr_version_string)
+__version__ = "0.3.0"   # libkvrope KVR_VERSION_* (kvr_version_string)
 
 
 def default_socket():

@@ -17,7 +17,7 @@ from ctypes import (POINTER, Structure, c_bool, c_char, c_char_p, c_double, c_in
 
 # The libkvrope ABI these structs mirror: KVR_VERSION_MAJOR, KVR_VERSION_MINOR
 # (0.x minors may change struct layouts; the loader refuses another one).
-ABI = (0, 2)
+ABI = (0, 3)
 
 NAME_MAX = 255            # KVR_ID_MAX (rope/types.h)
 ROPE_MAX_HEAD_DIM = 1024
@@ -91,7 +91,8 @@ class kvr_put_args(Structure):
                 ("prefix_ctx", c_char_p),
                 ("groups", POINTER(c_char_p)), ("n_groups", c_size_t),
                 ("group_offsets", POINTER(c_int64)),
-                ("codec", c_char_p), ("persist", c_bool)]
+                ("codec", c_char_p), ("persist", c_bool),
+                ("share", c_bool), ("share_sync", c_bool)]
 
 
 class kvr_put_res(Structure):

@@ -534,9 +534,15 @@ class Client:
 
     def put(self, ctx_id, model, tokens, kv=None, *, k=None, v=None, dtype=None, mode="upsert",
             positions=None, pos_start=None, pin=False, check_model=True, protect_first=None,
-            prefix=None, groups=None, group_offsets=None, codec=None, shm=None):
+            prefix=None, groups=None, group_offsets=None, codec=None, shm=None, share=False,
+            share_sync=False):
         """Stores the KV of `tokens` in context `ctx_id` (created or appended
         to); -> PutResult.
+
+        share=True publishes the context to the daemon's shared tier
+        (kvroped --remote-tier, docs/cluster.md) after the acknowledgement;
+        share_sync=True acknowledges only once it is published (else
+        kvrope.IOFailure "stored locally, not shared: ..."; the put stands).
 
         shm=Region or (Region, offset): the payload goes through shared
         memory instead of the socket. A kv array that already lies in the
@@ -564,6 +570,7 @@ class Client:
         a, keep = self._put_args(ctx_id, model, tokens, kv, k, v, dtype, mode, positions,
                                  pos_start, pin, check_model, protect_first, prefix,
                                  groups, group_offsets, codec)
+        a.share, a.share_sync = bool(share or share_sync), bool(share_sync)
         out = _lib.kvr_put_res()
         if shm is not None:
             reg, off = _shm_place(shm)

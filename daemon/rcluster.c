@@ -1,0 +1,776 @@
+/*
+ * rcluster.c — the Redis Cluster client of the remote tier (rcluster.h).
+ *
+ * State: a table of known nodes (host, port, a pool of idle connections,
+ * each under its own mutex) and the slot map (slot -> node index, -1 =
+ * unknown) under rc->mu. Nodes are only ever added (a failed-over master
+ * stays in the table, unused once the map no longer points at it), so a
+ * node index stays valid for the client's life.
+ *
+ * Routing: slot(argv[1]) -> node from the map; MOVED updates that slot at
+ * once and asks for a refresh (the whole map is probably stale after a
+ * resharding or a failover); ASK sends ASKING + the command to the named
+ * node once, without touching the map; a connection error or CLUSTERDOWN
+ * drops the connection, refreshes (at most every REFRESH_MIN_MS) and tries
+ * again until the retry budget is spent. A command is retried only where
+ * that is safe: GET/EXISTS/SET of immutable, content-addressed values.
+ */
+#include "daemon/rcluster.h"
+
+#include <errno.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <strings.h>
+#include <time.h>
+
+#include "cache/cache.h"
+
+#define POOL_MAX 8
+#define REFRESH_MIN_MS 100
+#define MAX_REDIRECTS 16
+
+typedef struct rc_node {
+    char            host[64];
+    int             port;
+    pthread_mutex_t mu;
+    redisContext   *idle[POOL_MAX];
+    int             n_idle;
+} rc_node;
+
+struct kvr_rc {
+    char     user[128], password[256];
+    bool     auth;
+    int      connect_ms, io_ms, retry_ms;
+    char     seed_host[KVR_RC_MAX_SEEDS][64];
+    int      seed_port[KVR_RC_MAX_SEEDS];
+    int      n_seeds;
+
+    pthread_mutex_t mu;          /* nodes[] growth, slots[], refresh state */
+    rc_node *nodes[KVR_RC_MAX_NODES];
+    int      n_nodes;
+    int16_t  slots[KVR_RC_SLOTS];
+    bool     have_map;
+    unsigned n_masters;
+    uint64_t last_refresh_ms;
+    pthread_mutex_t refresh_mu;  /* one refresh at a time */
+
+    /* statistics (under mu) */
+    uint64_t moved, ask, refreshes, conn_errors, tryagain, commands;
+};
+
+static uint64_t now_ms(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000u + (uint64_t)ts.tv_nsec / 1000000u;
+}
+
+static void sleep_ms(int ms)
+{
+    struct timespec ts = { ms / 1000, (long)(ms % 1000) * 1000000L };
+    while (nanosleep(&ts, &ts) < 0 && errno == EINTR) {
+    }
+}
+
+/* ---- slots ------------------------------------------------------------- */
+
+uint16_t kvr_rc_crc16(const void *p, size_t n)
+{
+    const uint8_t *b = p;
+    uint16_t crc = 0;
+    for (size_t i = 0; i < n; i++) {
+        crc ^= (uint16_t)(b[i] << 8);
+        for (int k = 0; k < 8; k++)
+            crc = (crc & 0x8000) ? (uint16_t)((crc << 1) ^ 0x1021) : (uint16_t)(crc << 1);
+    }
+    return crc;
+}
+
+unsigned kvr_rc_key_slot(const void *key, size_t n)
+{
+    const char *k = key;
+    size_t s, e;
+    for (s = 0; s < n; s++)
+        if (k[s] == '{')
+            break;
+    if (s < n) {
+        for (e = s + 1; e < n; e++)
+            if (k[e] == '}')
+                break;
+        if (e < n && e != s + 1)
+            return kvr_rc_crc16(k + s + 1, e - s - 1) & (KVR_RC_SLOTS - 1);
+    }
+    return kvr_rc_crc16(k, n) & (KVR_RC_SLOTS - 1);
+}
+
+int kvr_rc_parse_redirect(const char *s, size_t n, bool *is_ask, unsigned *slot, char *host,
+                          size_t hcap, int *port)
+{
+    char buf[160];
+    if (n >= sizeof buf)
+        return KVR_EINVAL;
+    memcpy(buf, s, n);
+    buf[n] = '\0';
+    const char *p;
+    if (!strncmp(buf, "MOVED ", 6)) {
+        *is_ask = false;
+        p = buf + 6;
+    } else if (!strncmp(buf, "ASK ", 4)) {
+        *is_ask = true;
+        p = buf + 4;
+    } else {
+        return KVR_EINVAL;
+    }
+    char *end;
+    errno = 0;
+    unsigned long sl = strtoul(p, &end, 10);
+    if (errno || end == p || *end != ' ' || sl >= KVR_RC_SLOTS)
+        return KVR_EINVAL;
+    p = end + 1;
+    const char *colon = strrchr(p, ':');
+    if (!colon || colon == p || (size_t)(colon - p) >= hcap)
+        return KVR_EINVAL;
+    long pt = strtol(colon + 1, &end, 10);
+    if (*end || end == colon + 1 || pt <= 0 || pt > 65535)
+        return KVR_EINVAL;
+    memcpy(host, p, (size_t)(colon - p));
+    host[colon - p] = '\0';
+    *slot = (unsigned)sl;
+    *port = (int)pt;
+    return 0;
+}
+
+int kvr_rc_parse_seeds(const char *s, char hosts[][64], int *ports, int cap, kvr_error *err)
+{
+    int n = 0;
+    if (!strncmp(s, "redis://", 8))
+        s += 8;
+    while (*s) {
+        const char *e = strchr(s, ',');
+        size_t len = e ? (size_t)(e - s) : strlen(s);
+        char one[128];
+        if (len == 0 || len >= sizeof one) {
+            kvr_error_set(err, KVR_EINVAL, "--remote-tier: empty or too long entry in '%s'", s);
+            return KVR_EINVAL;
+        }
+        memcpy(one, s, len);
+        one[len] = '\0';
+        char *o = one;
+        if (!strncmp(o, "redis://", 8))
+            o += 8;
+        char *colon = strrchr(o, ':');
+        char *end = NULL;
+        long pt = colon ? strtol(colon + 1, &end, 10) : 0;
+        if (!colon || colon == o || !end || *end || pt <= 0 || pt > 65535 ||
+            (size_t)(colon - o) >= 64) {
+            kvr_error_set(err, KVR_EINVAL, "--remote-tier: '%s' is not HOST:PORT", one);
+            return KVR_EINVAL;
+        }
+        if (n == cap) {
+            kvr_error_set(err, KVR_EINVAL, "--remote-tier: more than %d seed nodes", cap);
+            return KVR_EINVAL;
+        }
+        memcpy(hosts[n], o, (size_t)(colon - o));
+        hosts[n][colon - o] = '\0';
+        ports[n] = (int)pt;
+        n++;
+        s += len;
+        if (*s == ',')
+            s++;
+    }
+    if (n == 0) {
+        kvr_error_set(err, KVR_EINVAL, "--remote-tier: no seed node given");
+        return KVR_EINVAL;
+    }
+    return n;
+}
+
+/* ---- nodes and connections ------------------------------------------- */
+
+/* rc->mu held. Index of host:port, adding it if new; -1 if the table is full. */
+static int node_index_locked(kvr_rc *rc, const char *host, int port)
+{
+    for (int i = 0; i < rc->n_nodes; i++)
+        if (rc->nodes[i]->port == port && !strcmp(rc->nodes[i]->host, host))
+            return i;
+    if (rc->n_nodes == KVR_RC_MAX_NODES)
+        return -1;
+    rc_node *nd = calloc(1, sizeof *nd);
+    if (!nd)
+        return -1;
+    snprintf(nd->host, sizeof nd->host, "%s", host);
+    nd->port = port;
+    pthread_mutex_init(&nd->mu, NULL);
+    rc->nodes[rc->n_nodes] = nd;
+    return rc->n_nodes++;
+}
+
+static int node_index(kvr_rc *rc, const char *host, int port)
+{
+    pthread_mutex_lock(&rc->mu);
+    int i = node_index_locked(rc, host, port);
+    pthread_mutex_unlock(&rc->mu);
+    return i;
+}
+
+static rc_node *node_at(kvr_rc *rc, int i)
+{
+    pthread_mutex_lock(&rc->mu);
+    rc_node *nd = i >= 0 && i < rc->n_nodes ? rc->nodes[i] : NULL;
+    pthread_mutex_unlock(&rc->mu);
+    return nd;
+}
+
+static void count(kvr_rc *rc, uint64_t *field)
+{
+    pthread_mutex_lock(&rc->mu);
+    (*field)++;
+    pthread_mutex_unlock(&rc->mu);
+}
+
+static struct timeval tv_ms(int ms)
+{
+    struct timeval tv = { ms / 1000, (long)(ms % 1000) * 1000L };
+    return tv;
+}
+
+/* A connection to host:port, authenticated. NULL with err filled: code
+ * KVR_EUNAUTH if the node refused the credentials, else KVR_EIO. */
+static redisContext *connect_to(kvr_rc *rc, const char *host, int port, kvr_error *err)
+{
+    redisContext *x = redisConnectWithTimeout(host, port, tv_ms(rc->connect_ms));
+    if (!x || x->err) {
+        kvr_error_set(err, KVR_EIO, "cannot connect to %s:%d: %s", host, port,
+                      x ? x->errstr : "out of memory");
+        if (x)
+            redisFree(x);
+        return NULL;
+    }
+    redisSetTimeout(x, tv_ms(rc->io_ms));
+    if (rc->auth) {
+        redisReply *r;
+        if (rc->user[0])
+            r = redisCommand(x, "AUTH %s %s", rc->user, rc->password);
+        else
+            r = redisCommand(x, "AUTH %s", rc->password);
+        if (!r) {
+            kvr_error_set(err, KVR_EIO, "%s:%d: AUTH: %s", host, port, x->errstr);
+            redisFree(x);
+            return NULL;
+        }
+        if (r->type == REDIS_REPLY_ERROR) {
+            kvr_error_set(err, KVR_EUNAUTH, "%s:%d refused AUTH%s%s: %s", host, port,
+                          rc->user[0] ? " of user " : "", rc->user, r->str);
+            freeReplyObject(r);
+            redisFree(x);
+            return NULL;
+        }
+        freeReplyObject(r);
+    }
+    return x;
+}
+
+static redisContext *node_get(kvr_rc *rc, rc_node *nd, kvr_error *err)
+{
+    pthread_mutex_lock(&nd->mu);
+    redisContext *x = nd->n_idle ? nd->idle[--nd->n_idle] : NULL;
+    pthread_mutex_unlock(&nd->mu);
+    if (x)
+        return x;
+    x = connect_to(rc, nd->host, nd->port, err);
+    if (!x)
+        count(rc, &rc->conn_errors);
+    return x;
+}
+
+/* Returns x to the pool if it is healthy, else closes it. */
+static void node_put(rc_node *nd, redisContext *x, bool healthy)
+{
+    if (!x)
+        return;
+    if (healthy && !x->err) {
+        pthread_mutex_lock(&nd->mu);
+        if (nd->n_idle < POOL_MAX) {
+            nd->idle[nd->n_idle++] = x;
+            x = NULL;
+        }
+        pthread_mutex_unlock(&nd->mu);
+    }
+    if (x)
+        redisFree(x);
+}
+
+/* ---- the slot map ------------------------------------------------------ */
+
+/* Applies a CLUSTER SLOTS reply; 0 if it covers every slot. */
+static int apply_slots(kvr_rc *rc, const redisReply *r)
+{
+    if (r->type != REDIS_REPLY_ARRAY)
+        return KVR_EIO;
+    int16_t *map = malloc(sizeof(int16_t) * KVR_RC_SLOTS);
+    if (!map)
+        return KVR_ENOMEM;
+    for (unsigned i = 0; i < KVR_RC_SLOTS; i++)
+        map[i] = -1;
+    unsigned covered = 0, masters = 0;
+    pthread_mutex_lock(&rc->mu);
+    for (size_t i = 0; i < r->elements; i++) {
+        const redisReply *e = r->element[i];
+        if (e->type != REDIS_REPLY_ARRAY || e->elements < 3 ||
+            e->element[0]->type != REDIS_REPLY_INTEGER ||
+            e->element[1]->type != REDIS_REPLY_INTEGER ||
+            e->element[2]->type != REDIS_REPLY_ARRAY || e->element[2]->elements < 2)
+            continue;
+        long long lo = e->element[0]->integer, hi = e->element[1]->integer;
+        const redisReply *m = e->element[2];
+        if (lo < 0 || hi >= KVR_RC_SLOTS || lo > hi || m->element[0]->type != REDIS_REPLY_STRING ||
+            m->element[1]->type != REDIS_REPLY_INTEGER)
+            continue;
+        int idx = node_index_locked(rc, m->element[0]->str, (int)m->element[1]->integer);
+        if (idx < 0)
+            continue;
+        masters++;
+        for (long long s = lo; s <= hi; s++) {
+            if (map[s] < 0)
+                covered++;
+            map[s] = (int16_t)idx;
+        }
+    }
+    bool full = covered == KVR_RC_SLOTS;
+    if (full) {
+        memcpy(rc->slots, map, sizeof(int16_t) * KVR_RC_SLOTS);
+        rc->have_map = true;
+        rc->n_masters = masters;   /* slot ranges; a master may own several */
+    }
+    rc->refreshes++;
+    pthread_mutex_unlock(&rc->mu);
+    free(map);
+    return full ? 0 : KVR_EIO;
+}
+
+/* Tries the known nodes (those the map used first), then the seeds. */
+static int refresh_now(kvr_rc *rc, kvr_error *err)
+{
+    char hosts[KVR_RC_MAX_NODES + KVR_RC_MAX_SEEDS][64];
+    int ports[KVR_RC_MAX_NODES + KVR_RC_MAX_SEEDS];
+    int n = 0;
+    pthread_mutex_lock(&rc->mu);
+    for (int i = 0; i < rc->n_nodes; i++) {
+        snprintf(hosts[n], 64, "%s", rc->nodes[i]->host);
+        ports[n++] = rc->nodes[i]->port;
+    }
+    pthread_mutex_unlock(&rc->mu);
+    for (int i = 0; i < rc->n_seeds; i++) {
+        snprintf(hosts[n], 64, "%s", rc->seed_host[i]);
+        ports[n++] = rc->seed_port[i];
+    }
+    kvr_error last = { 0 };
+    kvr_error_set(&last, KVR_EIO, "no seed node");
+    int rc_auth = 0;
+    for (int i = 0; i < n; i++) {
+        kvr_error e = { 0 };
+        redisContext *x = connect_to(rc, hosts[i], ports[i], &e);
+        if (!x) {
+            if (e.code == KVR_EUNAUTH)
+                rc_auth = KVR_EUNAUTH;
+            last = e;
+            continue;
+        }
+        redisReply *r = redisCommand(x, "CLUSTER SLOTS");
+        if (!r) {
+            kvr_error_set(&last, KVR_EIO, "%s:%d: CLUSTER SLOTS: %s", hosts[i], ports[i],
+                          x->errstr);
+            redisFree(x);
+            continue;
+        }
+        int a = r->type == REDIS_REPLY_ERROR ? KVR_EIO : apply_slots(rc, r);
+        if (a < 0)
+            kvr_error_set(&last, KVR_EIO, "%s:%d: %s", hosts[i], ports[i],
+                          r->type == REDIS_REPLY_ERROR ? r->str
+                                                       : "the cluster does not cover every slot yet");
+        freeReplyObject(r);
+        redisFree(x);
+        if (a == 0)
+            return 0;
+    }
+    if (err)
+        *err = last;
+    if (rc_auth && err) {
+        err->code = KVR_EUNAUTH;
+        return KVR_EUNAUTH;
+    }
+    return KVR_EIO;
+}
+
+int kvr_rc_refresh(kvr_rc *rc, kvr_error *err)
+{
+    pthread_mutex_lock(&rc->refresh_mu);
+    int r = refresh_now(rc, err);
+    pthread_mutex_lock(&rc->mu);
+    rc->last_refresh_ms = now_ms();
+    pthread_mutex_unlock(&rc->mu);
+    pthread_mutex_unlock(&rc->refresh_mu);
+    return r;
+}
+
+/* A refresh from a failure path, at most every REFRESH_MIN_MS: concurrent
+ * callers wait for the one refresh in progress instead of starting theirs. */
+static void refresh_soon(kvr_rc *rc)
+{
+    uint64_t t0 = now_ms();
+    pthread_mutex_lock(&rc->refresh_mu);
+    pthread_mutex_lock(&rc->mu);
+    bool recent = rc->last_refresh_ms >= t0 ||
+                  (rc->last_refresh_ms && t0 - rc->last_refresh_ms < REFRESH_MIN_MS);
+    pthread_mutex_unlock(&rc->mu);
+    if (!recent) {
+        refresh_now(rc, NULL);
+        pthread_mutex_lock(&rc->mu);
+        rc->last_refresh_ms = now_ms();
+        pthread_mutex_unlock(&rc->mu);
+    }
+    pthread_mutex_unlock(&rc->refresh_mu);
+}
+
+static int slot_node(kvr_rc *rc, unsigned slot)
+{
+    pthread_mutex_lock(&rc->mu);
+    int i = rc->have_map ? rc->slots[slot] : -1;
+    pthread_mutex_unlock(&rc->mu);
+    return i;
+}
+
+/* ---- commands ---------------------------------------------------------- */
+
+static bool err_is(const redisReply *r, const char *prefix)
+{
+    return r->type == REDIS_REPLY_ERROR && !strncmp(r->str, prefix, strlen(prefix));
+}
+
+static int command_until(kvr_rc *rc, int argc, const char **argv, const size_t *argvlen,
+                         redisReply **out, kvr_error *err, uint64_t deadline)
+{
+    *out = NULL;
+    unsigned slot = kvr_rc_key_slot(argv[1], argvlen[1]);
+    int ask_node = -1, redirects = 0, backoff = 10;
+    kvr_error last = { 0 };
+    kvr_error_set(&last, KVR_EIO, "remote tier: no reachable node serves slot %u", slot);
+    count(rc, &rc->commands);
+    for (;;) {
+        int idx = ask_node >= 0 ? ask_node : slot_node(rc, slot);
+        bool asking = ask_node >= 0;
+        ask_node = -1;
+        bool retry_now = false;
+        if (idx < 0) {
+            refresh_soon(rc);
+            idx = slot_node(rc, slot);
+        }
+        rc_node *nd = node_at(rc, idx);
+        if (nd) {
+            kvr_error ce = { 0 };
+            redisContext *x = node_get(rc, nd, &ce);
+            if (!x) {
+                last = ce;
+                if (ce.code == KVR_EUNAUTH) {
+                    if (err)
+                        *err = ce;
+                    return KVR_EUNAUTH;
+                }
+                refresh_soon(rc);
+            } else {
+                redisReply *r = NULL;
+                bool ok = true;
+                if (asking) {
+                    redisAppendCommand(x, "ASKING");
+                    redisAppendCommandArgv(x, argc, argv, argvlen);
+                    redisReply *a = NULL;
+                    ok = redisGetReply(x, (void **)&a) == REDIS_OK;
+                    if (a)
+                        freeReplyObject(a);
+                    ok = ok && redisGetReply(x, (void **)&r) == REDIS_OK;
+                } else {
+                    r = redisCommandArgv(x, argc, argv, argvlen);
+                    ok = r != NULL;
+                }
+                if (!ok || !r) {
+                    kvr_error_set(&last, KVR_EIO, "%s:%d: %s", nd->host, nd->port,
+                                  x->errstr[0] ? x->errstr : "no reply");
+                    if (r)
+                        freeReplyObject(r);
+                    node_put(nd, x, false);
+                    count(rc, &rc->conn_errors);
+                    refresh_soon(rc);
+                } else if (r->type != REDIS_REPLY_ERROR) {
+                    node_put(nd, x, true);
+                    *out = r;
+                    return 0;
+                } else {
+                    node_put(nd, x, true);
+                    bool is_ask;
+                    unsigned rs;
+                    char host[64];
+                    int port;
+                    if (kvr_rc_parse_redirect(r->str, r->len, &is_ask, &rs, host, sizeof host,
+                                              &port) == 0) {
+                        int ni = node_index(rc, host, port);
+                        if (is_ask) {
+                            count(rc, &rc->ask);
+                            ask_node = ni;
+                        } else {
+                            count(rc, &rc->moved);
+                            pthread_mutex_lock(&rc->mu);
+                            if (ni >= 0 && rc->have_map)
+                                rc->slots[rs] = (int16_t)ni;
+                            pthread_mutex_unlock(&rc->mu);
+                            refresh_soon(rc);
+                        }
+                        kvr_error_set(&last, KVR_EIO, "too many redirects (last: %s)", r->str);
+                        freeReplyObject(r);
+                        if (++redirects > MAX_REDIRECTS) {
+                            if (err)
+                                *err = last;
+                            return KVR_EIO;
+                        }
+                        retry_now = true;
+                    } else if (err_is(r, "TRYAGAIN") || err_is(r, "CLUSTERDOWN") ||
+                               err_is(r, "LOADING") || err_is(r, "MASTERDOWN")) {
+                        count(rc, &rc->tryagain);
+                        kvr_error_set(&last, KVR_EIO, "%s:%d: %s", nd->host, nd->port, r->str);
+                        freeReplyObject(r);
+                        refresh_soon(rc);
+                    } else {
+                        int code = err_is(r, "NOAUTH") || err_is(r, "WRONGPASS") ||
+                                           err_is(r, "NOPERM")
+                                       ? KVR_EUNAUTH
+                                       : KVR_EIO;
+                        kvr_error_set(err, code, "%s:%d: %s", nd->host, nd->port, r->str);
+                        freeReplyObject(r);
+                        return code;
+                    }
+                }
+            }
+        }
+        if (retry_now)
+            continue;
+        if (now_ms() >= deadline)
+            break;
+        sleep_ms(backoff);
+        if (backoff < 200)
+            backoff *= 2;
+    }
+    if (err)
+        *err = last;
+    return KVR_EIO;
+}
+
+int kvr_rc_command(kvr_rc *rc, int argc, const char **argv, const size_t *argvlen,
+                   redisReply **out, kvr_error *err)
+{
+    return command_until(rc, argc, argv, argvlen, out, err, now_ms() + (uint64_t)rc->retry_ms);
+}
+
+/* One node's share of a batch: a pipeline on one connection. Each part
+ * touches only its own commands' entries of done[] and out[]. */
+typedef struct batch_part {
+    kvr_rc           *rc;
+    int               idx;          /* node index */
+    size_t           *ix;           /* its commands */
+    size_t            nix;
+    const kvr_rc_cmd *cmds;
+    bool             *done;
+    redisReply      **out;          /* NULL: cb consumes */
+    kvr_rc_reply_fn   cb;
+    void             *ud;
+    size_t            ok;
+    pthread_t         th;
+    bool              threaded;
+} batch_part;
+
+static bool deliver(batch_part *p, size_t j, redisReply *r)
+{
+    if (p->cb) {
+        bool keep = p->cb(p->ud, j, r);
+        freeReplyObject(r);
+        return keep;
+    }
+    p->out[j] = r;
+    return true;
+}
+
+static void *run_part(void *arg)
+{
+    batch_part *p = arg;
+    kvr_rc *rc = p->rc;
+    rc_node *nd = node_at(rc, p->idx);
+    redisContext *x = nd ? node_get(rc, nd, NULL) : NULL;
+    if (!x)
+        return NULL;                 /* all left to the one-by-one path */
+    for (size_t k = 0; k < p->nix; k++) {
+        const kvr_rc_cmd *c = &p->cmds[p->ix[k]];
+        redisAppendCommandArgv(x, c->argc, c->argv, c->argvlen);
+    }
+    bool healthy = true;
+    for (size_t k = 0; k < p->nix && healthy; k++) {
+        size_t j = p->ix[k];
+        redisReply *r = NULL;
+        if (redisGetReply(x, (void **)&r) != REDIS_OK || !r) {
+            healthy = false;
+            break;
+        }
+        if (r->type == REDIS_REPLY_ERROR) {
+            freeReplyObject(r);     /* redirect or failure: one by one */
+            continue;
+        }
+        p->done[j] = true;
+        if (deliver(p, j, r))
+            p->ok++;
+    }
+    if (!healthy)
+        count(rc, &rc->conn_errors);
+    node_put(nd, x, healthy);
+    return NULL;
+}
+
+size_t kvr_rc_batch_cb(kvr_rc *rc, size_t n, const kvr_rc_cmd *cmds, redisReply **out,
+                       kvr_rc_reply_fn cb, void *ud)
+{
+    /* One retry budget for the whole batch, not one per command. */
+    uint64_t deadline = now_ms() + (uint64_t)rc->retry_ms;
+    if (n == 0)
+        return 0;
+    for (size_t i = 0; out && i < n; i++)
+        out[i] = NULL;
+    int *node = malloc(n * sizeof *node);
+    size_t *ix = malloc(n * sizeof *ix);
+    bool *done = calloc(n, sizeof *done);
+    batch_part *parts = calloc(KVR_RC_MAX_NODES, sizeof *parts);
+    if (!node || !ix || !done || !parts) {
+        free(node);
+        free(ix);
+        free(done);
+        free(parts);
+        return 0;
+    }
+    int np = 0;
+    for (size_t i = 0; i < n; i++) {
+        node[i] = slot_node(rc, kvr_rc_key_slot(cmds[i].argv[1], cmds[i].argvlen[1]));
+        int k;
+        for (k = 0; k < np && parts[k].idx != node[i]; k++) {
+        }
+        if (node[i] >= 0 && k == np)
+            parts[np++] = (batch_part){ .rc = rc, .idx = node[i], .cmds = cmds, .done = done,
+                                        .out = out, .cb = cb, .ud = ud };
+    }
+    /* Each part's commands, in order, in one array. */
+    size_t at = 0;
+    for (int k = 0; k < np; k++) {
+        parts[k].ix = ix + at;
+        for (size_t i = 0; i < n; i++)
+            if (node[i] == parts[k].idx)
+                ix[at++] = i;
+        parts[k].nix = (size_t)(ix + at - parts[k].ix);
+    }
+    /* The nodes' pipelines run at once: one thread per node but the last,
+     * which runs here (large values then arrive from every master in
+     * parallel, and each thread checks what it received while it is hot). */
+    for (int k = 0; k + 1 < np; k++)
+        parts[k].threaded = pthread_create(&parts[k].th, NULL, run_part, &parts[k]) == 0;
+    for (int k = 0; k < np; k++)
+        if (!parts[k].threaded)
+            run_part(&parts[k]);
+    size_t ok = 0;
+    for (int k = 0; k < np; k++) {
+        if (parts[k].threaded)
+            pthread_join(parts[k].th, NULL);
+        ok += parts[k].ok;
+    }
+    batch_part one = { .rc = rc, .idx = -1, .cmds = cmds, .done = done, .out = out, .cb = cb,
+                       .ud = ud };
+    for (size_t i = 0; i < n; i++) {
+        if (done[i])
+            continue;
+        redisReply *r;
+        if (command_until(rc, cmds[i].argc, cmds[i].argv, cmds[i].argvlen, &r, NULL,
+                          deadline) == 0 && deliver(&one, i, r))
+            ok++;
+    }
+    pthread_mutex_lock(&rc->mu);
+    rc->commands += n;
+    pthread_mutex_unlock(&rc->mu);
+    free(node);
+    free(ix);
+    free(done);
+    free(parts);
+    return ok;
+}
+
+size_t kvr_rc_batch(kvr_rc *rc, size_t n, const kvr_rc_cmd *cmds, redisReply **out)
+{
+    return kvr_rc_batch_cb(rc, n, cmds, out, NULL, NULL);
+}
+
+/* ---- life cycle -------------------------------------------------------- */
+
+int kvr_rc_create(kvr_rc **out, const kvr_rc_config *cfg, kvr_error *err)
+{
+    *out = NULL;
+    kvr_rc *rc = calloc(1, sizeof *rc);
+    if (!rc) {
+        kvr_error_set(err, KVR_ENOMEM, "remote tier: out of memory");
+        return KVR_ENOMEM;
+    }
+    int n = kvr_rc_parse_seeds(cfg->seeds ? cfg->seeds : "", rc->seed_host, rc->seed_port,
+                               KVR_RC_MAX_SEEDS, err);
+    if (n < 0) {
+        free(rc);
+        return n;
+    }
+    rc->n_seeds = n;
+    if (cfg->password && cfg->password[0]) {
+        rc->auth = true;
+        snprintf(rc->password, sizeof rc->password, "%s", cfg->password);
+        snprintf(rc->user, sizeof rc->user, "%s", cfg->user ? cfg->user : "");
+    }
+    rc->connect_ms = cfg->connect_timeout_ms > 0 ? cfg->connect_timeout_ms : 500;
+    rc->io_ms = cfg->io_timeout_ms > 0 ? cfg->io_timeout_ms : 5000;
+    rc->retry_ms = cfg->retry_ms > 0 ? cfg->retry_ms : 3000;
+    pthread_mutex_init(&rc->mu, NULL);
+    pthread_mutex_init(&rc->refresh_mu, NULL);
+    for (unsigned i = 0; i < KVR_RC_SLOTS; i++)
+        rc->slots[i] = -1;
+    *out = rc;
+    return 0;
+}
+
+void kvr_rc_destroy(kvr_rc *rc)
+{
+    if (!rc)
+        return;
+    for (int i = 0; i < rc->n_nodes; i++) {
+        rc_node *nd = rc->nodes[i];
+        for (int k = 0; k < nd->n_idle; k++)
+            redisFree(nd->idle[k]);
+        pthread_mutex_destroy(&nd->mu);
+        free(nd);
+    }
+    pthread_mutex_destroy(&rc->mu);
+    pthread_mutex_destroy(&rc->refresh_mu);
+    memset(rc->password, 0, sizeof rc->password);
+    free(rc);
+}
+
+void kvr_rc_get_stats(kvr_rc *rc, kvr_rc_stats *o)
+{
+    pthread_mutex_lock(&rc->mu);
+    o->moved = rc->moved;
+    o->ask = rc->ask;
+    o->refreshes = rc->refreshes;
+    o->conn_errors = rc->conn_errors;
+    o->tryagain = rc->tryagain;
+    o->commands = rc->commands;
+    o->n_masters = rc->n_masters;
+    o->have_map = rc->have_map;
+    pthread_mutex_unlock(&rc->mu);
+}

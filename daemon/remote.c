@@ -1,0 +1,1317 @@
+/*
+ * remote.c — the shared tier on Redis Cluster (remote.h, docs/cluster.md).
+ *
+ * Keys. A block of KVR_RT_BLOCK tokens is stored under
+ * "kvr1:b:{<chain>}", chain = hash(seed(model fingerprint, shape, dtype,
+ * block size), then per block the token ids and the stored-at positions of
+ * its tokens): the key of a block names everything before it, so equal
+ * prefixes on any node give equal keys, and a reader computes the keys of
+ * a prompt without asking anyone. A context's manifest (tokens, positions,
+ * flags, the chain of each block) is stored under "kvr1:m:{<hash of id>}".
+ * The hash tag is the whole hash: slots are spread evenly over the masters
+ * and each value lives in exactly one slot.
+ *
+ * Values are little-endian (x86-64, as the project), checked by CRC32C and
+ * by their own description; see kvr_rt_block_decode for the checks.
+ *
+ * Threads. Publications run on one publisher thread, in order; finished ones
+ * come back to the loop through an async handle (a synchronous put's reply
+ * is sent from there). Fetches run as the connection's threadpool job.
+ */
+#include "daemon/remote.h"
+
+#include <errno.h>
+#include <inttypes.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "daemon/daemon_internal.h"
+#include "daemon/rcluster.h"
+
+/* CRC32C (cache/disk_crc.c: SSE4.2 where present, tables elsewhere). */
+uint32_t kvr_crc32c(uint32_t crc, const void *p, size_t n);
+
+#define BLOCK_MAGIC "KVRB"
+#define MANIFEST_MAGIC "KVRM"
+#define RT_VERSION 1u
+#define BLOCK_HDR 56u
+#define MANIFEST_HDR 568u
+#define MAX_TOKENS (1u << 28)
+#define SET_GROUP 16            /* blocks encoded and SET per pipeline */
+#define REJOIN_MS 1000
+
+/* ---- hashing ----------------------------------------------------------- */
+
+static inline uint64_t rotl(uint64_t x, int r)
+{
+    return (x << r) | (x >> (64 - r));
+}
+
+static inline uint64_t mix(uint64_t h, uint64_t w)
+{
+    h ^= w * 0x9E3779B97F4A7C15ull;
+    return rotl(h, 29) * 0xBF58476D1CE4E5B9ull;
+}
+
+static inline uint64_t fin(uint64_t h)
+{
+    h ^= h >> 31;
+    h *= 0x94D049BB133111EBull;
+    h ^= h >> 29;
+    return h;
+}
+
+uint64_t kvr_rt_chain_seed(const kvr_rt_desc *d)
+{
+    uint64_t h = 0x6b7672315f726f70ull;     /* "kvr1_rop" */
+    h = mix(h, d->fingerprint);
+    h = mix(h, ((uint64_t)d->n_layers << 32) | d->n_kv_heads);
+    h = mix(h, ((uint64_t)d->head_dim << 32) | (uint32_t)d->dtype);
+    h = mix(h, KVR_RT_BLOCK);
+    return fin(h);
+}
+
+uint64_t kvr_rt_chain_next(uint64_t prev, const uint32_t *tokens, const int64_t *pos, size_t n)
+{
+    uint64_t h = mix(prev, n);
+    for (size_t i = 0; i < n; i++) {
+        h = mix(h, tokens[i]);
+        h = mix(h, (uint64_t)pos[i]);
+    }
+    return fin(h);
+}
+
+size_t kvr_rt_block_key(uint64_t chain, char out[KVR_RT_KEY_MAX])
+{
+    return (size_t)snprintf(out, KVR_RT_KEY_MAX, "kvr1:b:{%016" PRIx64 "}", chain);
+}
+
+size_t kvr_rt_manifest_key(const char *ctx_id, char out[KVR_RT_KEY_MAX])
+{
+    uint64_t h = 0x6b7672315f6d616eull;
+    size_t n = strlen(ctx_id);
+    h = mix(h, n);
+    for (size_t i = 0; i < n; i++)
+        h = mix(h, (uint8_t)ctx_id[i]);
+    return (size_t)snprintf(out, KVR_RT_KEY_MAX, "kvr1:m:{%016" PRIx64 "}", fin(h));
+}
+
+/* ---- value encoding ---------------------------------------------------- */
+
+static inline void put32(uint8_t *p, uint32_t v) { memcpy(p, &v, 4); }
+static inline void put64(uint8_t *p, uint64_t v) { memcpy(p, &v, 8); }
+static inline uint32_t get32(const uint8_t *p) { uint32_t v; memcpy(&v, p, 4); return v; }
+static inline uint64_t get64(const uint8_t *p) { uint64_t v; memcpy(&v, p, 8); return v; }
+
+static size_t row_bytes(const kvr_rt_desc *d)
+{
+    return (size_t)d->n_kv_heads * d->head_dim * kvr_dtype_size(d->dtype);
+}
+
+/* Bytes of n tokens' K/V over all layers, or 0 on overflow. */
+static size_t kv_bytes(const kvr_rt_desc *d, size_t n)
+{
+    size_t row = row_bytes(d);
+    if (row == 0 || n > SIZE_MAX / row / 2 / (d->n_layers ? d->n_layers : 1))
+        return 0;
+    return (size_t)d->n_layers * 2 * n * row;
+}
+
+/* Where decoded K/V goes: one flat layer-major payload, or the same bytes
+ * spread over iovecs (a put's, straight into block memory); starts[i] is
+ * the payload offset of iov[i]. */
+typedef struct rt_dst {
+    uint8_t            *flat;
+    const struct iovec *iov;
+    size_t              niov;
+    const size_t       *starts;
+} rt_dst;
+
+static void dst_write(const rt_dst *d, size_t off, const uint8_t *src, size_t len)
+{
+    if (d->flat) {
+        memcpy(d->flat + off, src, len);
+        return;
+    }
+    size_t lo = 0, hi = d->niov;
+    while (hi - lo > 1) {            /* the last iov starting at or before off */
+        size_t mid = (lo + hi) / 2;
+        if (d->starts[mid] <= off)
+            lo = mid;
+        else
+            hi = mid;
+    }
+    for (size_t i = lo; len && i < d->niov; i++) {
+        size_t in = off - d->starts[i], take = d->iov[i].iov_len - in;
+        if (take > len)
+            take = len;
+        memcpy((uint8_t *)d->iov[i].iov_base + in, src, take);
+        src += take;
+        off += take;
+        len -= take;
+    }
+}
+
+/* Where a block's K/V is read from when it is encoded: the same two forms
+ * (a flat payload, or a get's iovecs: block memory, leased). */
+typedef rt_dst rt_src;
+
+static void src_read(const rt_src *d, size_t off, uint8_t *out, size_t len)
+{
+    if (d->flat) {
+        memcpy(out, d->flat + off, len);
+        return;
+    }
+    size_t lo = 0, hi = d->niov;
+    while (hi - lo > 1) {
+        size_t mid = (lo + hi) / 2;
+        if (d->starts[mid] <= off)
+            lo = mid;
+        else
+            hi = mid;
+    }
+    for (size_t i = lo; len && i < d->niov; i++) {
+        size_t in = off - d->starts[i], take = d->iov[i].iov_len - in;
+        if (take > len)
+            take = len;
+        memcpy(out, (const uint8_t *)d->iov[i].iov_base + in, take);
+        out += take;
+        off += take;
+        len -= take;
+    }
+}
+
+static uint8_t *encode_from(const kvr_rt_desc *d, uint64_t chain, uint64_t start,
+                            const uint32_t *tokens, const int64_t *pos, size_t n,
+                            const rt_src *src, size_t n_ctx, size_t *len);
+
+uint8_t *kvr_rt_block_encode(const kvr_rt_desc *d, uint64_t chain, uint64_t start,
+                             const uint32_t *tokens, const int64_t *pos, size_t n,
+                             const uint8_t *ctx_payload, size_t n_ctx, size_t *len)
+{
+    rt_src flat = { .flat = (uint8_t *)(uintptr_t)ctx_payload };
+    return encode_from(d, chain, start, tokens, pos, n, &flat, n_ctx, len);
+}
+
+static uint8_t *encode_from(const kvr_rt_desc *d, uint64_t chain, uint64_t start,
+                            const uint32_t *tokens, const int64_t *pos, size_t n,
+                            const rt_src *src, size_t n_ctx, size_t *len)
+{
+    size_t kv = kv_bytes(d, n), row = row_bytes(d);
+    size_t total = BLOCK_HDR + n * 12 + kv + 4;
+    uint8_t *v = kvr_mem_malloc(total);
+    if (!v)
+        return NULL;
+    memcpy(v, BLOCK_MAGIC, 4);
+    put32(v + 4, RT_VERSION);
+    put64(v + 8, d->fingerprint);
+    put32(v + 16, d->n_layers);
+    put32(v + 20, d->n_kv_heads);
+    put32(v + 24, d->head_dim);
+    put32(v + 28, (uint32_t)d->dtype);
+    put32(v + 32, KVR_RT_BLOCK);
+    put32(v + 36, (uint32_t)n);
+    put64(v + 40, chain);
+    put64(v + 48, start);
+    uint8_t *p = v + BLOCK_HDR;
+    memcpy(p, tokens, n * 4);
+    p += n * 4;
+    memcpy(p, pos, n * 8);
+    p += n * 8;
+    for (size_t l = 0; l < 2 * (size_t)d->n_layers; l++) {
+        src_read(src, (l * n_ctx + start) * row, p, n * row);
+        p += n * row;
+    }
+    put32(p, kvr_crc32c(0, v, (size_t)(p - v)));
+    *len = total;
+    return v;
+}
+
+static int decode_to(const uint8_t *v, size_t len, const kvr_rt_desc *d, uint64_t chain,
+                     uint64_t start, const uint32_t *tokens, const int64_t *pos, size_t n,
+                     const rt_dst *dst, size_t n_ctx, kvr_error *err);
+
+int kvr_rt_block_decode(const uint8_t *v, size_t len, const kvr_rt_desc *d, uint64_t chain,
+                        uint64_t start, const uint32_t *tokens, const int64_t *pos, size_t n,
+                        uint8_t *dst, size_t n_ctx, kvr_error *err)
+{
+    rt_dst flat = { .flat = dst };
+    return decode_to(v, len, d, chain, start, tokens, pos, n, &flat, n_ctx, err);
+}
+
+static int decode_to(const uint8_t *v, size_t len, const kvr_rt_desc *d, uint64_t chain,
+                     uint64_t start, const uint32_t *tokens, const int64_t *pos, size_t n,
+                     const rt_dst *dst, size_t n_ctx, kvr_error *err)
+{
+    size_t kv = kv_bytes(d, n), row = row_bytes(d);
+    if (len < BLOCK_HDR + 4 || memcmp(v, BLOCK_MAGIC, 4) != 0)
+        return kvr_error_set(err, KVR_EIO, "block value: not a kvrope block (%zu bytes)", len);
+    if (get32(v + 4) != RT_VERSION)
+        return kvr_error_set(err, KVR_EIO, "block value: version %u", get32(v + 4));
+    if (len != BLOCK_HDR + n * 12 + kv + 4)
+        return kvr_error_set(err, KVR_EIO, "block value: %zu bytes, expected %zu", len,
+                             BLOCK_HDR + n * 12 + kv + 4);
+    if (kvr_crc32c(0, v, len - 4) != get32(v + len - 4))
+        return kvr_error_set(err, KVR_EIO, "block value: checksum mismatch");
+    if (get64(v + 8) != d->fingerprint)
+        return kvr_error_set(err, KVR_EFINGERPRINT, "block value: fingerprint %016" PRIx64
+                             ", expected %016" PRIx64, get64(v + 8), d->fingerprint);
+    if (get32(v + 16) != d->n_layers || get32(v + 20) != d->n_kv_heads ||
+        get32(v + 24) != d->head_dim || get32(v + 28) != (uint32_t)d->dtype ||
+        get32(v + 32) != KVR_RT_BLOCK || get32(v + 36) != n)
+        return kvr_error_set(err, KVR_ESHAPE, "block value: shape/dtype/length differ");
+    if (get64(v + 40) != chain || get64(v + 48) != start)
+        return kvr_error_set(err, KVR_EIO, "block value: chain or start differ from its key");
+    const uint8_t *p = v + BLOCK_HDR;
+    if (memcmp(p, tokens, n * 4) != 0 || memcmp(p + n * 4, pos, n * 8) != 0)
+        return kvr_error_set(err, KVR_EIO, "block value: tokens or positions differ");
+    p += n * 12;
+    for (size_t l = 0; l < 2 * (size_t)d->n_layers; l++) {
+        dst_write(dst, (l * n_ctx + start) * row, p, n * row);
+        p += n * row;
+    }
+    return 0;
+}
+
+uint8_t *kvr_rt_manifest_encode(const kvr_rt_manifest *m, size_t *len)
+{
+    size_t total = MANIFEST_HDR + m->n_blocks * 8 + m->n_tokens * 16 + 4;
+    uint8_t *v = kvr_mem_calloc(1, total);
+    if (!v)
+        return NULL;
+    memcpy(v, MANIFEST_MAGIC, 4);
+    put32(v + 4, RT_VERSION);
+    put64(v + 8, m->desc.fingerprint);
+    put32(v + 16, m->desc.n_layers);
+    put32(v + 20, m->desc.n_kv_heads);
+    put32(v + 24, m->desc.head_dim);
+    put32(v + 28, (uint32_t)m->desc.dtype);
+    put32(v + 32, KVR_RT_BLOCK);
+    put64(v + 40, m->n_tokens);
+    put64(v + 48, m->n_blocks);
+    snprintf((char *)v + 56, 256, "%s", m->ctx_id);
+    snprintf((char *)v + 312, 256, "%s", m->model);
+    uint8_t *p = v + MANIFEST_HDR;
+    memcpy(p, m->chains, m->n_blocks * 8);
+    p += m->n_blocks * 8;
+    memcpy(p, m->tokens, m->n_tokens * 4);
+    p += m->n_tokens * 4;
+    memcpy(p, m->positions, m->n_tokens * 8);
+    p += m->n_tokens * 8;
+    memcpy(p, m->flags, m->n_tokens * 4);
+    p += m->n_tokens * 4;
+    put32(p, kvr_crc32c(0, v, (size_t)(p - v)));
+    *len = total;
+    return v;
+}
+
+void kvr_rt_manifest_free(kvr_rt_manifest *m)
+{
+    kvr_mem_free(m->chains);
+    kvr_mem_free(m->tokens);
+    kvr_mem_free(m->positions);
+    kvr_mem_free(m->flags);
+    m->chains = NULL;
+    m->tokens = NULL;
+    m->positions = NULL;
+    m->flags = NULL;
+}
+
+int kvr_rt_manifest_decode(const uint8_t *v, size_t len, const char *want_id,
+                           kvr_rt_manifest *m, kvr_error *err)
+{
+    memset(m, 0, sizeof *m);
+    if (len < MANIFEST_HDR + 4 || memcmp(v, MANIFEST_MAGIC, 4) != 0)
+        return kvr_error_set(err, KVR_EIO, "manifest: not a kvrope manifest (%zu bytes)", len);
+    if (get32(v + 4) != RT_VERSION || get32(v + 32) != KVR_RT_BLOCK)
+        return kvr_error_set(err, KVR_EIO, "manifest: version %u / block %u", get32(v + 4),
+                             get32(v + 32));
+    uint64_t nt = get64(v + 40), nb = get64(v + 48);
+    if (nt > MAX_TOKENS || nb != (nt + KVR_RT_BLOCK - 1) / KVR_RT_BLOCK ||
+        len != MANIFEST_HDR + nb * 8 + nt * 16 + 4)
+        return kvr_error_set(err, KVR_EIO, "manifest: inconsistent lengths");
+    if (kvr_crc32c(0, v, len - 4) != get32(v + len - 4))
+        return kvr_error_set(err, KVR_EIO, "manifest: checksum mismatch");
+    if (memchr(v + 56, 0, 256) == NULL || memchr(v + 312, 0, 256) == NULL)
+        return kvr_error_set(err, KVR_EIO, "manifest: unterminated id");
+    if (want_id && strcmp((const char *)v + 56, want_id) != 0)
+        return kvr_error_set(err, KVR_EIO, "manifest: for '%s', not '%s' (hash collision)",
+                             (const char *)v + 56, want_id);
+    m->desc.fingerprint = get64(v + 8);
+    m->desc.n_layers = get32(v + 16);
+    m->desc.n_kv_heads = get32(v + 20);
+    m->desc.head_dim = get32(v + 24);
+    m->desc.dtype = (kvr_dtype)get32(v + 28);
+    if (kvr_dtype_size(m->desc.dtype) == 0 || m->desc.n_layers == 0 ||
+        m->desc.n_kv_heads == 0 || m->desc.head_dim == 0)
+        return kvr_error_set(err, KVR_EIO, "manifest: bad shape");
+    snprintf(m->ctx_id, sizeof m->ctx_id, "%s", (const char *)v + 56);
+    snprintf(m->model, sizeof m->model, "%s", (const char *)v + 312);
+    m->n_tokens = (size_t)nt;
+    m->n_blocks = (size_t)nb;
+    m->chains = kvr_mem_malloc(nb * 8 + 1);
+    m->tokens = kvr_mem_malloc(nt * 4 + 1);
+    m->positions = kvr_mem_malloc(nt * 8 + 1);
+    m->flags = kvr_mem_malloc(nt * 4 + 1);
+    if (!m->chains || !m->tokens || !m->positions || !m->flags) {
+        kvr_rt_manifest_free(m);
+        return kvr_error_set(err, KVR_ENOMEM, "manifest: out of memory");
+    }
+    const uint8_t *p = v + MANIFEST_HDR;
+    memcpy(m->chains, p, nb * 8);
+    p += nb * 8;
+    memcpy(m->tokens, p, nt * 4);
+    p += nt * 4;
+    memcpy(m->positions, p, nt * 8);
+    p += nt * 8;
+    memcpy(m->flags, p, nt * 4);
+    /* The chains must be the ones these tokens and positions give. */
+    uint64_t h = kvr_rt_chain_seed(&m->desc);
+    for (size_t b = 0; b < nb; b++) {
+        size_t s = b * KVR_RT_BLOCK, n = nt - s < KVR_RT_BLOCK ? nt - s : KVR_RT_BLOCK;
+        h = kvr_rt_chain_next(h, m->tokens + s, m->positions + s, n);
+        if (h != m->chains[b]) {
+            kvr_rt_manifest_free(m);
+            return kvr_error_set(err, KVR_EIO, "manifest: chain of block %zu is wrong", b);
+        }
+    }
+    return 0;
+}
+
+/* ---- the tier ---------------------------------------------------------- */
+
+typedef struct pub_job {
+    struct pub_job *next;
+    kvr_rt_manifest m;
+    kvr_get  *get;              /* the snapshot: leased blocks (ended on the loop) */
+    const struct iovec *iov;    /* its payload (after its work, if any) */
+    size_t    niov;
+    size_t   *starts;           /* payload offset of each iov */
+    kvr_remote_done_fn done;    /* loop thread, when finished (may be NULL) */
+    void     *done_arg;
+    int       rc;
+    char      msg[512];
+} pub_job;
+
+struct kvr_remote {
+    kvr_daemon     *d;
+    kvr_rc         *rc;
+    pthread_t       th;
+    bool            th_started;
+    pthread_mutex_t mu;
+    pthread_cond_t  cv;
+    bool            stop;
+    pub_job        *q_head, *q_tail, *done;
+    size_t          q_len;
+    uv_async_t      async;
+    bool            has_async;
+    atomic_bool     joined;
+    atomic_uint_fast64_t last_try_ms;
+    /* metrics */
+    atomic_uint_fast64_t pub_contexts, pub_blocks, pub_skipped, pub_errors;
+    atomic_uint_fast64_t fetch_hits, fetch_misses, fetch_corrupt, fetch_tokens, probes;
+};
+
+struct kvr_rjob {
+    kvr_remote *r;
+    bool        by_id;
+    char        ctx_id[KVR_ID_MAX + 1];
+    char        model[KVR_ID_MAX + 1];
+    kvr_rt_desc desc;
+    const uint32_t *prompt;     /* borrowed from the request */
+    size_t      n_prompt, local_len;
+    /* result */
+    bool        hit;
+    kvr_rt_manifest m;          /* by_id: the manifest; prefix: tokens/positions */
+    uint8_t    *payload;
+    size_t      n_tokens;
+    /* by_id runs twice: the manifest (phase 0), then, once the loop opened
+     * the local put, the blocks straight into its memory (phase 1). */
+    int         phase;
+    bool        have_manifest;
+    kvr_put    *put;
+    const struct iovec *iov;
+    size_t      niov;
+    size_t     *starts;
+};
+
+static uint64_t mono_ms(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000u + (uint64_t)ts.tv_nsec / 1000000u;
+}
+
+/* Is the cluster usable? If we have not joined, try (at most every
+ * REJOIN_MS; between tries callers get a fast "no"). */
+static bool tier_up(kvr_remote *r)
+{
+    if (atomic_load(&r->joined))
+        return true;
+    uint64_t now = mono_ms(), last = atomic_load(&r->last_try_ms);
+    if (last && now - last < REJOIN_MS)
+        return false;
+    if (!atomic_compare_exchange_strong(&r->last_try_ms, &last, now))
+        return false;
+    kvr_error e = { 0 };
+    if (kvr_rc_refresh(r->rc, &e) == 0) {
+        kvr_rc_stats st;
+        kvr_rc_get_stats(r->rc, &st);
+        if (!atomic_exchange(&r->joined, true))
+            kvr_log(KVR_LOG_WARN, "remote tier: joined the cluster (%u slot ranges)",
+                    st.n_masters);
+        return true;
+    }
+    return false;
+}
+
+static void publish_one(kvr_remote *r, pub_job *j)
+{
+    kvr_rt_manifest *m = &j->m;
+    if (!tier_up(r)) {
+        j->rc = KVR_EIO;
+        snprintf(j->msg, sizeof j->msg, "remote tier: the cluster is unreachable");
+        return;
+    }
+    /* The snapshot's conversion/rotation (if any) and its layout, here,
+     * off the loop thread; the bytes are read straight from its leased
+     * block memory. */
+    kvr_error ge = { 0 };
+    if (kvr_get_needs_work(j->get) && kvr_get_work(j->get, &ge) < 0) {
+        j->rc = KVR_EIO;
+        snprintf(j->msg, sizeof j->msg, "remote tier: snapshot of '%.200s': %.250s", m->ctx_id,
+                 ge.msg);
+        return;
+    }
+    kvr_get_payload_iov(j->get, &j->iov, &j->niov);
+    j->starts = kvr_mem_malloc((j->niov + 1) * sizeof *j->starts);
+    if (!j->starts) {
+        j->rc = KVR_ENOMEM;
+        snprintf(j->msg, sizeof j->msg, "remote tier: out of memory publishing");
+        return;
+    }
+    size_t off = 0;
+    for (size_t i = 0; i < j->niov; i++) {
+        j->starts[i] = off;
+        off += j->iov[i].iov_len;
+    }
+    rt_src src = { .iov = j->iov, .niov = j->niov, .starts = j->starts };
+    size_t nb = m->n_blocks;
+    uint64_t h = kvr_rt_chain_seed(&m->desc);
+    for (size_t b = 0; b < nb; b++) {
+        size_t s = b * KVR_RT_BLOCK, n = m->n_tokens - s < KVR_RT_BLOCK ? m->n_tokens - s
+                                                                        : KVR_RT_BLOCK;
+        h = kvr_rt_chain_next(h, m->tokens + s, m->positions + s, n);
+        m->chains[b] = h;
+    }
+    /* Which blocks are there already (content-addressed: equal key, equal
+     * bytes)? EXISTS is one pipelined round per node. */
+    char (*keys)[KVR_RT_KEY_MAX] = kvr_mem_malloc((nb + 1) * KVR_RT_KEY_MAX);
+    size_t *klen = kvr_mem_malloc((nb + 1) * sizeof *klen);
+    kvr_rc_cmd *cmds = kvr_mem_malloc((nb + 1) * sizeof *cmds);
+    const char **argv = kvr_mem_malloc((nb + 1) * 3 * sizeof *argv);
+    size_t *argl = kvr_mem_malloc((nb + 1) * 3 * sizeof *argl);
+    redisReply **rep = kvr_mem_calloc(nb + 1, sizeof *rep);
+    bool *have = kvr_mem_calloc(nb + 1, sizeof *have);
+    if (!keys || !klen || !cmds || !argv || !argl || !rep || !have) {
+        j->rc = KVR_ENOMEM;
+        snprintf(j->msg, sizeof j->msg, "remote tier: out of memory publishing");
+        goto out;
+    }
+    for (size_t b = 0; b < nb; b++) {
+        klen[b] = kvr_rt_block_key(m->chains[b], keys[b]);
+        argv[3 * b] = "EXISTS";
+        argl[3 * b] = 6;
+        argv[3 * b + 1] = keys[b];
+        argl[3 * b + 1] = klen[b];
+        cmds[b] = (kvr_rc_cmd){ 2, argv + 3 * b, argl + 3 * b };
+    }
+    kvr_rc_batch(r->rc, nb, cmds, rep);
+    for (size_t b = 0; b < nb; b++) {
+        have[b] = rep[b] && rep[b]->type == REDIS_REPLY_INTEGER && rep[b]->integer == 1;
+        if (rep[b])
+            freeReplyObject(rep[b]);
+        rep[b] = NULL;
+    }
+    size_t failed = 0;
+    for (size_t b0 = 0; b0 < nb; b0 += SET_GROUP) {
+        size_t b1 = b0 + SET_GROUP < nb ? b0 + SET_GROUP : nb, k = 0;
+        uint8_t *vals[SET_GROUP];
+        size_t vlen[SET_GROUP];
+        for (size_t b = b0; b < b1; b++) {
+            if (have[b]) {
+                atomic_fetch_add(&r->pub_skipped, 1);
+                continue;
+            }
+            size_t s = b * KVR_RT_BLOCK, n = m->n_tokens - s < KVR_RT_BLOCK ? m->n_tokens - s
+                                                                            : KVR_RT_BLOCK;
+            vals[k] = encode_from(&m->desc, m->chains[b], s, m->tokens + s, m->positions + s,
+                                  n, &src, m->n_tokens, &vlen[k]);
+            if (!vals[k]) {
+                failed++;
+                continue;
+            }
+            argv[3 * k] = "SET";
+            argl[3 * k] = 3;
+            argv[3 * k + 1] = keys[b];
+            argl[3 * k + 1] = klen[b];
+            argv[3 * k + 2] = (const char *)vals[k];
+            argl[3 * k + 2] = vlen[k];
+            cmds[k] = (kvr_rc_cmd){ 3, argv + 3 * k, argl + 3 * k };
+            k++;
+        }
+        size_t ok = kvr_rc_batch(r->rc, k, cmds, rep);
+        for (size_t i = 0; i < k; i++) {
+            if (rep[i])
+                freeReplyObject(rep[i]);
+            rep[i] = NULL;
+            kvr_mem_free(vals[i]);
+        }
+        failed += k - ok;
+        atomic_fetch_add(&r->pub_blocks, ok);
+    }
+    if (failed) {
+        j->rc = KVR_EIO;
+        snprintf(j->msg, sizeof j->msg, "remote tier: %zu of %zu blocks of '%.200s' not published",
+                 failed, nb, m->ctx_id);
+        goto out;
+    }
+    /* The manifest last: whoever finds it finds its blocks (unless Redis
+     * evicted them since, which is a miss). */
+    size_t ml;
+    uint8_t *mv = kvr_rt_manifest_encode(m, &ml);
+    if (!mv) {
+        j->rc = KVR_ENOMEM;
+        snprintf(j->msg, sizeof j->msg, "remote tier: out of memory publishing");
+        goto out;
+    }
+    char mk[KVR_RT_KEY_MAX];
+    size_t mkl = kvr_rt_manifest_key(m->ctx_id, mk);
+    const char *sv[] = { "SET", mk, (const char *)mv };
+    size_t sl[] = { 3, mkl, ml };
+    redisReply *x;
+    kvr_error e = { 0 };
+    int rc = kvr_rc_command(r->rc, 3, sv, sl, &x, &e);
+    kvr_mem_free(mv);
+    if (rc < 0) {
+        j->rc = rc;
+        snprintf(j->msg, sizeof j->msg, "remote tier: manifest of '%.200s': %.250s", m->ctx_id, e.msg);
+        goto out;
+    }
+    freeReplyObject(x);
+    atomic_fetch_add(&r->pub_contexts, 1);
+    j->rc = 0;
+out:
+    if (j->rc < 0)
+        atomic_fetch_add(&r->pub_errors, 1);
+    kvr_mem_free(keys);
+    kvr_mem_free(klen);
+    kvr_mem_free(cmds);
+    kvr_mem_free(argv);
+    kvr_mem_free(argl);
+    kvr_mem_free(rep);
+    kvr_mem_free(have);
+}
+
+static void *publisher(void *arg)
+{
+    kvr_remote *r = arg;
+    pthread_mutex_lock(&r->mu);
+    for (;;) {
+        while (!r->stop && !r->q_head) {
+            if (!atomic_load(&r->joined)) {
+                /* Not joined yet: look for the cluster every REJOIN_MS. */
+                struct timespec ts;
+                clock_gettime(CLOCK_REALTIME, &ts);
+                ts.tv_sec += 1;
+                pthread_cond_timedwait(&r->cv, &r->mu, &ts);
+                if (!r->stop && !r->q_head) {
+                    pthread_mutex_unlock(&r->mu);
+                    tier_up(r);
+                    pthread_mutex_lock(&r->mu);
+                }
+            } else {
+                pthread_cond_wait(&r->cv, &r->mu);
+            }
+        }
+        if (r->stop)
+            break;
+        pub_job *j = r->q_head;
+        r->q_head = j->next;
+        if (!r->q_head)
+            r->q_tail = NULL;
+        r->q_len--;
+        pthread_mutex_unlock(&r->mu);
+        publish_one(r, j);
+        pthread_mutex_lock(&r->mu);
+        j->next = r->done;
+        r->done = j;
+        pthread_mutex_unlock(&r->mu);
+        uv_async_send(&r->async);
+        pthread_mutex_lock(&r->mu);
+    }
+    pthread_mutex_unlock(&r->mu);
+    return NULL;
+}
+
+static void job_finish(kvr_remote *r, pub_job *j)
+{
+    (void)r;
+    if (j->rc < 0)
+        kvr_log(KVR_LOG_WARN, "%s", j->msg);
+    if (j->done)
+        j->done(j->done_arg, j->rc, j->msg);
+    kvr_get_end(j->get);     /* loop thread: the leases go */
+    kvr_rt_manifest_free(&j->m);
+    kvr_mem_free(j->starts);
+    kvr_mem_free(j);
+}
+
+static void on_async(uv_async_t *a)
+{
+    kvr_remote *r = a->data;
+    pthread_mutex_lock(&r->mu);
+    pub_job *list = r->done;
+    r->done = NULL;
+    pthread_mutex_unlock(&r->mu);
+    /* Oldest first. */
+    pub_job *rev = NULL;
+    while (list) {
+        pub_job *n = list->next;
+        list->next = rev;
+        rev = list;
+        list = n;
+    }
+    while (rev) {
+        pub_job *n = rev->next;
+        job_finish(r, rev);
+        rev = n;
+    }
+}
+
+/* "USER PASSWORD" or "PASSWORD" on the first line. */
+static int read_auth(const char *path, char *user, size_t ucap, char *pass, size_t pcap,
+                     kvr_error *err)
+{
+    FILE *f = fopen(path, "r");
+    if (!f)
+        return kvr_error_set(err, KVR_EIO, "--remote-auth-file %s: %s", path, strerror(errno));
+    char line[512] = "";
+    bool got = fgets(line, sizeof line, f) != NULL;
+    fclose(f);
+    line[strcspn(line, "\r\n")] = '\0';
+    char a[256] = "", b[256] = "";
+    int n = got ? sscanf(line, "%255s %255s", a, b) : 0;
+    if (n < 1)
+        return kvr_error_set(err, KVR_EINVAL, "--remote-auth-file %s: empty (want 'USER "
+                             "PASSWORD' or 'PASSWORD' on the first line)", path);
+    if (n == 1) {
+        user[0] = '\0';
+        snprintf(pass, pcap, "%s", a);
+    } else {
+        snprintf(user, ucap, "%s", a);
+        snprintf(pass, pcap, "%s", b);
+    }
+    memset(line, 0, sizeof line);
+    memset(a, 0, sizeof a);
+    memset(b, 0, sizeof b);
+    return 0;
+}
+
+int kvr_remote_create(kvr_remote **out, kvr_daemon *d, kvr_error *err)
+{
+    *out = NULL;
+    const kvr_daemon_config *cfg = &d->cfg;
+    if (!cfg->remote_tier[0])
+        return 0;
+    char user[256] = "", pass[256] = "";
+    int rc;
+    if (cfg->remote_auth_file[0] &&
+        (rc = read_auth(cfg->remote_auth_file, user, sizeof user, pass, sizeof pass, err)) < 0)
+        return rc;
+    kvr_remote *r = kvr_mem_calloc(1, sizeof *r);
+    if (!r)
+        return kvr_error_set(err, KVR_ENOMEM, "remote tier: out of memory");
+    r->d = d;
+    rc = kvr_rc_create(&r->rc, &(kvr_rc_config){ .seeds = cfg->remote_tier, .user = user,
+                                                 .password = pass }, err);
+    memset(pass, 0, sizeof pass);
+    if (rc < 0) {
+        kvr_mem_free(r);
+        return rc;
+    }
+    kvr_error e = { 0 };
+    rc = kvr_rc_refresh(r->rc, &e);
+    if (rc == KVR_EUNAUTH) {
+        kvr_error_set(err, KVR_EUNAUTH, "remote tier: %s (check --remote-auth-file)", e.msg);
+        kvr_rc_destroy(r->rc);
+        kvr_mem_free(r);
+        return KVR_EUNAUTH;
+    }
+    if (rc == 0) {
+        kvr_rc_stats st;
+        kvr_rc_get_stats(r->rc, &st);
+        atomic_store(&r->joined, true);
+        kvr_log(KVR_LOG_INFO, "remote tier: cluster %s, %u slot ranges", cfg->remote_tier,
+                st.n_masters);
+    } else {
+        atomic_store(&r->last_try_ms, mono_ms());
+        kvr_log(KVR_LOG_WARN, "remote tier: cluster %s unreachable (%s); serving from memory"
+                "%s, joining when it answers", cfg->remote_tier, e.msg,
+                cfg->disk_dir[0] ? " and disk" : "");
+    }
+    pthread_mutex_init(&r->mu, NULL);
+    pthread_cond_init(&r->cv, NULL);
+    uv_async_init(&d->loop, &r->async, on_async);
+    r->async.data = r;
+    r->has_async = true;
+    uv_unref((uv_handle_t *)&r->async);
+    if (pthread_create(&r->th, NULL, publisher, r) != 0) {
+        uv_close((uv_handle_t *)&r->async, NULL);
+        r->has_async = false;
+        kvr_remote_destroy(r);
+        return kvr_error_set(err, KVR_EINTERNAL, "remote tier: cannot start its thread");
+    }
+    r->th_started = true;
+    *out = r;
+    return 0;
+}
+
+void kvr_remote_close(kvr_remote *r)
+{
+    if (!r)
+        return;
+    if (r->th_started) {
+        pthread_mutex_lock(&r->mu);
+        r->stop = true;
+        pthread_cond_broadcast(&r->cv);
+        pthread_mutex_unlock(&r->mu);
+        pthread_join(r->th, NULL);
+        r->th_started = false;
+    }
+    /* What finished, then what never ran (a failure: shutting down). */
+    if (r->has_async)
+        on_async(&r->async);
+    pthread_mutex_lock(&r->mu);
+    pub_job *j = r->q_head;
+    r->q_head = r->q_tail = NULL;
+    pthread_mutex_unlock(&r->mu);
+    while (j) {
+        pub_job *n = j->next;
+        j->rc = KVR_EIO;
+        snprintf(j->msg, sizeof j->msg, "remote tier: shutting down before '%.200s' was published",
+                 j->m.ctx_id);
+        job_finish(r, j);
+        j = n;
+    }
+    if (r->has_async) {
+        uv_close((uv_handle_t *)&r->async, NULL);
+        r->has_async = false;
+    }
+}
+
+void kvr_remote_destroy(kvr_remote *r)
+{
+    if (!r)
+        return;
+    kvr_rc_destroy(r->rc);
+    pthread_mutex_destroy(&r->mu);
+    pthread_cond_destroy(&r->cv);
+    kvr_mem_free(r);
+}
+
+/* The codec of ctx as a plain dtype, or KVR_EUNSUPPORTED. */
+static int plain_dtype(const char *codec, kvr_dtype *out)
+{
+    return kvr_dtype_parse(codec, out) == 0 ? 0 : KVR_EUNSUPPORTED;
+}
+
+int kvr_remote_publish(kvr_remote *r, const char *ctx_id, kvr_remote_done_fn done, void *arg,
+                       kvr_error *err)
+{
+    kvr_store *s = r->d->store;
+    kvr_ctx_info ci;
+    int rc = kvr_store_stat(s, ctx_id, &ci, err);
+    if (rc < 0)
+        return rc;
+    kvr_model_info mi;
+    if (kvr_store_model_find(s, ci.model, &mi) < 0)
+        return kvr_error_set(err, KVR_ENOMODEL, "share: model '%s' is gone", ci.model);
+    kvr_dtype dt;
+    if (plain_dtype(ci.codec, &dt) < 0)
+        return kvr_error_set(err, KVR_EUNSUPPORTED, "share: '%s' is stored as %s; only plain "
+                             "f32/f16/bf16 contexts are shared", ctx_id, ci.codec);
+    if (ci.n_tokens == 0)
+        return kvr_error_set(err, KVR_EINVAL, "share: '%s' is empty", ctx_id);
+    if (ci.n_pending)
+        return kvr_error_set(err, KVR_EPENDING, "share: '%s' has %zu tokens without KV "
+                             "(refresh them first)", ctx_id, ci.n_pending);
+    /* A reader lands what it fetches as exact KV: approximate tokens (an
+     * edit's suffix, a parallel encoding) are not published. */
+    if (ci.n_approx)
+        return kvr_error_set(err, KVR_EUNSUPPORTED, "share: '%s' has %zu approximate tokens "
+                             "(refresh them first)", ctx_id, ci.n_approx);
+    /* The snapshot is a get of the whole context: its blocks are leased
+     * (whatever happens to the context meanwhile) until the publication is
+     * done and job_finish ends it on the loop. Nothing is copied here. */
+    kvr_get *g;
+    kvr_get_params gp = { .ctx_id = ctx_id, .start = 0, .end = SIZE_MAX, .dtype = dt };
+    if ((rc = kvr_store_get_begin(s, &gp, &g, err)) < 0)
+        return rc;
+    const kvr_get_info *gi = kvr_get_get_info(g);
+    pub_job *j = kvr_mem_calloc(1, sizeof *j);
+    size_t n = gi->n_tokens;
+    size_t nb = (n + KVR_RT_BLOCK - 1) / KVR_RT_BLOCK;
+    if (j) {
+        j->m.chains = kvr_mem_malloc(nb * 8 + 1);
+        j->m.tokens = kvr_mem_malloc(n * 4 + 1);
+        j->m.positions = kvr_mem_malloc(n * 8 + 1);
+        j->m.flags = kvr_mem_calloc(n + 1, 4);
+    }
+    if (!j || !j->m.chains || !j->m.tokens || !j->m.positions || !j->m.flags) {
+        if (j) {
+            kvr_rt_manifest_free(&j->m);
+            kvr_mem_free(j);
+        }
+        kvr_get_end(g);
+        return kvr_error_set(err, KVR_ENOMEM, "share: out of memory for the snapshot");
+    }
+    j->get = g;
+    j->m.desc = (kvr_rt_desc){ mi.fingerprint, mi.n_layers, mi.n_kv_heads, mi.head_dim, dt };
+    snprintf(j->m.ctx_id, sizeof j->m.ctx_id, "%s", ctx_id);
+    snprintf(j->m.model, sizeof j->m.model, "%s", mi.name);
+    j->m.n_tokens = n;
+    j->m.n_blocks = nb;
+    memcpy(j->m.tokens, gi->tokens, n * 4);
+    memcpy(j->m.positions, gi->positions, n * 8);
+    if (gi->flags)
+        memcpy(j->m.flags, gi->flags, n * 4);
+    j->done = done;
+    j->done_arg = arg;
+    pthread_mutex_lock(&r->mu);
+    if (r->q_tail)
+        r->q_tail->next = j;
+    else
+        r->q_head = j;
+    r->q_tail = j;
+    r->q_len++;
+    pthread_cond_signal(&r->cv);
+    pthread_mutex_unlock(&r->mu);
+    return 0;
+}
+
+/* ---- fetch jobs ---------------------------------------------------------- */
+
+kvr_rjob *kvr_remote_job_get(kvr_remote *r, const char *ctx_id)
+{
+    if (!r)
+        return NULL;
+    kvr_rjob *j = kvr_mem_calloc(1, sizeof *j);
+    if (!j)
+        return NULL;
+    j->r = r;
+    j->by_id = true;
+    snprintf(j->ctx_id, sizeof j->ctx_id, "%s", ctx_id);
+    return j;
+}
+
+kvr_rjob *kvr_remote_job_prefix(kvr_remote *r, const char *model, const uint32_t *tokens,
+                                size_t n, size_t local_len)
+{
+    if (!r || n < KVR_RT_BLOCK || local_len >= n / KVR_RT_BLOCK * KVR_RT_BLOCK)
+        return NULL;     /* the cluster cannot know more than we do */
+    kvr_model_info mi;
+    if (kvr_store_model_find(r->d->store, model, &mi) < 0)
+        return NULL;
+    kvr_rjob *j = kvr_mem_calloc(1, sizeof *j);
+    if (!j)
+        return NULL;
+    j->r = r;
+    snprintf(j->model, sizeof j->model, "%s", mi.name);
+    /* Contexts of the model's own dtype are the ones we look for. */
+    j->desc = (kvr_rt_desc){ mi.fingerprint, mi.n_layers, mi.n_kv_heads, mi.head_dim,
+                             mi.dtype };
+    j->prompt = tokens;
+    j->n_prompt = n;
+    j->local_len = local_len;
+    return j;
+}
+
+void kvr_remote_job_free(kvr_rjob *j)
+{
+    if (!j)
+        return;
+    if (j->put)
+        kvr_put_abort(j->put);      /* loop thread: nothing was committed */
+    kvr_mem_free(j->starts);
+    kvr_rt_manifest_free(&j->m);
+    kvr_mem_free(j->payload);
+    kvr_mem_free(j);
+}
+
+static void miss(kvr_rjob *j, bool corrupt, const char *why)
+{
+    atomic_fetch_add(corrupt ? &j->r->fetch_corrupt : &j->r->fetch_misses, 1);
+    if (corrupt)
+        kvr_log(KVR_LOG_WARN, "remote tier: %s (treated as a miss)", why);
+    else
+        kvr_log(KVR_LOG_DEBUG, "remote tier: miss: %s", why);
+}
+
+static redisReply *get_one(kvr_rc *rc, const char *key, size_t klen)
+{
+    const char *argv[] = { "GET", key };
+    size_t argl[] = { 3, klen };
+    redisReply *x;
+    if (kvr_rc_command(rc, 2, argv, argl, &x, NULL) < 0)
+        return NULL;
+    if (x->type != REDIS_REPLY_STRING) {
+        freeReplyObject(x);
+        return NULL;
+    }
+    return x;
+}
+
+/* What the reply callback of fetch_blocks checks each block against. */
+typedef struct fetch_ctx {
+    kvr_rjob       *j;
+    const uint64_t *chains;
+    size_t          n_ctx;
+    const uint32_t *tokens;
+    const int64_t  *pos;
+    char          (*keys)[KVR_RT_KEY_MAX];
+    bool           *good;
+    rt_dst          dst;
+} fetch_ctx;
+
+/* Runs on the batch's node threads, as each block arrives (while it is in
+ * cache); distinct blocks write distinct parts of the payload. */
+static bool on_block(void *ud, size_t b, const redisReply *rep)
+{
+    fetch_ctx *f = ud;
+    if (rep->type != REDIS_REPLY_STRING)
+        return false;
+    size_t s = b * KVR_RT_BLOCK, n = f->n_ctx - s < KVR_RT_BLOCK ? f->n_ctx - s : KVR_RT_BLOCK;
+    kvr_error e = { 0 };
+    if (decode_to((const uint8_t *)rep->str, rep->len, &f->j->desc, f->chains[b], s,
+                  f->tokens + s, f->pos + s, n, &f->dst, f->n_ctx, &e) < 0) {
+        char why[400];
+        snprintf(why, sizeof why, "%s: %s", f->keys[b], e.msg);
+        miss(f->j, true, why);
+        return false;
+    }
+    f->good[b] = true;
+    return true;
+}
+
+/* GETs blocks [0, nb) and decodes them into j->payload; returns how many
+ * leading blocks were good (up to the first missing or bad one). */
+static size_t fetch_blocks(kvr_rjob *j, const uint64_t *chains, size_t nb, size_t n_ctx,
+                           const uint32_t *tokens, const int64_t *pos)
+{
+    kvr_remote *r = j->r;
+    char (*keys)[KVR_RT_KEY_MAX] = kvr_mem_malloc(nb * KVR_RT_KEY_MAX + 1);
+    kvr_rc_cmd *cmds = kvr_mem_malloc(nb * sizeof *cmds + 1);
+    const char **argv = kvr_mem_malloc(nb * 2 * sizeof *argv + 1);
+    size_t *argl = kvr_mem_malloc(nb * 2 * sizeof *argl + 1);
+    bool *good = kvr_mem_calloc(nb + 1, sizeof *good);
+    size_t n_good = 0;
+    if (!keys || !cmds || !argv || !argl || !good)
+        goto out;
+    for (size_t b = 0; b < nb; b++) {
+        argv[2 * b] = "GET";
+        argl[2 * b] = 3;
+        argl[2 * b + 1] = kvr_rt_block_key(chains[b], keys[b]);
+        argv[2 * b + 1] = keys[b];
+        cmds[b] = (kvr_rc_cmd){ 2, argv + 2 * b, argl + 2 * b };
+    }
+    fetch_ctx f = { j, chains, n_ctx, tokens, pos, keys, good,
+                    { .flat = j->put ? NULL : j->payload, .iov = j->iov, .niov = j->niov,
+                      .starts = j->starts } };
+    kvr_rc_batch_cb(r->rc, nb, cmds, NULL, on_block, &f);
+    while (n_good < nb && good[n_good])
+        n_good++;
+    if (n_good < nb)
+        miss(j, false, "a block is missing or bad (evicted, never published, or corrupt)");
+out:
+    kvr_mem_free(keys);
+    kvr_mem_free(cmds);
+    kvr_mem_free(argv);
+    kvr_mem_free(argl);
+    kvr_mem_free(good);
+    return n_good;
+}
+
+static void work_by_id(kvr_rjob *j)
+{
+    kvr_remote *r = j->r;
+    if (j->phase == 1) {
+        if (fetch_blocks(j, j->m.chains, j->m.n_blocks, j->m.n_tokens, j->m.tokens,
+                         j->m.positions) == j->m.n_blocks) {
+            j->hit = true;
+            j->n_tokens = j->m.n_tokens;
+        }
+        return;
+    }
+    char mk[KVR_RT_KEY_MAX];
+    size_t mkl = kvr_rt_manifest_key(j->ctx_id, mk);
+    redisReply *x = get_one(r->rc, mk, mkl);
+    if (!x) {
+        miss(j, false, "no manifest");
+        return;
+    }
+    kvr_error e = { 0 };
+    int rc = kvr_rt_manifest_decode((const uint8_t *)x->str, x->len, j->ctx_id, &j->m, &e);
+    freeReplyObject(x);
+    if (rc < 0) {
+        char why[400];
+        snprintf(why, sizeof why, "%s: %s", mk, e.msg);
+        miss(j, true, why);
+        return;
+    }
+    j->desc = j->m.desc;
+    j->have_manifest = true;     /* the loop opens the put, then phase 1 */
+}
+
+static void work_prefix(kvr_rjob *j)
+{
+    kvr_remote *r = j->r;
+    size_t nb = j->n_prompt / KVR_RT_BLOCK, n = nb * KVR_RT_BLOCK;
+    uint64_t *chains = kvr_mem_malloc(nb * 8);
+    int64_t *pos = kvr_mem_malloc(n * 8);
+    char (*keys)[KVR_RT_KEY_MAX] = kvr_mem_malloc(nb * KVR_RT_KEY_MAX);
+    kvr_rc_cmd *cmds = kvr_mem_malloc(nb * sizeof *cmds);
+    const char **argv = kvr_mem_malloc(nb * 2 * sizeof *argv);
+    size_t *argl = kvr_mem_malloc(nb * 2 * sizeof *argl);
+    redisReply **rep = kvr_mem_calloc(nb, sizeof *rep);
+    if (!chains || !pos || !keys || !cmds || !argv || !argl || !rep)
+        goto out;
+    for (size_t i = 0; i < n; i++)
+        pos[i] = (int64_t)i;
+    uint64_t h = kvr_rt_chain_seed(&j->desc);
+    for (size_t b = 0; b < nb; b++) {
+        h = kvr_rt_chain_next(h, j->prompt + b * KVR_RT_BLOCK, pos + b * KVR_RT_BLOCK,
+                              KVR_RT_BLOCK);
+        chains[b] = h;
+        argv[2 * b] = "EXISTS";
+        argl[2 * b] = 6;
+        argl[2 * b + 1] = kvr_rt_block_key(h, keys[b]);
+        argv[2 * b + 1] = keys[b];
+        cmds[b] = (kvr_rc_cmd){ 2, argv + 2 * b, argl + 2 * b };
+    }
+    /* Probe every chain hash at once (one pipelined round per node): the
+     * run of present blocks from the start is the cluster's prefix. */
+    atomic_fetch_add(&r->probes, 1);
+    kvr_rc_batch(r->rc, nb, cmds, rep);
+    size_t run = 0;
+    while (run < nb && rep[run] && rep[run]->type == REDIS_REPLY_INTEGER && rep[run]->integer == 1)
+        run++;
+    if (run * KVR_RT_BLOCK <= j->local_len) {
+        miss(j, false, "the cluster's prefix is no longer than the local one");
+        goto out;
+    }
+    size_t len = run * KVR_RT_BLOCK;
+    j->payload = kvr_mem_malloc(kv_bytes(&j->desc, len));
+    if (!j->payload)
+        goto out;
+    size_t good = fetch_blocks(j, chains, run, len, j->prompt, pos);
+    if (good * KVR_RT_BLOCK <= j->local_len)
+        goto out;
+    /* A shorter good run still helps: the payload is laid out for len
+     * tokens, so land exactly `good` blocks by compacting per layer side. */
+    size_t glen = good * KVR_RT_BLOCK;
+    if (glen < len) {
+        size_t row = row_bytes(&j->desc);
+        for (size_t l = 0; l < 2 * (size_t)j->desc.n_layers; l++)
+            memmove(j->payload + l * glen * row, j->payload + l * len * row, glen * row);
+    }
+    j->m.tokens = kvr_mem_malloc(glen * 4);
+    j->m.positions = kvr_mem_malloc(glen * 8);
+    if (!j->m.tokens || !j->m.positions)
+        goto out;
+    memcpy(j->m.tokens, j->prompt, glen * 4);
+    memcpy(j->m.positions, pos, glen * 8);
+    j->n_tokens = glen;
+    snprintf(j->ctx_id, sizeof j->ctx_id, "cluster:%016" PRIx64, chains[good - 1]);
+    j->hit = true;
+out:
+    for (size_t b = 0; rep && b < nb; b++)
+        if (rep[b])
+            freeReplyObject(rep[b]);
+    kvr_mem_free(chains);
+    kvr_mem_free(pos);
+    kvr_mem_free(keys);
+    kvr_mem_free(cmds);
+    kvr_mem_free(argv);
+    kvr_mem_free(argl);
+    kvr_mem_free(rep);
+}
+
+void kvr_remote_job_work(kvr_rjob *j)
+{
+    if (!tier_up(j->r)) {
+        miss(j, false, "the cluster is unreachable");
+        return;
+    }
+    uint64_t t0 = mono_ms();
+    if (j->by_id)
+        work_by_id(j);
+    else
+        work_prefix(j);
+    kvr_log(KVR_LOG_DEBUG, "remote tier: fetch of '%s' took %llu ms", j->ctx_id,
+            (unsigned long long)(mono_ms() - t0));
+}
+
+/* A local model for the fetched data: the named one if its fingerprint
+ * agrees, else any with that fingerprint. */
+static int find_model(kvr_store *s, const char *name, uint64_t fp, kvr_model_info *out)
+{
+    if (name[0] && kvr_store_model_find(s, name, out) == 0 && out->fingerprint == fp)
+        return 0;
+    kvr_model_info all[64];
+    size_t n = kvr_store_model_list(s, all, 64);
+    for (size_t i = 0; i < n && i < 64; i++)
+        if (all[i].fingerprint == fp) {
+            *out = all[i];
+            return 0;
+        }
+    return KVR_ENOMODEL;
+}
+
+/* Loop thread: the fetched K/V is in t's memory; convert if needed, commit. */
+static int land_commit(kvr_rjob *j, kvr_put *t)
+{
+    kvr_error e = { 0 };
+    int rc;
+    if (kvr_put_needs_work(t) && (rc = kvr_put_work(t, &e)) < 0) {
+        kvr_put_abort(t);
+        kvr_log(KVR_LOG_WARN, "remote tier: fetched '%s' refused: %s", j->ctx_id, e.msg);
+        return rc;
+    }
+    kvr_put_result res;
+    rc = kvr_put_commit(t, &res, &e);
+    if (rc < 0) {
+        kvr_log(KVR_LOG_WARN, "remote tier: cannot keep '%s' locally: %s", j->ctx_id, e.msg);
+        return rc;
+    }
+    atomic_fetch_add(&j->r->fetch_hits, 1);
+    atomic_fetch_add(&j->r->fetch_tokens, j->n_tokens);
+    kvr_log(KVR_LOG_DEBUG, "remote tier: fetched '%s' (%zu tokens)", j->ctx_id, j->n_tokens);
+    return 0;
+}
+
+int kvr_remote_job_land(kvr_rjob *j)
+{
+    if (j->by_id && j->phase == 1) {
+        kvr_put *t = j->put;
+        j->put = NULL;
+        if (!j->hit) {
+            kvr_put_abort(t);
+            return KVR_ENOCTX;
+        }
+        return land_commit(j, t);
+    }
+    if (j->by_id ? !j->have_manifest : !j->hit)
+        return KVR_ENOCTX;
+    kvr_remote *r = j->r;
+    kvr_store *s = r->d->store;
+    kvr_model_info mi;
+    if (find_model(s, j->by_id ? j->m.model : j->model, j->desc.fingerprint, &mi) < 0) {
+        miss(j, false, "no local model has the context's fingerprint (register it first)");
+        return KVR_ENOCTX;
+    }
+    if (mi.n_layers != j->desc.n_layers || mi.n_kv_heads != j->desc.n_kv_heads ||
+        mi.head_dim != j->desc.head_dim) {
+        miss(j, true, "the fetched shape differs from the local model's");
+        return KVR_ENOCTX;
+    }
+    if (j->by_id)
+        j->n_tokens = j->m.n_tokens;
+    kvr_put_params pp = {
+        .ctx_id = j->ctx_id,
+        .model = mi.name,
+        .mode = KVR_PUT_CREATE,
+        .fingerprint = mi.fingerprint,
+        .n_layers = mi.n_layers,
+        .n_kv_heads = mi.n_kv_heads,
+        .head_dim = mi.head_dim,
+        .dtype = j->desc.dtype,
+        .n_tokens = j->n_tokens,
+        .tokens = j->m.tokens,
+        .positions = j->m.positions,
+        .codec = kvr_dtype_name(j->desc.dtype),
+    };
+    kvr_put *t;
+    kvr_error e = { 0 };
+    int rc = kvr_store_put_begin(s, &pp, &t, &e);
+    if (rc == KVR_EEXIST)
+        return 0;
+    if (rc < 0) {
+        kvr_log(KVR_LOG_WARN, "remote tier: cannot keep '%s' locally: %s", j->ctx_id, e.msg);
+        return rc;
+    }
+    const struct iovec *iov;
+    size_t niov;
+    kvr_put_payload_iov(t, &iov, &niov);
+    if (kvr_put_payload_size(t) != kv_bytes(&j->desc, j->n_tokens)) {
+        kvr_put_abort(t);
+        miss(j, true, "the fetched context's size differs from the local put's");
+        return KVR_ENOCTX;
+    }
+    if (j->by_id) {
+        /* Phase 1: the blocks are fetched straight into the put's memory. */
+        j->starts = kvr_mem_malloc((niov + 1) * sizeof *j->starts);
+        if (!j->starts) {
+            kvr_put_abort(t);
+            return KVR_ENOMEM;
+        }
+        size_t off = 0;
+        for (size_t i = 0; i < niov; i++) {
+            j->starts[i] = off;
+            off += iov[i].iov_len;
+        }
+        j->put = t;
+        j->iov = iov;
+        j->niov = niov;
+        j->phase = 1;
+        return 1;
+    }
+    size_t off = 0;
+    for (size_t i = 0; i < niov; i++) {
+        memcpy(iov[i].iov_base, j->payload + off, iov[i].iov_len);
+        off += iov[i].iov_len;
+    }
+    return land_commit(j, t);
+}
+
+size_t kvr_remote_metrics(kvr_remote *r, const char **names, double *values, size_t cap)
+{
+    kvr_rc_stats st;
+    kvr_rc_get_stats(r->rc, &st);
+    struct { const char *n; double v; } m[] = {
+        { "remote_joined", atomic_load(&r->joined) ? 1 : 0 },
+        { "remote_published_contexts", (double)atomic_load(&r->pub_contexts) },
+        { "remote_published_blocks", (double)atomic_load(&r->pub_blocks) },
+        { "remote_blocks_already_there", (double)atomic_load(&r->pub_skipped) },
+        { "remote_publish_errors", (double)atomic_load(&r->pub_errors) },
+        { "remote_fetch_hits", (double)atomic_load(&r->fetch_hits) },
+        { "remote_fetch_misses", (double)atomic_load(&r->fetch_misses) },
+        { "remote_fetch_corrupt", (double)atomic_load(&r->fetch_corrupt) },
+        { "remote_fetched_tokens", (double)atomic_load(&r->fetch_tokens) },
+        { "remote_probes", (double)atomic_load(&r->probes) },
+        { "remote_moved", (double)st.moved },
+        { "remote_ask", (double)st.ask },
+        { "remote_map_refreshes", (double)st.refreshes },
+        { "remote_conn_errors", (double)st.conn_errors },
+    };
+    size_t n = sizeof m / sizeof *m;
+    for (size_t i = 0; i < n && i < cap; i++) {
+        names[i] = m[i].n;
+        values[i] = m[i].v;
+    }
+    return n < cap ? n : cap;
+}

@@ -1,0 +1,120 @@
+/*
+ * remote.h — the shared tier on Redis Cluster (docs/cluster.md), private to
+ * daemon/: the value formats and key scheme (pure functions, tested on
+ * their own), the publisher thread, and the fetch jobs that a local miss of
+ * get or match runs on the threadpool.
+ *
+ * Invariants:
+ *  - Nothing read from the cluster is served before it is verified: magic,
+ *    version, CRC32C over the whole value, its own description (fingerprint,
+ *    shape, dtype, block size, chain hash) equal to what the key promised,
+ *    and its tokens and positions equal to what the reader asked for. A
+ *    value that fails any check is a miss (counted, logged at debug).
+ *  - The store is touched on the loop thread only: a publication snapshots
+ *    the context there (a get), a fetch lands through a normal put there.
+ *    The cluster is spoken to on other threads only (rcluster.h).
+ *  - A failing cluster costs misses and publication errors, never local
+ *    data: the local put is committed before anything is published.
+ */
+#ifndef KVR_REMOTE_H
+#define KVR_REMOTE_H
+
+#include <stddef.h>
+#include <stdint.h>
+#include <stdbool.h>
+
+#include "cache/cache.h"
+
+#define KVR_RT_BLOCK 64u            /* tokens per remote block */
+#define KVR_RT_KEY_MAX 64
+
+typedef struct kvr_daemon kvr_daemon;
+typedef struct kvr_conn kvr_conn;
+typedef struct kvr_remote kvr_remote;
+typedef struct kvr_rjob kvr_rjob;
+
+/* What a value describes (the reader checks it against what it expects). */
+typedef struct kvr_rt_desc {
+    uint64_t  fingerprint;
+    uint32_t  n_layers, n_kv_heads, head_dim;
+    kvr_dtype dtype;
+} kvr_rt_desc;
+
+/* ---- keys and hashes (pure) -------------------------------------------- */
+/* The chain seed of a model/dtype; chain_k = hash(chain_{k-1}, the tokens
+ * and stored-at positions of block k). */
+uint64_t kvr_rt_chain_seed(const kvr_rt_desc *d);
+uint64_t kvr_rt_chain_next(uint64_t prev, const uint32_t *tokens, const int64_t *pos, size_t n);
+/* "kvr1:b:{<16 hex>}" and "kvr1:m:{<16 hex of the id's hash>}"; return length. */
+size_t kvr_rt_block_key(uint64_t chain, char out[KVR_RT_KEY_MAX]);
+size_t kvr_rt_manifest_key(const char *ctx_id, char out[KVR_RT_KEY_MAX]);
+
+/* ---- values (pure) ----------------------------------------------------- */
+/* A block value: header, tokens, positions, the block's K/V (layer-major,
+ * [layer][K|V][n][heads][dim]), CRC32C. Returns a kvr_mem buffer. kv_rows
+ * points at the context-wide payload (layer-major over n_ctx tokens);
+ * the block is tokens [start, start + n). */
+uint8_t *kvr_rt_block_encode(const kvr_rt_desc *d, uint64_t chain, uint64_t start,
+                             const uint32_t *tokens, const int64_t *pos, size_t n,
+                             const uint8_t *ctx_payload, size_t n_ctx, size_t *len);
+/* Verifies a block value against what is expected and copies its K/V into
+ * the context-wide payload dst (layer-major over n_ctx tokens) at start.
+ * 0, or KVR_EIO (corrupt) / KVR_EFINGERPRINT / KVR_ESHAPE (mismatch), with
+ * the reason in err. */
+int kvr_rt_block_decode(const uint8_t *v, size_t len, const kvr_rt_desc *d, uint64_t chain,
+                        uint64_t start, const uint32_t *tokens, const int64_t *pos, size_t n,
+                        uint8_t *dst, size_t n_ctx, kvr_error *err);
+
+typedef struct kvr_rt_manifest {
+    kvr_rt_desc desc;
+    char        ctx_id[KVR_ID_MAX + 1];
+    char        model[KVR_ID_MAX + 1];
+    size_t      n_tokens, n_blocks;
+    uint64_t   *chains;              /* n_blocks */
+    uint32_t   *tokens;              /* n_tokens */
+    int64_t    *positions;           /* stored-at positions of the published KV */
+    uint32_t   *flags;
+} kvr_rt_manifest;
+
+uint8_t *kvr_rt_manifest_encode(const kvr_rt_manifest *m, size_t *len);
+/* Parses and verifies; on 0 m's arrays are kvr_mem allocations (free with
+ * kvr_rt_manifest_free). */
+int  kvr_rt_manifest_decode(const uint8_t *v, size_t len, const char *want_id,
+                            kvr_rt_manifest *m, kvr_error *err);
+void kvr_rt_manifest_free(kvr_rt_manifest *m);
+
+/* ---- the tier in the daemon -------------------------------------------- */
+/* Connects (a wrong password is KVR_EUNAUTH here: the daemon does not
+ * start; an unreachable cluster is logged and joined later). NULL *out if
+ * --remote-tier is not set. */
+int  kvr_remote_create(kvr_remote **out, kvr_daemon *d, kvr_error *err);
+/* Loop thread, at shutdown before the loop's last run: stops the thread,
+ * fails what is queued, closes the async handle. Then _destroy frees. */
+void kvr_remote_close(kvr_remote *r);
+void kvr_remote_destroy(kvr_remote *r);
+
+/* Loop thread: snapshots ctx_id now (its blocks leased) and queues its
+ * publication. done (may be NULL) is called on the loop thread once it is
+ * published (rc 0) or failed (rc < 0, msg says why). Returns 0 (queued:
+ * done will be called, also at shutdown), or a negative code (nothing
+ * queued, done never called). */
+typedef void (*kvr_remote_done_fn)(void *arg, int rc, const char *msg);
+int  kvr_remote_publish(kvr_remote *r, const char *ctx_id, kvr_remote_done_fn done, void *arg,
+                        kvr_error *err);
+
+/* Fetch jobs: built on the loop (NULL if nothing to ask), worked on the
+ * threadpool, landed on the loop (a local put; 0 if a context now holds
+ * the data, < 0 a miss, 1: work the job once more, then land it again —
+ * a get by id opens its local put after the manifest and fetches the
+ * blocks straight into it). Free aborts a put still open. */
+kvr_rjob *kvr_remote_job_get(kvr_remote *r, const char *ctx_id);
+kvr_rjob *kvr_remote_job_prefix(kvr_remote *r, const char *model, const uint32_t *tokens,
+                                size_t n, size_t local_len);
+void kvr_remote_job_work(kvr_rjob *j);
+int  kvr_remote_job_land(kvr_rjob *j);
+void kvr_remote_job_free(kvr_rjob *j);
+
+/* Metrics for stats: fills up to cap, returns the count (static names). */
+size_t kvr_remote_metrics(kvr_remote *r, const char **names, double *values, size_t cap);
+
+#endif /* KVR_REMOTE_H */

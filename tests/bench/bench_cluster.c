@@ -1,0 +1,266 @@
+/*
+ * bench_cluster.c — the shared tier on a loopback 3+3 Redis Cluster started
+ * here (scripts/redis-cluster.sh), two kvroped nodes A and B:
+ *
+ *  - node B fetching a context node A published (B's get of an id it does
+ *    not hold: manifest + blocks from the cluster, checked, landed locally,
+ *    then sent to the client), against plain hiredis GETs of the same block
+ *    values from the same cluster (connections open, each key sent to its
+ *    master), and against a local get of the same context on B;
+ *  - a cluster-wide match of a 32k-token prompt on B: the probe (a prompt
+ *    the cluster does not hold: every chain hash asked at once), and a
+ *    match whose whole prefix is in the cluster (probe + fetch + land).
+ *
+ * Never asserted; ratios in one run. Goals: B's fetch >= 0.8x the hiredis
+ * GETs of the same bytes; the cluster-wide match probe p99 < 5 ms.
+ * $KVR_BENCH_SECONDS scales the repetitions (default 1.0).
+ */
+#include <hiredis/hiredis.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "daemon/rcluster.h"
+#include "daemon/remote.h"
+#include "tests/common/kvr_cluster.h"
+#include "tests/common/kvr_testd.h"
+
+#define BL 8          /* bench model: 8 layers x 8 KV heads x 128 dims, f16 */
+#define BH 8
+#define BD 128
+#define CTX_TOKENS 1024
+
+static double now_s(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+static int cmp_d(const void *a, const void *b)
+{
+    double x = *(const double *)a, y = *(const double *)b;
+    return x < y ? -1 : x > y;
+}
+
+static int reg(kvr_client *c, const char *name, uint32_t L, uint32_t H, uint32_t D,
+               kvr_model *out)
+{
+    kvr_rope_config rc;
+    kvr_rope_config_init(&rc);
+    rc.head_dim = D;
+    rc.rotary_dim = D;
+    kvr_model_params p = { .name = name, .n_layers = L, .n_kv_heads = H, .head_dim = D,
+                           .dtype = KVR_DTYPE_F16, .rope = &rc };
+    return kvr_client_model_register(c, &p, out);
+}
+
+static int put_big(kvr_client *c, const char *id, const char *model, uint32_t L, uint32_t H,
+                   uint32_t D, const uint32_t *tok, size_t n)
+{
+    size_t len = kvr_payload_size(L, n, H, D, KVR_DTYPE_F16);
+    uint16_t *pl = malloc(len);
+    for (size_t i = 0; i < len / 2; i++)
+        pl[i] = kvr_f32_to_f16((float)((i * 2654435761u) % 2001) / 1000.0f - 1.0f);
+    kvr_put_args a = { .ctx_id = id, .model = model, .dtype = KVR_DTYPE_F16, .tokens = tok,
+                       .n_tokens = n, .has_pos_start = true, .pos_start = 0, .payload = pl,
+                       .payload_len = len, .share = true, .share_sync = true };
+    int r = kvr_client_put(c, &a, NULL);
+    free(pl);
+    return r;
+}
+
+/* Raw hiredis connections to the node that serves each key (found once). */
+static redisContext *conn_for(const kvr_tcluster *t, redisContext **pool, const char *key)
+{
+    for (int i = 0; i < 6; i++) {
+        if (!pool[i]) {
+            pool[i] = redisConnect("127.0.0.1", t->ports[i]);
+            redisReply *a = redisCommand(pool[i], "AUTH kvr kvrpass");
+            freeReplyObject(a);
+        }
+        redisReply *r = redisCommand(pool[i], "EXISTS %s", key);
+        bool here = r && r->type == REDIS_REPLY_INTEGER && r->integer == 1;
+        freeReplyObject(r);
+        if (here)
+            return pool[i];
+    }
+    return NULL;
+}
+
+int main(void)
+{
+    double scale = getenv("KVR_BENCH_SECONDS") ? atof(getenv("KVR_BENCH_SECONDS")) : 1.0;
+    if (scale <= 0)
+        scale = 1.0;
+    kvr_tcluster T;
+    if (tcluster_start(&T) != 0) {
+        fprintf(stderr, "bench_cluster: no Redis Cluster (redis-server/redis-tools installed?)\n");
+        return 1;
+    }
+    char auth[300];
+    snprintf(auth, sizeof auth, "%s/auth", T.dir);
+    FILE *f = fopen(auth, "w");
+    fprintf(f, "kvr kvrpass\n");
+    fclose(f);
+    const char *extra[] = { "--remote-tier", T.seeds, "--remote-auth-file", auth,
+                            "--max-memory", "2G", getenv("KVR_T_DEBUG") ? "--log-level" : NULL, "debug", NULL };
+    kvr_testd A, B;
+    if (testd_start(&A, extra) || testd_start(&B, extra)) {
+        tcluster_stop(&T);
+        return 1;
+    }
+    kvr_client *ca = testd_connect(&A), *cb = testd_connect(&B);
+    kvr_model mb, mt;
+    reg(ca, "big", BL, BH, BD, &mb);
+    reg(cb, "big", BL, BH, BD, NULL);
+    reg(ca, "tiny", T_LAYERS, T_HEADS, T_DIM, &mt);
+    reg(cb, "tiny", T_LAYERS, T_HEADS, T_DIM, NULL);
+
+    /* ---- fetch vs hiredis GET vs local get -------------------------------- */
+    uint32_t *tok = testd_tokens(1, CTX_TOKENS);
+    if (put_big(ca, "doc", "big", BL, BH, BD, tok, CTX_TOKENS) != 0) {
+        fprintf(stderr, "put: %s\n", kvr_client_last_error(ca));
+        return 1;
+    }
+    size_t bytes = kvr_payload_size(BL, CTX_TOKENS, BH, BD, KVR_DTYPE_F16);
+    void *buf = malloc(bytes);
+    int reps = (int)(10 * scale) < 3 ? 3 : (int)(10 * scale);
+    double t_fetch = 1e30, t_local = 1e30, t_redis = 1e30;
+    for (int i = 0; i < reps; i++) {
+        kvr_client_delete(cb, "doc");
+        kvr_kv kv;
+        double t0 = now_s();
+        int r = kvr_client_get(cb, &(kvr_get_args){ .ctx_id = "doc", .dtype = KVR_DTYPE_F16,
+                                                    .dst = buf, .dst_cap = bytes }, &kv);
+        double dt = now_s() - t0;
+        if (r != 0) {
+            fprintf(stderr, "B get: %s\n", kvr_client_last_error(cb));
+            return 1;
+        }
+        kvr_kv_release(&kv);
+        if (dt < t_fetch)
+            t_fetch = dt;
+        t0 = now_s();
+        kvr_client_get(cb, &(kvr_get_args){ .ctx_id = "doc", .dtype = KVR_DTYPE_F16,
+                                            .dst = buf, .dst_cap = bytes }, &kv);
+        dt = now_s() - t0;
+        kvr_kv_release(&kv);
+        if (dt < t_local)
+            t_local = dt;
+    }
+    /* The same block values, GET by plain hiredis. */
+    kvr_rt_desc desc = { mb.fingerprint, BL, BH, BD, KVR_DTYPE_F16 };
+    size_t nb = CTX_TOKENS / KVR_RT_BLOCK;
+    char keys[CTX_TOKENS / KVR_RT_BLOCK][KVR_RT_KEY_MAX];
+    redisContext *pool[6] = { 0 }, *where[CTX_TOKENS / KVR_RT_BLOCK];
+    int64_t *pos = malloc(CTX_TOKENS * sizeof *pos);
+    for (size_t i = 0; i < CTX_TOKENS; i++)
+        pos[i] = (int64_t)i;
+    uint64_t h = kvr_rt_chain_seed(&desc);
+    size_t vbytes = 0;
+    for (size_t b = 0; b < nb; b++) {
+        h = kvr_rt_chain_next(h, tok + b * KVR_RT_BLOCK, pos + b * KVR_RT_BLOCK, KVR_RT_BLOCK);
+        kvr_rt_block_key(h, keys[b]);
+        where[b] = conn_for(&T, pool, keys[b]);
+        if (!where[b]) {
+            fprintf(stderr, "block %zu not found in the cluster\n", b);
+            return 1;
+        }
+    }
+    for (int i = 0; i < reps; i++) {
+        double t0 = now_s();
+        vbytes = 0;
+        for (size_t b = 0; b < nb; b++) {
+            redisReply *r = redisCommand(where[b], "GET %s", keys[b]);
+            vbytes += r && r->type == REDIS_REPLY_STRING ? r->len : 0;
+            freeReplyObject(r);
+        }
+        double dt = now_s() - t0;
+        if (dt < t_redis)
+            t_redis = dt;
+    }
+    double mib = (double)bytes / (1024.0 * 1024.0), vmib = (double)vbytes / (1024.0 * 1024.0);
+    printf("context: %d tokens x %d layers x %d heads x %d dims f16 = %.1f MiB in %zu blocks "
+           "(best of %d)\n", CTX_TOKENS, BL, BH, BD, mib, nb, reps);
+    printf("| path | ms | MiB/s | vs hiredis GET |\n|---|---|---|---|\n");
+    printf("| hiredis GET of the %zu block values (%.1f MiB) | %.2f | %.0f | 1.00 |\n", nb, vmib,
+           t_redis * 1e3, vmib / t_redis);
+    printf("| node B get of A's context (fetch + check + land + send) | %.2f | %.0f | %.2f |\n",
+           t_fetch * 1e3, mib / t_fetch, t_redis / t_fetch);
+    printf("| node B local get of the same context | %.2f | %.0f | %.2f |\n", t_local * 1e3,
+           mib / t_local, t_redis / t_local);
+    double g1 = t_redis / t_fetch;
+    printf("goal: node B fetch >= 0.8x hiredis GET of the same bytes: %.2fx (%s)\n", g1,
+           g1 >= 0.8 ? "met" : "not met");
+
+    /* ---- cluster-wide match of a 32k-token prompt -------------------------- */
+    enum { NP = 32768 };
+    uint32_t *prompt = testd_tokens(7000000, NP);
+    size_t plen = kvr_payload_size(T_LAYERS, NP, T_HEADS, T_DIM, KVR_DTYPE_F16);
+    uint16_t *pl = calloc(1, plen);
+    kvr_put_args pa = { .ctx_id = "long", .model = "tiny", .dtype = KVR_DTYPE_F16,
+                        .tokens = prompt, .n_tokens = NP, .has_pos_start = true,
+                        .payload = pl, .payload_len = plen, .share = true, .share_sync = true };
+    if (kvr_client_put(ca, &pa, NULL) != 0) {
+        fprintf(stderr, "put long: %s\n", kvr_client_last_error(ca));
+        return 1;
+    }
+    free(pl);
+    int nm = (int)(200 * scale) < 20 ? 20 : (int)(200 * scale);
+    double *lat = malloc((size_t)nm * sizeof *lat), *lat2 = malloc((size_t)nm * sizeof *lat2);
+    uint32_t *other = testd_tokens(9000000, NP);
+    for (int i = 0; i < nm; i++) {
+        other[0] = 9000000u + (uint32_t)i * 7919u;     /* a fresh prompt: nobody has it */
+        kvr_match_res m;
+        double t0 = now_s();
+        kvr_client_match(cb, &(kvr_match_args){ .model = "tiny", .tokens = other,
+                                                .n_tokens = NP }, &m);
+        lat[i] = now_s() - t0;
+    }
+    int nf = nm / 4 < 10 ? 10 : nm / 4;
+    size_t got = 0;
+    for (int i = 0; i < nf; i++) {
+        kvr_match_res m;
+        double t0 = now_s();
+        kvr_client_match(cb, &(kvr_match_args){ .model = "tiny", .tokens = prompt,
+                                                .n_tokens = NP }, &m);
+        lat2[i] = now_s() - t0;
+        got = m.length;
+        if (m.length)
+            kvr_client_delete(cb, m.ctx_id);     /* so the next one asks the cluster again */
+    }
+    qsort(lat, (size_t)nm, sizeof *lat, cmp_d);
+    qsort(lat2, (size_t)nf, sizeof *lat2, cmp_d);
+    double p50 = lat[nm / 2], p99 = lat[(int)((nm - 1) * 0.99)];
+    printf("\n| match of a 32k-token prompt on B (%d x %d x %d f16) | p50 ms | p99 ms |\n"
+           "|---|---|---|\n", T_LAYERS, T_HEADS, T_DIM);
+    printf("| not in the cluster (probe of %d chain hashes) | %.2f | %.2f |\n", NP / 64,
+           p50 * 1e3, p99 * 1e3);
+    printf("| all in the cluster (probe + fetch + land %zu tokens, %.1f MiB) | %.2f | %.2f |\n",
+           got, (double)kvr_payload_size(T_LAYERS, got, T_HEADS, T_DIM, KVR_DTYPE_F16) /
+                    1048576.0, lat2[nf / 2] * 1e3, lat2[(int)((nf - 1) * 0.99)] * 1e3);
+    printf("goal: cluster-wide match of a 32k-token prompt p99 < 5 ms: %.2f ms (%s)\n",
+           p99 * 1e3, p99 < 5e-3 ? "met" : "not met");
+
+    for (int i = 0; i < 6; i++)
+        if (pool[i])
+            redisFree(pool[i]);
+    kvr_client_close(ca);
+    kvr_client_close(cb);
+    if (getenv("KVR_T_DEBUG"))
+        testd_print_log(&B);
+    testd_stop(&A);
+    testd_stop(&B);
+    tcluster_stop(&T);
+    free(buf);
+    free(tok);
+    free(pos);
+    free(prompt);
+    free(other);
+    free(lat);
+    free(lat2);
+    return 0;
+}

@@ -1,0 +1,574 @@
+/*
+ * test_int_cluster.c — the shared tier end to end: a 3-master / 3-replica
+ * Redis Cluster on loopback (scripts/redis-cluster.sh, one per test) and
+ * two kvroped nodes A and B with --remote-tier.
+ *
+ *  - put on A with share, then get and match on B: bit-exact, at the
+ *    positions asked; an asynchronous share shows up on B;
+ *  - a value overwritten with garbage (block or manifest): a miss, counted;
+ *  - a master SIGKILLed during traffic from both nodes: at worst misses and
+ *    "not shared" replies meanwhile, never a lost local put, never bad data;
+ *    traffic goes on after the failover;
+ *  - slots resharded (redis-cli --cluster reshard) during traffic: MOVED /
+ *    ASK handled, everything still readable;
+ *  - the cluster unreachable at start: local service, a log line, joined
+ *    once it appears; a wrong password: kvroped does not start and says why.
+ */
+#include <criterion/criterion.h>
+
+#include <pthread.h>
+
+#include "daemon/rcluster.h"
+#include "daemon/remote.h"
+#include "tests/common/kvr_cluster.h"
+#include "tests/common/kvr_testd.h"
+
+/* How a test put publishes. */
+#define SHARE      1u
+#define SHARE_SYNC 2u
+
+static kvr_tcluster T;
+static kvr_testd A, B;
+static kvr_client *CA, *CB;
+static char AUTH[300];
+static kvr_model MA;
+
+static void write_auth(const char *line)
+{
+    snprintf(AUTH, sizeof AUTH, "%s/auth", T.dir);
+    FILE *f = fopen(AUTH, "w");
+    cr_assert_not_null(f);
+    fprintf(f, "%s\n", line);
+    fclose(f);
+}
+
+static int start_node(kvr_testd *d, const char *seeds)
+{
+    const char *extra[] = { "--remote-tier", seeds, "--remote-auth-file", AUTH, getenv("KVR_T_DEBUG") ? "--log-level" : NULL, "debug", NULL };
+    return testd_start(d, extra);
+}
+
+static void setup(void)
+{
+    cr_assert_eq(tcluster_start(&T), 0, "cluster did not start");
+    write_auth("kvr kvrpass");
+    cr_assert_eq(start_node(&A, T.seeds), 0);
+    cr_assert_eq(start_node(&B, T.seeds), 0);
+    CA = testd_connect(&A);
+    CB = testd_connect(&B);
+    cr_assert(CA && CB);
+    cr_assert_eq(testd_register(CA, "tiny", KVR_DTYPE_F16, &MA), 0);
+    cr_assert_eq(testd_register(CB, "tiny", KVR_DTYPE_F16, NULL), 0);
+}
+
+static void teardown(void)
+{
+    kvr_client_close(CA);
+    kvr_client_close(CB);
+    CA = CB = NULL;
+    testd_stop(&A);
+    testd_stop(&B);
+    tcluster_stop(&T);
+}
+
+/* Put n tokens (ids base.., data seed) on c with the given flags. */
+static int put_flags(kvr_client *c, const char *ctx, uint32_t seed, uint32_t base, size_t n,
+                     unsigned flags)
+{
+    size_t len;
+    void *pl = testd_payload(seed, T_LAYERS, 0, n, KVR_DTYPE_F16, &len);
+    uint32_t *tok = testd_tokens(base, n);
+    kvr_put_args a = { .ctx_id = ctx, .model = "tiny", .dtype = KVR_DTYPE_F16, .tokens = tok,
+                       .n_tokens = n, .has_pos_start = true, .pos_start = 0,
+                       .payload = pl, .payload_len = len, .share = flags != 0,
+                       .share_sync = (flags & SHARE_SYNC) != 0 };
+    int r = kvr_client_put(c, &a, NULL);
+    free(pl);
+    free(tok);
+    return r;
+}
+
+/* A get on c (positions NULL = stored); 0 and *kv, or the error. */
+static int get_kv(kvr_client *c, const char *ctx, uint64_t start, uint64_t end,
+                  const int64_t *pos, kvr_kv *kv)
+{
+    kvr_get_args g = { .ctx_id = ctx, .start = start, .end = end, .dtype = KVR_DTYPE_F16,
+                       .positions = pos, .n_positions = pos ? end - start : 0 };
+    return kvr_client_get(c, &g, kv);
+}
+
+static void assert_same(const kvr_kv *x, const kvr_kv *y)
+{
+    cr_assert_eq(x->n_tokens, y->n_tokens);
+    cr_assert_eq(x->payload_len, y->payload_len);
+    cr_assert_eq(memcmp(x->payload, y->payload, x->payload_len), 0, "payloads differ");
+    cr_assert_eq(memcmp(x->tokens, y->tokens, x->n_tokens * 4), 0);
+    cr_assert_eq(memcmp(x->positions, y->positions, x->n_tokens * 8), 0);
+}
+
+TestSuite(int_cluster, .init = setup, .fini = teardown, .timeout = 240);
+
+Test(int_cluster, share_on_a_get_and_match_on_b)
+{
+    cr_assert_eq(put_flags(CA, "doc", 7, 1000, 200, SHARE_SYNC), 0);
+    /* B has never seen it: the get fetches manifest + blocks. */
+    kvr_kv ka, kb;
+    cr_assert_eq(get_kv(CA, "doc", 0, 0, NULL, &ka), 0);
+    cr_assert_eq(get_kv(CB, "doc", 0, 0, NULL, &kb), 0, "%s", kvr_client_last_error(CB));
+    assert_same(&ka, &kb);
+    kvr_kv_release(&kb);
+    kvr_kv_release(&ka);
+    /* Positional work on the fetched data: re-rotated to 1000.. on both. */
+    int64_t pos[50];
+    for (int i = 0; i < 50; i++)
+        pos[i] = 1000 + 3 * i;
+    cr_assert_eq(get_kv(CA, "doc", 100, 150, pos, &ka), 0);
+    cr_assert_eq(get_kv(CB, "doc", 100, 150, pos, &kb), 0);
+    assert_same(&ka, &kb);
+    kvr_kv_release(&kb);
+    kvr_kv_release(&ka);
+
+    /* A prompt that starts with doc's tokens, on B (contexts at B: the
+     * fetched "doc" matches it locally, so delete it first). */
+    cr_assert_eq(kvr_client_delete(CB, "doc"), 0);
+    uint32_t *prompt = testd_tokens(1000, 260);
+    for (int i = 200; i < 260; i++)
+        prompt[i] = 5;
+    kvr_match_res m;
+    cr_assert_eq(kvr_client_match(CB, &(kvr_match_args){ .model = "tiny", .tokens = prompt,
+                                                        .n_tokens = 260, .get = true,
+                                                        .dtype = KVR_DTYPE_F16 }, &m), 0);
+    cr_assert_eq(m.length, 192, "whole remote blocks: %llu", (unsigned long long)m.length);
+    cr_assert(!strncmp(m.ctx_id, "cluster:", 8), "%s", m.ctx_id);
+    cr_assert(m.has_kv);
+    cr_assert_eq(get_kv(CA, "doc", 0, 192, NULL, &ka), 0);
+    assert_same(&ka, &m.kv);
+    kvr_kv_release(&ka);
+    kvr_kv_release(&m.kv);
+    /* A second match is local. */
+    double hits = testd_metric(CB, "remote_fetch_hits");
+    cr_assert_eq(kvr_client_match(CB, &(kvr_match_args){ .model = "tiny", .tokens = prompt,
+                                                        .n_tokens = 260 }, &m), 0);
+    cr_assert_eq(m.length, 192);
+    cr_assert_eq(testd_metric(CB, "remote_fetch_hits"), hits);
+    /* A prompt the cluster does not have: a plain miss. */
+    for (int i = 0; i < 260; i++)
+        prompt[i] = 77;
+    cr_assert_eq(kvr_client_match(CB, &(kvr_match_args){ .model = "tiny", .tokens = prompt,
+                                                        .n_tokens = 260 }, &m), 0);
+    cr_assert_eq(m.length, 0);
+    free(prompt);
+
+    /* Asynchronous share: acknowledged first, visible on B shortly after. */
+    cr_assert_eq(put_flags(CA, "later", 9, 3000, 70, SHARE), 0);
+    int r = -1;
+    for (int i = 0; i < 500 && r != 0; i++) {
+        r = get_kv(CB, "later", 0, 0, NULL, &kb);
+        if (r != 0)
+            testd_sleep_ms(20);
+    }
+    cr_assert_eq(r, 0, "the async share never showed up on B");
+    cr_assert_eq(get_kv(CA, "later", 0, 0, NULL, &ka), 0);
+    assert_same(&ka, &kb);
+    kvr_kv_release(&kb);
+    kvr_kv_release(&ka);
+    /* The CLI: kvrope put --share-sync on A, get on B. */
+    {
+        char in[400], toks[400], out[8192];
+        snprintf(in, sizeof in, "%s/cli.raw", A.dir);
+        snprintf(toks, sizeof toks, "%s/cli.tok", A.dir);
+        size_t pl_len;
+        void *raw = testd_payload(11, T_LAYERS, 0, 10, KVR_DTYPE_F16, &pl_len);
+        FILE *fp = fopen(in, "wb");
+        fwrite(raw, 1, pl_len, fp);
+        fclose(fp);
+        free(raw);
+        fp = fopen(toks, "w");
+        fprintf(fp, "1,2,3,4,5,6,7,8,9,10\n");
+        fclose(fp);
+        const char *args[] = { "put", "cli-doc", in, "--model", "tiny", "--tokens-file", toks,
+                               "--share-sync", NULL };
+        cr_assert_eq(testd_cli(&A, out, sizeof out, args), 0, "%s", out);
+        cr_assert_eq(get_kv(CB, "cli-doc", 0, 0, NULL, &kb), 0);
+        cr_assert_eq(kb.n_tokens, 10);
+        kvr_kv_release(&kb);
+    }
+    /* Unknown everywhere: still "unknown context". */
+    cr_assert_eq(get_kv(CB, "nowhere", 0, 0, NULL, &kb), KVR_ENOCTX);
+    /* A share of a quantized context is refused with the reason. */
+    size_t len;
+    void *pl = testd_payload(1, T_LAYERS, 0, 64, KVR_DTYPE_F16, &len);
+    uint32_t *tok = testd_tokens(1, 64);
+    kvr_put_args a = { .ctx_id = "q", .model = "tiny", .dtype = KVR_DTYPE_F16, .tokens = tok,
+                       .n_tokens = 64, .payload = pl, .payload_len = len, .codec = "int8",
+                       .share_sync = true };
+    r = kvr_client_put(CA, &a, NULL);
+    cr_assert_neq(r, 0);
+    cr_assert(strstr(kvr_client_last_error(CA), "not shared"), "%s",
+              kvr_client_last_error(CA));
+    cr_assert_eq(get_kv(CA, "q", 0, 0, NULL, &ka), 0, "the local put stands");
+    kvr_kv_release(&ka);
+    free(pl);
+    free(tok);
+}
+
+static kvr_rc *test_rc(void)
+{
+    kvr_rc *rc;
+    cr_assert_eq(kvr_rc_create(&rc, &(kvr_rc_config){ .seeds = T.seeds }, NULL), 0);
+    cr_assert_eq(kvr_rc_refresh(rc, NULL), 0);
+    return rc;
+}
+
+static void rc_set(kvr_rc *rc, const char *key, const void *v, size_t n)
+{
+    const char *argv[] = { "SET", key, v };
+    size_t argl[] = { 3, strlen(key), n };
+    redisReply *r;
+    cr_assert_eq(kvr_rc_command(rc, 3, argv, argl, &r, NULL), 0);
+    freeReplyObject(r);
+}
+
+Test(int_cluster, garbage_is_a_miss)
+{
+    cr_assert_eq(put_flags(CA, "g1", 3, 10, 130, SHARE_SYNC), 0);
+    cr_assert_eq(put_flags(CA, "g2", 4, 10, 10, SHARE_SYNC), 0);
+    kvr_rt_desc desc = { MA.fingerprint, T_LAYERS, T_HEADS, T_DIM, KVR_DTYPE_F16 };
+    uint32_t *tok = testd_tokens(10, 130);
+    int64_t pos[130];
+    for (int i = 0; i < 130; i++)
+        pos[i] = i;
+    uint64_t h = kvr_rt_chain_seed(&desc);
+    h = kvr_rt_chain_next(h, tok, pos, 64);
+    h = kvr_rt_chain_next(h, tok + 64, pos + 64, 64);   /* the second block */
+    char key[KVR_RT_KEY_MAX];
+    kvr_rt_block_key(h, key);
+    kvr_rc *rc = test_rc();
+    /* The block exists (the key scheme is what docs/cluster.md says)... */
+    const char *ev[] = { "EXISTS", key };
+    size_t el[] = { 6, strlen(key) };
+    redisReply *r;
+    cr_assert_eq(kvr_rc_command(rc, 2, ev, el, &r, NULL), 0);
+    cr_assert_eq(r->integer, 1, "block key %s not found", key);
+    freeReplyObject(r);
+    /* ...and is now garbage, then a bit flip of a real value. */
+    rc_set(rc, key, "garbage!", 8);
+    kvr_kv kb;
+    cr_assert_eq(get_kv(CB, "g1", 0, 0, NULL, &kb), KVR_ENOCTX);
+    cr_assert_geq(testd_metric(CB, "remote_fetch_corrupt"), 1);
+    /* A match on B gets the first block only (the second is bad). */
+    kvr_match_res m;
+    cr_assert_eq(kvr_client_match(CB, &(kvr_match_args){ .model = "tiny", .tokens = tok,
+                                                        .n_tokens = 130 }, &m), 0);
+    cr_assert_eq(m.length, 64);
+    /* The manifest of g2, one byte flipped: a miss. */
+    char mk[KVR_RT_KEY_MAX];
+    kvr_rt_manifest_key("g2", mk);
+    const char *gv[] = { "GET", mk };
+    size_t gl[] = { 3, strlen(mk) };
+    cr_assert_eq(kvr_rc_command(rc, 2, gv, gl, &r, NULL), 0);
+    cr_assert_eq(r->type, REDIS_REPLY_STRING);
+    char *copy = malloc(r->len);
+    memcpy(copy, r->str, r->len);
+    copy[r->len / 2] ^= 0x10;
+    rc_set(rc, mk, copy, r->len);
+    freeReplyObject(r);
+    free(copy);
+    double corrupt = testd_metric(CB, "remote_fetch_corrupt");
+    cr_assert_eq(get_kv(CB, "g2", 0, 0, NULL, &kb), KVR_ENOCTX);
+    cr_assert_gt(testd_metric(CB, "remote_fetch_corrupt"), corrupt);
+    /* A's data is untouched. */
+    cr_assert_eq(get_kv(CA, "g2", 0, 0, NULL, &kb), 0);
+    kvr_kv_release(&kb);
+    kvr_rc_destroy(rc);
+    free(tok);
+}
+
+/* ---- traffic under failures ------------------------------------------------ */
+
+typedef struct traffic {
+    volatile int stop;
+    int   n_put, n_put_unshared, n_bad, n_get_hit, n_get_miss, n_local_ok;
+    char  why[256];
+    int   next;           /* contexts t0..t(next-1) were put on A */
+    pthread_mutex_t mu;
+} traffic;
+
+static void *a_traffic(void *arg)
+{
+    traffic *t = arg;
+    kvr_client *c = testd_connect(&A);
+    while (!t->stop) {
+        char id[32];
+        int k = t->next;
+        snprintf(id, sizeof id, "t%d", k);
+        int r = put_flags(c, id, 100 + (uint32_t)k, 50000 + 1000 * (uint32_t)k, 150,
+                          SHARE_SYNC);
+        if (r == 0) {
+            t->n_put++;
+        } else if (r == KVR_EIO && strstr(kvr_client_last_error(c), "stored locally")) {
+            t->n_put_unshared++;
+        } else {
+            t->n_bad++;
+            snprintf(t->why, sizeof t->why, "put %s: %d %s", id, r, kvr_client_last_error(c));
+        }
+        /* Local data is never lost, whatever the cluster does. */
+        kvr_kv kv;
+        if (get_kv(c, id, 0, 0, NULL, &kv) == 0) {
+            size_t len;
+            void *want = testd_payload(100 + (uint32_t)k, T_LAYERS, 0, 150, KVR_DTYPE_F16, &len);
+            if (kv.payload_len == len && !memcmp(kv.payload, want, len))
+                t->n_local_ok++;
+            else
+                t->n_bad++;
+            free(want);
+            kvr_kv_release(&kv);
+        } else {
+            t->n_bad++;
+            snprintf(t->why, sizeof t->why, "local get %s failed", id);
+        }
+        pthread_mutex_lock(&t->mu);
+        t->next = k + 1;
+        pthread_mutex_unlock(&t->mu);
+        testd_sleep_ms(20);
+    }
+    kvr_client_close(c);
+    return NULL;
+}
+
+static void *b_traffic(void *arg)
+{
+    traffic *t = arg;
+    kvr_client *c = testd_connect(&B);
+    unsigned i = 0;
+    while (!t->stop) {
+        pthread_mutex_lock(&t->mu);
+        int n = t->next;
+        pthread_mutex_unlock(&t->mu);
+        if (n == 0) {
+            testd_sleep_ms(10);
+            continue;
+        }
+        int k = (int)(i++ % (unsigned)n);
+        char id[32];
+        snprintf(id, sizeof id, "t%d", k);
+        kvr_kv kv;
+        int r = get_kv(c, id, 0, 0, NULL, &kv);
+        if (r == 0) {
+            size_t len;
+            void *want = testd_payload(100 + (uint32_t)k, T_LAYERS, 0, 150, KVR_DTYPE_F16, &len);
+            if (kv.payload_len == len && !memcmp(kv.payload, want, len)) {
+                t->n_get_hit++;
+            } else {
+                t->n_bad++;
+                snprintf(t->why, sizeof t->why, "B served bad data for %s", id);
+            }
+            free(want);
+            kvr_kv_release(&kv);
+            kvr_client_delete(c, id);     /* so the next get asks the cluster again */
+        } else if (r == KVR_ENOCTX) {
+            t->n_get_miss++;
+        } else {
+            t->n_bad++;
+            snprintf(t->why, sizeof t->why, "B get %s: %d %s", id, r, kvr_client_last_error(c));
+        }
+        /* And matches of the same prompts. */
+        uint32_t *tok = testd_tokens(50000 + 1000 * (uint32_t)k, 150);
+        kvr_match_res m;
+        r = kvr_client_match(c, &(kvr_match_args){ .model = "tiny", .tokens = tok,
+                                                   .n_tokens = 150 }, &m);
+        if (r != 0 || m.length % 64 != 0 || m.length > 128) {
+            t->n_bad++;
+            snprintf(t->why, sizeof t->why, "B match: %d length %llu", r,
+                     (unsigned long long)m.length);
+        }
+        if (r == 0 && m.length)
+            kvr_client_delete(c, m.ctx_id);
+        free(tok);
+    }
+    kvr_client_close(c);
+    return NULL;
+}
+
+static void run_traffic(traffic *t, pthread_t *ta, pthread_t *tb)
+{
+    memset(t, 0, sizeof *t);
+    pthread_mutex_init(&t->mu, NULL);
+    pthread_create(ta, NULL, a_traffic, t);
+    pthread_create(tb, NULL, b_traffic, t);
+}
+
+static void stop_traffic(traffic *t, pthread_t ta, pthread_t tb)
+{
+    t->stop = 1;
+    pthread_join(ta, NULL);
+    pthread_join(tb, NULL);
+    cr_assert_eq(t->n_bad, 0, "%s", t->why);
+    cr_assert_eq(t->n_local_ok, t->n_put + t->n_put_unshared);
+}
+
+Test(int_cluster, master_killed_during_traffic)
+{
+    traffic t;
+    pthread_t ta, tb;
+    run_traffic(&t, &ta, &tb);
+    testd_sleep_ms(1500);
+    int victim = tcluster_master_of(&T, 0);
+    cr_assert_gt(victim, 0);
+    cr_assert_eq(tcluster_kill(&T, victim), 0);
+    /* The replica takes over (node timeout 1 s): wait until another
+     * master serves slot 0 and the cluster says ok. */
+    int owner = victim;
+    for (int i = 0; i < 300 && (owner == victim || owner <= 0); i++) {
+        testd_sleep_ms(100);
+        owner = tcluster_master_of(&T, 0);
+    }
+    cr_assert(owner > 0 && owner != victim, "no failover");
+    cr_assert_eq(tcluster_wait_ok(&T, 30), 0, "no failover");
+    /* A put in flight may spend its whole retry budget (3 s). */
+    testd_sleep_ms(3500);
+    int before = t.n_put;
+    testd_sleep_ms(2000);
+    stop_traffic(&t, ta, tb);
+    if (t.n_put <= before) {
+        testd_print_log(&A);
+        fprintf(stderr, "next %d puts %d (before %d), unshared %d, hits %d, misses %d\n", t.next, t.n_put,
+                before, t.n_put_unshared, t.n_get_hit, t.n_get_miss);
+    }
+    cr_assert_gt(t.n_put, before, "puts were not shared again after the failover");
+    cr_assert_gt(t.n_get_hit, 0);
+    /* After the failover a new share is visible on B. */
+    cr_assert_eq(put_flags(CA, "after", 5, 99, 100, SHARE_SYNC), 0,
+                 "%s", kvr_client_last_error(CA));
+    kvr_kv kv;
+    cr_assert_eq(get_kv(CB, "after", 0, 0, NULL, &kv), 0);
+    kvr_kv_release(&kv);
+    cr_assert(testd_alive(&A) && testd_alive(&B));
+}
+
+static void *reshard(void *arg)
+{
+    (void)arg;
+    char from[128], to[128], args[512], out[256];
+    int src = tcluster_master_of(&T, 0), dst = tcluster_master_of(&T, 16383);
+    tcluster_cli(&T, src, "cluster myid", from, sizeof from);
+    tcluster_cli(&T, dst, "cluster myid", to, sizeof to);
+    from[strcspn(from, "\r\n")] = '\0';
+    to[strcspn(to, "\r\n")] = '\0';
+    snprintf(args, sizeof args, "--cluster reshard 127.0.0.1:%d --cluster-from %s "
+             "--cluster-to %s --cluster-slots 3000 --cluster-yes --cluster-pipeline 2 >/dev/null",
+             src, from, to);
+    int *rc = malloc(sizeof *rc);
+    *rc = tcluster_cli(&T, src, args, out, sizeof out);
+    return rc;
+}
+
+Test(int_cluster, reshard_during_traffic)
+{
+    traffic t;
+    pthread_t ta, tb, tr;
+    run_traffic(&t, &ta, &tb);
+    testd_sleep_ms(1000);
+    pthread_create(&tr, NULL, reshard, NULL);
+    void *res;
+    pthread_join(tr, &res);
+    cr_assert_eq(*(int *)res, 0, "reshard failed");
+    free(res);
+    testd_sleep_ms(1000);
+    stop_traffic(&t, ta, tb);
+    cr_assert_gt(t.n_get_hit, 0);
+    /* Everything published is still there for B, wherever it moved. */
+    int ok = 0;
+    for (int k = 0; k < t.next; k++) {
+        char id[32];
+        snprintf(id, sizeof id, "t%d", k);
+        kvr_kv kv;
+        kvr_client_delete(CB, id);
+        if (get_kv(CB, id, 0, 0, NULL, &kv) == 0) {
+            ok++;
+            kvr_kv_release(&kv);
+        }
+    }
+    cr_assert_geq(ok, t.n_put, "%d of %d shared contexts readable after the reshard", ok,
+                  t.n_put);
+    cr_assert_gt(testd_metric(CA, "remote_moved") + testd_metric(CA, "remote_ask") +
+                 testd_metric(CB, "remote_moved") + testd_metric(CB, "remote_ask"), 0,
+                 "no redirect was ever seen");
+}
+
+static bool log_has(const kvr_testd *d, const char *s)
+{
+    FILE *f = fopen(d->log, "r");
+    if (!f)
+        return false;
+    char line[1024];
+    bool found = false;
+    while (!found && fgets(line, sizeof line, f))
+        found = strstr(line, s) != NULL;
+    fclose(f);
+    return found;
+}
+
+/* No suite setup here: these tests manage their own cluster. */
+Test(int_cluster_start, unreachable_then_joined, .timeout = 240)
+{
+    memset(&T, 0, sizeof T);
+    snprintf(T.dir, sizeof T.dir, "/tmp/kvr-rcl-XXXXXX");
+    cr_assert_not_null(mkdtemp(T.dir));
+    write_auth("kvr kvrpass");
+    srand((unsigned)getpid());
+    int base = 20000 + rand() % 25000;
+    char seeds[64];
+    snprintf(seeds, sizeof seeds, "redis://127.0.0.1:%d,127.0.0.1:%d", base, base + 1);
+    kvr_testd d;
+    cr_assert_eq(start_node(&d, seeds), 0, "kvroped must start without its cluster");
+    cr_assert(log_has(&d, "unreachable"), "no log line about the cluster");
+    kvr_client *c = testd_connect(&d);
+    cr_assert_eq(testd_register(c, "tiny", KVR_DTYPE_F16, NULL), 0);
+    /* Local service goes on; a share is "stored locally, not shared". */
+    cr_assert_eq(put_flags(c, "local", 1, 1, 100, 0), 0);
+    cr_assert_eq(put_flags(c, "s", 1, 1, 100, SHARE_SYNC), KVR_EIO);
+    cr_assert(strstr(kvr_client_last_error(c), "stored locally"), "%s",
+              kvr_client_last_error(c));
+    kvr_kv kv;
+    cr_assert_eq(get_kv(c, "local", 0, 0, NULL, &kv), 0);
+    kvr_kv_release(&kv);
+    cr_assert_eq(get_kv(c, "s", 0, 0, NULL, &kv), 0);
+    kvr_kv_release(&kv);
+    cr_assert_eq(get_kv(c, "absent", 0, 0, NULL, &kv), KVR_ENOCTX);
+    /* The cluster appears on those ports. */
+    char cmd[1024];
+    snprintf(cmd, sizeof cmd, "KVR_CLUSTER_BASE=%d %s start %s %d >/dev/null",
+             base, tcluster_script(T.script, sizeof T.script), T.dir, (int)getpid());
+    if (system(cmd) != 0) {
+        testd_stop(&d);
+        tcluster_stop(&T);
+        cr_skip_test("ports %d.. are taken", base);
+    }
+    int r = -1;
+    for (int i = 0; i < 100 && r != 0; i++) {
+        char id[32];
+        snprintf(id, sizeof id, "s2-%d", i);
+        r = put_flags(c, id, 2, 2, 100, SHARE_SYNC);
+        if (r != 0)
+            testd_sleep_ms(100);
+    }
+    cr_assert_eq(r, 0, "never joined: %s", kvr_client_last_error(c));
+    cr_assert(log_has(&d, "joined"));
+    cr_assert_eq(testd_metric(c, "remote_joined"), 1);
+    kvr_client_close(c);
+    testd_stop(&d);
+
+    /* A wrong password: no start, and the reason. */
+    write_auth("kvr not-the-password");
+    snprintf(T.seeds, sizeof T.seeds, "127.0.0.1:%d", base);
+    kvr_testd w;
+    cr_assert_neq(start_node(&w, T.seeds), 0, "kvroped started with a wrong password");
+    cr_assert(log_has(&w, "refused AUTH") && log_has(&w, "remote-auth-file"),
+              "no clear error in %s", w.log);
+    char rm[400];
+    snprintf(rm, sizeof rm, "rm -rf %s", w.dir);     /* a failed start leaves its dir */
+    if (system(rm) != 0)
+        fprintf(stderr, "could not remove %s\n", w.dir);
+    tcluster_stop(&T);
+}
