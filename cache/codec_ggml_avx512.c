@@ -1,0 +1,184 @@
+/*
+ * codec_ggml_avx512.c — the AVX-512 (F/BW/VL/DQ) encoder of ggml's legacy
+ * blocks (Q8_0, Q4_0, Q4_1, Q5_0) for f32 or f16 data: one block is two
+ * 16-float vectors. Called only after the CPU was checked; decoding, and a
+ * row's last blocks short of a batch of eight, use codec_ggml_avx2.c.
+ *
+ * Same rules as codec_ggml_avx2.c (which see): the scalar reference's
+ * operations lane by lane, -ffp-contract=off for this file, the first
+ * element of largest magnitude for Q4_0/Q5_0's max, Q4_1 blocks with a zero
+ * min or max left to the scalar block encoder, round half away from zero for
+ * Q8_0, truncating casts elsewhere. A bad value makes it return -1 (the
+ * caller reruns the scalar path, which names it).
+ */
+#include "cache/codec.h"
+
+#include <float.h>
+#include <immintrin.h>
+#include <string.h>
+
+#define AI static inline __attribute__((always_inline))
+#define QK 32
+
+AI __m512 ld16(const void *src, size_t i, int h)
+{
+    if (h) return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)src + i)));
+    return _mm512_loadu_ps((const float *)src + i);
+}
+
+AI float h2f1(uint16_t h) { return _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(h))); }
+static void wr16(uint8_t *p, uint16_t v) { p[0] = (uint8_t)v; p[1] = (uint8_t)(v >> 8); }
+
+static size_t block_bytes(kvr_codec_type t)
+{
+    switch (t) {
+    case KVR_CODEC_Q8_0: return 34;
+    case KVR_CODEC_Q4_0: return 18;
+    case KVR_CODEC_Q4_1: return 20;
+    default:             return 22;
+    }
+}
+
+AI __m512i round_away_epi32(__m512 v)
+{
+    __m512 t = _mm512_roundscale_ps(v, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
+    __mmask16 ge = _mm512_cmp_ps_mask(_mm512_abs_ps(_mm512_sub_ps(v, t)), _mm512_set1_ps(0.5f),
+                                      _CMP_GE_OQ);
+    const __m512i sign = _mm512_set1_epi32((int)0x80000000u);
+    __m512 one = _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(_mm512_set1_ps(1.0f)),
+                                                     _mm512_and_si512(sign, _mm512_castps_si512(v))));
+    return _mm512_cvttps_epi32(_mm512_mask_add_ps(t, ge, t, one));
+}
+
+AI void quant_block(kvr_codec_type t, uint8_t *y, __m512 x0, __m512 x1, float id, float min)
+{
+    const __m512 vid = _mm512_set1_ps(id);
+    if (t == KVR_CODEC_Q8_0) {
+        __m128i b0 = _mm512_cvtsepi32_epi8(round_away_epi32(_mm512_mul_ps(x0, vid)));
+        __m128i b1 = _mm512_cvtsepi32_epi8(round_away_epi32(_mm512_mul_ps(x1, vid)));
+        _mm_storeu_si128((__m128i *)(y + 2), b0);
+        _mm_storeu_si128((__m128i *)(y + 18), b1);
+        return;
+    }
+    const int q5 = t == KVR_CODEC_Q5_0, q41 = t == KVR_CODEC_Q4_1;
+    const __m512 off = _mm512_set1_ps(q5 ? 16.5f : q41 ? 0.5f : 8.5f);
+    const __m512i top = _mm512_set1_epi32(q5 ? 31 : 15);
+    const __m512 vm = _mm512_set1_ps(min);
+#define Q(v) _mm512_min_epi32(_mm512_cvttps_epi32(_mm512_add_ps(_mm512_mul_ps( \
+                 q41 ? _mm512_sub_ps((v), vm) : (v), vid), off)), top)
+    __m512i lo = Q(x0), hi = Q(x1);
+#undef Q
+    if (q5) {
+        const __m512i b4 = _mm512_set1_epi32(0x10), m4 = _mm512_set1_epi32(0x0F);
+        uint32_t qh = (uint32_t)_mm512_test_epi32_mask(lo, b4) |
+                      (uint32_t)_mm512_test_epi32_mask(hi, b4) << 16;
+        memcpy(y + 2, &qh, 4);   /* little-endian, as wr32 */
+        __m512i nb = _mm512_or_si512(_mm512_and_si512(lo, m4),
+                                     _mm512_slli_epi32(_mm512_and_si512(hi, m4), 4));
+        _mm_storeu_si128((__m128i *)(y + 6), _mm512_cvtepi32_epi8(nb));
+    } else {
+        __m512i nb = _mm512_or_si512(lo, _mm512_slli_epi32(hi, 4));
+        _mm_storeu_si128((__m128i *)(y + (q41 ? 4 : 2)), _mm512_cvtepi32_epi8(nb));
+    }
+}
+
+/* Eight blocks at i: extremes per block, then d / id / f16 forms eight at a
+ * time, then the quants (the data still in L1). */
+AI int enc8(kvr_codec_type t, uint8_t *dst, size_t bb, const void *src, size_t i, int h)
+{
+    float p0[8], p1[8];
+    unsigned fb = 0;
+    __mmask16 ok = 0xffff;
+    const __m512 fmax = _mm512_set1_ps(FLT_MAX);
+    for (int b = 0; b < 8; b++) {
+        size_t o = i + 32 * (size_t)b;
+        __m512 x0 = ld16(src, o, h), x1 = ld16(src, o + 16, h);
+        __m512 a0 = _mm512_abs_ps(x0), a1 = _mm512_abs_ps(x1);
+        __m512 ax = _mm512_max_ps(a0, a1);
+        ok &= _mm512_cmp_ps_mask(ax, fmax, _CMP_LE_OQ);
+        if (t == KVR_CODEC_Q8_0) {
+            p0[b] = _mm512_reduce_max_ps(ax);
+        } else if (t == KVR_CODEC_Q4_1) {
+            p0[b] = _mm512_reduce_min_ps(_mm512_min_ps(x0, x1));
+            p1[b] = _mm512_reduce_max_ps(_mm512_max_ps(x0, x1));
+            if (p0[b] == 0.0f || p1[b] == 0.0f) fb |= 1u << b;
+        } else {
+            float amax = _mm512_reduce_max_ps(ax);
+            p0[b] = 0.0f;
+            if (amax != 0.0f) {
+                const __m512 va = _mm512_set1_ps(amax);
+                uint32_t m = (uint32_t)_mm512_cmp_ps_mask(a0, va, _CMP_EQ_OQ) |
+                             (uint32_t)_mm512_cmp_ps_mask(a1, va, _CMP_EQ_OQ) << 16;
+                size_t k = o + (size_t)__builtin_ctz(m);
+                p0[b] = h ? h2f1(((const uint16_t *)src)[k]) : ((const float *)src)[k];
+            }
+        }
+    }
+    if (ok != 0xffff) return -1;
+    __m256 v0 = _mm256_loadu_ps(p0), d;
+    switch (t) {
+    case KVR_CODEC_Q8_0: d = _mm256_div_ps(v0, _mm256_set1_ps((float)((1 << 7) - 1))); break;
+    case KVR_CODEC_Q4_0: d = _mm256_div_ps(v0, _mm256_set1_ps(-8.0f)); break;
+    case KVR_CODEC_Q5_0: d = _mm256_div_ps(v0, _mm256_set1_ps(-16.0f)); break;
+    default:
+        d = _mm256_div_ps(_mm256_sub_ps(_mm256_loadu_ps(p1), v0),
+                          _mm256_set1_ps((float)((1 << 4) - 1)));
+        break;
+    }
+    __m256 id = _mm256_and_ps(_mm256_cmp_ps(d, _mm256_setzero_ps(), _CMP_NEQ_OQ),
+                              _mm256_div_ps(_mm256_set1_ps(1.0f), d));
+    const int rne = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+    __m128i dh = _mm256_cvtps_ph(d, rne), mh = _mm256_cvtps_ph(v0, rne);
+    const __m128i em = _mm_set1_epi16(0x7C00);
+    __m128i inf = _mm_cmpeq_epi16(_mm_and_si128(dh, em), em);
+    if (t == KVR_CODEC_Q4_1) inf = _mm_or_si128(inf, _mm_cmpeq_epi16(_mm_and_si128(mh, em), em));
+    unsigned bad = (unsigned)_mm_movemask_epi8(_mm_packs_epi16(inf, inf)) & 0xffu & ~fb;
+    if (bad) return -1;
+    float ids[8];
+    uint16_t dhs[8], mhs[8];
+    _mm256_storeu_ps(ids, id);
+    _mm_storeu_si128((__m128i *)dhs, dh);
+    _mm_storeu_si128((__m128i *)mhs, mh);
+    for (int b = 0; b < 8; b++) {
+        size_t o = i + 32 * (size_t)b;
+        uint8_t *y = dst + o / QK * bb;
+        __m512 x0 = ld16(src, o, h), x1 = ld16(src, o + 16, h);
+        if (fb & (1u << b)) {
+            float xs[QK];
+            _mm512_storeu_ps(xs, x0);
+            _mm512_storeu_ps(xs + 16, x1);
+            if (kvr_codec_ggml_block_enc(t, y, xs) != 0) return -1;
+            continue;
+        }
+        wr16(y, dhs[b]);
+        if (t == KVR_CODEC_Q4_1) wr16(y + 2, mhs[b]);
+        quant_block(t, y, x0, x1, ids[b], p0[b]);
+    }
+    return 0;
+}
+
+#define ENC_CASE(T)                                                                  \
+    case T:                                                                          \
+        for (; i + 256 <= n; i += 256)                                               \
+            if ((h ? enc8(T, dst, bb, src, i, 1) : enc8(T, dst, bb, src, i, 0)) != 0) \
+                return -1;                                                           \
+        break;
+
+int kvr_codec_ggml_enc_avx512(kvr_codec_type t, uint8_t *dst, const void *src, kvr_dtype st,
+                              size_t n)
+{
+    const int h = st == KVR_DTYPE_F16;
+    const size_t bb = block_bytes(t);
+    size_t i = 0;
+    switch (t) {
+    ENC_CASE(KVR_CODEC_Q8_0)
+    ENC_CASE(KVR_CODEC_Q4_0)
+    ENC_CASE(KVR_CODEC_Q4_1)
+    ENC_CASE(KVR_CODEC_Q5_0)
+    default: return -1;
+    }
+    if (i == n) return 0;
+    /* the last blocks short of a batch: the AVX2 kernel (same bytes) */
+    return kvr_codec_ggml_enc_avx2(t, dst + i / QK * bb,
+                                   (const char *)src + i * (h ? 2 : 4), st, n - i);
+}
