@@ -90,9 +90,13 @@ AI int enc8(kvr_codec_type t, uint8_t *dst, size_t bb, const void *src, size_t i
     unsigned fb = 0;
     __mmask16 ok = 0xffff;
     const __m512 fmax = _mm512_set1_ps(FLT_MAX);
+    __m512 xv[16];   /* the eight blocks stay in registers between the passes */
+#pragma GCC unroll 8
     for (int b = 0; b < 8; b++) {
         size_t o = i + 32 * (size_t)b;
         __m512 x0 = ld16(src, o, h), x1 = ld16(src, o + 16, h);
+        xv[2 * b] = x0;
+        xv[2 * b + 1] = x1;
         __m512 a0 = _mm512_abs_ps(x0), a1 = _mm512_abs_ps(x1);
         __m512 ax = _mm512_max_ps(a0, a1);
         ok &= _mm512_cmp_ps_mask(ax, fmax, _CMP_LE_OQ);
@@ -139,10 +143,11 @@ AI int enc8(kvr_codec_type t, uint8_t *dst, size_t bb, const void *src, size_t i
     _mm256_storeu_ps(ids, id);
     _mm_storeu_si128((__m128i *)dhs, dh);
     _mm_storeu_si128((__m128i *)mhs, mh);
+#pragma GCC unroll 8
     for (int b = 0; b < 8; b++) {
         size_t o = i + 32 * (size_t)b;
         uint8_t *y = dst + o / QK * bb;
-        __m512 x0 = ld16(src, o, h), x1 = ld16(src, o + 16, h);
+        __m512 x0 = xv[2 * b], x1 = xv[2 * b + 1];
         if (fb & (1u << b)) {
             float xs[QK];
             _mm512_storeu_ps(xs, x0);
