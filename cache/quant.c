@@ -453,6 +453,9 @@ bool kvr_quant_find_nonfinite(const void *payload, kvr_dtype dt, uint32_t n_laye
                           size_t row, uint32_t *layer, int *kv, size_t *tok)
 {
     size_t per = n * row, total = per * 2u * n_layers, i = total;
+    /* The common case, no bad value: one vector pass at memory speed. */
+    if (kvr_isa_best() != KVR_ISA_SCALAR && !kvr_any_nonfinite_avx2(payload, dt, total))
+        return false;
     /* A branch-free pass per block (vectorised by the compiler) finds the
      * block, a scalar pass the first element in it. */
     enum { BLK = 4096 };

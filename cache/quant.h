@@ -58,6 +58,8 @@ int  kvr_block_read_side(const kvr_rope *engine, uint32_t n_heads, const kvr_blo
                          float *scratch, const kvr_rope_opts *ro);
 /* Finds the first non-finite value of a payload [layers][2][n][row] in dt:
  * true and the layer / kv / token index if any. */
+/* AVX2: true if any of the n values is NaN or infinite (scan_avx2.c). */
+bool kvr_any_nonfinite_avx2(const void *p, kvr_dtype dt, size_t n);
 bool kvr_quant_find_nonfinite(const void *payload, kvr_dtype dt, uint32_t n_layers, size_t n,
                               size_t row, uint32_t *layer, int *kv, size_t *tok);
 
