@@ -116,6 +116,20 @@ const char *cli_opt(const cli_args *a, const char *name)
     return NULL;
 }
 
+/* The options that take no value (every other --name takes one). */
+static const char *const value_less[] = {
+    "json", "quiet", "help", "pin", "get", "meta", "approx", "version", "plan", "raw",
+    "persist",
+};
+
+static bool is_flag(const char *name)
+{
+    for (size_t i = 0; i < sizeof value_less / sizeof value_less[0]; i++)
+        if (!strcmp(name, value_less[i]))
+            return true;
+    return false;
+}
+
 bool cli_flag(const cli_args *a, const char *name)
 {
     for (int i = 0; i < a->nopt; i++)
@@ -187,11 +201,7 @@ static int parse_args(int argc, char **argv, cli_args *a)
             } else if (val) {
                 fprintf(stderr, "kvrope: option --%s takes no value\n", name);
                 return CLI_USAGE;
-            } else if (strcmp(name, "json") && strcmp(name, "quiet") && strcmp(name, "help") &&
-                       strcmp(name, "pin") && strcmp(name, "get") && strcmp(name, "meta") &&
-                       strcmp(name, "approx") && strcmp(name, "version") &&
-                       strcmp(name, "plan") && strcmp(name, "raw") &&
-                       !cli_layout_option_is_flag(name)) {
+            } else if (!is_flag(name) && !cli_layout_option_is_flag(name)) {
                 fprintf(stderr, "kvrope: unknown option --%s\n", name);
                 return CLI_USAGE;
             }

@@ -278,3 +278,54 @@ Test(int_cli, management_and_exit_codes)
     /* The daemon is fine after all that. */
     cr_assert_eq(kvr_client_ping(C, NULL), 0);
 }
+
+/* `kvrope put --persist`: the flag is accepted, refused with a clear error
+ * (not a usage error) by a daemon without a disk tier, and with one the
+ * context survives a restart bit for bit. */
+Test(int_cli_persist, put_persist_survives_restart, .timeout = 120)
+{
+    char disk[64] = "/tmp/kvr-cli-persist-XXXXXX";
+    cr_assert_not_null(mkdtemp(disk));
+    const char *const extra[] = { "--disk-dir", disk, NULL };
+    kvr_testd d;
+    cr_assert_eq(testd_start(&d, extra), 0);
+    kvr_client *c = testd_connect(&d);
+    cr_assert_eq(testd_register(c, "m", KVR_DTYPE_F16, NULL), 0);
+    size_t len;
+    void *pl = testd_payload(9, T_LAYERS, 0, 12, KVR_DTYPE_F16, &len);
+    char in[300], out[300];
+    snprintf(in, sizeof in, "%s/in.raw", disk);
+    snprintf(out, sizeof out, "%s/out.raw", disk);
+    write_file(in, pl, len);
+    cr_assert_eq(testd_cli(&d, OUT, sizeof OUT,
+                           (const char *const[]){ "put", "p", in, "--model", "m", "--tokens",
+                                                  "1,2,3,4,5,6,7,8,9,10,11,12", "--persist",
+                                                  NULL }), 0, "%s", OUT);
+    kvr_client_close(c);
+    testd_stop(&d);
+    cr_assert_eq(testd_start(&d, extra), 0);
+    cr_assert_eq(testd_cli(&d, OUT, sizeof OUT,
+                           (const char *const[]){ "get", "p", "-o", out, NULL }), 0, "%s", OUT);
+    size_t got_len;
+    void *got = read_file(out, &got_len);
+    cr_assert_eq(got_len, len);
+    cr_assert(memcmp(got, pl, len) == 0);
+    free(got);
+    testd_stop(&d);
+
+    /* Without a disk tier: the daemon's refusal, exit 1 (not usage, 2). */
+    cr_assert_eq(testd_start(&d, NULL), 0);
+    c = testd_connect(&d);
+    cr_assert_eq(testd_register(c, "m", KVR_DTYPE_F16, NULL), 0);
+    int rc = testd_cli(&d, OUT, sizeof OUT,
+                       (const char *const[]){ "put", "p", in, "--model", "m", "--tokens",
+                                              "1,2,3,4,5,6,7,8,9,10,11,12", "--persist", NULL });
+    cr_assert_eq(rc, 1, "exit %d: %s", rc, OUT);
+    kvr_client_close(c);
+    testd_stop(&d);
+    free(pl);
+    char cmd[128];
+    snprintf(cmd, sizeof cmd, "rm -rf %s", disk);
+    if (system(cmd) != 0) {
+    }
+}
