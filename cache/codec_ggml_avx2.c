@@ -245,7 +245,11 @@ AI int enc8(kvr_codec_type t, uint8_t *dst, size_t bb, const void *src, size_t i
         __m256 a0 = _mm256_andnot_ps(sign, x0), a1 = _mm256_andnot_ps(sign, x1),
                a2 = _mm256_andnot_ps(sign, x2), a3 = _mm256_andnot_ps(sign, x3);
         __m256 ax = _mm256_max_ps(_mm256_max_ps(a0, a1), _mm256_max_ps(a2, a3));
-        ok = _mm256_and_ps(ok, _mm256_cmp_ps(ax, _mm256_set1_ps(FLT_MAX), _CMP_LE_OQ));
+        /* each vector checked on its own: max drops a NaN in its first operand */
+        const __m256 lim = _mm256_set1_ps(FLT_MAX);
+        ok = _mm256_and_ps(ok, _mm256_and_ps(
+                 _mm256_and_ps(_mm256_cmp_ps(a0, lim, _CMP_LE_OQ), _mm256_cmp_ps(a1, lim, _CMP_LE_OQ)),
+                 _mm256_and_ps(_mm256_cmp_ps(a2, lim, _CMP_LE_OQ), _mm256_cmp_ps(a3, lim, _CMP_LE_OQ))));
         if (t == KVR_CODEC_Q8_0) {
             p0[b] = hmax8(ax);
         } else if (t == KVR_CODEC_Q4_1) {

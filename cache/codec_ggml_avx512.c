@@ -99,7 +99,9 @@ AI int enc8(kvr_codec_type t, uint8_t *dst, size_t bb, const void *src, size_t i
         xv[2 * b + 1] = x1;
         __m512 a0 = _mm512_abs_ps(x0), a1 = _mm512_abs_ps(x1);
         __m512 ax = _mm512_max_ps(a0, a1);
-        ok &= _mm512_cmp_ps_mask(ax, fmax, _CMP_LE_OQ);
+        /* each vector checked on its own: max drops a NaN in its first operand */
+        ok &= (__mmask16)(_mm512_cmp_ps_mask(a0, fmax, _CMP_LE_OQ) &
+                          _mm512_cmp_ps_mask(a1, fmax, _CMP_LE_OQ));
         if (t == KVR_CODEC_Q8_0) {
             p0[b] = _mm512_reduce_max_ps(ax);
         } else if (t == KVR_CODEC_Q4_1) {

@@ -172,6 +172,32 @@ Test(codec_ggml, refusals)
         cr_assert_eq(bad, 40);
         x[40] = 10.0f;
     }
+    /* A NaN or infinity at every position of a row long enough for the
+     * batched kernels (eight blocks and a tail), f32 and f16 input. */
+    enum { NB = 9 * 32 };
+    static float xs[NB];
+    static uint16_t xh[NB];
+    static uint8_t out[NB * 2];
+    for (size_t i = 0; i < NB; i++) xs[i] = (float)((int)(i * 37 % 101) - 50) * 0.01f;
+    for (size_t k = 0; k < 12; k++) {
+        kvr_isa isa = k < 4 ? KVR_ISA_SCALAR : k < 8 ? KVR_ISA_AVX2 : KVR_ISA_AVX512;
+        if (isa > kvr_isa_best()) continue;
+        kvr_codec c = { .type = cases[k % 4].type, .isa = isa };
+        for (size_t pos = 0; pos < NB; pos++) {
+            float keep = xs[pos];
+            xs[pos] = pos % 3 == 0 ? NAN : pos % 3 == 1 ? INFINITY : -INFINITY;
+            for (size_t i = 0; i < NB; i++) xh[i] = kvr_f32_to_f16(xs[i]);
+            size_t bad = 0;
+            cr_assert_eq(kvr_codec_encode(&c, out, xs, KVR_DTYPE_F32, NB, &bad), KVR_EINVAL,
+                         "%s %s pos %zu", cases[k % 4].name, kvr_isa_name(isa), pos);
+            cr_assert_eq(bad, pos);
+            bad = 0;
+            cr_assert_eq(kvr_codec_encode(&c, out, xh, KVR_DTYPE_F16, NB, &bad), KVR_EINVAL,
+                         "%s %s f16 pos %zu", cases[k % 4].name, kvr_isa_name(isa), pos);
+            cr_assert_eq(bad, pos);
+            xs[pos] = keep;
+        }
+    }
 }
 
 Test(codec_ggml, zeros_and_sign_rule)
