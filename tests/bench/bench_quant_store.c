@@ -29,7 +29,7 @@ static double now_s(void)
  * (timed), then, for the baseline, the same get with its payload copied into
  * a buffer (`copy`: a zero-copy f16 get costs nothing by itself). */
 static int run(kvr_store *s, const char *id, const char *codec, const uint16_t *pl,
-               uint8_t *copy, double *put_s, double *get_s, kvr_ctx_info *ci)
+               uint8_t *copy, uint8_t *into, double *put_s, double *get_s, kvr_ctx_info *ci)
 {
     static uint32_t tok[NTOK];
     for (size_t i = 0; i < NTOK; i++)
@@ -61,7 +61,17 @@ static int run(kvr_store *s, const char *id, const char *codec, const uint16_t *
     kvr_get_params g = { .ctx_id = id, .end = SIZE_MAX, .dtype = KVR_DTYPE_F16 };
     t0 = now_s();
     kvr_get *gt = NULL;
-    if (kvr_store_get_begin(s, &g, &gt, &e) != 0 || kvr_get_work(gt, &e) != 0) {
+    if (kvr_store_get_begin(s, &g, &gt, &e) != 0) {
+        fprintf(stderr, "%s get: %s\n", codec, e.msg);
+        return -1;
+    }
+    if (into) {
+        /* decoded straight into the caller's buffer (no staging) */
+        if (kvr_get_copy_into(gt, into, kvr_get_payload_size(gt), &e) != 0) {
+            fprintf(stderr, "%s get: %s\n", codec, e.msg);
+            return -1;
+        }
+    } else if (kvr_get_work(gt, &e) != 0) {
         fprintf(stderr, "%s get: %s\n", codec, e.msg);
         return -1;
     }
@@ -87,7 +97,7 @@ static int run_best(kvr_store *s, const char *codec, const uint16_t *pl, uint8_t
     *put_s = *get_s = 1e30;
     for (int r = 0; r < REPS; r++) {
         double ps, gs;
-        if (run(s, "bench", codec, pl, copy, &ps, &gs, ci) != 0)
+        if (run(s, "bench", codec, pl, copy, NULL, &ps, &gs, ci) != 0)
             return -1;
         kvr_store_delete(s, "bench", &e);
         if (ps < *put_s)
@@ -157,12 +167,12 @@ int main(int argc, char **argv)
         kvr_ctx_info fi;
         for (int r = 0; r < REPS; r++) {
             double a, b;
-            if (run(s, "base", "f16", pl, copy, &a, &b, &fi) != 0)
+            if (run(s, "base", "f16", pl, copy, NULL, &a, &b, &fi) != 0)
                 return 1;
             kvr_store_delete(s, "base", &e);
             if (a < bp) bp = a;
             if (b < bg) bg = b;
-            if (run(s, "bench", codecs[i], pl, NULL, &a, &b, &ci) != 0)
+            if (run(s, "bench", codecs[i], pl, NULL, copy, &a, &b, &ci) != 0)
                 return 1;
             kvr_store_delete(s, "bench", &e);
             if (a < ps) ps = a;
@@ -180,8 +190,9 @@ int main(int argc, char **argv)
         if (integer && bg / gs < worst_get) worst_get = bg / gs;
     }
     printf("\nB/tok(kv): K/V bytes incl. scales + 16 B/token metadata; x f16 uses it. "
-           "put x: put time relative to f16 (lower is faster). get: every token as f16 into "
-           "the get's staging buffer (threads as the store picks them); x buf: the f16 get "
+           "put x: put time relative to f16 (lower is faster). get: every token as f16 "
+           "decoded straight into a caller buffer with kvr_get_copy_into (threads as the "
+           "store picks them); x buf: the f16 get "
            "copied into a buffer over this get's time (>= 1: as fast).\n");
     if (worst_put[0] > 0)
         printf("\ngoal: int-quantized put <= 1.5x an f16 put (worst per-token int codec): %.2fx (%s)\n",
