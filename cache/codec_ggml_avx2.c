@@ -148,7 +148,7 @@ AI int enc_block(kvr_codec_type t, uint8_t *y, const void *src, size_t i, int h)
                          _mm256_cmp_ps(_mm256_andnot_ps(sign, x[k]), va, _CMP_EQ_OQ)) << (8 * k);
             float xs[QK];
             for (int k = 0; k < 4; k++) _mm256_storeu_ps(xs + 8 * k, x[k]);
-            max = xs[__builtin_ctz(m)];
+            max = m ? xs[__builtin_ctz(m)] : 0.0f;   /* m == 0: a NaN, refused above */
         }
         const float d = q5 ? max / -16 : max / -8;
         const float id = d != 0.0f ? 1.0f / d : 0.0f;
@@ -267,8 +267,11 @@ AI int enc8(kvr_codec_type t, uint8_t *dst, size_t bb, const void *src, size_t i
                              (uint32_t)_mm256_movemask_ps(_mm256_cmp_ps(a1, va, _CMP_EQ_OQ)) << 8 |
                              (uint32_t)_mm256_movemask_ps(_mm256_cmp_ps(a2, va, _CMP_EQ_OQ)) << 16 |
                              (uint32_t)_mm256_movemask_ps(_mm256_cmp_ps(a3, va, _CMP_EQ_OQ)) << 24;
-                size_t k = o + (size_t)__builtin_ctz(m);
-                p0[b] = h ? h2f1(((const uint16_t *)src)[k]) : ((const float *)src)[k];
+                /* m == 0 only with a NaN in the block, which is refused below */
+                if (m) {
+                    size_t k = o + (size_t)__builtin_ctz(m);
+                    p0[b] = h ? h2f1(((const uint16_t *)src)[k]) : ((const float *)src)[k];
+                }
             }
         }
     }

@@ -115,8 +115,11 @@ AI int enc8(kvr_codec_type t, uint8_t *dst, size_t bb, const void *src, size_t i
                 const __m512 va = _mm512_set1_ps(amax);
                 uint32_t m = (uint32_t)_mm512_cmp_ps_mask(a0, va, _CMP_EQ_OQ) |
                              (uint32_t)_mm512_cmp_ps_mask(a1, va, _CMP_EQ_OQ) << 16;
-                size_t k = o + (size_t)__builtin_ctz(m);
-                p0[b] = h ? h2f1(((const uint16_t *)src)[k]) : ((const float *)src)[k];
+                /* m == 0 only with a NaN in the block, which is refused below */
+                if (m) {
+                    size_t k = o + (size_t)__builtin_ctz(m);
+                    p0[b] = h ? h2f1(((const uint16_t *)src)[k]) : ((const float *)src)[k];
+                }
             }
         }
     }
