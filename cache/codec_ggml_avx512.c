@@ -26,7 +26,6 @@ AI __m512 ld16(const void *src, size_t i, int h)
     return _mm512_loadu_ps((const float *)src + i);
 }
 
-AI float h2f1(uint16_t h) { return _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(h))); }
 static void wr16(uint8_t *p, uint16_t v) { p[0] = (uint8_t)v; p[1] = (uint8_t)(v >> 8); }
 
 static size_t block_bytes(kvr_codec_type t)
@@ -82,59 +81,85 @@ AI void quant_block(kvr_codec_type t, uint8_t *y, __m512 x0, __m512 x1, float id
     }
 }
 
-/* Eight blocks at i: extremes per block, then d / id / f16 forms eight at a
- * time, then the quants (the data still in L1). */
+/* r[b] = max (or min) of the 16 lanes of v[b], b < 8: a transposed
+ * reduction (exact: max and min of non-NaN values do not depend on order). */
+AI __m256 reduce8(const __m512 *v, int is_max)
+{
+#define OP(a, b) (is_max ? _mm512_max_ps((a), (b)) : _mm512_min_ps((a), (b)))
+    __m512 w[4], x[2];
+    for (int k = 0; k < 4; k++)
+        w[k] = OP(_mm512_shuffle_f32x4(v[2 * k], v[2 * k + 1], 0x44),
+                  _mm512_shuffle_f32x4(v[2 * k], v[2 * k + 1], 0xEE));
+    for (int k = 0; k < 2; k++)
+        x[k] = OP(_mm512_shuffle_f32x4(w[2 * k], w[2 * k + 1], 0x88),
+                  _mm512_shuffle_f32x4(w[2 * k], w[2 * k + 1], 0xDD));
+    /* quad k of x[0] holds block k's 4 partials, of x[1] block k + 4's */
+    __m512 y = OP(_mm512_shuffle_ps(x[0], x[1], 0x88), _mm512_shuffle_ps(x[0], x[1], 0xDD));
+    __m512 z = OP(y, _mm512_permute_ps(y, 0xB1));
+    /* quad k: lane 0 block k, lane 2 block k + 4 */
+    const __m512i idx = _mm512_setr_epi32(0, 4, 8, 12, 2, 6, 10, 14, 0, 0, 0, 0, 0, 0, 0, 0);
+    return _mm512_castps512_ps256(_mm512_permutexvar_ps(idx, z));
+#undef OP
+}
+
+/* Eight blocks at i: each block's max and min (two transposed reductions),
+ * then d / id / f16 forms eight at a time, then the quants, with the
+ * blocks kept in registers. The extremes give every parameter:
+ *   Q8_0 amax = max(max, -min) (a zero made +0, as fabsf's);
+ *   Q4_0 / Q5_0 "max" (the first element of largest magnitude) = max when
+ *   max > -min, min when -min > max; a tie (max == -min != 0) needs the
+ *   first index: that block goes to the scalar block encoder, as do Q4_1
+ *   blocks whose min or max is a zero (the sign the reference keeps). */
 AI int enc8(kvr_codec_type t, uint8_t *dst, size_t bb, const void *src, size_t i, int h)
 {
-    float p0[8], p1[8];
-    unsigned fb = 0;
     __mmask16 ok = 0xffff;
     const __m512 fmax = _mm512_set1_ps(FLT_MAX);
-    __m512 xv[16];   /* the eight blocks stay in registers between the passes */
+    __m512 xv[16], mx[8], mn[8];
 #pragma GCC unroll 8
     for (int b = 0; b < 8; b++) {
         size_t o = i + 32 * (size_t)b;
         __m512 x0 = ld16(src, o, h), x1 = ld16(src, o + 16, h);
         xv[2 * b] = x0;
         xv[2 * b + 1] = x1;
-        __m512 a0 = _mm512_abs_ps(x0), a1 = _mm512_abs_ps(x1);
-        __m512 ax = _mm512_max_ps(a0, a1);
-        /* each vector checked on its own: max drops a NaN in its first operand */
-        ok &= (__mmask16)(_mm512_cmp_ps_mask(a0, fmax, _CMP_LE_OQ) &
-                          _mm512_cmp_ps_mask(a1, fmax, _CMP_LE_OQ));
-        if (t == KVR_CODEC_Q8_0) {
-            p0[b] = _mm512_reduce_max_ps(ax);
-        } else if (t == KVR_CODEC_Q4_1) {
-            p0[b] = _mm512_reduce_min_ps(_mm512_min_ps(x0, x1));
-            p1[b] = _mm512_reduce_max_ps(_mm512_max_ps(x0, x1));
-            if (p0[b] == 0.0f || p1[b] == 0.0f) fb |= 1u << b;
-        } else {
-            float amax = _mm512_reduce_max_ps(ax);
-            p0[b] = 0.0f;
-            if (amax != 0.0f) {
-                const __m512 va = _mm512_set1_ps(amax);
-                uint32_t m = (uint32_t)_mm512_cmp_ps_mask(a0, va, _CMP_EQ_OQ) |
-                             (uint32_t)_mm512_cmp_ps_mask(a1, va, _CMP_EQ_OQ) << 16;
-                /* m == 0 only with a NaN in the block, which is refused below */
-                if (m) {
-                    size_t k = o + (size_t)__builtin_ctz(m);
-                    p0[b] = h ? h2f1(((const uint16_t *)src)[k]) : ((const float *)src)[k];
-                }
-            }
-        }
+        ok &= (__mmask16)(_mm512_cmp_ps_mask(_mm512_abs_ps(x0), fmax, _CMP_LE_OQ) &
+                          _mm512_cmp_ps_mask(_mm512_abs_ps(x1), fmax, _CMP_LE_OQ));
+        mx[b] = _mm512_max_ps(x0, x1);
+        mn[b] = _mm512_min_ps(x0, x1);
     }
     if (ok != 0xffff) return -1;
-    __m256 v0 = _mm256_loadu_ps(p0), d;
+    const __m256 zero = _mm256_setzero_ps();
+    __m256 vmax = reduce8(mx, 1), vmin = reduce8(mn, 0);
+    __m256 nmin = _mm256_sub_ps(zero, vmin);
+    unsigned fb = 0;
+    __m256 v0, d;
     switch (t) {
-    case KVR_CODEC_Q8_0: d = _mm256_div_ps(v0, _mm256_set1_ps((float)((1 << 7) - 1))); break;
-    case KVR_CODEC_Q4_0: d = _mm256_div_ps(v0, _mm256_set1_ps(-8.0f)); break;
-    case KVR_CODEC_Q5_0: d = _mm256_div_ps(v0, _mm256_set1_ps(-16.0f)); break;
-    default:
-        d = _mm256_div_ps(_mm256_sub_ps(_mm256_loadu_ps(p1), v0),
-                          _mm256_set1_ps((float)((1 << 4) - 1)));
+    case KVR_CODEC_Q8_0: {
+        __m256 amax = _mm256_max_ps(vmax, nmin);
+        amax = _mm256_and_ps(amax, _mm256_cmp_ps(amax, zero, _CMP_NEQ_OQ));   /* +0 */
+        v0 = amax;
+        d = _mm256_div_ps(amax, _mm256_set1_ps((float)((1 << 7) - 1)));
         break;
     }
-    __m256 id = _mm256_and_ps(_mm256_cmp_ps(d, _mm256_setzero_ps(), _CMP_NEQ_OQ),
+    case KVR_CODEC_Q4_0:
+    case KVR_CODEC_Q5_0: {
+        __m256 gt = _mm256_cmp_ps(vmax, nmin, _CMP_GT_OQ);
+        __m256 tie = _mm256_and_ps(_mm256_cmp_ps(vmax, nmin, _CMP_EQ_OQ),
+                                   _mm256_cmp_ps(vmax, zero, _CMP_NEQ_OQ));
+        fb = (unsigned)_mm256_movemask_ps(tie);
+        v0 = _mm256_blendv_ps(vmin, vmax, gt);
+        /* max == -min == 0: the reference's max stays +0 */
+        v0 = _mm256_and_ps(v0, _mm256_cmp_ps(v0, zero, _CMP_NEQ_OQ));
+        d = _mm256_div_ps(v0, _mm256_set1_ps(t == KVR_CODEC_Q5_0 ? -16.0f : -8.0f));
+        break;
+    }
+    default:
+        fb = (unsigned)_mm256_movemask_ps(_mm256_or_ps(_mm256_cmp_ps(vmin, zero, _CMP_EQ_OQ),
+                                                       _mm256_cmp_ps(vmax, zero, _CMP_EQ_OQ)));
+        v0 = vmin;
+        d = _mm256_div_ps(_mm256_sub_ps(vmax, vmin), _mm256_set1_ps((float)((1 << 4) - 1)));
+        break;
+    }
+    __m256 id = _mm256_and_ps(_mm256_cmp_ps(d, zero, _CMP_NEQ_OQ),
                               _mm256_div_ps(_mm256_set1_ps(1.0f), d));
     const int rne = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
     __m128i dh = _mm256_cvtps_ph(d, rne), mh = _mm256_cvtps_ph(v0, rne);
@@ -143,9 +168,10 @@ AI int enc8(kvr_codec_type t, uint8_t *dst, size_t bb, const void *src, size_t i
     if (t == KVR_CODEC_Q4_1) inf = _mm_or_si128(inf, _mm_cmpeq_epi16(_mm_and_si128(mh, em), em));
     unsigned bad = (unsigned)_mm_movemask_epi8(_mm_packs_epi16(inf, inf)) & 0xffu & ~fb;
     if (bad) return -1;
-    float ids[8];
+    float ids[8], p0[8];
     uint16_t dhs[8], mhs[8];
     _mm256_storeu_ps(ids, id);
+    _mm256_storeu_ps(p0, v0);
     _mm_storeu_si128((__m128i *)dhs, dh);
     _mm_storeu_si128((__m128i *)mhs, mh);
 #pragma GCC unroll 8
