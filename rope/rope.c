@@ -374,6 +374,7 @@ typedef struct job {
     rope_rows_fn rows;
     rope_sincos_fn sincos;
     rope_tofloat_fn tofloat;
+    rope_table_fn table;       /* NULL: sincos then tofloat */
     size_t t0, t1;
 } job;
 
@@ -406,6 +407,7 @@ static void run_range(const job *j)
             wide = true;
         }
         int mode; /* 0 exact, 1 same as previous, 2 step */
+        bool fresh = false;   /* fc / fs already made with the table */
         int64_t da = 0, db = 0;
         if (wide || !have_prev || t % RESEED == 0) {
             mode = 0;
@@ -422,6 +424,9 @@ static void run_range(const job *j)
                 j->sincos((double)j->a[t], f1, -(double)j->a_sub[t], f1, n, ss, cc);
                 have_prev = false;
                 have_step = false;
+            } else if (j->table) {
+                j->table((double)a, f1, (double)b, f2, n, j->mag, gptj, ss, cc, fs, fc);
+                fresh = true;
             } else {
                 j->sincos((double)a, f1, (double)b, f2, n, ss, cc);
                 /* remember the step from the previous token for next time */
@@ -446,7 +451,7 @@ static void run_range(const job *j)
                 ss[i] = s0 * stc[i] + c0 * sts[i];
             }
         }
-        if (mode != 1 || t == j->t0)
+        if ((mode != 1 || t == j->t0) && !fresh)
             j->tofloat(cc, ss, n, j->mag, gptj, fc, fs);
         if (mode != 0 || !wide) { pa = a; pb = b; }
         j->rows((char *)j->dst + t * row_elems * dsz, j->dt,
@@ -521,7 +526,10 @@ static rope_rows_fn pick_rows(const kvr_rope_opts *opts)
 static void pick_tables(job *j, const kvr_rope_opts *opts)
 {
     switch (rope_isa_resolve(opts ? opts->isa : KVR_ISA_AUTO)) {
-    case KVR_ISA_AVX512: j->sincos = rope_sincos_avx512; j->tofloat = rope_tofloat_avx512; break;
+    case KVR_ISA_AVX512:
+        j->sincos = rope_sincos_avx512; j->tofloat = rope_tofloat_avx512;
+        j->table = rope_table_avx512;
+        break;
     case KVR_ISA_AVX2:   j->sincos = rope_sincos_avx2;   j->tofloat = rope_tofloat_avx2;   break;
     default:             j->sincos = rope_sincos_scalar; j->tofloat = rope_tofloat_scalar; break;
     }

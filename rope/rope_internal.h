@@ -83,6 +83,13 @@ void rope_tofloat_avx2(const double *c, const double *s, int n, double m, int gp
 void rope_tofloat_avx512(const double *c, const double *s, int n, double m, int gptj,
                          float *fc, float *fs);
 
+/* Both at once, for a table computed afresh (bit for bit sincos then
+ * tofloat); NULL for the ISAs that do not fuse them. */
+typedef void (*rope_table_fn)(double a, const double *f1, double b, const double *f2, int n,
+                              double m, int gptj, double *s, double *c, float *fs, float *fc);
+void rope_table_avx512(double a, const double *f1, double b, const double *f2, int n, double m,
+                       int gptj, double *s, double *c, float *fs, float *fc);
+
 /* Its constants: angles below ROPE_FAST_MAX (2^20 * pi/2 and a margin) are
  * reduced by pi/2 in three 33-bit pieces (fdlibm's medium case) and go
  * through fdlibm's __kernel_sin / __kernel_cos polynomials; larger ones (and

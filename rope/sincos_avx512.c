@@ -106,3 +106,51 @@ void rope_tofloat_avx512(const double *c, const double *s, int n, double m, int 
         }
     }
 }
+
+/* rope_sincos_avx512 then rope_tofloat_avx512 in one pass over the lanes
+ * (the same operations, so the same bits), for tables computed afresh. */
+void rope_table_avx512(double a, const double *f1, double b, const double *f2, int n, double m,
+                       int gptj, double *s, double *c, float *fs, float *fc)
+{
+    double ang[KVR_ROPE_MAX_HEAD_DIM / 2 + W];
+    const __m512d va = _mm512_set1_pd(a), vb = _mm512_set1_pd(b);
+    const __m512d lim = _mm512_set1_pd(ROPE_FAST_MAX);
+    __mmask8 bad = 0;
+    int i = 0;
+    for (; i < n; i += W) {
+        __mmask8 k8 = n - i >= W ? (__mmask8)0xff : (__mmask8)((1u << (n - i)) - 1u);
+        __m512d x = _mm512_mul_pd(va, _mm512_maskz_loadu_pd(k8, f1 + i));
+        if (f2) x = _mm512_add_pd(x, _mm512_mul_pd(vb, _mm512_maskz_loadu_pd(k8, f2 + i)));
+        bad |= (__mmask8)(k8 & ~_mm512_cmp_pd_mask(_mm512_abs_pd(x), lim, _CMP_LT_OQ));
+        _mm512_storeu_pd(ang + i, x);
+    }
+    if (bad) {
+        for (i = 0; i < n; i++) sincos(ang[i], &s[i], &c[i]);
+        rope_tofloat_avx512(c, s, n, m, gptj, fc, fs);
+        return;
+    }
+    const __m512d vm = _mm512_set1_pd(m);
+    const __m512i dup = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+    const __m512 neg_even = _mm512_castsi512_ps(_mm512_set_epi32(
+        0, (int)0x80000000u, 0, (int)0x80000000u, 0, (int)0x80000000u, 0, (int)0x80000000u,
+        0, (int)0x80000000u, 0, (int)0x80000000u, 0, (int)0x80000000u, 0, (int)0x80000000u));
+    for (i = 0; i < n; i += W) {
+        __mmask8 k8 = n - i >= W ? (__mmask8)0xff : (__mmask8)((1u << (n - i)) - 1u);
+        __m512d cv, sv = sincos8(_mm512_loadu_pd(ang + i), &cv);
+        _mm512_mask_storeu_pd(s + i, k8, sv);
+        _mm512_mask_storeu_pd(c + i, k8, cv);
+        __m256 cf = _mm512_cvtpd_ps(_mm512_mul_pd(cv, vm));
+        __m256 sf = _mm512_cvtpd_ps(_mm512_mul_pd(sv, vm));
+        if (gptj) {
+            __mmask16 k16 = n - i >= W ? (__mmask16)0xffff
+                                       : (__mmask16)((1u << (2 * (n - i))) - 1u);
+            __m512 cd = _mm512_permutexvar_ps(dup, _mm512_castps256_ps512(cf));
+            __m512 sd = _mm512_permutexvar_ps(dup, _mm512_castps256_ps512(sf));
+            _mm512_mask_storeu_ps(fc + 2 * i, k16, cd);
+            _mm512_mask_storeu_ps(fs + 2 * i, k16, _mm512_xor_ps(sd, neg_even));
+        } else {
+            _mm256_mask_storeu_ps(fc + i, k8, cf);
+            _mm256_mask_storeu_ps(fs + i, k8, sf);
+        }
+    }
+}

@@ -261,6 +261,15 @@ Test(rope_props, sincos_tables_bit_identical_across_isas)
             cr_assert(!memcmp(fc0, fc1, sizeof(float) * (size_t)w) &&
                       !memcmp(fs0, fs1, sizeof(float) * (size_t)w),
                       "%s tofloat n %d gptj %d", kvr_isa_name(isas[k]), n, gptj);
+            if (isas[k] == KVR_ISA_AVX512) {
+                /* the fused table: both forms at once, the same bits */
+                rope_table_avx512(a, f1, b, g, n, m, gptj, s1, c1, fs1, fc1);
+                cr_assert(!memcmp(s0, s1, sizeof(double) * (size_t)n) &&
+                          !memcmp(c0, c1, sizeof(double) * (size_t)n) &&
+                          !memcmp(fc0, fc1, sizeof(float) * (size_t)w) &&
+                          !memcmp(fs0, fs1, sizeof(float) * (size_t)w),
+                          "fused table n %d gptj %d a %.17g", n, gptj, a);
+            }
         }
     }
     cr_log_info("%ld tables compared", checked);
