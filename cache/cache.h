@@ -519,6 +519,9 @@ int    kvr_assemble_work(kvr_assemble *t, kvr_error *err);
 size_t kvr_assemble_payload_size(const kvr_assemble *t);
 void   kvr_assemble_payload_iov(const kvr_assemble *t, const struct iovec **iov,
                                 size_t *n);
+/* In-process callers: the whole payload straight into dst, as
+ * kvr_get_copy_into (no staging; the iovecs are not filled). */
+int    kvr_assemble_copy_into(kvr_assemble *t, void *dst, size_t size, kvr_error *err);
 void   kvr_assemble_end(kvr_assemble *t);       /* loop thread; NULL is a no-op */
 
 /*

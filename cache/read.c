@@ -144,6 +144,13 @@ static void iov_push(kvr_read *r, size_t layer_first, uint8_t *p, size_t len)
     r->out.iov[r->out.n_iov++] = (struct iovec){ p, len };
 }
 
+/* Folded runs are worked this many tokens at a time (layer_to); a multiple
+ * of the rotation's reseed interval (32). */
+#define FOLD_PIECE 64
+/* ... and runs that are only converted (no rotation, so no reseed interval
+ * to respect) in pieces that stay in L1 */
+#define FOLD_PIECE_SAME 8
+
 int kvr_read_stage(kvr_read *r, kvr_ctx *keep, const char *what, kvr_error *err)
 {
     if (r->meta_only || r->n == 0)
@@ -159,10 +166,14 @@ int kvr_read_stage(kvr_read *r, kvr_ctx *keep, const char *what, kvr_error *err)
         if (!run->k_zc) {
             run->k_off = r->kst;
             r->kst += run->count * rowb;
+            /* f32 keys before 1/T, a piece at a time (layer_to) */
+            size_t pc = run->fold && run->count > FOLD_PIECE ? FOLD_PIECE : run->count;
             if (run->fold && r->odt != KVR_DTYPE_F32)
-                need += run->count * row;            /* f32 keys before 1/T */
+                need += pc * row;
+            /* quantized keys: kvr_block_read_side decodes a key tile or at
+             * most 64 rows at a time */
             if (run->rd->quant)
-                need += (run->count + KVR_QH(run->rd)->ktile) * row;
+                need += ((pc < 64 ? pc : 64) + KVR_QH(run->rd)->ktile) * row;
         }
         if (!run->v_zc) {
             run->v_off = r->vst;
@@ -291,21 +302,35 @@ static int layer_to(kvr_read *r, size_t li, uint8_t *out)
         if (!run->k_zc) {
             uint8_t *dst = out ? ko : base + run->k_off;
             bool via = run->fold && odt != KVR_DTYPE_F32;
-            size_t ne = run->count * row;
-            void *kd = via ? (void *)scratch : (void *)dst;
-            float *qs = scratch ? scratch + (via ? ne : 0) : NULL;
-            /* the layer's own RoPE (per-layer models: sliding / NoPE layers) */
-            rc = kvr_block_read_side(kvr_rope_layer(m->engine, l), m->n_kv_heads, run->rd, l,
-                                     0, run->first, run->count, kd,
-                                     via ? KVR_DTYPE_F32 : odt,
-                                     run->same ? NULL : r->from + run->tok,
-                                     r->targets + run->tok, qs, &r->ro);
-            if (rc == 0 && run->fold) {
-                float *f = kd, inv_t = r->inv_t;   /* a local: f cannot alias it */
-                for (size_t k = 0; k < ne; k++)
-                    f[k] *= inv_t;
-                if (via)
-                    kvr_convert(dst, odt, scratch, KVR_DTYPE_F32, ne);
+            /* Folded runs go a piece at a time, so the f32 keys are still in
+             * cache when they are scaled and converted. Rotated pieces start
+             * on multiples of 32 tokens, where the rotation reseeds its
+             * tables anyway: the same bits as one call. */
+            size_t piece = !run->fold ? run->count : run->same ? FOLD_PIECE_SAME : FOLD_PIECE;
+            for (size_t p0 = 0; p0 < run->count && rc == 0; p0 += piece) {
+                size_t pc = run->count - p0 < piece ? run->count - p0 : piece;
+                size_t ne = pc * row;
+                void *kd = via ? (void *)scratch : (void *)(dst + p0 * rowb);
+                float *qs = scratch ? scratch + (via ? ne : 0) : NULL;
+                /* the layer's own RoPE (per-layer models: sliding / NoPE layers) */
+                rc = kvr_block_read_side(kvr_rope_layer(m->engine, l), m->n_kv_heads, run->rd,
+                                         l, 0, run->first + (uint32_t)p0, (uint32_t)pc, kd,
+                                         via ? KVR_DTYPE_F32 : odt,
+                                         run->same ? NULL : r->from + run->tok + p0,
+                                         r->targets + run->tok + p0, qs, &r->ro);
+                if (rc == 0 && run->fold) {
+                    float *f = kd, inv_t = r->inv_t;   /* a local: f cannot alias it */
+                    size_t k = 0;
+                    /* fixed-width steps the compiler turns into vector
+                     * multiplies (element-wise: the same products) */
+                    for (; k + 16 <= ne; k += 16)
+                        for (size_t q = 0; q < 16; q++)
+                            f[k + q] *= inv_t;
+                    for (; k < ne; k++)
+                        f[k] *= inv_t;
+                    if (via)
+                        kvr_convert(dst + p0 * rowb, odt, scratch, KVR_DTYPE_F32, ne);
+                }
             }
         }
         if (rc == 0 && !run->v_zc)

@@ -152,3 +152,68 @@ Test(get_into, large_threaded)
     same(s, (kvr_get_params){ .ctx_id = "bq", .end = SIZE_MAX, .dtype = KVR_DTYPE_F16 });
     kvr_store_destroy(s);
 }
+
+static void put_doc(kvr_store *s, const char *id, const char *prefix, size_t n, uint32_t tok0)
+{
+    uint32_t *tok = malloc(n * sizeof *tok);
+    for (size_t i = 0; i < n; i++) tok[i] = tok0 + (uint32_t)i;
+    kvr_error e = { 0 };
+    kvr_put_params p = { .ctx_id = id, .model = "m", .mode = KVR_PUT_CREATE, .n_layers = NL,
+                         .n_kv_heads = NH, .head_dim = HD, .dtype = KVR_DTYPE_F16,
+                         .n_tokens = n, .tokens = tok, .prefix_ctx = prefix };
+    kvr_put *t = NULL;
+    cr_assert_eq(kvr_store_put_begin(s, &p, &t, &e), 0, "%s", e.msg);
+    const struct iovec *iov;
+    size_t niov;
+    kvr_put_payload_iov(t, &iov, &niov);
+    for (size_t i = 0; i < niov; i++) {
+        uint16_t *h = iov[i].iov_base;
+        for (size_t k = 0; k < iov[i].iov_len / 2; k++)
+            h[k] = (uint16_t)(0x3000 + ((i * 131 + k * 7 + tok0) & 0x0fff));
+    }
+    if (kvr_put_needs_work(t)) cr_assert_eq(kvr_put_work(t, &e), 0, "%s", e.msg);
+    cr_assert_eq(kvr_put_commit(t, NULL, &e), 0, "%s", e.msg);
+    free(tok);
+}
+
+Test(get_into, assemble_every_layout)
+{
+    kvr_store *s = mk();
+    put_doc(s, "pre", NULL, 37, 1);
+    const char *docs[3] = { "d0", "d1", "d2" };
+    size_t len[3] = { 150, 71, 300 };
+    for (int i = 0; i < 3; i++) put_doc(s, docs[i], "pre", len[i], 1000 + 1000 * (uint32_t)i);
+    kvr_layout_kind kinds[2] = { KVR_LAYOUT_PARALLEL, KVR_LAYOUT_SEQUENTIAL };
+    kvr_dtype dts[2] = { KVR_DTYPE_F16, KVR_DTYPE_F32 };
+    for (int k = 0; k < 2; k++)
+        for (int fold = 0; fold < 2; fold++)
+            for (int d = 0; d < 2; d++) {
+                kvr_assemble_params ap = { .prefix = "pre", .docs = docs, .n_docs = 3,
+                                           .layout = kinds[k], .dtype = dts[d],
+                                           .fold_temperature = fold };
+                kvr_error e = { 0 };
+                kvr_assemble *a = NULL, *b = NULL;
+                cr_assert_eq(kvr_store_assemble_begin(s, &ap, &a, &e), 0, "%s", e.msg);
+                cr_assert_eq(kvr_store_assemble_begin(s, &ap, &b, &e), 0, "%s", e.msg);
+                size_t n = kvr_assemble_payload_size(a);
+                uint8_t *ref = malloc(n), *got = malloc(n);
+                if (kvr_assemble_needs_work(a))
+                    cr_assert_eq(kvr_assemble_work(a, &e), 0, "%s", e.msg);
+                const struct iovec *iov;
+                size_t niov, off = 0;
+                kvr_assemble_payload_iov(a, &iov, &niov);
+                for (size_t i = 0; i < niov; i++) {
+                    memcpy(ref + off, iov[i].iov_base, iov[i].iov_len);
+                    off += iov[i].iov_len;
+                }
+                cr_assert_eq(off, n);
+                cr_assert_eq(kvr_assemble_copy_into(b, got, n - 1, &e), KVR_EINVAL);
+                cr_assert_eq(kvr_assemble_copy_into(b, got, n, &e), 0, "%s", e.msg);
+                cr_assert_eq(memcmp(ref, got, n), 0, "layout %d fold %d dtype %d", k, fold, d);
+                kvr_assemble_end(a);
+                kvr_assemble_end(b);
+                free(ref);
+                free(got);
+            }
+    kvr_store_destroy(s);
+}
