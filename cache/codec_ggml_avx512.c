@@ -8,7 +8,7 @@
  * operations lane by lane, -ffp-contract=off for this file, the first
  * element of largest magnitude for Q4_0/Q5_0's max, Q4_1 blocks with a zero
  * min or max left to the scalar block encoder, round half away from zero for
- * Q8_0, truncating casts elsewhere. A bad value makes it return -1 (the
+ * Q8_0 (see round_away_epi32), truncating casts elsewhere. A bad value makes it return -1 (the
  * caller reruns the scalar path, which names it).
  */
 #include "cache/codec.h"
@@ -38,15 +38,16 @@ static size_t block_bytes(kvr_codec_type t)
     }
 }
 
+/* roundf (half away from zero) as trunc(v + copysign(0x1.fffffep-2f, v)): the
+ * same for every float |v| < 129 (checked exhaustively), and Q8_0's
+ * |v| <= 127 (1 + 3 eps). */
 AI __m512i round_away_epi32(__m512 v)
 {
-    __m512 t = _mm512_roundscale_ps(v, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
-    __mmask16 ge = _mm512_cmp_ps_mask(_mm512_abs_ps(_mm512_sub_ps(v, t)), _mm512_set1_ps(0.5f),
-                                      _CMP_GE_OQ);
     const __m512i sign = _mm512_set1_epi32((int)0x80000000u);
-    __m512 one = _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(_mm512_set1_ps(1.0f)),
-                                                     _mm512_and_si512(sign, _mm512_castps_si512(v))));
-    return _mm512_cvttps_epi32(_mm512_mask_add_ps(t, ge, t, one));
+    __m512 h = _mm512_castsi512_ps(_mm512_or_si512(
+        _mm512_castps_si512(_mm512_set1_ps(0x1.fffffep-2f)),
+        _mm512_and_si512(sign, _mm512_castps_si512(v))));
+    return _mm512_cvttps_epi32(_mm512_add_ps(v, h));
 }
 
 AI void quant_block(kvr_codec_type t, uint8_t *y, __m512 x0, __m512 x1, float id, float min)
