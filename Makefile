@@ -21,6 +21,7 @@
 #   tests/common/*.h                     -> header-only test helpers (static functions)
 #   tests/bench/bench_*.c               -> one benchmark binary each
 #   tests/fuzz/fuzz_*.c                 -> one libFuzzer target each
+#   client/llama/, tests/llama/         -> see client/llama/llama.mk (llama.cpp from npm)
 # Files named *_avx2.c / *_avx512.c get the ISA flags for that file only: the
 # shipped binary runs on any x86-64 and picks its kernels at run time.
 
@@ -118,6 +119,9 @@ TESTS      := $(patsubst tests/unit/%.c,$(BUILD)/tests/%,$(TEST_SRC))
 BENCHES    := $(patsubst tests/bench/%.c,$(BUILD)/bench/%,$(BENCH_SRC))
 FUZZERS    := $(patsubst tests/fuzz/%.c,$(BUILD)/fuzz/%,$(FUZZ_SRC))
 
+# llama.cpp: the bridge (into libkvrope), and what links libllama (fetched from npm).
+include client/llama/llama.mk
+
 .PHONY: soak fuzzers all deps deps-bench run test check bench fuzz clean check-symbols
 .DEFAULT_GOAL := all
 # Every file make builds is kept: the test and bench objects are intermediate
@@ -125,7 +129,7 @@ FUZZERS    := $(patsubst tests/fuzz/%.c,$(BUILD)/fuzz/%,$(FUZZ_SRC))
 # each build and rebuild them all on the next one.
 .SECONDARY:
 
-all: $(KVROPED) $(KVROPE) $(CLIENT_A) $(CLIENT_SO) $(TESTS) $(BENCHES)
+all: $(KVROPED) $(KVROPE) $(CLIENT_A) $(CLIENT_SO) $(TESTS) $(BENCHES) $(LLAMA_PROGS)
 
 deps:
 	@scripts/deps.sh test

@@ -6,18 +6,20 @@ set -eu
 level=${1:-test}
 pkgs="build-essential pkg-config libuv1-dev libjemalloc-dev libprotobuf-c-dev protobuf-c-compiler liburing-dev libcjson-dev"
 case "$level" in
-  test)  pkgs="$pkgs libcriterion-dev python3 python3-numpy python3-pytest" ;;
-  bench) pkgs="$pkgs libcriterion-dev python3 python3-numpy python3-pytest redis-server redis-tools nodejs npm" ;;
+  test)  pkgs="$pkgs libcriterion-dev python3 python3-numpy python3-pytest git nodejs npm" ;;
+  bench) pkgs="$pkgs libcriterion-dev python3 python3-numpy python3-pytest git nodejs npm redis-server redis-tools" ;;
   core)  ;;
   *) echo "usage: $0 [core|test|bench]" >&2; exit 2 ;;
 esac
 missing=""
 for p in $pkgs; do
   # Node and npm may come from elsewhere than Debian (they do on the CI image);
-  # the benches only need the commands, and Debian's npm would conflict.
+  # the build (llama.cpp from npm, client/llama/llama.mk) and the benches only
+  # need the commands, and Debian's npm would conflict.
   case "$p" in
     nodejs) command -v node >/dev/null 2>&1 && continue ;;
     npm)    command -v npm  >/dev/null 2>&1 && continue ;;
+    git)    command -v git  >/dev/null 2>&1 && continue ;;
   esac
   st=$(dpkg-query -W -f='${Status}' "$p" 2>/dev/null || true)
   case "$st" in *"install ok installed"*) ;; *) missing="$missing $p" ;; esac

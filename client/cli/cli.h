@@ -143,6 +143,13 @@ void cli_layout_stat_json(kvr_client *c, const char *ctx, struct cJSON *j);
 void cli_layout_stat_print(kvr_client *c, const char *ctx);
 
 
+/* ---- llama.cpp states (cli_llama.c) ------------------------------------ */
+extern const char cli_llama_help[];
+bool cli_llama_command(const char *cmd);
+int  cli_llama_run(kvr_client *c, const cli_args *a);
+bool cli_llama_option_takes_value(const char *name);
+bool cli_llama_option_is_flag(const char *name);
+
 /* Shared by the command files (cli_cmd.c defines them). */
 void cli_print_json(struct cJSON *j);         /* prints and frees j */
 int  cli_usage_err(const char *fmt, ...) __attribute__((format(printf, 1, 2)));

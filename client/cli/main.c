@@ -190,7 +190,8 @@ static int parse_args(int argc, char **argv, cli_args *a)
                 }
                 goto positional;
             }
-            if (cli_option_takes_value(name) || cli_layout_option_takes_value(name)) {
+            if (cli_option_takes_value(name) || cli_layout_option_takes_value(name) ||
+                cli_llama_option_takes_value(name)) {
                 if (!val) {
                     if (i + 1 >= argc) {
                         fprintf(stderr, "kvrope: option --%s needs a value\n", name);
@@ -201,7 +202,8 @@ static int parse_args(int argc, char **argv, cli_args *a)
             } else if (val) {
                 fprintf(stderr, "kvrope: option --%s takes no value\n", name);
                 return CLI_USAGE;
-            } else if (!is_flag(name) && !cli_layout_option_is_flag(name)) {
+            } else if (!is_flag(name) && !cli_layout_option_is_flag(name) &&
+                       !cli_llama_option_is_flag(name)) {
                 fprintf(stderr, "kvrope: unknown option --%s\n", name);
                 return CLI_USAGE;
             }
@@ -293,6 +295,7 @@ int main(int argc, char **argv)
         fputs(help_edit, stdout);
         fputs(cli_layout_help, stdout);
         fputs(cli_layout_help_file, stdout);
+        fputs(cli_llama_help, stdout);
         fputs(help_tail, stdout);
         free_args(&a);
         return CLI_OK;
@@ -307,11 +310,12 @@ int main(int argc, char **argv)
         fputs(help_edit, stderr);
         fputs(cli_layout_help, stderr);
         fputs(cli_layout_help_file, stderr);
+        fputs(cli_llama_help, stderr);
         fputs(help_tail, stderr);
         free_args(&a);
         return CLI_USAGE;
     }
-    if (!cli_known_command(a.cmd) && !cli_layout_command(a.cmd)) {
+    if (!cli_known_command(a.cmd) && !cli_layout_command(a.cmd) && !cli_llama_command(a.cmd)) {
         fprintf(stderr, "kvrope: unknown command '%s' (see kvrope --help)\n", a.cmd);
         free_args(&a);
         return CLI_USAGE;
@@ -358,7 +362,9 @@ int main(int argc, char **argv)
         free_args(&a);
         return CLI_CONNECT;
     }
-    rc = cli_layout_command(a.cmd) ? cli_layout_run(c, &a) : cli_run(c, &a);
+    rc = cli_layout_command(a.cmd)  ? cli_layout_run(c, &a)
+       : cli_llama_command(a.cmd) ? cli_llama_run(c, &a)
+                                  : cli_run(c, &a);
     kvr_client_close(c);
     free_args(&a);
     return rc;

@@ -1,0 +1,244 @@
+/*
+ * worker.h — internals of build/kvrope-llama, the llama.cpp worker that uses
+ * kvroped as its KV cache (complete / edit / rag / ppl). Private to the
+ * worker's files (client/llama/worker*.c) and its bench and tests; the public
+ * bridge is kvrope_llama.h.
+ *
+ * Pieces:
+ *  - diff (worker_diff.c, no llama.cpp): token sequences -> PIE edit hunks.
+ *  - state (worker_state.c, no llama.cpp): the bytes of
+ *    llama_state_seq_get_data for float caches (f32/f16/bf16; v_trans 0 and
+ *    1; one stream), parsed into per-layer row pointers, gathered into
+ *    kvrope's layer-major payload, and built back from payload pieces with
+ *    any cell positions. The general codec (quantized types, Hadamard) is the
+ *    bridge's; the worker needs cell-level access the bridge does not give.
+ *  - lm (worker_lm.c): one llama.cpp model + context (two sequences in a
+ *    unified KV cache: seq 1 is the scratch sequence that lets tokens be
+ *    decoded in the middle of seq 0, which llama.cpp otherwise refuses).
+ *  - flows (worker_flows.c): the four commands, each filling a report.
+ *
+ * Conventions: int return 0 or a negative code; functions that can fail for
+ * a reason worth telling write it into `char *err, size_t errlen`.
+ */
+#ifndef KVR_LLAMA_WORKER_H
+#define KVR_LLAMA_WORKER_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <sys/uio.h>
+
+#include "client/kvrope.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* ---- diff ----------------------------------------------------------------- */
+/* One changed region: old tokens [a0, a1) became new tokens [b0, b1). */
+typedef struct kvr_wk_hunk {
+    size_t a0, a1, b0, b1;
+} kvr_wk_hunk;
+
+/* Minimal edit script between a and b (Myers, after trimming the common
+ * prefix and suffix), grouped into hunks separated by at least one equal
+ * token, in increasing order. When more than max_d insertions + deletions
+ * are needed, the whole differing middle is one hunk. *out is the caller's
+ * (free); *n = 0 when a == b. Returns 0 or -ENOMEM. */
+int kvr_wk_diff(const int32_t *a, size_t na, const int32_t *b, size_t nb, size_t max_d,
+                kvr_wk_hunk **out, size_t *n);
+
+/* Joins neighbouring hunks separated by fewer than min_gap equal tokens (an
+ * editor's changes come in clusters; each hunk is one edit point that costs a
+ * round of decoding and refreshing). In place; *n shrinks. */
+void kvr_wk_hunks_merge(kvr_wk_hunk *h, size_t *n, size_t min_gap);
+
+/* ---- sequence states ------------------------------------------------------ */
+#define KVR_WK_GGML_F32  0
+#define KVR_WK_GGML_F16  1
+#define KVR_WK_GGML_BF16 30
+#define KVR_WK_STATE_MAGIC 0xaf143cd8u
+
+/* A parsed state; pointers borrow the parsed buffer. */
+typedef struct kvr_wk_state {
+    uint32_t        n_cells, n_layer;
+    bool            v_trans;
+    int32_t         type;        /* ggml type of K and V (one float type) */
+    uint32_t        el;          /* bytes per element */
+    uint32_t        n_embd;      /* elements per row (n_head_kv * head_dim) */
+    int32_t        *pos;         /* n_cells, in cell order (owned) */
+    const uint8_t **k, **v;      /* n_layer each (owned arrays) */
+} kvr_wk_state;
+
+/* Parses buf as a sequence state. Refuses (-EINVAL, reason in err) another
+ * magic, several streams, a cell with several sequences, non-float or mixed
+ * types, rows that are not n_embd elements, and truncated or trailing bytes. */
+int  kvr_wk_state_parse(kvr_wk_state *st, const uint8_t *buf, size_t len, char *err,
+                        size_t errlen);
+void kvr_wk_state_free(kvr_wk_state *st);
+
+/* Cell index holding position p (first one), or -1. */
+long kvr_wk_state_find(const kvr_wk_state *st, int32_t p);
+
+/* Copies cells[0..n) (in that order) into dst as a kvrope payload:
+ * layer-major, K then V, [n][n_embd] of the state's type. dst holds
+ * n_layer * 2 * n * n_embd * el bytes. */
+void kvr_wk_state_gather(const kvr_wk_state *st, const uint32_t *cells, size_t n, void *dst);
+
+/* Incremental builder of a state with n_cells cells (seq id 0, v_trans as
+ * the destination context needs). Pieces come from kvrope payloads. */
+typedef struct kvr_wk_sbuild {
+    uint8_t  *buf;
+    size_t    len;
+    uint32_t  n_cells, n_layer, n_embd, el, filled;
+    bool      v_trans;
+    size_t    k_off, v_off;      /* where layer 0's K / V data start */
+} kvr_wk_sbuild;
+
+int  kvr_wk_sbuild_init(kvr_wk_sbuild *b, uint32_t n_cells, uint32_t n_layer, int32_t type,
+                        uint32_t n_embd, bool v_trans);
+/* Adds tokens [t0, t1) of a layer-major payload holding n_tok tokens, at
+ * positions pos[0 .. t1-t0). Returns -EINVAL past n_cells. */
+int  kvr_wk_sbuild_add(kvr_wk_sbuild *b, const void *payload, size_t n_tok, size_t t0,
+                       size_t t1, const int64_t *pos);
+void kvr_wk_sbuild_free(kvr_wk_sbuild *b);
+
+/* ---- llama.cpp ------------------------------------------------------------ */
+typedef struct kvr_wk_lm kvr_wk_lm;
+
+typedef struct kvr_wk_lm_opts {
+    int      n_threads;     /* 0 = the online CPUs (at most 8) */
+    uint32_t n_ctx;         /* cells of the KV cache (rounded up to 256) */
+    uint32_t n_batch;       /* 0 = 512 */
+} kvr_wk_lm_opts;
+
+/* Loads the model (no context yet). Errors: a missing file, a file that is
+ * not a GGUF model (llama.cpp's reason is quoted). */
+int  kvr_wk_lm_load(kvr_wk_lm **out, const char *gguf, int n_threads, char *err, size_t errlen);
+/* (Re)creates the context with at least n_ctx cells, and warms it up with
+ * one throw-away decode (its time: kvr_wk_lm_warmup_ms). */
+int    kvr_wk_lm_context(kvr_wk_lm *lm, uint32_t n_ctx, char *err, size_t errlen);
+double kvr_wk_lm_warmup_ms(const kvr_wk_lm *lm);
+void kvr_wk_lm_destroy(kvr_wk_lm *lm);
+
+typedef struct kvr_wk_lm_info {
+    uint32_t n_layer, n_head, n_head_kv, head_dim, n_embd, n_vocab, n_ctx_train;
+    bool     add_bos;
+    int32_t  bos;
+    char     arch[64];
+} kvr_wk_lm_info;
+const kvr_wk_lm_info *kvr_wk_lm_info_get(const kvr_wk_lm *lm);
+struct llama_model;
+const struct llama_model *kvr_wk_lm_model(const kvr_wk_lm *lm);   /* borrowed */
+/* The bridge's profile of the model (borrowed; NULL = none): its RoPE
+ * parameters go into every context created after. */
+struct kvr_llama_model;
+void kvr_wk_lm_set_profile(kvr_wk_lm *lm, const struct kvr_llama_model *m);
+
+/* Tokenizes text (BOS as the vocabulary says when bos). *out is the caller's. */
+int kvr_wk_lm_tokenize(kvr_wk_lm *lm, const char *text, size_t len, bool bos, int32_t **out,
+                       size_t *n, char *err, size_t errlen);
+/* Text of a token (piece bytes into buf, NUL-terminated); returns the length. */
+size_t kvr_wk_lm_piece(kvr_wk_lm *lm, int32_t tok, char *buf, size_t cap);
+
+/* Decodes toks[0..n) at positions pos0.. in sequence seq, in batches of
+ * n_batch. Logits: none, only the last token's (LAST), or every token's
+ * (ALL: the callback gets each batch's rows). */
+typedef enum { KVR_WK_LOGITS_NONE, KVR_WK_LOGITS_LAST, KVR_WK_LOGITS_ALL } kvr_wk_logits_mode;
+typedef void (*kvr_wk_rows_fn)(void *ud, size_t first, size_t n, const float *const *rows);
+int kvr_wk_lm_decode(kvr_wk_lm *lm, const int32_t *toks, size_t n, int32_t pos0, int seq,
+                     kvr_wk_logits_mode mode, kvr_wk_rows_fn fn, void *ud, char *err,
+                     size_t errlen);
+/* The last token's logits after a LAST decode (n_vocab floats, borrowed). */
+const float *kvr_wk_lm_logits(kvr_wk_lm *lm);
+int32_t      kvr_wk_argmax(const float *x, size_t n);
+
+/* The KV cache (llama_memory_*). */
+void    kvr_wk_lm_clear(kvr_wk_lm *lm);
+bool    kvr_wk_lm_seq_rm(kvr_wk_lm *lm, int seq, int32_t p0, int32_t p1);
+void    kvr_wk_lm_seq_cp(kvr_wk_lm *lm, int src, int dst, int32_t p0, int32_t p1);
+void    kvr_wk_lm_seq_add(kvr_wk_lm *lm, int seq, int32_t p0, int32_t p1, int32_t delta);
+int32_t kvr_wk_lm_pos_max(kvr_wk_lm *lm, int seq);
+
+/* Decodes toks at positions pos0.. although seq 0 holds cells after pos0:
+ * through seq 1 (seq 0's cells before pos0 copied to it, metadata only),
+ * then the new cells join seq 0 and seq 1 is emptied. Cells of seq 0 in
+ * [pos0, pos0 + n) are removed first. */
+int kvr_wk_lm_decode_middle(kvr_wk_lm *lm, const int32_t *toks, size_t n, int32_t pos0,
+                            char *err, size_t errlen);
+
+/* State of seq 0 (the caller's buffer, *len bytes) / set it from bytes. */
+int kvr_wk_lm_state_get(kvr_wk_lm *lm, uint8_t **out, size_t *len, char *err, size_t errlen);
+int kvr_wk_lm_state_set(kvr_wk_lm *lm, const uint8_t *buf, size_t len, char *err,
+                        size_t errlen);
+/* ggml type and v_trans the context's seq states carry. */
+int32_t kvr_wk_lm_cache_type(const kvr_wk_lm *lm);
+bool    kvr_wk_lm_v_trans(const kvr_wk_lm *lm);
+
+/* ---- reports -------------------------------------------------------------- */
+struct cJSON;
+typedef struct kvr_wk_report {
+    struct cJSON *json;          /* the --json object */
+    char         *text;          /* the plain report, lines */
+    size_t        len, cap;
+} kvr_wk_report;
+
+void   kvr_wk_rep_init(kvr_wk_report *r, const char *command);
+void   kvr_wk_rep_free(kvr_wk_report *r);
+/* group NULL = top level, else a nested object of that name. */
+void   kvr_wk_rep_num(kvr_wk_report *r, const char *group, const char *key, double v);
+void   kvr_wk_rep_str(kvr_wk_report *r, const char *group, const char *key, const char *s);
+void   kvr_wk_rep_bool(kvr_wk_report *r, const char *group, const char *key, bool v);
+void   kvr_wk_rep_tokens(kvr_wk_report *r, const char *key, const int32_t *t, size_t n);
+void   kvr_wk_rep_line(kvr_wk_report *r, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+double kvr_wk_rep_get(const kvr_wk_report *r, const char *group, const char *key); /* NaN if absent */
+void   kvr_wk_rep_print(const kvr_wk_report *r, bool json, FILE *out);
+void   kvr_wk_quote(const char *s, size_t n, char *out, size_t cap);
+
+/* ---- the flows (worker_flows.c) ------------------------------------------ */
+struct kvr_llama_model;
+typedef struct kvr_wk_env {
+    kvr_wk_lm     *lm;
+    struct kvr_llama_model *profile;      /* the GGUF's (owned; NULL if unread) */
+    kvr_client    *kc;                    /* NULL for ppl */
+    char           model[KVR_ID_MAX + 1];
+    uint64_t       fingerprint;
+    kvr_wk_report *rep;
+    int            n_gen;                 /* tokens to generate / predict */
+    int            kv_code;               /* the kvrope error of a failure, else 0 */
+    char           err[1024];
+} kvr_wk_env;
+
+/* Reads the GGUF's profile (the bridge's) into e->profile and hands it to
+ * the llama.cpp context parameters. */
+int kvr_wk_profile(kvr_wk_env *e, const char *gguf);
+/* Registers the profile in kvrope under the bridge's default name (name
+ * and fingerprint into e); reads the profile first if needed. */
+int kvr_wk_register(kvr_wk_env *e, const char *gguf);
+
+int kvr_wk_complete(kvr_wk_env *e, const int32_t *toks, size_t n, bool use_cache);
+
+typedef struct kvr_wk_edit_opts {
+    uint32_t refresh;      /* K tokens re-encoded after each edit point */
+    bool     check;        /* also a full re-encode of the new file */
+    size_t   max_d;        /* diff budget; 0 = 2048 */
+    size_t   min_gap;      /* hunks closer than this are one op; 0 = 8 */
+} kvr_wk_edit_opts;
+int kvr_wk_edit(kvr_wk_env *e, const int32_t *a, size_t na, const int32_t *b, size_t nb,
+                const kvr_wk_edit_opts *o);
+
+int kvr_wk_rag(kvr_wk_env *e, const int32_t *p, size_t np, const int32_t *const *docs,
+               const size_t *ndocs, size_t n_docs, const int32_t *q, size_t nq,
+               bool parallel, bool check);
+
+/* Bits per byte of text under the model (n_bytes: the text's size). */
+int kvr_wk_ppl(kvr_wk_env *e, const int32_t *toks, size_t n, size_t n_bytes, bool bos);
+
+/* ---- time ----------------------------------------------------------------- */
+double kvr_wk_now_ms(void);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* KVR_LLAMA_WORKER_H */

@@ -1,0 +1,414 @@
+/*
+ * worker_lm.c — the worker's one llama.cpp model and context.
+ *
+ * The context has a unified KV cache of two sequences, f16 K and V, flash
+ * attention on (so states carry V untransposed). Sequence 0 is the text;
+ * sequence 1 is scratch: llama.cpp's batch check wants every decode of a
+ * sequence to start right after the last position it holds, so tokens that
+ * go in the middle of seq 0 (an edit, a refresh) are decoded in seq 1 over
+ * a metadata-only copy of seq 0's cells before them, then handed to seq 0
+ * (kvr_wk_lm_decode_middle). Attention masks by position within a sequence,
+ * so those tokens see exactly the cells before them.
+ *
+ * llama.cpp's log goes nowhere unless KVR_LLAMA_VERBOSE is set; its last
+ * error line is kept and quoted in our error messages.
+ */
+#include <errno.h>
+#include <math.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "ggml-backend.h"
+#include "llama.h"
+
+#include "client/llama/kvrope_llama.h"
+#include "client/llama/worker.h"
+
+#ifndef KVR_LLAMA_LIBDIR
+#define KVR_LLAMA_LIBDIR ""
+#endif
+
+struct kvr_wk_lm {
+    struct llama_model       *model;
+    struct llama_context     *ctx;
+    const struct llama_vocab *vocab;
+    kvr_wk_lm_info            info;
+    int                       n_threads;
+    uint32_t                  n_batch, n_ctx;
+    struct llama_batch        batch;
+    const float              *last_logits;
+    double                    warmup_ms;
+    const kvr_llama_model    *profile;
+};
+
+void kvr_wk_lm_set_profile(kvr_wk_lm *lm, const kvr_llama_model *m) { lm->profile = m; }
+
+static char log_last[512];
+static int  log_verbose = -1;
+
+static void log_cb(enum ggml_log_level level, const char *text, void *ud)
+{
+    (void)ud;
+    if (log_verbose)
+        fputs(text, stderr);
+    if (level == GGML_LOG_LEVEL_ERROR || level == GGML_LOG_LEVEL_WARN) {
+        size_t n = strlen(text);
+        while (n && (text[n - 1] == '\n' || text[n - 1] == ' '))
+            n--;
+        if (n) {
+            if (n >= sizeof log_last)
+                n = sizeof log_last - 1;
+            memcpy(log_last, text, n);
+            log_last[n] = 0;
+        }
+    }
+}
+
+double kvr_wk_now_ms(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec * 1e3 + (double)ts.tv_nsec / 1e6;
+}
+
+static void init_once(void)
+{
+    static int done;
+    if (done)
+        return;
+    done = 1;
+    const char *v = getenv("KVR_LLAMA_VERBOSE");
+    log_verbose = v && *v && strcmp(v, "0") != 0;
+    llama_log_set(log_cb, NULL);
+    const char *dir = getenv("KVR_LLAMA_LIBDIR");
+    if (!dir || !*dir)
+        dir = KVR_LLAMA_LIBDIR;
+    if (dir && *dir)
+        ggml_backend_load_all_from_path(dir);
+    else
+        ggml_backend_load_all();
+    llama_backend_init();
+}
+
+static int default_threads(void)
+{
+    long n = sysconf(_SC_NPROCESSORS_ONLN);
+    return n < 1 ? 1 : n > 8 ? 8 : (int)n;
+}
+
+int kvr_wk_lm_load(kvr_wk_lm **out, const char *gguf, int n_threads, char *err, size_t errlen)
+{
+    *out = NULL;
+    struct stat sb;
+    if (stat(gguf, &sb) < 0) {
+        snprintf(err, errlen, "model %s: %s", gguf, strerror(errno));
+        return -ENOENT;
+    }
+    if (!S_ISREG(sb.st_mode)) {
+        snprintf(err, errlen, "model %s: not a regular file", gguf);
+        return -EINVAL;
+    }
+    FILE *f = fopen(gguf, "rb");
+    char magic[4] = { 0 };
+    if (!f || fread(magic, 1, 4, f) != 4 || memcmp(magic, "GGUF", 4) != 0) {
+        if (f)
+            fclose(f);
+        snprintf(err, errlen, "model %s: not a GGUF file (no GGUF magic)", gguf);
+        return -EINVAL;
+    }
+    fclose(f);
+    init_once();
+    kvr_wk_lm *lm = calloc(1, sizeof *lm);
+    if (!lm) {
+        snprintf(err, errlen, "out of memory");
+        return -ENOMEM;
+    }
+    lm->n_threads = n_threads > 0 ? n_threads : default_threads();
+    struct llama_model_params mp = llama_model_default_params();
+    mp.n_gpu_layers = 0;
+    /* Read the weights in now, not page by page during the first decodes:
+     * timings then measure decoding, and the load is reported apart. */
+    mp.load_mode = LLAMA_LOAD_MODE_NONE;
+    log_last[0] = 0;
+    lm->model = llama_model_load_from_file(gguf, mp);
+    if (!lm->model) {
+        snprintf(err, errlen, "model %s: llama.cpp cannot load it%s%s", gguf,
+                 log_last[0] ? ": " : "", log_last);
+        free(lm);
+        return -EINVAL;
+    }
+    lm->vocab = llama_model_get_vocab(lm->model);
+    kvr_wk_lm_info *in = &lm->info;
+    in->n_layer = (uint32_t)llama_model_n_layer(lm->model);
+    in->n_head = (uint32_t)llama_model_n_head(lm->model);
+    in->n_head_kv = (uint32_t)llama_model_n_head_kv(lm->model);
+    in->n_embd = (uint32_t)llama_model_n_embd(lm->model);
+    in->head_dim = in->n_head ? in->n_embd / in->n_head : 0;
+    char buf[128];
+    if (llama_model_meta_val_str(lm->model, "general.architecture", in->arch, sizeof in->arch) < 0)
+        snprintf(in->arch, sizeof in->arch, "?");
+    snprintf(buf, sizeof buf, "%s.attention.key_length", in->arch);
+    char val[32];
+    if (llama_model_meta_val_str(lm->model, buf, val, sizeof val) > 0)
+        in->head_dim = (uint32_t)strtoul(val, NULL, 10);
+    in->n_vocab = (uint32_t)llama_vocab_n_tokens(lm->vocab);
+    in->n_ctx_train = (uint32_t)llama_model_n_ctx_train(lm->model);
+    in->add_bos = llama_vocab_get_add_bos(lm->vocab);
+    in->bos = llama_vocab_bos(lm->vocab);
+    *out = lm;
+    return 0;
+}
+
+int kvr_wk_lm_context(kvr_wk_lm *lm, uint32_t n_ctx, char *err, size_t errlen)
+{
+    if (lm->ctx) {
+        llama_free(lm->ctx);
+        lm->ctx = NULL;
+        llama_batch_free(lm->batch);
+    }
+    n_ctx = (n_ctx + 255) / 256 * 256;
+    if (n_ctx < 256)
+        n_ctx = 256;
+    struct llama_context_params cp = llama_context_default_params();
+    cp.n_ctx = n_ctx;
+    cp.n_batch = 512;
+    cp.n_ubatch = 512;
+    cp.n_seq_max = 2;
+    cp.kv_unified = true;
+    cp.n_threads = lm->n_threads;
+    cp.n_threads_batch = lm->n_threads;
+    cp.flash_attn_type = LLAMA_FLASH_ATTN_TYPE_ENABLED;
+    cp.type_k = GGML_TYPE_F16;
+    cp.type_v = GGML_TYPE_F16;
+    cp.no_perf = true;
+    if (lm->profile)
+        kvr_llama_model_context_params(lm->profile, &cp);
+    log_last[0] = 0;
+    lm->ctx = llama_init_from_model(lm->model, cp);
+    if (!lm->ctx) {
+        snprintf(err, errlen, "llama.cpp cannot create a context of %u cells%s%s", n_ctx,
+                 log_last[0] ? ": " : "", log_last);
+        return -EINVAL;
+    }
+    lm->n_ctx = llama_n_ctx(lm->ctx);
+    lm->n_batch = llama_n_batch(lm->ctx);
+    lm->batch = llama_batch_init((int32_t)lm->n_batch, 0, 2);
+    lm->last_logits = NULL;
+    /* One throw-away decode (seq 1, removed after): threads, buffers and the
+     * weights' cache lines come up here rather than in the first timed step,
+     * as they would be in a worker that has served a request before. */
+    double t0 = kvr_wk_now_ms();
+    int32_t tok = lm->info.bos >= 0 ? lm->info.bos : 0;
+    int r = kvr_wk_lm_decode(lm, &tok, 1, 0, 1, KVR_WK_LOGITS_LAST, NULL, NULL, err, errlen);
+    llama_memory_seq_rm(llama_get_memory(lm->ctx), 1, -1, -1);
+    lm->last_logits = NULL;
+    lm->warmup_ms = kvr_wk_now_ms() - t0;
+    return r;
+}
+
+double kvr_wk_lm_warmup_ms(const kvr_wk_lm *lm) { return lm->warmup_ms; }
+
+void kvr_wk_lm_destroy(kvr_wk_lm *lm)
+{
+    if (!lm)
+        return;
+    if (lm->ctx) {
+        llama_batch_free(lm->batch);
+        llama_free(lm->ctx);
+    }
+    if (lm->model)
+        llama_model_free(lm->model);
+    free(lm);
+}
+
+const kvr_wk_lm_info *kvr_wk_lm_info_get(const kvr_wk_lm *lm) { return &lm->info; }
+
+const struct llama_model *kvr_wk_lm_model(const kvr_wk_lm *lm) { return lm->model; }
+
+int kvr_wk_lm_tokenize(kvr_wk_lm *lm, const char *text, size_t len, bool bos, int32_t **out,
+                       size_t *n, char *err, size_t errlen)
+{
+    *out = NULL;
+    *n = 0;
+    if (len > (size_t)INT32_MAX / 2) {
+        snprintf(err, errlen, "text of %zu bytes is too long", len);
+        return -EINVAL;
+    }
+    size_t cap = len + 8;
+    int32_t *t = malloc(cap * sizeof *t);
+    if (!t) {
+        snprintf(err, errlen, "out of memory");
+        return -ENOMEM;
+    }
+    int32_t r = llama_tokenize(lm->vocab, text, (int32_t)len, t, (int32_t)cap, bos, false);
+    if (r < 0) {
+        cap = (size_t)-r;
+        int32_t *nt = realloc(t, cap * sizeof *t);
+        if (!nt) {
+            free(t);
+            return -ENOMEM;
+        }
+        t = nt;
+        r = llama_tokenize(lm->vocab, text, (int32_t)len, t, (int32_t)cap, bos, false);
+    }
+    if (r < 0) {
+        free(t);
+        snprintf(err, errlen, "tokenization failed");
+        return -EINVAL;
+    }
+    *out = t;
+    *n = (size_t)r;
+    return 0;
+}
+
+size_t kvr_wk_lm_piece(kvr_wk_lm *lm, int32_t tok, char *buf, size_t cap)
+{
+    int32_t r = llama_token_to_piece(lm->vocab, tok, buf, (int32_t)(cap - 1), 0, false);
+    if (r < 0)
+        r = 0;
+    buf[r] = 0;
+    return (size_t)r;
+}
+
+int kvr_wk_lm_decode(kvr_wk_lm *lm, const int32_t *toks, size_t n, int32_t pos0, int seq,
+                     kvr_wk_logits_mode mode, kvr_wk_rows_fn fn, void *ud, char *err,
+                     size_t errlen)
+{
+    lm->last_logits = NULL;
+    for (size_t i = 0; i < n;) {
+        size_t m = n - i < lm->n_batch ? n - i : lm->n_batch;
+        struct llama_batch *b = &lm->batch;
+        b->n_tokens = (int32_t)m;
+        for (size_t j = 0; j < m; j++) {
+            b->token[j] = toks[i + j];
+            b->pos[j] = pos0 + (int32_t)(i + j);
+            b->n_seq_id[j] = 1;
+            b->seq_id[j][0] = seq;
+            b->logits[j] = mode == KVR_WK_LOGITS_ALL ||
+                           (mode == KVR_WK_LOGITS_LAST && i + j == n - 1);
+        }
+        log_last[0] = 0;
+        int r = llama_decode(lm->ctx, *b);
+        if (r != 0) {
+            snprintf(err, errlen, "llama_decode of %zu tokens at position %d failed (%d)%s%s", m,
+                     pos0 + (int)i, r, log_last[0] ? ": " : "", log_last);
+            return -EIO;
+        }
+        if (mode == KVR_WK_LOGITS_ALL && fn) {
+            const float *rows[512];
+            for (size_t j0 = 0; j0 < m; j0 += 512) {
+                size_t c = m - j0 < 512 ? m - j0 : 512;
+                for (size_t j = 0; j < c; j++)
+                    rows[j] = llama_get_logits_ith(lm->ctx, (int32_t)(j0 + j));
+                fn(ud, i + j0, c, rows);
+            }
+        }
+        i += m;
+        if (i == n && mode == KVR_WK_LOGITS_LAST)
+            lm->last_logits = llama_get_logits_ith(lm->ctx, (int32_t)m - 1);
+    }
+    return 0;
+}
+
+const float *kvr_wk_lm_logits(kvr_wk_lm *lm) { return lm->last_logits; }
+
+int32_t kvr_wk_argmax(const float *x, size_t n)
+{
+    size_t best = 0;
+    for (size_t i = 1; i < n; i++)
+        if (x[i] > x[best])
+            best = i;
+    return (int32_t)best;
+}
+
+void kvr_wk_lm_clear(kvr_wk_lm *lm) { llama_memory_clear(llama_get_memory(lm->ctx), true); }
+
+bool kvr_wk_lm_seq_rm(kvr_wk_lm *lm, int seq, int32_t p0, int32_t p1)
+{
+    return llama_memory_seq_rm(llama_get_memory(lm->ctx), seq, p0, p1);
+}
+
+void kvr_wk_lm_seq_cp(kvr_wk_lm *lm, int src, int dst, int32_t p0, int32_t p1)
+{
+    llama_memory_seq_cp(llama_get_memory(lm->ctx), src, dst, p0, p1);
+}
+
+void kvr_wk_lm_seq_add(kvr_wk_lm *lm, int seq, int32_t p0, int32_t p1, int32_t delta)
+{
+    llama_memory_seq_add(llama_get_memory(lm->ctx), seq, p0, p1, delta);
+}
+
+int32_t kvr_wk_lm_pos_max(kvr_wk_lm *lm, int seq)
+{
+    return llama_memory_seq_pos_max(llama_get_memory(lm->ctx), seq);
+}
+
+int kvr_wk_lm_decode_middle(kvr_wk_lm *lm, const int32_t *toks, size_t n, int32_t pos0,
+                            char *err, size_t errlen)
+{
+    llama_memory_t mem = llama_get_memory(lm->ctx);
+    if (n == 0)
+        return 0;
+    llama_memory_seq_rm(mem, 0, pos0, pos0 + (int32_t)n);
+    if (llama_memory_seq_pos_max(mem, 0) < pos0)     /* nothing after: plain append */
+        return kvr_wk_lm_decode(lm, toks, n, pos0, 0, KVR_WK_LOGITS_LAST, NULL, NULL, err,
+                                errlen);
+    llama_memory_seq_rm(mem, 1, -1, -1);
+    if (pos0 > 0)
+        llama_memory_seq_cp(mem, 0, 1, 0, pos0);
+    int r = kvr_wk_lm_decode(lm, toks, n, pos0, 1, KVR_WK_LOGITS_LAST, NULL, NULL, err, errlen);
+    if (r == 0)
+        llama_memory_seq_cp(mem, 1, 0, pos0, pos0 + (int32_t)n);
+    llama_memory_seq_rm(mem, 1, -1, -1);
+    return r;
+}
+
+int kvr_wk_lm_state_get(kvr_wk_lm *lm, uint8_t **out, size_t *len, char *err, size_t errlen)
+{
+    size_t n = llama_state_seq_get_size(lm->ctx, 0);
+    uint8_t *b = malloc(n ? n : 1);
+    if (!b) {
+        snprintf(err, errlen, "out of memory for a state of %zu bytes", n);
+        return -ENOMEM;
+    }
+    size_t w = llama_state_seq_get_data(lm->ctx, b, n, 0);
+    if (w == 0 || w > n) {
+        free(b);
+        snprintf(err, errlen, "llama_state_seq_get_data failed%s%s", log_last[0] ? ": " : "",
+                 log_last);
+        return -EIO;
+    }
+    *out = b;
+    *len = w;
+    return 0;
+}
+
+int kvr_wk_lm_state_set(kvr_wk_lm *lm, const uint8_t *buf, size_t len, char *err,
+                        size_t errlen)
+{
+    log_last[0] = 0;
+    lm->last_logits = NULL;
+    if (llama_state_seq_set_data(lm->ctx, buf, len, 0) == 0) {
+        snprintf(err, errlen, "llama_state_seq_set_data refused the state%s%s",
+                 log_last[0] ? ": " : "", log_last);
+        return -EINVAL;
+    }
+    return 0;
+}
+
+int32_t kvr_wk_lm_cache_type(const kvr_wk_lm *lm)
+{
+    (void)lm;
+    return KVR_WK_GGML_F16;
+}
+
+bool kvr_wk_lm_v_trans(const kvr_wk_lm *lm)
+{
+    (void)lm;
+    return false;   /* flash attention on */
+}

@@ -1,0 +1,426 @@
+/*
+ * worker_main.c — build/kvrope-llama: a llama.cpp worker whose KV cache is
+ * kvroped. Arguments, input files, the connection and the model; the flows
+ * are in worker_flows.c.
+ *
+ *   kvrope-llama --model M.gguf [--socket S] [--threads N] [--json] COMMAND
+ *     complete --prompt-file F [--n N] [--no-cache]
+ *     edit --old F1 --new F2 [--refresh K] [--check] [--n N]
+ *     rag --prefix F --doc F [F...] [--doc F...] --query F
+ *         [--layout sequential|parallel] [--check] [--n N]
+ *     ppl FILE
+ *
+ * Exit status: 0 done, 1 refused or failed (the reason on stderr, and as
+ * {"error": ...} with --json), 2 usage, 3 a file (or the model) not found,
+ * 4 the daemon cannot be reached — the kvrope CLI's convention.
+ */
+#include <errno.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cjson/cJSON.h>
+
+#include "client/llama/worker.h"
+
+enum { EX_OK = 0, EX_FAIL = 1, EX_USAGE = 2, EX_NOTFOUND = 3, EX_CONNECT = 4 };
+
+static const char usage[] =
+"usage: kvrope-llama --model M.gguf [--socket S] [--threads N] [--json] COMMAND\n"
+"  complete --prompt-file F [--n N] [--no-cache]\n"
+"        longest cached prefix from kvrope, decode the rest, N greedy tokens\n"
+"        (default 16), the new KV stored back; --no-cache: neither\n"
+"  edit --old F1 --new F2 [--refresh K] [--check] [--n N]\n"
+"        the old file cached (encoded once if needed), the token diff applied\n"
+"        as PIE edits in kvrope, only new tokens (and K after each edit point)\n"
+"        decoded; --check: against a full re-encode of F2\n"
+"  rag --prefix F --doc F [F...] --query F [--layout sequential|parallel] [--check]\n"
+"        documents encoded once against the prefix, assembled by kvrope, the\n"
+"        query decoded on top; --check: against a full sequential encode\n"
+"  ppl FILE\n"
+"        bits per byte of FILE under the model (no cache)\n"
+"--socket: unix:PATH, a path, or HOST:PORT (default as kvrope's CLI);\n"
+"exit 0 ok, 1 refused/failed, 2 usage, 3 file not found, 4 daemon unreachable\n";
+
+typedef struct args {
+    const char *model, *socket, *command;
+    int         threads, n_gen;
+    bool        json, check, no_cache, parallel;
+    long        refresh;
+    const char *prompt, *old_f, *new_f, *prefix, *query, *ppl_file;
+    const char *docs[256];
+    size_t      n_docs;
+} args;
+
+static bool g_json;
+static const char *g_command = "";
+
+static int die(int code, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+static int die(int code, const char *fmt, ...)
+{
+    char msg[1536];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(msg, sizeof msg, fmt, ap);
+    va_end(ap);
+    fprintf(stderr, "kvrope-llama: %s\n", msg);
+    if (g_json && code != EX_USAGE) {
+        cJSON *j = cJSON_CreateObject();
+        cJSON_AddStringToObject(j, "command", g_command);
+        cJSON_AddStringToObject(j, "error", msg);
+        cJSON_AddNumberToObject(j, "exit", code);
+        char *s = cJSON_PrintUnformatted(j);
+        printf("%s\n", s ? s : "{}");
+        free(s);
+        cJSON_Delete(j);
+    }
+    return code;
+}
+
+static int usage_err(const char *what)
+{
+    fprintf(stderr, "kvrope-llama: %s\n%s", what, usage);
+    return EX_USAGE;
+}
+
+static bool parse_int(const char *s, long lo, long hi, long *out)
+{
+    char *end;
+    errno = 0;
+    long v = strtol(s, &end, 10);
+    if (errno || end == s || *end || v < lo || v > hi)
+        return false;
+    *out = v;
+    return true;
+}
+
+static int parse(int argc, char **argv, args *a)
+{
+    memset(a, 0, sizeof *a);
+    a->n_gen = 16;
+    a->parallel = true;
+    char msg[256];
+    for (int i = 1; i < argc; i++) {
+        const char *s = argv[i];
+        const char *v = i + 1 < argc ? argv[i + 1] : NULL;
+#define NEED()                                                              \
+    do {                                                                    \
+        if (!v) {                                                           \
+            snprintf(msg, sizeof msg, "%s needs a value", s);               \
+            return usage_err(msg);                                          \
+        }                                                                   \
+        i++;                                                                \
+    } while (0)
+        long n;
+        if (!strcmp(s, "--help") || !strcmp(s, "-h")) {
+            fputs(usage, stdout);
+            exit(0);
+        } else if (!strcmp(s, "--model")) {
+            NEED();
+            a->model = v;
+        } else if (!strcmp(s, "--socket")) {
+            NEED();
+            a->socket = v;
+        } else if (!strcmp(s, "--threads")) {
+            NEED();
+            if (!parse_int(v, 1, 256, &n))
+                return usage_err("--threads takes a count of 1..256");
+            a->threads = (int)n;
+        } else if (!strcmp(s, "--json")) {
+            a->json = true;
+        } else if (!strcmp(s, "--prompt-file")) {
+            NEED();
+            a->prompt = v;
+        } else if (!strcmp(s, "--n")) {
+            NEED();
+            if (!parse_int(v, 1, 100000, &n))
+                return usage_err("--n takes a count of 1..100000");
+            a->n_gen = (int)n;
+        } else if (!strcmp(s, "--no-cache")) {
+            a->no_cache = true;
+        } else if (!strcmp(s, "--old")) {
+            NEED();
+            a->old_f = v;
+        } else if (!strcmp(s, "--new")) {
+            NEED();
+            a->new_f = v;
+        } else if (!strcmp(s, "--refresh")) {
+            NEED();
+            if (!parse_int(v, 0, 1 << 20, &a->refresh))
+                return usage_err("--refresh takes a token count");
+        } else if (!strcmp(s, "--check")) {
+            a->check = true;
+        } else if (!strcmp(s, "--prefix")) {
+            NEED();
+            a->prefix = v;
+        } else if (!strcmp(s, "--query")) {
+            NEED();
+            a->query = v;
+        } else if (!strcmp(s, "--doc")) {
+            NEED();
+            do {
+                if (a->n_docs == sizeof a->docs / sizeof a->docs[0])
+                    return usage_err("too many documents (256 at most)");
+                a->docs[a->n_docs++] = argv[i];
+            } while (i + 1 < argc && argv[i + 1][0] != '-' && ++i);
+        } else if (!strcmp(s, "--layout")) {
+            NEED();
+            if (!strcmp(v, "parallel"))
+                a->parallel = true;
+            else if (!strcmp(v, "sequential"))
+                a->parallel = false;
+            else
+                return usage_err("--layout is sequential or parallel");
+        } else if (s[0] == '-' && s[1]) {
+            snprintf(msg, sizeof msg, "unknown option %s", s);
+            return usage_err(msg);
+        } else if (!a->command) {
+            a->command = s;
+        } else if (!strcmp(a->command, "ppl") && !a->ppl_file) {
+            a->ppl_file = s;
+        } else {
+            snprintf(msg, sizeof msg, "unexpected argument %s", s);
+            return usage_err(msg);
+        }
+#undef NEED
+    }
+    if (!a->command)
+        return usage_err("no command");
+    const char *c = a->command;
+    if (strcmp(c, "complete") && strcmp(c, "edit") && strcmp(c, "rag") && strcmp(c, "ppl")) {
+        snprintf(msg, sizeof msg, "unknown command %s", c);
+        return usage_err(msg);
+    }
+    if (!a->model)
+        return usage_err("--model M.gguf is required");
+    if (!strcmp(c, "complete") && !a->prompt)
+        return usage_err("complete needs --prompt-file F");
+    if (!strcmp(c, "edit") && (!a->old_f || !a->new_f))
+        return usage_err("edit needs --old F1 and --new F2");
+    if (!strcmp(c, "rag") && (!a->prefix || !a->query || !a->n_docs))
+        return usage_err("rag needs --prefix F, at least one --doc F and --query F");
+    if (!strcmp(c, "ppl") && !a->ppl_file)
+        return usage_err("ppl needs a FILE");
+    return 0;
+}
+
+static void default_socket(char *buf, size_t cap)
+{
+    const char *xdg = getenv("XDG_RUNTIME_DIR");
+    if (xdg && *xdg)
+        snprintf(buf, cap, "%s/kvrope/kvroped.sock", xdg);
+    else if (geteuid() == 0)
+        snprintf(buf, cap, "/run/kvrope/kvroped.sock");
+    else
+        snprintf(buf, cap, "/tmp/kvrope-%u/kvroped.sock", (unsigned)getuid());
+}
+
+typedef struct text {
+    char  *data;
+    size_t len;
+} text;
+
+/* Reads a whole file; exit code on failure (message printed). */
+static int read_file(const char *what, const char *path, text *t)
+{
+    t->data = NULL;
+    t->len = 0;
+    FILE *f = fopen(path, "rb");
+    if (!f)
+        return die(errno == ENOENT ? EX_NOTFOUND : EX_FAIL, "%s %s: %s", what, path,
+                   strerror(errno));
+    struct stat sb;
+    if (fstat(fileno(f), &sb) < 0 || !S_ISREG(sb.st_mode)) {
+        fclose(f);
+        return die(EX_FAIL, "%s %s: not a regular file", what, path);
+    }
+    size_t cap = (size_t)sb.st_size + 1, n = 0;
+    char *d = malloc(cap);
+    if (!d) {
+        fclose(f);
+        return die(EX_FAIL, "%s %s: out of memory", what, path);
+    }
+    for (;;) {
+        size_t r = fread(d + n, 1, cap - n, f);
+        n += r;
+        if (n < cap)
+            break;
+        char *nd = realloc(d, cap * 2);
+        if (!nd) {
+            free(d);
+            fclose(f);
+            return die(EX_FAIL, "%s %s: out of memory", what, path);
+        }
+        d = nd;
+        cap *= 2;
+    }
+    int e = ferror(f);
+    fclose(f);
+    if (e) {
+        free(d);
+        return die(EX_FAIL, "%s %s: read error", what, path);
+    }
+    t->data = d;
+    t->len = n;
+    return 0;
+}
+
+static int tokenize(kvr_wk_env *e, const text *t, bool bos, const char *what, const char *path,
+                    int32_t **out, size_t *n)
+{
+    if (kvr_wk_lm_tokenize(e->lm, t->data, t->len, bos, out, n, e->err, sizeof e->err) < 0)
+        return die(EX_FAIL, "%s %s: %s", what, path, e->err);
+    return 0;
+}
+
+static int exit_of(const kvr_wk_env *e)
+{
+    if (e->kv_code == KVR_ESYS || e->kv_code == KVR_ECLOSED)
+        return EX_CONNECT;
+    if (e->kv_code == KVR_ENOCTX || e->kv_code == KVR_ENOMODEL)
+        return EX_NOTFOUND;
+    return EX_FAIL;
+}
+
+int main(int argc, char **argv)
+{
+    args a;
+    int rc = parse(argc, argv, &a);
+    if (rc)
+        return rc;
+    g_json = a.json;
+    g_command = a.command;
+    bool is_ppl = !strcmp(a.command, "ppl");
+
+    /* Everything released at `done`, whatever the way out. */
+    text files[260];
+    memset(files, 0, sizeof files);
+    int32_t *tk[260] = { 0 };
+    size_t ntk[260] = { 0 };
+    kvr_wk_env e;
+    memset(&e, 0, sizeof e);
+    e.n_gen = a.n_gen;
+    kvr_wk_report rep;
+    kvr_wk_rep_init(&rep, a.command);
+    e.rep = &rep;
+
+    /* Inputs first: a missing file is reported before anything is loaded. */
+    const char *names[260], *what[260];
+    size_t nf = 0;
+#define ADD(w, p)            \
+    do {                     \
+        what[nf] = (w);      \
+        names[nf++] = (p);   \
+    } while (0)
+    if (!strcmp(a.command, "complete"))
+        ADD("prompt file", a.prompt);
+    if (!strcmp(a.command, "edit")) {
+        ADD("old file", a.old_f);
+        ADD("new file", a.new_f);
+    }
+    if (!strcmp(a.command, "rag")) {
+        ADD("prefix file", a.prefix);
+        ADD("query file", a.query);
+        for (size_t i = 0; i < a.n_docs; i++)
+            ADD("document", a.docs[i]);
+    }
+    if (is_ppl)
+        ADD("file", a.ppl_file);
+#undef ADD
+    for (size_t i = 0; i < nf; i++)
+        if ((rc = read_file(what[i], names[i], &files[i])) != 0)
+            goto done;
+    struct stat sb;
+    if (stat(a.model, &sb) < 0) {
+        rc = die(errno == ENOENT ? EX_NOTFOUND : EX_FAIL, "model %s: %s", a.model,
+                 strerror(errno));
+        goto done;
+    }
+
+    char sock[512];
+    if (!is_ppl) {
+        if (a.socket)
+            snprintf(sock, sizeof sock, "%s", a.socket);
+        else
+            default_socket(sock, sizeof sock);
+        if (kvr_client_connect(&e.kc, sock, NULL) < 0) {
+            rc = die(EX_CONNECT, "cannot connect to kvroped at %s: %s", sock,
+                     kvr_client_last_error(NULL));
+            goto done;
+        }
+        int r = kvr_client_ping(e.kc, NULL);
+        if (r < 0) {
+            rc = die(EX_CONNECT, "kvroped at %s does not answer: %s", sock,
+                     kvr_client_last_error(e.kc));
+            goto done;
+        }
+    }
+    double t_load0 = kvr_wk_now_ms();
+    if (kvr_wk_lm_load(&e.lm, a.model, a.threads, e.err, sizeof e.err) < 0) {
+        rc = die(EX_FAIL, "%s", e.err);
+        goto done;
+    }
+    double t_model = kvr_wk_now_ms() - t_load0;
+    /* ppl runs without the profile if the bridge does not know the model. */
+    if (kvr_wk_profile(&e, a.model) < 0 && !is_ppl) {
+        rc = die(EX_FAIL, "%s", e.err);
+        goto done;
+    }
+    if (!is_ppl && kvr_wk_register(&e, a.model) < 0) {
+        rc = die(exit_of(&e) == EX_CONNECT ? EX_CONNECT : EX_FAIL, "%s", e.err);
+        goto done;
+    }
+    const kvr_wk_lm_info *in = kvr_wk_lm_info_get(e.lm);
+    kvr_wk_rep_str(&rep, NULL, "model", a.model);
+    if (!is_ppl)
+        kvr_wk_rep_str(&rep, NULL, "kvrope_model", e.model);
+    kvr_wk_rep_num(&rep, "timings_ms", "model_load", t_model);
+    kvr_wk_rep_line(&rep, "model: %s (%s, %u layers, %u KV heads x %u, vocab %u)%s%s", a.model,
+                    in->arch, in->n_layer, in->n_head_kv, in->head_dim, in->n_vocab,
+                    is_ppl ? "" : " as kvrope model ", is_ppl ? "" : e.model);
+
+    int r = 0;
+    if (!strcmp(a.command, "complete")) {
+        if ((rc = tokenize(&e, &files[0], in->add_bos, "prompt file", a.prompt, &tk[0], &ntk[0])))
+            goto done;
+        r = kvr_wk_complete(&e, tk[0], ntk[0], !a.no_cache);
+    } else if (!strcmp(a.command, "edit")) {
+        if ((rc = tokenize(&e, &files[0], in->add_bos, "old file", a.old_f, &tk[0], &ntk[0])) ||
+            (rc = tokenize(&e, &files[1], in->add_bos, "new file", a.new_f, &tk[1], &ntk[1])))
+            goto done;
+        kvr_wk_edit_opts eo = { .refresh = (uint32_t)a.refresh, .check = a.check };
+        r = kvr_wk_edit(&e, tk[0], ntk[0], tk[1], ntk[1], &eo);
+    } else if (!strcmp(a.command, "rag")) {
+        if ((rc = tokenize(&e, &files[0], in->add_bos, "prefix file", a.prefix, &tk[0], &ntk[0])) ||
+            (rc = tokenize(&e, &files[1], false, "query file", a.query, &tk[1], &ntk[1])))
+            goto done;
+        for (size_t i = 0; i < a.n_docs; i++)
+            if ((rc = tokenize(&e, &files[2 + i], false, "document", a.docs[i], &tk[2 + i],
+                               &ntk[2 + i])))
+                goto done;
+        r = kvr_wk_rag(&e, tk[0], ntk[0], (const int32_t *const *)(tk + 2), ntk + 2, a.n_docs,
+                       tk[1], ntk[1], a.parallel, a.check);
+    } else {
+        if ((rc = tokenize(&e, &files[0], in->add_bos, "file", a.ppl_file, &tk[0], &ntk[0])))
+            goto done;
+        r = kvr_wk_ppl(&e, tk[0], ntk[0], files[0].len, in->add_bos);
+    }
+    kvr_wk_rep_num(&rep, "timings_ms", "warmup", kvr_wk_lm_warmup_ms(e.lm));
+    if (r < 0)
+        rc = die(exit_of(&e), "%s: %s", a.command, e.err);
+    else
+        kvr_wk_rep_print(&rep, a.json, stdout);
+done:
+    for (size_t i = 0; i < 260; i++) {
+        free(tk[i]);
+        free(files[i].data);
+    }
+    kvr_wk_rep_free(&rep);
+    kvr_wk_lm_destroy(e.lm);
+    free(e.profile);
+    kvr_client_close(e.kc);
+    return rc;
+}
