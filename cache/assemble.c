@@ -257,6 +257,8 @@ int kvr_store_assemble_begin(kvr_store *s, const kvr_assemble_params *p,
 
     /* Disk tier: spilled blocks get memory now (the leases keep them) and
      * are read by work, off the loop thread. */
+    r->dst = p->dst;
+    r->dst_cap = p->dst_cap;
     if ((rc = kvr_read_reload(r, NULL, err)) != 0 ||
         (rc = kvr_read_stage(r, NULL, "assemble", err)) != 0)
         goto fail;

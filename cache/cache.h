@@ -200,6 +200,14 @@ typedef struct kvr_get_params {
     bool            raw;           /* quantized contexts: the encoded rows/tiles
                                       as stored (docs/quantized.md), keys
                                       pre-RoPE; dtype and positions ignored */
+    void           *dst;           /* NULL, or where work produces the whole
+                                      payload (wire order) instead of staging
+                                      plus zero-copy runs: a client's shared
+                                      memory. dst_cap bytes, caller's, valid
+                                      until kvr_get_end; KVR_ERANGE if the
+                                      payload does not fit. Not for raw gets.
+                                      The payload iovecs then point into dst. */
+    size_t          dst_cap;
 } kvr_get_params;
 
 typedef struct kvr_get_info {
@@ -467,6 +475,8 @@ typedef struct kvr_assemble_params {
     double              scale;         /* APE S for documents; 0 = 0.9 */
     bool                fold_temperature; /* document keys come out as k / T */
     bool                meta_only;     /* no payload */
+    void               *dst;           /* as kvr_get_params.dst */
+    size_t              dst_cap;
 } kvr_assemble_params;
 
 typedef struct kvr_segment {

@@ -100,6 +100,8 @@ int kvr_store_get_begin(kvr_store *s, const kvr_get_params *p, kvr_get **out,
     info->groups = r->groups;
     memcpy(info->codec, c->codec.name, sizeof info->codec);
 
+    r->dst = p->raw ? NULL : p->dst;   /* raw: the stored bytes, zero-copy */
+    r->dst_cap = p->dst_cap;
     if (!p->meta_only && p->raw && n > 0) {
         if (!c->codec.quant) {
             rc = kvr_error_set(err, KVR_EUNSUPPORTED, "raw get of context '%s': its codec "

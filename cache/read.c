@@ -159,7 +159,10 @@ int kvr_read_stage(kvr_read *r, kvr_ctx *keep, const char *what, kvr_error *err)
     size_t row = kvr_model_row(m), rowb = row * kvr_dtype_size(r->odt);
     for (size_t i = 0; i < r->n_runs; i++) {
         kvr_read_run *run = &r->runs[i];
-        bool plain = run->rd->dtype == r->odt && !run->rd->quant;
+        /* A destination of the caller's: every run is produced into it
+         * (plain runs by a copy), so K of all runs then V of all runs is
+         * the wire's layer layout. */
+        bool plain = run->rd->dtype == r->odt && !run->rd->quant && !r->dst;
         run->v_zc = plain;
         run->k_zc = plain && run->same && !run->fold;
         size_t need = 0;
@@ -188,7 +191,12 @@ int kvr_read_stage(kvr_read *r, kvr_ctx *keep, const char *what, kvr_error *err)
         return kvr_error_set(err, KVR_ENOMEM, "out of memory for a %s of %zu tokens", what,
                              r->n);
     size_t stage = (r->kst + r->vst) * r->nl;
-    if (stage) {
+    if (r->dst) {
+        if (stage > r->dst_cap)
+            return kvr_error_set(err, KVR_ERANGE, "a %s of %zu bytes does not fit the "
+                                 "%zu-byte destination", what, stage, r->dst_cap);
+        r->staging = stage ? r->dst : NULL;
+    } else if (stage) {
         bool was_busy = keep ? keep->busy : false;
         if (keep)
             keep->busy = true;
@@ -468,7 +476,8 @@ void kvr_read_free(kvr_read *r)
     kvr_mem_free(r->targets);
     kvr_mem_free(r->from);
     kvr_mem_free(r->groups);
-    kvr_mem_free(r->staging);
+    if (r->staging != r->dst)
+        kvr_mem_free(r->staging);
     kvr_mem_free(r->out.iov);
     memset(r, 0, sizeof *r);
 }

@@ -61,7 +61,11 @@ typedef struct kvr_read {
     kvr_reload   *rl;            /* spilled blocks, loaded by work */
     size_t        kst, vst;      /* staged bytes per layer: K, V */
     size_t        scratch;       /* floats of scratch one layer needs */
-    uint8_t      *staging;
+    uint8_t      *staging;       /* or dst */
+    uint8_t      *dst;           /* set before stage: everything is produced
+                                    here, in wire order (no zero-copy runs,
+                                    no staging of our own) */
+    size_t        dst_cap;
     kvr_payload   out;           /* the iovecs: block memory and staging */
 } kvr_read;
 
@@ -88,6 +92,8 @@ int  kvr_read_check_rope(const kvr_read *r, kvr_error *err);
  * for RoPE that composes. After every kvr_read_add. */
 void kvr_read_rope_lens(kvr_read *r, const kvr_ctx *c, bool requested);
 /* Zero-copy decisions, the staging buffer (reserved as request `what`;
+ * with r->dst set: every run is produced into dst, whose per-layer layout
+ * then is exactly the wire's, and nothing is reserved;
  * `keep`, may be NULL, is made busy meanwhile so eviction spares it) and
  * the iovecs. */
 int  kvr_read_stage(kvr_read *r, kvr_ctx *keep, const char *what, kvr_error *err);

@@ -517,6 +517,65 @@ int kvr_client_set_group_offset(kvr_client *c, const char *ctx_id, const char *g
 int kvr_client_set_retention(kvr_client *c, const char *ctx_id, uint64_t sinks,
                              uint64_t window, bool off, kvr_layout_res *out);
 
+/* ---- shared memory (Unix socket only; docs/protocol.md) ------------------ */
+/*
+ * A region is a memfd this process and the daemon both map. Register it
+ * once per connection; then a put reads its payload from the region and a
+ * get (match+get, assemble) has the daemon write its result straight into
+ * it, from its worker threads, with nothing on the socket. The memfd must
+ * be sealed against shrinking (F_SEAL_SHRINK) and not write-sealed;
+ * kvr_client_region_create makes one that is. Regions belong to the
+ * connection: the daemon unmaps them when it closes. TCP connections
+ * refuse shared memory (KVR_EUNSUPPORTED).
+ *
+ * The daemon copies a put's bytes out of the region before it checks them,
+ * and writes a get's bytes while the call is in progress: do not change a
+ * put's slice, or read a get's, until the call returned.
+ */
+typedef struct kvr_shm {
+    uint32_t region;      /* id from kvr_client_region_create/_register */
+    uint64_t offset;      /* byte offset in the region */
+    uint64_t length;      /* put/edit/refresh: the payload's bytes; get,
+                             match, assemble: the room there (0 = to the
+                             end of the region) */
+} kvr_shm;
+
+/* Creates a memfd of `size` bytes (memfd_create + ftruncate + F_SEAL_SHRINK
+ * | F_SEAL_GROW), maps it here and registers it. *base (may be NULL) is
+ * this process's mapping, valid until the region is released or the
+ * client closed. */
+int kvr_client_region_create(kvr_client *c, size_t size, uint32_t *id, void **base);
+/* Registers the caller's memfd (it stays the caller's; the library maps
+ * its own view when base is NULL, else base must map its first size bytes). */
+int kvr_client_region_register(kvr_client *c, int fd, uint64_t size, void *base,
+                               uint32_t *id);
+/* Unregisters it (the daemon unmaps once no request uses it) and unmaps
+ * the library's view. */
+int kvr_client_region_release(kvr_client *c, uint32_t id);
+/* This process's view of a region (NULL if unknown); *size may be NULL. */
+void *kvr_client_region_base(kvr_client *c, uint32_t id, size_t *size);
+
+/* The next call's payload is at `at` instead of on the socket: any call
+ * with a payload (put, group_append, edit, refresh, get, match+get,
+ * assemble, and later verbs such as the llama.cpp export). Cleared by the
+ * next call that sends a request. */
+void kvr_client_shm_next(kvr_client *c, const kvr_shm *at);
+
+/* Per-call placement. A get's kv->payload points into the region
+ * (payload_owned false; the bytes are the caller's, valid while the region
+ * is); KVR_ERANGE if the slice is too small for the payload. */
+int kvr_client_put_shm(kvr_client *c, const kvr_put_args *a, const kvr_shm *at,
+                       kvr_put_res *out);
+int kvr_client_get_shm(kvr_client *c, const kvr_get_args *a, const kvr_shm *at, kvr_kv *out);
+int kvr_client_match_shm(kvr_client *c, const kvr_match_args *a, const kvr_shm *at,
+                         kvr_match_res *out);
+int kvr_client_assemble_shm(kvr_client *c, const kvr_assemble_args *a, const kvr_shm *at,
+                            kvr_assemble_res *out);
+int kvr_client_edit_shm(kvr_client *c, const kvr_edit_args *a, const kvr_shm *at,
+                        kvr_edit_res *out);
+int kvr_client_refresh_shm(kvr_client *c, const kvr_refresh_args *a, const kvr_shm *at,
+                           kvr_edit_res *out);
+
 /* ---- statistics --------------------------------------------------------- */
 typedef struct kvr_metric {
     char   name[120];

@@ -57,6 +57,8 @@ void kvr_daemon_config_init(kvr_daemon_config *c)
     c->max_frame = 1u << 20;
     c->max_conn_buffer = 256 * MIB;
     c->max_drain = 16 * MIB;
+    c->max_regions = 64;
+    c->max_region_bytes = (uint64_t)64 << 30;
     c->block_tokens = 0;
     c->threads = 0;
     c->io_timeout = 30;
@@ -153,6 +155,12 @@ int kvr_daemon_config_set(kvr_daemon_config *c, const char *key, const char *v,
         rc = kvr_parse_size(v, &sz);
         if (rc == 0)
             c->max_drain = sz;
+    } else if (!strcmp(key, "max-regions")) {
+        rc = parse_u32(v, 0, 1u << 16, &c->max_regions);
+    } else if (!strcmp(key, "max-region-bytes")) {
+        rc = kvr_parse_size(v, &sz);
+        if (rc == 0)
+            c->max_region_bytes = sz;
     } else if (!strcmp(key, "block-tokens")) {
         rc = parse_u32(v, 1, 1u << 20, &c->block_tokens);
     } else if (!strcmp(key, "threads")) {
@@ -318,6 +326,10 @@ static const char *HELP =
 
 /* Split in two: C11 compilers need only take 4095-byte literals. */
 static const char *HELP_TAIL =
+"  --max-regions N        shared-memory regions one connection may register\n"
+"                         (default 64; 0 = shared memory off)\n"
+"  --max-region-bytes SIZE  their total size per connection (default 64G;\n"
+"                         mappings only: the client's memfd holds the pages)\n"
 "  --config FILE          read options from FILE first; flags override it\n"
 "  -h, --help             show this help and exit\n"
 "  -V, --version          show the version and exit\n"
@@ -348,7 +360,7 @@ static bool known_option(const char *name)
 {
     static const char *names[] = {
         "socket", "listen", "auth-token-file", "max-memory", "max-connections", "max-frame",
-        "max-conn-buffer", "max-drain", "block-tokens", "threads", "log-level", "config",
+        "max-conn-buffer", "max-drain", "max-regions", "max-region-bytes", "block-tokens", "threads", "log-level", "config",
         "io-timeout", "auth-timeout", "max-unauth-connections",
         "disk-dir", "disk-max", "disk-engine", "persist-all",
     };

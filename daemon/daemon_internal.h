@@ -1,12 +1,22 @@
 /*
  * daemon_internal.h — what the files of daemon/ share: the server and
- * connection structs, the connection state machine's entry points, and the
- * request dispatcher. Private to daemon/ (and its tests/fuzz targets).
+ * connection structs, the connection's byte-moving entry points (conn.c),
+ * the request dispatcher and its verb table (dispatch.c), streamed replies
+ * (stream.c), persistence (persist.c) and the protobuf conversions
+ * (convert.h). Private to daemon/ (and its tests/fuzz targets).
  *
- * Ownership rules:
+ * Who owns what:
+ *  - conn.c moves bytes: it reads a frame's header and message and hands
+ *    them to kvrd_dispatch_frame, reads a payload into the iovecs dispatch
+ *    gives it, drains refused payloads, and writes the packed buffers (plus
+ *    payload iovecs) it is handed. It never looks inside a request.
+ *  - dispatch.c owns the request (kvrd_request: the decoded message, the
+ *    store transaction, the threadpool job, the held reply); every request
+ *    ends in exactly one kvrd_request_end. kvr_conn.req is dispatch's field.
  *  - A conn is freed only when its refcount drops to zero: one reference for
  *    the handle (dropped in the close callback), one per queued write, one
- *    per queued threadpool job. So callbacks never see freed memory.
+ *    per queued threadpool job, one per reply held for persistence. So
+ *    callbacks never see freed memory.
  *  - At most one request per connection is being processed at a time
  *    (state BUSY: reading is stopped); responses are written in order.
  */
@@ -16,6 +26,7 @@
 #include <uv.h>
 
 #include "cache/cache.h"
+#include "daemon/convert.h"
 #include "daemon/daemon.h"
 #include "kvrope.pb-c.h"
 #include "proto/frame.h"
@@ -34,22 +45,31 @@
 #define KVR_UNPACK_FACTOR 20u
 #define KVR_MAX_FRAME_CEILING (64u << 20)
 
-typedef enum conn_state {
-    CONN_HDR = 0,      /* reading the 24-byte header */
-    CONN_MSG,          /* reading msg_len bytes of protobuf */
-    CONN_PAYLOAD,      /* reading a put's payload into the store's iovecs */
-    CONN_DRAIN,        /* discarding a refused payload, then the pending reply */
-    CONN_BUSY,         /* a request is being processed; not reading */
-    CONN_LINGER,       /* error reply sent, write side shut; discarding input */
-} conn_state;
+typedef enum kvrd_conn_state {
+    KVRD_CONN_HDR = 0,      /* reading the 24-byte header */
+    KVRD_CONN_MSG,          /* reading msg_len bytes of protobuf */
+    KVRD_CONN_PAYLOAD,      /* reading a payload into the iovecs dispatch gave */
+    KVRD_CONN_DRAIN,        /* discarding a refused payload, then the pending reply */
+    KVRD_CONN_BUSY,         /* a request is being processed; not reading */
+    KVRD_CONN_LINGER,       /* error reply sent, write side shut; discarding input */
+} kvrd_conn_state;
 
-/* Requests counted per verb; index = Request body case - 10 (10..44; the
- * unused cases in between have no name and are not reported). */
-#define KVR_N_VERBS 35
+/* Requests counted per verb: one counter per entry of dispatch.c's verb
+ * table, in its order (kvrd_verb_name gives the names). */
+#define KVR_N_VERBS 25
 
 typedef struct kvr_conn kvr_conn;
-/* A reply whose payload is produced and written chunk by chunk (conn.c). */
-typedef struct kvr_stream kvr_stream;
+/* A shared-memory region of a connection (shm.c). */
+typedef struct kvrd_region kvrd_region;
+struct kvrd_region {
+    uint32_t     id;
+    int          refs;           /* loop thread only */
+    uint8_t     *base;           /* mapped read-write, size bytes */
+    size_t       size;
+    kvrd_region *next;           /* the connection's list */
+};
+/* One request in progress (dispatch.c; opaque elsewhere). */
+typedef struct kvrd_request kvrd_request;
 
 /* Streamed replies: a get (or match+get) that needs work and whose payload
  * is over KVR_STREAM_MIN_BYTES sends its header and message at once, then
@@ -59,15 +79,6 @@ typedef struct kvr_stream kvr_stream;
 #define KVR_STREAM_MIN_BYTES   (4u << 20)
 #define KVR_STREAM_CHUNK_BYTES (8u << 20)
 #define KVR_STREAM_WINDOW      2
-
-/* What a threadpool job (or its inline equivalent) works on. */
-enum {
-    KVR_WORK_PUT = 1,       /* c->put: put or group append */
-    KVR_WORK_GET = 2,       /* c->get */
-    KVR_WORK_MATCH = 3,     /* c->get, the get half of a match */
-    KVR_WORK_EDIT = 4,      /* c->edit: edit or refresh */
-    KVR_WORK_ASSEMBLE = 5,  /* c->as */
-};
 
 struct kvr_daemon {
     uv_loop_t          loop;
@@ -102,6 +113,9 @@ struct kvr_daemon {
     uint64_t   n_conn_total, n_conn_refused, n_requests, n_errors;
     uint64_t   bytes_in, bytes_out;
     uint64_t   n_streamed, n_stream_aborted;   /* streamed replies; cut short */
+    /* server.c's idle purge of the allocator's retained pages */
+    uint64_t   purge_seen, purge_idle_ms;
+    bool       purged;
     uint64_t   per_verb[KVR_N_VERBS];
 };
 
@@ -120,7 +134,7 @@ struct kvr_conn {
     bool        close_after_write;/* close once the queued writes are done */
     bool        reading;
     bool        linger;           /* drain input briefly before closing */
-    conn_state  st;
+    kvrd_conn_state st;
     uint64_t    linger_deadline_ms;
     uint64_t    linger_left;
     /* Timeouts (kvr_conn_sweep): Auth due by auth_deadline_ms; the last
@@ -137,36 +151,28 @@ struct kvr_conn {
     uint8_t    *msg;
     size_t      msg_cap, msg_have;
 
-    Kvrope__Request *req;
-
-    /* put (or group append) in progress */
-    kvr_put    *put;
-    /* edit or refresh in progress (payload into its iovecs, like a put) */
-    kvr_edit   *edit;
+    /* The payload being read (PAYLOAD): dispatch's iovecs, borrowed. */
     const struct iovec *iov;
     size_t      niov, iov_i, iov_off;
+    uint64_t    payload_left;     /* bytes of it still to come */
 
     bool        payload_unread;   /* the frame's payload is still on the wire */
     /* drain: bytes left, then this packed reply is written */
     uint64_t    drain_left;
     uint8_t    *pending;
     size_t      pending_len;
-    bool        pending_close;
-
-    /* threadpool job (one at a time) */
-    uv_work_t   work;
-    int         work_kind;        /* KVR_WORK_* */
-    int         work_rc;
-    kvr_error   work_err;
-    kvr_get    *get;
-    kvr_assemble *as;
-    uint64_t    match_len;
-    char        match_ctx[KVR_ID_MAX + 1];
 
     size_t      writes_pending;
     uint64_t    out_queued;
 
-    kvr_stream *stream;           /* streamed reply in progress (state BUSY) */
+    /* Shared-memory regions (shm.c), Unix socket only. */
+    kvrd_region *regions;
+    uint32_t    n_regions, region_seq;
+    uint64_t    region_bytes;
+
+    kvrd_request *req;            /* dispatch.c's: the request in progress */
+    kvrd_request *req_spare;      /* dispatch.c's: storage for the next one
+                                     (kvr_mem; freed with the connection) */
 };
 
 /* ---- config.c --------------------------------------------------------- */
@@ -191,55 +197,95 @@ extern int kvr_conn_test_write_failures;
 void kvr_conn_set_authed(kvr_conn *c);
 uint64_t kvr_now_ms(void);
 
-/* Writes a packed response frame (header + message [+ get payload]). */
-int  kvr_conn_send(kvr_conn *c, const Kvrope__Response *r, kvr_get *get,
-                   size_t payload_len, bool close_after);
-/* The same with an assembled stream as the payload; `as` ends in the write
- * callback (or at once if the write cannot be queued). */
-int  kvr_conn_send_assemble(kvr_conn *c, const Kvrope__Response *r, kvr_assemble *as,
-                            size_t payload_len);
-/* Streams the reply r (status OK) to a get that needs work: header and
- * message now, then the payload chunk by chunk, each chunk's work on the
- * threadpool (kvr_get_work_layers). Takes get (ended after the last write
- * completes) and finishes the request (kvr_conn_request_done after the
- * last write; the caller must not). The status is sent before the payload
- * exists: a work failure afterwards closes the connection, as does a write
- * failure; a disconnect stops the stream, waits for the work in flight and
- * ends the get. */
-void kvr_conn_send_stream(kvr_conn *c, const Kvrope__Response *r, kvr_get *get,
-                          size_t payload_len);
-/* Queues a packed frame (header + message, no payload); takes buf. */
-int  kvr_conn_send_packed(kvr_conn *c, uint8_t *buf, size_t len);
-/* A reference that keeps c's memory alive (persist.c's pending replies). */
+/* Queues buf (header + message, kvr_mem; taken in every case, NULL for
+ * none) and then payload_len bytes from iov. On 0, cb(arg, status) runs
+ * once the write completes or fails (status 0 or a negative libuv code);
+ * on an error return (the connection is closing, or the write could not be
+ * queued: then the connection is closed) cb never runs. */
+typedef void (*kvrd_write_cb)(void *arg, int status);
+int  kvrd_conn_write(kvr_conn *c, uint8_t *buf, size_t len, const struct iovec *iov,
+                     size_t niov, size_t payload_len, kvrd_write_cb cb, void *arg);
+/* Error reply (id, code, msg or kvr_strerror(code)) to the current frame;
+ * if its payload is still unread it is drained first (up to max_drain; over
+ * it the reply is sent and the connection closed). */
+void kvrd_conn_reply_error(kvr_conn *c, uint64_t id, int code, const char *msg);
+/* Reads the current frame's payload into iov (borrowed until
+ * kvrd_dispatch_payload_done, which runs when the last byte arrived, maybe
+ * at once). State BUSY. */
+void kvrd_conn_read_payload(kvr_conn *c, const struct iovec *iov, size_t niov);
+/* The current request is answered: read the next frame (after the drain,
+ * if one runs; nothing if the connection is closing or closes after its
+ * writes; closes it if the daemon is stopping). */
+void kvrd_conn_request_done(kvr_conn *c);
+/* A reference that keeps c's memory alive (work, held replies, streams). */
 void kvr_conn_ref(kvr_conn *c);
 void kvr_conn_unref(kvr_conn *c);
-/* Finishes the current request: frees it and resumes reading. */
-void kvr_conn_request_done(kvr_conn *c);
-/* Error reply for the current request; if the frame declared a payload, it
- * is drained (up to max_drain) first, else the connection is closed. */
-void kvr_conn_reply_error(kvr_conn *c, int code, const char *msg);
-/* Start receiving the payload into c->put's (or c->edit's) iovecs. */
-void kvr_conn_begin_payload(kvr_conn *c);
-void kvr_conn_queue_work(kvr_conn *c, int kind);
+
+/* Stops the read watcher of a connection that is not reading (libuv's
+ * uv_accept re-arms it when it hands over the last queued fd). */
+void kvrd_conn_quiet(kvr_conn *c);
+
+/* ---- shm.c: shared-memory regions ------------------------------------- */
+/* The fds that came with the current frame: the first is returned (the
+ * caller's, or -1 if none came), any others are closed. */
+int  kvrd_shm_take_fd(kvr_conn *c);
+/* Validates fd (a memfd sealed against shrinking, >= size bytes, not
+ * write-sealed), the per-connection limits, and maps it; the region is
+ * the connection's (*out borrowed). fd stays the caller's. */
+int  kvrd_shm_register(kvr_conn *c, int fd, uint64_t size, kvrd_region **out, kvr_error *e);
+kvrd_region *kvrd_shm_find(kvr_conn *c, uint32_t id);
+int  kvrd_shm_release(kvr_conn *c, uint32_t id, kvr_error *e);
+/* The connection closes: its references go (requests keep theirs). */
+void kvrd_shm_conn_closed(kvr_conn *c);
+/* [offset, offset + length) of region `region`, checked; on success the
+ * caller holds a reference (*out, kvrd_region_unref) and *p points there. */
+int  kvrd_shm_slice(kvr_conn *c, uint32_t region, uint64_t offset, uint64_t length,
+                    kvrd_region **out, uint8_t **p, kvr_error *e);
+void kvrd_region_ref(kvrd_region *g);
+void kvrd_region_unref(kvrd_region *g);   /* NULL: no-op; the last one unmaps */
 
 /* ---- dispatch.c ------------------------------------------------------- */
-extern ProtobufCAllocator kvr_pb_allocator;
-/* Called with c->req set and state BUSY. Always ends in a reply (now or
- * after payload/work) and kvr_conn_request_done, or a close. */
-void kvr_dispatch(kvr_conn *c);
-/* After a threadpool job, on the loop thread (c not closing). */
-void kvr_dispatch_after_work(kvr_conn *c);
-/* After the put / edit payload arrived in full. */
-void kvr_dispatch_payload_done(kvr_conn *c);
-int  kvr_status_of(int code);      /* KVR_E* -> Status */
+/* A complete frame's message arrived (fh: its header; msg: fh->msg_len
+ * bytes, borrowed for the call); state BUSY. Decodes it and runs its verb;
+ * always ends in a reply (now or later) and kvrd_conn_request_done, or a
+ * close. */
+void kvrd_dispatch_frame(kvr_conn *c, const kvr_frame_header *fh, const uint8_t *msg);
+/* The payload kvrd_conn_read_payload was asked for arrived in full. */
+void kvrd_dispatch_payload_done(kvr_conn *c);
+/* kvr_conn_close: a request waiting for payload bytes is aborted (nothing
+ * it would have changed is kept); one in work, in a stream or waiting for
+ * its record finishes when that comes back. */
+void kvrd_dispatch_conn_closing(kvr_conn *c);
+/* Name of verb i of the table (i < KVR_N_VERBS): "put", ... */
+const char *kvrd_verb_name(size_t i);
+/* The one end of every request: status is the KVR_E* code it was answered
+ * with (0 OK). Records the per-request figures, frees it and lets the
+ * connection read its next frame. stream.c and persist.c end theirs here. */
+void kvrd_request_end(kvrd_request *r, int status);
+/* persist.c's completion callback for a reply held until its record is on
+ * disk (arg is the request). */
+void kvrd_request_persisted(void *arg, int rc, const kvr_error *e);
+
+/* ---- stream.c: replies produced and written chunk by chunk ------------ */
+/* Streams a get that needs work: buf (header + message, status OK, taken)
+ * now, then the payload (payload_len bytes) in chunks of whole layers,
+ * each chunk's work on the threadpool (kvr_get_work_layers) overlapping
+ * the writes. Takes get (ended when the stream ends) and ends r
+ * (kvrd_request_end) when the last write completes, or once everything in
+ * flight came back after a failure or a close (a failure after the header
+ * closes the connection). Returns KVR_ENOMEM without taking anything if the
+ * stream cannot start. */
+int  kvrd_stream_start(kvrd_request *r, kvr_conn *c, kvr_get *get, uint8_t *buf, size_t len,
+                       size_t payload_len);
 
 /* ---- persist.c: the disk tier ------------------------------------------ */
 /* Opens --disk-dir and recovers the persistent contexts (before listening). */
 int  kvr_persist_open(kvr_daemon *d, char *err, size_t errlen);
-/* reply_ok's hook: if the request changed a persistent context, the reply
- * (r, packed now) is sent only once its record is on disk, or an error
- * instead; returns true then (the request is finished later). */
-bool kvr_persist_reply(kvr_conn *c, Kvrope__Response *r);
+/* A change to context ctx_id was committed: if it is persistent, queue its
+ * record and return 1 (kvrd_request_persisted(r, ...) runs once the record
+ * is on disk or failed); 0 if it is not persistent (reply now); negative
+ * KVR_E* (e filled) if the record could not be queued. */
+int  kvrd_persist_defer(kvr_daemon *d, const char *ctx_id, kvrd_request *r, kvr_error *e);
 /* Metrics of the disk tier for stats: fills up to cap, returns the count.
  * Names are static strings. */
 size_t kvr_persist_metrics(kvr_daemon *d, const char **names, double *values, size_t cap);

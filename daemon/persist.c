@@ -4,27 +4,22 @@
  * replies of changes to persistent contexts until their records are on
  * disk, and the disk metrics of stats.
  *
- * A change to a persistent context is committed in memory as usual; then,
- * instead of the reply, kvr_persist_reply packs the reply and queues the
- * context's record (kvr_store_persist). One batch of records at a time
- * runs on the libuv threadpool (kvr_persist_batch_work: spill + append +
- * fsync); its after-callback (loop thread) ends the batch, which calls
- * on_done for each record: the held reply goes out if the append returned
- * 0, else an E_IO error. The connection stays BUSY (not reading) meanwhile,
- * so its requests are still answered in order, and holds a reference so
- * its memory outlives a close.
+ * A change to a persistent context is committed in memory as usual; then
+ * dispatch.c holds the packed reply and kvrd_persist_defer queues the
+ * context's record (kvr_store_persist); which verbs change which context
+ * is in dispatch.c's verb table. One batch of records at a time runs on the
+ * libuv threadpool (kvr_persist_batch_work: spill + append + fsync); its
+ * after-callback (loop thread) ends the batch, which calls
+ * kvrd_request_persisted for each record: the held reply goes out if the
+ * append returned 0, else an E_IO error. The connection stays BUSY (not
+ * reading) meanwhile, so its requests are still answered in order, and the
+ * request holds a reference so its memory outlives a close.
  */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "daemon/daemon_internal.h"
-
-typedef struct held_reply {
-    kvr_conn *c;
-    uint8_t  *buf;
-    size_t    len;
-} held_reply;
 
 typedef struct batch_job {
     uv_work_t          w;
@@ -76,84 +71,12 @@ int kvr_persist_open(kvr_daemon *d, char *err, size_t errlen)
     return 0;
 }
 
-/* The context a request changes, if it is a change. */
-static const char *changed_ctx(const Kvrope__Request *q)
+int kvrd_persist_defer(kvr_daemon *d, const char *ctx_id, kvrd_request *r, kvr_error *e)
 {
-    switch (q->body_case) {
-    case KVROPE__REQUEST__BODY_PUT:              return q->put->context_id;
-    case KVROPE__REQUEST__BODY_GROUP_APPEND:     return q->group_append->put->context_id;
-    case KVROPE__REQUEST__BODY_EDIT:             return q->edit->context_id;
-    case KVROPE__REQUEST__BODY_REFRESH:          return q->refresh->context_id;
-    case KVROPE__REQUEST__BODY_DELETE:           return q->delete_->context_id;
-    case KVROPE__REQUEST__BODY_PIN:              return q->pin->context_id;
-    case KVROPE__REQUEST__BODY_FORK:             return q->fork->dst;
-    case KVROPE__REQUEST__BODY_SHIFT:            return q->shift->context_id;
-    case KVROPE__REQUEST__BODY_KEEP:             return q->keep->context_id;
-    case KVROPE__REQUEST__BODY_SET_GROUP_OFFSET: return q->set_group_offset->context_id;
-    case KVROPE__REQUEST__BODY_SET_RETENTION:    return q->set_retention->context_id;
-    default:                                     return NULL;
-    }
-}
-
-static void on_done(void *arg, int rc, const kvr_error *e)
-{
-    held_reply *h = arg;
-    kvr_conn *c = h->c;
-    if (c->closing) {
-        kvr_mem_free(h->buf);
-    } else if (rc == 0) {
-        kvr_conn_send_packed(c, h->buf, h->len);
-        kvr_conn_request_done(c);
-    } else {
-        kvr_mem_free(h->buf);
-        kvr_log(KVR_LOG_WARN, "persistence failed: %s", e && e->msg[0] ? e->msg : "");
-        kvr_conn_reply_error(c, rc, e && e->msg[0] ? e->msg : NULL);
-    }
-    kvr_conn_unref(c);
-    kvr_mem_free(h);
-}
-
-bool kvr_persist_reply(kvr_conn *c, Kvrope__Response *r)
-{
-    kvr_daemon *d = c->d;
-    if (!c->req || !kvr_store_tier_engine(d->store))
-        return false;
-    const char *id = changed_ctx(c->req);
-    if (!id)
-        return false;
-    size_t n = kvrope__response__get_packed_size(r);
-    held_reply *h = kvr_mem_calloc(1, sizeof *h);
-    uint8_t *buf = n <= UINT32_MAX ? kvr_mem_malloc(KVR_FRAME_HEADER_SIZE + n) : NULL;
-    if (!h || !buf) {
-        kvr_mem_free(h);
-        kvr_mem_free(buf);
-        kvr_conn_reply_error(c, KVR_ENOMEM, "out of memory holding a reply");
-        return true;
-    }
-    kvrope__response__pack(r, buf + KVR_FRAME_HEADER_SIZE);
-    kvr_frame_header_encode(buf, (uint32_t)n, 0);
-    h->c = c;
-    h->buf = buf;
-    h->len = KVR_FRAME_HEADER_SIZE + n;
-    kvr_error e = { 0 };
-    int rc = kvr_store_persist(d->store, id, on_done, h, &e);
-    if (rc == 0) {
-        kvr_mem_free(buf);
-        kvr_mem_free(h);
-        return false;
-    }
-    if (rc < 0) {
-        kvr_mem_free(buf);
-        kvr_mem_free(h);
-        char m[400];
-        snprintf(m, sizeof m, "not durable: %s (the change is in memory only)",
-                 e.msg[0] ? e.msg : kvr_strerror(rc));
-        kvr_conn_reply_error(c, rc == KVR_ENOMEM ? rc : KVR_EIO, m);
-        return true;
-    }
-    kvr_conn_ref(c);
-    kick(d);
-    return true;
+    int rc = kvr_store_persist(d->store, ctx_id, kvrd_request_persisted, r, e);
+    if (rc > 0)
+        kick(d);
+    return rc;
 }
 
 static void batch_work(uv_work_t *w)

@@ -13,6 +13,12 @@
  */
 #include "daemon/daemon_internal.h"
 
+#ifdef KVR_JEMALLOC
+#include <jemalloc/jemalloc.h>   /* mallctl: the idle purge */
+#endif
+#define KVR_STR_(x) #x
+#define KVR_STR(x) KVR_STR_(x)
+
 #include <assert.h>
 #include <errno.h>
 #include <stdarg.h>
@@ -60,7 +66,8 @@ static void on_connection(uv_stream_t *srv, int status)
         kvr_log(KVR_LOG_ERROR, "out of memory accepting a connection");
         return;
     }
-    int rc = is_tcp ? uv_tcp_init(&d->loop, &c->h.tcp) : uv_pipe_init(&d->loop, &c->h.pipe, 0);
+    /* Unix connections in ipc mode: a client may send a memfd (shm.c). */
+    int rc = is_tcp ? uv_tcp_init(&d->loop, &c->h.tcp) : uv_pipe_init(&d->loop, &c->h.pipe, 1);
     if (rc < 0) {
         kvr_mem_free(c);
         return;
@@ -72,6 +79,11 @@ static void on_connection(uv_stream_t *srv, int status)
     }
     if (is_tcp)
         uv_tcp_nodelay(&c->h.tcp, 1);
+    /* Room for a whole MiB-sized reply in the socket: with the default
+     * (~208 KiB) a 1 MiB get is written in five rounds of write, EAGAIN and
+     * wake-up. The kernel caps it at net.core.wmem_max. */
+    int sndbuf = 4 << 20;
+    (void)uv_send_buffer_size(&c->h.handle, &sndbuf);
     /* Clients that still owe Auth have their own (smaller) limit, so anyone
      * who can reach the TCP port cannot lock local workers out. */
     bool unauth = is_tcp && d->token;
@@ -101,7 +113,7 @@ int kvr_daemon_adopt_fd(kvr_daemon *d, int fd)
     kvr_conn *c = kvr_mem_calloc(1, sizeof *c);
     if (!c)
         return KVR_ENOMEM;
-    int rc = uv_pipe_init(&d->loop, &c->h.pipe, 0);
+    int rc = uv_pipe_init(&d->loop, &c->h.pipe, 1);
     if (rc == 0)
         rc = uv_pipe_open(&c->h.pipe, fd);
     if (rc < 0) {
@@ -282,10 +294,31 @@ static int read_token(kvr_daemon *d, kvr_error *err)
 
 /* ---- timers, signals, stop --------------------------------------------------- */
 
+/* Freed pages the allocator keeps for reuse (main.c's malloc_conf) go back
+ * to the kernel once no request arrived for KVR_IDLE_PURGE_MS. */
+#define KVR_IDLE_PURGE_MS 2000
+
+static void idle_purge(kvr_daemon *d, uint64_t now)
+{
+    if (d->n_requests != d->purge_seen) {
+        d->purge_seen = d->n_requests;
+        d->purge_idle_ms = now;
+        d->purged = false;
+        return;
+    }
+    if (d->purged || now - d->purge_idle_ms < KVR_IDLE_PURGE_MS)
+        return;
+    d->purged = true;
+#ifdef KVR_JEMALLOC
+    (void)mallctl("arena." KVR_STR(MALLCTL_ARENAS_ALL) ".purge", NULL, NULL, NULL, 0);
+#endif
+}
+
 static void on_sweep(uv_timer_t *t)
 {
     kvr_daemon *d = t->data;
     uint64_t now = kvr_now_ms();
+    idle_purge(d, now);
     bool force = d->stopping && now >= d->stop_ms + KVR_STOP_GRACE_MS;
     for (kvr_conn *c = d->conns, *n; c; c = n) {
         n = c->next;

@@ -731,6 +731,29 @@ static int cmd_put(kvr_client *c, const cli_args *a)
     kvr_put_res res;
     cli_progress_begin(c, "put");
     p.persist = cli_flag(a, "persist");
+    if (cli_flag(a, "shm")) {
+        /* The payload through a memfd region instead of the socket. */
+        uint64_t len = p.payload_len;
+        for (size_t i = 0; p.iov && i < p.iovcnt; i++)
+            len += p.iov[i].iov_len;
+        uint32_t id;
+        void *base;
+        r = kvr_client_region_create(c, len ? (size_t)len : 1, &id, &base);
+        if (r < 0) {
+            cli_progress_end();
+            rc = cli_fail(a, c, r, "put --shm");
+            goto out;
+        }
+        uint8_t *d = base;
+        if (p.payload)
+            memcpy(d, p.payload, p.payload_len);
+        for (size_t i = 0; p.iov && i < p.iovcnt; i++) {
+            memcpy(d, p.iov[i].iov_base, p.iov[i].iov_len);
+            d += p.iov[i].iov_len;
+        }
+        kvr_shm at = { id, 0, len };
+        kvr_client_shm_next(c, &at);
+    }
     r = lay.group ? kvr_client_group_append(c, &p, lay.group, &res)
                   : kvr_client_put(c, &p, &res);
     cli_progress_end();
@@ -855,6 +878,34 @@ static int cmd_get(kvr_client *c, const cli_args *a)
         g.n_layers = (size_t)n;
     }
     kvr_kv kv;
+    if (cli_flag(a, "shm") && !meta) {
+        /* The daemon writes the KV into a memfd region of ours: size it
+         * from the context's length and the model's shape. */
+        kvr_context x;
+        kvr_model m;
+        r = kvr_client_stat(c, g.ctx_id, &x);
+        if (r == 0)
+            r = kvr_client_model_get(c, x.model, &m);
+        if (r < 0) {
+            free(pos);
+            free(layers);
+            return cli_fail(a, c, r, "get --shm");
+        }
+        uint64_t end = g.end ? g.end : x.n_tokens;
+        size_t n = end > g.start ? (size_t)(end - g.start) : 0;
+        size_t sz = kvr_payload_size(g.layers ? (uint32_t)g.n_layers : m.n_layers, n,
+                                     m.n_kv_heads, m.head_dim,
+                                     raw ? KVR_DTYPE_F32 : g.dtype);   /* raw: at most this */
+        uint32_t id;
+        r = kvr_client_region_create(c, sz ? sz : 1, &id, NULL);
+        if (r < 0) {
+            free(pos);
+            free(layers);
+            return cli_fail(a, c, r, "get --shm");
+        }
+        kvr_shm at = { id, 0, sz };
+        kvr_client_shm_next(c, &at);
+    }
     cli_progress_begin(c, "get");
     r = kvr_client_get(c, &g, &kv);
     const kvr_raw_layout *rl = &kv.raw;

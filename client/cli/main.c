@@ -53,6 +53,7 @@ static const char help_text[] =
 "  put CTX FILE [--model M] [--mode create|append|upsert] [--pin] [--protect N]\n"
 "        [--persist]                  keep the context on disk (daemon --disk-dir):\n"
 "                                     acknowledged once durable, survives restarts\n"
+"        [--shm]                      payload through shared memory, not the socket\n"
 "        [--tokens 1,2,3 | --tokens-file F] [--pos-start N | --positions p,q,..]\n"
 "        [--dtype D --layers L --heads H --head-dim D] [--fingerprint HEX]\n"
 "        [--codec SPEC]               create: the context's codec (default: model's)\n"
@@ -65,7 +66,9 @@ static const char help_text[] =
 "                                     --tokens-file: text ids, or *.bin u32 LE\n"
 "                                     --protect N: edits may not touch tokens [0,N)\n"
 "  get CTX -o FILE [--start I] [--end J] [--dtype D] [--layers 0,1,..]\n"
-"        [--positions p,q,.. | --pos-start N] [--meta] [--raw]\n"
+"        [--positions p,q,.. | --pos-start N] [--meta] [--raw] [--shm]\n"
+"                                     --shm: the daemon writes the KV into a memfd\n"
+"                                     region of this process (Unix socket only)\n"
 "                                     --raw: quantized contexts' stored bytes, keys\n"
 "                                     pre-RoPE (layout: --json, docs/quantized.md)\n"
 "                                     FILE by extension as for put (- = stdout);\n"
@@ -119,7 +122,7 @@ const char *cli_opt(const cli_args *a, const char *name)
 /* The options that take no value (every other --name takes one). */
 static const char *const value_less[] = {
     "json", "quiet", "help", "pin", "get", "meta", "approx", "version", "plan", "raw",
-    "persist",
+    "persist", "shm",
 };
 
 static bool is_flag(const char *name)

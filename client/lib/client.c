@@ -225,6 +225,7 @@ int kvr_client_connect(kvr_client **out, const char *addr, const kvr_client_opts
         return set_connect_err(KVR_ENOMEM, "out of memory");
     }
     c->fd = fd;
+    c->send_fd = -1;
     c->rbuf = rbuf;
     c->rcap = RBUF_SIZE;
     c->next_id = 1;
@@ -257,6 +258,7 @@ void kvr_client_close(kvr_client *c)
         return;
     if (c->fd >= 0)
         close(c->fd);
+    kvr__shm_free_all(c);
     free(c->rbuf);
     free(c->wbuf);
     free(c);
@@ -269,9 +271,24 @@ static int send_all(kvr_client *c, struct iovec *iov, size_t n, size_t head_byte
 {
     size_t i = 0;
     uint64_t sent = 0;
+    union {
+        struct cmsghdr h;
+        char buf[CMSG_SPACE(sizeof(int))];
+    } cm;
     while (i < n) {
         struct msghdr mh = { .msg_iov = iov + i,
                              .msg_iovlen = n - i > IOV_MAX ? IOV_MAX : n - i };
+        if (c->send_fd >= 0 && sent == 0) {
+            /* The fd rides on the frame's first bytes (RegisterRegion). */
+            memset(&cm, 0, sizeof cm);
+            mh.msg_control = cm.buf;
+            mh.msg_controllen = sizeof cm.buf;
+            struct cmsghdr *h = CMSG_FIRSTHDR(&mh);
+            h->cmsg_level = SOL_SOCKET;
+            h->cmsg_type = SCM_RIGHTS;
+            h->cmsg_len = CMSG_LEN(sizeof(int));
+            memcpy(CMSG_DATA(h), &c->send_fd, sizeof(int));
+        }
         ssize_t w = sendmsg(c->fd, &mh, MSG_NOSIGNAL);
         if (w < 0) {
             if (errno == EINTR)
@@ -435,6 +452,17 @@ int kvr__call(kvr_client *c, Kvrope__Request *req, const struct iovec *piov, siz
     if (resp_payload)
         *resp_payload = 0;
     c->err[0] = 0;
+    c->shm_got = false;
+    Kvrope__ShmSlice sl = KVROPE__SHM_SLICE__INIT;
+    if (c->shm_next) {   /* the payload is in a region: none on the socket */
+        c->shm_next = false;
+        sl.region = c->shm_at.region;
+        sl.offset = c->shm_at.offset;
+        sl.length = c->shm_at.length;
+        req->shm = &sl;
+        piovcnt = 0;
+        payload_len = 0;
+    }
     if (c->fd < 0)
         return kvr__fail(c, KVR_ECLOSED, "connection is closed");
     /* Between calls the stream is at a frame boundary: whatever is left in
@@ -469,6 +497,7 @@ int kvr__call(kvr_client *c, Kvrope__Request *req, const struct iovec *piov, siz
         if (piov[i].iov_len)
             iov[n++] = piov[i];
     int sr = send_all(c, iov, n, need, payload_len);
+    req->shm = NULL;
     if (iov != stack_iov)
         free(iov);
     if (sr < 0) {
@@ -506,6 +535,12 @@ int kvr__call(kvr_client *c, Kvrope__Request *req, const struct iovec *piov, siz
         if (pl && (r = kvr__drain(c, pl)) < 0)
             return r;
         return code;
+    }
+    if (resp->shm) {
+        c->shm_got = true;
+        c->shm_res.region = resp->shm->region;
+        c->shm_res.offset = resp->shm->offset;
+        c->shm_res.length = resp->shm->length;
     }
     if (resp_payload)
         *resp_payload = pl;

@@ -21,7 +21,24 @@ struct kvr_client {
     size_t          rcap, rpos, rlen;
     uint8_t        *wbuf;          /* header + packed request */
     size_t          wcap;
+    /* Shared memory (shm.c). */
+    struct kvr__region *regions;   /* n_regions registered on this connection */
+    size_t          n_regions, cap_regions;
+    bool            shm_next;      /* kvr_client_shm_next: the next call's */
+    kvr_shm         shm_at;        /*   payload is at shm_at */
+    bool            shm_got;       /* the last response's payload is in a region */
+    kvr_shm         shm_res;       /*   there (length = its size) */
+    int             send_fd;       /* sent with the next frame (-1: none) */
 };
+
+struct kvr__region {
+    uint32_t id;
+    uint8_t *base;
+    size_t   size;
+    int      fd;                   /* the library's (created or mapped): closed */
+    bool     owned;                /* base was mapped by the library */
+};
+
 
 /* Sets c->err and returns code (the connection stays open). */
 #define KVR_HIDDEN __attribute__((visibility("hidden")))
@@ -42,5 +59,9 @@ KVR_HIDDEN int kvr__call(kvr_client *c, Kvrope__Request *req, const struct iovec
 KVR_HIDDEN int kvr__recv_payload(kvr_client *c, uint64_t pl, kvr_kv *kv, void *dst, size_t dst_cap,
                       kvr_layer_fn fn, void *ud);
 KVR_HIDDEN int kvr__drain(kvr_client *c, uint64_t n);
+
+/* The region's bytes at [offset, offset + len) in this process, or NULL. */
+KVR_HIDDEN void *kvr__shm_ptr(kvr_client *c, const kvr_shm *at);
+KVR_HIDDEN void kvr__shm_free_all(kvr_client *c);
 
 #endif

@@ -437,6 +437,8 @@ static int put_common(kvr_client *c, const kvr_put_args *a, const char *group,
     if ((r = payload_iov(c, "put", a->payload, a->payload_len, a->iov, a->iovcnt, &w)) < 0)
         return r;
     uint64_t plen = w.len;
+    if (c->shm_next)   /* the payload is in a region (kvr_client_put_shm) */
+        plen = c->shm_at.length;
     if (a->n_layers && a->n_kv_heads && a->head_dim) {
         size_t want = kvr_payload_size(a->n_layers, a->n_tokens, a->n_kv_heads, a->head_dim,
                                        a->dtype);
@@ -566,9 +568,24 @@ static int take_kv(kvr_client *c, const Kvrope__KVResult *r, uint64_t pl, kvr_kv
         want = (size_t)(r->n_layers * (r->raw->k_bytes + r->raw->v_bytes));
         fn = NULL;                /* K and V halves differ: no per-layer callback */
     }
-    if ((uint64_t)want != pl) {
+    /* Shared memory: the daemon wrote the payload into the region. */
+    bool in_shm = c->shm_got;
+    uint64_t epl = pl;
+    if (in_shm) {
+        if (pl) {
+            rc = kvr__fail(c, KVR_EPROTO, "a payload both in shared memory and on the socket");
+            goto drain;
+        }
+        epl = c->shm_res.length;
+    }
+    if ((uint64_t)want != epl) {
         rc = kvr__fail(c, KVR_EPROTO, "payload of %llu bytes, the shapes say %zu",
-                       (unsigned long long)pl, want);
+                       (unsigned long long)epl, want);
+        goto drain;
+    }
+    void *shm_p = NULL;
+    if (in_shm && epl && !(shm_p = kvr__shm_ptr(c, &c->shm_res))) {
+        rc = kvr__fail(c, KVR_EPROTO, "the daemon answered with a slice outside the region");
         goto drain;
     }
     size_t bytes = n * (sizeof(int64_t) + 3 * sizeof(uint32_t)) + r->n_layers * sizeof(uint32_t);
@@ -602,7 +619,17 @@ static int take_kv(kvr_client *c, const Kvrope__KVResult *r, uint64_t pl, kvr_kv
     kv->n_kv_heads = r->n_kv_heads;
     kv->head_dim = r->head_dim;
     kv->n_layers = r->n_layers;
-    if (pl) {
+    if (shm_p) {   /* a view of the region: the caller's memory, not owned */
+        kv->payload = shm_p;
+        kv->payload_len = (size_t)epl;
+        kv->payload_owned = false;
+        size_t half = kv->n_layers ? (size_t)epl / kv->n_layers / 2 : 0;
+        for (size_t i = 0; fn && i < kv->n_layers; i++)
+            fn(ud, (uint32_t)i, kv->layers[i], (uint8_t *)shm_p + 2 * i * half,
+               (uint8_t *)shm_p + (2 * i + 1) * half, half);
+        if (c->progress)
+            c->progress(c->progress_ud, epl, epl);
+    } else if (pl) {
         rc = kvr__recv_payload(c, pl, kv, dst, dst_cap, fn, ud);
         if (rc < 0) {
             kvr_kv_release(kv);

@@ -1151,7 +1151,9 @@ Test(daemon_wire, unread_replies_time_out)
     kvrope__response__free_unpacked(r, NULL);
 
     int slow = connect_unix(D.sock);
-    for (int i = 0; i < 4; i++) {
+    /* 40 replies of 512 KiB: more than the daemon's socket send buffer (4 MiB,
+     * doubled by the kernel) holds, so some reply must stay queued. */
+    for (int i = 0; i < 40; i++) {
         Kvrope__Get g = KVROPE__GET__INIT;
         g.context_id = "big";
         g.has_dtype = 1;

@@ -236,6 +236,11 @@ class kvr_layout_res(Structure):
                 ("n_dropped", c_uint64)]
 
 
+class kvr_shm(Structure):
+    """A slice of a shared-memory region (kvrope.h kvr_shm)."""
+    _fields_ = [("region", c_uint32), ("offset", c_uint64), ("length", c_uint64)]
+
+
 class kvr_metric(Structure):
     _fields_ = [("name", c_char * 120), ("value", c_double)]
 
@@ -300,6 +305,12 @@ PROTOTYPES = {
                                             POINTER(kvr_layout_res)]),
     "kvr_client_set_retention": (c_int, [H, c_char_p, c_uint64, c_uint64, c_bool,
                                          POINTER(kvr_layout_res)]),
+    # shared memory (Unix socket)
+    "kvr_client_region_create": (c_int, [H, c_size_t, POINTER(c_uint32), POINTER(c_void_p)]),
+    "kvr_client_region_release": (c_int, [H, c_uint32]),
+    "kvr_client_put_shm": (c_int, [H, POINTER(kvr_put_args), POINTER(kvr_shm),
+                                   POINTER(kvr_put_res)]),
+    "kvr_client_get_shm": (c_int, [H, POINTER(kvr_get_args), POINTER(kvr_shm), POINTER(kvr_kv)]),
 }
 # Symbols a library may lack and still load (the method that needs one raises
 # kvrope.Unsupported): none since the ABI was folded at 0.2.0.

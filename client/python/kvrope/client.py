@@ -285,6 +285,74 @@ class KV:
         return t.view(torch.bfloat16) if self.dtype == "bf16" else t
 
 
+class Region:
+    """A shared-memory region of one connection (Client.region): a memfd the
+    daemon maps too. put(..., shm=region) reads the payload from it; get(...,
+    shm=region) has the daemon write the result straight into it, and the
+    returned KV.data is a numpy view of the region (no copy; KV.to_torch()
+    shares it too). Views stay valid until release() or the client closes;
+    do not use them after that. Unix socket only (TCP: UnsupportedByDaemon)."""
+
+    def __init__(self, client, rid, base, size):
+        self._client, self.id, self.base, self.size = client, rid, base, size
+        self._buf = (ctypes.c_uint8 * size).from_address(base)
+        self._buf._kvrope_owner = self
+
+    def array(self, dtype="u1", shape=None, offset=0):
+        """A numpy view of the region's bytes from offset (dtype: a numpy dtype
+        or a kvrope dtype name; shape None: as many elements as fit)."""
+        dt = np.dtype(T.NUMPY[dtype]) if dtype in T.NUMPY else np.dtype(dtype)
+        if self.base is None:
+            raise ValueError("the region was released")
+        offset = _u64(offset, "offset")
+        n = (self.size - offset) // dt.itemsize if shape is None else int(np.prod(shape))
+        if offset > self.size or n * dt.itemsize > self.size - offset:
+            raise ValueError(f"{n} x {dt} at offset {offset} does not fit the {self.size}-byte region")
+        a = np.frombuffer(self._buf, dtype=dt, count=n, offset=offset)
+        return a if shape is None else a.reshape(shape)
+
+    def tensor(self, dtype="f32", shape=None, offset=0):
+        """array() as a torch tensor sharing the region's memory (bf16 ->
+        torch.bfloat16). Requires torch."""
+        import torch   # ImportError when absent
+        if dtype == "bf16":
+            return torch.from_numpy(self.array("u2", shape, offset).view(np.int16)).view(
+                torch.bfloat16)
+        return torch.from_numpy(self.array(dtype, shape, offset))
+
+    def offset_of(self, arr):
+        """Byte offset of arr's memory in the region, or None if it lies elsewhere."""
+        if not isinstance(arr, np.ndarray) or not arr.flags.c_contiguous or self.base is None:
+            return None
+        p = arr.ctypes.data
+        if self.base <= p and p + arr.nbytes <= self.base + self.size:
+            return p - self.base
+        return None
+
+    def _view(self, ptr, nbytes, dt):
+        off = ptr - self.base
+        return self.array(dt, (nbytes // T.SIZE[dt],), off)
+
+    def release(self):
+        """Unregisters the region (the daemon unmaps it once no request uses
+        it) and unmaps this process's view."""
+        if self.base is not None:
+            self._client._call("kvr_client_region_release", self.id)
+            self.base = None
+
+    def __repr__(self):
+        return f"<kvrope.Region {self.id} {self.size} bytes{' released' if self.base is None else ''}>"
+
+
+def _shm_place(shm):
+    """(Region, offset) from shm=Region or shm=(Region, offset)."""
+    if isinstance(shm, Region):
+        return shm, None
+    if isinstance(shm, tuple) and len(shm) == 2 and isinstance(shm[0], Region):
+        return shm[0], _u64(shm[1], "shm offset")
+    raise TypeError("shm must be a Region or (Region, offset)")
+
+
 @dataclass
 class Match:
     length: int                 # cached exact prefix length, 0 = none
@@ -456,11 +524,24 @@ class Client:
             self._models[nm] = Model._from(out)
         return self._models[nm]
 
+    def region(self, size):
+        """A new shared-memory region of `size` bytes (memfd, sealed against
+        shrinking, registered on this connection) -> Region. Unix socket only."""
+        size = _u64(size, "size")
+        rid, base = c_uint32(0), c_void_p(0)
+        self._call("kvr_client_region_create", size, byref(rid), byref(base))
+        return Region(self, rid.value, base.value, size)
+
     def put(self, ctx_id, model, tokens, kv=None, *, k=None, v=None, dtype=None, mode="upsert",
             positions=None, pos_start=None, pin=False, check_model=True, protect_first=None,
-            prefix=None, groups=None, group_offsets=None, codec=None):
+            prefix=None, groups=None, group_offsets=None, codec=None, shm=None):
         """Stores the KV of `tokens` in context `ctx_id` (created or appended
         to); -> PutResult.
+
+        shm=Region or (Region, offset): the payload goes through shared
+        memory instead of the socket. A kv array that already lies in the
+        region (Region.array()) is used where it is; otherwise its bytes are
+        copied into the region at offset (default 0) first.
 
         kv: [n_layers, 2, T, kv_heads, head_dim] array/tensor, or a list of
         (K, V) per layer ([T, kv_heads, head_dim] each); or k=, v= each
@@ -484,7 +565,22 @@ class Client:
                                  pos_start, pin, check_model, protect_first, prefix,
                                  groups, group_offsets, codec)
         out = _lib.kvr_put_res()
-        self._call("kvr_client_put", byref(a), byref(out))
+        if shm is not None:
+            reg, off = _shm_place(shm)
+            parts = keep[4]
+            n = sum(p.nbytes for p in parts)
+            at = reg.offset_of(parts[0]) if len(parts) == 1 else None
+            if at is None:
+                at = off or 0
+                dst = reg.array("u1", (n,), at)
+                k = 0
+                for p in parts:
+                    dst[k:k + p.nbytes] = np.ascontiguousarray(p).reshape(-1).view(np.uint8)
+                    k += p.nbytes
+            place = _lib.kvr_shm(reg.id, at, n)
+            self._call("kvr_client_put_shm", byref(a), byref(place), byref(out))
+        else:
+            self._call("kvr_client_put", byref(a), byref(out))
         del keep
         return PutResult(out.n_tokens, out.first_index, out.first_pos, out.last_pos)
 
@@ -563,7 +659,7 @@ class Client:
             raise ValueError("out must be C-contiguous and writeable")
         return out.ctypes.data, out.nbytes
 
-    def _take(self, kvs, out):
+    def _take(self, kvs, out, region=None):
         """KV from a filled kvr_kv (releases what libkvrope owns)."""
         try:
             n, L = kvs.n_tokens, kvs.n_layers
@@ -580,6 +676,8 @@ class Client:
                 if kvs.payload_owned:
                     flat = T.adopt(kvs.payload, nbytes, dt)
                     kvs.payload = None          # ours now, freed with the array
+                elif region is not None:        # a view of the shared region
+                    flat = region._view(kvs.payload, nbytes, dt)
                 else:
                     flat = out.reshape(-1).view(np.uint8)[:nbytes].view(T.NUMPY[dt])
                 data = flat.reshape(shape)
@@ -632,8 +730,12 @@ class Client:
             self._lib.kvr_kv_release(byref(kvs))
 
     def get(self, ctx_id, start=0, end=None, *, dtype="f32", positions=None, layers=None,
-            meta_only=False, out=None, on_layer=None, raw=False):
+            meta_only=False, out=None, on_layer=None, raw=False, shm=None):
         """Fetches tokens [start, end) (end None = to the end) of a context; -> KV.
+
+        shm=Region or (Region, offset): the daemon writes the result straight
+        into the region (its workers rotate / convert into it; nothing on the
+        socket) and KV.data is a numpy view there, no copy (out does not apply).
 
         dtype: of the result (default f32). positions: one target position
         per token, keys are re-rotated to them (default: current positions).
@@ -685,6 +787,16 @@ class Client:
         a.meta_only = bool(meta_only)
         a.dst, a.dst_cap = dst, cap
         a.on_layer = cb
+        if shm is not None:
+            if out is not None:
+                raise ValueError("get: out and shm exclude each other")
+            reg, off = _shm_place(shm)
+            place = _lib.kvr_shm(reg.id, off or 0, 0)
+            self._call("kvr_client_get_shm", byref(a), byref(place), byref(kvs))
+            res = self._take(kvs, None, reg)
+            if errs:
+                raise errs[0]
+            return res
         self._call("kvr_client_get", byref(a), byref(kvs))
         res = self._take(kvs, out)
         if errs:

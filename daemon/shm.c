@@ -1,0 +1,220 @@
+/*
+ * shm.c — shared-memory regions of a Unix-socket connection (issue 14,
+ * docs/protocol.md "Shared memory"): a client hands the daemon a memfd once
+ * (RegisterRegion + SCM_RIGHTS), then names (region, offset, length) in
+ * Request.shm instead of sending or receiving a socket payload.
+ *
+ * The daemon trusts nothing about a region:
+ *  - it must be a memfd (shmem: F_GET_SEALS works and the file lives on
+ *    tmpfs, not hugetlbfs) sealed against shrinking (F_SEAL_SHRINK), so the
+ *    mapping can never be cut under a worker thread (SIGBUS), and at least
+ *    the size registered; anything else is refused with a clear error;
+ *  - every slice is checked against the region's size without overflow;
+ *  - the client may change the bytes at any time: puts copy out of the
+ *    region first and validate the daemon's copy (dispatch.c).
+ * Regions count against --max-regions / --max-region-bytes per connection.
+ *
+ * Lifetime: a region is reference counted on the loop thread only. The
+ * connection holds one reference from registration until ReleaseRegion or
+ * the connection closes; a request naming it holds another until it ends,
+ * so the mapping outlives any work in flight on it (worker threads only
+ * read the base pointer). The last reference unmaps it.
+ *
+ * File descriptors: the pipe is in libuv's ipc mode, so fds sent with a
+ * frame's bytes are queued on the handle. Each frame's fds are taken when
+ * it is dispatched (kvrd_shm_take_fd): the first is kept for a
+ * RegisterRegion, every other one is closed, so none accumulate.
+ */
+#include "daemon/daemon_internal.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <linux/magic.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <sys/vfs.h>
+#include <unistd.h>
+
+#ifndef F_GET_SEALS
+#define F_ADD_SEALS 1033
+#define F_GET_SEALS 1034
+#define F_SEAL_SEAL 0x0001
+#define F_SEAL_SHRINK 0x0002
+#define F_SEAL_GROW 0x0004
+#define F_SEAL_WRITE 0x0008
+#endif
+#ifndef F_SEAL_FUTURE_WRITE
+#define F_SEAL_FUTURE_WRITE 0x0010
+#endif
+
+static void region_free(kvrd_region *g)
+{
+    if (g->base)
+        munmap(g->base, g->size);
+    kvr_mem_free(g);
+}
+
+void kvrd_region_ref(kvrd_region *g)
+{
+    g->refs++;
+}
+
+void kvrd_region_unref(kvrd_region *g)
+{
+    if (g && --g->refs == 0)
+        region_free(g);
+}
+
+static void close_tmp(uv_handle_t *h)
+{
+    kvr_mem_free(h);
+}
+
+int kvrd_shm_take_fd(kvr_conn *c)
+{
+    if (c->is_tcp || c->closing || uv_pipe_pending_count(&c->h.pipe) == 0)
+        return -1;
+    int keep = -1;
+    while (uv_pipe_pending_count(&c->h.pipe) > 0) {
+        uv_pipe_t *tmp = kvr_mem_malloc(sizeof *tmp);
+        if (!tmp || uv_pipe_init(&c->d->loop, tmp, 0) < 0) {
+            kvr_mem_free(tmp);
+            break;
+        }
+        if (uv_accept(&c->h.stream, (uv_stream_t *)tmp) == 0) {
+            uv_os_fd_t fd;
+            if (keep < 0 && uv_fileno((uv_handle_t *)tmp, &fd) == 0)
+                keep = fcntl(fd, F_DUPFD_CLOEXEC, 0);
+        }
+        uv_close((uv_handle_t *)tmp, close_tmp);   /* closes its fd */
+    }
+    /* uv_accept re-arms the read watcher once the queue is empty; a
+     * connection that is not reading must not be woken by its bytes. */
+    if (!c->reading && !c->closing)
+        kvrd_conn_quiet(c);
+    return keep;
+}
+
+int kvrd_shm_register(kvr_conn *c, int fd, uint64_t size, kvrd_region **out, kvr_error *e)
+{
+    *out = NULL;
+    const kvr_daemon_config *cfg = &c->d->cfg;
+    if (c->is_tcp)
+        return kvr_error_set(e, KVR_EUNSUPPORTED, "register_region: shared memory needs the "
+                             "Unix socket (a memfd cannot cross TCP); send the payload instead");
+    if (fd < 0)
+        return kvr_error_set(e, KVR_EBADREQUEST, "register_region: no file descriptor came "
+                             "with the frame (send the memfd with SCM_RIGHTS on its bytes)");
+    if (size == 0 || size > (uint64_t)SIZE_MAX / 2)
+        return kvr_error_set(e, KVR_EINVAL, "register_region: size %llu is not a region size",
+                             (unsigned long long)size);
+    int seals = fcntl(fd, F_GET_SEALS);
+    struct statfs sf;
+    struct stat st;
+    if (seals < 0 || fstatfs(fd, &sf) < 0 || sf.f_type != TMPFS_MAGIC || fstat(fd, &st) < 0 ||
+        !S_ISREG(st.st_mode))
+        return kvr_error_set(e, KVR_EINVAL, "register_region: the file descriptor is not a "
+                             "memfd (memfd_create(..., MFD_ALLOW_SEALING), not hugetlb)");
+    if (!(seals & F_SEAL_SHRINK))
+        return kvr_error_set(e, KVR_EINVAL, "register_region: the memfd is not sealed against "
+                             "shrinking (fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK)): a truncated "
+                             "region would crash the daemon");
+    if (seals & (F_SEAL_WRITE | F_SEAL_FUTURE_WRITE))
+        return kvr_error_set(e, KVR_EINVAL, "register_region: the memfd is sealed against "
+                             "writes; the daemon writes gets into it");
+    if ((uint64_t)st.st_size < size)
+        return kvr_error_set(e, KVR_ERANGE, "register_region: the memfd holds %llu bytes, "
+                             "fewer than the %llu registered (ftruncate it first)",
+                             (unsigned long long)st.st_size, (unsigned long long)size);
+    if (c->n_regions >= cfg->max_regions)
+        return kvr_error_set(e, KVR_ELIMIT, "register_region: this connection has %u regions, "
+                             "the limit (--max-regions %u)", c->n_regions, cfg->max_regions);
+    if (size > cfg->max_region_bytes || c->region_bytes > cfg->max_region_bytes - size)
+        return kvr_error_set(e, KVR_ELIMIT, "register_region: %llu more bytes would pass this "
+                             "connection's limit (--max-region-bytes %llu, %llu registered)",
+                             (unsigned long long)size,
+                             (unsigned long long)cfg->max_region_bytes,
+                             (unsigned long long)c->region_bytes);
+    kvrd_region *g = kvr_mem_calloc(1, sizeof *g);
+    if (!g)
+        return kvr_error_set(e, KVR_ENOMEM, "register_region: out of memory");
+    void *p = mmap(NULL, (size_t)size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    if (p == MAP_FAILED) {
+        int er = errno;
+        kvr_mem_free(g);
+        return kvr_error_set(e, er == ENOMEM ? KVR_ENOMEM : KVR_EINVAL,
+                             "register_region: cannot map the memfd read-write: %s",
+                             strerror(er));
+    }
+    g->base = p;
+    g->size = (size_t)size;
+    g->refs = 1;                  /* the connection's */
+    g->id = ++c->region_seq;
+    if (g->id == 0)
+        g->id = ++c->region_seq;
+    g->next = c->regions;
+    c->regions = g;
+    c->n_regions++;
+    c->region_bytes += size;
+    *out = g;
+    return 0;
+}
+
+kvrd_region *kvrd_shm_find(kvr_conn *c, uint32_t id)
+{
+    for (kvrd_region *g = c->regions; g; g = g->next)
+        if (g->id == id)
+            return g;
+    return NULL;
+}
+
+int kvrd_shm_release(kvr_conn *c, uint32_t id, kvr_error *e)
+{
+    for (kvrd_region **pp = &c->regions; *pp; pp = &(*pp)->next) {
+        kvrd_region *g = *pp;
+        if (g->id != id)
+            continue;
+        *pp = g->next;
+        c->n_regions--;
+        c->region_bytes -= g->size;
+        kvrd_region_unref(g);
+        return 0;
+    }
+    return kvr_error_set(e, KVR_EINVAL, "release_region: no region %u on this connection", id);
+}
+
+void kvrd_shm_conn_closed(kvr_conn *c)
+{
+    kvrd_region *g = c->regions;
+    c->regions = NULL;
+    c->n_regions = 0;
+    c->region_bytes = 0;
+    while (g) {
+        kvrd_region *n = g->next;
+        kvrd_region_unref(g);     /* a request using it keeps its own */
+        g = n;
+    }
+}
+
+int kvrd_shm_slice(kvr_conn *c, uint32_t region, uint64_t offset, uint64_t length,
+                   kvrd_region **out, uint8_t **p, kvr_error *e)
+{
+    *out = NULL;
+    *p = NULL;
+    if (c->is_tcp)
+        return kvr_error_set(e, KVR_EUNSUPPORTED, "shm: shared memory needs the Unix socket; "
+                             "over TCP the payload travels on the connection");
+    kvrd_region *g = kvrd_shm_find(c, region);
+    if (!g)
+        return kvr_error_set(e, KVR_EINVAL, "shm: no region %u on this connection "
+                             "(register it first; regions are per connection)", region);
+    if (offset > g->size || length > g->size - offset)
+        return kvr_error_set(e, KVR_ERANGE, "shm: [%llu, +%llu) is outside region %u's %zu "
+                             "bytes", (unsigned long long)offset, (unsigned long long)length,
+                             region, g->size);
+    kvrd_region_ref(g);
+    *out = g;
+    *p = g->base + offset;
+    return 0;
+}

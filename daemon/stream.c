@@ -1,0 +1,197 @@
+/*
+ * stream.c — streamed replies: a get (or match+get) that needs work and
+ * whose payload is over KVR_STREAM_MIN_BYTES sends its header and message
+ * at once, then works and writes its layers in chunks of about
+ * KVR_STREAM_CHUNK_BYTES (whole layers, at least one), so rotation overlaps
+ * sending. dispatch.c starts it; conn.c only writes the buffers.
+ *
+ * Chunk k (layers [k*per, (k+1)*per) of the payload) is worked in job slot
+ * k % KVR_STREAM_WINDOW and written as soon as it and every chunk before it
+ * are: writes go out in order. A slot is free again once its chunk's write
+ * is queued. New work is queued only while fewer than KVR_STREAM_WINDOW
+ * chunk writes wait on the socket, so a slow reader holds back the work (and
+ * the --io-timeout write clock sees it as a stalled reply); chunk 0 runs
+ * alone (kvr_get_work_layers' first call does the one-time preparation).
+ * The stream ends when nothing is queued any more: after the last write
+ * (then the request ends OK), or after a failure or a close once the work
+ * and the writes in flight have come back. Each queued job and write holds
+ * a reference on the connection, so it outlives the stream.
+ */
+#include "daemon/daemon_internal.h"
+
+#include <assert.h>
+#include <string.h>
+
+enum { SLOT_FREE = 0, SLOT_QUEUED, SLOT_READY };
+
+typedef struct kvrd_stream kvrd_stream;
+
+static void stream_pump(kvrd_stream *s);
+
+typedef struct stream_job {
+    uv_work_t    w;
+    kvrd_stream *s;
+    size_t       chunk;
+    int          state;       /* SLOT_* */
+    int          rc;
+    kvr_error    err;
+} stream_job;
+
+struct kvrd_stream {
+    kvrd_request *r;
+    kvr_conn  *c;
+    kvr_get   *get;
+    size_t     n_layers, per, n_chunks, layer_bytes;
+    size_t     next_queue, next_write;   /* chunks queued for work / written */
+    int        jobs, writes;             /* in flight */
+    bool       first_done;               /* chunk 0's work came back */
+    bool       failed;
+    stream_job job[KVR_STREAM_WINDOW];
+};
+
+static void stream_range(const kvrd_stream *s, size_t chunk, size_t *l0, size_t *l1)
+{
+    *l0 = chunk * s->per;
+    *l1 = *l0 + s->per < s->n_layers ? *l0 + s->per : s->n_layers;
+}
+
+static void stream_work_cb(uv_work_t *w)
+{
+    stream_job *j = w->data;
+    size_t l0, l1;
+    stream_range(j->s, j->chunk, &l0, &l1);
+    memset(&j->err, 0, sizeof j->err);
+    j->rc = kvr_get_work_layers(j->s->get, l0, l1, &j->err);
+}
+
+static void stream_fail(kvrd_stream *s, const char *why)
+{
+    kvr_conn *c = s->c;
+    if (!s->failed)
+        kvr_log(KVR_LOG_ERROR, "streamed reply failed after its header was sent: %s "
+                "(closing the connection)", why);
+    s->failed = true;
+    if (!c->closing)
+        kvr_conn_close(c);
+}
+
+static void stream_after_work_cb(uv_work_t *w, int status)
+{
+    stream_job *j = w->data;
+    kvrd_stream *s = j->s;
+    kvr_conn *c = s->c;
+    assert(s->jobs > 0 && j->state == SLOT_QUEUED);
+    s->jobs--;
+    if (status < 0 && j->rc == 0) {
+        j->rc = KVR_EINTERNAL;
+        kvr_error_set(&j->err, KVR_EINTERNAL, "work cancelled");
+    }
+    j->state = SLOT_READY;
+    if (j->chunk == 0)
+        s->first_done = true;
+    if (j->rc != 0)
+        stream_fail(s, j->err.msg[0] ? j->err.msg : kvr_strerror(j->rc));
+    stream_pump(s);
+    kvr_conn_unref(c);
+}
+
+static void stream_finish(kvrd_stream *s)
+{
+    kvr_conn *c = s->c;
+    kvrd_request *r = s->r;
+    bool ok = !s->failed && !c->closing && s->next_write == s->n_chunks;
+    if (!ok)
+        c->d->n_stream_aborted++;
+    kvr_get_end(s->get);
+    kvr_mem_free(s);
+    kvrd_request_end(r, ok ? 0 : KVR_EIO);
+}
+
+static void stream_write_cb(void *arg, int status)
+{
+    kvrd_stream *s = arg;
+    (void)status;     /* a failed write closed the connection */
+    assert(s->writes > 0);
+    s->writes--;
+    stream_pump(s);
+}
+
+/* Writes what is ready, in order; queues work while the window allows;
+ * ends the stream when nothing is left in flight. May free s. */
+static void stream_pump(kvrd_stream *s)
+{
+    kvr_conn *c = s->c;
+    while (!c->closing && !s->failed && s->next_write < s->n_chunks) {
+        stream_job *j = &s->job[s->next_write % KVR_STREAM_WINDOW];
+        if (j->state != SLOT_READY || j->chunk != s->next_write)
+            break;
+        size_t l0, l1;
+        stream_range(s, s->next_write, &l0, &l1);
+        const struct iovec *iov;
+        size_t niov;
+        kvr_get_payload_iov_layers(s->get, l0, l1, &iov, &niov);
+        j->state = SLOT_FREE;
+        s->next_write++;
+        if (kvrd_conn_write(c, NULL, 0, iov, niov, (l1 - l0) * s->layer_bytes,
+                            stream_write_cb, s) != 0) {
+            stream_fail(s, "the payload write could not be queued");
+            break;
+        }
+        s->writes++;
+    }
+    while (!c->closing && !s->failed && s->next_queue < s->n_chunks &&
+           s->writes < KVR_STREAM_WINDOW && (s->next_queue == 0 || s->first_done)) {
+        stream_job *j = &s->job[s->next_queue % KVR_STREAM_WINDOW];
+        if (j->state != SLOT_FREE)
+            break;
+        j->s = s;
+        j->chunk = s->next_queue;
+        j->rc = 0;
+        j->w.data = j;
+        if (uv_queue_work(&c->d->loop, &j->w, stream_work_cb, stream_after_work_cb) < 0) {
+            stream_fail(s, "the work could not be queued");
+            break;
+        }
+        j->state = SLOT_QUEUED;
+        kvr_conn_ref(c);
+        s->jobs++;
+        s->next_queue++;
+    }
+    if (s->jobs > 0 || s->writes > 0)
+        return;
+    if (!c->closing && !s->failed && s->next_write < s->n_chunks)
+        stream_fail(s, "the stream stalled");   /* cannot happen; never hang */
+    stream_finish(s);
+}
+
+int kvrd_stream_start(kvrd_request *r, kvr_conn *c, kvr_get *get, uint8_t *buf, size_t len,
+                      size_t payload_len)
+{
+    if (c->closing) {
+        kvr_mem_free(buf);
+        kvr_get_end(get);
+        kvrd_request_end(r, KVR_EIO);
+        return 0;
+    }
+    size_t nl = kvr_get_get_info(get)->n_layers;
+    kvrd_stream *s = nl ? kvr_mem_calloc(1, sizeof *s) : NULL;
+    if (!s)
+        return KVR_ENOMEM;
+    s->r = r;
+    s->c = c;
+    s->get = get;
+    s->n_layers = nl;
+    s->layer_bytes = payload_len / nl;
+    s->per = s->layer_bytes ? KVR_STREAM_CHUNK_BYTES / s->layer_bytes : nl;
+    if (s->per == 0)
+        s->per = 1;
+    s->n_chunks = (nl + s->per - 1) / s->per;
+    c->d->n_streamed++;
+    if (kvrd_conn_write(c, buf, len, NULL, 0, 0, NULL, NULL) != 0) {
+        stream_fail(s, "the header write could not be queued");
+        stream_finish(s);
+        return 0;
+    }
+    stream_pump(s);
+    return 0;
+}

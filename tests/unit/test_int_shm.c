@@ -1,0 +1,673 @@
+/*
+ * test_int_shm.c — shared-memory payloads end to end (issue 14): a real
+ * kvroped and libkvrope. Round trips through a region are bit-identical to
+ * the socket path for every dtype and codec, with re-rotation, dtype
+ * conversion, match+get, assemble, edits and refresh; every refusal
+ * (unsealed, too small, not a memfd, write-sealed, out-of-range offsets,
+ * overflowing lengths, unknown regions, per-connection limits, TCP); a
+ * client that unmaps its region, closes its fd or exits mid-request leaves
+ * the daemon serving everyone else; many regions and clients at once.
+ */
+#include <criterion/criterion.h>
+
+#include <arpa/inet.h>
+#include <math.h>
+#include <netinet/in.h>
+#include <pthread.h>
+#include <sys/mman.h>
+#include <sys/socket.h>
+#include <sys/time.h>
+#include <sys/un.h>
+#include <dirent.h>
+
+#include "kvrope.pb-c.h"
+#include "proto/frame.h"
+#include "tests/common/kvr_testd.h"
+
+static kvr_testd D;
+static kvr_client *C;
+
+static void setup(void)
+{
+    const char *extra[] = { "--max-regions", "4", "--max-region-bytes", "64M", NULL };
+    cr_assert_eq(testd_start(&D, extra), 0, "daemon did not start");
+    C = testd_connect(&D);
+    cr_assert_not_null(C);
+}
+
+static void teardown(void)
+{
+    kvr_client_close(C);
+    C = NULL;
+    testd_stop(&D);
+}
+
+TestSuite(int_shm, .init = setup, .fini = teardown, .timeout = 180);
+
+#define REGION (4u << 20)
+
+static uint32_t make_region(kvr_client *c, void **base)
+{
+    uint32_t id = 0;
+    int r = kvr_client_region_create(c, REGION, &id, base);
+    cr_assert_eq(r, 0, "%s", kvr_client_last_error(c));
+    cr_assert_neq(id, 0);
+    return id;
+}
+
+/* Puts n tokens into ctx, through the region when id != 0. */
+static void put_ctx(kvr_client *c, uint32_t id, void *base, const char *ctx, const char *model,
+                    kvr_dtype dt, const char *codec, uint32_t seed, size_t n)
+{
+    size_t len;
+    void *pl = testd_payload(seed, T_LAYERS, 0, n, dt, &len);
+    uint32_t *tok = testd_tokens(1000 + seed, n);
+    kvr_put_args a = { .ctx_id = ctx, .model = model, .dtype = dt, .tokens = tok, .n_tokens = n,
+                       .has_pos_start = true, .pos_start = 0, .n_layers = T_LAYERS,
+                       .n_kv_heads = T_HEADS, .head_dim = T_DIM };
+    a.codec = codec;
+    int r;
+    if (id) {
+        memcpy((uint8_t *)base + 4096, pl, len);
+        kvr_shm at = { id, 4096, len };
+        r = kvr_client_put_shm(c, &a, &at, NULL);
+    } else {
+        a.payload = pl;
+        a.payload_len = len;
+        r = kvr_client_put(c, &a, NULL);
+    }
+    cr_assert_eq(r, 0, "put %s: %s", ctx, kvr_client_last_error(c));
+    free(pl);
+    free(tok);
+}
+
+/* Gets ctx over the socket and through the region and compares them. */
+static void same_get(uint32_t id, void *base, const char *ctx_sock, const char *ctx_shm,
+                     const kvr_get_args *g0, bool raw)
+{
+    kvr_get_args g = *g0;
+    g.raw = raw;
+    kvr_kv a, b;
+    g.ctx_id = ctx_sock;
+    cr_assert_eq(kvr_client_get(C, &g, &a), 0, "%s", kvr_client_last_error(C));
+    g.ctx_id = ctx_shm;
+    memset(base, 0xA5, REGION);
+    kvr_shm at = { id, 8192, 0 };
+    cr_assert_eq(kvr_client_get_shm(C, &g, &at, &b), 0, "%s",
+                 kvr_client_last_error(C));
+    cr_assert_eq(a.payload_len, b.payload_len);
+    cr_assert_eq(b.payload, (uint8_t *)base + 8192, "the result is a view of the region");
+    cr_assert_not(b.payload_owned);
+    cr_assert(a.payload_len > 0);
+    cr_assert_eq(memcmp(a.payload, b.payload, a.payload_len), 0, "shm get differs from socket");
+    cr_assert_eq(a.n_tokens, b.n_tokens);
+    cr_assert_eq(memcmp(a.positions, b.positions, a.n_tokens * sizeof *a.positions), 0);
+    /* Nothing written past the payload. */
+    cr_assert_eq(((uint8_t *)base)[8192 + b.payload_len], 0xA5);
+    kvr_kv_release(&a);
+    kvr_kv_release(&b);
+}
+
+Test(int_shm, roundtrip_every_dtype_and_codec)
+{
+    void *base;
+    uint32_t id = make_region(C, &base);
+    const kvr_dtype dts[] = { KVR_DTYPE_F32, KVR_DTYPE_F16, KVR_DTYPE_BF16 };
+    const char *codecs[] = { NULL, "int8", "k4v2", "q8_0", "kivi:k4v2:g32:r32" };
+    int64_t pos[150];
+    for (size_t i = 0; i < 150; i++)
+        pos[i] = 37 + 2 * (int64_t)i;
+    for (size_t d = 0; d < 3; d++) {
+        char model[32];
+        snprintf(model, sizeof model, "m%zu", d);
+        cr_assert_eq(testd_register(C, model, dts[d], NULL), 0, "%s", kvr_client_last_error(C));
+        for (size_t k = 0; k < sizeof codecs / sizeof codecs[0]; k++) {
+            char cs[32], cm[32];
+            snprintf(cs, sizeof cs, "sock-%zu-%zu", d, k);
+            snprintf(cm, sizeof cm, "shm-%zu-%zu", d, k);
+            put_ctx(C, 0, NULL, cs, model, dts[d], codecs[k], (uint32_t)(d * 10 + k), 150);
+            put_ctx(C, id, base, cm, model, dts[d], codecs[k], (uint32_t)(d * 10 + k), 150);
+            for (size_t o = 0; o < 3; o++) {
+                /* stored positions, re-rotated, and a subrange + layer subset */
+                kvr_get_args g = { .dtype = dts[o] };
+                same_get(id, base, cs, cm, &g, false);
+                g.positions = pos;
+                g.n_positions = 150;
+                same_get(id, base, cs, cm, &g, false);
+                uint32_t layers[] = { 2, 0 };
+                kvr_get_args g2 = { .dtype = dts[o], .start = 10, .end = 77, .layers = layers,
+                                    .n_layers = 2, .positions = pos, .n_positions = 67 };
+                same_get(id, base, cs, cm, &g2, false);
+            }
+            if (codecs[k] && (!strcmp(codecs[k], "int8") || !strcmp(codecs[k], "q8_0"))) {
+                kvr_get_args g = { .dtype = dts[d], .end = 128 };
+                same_get(id, base, cs, cm, &g, true);
+            }
+        }
+    }
+}
+
+Test(int_shm, match_assemble_edit_refresh)
+{
+    void *base;
+    uint32_t id = make_region(C, &base);
+    cr_assert_eq(testd_register(C, "tiny", KVR_DTYPE_F16, NULL), 0);
+    put_ctx(C, 0, NULL, "a", "tiny", KVR_DTYPE_F16, NULL, 5, 90);
+
+    /* match + get */
+    uint32_t *tok = testd_tokens(1005, 90);
+    kvr_match_args m = { .model = "tiny", .tokens = tok, .n_tokens = 90, .get = true,
+                         .dtype = KVR_DTYPE_F32 };
+    kvr_match_res ms, mm;
+    cr_assert_eq(kvr_client_match(C, &m, &ms), 0, "%s", kvr_client_last_error(C));
+    kvr_shm at = { id, 0, 0 };
+    cr_assert_eq(kvr_client_match_shm(C, &m, &at, &mm), 0, "%s", kvr_client_last_error(C));
+    cr_assert(ms.has_kv && mm.has_kv);
+    cr_assert_eq(ms.kv.payload_len, mm.kv.payload_len);
+    cr_assert_eq(mm.kv.payload, base);
+    cr_assert_eq(memcmp(ms.kv.payload, mm.kv.payload, ms.kv.payload_len), 0);
+    kvr_kv_release(&ms.kv);
+    kvr_kv_release(&mm.kv);
+
+    /* assemble: a prefix and two documents encoded after it */
+    put_ctx(C, 0, NULL, "pre", "tiny", KVR_DTYPE_F16, NULL, 6, 20);
+    for (int i = 0; i < 2; i++) {
+        size_t len;
+        void *pl = testd_payload(40 + (uint32_t)i, T_LAYERS, 20, 30, KVR_DTYPE_F16, &len);
+        uint32_t *dt = testd_tokens(5000 + 100 * (uint32_t)i, 30);
+        kvr_put_args a = { .ctx_id = i ? "d1" : "d0", .model = "tiny", .dtype = KVR_DTYPE_F16,
+                           .tokens = dt, .n_tokens = 30, .payload = pl, .payload_len = len };
+        a.prefix_ctx = "pre";
+        cr_assert_eq(kvr_client_put(C, &a, NULL), 0, "%s", kvr_client_last_error(C));
+        free(pl);
+        free(dt);
+    }
+    const char *docs[] = { "d0", "d1" };
+    kvr_assemble_args as = { .prefix = "pre", .docs = docs, .n_docs = 2,
+                             .layout = KVR_LAYOUT_SEQUENTIAL, .dtype = KVR_DTYPE_F16 };
+    kvr_assemble_res r1, r2;
+    cr_assert_eq(kvr_client_assemble(C, &as, &r1), 0, "%s", kvr_client_last_error(C));
+    at.offset = 64;
+    cr_assert_eq(kvr_client_assemble_shm(C, &as, &at, &r2), 0, "%s", kvr_client_last_error(C));
+    cr_assert_eq(r1.kv.payload_len, r2.kv.payload_len);
+    cr_assert_eq(r2.kv.payload, (uint8_t *)base + 64);
+    cr_assert_eq(memcmp(r1.kv.payload, r2.kv.payload, r1.kv.payload_len), 0);
+    kvr_assemble_release(&r1);
+    kvr_assemble_release(&r2);
+
+    /* edit with KV and refresh, through the region and over the socket */
+    put_ctx(C, 0, NULL, "e-sock", "tiny", KVR_DTYPE_F16, NULL, 8, 64);
+    put_ctx(C, 0, NULL, "e-shm", "tiny", KVR_DTYPE_F16, NULL, 8, 64);
+    uint32_t nt[5] = { 1, 2, 3, 4, 5 };
+    kvr_edit_range op = { .start = 10, .end = 12, .tokens = nt, .n_tokens = 5 };
+    size_t len;
+    void *kv = testd_payload(77, T_LAYERS, 10, 5, KVR_DTYPE_F16, &len);
+    kvr_edit_args e = { .ctx_id = "e-sock", .ops = &op, .n_ops = 1, .with_kv = true,
+                        .dtype = KVR_DTYPE_F16, .payload = kv, .payload_len = len };
+    cr_assert_eq(kvr_client_edit(C, &e, NULL), 0, "%s", kvr_client_last_error(C));
+    memcpy((uint8_t *)base + 100, kv, len);
+    kvr_edit_args e2 = { .ctx_id = "e-shm", .ops = &op, .n_ops = 1, .with_kv = true,
+                         .dtype = KVR_DTYPE_F16 };
+    kvr_shm pat = { id, 100, len };
+    cr_assert_eq(kvr_client_edit_shm(C, &e2, &pat, NULL), 0, "%s", kvr_client_last_error(C));
+    free(kv);
+    void *rk = testd_payload(78, T_LAYERS, 0, 6, KVR_DTYPE_F16, &len);
+    kvr_refresh_args f = { .ctx_id = "e-sock", .start = 20, .end = 26, .dtype = KVR_DTYPE_F16,
+                           .payload = rk, .payload_len = len };
+    cr_assert_eq(kvr_client_refresh(C, &f, NULL), 0, "%s", kvr_client_last_error(C));
+    memcpy((uint8_t *)base + 333, rk, len);
+    kvr_refresh_args f2 = { .ctx_id = "e-shm", .start = 20, .end = 26, .dtype = KVR_DTYPE_F16 };
+    kvr_shm rat = { id, 333, len };
+    cr_assert_eq(kvr_client_refresh_shm(C, &f2, &rat, NULL), 0, "%s", kvr_client_last_error(C));
+    free(rk);
+    kvr_get_args g = { .dtype = KVR_DTYPE_F16 };
+    same_get(id, base, "e-sock", "e-shm", &g, false);
+    free(tok);
+}
+
+Test(int_shm, put_checks_the_daemons_copy)
+{
+    void *base;
+    uint32_t id = make_region(C, &base);
+    cr_assert_eq(testd_register(C, "tiny", KVR_DTYPE_F32, NULL), 0);
+    size_t len;
+    float *pl = testd_payload(1, T_LAYERS, 0, 40, KVR_DTYPE_F32, &len);
+    pl[17] = NAN;   /* a quantized codec refuses nan at put */
+    memcpy(base, pl, len);
+    uint32_t *tok = testd_tokens(1, 40);
+    kvr_put_args a = { .ctx_id = "q", .model = "tiny", .dtype = KVR_DTYPE_F32, .tokens = tok,
+                       .n_tokens = 40, .n_layers = T_LAYERS, .n_kv_heads = T_HEADS,
+                       .head_dim = T_DIM };
+    a.codec = "int8";
+    kvr_shm at = { id, 0, len };
+    cr_assert_eq(kvr_client_put_shm(C, &a, &at, NULL), KVR_EINVAL);
+    cr_assert(strstr(kvr_client_last_error(C), "nan") || strstr(kvr_client_last_error(C), "NaN")
+              || strstr(kvr_client_last_error(C), "finite"), "%s", kvr_client_last_error(C));
+    kvr_context ci;
+    cr_assert_eq(kvr_client_stat(C, "q", &ci), KVR_ENOCTX, "a refused put stores nothing");
+    /* a slice of the wrong length is E_PAYLOAD */
+    at.length = len - 4;
+    cr_assert_eq(kvr_client_put_shm(C, &a, &at, NULL), KVR_EPAYLOAD);
+    free(pl);
+    free(tok);
+}
+
+static int raw_memfd(size_t size, unsigned seals)
+{
+    int fd = memfd_create("t", MFD_CLOEXEC | MFD_ALLOW_SEALING);
+    cr_assert_geq(fd, 0);
+    cr_assert_eq(ftruncate(fd, (off_t)size), 0);
+    if (seals)
+        cr_assert_eq(fcntl(fd, F_ADD_SEALS, seals), 0);
+    return fd;
+}
+
+Test(int_shm, refusals)
+{
+    uint32_t id;
+    static uint8_t dummy[8192];
+    /* unsealed */
+    int fd = raw_memfd(8192, 0);
+    cr_assert_eq(kvr_client_region_register(C, fd, 8192, NULL, &id), KVR_EINVAL);
+    cr_assert(strstr(kvr_client_last_error(C), "F_SEAL_SHRINK"), "%s", kvr_client_last_error(C));
+    close(fd);
+    /* too small */
+    fd = raw_memfd(4096, F_SEAL_SHRINK);
+    cr_assert_eq(kvr_client_region_register(C, fd, 8192, dummy, &id), KVR_ERANGE);
+    cr_assert(strstr(kvr_client_last_error(C), "fewer"), "%s", kvr_client_last_error(C));
+    close(fd);
+    /* write-sealed */
+    fd = raw_memfd(8192, F_SEAL_SHRINK | F_SEAL_WRITE);
+    cr_assert_eq(kvr_client_region_register(C, fd, 8192, dummy, &id), KVR_EINVAL);
+    close(fd);
+    /* not a memfd: a regular file, and a pipe */
+    char path[400];
+    snprintf(path, sizeof path, "%s/plain", D.dir);
+    fd = open(path, O_RDWR | O_CREAT, 0600);
+    cr_assert_eq(ftruncate(fd, 8192), 0);
+    cr_assert_eq(kvr_client_region_register(C, fd, 8192, NULL, &id), KVR_EINVAL);
+    cr_assert(strstr(kvr_client_last_error(C), "not a memfd"), "%s", kvr_client_last_error(C));
+    close(fd);
+    int p[2];
+    cr_assert_eq(pipe(p), 0);
+    cr_assert_eq(kvr_client_region_register(C, p[0], 8192, dummy, &id), KVR_EINVAL);
+    close(p[0]);
+    close(p[1]);
+
+    /* slices */
+    void *base;
+    uint32_t good = make_region(C, &base);
+    cr_assert_eq(testd_register(C, "tiny", KVR_DTYPE_F16, NULL), 0);
+    put_ctx(C, 0, NULL, "c", "tiny", KVR_DTYPE_F16, NULL, 1, 100);
+    kvr_get_args g = { .ctx_id = "c", .dtype = KVR_DTYPE_F16 };
+    kvr_kv kv;
+    kvr_shm bad[] = {
+        { good, REGION + 1, 1 },                 /* offset past the end */
+        { good, 16, REGION },                    /* runs past the end */
+        { good, UINT64_MAX - 8, 64 },            /* offset + length overflows */
+        { good, 8, UINT64_MAX },                 /* length overflows */
+        { good + 100, 0, 64 },                   /* unknown region */
+    };
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        int r = kvr_client_get_shm(C, &g, &bad[i], &kv);
+        cr_assert(r == KVR_ERANGE || r == KVR_EINVAL, "slice %zu: %d %s", i, r,
+                  kvr_client_last_error(C));
+    }
+    /* too small for the payload: nothing written */
+    memset(base, 0x5A, 64);
+    kvr_shm small = { good, 0, 64 };
+    cr_assert_eq(kvr_client_get_shm(C, &g, &small, &kv), KVR_ERANGE);
+    cr_assert_eq(((uint8_t *)base)[0], 0x5A);
+    /* shm on a request without a payload */
+    kvr_client_shm_next(C, &small);
+    cr_assert_eq(kvr_client_ping(C, NULL), KVR_EBADREQUEST);
+    cr_assert_eq(kvr_client_ping(C, NULL), 0, "the placement is one-shot");
+
+    /* per-connection limits: --max-regions 4, --max-region-bytes 64M */
+    uint32_t ids[3];
+    for (int i = 0; i < 3; i++)
+        ids[i] = make_region(C, NULL);
+    cr_assert_eq(kvr_client_region_create(C, 4096, &id, NULL), KVR_ELIMIT);
+    cr_assert(strstr(kvr_client_last_error(C), "max-regions"), "%s", kvr_client_last_error(C));
+    for (int i = 0; i < 3; i++)
+        cr_assert_eq(kvr_client_region_release(C, ids[i]), 0, "%s", kvr_client_last_error(C));
+    cr_assert_eq(kvr_client_region_create(C, (size_t)80 << 20, &id, NULL), KVR_ELIMIT);
+    cr_assert(strstr(kvr_client_last_error(C), "max-region-bytes"), "%s",
+              kvr_client_last_error(C));
+    /* released: gone for the daemon too */
+    kvr_shm rel = { ids[0], 0, 0 };
+    kvr_client_shm_next(C, &rel);
+    kvr_get_args g2 = { .ctx_id = "c", .dtype = KVR_DTYPE_F16 };
+    cr_assert_eq(kvr_client_get(C, &g2, &kv), KVR_EINVAL);
+    /* another connection cannot name this one's region */
+    kvr_client *o = testd_connect(&D);
+    kvr_shm other = { good, 0, 0 };
+    kvr_client_shm_next(o, &other);
+    cr_assert_eq(kvr_client_get(o, &g2, &kv), KVR_EINVAL);
+    kvr_client_close(o);
+    /* and the connection still works */
+    cr_assert_eq(kvr_client_ping(C, NULL), 0);
+}
+
+static int free_tcp_port(void)
+{
+    int s = socket(AF_INET, SOCK_STREAM, 0);
+    struct sockaddr_in a = { .sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK) };
+    cr_assert_eq(bind(s, (struct sockaddr *)&a, sizeof a), 0);
+    socklen_t l = sizeof a;
+    getsockname(s, (struct sockaddr *)&a, &l);
+    close(s);
+    return ntohs(a.sin_port);
+}
+
+Test(int_shm, tcp_refuses_shared_memory, .init = NULL, .fini = NULL)
+{
+    char listen[64], addr[80];
+    int port = free_tcp_port();
+    snprintf(listen, sizeof listen, "127.0.0.1:%d", port);
+    snprintf(addr, sizeof addr, "tcp:127.0.0.1:%d", port);
+    const char *extra[] = { "--listen", listen, NULL };
+    cr_assert_eq(testd_start(&D, extra), 0);
+    kvr_client *t = NULL;
+    for (int i = 0; i < 500 && kvr_client_connect(&t, addr, NULL) < 0; i++)
+        testd_sleep_ms(10);
+    cr_assert_not_null(t);
+    uint32_t id;
+    /* SCM_RIGHTS does not cross TCP: the fd never arrives, the frame is refused */
+    int r = kvr_client_region_create(t, 4096, &id, NULL);
+    cr_assert_eq(r, KVR_EUNSUPPORTED, "%d %s", r, kvr_client_last_error(t));
+    cr_assert(strstr(kvr_client_last_error(t), "Unix socket"), "%s", kvr_client_last_error(t));
+    kvr_shm at = { 1, 0, 0 };
+    kvr_client_shm_next(t, &at);
+    kvr_get_args g = { .ctx_id = "x", .dtype = KVR_DTYPE_F16 };
+    kvr_kv kv;
+    cr_assert_eq(kvr_client_get(t, &g, &kv), KVR_EUNSUPPORTED);
+    cr_assert_eq(kvr_client_ping(t, NULL), 0);
+    kvr_client_close(t);
+    testd_stop(&D);
+}
+
+/* A child that registers a region and asks for a large re-rotating get
+ * into it, then goes away: killed by a timer while the daemon works on the
+ * get (how & 1: after unmapping its view; how & 2: its own memfd, closed
+ * and unmapped before the request), or (how 4) closing its socket right
+ * after the request was sent. */
+static void vanishing_client(int how)
+{
+    pid_t pid = fork();
+    cr_assert_geq(pid, 0);
+    if (pid == 0) {
+        kvr_client *c = testd_connect(&D);
+        if (!c)
+            _exit(2);
+        void *base;
+        uint32_t id;
+        if (how & 2) {
+            int fd = memfd_create("v", MFD_CLOEXEC | MFD_ALLOW_SEALING);
+            if (fd < 0 || ftruncate(fd, REGION) < 0 || fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK) < 0)
+                _exit(3);
+            base = mmap(NULL, REGION, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+            if (base == MAP_FAILED || kvr_client_region_register(c, fd, REGION, base, &id) < 0)
+                _exit(4);
+            close(fd);
+            munmap(base, REGION);
+        } else if (kvr_client_region_create(c, REGION, &id, &base) < 0) {
+            _exit(5);
+        }
+        if (how & 1)
+            munmap(base, REGION);
+        int64_t *pos = malloc(2000 * sizeof *pos);
+        for (int i = 0; i < 2000; i++)
+            pos[i] = 5000 + i;
+        kvr_get_args g = { .ctx_id = "big", .dtype = KVR_DTYPE_F32, .positions = pos,
+                           .n_positions = 2000 };
+        kvr_shm at = { id, 0, 0 };
+        kvr_kv kv;
+        signal(SIGALRM, SIG_DFL);
+        struct itimerval it = { { 0, 0 }, { 0, 300 } };
+        setitimer(ITIMER_REAL, &it, NULL);
+        kvr_client_get_shm(c, &g, &at, &kv);
+        _exit(0);
+    }
+    int st;
+    cr_assert_eq(waitpid(pid, &st, 0), pid);
+}
+
+Test(int_shm, clients_that_vanish)
+{
+    cr_assert_eq(testd_register(C, "tiny", KVR_DTYPE_F16, NULL), 0);
+    put_ctx(C, 0, NULL, "big", "tiny", KVR_DTYPE_F16, NULL, 3, 2000);
+    for (int round = 0; round < 2; round++)
+        for (int how = 0; how < 4; how++)
+            vanishing_client(how);
+    cr_assert(testd_alive(&D), "the daemon survived");
+    kvr_get_args g = { .ctx_id = "big", .dtype = KVR_DTYPE_F16 };
+    kvr_kv kv;
+    cr_assert_eq(kvr_client_get(C, &g, &kv), 0, "%s", kvr_client_last_error(C));
+    size_t len;
+    void *want = testd_payload(3, T_LAYERS, 0, 2000, KVR_DTYPE_F16, &len);
+    cr_assert_eq(kv.payload_len, len);
+    cr_assert_eq(memcmp(kv.payload, want, len), 0);
+    free(want);
+    kvr_kv_release(&kv);
+    /* and shared memory still works for the others */
+    void *base;
+    uint32_t id = make_region(C, &base);
+    kvr_shm at = { id, 0, 0 };
+    cr_assert_eq(kvr_client_get_shm(C, &g, &at, &kv), 0, "%s",
+                 kvr_client_last_error(C));
+    want = testd_payload(3, T_LAYERS, 0, 2000, KVR_DTYPE_F16, &len);
+    cr_assert_eq(memcmp(base, want, len), 0);
+    free(want);
+}
+
+typedef struct worker_arg {
+    int   idx;
+    int   fails;
+    char  why[256];
+} worker_arg;
+
+static void *worker(void *p)
+{
+    worker_arg *w = p;
+    kvr_client *c = testd_connect(&D);
+    if (!c) {
+        w->fails++;
+        return NULL;
+    }
+    uint32_t ids[3];
+    void *bases[3];
+    for (int i = 0; i < 3; i++)
+        if (kvr_client_region_create(c, 1 << 20, &ids[i], &bases[i]) < 0) {
+            snprintf(w->why, sizeof w->why, "create: %s", kvr_client_last_error(c));
+            w->fails++;
+            kvr_client_close(c);
+            return NULL;
+        }
+    for (int it = 0; it < 20; it++) {
+        char ctx[32];
+        snprintf(ctx, sizeof ctx, "w%d-%d", w->idx, it);
+        int ri = it % 3;
+        size_t n = 40 + (size_t)it;
+        size_t len;
+        void *pl = testd_payload((uint32_t)(w->idx * 100 + it), T_LAYERS, 0, n, KVR_DTYPE_F16,
+                                 &len);
+        memcpy(bases[ri], pl, len);
+        uint32_t *tok = testd_tokens((uint32_t)it, n);
+        kvr_put_args a = { .ctx_id = ctx, .model = "tiny", .dtype = KVR_DTYPE_F16, .tokens = tok,
+                           .n_tokens = n, .has_pos_start = true };
+        kvr_shm at = { ids[ri], 0, len };
+        if (kvr_client_put_shm(c, &a, &at, NULL) < 0) {
+            snprintf(w->why, sizeof w->why, "put: %s", kvr_client_last_error(c));
+            w->fails++;
+        }
+        kvr_get_args g = { .ctx_id = ctx, .dtype = KVR_DTYPE_F16 };
+        kvr_shm out = { ids[(ri + 1) % 3], 512, 0 };
+        kvr_kv kv;
+        if (kvr_client_get_shm(c, &g, &out, &kv) < 0) {
+            snprintf(w->why, sizeof w->why, "get: %s", kvr_client_last_error(c));
+            w->fails++;
+        } else {
+            if (kv.payload_len != len || memcmp(kv.payload, pl, len) != 0)
+                w->fails++;
+            kvr_kv_release(&kv);
+        }
+        free(pl);
+        free(tok);
+    }
+    kvr_client_close(c);
+    return NULL;
+}
+
+Test(int_shm, many_regions_and_clients)
+{
+    cr_assert_eq(testd_register(C, "tiny", KVR_DTYPE_F16, NULL), 0);
+    enum { N = 6 };
+    pthread_t th[N];
+    worker_arg wa[N];
+    for (int i = 0; i < N; i++) {
+        wa[i] = (worker_arg){ .idx = i };
+        cr_assert_eq(pthread_create(&th[i], NULL, worker, &wa[i]), 0);
+    }
+    for (int i = 0; i < N; i++) {
+        pthread_join(th[i], NULL);
+        cr_assert_eq(wa[i].fails, 0, "worker %d: %s", i, wa[i].why);
+    }
+    cr_assert_eq(kvr_client_ping(C, NULL), 0);
+}
+
+Test(int_shm, cli_put_and_get_through_shared_memory)
+{
+    cr_assert_eq(testd_register(C, "tiny", KVR_DTYPE_F16, NULL), 0);
+    size_t len;
+    void *pl = testd_payload(9, T_LAYERS, 0, 12, KVR_DTYPE_F16, &len);
+    char in[400], out1[400], out2[400];
+    snprintf(in, sizeof in, "%s/in.bin", D.dir);
+    snprintf(out1, sizeof out1, "%s/o1.bin", D.dir);
+    snprintf(out2, sizeof out2, "%s/o2.bin", D.dir);
+    FILE *f = fopen(in, "wb");
+    cr_assert_eq(fwrite(pl, 1, len, f), len);
+    fclose(f);
+    const char *put[] = { "put", "cli", in, "--model", "tiny", "--tokens",
+                          "1,2,3,4,5,6,7,8,9,10,11,12", "--shm", "-q", NULL };
+    cr_assert_eq(testd_cli(&D, NULL, 0, put), 0);
+    const char *g1[] = { "get", "cli", "-o", out1, "--shm", "--pos-start", "50", "-q", NULL };
+    const char *g2[] = { "get", "cli", "-o", out2, "--pos-start", "50", "-q", NULL };
+    cr_assert_eq(testd_cli(&D, NULL, 0, g1), 0);
+    cr_assert_eq(testd_cli(&D, NULL, 0, g2), 0);
+    char *b1 = malloc(len + 1), *b2 = malloc(len + 1);
+    f = fopen(out1, "rb");
+    cr_assert_eq(fread(b1, 1, len + 1, f), len);
+    fclose(f);
+    f = fopen(out2, "rb");
+    cr_assert_eq(fread(b2, 1, len + 1, f), len);
+    fclose(f);
+    cr_assert_eq(memcmp(b1, b2, len), 0, "--shm get equals the socket get");
+    kvr_get_args g = { .ctx_id = "cli", .dtype = KVR_DTYPE_F16 };
+    kvr_kv kv;
+    cr_assert_eq(kvr_client_get(C, &g, &kv), 0);
+    cr_assert_eq(memcmp(kv.payload, pl, len), 0, "--shm put stored the file's bytes");
+    kvr_kv_release(&kv);
+    free(b1);
+    free(b2);
+    free(pl);
+}
+
+/* ---- raw frames: descriptors that come without a RegisterRegion, and a
+ * RegisterRegion that comes without one ---------------------------------- */
+
+static int raw_connect(void)
+{
+    int fd = socket(AF_UNIX, SOCK_STREAM, 0);
+    struct sockaddr_un sa = { .sun_family = AF_UNIX };
+    cr_assert_lt(strlen(D.sock), sizeof sa.sun_path);
+    memcpy(sa.sun_path, D.sock, strlen(D.sock) + 1);
+    cr_assert_eq(connect(fd, (struct sockaddr *)&sa, sizeof sa), 0);
+    struct timeval tv = { 20, 0 };
+    setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+    return fd;
+}
+
+/* Sends req, with `pass` (>= 0) attached by SCM_RIGHTS; returns the status. */
+static int raw_call(int fd, Kvrope__Request *req, int pass)
+{
+    uint8_t buf[512];
+    size_t n = kvrope__request__get_packed_size(req);
+    cr_assert(n + KVR_FRAME_HEADER_SIZE <= sizeof buf);
+    kvr_frame_header_encode(buf, (uint32_t)n, 0);
+    kvrope__request__pack(req, buf + KVR_FRAME_HEADER_SIZE);
+    struct iovec iov = { buf, n + KVR_FRAME_HEADER_SIZE };
+    union {
+        struct cmsghdr h;
+        char b[CMSG_SPACE(sizeof(int))];
+    } cm;
+    struct msghdr mh = { .msg_iov = &iov, .msg_iovlen = 1 };
+    if (pass >= 0) {
+        memset(&cm, 0, sizeof cm);
+        mh.msg_control = cm.b;
+        mh.msg_controllen = sizeof cm.b;
+        struct cmsghdr *h = CMSG_FIRSTHDR(&mh);
+        h->cmsg_level = SOL_SOCKET;
+        h->cmsg_type = SCM_RIGHTS;
+        h->cmsg_len = CMSG_LEN(sizeof(int));
+        memcpy(CMSG_DATA(h), &pass, sizeof(int));
+    }
+    cr_assert_eq(sendmsg(fd, &mh, MSG_NOSIGNAL), (ssize_t)iov.iov_len);
+    uint8_t hdr[KVR_FRAME_HEADER_SIZE];
+    cr_assert_eq(recv(fd, hdr, sizeof hdr, MSG_WAITALL), (ssize_t)sizeof hdr);
+    kvr_frame_header fh;
+    cr_assert_eq(kvr_frame_header_decode(hdr, &fh, NULL), 0);
+    uint8_t *m = malloc(fh.msg_len ? fh.msg_len : 1);
+    cr_assert_eq(recv(fd, m, fh.msg_len, MSG_WAITALL), (ssize_t)fh.msg_len);
+    Kvrope__Response *r = kvrope__response__unpack(NULL, fh.msg_len, m);
+    free(m);
+    cr_assert_not_null(r);
+    int st = (int)r->status;
+    kvrope__response__free_unpacked(r, NULL);
+    return st;
+}
+
+static int count_fds(pid_t pid)
+{
+    char path[64];
+    snprintf(path, sizeof path, "/proc/%d/fd", (int)pid);
+    DIR *d = opendir(path);
+    cr_assert_not_null(d);
+    int n = 0;
+    while (readdir(d))
+        n++;
+    closedir(d);
+    return n;
+}
+
+Test(int_shm, stray_descriptors_are_closed)
+{
+    int fd = raw_connect();
+    Kvrope__Request q = KVROPE__REQUEST__INIT;
+    Kvrope__Ping ping = KVROPE__PING__INIT;
+    q.id = 1;
+    q.body_case = KVROPE__REQUEST__BODY_PING;
+    q.ping = &ping;
+    cr_assert_eq(raw_call(fd, &q, -1), KVROPE__STATUS__OK);
+    int before = count_fds(D.pid);
+    int mfd = raw_memfd(4096, F_SEAL_SHRINK);
+    for (int i = 0; i < 50; i++)   /* fds riding on pings: closed, not kept */
+        cr_assert_eq(raw_call(fd, &q, mfd), KVROPE__STATUS__OK);
+    /* (a little slack: the daemon may open a descriptor of its own meanwhile) */
+    int after = count_fds(D.pid);
+    cr_assert_leq(after, before + 5, "the daemon kept stray descriptors: %d -> %d", before,
+                  after);
+    /* a RegisterRegion without a descriptor */
+    Kvrope__RegisterRegion rr = KVROPE__REGISTER_REGION__INIT;
+    rr.size = 4096;
+    Kvrope__Request g = KVROPE__REQUEST__INIT;
+    g.id = 2;
+    g.body_case = KVROPE__REQUEST__BODY_REGISTER_REGION;
+    g.register_region = &rr;
+    cr_assert_eq(raw_call(fd, &g, -1), KVROPE__STATUS__E_BAD_REQUEST);
+    /* and with one it works; the connection's close unmaps it */
+    cr_assert_eq(raw_call(fd, &g, mfd), KVROPE__STATUS__OK);
+    close(mfd);
+    close(fd);
+    cr_assert_eq(kvr_client_ping(C, NULL), 0);
+}
