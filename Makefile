@@ -6,6 +6,7 @@
 #   make check      the tests under ASan + UBSan with libc malloc (build/check)
 #   make bench      the benchmarks (ratios against memcpy, Redis, ggml in the same run)
 #   make fuzz       libFuzzer targets (clang), a short run of each
+#   make fuzz-ci    every fuzz target for a few seconds from tests/fuzz/corpus (CI)
 #   make soak       the long crash run: 1,000 kill -9 trials (CI runs 100)
 #   make clean
 #
@@ -122,7 +123,7 @@ FUZZERS    := $(patsubst tests/fuzz/%.c,$(BUILD)/fuzz/%,$(FUZZ_SRC))
 # llama.cpp: the bridge (into libkvrope), and what links libllama (fetched from npm).
 include client/llama/llama.mk
 
-.PHONY: soak fuzzers all deps deps-bench run test check bench fuzz clean check-symbols
+.PHONY: deps-fuzz fuzz-ci soak fuzzers all deps deps-bench run test check bench fuzz clean check-symbols
 .DEFAULT_GOAL := all
 # Every file make builds is kept: the test and bench objects are intermediate
 # (built only on the way to their binary), and make would delete them after
@@ -136,6 +137,9 @@ deps:
 
 deps-bench:
 	@scripts/deps.sh bench
+
+deps-fuzz:
+	@scripts/deps.sh fuzz
 
 # ---- code generation -------------------------------------------------------
 $(PROTO_GEN_C) $(PROTO_GEN_H) &: proto/kvrope.proto
@@ -224,7 +228,13 @@ $(BUILD)/bench/%: $(BUILD)/obj/tests/bench/%.o $(ALL_A)
 	@mkdir -p $(dir $@)
 	$(CC) $(LDFLAGS_ALL) -o $@ $^ $(LIBS) $(MALLOC_LIB)
 
-# libFuzzer targets: only built in MODE=fuzz (clang), see `make fuzz`.
+# libFuzzer targets: only built in MODE=fuzz (clang), see `make fuzz`. The
+# CLI's parsers (cli_parse.h) link the two CLI files that hold them.
+CLI_PARSE_OBJ := $(call obj,client/cli/cli_files.c client/cli/cli_ops.c)
+$(BUILD)/fuzz/fuzz_cli_%: $(BUILD)/obj/tests/fuzz/fuzz_cli_%.o $(CLI_PARSE_OBJ) $(ALL_A)
+	@mkdir -p $(dir $@)
+	$(CC) $(LDFLAGS_ALL) -o $@ $^ $(LIBS)
+
 $(BUILD)/fuzz/%: $(BUILD)/obj/tests/fuzz/%.o $(ALL_A)
 	@mkdir -p $(dir $@)
 	$(CC) $(LDFLAGS_ALL) -o $@ $^ $(LIBS)
@@ -261,9 +271,15 @@ soak: deps
 	  KVR_DISK_CRASH_TRIALS=$${KVR_DISK_CRASH_TRIALS:-1000} \
 	  sh -c '$(BUILD)/tests/test_disk_crash && $(BUILD)/tests/test_int_disk --filter "*kill*"'
 
-fuzz: deps
+fuzz: deps-fuzz
 	@$(MAKE) --no-print-directory BUILD=build/fuzz MODE=fuzz fuzzers
 	@scripts/run-fuzz.sh build/fuzz
+
+# CI's short run: every target for FUZZ_CI_SECONDS (default 4) from the
+# committed seeds in tests/fuzz/corpus/<target>/.
+fuzz-ci: deps-fuzz
+	@$(MAKE) --no-print-directory BUILD=build/fuzz MODE=fuzz fuzzers
+	@FUZZ_SECONDS=$${FUZZ_CI_SECONDS:-4} scripts/run-fuzz.sh build/fuzz
 
 # Every exported symbol of the client library carries the kvr_ prefix (the
 # protobuf-c code included), and the library has its SONAME; the cross-file

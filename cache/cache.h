@@ -52,6 +52,12 @@ void   kvr_mem_free(void *p);
 size_t kvr_mem_size_class(size_t n); /* what an allocation of n will really hold */
 size_t kvr_mem_allocated(void);   /* bytes the allocator holds for us now */
 size_t kvr_mem_peak(void);
+/* Test hook (mem.c): the nth kvr_mem_* allocation from now fails (NULL),
+ * and with sticky every later one too; 0 turns it off. Returns false if
+ * compiled out (KVR_NO_FAULT_INJECT). kvr_mem_fault_failed: allocations
+ * failed since the last set. */
+bool     kvr_mem_fault_set(uint64_t nth, bool sticky);
+uint64_t kvr_mem_fault_failed(void);
 
 /* ---- store -------------------------------------------------------------- */
 /* KVR_ID_MAX, KVR_CODEC_NAME_MAX: rope/types.h (shared with kvrope.h). */
@@ -61,6 +67,9 @@ typedef struct kvr_store kvr_store;
 typedef struct kvr_store_config {
     size_t   max_memory;        /* cap on kvr_mem_allocated(); 0 = unlimited */
     uint32_t block_tokens;      /* tokens per block; 0 = default (64) */
+    size_t   max_contexts;      /* contexts (forks included); 0 = unlimited;
+                                   a create or fork past it is KVR_ELIMIT */
+    uint32_t max_models;        /* registered models; 0 = unlimited (KVR_ELIMIT) */
 } kvr_store_config;
 
 int  kvr_store_create(kvr_store **out, const kvr_store_config *cfg, kvr_error *err);
@@ -98,6 +107,11 @@ int kvr_store_codec_check(const kvr_store *s, const char *model, const char *spe
 int kvr_store_model_register(kvr_store *s, const kvr_model_desc *d,
                              kvr_model_info *out, kvr_error *err);
 int kvr_store_model_find(const kvr_store *s, const char *name, kvr_model_info *out);
+/* Removes a model that no context uses (KVR_EBUSY naming how many do, or
+ * while any read holds leases: its work may still use a model whose last
+ * context was deleted meanwhile; KVR_ENOMODEL if unknown). A model the disk tier has persisted is
+ * KVR_EUNSUPPORTED (its record would bring it back at the next start). */
+int kvr_store_model_remove(kvr_store *s, const char *name, kvr_error *err);
 /* Fills up to cap entries, returns the number of models. */
 size_t kvr_store_model_list(const kvr_store *s, kvr_model_info *out, size_t cap);
 
@@ -183,7 +197,7 @@ int    kvr_put_commit(kvr_put *t, kvr_put_result *res, kvr_error *err);
 void   kvr_put_abort(kvr_put *t);
 
 /* ---- get ---------------------------------------------------------------- */
-/* Token flags KVR_TOKEN_APPROX / KVR_TOKEN_PENDING: rope/types.h. */
+/* Token flags KVR_TOKEN_APPROX / _PENDING / _STALE: rope/types.h. */
 
 typedef struct kvr_get_params {
     const char     *ctx_id;
@@ -612,6 +626,8 @@ typedef struct kvr_tier_recovery {
     uint64_t quarantined;       /* corrupt records / extents skipped */
     uint64_t torn_bytes;        /* cut from the log's tail */
     size_t   dropped_contexts;  /* contexts whose data could not be read */
+    size_t   stale_contexts;    /* restored from an older state, marked KVR_TOKEN_STALE */
+    size_t   lost_contexts;     /* newest record corrupt and no older one */
     double   ms;
     uint64_t at_ms;             /* wall clock when it finished */
 } kvr_tier_recovery;

@@ -75,6 +75,7 @@ struct kvr_disk {
     uint64_t        data_bytes, data_blocks;
     uint64_t        n_spills, n_loads, n_records, n_checkpoints, n_refused_full;
     uint64_t        n_quarantined, n_torn_bytes;
+    bool            claim_io_failed;  /* recover_done then refuses to reclaim */
     kvr_disk_recovery last;
 };
 
@@ -328,8 +329,30 @@ static int seg_add(kvr_disk *d, seg *s)
     return 0;
 }
 
-/* A fresh active segment; the old one is sealed (and dropped if empty). */
-static int seg_roll(kvr_disk *d, kvr_error *err)
+/* openat in the directory, or the test's injected failure (KVR_DISK_FAULT_OPEN). */
+static int d_openat(kvr_disk *d, const char *name, int flags, mode_t mode)
+{
+    int f = kvr_dio_fault(d->io, KVR_DISK_FAULT_OPEN);
+    if (f) {
+        errno = -f;
+        return -1;
+    }
+    return openat(d->dirfd, name, flags, mode);
+}
+
+/* 0, or -1 with errno for an injected ftruncate/rename failure (META). */
+static int d_meta(kvr_disk *d)
+{
+    int f = kvr_dio_fault(d->io, KVR_DISK_FAULT_META);
+    if (f)
+        errno = -f;
+    return f ? -1 : 0;
+}
+
+/* A fresh active segment; the old one is sealed (and dropped if empty,
+ * unless keep_old: earlier requests of the batch being planned write into
+ * it, and their extents are registered only after the I/O). */
+static int seg_roll(kvr_disk *d, bool keep_old, kvr_error *err)
 {
     seg *s = kvr_mem_calloc(1, sizeof *s);
     if (!s)
@@ -337,7 +360,7 @@ static int seg_roll(kvr_disk *d, kvr_error *err)
     s->id = d->next_seg;
     char name[64];
     seg_name(name, sizeof name, s->id);
-    s->fd = openat(d->dirfd, name, O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
+    s->fd = d_openat(d, name, O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
     if (s->fd < 0) {
         int e = errno;
         kvr_mem_free(s);
@@ -354,7 +377,7 @@ static int seg_roll(kvr_disk *d, kvr_error *err)
     d->dir_dirty = true;
     seg *old = d->active;
     d->active = s;
-    if (old && old->n_ext == 0)
+    if (old && old->n_ext == 0 && !keep_old)
         seg_drop(d, old);
     return 0;
 }
@@ -580,7 +603,7 @@ static int log_create_first(kvr_disk *d, kvr_error *err)
 {
     char name[64];
     log_name(name, sizeof name, 1, false);
-    int fd = openat(d->dirfd, name, O_RDWR | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+    int fd = d_openat(d, name, O_RDWR | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
     if (fd < 0)
         return kvr_error_set(err, KVR_EIO, "disk: cannot create %s/%s: %s", d->dir,
                              name, strerror(errno));
@@ -631,7 +654,7 @@ static int scan_dir(kvr_disk *d, uint32_t *max_gen, kvr_error *err)
                 break;
             }
             s->id = id;
-            s->fd = openat(d->dirfd, e->d_name, O_RDWR | O_CLOEXEC);
+            s->fd = d_openat(d, e->d_name, O_RDWR | O_CLOEXEC, 0);
             struct stat st;
             if (s->fd < 0 || fstat(s->fd, &st) != 0) {
                 rc = kvr_error_set(err, KVR_EIO, "disk: cannot open %s/%s: %s",
@@ -679,7 +702,7 @@ static int recover(kvr_disk *d, kvr_disk_record_fn on_record,
     }
     char name[64];
     log_name(name, sizeof name, gen, false);
-    int fd = openat(d->dirfd, name, O_RDWR | O_CLOEXEC);
+    int fd = d_openat(d, name, O_RDWR | O_CLOEXEC, 0);
     struct stat st;
     if (fd < 0 || fstat(fd, &st) != 0) {
         rc = kvr_error_set(err, KVR_EIO, "disk: cannot open %s/%s: %s", d->dir, name,
@@ -740,7 +763,8 @@ static int recover(kvr_disk *d, kvr_disk_record_fn on_record,
     rs.log_bytes = r.size;
     if (rs.torn_bytes) {
         /* Cut the torn tail so appends continue after the last good record. */
-        int e = ftruncate(fd, (off_t)pos) != 0 ? -errno : kvr_dio_fsync(d->io, fd);
+        int e = d_meta(d) != 0 || ftruncate(fd, (off_t)pos) != 0 ? -errno
+                                                                   : kvr_dio_fsync(d->io, fd);
         if (e) {
             close(fd);
             return io_error(e, "truncation of the torn log tail", err);
@@ -810,6 +834,9 @@ int kvr_disk_claim(kvr_disk *d, const kvr_disk_handle *h, kvr_error *err)
     uint8_t hb[EXT_HDR];
     int io = read_header(d, s, h->off, hb);
     if (io) {
+        /* Not proof that the extent is bad: recover_done must not reclaim
+         * what it could not read (a transient error would lose data). */
+        d->claim_io_failed = true;
         rc = io_error(io, "read of an extent header", err);
         goto out;
     }
@@ -843,6 +870,12 @@ int kvr_disk_recover_done(kvr_disk *d, kvr_error *err)
 {
     if (d->state != ST_RECOVERING)
         return kvr_error_set(err, KVR_EINVAL, "disk: recover_done after recover only");
+    if (d->claim_io_failed) {
+        d->state = ST_BROKEN;
+        return kvr_error_set(err, KVR_EIO, "disk: an extent could not be read during "
+                             "recovery (I/O error): nothing is reclaimed; fix the disk and "
+                             "restart");
+    }
     bool dropped = false;
     for (size_t i = d->n_segs; i-- > 0;) {
         seg *s = d->segs[i];
@@ -905,9 +938,12 @@ int kvr_disk_spill(kvr_disk *d, const kvr_disk_buf *bufs, size_t n,
         uint64_t alloc = align_up(EXT_HDR + (uint64_t)bufs[i].len);
         if (!d->active || (d->active->size > 0 &&
                            d->active->size + alloc > d->cfg.segment_bytes)) {
-            rc = seg_roll(d, err);
+            /* Dropping the old segment here (no registered extent yet)
+             * closed the fd this batch's first writes were queued on. */
+            bool batch_in_old = d->active && i > 0 && hs[i - 1].seg == d->active->id;
+            rc = seg_roll(d, batch_in_old, err);
             if (rc)
-                goto out;
+                goto undo_plan;
         }
         seg *s = d->active;
         hs[i].seg = s->id;
@@ -958,9 +994,21 @@ int kvr_disk_spill(kvr_disk *d, const kvr_disk_buf *bufs, size_t n,
         }
         if (!rc)
             rc = io_error(io, "spill write", err);
-        goto out;
+        goto drop_empty;
     }
     d->n_spills += n;
+    goto out;
+undo_plan:
+    /* A segment could not be opened mid-plan: nothing was written. */
+drop_empty:
+    /* Sealed segments this batch kept for itself and left empty go. */
+    for (size_t i = 0; i < d->n_segs;) {
+        seg *s = d->segs[i];
+        if (s != d->active && s->n_ext == 0 && s->size > 0)
+            seg_drop(d, s);
+        else
+            i++;
+    }
 out:
     pthread_mutex_unlock(&d->mu);
     kvr_mem_free(hdr);
@@ -1117,7 +1165,7 @@ int kvr_disk_log_append(kvr_disk *d, const kvr_disk_rec_in *recs, size_t n,
     if (io) {
         /* Cut back whatever part of the batch landed; if even that fails the
          * log's tail is unknown: failed state. */
-        if (ftruncate(d->logfd, (off_t)d->log_size) != 0)
+        if (d_meta(d) != 0 || ftruncate(d->logfd, (off_t)d->log_size) != 0)
             (void)set_failed(d, -errno, "ftruncate of the log after a failed write", NULL);
         rc = io_error(io, "log write", err);
         goto out;
@@ -1216,7 +1264,7 @@ int kvr_disk_checkpoint(kvr_disk *d, kvr_disk_snapshot_fn fn, void *arg, kvr_err
         rc = kvr_error_set(err, KVR_ENOMEM, "disk: out of memory");
         goto out;
     }
-    cp.fd = openat(d->dirfd, tmp, O_RDWR | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+    cp.fd = d_openat(d, tmp, O_RDWR | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
     if (cp.fd < 0) {
         rc = kvr_error_set(err, KVR_EIO, "disk: cannot create %s/%s: %s", d->dir, tmp,
                            strerror(errno));
@@ -1242,7 +1290,7 @@ int kvr_disk_checkpoint(kvr_disk *d, kvr_disk_snapshot_fn fn, void *arg, kvr_err
         rc = set_failed(d, io, "fdatasync of a checkpoint", err);
         goto out_unlink;
     }
-    if (renameat(d->dirfd, tmp, d->dirfd, fin) != 0) {
+    if (d_meta(d) != 0 || renameat(d->dirfd, tmp, d->dirfd, fin) != 0) {
         rc = kvr_error_set(err, KVR_EIO, "disk: rename of %s failed: %s", tmp,
                            strerror(errno));
         goto out_unlink;
@@ -1308,4 +1356,9 @@ void kvr_disk_fault_set(kvr_disk *d, unsigned ops, uint64_t nth, int err_no,
     pthread_mutex_lock(&d->mu);
     kvr_dio_fault_set(d->io, ops, nth, err_no, count);
     pthread_mutex_unlock(&d->mu);
+}
+
+uint64_t kvr_disk_fault_fired(const kvr_disk *d)
+{
+    return kvr_dio_fault_fired(d->io);
 }

@@ -71,7 +71,9 @@
  *  reported with its offset and the reason, counted and skipped: the reader
  *  resynchronises on the next valid record. If none follows, the bytes are a
  *  torn tail: reported and truncated. recover_done unlinks segments nobody
- *  claimed and punches holes between claimed extents. Spills, appends and
+ *  claimed and punches holes between claimed extents, unless a claim could
+ *  not read its extent (an I/O error, not a mismatch): then it reclaims
+ *  nothing and fails with KVR_EIO, so a transient error never loses data. Spills, appends and
  *  checkpoints are refused until recover_done.
  *
  * ---- threading ----------------------------------------------------------------
@@ -267,10 +269,20 @@ typedef struct kvr_disk_stats {
 void kvr_disk_get_stats(kvr_disk *d, kvr_disk_stats *out);
 
 /* Tests only: the nth (1-based, counted from this call) I/O operation of a
- * kind in `ops` fails with -err_no, and so do the next count-1 of them. */
-enum { KVR_DISK_FAULT_WRITE = 1, KVR_DISK_FAULT_FSYNC = 2, KVR_DISK_FAULT_READ = 4 };
+ * kind in `ops` fails with -err_no, and so do the next count-1 of them.
+ * Kinds: every read / write request (each pread/pwrite or io_uring
+ * readv/writev), every fdatasync/fsync (files and the directory), every
+ * openat of a segment, log or checkpoint file, every ftruncate/renameat of
+ * the log, every io_uring submission (refused: the engine drops the ring
+ * and finishes on POSIX), and SHORT: a read or write that transfers only
+ * half its bytes at first (the engine must finish it; err_no unused).
+ * kvr_disk_fault_fired: faults injected since the last set. */
+enum { KVR_DISK_FAULT_WRITE = 1, KVR_DISK_FAULT_FSYNC = 2, KVR_DISK_FAULT_READ = 4,
+       KVR_DISK_FAULT_OPEN = 8, KVR_DISK_FAULT_META = 16, KVR_DISK_FAULT_SUBMIT = 32,
+       KVR_DISK_FAULT_SHORT = 64 };
 void kvr_disk_fault_set(kvr_disk *d, unsigned ops, uint64_t nth, int err_no,
                         uint64_t count);
+uint64_t kvr_disk_fault_fired(const kvr_disk *d);
 
 /* CRC32C (Castagnoli), SSE4.2 when the CPU has it; crc starts at 0. */
 uint32_t kvr_crc32c(uint32_t crc, const void *p, size_t n);
@@ -302,6 +314,10 @@ int  kvr_dio_run(kvr_dio *io, kvr_dio_req *r, size_t n);
 int  kvr_dio_fsync(kvr_dio *io, int fd);     /* fdatasync semantics */
 void kvr_dio_fault_set(kvr_dio *io, unsigned ops, uint64_t nth, int err_no,
                        uint64_t count);
+/* 0, or -errno when the test asked this operation of kind `op` to fail
+ * (the sites in disk.c that are not I/O requests: open, ftruncate, rename). */
+int      kvr_dio_fault(kvr_dio *io, unsigned op);
+uint64_t kvr_dio_fault_fired(const kvr_dio *io);
 /* Counters of issued operations. */
 void kvr_dio_counts(const kvr_dio *io, uint64_t *writes, uint64_t *reads,
                     uint64_t *fsyncs, uint64_t *bw, uint64_t *br);

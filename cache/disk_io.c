@@ -26,6 +26,7 @@ struct kvr_dio {
     unsigned        f_ops;
     uint64_t        f_countdown, f_count;
     int             f_err;
+    uint64_t        f_fired;
     uint64_t        n_w, n_r, n_f, bw, br;
 };
 
@@ -77,6 +78,12 @@ void kvr_dio_fault_set(kvr_dio *io, unsigned ops, uint64_t nth, int err_no,
     io->f_countdown = nth ? nth : 1;
     io->f_err = err_no;
     io->f_count = count;
+    io->f_fired = 0;
+}
+
+uint64_t kvr_dio_fault_fired(const kvr_dio *io)
+{
+    return io->f_fired;
 }
 
 void kvr_dio_counts(const kvr_dio *io, uint64_t *writes, uint64_t *reads,
@@ -89,16 +96,28 @@ void kvr_dio_counts(const kvr_dio *io, uint64_t *writes, uint64_t *reads,
     *br = io->br;
 }
 
+/* Whether this operation is one the test asked to fail. */
+static bool fault_take(kvr_dio *io, unsigned op)
+{
+    if (!(io->f_ops & op) || io->f_count == 0)
+        return false;
+    if (--io->f_countdown > 0)
+        return false;
+    io->f_count--;
+    io->f_countdown = 1;
+    io->f_fired++;
+    return true;
+}
+
 /* 0, or -errno if this operation is one the test asked to fail. */
 static int fault_hit(kvr_dio *io, unsigned op)
 {
-    if (!(io->f_ops & op) || io->f_count == 0)
-        return 0;
-    if (--io->f_countdown > 0)
-        return 0;
-    io->f_count--;
-    io->f_countdown = 1;
-    return -io->f_err;
+    return fault_take(io, op) ? -(io->f_err ? io->f_err : EIO) : 0;
+}
+
+int kvr_dio_fault(kvr_dio *io, unsigned op)
+{
+    return fault_hit(io, op);
 }
 
 static size_t req_len(const kvr_dio_req *r)
@@ -142,6 +161,21 @@ static int finish_posix(kvr_dio_req *r, size_t done)
     return 0;
 }
 
+/* A short transfer (injected): half the bytes first, then the rest as any
+ * partial transfer is finished. */
+static int short_posix(kvr_dio_req *r)
+{
+    kvr_dio_req h = *r;
+    size_t half = req_len(r) / 2, left = half;
+    for (int i = 0; i < h.iovcnt; i++) {
+        if (h.iov[i].iov_len > left)
+            h.iov[i].iov_len = left;
+        left -= h.iov[i].iov_len;
+    }
+    int rc = finish_posix(&h, 0);
+    return rc ? rc : finish_posix(r, half);
+}
+
 static void account(kvr_dio *io, const kvr_dio_req *r)
 {
     if (r->write) {
@@ -158,7 +192,8 @@ static int run_posix(kvr_dio *io, kvr_dio_req *r, size_t n)
     int first = 0;
     for (size_t i = 0; i < n; i++) {
         int f = fault_hit(io, r[i].write ? KVR_DISK_FAULT_WRITE : KVR_DISK_FAULT_READ);
-        r[i].res = f ? f : finish_posix(&r[i], 0);
+        r[i].res = f ? f : fault_take(io, KVR_DISK_FAULT_SHORT) ? short_posix(&r[i])
+                                                                : finish_posix(&r[i], 0);
         account(io, &r[i]);
         if (r[i].res && !first)
             first = r[i].res;
@@ -184,6 +219,10 @@ static int run_uring(kvr_dio *io, kvr_dio_req *r, size_t n)
                 r[j].res = f;
                 continue;
             }
+            if (fault_take(io, KVR_DISK_FAULT_SHORT)) {
+                r[j].res = short_posix(&r[j]);
+                continue;
+            }
             struct io_uring_sqe *sqe = io_uring_get_sqe(&io->ring);
             if (!sqe) {         /* cannot happen with chunk <= depth */
                 r[j].res = finish_posix(&r[j], 0);
@@ -198,10 +237,12 @@ static int run_uring(kvr_dio *io, kvr_dio_req *r, size_t n)
             nsub++;
         }
         if (nsub) {
-            int rc;
-            do
-                rc = io_uring_submit_and_wait(&io->ring, nsub);
-            while (rc == -EINTR);
+            int rc = fault_hit(io, KVR_DISK_FAULT_SUBMIT);
+            if (rc == 0) {
+                do
+                    rc = io_uring_submit_and_wait(&io->ring, nsub);
+                while (rc == -EINTR);
+            }
             if (rc < 0) {
                 /* The kernel took nothing: drop the ring (its queued sqes
                  * must never be submitted later) and finish on POSIX. */
@@ -257,10 +298,12 @@ int kvr_dio_fsync(kvr_dio *io, int fd)
         if (sqe) {
             io_uring_prep_fsync(sqe, fd, IORING_FSYNC_DATASYNC);
             io_uring_sqe_set_data64(sqe, 0);
-            int rc;
-            do
-                rc = io_uring_submit_and_wait(&io->ring, 1);
-            while (rc == -EINTR);
+            int rc = fault_hit(io, KVR_DISK_FAULT_SUBMIT);
+            if (rc == 0) {
+                do
+                    rc = io_uring_submit_and_wait(&io->ring, 1);
+                while (rc == -EINTR);
+            }
             if (rc >= 0) {
                 struct io_uring_cqe *cqe;
                 do

@@ -8,6 +8,12 @@
  * handed out here; `peak` is its running maximum. Both are atomics, so any
  * thread may allocate and free. A pointer from kvr_mem_* must be freed with
  * kvr_mem_free (and nothing else).
+ *
+ * Allocation-failure injection (SQLite's test mode): kvr_mem_fault_set(n,
+ * sticky) makes the n-th allocation from now fail (and with sticky, every
+ * one after it), so a test can walk a request through each of its
+ * allocations failing in turn. Off (n = 0) it costs one relaxed atomic load
+ * per allocation; -DKVR_NO_FAULT_INJECT compiles it out.
  */
 #include <malloc.h>
 #include <stdatomic.h>
@@ -15,6 +21,7 @@
 #include <jemalloc/jemalloc.h>   /* nallocx: the size class of a request */
 #endif
 #include <stdbool.h>
+#include <stdint.h>
 #include <stdlib.h>
 #include <sys/mman.h>
 
@@ -22,6 +29,52 @@
 
 static _Atomic size_t allocated;
 static _Atomic size_t peak;
+
+#ifndef KVR_NO_FAULT_INJECT
+static _Atomic uint64_t fault_nth;      /* 0 = off */
+static _Atomic uint64_t fault_seen, fault_failed;
+static _Atomic bool     fault_sticky;
+
+static bool fault_hit(void)
+{
+    uint64_t n = atomic_load_explicit(&fault_nth, memory_order_relaxed);
+    if (n == 0)
+        return false;
+    uint64_t k = atomic_fetch_add_explicit(&fault_seen, 1, memory_order_relaxed) + 1;
+    if (k == n || (k > n && atomic_load_explicit(&fault_sticky, memory_order_relaxed))) {
+        atomic_fetch_add_explicit(&fault_failed, 1, memory_order_relaxed);
+        return true;
+    }
+    return false;
+}
+#else
+static bool fault_hit(void) { return false; }
+#endif
+
+bool kvr_mem_fault_set(uint64_t nth, bool sticky)
+{
+#ifndef KVR_NO_FAULT_INJECT
+    atomic_store(&fault_nth, 0);
+    atomic_store(&fault_seen, 0);
+    atomic_store(&fault_failed, 0);
+    atomic_store(&fault_sticky, sticky);
+    atomic_store(&fault_nth, nth);
+    return true;
+#else
+    (void)nth;
+    (void)sticky;
+    return false;
+#endif
+}
+
+uint64_t kvr_mem_fault_failed(void)
+{
+#ifndef KVR_NO_FAULT_INJECT
+    return atomic_load(&fault_failed);
+#else
+    return 0;
+#endif
+}
 
 static void account_add(void *p)
 {
@@ -42,6 +95,8 @@ static void account_sub(void *p)
 
 void *kvr_mem_malloc(size_t n)
 {
+    if (fault_hit())
+        return NULL;
     void *p = malloc(n ? n : 1);
     if (p)
         account_add(p);
@@ -52,6 +107,8 @@ void *kvr_mem_calloc(size_t count, size_t size)
 {
     if (count == 0 || size == 0)
         count = size = 1;
+    if (fault_hit())
+        return NULL;
     void *p = calloc(count, size);
     if (p)
         account_add(p);
@@ -62,6 +119,8 @@ void *kvr_mem_realloc(void *p, size_t n)
 {
     if (!p)
         return kvr_mem_malloc(n);
+    if (fault_hit())
+        return NULL;    /* p is untouched, as for a real failure */
     size_t old = malloc_usable_size(p);
     void *q = realloc(p, n ? n : 1);
     if (!q)
@@ -88,7 +147,7 @@ void *kvr_mem_aligned(size_t align, size_t n)
     bool huge = n >= HUGE_MIN && align <= HUGE_ALIGN;
     if (huge)
         align = HUGE_ALIGN;
-    if (posix_memalign(&p, align, n ? n : 1) != 0)
+    if (fault_hit() || posix_memalign(&p, align, n ? n : 1) != 0)
         return NULL;
     if (huge)
         (void)madvise(p, n & ~(HUGE_ALIGN - 1), MADV_HUGEPAGE);

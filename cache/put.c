@@ -579,6 +579,8 @@ int kvr_store_put_begin(kvr_store *s, const kvr_put_params *p, kvr_put **out,
                     .persist = p->persist, .has_protect = p->has_protect_first,
                     .protect = p->protect_first, .first_pos = first, .last_pos = last };
     if (!c) {
+        if ((rc = kvr_store_ctx_limit(s, p->ctx_id, err)) != 0)
+            goto fail_txn;
         if (!(c = kvr_store_ctx_new(s, m, p->ctx_id))) {
             rc = kvr_error_set(err, KVR_ENOMEM, "out of memory creating '%s'", p->ctx_id);
             goto fail_txn;

@@ -67,6 +67,15 @@ int kvr_store_create(kvr_store **out, const kvr_store_config *cfg, kvr_error *er
     return 0;
 }
 
+/* Everything a model owns (destroy, remove_model). */
+static void model_free(kvr_model *m)
+{
+    kvr_ptree_free(&m->tree[0]);
+    kvr_ptree_free(&m->tree[1]);
+    kvr_rope_destroy(m->engine);
+    kvr_mem_free(m);
+}
+
 void kvr_store_destroy(kvr_store *s)
 {
     if (!s)
@@ -77,13 +86,8 @@ void kvr_store_destroy(kvr_store *s)
         while (s->buckets[i])
             kvr_store_ctx_destroy(s, s->buckets[i]);
     }
-    for (size_t i = 0; i < s->n_models; i++) {
-        kvr_model *m = s->models[i];
-        kvr_ptree_free(&m->tree[0]);
-        kvr_ptree_free(&m->tree[1]);
-        kvr_rope_destroy(m->engine);
-        kvr_mem_free(m);
-    }
+    for (size_t i = 0; i < s->n_models; i++)
+        model_free(s->models[i]);
     if (s->hooks)
         s->hooks->close(s);
     assert(s->pool.n_blocks == 0 && s->pool.n_leased == 0);
@@ -202,6 +206,14 @@ void kvr_store_touch(kvr_store *s, kvr_ctx *c)
     s->lru_head = c;
     if (!s->lru_tail)
         s->lru_tail = c;
+}
+
+int kvr_store_ctx_limit(const kvr_store *s, const char *id, kvr_error *err)
+{
+    if (s->cfg.max_contexts && s->n_ctx >= s->cfg.max_contexts)
+        return kvr_error_set(err, KVR_ELIMIT, "cannot create '%s': %zu contexts exist, the "
+                             "limit (--max-contexts); delete some first", id, s->n_ctx);
+    return 0;
 }
 
 kvr_ctx *kvr_store_ctx_new(kvr_store *s, kvr_model *m, const char *id)
@@ -493,6 +505,9 @@ int kvr_store_model_register(kvr_store *s, const kvr_model_desc *d,
         return 0;
     }
 
+    if (s->cfg.max_models && s->n_models >= s->cfg.max_models)
+        return kvr_error_set(err, KVR_ELIMIT, "model '%s': %zu models are registered, the "
+                             "limit (--max-models); remove one first", d->name, s->n_models);
     kvr_model *m = kvr_mem_calloc(1, sizeof *m);
     if (!m) {
         rc = kvr_error_set(err, KVR_ENOMEM, "out of memory registering model '%s'", d->name);
@@ -538,6 +553,34 @@ fail_model:
     kvr_mem_free(m);
 fail:
     return rc;
+}
+
+int kvr_store_model_remove(kvr_store *s, const char *name, kvr_error *err)
+{
+    size_t k = 0;
+    while (k < s->n_models && (!name || strcmp(s->models[k]->name, name) != 0))
+        k++;
+    if (k == s->n_models)
+        return kvr_error_set(err, KVR_ENOMODEL, "no model '%s'", name ? name : "");
+    kvr_model *m = s->models[k];
+    /* Every context counts, committed or still being created. */
+    size_t users = 0;
+    for (size_t i = 0; i < s->n_buckets; i++)
+        for (kvr_ctx *c = s->buckets[i]; c; c = c->hnext)
+            users += c->model == m;
+    if (users)
+        return kvr_error_set(err, KVR_EBUSY, "model '%s' is used by %zu context%s: delete "
+                             "them first", name, users, users == 1 ? "" : "s");
+    if (s->pool.n_leased)
+        return kvr_error_set(err, KVR_EBUSY, "model '%s': reads are in flight; retry",
+                             name);
+    if (s->hooks && s->hooks->model_persisted && s->hooks->model_persisted(s, m))
+        return kvr_error_set(err, KVR_EUNSUPPORTED, "model '%s' is persisted on the disk "
+                             "tier: removing it is not supported", name);
+    model_free(m);
+    memmove(&s->models[k], &s->models[k + 1], (s->n_models - k - 1) * sizeof *s->models);
+    s->n_models--;
+    return 0;
 }
 
 int kvr_store_model_find(const kvr_store *s, const char *name, kvr_model_info *out)
@@ -778,6 +821,8 @@ int kvr_store_fork(kvr_store *s, const char *src, const char *dst, kvr_error *er
         return rc;
     if (kvr_store_ctx_find(s, dst))
         return kvr_error_set(err, KVR_EEXIST, "context '%s' already exists", dst);
+    if ((rc = kvr_store_ctx_limit(s, dst, err)) != 0)
+        return rc;
     kvr_ctx *b = kvr_store_ctx_new(s, a->model, dst);
     if (!b)
         return kvr_error_set(err, KVR_ENOMEM, "out of memory forking '%s'", src);

@@ -43,6 +43,8 @@ typedef struct kvr_tier_hooks {
     bool   (*reload_pending)(const kvr_reload *r);
     int    (*reload_work)(kvr_reload *r, kvr_error *err);
     void   (*reload_end)(kvr_store *s, kvr_reload *r);
+    /* Whether m has a record in the log (it would come back at a restart). */
+    bool   (*model_persisted)(const kvr_store *s, const kvr_model *m);
     /* kvr_store_destroy: before the contexts go / after. */
     void   (*destroy)(kvr_store *s);
     void   (*close)(kvr_store *s);
@@ -84,6 +86,8 @@ int        kvr_store_ctx_writable(kvr_store *s, const char *id, kvr_ctx **out,
  * (*end SIZE_MAX: to the end) or KVR_ERANGE. */
 int        kvr_store_ctx_range(kvr_store *s, const char *id, size_t start, size_t *end,
                                kvr_ctx **out, kvr_error *err);
+/* 0, or KVR_ELIMIT when a new context would pass cfg.max_contexts. */
+int        kvr_store_ctx_limit(const kvr_store *s, const char *id, kvr_error *err);
 /* A new pending context in the map (NULL: ENOMEM). */
 kvr_ctx   *kvr_store_ctx_new(kvr_store *s, kvr_model *m, const char *id);
 /* Makes a pending context live: LRU list, model count. */

@@ -83,12 +83,19 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
 #include "cache/disk.h"
 #include "cache/layout.h"
 
 enum { REC_MODEL = 1, REC_CTX = 2, REC_DELETE = 3 };
-#define REC_VERSION 1u
+/* Version 2 adds crc32c(name) right after the name at the head of every
+ * record, so that a record whose checksum fails can still be attributed to
+ * its context when its head is intact (recovery's stale marks); version 1
+ * records are still read. */
+#define REC_VERSION 2u
 
 /* ---- small maps ------------------------------------------------------------ */
 
@@ -193,6 +200,8 @@ typedef struct trec {
     char          name[KVR_ID_MAX + 1];
     uint8_t      *p;
     size_t        len;
+    uint64_t      order;         /* tab_put count when it was put (recovery) */
+    bool          stale;         /* recovery: a newer record of it was lost */
     struct trec  *next;
 } trec;
 
@@ -200,6 +209,7 @@ typedef struct table {
     trec  *head;                 /* models first (appended in order), then ctxs */
     size_t n_ctx;
     hmap   refs;                 /* handle key -> references from CTX records */
+    uint64_t n_put;
 } table;
 
 /* ---- byte writer / reader ---------------------------------------------------- */
@@ -237,6 +247,13 @@ static void w_str(wbuf *w, const char *s)
     size_t n = strlen(s);
     w_u32(w, (uint32_t)n);
     w_raw(w, s, n);
+}
+/* The head of every record: version, name, crc32c(name). */
+static void w_head(wbuf *w, const char *name)
+{
+    w_u32(w, REC_VERSION);
+    w_str(w, name);
+    w_u32(w, kvr_crc32c(0, name, strlen(name)));
 }
 
 typedef struct rbuf {
@@ -276,6 +293,19 @@ static void r_str(rbuf *r, char *out, size_t cap)
     }
     memcpy(out, p, n);
     out[n] = '\0';
+}
+/* Reads a record head (version 1: no name checksum). */
+static void r_head(rbuf *r, char *name, size_t cap)
+{
+    uint32_t v = r_u32(r);
+    if (v != 1 && v != 2) {
+        r->bad = true;
+        name[0] = '\0';
+        return;
+    }
+    r_str(r, name, cap);
+    if (v == 2 && r_u32(r) != kvr_crc32c(0, name, strlen(name)))
+        r->bad = true;
 }
 
 /* ---- jobs and batches ---------------------------------------------------------- */
@@ -799,8 +829,7 @@ static void reload_end(kvr_store *s, kvr_reload *r)
 
 static void enc_model(wbuf *w, const kvr_model *m)
 {
-    w_u32(w, REC_VERSION);
-    w_str(w, m->name);
+    w_head(w, m->name);
     w_u32(w, m->n_layers);
     w_u32(w, m->n_kv_heads);
     w_u32(w, m->head_dim);
@@ -827,8 +856,7 @@ static void enc_model(wbuf *w, const kvr_model *m)
 static int enc_ctx(kvr_store *s, kvr_ctx *c, pjob *j)
 {
     wbuf *w = &j->rec;
-    w_u32(w, REC_VERSION);
-    w_str(w, c->id);
+    w_head(w, c->id);
     w_str(w, c->model->name);
     w_u64(w, c->model->fingerprint);
     w_str(w, c->codec.name);
@@ -906,9 +934,9 @@ static int ctx_rec_handles(const uint8_t *p, size_t len, kvr_disk_handle **out, 
     rbuf r = { p, len, 0, false };
     char tmp[KVR_ID_MAX + 1];
     char codec[KVR_CODEC_NAME_MAX];
-    if (r_u32(&r) != REC_VERSION)
+    r_head(&r, tmp, sizeof tmp);
+    if (r.bad)
         return KVR_EINVAL;
-    r_str(&r, tmp, sizeof tmp);
     r_str(&r, tmp, sizeof tmp);
     r_u64(&r);
     r_str(&r, codec, sizeof codec);
@@ -993,6 +1021,7 @@ static int tab_put(table *tb, uint32_t type, const char *name, const void *p, si
     snprintf(r->name, sizeof r->name, "%s", name);
     r->p = copy;
     r->len = len;
+    r->order = ++tb->n_put;
     tab_remove(tb, type, name);
     tab_refs(tb, r, +1);
     if (type == REC_MODEL) {
@@ -1024,9 +1053,7 @@ static void tab_free(table *tb)
 static bool rec_name(const void *p, size_t len, char *out)
 {
     rbuf r = { p, len, 0, false };
-    if (r_u32(&r) != REC_VERSION)
-        return false;
-    r_str(&r, out, KVR_ID_MAX + 1);
+    r_head(&r, out, KVR_ID_MAX + 1);
     return !r.bad && out[0];
 }
 
@@ -1062,6 +1089,11 @@ static bool model_logged(kvr_tier *t, const kvr_model *m)
         if (t->logged[i] == m)
             return true;
     return false;
+}
+
+static bool tier_model_persisted(const kvr_store *s, const kvr_model *m)
+{
+    return s->tier && model_logged(s->tier, m);
 }
 
 static void model_unlog(kvr_tier *t, const kvr_model *m)
@@ -1135,8 +1167,7 @@ int kvr_store_persist(kvr_store *s, const char *ctx_id, kvr_persist_done_fn done
     if (di != SIZE_MAX && !live) {
         /* Deleted (and not re-created as a persistent context since). */
         j->type = REC_DELETE;
-        w_u32(&j->rec, REC_VERSION);
-        w_str(&j->rec, ctx_id);
+        w_head(&j->rec, ctx_id);
         if (j->rec.oom)
             rc = KVR_ENOMEM;
     } else {
@@ -1318,10 +1349,26 @@ void kvr_store_persist_flush(kvr_store *s)
 
 /* ---- recovery --------------------------------------------------------------------------------- */
 
+/* Stale marks. A corrupt record in the middle of the log may have been a
+ * context's newest acknowledged state: serving the record before it would
+ * roll the context back silently. When the corrupt record's head (version 2:
+ * name + crc32c(name)) is intact, the loss is attributed to that id;
+ * otherwise to every context whose latest good record came before it. A
+ * context so affected that still has an older record is restored from it
+ * with every token flagged KVR_TOKEN_STALE | KVR_TOKEN_APPROX (the mark is
+ * logged with its next record, so it survives restarts); one with no older
+ * record is reported lost. Both are reported by id. A torn tail (a last
+ * record that runs past the end of the file) was never acknowledged and
+ * marks nothing. */
+#define RECOV_MAX_LOST 64
+
 typedef struct recov {
     kvr_store *s;
     kvr_tier  *t;
     uint64_t   bad;
+    uint64_t   unattributed_at;   /* table's n_put at the last unattributed loss */
+    size_t     n_lost;
+    struct { char name[KVR_ID_MAX + 1]; } lost[RECOV_MAX_LOST];
 } recov;
 
 static void on_record(void *arg, kvr_disk *d, const kvr_disk_record *r)
@@ -1337,6 +1384,60 @@ static void on_record(void *arg, kvr_disk *d, const kvr_disk_record *r)
         return;
     }
     tab_apply(&rv->t->tab, r->type, r->payload, r->len);
+    /* A later good record of a name supersedes a loss seen before it. */
+    for (size_t i = 0; i < rv->n_lost;)
+        if (!strcmp(rv->lost[i].name, name))
+            rv->lost[i] = rv->lost[--rv->n_lost];
+        else
+            i++;
+}
+
+/* Which context a corrupt region [offset, offset+bytes) of the log held. */
+static void attribute_loss(recov *rv, const char *file, uint64_t offset, uint64_t bytes)
+{
+    kvr_tier *t = rv->t;
+    char path[1200];
+    snprintf(path, sizeof path, "%s/%s", t->dir, file);
+    uint8_t h[24 + 4 + 4 + KVR_ID_MAX + 4];
+    size_t want = bytes < sizeof h ? (size_t)bytes : sizeof h;
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    struct stat st;
+    memset(&st, 0, sizeof st);
+    ssize_t got = -1;
+    if (fd >= 0 && fstat(fd, &st) == 0)
+        got = pread(fd, h, want, (off_t)offset);
+    if (fd >= 0)
+        close(fd);
+    if (got < 0) {
+        rv->unattributed_at = t->tab.n_put;
+        return;
+    }
+    uint32_t len = got >= 24 ? (uint32_t)h[20] | (uint32_t)h[21] << 8 |
+                                   (uint32_t)h[22] << 16 | (uint32_t)h[23] << 24
+                             : UINT32_MAX;
+    /* The tail: a record that is not all there was never acknowledged. */
+    if (offset + bytes >= (uint64_t)st.st_size && (got < 24 || 24ull + len > bytes))
+        return;
+    uint32_t type = got >= 20 ? (uint32_t)h[16] | (uint32_t)h[17] << 8 |
+                                    (uint32_t)h[18] << 16 | (uint32_t)h[19] << 24
+                              : 0;
+    char name[KVR_ID_MAX + 1];
+    rbuf b = { h + 24, got > 24 ? (size_t)got - 24 : 0, 0, false };
+    if (got > 24 && h[24] == 2)
+        r_head(&b, name, sizeof name);
+    else
+        b.bad = true;
+    bool whole = 24ull + len == bytes;     /* the region is exactly that record */
+    if (b.bad || !name[0] || (type != REC_CTX && type != REC_DELETE) || !whole ||
+        rv->n_lost == RECOV_MAX_LOST) {
+        if (!b.bad && name[0] && type == REC_MODEL && whole)
+            tlog(t, KVR_TIER_LOG_WARN, "disk: a record of model '%s' was lost: the model "
+                 "is restored from its previous record", name);
+        else
+            rv->unattributed_at = t->tab.n_put;
+        return;
+    }
+    snprintf(rv->lost[rv->n_lost++].name, sizeof rv->lost[0].name, "%s", name);
 }
 
 static void on_corrupt(void *arg, const char *file, uint64_t offset, uint64_t bytes,
@@ -1345,6 +1446,35 @@ static void on_corrupt(void *arg, const char *file, uint64_t offset, uint64_t by
     recov *rv = arg;
     tlog(rv->t, KVR_TIER_LOG_WARN, "disk: %s offset %" PRIu64 ": %" PRIu64 " bytes "
          "quarantined: %s", file, offset, bytes, reason);
+    attribute_loss(rv, file, offset, bytes);
+}
+
+/* After the replay: which contexts of the table lost a newer state. */
+static void mark_stale(recov *rv)
+{
+    kvr_tier *t = rv->t;
+    for (size_t i = 0; i < rv->n_lost; i++) {
+        trec *hit = NULL;
+        for (trec *r = t->tab.head; r; r = r->next)
+            if (r->type == REC_CTX && !strcmp(r->name, rv->lost[i].name))
+                hit = r;
+        bool dup = false;         /* lost twice: report once */
+        for (size_t k = i + 1; k < rv->n_lost; k++)
+            dup |= !strcmp(rv->lost[k].name, rv->lost[i].name);
+        if (dup)
+            continue;
+        if (hit) {
+            hit->stale = true;
+        } else {
+            t->rec.lost_contexts++;
+            tlog(t, KVR_TIER_LOG_WARN, "disk: context '%s': its newest record failed its "
+                 "checksum and no older one exists: the context is lost", rv->lost[i].name);
+        }
+    }
+    if (rv->unattributed_at)
+        for (trec *r = t->tab.head; r; r = r->next)
+            if (r->type == REC_CTX && r->order <= rv->unattributed_at)
+                r->stale = true;
 }
 
 static int recover_model(kvr_store *s, kvr_tier *t, const trec *r)
@@ -1353,8 +1483,7 @@ static int recover_model(kvr_store *s, kvr_tier *t, const trec *r)
     char name[KVR_ID_MAX + 1], codec[KVR_CODEC_NAME_MAX];
     kvr_model_desc d;
     memset(&d, 0, sizeof d);
-    r_u32(&b);
-    r_str(&b, name, sizeof name);
+    r_head(&b, name, sizeof name);
     d.name = name;
     d.n_layers = r_u32(&b);
     d.n_kv_heads = r_u32(&b);
@@ -1417,8 +1546,7 @@ static int recover_ctx(kvr_store *s, kvr_tier *t, hmap *blocks, const trec *r)
 {
     rbuf b = { r->p, r->len, 0, false };
     char id[KVR_ID_MAX + 1], model[KVR_ID_MAX + 1], codec[KVR_CODEC_NAME_MAX];
-    r_u32(&b);
-    r_str(&b, id, sizeof id);
+    r_head(&b, id, sizeof id);
     r_str(&b, model, sizeof model);
     uint64_t fp = r_u64(&b);
     r_str(&b, codec, sizeof codec);
@@ -1581,6 +1709,8 @@ static int recover_ctx(kvr_store *s, kvr_tier *t, hmap *blocks, const trec *r)
             break;
         }
         kvr_block_ref(rb[bi].b);
+        if (r->stale)
+            fl |= KVR_TOKEN_STALE | KVR_TOKEN_APPROX;
         kvr_ctx_push(&s->pool, c, (kvr_extent){ rb[bi].b, first, count, delta, fl });
     }
     size_t total = c ? c->n_tokens : 0;
@@ -1637,6 +1767,7 @@ static const kvr_tier_hooks tier_hooks = {
     .reload_pending = reload_pending,
     .reload_work = reload_work,
     .reload_end = reload_end,
+    .model_persisted = tier_model_persisted,
     .destroy = tier_destroy,
     .close = tier_close,
 };
@@ -1681,11 +1812,12 @@ int kvr_store_tier_open(kvr_store *s, const kvr_tier_config *cfg, kvr_tier_log_f
         kvr_mem_free(t);
         return rc;
     }
-    recov rv = { s, t, 0 };
+    recov rv = { .s = s, .t = t };
     kvr_disk_recovery dr;
     memset(&dr, 0, sizeof dr);
     if ((rc = kvr_disk_recover(t->d, on_record, on_corrupt, &rv, &dr, err)) != 0)
         goto fail;
+    mark_stale(&rv);
     /* Models, then contexts (blocks shared between contexts: one block). */
     for (trec *r = t->tab.head; r; r = r->next)
         if (r->type == REC_MODEL)
@@ -1717,6 +1849,12 @@ int kvr_store_tier_open(kvr_store *s, const kvr_tier_config *cfg, kvr_tier_log_f
             kvr_mem_free(dead);
             continue;
         }
+        if (r->stale) {
+            t->rec.stale_contexts++;
+            tlog(t, KVR_TIER_LOG_WARN, "disk: context '%s': a newer record of it may have been "
+                 "lost (corrupt log record): restored from its previous state, every token "
+                 "flagged stale", r->name);
+        }
         prev = r;
         r = r->next;
     }
@@ -1747,6 +1885,19 @@ int kvr_store_tier_open(kvr_store *s, const kvr_tier_config *cfg, kvr_tier_log_f
             tlog(t, KVR_TIER_LOG_WARN, "disk: checkpoint after recovery failed: %s", ce.msg);
     }
     pending_sweep(s);
+    /* Log the stale contexts again, marks included, so that the mark
+     * survives the next restart (the checkpoint above kept their old
+     * records, which do not carry it). */
+    if (t->rec.stale_contexts) {
+        for (trec *r = t->tab.head; r; r = r->next) {
+            kvr_error pe;
+            if (r->type == REC_CTX && r->stale && kvr_store_persist(s, r->name, NULL, NULL,
+                                                                     &pe) < 0)
+                tlog(t, KVR_TIER_LOG_WARN, "disk: context '%s': logging its stale mark "
+                     "failed: %s", r->name, pe.msg);
+        }
+        kvr_store_persist_flush(s);
+    }
     t->rec.records = dr.records;
     t->rec.quarantined = dr.quarantined + rv.bad;
     t->rec.torn_bytes = dr.torn_bytes;

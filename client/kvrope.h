@@ -147,6 +147,9 @@ int kvr_client_model_list(kvr_client *c, kvr_model **out, size_t *n);
 
 /* Looks one model up by name (via the list); KVR_ENOMODEL if absent. */
 int kvr_client_model_get(kvr_client *c, const char *name, kvr_model *out);
+/* Removes a model no context uses (KVR_EBUSY otherwise, KVR_ENOMODEL if
+ * absent; KVR_EUNSUPPORTED for a model persisted on the disk tier). */
+int kvr_client_model_remove(kvr_client *c, const char *name);
 
 /* ---- put ---------------------------------------------------------------- */
 /* Modes: kvr_put_mode, the store's (rope/types.h): KVR_PUT_CREATE = 0
@@ -213,7 +216,9 @@ size_t kvr_payload_size(uint32_t n_layers, size_t n_tokens, uint32_t n_kv_heads,
 /* ---- get ---------------------------------------------------------------- */
 /* Per-token flags: KVR_TOKEN_APPROX (KV computed against text that has
  * changed since), KVR_TOKEN_PENDING (inserted by an edit without KV: none
- * until a refresh; a get of it is KVR_EPENDING, a meta_only get works). */
+ * until a refresh; a get of it is KVR_EPENDING, a meta_only get works),
+ * KVR_TOKEN_STALE (with APPROX: restored from an older state after the
+ * newest log record was found corrupt; docs/protocol.md, Persistence). */
 
 /* Called during a get as soon as every byte of one layer has arrived, with
  * that layer's K and V in the destination buffer (borrowed for the callback). */

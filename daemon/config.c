@@ -64,6 +64,10 @@ void kvr_daemon_config_init(kvr_daemon_config *c)
     c->io_timeout = 30;
     c->auth_timeout = 5;
     c->max_unauth_connections = 64;
+    c->min_rate = 1 * MIB;
+    c->max_msg_buffers = 0;
+    c->max_models = 1024;
+    c->max_contexts = 0;
     c->log_level = KVR_LOG_INFO;
 }
 
@@ -191,6 +195,23 @@ int kvr_daemon_config_set(kvr_daemon_config *c, const char *key, const char *v,
             c->disk_engine = 2;
         else
             rc = KVR_EINVAL;
+    } else if (!strcmp(key, "min-rate")) {
+        rc = kvr_parse_size(v, &sz);
+        if (rc == 0)
+            c->min_rate = sz;
+    } else if (!strcmp(key, "max-msg-buffers")) {
+        rc = kvr_parse_size(v, &sz);
+        if (rc == 0 && sz != 0 && sz < 64 * 1024)
+            rc = KVR_EINVAL;
+        if (rc == 0)
+            c->max_msg_buffers = sz;
+    } else if (!strcmp(key, "max-models")) {
+        rc = parse_u32(v, 1, 1000000, &c->max_models);
+    } else if (!strcmp(key, "max-contexts")) {
+        uint32_t n32;
+        rc = parse_u32(v, 0, 100000000, &n32);
+        if (rc == 0)
+            c->max_contexts = n32;
     } else if (!strcmp(key, "persist-all")) {
         if (!strcmp(v, "1") || !strcmp(v, "true") || !strcmp(v, "yes") || !strcmp(v, "on"))
             c->persist_all = true;
@@ -324,7 +345,22 @@ static const char *HELP =
 "                         persist-all = true\n"
 ;
 
-/* Split in two: C11 compilers need only take 4095-byte literals. */
+/* Split up: C11 compilers need only take 4095-byte literals. */
+static const char *HELP_LIMITS =
+"  --min-rate BYTES       a frame must arrive within --io-timeout plus its\n"
+"                         size at this rate (default 1M per second; 0 = no\n"
+"                         deadline), else the connection is closed and an\n"
+"                         open put/edit aborted: a trickling sender cannot\n"
+"                         hold a reservation or a context lock for long\n"
+"  --max-msg-buffers BYTES\n"
+"                         unfinished messages buffered over all connections\n"
+"                         (default max-memory / 8); a frame that would pass\n"
+"                         it gets E_LIMIT and its connection is closed\n"
+"  --max-models N         registered models (default 1024; E_LIMIT past it;\n"
+"                         remove_model frees one)\n"
+"  --max-contexts N       contexts, forks included (default max-memory / 4K,\n"
+"                         at least 1024; E_LIMIT past it)\n";
+
 static const char *HELP_TAIL =
 "  --max-regions N        shared-memory regions one connection may register\n"
 "                         (default 64; 0 = shared memory off)\n"
@@ -353,6 +389,7 @@ static const char *HELP_TAIL =
 void kvr_daemon_print_help(FILE *out)
 {
     fputs(HELP, out);
+    fputs(HELP_LIMITS, out);
     fputs(HELP_TAIL, out);
 }
 
@@ -363,6 +400,7 @@ static bool known_option(const char *name)
         "max-conn-buffer", "max-drain", "max-regions", "max-region-bytes", "block-tokens", "threads", "log-level", "config",
         "io-timeout", "auth-timeout", "max-unauth-connections",
         "disk-dir", "disk-max", "disk-engine", "persist-all",
+        "min-rate", "max-msg-buffers", "max-models", "max-contexts",
     };
     for (size_t i = 0; i < sizeof names / sizeof names[0]; i++)
         if (!strcmp(name, names[i]))

@@ -27,9 +27,16 @@
  *    that makes no progress for --io-timeout is closed (an open put or edit
  *    is aborted, leases are released); one that owes Auth is closed after
  *    --auth-timeout whatever it does. An idle connection between frames
- *    costs nothing and is kept.
+ *    costs nothing and is kept. And a frame must arrive whole within
+ *    --io-timeout plus its size at --min-rate (frame_deadline_ms): bytes
+ *    that trickle in fast enough to beat --io-timeout do not keep a
+ *    reservation or a context lock forever.
+ *  - Message buffers of all connections together stay under
+ *    d->msg_buffer_limit (--max-msg-buffers): one that would pass it is
+ *    refused (E_LIMIT, closed) before the memory is taken.
  */
 #include "daemon/daemon_internal.h"
+#include "proto/check.h"
 
 #include <assert.h>
 #include <errno.h>
@@ -52,6 +59,15 @@ uint64_t kvr_now_ms(void)
     return (uint64_t)ts.tv_sec * 1000u + (uint64_t)ts.tv_nsec / 1000000u;
 }
 
+/* Frees c's message buffer, and its share of the daemon's budget. */
+static void msg_release(kvr_conn *c)
+{
+    c->d->msg_buffered -= c->msg_cap;
+    kvr_mem_free(c->msg);
+    c->msg = NULL;
+    c->msg_cap = 0;
+}
+
 static void conn_unref(kvr_conn *c)
 {
     assert(c->refs > 0);
@@ -59,7 +75,7 @@ static void conn_unref(kvr_conn *c)
         return;
     assert(c->closing && c->writes_pending == 0 && c->req == NULL);
     kvr_mem_free(c->req_spare);
-    kvr_mem_free(c->msg);
+    msg_release(c);
     kvr_mem_free(c->pending);
     kvr_mem_free(c);
 }
@@ -387,9 +403,15 @@ static void alloc_cb(uv_handle_t *h, size_t suggested, uv_buf_t *buf)
             size_t ncap = c->msg_have + (c->msg_have > 65536 ? c->msg_have : 65536);
             if (ncap > c->fh.msg_len)
                 ncap = c->fh.msg_len;
+            kvr_daemon *d = c->d;
+            if (d->msg_buffered + (ncap - c->msg_cap) > d->msg_buffer_limit) {
+                c->msg_over_limit = true;
+                return;   /* UV_ENOBUFS in read_cb: E_LIMIT */
+            }
             uint8_t *m = kvr_mem_realloc(c->msg, ncap);
             if (!m)
                 return;   /* UV_ENOBUFS in read_cb */
+            d->msg_buffered += ncap - c->msg_cap;
             c->msg = m;
             c->msg_cap = ncap;
         }
@@ -456,6 +478,16 @@ static void on_header(kvr_conn *c)
     }
     c->msg_have = 0;
     c->st = KVRD_CONN_MSG;
+    /* Deadline of the whole frame: the --io-timeout grace plus its bytes at
+     * --min-rate. */
+    const kvr_daemon_config *cfg = &c->d->cfg;
+    c->frame_deadline_ms = 0;
+    if (cfg->min_rate) {
+        uint64_t bytes = KVR_FRAME_HEADER_SIZE + (uint64_t)c->fh.msg_len + c->fh.payload_len;
+        uint64_t grace = (cfg->io_timeout ? cfg->io_timeout : 30) * 1000ull;
+        c->frame_deadline_ms = c->frame_ms + grace + bytes / cfg->min_rate * 1000u +
+                               bytes % cfg->min_rate * 1000u / cfg->min_rate;
+    }
 }
 
 static void on_message(kvr_conn *c)
@@ -470,11 +502,8 @@ static void on_message(kvr_conn *c)
      * loop iteration (on_close). */
     kvrd_dispatch_frame(c, &c->fh, c->fh.msg_len ? c->msg : empty);
     /* Keep a small buffer for the next frame; give big ones back. */
-    if (c->msg_cap > 65536) {
-        kvr_mem_free(c->msg);
-        c->msg = NULL;
-        c->msg_cap = 0;
-    }
+    if (c->msg_cap > 65536)
+        msg_release(c);
     c->msg_have = 0;
 }
 
@@ -523,6 +552,15 @@ static void read_cb(uv_stream_t *s, ssize_t nread, const uv_buf_t *buf)
     if (nread == 0)
         return;
     if (nread < 0) {
+        if (nread == UV_ENOBUFS && c->st == KVRD_CONN_MSG && c->msg_over_limit) {
+            c->d->n_msg_limited++;
+            char m[200];
+            snprintf(m, sizeof m, "unfinished messages of all connections are at "
+                     "--max-msg-buffers (%llu bytes): this one (%u bytes) is refused",
+                     (unsigned long long)c->d->msg_buffer_limit, c->fh.msg_len);
+            kvr_conn_fail(c, 0, KVR_ELIMIT, m);
+            return;
+        }
         if (nread == UV_ENOBUFS && c->st == KVRD_CONN_MSG) {
             kvr_conn_fail(c, 0, KVR_ENOMEM, "out of memory buffering the message");
             return;
@@ -540,6 +578,8 @@ static void read_cb(uv_stream_t *s, ssize_t nread, const uv_buf_t *buf)
     switch (c->st) {
     case KVRD_CONN_HDR:
         assert(c->hdr_have + n <= KVR_FRAME_HEADER_SIZE);   /* alloc_cb's bound */
+        if (c->hdr_have == 0)
+            c->frame_ms = c->read_ms;
         c->hdr_have += n;
         if (c->hdr_have == KVR_FRAME_HEADER_SIZE) {
             on_header(c);
@@ -678,6 +718,18 @@ void kvr_conn_sweep(kvr_conn *c, uint64_t now_ms, bool force)
     if (!c->authed && cfg->auth_timeout && now_ms >= c->auth_deadline_ms) {
         kvr_log(KVR_LOG_INFO, "closing a connection that did not authenticate within "
                 "--auth-timeout %u s", cfg->auth_timeout);
+        kvr_conn_close(c);
+        return;
+    }
+    if (c->reading && mid_frame(c) && c->st != KVRD_CONN_HDR && c->frame_deadline_ms &&
+        now_ms >= c->frame_deadline_ms) {
+        c->d->n_slow_closed++;
+        kvr_log(KVR_LOG_INFO, "closing a connection whose frame (%llu bytes) did not arrive "
+                "within --io-timeout plus its size at --min-rate %llu B/s (state %d)%s",
+                (unsigned long long)(KVR_FRAME_HEADER_SIZE + (uint64_t)c->fh.msg_len +
+                                     c->fh.payload_len),
+                (unsigned long long)cfg->min_rate, (int)c->st,
+                c->st == KVRD_CONN_PAYLOAD ? ": its put/edit is aborted" : "");
         kvr_conn_close(c);
         return;
     }

@@ -53,6 +53,13 @@ typedef struct kvr_daemon_config {
     uint64_t disk_max;              /* live data + log bytes; 0 = unbounded */
     int      disk_engine;           /* 0 auto, 1 uring, 2 posix */
     bool     persist_all;           /* every context is persistent */
+    /* What a client can make the daemon hold (issue 12). */
+    uint64_t min_rate;              /* bytes/s a frame must arrive at (after an
+                                       --io-timeout grace); 0 = no deadline */
+    uint64_t max_msg_buffers;       /* unfinished messages of all connections;
+                                       0 = max_memory / 8 */
+    uint32_t max_models;            /* registered models */
+    uint64_t max_contexts;          /* contexts; 0 = max(1024, max_memory / 4 KiB) */
 } kvr_daemon_config;
 
 /* Defaults: see `kvroped --help`. max_memory = min(4 GiB, RAM / 4). */

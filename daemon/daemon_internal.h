@@ -56,7 +56,7 @@ typedef enum kvrd_conn_state {
 
 /* Requests counted per verb: one counter per entry of dispatch.c's verb
  * table, in its order (kvrd_verb_name gives the names). */
-#define KVR_N_VERBS 25
+#define KVR_N_VERBS 26
 
 typedef struct kvr_conn kvr_conn;
 /* A shared-memory region of a connection (shm.c). */
@@ -117,6 +117,9 @@ struct kvr_daemon {
     uint64_t   purge_seen, purge_idle_ms;
     bool       purged;
     uint64_t   per_verb[KVR_N_VERBS];
+    /* Unfinished messages of all connections (conn.c) against their limit. */
+    uint64_t   msg_buffered, msg_buffer_limit;
+    uint64_t   n_msg_limited, n_slow_closed;
 };
 
 struct kvr_conn {
@@ -150,6 +153,9 @@ struct kvr_conn {
 
     uint8_t    *msg;
     size_t      msg_cap, msg_have;
+    bool        msg_over_limit;   /* growing msg would pass d->msg_buffer_limit */
+    /* The frame deadline (--min-rate): set when its first header byte came. */
+    uint64_t    frame_ms, frame_deadline_ms;
 
     /* The payload being read (PAYLOAD): dispatch's iovecs, borrowed. */
     const struct iovec *iov;

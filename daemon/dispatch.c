@@ -26,6 +26,7 @@
  * with kvr_error_status (kvr_status_of).
  */
 #include "daemon/daemon_internal.h"
+#include "proto/check.h"
 
 #include <assert.h>
 #include <pthread.h>
@@ -659,6 +660,13 @@ static void do_stat(kvrd_request *r)
     reply_ctx(r, r->msg->stat->context_id);
 }
 
+static void do_remove_model(kvrd_request *r)
+{
+    kvr_error e = { 0 };
+    int rc = kvr_store_model_remove(r->d->store, r->msg->remove_model->name, &e);
+    reply_simple(r, rc, &e, NULL);
+}
+
 static void do_delete(kvrd_request *r)
 {
     kvr_error e = { 0 };
@@ -747,6 +755,10 @@ static void do_stats(kvrd_request *r)
         { "bytes_out", (double)d->bytes_out },
         { "streamed_replies", (double)d->n_streamed },
         { "streams_aborted", (double)d->n_stream_aborted },
+        { "msg_buffered_bytes", (double)d->msg_buffered },
+        { "msg_buffer_limit_bytes", (double)d->msg_buffer_limit },
+        { "msg_buffer_refused", (double)d->n_msg_limited },
+        { "slow_frames_closed", (double)d->n_slow_closed },
     };
     enum { NF = sizeof fixed / sizeof fixed[0], ND = 48, N = NF + KVR_N_VERBS + ND };
     Kvrope__Metric ms[N];
@@ -1520,6 +1532,7 @@ static const kvrd_verb VERBS[KVR_N_VERBS] = {
     VERB(layout_stat,      LAYOUT_STAT,      0,             NULL, NULL, NULL),
     VERB(register_region,  REGISTER_REGION,  0,             NULL, NULL, NULL),
     VERB(release_region,   RELEASE_REGION,   0,             NULL, NULL, NULL),
+    VERB(remove_model,     REMOVE_MODEL,     0,             NULL, NULL, NULL),
 };
 #undef VERB
 
@@ -1595,6 +1608,13 @@ void kvrd_dispatch_frame(kvr_conn *c, const kvr_frame_header *fh, const uint8_t 
         kvr_conn_fail(c, q->id, KVR_EUNAUTH,
                       "authentication required: send Auth with the token first");
         kvrd_request_end(r, KVR_EUNAUTH);
+        return;
+    }
+    /* Ids are byte strings: one with a NUL would reach C cut short. */
+    const char *nul = kvr_proto_find_nul_string(&kvrope__request__descriptor, msg, fh->msg_len);
+    if (nul) {
+        reply_errf(r, KVR_EBADREQUEST, "field '%s' holds a NUL byte: ids, names and other "
+                   "strings may not contain NUL", nul);
         return;
     }
     if (r->payload_len && !(v && (v->flags & V_PAYLOAD_IN))) {

@@ -64,10 +64,12 @@ int kvr_persist_open(kvr_daemon *d, char *err, size_t errlen)
             (unsigned long long)cfg->disk_max, cfg->persist_all ? ", every context persistent" : "");
     kvr_log(rec.quarantined || rec.dropped_contexts ? KVR_LOG_WARN : KVR_LOG_INFO,
             "recovered %zu models, %zu contexts, %zu tokens, %llu bytes in %.1f ms "
-            "(%llu records; %llu quarantined, %llu torn bytes, %zu contexts dropped)",
+            "(%llu records; %llu quarantined, %llu torn bytes, %zu contexts dropped, "
+            "%zu stale, %zu lost)",
             rec.models, rec.contexts, rec.tokens, (unsigned long long)rec.bytes, rec.ms,
             (unsigned long long)rec.records, (unsigned long long)rec.quarantined,
-            (unsigned long long)rec.torn_bytes, rec.dropped_contexts);
+            (unsigned long long)rec.torn_bytes, rec.dropped_contexts, rec.stale_contexts,
+            rec.lost_contexts);
     return 0;
 }
 
@@ -156,6 +158,8 @@ size_t kvr_persist_metrics(kvr_daemon *d, const char **names, double *v, size_t 
         { "recovery_records", (double)t.recovery.records },
         { "recovery_quarantined", (double)t.recovery.quarantined },
         { "recovery_dropped_contexts", (double)t.recovery.dropped_contexts },
+        { "recovery_stale_contexts", (double)t.recovery.stale_contexts },
+        { "recovery_lost_contexts", (double)t.recovery.lost_contexts },
     };
     size_t n = sizeof m / sizeof m[0];
     if (n > cap)

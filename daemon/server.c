@@ -413,6 +413,11 @@ int kvr_daemon_create(kvr_daemon **out, const kvr_daemon_config *cfg, kvr_error 
                 "one takes up to %ux its size, kept under a quarter of --max-memory",
                 d->limits.max_msg_len, cfg->max_frame, KVR_UNPACK_FACTOR);
     }
+    /* Unfinished messages of all connections (conn.c): a share of the cap,
+     * and always room for one whole frame. */
+    d->msg_buffer_limit = cfg->max_msg_buffers ? cfg->max_msg_buffers : cfg->max_memory / 8;
+    if (d->msg_buffer_limit < d->limits.max_msg_len)
+        d->msg_buffer_limit = d->limits.max_msg_len;
     int rc = uv_loop_init(&d->loop);
     if (rc < 0) {
         kvr_mem_free(d);
@@ -421,7 +426,14 @@ int kvr_daemon_create(kvr_daemon **out, const kvr_daemon_config *cfg, kvr_error 
     /* The worker pool for rotation and codecs (rope/pool.c), started now
      * rather than by the first large get. */
     (void)kvr_pool_default();
-    kvr_store_config sc = { .max_memory = cfg->max_memory, .block_tokens = cfg->block_tokens };
+    /* Contexts and models count against limits too (issue 12): by default
+     * one context per 4 KiB of the cap (its metadata is not evictable). */
+    size_t max_ctx = cfg->max_contexts ? (size_t)cfg->max_contexts
+                                       : (size_t)(cfg->max_memory / 4096);
+    if (!cfg->max_contexts && max_ctx < 1024)
+        max_ctx = 1024;
+    kvr_store_config sc = { .max_memory = cfg->max_memory, .block_tokens = cfg->block_tokens,
+                            .max_contexts = max_ctx, .max_models = cfg->max_models };
     kvr_error e = { 0 };
     rc = kvr_store_create(&d->store, &sc, &e);
     if (rc < 0) {

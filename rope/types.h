@@ -26,6 +26,9 @@ typedef enum kvr_put_mode {
 #define KVR_TOKEN_PENDING 0x2u  /* inserted by an edit without KV: no KV until a
                                    refresh; a get of its KV is KVR_EPENDING, a
                                    meta_only get works */
+#define KVR_TOKEN_STALE 0x4u    /* restored from an older record: the context's
+                                   newest persisted state was lost (corrupt log
+                                   record); set with KVR_TOKEN_APPROX */
 
 /* Assemble layouts (APE, docs/ape.md; wire Layout). */
 typedef enum kvr_layout_kind {

@@ -1,15 +1,17 @@
 #!/bin/sh
 # Installs the Debian packages kvrope needs, and only the missing ones, so that
 # `make test` and `make run` work on a fresh Debian 12 machine as root.
-# Usage: scripts/deps.sh [core|test|bench]   (each level includes the ones before)
+# Usage: scripts/deps.sh [core|test|bench|fuzz]   (test, bench and fuzz each include
+# core and test; fuzz adds clang and its libFuzzer runtime for make fuzz/fuzz-ci)
 set -eu
 level=${1:-test}
 pkgs="build-essential pkg-config libuv1-dev libjemalloc-dev libprotobuf-c-dev protobuf-c-compiler liburing-dev libcjson-dev"
 case "$level" in
-  test)  pkgs="$pkgs libcriterion-dev python3 python3-numpy python3-pytest git nodejs npm" ;;
-  bench) pkgs="$pkgs libcriterion-dev python3 python3-numpy python3-pytest git nodejs npm redis-server redis-tools" ;;
+  test)  pkgs="$pkgs libcriterion-dev python3 python3-numpy python3-pytest python3-torch git nodejs npm" ;;
+  bench) pkgs="$pkgs libcriterion-dev python3 python3-numpy python3-pytest python3-torch git nodejs npm redis-server redis-tools" ;;
+  fuzz)  pkgs="$pkgs libcriterion-dev python3 python3-numpy python3-pytest python3-torch git nodejs npm clang libclang-rt-14-dev" ;;
   core)  ;;
-  *) echo "usage: $0 [core|test|bench]" >&2; exit 2 ;;
+  *) echo "usage: $0 [core|test|bench|fuzz]" >&2; exit 2 ;;
 esac
 missing=""
 for p in $pkgs; do

@@ -30,8 +30,15 @@ done
 if [ $c_only -eq 0 ] && [ -d tests/python ] && ls tests/python/test_*.py >/dev/null 2>&1; then
   echo "== pytest"
   py=${PYTHON:-/usr/bin/python3}
-  out=$(timeout 1200 "$py" -m pytest -q tests/python 2>&1); rc=$?
+  out=$(timeout 1200 "$py" -m pytest -q -rs tests/python 2>&1); rc=$?
   echo "$out" | tail -15
+  # torch is a test dependency (scripts/deps.sh): a test skipped for want of
+  # it is a failure, not a silent pass.
+  tskip=$(echo "$out" | sed -n "s/^SKIPPED \[\([0-9]*\)\].*torch.*/\1/p" | awk '{s+=$1} END {print s+0}')
+  if [ "$tskip" != 0 ]; then
+    echo "pytest: $tskip tests skipped because torch is not importable by $py"
+    bad_bins="$bad_bins pytest-torch"; fail=$((fail + tskip))
+  fi
   p=$(echo "$out" | grep -oE '[0-9]+ passed' | tail -1 | grep -oE '[0-9]+'); p=${p:-0}
   f=$(echo "$out" | grep -oE '[0-9]+ (failed|errors?)' | awk '{s+=$1} END {print s+0}')
   pass=$((pass + p)); fail=$((fail + f))

@@ -5,6 +5,7 @@
  * also printed to stdout as {"error": {...}} so scripts see one document.
  */
 #include "client/cli/cli.h"
+#include "client/cli/cli_parse.h"
 
 #include <cjson/cJSON.h>
 #include <errno.h>
@@ -456,8 +457,23 @@ static int cmd_models(kvr_client *c, const cli_args *a)
             print_model(&m);
         return CLI_OK;
     }
+    if (!strcmp(sub, "rm") || !strcmp(sub, "remove")) {
+        if (a->npos != 2)
+            return cli_usage_err("usage: kvrope models rm NAME");
+        int r = kvr_client_model_remove(c, a->pos[1]);
+        if (r < 0)
+            return cli_fail(a, c, r, "models rm");
+        if (a->json) {
+            cJSON *j = cJSON_CreateObject();
+            cJSON_AddStringToObject(j, "removed", a->pos[1]);
+            cli_print_json(j);
+        } else if (!a->quiet) {
+            printf("removed model %s\n", a->pos[1]);
+        }
+        return CLI_OK;
+    }
     if (strcmp(sub, "list") && strcmp(sub, "ls"))
-        return cli_usage_err("models: unknown subcommand '%s' (list, add)", sub);
+        return cli_usage_err("models: unknown subcommand '%s' (list, add, rm)", sub);
     kvr_model *ms;
     size_t n;
     int r = kvr_client_model_list(c, &ms, &n);
@@ -1189,8 +1205,7 @@ static int kv_src_load(kvr_client *c, const cli_args *a, const char *ctx, const 
     return CLI_OK;
 }
 
-/* Parses the --ops JSON: [{"start": S, "end": E, "tokens": [..]}, ...]
- * ("end" defaults to "start": an insert; "tokens" to none: a delete). */
+/* Reads the --ops JSON file (cli_edit_ops_parse). */
 static int load_ops(const cli_args *a, const char *path, kvr_edit_range **out, size_t *n,
                     uint32_t **tokbuf, size_t *n_new)
 {
@@ -1201,65 +1216,12 @@ static int load_ops(const cli_args *a, const char *path, kvr_edit_range **out, s
     *n = *n_new = 0;
     if (cli_map_file(path, &m, err, sizeof err) < 0)
         return cli_io_err(a, err);
-    cJSON *j = cJSON_ParseWithLength(m.base ? m.base : "", m.len);
+    int rc = cli_edit_ops_parse(m.base, m.len, out, n, tokbuf, n_new, err, sizeof err);
     cli_unmap(&m);
-    if (!j || !cJSON_IsArray(j) || cJSON_GetArraySize(j) == 0) {
-        cJSON_Delete(j);
-        return cli_usage_err("%s: want a non-empty JSON array of {\"start\", \"end\", \"tokens\"}",
-                         path);
-    }
-    size_t k = (size_t)cJSON_GetArraySize(j), total = 0;
-    const cJSON *it;
-    cJSON_ArrayForEach(it, j) {
-        const cJSON *t = cJSON_GetObjectItemCaseSensitive(it, "tokens");
-        if (t && !cJSON_IsArray(t)) {
-            cJSON_Delete(j);
-            return cli_usage_err("%s: \"tokens\" must be an array of token ids", path);
-        }
-        total += t ? (size_t)cJSON_GetArraySize(t) : 0;
-    }
-    kvr_edit_range *ops = calloc(k, sizeof *ops);
-    uint32_t *tb = malloc((total ? total : 1) * sizeof *tb);
-    if (!ops || !tb) {
-        free(ops);
-        free(tb);
-        cJSON_Delete(j);
+    if (rc == -2)
         return cli_io_err(a, "out of memory");
-    }
-    size_t i = 0, off = 0;
-    cJSON_ArrayForEach(it, j) {
-        const cJSON *s = cJSON_GetObjectItemCaseSensitive(it, "start");
-        const cJSON *e = cJSON_GetObjectItemCaseSensitive(it, "end");
-        const cJSON *t = cJSON_GetObjectItemCaseSensitive(it, "tokens");
-        if (!cJSON_IsObject(it) || !cJSON_IsNumber(s) || s->valuedouble < 0 ||
-            (e && (!cJSON_IsNumber(e) || e->valuedouble < 0))) {
-            free(ops);
-            free(tb);
-            cJSON_Delete(j);
-            return cli_usage_err("%s: op %zu needs \"start\" (and optionally \"end\") as "
-                             "non-negative integers", path, i);
-        }
-        ops[i].start = (uint64_t)s->valuedouble;
-        ops[i].end = e ? (uint64_t)e->valuedouble : ops[i].start;
-        ops[i].tokens = tb + off;
-        const cJSON *x;
-        cJSON_ArrayForEach(x, t) {
-            if (!cJSON_IsNumber(x) || x->valuedouble < 0 || x->valuedouble > 4294967295.0) {
-                free(ops);
-                free(tb);
-                cJSON_Delete(j);
-                return cli_usage_err("%s: op %zu: token ids are unsigned 32-bit integers", path, i);
-            }
-            tb[off++] = (uint32_t)x->valuedouble;
-            ops[i].n_tokens++;
-        }
-        i++;
-    }
-    cJSON_Delete(j);
-    *out = ops;
-    *n = k;
-    *tokbuf = tb;
-    *n_new = total;
+    if (rc < 0)
+        return cli_usage_err("%s: %s", path, err);
     return CLI_OK;
 }
 

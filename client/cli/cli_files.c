@@ -16,6 +16,7 @@
  * K slab of every layer in turn, then v the V slabs.
  */
 #include "client/cli/cli.h"
+#include "client/cli/cli_parse.h"
 
 #include <cjson/cJSON.h>
 #include <errno.h>
@@ -422,13 +423,11 @@ void cli_st_free(cli_st_kv *st)
     memset(st, 0, sizeof *st);
 }
 
-int cli_st_read(const char *path, cli_st_kv *st, char *err, size_t errlen)
+/* The parse of a safetensors image base[0..len) (borrowed: st->k/v point
+ * into it); path names it in messages. On failure st is freed. */
+static int st_parse(cli_st_kv *st, const uint8_t *base, size_t len, const char *path,
+                    char *err, size_t errlen)
 {
-    memset(st, 0, sizeof *st);
-    if (cli_map_file(path, &st->file, err, errlen) < 0)
-        return -1;
-    const uint8_t *base = st->file.base;
-    size_t len = st->file.len;
     uint64_t hl = 0;
     if (len < 8) {
         snprintf(err, errlen, "%s: too short for safetensors", path);
@@ -522,4 +521,18 @@ fail_json:
 fail:
     cli_st_free(st);
     return -1;
+}
+
+int cli_st_read(const char *path, cli_st_kv *st, char *err, size_t errlen)
+{
+    memset(st, 0, sizeof *st);
+    if (cli_map_file(path, &st->file, err, errlen) < 0)
+        return -1;
+    return st_parse(st, st->file.base, st->file.len, path, err, errlen);
+}
+
+int cli_st_parse(const void *buf, size_t len, cli_st_kv *st, char *err, size_t errlen)
+{
+    memset(st, 0, sizeof *st);
+    return st_parse(st, buf, len, "safetensors", err, errlen);
 }

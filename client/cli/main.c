@@ -40,6 +40,7 @@ static const char help_text[] =
 "  ping                               daemon version and round-trip time\n"
 "  stats                              daemon metrics\n"
 "  models [list]                      registered models\n"
+"  models rm NAME                     remove a model no context uses\n"
 "  models add NAME --config config.json [--style neox|gptj] [--dtype f16]\n"
 "  models add NAME --layers L --heads H --head-dim D [--theta T] [--rotary-dim R]\n"
 "                                     [--style neox|gptj] [--dtype f16]\n"

@@ -279,6 +279,8 @@ int kvr_client_model_register(kvr_client *c, const kvr_model_params *p, kvr_mode
     rm.name = unconst(p->name);
     if (p->config_json) {
         size_t len = p->config_json_len ? p->config_json_len : strlen(p->config_json);
+        if (memchr(p->config_json, 0, len))
+            return kvr__fail(c, KVR_EINVAL, "register model: config_json holds a NUL byte");
         json = malloc(len + 1);   /* protobuf strings are NUL-terminated */
         if (!json)
             return kvr__fail(c, KVR_ENOMEM, "out of memory");
@@ -768,6 +770,19 @@ int kvr_client_match(kvr_client *c, const kvr_match_args *a, kvr_match_res *out)
 }
 
 /* ---- context management ------------------------------------------------- */
+
+int kvr_client_model_remove(kvr_client *c, const char *name)
+{
+    int r = check_id(c, "remove model", name);
+    if (r < 0)
+        return r;
+    Kvrope__RemoveModel rm = KVROPE__REMOVE_MODEL__INIT;
+    rm.name = unconst(name);
+    Kvrope__Request req = KVROPE__REQUEST__INIT;
+    req.body_case = KVROPE__REQUEST__BODY_REMOVE_MODEL;
+    req.remove_model = &rm;
+    return simple_call(c, &req);
+}
 
 int kvr_client_delete(kvr_client *c, const char *ctx_id)
 {

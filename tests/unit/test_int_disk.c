@@ -330,6 +330,7 @@ static void kill9(const char *engine)
             testd_stop(&d);
             cr_assert_eq(start(&d, dir, engine, NULL), 0, "trial %d: restart", t);
             c = testd_connect(&d);
+            cr_assert(c, "trial %d: connect after restart", t);
             char id[16];
             snprintf(id, sizeof id, "k%d", k);
             uint64_t now = ctx_hash(c, id, KVR_DTYPE_F16);
@@ -359,6 +360,32 @@ static void kill9(const char *engine)
     kvr_client_close(rc);
     testd_stop(&ref);
     rm_tree(dir);
+}
+
+/* A worker whose kvroped is killed gets an error from every call, never a
+ * signal: SIGPIPE keeps its default disposition here (which would end this
+ * process) and the payload is large enough that the send meets the closed
+ * socket. */
+Test(int_disk, killed_daemon_gives_errors, .timeout = 120)
+{
+    signal(SIGPIPE, SIG_DFL);
+    kvr_testd d;
+    const char *args[] = { "--max-memory", "256M", NULL };
+    cr_assert_eq(testd_start(&d, args), 0);
+    kvr_client *c = testd_connect(&d);
+    cr_assert(c);
+    cr_assert_eq(testd_register(c, "m", KVR_DTYPE_F32, NULL), 0);
+    cr_assert_eq(put_p(c, "a", KVR_DTYPE_F32, 1, 0, 10, false, NULL), 0);
+    kill(d.pid, SIGKILL);
+    waitpid(d.pid, NULL, 0);
+    d.pid = 0;
+    int r = put_p(c, "b", KVR_DTYPE_F32, 2, 0, 20000, false, NULL);
+    cr_assert_lt(r, 0, "a put to a killed daemon must fail");
+    cr_assert(r == KVR_ECLOSED || r == KVR_ESYS, "%d: %s", r, kvr_client_last_error(c));
+    cr_assert_eq(kvr_client_ping(c, NULL), KVR_ECLOSED);
+    cr_assert_eq(ctx_hash(c, "a", KVR_DTYPE_F32), 1);
+    kvr_client_close(c);
+    testd_stop(&d);
 }
 
 Test(int_disk, kill9_auto, .timeout = 600) { kill9("auto"); }
@@ -423,7 +450,15 @@ static void corrupt(const char *engine)
         char id[16];
         snprintf(id, sizeof id, "c%d", i);
         uint64_t now = ctx_hash(c, id, KVR_DTYPE_F16);
-        cr_assert(now == h[i] || now == 0 || now == 1,
+        /* A context restored from an older record says so on every token. */
+        kvr_get_args ma = { .ctx_id = id, .dtype = KVR_DTYPE_F16, .meta_only = true };
+        kvr_kv mk;
+        bool stale = false;
+        if (now > 1 && now != h[i] && kvr_client_get(c, &ma, &mk) == 0) {
+            stale = mk.n_tokens > 0 && (mk.flags[0] & KVR_TOKEN_STALE);
+            kvr_kv_release(&mk);
+        }
+        cr_assert(now == h[i] || now == 0 || now == 1 || stale,
                   "context %s is served with wrong content after corruption", id);
         if (now == h[i])
             exact++;
@@ -539,3 +574,153 @@ Test(int_disk, enospc_small_tmpfs, .timeout = 120)
     umount(dir);
     rm_tree(dir);
 }
+
+/* ---- a corrupt newest record: stale marks, never a silent roll-back --------- */
+
+/* Offset (in the current log file of dir, *path) of the last record of
+ * `type` whose payload names `id`; -1 if none. */
+static long find_record(const char *dir, uint32_t type, const char *id, char *path, size_t cap)
+{
+    DIR *dd = opendir(dir);
+    struct dirent *e;
+    unsigned best = 0;
+    while ((e = readdir(dd)) != NULL) {
+        unsigned g;
+        if (sscanf(e->d_name, "log-%8x.kvl", &g) == 1 && strlen(e->d_name) == 16 && g >= best)
+            best = g;
+    }
+    closedir(dd);
+    snprintf(path, cap, "%s/log-%08x.kvl", dir, best);
+    FILE *f = fopen(path, "rb");
+    cr_assert(f);
+    static uint8_t buf[1 << 20];
+    size_t n = fread(buf, 1, sizeof buf, f);
+    fclose(f);
+    long hit = -1;
+    size_t idl = strlen(id);
+    for (size_t off = 0; off + 24 <= n;) {
+        uint32_t t, len;
+        memcpy(&t, buf + off + 16, 4);
+        memcpy(&len, buf + off + 20, 4);
+        uint32_t nl;
+        memcpy(&nl, buf + off + 28, 4);
+        if (t == type && nl == idl && !memcmp(buf + off + 32, id, idl))
+            hit = (long)off;
+        off += 24 + len;
+    }
+    return hit;
+}
+
+static void flip(const char *path, long off)
+{
+    int fd = open(path, O_RDWR);
+    cr_assert_geq(fd, 0);
+    uint8_t y;
+    cr_assert_eq(pread(fd, &y, 1, off), 1);
+    y ^= 0x5a;
+    cr_assert_eq(pwrite(fd, &y, 1, off), 1);
+    close(fd);
+}
+
+/* Flags of every token of ctx OR-ed, or UINT32_MAX if it cannot be read. */
+static uint32_t ctx_flags(kvr_client *c, const char *id, uint64_t *n_out, int64_t *pos0)
+{
+    kvr_get_args a = { .ctx_id = id, .dtype = KVR_DTYPE_F16, .meta_only = true };
+    kvr_kv kv;
+    if (kvr_client_get(c, &a, &kv) != 0)
+        return UINT32_MAX;
+    uint32_t f = 0, all = ~0u;
+    for (size_t i = 0; i < kv.n_tokens; i++) {
+        f |= kv.flags[i];
+        all &= kv.flags[i];
+    }
+    if (n_out)
+        *n_out = kv.n_tokens;
+    if (pos0)
+        *pos0 = kv.n_tokens ? kv.positions[0] : -1;
+    kvr_kv_release(&kv);
+    cr_assert(kv.n_tokens == 0 || f == all, "context %s: a stale mark covers every token", id);
+    return f;
+}
+
+static int log_has(const kvr_testd *d, const char *needle)
+{
+    FILE *f = fopen(d->log, "r");
+    if (!f)
+        return 0;
+    char line[1024];
+    int hit = 0;
+    while (fgets(line, sizeof line, f))
+        hit |= strstr(line, needle) != NULL;
+    fclose(f);
+    return hit;
+}
+
+/* how: 0 = a byte of the body (the head, with its own checksum, names the
+ * context); 1 = a byte of the name (the loss cannot be attributed). */
+static void corrupt_newest(int how)
+{
+    char dir[64], logp[128];
+    disk_dir(dir, sizeof dir);
+    kvr_testd d;
+    cr_assert_eq(start(&d, dir, "auto", NULL), 0);
+    kvr_client *c = testd_connect(&d);
+    cr_assert_eq(testd_register(c, "m", KVR_DTYPE_F16, NULL), 0);
+    cr_assert_eq(put_p(c, "x", KVR_DTYPE_F16, 1, 0, 100, true, NULL), 0);
+    cr_assert_eq(put_p(c, "y", KVR_DTYPE_F16, 2, 0, 50, true, NULL), 0);
+    cr_assert_eq(kvr_client_shift(c, "x", 0, UINT64_MAX, 1000), 0);   /* x's newest state */
+    cr_assert_eq(put_p(c, "z", KVR_DTYPE_F16, 3, 0, 10, true, NULL), 0);
+    cr_assert_eq(put_p(c, "w", KVR_DTYPE_F16, 4, 0, 10, true, NULL), 0);  /* one record */
+    kvr_client_close(c);
+    testd_stop(&d);
+
+    long rx = find_record(dir, 2, "x", logp, sizeof logp);
+    cr_assert_geq(rx, 0);
+    flip(logp, rx + (how == 0 ? 24 + 4 + 4 + 1 + 4 + 20 : 24 + 4 + 4));
+    if (how == 0) {
+        long rw = find_record(dir, 2, "w", logp, sizeof logp);
+        cr_assert_geq(rw, 0);
+        flip(logp, rw + 24 + 4 + 4 + 1 + 4 + 20);
+    }
+
+    for (int round = 0; round < 2; round++) {
+        cr_assert_eq(start(&d, dir, "auto", NULL), 0);
+        c = testd_connect(&d);
+        uint64_t n;
+        int64_t p0;
+        uint32_t fx = ctx_flags(c, "x", &n, &p0);
+        cr_assert_eq(fx, KVR_TOKEN_STALE | KVR_TOKEN_APPROX,
+                     "round %d: x was rolled back to its state before the shift without a "
+                     "mark (flags %#x)", round, fx);
+        cr_assert_eq(n, 100);
+        cr_assert_eq(p0, 0, "x is its previous state (before the shift)");
+        cr_assert_eq(ctx_flags(c, "z", NULL, NULL), 0, "z's state came after the loss");
+        if (how == 0) {
+            cr_assert_eq(ctx_flags(c, "y", NULL, NULL), 0, "y is not the lost record's");
+            cr_assert_eq(ctx_flags(c, "w", NULL, NULL), UINT32_MAX, "w had one record: lost");
+        } else {
+            cr_assert_eq(ctx_flags(c, "y", NULL, NULL), KVR_TOKEN_STALE | KVR_TOKEN_APPROX,
+                         "an unattributed loss marks every context older than it");
+        }
+        if (round == 0) {
+            cr_assert(log_has(&d, "context 'x'"), "the log names x");
+            cr_assert_eq(testd_metric(c, "recovery_stale_contexts"), how == 0 ? 1.0 : 2.0, "%g %g", testd_metric(c, "recovery_stale_contexts"), testd_metric(c, "recovery_lost_contexts"));
+            cr_assert_eq(testd_metric(c, "recovery_lost_contexts"), how == 0 ? 1.0 : 0.0);
+            if (how == 0)
+                cr_assert(log_has(&d, "context 'w'"), "the log names w");
+            /* An exact match does not see stale tokens. */
+            uint32_t *tok = testd_tokens(0, 100);
+            kvr_match_res mr;
+            cr_assert_eq(kvr_client_match(c, &(kvr_match_args){ .model = "m", .tokens = tok,
+                                                                .n_tokens = 100 }, &mr), 0);
+            cr_assert_lt(mr.length, 100);
+            free(tok);
+        }
+        kvr_client_close(c);
+        testd_stop(&d);
+    }
+    rm_tree(dir);
+}
+
+Test(int_disk, corrupt_newest_record_attributed, .timeout = 120) { corrupt_newest(0); }
+Test(int_disk, corrupt_newest_record_unattributed, .timeout = 120) { corrupt_newest(1); }

@@ -283,6 +283,7 @@ PROTOTYPES = {
     "kvr_client_get": (c_int, [H, POINTER(kvr_get_args), POINTER(kvr_kv)]),
     "kvr_client_match": (c_int, [H, POINTER(kvr_match_args), POINTER(kvr_match_res)]),
     "kvr_client_delete": (c_int, [H, c_char_p]),
+    "kvr_client_model_remove": (c_int, [H, c_char_p]),
     "kvr_client_stat": (c_int, [H, c_char_p, POINTER(kvr_context)]),
     "kvr_client_list": (c_int, [H, c_char_p, POINTER(POINTER(kvr_context)), POINTER(c_size_t)]),
     "kvr_client_pin": (c_int, [H, c_char_p, c_bool]),

@@ -823,6 +823,12 @@ class Client:
         kv = self._take(r.kv, out) if r.has_kv else None
         return Match(int(r.length), r.ctx_id.decode() if r.length else None, kv)
 
+    def remove_model(self, name):
+        """Removes a model that no context uses (Busy otherwise)."""
+        nm = _b(name, "model name")
+        self._call("kvr_client_model_remove", nm)
+        self._models.pop(name if isinstance(name, str) else nm.decode(errors="replace"), None)
+
     def delete(self, ctx_id):
         self._call("kvr_client_delete", _b(ctx_id, "ctx_id"))
 
