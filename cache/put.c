@@ -352,7 +352,7 @@ static int work_quant(kvr_put *t, kvr_error *err)
     int rc = 0;
     if (!w.side || !w.acc || !w.x || !w.scratch || (par && f && !rec))
         rc = KVR_ENOMEM;
-    for (unsigned i = 0; i < w.n_slots && rc == 0; i++) {
+    for (unsigned i = 0; i < w.n_slots && rc == 0 && w.x && w.scratch; i++) {
         w.x[i] = kvr_mem_malloc(f * row * sizeof(float));
         w.scratch[i] = kvr_mem_malloc(2u * G * row * sizeof(float));
         if (!w.x[i] || !w.scratch[i])
@@ -392,9 +392,11 @@ static int work_quant(kvr_put *t, kvr_error *err)
                 kvr_qacc_replay(&w.acc[i], &t->sse[i % 2], &t->ss[i % 2]);
         }
     }
-    for (unsigned i = 0; i < nt && w.x; i++) {
-        kvr_mem_free(w.x[i]);
-        kvr_mem_free(w.scratch[i]);
+    for (unsigned i = 0; i < nt; i++) {
+        if (w.x)
+            kvr_mem_free(w.x[i]);
+        if (w.scratch)
+            kvr_mem_free(w.scratch[i]);
     }
     kvr_mem_free(w.x);
     kvr_mem_free(w.scratch);
