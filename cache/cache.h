@@ -270,6 +270,14 @@ void   kvr_get_payload_iov(const kvr_get *t, const struct iovec **iov, size_t *n
 int  kvr_get_work_layers(kvr_get *t, size_t l0, size_t l1, kvr_error *err);
 void kvr_get_payload_iov_layers(const kvr_get *t, size_t l0, size_t l1,
                                 const struct iovec **iov, size_t *n);
+/* In-process callers: the whole payload (kvr_get_payload_size bytes, wire
+ * order) straight into dst, instead of work + iovecs + a copy. Keys are
+ * re-rotated and quantized sides decoded in place, zero-copy parts copied;
+ * no staging is touched, so it adds no memory beyond one layer's f32
+ * scratch per thread. Any thread; layers split across threads as for
+ * kvr_get_work. The iovecs are not filled by it. KVR_EINVAL unless size is
+ * the payload size. */
+int  kvr_get_copy_into(kvr_get *t, void *dst, size_t size, kvr_error *err);
 /* Loop thread: releases the leases and frees t. */
 void kvr_get_end(kvr_get *t);
 
@@ -535,6 +543,9 @@ int    kvr_assemble_work(kvr_assemble *t, kvr_error *err);
 size_t kvr_assemble_payload_size(const kvr_assemble *t);
 void   kvr_assemble_payload_iov(const kvr_assemble *t, const struct iovec **iov,
                                 size_t *n);
+/* In-process callers: the whole payload straight into dst, as
+ * kvr_get_copy_into (no staging; the iovecs are not filled). */
+int    kvr_assemble_copy_into(kvr_assemble *t, void *dst, size_t size, kvr_error *err);
 void   kvr_assemble_end(kvr_assemble *t);       /* loop thread; NULL is a no-op */
 
 /*

@@ -591,6 +591,11 @@ static int ggml_block_enc(kvr_codec_type t, uint8_t *y, const float *x)
     }
 }
 
+int kvr_codec_ggml_block_enc(kvr_codec_type t, uint8_t *dst, const float *x)
+{
+    return ggml_block_enc(t, dst, x);
+}
+
 static void ggml_block_dec(kvr_codec_type t, float *y, const uint8_t *x)
 {
     const float d = kvr_f16_to_f32(rd16(x));
@@ -682,6 +687,12 @@ static int encode_ggml(const kvr_codec *c, uint8_t *dst, const void *src, kvr_dt
                        size_t n, size_t *bad)
 {
     if (n % QK) return KVR_EUNSUPPORTED;
+    const kvr_codec_kernels *k = kernels_for(c->isa);
+    /* The SIMD kernels check as they go; on a bad value the scalar path
+     * below (re)writes dst and names the element. */
+    if (k->ggml_enc && (st == KVR_DTYPE_F32 || st == KVR_DTYPE_F16) &&
+        k->ggml_enc(c->type, dst, src, st, n) == 0)
+        return 0;
     size_t b = locate_bad(src, st, n, FLT_MAX);
     if (b < n) {
         if (bad) *bad = b;
@@ -770,6 +781,11 @@ int kvr_codec_decode(const kvr_codec *c, void *dst, kvr_dtype dst_type,
     }
     if (kvr_codec_is_ggml(c->type)) {
         if (n % QK) return KVR_EUNSUPPORTED;
+        const kvr_codec_kernels *k = kernels_for(c->isa);
+        if (k->ggml_dec && (dst_type == KVR_DTYPE_F32 || dst_type == KVR_DTYPE_F16)) {
+            k->ggml_dec(c->type, dst, dst_type, src, n);
+            return 0;
+        }
         size_t bb = ggml_block_bytes(c->type);
         float y[QK];
         for (size_t i = 0; i < n; i += QK) {

@@ -84,7 +84,10 @@
  * groups at a time with vectorised parameter choice, and whole KIVI tiles
  * encoded/decoded vectorised across channels, f16 parameters (f32
  * parameters use the AVX2 kernels); same bytes again. bf16 goes through f32
- * a group at a time. The ggml block codecs are scalar (bit-exactness first).
+ * a group at a time. The ggml block codecs have AVX2 kernels
+ * (codec_ggml_avx2.c) and an AVX-512 encoder (codec_ggml_avx512.c) for
+ * f32/f16 data, with the scalar reference's bytes; bf16 data uses the
+ * scalar reference.
  */
 #ifndef KVR_CACHE_CODEC_H
 #define KVR_CACHE_CODEC_H
@@ -273,7 +276,22 @@ typedef struct kvr_codec_kernels {
                      size_t G, unsigned bits, kvr_codec_params params);
     int  (*tile_dec)(void *dst, kvr_dtype t, size_t ld, const uint8_t *src, size_t n_ch,
                      size_t G, unsigned bits, kvr_codec_params params);
+    /* Optional ggml block kernels (NULL: the scalar reference), f32 or f16
+     * in / out, n a multiple of 32; the encoder returns 0, or -1 when it
+     * meets a bad value (the caller reruns the scalar path to name it). */
+    int  (*ggml_enc)(kvr_codec_type t, uint8_t *dst, const void *src, kvr_dtype st, size_t n);
+    void (*ggml_dec)(kvr_codec_type t, void *dst, kvr_dtype dt, const uint8_t *src, size_t n);
 } kvr_codec_kernels;
+
+/* The scalar encoder of one ggml block of 32 checked values (0, or -1 when d
+ * or m overflows f16); the SIMD kernels use it for blocks they leave. */
+int kvr_codec_ggml_block_enc(kvr_codec_type t, uint8_t *dst, const float *x);
+int  kvr_codec_ggml_enc_avx2(kvr_codec_type t, uint8_t *dst, const void *src, kvr_dtype st,
+                             size_t n);
+void kvr_codec_ggml_dec_avx2(kvr_codec_type t, void *dst, kvr_dtype dt, const uint8_t *src,
+                             size_t n);
+int  kvr_codec_ggml_enc_avx512(kvr_codec_type t, uint8_t *dst, const void *src, kvr_dtype st,
+                               size_t n);
 
 /* The scalar encoder of one group of m <= 256 checked values; returns the
  * bytes written. The SIMD kernels use it for a row's short last group. */

@@ -319,4 +319,5 @@ const kvr_codec_kernels kvr_codec_kernels_avx2 = {
     .enc_f32 = av_enc_f32, .enc_f16 = av_enc_f16,
     .dec_f32 = av_dec_f32, .dec_f16 = av_dec_f16,
     .tile_gather = av_tile_gather, .tile_scatter = av_tile_scatter,
+    .ggml_enc = kvr_codec_ggml_enc_avx2, .ggml_dec = kvr_codec_ggml_dec_avx2,
 };

@@ -18,9 +18,11 @@
  *    is the storage dtype; otherwise into a staging buffer that put_work
  *    converts (kvr_convert) into the blocks.
  */
+#include <stdatomic.h>
 #include <string.h>
 
 #include "cache/layout.h"
+#include "cache/parallel.h"
 #include "cache/txn.h"
 
 struct kvr_put {
@@ -236,6 +238,86 @@ nomem:
 
 /* Work of a quantized put: refuse non-finite input, un-rotate and quantize
  * the flushed tokens, convert the window's. */
+/* One (layer, kv) side of a quantized put's work: the flushed tokens (old
+ * window tokens, then the put's first fl_new) gathered as f32 (keys
+ * un-rotated), encoded, and the rest of the put copied into window runs.
+ * Sides touch disjoint block bytes, so they run in parallel; each records
+ * its error sums (replayed in order by work_quant) and its own failure. */
+typedef struct qside {
+    int    rc;        /* 0, or the failure of this side */
+    int    stage;     /* 1 un-rotating keys failed, 2 the codec refused a value */
+} qside;
+
+typedef struct qwork {
+    kvr_put        *t;
+    size_t          row, psize, part, f;
+    unsigned        n_slots;
+    float         **x, **scratch;      /* per slot */
+    atomic_uint     busy;              /* bit per slot */
+    qside          *side;              /* 2 * n_layers */
+    kvr_qacc       *acc;               /* 2 * n_layers */
+    kvr_rope_opts   ro;
+} qwork;
+
+static unsigned slot_take(qwork *w)
+{
+    for (;;) {
+        unsigned cur = atomic_load(&w->busy);
+        for (unsigned i = 0; i < w->n_slots; i++)
+            if (!(cur & (1u << i)) &&
+                atomic_compare_exchange_weak(&w->busy, &cur, cur | (1u << i)))
+                return i;
+    }
+}
+
+static int quant_side(void *ud, size_t item)
+{
+    qwork *w = ud;
+    kvr_put *t = w->t;
+    const kvr_model *m = t->m;
+    uint32_t l = (uint32_t)(item / 2);
+    int kv = (int)(item % 2);
+    size_t row = w->row, f = w->f;
+    const uint8_t *pay = t->w.staging + item * w->part;
+    int rc = 0;
+    if (f) {
+        unsigned sl = slot_take(w);
+        float *x = w->x[sl];
+        size_t g = 0;
+        for (size_t i = 0; i < t->n_wsrc && rc == 0; i++) {
+            const kvr_brun *ws = &t->wsrc[i];
+            const uint8_t *src = kvr_block_kv(ws->b, l, kv, ws->first);
+            if (kv)
+                kvr_convert(x + g * row, KVR_DTYPE_F32, src, ws->b->dtype, ws->count * row);
+            else
+                rc = kvr_rope_remove(kvr_rope_layer(m->engine, l), x + g * row, KVR_DTYPE_F32,
+                                     src, ws->b->dtype, ws->count, m->n_kv_heads, t->qpos + g,
+                                     &w->ro);
+            g += ws->count;
+        }
+        if (t->fl_new && rc == 0) {
+            if (kv)
+                kvr_convert(x + g * row, KVR_DTYPE_F32, pay, t->pdt, t->fl_new * row);
+            else
+                rc = kvr_rope_remove(kvr_rope_layer(m->engine, l), x + g * row, KVR_DTYPE_F32,
+                                     pay, t->pdt, t->fl_new, m->n_kv_heads, t->qpos + g, &w->ro);
+        }
+        if (rc != 0) {
+            w->side[item].stage = 1;
+        } else {
+            rc = kvr_quant_encode_side(t->qruns, t->n_qruns, l, kv, x, w->scratch[sl],
+                                       &w->acc[item]);
+            if (rc != 0)
+                w->side[item].stage = 2;
+        }
+        atomic_fetch_and(&w->busy, ~(1u << sl));
+    }
+    if (rc == 0)
+        kvr_brun_fill(t->runs, t->n_runs, l, kv, pay + t->fl_new * row * w->psize, t->pdt);
+    w->side[item].rc = rc;
+    return rc;
+}
+
 static int work_quant(kvr_put *t, kvr_error *err)
 {
     const kvr_model *m = t->m;
@@ -249,65 +331,78 @@ static int work_quant(kvr_put *t, kvr_error *err)
                              "(position %lld) is nan or inf; nothing was stored",
                              t->c->id, bkv ? "V" : "K", bl, btok,
                              (long long)(t->first_pos + (int64_t)btok));
-    size_t f = t->fl_old + t->fl_new;
+    size_t f = t->fl_old + t->fl_new, n_items = 2u * m->n_layers;
     size_t G = kvr_qspec_ktile(&t->c->codec);
-    float *x = NULL, *scratch = NULL;
-    if (f) {
-        x = kvr_mem_malloc(f * row * sizeof *x);
-        scratch = kvr_mem_malloc(2u * G * row * sizeof *scratch);
-        if (!x || !scratch) {
-            kvr_mem_free(x);
-            kvr_mem_free(scratch);
-            return kvr_error_set(err, KVR_ENOMEM, "out of memory quantizing %zu tokens", f);
-        }
-    }
+    /* Threads by the bytes the sides read and write; each thread holds one
+     * slot of f tokens of f32 (x) and two K tiles (scratch): bounded by
+     * the request, not by the context. */
+    unsigned nt = par_threads_for(n_items * (f * row * 4 + t->n * row * psize));
+    if (nt > n_items) nt = (unsigned)n_items;
+    if (nt > 8) nt = 8;
+    qwork w = { .t = t, .row = row, .psize = psize, .part = t->n * row * psize, .f = f,
+                .n_slots = f ? nt : 0, .ro = { .n_threads = 1 } };
+    atomic_init(&w.busy, 0u);
+    size_t rec_cap = f + t->n_qruns + 1;
+    bool par = nt > 1;
+    w.side = kvr_mem_calloc(n_items, sizeof *w.side);
+    w.acc = kvr_mem_calloc(n_items, sizeof *w.acc);
+    w.x = kvr_mem_calloc(nt, sizeof *w.x);
+    w.scratch = kvr_mem_calloc(nt, sizeof *w.scratch);
+    double *rec = par && f ? kvr_mem_malloc(n_items * rec_cap * 2 * sizeof *rec) : NULL;
     int rc = 0;
-    size_t part = t->n * row * psize;
-    for (uint32_t l = 0; l < m->n_layers && rc == 0; l++) {
-        for (int kv = 0; kv < 2 && rc == 0; kv++) {
-            const uint8_t *pay = t->w.staging + (2u * l + (unsigned)kv) * part;
-            if (f) {
-                size_t g = 0;
-                for (size_t i = 0; i < t->n_wsrc && rc == 0; i++) {
-                    const kvr_brun *w = &t->wsrc[i];
-                    const uint8_t *src = kvr_block_kv(w->b, l, kv, w->first);
-                    if (kv)
-                        kvr_convert(x + g * row, KVR_DTYPE_F32, src, w->b->dtype,
-                                    w->count * row);
-                    else
-                        rc = kvr_rope_remove(kvr_rope_layer(m->engine, l), x + g * row,
-                                             KVR_DTYPE_F32, src, w->b->dtype, w->count,
-                                             m->n_kv_heads, t->qpos + g, NULL);
-                    g += w->count;
-                }
-                if (t->fl_new && rc == 0) {
-                    if (kv)
-                        kvr_convert(x + g * row, KVR_DTYPE_F32, pay, t->pdt,
-                                    t->fl_new * row);
-                    else
-                        rc = kvr_rope_remove(kvr_rope_layer(m->engine, l), x + g * row,
-                                             KVR_DTYPE_F32, pay, t->pdt, t->fl_new,
-                                             m->n_kv_heads, t->qpos + g, NULL);
-                }
-                if (rc != 0) {
+    if (!w.side || !w.acc || !w.x || !w.scratch || (par && f && !rec))
+        rc = KVR_ENOMEM;
+    for (unsigned i = 0; i < w.n_slots && rc == 0 && w.x && w.scratch; i++) {
+        w.x[i] = kvr_mem_malloc(f * row * sizeof(float));
+        w.scratch[i] = kvr_mem_malloc(2u * G * row * sizeof(float));
+        if (!w.x[i] || !w.scratch[i])
+            rc = KVR_ENOMEM;
+    }
+    if (rc != 0) {
+        rc = kvr_error_set(err, KVR_ENOMEM, "out of memory quantizing %zu tokens", f);
+    } else {
+        for (size_t i = 0; i < n_items; i++) {
+            int kv = (int)(i % 2);
+            w.acc[i] = par ? (kvr_qacc){ .rec = rec + i * rec_cap * 2, .cap = rec_cap }
+                           : (kvr_qacc){ .sse = &t->sse[kv], .ss = &t->ss[kv] };
+        }
+        if (par) {
+            par_for(n_items, nt, quant_side, &w);
+        } else {
+            for (size_t i = 0; i < n_items; i++)
+                if (quant_side(&w, i) != 0)
+                    break;
+        }
+        /* The first side that failed, as the sequential loop would stop at
+         * (every side before it ran: sides are handed out in order). */
+        for (size_t i = 0; i < n_items; i++) {
+            if (w.side[i].rc != 0) {
+                uint32_t l = (uint32_t)(i / 2);
+                int kv = (int)(i % 2);
+                if (w.side[i].stage == 1)
                     rc = kvr_error_set(err, KVR_EINTERNAL, "un-rotating keys failed (%d)",
-                                       rc);
-                    break;
-                }
-                rc = kvr_quant_encode_side(t->qruns, t->n_qruns, l, kv, x, scratch,
-                                       &t->sse[kv], &t->ss[kv]);
-                if (rc != 0) {
-                    rc = kvr_error_set(err, rc, "put into '%s': %s of layer %u is outside "
-                                       "the range of codec %s", t->c->id, kv ? "V" : "K",
-                                       l, t->c->codec.name);
-                    break;
-                }
+                                       w.side[i].rc);
+                else
+                    rc = kvr_error_set(err, w.side[i].rc, "put into '%s': %s of layer %u is "
+                                       "outside the range of codec %s", t->c->id,
+                                       kv ? "V" : "K", l, t->c->codec.name);
+                break;
             }
-            kvr_brun_fill(t->runs, t->n_runs, l, kv, pay + t->fl_new * row * psize, t->pdt);
+            if (par)
+                kvr_qacc_replay(&w.acc[i], &t->sse[i % 2], &t->ss[i % 2]);
         }
     }
-    kvr_mem_free(x);
-    kvr_mem_free(scratch);
+    for (unsigned i = 0; i < nt; i++) {
+        if (w.x)
+            kvr_mem_free(w.x[i]);
+        if (w.scratch)
+            kvr_mem_free(w.scratch[i]);
+    }
+    kvr_mem_free(w.x);
+    kvr_mem_free(w.scratch);
+    kvr_mem_free(w.side);
+    kvr_mem_free(w.acc);
+    kvr_mem_free(rec);
     if (rc == 0)
         t->w.worked = true;
     return rc;

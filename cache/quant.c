@@ -23,6 +23,7 @@
  * repeating its last token, and no later put appends to a block whose
  * `used` is not on a tile boundary). Blocks are never written once shared.
  */
+#include <assert.h>
 #include <math.h>
 #include <malloc.h>
 #include <stdio.h>
@@ -260,8 +261,29 @@ static bool rows_concat(const kvr_codec *c, size_t row)
  * up to 4 run side by side (the same additions in the same order per chain;
  * only the latency is shared), then added in row order: the totals are
  * bit-identical to one row at a time. */
+static inline void acc_add(kvr_qacc *a, double e, double q)
+{
+    if (a->rec) {
+        assert(a->n < a->cap);
+        a->rec[2 * a->n] = e;
+        a->rec[2 * a->n + 1] = q;
+        a->n++;
+        return;
+    }
+    *a->sse += e;
+    *a->ss += q;
+}
+
+void kvr_qacc_replay(const kvr_qacc *a, double *sse, double *ss)
+{
+    for (size_t i = 0; i < a->n; i++) {
+        *sse += a->rec[2 * i];
+        *ss += a->rec[2 * i + 1];
+    }
+}
+
 static void acc_rows(const float *ref, const float *dec, size_t n_rows, size_t len,
-                     double *sse, double *ss)
+                     kvr_qacc *acc)
 {
     size_t i = 0;
     for (; i + 4 <= n_rows; i += 4) {
@@ -280,10 +302,10 @@ static void acc_rows(const float *ref, const float *dec, size_t n_rows, size_t l
             q2 += (double)r2[k] * (double)r2[k];
             q3 += (double)r3[k] * (double)r3[k];
         }
-        *sse += e0; *ss += q0;
-        *sse += e1; *ss += q1;
-        *sse += e2; *ss += q2;
-        *sse += e3; *ss += q3;
+        acc_add(acc, e0, q0);
+        acc_add(acc, e1, q1);
+        acc_add(acc, e2, q2);
+        acc_add(acc, e3, q3);
     }
     for (; i < n_rows; i++) {
         const float *r0 = ref + i * len, *d0 = dec + i * len;
@@ -293,8 +315,7 @@ static void acc_rows(const float *ref, const float *dec, size_t n_rows, size_t l
             e += a * a;
             q += (double)r0[k] * (double)r0[k];
         }
-        *sse += e;
-        *ss += q;
+        acc_add(acc, e, q);
     }
 }
 
@@ -316,7 +337,7 @@ static bool grow(float **buf, size_t *cap, size_t n)
 #define ACC_BATCH 64u
 
 int kvr_quant_encode_side(const kvr_brun *runs, size_t n_runs, uint32_t layer, int kv,
-                          const float *src, float *scratch, double *sse, double *ss)
+                          const float *src, float *scratch, kvr_qacc *acc)
 {
     size_t row = n_runs ? runs[0].b->row : 0, bad = 0;
     const float *x = src;
@@ -337,7 +358,7 @@ int kvr_quant_encode_side(const kvr_brun *runs, size_t n_runs, uint32_t layer, i
                 rc = kvr_codec_encode(c, dst, x, KVR_DTYPE_F32, (size_t)k * row, &bad);
                 if (rc == 0) {
                     kvr_codec_decode(c, dec, KVR_DTYPE_F32, dst, (size_t)k * row);
-                    acc_rows(x, dec, k, row, sse, ss);
+                    acc_rows(x, dec, k, row, acc);
                 }
                 x += (size_t)k * row;
                 j += k;
@@ -362,7 +383,7 @@ int kvr_quant_encode_side(const kvr_brun *runs, size_t n_runs, uint32_t layer, i
                 }
                 if (rc != 0)
                     break;
-                acc_rows(x, big, nt, tile, sse, ss);
+                acc_rows(x, big, nt, tile, acc);
                 x += nt * tile;
                 j += nt * G;
                 continue;
@@ -379,7 +400,7 @@ int kvr_quant_encode_side(const kvr_brun *runs, size_t n_runs, uint32_t layer, i
                 break;
             float *dec = scratch + tile;
             kvr_codec_decode_tile(c, dec, KVR_DTYPE_F32, row, dst, row);
-            acc_rows(x, dec, 1, (size_t)k * row, sse, ss);
+            acc_rows(x, dec, 1, (size_t)k * row, acc);
             x += (size_t)k * row;
             j += k;
         }
@@ -453,6 +474,9 @@ bool kvr_quant_find_nonfinite(const void *payload, kvr_dtype dt, uint32_t n_laye
                           size_t row, uint32_t *layer, int *kv, size_t *tok)
 {
     size_t per = n * row, total = per * 2u * n_layers, i = total;
+    /* The common case, no bad value: one vector pass at memory speed. */
+    if (kvr_isa_best() != KVR_ISA_SCALAR && !kvr_any_nonfinite_avx2(payload, dt, total))
+        return false;
     /* A branch-free pass per block (vectorised by the compiler) finds the
      * block, a scalar pass the first element in it. */
     enum { BLK = 4096 };

@@ -40,10 +40,21 @@ void     kvr_qspec_geom(const kvr_qspec *q, uint32_t B, uint32_t n_layers, uint3
  * [n][row]; kv 1: values) into consecutive slots of quantized blocks
  * (runs). K tiles must start on a tile boundary; a run's last partial tile
  * is padded by repeating its last token (so the group ranges do not grow).
- * Accumulates the measured squared error and squared values. `scratch`
- * holds 2 * ktile * row floats. */
+ * Accumulates the measured squared error and squared values into acc.
+ * `scratch` holds 2 * ktile * row floats. */
+/* Where an encode's error sums go: added to *sse / *ss (rec NULL), or, for
+ * layers encoded in parallel, recorded as (e, q) pairs in order (at most
+ * one per slot encoded plus one per run), to be replayed in layer order:
+ * the same additions in the same order, so the totals do not depend on the
+ * thread count. */
+typedef struct kvr_qacc {
+    double *sse, *ss;
+    double *rec;
+    size_t  n, cap;
+} kvr_qacc;
+void kvr_qacc_replay(const kvr_qacc *a, double *sse, double *ss);
 int  kvr_quant_encode_side(const kvr_brun *runs, size_t n_runs, uint32_t layer, int kv,
-                           const float *src, float *scratch, double *sse, double *ss);
+                           const float *src, float *scratch, kvr_qacc *acc);
 /* Reads keys (kv 0) or values (kv 1) of slots [first, first+count) of any
  * block into dst (odt), keys rotated from their stored form to `to`
  * (plain blocks: reposition from `from`, or converted when from is NULL;
@@ -58,6 +69,8 @@ int  kvr_block_read_side(const kvr_rope *engine, uint32_t n_heads, const kvr_blo
                          float *scratch, const kvr_rope_opts *ro);
 /* Finds the first non-finite value of a payload [layers][2][n][row] in dt:
  * true and the layer / kv / token index if any. */
+/* AVX2: true if any of the n values is NaN or infinite (scan_avx2.c). */
+bool kvr_any_nonfinite_avx2(const void *p, kvr_dtype dt, size_t n);
 bool kvr_quant_find_nonfinite(const void *payload, kvr_dtype dt, uint32_t n_layers, size_t n,
                               size_t row, uint32_t *layer, int *kv, size_t *tok);
 

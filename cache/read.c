@@ -144,6 +144,13 @@ static void iov_push(kvr_read *r, size_t layer_first, uint8_t *p, size_t len)
     r->out.iov[r->out.n_iov++] = (struct iovec){ p, len };
 }
 
+/* Folded runs are worked this many tokens at a time (layer_to); a multiple
+ * of the rotation's reseed interval (32). */
+#define FOLD_PIECE 64
+/* ... and runs that are only converted (no rotation, so no reseed interval
+ * to respect) in pieces that stay in L1 */
+#define FOLD_PIECE_SAME 8
+
 int kvr_read_stage(kvr_read *r, kvr_ctx *keep, const char *what, kvr_error *err)
 {
     if (r->meta_only || r->n == 0)
@@ -162,10 +169,14 @@ int kvr_read_stage(kvr_read *r, kvr_ctx *keep, const char *what, kvr_error *err)
         if (!run->k_zc) {
             run->k_off = r->kst;
             r->kst += run->count * rowb;
+            /* f32 keys before 1/T, a piece at a time (layer_to) */
+            size_t pc = run->fold && run->count > FOLD_PIECE ? FOLD_PIECE : run->count;
             if (run->fold && r->odt != KVR_DTYPE_F32)
-                need += run->count * row;            /* f32 keys before 1/T */
+                need += pc * row;
+            /* quantized keys: kvr_block_read_side decodes a key tile or at
+             * most 64 rows at a time */
             if (run->rd->quant)
-                need += (run->count + KVR_QH(run->rd)->ktile) * row;
+                need += ((pc < 64 ? pc : 64) + KVR_QH(run->rd)->ktile) * row;
         }
         if (!run->v_zc) {
             run->v_off = r->vst;
@@ -270,47 +281,113 @@ bool kvr_read_needs_work(const kvr_read *r)
  * quantized pre-RoPE keys dequantized and rotated to their targets, values
  * converted or dequantized. Folding the temperature into a non-f32 output
  * goes through f32 scratch so k / T is rounded once. */
-static int work_layer(void *ud, size_t li)
+/* out == NULL: layer li's staging (zero-copy runs are left to the iovecs).
+ * Else out is layer li's bytes of the payload in wire order (K of every run,
+ * then V of every run): staged runs are computed there, zero-copy ones
+ * copied. */
+static int layer_to(kvr_read *r, size_t li, uint8_t *out)
 {
-    kvr_read *r = ud;
     const kvr_model *m = r->m;
     size_t row = kvr_model_row(m);
     kvr_dtype odt = r->odt;
+    size_t rowb = row * kvr_dtype_size(odt);
     uint32_t l = r->layers[li];
-    uint8_t *base = r->staging + li * (r->kst + r->vst);
+    uint8_t *base = out ? NULL : r->staging + li * (r->kst + r->vst);
     float *scratch = NULL;
     if (r->scratch && !(scratch = kvr_mem_malloc(r->scratch * sizeof *scratch)))
         return KVR_ENOMEM;
     int rc = 0;
+    size_t at = 0;   /* out: tokens of the runs before this one */
     for (size_t i = 0; i < r->n_runs && rc == 0; i++) {
         const kvr_read_run *run = &r->runs[i];
+        uint8_t *ko = out ? out + at * rowb : NULL;
+        uint8_t *vo = out ? out + (r->n + at) * rowb : NULL;
+        at += run->count;
+        if (out && run->k_zc)
+            memcpy(ko, kvr_block_kv(run->rd, l, 0, run->first), run->count * rowb);
+        if (out && run->v_zc)
+            memcpy(vo, kvr_block_kv(run->rd, l, 1, run->first), run->count * rowb);
         if (!run->k_zc) {
-            uint8_t *dst = base + run->k_off;
+            uint8_t *dst = out ? ko : base + run->k_off;
             bool via = run->fold && odt != KVR_DTYPE_F32;
-            size_t ne = run->count * row;
-            void *kd = via ? (void *)scratch : (void *)dst;
-            float *qs = scratch ? scratch + (via ? ne : 0) : NULL;
-            /* the layer's own RoPE (per-layer models: sliding / NoPE layers) */
-            rc = kvr_block_read_side(kvr_rope_layer(m->engine, l), m->n_kv_heads, run->rd, l,
-                                     0, run->first, run->count, kd,
-                                     via ? KVR_DTYPE_F32 : odt,
-                                     run->same ? NULL : r->from + run->tok,
-                                     r->targets + run->tok, qs, &r->ro);
-            if (rc == 0 && run->fold) {
-                float *f = kd, inv_t = r->inv_t;   /* a local: f cannot alias it */
-                for (size_t k = 0; k < ne; k++)
-                    f[k] *= inv_t;
-                if (via)
-                    kvr_convert(dst, odt, scratch, KVR_DTYPE_F32, ne);
+            /* Folded runs go a piece at a time, so the f32 keys are still in
+             * cache when they are scaled and converted. Rotated pieces start
+             * on multiples of 32 tokens, where the rotation reseeds its
+             * tables anyway: the same bits as one call. */
+            size_t piece = !run->fold ? run->count : run->same ? FOLD_PIECE_SAME : FOLD_PIECE;
+            for (size_t p0 = 0; p0 < run->count && rc == 0; p0 += piece) {
+                size_t pc = run->count - p0 < piece ? run->count - p0 : piece;
+                size_t ne = pc * row;
+                void *kd = via ? (void *)scratch : (void *)(dst + p0 * rowb);
+                float *qs = scratch ? scratch + (via ? ne : 0) : NULL;
+                /* the layer's own RoPE (per-layer models: sliding / NoPE layers) */
+                rc = kvr_block_read_side(kvr_rope_layer(m->engine, l), m->n_kv_heads, run->rd,
+                                         l, 0, run->first + (uint32_t)p0, (uint32_t)pc, kd,
+                                         via ? KVR_DTYPE_F32 : odt,
+                                         run->same ? NULL : r->from + run->tok + p0,
+                                         r->targets + run->tok + p0, qs, &r->ro);
+                if (rc == 0 && run->fold) {
+                    float *f = kd, inv_t = r->inv_t;   /* a local: f cannot alias it */
+                    size_t k = 0;
+                    /* fixed-width steps the compiler turns into vector
+                     * multiplies (element-wise: the same products) */
+                    for (; k + 16 <= ne; k += 16)
+                        for (size_t q = 0; q < 16; q++)
+                            f[k + q] *= inv_t;
+                    for (; k < ne; k++)
+                        f[k] *= inv_t;
+                    if (via)
+                        kvr_convert(dst + p0 * rowb, odt, scratch, KVR_DTYPE_F32, ne);
+                }
             }
         }
         if (rc == 0 && !run->v_zc)
             rc = kvr_block_read_side(m->engine, m->n_kv_heads, run->rd, l, 1, run->first,
-                                     run->count, base + r->kst + run->v_off, odt, NULL,
-                                     NULL, NULL, NULL);
+                                     run->count, out ? vo : base + r->kst + run->v_off, odt,
+                                     NULL, NULL, NULL, NULL);
     }
     kvr_mem_free(scratch);
     return rc;
+}
+
+static int work_layer(void *ud, size_t li)
+{
+    return layer_to(ud, li, NULL);
+}
+
+typedef struct into_job {
+    kvr_read *r;
+    uint8_t  *dst;
+} into_job;
+
+static int work_layer_into(void *ud, size_t li)
+{
+    const into_job *j = ud;
+    return layer_to(j->r, li, j->dst + li * (j->r->out.bytes / j->r->nl));
+}
+
+int kvr_read_work_into(kvr_read *r, void *dst, const char *nomem, kvr_error *err)
+{
+    int rc = kvr_store_reload_work(r->s, r->rl, err);
+    if (rc != 0)
+        return rc;
+    if (!r->staging || r->worked) {
+        /* Nothing to compute (zero-copy or raw), or already in the staging:
+         * the iovecs' bytes, in order. */
+        uint8_t *o = dst;
+        for (size_t i = 0; i < r->out.n_iov; i++) {
+            memcpy(o, r->out.iov[i].iov_base, r->out.iov[i].iov_len);
+            o += r->out.iov[i].iov_len;
+        }
+        return 0;
+    }
+    into_job j = { r, dst };
+    rc = par_for(r->nl, par_threads_for(r->out.bytes), work_layer_into, &j);
+    if (rc == KVR_ENOMEM)
+        return kvr_error_set(err, KVR_ENOMEM, "%s", nomem);
+    if (rc != 0)
+        return kvr_error_set(err, KVR_EINTERNAL, "re-rotating keys failed (%d)", rc);
+    return 0;
 }
 
 typedef struct layer_range {

@@ -105,6 +105,10 @@ int  kvr_read_stage_raw(kvr_read *r, const char *ctx_id, size_t start, size_t *k
 bool kvr_read_needs_work(const kvr_read *r);
 /* Produces layers [l0, l1) of the staging (the reload first); all layers
  * mark the read worked. nomem: the message for KVR_ENOMEM. */
+/* The whole read straight into dst (out.bytes, wire order), staged parts
+ * computed in place, zero-copy ones copied; the staging is not used. Same
+ * bytes as work + the iovecs. */
+int  kvr_read_work_into(kvr_read *r, void *dst, const char *nomem, kvr_error *err);
 int  kvr_read_work(kvr_read *r, size_t l0, size_t l1, const char *nomem, kvr_error *err);
 /* The iovecs of layers [l0, l1). */
 void kvr_read_iov_layers(const kvr_read *r, size_t l0, size_t l1, const struct iovec **iov,

@@ -299,14 +299,12 @@ int64_t kvr_rope_default_seq_len(const int64_t *pos, size_t n)
  * sincos() from libm costs more than rotating a token's keys, so tokens whose
  * angles are all below 2^20 * pi/2 use this one: Cody-Waite reduction by pi/2
  * in three 33-bit pieces (exact products for quotients below 2^20, as in
- * fdlibm's medium case) and fdlibm's kernel polynomials on [-pi/4, pi/4].
- * Absolute error is about 1e-16, far below the float tables it feeds. Larger
- * angles go to libm. */
-#define FAST_MAX 1.6e6
-static const double PIO2_1 = 1.57079632673412561417e+00;
-static const double PIO2_2 = 6.07710050630396597660e-11;
-static const double PIO2_3 = 2.02226624879595063154e-21;
-
+ * fdlibm's medium case) and fdlibm's kernel polynomials on [-pi/4, pi/4]
+ * (constants in rope_internal.h). Absolute error is about 1e-16, far below
+ * the float tables it feeds. Larger angles go to libm. The AVX2 / AVX-512
+ * versions (sincos_avx2.c, sincos_avx512.c) do the same operations lane by
+ * lane, without fused multiply-adds (this file and those are built with
+ * -ffp-contract=off), so every ISA gets the same table. */
 static inline void sincos_small(double x, double *sp, double *cp)
 {
     const double shift = 0x1.8p52;
@@ -314,14 +312,12 @@ static inline void sincos_small(double x, double *sp, double *cp)
     double k = kk - shift;
     uint64_t kb;
     memcpy(&kb, &kk, 8);
-    double r = ((x - k * PIO2_1) - k * PIO2_2) - k * PIO2_3;
+    double r = ((x - k * ROPE_PIO2_1) - k * ROPE_PIO2_2) - k * ROPE_PIO2_3;
     double z = r * r;
-    double sr = r + r * z * (-1.66666666666666324348e-01 + z * (8.33333333332248946124e-03 +
-                z * (-1.98412698298579493134e-04 + z * (2.75573137070700676789e-06 +
-                z * (-2.50507602534068634195e-08 + z * 1.58969099521155010221e-10)))));
-    double cr = 1.0 - 0.5 * z + z * z * (4.16666666666666019037e-02 + z * (-1.38888888888741095749e-03 +
-                z * (2.48015872894767294178e-05 + z * (-2.75573143513906633035e-07 +
-                z * (2.08757232129817482790e-09 + z * -1.13596475577881948265e-11)))));
+    double sr = r + r * z * (ROPE_S1 + z * (ROPE_S2 + z * (ROPE_S3 + z * (ROPE_S4 +
+                z * (ROPE_S5 + z * ROPE_S6)))));
+    double cr = 1.0 - 0.5 * z + z * z * (ROPE_C1 + z * (ROPE_C2 + z * (ROPE_C3 +
+                z * (ROPE_C4 + z * (ROPE_C5 + z * ROPE_C6)))));
     unsigned q = (unsigned)(kb & 3u);
     double s = (q & 1u) ? cr : sr, c = (q & 1u) ? sr : cr;
     if (q == 1u || q == 2u) c = -c;
@@ -330,18 +326,37 @@ static inline void sincos_small(double x, double *sp, double *cp)
     *cp = c;
 }
 
-/* s[i], c[i] = sin, cos(a * f1[i] + b * f2[i]) (f2 may be NULL). */
-static void sincos_table(double a, const double *f1, double b, const double *f2, int n,
-                         double *s, double *c)
+/* s[i], c[i] = sin, cos(a * f1[i] + b * f2[i]) (f2 may be NULL): the scalar
+ * reference of rope_sincos_avx2 / rope_sincos_avx512, which compute the same
+ * bits. */
+void rope_sincos_scalar(double a, const double *f1, double b, const double *f2, int n,
+                        double *s, double *c)
 {
     double ang[KVR_ROPE_MAX_HEAD_DIM / 2];
     bool small = true;
     for (int i = 0; i < n; i++) {
         ang[i] = f2 ? a * f1[i] + b * f2[i] : a * f1[i];
-        small &= fabs(ang[i]) < FAST_MAX;
+        small &= fabs(ang[i]) < ROPE_FAST_MAX;
     }
     if (small) for (int i = 0; i < n; i++) sincos_small(ang[i], &s[i], &c[i]);
     else       for (int i = 0; i < n; i++) sincos(ang[i], &s[i], &c[i]);
+}
+
+void rope_tofloat_scalar(const double *c, const double *s, int n, double m, int gptj,
+                         float *fc, float *fs)
+{
+    if (gptj) {
+        for (int i = 0; i < n; i++) {
+            float cv = (float)(c[i] * m), sv = (float)(s[i] * m);
+            fc[2 * i] = cv; fc[2 * i + 1] = cv;
+            fs[2 * i] = -sv; fs[2 * i + 1] = sv;
+        }
+    } else {
+        for (int i = 0; i < n; i++) {
+            fc[i] = (float)(c[i] * m);
+            fs[i] = (float)(s[i] * m);
+        }
+    }
 }
 
 /* ---- the driver ------------------------------------------------------------ */
@@ -357,6 +372,9 @@ typedef struct job {
     const double *f1, *f2;     /* f2 NULL when b is */
     double mag;                /* multiplies cos and sin */
     rope_rows_fn rows;
+    rope_sincos_fn sincos;
+    rope_tofloat_fn tofloat;
+    rope_table_fn table;       /* NULL: sincos then tofloat */
     size_t t0, t1;
 } job;
 
@@ -389,6 +407,7 @@ static void run_range(const job *j)
             wide = true;
         }
         int mode; /* 0 exact, 1 same as previous, 2 step */
+        bool fresh = false;   /* fc / fs already made with the table */
         int64_t da = 0, db = 0;
         if (wide || !have_prev || t % RESEED == 0) {
             mode = 0;
@@ -402,11 +421,14 @@ static void run_range(const job *j)
         }
         if (mode == 0) {
             if (wide) {
-                sincos_table((double)j->a[t], f1, -(double)j->a_sub[t], f1, n, ss, cc);
+                j->sincos((double)j->a[t], f1, -(double)j->a_sub[t], f1, n, ss, cc);
                 have_prev = false;
                 have_step = false;
+            } else if (j->table) {
+                j->table((double)a, f1, (double)b, f2, n, j->mag, gptj, ss, cc, fs, fc);
+                fresh = true;
             } else {
-                sincos_table((double)a, f1, (double)b, f2, n, ss, cc);
+                j->sincos((double)a, f1, (double)b, f2, n, ss, cc);
                 /* remember the step from the previous token for next time */
                 if (have_prev && !__builtin_sub_overflow(a, pa, &da) &&
                     !__builtin_sub_overflow(b, pb, &db)) {
@@ -420,7 +442,7 @@ static void run_range(const job *j)
             }
         } else if (mode == 2) {
             if (!step_ready) {
-                sincos_table((double)sa, f1, (double)sb, f2, n, sts, stc);
+                j->sincos((double)sa, f1, (double)sb, f2, n, sts, stc);
                 step_ready = true;
             }
             for (int i = 0; i < n; i++) {
@@ -429,21 +451,8 @@ static void run_range(const job *j)
                 ss[i] = s0 * stc[i] + c0 * sts[i];
             }
         }
-        if (mode != 1 || t == j->t0) {
-            double m = j->mag;
-            if (gptj) {
-                for (int i = 0; i < n; i++) {
-                    float c = (float)(cc[i] * m), s = (float)(ss[i] * m);
-                    fc[2 * i] = c; fc[2 * i + 1] = c;
-                    fs[2 * i] = -s; fs[2 * i + 1] = s;
-                }
-            } else {
-                for (int i = 0; i < n; i++) {
-                    fc[i] = (float)(cc[i] * m);
-                    fs[i] = (float)(ss[i] * m);
-                }
-            }
-        }
+        if ((mode != 1 || t == j->t0) && !fresh)
+            j->tofloat(cc, ss, n, j->mag, gptj, fc, fs);
         if (mode != 0 || !wide) { pa = a; pb = b; }
         j->rows((char *)j->dst + t * row_elems * dsz, j->dt,
                 (const char *)j->src + t * row_elems * ssz, j->st,
@@ -514,6 +523,18 @@ static rope_rows_fn pick_rows(const kvr_rope_opts *opts)
     }
 }
 
+static void pick_tables(job *j, const kvr_rope_opts *opts)
+{
+    switch (rope_isa_resolve(opts ? opts->isa : KVR_ISA_AUTO)) {
+    case KVR_ISA_AVX512:
+        j->sincos = rope_sincos_avx512; j->tofloat = rope_tofloat_avx512;
+        j->table = rope_table_avx512;
+        break;
+    case KVR_ISA_AVX2:   j->sincos = rope_sincos_avx2;   j->tofloat = rope_tofloat_avx2;   break;
+    default:             j->sincos = rope_sincos_scalar; j->tofloat = rope_tofloat_scalar; break;
+    }
+}
+
 static int check_args(const kvr_rope *r, const void *dst, kvr_dtype dt, const void *src,
                       kvr_dtype st, size_t n_tokens, size_t n_heads, const void *p1,
                       const void *p2)
@@ -550,6 +571,7 @@ static int one_table(const kvr_rope *r, kvr_dtype dt, void *dst, const void *src
         .a = pos, .f1 = f, .mag = sign < 0 ? 1.0 / r->mscale : r->mscale,
         .rows = pick_rows(opts),
     };
+    pick_tables(&j, opts);
     return run(&j, n_tokens, opts);
 }
 
@@ -610,5 +632,6 @@ int kvr_rope_reposition(const kvr_rope *r, void *dst, kvr_dtype dst_type,
         j.f1 = f_to;
         j.f2 = f_from;
     }
+    pick_tables(&j, opts);
     return run(&j, n_tokens, opts);
 }

@@ -61,6 +61,56 @@ void rope_rows_avx512(void *dst, kvr_dtype dt, const void *src, kvr_dtype st,
                       const float *c, const float *s);
 void rope_convert_avx512(void *dst, kvr_dtype dt, const void *src, kvr_dtype st, size_t n);
 
+/* The per-token sin/cos table: s[i], c[i] = sin, cos(a * f1[i] + b * f2[i])
+ * for i < n (f2 may be NULL), bit for bit the same on every ISA. */
+typedef void (*rope_sincos_fn)(double a, const double *f1, double b, const double *f2, int n,
+                               double *s, double *c);
+void rope_sincos_scalar(double a, const double *f1, double b, const double *f2, int n,
+                        double *s, double *c);
+void rope_sincos_avx2(double a, const double *f1, double b, const double *f2, int n,
+                      double *s, double *c);
+void rope_sincos_avx512(double a, const double *f1, double b, const double *f2, int n,
+                        double *s, double *c);
+
+/* The float tables handed to a rows kernel (layout above) from a double
+ * table: fc = (float)(c * m), fs = (float)(s * m), bit for bit on every ISA. */
+typedef void (*rope_tofloat_fn)(const double *c, const double *s, int n, double m, int gptj,
+                                float *fc, float *fs);
+void rope_tofloat_scalar(const double *c, const double *s, int n, double m, int gptj,
+                         float *fc, float *fs);
+void rope_tofloat_avx2(const double *c, const double *s, int n, double m, int gptj,
+                       float *fc, float *fs);
+void rope_tofloat_avx512(const double *c, const double *s, int n, double m, int gptj,
+                         float *fc, float *fs);
+
+/* Both at once, for a table computed afresh (bit for bit sincos then
+ * tofloat); NULL for the ISAs that do not fuse them. */
+typedef void (*rope_table_fn)(double a, const double *f1, double b, const double *f2, int n,
+                              double m, int gptj, double *s, double *c, float *fs, float *fc);
+void rope_table_avx512(double a, const double *f1, double b, const double *f2, int n, double m,
+                       int gptj, double *s, double *c, float *fs, float *fc);
+
+/* Its constants: angles below ROPE_FAST_MAX (2^20 * pi/2 and a margin) are
+ * reduced by pi/2 in three 33-bit pieces (fdlibm's medium case) and go
+ * through fdlibm's __kernel_sin / __kernel_cos polynomials; larger ones (and
+ * NaN) go to libm's sincos. */
+#define ROPE_FAST_MAX 1.6e6
+#define ROPE_PIO2_1 1.57079632673412561417e+00
+#define ROPE_PIO2_2 6.07710050630396597660e-11
+#define ROPE_PIO2_3 2.02226624879595063154e-21
+#define ROPE_S1 -1.66666666666666324348e-01
+#define ROPE_S2  8.33333333332248946124e-03
+#define ROPE_S3 -1.98412698298579493134e-04
+#define ROPE_S4  2.75573137070700676789e-06
+#define ROPE_S5 -2.50507602534068634195e-08
+#define ROPE_S6  1.58969099521155010221e-10
+#define ROPE_C1  4.16666666666666019037e-02
+#define ROPE_C2 -1.38888888888741095749e-03
+#define ROPE_C3  2.48015872894767294178e-05
+#define ROPE_C4 -2.75573143513906633035e-07
+#define ROPE_C5  2.08757232129817482790e-09
+#define ROPE_C6 -1.13596475577881948265e-11
+
 /* Resolves AUTO and refuses (falls back from) ISAs the CPU lacks. */
 kvr_isa rope_isa_resolve(kvr_isa want);
 

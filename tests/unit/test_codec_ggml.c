@@ -3,7 +3,10 @@
  * against the reference vectors in shared/vectors/ggml-quant (produced by
  * ggml's quantize_row_*_ref and dequantize_row_*). The vector directory is
  * $KVR_VECTORS, else ../shared/vectors relative to the repository root (found
- * from the working directory or from the test binary's path).
+ * from the working directory or from the test binary's path). Every ISA's
+ * kernels (scalar, AVX2, AVX-512 where the CPU has them) are checked against
+ * the vectors, and the SIMD kernels against the scalar reference byte for
+ * byte on random and adversarial blocks.
  */
 #include <criterion/criterion.h>
 
@@ -83,7 +86,7 @@ static const struct qcase cases[] = {
     { KVR_CODEC_Q5_0, "q5_0", 22, 0.0374 },
 };
 
-static void check_case(const struct qcase *qc)
+static void check_case_isa(const struct qcase *qc, kvr_isa isa)
 {
     size_t nin, nblk, ndq;
     float *x = load("input.f32", &nin);
@@ -94,7 +97,7 @@ static void check_case(const struct qcase *qc)
     float *dq = load(name, &ndq);
     size_t n = nin / 4;
     cr_assert_eq(n, 4096);
-    kvr_codec c = { .type = qc->type };
+    kvr_codec c = { .type = qc->type, .isa = isa };
     size_t rb = kvr_codec_row_bytes(&c, n);
     cr_assert_eq(rb, nblk);
     cr_assert_eq(rb, n / 32 * qc->block);
@@ -104,7 +107,7 @@ static void check_case(const struct qcase *qc)
     cr_assert_eq(kvr_codec_encode(&c, enc, x, KVR_DTYPE_F32, n, &bad), 0);
     for (size_t b = 0; b < n / 32; b++)
         cr_assert_eq(memcmp(enc + b * qc->block, ref + b * qc->block, qc->block), 0,
-                     "%s: block %zu differs from ggml", qc->name, b);
+                     "%s %s: block %zu differs from ggml", qc->name, kvr_isa_name(isa), b);
 
     float *y = malloc(n * 4);
     cr_assert_eq(kvr_codec_decode(&c, y, KVR_DTYPE_F32, ref, n), 0);
@@ -136,6 +139,13 @@ static void check_case(const struct qcase *qc)
     free(x); free(ref); free(dq); free(enc); free(y); free(yh); free(xw); free(enc2);
 }
 
+static void check_case(const struct qcase *qc)
+{
+    kvr_isa isas[] = { KVR_ISA_SCALAR, KVR_ISA_AVX2, KVR_ISA_AVX512 };
+    for (int i = 0; i < 3; i++)
+        if (isas[i] == KVR_ISA_SCALAR || isas[i] <= kvr_isa_best()) check_case_isa(qc, isas[i]);
+}
+
 Test(codec_ggml, q8_0_bit_exact) { check_case(&cases[0]); }
 Test(codec_ggml, q4_0_bit_exact) { check_case(&cases[1]); }
 Test(codec_ggml, q4_1_bit_exact) { check_case(&cases[2]); }
@@ -146,8 +156,10 @@ Test(codec_ggml, refusals)
     float x[64];
     uint8_t enc[128];
     for (int i = 0; i < 64; i++) x[i] = (float)i - 30.0f;
-    for (size_t k = 0; k < 4; k++) {
-        kvr_codec c = { .type = cases[k].type };
+    for (size_t k = 0; k < 12; k++) {
+        kvr_isa isa = k < 4 ? KVR_ISA_SCALAR : k < 8 ? KVR_ISA_AVX2 : KVR_ISA_AVX512;
+        if (isa > kvr_isa_best()) continue;
+        kvr_codec c = { .type = cases[k % 4].type, .isa = isa };
         cr_assert_eq(kvr_codec_encode(&c, enc, x, KVR_DTYPE_F32, 48, NULL), KVR_EUNSUPPORTED);
         cr_assert_eq(kvr_codec_decode(&c, x, KVR_DTYPE_F32, enc, 48), KVR_EUNSUPPORTED);
         x[40] = NAN;
@@ -159,6 +171,32 @@ Test(codec_ggml, refusals)
         cr_assert_eq(kvr_codec_encode(&c, enc, x, KVR_DTYPE_F32, 64, &bad), KVR_EINVAL);
         cr_assert_eq(bad, 40);
         x[40] = 10.0f;
+    }
+    /* A NaN or infinity at every position of a row long enough for the
+     * batched kernels (eight blocks and a tail), f32 and f16 input. */
+    enum { NB = 9 * 32 };
+    static float xs[NB];
+    static uint16_t xh[NB];
+    static uint8_t out[NB * 2];
+    for (size_t i = 0; i < NB; i++) xs[i] = (float)((int)(i * 37 % 101) - 50) * 0.01f;
+    for (size_t k = 0; k < 12; k++) {
+        kvr_isa isa = k < 4 ? KVR_ISA_SCALAR : k < 8 ? KVR_ISA_AVX2 : KVR_ISA_AVX512;
+        if (isa > kvr_isa_best()) continue;
+        kvr_codec c = { .type = cases[k % 4].type, .isa = isa };
+        for (size_t pos = 0; pos < NB; pos++) {
+            float keep = xs[pos];
+            xs[pos] = pos % 3 == 0 ? NAN : pos % 3 == 1 ? INFINITY : -INFINITY;
+            for (size_t i = 0; i < NB; i++) xh[i] = kvr_f32_to_f16(xs[i]);
+            size_t bad = 0;
+            cr_assert_eq(kvr_codec_encode(&c, out, xs, KVR_DTYPE_F32, NB, &bad), KVR_EINVAL,
+                         "%s %s pos %zu", cases[k % 4].name, kvr_isa_name(isa), pos);
+            cr_assert_eq(bad, pos);
+            bad = 0;
+            cr_assert_eq(kvr_codec_encode(&c, out, xh, KVR_DTYPE_F16, NB, &bad), KVR_EINVAL,
+                         "%s %s f16 pos %zu", cases[k % 4].name, kvr_isa_name(isa), pos);
+            cr_assert_eq(bad, pos);
+            xs[pos] = keep;
+        }
     }
 }
 
@@ -191,4 +229,100 @@ Test(codec_ggml, zeros_and_sign_rule)
         cr_assert_eq(y[7], 8.0f * (float)sgn);
         cr_assert_eq(y[8], -7.0f * (float)sgn);
     }
+}
+
+/* ---- SIMD == scalar, byte for byte ---------------------------------------- */
+
+static uint64_t rng = 0x2545f4914f6cdd1dull;
+static double urand(void)            /* [0, 1) */
+{
+    rng ^= rng << 13; rng ^= rng >> 7; rng ^= rng << 17;
+    return (double)(rng >> 11) * 0x1p-53;
+}
+
+/* Block b of 32 values, of a kind chosen by b: random at several scales,
+ * constants, zeros of both signs, ties in magnitude of both signs, a zero as
+ * min or max, values near the f16 limit of d, small quants' halfway points. */
+static void adversarial_block(float *x, size_t b)
+{
+    double scale = b % 3 == 0 ? 1.0 : b % 3 == 1 ? 1e-3 : 300.0;
+    for (int j = 0; j < 32; j++) x[j] = (float)((urand() * 2.0 - 1.0) * scale);
+    switch (b % 14) {
+    case 1: for (int j = 0; j < 32; j++) x[j] = 0.0f; break;
+    case 2: for (int j = 0; j < 32; j++) x[j] = j % 3 ? -0.0f : 0.0f; break;
+    case 3: for (int j = 0; j < 32; j++) x[j] = 1.5f; break;
+    case 4: x[3] = 7.0f; x[20] = -7.0f; x[9] = -7.0f; break;          /* ties */
+    case 5: x[5] = -9.0f; x[30] = 9.0f; break;
+    case 6: for (int j = 0; j < 32; j++) x[j] = fabsf(x[j]); x[11] = 0.0f; break;   /* min 0 */
+    case 7: for (int j = 0; j < 32; j++) x[j] = -fabsf(x[j]); x[2] = -0.0f; x[17] = 0.0f; break;
+    case 8: for (int j = 0; j < 32; j++) x[j] = (float)(j - 16) * 0.5f; break;  /* halfway */
+    case 9: for (int j = 0; j < 32; j++) x[j] = (float)(j % 9) * 0.125f - 0.5f; break;
+    case 10: x[0] = 65000.0f; x[1] = -64000.0f; break;                    /* near the f16 range */
+    case 11: for (int j = 0; j < 32; j++) x[j] = (float)(urand() * 2.0 - 1.0) * 1e-6f; break;
+    case 12: for (int j = 0; j < 32; j++) x[j] = (float)((int)(urand() * 17.0) - 8) * 0.75f; break;
+    case 13:   /* amax 127: q8_0's id is 1, so its roundf sees exact halfway points */
+        x[0] = 127.0f;
+        for (int j = 1; j < 32; j++) {
+            float hw = (float)((int)(urand() * 126.0)) + 0.5f;
+            hw = j % 3 == 0 ? hw : j % 3 == 1 ? nextafterf(hw, 0.0f) : nextafterf(hw, 200.0f);
+            x[j] = j & 4 ? -hw : hw;
+        }
+        break;
+    default: break;
+    }
+}
+
+Test(codec_ggml, simd_equals_scalar)
+{
+    size_t nb = 2600, n = nb * 32;
+    float *x = malloc(n * 4);
+    uint16_t *xh = malloc(n * 2);
+    for (size_t b = 0; b < nb; b++) adversarial_block(x + b * 32, b);
+    for (size_t i = 0; i < n; i++) xh[i] = kvr_f32_to_f16(x[i]);
+    uint8_t *e0 = malloc(n * 2), *e1 = malloc(n * 2);
+    float *y0 = malloc(n * 4), *y1 = malloc(n * 4);
+    uint16_t *h0 = malloc(n * 2), *h1 = malloc(n * 2);
+    kvr_isa isas[] = { KVR_ISA_AVX2, KVR_ISA_AVX512 };
+    int compared = 0;
+    for (int k = 0; k < 4; k++) {
+        kvr_codec sc = { .type = cases[k].type, .isa = KVR_ISA_SCALAR };
+        size_t rb = kvr_codec_row_bytes(&sc, n);
+        for (int ii = 0; ii < 2; ii++) {
+            if (isas[ii] > kvr_isa_best()) continue;
+            kvr_codec vc = { .type = cases[k].type, .isa = isas[ii] };
+            for (int h = 0; h < 2; h++) {
+                const void *src = h ? (const void *)xh : (const void *)x;
+                kvr_dtype st = h ? KVR_DTYPE_F16 : KVR_DTYPE_F32;
+                int r0 = kvr_codec_encode(&sc, e0, src, st, n, NULL);
+                int r1 = kvr_codec_encode(&vc, e1, src, st, n, NULL);
+                cr_assert_eq(r0, 0, "%s", cases[k].name);
+                cr_assert_eq(r1, 0, "%s", cases[k].name);
+                for (size_t b = 0; b < nb; b++)
+                    cr_assert_eq(memcmp(e0 + b * cases[k].block, e1 + b * cases[k].block,
+                                        cases[k].block), 0, "%s %s %s: block %zu (kind %zu)",
+                                 cases[k].name, kvr_isa_name(isas[ii]), h ? "f16" : "f32", b, b % 14);
+                cr_assert_eq(kvr_codec_decode(&sc, y0, KVR_DTYPE_F32, e0, n), 0);
+                cr_assert_eq(kvr_codec_decode(&vc, y1, KVR_DTYPE_F32, e0, n), 0);
+                cr_assert_eq(memcmp(y0, y1, n * 4), 0, "%s decode f32", cases[k].name);
+                cr_assert_eq(kvr_codec_decode(&sc, h0, KVR_DTYPE_F16, e0, n), 0);
+                cr_assert_eq(kvr_codec_decode(&vc, h1, KVR_DTYPE_F16, e0, n), 0);
+                cr_assert_eq(memcmp(h0, h1, n * 2), 0, "%s decode f16", cases[k].name);
+                compared++;
+            }
+            /* random bytes decode the same too (any block is decodable) */
+            for (size_t i = 0; i < rb; i++) e0[i] = (uint8_t)(urand() * 256.0);
+            for (size_t b = 0; b < nb; b++) {          /* keep d, m finite */
+                e0[b * cases[k].block + 1] &= 0x3B;
+                if (cases[k].type == KVR_CODEC_Q4_1) e0[b * cases[k].block + 3] &= 0xBB;
+            }
+            cr_assert_eq(kvr_codec_decode(&sc, y0, KVR_DTYPE_F32, e0, n), 0);
+            cr_assert_eq(kvr_codec_decode(&vc, y1, KVR_DTYPE_F32, e0, n), 0);
+            cr_assert_eq(memcmp(y0, y1, n * 4), 0, "%s decode of random blocks", cases[k].name);
+            cr_assert_eq(kvr_codec_decode(&sc, h0, KVR_DTYPE_F16, e0, n), 0);
+            cr_assert_eq(kvr_codec_decode(&vc, h1, KVR_DTYPE_F16, e0, n), 0);
+            cr_assert_eq(memcmp(h0, h1, n * 2), 0, "%s f16 decode of random blocks", cases[k].name);
+        }
+    }
+    cr_log_info("%d encode/decode comparisons of %zu blocks", compared, nb);
+    free(x); free(xh); free(e0); free(e1); free(y0); free(y1); free(h0); free(h1);
 }

@@ -14,6 +14,7 @@
 #include <errno.h>
 
 #include "rope/rope.h"
+#include "rope/rope_internal.h"
 
 static uint64_t rng = 0x9e3779b97f4a7c15ull;
 static double urand(void)            /* [-1, 1) */
@@ -216,6 +217,94 @@ Test(rope_props, simd_equals_scalar)
         for (int st = 0; st < 2; st++)
             for (int op = 0; op < 3; op++)
                 simd_vs_scalar(shapes[s][0], shapes[s][1], st ? KVR_ROPE_GPTJ : KVR_ROPE_NEOX, op);
+}
+
+/* The per-token sin/cos tables of every ISA are the scalar reference's bits:
+ * angles of every size (the fast reduction, the libm fallback beyond it, NaN
+ * free), both forms (a*f1 and a*f1 + b*f2), every table length 1..67 (the
+ * vector tails). */
+Test(rope_props, sincos_tables_bit_identical_across_isas)
+{
+    double f1[KVR_ROPE_MAX_HEAD_DIM / 2], f2[KVR_ROPE_MAX_HEAD_DIM / 2];
+    double s0[KVR_ROPE_MAX_HEAD_DIM / 2], c0[KVR_ROPE_MAX_HEAD_DIM / 2];
+    double s1[KVR_ROPE_MAX_HEAD_DIM / 2], c1[KVR_ROPE_MAX_HEAD_DIM / 2];
+    int n_all = KVR_ROPE_MAX_HEAD_DIM / 2;
+    for (int i = 0; i < n_all; i++) {
+        f1[i] = 1.0 / pow(10000.0, (double)(2 * i) / 128.0);
+        f2[i] = -f1[i] * (1.0 + 0.25 * (double)(i % 3));
+    }
+    rope_sincos_fn fns[] = { rope_sincos_avx2, rope_sincos_avx512 };
+    kvr_isa isas[] = { KVR_ISA_AVX2, KVR_ISA_AVX512 };
+    long checked = 0;
+    for (int k = 0; k < 2; k++) {
+        if (isas[k] > kvr_isa_best()) continue;
+        for (int trial = 0; trial < 3000; trial++) {
+            int n = trial < 67 ? trial + 1 : (trial % 7 == 0 ? n_all : 64);
+            double mag = trial % 5 == 0 ? 1e7 : trial % 5 == 1 ? 1e3 : 1e6;
+            double a = floor((urand() + 1.0) * mag) * (trial & 1 ? -1.0 : 1.0);
+            double b = floor((urand() + 1.0) * mag);
+            const double *g = trial % 3 == 0 ? NULL : f2;
+            rope_sincos_scalar(a, f1, b, g, n, s0, c0);
+            fns[k](a, f1, b, g, n, s1, c1);
+            cr_assert(!memcmp(s0, s1, sizeof(double) * (size_t)n) &&
+                      !memcmp(c0, c1, sizeof(double) * (size_t)n),
+                      "%s: a %.17g b %.17g n %d f2 %d", kvr_isa_name(isas[k]), a, b, n, g != NULL);
+            checked++;
+            /* and their float forms, both layouts, a magnitude or none */
+            rope_tofloat_fn tf[] = { rope_tofloat_avx2, rope_tofloat_avx512 };
+            float fc0[KVR_ROPE_MAX_HEAD_DIM], fs0[KVR_ROPE_MAX_HEAD_DIM];
+            float fc1[KVR_ROPE_MAX_HEAD_DIM], fs1[KVR_ROPE_MAX_HEAD_DIM];
+            double m = trial & 2 ? 1.0 : 1.0 / 1.1;
+            int gptj = (trial >> 2) & 1, w = gptj ? 2 * n : n;
+            rope_tofloat_scalar(c0, s0, n, m, gptj, fc0, fs0);
+            tf[k](c0, s0, n, m, gptj, fc1, fs1);
+            cr_assert(!memcmp(fc0, fc1, sizeof(float) * (size_t)w) &&
+                      !memcmp(fs0, fs1, sizeof(float) * (size_t)w),
+                      "%s tofloat n %d gptj %d", kvr_isa_name(isas[k]), n, gptj);
+            if (isas[k] == KVR_ISA_AVX512) {
+                /* the fused table: both forms at once, the same bits */
+                rope_table_avx512(a, f1, b, g, n, m, gptj, s1, c1, fs1, fc1);
+                cr_assert(!memcmp(s0, s1, sizeof(double) * (size_t)n) &&
+                          !memcmp(c0, c1, sizeof(double) * (size_t)n) &&
+                          !memcmp(fc0, fc1, sizeof(float) * (size_t)w) &&
+                          !memcmp(fs0, fs1, sizeof(float) * (size_t)w),
+                          "fused table n %d gptj %d a %.17g", n, gptj, a);
+            }
+        }
+    }
+    cr_log_info("%ld tables compared", checked);
+}
+
+/* Reposition with a different delta per token: every ISA's output bytes are
+ * the scalar path's, for each dtype. */
+Test(rope_props, distinct_deltas_bit_identical_across_isas)
+{
+    kvr_rope *r = make(128, 128, KVR_ROPE_NEOX, 500000, KVR_ROPE_SCALING_DEFAULT, 1.0);
+    size_t T = 301, H = 4, n = T * H * 128;
+    float *x = malloc(n * 4);
+    fill(x, n);
+    int64_t *from = malloc(T * 8), *to = malloc(T * 8);
+    for (size_t t = 0; t < T; t++) {
+        from[t] = (int64_t)t;
+        to[t] = (int64_t)((urand() + 1.0) * (t % 11 == 0 ? 3e6 : 5e5));
+    }
+    kvr_dtype ts[] = { KVR_DTYPE_F32, KVR_DTYPE_F16, KVR_DTYPE_BF16 };
+    void *in = malloc(n * 4), *ref = malloc(n * 4), *o = malloc(n * 4);
+    for (int d = 0; d < 3; d++) {
+        size_t bytes = n * kvr_dtype_size(ts[d]);
+        kvr_convert(in, ts[d], x, KVR_DTYPE_F32, n);
+        kvr_rope_opts so = { .isa = KVR_ISA_SCALAR, .n_threads = 1 };
+        cr_assert_eq(kvr_rope_reposition(r, ref, ts[d], in, ts[d], T, H, from, to, &so), 0);
+        kvr_isa isas[] = { KVR_ISA_AVX2, KVR_ISA_AVX512 };
+        for (int k = 0; k < 2; k++) {
+            if (isas[k] > kvr_isa_best()) continue;
+            kvr_rope_opts vo = { .isa = isas[k], .n_threads = 2 };
+            cr_assert_eq(kvr_rope_reposition(r, o, ts[d], in, ts[d], T, H, from, to, &vo), 0);
+            cr_assert(!memcmp(ref, o, bytes), "%s %s", kvr_isa_name(isas[k]), kvr_dtype_name(ts[d]));
+        }
+    }
+    free(x); free(from); free(to); free(in); free(ref); free(o);
+    kvr_rope_destroy(r);
 }
 
 /* ---- precision at large positions ------------------------------------------ */

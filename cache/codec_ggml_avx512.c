@@ -1,0 +1,221 @@
+/*
+ * codec_ggml_avx512.c — the AVX-512 (F/BW/VL/DQ) encoder of ggml's legacy
+ * blocks (Q8_0, Q4_0, Q4_1, Q5_0) for f32 or f16 data: one block is two
+ * 16-float vectors. Called only after the CPU was checked; decoding, and a
+ * row's last blocks short of a batch of eight, use codec_ggml_avx2.c.
+ *
+ * Same rules as codec_ggml_avx2.c (which see): the scalar reference's
+ * operations lane by lane, -ffp-contract=off for this file, the first
+ * element of largest magnitude for Q4_0/Q5_0's max, Q4_1 blocks with a zero
+ * min or max left to the scalar block encoder, round half away from zero for
+ * Q8_0 (see round_away_epi32), truncating casts elsewhere. A bad value makes it return -1 (the
+ * caller reruns the scalar path, which names it).
+ */
+#include "cache/codec.h"
+
+#include <float.h>
+#include <immintrin.h>
+#include <string.h>
+
+#define AI static inline __attribute__((always_inline))
+#define QK 32
+
+AI __m512 ld16(const void *src, size_t i, int h)
+{
+    if (h) return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)src + i)));
+    return _mm512_loadu_ps((const float *)src + i);
+}
+
+static void wr16(uint8_t *p, uint16_t v) { p[0] = (uint8_t)v; p[1] = (uint8_t)(v >> 8); }
+
+static size_t block_bytes(kvr_codec_type t)
+{
+    switch (t) {
+    case KVR_CODEC_Q8_0: return 34;
+    case KVR_CODEC_Q4_0: return 18;
+    case KVR_CODEC_Q4_1: return 20;
+    default:             return 22;
+    }
+}
+
+/* roundf (half away from zero) as trunc(v + copysign(0x1.fffffep-2f, v)): the
+ * same for every float |v| < 129 (checked exhaustively), and Q8_0's
+ * |v| <= 127 (1 + 3 eps). */
+AI __m512i round_away_epi32(__m512 v)
+{
+    const __m512i sign = _mm512_set1_epi32((int)0x80000000u);
+    __m512 h = _mm512_castsi512_ps(_mm512_or_si512(
+        _mm512_castps_si512(_mm512_set1_ps(0x1.fffffep-2f)),
+        _mm512_and_si512(sign, _mm512_castps_si512(v))));
+    return _mm512_cvttps_epi32(_mm512_add_ps(v, h));
+}
+
+AI void quant_block(kvr_codec_type t, uint8_t *y, __m512 x0, __m512 x1, float id, float min)
+{
+    const __m512 vid = _mm512_set1_ps(id);
+    if (t == KVR_CODEC_Q8_0) {
+        __m128i b0 = _mm512_cvtsepi32_epi8(round_away_epi32(_mm512_mul_ps(x0, vid)));
+        __m128i b1 = _mm512_cvtsepi32_epi8(round_away_epi32(_mm512_mul_ps(x1, vid)));
+        _mm_storeu_si128((__m128i *)(y + 2), b0);
+        _mm_storeu_si128((__m128i *)(y + 18), b1);
+        return;
+    }
+    const int q5 = t == KVR_CODEC_Q5_0, q41 = t == KVR_CODEC_Q4_1;
+    const __m512 off = _mm512_set1_ps(q5 ? 16.5f : q41 ? 0.5f : 8.5f);
+    const __m512i top = _mm512_set1_epi32(q5 ? 31 : 15);
+    const __m512 vm = _mm512_set1_ps(min);
+#define Q(v) _mm512_min_epi32(_mm512_cvttps_epi32(_mm512_add_ps(_mm512_mul_ps( \
+                 q41 ? _mm512_sub_ps((v), vm) : (v), vid), off)), top)
+    __m512i lo = Q(x0), hi = Q(x1);
+#undef Q
+    if (q5) {
+        const __m512i b4 = _mm512_set1_epi32(0x10), m4 = _mm512_set1_epi32(0x0F);
+        uint32_t qh = (uint32_t)_mm512_test_epi32_mask(lo, b4) |
+                      (uint32_t)_mm512_test_epi32_mask(hi, b4) << 16;
+        memcpy(y + 2, &qh, 4);   /* little-endian, as wr32 */
+        __m512i nb = _mm512_or_si512(_mm512_and_si512(lo, m4),
+                                     _mm512_slli_epi32(_mm512_and_si512(hi, m4), 4));
+        _mm_storeu_si128((__m128i *)(y + 6), _mm512_cvtepi32_epi8(nb));
+    } else {
+        __m512i nb = _mm512_or_si512(lo, _mm512_slli_epi32(hi, 4));
+        _mm_storeu_si128((__m128i *)(y + (q41 ? 4 : 2)), _mm512_cvtepi32_epi8(nb));
+    }
+}
+
+/* r[b] = max (or min) of the 16 lanes of v[b], b < 8: a transposed
+ * reduction (exact: max and min of non-NaN values do not depend on order). */
+AI __m256 reduce8(const __m512 *v, int is_max)
+{
+#define OP(a, b) (is_max ? _mm512_max_ps((a), (b)) : _mm512_min_ps((a), (b)))
+    __m512 w[4], x[2];
+    for (int k = 0; k < 4; k++)
+        w[k] = OP(_mm512_shuffle_f32x4(v[2 * k], v[2 * k + 1], 0x44),
+                  _mm512_shuffle_f32x4(v[2 * k], v[2 * k + 1], 0xEE));
+    for (int k = 0; k < 2; k++)
+        x[k] = OP(_mm512_shuffle_f32x4(w[2 * k], w[2 * k + 1], 0x88),
+                  _mm512_shuffle_f32x4(w[2 * k], w[2 * k + 1], 0xDD));
+    /* quad k of x[0] holds block k's 4 partials, of x[1] block k + 4's */
+    __m512 y = OP(_mm512_shuffle_ps(x[0], x[1], 0x88), _mm512_shuffle_ps(x[0], x[1], 0xDD));
+    __m512 z = OP(y, _mm512_permute_ps(y, 0xB1));
+    /* quad k: lane 0 block k, lane 2 block k + 4 */
+    const __m512i idx = _mm512_setr_epi32(0, 4, 8, 12, 2, 6, 10, 14, 0, 0, 0, 0, 0, 0, 0, 0);
+    return _mm512_castps512_ps256(_mm512_permutexvar_ps(idx, z));
+#undef OP
+}
+
+/* Eight blocks at i: each block's max and min (two transposed reductions),
+ * then d / id / f16 forms eight at a time, then the quants, with the
+ * blocks kept in registers. The extremes give every parameter:
+ *   Q8_0 amax = max(max, -min) (a zero made +0, as fabsf's);
+ *   Q4_0 / Q5_0 "max" (the first element of largest magnitude) = max when
+ *   max > -min, min when -min > max; a tie (max == -min != 0) needs the
+ *   first index: that block goes to the scalar block encoder, as do Q4_1
+ *   blocks whose min or max is a zero (the sign the reference keeps). */
+AI int enc8(kvr_codec_type t, uint8_t *dst, size_t bb, const void *src, size_t i, int h)
+{
+    __mmask16 ok = 0xffff;
+    const __m512 fmax = _mm512_set1_ps(FLT_MAX);
+    __m512 xv[16], mx[8], mn[8];
+#pragma GCC unroll 8
+    for (int b = 0; b < 8; b++) {
+        size_t o = i + 32 * (size_t)b;
+        __m512 x0 = ld16(src, o, h), x1 = ld16(src, o + 16, h);
+        xv[2 * b] = x0;
+        xv[2 * b + 1] = x1;
+        ok &= (__mmask16)(_mm512_cmp_ps_mask(_mm512_abs_ps(x0), fmax, _CMP_LE_OQ) &
+                          _mm512_cmp_ps_mask(_mm512_abs_ps(x1), fmax, _CMP_LE_OQ));
+        mx[b] = _mm512_max_ps(x0, x1);
+        mn[b] = _mm512_min_ps(x0, x1);
+    }
+    if (ok != 0xffff) return -1;
+    const __m256 zero = _mm256_setzero_ps();
+    __m256 vmax = reduce8(mx, 1), vmin = reduce8(mn, 0);
+    __m256 nmin = _mm256_sub_ps(zero, vmin);
+    unsigned fb = 0;
+    __m256 v0, d;
+    switch (t) {
+    case KVR_CODEC_Q8_0: {
+        __m256 amax = _mm256_max_ps(vmax, nmin);
+        amax = _mm256_and_ps(amax, _mm256_cmp_ps(amax, zero, _CMP_NEQ_OQ));   /* +0 */
+        v0 = amax;
+        d = _mm256_div_ps(amax, _mm256_set1_ps((float)((1 << 7) - 1)));
+        break;
+    }
+    case KVR_CODEC_Q4_0:
+    case KVR_CODEC_Q5_0: {
+        __m256 gt = _mm256_cmp_ps(vmax, nmin, _CMP_GT_OQ);
+        __m256 tie = _mm256_and_ps(_mm256_cmp_ps(vmax, nmin, _CMP_EQ_OQ),
+                                   _mm256_cmp_ps(vmax, zero, _CMP_NEQ_OQ));
+        fb = (unsigned)_mm256_movemask_ps(tie);
+        v0 = _mm256_blendv_ps(vmin, vmax, gt);
+        /* max == -min == 0: the reference's max stays +0 */
+        v0 = _mm256_and_ps(v0, _mm256_cmp_ps(v0, zero, _CMP_NEQ_OQ));
+        d = _mm256_div_ps(v0, _mm256_set1_ps(t == KVR_CODEC_Q5_0 ? -16.0f : -8.0f));
+        break;
+    }
+    default:
+        fb = (unsigned)_mm256_movemask_ps(_mm256_or_ps(_mm256_cmp_ps(vmin, zero, _CMP_EQ_OQ),
+                                                       _mm256_cmp_ps(vmax, zero, _CMP_EQ_OQ)));
+        v0 = vmin;
+        d = _mm256_div_ps(_mm256_sub_ps(vmax, vmin), _mm256_set1_ps((float)((1 << 4) - 1)));
+        break;
+    }
+    __m256 id = _mm256_and_ps(_mm256_cmp_ps(d, zero, _CMP_NEQ_OQ),
+                              _mm256_div_ps(_mm256_set1_ps(1.0f), d));
+    const int rne = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+    __m128i dh = _mm256_cvtps_ph(d, rne), mh = _mm256_cvtps_ph(v0, rne);
+    const __m128i em = _mm_set1_epi16(0x7C00);
+    __m128i inf = _mm_cmpeq_epi16(_mm_and_si128(dh, em), em);
+    if (t == KVR_CODEC_Q4_1) inf = _mm_or_si128(inf, _mm_cmpeq_epi16(_mm_and_si128(mh, em), em));
+    unsigned bad = (unsigned)_mm_movemask_epi8(_mm_packs_epi16(inf, inf)) & 0xffu & ~fb;
+    if (bad) return -1;
+    float ids[8], p0[8];
+    uint16_t dhs[8], mhs[8];
+    _mm256_storeu_ps(ids, id);
+    _mm256_storeu_ps(p0, v0);
+    _mm_storeu_si128((__m128i *)dhs, dh);
+    _mm_storeu_si128((__m128i *)mhs, mh);
+#pragma GCC unroll 8
+    for (int b = 0; b < 8; b++) {
+        size_t o = i + 32 * (size_t)b;
+        uint8_t *y = dst + o / QK * bb;
+        __m512 x0 = xv[2 * b], x1 = xv[2 * b + 1];
+        if (fb & (1u << b)) {
+            float xs[QK];
+            _mm512_storeu_ps(xs, x0);
+            _mm512_storeu_ps(xs + 16, x1);
+            if (kvr_codec_ggml_block_enc(t, y, xs) != 0) return -1;
+            continue;
+        }
+        wr16(y, dhs[b]);
+        if (t == KVR_CODEC_Q4_1) wr16(y + 2, mhs[b]);
+        quant_block(t, y, x0, x1, ids[b], p0[b]);
+    }
+    return 0;
+}
+
+#define ENC_CASE(T)                                                                  \
+    case T:                                                                          \
+        for (; i + 256 <= n; i += 256)                                               \
+            if ((h ? enc8(T, dst, bb, src, i, 1) : enc8(T, dst, bb, src, i, 0)) != 0) \
+                return -1;                                                           \
+        break;
+
+int kvr_codec_ggml_enc_avx512(kvr_codec_type t, uint8_t *dst, const void *src, kvr_dtype st,
+                              size_t n)
+{
+    const int h = st == KVR_DTYPE_F16;
+    const size_t bb = block_bytes(t);
+    size_t i = 0;
+    switch (t) {
+    ENC_CASE(KVR_CODEC_Q8_0)
+    ENC_CASE(KVR_CODEC_Q4_0)
+    ENC_CASE(KVR_CODEC_Q4_1)
+    ENC_CASE(KVR_CODEC_Q5_0)
+    default: return -1;
+    }
+    if (i == n) return 0;
+    /* the last blocks short of a batch: the AVX2 kernel (same bytes) */
+    return kvr_codec_ggml_enc_avx2(t, dst + i / QK * bb,
+                                   (const char *)src + i * (h ? 2 : 4), st, n - i);
+}

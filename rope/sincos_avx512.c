@@ -1,0 +1,156 @@
+/*
+ * sincos_avx512.c — the per-token sin/cos table of rope.c (rope_sincos_scalar)
+ * eight doubles at a time with AVX-512 (F/DQ).
+ *
+ * Invariant: every lane performs exactly the scalar reference's double
+ * operations in the same order (Cody-Waite reduction by pi/2 in three pieces,
+ * fdlibm's kernel polynomials, the quadrant from the low bits of the rounded
+ * quotient), each one IEEE-rounded: no fused multiply-add (the Makefile
+ * builds this file with -ffp-contract=off), so the table is bit for bit the
+ * scalar one. Tables with an angle at or beyond FAST_MAX (or NaN) go to
+ * libm's sincos element by element, as the scalar path does.
+ */
+#include <immintrin.h>
+#include <math.h>
+
+#include "rope/rope_internal.h"
+
+#define W 8
+
+static inline __m512d sincos8(__m512d x, __m512d *cp)
+{
+    const __m512d shift = _mm512_set1_pd(0x1.8p52);
+    __m512d kk = _mm512_add_pd(_mm512_mul_pd(x, _mm512_set1_pd(M_2_PI)), shift);
+    __m512d k = _mm512_sub_pd(kk, shift);
+    __m512i kb = _mm512_castpd_si512(kk);
+    __m512d r = _mm512_sub_pd(x, _mm512_mul_pd(k, _mm512_set1_pd(ROPE_PIO2_1)));
+    r = _mm512_sub_pd(r, _mm512_mul_pd(k, _mm512_set1_pd(ROPE_PIO2_2)));
+    r = _mm512_sub_pd(r, _mm512_mul_pd(k, _mm512_set1_pd(ROPE_PIO2_3)));
+    __m512d z = _mm512_mul_pd(r, r);
+#define C(v) _mm512_set1_pd(v)
+#define MA(a, b, c) _mm512_add_pd((c), _mm512_mul_pd((a), (b)))   /* c + a*b, two roundings */
+    __m512d ps = MA(z, C(ROPE_S6), C(ROPE_S5));
+    ps = MA(z, ps, C(ROPE_S4));
+    ps = MA(z, ps, C(ROPE_S3));
+    ps = MA(z, ps, C(ROPE_S2));
+    ps = MA(z, ps, C(ROPE_S1));
+    __m512d sr = _mm512_add_pd(r, _mm512_mul_pd(_mm512_mul_pd(r, z), ps));
+    __m512d pc = MA(z, C(ROPE_C6), C(ROPE_C5));
+    pc = MA(z, pc, C(ROPE_C4));
+    pc = MA(z, pc, C(ROPE_C3));
+    pc = MA(z, pc, C(ROPE_C2));
+    pc = MA(z, pc, C(ROPE_C1));
+    __m512d cr = _mm512_add_pd(_mm512_sub_pd(C(1.0), _mm512_mul_pd(C(0.5), z)),
+                               _mm512_mul_pd(_mm512_mul_pd(z, z), pc));
+#undef MA
+#undef C
+    __m512i one = _mm512_set1_epi64(1), two = _mm512_set1_epi64(2);
+    __mmask8 odd = _mm512_test_epi64_mask(kb, one);
+    __m512d s = _mm512_mask_blend_pd(odd, sr, cr), c = _mm512_mask_blend_pd(odd, cr, sr);
+    /* c negated in quadrants 1 and 2 ((q + 1) & 2), s in 2 and 3 (q & 2) */
+    __m512i nc = _mm512_slli_epi64(_mm512_and_si512(_mm512_add_epi64(kb, one), two), 62);
+    __m512i ns = _mm512_slli_epi64(_mm512_and_si512(kb, two), 62);
+    *cp = _mm512_xor_pd(c, _mm512_castsi512_pd(nc));
+    return _mm512_xor_pd(s, _mm512_castsi512_pd(ns));
+}
+
+void rope_sincos_avx512(double a, const double *f1, double b, const double *f2, int n,
+                        double *s, double *c)
+{
+    double ang[KVR_ROPE_MAX_HEAD_DIM / 2 + W];
+    const __m512d va = _mm512_set1_pd(a), vb = _mm512_set1_pd(b);
+    const __m512d lim = _mm512_set1_pd(ROPE_FAST_MAX);
+    __mmask8 bad = 0;
+    int i = 0;
+    for (; i < n; i += W) {
+        __mmask8 m = n - i >= W ? (__mmask8)0xff : (__mmask8)((1u << (n - i)) - 1u);
+        __m512d x = _mm512_mul_pd(va, _mm512_maskz_loadu_pd(m, f1 + i));
+        if (f2) x = _mm512_add_pd(x, _mm512_mul_pd(vb, _mm512_maskz_loadu_pd(m, f2 + i)));
+        bad |= (__mmask8)(m & ~_mm512_cmp_pd_mask(_mm512_abs_pd(x), lim, _CMP_LT_OQ));
+        _mm512_storeu_pd(ang + i, x);
+    }
+    if (bad) {
+        for (i = 0; i < n; i++) sincos(ang[i], &s[i], &c[i]);
+        return;
+    }
+    for (i = 0; i < n; i += W) {
+        __mmask8 m = n - i >= W ? (__mmask8)0xff : (__mmask8)((1u << (n - i)) - 1u);
+        __m512d cv, sv = sincos8(_mm512_loadu_pd(ang + i), &cv);
+        _mm512_mask_storeu_pd(s + i, m, sv);
+        _mm512_mask_storeu_pd(c + i, m, cv);
+    }
+}
+
+void rope_tofloat_avx512(const double *c, const double *s, int n, double m, int gptj,
+                         float *fc, float *fs)
+{
+    const __m512d vm = _mm512_set1_pd(m);
+    const __m512i dup = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+    const __m512 neg_even = _mm512_castsi512_ps(_mm512_set_epi32(
+        0, (int)0x80000000u, 0, (int)0x80000000u, 0, (int)0x80000000u, 0, (int)0x80000000u,
+        0, (int)0x80000000u, 0, (int)0x80000000u, 0, (int)0x80000000u, 0, (int)0x80000000u));
+    for (int i = 0; i < n; i += W) {
+        __mmask8 m8 = n - i >= W ? (__mmask8)0xff : (__mmask8)((1u << (n - i)) - 1u);
+        __m256 cf = _mm512_cvtpd_ps(_mm512_mul_pd(_mm512_maskz_loadu_pd(m8, c + i), vm));
+        __m256 sf = _mm512_cvtpd_ps(_mm512_mul_pd(_mm512_maskz_loadu_pd(m8, s + i), vm));
+        if (gptj) {
+            __mmask16 m16 = n - i >= W ? (__mmask16)0xffff
+                                       : (__mmask16)((1u << (2 * (n - i))) - 1u);
+            __m512 cd = _mm512_permutexvar_ps(dup, _mm512_castps256_ps512(cf));
+            __m512 sd = _mm512_permutexvar_ps(dup, _mm512_castps256_ps512(sf));
+            _mm512_mask_storeu_ps(fc + 2 * i, m16, cd);
+            _mm512_mask_storeu_ps(fs + 2 * i, m16, _mm512_xor_ps(sd, neg_even));
+        } else {
+            _mm256_mask_storeu_ps(fc + i, m8, cf);
+            _mm256_mask_storeu_ps(fs + i, m8, sf);
+        }
+    }
+}
+
+/* rope_sincos_avx512 then rope_tofloat_avx512 in one pass over the lanes
+ * (the same operations, so the same bits), for tables computed afresh. */
+void rope_table_avx512(double a, const double *f1, double b, const double *f2, int n, double m,
+                       int gptj, double *s, double *c, float *fs, float *fc)
+{
+    double ang[KVR_ROPE_MAX_HEAD_DIM / 2 + W];
+    const __m512d va = _mm512_set1_pd(a), vb = _mm512_set1_pd(b);
+    const __m512d lim = _mm512_set1_pd(ROPE_FAST_MAX);
+    __mmask8 bad = 0;
+    int i = 0;
+    for (; i < n; i += W) {
+        __mmask8 k8 = n - i >= W ? (__mmask8)0xff : (__mmask8)((1u << (n - i)) - 1u);
+        __m512d x = _mm512_mul_pd(va, _mm512_maskz_loadu_pd(k8, f1 + i));
+        if (f2) x = _mm512_add_pd(x, _mm512_mul_pd(vb, _mm512_maskz_loadu_pd(k8, f2 + i)));
+        bad |= (__mmask8)(k8 & ~_mm512_cmp_pd_mask(_mm512_abs_pd(x), lim, _CMP_LT_OQ));
+        _mm512_storeu_pd(ang + i, x);
+    }
+    if (bad) {
+        for (i = 0; i < n; i++) sincos(ang[i], &s[i], &c[i]);
+        rope_tofloat_avx512(c, s, n, m, gptj, fc, fs);
+        return;
+    }
+    const __m512d vm = _mm512_set1_pd(m);
+    const __m512i dup = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+    const __m512 neg_even = _mm512_castsi512_ps(_mm512_set_epi32(
+        0, (int)0x80000000u, 0, (int)0x80000000u, 0, (int)0x80000000u, 0, (int)0x80000000u,
+        0, (int)0x80000000u, 0, (int)0x80000000u, 0, (int)0x80000000u, 0, (int)0x80000000u));
+    for (i = 0; i < n; i += W) {
+        __mmask8 k8 = n - i >= W ? (__mmask8)0xff : (__mmask8)((1u << (n - i)) - 1u);
+        __m512d cv, sv = sincos8(_mm512_loadu_pd(ang + i), &cv);
+        _mm512_mask_storeu_pd(s + i, k8, sv);
+        _mm512_mask_storeu_pd(c + i, k8, cv);
+        __m256 cf = _mm512_cvtpd_ps(_mm512_mul_pd(cv, vm));
+        __m256 sf = _mm512_cvtpd_ps(_mm512_mul_pd(sv, vm));
+        if (gptj) {
+            __mmask16 k16 = n - i >= W ? (__mmask16)0xffff
+                                       : (__mmask16)((1u << (2 * (n - i))) - 1u);
+            __m512 cd = _mm512_permutexvar_ps(dup, _mm512_castps256_ps512(cf));
+            __m512 sd = _mm512_permutexvar_ps(dup, _mm512_castps256_ps512(sf));
+            _mm512_mask_storeu_ps(fc + 2 * i, k16, cd);
+            _mm512_mask_storeu_ps(fs + 2 * i, k16, _mm512_xor_ps(sd, neg_even));
+        } else {
+            _mm256_mask_storeu_ps(fc + i, k8, cf);
+            _mm256_mask_storeu_ps(fs + i, k8, sf);
+        }
+    }
+}

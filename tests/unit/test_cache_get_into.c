@@ -1,0 +1,219 @@
+/*
+ * test_cache_get_into.c — kvr_get_copy_into writes exactly the bytes that
+ * kvr_get_work + the payload iovecs give: unedited (zero-copy), re-rotated
+ * to other positions, after an edit, quantized contexts (int4 per token,
+ * KIVI key tiles with a window, q4_0), other output dtypes, a layer subset,
+ * a sub-range; small (one thread) and large (threaded) requests; and the
+ * size check.
+ */
+#include <criterion/criterion.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "cache/cache.h"
+
+#define NL 4
+#define NH 2
+#define HD 64
+
+static kvr_store *mk(void)
+{
+    kvr_store *s = NULL;
+    kvr_error e = { 0 };
+    kvr_store_config cfg = { 0 };
+    cr_assert_eq(kvr_store_create(&s, &cfg, &e), 0, "%s", e.msg);
+    kvr_model_desc d = { .name = "m", .n_layers = NL, .n_kv_heads = NH, .head_dim = HD,
+                         .dtype = KVR_DTYPE_F16 };
+    kvr_rope_config_init(&d.rope);
+    d.rope.head_dim = HD;
+    d.rope.rotary_dim = HD;
+    d.rope.theta = 10000.0;
+    cr_assert_eq(kvr_store_model_register(s, &d, NULL, &e), 0, "%s", e.msg);
+    return s;
+}
+
+static void put(kvr_store *s, const char *id, const char *codec, size_t n)
+{
+    uint32_t *tok = malloc(n * sizeof *tok);
+    for (size_t i = 0; i < n; i++) tok[i] = (uint32_t)(i * 7 + 1);
+    kvr_error e = { 0 };
+    kvr_put_params p = { .ctx_id = id, .model = "m", .mode = KVR_PUT_CREATE, .n_layers = NL,
+                         .n_kv_heads = NH, .head_dim = HD, .dtype = KVR_DTYPE_F16,
+                         .n_tokens = n, .tokens = tok, .codec = codec };
+    kvr_put *t = NULL;
+    cr_assert_eq(kvr_store_put_begin(s, &p, &t, &e), 0, "%s", e.msg);
+    const struct iovec *iov;
+    size_t niov;
+    kvr_put_payload_iov(t, &iov, &niov);
+    uint32_t x = 99;
+    for (size_t i = 0; i < niov; i++) {
+        uint16_t *h = iov[i].iov_base;
+        for (size_t k = 0; k < iov[i].iov_len / 2; k++) {
+            x = x * 1664525u + 1013904223u;
+            h[k] = kvr_f32_to_f16(((float)(x >> 8) / 16777216.0f - 0.5f) * 3.0f);
+        }
+    }
+    if (kvr_put_needs_work(t)) cr_assert_eq(kvr_put_work(t, &e), 0, "%s", e.msg);
+    cr_assert_eq(kvr_put_commit(t, NULL, &e), 0, "%s", e.msg);
+    free(tok);
+}
+
+static void edit(kvr_store *s, const char *id)
+{
+    uint32_t nt[3] = { 5, 6, 7 };
+    kvr_edit_op op = { 10, 12, 3, nt };
+    kvr_edit_params p = { .ctx_id = id, .ops = &op, .n_ops = 1, .with_kv = true,
+                          .n_layers = NL, .n_kv_heads = NH, .head_dim = HD,
+                          .dtype = KVR_DTYPE_F16, .payload_bytes = 3 * 2 * NL * NH * HD * 2 };
+    kvr_error e = { 0 };
+    kvr_edit *t = NULL;
+    cr_assert_eq(kvr_store_edit_begin(s, &p, &t, &e), 0, "%s", e.msg);
+    const struct iovec *iov;
+    size_t niov;
+    kvr_edit_payload_iov(t, &iov, &niov);
+    for (size_t i = 0; i < niov; i++) memset(iov[i].iov_base, 0x21, iov[i].iov_len);
+    if (kvr_edit_needs_work(t)) cr_assert_eq(kvr_edit_work(t, &e), 0, "%s", e.msg);
+    cr_assert_eq(kvr_edit_commit(t, NULL, NULL, &e), 0, "%s", e.msg);
+}
+
+/* Both ways for one request; asserts the bytes agree. */
+static void same(kvr_store *s, kvr_get_params p)
+{
+    kvr_error e = { 0 };
+    kvr_get *a = NULL, *b = NULL;
+    cr_assert_eq(kvr_store_get_begin(s, &p, &a, &e), 0, "%s", e.msg);
+    cr_assert_eq(kvr_store_get_begin(s, &p, &b, &e), 0, "%s", e.msg);
+    size_t n = kvr_get_payload_size(a);
+    cr_assert_eq(n, kvr_get_payload_size(b));
+    uint8_t *ref = malloc(n + 1), *got = malloc(n + 1);
+    if (kvr_get_needs_work(a)) cr_assert_eq(kvr_get_work(a, &e), 0, "%s", e.msg);
+    const struct iovec *iov;
+    size_t niov, off = 0;
+    kvr_get_payload_iov(a, &iov, &niov);
+    for (size_t i = 0; i < niov; i++) {
+        memcpy(ref + off, iov[i].iov_base, iov[i].iov_len);
+        off += iov[i].iov_len;
+    }
+    cr_assert_eq(off, n);
+    memset(got, 0xEE, n + 1);
+    cr_assert_eq(kvr_get_copy_into(b, got, n + 1, &e), KVR_EINVAL);
+    cr_assert_eq(kvr_get_copy_into(b, got, n, &e), 0, "%s", e.msg);
+    cr_assert_eq(memcmp(ref, got, n), 0, "%s dtype %d: bytes differ", p.ctx_id, (int)p.dtype);
+    cr_assert_eq(got[n], 0xEE, "wrote past the payload");
+    kvr_get_end(a);
+    kvr_get_end(b);
+    free(ref);
+    free(got);
+}
+
+static void all_ways(kvr_store *s, const char *id, size_t n)
+{
+    kvr_dtype dts[] = { KVR_DTYPE_F16, KVR_DTYPE_F32, KVR_DTYPE_BF16 };
+    int64_t *pos = malloc(n * sizeof *pos);
+    for (size_t i = 0; i < n; i++) pos[i] = (int64_t)(i * 3 + 1000);
+    uint32_t layers[2] = { 3, 1 };
+    for (int d = 0; d < 3; d++) {
+        same(s, (kvr_get_params){ .ctx_id = id, .end = SIZE_MAX, .dtype = dts[d] });
+        same(s, (kvr_get_params){ .ctx_id = id, .end = SIZE_MAX, .dtype = dts[d],
+                                  .positions = pos, .n_positions = n });
+        same(s, (kvr_get_params){ .ctx_id = id, .start = 3, .end = n - 2, .dtype = dts[d],
+                                  .layers = layers, .n_layers_sel = 2 });
+    }
+    same(s, (kvr_get_params){ .ctx_id = id, .end = SIZE_MAX, .dtype = KVR_DTYPE_F16,
+                              .meta_only = true });
+    free(pos);
+}
+
+Test(get_into, plain_edited_and_quantized)
+{
+    kvr_store *s = mk();
+    const char *codecs[] = { "f16", "int4", "k=int4/g64/c,v=int2,r=16", "q4_0" };
+    for (int c = 0; c < 4; c++) {
+        char id[16];
+        snprintf(id, sizeof id, "c%d", c);
+        put(s, id, codecs[c], 200);
+        all_ways(s, id, 200);
+        edit(s, id);
+        all_ways(s, id, 201);
+    }
+    kvr_store_destroy(s);
+}
+
+Test(get_into, large_threaded)
+{
+    /* 4 layers x 2 x 4096 tokens x 128 x 2 B = 8 MiB: above the threading
+     * threshold */
+    kvr_store *s = mk();
+    put(s, "big", "f16", 4096);
+    edit(s, "big");
+    same(s, (kvr_get_params){ .ctx_id = "big", .end = SIZE_MAX, .dtype = KVR_DTYPE_F16 });
+    put(s, "bq", "int8", 4096);
+    same(s, (kvr_get_params){ .ctx_id = "bq", .end = SIZE_MAX, .dtype = KVR_DTYPE_F16 });
+    kvr_store_destroy(s);
+}
+
+static void put_doc(kvr_store *s, const char *id, const char *prefix, size_t n, uint32_t tok0)
+{
+    uint32_t *tok = malloc(n * sizeof *tok);
+    for (size_t i = 0; i < n; i++) tok[i] = tok0 + (uint32_t)i;
+    kvr_error e = { 0 };
+    kvr_put_params p = { .ctx_id = id, .model = "m", .mode = KVR_PUT_CREATE, .n_layers = NL,
+                         .n_kv_heads = NH, .head_dim = HD, .dtype = KVR_DTYPE_F16,
+                         .n_tokens = n, .tokens = tok, .prefix_ctx = prefix };
+    kvr_put *t = NULL;
+    cr_assert_eq(kvr_store_put_begin(s, &p, &t, &e), 0, "%s", e.msg);
+    const struct iovec *iov;
+    size_t niov;
+    kvr_put_payload_iov(t, &iov, &niov);
+    for (size_t i = 0; i < niov; i++) {
+        uint16_t *h = iov[i].iov_base;
+        for (size_t k = 0; k < iov[i].iov_len / 2; k++)
+            h[k] = (uint16_t)(0x3000 + ((i * 131 + k * 7 + tok0) & 0x0fff));
+    }
+    if (kvr_put_needs_work(t)) cr_assert_eq(kvr_put_work(t, &e), 0, "%s", e.msg);
+    cr_assert_eq(kvr_put_commit(t, NULL, &e), 0, "%s", e.msg);
+    free(tok);
+}
+
+Test(get_into, assemble_every_layout)
+{
+    kvr_store *s = mk();
+    put_doc(s, "pre", NULL, 37, 1);
+    const char *docs[3] = { "d0", "d1", "d2" };
+    size_t len[3] = { 150, 71, 300 };
+    for (int i = 0; i < 3; i++) put_doc(s, docs[i], "pre", len[i], 1000 + 1000 * (uint32_t)i);
+    kvr_layout_kind kinds[2] = { KVR_LAYOUT_PARALLEL, KVR_LAYOUT_SEQUENTIAL };
+    kvr_dtype dts[2] = { KVR_DTYPE_F16, KVR_DTYPE_F32 };
+    for (int k = 0; k < 2; k++)
+        for (int fold = 0; fold < 2; fold++)
+            for (int d = 0; d < 2; d++) {
+                kvr_assemble_params ap = { .prefix = "pre", .docs = docs, .n_docs = 3,
+                                           .layout = kinds[k], .dtype = dts[d],
+                                           .fold_temperature = fold };
+                kvr_error e = { 0 };
+                kvr_assemble *a = NULL, *b = NULL;
+                cr_assert_eq(kvr_store_assemble_begin(s, &ap, &a, &e), 0, "%s", e.msg);
+                cr_assert_eq(kvr_store_assemble_begin(s, &ap, &b, &e), 0, "%s", e.msg);
+                size_t n = kvr_assemble_payload_size(a);
+                uint8_t *ref = malloc(n), *got = malloc(n);
+                if (kvr_assemble_needs_work(a))
+                    cr_assert_eq(kvr_assemble_work(a, &e), 0, "%s", e.msg);
+                const struct iovec *iov;
+                size_t niov, off = 0;
+                kvr_assemble_payload_iov(a, &iov, &niov);
+                for (size_t i = 0; i < niov; i++) {
+                    memcpy(ref + off, iov[i].iov_base, iov[i].iov_len);
+                    off += iov[i].iov_len;
+                }
+                cr_assert_eq(off, n);
+                cr_assert_eq(kvr_assemble_copy_into(b, got, n - 1, &e), KVR_EINVAL);
+                cr_assert_eq(kvr_assemble_copy_into(b, got, n, &e), 0, "%s", e.msg);
+                cr_assert_eq(memcmp(ref, got, n), 0, "layout %d fold %d dtype %d", k, fold, d);
+                kvr_assemble_end(a);
+                kvr_assemble_end(b);
+                free(ref);
+                free(got);
+            }
+    kvr_store_destroy(s);
+}
