@@ -22,7 +22,8 @@
 extern "C" {
 #endif
 
-#define KVR_DAEMON_VERSION "0.1.0"
+/* Kept equal to libkvrope's KVR_VERSION_* (client/kvrope.h). */
+#define KVR_DAEMON_VERSION "0.3.0"
 
 typedef enum kvr_log_level {
     KVR_LOG_DEBUG = 0,
