@@ -162,8 +162,8 @@ AI int enc8(kvr_codec_type t, uint8_t *dst, size_t bb, const void *src, size_t i
     }
     __m256 id = _mm256_and_ps(_mm256_cmp_ps(d, zero, _CMP_NEQ_OQ),
                               _mm256_div_ps(_mm256_set1_ps(1.0f), d));
-    const int rne = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
-    __m128i dh = _mm256_cvtps_ph(d, rne), mh = _mm256_cvtps_ph(v0, rne);
+#define RNE (_MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)   /* clang wants a constant expression */
+    __m128i dh = _mm256_cvtps_ph(d, RNE), mh = _mm256_cvtps_ph(v0, RNE);
     const __m128i em = _mm_set1_epi16(0x7C00);
     __m128i inf = _mm_cmpeq_epi16(_mm_and_si128(dh, em), em);
     if (t == KVR_CODEC_Q4_1) inf = _mm_or_si128(inf, _mm_cmpeq_epi16(_mm_and_si128(mh, em), em));

@@ -570,6 +570,9 @@ static enum MHD_Result on_http(void *cls, struct MHD_Connection *conn, const cha
     return qr;
 }
 
+/* libmicrohttpd's error logger: fmt is its own printf format. */
+static void mhd_log(void *cls, const char *fmt, va_list ap) __attribute__((format(printf, 2, 0)));
+
 static void mhd_log(void *cls, const char *fmt, va_list ap)
 {
     (void)cls;
