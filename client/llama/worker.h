@@ -142,6 +142,8 @@ void kvr_wk_lm_set_profile(kvr_wk_lm *lm, const struct kvr_llama_model *m);
  * number of sequences (2..256; 2 by default) of contexts created after. */
 void     kvr_wk_lm_set_cache(kvr_wk_lm *lm, int32_t type, uint32_t n_seq);
 uint32_t kvr_wk_lm_n_seq(const kvr_wk_lm *lm);
+/* Tokens per llama_decode (and per ubatch) of the current context. */
+uint32_t kvr_wk_lm_n_batch(const kvr_wk_lm *lm);
 
 /* Tokenizes text (BOS as the vocabulary says when bos). *out is the caller's. */
 int kvr_wk_lm_tokenize(kvr_wk_lm *lm, const char *text, size_t len, bool bos, int32_t **out,
@@ -266,6 +268,7 @@ typedef struct kvr_wk_score_opts {
     const uint8_t        *kv;          /* KV.bin (docs/llama.md); NULL = empty cache */
     size_t                kv_len;
     bool                  has_from, has_next_pos, has_stop;
+    bool                  exact;       /* in-cache rows one per decode, full-forward cells */
     int64_t               from, next_pos;
     int32_t               stop;
     const char           *logits_out;  /* NULL = not written */

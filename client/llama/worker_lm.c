@@ -58,6 +58,8 @@ void kvr_wk_lm_set_cache(kvr_wk_lm *lm, int32_t type, uint32_t n_seq)
 
 uint32_t kvr_wk_lm_n_seq(const kvr_wk_lm *lm) { return lm->n_seq; }
 
+uint32_t kvr_wk_lm_n_batch(const kvr_wk_lm *lm) { return lm->n_batch; }
+
 static char log_last[512];
 static int  log_verbose = -1;
 

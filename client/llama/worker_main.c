@@ -10,7 +10,7 @@
  *         [--layout sequential|parallel] [--check] [--n N]
  *     ppl FILE
  *     score --tokens T.bin [--kv KV.bin] [--from F] [--next-pos P]
- *           [--logits-out L.bin] [--generate I:N[,I:N...]] [--stop-token ID]
+ *           [--logits-out L.bin] [--generate I:N[,I:N...]] [--stop-token ID] [--exact]
  *
  * Exit status: 0 done, 1 refused or failed (the reason on stderr, and as
  * {"error": ...} with --json), 2 usage, 3 a file (or the model) not found,
@@ -47,9 +47,10 @@ static const char usage[] =
 "  ppl FILE\n"
 "        bits per byte of FILE under the model (no cache)\n"
 "  score --tokens T.bin [--kv KV.bin] [--from F] [--next-pos P] [--logits-out L.bin]\n"
-"        [--generate I:N[,I:N...]] [--stop-token ID]\n"
+"        [--generate I:N[,I:N...]] [--stop-token ID] [--exact]\n"
 "        logits of T (int32 ids) over the cache in KV.bin (docs/llama.md), rows\n"
-"        F..N-2 (default F = cached tokens), greedy tokens from the points I (no daemon)\n"
+"        F..N-2 (default F = cached tokens), greedy tokens from the points I (no daemon);\n"
+"        --exact: in-cache rows one per decode, bit-identical to a full forward\n"
 "--socket: unix:PATH, a path, or HOST:PORT (default as kvrope's CLI);\n"
 "exit 0 ok, 1 refused/failed, 2 usage, 3 file not found, 4 daemon unreachable\n";
 
@@ -62,7 +63,7 @@ typedef struct args {
     const char *docs[256];
     size_t      n_docs;
     const char *tokens_f, *kv_f, *logits_f;
-    bool        has_from, has_next_pos, has_stop;
+    bool        has_from, has_next_pos, has_stop, exact;
     long        from, next_pos, stop;
     kvr_wk_gen_req gen[1024];
     size_t      n_points;
@@ -187,6 +188,8 @@ static int parse(int argc, char **argv, args *a)
                 a->parallel = false;
             else
                 return usage_err("--layout is sequential or parallel");
+        } else if (!strcmp(s, "--exact")) {
+            a->exact = true;
         } else if (!strcmp(s, "--tokens")) {
             NEED();
             a->tokens_f = v;
@@ -480,7 +483,7 @@ int main(int argc, char **argv)
             .kv_len = a.kv_f ? files[1].len : 0,
             .has_from = a.has_from, .from = a.from,
             .has_next_pos = a.has_next_pos, .next_pos = a.next_pos,
-            .has_stop = a.has_stop, .stop = (int32_t)a.stop,
+            .has_stop = a.has_stop, .stop = (int32_t)a.stop, .exact = a.exact,
             .logits_out = a.logits_f, .gen = a.gen, .n_gen = a.n_points };
         r = kvr_wk_score(&e, &so);
     } else {

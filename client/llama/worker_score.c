@@ -31,14 +31,24 @@
  * models the positions go in as given and the cases that would need the
  * move are refused.
  *
+ * --exact: the in-cache rows one at a time, from the last down, each T[i]
+ * decoded in seq 0 itself after the cells from i on are dropped, so that it
+ * sits in cell i as in a full forward and flash attention groups the cells
+ * as there: with a cache that is llama.cpp's own, the rows are the full
+ * forward's bit for bit (otherwise ~1e-7 of the logits, more where f16
+ * weights round the activations), at one padded decode per row.
+ *
  * One kernel for every row. llama.cpp's CPU flash attention takes a tiled
  * kernel for a batch of 64 query rows or more and another one below, and
  * the two differ by ~1e-3 of the logits; a row's result in the tiled kernel
- * does not depend on the other rows of its batch. So every decode that
- * produces rows (and the first one of each generation) carries at least
- * PAD_MIN tokens, filled up with throw-away tokens in a sequence of their
- * own (the last one, emptied after): every row is what a full forward of
- * 64 tokens or more gives. The greedy steps after the first decode one
+ * does not depend on the other rows of its batch. Likewise its matrix
+ * products take one kernel (llamafile's sgemm) for two rows or more and
+ * another for one, and the last layer's FFN and the output projection run
+ * on the output rows only. So every decode that produces rows (and the
+ * first one of each generation) carries at least PAD_MIN tokens and never
+ * a single output row, filled up with throw-away tokens in a sequence of
+ * their own (the last one, emptied after): every row is what a full forward
+ * of 64 tokens or more with every row's logits gives. The greedy steps after the first decode one
  * token at a time, as plain llama.cpp generation does.
  *
  * Invariants: every input is checked before the context is created or the
@@ -207,16 +217,36 @@ static void on_row(void *ud, size_t bi, const float *row)
     s->rows++;
 }
 
+typedef struct padded {
+    kvr_wk_row_fn fn;
+    void         *ud;
+    size_t        n;
+} padded;
+
+static void on_padded(void *ud, size_t i, const float *row)
+{
+    padded *p = ud;
+    if (i < p->n)
+        p->fn(p->ud, i, row);
+}
+
 /* Decodes bt[0..n) (room for n + PAD_MIN), filled up to PAD_MIN tokens with
- * throw-away ones in sequence `pad_seq` (emptied after). */
+ * throw-away ones in sequence `pad_seq` (emptied after); a lone output row
+ * gets a throw-away one beside it. */
 static int decode_padded(kvr_wk_env *e, kvr_wk_btok *bt, size_t n, int pad_seq, kvr_wk_row_fn fn,
                          void *ud)
 {
     const kvr_wk_lm_info *in = kvr_wk_lm_info_get(e->lm);
-    size_t pad = n < PAD_MIN ? PAD_MIN - n : 0;
+    size_t outs = 0;
+    for (size_t k = 0; k < n; k++)
+        outs += bt[k].logits;
+    size_t pad = n < PAD_MIN ? PAD_MIN - n : 0, extra = outs == 1;
+    if (pad < extra)
+        pad = extra;
     for (size_t k = 0; k < pad; k++)
-        bt[n + k] = (kvr_wk_btok){ in->bos >= 0 ? in->bos : 0, (int32_t)k, pad_seq, false };
-    int r = kvr_wk_lm_decode_batch(e->lm, bt, n + pad, fn, ud, e->err, sizeof e->err);
+        bt[n + k] = (kvr_wk_btok){ in->bos >= 0 ? in->bos : 0, (int32_t)k, pad_seq, k < extra };
+    padded pd = { fn, ud, n };
+    int r = kvr_wk_lm_decode_batch(e->lm, bt, n + pad, on_padded, &pd, e->err, sizeof e->err);
     if (pad)
         kvr_wk_lm_seq_rm(e->lm, pad_seq, -1, -1);
     return r;
@@ -407,9 +437,9 @@ int kvr_wk_score(kvr_wk_env *e, const kvr_wk_score_opts *o)
 
     /* The context: cells for the tokens plus the scratch queries or the
      * longest continuation. */
-    uint32_t Q = needA ? (uint32_t)(rowsA < MAX_QUERIES ? (rowsA > 0 ? rowsA : 1)
-                                                        : MAX_QUERIES)
-                       : 1;
+    uint32_t Q = needA && !o->exact ? (uint32_t)(rowsA < MAX_QUERIES ? (rowsA > 0 ? rowsA : 1)
+                                                                     : MAX_QUERIES)
+                                    : 1;
     uint64_t extra = (uint64_t)(Q > max_gen + 1 ? Q : max_gen + 1) + PAD_MIN;
     if ((uint64_t)N + extra + 16 > UINT32_MAX / 2) {
         r = fail(e, -EINVAL, "%zu tokens and %lld generated do not fit a context", N,
@@ -422,7 +452,12 @@ int kvr_wk_score(kvr_wk_env *e, const kvr_wk_score_opts *o)
         goto out;
     int pad_seq = (int)kvr_wk_lm_n_seq(e->lm) - 1;
     Q = (uint32_t)pad_seq - 1;
-    size_t chunk = 512;                   /* tokens after the cache per decode */
+    size_t chunk = kvr_wk_lm_n_batch(e->lm) - 1;   /* one decode = one ubatch, with room
+                                                     * for a throw-away output */
+    if (chunk <= PAD_MIN + Q) {
+        r = fail(e, -EINVAL, "the context's batch of %zu tokens is too small", chunk);
+        goto out;
+    }
     bt = malloc(((N > Q ? N : Q) + PAD_MIN + 1) * sizeof *bt);
     row = malloc(nv * sizeof *row);
     gen = calloc(o->n_gen ? o->n_gen : 1, sizeof *gen);
@@ -453,7 +488,29 @@ int kvr_wk_score(kvr_wk_env *e, const kvr_wk_score_opts *o)
         if ((r = load_cells(e, &kv, metaA)) < 0)
             goto out;
         t_load += kvr_wk_now_ms() - ta0;
-        for (int64_t i0 = F; i0 < endA; i0 += Q) {
+        /* --exact: from the last row down, the cells from i on dropped (no
+         * lower row needs them), T[i] decoded in seq 0 itself: it lands in
+         * cell i, where the full forward has it. */
+        for (int64_t i = endA - 1; o->exact && i >= F; i--) {
+            kvr_wk_lm_seq_rm(e->lm, 0, (int32_t)kv.pos[i], -1);
+            bt[0] = (kvr_wk_btok){ T[i], (int32_t)kv.pos[i], 0, true };
+            sk.off = i;
+            if (f && fseek(f, (long)((i - F) * (int64_t)nv * 4), SEEK_SET) != 0)
+                sk.werr = errno ? errno : EIO;
+            if (!sk.werr && (r = decode_padded(e, bt, 1, pad_seq, on_row, &sk)) < 0)
+                goto out;
+            if (sk.werr) {
+                r = fail(e, -sk.werr, "logits file %s: %s", o->logits_out, strerror(sk.werr));
+                goto out;
+            }
+        }
+        if (o->exact && f && fseek(f, (long)(rowsA * (int64_t)nv * 4), SEEK_SET) != 0) {
+            r = fail(e, -EIO, "logits file %s: %s", o->logits_out, strerror(errno));
+            goto out;
+        }
+        if (o->exact && genA && (r = load_cells(e, &kv, metaA)) < 0)
+            goto out;
+        for (int64_t i0 = F; !o->exact && i0 < endA; i0 += Q) {
             size_t cnt = (size_t)(endA - i0 < (int64_t)Q ? endA - i0 : (int64_t)Q);
             for (size_t k = 0; k < cnt; k++) {
                 int64_t i = i0 + (int64_t)k;
@@ -490,7 +547,7 @@ int kvr_wk_score(kvr_wk_env *e, const kvr_wk_score_opts *o)
     /* After the cache. */
     if (needB) {
         double tb0 = kvr_wk_now_ms();
-        if (!needA || !same) {
+        if (!needA || !same || (o->exact && !genA)) {
             if ((r = load_cells(e, &kv, metaB)) < 0)
                 goto out;
         }
@@ -572,10 +629,14 @@ int kvr_wk_score(kvr_wk_env *e, const kvr_wk_score_opts *o)
     kvr_wk_rep_num(R, "timings_ms", "generate", t_gen);
     kvr_wk_rep_line(R, "score: %zu tokens, %zu cached (%s), next position %lld", N, m,
                     dtype_name(kv.m ? kv.dtype : 1), (long long)P);
-    kvr_wk_rep_line(R, "scored: rows %lld..%zu (%zu rows: %lld in the cache, %lld after) of "
-                    "%zu logits%s%s", (long long)F, N > 1 ? N - 2 : 0, n_scored,
-                    (long long)rowsA, (long long)rowsB, nv, o->logits_out ? " -> " : "",
-                    o->logits_out ? o->logits_out : "");
+    if (n_scored)
+        kvr_wk_rep_line(R, "scored: rows %lld..%zu (%zu rows: %lld in the cache, %lld after) "
+                        "of %zu logits%s%s", (long long)F, N - 2, n_scored, (long long)rowsA,
+                        (long long)rowsB, nv, o->logits_out ? " -> " : "",
+                        o->logits_out ? o->logits_out : "");
+    else
+        kvr_wk_rep_line(R, "scored: no rows (from %lld, %zu tokens)%s%s", (long long)F, N,
+                        o->logits_out ? "; empty " : "", o->logits_out ? o->logits_out : "");
     if (n_scored)
         kvr_wk_rep_line(R, "next token: %.4f bits/token, top-1 %zu of %zu", bpt, sk.top1,
                         n_scored);
