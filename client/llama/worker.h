@@ -272,6 +272,7 @@ typedef struct kvr_wk_score_opts {
     int64_t               from, next_pos;
     int32_t               stop;
     const char           *logits_out;  /* NULL = not written */
+    const char           *kv_out;      /* KV.bin of T[m..N) as llama.cpp computed it; NULL = none */
     const kvr_wk_gen_req *gen;
     size_t                n_gen;
 } kvr_wk_score_opts;

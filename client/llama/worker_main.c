@@ -10,7 +10,8 @@
  *         [--layout sequential|parallel] [--check] [--n N]
  *     ppl FILE
  *     score --tokens T.bin [--kv KV.bin] [--from F] [--next-pos P]
- *           [--logits-out L.bin] [--generate I:N[,I:N...]] [--stop-token ID] [--exact]
+ *           [--logits-out L.bin] [--kv-out KV.bin] [--generate I:N[,I:N...]]
+ *           [--stop-token ID] [--exact]
  *
  * Exit status: 0 done, 1 refused or failed (the reason on stderr, and as
  * {"error": ...} with --json), 2 usage, 3 a file (or the model) not found,
@@ -47,10 +48,11 @@ static const char usage[] =
 "  ppl FILE\n"
 "        bits per byte of FILE under the model (no cache)\n"
 "  score --tokens T.bin [--kv KV.bin] [--from F] [--next-pos P] [--logits-out L.bin]\n"
-"        [--generate I:N[,I:N...]] [--stop-token ID] [--exact]\n"
+"        [--kv-out KV.bin] [--generate I:N[,I:N...]] [--stop-token ID] [--exact]\n"
 "        logits of T (int32 ids) over the cache in KV.bin (docs/llama.md), rows\n"
 "        F..N-2 (default F = cached tokens), greedy tokens from the points I (no daemon);\n"
-"        --exact: in-cache rows one per decode, bit-identical to a full forward\n"
+"        --exact: in-cache rows one per decode, bit-identical to a full forward;\n"
+"        --kv-out: the KV llama.cpp computed for T[m..N), as a KV.bin\n"
 "--socket: unix:PATH, a path, or HOST:PORT (default as kvrope's CLI);\n"
 "exit 0 ok, 1 refused/failed, 2 usage, 3 file not found, 4 daemon unreachable\n";
 
@@ -62,7 +64,7 @@ typedef struct args {
     const char *prompt, *old_f, *new_f, *prefix, *query, *ppl_file;
     const char *docs[256];
     size_t      n_docs;
-    const char *tokens_f, *kv_f, *logits_f;
+    const char *tokens_f, *kv_f, *logits_f, *kv_out_f;
     bool        has_from, has_next_pos, has_stop, exact;
     long        from, next_pos, stop;
     kvr_wk_gen_req gen[1024];
@@ -199,6 +201,9 @@ static int parse(int argc, char **argv, args *a)
         } else if (!strcmp(s, "--logits-out")) {
             NEED();
             a->logits_f = v;
+        } else if (!strcmp(s, "--kv-out")) {
+            NEED();
+            a->kv_out_f = v;
         } else if (!strcmp(s, "--from")) {
             NEED();
             if (!parse_int(v, 0, INT32_MAX, &a->from))
@@ -484,7 +489,7 @@ int main(int argc, char **argv)
             .has_from = a.has_from, .from = a.from,
             .has_next_pos = a.has_next_pos, .next_pos = a.next_pos,
             .has_stop = a.has_stop, .stop = (int32_t)a.stop, .exact = a.exact,
-            .logits_out = a.logits_f, .gen = a.gen, .n_gen = a.n_points };
+            .logits_out = a.logits_f, .kv_out = a.kv_out_f, .gen = a.gen, .n_gen = a.n_points };
         r = kvr_wk_score(&e, &so);
     } else {
         if ((rc = tokenize(&e, &files[0], in->add_bos, "file", a.ppl_file, &tk[0], &ntk[0])))

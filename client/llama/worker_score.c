@@ -98,6 +98,83 @@ static int64_t rd64(const uint8_t *p)
 }
 
 /* ---- KV.bin ------------------------------------------------------------- */
+/* Writes the KV of the n appended tokens (positions P..P+n-1 of sequence 0)
+ * as a KV.bin in the cache's own type: what llama.cpp computed for them, so
+ * a caller can store it in kvrope. Under a temporary name, renamed when whole. */
+static int kv_out_write(kvr_wk_env *e, const char *path, int64_t P, size_t n)
+{
+    const kvr_wk_lm_info *in = kvr_wk_lm_info_get(e->lm);
+    uint8_t *buf = NULL, *pay = NULL;
+    size_t len = 0;
+    uint32_t *cells = NULL;
+    kvr_wk_state st;
+    memset(&st, 0, sizeof st);
+    FILE *f = NULL;
+    char tmp[4200];
+    int r = kvr_wk_lm_state_get(e->lm, &buf, &len, e->err, sizeof e->err);
+    if (r < 0)
+        return r;
+    if ((r = kvr_wk_state_parse(&st, buf, len, e->err, sizeof e->err)) < 0)
+        goto out;
+    uint32_t dt = st.type == KVR_WK_GGML_F32 ? 0 : st.type == KVR_WK_GGML_F16 ? 1 : 2;
+    size_t bytes = (size_t)st.n_layer * 2 * n * st.n_embd * st.el;
+    cells = malloc((n ? n : 1) * sizeof *cells);
+    pay = malloc(bytes ? bytes : 1);
+    if (!cells || !pay) {
+        r = fail(e, -ENOMEM, "out of memory for the --kv-out payload");
+        goto out;
+    }
+    for (size_t i = 0; i < n; i++) {
+        long c = kvr_wk_state_find(&st, (int32_t)(P + (int64_t)i));
+        if (c < 0) {
+            r = fail(e, -EIO, "--kv-out: llama.cpp's state has no cell at position %lld",
+                     (long long)(P + (int64_t)i));
+            goto out;
+        }
+        cells[i] = (uint32_t)c;
+    }
+    kvr_wk_state_gather(&st, cells, n, pay);
+    snprintf(tmp, sizeof tmp, "%s.tmp-%ld", path, (long)getpid());
+    if (!(f = fopen(tmp, "wb"))) {
+        r = fail(e, -errno, "--kv-out %s: %s", path, strerror(errno));
+        goto out;
+    }
+    uint8_t h[32];
+    memcpy(h, "KVRKV1\0\0", 8);
+    uint32_t hv[6] = { st.n_layer, (uint32_t)n, in->n_head_kv, in->head_dim, dt, 0 };
+    for (int k = 0; k < 6; k++)
+        for (int b = 0; b < 4; b++)
+            h[8 + 4 * k + b] = (uint8_t)(hv[k] >> (8 * b));
+    bool ok = fwrite(h, 1, sizeof h, f) == sizeof h;
+    for (size_t i = 0; ok && i < n; i++) {
+        uint64_t p = (uint64_t)(P + (int64_t)i);
+        uint8_t pb[8];
+        for (int b = 0; b < 8; b++)
+            pb[b] = (uint8_t)(p >> (8 * b));
+        ok = fwrite(pb, 1, 8, f) == 8;
+    }
+    ok = ok && fwrite(pay, 1, bytes, f) == bytes;
+    ok = fflush(f) == 0 && ok;
+    if (fclose(f) != 0)
+        ok = false;
+    f = NULL;
+    if (!ok || rename(tmp, path) != 0) {
+        r = fail(e, -EIO, "--kv-out %s: %s", path, strerror(errno ? errno : EIO));
+        unlink(tmp);
+        goto out;
+    }
+out:
+    if (f) {
+        fclose(f);
+        unlink(tmp);
+    }
+    kvr_wk_state_free(&st);
+    free(cells);
+    free(pay);
+    free(buf);
+    return r;
+}
+
 typedef struct kvbin {
     uint32_t       n_layers, m, n_kv_heads, head_dim, dtype;
     int32_t        ggml_type;
@@ -344,6 +421,10 @@ int kvr_wk_score(kvr_wk_env *e, const kvr_wk_score_opts *o)
         goto out;
     }
     int64_t P = o->has_next_pos ? o->next_pos : kv.pos_max + 1;
+    if (o->kv_out && N == m) {
+        r = fail(e, -EINVAL, "--kv-out: no tokens after the cache to write the KV of");
+        goto out;
+    }
     if (o->has_stop && (o->stop < 0 || (uint32_t)o->stop >= nv)) {
         r = fail(e, -EINVAL, "--stop-token %d is not in the vocabulary (0..%zu)", o->stop,
                  nv - 1);
@@ -380,7 +461,7 @@ int kvr_wk_score(kvr_wk_env *e, const kvr_wk_score_opts *o)
         if (q->n > max_gen)
             max_gen = q->n;
     }
-    bool needA = rowsA > 0 || genA, needB = N > m && (rowsB > 0 || genB);
+    bool needA = rowsA > 0 || genA, needB = N > m && (rowsB > 0 || genB || o->kv_out);
     /* Where the cells sit in each phase (see the top of the file). */
     metaA = malloc((m ? m : 1) * sizeof *metaA);
     metaB = malloc((m ? m : 1) * sizeof *metaB);
@@ -568,6 +649,8 @@ int kvr_wk_score(kvr_wk_env *e, const kvr_wk_score_opts *o)
             }
         }
         t_b = kvr_wk_now_ms() - tb0;
+        if (o->kv_out && (r = kv_out_write(e, o->kv_out, P, N - m)) < 0)
+            goto out;
         double tg0 = kvr_wk_now_ms();
         for (size_t g = 0; g < o->n_gen; g++) {
             int64_t I = o->gen[g].at;

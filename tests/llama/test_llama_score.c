@@ -866,3 +866,59 @@ Test(llama_score, bad_inputs_are_refused, .init = setup, .fini = teardown, .time
     cJSON_Delete(je);
     free(pl);
 }
+
+/* --kv-out: the KV llama.cpp computed for the appended tokens, as a KV.bin:
+ * byte for byte what llama.cpp's own state holds for them (no cache, and
+ * after a cache), and usable as a cache that reproduces the full forward.
+ * Refused when nothing follows the cache. */
+Test(llama_score, kv_out_is_llamas_own_kv, .init = setup, .fini = teardown, .timeout = 600)
+{
+    enum { N = 160, m = 100 };
+    int32_t T[N];
+    tokens(T, N, 11);
+    char tp[400], kp[400], op[400], lp[400];
+    path(tp, sizeof tp, "t.bin");
+    path(kp, sizeof kp, "kv.bin");
+    path(op, sizeof op, "kvo.bin");
+    path(lp, sizeof lp, "l.bin");
+    /* No cache: the KV of T[0..m) equals kv_of_llama's. */
+    write_bytes(tp, T, (size_t)m * 4);
+    const char *a[] = { "score", "--tokens", tp, "--kv-out", op, NULL };
+    cJSON *j = run_ok(a);
+    size_t n;
+    uint8_t *got = read_bytes(op, &n);
+    kvfile want = kv_of_llama(T, m, 0);
+    cr_assert_eq(n, want.len);
+    cr_expect_eq(memcmp(got, want.b, n), 0, "--kv-out differs from llama.cpp's state");
+    free(got);
+    cJSON_Delete(j);
+    /* After a cache of T[0..m): the KV of T[m..N) at positions m.., and the
+     * two files together as one cache give the full forward's continuation. */
+    write_bytes(kp, want.b, want.len);
+    write_bytes(tp, T, sizeof T);
+    const char *b[] = { "score", "--tokens", tp, "--kv", kp, "--kv-out", op, NULL };
+    j = run_ok(b);
+    got = read_bytes(op, &n);
+    kvfile whole = kv_of_llama(T, N, 0);
+    size_t row = (size_t)(NKV * HD) * 2;
+    cr_assert_eq(n, 32 + 8 * (size_t)(N - m) + (size_t)NL * 2 * (N - m) * row);
+    const int64_t *pos = (const int64_t *)(got + 32);
+    for (int i = 0; i < N - m; i++)
+        cr_expect_eq(pos[i], m + i);
+    const uint8_t *pw = whole.b + 32 + 8 * (size_t)N, *pg = got + 32 + 8 * (size_t)(N - m);
+    for (int l = 0; l < 2 * NL; l++)        /* layer l/2, K (even) or V (odd) */
+        cr_expect_eq(memcmp(pg + (size_t)l * (N - m) * row, pw + ((size_t)l * N + m) * row,
+                            (size_t)(N - m) * row), 0, "layer side %d", l);
+    free(got);
+    cJSON_Delete(j);
+    /* Nothing after the cache: refused, no file. */
+    write_bytes(tp, T, (size_t)m * 4);
+    unlink(op);
+    const char *c[] = { "score", "--tokens", tp, "--kv", kp, "--kv-out", op, NULL };
+    cr_expect_eq(run(false, c), 1);
+    cr_expect(strstr(err_s, "no tokens after the cache") != NULL, "%s", err_s);
+    cr_expect_eq(access(op, F_OK), -1);
+    (void)lp;
+    free(want.b);
+    free(whole.b);
+}
