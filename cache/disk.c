@@ -50,6 +50,7 @@ typedef struct ext {
 typedef struct seg {
     uint32_t id;
     int      fd;
+    int      dfd;           /* the same file opened O_DIRECT, or -1 */
     uint64_t size;          /* append offset */
     bool     dirty;
     ext     *ext;
@@ -76,6 +77,8 @@ struct kvr_disk {
     uint64_t        n_spills, n_loads, n_records, n_checkpoints, n_refused_full;
     uint64_t        n_quarantined, n_torn_bytes;
     bool            claim_io_failed;  /* recover_done then refuses to reclaim */
+    uint8_t        *stage;          /* O_DIRECT staging (disk.h: data path) */
+    size_t          stage_cap;
     kvr_disk_recovery last;
 };
 
@@ -290,6 +293,8 @@ static void seg_free(seg *s)
         return;
     if (s->fd >= 0)
         close(s->fd);
+    if (s->dfd >= 0)
+        close(s->dfd);
     kvr_mem_free(s->ext);
     kvr_mem_free(s);
 }
@@ -349,6 +354,14 @@ static int d_meta(kvr_disk *d)
     return f ? -1 : 0;
 }
 
+/* The O_DIRECT descriptor of a segment file, or -1 (buffered I/O then). */
+static int open_direct(kvr_disk *d, const char *name)
+{
+    if (d->cfg.buffered)
+        return -1;
+    return openat(d->dirfd, name, O_RDWR | O_DIRECT | O_CLOEXEC);
+}
+
 /* A fresh active segment; the old one is sealed (and dropped if empty,
  * unless keep_old: earlier requests of the batch being planned write into
  * it, and their extents are registered only after the I/O). */
@@ -358,6 +371,7 @@ static int seg_roll(kvr_disk *d, bool keep_old, kvr_error *err)
     if (!s)
         return kvr_error_set(err, KVR_ENOMEM, "disk: out of memory");
     s->id = d->next_seg;
+    s->dfd = -1;
     char name[64];
     seg_name(name, sizeof name, s->id);
     s->fd = d_openat(d, name, O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
@@ -367,10 +381,10 @@ static int seg_roll(kvr_disk *d, bool keep_old, kvr_error *err)
         return kvr_error_set(err, KVR_EIO, "disk: cannot create %s/%s: %s",
                              d->dir, name, strerror(e));
     }
+    s->dfd = open_direct(d, name);
     if (seg_add(d, s) != 0) {
-        close(s->fd);
         (void)unlinkat(d->dirfd, name, 0);
-        kvr_mem_free(s);
+        seg_free(s);
         return kvr_error_set(err, KVR_ENOMEM, "disk: out of memory");
     }
     d->next_seg++;
@@ -476,6 +490,7 @@ void kvr_disk_close(kvr_disk *d)
     if (d->dirfd >= 0)
         close(d->dirfd);
     kvr_dio_destroy(d->io);
+    free(d->stage);
     pthread_mutex_destroy(&d->mu);
     kvr_mem_free(d->dir);
     kvr_mem_free(d);
@@ -654,6 +669,7 @@ static int scan_dir(kvr_disk *d, uint32_t *max_gen, kvr_error *err)
                 break;
             }
             s->id = id;
+            s->dfd = -1;
             s->fd = d_openat(d, e->d_name, O_RDWR | O_CLOEXEC, 0);
             struct stat st;
             if (s->fd < 0 || fstat(s->fd, &st) != 0) {
@@ -663,6 +679,7 @@ static int scan_dir(kvr_disk *d, uint32_t *max_gen, kvr_error *err)
                 break;
             }
             s->size = (uint64_t)st.st_size;
+            s->dfd = open_direct(d, e->d_name);
             if (seg_add(d, s) != 0) {
                 seg_free(s);
                 rc = kvr_error_set(err, KVR_ENOMEM, "disk: out of memory");
@@ -901,6 +918,292 @@ int kvr_disk_recover_done(kvr_disk *d, kvr_error *err)
     return 0;
 }
 
+/* ---- the O_DIRECT data path (disk.h: data path) -------------------------------- */
+#ifndef KVR_DIO_ARENA
+#define KVR_DIO_ARENA (8u << 20)     /* staging bytes per group; two groups */
+#endif
+#define DIO_GROUP_MAX 32u            /* requests per group (and <= queue depth) */
+#define DIO_PIECE     (64u << 10)    /* copy + checksum step (stays in cache) */
+
+static size_t dio_arena(void)
+{
+    static size_t a;
+    if (!a) {
+        const char *e = getenv("KVR_DISK_ARENA_KB");   /* benchmarks' tuning knob */
+        long kb = e ? atol(e) : 0;
+        a = kb >= 4 && kb <= (64 << 10) ? (size_t)kb << 10 : KVR_DIO_ARENA;
+        a &= ~(size_t)(EXT_ALIGN - 1);
+    }
+    return a;
+}
+
+/* Staging for two groups of `per` bytes each; kept between calls. */
+static uint8_t *stage_get(kvr_disk *d, size_t per)
+{
+    size_t need = 2 * per;
+    if (d->stage_cap < need) {
+        void *p = NULL;
+        /* Not accounted in kvr_mem: the tier's I/O buffer (at most
+         * 2 x KVR_DIO_ARENA per kvr_disk), not the store's memory. */
+        if (posix_memalign(&p, EXT_ALIGN, need) != 0)
+            return NULL;
+        free(d->stage);
+        d->stage = p;
+        d->stage_cap = need;
+    }
+    return d->stage;
+}
+
+static size_t dio_group(const kvr_disk *d)
+{
+    uint32_t depth = kvr_dio_depth(d->io);
+    return depth < DIO_GROUP_MAX ? (depth ? depth : 1) : DIO_GROUP_MAX;
+}
+
+static size_t ext_alloc(const kvr_disk_handle *h)
+{
+    return (size_t)align_up(EXT_HDR + (uint64_t)h->len);
+}
+
+/* Bytes per group for a transfer of `total` image bytes. */
+static size_t group_bytes(uint64_t total)
+{
+    return total < dio_arena() ? (size_t)total : dio_arena();
+}
+
+typedef struct wstream {
+    kvr_disk    *d;
+    kvr_dio_req  q[2][DIO_GROUP_MAX];
+    size_t       nq[2], used[2], g, per;
+    uint8_t     *buf[2];
+    int          cur;
+    bool         inflight;      /* group 1 - cur is on the device */
+    int          err;           /* first -errno */
+} wstream;
+
+/* Sends the current group: waits for the other one, then starts this. */
+static void ws_flush(wstream *w)
+{
+    if (w->inflight) {
+        int rc = kvr_dio_wait(w->d->io);
+        if (rc && !w->err)
+            w->err = rc;
+        w->inflight = false;
+    }
+    if (w->nq[w->cur] == 0)
+        return;
+    if (!w->err) {
+        kvr_dio_start(w->d->io, w->q[w->cur], w->nq[w->cur]);
+        w->inflight = true;
+    }
+    w->cur ^= 1;
+    w->nq[w->cur] = 0;
+    w->used[w->cur] = 0;
+}
+
+/* Copies image bytes [a, a+n) of an extent (header h, data p[len], zero
+ * padding) to out. */
+static void image_copy(uint8_t *out, const uint8_t *h, const uint8_t *p, size_t len,
+                       size_t a, size_t n)
+{
+    size_t e = a + n;
+    if (a < EXT_HDR) {
+        size_t k = (e < EXT_HDR ? e : EXT_HDR) - a;
+        memcpy(out, h + a, k);
+        out += k;
+        a += k;
+    }
+    if (a < e && a < EXT_HDR + len) {
+        size_t end = e < EXT_HDR + len ? e : EXT_HDR + len;
+        memcpy(out, p + (a - EXT_HDR), end - a);
+        out += end - a;
+        a = end;
+    }
+    if (a < e)
+        memset(out, 0, e - a);
+}
+
+/* Writes the planned extents of a batch (hs[i].seg/off/seq/len set, all in
+ * segments with a direct descriptor): each extent's whole image as one
+ * request (or arena-sized pieces), a group of them on the device while the
+ * next group is checksummed and copied. Returns 0 or the first -errno. */
+static int spill_direct(kvr_disk *d, const kvr_disk_buf *bufs, size_t n,
+                        kvr_disk_handle *hs, uint8_t *hdr)
+{
+    uint64_t total = 0;
+    for (size_t i = 0; i < n; i++)
+        total += ext_alloc(&hs[i]);
+    wstream w = { .d = d, .g = dio_group(d) };
+    w.per = group_bytes(total);
+    uint8_t *st = stage_get(d, w.per);
+    if (!st)
+        return -ENOMEM;
+    w.buf[0] = st;
+    w.buf[1] = st + w.per;
+    for (size_t i = 0; i < n && !w.err; i++) {
+        seg *s = seg_find(d, hs[i].seg);
+        hs[i].crc = kvr_crc32c(0, bufs[i].data, bufs[i].len);
+        uint8_t *h = hdr + i * EXT_HDR;
+        ext_header(h, hs[i].seq, s->id, hs[i].len, hs[i].crc, hs[i].off);
+        size_t alloc = ext_alloc(&hs[i]);
+        for (size_t pos = 0; pos < alloc && !w.err;) {
+            size_t k = alloc - pos < w.per ? alloc - pos : w.per;
+            if (w.used[w.cur] + k > w.per || w.nq[w.cur] == w.g)
+                ws_flush(&w);
+            if (w.err)
+                break;
+            uint8_t *out = w.buf[w.cur] + w.used[w.cur];
+            image_copy(out, h, bufs[i].data, hs[i].len, pos, k);
+            kvr_dio_req *q = &w.q[w.cur][w.nq[w.cur]++];
+            *q = (kvr_dio_req){ .fd = s->dfd, .write = true, .iovcnt = 1,
+                                .off = hs[i].off + pos };
+            q->iov[0].iov_base = out;
+            q->iov[0].iov_len = k;
+            w.used[w.cur] += k;
+            pos += k;
+        }
+    }
+    ws_flush(&w);               /* the last group goes, the other is waited */
+    if (w.inflight) {
+        int rc = kvr_dio_wait(d->io);
+        if (rc && !w.err)
+            w.err = rc;
+    }
+    return w.err;
+}
+
+/* One request of a load: image bytes [pos, pos + len) of sorted extent k. */
+typedef struct rchunk {
+    size_t k, pos;
+} rchunk;
+
+typedef struct rstream {
+    kvr_disk              *d;
+    const kvr_disk_handle *hs;
+    const size_t          *ord;     /* extent k is handle ord[k] */
+    size_t                 n;
+    size_t                 k, pos;  /* planning cursor */
+    kvr_dio_req            q[2][DIO_GROUP_MAX];
+    rchunk                 c[2][DIO_GROUP_MAX];
+    size_t                 nq[2], g, per;
+    uint8_t               *buf[2];
+} rstream;
+
+/* Plans group gi from the cursor: requests while they fit its arena. */
+static size_t rs_plan(rstream *r, int gi)
+{
+    size_t used = 0;
+    r->nq[gi] = 0;
+    while (r->nq[gi] < r->g && r->k < r->n) {
+        const kvr_disk_handle *h = &r->hs[r->ord[r->k]];
+        size_t alloc = ext_alloc(h);
+        size_t len = alloc - r->pos < r->per ? alloc - r->pos : r->per;
+        if (used + len > r->per)
+            break;
+        size_t j = r->nq[gi]++;
+        r->c[gi][j] = (rchunk){ r->k, r->pos };
+        kvr_dio_req *q = &r->q[gi][j];
+        *q = (kvr_dio_req){ .fd = seg_find(r->d, h->seg)->dfd, .write = false, .iovcnt = 1,
+                            .off = h->off + r->pos, .eof_ok = true };
+        q->iov[0].iov_base = r->buf[gi] + used;
+        q->iov[0].iov_len = len;
+        used += len;
+        r->pos += len;
+        if (r->pos == alloc) {
+            r->k++;
+            r->pos = 0;
+        }
+    }
+    return r->nq[gi];
+}
+
+/* Hands the bytes of group gi to their extents: header into hdr[k], data
+ * into dst[ord[k]] with the running checksum crc[k]; res[k] gets the
+ * request's -errno, or -EIO if the file ended before the extent's data. */
+static void rs_take(rstream *r, int gi, void *const *dst, uint8_t *hdr, uint32_t *crc,
+                    int *res)
+{
+    for (size_t j = 0; j < r->nq[gi]; j++) {
+        const kvr_dio_req *q = &r->q[gi][j];
+        const uint8_t *b = q->iov[0].iov_base;
+        size_t k = r->c[gi][j].k, a = r->c[gi][j].pos, e = a + q->iov[0].iov_len;
+        const kvr_disk_handle *h = &r->hs[r->ord[k]];
+        size_t need = EXT_HDR + (size_t)h->len;
+        if (res[k])
+            continue;
+        if (q->res) {
+            res[k] = q->res;
+            continue;
+        }
+        if (a + q->done < (e < need ? e : need)) {
+            res[k] = -EIO;          /* the file ended inside the extent */
+            continue;
+        }
+        size_t a0 = a;                  /* image byte x is b[x - a0] */
+        if (a < EXT_HDR) {
+            size_t m = (e < EXT_HDR ? e : EXT_HDR) - a;
+            memcpy(hdr + k * EXT_HDR + a, b + (a - a0), m);
+            a += m;
+        }
+        uint8_t *out = dst[r->ord[k]];  /* image byte x >= EXT_HDR: out[x - EXT_HDR] */
+        while (a < e && a < need) {
+            size_t end = e < need ? e : need;
+            if (end - a > DIO_PIECE)
+                end = a + DIO_PIECE;
+            memcpy(out + (a - EXT_HDR), b + (a - a0), end - a);
+            crc[k] = kvr_crc32c(crc[k], out + (a - EXT_HDR), end - a);
+            a = end;
+        }
+    }
+}
+
+static int ord_cmp(const void *a, const void *b, void *arg)
+{
+    const kvr_disk_handle *hs = arg;
+    const kvr_disk_handle *x = &hs[*(const size_t *)a];
+    const kvr_disk_handle *y = &hs[*(const size_t *)b];
+    if (x->seg != y->seg)
+        return x->seg < y->seg ? -1 : 1;
+    return x->off < y->off ? -1 : x->off > y->off;
+}
+
+/* Reads the extents ord[0..nk) of hs (all in segments with a direct
+ * descriptor) into dst; hdr/crc/res are per position in ord, which is
+ * sorted here by segment and offset (sequential on the device). */
+static void load_direct(kvr_disk *d, const kvr_disk_handle *hs, void *const *dst,
+                        size_t *ord, size_t nk, uint8_t *hdr, uint32_t *crc, int *res)
+{
+    qsort_r(ord, nk, sizeof *ord, ord_cmp, (void *)(uintptr_t)hs);
+    uint64_t total = 0;
+    for (size_t k = 0; k < nk; k++)
+        total += ext_alloc(&hs[ord[k]]);
+    rstream r = { .d = d, .hs = hs, .ord = ord, .n = nk, .g = dio_group(d) };
+    r.per = group_bytes(total);
+    uint8_t *st = stage_get(d, r.per);
+    if (!st) {
+        for (size_t k = 0; k < nk; k++)
+            res[k] = -ENOMEM;
+        return;
+    }
+    r.buf[0] = st;
+    r.buf[1] = st + r.per;
+    int gi = 0;
+    if (!rs_plan(&r, 0))
+        return;
+    kvr_dio_start(d->io, r.q[0], r.nq[0]);
+    for (;;) {
+        (void)kvr_dio_wait(d->io);      /* per-request results in q[].res */
+        int ni = gi ^ 1;
+        size_t m = rs_plan(&r, ni);
+        if (m)
+            kvr_dio_start(d->io, r.q[ni], m);   /* on the device while ... */
+        rs_take(&r, gi, dst, hdr, crc, res);    /* ... this group is checked */
+        if (!m)
+            break;
+        gi = ni;
+    }
+}
+
 /* ---- spill store ------------------------------------------------------------------ */
 int kvr_disk_spill(kvr_disk *d, const kvr_disk_buf *bufs, size_t n,
                    kvr_disk_handle *hs, bool sync, kvr_error *err)
@@ -914,7 +1217,6 @@ int kvr_disk_spill(kvr_disk *d, const kvr_disk_buf *bufs, size_t n,
                                  bufs[i].len, KVR_DISK_MAX_EXTENT);
         need += align_up(EXT_HDR + (uint64_t)bufs[i].len);
         hs[i].len = (uint32_t)bufs[i].len;
-        hs[i].crc = kvr_crc32c(0, bufs[i].data, bufs[i].len);   /* outside the lock */
     }
     uint8_t *hdr = kvr_mem_malloc(n * EXT_HDR);
     kvr_dio_req *q = kvr_mem_calloc(n, sizeof *q);
@@ -934,6 +1236,7 @@ int kvr_disk_spill(kvr_disk *d, const kvr_disk_buf *bufs, size_t n,
                            d->data_bytes + d->log_size, need, d->cfg.max_bytes);
         goto out;
     }
+    bool direct = true;
     for (size_t i = 0; i < n; i++) {
         uint64_t alloc = align_up(EXT_HDR + (uint64_t)bufs[i].len);
         if (!d->active || (d->active->size > 0 &&
@@ -950,14 +1253,25 @@ int kvr_disk_spill(kvr_disk *d, const kvr_disk_buf *bufs, size_t n,
         hs[i].off = s->size;
         hs[i].seq = ++d->seq;
         s->size += alloc;
-        ext_header(hdr + i * EXT_HDR, hs[i].seq, s->id, hs[i].len, hs[i].crc, hs[i].off);
-        q[i] = (kvr_dio_req){ .fd = s->fd, .write = true, .iovcnt = 2, .off = hs[i].off };
-        q[i].iov[0].iov_base = hdr + i * EXT_HDR;
-        q[i].iov[0].iov_len = EXT_HDR;
-        q[i].iov[1].iov_base = (void *)(uintptr_t)bufs[i].data;
-        q[i].iov[1].iov_len = bufs[i].len;
+        if (s->dfd < 0)
+            direct = false;
     }
-    int io = kvr_dio_run(d->io, q, n);
+    int io;
+    if (direct) {
+        io = spill_direct(d, bufs, n, hs, hdr);
+    } else {
+        for (size_t i = 0; i < n; i++) {
+            seg *s = seg_find(d, hs[i].seg);
+            hs[i].crc = kvr_crc32c(0, bufs[i].data, bufs[i].len);
+            ext_header(hdr + i * EXT_HDR, hs[i].seq, s->id, hs[i].len, hs[i].crc, hs[i].off);
+            q[i] = (kvr_dio_req){ .fd = s->fd, .write = true, .iovcnt = 2, .off = hs[i].off };
+            q[i].iov[0].iov_base = hdr + i * EXT_HDR;
+            q[i].iov[0].iov_len = EXT_HDR;
+            q[i].iov[1].iov_base = (void *)(uintptr_t)bufs[i].data;
+            q[i].iov[1].iov_len = bufs[i].len;
+        }
+        io = kvr_dio_run(d->io, q, n);
+    }
     size_t reg = 0;
     if (io == 0) {
         for (; reg < n; reg++) {
@@ -1032,6 +1346,8 @@ int kvr_disk_load(kvr_disk *d, const kvr_disk_handle *hs, void *const *dst,
     }
     int first = 0;
     size_t nq = 0;
+    uint32_t *crc = NULL;
+    int *res = NULL;
     pthread_mutex_lock(&d->mu);
     if (d->state == ST_OPEN) {
         first = kvr_error_set(err, KVR_EINVAL, "disk: load before recover");
@@ -1058,7 +1374,25 @@ int kvr_disk_load(kvr_disk *d, const kvr_disk_handle *hs, void *const *dst,
         q[nq].iov[1].iov_len = hs[i].len;
         map[nq++] = i;
     }
-    (void)kvr_dio_run(d->io, q, nq);
+    bool direct = nq > 0;
+    for (size_t k = 0; k < nq && direct; k++)
+        direct = seg_find(d, hs[map[k]].seg)->dfd >= 0;
+    if (direct) {
+        crc = kvr_mem_calloc(nq, sizeof *crc);
+        res = kvr_mem_calloc(nq, sizeof *res);
+        if (!crc || !res) {
+            if (!first)
+                first = kvr_error_set(err, KVR_ENOMEM, "disk: out of memory");
+            for (size_t k = 0; k < nq && status; k++)
+                status[map[k]] = KVR_ENOMEM;
+            goto out;
+        }
+        load_direct(d, hs, dst, map, nq, hdr, crc, res);
+        for (size_t k = 0; k < nq; k++)
+            q[k].res = res[k];
+    } else {
+        (void)kvr_dio_run(d->io, q, nq);
+    }
     for (size_t k = 0; k < nq; k++) {
         size_t i = map[k];
         int st = 0;
@@ -1067,7 +1401,7 @@ int kvr_disk_load(kvr_disk *d, const kvr_disk_handle *hs, void *const *dst,
             if (!first)
                 first = io_error(q[k].res, "load read", err);
         } else if (!ext_header_ok(hdr + k * EXT_HDR, &hs[i]) ||
-                   kvr_crc32c(0, dst[i], hs[i].len) != hs[i].crc) {
+                   (direct ? crc[k] : kvr_crc32c(0, dst[i], hs[i].len)) != hs[i].crc) {
             st = KVR_EIO;
             d->n_quarantined++;
             if (!first)
@@ -1084,6 +1418,8 @@ out:
     kvr_mem_free(hdr);
     kvr_mem_free(q);
     kvr_mem_free(map);
+    kvr_mem_free(crc);
+    kvr_mem_free(res);
     return first;
 }
 

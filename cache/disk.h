@@ -39,9 +39,23 @@
  *    (one counter for records and extents).
  *  log-XXXXXXXX.kvl.tmp  a checkpoint being written; ignored and removed.
  *
+ * ---- data path --------------------------------------------------------------
+ *
+ *  Spills and loads go through a second descriptor of each segment opened
+ *  with O_DIRECT (unless cfg.buffered, or the filesystem refuses it: then
+ *  the page cache as before; the bytes on disk are the same either way).
+ *  An extent's image (header, data, zero padding: the whole 4 KiB-aligned
+ *  allocation) is copied into an aligned staging area (at most
+ *  2 x DIO_GROUP x DIO_CHUNK = 8 MiB per kvr_disk, kept between calls) and
+ *  written in DIO_CHUNK pieces; extents adjacent in a segment (a batch's)
+ *  coalesce into the same pieces. Two groups of pieces alternate: one is
+ *  on the device while the other is filled (or, for a load, checked and
+ *  copied out), so the queue stays busy. A load reads each extent's whole
+ *  allocation (EOF inside the last granule of an older file is fine).
+ *
  * ---- write ordering (why a crash leaves the old state or the new) -----------
  *
- *  spill:      pwritev(header+data) at the segment tail. Not durable yet.
+ *  spill:      write(header+data+padding) at the segment tail. Not durable yet.
  *  log_append: (1) fdatasync every segment written since the last sync (and
  *              the directory once a new segment file exists), (2) write the
  *              record at the log tail, (3) fdatasync the log, (4) return 0.
@@ -134,6 +148,8 @@ typedef struct kvr_disk_config {
     uint32_t        queue_depth;    /* io_uring entries; 0 = 64 */
     uint64_t        checkpoint_bytes; /* log size that wants a checkpoint;
                                          0 = 64 MiB */
+    bool            buffered;       /* no O_DIRECT for spills and loads (used
+                                       anyway where the filesystem refuses it) */
 } kvr_disk_config;
 
 /* Where a spilled byte string lives. Plain data: copy it freely; persist it
@@ -296,9 +312,13 @@ typedef struct kvr_dio_req {
     struct iovec iov[2];
     int          iovcnt;
     uint64_t     off;
+    bool         eof_ok;          /* a read may stop at end of file (res 0,
+                                     done < length): O_DIRECT reads of a whole
+                                     4 KiB granule whose file ends inside it */
     int          res;             /* out: 0 or -errno (short = -EIO/-ENOSPC); the
                                      raw system result, which disk.c turns into
                                      KVR_EIO / KVR_ENOMEM with its strerror text */
+    size_t       done;            /* out: bytes transferred when res == 0 */
 } kvr_dio_req;
 
 /* engine: AUTO/URING/POSIX; note receives why io_uring was not used (not an
@@ -312,6 +332,15 @@ const char *kvr_dio_name(const kvr_dio *io);
  * -errno (the system's value, as in kvr_dio_req.res). */
 int  kvr_dio_run(kvr_dio *io, kvr_dio_req *r, size_t n);
 int  kvr_dio_fsync(kvr_dio *io, int fd);     /* fdatasync semantics */
+/* Asynchronous form of kvr_dio_run for one group of n <= kvr_dio_depth(io)
+ * requests: start queues them (io_uring: one submission; posix: handed to
+ * the engine's I/O thread) and returns; wait returns when all are done,
+ * with 0 or the first request's -errno. One group at a time; between start
+ * and wait the caller makes no other kvr_dio call and keeps r and its
+ * buffers alive (it may fill other buffers meanwhile: that is the point). */
+uint32_t kvr_dio_depth(const kvr_dio *io);
+void kvr_dio_start(kvr_dio *io, kvr_dio_req *r, size_t n);
+int  kvr_dio_wait(kvr_dio *io);
 void kvr_dio_fault_set(kvr_dio *io, unsigned ops, uint64_t nth, int err_no,
                        uint64_t count);
 /* 0, or -errno when the test asked this operation of kind `op` to fail

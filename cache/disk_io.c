@@ -10,9 +10,17 @@
  * end of file EIO. The fault hook sits in front of both engines, so tests
  * exercise the callers' error paths identically for each. A kvr_dio is not
  * thread-safe: disk.c serialises calls with its mutex.
+ *
+ * Asynchronous groups (kvr_dio_start / kvr_dio_wait) let the caller fill
+ * the next buffers while the device works on the current ones: io_uring
+ * submits the group and reaps it in wait; POSIX hands it to one persistent
+ * I/O thread of the engine (created at the first group, joined at destroy),
+ * which runs it exactly as kvr_dio_run would (faults, short transfers,
+ * counters), so the caller and that thread never touch the engine at once.
  */
 #include <errno.h>
 #include <liburing.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <string.h>
 #include <unistd.h>
@@ -28,7 +36,20 @@ struct kvr_dio {
     int             f_err;
     uint64_t        f_fired;
     uint64_t        n_w, n_r, n_f, bw, br;
+    /* the group in flight (kvr_dio_start .. kvr_dio_wait) */
+    kvr_dio_req    *g_r;
+    size_t          g_n;
+    unsigned        g_nsub;        /* io_uring: submitted, not reaped */
+    bool            g_busy, g_posix;
+    int             g_first;
+    /* the POSIX engine's I/O thread */
+    bool            th_on, th_job, th_quit;
+    pthread_t       th;
+    pthread_mutex_t th_mu;
+    pthread_cond_t  th_cv;
 };
+
+static int run_posix(kvr_dio *io, kvr_dio_req *r, size_t n);
 
 int kvr_dio_create(kvr_dio **out, kvr_disk_engine engine, uint32_t depth,
                    char *note, size_t note_cap, kvr_error *err)
@@ -37,6 +58,8 @@ int kvr_dio_create(kvr_dio **out, kvr_disk_engine engine, uint32_t depth,
     if (!io)
         return kvr_error_set(err, KVR_ENOMEM, "disk: out of memory for the I/O engine");
     io->depth = depth ? depth : 64;
+    pthread_mutex_init(&io->th_mu, NULL);
+    pthread_cond_init(&io->th_cv, NULL);
     if (note_cap)
         note[0] = '\0';
     if (engine != KVR_DISK_ENGINE_POSIX) {
@@ -44,6 +67,8 @@ int kvr_dio_create(kvr_dio **out, kvr_disk_engine engine, uint32_t depth,
         if (rc == 0) {
             io->uring = true;
         } else if (engine == KVR_DISK_ENGINE_URING) {
+            pthread_cond_destroy(&io->th_cv);
+            pthread_mutex_destroy(&io->th_mu);
             kvr_mem_free(io);
             return kvr_error_sys(err, KVR_EUNSUPPORTED, -rc, "disk: io_uring unavailable");
         } else if (note_cap) {
@@ -61,6 +86,17 @@ void kvr_dio_destroy(kvr_dio *io)
 {
     if (!io)
         return;
+    if (io->g_busy)
+        (void)kvr_dio_wait(io);
+    if (io->th_on) {
+        pthread_mutex_lock(&io->th_mu);
+        io->th_quit = true;
+        pthread_cond_broadcast(&io->th_cv);
+        pthread_mutex_unlock(&io->th_mu);
+        pthread_join(io->th, NULL);
+    }
+    pthread_cond_destroy(&io->th_cv);
+    pthread_mutex_destroy(&io->th_mu);
     if (io->uring)
         io_uring_queue_exit(&io->ring);
     kvr_mem_free(io);
@@ -154,10 +190,14 @@ static int finish_posix(kvr_dio_req *r, size_t done)
                 continue;
             return -errno;
         }
-        if (k == 0)
+        if (k == 0) {
+            if (!r->write && r->eof_ok)
+                break;
             return r->write ? -ENOSPC : -EIO;
+        }
         done += (size_t)k;
     }
+    r->done = done;
     return 0;
 }
 
@@ -173,6 +213,10 @@ static int short_posix(kvr_dio_req *r)
         left -= h.iov[i].iov_len;
     }
     int rc = finish_posix(&h, 0);
+    if (rc == 0 && h.done < half) {     /* end of file inside the first half */
+        r->done = h.done;
+        return 0;
+    }
     return rc ? rc : finish_posix(r, half);
 }
 
@@ -191,6 +235,7 @@ static int run_posix(kvr_dio *io, kvr_dio_req *r, size_t n)
 {
     int first = 0;
     for (size_t i = 0; i < n; i++) {
+        r[i].done = 0;
         int f = fault_hit(io, r[i].write ? KVR_DISK_FAULT_WRITE : KVR_DISK_FAULT_READ);
         r[i].res = f ? f : fault_take(io, KVR_DISK_FAULT_SHORT) ? short_posix(&r[i])
                                                                 : finish_posix(&r[i], 0);
@@ -198,6 +243,91 @@ static int run_posix(kvr_dio *io, kvr_dio_req *r, size_t n)
         if (r[i].res && !first)
             first = r[i].res;
     }
+    return first;
+}
+
+/* Queues r[0..n) (n <= depth) on the ring and submits them without
+ * waiting; faults and injected short transfers are settled here. */
+static void uring_start(kvr_dio *io, kvr_dio_req *r, size_t n)
+{
+    unsigned nsub = 0;
+    for (size_t j = 0; j < n; j++) {
+        account(io, &r[j]);
+        r[j].done = 0;
+        int f = fault_hit(io, r[j].write ? KVR_DISK_FAULT_WRITE : KVR_DISK_FAULT_READ);
+        if (f) {
+            r[j].res = f;
+            continue;
+        }
+        if (fault_take(io, KVR_DISK_FAULT_SHORT)) {
+            r[j].res = short_posix(&r[j]);
+            continue;
+        }
+        struct io_uring_sqe *sqe = io_uring_get_sqe(&io->ring);
+        if (!sqe) {         /* cannot happen with n <= depth */
+            r[j].res = finish_posix(&r[j], 0);
+            continue;
+        }
+        if (r[j].write)
+            io_uring_prep_writev(sqe, r[j].fd, r[j].iov, (unsigned)r[j].iovcnt, r[j].off);
+        else
+            io_uring_prep_readv(sqe, r[j].fd, r[j].iov, (unsigned)r[j].iovcnt, r[j].off);
+        io_uring_sqe_set_data64(sqe, j);
+        r[j].res = 1;       /* in flight */
+        nsub++;
+    }
+    if (nsub) {
+        int rc = fault_hit(io, KVR_DISK_FAULT_SUBMIT);
+        if (rc == 0) {
+            do
+                rc = io_uring_submit(&io->ring);
+            while (rc == -EINTR);
+        }
+        if (rc < 0) {
+            /* The kernel took nothing: drop the ring (its queued sqes
+             * must never be submitted later) and finish on POSIX. */
+            io_uring_queue_exit(&io->ring);
+            io->uring = false;
+            for (size_t j = 0; j < n; j++)
+                if (r[j].res == 1)
+                    r[j].res = finish_posix(&r[j], 0);
+            nsub = 0;
+        }
+    }
+    io->g_nsub = nsub;
+}
+
+/* Reaps the group uring_start submitted. */
+static int uring_wait(kvr_dio *io, kvr_dio_req *r, size_t n)
+{
+    while (io->g_nsub) {
+        struct io_uring_cqe *cqe;
+        int rc = io_uring_wait_cqe(&io->ring, &cqe);
+        if (rc == -EINTR)
+            continue;
+        if (rc < 0) {
+            io->g_nsub = 0;
+            return rc;      /* ring broken: callers see an I/O error */
+        }
+        kvr_dio_req *q = &r[io_uring_cqe_get_data64(cqe)];
+        int res = cqe->res;
+        io_uring_cqe_seen(&io->ring, cqe);
+        io->g_nsub--;
+        if (res < 0) {
+            q->res = res;
+        } else if ((size_t)res == req_len(q)) {
+            q->res = 0;
+            q->done = (size_t)res;
+        } else if (res == 0 && !(q->eof_ok && !q->write)) {
+            q->res = q->write ? -ENOSPC : -EIO;
+        } else {
+            q->res = finish_posix(q, (size_t)res);
+        }
+    }
+    int first = 0;
+    for (size_t j = 0; j < n; j++)
+        if (r[j].res && !first)
+            first = r[j].res;
     return first;
 }
 
@@ -211,72 +341,10 @@ static int run_uring(kvr_dio *io, kvr_dio_req *r, size_t n)
             return first ? first : rc;
         }
         size_t chunk = n - i < io->depth ? n - i : io->depth;
-        unsigned nsub = 0;
-        for (size_t j = i; j < i + chunk; j++) {
-            account(io, &r[j]);
-            int f = fault_hit(io, r[j].write ? KVR_DISK_FAULT_WRITE : KVR_DISK_FAULT_READ);
-            if (f) {
-                r[j].res = f;
-                continue;
-            }
-            if (fault_take(io, KVR_DISK_FAULT_SHORT)) {
-                r[j].res = short_posix(&r[j]);
-                continue;
-            }
-            struct io_uring_sqe *sqe = io_uring_get_sqe(&io->ring);
-            if (!sqe) {         /* cannot happen with chunk <= depth */
-                r[j].res = finish_posix(&r[j], 0);
-                continue;
-            }
-            if (r[j].write)
-                io_uring_prep_writev(sqe, r[j].fd, r[j].iov, (unsigned)r[j].iovcnt, r[j].off);
-            else
-                io_uring_prep_readv(sqe, r[j].fd, r[j].iov, (unsigned)r[j].iovcnt, r[j].off);
-            io_uring_sqe_set_data64(sqe, j);
-            r[j].res = 1;       /* in flight */
-            nsub++;
-        }
-        if (nsub) {
-            int rc = fault_hit(io, KVR_DISK_FAULT_SUBMIT);
-            if (rc == 0) {
-                do
-                    rc = io_uring_submit_and_wait(&io->ring, nsub);
-                while (rc == -EINTR);
-            }
-            if (rc < 0) {
-                /* The kernel took nothing: drop the ring (its queued sqes
-                 * must never be submitted later) and finish on POSIX. */
-                io_uring_queue_exit(&io->ring);
-                io->uring = false;
-                for (size_t j = i; j < i + chunk; j++)
-                    if (r[j].res == 1)
-                        r[j].res = finish_posix(&r[j], 0);
-                nsub = 0;
-            }
-        }
-        while (nsub) {
-            struct io_uring_cqe *cqe;
-            int rc = io_uring_wait_cqe(&io->ring, &cqe);
-            if (rc == -EINTR)
-                continue;
-            if (rc < 0)
-                return rc;      /* ring broken: callers see an I/O error */
-            kvr_dio_req *q = &r[io_uring_cqe_get_data64(cqe)];
-            int res = cqe->res;
-            io_uring_cqe_seen(&io->ring, cqe);
-            nsub--;
-            if (res < 0)
-                q->res = res;
-            else if ((size_t)res == req_len(q))
-                q->res = 0;
-            else if (res == 0)
-                q->res = q->write ? -ENOSPC : -EIO;
-            else
-                q->res = finish_posix(q, (size_t)res);
-        }
-        for (size_t j = i; j < i + chunk; j++)
-            if (r[j].res && !first)
-                first = r[j].res;
+        uring_start(io, r + i, chunk);
+        int rc = uring_wait(io, r + i, chunk);
+        if (rc && !first)
+            first = rc;
         i += chunk;
     }
     return first;
@@ -322,4 +390,75 @@ int kvr_dio_fsync(kvr_dio *io, int fd)
         }
     }
     return fdatasync(fd) < 0 ? -errno : 0;
+}
+
+/* ---- asynchronous groups --------------------------------------------------------- */
+uint32_t kvr_dio_depth(const kvr_dio *io)
+{
+    return io->depth;
+}
+
+static void *posix_thread(void *arg)
+{
+    kvr_dio *io = arg;
+    pthread_mutex_lock(&io->th_mu);
+    for (;;) {
+        while (!io->th_job && !io->th_quit)
+            pthread_cond_wait(&io->th_cv, &io->th_mu);
+        if (io->th_job) {
+            kvr_dio_req *r = io->g_r;
+            size_t n = io->g_n;
+            pthread_mutex_unlock(&io->th_mu);
+            int first = run_posix(io, r, n);
+            pthread_mutex_lock(&io->th_mu);
+            io->g_first = first;
+            io->th_job = false;
+            pthread_cond_broadcast(&io->th_cv);
+            continue;
+        }
+        break;      /* quit, nothing queued */
+    }
+    pthread_mutex_unlock(&io->th_mu);
+    return NULL;
+}
+
+void kvr_dio_start(kvr_dio *io, kvr_dio_req *r, size_t n)
+{
+    io->g_r = r;
+    io->g_n = n;
+    io->g_busy = true;
+    io->g_first = 0;
+    io->g_posix = !io->uring;
+    if (io->uring) {
+        uring_start(io, r, n);
+        return;
+    }
+    if (!io->th_on && pthread_create(&io->th, NULL, posix_thread, io) == 0)
+        io->th_on = true;
+    if (!io->th_on) {           /* no thread: run it now */
+        io->g_first = run_posix(io, r, n);
+        return;
+    }
+    pthread_mutex_lock(&io->th_mu);
+    io->th_job = true;
+    pthread_cond_broadcast(&io->th_cv);
+    pthread_mutex_unlock(&io->th_mu);
+}
+
+int kvr_dio_wait(kvr_dio *io)
+{
+    if (!io->g_busy)
+        return 0;
+    int rc;
+    if (!io->g_posix) {
+        rc = uring_wait(io, io->g_r, io->g_n);
+    } else {
+        pthread_mutex_lock(&io->th_mu);
+        while (io->th_job)
+            pthread_cond_wait(&io->th_cv, &io->th_mu);
+        pthread_mutex_unlock(&io->th_mu);
+        rc = io->g_first;
+    }
+    io->g_busy = false;
+    return rc;
 }
