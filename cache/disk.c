@@ -15,11 +15,13 @@
  *  - All mutable state is guarded by mu, except during open/recover/
  *    recover_done/close, which the caller runs alone.
  */
+#include <assert.h>
 #include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <inttypes.h>
 #include <pthread.h>
+#include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -919,45 +921,22 @@ int kvr_disk_recover_done(kvr_disk *d, kvr_error *err)
 }
 
 /* ---- the O_DIRECT data path (disk.h: data path) -------------------------------- */
-#ifndef KVR_DIO_ARENA
-#define KVR_DIO_ARENA (8u << 20)     /* staging bytes per group; two groups */
+#ifndef KVR_DIO_STAGE
+#define KVR_DIO_STAGE (16u << 20)    /* staging bytes per kvr_disk (a ring) */
 #endif
-#define DIO_GROUP_MAX 32u            /* requests per group (and <= queue depth) */
+#define DIO_REQ_MAX   (4u << 20)     /* bytes per request */
 #define DIO_PIECE     (64u << 10)    /* copy + checksum step (stays in cache) */
 
-static size_t dio_arena(void)
+static size_t dio_stage(void)
 {
     static size_t a;
     if (!a) {
-        const char *e = getenv("KVR_DISK_ARENA_KB");   /* benchmarks' tuning knob */
+        const char *e = getenv("KVR_DISK_STAGE_KB");   /* benchmarks' tuning knob */
         long kb = e ? atol(e) : 0;
-        a = kb >= 4 && kb <= (64 << 10) ? (size_t)kb << 10 : KVR_DIO_ARENA;
+        a = kb >= 8 && kb <= (256 << 10) ? (size_t)kb << 10 : KVR_DIO_STAGE;
         a &= ~(size_t)(EXT_ALIGN - 1);
     }
     return a;
-}
-
-/* Staging for two groups of `per` bytes each; kept between calls. */
-static uint8_t *stage_get(kvr_disk *d, size_t per)
-{
-    size_t need = 2 * per;
-    if (d->stage_cap < need) {
-        void *p = NULL;
-        /* Not accounted in kvr_mem: the tier's I/O buffer (at most
-         * 2 x KVR_DIO_ARENA per kvr_disk), not the store's memory. */
-        if (posix_memalign(&p, EXT_ALIGN, need) != 0)
-            return NULL;
-        free(d->stage);
-        d->stage = p;
-        d->stage_cap = need;
-    }
-    return d->stage;
-}
-
-static size_t dio_group(const kvr_disk *d)
-{
-    uint32_t depth = kvr_dio_depth(d->io);
-    return depth < DIO_GROUP_MAX ? (depth ? depth : 1) : DIO_GROUP_MAX;
 }
 
 static size_t ext_alloc(const kvr_disk_handle *h)
@@ -965,40 +944,99 @@ static size_t ext_alloc(const kvr_disk_handle *h)
     return (size_t)align_up(EXT_HDR + (uint64_t)h->len);
 }
 
-/* Bytes per group for a transfer of `total` image bytes. */
-static size_t group_bytes(uint64_t total)
+/* A ring of staging bytes and the requests in flight on them, oldest
+ * first (the engine completes a stream in push order). */
+typedef struct dstream {
+    kvr_disk    *d;
+    uint8_t     *st;
+    size_t       cap, piece;    /* ring bytes; most bytes per request */
+    kvr_dio_req  q[KVR_DIO_STREAM_MAX];
+    size_t       k[KVR_DIO_STREAM_MAX], pos[KVR_DIO_STREAM_MAX];  /* loads */
+    size_t       qh, qn, maxq;
+    size_t       tail;          /* end of the newest request's bytes */
+    int          err;           /* first -errno (spills) */
+} dstream;
+
+/* Staging for a transfer of `total` image bytes; kept between calls. */
+static int ds_init(dstream *s, kvr_disk *d, uint64_t total)
 {
-    return total < dio_arena() ? (size_t)total : dio_arena();
+    memset(s, 0, offsetof(dstream, q));
+    s->qh = s->qn = s->tail = 0;
+    s->err = 0;
+    s->d = d;
+    s->cap = total < dio_stage() ? (size_t)total : dio_stage();
+    s->piece = s->cap / 2 < DIO_REQ_MAX ? s->cap / 2 : DIO_REQ_MAX;
+    s->piece &= ~(size_t)(EXT_ALIGN - 1);
+    if (s->piece < EXT_ALIGN)
+        s->piece = EXT_ALIGN;
+    if (s->cap < 2 * s->piece)
+        s->cap = 2 * s->piece;
+    s->maxq = kvr_dio_depth(d->io);
+    if (d->stage_cap < s->cap) {
+        void *p = NULL;
+        /* Not accounted in kvr_mem: the tier's I/O buffer (at most
+         * KVR_DIO_STAGE per kvr_disk), not the store's memory. */
+        if (posix_memalign(&p, EXT_ALIGN, s->cap) != 0)
+            return -ENOMEM;
+        free(d->stage);
+        d->stage = p;
+        d->stage_cap = s->cap;
+    }
+    s->st = d->stage;
+    return 0;
 }
 
-typedef struct wstream {
-    kvr_disk    *d;
-    kvr_dio_req  q[2][DIO_GROUP_MAX];
-    size_t       nq[2], used[2], g, per;
-    uint8_t     *buf[2];
-    int          cur;
-    bool         inflight;      /* group 1 - cur is on the device */
-    int          err;           /* first -errno */
-} wstream;
+typedef void (*ds_done_fn)(dstream *s, size_t slot, void *arg);
 
-/* Sends the current group: waits for the other one, then starts this. */
-static void ws_flush(wstream *w)
+/* Reaps the oldest request; done (may be NULL) sees it first. */
+static void ds_reap(dstream *s, ds_done_fn done, void *arg)
 {
-    if (w->inflight) {
-        int rc = kvr_dio_wait(w->d->io);
-        if (rc && !w->err)
-            w->err = rc;
-        w->inflight = false;
+    kvr_dio_req *r = kvr_dio_reap(s->d->io);
+    size_t slot = s->qh;
+    assert(r == &s->q[slot]);
+    (void)r;
+    if (s->q[slot].res && !s->err)
+        s->err = s->q[slot].res;
+    if (done)
+        done(s, slot, arg);
+    s->qh = (s->qh + 1) % KVR_DIO_STREAM_MAX;
+    s->qn--;
+}
+
+/* len contiguous staging bytes, reaping the oldest requests until free. */
+static uint8_t *ds_alloc(dstream *s, size_t len, ds_done_fn done, void *arg)
+{
+    for (;;) {
+        if (s->qn == 0) {
+            s->tail = 0;
+            return s->st;
+        }
+        if (s->qn < s->maxq) {
+            size_t head = (size_t)((uint8_t *)s->q[s->qh].iov[0].iov_base - s->st);
+            if (s->tail > head) {
+                if (s->tail + len <= s->cap)
+                    return s->st + s->tail;
+                if (len <= head)
+                    return s->st;           /* wrap */
+            } else if (s->tail + len <= head) {
+                return s->st + s->tail;
+            }
+        }
+        ds_reap(s, done, arg);
     }
-    if (w->nq[w->cur] == 0)
-        return;
-    if (!w->err) {
-        kvr_dio_start(w->d->io, w->q[w->cur], w->nq[w->cur]);
-        w->inflight = true;
-    }
-    w->cur ^= 1;
-    w->nq[w->cur] = 0;
-    w->used[w->cur] = 0;
+}
+
+static void ds_push(dstream *s, int fd, bool write, uint8_t *p, size_t len, uint64_t off)
+{
+    size_t slot = (s->qh + s->qn) % KVR_DIO_STREAM_MAX;
+    kvr_dio_req *q = &s->q[slot];
+    *q = (kvr_dio_req){ .fd = fd, .write = write, .iovcnt = 1, .off = off,
+                        .eof_ok = !write };
+    q->iov[0].iov_base = p;
+    q->iov[0].iov_len = len;
+    s->qn++;
+    s->tail = (size_t)(p - s->st) + len;
+    kvr_dio_push(s->d->io, q);
 }
 
 /* Copies image bytes [a, a+n) of an extent (header h, data p[len], zero
@@ -1024,136 +1062,110 @@ static void image_copy(uint8_t *out, const uint8_t *h, const uint8_t *p, size_t 
 }
 
 /* Writes the planned extents of a batch (hs[i].seg/off/seq/len set, all in
- * segments with a direct descriptor): each extent's whole image as one
- * request (or arena-sized pieces), a group of them on the device while the
- * next group is checksummed and copied. Returns 0 or the first -errno. */
+ * segments with a direct descriptor): each extent's image as one request
+ * (pieces if larger), pushed as soon as it is staged, so the device works
+ * on earlier ones meanwhile. Returns 0 or the first -errno. */
 static int spill_direct(kvr_disk *d, const kvr_disk_buf *bufs, size_t n,
                         kvr_disk_handle *hs, uint8_t *hdr)
 {
     uint64_t total = 0;
     for (size_t i = 0; i < n; i++)
         total += ext_alloc(&hs[i]);
-    wstream w = { .d = d, .g = dio_group(d) };
-    w.per = group_bytes(total);
-    uint8_t *st = stage_get(d, w.per);
-    if (!st)
+    dstream *w = kvr_mem_malloc(sizeof *w);
+    if (!w)
         return -ENOMEM;
-    w.buf[0] = st;
-    w.buf[1] = st + w.per;
-    for (size_t i = 0; i < n && !w.err; i++) {
+    int rc = ds_init(w, d, total);
+    for (size_t i = 0; i < n && !rc && !w->err; i++) {
         seg *s = seg_find(d, hs[i].seg);
-        hs[i].crc = kvr_crc32c(0, bufs[i].data, bufs[i].len);
         uint8_t *h = hdr + i * EXT_HDR;
-        ext_header(h, hs[i].seq, s->id, hs[i].len, hs[i].crc, hs[i].off);
         size_t alloc = ext_alloc(&hs[i]);
-        for (size_t pos = 0; pos < alloc && !w.err;) {
-            size_t k = alloc - pos < w.per ? alloc - pos : w.per;
-            if (w.used[w.cur] + k > w.per || w.nq[w.cur] == w.g)
-                ws_flush(&w);
-            if (w.err)
+        if (alloc <= w->piece) {
+            /* Copy the data in cache-sized pieces, checksumming each while
+             * it is hot, then put the header (it carries the checksum) in
+             * front. */
+            uint8_t *out = ds_alloc(w, alloc, NULL, NULL);
+            if (w->err)
                 break;
-            uint8_t *out = w.buf[w.cur] + w.used[w.cur];
+            const uint8_t *src = bufs[i].data;
+            uint32_t crc = 0;
+            for (size_t x = 0; x < hs[i].len; x += DIO_PIECE) {
+                size_t m = hs[i].len - x < DIO_PIECE ? hs[i].len - x : DIO_PIECE;
+                memcpy(out + EXT_HDR + x, src + x, m);
+                crc = kvr_crc32c(crc, out + EXT_HDR + x, m);
+            }
+            memset(out + EXT_HDR + hs[i].len, 0, alloc - EXT_HDR - hs[i].len);
+            hs[i].crc = crc;
+            ext_header(out, hs[i].seq, s->id, hs[i].len, crc, hs[i].off);
+            ds_push(w, s->dfd, true, out, alloc, hs[i].off);
+            continue;
+        }
+        /* Larger than a request: checksum first, then pieces. */
+        hs[i].crc = kvr_crc32c(0, bufs[i].data, bufs[i].len);
+        ext_header(h, hs[i].seq, s->id, hs[i].len, hs[i].crc, hs[i].off);
+        for (size_t pos = 0; pos < alloc && !w->err;) {
+            size_t k = alloc - pos < w->piece ? alloc - pos : w->piece;
+            uint8_t *out = ds_alloc(w, k, NULL, NULL);
+            if (w->err)
+                break;
             image_copy(out, h, bufs[i].data, hs[i].len, pos, k);
-            kvr_dio_req *q = &w.q[w.cur][w.nq[w.cur]++];
-            *q = (kvr_dio_req){ .fd = s->dfd, .write = true, .iovcnt = 1,
-                                .off = hs[i].off + pos };
-            q->iov[0].iov_base = out;
-            q->iov[0].iov_len = k;
-            w.used[w.cur] += k;
+            ds_push(w, s->dfd, true, out, k, hs[i].off + pos);
             pos += k;
         }
     }
-    ws_flush(&w);               /* the last group goes, the other is waited */
-    if (w.inflight) {
-        int rc = kvr_dio_wait(d->io);
-        if (rc && !w.err)
-            w.err = rc;
-    }
-    return w.err;
+    while (w->qn)
+        ds_reap(w, NULL, NULL);
+    if (!rc)
+        rc = w->err;
+    kvr_mem_free(w);
+    return rc;
 }
 
-/* One request of a load: image bytes [pos, pos + len) of sorted extent k. */
-typedef struct rchunk {
-    size_t k, pos;
-} rchunk;
-
-typedef struct rstream {
-    kvr_disk              *d;
+/* A load's destination: per position k of ord, the handle ord[k]'s
+ * header, running checksum and first error. */
+typedef struct ldst {
     const kvr_disk_handle *hs;
-    const size_t          *ord;     /* extent k is handle ord[k] */
-    size_t                 n;
-    size_t                 k, pos;  /* planning cursor */
-    kvr_dio_req            q[2][DIO_GROUP_MAX];
-    rchunk                 c[2][DIO_GROUP_MAX];
-    size_t                 nq[2], g, per;
-    uint8_t               *buf[2];
-} rstream;
+    const size_t          *ord;
+    void *const           *dst;
+    uint8_t               *hdr;
+    uint32_t              *crc;
+    int                   *res;
+} ldst;
 
-/* Plans group gi from the cursor: requests while they fit its arena. */
-static size_t rs_plan(rstream *r, int gi)
+/* A completed read: its bytes go to their extent (header into hdr[k], data
+ * into dst with the running checksum), or its error to res[k] (-EIO if the
+ * file ended before the extent's data did). */
+static void ld_take(dstream *s, size_t slot, void *arg)
 {
-    size_t used = 0;
-    r->nq[gi] = 0;
-    while (r->nq[gi] < r->g && r->k < r->n) {
-        const kvr_disk_handle *h = &r->hs[r->ord[r->k]];
-        size_t alloc = ext_alloc(h);
-        size_t len = alloc - r->pos < r->per ? alloc - r->pos : r->per;
-        if (used + len > r->per)
-            break;
-        size_t j = r->nq[gi]++;
-        r->c[gi][j] = (rchunk){ r->k, r->pos };
-        kvr_dio_req *q = &r->q[gi][j];
-        *q = (kvr_dio_req){ .fd = seg_find(r->d, h->seg)->dfd, .write = false, .iovcnt = 1,
-                            .off = h->off + r->pos, .eof_ok = true };
-        q->iov[0].iov_base = r->buf[gi] + used;
-        q->iov[0].iov_len = len;
-        used += len;
-        r->pos += len;
-        if (r->pos == alloc) {
-            r->k++;
-            r->pos = 0;
-        }
+    ldst *l = arg;
+    const kvr_dio_req *q = &s->q[slot];
+    const uint8_t *b = q->iov[0].iov_base;
+    size_t k = s->k[slot], a = s->pos[slot], e = a + q->iov[0].iov_len;
+    const kvr_disk_handle *h = &l->hs[l->ord[k]];
+    size_t need = EXT_HDR + (size_t)h->len;
+    if (l->res[k])
+        return;
+    if (q->res) {
+        l->res[k] = q->res;
+        return;
     }
-    return r->nq[gi];
-}
-
-/* Hands the bytes of group gi to their extents: header into hdr[k], data
- * into dst[ord[k]] with the running checksum crc[k]; res[k] gets the
- * request's -errno, or -EIO if the file ended before the extent's data. */
-static void rs_take(rstream *r, int gi, void *const *dst, uint8_t *hdr, uint32_t *crc,
-                    int *res)
-{
-    for (size_t j = 0; j < r->nq[gi]; j++) {
-        const kvr_dio_req *q = &r->q[gi][j];
-        const uint8_t *b = q->iov[0].iov_base;
-        size_t k = r->c[gi][j].k, a = r->c[gi][j].pos, e = a + q->iov[0].iov_len;
-        const kvr_disk_handle *h = &r->hs[r->ord[k]];
-        size_t need = EXT_HDR + (size_t)h->len;
-        if (res[k])
-            continue;
-        if (q->res) {
-            res[k] = q->res;
-            continue;
-        }
-        if (a + q->done < (e < need ? e : need)) {
-            res[k] = -EIO;          /* the file ended inside the extent */
-            continue;
-        }
-        size_t a0 = a;                  /* image byte x is b[x - a0] */
-        if (a < EXT_HDR) {
-            size_t m = (e < EXT_HDR ? e : EXT_HDR) - a;
-            memcpy(hdr + k * EXT_HDR + a, b + (a - a0), m);
-            a += m;
-        }
-        uint8_t *out = dst[r->ord[k]];  /* image byte x >= EXT_HDR: out[x - EXT_HDR] */
-        while (a < e && a < need) {
-            size_t end = e < need ? e : need;
-            if (end - a > DIO_PIECE)
-                end = a + DIO_PIECE;
-            memcpy(out + (a - EXT_HDR), b + (a - a0), end - a);
-            crc[k] = kvr_crc32c(crc[k], out + (a - EXT_HDR), end - a);
-            a = end;
-        }
+    if (a + q->done < (e < need ? e : need)) {
+        l->res[k] = -EIO;               /* the file ended inside the extent */
+        return;
+    }
+    size_t a0 = a;                      /* image byte x is b[x - a0] */
+    if (a < EXT_HDR) {
+        size_t m = (e < EXT_HDR ? e : EXT_HDR) - a;
+        memcpy(l->hdr + k * EXT_HDR + a, b + (a - a0), m);
+        a += m;
+    }
+    uint8_t *out = l->dst[l->ord[k]];  /* image byte x >= EXT_HDR: out[x - EXT_HDR] */
+    while (a < e && a < need) {
+        size_t end = e < need ? e : need;
+        if (end - a > DIO_PIECE)
+            end = a + DIO_PIECE;
+        memcpy(out + (a - EXT_HDR), b + (a - a0), end - a);
+        l->crc[k] = kvr_crc32c(l->crc[k], out + (a - EXT_HDR), end - a);
+        a = end;
     }
 }
 
@@ -1169,7 +1181,9 @@ static int ord_cmp(const void *a, const void *b, void *arg)
 
 /* Reads the extents ord[0..nk) of hs (all in segments with a direct
  * descriptor) into dst; hdr/crc/res are per position in ord, which is
- * sorted here by segment and offset (sequential on the device). */
+ * sorted here by segment and offset (sequential on the device). Requests
+ * stay queued up to the depth / staging; each is checked and copied out
+ * as it completes while the later ones are on the device. */
 static void load_direct(kvr_disk *d, const kvr_disk_handle *hs, void *const *dst,
                         size_t *ord, size_t nk, uint8_t *hdr, uint32_t *crc, int *res)
 {
@@ -1177,31 +1191,31 @@ static void load_direct(kvr_disk *d, const kvr_disk_handle *hs, void *const *dst
     uint64_t total = 0;
     for (size_t k = 0; k < nk; k++)
         total += ext_alloc(&hs[ord[k]]);
-    rstream r = { .d = d, .hs = hs, .ord = ord, .n = nk, .g = dio_group(d) };
-    r.per = group_bytes(total);
-    uint8_t *st = stage_get(d, r.per);
-    if (!st) {
+    ldst l = { .hs = hs, .ord = ord, .dst = dst, .hdr = hdr, .crc = crc, .res = res };
+    dstream *r = kvr_mem_malloc(sizeof *r);
+    if (!r || ds_init(r, d, total) != 0) {
         for (size_t k = 0; k < nk; k++)
             res[k] = -ENOMEM;
+        kvr_mem_free(r);
         return;
     }
-    r.buf[0] = st;
-    r.buf[1] = st + r.per;
-    int gi = 0;
-    if (!rs_plan(&r, 0))
-        return;
-    kvr_dio_start(d->io, r.q[0], r.nq[0]);
-    for (;;) {
-        (void)kvr_dio_wait(d->io);      /* per-request results in q[].res */
-        int ni = gi ^ 1;
-        size_t m = rs_plan(&r, ni);
-        if (m)
-            kvr_dio_start(d->io, r.q[ni], m);   /* on the device while ... */
-        rs_take(&r, gi, dst, hdr, crc, res);    /* ... this group is checked */
-        if (!m)
-            break;
-        gi = ni;
+    for (size_t k = 0; k < nk; k++) {
+        const kvr_disk_handle *h = &hs[ord[k]];
+        seg *s = seg_find(d, h->seg);
+        size_t alloc = ext_alloc(h);
+        for (size_t pos = 0; pos < alloc;) {
+            size_t len = alloc - pos < r->piece ? alloc - pos : r->piece;
+            uint8_t *p = ds_alloc(r, len, ld_take, &l);
+            size_t slot = (r->qh + r->qn) % KVR_DIO_STREAM_MAX;
+            r->k[slot] = k;
+            r->pos[slot] = pos;
+            ds_push(r, s->dfd, false, p, len, h->off + pos);
+            pos += len;
+        }
     }
+    while (r->qn)
+        ds_reap(r, ld_take, &l);
+    kvr_mem_free(r);
 }
 
 /* ---- spill store ------------------------------------------------------------------ */

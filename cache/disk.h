@@ -319,6 +319,7 @@ typedef struct kvr_dio_req {
                                      raw system result, which disk.c turns into
                                      KVR_EIO / KVR_ENOMEM with its strerror text */
     size_t       done;            /* out: bytes transferred when res == 0 */
+    bool         s_uring;         /* engine-private (a stream request in the ring) */
 } kvr_dio_req;
 
 /* engine: AUTO/URING/POSIX; note receives why io_uring was not used (not an
@@ -332,15 +333,17 @@ const char *kvr_dio_name(const kvr_dio *io);
  * -errno (the system's value, as in kvr_dio_req.res). */
 int  kvr_dio_run(kvr_dio *io, kvr_dio_req *r, size_t n);
 int  kvr_dio_fsync(kvr_dio *io, int fd);     /* fdatasync semantics */
-/* Asynchronous form of kvr_dio_run for one group of n <= kvr_dio_depth(io)
- * requests: start queues them (io_uring: one submission; posix: handed to
- * the engine's I/O thread) and returns; wait returns when all are done,
- * with 0 or the first request's -errno. One group at a time; between start
- * and wait the caller makes no other kvr_dio call and keeps r and its
- * buffers alive (it may fill other buffers meanwhile: that is the point). */
-uint32_t kvr_dio_depth(const kvr_dio *io);
-void kvr_dio_start(kvr_dio *io, kvr_dio_req *r, size_t n);
-int  kvr_dio_wait(kvr_dio *io);
+/* Streams: push starts one request (io_uring: submitted at once; posix:
+ * queued to the engine's I/O thread) and returns; reap returns the oldest
+ * pushed request once it is complete (res and done set), or NULL if none
+ * is outstanding. At most kvr_dio_depth(io) outstanding; r and its buffers
+ * stay the caller's until reaped. Between pushes and reaps the caller may
+ * work on other buffers but makes no other kvr_dio call; every pushed
+ * request is reaped before the next kvr_dio_run / fsync. */
+#define KVR_DIO_STREAM_MAX 64u
+uint32_t     kvr_dio_depth(const kvr_dio *io);   /* <= KVR_DIO_STREAM_MAX */
+void         kvr_dio_push(kvr_dio *io, kvr_dio_req *r);
+kvr_dio_req *kvr_dio_reap(kvr_dio *io);
 void kvr_dio_fault_set(kvr_dio *io, unsigned ops, uint64_t nth, int err_no,
                        uint64_t count);
 /* 0, or -errno when the test asked this operation of kind `op` to fail

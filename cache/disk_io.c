@@ -11,12 +11,14 @@
  * exercise the callers' error paths identically for each. A kvr_dio is not
  * thread-safe: disk.c serialises calls with its mutex.
  *
- * Asynchronous groups (kvr_dio_start / kvr_dio_wait) let the caller fill
- * the next buffers while the device works on the current ones: io_uring
- * submits the group and reaps it in wait; POSIX hands it to one persistent
- * I/O thread of the engine (created at the first group, joined at destroy),
- * which runs it exactly as kvr_dio_run would (faults, short transfers,
- * counters), so the caller and that thread never touch the engine at once.
+ * Streams (kvr_dio_push / kvr_dio_reap) let the caller fill the next
+ * buffers while the device works on the queued ones, and keep the device's
+ * queue fed across the caller's scheduling delays: io_uring submits each
+ * request as it is pushed; POSIX queues it to one persistent I/O thread of
+ * the engine (created at the first push, joined at destroy), which runs
+ * the queue in order exactly as kvr_dio_run would (faults, short
+ * transfers, counters; the caller touches that state only through the
+ * io_uring path, never while the thread runs). Reaps are oldest first.
  */
 #include <errno.h>
 #include <liburing.h>
@@ -36,14 +38,14 @@ struct kvr_dio {
     int             f_err;
     uint64_t        f_fired;
     uint64_t        n_w, n_r, n_f, bw, br;
-    /* the group in flight (kvr_dio_start .. kvr_dio_wait) */
-    kvr_dio_req    *g_r;
-    size_t          g_n;
-    unsigned        g_nsub;        /* io_uring: submitted, not reaped */
-    bool            g_busy, g_posix;
-    int             g_first;
-    /* the POSIX engine's I/O thread */
-    bool            th_on, th_job, th_quit;
+    unsigned        g_nsub;        /* kvr_dio_run: submitted, not reaped */
+    /* the stream (kvr_dio_push / kvr_dio_reap), oldest first */
+    kvr_dio_req    *s_q[KVR_DIO_STREAM_MAX];
+    size_t          s_head, s_n, s_inring;
+    /* the POSIX engine's I/O thread and its queue */
+    bool            th_on, th_quit;
+    kvr_dio_req    *th_q[KVR_DIO_STREAM_MAX];
+    size_t          th_qh, th_qn;
     pthread_t       th;
     pthread_mutex_t th_mu;
     pthread_cond_t  th_cv;
@@ -86,8 +88,8 @@ void kvr_dio_destroy(kvr_dio *io)
 {
     if (!io)
         return;
-    if (io->g_busy)
-        (void)kvr_dio_wait(io);
+    while (io->s_n)
+        (void)kvr_dio_reap(io);
     if (io->th_on) {
         pthread_mutex_lock(&io->th_mu);
         io->th_quit = true;
@@ -392,73 +394,161 @@ int kvr_dio_fsync(kvr_dio *io, int fd)
     return fdatasync(fd) < 0 ? -errno : 0;
 }
 
-/* ---- asynchronous groups --------------------------------------------------------- */
+/* ---- streams --------------------------------------------------------------------- */
 uint32_t kvr_dio_depth(const kvr_dio *io)
 {
-    return io->depth;
+    return io->depth < KVR_DIO_STREAM_MAX ? io->depth : KVR_DIO_STREAM_MAX;
 }
 
+/* The POSIX engine's I/O thread: runs queued stream requests in order. */
 static void *posix_thread(void *arg)
 {
     kvr_dio *io = arg;
     pthread_mutex_lock(&io->th_mu);
     for (;;) {
-        while (!io->th_job && !io->th_quit)
+        while (io->th_qn == 0 && !io->th_quit)
             pthread_cond_wait(&io->th_cv, &io->th_mu);
-        if (io->th_job) {
-            kvr_dio_req *r = io->g_r;
-            size_t n = io->g_n;
-            pthread_mutex_unlock(&io->th_mu);
-            int first = run_posix(io, r, n);
-            pthread_mutex_lock(&io->th_mu);
-            io->g_first = first;
-            io->th_job = false;
-            pthread_cond_broadcast(&io->th_cv);
-            continue;
-        }
-        break;      /* quit, nothing queued */
+        if (io->th_qn == 0)
+            break;      /* quit, nothing queued */
+        kvr_dio_req *r = io->th_q[io->th_qh];
+        kvr_dio_req tmp = *r;
+        pthread_mutex_unlock(&io->th_mu);
+        (void)run_posix(io, &tmp, 1);
+        pthread_mutex_lock(&io->th_mu);
+        io->th_qh = (io->th_qh + 1) % KVR_DIO_STREAM_MAX;
+        io->th_qn--;
+        r->done = tmp.done;
+        r->res = tmp.res;
+        pthread_cond_broadcast(&io->th_cv);
     }
     pthread_mutex_unlock(&io->th_mu);
     return NULL;
 }
 
-void kvr_dio_start(kvr_dio *io, kvr_dio_req *r, size_t n)
+/* Completes one CQE of the ring (any stream request). */
+static int uring_take_one(kvr_dio *io)
 {
-    io->g_r = r;
-    io->g_n = n;
-    io->g_busy = true;
-    io->g_first = 0;
-    io->g_posix = !io->uring;
+    struct io_uring_cqe *cqe;
+    int rc;
+    do
+        rc = io_uring_wait_cqe(&io->ring, &cqe);
+    while (rc == -EINTR);
+    if (rc < 0)
+        return rc;
+    kvr_dio_req *q = (kvr_dio_req *)(uintptr_t)io_uring_cqe_get_data64(cqe);
+    int res = cqe->res;
+    io_uring_cqe_seen(&io->ring, cqe);
+    io->s_inring--;
+    if (res < 0) {
+        q->res = res;
+    } else if ((size_t)res == req_len(q)) {
+        q->res = 0;
+        q->done = (size_t)res;
+    } else if (res == 0 && !(q->eof_ok && !q->write)) {
+        q->res = q->write ? -ENOSPC : -EIO;
+    } else {
+        q->res = finish_posix(q, (size_t)res);
+    }
+    return 0;
+}
+
+/* Waits for every request still in the ring (a broken ring fails them). */
+static void uring_drain(kvr_dio *io)
+{
+    while (io->s_inring) {
+        int rc = uring_take_one(io);
+        if (rc < 0) {
+            for (size_t i = 0; i < io->s_n; i++) {
+                kvr_dio_req *q = io->s_q[(io->s_head + i) % KVR_DIO_STREAM_MAX];
+                if (q->res == 1 && q->s_uring)
+                    q->res = rc;
+            }
+            io->s_inring = 0;
+        }
+    }
+}
+
+void kvr_dio_push(kvr_dio *io, kvr_dio_req *r)
+{
+    if (io->s_n == kvr_dio_depth(io))
+        (void)kvr_dio_reap(io);     /* callers keep below depth; be safe */
+    io->s_q[(io->s_head + io->s_n) % KVR_DIO_STREAM_MAX] = r;
+    io->s_n++;
+    r->done = 0;
+    r->s_uring = false;
     if (io->uring) {
-        uring_start(io, r, n);
+        account(io, r);
+        int f = fault_hit(io, r->write ? KVR_DISK_FAULT_WRITE : KVR_DISK_FAULT_READ);
+        if (f) {
+            r->res = f;
+            return;
+        }
+        if (fault_take(io, KVR_DISK_FAULT_SHORT)) {
+            r->res = short_posix(r);
+            return;
+        }
+        struct io_uring_sqe *sqe = io_uring_get_sqe(&io->ring);
+        if (!sqe) {                 /* cannot happen below depth */
+            r->res = finish_posix(r, 0);
+            return;
+        }
+        if (r->write)
+            io_uring_prep_writev(sqe, r->fd, r->iov, (unsigned)r->iovcnt, r->off);
+        else
+            io_uring_prep_readv(sqe, r->fd, r->iov, (unsigned)r->iovcnt, r->off);
+        io_uring_sqe_set_data64(sqe, (uint64_t)(uintptr_t)r);
+        r->res = 1;
+        r->s_uring = true;
+        int rc = fault_hit(io, KVR_DISK_FAULT_SUBMIT);
+        if (rc == 0) {
+            do
+                rc = io_uring_submit(&io->ring);
+            while (rc == -EINTR);
+        }
+        if (rc >= 0) {
+            io->s_inring++;
+            return;
+        }
+        /* The kernel took nothing: finish what it has, drop the ring (the
+         * queued sqe must never go in later) and finish this on POSIX. */
+        uring_drain(io);
+        io_uring_queue_exit(&io->ring);
+        io->uring = false;
+        r->s_uring = false;
+        r->res = finish_posix(r, 0);
         return;
     }
     if (!io->th_on && pthread_create(&io->th, NULL, posix_thread, io) == 0)
         io->th_on = true;
-    if (!io->th_on) {           /* no thread: run it now */
-        io->g_first = run_posix(io, r, n);
+    if (!io->th_on) {               /* no thread: run it now */
+        (void)run_posix(io, r, 1);
         return;
     }
     pthread_mutex_lock(&io->th_mu);
-    io->th_job = true;
+    r->res = 1;
+    io->th_q[(io->th_qh + io->th_qn) % KVR_DIO_STREAM_MAX] = r;
+    io->th_qn++;
     pthread_cond_broadcast(&io->th_cv);
     pthread_mutex_unlock(&io->th_mu);
 }
 
-int kvr_dio_wait(kvr_dio *io)
+kvr_dio_req *kvr_dio_reap(kvr_dio *io)
 {
-    if (!io->g_busy)
-        return 0;
-    int rc;
-    if (!io->g_posix) {
-        rc = uring_wait(io, io->g_r, io->g_n);
-    } else {
+    if (io->s_n == 0)
+        return NULL;
+    kvr_dio_req *r = io->s_q[io->s_head];
+    if (r->s_uring) {
+        while (r->res == 1) {
+            if (uring_take_one(io) < 0)
+                uring_drain(io);    /* fails what is left */
+        }
+    } else if (io->th_on) {
         pthread_mutex_lock(&io->th_mu);
-        while (io->th_job)
+        while (r->res == 1)
             pthread_cond_wait(&io->th_cv, &io->th_mu);
         pthread_mutex_unlock(&io->th_mu);
-        rc = io->g_first;
     }
-    io->g_busy = false;
-    return rc;
+    io->s_head = (io->s_head + 1) % KVR_DIO_STREAM_MAX;
+    io->s_n--;
+    return r;
 }
