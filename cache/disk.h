@@ -43,16 +43,21 @@
  *
  *  Spills and loads go through a second descriptor of each segment opened
  *  with O_DIRECT (unless cfg.buffered, or the filesystem refuses it: then
- *  the page cache as before; the bytes on disk are the same either way).
- *  An extent's image (header, data, zero padding: the whole 4 KiB-aligned
- *  allocation) is copied into an aligned staging area (at most
- *  2 x DIO_GROUP x DIO_CHUNK = 8 MiB per kvr_disk, kept between calls) and
- *  written in DIO_CHUNK pieces; extents adjacent in a segment (a batch's)
- *  coalesce into the same pieces. Two groups of pieces alternate: one is
- *  on the device while the other is filled (or, for a load, checked and
- *  copied out), so the queue stays busy. A load reads each extent's whole
- *  allocation (EOF inside the last granule of an older file is fine).
- *
+ *  the page cache as before; the bytes on disk are the same either way,
+ *  so either reads what the other wrote). An extent's whole image (header,
+ *  data, zero padding up to its 4 KiB-aligned allocation) is staged in an
+ *  aligned ring (KVR_DIO_STAGE = 16 MiB per kvr_disk, kept between calls,
+ *  sized down to the call's bytes) and written as one request (4 MiB
+ *  pieces if larger); the data is copied and checksummed in 64 KiB steps
+ *  while it is in cache, and the request is pushed as soon as it is
+ *  staged (kvr_dio_push), so the device works on the earlier ones
+ *  meanwhile; a request's staging is reused once it is reaped (oldest
+ *  first). A load sorts the batch by segment and offset, keeps up to the
+ *  queue depth / ring of reads queued, and checks and copies each out as
+ *  it completes. A load reads each extent's whole allocation (an older
+ *  file may end inside the last granule: eof_ok). Durability is unchanged:
+ *  O_DIRECT writes are made durable by the same fdatasync as before.
+
  * ---- write ordering (why a crash leaves the old state or the new) -----------
  *
  *  spill:      write(header+data+padding) at the segment tail. Not durable yet.

@@ -265,9 +265,9 @@ int main(void)
     printf("\n");
     for (int i = 0; i < 2; i++) {
         printf("goal: disk spill (layer, %s) >= 0.8x an O_DIRECT sequential write + fdatasync "
-               "of the same bytes: %.2fx (%s)\n", names[i], mw[i], mw[i] >= 0.8 ? "met" : "not met");
+               "of the same bytes: %.3fx (%s)\n", names[i], mw[i], mw[i] >= 0.8 ? "met" : "not met");
         printf("goal: disk reload (layer, %s) >= 0.8x an O_DIRECT sequential read of the same "
-               "bytes: %.2fx (%s)\n", names[i], mr[i], mr[i] >= 0.8 ? "met" : "not met");
+               "bytes: %.3fx (%s)\n", names[i], mr[i], mr[i] >= 0.8 ? "met" : "not met");
     }
     nftw(dir, rm_one, 16, FTW_DEPTH | FTW_PHYS);
     return 0;

@@ -272,10 +272,10 @@ int main(void)
         if (!ok[ei])
             continue;
         printf("goal: disk spill (store, %s) >= 0.8x an O_DIRECT sequential write + fdatasync "
-               "of the same bytes: %.2fx (%s)\n", eng[ei], ms_[ei],
+               "of the same bytes: %.3fx (%s)\n", eng[ei], ms_[ei],
                ms_[ei] >= 0.8 ? "met" : "not met");
         printf("goal: disk reload (store, %s: get of spilled contexts) >= 0.8x an O_DIRECT "
-               "sequential read of the same bytes: %.2fx (%s)\n", eng[ei], mr_[ei],
+               "sequential read of the same bytes: %.3fx (%s)\n", eng[ei], mr_[ei],
                mr_[ei] >= 0.8 ? "met" : "not met");
     }
     free(payload);
