@@ -21,11 +21,13 @@
 #include <fcntl.h>
 #include <inttypes.h>
 #include <pthread.h>
+#include <stdatomic.h>
 #include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/file.h>
+#include <sys/mman.h>
 #include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
@@ -1169,6 +1171,27 @@ static void ld_take(dstream *s, size_t slot, void *arg)
     }
 }
 
+/* Fresh destination memory (a reload's new block buffers) would take one
+ * page fault per 4 KiB in the copy out of staging; one madvise faults in
+ * the whole pages of the buffer at once, while earlier reads are on the
+ * device. Advisory: a kernel without MADV_POPULATE_WRITE (5.14) refuses
+ * it and the copy faults as before. Only whole pages inside [p, p + n). */
+static void prefault(void *p, size_t n)
+{
+#ifdef MADV_POPULATE_WRITE
+    static atomic_int off;
+    const uintptr_t pg = 4096;
+    uintptr_t a = ((uintptr_t)p + pg - 1) & ~(pg - 1), e = ((uintptr_t)p + n) & ~(pg - 1);
+    if (n < (64u << 10) || e <= a || atomic_load_explicit(&off, memory_order_relaxed))
+        return;
+    if (madvise((void *)a, e - a, MADV_POPULATE_WRITE) != 0 && errno == EINVAL)
+        atomic_store_explicit(&off, 1, memory_order_relaxed);
+#else
+    (void)p;
+    (void)n;
+#endif
+}
+
 static int ord_cmp(const void *a, const void *b, void *arg)
 {
     const kvr_disk_handle *hs = arg;
@@ -1204,6 +1227,8 @@ static void load_direct(kvr_disk *d, const kvr_disk_handle *hs, void *const *dst
         seg *s = seg_find(d, h->seg);
         size_t alloc = ext_alloc(h);
         for (size_t pos = 0; pos < alloc;) {
+            if (pos == 0)
+                prefault(dst[ord[k]], h->len);
             size_t len = alloc - pos < r->piece ? alloc - pos : r->piece;
             uint8_t *p = ds_alloc(r, len, ld_take, &l);
             size_t slot = (r->qh + r->qn) % KVR_DIO_STREAM_MAX;
