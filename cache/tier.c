@@ -592,19 +592,21 @@ collected:
     if (n == 0)
         return 0;
     kvr_disk_handle hs[TIER_SPILL_BATCH_MAX];
+    int io_rc = 0;
     if (nio) {
         kvr_error e;
-        int rc = kvr_disk_spill(t->d, bufs, nio, hs, false, &e);
-        if (rc != 0) {
-            t->n_spill_refused++;
-            return rc;
-        }
+        io_rc = kvr_disk_spill(t->d, bufs, nio, hs, false, &e);
+        if (io_rc != 0)
+            t->n_spill_refused++;   /* none of the batch's writes count */
     }
+    /* The blocks that needed no I/O go even when the batch was refused. */
     int rc = 0;
     size_t k = 0, done = 0;
     for (size_t i = 0; i < n; i++) {
         kvr_block *b = bs[i];
         if (!(b->disk && b->disk->used == b->used)) {
+            if (io_rc != 0)
+                continue;
             const kvr_disk_handle *h = &hs[k++];
             if (rc != 0 || set_copy(s, b, h, b->used) != 0) {
                 kvr_disk_free(t->d, h, NULL);
@@ -614,12 +616,14 @@ collected:
             t->n_spills++;
             t->spill_bytes += h->len;
         }
-        if (rc == 0 && make_spilled(s, b) != 0)
+        if (rc != 0)
+            continue;
+        if (make_spilled(s, b) != 0)
             rc = KVR_ENOMEM;
-        else if (rc == 0)
+        else
             done++;
     }
-    return done > 0 ? 1 : rc != 0 ? rc : 0;
+    return done > 0 ? 1 : io_rc != 0 ? io_rc : rc;
 }
 
 int64_t kvr_store_tier_evict(kvr_store *s, size_t bytes, kvr_error *err)
