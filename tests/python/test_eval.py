@@ -62,10 +62,14 @@ def engine_of(name, numpy_engine):
 def model(client, uid):
     name = "code-" + uid
     client.register_model(name, os.path.join(MODEL, "config.json"), dtype="f32")
+    client.register_model(name + "-16", os.path.join(MODEL, "config.json"), dtype="f16")
     yield name
     for c in client.list(name):
         client.delete(c.id)
+    for c in client.list(name + "-16"):
+        client.delete(c.id)
     client.remove_model(name)
+    client.remove_model(name + "-16")
 
 
 def test_model_is_trained_and_engines_agree(numpy_engine):
@@ -117,7 +121,7 @@ def test_quantization_rows(client, model, numpy_engine, engine):
     codecs = [("f16", "f16"), ("int8", "int8"), ("int4", "int4"), ("int2", "int2")]
     tot = {n: [0.0, 0] for n, _ in codecs}
     for i, (name, data) in enumerate(C.quant_files(2)):
-        r = M.quant_case(client, eng, model, f"{model}-q{engine}{i}", corpus.encode(data), 384, codecs)
+        r = M.quant_case(client, eng, model + "-16", f"{model}-q{engine}{i}", corpus.encode(data), 384, codecs)
         # the f16 row is a plain run on the f16-rounded cache, bit for bit
         assert np.array_equal(r["f16_logits"], r["plain_f16_logits"])
         assert r["f16"]["bits"] == r["plain_f16"]["bits"]
