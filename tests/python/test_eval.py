@@ -136,7 +136,7 @@ def test_documents_and_retention_rows(client, model, numpy_engine):
     p, chunks, cont = C.doc_cases(1)[0]
     P, ch, q = corpus.encode(p), [corpus.encode(c, bos=False) for c in chunks], corpus.encode(cont, bos=False)
     r = M.docs_case(client, numpy_engine, model, f"{model}-dt", P, ch, q, (1.0, 1.0))["rows"]
-    assert set(r) == {"full", "none", "sequential", "parallel", "ape", "ape_folded"}
+    assert set(r) == {"full", "none", "sequential", "parallel", "ape", "ape_folded", "ape_folded_09"}
     # APE with T = S = 1 (and T = 1 folded) is plain parallel attention
     for k in ("ape", "ape_folded"):
         assert abs(r[k]["bits"] - r["parallel"]["bits"]) < 1e-6 * r["parallel"]["bits"]
