@@ -4,7 +4,8 @@
  * the worker's buffer. An unedited context is sent zero-copy from block
  * memory; after a PIE edit near the start every suffix key is re-rotated on
  * the daemon's worker threads before it is sent. The figure is the ratio of
- * the two (goal >= 0.8), measured in the same run; never asserted.
+ * the two (goal >= 0.9 at every size), their gets alternating in the same
+ * run (best of each); never asserted.
  *
  * Shape: Llama-3-8B KV (32 layers, 8 KV heads, 128 dims, f16), contexts of
  * 1k, 4k and 8k tokens (8k = 1 GiB); the edit replaces 5 tokens at index 100
@@ -67,6 +68,7 @@ int main(void)
         return 1;
     }
     static const size_t sizes[] = { 1024, 4096, 8192 };
+    double worst = 1e30;
     printf("## get through the daemon after a PIE edit (Llama-3-8B shape, f16, Unix socket)\n\n");
     printf("| context tokens | bytes | unedited GB/s | after edit GB/s | ratio |\n");
     printf("|---|---|---|---|---|\n");
@@ -81,23 +83,25 @@ int main(void)
             pl[i] = kvr_f32_to_f16((float)((i * 2654435761u) % 2001) / 1000.0f - 1.0f);
         for (size_t i = 0; i < n; i++)
             tok[i] = (uint32_t)(i % 50000);
-        char ctx[32];
+        /* two contexts of the same bytes, one edited: their gets alternate,
+         * so a shared machine's swings hit both alike */
+        char ctx[32], ectx[32];
         snprintf(ctx, sizeof ctx, "ctx%zu", n);
-        kvr_put_args pa = { .ctx_id = ctx, .model = "llama3-8b", .mode = KVR_PUT_CREATE,
-                            .dtype = KVR_DTYPE_F16, .tokens = tok, .n_tokens = n,
-                            .payload = pl, .payload_len = bytes };
-        if (kvr_client_put(c, &pa, NULL) != 0) {
-            fprintf(stderr, "put: %s\n", kvr_client_last_error(c));
-            return 1;
+        snprintf(ectx, sizeof ectx, "edited%zu", n);
+        for (int k = 0; k < 2; k++) {
+            kvr_put_args pa = { .ctx_id = k ? ectx : ctx, .model = "llama3-8b",
+                                .mode = KVR_PUT_CREATE, .dtype = KVR_DTYPE_F16, .tokens = tok,
+                                .n_tokens = n, .payload = pl, .payload_len = bytes };
+            if (kvr_client_put(c, &pa, NULL) != 0) {
+                fprintf(stderr, "put: %s\n", kvr_client_last_error(c));
+                return 1;
+            }
         }
-        int reps = n >= 8192 ? 5 : 9;
-        double plain = get_gbs(c, ctx, pl, bytes, reps);
-
         uint32_t newtok[7] = { 1, 2, 3, 4, 5, 6, 7 };
         kvr_edit_range op = { .start = 100, .end = 105, .tokens = newtok, .n_tokens = 7 };
         size_t eb = kvr_payload_size(NL, 7, NH, ND, KVR_DTYPE_F16);
         void *ekv = calloc(1, eb);
-        kvr_edit_args ea = { .ctx_id = ctx, .ops = &op, .n_ops = 1, .with_kv = true,
+        kvr_edit_args ea = { .ctx_id = ectx, .ops = &op, .n_ops = 1, .with_kv = true,
                              .dtype = KVR_DTYPE_F16, .payload = ekv, .payload_len = eb };
         if (kvr_client_edit(c, &ea, NULL) != 0) {
             fprintf(stderr, "edit: %s\n", kvr_client_last_error(c));
@@ -105,15 +109,28 @@ int main(void)
         }
         size_t bytes2 = kvr_payload_size(NL, n + 2, NH, ND, KVR_DTYPE_F16);
         void *dst2 = malloc(bytes2);
-        double edited = get_gbs(c, ctx, dst2, bytes2, reps);
+        int reps = n >= 8192 ? 7 : 11;
+        double plain = 0, edited = 0;
+        for (int r = 0; r < reps; r++) {
+            double a = get_gbs(c, ctx, pl, bytes, 1), b = get_gbs(c, ectx, dst2, bytes2, 1);
+            plain = a > plain ? a : plain;
+            edited = b > edited ? b : edited;
+        }
+        double ratio = edited / plain;
+        if (ratio < worst)
+            worst = ratio;
         printf("| %zu | %.2f GiB | %.2f | %.2f | %.2f |\n", n,
-               (double)bytes / (1024.0 * 1024 * 1024), plain, edited, edited / plain);
+               (double)bytes / (1024.0 * 1024 * 1024), plain, edited, ratio);
+        fflush(stdout);
         kvr_client_delete(c, ctx);
+        kvr_client_delete(c, ectx);
         free(dst2);
         free(ekv);
         free(pl);
         free(tok);
     }
+    printf("\ngoal: get through the daemon after a PIE edit >= 0.9x the unedited get "
+           "(worst size): %.2fx (%s)\n", worst, worst >= 0.9 ? "met" : "not met");
     kvr_client_close(c);
     testd_stop(&d);
     return 0;
