@@ -319,47 +319,19 @@ bool kvr_read_needs_work(const kvr_read *r)
  * copied. */
 /* A one_pass run's keys of layer l into dst: one read of the block, one
  * write of dst, the rotation's table made once per run; the bits of the
- * general path (rope.h: kvr_convert_scaled, kvr_rope_reposition_delta).
- * nt: dst is streamed (non-temporal stores, through L1). */
-static int keys_one_pass(const kvr_read *r, const kvr_read_run *run, uint32_t l, uint8_t *dst,
-                         bool nt)
+ * general path (rope.h: kvr_convert_scaled, kvr_rope_reposition_delta). */
+static int keys_one_pass(const kvr_read *r, const kvr_read_run *run, uint32_t l, uint8_t *dst)
 {
     const kvr_model *m = r->m;
     const kvr_block *b = run->rd;
-    const uint8_t *src = kvr_block_kv(b, l, 0, run->first);
+    const void *src = kvr_block_kv(b, l, 0, run->first);
     float k = run->fold ? r->inv_t : 1.0f;
     if (run->same) {
-        size_t n = run->count * kvr_model_row(m);
-        if (!nt) {
-            kvr_convert_scaled(dst, r->odt, src, b->dtype, n, k);
-            return 0;
-        }
-        enum { PIECE = 4096 };   /* elements: 16 KiB of f32 at most, in L1 */
-        _Alignas(64) float tmp[PIECE];
-        size_t ssz = kvr_dtype_size(b->dtype), osz = kvr_dtype_size(r->odt);
-        for (size_t i = 0; i < n; i += PIECE) {
-            size_t c = n - i < PIECE ? n - i : PIECE;
-            kvr_convert_scaled(tmp, r->odt, src + i * ssz, b->dtype, c, k);
-            kvr_copy_nt(dst + i * osz, tmp, c * osz);
-        }
+        kvr_convert_scaled(dst, r->odt, src, b->dtype, run->count * kvr_model_row(m), k);
         return 0;
     }
     return kvr_rope_reposition_delta(kvr_rope_layer(m->engine, l), dst, r->odt, src, b->dtype,
-                                     run->count, m->n_kv_heads, run->delta, k,
-                                     nt ? KVR_ROPE_STREAM : 0, &r->ro);
-}
-
-/* Copies into a caller's buffer at least this large stream their stores:
- * far past the last-level cache, the lines are not read again soon, and
- * reading them in before writing costs a third of the bandwidth. */
-#define NT_MIN_BYTES ((size_t)64 << 20)
-
-static void copy_out(void *dst, const void *src, size_t n, bool nt)
-{
-    if (nt)
-        kvr_copy_nt(dst, src, n);
-    else
-        memcpy(dst, src, n);
+                                     run->count, m->n_kv_heads, run->delta, k, &r->ro);
 }
 
 static int layer_to(kvr_read *r, size_t li, uint8_t *out)
@@ -375,18 +347,17 @@ static int layer_to(kvr_read *r, size_t li, uint8_t *out)
         return KVR_ENOMEM;
     int rc = 0;
     size_t at = 0;   /* out: tokens of the runs before this one */
-    bool nt = out && r->out.bytes >= NT_MIN_BYTES;
     for (size_t i = 0; i < r->n_runs && rc == 0; i++) {
         const kvr_read_run *run = &r->runs[i];
         uint8_t *ko = out ? out + at * rowb : NULL;
         uint8_t *vo = out ? out + (r->n + at) * rowb : NULL;
         at += run->count;
         if (out && run->k_zc)
-            copy_out(ko, kvr_block_kv(run->rd, l, 0, run->first), run->count * rowb, nt);
+            memcpy(ko, kvr_block_kv(run->rd, l, 0, run->first), run->count * rowb);
         if (out && run->v_zc)
-            copy_out(vo, kvr_block_kv(run->rd, l, 1, run->first), run->count * rowb, nt);
+            memcpy(vo, kvr_block_kv(run->rd, l, 1, run->first), run->count * rowb);
         if (run->one_pass) {
-            rc = keys_one_pass(r, run, l, out ? ko : base + run->k_off, nt);
+            rc = keys_one_pass(r, run, l, out ? ko : base + run->k_off);
         } else if (!run->k_zc) {
             uint8_t *dst = out ? ko : base + run->k_off;
             bool via = run->fold && odt != KVR_DTYPE_F32;

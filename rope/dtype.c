@@ -12,9 +12,6 @@
 #include <string.h>
 #include <strings.h>
 #include <math.h>
-#if defined(__x86_64__) && defined(__SSE2__)
-#include <emmintrin.h>
-#endif
 
 #include "rope/rope_internal.h"
 
@@ -73,52 +70,6 @@ void kvr_convert(void *dst, kvr_dtype dst_type, const void *src, kvr_dtype src_t
     case KVR_ISA_AVX2:   rope_convert_avx2(dst, dst_type, src, src_type, n); break;
     default:             rope_convert_scalar(dst, dst_type, src, src_type, n); break;
     }
-}
-
-void rope_copy_nt_nofence(void *dst, const void *src, size_t n)
-{
-#if defined(__x86_64__) && defined(__SSE2__)
-    uint8_t *d = dst;
-    const uint8_t *s = src;
-    size_t head = (16 - ((uintptr_t)d & 15)) & 15;
-    if (n < 64 || head >= n) {
-        memcpy(d, s, n);
-        return;
-    }
-    memcpy(d, s, head);
-    d += head;
-    s += head;
-    n -= head;
-    size_t i = 0;
-    for (; i + 64 <= n; i += 64) {
-        __m128i a = _mm_loadu_si128((const __m128i *)(s + i));
-        __m128i b = _mm_loadu_si128((const __m128i *)(s + i + 16));
-        __m128i c = _mm_loadu_si128((const __m128i *)(s + i + 32));
-        __m128i e = _mm_loadu_si128((const __m128i *)(s + i + 48));
-        _mm_stream_si128((__m128i *)(d + i), a);
-        _mm_stream_si128((__m128i *)(d + i + 16), b);
-        _mm_stream_si128((__m128i *)(d + i + 32), c);
-        _mm_stream_si128((__m128i *)(d + i + 48), e);
-    }
-    for (; i + 16 <= n; i += 16)
-        _mm_stream_si128((__m128i *)(d + i), _mm_loadu_si128((const __m128i *)(s + i)));
-    memcpy(d + i, s + i, n - i);
-#else
-    memcpy(dst, src, n);
-#endif
-}
-
-void rope_copy_fence(void)
-{
-#if defined(__x86_64__) && defined(__SSE2__)
-    _mm_sfence();
-#endif
-}
-
-void kvr_copy_nt(void *dst, const void *src, size_t n)
-{
-    rope_copy_nt_nofence(dst, src, n);
-    rope_copy_fence();
 }
 
 void kvr_convert_scaled(void *dst, kvr_dtype dst_type, const void *src, kvr_dtype src_type,

@@ -378,7 +378,7 @@ typedef struct job {
     size_t t0, t1;
     /* kvr_rope_reposition_delta: one angle a = delta for every token (a, b
      * NULL), each result times scale when scaled */
-    bool fixed, scaled, stream;
+    bool fixed, scaled;
     int64_t delta;
     float scale;
     rope_rows_scaled_fn rows_s;   /* NULL: through an f32 row per head */
@@ -402,7 +402,7 @@ static void run_fixed(const job *j)
     size_t ssz = kvr_dtype_size(j->st), dsz = kvr_dtype_size(j->dt);
     double cc[KVR_ROPE_MAX_HEAD_DIM / 2], ss[KVR_ROPE_MAX_HEAD_DIM / 2];
     float fc[KVR_ROPE_MAX_HEAD_DIM], fs[KVR_ROPE_MAX_HEAD_DIM];
-    float row[KVR_ROPE_MAX_HEAD_DIM], row2[KVR_ROPE_MAX_HEAD_DIM];
+    float row[KVR_ROPE_MAX_HEAD_DIM];
     if (j->t0 >= j->t1)
         return;
     if (j->table) {
@@ -414,24 +414,7 @@ static void run_fixed(const job *j)
     for (size_t t = j->t0; t < j->t1; t++) {
         char *d = (char *)j->dst + t * row_elems * dsz;
         const char *s = (const char *)j->src + t * row_elems * ssz;
-        if (j->stream) {
-            /* each head into an L1 row (same kernel, same bits), then
-             * streamed out */
-            for (size_t h = 0; h < j->n_heads; h++) {
-                const char *sh = s + h * (size_t)hd * ssz;
-                if (!j->scaled)
-                    j->rows(row, j->dt, sh, j->st, 1, hd, rot, gptj, fc, fs);
-                else if (j->rows_s)
-                    j->rows_s(row, j->dt, sh, j->st, 1, hd, rot, gptj, fc, fs, j->scale);
-                else {
-                    j->rows(row2, KVR_DTYPE_F32, sh, j->st, 1, hd, rot, gptj, fc, fs);
-                    for (int q = 0; q < hd; q++)
-                        row2[q] *= j->scale;
-                    kvr_convert(row, j->dt, row2, KVR_DTYPE_F32, (size_t)hd);
-                }
-                rope_copy_nt_nofence(d + h * (size_t)hd * dsz, row, (size_t)hd * dsz);
-            }
-        } else if (!j->scaled) {
+        if (!j->scaled) {
             j->rows(d, j->dt, s, j->st, j->n_heads, hd, rot, gptj, fc, fs);
         } else if (j->rows_s) {
             j->rows_s(d, j->dt, s, j->st, j->n_heads, hd, rot, gptj, fc, fs, j->scale);
@@ -446,8 +429,6 @@ static void run_fixed(const job *j)
             }
         }
     }
-    if (j->stream)
-        rope_copy_fence();
 }
 
 static void run_range(const job *j)
@@ -707,7 +688,7 @@ int kvr_rope_reposition(const kvr_rope *r, void *dst, kvr_dtype dst_type,
 int kvr_rope_reposition_delta(const kvr_rope *r, void *dst, kvr_dtype dst_type,
                               const void *src, kvr_dtype src_type,
                               size_t n_tokens, size_t n_heads, int64_t delta, float scale,
-                              unsigned flags, const kvr_rope_opts *opts)
+                              const kvr_rope_opts *opts)
 {
     bool scaled = isless(scale, 1.0f) || isgreater(scale, 1.0f) || isnan(scale);
     if (scaled && dst == src && dst_type != src_type) return KVR_EINVAL;
@@ -739,7 +720,7 @@ int kvr_rope_reposition_delta(const kvr_rope *r, void *dst, kvr_dtype dst_type,
     job j = {
         .r = r, .dst = dst, .dt = dst_type, .src = src, .st = src_type, .n_heads = n_heads,
         .f1 = f_to, .mag = 1.0, .rows = pick_rows(opts), .fixed = true, .scaled = scaled,
-        .delta = delta, .scale = scale, .stream = (flags & KVR_ROPE_STREAM) && dst != src,
+        .delta = delta, .scale = scale,
         .rows_s = isa == KVR_ISA_AVX512 ? rope_rows_scaled_avx512 : NULL,
     };
     pick_tables(&j, opts);

@@ -61,12 +61,6 @@ void kvr_convert(void *dst, kvr_dtype dst_type,
 void kvr_convert_scaled(void *dst, kvr_dtype dst_type,
                         const void *src, kvr_dtype src_type, size_t n, float scale);
 
-/* memcpy with non-temporal stores (x86-64: SSE2 streaming stores, fenced
- * before returning; elsewhere memcpy): the same bytes, without reading the
- * destination's lines in first. For large outputs that are not read again
- * soon (a whole-context get into a caller's buffer). No overlap. */
-void kvr_copy_nt(void *dst, const void *src, size_t n);
-
 /* ---- configuration ------------------------------------------------------ */
 
 typedef enum kvr_rope_style {
@@ -262,14 +256,12 @@ int kvr_rope_reposition(const kvr_rope *r, void *dst, kvr_dtype dst_type,
  * times scale, kvr_convert to dst_type; with scale 1 exactly
  * kvr_rope_reposition. For RoPE that composes, or tables of the two
  * lengths in opts that are the same; KVR_EINVAL otherwise (and for what
- * reposition refuses). dst == src only with equal dtypes (and without
- * KVR_ROPE_STREAM). */
-#define KVR_ROPE_STREAM 1u   /* flags: dst written with non-temporal stores
-                                (kvr_copy_nt), through an f32 row in L1 */
+ * reposition refuses). dst != src unless the dtypes are equal and scale
+ * is 1. */
 int kvr_rope_reposition_delta(const kvr_rope *r, void *dst, kvr_dtype dst_type,
                               const void *src, kvr_dtype src_type,
                               size_t n_tokens, size_t n_heads, int64_t delta, float scale,
-                              unsigned flags, const kvr_rope_opts *opts);
+                              const kvr_rope_opts *opts);
 
 /* ---- worker pool --------------------------------------------------------- */
 /* One persistent pool of threads for every parallel loop of the project

@@ -70,10 +70,6 @@ typedef void (*rope_rows_scaled_fn)(void *dst, kvr_dtype dt, const void *src, kv
 void rope_rows_scaled_avx512(void *dst, kvr_dtype dt, const void *src, kvr_dtype st,
                              size_t n_heads, int head_dim, int rot, int gptj,
                              const float *c, const float *s, float k);
-/* kvr_copy_nt without its fence; rope_copy_fence orders the streamed
- * stores before anything after it (call it before a range's work ends). */
-void rope_copy_nt_nofence(void *dst, const void *src, size_t n);
-void rope_copy_fence(void);
 /* dst = src * k element-wise in f32, rounded once (kvr_convert_scaled). */
 void rope_convert_scaled_avx512(void *dst, kvr_dtype dt, const void *src, kvr_dtype st,
                                 size_t n, float k);

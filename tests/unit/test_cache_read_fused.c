@@ -107,8 +107,7 @@ Test(read_fused, reposition_delta_matches_passes)
                                 cr_assert_eq(kvr_rope_reposition_delta(r, b, dts[di], src,
                                                                        dts[si], n, nh,
                                                                        deltas[de], scales[ki],
-                                                                       th == 2 ? KVR_ROPE_STREAM
-                                                                               : 0, &o), 0);
+                                                                       &o), 0);
                                 cr_assert_eq(memcmp(a, b, ne * dsz), 0,
                                              "shape %d src %d dst %d isa %d scale %d delta %d "
                                              "threads %d", sh, si, di, ii, ki, de, th);
@@ -154,18 +153,18 @@ Test(read_fused, nope_layer_and_refusals)
     fill(src, KVR_DTYPE_F16, ne);
     kvr_convert_scaled(a, KVR_DTYPE_F16, src, KVR_DTYPE_F16, ne, 0.5f);
     cr_assert_eq(kvr_rope_reposition_delta(none, b, KVR_DTYPE_F16, src, KVR_DTYPE_F16, n, 2, 5,
-                                           0.5f, 0, NULL), 0);
+                                           0.5f, NULL), 0);
     cr_assert_eq(memcmp(a, b, ne * 2), 0);
     cr_assert_eq(kvr_rope_reposition_delta(none, b, KVR_DTYPE_F16, src, KVR_DTYPE_F16, n, 2, 5,
-                                           1.0f, 0, NULL), 0);
+                                           1.0f, NULL), 0);
     cr_assert_eq(memcmp(src, b, ne * 2), 0);
     /* a bad dtype, NULL buffers, in place across dtypes */
     cr_assert_eq(kvr_rope_reposition_delta(r, b, (kvr_dtype)9, src, KVR_DTYPE_F16, n, 2, 1,
-                                           1.0f, 0, NULL), KVR_EINVAL);
+                                           1.0f, NULL), KVR_EINVAL);
     cr_assert_eq(kvr_rope_reposition_delta(r, NULL, KVR_DTYPE_F16, src, KVR_DTYPE_F16, n, 2, 1,
-                                           0.5f, 0, NULL), KVR_EINVAL);
+                                           0.5f, NULL), KVR_EINVAL);
     cr_assert_eq(kvr_rope_reposition_delta(r, src, KVR_DTYPE_BF16, src, KVR_DTYPE_F16, n, 2, 1,
-                                           0.5f, 0, NULL), KVR_EINVAL);
+                                           0.5f, NULL), KVR_EINVAL);
     kvr_rope_destroy(r);
 
     /* dynamic NTK with two different tables is not a rotation by a delta */
@@ -179,7 +178,7 @@ Test(read_fused, nope_layer_and_refusals)
     cr_assert_eq(kvr_rope_create(&r, &c, &e), 0, "%s", e.msg);
     kvr_rope_opts o = { .seq_len_from = 100, .seq_len_to = 1000 };
     cr_assert_eq(kvr_rope_reposition_delta(r, b, KVR_DTYPE_F16, src, KVR_DTYPE_F16, n, 2, 1,
-                                           1.0f, 0, &o), KVR_EINVAL);
+                                           1.0f, &o), KVR_EINVAL);
     kvr_rope_destroy(r);
 }
 
@@ -446,25 +445,4 @@ Test(read_fused, get_after_edit_equals_reference)
     free(orig);
     free(pos0);
     kvr_store_destroy(s);
-}
-
-Test(read_fused, copy_nt_is_memcpy)
-{
-    size_t cap = 70000;
-    uint8_t *src = malloc(cap + 64), *a = malloc(cap + 64), *b = malloc(cap + 64);
-    for (size_t i = 0; i < cap + 64; i++) src[i] = (uint8_t)(i * 131 + 7);
-    size_t lens[6] = { 0, 1, 63, 64, 300, 70000 };
-    for (int li = 0; li < 6; li++)
-        for (size_t da = 0; da < 17; da += 3)
-            for (size_t sa = 0; sa < 17; sa += 5) {
-                memset(a, 1, cap + 64);
-                memset(b, 1, cap + 64);
-                memcpy(a + da, src + sa, lens[li]);
-                kvr_copy_nt(b + da, src + sa, lens[li]);
-                cr_assert_eq(memcmp(a, b, cap + 64), 0, "len %zu dst +%zu src +%zu", lens[li],
-                             da, sa);
-            }
-    free(src);
-    free(a);
-    free(b);
 }
