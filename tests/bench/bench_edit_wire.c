@@ -16,6 +16,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <unistd.h>
 
 #include "client/kvrope.h"
 #include "tests/common/kvr_testd.h"
@@ -29,6 +30,26 @@ static double now_s(void)
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
     return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+/* CPU seconds (user + system) process pid has used so far, from /proc; 0
+ * if it cannot be read. */
+static double proc_cpu_s(pid_t pid)
+{
+    char path[64], buf[1024];
+    snprintf(path, sizeof path, "/proc/%d/stat", (int)pid);
+    FILE *f = fopen(path, "r");
+    if (!f)
+        return 0;
+    size_t n = fread(buf, 1, sizeof buf - 1, f);
+    fclose(f);
+    buf[n] = 0;
+    const char *p = strrchr(buf, ')');   /* the command may hold spaces */
+    unsigned long ut = 0, st = 0;
+    if (!p || sscanf(p + 2, "%*c %*d %*d %*d %*d %*d %*u %*u %*u %*u %*u %lu %lu", &ut,
+                     &st) != 2)
+        return 0;
+    return (double)(ut + st) / (double)sysconf(_SC_CLK_TCK);
 }
 
 /* Best GB/s of `reps` whole-context gets into dst. */
@@ -70,8 +91,9 @@ int main(void)
     static const size_t sizes[] = { 1024, 4096, 8192 };
     double worst = 1e30;
     printf("## get through the daemon after a PIE edit (Llama-3-8B shape, f16, Unix socket)\n\n");
-    printf("| context tokens | bytes | unedited GB/s | after edit GB/s | ratio |\n");
-    printf("|---|---|---|---|---|\n");
+    printf("| context tokens | bytes | unedited GB/s | after edit GB/s | ratio | daemon CPU "
+           "ms per get, unedited / edited |\n");
+    printf("|---|---|---|---|---|---|\n");
     for (size_t si = 0; si < sizeof sizes / sizeof *sizes; si++) {
         size_t n = sizes[si];
         size_t bytes = kvr_payload_size(NL, n, NH, ND, KVR_DTYPE_F16);
@@ -110,17 +132,25 @@ int main(void)
         size_t bytes2 = kvr_payload_size(NL, n + 2, NH, ND, KVR_DTYPE_F16);
         void *dst2 = malloc(bytes2);
         int reps = n >= 8192 ? 7 : 11;
-        double plain = 0, edited = 0;
+        double plain = 0, edited = 0, cpu_a = 0, cpu_b = 0;
         for (int r = 0; r < reps; r++) {
-            double a = get_gbs(c, ctx, pl, bytes, 1), b = get_gbs(c, ectx, dst2, bytes2, 1);
+            /* the daemon's CPU per get: what the edit adds, whatever the load */
+            double c0 = proc_cpu_s(d.pid);
+            double a = get_gbs(c, ctx, pl, bytes, 1);
+            double c1 = proc_cpu_s(d.pid);
+            double b = get_gbs(c, ectx, dst2, bytes2, 1);
+            double c2 = proc_cpu_s(d.pid);
+            cpu_a += c1 - c0;
+            cpu_b += c2 - c1;
             plain = a > plain ? a : plain;
             edited = b > edited ? b : edited;
         }
         double ratio = edited / plain;
         if (ratio < worst)
             worst = ratio;
-        printf("| %zu | %.2f GiB | %.2f | %.2f | %.2f |\n", n,
-               (double)bytes / (1024.0 * 1024 * 1024), plain, edited, ratio);
+        printf("| %zu | %.2f GiB | %.2f | %.2f | %.2f | %.0f / %.0f |\n", n,
+               (double)bytes / (1024.0 * 1024 * 1024), plain, edited, ratio,
+               cpu_a / reps * 1e3, cpu_b / reps * 1e3);
         fflush(stdout);
         kvr_client_delete(c, ctx);
         kvr_client_delete(c, ectx);
