@@ -130,8 +130,8 @@ def pool(rowsets, key):
         if r.get("nextline") is not None:
             s["nextline"] += r["nextline"]
             s["lines"] += 1
-            s["nl_prefix"] += r["nl_prefix"]
-            s["nl_len"] += r["nl_len"]
+            s["nl_prefix"] += r.get("nl_prefix", 0)
+            s["nl_len"] += r.get("nl_len", 0)
     return s
 
 
@@ -291,16 +291,16 @@ def plot_pie(res, kinds, path, engine_name):
         for key in ["pie"] + [f"pie+{x}" for x in M.REFRESH_KS]:
             s = pool(sub, key)
             ys.append(s["kl"] / s["n"])
-        line, = ax.plot(xs, ys, marker="o", label=f"PIE, {k} ({len(sub)})")
+        line, = ax.plot(xs, [max(y, 1e-6) for y in ys], marker="o", label=f"PIE, {k} ({len(sub)})")
         s = pool(sub, "naive")
         ax.axhline(s["kl"] / s["n"], color=line.get_color(), linestyle=":", linewidth=1)
-    ax.axhline(0, color="black", linewidth=1, label="full re-encode (0)")
     ax.plot([], [], color="gray", linestyle=":", label="naive reuse (same colour)")
+    ax.set_yscale("log")
     ax.set_xscale("symlog", linthresh=16)
     ax.set_xticks(xs)
     ax.set_xticklabels([str(x) for x in xs])
     ax.set_xlabel("tokens refreshed after each edit point")
-    ax.set_ylabel("mean KL from full re-encode (nats/token)")
+    ax.set_ylabel("mean KL from full re-encode (nats/token, log;\nfull re-encode = 0)")
     ax.set_title(f"PIE edits: divergence vs refresh ({engine_name})")
     ax.legend(fontsize=8)
     fig.tight_layout()
@@ -313,11 +313,13 @@ def plot_quant(pts, path, engine_name):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
-    for name, bpt, add in pts:
+    for i, (name, bpt, add) in enumerate(sorted(pts, key=lambda p: (p[1], p[2]))):
         ax.scatter([bpt], [add])
-        ax.annotate(name, (bpt, add), textcoords="offset points", xytext=(4, 3), fontsize=8)
+        ax.annotate(name, (bpt, add), textcoords="offset points", xytext=(6, 6 if i % 2 else -7),
+                    fontsize=7, va="center")
+    ax.set_yscale("symlog", linthresh=1e-3)
     ax.set_xlabel("bytes per token at rest (K+V, all layers, scales included)")
-    ax.set_ylabel("added bits per byte vs f16")
+    ax.set_ylabel("added bits per byte vs f16 (symlog)")
     ax.set_title(f"Quantization at rest: cost vs size ({engine_name})")
     ax.grid(alpha=0.3)
     fig.tight_layout()
@@ -338,8 +340,16 @@ def main(argv):
     ap.add_argument("--quant", type=int, default=16)
     ap.add_argument("--long", type=int, default=8)
     ap.add_argument("--no-write", action="store_true", help="print only; leave docs and README")
+    ap.add_argument("--from-results", default=None,
+                    help="rewrite the report from a results.json of an earlier run (no measuring)")
     a = ap.parse_args(argv)
     t0 = time.time()
+    if a.from_results:
+        with open(a.from_results) as f:
+            res = json.load(f)
+        res["ape_ts"] = tuple(res["ape_ts"])
+        write_report(res, a, res.get("seconds", 0), print)
+        return 0
 
     def log(msg):
         print(f"[{time.time() - t0:6.0f}s] {msg}", flush=True)
@@ -382,7 +392,8 @@ def main(argv):
                 results["engines"][eng.name] = r
     finally:
         d.stop()
-    write_report(results, a, time.time() - t0, log)
+    results["seconds"] = time.time() - t0
+    write_report(results, a, results["seconds"], log)
     return 0
 
 
