@@ -31,6 +31,7 @@ import llama as L  # noqa: E402
 LN2 = math.log(2.0)
 NEWLINE = int(corpus.encode(b"\n", bos=False)[0])
 REFRESH_KS = (16, 64, 256)
+NL_AFTER = 48
 
 
 # ---- scores ----------------------------------------------------------------------
@@ -150,7 +151,11 @@ def pie_case(client, engine, model, uid, A, B, ks=REFRESH_KS, with_nextline=True
     ref = full_lg[first:len(B) - 1]
     rows = {"full": scores(ref, targets, ref)}
     rows["full"]["encoded"] = len(B)
-    nl = next_line_at(B, hunks[-1][3]) if with_nextline else None
+    # the next line is generated from the first line end at least NL_AFTER tokens past
+    # the last edit, so that reused suffix cells (stale, or at the wrong positions)
+    # lie between the edit and the generation point
+    nl = (next_line_at(B, hunks[-1][3] + NL_AFTER) or next_line_at(B, hunks[-1][3])) \
+        if with_nextline else None
     full_cache = (full_kv, np.arange(len(B), dtype=np.int64))
 
     def nextline(cache, r):

@@ -430,7 +430,8 @@ def write_report(results, a, seconds, log):
                "ones on held-out files as in the PIE paper, real ones replayed from this repository's git "
                "history of its Python files). Scored over every token after the first edit point: the "
                "next byte's accuracy, agreement of the argmax with a full re-encode, KL(full || method), "
-               "and, generating greedily from the end of the last edited line, whether the next line comes out "
+               "and, generating greedily from the first line end at least 48 tokens after the last edit (so "
+               "reused suffix cells lie in between), whether the next line comes out "
                "exactly and what share of its bytes comes out right before the first miss (this 3 M "
                "model rarely gets a whole line: greedy decoding falls into runs of spaces). "
                "Tokens encoded: new + refreshed tokens as a share of a full re-encode.")
