@@ -243,11 +243,14 @@ int kvr_rt_block_decode(const uint8_t *v, size_t len, const kvr_rt_desc *d, uint
     return decode_to(v, len, d, chain, start, tokens, pos, n, &flat, n_ctx, err);
 }
 
-static int decode_to(const uint8_t *v, size_t len, const kvr_rt_desc *d, uint64_t chain,
-                     uint64_t start, const uint32_t *tokens, const int64_t *pos, size_t n,
-                     const rt_dst *dst, size_t n_ctx, kvr_error *err)
+/* The checks of a block value that need only its first BLOCK_HDR + n * 12
+ * bytes (header, tokens, positions) and its length; crc_ok says whether its
+ * CRC32C matched (checked in between, as the value's own errors come first). */
+static int block_check(const uint8_t *v, size_t len, bool crc_ok, const kvr_rt_desc *d,
+                       uint64_t chain, uint64_t start, const uint32_t *tokens,
+                       const int64_t *pos, size_t n, kvr_error *err)
 {
-    size_t kv = kv_bytes(d, n), row = row_bytes(d);
+    size_t kv = kv_bytes(d, n);
     if (len < BLOCK_HDR + 4 || memcmp(v, BLOCK_MAGIC, 4) != 0)
         return kvr_error_set(err, KVR_EIO, "block value: not a kvrope block (%zu bytes)", len);
     if (get32(v + 4) != RT_VERSION)
@@ -255,7 +258,7 @@ static int decode_to(const uint8_t *v, size_t len, const kvr_rt_desc *d, uint64_
     if (len != BLOCK_HDR + n * 12 + kv + 4)
         return kvr_error_set(err, KVR_EIO, "block value: %zu bytes, expected %zu", len,
                              BLOCK_HDR + n * 12 + kv + 4);
-    if (kvr_crc32c(0, v, len - 4) != get32(v + len - 4))
+    if (!crc_ok)
         return kvr_error_set(err, KVR_EIO, "block value: checksum mismatch");
     if (get64(v + 8) != d->fingerprint)
         return kvr_error_set(err, KVR_EFINGERPRINT, "block value: fingerprint %016" PRIx64
@@ -269,7 +272,20 @@ static int decode_to(const uint8_t *v, size_t len, const kvr_rt_desc *d, uint64_
     const uint8_t *p = v + BLOCK_HDR;
     if (memcmp(p, tokens, n * 4) != 0 || memcmp(p + n * 4, pos, n * 8) != 0)
         return kvr_error_set(err, KVR_EIO, "block value: tokens or positions differ");
-    p += n * 12;
+    return 0;
+}
+
+static int decode_to(const uint8_t *v, size_t len, const kvr_rt_desc *d, uint64_t chain,
+                     uint64_t start, const uint32_t *tokens, const int64_t *pos, size_t n,
+                     const rt_dst *dst, size_t n_ctx, kvr_error *err)
+{
+    size_t row = row_bytes(d);
+    bool sized = len >= BLOCK_HDR + 4 && len == BLOCK_HDR + n * 12 + kv_bytes(d, n) + 4;
+    bool crc_ok = sized && kvr_crc32c(0, v, len - 4) == get32(v + len - 4);
+    int rc = block_check(v, len, crc_ok, d, chain, start, tokens, pos, n, err);
+    if (rc < 0)
+        return rc;
+    const uint8_t *p = v + BLOCK_HDR + n * 12;
     for (size_t l = 0; l < 2 * (size_t)d->n_layers; l++) {
         dst_write(dst, (l * n_ctx + start) * row, p, n * row);
         p += n * row;
@@ -976,7 +992,21 @@ static redisReply *get_one(kvr_rc *rc, const char *key, size_t klen)
     return x;
 }
 
-/* What the reply callback of fetch_blocks checks each block against. */
+/* What fetch_blocks checks each block against, and each block's state
+ * while it is read straight into the destination (kvr_rc_batch_sink): the
+ * header, tokens and positions into hdr, the K/V into the destination, the
+ * CRC32C computed as the bytes arrive (while they are in cache). */
+#define HDR_MAX (BLOCK_HDR + KVR_RT_BLOCK * 12)
+
+typedef struct blk_state {
+    size_t   want_len;          /* the exact length a good value has */
+    size_t   got_len;           /* the reply's length */
+    uint32_t crc;
+    bool     sized;             /* got_len == want_len: bytes go to hdr/dst */
+    uint8_t  hdr[HDR_MAX];
+    uint8_t  tail[4];
+} blk_state;
+
 typedef struct fetch_ctx {
     kvr_rjob       *j;
     const uint64_t *chains;
@@ -985,20 +1015,97 @@ typedef struct fetch_ctx {
     const int64_t  *pos;
     char          (*keys)[KVR_RT_KEY_MAX];
     bool           *good;
+    blk_state      *st;
+    size_t          row;
     rt_dst          dst;
 } fetch_ctx;
 
-/* Runs on the batch's node threads, as each block arrives (while it is in
- * cache); distinct blocks write distinct parts of the payload. */
-static bool on_block(void *ud, size_t b, const redisReply *rep)
+static size_t blk_tokens(const fetch_ctx *f, size_t b)
+{
+    size_t s = b * KVR_RT_BLOCK;
+    return f->n_ctx - s < KVR_RT_BLOCK ? f->n_ctx - s : KVR_RT_BLOCK;
+}
+
+static bool blk_begin(void *ud, size_t b, size_t len)
 {
     fetch_ctx *f = ud;
-    if (rep->type != REDIS_REPLY_STRING)
-        return false;
-    size_t s = b * KVR_RT_BLOCK, n = f->n_ctx - s < KVR_RT_BLOCK ? f->n_ctx - s : KVR_RT_BLOCK;
+    blk_state *st = &f->st[b];
+    size_t n = blk_tokens(f, b);
+    st->want_len = BLOCK_HDR + n * 12 + kv_bytes(&f->j->desc, n) + 4;
+    st->got_len = len;
+    st->crc = 0;
+    st->sized = len == st->want_len;
+    memset(st->hdr, 0, BLOCK_HDR);
+    return true;     /* a wrong size is still read (whole, dropped): the CRC is not needed */
+}
+
+/* Value offset -> where it goes: hdr, the destination (one layer side's
+ * run of n rows, within one iovec), or tail. */
+static uint8_t *blk_span(void *ud, size_t b, size_t off, size_t *cap)
+{
+    fetch_ctx *f = ud;
+    blk_state *st = &f->st[b];
+    if (!st->sized)
+        return NULL;
+    size_t n = blk_tokens(f, b), hl = BLOCK_HDR + n * 12, seg = n * f->row;
+    size_t kv = st->want_len - hl - 4;
+    if (off < hl) {
+        *cap = hl - off;
+        return st->hdr + off;
+    }
+    if (off >= hl + kv) {
+        *cap = st->want_len - off;
+        return st->tail + (off - hl - kv);
+    }
+    size_t in = off - hl, l = in / seg, at = in % seg;
+    size_t doff = (l * f->n_ctx + b * KVR_RT_BLOCK) * f->row + at;
+    *cap = seg - at;
+    if (f->dst.flat)
+        return f->dst.flat + doff;
+    size_t lo = 0, hi = f->dst.niov;
+    while (hi - lo > 1) {
+        size_t mid = (lo + hi) / 2;
+        if (f->dst.starts[mid] <= doff)
+            lo = mid;
+        else
+            hi = mid;
+    }
+    size_t iin = doff - f->dst.starts[lo], left = f->dst.iov[lo].iov_len - iin;
+    if (*cap > left)
+        *cap = left;
+    return (uint8_t *)f->dst.iov[lo].iov_base + iin;
+}
+
+static void blk_got(void *ud, size_t b, size_t off, const uint8_t *p, size_t n)
+{
+    fetch_ctx *f = ud;
+    blk_state *st = &f->st[b];
+    if (!st->sized || off >= st->want_len - 4)
+        return;
+    size_t take = st->want_len - 4 - off < n ? st->want_len - 4 - off : n;
+    st->crc = kvr_crc32c(st->crc, p, take);
+}
+
+static bool blk_end(void *ud, size_t b, bool is_string)
+{
+    fetch_ctx *f = ud;
+    f->good[b] = false;
+    if (!is_string)
+        return false;            /* missing: counted once by fetch_blocks */
+    blk_state *st = &f->st[b];
+    size_t s = b * KVR_RT_BLOCK, n = blk_tokens(f, b);
     kvr_error e = { 0 };
-    if (decode_to((const uint8_t *)rep->str, rep->len, &f->j->desc, f->chains[b], s,
-                  f->tokens + s, f->pos + s, n, &f->dst, f->n_ctx, &e) < 0) {
+    bool crc_ok = st->sized && st->crc == get32(st->tail);
+    uint8_t small[BLOCK_HDR];
+    const uint8_t *hv = st->hdr;
+    if (!st->sized) {
+        /* Only the length is known: report it as the one-shot check would. */
+        memcpy(small, BLOCK_MAGIC, 4);
+        put32(small + 4, RT_VERSION);
+        hv = small;
+    }
+    if (block_check(hv, st->got_len, crc_ok, &f->j->desc, f->chains[b], s, f->tokens + s,
+                    f->pos + s, n, &e) < 0) {
         char why[400];
         snprintf(why, sizeof why, "%s: %s", f->keys[b], e.msg);
         miss(f->j, true, why);
@@ -1008,8 +1115,11 @@ static bool on_block(void *ud, size_t b, const redisReply *rep)
     return true;
 }
 
-/* GETs blocks [0, nb) and decodes them into j->payload; returns how many
- * leading blocks were good (up to the first missing or bad one). */
+static const kvr_rc_sink blk_sink = { blk_begin, blk_span, blk_got, blk_end };
+
+/* GETs blocks [0, nb) straight into the destination (j->payload, or the
+ * open put's memory); returns how many leading blocks were good (up to
+ * the first missing or bad one). */
 static size_t fetch_blocks(kvr_rjob *j, const uint64_t *chains, size_t nb, size_t n_ctx,
                            const uint32_t *tokens, const int64_t *pos)
 {
@@ -1019,8 +1129,9 @@ static size_t fetch_blocks(kvr_rjob *j, const uint64_t *chains, size_t nb, size_
     const char **argv = kvr_mem_malloc(nb * 2 * sizeof *argv + 1);
     size_t *argl = kvr_mem_malloc(nb * 2 * sizeof *argl + 1);
     bool *good = kvr_mem_calloc(nb + 1, sizeof *good);
+    blk_state *st = kvr_mem_malloc(nb * sizeof *st + 1);
     size_t n_good = 0;
-    if (!keys || !cmds || !argv || !argl || !good)
+    if (!keys || !cmds || !argv || !argl || !good || !st)
         goto out;
     for (size_t b = 0; b < nb; b++) {
         argv[2 * b] = "GET";
@@ -1029,10 +1140,10 @@ static size_t fetch_blocks(kvr_rjob *j, const uint64_t *chains, size_t nb, size_
         argv[2 * b + 1] = keys[b];
         cmds[b] = (kvr_rc_cmd){ 2, argv + 2 * b, argl + 2 * b };
     }
-    fetch_ctx f = { j, chains, n_ctx, tokens, pos, keys, good,
+    fetch_ctx f = { j, chains, n_ctx, tokens, pos, keys, good, st, row_bytes(&j->desc),
                     { .flat = j->put ? NULL : j->payload, .iov = j->iov, .niov = j->niov,
                       .starts = j->starts } };
-    kvr_rc_batch_cb(r->rc, nb, cmds, NULL, on_block, &f);
+    kvr_rc_batch_sink(r->rc, nb, cmds, &blk_sink, &f);
     while (n_good < nb && good[n_good])
         n_good++;
     if (n_good < nb)
@@ -1043,6 +1154,7 @@ out:
     kvr_mem_free(argv);
     kvr_mem_free(argl);
     kvr_mem_free(good);
+    kvr_mem_free(st);
     return n_good;
 }
 
@@ -1157,13 +1269,15 @@ void kvr_remote_job_work(kvr_rjob *j)
         miss(j, false, "the cluster is unreachable");
         return;
     }
-    uint64_t t0 = mono_ms();
+    struct timespec a, b;
+    clock_gettime(CLOCK_MONOTONIC, &a);
     if (j->by_id)
         work_by_id(j);
     else
         work_prefix(j);
-    kvr_log(KVR_LOG_DEBUG, "remote tier: fetch of '%s' took %llu ms", j->ctx_id,
-            (unsigned long long)(mono_ms() - t0));
+    clock_gettime(CLOCK_MONOTONIC, &b);
+    kvr_log(KVR_LOG_DEBUG, "remote tier: fetch of '%s' phase %d took %.3f ms", j->ctx_id, j->phase,
+            (b.tv_sec - a.tv_sec) * 1e3 + (b.tv_nsec - a.tv_nsec) * 1e-6);
 }
 
 /* A local model for the fetched data: the named one if its fingerprint
