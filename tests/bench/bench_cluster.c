@@ -279,9 +279,15 @@ int main(void)
            t_land * 1e3, mib / t_land, t_redis / t_land);
     printf("| node B local get of the same context | %.2f | %.0f | %.2f |\n", t_local * 1e3,
            mib / t_local, t_redis / t_local);
-    double g1 = t_redis / t_fetch;
-    printf("goal: node B fetch >= 0.8x the best hiredis GET of the same bytes: %.2fx (%s)\n", g1,
-           g1 >= 0.8 ? "met" : "not met");
+    /* Two lines: B's fetch (cluster -> B's memory, checked and landed: what
+     * a hiredis GET does for its caller), and B's get as its client sees
+     * it, which also moves the 32 MiB once more, B -> client (a local get's
+     * cost, which no hiredis GET pays). */
+    double g1 = t_redis / t_land, g2 = t_redis / t_fetch;
+    printf("goal: node B fetch (cluster -> B, checked, landed) >= 0.8x the best hiredis GET of "
+           "the same bytes: %.2fx (%s)\n", g1, g1 >= 0.8 ? "met" : "not met");
+    printf("goal: node B get to its client (the fetch + a local get's send) >= 0.8x the best "
+           "hiredis GET of the same bytes: %.2fx (%s)\n", g2, g2 >= 0.8 ? "met" : "not met");
 
     /* ---- cluster-wide match of a 32k-token prompt -------------------------- */
     enum { NP = 32768 };
