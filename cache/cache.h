@@ -604,6 +604,18 @@ typedef struct kvr_retention {
 int kvr_store_set_retention(kvr_store *s, const char *ctx_id, const kvr_retention *r,
                             kvr_error *err);
 
+/* The shared tier (daemon/remote.c): gives a context just created from
+ * another node's publication the layout it has there, as kvr_store_layout_stat
+ * reported it (APE record, groups with offsets and cursors, retention
+ * numbers), each token's group id (groups; ignored without groups: 0
+ * each, as a put writes them) and the
+ * KVR_TOKEN_STALE flag of each token (flags, NULL: none; other flags are
+ * KVR_EINVAL). The context must hold n tokens in blocks it alone references
+ * and have no layout yet. Metadata only; nothing changes on error. */
+int kvr_store_layout_restore(kvr_store *s, const char *ctx_id, const kvr_layout_info *li,
+                             const int32_t *groups, const uint32_t *flags, size_t n,
+                             kvr_error *err);
+
 /* ---- disk tier and persistence (tier.c) --------------------------------- */
 /*
  * With a disk tier, eviction spills blocks to disk instead of dropping them

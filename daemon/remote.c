@@ -37,7 +37,10 @@ uint32_t kvr_crc32c(uint32_t crc, const void *p, size_t n);
 
 #define BLOCK_MAGIC "KVRB"
 #define MANIFEST_MAGIC "KVRM"
-#define RT_VERSION 1u
+#define RT_VERSION 1u            /* of block values */
+#define MANIFEST_VERSION 2u      /* 2: + group ids and the layout */
+#define LAYOUT_FIXED (4 + 256 + 24 + 4 + 32)   /* flags, prefix record, n_groups, ret, protected */
+#define GROUP_REC (KVR_GROUP_NAME_MAX + 1 + 16)
 #define BLOCK_HDR 56u
 #define MANIFEST_HDR 568u
 #define MAX_TOKENS (1u << 28)
@@ -293,14 +296,21 @@ static int decode_to(const uint8_t *v, size_t len, const kvr_rt_desc *d, uint64_
     return 0;
 }
 
+static size_t layout_bytes(const kvr_rt_manifest *m)
+{
+    return LAYOUT_FIXED + m->layout.n_groups * GROUP_REC;
+}
+
 uint8_t *kvr_rt_manifest_encode(const kvr_rt_manifest *m, size_t *len)
 {
-    size_t total = MANIFEST_HDR + m->n_blocks * 8 + m->n_tokens * 16 + 4;
+    if (m->layout.n_groups > KVR_MAX_GROUPS)
+        return NULL;
+    size_t total = MANIFEST_HDR + m->n_blocks * 8 + m->n_tokens * 20 + layout_bytes(m) + 4;
     uint8_t *v = kvr_mem_calloc(1, total);
     if (!v)
         return NULL;
     memcpy(v, MANIFEST_MAGIC, 4);
-    put32(v + 4, RT_VERSION);
+    put32(v + 4, MANIFEST_VERSION);
     put64(v + 8, m->desc.fingerprint);
     put32(v + 16, m->desc.n_layers);
     put32(v + 20, m->desc.n_kv_heads);
@@ -320,6 +330,27 @@ uint8_t *kvr_rt_manifest_encode(const kvr_rt_manifest *m, size_t *len)
     p += m->n_tokens * 8;
     memcpy(p, m->flags, m->n_tokens * 4);
     p += m->n_tokens * 4;
+    if (m->groups)
+        memcpy(p, m->groups, m->n_tokens * 4);
+    p += m->n_tokens * 4;
+    const kvr_layout_info *L = &m->layout;
+    put32(p, (L->has_prefix ? 1u : 0u) | (L->has_retention ? 2u : 0u));
+    snprintf((char *)p + 4, 256, "%s", L->has_prefix ? L->prefix_ctx : "");
+    put64(p + 260, L->prefix_fingerprint);
+    put64(p + 268, L->prefix_len);
+    put64(p + 276, L->prefix_hash);
+    put32(p + 284, (uint32_t)L->n_groups);
+    put64(p + 288, L->sinks);
+    put64(p + 296, L->window);
+    put64(p + 304, L->n_dropped);
+    put64(p + 312, m->n_protected);
+    p += LAYOUT_FIXED;
+    for (size_t g = 0; g < L->n_groups; g++) {
+        snprintf((char *)p, KVR_GROUP_NAME_MAX + 1, "%s", L->groups[g].name);
+        put64(p + KVR_GROUP_NAME_MAX + 1, (uint64_t)L->groups[g].offset);
+        put64(p + KVR_GROUP_NAME_MAX + 9, L->groups[g].cursor);
+        p += GROUP_REC;
+    }
     put32(p, kvr_crc32c(0, v, (size_t)(p - v)));
     *len = total;
     return v;
@@ -331,10 +362,12 @@ void kvr_rt_manifest_free(kvr_rt_manifest *m)
     kvr_mem_free(m->tokens);
     kvr_mem_free(m->positions);
     kvr_mem_free(m->flags);
+    kvr_mem_free(m->groups);
     m->chains = NULL;
     m->tokens = NULL;
     m->positions = NULL;
     m->flags = NULL;
+    m->groups = NULL;
 }
 
 int kvr_rt_manifest_decode(const uint8_t *v, size_t len, const char *want_id,
@@ -343,12 +376,24 @@ int kvr_rt_manifest_decode(const uint8_t *v, size_t len, const char *want_id,
     memset(m, 0, sizeof *m);
     if (len < MANIFEST_HDR + 4 || memcmp(v, MANIFEST_MAGIC, 4) != 0)
         return kvr_error_set(err, KVR_EIO, "manifest: not a kvrope manifest (%zu bytes)", len);
-    if (get32(v + 4) != RT_VERSION || get32(v + 32) != KVR_RT_BLOCK)
-        return kvr_error_set(err, KVR_EIO, "manifest: version %u / block %u", get32(v + 4),
+    uint32_t ver = get32(v + 4);
+    if ((ver != 1 && ver != MANIFEST_VERSION) || get32(v + 32) != KVR_RT_BLOCK)
+        return kvr_error_set(err, KVR_EIO, "manifest: version %u / block %u", ver,
                              get32(v + 32));
     uint64_t nt = get64(v + 40), nb = get64(v + 48);
-    if (nt > MAX_TOKENS || nb != (nt + KVR_RT_BLOCK - 1) / KVR_RT_BLOCK ||
-        len != MANIFEST_HDR + nb * 8 + nt * 16 + 4)
+    if (nt > MAX_TOKENS || nb != (nt + KVR_RT_BLOCK - 1) / KVR_RT_BLOCK)
+        return kvr_error_set(err, KVR_EIO, "manifest: inconsistent lengths");
+    size_t body = MANIFEST_HDR + nb * 8 + nt * 16;      /* version 1's */
+    size_t ng = 0;
+    if (ver >= 2) {
+        if (len < body + nt * 4 + LAYOUT_FIXED + 4)
+            return kvr_error_set(err, KVR_EIO, "manifest: inconsistent lengths");
+        ng = get32(v + body + nt * 4 + 284);
+        if (ng > KVR_MAX_GROUPS)
+            return kvr_error_set(err, KVR_EIO, "manifest: %zu groups", ng);
+        body += nt * 4 + LAYOUT_FIXED + ng * GROUP_REC;
+    }
+    if (len != body + 4)
         return kvr_error_set(err, KVR_EIO, "manifest: inconsistent lengths");
     if (kvr_crc32c(0, v, len - 4) != get32(v + len - 4))
         return kvr_error_set(err, KVR_EIO, "manifest: checksum mismatch");
@@ -373,7 +418,8 @@ int kvr_rt_manifest_decode(const uint8_t *v, size_t len, const char *want_id,
     m->tokens = kvr_mem_malloc(nt * 4 + 1);
     m->positions = kvr_mem_malloc(nt * 8 + 1);
     m->flags = kvr_mem_malloc(nt * 4 + 1);
-    if (!m->chains || !m->tokens || !m->positions || !m->flags) {
+    m->groups = kvr_mem_malloc(nt * 4 + 1);
+    if (!m->chains || !m->tokens || !m->positions || !m->flags || !m->groups) {
         kvr_rt_manifest_free(m);
         return kvr_error_set(err, KVR_ENOMEM, "manifest: out of memory");
     }
@@ -385,6 +431,46 @@ int kvr_rt_manifest_decode(const uint8_t *v, size_t len, const char *want_id,
     memcpy(m->positions, p, nt * 8);
     p += nt * 8;
     memcpy(m->flags, p, nt * 4);
+    p += nt * 4;
+    if (ver < 2) {
+        memset(m->groups, 0, nt * 4);
+    } else {
+        memcpy(m->groups, p, nt * 4);
+        p += nt * 4;
+        kvr_layout_info *L = &m->layout;
+        uint32_t lf = get32(p);
+        if ((lf & ~3u) || memchr(p + 4, 0, 256) == NULL) {
+            kvr_rt_manifest_free(m);
+            return kvr_error_set(err, KVR_EIO, "manifest: bad layout record");
+        }
+        L->has_prefix = lf & 1u;
+        L->has_retention = (lf & 2u) != 0;
+        snprintf(L->prefix_ctx, sizeof L->prefix_ctx, "%s", (const char *)p + 4);
+        L->prefix_fingerprint = get64(p + 260);
+        L->prefix_len = (size_t)get64(p + 268);
+        L->prefix_hash = get64(p + 276);
+        L->n_groups = ng;
+        L->sinks = (size_t)get64(p + 288);
+        L->window = (size_t)get64(p + 296);
+        L->n_dropped = (size_t)get64(p + 304);
+        m->n_protected = (size_t)get64(p + 312);
+        p += LAYOUT_FIXED;
+        for (size_t g = 0; g < ng; g++, p += GROUP_REC) {
+            if (memchr(p, 0, KVR_GROUP_NAME_MAX + 1) == NULL || !p[0]) {
+                kvr_rt_manifest_free(m);
+                return kvr_error_set(err, KVR_EIO, "manifest: bad group name");
+            }
+            snprintf(L->groups[g].name, sizeof L->groups[g].name, "%s", (const char *)p);
+            L->groups[g].id = (int32_t)g;
+            L->groups[g].offset = (int64_t)get64(p + KVR_GROUP_NAME_MAX + 1);
+            L->groups[g].cursor = get64(p + KVR_GROUP_NAME_MAX + 9);
+        }
+        if (m->n_protected > nt) {
+            kvr_rt_manifest_free(m);
+            return kvr_error_set(err, KVR_EIO, "manifest: %zu protected of %zu tokens",
+                                 m->n_protected, (size_t)nt);
+        }
+    }
     /* The chains must be the ones these tokens and positions give. */
     uint64_t h = kvr_rt_chain_seed(&m->desc);
     for (size_t b = 0; b < nb; b++) {
@@ -887,8 +973,9 @@ int kvr_remote_publish(kvr_remote *r, const char *ctx_id, kvr_remote_done_fn don
         j->m.tokens = kvr_mem_malloc(n * 4 + 1);
         j->m.positions = kvr_mem_malloc(n * 8 + 1);
         j->m.flags = kvr_mem_calloc(n + 1, 4);
+        j->m.groups = kvr_mem_malloc(n * 4 + 1);
     }
-    if (!j || !j->m.chains || !j->m.tokens || !j->m.positions || !j->m.flags) {
+    if (!j || !j->m.chains || !j->m.tokens || !j->m.positions || !j->m.flags || !j->m.groups) {
         if (j) {
             kvr_rt_manifest_free(&j->m);
             kvr_mem_free(j);
@@ -906,6 +993,16 @@ int kvr_remote_publish(kvr_remote *r, const char *ctx_id, kvr_remote_done_fn don
     memcpy(j->m.positions, gi->positions, n * 8);
     if (gi->flags)
         memcpy(j->m.flags, gi->flags, n * 4);
+    if (gi->groups)
+        memcpy(j->m.groups, gi->groups, n * 4);
+    else
+        memset(j->m.groups, 0, n * 4);
+    /* The layout a reader needs for its get to answer what ours does (the
+     * group of every token, the groups' offsets and cursors, the APE
+     * record, retention, protection). */
+    if (kvr_store_layout_stat(s, ctx_id, &j->m.layout, NULL) < 0)
+        memset(&j->m.layout, 0, sizeof j->m.layout);
+    j->m.n_protected = ci.n_protected;
     j->done = done;
     j->done_arg = arg;
     pthread_mutex_lock(&r->mu);
@@ -1296,7 +1393,19 @@ static int find_model(kvr_store *s, const char *name, uint64_t fp, kvr_model_inf
     return KVR_ENOMODEL;
 }
 
-/* Loop thread: the fetched K/V is in t's memory; convert if needed, commit. */
+/* Does the manifest carry a layout beyond tokens and positions? */
+static bool has_layout(const kvr_rt_manifest *m)
+{
+    if (m->layout.has_prefix || m->layout.n_groups || m->layout.has_retention)
+        return true;
+    for (size_t i = 0; i < m->n_tokens; i++)
+        if (m->flags[i])
+            return true;
+    return false;
+}
+
+/* Loop thread: the fetched K/V is in t's memory; convert if needed, commit,
+ * then give the context the layout it has on the publishing node. */
 static int land_commit(kvr_rjob *j, kvr_put *t)
 {
     kvr_error e = { 0 };
@@ -1311,6 +1420,17 @@ static int land_commit(kvr_rjob *j, kvr_put *t)
     if (rc < 0) {
         kvr_log(KVR_LOG_WARN, "remote tier: cannot keep '%s' locally: %s", j->ctx_id, e.msg);
         return rc;
+    }
+    if (j->by_id && has_layout(&j->m) &&
+        (rc = kvr_store_layout_restore(j->r->d->store, j->ctx_id, &j->m.layout, j->m.groups,
+                                       j->m.flags, j->m.n_tokens, &e)) < 0) {
+        /* Without its layout it is not what the publisher has: a miss. */
+        kvr_store_delete(j->r->d->store, j->ctx_id, NULL);
+        char why[600];
+        snprintf(why, sizeof why, "the layout of '%.200s' cannot be applied: %.300s",
+                 j->ctx_id, e.msg);
+        miss(j, true, why);
+        return KVR_ENOCTX;
     }
     atomic_fetch_add(&j->r->fetch_hits, 1);
     atomic_fetch_add(&j->r->fetch_tokens, j->n_tokens);
@@ -1358,6 +1478,8 @@ int kvr_remote_job_land(kvr_rjob *j)
         .tokens = j->m.tokens,
         .positions = j->m.positions,
         .codec = kvr_dtype_name(j->desc.dtype),
+        .has_protect_first = j->by_id && j->m.n_protected > 0,
+        .protect_first = j->by_id ? j->m.n_protected : 0,
     };
     kvr_put *t;
     kvr_error e = { 0 };

@@ -73,9 +73,15 @@ typedef struct kvr_rt_manifest {
     uint64_t   *chains;              /* n_blocks */
     uint32_t   *tokens;              /* n_tokens */
     int64_t    *positions;           /* stored-at positions of the published KV */
-    uint32_t   *flags;
+    uint32_t   *flags;               /* KVR_TOKEN_* per token (only STALE is published) */
+    int32_t    *groups;              /* group id per token (0 without groups) */
+    kvr_layout_info layout;          /* APE record, groups, retention (kvr_store_layout_stat) */
+    size_t      n_protected;         /* first tokens edits may not touch */
 } kvr_rt_manifest;
 
+/* Version 2: version 1's fields, then each token's group id and the layout
+ * (APE record, groups with offset and cursor, retention, protected count).
+ * A version 1 manifest still decodes (group ids 0, no layout). */
 uint8_t *kvr_rt_manifest_encode(const kvr_rt_manifest *m, size_t *len);
 /* Parses and verifies; on 0 m's arrays are kvr_mem allocations (free with
  * kvr_rt_manifest_free). */

@@ -5,6 +5,9 @@
  *
  *  - put on A with share, then get and match on B: bit-exact, at the
  *    positions asked; an asynchronous share shows up on B;
+ *  - the layout travels: group ids, group offsets and cursors, protection,
+ *    the APE record; B's get answers what A's does, and the groups go on
+ *    the same way on both;
  *  - a value overwritten with garbage (block or manifest): a miss, counted;
  *  - a master SIGKILLed during traffic from both nodes: at worst misses and
  *    "not shared" replies meanwhile, never a lost local put, never bad data;
@@ -571,4 +574,125 @@ Test(int_cluster_start, unreachable_then_joined, .timeout = 240)
     if (system(rm) != 0)
         fprintf(stderr, "could not remove %s\n", w.dir);
     tcluster_stop(&T);
+}
+
+/* ---- layout metadata travels with the manifest ---------------------------- */
+
+static int group_put(kvr_client *c, const char *ctx, const char *group, uint32_t seed,
+                     uint32_t base, size_t n, const char *const *groups, size_t n_groups,
+                     const int64_t *offsets, bool share, uint64_t protect)
+{
+    size_t len;
+    void *pl = testd_payload(seed, T_LAYERS, 0, n, KVR_DTYPE_F16, &len);
+    uint32_t *tok = testd_tokens(base, n);
+    kvr_put_args a = { .ctx_id = ctx, .model = "tiny", .dtype = KVR_DTYPE_F16, .tokens = tok,
+                       .n_tokens = n, .payload = pl, .payload_len = len,
+                       .mode = groups ? KVR_PUT_CREATE : KVR_PUT_APPEND, .groups = groups,
+                       .n_groups = n_groups, .group_offsets = offsets, .share_sync = share,
+                       .protect_first = protect, .has_protect = protect > 0 };
+    int r = kvr_client_group_append(c, &a, group, NULL);
+    free(pl);
+    free(tok);
+    return r;
+}
+
+static void assert_same_meta(const kvr_kv *x, const kvr_kv *y)
+{
+    assert_same(x, y);
+    cr_assert_eq(memcmp(x->flags, y->flags, x->n_tokens * 4), 0, "flags differ");
+    cr_assert((x->groups == NULL) == (y->groups == NULL));
+    if (x->groups)
+        cr_assert_eq(memcmp(x->groups, y->groups, x->n_tokens * 4), 0, "group ids differ");
+}
+
+static void assert_same_layout(const char *ctx)
+{
+    kvr_layout_res la, lb;
+    cr_assert_eq(kvr_client_layout_stat(CA, ctx, &la), 0);
+    cr_assert_eq(kvr_client_layout_stat(CB, ctx, &lb), 0, "%s", kvr_client_last_error(CB));
+    cr_assert_eq(la.has_prefix, lb.has_prefix);
+    cr_assert_str_eq(la.prefix_ctx, lb.prefix_ctx);
+    cr_assert_eq(la.prefix_len, lb.prefix_len);
+    cr_assert_eq(la.n_groups, lb.n_groups);
+    for (size_t g = 0; g < la.n_groups; g++) {
+        cr_assert_str_eq(la.groups[g].name, lb.groups[g].name);
+        cr_assert_eq(la.groups[g].offset, lb.groups[g].offset);
+        cr_assert_eq(la.groups[g].cursor, lb.groups[g].cursor);
+        cr_assert_eq(la.groups[g].n_tokens, lb.groups[g].n_tokens);
+    }
+    cr_assert_eq(la.retention, lb.retention);
+    kvr_context sa, sb;
+    cr_assert_eq(kvr_client_stat(CA, ctx, &sa), 0);
+    cr_assert_eq(kvr_client_stat(CB, ctx, &sb), 0);
+    cr_assert_eq(sa.n_protected, sb.n_protected);
+}
+
+Test(int_cluster, layout_travels)
+{
+    /* A grouped context: "sys" from 0, "doc" moved to 1000, tokens of both
+     * interleaved in arrival order, the first 10 protected; published with
+     * its last put. */
+    const char *names[] = { "sys", "doc" };
+    int64_t offs[] = { 0, 500 };
+    cr_assert_eq(group_put(CA, "gp", "sys", 1, 100, 40, names, 2, offs, false, 0), 0,
+                 "%s", kvr_client_last_error(CA));
+    cr_assert_eq(kvr_client_set_group_offset(CA, "gp", "doc", 1000, NULL), 0);
+    cr_assert_eq(group_put(CA, "gp", "doc", 2, 200, 100, NULL, 0, NULL, false, 0), 0);
+    cr_assert_eq(group_put(CA, "gp", "sys", 3, 300, 30, NULL, 0, NULL, true, 10), 0,
+                 "%s", kvr_client_last_error(CA));
+    kvr_kv ka, kb;
+    cr_assert_eq(get_kv(CA, "gp", 0, 0, NULL, &ka), 0);
+    cr_assert_eq(get_kv(CB, "gp", 0, 0, NULL, &kb), 0, "%s", kvr_client_last_error(CB));
+    cr_assert_eq(testd_metric(CB, "remote_fetch_hits"), 1);
+    assert_same_meta(&ka, &kb);
+    cr_assert_eq(ka.groups[0], 0);
+    cr_assert_eq(ka.groups[40], 1);
+    cr_assert_eq(ka.positions[40], 1000);
+    kvr_kv_release(&ka);
+    kvr_kv_release(&kb);
+    assert_same_layout("gp");
+    /* The layout works on B as on A: the next tokens of a group take the
+     * same positions, a new group offset moves the same tokens. */
+    cr_assert_eq(group_put(CA, "gp", "doc", 4, 400, 5, NULL, 0, NULL, false, 0), 0);
+    cr_assert_eq(group_put(CB, "gp", "doc", 4, 400, 5, NULL, 0, NULL, false, 0), 0,
+                 "%s", kvr_client_last_error(CB));
+    cr_assert_eq(kvr_client_set_group_offset(CA, "gp", "sys", 7, NULL), 0);
+    cr_assert_eq(kvr_client_set_group_offset(CB, "gp", "sys", 7, NULL), 0);
+    cr_assert_eq(get_kv(CA, "gp", 0, 0, NULL, &ka), 0);
+    cr_assert_eq(get_kv(CB, "gp", 0, 0, NULL, &kb), 0);
+    assert_same_meta(&ka, &kb);
+    cr_assert_eq(ka.positions[0], 7);
+    cr_assert_eq(ka.positions[170], 1100);
+    kvr_kv_release(&ka);
+    kvr_kv_release(&kb);
+    assert_same_layout("gp");
+    /* Protection travelled (assert_same_layout compared it). */
+    kvr_context sb;
+    cr_assert_eq(kvr_client_stat(CB, "gp", &sb), 0);
+    cr_assert_eq(sb.n_protected, 10);
+
+    /* An APE document: its prefix record travels (the prefix itself is
+     * another context, published or not). */
+    cr_assert_eq(put_flags(CA, "pfx", 5, 10, 20, 0), 0);
+    size_t len;
+    void *pl = testd_payload(6, T_LAYERS, 0, 30, KVR_DTYPE_F16, &len);
+    uint32_t *tok = testd_tokens(600, 30);
+    kvr_put_args a = { .ctx_id = "ape", .model = "tiny", .dtype = KVR_DTYPE_F16, .tokens = tok,
+                       .n_tokens = 30, .payload = pl, .payload_len = len,
+                       .prefix_ctx = "pfx", .share_sync = true };
+    cr_assert_eq(kvr_client_put(CA, &a, NULL), 0, "%s", kvr_client_last_error(CA));
+    free(pl);
+    free(tok);
+    cr_assert_eq(get_kv(CA, "ape", 0, 0, NULL, &ka), 0);
+    cr_assert_eq(get_kv(CB, "ape", 0, 0, NULL, &kb), 0, "%s", kvr_client_last_error(CB));
+    assert_same_meta(&ka, &kb);
+    cr_assert_eq(ka.positions[0], 20);
+    kvr_kv_release(&ka);
+    kvr_kv_release(&kb);
+    assert_same_layout("ape");
+    kvr_layout_res lb;
+    cr_assert_eq(kvr_client_layout_stat(CB, "ape", &lb), 0);
+    cr_assert(lb.has_prefix);
+    cr_assert_str_eq(lb.prefix_ctx, "pfx");
+    cr_assert_eq(lb.prefix_len, 20);
 }
