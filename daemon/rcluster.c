@@ -77,15 +77,27 @@ static void sleep_ms(int ms)
 
 /* ---- slots ------------------------------------------------------------- */
 
-uint16_t kvr_rc_crc16(const void *p, size_t n)
+/* Table-driven (a probe hashes hundreds of keys per match). */
+static uint16_t crc16_tab[256];
+static pthread_once_t crc16_once = PTHREAD_ONCE_INIT;
+
+static void crc16_init(void)
 {
-    const uint8_t *b = p;
-    uint16_t crc = 0;
-    for (size_t i = 0; i < n; i++) {
-        crc ^= (uint16_t)(b[i] << 8);
+    for (unsigned i = 0; i < 256; i++) {
+        uint16_t crc = (uint16_t)(i << 8);
         for (int k = 0; k < 8; k++)
             crc = (crc & 0x8000) ? (uint16_t)((crc << 1) ^ 0x1021) : (uint16_t)(crc << 1);
+        crc16_tab[i] = crc;
     }
+}
+
+uint16_t kvr_rc_crc16(const void *p, size_t n)
+{
+    pthread_once(&crc16_once, crc16_init);
+    const uint8_t *b = p;
+    uint16_t crc = 0;
+    for (size_t i = 0; i < n; i++)
+        crc = (uint16_t)((crc << 8) ^ crc16_tab[((crc >> 8) ^ b[i]) & 0xFF]);
     return crc;
 }
 
