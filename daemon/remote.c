@@ -103,6 +103,11 @@ size_t kvr_rt_manifest_key(const char *ctx_id, char out[KVR_RT_KEY_MAX])
     return (size_t)snprintf(out, KVR_RT_KEY_MAX, "kvr1:m:{%016" PRIx64 "}", fin(h));
 }
 
+size_t kvr_rt_sub_key(uint64_t sub_chain, char out[KVR_RT_KEY_MAX])
+{
+    return (size_t)snprintf(out, KVR_RT_KEY_MAX, "kvr1:p:{%016" PRIx64 "}", sub_chain);
+}
+
 /* ---- value encoding ---------------------------------------------------- */
 
 static inline void put32(uint8_t *p, uint32_t v) { memcpy(p, &v, 4); }
@@ -249,9 +254,9 @@ int kvr_rt_block_decode(const uint8_t *v, size_t len, const kvr_rt_desc *d, uint
 /* The checks of a block value that need only its first BLOCK_HDR + n * 12
  * bytes (header, tokens, positions) and its length; crc_ok says whether its
  * CRC32C matched (checked in between, as the value's own errors come first). */
-static int block_check(const uint8_t *v, size_t len, bool crc_ok, const kvr_rt_desc *d,
-                       uint64_t chain, uint64_t start, const uint32_t *tokens,
-                       const int64_t *pos, size_t n, kvr_error *err)
+static int block_check_n(const uint8_t *v, size_t len, bool crc_ok, const kvr_rt_desc *d,
+                         uint64_t chain, uint64_t start, const uint32_t *tokens,
+                         const int64_t *pos, size_t n, size_t n_cmp, kvr_error *err)
 {
     size_t kv = kv_bytes(d, n);
     if (len < BLOCK_HDR + 4 || memcmp(v, BLOCK_MAGIC, 4) != 0)
@@ -273,8 +278,51 @@ static int block_check(const uint8_t *v, size_t len, bool crc_ok, const kvr_rt_d
     if (get64(v + 40) != chain || get64(v + 48) != start)
         return kvr_error_set(err, KVR_EIO, "block value: chain or start differ from its key");
     const uint8_t *p = v + BLOCK_HDR;
-    if (memcmp(p, tokens, n * 4) != 0 || memcmp(p + n * 4, pos, n * 8) != 0)
+    if (memcmp(p, tokens, n_cmp * 4) != 0 || memcmp(p + n * 4, pos, n_cmp * 8) != 0)
         return kvr_error_set(err, KVR_EIO, "block value: tokens or positions differ");
+    return 0;
+}
+
+static int block_check(const uint8_t *v, size_t len, bool crc_ok, const kvr_rt_desc *d,
+                       uint64_t chain, uint64_t start, const uint32_t *tokens,
+                       const int64_t *pos, size_t n, kvr_error *err)
+{
+    return block_check_n(v, len, crc_ok, d, chain, start, tokens, pos, n, n, err);
+}
+
+/* The first e tokens of a whole block value of n tokens (found through a
+ * sub-block prefix key): the value checked as a block whose chain is
+ * `chain` and whose chain continues `prev`, its first e tokens and
+ * positions those expected; their K/V copied into the flat payload dst
+ * (n_ctx tokens) at start. */
+static int decode_head(const uint8_t *v, size_t len, const kvr_rt_desc *d, uint64_t prev,
+                       uint64_t chain, uint64_t start, size_t n, const uint32_t *tokens,
+                       const int64_t *pos, size_t e, uint8_t *dst, size_t n_ctx,
+                       kvr_error *err)
+{
+    size_t row = row_bytes(d);
+    bool sized = len >= BLOCK_HDR + 4 && len == BLOCK_HDR + n * 12 + kv_bytes(d, n) + 4;
+    bool crc_ok = sized && kvr_crc32c(0, v, len - 4) == get32(v + len - 4);
+    int rc = block_check_n(v, len, crc_ok, d, chain, start, tokens, pos, n, e, err);
+    if (rc < 0)
+        return rc;
+    uint32_t *bt = kvr_mem_malloc(n * 4);
+    int64_t *bp = kvr_mem_malloc(n * 8);
+    if (!bt || !bp) {
+        kvr_mem_free(bt);
+        kvr_mem_free(bp);
+        return kvr_error_set(err, KVR_ENOMEM, "out of memory");
+    }
+    memcpy(bt, v + BLOCK_HDR, n * 4);
+    memcpy(bp, v + BLOCK_HDR + n * 4, n * 8);
+    bool cont = kvr_rt_chain_next(prev, bt, bp, n) == chain;
+    kvr_mem_free(bt);
+    kvr_mem_free(bp);
+    if (!cont)
+        return kvr_error_set(err, KVR_EIO, "block value: does not continue the prefix");
+    const uint8_t *p = v + BLOCK_HDR + n * 12;
+    for (size_t l = 0; l < 2 * (size_t)d->n_layers; l++)
+        memcpy(dst + (l * n_ctx + start) * row, p + l * n * row, e * row);
     return 0;
 }
 
@@ -299,6 +347,36 @@ static int decode_to(const uint8_t *v, size_t len, const kvr_rt_desc *d, uint64_
 static size_t layout_bytes(const kvr_rt_manifest *m)
 {
     return LAYOUT_FIXED + m->layout.n_groups * GROUP_REC;
+}
+
+#define SUB_MAGIC "KVRP"
+
+void kvr_rt_sub_encode(const kvr_rt_desc *d, uint64_t block_chain, uint32_t block_n,
+                       uint32_t e, uint8_t out[KVR_RT_SUB_LEN])
+{
+    memcpy(out, SUB_MAGIC, 4);
+    put32(out + 4, RT_VERSION);
+    put64(out + 8, d->fingerprint);
+    put64(out + 16, block_chain);
+    put32(out + 24, block_n);
+    put32(out + 28, e);
+    put32(out + 32, kvr_crc32c(0, out, 32));
+}
+
+int kvr_rt_sub_decode(const uint8_t *v, size_t len, const kvr_rt_desc *d, uint32_t e,
+                      uint64_t *block_chain, uint32_t *block_n, kvr_error *err)
+{
+    if (len != KVR_RT_SUB_LEN || memcmp(v, SUB_MAGIC, 4) != 0 || get32(v + 4) != RT_VERSION)
+        return kvr_error_set(err, KVR_EIO, "prefix key: not a kvrope prefix entry (%zu bytes)",
+                             len);
+    if (kvr_crc32c(0, v, 32) != get32(v + 32))
+        return kvr_error_set(err, KVR_EIO, "prefix key: checksum mismatch");
+    uint32_t n = get32(v + 24);
+    if (get64(v + 8) != d->fingerprint || get32(v + 28) != e || n <= e || n > KVR_RT_BLOCK)
+        return kvr_error_set(err, KVR_EIO, "prefix key: for another model or length");
+    *block_chain = get64(v + 16);
+    *block_n = n;
+    return 0;
 }
 
 uint8_t *kvr_rt_manifest_encode(const kvr_rt_manifest *m, size_t *len)
@@ -571,6 +649,51 @@ static bool tier_up(kvr_remote *r)
     return false;
 }
 
+/* SETs every block's sub-block prefix keys, pipelined. */
+static int publish_subs(kvr_remote *r, const kvr_rt_manifest *m)
+{
+    size_t per = KVR_RT_BLOCK / KVR_RT_GRAIN - 1, cap = m->n_blocks * per + 1;
+    char (*keys)[KVR_RT_KEY_MAX] = kvr_mem_malloc(cap * KVR_RT_KEY_MAX);
+    uint8_t (*vals)[KVR_RT_SUB_LEN] = kvr_mem_malloc(cap * KVR_RT_SUB_LEN);
+    kvr_rc_cmd *cmds = kvr_mem_malloc(cap * sizeof *cmds);
+    const char **argv = kvr_mem_malloc(cap * 3 * sizeof *argv);
+    size_t *argl = kvr_mem_malloc(cap * 3 * sizeof *argl);
+    redisReply **rep = kvr_mem_calloc(cap, sizeof *rep);
+    int rc = KVR_ENOMEM;
+    if (!keys || !vals || !cmds || !argv || !argl || !rep)
+        goto out;
+    size_t k = 0;
+    for (size_t b = 0; b < m->n_blocks; b++) {
+        size_t s = b * KVR_RT_BLOCK, n = m->n_tokens - s < KVR_RT_BLOCK ? m->n_tokens - s
+                                                                        : KVR_RT_BLOCK;
+        uint64_t prev = b ? m->chains[b - 1] : kvr_rt_chain_seed(&m->desc);
+        for (uint32_t e = KVR_RT_GRAIN; e < n; e += KVR_RT_GRAIN, k++) {
+            uint64_t sub = kvr_rt_chain_next(prev, m->tokens + s, m->positions + s, e);
+            argl[3 * k + 1] = kvr_rt_sub_key(sub, keys[k]);
+            kvr_rt_sub_encode(&m->desc, m->chains[b], (uint32_t)n, e, vals[k]);
+            argv[3 * k] = "SET";
+            argl[3 * k] = 3;
+            argv[3 * k + 1] = keys[k];
+            argv[3 * k + 2] = (const char *)vals[k];
+            argl[3 * k + 2] = KVR_RT_SUB_LEN;
+            cmds[k] = (kvr_rc_cmd){ 3, argv + 3 * k, argl + 3 * k };
+        }
+    }
+    size_t ok = kvr_rc_batch(r->rc, k, cmds, rep);
+    for (size_t i = 0; i < k; i++)
+        if (rep[i])
+            freeReplyObject(rep[i]);
+    rc = ok == k ? 0 : KVR_EIO;
+out:
+    kvr_mem_free(keys);
+    kvr_mem_free(vals);
+    kvr_mem_free(cmds);
+    kvr_mem_free(argv);
+    kvr_mem_free(argl);
+    kvr_mem_free(rep);
+    return rc;
+}
+
 static void publish_one(kvr_remote *r, pub_job *j)
 {
     kvr_rt_manifest *m = &j->m;
@@ -680,6 +803,14 @@ static void publish_one(kvr_remote *r, pub_job *j)
         j->rc = KVR_EIO;
         snprintf(j->msg, sizeof j->msg, "remote tier: %zu of %zu blocks of '%.200s' not published",
                  failed, nb, m->ctx_id);
+        goto out;
+    }
+    /* The sub-block prefix keys (tiny, content-addressed: written again
+     * whatever is there), so a match finds a shared prefix to 16 tokens. */
+    if (publish_subs(r, m) < 0) {
+        j->rc = KVR_EIO;
+        snprintf(j->msg, sizeof j->msg, "remote tier: the prefix keys of '%.200s' were not "
+                 "all published", m->ctx_id);
         goto out;
     }
     /* The manifest last: whoever finds it finds its blocks (unless Redis
@@ -1035,7 +1166,7 @@ kvr_rjob *kvr_remote_job_get(kvr_remote *r, const char *ctx_id)
 kvr_rjob *kvr_remote_job_prefix(kvr_remote *r, const char *model, const uint32_t *tokens,
                                 size_t n, size_t local_len)
 {
-    if (!r || n < KVR_RT_BLOCK || local_len >= n / KVR_RT_BLOCK * KVR_RT_BLOCK)
+    if (!r || n < KVR_RT_GRAIN || local_len >= n)
         return NULL;     /* the cluster cannot know more than we do */
     kvr_model_info mi;
     if (kvr_store_model_find(r->d->store, model, &mi) < 0)
@@ -1286,22 +1417,76 @@ static void work_by_id(kvr_rjob *j)
     j->have_manifest = true;     /* the loop opens the put, then phase 1 */
 }
 
+/* The finer candidates after `run` whole blocks of the prompt (chain
+ * `prev` before them): a published context's last, shorter block of 1..63
+ * tokens ("kvr1:b:"), and the sub-block prefix keys of 16, 32, 48 tokens
+ * ("kvr1:p:"), each as far as the prompt goes. Same hash for a length
+ * either way (kvr_rt_chain_next of those tokens). */
+#define FINE_MAX (KVR_RT_BLOCK - 1 + KVR_RT_BLOCK / KVR_RT_GRAIN - 1)
+
+typedef struct fine {
+    size_t   n;
+    char     keys[FINE_MAX][KVR_RT_KEY_MAX];
+    uint32_t len[FINE_MAX];
+    bool     sub[FINE_MAX];
+    uint64_t chain[FINE_MAX];
+    const char *argv[FINE_MAX][2];
+    size_t   argl[FINE_MAX][2];
+} fine;
+
+static void fine_build(fine *f, uint64_t prev, const uint32_t *tok, const int64_t *pos,
+                       size_t avail)
+{
+    f->n = 0;
+    if (avail > KVR_RT_BLOCK)
+        avail = KVR_RT_BLOCK;
+    for (uint32_t e = 1; e <= avail && e < KVR_RT_BLOCK; e++) {
+        uint64_t c = kvr_rt_chain_next(prev, tok, pos, e);
+        for (int sub = 0; sub < 2; sub++) {
+            if (sub && e % KVR_RT_GRAIN)
+                continue;
+            size_t i = f->n++;
+            f->len[i] = e;
+            f->sub[i] = sub;
+            f->chain[i] = c;
+            f->argv[i][0] = "EXISTS";
+            f->argl[i][0] = 6;
+            f->argl[i][1] = sub ? kvr_rt_sub_key(c, f->keys[i]) : kvr_rt_block_key(c, f->keys[i]);
+            f->argv[i][1] = f->keys[i];
+        }
+    }
+}
+
+/* The longest present candidate (a shorter block before a prefix key of
+ * the same length): its index, or -1. */
+static int fine_best(const fine *f, redisReply *const *rep)
+{
+    int best = -1;
+    for (size_t i = 0; i < f->n; i++)
+        if (rep[i] && rep[i]->type == REDIS_REPLY_INTEGER && rep[i]->integer == 1 &&
+            (best < 0 || f->len[i] > f->len[best]))
+            best = (int)i;
+    return best;
+}
+
 static void work_prefix(kvr_rjob *j)
 {
     kvr_remote *r = j->r;
-    size_t nb = j->n_prompt / KVR_RT_BLOCK, n = nb * KVR_RT_BLOCK;
-    uint64_t *chains = kvr_mem_malloc(nb * 8);
-    int64_t *pos = kvr_mem_malloc(n * 8);
-    char (*keys)[KVR_RT_KEY_MAX] = kvr_mem_malloc(nb * KVR_RT_KEY_MAX);
-    kvr_rc_cmd *cmds = kvr_mem_malloc(nb * sizeof *cmds);
-    const char **argv = kvr_mem_malloc(nb * 2 * sizeof *argv);
-    size_t *argl = kvr_mem_malloc(nb * 2 * sizeof *argl);
-    redisReply **rep = kvr_mem_calloc(nb, sizeof *rep);
-    if (!chains || !pos || !keys || !cmds || !argv || !argl || !rep)
+    size_t np = j->n_prompt, nb = np / KVR_RT_BLOCK;
+    uint64_t *chains = kvr_mem_malloc((nb + 1) * 8);
+    int64_t *pos = kvr_mem_malloc(np * 8 + 1);
+    char (*keys)[KVR_RT_KEY_MAX] = kvr_mem_malloc((nb + 1) * KVR_RT_KEY_MAX);
+    kvr_rc_cmd *cmds = kvr_mem_malloc((nb + FINE_MAX) * sizeof *cmds);
+    const char **argv = kvr_mem_malloc((nb + 1) * 2 * sizeof *argv);
+    size_t *argl = kvr_mem_malloc((nb + 1) * 2 * sizeof *argl);
+    redisReply **rep = kvr_mem_calloc(nb + FINE_MAX, sizeof *rep);
+    fine *f = kvr_mem_malloc(sizeof *f);
+    size_t nrep = 0;
+    if (!chains || !pos || !keys || !cmds || !argv || !argl || !rep || !f)
         goto out;
-    for (size_t i = 0; i < n; i++)
+    for (size_t i = 0; i < np; i++)
         pos[i] = (int64_t)i;
-    uint64_t h = kvr_rt_chain_seed(&j->desc);
+    uint64_t seed = kvr_rt_chain_seed(&j->desc), h = seed;
     for (size_t b = 0; b < nb; b++) {
         h = kvr_rt_chain_next(h, j->prompt + b * KVR_RT_BLOCK, pos + b * KVR_RT_BLOCK,
                               KVR_RT_BLOCK);
@@ -1313,26 +1498,89 @@ static void work_prefix(kvr_rjob *j)
         cmds[b] = (kvr_rc_cmd){ 2, argv + 2 * b, argl + 2 * b };
     }
     /* Probe every chain hash at once (one pipelined round per node): the
-     * run of present blocks from the start is the cluster's prefix. */
+     * run of present blocks from the start is the cluster's prefix. The
+     * finer candidates of the first block go in the same round (a prompt
+     * the cluster does not hold costs one round trip). */
+    fine_build(f, seed, j->prompt, pos, np);
+    for (size_t i = 0; i < f->n; i++)
+        cmds[nb + i] = (kvr_rc_cmd){ 2, f->argv[i], f->argl[i] };
+    nrep = nb + f->n;
     atomic_fetch_add(&r->probes, 1);
-    kvr_rc_batch(r->rc, nb, cmds, rep);
+    kvr_rc_batch(r->rc, nrep, cmds, rep);
     size_t run = 0;
     while (run < nb && rep[run] && rep[run]->type == REDIS_REPLY_INTEGER && rep[run]->integer == 1)
         run++;
-    if (run * KVR_RT_BLOCK <= j->local_len) {
+    int best = -1;
+    if (run == 0) {
+        best = fine_best(f, rep + nb);
+    } else if (run * KVR_RT_BLOCK < np) {
+        /* A second round: the finer candidates after the run. */
+        size_t s0 = run * KVR_RT_BLOCK;
+        for (size_t i = nb; i < nrep; i++) {
+            if (rep[i])
+                freeReplyObject(rep[i]);
+            rep[i] = NULL;
+        }
+        fine_build(f, chains[run - 1], j->prompt + s0, pos + s0, np - s0);
+        nrep = nb + f->n;
+        for (size_t i = 0; i < f->n; i++)
+            cmds[i] = (kvr_rc_cmd){ 2, f->argv[i], f->argl[i] };
+        kvr_rc_batch(r->rc, f->n, cmds, rep + nb);
+        best = fine_best(f, rep + nb);
+    }
+    size_t extra = best >= 0 ? f->len[best] : 0, len = run * KVR_RT_BLOCK + extra;
+    if (len == 0 || len <= j->local_len) {
         miss(j, false, "the cluster's prefix is no longer than the local one");
         goto out;
     }
-    size_t len = run * KVR_RT_BLOCK;
     j->payload = kvr_mem_malloc(kv_bytes(&j->desc, len));
     if (!j->payload)
         goto out;
-    size_t good = fetch_blocks(j, chains, run, len, j->prompt, pos);
-    if (good * KVR_RT_BLOCK <= j->local_len)
+    /* The whole blocks, and a shorter last block, straight into the payload. */
+    bool tail_block = best >= 0 && !f->sub[best];
+    if (tail_block)
+        chains[run] = f->chain[best];
+    size_t nfetch = run + (tail_block ? 1 : 0);
+    size_t good = nfetch ? fetch_blocks(j, chains, nfetch, len, j->prompt, pos) : 0;
+    size_t glen = good == nfetch ? len : good * KVR_RT_BLOCK;
+    if (best >= 0 && f->sub[best] && good == nfetch) {
+        /* A prefix key: the whole block it names, of which the first
+         * `extra` tokens are the prompt's. */
+        size_t s0 = run * KVR_RT_BLOCK;
+        char vk[KVR_RT_KEY_MAX];
+        size_t vkl = kvr_rt_sub_key(f->chain[best], vk);
+        redisReply *x = get_one(r->rc, vk, vkl);
+        uint64_t bchain = 0;
+        uint32_t bn = 0;
+        kvr_error e = { 0 };
+        int rc = x ? kvr_rt_sub_decode((const uint8_t *)x->str, x->len, &j->desc, (uint32_t)extra,
+                                       &bchain, &bn, &e)
+                   : kvr_error_set(&e, KVR_EIO, "%s: gone", vk);
+        if (x)
+            freeReplyObject(x);
+        if (rc == 0) {
+            char bk[KVR_RT_KEY_MAX];
+            size_t bkl = kvr_rt_block_key(bchain, bk);
+            x = get_one(r->rc, bk, bkl);
+            rc = x ? decode_head((const uint8_t *)x->str, x->len, &j->desc,
+                                 run ? chains[run - 1] : seed, bchain, s0, bn, j->prompt + s0,
+                                 pos + s0, extra, j->payload, len, &e)
+                   : kvr_error_set(&e, KVR_EIO, "%s: gone", bk);
+            if (x)
+                freeReplyObject(x);
+        }
+        if (rc < 0) {
+            char why[400];
+            snprintf(why, sizeof why, "%s: %s", vk, e.msg);
+            bool evicted = strstr(e.msg, ": gone") != NULL;
+            miss(j, !evicted, why);
+            glen = s0;
+        }
+    }
+    if (glen == 0 || glen <= j->local_len)
         goto out;
     /* A shorter good run still helps: the payload is laid out for len
-     * tokens, so land exactly `good` blocks by compacting per layer side. */
-    size_t glen = good * KVR_RT_BLOCK;
+     * tokens, so land exactly glen by compacting per layer side. */
     if (glen < len) {
         size_t row = row_bytes(&j->desc);
         for (size_t l = 0; l < 2 * (size_t)j->desc.n_layers; l++)
@@ -1345,10 +1593,13 @@ static void work_prefix(kvr_rjob *j)
     memcpy(j->m.tokens, j->prompt, glen * 4);
     memcpy(j->m.positions, pos, glen * 8);
     j->n_tokens = glen;
-    snprintf(j->ctx_id, sizeof j->ctx_id, "cluster:%016" PRIx64, chains[good - 1]);
+    /* Named after the chain hash of the prefix's last token (a whole
+     * block's, or the finer one's: the same hash names the same tokens). */
+    uint64_t last = glen == len && best >= 0 ? f->chain[best] : chains[glen / KVR_RT_BLOCK - 1];
+    snprintf(j->ctx_id, sizeof j->ctx_id, "cluster:%016" PRIx64, last);
     j->hit = true;
 out:
-    for (size_t b = 0; rep && b < nb; b++)
+    for (size_t b = 0; rep && b < nrep; b++)
         if (rep[b])
             freeReplyObject(rep[b]);
     kvr_mem_free(chains);
@@ -1358,6 +1609,7 @@ out:
     kvr_mem_free(argv);
     kvr_mem_free(argl);
     kvr_mem_free(rep);
+    kvr_mem_free(f);
 }
 
 void kvr_remote_job_work(kvr_rjob *j)

@@ -26,6 +26,7 @@
 #include "cache/cache.h"
 
 #define KVR_RT_BLOCK 64u            /* tokens per remote block */
+#define KVR_RT_GRAIN 16u            /* granule of the sub-block prefix keys */
 #define KVR_RT_KEY_MAX 64
 
 typedef struct kvr_daemon kvr_daemon;
@@ -48,6 +49,18 @@ uint64_t kvr_rt_chain_next(uint64_t prev, const uint32_t *tokens, const int64_t 
 /* "kvr1:b:{<16 hex>}" and "kvr1:m:{<16 hex of the id's hash>}"; return length. */
 size_t kvr_rt_block_key(uint64_t chain, char out[KVR_RT_KEY_MAX]);
 size_t kvr_rt_manifest_key(const char *ctx_id, char out[KVR_RT_KEY_MAX]);
+/* "kvr1:p:{<16 hex>}": the sub-block prefix key of the first e tokens of a
+ * block (e a multiple of KVR_RT_GRAIN below the block's length), hash =
+ * kvr_rt_chain_next(chain of the block before, those e tokens). Its value
+ * (kvr_rt_sub_encode) names the whole block, so a prompt that leaves a
+ * published block after e tokens still finds those e. */
+size_t kvr_rt_sub_key(uint64_t sub_chain, char out[KVR_RT_KEY_MAX]);
+#define KVR_RT_SUB_LEN 36u
+void kvr_rt_sub_encode(const kvr_rt_desc *d, uint64_t block_chain, uint32_t block_n,
+                       uint32_t e, uint8_t out[KVR_RT_SUB_LEN]);
+/* 0 and the block's chain and length, or KVR_EIO (corrupt or not for d, e). */
+int  kvr_rt_sub_decode(const uint8_t *v, size_t len, const kvr_rt_desc *d, uint32_t e,
+                       uint64_t *block_chain, uint32_t *block_n, kvr_error *err);
 
 /* ---- values (pure) ----------------------------------------------------- */
 /* A block value: header, tokens, positions, the block's K/V (layer-major,
