@@ -598,6 +598,8 @@ typedef struct batch_part {
     const kvr_rc_sink *sink;        /* non-NULL: replies read straight into it */
     void             *ud;
     size_t            ok;
+    redisContext     *x;            /* between part_send and part_recv */
+    bool              healthy;
     pthread_t         th;
     bool              threaded;
 } batch_part;
@@ -812,21 +814,33 @@ static void *run_part_sink(void *arg)
     return NULL;
 }
 
-static void *run_part(void *arg)
+/* A part in two halves: send its pipeline (part_send), then read its
+ * replies (part_recv). Small batches send every node's pipeline first and
+ * then read them in turn, on this thread: the nodes work at once and no
+ * thread is started (a probe of hundreds of EXISTS). */
+static void part_send(batch_part *p)
 {
-    batch_part *p = arg;
-    if (p->sink)
-        return run_part_sink(arg);
-    kvr_rc *rc = p->rc;
-    rc_node *nd = node_at(rc, p->idx);
-    redisContext *x = nd ? node_get(rc, nd, NULL) : NULL;
-    if (!x)
-        return NULL;                 /* all left to the one-by-one path */
+    rc_node *nd = node_at(p->rc, p->idx);
+    p->x = nd ? node_get(p->rc, nd, NULL) : NULL;
+    if (!p->x)
+        return;                      /* all left to the one-by-one path */
     for (size_t k = 0; k < p->nix; k++) {
         const kvr_rc_cmd *c = &p->cmds[p->ix[k]];
-        redisAppendCommandArgv(x, c->argc, c->argv, c->argvlen);
+        redisAppendCommandArgv(p->x, c->argc, c->argv, c->argvlen);
     }
-    bool healthy = true;
+    int wdone = 0;
+    p->healthy = true;
+    while (p->healthy && !wdone)
+        p->healthy = redisBufferWrite(p->x, &wdone) == REDIS_OK;
+}
+
+static void part_recv(batch_part *p)
+{
+    kvr_rc *rc = p->rc;
+    redisContext *x = p->x;
+    if (!x)
+        return;
+    bool healthy = p->healthy;
     for (size_t k = 0; k < p->nix && healthy; k++) {
         size_t j = p->ix[k];
         redisReply *r = NULL;
@@ -844,9 +858,21 @@ static void *run_part(void *arg)
     }
     if (!healthy)
         count(rc, &rc->conn_errors);
-    node_put(nd, x, healthy);
+    node_put(node_at(rc, p->idx), x, healthy);
+    p->x = NULL;
+}
+
+static void *run_part(void *arg)
+{
+    batch_part *p = arg;
+    if (p->sink)
+        return run_part_sink(arg);
+    part_send(p);
+    part_recv(p);
     return NULL;
 }
+
+#define FANOUT_MAX_BYTES (256u << 10)    /* below: no threads */
 
 static size_t batch_run(kvr_rc *rc, size_t n, const kvr_rc_cmd *cmds, redisReply **out,
                         kvr_rc_reply_fn cb, const kvr_rc_sink *sink, void *ud)
@@ -890,11 +916,22 @@ static size_t batch_run(kvr_rc *rc, size_t n, const kvr_rc_cmd *cmds, redisReply
     /* The nodes' pipelines run at once: one thread per node but the last,
      * which runs here (large values then arrive from every master in
      * parallel, and each thread checks what it received while it is hot). */
-    for (int k = 0; k + 1 < np; k++)
-        parts[k].threaded = pthread_create(&parts[k].th, NULL, run_part, &parts[k]) == 0;
-    for (int k = 0; k < np; k++)
-        if (!parts[k].threaded)
-            run_part(&parts[k]);
+    size_t bytes = 0;
+    for (size_t i = 0; !sink && i < n; i++)
+        for (int a = 0; a < cmds[i].argc; a++)
+            bytes += cmds[i].argvlen[a];
+    if (!sink && bytes < FANOUT_MAX_BYTES) {
+        for (int k = 0; k < np; k++)
+            part_send(&parts[k]);
+        for (int k = 0; k < np; k++)
+            part_recv(&parts[k]);
+    } else {
+        for (int k = 0; k + 1 < np; k++)
+            parts[k].threaded = pthread_create(&parts[k].th, NULL, run_part, &parts[k]) == 0;
+        for (int k = 0; k < np; k++)
+            if (!parts[k].threaded)
+                run_part(&parts[k]);
+    }
     size_t ok = 0;
     for (int k = 0; k < np; k++) {
         if (parts[k].threaded)

@@ -330,7 +330,7 @@ int main(void)
     double p50 = lat[nm / 2], p99 = lat[(int)((nm - 1) * 0.99)];
     printf("\n| match of a 32k-token prompt on B (%d x %d x %d f16) | p50 ms | p99 ms |\n"
            "|---|---|---|\n", T_LAYERS, T_HEADS, T_DIM);
-    printf("| not in the cluster (probe of %d chain hashes) | %.2f | %.2f |\n", NP / 64,
+    printf("| not in the cluster (probe of %d chain hashes + 66 finer keys) | %.2f | %.2f |\n", NP / 64,
            p50 * 1e3, p99 * 1e3);
     printf("| all in the cluster (probe + fetch + land %zu tokens, %.1f MiB) | %.2f | %.2f |\n",
            got, (double)kvr_payload_size(T_LAYERS, got, T_HEADS, T_DIM, KVR_DTYPE_F16) /
