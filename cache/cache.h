@@ -162,6 +162,16 @@ typedef struct kvr_put_params {
                                           put, so a stored put never fails on
                                           it. KVR_ERANGE at begin if beyond the
                                           length the context will have. */
+    /* Encoded data (the shared tier: a context another node published):
+     * create only, quantized codec. The first raw_tokens tokens (a multiple
+     * of the codec's K tile) arrive encoded, as a raw get returns them
+     * (for each layer K bytes then V bytes; keys pre-RoPE), and go into
+     * quantized blocks as they are; the rest arrives in `dtype` (keys
+     * rotated at their positions) and goes to the window. The payload is
+     * those raw bytes followed by the window's layer-major K/V. Nothing is
+     * re-quantized: the context holds exactly the sender's codes. */
+    bool            raw;
+    size_t          raw_tokens;
 } kvr_put_params;
 
 typedef struct kvr_put_result {

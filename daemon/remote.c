@@ -344,9 +344,171 @@ static int decode_to(const uint8_t *v, size_t len, const kvr_rt_desc *d, uint64_
     return 0;
 }
 
+#define QUANT_SEC (KVR_CODEC_NAME_MAX + 32)
+
 static size_t layout_bytes(const kvr_rt_manifest *m)
 {
-    return LAYOUT_FIXED + m->layout.n_groups * GROUP_REC;
+    return LAYOUT_FIXED + m->layout.n_groups * GROUP_REC + (m->quant ? QUANT_SEC : 0);
+}
+
+/* ---- the values of a manifest -------------------------------------------- */
+
+size_t kvr_rt_manifest_blocks(const kvr_rt_manifest *m)
+{
+    if (!m->quant)
+        return (m->n_tokens + KVR_RT_BLOCK - 1) / KVR_RT_BLOCK;
+    return (m->n_raw + m->chunk - 1) / m->chunk +
+           (m->n_tokens - m->n_raw + KVR_RT_BLOCK - 1) / KVR_RT_BLOCK;
+}
+
+void kvr_rt_manifest_block(const kvr_rt_manifest *m, size_t b, size_t *start, size_t *n,
+                           bool *chunk)
+{
+    size_t nch = m->quant ? (m->n_raw + m->chunk - 1) / m->chunk : 0;
+    if (b < nch) {
+        *start = b * m->chunk;
+        *n = m->n_raw - *start < m->chunk ? m->n_raw - *start : m->chunk;
+        *chunk = true;
+        return;
+    }
+    size_t base = m->quant ? m->n_raw : 0;
+    *start = base + (b - nch) * KVR_RT_BLOCK;
+    *n = m->n_tokens - *start < KVR_RT_BLOCK ? m->n_tokens - *start : KVR_RT_BLOCK;
+    *chunk = false;
+}
+
+/* A quantized context's chains start from its codec as well: its values
+ * are never taken for a plain context's (nor found by match). */
+static uint64_t manifest_seed(const kvr_rt_manifest *m)
+{
+    uint64_t h = kvr_rt_chain_seed(&m->desc);
+    if (!m->quant)
+        return h;
+    h = mix(h, 0x7175616e74ull);      /* "quant" */
+    for (const char *c = m->codec; *c; c++)
+        h = mix(h, (uint8_t)*c);
+    h = mix(h, m->chunk);
+    return fin(h);
+}
+
+void kvr_rt_manifest_chains(const kvr_rt_manifest *m, uint64_t *out)
+{
+    uint64_t h = manifest_seed(m);
+    size_t nb = kvr_rt_manifest_blocks(m);
+    for (size_t b = 0; b < nb; b++) {
+        size_t s, n;
+        bool ch;
+        kvr_rt_manifest_block(m, b, &s, &n, &ch);
+        h = kvr_rt_chain_next(h, m->tokens + s, m->positions + s, n);
+        out[b] = h;
+    }
+}
+
+/* ---- encoded chunks of a quantized context ------------------------------ */
+
+#define CHUNK_MAGIC "KVRQ"
+#define CHUNK_HDR 128u
+
+/* Per layer, the K and V bytes of n encoded tokens (n a multiple of the
+ * K tile): proportional to the manifest's totals for n_raw tokens. */
+static size_t chunk_kb(const kvr_rt_manifest *m, size_t n)
+{
+    return m->n_raw ? m->raw_kb / (m->n_raw / m->ktile) * (n / m->ktile) : 0;
+}
+
+static size_t chunk_vb(const kvr_rt_manifest *m, size_t n)
+{
+    return m->n_raw ? m->raw_vb / m->n_raw * n : 0;
+}
+
+static size_t chunk_len(const kvr_rt_manifest *m, size_t n)
+{
+    return CHUNK_HDR + n * 12 + m->desc.n_layers * (chunk_kb(m, n) + chunk_vb(m, n)) + 4;
+}
+
+/* Offset in the raw payload (a raw get's / a raw put's: per layer K bytes
+ * then V bytes of all n_raw tokens) of layer l's K (kv 0) or V of the
+ * tokens from s. */
+static size_t raw_off(const kvr_rt_manifest *m, size_t l, int kv, size_t s)
+{
+    return l * (m->raw_kb + m->raw_vb) + (kv ? m->raw_kb + chunk_vb(m, s) : chunk_kb(m, s));
+}
+
+static uint8_t *chunk_encode(const kvr_rt_manifest *m, size_t b, uint64_t chain,
+                             const rt_src *raw, size_t *len)
+{
+    size_t s, n;
+    bool ch;
+    kvr_rt_manifest_block(m, b, &s, &n, &ch);
+    size_t total = chunk_len(m, n), kb = chunk_kb(m, n), vb = chunk_vb(m, n);
+    uint8_t *v = kvr_mem_calloc(1, total);
+    if (!v)
+        return NULL;
+    memcpy(v, CHUNK_MAGIC, 4);
+    put32(v + 4, RT_VERSION);
+    put64(v + 8, m->desc.fingerprint);
+    put32(v + 16, m->desc.n_layers);
+    put32(v + 20, m->desc.n_kv_heads);
+    put32(v + 24, m->desc.head_dim);
+    put32(v + 28, m->chunk);
+    put32(v + 32, (uint32_t)n);
+    put32(v + 36, m->ktile);
+    put64(v + 40, chain);
+    put64(v + 48, s);
+    snprintf((char *)v + 56, KVR_CODEC_NAME_MAX, "%s", m->codec);
+    uint8_t *p = v + CHUNK_HDR;
+    memcpy(p, m->tokens + s, n * 4);
+    memcpy(p + n * 4, m->positions + s, n * 8);
+    p += n * 12;
+    for (size_t l = 0; l < m->desc.n_layers; l++) {
+        src_read(raw, raw_off(m, l, 0, s), p, kb);
+        p += kb;
+        src_read(raw, raw_off(m, l, 1, s), p, vb);
+        p += vb;
+    }
+    put32(p, kvr_crc32c(0, v, (size_t)(p - v)));
+    *len = total;
+    return v;
+}
+
+/* The checks of a chunk value against the manifest (header, tokens and
+ * positions in v's first CHUNK_HDR + n * 12 bytes). */
+static int chunk_check(const uint8_t *v, size_t len, bool crc_ok, const kvr_rt_manifest *m,
+                       size_t b, uint64_t chain, kvr_error *err)
+{
+    size_t s, n;
+    bool ch;
+    kvr_rt_manifest_block(m, b, &s, &n, &ch);
+    if (len < CHUNK_HDR + 4 || memcmp(v, CHUNK_MAGIC, 4) != 0)
+        return kvr_error_set(err, KVR_EIO, "chunk value: not a kvrope chunk (%zu bytes)", len);
+    if (get32(v + 4) != RT_VERSION)
+        return kvr_error_set(err, KVR_EIO, "chunk value: version %u", get32(v + 4));
+    if (len != chunk_len(m, n))
+        return kvr_error_set(err, KVR_EIO, "chunk value: %zu bytes, expected %zu", len,
+                             chunk_len(m, n));
+    if (!crc_ok)
+        return kvr_error_set(err, KVR_EIO, "chunk value: checksum mismatch");
+    if (get64(v + 8) != m->desc.fingerprint)
+        return kvr_error_set(err, KVR_EFINGERPRINT, "chunk value: fingerprint %016" PRIx64
+                             ", expected %016" PRIx64, get64(v + 8), m->desc.fingerprint);
+    if (get32(v + 16) != m->desc.n_layers || get32(v + 20) != m->desc.n_kv_heads ||
+        get32(v + 24) != m->desc.head_dim || get32(v + 28) != m->chunk ||
+        get32(v + 32) != n || get32(v + 36) != m->ktile)
+        return kvr_error_set(err, KVR_ESHAPE, "chunk value: shape/tile/length differ");
+    if (memchr(v + 56, 0, KVR_CODEC_NAME_MAX) == NULL || strcmp((const char *)v + 56, m->codec))
+        return kvr_error_set(err, KVR_ESHAPE, "chunk value: codec '%.64s', expected '%s'",
+                             (const char *)v + 56, m->codec);
+    if (get64(v + 40) != chain || get64(v + 48) != s)
+        return kvr_error_set(err, KVR_EIO, "chunk value: chain or start differ from its key");
+    const uint8_t *p = v + CHUNK_HDR;
+    if (memcmp(p, m->tokens + s, n * 4) != 0 || memcmp(p + n * 4, m->positions + s, n * 8) != 0)
+        return kvr_error_set(err, KVR_EIO, "chunk value: tokens or positions differ");
+    return 0;
+}
+
+size_t kvr_rt_chunk_key(uint64_t chain, char out[KVR_RT_KEY_MAX])
+{
+    return (size_t)snprintf(out, KVR_RT_KEY_MAX, "kvr1:q:{%016" PRIx64 "}", chain);
 }
 
 #define SUB_MAGIC "KVRP"
@@ -412,7 +574,7 @@ uint8_t *kvr_rt_manifest_encode(const kvr_rt_manifest *m, size_t *len)
         memcpy(p, m->groups, m->n_tokens * 4);
     p += m->n_tokens * 4;
     const kvr_layout_info *L = &m->layout;
-    put32(p, (L->has_prefix ? 1u : 0u) | (L->has_retention ? 2u : 0u));
+    put32(p, (L->has_prefix ? 1u : 0u) | (L->has_retention ? 2u : 0u) | (m->quant ? 4u : 0u));
     snprintf((char *)p + 4, 256, "%s", L->has_prefix ? L->prefix_ctx : "");
     put64(p + 260, L->prefix_fingerprint);
     put64(p + 268, L->prefix_len);
@@ -428,6 +590,15 @@ uint8_t *kvr_rt_manifest_encode(const kvr_rt_manifest *m, size_t *len)
         put64(p + KVR_GROUP_NAME_MAX + 1, (uint64_t)L->groups[g].offset);
         put64(p + KVR_GROUP_NAME_MAX + 9, L->groups[g].cursor);
         p += GROUP_REC;
+    }
+    if (m->quant) {
+        snprintf((char *)p, KVR_CODEC_NAME_MAX, "%s", m->codec);
+        put64(p + KVR_CODEC_NAME_MAX, m->n_raw);
+        put64(p + KVR_CODEC_NAME_MAX + 8, m->raw_kb);
+        put64(p + KVR_CODEC_NAME_MAX + 16, m->raw_vb);
+        put32(p + KVR_CODEC_NAME_MAX + 24, m->chunk);
+        put32(p + KVR_CODEC_NAME_MAX + 28, m->ktile);
+        p += QUANT_SEC;
     }
     put32(p, kvr_crc32c(0, v, (size_t)(p - v)));
     *len = total;
@@ -459,18 +630,22 @@ int kvr_rt_manifest_decode(const uint8_t *v, size_t len, const char *want_id,
         return kvr_error_set(err, KVR_EIO, "manifest: version %u / block %u", ver,
                              get32(v + 32));
     uint64_t nt = get64(v + 40), nb = get64(v + 48);
-    if (nt > MAX_TOKENS || nb != (nt + KVR_RT_BLOCK - 1) / KVR_RT_BLOCK)
+    if (nt > MAX_TOKENS || nb > nt)
         return kvr_error_set(err, KVR_EIO, "manifest: inconsistent lengths");
     size_t body = MANIFEST_HDR + nb * 8 + nt * 16;      /* version 1's */
     size_t ng = 0;
+    bool quant = false;
     if (ver >= 2) {
         if (len < body + nt * 4 + LAYOUT_FIXED + 4)
             return kvr_error_set(err, KVR_EIO, "manifest: inconsistent lengths");
         ng = get32(v + body + nt * 4 + 284);
+        quant = (get32(v + body + nt * 4) & 4u) != 0;
         if (ng > KVR_MAX_GROUPS)
             return kvr_error_set(err, KVR_EIO, "manifest: %zu groups", ng);
-        body += nt * 4 + LAYOUT_FIXED + ng * GROUP_REC;
+        body += nt * 4 + LAYOUT_FIXED + ng * GROUP_REC + (quant ? QUANT_SEC : 0);
     }
+    if (!quant && nb != (nt + KVR_RT_BLOCK - 1) / KVR_RT_BLOCK)
+        return kvr_error_set(err, KVR_EIO, "manifest: inconsistent lengths");
     if (len != body + 4)
         return kvr_error_set(err, KVR_EIO, "manifest: inconsistent lengths");
     if (kvr_crc32c(0, v, len - 4) != get32(v + len - 4))
@@ -517,7 +692,7 @@ int kvr_rt_manifest_decode(const uint8_t *v, size_t len, const char *want_id,
         p += nt * 4;
         kvr_layout_info *L = &m->layout;
         uint32_t lf = get32(p);
-        if ((lf & ~3u) || memchr(p + 4, 0, 256) == NULL) {
+        if ((lf & ~7u) || memchr(p + 4, 0, 256) == NULL) {
             kvr_rt_manifest_free(m);
             return kvr_error_set(err, KVR_EIO, "manifest: bad layout record");
         }
@@ -543,6 +718,27 @@ int kvr_rt_manifest_decode(const uint8_t *v, size_t len, const char *want_id,
             L->groups[g].offset = (int64_t)get64(p + KVR_GROUP_NAME_MAX + 1);
             L->groups[g].cursor = get64(p + KVR_GROUP_NAME_MAX + 9);
         }
+        if (quant) {
+            m->quant = true;
+            bool ok = memchr(p, 0, KVR_CODEC_NAME_MAX) != NULL && p[0];
+            if (ok)
+                snprintf(m->codec, sizeof m->codec, "%s", (const char *)p);
+            m->n_raw = (size_t)get64(p + KVR_CODEC_NAME_MAX);
+            m->raw_kb = (size_t)get64(p + KVR_CODEC_NAME_MAX + 8);
+            m->raw_vb = (size_t)get64(p + KVR_CODEC_NAME_MAX + 16);
+            m->chunk = get32(p + KVR_CODEC_NAME_MAX + 24);
+            m->ktile = get32(p + KVR_CODEC_NAME_MAX + 28);
+            ok = ok && m->n_raw <= nt && m->ktile >= 1 && m->ktile <= 256 && m->chunk >= 1 &&
+                 m->chunk <= 1024 && m->chunk % m->ktile == 0 && m->n_raw % m->ktile == 0 &&
+                 (m->n_raw == 0 || (m->raw_kb % (m->n_raw / m->ktile) == 0 &&
+                                    m->raw_vb % m->n_raw == 0)) &&
+                 m->raw_kb <= ((size_t)1 << 40) && m->raw_vb <= ((size_t)1 << 40) &&
+                 nb == kvr_rt_manifest_blocks(m);
+            if (!ok) {
+                kvr_rt_manifest_free(m);
+                return kvr_error_set(err, KVR_EIO, "manifest: bad quantized section");
+            }
+        }
         if (m->n_protected > nt) {
             kvr_rt_manifest_free(m);
             return kvr_error_set(err, KVR_EIO, "manifest: %zu protected of %zu tokens",
@@ -550,9 +746,11 @@ int kvr_rt_manifest_decode(const uint8_t *v, size_t len, const char *want_id,
         }
     }
     /* The chains must be the ones these tokens and positions give. */
-    uint64_t h = kvr_rt_chain_seed(&m->desc);
+    uint64_t h = manifest_seed(m);
     for (size_t b = 0; b < nb; b++) {
-        size_t s = b * KVR_RT_BLOCK, n = nt - s < KVR_RT_BLOCK ? nt - s : KVR_RT_BLOCK;
+        size_t s, n;
+        bool ch;
+        kvr_rt_manifest_block(m, b, &s, &n, &ch);
         h = kvr_rt_chain_next(h, m->tokens + s, m->positions + s, n);
         if (h != m->chains[b]) {
             kvr_rt_manifest_free(m);
@@ -567,10 +765,15 @@ int kvr_rt_manifest_decode(const uint8_t *v, size_t len, const char *want_id,
 typedef struct pub_job {
     struct pub_job *next;
     kvr_rt_manifest m;
-    kvr_get  *get;              /* the snapshot: leased blocks (ended on the loop) */
+    kvr_get  *get;              /* the snapshot: leased blocks (ended on the loop);
+                                   quantized: a raw get of the encoded tokens */
     const struct iovec *iov;    /* its payload (after its work, if any) */
     size_t    niov;
     size_t   *starts;           /* payload offset of each iov */
+    kvr_get  *get2;             /* quantized: a get of the window (NULL: none) */
+    const struct iovec *iov2;
+    size_t    niov2;
+    size_t   *starts2;
     kvr_remote_done_fn done;    /* loop thread, when finished (may be NULL) */
     void     *done_arg;
     int       rc;
@@ -705,16 +908,23 @@ static void publish_one(kvr_remote *r, pub_job *j)
     /* The snapshot's conversion/rotation (if any) and its layout, here,
      * off the loop thread; the bytes are read straight from its leased
      * block memory. */
-    kvr_error ge = { 0 };
-    if (kvr_get_needs_work(j->get) && kvr_get_work(j->get, &ge) < 0) {
-        j->rc = KVR_EIO;
-        snprintf(j->msg, sizeof j->msg, "remote tier: snapshot of '%.200s': %.250s", m->ctx_id,
-                 ge.msg);
-        return;
+    kvr_get *gs[2] = { j->get, j->get2 };
+    for (int k = 0; k < 2; k++) {
+        kvr_error ge = { 0 };
+        if (gs[k] && kvr_get_needs_work(gs[k]) && kvr_get_work(gs[k], &ge) < 0) {
+            j->rc = KVR_EIO;
+            snprintf(j->msg, sizeof j->msg, "remote tier: snapshot of '%.200s': %.250s",
+                     m->ctx_id, ge.msg);
+            return;
+        }
     }
-    kvr_get_payload_iov(j->get, &j->iov, &j->niov);
+    if (j->get)
+        kvr_get_payload_iov(j->get, &j->iov, &j->niov);
+    if (j->get2)
+        kvr_get_payload_iov(j->get2, &j->iov2, &j->niov2);
     j->starts = kvr_mem_malloc((j->niov + 1) * sizeof *j->starts);
-    if (!j->starts) {
+    j->starts2 = kvr_mem_malloc((j->niov2 + 1) * sizeof *j->starts2);
+    if (!j->starts || !j->starts2) {
         j->rc = KVR_ENOMEM;
         snprintf(j->msg, sizeof j->msg, "remote tier: out of memory publishing");
         return;
@@ -724,15 +934,17 @@ static void publish_one(kvr_remote *r, pub_job *j)
         j->starts[i] = off;
         off += j->iov[i].iov_len;
     }
-    rt_src src = { .iov = j->iov, .niov = j->niov, .starts = j->starts };
-    size_t nb = m->n_blocks;
-    uint64_t h = kvr_rt_chain_seed(&m->desc);
-    for (size_t b = 0; b < nb; b++) {
-        size_t s = b * KVR_RT_BLOCK, n = m->n_tokens - s < KVR_RT_BLOCK ? m->n_tokens - s
-                                                                        : KVR_RT_BLOCK;
-        h = kvr_rt_chain_next(h, m->tokens + s, m->positions + s, n);
-        m->chains[b] = h;
+    off = 0;
+    for (size_t i = 0; i < j->niov2; i++) {
+        j->starts2[i] = off;
+        off += j->iov2[i].iov_len;
     }
+    /* Plain: one get of everything. Quantized: the raw get's bytes for the
+     * chunks, the window's get for the plain blocks after them. */
+    rt_src src = { .iov = j->iov, .niov = j->niov, .starts = j->starts };
+    rt_src wsrc = { .iov = j->iov2, .niov = j->niov2, .starts = j->starts2 };
+    size_t nb = m->n_blocks, wbase = m->quant ? m->n_raw : 0;
+    kvr_rt_manifest_chains(m, m->chains);
     /* Which blocks are there already (content-addressed: equal key, equal
      * bytes)? EXISTS is one pipelined round per node. */
     char (*keys)[KVR_RT_KEY_MAX] = kvr_mem_malloc((nb + 1) * KVR_RT_KEY_MAX);
@@ -748,7 +960,11 @@ static void publish_one(kvr_remote *r, pub_job *j)
         goto out;
     }
     for (size_t b = 0; b < nb; b++) {
-        klen[b] = kvr_rt_block_key(m->chains[b], keys[b]);
+        size_t bs, bn;
+        bool ch;
+        kvr_rt_manifest_block(m, b, &bs, &bn, &ch);
+        klen[b] = ch ? kvr_rt_chunk_key(m->chains[b], keys[b])
+                     : kvr_rt_block_key(m->chains[b], keys[b]);
         argv[3 * b] = "EXISTS";
         argl[3 * b] = 6;
         argv[3 * b + 1] = keys[b];
@@ -772,10 +988,17 @@ static void publish_one(kvr_remote *r, pub_job *j)
                 atomic_fetch_add(&r->pub_skipped, 1);
                 continue;
             }
-            size_t s = b * KVR_RT_BLOCK, n = m->n_tokens - s < KVR_RT_BLOCK ? m->n_tokens - s
-                                                                            : KVR_RT_BLOCK;
-            vals[k] = encode_from(&m->desc, m->chains[b], s, m->tokens + s, m->positions + s,
-                                  n, &src, m->n_tokens, &vlen[k]);
+            size_t s, n;
+            bool ch;
+            kvr_rt_manifest_block(m, b, &s, &n, &ch);
+            /* A quantized context's window blocks count from the window's
+             * start, in the window get's payload. */
+            vals[k] = ch ? chunk_encode(m, b, m->chains[b], &src, &vlen[k])
+                    : m->quant
+                        ? encode_from(&m->desc, m->chains[b], s - wbase, m->tokens + s,
+                                      m->positions + s, n, &wsrc, m->n_tokens - wbase, &vlen[k])
+                        : encode_from(&m->desc, m->chains[b], s, m->tokens + s,
+                                      m->positions + s, n, &src, m->n_tokens, &vlen[k]);
             if (!vals[k]) {
                 failed++;
                 continue;
@@ -807,7 +1030,7 @@ static void publish_one(kvr_remote *r, pub_job *j)
     }
     /* The sub-block prefix keys (tiny, content-addressed: written again
      * whatever is there), so a match finds a shared prefix to 16 tokens. */
-    if (publish_subs(r, m) < 0) {
+    if (!m->quant && publish_subs(r, m) < 0) {
         j->rc = KVR_EIO;
         snprintf(j->msg, sizeof j->msg, "remote tier: the prefix keys of '%.200s' were not "
                  "all published", m->ctx_id);
@@ -899,8 +1122,10 @@ static void job_finish(kvr_remote *r, pub_job *j)
     if (j->done)
         j->done(j->done_arg, j->rc, j->msg);
     kvr_get_end(j->get);     /* loop thread: the leases go */
+    kvr_get_end(j->get2);
     kvr_rt_manifest_free(&j->m);
     kvr_mem_free(j->starts);
+    kvr_mem_free(j->starts2);
     kvr_mem_free(j);
 }
 
@@ -1063,6 +1288,22 @@ static int plain_dtype(const char *codec, kvr_dtype *out)
     return kvr_dtype_parse(codec, out) == 0 ? 0 : KVR_EUNSUPPORTED;
 }
 
+/* The K tile of a canonical codec spec ("k=int4/g128/c,v=...": per channel
+ * over 128 tokens; a per-token K: 1), docs/quantized.md. */
+static uint32_t ktile_of(const char *canon)
+{
+    if (strncmp(canon, "k=", 2) != 0)
+        return 1;
+    size_t n = strcspn(canon, ",");
+    char side[KVR_CODEC_NAME_MAX];
+    snprintf(side, sizeof side, "%.*s", (int)n, canon);
+    if (n < 2 || strcmp(side + strlen(side) - 2, "/c") != 0)
+        return 1;
+    const char *g = strstr(side, "/g");
+    long v = g ? strtol(g + 2, NULL, 10) : 64;
+    return v >= 1 && v <= 256 ? (uint32_t)v : 1;
+}
+
 int kvr_remote_publish(kvr_remote *r, const char *ctx_id, kvr_remote_done_fn done, void *arg,
                        kvr_error *err)
 {
@@ -1075,9 +1316,9 @@ int kvr_remote_publish(kvr_remote *r, const char *ctx_id, kvr_remote_done_fn don
     if (kvr_store_model_find(s, ci.model, &mi) < 0)
         return kvr_error_set(err, KVR_ENOMODEL, "share: model '%s' is gone", ci.model);
     kvr_dtype dt;
-    if (plain_dtype(ci.codec, &dt) < 0)
-        return kvr_error_set(err, KVR_EUNSUPPORTED, "share: '%s' is stored as %s; only plain "
-                             "f32/f16/bf16 contexts are shared", ctx_id, ci.codec);
+    bool quant = plain_dtype(ci.codec, &dt) < 0;
+    if (quant)
+        dt = mi.dtype;               /* the window's */
     if (ci.n_tokens == 0)
         return kvr_error_set(err, KVR_EINVAL, "share: '%s' is empty", ctx_id);
     if (ci.n_pending)
@@ -1090,21 +1331,65 @@ int kvr_remote_publish(kvr_remote *r, const char *ctx_id, kvr_remote_done_fn don
                              "(refresh them first)", ctx_id, ci.n_approx);
     /* The snapshot is a get of the whole context: its blocks are leased
      * (whatever happens to the context meanwhile) until the publication is
-     * done and job_finish ends it on the loop. Nothing is copied here. */
-    kvr_get *g;
-    kvr_get_params gp = { .ctx_id = ctx_id, .start = 0, .end = SIZE_MAX, .dtype = dt };
-    if ((rc = kvr_store_get_begin(s, &gp, &g, err)) < 0)
-        return rc;
-    const kvr_get_info *gi = kvr_get_get_info(g);
+     * done and job_finish ends it on the loop. Nothing is copied here. A
+     * quantized context: a raw get of its encoded tokens (which must be one
+     * tile-aligned run before its window, as puts leave it) and a get of
+     * its window in the model's dtype. */
+    size_t n = ci.n_tokens, nq = quant ? n - ci.n_window : 0;
+    uint32_t G = quant ? ktile_of(ci.codec) : 1;
+    if (quant && nq % G)
+        return kvr_error_set(err, KVR_EUNSUPPORTED, "share: '%s' (%s) has %zu quantized "
+                             "tokens, not whole %u-token key tiles", ctx_id, ci.codec, nq, G);
+    kvr_get *g = NULL, *g2 = NULL;
+    if (!quant || nq) {
+        kvr_get_params gp = { .ctx_id = ctx_id, .start = 0, .end = quant ? nq : SIZE_MAX,
+                              .dtype = dt, .raw = quant };
+        kvr_error ge = { 0 };
+        if ((rc = kvr_store_get_begin(s, &gp, &g, &ge)) < 0) {
+            if (!quant) {
+                if (err)
+                    *err = ge;
+                return rc;
+            }
+            return kvr_error_set(err, KVR_EUNSUPPORTED, "share: '%s' (%s): its encoded tokens "
+                                 "are not one run before its window (edited?): %.300s", ctx_id,
+                                 ci.codec, ge.msg);
+        }
+    }
+    if (quant && nq < n) {
+        kvr_get_params gp = { .ctx_id = ctx_id, .start = nq, .end = n, .dtype = dt };
+        if ((rc = kvr_store_get_begin(s, &gp, &g2, err)) < 0) {
+            kvr_get_end(g);
+            return rc;
+        }
+    }
+    const kvr_get_info *gi = g ? kvr_get_get_info(g) : NULL;
+    const kvr_get_info *gw = g2 ? kvr_get_get_info(g2) : NULL;
+    if ((gi ? gi->n_tokens : 0) + (gw ? gw->n_tokens : 0) != n || (quant && gi && !gi->raw)) {
+        kvr_get_end(g);
+        kvr_get_end(g2);
+        return kvr_error_set(err, KVR_EINTERNAL, "share: '%s' changed while it was read", ctx_id);
+    }
     pub_job *j = kvr_mem_calloc(1, sizeof *j);
-    size_t n = gi->n_tokens;
-    size_t nb = (n + KVR_RT_BLOCK - 1) / KVR_RT_BLOCK;
+    if (j) {
+        j->m.quant = quant;
+        if (quant) {
+            snprintf(j->m.codec, sizeof j->m.codec, "%s", ci.codec);
+            j->m.n_raw = nq;
+            j->m.raw_kb = gi ? gi->k_bytes : 0;
+            j->m.raw_vb = gi ? gi->v_bytes : 0;
+            j->m.ktile = G;
+            j->m.chunk = G >= 256 ? G : 256 / G * G;
+        }
+        j->m.n_tokens = n;
+    }
+    size_t nb = j ? kvr_rt_manifest_blocks(&j->m) : 0;
     if (j) {
         j->m.chains = kvr_mem_malloc(nb * 8 + 1);
         j->m.tokens = kvr_mem_malloc(n * 4 + 1);
         j->m.positions = kvr_mem_malloc(n * 8 + 1);
         j->m.flags = kvr_mem_calloc(n + 1, 4);
-        j->m.groups = kvr_mem_malloc(n * 4 + 1);
+        j->m.groups = kvr_mem_calloc(n + 1, 4);
     }
     if (!j || !j->m.chains || !j->m.tokens || !j->m.positions || !j->m.flags || !j->m.groups) {
         if (j) {
@@ -1112,22 +1397,28 @@ int kvr_remote_publish(kvr_remote *r, const char *ctx_id, kvr_remote_done_fn don
             kvr_mem_free(j);
         }
         kvr_get_end(g);
+        kvr_get_end(g2);
         return kvr_error_set(err, KVR_ENOMEM, "share: out of memory for the snapshot");
     }
     j->get = g;
+    j->get2 = g2;
     j->m.desc = (kvr_rt_desc){ mi.fingerprint, mi.n_layers, mi.n_kv_heads, mi.head_dim, dt };
     snprintf(j->m.ctx_id, sizeof j->m.ctx_id, "%s", ctx_id);
     snprintf(j->m.model, sizeof j->m.model, "%s", mi.name);
-    j->m.n_tokens = n;
     j->m.n_blocks = nb;
-    memcpy(j->m.tokens, gi->tokens, n * 4);
-    memcpy(j->m.positions, gi->positions, n * 8);
-    if (gi->flags)
-        memcpy(j->m.flags, gi->flags, n * 4);
-    if (gi->groups)
-        memcpy(j->m.groups, gi->groups, n * 4);
-    else
-        memset(j->m.groups, 0, n * 4);
+    const kvr_get_info *parts[2] = { gi, gw };
+    for (size_t k = 0, at = 0; k < 2; k++) {
+        const kvr_get_info *x = parts[k];
+        if (!x)
+            continue;
+        memcpy(j->m.tokens + at, x->tokens, x->n_tokens * 4);
+        memcpy(j->m.positions + at, x->positions, x->n_tokens * 8);
+        if (x->flags)
+            memcpy(j->m.flags + at, x->flags, x->n_tokens * 4);
+        if (x->groups)
+            memcpy(j->m.groups + at, x->groups, x->n_tokens * 4);
+        at += x->n_tokens;
+    }
     /* The layout a reader needs for its get to answer what ours does (the
      * group of every token, the groups' offsets and cursors, the APE
      * record, retention, protection). */
@@ -1386,12 +1677,179 @@ out:
     return n_good;
 }
 
+/* A quantized context's values, read straight into its raw put's payload:
+ * the chunks into the encoded part (per layer K bytes then V bytes of all
+ * n_raw tokens), the window's plain blocks after it. */
+typedef struct qfetch {
+    kvr_rjob  *j;
+    size_t     nch, hmax;
+    uint8_t   *base;             /* the raw put's payload */
+    uint8_t   *hdr;              /* nch * hmax: each chunk's header, tokens, positions */
+    uint8_t  (*tail)[4];
+    uint32_t  *crc;
+    size_t    *got_len;
+    bool      *sized, *good;
+    char     (*keys)[KVR_RT_KEY_MAX];
+    fetch_ctx  w;                /* the window's blocks */
+} qfetch;
+
+static bool q_begin(void *ud, size_t i, size_t len)
+{
+    qfetch *q = ud;
+    if (i >= q->nch)
+        return blk_begin(&q->w, i - q->nch, len);
+    size_t s, n;
+    bool ch;
+    kvr_rt_manifest_block(&q->j->m, i, &s, &n, &ch);
+    q->got_len[i] = len;
+    q->sized[i] = len == chunk_len(&q->j->m, n);
+    q->crc[i] = 0;
+    memset(q->hdr + i * q->hmax, 0, CHUNK_HDR);
+    return true;
+}
+
+static uint8_t *q_span(void *ud, size_t i, size_t off, size_t *cap)
+{
+    qfetch *q = ud;
+    if (i >= q->nch)
+        return blk_span(&q->w, i - q->nch, off, cap);
+    if (!q->sized[i])
+        return NULL;
+    const kvr_rt_manifest *m = &q->j->m;
+    size_t s, n;
+    bool ch;
+    kvr_rt_manifest_block(m, i, &s, &n, &ch);
+    size_t hl = CHUNK_HDR + n * 12, kb = chunk_kb(m, n), vb = chunk_vb(m, n);
+    size_t body = m->desc.n_layers * (kb + vb);
+    if (off < hl) {
+        *cap = hl - off;
+        return q->hdr + i * q->hmax + off;
+    }
+    if (off >= hl + body) {
+        *cap = hl + body + 4 - off;
+        return q->tail[i] + (off - hl - body);
+    }
+    size_t in = off - hl, l = in / (kb + vb), w = in % (kb + vb);
+    if (w < kb) {
+        *cap = kb - w;
+        return q->base + raw_off(m, l, 0, s) + w;
+    }
+    *cap = kb + vb - w;
+    return q->base + raw_off(m, l, 1, s) + (w - kb);
+}
+
+static void q_got(void *ud, size_t i, size_t off, const uint8_t *p, size_t n)
+{
+    qfetch *q = ud;
+    if (i >= q->nch) {
+        blk_got(&q->w, i - q->nch, off, p, n);
+        return;
+    }
+    size_t len = q->got_len[i];
+    if (!q->sized[i] || off >= len - 4)
+        return;
+    size_t take = len - 4 - off < n ? len - 4 - off : n;
+    q->crc[i] = kvr_crc32c(q->crc[i], p, take);
+}
+
+static bool q_end(void *ud, size_t i, bool is_string)
+{
+    qfetch *q = ud;
+    if (i >= q->nch)
+        return blk_end(&q->w, i - q->nch, is_string);
+    q->good[i] = false;
+    if (!is_string)
+        return false;
+    kvr_error e = { 0 };
+    bool crc_ok = q->sized[i] && q->crc[i] == get32(q->tail[i]);
+    uint8_t small[CHUNK_HDR] = { 0 };
+    const uint8_t *hv = q->hdr + i * q->hmax;
+    if (!q->sized[i]) {
+        memcpy(small, CHUNK_MAGIC, 4);
+        put32(small + 4, RT_VERSION);
+        hv = small;
+    }
+    if (chunk_check(hv, q->got_len[i], crc_ok, &q->j->m, i, q->j->m.chains[i], &e) < 0) {
+        char why[400];
+        snprintf(why, sizeof why, "%s: %s", q->keys[i], e.msg);
+        miss(q->j, true, why);
+        return false;
+    }
+    q->good[i] = true;
+    return true;
+}
+
+static const kvr_rc_sink q_sink = { q_begin, q_span, q_got, q_end };
+
+/* All values of a quantized context into base (the raw put's payload);
+ * true if every one was good. */
+static bool fetch_quant(kvr_rjob *j, uint8_t *base)
+{
+    kvr_remote *r = j->r;
+    const kvr_rt_manifest *m = &j->m;
+    size_t nb = m->n_blocks, nch = (m->n_raw + m->chunk - 1) / m->chunk, nwb = nb - nch;
+    size_t nw = m->n_tokens - m->n_raw, hmax = CHUNK_HDR + (size_t)m->chunk * 12;
+    qfetch q = { .j = j, .nch = nch, .hmax = hmax, .base = base };
+    q.hdr = kvr_mem_malloc(nch * hmax + 1);
+    q.tail = kvr_mem_malloc(nch * 4 + 1);
+    q.crc = kvr_mem_malloc(nch * 4 + 1);
+    q.got_len = kvr_mem_malloc(nch * sizeof *q.got_len + 1);
+    q.sized = kvr_mem_calloc(nch + 1, 1);
+    q.good = kvr_mem_calloc(nch + 1, 1);
+    q.keys = kvr_mem_malloc(nb * KVR_RT_KEY_MAX + 1);
+    kvr_rc_cmd *cmds = kvr_mem_malloc(nb * sizeof *cmds + 1);
+    const char **argv = kvr_mem_malloc(nb * 2 * sizeof *argv + 1);
+    size_t *argl = kvr_mem_malloc(nb * 2 * sizeof *argl + 1);
+    bool *wgood = kvr_mem_calloc(nwb + 1, 1);
+    blk_state *wst = kvr_mem_malloc(nwb * sizeof *wst + 1);
+    bool all = false;
+    if (!q.hdr || !q.tail || !q.crc || !q.got_len || !q.sized || !q.good || !q.keys || !cmds ||
+        !argv || !argl || !wgood || !wst)
+        goto out;
+    for (size_t b = 0; b < nb; b++) {
+        argv[2 * b] = "GET";
+        argl[2 * b] = 3;
+        argl[2 * b + 1] = b < nch ? kvr_rt_chunk_key(m->chains[b], q.keys[b])
+                                  : kvr_rt_block_key(m->chains[b], q.keys[b]);
+        argv[2 * b + 1] = q.keys[b];
+        cmds[b] = (kvr_rc_cmd){ 2, argv + 2 * b, argl + 2 * b };
+    }
+    q.w = (fetch_ctx){ j, m->chains + nch, nw, m->tokens + m->n_raw, m->positions + m->n_raw,
+                       q.keys + nch, wgood, wst, row_bytes(&j->desc),
+                       { .flat = base + m->desc.n_layers * (m->raw_kb + m->raw_vb) } };
+    kvr_rc_batch_sink(r->rc, nb, cmds, &q_sink, &q);
+    all = true;
+    for (size_t b = 0; b < nch; b++)
+        all = all && q.good[b];
+    for (size_t b = 0; b < nwb; b++)
+        all = all && wgood[b];
+    if (!all)
+        miss(j, false, "a value is missing or bad (evicted, never published, or corrupt)");
+out:
+    kvr_mem_free(q.hdr);
+    kvr_mem_free(q.tail);
+    kvr_mem_free(q.crc);
+    kvr_mem_free(q.got_len);
+    kvr_mem_free(q.sized);
+    kvr_mem_free(q.good);
+    kvr_mem_free(q.keys);
+    kvr_mem_free(cmds);
+    kvr_mem_free(argv);
+    kvr_mem_free(argl);
+    kvr_mem_free(wgood);
+    kvr_mem_free(wst);
+    return all;
+}
+
 static void work_by_id(kvr_rjob *j)
 {
     kvr_remote *r = j->r;
     if (j->phase == 1) {
-        if (fetch_blocks(j, j->m.chains, j->m.n_blocks, j->m.n_tokens, j->m.tokens,
-                         j->m.positions) == j->m.n_blocks) {
+        bool ok = j->m.quant
+                      ? fetch_quant(j, (uint8_t *)j->iov[0].iov_base)
+                      : fetch_blocks(j, j->m.chains, j->m.n_blocks, j->m.n_tokens, j->m.tokens,
+                                     j->m.positions) == j->m.n_blocks;
+        if (ok) {
             j->hit = true;
             j->n_tokens = j->m.n_tokens;
         }
@@ -1729,9 +2187,11 @@ int kvr_remote_job_land(kvr_rjob *j)
         .n_tokens = j->n_tokens,
         .tokens = j->m.tokens,
         .positions = j->m.positions,
-        .codec = kvr_dtype_name(j->desc.dtype),
+        .codec = j->by_id && j->m.quant ? j->m.codec : kvr_dtype_name(j->desc.dtype),
         .has_protect_first = j->by_id && j->m.n_protected > 0,
         .protect_first = j->by_id ? j->m.n_protected : 0,
+        .raw = j->by_id && j->m.quant,
+        .raw_tokens = j->by_id && j->m.quant ? j->m.n_raw : 0,
     };
     kvr_put *t;
     kvr_error e = { 0 };
@@ -1745,9 +2205,14 @@ int kvr_remote_job_land(kvr_rjob *j)
     const struct iovec *iov;
     size_t niov;
     kvr_put_payload_iov(t, &iov, &niov);
-    if (kvr_put_payload_size(t) != kv_bytes(&j->desc, j->n_tokens)) {
+    bool q = j->by_id && j->m.quant;
+    size_t want = q ? j->desc.n_layers * (j->m.raw_kb + j->m.raw_vb) +
+                          kv_bytes(&j->desc, j->n_tokens - j->m.n_raw)
+                    : kv_bytes(&j->desc, j->n_tokens);
+    if (kvr_put_payload_size(t) != want || (q && niov != 1)) {
         kvr_put_abort(t);
-        miss(j, true, "the fetched context's size differs from the local put's");
+        miss(j, true, "the fetched context's size differs from the local put's (another "
+             "codec layout?)");
         return KVR_ENOCTX;
     }
     if (j->by_id) {

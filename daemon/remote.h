@@ -49,6 +49,8 @@ uint64_t kvr_rt_chain_next(uint64_t prev, const uint32_t *tokens, const int64_t 
 /* "kvr1:b:{<16 hex>}" and "kvr1:m:{<16 hex of the id's hash>}"; return length. */
 size_t kvr_rt_block_key(uint64_t chain, char out[KVR_RT_KEY_MAX]);
 size_t kvr_rt_manifest_key(const char *ctx_id, char out[KVR_RT_KEY_MAX]);
+/* "kvr1:q:{<16 hex>}": an encoded chunk of a quantized context. */
+size_t kvr_rt_chunk_key(uint64_t chain, char out[KVR_RT_KEY_MAX]);
 /* "kvr1:p:{<16 hex>}": the sub-block prefix key of the first e tokens of a
  * block (e a multiple of KVR_RT_GRAIN below the block's length), hash =
  * kvr_rt_chain_next(chain of the block before, those e tokens). Its value
@@ -90,7 +92,22 @@ typedef struct kvr_rt_manifest {
     int32_t    *groups;              /* group id per token (0 without groups) */
     kvr_layout_info layout;          /* APE record, groups, retention (kvr_store_layout_stat) */
     size_t      n_protected;         /* first tokens edits may not touch */
+    /* A quantized context: its first n_raw tokens as encoded chunks of
+     * `chunk` tokens ("KVRQ" values: the raw get's bytes, raw_kb K and
+     * raw_vb V bytes per layer for all n_raw), the rest (its window) as
+     * plain blocks in desc.dtype; chains seeded by the codec too. */
+    bool        quant;
+    char        codec[KVR_CODEC_NAME_MAX];
+    size_t      n_raw, raw_kb, raw_vb;
+    uint32_t    chunk, ktile;
 } kvr_rt_manifest;
+
+/* Values of a manifest in order: block b covers tokens [*start, *start + *n)
+ * and is an encoded chunk (*chunk) or a plain block; its chain. */
+size_t kvr_rt_manifest_blocks(const kvr_rt_manifest *m);
+void   kvr_rt_manifest_block(const kvr_rt_manifest *m, size_t b, size_t *start, size_t *n,
+                             bool *chunk);
+void   kvr_rt_manifest_chains(const kvr_rt_manifest *m, uint64_t *out);
 
 /* Version 2: version 1's fields, then each token's group id and the layout
  * (APE record, groups with offset and cursor, retention, protected count).

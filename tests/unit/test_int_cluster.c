@@ -222,21 +222,192 @@ Test(int_cluster, share_on_a_get_and_match_on_b)
     }
     /* Unknown everywhere: still "unknown context". */
     cr_assert_eq(get_kv(CB, "nowhere", 0, 0, NULL, &kb), KVR_ENOCTX);
-    /* A share of a quantized context is refused with the reason. */
-    size_t len;
-    void *pl = testd_payload(1, T_LAYERS, 0, 64, KVR_DTYPE_F16, &len);
-    uint32_t *tok = testd_tokens(1, 64);
-    kvr_put_args a = { .ctx_id = "q", .model = "tiny", .dtype = KVR_DTYPE_F16, .tokens = tok,
-                       .n_tokens = 64, .payload = pl, .payload_len = len, .codec = "int8",
-                       .share_sync = true };
-    r = kvr_client_put(CA, &a, NULL);
-    cr_assert_neq(r, 0);
-    cr_assert(strstr(kvr_client_last_error(CA), "not shared"), "%s",
-              kvr_client_last_error(CA));
-    cr_assert_eq(get_kv(CA, "q", 0, 0, NULL, &ka), 0, "the local put stands");
+}
+
+/* ---- quantized contexts travel as their codes ------------------------------ */
+
+static kvr_rc *test_rc(void);
+static void rc_set(kvr_rc *rc, const char *key, const void *v, size_t n);
+
+/* Puts n tokens of codec `codec` on A in two puts (the second shares). */
+static int put_quant(const char *ctx, const char *codec, uint32_t seed, uint32_t base, size_t n,
+                     size_t first)
+{
+    for (int k = 0; k < 2; k++) {
+        size_t from = k ? first : 0, cnt = k ? n - first : first;
+        size_t len;
+        void *pl = testd_payload(seed, T_LAYERS, from, cnt, KVR_DTYPE_F16, &len);
+        uint32_t *tok = testd_tokens(base + (uint32_t)from, cnt);
+        kvr_put_args a = { .ctx_id = ctx, .model = "tiny", .dtype = KVR_DTYPE_F16,
+                           .tokens = tok, .n_tokens = cnt, .payload = pl, .payload_len = len,
+                           .codec = k ? NULL : codec, .mode = k ? KVR_PUT_APPEND : KVR_PUT_CREATE,
+                           .has_pos_start = true, .pos_start = (int64_t)from,
+                           .share_sync = k == 1 };
+        int r = kvr_client_put(CA, &a, NULL);
+        free(pl);
+        free(tok);
+        if (r != 0)
+            return r;
+    }
+    return 0;
+}
+
+Test(int_cluster, quantized_travels)
+{
+    /* Per-token int8 (no window), KIVI k4v2 with a 32-token tile (K per
+     * channel: encoded tokens in whole tiles, then a plain window), and
+     * ggml's Q8_0. */
+    static const struct { const char *id, *codec; size_t n, first; } q[] = {
+        { "q-int8", "int8/g32", 600, 300 },                /* 3 chunks of 256 */
+        { "q-kivi", "kivi:k4v2:g32:r32", 200, 70 },
+        { "q-q8", "q8_0", 130, 64 },
+        { "q-short", "kivi:k4v2:g32:r32", 20, 10 },       /* window only */
+    };
+    for (size_t i = 0; i < sizeof q / sizeof *q; i++) {
+        cr_assert_eq(put_quant(q[i].id, q[i].codec, 40 + (uint32_t)i, 5000, q[i].n, q[i].first),
+                     0, "%s: %s", q[i].codec, kvr_client_last_error(CA));
+        kvr_context sa, sb;
+        cr_assert_eq(kvr_client_stat(CA, q[i].id, &sa), 0);
+        kvr_kv ka, kb;
+        cr_assert_eq(get_kv(CA, q[i].id, 0, 0, NULL, &ka), 0);
+        cr_assert_eq(get_kv(CB, q[i].id, 0, 0, NULL, &kb), 0, "%s: %s", q[i].codec,
+                     kvr_client_last_error(CB));
+        assert_same(&ka, &kb);
+        kvr_kv_release(&ka);
+        kvr_kv_release(&kb);
+        /* Held as the same codes: same codec, window and bytes at rest... */
+        cr_assert_eq(kvr_client_stat(CB, q[i].id, &sb), 0);
+        cr_assert_str_eq(sa.codec, sb.codec);
+        cr_assert_eq(sa.n_window, sb.n_window, "%s: window %llu vs %llu", q[i].codec,
+                     (unsigned long long)sa.n_window, (unsigned long long)sb.n_window);
+        cr_assert_eq(sa.kv_bytes, sb.kv_bytes);
+        /* ...so any other positions give the same bits too (pre-RoPE keys
+         * rotated once on both), and so do the raw bytes. */
+        int64_t pos[20];
+        for (int k = 0; k < 20; k++)
+            pos[k] = 777 + 5 * k;
+        cr_assert_eq(get_kv(CA, q[i].id, 0, 20, pos, &ka), 0);
+        cr_assert_eq(get_kv(CB, q[i].id, 0, 20, pos, &kb), 0);
+        assert_same(&ka, &kb);
+        kvr_kv_release(&ka);
+        kvr_kv_release(&kb);
+        size_t nq = (size_t)(sa.n_tokens - sa.n_window);
+        cr_assert(i == 3 ? nq == 0 : nq > 0, "%s: %zu encoded tokens", q[i].codec, nq);
+        if (nq) {
+            kvr_get_args g = { .ctx_id = q[i].id, .start = 0, .end = nq, .raw = true };
+            cr_assert_eq(kvr_client_get(CA, &g, &ka), 0, "%s", kvr_client_last_error(CA));
+            cr_assert_eq(kvr_client_get(CB, &g, &kb), 0, "%s", kvr_client_last_error(CB));
+            cr_assert_eq(ka.payload_len, kb.payload_len);
+            cr_assert_eq(memcmp(ka.payload, kb.payload, ka.payload_len), 0, "%s: codes differ",
+                         q[i].codec);
+            kvr_kv_release(&ka);
+            kvr_kv_release(&kb);
+        }
+        /* And it goes on as a quantized context on B: an append flushes the
+         * window the same way on both. */
+        size_t len;
+        void *pl = testd_payload(90, T_LAYERS, 0, 40, KVR_DTYPE_F16, &len);
+        uint32_t *tok = testd_tokens(9000, 40);
+        kvr_put_args a = { .ctx_id = q[i].id, .model = "tiny", .dtype = KVR_DTYPE_F16,
+                           .tokens = tok, .n_tokens = 40, .payload = pl, .payload_len = len,
+                           .mode = KVR_PUT_APPEND };
+        cr_assert_eq(kvr_client_put(CA, &a, NULL), 0, "%s", kvr_client_last_error(CA));
+        cr_assert_eq(kvr_client_put(CB, &a, NULL), 0, "%s", kvr_client_last_error(CB));
+        free(pl);
+        free(tok);
+        cr_assert_eq(get_kv(CA, q[i].id, 0, 0, NULL, &ka), 0);
+        cr_assert_eq(get_kv(CB, q[i].id, 0, 0, NULL, &kb), 0);
+        assert_same(&ka, &kb);
+        kvr_kv_release(&ka);
+        kvr_kv_release(&kb);
+    }
+    /* The default grouping, k4v2 (K int4 per channel over 128 tokens, V
+     * int2 over 256 channels, 128-token window), on a model whose rows are
+     * 256 values wide: 400 tokens = 256 encoded + a window of 144. */
+    {
+        kvr_rope_config rc;
+        kvr_rope_config_init(&rc);
+        rc.head_dim = 128;
+        rc.rotary_dim = 128;
+        kvr_model_params mp = { .name = "wide", .n_layers = 2, .n_kv_heads = 2,
+                                .head_dim = 128, .dtype = KVR_DTYPE_F16, .rope = &rc };
+        cr_assert_eq(kvr_client_model_register(CA, &mp, NULL), 0);
+        cr_assert_eq(kvr_client_model_register(CB, &mp, NULL), 0);
+        size_t len = kvr_payload_size(2, 400, 2, 128, KVR_DTYPE_F16);
+        void *pl = malloc(len);
+        testd_fill(pl, 77, NULL, 2, 0, 400, 2, 128, KVR_DTYPE_F16);
+        uint32_t *tok = testd_tokens(100, 400);
+        kvr_put_args a = { .ctx_id = "q-k4v2", .model = "wide", .dtype = KVR_DTYPE_F16,
+                           .tokens = tok, .n_tokens = 400, .payload = pl, .payload_len = len,
+                           .codec = "k4v2", .has_pos_start = true, .share_sync = true };
+        cr_assert_eq(kvr_client_put(CA, &a, NULL), 0, "%s", kvr_client_last_error(CA));
+        free(pl);
+        free(tok);
+        kvr_context sa, sb;
+        cr_assert_eq(kvr_client_stat(CA, "q-k4v2", &sa), 0);
+        cr_assert_eq(sa.n_window, 144);
+        kvr_kv ka, kb;
+        cr_assert_eq(get_kv(CA, "q-k4v2", 0, 0, NULL, &ka), 0);
+        cr_assert_eq(get_kv(CB, "q-k4v2", 0, 0, NULL, &kb), 0, "%s", kvr_client_last_error(CB));
+        assert_same(&ka, &kb);
+        kvr_kv_release(&ka);
+        kvr_kv_release(&kb);
+        cr_assert_eq(kvr_client_stat(CB, "q-k4v2", &sb), 0);
+        cr_assert_str_eq(sa.codec, sb.codec);
+        cr_assert_eq(sa.n_window, sb.n_window);
+        cr_assert_eq(sa.kv_bytes, sb.kv_bytes);
+        kvr_get_args g = { .ctx_id = "q-k4v2", .start = 0, .end = 256, .raw = true };
+        cr_assert_eq(kvr_client_get(CA, &g, &ka), 0, "%s", kvr_client_last_error(CA));
+        cr_assert_eq(kvr_client_get(CB, &g, &kb), 0, "%s", kvr_client_last_error(CB));
+        cr_assert_eq(ka.payload_len, kb.payload_len);
+        cr_assert_eq(memcmp(ka.payload, kb.payload, ka.payload_len), 0, "k4v2 codes differ");
+        kvr_kv_release(&ka);
+        kvr_kv_release(&kb);
+    }
+    /* A spoilt chunk: a miss, counted, never served. */
+    cr_assert_eq(put_quant("q-bad", "int8/g32", 60, 7000, 100, 50), 0);
+    kvr_rc *rc = test_rc();
+    /* Find its chunk by its manifest (the key scheme of docs/cluster.md). */
+    char mk[KVR_RT_KEY_MAX];
+    kvr_rt_manifest_key("q-bad", mk);
+    const char *gv[] = { "GET", mk };
+    size_t gl[] = { 3, strlen(mk) };
+    redisReply *x;
+    cr_assert_eq(kvr_rc_command(rc, 2, gv, gl, &x, NULL), 0);
+    kvr_rt_manifest m;
+    cr_assert_eq(kvr_rt_manifest_decode((const uint8_t *)x->str, x->len, "q-bad", &m, NULL), 0);
+    freeReplyObject(x);
+    cr_assert(m.quant);
+    cr_assert_eq(m.n_raw, 100);
+    char ck[KVR_RT_KEY_MAX];
+    kvr_rt_chunk_key(m.chains[0], ck);
+    rc_set(rc, ck, "garbage!", 8);
+    kvr_rt_manifest_free(&m);
+    double c0 = testd_metric(CB, "remote_fetch_corrupt");
+    kvr_kv kb;
+    cr_assert_eq(get_kv(CB, "q-bad", 0, 0, NULL, &kb), KVR_ENOCTX);
+    cr_assert_gt(testd_metric(CB, "remote_fetch_corrupt"), c0);
+    /* A manifest that names another codec (well-formed, checksum right):
+     * its chains and values do not fit it, a miss. */
+    cr_assert_eq(put_quant("q-mis", "int8/g32", 61, 8000, 100, 50), 0);
+    kvr_rt_manifest_key("q-mis", mk);
+    gl[1] = strlen(mk);
+    cr_assert_eq(kvr_rc_command(rc, 2, gv, gl, &x, NULL), 0);
+    cr_assert_eq(kvr_rt_manifest_decode((const uint8_t *)x->str, x->len, "q-mis", &m, NULL), 0);
+    freeReplyObject(x);
+    snprintf(m.codec, sizeof m.codec, "k=int4/g32,v=int4/g32,r=0");
+    size_t ml;
+    uint8_t *mv = kvr_rt_manifest_encode(&m, &ml);
+    rc_set(rc, mk, mv, ml);
+    kvr_mem_free(mv);
+    kvr_rt_manifest_free(&m);
+    c0 = testd_metric(CB, "remote_fetch_corrupt");
+    cr_assert_eq(get_kv(CB, "q-mis", 0, 0, NULL, &kb), KVR_ENOCTX);
+    cr_assert_gt(testd_metric(CB, "remote_fetch_corrupt"), c0);
+    kvr_kv ka;
+    cr_assert_eq(get_kv(CA, "q-mis", 0, 0, NULL, &ka), 0, "A's own is untouched");
     kvr_kv_release(&ka);
-    free(pl);
-    free(tok);
+    kvr_rc_destroy(rc);
 }
 
 static kvr_rc *test_rc(void)
