@@ -44,7 +44,8 @@ uint32_t kvr_crc32c(uint32_t crc, const void *p, size_t n);
 #define BLOCK_HDR 56u
 #define MANIFEST_HDR 568u
 #define MAX_TOKENS (1u << 28)
-#define SET_GROUP 16            /* blocks encoded and SET per pipeline */
+#define SET_GROUP 16            /* blocks encoded and SET per pipeline, at most */
+#define SET_GROUP_BYTES (32u << 20)   /* and about this many bytes */
 #define REJOIN_MS 1000
 
 /* ---- hashing ----------------------------------------------------------- */
@@ -979,11 +980,13 @@ static void publish_one(kvr_remote *r, pub_job *j)
         rep[b] = NULL;
     }
     size_t failed = 0;
-    for (size_t b0 = 0; b0 < nb; b0 += SET_GROUP) {
-        size_t b1 = b0 + SET_GROUP < nb ? b0 + SET_GROUP : nb, k = 0;
+    for (size_t b = 0; b < nb;) {
+        /* A pipeline of at most SET_GROUP values and about SET_GROUP_BYTES:
+         * hiredis holds a copy of what it sends (its output buffer). */
+        size_t k = 0, bytes = 0;
         uint8_t *vals[SET_GROUP];
         size_t vlen[SET_GROUP];
-        for (size_t b = b0; b < b1; b++) {
+        for (; b < nb && k < SET_GROUP && bytes < SET_GROUP_BYTES; b++) {
             if (have[b]) {
                 atomic_fetch_add(&r->pub_skipped, 1);
                 continue;
@@ -1010,6 +1013,7 @@ static void publish_one(kvr_remote *r, pub_job *j)
             argv[3 * k + 2] = (const char *)vals[k];
             argl[3 * k + 2] = vlen[k];
             cmds[k] = (kvr_rc_cmd){ 3, argv + 3 * k, argl + 3 * k };
+            bytes += vlen[k];
             k++;
         }
         size_t ok = kvr_rc_batch(r->rc, k, cmds, rep);
