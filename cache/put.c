@@ -31,6 +31,7 @@ struct kvr_put {
     kvr_model    *m;
     bool          created, tail, pin, persist;
     bool          has_protect;  /* protect_first given: n_protected at commit */
+    bool          raw;          /* the fl_new tokens arrive encoded (raw bytes first) */
     size_t        protect;
     kvr_dtype     pdt;          /* payload dtype */
     size_t        n;
@@ -48,8 +49,6 @@ struct kvr_put {
     size_t        n_qruns, n_wsrc, fl_old, fl_new;
     int64_t      *qpos;             /* stored-at positions of the flushed tokens */
     double        sse[2], ss[2];
-    bool          raw;              /* the fl_new tokens arrive encoded (raw bytes first) */
-    size_t        raw_bytes;        /* of the payload: the encoded part */
 };
 
 static void txn_free(kvr_put *t)
@@ -417,6 +416,16 @@ static int work_quant(kvr_put *t, kvr_error *err)
     return rc;
 }
 
+/* Bytes of the encoded part of a raw put's payload (as a raw get lays out
+ * fl_new tokens in whole K tiles). */
+static size_t raw_bytes(const kvr_qspec *q, size_t row, size_t n, uint32_t n_layers)
+{
+    size_t G = kvr_qspec_ktile(q);
+    size_t kb = G > 1 ? n / G * kvr_codec_tile_bytes(&q->pair.k, row)
+                      : n * kvr_codec_row_bytes(&q->pair.k, row);
+    return (kb + n * kvr_codec_row_bytes(&q->pair.v, row)) * n_layers;
+}
+
 /* Work of a raw put: the encoded part copied into the quantized slots as
  * it is (runs of whole K tiles: fresh blocks, cap a multiple of the tile),
  * the window converted from the rest; no quantization error is measured
@@ -426,7 +435,7 @@ static int work_raw(kvr_put *t, kvr_error *err)
     const kvr_model *m = t->m;
     size_t row = (size_t)m->n_kv_heads * m->head_dim, psize = kvr_dtype_size(t->pdt);
     size_t nw = t->n - t->fl_new;
-    const uint8_t *win = t->w.staging + t->raw_bytes;
+    const uint8_t *win = t->w.staging + raw_bytes(&t->c->codec, row, t->fl_new, m->n_layers);
     uint32_t bl;
     int bkv;
     size_t btok;
@@ -678,12 +687,8 @@ int kvr_store_put_begin(kvr_store *s, const kvr_put_params *p, kvr_put **out,
     if (t->raw) {
         /* The payload: the encoded part as a raw get lays it out (whole
          * tiles, t->fl_new a multiple of the tile), then the window. */
-        size_t G = kvr_qspec_ktile(&c->codec);
-        size_t kb = G > 1 ? t->fl_new / G * kvr_codec_tile_bytes(&c->codec.pair.k, row)
-                          : t->fl_new * kvr_codec_row_bytes(&c->codec.pair.k, row);
-        t->raw_bytes = (kb + t->fl_new * kvr_codec_row_bytes(&c->codec.pair.v, row)) *
-                       m->n_layers;
-        payload = t->raw_bytes + 2u * (size_t)m->n_layers * nwin * row * psize;
+        payload = raw_bytes(&c->codec, row, t->fl_new, m->n_layers) +
+                  2u * (size_t)m->n_layers * nwin * row * psize;
         if (p->has_payload_bytes && p->payload_bytes != payload) {
             rc = kvr_error_set(err, KVR_EPAYLOAD, "raw put: payload_len %zu, expected %zu "
                                "(%zu encoded tokens, %zu in the window)", p->payload_bytes,
