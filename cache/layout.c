@@ -447,8 +447,9 @@ int kvr_store_layout_restore(kvr_store *s, const char *ctx_id, const kvr_layout_
      * block is the context's alone (its slots are written below). */
     for (size_t i = 0, k = 0; i < c->n_ext; i++) {
         const kvr_extent *e = &c->ext[i];
-        if (!kvr_block_exclusive(e->block))
-            return kvr_error_set(err, KVR_EBUSY, "'%s' shares blocks", ctx_id);
+        if (!kvr_block_exclusive(e->block) || e->block->spilled || e->block->disk)
+            return kvr_error_set(err, KVR_EBUSY, "'%s' shares blocks or has them on disk",
+                                 ctx_id);
         for (uint32_t j = 0; j < e->count; j++, k++) {
             int32_t g = groups && li->n_groups ? groups[k] : 0;
             if (g < 0 || (size_t)g >= (li->n_groups ? li->n_groups : 1))
@@ -503,5 +504,6 @@ int kvr_store_layout_restore(kvr_store *s, const char *ctx_id, const kvr_layout_
         c->layout = L;
         c->layout_bytes = sizeof *L;
     }
+    kvr_ctx_check(c);
     return 0;
 }
