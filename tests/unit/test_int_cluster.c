@@ -695,7 +695,9 @@ static void *reshard(void *arg)
              "--cluster-to %s --cluster-slots 3000 --cluster-yes --cluster-pipeline 2 >/dev/null",
              src, from, to);
     int *rc = malloc(sizeof *rc);
-    *rc = tcluster_cli(&T, src, args, out, sizeof out);
+    /* Moving 3000 slots is thousands of commands: bounded, but not by the
+     * 20 s of a single command on a loaded machine (and under sanitizers). */
+    *rc = tcluster_cli_for(&T, src, args, out, sizeof out, 180);
     return rc;
 }
 
