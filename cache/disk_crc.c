@@ -2,8 +2,7 @@
  * disk_crc.c — CRC32C (Castagnoli, reflected polynomial 0x82F63B78), the
  * checksum of every disk-tier record and extent. Two implementations with
  * identical results: slicing-by-8 tables (any CPU) and the SSE4.2 crc32
- * instruction (three interleaved lanes on long buffers), picked once at run
- * time; the shipped build needs no -msse4.2.
+ * instruction, picked once at run time; the shipped build needs no -msse4.2.
  * kvr_crc32c(0, "123456789", 9) == 0xE3069283.
  */
 #include <stdatomic.h>
@@ -50,52 +49,6 @@ static uint32_t crc_sw(uint32_t crc, const uint8_t *p, size_t n)
 }
 
 #if defined(__x86_64__)
-/* The crc32 instruction has a latency of 3 cycles and a throughput of 1 per
- * cycle, so one dependency chain runs at a third of its speed: long buffers
- * are cut into three lanes of LANE bytes, CRC'd side by side, and the lanes'
- * CRCs combined (shifting a CRC over n zero bytes is linear: a table per
- * byte of the CRC, built once). Same results as the one-lane loop. */
-#define LANE 4096u
-
-static uint32_t lane_shift[4][256];     /* CRC register -> after LANE zero bytes */
-static atomic_int lane_ready;
-
-/* a * b mod P, reflected (bit 31 = x^0). */
-static uint32_t gf_mul(uint32_t a, uint32_t b)
-{
-    uint32_t m = 1u << 31, p = 0;
-    for (;;) {
-        if (a & m) {
-            p ^= b;
-            if ((a & (m - 1)) == 0)
-                break;
-        }
-        m >>= 1;
-        b = (b & 1u) ? (b >> 1) ^ 0x82F63B78u : b >> 1;
-    }
-    return p;
-}
-
-static void lane_init(void)
-{
-    /* x^(8 * LANE) mod P by squaring x^8. */
-    uint32_t xp = 1u << 31, base = 1u << 23;    /* x^0, x^8 */
-    for (uint64_t e = LANE; e; e >>= 1) {
-        if (e & 1)
-            xp = gf_mul(base, xp);
-        base = gf_mul(base, base);
-    }
-    for (int k = 0; k < 4; k++)
-        for (uint32_t b = 0; b < 256; b++)
-            lane_shift[k][b] = gf_mul(xp, b << (8 * k));
-}
-
-static inline uint32_t lane_apply(uint32_t c)
-{
-    return lane_shift[0][c & 0xFF] ^ lane_shift[1][(c >> 8) & 0xFF] ^
-           lane_shift[2][(c >> 16) & 0xFF] ^ lane_shift[3][c >> 24];
-}
-
 __attribute__((target("sse4.2")))
 static uint32_t crc_hw1(uint32_t crc, const uint8_t *p, size_t n)
 {
@@ -103,34 +56,6 @@ static uint32_t crc_hw1(uint32_t crc, const uint8_t *p, size_t n)
     while (n && ((uintptr_t)p & 7u)) {
         c = __builtin_ia32_crc32qi((uint32_t)c, *p++);
         n--;
-    }
-    if (n >= 3 * LANE) {
-        if (!atomic_load_explicit(&lane_ready, memory_order_acquire)) {
-            static atomic_flag busy = ATOMIC_FLAG_INIT;
-            while (atomic_flag_test_and_set_explicit(&busy, memory_order_acquire))
-                ;
-            if (!atomic_load_explicit(&lane_ready, memory_order_relaxed)) {
-                lane_init();
-                atomic_store_explicit(&lane_ready, 1, memory_order_release);
-            }
-            atomic_flag_clear_explicit(&busy, memory_order_release);
-        }
-        while (n >= 3 * LANE) {
-            uint64_t c1 = 0, c2 = 0;
-            for (size_t i = 0; i < LANE; i += 8) {
-                uint64_t w0, w1, w2;
-                memcpy(&w0, p + i, 8);
-                memcpy(&w1, p + LANE + i, 8);
-                memcpy(&w2, p + 2 * LANE + i, 8);
-                c = __builtin_ia32_crc32di(c, w0);
-                c1 = __builtin_ia32_crc32di(c1, w1);
-                c2 = __builtin_ia32_crc32di(c2, w2);
-            }
-            c = lane_apply((uint32_t)c) ^ (uint32_t)c1;
-            c = lane_apply((uint32_t)c) ^ (uint32_t)c2;
-            p += 3 * LANE;
-            n -= 3 * LANE;
-        }
     }
     while (n >= 8) {
         uint64_t w;
