@@ -162,6 +162,16 @@ typedef struct kvr_put_params {
                                           put, so a stored put never fails on
                                           it. KVR_ERANGE at begin if beyond the
                                           length the context will have. */
+    /* Encoded data (the shared tier: a context another node published):
+     * create only, quantized codec. The first raw_tokens tokens (a multiple
+     * of the codec's K tile) arrive encoded, as a raw get returns them
+     * (for each layer K bytes then V bytes; keys pre-RoPE), and go into
+     * quantized blocks as they are; the rest arrives in `dtype` (keys
+     * rotated at their positions) and goes to the window. The payload is
+     * those raw bytes followed by the window's layer-major K/V. Nothing is
+     * re-quantized: the context holds exactly the sender's codes. */
+    bool            raw;
+    size_t          raw_tokens;
 } kvr_put_params;
 
 typedef struct kvr_put_result {
@@ -603,6 +613,18 @@ typedef struct kvr_retention {
 
 int kvr_store_set_retention(kvr_store *s, const char *ctx_id, const kvr_retention *r,
                             kvr_error *err);
+
+/* The shared tier (daemon/remote.c): gives a context just created from
+ * another node's publication the layout it has there, as kvr_store_layout_stat
+ * reported it (APE record, groups with offsets and cursors, retention
+ * numbers), each token's group id (groups; ignored without groups: 0
+ * each, as a put writes them) and the
+ * KVR_TOKEN_STALE flag of each token (flags, NULL: none; other flags are
+ * KVR_EINVAL). The context must hold n tokens in blocks it alone references
+ * and have no layout yet. Metadata only; nothing changes on error. */
+int kvr_store_layout_restore(kvr_store *s, const char *ctx_id, const kvr_layout_info *li,
+                             const int32_t *groups, const uint32_t *flags, size_t n,
+                             kvr_error *err);
 
 /* ---- disk tier and persistence (tier.c) --------------------------------- */
 /*

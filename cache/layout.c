@@ -417,3 +417,93 @@ int kvr_store_set_retention(kvr_store *s, const char *ctx_id, const kvr_retentio
     kvr_store_touch(s, c);
     return 0;
 }
+
+int kvr_store_layout_restore(kvr_store *s, const char *ctx_id, const kvr_layout_info *li,
+                             const int32_t *groups, const uint32_t *flags, size_t n,
+                             kvr_error *err)
+{
+    kvr_ctx *c = NULL;
+    int rc = kvr_store_ctx_writable(s, ctx_id, &c, err);
+    if (rc != 0)
+        return rc;
+    if (c->n_tokens != n)
+        return kvr_error_set(err, KVR_EINVAL, "layout of '%s': %zu tokens, the context has %zu",
+                             ctx_id, n, c->n_tokens);
+    if (c->layout)
+        return kvr_error_set(err, KVR_EBUSY, "'%s' has a layout already", ctx_id);
+    if (li->n_groups > KVR_MAX_GROUPS)
+        return kvr_error_set(err, KVR_ELIMIT, "%zu groups (at most %d)", li->n_groups,
+                             KVR_MAX_GROUPS);
+    for (size_t i = 0; i < li->n_groups; i++) {
+        size_t len = strnlen(li->groups[i].name, KVR_GROUP_NAME_MAX + 1);
+        if (len == 0 || len > KVR_GROUP_NAME_MAX)
+            return kvr_error_set(err, KVR_EINVAL, "group name %zu must be 1..%d bytes", i,
+                                 KVR_GROUP_NAME_MAX);
+    }
+    if (li->has_prefix && !memchr(li->prefix_ctx, 0, sizeof li->prefix_ctx))
+        return kvr_error_set(err, KVR_EINVAL, "prefix id unterminated");
+    /* Every token's group id names a group (all of them when there are
+     * groups: a grouped context's invariant), its only flag STALE, and its
+     * block is the context's alone (its slots are written below). */
+    for (size_t i = 0, k = 0; i < c->n_ext; i++) {
+        const kvr_extent *e = &c->ext[i];
+        if (!kvr_block_exclusive(e->block) || e->block->spilled || e->block->disk)
+            return kvr_error_set(err, KVR_EBUSY, "'%s' shares blocks or has them on disk",
+                                 ctx_id);
+        for (uint32_t j = 0; j < e->count; j++, k++) {
+            int32_t g = groups && li->n_groups ? groups[k] : 0;
+            if (g < 0 || (size_t)g >= (li->n_groups ? li->n_groups : 1))
+                return kvr_error_set(err, KVR_EINVAL, "token %zu: group %d of %zu", k, (int)g,
+                                     li->n_groups);
+            if (flags && (flags[k] & ~KVR_TOKEN_STALE))
+                return kvr_error_set(err, KVR_EINVAL, "token %zu: flags 0x%x", k,
+                                     (unsigned)flags[k]);
+        }
+    }
+    bool any = li->has_prefix || li->n_groups || li->has_retention;
+    kvr_layout *L = NULL;
+    if (any) {
+        L = kvr_mem_calloc(1, sizeof *L);
+        if (!L)
+            return kvr_error_set(err, KVR_ENOMEM, "out of memory");
+        L->has_prefix = li->has_prefix;
+        memcpy(L->prefix, li->prefix_ctx, sizeof L->prefix);
+        L->prefix_fp = li->prefix_fingerprint;
+        L->prefix_len = li->prefix_len;
+        L->prefix_hash = li->prefix_hash;
+        L->n_groups = li->n_groups;
+        for (size_t i = 0; i < li->n_groups; i++) {
+            memcpy(L->g[i].name, li->groups[i].name, sizeof L->g[i].name);
+            L->g[i].phi = li->groups[i].offset;
+            L->g[i].cursor = li->groups[i].cursor;
+        }
+        L->has_ret = li->has_retention;
+        L->sinks = li->sinks;
+        L->window = li->window;
+        L->n_dropped = li->n_dropped;
+    }
+    /* Flags: split extents where STALE starts or stops (needs room first). */
+    size_t cuts = 0;
+    for (size_t k = 1; flags && k < n; k++)
+        cuts += (flags[k] != flags[k - 1]);
+    if (cuts && kvr_ctx_ext_reserve(c, cuts) != 0) {
+        kvr_mem_free(L);
+        return kvr_error_set(err, KVR_ENOMEM, "out of memory");
+    }
+    for (size_t k = 1; flags && k < n; k++)
+        if (flags[k] != flags[k - 1])
+            kvr_ctx_split_at(c, k);
+    for (size_t i = 0, k = 0; i < c->n_ext; i++) {
+        kvr_extent *e = &c->ext[i];
+        if (flags)
+            e->flags = (e->flags & ~KVR_TOKEN_STALE) | (flags[k] & KVR_TOKEN_STALE);
+        for (uint32_t j = 0; j < e->count; j++, k++)
+            e->block->groups[e->first + j] = groups && li->n_groups ? groups[k] : 0;
+    }
+    if (L) {
+        c->layout = L;
+        c->layout_bytes = sizeof *L;
+    }
+    kvr_ctx_check(c);
+    return 0;
+}

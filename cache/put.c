@@ -31,6 +31,7 @@ struct kvr_put {
     kvr_model    *m;
     bool          created, tail, pin, persist;
     bool          has_protect;  /* protect_first given: n_protected at commit */
+    bool          raw;          /* the fl_new tokens arrive encoded (raw bytes first) */
     size_t        protect;
     kvr_dtype     pdt;          /* payload dtype */
     size_t        n;
@@ -115,8 +116,6 @@ static kvr_block *quant_tail(const kvr_ctx *c)
 
 static int plan_quant(kvr_put *t, const kvr_put_params *p, size_t *need, kvr_error *err)
 {
-    (void)p;
-    (void)err;
     kvr_store *s = t->s;
     kvr_ctx *c = t->c;
     const kvr_qspec *q = &c->codec;
@@ -129,6 +128,15 @@ static int plan_quant(kvr_put *t, const kvr_put_params *p, size_t *need, kvr_err
         }
     size_t cand_new = lim > n0 ? lim - n0 : 0, G = kvr_qspec_ktile(q);
     size_t f = (cand_old + cand_new) / G * G;
+    if (p->raw) {
+        /* As many quantized tokens as the sender has (its window may be
+         * longer than ours would be: the next put flushes it). */
+        if (n0 != 0 || p->raw_tokens > t->n || p->raw_tokens % G)
+            return kvr_error_set(err, KVR_EINVAL, "raw put: %zu encoded tokens of %zu (a "
+                                 "multiple of the %zu-token key tile, into a new context)",
+                                 p->raw_tokens, t->n, G);
+        f = p->raw_tokens;
+    }
     t->fl_old = f < cand_old ? f : cand_old;
     t->fl_new = f - t->fl_old;
     kvr_block *qt = f ? quant_tail(c) : NULL;
@@ -408,6 +416,52 @@ static int work_quant(kvr_put *t, kvr_error *err)
     return rc;
 }
 
+/* Bytes of the encoded part of a raw put's payload (as a raw get lays out
+ * fl_new tokens in whole K tiles). */
+static size_t raw_bytes(const kvr_qspec *q, size_t row, size_t n, uint32_t n_layers)
+{
+    size_t G = kvr_qspec_ktile(q);
+    size_t kb = G > 1 ? n / G * kvr_codec_tile_bytes(&q->pair.k, row)
+                      : n * kvr_codec_row_bytes(&q->pair.k, row);
+    return (kb + n * kvr_codec_row_bytes(&q->pair.v, row)) * n_layers;
+}
+
+/* Work of a raw put: the encoded part copied into the quantized slots as
+ * it is (runs of whole K tiles: fresh blocks, cap a multiple of the tile),
+ * the window converted from the rest; no quantization error is measured
+ * (the sender's is not known here). */
+static int work_raw(kvr_put *t, kvr_error *err)
+{
+    const kvr_model *m = t->m;
+    size_t row = (size_t)m->n_kv_heads * m->head_dim, psize = kvr_dtype_size(t->pdt);
+    size_t nw = t->n - t->fl_new;
+    const uint8_t *win = t->w.staging + raw_bytes(&t->c->codec, row, t->fl_new, m->n_layers);
+    uint32_t bl;
+    int bkv;
+    size_t btok;
+    if (nw && kvr_quant_find_nonfinite(win, t->pdt, m->n_layers, nw, row, &bl, &bkv, &btok))
+        return kvr_error_set(err, KVR_EINVAL, "raw put into '%s': %s of layer %u, window "
+                             "token %zu is nan or inf; nothing was stored", t->c->id,
+                             bkv ? "V" : "K", bl, btok);
+    const uint8_t *src = t->w.staging;
+    for (uint32_t l = 0; l < m->n_layers; l++)
+        for (int kv = 0; kv < 2; kv++)
+            for (size_t r = 0; r < t->n_qruns; r++) {
+                const kvr_brun *q = &t->qruns[r];
+                const kvr_qhdr *h = KVR_QH(q->b);
+                size_t len = kv ? q->count * h->vrow
+                           : h->ktile > 1 ? q->count / h->ktile * h->krow : q->count * h->krow;
+                memcpy(kvr_block_kv(q->b, l, kv, q->first), src, len);
+                src += len;
+            }
+    for (uint32_t l = 0; l < m->n_layers; l++)
+        for (int kv = 0; kv < 2; kv++)
+            kvr_brun_fill(t->runs, t->n_runs, l, kv,
+                          win + (2 * (size_t)l + (size_t)kv) * nw * row * psize, t->pdt);
+    t->w.worked = true;
+    return 0;
+}
+
 /* Appends e (carrying one reference) to a, merging with the last extent. */
 static void ext_push(kvr_store *s, kvr_extent *a, size_t *n, kvr_extent e)
 {
@@ -518,7 +572,9 @@ int kvr_store_put_begin(kvr_store *s, const kvr_put_params *p, kvr_put **out,
     if (!mul_ok(&payload, row, psize) || !mul_ok(&payload, payload, n) ||
         !mul_ok(&payload, payload, 2u * (size_t)m->n_layers))
         return kvr_error_set(err, KVR_ETOOLARGE, "put payload size overflows");
-    if (p->has_payload_bytes && p->payload_bytes != payload)
+    if (p->raw && (p->mode != KVR_PUT_CREATE || p->positions == NULL))
+        return kvr_error_set(err, KVR_EBADREQUEST, "raw put: create only, with positions");
+    if (!p->raw && p->has_payload_bytes && p->payload_bytes != payload)
         return kvr_error_set(err, KVR_EPAYLOAD,
                              "put: payload_len %zu, but %u layers x 2 x %zu tokens x %u heads "
                              "x %u dims x %zu bytes = %zu", p->payload_bytes, m->n_layers, n,
@@ -596,6 +652,12 @@ int kvr_store_put_begin(kvr_store *s, const kvr_put_params *p, kvr_put **out,
     t->c = c;
     c->busy = true;
     t->quant = c->codec.quant;
+    t->raw = p->raw;
+    if (t->raw && !t->quant) {
+        rc = kvr_error_set(err, KVR_EINVAL, "raw put: '%s' is not quantized (codec %s)",
+                           p->ctx_id, c->codec.name);
+        goto fail_ctx;
+    }
 
     /* Plan: tail slots of an exclusively owned last block, then new blocks. */
     kvr_block *tail = NULL;
@@ -622,6 +684,18 @@ int kvr_store_put_begin(kvr_store *s, const kvr_put_params *p, kvr_put **out,
             tail = NULL;
     }
     size_t nwin = n - t->fl_new;
+    if (t->raw) {
+        /* The payload: the encoded part as a raw get lays it out (whole
+         * tiles, t->fl_new a multiple of the tile), then the window. */
+        payload = raw_bytes(&c->codec, row, t->fl_new, m->n_layers) +
+                  2u * (size_t)m->n_layers * nwin * row * psize;
+        if (p->has_payload_bytes && p->payload_bytes != payload) {
+            rc = kvr_error_set(err, KVR_EPAYLOAD, "raw put: payload_len %zu, expected %zu "
+                               "(%zu encoded tokens, %zu in the window)", p->payload_bytes,
+                               payload, t->fl_new, nwin);
+            goto fail_ctx;
+        }
+    }
     size_t n_new = (nwin - tail_free + s->B - 1) / s->B;
     size_t bb = kvr_store_block_bytes(s, c, false);
     bool zero_copy = p->dtype == c->dtype && !t->quant;
@@ -701,6 +775,8 @@ int kvr_put_work(kvr_put *t, kvr_error *err)
 {
     if (!t->w.staging || t->w.worked)
         return 0;
+    if (t->raw)
+        return work_raw(t, err);
     if (t->quant)
         return work_quant(t, err);
     const uint8_t *src = t->w.staging;

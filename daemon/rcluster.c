@@ -24,6 +24,7 @@
 #include <string.h>
 #include <strings.h>
 #include <time.h>
+#include <unistd.h>
 
 #include "cache/cache.h"
 
@@ -76,15 +77,27 @@ static void sleep_ms(int ms)
 
 /* ---- slots ------------------------------------------------------------- */
 
-uint16_t kvr_rc_crc16(const void *p, size_t n)
+/* Table-driven (a probe hashes hundreds of keys per match). */
+static uint16_t crc16_tab[256];
+static pthread_once_t crc16_once = PTHREAD_ONCE_INIT;
+
+static void crc16_init(void)
 {
-    const uint8_t *b = p;
-    uint16_t crc = 0;
-    for (size_t i = 0; i < n; i++) {
-        crc ^= (uint16_t)(b[i] << 8);
+    for (unsigned i = 0; i < 256; i++) {
+        uint16_t crc = (uint16_t)(i << 8);
         for (int k = 0; k < 8; k++)
             crc = (crc & 0x8000) ? (uint16_t)((crc << 1) ^ 0x1021) : (uint16_t)(crc << 1);
+        crc16_tab[i] = crc;
     }
+}
+
+uint16_t kvr_rc_crc16(const void *p, size_t n)
+{
+    pthread_once(&crc16_once, crc16_init);
+    const uint8_t *b = p;
+    uint16_t crc = 0;
+    for (size_t i = 0; i < n; i++)
+        crc = (uint16_t)((crc << 8) ^ crc16_tab[((crc >> 8) ^ b[i]) & 0xFF]);
     return crc;
 }
 
@@ -582,14 +595,42 @@ typedef struct batch_part {
     bool             *done;
     redisReply      **out;          /* NULL: cb consumes */
     kvr_rc_reply_fn   cb;
+    const kvr_rc_sink *sink;        /* non-NULL: replies read straight into it */
     void             *ud;
     size_t            ok;
+    redisContext     *x;            /* between part_send and part_recv */
+    bool              healthy;
     pthread_t         th;
     bool              threaded;
 } batch_part;
 
+/* A hiredis reply handed to a sink as if it had been read into it. */
+static bool sink_reply(const kvr_rc_sink *k, void *ud, size_t j, const redisReply *r)
+{
+    if (r->type != REDIS_REPLY_STRING)
+        return k->end(ud, j, false);
+    size_t len = (size_t)r->len;
+    bool want = k->begin(ud, j, len);
+    for (size_t off = 0; want && off < len;) {
+        size_t cap = len - off;
+        uint8_t *d = k->span(ud, j, off, &cap);
+        if (cap == 0 || cap > len - off)
+            cap = len - off;
+        if (d)
+            memcpy(d, r->str + off, cap);
+        k->got(ud, j, off, d ? d : (const uint8_t *)r->str + off, cap);
+        off += cap;
+    }
+    return k->end(ud, j, true);
+}
+
 static bool deliver(batch_part *p, size_t j, redisReply *r)
 {
+    if (p->sink) {
+        bool keep = sink_reply(p->sink, p->ud, j, r);
+        freeReplyObject(r);
+        return keep;
+    }
     if (p->cb) {
         bool keep = p->cb(p->ud, j, r);
         freeReplyObject(r);
@@ -599,19 +640,207 @@ static bool deliver(batch_part *p, size_t j, redisReply *r)
     return true;
 }
 
-static void *run_part(void *arg)
+/* ---- replies read straight from the socket (kvr_rc_batch_sink) -------- */
+
+#define RD_BUF 16384
+
+typedef struct rd {
+    int     fd;
+    uint8_t buf[RD_BUF];       /* reply headers (and whatever came with them) */
+    size_t  pos, len;
+} rd;
+
+/* read(2) with the connection's timeout (SO_RCVTIMEO): > 0 bytes, or -1. */
+static ssize_t rd_sys(int fd, void *p, size_t n)
+{
+    for (;;) {
+        ssize_t k = read(fd, p, n);
+        if (k > 0)
+            return k;
+        if (k < 0 && errno == EINTR)
+            continue;
+        return -1;               /* EOF, timeout (EAGAIN) or an error */
+    }
+}
+
+/* The next "\r\n"-terminated line (without it, NUL-terminated in place);
+ * NULL if the connection failed or the line is absurdly long. */
+static char *rd_line(rd *b)
+{
+    for (;;) {
+        for (size_t i = b->pos; i + 1 < b->len; i++)
+            if (b->buf[i] == '\r' && b->buf[i + 1] == '\n') {
+                char *line = (char *)b->buf + b->pos;
+                b->buf[i] = '\0';
+                b->pos = i + 2;
+                return line;
+            }
+        if (b->pos > 0) {
+            memmove(b->buf, b->buf + b->pos, b->len - b->pos);
+            b->len -= b->pos;
+            b->pos = 0;
+        }
+        if (b->len >= RD_BUF - 1)
+            return NULL;
+        ssize_t k = rd_sys(b->fd, b->buf + b->len, RD_BUF - 1 - b->len);
+        if (k < 0)
+            return NULL;
+        b->len += (size_t)k;
+    }
+}
+
+/* Reads a bulk string's len bytes and its "\r\n" into the sink. */
+static bool rd_bulk(rd *b, const kvr_rc_sink *k, void *ud, size_t j, size_t len)
+{
+    bool want = k->begin(ud, j, len);
+    uint8_t scratch[4096];
+    size_t off = 0;
+    while (off < len) {
+        size_t cap = len - off;
+        uint8_t *d = want ? k->span(ud, j, off, &cap) : NULL;
+        if (cap == 0 || cap > len - off)
+            cap = len - off;
+        uint8_t *to = d;
+        if (!to) {
+            to = scratch;
+            if (cap > sizeof scratch)
+                cap = sizeof scratch;
+        }
+        size_t n;
+        if (b->pos < b->len) {           /* what came with the header first */
+            n = b->len - b->pos < cap ? b->len - b->pos : cap;
+            memcpy(to, b->buf + b->pos, n);
+            b->pos += n;
+        } else {
+            ssize_t r = rd_sys(b->fd, to, cap);
+            if (r < 0)
+                return false;
+            n = (size_t)r;
+        }
+        if (want)
+            k->got(ud, j, off, to, n);
+        off += n;
+    }
+    /* The terminating CRLF. */
+    while (b->len - b->pos < 2) {
+        if (b->pos > 0) {
+            memmove(b->buf, b->buf + b->pos, b->len - b->pos);
+            b->len -= b->pos;
+            b->pos = 0;
+        }
+        ssize_t r = rd_sys(b->fd, b->buf + b->len, RD_BUF - 1 - b->len);
+        if (r < 0)
+            return false;
+        b->len += (size_t)r;
+    }
+    if (b->buf[b->pos] != '\r' || b->buf[b->pos + 1] != '\n')
+        return false;
+    b->pos += 2;
+    return true;
+}
+
+/* One node's pipeline with its replies read by rd_*: the connection is
+ * healthy afterwards only if every reply was read whole. */
+static void *run_part_sink(void *arg)
 {
     batch_part *p = arg;
     kvr_rc *rc = p->rc;
     rc_node *nd = node_at(rc, p->idx);
     redisContext *x = nd ? node_get(rc, nd, NULL) : NULL;
     if (!x)
-        return NULL;                 /* all left to the one-by-one path */
+        return NULL;
+    /* hiredis never reads ahead of a reply it was asked for, so a pooled
+     * connection's reader is empty; if not, it is not ours to parse. */
+    redisReader *rr = x->reader;
+    rd *b = rr->len == rr->pos ? malloc(sizeof *b) : NULL;
+    bool healthy = b != NULL;
+    if (healthy) {
+        b->fd = x->fd;
+        b->pos = b->len = 0;
+        for (size_t k = 0; k < p->nix; k++) {
+            const kvr_rc_cmd *c = &p->cmds[p->ix[k]];
+            redisAppendCommandArgv(x, c->argc, c->argv, c->argvlen);
+        }
+        int wdone = 0;
+        while (healthy && !wdone)
+            healthy = redisBufferWrite(x, &wdone) == REDIS_OK;
+    }
+    for (size_t k = 0; k < p->nix && healthy; k++) {
+        size_t j = p->ix[k];
+        char *line = rd_line(b);
+        if (!line) {
+            healthy = false;
+            break;
+        }
+        if (line[0] == '$') {
+            char *end;
+            errno = 0;
+            long long len = strtoll(line + 1, &end, 10);
+            if (errno || *end || len < -1) {
+                healthy = false;
+                break;
+            }
+            if (len == -1) {
+                p->done[j] = true;
+                if (p->sink->end(p->ud, j, false))
+                    p->ok++;
+                continue;
+            }
+            if (!rd_bulk(b, p->sink, p->ud, j, (size_t)len)) {
+                healthy = false;          /* retried one by one */
+                break;
+            }
+            p->done[j] = true;
+            if (p->sink->end(p->ud, j, true))
+                p->ok++;
+        } else if (line[0] == '-') {
+            continue;                      /* redirect or failure: one by one */
+        } else if (line[0] == '+' || line[0] == ':') {
+            p->done[j] = true;
+            if (p->sink->end(p->ud, j, false))
+                p->ok++;
+        } else {
+            healthy = false;               /* not a reply to a GET */
+        }
+    }
+    if (!healthy)
+        count(rc, &rc->conn_errors);
+    /* Nothing may be left unread: the next user of the connection would
+     * take it for its own reply. */
+    if (b && healthy && b->pos != b->len)
+        healthy = false;
+    free(b);
+    node_put(nd, x, healthy);
+    return NULL;
+}
+
+/* A part in two halves: send its pipeline (part_send), then read its
+ * replies (part_recv). Small batches send every node's pipeline first and
+ * then read them in turn, on this thread: the nodes work at once and no
+ * thread is started (a probe of hundreds of EXISTS). */
+static void part_send(batch_part *p)
+{
+    rc_node *nd = node_at(p->rc, p->idx);
+    p->x = nd ? node_get(p->rc, nd, NULL) : NULL;
+    if (!p->x)
+        return;                      /* all left to the one-by-one path */
     for (size_t k = 0; k < p->nix; k++) {
         const kvr_rc_cmd *c = &p->cmds[p->ix[k]];
-        redisAppendCommandArgv(x, c->argc, c->argv, c->argvlen);
+        redisAppendCommandArgv(p->x, c->argc, c->argv, c->argvlen);
     }
-    bool healthy = true;
+    int wdone = 0;
+    p->healthy = true;
+    while (p->healthy && !wdone)
+        p->healthy = redisBufferWrite(p->x, &wdone) == REDIS_OK;
+}
+
+static void part_recv(batch_part *p)
+{
+    kvr_rc *rc = p->rc;
+    redisContext *x = p->x;
+    if (!x)
+        return;
+    bool healthy = p->healthy;
     for (size_t k = 0; k < p->nix && healthy; k++) {
         size_t j = p->ix[k];
         redisReply *r = NULL;
@@ -629,12 +858,24 @@ static void *run_part(void *arg)
     }
     if (!healthy)
         count(rc, &rc->conn_errors);
-    node_put(nd, x, healthy);
+    node_put(node_at(rc, p->idx), x, healthy);
+    p->x = NULL;
+}
+
+static void *run_part(void *arg)
+{
+    batch_part *p = arg;
+    if (p->sink)
+        return run_part_sink(arg);
+    part_send(p);
+    part_recv(p);
     return NULL;
 }
 
-size_t kvr_rc_batch_cb(kvr_rc *rc, size_t n, const kvr_rc_cmd *cmds, redisReply **out,
-                       kvr_rc_reply_fn cb, void *ud)
+#define FANOUT_MAX_BYTES (256u << 10)    /* below: no threads */
+
+static size_t batch_run(kvr_rc *rc, size_t n, const kvr_rc_cmd *cmds, redisReply **out,
+                        kvr_rc_reply_fn cb, const kvr_rc_sink *sink, void *ud)
 {
     /* One retry budget for the whole batch, not one per command. */
     uint64_t deadline = now_ms() + (uint64_t)rc->retry_ms;
@@ -661,7 +902,7 @@ size_t kvr_rc_batch_cb(kvr_rc *rc, size_t n, const kvr_rc_cmd *cmds, redisReply 
         }
         if (node[i] >= 0 && k == np)
             parts[np++] = (batch_part){ .rc = rc, .idx = node[i], .cmds = cmds, .done = done,
-                                        .out = out, .cb = cb, .ud = ud };
+                                        .out = out, .cb = cb, .sink = sink, .ud = ud };
     }
     /* Each part's commands, in order, in one array. */
     size_t at = 0;
@@ -675,11 +916,22 @@ size_t kvr_rc_batch_cb(kvr_rc *rc, size_t n, const kvr_rc_cmd *cmds, redisReply 
     /* The nodes' pipelines run at once: one thread per node but the last,
      * which runs here (large values then arrive from every master in
      * parallel, and each thread checks what it received while it is hot). */
-    for (int k = 0; k + 1 < np; k++)
-        parts[k].threaded = pthread_create(&parts[k].th, NULL, run_part, &parts[k]) == 0;
-    for (int k = 0; k < np; k++)
-        if (!parts[k].threaded)
-            run_part(&parts[k]);
+    size_t bytes = 0;
+    for (size_t i = 0; !sink && i < n; i++)
+        for (int a = 0; a < cmds[i].argc; a++)
+            bytes += cmds[i].argvlen[a];
+    if (!sink && bytes < FANOUT_MAX_BYTES) {
+        for (int k = 0; k < np; k++)
+            part_send(&parts[k]);
+        for (int k = 0; k < np; k++)
+            part_recv(&parts[k]);
+    } else {
+        for (int k = 0; k + 1 < np; k++)
+            parts[k].threaded = pthread_create(&parts[k].th, NULL, run_part, &parts[k]) == 0;
+        for (int k = 0; k < np; k++)
+            if (!parts[k].threaded)
+                run_part(&parts[k]);
+    }
     size_t ok = 0;
     for (int k = 0; k < np; k++) {
         if (parts[k].threaded)
@@ -687,7 +939,7 @@ size_t kvr_rc_batch_cb(kvr_rc *rc, size_t n, const kvr_rc_cmd *cmds, redisReply 
         ok += parts[k].ok;
     }
     batch_part one = { .rc = rc, .idx = -1, .cmds = cmds, .done = done, .out = out, .cb = cb,
-                       .ud = ud };
+                       .sink = sink, .ud = ud };
     for (size_t i = 0; i < n; i++) {
         if (done[i])
             continue;
@@ -704,6 +956,18 @@ size_t kvr_rc_batch_cb(kvr_rc *rc, size_t n, const kvr_rc_cmd *cmds, redisReply 
     free(done);
     free(parts);
     return ok;
+}
+
+size_t kvr_rc_batch_cb(kvr_rc *rc, size_t n, const kvr_rc_cmd *cmds, redisReply **out,
+                       kvr_rc_reply_fn cb, void *ud)
+{
+    return batch_run(rc, n, cmds, out, cb, NULL, ud);
+}
+
+size_t kvr_rc_batch_sink(kvr_rc *rc, size_t n, const kvr_rc_cmd *cmds, const kvr_rc_sink *sink,
+                         void *ud)
+{
+    return batch_run(rc, n, cmds, NULL, NULL, sink, ud);
 }
 
 size_t kvr_rc_batch(kvr_rc *rc, size_t n, const kvr_rc_cmd *cmds, redisReply **out)

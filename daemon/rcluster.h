@@ -96,6 +96,30 @@ typedef bool (*kvr_rc_reply_fn)(void *ud, size_t i, const redisReply *r);
 size_t kvr_rc_batch_cb(kvr_rc *rc, size_t n, const kvr_rc_cmd *cmds, redisReply **out,
                        kvr_rc_reply_fn cb, void *ud);
 
+/* Large string replies read straight from the socket into the caller's
+ * memory: no hiredis reply object, no intermediate buffer (the bytes are
+ * copied once, by the kernel, to where sink->span says). For command i:
+ *  - begin(ud, i, len): the reply is a string of len bytes; return false to
+ *    have them read and dropped (end is still called);
+ *  - span(ud, i, off, &cap): where bytes [off, off + cap) go (cap > 0, at
+ *    most len - off); NULL drops them;
+ *  - got(ud, i, off, p, n): bytes [off, off + n) have landed at p, in order
+ *    (p may be a scratch buffer when span returned NULL);
+ *  - end(ud, i, is_string): the reply is complete (is_string false: nil or
+ *    not a string); return true to count it as accepted.
+ * A connection that fails mid-reply is dropped and the command retried (on
+ * the one-by-one path, from a hiredis reply): begin is then called again
+ * and must reset whatever it keeps for i. Calls for distinct i may run
+ * concurrently (one thread per node). Returns how many end accepted. */
+typedef struct kvr_rc_sink {
+    bool     (*begin)(void *ud, size_t i, size_t len);
+    uint8_t *(*span)(void *ud, size_t i, size_t off, size_t *cap);
+    void     (*got)(void *ud, size_t i, size_t off, const uint8_t *p, size_t n);
+    bool     (*end)(void *ud, size_t i, bool is_string);
+} kvr_rc_sink;
+size_t kvr_rc_batch_sink(kvr_rc *rc, size_t n, const kvr_rc_cmd *cmds, const kvr_rc_sink *sink,
+                         void *ud);
+
 void kvr_rc_get_stats(kvr_rc *rc, kvr_rc_stats *out);
 
 #endif /* KVR_RCLUSTER_H */

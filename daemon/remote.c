@@ -37,11 +37,15 @@ uint32_t kvr_crc32c(uint32_t crc, const void *p, size_t n);
 
 #define BLOCK_MAGIC "KVRB"
 #define MANIFEST_MAGIC "KVRM"
-#define RT_VERSION 1u
+#define RT_VERSION 1u            /* of block values */
+#define MANIFEST_VERSION 2u      /* 2: + group ids and the layout */
+#define LAYOUT_FIXED (4 + 256 + 24 + 4 + 32)   /* flags, prefix record, n_groups, ret, protected */
+#define GROUP_REC (KVR_GROUP_NAME_MAX + 1 + 16)
 #define BLOCK_HDR 56u
 #define MANIFEST_HDR 568u
 #define MAX_TOKENS (1u << 28)
-#define SET_GROUP 16            /* blocks encoded and SET per pipeline */
+#define SET_GROUP 16            /* blocks encoded and SET per pipeline, at most */
+#define SET_GROUP_BYTES (32u << 20)   /* and about this many bytes */
 #define REJOIN_MS 1000
 
 /* ---- hashing ----------------------------------------------------------- */
@@ -98,6 +102,11 @@ size_t kvr_rt_manifest_key(const char *ctx_id, char out[KVR_RT_KEY_MAX])
     for (size_t i = 0; i < n; i++)
         h = mix(h, (uint8_t)ctx_id[i]);
     return (size_t)snprintf(out, KVR_RT_KEY_MAX, "kvr1:m:{%016" PRIx64 "}", fin(h));
+}
+
+size_t kvr_rt_sub_key(uint64_t sub_chain, char out[KVR_RT_KEY_MAX])
+{
+    return (size_t)snprintf(out, KVR_RT_KEY_MAX, "kvr1:p:{%016" PRIx64 "}", sub_chain);
 }
 
 /* ---- value encoding ---------------------------------------------------- */
@@ -243,11 +252,14 @@ int kvr_rt_block_decode(const uint8_t *v, size_t len, const kvr_rt_desc *d, uint
     return decode_to(v, len, d, chain, start, tokens, pos, n, &flat, n_ctx, err);
 }
 
-static int decode_to(const uint8_t *v, size_t len, const kvr_rt_desc *d, uint64_t chain,
-                     uint64_t start, const uint32_t *tokens, const int64_t *pos, size_t n,
-                     const rt_dst *dst, size_t n_ctx, kvr_error *err)
+/* The checks of a block value that need only its first BLOCK_HDR + n * 12
+ * bytes (header, tokens, positions) and its length; crc_ok says whether its
+ * CRC32C matched (checked in between, as the value's own errors come first). */
+static int block_check_n(const uint8_t *v, size_t len, bool crc_ok, const kvr_rt_desc *d,
+                         uint64_t chain, uint64_t start, const uint32_t *tokens,
+                         const int64_t *pos, size_t n, size_t n_cmp, kvr_error *err)
 {
-    size_t kv = kv_bytes(d, n), row = row_bytes(d);
+    size_t kv = kv_bytes(d, n);
     if (len < BLOCK_HDR + 4 || memcmp(v, BLOCK_MAGIC, 4) != 0)
         return kvr_error_set(err, KVR_EIO, "block value: not a kvrope block (%zu bytes)", len);
     if (get32(v + 4) != RT_VERSION)
@@ -255,7 +267,7 @@ static int decode_to(const uint8_t *v, size_t len, const kvr_rt_desc *d, uint64_
     if (len != BLOCK_HDR + n * 12 + kv + 4)
         return kvr_error_set(err, KVR_EIO, "block value: %zu bytes, expected %zu", len,
                              BLOCK_HDR + n * 12 + kv + 4);
-    if (kvr_crc32c(0, v, len - 4) != get32(v + len - 4))
+    if (!crc_ok)
         return kvr_error_set(err, KVR_EIO, "block value: checksum mismatch");
     if (get64(v + 8) != d->fingerprint)
         return kvr_error_set(err, KVR_EFINGERPRINT, "block value: fingerprint %016" PRIx64
@@ -267,9 +279,65 @@ static int decode_to(const uint8_t *v, size_t len, const kvr_rt_desc *d, uint64_
     if (get64(v + 40) != chain || get64(v + 48) != start)
         return kvr_error_set(err, KVR_EIO, "block value: chain or start differ from its key");
     const uint8_t *p = v + BLOCK_HDR;
-    if (memcmp(p, tokens, n * 4) != 0 || memcmp(p + n * 4, pos, n * 8) != 0)
+    if (memcmp(p, tokens, n_cmp * 4) != 0 || memcmp(p + n * 4, pos, n_cmp * 8) != 0)
         return kvr_error_set(err, KVR_EIO, "block value: tokens or positions differ");
-    p += n * 12;
+    return 0;
+}
+
+static int block_check(const uint8_t *v, size_t len, bool crc_ok, const kvr_rt_desc *d,
+                       uint64_t chain, uint64_t start, const uint32_t *tokens,
+                       const int64_t *pos, size_t n, kvr_error *err)
+{
+    return block_check_n(v, len, crc_ok, d, chain, start, tokens, pos, n, n, err);
+}
+
+/* The first e tokens of a whole block value of n tokens (found through a
+ * sub-block prefix key): the value checked as a block whose chain is
+ * `chain` and whose chain continues `prev`, its first e tokens and
+ * positions those expected; their K/V copied into the flat payload dst
+ * (n_ctx tokens) at start. */
+static int decode_head(const uint8_t *v, size_t len, const kvr_rt_desc *d, uint64_t prev,
+                       uint64_t chain, uint64_t start, size_t n, const uint32_t *tokens,
+                       const int64_t *pos, size_t e, uint8_t *dst, size_t n_ctx,
+                       kvr_error *err)
+{
+    size_t row = row_bytes(d);
+    bool sized = len >= BLOCK_HDR + 4 && len == BLOCK_HDR + n * 12 + kv_bytes(d, n) + 4;
+    bool crc_ok = sized && kvr_crc32c(0, v, len - 4) == get32(v + len - 4);
+    int rc = block_check_n(v, len, crc_ok, d, chain, start, tokens, pos, n, e, err);
+    if (rc < 0)
+        return rc;
+    uint32_t *bt = kvr_mem_malloc(n * 4);
+    int64_t *bp = kvr_mem_malloc(n * 8);
+    if (!bt || !bp) {
+        kvr_mem_free(bt);
+        kvr_mem_free(bp);
+        return kvr_error_set(err, KVR_ENOMEM, "out of memory");
+    }
+    memcpy(bt, v + BLOCK_HDR, n * 4);
+    memcpy(bp, v + BLOCK_HDR + n * 4, n * 8);
+    bool cont = kvr_rt_chain_next(prev, bt, bp, n) == chain;
+    kvr_mem_free(bt);
+    kvr_mem_free(bp);
+    if (!cont)
+        return kvr_error_set(err, KVR_EIO, "block value: does not continue the prefix");
+    const uint8_t *p = v + BLOCK_HDR + n * 12;
+    for (size_t l = 0; l < 2 * (size_t)d->n_layers; l++)
+        memcpy(dst + (l * n_ctx + start) * row, p + l * n * row, e * row);
+    return 0;
+}
+
+static int decode_to(const uint8_t *v, size_t len, const kvr_rt_desc *d, uint64_t chain,
+                     uint64_t start, const uint32_t *tokens, const int64_t *pos, size_t n,
+                     const rt_dst *dst, size_t n_ctx, kvr_error *err)
+{
+    size_t row = row_bytes(d);
+    bool sized = len >= BLOCK_HDR + 4 && len == BLOCK_HDR + n * 12 + kv_bytes(d, n) + 4;
+    bool crc_ok = sized && kvr_crc32c(0, v, len - 4) == get32(v + len - 4);
+    int rc = block_check(v, len, crc_ok, d, chain, start, tokens, pos, n, err);
+    if (rc < 0)
+        return rc;
+    const uint8_t *p = v + BLOCK_HDR + n * 12;
     for (size_t l = 0; l < 2 * (size_t)d->n_layers; l++) {
         dst_write(dst, (l * n_ctx + start) * row, p, n * row);
         p += n * row;
@@ -277,14 +345,213 @@ static int decode_to(const uint8_t *v, size_t len, const kvr_rt_desc *d, uint64_
     return 0;
 }
 
+#define QUANT_SEC (KVR_CODEC_NAME_MAX + 32)
+
+static size_t layout_bytes(const kvr_rt_manifest *m)
+{
+    return LAYOUT_FIXED + m->layout.n_groups * GROUP_REC + (m->quant ? QUANT_SEC : 0);
+}
+
+/* ---- the values of a manifest -------------------------------------------- */
+
+size_t kvr_rt_manifest_blocks(const kvr_rt_manifest *m)
+{
+    if (!m->quant)
+        return (m->n_tokens + KVR_RT_BLOCK - 1) / KVR_RT_BLOCK;
+    return (m->n_raw + m->chunk - 1) / m->chunk +
+           (m->n_tokens - m->n_raw + KVR_RT_BLOCK - 1) / KVR_RT_BLOCK;
+}
+
+void kvr_rt_manifest_block(const kvr_rt_manifest *m, size_t b, size_t *start, size_t *n,
+                           bool *chunk)
+{
+    size_t nch = m->quant ? (m->n_raw + m->chunk - 1) / m->chunk : 0;
+    if (b < nch) {
+        *start = b * m->chunk;
+        *n = m->n_raw - *start < m->chunk ? m->n_raw - *start : m->chunk;
+        *chunk = true;
+        return;
+    }
+    size_t base = m->quant ? m->n_raw : 0;
+    *start = base + (b - nch) * KVR_RT_BLOCK;
+    *n = m->n_tokens - *start < KVR_RT_BLOCK ? m->n_tokens - *start : KVR_RT_BLOCK;
+    *chunk = false;
+}
+
+/* A quantized context's chains start from its codec as well: its values
+ * are never taken for a plain context's (nor found by match). */
+static uint64_t manifest_seed(const kvr_rt_manifest *m)
+{
+    uint64_t h = kvr_rt_chain_seed(&m->desc);
+    if (!m->quant)
+        return h;
+    h = mix(h, 0x7175616e74ull);      /* "quant" */
+    for (const char *c = m->codec; *c; c++)
+        h = mix(h, (uint8_t)*c);
+    h = mix(h, m->chunk);
+    return fin(h);
+}
+
+void kvr_rt_manifest_chains(const kvr_rt_manifest *m, uint64_t *out)
+{
+    uint64_t h = manifest_seed(m);
+    size_t nb = kvr_rt_manifest_blocks(m);
+    for (size_t b = 0; b < nb; b++) {
+        size_t s, n;
+        bool ch;
+        kvr_rt_manifest_block(m, b, &s, &n, &ch);
+        h = kvr_rt_chain_next(h, m->tokens + s, m->positions + s, n);
+        out[b] = h;
+    }
+}
+
+/* ---- encoded chunks of a quantized context ------------------------------ */
+
+#define CHUNK_MAGIC "KVRQ"
+#define CHUNK_HDR 128u
+
+/* Per layer, the K and V bytes of n encoded tokens (n a multiple of the
+ * K tile): proportional to the manifest's totals for n_raw tokens. */
+static size_t chunk_kb(const kvr_rt_manifest *m, size_t n)
+{
+    return m->n_raw ? m->raw_kb / (m->n_raw / m->ktile) * (n / m->ktile) : 0;
+}
+
+static size_t chunk_vb(const kvr_rt_manifest *m, size_t n)
+{
+    return m->n_raw ? m->raw_vb / m->n_raw * n : 0;
+}
+
+static size_t chunk_len(const kvr_rt_manifest *m, size_t n)
+{
+    return CHUNK_HDR + n * 12 + m->desc.n_layers * (chunk_kb(m, n) + chunk_vb(m, n)) + 4;
+}
+
+/* Offset in the raw payload (a raw get's / a raw put's: per layer K bytes
+ * then V bytes of all n_raw tokens) of layer l's K (kv 0) or V of the
+ * tokens from s. */
+static size_t raw_off(const kvr_rt_manifest *m, size_t l, int kv, size_t s)
+{
+    return l * (m->raw_kb + m->raw_vb) + (kv ? m->raw_kb + chunk_vb(m, s) : chunk_kb(m, s));
+}
+
+static uint8_t *chunk_encode(const kvr_rt_manifest *m, size_t b, uint64_t chain,
+                             const rt_src *raw, size_t *len)
+{
+    size_t s, n;
+    bool ch;
+    kvr_rt_manifest_block(m, b, &s, &n, &ch);
+    size_t total = chunk_len(m, n), kb = chunk_kb(m, n), vb = chunk_vb(m, n);
+    uint8_t *v = kvr_mem_calloc(1, total);
+    if (!v)
+        return NULL;
+    memcpy(v, CHUNK_MAGIC, 4);
+    put32(v + 4, RT_VERSION);
+    put64(v + 8, m->desc.fingerprint);
+    put32(v + 16, m->desc.n_layers);
+    put32(v + 20, m->desc.n_kv_heads);
+    put32(v + 24, m->desc.head_dim);
+    put32(v + 28, m->chunk);
+    put32(v + 32, (uint32_t)n);
+    put32(v + 36, m->ktile);
+    put64(v + 40, chain);
+    put64(v + 48, s);
+    snprintf((char *)v + 56, KVR_CODEC_NAME_MAX, "%s", m->codec);
+    uint8_t *p = v + CHUNK_HDR;
+    memcpy(p, m->tokens + s, n * 4);
+    memcpy(p + n * 4, m->positions + s, n * 8);
+    p += n * 12;
+    for (size_t l = 0; l < m->desc.n_layers; l++) {
+        src_read(raw, raw_off(m, l, 0, s), p, kb);
+        p += kb;
+        src_read(raw, raw_off(m, l, 1, s), p, vb);
+        p += vb;
+    }
+    put32(p, kvr_crc32c(0, v, (size_t)(p - v)));
+    *len = total;
+    return v;
+}
+
+/* The checks of a chunk value against the manifest (header, tokens and
+ * positions in v's first CHUNK_HDR + n * 12 bytes). */
+static int chunk_check(const uint8_t *v, size_t len, bool crc_ok, const kvr_rt_manifest *m,
+                       size_t b, uint64_t chain, kvr_error *err)
+{
+    size_t s, n;
+    bool ch;
+    kvr_rt_manifest_block(m, b, &s, &n, &ch);
+    if (len < CHUNK_HDR + 4 || memcmp(v, CHUNK_MAGIC, 4) != 0)
+        return kvr_error_set(err, KVR_EIO, "chunk value: not a kvrope chunk (%zu bytes)", len);
+    if (get32(v + 4) != RT_VERSION)
+        return kvr_error_set(err, KVR_EIO, "chunk value: version %u", get32(v + 4));
+    if (len != chunk_len(m, n))
+        return kvr_error_set(err, KVR_EIO, "chunk value: %zu bytes, expected %zu", len,
+                             chunk_len(m, n));
+    if (!crc_ok)
+        return kvr_error_set(err, KVR_EIO, "chunk value: checksum mismatch");
+    if (get64(v + 8) != m->desc.fingerprint)
+        return kvr_error_set(err, KVR_EFINGERPRINT, "chunk value: fingerprint %016" PRIx64
+                             ", expected %016" PRIx64, get64(v + 8), m->desc.fingerprint);
+    if (get32(v + 16) != m->desc.n_layers || get32(v + 20) != m->desc.n_kv_heads ||
+        get32(v + 24) != m->desc.head_dim || get32(v + 28) != m->chunk ||
+        get32(v + 32) != n || get32(v + 36) != m->ktile)
+        return kvr_error_set(err, KVR_ESHAPE, "chunk value: shape/tile/length differ");
+    if (memchr(v + 56, 0, KVR_CODEC_NAME_MAX) == NULL || strcmp((const char *)v + 56, m->codec))
+        return kvr_error_set(err, KVR_ESHAPE, "chunk value: codec '%.64s', expected '%s'",
+                             (const char *)v + 56, m->codec);
+    if (get64(v + 40) != chain || get64(v + 48) != s)
+        return kvr_error_set(err, KVR_EIO, "chunk value: chain or start differ from its key");
+    const uint8_t *p = v + CHUNK_HDR;
+    if (memcmp(p, m->tokens + s, n * 4) != 0 || memcmp(p + n * 4, m->positions + s, n * 8) != 0)
+        return kvr_error_set(err, KVR_EIO, "chunk value: tokens or positions differ");
+    return 0;
+}
+
+size_t kvr_rt_chunk_key(uint64_t chain, char out[KVR_RT_KEY_MAX])
+{
+    return (size_t)snprintf(out, KVR_RT_KEY_MAX, "kvr1:q:{%016" PRIx64 "}", chain);
+}
+
+#define SUB_MAGIC "KVRP"
+
+void kvr_rt_sub_encode(const kvr_rt_desc *d, uint64_t block_chain, uint32_t block_n,
+                       uint32_t e, uint8_t out[KVR_RT_SUB_LEN])
+{
+    memcpy(out, SUB_MAGIC, 4);
+    put32(out + 4, RT_VERSION);
+    put64(out + 8, d->fingerprint);
+    put64(out + 16, block_chain);
+    put32(out + 24, block_n);
+    put32(out + 28, e);
+    put32(out + 32, kvr_crc32c(0, out, 32));
+}
+
+int kvr_rt_sub_decode(const uint8_t *v, size_t len, const kvr_rt_desc *d, uint32_t e,
+                      uint64_t *block_chain, uint32_t *block_n, kvr_error *err)
+{
+    if (len != KVR_RT_SUB_LEN || memcmp(v, SUB_MAGIC, 4) != 0 || get32(v + 4) != RT_VERSION)
+        return kvr_error_set(err, KVR_EIO, "prefix key: not a kvrope prefix entry (%zu bytes)",
+                             len);
+    if (kvr_crc32c(0, v, 32) != get32(v + 32))
+        return kvr_error_set(err, KVR_EIO, "prefix key: checksum mismatch");
+    uint32_t n = get32(v + 24);
+    if (get64(v + 8) != d->fingerprint || get32(v + 28) != e || n <= e || n > KVR_RT_BLOCK)
+        return kvr_error_set(err, KVR_EIO, "prefix key: for another model or length");
+    *block_chain = get64(v + 16);
+    *block_n = n;
+    return 0;
+}
+
 uint8_t *kvr_rt_manifest_encode(const kvr_rt_manifest *m, size_t *len)
 {
-    size_t total = MANIFEST_HDR + m->n_blocks * 8 + m->n_tokens * 16 + 4;
+    if (m->layout.n_groups > KVR_MAX_GROUPS)
+        return NULL;
+    size_t total = MANIFEST_HDR + m->n_blocks * 8 + m->n_tokens * 20 + layout_bytes(m) + 4;
     uint8_t *v = kvr_mem_calloc(1, total);
     if (!v)
         return NULL;
     memcpy(v, MANIFEST_MAGIC, 4);
-    put32(v + 4, RT_VERSION);
+    put32(v + 4, MANIFEST_VERSION);
     put64(v + 8, m->desc.fingerprint);
     put32(v + 16, m->desc.n_layers);
     put32(v + 20, m->desc.n_kv_heads);
@@ -304,6 +571,36 @@ uint8_t *kvr_rt_manifest_encode(const kvr_rt_manifest *m, size_t *len)
     p += m->n_tokens * 8;
     memcpy(p, m->flags, m->n_tokens * 4);
     p += m->n_tokens * 4;
+    if (m->groups)
+        memcpy(p, m->groups, m->n_tokens * 4);
+    p += m->n_tokens * 4;
+    const kvr_layout_info *L = &m->layout;
+    put32(p, (L->has_prefix ? 1u : 0u) | (L->has_retention ? 2u : 0u) | (m->quant ? 4u : 0u));
+    snprintf((char *)p + 4, 256, "%s", L->has_prefix ? L->prefix_ctx : "");
+    put64(p + 260, L->prefix_fingerprint);
+    put64(p + 268, L->prefix_len);
+    put64(p + 276, L->prefix_hash);
+    put32(p + 284, (uint32_t)L->n_groups);
+    put64(p + 288, L->sinks);
+    put64(p + 296, L->window);
+    put64(p + 304, L->n_dropped);
+    put64(p + 312, m->n_protected);
+    p += LAYOUT_FIXED;
+    for (size_t g = 0; g < L->n_groups; g++) {
+        snprintf((char *)p, KVR_GROUP_NAME_MAX + 1, "%s", L->groups[g].name);
+        put64(p + KVR_GROUP_NAME_MAX + 1, (uint64_t)L->groups[g].offset);
+        put64(p + KVR_GROUP_NAME_MAX + 9, L->groups[g].cursor);
+        p += GROUP_REC;
+    }
+    if (m->quant) {
+        snprintf((char *)p, KVR_CODEC_NAME_MAX, "%s", m->codec);
+        put64(p + KVR_CODEC_NAME_MAX, m->n_raw);
+        put64(p + KVR_CODEC_NAME_MAX + 8, m->raw_kb);
+        put64(p + KVR_CODEC_NAME_MAX + 16, m->raw_vb);
+        put32(p + KVR_CODEC_NAME_MAX + 24, m->chunk);
+        put32(p + KVR_CODEC_NAME_MAX + 28, m->ktile);
+        p += QUANT_SEC;
+    }
     put32(p, kvr_crc32c(0, v, (size_t)(p - v)));
     *len = total;
     return v;
@@ -315,10 +612,12 @@ void kvr_rt_manifest_free(kvr_rt_manifest *m)
     kvr_mem_free(m->tokens);
     kvr_mem_free(m->positions);
     kvr_mem_free(m->flags);
+    kvr_mem_free(m->groups);
     m->chains = NULL;
     m->tokens = NULL;
     m->positions = NULL;
     m->flags = NULL;
+    m->groups = NULL;
 }
 
 int kvr_rt_manifest_decode(const uint8_t *v, size_t len, const char *want_id,
@@ -327,12 +626,28 @@ int kvr_rt_manifest_decode(const uint8_t *v, size_t len, const char *want_id,
     memset(m, 0, sizeof *m);
     if (len < MANIFEST_HDR + 4 || memcmp(v, MANIFEST_MAGIC, 4) != 0)
         return kvr_error_set(err, KVR_EIO, "manifest: not a kvrope manifest (%zu bytes)", len);
-    if (get32(v + 4) != RT_VERSION || get32(v + 32) != KVR_RT_BLOCK)
-        return kvr_error_set(err, KVR_EIO, "manifest: version %u / block %u", get32(v + 4),
+    uint32_t ver = get32(v + 4);
+    if ((ver != 1 && ver != MANIFEST_VERSION) || get32(v + 32) != KVR_RT_BLOCK)
+        return kvr_error_set(err, KVR_EIO, "manifest: version %u / block %u", ver,
                              get32(v + 32));
     uint64_t nt = get64(v + 40), nb = get64(v + 48);
-    if (nt > MAX_TOKENS || nb != (nt + KVR_RT_BLOCK - 1) / KVR_RT_BLOCK ||
-        len != MANIFEST_HDR + nb * 8 + nt * 16 + 4)
+    if (nt > MAX_TOKENS || nb > nt)
+        return kvr_error_set(err, KVR_EIO, "manifest: inconsistent lengths");
+    size_t body = MANIFEST_HDR + nb * 8 + nt * 16;      /* version 1's */
+    size_t ng = 0;
+    bool quant = false;
+    if (ver >= 2) {
+        if (len < body + nt * 4 + LAYOUT_FIXED + 4)
+            return kvr_error_set(err, KVR_EIO, "manifest: inconsistent lengths");
+        ng = get32(v + body + nt * 4 + 284);
+        quant = (get32(v + body + nt * 4) & 4u) != 0;
+        if (ng > KVR_MAX_GROUPS)
+            return kvr_error_set(err, KVR_EIO, "manifest: %zu groups", ng);
+        body += nt * 4 + LAYOUT_FIXED + ng * GROUP_REC + (quant ? QUANT_SEC : 0);
+    }
+    if (!quant && nb != (nt + KVR_RT_BLOCK - 1) / KVR_RT_BLOCK)
+        return kvr_error_set(err, KVR_EIO, "manifest: inconsistent lengths");
+    if (len != body + 4)
         return kvr_error_set(err, KVR_EIO, "manifest: inconsistent lengths");
     if (kvr_crc32c(0, v, len - 4) != get32(v + len - 4))
         return kvr_error_set(err, KVR_EIO, "manifest: checksum mismatch");
@@ -357,7 +672,8 @@ int kvr_rt_manifest_decode(const uint8_t *v, size_t len, const char *want_id,
     m->tokens = kvr_mem_malloc(nt * 4 + 1);
     m->positions = kvr_mem_malloc(nt * 8 + 1);
     m->flags = kvr_mem_malloc(nt * 4 + 1);
-    if (!m->chains || !m->tokens || !m->positions || !m->flags) {
+    m->groups = kvr_mem_malloc(nt * 4 + 1);
+    if (!m->chains || !m->tokens || !m->positions || !m->flags || !m->groups) {
         kvr_rt_manifest_free(m);
         return kvr_error_set(err, KVR_ENOMEM, "manifest: out of memory");
     }
@@ -369,10 +685,73 @@ int kvr_rt_manifest_decode(const uint8_t *v, size_t len, const char *want_id,
     memcpy(m->positions, p, nt * 8);
     p += nt * 8;
     memcpy(m->flags, p, nt * 4);
+    p += nt * 4;
+    if (ver < 2) {
+        memset(m->groups, 0, nt * 4);
+    } else {
+        memcpy(m->groups, p, nt * 4);
+        p += nt * 4;
+        kvr_layout_info *L = &m->layout;
+        uint32_t lf = get32(p);
+        if ((lf & ~7u) || memchr(p + 4, 0, 256) == NULL) {
+            kvr_rt_manifest_free(m);
+            return kvr_error_set(err, KVR_EIO, "manifest: bad layout record");
+        }
+        L->has_prefix = lf & 1u;
+        L->has_retention = (lf & 2u) != 0;
+        snprintf(L->prefix_ctx, sizeof L->prefix_ctx, "%s", (const char *)p + 4);
+        L->prefix_fingerprint = get64(p + 260);
+        L->prefix_len = (size_t)get64(p + 268);
+        L->prefix_hash = get64(p + 276);
+        L->n_groups = ng;
+        L->sinks = (size_t)get64(p + 288);
+        L->window = (size_t)get64(p + 296);
+        L->n_dropped = (size_t)get64(p + 304);
+        m->n_protected = (size_t)get64(p + 312);
+        p += LAYOUT_FIXED;
+        for (size_t g = 0; g < ng; g++, p += GROUP_REC) {
+            if (memchr(p, 0, KVR_GROUP_NAME_MAX + 1) == NULL || !p[0]) {
+                kvr_rt_manifest_free(m);
+                return kvr_error_set(err, KVR_EIO, "manifest: bad group name");
+            }
+            snprintf(L->groups[g].name, sizeof L->groups[g].name, "%s", (const char *)p);
+            L->groups[g].id = (int32_t)g;
+            L->groups[g].offset = (int64_t)get64(p + KVR_GROUP_NAME_MAX + 1);
+            L->groups[g].cursor = get64(p + KVR_GROUP_NAME_MAX + 9);
+        }
+        if (quant) {
+            m->quant = true;
+            bool ok = memchr(p, 0, KVR_CODEC_NAME_MAX) != NULL && p[0];
+            if (ok)
+                snprintf(m->codec, sizeof m->codec, "%s", (const char *)p);
+            m->n_raw = (size_t)get64(p + KVR_CODEC_NAME_MAX);
+            m->raw_kb = (size_t)get64(p + KVR_CODEC_NAME_MAX + 8);
+            m->raw_vb = (size_t)get64(p + KVR_CODEC_NAME_MAX + 16);
+            m->chunk = get32(p + KVR_CODEC_NAME_MAX + 24);
+            m->ktile = get32(p + KVR_CODEC_NAME_MAX + 28);
+            ok = ok && m->n_raw <= nt && m->ktile >= 1 && m->ktile <= 256 && m->chunk >= 1 &&
+                 m->chunk <= 1024 && m->chunk % m->ktile == 0 && m->n_raw % m->ktile == 0 &&
+                 (m->n_raw == 0 || (m->raw_kb % (m->n_raw / m->ktile) == 0 &&
+                                    m->raw_vb % m->n_raw == 0)) &&
+                 m->raw_kb <= ((size_t)1 << 40) && m->raw_vb <= ((size_t)1 << 40) &&
+                 nb == kvr_rt_manifest_blocks(m);
+            if (!ok) {
+                kvr_rt_manifest_free(m);
+                return kvr_error_set(err, KVR_EIO, "manifest: bad quantized section");
+            }
+        }
+        if (m->n_protected > nt) {
+            kvr_rt_manifest_free(m);
+            return kvr_error_set(err, KVR_EIO, "manifest: %zu protected of %zu tokens",
+                                 m->n_protected, (size_t)nt);
+        }
+    }
     /* The chains must be the ones these tokens and positions give. */
-    uint64_t h = kvr_rt_chain_seed(&m->desc);
+    uint64_t h = manifest_seed(m);
     for (size_t b = 0; b < nb; b++) {
-        size_t s = b * KVR_RT_BLOCK, n = nt - s < KVR_RT_BLOCK ? nt - s : KVR_RT_BLOCK;
+        size_t s, n;
+        bool ch;
+        kvr_rt_manifest_block(m, b, &s, &n, &ch);
         h = kvr_rt_chain_next(h, m->tokens + s, m->positions + s, n);
         if (h != m->chains[b]) {
             kvr_rt_manifest_free(m);
@@ -387,10 +766,15 @@ int kvr_rt_manifest_decode(const uint8_t *v, size_t len, const char *want_id,
 typedef struct pub_job {
     struct pub_job *next;
     kvr_rt_manifest m;
-    kvr_get  *get;              /* the snapshot: leased blocks (ended on the loop) */
+    kvr_get  *get;              /* the snapshot: leased blocks (ended on the loop);
+                                   quantized: a raw get of the encoded tokens */
     const struct iovec *iov;    /* its payload (after its work, if any) */
     size_t    niov;
     size_t   *starts;           /* payload offset of each iov */
+    kvr_get  *get2;             /* quantized: a get of the window (NULL: none) */
+    const struct iovec *iov2;
+    size_t    niov2;
+    size_t   *starts2;
     kvr_remote_done_fn done;    /* loop thread, when finished (may be NULL) */
     void     *done_arg;
     int       rc;
@@ -469,6 +853,51 @@ static bool tier_up(kvr_remote *r)
     return false;
 }
 
+/* SETs every block's sub-block prefix keys, pipelined. */
+static int publish_subs(kvr_remote *r, const kvr_rt_manifest *m)
+{
+    size_t per = KVR_RT_BLOCK / KVR_RT_GRAIN - 1, cap = m->n_blocks * per + 1;
+    char (*keys)[KVR_RT_KEY_MAX] = kvr_mem_malloc(cap * KVR_RT_KEY_MAX);
+    uint8_t (*vals)[KVR_RT_SUB_LEN] = kvr_mem_malloc(cap * KVR_RT_SUB_LEN);
+    kvr_rc_cmd *cmds = kvr_mem_malloc(cap * sizeof *cmds);
+    const char **argv = kvr_mem_malloc(cap * 3 * sizeof *argv);
+    size_t *argl = kvr_mem_malloc(cap * 3 * sizeof *argl);
+    redisReply **rep = kvr_mem_calloc(cap, sizeof *rep);
+    int rc = KVR_ENOMEM;
+    if (!keys || !vals || !cmds || !argv || !argl || !rep)
+        goto out;
+    size_t k = 0;
+    for (size_t b = 0; b < m->n_blocks; b++) {
+        size_t s = b * KVR_RT_BLOCK, n = m->n_tokens - s < KVR_RT_BLOCK ? m->n_tokens - s
+                                                                        : KVR_RT_BLOCK;
+        uint64_t prev = b ? m->chains[b - 1] : kvr_rt_chain_seed(&m->desc);
+        for (uint32_t e = KVR_RT_GRAIN; e < n; e += KVR_RT_GRAIN, k++) {
+            uint64_t sub = kvr_rt_chain_next(prev, m->tokens + s, m->positions + s, e);
+            argl[3 * k + 1] = kvr_rt_sub_key(sub, keys[k]);
+            kvr_rt_sub_encode(&m->desc, m->chains[b], (uint32_t)n, e, vals[k]);
+            argv[3 * k] = "SET";
+            argl[3 * k] = 3;
+            argv[3 * k + 1] = keys[k];
+            argv[3 * k + 2] = (const char *)vals[k];
+            argl[3 * k + 2] = KVR_RT_SUB_LEN;
+            cmds[k] = (kvr_rc_cmd){ 3, argv + 3 * k, argl + 3 * k };
+        }
+    }
+    size_t ok = kvr_rc_batch(r->rc, k, cmds, rep);
+    for (size_t i = 0; i < k; i++)
+        if (rep[i])
+            freeReplyObject(rep[i]);
+    rc = ok == k ? 0 : KVR_EIO;
+out:
+    kvr_mem_free(keys);
+    kvr_mem_free(vals);
+    kvr_mem_free(cmds);
+    kvr_mem_free(argv);
+    kvr_mem_free(argl);
+    kvr_mem_free(rep);
+    return rc;
+}
+
 static void publish_one(kvr_remote *r, pub_job *j)
 {
     kvr_rt_manifest *m = &j->m;
@@ -480,16 +909,23 @@ static void publish_one(kvr_remote *r, pub_job *j)
     /* The snapshot's conversion/rotation (if any) and its layout, here,
      * off the loop thread; the bytes are read straight from its leased
      * block memory. */
-    kvr_error ge = { 0 };
-    if (kvr_get_needs_work(j->get) && kvr_get_work(j->get, &ge) < 0) {
-        j->rc = KVR_EIO;
-        snprintf(j->msg, sizeof j->msg, "remote tier: snapshot of '%.200s': %.250s", m->ctx_id,
-                 ge.msg);
-        return;
+    kvr_get *gs[2] = { j->get, j->get2 };
+    for (int k = 0; k < 2; k++) {
+        kvr_error ge = { 0 };
+        if (gs[k] && kvr_get_needs_work(gs[k]) && kvr_get_work(gs[k], &ge) < 0) {
+            j->rc = KVR_EIO;
+            snprintf(j->msg, sizeof j->msg, "remote tier: snapshot of '%.200s': %.250s",
+                     m->ctx_id, ge.msg);
+            return;
+        }
     }
-    kvr_get_payload_iov(j->get, &j->iov, &j->niov);
+    if (j->get)
+        kvr_get_payload_iov(j->get, &j->iov, &j->niov);
+    if (j->get2)
+        kvr_get_payload_iov(j->get2, &j->iov2, &j->niov2);
     j->starts = kvr_mem_malloc((j->niov + 1) * sizeof *j->starts);
-    if (!j->starts) {
+    j->starts2 = kvr_mem_malloc((j->niov2 + 1) * sizeof *j->starts2);
+    if (!j->starts || !j->starts2) {
         j->rc = KVR_ENOMEM;
         snprintf(j->msg, sizeof j->msg, "remote tier: out of memory publishing");
         return;
@@ -499,15 +935,17 @@ static void publish_one(kvr_remote *r, pub_job *j)
         j->starts[i] = off;
         off += j->iov[i].iov_len;
     }
-    rt_src src = { .iov = j->iov, .niov = j->niov, .starts = j->starts };
-    size_t nb = m->n_blocks;
-    uint64_t h = kvr_rt_chain_seed(&m->desc);
-    for (size_t b = 0; b < nb; b++) {
-        size_t s = b * KVR_RT_BLOCK, n = m->n_tokens - s < KVR_RT_BLOCK ? m->n_tokens - s
-                                                                        : KVR_RT_BLOCK;
-        h = kvr_rt_chain_next(h, m->tokens + s, m->positions + s, n);
-        m->chains[b] = h;
+    off = 0;
+    for (size_t i = 0; i < j->niov2; i++) {
+        j->starts2[i] = off;
+        off += j->iov2[i].iov_len;
     }
+    /* Plain: one get of everything. Quantized: the raw get's bytes for the
+     * chunks, the window's get for the plain blocks after them. */
+    rt_src src = { .iov = j->iov, .niov = j->niov, .starts = j->starts };
+    rt_src wsrc = { .iov = j->iov2, .niov = j->niov2, .starts = j->starts2 };
+    size_t nb = m->n_blocks, wbase = m->quant ? m->n_raw : 0;
+    kvr_rt_manifest_chains(m, m->chains);
     /* Which blocks are there already (content-addressed: equal key, equal
      * bytes)? EXISTS is one pipelined round per node. */
     char (*keys)[KVR_RT_KEY_MAX] = kvr_mem_malloc((nb + 1) * KVR_RT_KEY_MAX);
@@ -523,7 +961,11 @@ static void publish_one(kvr_remote *r, pub_job *j)
         goto out;
     }
     for (size_t b = 0; b < nb; b++) {
-        klen[b] = kvr_rt_block_key(m->chains[b], keys[b]);
+        size_t bs, bn;
+        bool ch;
+        kvr_rt_manifest_block(m, b, &bs, &bn, &ch);
+        klen[b] = ch ? kvr_rt_chunk_key(m->chains[b], keys[b])
+                     : kvr_rt_block_key(m->chains[b], keys[b]);
         argv[3 * b] = "EXISTS";
         argl[3 * b] = 6;
         argv[3 * b + 1] = keys[b];
@@ -538,19 +980,28 @@ static void publish_one(kvr_remote *r, pub_job *j)
         rep[b] = NULL;
     }
     size_t failed = 0;
-    for (size_t b0 = 0; b0 < nb; b0 += SET_GROUP) {
-        size_t b1 = b0 + SET_GROUP < nb ? b0 + SET_GROUP : nb, k = 0;
+    for (size_t b = 0; b < nb;) {
+        /* A pipeline of at most SET_GROUP values and about SET_GROUP_BYTES:
+         * hiredis holds a copy of what it sends (its output buffer). */
+        size_t k = 0, bytes = 0;
         uint8_t *vals[SET_GROUP];
         size_t vlen[SET_GROUP];
-        for (size_t b = b0; b < b1; b++) {
+        for (; b < nb && k < SET_GROUP && bytes < SET_GROUP_BYTES; b++) {
             if (have[b]) {
                 atomic_fetch_add(&r->pub_skipped, 1);
                 continue;
             }
-            size_t s = b * KVR_RT_BLOCK, n = m->n_tokens - s < KVR_RT_BLOCK ? m->n_tokens - s
-                                                                            : KVR_RT_BLOCK;
-            vals[k] = encode_from(&m->desc, m->chains[b], s, m->tokens + s, m->positions + s,
-                                  n, &src, m->n_tokens, &vlen[k]);
+            size_t s, n;
+            bool ch;
+            kvr_rt_manifest_block(m, b, &s, &n, &ch);
+            /* A quantized context's window blocks count from the window's
+             * start, in the window get's payload. */
+            vals[k] = ch ? chunk_encode(m, b, m->chains[b], &src, &vlen[k])
+                    : m->quant
+                        ? encode_from(&m->desc, m->chains[b], s - wbase, m->tokens + s,
+                                      m->positions + s, n, &wsrc, m->n_tokens - wbase, &vlen[k])
+                        : encode_from(&m->desc, m->chains[b], s, m->tokens + s,
+                                      m->positions + s, n, &src, m->n_tokens, &vlen[k]);
             if (!vals[k]) {
                 failed++;
                 continue;
@@ -562,6 +1013,7 @@ static void publish_one(kvr_remote *r, pub_job *j)
             argv[3 * k + 2] = (const char *)vals[k];
             argl[3 * k + 2] = vlen[k];
             cmds[k] = (kvr_rc_cmd){ 3, argv + 3 * k, argl + 3 * k };
+            bytes += vlen[k];
             k++;
         }
         size_t ok = kvr_rc_batch(r->rc, k, cmds, rep);
@@ -578,6 +1030,14 @@ static void publish_one(kvr_remote *r, pub_job *j)
         j->rc = KVR_EIO;
         snprintf(j->msg, sizeof j->msg, "remote tier: %zu of %zu blocks of '%.200s' not published",
                  failed, nb, m->ctx_id);
+        goto out;
+    }
+    /* The sub-block prefix keys (tiny, content-addressed: written again
+     * whatever is there), so a match finds a shared prefix to 16 tokens. */
+    if (!m->quant && publish_subs(r, m) < 0) {
+        j->rc = KVR_EIO;
+        snprintf(j->msg, sizeof j->msg, "remote tier: the prefix keys of '%.200s' were not "
+                 "all published", m->ctx_id);
         goto out;
     }
     /* The manifest last: whoever finds it finds its blocks (unless Redis
@@ -666,8 +1126,10 @@ static void job_finish(kvr_remote *r, pub_job *j)
     if (j->done)
         j->done(j->done_arg, j->rc, j->msg);
     kvr_get_end(j->get);     /* loop thread: the leases go */
+    kvr_get_end(j->get2);
     kvr_rt_manifest_free(&j->m);
     kvr_mem_free(j->starts);
+    kvr_mem_free(j->starts2);
     kvr_mem_free(j);
 }
 
@@ -830,6 +1292,22 @@ static int plain_dtype(const char *codec, kvr_dtype *out)
     return kvr_dtype_parse(codec, out) == 0 ? 0 : KVR_EUNSUPPORTED;
 }
 
+/* The K tile of a canonical codec spec ("k=int4/g128/c,v=...": per channel
+ * over 128 tokens; a per-token K: 1), docs/quantized.md. */
+static uint32_t ktile_of(const char *canon)
+{
+    if (strncmp(canon, "k=", 2) != 0)
+        return 1;
+    size_t n = strcspn(canon, ",");
+    char side[KVR_CODEC_NAME_MAX];
+    snprintf(side, sizeof side, "%.*s", (int)n, canon);
+    if (n < 2 || strcmp(side + strlen(side) - 2, "/c") != 0)
+        return 1;
+    const char *g = strstr(side, "/g");
+    long v = g ? strtol(g + 2, NULL, 10) : 64;
+    return v >= 1 && v <= 256 ? (uint32_t)v : 1;
+}
+
 int kvr_remote_publish(kvr_remote *r, const char *ctx_id, kvr_remote_done_fn done, void *arg,
                        kvr_error *err)
 {
@@ -842,9 +1320,9 @@ int kvr_remote_publish(kvr_remote *r, const char *ctx_id, kvr_remote_done_fn don
     if (kvr_store_model_find(s, ci.model, &mi) < 0)
         return kvr_error_set(err, KVR_ENOMODEL, "share: model '%s' is gone", ci.model);
     kvr_dtype dt;
-    if (plain_dtype(ci.codec, &dt) < 0)
-        return kvr_error_set(err, KVR_EUNSUPPORTED, "share: '%s' is stored as %s; only plain "
-                             "f32/f16/bf16 contexts are shared", ctx_id, ci.codec);
+    bool quant = plain_dtype(ci.codec, &dt) < 0;
+    if (quant)
+        dt = mi.dtype;               /* the window's */
     if (ci.n_tokens == 0)
         return kvr_error_set(err, KVR_EINVAL, "share: '%s' is empty", ctx_id);
     if (ci.n_pending)
@@ -857,39 +1335,100 @@ int kvr_remote_publish(kvr_remote *r, const char *ctx_id, kvr_remote_done_fn don
                              "(refresh them first)", ctx_id, ci.n_approx);
     /* The snapshot is a get of the whole context: its blocks are leased
      * (whatever happens to the context meanwhile) until the publication is
-     * done and job_finish ends it on the loop. Nothing is copied here. */
-    kvr_get *g;
-    kvr_get_params gp = { .ctx_id = ctx_id, .start = 0, .end = SIZE_MAX, .dtype = dt };
-    if ((rc = kvr_store_get_begin(s, &gp, &g, err)) < 0)
-        return rc;
-    const kvr_get_info *gi = kvr_get_get_info(g);
+     * done and job_finish ends it on the loop. Nothing is copied here. A
+     * quantized context: a raw get of its encoded tokens (which must be one
+     * tile-aligned run before its window, as puts leave it) and a get of
+     * its window in the model's dtype. */
+    size_t n = ci.n_tokens, nq = quant ? n - ci.n_window : 0;
+    uint32_t G = quant ? ktile_of(ci.codec) : 1;
+    if (quant && nq % G)
+        return kvr_error_set(err, KVR_EUNSUPPORTED, "share: '%s' (%s) has %zu quantized "
+                             "tokens, not whole %u-token key tiles", ctx_id, ci.codec, nq, G);
+    kvr_get *g = NULL, *g2 = NULL;
+    if (!quant || nq) {
+        kvr_get_params gp = { .ctx_id = ctx_id, .start = 0, .end = quant ? nq : SIZE_MAX,
+                              .dtype = dt, .raw = quant };
+        kvr_error ge = { 0 };
+        if ((rc = kvr_store_get_begin(s, &gp, &g, &ge)) < 0) {
+            if (!quant) {
+                if (err)
+                    *err = ge;
+                return rc;
+            }
+            return kvr_error_set(err, KVR_EUNSUPPORTED, "share: '%s' (%s): its encoded tokens "
+                                 "are not one run before its window (edited?): %.300s", ctx_id,
+                                 ci.codec, ge.msg);
+        }
+    }
+    if (quant && nq < n) {
+        kvr_get_params gp = { .ctx_id = ctx_id, .start = nq, .end = n, .dtype = dt };
+        if ((rc = kvr_store_get_begin(s, &gp, &g2, err)) < 0) {
+            kvr_get_end(g);
+            return rc;
+        }
+    }
+    const kvr_get_info *gi = g ? kvr_get_get_info(g) : NULL;
+    const kvr_get_info *gw = g2 ? kvr_get_get_info(g2) : NULL;
+    if ((gi ? gi->n_tokens : 0) + (gw ? gw->n_tokens : 0) != n || (quant && gi && !gi->raw)) {
+        kvr_get_end(g);
+        kvr_get_end(g2);
+        return kvr_error_set(err, KVR_EINTERNAL, "share: '%s' changed while it was read", ctx_id);
+    }
     pub_job *j = kvr_mem_calloc(1, sizeof *j);
-    size_t n = gi->n_tokens;
-    size_t nb = (n + KVR_RT_BLOCK - 1) / KVR_RT_BLOCK;
+    if (j) {
+        j->m.quant = quant;
+        if (quant) {
+            snprintf(j->m.codec, sizeof j->m.codec, "%s", ci.codec);
+            j->m.n_raw = nq;
+            j->m.raw_kb = gi ? gi->k_bytes : 0;
+            j->m.raw_vb = gi ? gi->v_bytes : 0;
+            j->m.ktile = G;
+            j->m.chunk = G >= 256 ? G : 256 / G * G;
+        }
+        j->m.n_tokens = n;
+    }
+    size_t nb = j ? kvr_rt_manifest_blocks(&j->m) : 0;
     if (j) {
         j->m.chains = kvr_mem_malloc(nb * 8 + 1);
         j->m.tokens = kvr_mem_malloc(n * 4 + 1);
         j->m.positions = kvr_mem_malloc(n * 8 + 1);
         j->m.flags = kvr_mem_calloc(n + 1, 4);
+        j->m.groups = kvr_mem_calloc(n + 1, 4);
     }
-    if (!j || !j->m.chains || !j->m.tokens || !j->m.positions || !j->m.flags) {
+    if (!j || !j->m.chains || !j->m.tokens || !j->m.positions || !j->m.flags || !j->m.groups) {
         if (j) {
             kvr_rt_manifest_free(&j->m);
             kvr_mem_free(j);
         }
         kvr_get_end(g);
+        kvr_get_end(g2);
         return kvr_error_set(err, KVR_ENOMEM, "share: out of memory for the snapshot");
     }
     j->get = g;
+    j->get2 = g2;
     j->m.desc = (kvr_rt_desc){ mi.fingerprint, mi.n_layers, mi.n_kv_heads, mi.head_dim, dt };
     snprintf(j->m.ctx_id, sizeof j->m.ctx_id, "%s", ctx_id);
     snprintf(j->m.model, sizeof j->m.model, "%s", mi.name);
-    j->m.n_tokens = n;
     j->m.n_blocks = nb;
-    memcpy(j->m.tokens, gi->tokens, n * 4);
-    memcpy(j->m.positions, gi->positions, n * 8);
-    if (gi->flags)
-        memcpy(j->m.flags, gi->flags, n * 4);
+    const kvr_get_info *parts[2] = { gi, gw };
+    for (size_t k = 0, at = 0; k < 2; k++) {
+        const kvr_get_info *x = parts[k];
+        if (!x)
+            continue;
+        memcpy(j->m.tokens + at, x->tokens, x->n_tokens * 4);
+        memcpy(j->m.positions + at, x->positions, x->n_tokens * 8);
+        if (x->flags)
+            memcpy(j->m.flags + at, x->flags, x->n_tokens * 4);
+        if (x->groups)
+            memcpy(j->m.groups + at, x->groups, x->n_tokens * 4);
+        at += x->n_tokens;
+    }
+    /* The layout a reader needs for its get to answer what ours does (the
+     * group of every token, the groups' offsets and cursors, the APE
+     * record, retention, protection). */
+    if (kvr_store_layout_stat(s, ctx_id, &j->m.layout, NULL) < 0)
+        memset(&j->m.layout, 0, sizeof j->m.layout);
+    j->m.n_protected = ci.n_protected;
     j->done = done;
     j->done_arg = arg;
     pthread_mutex_lock(&r->mu);
@@ -922,7 +1461,7 @@ kvr_rjob *kvr_remote_job_get(kvr_remote *r, const char *ctx_id)
 kvr_rjob *kvr_remote_job_prefix(kvr_remote *r, const char *model, const uint32_t *tokens,
                                 size_t n, size_t local_len)
 {
-    if (!r || n < KVR_RT_BLOCK || local_len >= n / KVR_RT_BLOCK * KVR_RT_BLOCK)
+    if (!r || n < KVR_RT_GRAIN || local_len >= n)
         return NULL;     /* the cluster cannot know more than we do */
     kvr_model_info mi;
     if (kvr_store_model_find(r->d->store, model, &mi) < 0)
@@ -976,7 +1515,21 @@ static redisReply *get_one(kvr_rc *rc, const char *key, size_t klen)
     return x;
 }
 
-/* What the reply callback of fetch_blocks checks each block against. */
+/* What fetch_blocks checks each block against, and each block's state
+ * while it is read straight into the destination (kvr_rc_batch_sink): the
+ * header, tokens and positions into hdr, the K/V into the destination, the
+ * CRC32C computed as the bytes arrive (while they are in cache). */
+#define HDR_MAX (BLOCK_HDR + KVR_RT_BLOCK * 12)
+
+typedef struct blk_state {
+    size_t   want_len;          /* the exact length a good value has */
+    size_t   got_len;           /* the reply's length */
+    uint32_t crc;
+    bool     sized;             /* got_len == want_len: bytes go to hdr/dst */
+    uint8_t  hdr[HDR_MAX];
+    uint8_t  tail[4];
+} blk_state;
+
 typedef struct fetch_ctx {
     kvr_rjob       *j;
     const uint64_t *chains;
@@ -985,20 +1538,97 @@ typedef struct fetch_ctx {
     const int64_t  *pos;
     char          (*keys)[KVR_RT_KEY_MAX];
     bool           *good;
+    blk_state      *st;
+    size_t          row;
     rt_dst          dst;
 } fetch_ctx;
 
-/* Runs on the batch's node threads, as each block arrives (while it is in
- * cache); distinct blocks write distinct parts of the payload. */
-static bool on_block(void *ud, size_t b, const redisReply *rep)
+static size_t blk_tokens(const fetch_ctx *f, size_t b)
+{
+    size_t s = b * KVR_RT_BLOCK;
+    return f->n_ctx - s < KVR_RT_BLOCK ? f->n_ctx - s : KVR_RT_BLOCK;
+}
+
+static bool blk_begin(void *ud, size_t b, size_t len)
 {
     fetch_ctx *f = ud;
-    if (rep->type != REDIS_REPLY_STRING)
-        return false;
-    size_t s = b * KVR_RT_BLOCK, n = f->n_ctx - s < KVR_RT_BLOCK ? f->n_ctx - s : KVR_RT_BLOCK;
+    blk_state *st = &f->st[b];
+    size_t n = blk_tokens(f, b);
+    st->want_len = BLOCK_HDR + n * 12 + kv_bytes(&f->j->desc, n) + 4;
+    st->got_len = len;
+    st->crc = 0;
+    st->sized = len == st->want_len;
+    memset(st->hdr, 0, BLOCK_HDR);
+    return true;     /* a wrong size is still read (whole, dropped): the CRC is not needed */
+}
+
+/* Value offset -> where it goes: hdr, the destination (one layer side's
+ * run of n rows, within one iovec), or tail. */
+static uint8_t *blk_span(void *ud, size_t b, size_t off, size_t *cap)
+{
+    fetch_ctx *f = ud;
+    blk_state *st = &f->st[b];
+    if (!st->sized)
+        return NULL;
+    size_t n = blk_tokens(f, b), hl = BLOCK_HDR + n * 12, seg = n * f->row;
+    size_t kv = st->want_len - hl - 4;
+    if (off < hl) {
+        *cap = hl - off;
+        return st->hdr + off;
+    }
+    if (off >= hl + kv) {
+        *cap = st->want_len - off;
+        return st->tail + (off - hl - kv);
+    }
+    size_t in = off - hl, l = in / seg, at = in % seg;
+    size_t doff = (l * f->n_ctx + b * KVR_RT_BLOCK) * f->row + at;
+    *cap = seg - at;
+    if (f->dst.flat)
+        return f->dst.flat + doff;
+    size_t lo = 0, hi = f->dst.niov;
+    while (hi - lo > 1) {
+        size_t mid = (lo + hi) / 2;
+        if (f->dst.starts[mid] <= doff)
+            lo = mid;
+        else
+            hi = mid;
+    }
+    size_t iin = doff - f->dst.starts[lo], left = f->dst.iov[lo].iov_len - iin;
+    if (*cap > left)
+        *cap = left;
+    return (uint8_t *)f->dst.iov[lo].iov_base + iin;
+}
+
+static void blk_got(void *ud, size_t b, size_t off, const uint8_t *p, size_t n)
+{
+    fetch_ctx *f = ud;
+    blk_state *st = &f->st[b];
+    if (!st->sized || off >= st->want_len - 4)
+        return;
+    size_t take = st->want_len - 4 - off < n ? st->want_len - 4 - off : n;
+    st->crc = kvr_crc32c(st->crc, p, take);
+}
+
+static bool blk_end(void *ud, size_t b, bool is_string)
+{
+    fetch_ctx *f = ud;
+    f->good[b] = false;
+    if (!is_string)
+        return false;            /* missing: counted once by fetch_blocks */
+    blk_state *st = &f->st[b];
+    size_t s = b * KVR_RT_BLOCK, n = blk_tokens(f, b);
     kvr_error e = { 0 };
-    if (decode_to((const uint8_t *)rep->str, rep->len, &f->j->desc, f->chains[b], s,
-                  f->tokens + s, f->pos + s, n, &f->dst, f->n_ctx, &e) < 0) {
+    bool crc_ok = st->sized && st->crc == get32(st->tail);
+    uint8_t small[BLOCK_HDR];
+    const uint8_t *hv = st->hdr;
+    if (!st->sized) {
+        /* Only the length is known: report it as the one-shot check would. */
+        memcpy(small, BLOCK_MAGIC, 4);
+        put32(small + 4, RT_VERSION);
+        hv = small;
+    }
+    if (block_check(hv, st->got_len, crc_ok, &f->j->desc, f->chains[b], s, f->tokens + s,
+                    f->pos + s, n, &e) < 0) {
         char why[400];
         snprintf(why, sizeof why, "%s: %s", f->keys[b], e.msg);
         miss(f->j, true, why);
@@ -1008,8 +1638,11 @@ static bool on_block(void *ud, size_t b, const redisReply *rep)
     return true;
 }
 
-/* GETs blocks [0, nb) and decodes them into j->payload; returns how many
- * leading blocks were good (up to the first missing or bad one). */
+static const kvr_rc_sink blk_sink = { blk_begin, blk_span, blk_got, blk_end };
+
+/* GETs blocks [0, nb) straight into the destination (j->payload, or the
+ * open put's memory); returns how many leading blocks were good (up to
+ * the first missing or bad one). */
 static size_t fetch_blocks(kvr_rjob *j, const uint64_t *chains, size_t nb, size_t n_ctx,
                            const uint32_t *tokens, const int64_t *pos)
 {
@@ -1019,8 +1652,9 @@ static size_t fetch_blocks(kvr_rjob *j, const uint64_t *chains, size_t nb, size_
     const char **argv = kvr_mem_malloc(nb * 2 * sizeof *argv + 1);
     size_t *argl = kvr_mem_malloc(nb * 2 * sizeof *argl + 1);
     bool *good = kvr_mem_calloc(nb + 1, sizeof *good);
+    blk_state *st = kvr_mem_malloc(nb * sizeof *st + 1);
     size_t n_good = 0;
-    if (!keys || !cmds || !argv || !argl || !good)
+    if (!keys || !cmds || !argv || !argl || !good || !st)
         goto out;
     for (size_t b = 0; b < nb; b++) {
         argv[2 * b] = "GET";
@@ -1029,10 +1663,10 @@ static size_t fetch_blocks(kvr_rjob *j, const uint64_t *chains, size_t nb, size_
         argv[2 * b + 1] = keys[b];
         cmds[b] = (kvr_rc_cmd){ 2, argv + 2 * b, argl + 2 * b };
     }
-    fetch_ctx f = { j, chains, n_ctx, tokens, pos, keys, good,
+    fetch_ctx f = { j, chains, n_ctx, tokens, pos, keys, good, st, row_bytes(&j->desc),
                     { .flat = j->put ? NULL : j->payload, .iov = j->iov, .niov = j->niov,
                       .starts = j->starts } };
-    kvr_rc_batch_cb(r->rc, nb, cmds, NULL, on_block, &f);
+    kvr_rc_batch_sink(r->rc, nb, cmds, &blk_sink, &f);
     while (n_good < nb && good[n_good])
         n_good++;
     if (n_good < nb)
@@ -1043,15 +1677,183 @@ out:
     kvr_mem_free(argv);
     kvr_mem_free(argl);
     kvr_mem_free(good);
+    kvr_mem_free(st);
     return n_good;
+}
+
+/* A quantized context's values, read straight into its raw put's payload:
+ * the chunks into the encoded part (per layer K bytes then V bytes of all
+ * n_raw tokens), the window's plain blocks after it. */
+typedef struct qfetch {
+    kvr_rjob  *j;
+    size_t     nch, hmax;
+    uint8_t   *base;             /* the raw put's payload */
+    uint8_t   *hdr;              /* nch * hmax: each chunk's header, tokens, positions */
+    uint8_t  (*tail)[4];
+    uint32_t  *crc;
+    size_t    *got_len;
+    bool      *sized, *good;
+    char     (*keys)[KVR_RT_KEY_MAX];
+    fetch_ctx  w;                /* the window's blocks */
+} qfetch;
+
+static bool q_begin(void *ud, size_t i, size_t len)
+{
+    qfetch *q = ud;
+    if (i >= q->nch)
+        return blk_begin(&q->w, i - q->nch, len);
+    size_t s, n;
+    bool ch;
+    kvr_rt_manifest_block(&q->j->m, i, &s, &n, &ch);
+    q->got_len[i] = len;
+    q->sized[i] = len == chunk_len(&q->j->m, n);
+    q->crc[i] = 0;
+    memset(q->hdr + i * q->hmax, 0, CHUNK_HDR);
+    return true;
+}
+
+static uint8_t *q_span(void *ud, size_t i, size_t off, size_t *cap)
+{
+    qfetch *q = ud;
+    if (i >= q->nch)
+        return blk_span(&q->w, i - q->nch, off, cap);
+    if (!q->sized[i])
+        return NULL;
+    const kvr_rt_manifest *m = &q->j->m;
+    size_t s, n;
+    bool ch;
+    kvr_rt_manifest_block(m, i, &s, &n, &ch);
+    size_t hl = CHUNK_HDR + n * 12, kb = chunk_kb(m, n), vb = chunk_vb(m, n);
+    size_t body = m->desc.n_layers * (kb + vb);
+    if (off < hl) {
+        *cap = hl - off;
+        return q->hdr + i * q->hmax + off;
+    }
+    if (off >= hl + body) {
+        *cap = hl + body + 4 - off;
+        return q->tail[i] + (off - hl - body);
+    }
+    size_t in = off - hl, l = in / (kb + vb), w = in % (kb + vb);
+    if (w < kb) {
+        *cap = kb - w;
+        return q->base + raw_off(m, l, 0, s) + w;
+    }
+    *cap = kb + vb - w;
+    return q->base + raw_off(m, l, 1, s) + (w - kb);
+}
+
+static void q_got(void *ud, size_t i, size_t off, const uint8_t *p, size_t n)
+{
+    qfetch *q = ud;
+    if (i >= q->nch) {
+        blk_got(&q->w, i - q->nch, off, p, n);
+        return;
+    }
+    size_t len = q->got_len[i];
+    if (!q->sized[i] || off >= len - 4)
+        return;
+    size_t take = len - 4 - off < n ? len - 4 - off : n;
+    q->crc[i] = kvr_crc32c(q->crc[i], p, take);
+}
+
+static bool q_end(void *ud, size_t i, bool is_string)
+{
+    qfetch *q = ud;
+    if (i >= q->nch)
+        return blk_end(&q->w, i - q->nch, is_string);
+    q->good[i] = false;
+    if (!is_string)
+        return false;
+    kvr_error e = { 0 };
+    bool crc_ok = q->sized[i] && q->crc[i] == get32(q->tail[i]);
+    uint8_t small[CHUNK_HDR] = { 0 };
+    const uint8_t *hv = q->hdr + i * q->hmax;
+    if (!q->sized[i]) {
+        memcpy(small, CHUNK_MAGIC, 4);
+        put32(small + 4, RT_VERSION);
+        hv = small;
+    }
+    if (chunk_check(hv, q->got_len[i], crc_ok, &q->j->m, i, q->j->m.chains[i], &e) < 0) {
+        char why[400];
+        snprintf(why, sizeof why, "%s: %s", q->keys[i], e.msg);
+        miss(q->j, true, why);
+        return false;
+    }
+    q->good[i] = true;
+    return true;
+}
+
+static const kvr_rc_sink q_sink = { q_begin, q_span, q_got, q_end };
+
+/* All values of a quantized context into base (the raw put's payload);
+ * true if every one was good. */
+static bool fetch_quant(kvr_rjob *j, uint8_t *base)
+{
+    kvr_remote *r = j->r;
+    const kvr_rt_manifest *m = &j->m;
+    size_t nb = m->n_blocks, nch = (m->n_raw + m->chunk - 1) / m->chunk, nwb = nb - nch;
+    size_t nw = m->n_tokens - m->n_raw, hmax = CHUNK_HDR + (size_t)m->chunk * 12;
+    qfetch q = { .j = j, .nch = nch, .hmax = hmax, .base = base };
+    q.hdr = kvr_mem_malloc(nch * hmax + 1);
+    q.tail = kvr_mem_malloc(nch * 4 + 1);
+    q.crc = kvr_mem_malloc(nch * 4 + 1);
+    q.got_len = kvr_mem_malloc(nch * sizeof *q.got_len + 1);
+    q.sized = kvr_mem_calloc(nch + 1, 1);
+    q.good = kvr_mem_calloc(nch + 1, 1);
+    q.keys = kvr_mem_malloc(nb * KVR_RT_KEY_MAX + 1);
+    kvr_rc_cmd *cmds = kvr_mem_malloc(nb * sizeof *cmds + 1);
+    const char **argv = kvr_mem_malloc(nb * 2 * sizeof *argv + 1);
+    size_t *argl = kvr_mem_malloc(nb * 2 * sizeof *argl + 1);
+    bool *wgood = kvr_mem_calloc(nwb + 1, 1);
+    blk_state *wst = kvr_mem_malloc(nwb * sizeof *wst + 1);
+    bool all = false;
+    if (!q.hdr || !q.tail || !q.crc || !q.got_len || !q.sized || !q.good || !q.keys || !cmds ||
+        !argv || !argl || !wgood || !wst)
+        goto out;
+    for (size_t b = 0; b < nb; b++) {
+        argv[2 * b] = "GET";
+        argl[2 * b] = 3;
+        argl[2 * b + 1] = b < nch ? kvr_rt_chunk_key(m->chains[b], q.keys[b])
+                                  : kvr_rt_block_key(m->chains[b], q.keys[b]);
+        argv[2 * b + 1] = q.keys[b];
+        cmds[b] = (kvr_rc_cmd){ 2, argv + 2 * b, argl + 2 * b };
+    }
+    q.w = (fetch_ctx){ j, m->chains + nch, nw, m->tokens + m->n_raw, m->positions + m->n_raw,
+                       q.keys + nch, wgood, wst, row_bytes(&j->desc),
+                       { .flat = base + m->desc.n_layers * (m->raw_kb + m->raw_vb) } };
+    kvr_rc_batch_sink(r->rc, nb, cmds, &q_sink, &q);
+    all = true;
+    for (size_t b = 0; b < nch; b++)
+        all = all && q.good[b];
+    for (size_t b = 0; b < nwb; b++)
+        all = all && wgood[b];
+    if (!all)
+        miss(j, false, "a value is missing or bad (evicted, never published, or corrupt)");
+out:
+    kvr_mem_free(q.hdr);
+    kvr_mem_free(q.tail);
+    kvr_mem_free(q.crc);
+    kvr_mem_free(q.got_len);
+    kvr_mem_free(q.sized);
+    kvr_mem_free(q.good);
+    kvr_mem_free(q.keys);
+    kvr_mem_free(cmds);
+    kvr_mem_free(argv);
+    kvr_mem_free(argl);
+    kvr_mem_free(wgood);
+    kvr_mem_free(wst);
+    return all;
 }
 
 static void work_by_id(kvr_rjob *j)
 {
     kvr_remote *r = j->r;
     if (j->phase == 1) {
-        if (fetch_blocks(j, j->m.chains, j->m.n_blocks, j->m.n_tokens, j->m.tokens,
-                         j->m.positions) == j->m.n_blocks) {
+        bool ok = j->m.quant
+                      ? fetch_quant(j, (uint8_t *)j->iov[0].iov_base)
+                      : fetch_blocks(j, j->m.chains, j->m.n_blocks, j->m.n_tokens, j->m.tokens,
+                                     j->m.positions) == j->m.n_blocks;
+        if (ok) {
             j->hit = true;
             j->n_tokens = j->m.n_tokens;
         }
@@ -1077,22 +1879,76 @@ static void work_by_id(kvr_rjob *j)
     j->have_manifest = true;     /* the loop opens the put, then phase 1 */
 }
 
+/* The finer candidates after `run` whole blocks of the prompt (chain
+ * `prev` before them): a published context's last, shorter block of 1..63
+ * tokens ("kvr1:b:"), and the sub-block prefix keys of 16, 32, 48 tokens
+ * ("kvr1:p:"), each as far as the prompt goes. Same hash for a length
+ * either way (kvr_rt_chain_next of those tokens). */
+#define FINE_MAX (KVR_RT_BLOCK - 1 + KVR_RT_BLOCK / KVR_RT_GRAIN - 1)
+
+typedef struct fine {
+    size_t   n;
+    char     keys[FINE_MAX][KVR_RT_KEY_MAX];
+    uint32_t len[FINE_MAX];
+    bool     sub[FINE_MAX];
+    uint64_t chain[FINE_MAX];
+    const char *argv[FINE_MAX][2];
+    size_t   argl[FINE_MAX][2];
+} fine;
+
+static void fine_build(fine *f, uint64_t prev, const uint32_t *tok, const int64_t *pos,
+                       size_t avail)
+{
+    f->n = 0;
+    if (avail > KVR_RT_BLOCK)
+        avail = KVR_RT_BLOCK;
+    for (uint32_t e = 1; e <= avail && e < KVR_RT_BLOCK; e++) {
+        uint64_t c = kvr_rt_chain_next(prev, tok, pos, e);
+        for (int sub = 0; sub < 2; sub++) {
+            if (sub && e % KVR_RT_GRAIN)
+                continue;
+            size_t i = f->n++;
+            f->len[i] = e;
+            f->sub[i] = sub;
+            f->chain[i] = c;
+            f->argv[i][0] = "EXISTS";
+            f->argl[i][0] = 6;
+            f->argl[i][1] = sub ? kvr_rt_sub_key(c, f->keys[i]) : kvr_rt_block_key(c, f->keys[i]);
+            f->argv[i][1] = f->keys[i];
+        }
+    }
+}
+
+/* The longest present candidate (a shorter block before a prefix key of
+ * the same length): its index, or -1. */
+static int fine_best(const fine *f, redisReply *const *rep)
+{
+    int best = -1;
+    for (size_t i = 0; i < f->n; i++)
+        if (rep[i] && rep[i]->type == REDIS_REPLY_INTEGER && rep[i]->integer == 1 &&
+            (best < 0 || f->len[i] > f->len[best]))
+            best = (int)i;
+    return best;
+}
+
 static void work_prefix(kvr_rjob *j)
 {
     kvr_remote *r = j->r;
-    size_t nb = j->n_prompt / KVR_RT_BLOCK, n = nb * KVR_RT_BLOCK;
-    uint64_t *chains = kvr_mem_malloc(nb * 8);
-    int64_t *pos = kvr_mem_malloc(n * 8);
-    char (*keys)[KVR_RT_KEY_MAX] = kvr_mem_malloc(nb * KVR_RT_KEY_MAX);
-    kvr_rc_cmd *cmds = kvr_mem_malloc(nb * sizeof *cmds);
-    const char **argv = kvr_mem_malloc(nb * 2 * sizeof *argv);
-    size_t *argl = kvr_mem_malloc(nb * 2 * sizeof *argl);
-    redisReply **rep = kvr_mem_calloc(nb, sizeof *rep);
-    if (!chains || !pos || !keys || !cmds || !argv || !argl || !rep)
+    size_t np = j->n_prompt, nb = np / KVR_RT_BLOCK;
+    uint64_t *chains = kvr_mem_malloc((nb + 1) * 8);
+    int64_t *pos = kvr_mem_malloc(np * 8 + 1);
+    char (*keys)[KVR_RT_KEY_MAX] = kvr_mem_malloc((nb + 1) * KVR_RT_KEY_MAX);
+    kvr_rc_cmd *cmds = kvr_mem_malloc((nb + FINE_MAX) * sizeof *cmds);
+    const char **argv = kvr_mem_malloc((nb + 1) * 2 * sizeof *argv);
+    size_t *argl = kvr_mem_malloc((nb + 1) * 2 * sizeof *argl);
+    redisReply **rep = kvr_mem_calloc(nb + FINE_MAX, sizeof *rep);
+    fine *f = kvr_mem_malloc(sizeof *f);
+    size_t nrep = 0;
+    if (!chains || !pos || !keys || !cmds || !argv || !argl || !rep || !f)
         goto out;
-    for (size_t i = 0; i < n; i++)
+    for (size_t i = 0; i < np; i++)
         pos[i] = (int64_t)i;
-    uint64_t h = kvr_rt_chain_seed(&j->desc);
+    uint64_t seed = kvr_rt_chain_seed(&j->desc), h = seed;
     for (size_t b = 0; b < nb; b++) {
         h = kvr_rt_chain_next(h, j->prompt + b * KVR_RT_BLOCK, pos + b * KVR_RT_BLOCK,
                               KVR_RT_BLOCK);
@@ -1104,26 +1960,89 @@ static void work_prefix(kvr_rjob *j)
         cmds[b] = (kvr_rc_cmd){ 2, argv + 2 * b, argl + 2 * b };
     }
     /* Probe every chain hash at once (one pipelined round per node): the
-     * run of present blocks from the start is the cluster's prefix. */
+     * run of present blocks from the start is the cluster's prefix. The
+     * finer candidates of the first block go in the same round (a prompt
+     * the cluster does not hold costs one round trip). */
+    fine_build(f, seed, j->prompt, pos, np);
+    for (size_t i = 0; i < f->n; i++)
+        cmds[nb + i] = (kvr_rc_cmd){ 2, f->argv[i], f->argl[i] };
+    nrep = nb + f->n;
     atomic_fetch_add(&r->probes, 1);
-    kvr_rc_batch(r->rc, nb, cmds, rep);
+    kvr_rc_batch(r->rc, nrep, cmds, rep);
     size_t run = 0;
     while (run < nb && rep[run] && rep[run]->type == REDIS_REPLY_INTEGER && rep[run]->integer == 1)
         run++;
-    if (run * KVR_RT_BLOCK <= j->local_len) {
+    int best = -1;
+    if (run == 0) {
+        best = fine_best(f, rep + nb);
+    } else if (run * KVR_RT_BLOCK < np) {
+        /* A second round: the finer candidates after the run. */
+        size_t s0 = run * KVR_RT_BLOCK;
+        for (size_t i = nb; i < nrep; i++) {
+            if (rep[i])
+                freeReplyObject(rep[i]);
+            rep[i] = NULL;
+        }
+        fine_build(f, chains[run - 1], j->prompt + s0, pos + s0, np - s0);
+        nrep = nb + f->n;
+        for (size_t i = 0; i < f->n; i++)
+            cmds[i] = (kvr_rc_cmd){ 2, f->argv[i], f->argl[i] };
+        kvr_rc_batch(r->rc, f->n, cmds, rep + nb);
+        best = fine_best(f, rep + nb);
+    }
+    size_t extra = best >= 0 ? f->len[best] : 0, len = run * KVR_RT_BLOCK + extra;
+    if (len == 0 || len <= j->local_len) {
         miss(j, false, "the cluster's prefix is no longer than the local one");
         goto out;
     }
-    size_t len = run * KVR_RT_BLOCK;
     j->payload = kvr_mem_malloc(kv_bytes(&j->desc, len));
     if (!j->payload)
         goto out;
-    size_t good = fetch_blocks(j, chains, run, len, j->prompt, pos);
-    if (good * KVR_RT_BLOCK <= j->local_len)
+    /* The whole blocks, and a shorter last block, straight into the payload. */
+    bool tail_block = best >= 0 && !f->sub[best];
+    if (tail_block)
+        chains[run] = f->chain[best];
+    size_t nfetch = run + (tail_block ? 1 : 0);
+    size_t good = nfetch ? fetch_blocks(j, chains, nfetch, len, j->prompt, pos) : 0;
+    size_t glen = good == nfetch ? len : good * KVR_RT_BLOCK;
+    if (best >= 0 && f->sub[best] && good == nfetch) {
+        /* A prefix key: the whole block it names, of which the first
+         * `extra` tokens are the prompt's. */
+        size_t s0 = run * KVR_RT_BLOCK;
+        char vk[KVR_RT_KEY_MAX];
+        size_t vkl = kvr_rt_sub_key(f->chain[best], vk);
+        redisReply *x = get_one(r->rc, vk, vkl);
+        uint64_t bchain = 0;
+        uint32_t bn = 0;
+        kvr_error e = { 0 };
+        int rc = x ? kvr_rt_sub_decode((const uint8_t *)x->str, x->len, &j->desc, (uint32_t)extra,
+                                       &bchain, &bn, &e)
+                   : kvr_error_set(&e, KVR_EIO, "%s: gone", vk);
+        if (x)
+            freeReplyObject(x);
+        if (rc == 0) {
+            char bk[KVR_RT_KEY_MAX];
+            size_t bkl = kvr_rt_block_key(bchain, bk);
+            x = get_one(r->rc, bk, bkl);
+            rc = x ? decode_head((const uint8_t *)x->str, x->len, &j->desc,
+                                 run ? chains[run - 1] : seed, bchain, s0, bn, j->prompt + s0,
+                                 pos + s0, extra, j->payload, len, &e)
+                   : kvr_error_set(&e, KVR_EIO, "%s: gone", bk);
+            if (x)
+                freeReplyObject(x);
+        }
+        if (rc < 0) {
+            char why[400];
+            snprintf(why, sizeof why, "%s: %s", vk, e.msg);
+            bool evicted = strstr(e.msg, ": gone") != NULL;
+            miss(j, !evicted, why);
+            glen = s0;
+        }
+    }
+    if (glen == 0 || glen <= j->local_len)
         goto out;
     /* A shorter good run still helps: the payload is laid out for len
-     * tokens, so land exactly `good` blocks by compacting per layer side. */
-    size_t glen = good * KVR_RT_BLOCK;
+     * tokens, so land exactly glen by compacting per layer side. */
     if (glen < len) {
         size_t row = row_bytes(&j->desc);
         for (size_t l = 0; l < 2 * (size_t)j->desc.n_layers; l++)
@@ -1136,10 +2055,13 @@ static void work_prefix(kvr_rjob *j)
     memcpy(j->m.tokens, j->prompt, glen * 4);
     memcpy(j->m.positions, pos, glen * 8);
     j->n_tokens = glen;
-    snprintf(j->ctx_id, sizeof j->ctx_id, "cluster:%016" PRIx64, chains[good - 1]);
+    /* Named after the chain hash of the prefix's last token (a whole
+     * block's, or the finer one's: the same hash names the same tokens). */
+    uint64_t last = glen == len && best >= 0 ? f->chain[best] : chains[glen / KVR_RT_BLOCK - 1];
+    snprintf(j->ctx_id, sizeof j->ctx_id, "cluster:%016" PRIx64, last);
     j->hit = true;
 out:
-    for (size_t b = 0; rep && b < nb; b++)
+    for (size_t b = 0; rep && b < nrep; b++)
         if (rep[b])
             freeReplyObject(rep[b]);
     kvr_mem_free(chains);
@@ -1149,6 +2071,7 @@ out:
     kvr_mem_free(argv);
     kvr_mem_free(argl);
     kvr_mem_free(rep);
+    kvr_mem_free(f);
 }
 
 void kvr_remote_job_work(kvr_rjob *j)
@@ -1157,13 +2080,15 @@ void kvr_remote_job_work(kvr_rjob *j)
         miss(j, false, "the cluster is unreachable");
         return;
     }
-    uint64_t t0 = mono_ms();
+    struct timespec a, b;
+    clock_gettime(CLOCK_MONOTONIC, &a);
     if (j->by_id)
         work_by_id(j);
     else
         work_prefix(j);
-    kvr_log(KVR_LOG_DEBUG, "remote tier: fetch of '%s' took %llu ms", j->ctx_id,
-            (unsigned long long)(mono_ms() - t0));
+    clock_gettime(CLOCK_MONOTONIC, &b);
+    kvr_log(KVR_LOG_DEBUG, "remote tier: fetch of '%s' phase %d took %.3f ms", j->ctx_id, j->phase,
+            (b.tv_sec - a.tv_sec) * 1e3 + (b.tv_nsec - a.tv_nsec) * 1e-6);
 }
 
 /* A local model for the fetched data: the named one if its fingerprint
@@ -1182,7 +2107,19 @@ static int find_model(kvr_store *s, const char *name, uint64_t fp, kvr_model_inf
     return KVR_ENOMODEL;
 }
 
-/* Loop thread: the fetched K/V is in t's memory; convert if needed, commit. */
+/* Does the manifest carry a layout beyond tokens and positions? */
+static bool has_layout(const kvr_rt_manifest *m)
+{
+    if (m->layout.has_prefix || m->layout.n_groups || m->layout.has_retention)
+        return true;
+    for (size_t i = 0; i < m->n_tokens; i++)
+        if (m->flags[i])
+            return true;
+    return false;
+}
+
+/* Loop thread: the fetched K/V is in t's memory; convert if needed, commit,
+ * then give the context the layout it has on the publishing node. */
 static int land_commit(kvr_rjob *j, kvr_put *t)
 {
     kvr_error e = { 0 };
@@ -1197,6 +2134,17 @@ static int land_commit(kvr_rjob *j, kvr_put *t)
     if (rc < 0) {
         kvr_log(KVR_LOG_WARN, "remote tier: cannot keep '%s' locally: %s", j->ctx_id, e.msg);
         return rc;
+    }
+    if (j->by_id && has_layout(&j->m) &&
+        (rc = kvr_store_layout_restore(j->r->d->store, j->ctx_id, &j->m.layout, j->m.groups,
+                                       j->m.flags, j->m.n_tokens, &e)) < 0) {
+        /* Without its layout it is not what the publisher has: a miss. */
+        kvr_store_delete(j->r->d->store, j->ctx_id, NULL);
+        char why[600];
+        snprintf(why, sizeof why, "the layout of '%.200s' cannot be applied: %.300s",
+                 j->ctx_id, e.msg);
+        miss(j, true, why);
+        return KVR_ENOCTX;
     }
     atomic_fetch_add(&j->r->fetch_hits, 1);
     atomic_fetch_add(&j->r->fetch_tokens, j->n_tokens);
@@ -1243,7 +2191,11 @@ int kvr_remote_job_land(kvr_rjob *j)
         .n_tokens = j->n_tokens,
         .tokens = j->m.tokens,
         .positions = j->m.positions,
-        .codec = kvr_dtype_name(j->desc.dtype),
+        .codec = j->by_id && j->m.quant ? j->m.codec : kvr_dtype_name(j->desc.dtype),
+        .has_protect_first = j->by_id && j->m.n_protected > 0,
+        .protect_first = j->by_id ? j->m.n_protected : 0,
+        .raw = j->by_id && j->m.quant,
+        .raw_tokens = j->by_id && j->m.quant ? j->m.n_raw : 0,
     };
     kvr_put *t;
     kvr_error e = { 0 };
@@ -1257,9 +2209,14 @@ int kvr_remote_job_land(kvr_rjob *j)
     const struct iovec *iov;
     size_t niov;
     kvr_put_payload_iov(t, &iov, &niov);
-    if (kvr_put_payload_size(t) != kv_bytes(&j->desc, j->n_tokens)) {
+    bool q = j->by_id && j->m.quant;
+    size_t want = q ? j->desc.n_layers * (j->m.raw_kb + j->m.raw_vb) +
+                          kv_bytes(&j->desc, j->n_tokens - j->m.n_raw)
+                    : kv_bytes(&j->desc, j->n_tokens);
+    if (kvr_put_payload_size(t) != want || (q && niov != 1)) {
         kvr_put_abort(t);
-        miss(j, true, "the fetched context's size differs from the local put's");
+        miss(j, true, "the fetched context's size differs from the local put's (another "
+             "codec layout?)");
         return KVR_ENOCTX;
     }
     if (j->by_id) {

@@ -26,6 +26,7 @@
 #include "cache/cache.h"
 
 #define KVR_RT_BLOCK 64u            /* tokens per remote block */
+#define KVR_RT_GRAIN 16u            /* granule of the sub-block prefix keys */
 #define KVR_RT_KEY_MAX 64
 
 typedef struct kvr_daemon kvr_daemon;
@@ -48,6 +49,20 @@ uint64_t kvr_rt_chain_next(uint64_t prev, const uint32_t *tokens, const int64_t 
 /* "kvr1:b:{<16 hex>}" and "kvr1:m:{<16 hex of the id's hash>}"; return length. */
 size_t kvr_rt_block_key(uint64_t chain, char out[KVR_RT_KEY_MAX]);
 size_t kvr_rt_manifest_key(const char *ctx_id, char out[KVR_RT_KEY_MAX]);
+/* "kvr1:q:{<16 hex>}": an encoded chunk of a quantized context. */
+size_t kvr_rt_chunk_key(uint64_t chain, char out[KVR_RT_KEY_MAX]);
+/* "kvr1:p:{<16 hex>}": the sub-block prefix key of the first e tokens of a
+ * block (e a multiple of KVR_RT_GRAIN below the block's length), hash =
+ * kvr_rt_chain_next(chain of the block before, those e tokens). Its value
+ * (kvr_rt_sub_encode) names the whole block, so a prompt that leaves a
+ * published block after e tokens still finds those e. */
+size_t kvr_rt_sub_key(uint64_t sub_chain, char out[KVR_RT_KEY_MAX]);
+#define KVR_RT_SUB_LEN 36u
+void kvr_rt_sub_encode(const kvr_rt_desc *d, uint64_t block_chain, uint32_t block_n,
+                       uint32_t e, uint8_t out[KVR_RT_SUB_LEN]);
+/* 0 and the block's chain and length, or KVR_EIO (corrupt or not for d, e). */
+int  kvr_rt_sub_decode(const uint8_t *v, size_t len, const kvr_rt_desc *d, uint32_t e,
+                       uint64_t *block_chain, uint32_t *block_n, kvr_error *err);
 
 /* ---- values (pure) ----------------------------------------------------- */
 /* A block value: header, tokens, positions, the block's K/V (layer-major,
@@ -73,9 +88,30 @@ typedef struct kvr_rt_manifest {
     uint64_t   *chains;              /* n_blocks */
     uint32_t   *tokens;              /* n_tokens */
     int64_t    *positions;           /* stored-at positions of the published KV */
-    uint32_t   *flags;
+    uint32_t   *flags;               /* KVR_TOKEN_* per token (only STALE is published) */
+    int32_t    *groups;              /* group id per token (0 without groups) */
+    kvr_layout_info layout;          /* APE record, groups, retention (kvr_store_layout_stat) */
+    size_t      n_protected;         /* first tokens edits may not touch */
+    /* A quantized context: its first n_raw tokens as encoded chunks of
+     * `chunk` tokens ("KVRQ" values: the raw get's bytes, raw_kb K and
+     * raw_vb V bytes per layer for all n_raw), the rest (its window) as
+     * plain blocks in desc.dtype; chains seeded by the codec too. */
+    bool        quant;
+    char        codec[KVR_CODEC_NAME_MAX];
+    size_t      n_raw, raw_kb, raw_vb;
+    uint32_t    chunk, ktile;
 } kvr_rt_manifest;
 
+/* Values of a manifest in order: block b covers tokens [*start, *start + *n)
+ * and is an encoded chunk (*chunk) or a plain block; its chain. */
+size_t kvr_rt_manifest_blocks(const kvr_rt_manifest *m);
+void   kvr_rt_manifest_block(const kvr_rt_manifest *m, size_t b, size_t *start, size_t *n,
+                             bool *chunk);
+void   kvr_rt_manifest_chains(const kvr_rt_manifest *m, uint64_t *out);
+
+/* Version 2: version 1's fields, then each token's group id and the layout
+ * (APE record, groups with offset and cursor, retention, protected count).
+ * A version 1 manifest still decodes (group ids 0, no layout). */
 uint8_t *kvr_rt_manifest_encode(const kvr_rt_manifest *m, size_t *len);
 /* Parses and verifies; on 0 m's arrays are kvr_mem allocations (free with
  * kvr_rt_manifest_free). */

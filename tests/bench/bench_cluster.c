@@ -11,12 +11,14 @@
  *    the cluster does not hold: every chain hash asked at once), and a
  *    match whose whole prefix is in the cluster (probe + fetch + land).
  *
- * Never asserted; ratios in one run. Goals: B's fetch >= 0.8x the hiredis
- * GETs of the same bytes; the cluster-wide match probe p99 < 5 ms.
+ * Never asserted; ratios in one run. Goals: B's fetch >= 0.8x the fastest
+ * of three plain-hiredis readings of the same values (one GET after the
+ * other; pipelined per master; pipelined on one thread per master); the cluster-wide match probe p99 < 5 ms.
  * $KVR_BENCH_SECONDS scales the repetitions (default 1.0).
  */
 #include <hiredis/hiredis.h>
 #include <math.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -70,6 +72,29 @@ static int put_big(kvr_client *c, const char *id, const char *model, uint32_t L,
     int r = kvr_client_put(c, &a, NULL);
     free(pl);
     return r;
+}
+
+/* One master's GETs, pipelined on its connection (a baseline). */
+typedef struct pipe_arg {
+    redisContext *c;
+    const char   *keys[64];
+    int           n;
+    size_t        bytes;
+} pipe_arg;
+
+static void *pipe_gets(void *arg)
+{
+    pipe_arg *a = arg;
+    a->bytes = 0;
+    for (int i = 0; i < a->n; i++)
+        redisAppendCommand(a->c, "GET %s", a->keys[i]);
+    for (int i = 0; i < a->n; i++) {
+        redisReply *r = NULL;
+        if (redisGetReply(a->c, (void **)&r) == REDIS_OK && r && r->type == REDIS_REPLY_STRING)
+            a->bytes += r->len;
+        freeReplyObject(r);
+    }
+    return NULL;
 }
 
 /* Raw hiredis connections to the node that serves each key (found once). */
@@ -127,8 +152,45 @@ int main(void)
     }
     size_t bytes = kvr_payload_size(BL, CTX_TOKENS, BH, BD, KVR_DTYPE_F16);
     void *buf = malloc(bytes);
-    int reps = (int)(10 * scale) < 3 ? 3 : (int)(10 * scale);
+    int reps = (int)(15 * scale) < 3 ? 3 : (int)(15 * scale);
     double t_fetch = 1e30, t_local = 1e30, t_redis = 1e30;
+    /* The same block values, GET by plain hiredis. */
+    kvr_rt_desc desc = { mb.fingerprint, BL, BH, BD, KVR_DTYPE_F16 };
+    size_t nb = CTX_TOKENS / KVR_RT_BLOCK;
+    char keys[CTX_TOKENS / KVR_RT_BLOCK][KVR_RT_KEY_MAX];
+    redisContext *pool[6] = { 0 }, *where[CTX_TOKENS / KVR_RT_BLOCK];
+    int64_t *pos = malloc(CTX_TOKENS * sizeof *pos);
+    for (size_t i = 0; i < CTX_TOKENS; i++)
+        pos[i] = (int64_t)i;
+    uint64_t h = kvr_rt_chain_seed(&desc);
+    size_t vbytes = 0;
+    for (size_t b = 0; b < nb; b++) {
+        h = kvr_rt_chain_next(h, tok + b * KVR_RT_BLOCK, pos + b * KVR_RT_BLOCK, KVR_RT_BLOCK);
+        kvr_rt_block_key(h, keys[b]);
+        where[b] = conn_for(&T, pool, keys[b]);
+        if (!where[b]) {
+            fprintf(stderr, "block %zu not found in the cluster\n", b);
+            return 1;
+        }
+    }
+    /* Three ways plain hiredis reads them: one GET after the other; each
+     * master's GETs pipelined on its connection (one round trip per
+     * master), masters in turn; and those pipelines on one thread per
+     * master at once (the connections and parallelism node B uses). The
+     * goal is against the fastest of the three. */
+    double t_serial = 1e30, t_pipe = 1e30, t_par = 1e30, t_land = 1e30;
+    pipe_arg pa_[6];
+    int nmast = 0;
+    for (int k = 0; k < 6; k++) {
+        pa_[nmast] = (pipe_arg){ .c = pool[k] };
+        for (size_t b = 0; b < nb; b++)
+            if (pool[k] && where[b] == pool[k])
+                pa_[nmast].keys[pa_[nmast].n++] = keys[b];
+        if (pa_[nmast].n)
+            nmast++;
+    }
+    /* Every path once per round, best of the rounds: the machine is shared
+     * and its load swings, so no path gets a quieter minute than another. */
     for (int i = 0; i < reps; i++) {
         kvr_client_delete(cb, "doc");
         kvr_kv kv;
@@ -150,51 +212,82 @@ int main(void)
         kvr_kv_release(&kv);
         if (dt < t_local)
             t_local = dt;
-    }
-    /* The same block values, GET by plain hiredis. */
-    kvr_rt_desc desc = { mb.fingerprint, BL, BH, BD, KVR_DTYPE_F16 };
-    size_t nb = CTX_TOKENS / KVR_RT_BLOCK;
-    char keys[CTX_TOKENS / KVR_RT_BLOCK][KVR_RT_KEY_MAX];
-    redisContext *pool[6] = { 0 }, *where[CTX_TOKENS / KVR_RT_BLOCK];
-    int64_t *pos = malloc(CTX_TOKENS * sizeof *pos);
-    for (size_t i = 0; i < CTX_TOKENS; i++)
-        pos[i] = (int64_t)i;
-    uint64_t h = kvr_rt_chain_seed(&desc);
-    size_t vbytes = 0;
-    for (size_t b = 0; b < nb; b++) {
-        h = kvr_rt_chain_next(h, tok + b * KVR_RT_BLOCK, pos + b * KVR_RT_BLOCK, KVR_RT_BLOCK);
-        kvr_rt_block_key(h, keys[b]);
-        where[b] = conn_for(&T, pool, keys[b]);
-        if (!where[b]) {
-            fprintf(stderr, "block %zu not found in the cluster\n", b);
+        t0 = now_s();
+        vbytes = 0;
+        for (size_t b = 0; b < nb; b++) {
+            redisReply *x = redisCommand(where[b], "GET %s", keys[b]);
+            vbytes += x && x->type == REDIS_REPLY_STRING ? x->len : 0;
+            freeReplyObject(x);
+        }
+        dt = now_s() - t0;
+        if (dt < t_serial)
+            t_serial = dt;
+        t0 = now_s();
+        size_t pb = 0;
+        for (int k = 0; k < nmast; k++) {
+            pipe_gets(&pa_[k]);
+            pb += pa_[k].bytes;
+        }
+        dt = now_s() - t0;
+        if (dt < t_pipe)
+            t_pipe = dt;
+        t0 = now_s();
+        pthread_t th[6];
+        for (int k = 0; k < nmast; k++)
+            pthread_create(&th[k], NULL, pipe_gets, &pa_[k]);
+        size_t qb = 0;
+        for (int k = 0; k < nmast; k++) {
+            pthread_join(th[k], NULL);
+            qb += pa_[k].bytes;
+        }
+        dt = now_s() - t0;
+        if (dt < t_par)
+            t_par = dt;
+        kvr_client_delete(cb, "doc");
+        t0 = now_s();
+        r = kvr_client_get(cb, &(kvr_get_args){ .ctx_id = "doc", .meta_only = true }, &kv);
+        dt = now_s() - t0;
+        if (r != 0) {
+            fprintf(stderr, "B get (meta only): %s\n", kvr_client_last_error(cb));
+            return 1;
+        }
+        kvr_kv_release(&kv);
+        if (dt < t_land)
+            t_land = dt;
+        if (pb != vbytes || qb != vbytes) {
+            fprintf(stderr, "hiredis baselines read %zu / %zu / %zu bytes\n", vbytes, pb, qb);
             return 1;
         }
     }
-    for (int i = 0; i < reps; i++) {
-        double t0 = now_s();
-        vbytes = 0;
-        for (size_t b = 0; b < nb; b++) {
-            redisReply *r = redisCommand(where[b], "GET %s", keys[b]);
-            vbytes += r && r->type == REDIS_REPLY_STRING ? r->len : 0;
-            freeReplyObject(r);
-        }
-        double dt = now_s() - t0;
-        if (dt < t_redis)
-            t_redis = dt;
-    }
+    t_redis = t_serial < t_pipe ? t_serial : t_pipe;
+    t_redis = t_par < t_redis ? t_par : t_redis;
+    /* What B's get costs besides the fetch: a get of the fetched context
+     * without its payload (meta_only) lands it just the same. */
     double mib = (double)bytes / (1024.0 * 1024.0), vmib = (double)vbytes / (1024.0 * 1024.0);
     printf("context: %d tokens x %d layers x %d heads x %d dims f16 = %.1f MiB in %zu blocks "
-           "(best of %d)\n", CTX_TOKENS, BL, BH, BD, mib, nb, reps);
-    printf("| path | ms | MiB/s | vs hiredis GET |\n|---|---|---|---|\n");
-    printf("| hiredis GET of the %zu block values (%.1f MiB) | %.2f | %.0f | 1.00 |\n", nb, vmib,
-           t_redis * 1e3, vmib / t_redis);
+           "(best of %d; %d masters)\n", CTX_TOKENS, BL, BH, BD, mib, nb, reps, nmast);
+    printf("| path | ms | MiB/s | vs best hiredis GET |\n|---|---|---|---|\n");
+    printf("| hiredis GET of the %zu block values (%.1f MiB), one after the other | %.2f | %.0f "
+           "| %.2f |\n", nb, vmib, t_serial * 1e3, vmib / t_serial, t_redis / t_serial);
+    printf("| hiredis GET, pipelined per master, masters in turn | %.2f | %.0f | %.2f |\n",
+           t_pipe * 1e3, vmib / t_pipe, t_redis / t_pipe);
+    printf("| hiredis GET, pipelined per master, one thread per master | %.2f | %.0f | %.2f |\n",
+           t_par * 1e3, vmib / t_par, t_redis / t_par);
     printf("| node B get of A's context (fetch + check + land + send) | %.2f | %.0f | %.2f |\n",
            t_fetch * 1e3, mib / t_fetch, t_redis / t_fetch);
+    printf("| node B get of A's context, meta only (fetch + check + land) | %.2f | %.0f | %.2f |\n",
+           t_land * 1e3, mib / t_land, t_redis / t_land);
     printf("| node B local get of the same context | %.2f | %.0f | %.2f |\n", t_local * 1e3,
            mib / t_local, t_redis / t_local);
-    double g1 = t_redis / t_fetch;
-    printf("goal: node B fetch >= 0.8x hiredis GET of the same bytes: %.2fx (%s)\n", g1,
-           g1 >= 0.8 ? "met" : "not met");
+    /* Two lines: B's fetch (cluster -> B's memory, checked and landed: what
+     * a hiredis GET does for its caller), and B's get as its client sees
+     * it, which also moves the 32 MiB once more, B -> client (a local get's
+     * cost, which no hiredis GET pays). */
+    double g1 = t_redis / t_land, g2 = t_redis / t_fetch;
+    printf("goal: node B fetch (cluster -> B, checked, landed) >= 0.8x the best hiredis GET of "
+           "the same bytes: %.2fx (%s)\n", g1, g1 >= 0.8 ? "met" : "not met");
+    printf("goal: node B get to its client (the fetch + a local get's send) >= 0.8x the best "
+           "hiredis GET of the same bytes: %.2fx (%s)\n", g2, g2 >= 0.8 ? "met" : "not met");
 
     /* ---- cluster-wide match of a 32k-token prompt -------------------------- */
     enum { NP = 32768 };
@@ -237,7 +330,7 @@ int main(void)
     double p50 = lat[nm / 2], p99 = lat[(int)((nm - 1) * 0.99)];
     printf("\n| match of a 32k-token prompt on B (%d x %d x %d f16) | p50 ms | p99 ms |\n"
            "|---|---|---|\n", T_LAYERS, T_HEADS, T_DIM);
-    printf("| not in the cluster (probe of %d chain hashes) | %.2f | %.2f |\n", NP / 64,
+    printf("| not in the cluster (probe of %d chain hashes + 66 finer keys) | %.2f | %.2f |\n", NP / 64,
            p50 * 1e3, p99 * 1e3);
     printf("| all in the cluster (probe + fetch + land %zu tokens, %.1f MiB) | %.2f | %.2f |\n",
            got, (double)kvr_payload_size(T_LAYERS, got, T_HEADS, T_DIM, KVR_DTYPE_F16) /

@@ -69,13 +69,15 @@ static inline void tcluster_stop(kvr_tcluster *t)
     t->dir[0] = '\0';
 }
 
-/* Runs redis-cli against port with the given arguments; output in out. */
-static inline int tcluster_cli(const kvr_tcluster *t, int port, const char *args, char *out,
-                               size_t cap)
+/* Runs redis-cli against port with the given arguments, for at most secs
+ * seconds; output in out. */
+static inline int tcluster_cli_for(const kvr_tcluster *t, int port, const char *args, char *out,
+                                   size_t cap, int secs)
 {
     (void)t;
     char cmd[1024];
-    snprintf(cmd, sizeof cmd, "timeout 20 redis-cli -h 127.0.0.1 -p %d %s 2>&1", port, args);
+    snprintf(cmd, sizeof cmd, "timeout %d redis-cli -h 127.0.0.1 -p %d %s 2>&1", secs, port,
+             args);
     FILE *p = popen(cmd, "r");
     if (!p)
         return -1;
@@ -88,6 +90,13 @@ static inline int tcluster_cli(const kvr_tcluster *t, int port, const char *args
         }
     }
     return pclose(p);
+}
+
+/* The same for a command that answers at once (20 s at most). */
+static inline int tcluster_cli(const kvr_tcluster *t, int port, const char *args, char *out,
+                               size_t cap)
+{
+    return tcluster_cli_for(t, port, args, out, cap, 20);
 }
 
 /* SIGKILLs the server on port (a failover test). */

@@ -4,7 +4,9 @@
  * reference values and against a real cluster's CLUSTER KEYSLOT, redirect
  * and seed parsing, and against a 3+3 loopback cluster: routing, pipelined
  * batches, ASK during a slot migration and MOVED after it, ACL auth (and a
- * wrong password), an unreachable seed list.
+ * wrong password), an unreachable seed list; replies read straight into
+ * caller memory (kvr_rc_batch_sink) at sizes around its buffer, through an
+ * ASK; the 3-lane CRC32C against the table one.
  */
 #include <criterion/criterion.h>
 
@@ -183,6 +185,161 @@ Test(rcluster_live, routing_batch_auth, .init = cl_setup, .fini = cl_teardown, .
     kvr_rc_destroy(rc);
 }
 
+/* ---- kvr_rc_batch_sink: replies read straight into caller memory ------- */
+
+typedef struct tsink {
+    uint8_t *buf[64];
+    size_t   len[64], got[64], cap_max;
+    uint32_t sum[64];           /* of what got() saw, to check it saw it all */
+    int      begins[64], ends[64];
+    bool     is_str[64];
+} tsink;
+
+static bool ts_begin(void *ud, size_t i, size_t len)
+{
+    tsink *t = ud;
+    free(t->buf[i]);
+    t->buf[i] = malloc(len + 1);
+    t->len[i] = len;
+    t->got[i] = 0;
+    t->sum[i] = 0;
+    t->begins[i]++;
+    return true;
+}
+
+static uint8_t *ts_span(void *ud, size_t i, size_t off, size_t *cap)
+{
+    tsink *t = ud;
+    *cap = t->len[i] - off;
+    if (t->cap_max && *cap > t->cap_max)
+        *cap = t->cap_max;
+    return t->buf[i] + off;
+}
+
+static void ts_got(void *ud, size_t i, size_t off, const uint8_t *p, size_t n)
+{
+    tsink *t = ud;
+    cr_assert_eq(off, t->got[i], "got() out of order");
+    cr_assert_eq(p, t->buf[i] + off);
+    for (size_t k = 0; k < n; k++)
+        t->sum[i] = t->sum[i] * 31u + p[k];
+    t->got[i] += n;
+}
+
+static bool ts_end(void *ud, size_t i, bool is_string)
+{
+    tsink *t = ud;
+    t->ends[i]++;
+    t->is_str[i] = is_string;
+    return is_string;
+}
+
+static const kvr_rc_sink TS = { ts_begin, ts_span, ts_got, ts_end };
+
+static void tsink_free(tsink *t)
+{
+    for (int i = 0; i < 64; i++)
+        free(t->buf[i]);
+    memset(t, 0, sizeof *t);
+}
+
+static uint32_t sum_of(const uint8_t *p, size_t n)
+{
+    uint32_t h = 0;
+    for (size_t k = 0; k < n; k++)
+        h = h * 31u + p[k];
+    return h;
+}
+
+Test(rcluster_live, batch_sink, .init = cl_setup, .fini = cl_teardown, .timeout = 120)
+{
+    kvr_rc *rc;
+    kvr_error e = { 0 };
+    cr_assert_eq(kvr_rc_create(&rc, &(kvr_rc_config){ .seeds = T.seeds }, &e), 0);
+    cr_assert_eq(kvr_rc_refresh(rc, &e), 0, "%s", e.msg);
+    /* Sizes around the reader's 16 KiB header buffer, empty, and large. */
+    static const size_t sizes[] = { 0, 1, 2, 100, 16381, 16382, 16384, 16385, 70000,
+                                    1u << 20, 3u << 20, 5, 0, 33 };
+    enum { NK = sizeof sizes / sizeof *sizes };
+    char key[NK + 1][32];
+    uint8_t *val[NK];
+    for (int i = 0; i < NK; i++) {
+        snprintf(key[i], 32, "sink%d", i);
+        val[i] = malloc(sizes[i] + 1);
+        for (size_t k = 0; k < sizes[i]; k++)
+            val[i][k] = (uint8_t)((k * 131 + (size_t)i * 7) ^ (k >> 9));
+        if (sizes[i] > 2)          /* bytes the reader must not take for a line end */
+            memcpy(val[i] + sizes[i] / 2, "\r\n$-1\r\n", sizes[i] > 20 ? 8 : 2);
+        const char *argv[] = { "SET", key[i], (const char *)val[i] };
+        size_t argl[] = { 3, strlen(key[i]), sizes[i] };
+        redisReply *r;
+        cr_assert_eq(kvr_rc_command(rc, 3, argv, argl, &r, &e), 0, "%s", e.msg);
+        freeReplyObject(r);
+    }
+    snprintf(key[NK], 32, "sink-missing");
+    kvr_rc_cmd cmds[NK + 1];
+    const char *argv[NK + 1][2];
+    size_t argl[NK + 1][2];
+    for (int i = 0; i <= NK; i++) {
+        argv[i][0] = "GET";
+        argv[i][1] = key[i];
+        argl[i][0] = 3;
+        argl[i][1] = strlen(key[i]);
+        cmds[i] = (kvr_rc_cmd){ 2, argv[i], argl[i] };
+    }
+    static tsink t;
+    /* Whole spans, then spans of at most 1000 bytes (many reads per value). */
+    for (int pass = 0; pass < 2; pass++) {
+        memset(&t, 0, sizeof t);
+        t.cap_max = pass ? 1000 : 0;
+        cr_assert_eq(kvr_rc_batch_sink(rc, NK + 1, cmds, &TS, &t), NK);
+        for (int i = 0; i < NK; i++) {
+            cr_assert_eq(t.begins[i], 1);
+            cr_assert_eq(t.ends[i], 1);
+            cr_assert(t.is_str[i]);
+            cr_assert_eq(t.len[i], sizes[i], "value %d", i);
+            cr_assert_eq(t.got[i], sizes[i]);
+            cr_assert_eq(memcmp(t.buf[i], val[i], sizes[i]), 0, "value %d differs", i);
+            cr_assert_eq(t.sum[i], sum_of(val[i], sizes[i]));
+        }
+        cr_assert_eq(t.ends[NK], 1);
+        cr_assert_eq(t.begins[NK], 0);
+        cr_assert(!t.is_str[NK], "a missing key is no string");
+        tsink_free(&t);
+    }
+    /* The pooled connections are still in step: plain commands after it. */
+    char got[64];
+    cr_assert_eq(set_get(rc, "after-sink", "fine", got, sizeof got), 0);
+    cr_assert_str_eq(got, "fine");
+    for (int i = 0; i < NK; i++)
+        free(val[i]);
+    kvr_rc_destroy(rc);
+}
+
+/* The 3-lane SSE4.2 CRC32C (cache/disk_crc.c) on lengths and alignments
+ * its lanes (3 x 4096 bytes) and their tails cover, against the tables. */
+uint32_t kvr_crc32c(uint32_t crc, const void *p, size_t n);
+uint32_t kvr_crc32c_portable(uint32_t crc, const void *p, size_t n);
+
+Test(rcluster, crc32c_lanes)
+{
+    size_t cap = (3u << 20) + 64;
+    uint8_t *b = malloc(cap);
+    for (size_t k = 0; k < cap; k++)
+        b[k] = (uint8_t)((k * 2654435761u) >> 11);
+    static const size_t lens[] = { 12287, 12288, 12289, 12295, 24576, 24577, 36863,
+                                   65536 + 3, 1u << 20, 3u << 20 };
+    for (size_t off = 0; off < 9; off++)
+        for (size_t i = 0; i < sizeof lens / sizeof *lens; i++) {
+            uint32_t a = kvr_crc32c(0, b + off, lens[i]);
+            cr_assert_eq(a, kvr_crc32c_portable(0, b + off, lens[i]), "len %zu off %zu",
+                         lens[i], off);
+            cr_assert_eq(kvr_crc32c(kvr_crc32c(0, b + off, lens[i] / 3), b + off + lens[i] / 3,
+                                    lens[i] - lens[i] / 3), a);
+        }
+    free(b);
+}
+
 static void node_id(int port, char *out, size_t cap)
 {
     char buf[128];
@@ -222,6 +379,22 @@ Test(rcluster_live, ask_then_moved, .init = cl_setup, .fini = cl_teardown, .time
     kvr_rc_get_stats(rc, &st);
     cr_assert_geq(st.ask, 2, "SET and GET were asked on: %llu", (unsigned long long)st.ask);
     cr_assert_eq(st.moved, 0);
+    /* A sink batch in the middle of it: {mig}old straight from the source,
+     * {mig}new after the ASK (the one-by-one path, from a hiredis reply). */
+    {
+        static tsink t;
+        memset(&t, 0, sizeof t);
+        const char *a0[] = { "GET", "{mig}old" }, *a1[] = { "GET", "{mig}new" };
+        size_t l0[] = { 3, 8 }, l1[] = { 3, 8 };
+        kvr_rc_cmd c2[] = { { 2, a0, l0 }, { 2, a1, l1 } };
+        cr_assert_eq(kvr_rc_batch_sink(rc, 2, c2, &TS, &t), 2);
+        cr_assert_eq(t.len[0], 6);
+        cr_assert_eq(memcmp(t.buf[0], "before", 6), 0);
+        cr_assert_eq(t.len[1], 6);
+        cr_assert_eq(memcmp(t.buf[1], "during", 6), 0);
+        cr_assert_eq(t.ends[0] + t.ends[1], 2);
+        tsink_free(&t);
+    }
     /* Move the old key and hand the slot over. */
     snprintf(args, sizeof args, "migrate 127.0.0.1 %d \"\" 0 5000 keys {mig}old", dst);
     cr_assert_eq(tcluster_cli(&T, src, args, NULL, 0), 0);
