@@ -397,6 +397,14 @@ static void run_range(const job *j)
     float fc[KVR_ROPE_MAX_HEAD_DIM], fs[KVR_ROPE_MAX_HEAD_DIM];
     int64_t pa = 0, pb = 0, sa = 0, sb = 0;  /* previous (a, b), current step */
     bool have_prev = false, have_step = false, step_ready = false;
+    /* A chunk of a threaded run (t0 > 0, a multiple of RESEED): start from
+     * what one pass would know at t0, the previous token's (a, b), so the
+     * step is learnt at t0 as it would be there and token t0 + 1 takes the
+     * same route (the bits do not depend on the thread count). */
+    if (j->t0 > 0 && token_a(j, j->t0 - 1, &pa)) {
+        pb = j->b ? j->b[j->t0 - 1] : 0;
+        have_prev = true;
+    }
 
     for (size_t t = j->t0; t < j->t1; t++) {
         int64_t a, b = j->b ? j->b[t] : 0;
@@ -424,12 +432,16 @@ static void run_range(const job *j)
                 j->sincos((double)j->a[t], f1, -(double)j->a_sub[t], f1, n, ss, cc);
                 have_prev = false;
                 have_step = false;
-            } else if (j->table) {
-                j->table((double)a, f1, (double)b, f2, n, j->mag, gptj, ss, cc, fs, fc);
-                fresh = true;
             } else {
-                j->sincos((double)a, f1, (double)b, f2, n, ss, cc);
-                /* remember the step from the previous token for next time */
+                if (j->table) {
+                    j->table((double)a, f1, (double)b, f2, n, j->mag, gptj, ss, cc, fs, fc);
+                    fresh = true;
+                } else {
+                    j->sincos((double)a, f1, (double)b, f2, n, ss, cc);
+                }
+                /* remember the step from the previous token for next time
+                 * (the fused table's doubles are the same bits, so the
+                 * recurrence and repeats below work from them alike) */
                 if (have_prev && !__builtin_sub_overflow(a, pa, &da) &&
                     !__builtin_sub_overflow(b, pb, &db)) {
                     if (!have_step || da != sa || db != sb) {
