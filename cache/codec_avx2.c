@@ -315,9 +315,53 @@ static void av_tile_scatter(void *dst, kvr_dtype t, size_t ld, const float *buf,
     else kvr_codec_kernels_scalar.tile_scatter(dst, t, ld, buf, G, cc);
 }
 
+/* The error measure (kvr_codec_err_rows), 8 rows at a time: an 8x8 block of
+ * each row's next 8 elements is transposed so that vector lane r carries row
+ * r's chains (two __m256d halves, rows 0-3 and 4-7); each chain then adds
+ * its row's terms in element order, as the scalar reference does. */
+AI void err8(const float *ref, const float *dec, size_t i0, size_t len, size_t kv,
+             double *e, double *q)
+{
+    __m256d e0 = _mm256_setzero_pd(), e1 = e0, q0 = e0, q1 = e0;
+    for (size_t k = 0; k < kv; k += 8) {
+        __m256 x[8], y[8];
+        for (int r = 0; r < 8; r++) {
+            x[r] = _mm256_loadu_ps(ref + (i0 + (size_t)r) * len + k);
+            y[r] = _mm256_loadu_ps(dec + (i0 + (size_t)r) * len + k);
+        }
+        tr8(x);
+        tr8(y);
+        for (int j = 0; j < 8; j++) {
+            __m256d xl = _mm256_cvtps_pd(_mm256_castps256_ps128(x[j]));
+            __m256d xh = _mm256_cvtps_pd(_mm256_extractf128_ps(x[j], 1));
+            __m256d al = _mm256_sub_pd(_mm256_cvtps_pd(_mm256_castps256_ps128(y[j])), xl);
+            __m256d ah = _mm256_sub_pd(_mm256_cvtps_pd(_mm256_extractf128_ps(y[j], 1)), xh);
+            e0 = _mm256_add_pd(e0, _mm256_mul_pd(al, al));
+            e1 = _mm256_add_pd(e1, _mm256_mul_pd(ah, ah));
+            q0 = _mm256_add_pd(q0, _mm256_mul_pd(xl, xl));
+            q1 = _mm256_add_pd(q1, _mm256_mul_pd(xh, xh));
+        }
+    }
+    _mm256_storeu_pd(e + i0, e0);
+    _mm256_storeu_pd(e + i0 + 4, e1);
+    _mm256_storeu_pd(q + i0, q0);
+    _mm256_storeu_pd(q + i0 + 4, q1);
+    kvr_codec_err_rows_tail(ref, dec, i0, i0 + 8, kv, len, e, q);
+}
+
+static void av_err_rows(const float *ref, const float *dec, size_t n_rows, size_t len,
+                        double *e, double *q)
+{
+    size_t i = 0, kv = len / 8 * 8;
+    for (; i + 8 <= n_rows; i += 8) err8(ref, dec, i, len, kv, e, q);
+    for (size_t r = i; r < n_rows; r++) e[r] = q[r] = 0.0;
+    kvr_codec_err_rows_tail(ref, dec, i, n_rows, 0, len, e, q);
+}
+
 const kvr_codec_kernels kvr_codec_kernels_avx2 = {
     .enc_f32 = av_enc_f32, .enc_f16 = av_enc_f16,
     .dec_f32 = av_dec_f32, .dec_f16 = av_dec_f16,
     .tile_gather = av_tile_gather, .tile_scatter = av_tile_scatter,
     .ggml_enc = kvr_codec_ggml_enc_avx2, .ggml_dec = kvr_codec_ggml_dec_avx2,
+    .err_rows = av_err_rows,
 };
