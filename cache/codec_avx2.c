@@ -238,21 +238,54 @@ static int av_enc_f16(uint8_t *dst, const uint16_t *src, size_t n, unsigned bits
     return 0;
 }
 
+/* Full groups of a row: one loop per (bits, parameter type, output), so the
+ * per-chunk branches of dec_group fold away (f16 parameters, the default,
+ * also with a constant group of 64). */
+AI size_t dec_groups(void *dst, const uint8_t **srcp, size_t n, unsigned bits, uint32_t group,
+                     kvr_codec_params params, int h)
+{
+    size_t i = 0;
+    const uint8_t *src = *srcp;
+    if (params == KVR_CODEC_PARAMS_F16 && group == 64)
+        for (; i + 64 <= n; i += 64) src += dec_group(dst, i, src, 64, bits, KVR_CODEC_PARAMS_F16, h);
+    else
+        for (; i + group <= n; i += group) src += dec_group(dst, i, src, group, bits, params, h);
+    *srcp = src;
+    return i;
+}
+
+#define DEC_SPECIALISE(H)                                                                   \
+    switch (bits) {                                                                         \
+    case 8:                                                                                 \
+        i = params == KVR_CODEC_PARAMS_F16 ? dec_groups(dst, &src, n, 8, group, KVR_CODEC_PARAMS_F16, H) \
+                                           : dec_groups(dst, &src, n, 8, group, params, H); \
+        break;                                                                              \
+    case 4:                                                                                 \
+        i = params == KVR_CODEC_PARAMS_F16 ? dec_groups(dst, &src, n, 4, group, KVR_CODEC_PARAMS_F16, H) \
+                                           : dec_groups(dst, &src, n, 4, group, params, H); \
+        break;                                                                              \
+    default:                                                                                \
+        i = params == KVR_CODEC_PARAMS_F16 ? dec_groups(dst, &src, n, 2, group, KVR_CODEC_PARAMS_F16, H) \
+                                           : dec_groups(dst, &src, n, 2, group, params, H); \
+        break;                                                                              \
+    }
+
 static void av_dec_f32(float *dst, const uint8_t *src, size_t n, unsigned bits,
                        uint32_t group, kvr_codec_params params)
 {
-    size_t i = 0;
-    for (; i + group <= n; i += group) src += dec_group(dst, i, src, group, bits, params, 0);
+    size_t i;
+    DEC_SPECIALISE(0)
     if (i < n) kvr_codec_kernels_scalar.dec_f32(dst + i, src, n - i, bits, group, params);
 }
 
 static void av_dec_f16(uint16_t *dst, const uint8_t *src, size_t n, unsigned bits,
                        uint32_t group, kvr_codec_params params)
 {
-    size_t i = 0;
-    for (; i + group <= n; i += group) src += dec_group(dst, i, src, group, bits, params, 1);
+    size_t i;
+    DEC_SPECIALISE(1)
     if (i < n) kvr_codec_kernels_scalar.dec_f16(dst + i, src, n - i, bits, group, params);
 }
+#undef DEC_SPECIALISE
 
 /* 8x8 transpose of r[0..7] in registers. */
 AI void tr8(__m256 r[8])

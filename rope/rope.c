@@ -342,6 +342,15 @@ void rope_sincos_scalar(double a, const double *f1, double b, const double *f2, 
     else       for (int i = 0; i < n; i++) sincos(ang[i], &s[i], &c[i]);
 }
 
+void rope_step_scalar(const double *stc, const double *sts, int n, double *c, double *s)
+{
+    for (int i = 0; i < n; i++) {
+        double c0 = c[i], s0 = s[i];
+        c[i] = c0 * stc[i] - s0 * sts[i];
+        s[i] = s0 * stc[i] + c0 * sts[i];
+    }
+}
+
 void rope_tofloat_scalar(const double *c, const double *s, int n, double m, int gptj,
                          float *fc, float *fs)
 {
@@ -375,6 +384,7 @@ typedef struct job {
     rope_sincos_fn sincos;
     rope_tofloat_fn tofloat;
     rope_table_fn table;       /* NULL: sincos then tofloat */
+    rope_step_fn step;
     size_t t0, t1;
 } job;
 
@@ -457,11 +467,7 @@ static void run_range(const job *j)
                 j->sincos((double)sa, f1, (double)sb, f2, n, sts, stc);
                 step_ready = true;
             }
-            for (int i = 0; i < n; i++) {
-                double c0 = cc[i], s0 = ss[i];
-                cc[i] = c0 * stc[i] - s0 * sts[i];
-                ss[i] = s0 * stc[i] + c0 * sts[i];
-            }
+            j->step(stc, sts, n, cc, ss);
         }
         if ((mode != 1 || t == j->t0) && !fresh)
             j->tofloat(cc, ss, n, j->mag, gptj, fc, fs);
@@ -540,10 +546,15 @@ static void pick_tables(job *j, const kvr_rope_opts *opts)
     switch (rope_isa_resolve(opts ? opts->isa : KVR_ISA_AUTO)) {
     case KVR_ISA_AVX512:
         j->sincos = rope_sincos_avx512; j->tofloat = rope_tofloat_avx512;
-        j->table = rope_table_avx512;
+        j->table = rope_table_avx512; j->step = rope_step_avx512;
         break;
-    case KVR_ISA_AVX2:   j->sincos = rope_sincos_avx2;   j->tofloat = rope_tofloat_avx2;   break;
-    default:             j->sincos = rope_sincos_scalar; j->tofloat = rope_tofloat_scalar; break;
+    case KVR_ISA_AVX2:
+        j->sincos = rope_sincos_avx2; j->tofloat = rope_tofloat_avx2; j->step = rope_step_avx2;
+        break;
+    default:
+        j->sincos = rope_sincos_scalar; j->tofloat = rope_tofloat_scalar;
+        j->step = rope_step_scalar;
+        break;
     }
 }
 
