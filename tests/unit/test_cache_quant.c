@@ -811,3 +811,31 @@ Test(quant, error_measure_is_the_reference_sums)
         check_err("k=int4/g64/c,v=int2/g128,r=0", &kc, &v2, ns[i]);
     }
 }
+
+/* A nan in a later layer side is reported even when an earlier side also
+ * holds a value the codec refuses (the sides scan their own payload in
+ * parallel; the message names the first nan or inf of the whole payload,
+ * as one scan before any side would), sequential and threaded puts alike;
+ * without a nan the range error names its layer. */
+Test(quant, nan_reported_before_a_range_error)
+{
+    size_t ns[] = { 10, 1100 };
+    for (int k = 0; k < 2; k++) {
+        kvr_error e = { 0 };
+        size_t n = ns[k];
+        float *pl = payload(0, n, 0);
+        pl[((size_t)0 * 2 + 1) * n * ROW + 1 * ROW + 4] = 1e6f;    /* layer 0 V: out of range */
+        pl[((size_t)1 * 2 + 0) * n * ROW + 7 * ROW + 9] = NAN;     /* layer 1 K, token 7 */
+        int rc = put_raw("r", KVR_PUT_CREATE, "int8", 0, n, 0, pl, &e);
+        cr_assert_eq(rc, KVR_EINVAL);
+        cr_assert(strstr(e.msg, "layer 1") && strstr(e.msg, "token 7") && strstr(e.msg, "nan"),
+                  "n %zu: %s", n, e.msg);
+        pl[((size_t)1 * 2 + 0) * n * ROW + 7 * ROW + 9] = 0;
+        rc = put_raw("r", KVR_PUT_CREATE, "int8", 0, n, 0, pl, &e);
+        cr_assert_eq(rc, KVR_EINVAL);
+        cr_assert(strstr(e.msg, "V of layer 0") && strstr(e.msg, "outside the range"),
+                  "n %zu: %s", n, e.msg);
+        cr_assert_eq(kvr_store_stat(S, "r", &(kvr_ctx_info){ 0 }, &e), KVR_ENOCTX);
+        free(pl);
+    }
+}
