@@ -242,8 +242,9 @@ double kvr_codec_rel_rms(const float *ref, const void *dec, kvr_dtype dec_type, 
  * ref + i*len, dec + i*len): e[i] = sum over k of ((double)dec - (double)ref)^2
  * and q[i] = sum of (double)ref^2, each accumulated from 0 in element order,
  * every product and sum rounded on its own (no fused multiply-add). The SIMD
- * kernels run several rows' chains side by side (one row per vector lane,
- * after an in-register transpose), so every ISA returns the same doubles. */
+ * kernel (AVX2, also used for AVX-512) runs 8 rows' chains side by side (one
+ * row per double lane after 4x4 transposes), so every ISA returns the same
+ * doubles. */
 void kvr_codec_err_rows(kvr_isa isa, const float *ref, const float *dec, size_t n_rows,
                         size_t len, double *e, double *q);
 

@@ -348,32 +348,44 @@ static void av_tile_scatter(void *dst, kvr_dtype t, size_t ld, const float *buf,
     else kvr_codec_kernels_scalar.tile_scatter(dst, t, ld, buf, G, cc);
 }
 
-/* The error measure (kvr_codec_err_rows), 8 rows at a time: an 8x8 block of
- * each row's next 8 elements is transposed so that vector lane r carries row
- * r's chains (two __m256d halves, rows 0-3 and 4-7); each chain then adds
- * its row's terms in element order, as the scalar reference does. */
+/* The error measure (kvr_codec_err_rows), 8 rows at a time as two blocks
+ * of 4: a 4x4 block of each row's next 4 elements is transposed so that
+ * double lane r carries row r's chains (e and q, for both blocks: four
+ * independent chains), each adding its row's terms in element order, as
+ * the scalar reference does. */
+#define ERR_STEP(XV, YV, E, Q)                                                 \
+    do {                                                                       \
+        __m256d X_ = _mm256_cvtps_pd(XV), A_ = _mm256_sub_pd(_mm256_cvtps_pd(YV), X_); \
+        E = _mm256_add_pd(E, _mm256_mul_pd(A_, A_));                           \
+        Q = _mm256_add_pd(Q, _mm256_mul_pd(X_, X_));                           \
+    } while (0)
+
 AI void err8(const float *ref, const float *dec, size_t i0, size_t len, size_t kv,
              double *e, double *q)
 {
     __m256d e0 = _mm256_setzero_pd(), e1 = e0, q0 = e0, q1 = e0;
-    for (size_t k = 0; k < kv; k += 8) {
-        __m256 x[8], y[8];
-        for (int r = 0; r < 8; r++) {
-            x[r] = _mm256_loadu_ps(ref + (i0 + (size_t)r) * len + k);
-            y[r] = _mm256_loadu_ps(dec + (i0 + (size_t)r) * len + k);
-        }
-        tr8(x);
-        tr8(y);
-        for (int j = 0; j < 8; j++) {
-            __m256d xl = _mm256_cvtps_pd(_mm256_castps256_ps128(x[j]));
-            __m256d xh = _mm256_cvtps_pd(_mm256_extractf128_ps(x[j], 1));
-            __m256d al = _mm256_sub_pd(_mm256_cvtps_pd(_mm256_castps256_ps128(y[j])), xl);
-            __m256d ah = _mm256_sub_pd(_mm256_cvtps_pd(_mm256_extractf128_ps(y[j], 1)), xh);
-            e0 = _mm256_add_pd(e0, _mm256_mul_pd(al, al));
-            e1 = _mm256_add_pd(e1, _mm256_mul_pd(ah, ah));
-            q0 = _mm256_add_pd(q0, _mm256_mul_pd(xl, xl));
-            q1 = _mm256_add_pd(q1, _mm256_mul_pd(xh, xh));
-        }
+    const float *a = ref + i0 * len, *b = dec + i0 * len;
+    for (size_t k = 0; k < kv; k += 4) {
+        __m128 x0 = _mm_loadu_ps(a + k), x1 = _mm_loadu_ps(a + len + k);
+        __m128 x2 = _mm_loadu_ps(a + 2 * len + k), x3 = _mm_loadu_ps(a + 3 * len + k);
+        __m128 y0 = _mm_loadu_ps(b + k), y1 = _mm_loadu_ps(b + len + k);
+        __m128 y2 = _mm_loadu_ps(b + 2 * len + k), y3 = _mm_loadu_ps(b + 3 * len + k);
+        __m128 u0 = _mm_loadu_ps(a + 4 * len + k), u1 = _mm_loadu_ps(a + 5 * len + k);
+        __m128 u2 = _mm_loadu_ps(a + 6 * len + k), u3 = _mm_loadu_ps(a + 7 * len + k);
+        __m128 v0 = _mm_loadu_ps(b + 4 * len + k), v1 = _mm_loadu_ps(b + 5 * len + k);
+        __m128 v2 = _mm_loadu_ps(b + 6 * len + k), v3 = _mm_loadu_ps(b + 7 * len + k);
+        _MM_TRANSPOSE4_PS(x0, x1, x2, x3);
+        _MM_TRANSPOSE4_PS(y0, y1, y2, y3);
+        _MM_TRANSPOSE4_PS(u0, u1, u2, u3);
+        _MM_TRANSPOSE4_PS(v0, v1, v2, v3);
+        ERR_STEP(x0, y0, e0, q0);
+        ERR_STEP(u0, v0, e1, q1);
+        ERR_STEP(x1, y1, e0, q0);
+        ERR_STEP(u1, v1, e1, q1);
+        ERR_STEP(x2, y2, e0, q0);
+        ERR_STEP(u2, v2, e1, q1);
+        ERR_STEP(x3, y3, e0, q0);
+        ERR_STEP(u3, v3, e1, q1);
     }
     _mm256_storeu_pd(e + i0, e0);
     _mm256_storeu_pd(e + i0 + 4, e1);
@@ -381,11 +393,12 @@ AI void err8(const float *ref, const float *dec, size_t i0, size_t len, size_t k
     _mm256_storeu_pd(q + i0 + 4, q1);
     kvr_codec_err_rows_tail(ref, dec, i0, i0 + 8, kv, len, e, q);
 }
+#undef ERR_STEP
 
 static void av_err_rows(const float *ref, const float *dec, size_t n_rows, size_t len,
                         double *e, double *q)
 {
-    size_t i = 0, kv = len / 8 * 8;
+    size_t i = 0, kv = len / 4 * 4;
     for (; i + 8 <= n_rows; i += 8) err8(ref, dec, i, len, kv, e, q);
     for (size_t r = i; r < n_rows; r++) e[r] = q[r] = 0.0;
     kvr_codec_err_rows_tail(ref, dec, i, n_rows, 0, len, e, q);

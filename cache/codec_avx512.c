@@ -581,72 +581,13 @@ static void x5_tile_scatter(void *dst, kvr_dtype t, size_t ld, const float *buf,
     kvr_codec_kernels_avx2.tile_scatter(dst, t, ld, buf, G, cc);
 }
 
-/* The error measure (kvr_codec_err_rows): blocks of 8 rows, one row per
- * double lane. An 8x8 block of floats (8 rows, their next 8 elements) is
- * transposed in ymm registers, widened to doubles, and each lane adds its
- * row's terms in element order; two blocks (16 rows) run side by side to
- * hide the add latency. Same operations per chain as the scalar reference. */
-AI void tr8ps(__m256 r[8])
-{
-    __m256 t0 = _mm256_unpacklo_ps(r[0], r[1]), t1 = _mm256_unpackhi_ps(r[0], r[1]);
-    __m256 t2 = _mm256_unpacklo_ps(r[2], r[3]), t3 = _mm256_unpackhi_ps(r[2], r[3]);
-    __m256 t4 = _mm256_unpacklo_ps(r[4], r[5]), t5 = _mm256_unpackhi_ps(r[4], r[5]);
-    __m256 t6 = _mm256_unpacklo_ps(r[6], r[7]), t7 = _mm256_unpackhi_ps(r[6], r[7]);
-    __m256 s0 = _mm256_shuffle_ps(t0, t2, _MM_SHUFFLE(1, 0, 1, 0));
-    __m256 s1 = _mm256_shuffle_ps(t0, t2, _MM_SHUFFLE(3, 2, 3, 2));
-    __m256 s2 = _mm256_shuffle_ps(t1, t3, _MM_SHUFFLE(1, 0, 1, 0));
-    __m256 s3 = _mm256_shuffle_ps(t1, t3, _MM_SHUFFLE(3, 2, 3, 2));
-    __m256 s4 = _mm256_shuffle_ps(t4, t6, _MM_SHUFFLE(1, 0, 1, 0));
-    __m256 s5 = _mm256_shuffle_ps(t4, t6, _MM_SHUFFLE(3, 2, 3, 2));
-    __m256 s6 = _mm256_shuffle_ps(t5, t7, _MM_SHUFFLE(1, 0, 1, 0));
-    __m256 s7 = _mm256_shuffle_ps(t5, t7, _MM_SHUFFLE(3, 2, 3, 2));
-    r[0] = _mm256_permute2f128_ps(s0, s4, 0x20);
-    r[1] = _mm256_permute2f128_ps(s1, s5, 0x20);
-    r[2] = _mm256_permute2f128_ps(s2, s6, 0x20);
-    r[3] = _mm256_permute2f128_ps(s3, s7, 0x20);
-    r[4] = _mm256_permute2f128_ps(s0, s4, 0x31);
-    r[5] = _mm256_permute2f128_ps(s1, s5, 0x31);
-    r[6] = _mm256_permute2f128_ps(s2, s6, 0x31);
-    r[7] = _mm256_permute2f128_ps(s3, s7, 0x31);
-}
-
-AI void err_blocks(const float *ref, const float *dec, size_t i0, const int nb, size_t len,
-                   size_t kv, double *e, double *q)
-{
-    __m512d E[2] = { _mm512_setzero_pd(), _mm512_setzero_pd() }, Q[2] = { E[0], E[0] };
-    for (size_t k = 0; k < kv; k += 8) {
-        for (int b = 0; b < nb; b++) {
-            __m256 x[8], y[8];
-            for (int r = 0; r < 8; r++) {
-                size_t o = (i0 + 8 * (size_t)b + (size_t)r) * len + k;
-                x[r] = _mm256_loadu_ps(ref + o);
-                y[r] = _mm256_loadu_ps(dec + o);
-            }
-            tr8ps(x);
-            tr8ps(y);
-            for (int j = 0; j < 8; j++) {
-                __m512d X = _mm512_cvtps_pd(x[j]);
-                __m512d A = _mm512_sub_pd(_mm512_cvtps_pd(y[j]), X);
-                E[b] = _mm512_add_pd(E[b], _mm512_mul_pd(A, A));
-                Q[b] = _mm512_add_pd(Q[b], _mm512_mul_pd(X, X));
-            }
-        }
-    }
-    for (int b = 0; b < nb; b++) {
-        _mm512_storeu_pd(e + i0 + 8 * (size_t)b, E[b]);
-        _mm512_storeu_pd(q + i0 + 8 * (size_t)b, Q[b]);
-    }
-    kvr_codec_err_rows_tail(ref, dec, i0, i0 + 8 * (size_t)nb, kv, len, e, q);
-}
-
+/* The error measure: the AVX2 kernel (4x4 transposes, double lanes). An
+ * AVX-512 one (8x8 transposes into 8-lane doubles) measured slower here:
+ * the shuffles and register pressure cost more than the wider adds save. */
 static void x5_err_rows(const float *ref, const float *dec, size_t n_rows, size_t len,
                         double *e, double *q)
 {
-    size_t i = 0, kv = len / 8 * 8;
-    for (; i + 16 <= n_rows; i += 16) err_blocks(ref, dec, i, 2, len, kv, e, q);
-    for (; i + 8 <= n_rows; i += 8) err_blocks(ref, dec, i, 1, len, kv, e, q);
-    for (size_t r = i; r < n_rows; r++) e[r] = q[r] = 0.0;
-    kvr_codec_err_rows_tail(ref, dec, i, n_rows, 0, len, e, q);
+    kvr_codec_kernels_avx2.err_rows(ref, dec, n_rows, len, e, q);
 }
 
 const kvr_codec_kernels kvr_codec_kernels_avx512 = {

@@ -258,8 +258,8 @@ static bool rows_concat(const kvr_codec *c, size_t row)
 /* The error measure: per row (or per tile), e = sum (dec - ref)^2 and r =
  * sum ref^2, each accumulated in element order from 0 in double, then added
  * to *sse / *ss in row order. Several rows' sums are independent chains, so
- * they run side by side (kvr_codec_err_rows: 4 in the scalar kernel, 8 or 16
- * vector lanes in the SIMD ones; the same additions in the same order per
+ * they run side by side (kvr_codec_err_rows: 4 in the scalar kernel, 8 in
+ * double vector lanes in the SIMD one; the same additions in the same order per
  * chain), then are added in row order: the totals are bit-identical to one
  * row at a time. */
 static inline void acc_add(kvr_qacc *a, double e, double q)
@@ -283,9 +283,9 @@ void kvr_qacc_replay(const kvr_qacc *a, double *sse, double *ss)
     }
 }
 
-/* The sums of n_rows rows (kvr_codec_err_rows: the SIMD kernels run eight
- * or sixteen rows' chains side by side, the same doubles as one row at a
- * time), added to acc in row order. */
+/* The sums of n_rows rows (kvr_codec_err_rows: the SIMD kernel runs eight
+ * rows' chains side by side, the same doubles as one row at a time), added
+ * to acc in row order. */
 #define ACC_ROWS 64u
 static void acc_rows(const kvr_codec *c, const float *ref, const float *dec, size_t n_rows,
                      size_t len, kvr_qacc *acc)
