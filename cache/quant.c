@@ -405,6 +405,29 @@ static void decode_rows(const kvr_block *b, uint32_t layer, int kv, uint32_t fir
                          kvr_block_kv(b, layer, kv, first + j), row);
 }
 
+/* Rows of per-token keys decoded for kvr_rope_apply_src a few at a time:
+ * up to KEY_ROWS_L1 floats (16 KiB, in L1 beside the rotation's tables). */
+#define KEY_ROWS_L1 4096u
+typedef struct key_rows {
+    const kvr_block *b;
+    uint32_t layer, first, count;   /* the piece's slots */
+    float   *buf;
+    size_t   row;
+    uint32_t cap, have, at;         /* rows the buffer holds, from piece row `at` */
+} key_rows;
+
+static const float *key_rows_src(void *ud, size_t t)
+{
+    key_rows *k = ud;
+    if (t < k->at || t >= (size_t)k->at + k->have) {
+        uint32_t n = k->count - (uint32_t)t < k->cap ? k->count - (uint32_t)t : k->cap;
+        decode_rows(k->b, k->layer, 0, k->first + (uint32_t)t, n, k->buf, KVR_DTYPE_F32);
+        k->at = (uint32_t)t;
+        k->have = n;
+    }
+    return k->buf + (t - k->at) * k->row;
+}
+
 int kvr_block_read_side(const kvr_rope *engine, uint32_t n_heads, const kvr_block *b,
                         uint32_t layer, int kv, uint32_t first, uint32_t count, void *dst,
                         kvr_dtype odt, const int64_t *from, const int64_t *to,
@@ -424,25 +447,31 @@ int kvr_block_read_side(const kvr_rope *engine, uint32_t n_heads, const kvr_bloc
         decode_rows(b, layer, 1, first, count, dst, odt);
         return 0;
     }
-    /* Keys: dequantize a piece (a tile, or a bounded run of rows) into the
-     * f32 scratch and rotate it to its targets while it is still in cache. */
+    /* Keys: dequantize a piece (a tile, or a bounded run of rows) and rotate
+     * it to its targets while it is still in cache: a tile into the f32
+     * scratch; rows a few at a time, as the rotation asks for them
+     * (kvr_rope_apply_src: the same rotation, pieces of 64 tokens as
+     * before, so the same tables and bits), into L1-sized scratch. */
     size_t osz = kvr_dtype_size(odt);
     uint32_t G = KVR_QH(b)->ktile, s = first, end = first + count;
     uint32_t piece = G > 1 ? G : 64;
     while (s < end) {
         uint32_t t0 = G > 1 ? s / G * G : s;
         uint32_t e = t0 + piece < end ? t0 + piece : end;
-        const float *src = scratch;
+        uint8_t *out = (uint8_t *)dst + (size_t)(s - first) * row * osz;
+        int rc;
         if (G > 1) {
             kvr_codec_decode_tile(&KVR_QH(b)->kc, scratch, KVR_DTYPE_F32, row,
                                   kvr_block_kv(b, layer, 0, t0), row);
-            src = scratch + (size_t)(s - t0) * row;
+            rc = kvr_rope_apply(engine, out, odt, scratch + (size_t)(s - t0) * row,
+                                KVR_DTYPE_F32, e - s, n_heads, to + (s - first), ro);
         } else {
-            decode_rows(b, layer, 0, s, e - s, scratch, KVR_DTYPE_F32);
+            key_rows kr = { .b = b, .layer = layer, .first = s, .count = e - s,
+                            .buf = scratch, .row = row, .have = 0, .at = 0 };
+            kr.cap = row <= KEY_ROWS_L1 ? (uint32_t)(KEY_ROWS_L1 / row) : 1;
+            rc = kvr_rope_apply_src(engine, out, odt, key_rows_src, &kr, e - s, n_heads,
+                                    to + (s - first), ro);
         }
-        int rc = kvr_rope_apply(engine, (uint8_t *)dst + (size_t)(s - first) * row * osz,
-                                odt, src, KVR_DTYPE_F32, e - s, n_heads,
-                                to + (s - first), ro);
         if (rc != 0)
             return rc;
         s = e;

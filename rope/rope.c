@@ -385,6 +385,8 @@ typedef struct job {
     rope_tofloat_fn tofloat;
     rope_table_fn table;       /* NULL: sincos then tofloat */
     rope_step_fn step;
+    kvr_rope_src_fn src_fn;    /* non-NULL: source rows on demand (f32) */
+    void *src_ud;
     size_t t0, t1;
 } job;
 
@@ -472,8 +474,9 @@ static void run_range(const job *j)
         if ((mode != 1 || t == j->t0) && !fresh)
             j->tofloat(cc, ss, n, j->mag, gptj, fc, fs);
         if (mode != 0 || !wide) { pa = a; pb = b; }
-        j->rows((char *)j->dst + t * row_elems * dsz, j->dt,
-                (const char *)j->src + t * row_elems * ssz, j->st,
+        const void *srow = j->src_fn ? (const void *)j->src_fn(j->src_ud, t)
+                                     : (const void *)((const char *)j->src + t * row_elems * ssz);
+        j->rows((char *)j->dst + t * row_elems * dsz, j->dt, srow, j->st,
                 j->n_heads, r->head_dim, rot, gptj, fc, fs);
     }
 }
@@ -607,6 +610,37 @@ int kvr_rope_apply(const kvr_rope *r, void *dst, kvr_dtype dst_type,
     if (rc <= 0) return rc;
     return one_table(r, dst_type, dst, src, src_type, n_tokens, n_heads, pos,
                      opts ? opts->seq_len_to : 0, +1, opts);
+}
+
+int kvr_rope_apply_src(const kvr_rope *r, void *dst, kvr_dtype dst_type,
+                       kvr_rope_src_fn src, void *ud, size_t n_tokens, size_t n_heads,
+                       const int64_t *pos, const kvr_rope_opts *opts)
+{
+    if (!r || !src || kvr_dtype_size(dst_type) == 0) return KVR_EINVAL;
+    if (n_tokens == 0 || n_heads == 0) return 0;
+    if (!dst || !pos) return KVR_EINVAL;
+    size_t e;
+    if (__builtin_mul_overflow(n_tokens, n_heads, &e) ||
+        __builtin_mul_overflow(e, (size_t)r->head_dim * 4, &e))
+        return KVR_EINVAL;
+    size_t row = n_heads * (size_t)r->head_dim, dsz = kvr_dtype_size(dst_type);
+    if (r->npairs == 0) {
+        /* A layer without RoPE: the rows pass through, converted. */
+        for (size_t t = 0; t < n_tokens; t++)
+            kvr_convert((char *)dst + t * row * dsz, dst_type, src(ud, t), KVR_DTYPE_F32, row);
+        return 0;
+    }
+    double f[KVR_ROPE_MAX_HEAD_DIM / 2];
+    if (kvr_rope_config_composes(&r->cfg)) memcpy(f, r->inv_freq, sizeof(double) * (size_t)r->npairs);
+    else rope_inv_freq(r, opts ? opts->seq_len_to : 0, f);
+    job j = {
+        .r = r, .dst = dst, .dt = dst_type, .src = NULL, .st = KVR_DTYPE_F32,
+        .n_heads = n_heads, .a = pos, .f1 = f, .mag = r->mscale, .rows = pick_rows(opts),
+        .src_fn = src, .src_ud = ud, .t0 = 0, .t1 = n_tokens,
+    };
+    pick_tables(&j, opts);
+    run_range(&j);
+    return 0;
 }
 
 int kvr_rope_remove(const kvr_rope *r, void *dst, kvr_dtype dst_type,
