@@ -282,9 +282,14 @@ static int quant_side(void *ud, size_t item)
     size_t row = w->row, f = w->f;
     const uint8_t *pay = t->w.staging + item * w->part;
     int rc = 0;
-    /* Non-finite input, this side's part of the payload (one vector pass;
-     * work_quant names the first bad value of the whole payload). */
-    if (w->scan && kvr_any_nonfinite_avx2(pay, t->pdt, t->n * row)) {
+    /* Non-finite input in this side's part of the payload: the tokens
+     * quantized now are refused by their codec (every encoder checks what
+     * it reads, and un-rotation keeps a nan or inf non-finite), the ones
+     * for the window are scanned here (one vector pass); either way
+     * work_quant then names the first bad value of the whole payload. */
+    if (w->scan && t->n > t->fl_new &&
+        kvr_any_nonfinite_avx2(pay + t->fl_new * row * w->psize, t->pdt,
+                               (t->n - t->fl_new) * row)) {
         w->side[item].stage = 3;
         w->side[item].rc = KVR_EINVAL;
         return KVR_EINVAL;

@@ -839,3 +839,28 @@ Test(quant, nan_reported_before_a_range_error)
         free(pl);
     }
 }
+
+/* A nan bound for the full-precision window (not quantized by this put) is
+ * refused too, with the same message; one in a token quantized now as well. */
+Test(quant, nan_in_window_tokens_refused)
+{
+    kvr_error e = { 0 };
+    const char *spec = "k=int4/g64/c,v=int2,r=128";
+    cr_assert_eq(put("w", KVR_PUT_CREATE, spec, 0, 100, 0, &e), 0, "%s", e.msg);
+    float *pl = payload(100, 10, 100);
+    pl[((size_t)1 * 2 + 1) * 10 * ROW + 4 * ROW + 1] = INFINITY;   /* layer 1, V, token 4 */
+    int rc = put_raw("w", KVR_PUT_APPEND, NULL, 100, 10, 100, pl, &e);
+    cr_assert_eq(rc, KVR_EINVAL);
+    cr_assert(strstr(e.msg, "V of layer 1, token 4") && strstr(e.msg, "nan or inf"), "%s", e.msg);
+    free(pl);
+    /* 200 more: the first tokens flush into tiles, a nan among them */
+    pl = payload(100, 200, 100);
+    pl[((size_t)0 * 2) * 200 * ROW + 3 * ROW + 2] = NAN;            /* layer 0, K, token 3 */
+    rc = put_raw("w", KVR_PUT_APPEND, NULL, 100, 200, 100, pl, &e);
+    cr_assert_eq(rc, KVR_EINVAL);
+    cr_assert(strstr(e.msg, "K of layer 0, token 3") && strstr(e.msg, "nan or inf"), "%s", e.msg);
+    free(pl);
+    kvr_ctx_info ci;
+    cr_assert_eq(kvr_store_stat(S, "w", &ci, &e), 0);
+    cr_assert_eq(ci.n_tokens, 100);
+}
