@@ -50,6 +50,14 @@ void  *kvr_mem_realloc(void *p, size_t n);
 void  *kvr_mem_aligned(size_t align, size_t n);    /* free with kvr_mem_free */
 void   kvr_mem_free(void *p);
 size_t kvr_mem_size_class(size_t n); /* what an allocation of n will really hold */
+/* A request's staging buffer (at least 64-byte aligned): large ones are kept
+ * for the next request of about their size instead of being handed back
+ * (no page faults; one kept per process, unaccounted while unused);
+ * kvr_mem_trim frees the kept one. Free with kvr_mem_staging_free. */
+#define KVR_STAGING_ALIGN 64u
+void  *kvr_mem_staging(size_t n);
+void   kvr_mem_staging_free(void *p);
+void   kvr_mem_trim(void);
 size_t kvr_mem_allocated(void);   /* bytes the allocator holds for us now */
 size_t kvr_mem_peak(void);
 /* Test hook (mem.c): the nth kvr_mem_* allocation from now fails (NULL),

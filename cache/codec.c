@@ -472,10 +472,60 @@ static void sc_tile_scatter(void *dst, kvr_dtype t, size_t ld, const float *buf,
         for (size_t j = 0; j < cc; j++) store_elem(dst, t, tk * ld + j, buf[j * G + tk]);
 }
 
+/* Rows [r0, r1), elements [k0, len) continuing e[i], q[i]: four rows'
+ * chains at a time (independent chains, the same additions per chain). */
+void kvr_codec_err_rows_tail(const float *ref, const float *dec, size_t r0, size_t r1,
+                             size_t k0, size_t len, double *e, double *q)
+{
+    size_t i = r0;
+    for (; i + 4 <= r1; i += 4) {
+        const float *a0 = ref + i * len, *a1 = a0 + len, *a2 = a1 + len, *a3 = a2 + len;
+        const float *b0 = dec + i * len, *b1 = b0 + len, *b2 = b1 + len, *b3 = b2 + len;
+        double e0 = e[i], e1 = e[i + 1], e2 = e[i + 2], e3 = e[i + 3];
+        double q0 = q[i], q1 = q[i + 1], q2 = q[i + 2], q3 = q[i + 3];
+        for (size_t k = k0; k < len; k++) {
+            double d0 = (double)b0[k] - (double)a0[k], d1 = (double)b1[k] - (double)a1[k];
+            double d2 = (double)b2[k] - (double)a2[k], d3 = (double)b3[k] - (double)a3[k];
+            double s0 = d0 * d0, s1 = d1 * d1, s2 = d2 * d2, s3 = d3 * d3;
+            double t0 = (double)a0[k] * (double)a0[k], t1 = (double)a1[k] * (double)a1[k];
+            double t2 = (double)a2[k] * (double)a2[k], t3 = (double)a3[k] * (double)a3[k];
+            e0 += s0;
+            e1 += s1;
+            e2 += s2;
+            e3 += s3;
+            q0 += t0;
+            q1 += t1;
+            q2 += t2;
+            q3 += t3;
+        }
+        e[i] = e0; e[i + 1] = e1; e[i + 2] = e2; e[i + 3] = e3;
+        q[i] = q0; q[i + 1] = q1; q[i + 2] = q2; q[i + 3] = q3;
+    }
+    for (; i < r1; i++) {
+        const float *a0 = ref + i * len, *b0 = dec + i * len;
+        double e0 = e[i], q0 = q[i];
+        for (size_t k = k0; k < len; k++) {
+            double d0 = (double)b0[k] - (double)a0[k];
+            double s0 = d0 * d0, t0 = (double)a0[k] * (double)a0[k];
+            e0 += s0;
+            q0 += t0;
+        }
+        e[i] = e0; q[i] = q0;
+    }
+}
+
+static void sc_err_rows(const float *ref, const float *dec, size_t n_rows, size_t len,
+                        double *e, double *q)
+{
+    for (size_t i = 0; i < n_rows; i++) e[i] = q[i] = 0.0;
+    kvr_codec_err_rows_tail(ref, dec, 0, n_rows, 0, len, e, q);
+}
+
 const kvr_codec_kernels kvr_codec_kernels_scalar = {
     .enc_f32 = sc_enc_f32, .enc_f16 = sc_enc_f16,
     .dec_f32 = sc_dec_f32, .dec_f16 = sc_dec_f16,
     .tile_gather = sc_tile_gather, .tile_scatter = sc_tile_scatter,
+    .err_rows = sc_err_rows,
 };
 
 /* ---- dispatch ----------------------------------------------------------- */
@@ -891,6 +941,12 @@ int kvr_codec_decode_tile(const kvr_codec *c, void *dst, kvr_dtype dst_type,
 }
 
 /* ---- error measure ------------------------------------------------------ */
+
+void kvr_codec_err_rows(kvr_isa isa, const float *ref, const float *dec, size_t n_rows,
+                        size_t len, double *e, double *q)
+{
+    kernels_for(isa)->err_rows(ref, dec, n_rows, len, e, q);
+}
 
 double kvr_codec_rel_rms(const float *ref, const void *dec, kvr_dtype dec_type, size_t n)
 {

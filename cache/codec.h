@@ -238,6 +238,16 @@ void kvr_kivi_split(const kvr_codec_pair *p, size_t n_tokens,
  * 0 for n = 0 or an exact match, +inf if ref is all zeros but dec is not. */
 double kvr_codec_rel_rms(const float *ref, const void *dec, kvr_dtype dec_type, size_t n);
 
+/* The store's error measure of n_rows rows of len values each (row i at
+ * ref + i*len, dec + i*len): e[i] = sum over k of ((double)dec - (double)ref)^2
+ * and q[i] = sum of (double)ref^2, each accumulated from 0 in element order,
+ * every product and sum rounded on its own (no fused multiply-add). The SIMD
+ * kernel (AVX2, also used for AVX-512) runs 8 rows' chains side by side (one
+ * row per double lane after 4x4 transposes), so every ISA returns the same
+ * doubles. */
+void kvr_codec_err_rows(kvr_isa isa, const float *ref, const float *dec, size_t n_rows,
+                        size_t len, double *e, double *q);
+
 /* ---- internal: kernels and dispatch (codec*.c only) --------------------- */
 
 /* Parameters of one uniform group, as stored (see the rule above). */
@@ -281,6 +291,9 @@ typedef struct kvr_codec_kernels {
      * meets a bad value (the caller reruns the scalar path to name it). */
     int  (*ggml_enc)(kvr_codec_type t, uint8_t *dst, const void *src, kvr_dtype st, size_t n);
     void (*ggml_dec)(kvr_codec_type t, void *dst, kvr_dtype dt, const uint8_t *src, size_t n);
+    /* kvr_codec_err_rows (required). */
+    void (*err_rows)(const float *ref, const float *dec, size_t n_rows, size_t len,
+                     double *e, double *q);
 } kvr_codec_kernels;
 
 /* The scalar encoder of one ggml block of 32 checked values (0, or -1 when d
@@ -297,6 +310,12 @@ int  kvr_codec_ggml_enc_avx512(kvr_codec_type t, uint8_t *dst, const void *src, 
  * bytes written. The SIMD kernels use it for a row's short last group. */
 size_t kvr_codec_scalar_group(uint8_t *dst, const float *x, size_t m, unsigned bits,
                               kvr_codec_params params);
+
+/* The scalar reference of err_rows, from row `from` on (the SIMD kernels'
+ * leftover rows and elements: e[i], q[i] hold the sums so far and the chains
+ * continue from element k0). */
+void kvr_codec_err_rows_tail(const float *ref, const float *dec, size_t r0, size_t r1,
+                             size_t k0, size_t len, double *e, double *q);
 
 extern const kvr_codec_kernels kvr_codec_kernels_scalar;
 extern const kvr_codec_kernels kvr_codec_kernels_avx2;    /* codec_avx2.c */

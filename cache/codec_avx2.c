@@ -238,21 +238,54 @@ static int av_enc_f16(uint8_t *dst, const uint16_t *src, size_t n, unsigned bits
     return 0;
 }
 
+/* Full groups of a row: one loop per (bits, parameter type, output), so the
+ * per-chunk branches of dec_group fold away (f16 parameters, the default,
+ * also with a constant group of 64). */
+AI size_t dec_groups(void *dst, const uint8_t **srcp, size_t n, unsigned bits, uint32_t group,
+                     kvr_codec_params params, int h)
+{
+    size_t i = 0;
+    const uint8_t *src = *srcp;
+    if (params == KVR_CODEC_PARAMS_F16 && group == 64)
+        for (; i + 64 <= n; i += 64) src += dec_group(dst, i, src, 64, bits, KVR_CODEC_PARAMS_F16, h);
+    else
+        for (; i + group <= n; i += group) src += dec_group(dst, i, src, group, bits, params, h);
+    *srcp = src;
+    return i;
+}
+
+#define DEC_SPECIALISE(H)                                                                   \
+    switch (bits) {                                                                         \
+    case 8:                                                                                 \
+        i = params == KVR_CODEC_PARAMS_F16 ? dec_groups(dst, &src, n, 8, group, KVR_CODEC_PARAMS_F16, H) \
+                                           : dec_groups(dst, &src, n, 8, group, params, H); \
+        break;                                                                              \
+    case 4:                                                                                 \
+        i = params == KVR_CODEC_PARAMS_F16 ? dec_groups(dst, &src, n, 4, group, KVR_CODEC_PARAMS_F16, H) \
+                                           : dec_groups(dst, &src, n, 4, group, params, H); \
+        break;                                                                              \
+    default:                                                                                \
+        i = params == KVR_CODEC_PARAMS_F16 ? dec_groups(dst, &src, n, 2, group, KVR_CODEC_PARAMS_F16, H) \
+                                           : dec_groups(dst, &src, n, 2, group, params, H); \
+        break;                                                                              \
+    }
+
 static void av_dec_f32(float *dst, const uint8_t *src, size_t n, unsigned bits,
                        uint32_t group, kvr_codec_params params)
 {
-    size_t i = 0;
-    for (; i + group <= n; i += group) src += dec_group(dst, i, src, group, bits, params, 0);
+    size_t i;
+    DEC_SPECIALISE(0)
     if (i < n) kvr_codec_kernels_scalar.dec_f32(dst + i, src, n - i, bits, group, params);
 }
 
 static void av_dec_f16(uint16_t *dst, const uint8_t *src, size_t n, unsigned bits,
                        uint32_t group, kvr_codec_params params)
 {
-    size_t i = 0;
-    for (; i + group <= n; i += group) src += dec_group(dst, i, src, group, bits, params, 1);
+    size_t i;
+    DEC_SPECIALISE(1)
     if (i < n) kvr_codec_kernels_scalar.dec_f16(dst + i, src, n - i, bits, group, params);
 }
+#undef DEC_SPECIALISE
 
 /* 8x8 transpose of r[0..7] in registers. */
 AI void tr8(__m256 r[8])
@@ -315,9 +348,67 @@ static void av_tile_scatter(void *dst, kvr_dtype t, size_t ld, const float *buf,
     else kvr_codec_kernels_scalar.tile_scatter(dst, t, ld, buf, G, cc);
 }
 
+/* The error measure (kvr_codec_err_rows), 8 rows at a time as two blocks
+ * of 4: a 4x4 block of each row's next 4 elements is transposed so that
+ * double lane r carries row r's chains (e and q, for both blocks: four
+ * independent chains), each adding its row's terms in element order, as
+ * the scalar reference does. */
+#define ERR_STEP(XV, YV, E, Q)                                                 \
+    do {                                                                       \
+        __m256d X_ = _mm256_cvtps_pd(XV), A_ = _mm256_sub_pd(_mm256_cvtps_pd(YV), X_); \
+        E = _mm256_add_pd(E, _mm256_mul_pd(A_, A_));                           \
+        Q = _mm256_add_pd(Q, _mm256_mul_pd(X_, X_));                           \
+    } while (0)
+
+/* Four rows' next 16 elements (one cache line each, used up at once: rows
+ * 4 KiB apart share an L1 set, so only 8 such lines stay there), as four
+ * 4x4 transposes feeding the chains E, Q in element order. */
+AI void err4x16(const float *a, const float *b, size_t len, size_t k, __m256d *E, __m256d *Q)
+{
+    for (size_t c = 0; c < 16; c += 4) {
+        __m128 x0 = _mm_loadu_ps(a + k + c), x1 = _mm_loadu_ps(a + len + k + c);
+        __m128 x2 = _mm_loadu_ps(a + 2 * len + k + c), x3 = _mm_loadu_ps(a + 3 * len + k + c);
+        __m128 y0 = _mm_loadu_ps(b + k + c), y1 = _mm_loadu_ps(b + len + k + c);
+        __m128 y2 = _mm_loadu_ps(b + 2 * len + k + c), y3 = _mm_loadu_ps(b + 3 * len + k + c);
+        _MM_TRANSPOSE4_PS(x0, x1, x2, x3);
+        _MM_TRANSPOSE4_PS(y0, y1, y2, y3);
+        ERR_STEP(x0, y0, *E, *Q);
+        ERR_STEP(x1, y1, *E, *Q);
+        ERR_STEP(x2, y2, *E, *Q);
+        ERR_STEP(x3, y3, *E, *Q);
+    }
+}
+
+AI void err8(const float *ref, const float *dec, size_t i0, size_t len, size_t kv,
+             double *e, double *q)
+{
+    __m256d e0 = _mm256_setzero_pd(), e1 = e0, q0 = e0, q1 = e0;
+    const float *a = ref + i0 * len, *b = dec + i0 * len;
+    for (size_t k = 0; k < kv; k += 16) {
+        err4x16(a, b, len, k, &e0, &q0);
+        err4x16(a + 4 * len, b + 4 * len, len, k, &e1, &q1);
+    }
+    _mm256_storeu_pd(e + i0, e0);
+    _mm256_storeu_pd(e + i0 + 4, e1);
+    _mm256_storeu_pd(q + i0, q0);
+    _mm256_storeu_pd(q + i0 + 4, q1);
+    kvr_codec_err_rows_tail(ref, dec, i0, i0 + 8, kv, len, e, q);
+}
+#undef ERR_STEP
+
+static void av_err_rows(const float *ref, const float *dec, size_t n_rows, size_t len,
+                        double *e, double *q)
+{
+    size_t i = 0, kv = len / 16 * 16;
+    for (; i + 8 <= n_rows; i += 8) err8(ref, dec, i, len, kv, e, q);
+    for (size_t r = i; r < n_rows; r++) e[r] = q[r] = 0.0;
+    kvr_codec_err_rows_tail(ref, dec, i, n_rows, 0, len, e, q);
+}
+
 const kvr_codec_kernels kvr_codec_kernels_avx2 = {
     .enc_f32 = av_enc_f32, .enc_f16 = av_enc_f16,
     .dec_f32 = av_dec_f32, .dec_f16 = av_dec_f16,
     .tile_gather = av_tile_gather, .tile_scatter = av_tile_scatter,
     .ggml_enc = kvr_codec_ggml_enc_avx2, .ggml_dec = kvr_codec_ggml_dec_avx2,
+    .err_rows = av_err_rows,
 };

@@ -478,18 +478,95 @@ static int x5_tile_dec(void *dst, kvr_dtype t, size_t ld, const uint8_t *src, si
     return 0;
 }
 
-/* Row decoding and the generic tile transposes: the AVX2 kernels (already
- * at memory speed for rows). */
+/* Row decoding, f16 parameters: a group's 32-quant chunks become two
+ * vectors of 16 (INT8: the bytes in order; INT4: low then high nibbles;
+ * INT2: bit pairs 0-1 | 2-3, then 4-5 | 6-7, as the AVX2 kernel unpacks
+ * them), y = (float)q * s + m as a multiply then an add, f16 output clamped
+ * to +-65504 and rounded to nearest even: the scalar reference's values.
+ * f32 parameters and a row's short last group: the AVX2 / scalar kernels. */
+AI void st16(void *dst, size_t i, __m512 y, int h)
+{
+    if (h) {
+        const __m512 lim = _mm512_set1_ps(KVR_CODEC_F16_LIMIT);
+        y = _mm512_min_ps(_mm512_max_ps(y, _mm512_sub_ps(_mm512_setzero_ps(), lim)), lim);
+        _mm256_storeu_si256((__m256i *)((uint16_t *)dst + i),
+                            _mm512_cvtps_ph(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    } else {
+        _mm512_storeu_ps((float *)dst + i, y);
+    }
+}
+
+AI size_t dec_rows16(void *dst, const uint8_t *src, size_t n, const unsigned bits,
+                     const uint32_t G, const int h)
+{
+    const size_t gb = 4 + (size_t)G * bits / 8;
+    size_t i = 0;
+    for (; i + G <= n; i += G, src += gb) {
+        uint16_t sh, mh;
+        memcpy(&sh, src, 2);
+        memcpy(&mh, src + 2, 2);
+        const __m512 vs = _mm512_set1_ps(_cvtsh_ss(sh)), vm = _mm512_set1_ps(_cvtsh_ss(mh));
+        const uint8_t *qs = src + 4;
+        for (size_t c = 0; c < G / 32; c++) {
+            __m128i Q0, Q1;
+            if (bits == 8) {
+                Q0 = _mm_loadu_si128((const __m128i *)(qs + 32 * c));
+                Q1 = _mm_loadu_si128((const __m128i *)(qs + 32 * c + 16));
+            } else if (bits == 4) {
+                const __m128i m4 = _mm_set1_epi8(0x0F);
+                __m128i b = _mm_loadu_si128((const __m128i *)(qs + 16 * c));
+                Q0 = _mm_and_si128(b, m4);
+                Q1 = _mm_and_si128(_mm_srli_epi16(b, 4), m4);
+            } else {
+                const __m128i m2 = _mm_set1_epi8(0x03);
+                __m128i b = _mm_loadl_epi64((const __m128i *)(qs + 8 * c));
+                Q0 = _mm_and_si128(_mm_unpacklo_epi64(b, _mm_srli_epi16(b, 2)), m2);
+                Q1 = _mm_and_si128(_mm_unpacklo_epi64(_mm_srli_epi16(b, 4), _mm_srli_epi16(b, 6)), m2);
+            }
+            __m512 y0 = _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(Q0)), vs), vm);
+            __m512 y1 = _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(Q1)), vs), vm);
+            st16(dst, i + 32 * c, y0, h);
+            st16(dst, i + 32 * c + 16, y1, h);
+        }
+    }
+    return i;
+}
+
+/* One loop per (bits, output), and a constant group for the default 64. */
+AI size_t dec_rows_any(void *dst, const uint8_t *src, size_t n, unsigned bits, uint32_t G,
+                       const int h)
+{
+#define DR(B) return G == 64 ? dec_rows16(dst, src, n, B, 64, h) : dec_rows16(dst, src, n, B, G, h)
+    if (bits == 8) DR(8);
+    if (bits == 4) DR(4);
+    DR(2);
+#undef DR
+}
+
 static void x5_dec_f32(float *dst, const uint8_t *src, size_t n, unsigned bits,
                        uint32_t group, kvr_codec_params params)
 {
-    kvr_codec_kernels_avx2.dec_f32(dst, src, n, bits, group, params);
+    if (params != KVR_CODEC_PARAMS_F16) {
+        kvr_codec_kernels_avx2.dec_f32(dst, src, n, bits, group, params);
+        return;
+    }
+    size_t i = dec_rows_any(dst, src, n, bits, group, 0);
+    if (i < n)
+        kvr_codec_kernels_scalar.dec_f32(dst + i, src + i / group * (4 + group * bits / 8),
+                                         n - i, bits, group, params);
 }
 
 static void x5_dec_f16(uint16_t *dst, const uint8_t *src, size_t n, unsigned bits,
                        uint32_t group, kvr_codec_params params)
 {
-    kvr_codec_kernels_avx2.dec_f16(dst, src, n, bits, group, params);
+    if (params != KVR_CODEC_PARAMS_F16) {
+        kvr_codec_kernels_avx2.dec_f16(dst, src, n, bits, group, params);
+        return;
+    }
+    size_t i = dec_rows_any(dst, src, n, bits, group, 1);
+    if (i < n)
+        kvr_codec_kernels_scalar.dec_f16(dst + i, src + i / group * (4 + group * bits / 8),
+                                         n - i, bits, group, params);
 }
 
 static void x5_tile_gather(float *buf, const void *src, kvr_dtype t, size_t G, size_t ld,
@@ -504,10 +581,20 @@ static void x5_tile_scatter(void *dst, kvr_dtype t, size_t ld, const float *buf,
     kvr_codec_kernels_avx2.tile_scatter(dst, t, ld, buf, G, cc);
 }
 
+/* The error measure: the AVX2 kernel (4x4 transposes, double lanes). An
+ * AVX-512 one (8x8 transposes into 8-lane doubles) measured slower here:
+ * the shuffles and register pressure cost more than the wider adds save. */
+static void x5_err_rows(const float *ref, const float *dec, size_t n_rows, size_t len,
+                        double *e, double *q)
+{
+    kvr_codec_kernels_avx2.err_rows(ref, dec, n_rows, len, e, q);
+}
+
 const kvr_codec_kernels kvr_codec_kernels_avx512 = {
     .enc_f32 = x5_enc_f32, .enc_f16 = x5_enc_f16,
     .dec_f32 = x5_dec_f32, .dec_f16 = x5_dec_f16,
     .tile_gather = x5_tile_gather, .tile_scatter = x5_tile_scatter,
     .tile_enc = x5_tile_enc, .tile_dec = x5_tile_dec,
     .ggml_enc = kvr_codec_ggml_enc_avx512, .ggml_dec = kvr_codec_ggml_dec_avx2,
+    .err_rows = x5_err_rows,
 };

@@ -366,7 +366,9 @@ AI __m256i bits_to_bytes(uint32_t qh)
 
 AI void dec_block(kvr_codec_type t, void *dst, size_t i, const uint8_t *x, int h)
 {
-    const __m256 d = _mm256_set1_ps(kvr_f16_to_f32(rd16(x)));
+    /* F16C's conversion is exact, as kvr_f16_to_f32 (NaN payloads quieted
+     * either way once multiplied) */
+    const __m256 d = _mm256_set1_ps(_cvtsh_ss(rd16(x)));
     __m256i b;   /* the 32 quants as signed bytes, element order */
     __m256 m = _mm256_setzero_ps();
     int add_m = 0;
@@ -375,7 +377,7 @@ AI void dec_block(kvr_codec_type t, void *dst, size_t i, const uint8_t *x, int h
         b = _mm256_loadu_si256((const __m256i *)(x + 2));
         break;
     case KVR_CODEC_Q4_1:
-        m = _mm256_set1_ps(kvr_f16_to_f32(rd16(x + 2)));
+        m = _mm256_set1_ps(_cvtsh_ss(rd16(x + 2)));
         add_m = 1;
         /* fall through */
     case KVR_CODEC_Q4_0: {
@@ -411,9 +413,17 @@ AI void dec_block(kvr_codec_type t, void *dst, size_t i, const uint8_t *x, int h
 void kvr_codec_ggml_dec_avx2(kvr_codec_type t, void *dst, kvr_dtype dt, const uint8_t *src,
                              size_t n)
 {
+    /* One loop per (type, output): the block's switch folds away. */
+#define DEC_LOOP(T, H)                                                              \
+    for (size_t i = 0; i < n; i += QK) dec_block(T, dst, i, src + i / QK * bb, H);  \
+    return;
     const size_t bb = block_bytes(t);
-    if (dt == KVR_DTYPE_F16)
-        for (size_t i = 0; i < n; i += QK) dec_block(t, dst, i, src + i / QK * bb, 1);
-    else
-        for (size_t i = 0; i < n; i += QK) dec_block(t, dst, i, src + i / QK * bb, 0);
+    int h = dt == KVR_DTYPE_F16;
+    switch (t) {
+    case KVR_CODEC_Q8_0: if (h) { DEC_LOOP(KVR_CODEC_Q8_0, 1) } DEC_LOOP(KVR_CODEC_Q8_0, 0)
+    case KVR_CODEC_Q4_0: if (h) { DEC_LOOP(KVR_CODEC_Q4_0, 1) } DEC_LOOP(KVR_CODEC_Q4_0, 0)
+    case KVR_CODEC_Q4_1: if (h) { DEC_LOOP(KVR_CODEC_Q4_1, 1) } DEC_LOOP(KVR_CODEC_Q4_1, 0)
+    default:             if (h) { DEC_LOOP(KVR_CODEC_Q5_0, 1) } DEC_LOOP(KVR_CODEC_Q5_0, 0)
+    }
+#undef DEC_LOOP
 }

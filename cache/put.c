@@ -253,13 +253,15 @@ nomem:
  * its error sums (replayed in order by work_quant) and its own failure. */
 typedef struct qside {
     int    rc;        /* 0, or the failure of this side */
-    int    stage;     /* 1 un-rotating keys failed, 2 the codec refused a value */
+    int    stage;     /* 1 un-rotating keys failed, 2 the codec refused a value,
+                         3 its payload holds a nan or inf */
 } qside;
 
 typedef struct qwork {
     kvr_put        *t;
     size_t          row, psize, part, f;
     unsigned        n_slots;
+    bool            scan;              /* sides scan their payload (AVX2) */
     float         **x, **scratch;      /* per slot */
     atomic_uint     busy;              /* bit per slot */
     qside          *side;              /* 2 * n_layers */
@@ -288,6 +290,18 @@ static int quant_side(void *ud, size_t item)
     size_t row = w->row, f = w->f;
     const uint8_t *pay = t->w.staging + item * w->part;
     int rc = 0;
+    /* Non-finite input in this side's part of the payload: the tokens
+     * quantized now are refused by their codec (every encoder checks what
+     * it reads, and un-rotation keeps a nan or inf non-finite), the ones
+     * for the window are scanned here (one vector pass); either way
+     * work_quant then names the first bad value of the whole payload. */
+    if (w->scan && t->n > t->fl_new &&
+        kvr_any_nonfinite_avx2(pay + t->fl_new * row * w->psize, t->pdt,
+                               (t->n - t->fl_new) * row)) {
+        w->side[item].stage = 3;
+        w->side[item].rc = KVR_EINVAL;
+        return KVR_EINVAL;
+    }
     if (f) {
         unsigned sl = slot_take(w);
         float *x = w->x[sl];
@@ -333,12 +347,13 @@ static int work_quant(kvr_put *t, kvr_error *err)
     uint32_t bl;
     int bkv;
     size_t btok;
-    if (kvr_quant_find_nonfinite(t->w.staging, t->pdt, m->n_layers, t->n, row, &bl, &bkv, &btok))
-        return kvr_error_set(err, KVR_EINVAL,
-                             "put into '%s': %s of layer %u, token %zu of the put "
-                             "(position %lld) is nan or inf; nothing was stored",
-                             t->c->id, bkv ? "V" : "K", bl, btok,
-                             (long long)(t->first_pos + (int64_t)btok));
+    /* Without AVX2 the whole payload is scanned first; with it each side
+     * scans its own part on its thread, and only a failure scans it all
+     * (below), so the error names the same first bad value either way. */
+    bool scan = kvr_isa_best() != KVR_ISA_SCALAR;
+    if (!scan &&
+        kvr_quant_find_nonfinite(t->w.staging, t->pdt, m->n_layers, t->n, row, &bl, &bkv, &btok))
+        goto nonfinite;
     size_t f = t->fl_old + t->fl_new, n_items = 2u * m->n_layers;
     size_t G = kvr_qspec_ktile(&t->c->codec);
     /* Threads by the bytes the sides read and write; each thread holds one
@@ -348,7 +363,7 @@ static int work_quant(kvr_put *t, kvr_error *err)
     if (nt > n_items) nt = (unsigned)n_items;
     if (nt > 8) nt = 8;
     qwork w = { .t = t, .row = row, .psize = psize, .part = t->n * row * psize, .f = f,
-                .n_slots = f ? nt : 0, .ro = { .n_threads = 1 } };
+                .n_slots = f ? nt : 0, .scan = scan, .ro = { .n_threads = 1 } };
     atomic_init(&w.busy, 0u);
     size_t rec_cap = f + t->n_qruns + 1;
     bool par = nt > 1;
@@ -381,9 +396,18 @@ static int work_quant(kvr_put *t, kvr_error *err)
                 if (quant_side(&w, i) != 0)
                     break;
         }
+        /* A failure: a nan or inf anywhere in the payload is reported first,
+         * as a scan of the whole payload before any side would have. */
+        bool failed = false;
+        for (size_t i = 0; i < n_items && !failed; i++)
+            failed = w.side[i].rc != 0;
+        if (failed && scan &&
+            kvr_quant_find_nonfinite(t->w.staging, t->pdt, m->n_layers, t->n, row, &bl, &bkv,
+                                     &btok))
+            rc = 1;
         /* The first side that failed, as the sequential loop would stop at
          * (every side before it ran: sides are handed out in order). */
-        for (size_t i = 0; i < n_items; i++) {
+        for (size_t i = 0; i < n_items && rc == 0; i++) {
             if (w.side[i].rc != 0) {
                 uint32_t l = (uint32_t)(i / 2);
                 int kv = (int)(i % 2);
@@ -411,9 +435,18 @@ static int work_quant(kvr_put *t, kvr_error *err)
     kvr_mem_free(w.side);
     kvr_mem_free(w.acc);
     kvr_mem_free(rec);
+    if (rc == 1)
+        goto nonfinite;
     if (rc == 0)
         t->w.worked = true;
     return rc;
+
+nonfinite:
+    return kvr_error_set(err, KVR_EINVAL,
+                         "put into '%s': %s of layer %u, token %zu of the put "
+                         "(position %lld) is nan or inf; nothing was stored",
+                         t->c->id, bkv ? "V" : "K", bl, btok,
+                         (long long)(t->first_pos + (int64_t)btok));
 }
 
 /* Bytes of the encoded part of a raw put's payload (as a raw get lays out

@@ -258,9 +258,10 @@ static bool rows_concat(const kvr_codec *c, size_t row)
 /* The error measure: per row (or per tile), e = sum (dec - ref)^2 and r =
  * sum ref^2, each accumulated in element order from 0 in double, then added
  * to *sse / *ss in row order. Several rows' sums are independent chains, so
- * up to 4 run side by side (the same additions in the same order per chain;
- * only the latency is shared), then added in row order: the totals are
- * bit-identical to one row at a time. */
+ * they run side by side (kvr_codec_err_rows: 4 in the scalar kernel, 8 in
+ * double vector lanes in the SIMD one; the same additions in the same order per
+ * chain), then are added in row order: the totals are bit-identical to one
+ * row at a time. */
 static inline void acc_add(kvr_qacc *a, double e, double q)
 {
     if (a->rec) {
@@ -282,40 +283,19 @@ void kvr_qacc_replay(const kvr_qacc *a, double *sse, double *ss)
     }
 }
 
-static void acc_rows(const float *ref, const float *dec, size_t n_rows, size_t len,
-                     kvr_qacc *acc)
+/* The sums of n_rows rows (kvr_codec_err_rows: the SIMD kernel runs eight
+ * rows' chains side by side, the same doubles as one row at a time), added
+ * to acc in row order. */
+#define ACC_ROWS 64u
+static void acc_rows(const kvr_codec *c, const float *ref, const float *dec, size_t n_rows,
+                     size_t len, kvr_qacc *acc)
 {
-    size_t i = 0;
-    for (; i + 4 <= n_rows; i += 4) {
-        const float *r0 = ref + i * len, *r1 = r0 + len, *r2 = r1 + len, *r3 = r2 + len;
-        const float *d0 = dec + i * len, *d1 = d0 + len, *d2 = d1 + len, *d3 = d2 + len;
-        double e0 = 0, e1 = 0, e2 = 0, e3 = 0, q0 = 0, q1 = 0, q2 = 0, q3 = 0;
-        for (size_t k = 0; k < len; k++) {
-            double a0 = (double)d0[k] - (double)r0[k], a1 = (double)d1[k] - (double)r1[k];
-            double a2 = (double)d2[k] - (double)r2[k], a3 = (double)d3[k] - (double)r3[k];
-            e0 += a0 * a0;
-            e1 += a1 * a1;
-            e2 += a2 * a2;
-            e3 += a3 * a3;
-            q0 += (double)r0[k] * (double)r0[k];
-            q1 += (double)r1[k] * (double)r1[k];
-            q2 += (double)r2[k] * (double)r2[k];
-            q3 += (double)r3[k] * (double)r3[k];
-        }
-        acc_add(acc, e0, q0);
-        acc_add(acc, e1, q1);
-        acc_add(acc, e2, q2);
-        acc_add(acc, e3, q3);
-    }
-    for (; i < n_rows; i++) {
-        const float *r0 = ref + i * len, *d0 = dec + i * len;
-        double e = 0, q = 0;
-        for (size_t k = 0; k < len; k++) {
-            double a = (double)d0[k] - (double)r0[k];
-            e += a * a;
-            q += (double)r0[k] * (double)r0[k];
-        }
-        acc_add(acc, e, q);
+    double e[ACC_ROWS], q[ACC_ROWS];
+    for (size_t i0 = 0; i0 < n_rows; i0 += ACC_ROWS) {
+        size_t k = n_rows - i0 < ACC_ROWS ? n_rows - i0 : ACC_ROWS;
+        kvr_codec_err_rows(c->isa, ref + i0 * len, dec + i0 * len, k, len, e, q);
+        for (size_t i = 0; i < k; i++)
+            acc_add(acc, e[i], q[i]);
     }
 }
 
@@ -358,7 +338,7 @@ int kvr_quant_encode_side(const kvr_brun *runs, size_t n_runs, uint32_t layer, i
                 rc = kvr_codec_encode(c, dst, x, KVR_DTYPE_F32, (size_t)k * row, &bad);
                 if (rc == 0) {
                     kvr_codec_decode(c, dec, KVR_DTYPE_F32, dst, (size_t)k * row);
-                    acc_rows(x, dec, k, row, acc);
+                    acc_rows(c, x, dec, k, row, acc);
                 }
                 x += (size_t)k * row;
                 j += k;
@@ -383,7 +363,7 @@ int kvr_quant_encode_side(const kvr_brun *runs, size_t n_runs, uint32_t layer, i
                 }
                 if (rc != 0)
                     break;
-                acc_rows(x, big, nt, tile, acc);
+                acc_rows(c, x, big, nt, tile, acc);
                 x += nt * tile;
                 j += nt * G;
                 continue;
@@ -400,7 +380,7 @@ int kvr_quant_encode_side(const kvr_brun *runs, size_t n_runs, uint32_t layer, i
                 break;
             float *dec = scratch + tile;
             kvr_codec_decode_tile(c, dec, KVR_DTYPE_F32, row, dst, row);
-            acc_rows(x, dec, 1, (size_t)k * row, acc);
+            acc_rows(c, x, dec, 1, (size_t)k * row, acc);
             x += (size_t)k * row;
             j += k;
         }
@@ -425,6 +405,29 @@ static void decode_rows(const kvr_block *b, uint32_t layer, int kv, uint32_t fir
                          kvr_block_kv(b, layer, kv, first + j), row);
 }
 
+/* Rows of per-token keys decoded for kvr_rope_apply_src a few at a time:
+ * up to KEY_ROWS_L1 floats (16 KiB, in L1 beside the rotation's tables). */
+#define KEY_ROWS_L1 4096u
+typedef struct key_rows {
+    const kvr_block *b;
+    uint32_t layer, first, count;   /* the piece's slots */
+    float   *buf;
+    size_t   row;
+    uint32_t cap, have, at;         /* rows the buffer holds, from piece row `at` */
+} key_rows;
+
+static const float *key_rows_src(void *ud, size_t t)
+{
+    key_rows *k = ud;
+    if (t < k->at || t >= (size_t)k->at + k->have) {
+        uint32_t n = k->count - (uint32_t)t < k->cap ? k->count - (uint32_t)t : k->cap;
+        decode_rows(k->b, k->layer, 0, k->first + (uint32_t)t, n, k->buf, KVR_DTYPE_F32);
+        k->at = (uint32_t)t;
+        k->have = n;
+    }
+    return k->buf + (t - k->at) * k->row;
+}
+
 int kvr_block_read_side(const kvr_rope *engine, uint32_t n_heads, const kvr_block *b,
                         uint32_t layer, int kv, uint32_t first, uint32_t count, void *dst,
                         kvr_dtype odt, const int64_t *from, const int64_t *to,
@@ -444,25 +447,31 @@ int kvr_block_read_side(const kvr_rope *engine, uint32_t n_heads, const kvr_bloc
         decode_rows(b, layer, 1, first, count, dst, odt);
         return 0;
     }
-    /* Keys: dequantize a piece (a tile, or a bounded run of rows) into the
-     * f32 scratch and rotate it to its targets while it is still in cache. */
+    /* Keys: dequantize a piece (a tile, or a bounded run of rows) and rotate
+     * it to its targets while it is still in cache: a tile into the f32
+     * scratch; rows a few at a time, as the rotation asks for them
+     * (kvr_rope_apply_src: the same rotation, pieces of 64 tokens as
+     * before, so the same tables and bits), into L1-sized scratch. */
     size_t osz = kvr_dtype_size(odt);
     uint32_t G = KVR_QH(b)->ktile, s = first, end = first + count;
     uint32_t piece = G > 1 ? G : 64;
     while (s < end) {
         uint32_t t0 = G > 1 ? s / G * G : s;
         uint32_t e = t0 + piece < end ? t0 + piece : end;
-        const float *src = scratch;
+        uint8_t *out = (uint8_t *)dst + (size_t)(s - first) * row * osz;
+        int rc;
         if (G > 1) {
             kvr_codec_decode_tile(&KVR_QH(b)->kc, scratch, KVR_DTYPE_F32, row,
                                   kvr_block_kv(b, layer, 0, t0), row);
-            src = scratch + (size_t)(s - t0) * row;
+            rc = kvr_rope_apply(engine, out, odt, scratch + (size_t)(s - t0) * row,
+                                KVR_DTYPE_F32, e - s, n_heads, to + (s - first), ro);
         } else {
-            decode_rows(b, layer, 0, s, e - s, scratch, KVR_DTYPE_F32);
+            key_rows kr = { .b = b, .layer = layer, .first = s, .count = e - s,
+                            .buf = scratch, .row = row, .have = 0, .at = 0 };
+            kr.cap = row <= KEY_ROWS_L1 ? (uint32_t)(KEY_ROWS_L1 / row) : 1;
+            rc = kvr_rope_apply_src(engine, out, odt, key_rows_src, &kr, e - s, n_heads,
+                                    to + (s - first), ro);
         }
-        int rc = kvr_rope_apply(engine, (uint8_t *)dst + (size_t)(s - first) * row * osz,
-                                odt, src, KVR_DTYPE_F32, e - s, n_heads,
-                                to + (s - first), ro);
         if (rc != 0)
             return rc;
         s = e;

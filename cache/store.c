@@ -94,6 +94,7 @@ void kvr_store_destroy(kvr_store *s)
     kvr_mem_free(s->models);
     kvr_mem_free(s->buckets);
     kvr_mem_free(s);
+    kvr_mem_trim();   /* the kept staging buffer (mem.c) */
 }
 
 /* ---- ids and the context map -------------------------------------------- */

@@ -16,7 +16,7 @@ int kvr_wpay_init(kvr_wpay *w, const kvr_brun *runs, size_t n, uint32_t n_layers
         p->n_iov = kvr_brun_iov(runs, n, n_layers, p->iov);
         return 0;
     }
-    w->staging = kvr_mem_aligned(KVR_BLOCK_ALIGN, payload);
+    w->staging = kvr_mem_staging(payload);   /* large ones reused: no page faults */
     if (!w->staging)
         return KVR_ENOMEM;
     p->iov[0] = (struct iovec){ w->staging, payload };
@@ -26,7 +26,7 @@ int kvr_wpay_init(kvr_wpay *w, const kvr_brun *runs, size_t n, uint32_t n_layers
 
 void kvr_wpay_free(kvr_wpay *w)
 {
-    kvr_mem_free(w->staging);
+    kvr_mem_staging_free(w->staging);
     kvr_mem_free(w->p.iov);
     w->staging = NULL;
     w->p.iov = NULL;

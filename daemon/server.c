@@ -463,6 +463,7 @@ static void idle_purge(kvr_daemon *d, uint64_t now)
     if (d->purged || now - d->purge_idle_ms < KVR_IDLE_PURGE_MS)
         return;
     d->purged = true;
+    kvr_mem_trim();   /* the kept staging buffer too */
 #ifdef KVR_JEMALLOC
     (void)mallctl("arena." KVR_STR(MALLCTL_ARENAS_ALL) ".purge", NULL, NULL, NULL, 0);
 #endif

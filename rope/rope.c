@@ -342,6 +342,15 @@ void rope_sincos_scalar(double a, const double *f1, double b, const double *f2, 
     else       for (int i = 0; i < n; i++) sincos(ang[i], &s[i], &c[i]);
 }
 
+void rope_step_scalar(const double *stc, const double *sts, int n, double *c, double *s)
+{
+    for (int i = 0; i < n; i++) {
+        double c0 = c[i], s0 = s[i];
+        c[i] = c0 * stc[i] - s0 * sts[i];
+        s[i] = s0 * stc[i] + c0 * sts[i];
+    }
+}
+
 void rope_tofloat_scalar(const double *c, const double *s, int n, double m, int gptj,
                          float *fc, float *fs)
 {
@@ -375,6 +384,9 @@ typedef struct job {
     rope_sincos_fn sincos;
     rope_tofloat_fn tofloat;
     rope_table_fn table;       /* NULL: sincos then tofloat */
+    rope_step_fn step;
+    kvr_rope_src_fn src_fn;    /* non-NULL: source rows on demand (f32) */
+    void *src_ud;
     size_t t0, t1;
     /* kvr_rope_reposition_delta: one angle a = delta for every token (a, b
      * NULL), each result times scale when scaled */
@@ -446,6 +458,14 @@ static void run_range(const job *j)
     float fc[KVR_ROPE_MAX_HEAD_DIM], fs[KVR_ROPE_MAX_HEAD_DIM];
     int64_t pa = 0, pb = 0, sa = 0, sb = 0;  /* previous (a, b), current step */
     bool have_prev = false, have_step = false, step_ready = false;
+    /* A chunk of a threaded run (t0 > 0, a multiple of RESEED): start from
+     * what one pass would know at t0, the previous token's (a, b), so the
+     * step is learnt at t0 as it would be there and token t0 + 1 takes the
+     * same route (the bits do not depend on the thread count). */
+    if (j->t0 > 0 && token_a(j, j->t0 - 1, &pa)) {
+        pb = j->b ? j->b[j->t0 - 1] : 0;
+        have_prev = true;
+    }
 
     for (size_t t = j->t0; t < j->t1; t++) {
         int64_t a, b = j->b ? j->b[t] : 0;
@@ -473,12 +493,16 @@ static void run_range(const job *j)
                 j->sincos((double)j->a[t], f1, -(double)j->a_sub[t], f1, n, ss, cc);
                 have_prev = false;
                 have_step = false;
-            } else if (j->table) {
-                j->table((double)a, f1, (double)b, f2, n, j->mag, gptj, ss, cc, fs, fc);
-                fresh = true;
             } else {
-                j->sincos((double)a, f1, (double)b, f2, n, ss, cc);
-                /* remember the step from the previous token for next time */
+                if (j->table) {
+                    j->table((double)a, f1, (double)b, f2, n, j->mag, gptj, ss, cc, fs, fc);
+                    fresh = true;
+                } else {
+                    j->sincos((double)a, f1, (double)b, f2, n, ss, cc);
+                }
+                /* remember the step from the previous token for next time
+                 * (the fused table's doubles are the same bits, so the
+                 * recurrence and repeats below work from them alike) */
                 if (have_prev && !__builtin_sub_overflow(a, pa, &da) &&
                     !__builtin_sub_overflow(b, pb, &db)) {
                     if (!have_step || da != sa || db != sb) {
@@ -494,17 +518,14 @@ static void run_range(const job *j)
                 j->sincos((double)sa, f1, (double)sb, f2, n, sts, stc);
                 step_ready = true;
             }
-            for (int i = 0; i < n; i++) {
-                double c0 = cc[i], s0 = ss[i];
-                cc[i] = c0 * stc[i] - s0 * sts[i];
-                ss[i] = s0 * stc[i] + c0 * sts[i];
-            }
+            j->step(stc, sts, n, cc, ss);
         }
         if ((mode != 1 || t == j->t0) && !fresh)
             j->tofloat(cc, ss, n, j->mag, gptj, fc, fs);
         if (mode != 0 || !wide) { pa = a; pb = b; }
-        j->rows((char *)j->dst + t * row_elems * dsz, j->dt,
-                (const char *)j->src + t * row_elems * ssz, j->st,
+        const void *srow = j->src_fn ? (const void *)j->src_fn(j->src_ud, t)
+                                     : (const void *)((const char *)j->src + t * row_elems * ssz);
+        j->rows((char *)j->dst + t * row_elems * dsz, j->dt, srow, j->st,
                 j->n_heads, r->head_dim, rot, gptj, fc, fs);
     }
 }
@@ -577,10 +598,15 @@ static void pick_tables(job *j, const kvr_rope_opts *opts)
     switch (rope_isa_resolve(opts ? opts->isa : KVR_ISA_AUTO)) {
     case KVR_ISA_AVX512:
         j->sincos = rope_sincos_avx512; j->tofloat = rope_tofloat_avx512;
-        j->table = rope_table_avx512;
+        j->table = rope_table_avx512; j->step = rope_step_avx512;
         break;
-    case KVR_ISA_AVX2:   j->sincos = rope_sincos_avx2;   j->tofloat = rope_tofloat_avx2;   break;
-    default:             j->sincos = rope_sincos_scalar; j->tofloat = rope_tofloat_scalar; break;
+    case KVR_ISA_AVX2:
+        j->sincos = rope_sincos_avx2; j->tofloat = rope_tofloat_avx2; j->step = rope_step_avx2;
+        break;
+    default:
+        j->sincos = rope_sincos_scalar; j->tofloat = rope_tofloat_scalar;
+        j->step = rope_step_scalar;
+        break;
     }
 }
 
@@ -633,6 +659,37 @@ int kvr_rope_apply(const kvr_rope *r, void *dst, kvr_dtype dst_type,
     if (rc <= 0) return rc;
     return one_table(r, dst_type, dst, src, src_type, n_tokens, n_heads, pos,
                      opts ? opts->seq_len_to : 0, +1, opts);
+}
+
+int kvr_rope_apply_src(const kvr_rope *r, void *dst, kvr_dtype dst_type,
+                       kvr_rope_src_fn src, void *ud, size_t n_tokens, size_t n_heads,
+                       const int64_t *pos, const kvr_rope_opts *opts)
+{
+    if (!r || !src || kvr_dtype_size(dst_type) == 0) return KVR_EINVAL;
+    if (n_tokens == 0 || n_heads == 0) return 0;
+    if (!dst || !pos) return KVR_EINVAL;
+    size_t e;
+    if (__builtin_mul_overflow(n_tokens, n_heads, &e) ||
+        __builtin_mul_overflow(e, (size_t)r->head_dim * 4, &e))
+        return KVR_EINVAL;
+    size_t row = n_heads * (size_t)r->head_dim, dsz = kvr_dtype_size(dst_type);
+    if (r->npairs == 0) {
+        /* A layer without RoPE: the rows pass through, converted. */
+        for (size_t t = 0; t < n_tokens; t++)
+            kvr_convert((char *)dst + t * row * dsz, dst_type, src(ud, t), KVR_DTYPE_F32, row);
+        return 0;
+    }
+    double f[KVR_ROPE_MAX_HEAD_DIM / 2];
+    if (kvr_rope_config_composes(&r->cfg)) memcpy(f, r->inv_freq, sizeof(double) * (size_t)r->npairs);
+    else rope_inv_freq(r, opts ? opts->seq_len_to : 0, f);
+    job j = {
+        .r = r, .dst = dst, .dt = dst_type, .src = NULL, .st = KVR_DTYPE_F32,
+        .n_heads = n_heads, .a = pos, .f1 = f, .mag = r->mscale, .rows = pick_rows(opts),
+        .src_fn = src, .src_ud = ud, .t0 = 0, .t1 = n_tokens,
+    };
+    pick_tables(&j, opts);
+    run_range(&j);
+    return 0;
 }
 
 int kvr_rope_remove(const kvr_rope *r, void *dst, kvr_dtype dst_type,

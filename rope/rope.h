@@ -238,6 +238,16 @@ int kvr_rope_apply(const kvr_rope *r, void *dst, kvr_dtype dst_type,
                    const void *src, kvr_dtype src_type,
                    size_t n_tokens, size_t n_heads, const int64_t *pos,
                    const kvr_rope_opts *opts);
+/* apply, with the f32 source rows produced on demand: src(ud, t) returns
+ * token t's n_heads * head_dim values (valid until the next call), asked
+ * for in token order on the calling thread (opts->n_threads is ignored).
+ * The rotation is kvr_rope_apply's on the same values, to the bit; a
+ * dequantizing reader decodes a few rows into cache-sized scratch instead
+ * of the whole source. */
+typedef const float *(*kvr_rope_src_fn)(void *ud, size_t t);
+int kvr_rope_apply_src(const kvr_rope *r, void *dst, kvr_dtype dst_type,
+                       kvr_rope_src_fn src, void *ud, size_t n_tokens, size_t n_heads,
+                       const int64_t *pos, const kvr_rope_opts *opts);
 int kvr_rope_remove(const kvr_rope *r, void *dst, kvr_dtype dst_type,
                     const void *src, kvr_dtype src_type,
                     size_t n_tokens, size_t n_heads, const int64_t *pos,

@@ -96,6 +96,14 @@ void rope_tofloat_avx2(const double *c, const double *s, int n, double m, int gp
 void rope_tofloat_avx512(const double *c, const double *s, int n, double m, int gptj,
                          float *fc, float *fs);
 
+/* One step of the angle-addition recurrence over a table of n pairs:
+ * c' = c*stc - s*sts, s' = s*stc + c*sts, each product and sum rounded on
+ * its own (no fused multiply-add), so every ISA advances the same bits. */
+typedef void (*rope_step_fn)(const double *stc, const double *sts, int n, double *c, double *s);
+void rope_step_scalar(const double *stc, const double *sts, int n, double *c, double *s);
+void rope_step_avx2(const double *stc, const double *sts, int n, double *c, double *s);
+void rope_step_avx512(const double *stc, const double *sts, int n, double *c, double *s);
+
 /* Both at once, for a table computed afresh (bit for bit sincos then
  * tofloat); NULL for the ISAs that do not fuse them. */
 typedef void (*rope_table_fn)(double a, const double *f1, double b, const double *f2, int n,

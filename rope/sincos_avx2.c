@@ -123,3 +123,19 @@ void rope_tofloat_avx2(const double *c, const double *s, int n, double m, int gp
         }
     }
 }
+
+/* rope_step_scalar, 4 pairs at a time (the same products and sums). */
+void rope_step_avx2(const double *stc, const double *sts, int n, double *c, double *s)
+{
+    int i = 0;
+    for (; i + 4 <= n; i += 4) {
+        __m256d c0 = _mm256_loadu_pd(c + i), s0 = _mm256_loadu_pd(s + i), a = _mm256_loadu_pd(stc + i), b = _mm256_loadu_pd(sts + i);
+        _mm256_storeu_pd(c + i, _mm256_sub_pd(_mm256_mul_pd(c0, a), _mm256_mul_pd(s0, b)));
+        _mm256_storeu_pd(s + i, _mm256_add_pd(_mm256_mul_pd(s0, a), _mm256_mul_pd(c0, b)));
+    }
+    for (; i < n; i++) {
+        double c0 = c[i], s0 = s[i];
+        c[i] = c0 * stc[i] - s0 * sts[i];
+        s[i] = s0 * stc[i] + c0 * sts[i];
+    }
+}

@@ -154,3 +154,19 @@ void rope_table_avx512(double a, const double *f1, double b, const double *f2, i
         }
     }
 }
+
+/* rope_step_scalar, 8 pairs at a time (the same products and sums). */
+void rope_step_avx512(const double *stc, const double *sts, int n, double *c, double *s)
+{
+    int i = 0;
+    for (; i + 8 <= n; i += 8) {
+        __m512d c0 = _mm512_loadu_pd(c + i), s0 = _mm512_loadu_pd(s + i), a = _mm512_loadu_pd(stc + i), b = _mm512_loadu_pd(sts + i);
+        _mm512_storeu_pd(c + i, _mm512_sub_pd(_mm512_mul_pd(c0, a), _mm512_mul_pd(s0, b)));
+        _mm512_storeu_pd(s + i, _mm512_add_pd(_mm512_mul_pd(s0, a), _mm512_mul_pd(c0, b)));
+    }
+    for (; i < n; i++) {
+        double c0 = c[i], s0 = s[i];
+        c[i] = c0 * stc[i] - s0 * sts[i];
+        s[i] = s0 * stc[i] + c0 * sts[i];
+    }
+}

@@ -704,3 +704,163 @@ Test(quant, reregister_with_other_codec_refused)
     cr_assert_eq(kvr_store_model_find(S, "rereg", &mi), 0);
     cr_assert_str_eq(mi.codec, "k=int4/g128/c,v=int2/g256,r=128");
 }
+
+/* ---- the error measure -----------------------------------------------------
+ * rel_rms_k / rel_rms_v are the store's definition, recomputed here from the
+ * codec API: per row (per tile for per-channel keys) e = sum (dec - ref)^2 and
+ * q = sum ref^2 accumulated in element order from 0 in double, added to the
+ * totals in row order, layer after layer (keys: the f32 pre-RoPE keys of
+ * kvr_rope_remove; a partial last tile is padded with its last token and
+ * measured over its real tokens). The stat must be these exact doubles,
+ * whichever kernels or threads the store used. */
+static void ref_err(const kvr_codec *c, const float *x, size_t n, bool tile, double *sse,
+                    double *ss)
+{
+    kvr_codec sc = *c;
+    sc.isa = KVR_ISA_SCALAR;
+    if (!tile) {
+        size_t rb = kvr_codec_row_bytes(&sc, ROW);
+        uint8_t *b = malloc(rb);
+        float *d = malloc(ROW * sizeof *d);
+        for (size_t i = 0; i < n; i++) {
+            const float *r = x + i * ROW;
+            cr_assert_eq(kvr_codec_encode(&sc, b, r, KVR_DTYPE_F32, ROW, NULL), 0);
+            kvr_codec_decode(&sc, d, KVR_DTYPE_F32, b, ROW);
+            double e = 0, q = 0;
+            for (size_t k = 0; k < ROW; k++) {
+                double a = (double)d[k] - (double)r[k];
+                e += a * a;
+                q += (double)r[k] * (double)r[k];
+            }
+            *sse += e;
+            *ss += q;
+        }
+        free(b);
+        free(d);
+        return;
+    }
+    size_t G = kvr_codec_group(&sc), tb = kvr_codec_tile_bytes(&sc, ROW);
+    uint8_t *b = malloc(tb);
+    float *in = malloc(G * ROW * sizeof *in), *d = malloc(G * ROW * sizeof *d);
+    for (size_t t0 = 0; t0 < n; t0 += G) {
+        size_t k = n - t0 < G ? n - t0 : G;
+        for (size_t t = 0; t < G; t++)
+            memcpy(in + t * ROW, x + (t0 + (t < k ? t : k - 1)) * ROW, ROW * sizeof *in);
+        cr_assert_eq(kvr_codec_encode_tile(&sc, b, in, KVR_DTYPE_F32, ROW, ROW, NULL), 0);
+        kvr_codec_decode_tile(&sc, d, KVR_DTYPE_F32, ROW, b, ROW);
+        double e = 0, q = 0;
+        for (size_t j = 0; j < k * ROW; j++) {
+            double a = (double)d[j] - (double)in[j];
+            e += a * a;
+            q += (double)in[j] * (double)in[j];
+        }
+        *sse += e;
+        *ss += q;
+    }
+    free(b);
+    free(in);
+    free(d);
+}
+
+static void check_err(const char *spec, const kvr_codec *kc, const kvr_codec *vc, size_t n)
+{
+    kvr_error e = { 0 };
+    float *pl = payload(0, n, 7);
+    cr_assert_eq(put_raw("err", KVR_PUT_CREATE, spec, 0, n, 7, pl, &e), 0, "%s: %s", spec, e.msg);
+    double sse[2] = { 0, 0 }, ss[2] = { 0, 0 };
+    int64_t *pos = malloc(n * sizeof *pos);
+    float *x = malloc(n * ROW * sizeof *x);
+    for (size_t i = 0; i < n; i++)
+        pos[i] = 7 + (int64_t)i;
+    kvr_rope_opts ro = { .n_threads = 1 };
+    /* r=0: everything is quantized, for tiled keys in whole tiles (values
+     * follow the keys' boundary; the rest stays in the window) */
+    bool tile = kc->axis == KVR_CODEC_AXIS_CHANNEL;
+    size_t nq = tile ? n / kvr_codec_group(kc) * kvr_codec_group(kc) : n;
+    for (int l = 0; l < L && nq; l++) {
+        const float *k = pl + (size_t)l * 2 * n * ROW, *v = k + n * ROW;
+        cr_assert_eq(kvr_rope_remove(ENG, x, KVR_DTYPE_F32, k, KVR_DTYPE_F32, nq, H, pos, &ro), 0);
+        ref_err(kc, x, nq, tile, &sse[0], &ss[0]);
+        ref_err(vc, v, nq, false, &sse[1], &ss[1]);
+    }
+    kvr_ctx_info ci;
+    cr_assert_eq(kvr_store_stat(S, "err", &ci, &e), 0);
+    double rk = ss[0] > 0 ? sqrt(sse[0] / ss[0]) : 0, rv = ss[1] > 0 ? sqrt(sse[1] / ss[1]) : 0;
+    cr_assert(ci.rel_rms_k == rk && ci.rel_rms_v == rv, "%s n %zu: K %.17g vs %.17g, V %.17g vs %.17g",
+              spec, n, ci.rel_rms_k, rk, ci.rel_rms_v, rv);
+    cr_assert_eq(kvr_store_delete(S, "err", &e), 0);
+    free(pos);
+    free(x);
+    free(pl);
+}
+
+Test(quant, error_measure_is_the_reference_sums)
+{
+    kvr_codec i8 = cod(KVR_CODEC_INT8, 64, 0), i4 = cod(KVR_CODEC_INT4, 32, 0);
+    kvr_codec i2 = cod(KVR_CODEC_INT2, 64, 0), q8 = cod(KVR_CODEC_Q8_0, 0, 0);
+    kvr_codec q41 = cod(KVR_CODEC_Q4_1, 0, 0), q50 = cod(KVR_CODEC_Q5_0, 0, 0);
+    kvr_codec kc = cod(KVR_CODEC_INT4, 64, KVR_CODEC_AXIS_CHANNEL);
+    kvr_codec v2 = cod(KVR_CODEC_INT2, 128, 0);
+    /* 1 row, a batch and a bit, odd counts; 1100 tokens take the threaded path */
+    size_t ns[] = { 1, 70, 203, 1100 };
+    for (size_t i = 0; i < 4; i++) {
+        check_err("int8", &i8, &i8, ns[i]);
+        check_err("k=int4/g32,v=int2,r=0", &i4, &i2, ns[i]);
+        check_err("q8_0", &q8, &q8, ns[i]);
+        check_err("k=q4_1,v=q5_0,r=0", &q41, &q50, ns[i]);
+        check_err("k=int4/g64/c,v=int2/g128,r=0", &kc, &v2, ns[i]);
+    }
+}
+
+/* A nan in a later layer side is reported even when an earlier side also
+ * holds a value the codec refuses (the sides scan their own payload in
+ * parallel; the message names the first nan or inf of the whole payload,
+ * as one scan before any side would), sequential and threaded puts alike;
+ * without a nan the range error names its layer. */
+Test(quant, nan_reported_before_a_range_error)
+{
+    size_t ns[] = { 10, 1100 };
+    for (int k = 0; k < 2; k++) {
+        kvr_error e = { 0 };
+        size_t n = ns[k];
+        float *pl = payload(0, n, 0);
+        pl[((size_t)0 * 2 + 1) * n * ROW + 1 * ROW + 4] = 1e6f;    /* layer 0 V: out of range */
+        pl[((size_t)1 * 2 + 0) * n * ROW + 7 * ROW + 9] = NAN;     /* layer 1 K, token 7 */
+        int rc = put_raw("r", KVR_PUT_CREATE, "int8", 0, n, 0, pl, &e);
+        cr_assert_eq(rc, KVR_EINVAL);
+        cr_assert(strstr(e.msg, "layer 1") && strstr(e.msg, "token 7") && strstr(e.msg, "nan"),
+                  "n %zu: %s", n, e.msg);
+        pl[((size_t)1 * 2 + 0) * n * ROW + 7 * ROW + 9] = 0;
+        rc = put_raw("r", KVR_PUT_CREATE, "int8", 0, n, 0, pl, &e);
+        cr_assert_eq(rc, KVR_EINVAL);
+        cr_assert(strstr(e.msg, "V of layer 0") && strstr(e.msg, "outside the range"),
+                  "n %zu: %s", n, e.msg);
+        cr_assert_eq(kvr_store_stat(S, "r", &(kvr_ctx_info){ 0 }, &e), KVR_ENOCTX);
+        free(pl);
+    }
+}
+
+/* A nan bound for the full-precision window (not quantized by this put) is
+ * refused too, with the same message; one in a token quantized now as well. */
+Test(quant, nan_in_window_tokens_refused)
+{
+    kvr_error e = { 0 };
+    const char *spec = "k=int4/g64/c,v=int2,r=128";
+    cr_assert_eq(put("w", KVR_PUT_CREATE, spec, 0, 100, 0, &e), 0, "%s", e.msg);
+    float *pl = payload(100, 10, 100);
+    pl[((size_t)1 * 2 + 1) * 10 * ROW + 4 * ROW + 1] = INFINITY;   /* layer 1, V, token 4 */
+    int rc = put_raw("w", KVR_PUT_APPEND, NULL, 100, 10, 100, pl, &e);
+    cr_assert_eq(rc, KVR_EINVAL);
+    cr_assert(strstr(e.msg, "V of layer 1, token 4") && strstr(e.msg, "nan or inf"), "%s", e.msg);
+    free(pl);
+    /* 200 more: the first tokens flush into tiles, a nan among them */
+    pl = payload(100, 200, 100);
+    pl[((size_t)0 * 2) * 200 * ROW + 3 * ROW + 2] = NAN;            /* layer 0, K, token 3 */
+    rc = put_raw("w", KVR_PUT_APPEND, NULL, 100, 200, 100, pl, &e);
+    cr_assert_eq(rc, KVR_EINVAL);
+    cr_assert(strstr(e.msg, "K of layer 0, token 3") && strstr(e.msg, "nan or inf"), "%s", e.msg);
+    free(pl);
+    kvr_ctx_info ci;
+    cr_assert_eq(kvr_store_stat(S, "w", &ci, &e), 0);
+    cr_assert_eq(ci.n_tokens, 100);
+}

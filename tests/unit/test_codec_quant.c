@@ -711,3 +711,49 @@ Test(codec_desc, bad_arguments)
     cr_assert_eq(kvr_codec_encode(&q, enc, x, KVR_DTYPE_F32, 31, NULL), KVR_EUNSUPPORTED);
     cr_assert_eq(kvr_codec_encode_tile(&q, enc, x, KVR_DTYPE_F32, 1, 1, NULL), KVR_EUNSUPPORTED);
 }
+
+/* The error measure kernel: every ISA returns the bytes of one sequential
+ * double chain per row (sum in element order, products and sums rounded
+ * one at a time), for row counts around the 8- and 16-row blocks, lengths
+ * around the 8-element transposes, and values of very different sizes (so
+ * the order of additions shows in the last bits). */
+Test(codec_simd, err_rows_same_doubles_as_one_chain_per_row)
+{
+    size_t rows[] = { 1, 3, 7, 8, 9, 15, 16, 17, 24, 31, 40, 64 };
+    size_t lens[] = { 1, 5, 8, 13, 64, 100, 1024 };
+    float *ref = malloc(64 * 1024 * sizeof *ref), *dec = malloc(64 * 1024 * sizeof *dec);
+    double e0[64], q0[64], e1[64], q1[64];
+    long checked = 0;
+    for (size_t li = 0; li < sizeof lens / sizeof *lens; li++)
+        for (size_t ri = 0; ri < sizeof rows / sizeof *rows; ri++) {
+            size_t n = rows[ri], len = lens[li];
+            rng_state = 77 + li * 131 + ri;
+            for (size_t i = 0; i < n * len; i++) {
+                double sc = (i % 11 == 3) ? 3e4 : (i % 7 == 1) ? 1e-6 : 1.0;
+                ref[i] = (float)(rng_gauss() * sc);
+                dec[i] = ref[i] + (float)(rng_gauss() * sc * 0.01);
+            }
+            for (size_t i = 0; i < n; i++) {
+                double e = 0, q = 0;
+                for (size_t k = 0; k < len; k++) {
+                    double a = (double)dec[i * len + k] - (double)ref[i * len + k];
+                    double a2 = a * a, r2 = (double)ref[i * len + k] * (double)ref[i * len + k];
+                    e += a2;
+                    q += r2;
+                }
+                e0[i] = e;
+                q0[i] = q;
+            }
+            for (int isa = KVR_ISA_SCALAR; isa <= KVR_ISA_AVX512; isa++) {
+                memset(e1, 0xff, sizeof e1);
+                memset(q1, 0xff, sizeof q1);
+                kvr_codec_err_rows((kvr_isa)isa, ref, dec, n, len, e1, q1);
+                cr_assert(!memcmp(e0, e1, n * sizeof *e0) && !memcmp(q0, q1, n * sizeof *q0),
+                          "isa %d rows %zu len %zu: e %.17g vs %.17g", isa, n, len, e1[0], e0[0]);
+                checked++;
+            }
+        }
+    cr_log_info("best ISA %s, %ld cases", kvr_isa_name(kvr_isa_best()), checked);
+    free(ref);
+    free(dec);
+}

@@ -307,6 +307,96 @@ Test(rope_props, distinct_deltas_bit_identical_across_isas)
     kvr_rope_destroy(r);
 }
 
+/* Contiguous positions and runs of one delta (the recurrence and the
+ * repeated table): every ISA and every thread count gives the scalar
+ * single-thread bytes, for apply, remove and reposition, at positions where
+ * the recurrence's last bits matter (large, 1e5..1e6). */
+Test(rope_props, runs_bit_identical_across_isas_and_threads)
+{
+    kvr_rope *r = make(128, 128, KVR_ROPE_NEOX, 500000, KVR_ROPE_SCALING_YARN, 4.0);
+    size_t T = 1000, H = 2, n = T * H * 128;
+    float *x = malloc(n * 4);
+    fill(x, n);
+    int64_t *from = malloc(T * 8), *to = malloc(T * 8);
+    for (size_t t = 0; t < T; t++) {
+        from[t] = 100000 + (int64_t)t * 7;
+        to[t] = t < 333 ? from[t] + 250000 : t < 700 ? from[t] - 3 : 900000 + (int64_t)(t / 5);
+    }
+    kvr_dtype ts[] = { KVR_DTYPE_F32, KVR_DTYPE_F16 };
+    void *in = malloc(n * 4), *ref = malloc(n * 4), *o = malloc(n * 4);
+    long compared = 0;
+    for (int d = 0; d < 2; d++)
+        for (int op = 0; op < 3; op++) {
+            size_t bytes = n * kvr_dtype_size(ts[d]);
+            kvr_convert(in, ts[d], x, KVR_DTYPE_F32, n);
+            kvr_rope_opts so = { .isa = KVR_ISA_SCALAR, .n_threads = 1 };
+            int rc = op == 0 ? kvr_rope_apply(r, ref, ts[d], in, ts[d], T, H, to, &so)
+                   : op == 1 ? kvr_rope_remove(r, ref, ts[d], in, ts[d], T, H, from, &so)
+                   : kvr_rope_reposition(r, ref, ts[d], in, ts[d], T, H, from, to, &so);
+            cr_assert_eq(rc, 0);
+            kvr_isa isas[] = { KVR_ISA_SCALAR, KVR_ISA_AVX2, KVR_ISA_AVX512 };
+            for (int k = 0; k < 3; k++)
+                for (int nt = 1; nt <= 3; nt++) {
+                    if (isas[k] > kvr_isa_best() || (k == 0 && nt == 1)) continue;
+                    kvr_rope_opts vo = { .isa = isas[k], .n_threads = nt };
+                    rc = op == 0 ? kvr_rope_apply(r, o, ts[d], in, ts[d], T, H, to, &vo)
+                       : op == 1 ? kvr_rope_remove(r, o, ts[d], in, ts[d], T, H, from, &vo)
+                       : kvr_rope_reposition(r, o, ts[d], in, ts[d], T, H, from, to, &vo);
+                    cr_assert_eq(rc, 0);
+                    cr_assert(!memcmp(ref, o, bytes), "%s threads %d op %d %s",
+                              kvr_isa_name(isas[k]), nt, op, kvr_dtype_name(ts[d]));
+                    compared++;
+                }
+        }
+    cr_assert_gt(compared, 0);
+    free(x); free(from); free(to); free(in); free(ref); free(o);
+    kvr_rope_destroy(r);
+}
+
+/* kvr_rope_apply_src (rows on demand) writes kvr_rope_apply's bytes for
+ * the same f32 source, every ISA and output type, NEOX / GPT-J / partial
+ * rotary, contiguous and scattered positions. */
+typedef struct src_rows { const float *x; size_t row; size_t next; int bad; } src_rows;
+static const float *rows_of(void *ud, size_t t)
+{
+    src_rows *s = ud;
+    if (t != s->next) s->bad = 1;   /* asked in token order */
+    s->next = t + 1;
+    return s->x + t * s->row;
+}
+
+Test(rope_props, apply_src_equals_apply)
+{
+    int shapes[][2] = { { 128, 128 }, { 128, 64 }, { 80, 80 }, { 6, 2 } };
+    for (int sh = 0; sh < 4; sh++)
+        for (int st = 0; st < 2; st++) {
+            kvr_rope *r = make(shapes[sh][0], shapes[sh][1], st ? KVR_ROPE_GPTJ : KVR_ROPE_NEOX,
+                               500000, KVR_ROPE_SCALING_YARN, 4.0);
+            size_t T = 131, H = 3, row = H * (size_t)shapes[sh][0], n = T * row;
+            float *x = malloc(n * 4);
+            fill(x, n);
+            int64_t *pos = malloc(T * 8);
+            for (size_t t = 0; t < T; t++)
+                pos[t] = t < 70 ? 1000 + (int64_t)t : (int64_t)(urand() * 1e5);
+            void *ref = malloc(n * 4), *o = malloc(n * 4);
+            kvr_dtype ts[] = { KVR_DTYPE_F32, KVR_DTYPE_F16, KVR_DTYPE_BF16 };
+            kvr_isa isas[] = { KVR_ISA_SCALAR, KVR_ISA_AVX2, KVR_ISA_AVX512 };
+            for (int d = 0; d < 3; d++)
+                for (int k = 0; k < 3; k++) {
+                    if (isas[k] > kvr_isa_best()) continue;
+                    kvr_rope_opts op = { .isa = isas[k] };
+                    cr_assert_eq(kvr_rope_apply(r, ref, ts[d], x, KVR_DTYPE_F32, T, H, pos, &op), 0);
+                    src_rows sr = { x, row, 0, 0 };
+                    cr_assert_eq(kvr_rope_apply_src(r, o, ts[d], rows_of, &sr, T, H, pos, &op), 0);
+                    cr_assert(!sr.bad && sr.next == T);
+                    cr_assert(!memcmp(ref, o, n * kvr_dtype_size(ts[d])), "shape %d style %d %s %s",
+                              sh, st, kvr_isa_name(isas[k]), kvr_dtype_name(ts[d]));
+                }
+            free(x); free(pos); free(ref); free(o);
+            kvr_rope_destroy(r);
+        }
+}
+
 /* ---- precision at large positions ------------------------------------------ */
 
 Test(rope_props, theta_1e6_large_positions_long_double)
