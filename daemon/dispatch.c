@@ -211,7 +211,11 @@ static void send_ok(kvrd_request *r, Kvrope__Response *resp, const struct iovec 
         return;
     }
     r->bytes_out += len + payload_len;
-    if (kvrd_conn_write(r->c, buf, len, iov, niov, payload_len, done, arg) != 0 && done)
+    /* Written in full at once (1): the source is released here. */
+    int wr = kvrd_conn_write_ex(r->c, buf, len, iov, niov, payload_len, done, arg, true);
+    if (wr == 1)
+        done(arg, 0);
+    else if (wr != 0 && done)
         done(arg, KVR_EIO);
     kvrd_request_end(r, 0);
 }

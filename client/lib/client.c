@@ -67,6 +67,8 @@ static int fatal(kvr_client *c, int code, const char *fmt, ...)
         c->fd = -1;
     }
     c->rpos = c->rlen = 0;
+    c->dlen = 0;            /* deferred requests die with the connection */
+    c->n_deferred = 0;
     return code;
 }
 
@@ -225,6 +227,7 @@ int kvr_client_connect(kvr_client **out, const char *addr, const kvr_client_opts
         return set_connect_err(KVR_ENOMEM, "out of memory");
     }
     c->fd = fd;
+    c->timeout_ms = opts && opts->timeout_ms > 0 ? opts->timeout_ms : 0;
     c->send_fd = -1;
     c->rbuf = rbuf;
     c->rcap = RBUF_SIZE;
@@ -261,6 +264,7 @@ void kvr_client_close(kvr_client *c)
     kvr__shm_free_all(c);
     free(c->rbuf);
     free(c->wbuf);
+    free(c->dbuf);
     free(c);
 }
 
@@ -313,10 +317,16 @@ static int send_all(kvr_client *c, struct iovec *iov, size_t n, size_t head_byte
 
 /* ---- receiving ---------------------------------------------------------- */
 
+/* Waiting for the answer sleeps in poll(POLLIN), not in a blocking recv:
+ * on a Unix socket every skb the daemon consumes from our request wakes
+ * whoever sleeps on our socket (unix_write_space), and a recv sleeper takes
+ * each such wake-up (two context switches for nothing), while poll's
+ * waiter ignores wake-ups that are not for POLLIN. */
 static int recv_some(kvr_client *c, void *dst, size_t cap, size_t *got)
 {
+    int flags = MSG_DONTWAIT;
     for (;;) {
-        ssize_t r = recv(c->fd, dst, cap, 0);
+        ssize_t r = recv(c->fd, dst, cap, flags);
         if (r > 0) {
             *got = (size_t)r;
             return 0;
@@ -325,6 +335,19 @@ static int recv_some(kvr_client *c, void *dst, size_t cap, size_t *got)
             return fatal(c, KVR_ECLOSED, "connection closed by the daemon");
         if (errno == EINTR)
             continue;
+        if ((errno == EAGAIN || errno == EWOULDBLOCK) && flags) {
+            struct pollfd pf = { .fd = c->fd, .events = POLLIN };
+            int pr = poll(&pf, 1, c->timeout_ms > 0 ? c->timeout_ms : -1);
+            if (pr < 0 && errno == EINTR)
+                continue;
+            if (pr == 0)
+                return fatal(c, KVR_ESYS, "receive timed out");
+            /* Readable, an error or a hang-up: recv says which. */
+            flags = pr < 0 ? 0 : MSG_DONTWAIT;
+            if (pr < 0)
+                continue;
+            continue;
+        }
         if (errno == EAGAIN || errno == EWOULDBLOCK)
             return fatal(c, KVR_ESYS, "receive timed out");
         return fatal(c, KVR_ESYS, "recv: %s", strerror(errno));
@@ -445,6 +468,98 @@ static int recv_response(kvr_client *c, uint64_t id, Kvrope__Response **out,
     return 0;
 }
 
+/* ---- deferred requests (pipelining) ------------------------------------ */
+
+/* Reads the answers of the n deferred requests just sent (ids c->did[0..n)).
+ * A failure is counted, never returned (*first_fail gets the first one's
+ * code); only a connection error is (the handle is closed then). */
+static int read_deferred(kvr_client *c, size_t n, int *first_fail)
+{
+    for (size_t i = 0; i < n; i++) {
+        Kvrope__Response *resp = NULL;
+        uint64_t pl = 0;
+        int r = recv_response(c, c->did[i], &resp, &pl);
+        if (r < 0)
+            return r;
+        int st = (int)resp->status;
+        if (st != KVROPE__STATUS__OK && st != KVROPE__STATUS__E_UNKNOWN_CONTEXT) {
+            int code = kvr_error_from_status(st);
+            c->defer_failures++;
+            snprintf(c->defer_err, sizeof c->defer_err, "%s",
+                     resp->message && *resp->message ? resp->message : kvr_strerror(code));
+            if (first_fail && *first_fail == 0)
+                *first_fail = code;
+        }
+        kvrope__response__free_unpacked(resp, NULL);
+        if (pl && (r = kvr__drain(c, pl)) < 0)
+            return r;
+    }
+    return 0;
+}
+
+int kvr__defer(kvr_client *c, Kvrope__Request *req)
+{
+    if (c->fd < 0)
+        return kvr__fail(c, KVR_ECLOSED, "connection is closed");
+    if (c->n_deferred == KVR_DEFER_MAX) {
+        int r = kvr_client_flush(c);
+        if (r < 0 && c->fd < 0)
+            return r;
+    }
+    req->id = c->next_id++;
+    size_t mlen = kvrope__request__get_packed_size(req);
+    size_t need = KVR_FRAME_HEADER_SIZE + mlen;
+    if (c->dlen + need > c->dcap) {
+        size_t ncap = c->dcap ? c->dcap * 2 : 1024;
+        while (ncap < c->dlen + need)
+            ncap *= 2;
+        uint8_t *nb = realloc(c->dbuf, ncap);
+        if (!nb)
+            return kvr__fail(c, KVR_ENOMEM, "out of memory");
+        c->dbuf = nb;
+        c->dcap = ncap;
+    }
+    kvr_frame_header_encode(c->dbuf + c->dlen, (uint32_t)mlen, 0);
+    kvrope__request__pack(req, c->dbuf + c->dlen + KVR_FRAME_HEADER_SIZE);
+    c->dlen += need;
+    c->did[c->n_deferred++] = req->id;
+    return 0;
+}
+
+int kvr_client_flush(kvr_client *c)
+{
+    c->err[0] = 0;
+    if (c->fd < 0)
+        return kvr__fail(c, KVR_ECLOSED, "connection is closed");
+    size_t n = c->n_deferred;
+    if (n == 0)
+        return 0;
+    struct iovec iov = { c->dbuf, c->dlen };
+    int sr = send_all(c, &iov, 1, c->dlen, 0);
+    c->dlen = 0;
+    c->n_deferred = 0;
+    if (sr < 0) {
+        if (sr == -EPIPE || sr == -ECONNRESET)
+            return fatal(c, KVR_ECLOSED, "connection closed by the daemon (%s)",
+                         strerror(-sr));
+        return fatal(c, KVR_ESYS, "send: %s", strerror(-sr));
+    }
+    int first = 0;
+    int r = read_deferred(c, n, &first);
+    if (r < 0)
+        return r;
+    if (first < 0)
+        return kvr__fail(c, first, "%s", c->defer_err);
+    return 0;
+}
+
+uint64_t kvr_client_deferred_failures(const kvr_client *c, char *msg, size_t cap)
+{
+    if (msg && cap)
+        snprintf(msg, cap, "%s", c->defer_err);
+    return c->defer_failures;
+}
+
 int kvr__call(kvr_client *c, Kvrope__Request *req, const struct iovec *piov, size_t piovcnt,
               uint64_t payload_len, Kvrope__Response **out, uint64_t *resp_payload)
 {
@@ -465,6 +580,15 @@ int kvr__call(kvr_client *c, Kvrope__Request *req, const struct iovec *piov, siz
     }
     if (c->fd < 0)
         return kvr__fail(c, KVR_ECLOSED, "connection is closed");
+    /* A descriptor rides on the first bytes of a write: deferred frames
+     * must not go ahead of the frame it belongs to. */
+    bool defer_after = resp_payload == NULL || c->send_fd >= 0;
+    if (c->n_deferred && c->send_fd >= 0 && resp_payload) {
+        int fr = kvr_client_flush(c);
+        if (fr < 0 && c->fd < 0)
+            return fr;
+        c->err[0] = 0;
+    }
     /* Between calls the stream is at a frame boundary: whatever is left in
      * the read-ahead belongs to no request yet (the daemon sends nothing
      * unasked but id-0 errors). */
@@ -485,18 +609,44 @@ int kvr__call(kvr_client *c, Kvrope__Request *req, const struct iovec *piov, siz
     kvrope__request__pack(req, c->wbuf + KVR_FRAME_HEADER_SIZE);
 
     struct iovec stack_iov[16], *iov = stack_iov;
-    if (piovcnt + 1 > 16) {
-        iov = malloc((piovcnt + 1) * sizeof *iov);
+    if (piovcnt + 2 > 16) {
+        iov = malloc((piovcnt + 2) * sizeof *iov);
         if (!iov)
             return kvr__fail(c, KVR_ENOMEM, "out of memory");
     }
-    iov[0].iov_base = c->wbuf;
-    iov[0].iov_len = need;
-    size_t n = 1;
+    /* Pipelined: the deferred frames go in the same write, after this
+     * request when its answer has no payload (so both answers are usually
+     * read in one recv, after one wake-up), else before it (its payload is
+     * left on the socket for the caller, and nothing may follow it). */
+    size_t n = 0, deferred = c->n_deferred, head = need;
+    if (deferred && !defer_after) {
+        iov[n].iov_base = c->dbuf;
+        iov[n++].iov_len = c->dlen;
+        head += c->dlen;
+    }
+    iov[n].iov_base = c->wbuf;
+    iov[n++].iov_len = need;
     for (size_t i = 0; i < piovcnt; i++)
         if (piov[i].iov_len)
             iov[n++] = piov[i];
-    int sr = send_all(c, iov, n, need, payload_len);
+    if (deferred && defer_after) {
+        iov[n].iov_base = c->dbuf;
+        iov[n++].iov_len = c->dlen;
+    }
+    int sr = send_all(c, iov, n, head, payload_len);
+    if (sr == 0 && deferred) {
+        c->dlen = 0;
+        c->n_deferred = 0;
+    }
+    if (sr == 0 && deferred && !defer_after) {
+        int dr = read_deferred(c, deferred, NULL);
+        if (dr < 0) {
+            if (iov != stack_iov)
+                free(iov);
+            req->shm = NULL;
+            return dr;
+        }
+    }
     req->shm = NULL;
     if (iov != stack_iov)
         free(iov);
@@ -527,6 +677,17 @@ int kvr__call(kvr_client *c, Kvrope__Request *req, const struct iovec *piov, siz
     int r = recv_response(c, req->id, &resp, &pl);
     if (r < 0)
         return r;
+    if (deferred && defer_after) {   /* their answers follow this one's */
+        if (pl && (r = kvr__drain(c, pl)) < 0) {   /* none expected: defer_after */
+            kvrope__response__free_unpacked(resp, NULL);
+            return r;
+        }
+        pl = 0;
+        if ((r = read_deferred(c, deferred, NULL)) < 0) {
+            kvrope__response__free_unpacked(resp, NULL);
+            return r;
+        }
+    }
     if (resp->status != KVROPE__STATUS__OK) {
         int code = kvr_error_from_status((int)resp->status);
         kvr__fail(c, code, "%s", resp->message && *resp->message ? resp->message

@@ -13,6 +13,7 @@
 
 struct kvr_client {
     int             fd;            /* -1 once closed */
+    int             timeout_ms;    /* receive wait (poll); 0 = forever */
     uint64_t        next_id;
     char            err[512];      /* last error message, "" after success */
     kvr_progress_fn progress;
@@ -29,6 +30,14 @@ struct kvr_client {
     bool            shm_got;       /* the last response's payload is in a region */
     kvr_shm         shm_res;       /*   there (length = its size) */
     int             send_fd;       /* sent with the next frame (-1: none) */
+    /* Deferred requests (kvr_client_delete_deferred): packed frames sent
+     * ahead of the next call's, their ids, and failures so far. */
+    uint8_t        *dbuf;
+    size_t          dlen, dcap;
+    uint64_t        did[KVR_DEFER_MAX];
+    size_t          n_deferred;
+    uint64_t        defer_failures;
+    char            defer_err[256];
 };
 
 struct kvr__region {
@@ -59,6 +68,9 @@ KVR_HIDDEN int kvr__call(kvr_client *c, Kvrope__Request *req, const struct iovec
 KVR_HIDDEN int kvr__recv_payload(kvr_client *c, uint64_t pl, kvr_kv *kv, void *dst, size_t dst_cap,
                       kvr_layer_fn fn, void *ud);
 KVR_HIDDEN int kvr__drain(kvr_client *c, uint64_t n);
+/* Queues req (no payload; id assigned here) to go out ahead of the next
+ * call's frame (kvr_client_delete_deferred). */
+KVR_HIDDEN int kvr__defer(kvr_client *c, Kvrope__Request *req);
 
 /* The region's bytes at [offset, offset + len) in this process, or NULL. */
 KVR_HIDDEN void *kvr__shm_ptr(kvr_client *c, const kvr_shm *at);

@@ -797,6 +797,18 @@ int kvr_client_delete(kvr_client *c, const char *ctx_id)
     return simple_call(c, &req);
 }
 
+int kvr_client_delete_deferred(kvr_client *c, const char *ctx_id)
+{
+    c->err[0] = 0;
+    int r = check_id(c, "delete", ctx_id);
+    if (r < 0)
+        return r;
+    Kvrope__Delete d = KVROPE__DELETE__INIT;
+    d.context_id = unconst(ctx_id);
+    REQUEST(req, DELETE, delete_, &d);
+    return kvr__defer(c, &req);
+}
+
 static void ctx_from_wire(kvr_context *o, const Kvrope__ContextInfo *ci);
 
 int kvr_client_stat(kvr_client *c, const char *ctx_id, kvr_context *out)
