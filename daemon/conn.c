@@ -45,6 +45,7 @@
 #include <assert.h>
 #include <errno.h>
 #include <string.h>
+#include <sys/socket.h>
 #include <time.h>
 
 typedef struct write_req {
@@ -88,6 +89,7 @@ static void update_reading(kvr_conn *c);
 static void next_frame(kvr_conn *c);
 static void alloc_cb(uv_handle_t *h, size_t suggested, uv_buf_t *buf);
 static void read_cb(uv_stream_t *s, ssize_t nread, const uv_buf_t *buf);
+static void payload_read_direct(kvr_conn *c);
 
 int kvr_conn_test_write_failures;
 
@@ -861,6 +863,8 @@ static void read_cb_body(uv_stream_t *s, ssize_t nread, const uv_buf_t *buf)
         if (buf->base == (char *)c->d->scratch)
             payload_scatter(c, c->d->scratch, n);
         payload_advance(c, n);
+        if (n == buf->len)
+            payload_read_direct(c);   /* the rest, all iovecs at once */
         break;
     case KVRD_CONN_DRAIN:
         assert(n <= c->drain_left && c->pending);
@@ -886,6 +890,46 @@ static void read_cb_body(uv_stream_t *s, ssize_t nread, const uv_buf_t *buf)
     }
 }
 
+/* Reads what the socket holds of the payload straight into its iovecs, as
+ * many as 64 of them in one recvmsg (libuv's read takes one buffer: a
+ * payload over eight block iovecs cost eight reads, or one read into the
+ * scratch and a copy). Never past the payload's end, so never into the
+ * next frame; a descriptor sent with payload bytes is closed by the kernel
+ * (no control buffer: only a RegisterRegion may carry one). EAGAIN, EOF
+ * and errors are left for libuv's next read to find. */
+static void payload_read_direct(kvr_conn *c)
+{
+    uv_os_fd_t fd;
+    if (uv_fileno(&c->h.handle, &fd) != 0)
+        return;
+    while (c->st == KVRD_CONN_PAYLOAD && !c->closing && !c->close_after_write &&
+           c->out_queued <= c->d->cfg.max_conn_buffer) {
+        struct iovec v[64];
+        size_t k = 0, want = 0, off = c->iov_off;
+        for (size_t i = c->iov_i; i < c->niov && k < 64; i++, off = 0) {
+            if (c->iov[i].iov_len == off)
+                continue;
+            v[k].iov_base = (uint8_t *)c->iov[i].iov_base + off;
+            v[k].iov_len = c->iov[i].iov_len - off;
+            want += v[k].iov_len;
+            k++;
+        }
+        if (k == 0)
+            return;
+        struct msghdr mh = { .msg_iov = v, .msg_iovlen = k };
+        ssize_t n = recvmsg(fd, &mh, MSG_DONTWAIT);
+        if (n < 0 && errno == EINTR)
+            continue;
+        if (n <= 0)
+            return;
+        c->d->bytes_in += (uint64_t)n;
+        c->read_ms = kvr_now_ms();
+        payload_advance(c, (size_t)n);   /* the last byte: dispatch, maybe the answer */
+        if ((size_t)n < want)
+            return;     /* the socket is empty for now */
+    }
+}
+
 void kvrd_conn_read_payload(kvr_conn *c, const struct iovec *iov, size_t niov)
 {
     assert(c->st == KVRD_CONN_BUSY && !c->closing);
@@ -905,6 +949,7 @@ void kvrd_conn_read_payload(kvr_conn *c, const struct iovec *iov, size_t niov)
         return;
     }
     update_reading(c);
+    payload_read_direct(c);
 }
 
 /* ---- lifecycle ----------------------------------------------------------- */
