@@ -795,7 +795,11 @@ static void read_cb(uv_stream_t *s, ssize_t nread, const uv_buf_t *buf)
     c->in_read = true;
     read_cb_body(s, nread, buf);
     c->in_read = false;
-    if (c->closing)
+    /* This connection's batch is over when libuv stops reading it: EAGAIN
+     * (nread 0), a short read, an error or no room (lazy stop). Its answers
+     * go out now, not after every other connection's (cork_check_cb only
+     * catches what is left, e.g. after libuv's 32 reads in a row). */
+    if (c->closing || nread <= 0 || (size_t)nread < buf->len)
         kvrd_conn_cork_flush(c);
     conn_unref(c);
 }
