@@ -18,7 +18,9 @@
  *    per queued threadpool job, one per reply held for persistence. So
  *    callbacks never see freed memory.
  *  - At most one request per connection is being processed at a time
- *    (state BUSY: reading is stopped); responses are written in order.
+ *    (state BUSY: nothing is read); responses are written in order (those
+ *    made while a read callback runs are corked and written together when
+ *    libuv stops reading that connection, conn.c).
  */
 #ifndef KVR_DAEMON_INTERNAL_H
 #define KVR_DAEMON_INTERNAL_H

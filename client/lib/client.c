@@ -505,6 +505,7 @@ int kvr__defer(kvr_client *c, Kvrope__Request *req)
         int r = kvr_client_flush(c);
         if (r < 0 && c->fd < 0)
             return r;
+        c->err[0] = 0;   /* a failed delete is counted, not this call's error */
     }
     req->id = c->next_id++;
     size_t mlen = kvrope__request__get_packed_size(req);
