@@ -31,6 +31,7 @@
 #include <string.h>
 #include <sys/socket.h>
 #include <sys/time.h>
+#include <sys/uio.h>
 #include <sys/un.h>
 #include <unistd.h>
 
@@ -67,6 +68,7 @@ static int fatal(kvr_client *c, int code, const char *fmt, ...)
         c->fd = -1;
     }
     c->rpos = c->rlen = 0;
+    c->pre_len = 0;
     c->dlen = 0;            /* deferred requests die with the connection */
     c->n_deferred = 0;
     return code;
@@ -363,14 +365,26 @@ static int recv_exact(kvr_client *c, void *dst, size_t n, chunk_fn on_chunk, voi
 {
     uint8_t *p = dst;
     size_t done = 0;
+    if (c->pre_len && n) {   /* payload bytes received ahead, in the caller's buffer */
+        size_t k = c->pre_len < n ? c->pre_len : n;
+        if (p && p != c->pre)
+            memmove(p, c->pre, k);
+        c->pre += k;
+        c->pre_len -= k;
+        done = k;
+        if (on_chunk)
+            on_chunk(c, ud, done);
+        if (done == n)
+            return 0;
+    }
     assert(c->rpos <= c->rlen && c->rlen <= c->rcap);   /* read-ahead window */
     size_t have = c->rlen - c->rpos;
-    if (have) {
-        size_t k = have < n ? have : n;
+    if (have && done < n) {
+        size_t k = have < n - done ? have : n - done;
         if (p)
-            memcpy(p, c->rbuf + c->rpos, k);
+            memcpy(p + done, c->rbuf + c->rpos, k);
         c->rpos += k;
-        done = k;
+        done += k;
         if (c->rpos == c->rlen)
             c->rpos = c->rlen = 0;
         if (on_chunk && k)
@@ -417,9 +431,107 @@ int kvr__drain(kvr_client *c, uint64_t n)
 
 /* Reads one response frame's header and message; the payload stays on the
  * socket (*payload_len bytes). */
+void kvr__place_next(kvr_client *c, void *dst, size_t cap)
+{
+    c->rx_dst = dst;
+    c->rx_cap = cap;
+}
+
+/* The placed receive: with nothing read ahead, peek at the answer's header;
+ * if its payload fits the caller's buffer, read header + message into buf
+ * (malloc'd, *buf_out) and as much of the payload as has come straight
+ * into that buffer, in one readv (no copy through the read-ahead buffer).
+ * 1 done (*h filled), 0 not possible here (nothing consumed: the plain
+ * path goes on), or a negative code (the handle is closed). */
+static int recv_placed(kvr_client *c, kvr_frame_header *h, const kvr_frame_limits *lim,
+                       uint8_t **buf_out)
+{
+    uint8_t hb[KVR_FRAME_HEADER_SIZE];
+    ssize_t k;
+    for (;;) {
+        k = recv(c->fd, hb, sizeof hb, MSG_PEEK | MSG_DONTWAIT);
+        if (k < 0 && errno == EINTR)
+            continue;
+        if (k < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
+            struct pollfd pf = { .fd = c->fd, .events = POLLIN };
+            int pr = poll(&pf, 1, c->timeout_ms > 0 ? c->timeout_ms : -1);
+            if (pr < 0 && errno == EINTR)
+                continue;
+            if (pr == 0)
+                return fatal(c, KVR_ESYS, "receive timed out");
+            if (pr < 0)
+                return 0;
+            continue;
+        }
+        break;
+    }
+    if (k != (ssize_t)sizeof hb || kvr_frame_header_decode(hb, h, lim) != 0)
+        return 0;   /* the plain path reads it (and reports what is wrong) */
+    if (h->payload_len == 0 || h->payload_len > c->rx_cap || h->msg_len > RBUF_SIZE)
+        return 0;
+    size_t hm = KVR_FRAME_HEADER_SIZE + h->msg_len, pl = (size_t)h->payload_len;
+    uint8_t *buf = malloc(hm);
+    if (!buf)
+        return 0;
+    size_t got = 0, placed = 0;
+    while (got < hm) {
+        struct iovec iov[2] = { { buf + got, hm - got }, { c->rx_dst + placed, pl - placed } };
+        k = readv(c->fd, iov, 2);
+        if (k < 0 && errno == EINTR)
+            continue;
+        if (k < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
+            struct pollfd pf = { .fd = c->fd, .events = POLLIN };
+            int pr = poll(&pf, 1, c->timeout_ms > 0 ? c->timeout_ms : -1);
+            if (pr == 0 || (pr < 0 && errno != EINTR)) {
+                free(buf);
+                return fatal(c, KVR_ESYS, "receive timed out");
+            }
+            continue;
+        }
+        if (k <= 0) {
+            free(buf);
+            return k == 0 ? fatal(c, KVR_ECLOSED, "connection closed by the daemon")
+                          : fatal(c, KVR_ESYS, "recv: %s", strerror(errno));
+        }
+        size_t a = (size_t)k < hm - got ? (size_t)k : hm - got;
+        got += a;
+        placed += (size_t)k - a;
+    }
+    c->pre = c->rx_dst;
+    c->pre_len = placed;
+    *buf_out = buf;
+    return 1;
+}
+
 static int recv_response(kvr_client *c, uint64_t id, Kvrope__Response **out,
                          uint64_t *payload_len)
 {
+    kvr_frame_limits plim = { .max_msg_len = MAX_MSG_LEN, .max_payload_len = UINT64_MAX };
+    uint8_t *placed_buf = NULL;
+    kvr_frame_header ph;
+    if (c->rx_dst && c->rpos == c->rlen && c->pre_len == 0) {
+        int pr = recv_placed(c, &ph, &plim, &placed_buf);
+        c->rx_dst = NULL;
+        if (pr < 0)
+            return pr;
+        if (pr == 1) {
+            Kvrope__Response *resp = kvrope__response__unpack(NULL, ph.msg_len,
+                                                              placed_buf + KVR_FRAME_HEADER_SIZE);
+            free(placed_buf);
+            if (!resp)
+                return fatal(c, KVR_EPROTO, "undecodable response message");
+            if (resp->id != id && (resp->id != 0 || resp->status == KVROPE__STATUS__OK)) {
+                unsigned long long got = (unsigned long long)resp->id;
+                kvrope__response__free_unpacked(resp, NULL);
+                return fatal(c, KVR_EPROTO, "response id %llu does not answer request %llu",
+                             got, (unsigned long long)id);
+            }
+            *out = resp;
+            *payload_len = ph.payload_len;
+            return 0;
+        }
+    }
+    c->rx_dst = NULL;
     uint8_t hb[KVR_FRAME_HEADER_SIZE];
     int r = recv_exact(c, hb, sizeof hb, NULL, NULL);
     if (r < 0)
@@ -569,6 +681,8 @@ int kvr__call(kvr_client *c, Kvrope__Request *req, const struct iovec *piov, siz
         *resp_payload = 0;
     c->err[0] = 0;
     c->shm_got = false;
+    uint8_t *rx = c->rx_dst;    /* kvr__place_next: for this call's own answer */
+    c->rx_dst = NULL;
     Kvrope__ShmSlice sl = KVROPE__SHM_SLICE__INIT;
     if (c->shm_next) {   /* the payload is in a region: none on the socket */
         c->shm_next = false;
@@ -675,6 +789,7 @@ int kvr__call(kvr_client *c, Kvrope__Request *req, const struct iovec *piov, siz
 
     Kvrope__Response *resp = NULL;
     uint64_t pl = 0;
+    c->rx_dst = rx;
     int r = recv_response(c, req->id, &resp, &pl);
     if (r < 0)
         return r;

@@ -20,6 +20,14 @@ struct kvr_client {
     void           *progress_ud;
     uint8_t        *rbuf;          /* read-ahead: bytes [rpos, rlen) pending */
     size_t          rcap, rpos, rlen;
+    /* Placed receive: the caller's buffer for the next answer's payload
+     * (rx_dst, rx_cap; set around one call), and payload bytes already
+     * received there ahead of the message's parsing (pre, pre_len: they
+     * are consumed before anything else, in place when read into pre). */
+    uint8_t        *rx_dst;
+    size_t          rx_cap;
+    uint8_t        *pre;
+    size_t          pre_len;
     uint8_t        *wbuf;          /* header + packed request */
     size_t          wcap;
     /* Shared memory (shm.c). */
@@ -62,6 +70,10 @@ KVR_HIDDEN int kvr__fail(kvr_client *c, int code, const char *fmt, ...)
  * stored and the payload is left on the socket for kvr__recv_payload. */
 KVR_HIDDEN int kvr__call(kvr_client *c, Kvrope__Request *req, const struct iovec *piov, size_t piovcnt,
               uint64_t payload_len, Kvrope__Response **out, uint64_t *resp_payload);
+/* Where the next kvr__call's answer payload will go (the caller's buffer,
+ * given to kvr__recv_payload as dst): it may be received there together
+ * with the message, with no copy. Cleared by that call. */
+KVR_HIDDEN void kvr__place_next(kvr_client *c, void *dst, size_t cap);
 
 /* Receives a response payload of pl bytes into dst (or a library buffer)
  * and records it in kv; kv->n_layers/layers must be set for on_layer. */

@@ -712,6 +712,8 @@ int kvr_client_get(kvr_client *c, const kvr_get_args *a, kvr_kv *out)
     REQUEST(req, GET, get, &g);
     Kvrope__Response *resp;
     uint64_t pl;
+    if (a->dst && !a->meta_only && !c->shm_next)   /* the payload may land there at once */
+        kvr__place_next(c, a->dst, a->dst_cap);
     r = kvr__call(c, &req, NULL, 0, 0, &resp, &pl);
     if (r < 0)
         return r;
@@ -752,6 +754,8 @@ int kvr_client_match(kvr_client *c, const kvr_match_args *a, kvr_match_res *out)
     REQUEST(req, MATCH, match, &m);
     Kvrope__Response *resp;
     uint64_t pl;
+    if (a->get && a->dst && !c->shm_next)
+        kvr__place_next(c, a->dst, a->dst_cap);
     r = kvr__call(c, &req, NULL, 0, 0, &resp, &pl);
     if (r < 0)
         return r;

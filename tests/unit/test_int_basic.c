@@ -499,6 +499,25 @@ Test(int_basic, deferred_deletes_ride_with_the_next_call)
     kvr_kv_release(&kv);
     free(want);
     cr_assert_eq(kvr_client_stat(o, "d1", &x), KVR_ENOCTX);
+    /* ... and into a caller's buffer (received there with the message), a
+     * deferred delete ahead of it, many times: bytes exact, still in step. */
+    want = testd_payload(2, T_LAYERS, 0, 10, KVR_DTYPE_F16, &len);
+    uint8_t *dst = malloc(len + 64);
+    for (int i = 0; i < 50; i++) {
+        memset(dst, 0xee, len + 64);
+        cr_assert_eq(kvr_client_delete_deferred(C, "never-was"), 0);
+        kvr_get_args gd = { .ctx_id = "d2", .dtype = KVR_DTYPE_F16, .dst = dst,
+                            .dst_cap = len + 64 };
+        cr_assert_eq(kvr_client_get(C, &gd, &kv), 0, "%s", kvr_client_last_error(C));
+        cr_assert_eq(kv.payload, dst);
+        cr_assert_eq(kv.payload_len, len);
+        cr_assert_eq(memcmp(dst, want, len), 0);
+        cr_assert_eq(dst[len], 0xee, "nothing written past the payload");
+        kvr_kv_release(&kv);
+        cr_assert_eq(kvr_client_ping(C, NULL), 0);
+    }
+    free(dst);
+    free(want);
 
     /* A deferred failure is counted and kept; it does not fail the call it
      * rode with. d3 is busy while a put into it waits for its payload. */
