@@ -37,8 +37,9 @@ API (all arrays numpy):
   write_config(path, config=None, **kw) -> path;  load_config(path) -> dict
   rope_parameters(config, seq_len=None) -> (inv_freq, attention_factor)
   Rope(config, style=None): .apply(x, pos) .remove(k, pos) .reposition(k, from, to)
-  LlamaModel(config, seed=0): .forward(tokens, positions=None, past=None) -> (logits, kv)
+  LlamaModel(config, seed=0, weights=None): .forward(tokens, positions=None, past=None) -> (logits, kv)
       .apply_rope / .remove_rope / .reposition / .reposition_kv / .pre_rope_keys
+  load_model(dir) -> LlamaModel with trained weights (config.json + weights.npz)
   attention(q, k, v, mask=None, bias=None, logit_scale=None) -> out
   kv_to_payload(kv, dtype) -> bytes;  payload_to_kv(buf, n_layers, n_tokens, kv_heads,
       head_dim, dtype) -> kv;  f32_to_bf16 / bf16_to_f32;  kv_concat / kv_slice
@@ -539,6 +540,34 @@ def init_weights(config, seed=0):
     return w
 
 
+def init_weights_shapes(config):
+    """{HF tensor name: shape} of a config's weights."""
+    hs, inter = config["hidden_size"], config["intermediate_size"]
+    nh = config["num_attention_heads"]
+    nkv = config.get("num_key_value_heads", nh)
+    hd, vocab = head_dim_of(config), config["vocab_size"]
+    w = {"model.embed_tokens.weight": (vocab, hs), "model.norm.weight": (hs,)}
+    for i in range(config["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        w.update({p + "self_attn.q_proj.weight": (nh * hd, hs), p + "self_attn.k_proj.weight": (nkv * hd, hs),
+                  p + "self_attn.v_proj.weight": (nkv * hd, hs), p + "self_attn.o_proj.weight": (hs, nh * hd),
+                  p + "mlp.gate_proj.weight": (inter, hs), p + "mlp.up_proj.weight": (inter, hs),
+                  p + "mlp.down_proj.weight": (hs, inter), p + "input_layernorm.weight": (hs,),
+                  p + "post_attention_layernorm.weight": (hs,)})
+    if not config.get("tie_word_embeddings", False):
+        w["lm_head.weight"] = (vocab, hs)
+    return w
+
+
+def load_model(path):
+    """A trained model from a directory holding config.json and weights.npz
+    (HF names, any float dtype; eval/model is one) -> LlamaModel."""
+    config = load_config(path)
+    with np.load(os.path.join(path, "weights.npz")) as z:
+        weights = {k: z[k] for k in z.files}
+    return LlamaModel(config, weights=weights)
+
+
 class LlamaModel:
     """model = LlamaModel(make_config("yarn"), seed=0)
     logits, kv = model.forward(tokens)                      # prefill
@@ -549,7 +578,7 @@ class LlamaModel:
     assign a function with attention()'s signature to `model.attention`).
     """
 
-    def __init__(self, config, seed=0, style=None):
+    def __init__(self, config, seed=0, style=None, weights=None):
         self.config = dict(config)
         self.seed = seed
         self.rope = Rope(config, style)
@@ -563,7 +592,17 @@ class LlamaModel:
         self.eps = float(config.get("rms_norm_eps", 1e-6))
         if self.n_heads % self.n_kv_heads:
             raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
-        self.weights = init_weights(config, seed)
+        if weights is None:
+            self.weights = init_weights(config, seed)
+        else:   # trained weights under HF names (load_model); every tensor must be there
+            want = init_weights_shapes(config)
+            missing = sorted(set(want) - set(weights))
+            if missing:
+                raise ValueError(f"weights lack {missing[:3]}")
+            for k, shp in want.items():
+                if tuple(np.shape(weights[k])) != shp:
+                    raise ValueError(f"{k}: shape {np.shape(weights[k])}, config says {shp}")
+            self.weights = {k: np.asarray(weights[k], dtype=np.float32) for k in want}
         self._w = {k: v.astype(np.float64) for k, v in self.weights.items()}
         self._lm_head = self._w.get("lm_head.weight", self._w["model.embed_tokens.weight"])
         self.attention = attention

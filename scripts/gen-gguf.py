@@ -11,6 +11,10 @@ after ggml's docs/gguf.md and gguf.h of the pinned llama.cpp release).
         [--yarn-attn-factor A] [--yarn-log-mul M]
         [--ctx 4096] [--dtype f32|f16] [--seed 1] [--eps 1e-5] [--qkv-bias]
         [--std S] [--name NAME]
+    /usr/bin/python3 scripts/gen-gguf.py -o m.gguf --hf DIR [--dtype f16]
+        trained weights instead of random ones: DIR/config.json (HF Llama
+        shape, rope_style "gptj") and DIR/weights.npz (HF tensor names,
+        [out, in]); the shape flags are then read from the config
 
 Invariants:
   - Same arguments, same bytes (the weights come from numpy's PCG64 seeded with
@@ -130,7 +134,11 @@ def parse_args(argv):
     p.add_argument("--std", type=float, default=None,
                    help="weight std (default 1/sqrt(fan_in); embeddings 1)")
     p.add_argument("--name", default=None)
+    p.add_argument("--hf", default=None, help="directory with config.json + weights.npz")
     a = p.parse_args(argv)
+    a.weights = None
+    if a.hf is not None:
+        hf_shape(a, p)
     a.kv_heads = a.kv_heads or a.heads
     a.head_dim = a.head_dim or a.width // a.heads
     a.ffn = a.ffn or 2 * a.width
@@ -154,6 +162,45 @@ def parse_args(argv):
     if a.rope_scaling == "yarn" and a.orig_ctx is None:
         a.orig_ctx = a.ctx
     return a
+
+
+# HF Llama tensor names for the GGUF ones (llama arch, interleaved RoPE: the
+# weights were trained with ggml's pairing, so q/k need no permutation).
+def hf_name(gguf):
+    fixed = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
+             "output.weight": "lm_head.weight"}
+    if gguf in fixed:
+        return fixed[gguf]
+    _, i, rest = gguf.split(".", 2)
+    m = {"attn_norm.weight": "input_layernorm.weight", "attn_q.weight": "self_attn.q_proj.weight",
+         "attn_k.weight": "self_attn.k_proj.weight", "attn_v.weight": "self_attn.v_proj.weight",
+         "attn_output.weight": "self_attn.o_proj.weight", "ffn_norm.weight": "post_attention_layernorm.weight",
+         "ffn_gate.weight": "mlp.gate_proj.weight", "ffn_up.weight": "mlp.up_proj.weight",
+         "ffn_down.weight": "mlp.down_proj.weight"}
+    return "model.layers.%s.%s" % (i, m[rest])
+
+
+def hf_shape(a, p):
+    import json
+    import os
+    try:
+        with open(os.path.join(a.hf, "config.json")) as f:
+            c = json.load(f)
+        w = np.load(os.path.join(a.hf, "weights.npz"))
+    except (OSError, ValueError) as e:
+        p.error("--hf %s: %s" % (a.hf, e))
+    if c.get("model_type") != "llama" or c.get("rope_style") != "gptj" or c.get("rope_scaling"):
+        p.error("--hf: only llama configs with rope_style gptj and no rope_scaling are supported")
+    a.arch = "llama"
+    a.layers, a.width = int(c["num_hidden_layers"]), int(c["hidden_size"])
+    a.heads, a.kv_heads = int(c["num_attention_heads"]), int(c["num_key_value_heads"])
+    a.head_dim = int(c.get("head_dim") or a.width // a.heads)
+    a.ffn, a.rope_base = int(c["intermediate_size"]), float(c.get("rope_theta", 10000.0))
+    a.eps, a.ctx = float(c.get("rms_norm_eps", 1e-5)), int(c.get("max_position_embeddings", 4096))
+    a.rope_dim, a.qkv_bias = a.head_dim, False
+    a.weights = {k: w[k] for k in w.files}
+    if int(c["vocab_size"]) != len(vocab()[0]):
+        p.error("--hf: vocab_size %s, the byte tokenizer has %d" % (c["vocab_size"], len(vocab()[0])))
 
 
 def vocab():
@@ -202,7 +249,8 @@ def main(argv):
 
     kv = KV()
     kv.s("general.architecture", arch)
-    kv.s("general.name", a.name or "kvrope-%s-random-%dL-%d" % (arch, a.layers, a.width))
+    kv.s("general.name", a.name or "kvrope-%s-%s-%dL-%d" % (arch, "trained" if a.weights else "random",
+                                                            a.layers, a.width))
     kv.u32("general.file_type", 1 if a.dtype == "f16" else 0)
     kv.u32("general.alignment", ALIGN)
     kv.u32(arch + ".context_length", a.ctx)
@@ -268,7 +316,13 @@ def main(argv):
         base = f.tell()
         for name, ne, gt, off, nbytes, is_mat, fan in infos:
             n = int(np.prod(ne))
-            if fan == "bias":
+            if a.weights is not None:
+                x = np.asarray(a.weights[hf_name(name)], dtype=np.float32)
+                if x.size != n or list(x.shape[::-1]) != list(ne):
+                    raise SystemExit("gen-gguf: %s has shape %s, expected %s" % (hf_name(name), x.shape,
+                                                                                 tuple(ne[::-1])))
+                x = x.reshape(-1)
+            elif fan == "bias":
                 x = rng.standard_normal(n, dtype=np.float32) * np.float32(0.1)
             elif not is_mat:
                 # norms: around 1, so that activations stay well scaled

@@ -16,6 +16,8 @@
  *    unified KV cache: seq 1 is the scratch sequence that lets tokens be
  *    decoded in the middle of seq 0, which llama.cpp otherwise refuses).
  *  - flows (worker_flows.c): the four commands, each filling a report.
+ *  - score (worker_score.c): logits and greedy continuations of a token
+ *    sequence over a given KV cache (KV.bin, docs/llama.md), no daemon.
  *
  * Conventions: int return 0 or a negative code; functions that can fail for
  * a reason worth telling write it into `char *err, size_t errlen`.
@@ -126,6 +128,7 @@ typedef struct kvr_wk_lm_info {
     uint32_t n_layer, n_head, n_head_kv, head_dim, n_embd, n_vocab, n_ctx_train;
     bool     add_bos;
     int32_t  bos;
+    bool     pos_mask_only;  /* cell positions only feed the causal mask (RoPE, no SWA) */
     char     arch[64];
 } kvr_wk_lm_info;
 const kvr_wk_lm_info *kvr_wk_lm_info_get(const kvr_wk_lm *lm);
@@ -135,6 +138,12 @@ const struct llama_model *kvr_wk_lm_model(const kvr_wk_lm *lm);   /* borrowed */
  * parameters go into every context created after. */
 struct kvr_llama_model;
 void kvr_wk_lm_set_profile(kvr_wk_lm *lm, const struct kvr_llama_model *m);
+/* ggml type of K and V (KVR_WK_GGML_F32/F16/BF16; F16 by default) and the
+ * number of sequences (2..256; 2 by default) of contexts created after. */
+void     kvr_wk_lm_set_cache(kvr_wk_lm *lm, int32_t type, uint32_t n_seq);
+uint32_t kvr_wk_lm_n_seq(const kvr_wk_lm *lm);
+/* Tokens per llama_decode (and per ubatch) of the current context. */
+uint32_t kvr_wk_lm_n_batch(const kvr_wk_lm *lm);
 
 /* Tokenizes text (BOS as the vocabulary says when bos). *out is the caller's. */
 int kvr_wk_lm_tokenize(kvr_wk_lm *lm, const char *text, size_t len, bool bos, int32_t **out,
@@ -150,6 +159,18 @@ typedef void (*kvr_wk_rows_fn)(void *ud, size_t first, size_t n, const float *co
 int kvr_wk_lm_decode(kvr_wk_lm *lm, const int32_t *toks, size_t n, int32_t pos0, int seq,
                      kvr_wk_logits_mode mode, kvr_wk_rows_fn fn, void *ud, char *err,
                      size_t errlen);
+/* One token of an explicit batch: any position, any sequence. */
+typedef struct kvr_wk_btok {
+    int32_t tok, pos, seq;
+    bool    logits;
+} kvr_wk_btok;
+typedef void (*kvr_wk_row_fn)(void *ud, size_t i, const float *row);
+/* Decodes t[0..n) in order, in batches of n_batch; fn(ud, i, row) for each
+ * token i that asked for logits, in increasing i (row borrowed until the
+ * next decode). llama.cpp's batch rules apply: per sequence, positions
+ * start right after the sequence's last cell and are consecutive. */
+int kvr_wk_lm_decode_batch(kvr_wk_lm *lm, const kvr_wk_btok *t, size_t n, kvr_wk_row_fn fn,
+                           void *ud, char *err, size_t errlen);
 /* The last token's logits after a LAST decode (n_vocab floats, borrowed). */
 const float *kvr_wk_lm_logits(kvr_wk_lm *lm);
 int32_t      kvr_wk_argmax(const float *x, size_t n);
@@ -234,6 +255,31 @@ int kvr_wk_rag(kvr_wk_env *e, const int32_t *p, size_t np, const int32_t *const 
 
 /* Bits per byte of text under the model (n_bytes: the text's size). */
 int kvr_wk_ppl(kvr_wk_env *e, const int32_t *toks, size_t n, size_t n_bytes, bool bos);
+
+/* ---- score (worker_score.c) --------------------------------------------- */
+typedef struct kvr_wk_gen_req {
+    int64_t at;        /* I: the state is the cache before I plus T[I] */
+    int64_t n;         /* tokens to generate, >= 1 */
+} kvr_wk_gen_req;
+
+typedef struct kvr_wk_score_opts {
+    const uint8_t        *tokens;      /* T.bin: little-endian int32 ids */
+    size_t                tokens_len;
+    const uint8_t        *kv;          /* KV.bin (docs/llama.md); NULL = empty cache */
+    size_t                kv_len;
+    bool                  has_from, has_next_pos, has_stop;
+    bool                  exact;       /* in-cache rows one per decode, full-forward cells */
+    int64_t               from, next_pos;
+    int32_t               stop;
+    const char           *logits_out;  /* NULL = not written */
+    const char           *kv_out;      /* KV.bin of T[m..N) as llama.cpp computed it; NULL = none */
+    const kvr_wk_gen_req *gen;
+    size_t                n_gen;
+} kvr_wk_score_opts;
+
+/* Scores T over the KV cache (every refusal: -EINVAL and the reason in
+ * e->err, before anything is written). */
+int kvr_wk_score(kvr_wk_env *e, const kvr_wk_score_opts *o);
 
 /* ---- time ----------------------------------------------------------------- */
 double kvr_wk_now_ms(void);

@@ -44,9 +44,21 @@ struct kvr_wk_lm {
     const float              *last_logits;
     double                    warmup_ms;
     const kvr_llama_model    *profile;
+    int32_t                   cache_type;   /* ggml type of K and V (F16 unless set) */
+    uint32_t                  n_seq;        /* n_seq_max of the next context (>= 2) */
 };
 
 void kvr_wk_lm_set_profile(kvr_wk_lm *lm, const kvr_llama_model *m) { lm->profile = m; }
+
+void kvr_wk_lm_set_cache(kvr_wk_lm *lm, int32_t type, uint32_t n_seq)
+{
+    lm->cache_type = type;
+    lm->n_seq = n_seq < 2 ? 2 : n_seq > 256 ? 256 : n_seq;
+}
+
+uint32_t kvr_wk_lm_n_seq(const kvr_wk_lm *lm) { return lm->n_seq; }
+
+uint32_t kvr_wk_lm_n_batch(const kvr_wk_lm *lm) { return lm->n_batch; }
 
 static char log_last[512];
 static int  log_verbose = -1;
@@ -129,6 +141,8 @@ int kvr_wk_lm_load(kvr_wk_lm **out, const char *gguf, int n_threads, char *err, 
         return -ENOMEM;
     }
     lm->n_threads = n_threads > 0 ? n_threads : default_threads();
+    lm->cache_type = KVR_WK_GGML_F16;
+    lm->n_seq = 2;
     struct llama_model_params mp = llama_model_default_params();
     mp.n_gpu_layers = 0;
     /* Read the weights in now, not page by page during the first decodes:
@@ -160,6 +174,13 @@ int kvr_wk_lm_load(kvr_wk_lm **out, const char *gguf, int n_threads, char *err, 
     in->n_ctx_train = (uint32_t)llama_model_n_ctx_train(lm->model);
     in->add_bos = llama_vocab_get_add_bos(lm->vocab);
     in->bos = llama_vocab_bos(lm->vocab);
+    /* Cell positions feed nothing but the causal mask (and the batch
+     * checks) when keys are rotated once at encode time: RoPE, no sliding
+     * window, no M-RoPE. */
+    int rt = llama_model_rope_type(lm->model);
+    in->pos_mask_only = rt == LLAMA_ROPE_TYPE_NORM || rt == LLAMA_ROPE_TYPE_NEOX;
+    if (llama_model_n_swa(lm->model) > 0)
+        in->pos_mask_only = false;
     *out = lm;
     return 0;
 }
@@ -178,13 +199,13 @@ int kvr_wk_lm_context(kvr_wk_lm *lm, uint32_t n_ctx, char *err, size_t errlen)
     cp.n_ctx = n_ctx;
     cp.n_batch = 512;
     cp.n_ubatch = 512;
-    cp.n_seq_max = 2;
+    cp.n_seq_max = lm->n_seq;
     cp.kv_unified = true;
     cp.n_threads = lm->n_threads;
     cp.n_threads_batch = lm->n_threads;
     cp.flash_attn_type = LLAMA_FLASH_ATTN_TYPE_ENABLED;
-    cp.type_k = GGML_TYPE_F16;
-    cp.type_v = GGML_TYPE_F16;
+    cp.type_k = (enum ggml_type)lm->cache_type;
+    cp.type_v = (enum ggml_type)lm->cache_type;
     cp.no_perf = true;
     if (lm->profile)
         kvr_llama_model_context_params(lm->profile, &cp);
@@ -315,6 +336,47 @@ int kvr_wk_lm_decode(kvr_wk_lm *lm, const int32_t *toks, size_t n, int32_t pos0,
     return 0;
 }
 
+int kvr_wk_lm_decode_batch(kvr_wk_lm *lm, const kvr_wk_btok *t, size_t n, kvr_wk_row_fn fn,
+                           void *ud, char *err, size_t errlen)
+{
+    lm->last_logits = NULL;
+    for (size_t i = 0; i < n;) {
+        size_t m = n - i < lm->n_batch ? n - i : lm->n_batch;
+        struct llama_batch *b = &lm->batch;
+        b->n_tokens = (int32_t)m;
+        for (size_t j = 0; j < m; j++) {
+            b->token[j] = t[i + j].tok;
+            b->pos[j] = t[i + j].pos;
+            b->n_seq_id[j] = 1;
+            b->seq_id[j][0] = t[i + j].seq;
+            b->logits[j] = t[i + j].logits;
+        }
+        log_last[0] = 0;
+        int r = llama_decode(lm->ctx, *b);
+        if (r != 0) {
+            snprintf(err, errlen, "llama_decode of %zu tokens (the first at position %d, "
+                     "sequence %d) failed (%d)%s%s", m, t[i].pos, t[i].seq, r,
+                     log_last[0] ? ": " : "", log_last);
+            return -EIO;
+        }
+        for (size_t j = 0; j < m; j++) {
+            if (!t[i + j].logits)
+                continue;
+            const float *row = llama_get_logits_ith(lm->ctx, (int32_t)j);
+            if (!row) {
+                snprintf(err, errlen, "llama.cpp has no logits for batch row %zu", j);
+                return -EIO;
+            }
+            if (fn)
+                fn(ud, i + j, row);
+            if (i + j == n - 1)
+                lm->last_logits = row;
+        }
+        i += m;
+    }
+    return 0;
+}
+
 const float *kvr_wk_lm_logits(kvr_wk_lm *lm) { return lm->last_logits; }
 
 int32_t kvr_wk_argmax(const float *x, size_t n)
@@ -401,11 +463,7 @@ int kvr_wk_lm_state_set(kvr_wk_lm *lm, const uint8_t *buf, size_t len, char *err
     return 0;
 }
 
-int32_t kvr_wk_lm_cache_type(const kvr_wk_lm *lm)
-{
-    (void)lm;
-    return KVR_WK_GGML_F16;
-}
+int32_t kvr_wk_lm_cache_type(const kvr_wk_lm *lm) { return lm->cache_type; }
 
 bool kvr_wk_lm_v_trans(const kvr_wk_lm *lm)
 {

@@ -9,13 +9,18 @@
  *     rag --prefix F --doc F [F...] [--doc F...] --query F
  *         [--layout sequential|parallel] [--check] [--n N]
  *     ppl FILE
+ *     score --tokens T.bin [--kv KV.bin] [--from F] [--next-pos P]
+ *           [--logits-out L.bin] [--kv-out KV.bin] [--generate I:N[,I:N...]]
+ *           [--stop-token ID] [--exact]
  *
  * Exit status: 0 done, 1 refused or failed (the reason on stderr, and as
  * {"error": ...} with --json), 2 usage, 3 a file (or the model) not found,
- * 4 the daemon cannot be reached — the kvrope CLI's convention.
+ * 4 the daemon cannot be reached — the kvrope CLI's convention. ppl and score
+ * need no daemon.
  */
 #include <errno.h>
 #include <stdarg.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -42,6 +47,12 @@ static const char usage[] =
 "        query decoded on top; --check: against a full sequential encode\n"
 "  ppl FILE\n"
 "        bits per byte of FILE under the model (no cache)\n"
+"  score --tokens T.bin [--kv KV.bin] [--from F] [--next-pos P] [--logits-out L.bin]\n"
+"        [--kv-out KV.bin] [--generate I:N[,I:N...]] [--stop-token ID] [--exact]\n"
+"        logits of T (int32 ids) over the cache in KV.bin (docs/llama.md), rows\n"
+"        F..N-2 (default F = cached tokens), greedy tokens from the points I (no daemon);\n"
+"        --exact: in-cache rows one per decode, bit-identical to a full forward;\n"
+"        --kv-out: the KV llama.cpp computed for T[m..N), as a KV.bin\n"
 "--socket: unix:PATH, a path, or HOST:PORT (default as kvrope's CLI);\n"
 "exit 0 ok, 1 refused/failed, 2 usage, 3 file not found, 4 daemon unreachable\n";
 
@@ -53,6 +64,11 @@ typedef struct args {
     const char *prompt, *old_f, *new_f, *prefix, *query, *ppl_file;
     const char *docs[256];
     size_t      n_docs;
+    const char *tokens_f, *kv_f, *logits_f, *kv_out_f;
+    bool        has_from, has_next_pos, has_stop, exact;
+    long        from, next_pos, stop;
+    kvr_wk_gen_req gen[1024];
+    size_t      n_points;
 } args;
 
 static bool g_json;
@@ -174,6 +190,59 @@ static int parse(int argc, char **argv, args *a)
                 a->parallel = false;
             else
                 return usage_err("--layout is sequential or parallel");
+        } else if (!strcmp(s, "--exact")) {
+            a->exact = true;
+        } else if (!strcmp(s, "--tokens")) {
+            NEED();
+            a->tokens_f = v;
+        } else if (!strcmp(s, "--kv")) {
+            NEED();
+            a->kv_f = v;
+        } else if (!strcmp(s, "--logits-out")) {
+            NEED();
+            a->logits_f = v;
+        } else if (!strcmp(s, "--kv-out")) {
+            NEED();
+            a->kv_out_f = v;
+        } else if (!strcmp(s, "--from")) {
+            NEED();
+            if (!parse_int(v, 0, INT32_MAX, &a->from))
+                return usage_err("--from takes a token index");
+            a->has_from = true;
+        } else if (!strcmp(s, "--next-pos")) {
+            NEED();
+            if (!parse_int(v, 0, INT32_MAX, &a->next_pos))
+                return usage_err("--next-pos takes a position of 0..2147483647");
+            a->has_next_pos = true;
+        } else if (!strcmp(s, "--stop-token")) {
+            NEED();
+            if (!parse_int(v, 0, INT32_MAX, &a->stop))
+                return usage_err("--stop-token takes a token id");
+            a->has_stop = true;
+        } else if (!strcmp(s, "--generate")) {
+            NEED();
+            for (const char *q = v; *q;) {
+                char item[64];
+                size_t l = strcspn(q, ",");
+                long at, cnt;
+                char *colon;
+                if (l == 0 || l >= sizeof item)
+                    return usage_err("--generate takes I:N[,I:N...]");
+                memcpy(item, q, l);
+                item[l] = 0;
+                if (!(colon = strchr(item, ':')))
+                    return usage_err("--generate takes I:N[,I:N...]");
+                *colon = 0;
+                if (!parse_int(item, 0, INT32_MAX, &at) || !parse_int(colon + 1, 1, 100000, &cnt))
+                    return usage_err("--generate takes I:N with I a token index and N of "
+                                     "1..100000");
+                if (a->n_points == sizeof a->gen / sizeof a->gen[0])
+                    return usage_err("too many --generate points (1024 at most)");
+                a->gen[a->n_points++] = (kvr_wk_gen_req){ .at = at, .n = cnt };
+                q += l;
+                if (*q == ',' && *++q == 0)
+                    return usage_err("--generate takes I:N[,I:N...]");
+            }
         } else if (s[0] == '-' && s[1]) {
             snprintf(msg, sizeof msg, "unknown option %s", s);
             return usage_err(msg);
@@ -190,7 +259,8 @@ static int parse(int argc, char **argv, args *a)
     if (!a->command)
         return usage_err("no command");
     const char *c = a->command;
-    if (strcmp(c, "complete") && strcmp(c, "edit") && strcmp(c, "rag") && strcmp(c, "ppl")) {
+    if (strcmp(c, "complete") && strcmp(c, "edit") && strcmp(c, "rag") && strcmp(c, "ppl") &&
+        strcmp(c, "score")) {
         snprintf(msg, sizeof msg, "unknown command %s", c);
         return usage_err(msg);
     }
@@ -204,6 +274,8 @@ static int parse(int argc, char **argv, args *a)
         return usage_err("rag needs --prefix F, at least one --doc F and --query F");
     if (!strcmp(c, "ppl") && !a->ppl_file)
         return usage_err("ppl needs a FILE");
+    if (!strcmp(c, "score") && !a->tokens_f)
+        return usage_err("score needs --tokens T.bin");
     return 0;
 }
 
@@ -293,7 +365,8 @@ int main(int argc, char **argv)
         return rc;
     g_json = a.json;
     g_command = a.command;
-    bool is_ppl = !strcmp(a.command, "ppl");
+    bool is_ppl = !strcmp(a.command, "ppl"), is_score = !strcmp(a.command, "score");
+    bool offline = is_ppl || is_score;      /* no daemon */
 
     /* Everything released at `done`, whatever the way out. */
     text files[260];
@@ -329,6 +402,11 @@ int main(int argc, char **argv)
     }
     if (is_ppl)
         ADD("file", a.ppl_file);
+    if (is_score) {
+        ADD("token file", a.tokens_f);
+        if (a.kv_f)
+            ADD("KV file", a.kv_f);
+    }
 #undef ADD
     for (size_t i = 0; i < nf; i++)
         if ((rc = read_file(what[i], names[i], &files[i])) != 0)
@@ -341,7 +419,7 @@ int main(int argc, char **argv)
     }
 
     char sock[512];
-    if (!is_ppl) {
+    if (!offline) {
         if (a.socket)
             snprintf(sock, sizeof sock, "%s", a.socket);
         else
@@ -364,23 +442,23 @@ int main(int argc, char **argv)
         goto done;
     }
     double t_model = kvr_wk_now_ms() - t_load0;
-    /* ppl runs without the profile if the bridge does not know the model. */
-    if (kvr_wk_profile(&e, a.model) < 0 && !is_ppl) {
+    /* ppl and score run without the profile if the bridge does not know the model. */
+    if (kvr_wk_profile(&e, a.model) < 0 && !offline) {
         rc = die(EX_FAIL, "%s", e.err);
         goto done;
     }
-    if (!is_ppl && kvr_wk_register(&e, a.model) < 0) {
+    if (!offline && kvr_wk_register(&e, a.model) < 0) {
         rc = die(exit_of(&e) == EX_CONNECT ? EX_CONNECT : EX_FAIL, "%s", e.err);
         goto done;
     }
     const kvr_wk_lm_info *in = kvr_wk_lm_info_get(e.lm);
     kvr_wk_rep_str(&rep, NULL, "model", a.model);
-    if (!is_ppl)
+    if (!offline)
         kvr_wk_rep_str(&rep, NULL, "kvrope_model", e.model);
     kvr_wk_rep_num(&rep, "timings_ms", "model_load", t_model);
     kvr_wk_rep_line(&rep, "model: %s (%s, %u layers, %u KV heads x %u, vocab %u)%s%s", a.model,
                     in->arch, in->n_layer, in->n_head_kv, in->head_dim, in->n_vocab,
-                    is_ppl ? "" : " as kvrope model ", is_ppl ? "" : e.model);
+                    offline ? "" : " as kvrope model ", offline ? "" : e.model);
 
     int r = 0;
     if (!strcmp(a.command, "complete")) {
@@ -403,6 +481,16 @@ int main(int argc, char **argv)
                 goto done;
         r = kvr_wk_rag(&e, tk[0], ntk[0], (const int32_t *const *)(tk + 2), ntk + 2, a.n_docs,
                        tk[1], ntk[1], a.parallel, a.check);
+    } else if (is_score) {
+        kvr_wk_score_opts so = {
+            .tokens = (const uint8_t *)files[0].data, .tokens_len = files[0].len,
+            .kv = a.kv_f ? (const uint8_t *)files[1].data : NULL,
+            .kv_len = a.kv_f ? files[1].len : 0,
+            .has_from = a.has_from, .from = a.from,
+            .has_next_pos = a.has_next_pos, .next_pos = a.next_pos,
+            .has_stop = a.has_stop, .stop = (int32_t)a.stop, .exact = a.exact,
+            .logits_out = a.logits_f, .kv_out = a.kv_out_f, .gen = a.gen, .n_gen = a.n_points };
+        r = kvr_wk_score(&e, &so);
     } else {
         if ((rc = tokenize(&e, &files[0], in->add_bos, "file", a.ppl_file, &tk[0], &ntk[0])))
             goto done;

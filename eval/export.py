@@ -1,0 +1,44 @@
+#!/usr/bin/python3
+"""export.py — turns a training run's output (eval/train.py --out DIR) into
+the committed model, eval/model/: config.json, weights.npz (float16, HF
+names: the numpy Llama's format, examples/llama.py load_model) and
+train.json (how it was trained, its held-out bits per byte). The GGUF that
+llama.cpp runs is made from these by `scripts/gen-gguf.py --hf eval/model
+--dtype f16` (make does it), so both engines run the same float16 weights.
+
+    /usr/bin/python3 eval/export.py SRC_DIR [DST_DIR]
+"""
+import json
+import os
+import shutil
+import sys
+
+import numpy as np
+
+
+def main(argv):
+    if not 1 <= len(argv) <= 2:
+        print(__doc__, file=sys.stderr)
+        return 2
+    src = argv[0]
+    dst = argv[1] if len(argv) > 1 else os.path.join(os.path.dirname(os.path.abspath(__file__)), "model")
+    os.makedirs(dst, exist_ok=True)
+    with np.load(os.path.join(src, "weights.npz")) as z:
+        w = {k: z[k].astype(np.float16) for k in z.files}
+    bad = [k for k, x in w.items() if not np.isfinite(x).all()]
+    if bad:
+        raise SystemExit(f"export: {bad[0]} has values that do not fit float16")
+    np.savez_compressed(os.path.join(dst, "weights.npz"), **w)
+    shutil.copyfile(os.path.join(src, "config.json"), os.path.join(dst, "config.json"))
+    with open(os.path.join(src, "train.json")) as f:
+        meta = json.load(f)
+    meta["weights_dtype"] = "f16"
+    with open(os.path.join(dst, "train.json"), "w") as f:
+        json.dump(meta, f, indent=1)
+    print(f"export: {dst}: {sum(x.size for x in w.values())} parameters, "
+          f"held-out {meta['held_out_bpb']:.3f} bits per byte")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,476 @@
+#!/usr/bin/python3
+"""run.py — `make eval`: what kvrope's approximations cost the trained code
+model (eval/model), measured through a kvroped it starts and through both
+engines (llama.cpp, the numpy Llama as a cross-check). Writes docs/eval.md,
+the pictures in docs/eval/, the README's quality tables (between the
+`eval:begin` / `eval:end` markers) and build/eval/results.json.
+Debian's /usr/bin/python3.
+
+    /usr/bin/python3 eval/run.py [--build build] [--engines llama,numpy]
+        [--edits N] [--real N] [--docs N] [--quant N] [--long N] [--no-write]
+
+Every number is an average over the cases named in its table's caption;
+cases are seeded (eval/cases.py), so a rerun on the same corpus and model
+gives the same tables (up to llama.cpp's threading: its float sums may
+differ in the last bits between thread counts).
+"""
+import argparse
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+for p in (HERE, os.path.join(ROOT, "client", "python"), os.path.join(ROOT, "examples")):
+    if p not in sys.path:
+        sys.path.insert(0, p)
+
+import cases as C  # noqa: E402
+import corpus  # noqa: E402
+import engines as E  # noqa: E402
+import measure as M  # noqa: E402
+
+MODEL_DIR = os.environ.get("KVR_EVAL_MODEL") or os.path.join(HERE, "model")
+CODECS = [  # (row name, spec) — docs/quantized.md
+    ("f16", "f16"), ("bf16", "bf16"), ("int8", "int8"), ("int4", "int4"), ("int2", "int2"),
+    ("k4v2", "k4v2"), ("k2v4", "k2v4"),
+    ("k4v2 r0", "k=int4/g128/c,v=int2/g64,r=0"), ("k2v4 r0", "k=int2/g128/c,v=int4/g64,r=0"),
+    ("kivi k4v2 r32", "kivi:k4v2:g32:r32"), ("kivi k2v4 r32", "kivi:k2v4:g32:r32"),
+    ("kivi k2v2 r32", "kivi:k2v2:g32:r32"),
+    ("q8_0", "q8_0"), ("q4_0", "q4_0"),
+]
+APE_T = (0.7, 0.8, 0.9, 1.0)
+APE_S = (0.8, 0.9, 1.0, 1.1)
+
+
+class Daemon:
+    """A kvroped of the build on a temporary Unix socket, stopped by stop()."""
+
+    def __init__(self, build, max_memory="2G"):
+        exe = os.path.join(build, "kvroped")
+        if not os.access(exe, os.X_OK):
+            raise SystemExit(f"eval: {exe} is not built (make)")
+        self.dir = tempfile.mkdtemp(prefix="kvr-eval-")
+        self.socket = os.path.join(self.dir, "kvroped.sock")
+        self.log = open(os.path.join(self.dir, "kvroped.log"), "wb")
+        self.proc = subprocess.Popen([exe, "--socket", self.socket, "--max-memory", max_memory,
+                                      "--log-level", "warn"], stdout=self.log, stderr=subprocess.STDOUT,
+                                     stdin=subprocess.DEVNULL)
+        deadline = time.monotonic() + 15
+        while not self._answers():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise SystemExit("eval: kvroped did not start")
+            time.sleep(0.02)
+
+    def _answers(self):
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            s.connect(self.socket)
+            return True
+        except OSError:
+            return False
+        finally:
+            s.close()
+
+    def stop(self):
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def make_engine(name, build, model_dir=MODEL_DIR, threads=2):
+    if name == "numpy":
+        return E.NumpyEngine(model_dir)
+    gguf = os.path.join(build, "eval", "kvrope-code.gguf")
+    worker = os.path.join(build, "kvrope-llama")
+    for f in (gguf, worker):
+        if not os.path.exists(f):
+            raise SystemExit(f"eval: {f} is missing (make {os.path.relpath(f, ROOT)})")
+    with open(os.path.join(model_dir, "config.json")) as f:
+        cfg = json.load(f)
+    return E.LlamaEngine(gguf, worker, cfg, threads)
+
+
+def register(client, name, model_dir=MODEL_DIR):
+    return client.register_model(name, os.path.join(model_dir, "config.json"), dtype="f32")
+
+
+# ---- aggregation -------------------------------------------------------------------
+
+def pool(rowsets, key):
+    """Sums per-position counts of one row over cases."""
+    s = {"n": 0, "bits": 0.0, "correct": 0, "agree": 0, "kl": 0.0, "encoded": 0, "tokens": 0,
+         "nextline": 0, "lines": 0}
+    for case in rowsets:
+        r = case["rows"].get(key)
+        if r is None:
+            continue
+        for k in ("n", "bits", "correct", "agree", "kl"):
+            s[k] += r.get(k, 0)
+        s["encoded"] += r.get("encoded", 0)
+        s["tokens"] += case.get("n_tokens", 0)
+        if r.get("nextline") is not None:
+            s["nextline"] += r["nextline"]
+            s["lines"] += 1
+    return s
+
+
+def fmt(x, d=3):
+    return "–" if x is None else f"{x:.{d}f}"
+
+
+def pct(x):
+    return "–" if x is None else f"{100 * x:.1f}%"
+
+
+# ---- the four measurements -----------------------------------------------------------
+
+def run_pie(client, engine, model, edits, log):
+    out = []
+    for i, (kind, name, a, b) in enumerate(edits):
+        A, B = corpus.encode(a), corpus.encode(b)
+        try:
+            r = M.pie_case(client, engine, model, f"pie{i}", A, B)
+        except ValueError:
+            continue
+        r.update(kind=kind, name=name)
+        out.append(r)
+        log(f"  pie {i + 1}/{len(edits)} {kind} {name}: KL pie {r['rows']['pie']['kl'] / r['rows']['pie']['n']:.3f}"
+            f" naive {r['rows']['naive']['kl'] / r['rows']['naive']['n']:.3f}")
+    return out
+
+
+def run_docs(client, engine, model, cases_, ts, log):
+    out = []
+    for i, (p, chunks, cont) in enumerate(cases_):
+        r = M.docs_case(client, engine, model, f"doc{i}", corpus.encode(p),
+                        [corpus.encode(c, bos=False) for c in chunks], corpus.encode(cont, bos=False), ts)
+        out.append(r)
+        log(f"  docs {i + 1}/{len(cases_)}")
+    return out
+
+
+def run_quant(client, engine, model, files, log, n_prefix=384):
+    out = []
+    for i, (name, data) in enumerate(files):
+        r = M.quant_case(client, engine, model, f"q{i}", corpus.encode(data), n_prefix, CODECS)
+        r.pop("plain_f16_logits", None)
+        r.pop("f16_logits", None)
+        out.append(r)
+        log(f"  quant {i + 1}/{len(files)} {name}")
+    return out
+
+
+def run_stream(client, engine, model, files, log, window=256, sinks=4):
+    pols = {"full": None, "window": (0, window), "sinks+window": (sinks, window - sinks)}
+    out = []
+    for i, (name, data) in enumerate(files):
+        out.append(M.stream_case(client, engine, model, f"s{i}", corpus.encode(data), pols,
+                                 score_from=window))
+        log(f"  stream {i + 1}/{len(files)} {name}")
+    return out
+
+
+# ---- tables ----------------------------------------------------------------------------
+
+PIE_ROWS = [("full", "full re-encode"), ("pie", "kvrope PIE edit (new tokens only)")] + \
+    [(f"pie+{k}", f"PIE, {k} tokens refreshed after each edit point") for k in M.REFRESH_KS] + \
+    [("naive", "naive reuse (suffix keys at their old positions)")]
+
+
+def pie_tables(res):
+    kinds = sorted({c["kind"] for c in res}, key=["insert", "delete", "multi", "real"].index)
+    lines = ["| method | next-token acc. | agrees with full | mean KL from full (nats) | next line exact | tokens encoded |",
+             "| --- | --- | --- | --- | --- | --- |"]
+    for key, label in PIE_ROWS:
+        s = pool(res, key)
+        if not s["n"]:
+            continue
+        lines.append(f"| {label} | {pct(s['correct'] / s['n'])} | {pct(s['agree'] / s['n'])} | "
+                     f"{fmt(s['kl'] / s['n'], 4)} | "
+                     f"{pct(s['nextline'] / s['lines']) if s['lines'] else '–'} | "
+                     f"{pct(s['encoded'] / s['tokens'])} |")
+    by = ["| mean KL from full re-encode | " + " | ".join(f"{k} ({sum(1 for c in res if c['kind'] == k)})"
+                                                        for k in kinds) + " |",
+          "| --- |" + " --- |" * len(kinds)]
+    for key, label in PIE_ROWS[1:]:
+        cells = []
+        for k in kinds:
+            s = pool([c for c in res if c["kind"] == k], key)
+            cells.append(fmt(s["kl"] / s["n"], 4) if s["n"] else "–")
+        by.append(f"| {label} | " + " | ".join(cells) + " |")
+    return "\n".join(lines), "\n".join(by), kinds
+
+
+DOC_ROWS = [("full", "full sequential encode"), ("sequential", "kvrope sequential re-layout"),
+            ("ape", "APE parallel, T = {T}, S = {S}"), ("ape_folded", "APE parallel, T = {T} folded into K, S = 1"),
+            ("parallel", "plain parallel"), ("none", "no chunks")]
+
+
+def docs_table(res, ts):
+    full = pool(res, "full")
+    none = pool(res, "none")
+    bf, bn = full["bits"] / full["n"], none["bits"] / none["n"]
+    lines = ["| layout | continuation bits/byte | share of the full encode's gain kept |",
+             "| --- | --- | --- |"]
+    for key, label in DOC_ROWS:
+        s = pool(res, key)
+        if not s["n"]:
+            continue
+        b = s["bits"] / s["n"]
+        gain = (bn - b) / (bn - bf) if bn != bf else None
+        lines.append(f"| {label.format(T=ts[0], S=ts[1])} | {fmt(b)} | {pct(gain)} |")
+    return "\n".join(lines)
+
+
+def quant_table(res):
+    f16 = sum(r["f16"]["bits"] for r in res) / sum(r["f16"]["n"] for r in res)
+    lines = ["| codec | canonical spec | bytes/token | bits/value | bits/byte of the rest | added vs f16 |",
+             "| --- | --- | --- | --- | --- | --- |"]
+    pts = []
+    for name, _ in CODECS:
+        rs = [r[name] for r in res if name in r]
+        if not rs:
+            continue
+        b = sum(r["bits"] for r in rs) / sum(r["n"] for r in rs)
+        bpt = float(np.mean([r["bytes_per_token"] for r in rs]))
+        bpv = float(np.mean([r["bits_per_value"] for r in rs]))
+        lines.append(f"| {name} | `{rs[0]['codec']}` | {bpt:.0f} | {bpv:.2f} | {fmt(b, 4)} | {b - f16:+.4f} |")
+        pts.append((name, bpt, b - f16))
+    return "\n".join(lines), pts
+
+
+def stream_table(res, window=256, sinks=4):
+    lines = [f"| cache | bits/byte, tokens {window}.. | bits/byte beyond the 512-token training context |",
+             "| --- | --- | --- |"]
+    labels = {"full": "full cache (nothing dropped)", "window": f"window of the last {window} tokens",
+              "sinks+window": f"{sinks} sinks + window of {window - sinks}"}
+    for name in ("full", "window", "sinks+window"):
+        a = [r[name]["all"] for r in res]
+        b = [r[name]["beyond"] for r in res]
+        va = sum(x["bits"] for x in a) / max(1, sum(x["n"] for x in a))
+        vb = sum(x["bits"] for x in b) / max(1, sum(x["n"] for x in b))
+        lines.append(f"| {labels[name]} | {fmt(va)} | {fmt(vb)} |")
+    return "\n".join(lines)
+
+
+# ---- pictures ------------------------------------------------------------------------
+
+def plot_pie(res, kinds, path, engine_name):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    xs = [0] + list(M.REFRESH_KS)
+    for k in kinds:
+        sub = [c for c in res if c["kind"] == k]
+        ys = []
+        for key in ["pie"] + [f"pie+{x}" for x in M.REFRESH_KS]:
+            s = pool(sub, key)
+            ys.append(s["kl"] / s["n"])
+        line, = ax.plot(xs, ys, marker="o", label=f"PIE, {k} ({len(sub)})")
+        s = pool(sub, "naive")
+        ax.axhline(s["kl"] / s["n"], color=line.get_color(), linestyle=":", linewidth=1)
+    ax.axhline(0, color="black", linewidth=1, label="full re-encode (0)")
+    ax.plot([], [], color="gray", linestyle=":", label="naive reuse (same colour)")
+    ax.set_xscale("symlog", linthresh=16)
+    ax.set_xticks(xs)
+    ax.set_xticklabels([str(x) for x in xs])
+    ax.set_xlabel("tokens refreshed after each edit point")
+    ax.set_ylabel("mean KL from full re-encode (nats/token)")
+    ax.set_title(f"PIE edits: divergence vs refresh ({engine_name})")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_quant(pts, path, engine_name):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    for name, bpt, add in pts:
+        ax.scatter([bpt], [add])
+        ax.annotate(name, (bpt, add), textcoords="offset points", xytext=(4, 3), fontsize=8)
+    ax.set_xlabel("bytes per token at rest (K+V, all layers, scales included)")
+    ax.set_ylabel("added bits per byte vs f16")
+    ax.set_title(f"Quantization at rest: cost vs size ({engine_name})")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# ---- main ----------------------------------------------------------------------------
+
+def main(argv):
+    ap = argparse.ArgumentParser(description="make eval: quality tables for kvrope's approximations")
+    ap.add_argument("--build", default=os.environ.get("KVR_BUILD", os.path.join(ROOT, "build")))
+    ap.add_argument("--engines", default="llama,numpy")
+    ap.add_argument("--edits", type=int, default=16, help="synthetic edits per kind")
+    ap.add_argument("--real", type=int, default=16, help="real edits from git history")
+    ap.add_argument("--docs", type=int, default=16)
+    ap.add_argument("--tune", type=int, default=6, help="document cases to choose APE's T, S on")
+    ap.add_argument("--quant", type=int, default=12)
+    ap.add_argument("--long", type=int, default=6)
+    ap.add_argument("--no-write", action="store_true", help="print only; leave docs and README")
+    a = ap.parse_args(argv)
+    t0 = time.time()
+
+    def log(msg):
+        print(f"[{time.time() - t0:6.0f}s] {msg}", flush=True)
+
+    with open(os.path.join(MODEL_DIR, "train.json")) as f:
+        meta = json.load(f)
+    tr, ho = corpus.split()
+    if corpus.corpus_digest(tr + ho) != meta["corpus_digest"]:
+        log("note: this machine's /usr/lib/python3.11 differs from the one the model was trained on")
+    edits = C.synthetic_edits(a.edits) + C.git_edits(a.real, ROOT)
+    docs = C.doc_cases(a.docs, skip=a.tune)
+    tune = C.doc_cases(a.tune)
+    qf = C.quant_files(a.quant)
+    lf = C.long_files(a.long)
+    log(f"{len(edits)} edits, {len(docs)} document cases (+{len(tune)} to tune APE), "
+        f"{len(qf)} quantization files, {len(lf)} long files")
+    import kvrope
+    d = Daemon(a.build)
+    results = {"model": meta, "engines": {}}
+    try:
+        with kvrope.Client("unix:" + d.socket) as client:
+            register(client, "code")
+            np_engine = E.NumpyEngine(MODEL_DIR)
+            grid = M.ape_grid(client, np_engine, "code", "tune", [
+                (corpus.encode(p), [corpus.encode(c, bos=False) for c in ch], corpus.encode(q, bos=False))
+                for p, ch, q in tune], APE_T, APE_S)
+            ts = min(grid, key=grid.get)
+            results["ape_grid"] = {f"T={k[0]},S={k[1]}": v for k, v in grid.items()}
+            results["ape_ts"] = ts
+            log(f"APE T, S chosen on {len(tune)} tuning cases: T = {ts[0]}, S = {ts[1]} "
+                f"({grid[ts]:.4f} bits/byte; T = S = 1: {grid[(1.0, 1.0)]:.4f})")
+            for en in [x for x in a.engines.split(",") if x]:
+                eng = np_engine if en == "numpy" else make_engine(en, a.build)
+                log(f"engine {eng.name}")
+                r = {"pie": run_pie(client, eng, "code", edits, log),
+                     "docs": run_docs(client, eng, "code", docs, ts, log),
+                     "quant": run_quant(client, eng, "code", qf, log),
+                     "stream": run_stream(client, eng, "code", lf, log)}
+                results["engines"][eng.name] = r
+    finally:
+        d.stop()
+    write_report(results, a, time.time() - t0, log)
+    return 0
+
+
+def write_report(results, a, seconds, log):
+    meta = results["model"]
+    ts = results["ape_ts"]
+    cmd = "make eval"
+    md = ["# What the approximations cost: quality on a trained code model", "",
+          "Generated by `make eval` (eval/run.py); do not edit by hand. "
+          f"Run took {seconds / 60:.0f} min on the 2-core machine.", "",
+          "## The model", "",
+          f"A {meta['params'] / 1e6:.1f} M-parameter Llama-architecture model (4 layers, width 256, "
+          "8 query / 2 KV heads of 64... see eval/model/config.json; RMSNorm, SwiGLU, GQA, interleaved "
+          "RoPE, byte vocabulary) trained by `make eval-model` (eval/train.py) on the Python standard "
+          f"library of Debian 12 ({meta['train_files']} files, {meta['train_tokens'] / 1e6:.1f} M bytes), "
+          f"{meta['steps']} steps of {meta['batch']} x {meta['seq']} tokens "
+          f"({meta['tokens_seen'] / 1e6:.1f} M tokens seen, {meta['train_seconds'] / 60:.0f} min of CPU time). "
+          f"**Held-out bits per byte: {meta['held_out_bpb']:.3f}** over {meta['held_out_files']} files "
+          f"never trained on ({meta['held_out_tokens']} bytes; random weights give ~8). The committed "
+          "weights are float16 (eval/model/weights.npz, the numpy Llama's format); "
+          "`scripts/gen-gguf.py --hf eval/model` writes the GGUF llama.cpp runs (build/eval/kvrope-code.gguf).",
+          "",
+          "Every cache below lives in a kvroped that eval/run.py starts: the edits, re-rotations, "
+          "layouts, codecs and retention are the daemon's. An engine only encodes tokens and scores "
+          "them from the KV kvrope returns. llama.cpp (`kvrope-llama score`, docs/llama.md) is the "
+          "engine of the headline tables; the numpy Llama (examples/llama.py) runs the same cases as "
+          "a cross-check and is the only one that can apply APE's scale S.", ""]
+    readme = []
+    for en, r in results["engines"].items():
+        md += [f"## Engine: {en}", ""]
+        pt, by, kinds = pie_tables(r["pie"])
+        nk = {k: sum(1 for c in r["pie"] if c["kind"] == k) for k in kinds}
+        cap = (f"PIE edits: {len(r['pie'])} edits ({', '.join(f'{v} {k}' for k, v in nk.items())}; synthetic "
+               "ones on held-out files as in the PIE paper, real ones replayed from this repository's git "
+               "history of its Python files). Scored over every token after the first edit point: the "
+               "next byte's accuracy, agreement of the argmax with a full re-encode, KL(full || method), "
+               "and whether the line after the last edit is generated exactly (greedy). "
+               "Tokens encoded: new + refreshed tokens as a share of a full re-encode.")
+        md += [f"### PIE edits ({en})", "", cap, "", pt, "", by, ""]
+        if not a.no_write:
+            os.makedirs(os.path.join(ROOT, "docs", "eval"), exist_ok=True)
+            tag = "llama" if en.startswith("llama") else "numpy"
+            plot_pie(r["pie"], kinds, os.path.join(ROOT, "docs", "eval", f"pie-{tag}.png"), en)
+            md += [f"![divergence vs tokens refreshed](eval/pie-{tag}.png)", ""]
+        dt = docs_table(r["docs"], ts)
+        dcap = (f"Documents: {len(r['docs'])} cases, each 3 chunks of 96 bytes of a held-out file encoded one "
+                "by one after a shared header line, then the 128 bytes that follow them in the file (which "
+                "depend on them) scored. Share of gain = (none - row) / (none - full).")
+        md += [f"### Documents ({en})", "", dcap, "", dt, ""]
+        qt, pts = quant_table(r["quant"])
+        qcap = (f"Quantization at rest: {len(r['quant'])} held-out files; the first 384 tokens encoded, "
+                "their cache put into kvrope with each codec and fetched back, the next 128 bytes scored. "
+                "Bytes per token are the daemon's (kv_bytes of the context / tokens: 4 layers x 2 KV heads "
+                "x 32 dims; windows, where a codec has one, count at f16... see the spec). "
+                "`r=R` keeps the newest R tokens at full precision (KIVI's residual).")
+        md += [f"### Quantization at rest ({en})", "", qcap, "", qt, ""]
+        if not a.no_write:
+            plot_quant(pts, os.path.join(ROOT, "docs", "eval", f"quant-{tag}.png"), en)
+            md += [f"![added bits per byte vs bytes per token](eval/quant-{tag}.png)", ""]
+        st = stream_table(r["stream"])
+        scap = (f"Retention: {len(r['stream'])} long held-out files (1,024 bytes each) streamed through "
+                "kvrope in 32-token chunks, the cache before each chunk being what the context's retention "
+                "policy kept (kvrope drops the middle and moves the window's positions up to the sinks).")
+        md += [f"### Retention ({en})", "", scap, "", st, ""]
+        if en.startswith("llama") or len(results["engines"]) == 1 or not readme:
+            readme = [f"Quality on a trained {meta['params'] / 1e6:.1f} M-parameter code model "
+                      f"(held-out {meta['held_out_bpb']:.2f} bits/byte), through {en}; "
+                      f"made by `{cmd}`, details and the numpy cross-check in [docs/eval.md](docs/eval.md).",
+                      "", cap, "", pt, "", dcap, "", dt, "", qcap, "", qt, "", scap, "", st]
+    g = results["ape_grid"]
+    md += ["## How APE's T and S were chosen", "",
+           f"A grid over T in {APE_T} and S in {APE_S}, scored (numpy, full APE attention) on "
+           f"{len(C.doc_cases(a.tune))} document cases that are not among the reported ones; the lowest "
+           f"mean continuation bits per byte won: **T = {ts[0]}, S = {ts[1]}**.", "",
+           "| T \\ S | " + " | ".join(str(s) for s in APE_S) + " |", "| --- |" + " --- |" * len(APE_S)]
+    for T in APE_T:
+        md.append(f"| {T} | " + " | ".join(fmt(g[f'T={T},S={S}'], 4) for S in APE_S) + " |")
+    md.append("")
+    text = "\n".join(md) + "\n"
+    if a.no_write:
+        print(text)
+        return
+    with open(os.path.join(ROOT, "docs", "eval.md"), "w") as f:
+        f.write(text)
+    os.makedirs(os.path.join(a.build, "eval"), exist_ok=True)
+    with open(os.path.join(a.build, "eval", "results.json"), "w") as f:
+        json.dump(results, f, indent=1, default=float)
+    rp = os.path.join(ROOT, "README.md")
+    with open(rp) as f:
+        rd = f.read()
+    b, e = "<!-- eval:begin -->", "<!-- eval:end -->"
+    if b in rd and e in rd:
+        rd = rd[:rd.index(b) + len(b)] + "\n" + "\n".join(readme) + "\n" + rd[rd.index(e):]
+        with open(rp, "w") as f:
+            f.write(rd)
+    log("wrote docs/eval.md, docs/eval/*.png, README.md's quality tables, build/eval/results.json")
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
