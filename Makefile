@@ -123,10 +123,13 @@ TESTS      := $(patsubst tests/unit/%.c,$(BUILD)/tests/%,$(TEST_SRC))
 BENCHES    := $(patsubst tests/bench/%.c,$(BUILD)/bench/%,$(BENCH_SRC))
 FUZZERS    := $(patsubst tests/fuzz/%.c,$(BUILD)/fuzz/%,$(FUZZ_SRC))
 
+# The trained eval model's GGUF (made from eval/model; see "the trained eval model" below).
+EVAL_GGUF := $(BUILD)/eval/kvrope-code.gguf
+
 # llama.cpp: the bridge (into libkvrope), and what links libllama (fetched from npm).
 include client/llama/llama.mk
 
-.PHONY: deps-fuzz fuzz-ci soak fuzzers all deps deps-bench run test check bench fuzz clean \
+.PHONY: deps-eval eval eval-model deps-fuzz fuzz-ci soak fuzzers all deps deps-bench run test check bench fuzz clean \
         check-symbols install uninstall
 .DEFAULT_GOAL := all
 # Every file make builds is kept: the test and bench objects are intermediate
@@ -134,7 +137,7 @@ include client/llama/llama.mk
 # each build and rebuild them all on the next one.
 .SECONDARY:
 
-all: $(KVROPED) $(KVROPE) $(CLIENT_A) $(CLIENT_SO) $(TESTS) $(BENCHES) $(LLAMA_PROGS)
+all: $(KVROPED) $(KVROPE) $(CLIENT_A) $(CLIENT_SO) $(TESTS) $(BENCHES) $(LLAMA_PROGS) $(EVAL_GGUF)
 
 deps:
 	@scripts/deps.sh test
@@ -144,6 +147,9 @@ deps-bench:
 
 deps-fuzz:
 	@scripts/deps.sh fuzz
+
+deps-eval:
+	@scripts/deps.sh eval
 
 # ---- code generation -------------------------------------------------------
 $(PROTO_GEN_C) $(PROTO_GEN_H) &: proto/kvrope.proto
@@ -266,6 +272,23 @@ check: deps
 bench: deps-bench
 	@$(MAKE) --no-print-directory all
 	@KVR_BUILD=$(abspath $(BUILD)) KVR_VECTORS=$(SHARED)/vectors scripts/run-bench.sh
+
+# ---- the trained eval model (issue 19, docs/eval.md) ------------------------
+# eval/model holds the committed float16 weights; the GGUF llama.cpp runs is
+# made from them (same weights in both engines). `make eval-model` retrains
+# (about 30 min of both cores) and re-exports; `make eval` writes docs/eval.md,
+# docs/eval/*.png and the README's quality tables (not part of make test).
+$(EVAL_GGUF): eval/model/weights.npz eval/model/config.json scripts/gen-gguf.py
+	@mkdir -p $(dir $@)
+	@$(PYTHON) scripts/gen-gguf.py -o $@.tmp --hf eval/model --dtype f16 --name kvrope-code && mv $@.tmp $@
+
+eval-model: deps-eval
+	$(PYTHON) eval/train.py --out $(BUILD)/eval/train
+	$(PYTHON) eval/export.py $(BUILD)/eval/train eval/model
+
+eval: deps-eval
+	@$(MAKE) --no-print-directory all
+	KVR_BUILD=$(abspath $(BUILD)) $(PYTHON) eval/run.py
 
 # The long crash run: 1,000 kill -9 trials through the daemon and 1,000
 # against the storage layer (CI runs 100 of each inside `make test`).

@@ -15,15 +15,19 @@
  *  - All mutable state is guarded by mu, except during open/recover/
  *    recover_done/close, which the caller runs alone.
  */
+#include <assert.h>
 #include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <inttypes.h>
 #include <pthread.h>
+#include <stdatomic.h>
+#include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/file.h>
+#include <sys/mman.h>
 #include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
@@ -50,6 +54,7 @@ typedef struct ext {
 typedef struct seg {
     uint32_t id;
     int      fd;
+    int      dfd;           /* the same file opened O_DIRECT, or -1 */
     uint64_t size;          /* append offset */
     bool     dirty;
     ext     *ext;
@@ -76,6 +81,8 @@ struct kvr_disk {
     uint64_t        n_spills, n_loads, n_records, n_checkpoints, n_refused_full;
     uint64_t        n_quarantined, n_torn_bytes;
     bool            claim_io_failed;  /* recover_done then refuses to reclaim */
+    uint8_t        *stage;          /* O_DIRECT staging (disk.h: data path) */
+    size_t          stage_cap;
     kvr_disk_recovery last;
 };
 
@@ -290,6 +297,8 @@ static void seg_free(seg *s)
         return;
     if (s->fd >= 0)
         close(s->fd);
+    if (s->dfd >= 0)
+        close(s->dfd);
     kvr_mem_free(s->ext);
     kvr_mem_free(s);
 }
@@ -349,6 +358,14 @@ static int d_meta(kvr_disk *d)
     return f ? -1 : 0;
 }
 
+/* The O_DIRECT descriptor of a segment file, or -1 (buffered I/O then). */
+static int open_direct(kvr_disk *d, const char *name)
+{
+    if (d->cfg.buffered)
+        return -1;
+    return openat(d->dirfd, name, O_RDWR | O_DIRECT | O_CLOEXEC);
+}
+
 /* A fresh active segment; the old one is sealed (and dropped if empty,
  * unless keep_old: earlier requests of the batch being planned write into
  * it, and their extents are registered only after the I/O). */
@@ -358,6 +375,7 @@ static int seg_roll(kvr_disk *d, bool keep_old, kvr_error *err)
     if (!s)
         return kvr_error_set(err, KVR_ENOMEM, "disk: out of memory");
     s->id = d->next_seg;
+    s->dfd = -1;
     char name[64];
     seg_name(name, sizeof name, s->id);
     s->fd = d_openat(d, name, O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
@@ -367,10 +385,10 @@ static int seg_roll(kvr_disk *d, bool keep_old, kvr_error *err)
         return kvr_error_set(err, KVR_EIO, "disk: cannot create %s/%s: %s",
                              d->dir, name, strerror(e));
     }
+    s->dfd = open_direct(d, name);
     if (seg_add(d, s) != 0) {
-        close(s->fd);
         (void)unlinkat(d->dirfd, name, 0);
-        kvr_mem_free(s);
+        seg_free(s);
         return kvr_error_set(err, KVR_ENOMEM, "disk: out of memory");
     }
     d->next_seg++;
@@ -476,6 +494,7 @@ void kvr_disk_close(kvr_disk *d)
     if (d->dirfd >= 0)
         close(d->dirfd);
     kvr_dio_destroy(d->io);
+    free(d->stage);
     pthread_mutex_destroy(&d->mu);
     kvr_mem_free(d->dir);
     kvr_mem_free(d);
@@ -654,6 +673,7 @@ static int scan_dir(kvr_disk *d, uint32_t *max_gen, kvr_error *err)
                 break;
             }
             s->id = id;
+            s->dfd = -1;
             s->fd = d_openat(d, e->d_name, O_RDWR | O_CLOEXEC, 0);
             struct stat st;
             if (s->fd < 0 || fstat(s->fd, &st) != 0) {
@@ -663,6 +683,7 @@ static int scan_dir(kvr_disk *d, uint32_t *max_gen, kvr_error *err)
                 break;
             }
             s->size = (uint64_t)st.st_size;
+            s->dfd = open_direct(d, e->d_name);
             if (seg_add(d, s) != 0) {
                 seg_free(s);
                 rc = kvr_error_set(err, KVR_ENOMEM, "disk: out of memory");
@@ -901,6 +922,327 @@ int kvr_disk_recover_done(kvr_disk *d, kvr_error *err)
     return 0;
 }
 
+/* ---- the O_DIRECT data path (disk.h: data path) -------------------------------- */
+#ifndef KVR_DIO_STAGE
+#define KVR_DIO_STAGE (16u << 20)    /* staging bytes per kvr_disk (a ring) */
+#endif
+#define DIO_REQ_MAX   (4u << 20)     /* bytes per request */
+#define DIO_PIECE     (64u << 10)    /* copy + checksum step (stays in cache) */
+
+static size_t dio_stage(void)
+{
+    static size_t a;
+    if (!a) {
+        const char *e = getenv("KVR_DISK_STAGE_KB");   /* benchmarks' tuning knob */
+        long kb = e ? atol(e) : 0;
+        a = kb >= 8 && kb <= (256 << 10) ? (size_t)kb << 10 : KVR_DIO_STAGE;
+        a &= ~(size_t)(EXT_ALIGN - 1);
+    }
+    return a;
+}
+
+static size_t ext_alloc(const kvr_disk_handle *h)
+{
+    return (size_t)align_up(EXT_HDR + (uint64_t)h->len);
+}
+
+/* A ring of staging bytes and the requests in flight on them, oldest
+ * first (the engine completes a stream in push order). */
+typedef struct dstream {
+    kvr_disk    *d;
+    uint8_t     *st;
+    size_t       cap, piece;    /* ring bytes; most bytes per request */
+    kvr_dio_req  q[KVR_DIO_STREAM_MAX];
+    size_t       k[KVR_DIO_STREAM_MAX], pos[KVR_DIO_STREAM_MAX];  /* loads */
+    size_t       qh, qn, maxq;
+    size_t       tail;          /* end of the newest request's bytes */
+    int          err;           /* first -errno (spills) */
+} dstream;
+
+/* Staging for a transfer of `total` image bytes; kept between calls. */
+static int ds_init(dstream *s, kvr_disk *d, uint64_t total)
+{
+    memset(s, 0, offsetof(dstream, q));
+    s->qh = s->qn = s->tail = 0;
+    s->err = 0;
+    s->d = d;
+    s->cap = total < dio_stage() ? (size_t)total : dio_stage();
+    s->piece = s->cap / 2 < DIO_REQ_MAX ? s->cap / 2 : DIO_REQ_MAX;
+    s->piece &= ~(size_t)(EXT_ALIGN - 1);
+    if (s->piece < EXT_ALIGN)
+        s->piece = EXT_ALIGN;
+    if (s->cap < 2 * s->piece)
+        s->cap = 2 * s->piece;
+    s->maxq = kvr_dio_depth(d->io);
+    if (d->stage_cap < s->cap) {
+        void *p = NULL;
+        /* Not accounted in kvr_mem: the tier's I/O buffer (at most
+         * KVR_DIO_STAGE per kvr_disk), not the store's memory. */
+        if (posix_memalign(&p, EXT_ALIGN, s->cap) != 0)
+            return -ENOMEM;
+        free(d->stage);
+        d->stage = p;
+        d->stage_cap = s->cap;
+    }
+    s->st = d->stage;
+    return 0;
+}
+
+typedef void (*ds_done_fn)(dstream *s, size_t slot, void *arg);
+
+/* Reaps the oldest request; done (may be NULL) sees it first. */
+static void ds_reap(dstream *s, ds_done_fn done, void *arg)
+{
+    kvr_dio_req *r = kvr_dio_reap(s->d->io);
+    size_t slot = s->qh;
+    assert(r == &s->q[slot]);
+    (void)r;
+    if (s->q[slot].res && !s->err)
+        s->err = s->q[slot].res;
+    if (done)
+        done(s, slot, arg);
+    s->qh = (s->qh + 1) % KVR_DIO_STREAM_MAX;
+    s->qn--;
+}
+
+/* len contiguous staging bytes, reaping the oldest requests until free. */
+static uint8_t *ds_alloc(dstream *s, size_t len, ds_done_fn done, void *arg)
+{
+    for (;;) {
+        if (s->qn == 0) {
+            s->tail = 0;
+            return s->st;
+        }
+        if (s->qn < s->maxq) {
+            size_t head = (size_t)((uint8_t *)s->q[s->qh].iov[0].iov_base - s->st);
+            if (s->tail > head) {
+                if (s->tail + len <= s->cap)
+                    return s->st + s->tail;
+                if (len <= head)
+                    return s->st;           /* wrap */
+            } else if (s->tail + len <= head) {
+                return s->st + s->tail;
+            }
+        }
+        ds_reap(s, done, arg);
+    }
+}
+
+static void ds_push(dstream *s, int fd, bool write, uint8_t *p, size_t len, uint64_t off)
+{
+    size_t slot = (s->qh + s->qn) % KVR_DIO_STREAM_MAX;
+    kvr_dio_req *q = &s->q[slot];
+    *q = (kvr_dio_req){ .fd = fd, .write = write, .iovcnt = 1, .off = off,
+                        .eof_ok = !write };
+    q->iov[0].iov_base = p;
+    q->iov[0].iov_len = len;
+    s->qn++;
+    s->tail = (size_t)(p - s->st) + len;
+    kvr_dio_push(s->d->io, q);
+}
+
+/* Copies image bytes [a, a+n) of an extent (header h, data p[len], zero
+ * padding) to out. */
+static void image_copy(uint8_t *out, const uint8_t *h, const uint8_t *p, size_t len,
+                       size_t a, size_t n)
+{
+    size_t e = a + n;
+    if (a < EXT_HDR) {
+        size_t k = (e < EXT_HDR ? e : EXT_HDR) - a;
+        memcpy(out, h + a, k);
+        out += k;
+        a += k;
+    }
+    if (a < e && a < EXT_HDR + len) {
+        size_t end = e < EXT_HDR + len ? e : EXT_HDR + len;
+        memcpy(out, p + (a - EXT_HDR), end - a);
+        out += end - a;
+        a = end;
+    }
+    if (a < e)
+        memset(out, 0, e - a);
+}
+
+/* Writes the planned extents of a batch (hs[i].seg/off/seq/len set, all in
+ * segments with a direct descriptor): each extent's image as one request
+ * (pieces if larger), pushed as soon as it is staged, so the device works
+ * on earlier ones meanwhile. Returns 0 or the first -errno. */
+static int spill_direct(kvr_disk *d, const kvr_disk_buf *bufs, size_t n,
+                        kvr_disk_handle *hs, uint8_t *hdr)
+{
+    uint64_t total = 0;
+    for (size_t i = 0; i < n; i++)
+        total += ext_alloc(&hs[i]);
+    dstream *w = kvr_mem_malloc(sizeof *w);
+    if (!w)
+        return -ENOMEM;
+    int rc = ds_init(w, d, total);
+    for (size_t i = 0; i < n && !rc && !w->err; i++) {
+        seg *s = seg_find(d, hs[i].seg);
+        uint8_t *h = hdr + i * EXT_HDR;
+        size_t alloc = ext_alloc(&hs[i]);
+        if (alloc <= w->piece) {
+            /* Copy the data in cache-sized pieces, checksumming each while
+             * it is hot, then put the header (it carries the checksum) in
+             * front. */
+            uint8_t *out = ds_alloc(w, alloc, NULL, NULL);
+            if (w->err)
+                break;
+            const uint8_t *src = bufs[i].data;
+            uint32_t crc = 0;
+            for (size_t x = 0; x < hs[i].len; x += DIO_PIECE) {
+                size_t m = hs[i].len - x < DIO_PIECE ? hs[i].len - x : DIO_PIECE;
+                memcpy(out + EXT_HDR + x, src + x, m);
+                crc = kvr_crc32c(crc, out + EXT_HDR + x, m);
+            }
+            memset(out + EXT_HDR + hs[i].len, 0, alloc - EXT_HDR - hs[i].len);
+            hs[i].crc = crc;
+            ext_header(out, hs[i].seq, s->id, hs[i].len, crc, hs[i].off);
+            ds_push(w, s->dfd, true, out, alloc, hs[i].off);
+            continue;
+        }
+        /* Larger than a request: checksum first, then pieces. */
+        hs[i].crc = kvr_crc32c(0, bufs[i].data, bufs[i].len);
+        ext_header(h, hs[i].seq, s->id, hs[i].len, hs[i].crc, hs[i].off);
+        for (size_t pos = 0; pos < alloc && !w->err;) {
+            size_t k = alloc - pos < w->piece ? alloc - pos : w->piece;
+            uint8_t *out = ds_alloc(w, k, NULL, NULL);
+            if (w->err)
+                break;
+            image_copy(out, h, bufs[i].data, hs[i].len, pos, k);
+            ds_push(w, s->dfd, true, out, k, hs[i].off + pos);
+            pos += k;
+        }
+    }
+    while (w->qn)
+        ds_reap(w, NULL, NULL);
+    if (!rc)
+        rc = w->err;
+    kvr_mem_free(w);
+    return rc;
+}
+
+/* A load's destination: per position k of ord, the handle ord[k]'s
+ * header, running checksum and first error. */
+typedef struct ldst {
+    const kvr_disk_handle *hs;
+    const size_t          *ord;
+    void *const           *dst;
+    uint8_t               *hdr;
+    uint32_t              *crc;
+    int                   *res;
+} ldst;
+
+/* A completed read: its bytes go to their extent (header into hdr[k], data
+ * into dst with the running checksum), or its error to res[k] (-EIO if the
+ * file ended before the extent's data did). */
+static void ld_take(dstream *s, size_t slot, void *arg)
+{
+    ldst *l = arg;
+    const kvr_dio_req *q = &s->q[slot];
+    const uint8_t *b = q->iov[0].iov_base;
+    size_t k = s->k[slot], a = s->pos[slot], e = a + q->iov[0].iov_len;
+    const kvr_disk_handle *h = &l->hs[l->ord[k]];
+    size_t need = EXT_HDR + (size_t)h->len;
+    if (l->res[k])
+        return;
+    if (q->res) {
+        l->res[k] = q->res;
+        return;
+    }
+    if (a + q->done < (e < need ? e : need)) {
+        l->res[k] = -EIO;               /* the file ended inside the extent */
+        return;
+    }
+    size_t a0 = a;                      /* image byte x is b[x - a0] */
+    if (a < EXT_HDR) {
+        size_t m = (e < EXT_HDR ? e : EXT_HDR) - a;
+        memcpy(l->hdr + k * EXT_HDR + a, b + (a - a0), m);
+        a += m;
+    }
+    uint8_t *out = l->dst[l->ord[k]];  /* image byte x >= EXT_HDR: out[x - EXT_HDR] */
+    while (a < e && a < need) {
+        size_t end = e < need ? e : need;
+        if (end - a > DIO_PIECE)
+            end = a + DIO_PIECE;
+        memcpy(out + (a - EXT_HDR), b + (a - a0), end - a);
+        l->crc[k] = kvr_crc32c(l->crc[k], out + (a - EXT_HDR), end - a);
+        a = end;
+    }
+}
+
+/* Fresh destination memory (a reload's new block buffers) would take one
+ * page fault per 4 KiB in the copy out of staging; one madvise faults in
+ * the whole pages of the buffer at once, while earlier reads are on the
+ * device. Advisory: a kernel without MADV_POPULATE_WRITE (5.14) refuses
+ * it and the copy faults as before. Only whole pages inside [p, p + n). */
+static void prefault(void *p, size_t n)
+{
+#ifdef MADV_POPULATE_WRITE
+    static atomic_int off;
+    const uintptr_t pg = 4096;
+    uintptr_t a = ((uintptr_t)p + pg - 1) & ~(pg - 1), e = ((uintptr_t)p + n) & ~(pg - 1);
+    if (n < (64u << 10) || e <= a || atomic_load_explicit(&off, memory_order_relaxed))
+        return;
+    if (madvise((void *)a, e - a, MADV_POPULATE_WRITE) != 0 && errno == EINVAL)
+        atomic_store_explicit(&off, 1, memory_order_relaxed);
+#else
+    (void)p;
+    (void)n;
+#endif
+}
+
+static int ord_cmp(const void *a, const void *b, void *arg)
+{
+    const kvr_disk_handle *hs = arg;
+    const kvr_disk_handle *x = &hs[*(const size_t *)a];
+    const kvr_disk_handle *y = &hs[*(const size_t *)b];
+    if (x->seg != y->seg)
+        return x->seg < y->seg ? -1 : 1;
+    return x->off < y->off ? -1 : x->off > y->off;
+}
+
+/* Reads the extents ord[0..nk) of hs (all in segments with a direct
+ * descriptor) into dst; hdr/crc/res are per position in ord, which is
+ * sorted here by segment and offset (sequential on the device). Requests
+ * stay queued up to the depth / staging; each is checked and copied out
+ * as it completes while the later ones are on the device. */
+static void load_direct(kvr_disk *d, const kvr_disk_handle *hs, void *const *dst,
+                        size_t *ord, size_t nk, uint8_t *hdr, uint32_t *crc, int *res)
+{
+    qsort_r(ord, nk, sizeof *ord, ord_cmp, (void *)(uintptr_t)hs);
+    uint64_t total = 0;
+    for (size_t k = 0; k < nk; k++)
+        total += ext_alloc(&hs[ord[k]]);
+    ldst l = { .hs = hs, .ord = ord, .dst = dst, .hdr = hdr, .crc = crc, .res = res };
+    dstream *r = kvr_mem_malloc(sizeof *r);
+    if (!r || ds_init(r, d, total) != 0) {
+        for (size_t k = 0; k < nk; k++)
+            res[k] = -ENOMEM;
+        kvr_mem_free(r);
+        return;
+    }
+    for (size_t k = 0; k < nk; k++) {
+        const kvr_disk_handle *h = &hs[ord[k]];
+        seg *s = seg_find(d, h->seg);
+        size_t alloc = ext_alloc(h);
+        for (size_t pos = 0; pos < alloc;) {
+            if (pos == 0)
+                prefault(dst[ord[k]], h->len);
+            size_t len = alloc - pos < r->piece ? alloc - pos : r->piece;
+            uint8_t *p = ds_alloc(r, len, ld_take, &l);
+            size_t slot = (r->qh + r->qn) % KVR_DIO_STREAM_MAX;
+            r->k[slot] = k;
+            r->pos[slot] = pos;
+            ds_push(r, s->dfd, false, p, len, h->off + pos);
+            pos += len;
+        }
+    }
+    while (r->qn)
+        ds_reap(r, ld_take, &l);
+    kvr_mem_free(r);
+}
+
 /* ---- spill store ------------------------------------------------------------------ */
 int kvr_disk_spill(kvr_disk *d, const kvr_disk_buf *bufs, size_t n,
                    kvr_disk_handle *hs, bool sync, kvr_error *err)
@@ -914,7 +1256,6 @@ int kvr_disk_spill(kvr_disk *d, const kvr_disk_buf *bufs, size_t n,
                                  bufs[i].len, KVR_DISK_MAX_EXTENT);
         need += align_up(EXT_HDR + (uint64_t)bufs[i].len);
         hs[i].len = (uint32_t)bufs[i].len;
-        hs[i].crc = kvr_crc32c(0, bufs[i].data, bufs[i].len);   /* outside the lock */
     }
     uint8_t *hdr = kvr_mem_malloc(n * EXT_HDR);
     kvr_dio_req *q = kvr_mem_calloc(n, sizeof *q);
@@ -934,6 +1275,7 @@ int kvr_disk_spill(kvr_disk *d, const kvr_disk_buf *bufs, size_t n,
                            d->data_bytes + d->log_size, need, d->cfg.max_bytes);
         goto out;
     }
+    bool direct = true;
     for (size_t i = 0; i < n; i++) {
         uint64_t alloc = align_up(EXT_HDR + (uint64_t)bufs[i].len);
         if (!d->active || (d->active->size > 0 &&
@@ -950,14 +1292,25 @@ int kvr_disk_spill(kvr_disk *d, const kvr_disk_buf *bufs, size_t n,
         hs[i].off = s->size;
         hs[i].seq = ++d->seq;
         s->size += alloc;
-        ext_header(hdr + i * EXT_HDR, hs[i].seq, s->id, hs[i].len, hs[i].crc, hs[i].off);
-        q[i] = (kvr_dio_req){ .fd = s->fd, .write = true, .iovcnt = 2, .off = hs[i].off };
-        q[i].iov[0].iov_base = hdr + i * EXT_HDR;
-        q[i].iov[0].iov_len = EXT_HDR;
-        q[i].iov[1].iov_base = (void *)(uintptr_t)bufs[i].data;
-        q[i].iov[1].iov_len = bufs[i].len;
+        if (s->dfd < 0)
+            direct = false;
     }
-    int io = kvr_dio_run(d->io, q, n);
+    int io;
+    if (direct) {
+        io = spill_direct(d, bufs, n, hs, hdr);
+    } else {
+        for (size_t i = 0; i < n; i++) {
+            seg *s = seg_find(d, hs[i].seg);
+            hs[i].crc = kvr_crc32c(0, bufs[i].data, bufs[i].len);
+            ext_header(hdr + i * EXT_HDR, hs[i].seq, s->id, hs[i].len, hs[i].crc, hs[i].off);
+            q[i] = (kvr_dio_req){ .fd = s->fd, .write = true, .iovcnt = 2, .off = hs[i].off };
+            q[i].iov[0].iov_base = hdr + i * EXT_HDR;
+            q[i].iov[0].iov_len = EXT_HDR;
+            q[i].iov[1].iov_base = (void *)(uintptr_t)bufs[i].data;
+            q[i].iov[1].iov_len = bufs[i].len;
+        }
+        io = kvr_dio_run(d->io, q, n);
+    }
     size_t reg = 0;
     if (io == 0) {
         for (; reg < n; reg++) {
@@ -1032,6 +1385,8 @@ int kvr_disk_load(kvr_disk *d, const kvr_disk_handle *hs, void *const *dst,
     }
     int first = 0;
     size_t nq = 0;
+    uint32_t *crc = NULL;
+    int *res = NULL;
     pthread_mutex_lock(&d->mu);
     if (d->state == ST_OPEN) {
         first = kvr_error_set(err, KVR_EINVAL, "disk: load before recover");
@@ -1058,7 +1413,25 @@ int kvr_disk_load(kvr_disk *d, const kvr_disk_handle *hs, void *const *dst,
         q[nq].iov[1].iov_len = hs[i].len;
         map[nq++] = i;
     }
-    (void)kvr_dio_run(d->io, q, nq);
+    bool direct = nq > 0;
+    for (size_t k = 0; k < nq && direct; k++)
+        direct = seg_find(d, hs[map[k]].seg)->dfd >= 0;
+    if (direct) {
+        crc = kvr_mem_calloc(nq, sizeof *crc);
+        res = kvr_mem_calloc(nq, sizeof *res);
+        if (!crc || !res) {
+            if (!first)
+                first = kvr_error_set(err, KVR_ENOMEM, "disk: out of memory");
+            for (size_t k = 0; k < nq && status; k++)
+                status[map[k]] = KVR_ENOMEM;
+            goto out;
+        }
+        load_direct(d, hs, dst, map, nq, hdr, crc, res);
+        for (size_t k = 0; k < nq; k++)
+            q[k].res = res[k];
+    } else {
+        (void)kvr_dio_run(d->io, q, nq);
+    }
     for (size_t k = 0; k < nq; k++) {
         size_t i = map[k];
         int st = 0;
@@ -1067,7 +1440,7 @@ int kvr_disk_load(kvr_disk *d, const kvr_disk_handle *hs, void *const *dst,
             if (!first)
                 first = io_error(q[k].res, "load read", err);
         } else if (!ext_header_ok(hdr + k * EXT_HDR, &hs[i]) ||
-                   kvr_crc32c(0, dst[i], hs[i].len) != hs[i].crc) {
+                   (direct ? crc[k] : kvr_crc32c(0, dst[i], hs[i].len)) != hs[i].crc) {
             st = KVR_EIO;
             d->n_quarantined++;
             if (!first)
@@ -1084,6 +1457,8 @@ out:
     kvr_mem_free(hdr);
     kvr_mem_free(q);
     kvr_mem_free(map);
+    kvr_mem_free(crc);
+    kvr_mem_free(res);
     return first;
 }
 

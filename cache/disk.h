@@ -39,9 +39,28 @@
  *    (one counter for records and extents).
  *  log-XXXXXXXX.kvl.tmp  a checkpoint being written; ignored and removed.
  *
+ * ---- data path --------------------------------------------------------------
+ *
+ *  Spills and loads go through a second descriptor of each segment opened
+ *  with O_DIRECT (unless cfg.buffered, or the filesystem refuses it: then
+ *  the page cache as before; the bytes on disk are the same either way,
+ *  so either reads what the other wrote). An extent's whole image (header,
+ *  data, zero padding up to its 4 KiB-aligned allocation) is staged in an
+ *  aligned ring (KVR_DIO_STAGE = 16 MiB per kvr_disk, kept between calls,
+ *  sized down to the call's bytes) and written as one request (4 MiB
+ *  pieces if larger); the data is copied and checksummed in 64 KiB steps
+ *  while it is in cache, and the request is pushed as soon as it is
+ *  staged (kvr_dio_push), so the device works on the earlier ones
+ *  meanwhile; a request's staging is reused once it is reaped (oldest
+ *  first). A load sorts the batch by segment and offset, keeps up to the
+ *  queue depth / ring of reads queued, and checks and copies each out as
+ *  it completes. A load reads each extent's whole allocation (an older
+ *  file may end inside the last granule: eof_ok). Durability is unchanged:
+ *  O_DIRECT writes are made durable by the same fdatasync as before.
+
  * ---- write ordering (why a crash leaves the old state or the new) -----------
  *
- *  spill:      pwritev(header+data) at the segment tail. Not durable yet.
+ *  spill:      write(header+data+padding) at the segment tail. Not durable yet.
  *  log_append: (1) fdatasync every segment written since the last sync (and
  *              the directory once a new segment file exists), (2) write the
  *              record at the log tail, (3) fdatasync the log, (4) return 0.
@@ -134,6 +153,8 @@ typedef struct kvr_disk_config {
     uint32_t        queue_depth;    /* io_uring entries; 0 = 64 */
     uint64_t        checkpoint_bytes; /* log size that wants a checkpoint;
                                          0 = 64 MiB */
+    bool            buffered;       /* no O_DIRECT for spills and loads (used
+                                       anyway where the filesystem refuses it) */
 } kvr_disk_config;
 
 /* Where a spilled byte string lives. Plain data: copy it freely; persist it
@@ -296,9 +317,14 @@ typedef struct kvr_dio_req {
     struct iovec iov[2];
     int          iovcnt;
     uint64_t     off;
+    bool         eof_ok;          /* a read may stop at end of file (res 0,
+                                     done < length): O_DIRECT reads of a whole
+                                     4 KiB granule whose file ends inside it */
     int          res;             /* out: 0 or -errno (short = -EIO/-ENOSPC); the
                                      raw system result, which disk.c turns into
                                      KVR_EIO / KVR_ENOMEM with its strerror text */
+    size_t       done;            /* out: bytes transferred when res == 0 */
+    bool         s_uring;         /* engine-private (a stream request in the ring) */
 } kvr_dio_req;
 
 /* engine: AUTO/URING/POSIX; note receives why io_uring was not used (not an
@@ -312,6 +338,17 @@ const char *kvr_dio_name(const kvr_dio *io);
  * -errno (the system's value, as in kvr_dio_req.res). */
 int  kvr_dio_run(kvr_dio *io, kvr_dio_req *r, size_t n);
 int  kvr_dio_fsync(kvr_dio *io, int fd);     /* fdatasync semantics */
+/* Streams: push starts one request (io_uring: submitted at once; posix:
+ * queued to the engine's I/O thread) and returns; reap returns the oldest
+ * pushed request once it is complete (res and done set), or NULL if none
+ * is outstanding. At most kvr_dio_depth(io) outstanding; r and its buffers
+ * stay the caller's until reaped. Between pushes and reaps the caller may
+ * work on other buffers but makes no other kvr_dio call; every pushed
+ * request is reaped before the next kvr_dio_run / fsync. */
+#define KVR_DIO_STREAM_MAX 64u
+uint32_t     kvr_dio_depth(const kvr_dio *io);   /* <= KVR_DIO_STREAM_MAX */
+void         kvr_dio_push(kvr_dio *io, kvr_dio_req *r);
+kvr_dio_req *kvr_dio_reap(kvr_dio *io);
 void kvr_dio_fault_set(kvr_dio *io, unsigned ops, uint64_t nth, int err_no,
                        uint64_t count);
 /* 0, or -errno when the test asked this operation of kind `op` to fail

@@ -151,6 +151,34 @@ static void iov_push(kvr_read *r, size_t layer_first, uint8_t *p, size_t len)
  * to respect) in pieces that stay in L1 */
 #define FOLD_PIECE_SAME 8
 
+/* Whether a staged run's keys go in one pass (kvr_read_run.one_pass): a
+ * plain block whose keys are folded where the positions agree, or move by
+ * one delta (target - stored-at, the same for every token, as after an
+ * edit or for one document of an assemble) under RoPE that composes. The
+ * general path (kvr_block_read_side, per-token positions, f32 scratch for
+ * the fold) keeps everything else: quantized blocks, deltas that differ,
+ * length-dependent RoPE. */
+static bool run_one_pass(const kvr_read *r, const kvr_read_run *run, int64_t *delta)
+{
+    if (run->rd->quant)
+        return false;
+    if (run->same)
+        return run->fold;
+    if (!kvr_rope_config_composes(&r->m->rope_cfg))
+        return false;
+    const int64_t *to = r->targets + run->tok, *from = r->from + run->tok;
+    int64_t d;
+    if (__builtin_sub_overflow(to[0], from[0], &d))
+        return false;
+    for (uint32_t i = 1; i < run->count; i++) {
+        int64_t di;
+        if (__builtin_sub_overflow(to[i], from[i], &di) || di != d)
+            return false;
+    }
+    *delta = d;
+    return true;
+}
+
 int kvr_read_stage(kvr_read *r, kvr_ctx *keep, const char *what, kvr_error *err)
 {
     if (r->meta_only || r->n == 0)
@@ -166,7 +194,11 @@ int kvr_read_stage(kvr_read *r, kvr_ctx *keep, const char *what, kvr_error *err)
         run->v_zc = plain;
         run->k_zc = plain && run->same && !run->fold;
         size_t need = 0;
-        if (!run->k_zc) {
+        run->one_pass = !run->k_zc && run_one_pass(r, run, &run->delta);
+        if (run->one_pass) {
+            run->k_off = r->kst;   /* straight into the staging: no scratch */
+            r->kst += run->count * rowb;
+        } else if (!run->k_zc) {
             run->k_off = r->kst;
             r->kst += run->count * rowb;
             /* f32 keys before 1/T, a piece at a time (layer_to) */
@@ -285,6 +317,23 @@ bool kvr_read_needs_work(const kvr_read *r)
  * Else out is layer li's bytes of the payload in wire order (K of every run,
  * then V of every run): staged runs are computed there, zero-copy ones
  * copied. */
+/* A one_pass run's keys of layer l into dst: one read of the block, one
+ * write of dst, the rotation's table made once per run; the bits of the
+ * general path (rope.h: kvr_convert_scaled, kvr_rope_reposition_delta). */
+static int keys_one_pass(const kvr_read *r, const kvr_read_run *run, uint32_t l, uint8_t *dst)
+{
+    const kvr_model *m = r->m;
+    const kvr_block *b = run->rd;
+    const void *src = kvr_block_kv(b, l, 0, run->first);
+    float k = run->fold ? r->inv_t : 1.0f;
+    if (run->same) {
+        kvr_convert_scaled(dst, r->odt, src, b->dtype, run->count * kvr_model_row(m), k);
+        return 0;
+    }
+    return kvr_rope_reposition_delta(kvr_rope_layer(m->engine, l), dst, r->odt, src, b->dtype,
+                                     run->count, m->n_kv_heads, run->delta, k, &r->ro);
+}
+
 static int layer_to(kvr_read *r, size_t li, uint8_t *out)
 {
     const kvr_model *m = r->m;
@@ -307,7 +356,9 @@ static int layer_to(kvr_read *r, size_t li, uint8_t *out)
             memcpy(ko, kvr_block_kv(run->rd, l, 0, run->first), run->count * rowb);
         if (out && run->v_zc)
             memcpy(vo, kvr_block_kv(run->rd, l, 1, run->first), run->count * rowb);
-        if (!run->k_zc) {
+        if (run->one_pass) {
+            rc = keys_one_pass(r, run, l, out ? ko : base + run->k_off);
+        } else if (!run->k_zc) {
             uint8_t *dst = out ? ko : base + run->k_off;
             bool via = run->fold && odt != KVR_DTYPE_F32;
             /* Folded runs go a piece at a time, so the f32 keys are still in

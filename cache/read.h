@@ -42,6 +42,11 @@ typedef struct kvr_read_run {
     bool             same;       /* targets equal stored-at for every token */
     bool             fold;       /* keys divided by the temperature */
     bool             k_zc, v_zc; /* zero-copy from block memory */
+    bool             one_pass;   /* keys of a plain block produced in one pass:
+                                    converted with 1/T (same), or rotated by
+                                    the one `delta` of every token (1/T folded
+                                    in the same loop) */
+    int64_t          delta;
     size_t           k_off, v_off;   /* else: offsets in the layer's staging */
 } kvr_read_run;
 

@@ -334,7 +334,7 @@ int kvr_store_reserve(kvr_store *s, size_t need, kvr_error *err)
         /* Disk tier: spill the least recently used block instead; drop
          * only when the disk refuses (full, failed) or nothing is left to
          * spill. Persistent contexts are never dropped. */
-        int sp = s->hooks ? s->hooks->evict_one(s) : 0;
+        int sp = s->hooks ? s->hooks->evict(s, kvr_mem_allocated() + need - cap) : 0;
         if (sp == 1)
             continue;
         kvr_ctx *v = s->lru_tail;

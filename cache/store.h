@@ -34,8 +34,10 @@ typedef struct kvr_tier_hooks {
     void   (*ctx_gone)(kvr_store *s, kvr_ctx *c);
     /* Bytes that spilling every resident unheld block would give back. */
     size_t (*freeable)(kvr_store *s);
-    /* Spills one block: 1 freed memory, 0 nothing to spill, or KVR_E*. */
-    int    (*evict_one)(kvr_store *s);
+    /* Spills least recently used blocks, about `want` bytes of memory in
+     * one batch (at least one block): 1 freed memory, 0 nothing to spill,
+     * or KVR_E*. */
+    int    (*evict)(kvr_store *s, size_t want);
     /* Reloads of spilled blocks: see kvr_store_reload_begin below. */
     int    (*reload_begin)(kvr_store *s, kvr_block *const *bs, size_t n, kvr_ctx *pf,
                            kvr_reload **out, kvr_error *err);

@@ -5,8 +5,10 @@
  *
  * Where the I/O happens (the store is single-threaded on the loop thread):
  *  - Spill at eviction: synchronous, on the loop thread, inside
- *    kvr_store_reserve; one block per step and only as many as the request
- *    needs (bounded by the request's size). A block that already has a
+ *    kvr_store_reserve; one batch per step (tier_evict: the LRU blocks
+ *    worth what the request still needs, at most 64 blocks / 64 MiB, one
+ *    kvr_disk_spill that the layer writes as large O_DIRECT pieces with
+ *    its queue kept busy), so bounded by the request's size. A block that already has a
  *    valid disk copy (a persistent context's, or one reloaded since) is
  *    dropped from memory without any I/O.
  *  - Reload for get / assemble: off the loop thread (the reload hooks, store.h). Begin
@@ -71,8 +73,8 @@
  * disk may or may not have it) and the next record of the context writes
  * its whole state again.
  *
- * Next: the quantized put's reloads in its work, batched eviction spills,
- * delta records.
+ * Next: the quantized put's reloads in its work, eviction spills on a
+ * worker (the loop waits for the batch today), delta records.
  */
 #include <inttypes.h>
 #include <stddef.h>
@@ -544,48 +546,84 @@ static size_t tier_freeable(kvr_store *s)
     return total;
 }
 
-/* Writes b's data to disk (if it has no valid copy) and frees it. */
-static int spill_block(kvr_store *s, kvr_block *b)
-{
-    kvr_tier *t = s->tier;
-    if (!(b->disk && b->disk->used == b->used)) {
-        kvr_disk_buf buf = { b->data, kvr_block_data_len(b) };
-        kvr_disk_handle h;
-        kvr_error e;
-        int rc = kvr_disk_spill(t->d, &buf, 1, &h, false, &e);
-        if (rc != 0)
-            return rc;
-        if (set_copy(s, b, &h, b->used) != 0) {
-            kvr_disk_free(t->d, &h, NULL);
-            return KVR_ENOMEM;
-        }
-        t->n_spills++;
-        t->spill_bytes += buf.len;
-    }
-    return make_spilled(s, b);
-}
+/* The most one eviction step writes in one batch (one kvr_disk_spill: the
+ * layer coalesces the blocks into large writes and keeps its queue full). */
+#define TIER_SPILL_BATCH_BYTES ((size_t)64 << 20)
+#define TIER_SPILL_BATCH_MAX   64
 
-static int tier_evict_one(kvr_store *s)
+/* One eviction step: the least recently used unheld blocks, from the LRU
+ * tail (a context's last blocks first), until about `want` bytes of memory
+ * would be freed (at least one block, at most a batch). Blocks with a
+ * valid disk copy go without I/O; the others are written in one batch
+ * (all or nothing). 1 freed memory, 0 nothing to spill, or KVR_E*. */
+static int tier_evict(kvr_store *s, size_t want)
 {
     kvr_tier *t = s->tier;
     if (!t)
         return 0;
-    for (kvr_ctx *c = s->lru_tail; c; c = c->lru_prev) {
+    kvr_block *bs[TIER_SPILL_BATCH_MAX];
+    kvr_disk_buf bufs[TIER_SPILL_BATCH_MAX];
+    size_t n = 0, nio = 0, freed = 0, io_bytes = 0;
+    uint32_t ep = ++s->epoch;
+    for (kvr_ctx *c = s->lru_tail; c && n < TIER_SPILL_BATCH_MAX; c = c->lru_prev) {
         if (!evictable(c))
             continue;
-        for (size_t i = c->n_ext; i-- > 0;) {
+        for (size_t i = c->n_ext; i-- > 0 && n < TIER_SPILL_BATCH_MAX;) {
             kvr_block *b = c->ext[i].block;
-            if (!spillable(b))
+            if (!spillable(b) || b->mark == ep)
                 continue;
-            int rc = spill_block(s, b);
-            if (rc != 0) {
-                t->n_spill_refused++;
-                return rc;
+            bool io = !(b->disk && b->disk->used == b->used);
+            size_t len = kvr_block_data_len(b);
+            if (io && nio > 0 && io_bytes + len > TIER_SPILL_BATCH_BYTES)
+                goto collected;
+            b->mark = ep;
+            bs[n++] = b;
+            if (io) {
+                bufs[nio++] = (kvr_disk_buf){ b->data, len };
+                io_bytes += len;
             }
-            return 1;
+            size_t sp = kvr_block_spilled_bytes(b);
+            freed += b->bytes > sp ? b->bytes - sp : 0;
+            if (freed >= want)
+                goto collected;
         }
     }
-    return 0;
+collected:
+    if (n == 0)
+        return 0;
+    kvr_disk_handle hs[TIER_SPILL_BATCH_MAX];
+    int io_rc = 0;
+    if (nio) {
+        kvr_error e;
+        io_rc = kvr_disk_spill(t->d, bufs, nio, hs, false, &e);
+        if (io_rc != 0)
+            t->n_spill_refused++;   /* none of the batch's writes count */
+    }
+    /* The blocks that needed no I/O go even when the batch was refused. */
+    int rc = 0;
+    size_t k = 0, done = 0;
+    for (size_t i = 0; i < n; i++) {
+        kvr_block *b = bs[i];
+        if (!(b->disk && b->disk->used == b->used)) {
+            if (io_rc != 0)
+                continue;
+            const kvr_disk_handle *h = &hs[k++];
+            if (rc != 0 || set_copy(s, b, h, b->used) != 0) {
+                kvr_disk_free(t->d, h, NULL);
+                rc = KVR_ENOMEM;
+                continue;
+            }
+            t->n_spills++;
+            t->spill_bytes += h->len;
+        }
+        if (rc != 0)
+            continue;
+        if (make_spilled(s, b) != 0)
+            rc = KVR_ENOMEM;
+        else
+            done++;
+    }
+    return done > 0 ? 1 : io_rc != 0 ? io_rc : rc;
 }
 
 int64_t kvr_store_tier_evict(kvr_store *s, size_t bytes, kvr_error *err)
@@ -594,7 +632,7 @@ int64_t kvr_store_tier_evict(kvr_store *s, size_t bytes, kvr_error *err)
         return kvr_error_set(err, KVR_EUNSUPPORTED, "no disk tier");
     size_t before = s->pool.bytes, freed = 0;
     while (freed < bytes) {
-        int rc = tier_evict_one(s);
+        int rc = tier_evict(s, bytes - freed);
         if (rc < 0)
             return kvr_error_set(err, rc, "spilling failed");
         if (rc == 0)
@@ -1761,7 +1799,7 @@ static void tier_close(kvr_store *s);
 static const kvr_tier_hooks tier_hooks = {
     .ctx_gone = on_ctx_gone,
     .freeable = tier_freeable,
-    .evict_one = tier_evict_one,
+    .evict = tier_evict,
     .reload_begin = reload_begin,
     .reload_view = reload_view,
     .reload_pending = reload_pending,

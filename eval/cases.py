@@ -117,11 +117,12 @@ def _git(repo, *args):
     return r.stdout if r.returncode == 0 else None
 
 
-def git_edits(n, repo, budget=WINDOW):
+def git_edits(n, repo, budget=WINDOW, per_file=2):
     """Real edits replayed from the repository's history of its Python files
-    (oldest first). Each case: the first changed region of one file in one
-    commit, with up to 8 lines before it, and lines after it up to `budget`
-    bytes, where the window holds that one change only."""
+    (oldest first). Each case: one changed region of one file in one commit
+    (up to `per_file` regions per file and commit), with up to 8 unchanged
+    lines before it and unchanged lines after it up to `budget` bytes, the
+    window holding that one change only."""
     log = _git(repo, "log", "--reverse", "--format=%H", "--", "*.py")
     if not log:
         return []
@@ -134,41 +135,40 @@ def git_edits(n, repo, budget=WINDOW):
             old, new = _git(repo, "show", f"{c}^:{f}"), _git(repo, "show", f"{c}:{f}")
             if old is None or new is None:
                 continue
-            case = _real_window(old, new, budget)
-            if case:
-                out.append(("real", f"{f}@{c[:8]}", case[0], case[1]))
-                break   # one case per commit: spread over the history
-        if len(out) >= n:
-            break
+            for k, case in enumerate(_real_windows(old, new, budget)[:per_file]):
+                out.append(("real", f"{f}@{c[:8]}#{k}", case[0], case[1]))
+                if len(out) >= n:
+                    return out
     return out
 
 
-def _real_window(old, new, budget):
+def _real_windows(old, new, budget):
     lo, ln = _lines(old), _lines(new)
-    ops = [o for o in difflib.SequenceMatcher(None, lo, ln, autojunk=False).get_opcodes()]
+    ops = difflib.SequenceMatcher(None, lo, ln, autojunk=False).get_opcodes()
     ch = [o for o in ops if o[0] != "equal"]
-    if not ch:
-        return None
-    tag, i1, i2, j1, j2 = ch[0]
-    changed = sum(len(x) for x in lo[i1:i2]) + sum(len(x) for x in ln[j1:j2])
-    if changed > 200 or changed == 0:
-        return None
-    s = max(0, i1 - 8)
-    nxt = ch[1][1] if len(ch) > 1 else len(lo)        # the window stops before the next change
-    size = sum(len(x) for x in lo[s:i2])
-    e = i2
-    while e < min(nxt, len(lo)) and size + len(lo[e]) <= budget:
-        size += len(lo[e])
-        e += 1
-    if e - i2 < 4 or sum(len(x) for x in lo[i2:e]) < 96:
-        return None
-    ob = b"".join(lo[s:e])
-    # before the first change old and new lines are the same (i1 == j1), and
-    # up to the next change old lines i2.. are new lines j2..
-    nb = b"".join(ln[s:j2]) + b"".join(lo[i2:e])
-    if ob == nb or len(nb) > budget + 200:
-        return None
-    return ob, nb
+    out = []
+    for q, (tag, i1, i2, j1, j2) in enumerate(ch):
+        changed = sum(len(x) for x in lo[i1:i2]) + sum(len(x) for x in ln[j1:j2])
+        if changed > 300 or changed == 0:
+            continue
+        prev = ch[q - 1][2] if q > 0 else 0            # old lines before i1 back to prev are unchanged
+        s = max(prev, i1 - 8)
+        if i1 - s < 2:
+            continue
+        nxt = ch[q + 1][1] if q + 1 < len(ch) else len(lo)   # stop before the next change
+        size = sum(len(x) for x in lo[s:i2])
+        e = i2
+        while e < min(nxt, len(lo)) and size + len(lo[e]) <= budget:
+            size += len(lo[e])
+            e += 1
+        if e - i2 < 4 or sum(len(x) for x in lo[i2:e]) < 96:
+            continue
+        d = j1 - i1                                     # old line x before the change is new line x + d
+        ob = b"".join(lo[s:e])
+        nb = b"".join(ln[s + d:j2]) + b"".join(lo[i2:e])
+        if ob != nb and len(nb) <= budget + 200 and len(ob) <= budget + 200:
+            out.append((ob, nb))
+    return out
 
 
 def doc_cases(n, seed=2, k=3, chunk=96, cont=128, files=None, skip=0):

@@ -153,15 +153,22 @@ def pie_case(client, engine, model, uid, A, B, ks=REFRESH_KS, with_nextline=True
     nl = next_line_at(B, hunks[-1][3]) if with_nextline else None
     full_cache = (full_kv, np.arange(len(B), dtype=np.int64))
 
-    def nextline(cache):
+    def nextline(cache, r):
+        """Greedy from the newline ending the last edited line: whether the
+        next line comes out exactly, and how many of its bytes come out
+        right before the first miss."""
         if nl is None:
-            return None
+            return
         i, line = nl
         g = engine.greedy(B, cache, i, len(line), NEWLINE)
-        return int(g == line)
+        same = 0
+        while same < min(len(g), len(line)) and int(g[same]) == int(line[same]):
+            same += 1
+        r["nextline"] = int(same == len(line) and len(g) == len(line))
+        r["nl_prefix"] = same
+        r["nl_len"] = len(line)
 
-    if nl is not None:
-        rows["full"]["nextline"] = nextline(full_cache)
+    nextline(full_cache, rows["full"])
     _, kv_a = engine.forward(A, np.arange(len(A)))
     base = f"{uid}-a"
     client.put(base, model, A, kv_a, mode="create")
@@ -178,8 +185,7 @@ def pie_case(client, engine, model, uid, A, B, ks=REFRESH_KS, with_nextline=True
                 lg = engine.score_in_cache(B, cache, first)[:len(targets)]
                 r = scores(lg, targets, ref)
                 r["encoded"] = n_new + n_ref
-                if nl is not None:
-                    r["nextline"] = nextline(cache)
+                nextline(cache, r)
                 rows["pie" if k == 0 else f"pie+{k}"] = r
                 if k == 0:   # naive reuse: the same cells, keys left where A had them
                     opos = naive_positions(A, B, hunks)
@@ -188,8 +194,7 @@ def pie_case(client, engine, model, uid, A, B, ks=REFRESH_KS, with_nextline=True
                     lg = engine.score_in_cache(B, ncache, first)[:len(targets)]
                     r = scores(lg, targets, ref)
                     r["encoded"] = n_new
-                    if nl is not None:
-                        r["nextline"] = nextline(ncache)
+                    nextline(ncache, r)
                     rows["naive"] = r
             finally:
                 client.delete(ctx)
@@ -263,6 +268,11 @@ def docs_case(client, engine, model, uid, prefix, chunks, cont, ape_ts, numpy_ap
         asm = client.assemble(pid, dids, layout="parallel", temperature=T, scale=1.0,
                               fold_temperature=True)
         rows["ape_folded"] = run(asm)
+        # APE's own default T (the daemon's, 0.9), folded: what an engine without an
+        # attention hook (llama.cpp) can apply
+        asm = client.assemble(pid, dids, layout="parallel", temperature=0.9, scale=1.0,
+                              fold_temperature=True)
+        rows["ape_folded_09"] = run(asm)
     finally:
         for d in dids + [pid]:
             client.delete(d)

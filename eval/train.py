@@ -155,7 +155,7 @@ def held_out_bpb(m, ids, seq):
 def main(argv):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True)
-    p.add_argument("--steps", type=int, default=600)
+    p.add_argument("--steps", type=int, default=450)
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--lr", type=float, default=3e-3)

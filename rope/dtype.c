@@ -72,6 +72,27 @@ void kvr_convert(void *dst, kvr_dtype dst_type, const void *src, kvr_dtype src_t
     }
 }
 
+void kvr_convert_scaled(void *dst, kvr_dtype dst_type, const void *src, kvr_dtype src_type,
+                        size_t n, float scale)
+{
+    if (n == 0 || !dst || !src) return;
+    size_t ssz = kvr_dtype_size(src_type), dsz = kvr_dtype_size(dst_type);
+    if (ssz == 0 || dsz == 0) return;
+    if (rope_isa_resolve(KVR_ISA_AUTO) == KVR_ISA_AVX512) {
+        rope_convert_scaled_avx512(dst, dst_type, src, src_type, n, scale);
+        return;
+    }
+    /* Through an f32 piece in L1: the same operations, in pieces. */
+    float f[1024];
+    for (size_t i = 0; i < n; i += 1024) {
+        size_t k = n - i < 1024 ? n - i : 1024;
+        kvr_convert(f, KVR_DTYPE_F32, (const char *)src + i * ssz, src_type, k);
+        for (size_t q = 0; q < k; q++)
+            f[q] *= scale;
+        kvr_convert((char *)dst + i * dsz, dst_type, f, KVR_DTYPE_F32, k);
+    }
+}
+
 /* One token: n_heads rows of head_dim elements. Each row is widened into a
  * float scratch row first, which also makes dst == src safe. */
 void rope_rows_scalar(void *dst, kvr_dtype dt, const void *src, kvr_dtype st,

@@ -376,6 +376,12 @@ typedef struct job {
     rope_tofloat_fn tofloat;
     rope_table_fn table;       /* NULL: sincos then tofloat */
     size_t t0, t1;
+    /* kvr_rope_reposition_delta: one angle a = delta for every token (a, b
+     * NULL), each result times scale when scaled */
+    bool fixed, scaled;
+    int64_t delta;
+    float scale;
+    rope_rows_scaled_fn rows_s;   /* NULL: through an f32 row per head */
 } job;
 
 /* a_t for token t, or false when it overflows int64 (the caller then falls
@@ -386,8 +392,51 @@ static inline bool token_a(const job *j, size_t t, int64_t *out)
     return !__builtin_sub_overflow(j->a[t], j->a_sub[t], out);
 }
 
+/* The fixed-angle range: the table of the one delta, made as run_range's
+ * mode 0 makes it for every reseed (the same bits), then every token. */
+static void run_fixed(const job *j)
+{
+    const kvr_rope *r = j->r;
+    int n = r->npairs, rot = r->rot, gptj = r->cfg.style == KVR_ROPE_GPTJ, hd = r->head_dim;
+    size_t row_elems = j->n_heads * (size_t)hd;
+    size_t ssz = kvr_dtype_size(j->st), dsz = kvr_dtype_size(j->dt);
+    double cc[KVR_ROPE_MAX_HEAD_DIM / 2], ss[KVR_ROPE_MAX_HEAD_DIM / 2];
+    float fc[KVR_ROPE_MAX_HEAD_DIM], fs[KVR_ROPE_MAX_HEAD_DIM];
+    float row[KVR_ROPE_MAX_HEAD_DIM];
+    if (j->t0 >= j->t1)
+        return;
+    if (j->table) {
+        j->table((double)j->delta, j->f1, 0.0, NULL, n, j->mag, gptj, ss, cc, fs, fc);
+    } else {
+        j->sincos((double)j->delta, j->f1, 0.0, NULL, n, ss, cc);
+        j->tofloat(cc, ss, n, j->mag, gptj, fc, fs);
+    }
+    for (size_t t = j->t0; t < j->t1; t++) {
+        char *d = (char *)j->dst + t * row_elems * dsz;
+        const char *s = (const char *)j->src + t * row_elems * ssz;
+        if (!j->scaled) {
+            j->rows(d, j->dt, s, j->st, j->n_heads, hd, rot, gptj, fc, fs);
+        } else if (j->rows_s) {
+            j->rows_s(d, j->dt, s, j->st, j->n_heads, hd, rot, gptj, fc, fs, j->scale);
+        } else {
+            /* each head rotated into f32 (in L1), scaled and converted */
+            for (size_t h = 0; h < j->n_heads; h++) {
+                j->rows(row, KVR_DTYPE_F32, s + h * (size_t)hd * ssz, j->st, 1, hd, rot, gptj,
+                        fc, fs);
+                for (int q = 0; q < hd; q++)
+                    row[q] *= j->scale;
+                kvr_convert(d + h * (size_t)hd * dsz, j->dt, row, KVR_DTYPE_F32, (size_t)hd);
+            }
+        }
+    }
+}
+
 static void run_range(const job *j)
 {
+    if (j->fixed) {
+        run_fixed(j);
+        return;
+    }
     const kvr_rope *r = j->r;
     int n = r->npairs, rot = r->rot, gptj = r->cfg.style == KVR_ROPE_GPTJ;
     size_t row_elems = j->n_heads * (size_t)r->head_dim;
@@ -632,6 +681,48 @@ int kvr_rope_reposition(const kvr_rope *r, void *dst, kvr_dtype dst_type,
         j.f1 = f_to;
         j.f2 = f_from;
     }
+    pick_tables(&j, opts);
+    return run(&j, n_tokens, opts);
+}
+
+int kvr_rope_reposition_delta(const kvr_rope *r, void *dst, kvr_dtype dst_type,
+                              const void *src, kvr_dtype src_type,
+                              size_t n_tokens, size_t n_heads, int64_t delta, float scale,
+                              const kvr_rope_opts *opts)
+{
+    bool scaled = isless(scale, 1.0f) || isgreater(scale, 1.0f) || isnan(scale);
+    if (scaled && dst == src && dst_type != src_type) return KVR_EINVAL;
+    if (scaled && r && r->npairs == 0) {
+        /* A layer without RoPE: keys pass through, scaled. */
+        size_t e;
+        if (kvr_dtype_size(dst_type) == 0 || kvr_dtype_size(src_type) == 0) return KVR_EINVAL;
+        if (n_tokens == 0 || n_heads == 0) return 0;
+        if (!dst || !src) return KVR_EINVAL;
+        if (__builtin_mul_overflow(n_tokens, n_heads, &e) ||
+            __builtin_mul_overflow(e, (size_t)r->head_dim * 4, &e))
+            return KVR_EINVAL;
+        kvr_convert_scaled(dst, dst_type, src, src_type, e / 4, scale);
+        return 0;
+    }
+    int rc = check_args(r, dst, dst_type, src, src_type, n_tokens, n_heads, &delta, &delta);
+    if (rc <= 0) return rc;
+    double f_to[KVR_ROPE_MAX_HEAD_DIM / 2], f_from[KVR_ROPE_MAX_HEAD_DIM / 2];
+    size_t fb = sizeof(double) * (size_t)r->npairs;
+    if (kvr_rope_config_composes(&r->cfg)) {
+        memcpy(f_to, r->inv_freq, fb);
+    } else {
+        rope_inv_freq(r, opts ? opts->seq_len_to : 0, f_to);
+        rope_inv_freq(r, opts ? opts->seq_len_from : 0, f_from);
+        if (memcmp(f_to, f_from, fb))
+            return KVR_EINVAL;   /* not a rotation by the delta */
+    }
+    kvr_isa isa = rope_isa_resolve(opts ? opts->isa : KVR_ISA_AUTO);
+    job j = {
+        .r = r, .dst = dst, .dt = dst_type, .src = src, .st = src_type, .n_heads = n_heads,
+        .f1 = f_to, .mag = 1.0, .rows = pick_rows(opts), .fixed = true, .scaled = scaled,
+        .delta = delta, .scale = scale,
+        .rows_s = isa == KVR_ISA_AVX512 ? rope_rows_scaled_avx512 : NULL,
+    };
     pick_tables(&j, opts);
     return run(&j, n_tokens, opts);
 }

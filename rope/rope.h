@@ -55,6 +55,12 @@ uint16_t kvr_f32_to_bf16(float f);                  /* RNE, nan stays nan */
 void kvr_convert(void *dst, kvr_dtype dst_type,
                  const void *src, kvr_dtype src_type, size_t n);
 
+/* dst = src * scale element-wise: each element widened to f32, multiplied
+ * in f32 and rounded once to dst_type; the same bits as kvr_convert to
+ * f32, a multiply and kvr_convert back, in one pass. dst != src. */
+void kvr_convert_scaled(void *dst, kvr_dtype dst_type,
+                        const void *src, kvr_dtype src_type, size_t n, float scale);
+
 /* ---- configuration ------------------------------------------------------ */
 
 typedef enum kvr_rope_style {
@@ -241,6 +247,21 @@ int kvr_rope_reposition(const kvr_rope *r, void *dst, kvr_dtype dst_type,
                         size_t n_tokens, size_t n_heads,
                         const int64_t *from, const int64_t *to,
                         const kvr_rope_opts *opts);
+
+/* reposition by one delta for every token (to - from = delta), each result
+ * multiplied by `scale` in f32 before it is rounded to dst_type (APE's
+ * temperature folded into the keys), in one pass: the per-token table is
+ * computed once per call (per thread's share) and reused for every token.
+ * The same bits as kvr_rope_reposition with those positions into f32,
+ * times scale, kvr_convert to dst_type; with scale 1 exactly
+ * kvr_rope_reposition. For RoPE that composes, or tables of the two
+ * lengths in opts that are the same; KVR_EINVAL otherwise (and for what
+ * reposition refuses). dst != src unless the dtypes are equal and scale
+ * is 1. */
+int kvr_rope_reposition_delta(const kvr_rope *r, void *dst, kvr_dtype dst_type,
+                              const void *src, kvr_dtype src_type,
+                              size_t n_tokens, size_t n_heads, int64_t delta, float scale,
+                              const kvr_rope_opts *opts);
 
 /* ---- worker pool --------------------------------------------------------- */
 /* One persistent pool of threads for every parallel loop of the project

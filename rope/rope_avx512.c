@@ -73,11 +73,28 @@ AI void conv_span(void *dst, kvr_dtype dt, const void *src, kvr_dtype st_, size_
     }
 }
 
+AI void conv_span_scaled(void *dst, kvr_dtype dt, const void *src, kvr_dtype st_, size_t i0,
+                         size_t i1, __m512 kv)
+{
+    size_t i = i0;
+    for (; i + 16 <= i1; i += 16) st(dst, i, dt, _mm512_mul_ps(ld(src, i, st_), kv));
+    if (i < i1) {
+        __mmask16 m = tailmask(i1 - i);
+        stm(dst, i, dt, _mm512_mul_ps(ldm(src, i, st_, m), kv), m);
+    }
+}
+
+/* sc: every result is multiplied by k in f32 before its store (rounded
+ * once), the passed-through dims too: the bits of the unscaled kernel into
+ * f32, a multiply and a conversion. */
+#define SC(v) (sc ? _mm512_mul_ps((v), kv) : (v))
+
 AI void rows_t(void *dst, const kvr_dtype dt, const void *src, const kvr_dtype st_,
                size_t n_heads, int head_dim, int rot, const int gptj,
-               const float *c, const float *s)
+               const float *c, const float *s, const int sc, float k)
 {
     size_t hd = (size_t)head_dim, r = (size_t)rot;
+    const __m512 kv = _mm512_set1_ps(k);
     for (size_t h = 0; h < n_heads; h++) {
         size_t b = h * hd;
         if (gptj) {
@@ -87,7 +104,7 @@ AI void rows_t(void *dst, const kvr_dtype dt, const void *src, const kvr_dtype s
                 __m512 sw = _mm512_permute_ps(x, 0xB1);
                 __m512 o = _mm512_fmadd_ps(x, _mm512_loadu_ps(c + j),
                                            _mm512_mul_ps(sw, _mm512_loadu_ps(s + j)));
-                st(dst, b + j, dt, o);
+                st(dst, b + j, dt, SC(o));
             }
             if (j < r) {
                 __mmask16 m = tailmask(r - j);
@@ -95,7 +112,7 @@ AI void rows_t(void *dst, const kvr_dtype dt, const void *src, const kvr_dtype s
                 __m512 sw = _mm512_permute_ps(x, 0xB1);
                 __m512 o = _mm512_fmadd_ps(x, _mm512_maskz_loadu_ps(m, c + j),
                                            _mm512_mul_ps(sw, _mm512_maskz_loadu_ps(m, s + j)));
-                stm(dst, b + j, dt, o, m);
+                stm(dst, b + j, dt, SC(o), m);
             }
         } else {
             size_t half = r / 2, i = 0;
@@ -104,8 +121,8 @@ AI void rows_t(void *dst, const kvr_dtype dt, const void *src, const kvr_dtype s
                 __m512 cv = _mm512_loadu_ps(c + i), sv = _mm512_loadu_ps(s + i);
                 __m512 o0 = _mm512_fmsub_ps(x0, cv, _mm512_mul_ps(x1, sv));
                 __m512 o1 = _mm512_fmadd_ps(x1, cv, _mm512_mul_ps(x0, sv));
-                st(dst, b + i, dt, o0);
-                st(dst, b + i + half, dt, o1);
+                st(dst, b + i, dt, SC(o0));
+                st(dst, b + i + half, dt, SC(o1));
             }
             if (i < half) {
                 __mmask16 m = tailmask(half - i);
@@ -113,11 +130,13 @@ AI void rows_t(void *dst, const kvr_dtype dt, const void *src, const kvr_dtype s
                 __m512 cv = _mm512_maskz_loadu_ps(m, c + i), sv = _mm512_maskz_loadu_ps(m, s + i);
                 __m512 o0 = _mm512_fmsub_ps(x0, cv, _mm512_mul_ps(x1, sv));
                 __m512 o1 = _mm512_fmadd_ps(x1, cv, _mm512_mul_ps(x0, sv));
-                stm(dst, b + i, dt, o0, m);
-                stm(dst, b + i + half, dt, o1, m);
+                stm(dst, b + i, dt, SC(o0), m);
+                stm(dst, b + i + half, dt, SC(o1), m);
             }
         }
-        if (r < hd) {
+        if (r < hd && sc) {
+            conv_span_scaled(dst, dt, src, st_, b + r, b + hd, kv);
+        } else if (r < hd) {
             if (dt == st_) {
                 if (dst != src)
                     memcpy((char *)dst + (b + r) * kvr_dtype_size(dt),
@@ -132,8 +151,15 @@ AI void rows_t(void *dst, const kvr_dtype dt, const void *src, const kvr_dtype s
 
 #define ROWS_CASE(S, D)                                                              \
     if (st == S && dt == D) {                                                        \
-        if (gptj) rows_t(dst, D, src, S, n_heads, head_dim, rot, 1, c, s);           \
-        else      rows_t(dst, D, src, S, n_heads, head_dim, rot, 0, c, s);           \
+        if (gptj) rows_t(dst, D, src, S, n_heads, head_dim, rot, 1, c, s, 0, 1.0f);  \
+        else      rows_t(dst, D, src, S, n_heads, head_dim, rot, 0, c, s, 0, 1.0f);  \
+        return;                                                                      \
+    }
+
+#define ROWS_SCALED_CASE(S, D)                                                       \
+    if (st == S && dt == D) {                                                        \
+        if (gptj) rows_t(dst, D, src, S, n_heads, head_dim, rot, 1, c, s, 1, k);     \
+        else      rows_t(dst, D, src, S, n_heads, head_dim, rot, 0, c, s, 1, k);     \
         return;                                                                      \
     }
 
@@ -152,6 +178,21 @@ void rope_rows_avx512(void *dst, kvr_dtype dt, const void *src, kvr_dtype st,
     ROWS_CASE(KVR_DTYPE_BF16, KVR_DTYPE_BF16)
 }
 
+void rope_rows_scaled_avx512(void *dst, kvr_dtype dt, const void *src, kvr_dtype st,
+                             size_t n_heads, int head_dim, int rot, int gptj,
+                             const float *c, const float *s, float k)
+{
+    ROWS_SCALED_CASE(KVR_DTYPE_F32, KVR_DTYPE_F32)
+    ROWS_SCALED_CASE(KVR_DTYPE_F32, KVR_DTYPE_F16)
+    ROWS_SCALED_CASE(KVR_DTYPE_F32, KVR_DTYPE_BF16)
+    ROWS_SCALED_CASE(KVR_DTYPE_F16, KVR_DTYPE_F32)
+    ROWS_SCALED_CASE(KVR_DTYPE_F16, KVR_DTYPE_F16)
+    ROWS_SCALED_CASE(KVR_DTYPE_F16, KVR_DTYPE_BF16)
+    ROWS_SCALED_CASE(KVR_DTYPE_BF16, KVR_DTYPE_F32)
+    ROWS_SCALED_CASE(KVR_DTYPE_BF16, KVR_DTYPE_F16)
+    ROWS_SCALED_CASE(KVR_DTYPE_BF16, KVR_DTYPE_BF16)
+}
+
 #define CONV_CASE(S, D) \
     if (st == S && dt == D) { conv_span(dst, D, src, S, 0, n); return; }
 
@@ -167,4 +208,22 @@ void rope_convert_avx512(void *dst, kvr_dtype dt, const void *src, kvr_dtype st,
     CONV_CASE(KVR_DTYPE_F16, KVR_DTYPE_BF16)
     CONV_CASE(KVR_DTYPE_BF16, KVR_DTYPE_F32)
     CONV_CASE(KVR_DTYPE_BF16, KVR_DTYPE_F16)
+}
+
+#define CONV_SCALED_CASE(S, D) \
+    if (st == S && dt == D) { conv_span_scaled(dst, D, src, S, 0, n, kv); return; }
+
+void rope_convert_scaled_avx512(void *dst, kvr_dtype dt, const void *src, kvr_dtype st,
+                                size_t n, float k)
+{
+    const __m512 kv = _mm512_set1_ps(k);
+    CONV_SCALED_CASE(KVR_DTYPE_F32, KVR_DTYPE_F32)
+    CONV_SCALED_CASE(KVR_DTYPE_F32, KVR_DTYPE_F16)
+    CONV_SCALED_CASE(KVR_DTYPE_F32, KVR_DTYPE_BF16)
+    CONV_SCALED_CASE(KVR_DTYPE_F16, KVR_DTYPE_F32)
+    CONV_SCALED_CASE(KVR_DTYPE_F16, KVR_DTYPE_F16)
+    CONV_SCALED_CASE(KVR_DTYPE_F16, KVR_DTYPE_BF16)
+    CONV_SCALED_CASE(KVR_DTYPE_BF16, KVR_DTYPE_F32)
+    CONV_SCALED_CASE(KVR_DTYPE_BF16, KVR_DTYPE_F16)
+    CONV_SCALED_CASE(KVR_DTYPE_BF16, KVR_DTYPE_BF16)
 }

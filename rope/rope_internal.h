@@ -60,6 +60,19 @@ void rope_rows_avx512(void *dst, kvr_dtype dt, const void *src, kvr_dtype st,
                       size_t n_heads, int head_dim, int rot, int gptj,
                       const float *c, const float *s);
 void rope_convert_avx512(void *dst, kvr_dtype dt, const void *src, kvr_dtype st, size_t n);
+/* The rows kernel with every result multiplied by k in f32 before it is
+ * stored (passed-through dims too): the bits of rope_rows_* into f32, a
+ * multiply and a conversion, in one pass. AVX-512 only; other ISAs get the
+ * same bits through a per-head f32 row (rope.c). */
+typedef void (*rope_rows_scaled_fn)(void *dst, kvr_dtype dt, const void *src, kvr_dtype st,
+                                    size_t n_heads, int head_dim, int rot, int gptj,
+                                    const float *c, const float *s, float k);
+void rope_rows_scaled_avx512(void *dst, kvr_dtype dt, const void *src, kvr_dtype st,
+                             size_t n_heads, int head_dim, int rot, int gptj,
+                             const float *c, const float *s, float k);
+/* dst = src * k element-wise in f32, rounded once (kvr_convert_scaled). */
+void rope_convert_scaled_avx512(void *dst, kvr_dtype dt, const void *src, kvr_dtype st,
+                                size_t n, float k);
 
 /* The per-token sin/cos table: s[i], c[i] = sin, cos(a * f1[i] + b * f2[i])
  * for i < n (f2 may be NULL), bit for bit the same on every ISA. */

@@ -4,7 +4,8 @@
  * the worker's buffer. An unedited context is sent zero-copy from block
  * memory; after a PIE edit near the start every suffix key is re-rotated on
  * the daemon's worker threads before it is sent. The figure is the ratio of
- * the two (goal >= 0.8), measured in the same run; never asserted.
+ * the two (goal >= 0.9 at every size), their gets alternating in the same
+ * run (best of each); never asserted.
  *
  * Shape: Llama-3-8B KV (32 layers, 8 KV heads, 128 dims, f16), contexts of
  * 1k, 4k and 8k tokens (8k = 1 GiB); the edit replaces 5 tokens at index 100
@@ -15,6 +16,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <unistd.h>
 
 #include "client/kvrope.h"
 #include "tests/common/kvr_testd.h"
@@ -28,6 +30,26 @@ static double now_s(void)
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
     return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+/* CPU seconds (user + system) process pid has used so far, from /proc; 0
+ * if it cannot be read. */
+static double proc_cpu_s(pid_t pid)
+{
+    char path[64], buf[1024];
+    snprintf(path, sizeof path, "/proc/%d/stat", (int)pid);
+    FILE *f = fopen(path, "r");
+    if (!f)
+        return 0;
+    size_t n = fread(buf, 1, sizeof buf - 1, f);
+    fclose(f);
+    buf[n] = 0;
+    const char *p = strrchr(buf, ')');   /* the command may hold spaces */
+    unsigned long ut = 0, st = 0;
+    if (!p || sscanf(p + 2, "%*c %*d %*d %*d %*d %*d %*u %*u %*u %*u %*u %lu %lu", &ut,
+                     &st) != 2)
+        return 0;
+    return (double)(ut + st) / (double)sysconf(_SC_CLK_TCK);
 }
 
 /* Best GB/s of `reps` whole-context gets into dst. */
@@ -67,9 +89,11 @@ int main(void)
         return 1;
     }
     static const size_t sizes[] = { 1024, 4096, 8192 };
+    double worst = 1e30;
     printf("## get through the daemon after a PIE edit (Llama-3-8B shape, f16, Unix socket)\n\n");
-    printf("| context tokens | bytes | unedited GB/s | after edit GB/s | ratio |\n");
-    printf("|---|---|---|---|---|\n");
+    printf("| context tokens | bytes | unedited GB/s | after edit GB/s | ratio | daemon CPU "
+           "ms per get, unedited / edited |\n");
+    printf("|---|---|---|---|---|---|\n");
     for (size_t si = 0; si < sizeof sizes / sizeof *sizes; si++) {
         size_t n = sizes[si];
         size_t bytes = kvr_payload_size(NL, n, NH, ND, KVR_DTYPE_F16);
@@ -81,23 +105,25 @@ int main(void)
             pl[i] = kvr_f32_to_f16((float)((i * 2654435761u) % 2001) / 1000.0f - 1.0f);
         for (size_t i = 0; i < n; i++)
             tok[i] = (uint32_t)(i % 50000);
-        char ctx[32];
+        /* two contexts of the same bytes, one edited: their gets alternate,
+         * so a shared machine's swings hit both alike */
+        char ctx[32], ectx[32];
         snprintf(ctx, sizeof ctx, "ctx%zu", n);
-        kvr_put_args pa = { .ctx_id = ctx, .model = "llama3-8b", .mode = KVR_PUT_CREATE,
-                            .dtype = KVR_DTYPE_F16, .tokens = tok, .n_tokens = n,
-                            .payload = pl, .payload_len = bytes };
-        if (kvr_client_put(c, &pa, NULL) != 0) {
-            fprintf(stderr, "put: %s\n", kvr_client_last_error(c));
-            return 1;
+        snprintf(ectx, sizeof ectx, "edited%zu", n);
+        for (int k = 0; k < 2; k++) {
+            kvr_put_args pa = { .ctx_id = k ? ectx : ctx, .model = "llama3-8b",
+                                .mode = KVR_PUT_CREATE, .dtype = KVR_DTYPE_F16, .tokens = tok,
+                                .n_tokens = n, .payload = pl, .payload_len = bytes };
+            if (kvr_client_put(c, &pa, NULL) != 0) {
+                fprintf(stderr, "put: %s\n", kvr_client_last_error(c));
+                return 1;
+            }
         }
-        int reps = n >= 8192 ? 5 : 9;
-        double plain = get_gbs(c, ctx, pl, bytes, reps);
-
         uint32_t newtok[7] = { 1, 2, 3, 4, 5, 6, 7 };
         kvr_edit_range op = { .start = 100, .end = 105, .tokens = newtok, .n_tokens = 7 };
         size_t eb = kvr_payload_size(NL, 7, NH, ND, KVR_DTYPE_F16);
         void *ekv = calloc(1, eb);
-        kvr_edit_args ea = { .ctx_id = ctx, .ops = &op, .n_ops = 1, .with_kv = true,
+        kvr_edit_args ea = { .ctx_id = ectx, .ops = &op, .n_ops = 1, .with_kv = true,
                              .dtype = KVR_DTYPE_F16, .payload = ekv, .payload_len = eb };
         if (kvr_client_edit(c, &ea, NULL) != 0) {
             fprintf(stderr, "edit: %s\n", kvr_client_last_error(c));
@@ -105,15 +131,36 @@ int main(void)
         }
         size_t bytes2 = kvr_payload_size(NL, n + 2, NH, ND, KVR_DTYPE_F16);
         void *dst2 = malloc(bytes2);
-        double edited = get_gbs(c, ctx, dst2, bytes2, reps);
-        printf("| %zu | %.2f GiB | %.2f | %.2f | %.2f |\n", n,
-               (double)bytes / (1024.0 * 1024 * 1024), plain, edited, edited / plain);
+        int reps = n >= 8192 ? 7 : 11;
+        double plain = 0, edited = 0, cpu_a = 0, cpu_b = 0;
+        for (int r = 0; r < reps; r++) {
+            /* the daemon's CPU per get: what the edit adds, whatever the load */
+            double c0 = proc_cpu_s(d.pid);
+            double a = get_gbs(c, ctx, pl, bytes, 1);
+            double c1 = proc_cpu_s(d.pid);
+            double b = get_gbs(c, ectx, dst2, bytes2, 1);
+            double c2 = proc_cpu_s(d.pid);
+            cpu_a += c1 - c0;
+            cpu_b += c2 - c1;
+            plain = a > plain ? a : plain;
+            edited = b > edited ? b : edited;
+        }
+        double ratio = edited / plain;
+        if (ratio < worst)
+            worst = ratio;
+        printf("| %zu | %.2f GiB | %.2f | %.2f | %.2f | %.0f / %.0f |\n", n,
+               (double)bytes / (1024.0 * 1024 * 1024), plain, edited, ratio,
+               cpu_a / reps * 1e3, cpu_b / reps * 1e3);
+        fflush(stdout);
         kvr_client_delete(c, ctx);
+        kvr_client_delete(c, ectx);
         free(dst2);
         free(ekv);
         free(pl);
         free(tok);
     }
+    printf("\ngoal: get through the daemon after a PIE edit >= 0.9x the unedited get "
+           "(worst size): %.2fx (%s)\n", worst, worst >= 0.9 ? "met" : "not met");
     kvr_client_close(c);
     testd_stop(&d);
     return 0;
