@@ -359,6 +359,23 @@ typedef struct kvr_context {
 } kvr_context;
 
 int kvr_client_delete(kvr_client *c, const char *ctx_id);
+/* Pipelining: a delete queued here is not sent at once but in the same
+ * write as the next call's request (or by kvr_client_flush), so a put that
+ * retires an older context costs one round trip, not two; its answer is
+ * read before that call's. A deferred delete of a context that is already
+ * gone counts as done; any other failure is counted (and its message kept)
+ * in kvr_client_deferred_failures, and never fails the call it rode with.
+ * At most KVR_DEFER_MAX wait: one more sends them first (kvr_client_flush).
+ * 0, KVR_EINVAL (bad id), or an error of that flush. */
+#define KVR_DEFER_MAX 64
+int kvr_client_delete_deferred(kvr_client *c, const char *ctx_id);
+/* Sends the deferred requests (if any) and reads their answers: 0 if all
+ * were done, else the code of the first that failed (each failure is also
+ * counted), or a connection error. */
+int kvr_client_flush(kvr_client *c);
+/* Deferred requests that failed since the connection opened; msg (may be
+ * NULL) gets the last failure's message. */
+uint64_t kvr_client_deferred_failures(const kvr_client *c, char *msg, size_t cap);
 /* Everything the daemon reports of one context (list fills the same
  * struct; the codec figures and edit counters of a listed context are
  * those the daemon sends in its listing). */

@@ -19,9 +19,13 @@
  *    plus 64 KiB), never to the size a peer declared.
  *  - A payload is read straight into the iovecs dispatch hands over (a
  *    put's are block memory when no conversion is needed).
- *  - Reading is stopped while a request is processed (BUSY), so requests on
- *    one connection are handled strictly in order, and while more than
- *    max_conn_buffer bytes of replies wait to be written (back pressure).
+ *  - Nothing is read while a request is processed (BUSY: alloc_cb offers
+ *    no room), so requests on one connection are handled strictly in
+ *    order; nor while more than max_conn_buffer bytes of replies wait to be
+ *    written (back pressure: reading is stopped). Entering BUSY leaves the
+ *    read watcher armed (a lazy stop): most requests are answered before
+ *    the next frame arrives, and stopping and restarting the watcher costs
+ *    two epoll_ctl per request; bytes that do arrive while BUSY stop it.
  *  - No peer holds daemon resources by stalling: mid-frame (a partial
  *    header, MSG, PAYLOAD, DRAIN) and with replies queued, a connection
  *    that makes no progress for --io-timeout is closed (an open put or edit
@@ -41,6 +45,7 @@
 #include <assert.h>
 #include <errno.h>
 #include <string.h>
+#include <sys/socket.h>
 #include <time.h>
 
 typedef struct write_req {
@@ -73,7 +78,7 @@ static void conn_unref(kvr_conn *c)
     assert(c->refs > 0);
     if (--c->refs > 0)
         return;
-    assert(c->closing && c->writes_pending == 0 && c->req == NULL);
+    assert(c->closing && c->writes_pending == 0 && c->req == NULL && c->n_cork == 0);
     kvr_mem_free(c->req_spare);
     msg_release(c);
     kvr_mem_free(c->pending);
@@ -84,6 +89,7 @@ static void update_reading(kvr_conn *c);
 static void next_frame(kvr_conn *c);
 static void alloc_cb(uv_handle_t *h, size_t suggested, uv_buf_t *buf);
 static void read_cb(uv_stream_t *s, ssize_t nread, const uv_buf_t *buf);
+static void payload_read_direct(kvr_conn *c);
 
 int kvr_conn_test_write_failures;
 
@@ -111,6 +117,10 @@ void kvr_conn_close(kvr_conn *c)
 {
     if (c->closing)
         return;
+    /* What is held goes out first (as it would have without the cork). */
+    kvrd_conn_cork_flush(c);
+    if (c->closing)
+        return;     /* that write failed and closed it */
     c->closing = true;
     /* A request reading its payload is aborted: the context stays as it was. */
     kvrd_dispatch_conn_closing(c);
@@ -150,6 +160,8 @@ static void start_linger(kvr_conn *c)
 
 static void maybe_finish_close(kvr_conn *c)
 {
+    if (c->close_after_write && c->n_cork)
+        kvrd_conn_cork_flush(c);
     if (c->close_after_write && c->writes_pending == 0 && !c->closing &&
         c->st != KVRD_CONN_LINGER) {
         if (c->linger)
@@ -188,48 +200,71 @@ static void on_write(uv_write_t *req, int status)
     conn_unref(c);
 }
 
+/* Drops the first n bytes of bufs[0..*k) (written already). */
+static uv_buf_t *bufs_advance(uv_buf_t *bufs, size_t *k, size_t n)
+{
+    while (*k > 0 && n >= bufs->len) {
+        n -= bufs->len;
+        bufs++;
+        (*k)--;
+    }
+    if (*k > 0) {
+        bufs->base += n;
+        bufs->len -= n;
+    }
+    return bufs;
+}
+
 int kvrd_conn_write(kvr_conn *c, uint8_t *buf, size_t len, const struct iovec *iov,
                     size_t niov, size_t payload_len, kvrd_write_cb cb, void *arg)
 {
-    if (c->closing) {
-        kvr_mem_free(buf);
-        return KVR_EIO;
-    }
-    write_req *w = kvr_mem_calloc(1, sizeof *w);
-    if (!w) {
-        kvr_mem_free(buf);
-        return KVR_ENOMEM;
-    }
-    uv_buf_t small[8];
+    return kvrd_conn_write_ex(c, buf, len, iov, niov, payload_len, cb, arg, false);
+}
+
+/* bufs[0..k) for buf (len bytes, may be NULL) then the non-empty iovecs:
+ * small when it fits, else allocated (*heap). NULL: out of memory. */
+static uv_buf_t *bufs_build(uv_buf_t *small, size_t nsmall, uint8_t *buf, size_t len,
+                            const struct iovec *iov, size_t niov, size_t *k, bool *heap)
+{
     uv_buf_t *bufs = small;
-    size_t nb = 1 + niov;
-    if (nb > sizeof small / sizeof small[0]) {
-        bufs = kvr_mem_malloc(nb * sizeof *bufs);
-        if (!bufs) {
-            kvr_mem_free(w);
-            kvr_mem_free(buf);
-            return KVR_ENOMEM;
-        }
+    *heap = false;
+    if (1 + niov > nsmall) {
+        if (!(bufs = kvr_mem_malloc((1 + niov) * sizeof *bufs)))
+            return NULL;
+        *heap = true;
     }
-    size_t k = 0;
+    *k = 0;
     if (buf)
-        bufs[k++] = uv_buf_init((char *)buf, (unsigned)len);
+        bufs[(*k)++] = uv_buf_init((char *)buf, (unsigned)len);
     for (size_t i = 0; i < niov; i++) {
         if (iov[i].iov_len == 0)
             continue;
-        bufs[k].base = iov[i].iov_base;
-        bufs[k].len = iov[i].iov_len;
-        k++;
+        bufs[*k].base = iov[i].iov_base;
+        bufs[*k].len = iov[i].iov_len;
+        (*k)++;
+    }
+    return bufs;
+}
+
+/* Queues bufs (total bytes; buf is freed when done) with uv_write; cb runs
+ * when it completes. On failure the connection is closed, buf freed and
+ * KVR_EIO returned (cb never runs). */
+static int queue_write(kvr_conn *c, uint8_t *buf, const uv_buf_t *bufs, size_t k,
+                       size_t total, kvrd_write_cb cb, void *arg)
+{
+    write_req *w = kvr_mem_calloc(1, sizeof *w);
+    if (!w) {
+        kvr_mem_free(buf);
+        kvr_conn_close(c);
+        return KVR_EIO;
     }
     w->c = c;
     w->buf = buf;
-    w->total = len + payload_len;
+    w->total = total;
     w->cb = cb;
     w->arg = arg;
     int rc = kvr_conn_test_write_failures > 0 ? (kvr_conn_test_write_failures--, UV_EPIPE)
              : uv_write(&w->req, &c->h.stream, bufs, (unsigned)k, on_write);
-    if (bufs != small)
-        kvr_mem_free(bufs);   /* libuv copied the array */
     if (rc < 0) {
         kvr_mem_free(buf);
         kvr_mem_free(w);
@@ -241,8 +276,204 @@ int kvrd_conn_write(kvr_conn *c, uint8_t *buf, size_t len, const struct iovec *i
         c->write_ms = kvr_now_ms();
         c->write_q = uv_stream_get_write_queue_size(&c->h.stream);
     }
-    c->out_queued += w->total;
+    c->out_queued += total;
     return 0;
+}
+
+/* Can a write go out at once (uv_try_write): nothing of ours or libuv's
+ * queued ahead of it. */
+static bool can_try_write(kvr_conn *c, size_t total)
+{
+    return c->writes_pending == 0 && !c->close_after_write &&
+           kvr_conn_test_write_failures <= 0 && total <= (1u << 30) &&
+           uv_stream_get_write_queue_size(&c->h.stream) == 0;
+}
+
+/* ---- corked replies --------------------------------------------------------
+ * Replies made while a read callback runs (requests answered at once) are
+ * held in c->cork and written together when the loop's I/O phase is over
+ * (cork_check, a uv_check handle), or before any other write: pipelined
+ * requests (a put with its deferred deletes) get all their answers in one
+ * write, so the peer wakes once per batch instead of once per answer. */
+
+static void cork_check_cb(uv_check_t *h);
+
+static void cork_entry_done(kvr_conn *c, kvrd_cork *e, int status)
+{
+    kvr_mem_free(e->buf);
+    e->buf = NULL;
+    if (e->cb)
+        e->cb(e->arg, status);
+    (void)c;
+}
+
+void kvrd_conn_cork_flush(kvr_conn *c)
+{
+    size_t n = c->n_cork;
+    if (n == 0)
+        return;
+    c->n_cork = 0;
+    if (c->cork_prev)
+        *c->cork_prev = c->cork_next;
+    if (c->cork_next)
+        c->cork_next->cork_prev = c->cork_prev;
+    c->cork_next = NULL;
+    c->cork_prev = NULL;
+    kvrd_cork ents[KVRD_CORK_MAX];
+    memcpy(ents, c->cork, n * sizeof ents[0]);
+    size_t total = 0, nb = 0;
+    for (size_t i = 0; i < n; i++) {
+        total += ents[i].total;
+        nb += 1 + ents[i].niov;
+        c->out_queued -= ents[i].total;
+    }
+    size_t done = 0;
+    if (!c->closing && can_try_write(c, total)) {
+        uv_buf_t small[64];
+        uv_buf_t *all = small;
+        bool heap = nb > sizeof small / sizeof small[0];
+        if (heap && !(all = kvr_mem_malloc(nb * sizeof *all)))
+            heap = false, all = NULL;
+        if (all) {
+            size_t k = 0;
+            for (size_t i = 0; i < n; i++) {
+                if (ents[i].buf)
+                    all[k++] = uv_buf_init((char *)ents[i].buf, (unsigned)ents[i].len);
+                for (size_t j = 0; j < ents[i].niov; j++)
+                    if (ents[i].iov[j].iov_len)
+                        all[k++] = uv_buf_init(ents[i].iov[j].iov_base,
+                                               (unsigned)ents[i].iov[j].iov_len);
+            }
+            int w = k > 1024 ? 0 : uv_try_write(&c->h.stream, all, (unsigned)k);
+            if (w > 0) {
+                done = (size_t)w;
+                c->d->bytes_out += done;
+                c->write_ms = kvr_now_ms();
+            }
+            if (heap)
+                kvr_mem_free(all);
+        }
+    }
+    for (size_t i = 0; i < n; i++) {
+        kvrd_cork *e = &ents[i];
+        if (c->closing) {
+            cork_entry_done(c, e, UV_ECANCELED);
+            continue;
+        }
+        if (done >= e->total) {   /* written by the try above */
+            done -= e->total;
+            cork_entry_done(c, e, 0);
+            continue;
+        }
+        uv_buf_t small[18];
+        size_t k;
+        bool heap;
+        uv_buf_t *bufs = bufs_build(small, sizeof small / sizeof small[0], e->buf, e->len,
+                                    e->iov, e->niov, &k, &heap);
+        if (!bufs) {
+            kvr_conn_close(c);
+            cork_entry_done(c, e, UV_ENOMEM);
+            continue;
+        }
+        uv_buf_t *wb = bufs_advance(bufs, &k, done);
+        if (queue_write(c, e->buf, wb, k, e->total - done, e->cb, e->arg) < 0 && e->cb)
+            e->cb(e->arg, UV_EPIPE);
+        done = 0;
+        if (heap)
+            kvr_mem_free(bufs);
+    }
+}
+
+static void cork_check_cb(uv_check_t *h)
+{
+    kvr_daemon *d = h->data;
+    while (d->corked)
+        kvrd_conn_cork_flush(d->corked);
+}
+
+int kvrd_conn_write_ex(kvr_conn *c, uint8_t *buf, size_t len, const struct iovec *iov,
+                       size_t niov, size_t payload_len, kvrd_write_cb cb, void *arg,
+                       bool sync_ok)
+{
+    if (c->closing) {
+        kvr_mem_free(buf);
+        return KVR_EIO;
+    }
+    size_t total = len + payload_len;
+    kvr_daemon *d = c->d;
+    /* Made inside a read callback: held until the I/O phase is over. */
+    if (c->in_read && d->has_cork_check && (cb == NULL || sync_ok) && !c->close_after_write &&
+        c->n_cork < KVRD_CORK_MAX && kvr_conn_test_write_failures <= 0) {
+        c->cork[c->n_cork++] = (kvrd_cork){ .buf = buf, .len = len, .iov = iov, .niov = niov,
+                                            .total = total, .cb = cb, .arg = arg };
+        c->out_queued += total;
+        if (!c->cork_prev) {
+            c->cork_next = d->corked;
+            if (d->corked)
+                d->corked->cork_prev = &c->cork_next;
+            d->corked = c;
+            c->cork_prev = &d->corked;
+        }
+        return 0;
+    }
+    kvrd_conn_cork_flush(c);    /* what was corked goes first */
+    if (c->closing) {
+        kvr_mem_free(buf);
+        return KVR_EIO;
+    }
+    uv_buf_t small[18];
+    size_t k;
+    bool heap;
+    uv_buf_t *bufs = bufs_build(small, sizeof small / sizeof small[0], buf, len, iov, niov, &k,
+                                &heap);
+    if (!bufs) {
+        kvr_mem_free(buf);
+        return KVR_ENOMEM;
+    }
+    /* Fast path: nothing queued before it, so write now (uv_try_write). A
+     * reply written in full needs no write request, no callback in a later
+     * loop iteration and no POLLOUT bookkeeping (libuv re-arms epoll with
+     * an epoll_ctl each time its write queue drains). Not for a reply after
+     * which the connection closes (its callback drives the close), and a
+     * callback can only be skipped when the caller said so (sync_ok: then
+     * 1 says "written, cb not called"). */
+    uv_buf_t *wb = bufs;
+    size_t nw = k;
+    if ((cb == NULL || sync_ok) && can_try_write(c, total)) {
+        int n = uv_try_write(&c->h.stream, bufs, (unsigned)k);
+        if (n > 0) {
+            d->bytes_out += (uint64_t)n;
+            c->write_ms = kvr_now_ms();
+            if ((size_t)n == total) {
+                if (heap)
+                    kvr_mem_free(bufs);
+                kvr_mem_free(buf);
+                return cb ? 1 : 0;
+            }
+            wb = bufs_advance(bufs, &nw, (size_t)n);
+            total -= (size_t)n;
+        }
+        /* EAGAIN or an error: uv_write queues it, or reports the error. */
+    }
+    int rc = queue_write(c, buf, wb, nw, total, cb, arg);
+    if (heap)
+        kvr_mem_free(bufs);   /* libuv copied the array */
+    return rc;
+}
+
+/* The cork's uv_check handle, started with the first connection. */
+static void cork_init(kvr_daemon *d)
+{
+    if (d->has_cork_check || d->cork_check_failed)
+        return;
+    if (uv_check_init(&d->loop, &d->cork_check) < 0 ||
+        uv_check_start(&d->cork_check, cork_check_cb) < 0) {
+        d->cork_check_failed = true;   /* replies are then written at once */
+        return;
+    }
+    d->cork_check.data = d;
+    uv_unref((uv_handle_t *)&d->cork_check);
+    d->has_cork_check = true;
 }
 
 void kvr_conn_ref(kvr_conn *c)
@@ -286,6 +517,9 @@ static void next_frame(kvr_conn *c)
     c->msg_have = 0;
     if (c->d->stopping) {
         c->close_after_write = true;
+        kvrd_conn_cork_flush(c);
+        if (c->closing)
+            return;
         if (c->writes_pending == 0)
             kvr_conn_close(c);
         return;
@@ -353,6 +587,13 @@ static void update_reading(kvr_conn *c)
         want = false;
         break;
     }
+    /* Lazy stop (BUSY only): a request answered at once leaves the watcher
+     * armed, so the next frame is read without touching epoll (stopping and
+     * restarting it cost two epoll_ctl per request). If bytes come while
+     * BUSY, alloc_cb offers no room and read_cb stops reading then. */
+    if (!want && c->reading && c->st == KVRD_CONN_BUSY && !c->close_after_write &&
+        c->out_queued <= c->d->cfg.max_conn_buffer)
+        return;
     if (want == c->reading)
         return;
     if (want) {
@@ -544,7 +785,26 @@ static void payload_advance(kvr_conn *c, size_t n)
     }
 }
 
+static void read_cb_body(uv_stream_t *s, ssize_t nread, const uv_buf_t *buf);
+
+/* Replies made while it runs are corked (kvrd_conn_write_ex). */
 static void read_cb(uv_stream_t *s, ssize_t nread, const uv_buf_t *buf)
+{
+    kvr_conn *c = s->data;
+    kvr_conn_ref(c);
+    c->in_read = true;
+    read_cb_body(s, nread, buf);
+    c->in_read = false;
+    /* This connection's batch is over when libuv stops reading it: EAGAIN
+     * (nread 0), a short read, an error or no room (lazy stop). Its answers
+     * go out now, not after every other connection's (cork_check_cb only
+     * catches what is left, e.g. after libuv's 32 reads in a row). */
+    if (c->closing || nread <= 0 || (size_t)nread < buf->len)
+        kvrd_conn_cork_flush(c);
+    conn_unref(c);
+}
+
+static void read_cb_body(uv_stream_t *s, ssize_t nread, const uv_buf_t *buf)
 {
     kvr_conn *c = s->data;
     if (c->closing)
@@ -552,6 +812,16 @@ static void read_cb(uv_stream_t *s, ssize_t nread, const uv_buf_t *buf)
     if (nread == 0)
         return;
     if (nread < 0) {
+        if (c->st == KVRD_CONN_BUSY) {
+            /* Bytes (UV_ENOBUFS: alloc_cb offered no room), an EOF or an
+             * error while a request is in progress (update_reading's lazy
+             * stop): stop now and see them once the request is answered, as
+             * if reading had been stopped all along (a peer that shut its
+             * write side still gets its reply). */
+            uv_read_stop(&c->h.stream);
+            c->reading = false;
+            return;
+        }
         if (nread == UV_ENOBUFS && c->st == KVRD_CONN_MSG && c->msg_over_limit) {
             c->d->n_msg_limited++;
             char m[200];
@@ -597,6 +867,8 @@ static void read_cb(uv_stream_t *s, ssize_t nread, const uv_buf_t *buf)
         if (buf->base == (char *)c->d->scratch)
             payload_scatter(c, c->d->scratch, n);
         payload_advance(c, n);
+        if (n == buf->len)
+            payload_read_direct(c);   /* the rest, all iovecs at once */
         break;
     case KVRD_CONN_DRAIN:
         assert(n <= c->drain_left && c->pending);
@@ -622,6 +894,46 @@ static void read_cb(uv_stream_t *s, ssize_t nread, const uv_buf_t *buf)
     }
 }
 
+/* Reads what the socket holds of the payload straight into its iovecs, as
+ * many as 64 of them in one recvmsg (libuv's read takes one buffer: a
+ * payload over eight block iovecs cost eight reads, or one read into the
+ * scratch and a copy). Never past the payload's end, so never into the
+ * next frame; a descriptor sent with payload bytes is closed by the kernel
+ * (no control buffer: only a RegisterRegion may carry one). EAGAIN, EOF
+ * and errors are left for libuv's next read to find. */
+static void payload_read_direct(kvr_conn *c)
+{
+    uv_os_fd_t fd;
+    if (uv_fileno(&c->h.handle, &fd) != 0)
+        return;
+    while (c->st == KVRD_CONN_PAYLOAD && !c->closing && !c->close_after_write &&
+           c->out_queued <= c->d->cfg.max_conn_buffer) {
+        struct iovec v[64];
+        size_t k = 0, want = 0, off = c->iov_off;
+        for (size_t i = c->iov_i; i < c->niov && k < 64; i++, off = 0) {
+            if (c->iov[i].iov_len == off)
+                continue;
+            v[k].iov_base = (uint8_t *)c->iov[i].iov_base + off;
+            v[k].iov_len = c->iov[i].iov_len - off;
+            want += v[k].iov_len;
+            k++;
+        }
+        if (k == 0)
+            return;
+        struct msghdr mh = { .msg_iov = v, .msg_iovlen = k };
+        ssize_t n = recvmsg(fd, &mh, MSG_DONTWAIT);
+        if (n < 0 && errno == EINTR)
+            continue;
+        if (n <= 0)
+            return;
+        c->d->bytes_in += (uint64_t)n;
+        c->read_ms = kvr_now_ms();
+        payload_advance(c, (size_t)n);   /* the last byte: dispatch, maybe the answer */
+        if ((size_t)n < want)
+            return;     /* the socket is empty for now */
+    }
+}
+
 void kvrd_conn_read_payload(kvr_conn *c, const struct iovec *iov, size_t niov)
 {
     assert(c->st == KVRD_CONN_BUSY && !c->closing);
@@ -641,12 +953,14 @@ void kvrd_conn_read_payload(kvr_conn *c, const struct iovec *iov, size_t niov)
         return;
     }
     update_reading(c);
+    payload_read_direct(c);
 }
 
 /* ---- lifecycle ----------------------------------------------------------- */
 
 void kvr_conn_start(kvr_daemon *d, kvr_conn *c, bool is_tcp)
 {
+    cork_init(d);
     c->d = d;
     c->refs = 1;
     c->is_tcp = is_tcp;
@@ -668,6 +982,9 @@ void kvr_conn_start(kvr_daemon *d, kvr_conn *c, bool is_tcp)
 
 void kvr_conn_stop(kvr_conn *c)
 {
+    if (c->closing)
+        return;
+    kvrd_conn_cork_flush(c);
     if (c->closing)
         return;
     if (c->st == KVRD_CONN_HDR && c->hdr_have == 0) {

@@ -18,7 +18,9 @@
  *    per queued threadpool job, one per reply held for persistence. So
  *    callbacks never see freed memory.
  *  - At most one request per connection is being processed at a time
- *    (state BUSY: reading is stopped); responses are written in order.
+ *    (state BUSY: nothing is read); responses are written in order (those
+ *    made while a read callback runs are corked and written together when
+ *    libuv stops reading that connection, conn.c).
  */
 #ifndef KVR_DAEMON_INTERNAL_H
 #define KVR_DAEMON_INTERNAL_H
@@ -62,6 +64,18 @@ typedef enum kvrd_conn_state {
 #define KVR_N_VERBS 26
 
 typedef struct kvr_conn kvr_conn;
+/* A reply held back while a read callback runs (conn.c's cork). */
+typedef void (*kvrd_write_cb)(void *arg, int status);
+#define KVRD_CORK_MAX 16
+typedef struct kvrd_cork {
+    uint8_t            *buf;      /* header + message (kvr_mem; may be NULL) */
+    size_t              len;
+    const struct iovec *iov;      /* payload, borrowed until cb */
+    size_t              niov;
+    size_t              total;    /* len + payload bytes */
+    kvrd_write_cb       cb;
+    void               *arg;
+} kvrd_cork;
 /* A shared-memory region of a connection (shm.c). */
 typedef struct kvrd_region kvrd_region;
 struct kvrd_region {
@@ -131,6 +145,10 @@ struct kvr_daemon {
     /* Unfinished messages of all connections (conn.c) against their limit. */
     uint64_t   msg_buffered, msg_buffer_limit;
     uint64_t   n_msg_limited, n_slow_closed;
+    /* Connections with corked replies, flushed after the I/O phase. */
+    kvr_conn  *corked;
+    uv_check_t cork_check;
+    bool       has_cork_check, cork_check_failed;
 };
 
 struct kvr_conn {
@@ -187,6 +205,12 @@ struct kvr_conn {
     uint32_t    n_regions, region_seq;
     uint64_t    region_bytes;
 
+    /* Replies corked while a read callback runs (conn.c). */
+    kvrd_cork   cork[KVRD_CORK_MAX];
+    size_t      n_cork;
+    bool        in_read;
+    kvr_conn   *cork_next, **cork_prev;   /* d->corked list; prev NULL: not in it */
+
     kvrd_request *req;            /* dispatch.c's: the request in progress */
     kvrd_request *req_spare;      /* dispatch.c's: storage for the next one
                                      (kvr_mem; freed with the connection) */
@@ -230,9 +254,16 @@ uint64_t kvr_now_ms(void);
  * once the write completes or fails (status 0 or a negative libuv code);
  * on an error return (the connection is closing, or the write could not be
  * queued: then the connection is closed) cb never runs. */
-typedef void (*kvrd_write_cb)(void *arg, int status);
 int  kvrd_conn_write(kvr_conn *c, uint8_t *buf, size_t len, const struct iovec *iov,
                      size_t niov, size_t payload_len, kvrd_write_cb cb, void *arg);
+/* The same; with sync_ok a reply the socket takes in full at once returns
+ * 1 and cb never runs (the caller releases the payload's source itself):
+ * no write request and no callback a loop iteration later. */
+int  kvrd_conn_write_ex(kvr_conn *c, uint8_t *buf, size_t len, const struct iovec *iov,
+                        size_t niov, size_t payload_len, kvrd_write_cb cb, void *arg,
+                        bool sync_ok);
+/* Writes (or queues) the replies held back in c's cork now. */
+void kvrd_conn_cork_flush(kvr_conn *c);
 /* Error reply (id, code, msg or kvr_strerror(code)) to the current frame;
  * if its payload is still unread it is drained first (up to max_drain; over
  * it the reply is sent and the connection closed). */

@@ -211,7 +211,11 @@ static void send_ok(kvrd_request *r, Kvrope__Response *resp, const struct iovec 
         return;
     }
     r->bytes_out += len + payload_len;
-    if (kvrd_conn_write(r->c, buf, len, iov, niov, payload_len, done, arg) != 0 && done)
+    /* Written in full at once (1): the source is released here. */
+    int wr = kvrd_conn_write_ex(r->c, buf, len, iov, niov, payload_len, done, arg, true);
+    if (wr == 1)
+        done(arg, 0);
+    else if (wr != 0 && done)
         done(arg, KVR_EIO);
     kvrd_request_end(r, 0);
 }
@@ -545,9 +549,30 @@ static void after_work_cb(uv_work_t *w, int status)
     kvr_conn_unref(c);
 }
 
+/* A region copy with nothing else to do (a plain shm get or put) of up to
+ * this many bytes runs on the loop thread: the hop to the threadpool and
+ * back (two thread switches and a wake-up of the loop: tens of
+ * microseconds on a loaded machine) costs more than the copy, and the loop
+ * is held no longer than about that. Rotation, conversion and codec work
+ * always go to the threadpool. */
+#define KVRD_INLINE_COPY_MAX ((size_t)1 << 20)
+
+static size_t work_bytes(const kvrd_request *r)
+{
+    if (r->put || r->edit)
+        return (size_t)r->payload_len;
+    if (r->get)
+        return r->meta ? 0 : kvr_get_payload_size(r->get);
+    if (r->as)
+        return r->meta ? 0 : kvr_assemble_payload_size(r->as);
+    return SIZE_MAX;
+}
+
 /* The one "queue the work or finish inline" path: the verb's work on the
- * threadpool when the transaction needs it (here, if the pool refuses),
- * then its finish on the loop thread; finish at once when it needs none. */
+ * threadpool when the transaction needs it (here, if the pool refuses, or
+ * for a small region copy: KVRD_INLINE_COPY_MAX), then its finish on the
+ * loop thread;
+ * finish at once when it needs none. */
 static void run(kvrd_request *r, bool needs_work)
 {
     assert(r->phase == RQ_RUN && r->verb->finish);
@@ -561,7 +586,8 @@ static void run(kvrd_request *r, bool needs_work)
     r->phase = RQ_WORK;
     r->work.data = r;
     kvr_conn_ref(r->c);
-    if (uv_queue_work(&r->d->loop, &r->work, work_cb, after_work_cb) < 0) {
+    bool small = !needs_work && work_bytes(r) <= KVRD_INLINE_COPY_MAX;
+    if (small || uv_queue_work(&r->d->loop, &r->work, work_cb, after_work_cb) < 0) {
         work_cb(&r->work);          /* rather than fail the request */
         after_work_cb(&r->work, 0);
     }

@@ -31,6 +31,7 @@
 #include <string.h>
 #include <sys/socket.h>
 #include <sys/time.h>
+#include <sys/uio.h>
 #include <sys/un.h>
 #include <unistd.h>
 
@@ -67,6 +68,9 @@ static int fatal(kvr_client *c, int code, const char *fmt, ...)
         c->fd = -1;
     }
     c->rpos = c->rlen = 0;
+    c->pre_len = 0;
+    c->dlen = 0;            /* deferred requests die with the connection */
+    c->n_deferred = 0;
     return code;
 }
 
@@ -225,6 +229,7 @@ int kvr_client_connect(kvr_client **out, const char *addr, const kvr_client_opts
         return set_connect_err(KVR_ENOMEM, "out of memory");
     }
     c->fd = fd;
+    c->timeout_ms = opts && opts->timeout_ms > 0 ? opts->timeout_ms : 0;
     c->send_fd = -1;
     c->rbuf = rbuf;
     c->rcap = RBUF_SIZE;
@@ -261,6 +266,7 @@ void kvr_client_close(kvr_client *c)
     kvr__shm_free_all(c);
     free(c->rbuf);
     free(c->wbuf);
+    free(c->dbuf);
     free(c);
 }
 
@@ -313,10 +319,16 @@ static int send_all(kvr_client *c, struct iovec *iov, size_t n, size_t head_byte
 
 /* ---- receiving ---------------------------------------------------------- */
 
+/* Waiting for the answer sleeps in poll(POLLIN), not in a blocking recv:
+ * on a Unix socket every skb the daemon consumes from our request wakes
+ * whoever sleeps on our socket (unix_write_space), and a recv sleeper takes
+ * each such wake-up (two context switches for nothing), while poll's
+ * waiter ignores wake-ups that are not for POLLIN. */
 static int recv_some(kvr_client *c, void *dst, size_t cap, size_t *got)
 {
+    int flags = MSG_DONTWAIT;
     for (;;) {
-        ssize_t r = recv(c->fd, dst, cap, 0);
+        ssize_t r = recv(c->fd, dst, cap, flags);
         if (r > 0) {
             *got = (size_t)r;
             return 0;
@@ -325,6 +337,19 @@ static int recv_some(kvr_client *c, void *dst, size_t cap, size_t *got)
             return fatal(c, KVR_ECLOSED, "connection closed by the daemon");
         if (errno == EINTR)
             continue;
+        if ((errno == EAGAIN || errno == EWOULDBLOCK) && flags) {
+            struct pollfd pf = { .fd = c->fd, .events = POLLIN };
+            int pr = poll(&pf, 1, c->timeout_ms > 0 ? c->timeout_ms : -1);
+            if (pr < 0 && errno == EINTR)
+                continue;
+            if (pr == 0)
+                return fatal(c, KVR_ESYS, "receive timed out");
+            /* Readable, an error or a hang-up: recv says which. */
+            flags = pr < 0 ? 0 : MSG_DONTWAIT;
+            if (pr < 0)
+                continue;
+            continue;
+        }
         if (errno == EAGAIN || errno == EWOULDBLOCK)
             return fatal(c, KVR_ESYS, "receive timed out");
         return fatal(c, KVR_ESYS, "recv: %s", strerror(errno));
@@ -340,14 +365,26 @@ static int recv_exact(kvr_client *c, void *dst, size_t n, chunk_fn on_chunk, voi
 {
     uint8_t *p = dst;
     size_t done = 0;
+    if (c->pre_len && n) {   /* payload bytes received ahead, in the caller's buffer */
+        size_t k = c->pre_len < n ? c->pre_len : n;
+        if (p && p != c->pre)
+            memmove(p, c->pre, k);
+        c->pre += k;
+        c->pre_len -= k;
+        done = k;
+        if (on_chunk)
+            on_chunk(c, ud, done);
+        if (done == n)
+            return 0;
+    }
     assert(c->rpos <= c->rlen && c->rlen <= c->rcap);   /* read-ahead window */
     size_t have = c->rlen - c->rpos;
-    if (have) {
-        size_t k = have < n ? have : n;
+    if (have && done < n) {
+        size_t k = have < n - done ? have : n - done;
         if (p)
-            memcpy(p, c->rbuf + c->rpos, k);
+            memcpy(p + done, c->rbuf + c->rpos, k);
         c->rpos += k;
-        done = k;
+        done += k;
         if (c->rpos == c->rlen)
             c->rpos = c->rlen = 0;
         if (on_chunk && k)
@@ -394,9 +431,107 @@ int kvr__drain(kvr_client *c, uint64_t n)
 
 /* Reads one response frame's header and message; the payload stays on the
  * socket (*payload_len bytes). */
+void kvr__place_next(kvr_client *c, void *dst, size_t cap)
+{
+    c->rx_dst = dst;
+    c->rx_cap = cap;
+}
+
+/* The placed receive: with nothing read ahead, peek at the answer's header;
+ * if its payload fits the caller's buffer, read header + message into buf
+ * (malloc'd, *buf_out) and as much of the payload as has come straight
+ * into that buffer, in one readv (no copy through the read-ahead buffer).
+ * 1 done (*h filled), 0 not possible here (nothing consumed: the plain
+ * path goes on), or a negative code (the handle is closed). */
+static int recv_placed(kvr_client *c, kvr_frame_header *h, const kvr_frame_limits *lim,
+                       uint8_t **buf_out)
+{
+    uint8_t hb[KVR_FRAME_HEADER_SIZE];
+    ssize_t k;
+    for (;;) {
+        k = recv(c->fd, hb, sizeof hb, MSG_PEEK | MSG_DONTWAIT);
+        if (k < 0 && errno == EINTR)
+            continue;
+        if (k < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
+            struct pollfd pf = { .fd = c->fd, .events = POLLIN };
+            int pr = poll(&pf, 1, c->timeout_ms > 0 ? c->timeout_ms : -1);
+            if (pr < 0 && errno == EINTR)
+                continue;
+            if (pr == 0)
+                return fatal(c, KVR_ESYS, "receive timed out");
+            if (pr < 0)
+                return 0;
+            continue;
+        }
+        break;
+    }
+    if (k != (ssize_t)sizeof hb || kvr_frame_header_decode(hb, h, lim) != 0)
+        return 0;   /* the plain path reads it (and reports what is wrong) */
+    if (h->payload_len == 0 || h->payload_len > c->rx_cap || h->msg_len > RBUF_SIZE)
+        return 0;
+    size_t hm = KVR_FRAME_HEADER_SIZE + h->msg_len, pl = (size_t)h->payload_len;
+    uint8_t *buf = malloc(hm);
+    if (!buf)
+        return 0;
+    size_t got = 0, placed = 0;
+    while (got < hm) {
+        struct iovec iov[2] = { { buf + got, hm - got }, { c->rx_dst + placed, pl - placed } };
+        k = readv(c->fd, iov, 2);
+        if (k < 0 && errno == EINTR)
+            continue;
+        if (k < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
+            struct pollfd pf = { .fd = c->fd, .events = POLLIN };
+            int pr = poll(&pf, 1, c->timeout_ms > 0 ? c->timeout_ms : -1);
+            if (pr == 0 || (pr < 0 && errno != EINTR)) {
+                free(buf);
+                return fatal(c, KVR_ESYS, "receive timed out");
+            }
+            continue;
+        }
+        if (k <= 0) {
+            free(buf);
+            return k == 0 ? fatal(c, KVR_ECLOSED, "connection closed by the daemon")
+                          : fatal(c, KVR_ESYS, "recv: %s", strerror(errno));
+        }
+        size_t a = (size_t)k < hm - got ? (size_t)k : hm - got;
+        got += a;
+        placed += (size_t)k - a;
+    }
+    c->pre = c->rx_dst;
+    c->pre_len = placed;
+    *buf_out = buf;
+    return 1;
+}
+
 static int recv_response(kvr_client *c, uint64_t id, Kvrope__Response **out,
                          uint64_t *payload_len)
 {
+    kvr_frame_limits plim = { .max_msg_len = MAX_MSG_LEN, .max_payload_len = UINT64_MAX };
+    uint8_t *placed_buf = NULL;
+    kvr_frame_header ph;
+    if (c->rx_dst && c->rpos == c->rlen && c->pre_len == 0) {
+        int pr = recv_placed(c, &ph, &plim, &placed_buf);
+        c->rx_dst = NULL;
+        if (pr < 0)
+            return pr;
+        if (pr == 1) {
+            Kvrope__Response *resp = kvrope__response__unpack(NULL, ph.msg_len,
+                                                              placed_buf + KVR_FRAME_HEADER_SIZE);
+            free(placed_buf);
+            if (!resp)
+                return fatal(c, KVR_EPROTO, "undecodable response message");
+            if (resp->id != id && (resp->id != 0 || resp->status == KVROPE__STATUS__OK)) {
+                unsigned long long got = (unsigned long long)resp->id;
+                kvrope__response__free_unpacked(resp, NULL);
+                return fatal(c, KVR_EPROTO, "response id %llu does not answer request %llu",
+                             got, (unsigned long long)id);
+            }
+            *out = resp;
+            *payload_len = ph.payload_len;
+            return 0;
+        }
+    }
+    c->rx_dst = NULL;
     uint8_t hb[KVR_FRAME_HEADER_SIZE];
     int r = recv_exact(c, hb, sizeof hb, NULL, NULL);
     if (r < 0)
@@ -445,6 +580,99 @@ static int recv_response(kvr_client *c, uint64_t id, Kvrope__Response **out,
     return 0;
 }
 
+/* ---- deferred requests (pipelining) ------------------------------------ */
+
+/* Reads the answers of the n deferred requests just sent (ids c->did[0..n)).
+ * A failure is counted, never returned (*first_fail gets the first one's
+ * code); only a connection error is (the handle is closed then). */
+static int read_deferred(kvr_client *c, size_t n, int *first_fail)
+{
+    for (size_t i = 0; i < n; i++) {
+        Kvrope__Response *resp = NULL;
+        uint64_t pl = 0;
+        int r = recv_response(c, c->did[i], &resp, &pl);
+        if (r < 0)
+            return r;
+        int st = (int)resp->status;
+        if (st != KVROPE__STATUS__OK && st != KVROPE__STATUS__E_UNKNOWN_CONTEXT) {
+            int code = kvr_error_from_status(st);
+            c->defer_failures++;
+            snprintf(c->defer_err, sizeof c->defer_err, "%s",
+                     resp->message && *resp->message ? resp->message : kvr_strerror(code));
+            if (first_fail && *first_fail == 0)
+                *first_fail = code;
+        }
+        kvrope__response__free_unpacked(resp, NULL);
+        if (pl && (r = kvr__drain(c, pl)) < 0)
+            return r;
+    }
+    return 0;
+}
+
+int kvr__defer(kvr_client *c, Kvrope__Request *req)
+{
+    if (c->fd < 0)
+        return kvr__fail(c, KVR_ECLOSED, "connection is closed");
+    if (c->n_deferred == KVR_DEFER_MAX) {
+        int r = kvr_client_flush(c);
+        if (r < 0 && c->fd < 0)
+            return r;
+        c->err[0] = 0;   /* a failed delete is counted, not this call's error */
+    }
+    req->id = c->next_id++;
+    size_t mlen = kvrope__request__get_packed_size(req);
+    size_t need = KVR_FRAME_HEADER_SIZE + mlen;
+    if (c->dlen + need > c->dcap) {
+        size_t ncap = c->dcap ? c->dcap * 2 : 1024;
+        while (ncap < c->dlen + need)
+            ncap *= 2;
+        uint8_t *nb = realloc(c->dbuf, ncap);
+        if (!nb)
+            return kvr__fail(c, KVR_ENOMEM, "out of memory");
+        c->dbuf = nb;
+        c->dcap = ncap;
+    }
+    kvr_frame_header_encode(c->dbuf + c->dlen, (uint32_t)mlen, 0);
+    kvrope__request__pack(req, c->dbuf + c->dlen + KVR_FRAME_HEADER_SIZE);
+    c->dlen += need;
+    c->did[c->n_deferred++] = req->id;
+    return 0;
+}
+
+int kvr_client_flush(kvr_client *c)
+{
+    c->err[0] = 0;
+    if (c->fd < 0)
+        return kvr__fail(c, KVR_ECLOSED, "connection is closed");
+    size_t n = c->n_deferred;
+    if (n == 0)
+        return 0;
+    struct iovec iov = { c->dbuf, c->dlen };
+    int sr = send_all(c, &iov, 1, c->dlen, 0);
+    c->dlen = 0;
+    c->n_deferred = 0;
+    if (sr < 0) {
+        if (sr == -EPIPE || sr == -ECONNRESET)
+            return fatal(c, KVR_ECLOSED, "connection closed by the daemon (%s)",
+                         strerror(-sr));
+        return fatal(c, KVR_ESYS, "send: %s", strerror(-sr));
+    }
+    int first = 0;
+    int r = read_deferred(c, n, &first);
+    if (r < 0)
+        return r;
+    if (first < 0)
+        return kvr__fail(c, first, "%s", c->defer_err);
+    return 0;
+}
+
+uint64_t kvr_client_deferred_failures(const kvr_client *c, char *msg, size_t cap)
+{
+    if (msg && cap)
+        snprintf(msg, cap, "%s", c->defer_err);
+    return c->defer_failures;
+}
+
 int kvr__call(kvr_client *c, Kvrope__Request *req, const struct iovec *piov, size_t piovcnt,
               uint64_t payload_len, Kvrope__Response **out, uint64_t *resp_payload)
 {
@@ -453,6 +681,8 @@ int kvr__call(kvr_client *c, Kvrope__Request *req, const struct iovec *piov, siz
         *resp_payload = 0;
     c->err[0] = 0;
     c->shm_got = false;
+    uint8_t *rx = c->rx_dst;    /* kvr__place_next: for this call's own answer */
+    c->rx_dst = NULL;
     Kvrope__ShmSlice sl = KVROPE__SHM_SLICE__INIT;
     if (c->shm_next) {   /* the payload is in a region: none on the socket */
         c->shm_next = false;
@@ -465,6 +695,15 @@ int kvr__call(kvr_client *c, Kvrope__Request *req, const struct iovec *piov, siz
     }
     if (c->fd < 0)
         return kvr__fail(c, KVR_ECLOSED, "connection is closed");
+    /* A descriptor rides on the first bytes of a write: deferred frames
+     * must not go ahead of the frame it belongs to. */
+    bool defer_after = resp_payload == NULL || c->send_fd >= 0;
+    if (c->n_deferred && c->send_fd >= 0 && resp_payload) {
+        int fr = kvr_client_flush(c);
+        if (fr < 0 && c->fd < 0)
+            return fr;
+        c->err[0] = 0;
+    }
     /* Between calls the stream is at a frame boundary: whatever is left in
      * the read-ahead belongs to no request yet (the daemon sends nothing
      * unasked but id-0 errors). */
@@ -485,18 +724,44 @@ int kvr__call(kvr_client *c, Kvrope__Request *req, const struct iovec *piov, siz
     kvrope__request__pack(req, c->wbuf + KVR_FRAME_HEADER_SIZE);
 
     struct iovec stack_iov[16], *iov = stack_iov;
-    if (piovcnt + 1 > 16) {
-        iov = malloc((piovcnt + 1) * sizeof *iov);
+    if (piovcnt + 2 > 16) {
+        iov = malloc((piovcnt + 2) * sizeof *iov);
         if (!iov)
             return kvr__fail(c, KVR_ENOMEM, "out of memory");
     }
-    iov[0].iov_base = c->wbuf;
-    iov[0].iov_len = need;
-    size_t n = 1;
+    /* Pipelined: the deferred frames go in the same write, after this
+     * request when its answer has no payload (so both answers are usually
+     * read in one recv, after one wake-up), else before it (its payload is
+     * left on the socket for the caller, and nothing may follow it). */
+    size_t n = 0, deferred = c->n_deferred, head = need;
+    if (deferred && !defer_after) {
+        iov[n].iov_base = c->dbuf;
+        iov[n++].iov_len = c->dlen;
+        head += c->dlen;
+    }
+    iov[n].iov_base = c->wbuf;
+    iov[n++].iov_len = need;
     for (size_t i = 0; i < piovcnt; i++)
         if (piov[i].iov_len)
             iov[n++] = piov[i];
-    int sr = send_all(c, iov, n, need, payload_len);
+    if (deferred && defer_after) {
+        iov[n].iov_base = c->dbuf;
+        iov[n++].iov_len = c->dlen;
+    }
+    int sr = send_all(c, iov, n, head, payload_len);
+    if (sr == 0 && deferred) {
+        c->dlen = 0;
+        c->n_deferred = 0;
+    }
+    if (sr == 0 && deferred && !defer_after) {
+        int dr = read_deferred(c, deferred, NULL);
+        if (dr < 0) {
+            if (iov != stack_iov)
+                free(iov);
+            req->shm = NULL;
+            return dr;
+        }
+    }
     req->shm = NULL;
     if (iov != stack_iov)
         free(iov);
@@ -524,9 +789,21 @@ int kvr__call(kvr_client *c, Kvrope__Request *req, const struct iovec *piov, siz
 
     Kvrope__Response *resp = NULL;
     uint64_t pl = 0;
+    c->rx_dst = rx;
     int r = recv_response(c, req->id, &resp, &pl);
     if (r < 0)
         return r;
+    if (deferred && defer_after) {   /* their answers follow this one's */
+        if (pl && (r = kvr__drain(c, pl)) < 0) {   /* none expected: defer_after */
+            kvrope__response__free_unpacked(resp, NULL);
+            return r;
+        }
+        pl = 0;
+        if ((r = read_deferred(c, deferred, NULL)) < 0) {
+            kvrope__response__free_unpacked(resp, NULL);
+            return r;
+        }
+    }
     if (resp->status != KVROPE__STATUS__OK) {
         int code = kvr_error_from_status((int)resp->status);
         kvr__fail(c, code, "%s", resp->message && *resp->message ? resp->message

@@ -712,6 +712,8 @@ int kvr_client_get(kvr_client *c, const kvr_get_args *a, kvr_kv *out)
     REQUEST(req, GET, get, &g);
     Kvrope__Response *resp;
     uint64_t pl;
+    if (a->dst && !a->meta_only && !c->shm_next)   /* the payload may land there at once */
+        kvr__place_next(c, a->dst, a->dst_cap);
     r = kvr__call(c, &req, NULL, 0, 0, &resp, &pl);
     if (r < 0)
         return r;
@@ -752,6 +754,8 @@ int kvr_client_match(kvr_client *c, const kvr_match_args *a, kvr_match_res *out)
     REQUEST(req, MATCH, match, &m);
     Kvrope__Response *resp;
     uint64_t pl;
+    if (a->get && a->dst && !c->shm_next)
+        kvr__place_next(c, a->dst, a->dst_cap);
     r = kvr__call(c, &req, NULL, 0, 0, &resp, &pl);
     if (r < 0)
         return r;
@@ -795,6 +799,18 @@ int kvr_client_delete(kvr_client *c, const char *ctx_id)
     d.context_id = unconst(ctx_id);
     REQUEST(req, DELETE, delete_, &d);
     return simple_call(c, &req);
+}
+
+int kvr_client_delete_deferred(kvr_client *c, const char *ctx_id)
+{
+    c->err[0] = 0;
+    int r = check_id(c, "delete", ctx_id);
+    if (r < 0)
+        return r;
+    Kvrope__Delete d = KVROPE__DELETE__INIT;
+    d.context_id = unconst(ctx_id);
+    REQUEST(req, DELETE, delete_, &d);
+    return kvr__defer(c, &req);
 }
 
 static void ctx_from_wire(kvr_context *o, const Kvrope__ContextInfo *ci);

@@ -368,6 +368,105 @@ Test(daemon_wire, ping_and_pipelining)
     stop_daemon_clean();
 }
 
+/* Appends one frame (request q, then payload) to buf at *off. */
+static void frame_into(uint8_t *buf, size_t cap, size_t *off, Kvrope__Request *q,
+                       const void *payload, size_t plen)
+{
+    size_t n = kvrope__request__get_packed_size(q);
+    cr_assert_leq(*off + KVR_FRAME_HEADER_SIZE + n + plen, cap);
+    kvrope__request__pack(q, buf + *off + KVR_FRAME_HEADER_SIZE);
+    kvr_frame_header_encode(buf + *off, (uint32_t)n, plen);
+    *off += KVR_FRAME_HEADER_SIZE + n;
+    if (plen)
+        memcpy(buf + *off, payload, plen);
+    *off += plen;
+}
+
+/* Many requests in one write, more than the daemon holds back before
+ * writing (its cork), mixing ones answered at once, ones with a payload in
+ * (f16 puts straight into blocks, f32 puts converted on the threadpool),
+ * gets with a payload out and errors; then the write side is shut: every
+ * answer comes, in order, with the right data, then EOF. */
+Test(daemon_wire, pipelined_batch_answered_in_order_after_half_close)
+{
+    start_daemon(NULL);
+    int fd = connect_unix(D.sock);
+    register_model(fd);
+    enum { T = 5, ROUNDS = 12 };
+    uint32_t toks[T] = { 1, 2, 3, 4, 5 };
+    size_t n16 = payload_bytes(T), n32 = n16 * 2;
+    uint16_t *p16 = malloc(n16);
+    fill_payload(p16, T, 9);
+    float *p32 = malloc(n32);
+    for (size_t i = 0; i < n32 / 4; i++)
+        p32[i] = 1.0f + (float)(i % 512) / 512.0f;
+    size_t cap = ROUNDS * (n16 + n32 + 2048), off = 0;
+    uint8_t *all = malloc(cap);
+    uint64_t id = 1000;
+    for (int k = 0; k < ROUNDS; k++) {
+        char ctx[2][32];
+        snprintf(ctx[0], sizeof ctx[0], "h%d", k);
+        snprintf(ctx[1], sizeof ctx[1], "f%d", k);
+        Kvrope__Request q;
+        Kvrope__Put p;
+        make_put(&q, &p, ctx[0], toks, T, KVROPE__PUT_MODE__CREATE);
+        q.id = id++;
+        frame_into(all, cap, &off, &q, p16, n16);
+        make_put(&q, &p, ctx[1], toks, T, KVROPE__PUT_MODE__CREATE);
+        p.dtype = KVROPE__DTYPE__F32;
+        q.id = id++;
+        frame_into(all, cap, &off, &q, p32, n32);
+        Kvrope__Get g = KVROPE__GET__INIT;
+        g.context_id = ctx[0];
+        kvrope__request__init(&q);
+        q.id = id++;
+        q.body_case = KVROPE__REQUEST__BODY_GET;
+        q.get = &g;
+        frame_into(all, cap, &off, &q, NULL, 0);
+        g.context_id = "nope";
+        q.id = id++;
+        frame_into(all, cap, &off, &q, NULL, 0);
+        Kvrope__Delete dl = KVROPE__DELETE__INIT;
+        dl.context_id = ctx[1];
+        kvrope__request__init(&q);
+        q.id = id++;
+        q.body_case = KVROPE__REQUEST__BODY_DELETE;
+        q.delete_ = &dl;
+        frame_into(all, cap, &off, &q, NULL, 0);
+    }
+    cr_assert_eq(write_all(fd, all, off), 0);
+    cr_assert_eq(shutdown(fd, SHUT_WR), 0);
+    id = 1000;
+    for (int k = 0; k < ROUNDS; k++) {
+        for (int j = 0; j < 5; j++, id++) {
+            uint8_t *got = NULL;
+            uint64_t glen = 0;
+            Kvrope__Response *r = recv_resp(fd, &got, &glen);
+            cr_assert_eq(r->id, id, "answer %llu where %llu was due", (unsigned long long)r->id,
+                         (unsigned long long)id);
+            if (j == 3) {
+                cr_assert_eq(r->status, KVROPE__STATUS__E_UNKNOWN_CONTEXT);
+            } else {
+                cr_assert_eq(r->status, KVROPE__STATUS__OK, "request %d: %s", j, r->message);
+            }
+            if (j == 2) {
+                cr_assert_eq(glen, n16);
+                cr_assert_arr_eq(got, p16, n16);
+            } else {
+                cr_assert_eq(glen, 0);
+            }
+            free(got);
+            kvrope__response__free_unpacked(r, NULL);
+        }
+    }
+    expect_eof(fd);
+    close(fd);
+    free(all);
+    free(p16);
+    free(p32);
+    stop_daemon_clean();
+}
+
 Test(daemon_wire, socket_mode_0600)
 {
     start_daemon(NULL);

@@ -421,3 +421,133 @@ Test(int_basic, list_stat_pin_delete_stats)
     cr_assert(kvr_metric_find(ms, n, "mem_cap_bytes", &v));
     kvr_client_free(ms);
 }
+
+/* A put whose payload never comes keeps its context busy (E_BUSY for a
+ * delete meanwhile): header and message only, on a raw socket. */
+#include <sys/socket.h>
+#include <sys/un.h>
+#include "kvrope.pb-c.h"
+#include "proto/frame.h"
+
+static int open_put_without_payload(const char *sock, const char *ctx, const char *model)
+{
+    int fd = socket(AF_UNIX, SOCK_STREAM, 0);
+    struct sockaddr_un sa = { .sun_family = AF_UNIX };
+    if (strlen(sock) >= sizeof sa.sun_path)
+        return -1;
+    memcpy(sa.sun_path, sock, strlen(sock) + 1);
+    if (fd < 0 || connect(fd, (struct sockaddr *)&sa, sizeof sa) < 0)
+        return -1;
+    uint32_t tok[1] = { 5 };
+    Kvrope__Put p = KVROPE__PUT__INIT;
+    p.context_id = (char *)(uintptr_t)ctx;
+    p.model = (char *)(uintptr_t)model;
+    p.has_mode = 1;
+    p.mode = KVROPE__PUT_MODE__APPEND;
+    p.n_tokens = 1;
+    p.tokens = tok;
+    Kvrope__Request q = KVROPE__REQUEST__INIT;
+    q.id = 1;
+    q.body_case = KVROPE__REQUEST__BODY_PUT;
+    q.put = &p;
+    uint8_t buf[512];
+    size_t n = kvrope__request__pack(&q, buf + KVR_FRAME_HEADER_SIZE);
+    kvr_frame_header_encode(buf, (uint32_t)n, kvr_payload_size(T_LAYERS, 1, T_HEADS, T_DIM,
+                                                                KVR_DTYPE_F16));
+    if (write(fd, buf, KVR_FRAME_HEADER_SIZE + n) != (ssize_t)(KVR_FRAME_HEADER_SIZE + n)) {
+        close(fd);
+        return -1;
+    }
+    return fd;
+}
+
+Test(int_basic, deferred_deletes_ride_with_the_next_call)
+{
+    cr_assert_eq(testd_register(C, "m", KVR_DTYPE_F16, NULL), 0);
+    for (int i = 0; i < 4; i++) {
+        char id[16];
+        snprintf(id, sizeof id, "d%d", i);
+        cr_assert_eq(testd_put(C, id, "m", KVR_DTYPE_F16, (uint32_t)i, 0, 0, 10), 0);
+    }
+    double reqs0 = testd_metric(C, "requests_delete");
+    /* Queued, not sent: d0 is still there for another connection. */
+    cr_assert_eq(kvr_client_delete_deferred(C, "d0"), 0);
+    cr_assert_eq(kvr_client_delete_deferred(C, "never-was"), 0);   /* gone counts as done */
+    cr_assert_eq(kvr_client_delete_deferred(C, ""), KVR_EINVAL);
+    kvr_client *o = testd_connect(&D);
+    cr_assert_not_null(o);
+    kvr_context x;
+    cr_assert_eq(kvr_client_stat(o, "d0", &x), 0);
+    /* They ride with the next call (a put: after it, in the same write) and
+     * are answered before it returns. */
+    cr_assert_eq(testd_put(C, "d4", "m", KVR_DTYPE_F16, 4, 0, 0, 10), 0,
+                 "%s", kvr_client_last_error(C));
+    cr_assert_eq(kvr_client_stat(o, "d0", &x), KVR_ENOCTX);
+    cr_assert_eq(kvr_client_stat(o, "d4", &x), 0);
+    cr_assert_eq(kvr_client_deferred_failures(C, NULL, 0), 0);
+    cr_assert_float_eq(testd_metric(C, "requests_delete") - reqs0, 2.0, 1e-9);
+
+    /* Before a call whose answer has a payload (a get): its data is intact. */
+    cr_assert_eq(kvr_client_delete_deferred(C, "d1"), 0);
+    size_t len;
+    void *want = testd_payload(2, T_LAYERS, 0, 10, KVR_DTYPE_F16, &len);
+    kvr_kv kv;
+    kvr_get_args g = { .ctx_id = "d2", .dtype = KVR_DTYPE_F16 };
+    cr_assert_eq(kvr_client_get(C, &g, &kv), 0, "%s", kvr_client_last_error(C));
+    cr_assert_eq(kv.payload_len, len);
+    cr_assert_eq(memcmp(kv.payload, want, len), 0);
+    kvr_kv_release(&kv);
+    free(want);
+    cr_assert_eq(kvr_client_stat(o, "d1", &x), KVR_ENOCTX);
+    /* ... and into a caller's buffer (received there with the message), a
+     * deferred delete ahead of it, many times: bytes exact, still in step. */
+    want = testd_payload(2, T_LAYERS, 0, 10, KVR_DTYPE_F16, &len);
+    uint8_t *dst = malloc(len + 64);
+    for (int i = 0; i < 50; i++) {
+        memset(dst, 0xee, len + 64);
+        cr_assert_eq(kvr_client_delete_deferred(C, "never-was"), 0);
+        kvr_get_args gd = { .ctx_id = "d2", .dtype = KVR_DTYPE_F16, .dst = dst,
+                            .dst_cap = len + 64 };
+        cr_assert_eq(kvr_client_get(C, &gd, &kv), 0, "%s", kvr_client_last_error(C));
+        cr_assert_eq(kv.payload, dst);
+        cr_assert_eq(kv.payload_len, len);
+        cr_assert_eq(memcmp(dst, want, len), 0);
+        cr_assert_eq(dst[len], 0xee, "nothing written past the payload");
+        kvr_kv_release(&kv);
+        cr_assert_eq(kvr_client_ping(C, NULL), 0);
+    }
+    free(dst);
+    free(want);
+
+    /* A deferred failure is counted and kept; it does not fail the call it
+     * rode with. d3 is busy while a put into it waits for its payload. */
+    int raw = open_put_without_payload(D.sock, "d3", "m");
+    cr_assert_geq(raw, 0);
+    /* Until it is busy (a put meanwhile only appends to d3). */
+    for (int i = 0; i < 200 && testd_put(o, "d3", "m", KVR_DTYPE_F16, 3, 0, 0, 1) != KVR_EBUSY;
+         i++)
+        testd_sleep_ms(10);
+    cr_assert_eq(kvr_client_delete_deferred(C, "d3"), 0);
+    kvr_pong pong;
+    cr_assert_eq(kvr_client_ping(C, &pong), 0, "%s", kvr_client_last_error(C));
+    char msg[256];
+    cr_assert_eq(kvr_client_deferred_failures(C, msg, sizeof msg), 1);
+    cr_assert(strstr(msg, "d3") != NULL, "message '%s'", msg);
+    /* kvr_client_flush sends what waits and returns the first failure. */
+    cr_assert_eq(kvr_client_flush(C), 0);   /* nothing waits */
+    cr_assert_eq(kvr_client_delete_deferred(C, "d3"), 0);
+    cr_assert_eq(kvr_client_flush(C), KVR_EBUSY);
+    cr_assert_eq(kvr_client_deferred_failures(C, NULL, 0), 2);
+    close(raw);   /* its put is aborted: d3 is as it was */
+    for (int i = 0; i < 200 && kvr_client_delete_deferred(C, "d3") == 0 &&
+                    kvr_client_flush(C) == KVR_EBUSY; i++)
+        testd_sleep_ms(10);
+    cr_assert_eq(kvr_client_stat(o, "d3", &x), KVR_ENOCTX);
+
+    /* More than KVR_DEFER_MAX: the queue is flushed on its own. */
+    for (int i = 0; i < KVR_DEFER_MAX + 5; i++)
+        cr_assert_eq(kvr_client_delete_deferred(C, "d4"), 0);
+    cr_assert_eq(kvr_client_flush(C), 0);
+    cr_assert_eq(kvr_client_stat(o, "d4", &x), KVR_ENOCTX);
+    kvr_client_close(o);
+}

@@ -671,3 +671,95 @@ Test(int_shm, stray_descriptors_are_closed)
     close(fd);
     cr_assert_eq(kvr_client_ping(C, NULL), 0);
 }
+
+/* Descriptors riding on a put's payload bytes (the daemon reads a payload
+ * straight into its blocks, all iovecs at once): closed, never kept, and
+ * the put stores exactly its bytes. */
+Test(int_shm, descriptors_on_payload_bytes_are_closed)
+{
+    cr_assert_eq(testd_register(C, "pm", KVR_DTYPE_F16, NULL), 0);
+    int fd = raw_connect();
+    Kvrope__Request q = KVROPE__REQUEST__INIT;
+    Kvrope__Ping ping = KVROPE__PING__INIT;
+    q.id = 1;
+    q.body_case = KVROPE__REQUEST__BODY_PING;
+    q.ping = &ping;
+    cr_assert_eq(raw_call(fd, &q, -1), KVROPE__STATUS__OK);
+    int before = count_fds(D.pid);
+    int mfd = raw_memfd(4096, F_SEAL_SHRINK);
+    const size_t n = 70;   /* two blocks: several iovecs */
+    size_t len;
+    void *pl = testd_payload(3, T_LAYERS, 0, n, KVR_DTYPE_F16, &len);
+    uint32_t *tok = testd_tokens(0, n);
+    for (int i = 0; i < 20; i++) {
+        char id[16];
+        snprintf(id, sizeof id, "fp%d", i);
+        Kvrope__Put p = KVROPE__PUT__INIT;
+        p.context_id = id;
+        p.model = "pm";
+        p.has_mode = 1;
+        p.mode = KVROPE__PUT_MODE__CREATE;
+        p.n_tokens = n;
+        p.tokens = tok;
+        Kvrope__Request r = KVROPE__REQUEST__INIT;
+        r.id = 10 + (uint64_t)i;
+        r.body_case = KVROPE__REQUEST__BODY_PUT;
+        r.put = &p;
+        uint8_t head[1024];
+        size_t m = kvrope__request__get_packed_size(&r);
+        cr_assert_leq(m + KVR_FRAME_HEADER_SIZE, sizeof head);
+        kvr_frame_header_encode(head, (uint32_t)m, len);
+        kvrope__request__pack(&r, head + KVR_FRAME_HEADER_SIZE);
+        cr_assert_eq(send(fd, head, m + KVR_FRAME_HEADER_SIZE, MSG_NOSIGNAL),
+                     (ssize_t)(m + KVR_FRAME_HEADER_SIZE));
+        /* the payload in two sends, a descriptor on each */
+        for (int part = 0; part < 2; part++) {
+            size_t a = part ? len / 3 : 0, z = part ? len : len / 3;
+            struct iovec iov = { (uint8_t *)pl + a, z - a };
+            union {
+                struct cmsghdr h;
+                char b[CMSG_SPACE(sizeof(int))];
+            } cm;
+            memset(&cm, 0, sizeof cm);
+            struct msghdr mh = { .msg_iov = &iov, .msg_iovlen = 1, .msg_control = cm.b,
+                                 .msg_controllen = sizeof cm.b };
+            struct cmsghdr *h = CMSG_FIRSTHDR(&mh);
+            h->cmsg_level = SOL_SOCKET;
+            h->cmsg_type = SCM_RIGHTS;
+            h->cmsg_len = CMSG_LEN(sizeof(int));
+            memcpy(CMSG_DATA(h), &mfd, sizeof(int));
+            cr_assert_eq(sendmsg(fd, &mh, MSG_NOSIGNAL), (ssize_t)(z - a));
+        }
+        uint8_t hdr[KVR_FRAME_HEADER_SIZE];
+        cr_assert_eq(recv(fd, hdr, sizeof hdr, MSG_WAITALL), (ssize_t)sizeof hdr);
+        kvr_frame_header fh;
+        cr_assert_eq(kvr_frame_header_decode(hdr, &fh, NULL), 0);
+        uint8_t *mb = malloc(fh.msg_len ? fh.msg_len : 1);
+        cr_assert_eq(recv(fd, mb, fh.msg_len, MSG_WAITALL), (ssize_t)fh.msg_len);
+        Kvrope__Response *resp = kvrope__response__unpack(NULL, fh.msg_len, mb);
+        free(mb);
+        cr_assert_not_null(resp);
+        cr_assert_eq(resp->status, KVROPE__STATUS__OK, "put: %s", resp->message);
+        kvrope__response__free_unpacked(resp, NULL);
+    }
+    int after = count_fds(D.pid);
+    cr_assert_leq(after, before + 5, "the daemon kept descriptors: %d -> %d", before, after);
+    kvr_get_args g = { .ctx_id = "fp19", .dtype = KVR_DTYPE_F16 };
+    kvr_kv kv;
+    cr_assert_eq(kvr_client_get(C, &g, &kv), 0, "%s", kvr_client_last_error(C));
+    cr_assert_eq(kv.payload_len, len);
+    cr_assert_eq(memcmp(kv.payload, pl, len), 0);
+    kvr_kv_release(&kv);
+    /* and the connection still registers a region properly */
+    Kvrope__RegisterRegion rr = KVROPE__REGISTER_REGION__INIT;
+    rr.size = 4096;
+    Kvrope__Request rg = KVROPE__REQUEST__INIT;
+    rg.id = 2;
+    rg.body_case = KVROPE__REQUEST__BODY_REGISTER_REGION;
+    rg.register_region = &rr;
+    cr_assert_eq(raw_call(fd, &rg, mfd), KVROPE__STATUS__OK);
+    close(mfd);
+    close(fd);
+    free(pl);
+    free(tok);
+}
