@@ -34,6 +34,7 @@
 #include <errno.h>
 #include <stdarg.h>
 #include <fcntl.h>
+#include <pthread.h>
 #include <signal.h>
 #include <stdlib.h>
 #include <string.h>
@@ -885,6 +886,16 @@ int kvr_daemon_main(int argc, char **argv)
         snprintf(n, sizeof n, "%u", cfg.threads);
         setenv("UV_THREADPOOL_SIZE", n, 1);
     }
+    /* SIGINT/SIGTERM/SIGHUP stay blocked from before the socket exists until
+     * libuv's handlers are in: a stop sent as soon as the socket answers (a
+     * service manager, a test) is then handled, not fatal. Threads started
+     * in between keep them blocked, so they reach the loop thread. */
+    sigset_t stops, old;
+    sigemptyset(&stops);
+    sigaddset(&stops, SIGINT);
+    sigaddset(&stops, SIGTERM);
+    sigaddset(&stops, SIGHUP);
+    pthread_sigmask(SIG_BLOCK, &stops, &old);
     kvr_error err = { 0 };
     kvr_daemon *d;
     rc = kvr_daemon_create(&d, &cfg, &err);
@@ -901,6 +912,7 @@ int kvr_daemon_main(int argc, char **argv)
         kvr_daemon_destroy(d);
         return 1;
     }
+    pthread_sigmask(SIG_SETMASK, &old, NULL);   /* a stop that came meanwhile is taken now */
     kvr_log(KVR_LOG_INFO, "kvroped %s ready: memory cap %llu bytes, max frame %u bytes",
             KVR_DAEMON_VERSION, (unsigned long long)cfg.max_memory, cfg.max_frame);
     notify_status(d, "READY=1\n");

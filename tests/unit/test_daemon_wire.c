@@ -477,6 +477,23 @@ Test(daemon_wire, socket_mode_0600)
     stop_daemon_clean();
 }
 
+/* A stop sent the moment the socket file appears (before the daemon is
+ * fully up) is a clean stop, never a death by signal: the daemon keeps the
+ * stop signals blocked from before it binds until its handlers are in. */
+Test(daemon_wire, sigterm_at_the_first_sight_of_the_socket_is_a_clean_stop)
+{
+    for (int round = 0; round < 10; round++) {
+        unlink(D.sock);
+        D.pid = start_daemon_args(D.sock, NULL);
+        struct stat st;
+        int i = 0;
+        while (stat(D.sock, &st) != 0 && i++ < 2000)
+            usleep(500);
+        cr_assert_eq(stat(D.sock, &st), 0, "round %d: no socket (see %s)", round, D.log);
+        stop_daemon_clean();
+    }
+}
+
 Test(daemon_wire, garbage_closes_only_that_connection)
 {
     start_daemon(NULL);
