@@ -512,11 +512,13 @@ def write_report(results, a, seconds, log):
                 "policy kept (kvrope drops the middle and moves the window's positions up to the sinks).")
         md += [f"### Retention ({en})", "", scap, "", st, ""]
         if en.startswith("llama") or len(results["engines"]) == 1 or not readme:
-            readme = [f"Quality on a trained {meta['params'] / 1e6:.1f} M-parameter code model "
+            readme = [f"Quality on a trained {meta['params'] / 1e6:.2f} M-parameter code model "
                       f"(held-out {meta['held_out_bpb']:.2f} bits/byte), through {en}; "
                       f"made by `{cmd}`, details and the numpy cross-check in [docs/eval.md](docs/eval.md).",
                       "", cap, "", pt, "", dcap, "", dt, "", qcap, "", qt, "", scap, "", st]
-    md += findings(results)
+    fnd = findings(results)
+    md += fnd
+    readme = readme + [""] + fnd[3:-1]
     g = results["ape_grid"]
     md += ["## How APE's T and S were chosen", "",
            f"A grid over T in {APE_T} and S in {APE_S}, scored (numpy, full APE attention) on "
