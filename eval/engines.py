@@ -106,19 +106,14 @@ KV_MAGIC = b"KVRKV1\0\0"
 
 def write_kv_file(path, kv, pos):
     """The KV file `kvrope-llama score --kv` reads (docs/llama.md)."""
-    L_ = len(kv)
-    m, h, d = kv[0][0].shape if m_nonzero(kv) else (0, 0, 0)
+    m, h, d = kv[0][0].shape
     with open(path, "wb") as f:
         f.write(KV_MAGIC)
-        f.write(struct.pack("<6I", L_, m, h, d, 0, 0))
+        f.write(struct.pack("<6I", len(kv), m, h, d, 0, 0))
         f.write(np.asarray(pos, dtype="<i8").tobytes())
         for k, v in kv:
             f.write(np.ascontiguousarray(k, dtype="<f4").tobytes())
             f.write(np.ascontiguousarray(v, dtype="<f4").tobytes())
-
-
-def m_nonzero(kv):
-    return len(kv) > 0 and kv[0][0].shape[0] > 0
 
 
 def read_kv_file(path):

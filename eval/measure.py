@@ -232,10 +232,39 @@ def ape_attention(doc_mask, temperature, scale, folded):
     return attn
 
 
+def put_documents(client, engine, model, uid, P, chunks, made):
+    """Encodes the prefix P and each chunk after it (positions len(P)..) and
+    puts them into kvrope, the chunks as APE documents of the prefix. Every
+    id created is appended to `made` (the caller deletes them, also after a
+    failure). Returns (prefix id, document ids)."""
+    _, kv_p = engine.forward(P, np.arange(len(P)))
+    pid = f"{uid}-p"
+    client.put(pid, model, P, kv_p, mode="create")
+    made.append(pid)
+    dids = []
+    for i, c in enumerate(chunks):
+        pos = len(P) + np.arange(len(c))
+        _, kv = engine.forward(c, pos, (kv_p, np.arange(len(P))))
+        did = f"{uid}-d{i}"
+        client.put(did, model, c, kv, mode="create", prefix=pid, positions=pos)
+        made.append(did)
+        dids.append(did)
+    return pid, dids
+
+
+def score_assembly(engine, asm, cont, ref=None, attention=None):
+    """The continuation decoded after an assembled stream (at its query
+    position), scored on cont[1:]."""
+    q = asm.query_pos + np.arange(len(cont))
+    lg, _ = engine.forward(cont, q, cache_of(asm.kv), attention=attention)
+    return scores(lg[:-1], cont[1:], ref)
+
+
 def docs_case(client, engine, model, uid, prefix, chunks, cont, ape_ts, numpy_ape=True):
     """prefix, chunks (k token lists, no BOS), cont: the continuation. Rows:
     sequential encode (full), kvrope sequential, APE (T, S) [numpy], APE with
-    T folded into K (S = 1), parallel, none. Scores cont[1:]."""
+    T folded into K (S = 1, at T and at the daemon's default 0.9), parallel,
+    none. Scores cont[1:]."""
     P = np.asarray(prefix, np.int32)
     cont = np.asarray(cont, np.int32)
     targets = cont[1:]
@@ -246,23 +275,12 @@ def docs_case(client, engine, model, uid, prefix, chunks, cont, ape_ts, numpy_ap
     nc = np.concatenate([P, cont])
     lg, _ = engine.forward(nc, np.arange(len(nc)))
     rows["none"] = scores(lg[len(P):-1], targets, ref)
-    lg_p, kv_p = engine.forward(P, np.arange(len(P)))
-    pid = f"{uid}-p"
-    client.put(pid, model, P, kv_p, mode="create")
-    dids = []
+    made = []
     try:
-        for i, c in enumerate(chunks):
-            pos = len(P) + np.arange(len(c))
-            _, kv = engine.forward(c, pos, (kv_p, np.arange(len(P))))
-            did = f"{uid}-d{i}"
-            client.put(did, model, c, kv, mode="create", prefix=pid, positions=pos)
-            dids.append(did)
+        pid, dids = put_documents(client, engine, model, uid, P, chunks, made)
 
         def run(asm, attention=None):
-            cache = cache_of(asm.kv)
-            q = asm.query_pos + np.arange(len(cont))
-            lg, _ = engine.forward(cont, q, cache, attention=attention)
-            return scores(lg[:-1], targets, ref)
+            return score_assembly(engine, asm, cont, ref, attention)
 
         rows["sequential"] = run(client.assemble(pid, dids, layout="sequential"))
         rows["parallel"] = run(client.assemble(pid, dids, layout="parallel"))
@@ -279,42 +297,30 @@ def docs_case(client, engine, model, uid, prefix, chunks, cont, ape_ts, numpy_ap
                               fold_temperature=True)
         rows["ape_folded_09"] = run(asm)
     finally:
-        for d in dids + [pid]:
+        for d in made:
             client.delete(d)
     return {"rows": rows}
 
 
 def ape_grid(client, engine, model, uid, cases, Ts, Ss):
     """Mean continuation bits per byte of APE (numpy) for every (T, S)."""
-    P, chunks, cont = None, None, None
     out = {}
     for ci, (P, chunks, cont) in enumerate(cases):
-        Pn = np.asarray(P, np.int32)
         cont = np.asarray(cont, np.int32)
-        _, kv_p = engine.forward(Pn, np.arange(len(Pn)))
-        pid = f"{uid}-g{ci}-p"
-        client.put(pid, model, Pn, kv_p, mode="create")
-        dids = []
+        made = []
         try:
-            for i, c in enumerate(chunks):
-                pos = len(Pn) + np.arange(len(c))
-                _, kv = engine.forward(c, pos, (kv_p, np.arange(len(Pn))))
-                did = f"{uid}-g{ci}-d{i}"
-                client.put(did, model, c, kv, mode="create", prefix=pid, positions=pos)
-                dids.append(did)
+            pid, dids = put_documents(client, engine, model, f"{uid}-g{ci}",
+                                      np.asarray(P, np.int32), chunks, made)
             for T in Ts:
                 for S in Ss:
                     asm = client.assemble(pid, dids, layout="parallel", temperature=T, scale=S)
-                    cache = cache_of(asm.kv)
-                    q = asm.query_pos + np.arange(len(cont))
-                    lg, _ = engine.forward(cont, q, cache,
-                                           attention=ape_attention(asm.document_mask(), T, S, False))
-                    s = scores(lg[:-1], cont[1:])
+                    s = score_assembly(engine, asm, cont,
+                                       attention=ape_attention(asm.document_mask(), T, S, False))
                     a = out.setdefault((T, S), [0.0, 0])
                     a[0] += s["bits"]
                     a[1] += s["n"]
         finally:
-            for d in dids + [pid]:
+            for d in made:
                 client.delete(d)
     return {k: v[0] / v[1] for k, v in out.items()}
 
