@@ -868,19 +868,18 @@ Test(llama_score, bad_inputs_are_refused, .init = setup, .fini = teardown, .time
 }
 
 /* --kv-out: the KV llama.cpp computed for the appended tokens, as a KV.bin:
- * byte for byte what llama.cpp's own state holds for them (no cache, and
- * after a cache), and usable as a cache that reproduces the full forward.
+ * byte for byte what llama.cpp's own state holds for them, with no cache
+ * and after a cache (there: the appended rows of a full decode's state).
  * Refused when nothing follows the cache. */
 Test(llama_score, kv_out_is_llamas_own_kv, .init = setup, .fini = teardown, .timeout = 600)
 {
     enum { N = 160, m = 100 };
     int32_t T[N];
     tokens(T, N, 11);
-    char tp[400], kp[400], op[400], lp[400];
+    char tp[400], kp[400], op[400];
     path(tp, sizeof tp, "t.bin");
     path(kp, sizeof kp, "kv.bin");
     path(op, sizeof op, "kvo.bin");
-    path(lp, sizeof lp, "l.bin");
     /* No cache: the KV of T[0..m) equals kv_of_llama's. */
     write_bytes(tp, T, (size_t)m * 4);
     const char *a[] = { "score", "--tokens", tp, "--kv-out", op, NULL };
@@ -892,8 +891,8 @@ Test(llama_score, kv_out_is_llamas_own_kv, .init = setup, .fini = teardown, .tim
     cr_expect_eq(memcmp(got, want.b, n), 0, "--kv-out differs from llama.cpp's state");
     free(got);
     cJSON_Delete(j);
-    /* After a cache of T[0..m): the KV of T[m..N) at positions m.., and the
-     * two files together as one cache give the full forward's continuation. */
+    /* After a cache of T[0..m): the KV of T[m..N) at positions m.., the
+     * rows llama.cpp's state of a full decode of T holds for them. */
     write_bytes(kp, want.b, want.len);
     write_bytes(tp, T, sizeof T);
     const char *b[] = { "score", "--tokens", tp, "--kv", kp, "--kv-out", op, NULL };
@@ -918,7 +917,6 @@ Test(llama_score, kv_out_is_llamas_own_kv, .init = setup, .fini = teardown, .tim
     cr_expect_eq(run(false, c), 1);
     cr_expect(strstr(err_s, "no tokens after the cache") != NULL, "%s", err_s);
     cr_expect_eq(access(op, F_OK), -1);
-    (void)lp;
     free(want.b);
     free(whole.b);
 }
