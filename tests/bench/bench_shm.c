@@ -27,7 +27,9 @@
  * 64 MiB).
  *
  * Binaries: $KVR_BUILD/kvroped (default ./build); redis-server from PATH.
- * Duration per cell: $KVR_BENCH_SECONDS (default 1.0).
+ * Duration per cell: $KVR_BENCH_SECONDS (default 1.0). $KVR_BENCH_CELLS: only the cells
+ * named, e.g. "put-64M-1,rot", and $KVR_BENCH_MODES only the columns named ("1t",
+ * "pool", "shm", "unix", "redis"): for profiling; goals of cells not run have no figure.
  */
 #include <errno.h>
 #include <pthread.h>
@@ -306,6 +308,11 @@ int main(void)
 {
     const char *b = getenv("KVR_BUILD");
     const char *secs = getenv("KVR_BENCH_SECONDS");
+    /* KVR_BENCH_CELLS: only the cells named (e.g. "put-64M-1,get-1M-4"; for
+     * profiling one of them; the goals of cells not run print no figure) */
+    const char *only = getenv("KVR_BENCH_CELLS");
+    const char *only_mode = getenv("KVR_BENCH_MODES");   /* e.g. "shm,pool" */
+    static const char *const mode_name[] = { "1t", "pool", "shm", "unix", "redis" };
     double seconds = secs ? atof(secs) : 1.0;
     if (seconds <= 0)
         seconds = 1.0;
@@ -385,10 +392,16 @@ int main(void)
         for (int s = 0; s < 2; s++)
             for (int k = 0; k < 2; k++) {
                 op_kind o = op == 0 ? OP_GET : OP_PUT;
+                char label[32];
+                snprintf(label, sizeof label, "%s-%s-%d", o == OP_GET ? "get" : "put",
+                         s ? "64M" : "1M", clients[k]);
+                if (only && !strstr(only, label))
+                    continue;
                 double v[NM] = { 0 };
                 for (int sl = 0; sl < SLICES; sl++)
                     for (int m = 0; m < NM; m++) {
-                        if (v[m] < 0 || (modes[m] == M_REDIS && !have_redis)) {
+                        if (v[m] < 0 || (modes[m] == M_REDIS && !have_redis) ||
+                            (only_mode && !strstr(only_mode, mode_name[m]))) {
                             v[m] = -1;
                             continue;
                         }
@@ -422,6 +435,8 @@ int main(void)
             }
     /* Re-rotated get, alternating with the pool memcpy of the same bytes. */
     double rot = 0, rot_base = 0;
+    if (only && !strstr(only, "rot"))
+        rot = rot_base = -1;
     for (int sl = 0; sl < SLICES && rot >= 0; sl++) {
         double x = run(OP_GET, M_SHM_ROT, 64u << 20, 1, addr, rsock, seconds / SLICES, sl);
         double y = run(OP_GET, M_MEMCPY_POOL, 64u << 20, 1, addr, rsock, seconds / SLICES, sl);
