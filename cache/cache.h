@@ -58,6 +58,10 @@ size_t kvr_mem_size_class(size_t n); /* what an allocation of n will really hold
 void  *kvr_mem_staging(size_t n);
 void   kvr_mem_staging_free(void *p);
 void   kvr_mem_trim(void);
+/* memcpy for part of a large copy (over the cache's size) into memory
+ * nobody reads soon (a put's blocks): non-temporal stores, so the
+ * destination's lines are not read in first. The same bytes. */
+void   kvr_mem_copy_stream(void *dst, const void *src, size_t n);
 size_t kvr_mem_allocated(void);   /* bytes the allocator holds for us now */
 size_t kvr_mem_peak(void);
 /* Test hook (mem.c): the nth kvr_mem_* allocation from now fails (NULL),

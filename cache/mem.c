@@ -24,7 +24,11 @@
 #include <stdbool.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 #include <sys/mman.h>
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
 
 #include "cache/cache.h"
 
@@ -226,6 +230,70 @@ void kvr_mem_trim(void)
     stash_n = 0;
     pthread_mutex_unlock(&stash_lock);
     free(p);
+}
+
+/* A put's copy out of a shared-memory region writes 64 MiB of block memory
+ * that is not read again soon. memcpy's temporal stores first read each
+ * destination line into the cache (three memory transfers per byte);
+ * streaming stores write it straight out (two): bench_shm's 64 MiB put
+ * copies 1.15-1.25x faster per thread. */
+#define STREAM_MIN ((size_t)256)   /* below it, the alignment head would dominate */
+
+#if defined(__x86_64__)
+__attribute__((target("avx2")))
+static void copy_stream_avx2(uint8_t *d, const uint8_t *s, size_t n)
+{
+    for (; n >= 128; n -= 128, d += 128, s += 128) {
+        __m256i a = _mm256_loadu_si256((const __m256i *)(const void *)s);
+        __m256i b = _mm256_loadu_si256((const __m256i *)(const void *)(s + 32));
+        __m256i c = _mm256_loadu_si256((const __m256i *)(const void *)(s + 64));
+        __m256i e = _mm256_loadu_si256((const __m256i *)(const void *)(s + 96));
+        _mm256_stream_si256((__m256i *)(void *)d, a);
+        _mm256_stream_si256((__m256i *)(void *)(d + 32), b);
+        _mm256_stream_si256((__m256i *)(void *)(d + 64), c);
+        _mm256_stream_si256((__m256i *)(void *)(d + 96), e);
+    }
+    if (n)
+        memcpy(d, s, n);
+}
+
+static void copy_stream_sse2(uint8_t *d, const uint8_t *s, size_t n)
+{
+    for (; n >= 64; n -= 64, d += 64, s += 64) {
+        __m128i a = _mm_loadu_si128((const __m128i *)(const void *)s);
+        __m128i b = _mm_loadu_si128((const __m128i *)(const void *)(s + 16));
+        __m128i c = _mm_loadu_si128((const __m128i *)(const void *)(s + 32));
+        __m128i e = _mm_loadu_si128((const __m128i *)(const void *)(s + 48));
+        _mm_stream_si128((__m128i *)(void *)d, a);
+        _mm_stream_si128((__m128i *)(void *)(d + 16), b);
+        _mm_stream_si128((__m128i *)(void *)(d + 32), c);
+        _mm_stream_si128((__m128i *)(void *)(d + 48), e);
+    }
+    if (n)
+        memcpy(d, s, n);
+}
+#endif
+
+void kvr_mem_copy_stream(void *dst, const void *src, size_t n)
+{
+#if defined(__x86_64__)
+    static int avx2 = -1;   /* a benign race: every thread computes the same */
+    if (n >= STREAM_MIN) {
+        uint8_t *d = dst;
+        const uint8_t *s = src;
+        size_t head = (32 - ((uintptr_t)d & 31)) & 31;   /* stores need an aligned d */
+        memcpy(d, s, head);
+        if (avx2 < 0)
+            avx2 = __builtin_cpu_supports("avx2") ? 1 : 0;
+        if (avx2)
+            copy_stream_avx2(d + head, s + head, n - head);
+        else
+            copy_stream_sse2(d + head, s + head, n - head);
+        _mm_sfence();   /* ordered before whatever publishes the bytes */
+        return;
+    }
+#endif
+    memcpy(dst, src, n);
 }
 
 void kvr_mem_free(void *p)

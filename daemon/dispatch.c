@@ -435,6 +435,7 @@ typedef struct copy_in {
     size_t              n;
     const uint8_t      *src;
     size_t              total, chunk;
+    bool                stream;   /* past the cache: streaming stores */
 } copy_in;
 
 /* Bytes [i * chunk, (i + 1) * chunk) of the payload, from the region into
@@ -446,7 +447,9 @@ static int copy_in_chunk(void *ud, size_t i)
     size_t at = 0;
     for (size_t k = 0; k < ci->n && at < hi; k++) {
         size_t len = ci->iov[k].iov_len, a = at > lo ? at : lo, z = at + len < hi ? at + len : hi;
-        if (a < z)
+        if (a < z && ci->stream)
+            kvr_mem_copy_stream((uint8_t *)ci->iov[k].iov_base + (a - at), ci->src + a, z - a);
+        else if (a < z)
             memcpy((uint8_t *)ci->iov[k].iov_base + (a - at), ci->src + a, z - a);
         at += len;
     }
@@ -454,6 +457,7 @@ static int copy_in_chunk(void *ud, size_t i)
 }
 
 #define SHM_COPY_CHUNK ((size_t)4 << 20)
+#define SHM_STREAM_MIN ((size_t)16 << 20)
 
 static void shm_copy_in(kvrd_request *r)
 {
@@ -465,6 +469,11 @@ static void shm_copy_in(kvrd_request *r)
     for (size_t i = 0; i < ci.n; i++)
         ci.total += ci.iov[i].iov_len;
     size_t chunks = (ci.total + ci.chunk - 1) / ci.chunk;
+    /* Past the last-level cache, the destination's lines would be read in
+     * only to be overwritten (kvr_mem_copy_stream): block memory is not
+     * read again soon; a converted put's staging is, but by then a copy
+     * that large is out of the cache either way. */
+    ci.stream = ci.total >= SHM_STREAM_MIN;
     /* Large payloads: the copy is split over the worker pool's threads
      * (one core's memcpy does not saturate memory bandwidth). */
     if (chunks > 1)
