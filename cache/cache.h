@@ -52,8 +52,9 @@ void   kvr_mem_free(void *p);
 size_t kvr_mem_size_class(size_t n); /* what an allocation of n will really hold */
 /* A request's staging buffer (at least 64-byte aligned): large ones are kept
  * for the next request of about their size instead of being handed back
- * (no page faults; one kept per process, unaccounted while unused);
- * kvr_mem_trim frees the kept one. Free with kvr_mem_staging_free. */
+ * (no page faults; one kept per process, of at most 256 MiB, unaccounted
+ * while unused); kvr_mem_trim frees the kept one (idle purge, the store's
+ * cap reached, store destroy). Free with kvr_mem_staging_free. */
 #define KVR_STAGING_ALIGN 64u
 void  *kvr_mem_staging(size_t n);
 void   kvr_mem_staging_free(void *p);
@@ -292,6 +293,14 @@ void   kvr_get_payload_iov(const kvr_get *t, const struct iovec **iov, size_t *n
 int  kvr_get_work_layers(kvr_get *t, size_t l0, size_t l1, kvr_error *err);
 void kvr_get_payload_iov_layers(const kvr_get *t, size_t l0, size_t l1,
                                 const struct iovec **iov, size_t *n);
+/* A streamed get that works and sends its layers `per` at a time, in
+ * order, with at most `slots` chunks between their work and the end of
+ * their write: the staging becomes a ring of `slots` chunks (memory
+ * bounded by the chunk, not the context; pages reused, not faulted in per
+ * request). Chunk k's iovecs then stay valid only until chunk k + slots is
+ * worked. Before any work; no-op when nothing is staged or the ring would
+ * not be smaller. 0, or KVR_ENOMEM (the get is unchanged and still whole). */
+int  kvr_get_stage_ring(kvr_get *t, size_t per, size_t slots);
 /* In-process callers: the whole payload (kvr_get_payload_size bytes, wire
  * order) straight into dst, instead of work + iovecs + a copy. Keys are
  * re-rotated and quantized sides decoded in place, zero-copy parts copied;

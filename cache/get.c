@@ -137,6 +137,11 @@ int kvr_get_work_layers(kvr_get *t, size_t l0, size_t l1, kvr_error *err)
     return kvr_read_work(&t->r, l0, l1, "out of memory dequantizing", err);
 }
 
+int kvr_get_stage_ring(kvr_get *t, size_t per, size_t slots)
+{
+    return kvr_read_stage_ring(&t->r, per, slots);
+}
+
 int kvr_get_copy_into(kvr_get *t, void *dst, size_t size, kvr_error *err)
 {
     if (size != t->r.out.bytes || (size && !dst))

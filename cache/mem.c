@@ -167,8 +167,14 @@ void *kvr_mem_aligned(size_t align, size_t n)
  * The kept buffer leaves the accounting while unused, as the allocator's
  * own retained pages do (the cap counts live allocations), and goes back to
  * the kernel with kvr_mem_trim (the daemon's idle purge, a store's
- * destroy). It is reused only by a request of about its size (within a
- * quarter), so a small request never holds a large buffer. */
+ * destroy, and the store's kvr_store_reserve once the cap is reached, so
+ * it never stands in the way of live data). It is reused only by a request
+ * of about its size (within a quarter), so a small request never holds a
+ * large buffer, and one over STASH_MAX is not kept at all: what is held
+ * between requests is at most STASH_MAX. Users: converted / quantized
+ * puts, and the daemon's streamed gets, whose staging ring (a few chunks
+ * of at most a layer each) is reused by the next such get. */
+#define STASH_MAX ((size_t)256 << 20)
 static pthread_mutex_t stash_lock = PTHREAD_MUTEX_INITIALIZER;
 static void  *stash;
 static size_t stash_n;    /* its usable size */
@@ -211,6 +217,10 @@ void kvr_mem_staging_free(void *p)
         return;
     }
     account_sub(p);
+    if (n > STASH_MAX) {
+        free(p);
+        return;
+    }
     pthread_mutex_lock(&stash_lock);
     void *drop = p;
     if (!stash || stash_n < n) {

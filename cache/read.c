@@ -179,6 +179,37 @@ static bool run_one_pass(const kvr_read *r, const kvr_read_run *run, int64_t *de
     return true;
 }
 
+/* Layer li's staging: its own part of the buffer, or with a ring
+ * (kvr_read_stage_ring) the part of its chunk's slot. */
+static uint8_t *stage_base(const kvr_read *r, size_t li)
+{
+    size_t at = li;
+    if (r->ring_slots)
+        at = (li / r->ring_per) % r->ring_slots * r->ring_per + li % r->ring_per;
+    return r->staging + at * (r->kst + r->vst);
+}
+
+/* The iovecs: block memory for zero-copy runs, the staging for the rest. */
+static void stage_iov(kvr_read *r)
+{
+    size_t rowb = kvr_model_row(r->m) * kvr_dtype_size(r->odt);
+    for (size_t li = 0; li < r->nl; li++) {
+        uint8_t *base = r->staging ? stage_base(r, li) : NULL;
+        uint32_t l = r->layers[li];
+        size_t v0 = r->out.n_iov;
+        for (size_t i = 0; i < r->n_runs; i++) {
+            const kvr_read_run *run = &r->runs[i];
+            iov_push(r, v0, run->k_zc ? kvr_block_kv(run->rd, l, 0, run->first)
+                                      : base + run->k_off, run->count * rowb);
+        }
+        for (size_t i = 0; i < r->n_runs; i++) {
+            const kvr_read_run *run = &r->runs[i];
+            iov_push(r, v0, run->v_zc ? kvr_block_kv(run->rd, l, 1, run->first)
+                                      : base + r->kst + run->v_off, run->count * rowb);
+        }
+    }
+}
+
 int kvr_read_stage(kvr_read *r, kvr_ctx *keep, const char *what, kvr_error *err)
 {
     if (r->meta_only || r->n == 0)
@@ -242,21 +273,24 @@ int kvr_read_stage(kvr_read *r, kvr_ctx *keep, const char *what, kvr_error *err)
             return kvr_error_set(err, KVR_ENOMEM, "out of memory for a %zu-byte %s buffer",
                                  stage, what);
     }
-    for (size_t li = 0; li < r->nl; li++) {
-        uint8_t *base = r->staging ? r->staging + li * (r->kst + r->vst) : NULL;
-        uint32_t l = r->layers[li];
-        size_t v0 = r->out.n_iov;
-        for (size_t i = 0; i < r->n_runs; i++) {
-            const kvr_read_run *run = &r->runs[i];
-            iov_push(r, v0, run->k_zc ? kvr_block_kv(run->rd, l, 0, run->first)
-                                      : base + run->k_off, run->count * rowb);
-        }
-        for (size_t i = 0; i < r->n_runs; i++) {
-            const kvr_read_run *run = &r->runs[i];
-            iov_push(r, v0, run->v_zc ? kvr_block_kv(run->rd, l, 1, run->first)
-                                      : base + r->kst + run->v_off, run->count * rowb);
-        }
-    }
+    stage_iov(r);
+    return 0;
+}
+
+int kvr_read_stage_ring(kvr_read *r, size_t per, size_t slots)
+{
+    if (!r->staging || r->staging == r->dst || r->worked || r->ring_slots || per == 0 ||
+        slots == 0 || per >= r->nl || slots >= (r->nl + per - 1) / per)
+        return 0;   /* nothing staged, or the ring would not be smaller */
+    uint8_t *ring = kvr_mem_staging(slots * per * (r->kst + r->vst));
+    if (!ring)
+        return KVR_ENOMEM;   /* the whole staging stays: still correct */
+    kvr_mem_free(r->staging);
+    r->staging = ring;
+    r->ring_per = per;
+    r->ring_slots = slots;
+    r->out.n_iov = 0;
+    stage_iov(r);
     return 0;
 }
 
@@ -341,7 +375,7 @@ static int layer_to(kvr_read *r, size_t li, uint8_t *out)
     kvr_dtype odt = r->odt;
     size_t rowb = row * kvr_dtype_size(odt);
     uint32_t l = r->layers[li];
-    uint8_t *base = out ? NULL : r->staging + li * (r->kst + r->vst);
+    uint8_t *base = out ? NULL : stage_base(r, li);
     float *scratch = NULL;
     if (r->scratch && !(scratch = kvr_mem_malloc(r->scratch * sizeof *scratch)))
         return KVR_ENOMEM;
@@ -462,6 +496,9 @@ int kvr_read_work(kvr_read *r, size_t l0, size_t l1, const char *nomem, kvr_erro
     if (rc != 0)
         return rc;
     bool all = l0 == 0 && l1 == r->nl;
+    if (r->ring_slots && l1 - l0 > r->ring_per * r->ring_slots)
+        return kvr_error_set(err, KVR_EINTERNAL, "layers [%zu, %zu) do not fit the staging "
+                             "ring (%zu layers)", l0, l1, r->ring_per * r->ring_slots);
     if (r->staging && l0 < l1) {
         /* Large reads split their layers across threads: re-rotation is
          * compute-bound enough that one core cannot keep up with a socket. */
@@ -527,7 +564,9 @@ void kvr_read_free(kvr_read *r)
     kvr_mem_free(r->targets);
     kvr_mem_free(r->from);
     kvr_mem_free(r->groups);
-    if (r->staging != r->dst)
+    if (r->ring_slots)
+        kvr_mem_staging_free(r->staging);
+    else if (r->staging != r->dst)
         kvr_mem_free(r->staging);
     kvr_mem_free(r->out.iov);
     memset(r, 0, sizeof *r);

@@ -67,6 +67,8 @@ typedef struct kvr_read {
     size_t        kst, vst;      /* staged bytes per layer: K, V */
     size_t        scratch;       /* floats of scratch one layer needs */
     uint8_t      *staging;       /* or dst */
+    size_t        ring_per, ring_slots; /* kvr_read_stage_ring: layer li is staged
+                                    in slot (li / per) % slots; 0: no ring */
     uint8_t      *dst;           /* set before stage: everything is produced
                                     here, in wire order (no zero-copy runs,
                                     no staging of our own) */
@@ -108,6 +110,15 @@ int  kvr_read_stage(kvr_read *r, kvr_ctx *keep, const char *what, kvr_error *err
 int  kvr_read_stage_raw(kvr_read *r, const char *ctx_id, size_t start, size_t *kb,
                         size_t *vb, kvr_error *err);
 bool kvr_read_needs_work(const kvr_read *r);
+/* A caller that works and sends the layers `per` at a time, in order, with
+ * at most `slots` such chunks staged at once (the daemon's streamed get):
+ * the staging shrinks to a ring of that many chunks, reused chunk after
+ * chunk (its pages faulted in once, the ring itself kept for the next
+ * request: kvr_mem_staging). Chunk k's bytes are then valid from its work
+ * until chunk k + slots is worked. No-op when nothing is staged or the
+ * ring would not be smaller; KVR_ENOMEM leaves the whole staging. Before
+ * any work. */
+int  kvr_read_stage_ring(kvr_read *r, size_t per, size_t slots);
 /* Produces layers [l0, l1) of the staging (the reload first); all layers
  * mark the read worked. nomem: the message for KVR_ENOMEM. */
 /* The whole read straight into dst (out.bytes, wire order), staged parts

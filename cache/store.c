@@ -322,6 +322,7 @@ int kvr_store_reserve(kvr_store *s, size_t need, kvr_error *err)
     size_t cap = s->cfg.max_memory;
     if (cap == 0 || kvr_mem_allocated() + need <= cap)
         return 0;
+    kvr_mem_trim();   /* at the cap: the kept staging buffer goes first (mem.c) */
     size_t have = kvr_mem_allocated();
     size_t freeable = freeable_bytes(s) + (s->hooks ? s->hooks->freeable(s) : 0);
     if (need > cap || have - (freeable < have ? freeable : have) + need > cap) {

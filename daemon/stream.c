@@ -16,6 +16,17 @@
  * (then the request ends OK), or after a failure or a close once the work
  * and the writes in flight have come back. Each queued job and write holds
  * a reference on the connection, so it outlives the stream.
+ *
+ * Staging (issue 15): a stream of more than RING_SLOTS chunks stages them
+ * in a ring of RING_SLOTS chunk slots (kvr_get_stage_ring) instead of one
+ * buffer for the whole payload: memory bounded by the chunk, not the
+ * context, and every slot after the first round lands in pages already
+ * faulted in (the ring itself is kept for the next request, mem.c). Chunk
+ * k is worked in slot k % RING_SLOTS, so it is queued only once chunk
+ * k - RING_SLOTS's write has completed (writes complete in order: wdone).
+ * With the job window and the write window of KVR_STREAM_WINDOW each, at
+ * most KVR_STREAM_WINDOW + 1 chunks are ever between their work and the
+ * end of their write, so the ring never holds the pipeline back.
  */
 #include "daemon/daemon_internal.h"
 
@@ -23,6 +34,8 @@
 #include <string.h>
 
 enum { SLOT_FREE = 0, SLOT_QUEUED, SLOT_READY };
+
+#define RING_SLOTS (KVR_STREAM_WINDOW + 1)
 
 typedef struct kvrd_stream kvrd_stream;
 
@@ -43,6 +56,8 @@ struct kvrd_stream {
     kvr_get   *get;
     size_t     n_layers, per, n_chunks, layer_bytes;
     size_t     next_queue, next_write;   /* chunks queued for work / written */
+    size_t     wdone;                    /* chunk writes completed */
+    size_t     ring;                     /* staging ring slots; 0: whole staging */
     int        jobs, writes;             /* in flight */
     bool       first_done;               /* chunk 0's work came back */
     bool       failed;
@@ -113,6 +128,7 @@ static void stream_write_cb(void *arg, int status)
     (void)status;     /* a failed write closed the connection */
     assert(s->writes > 0);
     s->writes--;
+    s->wdone++;       /* in order: this chunk's slot of the ring is free */
     stream_pump(s);
 }
 
@@ -140,7 +156,8 @@ static void stream_pump(kvrd_stream *s)
         s->writes++;
     }
     while (!c->closing && !s->failed && s->next_queue < s->n_chunks &&
-           s->writes < KVR_STREAM_WINDOW && (s->next_queue == 0 || s->first_done)) {
+           s->writes < KVR_STREAM_WINDOW && (s->next_queue == 0 || s->first_done) &&
+           (s->ring == 0 || s->next_queue < s->wdone + s->ring)) {
         stream_job *j = &s->job[s->next_queue % KVR_STREAM_WINDOW];
         if (j->state != SLOT_FREE)
             break;
@@ -186,6 +203,9 @@ int kvrd_stream_start(kvrd_request *r, kvr_conn *c, kvr_get *get, uint8_t *buf, 
     if (s->per == 0)
         s->per = 1;
     s->n_chunks = (nl + s->per - 1) / s->per;
+    /* Out of memory for the ring: the whole staging is still there. */
+    if (s->n_chunks > RING_SLOTS && kvr_get_stage_ring(get, s->per, RING_SLOTS) == 0)
+        s->ring = RING_SLOTS;
     c->d->n_streamed++;
     if (kvrd_conn_write(c, buf, len, NULL, 0, 0, NULL, NULL) != 0) {
         stream_fail(s, "the header write could not be queued");

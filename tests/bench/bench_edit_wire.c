@@ -94,8 +94,12 @@ int main(void)
     printf("| context tokens | bytes | unedited GB/s | after edit GB/s | ratio | daemon CPU "
            "ms per get, unedited / edited |\n");
     printf("|---|---|---|---|---|---|\n");
+    /* KVR_BENCH_TOKENS: only this context size (profiling one of them) */
+    const char *only = getenv("KVR_BENCH_TOKENS");
     for (size_t si = 0; si < sizeof sizes / sizeof *sizes; si++) {
         size_t n = sizes[si];
+        if (only && (size_t)atol(only) != n)
+            continue;
         size_t bytes = kvr_payload_size(NL, n, NH, ND, KVR_DTYPE_F16);
         uint16_t *pl = malloc(bytes);
         uint32_t *tok = malloc(n * sizeof *tok);

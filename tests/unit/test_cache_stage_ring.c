@@ -1,0 +1,243 @@
+/*
+ * test_cache_stage_ring.c — a get whose staging is a ring of chunk slots
+ * (kvr_get_stage_ring, the daemon's streamed gets, issue 15) gives the same
+ * bytes, chunk after chunk, as the whole get (kvr_get_copy_into): slots are
+ * reused for later chunks and each chunk's iovecs are read before the chunk
+ * that reuses its slot is worked, as stream.c does. Covered: re-rotated
+ * keys, an edit, quantized contexts, other output dtypes, a layer subset,
+ * every chunking (per, slots) including rings that would not be smaller
+ * (no-op); the ring is smaller than the whole staging; a range larger than
+ * the ring is refused; gets with nothing staged are unchanged. And
+ * kvr_mem_copy_stream (the shm put's streaming copy) equals memcpy.
+ */
+#include <criterion/criterion.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "cache/cache.h"
+
+#define NL 12
+#define NH 2
+#define HD 64
+
+static kvr_store *mk(void)
+{
+    kvr_store *s = NULL;
+    kvr_error e = { 0 };
+    kvr_store_config cfg = { 0 };
+    cr_assert_eq(kvr_store_create(&s, &cfg, &e), 0, "%s", e.msg);
+    kvr_model_desc d = { .name = "m", .n_layers = NL, .n_kv_heads = NH, .head_dim = HD,
+                         .dtype = KVR_DTYPE_F16 };
+    kvr_rope_config_init(&d.rope);
+    d.rope.head_dim = HD;
+    d.rope.rotary_dim = HD;
+    d.rope.theta = 10000.0;
+    cr_assert_eq(kvr_store_model_register(s, &d, NULL, &e), 0, "%s", e.msg);
+    return s;
+}
+
+static void put(kvr_store *s, const char *id, const char *codec, size_t n)
+{
+    uint32_t *tok = malloc(n * sizeof *tok);
+    for (size_t i = 0; i < n; i++)
+        tok[i] = (uint32_t)(i * 7 + 1);
+    kvr_error e = { 0 };
+    kvr_put_params p = { .ctx_id = id, .model = "m", .mode = KVR_PUT_CREATE, .n_layers = NL,
+                         .n_kv_heads = NH, .head_dim = HD, .dtype = KVR_DTYPE_F16,
+                         .n_tokens = n, .tokens = tok, .codec = codec };
+    kvr_put *t = NULL;
+    cr_assert_eq(kvr_store_put_begin(s, &p, &t, &e), 0, "%s", e.msg);
+    const struct iovec *iov;
+    size_t niov;
+    kvr_put_payload_iov(t, &iov, &niov);
+    uint32_t x = 99;
+    for (size_t i = 0; i < niov; i++) {
+        uint16_t *h = iov[i].iov_base;
+        for (size_t k = 0; k < iov[i].iov_len / 2; k++) {
+            x = x * 1664525u + 1013904223u;
+            h[k] = kvr_f32_to_f16(((float)(x >> 8) / 16777216.0f - 0.5f) * 3.0f);
+        }
+    }
+    if (kvr_put_needs_work(t))
+        cr_assert_eq(kvr_put_work(t, &e), 0, "%s", e.msg);
+    cr_assert_eq(kvr_put_commit(t, NULL, &e), 0, "%s", e.msg);
+    free(tok);
+}
+
+static void edit(kvr_store *s, const char *id)
+{
+    uint32_t nt[3] = { 5, 6, 7 };
+    kvr_edit_op op = { 10, 12, 3, nt };
+    kvr_edit_params p = { .ctx_id = id, .ops = &op, .n_ops = 1, .with_kv = true,
+                          .n_layers = NL, .n_kv_heads = NH, .head_dim = HD,
+                          .dtype = KVR_DTYPE_F16, .payload_bytes = 3 * 2 * NL * NH * HD * 2 };
+    kvr_error e = { 0 };
+    kvr_edit *t = NULL;
+    cr_assert_eq(kvr_store_edit_begin(s, &p, &t, &e), 0, "%s", e.msg);
+    const struct iovec *iov;
+    size_t niov;
+    kvr_edit_payload_iov(t, &iov, &niov);
+    for (size_t i = 0; i < niov; i++)
+        memset(iov[i].iov_base, 0x21, iov[i].iov_len);
+    if (kvr_edit_needs_work(t))
+        cr_assert_eq(kvr_edit_work(t, &e), 0, "%s", e.msg);
+    cr_assert_eq(kvr_edit_commit(t, NULL, NULL, &e), 0, "%s", e.msg);
+}
+
+/* The get p through a ring of `slots` chunks of `per` layers, chunk by
+ * chunk, against the whole get into a buffer. halves: the ring is at most
+ * half the layers, so it must hold fewer bytes than the whole staging
+ * whatever the allocator's size classes (else: no more). */
+static void ring_same(kvr_store *s, kvr_get_params p, size_t per, size_t slots, bool halves)
+{
+    kvr_error e = { 0 };
+    kvr_get *a = NULL, *b = NULL;
+    cr_assert_eq(kvr_store_get_begin(s, &p, &a, &e), 0, "%s", e.msg);
+    cr_assert_eq(kvr_store_get_begin(s, &p, &b, &e), 0, "%s", e.msg);
+    size_t n = kvr_get_payload_size(a), nl = kvr_get_get_info(a)->n_layers;
+    uint8_t *ref = malloc(n + 1), *got = malloc(n + 1);
+    cr_assert_eq(kvr_get_copy_into(b, ref, n, &e), 0, "%s", e.msg);
+    bool work = kvr_get_needs_work(a);
+    size_t before = kvr_mem_allocated();
+    cr_assert_eq(kvr_get_stage_ring(a, per, slots), 0);
+    size_t chunks = (nl + per - 1) / per;
+    if (work && chunks > slots && halves)   /* the ring replaced the whole staging */
+        cr_assert_lt(kvr_mem_allocated(), before, "%s per %zu slots %zu: no smaller",
+                     p.ctx_id, per, slots);
+    else if (work && chunks > slots)
+        cr_assert_leq(kvr_mem_allocated(), before, "%s per %zu slots %zu: larger",
+                      p.ctx_id, per, slots);
+    else
+        cr_assert_eq(kvr_mem_allocated(), before, "%s: a no-op ring changed memory",
+                     p.ctx_id);
+    memset(got, 0xEE, n + 1);
+    size_t off = 0;
+    for (size_t l0 = 0; l0 < nl; l0 += per) {
+        size_t l1 = l0 + per < nl ? l0 + per : nl;
+        if (work)
+            cr_assert_eq(kvr_get_work_layers(a, l0, l1, &e), 0, "%s", e.msg);
+        const struct iovec *iov;
+        size_t niov;
+        kvr_get_payload_iov_layers(a, l0, l1, &iov, &niov);
+        for (size_t i = 0; i < niov; i++) {
+            memcpy(got + off, iov[i].iov_base, iov[i].iov_len);
+            off += iov[i].iov_len;
+        }
+    }
+    cr_assert_eq(off, n);
+    cr_assert_eq(memcmp(ref, got, n), 0, "%s dtype %d per %zu slots %zu: bytes differ",
+                 p.ctx_id, (int)p.dtype, per, slots);
+    cr_assert_eq(got[n], 0xEE);
+    kvr_get_end(a);
+    kvr_get_end(b);
+    free(ref);
+    free(got);
+}
+
+static void every_ring(kvr_store *s, const char *id, size_t n)
+{
+    int64_t *pos = malloc(n * sizeof *pos);
+    for (size_t i = 0; i < n; i++)
+        pos[i] = (int64_t)(i * 3 + 1000);
+    uint32_t layers[5] = { 7, 1, 0, 11, 4 };
+    kvr_dtype dts[] = { KVR_DTYPE_F16, KVR_DTYPE_F32 };
+    static const size_t rings[][2] = { { 1, 1 }, { 1, 3 }, { 2, 2 }, { 3, 3 }, { 5, 2 },
+                                       { 4, 3 }, { 12, 1 } };
+    for (size_t k = 0; k < sizeof rings / sizeof *rings; k++)
+        for (int d = 0; d < 2; d++) {
+            size_t per = rings[k][0], slots = rings[k][1];
+            bool halves = per * slots * 2 <= NL;
+            ring_same(s, (kvr_get_params){ .ctx_id = id, .end = SIZE_MAX, .dtype = dts[d] },
+                      per, slots, halves);
+            ring_same(s, (kvr_get_params){ .ctx_id = id, .end = SIZE_MAX, .dtype = dts[d],
+                                           .positions = pos, .n_positions = n }, per, slots,
+                      halves);
+            ring_same(s, (kvr_get_params){ .ctx_id = id, .start = 3, .end = n - 2,
+                                           .dtype = dts[d], .layers = layers,
+                                           .n_layers_sel = 5 }, per, slots, false);
+        }
+    free(pos);
+}
+
+Test(stage_ring, plain_edited_and_quantized)
+{
+    kvr_store *s = mk();
+    const char *codecs[] = { "f16", "int4", "k=int4/g64/c,v=int2,r=16" };
+    for (int c = 0; c < 3; c++) {
+        char id[16];
+        snprintf(id, sizeof id, "c%d", c);
+        put(s, id, codecs[c], 150);
+        every_ring(s, id, 150);
+        edit(s, id);
+        every_ring(s, id, 151);
+    }
+    kvr_store_destroy(s);
+}
+
+Test(stage_ring, large_threaded_chunks)
+{
+    /* 12 layers x 2 x 3000 tokens x 128 x 2 B = 18 MiB: threaded chunks,
+     * and rings of 4 MiB or more come from (and go back to) the kept
+     * staging buffer */
+    kvr_store *s = mk();
+    put(s, "big", "f16", 3000);
+    edit(s, "big");
+    for (int rep = 0; rep < 2; rep++) {
+        ring_same(s, (kvr_get_params){ .ctx_id = "big", .end = SIZE_MAX,
+                                       .dtype = KVR_DTYPE_F16 }, 2, 3, true);
+        ring_same(s, (kvr_get_params){ .ctx_id = "big", .end = SIZE_MAX,
+                                       .dtype = KVR_DTYPE_F32 }, 3, 2, true);
+    }
+    kvr_store_destroy(s);
+}
+
+Test(stage_ring, a_range_past_the_ring_is_refused)
+{
+    kvr_store *s = mk();
+    put(s, "x", "f16", 100);
+    edit(s, "x");
+    kvr_error e = { 0 };
+    kvr_get *g = NULL;
+    kvr_get_params p = { .ctx_id = "x", .end = SIZE_MAX, .dtype = KVR_DTYPE_F16 };
+    cr_assert_eq(kvr_store_get_begin(s, &p, &g, &e), 0, "%s", e.msg);
+    cr_assert(kvr_get_needs_work(g));
+    cr_assert_eq(kvr_get_stage_ring(g, 2, 2), 0);
+    cr_assert_eq(kvr_get_work_layers(g, 0, 5, &e), KVR_EINTERNAL);
+    cr_assert(strstr(e.msg, "ring") != NULL, "%s", e.msg);
+    cr_assert_eq(kvr_get_work_layers(g, 0, 4, &e), 0, "%s", e.msg);
+    kvr_get_end(g);
+    /* nothing staged (an unedited get in the stored dtype): no ring */
+    kvr_store *s2 = mk();
+    put(s2, "y", "f16", 100);
+    kvr_get_params q = { .ctx_id = "y", .end = SIZE_MAX, .dtype = KVR_DTYPE_F16 };
+    cr_assert_eq(kvr_store_get_begin(s2, &q, &g, &e), 0, "%s", e.msg);
+    cr_assert_not(kvr_get_needs_work(g));
+    cr_assert_eq(kvr_get_stage_ring(g, 1, 1), 0);
+    cr_assert_not(kvr_get_needs_work(g));
+    kvr_get_end(g);
+    kvr_store_destroy(s2);
+    kvr_store_destroy(s);
+}
+
+Test(stage_ring, copy_stream_equals_memcpy)
+{
+    size_t cap = (1u << 20) + 4096;
+    uint8_t *src = malloc(cap), *a = malloc(cap), *b = malloc(cap);
+    for (size_t i = 0; i < cap; i++)
+        src[i] = (uint8_t)(i * 2654435761u >> 13);
+    static const size_t lens[] = { 0, 1, 31, 255, 256, 257, 4095, 65536 + 17, 1u << 20 };
+    for (size_t li = 0; li < sizeof lens / sizeof *lens; li++)
+        for (size_t so = 0; so < 3; so++)
+            for (size_t dof = 0; dof < 40; dof += 13) {
+                size_t n = lens[li];
+                memset(a, 0x5a, cap);
+                memset(b, 0x5a, cap);
+                memcpy(a + dof, src + so, n);
+                kvr_mem_copy_stream(b + dof, src + so, n);
+                cr_assert_eq(memcmp(a, b, cap), 0, "len %zu src+%zu dst+%zu", n, so, dof);
+            }
+    free(src);
+    free(a);
+    free(b);
+}
