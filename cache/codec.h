@@ -305,6 +305,8 @@ void kvr_codec_ggml_dec_avx2(kvr_codec_type t, void *dst, kvr_dtype dt, const ui
                              size_t n);
 int  kvr_codec_ggml_enc_avx512(kvr_codec_type t, uint8_t *dst, const void *src, kvr_dtype st,
                                size_t n);
+void kvr_codec_ggml_dec_avx512(kvr_codec_type t, void *dst, kvr_dtype dt, const uint8_t *src,
+                               size_t n);
 
 /* The scalar encoder of one group of m <= 256 checked values; returns the
  * bytes written. The SIMD kernels use it for a row's short last group. */

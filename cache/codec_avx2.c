@@ -352,12 +352,16 @@ static void av_tile_scatter(void *dst, kvr_dtype t, size_t ld, const float *buf,
  * of 4: a 4x4 block of each row's next 4 elements is transposed so that
  * double lane r carries row r's chains (e and q, for both blocks: four
  * independent chains), each adding its row's terms in element order, as
- * the scalar reference does. */
+ * the scalar reference does. q's term x*x of a float x is exact in double
+ * (24-bit significands: a 48-bit product, no overflow or underflow in
+ * double's range), so q + x*x rounded once (an FMA) is the reference's
+ * q + round(x*x) bit for bit; e's (dec - ref)^2 is rounded, so e keeps its
+ * multiply and add. */
 #define ERR_STEP(XV, YV, E, Q)                                                 \
     do {                                                                       \
         __m256d X_ = _mm256_cvtps_pd(XV), A_ = _mm256_sub_pd(_mm256_cvtps_pd(YV), X_); \
         E = _mm256_add_pd(E, _mm256_mul_pd(A_, A_));                           \
-        Q = _mm256_add_pd(Q, _mm256_mul_pd(X_, X_));                           \
+        Q = _mm256_fmadd_pd(X_, X_, Q);                                        \
     } while (0)
 
 /* Four rows' next 16 elements (one cache line each, used up at once: rows

@@ -595,6 +595,6 @@ const kvr_codec_kernels kvr_codec_kernels_avx512 = {
     .dec_f32 = x5_dec_f32, .dec_f16 = x5_dec_f16,
     .tile_gather = x5_tile_gather, .tile_scatter = x5_tile_scatter,
     .tile_enc = x5_tile_enc, .tile_dec = x5_tile_dec,
-    .ggml_enc = kvr_codec_ggml_enc_avx512, .ggml_dec = kvr_codec_ggml_dec_avx2,
+    .ggml_enc = kvr_codec_ggml_enc_avx512, .ggml_dec = kvr_codec_ggml_dec_avx512,
     .err_rows = x5_err_rows,
 };

@@ -757,3 +757,55 @@ Test(codec_simd, err_rows_same_doubles_as_one_chain_per_row)
     free(ref);
     free(dec);
 }
+
+/* The same with edge values: subnormals, the smallest normal, FLT_MAX,
+ * signed zeros, huge and tiny differences (the FMA of q's exact square,
+ * the rounded square of e's difference, chains reaching inf). */
+Test(codec_simd, err_rows_edge_values_same_doubles)
+{
+    static const float vals[] = { 0.0f, -0.0f, 1.4e-45f, -1.4e-45f, 1.17549435e-38f,
+                                  -5.9e-39f, 3.4028235e38f, -3.4028235e38f, 1e30f, -1e-30f,
+                                  1.0f, -1.0000001f, 65504.0f, 6.1e-5f, 3e-8f, 1e19f };
+    /* and values of moderate size whose differences need more than 26
+     * significant bits, so a fused e + d*d would show in the last bits */
+    static const float mid[] = { 1.0f, 3e-8f, -0.7f, 1e-9f, 2.5f, -1.3e-7f, 0.33333334f,
+                                 -5e-9f, 1.7f, 7e-10f, -2.2f, 4e-8f, 0.9f, -3e-9f, 1.1f, 0.0f };
+    size_t nv = sizeof vals / sizeof *vals;
+    size_t rows[] = { 8, 13, 16, 24 };
+    size_t lens[] = { 16, 48, 1024 };
+    float *ref = malloc(24 * 1024 * sizeof *ref), *dec = malloc(24 * 1024 * sizeof *dec);
+    double e0[24], q0[24], e1[24], q1[24];
+    for (int set = 0; set < 2; set++)
+    for (size_t li = 0; li < sizeof lens / sizeof *lens; li++)
+        for (size_t ri = 0; ri < sizeof rows / sizeof *rows; ri++) {
+            size_t n = rows[ri], len = lens[li];
+            const float *vs = set ? mid : vals;
+            rng_state = 991 + li * 17 + ri + (uint64_t)set * 1000;
+            for (size_t i = 0; i < n * len; i++) {
+                ref[i] = vs[(size_t)((uint32_t)(rng_next() >> 32) % nv)];
+                uint32_t k = (uint32_t)(rng_next() >> 32) % 4;
+                dec[i] = k == 0 ? ref[i] : k == 1 ? vs[(size_t)((uint32_t)(rng_next() >> 32) % nv)]
+                       : k == 2 ? ref[i] * 1.0009765625f : nextafterf(ref[i], 0.0f);
+            }
+            for (size_t i = 0; i < n; i++) {
+                double e = 0, q = 0;
+                for (size_t k = 0; k < len; k++) {
+                    double a = (double)dec[i * len + k] - (double)ref[i * len + k];
+                    double a2 = a * a, r2 = (double)ref[i * len + k] * (double)ref[i * len + k];
+                    e += a2;
+                    q += r2;
+                }
+                e0[i] = e;
+                q0[i] = q;
+            }
+            for (int isa = KVR_ISA_SCALAR; isa <= KVR_ISA_AVX512; isa++) {
+                memset(e1, 0xff, sizeof e1);
+                memset(q1, 0xff, sizeof q1);
+                kvr_codec_err_rows((kvr_isa)isa, ref, dec, n, len, e1, q1);
+                cr_assert(!memcmp(e0, e1, n * sizeof *e0) && !memcmp(q0, q1, n * sizeof *q0),
+                          "isa %d set %d rows %zu len %zu", isa, set, n, len);
+            }
+        }
+    free(ref);
+    free(dec);
+}
