@@ -406,7 +406,7 @@ AI void st16m(void *dst, size_t i, __mmask16 k, __m512 y, int h)
 {
     if (h) {
         const __m512 lim = _mm512_set1_ps(KVR_CODEC_F16_LIMIT);
-        y = _mm512_min_ps(_mm512_max_ps(y, _mm512_sub_ps(_mm512_setzero_ps(), lim)), lim);
+        y = _mm512_min_ps(lim, _mm512_max_ps(_mm512_sub_ps(_mm512_setzero_ps(), lim), y));
         _mm256_mask_storeu_epi16((uint16_t *)dst + i, k,
                                  _mm512_cvtps_ph(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
     } else {
@@ -488,7 +488,7 @@ AI void st16(void *dst, size_t i, __m512 y, int h)
 {
     if (h) {
         const __m512 lim = _mm512_set1_ps(KVR_CODEC_F16_LIMIT);
-        y = _mm512_min_ps(_mm512_max_ps(y, _mm512_sub_ps(_mm512_setzero_ps(), lim)), lim);
+        y = _mm512_min_ps(lim, _mm512_max_ps(_mm512_sub_ps(_mm512_setzero_ps(), lim), y));
         _mm256_storeu_si256((__m256i *)((uint16_t *)dst + i),
                             _mm512_cvtps_ph(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
     } else {

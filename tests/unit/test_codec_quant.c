@@ -809,3 +809,59 @@ Test(codec_simd, err_rows_edge_values_same_doubles)
     free(ref);
     free(dec);
 }
+
+/* Decoding arbitrary bytes (rows as a raw put may land them: any f16
+ * parameters, zeros, subnormals, the largest, infinities, NaNs; any codes):
+ * every SIMD row decoder writes the scalar decoder's f32 and f16 bytes, at
+ * lengths around the kernels' batches. */
+Test(codec_simd, decode_random_bytes_equals_scalar)
+{
+    static const uint16_t specials[] = { 0x0000, 0x8000, 0x0001, 0x83ff, 0x0400, 0x3c00,
+                                         0xbc00, 0x7bff, 0xfbff, 0x7c00, 0xfc00, 0x7e00,
+                                         0x7c01, 0xfe00, 0x5800, 0x1234 };
+    static const kvr_codec_type types[] = { KVR_CODEC_INT8, KVR_CODEC_INT4, KVR_CODEC_INT2 };
+    size_t n = 4096 + 64 * 3;
+    uint8_t *src = malloc(n * 2 + 4096);
+    float *y0 = malloc(n * 4), *y1 = malloc(n * 4);
+    uint16_t *h0 = malloc(n * 2), *h1 = malloc(n * 2);
+    rng_state = 4242;
+    for (size_t t = 0; t < 3; t++)
+        for (uint32_t g = 32; g <= 128; g *= 2) {
+            kvr_codec sc = { .type = types[t], .group = g, .isa = KVR_ISA_SCALAR };
+            size_t lens[] = { g, 2 * g, 16 * g + g, n / g * g };
+            size_t gb = 4 + g * (t == 0 ? 8 : t == 1 ? 4 : 2) / 8;
+            for (size_t li = 0; li < 4; li++) {
+                size_t len = lens[li], ng = len / g;
+                for (size_t i = 0; i < ng * gb; i++)
+                    src[i] = (uint8_t)(rng_next() >> 40);
+                for (size_t q = 0; q < ng; q += 2) {   /* special m, s in half the groups */
+                    uint16_t m = specials[(q / 2) % 16], s = specials[(q / 2 + 7) % 16];
+                    memcpy(src + q * gb, &m, 2);
+                    memcpy(src + q * gb + 2, &s, 2);
+                }
+                cr_assert_eq(kvr_codec_row_bytes(&sc, len), ng * gb);
+                cr_assert_eq(kvr_codec_decode(&sc, y0, KVR_DTYPE_F32, src, len), 0);
+                cr_assert_eq(kvr_codec_decode(&sc, h0, KVR_DTYPE_F16, src, len), 0);
+                for (int isa = KVR_ISA_AVX2; isa <= KVR_ISA_AVX512; isa++) {
+                    if ((kvr_isa)isa > kvr_isa_best()) continue;
+                    kvr_codec vc = sc;
+                    vc.isa = (kvr_isa)isa;
+                    memset(y1, 0xa5, len * 4);
+                    memset(h1, 0xa5, len * 2);
+                    cr_assert_eq(kvr_codec_decode(&vc, y1, KVR_DTYPE_F32, src, len), 0);
+                    cr_assert_eq(kvr_codec_decode(&vc, h1, KVR_DTYPE_F16, src, len), 0);
+                    for (size_t i = 0; i < len; i++) {
+                        cr_assert_eq(memcmp(y0 + i, y1 + i, 4), 0, "type %zu g %u isa %d f32 %zu: "
+                                     "%a vs %a", t, g, isa, i, (double)y1[i], (double)y0[i]);
+                        cr_assert_eq(h0[i], h1[i], "type %zu g %u isa %d f16 %zu: %04x vs %04x",
+                                     t, g, isa, i, h1[i], h0[i]);
+                    }
+                }
+            }
+        }
+    free(src);
+    free(y0);
+    free(y1);
+    free(h0);
+    free(h1);
+}
