@@ -247,6 +247,11 @@ double kvr_codec_rel_rms(const float *ref, const void *dec, kvr_dtype dec_type, 
  * doubles. */
 void kvr_codec_err_rows(kvr_isa isa, const float *ref, const float *dec, size_t n_rows,
                         size_t len, double *e, double *q);
+/* The same with the reference rows in f16 (each value converted exactly, as
+ * kvr_f16_to_f32): the doubles kvr_codec_err_rows returns for their f32
+ * conversion (a quantized put measures f16 payload rows straight from it). */
+void kvr_codec_err_rows_f16(kvr_isa isa, const uint16_t *ref, const float *dec, size_t n_rows,
+                            size_t len, double *e, double *q);
 
 /* ---- internal: kernels and dispatch (codec*.c only) --------------------- */
 
@@ -294,6 +299,9 @@ typedef struct kvr_codec_kernels {
     /* kvr_codec_err_rows (required). */
     void (*err_rows)(const float *ref, const float *dec, size_t n_rows, size_t len,
                      double *e, double *q);
+    /* kvr_codec_err_rows_f16 (optional; NULL: the scalar reference). */
+    void (*err_rows_h)(const uint16_t *ref, const float *dec, size_t n_rows, size_t len,
+                       double *e, double *q);
 } kvr_codec_kernels;
 
 /* The scalar encoder of one ggml block of 32 checked values (0, or -1 when d
@@ -318,6 +326,8 @@ size_t kvr_codec_scalar_group(uint8_t *dst, const float *x, size_t m, unsigned b
  * continue from element k0). */
 void kvr_codec_err_rows_tail(const float *ref, const float *dec, size_t r0, size_t r1,
                              size_t k0, size_t len, double *e, double *q);
+void kvr_codec_err_rows_tail_h(const uint16_t *ref, const float *dec, size_t r0, size_t r1,
+                               size_t k0, size_t len, double *e, double *q);
 
 extern const kvr_codec_kernels kvr_codec_kernels_scalar;
 extern const kvr_codec_kernels kvr_codec_kernels_avx2;    /* codec_avx2.c */

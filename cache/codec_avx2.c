@@ -366,12 +366,21 @@ static void av_tile_scatter(void *dst, kvr_dtype t, size_t ld, const float *buf,
 
 /* Four rows' next 16 elements (one cache line each, used up at once: rows
  * 4 KiB apart share an L1 set, so only 8 such lines stay there), as four
- * 4x4 transposes feeding the chains E, Q in element order. */
-AI void err4x16(const float *a, const float *b, size_t len, size_t k, __m256d *E, __m256d *Q)
+ * 4x4 transposes feeding the chains E, Q in element order. The reference
+ * rows are f32 (h = 0) or f16 (h = 1: converted exactly by F16C, as
+ * kvr_f16_to_f32). */
+AI __m128 ref4(const void *a, size_t o, int h)
+{
+    if (h) return _mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)((const uint16_t *)a + o)));
+    return _mm_loadu_ps((const float *)a + o);
+}
+
+AI void err4x16(const void *a, const float *b, size_t len, size_t k, __m256d *E, __m256d *Q,
+                int h)
 {
     for (size_t c = 0; c < 16; c += 4) {
-        __m128 x0 = _mm_loadu_ps(a + k + c), x1 = _mm_loadu_ps(a + len + k + c);
-        __m128 x2 = _mm_loadu_ps(a + 2 * len + k + c), x3 = _mm_loadu_ps(a + 3 * len + k + c);
+        __m128 x0 = ref4(a, k + c, h), x1 = ref4(a, len + k + c, h);
+        __m128 x2 = ref4(a, 2 * len + k + c, h), x3 = ref4(a, 3 * len + k + c, h);
         __m128 y0 = _mm_loadu_ps(b + k + c), y1 = _mm_loadu_ps(b + len + k + c);
         __m128 y2 = _mm_loadu_ps(b + 2 * len + k + c), y3 = _mm_loadu_ps(b + 3 * len + k + c);
         _MM_TRANSPOSE4_PS(x0, x1, x2, x3);
@@ -383,20 +392,23 @@ AI void err4x16(const float *a, const float *b, size_t len, size_t k, __m256d *E
     }
 }
 
-AI void err8(const float *ref, const float *dec, size_t i0, size_t len, size_t kv,
-             double *e, double *q)
+AI void err8(const void *ref, const float *dec, size_t i0, size_t len, size_t kv,
+             double *e, double *q, int h)
 {
     __m256d e0 = _mm256_setzero_pd(), e1 = e0, q0 = e0, q1 = e0;
-    const float *a = ref + i0 * len, *b = dec + i0 * len;
+    size_t es = h ? 2 : 4;
+    const char *a = (const char *)ref + i0 * len * es;
+    const float *b = dec + i0 * len;
     for (size_t k = 0; k < kv; k += 16) {
-        err4x16(a, b, len, k, &e0, &q0);
-        err4x16(a + 4 * len, b + 4 * len, len, k, &e1, &q1);
+        err4x16(a, b, len, k, &e0, &q0, h);
+        err4x16(a + 4 * len * es, b + 4 * len, len, k, &e1, &q1, h);
     }
     _mm256_storeu_pd(e + i0, e0);
     _mm256_storeu_pd(e + i0 + 4, e1);
     _mm256_storeu_pd(q + i0, q0);
     _mm256_storeu_pd(q + i0 + 4, q1);
-    kvr_codec_err_rows_tail(ref, dec, i0, i0 + 8, kv, len, e, q);
+    if (h) kvr_codec_err_rows_tail_h(ref, dec, i0, i0 + 8, kv, len, e, q);
+    else   kvr_codec_err_rows_tail(ref, dec, i0, i0 + 8, kv, len, e, q);
 }
 #undef ERR_STEP
 
@@ -404,9 +416,18 @@ static void av_err_rows(const float *ref, const float *dec, size_t n_rows, size_
                         double *e, double *q)
 {
     size_t i = 0, kv = len / 16 * 16;
-    for (; i + 8 <= n_rows; i += 8) err8(ref, dec, i, len, kv, e, q);
+    for (; i + 8 <= n_rows; i += 8) err8(ref, dec, i, len, kv, e, q, 0);
     for (size_t r = i; r < n_rows; r++) e[r] = q[r] = 0.0;
     kvr_codec_err_rows_tail(ref, dec, i, n_rows, 0, len, e, q);
+}
+
+static void av_err_rows_h(const uint16_t *ref, const float *dec, size_t n_rows, size_t len,
+                          double *e, double *q)
+{
+    size_t i = 0, kv = len / 16 * 16;
+    for (; i + 8 <= n_rows; i += 8) err8(ref, dec, i, len, kv, e, q, 1);
+    for (size_t r = i; r < n_rows; r++) e[r] = q[r] = 0.0;
+    kvr_codec_err_rows_tail_h(ref, dec, i, n_rows, 0, len, e, q);
 }
 
 const kvr_codec_kernels kvr_codec_kernels_avx2 = {
@@ -414,5 +435,5 @@ const kvr_codec_kernels kvr_codec_kernels_avx2 = {
     .dec_f32 = av_dec_f32, .dec_f16 = av_dec_f16,
     .tile_gather = av_tile_gather, .tile_scatter = av_tile_scatter,
     .ggml_enc = kvr_codec_ggml_enc_avx2, .ggml_dec = kvr_codec_ggml_dec_avx2,
-    .err_rows = av_err_rows,
+    .err_rows = av_err_rows, .err_rows_h = av_err_rows_h,
 };

@@ -590,11 +590,17 @@ static void x5_err_rows(const float *ref, const float *dec, size_t n_rows, size_
     kvr_codec_kernels_avx2.err_rows(ref, dec, n_rows, len, e, q);
 }
 
+static void x5_err_rows_h(const uint16_t *ref, const float *dec, size_t n_rows, size_t len,
+                          double *e, double *q)
+{
+    kvr_codec_kernels_avx2.err_rows_h(ref, dec, n_rows, len, e, q);
+}
+
 const kvr_codec_kernels kvr_codec_kernels_avx512 = {
     .enc_f32 = x5_enc_f32, .enc_f16 = x5_enc_f16,
     .dec_f32 = x5_dec_f32, .dec_f16 = x5_dec_f16,
     .tile_gather = x5_tile_gather, .tile_scatter = x5_tile_scatter,
     .tile_enc = x5_tile_enc, .tile_dec = x5_tile_dec,
     .ggml_enc = kvr_codec_ggml_enc_avx512, .ggml_dec = kvr_codec_ggml_dec_avx512,
-    .err_rows = x5_err_rows,
+    .err_rows = x5_err_rows, .err_rows_h = x5_err_rows_h,
 };

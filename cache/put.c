@@ -312,7 +312,17 @@ static int quant_side(void *ud, size_t item)
         w->side[item].rc = KVR_EINVAL;
         return KVR_EINVAL;
     }
-    if (f) {
+    /* Values of this put alone (no old window tokens) in f32 or f16 are
+     * encoded and measured where they lie in the payload: no f32 copy. */
+    bool direct = kv && t->fl_old == 0 && (t->pdt == KVR_DTYPE_F16 || t->pdt == KVR_DTYPE_F32);
+    if (f && direct) {
+        unsigned sl = slot_take(w);
+        rc = kvr_quant_encode_side(t->qruns, t->n_qruns, l, kv, pay, t->pdt, w->scratch[sl],
+                                   &w->acc[item]);
+        if (rc != 0)
+            w->side[item].stage = 2;
+        atomic_fetch_and(&w->busy, ~(1u << sl));
+    } else if (f) {
         unsigned sl = slot_take(w);
         float *x = w->x[sl];
         size_t g = 0;
@@ -337,8 +347,8 @@ static int quant_side(void *ud, size_t item)
         if (rc != 0) {
             w->side[item].stage = 1;
         } else {
-            rc = kvr_quant_encode_side(t->qruns, t->n_qruns, l, kv, x, w->scratch[sl],
-                                       &w->acc[item]);
+            rc = kvr_quant_encode_side(t->qruns, t->n_qruns, l, kv, x, KVR_DTYPE_F32,
+                                       w->scratch[sl], &w->acc[item]);
             if (rc != 0)
                 w->side[item].stage = 2;
         }

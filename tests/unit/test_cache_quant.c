@@ -956,3 +956,74 @@ Test(quant, work_from_same_as_iovecs)
     cr_assert_eq(kvr_store_stat(S, "c", &(kvr_ctx_info){ 0 }, &e), KVR_ENOCTX);
     free(pl);
 }
+
+/* An f16 payload is encoded and measured where it lies (values: no f32
+ * copy): the same codes, error sums and values back as an f32 payload of
+ * the same (f16-exact) values, for every codec family, with and without
+ * old window tokens flushed by the put. */
+static int put_dt(const char *id, kvr_put_mode mode, const char *codec, size_t t0, size_t n,
+                  const void *pl, kvr_dtype dt, kvr_error *e)
+{
+    uint32_t *tok = malloc(n * sizeof *tok);
+    for (size_t i = 0; i < n; i++)
+        tok[i] = (uint32_t)(t0 + i);
+    kvr_put_params p = { .ctx_id = id, .model = "m", .mode = mode, .n_layers = L,
+                         .n_kv_heads = H, .head_dim = D, .dtype = dt, .n_tokens = n,
+                         .tokens = tok, .codec = codec, .has_pos_start = true,
+                         .pos_start = (int64_t)t0 };
+    kvr_put *t = NULL;
+    int rc = kvr_store_put_begin(S, &p, &t, e);
+    free(tok);
+    if (rc)
+        return rc;
+    if ((rc = kvr_put_work_from(t, pl, kvr_put_payload_size(t), e)) != 0) {
+        kvr_put_abort(t);
+        return rc;
+    }
+    return kvr_put_commit(t, NULL, e);
+}
+
+Test(quant, f16_payload_same_as_f32_of_its_values)
+{
+    static const char *const specs[] = { "int8", "int4/g32", "int2", "q8_0", "q4_0", "q4_1",
+                                         "q5_0", "k=int4/g64/c,v=int2,r=0",
+                                         "k=int8,v=q4_1,r=8" };
+    size_t ns[] = { 70, 41 };
+    for (size_t s = 0; s < sizeof specs / sizeof *specs; s++) {
+        kvr_error e = { 0 };
+        size_t t0 = 0;
+        for (int k = 0; k < 2; k++) {
+            size_t n = ns[k], m = (size_t)L * 2 * n * ROW;
+            float *pl = payload(t0, n, (int64_t)t0);
+            uint16_t *ph = malloc(m * sizeof *ph);
+            kvr_convert(ph, KVR_DTYPE_F16, pl, KVR_DTYPE_F32, m);
+            kvr_convert(pl, KVR_DTYPE_F32, ph, KVR_DTYPE_F16, m);   /* f16-exact values */
+            kvr_put_mode mode = k ? KVR_PUT_APPEND : KVR_PUT_CREATE;
+            const char *c = k ? NULL : specs[s];
+            cr_assert_eq(put_dt("a", mode, c, t0, n, pl, KVR_DTYPE_F32, &e), 0, "%s", e.msg);
+            cr_assert_eq(put_dt("b", mode, c, t0, n, ph, KVR_DTYPE_F16, &e), 0, "%s", e.msg);
+            free(pl);
+            free(ph);
+            t0 += n;
+        }
+        kvr_ctx_info ca, cb;
+        cr_assert_eq(kvr_store_stat(S, "a", &ca, &e), 0);
+        cr_assert_eq(kvr_store_stat(S, "b", &cb, &e), 0);
+        cr_assert(ca.rel_rms_k > 0 && ca.rel_rms_v > 0, "%s", specs[s]);
+        cr_assert(memcmp(&ca.rel_rms_k, &cb.rel_rms_k, sizeof ca.rel_rms_k) == 0 &&
+                  memcmp(&ca.rel_rms_v, &cb.rel_rms_v, sizeof ca.rel_rms_v) == 0,
+                  "%s: %.17g %.17g vs %.17g %.17g", specs[s], ca.rel_rms_k, ca.rel_rms_v,
+                  cb.rel_rms_k, cb.rel_rms_v);
+        for (int raw = 0; raw < 2; raw++) {
+            size_t na = 0, nb = 0;
+            uint8_t *a = get("a", raw, 0, raw ? 32 : SIZE_MAX, NULL, &na, NULL, NULL);
+            uint8_t *b = get("b", raw, 0, raw ? 32 : SIZE_MAX, NULL, &nb, NULL, NULL);
+            cr_assert_eq(na, nb);
+            cr_assert(memcmp(a, b, na) == 0, "%s raw %d", specs[s], raw);
+            free(a);
+            free(b);
+        }
+        kvr_store_delete(S, "a", &e);
+        kvr_store_delete(S, "b", &e);
+    }
+}

@@ -865,3 +865,43 @@ Test(codec_simd, decode_random_bytes_equals_scalar)
     free(h0);
     free(h1);
 }
+
+/* The error measure with f16 reference rows (a put measures an f16 payload
+ * straight from it): every ISA returns the doubles of the f32 path on the
+ * rows' exact conversion, for any finite f16 (subnormals, zeros, the
+ * largest) and decoded values near or far from them. */
+Test(codec_simd, err_rows_f16_same_doubles_as_f32)
+{
+    size_t rows[] = { 1, 7, 8, 9, 16, 17, 24 };
+    size_t lens[] = { 1, 13, 16, 100, 1024 };
+    uint16_t *rh = malloc(24 * 1024 * sizeof *rh);
+    float *ref = malloc(24 * 1024 * sizeof *ref), *dec = malloc(24 * 1024 * sizeof *dec);
+    double e0[24], q0[24], e1[24], q1[24];
+    for (size_t li = 0; li < sizeof lens / sizeof *lens; li++)
+        for (size_t ri = 0; ri < sizeof rows / sizeof *rows; ri++) {
+            size_t n = rows[ri], len = lens[li];
+            rng_state = 5150 + li * 31 + ri;
+            for (size_t i = 0; i < n * len; i++) {
+                uint16_t h = (uint16_t)(rng_next() >> 48);
+                if ((h & 0x7c00) == 0x7c00) h &= 0xfbff;   /* finite: 0x7c00 exponent off */
+                if (i % 29 == 3) h = (uint16_t)(h & 0x83ff);   /* subnormals */
+                if (i % 31 == 5) h = 0x7bff;
+                rh[i] = h;
+                ref[i] = kvr_f16_to_f32(h);
+                uint32_t k = (uint32_t)(rng_next() >> 32) % 3;
+                dec[i] = k == 0 ? ref[i] : k == 1 ? ref[i] * 1.0078125f + 3e-8f
+                                                   : (float)rng_gauss();
+            }
+            kvr_codec_err_rows(KVR_ISA_SCALAR, ref, dec, n, len, e0, q0);
+            for (int isa = KVR_ISA_SCALAR; isa <= KVR_ISA_AVX512; isa++) {
+                memset(e1, 0xff, sizeof e1);
+                memset(q1, 0xff, sizeof q1);
+                kvr_codec_err_rows_f16((kvr_isa)isa, rh, dec, n, len, e1, q1);
+                cr_assert(!memcmp(e0, e1, n * sizeof *e0) && !memcmp(q0, q1, n * sizeof *q0),
+                          "isa %d rows %zu len %zu", isa, n, len);
+            }
+        }
+    free(rh);
+    free(ref);
+    free(dec);
+}
