@@ -378,6 +378,37 @@ AI __m128 ref4(const void *a, size_t o, int h)
 AI void err4x16(const void *a, const float *b, size_t len, size_t k, __m256d *E, __m256d *Q,
                 int h)
 {
+    if (h) {
+        /* f16 rows: 4 rows x 8 halves transposed as 16-bit words (two
+         * unpack steps leave element k's 4 rows in one 64-bit lane), then
+         * converted 4 at a time: fewer shuffles than transposing floats. */
+        const uint16_t *ah = a;
+        for (size_t c = 0; c < 16; c += 8) {
+            __m128i r0 = _mm_loadu_si128((const __m128i *)(ah + k + c));
+            __m128i r1 = _mm_loadu_si128((const __m128i *)(ah + len + k + c));
+            __m128i r2 = _mm_loadu_si128((const __m128i *)(ah + 2 * len + k + c));
+            __m128i r3 = _mm_loadu_si128((const __m128i *)(ah + 3 * len + k + c));
+            __m128i a01 = _mm_unpacklo_epi16(r0, r1), b01 = _mm_unpackhi_epi16(r0, r1);
+            __m128i a23 = _mm_unpacklo_epi16(r2, r3), b23 = _mm_unpackhi_epi16(r2, r3);
+            /* t[j]: elements 2j, 2j+1 (of these 8), 4 rows each */
+            __m128i t[4] = { _mm_unpacklo_epi32(a01, a23), _mm_unpackhi_epi32(a01, a23),
+                             _mm_unpacklo_epi32(b01, b23), _mm_unpackhi_epi32(b01, b23) };
+            for (int hf = 0; hf < 2; hf++) {
+                size_t o = k + c + 4 * (size_t)hf;
+                __m128i u0 = t[2 * hf], u1 = t[2 * hf + 1];
+                __m128 x0 = _mm_cvtph_ps(u0), x1 = _mm_cvtph_ps(_mm_unpackhi_epi64(u0, u0));
+                __m128 x2 = _mm_cvtph_ps(u1), x3 = _mm_cvtph_ps(_mm_unpackhi_epi64(u1, u1));
+                __m128 y0 = _mm_loadu_ps(b + o), y1 = _mm_loadu_ps(b + len + o);
+                __m128 y2 = _mm_loadu_ps(b + 2 * len + o), y3 = _mm_loadu_ps(b + 3 * len + o);
+                _MM_TRANSPOSE4_PS(y0, y1, y2, y3);
+                ERR_STEP(x0, y0, *E, *Q);
+                ERR_STEP(x1, y1, *E, *Q);
+                ERR_STEP(x2, y2, *E, *Q);
+                ERR_STEP(x3, y3, *E, *Q);
+            }
+        }
+        return;
+    }
     for (size_t c = 0; c < 16; c += 4) {
         __m128 x0 = ref4(a, k + c, h), x1 = ref4(a, len + k + c, h);
         __m128 x2 = ref4(a, 2 * len + k + c, h), x3 = ref4(a, 3 * len + k + c, h);
