@@ -32,6 +32,8 @@ struct kvr_put {
     bool          created, tail, pin, persist;
     bool          has_protect;  /* protect_first given: n_protected at commit */
     bool          raw;          /* the fl_new tokens arrive encoded (raw bytes first) */
+    bool          quant;        /* quantized context (below); beside the other flags:
+                                   the struct stays in its 256-byte size class */
     size_t        protect;
     kvr_dtype     pdt;          /* payload dtype */
     size_t        n;
@@ -44,7 +46,6 @@ struct kvr_put {
     /* Quantized contexts (quant.c): the first fl_old window tokens of the
      * context and the first fl_new tokens of this put go into quantized
      * slots qruns (in that order); the rest of the put goes to window runs. */
-    bool          quant;
     kvr_brun     *qruns, *wsrc;     /* destinations; old window sources (ref'd) */
     size_t        n_qruns, n_wsrc, fl_old, fl_new;
     int64_t      *qpos;             /* stored-at positions of the flushed tokens */
