@@ -933,7 +933,7 @@ Test(quant, work_from_same_as_iovecs)
             cr_assert_eq(ra, rb, "%s", specs[s]);
             cr_assert_eq(na, nb);
             cr_assert(ra == 0 || (raw && strcmp(specs[s], "k4v2") == 0), "%s", specs[s]);
-            cr_assert(memcmp(a, b, na) == 0, "%s raw %d", specs[s], raw);
+            cr_assert(ra != 0 || memcmp(a, b, na) == 0, "%s raw %d", specs[s], raw);
             free(a);
             free(b);
         }
