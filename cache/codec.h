@@ -241,10 +241,11 @@ double kvr_codec_rel_rms(const float *ref, const void *dec, kvr_dtype dec_type, 
 /* The store's error measure of n_rows rows of len values each (row i at
  * ref + i*len, dec + i*len): e[i] = sum over k of ((double)dec - (double)ref)^2
  * and q[i] = sum of (double)ref^2, each accumulated from 0 in element order,
- * every product and sum rounded on its own (no fused multiply-add). The SIMD
- * kernel (AVX2, also used for AVX-512) runs 8 rows' chains side by side (one
- * row per double lane after 4x4 transposes), so every ISA returns the same
- * doubles. */
+ * every product and sum rounded on its own (no fused multiply-add for e; q's
+ * squares of floats are exact in double, so the SIMD kernel adds them with an
+ * FMA: the same doubles). The SIMD kernel (AVX2, also used for AVX-512) runs
+ * 8 rows' chains side by side (one row per double lane after 4x4
+ * transposes), so every ISA returns the same doubles. */
 void kvr_codec_err_rows(kvr_isa isa, const float *ref, const float *dec, size_t n_rows,
                         size_t len, double *e, double *q);
 /* The same with the reference rows in f16 (each value converted exactly, as
