@@ -212,8 +212,10 @@ int    kvr_put_work(kvr_put *t, kvr_error *err);
  * payload_size; wire order) read from the caller's memory, which must stay
  * valid and unchanged during the call. A put that converts or quantizes
  * reads it straight from there (no staging copy: a quantized put encodes
- * from it); one stored as it is copies it into the blocks. Any thread;
- * the same checks and errors as kvr_put_work (KVR_EPAYLOAD for a wrong len). */
+ * from it); one stored as it is copies it into the blocks. Any thread,
+ * once; the same checks and errors as kvr_put_work (KVR_EPAYLOAD for a
+ * wrong len). After a failure the put can only be aborted (a commit fails
+ * too; the staging was never filled). */
 int    kvr_put_work_from(kvr_put *t, const void *payload, size_t len, kvr_error *err);
 /* Loop thread. Links the new tokens into the context and the prefix index,
  * and frees t whether it succeeds or not; on failure nothing changed. */

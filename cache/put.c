@@ -34,6 +34,8 @@ struct kvr_put {
     bool          raw;          /* the fl_new tokens arrive encoded (raw bytes first) */
     bool          quant;        /* quantized context (below); beside the other flags:
                                    the struct stays in its 256-byte size class */
+    bool          from;         /* the payload went to kvr_put_work_from, not the
+                                   staging: no later work may read the staging */
     size_t        protect;
     kvr_dtype     pdt;          /* payload dtype */
     size_t        n;
@@ -829,6 +831,9 @@ int kvr_put_work(kvr_put *t, kvr_error *err)
 {
     if (!t->w.staging || t->w.worked)
         return 0;
+    if (t->from && !t->src)
+        return kvr_error_set(err, KVR_EINVAL, "put: its payload was given to "
+                             "kvr_put_work_from, whose work failed (abort the put)");
     if (t->raw)
         return work_raw(t, err);
     if (t->quant)
@@ -857,6 +862,10 @@ int kvr_put_work_from(kvr_put *t, const void *payload, size_t len, kvr_error *er
     }
     if (t->w.worked)
         return 0;
+    if (t->from)
+        return kvr_error_set(err, KVR_EINVAL, "put: kvr_put_work_from failed already "
+                             "(abort the put)");
+    t->from = true;
     t->src = payload;
     int rc = kvr_put_work(t, err);
     t->src = NULL;

@@ -954,6 +954,18 @@ Test(quant, work_from_same_as_iovecs)
     cr_assert(strstr(e.msg, "layer 1") && strstr(e.msg, "token 7") && strstr(e.msg, "nan"),
               "%s", e.msg);
     cr_assert_eq(kvr_store_stat(S, "c", &(kvr_ctx_info){ 0 }, &e), KVR_ENOCTX);
+    /* A commit after a failed kvr_put_work_from fails too (it never reads
+     * the staging the payload did not go to), and stores nothing. */
+    uint32_t tok[10] = { 0 };
+    kvr_put_params p = { .ctx_id = "c", .model = "m", .mode = KVR_PUT_CREATE, .n_layers = L,
+                         .n_kv_heads = H, .head_dim = D, .dtype = KVR_DTYPE_F32,
+                         .n_tokens = 10, .tokens = tok, .codec = "int8" };
+    kvr_put *t = NULL;
+    cr_assert_eq(kvr_store_put_begin(S, &p, &t, &e), 0, "%s", e.msg);
+    cr_assert_eq(kvr_put_work_from(t, pl, len, &e), KVR_EINVAL);
+    cr_assert_eq(kvr_put_work_from(t, pl, len, &e), KVR_EINVAL);
+    cr_assert_neq(kvr_put_commit(t, NULL, &e), 0);
+    cr_assert_eq(kvr_store_stat(S, "c", &(kvr_ctx_info){ 0 }, &e), KVR_ENOCTX);
     free(pl);
 }
 
