@@ -80,6 +80,7 @@ static void conn_unref(kvr_conn *c)
         return;
     assert(c->closing && c->writes_pending == 0 && c->req == NULL && c->n_cork == 0);
     kvr_mem_free(c->req_spare);
+    kvr_mem_free(c->inbuf);
     msg_release(c);
     kvr_mem_free(c->pending);
     kvr_mem_free(c);
@@ -90,6 +91,8 @@ static void next_frame(kvr_conn *c);
 static void alloc_cb(uv_handle_t *h, size_t suggested, uv_buf_t *buf);
 static void read_cb(uv_stream_t *s, ssize_t nread, const uv_buf_t *buf);
 static void payload_read_direct(kvr_conn *c);
+static void feed_inbuf(kvr_conn *c);
+static bool wants_input(const kvr_conn *c);
 
 int kvr_conn_test_write_failures;
 
@@ -572,6 +575,19 @@ static void update_reading(kvr_conn *c)
 {
     if (c->closing)
         return;
+    /* Frames read ahead wait in the inbuf while a request runs: fed now
+     * that this one is done (a top-level call: no read callback or feed on
+     * the stack), their replies corked like a read callback's. */
+    if (c->in_pos < c->in_len && !c->feeding && !c->in_read && wants_input(c)) {
+        kvr_conn_ref(c);
+        c->in_read = true;
+        feed_inbuf(c);
+        c->in_read = false;
+        kvrd_conn_cork_flush(c);
+        kvr_conn_unref(c);   /* the handle's reference remains */
+        if (c->closing)
+            return;
+    }
     bool want;
     switch (c->st) {
     case KVRD_CONN_HDR:
@@ -634,6 +650,16 @@ static void alloc_cb(uv_handle_t *h, size_t suggested, uv_buf_t *buf)
     buf->len = 0;
     switch (c->st) {
     case KVRD_CONN_HDR:
+        if (c->in_pos < c->in_len && !c->feeding)
+            break;    /* read-ahead comes first: nothing from the socket (read_cb) */
+        /* The header with what follows it, into the inbuf (feed_inbuf). */
+        if (c->in_pos == c->in_len && !c->feeding &&
+            (c->inbuf || (c->inbuf = kvr_mem_malloc(KVRD_INBUF_SIZE)))) {
+            c->in_pos = c->in_len = 0;
+            buf->base = (char *)c->inbuf;
+            buf->len = KVRD_INBUF_SIZE;
+            break;
+        }
         buf->base = (char *)c->hdr + c->hdr_have;
         buf->len = KVR_FRAME_HEADER_SIZE - c->hdr_have;
         break;
@@ -786,6 +812,64 @@ static void payload_advance(kvr_conn *c, size_t n)
 }
 
 static void read_cb_body(uv_stream_t *s, ssize_t nread, const uv_buf_t *buf);
+static void on_bytes(kvr_conn *c, size_t n, const uv_buf_t *buf);
+
+static bool wants_input(const kvr_conn *c)
+{
+    switch (c->st) {
+    case KVRD_CONN_HDR:
+    case KVRD_CONN_MSG:
+    case KVRD_CONN_PAYLOAD:
+    case KVRD_CONN_DRAIN:
+    case KVRD_CONN_LINGER:
+        return true;
+    default:
+        return false;
+    }
+}
+
+/* Feeds the inbuf's bytes to the frame machine, as reads of the socket
+ * would have: header and message into c->hdr and c->msg, payload bytes
+ * straight into the request's iovecs, drained and lingering bytes dropped.
+ * Stops at a request still in progress (BUSY: the rest waits for
+ * update_reading once it is done), at back pressure, or when the inbuf is
+ * empty; a payload still owed then is read straight from the socket. One
+ * loop, not a recursion: a request answered at once ends with next_frame,
+ * which only sets the state, and the loop goes on with the next frame. */
+static void feed_inbuf(kvr_conn *c)
+{
+    assert(!c->feeding);
+    c->feeding = true;
+    while (!c->closing && c->in_pos < c->in_len && wants_input(c) &&
+           (c->st == KVRD_CONN_LINGER || c->out_queued <= c->d->cfg.max_conn_buffer)) {
+        size_t avail = c->in_len - c->in_pos;
+        const uint8_t *src = c->inbuf + c->in_pos;
+        if (c->st == KVRD_CONN_PAYLOAD) {
+            size_t k = avail < c->payload_left ? avail : (size_t)c->payload_left;
+            skip_empty_iov(c);
+            c->in_pos += k;
+            payload_scatter(c, src, k);
+            payload_advance(c, k);
+            continue;
+        }
+        uv_buf_t b;
+        alloc_cb(&c->h.handle, 0, &b);    /* never the inbuf itself while feeding */
+        if (b.len == 0) {
+            read_cb_body(&c->h.stream, UV_ENOBUFS, &b);   /* MSG: over the limit, or OOM */
+            break;
+        }
+        size_t k = avail < b.len ? avail : b.len;
+        if (b.base != (char *)c->d->scratch)   /* drained and lingering bytes are dropped */
+            memcpy(b.base, src, k);
+        c->in_pos += k;
+        on_bytes(c, k, &b);
+    }
+    c->feeding = false;
+    if (c->in_pos == c->in_len)
+        c->in_pos = c->in_len = 0;
+    if (c->st == KVRD_CONN_PAYLOAD && c->in_len == 0 && !c->closing)
+        payload_read_direct(c);   /* the rest of the payload, all iovecs at once */
+}
 
 /* Replies made while it runs are corked (kvrd_conn_write_ex). */
 static void read_cb(uv_stream_t *s, ssize_t nread, const uv_buf_t *buf)
@@ -794,6 +878,10 @@ static void read_cb(uv_stream_t *s, ssize_t nread, const uv_buf_t *buf)
     kvr_conn_ref(c);
     c->in_read = true;
     read_cb_body(s, nread, buf);
+    if (c->in_pos < c->in_len && !c->closing && wants_input(c)) {
+        feed_inbuf(c);    /* the request that stopped the feed ended meanwhile */
+        update_reading(c);
+    }
     c->in_read = false;
     /* This connection's batch is over when libuv stops reading it: EAGAIN
      * (nread 0), a short read, an error or no room (lazy stop). Its answers
@@ -812,7 +900,8 @@ static void read_cb_body(uv_stream_t *s, ssize_t nread, const uv_buf_t *buf)
     if (nread == 0)
         return;
     if (nread < 0) {
-        if (c->st == KVRD_CONN_BUSY) {
+        if (c->st == KVRD_CONN_BUSY ||
+            (nread == UV_ENOBUFS && c->st == KVRD_CONN_HDR && c->in_pos < c->in_len)) {
             /* Bytes (UV_ENOBUFS: alloc_cb offered no room), an EOF or an
              * error while a request is in progress (update_reading's lazy
              * stop): stop now and see them once the request is answered, as
@@ -845,6 +934,20 @@ static void read_cb_body(uv_stream_t *s, ssize_t nread, const uv_buf_t *buf)
     size_t n = (size_t)nread;
     c->d->bytes_in += n;
     c->read_ms = kvr_now_ms();
+    if (buf->base == (char *)c->inbuf && c->inbuf) {
+        assert(c->st == KVRD_CONN_HDR && c->in_len == 0);
+        c->in_pos = 0;
+        c->in_len = n;
+        feed_inbuf(c);
+        return;
+    }
+    on_bytes(c, n, buf);
+}
+
+/* n bytes of the current state's arrived in buf (from the socket, or fed
+ * from the inbuf). */
+static void on_bytes(kvr_conn *c, size_t n, const uv_buf_t *buf)
+{
     switch (c->st) {
     case KVRD_CONN_HDR:
         assert(c->hdr_have + n <= KVR_FRAME_HEADER_SIZE);   /* alloc_cb's bound */
@@ -867,7 +970,7 @@ static void read_cb_body(uv_stream_t *s, ssize_t nread, const uv_buf_t *buf)
         if (buf->base == (char *)c->d->scratch)
             payload_scatter(c, c->d->scratch, n);
         payload_advance(c, n);
-        if (n == buf->len)
+        if (n == buf->len && c->in_len == 0)
             payload_read_direct(c);   /* the rest, all iovecs at once */
         break;
     case KVRD_CONN_DRAIN:
@@ -934,6 +1037,11 @@ static void payload_read_direct(kvr_conn *c)
     }
 }
 
+bool kvrd_conn_frames_ahead(const kvr_conn *c)
+{
+    return c->in_len - c->in_pos > c->fh.payload_len;
+}
+
 void kvrd_conn_read_payload(kvr_conn *c, const struct iovec *iov, size_t niov)
 {
     assert(c->st == KVRD_CONN_BUSY && !c->closing);
@@ -953,6 +1061,15 @@ void kvrd_conn_read_payload(kvr_conn *c, const struct iovec *iov, size_t niov)
         return;
     }
     update_reading(c);
+    if (c->closing || c->st != KVRD_CONN_PAYLOAD)
+        return;
+    if (c->in_pos < c->in_len) {
+        /* Its first bytes are in the inbuf: the feed on the stack goes on
+         * with them (or one starts here). */
+        if (!c->feeding)
+            feed_inbuf(c);
+        return;
+    }
     payload_read_direct(c);
 }
 
