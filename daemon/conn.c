@@ -13,8 +13,19 @@
  *   any --protocol error--> reply, shutdown(write), LINGER --> close
  *
  * Invariants:
- *  - alloc_cb never hands libuv more room than the current state needs, so
- *    a read never crosses a frame boundary and nothing has to be stashed.
+ *  - At a frame boundary (HDR) a read takes up to KVRD_INBUF_SIZE bytes
+ *    into c->inbuf: a small request arrives whole in one recvmsg (and a
+ *    short read tells libuv the socket is empty: no EAGAIN read), a put's
+ *    header, message and first payload bytes too. feed_inbuf hands those
+ *    bytes to the states as reads would have, in order; any other read
+ *    (MSG past the inbuf, PAYLOAD, DRAIN, LINGER) gets no more room than
+ *    its state needs, so it never crosses a frame boundary. Read-ahead
+ *    bytes of later frames wait in the inbuf while a request runs and are
+ *    fed once it is done (update_reading), before the socket is read again.
+ *  - fds (SCM_RIGHTS) come with the read holding the first bytes of the
+ *    write they were sent with; a RegisterRegion among the frames of that
+ *    read takes them, and the last frame read ahead closes strays
+ *    (kvrd_conn_frames_ahead, dispatch.c).
  *  - The message buffer grows with the bytes that arrived (at most doubling,
  *    plus 64 KiB), never to the size a peer declared.
  *  - A payload is read straight into the iovecs dispatch hands over (a
