@@ -136,6 +136,9 @@ void kvr_conn_close(kvr_conn *c)
     if (c->closing)
         return;     /* that write failed and closed it */
     c->closing = true;
+    if (c->read_fd >= 0)
+        close(c->read_fd);
+    c->read_fd = -1;
     /* A request reading its payload is aborted: the context stays as it was. */
     kvrd_dispatch_conn_closing(c);
     kvrd_shm_conn_closed(c);
@@ -659,6 +662,13 @@ static void alloc_cb(uv_handle_t *h, size_t suggested, uv_buf_t *buf)
     (void)suggested;
     buf->base = NULL;
     buf->len = 0;
+    if (c->drained && c->in_read == false && !c->feeding) {
+        /* Our own read just found the socket empty: libuv's would only say
+         * EAGAIN (read_cb ends the batch on this UV_ENOBUFS). */
+        c->drained = false;
+        c->drain_skip = true;
+        return;
+    }
     switch (c->st) {
     case KVRD_CONN_HDR:
         if (c->in_pos < c->in_len && !c->feeding)
@@ -898,8 +908,10 @@ static void read_cb(uv_stream_t *s, ssize_t nread, const uv_buf_t *buf)
      * (nread 0), a short read, an error or no room (lazy stop). Its answers
      * go out now, not after every other connection's (cork_check_cb only
      * catches what is left, e.g. after libuv's 32 reads in a row). */
-    if (c->closing || nread <= 0 || (size_t)nread < buf->len)
+    if (c->closing || nread <= 0 || (size_t)nread < buf->len) {
+        c->drained = false;   /* libuv ends the batch itself */
         kvrd_conn_cork_flush(c);
+    }
     conn_unref(c);
 }
 
@@ -911,6 +923,10 @@ static void read_cb_body(uv_stream_t *s, ssize_t nread, const uv_buf_t *buf)
     if (nread == 0)
         return;
     if (nread < 0) {
+        if (nread == UV_ENOBUFS && c->drain_skip) {
+            c->drain_skip = false;   /* alloc_cb's skip: the batch is over */
+            return;
+        }
         if (c->st == KVRD_CONN_BUSY ||
             (nread == UV_ENOBUFS && c->st == KVRD_CONN_HDR && c->in_pos < c->in_len)) {
             /* Bytes (UV_ENOBUFS: alloc_cb offered no room), an EOF or an
@@ -1011,10 +1027,12 @@ static void on_bytes(kvr_conn *c, size_t n, const uv_buf_t *buf)
 /* Reads what the socket holds of the payload straight into its iovecs, as
  * many as 64 of them in one recvmsg (libuv's read takes one buffer: a
  * payload over eight block iovecs cost eight reads, or one read into the
- * scratch and a copy). Never past the payload's end, so never into the
- * next frame; a descriptor sent with payload bytes is closed by the kernel
- * (no control buffer: only a RegisterRegion may carry one). EAGAIN, EOF
- * and errors are left for libuv's next read to find. */
+ * scratch and a copy), and, when those are the payload's last iovecs,
+ * what follows it into the (empty) inbuf: the next frames (a put's
+ * deferred deletes) come with the payload's end, without a read of their
+ * own. An fd that comes with it is kept for the frame it belongs to
+ * (kvrd_conn_take_fd). EAGAIN, EOF and errors are left for libuv's next
+ * read to find. */
 static void payload_read_direct(kvr_conn *c)
 {
     uv_os_fd_t fd;
@@ -1022,9 +1040,9 @@ static void payload_read_direct(kvr_conn *c)
         return;
     while (c->st == KVRD_CONN_PAYLOAD && !c->closing && !c->close_after_write &&
            c->out_queued <= c->d->cfg.max_conn_buffer) {
-        struct iovec v[64];
-        size_t k = 0, want = 0, off = c->iov_off;
-        for (size_t i = c->iov_i; i < c->niov && k < 64; i++, off = 0) {
+        struct iovec v[65];
+        size_t k = 0, want = 0, off = c->iov_off, i = c->iov_i;
+        for (; i < c->niov && k < 64; i++, off = 0) {
             if (c->iov[i].iov_len == off)
                 continue;
             v[k].iov_base = (uint8_t *)c->iov[i].iov_base + off;
@@ -1034,18 +1052,66 @@ static void payload_read_direct(kvr_conn *c)
         }
         if (k == 0)
             return;
+        bool ahead = i == c->niov && c->in_len == 0 &&
+                     (c->inbuf || (c->inbuf = kvr_mem_malloc(KVRD_INBUF_SIZE)));
+        if (ahead) {
+            v[k].iov_base = c->inbuf;
+            v[k++].iov_len = KVRD_INBUF_SIZE;
+        }
+        union {
+            struct cmsghdr h;
+            char b[CMSG_SPACE(4 * sizeof(int))];
+        } cm;
         struct msghdr mh = { .msg_iov = v, .msg_iovlen = k };
-        ssize_t n = recvmsg(fd, &mh, MSG_DONTWAIT);
+        if (!c->is_tcp) {
+            mh.msg_control = cm.b;
+            mh.msg_controllen = sizeof cm.b;
+        }
+        ssize_t n = recvmsg(fd, &mh, MSG_DONTWAIT | MSG_CMSG_CLOEXEC);
         if (n < 0 && errno == EINTR)
             continue;
+        if (n < 0 && errno == EAGAIN && c->in_read)
+            c->drained = true;
         if (n <= 0)
             return;
+        for (struct cmsghdr *h = mh.msg_controllen ? CMSG_FIRSTHDR(&mh) : NULL; h;
+             h = CMSG_NXTHDR(&mh, h)) {
+            if (h->cmsg_level != SOL_SOCKET || h->cmsg_type != SCM_RIGHTS)
+                continue;
+            size_t nfd = (h->cmsg_len - CMSG_LEN(0)) / sizeof(int);
+            for (size_t j = 0; j < nfd; j++) {
+                int f;
+                memcpy(&f, CMSG_DATA(h) + j * sizeof(int), sizeof f);
+                if (c->read_fd < 0)
+                    c->read_fd = f;
+                else
+                    close(f);
+            }
+        }
         c->d->bytes_in += (uint64_t)n;
         c->read_ms = kvr_now_ms();
-        payload_advance(c, (size_t)n);   /* the last byte: dispatch, maybe the answer */
-        if ((size_t)n < want)
-            return;     /* the socket is empty for now */
+        size_t got = (size_t)n < want ? (size_t)n : want;
+        if (ahead && (size_t)n > want) {
+            c->in_pos = 0;
+            c->in_len = (size_t)n - want;   /* fed once this frame is done */
+        }
+        if (c->in_read && (size_t)n < want + (ahead ? KVRD_INBUF_SIZE : 0))
+            c->drained = true;      /* the socket is empty for now */
+        payload_advance(c, got);   /* the last byte: dispatch, maybe the answer */
+        if (got < want)
+            return;
     }
+}
+
+int kvrd_conn_take_fd(kvr_conn *c)
+{
+    int fd = kvrd_shm_take_fd(c), mine = c->read_fd;
+    c->read_fd = -1;
+    if (fd < 0)
+        return mine;
+    if (mine >= 0)
+        close(mine);
+    return fd;
 }
 
 bool kvrd_conn_frames_ahead(const kvr_conn *c)
@@ -1090,6 +1156,7 @@ void kvr_conn_start(kvr_daemon *d, kvr_conn *c, bool is_tcp)
 {
     cork_init(d);
     c->d = d;
+    c->read_fd = -1;
     c->refs = 1;
     c->is_tcp = is_tcp;
     c->authed = !is_tcp || d->token == NULL;

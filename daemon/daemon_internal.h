@@ -187,6 +187,11 @@ struct kvr_conn {
     uint8_t    *inbuf;            /* kvr_mem, KVRD_INBUF_SIZE; NULL until used */
     size_t      in_pos, in_len;
     bool        feeding;          /* feed_inbuf is on the stack */
+    bool        drained;          /* a direct read found the socket empty: libuv's
+                                     next read in this batch is skipped */
+    bool        drain_skip;       /* the UV_ENOBUFS of that skip */
+    int         read_fd;          /* an fd that came with a direct payload read
+                                     (-1: none; kvrd_conn_take_fd) */
 
     uint8_t    *msg;
     size_t      msg_cap, msg_have;
@@ -285,6 +290,10 @@ void kvrd_conn_read_payload(kvr_conn *c, const struct iovec *iov, size_t niov);
  * that started in it: dispatch hands them to a RegisterRegion, and only the
  * last frame read ahead closes strays (shm.c). */
 bool kvrd_conn_frames_ahead(const kvr_conn *c);
+/* The fds that came with the current frame's read: libuv's queue
+ * (kvrd_shm_take_fd) and one a direct payload read took; the first is
+ * returned (-1: none), the others are closed. */
+int  kvrd_conn_take_fd(kvr_conn *c);
 /* The current request is answered: read the next frame (after the drain,
  * if one runs; nothing if the connection is closing or closes after its
  * writes; closes it if the daemon is stopping). */

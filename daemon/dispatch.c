@@ -1785,7 +1785,7 @@ void kvrd_dispatch_frame(kvr_conn *c, const kvr_frame_header *fh, const uint8_t 
      * read: kvrd_conn_frames_ahead). */
     bool takes = (r->verb && r->verb->body == KVROPE__REQUEST__BODY_REGISTER_REGION) ||
                  !kvrd_conn_frames_ahead(c);
-    r->fd = takes ? kvrd_shm_take_fd(c) : -1;
+    r->fd = takes ? kvrd_conn_take_fd(c) : -1;
     c->req = r;
     const kvrd_verb *v = r->verb;
     if (v)
