@@ -8,11 +8,16 @@
  *    a Unix socket in a temporary directory, spoken to in RESP by a minimal
  *    client below). kvrope gets land straight in a caller buffer; Redis GETs
  *    are read into one too, so both sides do the same client-side work.
- *    Each kvrope put creates a fresh context and retires the one put 16
- *    iterations earlier (a cache's steady state); Redis SET overwrites. The
- *    delete is deferred (kvr_client_delete_deferred): it rides in the same
- *    write as the next put, so both sides make one round trip per put and
- *    move the same payload bytes (kvrope answers one request more).
+ *    Each kvrope put creates a fresh context and retires the one put KEEP
+ *    (16) puts earlier (a cache's steady state); each Redis SET replaces
+ *    the value set KEEP SETs earlier (KEEP keys per client in turn): both
+ *    keep the same working set, KEEP values per client (a SET that always
+ *    rewrote one key wrote into the same two buffers, warm in the CPU's
+ *    cache, while each kvrope put wrote memory last touched 16 puts ago:
+ *    not the same work at 1 MiB). The delete is deferred
+ *    (kvr_client_delete_deferred): it rides in the same write as the next
+ *    put, so both sides make one round trip per put and move the same
+ *    payload bytes (kvrope answers one request more).
  *  - Like with like: the same sizes, the same number of client threads and
  *    connections on both sides, each cell measured in alternating slices
  *    (kvrope, Redis, kvrope, ...) so that load that comes and goes on a
@@ -97,12 +102,16 @@ enum { SIDE_KVROPE, SIDE_REDIS, SIDE_FLOOR, N_SIDES };
  * kvroped's and Redis's, sockets with kvroped's buffer sizes. A request is
  * 16 bytes {op, length} (a put's payload follows it in the same write); a
  * get is answered by one write of a 16-byte header and the payload from a
- * static buffer, a put by 16 bytes once its payload is read (blocking, into
- * one buffer reused by every put, so no page is faulted twice). No parsing,
- * no store, no allocation: nothing a real server could skip. */
+ * static buffer, a put by 16 bytes once its payload is read (blocking) into
+ * the slot the client names: like the other sides, a client keeps KEEP
+ * values and each put replaces the one put KEEP puts earlier (slots are
+ * allocated and faulted in once). No parsing, no store, no allocation:
+ * nothing a real server could skip. */
+#define KEEP 16             /* values a put client keeps: a put retires the KEEP-th last */
+#define FLOOR_SLOTS 256     /* 16 clients x KEEP */
 typedef struct floor_req {
     uint32_t op;        /* 1 get, 2 put */
-    uint32_t pad;
+    uint32_t slot;      /* put: where it goes, < FLOOR_SLOTS */
     uint64_t len;
 } floor_req;
 
@@ -134,9 +143,8 @@ static void floor_serve(const char *path)
     struct epoll_event ev = { .events = EPOLLIN, .data.fd = ls };
     epoll_ctl(ep, EPOLL_CTL_ADD, ls, &ev);
     size_t cap = 1u << 20;
-    uint8_t *src = malloc(cap), *sink = malloc(cap);
+    uint8_t *src = malloc(cap), *slots[FLOOR_SLOTS] = { NULL };
     memset(src, 0x3c, cap);
-    memset(sink, 0, cap);
     for (;;) {
         struct epoll_event evs[16];
         int n = epoll_wait(ep, evs, 16, -1);
@@ -153,11 +161,13 @@ static void floor_serve(const char *path)
                 continue;
             }
             floor_req rq;
-            if (read_full(fd, &rq, sizeof rq) < 0 || rq.len > cap) {
+            if (read_full(fd, &rq, sizeof rq) < 0 || rq.len > cap || rq.slot >= FLOOR_SLOTS ||
+                (rq.op == 2 && !slots[rq.slot] && !(slots[rq.slot] = calloc(1, cap)))) {
                 epoll_ctl(ep, EPOLL_CTL_DEL, fd, NULL);
                 close(fd);
                 continue;
             }
+            uint8_t *sink = slots[rq.slot];
             floor_req an = { rq.op, 0, rq.op == 1 ? rq.len : 0 };
             struct iovec v[2] = { { &an, sizeof an }, { src, (size_t)an.len } };
             if ((rq.op == 2 && read_full(fd, sink, (size_t)rq.len) < 0) ||
@@ -178,9 +188,9 @@ static int floor_connect(const char *path)
 }
 
 /* One round trip: a put sends len bytes from buf, a get reads them into it. */
-static int floor_op(int fd, op_kind op, uint8_t *buf, size_t len)
+static int floor_op(int fd, op_kind op, uint32_t slot, uint8_t *buf, size_t len)
 {
-    floor_req rq = { op == OP_GET ? 1 : 2, 0, len }, an;
+    floor_req rq = { op == OP_GET ? 1 : 2, slot, len }, an;
     struct iovec v[2] = { { &rq, sizeof rq }, { buf, len } };
     if (write_all(fd, v, op == OP_PUT ? 2 : 1) < 0)
         return -1;
@@ -267,10 +277,15 @@ static void *run_job(void *arg)
         for (int k = 0; k < 4; k++, ops++) {
             int rc;
             if (j->side == SIDE_FLOOR) {
-                rc = floor_op(ffd, j->op, buf, j->bytes);
+                rc = floor_op(ffd, j->op, (uint32_t)(j->id * KEEP + ops % KEEP), buf, j->bytes);
+            } else if (j->side == SIDE_REDIS && j->op == OP_PUT) {
+                /* A SET replaces the value set KEEP puts earlier, as a kvrope
+                 * put retires that context: the same working set (KEEP
+                 * values per client), not one value rewritten in cache. */
+                snprintf(id, sizeof id, "p%d-%ld", j->id, ops % KEEP);
+                rc = resp_set(&r, id, buf, j->bytes);
             } else if (j->side == SIDE_REDIS) {
-                rc = j->op == OP_PUT ? resp_set(&r, key, buf, j->bytes)
-                                     : resp_get(&r, key, buf, j->bytes);
+                rc = resp_get(&r, key, buf, j->bytes);
             } else if (j->op == OP_PUT) {
                 snprintf(id, sizeof id, "p%d-%d-%ld", j->id, j->slice, ops);
                 kvr_put_args p = { .ctx_id = id, .model = "bench", .dtype = KVR_DTYPE_F16,
@@ -278,8 +293,8 @@ static void *run_job(void *arg)
                                    .n_tokens = n_tokens, .payload = buf,
                                    .payload_len = j->bytes };
                 rc = kvr_client_put(c, &p, NULL);
-                if (rc == 0 && ops >= 16) {
-                    snprintf(old, sizeof old, "p%d-%d-%ld", j->id, j->slice, ops - 16);
+                if (rc == 0 && ops >= KEEP) {
+                    snprintf(old, sizeof old, "p%d-%d-%ld", j->id, j->slice, ops - KEEP);
                     rc = kvr_client_delete_deferred(c, old);
                 }
             } else {
@@ -313,7 +328,7 @@ static void *run_job(void *arg)
             fprintf(stderr, "bench: a deferred delete failed: %s\n", dm);
             j->err = 1;
         }
-        for (long k = ops - 16; k < ops && j->op == OP_PUT; k++) {
+        for (long k = ops - KEEP; k < ops && j->op == OP_PUT; k++) {
             if (k < 0)
                 continue;
             snprintf(old, sizeof old, "p%d-%d-%ld", j->id, j->slice, k);
