@@ -30,7 +30,11 @@
  *  - CPU per request of each side, server / client (the server process's
  *    threads from /proc/PID/task/TID/schedstat, the client threads'
  *    CLOCK_THREAD_CPUTIME_ID): what the request costs, apart from the
- *    wake-up latency and the load of a shared machine.
+ *    wake-up latency and the load of a shared machine. Their ratio (Redis'
+ *    server + client CPU per request over kvrope's, and over the floor's)
+ *    is what the throughput ratio would be on an otherwise idle machine
+ *    where CPU is the bound (4 clients on 2 cores), and it swings far less
+ *    than throughput does under other load.
  *  - match latency p50/p99 for a 32k-token prompt against 1,000 contexts.
  *
  * Binaries: $KVR_BUILD/kvroped (default ./build); redis-server from PATH.
@@ -572,8 +576,9 @@ int main(void)
            "(MiB/s of payload, higher is better)\n\n", seconds);
     printf("| op | size | clients | kvrope MiB/s | redis MiB/s | floor MiB/s | kvrope/redis | "
            "kvrope/floor | floor/redis | kvrope us/op server / client | redis us/op | "
-           "floor us/op |\n");
-    printf("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |\n");
+           "floor us/op | kvrope/redis by CPU | floor/redis by CPU |\n");
+    printf("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- "
+           "| --- |\n");
     /* Each cell: SLICES alternating slices per side (kvrope, redis, floor,
      * then redis first, ...), seconds / SLICES each; a side's figure is the
      * mean of its slices (equal durations: total bytes over total time).
@@ -583,13 +588,14 @@ int main(void)
     const int clients[] = { 1, 4 };
     const char *socks[N_SIDES] = { addr, rsock, fsock };
     const pid_t pids[N_SIDES] = { kvpid, rpid, fpid };
-    double ratio_of[2][2][2], floor_of[2][2][2];
+    double ratio_of[2][2][2], floor_of[2][2][2], cpu_of[2][2][2], cpu_floor_of[2][2][2];
     for (int op = 0; op < 2; op++)
         for (int s = 0; s < 2; s++)
             for (int k = 0; k < 2; k++) {
                 op_kind o = op == 0 ? OP_GET : OP_PUT;
                 ratio_of[op][s][k] = -2;
                 floor_of[op][s][k] = -1;
+                cpu_of[op][s][k] = cpu_floor_of[op][s][k] = -1;
                 if (!cell_wanted(o, sizes[s], clients[k]))
                     continue;
                 double fig[N_SIDES] = { 0, have_redis ? 0 : -1, have_floor ? 0 : -1 };
@@ -626,11 +632,21 @@ int main(void)
                 printf("| %s | %s | %d | %.0f | %.0f | %.0f | %s | %s | %s |",
                        o == OP_GET ? "get" : "put", s ? "1 MiB" : "64 KiB", clients[k], kv, rd,
                        fl, ratio, kf, rf);
+                double per[N_SIDES];   /* server + client CPU us per request */
                 for (int side = 0; side < N_SIDES; side++) {
                     double n = tot[side].ops > 0 ? tot[side].ops : 1;
                     printf(" %.1f / %.1f |", tot[side].server_cpu / n * 1e6,
                            tot[side].client_cpu / n * 1e6);
+                    per[side] = (tot[side].server_cpu + tot[side].client_cpu) / n * 1e6;
                 }
+                cpu_of[op][s][k] = per[SIDE_KVROPE] > 0 && per[SIDE_REDIS] > 0
+                                       ? per[SIDE_REDIS] / per[SIDE_KVROPE] : -1;
+                cpu_floor_of[op][s][k] = per[SIDE_FLOOR] > 0 && per[SIDE_REDIS] > 0
+                                             ? per[SIDE_REDIS] / per[SIDE_FLOOR] : -1;
+                if (cpu_of[op][s][k] > 0)
+                    printf(" %.2fx | %.2fx |", cpu_of[op][s][k], cpu_floor_of[op][s][k]);
+                else
+                    printf(" n/a | n/a |");
                 printf("\n");
                 fflush(stdout);
             }
@@ -644,10 +660,16 @@ int main(void)
                 char fig[32] = "no figure";
                 if (got > 0)
                     snprintf(fig, sizeof fig, "%.2fx", got);
-                char bound[96] = "";
+                char bound[200] = "";
                 double fr = floor_of[op][s][k];
+                int bl = 0;
                 if (fr > 0 && fr < want)
-                    snprintf(bound, sizeof bound, "; the floor itself is %.2fx Redis here", fr);
+                    bl = snprintf(bound, sizeof bound, "; the floor itself is %.2fx Redis here",
+                                  fr);
+                if (cpu_of[op][s][k] > 0)
+                    snprintf(bound + bl, sizeof bound - (size_t)bl,
+                             "; by CPU per request %.2fx (the floor %.2fx)", cpu_of[op][s][k],
+                             cpu_floor_of[op][s][k]);
                 printf("goal: %s %s x %d client%s >= %.1fx Redis (one round trip each): %s%s "
                        "(%s)\n", op == 0 ? "get" : "put", s ? "1 MiB" : "64 KiB", clients[k],
                        clients[k] > 1 ? "s" : "", want, fig, bound,
