@@ -597,6 +597,7 @@ static void update_reading(kvr_conn *c)
         c->in_read = true;
         feed_inbuf(c);
         c->in_read = false;
+        c->drained = false;   /* no libuv read follows this feed to skip */
         kvrd_conn_cork_flush(c);
         kvr_conn_unref(c);   /* the handle's reference remains */
         if (c->closing)
