@@ -311,10 +311,11 @@ uint32_t kvr_crc32c_portable(uint32_t crc, const void *p, size_t n); /* tables *
 
 /* ---- between disk*.c files only: the I/O engines (disk_io.c) ----------------- */
 typedef struct kvr_dio kvr_dio;
+#define KVR_DIO_IOV_MAX 8u
 typedef struct kvr_dio_req {
     int          fd;
     bool         write;
-    struct iovec iov[2];
+    struct iovec iov[KVR_DIO_IOV_MAX];
     int          iovcnt;
     uint64_t     off;
     bool         eof_ok;          /* a read may stop at end of file (res 0,
@@ -334,6 +335,9 @@ int  kvr_dio_create(kvr_dio **out, kvr_disk_engine engine, uint32_t depth,
                     char *note, size_t note_cap, kvr_error *err);
 void kvr_dio_destroy(kvr_dio *io);
 const char *kvr_dio_name(const kvr_dio *io);
+/* Whether requests of a stream run on the device together (io_uring), not
+ * one after the other (the POSIX engine's one I/O thread). */
+bool kvr_dio_async(const kvr_dio *io);
 /* Runs n requests (batched on io_uring); returns 0 or the first request's
  * -errno (the system's value, as in kvr_dio_req.res). */
 int  kvr_dio_run(kvr_dio *io, kvr_dio_req *r, size_t n);

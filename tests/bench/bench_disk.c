@@ -16,6 +16,8 @@
  */
 #include <fcntl.h>
 #include <ftw.h>
+#include <sys/stat.h>
+#include <sys/sysmacros.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -32,6 +34,86 @@ static double now_s(void)
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
     return (double)ts.tv_sec + (double)ts.tv_nsec / 1e9;
+}
+
+/* What the device saw during a phase (/proc/diskstats of the directory's
+ * block device; all zero where it cannot be read). Other processes' I/O
+ * on the same device is counted too: on a shared machine, read it as an
+ * upper bound. */
+typedef struct devstat {
+    double   t;
+    uint64_t ios, sectors, busy_ms, weighted_ms, flushes;
+} devstat;
+
+static char dev_name[64];
+
+static void dev_find(const char *dir)
+{
+    struct stat st;
+    if (stat(dir, &st) != 0)
+        return;
+    char p[128], buf[64];
+    snprintf(p, sizeof p, "/sys/dev/block/%u:%u", major(st.st_dev), minor(st.st_dev));
+    ssize_t n = readlink(p, buf, sizeof buf - 1);
+    if (n <= 0)
+        return;
+    buf[n] = '\0';
+    const char *b = strrchr(buf, '/');
+    snprintf(dev_name, sizeof dev_name, "%s", b ? b + 1 : buf);
+}
+
+/* write: the write side (writes + flushes), else the read side. */
+static devstat dev_read(int write)
+{
+    devstat d = { .t = now_s() };
+    FILE *f = dev_name[0] ? fopen("/proc/diskstats", "r") : NULL;
+    char line[512];
+    while (f && fgets(line, sizeof line, f)) {
+        unsigned ma, mi;
+        char name[64];
+        unsigned long long v[17] = { 0 };
+        int got = sscanf(line, "%u %u %63s %llu %llu %llu %llu %llu %llu %llu %llu %llu %llu "
+                         "%llu %llu %llu %llu %llu %llu %llu", &ma, &mi, name, &v[0], &v[1],
+                         &v[2], &v[3], &v[4], &v[5], &v[6], &v[7], &v[8], &v[9], &v[10],
+                         &v[11], &v[12], &v[13], &v[14], &v[15], &v[16]);
+        if (got < 14 || strcmp(name, dev_name))
+            continue;
+        d.ios = write ? v[4] : v[0];
+        d.sectors = write ? v[6] : v[2];
+        d.busy_ms = v[9];
+        d.weighted_ms = write ? v[7] : v[3];
+        d.flushes = got >= 19 ? v[15] : 0;
+    }
+    if (f)
+        fclose(f);
+    return d;
+}
+
+/* Per-phase device figures, summed over the rounds. */
+typedef struct devsum {
+    double   s;
+    uint64_t ios, sectors, busy_ms, weighted_ms, flushes;
+} devsum;
+
+static void dev_add(devsum *a, devstat x, devstat y)
+{
+    a->s += y.t - x.t;
+    a->ios += y.ios - x.ios;
+    a->sectors += y.sectors - x.sectors;
+    a->busy_ms += y.busy_ms - x.busy_ms;
+    a->weighted_ms += y.weighted_ms - x.weighted_ms;
+    a->flushes += y.flushes - x.flushes;
+}
+
+static devsum dv_plain_w, dv_plain_r, dv_w[2], dv_r[2];
+
+static void dev_print(const char *what, const devsum *a)
+{
+    double ms = a->s * 1e3;
+    printf("| %s | %llu | %.0f | %.0f%% | %.1f | %llu |\n", what, (unsigned long long)a->ios,
+           a->ios ? (double)a->sectors * 512.0 / 1024.0 / (double)a->ios : 0.0,
+           ms > 0 ? 100.0 * (double)a->busy_ms / ms : 0.0,
+           ms > 0 ? (double)a->weighted_ms / ms : 0.0, (unsigned long long)a->flushes);
 }
 
 static int rm_one(const char *p, const struct stat *sb, int flag, struct FTW *f)
@@ -65,26 +147,30 @@ static void plain(const char *dir, size_t total, double *w, double *r)
         direct = 0;
         fd = open(path, O_RDWR | O_CREAT | O_TRUNC, 0644);
     }
+    devstat x = dev_read(1);
     double t0 = now_s();
     for (size_t o = 0; o < total; o += chunk)
         if (pwrite(fd, buf, chunk, (off_t)o) != (ssize_t)chunk)
             break;
     fdatasync(fd);
     *w = (double)total / (now_s() - t0) / 1e9;
+    dev_add(&dv_plain_w, x, dev_read(1));
     if (!direct)
         drop_caches();
+    x = dev_read(0);
     t0 = now_s();
     for (size_t o = 0; o < total; o += chunk)
         if (pread(fd, buf, chunk, (off_t)o) != (ssize_t)chunk)
             break;
     *r = (double)total / (now_s() - t0) / 1e9;
+    dev_add(&dv_plain_r, x, dev_read(0));
     close(fd);
     unlink(path);
     kvr_mem_free(buf);
 }
 
 static void spill_reload(const char *dir, kvr_disk_engine e, size_t total, double *w,
-                         double *r, const char **name, int *cold)
+                         double *r, const char **name, int *cold, devsum *dw, devsum *dr)
 {
     char sub[512];
     snprintf(sub, sizeof sub, "%s/%s", dir, e == KVR_DISK_ENGINE_POSIX ? "posix" : "uring");
@@ -105,6 +191,7 @@ static void spill_reload(const char *dir, kvr_disk_engine e, size_t total, doubl
     kvr_disk_buf bufs[BATCH];
     for (int k = 0; k < BATCH; k++)
         bufs[k] = (kvr_disk_buf){ src + (size_t)k * BLOCK, BLOCK };
+    devstat x = dev_read(1);
     double t0 = now_s();
     for (size_t i = 0; i < n; i += BATCH) {
         size_t b = n - i < BATCH ? n - i : BATCH;
@@ -115,10 +202,12 @@ static void spill_reload(const char *dir, kvr_disk_engine e, size_t total, doubl
     }
     kvr_disk_sync(d, &err);
     *w = (double)(n * BLOCK) / (now_s() - t0) / 1e9;
+    dev_add(dw, x, dev_read(1));
     *cold = drop_caches();
     void *dst[BATCH];
     for (int k = 0; k < BATCH; k++)
         dst[k] = src + (size_t)k * BLOCK;
+    x = dev_read(0);
     t0 = now_s();
     for (size_t i = 0; i < n; i += BATCH) {
         size_t b = n - i < BATCH ? n - i : BATCH;
@@ -128,6 +217,7 @@ static void spill_reload(const char *dir, kvr_disk_engine e, size_t total, doubl
         }
     }
     *r = (double)(n * BLOCK) / (now_s() - t0) / 1e9;
+    dev_add(dr, x, dev_read(0));
     kvr_disk_close(d);
     kvr_mem_free(h);
     kvr_mem_free(src);
@@ -221,6 +311,7 @@ int main(void)
         perror("mkdtemp");
         return 1;
     }
+    dev_find(dir);
     kvr_disk_engine es[2] = { KVR_DISK_ENGINE_URING, KVR_DISK_ENGINE_POSIX };
     const char *names[2] = { "io_uring", "posix" };
     double pw[MAX_ROUNDS], pr[MAX_ROUNDS], w[2][MAX_ROUNDS], r[2][MAX_ROUNDS];
@@ -230,7 +321,8 @@ int main(void)
         plain(dir, total, &pw[k], &pr[k]);
         cpu[k] = cpu_part(total);
         for (int i = 0; i < 2; i++) {
-            spill_reload(dir, es[i], total, &w[i][k], &r[i][k], &names[i], &cold);
+            spill_reload(dir, es[i], total, &w[i][k], &r[i][k], &names[i], &cold, &dv_w[i],
+                         &dv_r[i]);
             rw[i][k] = w[i][k] / pw[k];
             rr[i][k] = r[i][k] / pr[k];
         }
@@ -255,6 +347,20 @@ int main(void)
     printf("\n(medians over %d rounds; ratios are medians of each round's ratio. The layer "
            "overlaps the CPU part with the device; where the CPU part alone is not well "
            "above the device's rate (a loaded machine), it is what bounds the ratio.)\n", rounds);
+    printf("\nWhat the device (%s) saw, summed over the rounds (its other users' I/O "
+           "included): requests, mean request size, time busy, mean requests in flight "
+           "(time-weighted), cache flushes.\n\n", dev_name[0] ? dev_name : "unknown");
+    printf("| phase | requests | KiB per request | busy | in flight | flushes |\n"
+           "| --- | ---: | ---: | ---: | ---: | ---: |\n");
+    dev_print("plain write + fdatasync", &dv_plain_w);
+    dev_print("plain read", &dv_plain_r);
+    for (int i = 0; i < 2; i++) {
+        char what[64];
+        snprintf(what, sizeof what, "spill, %s", names[i]);
+        dev_print(what, &dv_w[i]);
+        snprintf(what, sizeof what, "reload, %s", names[i]);
+        dev_print(what, &dv_r[i]);
+    }
     printf("\n| recovery | engine | records | ms per GiB of log |\n| --- | --- | ---: | ---: |\n");
     for (int i = 0; i < 2; i++) {
         uint64_t nrec;
