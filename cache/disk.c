@@ -1111,8 +1111,13 @@ static int ds_init(dstream *s, kvr_disk *d, uint64_t total, bool write)
         void *p = NULL;
         /* Not accounted in kvr_mem: the tier's I/O buffer (at most
          * KVR_DIO_STAGE per kvr_disk), not the store's memory. */
-        if (posix_memalign(&p, EXT_ALIGN, s->cap) != 0)
+        /* In huge pages where it is large enough: a request's memory in
+         * few physical pieces (a device takes few segments per request). */
+        bool huge = s->cap >= (4u << 20);
+        if (posix_memalign(&p, huge ? (2u << 20) : EXT_ALIGN, s->cap) != 0)
             return -ENOMEM;
+        if (huge)
+            (void)madvise(p, s->cap & ~(size_t)((2u << 20) - 1), MADV_HUGEPAGE);
         free(d->stage);
         d->stage = p;
         d->stage_cap = s->cap;
