@@ -1084,7 +1084,7 @@ typedef struct dstream {
     dpart        parts[KVR_DIO_STREAM_MAX][KVR_DIO_IOV_MAX];
     size_t       np[KVR_DIO_STREAM_MAX];
     size_t       sp[KVR_DIO_STREAM_MAX], sl[KVR_DIO_STREAM_MAX];
-    size_t       qh, qn, maxq;
+    size_t       qh, qn, maxq, rq;
     size_t       tail;          /* end of the newest staged bytes */
     int          err;           /* first -errno (spills) */
 } dstream;
@@ -1093,7 +1093,7 @@ typedef struct dstream {
 static int ds_init(dstream *s, kvr_disk *d, uint64_t total, bool write)
 {
     memset(s, 0, offsetof(dstream, q));
-    s->qh = s->qn = s->tail = 0;
+    s->qh = s->qn = s->rq = s->tail = 0;
     s->err = 0;
     s->d = d;
     s->cap = total < dio_stage() ? (size_t)total : dio_stage();
@@ -1128,8 +1128,10 @@ static int ds_init(dstream *s, kvr_disk *d, uint64_t total, bool write)
 
 typedef void (*ds_done_fn)(dstream *s, size_t slot, void *arg);
 
-/* Reaps the oldest request; done (may be NULL) sees it first. */
-static void ds_reap(dstream *s, ds_done_fn done, void *arg)
+/* Waits for the oldest request in flight (the engine completes a stream
+ * in push order) without handling it yet: it stays at the head, its
+ * staging held, until ds_reap (s->rq: such requests, 0 or 1). */
+static void ds_complete(dstream *s)
 {
     kvr_dio_req *r = kvr_dio_reap(s->d->io);
     size_t slot = s->qh;
@@ -1137,18 +1139,30 @@ static void ds_reap(dstream *s, ds_done_fn done, void *arg)
     (void)r;
     if (s->q[slot].res && !s->err)
         s->err = s->q[slot].res;
+    s->rq = 1;
+}
+
+/* Handles and frees the oldest request (waiting for it first unless
+ * ds_complete did); done (may be NULL) sees it. */
+static void ds_reap(dstream *s, ds_done_fn done, void *arg)
+{
+    if (!s->rq)
+        ds_complete(s);
     if (done)
-        done(s, slot, arg);
+        done(s, s->qh, arg);
     s->qh = (s->qh + 1) % KVR_DIO_STREAM_MAX;
     s->qn--;
+    s->rq = 0;
 }
 
 /* A free request slot and len contiguous staging bytes (none if len is 0:
- * NULL), reaping the oldest requests until both are free. */
+ * NULL). When the queue is full it waits for the oldest request but
+ * handles it (a load's checksum) only at the next call, after the caller
+ * pushed the next request: the device is not idle while the CPU works. */
 static uint8_t *ds_alloc(dstream *s, size_t len, ds_done_fn done, void *arg)
 {
     for (;;) {
-        if (s->qn < s->maxq) {
+        if (s->qn - s->rq < s->maxq && s->qn < KVR_DIO_STREAM_MAX) {
             if (len == 0)
                 return NULL;
             size_t head = SIZE_MAX;
@@ -1172,7 +1186,10 @@ static uint8_t *ds_alloc(dstream *s, size_t len, ds_done_fn done, void *arg)
                 return s->st + s->tail;
             }
         }
-        ds_reap(s, done, arg);
+        if (s->rq || s->qn - s->rq < s->maxq)
+            ds_reap(s, done, arg);          /* handle the completed one / make room */
+        else
+            ds_complete(s);
     }
 }
 
