@@ -394,6 +394,7 @@ typedef struct job {
     int64_t delta;
     float scale;
     rope_rows_scaled_fn rows_s;   /* NULL: through an f32 row per head */
+    bool stream;                  /* rope_rows_stream_avx512 where it can */
 } job;
 
 /* a_t for token t, or false when it overflows int64 (the caller then falls
@@ -423,10 +424,14 @@ static void run_fixed(const job *j)
         j->sincos((double)j->delta, j->f1, 0.0, NULL, n, ss, cc);
         j->tofloat(cc, ss, n, j->mag, gptj, fc, fs);
     }
+    bool streamed = false;
     for (size_t t = j->t0; t < j->t1; t++) {
         char *d = (char *)j->dst + t * row_elems * dsz;
         const char *s = (const char *)j->src + t * row_elems * ssz;
-        if (!j->scaled) {
+        if (j->stream && rope_rows_stream_avx512(d, j->dt, s, j->st, j->n_heads, hd, rot, gptj,
+                                                 fc, fs, j->scaled, j->scale)) {
+            streamed = true;
+        } else if (!j->scaled) {
             j->rows(d, j->dt, s, j->st, j->n_heads, hd, rot, gptj, fc, fs);
         } else if (j->rows_s) {
             j->rows_s(d, j->dt, s, j->st, j->n_heads, hd, rot, gptj, fc, fs, j->scale);
@@ -441,6 +446,9 @@ static void run_fixed(const job *j)
             }
         }
     }
+    /* non-temporal stores are weakly ordered: visible before the return */
+    if (streamed)
+        rope_stream_fence_avx512();
 }
 
 static void run_range(const job *j)
@@ -779,6 +787,7 @@ int kvr_rope_reposition_delta(const kvr_rope *r, void *dst, kvr_dtype dst_type,
         .f1 = f_to, .mag = 1.0, .rows = pick_rows(opts), .fixed = true, .scaled = scaled,
         .delta = delta, .scale = scale,
         .rows_s = isa == KVR_ISA_AVX512 ? rope_rows_scaled_avx512 : NULL,
+        .stream = isa == KVR_ISA_AVX512 && opts && opts->stream,
     };
     pick_tables(&j, opts);
     return run(&j, n_tokens, opts);

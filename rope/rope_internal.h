@@ -70,6 +70,17 @@ typedef void (*rope_rows_scaled_fn)(void *dst, kvr_dtype dt, const void *src, kv
 void rope_rows_scaled_avx512(void *dst, kvr_dtype dt, const void *src, kvr_dtype st,
                              size_t n_heads, int head_dim, int rot, int gptj,
                              const float *c, const float *s, float k);
+/* rope_rows_avx512 / rope_rows_scaled_avx512 (scaled) with non-temporal
+ * stores: the same bits, no read of the destination lines. false (nothing
+ * written) when dst or the row layout is not aligned for them. Fence with
+ * rope_stream_fence_avx512 before the data is handed on. */
+bool rope_rows_stream_avx512(void *dst, kvr_dtype dt, const void *src, kvr_dtype st,
+                             size_t n_heads, int head_dim, int rot, int gptj,
+                             const float *c, const float *s, bool scaled, float k);
+void rope_stream_fence_avx512(void);
+/* n (a multiple of 64) bytes to a 64-byte aligned dst with non-temporal
+ * stores, fenced (kvr_copy_stream). */
+void rope_copy_stream_avx512(void *dst, const void *src, size_t n);
 /* dst = src * k element-wise in f32, rounded once (kvr_convert_scaled). */
 void rope_convert_scaled_avx512(void *dst, kvr_dtype dt, const void *src, kvr_dtype st,
                                 size_t n, float k);

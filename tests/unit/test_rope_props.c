@@ -639,3 +639,79 @@ Test(rope_props, dtype_names)
     cr_assert_eq(kvr_dtype_size(KVR_DTYPE_F32), 4);
     cr_assert_str_eq(kvr_isa_name(KVR_ISA_AVX512), "avx512");
 }
+
+/* kvr_rope_reposition_delta with opts.stream (non-temporal stores where the
+ * ISA and alignment allow) writes the bytes the plain stores write: every
+ * dtype pair, both pairings, full and partial rotary, scaled or not, an
+ * aligned and a misaligned destination, 1 and 2 threads. */
+Test(rope_props, streamed_delta_rotation_is_bit_identical)
+{
+    const int hd = 128;
+    const size_t n = 300, heads = 3, nel = n * heads * (size_t)hd;
+    kvr_dtype ts[] = { KVR_DTYPE_F32, KVR_DTYPE_F16, KVR_DTYPE_BF16 };
+    float *x = malloc(nel * 4);
+    fill(x, nel);
+    void *src = malloc(nel * 4);
+    uint8_t *ref = aligned_alloc(64, nel * 4 + 128), *got = aligned_alloc(64, nel * 4 + 128);
+    long compared = 0;
+    for (int style = 0; style < 2; style++)
+        for (int rot = hd / 2; rot <= hd; rot += hd / 2) {
+            kvr_rope *r = make(hd, rot, style ? KVR_ROPE_GPTJ : KVR_ROPE_NEOX, 10000.0,
+                               KVR_ROPE_SCALING_DEFAULT, 1.0);
+            for (int si = 0; si < 3; si++)
+                for (int di = 0; di < 3; di++) {
+                    kvr_convert(src, ts[si], x, KVR_DTYPE_F32, nel);
+                    size_t bytes = nel * kvr_dtype_size(ts[di]);
+                    for (int sc = 0; sc < 2; sc++)
+                        for (size_t off = 0; off <= 32; off += 32)
+                            for (int nt = 1; nt <= 2; nt++) {
+                                float k = sc ? 0.7f : 1.0f;
+                                kvr_rope_opts po = { .n_threads = nt };
+                                kvr_rope_opts so = { .n_threads = nt, .stream = true };
+                                memset(ref, 0x5a, bytes + 64);
+                                memset(got, 0x5a, bytes + 64);
+                                cr_assert_eq(kvr_rope_reposition_delta(r, ref + off, ts[di], src,
+                                                                       ts[si], n, heads, 12345,
+                                                                       k, &po), 0);
+                                cr_assert_eq(kvr_rope_reposition_delta(r, got + off, ts[di], src,
+                                                                       ts[si], n, heads, 12345,
+                                                                       k, &so), 0);
+                                cr_assert(!memcmp(ref, got, bytes + 64),
+                                          "style %d rot %d %s->%s scale %g off %zu nt %d", style,
+                                          rot, kvr_dtype_name(ts[si]), kvr_dtype_name(ts[di]),
+                                          (double)k, off, nt);
+                                compared++;
+                            }
+                }
+            kvr_rope_destroy(r);
+        }
+    cr_log_info("%ld streamed rotations compared", compared);
+    free(x);
+    free(src);
+    free(ref);
+    free(got);
+}
+
+/* kvr_copy_stream is memcpy: every length around the vector and line sizes
+ * and every alignment of both ends, nothing written outside. */
+Test(rope_props, copy_stream_is_memcpy)
+{
+    size_t cap = 70000;
+    uint8_t *src = malloc(cap + 128), *a = malloc(cap + 256), *b = malloc(cap + 256);
+    for (size_t i = 0; i < cap + 128; i++)
+        src[i] = (uint8_t)(i * 131u + 7u);
+    size_t lens[] = { 0, 1, 63, 64, 65, 255, 256, 1023, 1024, 1025, 4096, 4097, 65536 + 13 };
+    for (size_t li = 0; li < sizeof lens / sizeof *lens; li++)
+        for (size_t doff = 0; doff < 70; doff += 23)
+            for (size_t soff = 0; soff < 70; soff += 17) {
+                size_t n = lens[li];
+                memset(a, 0xC3, cap + 256);
+                memset(b, 0xC3, cap + 256);
+                memcpy(a + 64 + doff, src + soff, n);
+                kvr_copy_stream(b + 64 + doff, src + soff, n);
+                cr_assert(!memcmp(a, b, cap + 256), "n %zu doff %zu soff %zu", n, doff, soff);
+            }
+    free(src);
+    free(a);
+    free(b);
+}
