@@ -384,6 +384,7 @@ typedef struct job {
     rope_sincos_fn sincos;
     rope_tofloat_fn tofloat;
     rope_table_fn table;       /* NULL: sincos then tofloat */
+    rope_table_fast_fn table_fast;   /* floats only, unit magnitude; NULL: none */
     rope_step_fn step;
     kvr_rope_src_fn src_fn;    /* non-NULL: source rows on demand (f32) */
     void *src_ud;
@@ -466,6 +467,11 @@ static void run_range(const job *j)
     float fc[KVR_ROPE_MAX_HEAD_DIM], fs[KVR_ROPE_MAX_HEAD_DIM];
     int64_t pa = 0, pb = 0, sa = 0, sb = 0;  /* previous (a, b), current step */
     bool have_prev = false, have_step = false, step_ready = false;
+    /* Tokens in a row made afresh: from the third on (deltas that differ
+     * token by token) the floats come from the fast table when it can vouch
+     * for them, and cc / ss then lag (stale) until a step needs them. */
+    int fresh_run = 0;
+    bool stale = false;
     /* A chunk of a threaded run (t0 > 0, a multiple of RESEED): start from
      * what one pass would know at t0, the previous token's (a, b), so the
      * step is learnt at t0 as it would be there and token t0 + 1 takes the
@@ -496,15 +502,22 @@ static void run_range(const job *j)
         } else {
             mode = 0;
         }
+        fresh_run = mode == 0 ? fresh_run + 1 : 0;
         if (mode == 0) {
             if (wide) {
                 j->sincos((double)j->a[t], f1, -(double)j->a_sub[t], f1, n, ss, cc);
+                stale = false;
                 have_prev = false;
                 have_step = false;
             } else {
-                if (j->table) {
+                if (j->table_fast && fresh_run >= 2 &&
+                    j->table_fast((double)a, f1, (double)b, f2, n, gptj, fs, fc)) {
+                    fresh = true;
+                    stale = true;
+                } else if (j->table) {
                     j->table((double)a, f1, (double)b, f2, n, j->mag, gptj, ss, cc, fs, fc);
                     fresh = true;
+                    stale = false;
                 } else {
                     j->sincos((double)a, f1, (double)b, f2, n, ss, cc);
                 }
@@ -522,6 +535,11 @@ static void run_range(const job *j)
                 have_prev = true;
             }
         } else if (mode == 2) {
+            /* the previous token's doubles, which the step advances */
+            if (stale) {
+                j->sincos((double)pa, f1, (double)pb, f2, n, ss, cc);
+                stale = false;
+            }
             if (!step_ready) {
                 j->sincos((double)sa, f1, (double)sb, f2, n, sts, stc);
                 step_ready = true;
@@ -607,6 +625,8 @@ static void pick_tables(job *j, const kvr_rope_opts *opts)
     case KVR_ISA_AVX512:
         j->sincos = rope_sincos_avx512; j->tofloat = rope_tofloat_avx512;
         j->table = rope_table_avx512; j->step = rope_step_avx512;
+        /* floats only, for the unit magnitude (reposition) */
+        j->table_fast = j->mag == 1.0 ? rope_table_fast_avx512 : NULL;
         break;
     case KVR_ISA_AVX2:
         j->sincos = rope_sincos_avx2; j->tofloat = rope_tofloat_avx2; j->step = rope_step_avx2;

@@ -122,6 +122,15 @@ typedef void (*rope_table_fn)(double a, const double *f1, double b, const double
 void rope_table_avx512(double a, const double *f1, double b, const double *f2, int n, double m,
                        int gptj, double *s, double *c, float *fs, float *fc);
 
+/* The float tables of rope_table_avx512 (fs, fc only) through fused
+ * multiply-adds, or false when any of its floats could differ from the
+ * reference's (then fs / fc hold garbage and the caller makes the
+ * reference table): the same bits whenever it returns true. */
+typedef bool (*rope_table_fast_fn)(double a, const double *f1, double b, const double *f2,
+                                   int n, int gptj, float *fs, float *fc);
+bool rope_table_fast_avx512(double a, const double *f1, double b, const double *f2, int n,
+                            int gptj, float *fs, float *fc);
+
 /* Its constants: angles below ROPE_FAST_MAX (2^20 * pi/2 and a margin) are
  * reduced by pi/2 in three 33-bit pieces (fdlibm's medium case) and go
  * through fdlibm's __kernel_sin / __kernel_cos polynomials; larger ones (and

@@ -9,6 +9,10 @@
  * builds this file with -ffp-contract=off), so the table is bit for bit the
  * scalar one. Tables with an angle at or beyond FAST_MAX (or NaN) go to
  * libm's sincos element by element, as the scalar path does.
+ *
+ * The one exception, rope_table_fast_avx512, uses fused multiply-adds for
+ * float tables only, and refuses every table whose floats could differ from
+ * the reference's (see there).
  */
 #include <immintrin.h>
 #include <math.h>
@@ -208,6 +212,134 @@ void rope_table_avx512(double a, const double *f1, double b, const double *f2, i
         __mmask8 k8 = n - i >= W ? (__mmask8)0xff : (__mmask8)((1u << (n - i)) - 1u);
         table8(angle8(va, f1, vb, f2, i, k8), i, k8, vm, unit, gptj, s, c, fs, fc);
     }
+}
+
+/* ---- the fast float table ------------------------------------------------
+ * The same reduction and polynomials as sincos8 with fused multiply-adds
+ * (half the operations), so its doubles y' are within a few ulps of the
+ * reference's y, not equal. Its float tables are the reference's all the
+ * same wherever rounding y' to float cannot round differently from y: every
+ * value whose bits below the float's mantissa (the low 29 of the double's)
+ * are further than FAST_TOL units from the half-way pattern, i.e. y' is
+ * more than FAST_TOL ulps from every point where the float rounding
+ * changes, while |y' - y| stays within a few ulps. Why: with the quotient
+ * k below 2^20 every product k * PIO2_i is exact (33-bit pieces), so the
+ * fused reduction steps round exactly as the reference's: the same r. The
+ * quotient itself may round the other way when x * 2/pi is within an ulp of
+ * a half-integer; that only swaps in the other polynomial at |r| near pi/4.
+ * Both polynomial evaluations are then within an ulp or two of the same
+ * value (relative, also for tiny r: sin = r + r * z * ps), their
+ * correction terms being under a third of it. A table with any value
+ * nearer than FAST_TOL, or with an angle for libm, is refused whole (the
+ * caller makes the reference one);
+ * tests compare millions of tables with the reference. */
+#define FAST_TOL 1024
+
+static inline __m512d sincos8_fma(__m512d x, __m512d *cp)
+{
+#define C(v) _mm512_set1_pd(v)
+    const __m512d shift = C(0x1.8p52);
+    __m512d kk = _mm512_fmadd_pd(x, C(M_2_PI), shift);
+    __m512d k = _mm512_sub_pd(kk, shift);
+    __m512i kb = _mm512_castpd_si512(kk);
+    __m512d r = _mm512_fnmadd_pd(k, C(ROPE_PIO2_1), x);
+    r = _mm512_fnmadd_pd(k, C(ROPE_PIO2_2), r);
+    r = _mm512_fnmadd_pd(k, C(ROPE_PIO2_3), r);
+    __m512d z = _mm512_mul_pd(r, r);
+    __m512d ps = _mm512_fmadd_pd(z, C(ROPE_S6), C(ROPE_S5));
+    ps = _mm512_fmadd_pd(z, ps, C(ROPE_S4));
+    ps = _mm512_fmadd_pd(z, ps, C(ROPE_S3));
+    ps = _mm512_fmadd_pd(z, ps, C(ROPE_S2));
+    ps = _mm512_fmadd_pd(z, ps, C(ROPE_S1));
+    __m512d sr = _mm512_fmadd_pd(_mm512_mul_pd(r, z), ps, r);
+    __m512d pc = _mm512_fmadd_pd(z, C(ROPE_C6), C(ROPE_C5));
+    pc = _mm512_fmadd_pd(z, pc, C(ROPE_C4));
+    pc = _mm512_fmadd_pd(z, pc, C(ROPE_C3));
+    pc = _mm512_fmadd_pd(z, pc, C(ROPE_C2));
+    pc = _mm512_fmadd_pd(z, pc, C(ROPE_C1));
+    __m512d cr = _mm512_fmadd_pd(_mm512_mul_pd(z, z), pc, _mm512_fnmadd_pd(C(0.5), z, C(1.0)));
+#undef C
+    __m512i one = _mm512_set1_epi64(1), sign = _mm512_set1_epi64((long long)0x8000000000000000ull);
+    __mmask8 odd = _mm512_test_epi64_mask(kb, one);
+    __m512d s = _mm512_mask_blend_pd(odd, sr, cr), c = _mm512_mask_blend_pd(odd, cr, sr);
+    __m512i nc = _mm512_slli_epi64(_mm512_add_epi64(kb, one), 62);
+    __m512i ns = _mm512_slli_epi64(kb, 62);
+    *cp = _mm512_castsi512_pd(_mm512_ternarylogic_epi64(_mm512_castpd_si512(c), nc, sign, 0x78));
+    return _mm512_castsi512_pd(_mm512_ternarylogic_epi64(_mm512_castpd_si512(s), ns, sign, 0x78));
+}
+
+/* Lanes of v whose low 29 bits lie within FAST_TOL of 2^28 (a float
+ * rounding boundary's neighbourhood). */
+static inline __mmask8 near_half(__m512d v)
+{
+    const __m512i low = _mm512_set1_epi64((1ll << 29) - 1);
+    const __m512i shift = _mm512_set1_epi64((1ll << 28) - FAST_TOL);
+    const __m512i width = _mm512_set1_epi64(2 * FAST_TOL);
+    __m512i d = _mm512_sub_epi64(_mm512_and_si512(_mm512_castpd_si512(v), low), shift);
+    return _mm512_cmplt_epu64_mask(d, width);
+}
+
+/* One group of 8 pairs from i (k8: its lanes) of the fast table; its
+ * refusals in the returned mask. */
+AI __mmask8 fast8(__m512d va, const double *f1, __m512d vb, const double *f2, int i, __mmask8 k8,
+                  bool full, int gptj, float *fs, float *fc)
+{
+    const __m512i dup = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+    const __m512 neg_even = _mm512_castsi512_ps(_mm512_set_epi32(
+        0, (int)0x80000000u, 0, (int)0x80000000u, 0, (int)0x80000000u, 0, (int)0x80000000u,
+        0, (int)0x80000000u, 0, (int)0x80000000u, 0, (int)0x80000000u, 0, (int)0x80000000u));
+    const __m512d lim = _mm512_set1_pd(ROPE_FAST_MAX);
+    /* the reference's angle: the same rounded products and sum */
+    __m512d x = full ? _mm512_mul_pd(va, _mm512_loadu_pd(f1 + i)) : angle8(va, f1, vb, NULL, i, k8);
+    if (f2) {
+        __m512d y = full ? _mm512_loadu_pd(f2 + i) : _mm512_maskz_loadu_pd(k8, f2 + i);
+        x = _mm512_add_pd(x, _mm512_mul_pd(vb, y));
+    }
+    __mmask8 bad = (__mmask8)~_mm512_cmp_pd_mask(_mm512_abs_pd(x), lim, _CMP_LT_OQ);
+    __m512d cv, sv = sincos8_fma(x, &cv);
+    bad = (__mmask8)(k8 & (bad | near_half(sv) | near_half(cv)));
+    __m256 cf = _mm512_cvtpd_ps(cv), sf = _mm512_cvtpd_ps(sv);
+    if (gptj) {
+        __m512 cd = _mm512_permutexvar_ps(dup, _mm512_castps256_ps512(cf));
+        __m512 sd = _mm512_xor_ps(_mm512_permutexvar_ps(dup, _mm512_castps256_ps512(sf)), neg_even);
+        if (full) {
+            _mm512_storeu_ps(fc + 2 * i, cd);
+            _mm512_storeu_ps(fs + 2 * i, sd);
+        } else {
+            __mmask16 k16 = (__mmask16)((1u << (2 * (unsigned)__builtin_popcount(k8))) - 1u);
+            _mm512_mask_storeu_ps(fc + 2 * i, k16, cd);
+            _mm512_mask_storeu_ps(fs + 2 * i, k16, sd);
+        }
+    } else if (full) {
+        _mm256_storeu_ps(fc + i, cf);
+        _mm256_storeu_ps(fs + i, sf);
+    } else {
+        _mm256_mask_storeu_ps(fc + i, k8, cf);
+        _mm256_mask_storeu_ps(fs + i, k8, sf);
+    }
+    return bad;
+}
+
+bool rope_table_fast_avx512(double a, const double *f1, double b, const double *f2, int n,
+                            int gptj, float *fs, float *fc)
+{
+    const __m512d va = _mm512_set1_pd(a), vb = _mm512_set1_pd(b);
+    __mmask8 bad = 0;
+    int full = n / W, g = 0;
+    if (!f2 && !gptj) {
+        /* the common case, unrolled by 4 without the branches */
+        for (; g + 4 <= full; g += 4) {
+#pragma GCC unroll 4
+            for (int q = 0; q < 4; q++)
+                bad |= fast8(va, f1, vb, NULL, (g + q) * W, 0xff, true, 0, fs, fc);
+        }
+    }
+    for (; g < full; g++)
+        bad |= fast8(va, f1, vb, f2, g * W, 0xff, true, gptj, fs, fc);
+    if (g * W < n)
+        bad |= fast8(va, f1, vb, f2, g * W, (__mmask8)((1u << (n - g * W)) - 1u), false, gptj,
+                     fs, fc);
+    return bad == 0;
 }
 
 /* rope_step_scalar, 8 pairs at a time (the same products and sums). */
