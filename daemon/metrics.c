@@ -28,6 +28,7 @@
  */
 #include "daemon/daemon_internal.h"
 #include "daemon/metrics.h"
+#include "daemon/remote.h"
 
 #include <errno.h>
 #include <microhttpd.h>
@@ -55,6 +56,7 @@ static const char *const BUCKET_LE[] = {
     "0.025", "0.05", "0.1", "0.25", "0.5", "1", "2.5", "5", "10",
 };
 #define N_BUCKETS (sizeof BUCKETS / sizeof BUCKETS[0])
+_Static_assert(N_BUCKETS == KVR_METRICS_N_BUCKETS, "metrics.h's bucket count");
 
 typedef struct obs {
     uint64_t req[N_VERB_SLOTS][N_STATUS];
@@ -69,6 +71,8 @@ typedef struct snapshot {
     kvr_store_stats s;
     kvr_tier_stats  t;
     char            engine[32];   /* t.engine, copied */
+    bool            has_remote;   /* --remote-tier: r holds its counters */
+    kvr_remote_stats r;
     uint64_t conns, unauth, conn_total, conn_refused;
     uint64_t requests, errors, wire_in, wire_out, streamed, stream_aborted;
     double   start_unix, uptime, published_unix;
@@ -115,6 +119,14 @@ static double now_unix(void)
 
 /* ---- observations (loop thread) ------------------------------------------ */
 
+size_t kvr_metrics_bucket(double seconds)
+{
+    size_t b = 0;
+    while (b < N_BUCKETS && seconds > BUCKETS[b])
+        b++;
+    return b;
+}
+
 void kvr_metrics_observe(kvr_metrics *m, int verb, int status, uint64_t bytes_in,
                          uint64_t bytes_out, double seconds)
 {
@@ -131,10 +143,7 @@ void kvr_metrics_observe(kvr_metrics *m, int verb, int status, uint64_t bytes_in
     o->pay_out[v] += bytes_out;
     if (seconds < 0)
         seconds = 0;
-    size_t b = 0;
-    while (b < N_BUCKETS && seconds > BUCKETS[b])
-        b++;
-    o->hist[v][b]++;
+    o->hist[v][kvr_metrics_bucket(seconds)]++;
     o->hcount[v]++;
     o->hsum[v] += seconds;
 }
@@ -149,6 +158,9 @@ static void build(kvr_metrics *m, snapshot *s)
     kvr_store_tier_stats(d->store, &s->t);
     snprintf(s->engine, sizeof s->engine, "%s", s->t.engine ? s->t.engine : "");
     s->t.engine = NULL;
+    s->has_remote = d->remote != NULL;
+    if (s->has_remote)
+        kvr_remote_get_stats(d->remote, &s->r);
     s->conns = d->n_conns;
     s->unauth = d->n_unauth;
     s->conn_total = d->n_conn_total;
@@ -239,6 +251,60 @@ static void scalar_u(sbuf *b, const char *name, const char *type, const char *he
 {
     family(b, name, type, help);
     sb_printf(b, "%s %llu\n", name, (unsigned long long)v);
+}
+
+/* The shared tier on Redis Cluster (--remote-tier; docs/cluster.md). */
+static void render_remote(const kvr_remote_stats *r, sbuf *b)
+{
+    scalar_u(b, "kvrope_remote_joined", "gauge",
+             "1 once the daemon has joined the Redis Cluster of its remote tier.",
+             r->joined ? 1 : 0);
+    scalar_u(b, "kvrope_remote_published_contexts_total", "counter",
+             "Contexts published to the cluster (share, share_sync).", r->pub_contexts);
+    scalar_u(b, "kvrope_remote_published_blocks_total", "counter",
+             "Blocks written to the cluster by publications.", r->pub_blocks);
+    scalar_u(b, "kvrope_remote_blocks_already_there_total", "counter",
+             "Blocks a publication found in the cluster already and did not send.",
+             r->pub_skipped);
+    scalar_u(b, "kvrope_remote_publish_errors_total", "counter",
+             "Publications that failed.", r->pub_errors);
+    family(b, "kvrope_remote_fetches_total", "counter",
+           "Fetches from the cluster (a local miss of a get or match), by result "
+           "(corrupt: a value failed its checks and was treated as a miss).");
+    sb_printf(b, "kvrope_remote_fetches_total{result=\"hit\"} %llu\n",
+              (unsigned long long)r->fetch_hits);
+    sb_printf(b, "kvrope_remote_fetches_total{result=\"miss\"} %llu\n",
+              (unsigned long long)r->fetch_misses);
+    sb_printf(b, "kvrope_remote_fetches_total{result=\"corrupt\"} %llu\n",
+              (unsigned long long)r->fetch_corrupt);
+    scalar_u(b, "kvrope_remote_fetched_tokens_total", "counter",
+             "Tokens landed locally from the cluster.", r->fetch_tokens);
+    scalar_u(b, "kvrope_remote_prefix_probes_total", "counter",
+             "Prefix probes (pipelined EXISTS of a prompt's block chain).", r->probes);
+    family(b, "kvrope_remote_redirects_total", "counter",
+           "Cluster redirections followed, by kind (MOVED, ASK).");
+    sb_printf(b, "kvrope_remote_redirects_total{kind=\"moved\"} %llu\n",
+              (unsigned long long)r->moved);
+    sb_printf(b, "kvrope_remote_redirects_total{kind=\"ask\"} %llu\n",
+              (unsigned long long)r->ask);
+    scalar_u(b, "kvrope_remote_slot_map_refreshes_total", "counter",
+             "Reloads of the cluster's slot map.", r->refreshes);
+    scalar_u(b, "kvrope_remote_connection_errors_total", "counter",
+             "Connections to cluster nodes that failed or broke.", r->conn_errors);
+    family(b, "kvrope_remote_fetch_duration_seconds", "histogram",
+           "Time from a fetch's start (a local miss) to its end: landed, a miss, or "
+           "abandoned.");
+    uint64_t cum = 0;
+    for (size_t k = 0; k < N_BUCKETS; k++) {
+        cum += r->fetch_hist[k];
+        sb_printf(b, "kvrope_remote_fetch_duration_seconds_bucket{le=\"%s\"} %llu\n",
+                  BUCKET_LE[k], (unsigned long long)cum);
+    }
+    cum += r->fetch_hist[N_BUCKETS];
+    sb_printf(b, "kvrope_remote_fetch_duration_seconds_bucket{le=\"+Inf\"} %llu\n",
+              (unsigned long long)cum);
+    sb_printf(b, "kvrope_remote_fetch_duration_seconds_sum %.17g\n", r->fetch_seconds);
+    sb_printf(b, "kvrope_remote_fetch_duration_seconds_count %llu\n", (unsigned long long)cum);
 }
 
 static void render(const kvr_metrics *m, const snapshot *s, sbuf *b)
@@ -345,8 +411,9 @@ static void render(const kvr_metrics *m, const snapshot *s, sbuf *b)
               (unsigned long long)(s->s.n_matches >= s->s.n_match_hits
                                    ? s->s.n_matches - s->s.n_match_hits : 0));
 
-    /* Tiers: memory, disk; a remote tier gets its own label when it exists.
-     * A block read is a hit in the first tier that holds it and a miss in
+    /* Tiers: memory, disk (the remote tier, which fetches whole contexts
+     * rather than serving block reads, has its kvrope_remote_ families
+     * below). A block read is a hit in the first tier that holds it and a miss in
      * each tier above. */
     const kvr_tier_stats *t = &s->t;
     struct { const char *tier; bool present; uint64_t hits, misses; } tiers[] = {
@@ -440,6 +507,9 @@ static void render(const kvr_metrics *m, const snapshot *s, sbuf *b)
     scalar(b, "kvrope_quantization_value_size_bytes", "gauge",
            "Mean stored size of one K/V value over quantized contexts (0.5: 4 bits; 0: none).",
            s->s.quant_bits_per_value / 8.0);
+
+    if (s->has_remote)
+        render_remote(&s->r, b);
 
     /* Process. */
     family(b, "kvrope_build_info", "gauge", "kvroped's version (value 1).");

@@ -21,6 +21,13 @@
 typedef struct kvr_daemon kvr_daemon;
 typedef struct kvr_metrics kvr_metrics;
 
+/* Latency histograms share one set of buckets (50 us .. 10 s, plus one
+ * above the last): kvr_metrics_bucket gives the index for a duration, so
+ * other threads (the remote tier's fetches) can count into their own
+ * atomic arrays and the exposition renders them alike. */
+#define KVR_METRICS_N_BUCKETS 17
+size_t kvr_metrics_bucket(double seconds);
+
 /* Loop thread, in kvr_daemon_create: allocates d->metrics and, with
  * --metrics-listen (or an activated fd named "metrics", listen_fd >= 0),
  * starts the HTTP thread. 0 or a negative KVR_E* code with err filled. */

@@ -798,6 +798,7 @@ struct kvr_remote {
     /* metrics */
     atomic_uint_fast64_t pub_contexts, pub_blocks, pub_skipped, pub_errors;
     atomic_uint_fast64_t fetch_hits, fetch_misses, fetch_corrupt, fetch_tokens, probes;
+    atomic_uint_fast64_t fetch_hist[KVR_METRICS_N_BUCKETS + 1], fetch_ns;
 };
 
 struct kvr_rjob {
@@ -821,6 +822,8 @@ struct kvr_rjob {
     const struct iovec *iov;
     size_t      niov;
     size_t     *starts;
+    uint64_t    t0_ns;          /* created (loop), for the fetch histogram */
+    bool        worked;         /* reached the cluster (counted when freed) */
 };
 
 static uint64_t mono_ms(void)
@@ -1450,6 +1453,8 @@ kvr_rjob *kvr_remote_job_get(kvr_remote *r, const char *ctx_id)
     if (!r)
         return NULL;
     kvr_rjob *j = kvr_mem_calloc(1, sizeof *j);
+    if (j)
+        j->t0_ns = kvr_now_ns();
     if (!j)
         return NULL;
     j->r = r;
@@ -1467,6 +1472,8 @@ kvr_rjob *kvr_remote_job_prefix(kvr_remote *r, const char *model, const uint32_t
     if (kvr_store_model_find(r->d->store, model, &mi) < 0)
         return NULL;
     kvr_rjob *j = kvr_mem_calloc(1, sizeof *j);
+    if (j)
+        j->t0_ns = kvr_now_ns();
     if (!j)
         return NULL;
     j->r = r;
@@ -1484,6 +1491,12 @@ void kvr_remote_job_free(kvr_rjob *j)
 {
     if (!j)
         return;
+    if (j->worked) {
+        uint64_t ns = kvr_now_ns() - j->t0_ns;
+        kvr_remote *r = j->r;
+        atomic_fetch_add(&r->fetch_hist[kvr_metrics_bucket((double)ns / 1e9)], 1);
+        atomic_fetch_add(&r->fetch_ns, ns);
+    }
     if (j->put)
         kvr_put_abort(j->put);      /* loop thread: nothing was committed */
     kvr_mem_free(j->starts);
@@ -2080,15 +2093,11 @@ void kvr_remote_job_work(kvr_rjob *j)
         miss(j, false, "the cluster is unreachable");
         return;
     }
-    struct timespec a, b;
-    clock_gettime(CLOCK_MONOTONIC, &a);
+    j->worked = true;
     if (j->by_id)
         work_by_id(j);
     else
         work_prefix(j);
-    clock_gettime(CLOCK_MONOTONIC, &b);
-    kvr_log(KVR_LOG_DEBUG, "remote tier: fetch of '%s' phase %d took %.3f ms", j->ctx_id, j->phase,
-            (b.tv_sec - a.tv_sec) * 1e3 + (b.tv_nsec - a.tv_nsec) * 1e-6);
 }
 
 /* A local model for the fetched data: the named one if its fingerprint
@@ -2245,25 +2254,49 @@ int kvr_remote_job_land(kvr_rjob *j)
     return land_commit(j, t);
 }
 
-size_t kvr_remote_metrics(kvr_remote *r, const char **names, double *values, size_t cap)
+void kvr_remote_get_stats(kvr_remote *r, kvr_remote_stats *o)
 {
+    memset(o, 0, sizeof *o);
     kvr_rc_stats st;
     kvr_rc_get_stats(r->rc, &st);
+    o->joined = atomic_load(&r->joined);
+    o->pub_contexts = atomic_load(&r->pub_contexts);
+    o->pub_blocks = atomic_load(&r->pub_blocks);
+    o->pub_skipped = atomic_load(&r->pub_skipped);
+    o->pub_errors = atomic_load(&r->pub_errors);
+    o->fetch_hits = atomic_load(&r->fetch_hits);
+    o->fetch_misses = atomic_load(&r->fetch_misses);
+    o->fetch_corrupt = atomic_load(&r->fetch_corrupt);
+    o->fetch_tokens = atomic_load(&r->fetch_tokens);
+    o->probes = atomic_load(&r->probes);
+    o->moved = st.moved;
+    o->ask = st.ask;
+    o->refreshes = st.refreshes;
+    o->conn_errors = st.conn_errors;
+    o->fetch_seconds = (double)atomic_load(&r->fetch_ns) / 1e9;
+    for (size_t i = 0; i <= KVR_METRICS_N_BUCKETS; i++)
+        o->fetch_hist[i] = atomic_load(&r->fetch_hist[i]);
+}
+
+size_t kvr_remote_metrics(kvr_remote *r, const char **names, double *values, size_t cap)
+{
+    kvr_remote_stats s;
+    kvr_remote_get_stats(r, &s);
     struct { const char *n; double v; } m[] = {
-        { "remote_joined", atomic_load(&r->joined) ? 1 : 0 },
-        { "remote_published_contexts", (double)atomic_load(&r->pub_contexts) },
-        { "remote_published_blocks", (double)atomic_load(&r->pub_blocks) },
-        { "remote_blocks_already_there", (double)atomic_load(&r->pub_skipped) },
-        { "remote_publish_errors", (double)atomic_load(&r->pub_errors) },
-        { "remote_fetch_hits", (double)atomic_load(&r->fetch_hits) },
-        { "remote_fetch_misses", (double)atomic_load(&r->fetch_misses) },
-        { "remote_fetch_corrupt", (double)atomic_load(&r->fetch_corrupt) },
-        { "remote_fetched_tokens", (double)atomic_load(&r->fetch_tokens) },
-        { "remote_probes", (double)atomic_load(&r->probes) },
-        { "remote_moved", (double)st.moved },
-        { "remote_ask", (double)st.ask },
-        { "remote_map_refreshes", (double)st.refreshes },
-        { "remote_conn_errors", (double)st.conn_errors },
+        { "remote_joined", s.joined ? 1 : 0 },
+        { "remote_published_contexts", (double)s.pub_contexts },
+        { "remote_published_blocks", (double)s.pub_blocks },
+        { "remote_blocks_already_there", (double)s.pub_skipped },
+        { "remote_publish_errors", (double)s.pub_errors },
+        { "remote_fetch_hits", (double)s.fetch_hits },
+        { "remote_fetch_misses", (double)s.fetch_misses },
+        { "remote_fetch_corrupt", (double)s.fetch_corrupt },
+        { "remote_fetched_tokens", (double)s.fetch_tokens },
+        { "remote_probes", (double)s.probes },
+        { "remote_moved", (double)s.moved },
+        { "remote_ask", (double)s.ask },
+        { "remote_map_refreshes", (double)s.refreshes },
+        { "remote_conn_errors", (double)s.conn_errors },
     };
     size_t n = sizeof m / sizeof *m;
     for (size_t i = 0; i < n && i < cap; i++) {

@@ -24,6 +24,7 @@
 #include <stdbool.h>
 
 #include "cache/cache.h"
+#include "daemon/metrics.h"
 
 #define KVR_RT_BLOCK 64u            /* tokens per remote block */
 #define KVR_RT_GRAIN 16u            /* granule of the sub-block prefix keys */
@@ -149,6 +150,20 @@ kvr_rjob *kvr_remote_job_prefix(kvr_remote *r, const char *model, const uint32_t
 void kvr_remote_job_work(kvr_rjob *j);
 int  kvr_remote_job_land(kvr_rjob *j);
 void kvr_remote_job_free(kvr_rjob *j);
+
+/* The tier's counters, read from atomics (each exact, not one instant
+ * together: workers count while it is read). fetch_hist counts every
+ * fetch job from its creation on the loop to its end (landed, a miss, or
+ * abandoned), in kvr_metrics_bucket's buckets; the sum is in seconds. */
+typedef struct kvr_remote_stats {
+    bool     joined;
+    uint64_t pub_contexts, pub_blocks, pub_skipped, pub_errors;
+    uint64_t fetch_hits, fetch_misses, fetch_corrupt, fetch_tokens, probes;
+    uint64_t moved, ask, refreshes, conn_errors;
+    uint64_t fetch_hist[KVR_METRICS_N_BUCKETS + 1];   /* the count is their sum */
+    double   fetch_seconds;
+} kvr_remote_stats;
+void kvr_remote_get_stats(kvr_remote *r, kvr_remote_stats *out);
 
 /* Metrics for stats: fills up to cap, returns the count (static names). */
 size_t kvr_remote_metrics(kvr_remote *r, const char **names, double *values, size_t cap);

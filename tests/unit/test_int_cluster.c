@@ -24,6 +24,7 @@
 #include "daemon/rcluster.h"
 #include "daemon/remote.h"
 #include "tests/common/kvr_cluster.h"
+#include "tests/common/kvr_opsd.h"
 #include "tests/common/kvr_testd.h"
 
 /* How a test put publishes. */
@@ -45,10 +46,25 @@ static void write_auth(const char *line)
     fclose(f);
 }
 
+/* Every node serves /metrics on a port of its own (logged at info). */
 static int start_node(kvr_testd *d, const char *seeds)
 {
-    const char *extra[] = { "--remote-tier", seeds, "--remote-auth-file", AUTH, getenv("KVR_T_DEBUG") ? "--log-level" : NULL, "debug", NULL };
+    const char *extra[] = { "--remote-tier", seeds, "--remote-auth-file", AUTH,
+                            "--metrics-listen", "127.0.0.1:0", "--log-level",
+                            getenv("KVR_T_DEBUG") ? "debug" : "info", NULL };
     return testd_start(d, extra);
+}
+
+/* d's /metrics text (malloc), promtool-checked. */
+static char *scrape(kvr_testd *d)
+{
+    int port = opsd_metrics_port(d->log);
+    cr_assert(port > 0, "no metrics address in %s", d->log);
+    char *body = NULL;
+    int st = opsd_http(port, "GET", "/metrics", NULL, &body);
+    cr_assert_eq(st, 200, "GET /metrics: HTTP %d", st);
+    cr_assert_eq(opsd_promtool(body), 0);
+    return body;
 }
 
 static void setup(void)
@@ -222,6 +238,33 @@ Test(int_cluster, share_on_a_get_and_match_on_b)
     }
     /* Unknown everywhere: still "unknown context". */
     cr_assert_eq(get_kv(CB, "nowhere", 0, 0, NULL, &kb), KVR_ENOCTX);
+
+    /* Prometheus sees what the stats verb sees: B fetched, A published. */
+    char *mb = scrape(&B);
+    double hit = opsd_sample(mb, "kvrope_remote_fetches_total{result=\"hit\"}");
+    cr_assert_eq(opsd_sample(mb, "kvrope_remote_joined"), 1);
+    cr_assert_eq(hit, testd_metric(CB, "remote_fetch_hits"));
+    cr_assert_geq(hit, 3, "doc, the prefix matches, later, cli-doc: %g", hit);
+    cr_assert_eq(opsd_sample(mb, "kvrope_remote_fetches_total{result=\"miss\"}"),
+                 testd_metric(CB, "remote_fetch_misses"));
+    cr_assert_eq(opsd_sample(mb, "kvrope_remote_fetched_tokens_total"),
+                 testd_metric(CB, "remote_fetched_tokens"));
+    cr_assert_eq(opsd_sample(mb, "kvrope_remote_prefix_probes_total"),
+                 testd_metric(CB, "remote_probes"));
+    /* Every fetch that reached the cluster is in the histogram once it
+     * ended; the hits at least, each taking some time. */
+    double cnt = opsd_sample(mb, "kvrope_remote_fetch_duration_seconds_count");
+    cr_assert_geq(cnt, hit);
+    cr_assert_eq(opsd_sample(mb, "kvrope_remote_fetch_duration_seconds_bucket{le=\"+Inf\"}"), cnt);
+    cr_assert_gt(opsd_sample(mb, "kvrope_remote_fetch_duration_seconds_sum"), 0);
+    free(mb);
+    char *ma = scrape(&A);
+    cr_assert_geq(opsd_sample(ma, "kvrope_remote_published_contexts_total"), 3);
+    cr_assert_eq(opsd_sample(ma, "kvrope_remote_published_contexts_total"),
+                 testd_metric(CA, "remote_published_contexts"));
+    cr_assert_geq(opsd_sample(ma, "kvrope_remote_published_blocks_total"), 4);
+    cr_assert_eq(opsd_sample(ma, "kvrope_remote_publish_errors_total"), 0);
+    free(ma);
 }
 
 /* ---- quantized contexts travel as their codes ------------------------------ */
