@@ -71,6 +71,22 @@ AI void st_nt(void *p, size_t i, kvr_dtype t, __m512 v)
     _mm256_stream_si256((__m256i *)((uint16_t *)p + i), h);
 }
 
+/* Two vectors of 16-bit results, elements [i, i + 32), in one
+ * non-temporal 64-byte store (p + i aligned to 64 bytes). */
+AI void st_line(void *p, size_t i, kvr_dtype t, __m512 v0, __m512 v1)
+{
+    __m256i h0, h1;
+    if (t == KVR_DTYPE_F16) {
+        h0 = _mm512_cvtps_ph(v0, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        h1 = _mm512_cvtps_ph(v1, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    } else {
+        h0 = to_bf16(v0);
+        h1 = to_bf16(v1);
+    }
+    _mm512_stream_si512((__m512i *)((uint16_t *)p + i),
+                        _mm512_inserti64x4(_mm512_castsi256_si512(h0), h1, 1));
+}
+
 #define ST(nt, p, i, t, v) do { if (nt) st_nt(p, i, t, v); else st(p, i, t, v); } while (0)
 
 AI __mmask16 tailmask(size_t n) { return (__mmask16)((1u << n) - 1u); }
@@ -109,7 +125,37 @@ AI void rows_t(void *dst, const kvr_dtype dt, const void *src, const kvr_dtype s
     const __m512 kv = _mm512_set1_ps(k);
     for (size_t h = 0; h < n_heads; h++) {
         size_t b = h * hd;
-        if (gptj) {
+        if (nt && dt != KVR_DTYPE_F32) {
+            /* 16-bit results streamed a whole 64-byte line at a time (two
+             * vectors' worth; rope_rows_stream_avx512 checked the spans are
+             * multiples of 32 elements): the same values as below */
+            if (gptj) {
+                for (size_t j = 0; j < r; j += 32) {
+                    __m512 o[2];
+                    for (int q = 0; q < 2; q++) {
+                        __m512 x = ld(src, b + j + 16 * (size_t)q, st_);
+                        __m512 sw = _mm512_permute_ps(x, 0xB1);
+                        o[q] = SC(_mm512_fmadd_ps(x, _mm512_loadu_ps(c + j + 16 * (size_t)q),
+                                                  _mm512_mul_ps(sw, _mm512_loadu_ps(s + j + 16 * (size_t)q))));
+                    }
+                    st_line(dst, b + j, dt, o[0], o[1]);
+                }
+            } else {
+                size_t half = r / 2;
+                for (size_t i = 0; i < half; i += 32) {
+                    __m512 o0[2], o1[2];
+                    for (int q = 0; q < 2; q++) {
+                        size_t e = i + 16 * (size_t)q;
+                        __m512 x0 = ld(src, b + e, st_), x1 = ld(src, b + e + half, st_);
+                        __m512 cv = _mm512_loadu_ps(c + e), sv = _mm512_loadu_ps(s + e);
+                        o0[q] = SC(_mm512_fmsub_ps(x0, cv, _mm512_mul_ps(x1, sv)));
+                        o1[q] = SC(_mm512_fmadd_ps(x1, cv, _mm512_mul_ps(x0, sv)));
+                    }
+                    st_line(dst, b + i, dt, o0[0], o0[1]);
+                    st_line(dst, b + i + half, dt, o1[0], o1[1]);
+                }
+            }
+        } else if (gptj) {
             size_t j = 0;
             for (; j + 16 <= r; j += 16) {
                 __m512 x = ld(src, b + j, st_);
@@ -227,7 +273,7 @@ bool rope_rows_stream_avx512(void *dst, kvr_dtype dt, const void *src, kvr_dtype
                              size_t n_heads, int head_dim, int rot, int gptj,
                              const float *c, const float *s, bool scaled, float k)
 {
-    size_t vb = dt == KVR_DTYPE_F32 ? 64 : 32, esz = kvr_dtype_size(dt);
+    size_t vb = 64, esz = kvr_dtype_size(dt);   /* 16-bit: two vectors a line */
     size_t part = gptj ? (size_t)rot : (size_t)rot / 2;   /* the full-vector spans */
     if (((uintptr_t)dst % 64) || ((size_t)head_dim * esz) % vb || (part * esz) % vb)
         return false;
