@@ -317,13 +317,11 @@ bool kvr_read_needs_work(const kvr_read *r)
  * Else out is layer li's bytes of the payload in wire order (K of every run,
  * then V of every run): staged runs are computed there, zero-copy ones
  * copied. */
-/* A one_pass run's keys of layer l into dst: one read of the block, one
- * write of dst, the rotation's table made once per run; the bits of the
- * general path (rope.h: kvr_convert_scaled, kvr_rope_reposition_delta). */
 /* Payloads at least this large go into a caller's buffer with
- * non-temporal stores where the rotation writes them (kvr_rope_opts.stream):
- * past a last-level cache nothing of it is read back soon, and skipping the
- * read of every destination line saves a third of the memory traffic. */
+ * non-temporal stores (kvr_copy_stream, kvr_rope_opts.stream): past a
+ * last-level cache nothing of it is read back soon, and not reading every
+ * destination line before writing it saves a third of the memory traffic.
+ * The same bytes either way. */
 #define STREAM_MIN_BYTES ((size_t)32 << 20)
 
 static void copy_out(void *dst, const void *src, size_t n, bool stream)
@@ -334,6 +332,9 @@ static void copy_out(void *dst, const void *src, size_t n, bool stream)
         memcpy(dst, src, n);
 }
 
+/* A one_pass run's keys of layer l into dst: one read of the block, one
+ * write of dst, the rotation's table made once per run; the bits of the
+ * general path (rope.h: kvr_convert_scaled, kvr_rope_reposition_delta). */
 static int keys_one_pass(const kvr_read *r, const kvr_read_run *run, uint32_t l, uint8_t *dst,
                          bool stream)
 {
@@ -464,7 +465,8 @@ int kvr_read_work_into(kvr_read *r, void *dst, const char *nomem, kvr_error *err
         if (r->nl <= 1 || r->out.bytes % r->nl != 0) {
             uint8_t *o = dst;
             for (size_t i = 0; i < r->out.n_iov; i++) {
-                memcpy(o, r->out.iov[i].iov_base, r->out.iov[i].iov_len);
+                copy_out(o, r->out.iov[i].iov_base, r->out.iov[i].iov_len,
+                         r->out.bytes >= STREAM_MIN_BYTES);
                 o += r->out.iov[i].iov_len;
             }
             return 0;

@@ -18,7 +18,11 @@
  * double-precision angle-addition step when (a, b) moves by the same step as
  * before (contiguous positions), and (4) recomputed with sincos() at every
  * token index that is a multiple of RESEED, so recurrence error is bounded and
- * results do not depend on how tokens are split across threads.
+ * results do not depend on how tokens are split across threads. Where (a, b)
+ * changes token after token (no repeat, no step), AVX-512 takes the float
+ * table from rope_table_fast_avx512, which vouches for the reference's
+ * floats or declines (then the reference table is made); the reference
+ * doubles are made later only if a step needs them.
  */
 #include <assert.h>
 #include <pthread.h>
@@ -407,7 +411,8 @@ static inline bool token_a(const job *j, size_t t, int64_t *out)
 }
 
 /* The fixed-angle range: the table of the one delta, made as run_range's
- * mode 0 makes it for every reseed (the same bits), then every token. */
+ * mode 0 makes it for every reseed (the same bits), then every token's rows
+ * in one call of the rows kernel. */
 static void run_fixed(const job *j)
 {
     const kvr_rope *r = j->r;
@@ -425,31 +430,28 @@ static void run_fixed(const job *j)
         j->sincos((double)j->delta, j->f1, 0.0, NULL, n, ss, cc);
         j->tofloat(cc, ss, n, j->mag, gptj, fc, fs);
     }
-    bool streamed = false;
-    for (size_t t = j->t0; t < j->t1; t++) {
-        char *d = (char *)j->dst + t * row_elems * dsz;
-        const char *s = (const char *)j->src + t * row_elems * ssz;
-        if (j->stream && rope_rows_stream_avx512(d, j->dt, s, j->st, j->n_heads, hd, rot, gptj,
-                                                 fc, fs, j->scaled, j->scale)) {
-            streamed = true;
-        } else if (!j->scaled) {
-            j->rows(d, j->dt, s, j->st, j->n_heads, hd, rot, gptj, fc, fs);
-        } else if (j->rows_s) {
-            j->rows_s(d, j->dt, s, j->st, j->n_heads, hd, rot, gptj, fc, fs, j->scale);
-        } else {
-            /* each head rotated into f32 (in L1), scaled and converted */
-            for (size_t h = 0; h < j->n_heads; h++) {
-                j->rows(row, KVR_DTYPE_F32, s + h * (size_t)hd * ssz, j->st, 1, hd, rot, gptj,
-                        fc, fs);
-                for (int q = 0; q < hd; q++)
-                    row[q] *= j->scale;
-                kvr_convert(d + h * (size_t)hd * dsz, j->dt, row, KVR_DTYPE_F32, (size_t)hd);
-            }
+    /* One table for every token: the range's rows are one run of
+     * (t1 - t0) * n_heads head rows, rotated in one call. */
+    size_t nrows = (j->t1 - j->t0) * j->n_heads;
+    char *d = (char *)j->dst + j->t0 * row_elems * dsz;
+    const char *s = (const char *)j->src + j->t0 * row_elems * ssz;
+    if (j->stream && rope_rows_stream_avx512(d, j->dt, s, j->st, nrows, hd, rot, gptj, fc, fs,
+                                             j->scaled, j->scale)) {
+        /* non-temporal stores are weakly ordered: visible before the return */
+        rope_stream_fence_avx512();
+    } else if (!j->scaled) {
+        j->rows(d, j->dt, s, j->st, nrows, hd, rot, gptj, fc, fs);
+    } else if (j->rows_s) {
+        j->rows_s(d, j->dt, s, j->st, nrows, hd, rot, gptj, fc, fs, j->scale);
+    } else {
+        /* each head rotated into f32 (in L1), scaled and converted */
+        for (size_t h = 0; h < nrows; h++) {
+            j->rows(row, KVR_DTYPE_F32, s + h * (size_t)hd * ssz, j->st, 1, hd, rot, gptj, fc, fs);
+            for (int q = 0; q < hd; q++)
+                row[q] *= j->scale;
+            kvr_convert(d + h * (size_t)hd * dsz, j->dt, row, KVR_DTYPE_F32, (size_t)hd);
         }
     }
-    /* non-temporal stores are weakly ordered: visible before the return */
-    if (streamed)
-        rope_stream_fence_avx512();
 }
 
 static void run_range(const job *j)
@@ -510,7 +512,7 @@ static void run_range(const job *j)
                 have_prev = false;
                 have_step = false;
             } else {
-                if (j->table_fast && fresh_run >= 2 &&
+                if (j->table_fast && fresh_run >= 3 &&
                     j->table_fast((double)a, f1, (double)b, f2, n, gptj, fs, fc)) {
                     fresh = true;
                     stale = true;

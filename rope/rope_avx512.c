@@ -125,6 +125,13 @@ AI void rows_t(void *dst, const kvr_dtype dt, const void *src, const kvr_dtype s
     const __m512 kv = _mm512_set1_ps(k);
     for (size_t h = 0; h < n_heads; h++) {
         size_t b = h * hd;
+        if (nt) {
+            /* streamed rows come from memory, not cache: ask for the rows
+             * a few heads ahead (a hint; reads nothing itself) */
+            uintptr_t ahead = (uintptr_t)src + (b + 4 * hd) * kvr_dtype_size(st_);   /* may be past the end */
+            for (size_t o = 0; o < hd * kvr_dtype_size(st_); o += 64)
+                _mm_prefetch((const char *)(ahead + o), _MM_HINT_T0);
+        }
         if (nt && dt != KVR_DTYPE_F32) {
             /* 16-bit results streamed a whole 64-byte line at a time (two
              * vectors' worth; rope_rows_stream_avx512 checked the spans are
