@@ -138,28 +138,27 @@ AI void rows_t(void *dst, const kvr_dtype dt, const void *src, const kvr_dtype s
              * multiples of 32 elements): the same values as below */
             if (gptj) {
                 for (size_t j = 0; j < r; j += 32) {
-                    __m512 o[2];
-                    for (int q = 0; q < 2; q++) {
-                        __m512 x = ld(src, b + j + 16 * (size_t)q, st_);
-                        __m512 sw = _mm512_permute_ps(x, 0xB1);
-                        o[q] = SC(_mm512_fmadd_ps(x, _mm512_loadu_ps(c + j + 16 * (size_t)q),
-                                                  _mm512_mul_ps(sw, _mm512_loadu_ps(s + j + 16 * (size_t)q))));
-                    }
-                    st_line(dst, b + j, dt, o[0], o[1]);
+                    __m512 x = ld(src, b + j, st_), y = ld(src, b + j + 16, st_);
+                    __m512 xs = _mm512_permute_ps(x, 0xB1), ys = _mm512_permute_ps(y, 0xB1);
+                    __m512 ox = SC(_mm512_fmadd_ps(x, _mm512_loadu_ps(c + j),
+                                                   _mm512_mul_ps(xs, _mm512_loadu_ps(s + j))));
+                    __m512 oy = SC(_mm512_fmadd_ps(y, _mm512_loadu_ps(c + j + 16),
+                                                   _mm512_mul_ps(ys, _mm512_loadu_ps(s + j + 16))));
+                    st_line(dst, b + j, dt, ox, oy);
                 }
             } else {
                 size_t half = r / 2;
                 for (size_t i = 0; i < half; i += 32) {
-                    __m512 o0[2], o1[2];
-                    for (int q = 0; q < 2; q++) {
-                        size_t e = i + 16 * (size_t)q;
-                        __m512 x0 = ld(src, b + e, st_), x1 = ld(src, b + e + half, st_);
-                        __m512 cv = _mm512_loadu_ps(c + e), sv = _mm512_loadu_ps(s + e);
-                        o0[q] = SC(_mm512_fmsub_ps(x0, cv, _mm512_mul_ps(x1, sv)));
-                        o1[q] = SC(_mm512_fmadd_ps(x1, cv, _mm512_mul_ps(x0, sv)));
-                    }
-                    st_line(dst, b + i, dt, o0[0], o0[1]);
-                    st_line(dst, b + i + half, dt, o1[0], o1[1]);
+                    __m512 x0 = ld(src, b + i, st_), x1 = ld(src, b + i + half, st_);
+                    __m512 y0 = ld(src, b + i + 16, st_), y1 = ld(src, b + i + 16 + half, st_);
+                    __m512 cv = _mm512_loadu_ps(c + i), sv = _mm512_loadu_ps(s + i);
+                    __m512 cw = _mm512_loadu_ps(c + i + 16), sw = _mm512_loadu_ps(s + i + 16);
+                    __m512 a0 = SC(_mm512_fmsub_ps(x0, cv, _mm512_mul_ps(x1, sv)));
+                    __m512 a1 = SC(_mm512_fmadd_ps(x1, cv, _mm512_mul_ps(x0, sv)));
+                    __m512 b0 = SC(_mm512_fmsub_ps(y0, cw, _mm512_mul_ps(y1, sw)));
+                    __m512 b1 = SC(_mm512_fmadd_ps(y1, cw, _mm512_mul_ps(y0, sw)));
+                    st_line(dst, b + i, dt, a0, b0);
+                    st_line(dst, b + i + half, dt, a1, b1);
                 }
             }
         } else if (gptj) {
