@@ -208,6 +208,15 @@ void   kvr_put_payload_iov(const kvr_put *t, const struct iovec **iov, size_t *n
 /* Heavy part (dtype conversion, checks on the values): any thread. */
 bool   kvr_put_needs_work(const kvr_put *t);
 int    kvr_put_work(kvr_put *t, kvr_error *err);
+/* Instead of filling the iovecs and kvr_put_work: the payload (len must be
+ * payload_size; wire order) read from the caller's memory, which must stay
+ * valid and unchanged during the call. A put that converts or quantizes
+ * reads it straight from there (no staging copy: a quantized put encodes
+ * from it); one stored as it is copies it into the blocks. Any thread,
+ * once; the same checks and errors as kvr_put_work (KVR_EPAYLOAD for a
+ * wrong len). After a failure the put can only be aborted (a commit fails
+ * too; the staging was never filled). */
+int    kvr_put_work_from(kvr_put *t, const void *payload, size_t len, kvr_error *err);
 /* Loop thread. Links the new tokens into the context and the prefix index,
  * and frees t whether it succeeds or not; on failure nothing changed. */
 int    kvr_put_commit(kvr_put *t, kvr_put_result *res, kvr_error *err);

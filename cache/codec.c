@@ -473,46 +473,58 @@ static void sc_tile_scatter(void *dst, kvr_dtype t, size_t ld, const float *buf,
 }
 
 /* Rows [r0, r1), elements [k0, len) continuing e[i], q[i]: four rows'
- * chains at a time (independent chains, the same additions per chain). */
-void kvr_codec_err_rows_tail(const float *ref, const float *dec, size_t r0, size_t r1,
-                             size_t k0, size_t len, double *e, double *q)
-{
-    size_t i = r0;
-    for (; i + 4 <= r1; i += 4) {
-        const float *a0 = ref + i * len, *a1 = a0 + len, *a2 = a1 + len, *a3 = a2 + len;
-        const float *b0 = dec + i * len, *b1 = b0 + len, *b2 = b1 + len, *b3 = b2 + len;
-        double e0 = e[i], e1 = e[i + 1], e2 = e[i + 2], e3 = e[i + 3];
-        double q0 = q[i], q1 = q[i + 1], q2 = q[i + 2], q3 = q[i + 3];
-        for (size_t k = k0; k < len; k++) {
-            double d0 = (double)b0[k] - (double)a0[k], d1 = (double)b1[k] - (double)a1[k];
-            double d2 = (double)b2[k] - (double)a2[k], d3 = (double)b3[k] - (double)a3[k];
-            double s0 = d0 * d0, s1 = d1 * d1, s2 = d2 * d2, s3 = d3 * d3;
-            double t0 = (double)a0[k] * (double)a0[k], t1 = (double)a1[k] * (double)a1[k];
-            double t2 = (double)a2[k] * (double)a2[k], t3 = (double)a3[k] * (double)a3[k];
-            e0 += s0;
-            e1 += s1;
-            e2 += s2;
-            e3 += s3;
-            q0 += t0;
-            q1 += t1;
-            q2 += t2;
-            q3 += t3;
-        }
-        e[i] = e0; e[i + 1] = e1; e[i + 2] = e2; e[i + 3] = e3;
-        q[i] = q0; q[i + 1] = q1; q[i + 2] = q2; q[i + 3] = q3;
-    }
-    for (; i < r1; i++) {
-        const float *a0 = ref + i * len, *b0 = dec + i * len;
-        double e0 = e[i], q0 = q[i];
-        for (size_t k = k0; k < len; k++) {
-            double d0 = (double)b0[k] - (double)a0[k];
-            double s0 = d0 * d0, t0 = (double)a0[k] * (double)a0[k];
-            e0 += s0;
-            q0 += t0;
-        }
-        e[i] = e0; q[i] = q0;
-    }
+ * chains at a time (independent chains, the same additions per chain).
+ * REF(p, k) is the reference value p[k] as a float (f32, or f16 converted
+ * exactly). */
+#define ERR_ROWS_TAIL(NAME, RT, REF)                                                     \
+void NAME(const RT *ref, const float *dec, size_t r0, size_t r1, size_t k0, size_t len,  \
+          double *e, double *q)                                                          \
+{                                                                                        \
+    size_t i = r0;                                                                       \
+    for (; i + 4 <= r1; i += 4) {                                                        \
+        const RT *a0 = ref + i * len, *a1 = a0 + len, *a2 = a1 + len, *a3 = a2 + len;    \
+        const float *b0 = dec + i * len, *b1 = b0 + len, *b2 = b1 + len, *b3 = b2 + len; \
+        double e0 = e[i], e1 = e[i + 1], e2 = e[i + 2], e3 = e[i + 3];                   \
+        double q0 = q[i], q1 = q[i + 1], q2 = q[i + 2], q3 = q[i + 3];                   \
+        for (size_t k = k0; k < len; k++) {                                              \
+            double x0 = (double)REF(a0, k), x1 = (double)REF(a1, k);                     \
+            double x2 = (double)REF(a2, k), x3 = (double)REF(a3, k);                     \
+            double d0 = (double)b0[k] - x0, d1 = (double)b1[k] - x1;                     \
+            double d2 = (double)b2[k] - x2, d3 = (double)b3[k] - x3;                     \
+            double s0 = d0 * d0, s1 = d1 * d1, s2 = d2 * d2, s3 = d3 * d3;               \
+            double t0 = x0 * x0, t1 = x1 * x1, t2 = x2 * x2, t3 = x3 * x3;               \
+            e0 += s0;                                                                    \
+            e1 += s1;                                                                    \
+            e2 += s2;                                                                    \
+            e3 += s3;                                                                    \
+            q0 += t0;                                                                    \
+            q1 += t1;                                                                    \
+            q2 += t2;                                                                    \
+            q3 += t3;                                                                    \
+        }                                                                                \
+        e[i] = e0; e[i + 1] = e1; e[i + 2] = e2; e[i + 3] = e3;                          \
+        q[i] = q0; q[i + 1] = q1; q[i + 2] = q2; q[i + 3] = q3;                          \
+    }                                                                                    \
+    for (; i < r1; i++) {                                                                \
+        const RT *a0 = ref + i * len;                                                    \
+        const float *b0 = dec + i * len;                                                 \
+        double e0 = e[i], q0 = q[i];                                                     \
+        for (size_t k = k0; k < len; k++) {                                              \
+            double x0 = (double)REF(a0, k), d0 = (double)b0[k] - x0;                     \
+            double s0 = d0 * d0, t0 = x0 * x0;                                           \
+            e0 += s0;                                                                    \
+            q0 += t0;                                                                    \
+        }                                                                                \
+        e[i] = e0; q[i] = q0;                                                            \
+    }                                                                                    \
 }
+#define REF_F32(p, k) ((p)[k])
+#define REF_F16(p, k) kvr_f16_to_f32((p)[k])
+ERR_ROWS_TAIL(kvr_codec_err_rows_tail, float, REF_F32)
+ERR_ROWS_TAIL(kvr_codec_err_rows_tail_h, uint16_t, REF_F16)
+#undef REF_F32
+#undef REF_F16
+#undef ERR_ROWS_TAIL
 
 static void sc_err_rows(const float *ref, const float *dec, size_t n_rows, size_t len,
                         double *e, double *q)
@@ -946,6 +958,18 @@ void kvr_codec_err_rows(kvr_isa isa, const float *ref, const float *dec, size_t 
                         size_t len, double *e, double *q)
 {
     kernels_for(isa)->err_rows(ref, dec, n_rows, len, e, q);
+}
+
+void kvr_codec_err_rows_f16(kvr_isa isa, const uint16_t *ref, const float *dec, size_t n_rows,
+                            size_t len, double *e, double *q)
+{
+    const kvr_codec_kernels *k = kernels_for(isa);
+    if (k->err_rows_h) {
+        k->err_rows_h(ref, dec, n_rows, len, e, q);
+        return;
+    }
+    for (size_t i = 0; i < n_rows; i++) e[i] = q[i] = 0.0;
+    kvr_codec_err_rows_tail_h(ref, dec, 0, n_rows, 0, len, e, q);
 }
 
 double kvr_codec_rel_rms(const float *ref, const void *dec, kvr_dtype dec_type, size_t n)

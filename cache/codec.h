@@ -241,12 +241,18 @@ double kvr_codec_rel_rms(const float *ref, const void *dec, kvr_dtype dec_type, 
 /* The store's error measure of n_rows rows of len values each (row i at
  * ref + i*len, dec + i*len): e[i] = sum over k of ((double)dec - (double)ref)^2
  * and q[i] = sum of (double)ref^2, each accumulated from 0 in element order,
- * every product and sum rounded on its own (no fused multiply-add). The SIMD
- * kernel (AVX2, also used for AVX-512) runs 8 rows' chains side by side (one
- * row per double lane after 4x4 transposes), so every ISA returns the same
- * doubles. */
+ * every product and sum rounded on its own (no fused multiply-add for e; q's
+ * squares of floats are exact in double, so the SIMD kernel adds them with an
+ * FMA: the same doubles). The SIMD kernel (AVX2, also used for AVX-512) runs
+ * 8 rows' chains side by side (one row per double lane after 4x4
+ * transposes), so every ISA returns the same doubles. */
 void kvr_codec_err_rows(kvr_isa isa, const float *ref, const float *dec, size_t n_rows,
                         size_t len, double *e, double *q);
+/* The same with the reference rows in f16 (each value converted exactly, as
+ * kvr_f16_to_f32): the doubles kvr_codec_err_rows returns for their f32
+ * conversion (a quantized put measures f16 payload rows straight from it). */
+void kvr_codec_err_rows_f16(kvr_isa isa, const uint16_t *ref, const float *dec, size_t n_rows,
+                            size_t len, double *e, double *q);
 
 /* ---- internal: kernels and dispatch (codec*.c only) --------------------- */
 
@@ -294,6 +300,9 @@ typedef struct kvr_codec_kernels {
     /* kvr_codec_err_rows (required). */
     void (*err_rows)(const float *ref, const float *dec, size_t n_rows, size_t len,
                      double *e, double *q);
+    /* kvr_codec_err_rows_f16 (optional; NULL: the scalar reference). */
+    void (*err_rows_h)(const uint16_t *ref, const float *dec, size_t n_rows, size_t len,
+                       double *e, double *q);
 } kvr_codec_kernels;
 
 /* The scalar encoder of one ggml block of 32 checked values (0, or -1 when d
@@ -304,6 +313,8 @@ int  kvr_codec_ggml_enc_avx2(kvr_codec_type t, uint8_t *dst, const void *src, kv
 void kvr_codec_ggml_dec_avx2(kvr_codec_type t, void *dst, kvr_dtype dt, const uint8_t *src,
                              size_t n);
 int  kvr_codec_ggml_enc_avx512(kvr_codec_type t, uint8_t *dst, const void *src, kvr_dtype st,
+                               size_t n);
+void kvr_codec_ggml_dec_avx512(kvr_codec_type t, void *dst, kvr_dtype dt, const uint8_t *src,
                                size_t n);
 
 /* The scalar encoder of one group of m <= 256 checked values; returns the
@@ -316,6 +327,8 @@ size_t kvr_codec_scalar_group(uint8_t *dst, const float *x, size_t m, unsigned b
  * continue from element k0). */
 void kvr_codec_err_rows_tail(const float *ref, const float *dec, size_t r0, size_t r1,
                              size_t k0, size_t len, double *e, double *q);
+void kvr_codec_err_rows_tail_h(const uint16_t *ref, const float *dec, size_t r0, size_t r1,
+                               size_t k0, size_t len, double *e, double *q);
 
 extern const kvr_codec_kernels kvr_codec_kernels_scalar;
 extern const kvr_codec_kernels kvr_codec_kernels_avx2;    /* codec_avx2.c */

@@ -31,7 +31,7 @@ AI void st8(void *dst, size_t i, __m256 y, int h)
 {
     if (h) {
         const __m256 lim = _mm256_set1_ps(KVR_CODEC_F16_LIMIT);
-        y = _mm256_min_ps(_mm256_max_ps(y, _mm256_sub_ps(_mm256_setzero_ps(), lim)), lim);
+        y = _mm256_min_ps(lim, _mm256_max_ps(_mm256_sub_ps(_mm256_setzero_ps(), lim), y));
         _mm_storeu_si128((__m128i *)((uint16_t *)dst + i),
                          _mm256_cvtps_ph(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
     } else {
@@ -352,22 +352,66 @@ static void av_tile_scatter(void *dst, kvr_dtype t, size_t ld, const float *buf,
  * of 4: a 4x4 block of each row's next 4 elements is transposed so that
  * double lane r carries row r's chains (e and q, for both blocks: four
  * independent chains), each adding its row's terms in element order, as
- * the scalar reference does. */
+ * the scalar reference does. q's term x*x of a float x is exact in double
+ * (24-bit significands: a 48-bit product, no overflow or underflow in
+ * double's range), so q + x*x rounded once (an FMA) is the reference's
+ * q + round(x*x) bit for bit; e's (dec - ref)^2 is rounded, so e keeps its
+ * multiply and add. */
 #define ERR_STEP(XV, YV, E, Q)                                                 \
     do {                                                                       \
         __m256d X_ = _mm256_cvtps_pd(XV), A_ = _mm256_sub_pd(_mm256_cvtps_pd(YV), X_); \
         E = _mm256_add_pd(E, _mm256_mul_pd(A_, A_));                           \
-        Q = _mm256_add_pd(Q, _mm256_mul_pd(X_, X_));                           \
+        Q = _mm256_fmadd_pd(X_, X_, Q);                                        \
     } while (0)
 
 /* Four rows' next 16 elements (one cache line each, used up at once: rows
  * 4 KiB apart share an L1 set, so only 8 such lines stay there), as four
- * 4x4 transposes feeding the chains E, Q in element order. */
-AI void err4x16(const float *a, const float *b, size_t len, size_t k, __m256d *E, __m256d *Q)
+ * 4x4 transposes feeding the chains E, Q in element order. The reference
+ * rows are f32 (h = 0) or f16 (h = 1: converted exactly by F16C, as
+ * kvr_f16_to_f32). */
+AI __m128 ref4(const void *a, size_t o, int h)
 {
+    if (h) return _mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)((const uint16_t *)a + o)));
+    return _mm_loadu_ps((const float *)a + o);
+}
+
+AI void err4x16(const void *a, const float *b, size_t len, size_t k, __m256d *E, __m256d *Q,
+                int h)
+{
+    if (h) {
+        /* f16 rows: 4 rows x 8 halves transposed as 16-bit words (two
+         * unpack steps leave element k's 4 rows in one 64-bit lane), then
+         * converted 4 at a time: fewer shuffles than transposing floats. */
+        const uint16_t *ah = a;
+        for (size_t c = 0; c < 16; c += 8) {
+            __m128i r0 = _mm_loadu_si128((const __m128i *)(ah + k + c));
+            __m128i r1 = _mm_loadu_si128((const __m128i *)(ah + len + k + c));
+            __m128i r2 = _mm_loadu_si128((const __m128i *)(ah + 2 * len + k + c));
+            __m128i r3 = _mm_loadu_si128((const __m128i *)(ah + 3 * len + k + c));
+            __m128i a01 = _mm_unpacklo_epi16(r0, r1), b01 = _mm_unpackhi_epi16(r0, r1);
+            __m128i a23 = _mm_unpacklo_epi16(r2, r3), b23 = _mm_unpackhi_epi16(r2, r3);
+            /* t[j]: elements 2j, 2j+1 (of these 8), 4 rows each */
+            __m128i t[4] = { _mm_unpacklo_epi32(a01, a23), _mm_unpackhi_epi32(a01, a23),
+                             _mm_unpacklo_epi32(b01, b23), _mm_unpackhi_epi32(b01, b23) };
+            for (int hf = 0; hf < 2; hf++) {
+                size_t o = k + c + 4 * (size_t)hf;
+                __m128i u0 = t[2 * hf], u1 = t[2 * hf + 1];
+                __m128 x0 = _mm_cvtph_ps(u0), x1 = _mm_cvtph_ps(_mm_unpackhi_epi64(u0, u0));
+                __m128 x2 = _mm_cvtph_ps(u1), x3 = _mm_cvtph_ps(_mm_unpackhi_epi64(u1, u1));
+                __m128 y0 = _mm_loadu_ps(b + o), y1 = _mm_loadu_ps(b + len + o);
+                __m128 y2 = _mm_loadu_ps(b + 2 * len + o), y3 = _mm_loadu_ps(b + 3 * len + o);
+                _MM_TRANSPOSE4_PS(y0, y1, y2, y3);
+                ERR_STEP(x0, y0, *E, *Q);
+                ERR_STEP(x1, y1, *E, *Q);
+                ERR_STEP(x2, y2, *E, *Q);
+                ERR_STEP(x3, y3, *E, *Q);
+            }
+        }
+        return;
+    }
     for (size_t c = 0; c < 16; c += 4) {
-        __m128 x0 = _mm_loadu_ps(a + k + c), x1 = _mm_loadu_ps(a + len + k + c);
-        __m128 x2 = _mm_loadu_ps(a + 2 * len + k + c), x3 = _mm_loadu_ps(a + 3 * len + k + c);
+        __m128 x0 = ref4(a, k + c, h), x1 = ref4(a, len + k + c, h);
+        __m128 x2 = ref4(a, 2 * len + k + c, h), x3 = ref4(a, 3 * len + k + c, h);
         __m128 y0 = _mm_loadu_ps(b + k + c), y1 = _mm_loadu_ps(b + len + k + c);
         __m128 y2 = _mm_loadu_ps(b + 2 * len + k + c), y3 = _mm_loadu_ps(b + 3 * len + k + c);
         _MM_TRANSPOSE4_PS(x0, x1, x2, x3);
@@ -379,20 +423,23 @@ AI void err4x16(const float *a, const float *b, size_t len, size_t k, __m256d *E
     }
 }
 
-AI void err8(const float *ref, const float *dec, size_t i0, size_t len, size_t kv,
-             double *e, double *q)
+AI void err8(const void *ref, const float *dec, size_t i0, size_t len, size_t kv,
+             double *e, double *q, int h)
 {
     __m256d e0 = _mm256_setzero_pd(), e1 = e0, q0 = e0, q1 = e0;
-    const float *a = ref + i0 * len, *b = dec + i0 * len;
+    size_t es = h ? 2 : 4;
+    const char *a = (const char *)ref + i0 * len * es;
+    const float *b = dec + i0 * len;
     for (size_t k = 0; k < kv; k += 16) {
-        err4x16(a, b, len, k, &e0, &q0);
-        err4x16(a + 4 * len, b + 4 * len, len, k, &e1, &q1);
+        err4x16(a, b, len, k, &e0, &q0, h);
+        err4x16(a + 4 * len * es, b + 4 * len, len, k, &e1, &q1, h);
     }
     _mm256_storeu_pd(e + i0, e0);
     _mm256_storeu_pd(e + i0 + 4, e1);
     _mm256_storeu_pd(q + i0, q0);
     _mm256_storeu_pd(q + i0 + 4, q1);
-    kvr_codec_err_rows_tail(ref, dec, i0, i0 + 8, kv, len, e, q);
+    if (h) kvr_codec_err_rows_tail_h(ref, dec, i0, i0 + 8, kv, len, e, q);
+    else   kvr_codec_err_rows_tail(ref, dec, i0, i0 + 8, kv, len, e, q);
 }
 #undef ERR_STEP
 
@@ -400,9 +447,18 @@ static void av_err_rows(const float *ref, const float *dec, size_t n_rows, size_
                         double *e, double *q)
 {
     size_t i = 0, kv = len / 16 * 16;
-    for (; i + 8 <= n_rows; i += 8) err8(ref, dec, i, len, kv, e, q);
+    for (; i + 8 <= n_rows; i += 8) err8(ref, dec, i, len, kv, e, q, 0);
     for (size_t r = i; r < n_rows; r++) e[r] = q[r] = 0.0;
     kvr_codec_err_rows_tail(ref, dec, i, n_rows, 0, len, e, q);
+}
+
+static void av_err_rows_h(const uint16_t *ref, const float *dec, size_t n_rows, size_t len,
+                          double *e, double *q)
+{
+    size_t i = 0, kv = len / 16 * 16;
+    for (; i + 8 <= n_rows; i += 8) err8(ref, dec, i, len, kv, e, q, 1);
+    for (size_t r = i; r < n_rows; r++) e[r] = q[r] = 0.0;
+    kvr_codec_err_rows_tail_h(ref, dec, i, n_rows, 0, len, e, q);
 }
 
 const kvr_codec_kernels kvr_codec_kernels_avx2 = {
@@ -410,5 +466,5 @@ const kvr_codec_kernels kvr_codec_kernels_avx2 = {
     .dec_f32 = av_dec_f32, .dec_f16 = av_dec_f16,
     .tile_gather = av_tile_gather, .tile_scatter = av_tile_scatter,
     .ggml_enc = kvr_codec_ggml_enc_avx2, .ggml_dec = kvr_codec_ggml_dec_avx2,
-    .err_rows = av_err_rows,
+    .err_rows = av_err_rows, .err_rows_h = av_err_rows_h,
 };

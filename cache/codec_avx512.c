@@ -406,7 +406,7 @@ AI void st16m(void *dst, size_t i, __mmask16 k, __m512 y, int h)
 {
     if (h) {
         const __m512 lim = _mm512_set1_ps(KVR_CODEC_F16_LIMIT);
-        y = _mm512_min_ps(_mm512_max_ps(y, _mm512_sub_ps(_mm512_setzero_ps(), lim)), lim);
+        y = _mm512_min_ps(lim, _mm512_max_ps(_mm512_sub_ps(_mm512_setzero_ps(), lim), y));
         _mm256_mask_storeu_epi16((uint16_t *)dst + i, k,
                                  _mm512_cvtps_ph(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
     } else {
@@ -488,7 +488,7 @@ AI void st16(void *dst, size_t i, __m512 y, int h)
 {
     if (h) {
         const __m512 lim = _mm512_set1_ps(KVR_CODEC_F16_LIMIT);
-        y = _mm512_min_ps(_mm512_max_ps(y, _mm512_sub_ps(_mm512_setzero_ps(), lim)), lim);
+        y = _mm512_min_ps(lim, _mm512_max_ps(_mm512_sub_ps(_mm512_setzero_ps(), lim), y));
         _mm256_storeu_si256((__m256i *)((uint16_t *)dst + i),
                             _mm512_cvtps_ph(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
     } else {
@@ -590,11 +590,17 @@ static void x5_err_rows(const float *ref, const float *dec, size_t n_rows, size_
     kvr_codec_kernels_avx2.err_rows(ref, dec, n_rows, len, e, q);
 }
 
+static void x5_err_rows_h(const uint16_t *ref, const float *dec, size_t n_rows, size_t len,
+                          double *e, double *q)
+{
+    kvr_codec_kernels_avx2.err_rows_h(ref, dec, n_rows, len, e, q);
+}
+
 const kvr_codec_kernels kvr_codec_kernels_avx512 = {
     .enc_f32 = x5_enc_f32, .enc_f16 = x5_enc_f16,
     .dec_f32 = x5_dec_f32, .dec_f16 = x5_dec_f16,
     .tile_gather = x5_tile_gather, .tile_scatter = x5_tile_scatter,
     .tile_enc = x5_tile_enc, .tile_dec = x5_tile_dec,
-    .ggml_enc = kvr_codec_ggml_enc_avx512, .ggml_dec = kvr_codec_ggml_dec_avx2,
-    .err_rows = x5_err_rows,
+    .ggml_enc = kvr_codec_ggml_enc_avx512, .ggml_dec = kvr_codec_ggml_dec_avx512,
+    .err_rows = x5_err_rows, .err_rows_h = x5_err_rows_h,
 };

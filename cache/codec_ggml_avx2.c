@@ -44,7 +44,9 @@ AI void st8(void *dst, size_t i, __m256 y, int h)
 {
     if (h) {
         const __m256 lim = _mm256_set1_ps(KVR_CODEC_F16_LIMIT);
-        y = _mm256_min_ps(_mm256_max_ps(y, _mm256_sub_ps(_mm256_setzero_ps(), lim)), lim);
+        /* y second: max / min return it when it is a NaN (a block with a
+         * NaN scale), which then converts as kvr_f32_to_f16 does */
+        y = _mm256_min_ps(lim, _mm256_max_ps(_mm256_sub_ps(_mm256_setzero_ps(), lim), y));
         _mm_storeu_si128((__m128i *)((uint16_t *)dst + i),
                          _mm256_cvtps_ph(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
     } else {

@@ -1,8 +1,9 @@
 /*
- * codec_ggml_avx512.c — the AVX-512 (F/BW/VL/DQ) encoder of ggml's legacy
- * blocks (Q8_0, Q4_0, Q4_1, Q5_0) for f32 or f16 data: one block is two
- * 16-float vectors. Called only after the CPU was checked; decoding, and a
- * row's last blocks short of a batch of eight, use codec_ggml_avx2.c.
+ * codec_ggml_avx512.c — the AVX-512 (F/BW/VL/DQ) encoder and decoder of
+ * ggml's legacy blocks (Q8_0, Q4_0, Q4_1, Q5_0) for f32 or f16 data: one
+ * block is two 16-float vectors. Called only after the CPU was checked; a
+ * row's last blocks short of a batch of eight are encoded by
+ * codec_ggml_avx2.c.
  *
  * Same rules as codec_ggml_avx2.c (which see): the scalar reference's
  * operations lane by lane, -ffp-contract=off for this file, the first
@@ -218,4 +219,93 @@ int kvr_codec_ggml_enc_avx512(kvr_codec_type t, uint8_t *dst, const void *src, k
     /* the last blocks short of a batch: the AVX2 kernel (same bytes) */
     return kvr_codec_ggml_enc_avx2(t, dst + i / QK * bb,
                                    (const char *)src + i * (h ? 2 : 4), st, n - i);
+}
+
+/* ---- decode -------------------------------------------------------------
+ * One block as two 16-lane vectors: the quants widened to int32 (Q8_0 signed
+ * bytes; Q4_x low nibbles are elements 0-15, high nibbles 16-31; Q5_0's
+ * fifth bit from qh, bit j for element j), then y = (float)q * d, + m for
+ * Q4_1: the scalar reference's multiply and add, lane by lane (no FMA:
+ * -ffp-contract=off). f16 output is clamped to +-KVR_CODEC_F16_LIMIT, a NaN
+ * left a NaN (the scalar clamp's comparisons are false for it), and
+ * converted with round-to-nearest-even: the scalar decoder's bytes. */
+static uint16_t rd16(const uint8_t *p) { return (uint16_t)(p[0] | (p[1] << 8)); }
+
+AI void st16(void *dst, size_t i, __m512 y, int h)
+{
+    if (h) {
+        const __m512 lim = _mm512_set1_ps(KVR_CODEC_F16_LIMIT);
+        /* y second: max / min return it when it is a NaN, which then
+         * converts as the scalar kvr_f32_to_f16 does (quiet, payload kept) */
+        y = _mm512_min_ps(lim, _mm512_max_ps(_mm512_sub_ps(_mm512_setzero_ps(), lim), y));
+        _mm256_storeu_si256((__m256i *)((uint16_t *)dst + i), _mm512_cvtps_ph(y, RNE));
+    } else {
+        _mm512_storeu_ps((float *)dst + i, y);
+    }
+}
+
+AI void dec_block16(kvr_codec_type t, void *dst, size_t i, const uint8_t *x, int h)
+{
+    /* F16C's conversion is exact, as kvr_f16_to_f32 */
+    const __m512 d = _mm512_set1_ps(_cvtsh_ss(rd16(x)));
+    __m512i q0, q1;
+    switch (t) {
+    case KVR_CODEC_Q8_0:
+        q0 = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(x + 2)));
+        q1 = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(x + 18)));
+        break;
+    case KVR_CODEC_Q4_0:
+    case KVR_CODEC_Q4_1: {
+        __m512i p = _mm512_cvtepu8_epi32(
+            _mm_loadu_si128((const __m128i *)(x + (t == KVR_CODEC_Q4_1 ? 4 : 2))));
+        const __m512i lo4 = _mm512_set1_epi32(0x0F);
+        q0 = _mm512_and_si512(p, lo4);
+        q1 = _mm512_srli_epi32(p, 4);
+        if (t == KVR_CODEC_Q4_0) {
+            q0 = _mm512_sub_epi32(q0, _mm512_set1_epi32(8));
+            q1 = _mm512_sub_epi32(q1, _mm512_set1_epi32(8));
+        }
+        break;
+    }
+    default: { /* Q5_0 */
+        uint32_t qh;
+        memcpy(&qh, x + 2, 4);
+        __m512i p = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(x + 6)));
+        const __m512i lo4 = _mm512_set1_epi32(0x0F), b4 = _mm512_set1_epi32(0x10);
+        q0 = _mm512_mask_or_epi32(_mm512_and_si512(p, lo4), (__mmask16)(qh & 0xffffu),
+                                  _mm512_and_si512(p, lo4), b4);
+        q1 = _mm512_mask_or_epi32(_mm512_srli_epi32(p, 4), (__mmask16)(qh >> 16),
+                                  _mm512_srli_epi32(p, 4), b4);
+        q0 = _mm512_sub_epi32(q0, b4);
+        q1 = _mm512_sub_epi32(q1, b4);
+        break;
+    }
+    }
+    __m512 y0 = _mm512_mul_ps(_mm512_cvtepi32_ps(q0), d);
+    __m512 y1 = _mm512_mul_ps(_mm512_cvtepi32_ps(q1), d);
+    if (t == KVR_CODEC_Q4_1) {
+        const __m512 m = _mm512_set1_ps(_cvtsh_ss(rd16(x + 2)));
+        y0 = _mm512_add_ps(y0, m);
+        y1 = _mm512_add_ps(y1, m);
+    }
+    st16(dst, i, y0, h);
+    st16(dst, i + 16, y1, h);
+}
+
+void kvr_codec_ggml_dec_avx512(kvr_codec_type t, void *dst, kvr_dtype dt, const uint8_t *src,
+                               size_t n)
+{
+    /* One loop per (type, output): the block's switch folds away. */
+#define DEC_LOOP(T, H)                                                                \
+    for (size_t i = 0; i < n; i += QK) dec_block16(T, dst, i, src + i / QK * bb, H);  \
+    return;
+    const size_t bb = block_bytes(t);
+    int h = dt == KVR_DTYPE_F16;
+    switch (t) {
+    case KVR_CODEC_Q8_0: if (h) { DEC_LOOP(KVR_CODEC_Q8_0, 1) } DEC_LOOP(KVR_CODEC_Q8_0, 0)
+    case KVR_CODEC_Q4_0: if (h) { DEC_LOOP(KVR_CODEC_Q4_0, 1) } DEC_LOOP(KVR_CODEC_Q4_0, 0)
+    case KVR_CODEC_Q4_1: if (h) { DEC_LOOP(KVR_CODEC_Q4_1, 1) } DEC_LOOP(KVR_CODEC_Q4_1, 0)
+    default:             if (h) { DEC_LOOP(KVR_CODEC_Q5_0, 1) } DEC_LOOP(KVR_CODEC_Q5_0, 0)
+    }
+#undef DEC_LOOP
 }

@@ -32,6 +32,10 @@ struct kvr_put {
     bool          created, tail, pin, persist;
     bool          has_protect;  /* protect_first given: n_protected at commit */
     bool          raw;          /* the fl_new tokens arrive encoded (raw bytes first) */
+    bool          quant;        /* quantized context (below); beside the other flags:
+                                   the struct stays in its 256-byte size class */
+    bool          from;         /* the payload went to kvr_put_work_from, not the
+                                   staging: no later work may read the staging */
     size_t        protect;
     kvr_dtype     pdt;          /* payload dtype */
     size_t        n;
@@ -44,12 +48,21 @@ struct kvr_put {
     /* Quantized contexts (quant.c): the first fl_old window tokens of the
      * context and the first fl_new tokens of this put go into quantized
      * slots qruns (in that order); the rest of the put goes to window runs. */
-    bool          quant;
     kvr_brun     *qruns, *wsrc;     /* destinations; old window sources (ref'd) */
     size_t        n_qruns, n_wsrc, fl_old, fl_new;
     int64_t      *qpos;             /* stored-at positions of the flushed tokens */
     double        sse[2], ss[2];
+    /* kvr_put_work_from: the caller's payload, read in place of the staging
+     * buffer during that call (NULL otherwise). */
+    const uint8_t *src;
 };
+
+/* Where the work reads the payload from: the caller's memory during
+ * kvr_put_work_from, else the staging buffer the iovecs filled. */
+static const uint8_t *pay_base(const kvr_put *t)
+{
+    return t->src ? t->src : t->w.staging;
+}
 
 static void txn_free(kvr_put *t)
 {
@@ -288,7 +301,7 @@ static int quant_side(void *ud, size_t item)
     uint32_t l = (uint32_t)(item / 2);
     int kv = (int)(item % 2);
     size_t row = w->row, f = w->f;
-    const uint8_t *pay = t->w.staging + item * w->part;
+    const uint8_t *pay = pay_base(t) + item * w->part;
     int rc = 0;
     /* Non-finite input in this side's part of the payload: the tokens
      * quantized now are refused by their codec (every encoder checks what
@@ -302,7 +315,17 @@ static int quant_side(void *ud, size_t item)
         w->side[item].rc = KVR_EINVAL;
         return KVR_EINVAL;
     }
-    if (f) {
+    /* Values of this put alone (no old window tokens) in f32 or f16 are
+     * encoded and measured where they lie in the payload: no f32 copy. */
+    bool direct = kv && t->fl_old == 0 && (t->pdt == KVR_DTYPE_F16 || t->pdt == KVR_DTYPE_F32);
+    if (f && direct) {
+        unsigned sl = slot_take(w);
+        rc = kvr_quant_encode_side(t->qruns, t->n_qruns, l, kv, pay, t->pdt, w->scratch[sl],
+                                   &w->acc[item]);
+        if (rc != 0)
+            w->side[item].stage = 2;
+        atomic_fetch_and(&w->busy, ~(1u << sl));
+    } else if (f) {
         unsigned sl = slot_take(w);
         float *x = w->x[sl];
         size_t g = 0;
@@ -327,8 +350,8 @@ static int quant_side(void *ud, size_t item)
         if (rc != 0) {
             w->side[item].stage = 1;
         } else {
-            rc = kvr_quant_encode_side(t->qruns, t->n_qruns, l, kv, x, w->scratch[sl],
-                                       &w->acc[item]);
+            rc = kvr_quant_encode_side(t->qruns, t->n_qruns, l, kv, x, KVR_DTYPE_F32,
+                                       w->scratch[sl], &w->acc[item]);
             if (rc != 0)
                 w->side[item].stage = 2;
         }
@@ -352,7 +375,7 @@ static int work_quant(kvr_put *t, kvr_error *err)
      * (below), so the error names the same first bad value either way. */
     bool scan = kvr_isa_best() != KVR_ISA_SCALAR;
     if (!scan &&
-        kvr_quant_find_nonfinite(t->w.staging, t->pdt, m->n_layers, t->n, row, &bl, &bkv, &btok))
+        kvr_quant_find_nonfinite(pay_base(t), t->pdt, m->n_layers, t->n, row, &bl, &bkv, &btok))
         goto nonfinite;
     size_t f = t->fl_old + t->fl_new, n_items = 2u * m->n_layers;
     size_t G = kvr_qspec_ktile(&t->c->codec);
@@ -402,7 +425,7 @@ static int work_quant(kvr_put *t, kvr_error *err)
         for (size_t i = 0; i < n_items && !failed; i++)
             failed = w.side[i].rc != 0;
         if (failed && scan &&
-            kvr_quant_find_nonfinite(t->w.staging, t->pdt, m->n_layers, t->n, row, &bl, &bkv,
+            kvr_quant_find_nonfinite(pay_base(t), t->pdt, m->n_layers, t->n, row, &bl, &bkv,
                                      &btok))
             rc = 1;
         /* The first side that failed, as the sequential loop would stop at
@@ -468,7 +491,7 @@ static int work_raw(kvr_put *t, kvr_error *err)
     const kvr_model *m = t->m;
     size_t row = (size_t)m->n_kv_heads * m->head_dim, psize = kvr_dtype_size(t->pdt);
     size_t nw = t->n - t->fl_new;
-    const uint8_t *win = t->w.staging + raw_bytes(&t->c->codec, row, t->fl_new, m->n_layers);
+    const uint8_t *win = pay_base(t) + raw_bytes(&t->c->codec, row, t->fl_new, m->n_layers);
     uint32_t bl;
     int bkv;
     size_t btok;
@@ -476,7 +499,7 @@ static int work_raw(kvr_put *t, kvr_error *err)
         return kvr_error_set(err, KVR_EINVAL, "raw put into '%s': %s of layer %u, window "
                              "token %zu is nan or inf; nothing was stored", t->c->id,
                              bkv ? "V" : "K", bl, btok);
-    const uint8_t *src = t->w.staging;
+    const uint8_t *src = pay_base(t);
     for (uint32_t l = 0; l < m->n_layers; l++)
         for (int kv = 0; kv < 2; kv++)
             for (size_t r = 0; r < t->n_qruns; r++) {
@@ -808,16 +831,45 @@ int kvr_put_work(kvr_put *t, kvr_error *err)
 {
     if (!t->w.staging || t->w.worked)
         return 0;
+    if (t->from && !t->src)
+        return kvr_error_set(err, KVR_EINVAL, "put: its payload was given to "
+                             "kvr_put_work_from, whose work failed (abort the put)");
     if (t->raw)
         return work_raw(t, err);
     if (t->quant)
         return work_quant(t, err);
-    const uint8_t *src = t->w.staging;
+    const uint8_t *src = pay_base(t);
     for (uint32_t l = 0; l < t->m->n_layers; l++)
         for (int kv = 0; kv < 2; kv++)
             src = kvr_brun_fill(t->runs, t->n_runs, l, kv, src, t->pdt);
     t->w.worked = true;
     return 0;
+}
+
+int kvr_put_work_from(kvr_put *t, const void *payload, size_t len, kvr_error *err)
+{
+    if (len != t->w.p.bytes)
+        return kvr_error_set(err, KVR_EPAYLOAD, "put: a payload of %zu bytes, expected %zu",
+                             len, t->w.p.bytes);
+    if (!t->w.staging) {
+        /* Stored as it is: the iovecs point into the blocks. */
+        const uint8_t *p = payload;
+        for (size_t i = 0; i < t->w.p.n_iov; i++) {
+            memcpy(t->w.p.iov[i].iov_base, p, t->w.p.iov[i].iov_len);
+            p += t->w.p.iov[i].iov_len;
+        }
+        return 0;
+    }
+    if (t->w.worked)
+        return 0;
+    if (t->from)
+        return kvr_error_set(err, KVR_EINVAL, "put: kvr_put_work_from failed already "
+                             "(abort the put)");
+    t->from = true;
+    t->src = payload;
+    int rc = kvr_put_work(t, err);
+    t->src = NULL;
+    return rc;
 }
 
 int kvr_put_commit(kvr_put *t, kvr_put_result *res, kvr_error *err)

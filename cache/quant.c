@@ -287,13 +287,18 @@ void kvr_qacc_replay(const kvr_qacc *a, double *sse, double *ss)
  * rows' chains side by side, the same doubles as one row at a time), added
  * to acc in row order. */
 #define ACC_ROWS 64u
-static void acc_rows(const kvr_codec *c, const float *ref, const float *dec, size_t n_rows,
-                     size_t len, kvr_qacc *acc)
+static void acc_rows(const kvr_codec *c, const void *ref, kvr_dtype rdt, const float *dec,
+                     size_t n_rows, size_t len, kvr_qacc *acc)
 {
     double e[ACC_ROWS], q[ACC_ROWS];
     for (size_t i0 = 0; i0 < n_rows; i0 += ACC_ROWS) {
         size_t k = n_rows - i0 < ACC_ROWS ? n_rows - i0 : ACC_ROWS;
-        kvr_codec_err_rows(c->isa, ref + i0 * len, dec + i0 * len, k, len, e, q);
+        if (rdt == KVR_DTYPE_F16)
+            kvr_codec_err_rows_f16(c->isa, (const uint16_t *)ref + i0 * len, dec + i0 * len,
+                                   k, len, e, q);
+        else
+            kvr_codec_err_rows(c->isa, (const float *)ref + i0 * len, dec + i0 * len, k, len,
+                               e, q);
         for (size_t i = 0; i < k; i++)
             acc_add(acc, e[i], q[i]);
     }
@@ -317,10 +322,12 @@ static bool grow(float **buf, size_t *cap, size_t n)
 #define ACC_BATCH 64u
 
 int kvr_quant_encode_side(const kvr_brun *runs, size_t n_runs, uint32_t layer, int kv,
-                          const float *src, float *scratch, kvr_qacc *acc)
+                          const void *src, kvr_dtype sdt, float *scratch, kvr_qacc *acc)
 {
     size_t row = n_runs ? runs[0].b->row : 0, bad = 0;
-    const float *x = src;
+    /* f16 rows (a payload encoded where it lies) are row-coded sides only */
+    const uint16_t *xh = sdt == KVR_DTYPE_F16 ? src : NULL;
+    const float *x = sdt == KVR_DTYPE_F16 ? NULL : src;
     float *big = NULL;   /* decode buffer for batched rows / whole tiles */
     size_t big_n = 0;
     int rc = 0;
@@ -335,18 +342,23 @@ int kvr_quant_encode_side(const kvr_brun *runs, size_t n_runs, uint32_t layer, i
                                  : 1;
                 uint8_t *dst = kvr_block_kv(b, layer, kv, runs[r].first + j);
                 float *dec = cat ? big : scratch;
-                rc = kvr_codec_encode(c, dst, x, KVR_DTYPE_F32, (size_t)k * row, &bad);
+                const void *xs = xh ? (const void *)xh : (const void *)x;
+                rc = kvr_codec_encode(c, dst, xs, sdt, (size_t)k * row, &bad);
                 if (rc == 0) {
                     kvr_codec_decode(c, dec, KVR_DTYPE_F32, dst, (size_t)k * row);
-                    acc_rows(c, x, dec, k, row, acc);
+                    acc_rows(c, xs, sdt, dec, k, row, acc);
                 }
-                x += (size_t)k * row;
+                if (xh)
+                    xh += (size_t)k * row;
+                else
+                    x += (size_t)k * row;
                 j += k;
             }
             continue;
         }
         /* K tiles: up to 4 whole tiles are decoded side by side so their error
          * sums run as parallel chains (acc_rows, one chain per tile). */
+        assert(x);
         uint32_t G = KVR_QH(b)->ktile;
         size_t tile = (size_t)G * row;
         if (!grow(&big, &big_n, 4 * tile))
@@ -363,7 +375,7 @@ int kvr_quant_encode_side(const kvr_brun *runs, size_t n_runs, uint32_t layer, i
                 }
                 if (rc != 0)
                     break;
-                acc_rows(c, x, big, nt, tile, acc);
+                acc_rows(c, x, KVR_DTYPE_F32, big, nt, tile, acc);
                 x += nt * tile;
                 j += nt * G;
                 continue;
@@ -380,7 +392,7 @@ int kvr_quant_encode_side(const kvr_brun *runs, size_t n_runs, uint32_t layer, i
                 break;
             float *dec = scratch + tile;
             kvr_codec_decode_tile(c, dec, KVR_DTYPE_F32, row, dst, row);
-            acc_rows(c, x, dec, 1, (size_t)k * row, acc);
+            acc_rows(c, x, KVR_DTYPE_F32, dec, 1, (size_t)k * row, acc);
             x += (size_t)k * row;
             j += k;
         }

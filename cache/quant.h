@@ -37,7 +37,8 @@ void     kvr_qspec_geom(const kvr_qspec *q, uint32_t B, uint32_t n_layers, uint3
                         kvr_block_geom *g);
 
 /* Encodes n tokens of one layer side (kv 0: keys, already pre-RoPE, f32
- * [n][row]; kv 1: values) into consecutive slots of quantized blocks
+ * [n][row]; kv 1: values; src in sdt: f32, or f16 for rows coded per token,
+ * measured without a conversion) into consecutive slots of quantized blocks
  * (runs). K tiles must start on a tile boundary; a run's last partial tile
  * is padded by repeating its last token (so the group ranges do not grow).
  * Accumulates the measured squared error and squared values into acc.
@@ -54,7 +55,7 @@ typedef struct kvr_qacc {
 } kvr_qacc;
 void kvr_qacc_replay(const kvr_qacc *a, double *sse, double *ss);
 int  kvr_quant_encode_side(const kvr_brun *runs, size_t n_runs, uint32_t layer, int kv,
-                           const float *src, float *scratch, kvr_qacc *acc);
+                           const void *src, kvr_dtype sdt, float *scratch, kvr_qacc *acc);
 /* Reads keys (kv 0) or values (kv 1) of slots [first, first+count) of any
  * block into dst (odt), keys rotated from their stored form to `to`
  * (plain blocks: reposition from `from`, or converted when from is NULL;

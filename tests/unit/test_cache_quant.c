@@ -864,3 +864,178 @@ Test(quant, nan_in_window_tokens_refused)
     cr_assert_eq(kvr_store_stat(S, "w", &ci, &e), 0);
     cr_assert_eq(ci.n_tokens, 100);
 }
+
+/* kvr_put_work_from (the payload read from the caller's memory, no staging
+ * copy) stores what filling the iovecs and kvr_put_work store: the same
+ * encoded bytes, the same values back, the same error sums, for plain,
+ * converted and quantized contexts, a window and appends; a wrong length
+ * and a nan are refused with nothing stored. */
+static int put_from(const char *id, kvr_put_mode mode, const char *codec, size_t t0, size_t n,
+                    int64_t pos0, const float *pl, size_t len, kvr_error *e)
+{
+    uint32_t *tok = malloc(n * sizeof *tok);
+    for (size_t i = 0; i < n; i++)
+        tok[i] = (uint32_t)(t0 + i);
+    kvr_put_params p = { .ctx_id = id, .model = "m", .mode = mode, .n_layers = L,
+                         .n_kv_heads = H, .head_dim = D, .dtype = KVR_DTYPE_F32,
+                         .n_tokens = n, .tokens = tok, .codec = codec,
+                         .has_pos_start = true, .pos_start = pos0 };
+    kvr_put *t = NULL;
+    int rc = kvr_store_put_begin(S, &p, &t, e);
+    free(tok);
+    if (rc)
+        return rc;
+    if ((rc = kvr_put_work_from(t, pl, len, e)) != 0) {
+        kvr_put_abort(t);
+        return rc;
+    }
+    return kvr_put_commit(t, NULL, e);
+}
+
+Test(quant, work_from_same_as_iovecs)
+{
+    static const char *const specs[] = { "f32", "f16", "int8", "int4/g32", "int2", "q8_0",
+                                         "q4_1", "q5_0", "k4v2", "kivi:k4v2:g32:r16",
+                                         "k=int4/g64/c,v=int2,r=0", "k=q4_0,v=int8,r=8" };
+    size_t ns[] = { 100, 37 };   /* a create, then an append (window flushes) */
+    for (size_t s = 0; s < sizeof specs / sizeof *specs; s++) {
+        kvr_error e = { 0 };
+        size_t t0 = 0;
+        for (int k = 0; k < 2; k++) {
+            size_t n = ns[k];
+            float *pl = payload(t0, n, (int64_t)t0);
+            size_t len = (size_t)L * 2 * n * ROW * sizeof *pl;
+            kvr_put_mode mode = k ? KVR_PUT_APPEND : KVR_PUT_CREATE;
+            const char *c = k ? NULL : specs[s];
+            cr_assert_eq(put_raw("a", mode, c, t0, n, (int64_t)t0, pl, &e), 0, "%s", e.msg);
+            cr_assert_eq(put_from("b", mode, c, t0, n, (int64_t)t0, pl, len, &e), 0, "%s",
+                         e.msg);
+            free(pl);
+            t0 += n;
+        }
+        kvr_ctx_info ca, cb;
+        cr_assert_eq(kvr_store_stat(S, "a", &ca, &e), 0);
+        cr_assert_eq(kvr_store_stat(S, "b", &cb, &e), 0);
+        cr_assert_eq(ca.n_tokens, cb.n_tokens);
+        cr_assert_eq(ca.kv_bytes, cb.kv_bytes);
+        cr_assert(memcmp(&ca.rel_rms_k, &cb.rel_rms_k, sizeof ca.rel_rms_k) == 0 &&
+                  memcmp(&ca.rel_rms_v, &cb.rel_rms_v, sizeof ca.rel_rms_v) == 0, "%s",
+                  specs[s]);
+        for (int raw = 0; raw < 2; raw++) {
+            if (raw && specs[s][0] == 'f')
+                continue;   /* plain contexts have no raw form */
+            /* raw: the quantized tokens (a window's are refused alike) */
+            size_t na = 0, nb = 0;
+            int ra, rb;
+            size_t end = raw ? 32 : SIZE_MAX;
+            uint8_t *a = get("a", raw, 0, end, NULL, &na, NULL, &ra);
+            uint8_t *b = get("b", raw, 0, end, NULL, &nb, NULL, &rb);
+            cr_assert_eq(ra, rb, "%s", specs[s]);
+            cr_assert_eq(na, nb);
+            cr_assert(ra == 0 || (raw && strcmp(specs[s], "k4v2") == 0), "%s", specs[s]);
+            cr_assert(ra != 0 || memcmp(a, b, na) == 0, "%s raw %d", specs[s], raw);
+            free(a);
+            free(b);
+        }
+        kvr_store_delete(S, "a", &e);
+        kvr_store_delete(S, "b", &e);
+    }
+    /* A wrong length: refused, nothing stored. */
+    kvr_error e = { 0 };
+    float *pl = payload(0, 10, 0);
+    size_t len = (size_t)L * 2 * 10 * ROW * sizeof *pl;
+    cr_assert_eq(put_from("c", KVR_PUT_CREATE, "int8", 0, 10, 0, pl, len - 4, &e), KVR_EPAYLOAD);
+    cr_assert_eq(kvr_store_stat(S, "c", &(kvr_ctx_info){ 0 }, &e), KVR_ENOCTX);
+    cr_assert_eq(put_from("c", KVR_PUT_CREATE, "f32", 0, 10, 0, pl, len + 4, &e), KVR_EPAYLOAD);
+    cr_assert_eq(kvr_store_stat(S, "c", &(kvr_ctx_info){ 0 }, &e), KVR_ENOCTX);
+    /* A nan: the message put_work gives. */
+    pl[((size_t)1 * 2 + 0) * 10 * ROW + 7 * ROW + 9] = NAN;
+    cr_assert_eq(put_from("c", KVR_PUT_CREATE, "int8", 0, 10, 0, pl, len, &e), KVR_EINVAL);
+    cr_assert(strstr(e.msg, "layer 1") && strstr(e.msg, "token 7") && strstr(e.msg, "nan"),
+              "%s", e.msg);
+    cr_assert_eq(kvr_store_stat(S, "c", &(kvr_ctx_info){ 0 }, &e), KVR_ENOCTX);
+    /* A commit after a failed kvr_put_work_from fails too (it never reads
+     * the staging the payload did not go to), and stores nothing. */
+    uint32_t tok[10] = { 0 };
+    kvr_put_params p = { .ctx_id = "c", .model = "m", .mode = KVR_PUT_CREATE, .n_layers = L,
+                         .n_kv_heads = H, .head_dim = D, .dtype = KVR_DTYPE_F32,
+                         .n_tokens = 10, .tokens = tok, .codec = "int8" };
+    kvr_put *t = NULL;
+    cr_assert_eq(kvr_store_put_begin(S, &p, &t, &e), 0, "%s", e.msg);
+    cr_assert_eq(kvr_put_work_from(t, pl, len, &e), KVR_EINVAL);
+    cr_assert_eq(kvr_put_work_from(t, pl, len, &e), KVR_EINVAL);
+    cr_assert_neq(kvr_put_commit(t, NULL, &e), 0);
+    cr_assert_eq(kvr_store_stat(S, "c", &(kvr_ctx_info){ 0 }, &e), KVR_ENOCTX);
+    free(pl);
+}
+
+/* An f16 payload is encoded and measured where it lies (values: no f32
+ * copy): the same codes, error sums and values back as an f32 payload of
+ * the same (f16-exact) values, for every codec family, with and without
+ * old window tokens flushed by the put. */
+static int put_dt(const char *id, kvr_put_mode mode, const char *codec, size_t t0, size_t n,
+                  const void *pl, kvr_dtype dt, kvr_error *e)
+{
+    uint32_t *tok = malloc(n * sizeof *tok);
+    for (size_t i = 0; i < n; i++)
+        tok[i] = (uint32_t)(t0 + i);
+    kvr_put_params p = { .ctx_id = id, .model = "m", .mode = mode, .n_layers = L,
+                         .n_kv_heads = H, .head_dim = D, .dtype = dt, .n_tokens = n,
+                         .tokens = tok, .codec = codec, .has_pos_start = true,
+                         .pos_start = (int64_t)t0 };
+    kvr_put *t = NULL;
+    int rc = kvr_store_put_begin(S, &p, &t, e);
+    free(tok);
+    if (rc)
+        return rc;
+    if ((rc = kvr_put_work_from(t, pl, kvr_put_payload_size(t), e)) != 0) {
+        kvr_put_abort(t);
+        return rc;
+    }
+    return kvr_put_commit(t, NULL, e);
+}
+
+Test(quant, f16_payload_same_as_f32_of_its_values)
+{
+    static const char *const specs[] = { "int8", "int4/g32", "int2", "q8_0", "q4_0", "q4_1",
+                                         "q5_0", "k=int4/g64/c,v=int2,r=0",
+                                         "k=int8,v=q4_1,r=8" };
+    size_t ns[] = { 70, 41 };
+    for (size_t s = 0; s < sizeof specs / sizeof *specs; s++) {
+        kvr_error e = { 0 };
+        size_t t0 = 0;
+        for (int k = 0; k < 2; k++) {
+            size_t n = ns[k], m = (size_t)L * 2 * n * ROW;
+            float *pl = payload(t0, n, (int64_t)t0);
+            uint16_t *ph = malloc(m * sizeof *ph);
+            kvr_convert(ph, KVR_DTYPE_F16, pl, KVR_DTYPE_F32, m);
+            kvr_convert(pl, KVR_DTYPE_F32, ph, KVR_DTYPE_F16, m);   /* f16-exact values */
+            kvr_put_mode mode = k ? KVR_PUT_APPEND : KVR_PUT_CREATE;
+            const char *c = k ? NULL : specs[s];
+            cr_assert_eq(put_dt("a", mode, c, t0, n, pl, KVR_DTYPE_F32, &e), 0, "%s", e.msg);
+            cr_assert_eq(put_dt("b", mode, c, t0, n, ph, KVR_DTYPE_F16, &e), 0, "%s", e.msg);
+            free(pl);
+            free(ph);
+            t0 += n;
+        }
+        kvr_ctx_info ca, cb;
+        cr_assert_eq(kvr_store_stat(S, "a", &ca, &e), 0);
+        cr_assert_eq(kvr_store_stat(S, "b", &cb, &e), 0);
+        cr_assert(ca.rel_rms_k > 0 && ca.rel_rms_v > 0, "%s", specs[s]);
+        cr_assert(memcmp(&ca.rel_rms_k, &cb.rel_rms_k, sizeof ca.rel_rms_k) == 0 &&
+                  memcmp(&ca.rel_rms_v, &cb.rel_rms_v, sizeof ca.rel_rms_v) == 0,
+                  "%s: %.17g %.17g vs %.17g %.17g", specs[s], ca.rel_rms_k, ca.rel_rms_v,
+                  cb.rel_rms_k, cb.rel_rms_v);
+        for (int raw = 0; raw < 2; raw++) {
+            size_t na = 0, nb = 0;
+            uint8_t *a = get("a", raw, 0, raw ? 32 : SIZE_MAX, NULL, &na, NULL, NULL);
+            uint8_t *b = get("b", raw, 0, raw ? 32 : SIZE_MAX, NULL, &nb, NULL, NULL);
+            cr_assert_eq(na, nb);
+            cr_assert(memcmp(a, b, na) == 0, "%s raw %d", specs[s], raw);
+            free(a);
+            free(b);
+        }
+        kvr_store_delete(S, "a", &e);
+        kvr_store_delete(S, "b", &e);
+    }
+}

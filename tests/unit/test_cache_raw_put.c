@@ -38,7 +38,9 @@ static void teardown(void)
 
 TestSuite(raw_put, .init = setup, .fini = teardown);
 
-/* A put whose payload is given (bytes); 0 or the error. */
+/* A put whose payload is given (bytes); 0 or the error. FROM: read from
+ * the caller's memory (kvr_put_work_from) instead of the iovecs. */
+static bool FROM;
 static int put_bytes(const kvr_put_params *p0, const void *pl, size_t len, kvr_error *e)
 {
     kvr_put *t;
@@ -48,6 +50,14 @@ static int put_bytes(const kvr_put_params *p0, const void *pl, size_t len, kvr_e
     if (kvr_put_payload_size(t) != len) {
         kvr_put_abort(t);
         return -1000;
+    }
+    if (FROM) {
+        if ((rc = kvr_put_work_from(t, pl, len, e)) != 0) {
+            kvr_put_abort(t);
+            return rc;
+        }
+        kvr_put_result res;
+        return kvr_put_commit(t, &res, e);
     }
     const struct iovec *iov;
     size_t niov, off = 0;
@@ -154,7 +164,21 @@ static void assert_same_gets(const char *a, const char *b, size_t n)
     cr_assert_eq(ia.kv_bytes, ib.kv_bytes);
 }
 
+static void reproduce(void);
 Test(raw_put, reproduces_the_codes)
+{
+    reproduce();
+}
+
+/* The same, every put's payload read from the caller's memory. */
+Test(raw_put, reproduces_the_codes_from_caller_memory)
+{
+    FROM = true;
+    reproduce();
+    FROM = false;
+}
+
+static void reproduce(void)
 {
     for (size_t i = 0; i < 400; i++) {
         TOK[i] = 100 + (uint32_t)i;

@@ -326,3 +326,75 @@ Test(codec_ggml, simd_equals_scalar)
     cr_log_info("%d encode/decode comparisons of %zu blocks", compared, nb);
     free(x); free(xh); free(e0); free(e1); free(y0); free(y1); free(h0); free(h1);
 }
+
+/* Decoding arbitrary bytes (any f16 scale and min: zeros, subnormals, the
+ * largest, infinities, NaNs; any quants): every SIMD decoder writes the
+ * scalar decoder's f32 and f16 bytes, at lengths around its batches; a NaN
+ * is matched by a NaN (the payload a sum of two NaNs keeps is the compiler's
+ * operand order, which differs between builds of the scalar code). */
+static bool same_f32(float a, float b)
+{
+    return (isnan(a) && isnan(b)) || memcmp(&a, &b, sizeof a) == 0;
+}
+
+static bool same_f16(uint16_t a, uint16_t b)
+{
+    bool na = (a & 0x7c00) == 0x7c00 && (a & 0x3ff), nb = (b & 0x7c00) == 0x7c00 && (b & 0x3ff);
+    return (na && nb) || a == b;
+}
+
+Test(codec_ggml, decode_random_bytes_simd_equals_scalar)
+{
+    static const uint16_t scales[] = { 0x0000, 0x8000, 0x0001, 0x83ff, 0x0400, 0x3c00,
+                                       0xbc00, 0x7bff, 0xfbff, 0x7c00, 0xfc00, 0x7e00,
+                                       0x7c01, 0xfe00, 0x5800, 0x1234 };
+    size_t nb = 777, n = nb * 32;
+    uint8_t *src = malloc(nb * 34);
+    float *y0 = malloc(n * 4), *y1 = malloc(n * 4);
+    uint16_t *h0 = malloc(n * 2), *h1 = malloc(n * 2);
+    uint64_t st = 0x9e3779b97f4a7c15ull;
+    for (int k = 0; k < 4; k++) {
+        size_t bb = cases[k].block;
+        for (size_t i = 0; i < nb * bb; i++) {
+            st ^= st << 13; st ^= st >> 7; st ^= st << 17;
+            src[i] = (uint8_t)(st >> 24);
+        }
+        /* half the blocks get a special scale (and Q4_1 min) */
+        for (size_t b = 0; b < nb; b += 2) {
+            uint16_t d = scales[(b / 2) % 16], m = scales[(b / 2 + 5) % 16];
+            src[b * bb] = (uint8_t)d;
+            src[b * bb + 1] = (uint8_t)(d >> 8);
+            if (cases[k].type == KVR_CODEC_Q4_1) {
+                src[b * bb + 2] = (uint8_t)m;
+                src[b * bb + 3] = (uint8_t)(m >> 8);
+            }
+        }
+        size_t lens[] = { 32, 64, 96, 256, 288, n };
+        kvr_codec sc = { .type = cases[k].type, .isa = KVR_ISA_SCALAR };
+        for (int isa = KVR_ISA_AVX2; isa <= KVR_ISA_AVX512; isa++) {
+            if ((kvr_isa)isa > kvr_isa_best()) continue;
+            kvr_codec vc = { .type = cases[k].type, .isa = (kvr_isa)isa };
+            for (size_t li = 0; li < sizeof lens / sizeof *lens; li++) {
+                size_t len = lens[li];
+                memset(y1, 0xa5, len * 4);
+                memset(h1, 0xa5, len * 2);
+                cr_assert_eq(kvr_codec_decode(&sc, y0, KVR_DTYPE_F32, src, len), 0);
+                cr_assert_eq(kvr_codec_decode(&vc, y1, KVR_DTYPE_F32, src, len), 0);
+                for (size_t i = 0; i < len; i++)
+                    cr_assert(same_f32(y0[i], y1[i]), "%s %s f32 elem %zu: %a vs %a",
+                              cases[k].name, kvr_isa_name((kvr_isa)isa), i, (double)y1[i],
+                              (double)y0[i]);
+                cr_assert_eq(kvr_codec_decode(&sc, h0, KVR_DTYPE_F16, src, len), 0);
+                cr_assert_eq(kvr_codec_decode(&vc, h1, KVR_DTYPE_F16, src, len), 0);
+                for (size_t i = 0; i < len; i++)
+                    cr_assert(same_f16(h0[i], h1[i]), "%s %s f16 elem %zu: %04x vs %04x",
+                              cases[k].name, kvr_isa_name((kvr_isa)isa), i, h1[i], h0[i]);
+            }
+        }
+    }
+    free(src);
+    free(y0);
+    free(y1);
+    free(h0);
+    free(h1);
+}

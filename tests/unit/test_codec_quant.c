@@ -757,3 +757,165 @@ Test(codec_simd, err_rows_same_doubles_as_one_chain_per_row)
     free(ref);
     free(dec);
 }
+
+/* The same with edge values: subnormals, the smallest normal, FLT_MAX,
+ * signed zeros, huge and tiny differences (the FMA of q's exact square,
+ * the rounded square of e's difference, chains reaching inf). */
+Test(codec_simd, err_rows_edge_values_same_doubles)
+{
+    static const float vals[] = { 0.0f, -0.0f, 1.4e-45f, -1.4e-45f, 1.17549435e-38f,
+                                  -5.9e-39f, 3.4028235e38f, -3.4028235e38f, 1e30f, -1e-30f,
+                                  1.0f, -1.0000001f, 65504.0f, 6.1e-5f, 3e-8f, 1e19f };
+    /* and values of moderate size whose differences need more than 26
+     * significant bits, so a fused e + d*d would show in the last bits */
+    static const float mid[] = { 1.0f, 3e-8f, -0.7f, 1e-9f, 2.5f, -1.3e-7f, 0.33333334f,
+                                 -5e-9f, 1.7f, 7e-10f, -2.2f, 4e-8f, 0.9f, -3e-9f, 1.1f, 0.0f };
+    size_t nv = sizeof vals / sizeof *vals;
+    size_t rows[] = { 8, 13, 16, 24 };
+    size_t lens[] = { 16, 48, 1024 };
+    float *ref = malloc(24 * 1024 * sizeof *ref), *dec = malloc(24 * 1024 * sizeof *dec);
+    double e0[24], q0[24], e1[24], q1[24];
+    for (int set = 0; set < 2; set++)
+    for (size_t li = 0; li < sizeof lens / sizeof *lens; li++)
+        for (size_t ri = 0; ri < sizeof rows / sizeof *rows; ri++) {
+            size_t n = rows[ri], len = lens[li];
+            const float *vs = set ? mid : vals;
+            rng_state = 991 + li * 17 + ri + (uint64_t)set * 1000;
+            for (size_t i = 0; i < n * len; i++) {
+                ref[i] = vs[(size_t)((uint32_t)(rng_next() >> 32) % nv)];
+                uint32_t k = (uint32_t)(rng_next() >> 32) % 4;
+                dec[i] = k == 0 ? ref[i] : k == 1 ? vs[(size_t)((uint32_t)(rng_next() >> 32) % nv)]
+                       : k == 2 ? ref[i] * 1.0009765625f : nextafterf(ref[i], 0.0f);
+            }
+            for (size_t i = 0; i < n; i++) {
+                double e = 0, q = 0;
+                for (size_t k = 0; k < len; k++) {
+                    double a = (double)dec[i * len + k] - (double)ref[i * len + k];
+                    double a2 = a * a, r2 = (double)ref[i * len + k] * (double)ref[i * len + k];
+                    e += a2;
+                    q += r2;
+                }
+                e0[i] = e;
+                q0[i] = q;
+            }
+            for (int isa = KVR_ISA_SCALAR; isa <= KVR_ISA_AVX512; isa++) {
+                memset(e1, 0xff, sizeof e1);
+                memset(q1, 0xff, sizeof q1);
+                kvr_codec_err_rows((kvr_isa)isa, ref, dec, n, len, e1, q1);
+                cr_assert(!memcmp(e0, e1, n * sizeof *e0) && !memcmp(q0, q1, n * sizeof *q0),
+                          "isa %d set %d rows %zu len %zu", isa, set, n, len);
+            }
+        }
+    free(ref);
+    free(dec);
+}
+
+/* Decoding arbitrary bytes (rows as a raw put may land them: any f16
+ * parameters, zeros, subnormals, the largest, infinities, NaNs; any codes):
+ * every SIMD row decoder writes the scalar decoder's f32 and f16 bytes, at
+ * lengths around the kernels' batches. A NaN is matched by a NaN: which
+ * payload a sum of two NaNs keeps follows the operand order the compiler
+ * picked for a commutative add (it differs between -O1 and -O2 builds of the
+ * scalar code), so NaN payloads are not part of the contract. */
+static bool same_f32(float a, float b)
+{
+    return (isnan(a) && isnan(b)) || memcmp(&a, &b, sizeof a) == 0;
+}
+
+static bool same_f16(uint16_t a, uint16_t b)
+{
+    bool na = (a & 0x7c00) == 0x7c00 && (a & 0x3ff), nb = (b & 0x7c00) == 0x7c00 && (b & 0x3ff);
+    return (na && nb) || a == b;
+}
+
+Test(codec_simd, decode_random_bytes_equals_scalar)
+{
+    static const uint16_t specials[] = { 0x0000, 0x8000, 0x0001, 0x83ff, 0x0400, 0x3c00,
+                                         0xbc00, 0x7bff, 0xfbff, 0x7c00, 0xfc00, 0x7e00,
+                                         0x7c01, 0xfe00, 0x5800, 0x1234 };
+    static const kvr_codec_type types[] = { KVR_CODEC_INT8, KVR_CODEC_INT4, KVR_CODEC_INT2 };
+    size_t n = 4096 + 64 * 3;
+    uint8_t *src = malloc(n * 2 + 4096);
+    float *y0 = malloc(n * 4), *y1 = malloc(n * 4);
+    uint16_t *h0 = malloc(n * 2), *h1 = malloc(n * 2);
+    rng_state = 4242;
+    for (size_t t = 0; t < 3; t++)
+        for (uint32_t g = 32; g <= 128; g *= 2) {
+            kvr_codec sc = { .type = types[t], .group = g, .isa = KVR_ISA_SCALAR };
+            size_t lens[] = { g, 2 * g, 16 * g + g, n / g * g };
+            size_t gb = 4 + g * (t == 0 ? 8 : t == 1 ? 4 : 2) / 8;
+            for (size_t li = 0; li < 4; li++) {
+                size_t len = lens[li], ng = len / g;
+                for (size_t i = 0; i < ng * gb; i++)
+                    src[i] = (uint8_t)(rng_next() >> 40);
+                for (size_t q = 0; q < ng; q += 2) {   /* special m, s in half the groups */
+                    uint16_t m = specials[(q / 2) % 16], s = specials[(q / 2 + 7) % 16];
+                    memcpy(src + q * gb, &m, 2);
+                    memcpy(src + q * gb + 2, &s, 2);
+                }
+                cr_assert_eq(kvr_codec_row_bytes(&sc, len), ng * gb);
+                cr_assert_eq(kvr_codec_decode(&sc, y0, KVR_DTYPE_F32, src, len), 0);
+                cr_assert_eq(kvr_codec_decode(&sc, h0, KVR_DTYPE_F16, src, len), 0);
+                for (int isa = KVR_ISA_AVX2; isa <= KVR_ISA_AVX512; isa++) {
+                    if ((kvr_isa)isa > kvr_isa_best()) continue;
+                    kvr_codec vc = sc;
+                    vc.isa = (kvr_isa)isa;
+                    memset(y1, 0xa5, len * 4);
+                    memset(h1, 0xa5, len * 2);
+                    cr_assert_eq(kvr_codec_decode(&vc, y1, KVR_DTYPE_F32, src, len), 0);
+                    cr_assert_eq(kvr_codec_decode(&vc, h1, KVR_DTYPE_F16, src, len), 0);
+                    for (size_t i = 0; i < len; i++) {
+                        cr_assert(same_f32(y0[i], y1[i]), "type %zu g %u isa %d f32 %zu: "
+                                  "%a vs %a", t, g, isa, i, (double)y1[i], (double)y0[i]);
+                        cr_assert(same_f16(h0[i], h1[i]), "type %zu g %u isa %d f16 %zu: "
+                                  "%04x vs %04x", t, g, isa, i, h1[i], h0[i]);
+                    }
+                }
+            }
+        }
+    free(src);
+    free(y0);
+    free(y1);
+    free(h0);
+    free(h1);
+}
+
+/* The error measure with f16 reference rows (a put measures an f16 payload
+ * straight from it): every ISA returns the doubles of the f32 path on the
+ * rows' exact conversion, for any finite f16 (subnormals, zeros, the
+ * largest) and decoded values near or far from them. */
+Test(codec_simd, err_rows_f16_same_doubles_as_f32)
+{
+    size_t rows[] = { 1, 7, 8, 9, 16, 17, 24 };
+    size_t lens[] = { 1, 13, 16, 100, 1024 };
+    uint16_t *rh = malloc(24 * 1024 * sizeof *rh);
+    float *ref = malloc(24 * 1024 * sizeof *ref), *dec = malloc(24 * 1024 * sizeof *dec);
+    double e0[24], q0[24], e1[24], q1[24];
+    for (size_t li = 0; li < sizeof lens / sizeof *lens; li++)
+        for (size_t ri = 0; ri < sizeof rows / sizeof *rows; ri++) {
+            size_t n = rows[ri], len = lens[li];
+            rng_state = 5150 + li * 31 + ri;
+            for (size_t i = 0; i < n * len; i++) {
+                uint16_t h = (uint16_t)(rng_next() >> 48);
+                if ((h & 0x7c00) == 0x7c00) h &= 0xfbff;   /* finite: 0x7c00 exponent off */
+                if (i % 29 == 3) h = (uint16_t)(h & 0x83ff);   /* subnormals */
+                if (i % 31 == 5) h = 0x7bff;
+                rh[i] = h;
+                ref[i] = kvr_f16_to_f32(h);
+                uint32_t k = (uint32_t)(rng_next() >> 32) % 3;
+                dec[i] = k == 0 ? ref[i] : k == 1 ? ref[i] * 1.0078125f + 3e-8f
+                                                   : (float)rng_gauss();
+            }
+            kvr_codec_err_rows(KVR_ISA_SCALAR, ref, dec, n, len, e0, q0);
+            for (int isa = KVR_ISA_SCALAR; isa <= KVR_ISA_AVX512; isa++) {
+                memset(e1, 0xff, sizeof e1);
+                memset(q1, 0xff, sizeof q1);
+                kvr_codec_err_rows_f16((kvr_isa)isa, rh, dec, n, len, e1, q1);
+                cr_assert(!memcmp(e0, e1, n * sizeof *e0) && !memcmp(q0, q1, n * sizeof *q0),
+                          "isa %d rows %zu len %zu", isa, n, len);
+            }
+        }
+    free(rh);
+    free(ref);
+    free(dec);
+}
