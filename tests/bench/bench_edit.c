@@ -243,13 +243,17 @@ int main(void)
         uint8_t *dst = malloc(bytes + 2 * TOK_BYTES);
         memset(dst, 0, bytes + 2 * TOK_BYTES);
         for (int th = 1; th <= 2; th++) {
-            /* the four gets alternating, best of 7 each */
+            /* the four gets alternating, best of 7 each, after one round
+             * unmeasured: the fresh context was just written, and its last
+             * pages still in the cache would favour its first get */
             double a = 1e9, a2 = 1e9, b = 1e9, c = 1e9;
-            for (int r = 0; r < 7; r++) {
+            for (int r = -1; r < 7; r++) {
                 double w = get_all(s, "fresh", dst, th, VIA_IOV);
                 double x = get_all(s, "fresh", dst, th, VIA_INTO);
                 double y = get_all(s, id, dst, th, VIA_IOV);
                 double z = get_all(s, id, dst, th, VIA_INTO);
+                if (r < 0)
+                    continue;
                 a = w < a ? w : a;
                 a2 = x < a2 ? x : a2;
                 b = y < b ? y : b;
