@@ -13,8 +13,19 @@
  *   any --protocol error--> reply, shutdown(write), LINGER --> close
  *
  * Invariants:
- *  - alloc_cb never hands libuv more room than the current state needs, so
- *    a read never crosses a frame boundary and nothing has to be stashed.
+ *  - At a frame boundary (HDR) a read takes up to KVRD_INBUF_SIZE bytes
+ *    into c->inbuf: a small request arrives whole in one recvmsg (and a
+ *    short read tells libuv the socket is empty: no EAGAIN read), a put's
+ *    header, message and first payload bytes too. feed_inbuf hands those
+ *    bytes to the states as reads would have, in order; any other read
+ *    (MSG past the inbuf, PAYLOAD, DRAIN, LINGER) gets no more room than
+ *    its state needs, so it never crosses a frame boundary. Read-ahead
+ *    bytes of later frames wait in the inbuf while a request runs and are
+ *    fed once it is done (update_reading), before the socket is read again.
+ *  - fds (SCM_RIGHTS) come with the read holding the first bytes of the
+ *    write they were sent with; a RegisterRegion among the frames of that
+ *    read takes them, and the last frame read ahead closes strays
+ *    (kvrd_conn_frames_ahead, dispatch.c).
  *  - The message buffer grows with the bytes that arrived (at most doubling,
  *    plus 64 KiB), never to the size a peer declared.
  *  - A payload is read straight into the iovecs dispatch hands over (a
@@ -80,6 +91,7 @@ static void conn_unref(kvr_conn *c)
         return;
     assert(c->closing && c->writes_pending == 0 && c->req == NULL && c->n_cork == 0);
     kvr_mem_free(c->req_spare);
+    kvr_mem_free(c->inbuf);
     msg_release(c);
     kvr_mem_free(c->pending);
     kvr_mem_free(c);
@@ -90,6 +102,8 @@ static void next_frame(kvr_conn *c);
 static void alloc_cb(uv_handle_t *h, size_t suggested, uv_buf_t *buf);
 static void read_cb(uv_stream_t *s, ssize_t nread, const uv_buf_t *buf);
 static void payload_read_direct(kvr_conn *c);
+static void feed_inbuf(kvr_conn *c);
+static bool wants_input(const kvr_conn *c);
 
 int kvr_conn_test_write_failures;
 
@@ -122,6 +136,9 @@ void kvr_conn_close(kvr_conn *c)
     if (c->closing)
         return;     /* that write failed and closed it */
     c->closing = true;
+    if (c->read_fd >= 0)
+        close(c->read_fd);
+    c->read_fd = -1;
     /* A request reading its payload is aborted: the context stays as it was. */
     kvrd_dispatch_conn_closing(c);
     kvrd_shm_conn_closed(c);
@@ -572,6 +589,20 @@ static void update_reading(kvr_conn *c)
 {
     if (c->closing)
         return;
+    /* Frames read ahead wait in the inbuf while a request runs: fed now
+     * that this one is done (a top-level call: no read callback or feed on
+     * the stack), their replies corked like a read callback's. */
+    if (c->in_pos < c->in_len && !c->feeding && !c->in_read && wants_input(c)) {
+        kvr_conn_ref(c);
+        c->in_read = true;
+        feed_inbuf(c);
+        c->in_read = false;
+        c->drained = false;   /* no libuv read follows this feed to skip */
+        kvrd_conn_cork_flush(c);
+        kvr_conn_unref(c);   /* the handle's reference remains */
+        if (c->closing)
+            return;
+    }
     bool want;
     switch (c->st) {
     case KVRD_CONN_HDR:
@@ -632,8 +663,25 @@ static void alloc_cb(uv_handle_t *h, size_t suggested, uv_buf_t *buf)
     (void)suggested;
     buf->base = NULL;
     buf->len = 0;
+    if (c->drained && c->in_read == false && !c->feeding) {
+        /* Our own read just found the socket empty: libuv's would only say
+         * EAGAIN (read_cb ends the batch on this UV_ENOBUFS). */
+        c->drained = false;
+        c->drain_skip = true;
+        return;
+    }
     switch (c->st) {
     case KVRD_CONN_HDR:
+        if (c->in_pos < c->in_len && !c->feeding)
+            break;    /* read-ahead comes first: nothing from the socket (read_cb) */
+        /* The header with what follows it, into the inbuf (feed_inbuf). */
+        if (c->in_pos == c->in_len && !c->feeding &&
+            (c->inbuf || (c->inbuf = kvr_mem_malloc(KVRD_INBUF_SIZE)))) {
+            c->in_pos = c->in_len = 0;
+            buf->base = (char *)c->inbuf;
+            buf->len = KVRD_INBUF_SIZE;
+            break;
+        }
         buf->base = (char *)c->hdr + c->hdr_have;
         buf->len = KVR_FRAME_HEADER_SIZE - c->hdr_have;
         break;
@@ -786,6 +834,64 @@ static void payload_advance(kvr_conn *c, size_t n)
 }
 
 static void read_cb_body(uv_stream_t *s, ssize_t nread, const uv_buf_t *buf);
+static void on_bytes(kvr_conn *c, size_t n, const uv_buf_t *buf);
+
+static bool wants_input(const kvr_conn *c)
+{
+    switch (c->st) {
+    case KVRD_CONN_HDR:
+    case KVRD_CONN_MSG:
+    case KVRD_CONN_PAYLOAD:
+    case KVRD_CONN_DRAIN:
+    case KVRD_CONN_LINGER:
+        return true;
+    default:
+        return false;
+    }
+}
+
+/* Feeds the inbuf's bytes to the frame machine, as reads of the socket
+ * would have: header and message into c->hdr and c->msg, payload bytes
+ * straight into the request's iovecs, drained and lingering bytes dropped.
+ * Stops at a request still in progress (BUSY: the rest waits for
+ * update_reading once it is done), at back pressure, or when the inbuf is
+ * empty; a payload still owed then is read straight from the socket. One
+ * loop, not a recursion: a request answered at once ends with next_frame,
+ * which only sets the state, and the loop goes on with the next frame. */
+static void feed_inbuf(kvr_conn *c)
+{
+    assert(!c->feeding);
+    c->feeding = true;
+    while (!c->closing && c->in_pos < c->in_len && wants_input(c) &&
+           (c->st == KVRD_CONN_LINGER || c->out_queued <= c->d->cfg.max_conn_buffer)) {
+        size_t avail = c->in_len - c->in_pos;
+        const uint8_t *src = c->inbuf + c->in_pos;
+        if (c->st == KVRD_CONN_PAYLOAD) {
+            size_t k = avail < c->payload_left ? avail : (size_t)c->payload_left;
+            skip_empty_iov(c);
+            c->in_pos += k;
+            payload_scatter(c, src, k);
+            payload_advance(c, k);
+            continue;
+        }
+        uv_buf_t b;
+        alloc_cb(&c->h.handle, 0, &b);    /* never the inbuf itself while feeding */
+        if (b.len == 0) {
+            read_cb_body(&c->h.stream, UV_ENOBUFS, &b);   /* MSG: over the limit, or OOM */
+            break;
+        }
+        size_t k = avail < b.len ? avail : b.len;
+        if (b.base != (char *)c->d->scratch)   /* drained and lingering bytes are dropped */
+            memcpy(b.base, src, k);
+        c->in_pos += k;
+        on_bytes(c, k, &b);
+    }
+    c->feeding = false;
+    if (c->in_pos == c->in_len)
+        c->in_pos = c->in_len = 0;
+    if (c->st == KVRD_CONN_PAYLOAD && c->in_len == 0 && !c->closing)
+        payload_read_direct(c);   /* the rest of the payload, all iovecs at once */
+}
 
 /* Replies made while it runs are corked (kvrd_conn_write_ex). */
 static void read_cb(uv_stream_t *s, ssize_t nread, const uv_buf_t *buf)
@@ -794,13 +900,19 @@ static void read_cb(uv_stream_t *s, ssize_t nread, const uv_buf_t *buf)
     kvr_conn_ref(c);
     c->in_read = true;
     read_cb_body(s, nread, buf);
+    if (c->in_pos < c->in_len && !c->closing && wants_input(c)) {
+        feed_inbuf(c);    /* the request that stopped the feed ended meanwhile */
+        update_reading(c);
+    }
     c->in_read = false;
     /* This connection's batch is over when libuv stops reading it: EAGAIN
      * (nread 0), a short read, an error or no room (lazy stop). Its answers
      * go out now, not after every other connection's (cork_check_cb only
      * catches what is left, e.g. after libuv's 32 reads in a row). */
-    if (c->closing || nread <= 0 || (size_t)nread < buf->len)
+    if (c->closing || nread <= 0 || (size_t)nread < buf->len) {
+        c->drained = false;   /* libuv ends the batch itself */
         kvrd_conn_cork_flush(c);
+    }
     conn_unref(c);
 }
 
@@ -812,7 +924,12 @@ static void read_cb_body(uv_stream_t *s, ssize_t nread, const uv_buf_t *buf)
     if (nread == 0)
         return;
     if (nread < 0) {
-        if (c->st == KVRD_CONN_BUSY) {
+        if (nread == UV_ENOBUFS && c->drain_skip) {
+            c->drain_skip = false;   /* alloc_cb's skip: the batch is over */
+            return;
+        }
+        if (c->st == KVRD_CONN_BUSY ||
+            (nread == UV_ENOBUFS && c->st == KVRD_CONN_HDR && c->in_pos < c->in_len)) {
             /* Bytes (UV_ENOBUFS: alloc_cb offered no room), an EOF or an
              * error while a request is in progress (update_reading's lazy
              * stop): stop now and see them once the request is answered, as
@@ -845,6 +962,20 @@ static void read_cb_body(uv_stream_t *s, ssize_t nread, const uv_buf_t *buf)
     size_t n = (size_t)nread;
     c->d->bytes_in += n;
     c->read_ms = kvr_now_ms();
+    if (buf->base == (char *)c->inbuf && c->inbuf) {
+        assert(c->st == KVRD_CONN_HDR && c->in_len == 0);
+        c->in_pos = 0;
+        c->in_len = n;
+        feed_inbuf(c);
+        return;
+    }
+    on_bytes(c, n, buf);
+}
+
+/* n bytes of the current state's arrived in buf (from the socket, or fed
+ * from the inbuf). */
+static void on_bytes(kvr_conn *c, size_t n, const uv_buf_t *buf)
+{
     switch (c->st) {
     case KVRD_CONN_HDR:
         assert(c->hdr_have + n <= KVR_FRAME_HEADER_SIZE);   /* alloc_cb's bound */
@@ -867,7 +998,7 @@ static void read_cb_body(uv_stream_t *s, ssize_t nread, const uv_buf_t *buf)
         if (buf->base == (char *)c->d->scratch)
             payload_scatter(c, c->d->scratch, n);
         payload_advance(c, n);
-        if (n == buf->len)
+        if (n == buf->len && c->in_len == 0)
             payload_read_direct(c);   /* the rest, all iovecs at once */
         break;
     case KVRD_CONN_DRAIN:
@@ -897,10 +1028,12 @@ static void read_cb_body(uv_stream_t *s, ssize_t nread, const uv_buf_t *buf)
 /* Reads what the socket holds of the payload straight into its iovecs, as
  * many as 64 of them in one recvmsg (libuv's read takes one buffer: a
  * payload over eight block iovecs cost eight reads, or one read into the
- * scratch and a copy). Never past the payload's end, so never into the
- * next frame; a descriptor sent with payload bytes is closed by the kernel
- * (no control buffer: only a RegisterRegion may carry one). EAGAIN, EOF
- * and errors are left for libuv's next read to find. */
+ * scratch and a copy), and, when those are the payload's last iovecs,
+ * what follows it into the (empty) inbuf: the next frames (a put's
+ * deferred deletes) come with the payload's end, without a read of their
+ * own. An fd that comes with it is kept for the frame it belongs to
+ * (kvrd_conn_take_fd). EAGAIN, EOF and errors are left for libuv's next
+ * read to find. */
 static void payload_read_direct(kvr_conn *c)
 {
     uv_os_fd_t fd;
@@ -908,9 +1041,9 @@ static void payload_read_direct(kvr_conn *c)
         return;
     while (c->st == KVRD_CONN_PAYLOAD && !c->closing && !c->close_after_write &&
            c->out_queued <= c->d->cfg.max_conn_buffer) {
-        struct iovec v[64];
-        size_t k = 0, want = 0, off = c->iov_off;
-        for (size_t i = c->iov_i; i < c->niov && k < 64; i++, off = 0) {
+        struct iovec v[65];
+        size_t k = 0, want = 0, off = c->iov_off, i = c->iov_i;
+        for (; i < c->niov && k < 64; i++, off = 0) {
             if (c->iov[i].iov_len == off)
                 continue;
             v[k].iov_base = (uint8_t *)c->iov[i].iov_base + off;
@@ -920,18 +1053,71 @@ static void payload_read_direct(kvr_conn *c)
         }
         if (k == 0)
             return;
+        bool ahead = i == c->niov && c->in_len == 0 &&
+                     (c->inbuf || (c->inbuf = kvr_mem_malloc(KVRD_INBUF_SIZE)));
+        if (ahead) {
+            v[k].iov_base = c->inbuf;
+            v[k++].iov_len = KVRD_INBUF_SIZE;
+        }
+        union {
+            struct cmsghdr h;
+            char b[CMSG_SPACE(4 * sizeof(int))];
+        } cm;
         struct msghdr mh = { .msg_iov = v, .msg_iovlen = k };
-        ssize_t n = recvmsg(fd, &mh, MSG_DONTWAIT);
+        if (!c->is_tcp) {
+            mh.msg_control = cm.b;
+            mh.msg_controllen = sizeof cm.b;
+        }
+        ssize_t n = recvmsg(fd, &mh, MSG_DONTWAIT | MSG_CMSG_CLOEXEC);
         if (n < 0 && errno == EINTR)
             continue;
+        if (n < 0 && errno == EAGAIN && c->in_read)
+            c->drained = true;
         if (n <= 0)
             return;
+        for (struct cmsghdr *h = mh.msg_controllen ? CMSG_FIRSTHDR(&mh) : NULL; h;
+             h = CMSG_NXTHDR(&mh, h)) {
+            if (h->cmsg_level != SOL_SOCKET || h->cmsg_type != SCM_RIGHTS)
+                continue;
+            size_t nfd = (h->cmsg_len - CMSG_LEN(0)) / sizeof(int);
+            for (size_t j = 0; j < nfd; j++) {
+                int f;
+                memcpy(&f, CMSG_DATA(h) + j * sizeof(int), sizeof f);
+                if (c->read_fd < 0)
+                    c->read_fd = f;
+                else
+                    close(f);
+            }
+        }
         c->d->bytes_in += (uint64_t)n;
         c->read_ms = kvr_now_ms();
-        payload_advance(c, (size_t)n);   /* the last byte: dispatch, maybe the answer */
-        if ((size_t)n < want)
-            return;     /* the socket is empty for now */
+        size_t got = (size_t)n < want ? (size_t)n : want;
+        if (ahead && (size_t)n > want) {
+            c->in_pos = 0;
+            c->in_len = (size_t)n - want;   /* fed once this frame is done */
+        }
+        if (c->in_read && (size_t)n < want + (ahead ? KVRD_INBUF_SIZE : 0))
+            c->drained = true;      /* the socket is empty for now */
+        payload_advance(c, got);   /* the last byte: dispatch, maybe the answer */
+        if (got < want)
+            return;
     }
+}
+
+int kvrd_conn_take_fd(kvr_conn *c)
+{
+    int fd = kvrd_shm_take_fd(c), mine = c->read_fd;
+    c->read_fd = -1;
+    if (fd < 0)
+        return mine;
+    if (mine >= 0)
+        close(mine);
+    return fd;
+}
+
+bool kvrd_conn_frames_ahead(const kvr_conn *c)
+{
+    return c->in_len - c->in_pos > c->fh.payload_len;
 }
 
 void kvrd_conn_read_payload(kvr_conn *c, const struct iovec *iov, size_t niov)
@@ -953,6 +1139,15 @@ void kvrd_conn_read_payload(kvr_conn *c, const struct iovec *iov, size_t niov)
         return;
     }
     update_reading(c);
+    if (c->closing || c->st != KVRD_CONN_PAYLOAD)
+        return;
+    if (c->in_pos < c->in_len) {
+        /* Its first bytes are in the inbuf: the feed on the stack goes on
+         * with them (or one starts here). */
+        if (!c->feeding)
+            feed_inbuf(c);
+        return;
+    }
     payload_read_direct(c);
 }
 
@@ -962,6 +1157,7 @@ void kvr_conn_start(kvr_daemon *d, kvr_conn *c, bool is_tcp)
 {
     cork_init(d);
     c->d = d;
+    c->read_fd = -1;
     c->refs = 1;
     c->is_tcp = is_tcp;
     c->authed = !is_tcp || d->token == NULL;

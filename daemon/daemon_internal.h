@@ -67,6 +67,7 @@ typedef struct kvr_conn kvr_conn;
 /* A reply held back while a read callback runs (conn.c's cork). */
 typedef void (*kvrd_write_cb)(void *arg, int status);
 #define KVRD_CORK_MAX 16
+#define KVRD_INBUF_SIZE 4096u
 typedef struct kvrd_cork {
     uint8_t            *buf;      /* header + message (kvr_mem; may be NULL) */
     size_t              len;
@@ -179,6 +180,18 @@ struct kvr_conn {
     uint8_t     hdr[KVR_FRAME_HEADER_SIZE];
     size_t      hdr_have;
     kvr_frame_header fh;
+    /* Read-ahead at a frame boundary (conn.c): a header is read with what
+     * follows it, up to KVRD_INBUF_SIZE bytes in one recvmsg (a small
+     * request whole, a put's message and first payload bytes), and fed to
+     * the frame machine from here. in_pos..in_len: bytes not fed yet. */
+    uint8_t    *inbuf;            /* kvr_mem, KVRD_INBUF_SIZE; NULL until used */
+    size_t      in_pos, in_len;
+    bool        feeding;          /* feed_inbuf is on the stack */
+    bool        drained;          /* a direct read found the socket empty: libuv's
+                                     next read in this batch is skipped */
+    bool        drain_skip;       /* the UV_ENOBUFS of that skip */
+    int         read_fd;          /* an fd that came with a direct payload read
+                                     (-1: none; kvrd_conn_take_fd) */
 
     uint8_t    *msg;
     size_t      msg_cap, msg_have;
@@ -272,6 +285,15 @@ void kvrd_conn_reply_error(kvr_conn *c, uint64_t id, int code, const char *msg);
  * kvrd_dispatch_payload_done, which runs when the last byte arrived, maybe
  * at once). State BUSY. */
 void kvrd_conn_read_payload(kvr_conn *c, const struct iovec *iov, size_t niov);
+/* Are bytes of a later frame read ahead already (in the inbuf, past the
+ * current frame's payload)? The fds that came with a read belong to a frame
+ * that started in it: dispatch hands them to a RegisterRegion, and only the
+ * last frame read ahead closes strays (shm.c). */
+bool kvrd_conn_frames_ahead(const kvr_conn *c);
+/* The fds that came with the current frame's read: libuv's queue
+ * (kvrd_shm_take_fd) and one a direct payload read took; the first is
+ * returned (-1: none), the others are closed. */
+int  kvrd_conn_take_fd(kvr_conn *c);
 /* The current request is answered: read the next frame (after the drain,
  * if one runs; nothing if the connection is closing or closes after its
  * writes; closes it if the daemon is stopping). */

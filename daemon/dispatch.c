@@ -1779,7 +1779,13 @@ void kvrd_dispatch_frame(kvr_conn *c, const kvr_frame_header *fh, const uint8_t 
     r->payload_len = fh->payload_len;
     r->start_ns = uv_hrtime();
     r->verb = find_verb(q->body_case);
-    r->fd = kvrd_shm_take_fd(c);   /* fds never pile up on the handle */
+    /* fds never pile up on the handle: a RegisterRegion takes those that
+     * came with it; another frame closes strays when no later frame was
+     * read with it (it could be a RegisterRegion whose fd came in the same
+     * read: kvrd_conn_frames_ahead). */
+    bool takes = (r->verb && r->verb->body == KVROPE__REQUEST__BODY_REGISTER_REGION) ||
+                 !kvrd_conn_frames_ahead(c);
+    r->fd = takes ? kvrd_conn_take_fd(c) : -1;
     c->req = r;
     const kvrd_verb *v = r->verb;
     if (v)

@@ -314,6 +314,7 @@ static int send_all(kvr_client *c, struct iovec *iov, size_t n, size_t head_byte
         if (c->progress && payload_len > 0 && sent > head_bytes)
             c->progress(c->progress_ud, sent - head_bytes, payload_len);
     }
+    c->just_sent = true;
     return 0;
 }
 
@@ -324,9 +325,19 @@ static int send_all(kvr_client *c, struct iovec *iov, size_t n, size_t head_byte
  * whoever sleeps on our socket (unix_write_space), and a recv sleeper takes
  * each such wake-up (two context switches for nothing), while poll's
  * waiter ignores wake-ups that are not for POLLIN. */
+static int wait_readable(kvr_client *c);
+
 static int recv_some(kvr_client *c, void *dst, size_t cap, size_t *got)
 {
     int flags = MSG_DONTWAIT;
+    if (c->just_sent) {
+        /* Right after a request its answer is not there yet: a recv would
+         * only say EAGAIN. */
+        c->just_sent = false;
+        int w = wait_readable(c);
+        if (w < 0)
+            return w;
+    }
     for (;;) {
         ssize_t r = recv(c->fd, dst, cap, flags);
         if (r > 0) {
@@ -437,66 +448,70 @@ void kvr__place_next(kvr_client *c, void *dst, size_t cap)
     c->rx_cap = cap;
 }
 
-/* The placed receive: with nothing read ahead, peek at the answer's header;
- * if its payload fits the caller's buffer, read header + message into buf
- * (malloc'd, *buf_out) and as much of the payload as has come straight
- * into that buffer, in one readv (no copy through the read-ahead buffer).
- * 1 done (*h filled), 0 not possible here (nothing consumed: the plain
- * path goes on), or a negative code (the handle is closed). */
+/* Sleeps until the socket is readable (or has an error or hang-up, which
+ * the next recv reports); 0, or the handle is closed on a timeout. */
+static int wait_readable(kvr_client *c)
+{
+    for (;;) {
+        struct pollfd pf = { .fd = c->fd, .events = POLLIN };
+        int pr = poll(&pf, 1, c->timeout_ms > 0 ? c->timeout_ms : -1);
+        if (pr < 0 && errno == EINTR)
+            continue;
+        if (pr == 0)
+            return fatal(c, KVR_ESYS, "receive timed out");
+        return 0;
+    }
+}
+
+/* The first read of a placed answer: its header, message and first
+ * payload bytes, into the (empty) read-ahead buffer. */
+#define PLACED_FIRST_READ 4096u
+
+/* The placed receive, with nothing read ahead: the answer's first bytes
+ * are read into the read-ahead buffer (one recv: header, message and the
+ * start of the payload); if its payload fits the caller's buffer, the
+ * header and message go to buf (malloc'd, *buf_out) and the payload bytes
+ * that came with them to the caller's buffer (the rest is read straight
+ * there by recv_exact). 1 done (*h filled), 0 not possible here (what was
+ * read stays in the read-ahead buffer: the plain path goes on from it), or
+ * a negative code (the handle is closed). */
 static int recv_placed(kvr_client *c, kvr_frame_header *h, const kvr_frame_limits *lim,
                        uint8_t **buf_out)
 {
-    uint8_t hb[KVR_FRAME_HEADER_SIZE];
-    ssize_t k;
-    for (;;) {
-        k = recv(c->fd, hb, sizeof hb, MSG_PEEK | MSG_DONTWAIT);
-        if (k < 0 && errno == EINTR)
-            continue;
-        if (k < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
-            struct pollfd pf = { .fd = c->fd, .events = POLLIN };
-            int pr = poll(&pf, 1, c->timeout_ms > 0 ? c->timeout_ms : -1);
-            if (pr < 0 && errno == EINTR)
-                continue;
-            if (pr == 0)
-                return fatal(c, KVR_ESYS, "receive timed out");
-            if (pr < 0)
-                return 0;
-            continue;
-        }
-        break;
+    assert(c->rpos == c->rlen && c->pre_len == 0 && c->rcap >= PLACED_FIRST_READ);
+    c->rpos = c->rlen = 0;
+    size_t n = 0;
+    while (n < KVR_FRAME_HEADER_SIZE) {
+        size_t got;
+        int r = recv_some(c, c->rbuf + n, PLACED_FIRST_READ - n, &got);
+        if (r < 0)
+            return r;
+        n += got;
     }
-    if (k != (ssize_t)sizeof hb || kvr_frame_header_decode(hb, h, lim) != 0)
+    c->rlen = n;   /* until placed below, the plain path's */
+    if (kvr_frame_header_decode(c->rbuf, h, lim) != 0)
         return 0;   /* the plain path reads it (and reports what is wrong) */
-    if (h->payload_len == 0 || h->payload_len > c->rx_cap || h->msg_len > RBUF_SIZE)
+    if (h->payload_len == 0 || h->payload_len > c->rx_cap || h->msg_len > c->rcap / 2)
         return 0;
     size_t hm = KVR_FRAME_HEADER_SIZE + h->msg_len, pl = (size_t)h->payload_len;
+    while (n < hm) {   /* a message longer than the first read: the rest of it */
+        size_t got;
+        int r = recv_some(c, c->rbuf + n, hm - n, &got);
+        if (r < 0)
+            return r;
+        n += got;
+        c->rlen = n;
+    }
     uint8_t *buf = malloc(hm);
     if (!buf)
         return 0;
-    size_t got = 0, placed = 0;
-    while (got < hm) {
-        struct iovec iov[2] = { { buf + got, hm - got }, { c->rx_dst + placed, pl - placed } };
-        k = readv(c->fd, iov, 2);
-        if (k < 0 && errno == EINTR)
-            continue;
-        if (k < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
-            struct pollfd pf = { .fd = c->fd, .events = POLLIN };
-            int pr = poll(&pf, 1, c->timeout_ms > 0 ? c->timeout_ms : -1);
-            if (pr == 0 || (pr < 0 && errno != EINTR)) {
-                free(buf);
-                return fatal(c, KVR_ESYS, "receive timed out");
-            }
-            continue;
-        }
-        if (k <= 0) {
-            free(buf);
-            return k == 0 ? fatal(c, KVR_ECLOSED, "connection closed by the daemon")
-                          : fatal(c, KVR_ESYS, "recv: %s", strerror(errno));
-        }
-        size_t a = (size_t)k < hm - got ? (size_t)k : hm - got;
-        got += a;
-        placed += (size_t)k - a;
-    }
+    memcpy(buf, c->rbuf, hm);
+    size_t extra = n - hm, placed = extra < pl ? extra : pl;
+    memcpy(c->rx_dst, c->rbuf + hm, placed);
+    /* Bytes past the payload (answers of deferred requests) stay read ahead. */
+    c->rpos = hm + placed;
+    if (c->rpos == c->rlen)
+        c->rpos = c->rlen = 0;
     c->pre = c->rx_dst;
     c->pre_len = placed;
     *buf_out = buf;

@@ -38,6 +38,8 @@ struct kvr_client {
     bool            shm_got;       /* the last response's payload is in a region */
     kvr_shm         shm_res;       /*   there (length = its size) */
     int             send_fd;       /* sent with the next frame (-1: none) */
+    bool            just_sent;     /* a request went out since the last receive:
+                                      the answer is rarely there yet (poll first) */
     /* Deferred requests (kvr_client_delete_deferred): packed frames sent
      * ahead of the next call's, their ids, and failures so far. */
     uint8_t        *dbuf;

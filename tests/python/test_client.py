@@ -269,6 +269,32 @@ def test_list_stat_pin_fork_shift_keep_delete(client, uid):
     assert [c.id for c in client.list(name)] == [f"a-{uid}"]
 
 
+def test_deferred_delete(client, uid):
+    """delete(deferred=True) rides with the next call, flush() sends what
+    waits; a context already gone counts as done, not as a failure."""
+    name = model_name(client, uid)
+    kv = rand_kv(8, seed=5)
+    for i in range(3):
+        client.put(f"dd{i}-{uid}", name, toks(8), kv)
+    client.delete(f"dd0-{uid}", deferred=True)
+    client.delete(f"never-{uid}", deferred=True)
+    assert client.exists(f"dd2-{uid}")          # carries both deletes
+    assert not client.exists(f"dd0-{uid}")
+    client.delete(f"dd1-{uid}", deferred=True)
+    g = client.get(f"dd2-{uid}")                # a reply with a payload: the delete goes ahead
+    assert np.array_equal(g.data, kv)
+    assert not client.exists(f"dd1-{uid}")
+    client.flush()                               # nothing waits
+    client.delete(f"dd2-{uid}", deferred=True)
+    client.flush()
+    assert not client.exists(f"dd2-{uid}")
+    client.delete(f"dd2-{uid}", deferred=True)
+    client.flush()                               # gone already: done
+    assert client.deferred_failures() == (0, "")
+    with pytest.raises(ValueError):
+        client.delete("", deferred=True)             # refused before anything is queued
+
+
 def test_stats(client):
     s0 = client.stats()
     for key in ("uptime_seconds", "contexts", "tokens", "requests_total", "requests_put",

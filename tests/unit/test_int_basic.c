@@ -241,6 +241,46 @@ Test(int_basic, buffer_too_small_and_streaming)
     free(buf);
 }
 
+/* A get into the caller's buffer reads its answer's first few KiB at once
+ * (header, message, first payload bytes): small payloads that come whole
+ * with the message, answers whose message (tokens and positions) is longer
+ * than that first read, and a get right after a pipelined one: bytes exact,
+ * nothing written past the payload, the connection in step. */
+Test(int_basic, placed_get_of_every_size)
+{
+    cr_assert_eq(testd_register(C, "m", KVR_DTYPE_F16, NULL), 0);
+    const size_t sizes[] = { 1, 7, 20, 100, 1500, 5000 };
+    for (size_t i = 0; i < sizeof sizes / sizeof sizes[0]; i++) {
+        char id[16];
+        snprintf(id, sizeof id, "pg%zu", i);
+        size_t n = sizes[i], len;
+        cr_assert_eq(testd_put(C, id, "m", KVR_DTYPE_F16, (uint32_t)(40 + i), 70000, 0, n), 0,
+                     "%s", kvr_client_last_error(C));
+        void *want = testd_payload((uint32_t)(40 + i), T_LAYERS, 0, n, KVR_DTYPE_F16, &len);
+        uint8_t *dst = malloc(len + 16);
+        for (int rep = 0; rep < 3; rep++) {
+            memset(dst, 0xa5, len + 16);
+            if (rep == 2)
+                cr_assert_eq(kvr_client_delete_deferred(C, "never-was"), 0);
+            kvr_kv kv;
+            kvr_get_args g = { .ctx_id = id, .dtype = KVR_DTYPE_F16, .dst = dst,
+                               .dst_cap = len + 16 };
+            cr_assert_eq(kvr_client_get(C, &g, &kv), 0, "%s", kvr_client_last_error(C));
+            cr_assert_eq(kv.payload, dst);
+            cr_assert_eq(kv.payload_len, len);
+            cr_assert_eq(kv.n_tokens, n);
+            cr_assert_eq(kv.tokens[n - 1], 70000 + (uint32_t)n - 1);
+            cr_assert_eq(memcmp(dst, want, len), 0, "%zu tokens", n);
+            cr_assert_eq(dst[len], 0xa5, "nothing written past the payload");
+            kvr_kv_release(&kv);
+        }
+        free(dst);
+        free(want);
+    }
+    cr_assert_eq(kvr_client_ping(C, NULL), 0);
+    cr_assert_eq(kvr_client_deferred_failures(C, NULL, 0), 0);
+}
+
 Test(int_basic, match_overlapping_prompts)
 {
     cr_assert_eq(testd_register(C, "m", KVR_DTYPE_F16, NULL), 0);

@@ -672,6 +672,119 @@ Test(int_shm, stray_descriptors_are_closed)
     cr_assert_eq(kvr_client_ping(C, NULL), 0);
 }
 
+/* Frames written together are read together (the daemon reads a header
+ * with what follows it): a descriptor on the first bytes of a write whose
+ * RegisterRegion comes after other frames is that RegisterRegion's, and
+ * strays riding on pipelined pings are still closed. */
+static void pack_frame(uint8_t *buf, size_t cap, size_t *off, Kvrope__Request *q)
+{
+    size_t n = kvrope__request__get_packed_size(q);
+    cr_assert_leq(*off + KVR_FRAME_HEADER_SIZE + n, cap);
+    kvr_frame_header_encode(buf + *off, (uint32_t)n, 0);
+    kvrope__request__pack(q, buf + *off + KVR_FRAME_HEADER_SIZE);
+    *off += KVR_FRAME_HEADER_SIZE + n;
+}
+
+static void send_with_fd(int fd, const uint8_t *buf, size_t len, int pass)
+{
+    struct iovec iov = { (void *)(uintptr_t)buf, len };
+    union {
+        struct cmsghdr h;
+        char b[CMSG_SPACE(sizeof(int))];
+    } cm;
+    memset(&cm, 0, sizeof cm);
+    struct msghdr mh = { .msg_iov = &iov, .msg_iovlen = 1, .msg_control = cm.b,
+                         .msg_controllen = sizeof cm.b };
+    struct cmsghdr *h = CMSG_FIRSTHDR(&mh);
+    h->cmsg_level = SOL_SOCKET;
+    h->cmsg_type = SCM_RIGHTS;
+    h->cmsg_len = CMSG_LEN(sizeof(int));
+    memcpy(CMSG_DATA(h), &pass, sizeof(int));
+    cr_assert_eq(sendmsg(fd, &mh, MSG_NOSIGNAL), (ssize_t)len);
+}
+
+static Kvrope__Response *recv_answer(int fd)
+{
+    uint8_t hdr[KVR_FRAME_HEADER_SIZE];
+    cr_assert_eq(recv(fd, hdr, sizeof hdr, MSG_WAITALL), (ssize_t)sizeof hdr);
+    kvr_frame_header fh;
+    cr_assert_eq(kvr_frame_header_decode(hdr, &fh, NULL), 0);
+    cr_assert_eq(fh.payload_len, 0);
+    uint8_t *m = malloc(fh.msg_len ? fh.msg_len : 1);
+    cr_assert_eq(recv(fd, m, fh.msg_len, MSG_WAITALL), (ssize_t)fh.msg_len);
+    Kvrope__Response *r = kvrope__response__unpack(NULL, fh.msg_len, m);
+    free(m);
+    cr_assert_not_null(r);
+    return r;
+}
+
+Test(int_shm, descriptors_of_pipelined_frames)
+{
+    int fd = raw_connect();
+    Kvrope__Request q = KVROPE__REQUEST__INIT;
+    Kvrope__Ping ping = KVROPE__PING__INIT;
+    q.id = 1;
+    q.body_case = KVROPE__REQUEST__BODY_PING;
+    q.ping = &ping;
+    cr_assert_eq(raw_call(fd, &q, -1), KVROPE__STATUS__OK);
+    int before = count_fds(D.pid);
+    int mfd = raw_memfd(4096, F_SEAL_SHRINK);
+    Kvrope__RegisterRegion rr = KVROPE__REGISTER_REGION__INIT;
+    rr.size = 4096;
+    Kvrope__Request g = KVROPE__REQUEST__INIT;
+    g.body_case = KVROPE__REQUEST__BODY_REGISTER_REGION;
+    g.register_region = &rr;
+    uint32_t regions[4];   /* --max-regions 4 */
+    for (int i = 0; i < 4; i++) {
+        /* two pings, then the RegisterRegion, in one write, the fd on its
+         * first bytes (the first ping's) */
+        uint8_t buf[512];
+        size_t off = 0;
+        q.id = 100 + (uint64_t)i * 3;
+        pack_frame(buf, sizeof buf, &off, &q);
+        q.id++;
+        pack_frame(buf, sizeof buf, &off, &q);
+        g.id = q.id + 1;
+        pack_frame(buf, sizeof buf, &off, &g);
+        send_with_fd(fd, buf, off, mfd);
+        for (int k = 0; k < 3; k++) {
+            Kvrope__Response *r = recv_answer(fd);
+            cr_assert_eq(r->id, 100 + (uint64_t)i * 3 + (uint64_t)k);
+            cr_assert_eq(r->status, KVROPE__STATUS__OK, "frame %d: %s", k, r->message);
+            if (k == 2) {
+                cr_assert_eq(r->body_case, KVROPE__RESPONSE__BODY_REGION);
+                regions[i] = r->region->region;
+            }
+            kvrope__response__free_unpacked(r, NULL);
+        }
+        for (int j = 0; j < i; j++)
+            cr_assert_neq(regions[j], regions[i]);
+    }
+    for (int i = 0; i < 30; i++) {
+        /* a stray on the first of two pings written together: closed */
+        uint8_t buf[256];
+        size_t off = 0;
+        q.id = 1000 + (uint64_t)i * 2;
+        pack_frame(buf, sizeof buf, &off, &q);
+        q.id++;
+        pack_frame(buf, sizeof buf, &off, &q);
+        send_with_fd(fd, buf, off, mfd);
+        for (int k = 0; k < 2; k++) {
+            Kvrope__Response *r = recv_answer(fd);
+            cr_assert_eq(r->status, KVROPE__STATUS__OK);
+            kvrope__response__free_unpacked(r, NULL);
+        }
+    }
+    close(mfd);
+    close(fd);
+    /* the connection's regions are unmapped and its fds closed with it */
+    for (int i = 0; i < 100 && count_fds(D.pid) > before + 5; i++)
+        usleep(20000);
+    int after = count_fds(D.pid);
+    cr_assert_leq(after, before + 5, "the daemon kept descriptors: %d -> %d", before, after);
+    cr_assert_eq(kvr_client_ping(C, NULL), 0);
+}
+
 /* Descriptors riding on a put's payload bytes (the daemon reads a payload
  * straight into its blocks, all iovecs at once): closed, never kept, and
  * the put stores exactly its bytes. */

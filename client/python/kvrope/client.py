@@ -836,8 +836,32 @@ class Client:
         self._call("kvr_client_model_remove", nm)
         self._models.pop(name if isinstance(name, str) else nm.decode(errors="replace"), None)
 
-    def delete(self, ctx_id):
-        self._call("kvr_client_delete", _b(ctx_id, "ctx_id"))
+    def delete(self, ctx_id, deferred=False):
+        """Deletes a context. deferred=True queues the delete instead: it is
+        sent in the same write as the next call's request (or by flush()), so
+        a put that retires an older context costs one round trip, not two. A
+        deferred delete of a context already gone counts as done; any other
+        failure never fails the call it rode with: it is counted in
+        deferred_failures()."""
+        if deferred:
+            self._call("kvr_client_delete_deferred", _b(ctx_id, "ctx_id"))
+        else:
+            self._call("kvr_client_delete", _b(ctx_id, "ctx_id"))
+
+    def flush(self):
+        """Sends the deferred deletes now and reads their answers; raises the
+        first one's error if any failed (each is also counted)."""
+        self._call("kvr_client_flush")
+
+    def deferred_failures(self):
+        """-> (count, last message): deferred requests that failed since the
+        connection opened."""
+        with self._lock:
+            if self._h is None:
+                raise errors.ConnectionFailed(errors.KVR_ECLOSED, "the client is closed")
+            buf = ctypes.create_string_buffer(512)
+            n = self._lib.kvr_client_deferred_failures(self._h, buf, len(buf))
+        return int(n), buf.value.decode(errors="replace")
 
     def stat(self, ctx_id):
         """-> Context."""
