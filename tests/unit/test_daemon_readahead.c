@@ -678,3 +678,138 @@ Test(daemon_readahead, a_flood_of_pipelined_frames_starves_no_other_connection)
     close(fd);
     stop_daemon_clean();
 }
+
+/* ---- descriptors: strays on every kind of read, none kept --------------------- */
+
+static int count_fds(pid_t pid)
+{
+    char path[64];
+    snprintf(path, sizeof path, "/proc/%d/fd", (int)pid);
+    DIR *d = opendir(path);
+    cr_assert_not_null(d);
+    int n = 0;
+    while (readdir(d))
+        n++;
+    closedir(d);
+    return n;
+}
+
+/* Writes buf[0..len) with nfd copies of fd attached (SCM_RIGHTS). */
+static void send_fds(int fd, const void *buf, size_t len, int pass, int nfd)
+{
+    struct iovec iov = { (void *)(uintptr_t)buf, len };
+    union {
+        struct cmsghdr h;
+        char b[CMSG_SPACE(16 * sizeof(int))];
+    } cm;
+    memset(&cm, 0, sizeof cm);
+    struct msghdr mh = { .msg_iov = &iov, .msg_iovlen = 1, .msg_control = cm.b,
+                         .msg_controllen = CMSG_SPACE((size_t)nfd * sizeof(int)) };
+    struct cmsghdr *h = CMSG_FIRSTHDR(&mh);
+    h->cmsg_level = SOL_SOCKET;
+    h->cmsg_type = SCM_RIGHTS;
+    h->cmsg_len = CMSG_LEN((size_t)nfd * sizeof(int));
+    for (int i = 0; i < nfd; i++)
+        memcpy(CMSG_DATA(h) + (size_t)i * sizeof(int), &pass, sizeof(int));
+    cr_assert_eq(sendmsg(fd, &mh, MSG_NOSIGNAL), (ssize_t)len);
+}
+
+static void wait_fds_at_most(int limit)
+{
+    for (int i = 0; i < 200 && count_fds(D.pid) > limit; i++)
+        sleep_ms(20);
+}
+
+/* A hostile peer attaches descriptors to a ping, to a put's header (its
+ * payload past the read-ahead), to a put's payload bytes alone, to the
+ * bytes after a put's payload, several at once, and sends two
+ * RegisterRegions in one write with one descriptor (the second is refused
+ * with an error). Every request is answered as usual and the daemon holds
+ * no descriptor more than before, while the connection is open (but the
+ * one region registered) and after it closed. */
+Test(daemon_readahead, stray_descriptors_on_every_kind_of_read)
+{
+    payloads();
+    const char *extra[] = { "--max-regions", "4", "--max-region-bytes", "64M", NULL };
+    start_daemon(extra);
+    int fd = connect_unix(D.sock);
+    cr_assert_geq(fd, 0);
+    register_model(fd);
+    cr_assert_eq(ping(fd, 1), KVROPE__STATUS__OK);
+    int before = count_fds(D.pid);
+    int mfd = memfd_create("t", MFD_CLOEXEC | MFD_ALLOW_SEALING);
+    cr_assert_geq(mfd, 0);
+    cr_assert_eq(ftruncate(mfd, 4096), 0);
+    cr_assert_eq(fcntl(mfd, F_ADD_SEALS, F_SEAL_SHRINK), 0);
+    for (int round = 0; round < 8; round++) {
+        script s = { 0 };
+        s.id = 100;
+        /* 1. several fds on a lone ping */
+        sc_ping(&s);
+        send_fds(fd, s.buf, s.len, mfd, 8);
+        check_replies(fd, &s);
+        sc_free(&s);
+        /* 2. on a put's header; its payload is past the read-ahead */
+        s.id = 200;
+        sc_put(&s, "big", "tiny", KVROPE__DTYPE__F16, P16B, TB, KVROPE__STATUS__OK);
+        send_fds(fd, s.buf, 64, mfd, 2);
+        cr_assert_eq(write_all(fd, s.buf + 64, s.len - 64), 0);
+        check_replies(fd, &s);
+        sc_free(&s);
+        /* 3. on the payload bytes alone, with a ping after it in the same
+         *    write (the payload's last read takes it along) */
+        s.id = 300;
+        sc_delete(&s, "big");
+        sc_put(&s, "big", "tiny", KVROPE__DTYPE__F16, P16B, TB, KVROPE__STATUS__OK);
+        size_t cut = s.len - payload_bytes(TB) + 100;
+        sc_ping(&s);
+        cr_assert_eq(write_all(fd, s.buf, cut), 0);
+        sleep_ms(5);   /* likelier that the daemon is reading the payload now */
+        send_fds(fd, s.buf + cut, s.len - cut, mfd, 3);
+        check_replies(fd, &s);
+        sc_free(&s);
+        /* 4. on the bytes after a put's payload: a ping and a get */
+        s.id = 400;
+        sc_delete(&s, "big");
+        sc_put(&s, "big", "tiny", KVROPE__DTYPE__F16, P16B, TB, KVROPE__STATUS__OK);
+        cut = s.len;
+        sc_ping(&s);
+        sc_get(&s, "big", KVROPE__STATUS__OK, P16B, payload_bytes(TB));
+        cr_assert_eq(write_all(fd, s.buf, cut), 0);
+        send_fds(fd, s.buf + cut, s.len - cut, mfd, 1);
+        check_replies(fd, &s);
+        sc_free(&s);
+        s.id = 500;
+        sc_delete(&s, "big");
+        cr_assert_eq(write_all(fd, s.buf, s.len), 0);
+        check_replies(fd, &s);
+        sc_free(&s);
+        wait_fds_at_most(before);
+        cr_assert_leq(count_fds(D.pid), before, "round %d: the daemon kept descriptors: %d -> %d",
+                      round, before, count_fds(D.pid));
+    }
+    /* 5. two RegisterRegions in one write, one fd: the first has it, the
+     *    second is refused; both answered */
+    {
+        script s = { 0 };
+        s.id = 600;
+        Kvrope__Request q = KVROPE__REQUEST__INIT;
+        Kvrope__RegisterRegion rr = KVROPE__REGISTER_REGION__INIT;
+        rr.size = 4096;
+        q.body_case = KVROPE__REQUEST__BODY_REGISTER_REGION;
+        q.register_region = &rr;
+        sc_frame(&s, &q, NULL, 0, KVROPE__STATUS__OK, NULL, 0);
+        sc_frame(&s, &q, NULL, 0, -1, NULL, 0);
+        sc_ping(&s);
+        send_fds(fd, s.buf, s.len, mfd, 1);
+        check_replies(fd, &s);
+        sc_free(&s);
+    }
+    close(mfd);
+    cr_assert_eq(ping(fd, 2), KVROPE__STATUS__OK);
+    close(fd);
+    wait_fds_at_most(before - 1);
+    cr_assert_leq(count_fds(D.pid), before - 1, "after the close: %d -> %d", before,
+                  count_fds(D.pid));
+    stop_daemon_clean();
+}
