@@ -606,6 +606,10 @@ static void update_reading(kvr_conn *c)
     while (c->in_pos < c->in_len && !c->feeding && !c->in_read && wants_input(c) &&
            (c->st == KVRD_CONN_LINGER || c->out_queued <= c->d->cfg.max_conn_buffer)) {
         kvr_conn_ref(c);
+        /* These bytes reach the frame machine now: a frame starting here
+         * is timed from now (frame_ms, --min-rate), not from the read that
+         * brought them while an earlier request ran. */
+        c->read_ms = kvr_now_ms();
         c->in_read = true;
         feed_inbuf(c);
         c->in_read = false;
@@ -1160,8 +1164,11 @@ void kvrd_conn_read_payload(kvr_conn *c, const struct iovec *iov, size_t niov)
     if (c->in_pos < c->in_len) {
         /* Its first bytes are in the inbuf: the feed on the stack goes on
          * with them (or one starts here). */
-        if (!c->feeding)
+        if (!c->feeding) {
+            if (!c->in_read)
+                c->read_ms = kvr_now_ms();   /* fed now (update_reading) */
             feed_inbuf(c);
+        }
         return;
     }
     payload_read_direct(c);

@@ -813,3 +813,69 @@ Test(daemon_readahead, stray_descriptors_on_every_kind_of_read)
                   count_fds(D.pid));
     stop_daemon_clean();
 }
+
+/* ---- timing of a frame that waited in the read-ahead -------------------------- */
+
+/* A frame's --min-rate deadline runs from when the daemon takes it up: a
+ * put whose header waited in the read-ahead behind replies the client was
+ * slow to read (back pressure: 32 pipelined gets of 512 KiB, more than the
+ * socket holds, and --max-conn-buffer 4 KiB) is not timed from the read
+ * that brought its bytes, seconds earlier. Here the client reads the
+ * replies 3 s late (under --io-timeout 4: they are progressing), then
+ * sends the rest of the put 2 s later: within its deadline counted from
+ * when the put was taken up (4 s), past it counted from the read (5 s). */
+Test(daemon_readahead, a_frame_read_ahead_is_timed_from_when_it_is_taken_up)
+{
+    payloads();
+    const char *extra[] = { "--io-timeout", "4", "--min-rate", "1G", "--max-conn-buffer",
+                            "4096", NULL };
+    start_daemon(extra);
+    int fd = connect_unix(D.sock);
+    cr_assert_geq(fd, 0);
+    register_model(fd);
+    enum { NB = 8192, NG = 32 };
+    uint32_t *tok = malloc(NB * sizeof *tok);
+    for (uint32_t i = 0; i < NB; i++)
+        tok[i] = i + 1;
+    uint16_t *big = malloc(payload_bytes(NB));
+    fill_payload(big, NB, 5);
+    Kvrope__Request q;
+    Kvrope__Put p;
+    make_put(&q, &p, "big", tok, NB, KVROPE__PUT_MODE__CREATE);
+    send_req(fd, &q, big, payload_bytes(NB));
+    Kvrope__Response *r = recv_resp(fd, NULL, NULL);
+    cr_assert_eq(r->status, KVROPE__STATUS__OK, "%s", r->message);
+    kvrope__response__free_unpacked(r, NULL);
+
+    script s = { 0 };
+    s.id = 10;
+    for (int i = 0; i < NG; i++)
+        sc_get(&s, "big", KVROPE__STATUS__OK, big, payload_bytes(NB));
+    sc_put(&s, "p2", "tiny", KVROPE__DTYPE__F16, P16S, TS, KVROPE__STATUS__OK);
+    size_t cut = s.len - payload_bytes(TS) + 100;
+    cr_assert_lt(cut, 4096);   /* one read-ahead holds it all */
+    cr_assert_eq(write_all(fd, s.buf, cut), 0);
+    sleep_ms(3000);
+    for (int i = 0; i < NG; i++) {
+        uint8_t *got = NULL;
+        uint64_t glen = 0;
+        r = recv_resp(fd, &got, &glen);
+        cr_assert_eq(r->id, 10 + (uint64_t)i);
+        cr_assert_eq(r->status, KVROPE__STATUS__OK, "%s", r->message);
+        cr_assert_eq(glen, payload_bytes(NB));
+        cr_assert_arr_eq(got, big, glen);
+        free(got);
+        kvrope__response__free_unpacked(r, NULL);
+    }
+    sleep_ms(2000);
+    cr_assert_eq(write_all(fd, s.buf + cut, s.len - cut), 0, "the put was cut off");
+    r = recv_resp(fd, NULL, NULL);
+    cr_assert_eq(r->id, 10 + NG);
+    cr_assert_eq(r->status, KVROPE__STATUS__OK, "%s", r->message);
+    kvrope__response__free_unpacked(r, NULL);
+    sc_free(&s);
+    free(big);
+    free(tok);
+    close(fd);
+    stop_daemon_clean();
+}
