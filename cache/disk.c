@@ -37,7 +37,10 @@
 #define EXT_ALIGN     4096u
 #define EXT_HDR       32u
 #define REC_HDR       24u
-#define MAGIC_EXT     0x5852564Bu     /* "KVRX" */
+#define MAGIC_EXT     0x5852564Bu     /* "KVRX": a v1 extent's header */
+#define MAGIC_TRL     0x5452564Bu     /* "KVRT": a v2 extent's trailer */
+#define FMT_V1        1u              /* seg-XXXXXXXX.dat: header, then data */
+#define FMT_V2        2u              /* seg-XXXXXXXX.v2.dat: data, then trailer */
 #define MAGIC_REC     0x4C52564Bu     /* "KVRL" */
 #define REC_CP_BEGIN  0xFFFFFF01u
 #define REC_CP_END    0xFFFFFF02u
@@ -56,6 +59,7 @@ typedef struct seg {
     int      fd;
     int      dfd;           /* the same file opened O_DIRECT, or -1 */
     uint64_t size;          /* append offset */
+    uint32_t fmt;           /* FMT_V1 (read only) or FMT_V2 */
     bool     dirty;
     ext     *ext;
     size_t   n_ext, cap_ext;
@@ -83,6 +87,7 @@ struct kvr_disk {
     bool            claim_io_failed;  /* recover_done then refuses to reclaim */
     uint8_t        *stage;          /* O_DIRECT staging (disk.h: data path) */
     size_t          stage_cap;
+    size_t          mem_align;      /* O_DIRECT buffer alignment (statx), 0 = not known yet */
     kvr_disk_recovery last;
 };
 
@@ -154,12 +159,14 @@ void kvr_disk_handle_decode(const uint8_t in[KVR_DISK_HANDLE_BYTES], kvr_disk_ha
     h->crc = get32(in + 24);
 }
 
-static void ext_header(uint8_t *h, uint64_t seq, uint32_t segid, uint32_t len,
-                       uint32_t dcrc, uint64_t off)
+/* An extent's header (v1, in front of the data) or trailer (v2, after it):
+ * the same 32 bytes but for the magic. */
+static void ext_header(uint8_t *h, uint32_t fmt, uint64_t seq, uint32_t segid,
+                       uint32_t len, uint32_t dcrc, uint64_t off)
 {
     uint8_t o[8];
     memset(h, 0, EXT_HDR);
-    put32(h, MAGIC_EXT);
+    put32(h, fmt == FMT_V1 ? MAGIC_EXT : MAGIC_TRL);
     put64(h + 8, seq);
     put32(h + 16, segid);
     put32(h + 20, len);
@@ -168,11 +175,11 @@ static void ext_header(uint8_t *h, uint64_t seq, uint32_t segid, uint32_t len,
     put32(h + 4, kvr_crc32c(kvr_crc32c(0, h + 8, EXT_HDR - 8), o, 8));
 }
 
-static bool ext_header_ok(const uint8_t *h, const kvr_disk_handle *want)
+static bool ext_header_ok(const uint8_t *h, uint32_t fmt, const kvr_disk_handle *want)
 {
     uint8_t o[8];
     put64(o, want->off);
-    return get32(h) == MAGIC_EXT &&
+    return get32(h) == (fmt == FMT_V1 ? MAGIC_EXT : MAGIC_TRL) &&
            get32(h + 4) == kvr_crc32c(kvr_crc32c(0, h + 8, EXT_HDR - 8), o, 8) &&
            get64(h + 8) == want->seq && get32(h + 16) == want->seg &&
            get32(h + 20) == want->len && get32(h + 24) == want->crc;
@@ -224,9 +231,20 @@ static int fsync_dir(kvr_disk *d)
 }
 
 /* ---- segments ------------------------------------------------------------------ */
-static void seg_name(char *buf, size_t cap, uint32_t id)
+static void seg_name(char *buf, size_t cap, uint32_t id, uint32_t fmt)
 {
-    snprintf(buf, cap, "seg-%08" PRIx32 ".dat", id);
+    snprintf(buf, cap, "seg-%08" PRIx32 "%s.dat", id, fmt == FMT_V1 ? "" : ".v2");
+}
+
+/* Where an extent's data and its header / trailer sit in its image. */
+static size_t img_data_at(uint32_t fmt)
+{
+    return fmt == FMT_V1 ? EXT_HDR : 0;
+}
+
+static size_t img_hdr_at(uint32_t fmt, uint32_t len)
+{
+    return fmt == FMT_V1 ? 0 : len;
 }
 
 static seg *seg_find(const kvr_disk *d, uint32_t id)
@@ -307,7 +325,7 @@ static void seg_free(seg *s)
 static void seg_drop(kvr_disk *d, seg *s)
 {
     char name[64];
-    seg_name(name, sizeof name, s->id);
+    seg_name(name, sizeof name, s->id, s->fmt);
     (void)unlinkat(d->dirfd, name, 0);
     for (size_t i = 0; i < d->n_segs; i++)
         if (d->segs[i] == s) {
@@ -358,12 +376,27 @@ static int d_meta(kvr_disk *d)
     return f ? -1 : 0;
 }
 
-/* The O_DIRECT descriptor of a segment file, or -1 (buffered I/O then). */
+/* The O_DIRECT descriptor of a segment file, or -1 (buffered I/O then).
+ * The first one also tells the buffer alignment O_DIRECT wants here
+ * (statx STATX_DIOALIGN, Linux 6.1; else a page): block memory aligned
+ * to it goes between the device and memory with no staging copy. */
 static int open_direct(kvr_disk *d, const char *name)
 {
     if (d->cfg.buffered)
         return -1;
-    return openat(d->dirfd, name, O_RDWR | O_DIRECT | O_CLOEXEC);
+    int fd = openat(d->dirfd, name, O_RDWR | O_DIRECT | O_CLOEXEC);
+    if (fd >= 0 && !d->mem_align) {
+        size_t a = 4096;
+#ifdef STATX_DIOALIGN
+        struct statx sx;
+        if (statx(fd, "", AT_EMPTY_PATH, STATX_DIOALIGN, &sx) == 0 &&
+            (sx.stx_mask & STATX_DIOALIGN) && sx.stx_dio_mem_align &&
+            sx.stx_dio_mem_align <= 4096 && sx.stx_dio_offset_align <= EXT_ALIGN)
+            a = sx.stx_dio_mem_align;
+#endif
+        d->mem_align = a;
+    }
+    return fd;
 }
 
 /* A fresh active segment; the old one is sealed (and dropped if empty,
@@ -376,8 +409,9 @@ static int seg_roll(kvr_disk *d, bool keep_old, kvr_error *err)
         return kvr_error_set(err, KVR_ENOMEM, "disk: out of memory");
     s->id = d->next_seg;
     s->dfd = -1;
+    s->fmt = FMT_V2;            /* new segments are always written as v2 */
     char name[64];
-    seg_name(name, sizeof name, s->id);
+    seg_name(name, sizeof name, s->id, s->fmt);
     s->fd = d_openat(d, name, O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
     if (s->fd < 0) {
         int e = errno;
@@ -663,10 +697,32 @@ static int scan_dir(kvr_disk *d, uint32_t *max_gen, kvr_error *err)
     int rc = 0;
     struct dirent *e;
     while (rc == 0 && (e = readdir(dp)) != NULL) {
-        unsigned id;
+        unsigned id, ver;
         char tail[8];
-        if (sscanf(e->d_name, "seg-%8x.da%1s", &id, tail) == 2 &&
-            strlen(e->d_name) == 16) {
+        size_t nl = strlen(e->d_name);
+        uint32_t fmt = 0;
+        if (nl == 16 && sscanf(e->d_name, "seg-%8x.da%1s", &id, tail) == 2 &&
+            !strcmp(e->d_name + 12, ".dat"))
+            fmt = FMT_V1;
+        else if (nl == 19 && sscanf(e->d_name, "seg-%8x.v%u", &id, &ver) == 2 &&
+                 !strcmp(e->d_name + 12, ".v2.dat"))
+            fmt = FMT_V2;
+        else if (sscanf(e->d_name, "seg-%8x.v%u.da%1s", &id, &ver, tail) == 3 && ver > 2) {
+            rc = kvr_error_set(err, KVR_EUNSUPPORTED, "disk: %s/%s is a data segment of "
+                               "format v%u, newer than this kvrope (it reads v1 and v2): "
+                               "run the newer kvrope, or move the directory away",
+                               d->dir, e->d_name, ver);
+            break;
+        }
+        if (fmt) {
+            if (seg_find(d, id)) {
+                rc = kvr_error_set(err, KVR_EUNSUPPORTED, "disk: %s holds two data "
+                                   "segments with id %08x (seg-%08x.dat and "
+                                   "seg-%08x.v2.dat): an older kvrope wrote to this "
+                                   "directory after a newer one; move one away",
+                                   d->dir, id, id, id);
+                break;
+            }
             seg *s = kvr_mem_calloc(1, sizeof *s);
             if (!s) {
                 rc = kvr_error_set(err, KVR_ENOMEM, "disk: out of memory");
@@ -674,6 +730,7 @@ static int scan_dir(kvr_disk *d, uint32_t *max_gen, kvr_error *err)
             }
             s->id = id;
             s->dfd = -1;
+            s->fmt = fmt;
             s->fd = d_openat(d, e->d_name, O_RDWR | O_CLOEXEC, 0);
             struct stat st;
             if (s->fd < 0 || fstat(s->fd, &st) != 0) {
@@ -852,8 +909,18 @@ int kvr_disk_claim(kvr_disk *d, const kvr_disk_handle *h, kvr_error *err)
         e->refs++;
         goto out;
     }
+    /* A handle whose extent runs past the end of its segment (a truncated
+     * file) names a lost extent: corrupt, not an I/O error. */
+    uint64_t hat = h->off + img_hdr_at(s->fmt, h->len);
+    if (h->off + EXT_HDR + (uint64_t)h->len > s->size) {
+        d->n_quarantined++;
+        rc = kvr_error_set(err, KVR_EIO, "disk: extent seg %" PRIu32 " off %" PRIu64
+                           " runs past the end of its segment (%" PRIu64 " bytes): "
+                           "truncated", h->seg, h->off, s->size);
+        goto out;
+    }
     uint8_t hb[EXT_HDR];
-    int io = read_header(d, s, h->off, hb);
+    int io = read_header(d, s, hat, hb);
     if (io) {
         /* Not proof that the extent is bad: recover_done must not reclaim
          * what it could not read (a transient error would lose data). */
@@ -861,7 +928,7 @@ int kvr_disk_claim(kvr_disk *d, const kvr_disk_handle *h, kvr_error *err)
         rc = io_error(io, "read of an extent header", err);
         goto out;
     }
-    if (!ext_header_ok(hb, h)) {
+    if (!ext_header_ok(hb, s->fmt, h)) {
         d->n_quarantined++;
         rc = kvr_error_set(err, KVR_EIO, "disk: extent seg %" PRIu32 " off %" PRIu64
                            " is corrupt or not the one the handle names",
@@ -926,19 +993,60 @@ int kvr_disk_recover_done(kvr_disk *d, kvr_error *err)
 #ifndef KVR_DIO_STAGE
 #define KVR_DIO_STAGE (16u << 20)    /* staging bytes per kvr_disk (a ring) */
 #endif
-#define DIO_REQ_MAX   (4u << 20)     /* bytes per request */
+#define DIO_REQ_MAX   (4u << 20)     /* staged bytes per request */
 #define DIO_PIECE     (64u << 10)    /* copy + checksum step (stays in cache) */
+#define DIO_MEM_PIECE (4u << 20)     /* most data bytes per request straight from /
+                                        into block memory (several extents) */
+
+static size_t env_kb(const char *name, size_t lo, size_t hi, size_t dflt)
+{
+    const char *e = getenv(name);      /* benchmarks' tuning knobs */
+    long kb = e ? atol(e) : 0;
+    size_t v = kb > 0 && (size_t)kb >= lo && (size_t)kb <= hi ? (size_t)kb << 10 : dflt;
+    return v & ~(size_t)(EXT_ALIGN - 1);
+}
 
 static size_t dio_stage(void)
 {
     static size_t a;
+    if (!a)
+        a = env_kb("KVR_DISK_STAGE_KB", 8, 256 << 10, KVR_DIO_STAGE);
+    return a;
+}
+
+/* Bytes per direct request; KVR_DISK_DMA_PIECE_KB=0 is not accepted (the
+ * default is kept), KVR_DISK_NO_DMA=1 stages every byte (comparisons). */
+static size_t dio_mem_piece(void)
+{
+    static size_t a;
+    if (!a)
+        a = env_kb("KVR_DISK_DMA_PIECE_KB", 4, 64 << 10, DIO_MEM_PIECE);
+    return a;
+}
+
+/* Reads in flight at once: this deep, a stream of large sequential reads
+ * keeps a device busy; deeper ones made a virtio disk slower (measured:
+ * bench_disk). KVR_DISK_LOAD_DEPTH overrides (1..64). */
+#define DIO_LOAD_DEPTH 4u
+static size_t dio_load_depth(void)
+{
+    static size_t a;
     if (!a) {
-        const char *e = getenv("KVR_DISK_STAGE_KB");   /* benchmarks' tuning knob */
-        long kb = e ? atol(e) : 0;
-        a = kb >= 8 && kb <= (256 << 10) ? (size_t)kb << 10 : KVR_DIO_STAGE;
-        a &= ~(size_t)(EXT_ALIGN - 1);
+        const char *e = getenv("KVR_DISK_LOAD_DEPTH");
+        long v = e ? atol(e) : 0;
+        a = v >= 1 && v <= (long)KVR_DIO_STREAM_MAX ? (size_t)v : DIO_LOAD_DEPTH;
     }
     return a;
+}
+
+static bool dio_dma_off(void)
+{
+    static int v = -1;
+    if (v < 0) {
+        const char *e = getenv("KVR_DISK_NO_DMA");
+        v = e && *e && *e != '0';
+    }
+    return v;
 }
 
 static size_t ext_alloc(const kvr_disk_handle *h)
@@ -946,40 +1054,70 @@ static size_t ext_alloc(const kvr_disk_handle *h)
     return (size_t)align_up(EXT_HDR + (uint64_t)h->len);
 }
 
-/* A ring of staging bytes and the requests in flight on them, oldest
- * first (the engine completes a stream in push order). */
+/* The leading data bytes of a v2 extent that go straight between the
+ * device and memory p (whole granules; the rest of the image is staged),
+ * or 0 when p is not aligned as O_DIRECT wants or the segment is v1. */
+static size_t dma_bytes(const kvr_disk *d, const seg *s, const void *p, uint32_t len)
+{
+    if (s->fmt != FMT_V2 || !d->mem_align || dio_dma_off() ||
+        ((uintptr_t)p & (d->mem_align - 1)))
+        return 0;
+    return (size_t)len & ~(size_t)(EXT_ALIGN - 1);
+}
+
+/* One part of a request: image bytes [pos, pos + len) of extent k, in
+ * block memory (stage NULL) or staged at stage. */
+typedef struct dpart {
+    size_t   k, pos, len;
+    uint8_t *stage;
+} dpart;
+
+/* A ring of staging bytes and the requests in flight, oldest first (the
+ * engine completes a stream in push order). A request's parts follow one
+ * another in the file; its staged parts are one region [sp, sp + sl) of
+ * the ring. */
 typedef struct dstream {
     kvr_disk    *d;
     uint8_t     *st;
-    size_t       cap, piece;    /* ring bytes; most bytes per request */
+    size_t       cap, piece;    /* ring bytes; most staged bytes per request */
     kvr_dio_req  q[KVR_DIO_STREAM_MAX];
-    size_t       k[KVR_DIO_STREAM_MAX], pos[KVR_DIO_STREAM_MAX];  /* loads */
-    size_t       qh, qn, maxq;
-    size_t       tail;          /* end of the newest request's bytes */
+    dpart        parts[KVR_DIO_STREAM_MAX][KVR_DIO_IOV_MAX];
+    size_t       np[KVR_DIO_STREAM_MAX];
+    size_t       sp[KVR_DIO_STREAM_MAX], sl[KVR_DIO_STREAM_MAX];
+    size_t       qh, qn, maxq, rq;
+    size_t       tail;          /* end of the newest staged bytes */
     int          err;           /* first -errno (spills) */
 } dstream;
 
-/* Staging for a transfer of `total` image bytes; kept between calls. */
-static int ds_init(dstream *s, kvr_disk *d, uint64_t total)
+/* Staging for `total` staged bytes; kept between calls. */
+static int ds_init(dstream *s, kvr_disk *d, uint64_t total, bool write)
 {
     memset(s, 0, offsetof(dstream, q));
-    s->qh = s->qn = s->tail = 0;
+    s->qh = s->qn = s->rq = s->tail = 0;
     s->err = 0;
     s->d = d;
     s->cap = total < dio_stage() ? (size_t)total : dio_stage();
     s->piece = s->cap / 2 < DIO_REQ_MAX ? s->cap / 2 : DIO_REQ_MAX;
     s->piece &= ~(size_t)(EXT_ALIGN - 1);
-    if (s->piece < EXT_ALIGN)
-        s->piece = EXT_ALIGN;
+    /* A request of direct extents stages at most two granules of each. */
+    if (s->piece < KVR_DIO_IOV_MAX * EXT_ALIGN)
+        s->piece = KVR_DIO_IOV_MAX * EXT_ALIGN;
     if (s->cap < 2 * s->piece)
         s->cap = 2 * s->piece;
     s->maxq = kvr_dio_depth(d->io);
+    if (!write && s->maxq > dio_load_depth())
+        s->maxq = dio_load_depth();
     if (d->stage_cap < s->cap) {
         void *p = NULL;
         /* Not accounted in kvr_mem: the tier's I/O buffer (at most
          * KVR_DIO_STAGE per kvr_disk), not the store's memory. */
-        if (posix_memalign(&p, EXT_ALIGN, s->cap) != 0)
+        /* In huge pages where it is large enough: a request's memory in
+         * few physical pieces (a device takes few segments per request). */
+        bool huge = s->cap >= (4u << 20);
+        if (posix_memalign(&p, huge ? (2u << 20) : EXT_ALIGN, s->cap) != 0)
             return -ENOMEM;
+        if (huge)
+            (void)madvise(p, s->cap & ~(size_t)((2u << 20) - 1), MADV_HUGEPAGE);
         free(d->stage);
         d->stage = p;
         d->stage_cap = s->cap;
@@ -990,8 +1128,10 @@ static int ds_init(dstream *s, kvr_disk *d, uint64_t total)
 
 typedef void (*ds_done_fn)(dstream *s, size_t slot, void *arg);
 
-/* Reaps the oldest request; done (may be NULL) sees it first. */
-static void ds_reap(dstream *s, ds_done_fn done, void *arg)
+/* Waits for the oldest request in flight (the engine completes a stream
+ * in push order) without handling it yet: it stays at the head, its
+ * staging held, until ds_reap (s->rq: such requests, 0 or 1). */
+static void ds_complete(dstream *s)
 {
     kvr_dio_req *r = kvr_dio_reap(s->d->io);
     size_t slot = s->qh;
@@ -999,22 +1139,44 @@ static void ds_reap(dstream *s, ds_done_fn done, void *arg)
     (void)r;
     if (s->q[slot].res && !s->err)
         s->err = s->q[slot].res;
-    if (done)
-        done(s, slot, arg);
-    s->qh = (s->qh + 1) % KVR_DIO_STREAM_MAX;
-    s->qn--;
+    s->rq = 1;
 }
 
-/* len contiguous staging bytes, reaping the oldest requests until free. */
+/* Handles and frees the oldest request (waiting for it first unless
+ * ds_complete did); done (may be NULL) sees it. */
+static void ds_reap(dstream *s, ds_done_fn done, void *arg)
+{
+    if (!s->rq)
+        ds_complete(s);
+    if (done)
+        done(s, s->qh, arg);
+    s->qh = (s->qh + 1) % KVR_DIO_STREAM_MAX;
+    s->qn--;
+    s->rq = 0;
+}
+
+/* A free request slot and len contiguous staging bytes (none if len is 0:
+ * NULL). When the queue is full it waits for the oldest request but
+ * handles it (a load's checksum) only at the next call, after the caller
+ * pushed the next request: the device is not idle while the CPU works. */
 static uint8_t *ds_alloc(dstream *s, size_t len, ds_done_fn done, void *arg)
 {
     for (;;) {
-        if (s->qn == 0) {
-            s->tail = 0;
-            return s->st;
-        }
-        if (s->qn < s->maxq) {
-            size_t head = (size_t)((uint8_t *)s->q[s->qh].iov[0].iov_base - s->st);
+        if (s->qn - s->rq < s->maxq && s->qn < KVR_DIO_STREAM_MAX) {
+            if (len == 0)
+                return NULL;
+            size_t head = SIZE_MAX;
+            for (size_t i = 0; i < s->qn; i++) {
+                size_t slot = (s->qh + i) % KVR_DIO_STREAM_MAX;
+                if (s->sl[slot]) {
+                    head = s->sp[slot];
+                    break;
+                }
+            }
+            if (head == SIZE_MAX) {
+                s->tail = 0;
+                return s->st;
+            }
             if (s->tail > head) {
                 if (s->tail + len <= s->cap)
                     return s->st + s->tail;
@@ -1024,107 +1186,258 @@ static uint8_t *ds_alloc(dstream *s, size_t len, ds_done_fn done, void *arg)
                 return s->st + s->tail;
             }
         }
-        ds_reap(s, done, arg);
+        if (s->rq || s->qn - s->rq < s->maxq)
+            ds_reap(s, done, arg);          /* handle the completed one / make room */
+        else
+            ds_complete(s);
     }
 }
 
-static void ds_push(dstream *s, int fd, bool write, uint8_t *p, size_t len, uint64_t off)
+/* Builds the next request (after ds_alloc made room): ds_new, then its
+ * parts in file order with ds_add (staged parts from one ds_alloc), then
+ * ds_send pushes it. */
+static void ds_new(dstream *s, int fd, bool write, uint64_t off)
+{
+    size_t slot = (s->qh + s->qn) % KVR_DIO_STREAM_MAX;
+    s->q[slot] = (kvr_dio_req){ .fd = fd, .write = write, .off = off, .eof_ok = !write };
+    s->np[slot] = 0;
+    s->sl[slot] = 0;
+}
+
+static void ds_add(dstream *s, size_t k, size_t pos, void *p, size_t len, bool staged)
 {
     size_t slot = (s->qh + s->qn) % KVR_DIO_STREAM_MAX;
     kvr_dio_req *q = &s->q[slot];
-    *q = (kvr_dio_req){ .fd = fd, .write = write, .iovcnt = 1, .off = off,
-                        .eof_ok = !write };
-    q->iov[0].iov_base = p;
-    q->iov[0].iov_len = len;
-    s->qn++;
-    s->tail = (size_t)(p - s->st) + len;
-    kvr_dio_push(s->d->io, q);
+    assert((size_t)q->iovcnt < KVR_DIO_IOV_MAX);
+    q->iov[q->iovcnt].iov_base = p;
+    q->iov[q->iovcnt++].iov_len = len;
+    s->parts[slot][s->np[slot]++] = (dpart){ .k = k, .pos = pos, .len = len,
+                                             .stage = staged ? p : NULL };
+    if (staged) {
+        if (!s->sl[slot])
+            s->sp[slot] = (size_t)((uint8_t *)p - s->st);
+        s->sl[slot] = (size_t)((uint8_t *)p + len - (s->st + s->sp[slot]));
+    }
 }
 
-/* Copies image bytes [a, a+n) of an extent (header h, data p[len], zero
- * padding) to out. */
-static void image_copy(uint8_t *out, const uint8_t *h, const uint8_t *p, size_t len,
-                       size_t a, size_t n)
+static void ds_send(dstream *s)
 {
-    size_t e = a + n;
-    if (a < EXT_HDR) {
-        size_t k = (e < EXT_HDR ? e : EXT_HDR) - a;
-        memcpy(out, h + a, k);
-        out += k;
-        a += k;
+    size_t slot = (s->qh + s->qn) % KVR_DIO_STREAM_MAX;
+    if (s->sl[slot])
+        s->tail = s->sp[slot] + s->sl[slot];
+    s->qn++;
+    kvr_dio_push(s->d->io, &s->q[slot]);
+}
+
+/* Stages image bytes [a, a + n) of a v2 extent (data p[len], trailer,
+ * zero padding) at out, in image order: data copied and checksummed in
+ * cache-sized steps into *crc; the trailer (built in trl once the data's
+ * checksum is complete, i.e. when first reached) after it. */
+static void stage_v2(uint8_t *out, size_t a, size_t n, const uint8_t *p,
+                     const kvr_disk_handle *h, uint32_t segid, uint32_t *crc, uint8_t *trl,
+                     bool *trl_built)
+{
+    size_t e = a + n, len = h->len;
+    while (a < e && a < len) {
+        size_t m = e < len ? e - a : len - a;
+        if (m > DIO_PIECE)
+            m = DIO_PIECE;
+        memcpy(out, p + a, m);
+        *crc = kvr_crc32c(*crc, out, m);
+        out += m;
+        a += m;
     }
-    if (a < e && a < EXT_HDR + len) {
-        size_t end = e < EXT_HDR + len ? e : EXT_HDR + len;
-        memcpy(out, p + (a - EXT_HDR), end - a);
-        out += end - a;
-        a = end;
+    if (a < e && a < len + EXT_HDR) {
+        if (!*trl_built) {
+            ext_header(trl, FMT_V2, h->seq, segid, h->len, *crc, h->off);
+            *trl_built = true;
+        }
+        size_t m = (e < len + EXT_HDR ? e : len + EXT_HDR) - a;
+        memcpy(out, trl + (a - len), m);
+        out += m;
+        a += m;
     }
     if (a < e)
         memset(out, 0, e - a);
 }
 
+/* A run of extents [i, j) of a batch (in order ord, or 0..n if ord is
+ * NULL) that go straight from / into memory: consecutive in one v2
+ * segment, each aligned for O_DIRECT. */
+static size_t ds_run(const kvr_disk *d, const kvr_disk_handle *hs, const size_t *ord,
+                     const void *const *mem, size_t i, size_t n)
+{
+#define AT(x) (ord ? ord[x] : (x))
+    const kvr_disk_handle *h0 = &hs[AT(i)];
+    const seg *s = seg_find(d, h0->seg);
+    size_t j = i + 1;
+    for (; j < n; j++) {
+        const kvr_disk_handle *p = &hs[AT(j - 1)], *h = &hs[AT(j)];
+        if (h->seg != h0->seg || h->off != p->off + ext_alloc(p) ||
+            !dma_bytes(d, s, mem[AT(j)], h->len))
+            break;
+    }
+#undef AT
+    return j;
+}
+
+/* Cuts a run's images (contiguous in the file) into requests of at most
+ * dio_req_bytes() and KVR_DIO_IOV_MAX parts, whatever the extents'
+ * boundaries (full-size requests: a device splits larger ones): each
+ * extent's data straight from / into memory, its tail (last partial
+ * granule, trailer, zeros) staged. A write checksums each data part and
+ * stages each tail (its extent's checksum then complete) before the
+ * request is pushed; a read's parts are checked by ld_take. crc and
+ * built are per run position (writes). */
+static void ds_run_io(dstream *w, const kvr_disk_handle *hs, const size_t *ord,
+                      void *const *mem, size_t i, size_t j, bool write, uint8_t *hdr,
+                      uint32_t *crc, bool *built, ds_done_fn done, void *arg)
+{
+#define AT(x) (ord ? ord[x] : (x))
+    kvr_disk *d = w->d;
+    const seg *s = seg_find(d, hs[AT(i)].seg);
+    size_t R = dio_mem_piece();
+    size_t x = i, pos = 0;
+    while (x < j && !w->err) {
+        dpart plan[KVR_DIO_IOV_MAX];
+        size_t np = 0, room = R, stg = 0, px = x, ppos = pos;
+        uint64_t wo = hs[AT(x)].off + pos;
+        while (px < j && room > 0 && np < KVR_DIO_IOV_MAX) {
+            const kvr_disk_handle *h = &hs[AT(px)];
+            size_t D = dma_bytes(d, s, mem[AT(px)], h->len), A = ext_alloc(h), m;
+            bool st = ppos >= D;
+            m = (st ? A : D) - ppos;
+            if (m > room)
+                m = room;
+            plan[np++] = (dpart){ .k = px, .pos = ppos, .len = m, .stage = st ? w->st : NULL };
+            if (st)
+                stg += m;
+            ppos += m;
+            room -= m;
+            if (ppos == A) {
+                px++;
+                ppos = 0;
+            }
+        }
+        /* The queue is empty (a batch starts): the first request carries
+         * only data from memory, checksummed while it is on the device. */
+        if (write && w->qn == 0 && np > 1 && !plan[0].stage) {
+            np = 1;
+            stg = 0;
+            px = plan[0].k;
+            ppos = plan[0].pos + plan[0].len;
+        }
+        uint8_t *out = ds_alloc(w, stg, done, arg);
+        if (w->err)
+            break;
+        ds_new(w, s->dfd, write, wo);
+        bool later[KVR_DIO_IOV_MAX] = { false };
+        for (size_t q = 0; q < np; q++) {
+            const dpart *p = &plan[q];
+            uint8_t *m = (uint8_t *)mem[AT(p->k)];
+            if (!p->stage) {
+                /* A data part whose extent's tail is not in this request
+                 * is checksummed after the push, while on the device. */
+                later[q] = write && !(q + 1 < np && plan[q + 1].k == p->k);
+                if (write && !later[q])
+                    crc[p->k - i] = kvr_crc32c(crc[p->k - i], m + p->pos, p->len);
+                ds_add(w, p->k, p->pos, m + p->pos, p->len, false);
+                continue;
+            }
+            if (write)
+                stage_v2(out, p->pos, p->len, m, &hs[AT(p->k)], s->id, &crc[p->k - i],
+                         hdr + AT(p->k) * EXT_HDR, &built[p->k - i]);
+            ds_add(w, p->k, p->pos, out, p->len, true);
+            out += p->len;
+        }
+        ds_send(w);
+        for (size_t q = 0; q < np; q++)
+            if (later[q])
+                crc[plan[q].k - i] = kvr_crc32c(crc[plan[q].k - i],
+                                                (uint8_t *)mem[AT(plan[q].k)] + plan[q].pos,
+                                                plan[q].len);
+        x = px;
+        pos = ppos;
+    }
+#undef AT
+}
+
 /* Writes the planned extents of a batch (hs[i].seg/off/seq/len set, all in
- * segments with a direct descriptor): each extent's image as one request
- * (pieces if larger), pushed as soon as it is staged, so the device works
- * on earlier ones meanwhile. Returns 0 or the first -errno. */
+ * v2 segments with a direct descriptor), pushing each request as soon as
+ * it is ready so the device works on the earlier ones meanwhile. An
+ * extent whose memory is aligned for O_DIRECT goes from that memory in
+ * requests of dio_mem_piece() bytes, each one's checksum computed while
+ * it is on the device; the last data piece carries the staged tail (the
+ * data's last partial granule, the trailer with the checksum, zeros).
+ * Other extents are staged whole, copy and checksum fused. The trailer
+ * buffers hdr (n * EXT_HDR) are scratch. Returns 0 or the first -errno. */
 static int spill_direct(kvr_disk *d, const kvr_disk_buf *bufs, size_t n,
                         kvr_disk_handle *hs, uint8_t *hdr)
 {
     uint64_t total = 0;
     for (size_t i = 0; i < n; i++)
-        total += ext_alloc(&hs[i]);
+        total += ext_alloc(&hs[i]) - dma_bytes(d, seg_find(d, hs[i].seg), bufs[i].data,
+                                              hs[i].len);
     dstream *w = kvr_mem_malloc(sizeof *w);
-    if (!w)
+    void **mem = kvr_mem_malloc(n * sizeof *mem);
+    uint32_t *crcs = kvr_mem_calloc(n, sizeof *crcs);
+    bool *built = kvr_mem_calloc(n, sizeof *built);
+    if (!w || !mem || !crcs || !built) {
+        kvr_mem_free(w);
+        kvr_mem_free(mem);
+        kvr_mem_free(crcs);
+        kvr_mem_free(built);
         return -ENOMEM;
-    int rc = ds_init(w, d, total);
-    for (size_t i = 0; i < n && !rc && !w->err; i++) {
+    }
+    for (size_t i = 0; i < n; i++)
+        mem[i] = (void *)(uintptr_t)bufs[i].data;   /* only read */
+    int rc = ds_init(w, d, total, true);
+    for (size_t i = 0; i < n && !rc && !w->err;) {
         seg *s = seg_find(d, hs[i].seg);
-        uint8_t *h = hdr + i * EXT_HDR;
+        assert(s->fmt == FMT_V2);
+        const uint8_t *src = bufs[i].data;
         size_t alloc = ext_alloc(&hs[i]);
-        if (alloc <= w->piece) {
-            /* Copy the data in cache-sized pieces, checksumming each while
-             * it is hot, then put the header (it carries the checksum) in
-             * front. */
-            uint8_t *out = ds_alloc(w, alloc, NULL, NULL);
-            if (w->err)
-                break;
-            const uint8_t *src = bufs[i].data;
-            uint32_t crc = 0;
-            for (size_t x = 0; x < hs[i].len; x += DIO_PIECE) {
-                size_t m = hs[i].len - x < DIO_PIECE ? hs[i].len - x : DIO_PIECE;
-                memcpy(out + EXT_HDR + x, src + x, m);
-                crc = kvr_crc32c(crc, out + EXT_HDR + x, m);
-            }
-            memset(out + EXT_HDR + hs[i].len, 0, alloc - EXT_HDR - hs[i].len);
-            hs[i].crc = crc;
-            ext_header(out, hs[i].seq, s->id, hs[i].len, crc, hs[i].off);
-            ds_push(w, s->dfd, true, out, alloc, hs[i].off);
+        size_t dma = dma_bytes(d, s, src, hs[i].len);
+        if (dma) {
+            size_t j = ds_run(d, hs, NULL, (const void *const *)mem, i, n);
+            ds_run_io(w, hs, NULL, mem, i, j, true, hdr, crcs + i, built + i, NULL, NULL);
+            for (size_t x = i; x < j; x++)
+                hs[x].crc = crcs[x];
+            i = j;
             continue;
         }
-        /* Larger than a request: checksum first, then pieces. */
-        hs[i].crc = kvr_crc32c(0, bufs[i].data, bufs[i].len);
-        ext_header(h, hs[i].seq, s->id, hs[i].len, hs[i].crc, hs[i].off);
-        for (size_t pos = 0; pos < alloc && !w->err;) {
-            size_t k = alloc - pos < w->piece ? alloc - pos : w->piece;
+        /* An extent staged whole (memory not aligned for O_DIRECT): copy
+         * and checksum fused, in pieces. */
+        uint32_t crc = 0;
+        for (size_t a = 0; a < alloc && !w->err;) {
+            size_t k = alloc - a < w->piece ? alloc - a : w->piece;
             uint8_t *out = ds_alloc(w, k, NULL, NULL);
             if (w->err)
                 break;
-            image_copy(out, h, bufs[i].data, hs[i].len, pos, k);
-            ds_push(w, s->dfd, true, out, k, hs[i].off + pos);
-            pos += k;
+            stage_v2(out, a, k, src, &hs[i], s->id, &crc, hdr + i * EXT_HDR, &built[i]);
+            ds_new(w, s->dfd, true, hs[i].off + a);
+            ds_add(w, i, a, out, k, true);
+            ds_send(w);
+            a += k;
         }
+        hs[i].crc = crc;
+        i++;
     }
     while (w->qn)
         ds_reap(w, NULL, NULL);
     if (!rc)
         rc = w->err;
     kvr_mem_free(w);
+    kvr_mem_free(mem);
+    kvr_mem_free(crcs);
+    kvr_mem_free(built);
     return rc;
 }
 
 /* A load's destination: per position k of ord, the handle ord[k]'s
- * header, running checksum and first error. */
+ * header / trailer, running checksum and first error. */
 typedef struct ldst {
+    kvr_disk              *d;
     const kvr_disk_handle *hs;
     const size_t          *ord;
     void *const           *dst;
@@ -1133,41 +1446,66 @@ typedef struct ldst {
     int                   *res;
 } ldst;
 
-/* A completed read: its bytes go to their extent (header into hdr[k], data
- * into dst with the running checksum), or its error to res[k] (-EIO if the
- * file ended before the extent's data did). */
+/* Staged image bytes [a, a + n) of extent k (format fmt) at b: data into
+ * its destination with the running checksum, the header / trailer into
+ * hdr[k]; padding ignored. Image order is data order in both formats. */
+static void take_staged(ldst *l, size_t k, uint32_t fmt, size_t a, const uint8_t *b, size_t n)
+{
+    const kvr_disk_handle *h = &l->hs[l->ord[k]];
+    size_t da = img_data_at(fmt), ha = img_hdr_at(fmt, h->len), len = h->len;
+    uint8_t *out = l->dst[l->ord[k]];
+    size_t e = a + n;
+    while (a < e) {
+        size_t m;
+        if (a >= da && a < da + len) {
+            m = (e < da + len ? e : da + len) - a;
+            if (m > DIO_PIECE)
+                m = DIO_PIECE;
+            memcpy(out + (a - da), b, m);
+            l->crc[k] = kvr_crc32c(l->crc[k], out + (a - da), m);
+        } else if (a >= ha && a < ha + EXT_HDR) {
+            m = (e < ha + EXT_HDR ? e : ha + EXT_HDR) - a;
+            memcpy(l->hdr + k * EXT_HDR + (a - ha), b, m);
+        } else {                        /* padding up to the next part */
+            size_t nx = e;
+            if (da > a && da < nx)
+                nx = da;
+            if (ha > a && ha < nx)
+                nx = ha;
+            m = nx - a;
+        }
+        a += m;
+        b += m;
+    }
+}
+
+/* A completed read: each part's bytes go to their extent (see
+ * take_staged; bytes read straight into block memory are only
+ * checksummed), or the error to res[k] (-EIO if the file ended before the
+ * extent's image did). */
 static void ld_take(dstream *s, size_t slot, void *arg)
 {
     ldst *l = arg;
     const kvr_dio_req *q = &s->q[slot];
-    const uint8_t *b = q->iov[0].iov_base;
-    size_t k = s->k[slot], a = s->pos[slot], e = a + q->iov[0].iov_len;
-    const kvr_disk_handle *h = &l->hs[l->ord[k]];
-    size_t need = EXT_HDR + (size_t)h->len;
-    if (l->res[k])
-        return;
-    if (q->res) {
-        l->res[k] = q->res;
-        return;
-    }
-    if (a + q->done < (e < need ? e : need)) {
-        l->res[k] = -EIO;               /* the file ended inside the extent */
-        return;
-    }
-    size_t a0 = a;                      /* image byte x is b[x - a0] */
-    if (a < EXT_HDR) {
-        size_t m = (e < EXT_HDR ? e : EXT_HDR) - a;
-        memcpy(l->hdr + k * EXT_HDR + a, b + (a - a0), m);
-        a += m;
-    }
-    uint8_t *out = l->dst[l->ord[k]];  /* image byte x >= EXT_HDR: out[x - EXT_HDR] */
-    while (a < e && a < need) {
-        size_t end = e < need ? e : need;
-        if (end - a > DIO_PIECE)
-            end = a + DIO_PIECE;
-        memcpy(out + (a - EXT_HDR), b + (a - a0), end - a);
-        l->crc[k] = kvr_crc32c(l->crc[k], out + (a - EXT_HDR), end - a);
-        a = end;
+    size_t ro = 0;
+    for (size_t i = 0; i < s->np[slot]; i++) {
+        const dpart *p = &s->parts[slot][i];
+        size_t k = p->k;
+        const kvr_disk_handle *h = &l->hs[l->ord[k]];
+        size_t need = EXT_HDR + (size_t)h->len;
+        size_t want = p->pos >= need ? 0 : need - p->pos < p->len ? need - p->pos : p->len;
+        if (l->res[k]) {
+            /* already failed */
+        } else if (q->res) {
+            l->res[k] = q->res;
+        } else if (ro + want > q->done) {
+            l->res[k] = -EIO;           /* the file ended inside the extent */
+        } else if (!p->stage) {         /* v2 in memory: image offset == data offset */
+            l->crc[k] = kvr_crc32c(l->crc[k], (uint8_t *)l->dst[l->ord[k]] + p->pos, p->len);
+        } else {
+            take_staged(l, k, seg_find(l->d, h->seg)->fmt, p->pos, p->stage, p->len);
+        }
+        ro += p->len;
     }
 }
 
@@ -1175,7 +1513,8 @@ static void ld_take(dstream *s, size_t slot, void *arg)
  * page fault per 4 KiB in the copy out of staging; one madvise faults in
  * the whole pages of the buffer at once, while earlier reads are on the
  * device. Advisory: a kernel without MADV_POPULATE_WRITE (5.14) refuses
- * it and the copy faults as before. Only whole pages inside [p, p + n). */
+ * it and the copy faults as before. Only whole pages inside [p, p + n).
+ * (Direct reads into the memory fault it in as they are submitted.) */
 static void prefault(void *p, size_t n)
 {
 #ifdef MADV_POPULATE_WRITE
@@ -1205,38 +1544,51 @@ static int ord_cmp(const void *a, const void *b, void *arg)
 /* Reads the extents ord[0..nk) of hs (all in segments with a direct
  * descriptor) into dst; hdr/crc/res are per position in ord, which is
  * sorted here by segment and offset (sequential on the device). Requests
- * stay queued up to the depth / staging; each is checked and copied out
- * as it completes while the later ones are on the device. */
+ * stay queued up to the depth / staging; each is checked (and its staged
+ * bytes copied out) as it completes while the later ones are on the
+ * device. A v2 extent whose destination is aligned for O_DIRECT is read
+ * straight into it, in pieces of dio_mem_piece() bytes, the last with the
+ * staged tail; the others (v1, unaligned) are staged whole. */
 static void load_direct(kvr_disk *d, const kvr_disk_handle *hs, void *const *dst,
                         size_t *ord, size_t nk, uint8_t *hdr, uint32_t *crc, int *res)
 {
     qsort_r(ord, nk, sizeof *ord, ord_cmp, (void *)(uintptr_t)hs);
     uint64_t total = 0;
-    for (size_t k = 0; k < nk; k++)
-        total += ext_alloc(&hs[ord[k]]);
-    ldst l = { .hs = hs, .ord = ord, .dst = dst, .hdr = hdr, .crc = crc, .res = res };
+    for (size_t k = 0; k < nk; k++) {
+        const kvr_disk_handle *h = &hs[ord[k]];
+        total += ext_alloc(h) - dma_bytes(d, seg_find(d, h->seg), dst[ord[k]], h->len);
+    }
+    ldst l = { .d = d, .hs = hs, .ord = ord, .dst = dst, .hdr = hdr, .crc = crc,
+               .res = res };
     dstream *r = kvr_mem_malloc(sizeof *r);
-    if (!r || ds_init(r, d, total) != 0) {
+    if (!r || ds_init(r, d, total, false) != 0) {
         for (size_t k = 0; k < nk; k++)
             res[k] = -ENOMEM;
         kvr_mem_free(r);
         return;
     }
-    for (size_t k = 0; k < nk; k++) {
+    for (size_t k = 0; k < nk;) {
         const kvr_disk_handle *h = &hs[ord[k]];
         seg *s = seg_find(d, h->seg);
+        uint8_t *out = dst[ord[k]];
         size_t alloc = ext_alloc(h);
-        for (size_t pos = 0; pos < alloc;) {
-            if (pos == 0)
-                prefault(dst[ord[k]], h->len);
-            size_t len = alloc - pos < r->piece ? alloc - pos : r->piece;
-            uint8_t *p = ds_alloc(r, len, ld_take, &l);
-            size_t slot = (r->qh + r->qn) % KVR_DIO_STREAM_MAX;
-            r->k[slot] = k;
-            r->pos[slot] = pos;
-            ds_push(r, s->dfd, false, p, len, h->off + pos);
-            pos += len;
+        size_t dma = dma_bytes(d, s, out, h->len);
+        if (dma) {
+            size_t j = ds_run(d, hs, ord, (const void *const *)dst, k, nk);
+            ds_run_io(r, hs, ord, dst, k, j, false, NULL, NULL, NULL, ld_take, &l);
+            k = j;
+            continue;
         }
+        prefault(out, h->len);
+        for (size_t a = 0; a < alloc;) {
+            size_t len = alloc - a < r->piece ? alloc - a : r->piece;
+            uint8_t *p = ds_alloc(r, len, ld_take, &l);
+            ds_new(r, s->dfd, false, h->off + a);
+            ds_add(r, k, a, p, len, true);
+            ds_send(r);
+            a += len;
+        }
+        k++;
     }
     while (r->qn)
         ds_reap(r, ld_take, &l);
@@ -1297,17 +1649,31 @@ int kvr_disk_spill(kvr_disk *d, const kvr_disk_buf *bufs, size_t n,
     }
     int io;
     if (direct) {
+        /* Allocate the batch's space first (extends the file): O_DIRECT
+         * writes that extend a file are synchronous and serialised on
+         * ext4 (the inode lock, io_uring punts them to one worker), while
+         * writes inside it go to the device together. Advisory: where the
+         * filesystem refuses, the writes extend the file themselves. */
+        for (size_t i = 0, j; i < n && kvr_dio_async(d->io); i = j) {
+            for (j = i + 1; j < n && hs[j].seg == hs[i].seg; j++)
+                ;
+            seg *s = seg_find(d, hs[i].seg);
+            (void)fallocate(s->fd, 0, (off_t)hs[i].off,
+                            (off_t)(hs[j - 1].off + ext_alloc(&hs[j - 1]) - hs[i].off));
+        }
         io = spill_direct(d, bufs, n, hs, hdr);
     } else {
         for (size_t i = 0; i < n; i++) {
+            /* Buffered: data, then the trailer (the file may end there). */
             seg *s = seg_find(d, hs[i].seg);
             hs[i].crc = kvr_crc32c(0, bufs[i].data, bufs[i].len);
-            ext_header(hdr + i * EXT_HDR, hs[i].seq, s->id, hs[i].len, hs[i].crc, hs[i].off);
+            ext_header(hdr + i * EXT_HDR, s->fmt, hs[i].seq, s->id, hs[i].len, hs[i].crc,
+                       hs[i].off);
             q[i] = (kvr_dio_req){ .fd = s->fd, .write = true, .iovcnt = 2, .off = hs[i].off };
-            q[i].iov[0].iov_base = hdr + i * EXT_HDR;
-            q[i].iov[0].iov_len = EXT_HDR;
-            q[i].iov[1].iov_base = (void *)(uintptr_t)bufs[i].data;
-            q[i].iov[1].iov_len = bufs[i].len;
+            q[i].iov[0].iov_base = (void *)(uintptr_t)bufs[i].data;
+            q[i].iov[0].iov_len = bufs[i].len;
+            q[i].iov[1].iov_base = hdr + i * EXT_HDR;
+            q[i].iov[1].iov_len = EXT_HDR;
         }
         io = kvr_dio_run(d->io, q, n);
     }
@@ -1406,11 +1772,13 @@ int kvr_disk_load(kvr_disk *d, const kvr_disk_handle *hs, void *const *dst,
                                       hs[i].seg, hs[i].off, hs[i].seq);
             continue;
         }
+        /* Buffered: the image up to the end of the header / trailer. */
         q[nq] = (kvr_dio_req){ .fd = s->fd, .write = false, .iovcnt = 2, .off = hs[i].off };
-        q[nq].iov[0].iov_base = hdr + nq * EXT_HDR;
-        q[nq].iov[0].iov_len = EXT_HDR;
-        q[nq].iov[1].iov_base = dst[i];
-        q[nq].iov[1].iov_len = hs[i].len;
+        int hi = s->fmt == FMT_V1 ? 0 : 1;
+        q[nq].iov[hi].iov_base = hdr + nq * EXT_HDR;
+        q[nq].iov[hi].iov_len = EXT_HDR;
+        q[nq].iov[1 - hi].iov_base = dst[i];
+        q[nq].iov[1 - hi].iov_len = hs[i].len;
         map[nq++] = i;
     }
     bool direct = nq > 0;
@@ -1439,7 +1807,7 @@ int kvr_disk_load(kvr_disk *d, const kvr_disk_handle *hs, void *const *dst,
             st = KVR_EIO;
             if (!first)
                 first = io_error(q[k].res, "load read", err);
-        } else if (!ext_header_ok(hdr + k * EXT_HDR, &hs[i]) ||
+        } else if (!ext_header_ok(hdr + k * EXT_HDR, seg_find(d, hs[i].seg)->fmt, &hs[i]) ||
                    (direct ? crc[k] : kvr_crc32c(0, dst[i], hs[i].len)) != hs[i].crc) {
             st = KVR_EIO;
             d->n_quarantined++;

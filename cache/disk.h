@@ -23,12 +23,33 @@
  * ---- on-disk format (all integers little-endian) ----------------------------
  *
  *  LOCK                  flock()ed while open: one process per directory.
- *  seg-XXXXXXXX.dat      data segments, XXXXXXXX = segment id (hex). Extents
+ *  seg-XXXXXXXX.v2.dat   data segments of format v2 (what this version
+ *                        writes), XXXXXXXX = segment id (hex). Extents
  *                        start at 4096-byte boundaries:
- *      0  u32 magic "KVRX"   4 u32 hcrc = crc32c(bytes 8..31, then u64 offset)
- *      8  u64 seq           16 u32 segment id   20 u32 len
- *     24  u32 dcrc = crc32c(data)              28 u32 zero
- *     32  data[len], zero padding up to the next 4096 boundary
+ *      0    data[len]
+ *      len  the trailer, 32 bytes:
+ *           0 u32 magic "KVRT"   4 u32 tcrc = crc32c(bytes 8..31, then u64 offset)
+ *           8 u64 seq           16 u32 segment id   20 u32 len
+ *          24 u32 dcrc = crc32c(data)              28 u32 zero
+ *      then zero padding up to the next 4096 boundary (a file written
+ *      buffered may end at the trailer). An extent takes
+ *      align_up(len + 32, 4096) bytes, as in v1: the data's whole granules
+ *      sit at the extent's start, so they go between the device and block
+ *      memory directly (O_DIRECT), and only the last partial granule and
+ *      the trailer are staged.
+ *  seg-XXXXXXXX.dat      data segments of format v1 (kvrope before the
+ *                        v2 layout): the same 32 bytes as a header in front
+ *                        (magic "KVRX", hcrc over bytes 8..31 and the
+ *                        offset), data from byte 32, zero padding. Still
+ *                        recovered and read; never written again (after a
+ *                        restart every spill goes to a new segment, so an
+ *                        upgraded directory drains its v1 segments as their
+ *                        extents are freed). A segment file of a newer
+ *                        format (seg-XXXXXXXX.vN.dat, N > 2) or two files
+ *                        with one id refuse the open with KVR_EUNSUPPORTED
+ *                        and the reason; nothing is removed. An older
+ *                        kvrope does not see v2 files (their contexts are
+ *                        lost to it): no downgrade.
  *  log-XXXXXXXX.kvl      the log of generation XXXXXXXX; only the highest
  *                        generation counts. Records are packed back to back:
  *      0  u32 magic "KVRL"   4 u32 crc = crc32c(bytes 8..23 + payload)
@@ -43,19 +64,25 @@
  *
  *  Spills and loads go through a second descriptor of each segment opened
  *  with O_DIRECT (unless cfg.buffered, or the filesystem refuses it: then
- *  the page cache as before; the bytes on disk are the same either way,
- *  so either reads what the other wrote). An extent's whole image (header,
- *  data, zero padding up to its 4 KiB-aligned allocation) is staged in an
- *  aligned ring (KVR_DIO_STAGE = 16 MiB per kvr_disk, kept between calls,
- *  sized down to the call's bytes) and written as one request (4 MiB
- *  pieces if larger); the data is copied and checksummed in 64 KiB steps
- *  while it is in cache, and the request is pushed as soon as it is
- *  staged (kvr_dio_push), so the device works on the earlier ones
- *  meanwhile; a request's staging is reused once it is reaped (oldest
- *  first). A load sorts the batch by segment and offset, keeps up to the
- *  queue depth / ring of reads queued, and checks and copies each out as
- *  it completes. A load reads each extent's whole allocation (an older
- *  file may end inside the last granule: eof_ok). Durability is unchanged:
+ *  the page cache; the bytes on disk are the same either way, so either
+ *  reads what the other wrote). A batch's extents lie back to back in the
+ *  file; a run of them whose memory is aligned as O_DIRECT wants (statx
+ *  STATX_DIOALIGN; a page where unknown) is cut into requests of 4 MiB
+ *  whatever the extents' boundaries (a device splits larger ones), each
+ *  an iovec of block memory (the data's whole granules, no copy) and of
+ *  staged tails (the last partial granule, trailer, zeros) from an aligned
+ *  ring (KVR_DIO_STAGE = 16 MiB at most per kvr_disk, kept between calls,
+ *  sized to the call's staged bytes). A spill checksums each request's
+ *  data before pushing it (kvr_dio_push) while the earlier ones are on the
+ *  device, or just after when its extent's trailer is in a later request;
+ *  a load checks each request's data as it completes while the later ones
+ *  are on the device. Memory that is not aligned (and v1 extents) is
+ *  staged whole, copy and checksum fused, 4 MiB pieces. Before its writes
+ *  a spill allocates the batch's space (fallocate, io_uring only): on
+ *  ext4 an O_DIRECT write that extends the file is synchronous and
+ *  serialised on the inode, writes inside it go to the device together.
+ *  Loads keep at most 4 reads in flight (deeper made a virtio disk
+ *  slower), sorted by segment and offset. Durability is unchanged:
  *  O_DIRECT writes are made durable by the same fdatasync as before.
 
  * ---- write ordering (why a crash leaves the old state or the new) -----------
@@ -311,10 +338,11 @@ uint32_t kvr_crc32c_portable(uint32_t crc, const void *p, size_t n); /* tables *
 
 /* ---- between disk*.c files only: the I/O engines (disk_io.c) ----------------- */
 typedef struct kvr_dio kvr_dio;
+#define KVR_DIO_IOV_MAX 8u
 typedef struct kvr_dio_req {
     int          fd;
     bool         write;
-    struct iovec iov[2];
+    struct iovec iov[KVR_DIO_IOV_MAX];
     int          iovcnt;
     uint64_t     off;
     bool         eof_ok;          /* a read may stop at end of file (res 0,
@@ -334,6 +362,9 @@ int  kvr_dio_create(kvr_dio **out, kvr_disk_engine engine, uint32_t depth,
                     char *note, size_t note_cap, kvr_error *err);
 void kvr_dio_destroy(kvr_dio *io);
 const char *kvr_dio_name(const kvr_dio *io);
+/* Whether requests of a stream run on the device together (io_uring), not
+ * one after the other (the POSIX engine's one I/O thread). */
+bool kvr_dio_async(const kvr_dio *io);
 /* Runs n requests (batched on io_uring); returns 0 or the first request's
  * -errno (the system's value, as in kvr_dio_req.res). */
 int  kvr_dio_run(kvr_dio *io, kvr_dio_req *r, size_t n);

@@ -109,6 +109,11 @@ const char *kvr_dio_name(const kvr_dio *io)
     return io->uring ? "io_uring" : "posix";
 }
 
+bool kvr_dio_async(const kvr_dio *io)
+{
+    return io->uring;
+}
+
 void kvr_dio_fault_set(kvr_dio *io, unsigned ops, uint64_t nth, int err_no,
                        uint64_t count)
 {
@@ -171,7 +176,7 @@ static int finish_posix(kvr_dio_req *r, size_t done)
 {
     size_t total = req_len(r);
     while (done < total) {
-        struct iovec v[2];
+        struct iovec v[KVR_DIO_IOV_MAX];
         int nv = 0;
         size_t skip = done;
         for (int i = 0; i < r->iovcnt; i++) {

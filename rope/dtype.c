@@ -72,6 +72,21 @@ void kvr_convert(void *dst, kvr_dtype dst_type, const void *src, kvr_dtype src_t
     }
 }
 
+void kvr_copy_stream(void *dst, const void *src, size_t n)
+{
+    if (n == 0)
+        return;
+    /* below a few lines the fence costs more than it saves */
+    if (n < 1024 || rope_isa_resolve(KVR_ISA_AUTO) != KVR_ISA_AVX512) {
+        memcpy(dst, src, n);
+        return;
+    }
+    size_t head = (64 - (uintptr_t)dst % 64) % 64, body = (n - head) / 64 * 64;
+    memcpy(dst, src, head);
+    rope_copy_stream_avx512((char *)dst + head, (const char *)src + head, body);
+    memcpy((char *)dst + head + body, (const char *)src + head + body, n - head - body);
+}
+
 void kvr_convert_scaled(void *dst, kvr_dtype dst_type, const void *src, kvr_dtype src_type,
                         size_t n, float scale)
 {

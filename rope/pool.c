@@ -48,6 +48,8 @@ struct kvr_pool {
     pool_job       *jobs;
     bool            stop;
     unsigned        n_workers;      /* threads started */
+    unsigned        active;         /* at most this many help at once */
+    unsigned        helping;        /* workers inside a job now */
     pthread_t      *threads;
 };
 
@@ -82,18 +84,23 @@ static void *worker_main(void *arg)
     pthread_mutex_lock(&p->lock);
     for (;;) {
         pool_job *j = NULL;
-        while (!p->stop && !(j = job_to_help(p)))
+        while (!p->stop && (p->helping >= p->active || !(j = job_to_help(p))))
             pthread_cond_wait(&p->work_cv, &p->lock);
         if (p->stop || !j)
             break;
         j->wanted--;
         j->running++;
+        p->helping++;
         pthread_mutex_unlock(&p->lock);
         job_run(j);
         pthread_mutex_lock(&p->lock);
-        assert(j->running > 0);
+        assert(j->running > 0 && p->helping > 0);
+        p->helping--;
         if (--j->running == 0)
             pthread_cond_broadcast(&p->done_cv);
+        /* a worker held back by the cap may take a job now */
+        if (p->jobs && p->helping + 1 == p->active)
+            pthread_cond_signal(&p->work_cv);
     }
     pthread_mutex_unlock(&p->lock);
     return NULL;
@@ -122,6 +129,7 @@ int kvr_pool_create(kvr_pool **out, unsigned n_workers)
             break;
         p->n_workers++;
     }
+    p->active = p->n_workers;
     *out = p;
     return 0;
 }
@@ -153,7 +161,22 @@ void kvr_pool_destroy(kvr_pool *p)
 
 unsigned kvr_pool_threads(const kvr_pool *p)
 {
-    return p ? p->n_workers + 1 : 1;
+    if (!p)
+        return 1;
+    /* active may change under the lock meanwhile: an atomic read */
+    unsigned a = __atomic_load_n(&p->active, __ATOMIC_RELAXED);
+    return (a < p->n_workers ? a : p->n_workers) + 1;
+}
+
+void kvr_pool_set_active(kvr_pool *p, unsigned n_workers)
+{
+    if (!p)
+        return;
+    pthread_mutex_lock(&p->lock);
+    __atomic_store_n(&p->active, n_workers, __ATOMIC_RELAXED);
+    /* raised: idle workers may now join listed jobs */
+    pthread_cond_broadcast(&p->work_cv);
+    pthread_mutex_unlock(&p->lock);
 }
 
 int kvr_pool_for(kvr_pool *p, size_t n, unsigned max_threads,

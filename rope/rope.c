@@ -18,7 +18,11 @@
  * double-precision angle-addition step when (a, b) moves by the same step as
  * before (contiguous positions), and (4) recomputed with sincos() at every
  * token index that is a multiple of RESEED, so recurrence error is bounded and
- * results do not depend on how tokens are split across threads.
+ * results do not depend on how tokens are split across threads. Where (a, b)
+ * changes token after token (no repeat, no step), AVX-512 takes the float
+ * table from rope_table_fast_avx512, which vouches for the reference's
+ * floats or declines (then the reference table is made); the reference
+ * doubles are made later only if a step needs them.
  */
 #include <assert.h>
 #include <pthread.h>
@@ -384,6 +388,7 @@ typedef struct job {
     rope_sincos_fn sincos;
     rope_tofloat_fn tofloat;
     rope_table_fn table;       /* NULL: sincos then tofloat */
+    rope_table_fast_fn table_fast;   /* floats only, unit magnitude; NULL: none */
     rope_step_fn step;
     kvr_rope_src_fn src_fn;    /* non-NULL: source rows on demand (f32) */
     void *src_ud;
@@ -394,6 +399,7 @@ typedef struct job {
     int64_t delta;
     float scale;
     rope_rows_scaled_fn rows_s;   /* NULL: through an f32 row per head */
+    bool stream;                  /* rope_rows_stream_avx512 where it can */
 } job;
 
 /* a_t for token t, or false when it overflows int64 (the caller then falls
@@ -405,7 +411,8 @@ static inline bool token_a(const job *j, size_t t, int64_t *out)
 }
 
 /* The fixed-angle range: the table of the one delta, made as run_range's
- * mode 0 makes it for every reseed (the same bits), then every token. */
+ * mode 0 makes it for every reseed (the same bits), then every token's rows
+ * in one call of the rows kernel. */
 static void run_fixed(const job *j)
 {
     const kvr_rope *r = j->r;
@@ -423,22 +430,26 @@ static void run_fixed(const job *j)
         j->sincos((double)j->delta, j->f1, 0.0, NULL, n, ss, cc);
         j->tofloat(cc, ss, n, j->mag, gptj, fc, fs);
     }
-    for (size_t t = j->t0; t < j->t1; t++) {
-        char *d = (char *)j->dst + t * row_elems * dsz;
-        const char *s = (const char *)j->src + t * row_elems * ssz;
-        if (!j->scaled) {
-            j->rows(d, j->dt, s, j->st, j->n_heads, hd, rot, gptj, fc, fs);
-        } else if (j->rows_s) {
-            j->rows_s(d, j->dt, s, j->st, j->n_heads, hd, rot, gptj, fc, fs, j->scale);
-        } else {
-            /* each head rotated into f32 (in L1), scaled and converted */
-            for (size_t h = 0; h < j->n_heads; h++) {
-                j->rows(row, KVR_DTYPE_F32, s + h * (size_t)hd * ssz, j->st, 1, hd, rot, gptj,
-                        fc, fs);
-                for (int q = 0; q < hd; q++)
-                    row[q] *= j->scale;
-                kvr_convert(d + h * (size_t)hd * dsz, j->dt, row, KVR_DTYPE_F32, (size_t)hd);
-            }
+    /* One table for every token: the range's rows are one run of
+     * (t1 - t0) * n_heads head rows, rotated in one call. */
+    size_t nrows = (j->t1 - j->t0) * j->n_heads;
+    char *d = (char *)j->dst + j->t0 * row_elems * dsz;
+    const char *s = (const char *)j->src + j->t0 * row_elems * ssz;
+    if (j->stream && rope_rows_stream_avx512(d, j->dt, s, j->st, nrows, hd, rot, gptj, fc, fs,
+                                             j->scaled, j->scale)) {
+        /* non-temporal stores are weakly ordered: visible before the return */
+        rope_stream_fence_avx512();
+    } else if (!j->scaled) {
+        j->rows(d, j->dt, s, j->st, nrows, hd, rot, gptj, fc, fs);
+    } else if (j->rows_s) {
+        j->rows_s(d, j->dt, s, j->st, nrows, hd, rot, gptj, fc, fs, j->scale);
+    } else {
+        /* each head rotated into f32 (in L1), scaled and converted */
+        for (size_t h = 0; h < nrows; h++) {
+            j->rows(row, KVR_DTYPE_F32, s + h * (size_t)hd * ssz, j->st, 1, hd, rot, gptj, fc, fs);
+            for (int q = 0; q < hd; q++)
+                row[q] *= j->scale;
+            kvr_convert(d + h * (size_t)hd * dsz, j->dt, row, KVR_DTYPE_F32, (size_t)hd);
         }
     }
 }
@@ -458,6 +469,11 @@ static void run_range(const job *j)
     float fc[KVR_ROPE_MAX_HEAD_DIM], fs[KVR_ROPE_MAX_HEAD_DIM];
     int64_t pa = 0, pb = 0, sa = 0, sb = 0;  /* previous (a, b), current step */
     bool have_prev = false, have_step = false, step_ready = false;
+    /* Tokens in a row made afresh: from the third on (deltas that differ
+     * token by token) the floats come from the fast table when it can vouch
+     * for them, and cc / ss then lag (stale) until a step needs them. */
+    int fresh_run = 0;
+    bool stale = false;
     /* A chunk of a threaded run (t0 > 0, a multiple of RESEED): start from
      * what one pass would know at t0, the previous token's (a, b), so the
      * step is learnt at t0 as it would be there and token t0 + 1 takes the
@@ -488,15 +504,22 @@ static void run_range(const job *j)
         } else {
             mode = 0;
         }
+        fresh_run = mode == 0 ? fresh_run + 1 : 0;
         if (mode == 0) {
             if (wide) {
                 j->sincos((double)j->a[t], f1, -(double)j->a_sub[t], f1, n, ss, cc);
+                stale = false;
                 have_prev = false;
                 have_step = false;
             } else {
-                if (j->table) {
+                if (j->table_fast && fresh_run >= 3 &&
+                    j->table_fast((double)a, f1, (double)b, f2, n, gptj, fs, fc)) {
+                    fresh = true;
+                    stale = true;
+                } else if (j->table) {
                     j->table((double)a, f1, (double)b, f2, n, j->mag, gptj, ss, cc, fs, fc);
                     fresh = true;
+                    stale = false;
                 } else {
                     j->sincos((double)a, f1, (double)b, f2, n, ss, cc);
                 }
@@ -514,6 +537,11 @@ static void run_range(const job *j)
                 have_prev = true;
             }
         } else if (mode == 2) {
+            /* the previous token's doubles, which the step advances */
+            if (stale) {
+                j->sincos((double)pa, f1, (double)pb, f2, n, ss, cc);
+                stale = false;
+            }
             if (!step_ready) {
                 j->sincos((double)sa, f1, (double)sb, f2, n, sts, stc);
                 step_ready = true;
@@ -599,6 +627,8 @@ static void pick_tables(job *j, const kvr_rope_opts *opts)
     case KVR_ISA_AVX512:
         j->sincos = rope_sincos_avx512; j->tofloat = rope_tofloat_avx512;
         j->table = rope_table_avx512; j->step = rope_step_avx512;
+        /* floats only, for the unit magnitude (reposition) */
+        j->table_fast = j->mag == 1.0 ? rope_table_fast_avx512 : NULL;
         break;
     case KVR_ISA_AVX2:
         j->sincos = rope_sincos_avx2; j->tofloat = rope_tofloat_avx2; j->step = rope_step_avx2;
@@ -779,6 +809,7 @@ int kvr_rope_reposition_delta(const kvr_rope *r, void *dst, kvr_dtype dst_type,
         .f1 = f_to, .mag = 1.0, .rows = pick_rows(opts), .fixed = true, .scaled = scaled,
         .delta = delta, .scale = scale,
         .rows_s = isa == KVR_ISA_AVX512 ? rope_rows_scaled_avx512 : NULL,
+        .stream = isa == KVR_ISA_AVX512 && opts && opts->stream,
     };
     pick_tables(&j, opts);
     return run(&j, n_tokens, opts);

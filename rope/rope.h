@@ -61,6 +61,13 @@ void kvr_convert(void *dst, kvr_dtype dst_type,
 void kvr_convert_scaled(void *dst, kvr_dtype dst_type,
                         const void *src, kvr_dtype src_type, size_t n, float scale);
 
+/* memcpy of n bytes (no overlap) that nothing reads back soon, e.g. a whole
+ * context into a caller's buffer: with non-temporal stores where the CPU
+ * has AVX-512 (no read of each destination line before it is written),
+ * plain memcpy for the unaligned ends and elsewhere; fenced before it
+ * returns. */
+void kvr_copy_stream(void *dst, const void *src, size_t n);
+
 /* ---- configuration ------------------------------------------------------ */
 
 typedef enum kvr_rope_style {
@@ -222,6 +229,12 @@ typedef struct kvr_rope_opts {
      * in reposition). */
     int64_t seq_len_from;
     int64_t seq_len_to;
+    /* The output is large and not read again soon (a whole context into a
+     * caller's buffer): kvr_rope_reposition_delta may write it with
+     * non-temporal stores where the ISA and dst's alignment allow (no read
+     * of each destination line before its write). The same bits; stores
+     * are fenced before the call returns. */
+    bool    stream;
 } kvr_rope_opts;
 
 kvr_isa     kvr_isa_best(void);                     /* what AUTO resolves to */
@@ -294,8 +307,15 @@ void kvr_pool_destroy(kvr_pool *p);
  * besides the caller, its workers joined at exit. Borrowed; never NULL
  * unless it could not be allocated (then loops run on the caller). */
 kvr_pool *kvr_pool_default(void);
-/* Threads a loop on p can use: its workers plus the caller. */
+/* Threads a loop on p can use: its workers allowed to help (below) plus
+ * the caller. */
 unsigned kvr_pool_threads(const kvr_pool *p);
+/* At most n_workers of p's workers help loops at any one time, whatever the
+ * number of loops running (the callers' threads always work on their own
+ * loops); the rest sleep. Starts at all of them. A process that shares its
+ * cores with other work caps the pool so; benchmarks measure 1..N threads
+ * with it. Results never depend on it. NULL is a no-op. */
+void kvr_pool_set_active(kvr_pool *p, unsigned n_workers);
 
 /* Calls fn(ud, i) for every i in [0, n), each exactly once, on at most
  * max_threads threads (the caller's included; p NULL = kvr_pool_default()).

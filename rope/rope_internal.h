@@ -70,6 +70,17 @@ typedef void (*rope_rows_scaled_fn)(void *dst, kvr_dtype dt, const void *src, kv
 void rope_rows_scaled_avx512(void *dst, kvr_dtype dt, const void *src, kvr_dtype st,
                              size_t n_heads, int head_dim, int rot, int gptj,
                              const float *c, const float *s, float k);
+/* rope_rows_avx512 / rope_rows_scaled_avx512 (scaled) with non-temporal
+ * stores: the same bits, no read of the destination lines. false (nothing
+ * written) when dst or the row layout is not aligned for them. Fence with
+ * rope_stream_fence_avx512 before the data is handed on. */
+bool rope_rows_stream_avx512(void *dst, kvr_dtype dt, const void *src, kvr_dtype st,
+                             size_t n_heads, int head_dim, int rot, int gptj,
+                             const float *c, const float *s, bool scaled, float k);
+void rope_stream_fence_avx512(void);
+/* n (a multiple of 64) bytes to a 64-byte aligned dst with non-temporal
+ * stores, fenced (kvr_copy_stream). */
+void rope_copy_stream_avx512(void *dst, const void *src, size_t n);
 /* dst = src * k element-wise in f32, rounded once (kvr_convert_scaled). */
 void rope_convert_scaled_avx512(void *dst, kvr_dtype dt, const void *src, kvr_dtype st,
                                 size_t n, float k);
@@ -110,6 +121,15 @@ typedef void (*rope_table_fn)(double a, const double *f1, double b, const double
                               double m, int gptj, double *s, double *c, float *fs, float *fc);
 void rope_table_avx512(double a, const double *f1, double b, const double *f2, int n, double m,
                        int gptj, double *s, double *c, float *fs, float *fc);
+
+/* The float tables of rope_table_avx512 (fs, fc only) through fused
+ * multiply-adds, or false when any of its floats could differ from the
+ * reference's (then fs / fc hold garbage and the caller makes the
+ * reference table): the same bits whenever it returns true. */
+typedef bool (*rope_table_fast_fn)(double a, const double *f1, double b, const double *f2,
+                                   int n, int gptj, float *fs, float *fc);
+bool rope_table_fast_avx512(double a, const double *f1, double b, const double *f2, int n,
+                            int gptj, float *fs, float *fc);
 
 /* Its constants: angles below ROPE_FAST_MAX (2^20 * pi/2 and a margin) are
  * reduced by pi/2 in three 33-bit pieces (fdlibm's medium case) and go

@@ -285,8 +285,9 @@ int main(void)
                median(rec_ms[ei], rounds), rec_ctx[ei]);
     }
     printf("\nfresh memory for the reloaded blocks (allocate + fault in + fill, no I/O): "
-           "%.2f GB/s = %.2fx the plain read. A reload pays it in its copy out of the "
-           "staging; where it is not well above the device's rate, it bounds the reload.\n",
+           "%.2f GB/s = %.2fx the plain read. A reload pays it as its reads land in that "
+           "memory (faulted in as they are submitted); where it is not well above the "
+           "device's rate, it bounds the reload.\n",
            median(ff, rounds), median(ff, rounds) / median(pr, rounds));
     printf("\n(medians over %d rounds; ratios are medians of each round's ratio.) spill = "
            "kvr_store_tier_evict of every block + one sync; reload = get of every context "

@@ -3,8 +3,9 @@
  * kvr_get_work + the payload iovecs give: unedited (zero-copy), re-rotated
  * to other positions, after an edit, quantized contexts (int4 per token,
  * KIVI key tiles with a window, q4_0), other output dtypes, a layer subset,
- * a sub-range; small (one thread) and large (threaded) requests; and the
- * size check.
+ * a sub-range; small (one thread), large (threaded) and streamed (32 MiB
+ * and more, non-temporal stores, aligned or not) requests; and the size
+ * check.
  */
 #include <criterion/criterion.h>
 #include <stdio.h>
@@ -77,8 +78,16 @@ static void edit(kvr_store *s, const char *id)
     cr_assert_eq(kvr_edit_commit(t, NULL, NULL, &e), 0, "%s", e.msg);
 }
 
-/* Both ways for one request; asserts the bytes agree. */
+/* Both ways for one request, copy_into writing at `off` bytes past a
+ * 64-byte boundary; asserts the bytes agree. */
+static void same_at(kvr_store *s, kvr_get_params p, size_t at);
+
 static void same(kvr_store *s, kvr_get_params p)
+{
+    same_at(s, p, 0);
+}
+
+static void same_at(kvr_store *s, kvr_get_params p, size_t at)
 {
     kvr_error e = { 0 };
     kvr_get *a = NULL, *b = NULL;
@@ -86,7 +95,8 @@ static void same(kvr_store *s, kvr_get_params p)
     cr_assert_eq(kvr_store_get_begin(s, &p, &b, &e), 0, "%s", e.msg);
     size_t n = kvr_get_payload_size(a);
     cr_assert_eq(n, kvr_get_payload_size(b));
-    uint8_t *ref = malloc(n + 1), *got = malloc(n + 1);
+    uint8_t *ref = malloc(n + 1), *buf = aligned_alloc(64, (n + 1 + at + 63) / 64 * 64);
+    uint8_t *got = buf + at;
     if (kvr_get_needs_work(a)) cr_assert_eq(kvr_get_work(a, &e), 0, "%s", e.msg);
     const struct iovec *iov;
     size_t niov, off = 0;
@@ -104,7 +114,7 @@ static void same(kvr_store *s, kvr_get_params p)
     kvr_get_end(a);
     kvr_get_end(b);
     free(ref);
-    free(got);
+    free(buf);
 }
 
 static void all_ways(kvr_store *s, const char *id, size_t n)
@@ -150,6 +160,39 @@ Test(get_into, large_threaded)
     same(s, (kvr_get_params){ .ctx_id = "big", .end = SIZE_MAX, .dtype = KVR_DTYPE_F16 });
     put(s, "bq", "int8", 4096);
     same(s, (kvr_get_params){ .ctx_id = "bq", .end = SIZE_MAX, .dtype = KVR_DTYPE_F16 });
+    kvr_store_destroy(s);
+}
+
+/* Payloads of 32 MiB and more go into the buffer with non-temporal stores
+ * (rotated keys and copied parts alike): the same bytes, at an aligned and a
+ * misaligned destination, on 1 and 2 threads (kvr_pool_set_active),
+ * unedited, edited and re-rotated, in every output dtype. */
+Test(get_into, large_streamed)
+{
+    /* 4 layers x 2 x 16384 tokens x 128 x 2 B = 32 MiB in f16 */
+    kvr_store *s = mk();
+    size_t n = 16384;
+    put(s, "plain", "f16", n);
+    put(s, "ed", "f16", n);
+    edit(s, "ed");
+    int64_t *pos = malloc((n + 1) * sizeof *pos);
+    for (size_t i = 0; i <= n; i++) pos[i] = (int64_t)(i * 2 + 77);
+    kvr_dtype dts[] = { KVR_DTYPE_F16, KVR_DTYPE_F32, KVR_DTYPE_BF16 };
+    for (unsigned w = 0; w <= 1; w++) {
+        kvr_pool_set_active(kvr_pool_default(), w);
+        for (size_t off = 0; off <= 8; off += 8) {
+            same_at(s, (kvr_get_params){ .ctx_id = "plain", .end = SIZE_MAX,
+                                         .dtype = KVR_DTYPE_F16 }, off);
+            for (int d = 0; d < 3; d++)
+                same_at(s, (kvr_get_params){ .ctx_id = "ed", .end = SIZE_MAX, .dtype = dts[d] },
+                        off);
+            same_at(s, (kvr_get_params){ .ctx_id = "plain", .end = SIZE_MAX,
+                                         .dtype = KVR_DTYPE_F16, .positions = pos,
+                                         .n_positions = n }, off);
+        }
+    }
+    kvr_pool_set_active(kvr_pool_default(), KVR_POOL_MAX_WORKERS);
+    free(pos);
     kvr_store_destroy(s);
 }
 

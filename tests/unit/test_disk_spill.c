@@ -332,13 +332,14 @@ static void corrupt_extent(kvr_disk_engine e)
     }
     cr_assert_eq(kvr_disk_spill(d, kb, N, h, true, &err), 0);
     char path[512];
-    snprintf(path, sizeof path, "%s/seg-%08x.dat", dir, h[4].seg);
+    snprintf(path, sizeof path, "%s/seg-%08x.v2.dat", dir, h[4].seg);
     int fd = open(path, O_RDWR);
     cr_assert_geq(fd, 0);
     for (int t = 0; t < 2; t++) {
-        /* t=0: in the data; t=1: in the header of another extent. */
+        /* t=0: in the data; t=1: in the trailer (after the data, v2
+         * segments) of another extent. */
         int which = t ? 7 : 4;
-        off_t off = (off_t)(h[which].off + (t ? 9 : 32 + rnd() % sizeof b[0]));
+        off_t off = (off_t)(h[which].off + (t ? sizeof b[0] + 9 : rnd() % sizeof b[0]));
         uint8_t c;
         cr_assert_eq(pread(fd, &c, 1, off), 1);
         c ^= (uint8_t)(1u << (rnd() % 8));
@@ -525,13 +526,13 @@ static void cross_path(kvr_disk_engine e, bool write_buffered)
     /* A corrupted byte is still caught on this path. */
     kvr_disk_close(d);
     char path[512];
-    snprintf(path, sizeof path, "%s/seg-%08x.dat", dir, h[5].seg);
+    snprintf(path, sizeof path, "%s/seg-%08x.v2.dat", dir, h[5].seg);
     int fd = open(path, O_RDWR);
     cr_assert_geq(fd, 0);
     uint8_t x;
-    cr_assert_eq(pread(fd, &x, 1, (off_t)(h[5].off + 32 + 1000)), 1);
+    cr_assert_eq(pread(fd, &x, 1, (off_t)(h[5].off + 1000)), 1);
     x ^= 0x40;
-    cr_assert_eq(pwrite(fd, &x, 1, (off_t)(h[5].off + 32 + 1000)), 1);
+    cr_assert_eq(pwrite(fd, &x, 1, (off_t)(h[5].off + 1000)), 1);
     close(fd);
     cr_assert_eq(kvr_disk_open(&d, &cfg, &err), 0, "%s", err.msg);
     cr_assert_eq(kvr_disk_recover(d, NULL, NULL, NULL, NULL, &err), 0, "%s", err.msg);

@@ -206,3 +206,79 @@ Test(pool, threaded_rotation_is_bit_identical)
     free(x); free(a); free(b); free(from); free(to);
     kvr_rope_destroy(r);
 }
+
+/* Records which threads ran items: at most `cap` distinct pool workers plus
+ * the caller(s), whatever the loops ask for. */
+#define MAXT 16
+static pthread_t seen[MAXT];
+static atomic_int n_seen;
+static pthread_mutex_t seen_lock = PTHREAD_MUTEX_INITIALIZER;
+static atomic_int inside, most_inside;
+
+static int note_thread(void *ud, size_t i)
+{
+    (void)ud;
+    atomic_fetch_add(&hits[i], 1);
+    int now = atomic_fetch_add(&inside, 1) + 1;
+    int m = atomic_load(&most_inside);
+    while (now > m && !atomic_compare_exchange_weak(&most_inside, &m, now)) {}
+    pthread_mutex_lock(&seen_lock);
+    bool known = false;
+    for (int k = 0; k < atomic_load(&n_seen); k++)
+        known |= pthread_equal(seen[k], pthread_self()) != 0;
+    if (!known && atomic_load(&n_seen) < MAXT)
+        seen[atomic_fetch_add(&n_seen, 1)] = pthread_self();
+    pthread_mutex_unlock(&seen_lock);
+    usleep(200);   /* long enough for idle workers to join if they may */
+    atomic_fetch_sub(&inside, 1);
+    return 0;
+}
+
+typedef struct capped { kvr_pool *p; } capped;
+
+static void *capped_loop(void *arg)
+{
+    capped *c = arg;
+    cr_assert_eq(kvr_pool_for(c->p, 200, 8, note_thread, NULL), 0);
+    return NULL;
+}
+
+Test(pool, set_active_caps_the_helping_workers)
+{
+    kvr_pool *p;
+    cr_assert_eq(kvr_pool_create(&p, 4), 0);
+    cr_assert_eq(kvr_pool_threads(p), 5);
+    const unsigned caps[] = { 0, 1, 2, 4 };
+    for (size_t k = 0; k < sizeof caps / sizeof *caps; k++) {
+        kvr_pool_set_active(p, caps[k]);
+        cr_assert_eq(kvr_pool_threads(p), caps[k] + 1);
+        /* one loop: the caller and at most caps[k] workers */
+        clear_hits();
+        atomic_store(&n_seen, 0);
+        atomic_store(&most_inside, 0);
+        cr_assert_eq(kvr_pool_for(p, 200, 8, note_thread, NULL), 0);
+        assert_once(200, "capped");
+        cr_assert_leq(atomic_load(&n_seen), (int)caps[k] + 1, "cap %u: %d threads", caps[k],
+                      atomic_load(&n_seen));
+        /* two loops at once: their two callers and at most caps[k] workers
+         * inside items at any moment */
+        clear_hits();
+        atomic_store(&most_inside, 0);
+        capped c = { p };
+        pthread_t th;
+        pthread_create(&th, NULL, capped_loop, &c);
+        capped_loop(&c);
+        pthread_join(th, NULL);
+        for (size_t i = 0; i < 200; i++)
+            cr_assert_eq(atomic_load(&hits[i]), 2);
+        cr_assert_leq(atomic_load(&most_inside), (int)caps[k] + 2);
+    }
+    /* raised again: the workers come back */
+    kvr_pool_set_active(p, 4);
+    cr_assert_eq(kvr_pool_threads(p), 5);
+    clear_hits();
+    cr_assert_eq(kvr_pool_for(p, N, 5, mark, NULL), 0);
+    assert_once(N, "uncapped");
+    kvr_pool_set_active(NULL, 1);   /* no-op */
+    kvr_pool_destroy(p);
+}

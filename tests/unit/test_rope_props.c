@@ -639,3 +639,173 @@ Test(rope_props, dtype_names)
     cr_assert_eq(kvr_dtype_size(KVR_DTYPE_F32), 4);
     cr_assert_str_eq(kvr_isa_name(KVR_ISA_AVX512), "avx512");
 }
+
+/* kvr_rope_reposition_delta with opts.stream (non-temporal stores where the
+ * ISA and alignment allow) writes the bytes the plain stores write: every
+ * dtype pair, both pairings, full and partial rotary, scaled or not, an
+ * aligned and a misaligned destination, 1 and 2 threads. */
+Test(rope_props, streamed_delta_rotation_is_bit_identical)
+{
+    const int hd = 128;
+    const size_t n = 300, heads = 3, nel = n * heads * (size_t)hd;
+    kvr_dtype ts[] = { KVR_DTYPE_F32, KVR_DTYPE_F16, KVR_DTYPE_BF16 };
+    float *x = malloc(nel * 4);
+    fill(x, nel);
+    void *src = malloc(nel * 4);
+    uint8_t *ref = aligned_alloc(64, nel * 4 + 128), *got = aligned_alloc(64, nel * 4 + 128);
+    long compared = 0;
+    for (int style = 0; style < 2; style++)
+        for (int rot = hd / 2; rot <= hd; rot += hd / 2) {
+            kvr_rope *r = make(hd, rot, style ? KVR_ROPE_GPTJ : KVR_ROPE_NEOX, 10000.0,
+                               KVR_ROPE_SCALING_DEFAULT, 1.0);
+            for (int si = 0; si < 3; si++)
+                for (int di = 0; di < 3; di++) {
+                    kvr_convert(src, ts[si], x, KVR_DTYPE_F32, nel);
+                    size_t bytes = nel * kvr_dtype_size(ts[di]);
+                    for (int sc = 0; sc < 2; sc++)
+                        for (size_t off = 0; off <= 32; off += 32)
+                            for (int nt = 1; nt <= 2; nt++) {
+                                float k = sc ? 0.7f : 1.0f;
+                                kvr_rope_opts po = { .n_threads = nt };
+                                kvr_rope_opts so = { .n_threads = nt, .stream = true };
+                                memset(ref, 0x5a, bytes + 64);
+                                memset(got, 0x5a, bytes + 64);
+                                cr_assert_eq(kvr_rope_reposition_delta(r, ref + off, ts[di], src,
+                                                                       ts[si], n, heads, 12345,
+                                                                       k, &po), 0);
+                                cr_assert_eq(kvr_rope_reposition_delta(r, got + off, ts[di], src,
+                                                                       ts[si], n, heads, 12345,
+                                                                       k, &so), 0);
+                                cr_assert(!memcmp(ref, got, bytes + 64),
+                                          "style %d rot %d %s->%s scale %g off %zu nt %d", style,
+                                          rot, kvr_dtype_name(ts[si]), kvr_dtype_name(ts[di]),
+                                          (double)k, off, nt);
+                                compared++;
+                            }
+                }
+            kvr_rope_destroy(r);
+        }
+    cr_log_info("%ld streamed rotations compared", compared);
+    free(x);
+    free(src);
+    free(ref);
+    free(got);
+}
+
+/* kvr_copy_stream is memcpy: every length around the vector and line sizes
+ * and every alignment of both ends, nothing written outside. */
+Test(rope_props, copy_stream_is_memcpy)
+{
+    size_t cap = 70000;
+    uint8_t *src = malloc(cap + 128), *a = malloc(cap + 256), *b = malloc(cap + 256);
+    for (size_t i = 0; i < cap + 128; i++)
+        src[i] = (uint8_t)(i * 131u + 7u);
+    size_t lens[] = { 0, 1, 63, 64, 65, 255, 256, 1023, 1024, 1025, 4096, 4097, 65536 + 13 };
+    for (size_t li = 0; li < sizeof lens / sizeof *lens; li++)
+        for (size_t doff = 0; doff < 70; doff += 23)
+            for (size_t soff = 0; soff < 70; soff += 17) {
+                size_t n = lens[li];
+                memset(a, 0xC3, cap + 256);
+                memset(b, 0xC3, cap + 256);
+                memcpy(a + 64 + doff, src + soff, n);
+                kvr_copy_stream(b + 64 + doff, src + soff, n);
+                cr_assert(!memcmp(a, b, cap + 256), "n %zu doff %zu soff %zu", n, doff, soff);
+            }
+    free(src);
+    free(a);
+    free(b);
+}
+
+/* The fast float tables (fused multiply-adds, refused where a float could
+ * round differently) are the reference's floats whenever they are used:
+ * hundreds of thousands of tables over several frequency sets (theta 1e4,
+ * 5e5, 1e6, llama3 and linear scaled, head dims 64..256), integer angles up
+ * to the fast range in both forms, every length 1..67, both layouts. */
+Test(rope_props, fast_float_tables_equal_the_reference)
+{
+    if (kvr_isa_best() < KVR_ISA_AVX512) {
+        cr_log_info("no AVX-512: nothing to compare");
+        return;
+    }
+    struct { double theta; int hd; kvr_rope_scaling sc; double factor; } cfgs[] = {
+        { 10000.0, 128, KVR_ROPE_SCALING_DEFAULT, 1.0 },
+        { 500000.0, 128, KVR_ROPE_SCALING_LLAMA3, 8.0 },
+        { 1000000.0, 64, KVR_ROPE_SCALING_DEFAULT, 1.0 },
+        { 10000.0, 256, KVR_ROPE_SCALING_LINEAR, 4.0 },
+        { 10000.0, 80, KVR_ROPE_SCALING_DEFAULT, 1.0 },
+    };
+    long used = 0, refused = 0;
+    for (size_t ci = 0; ci < sizeof cfgs / sizeof *cfgs; ci++) {
+        kvr_rope *r = make(cfgs[ci].hd, cfgs[ci].hd, KVR_ROPE_NEOX, cfgs[ci].theta,
+                           cfgs[ci].sc, cfgs[ci].factor);
+        int np = r->npairs;
+        double f1[KVR_ROPE_MAX_HEAD_DIM / 2], f2[KVR_ROPE_MAX_HEAD_DIM / 2];
+        memcpy(f1, r->inv_freq, sizeof(double) * (size_t)np);
+        for (int i = 0; i < np; i++) f2[i] = -f1[i] * (1.0 + 0.125 * (double)(i % 5));
+        for (int trial = 0; trial < 80000; trial++) {
+            int n = trial % 97 < 67 ? trial % 97 + 1 : np;
+            if (n > np) n = np;
+            double mag = trial % 4 == 0 ? 1e6 : trial % 4 == 1 ? 3e4 : trial % 4 == 2 ? 300.0 : 1.5e6;
+            double a = floor(urand() * mag);
+            double b = floor((urand() + 1.0) * 0.5 * mag);
+            const double *g = trial % 3 == 0 ? f2 : NULL;
+            int gptj = (trial >> 3) & 1, w = gptj ? 2 * n : n;
+            double s0[KVR_ROPE_MAX_HEAD_DIM / 2], c0[KVR_ROPE_MAX_HEAD_DIM / 2];
+            float fc0[KVR_ROPE_MAX_HEAD_DIM], fs0[KVR_ROPE_MAX_HEAD_DIM];
+            float fc1[KVR_ROPE_MAX_HEAD_DIM], fs1[KVR_ROPE_MAX_HEAD_DIM];
+            rope_sincos_scalar(a, f1, b, g, n, s0, c0);
+            rope_tofloat_scalar(c0, s0, n, 1.0, gptj, fc0, fs0);
+            if (!rope_table_fast_avx512(a, f1, b, g, n, gptj, fs1, fc1)) {
+                refused++;
+                continue;
+            }
+            used++;
+            cr_assert(!memcmp(fc0, fc1, sizeof(float) * (size_t)w) &&
+                      !memcmp(fs0, fs1, sizeof(float) * (size_t)w),
+                      "cfg %zu a %.17g b %.17g n %d f2 %d gptj %d", ci, a, b, n, g != NULL, gptj);
+        }
+        kvr_rope_destroy(r);
+    }
+    cr_log_info("%ld fast tables equal the reference, %ld refused", used, refused);
+    cr_assert_gt(used, refused * 10, "the fast table is refused too often");
+}
+
+/* Reposition with deltas that differ token by token (the fast tables), then
+ * repeat, then advance by a constant step (the recurrence from the
+ * reference doubles the fast tables skip), and again: every ISA and thread
+ * count gives the scalar path's bytes. */
+Test(rope_props, fast_tables_then_steps_bit_identical)
+{
+    const int hd = 128;
+    const size_t n = 700, heads = 2, nel = n * heads * (size_t)hd;
+    kvr_rope *r = make(hd, hd, KVR_ROPE_NEOX, 500000.0, KVR_ROPE_SCALING_DEFAULT, 1.0);
+    int64_t *from = malloc(n * sizeof *from), *to = malloc(n * sizeof *to);
+    for (size_t t = 0; t < n; t++) {
+        from[t] = (int64_t)t;
+        size_t ph = t % 100;
+        to[t] = ph < 40 ? (int64_t)(urand() * 9e5) + 1000000   /* distinct */
+              : ph < 55 ? 4242                                 /* repeats */
+              : (int64_t)(t * 3 + 17);                         /* steps of 2 */
+    }
+    float *x = malloc(nel * 4);
+    fill(x, nel);
+    kvr_dtype ts[] = { KVR_DTYPE_F32, KVR_DTYPE_F16, KVR_DTYPE_BF16 };
+    void *src = malloc(nel * 4), *ref = malloc(nel * 4), *o = malloc(nel * 4);
+    for (int d = 0; d < 3; d++) {
+        kvr_convert(src, ts[d], x, KVR_DTYPE_F32, nel);
+        kvr_rope_opts so = { .isa = KVR_ISA_SCALAR, .n_threads = 1 };
+        cr_assert_eq(kvr_rope_reposition(r, ref, ts[d], src, ts[d], n, heads, from, to, &so), 0);
+        kvr_isa isas[] = { KVR_ISA_AVX2, KVR_ISA_AVX512 };
+        for (int k = 0; k < 2; k++)
+            for (int nt = 1; nt <= 3; nt++) {
+                if (isas[k] > kvr_isa_best()) continue;
+                kvr_rope_opts vo = { .isa = isas[k], .n_threads = nt };
+                cr_assert_eq(kvr_rope_reposition(r, o, ts[d], src, ts[d], n, heads, from, to,
+                                                 &vo), 0);
+                cr_assert(!memcmp(ref, o, nel * kvr_dtype_size(ts[d])), "%s %s %d threads",
+                          kvr_isa_name(isas[k]), kvr_dtype_name(ts[d]), nt);
+            }
+    }
+    free(from); free(to); free(x); free(src); free(ref); free(o);
+    kvr_rope_destroy(r);
+}
