@@ -220,7 +220,16 @@ int    kvr_put_work(kvr_put *t, kvr_error *err);
  * from it); one stored as it is copies it into the blocks. Any thread,
  * once; the same checks and errors as kvr_put_work (KVR_EPAYLOAD for a
  * wrong len). After a failure the put can only be aborted (a commit fails
- * too; the staging was never filled). */
+ * too; the staging was never filled).
+ * Never on memory another process (or an unsynchronized thread) can write:
+ * not a client's shared-memory region (daemon/shm.c). The work reads a
+ * value more than once: the nan/inf scan of the window tokens (and of a
+ * raw put's window) and then their copy into the blocks, a quantized
+ * side's encode and then its error measure; on memory that changes in
+ * between, a value checked finite could be stored as a nan or inf. A
+ * shared region is copied into the iovecs first and then worked
+ * (kvr_put_work: every check runs on the daemon's copy; dispatch.c's
+ * shm_copy_in). */
 int    kvr_put_work_from(kvr_put *t, const void *payload, size_t len, kvr_error *err);
 /* Loop thread. Links the new tokens into the context and the prefix index,
  * and frees t whether it succeeds or not; on failure nothing changed. */

@@ -846,6 +846,9 @@ int kvr_put_work(kvr_put *t, kvr_error *err)
     return 0;
 }
 
+/* The caller's memory is read as the staging would be, more than once
+ * (scan, then copy; encode, then measure): private memory only, never a
+ * region a client can write meanwhile (cache.h). */
 int kvr_put_work_from(kvr_put *t, const void *payload, size_t len, kvr_error *err)
 {
     if (len != t->w.p.bytes)

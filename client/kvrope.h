@@ -366,6 +366,8 @@ int kvr_client_delete(kvr_client *c, const char *ctx_id);
  * gone counts as done; any other failure is counted (and its message kept)
  * in kvr_client_deferred_failures, and never fails the call it rode with.
  * At most KVR_DEFER_MAX wait: one more sends them first (kvr_client_flush).
+ * kvr_client_close does no I/O: deferred requests still queued are dropped
+ * (kvr_client_flush first; Python's close() does).
  * 0, KVR_EINVAL (bad id), or an error of that flush. */
 #define KVR_DEFER_MAX 64
 int kvr_client_delete_deferred(kvr_client *c, const char *ctx_id);

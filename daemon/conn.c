@@ -404,8 +404,16 @@ void kvrd_conn_cork_flush(kvr_conn *c)
 static void cork_check_cb(uv_check_t *h)
 {
     kvr_daemon *d = h->data;
-    while (d->corked)
-        kvrd_conn_cork_flush(d->corked);
+    while (d->corked) {
+        /* As at the end of read_cb: a flush written at once resumes a
+         * reading that back pressure stopped (its corks are flushed by
+         * update_reading itself: the loop ends). */
+        kvr_conn *c = d->corked;
+        kvr_conn_ref(c);
+        kvrd_conn_cork_flush(c);
+        update_reading(c);
+        kvr_conn_unref(c);
+    }
 }
 
 int kvrd_conn_write_ex(kvr_conn *c, uint8_t *buf, size_t len, const struct iovec *iov,
@@ -591,9 +599,17 @@ static void update_reading(kvr_conn *c)
         return;
     /* Frames read ahead wait in the inbuf while a request runs: fed now
      * that this one is done (a top-level call: no read callback or feed on
-     * the stack), their replies corked like a read callback's. */
-    if (c->in_pos < c->in_len && !c->feeding && !c->in_read && wants_input(c)) {
+     * the stack), their replies corked like a read callback's. A loop: a
+     * feed stopped by back pressure whose replies the flush then wrote at
+     * once (no write callback follows to resume it) goes on with the rest.
+     * Every turn feeds at least one byte (or closes). */
+    while (c->in_pos < c->in_len && !c->feeding && !c->in_read && wants_input(c) &&
+           (c->st == KVRD_CONN_LINGER || c->out_queued <= c->d->cfg.max_conn_buffer)) {
         kvr_conn_ref(c);
+        /* These bytes reach the frame machine now: a frame starting here
+         * is timed from now (frame_ms, --min-rate), not from the read that
+         * brought them while an earlier request ran. */
+        c->read_ms = kvr_now_ms();
         c->in_read = true;
         feed_inbuf(c);
         c->in_read = false;
@@ -912,6 +928,10 @@ static void read_cb(uv_stream_t *s, ssize_t nread, const uv_buf_t *buf)
     if (c->closing || nread <= 0 || (size_t)nread < buf->len) {
         c->drained = false;   /* libuv ends the batch itself */
         kvrd_conn_cork_flush(c);
+        /* Reading stopped for back pressure (with frames maybe left in
+         * the inbuf) while the flush wrote the replies at once: no write
+         * callback will resume it, so this does. */
+        update_reading(c);
     }
     conn_unref(c);
 }
@@ -1144,8 +1164,11 @@ void kvrd_conn_read_payload(kvr_conn *c, const struct iovec *iov, size_t niov)
     if (c->in_pos < c->in_len) {
         /* Its first bytes are in the inbuf: the feed on the stack goes on
          * with them (or one starts here). */
-        if (!c->feeding)
+        if (!c->feeding) {
+            if (!c->in_read)
+                c->read_ms = kvr_now_ms();   /* fed now (update_reading) */
             feed_inbuf(c);
+        }
         return;
     }
     payload_read_direct(c);

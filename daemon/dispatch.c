@@ -429,7 +429,9 @@ static uint8_t *copy_iov_to(uint8_t *dst, const struct iovec *iov, size_t n)
 
 /* Put / edit: copy the region's bytes into the transaction's iovecs first;
  * every check (nan/inf, conversion) then runs on the daemon's copy, so a
- * client changing its bytes meanwhile can only change what it stores. */
+ * client changing its bytes meanwhile can only change what it stores.
+ * (Never kvr_put_work_from on the region: it reads values more than once,
+ * a check and then a use: cache.h.) */
 typedef struct copy_in {
     const struct iovec *iov;
     size_t              n;

@@ -4,7 +4,8 @@
  *   2. kvrope.Request unpack of the rest (with the daemon's allocator),
  *   3. the whole input as a byte stream through a real connection of an
  *      in-process daemon (socketpair adopted with kvr_daemon_adopt_fd): the
- *      frame state machine, drains, puts into store memory, gets, closes.
+ *      frame state machine, drains, puts into store memory, gets, closes;
+ *      written whole or in small chunks (stream_through_daemon).
  * The daemon (and its store) lives for the whole run; the memory cap keeps
  * it bounded. Its replies are read and discarded.
  *
@@ -58,9 +59,17 @@ static void stream_through_daemon(const uint8_t *data, size_t size)
     size_t off = 0;
     bool shut = false;
     uint8_t sink[65536];
+    /* Half the inputs are written whole, the others in chunks of 1 to 64
+     * bytes (picked by the input's last byte) with the loop run between
+     * them: headers, messages and payloads split at every boundary reach
+     * the read-ahead (conn.c) as the socket delivers them. */
+    size_t chunk = size;
+    if (size > 1 && (data[size - 1] & 0x80))
+        chunk = 1 + (data[size - 1] & 0x3f);
     for (long spins = 0; spins < 2000000; spins++) {
         if (off < size) {
-            ssize_t k = write(sv[1], data + off, size - off);
+            size_t want = size - off < chunk ? size - off : chunk;
+            ssize_t k = write(sv[1], data + off, want);
             if (k > 0)
                 off += (size_t)k;
             else if (k < 0 && errno != EAGAIN && errno != EWOULDBLOCK)

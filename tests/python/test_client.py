@@ -295,6 +295,24 @@ def test_deferred_delete(client, uid):
         client.delete("", deferred=True)             # refused before anything is queued
 
 
+def test_deferred_delete_is_sent_at_close(kvroped, client, uid):
+    """close() (and leaving a with block) sends the deferred deletes still
+    queued: none is dropped."""
+    name = model_name(client, uid)
+    kv = rand_kv(8, seed=6)
+    client.put(f"dc0-{uid}", name, toks(8), kv)
+    client.put(f"dc1-{uid}", name, toks(8), kv)
+    c2 = kvrope.connect(kvroped.socket)
+    c2.delete(f"dc0-{uid}", deferred=True)
+    c2.close()
+    assert c2.closed
+    assert not client.exists(f"dc0-{uid}")
+    with kvrope.connect(kvroped.socket) as c3:
+        c3.delete(f"dc1-{uid}", deferred=True)
+    assert not client.exists(f"dc1-{uid}")
+    c3.close()                                   # closed already: nothing to do
+
+
 def test_stats(client):
     s0 = client.stats()
     for key in ("uptime_seconds", "contexts", "tokens", "requests_total", "requests_put",

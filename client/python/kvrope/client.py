@@ -417,10 +417,30 @@ class Client:
         return rc
 
     def close(self):
+        """Closes the connection. Deferred deletes still queued are sent
+        first (flush()): closing a live connection never drops a delete the
+        caller asked for; if one failed, the connection is closed all the
+        same and that error is raised (a connection already lost raises
+        nothing here: its calls said so)."""
+        self._close(flush=True)
+
+    def _close(self, flush):
+        err = None
         with self._lock:
-            if getattr(self, "_h", None) is not None:
-                self._lib.kvr_client_close(self._h)
-                self._h = None
+            if getattr(self, "_h", None) is None:
+                return
+            if flush and self._lib.has("kvr_client_flush"):
+                rc = self._lib.kvr_client_flush(self._h)
+                if rc < 0:
+                    msg = (self._lib.kvr_client_last_error(self._h) or b"").decode(
+                        errors="replace")
+                    err = errors.from_c(rc, msg)
+                    if isinstance(err, errors.ConnectionFailed):
+                        err = None
+            self._lib.kvr_client_close(self._h)
+            self._h = None
+        if err is not None:
+            raise err
 
     def __enter__(self):
         return self
@@ -430,7 +450,7 @@ class Client:
 
     def __del__(self):
         try:
-            self.close()
+            self._close(flush=False)   # never I/O from the garbage collector
         except Exception:
             pass
 
