@@ -228,8 +228,13 @@ typedef struct kvr_wk_env {
     kvr_wk_report *rep;
     int            n_gen;                 /* tokens to generate / predict */
     int            kv_code;               /* the kvrope error of a failure, else 0 */
+    /* A prefix load's buffers (the daemon's payload, the state), allocated
+     * and faulted in before the timed steps; freed by kvr_wk_env_bufs_free. */
+    void          *pf_fetch, *pf_state;
+    size_t         pf_fetch_cap, pf_state_cap;
     char           err[1024];
 } kvr_wk_env;
+void kvr_wk_env_bufs_free(kvr_wk_env *e);
 
 /* Reads the GGUF's profile (the bridge's) into e->profile and hands it to
  * the llama.cpp context parameters. */

@@ -508,6 +508,7 @@ done:
     }
     kvr_wk_rep_free(&rep);
     kvr_wk_lm_destroy(e.lm);
+    kvr_wk_env_bufs_free(&e);
     free(e.profile);
     kvr_client_close(e.kc);
     return rc;

@@ -334,7 +334,7 @@ int main(void)
     double t_prefill = jnum(cold, "timings_ms", "prefill");
     char ctx[KVR_ID_MAX + 1];
     snprintf(ctx, sizeof ctx, "%s", jstr(cold, "stored_in"));
-    double hit[3], fetch[3], load[3], dec[3];
+    double hit[3], fetch[3], load[3], dec[3], pf[3];
     for (int i = 0; i < 3; i++) {
         cJSON *w = worker(model, cold_a);
         if (!w)
@@ -343,6 +343,7 @@ int main(void)
         fetch[i] = jnum(w, "timings_ms", "fetch");
         load[i] = jnum(w, "timings_ms", "load");
         dec[i] = jnum(w, "timings_ms", "prefill");
+        pf[i] = jnum(w, "timings_ms", "prefault");
         if (jnum(w, NULL, "reused_tokens") != N_PROMPT - 1)
             fprintf(stderr, "bench_llama: warm run reused %g tokens\n",
                     jnum(w, NULL, "reused_tokens"));
@@ -352,9 +353,12 @@ int main(void)
     printf("| time to first token, 2,048 tokens | ms |\n|---|---|\n");
     printf("| full prefill (llama.cpp, cold worker) | %.0f |\n", t_prefill);
     printf("| kvrope hit: match + fetch + set_data + 1 decode | %.1f |\n", t_hit);
-    printf("| of which fetch (64 MiB over the socket) / set_data / decode | %.1f / %.1f / %.1f |\n\n",
+    printf("| of which fetch (64 MiB over the socket) / set_data / decode | %.1f / %.1f / %.1f |\n",
            median3(fetch[0], fetch[1], fetch[2]), median3(load[0], load[1], load[2]),
            median3(dec[0], dec[1], dec[2]));
+    printf("| before it, in a fresh worker process: first touch of its 128 MiB of buffers "
+           "(prefault, untimed above; runs: %.0f %.0f %.0f) | %.1f |\n\n", pf[0], pf[1], pf[2],
+           median3(pf[0], pf[1], pf[2]));
 
     /* 2. A one-line edit in the middle: the worker's path and llama.cpp's
      * own, interleaved so that both see the same load on a shared machine. */
