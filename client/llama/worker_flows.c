@@ -797,8 +797,6 @@ int kvr_wk_edit(kvr_wk_env *e, const int32_t *a, size_t na, const int32_t *b, si
         }
         phase("sbuild");
         kvr_kv_release(&kv);
-        free(fbuf);
-        fbuf = NULL;
         phase("release");
         if (r < 0) {
             r = fail(e, r, "cannot build the edited state");
@@ -807,8 +805,7 @@ int kvr_wk_edit(kvr_wk_env *e, const int32_t *a, size_t na, const int32_t *b, si
         if ((r = kvr_wk_lm_state_set(e->lm, sb.buf, sb.len, e->err, sizeof e->err)) < 0)
             goto out_k;
         phase("set_data");
-        kvr_wk_sbuild_free(&sb);
-        phase("free");
+        /* Both buffers are freed after the answer (at out:), not here. */
         t_load = kvr_wk_now_ms() - tf1;
         /* Only the new tokens, and K old ones after each edit point. */
         double tc0 = kvr_wk_now_ms();
