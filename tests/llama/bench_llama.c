@@ -295,7 +295,7 @@ static void own_free(own *o)
 
 static void goal(const char *what, double v, double target)
 {
-    printf("goal: %s >= %gx: %.1fx (%s)\n", what, target, v,
+    printf("goal: %s >= %gx: %.2fx (%s)\n", what, target, v,
            isfinite(v) && v >= target ? "met" : "not met");
 }
 
