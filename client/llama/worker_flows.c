@@ -797,6 +797,8 @@ int kvr_wk_edit(kvr_wk_env *e, const int32_t *a, size_t na, const int32_t *b, si
         }
         phase("sbuild");
         kvr_kv_release(&kv);
+        free(fbuf);
+        fbuf = NULL;
         phase("release");
         if (r < 0) {
             r = fail(e, r, "cannot build the edited state");
@@ -805,7 +807,11 @@ int kvr_wk_edit(kvr_wk_env *e, const int32_t *a, size_t na, const int32_t *b, si
         if ((r = kvr_wk_lm_state_set(e->lm, sb.buf, sb.len, e->err, sizeof e->err)) < 0)
             goto out_k;
         phase("set_data");
-        /* Both buffers are freed after the answer (at out:), not here. */
+        /* Freed now, not after the answer: the store-back's sequence state
+         * (seqstate_get, as large) then reuses this memory, already faulted
+         * in, instead of touching fresh pages. */
+        kvr_wk_sbuild_free(&sb);
+        phase("free");
         t_load = kvr_wk_now_ms() - tf1;
         /* Only the new tokens, and K old ones after each edit point. */
         double tc0 = kvr_wk_now_ms();
