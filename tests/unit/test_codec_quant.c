@@ -712,6 +712,37 @@ Test(codec_desc, bad_arguments)
     cr_assert_eq(kvr_codec_encode_tile(&q, enc, x, KVR_DTYPE_F32, 1, 1, NULL), KVR_EUNSUPPORTED);
 }
 
+/* n <= 64 rows of len: every ISA's kvr_codec_err_rows gives the doubles of
+ * the plain sequential chains (e of the rounded squared differences, q of
+ * the squares), bit for bit. Returns the number of ISAs checked. */
+static long check_err_rows(const float *ref, const float *dec, size_t n, size_t len, int set)
+{
+    double e0[64], q0[64], e1[64], q1[64];
+    cr_assert_leq(n, 64);
+    for (size_t i = 0; i < n; i++) {
+        double e = 0, q = 0;
+        for (size_t k = 0; k < len; k++) {
+            double a = (double)dec[i * len + k] - (double)ref[i * len + k];
+            double a2 = a * a, r2 = (double)ref[i * len + k] * (double)ref[i * len + k];
+            e += a2;
+            q += r2;
+        }
+        e0[i] = e;
+        q0[i] = q;
+    }
+    long checked = 0;
+    for (int isa = KVR_ISA_SCALAR; isa <= KVR_ISA_AVX512; isa++) {
+        memset(e1, 0xff, sizeof e1);
+        memset(q1, 0xff, sizeof q1);
+        kvr_codec_err_rows((kvr_isa)isa, ref, dec, n, len, e1, q1);
+        cr_assert(!memcmp(e0, e1, n * sizeof *e0) && !memcmp(q0, q1, n * sizeof *q0),
+                  "isa %d set %d rows %zu len %zu: e %.17g vs %.17g", isa, set, n, len, e1[0],
+                  e0[0]);
+        checked++;
+    }
+    return checked;
+}
+
 /* The error measure kernel: every ISA returns the bytes of one sequential
  * double chain per row (sum in element order, products and sums rounded
  * one at a time), for row counts around the 8- and 16-row blocks, lengths
@@ -722,7 +753,6 @@ Test(codec_simd, err_rows_same_doubles_as_one_chain_per_row)
     size_t rows[] = { 1, 3, 7, 8, 9, 15, 16, 17, 24, 31, 40, 64 };
     size_t lens[] = { 1, 5, 8, 13, 64, 100, 1024 };
     float *ref = malloc(64 * 1024 * sizeof *ref), *dec = malloc(64 * 1024 * sizeof *dec);
-    double e0[64], q0[64], e1[64], q1[64];
     long checked = 0;
     for (size_t li = 0; li < sizeof lens / sizeof *lens; li++)
         for (size_t ri = 0; ri < sizeof rows / sizeof *rows; ri++) {
@@ -733,25 +763,7 @@ Test(codec_simd, err_rows_same_doubles_as_one_chain_per_row)
                 ref[i] = (float)(rng_gauss() * sc);
                 dec[i] = ref[i] + (float)(rng_gauss() * sc * 0.01);
             }
-            for (size_t i = 0; i < n; i++) {
-                double e = 0, q = 0;
-                for (size_t k = 0; k < len; k++) {
-                    double a = (double)dec[i * len + k] - (double)ref[i * len + k];
-                    double a2 = a * a, r2 = (double)ref[i * len + k] * (double)ref[i * len + k];
-                    e += a2;
-                    q += r2;
-                }
-                e0[i] = e;
-                q0[i] = q;
-            }
-            for (int isa = KVR_ISA_SCALAR; isa <= KVR_ISA_AVX512; isa++) {
-                memset(e1, 0xff, sizeof e1);
-                memset(q1, 0xff, sizeof q1);
-                kvr_codec_err_rows((kvr_isa)isa, ref, dec, n, len, e1, q1);
-                cr_assert(!memcmp(e0, e1, n * sizeof *e0) && !memcmp(q0, q1, n * sizeof *q0),
-                          "isa %d rows %zu len %zu: e %.17g vs %.17g", isa, n, len, e1[0], e0[0]);
-                checked++;
-            }
+            checked += check_err_rows(ref, dec, n, len, -1);
         }
     cr_log_info("best ISA %s, %ld cases", kvr_isa_name(kvr_isa_best()), checked);
     free(ref);
@@ -774,7 +786,6 @@ Test(codec_simd, err_rows_edge_values_same_doubles)
     size_t rows[] = { 8, 13, 16, 24 };
     size_t lens[] = { 16, 48, 1024 };
     float *ref = malloc(24 * 1024 * sizeof *ref), *dec = malloc(24 * 1024 * sizeof *dec);
-    double e0[24], q0[24], e1[24], q1[24];
     for (int set = 0; set < 2; set++)
     for (size_t li = 0; li < sizeof lens / sizeof *lens; li++)
         for (size_t ri = 0; ri < sizeof rows / sizeof *rows; ri++) {
@@ -787,24 +798,7 @@ Test(codec_simd, err_rows_edge_values_same_doubles)
                 dec[i] = k == 0 ? ref[i] : k == 1 ? vs[(size_t)((uint32_t)(rng_next() >> 32) % nv)]
                        : k == 2 ? ref[i] * 1.0009765625f : nextafterf(ref[i], 0.0f);
             }
-            for (size_t i = 0; i < n; i++) {
-                double e = 0, q = 0;
-                for (size_t k = 0; k < len; k++) {
-                    double a = (double)dec[i * len + k] - (double)ref[i * len + k];
-                    double a2 = a * a, r2 = (double)ref[i * len + k] * (double)ref[i * len + k];
-                    e += a2;
-                    q += r2;
-                }
-                e0[i] = e;
-                q0[i] = q;
-            }
-            for (int isa = KVR_ISA_SCALAR; isa <= KVR_ISA_AVX512; isa++) {
-                memset(e1, 0xff, sizeof e1);
-                memset(q1, 0xff, sizeof q1);
-                kvr_codec_err_rows((kvr_isa)isa, ref, dec, n, len, e1, q1);
-                cr_assert(!memcmp(e0, e1, n * sizeof *e0) && !memcmp(q0, q1, n * sizeof *q0),
-                          "isa %d set %d rows %zu len %zu", isa, set, n, len);
-            }
+            check_err_rows(ref, dec, n, len, set);
         }
     free(ref);
     free(dec);
