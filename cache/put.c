@@ -8,6 +8,12 @@
  * destination slots at once; those slots lie beyond every block's `used`,
  * so no reader sees them until commit.
  *
+ * A replace-put (KVR_PUT_REPLACE of an existing id) builds a new context
+ * beside the old one: the new one is in no map until commit (spare), the
+ * old one stays readable and is busy for writers (and never evicted) until
+ * commit swaps them in one step (kvr_store_ctx_replace); abort frees the
+ * new one and leaves the old one as it was.
+ *
  * Invariants:
  *  - Until commit the context's extents, length and index entries are
  *    untouched, so abort restores it exactly (a create-put's pending
@@ -62,6 +68,31 @@ struct kvr_put {
 static const uint8_t *pay_base(const kvr_put *t)
 {
     return t->src ? t->src : t->w.staging;
+}
+
+/* The context a replace-put replaces: the id's entry in the map while the
+ * put's own new context (spare) is in none; NULL for any other put. It
+ * cannot go away meanwhile: it is busy, so writers, deletes and eviction
+ * leave it alone. */
+static kvr_ctx *replaced(const kvr_put *t)
+{
+    if (!t->created)
+        return NULL;
+    kvr_ctx *o = kvr_store_ctx_find(t->s, t->c->id);
+    return o != t->c ? o : NULL;
+}
+
+/* Undoes a created context: the pending one leaves the map; a replace-put's
+ * spare is freed and the context it would have replaced is writable again. */
+static void created_drop(kvr_put *t)
+{
+    kvr_ctx *old = replaced(t);
+    if (old) {
+        old->busy = false;
+        kvr_ctx_free(&t->s->pool, t->c);
+    } else {
+        kvr_store_ctx_destroy(t->s, t->c);
+    }
 }
 
 static void txn_free(kvr_put *t)
@@ -614,7 +645,8 @@ int kvr_store_put_begin(kvr_store *s, const kvr_put_params *p, kvr_put **out,
     size_t psize = kvr_dtype_size(p->dtype);
     if (psize == 0)
         return kvr_error_set(err, KVR_ESHAPE, "unknown payload dtype %d", (int)p->dtype);
-    if (p->mode != KVR_PUT_CREATE && p->mode != KVR_PUT_APPEND && p->mode != KVR_PUT_UPSERT)
+    if (p->mode != KVR_PUT_CREATE && p->mode != KVR_PUT_APPEND && p->mode != KVR_PUT_UPSERT &&
+        p->mode != KVR_PUT_REPLACE)
         return kvr_error_set(err, KVR_EBADREQUEST, "unknown put mode %d", (int)p->mode);
     if (p->n_tokens == 0 || !p->tokens)
         return kvr_error_set(err, KVR_EBADREQUEST, "put of no tokens");
@@ -647,6 +679,16 @@ int kvr_store_put_begin(kvr_store *s, const kvr_put_params *p, kvr_put **out,
         return kvr_error_set(err, KVR_EFINGERPRINT,
                              "context '%s' belongs to model '%s', not '%s'", p->ctx_id,
                              c->model->name, m->name);
+    /* REPLACE of an existing context: from here on a create, of a spare
+     * that takes the old one's place at commit. */
+    kvr_ctx *old_c = NULL;
+    if (c && p->mode == KVR_PUT_REPLACE) {
+        if (p->prefix_ctx && strcmp(p->prefix_ctx, p->ctx_id) == 0)
+            return kvr_error_set(err, KVR_EINVAL, "put: '%s' cannot replace itself with a "
+                                 "context encoded after it (prefix_context)", p->ctx_id);
+        old_c = c;
+        c = NULL;
+    }
 
     if (p->has_protect_first && p->protect_first > (c ? c->n_tokens : 0) + n)
         return kvr_error_set(err, KVR_ERANGE, "put: protect_first %zu is beyond the %zu "
@@ -693,13 +735,18 @@ int kvr_store_put_begin(kvr_store *s, const kvr_put_params *p, kvr_put **out,
                     .persist = p->persist, .has_protect = p->has_protect_first,
                     .protect = p->protect_first, .first_pos = first, .last_pos = last };
     if (!c) {
-        if ((rc = kvr_store_ctx_limit(s, p->ctx_id, err)) != 0)
+        /* A replace adds no context: it is not held to --max-contexts. */
+        if (!old_c && (rc = kvr_store_ctx_limit(s, p->ctx_id, err)) != 0)
             goto fail_txn;
-        if (!(c = kvr_store_ctx_new(s, m, p->ctx_id))) {
+        c = old_c ? kvr_store_ctx_spare(s, m, p->ctx_id) : kvr_store_ctx_new(s, m, p->ctx_id);
+        if (!c) {
             rc = kvr_error_set(err, KVR_ENOMEM, "out of memory creating '%s'", p->ctx_id);
             goto fail_txn;
         }
+        t->c = c;
         t->created = true;
+        if (old_c)
+            old_c->busy = true;
         if (p->codec && p->codec[0] &&
             (rc = kvr_model_codec(m, p->codec, &c->codec, err)) != 0)
             goto fail_ctx_early;
@@ -814,12 +861,12 @@ int kvr_store_put_begin(kvr_store *s, const kvr_put_params *p, kvr_put **out,
 
 fail_ctx:
     if (t->created)
-        kvr_store_ctx_destroy(s, c);
+        created_drop(t);
     else
         c->busy = false;
     goto fail_txn;
 fail_ctx_early:
-    kvr_store_ctx_destroy(s, c);
+    created_drop(t);
 fail_txn:
     txn_free(t);
     return rc;
@@ -928,8 +975,13 @@ int kvr_put_commit(kvr_put *t, kvr_put_result *res, kvr_error *err)
     if (resync)
         kvr_ctx_index_rebuild(c, c->n_tokens);   /* best effort; never lies */
     kvr_ctx_check(c);
-    if (t->created)
-        kvr_store_ctx_commit(s, c);
+    if (t->created) {
+        kvr_ctx *old = replaced(t);
+        if (old)
+            kvr_store_ctx_replace(s, old, c);
+        else
+            kvr_store_ctx_commit(s, c);
+    }
     c->busy = false;
     /* Group cursor, created layout, retention (may drop tokens and move the
      * window's positions by `moved`). */
@@ -965,7 +1017,7 @@ void kvr_put_abort(kvr_put *t)
     if (!t)
         return;
     if (t->created)
-        kvr_store_ctx_destroy(t->s, t->c);
+        created_drop(t);
     else
         t->c->busy = false;
     txn_free(t);

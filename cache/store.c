@@ -217,17 +217,27 @@ int kvr_store_ctx_limit(const kvr_store *s, const char *id, kvr_error *err)
     return 0;
 }
 
-kvr_ctx *kvr_store_ctx_new(kvr_store *s, kvr_model *m, const char *id)
+static void map_insert(kvr_store *s, kvr_ctx *c)
 {
-    kvr_ctx *c = kvr_ctx_create(m, id, kvr_fnv1a(id, strlen(id), KVR_FNV_INIT), kvr_store_now_ms());
-    if (!c)
-        return NULL;
     if (s->n_ctx >= s->n_buckets)
         map_grow(s);
     size_t b = c->hash & (s->n_buckets - 1);
     c->hnext = s->buckets[b];
     s->buckets[b] = c;
     s->n_ctx++;
+}
+
+kvr_ctx *kvr_store_ctx_spare(kvr_store *s, kvr_model *m, const char *id)
+{
+    (void)s;
+    return kvr_ctx_create(m, id, kvr_fnv1a(id, strlen(id), KVR_FNV_INIT), kvr_store_now_ms());
+}
+
+kvr_ctx *kvr_store_ctx_new(kvr_store *s, kvr_model *m, const char *id)
+{
+    kvr_ctx *c = kvr_store_ctx_spare(s, m, id);
+    if (c)
+        map_insert(s, c);
     return c;
 }
 
@@ -238,6 +248,15 @@ void kvr_store_ctx_commit(kvr_store *s, kvr_ctx *c)
     c->pending = false;
     c->model->n_contexts++;
     kvr_store_touch(s, c);
+}
+
+void kvr_store_ctx_replace(kvr_store *s, kvr_ctx *old, kvr_ctx *c)
+{
+    assert(c->pending && !old->pending && c->id_len == old->id_len &&
+           memcmp(c->id, old->id, c->id_len) == 0);
+    kvr_store_ctx_destroy(s, old);
+    map_insert(s, c);
+    kvr_store_ctx_commit(s, c);
 }
 
 void kvr_store_ctx_destroy(kvr_store *s, kvr_ctx *c)

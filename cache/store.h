@@ -92,8 +92,16 @@ int        kvr_store_ctx_range(kvr_store *s, const char *id, size_t start, size_
 int        kvr_store_ctx_limit(const kvr_store *s, const char *id, kvr_error *err);
 /* A new pending context in the map (NULL: ENOMEM). */
 kvr_ctx   *kvr_store_ctx_new(kvr_store *s, kvr_model *m, const char *id);
+/* A new pending context that is in no map (a replace-put's new context, made
+ * while the one it replaces keeps the id); kvr_store_ctx_replace puts it in,
+ * kvr_ctx_free frees it (NULL: ENOMEM). */
+kvr_ctx   *kvr_store_ctx_spare(kvr_store *s, kvr_model *m, const char *id);
 /* Makes a pending context live: LRU list, model count. */
 void       kvr_store_ctx_commit(kvr_store *s, kvr_ctx *c);
+/* The spare c (same id) takes old's place at once: old leaves the store as
+ * a delete would (map, LRU, the tier's DELETE, its extents' references:
+ * readers keep their leased blocks), then c enters the map and is committed. */
+void       kvr_store_ctx_replace(kvr_store *s, kvr_ctx *old, kvr_ctx *c);
 /* Unlinks c from the map and the LRU list, tells the tier, frees it. */
 void       kvr_store_ctx_destroy(kvr_store *s, kvr_ctx *c);
 void       kvr_store_touch(kvr_store *s, kvr_ctx *c);

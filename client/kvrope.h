@@ -154,7 +154,12 @@ int kvr_client_model_remove(kvr_client *c, const char *name);
 /* ---- put ---------------------------------------------------------------- */
 /* Modes: kvr_put_mode, the store's (rope/types.h): KVR_PUT_CREATE = 0
  * (KVR_EEXIST if the context exists), KVR_PUT_APPEND (KVR_ENOCTX if it does
- * not), KVR_PUT_UPSERT (create or append). */
+ * not), KVR_PUT_UPSERT (create or append), KVR_PUT_REPLACE (create, or
+ * replace an existing context of the same model at once, as Redis' SET: a
+ * new context is built beside the old one, which stays readable until the
+ * put commits and then goes as a delete would; a refused or aborted put
+ * leaves the old one as it was; KVR_EBUSY while the old one is being
+ * written). */
 typedef struct kvr_put_args {
     const char     *ctx_id;
     const char     *model;

@@ -183,7 +183,7 @@ int kvrd_put_params_from_pb(const Kvrope__Put *p, const char *group, uint64_t pa
 {
     if (!kvrd_dtype_ok(p->dtype))
         return kvr_error_set(err, KVR_EBADREQUEST, "put.dtype: unknown value %d", (int)p->dtype);
-    if ((int)p->mode < 0 || (int)p->mode > KVROPE__PUT_MODE__UPSERT)
+    if ((int)p->mode < 0 || (int)p->mode > KVROPE__PUT_MODE__REPLACE)
         return kvr_error_set(err, KVR_EBADREQUEST, "put.mode: unknown value %d", (int)p->mode);
     if (p->n_positions && p->n_positions != p->n_tokens)
         return kvr_error_set(err, KVR_EBADREQUEST, "put: %zu positions for %zu tokens",

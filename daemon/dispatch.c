@@ -967,7 +967,8 @@ static void do_stats(kvrd_request *r)
 
 /* Put.codec: a bad spec is E_INVALID (the store's message) whatever the
  * mode; on an existing context (append/upsert) it must be the context's
- * codec, since a context's codec is fixed at create. Replies on failure. */
+ * codec, since a context's codec is fixed at create (a replace creates a
+ * new context: any codec). Replies on failure. */
 static int put_codec_check(kvrd_request *r, const Kvrope__Put *p)
 {
     char canon[KVR_CODEC_NAME_MAX];
@@ -981,7 +982,7 @@ static int put_codec_check(kvrd_request *r, const Kvrope__Put *p)
         return rc;
     }
     kvr_ctx_info ci;
-    if (p->mode != KVROPE__PUT_MODE__CREATE &&
+    if (p->mode != KVROPE__PUT_MODE__CREATE && p->mode != KVROPE__PUT_MODE__REPLACE &&
         kvr_store_stat(r->d->store, p->context_id, &ci, NULL) == 0 &&
         strcmp(ci.codec, canon) != 0) {
         reply_errf(r, KVR_EINVAL, "put: context '%s' is stored as %s, not %s (a context's "

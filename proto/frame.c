@@ -30,7 +30,8 @@ _Static_assert(KVROPE__STATUS__OK == 0 && KVR_E_FROM_STATUS(KVROPE__STATUS__OK) 
  * and the daemon copy modes, layouts and segment kinds without a table. */
 _Static_assert((int)KVR_PUT_CREATE == KVROPE__PUT_MODE__CREATE &&
                (int)KVR_PUT_APPEND == KVROPE__PUT_MODE__APPEND &&
-               (int)KVR_PUT_UPSERT == KVROPE__PUT_MODE__UPSERT, "put modes");
+               (int)KVR_PUT_UPSERT == KVROPE__PUT_MODE__UPSERT &&
+               (int)KVR_PUT_REPLACE == KVROPE__PUT_MODE__REPLACE, "put modes");
 _Static_assert((int)KVR_LAYOUT_PARALLEL == KVROPE__LAYOUT__PARALLEL &&
                (int)KVR_LAYOUT_SEQUENTIAL == KVROPE__LAYOUT__SEQUENTIAL &&
                (int)KVR_LAYOUT_EXPLICIT == KVROPE__LAYOUT__EXPLICIT, "assemble layouts");

@@ -19,6 +19,8 @@ typedef enum kvr_put_mode {
     KVR_PUT_CREATE = 0,         /* KVR_EEXIST if the id exists */
     KVR_PUT_APPEND = 1,         /* KVR_ENOCTX if it does not */
     KVR_PUT_UPSERT = 2,         /* create or append */
+    KVR_PUT_REPLACE = 3,        /* create, or replace the id's context at once
+                                   (as a delete then a create, atomically) */
 } kvr_put_mode;
 
 /* Per-token flags (a get's flags array). */

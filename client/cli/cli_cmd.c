@@ -604,7 +604,8 @@ static int cmd_put(kvr_client *c, const cli_args *a)
         if (!strcmp(mode, "create")) p.mode = KVR_PUT_CREATE;
         else if (!strcmp(mode, "append")) p.mode = KVR_PUT_APPEND;
         else if (!strcmp(mode, "upsert")) p.mode = KVR_PUT_UPSERT;
-        else return cli_usage_err("--mode: want create, append or upsert");
+        else if (!strcmp(mode, "replace")) p.mode = KVR_PUT_REPLACE;
+        else return cli_usage_err("--mode: want create, append, upsert or replace");
     }
     p.pin = cli_flag(a, "pin");
     bool has_protect;

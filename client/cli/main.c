@@ -51,7 +51,7 @@ static const char help_text[] =
 "                                     (docs/quantized.md)\n"
 "  ls [--model M]                     contexts\n"
 "  stat CTX                           one context\n"
-"  put CTX FILE [--model M] [--mode create|append|upsert] [--pin] [--protect N]\n"
+"  put CTX FILE [--model M] [--mode create|append|upsert|replace] [--pin] [--protect N]\n"
 "        [--persist]                  keep the context on disk (daemon --disk-dir):\n"
 "                                     acknowledged once durable, survives restarts\n"
 "        [--shm]                      payload through shared memory, not the socket\n"

@@ -433,7 +433,8 @@ static int put_common(kvr_client *c, const kvr_put_args *a, const char *group,
         return r;
     if (a->n_tokens && !a->tokens)
         return kvr__fail(c, KVR_EINVAL, "put: tokens missing");
-    if (a->mode != KVR_PUT_CREATE && a->mode != KVR_PUT_APPEND && a->mode != KVR_PUT_UPSERT)
+    if (a->mode != KVR_PUT_CREATE && a->mode != KVR_PUT_APPEND && a->mode != KVR_PUT_UPSERT &&
+        a->mode != KVR_PUT_REPLACE)
         return kvr__fail(c, KVR_EINVAL, "put: unknown mode %d", (int)a->mode);
     wire_payload w;
     if ((r = payload_iov(c, "put", a->payload, a->payload_len, a->iov, a->iovcnt, &w)) < 0)

@@ -269,6 +269,36 @@ def test_list_stat_pin_fork_shift_keep_delete(client, uid):
     assert [c.id for c in client.list(name)] == [f"a-{uid}"]
 
 
+def test_put_replace(client, uid):
+    """mode="replace": a create, or the id's context replaced at once (its
+    tokens leave the index, nothing of it carries over); refused puts leave
+    the old one as it was."""
+    name = model_name(client, uid)
+    other = model_name(client, uid, dtype="f16")
+    ka, kb = rand_kv(12, seed=21), rand_kv(5, seed=22)
+    ta, tb = toks(12, seed=21), toks(5, seed=22)
+    r = client.put(f"r-{uid}", name, ta, ka, mode="replace")         # missing: created
+    assert r.n_tokens == 12
+    client.pin(f"r-{uid}")
+    r = client.put(f"r-{uid}", name, tb, kb, mode="replace", pos_start=7)
+    assert (r.n_tokens, r.first_index, r.first_pos) == (5, 0, 7)
+    g = client.get(f"r-{uid}")
+    assert np.array_equal(bits(g.data), bits(kb))            # stored and read at 7..11
+    assert g.positions.tolist() == list(range(7, 12)) and g.tokens.tolist() == tb
+    assert not client.stat(f"r-{uid}").pinned
+    assert client.match(name, ta).length == 0
+    m = client.match(name, tb)
+    assert (m.length, m.ctx_id) == (5, f"r-{uid}")
+    with pytest.raises(kvrope.FingerprintMismatch):          # another model's: delete it first
+        client.put(f"r-{uid}", other, tb, kb, mode="replace")
+    with pytest.raises(kvrope.ShapeMismatch):
+        client.put(f"r-{uid}", name, tb, rand_kv(5, layers=NL + 1), mode="replace",
+                   check_model=False)
+    g2 = client.get(f"r-{uid}")
+    assert np.array_equal(bits(g2.values), bits(g.values)) and g2.tokens.tolist() == tb
+    assert [c.id for c in client.list(name)] == [f"r-{uid}"]
+
+
 def test_deferred_delete(client, uid):
     """delete(deferred=True) rides with the next call, flush() sends what
     waits; a context already gone counts as done, not as a failure."""
@@ -377,7 +407,7 @@ def test_validation_raises_before_sending(client, uid):
         (TypeError, lambda: client.put(f"v-{uid}", name, toks(4), k=kv[:, 0])),
         (TypeError, lambda: client.put(f"v-{uid}", name, toks(4), kv, k=kv[:, 0], v=kv[:, 1])),
         (ValueError, lambda: client.put(f"v-{uid}", name, toks(4), kv, dtype="int8")),
-        (ValueError, lambda: client.put(f"v-{uid}", name, toks(4), kv, mode="replace")),
+        (ValueError, lambda: client.put(f"v-{uid}", name, toks(4), kv, mode="overwrite")),
         (ValueError, lambda: client.put(f"v-{uid}", name, toks(4), kv, positions=[0, 1, 2])),
         (ValueError, lambda: client.put(f"v-{uid}", name, toks(4), kv, positions=[0, 1, 2, 3],
                                         pos_start=0)),

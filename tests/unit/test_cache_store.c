@@ -1,7 +1,8 @@
 /*
  * test_cache_store.c — the store's put/get/shift/keep/fork/delete paths:
  * bit-exact round trips, conversions, re-rotation against rope/, copy-on-
- * write, leases, error codes, aborts and memory accounting.
+ * write, leases, error codes, aborts and memory accounting; put REPLACE
+ * (the swap at commit, readers, refusals and aborts that keep the old one).
  */
 #include <criterion/criterion.h>
 #include <stdlib.h>
@@ -709,5 +710,174 @@ Test(cache_store, non_composing_rope_moves_with_its_length)
     cr_assert_eq(kvr_get_payload_size(g), 0);
     kvr_get_end(g);
     free(tok);
+    kvr_store_destroy(s);
+}
+
+/* ---- put REPLACE: a new context takes an existing id's place at commit ---- */
+
+/* put_begin + payload of a put (no commit): the open transaction. */
+static kvr_put *open_put(kvr_store *s, const char *id, const char *model, kvr_put_mode mode,
+                         uint32_t seed, size_t n, const uint32_t *tokens, kvr_error *e)
+{
+    kvr_put_params p = { .ctx_id = id, .model = model, .mode = mode, .n_layers = L,
+                         .n_kv_heads = H, .head_dim = D, .dtype = KVR_DTYPE_F16,
+                         .n_tokens = n, .tokens = tokens };
+    kvr_put *t = NULL;
+    if (kvr_store_put_begin(s, &p, &t, e) != 0)
+        return NULL;
+    size_t bytes, off = 0, niov;
+    uint8_t *pl = make_payload(seed, 0, n, KVR_DTYPE_F16, &bytes);
+    const struct iovec *iov;
+    kvr_put_payload_iov(t, &iov, &niov);
+    for (size_t i = 0; i < niov; i++) {
+        memcpy(iov[i].iov_base, pl + off, iov[i].iov_len);
+        off += iov[i].iov_len;
+    }
+    free(pl);
+    return t;
+}
+
+static size_t n_contexts(const kvr_store *s)
+{
+    kvr_store_stats st;
+    kvr_store_get_stats(s, &st);
+    return st.n_contexts;
+}
+
+static size_t match_len(kvr_store *s, const uint32_t *tok, size_t n, char *who)
+{
+    kvr_match_result r;
+    kvr_error e = { 0 };
+    cr_assert_eq(kvr_store_match(s, "m", tok, n, false, &r, &e), 0, "%s", e.msg);
+    if (who)
+        strcpy(who, r.ctx_id);
+    return r.length;
+}
+
+Test(cache_store, replace_missing_id_creates)
+{
+    kvr_store *s = mk_store(0, 16);
+    mk_model(s, "m", KVR_DTYPE_F16, NULL);
+    uint32_t *tok = seq_tokens(500, 20);
+    kvr_error e = { 0 };
+    cr_assert_eq(do_put(s, "r", "m", KVR_PUT_REPLACE, 4, 0, 20, tok, KVR_DTYPE_F16, &e), 0,
+                 "%s", e.msg);
+    cr_assert_eq(n_contexts(s), 1);
+    check_range(s, "r", 4, 0, 20, KVR_DTYPE_F16, NULL, 0);
+    cr_assert_eq(match_len(s, tok, 20, NULL), 20);
+    free(tok);
+    kvr_store_destroy(s);
+}
+
+Test(cache_store, replace_swaps_at_commit)
+{
+    kvr_store *s = mk_store(0, 16);
+    mk_model(s, "m", KVR_DTYPE_F16, NULL);
+    uint32_t *a = seq_tokens(1000, 40), *b = seq_tokens(2000, 24);
+    kvr_error e = { 0 };
+    cr_assert_eq(do_put(s, "x", "m", KVR_PUT_CREATE, 1, 0, 40, a, KVR_DTYPE_F16, &e), 0);
+    cr_assert_eq(kvr_store_pin(s, "x", true, &e), 0);
+    /* A reader holds the old context's blocks across the replace. */
+    kvr_get_params gp = { .ctx_id = "x", .end = SIZE_MAX, .dtype = KVR_DTYPE_F16 };
+    kvr_get *reader = NULL;
+    size_t rn;
+    uint8_t *before = do_get(s, &gp, &rn, &reader);
+    kvr_put *t = open_put(s, "x", "m", KVR_PUT_REPLACE, 2, 24, b, &e);
+    cr_assert_not_null(t, "%s", e.msg);
+    /* Until commit: the old context is what everyone sees, and it is busy
+     * for writers; the new one is counted nowhere. */
+    cr_assert_eq(n_contexts(s), 1);
+    check_range(s, "x", 1, 0, 40, KVR_DTYPE_F16, NULL, 0);
+    cr_assert_eq(match_len(s, a, 40, NULL), 40);
+    cr_assert_eq(match_len(s, b, 24, NULL), 0);
+    cr_assert_eq(do_put(s, "x", "m", KVR_PUT_UPSERT, 1, 40, 2, a, KVR_DTYPE_F16, &e), KVR_EBUSY);
+    cr_assert_eq(kvr_store_delete(s, "x", &e), KVR_EBUSY);
+    cr_assert_eq(do_put(s, "x", "m", KVR_PUT_REPLACE, 3, 0, 2, a, KVR_DTYPE_F16, &e), KVR_EBUSY);
+    kvr_put_result res;
+    cr_assert_eq(kvr_put_commit(t, &res, &e), 0, "%s", e.msg);
+    cr_assert_eq(res.n_tokens, 24);
+    cr_assert_eq(res.first_index, 0);
+    cr_assert_eq(res.first_pos, 0);
+    cr_assert_eq(n_contexts(s), 1);
+    check_range(s, "x", 2, 0, 24, KVR_DTYPE_F16, NULL, 0);
+    kvr_ctx_info ci;
+    cr_assert_eq(kvr_store_stat(s, "x", &ci, &e), 0);
+    cr_assert_eq(ci.n_tokens, 24);
+    cr_assert_not(ci.pinned);            /* nothing of the old one carries over */
+    char who[KVR_ID_MAX + 1];
+    cr_assert_eq(match_len(s, a, 40, NULL), 0);   /* the old tokens left the index */
+    cr_assert_eq(match_len(s, b, 24, who), 24);
+    cr_assert_str_eq(who, "x");
+    /* The reader still has the old bytes; they go with its end. */
+    const struct iovec *iov;
+    size_t niov, off = 0;
+    kvr_get_payload_iov(reader, &iov, &niov);
+    for (size_t i = 0; i < niov; i++) {
+        cr_assert(memcmp((const uint8_t *)iov[i].iov_base, before + off, iov[i].iov_len) == 0);
+        off += iov[i].iov_len;
+    }
+    cr_assert_eq(off, rn);
+    kvr_get_end(reader);
+    free(before);
+    /* The new context is an ordinary one: appendable, deletable. */
+    cr_assert_eq(do_put(s, "x", "m", KVR_PUT_APPEND, 2, 24, 3, b, KVR_DTYPE_F16, &e), 0);
+    cr_assert_eq(kvr_store_delete(s, "x", &e), 0);
+    cr_assert_eq(n_contexts(s), 0);
+    kvr_store_stats st;
+    kvr_store_get_stats(s, &st);
+    cr_assert_eq(st.n_blocks, 0);
+    cr_assert_eq(st.n_leased_blocks, 0);
+    free(a);
+    free(b);
+    kvr_store_destroy(s);
+}
+
+Test(cache_store, replace_refused_or_aborted_keeps_the_old)
+{
+    kvr_store_config cfg = { .block_tokens = 16, .max_contexts = 2 };
+    kvr_store *s = NULL;
+    kvr_error e = { 0 };
+    cr_assert_eq(kvr_store_create(&s, &cfg, &e), 0);
+    mk_model(s, "m", KVR_DTYPE_F16, NULL);
+    mk_model(s, "other", KVR_DTYPE_F16, NULL);
+    uint32_t *a = seq_tokens(10, 30), *b = seq_tokens(90, 8);
+    cr_assert_eq(do_put(s, "x", "m", KVR_PUT_CREATE, 5, 0, 30, a, KVR_DTYPE_F16, &e), 0);
+    /* Another model's, another shape: refused, the old one as it was. */
+    cr_assert_eq(do_put(s, "x", "other", KVR_PUT_REPLACE, 6, 0, 8, b, KVR_DTYPE_F16, &e),
+                 KVR_EFINGERPRINT);
+    kvr_put_params bad = { .ctx_id = "x", .model = "m", .mode = KVR_PUT_REPLACE,
+                           .n_layers = L, .n_kv_heads = H + 1, .head_dim = D,
+                           .dtype = KVR_DTYPE_F16, .n_tokens = 8, .tokens = b };
+    kvr_put *t = NULL;
+    cr_assert_eq(kvr_store_put_begin(s, &bad, &t, &e), KVR_ESHAPE);
+    bad.n_kv_heads = H;
+    bad.has_payload_bytes = true;
+    bad.payload_bytes = 7;
+    cr_assert_eq(kvr_store_put_begin(s, &bad, &t, &e), KVR_EPAYLOAD);
+    bad.has_payload_bytes = false;
+    bad.prefix_ctx = "x";
+    cr_assert_eq(kvr_store_put_begin(s, &bad, &t, &e), KVR_EINVAL);
+    check_range(s, "x", 5, 0, 30, KVR_DTYPE_F16, NULL, 0);
+    /* Aborted with its payload in: the old one stays, writable again. */
+    t = open_put(s, "x", "m", KVR_PUT_REPLACE, 6, 8, b, &e);
+    cr_assert_not_null(t, "%s", e.msg);
+    kvr_put_abort(t);
+    check_range(s, "x", 5, 0, 30, KVR_DTYPE_F16, NULL, 0);
+    cr_assert_eq(match_len(s, a, 30, NULL), 30);
+    cr_assert_eq(match_len(s, b, 8, NULL), 0);
+    /* The old one being written: E_BUSY, both puts' contexts intact. */
+    kvr_put *w = open_put(s, "x", "m", KVR_PUT_APPEND, 5, 2, a, &e);
+    cr_assert_not_null(w, "%s", e.msg);
+    cr_assert_eq(do_put(s, "x", "m", KVR_PUT_REPLACE, 6, 0, 8, b, KVR_DTYPE_F16, &e), KVR_EBUSY);
+    kvr_put_abort(w);
+    /* A replace adds no context: not held to max_contexts. */
+    cr_assert_eq(do_put(s, "y", "m", KVR_PUT_CREATE, 7, 0, 4, b, KVR_DTYPE_F16, &e), 0);
+    cr_assert_eq(do_put(s, "z", "m", KVR_PUT_REPLACE, 7, 0, 4, b, KVR_DTYPE_F16, &e), KVR_ELIMIT);
+    cr_assert_eq(do_put(s, "x", "m", KVR_PUT_REPLACE, 6, 0, 8, b, KVR_DTYPE_F16, &e), 0,
+                 "%s", e.msg);
+    check_range(s, "x", 6, 0, 8, KVR_DTYPE_F16, NULL, 0);
+    cr_assert_eq(n_contexts(s), 2);
+    free(a);
+    free(b);
     kvr_store_destroy(s);
 }

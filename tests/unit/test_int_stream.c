@@ -7,6 +7,9 @@
  * in order, match+get streams too, a client that disconnects mid-stream
  * leaves the daemon healthy (and, under `make check`, leak-free: the daemon
  * must exit 0 under ASan/LSan), and unedited zero-copy gets do not stream.
+ * And a put REPLACE of a context another client is streaming (the reader
+ * gets the old context whole, later gets the new one) or writing (E_BUSY,
+ * then through once the writer's put is aborted).
  *
  * Shape: 32 layers x 8 KV heads x 128 dims, f16, 300 tokens (1.2 MiB a
  * layer, 37.5 MiB in all: several 8 MiB chunks).
@@ -313,5 +316,149 @@ Test(int_stream, client_leaving_mid_stream_leaves_the_daemon_healthy)
     check_layers(&g);
     kvr_kv_release(&kv);
     free(want);
+    cr_assert(testd_alive(&D));
+}
+
+/* ---- put REPLACE of a context another client is reading or writing ------ */
+
+static void recv_all(int fd, uint8_t *p, size_t n)
+{
+    while (n > 0) {
+        ssize_t r = read(fd, p, n);
+        cr_assert_gt(r, 0, "the reply ended with %zu bytes to go", n);
+        p += r;
+        n -= (size_t)r;
+    }
+}
+
+static int put_n(const char *ctx, kvr_put_mode mode, const void *pl, size_t len,
+                 uint32_t n_layers, size_t n_tokens)
+{
+    kvr_put_args a = { .mode = mode, .ctx_id = ctx, .model = "big", .dtype = KVR_DTYPE_F16,
+                       .tokens = TOK, .n_tokens = n_tokens, .has_pos_start = true, .pos_start = 0,
+                       .payload = pl, .payload_len = len, .n_layers = n_layers,
+                       .n_kv_heads = n_layers ? NH : 0, .head_dim = n_layers ? ND : 0 };
+    return kvr_client_put(C, &a, NULL);
+}
+
+static int put_mode(const char *ctx, kvr_put_mode mode, const void *pl, size_t len,
+                    uint32_t n_layers)
+{
+    return put_n(ctx, mode, pl, len, n_layers, NT);
+}
+
+Test(int_stream, replace_while_another_client_streams_or_writes_it)
+{
+    put_ctx("rp");
+    cr_assert_eq(kvr_client_shift(C, "rp", 0, NT, SHIFT), 0, "%s", kvr_client_last_error(C));
+    uint8_t *want_old = expected_shifted();
+    /* A reader that stops after 100 KiB of its streamed reply: the stream
+     * stalls with its leases held. */
+    int fd = raw_connect();
+    Kvrope__Get g = KVROPE__GET__INIT;
+    g.context_id = (char *)"rp";
+    g.dtype = KVROPE__DTYPE__F16;
+    Kvrope__Request rq = KVROPE__REQUEST__INIT;
+    rq.id = 1;
+    rq.body_case = KVROPE__REQUEST__BODY_GET;
+    rq.get = &g;
+    size_t n = kvrope__request__get_packed_size(&rq);
+    uint8_t *buf = malloc(KVR_FRAME_HEADER_SIZE + n);
+    cr_assert_not_null(buf);
+    kvrope__request__pack(&rq, buf + KVR_FRAME_HEADER_SIZE);
+    kvr_frame_header_encode(buf, (uint32_t)n, 0);
+    send_all(fd, buf, KVR_FRAME_HEADER_SIZE + n);
+    free(buf);
+    uint8_t hdr[KVR_FRAME_HEADER_SIZE];
+    recv_all(fd, hdr, sizeof hdr);
+    uint32_t msg_len;
+    uint64_t pay_len;
+    memcpy(&msg_len, hdr + 8, 4);
+    memcpy(&pay_len, hdr + 16, 8);
+    cr_assert_eq(pay_len, PL_LEN);
+    uint8_t *msg = malloc(msg_len ? msg_len : 1), *got = malloc(PL_LEN);
+    cr_assert(msg && got);
+    recv_all(fd, msg, msg_len);
+    free(msg);
+    recv_all(fd, got, 100u << 10);
+    /* The replacement: other KV under the same id, while the read is open. */
+    uint8_t *pl2 = malloc(PL_LEN);
+    cr_assert_not_null(pl2);
+    testd_fill(pl2, 9, NULL, NL, 0, NT, NH, ND, KVR_DTYPE_F16);
+    /* Refused ones first: the old context stays as it was. */
+    int rc;
+    /* (payloads under --max-drain: drained, the connection stays) */
+    cr_assert_eq(put_mode("rp", KVR_PUT_REPLACE, pl2, PL_LEN / NL, 1), KVR_ESHAPE);
+    rc = put_mode("rp", KVR_PUT_REPLACE, pl2, PL_LEN / NL, 0);
+    cr_assert_eq(rc, KVR_EPAYLOAD, "%d %s", rc, kvr_client_last_error(C));
+    kvr_context ci;
+    cr_assert_eq(kvr_client_stat(C, "rp", &ci), 0);
+    cr_assert_eq(ci.pos_min, SHIFT);
+    cr_assert_eq(put_mode("rp", KVR_PUT_REPLACE, pl2, PL_LEN, 0), 0, "%s",
+                 kvr_client_last_error(C));
+    cr_assert_eq(kvr_client_stat(C, "rp", &ci), 0);
+    cr_assert_eq(ci.pos_min, 0);                  /* the new one, at its own positions */
+    kvr_get_args ga = { .ctx_id = "rp", .dtype = KVR_DTYPE_F16 };
+    kvr_kv kv;
+    cr_assert_eq(kvr_client_get(C, &ga, &kv), 0, "%s", kvr_client_last_error(C));
+    cr_assert_eq(kv.payload_len, PL_LEN);
+    cr_assert(memcmp(kv.payload, pl2, PL_LEN) == 0, "the replacement's bytes differ");
+    kvr_kv_release(&kv);
+    /* The reader gets the whole old context, as it was when it asked. */
+    recv_all(fd, got + (100u << 10), PL_LEN - (100u << 10));
+    assert_same(got, want_old, PL_LEN);
+    close(fd);
+    free(got);
+    free(want_old);
+
+    /* A writer with its payload half sent holds the context busy: a replace
+     * is E_BUSY; once the writer leaves (its put aborted), it goes through. */
+    fd = raw_connect();
+    Kvrope__Put p = KVROPE__PUT__INIT;
+    p.context_id = (char *)"rp";
+    p.model = (char *)"big";
+    p.has_mode = true;
+    p.mode = KVROPE__PUT_MODE__APPEND;
+    p.n_tokens = NT;
+    p.tokens = TOK;
+    rq = (Kvrope__Request)KVROPE__REQUEST__INIT;
+    rq.id = 2;
+    rq.body_case = KVROPE__REQUEST__BODY_PUT;
+    rq.put = &p;
+    n = kvrope__request__get_packed_size(&rq);
+    buf = malloc(KVR_FRAME_HEADER_SIZE + n);
+    cr_assert_not_null(buf);
+    kvrope__request__pack(&rq, buf + KVR_FRAME_HEADER_SIZE);
+    kvr_frame_header_encode(buf, (uint32_t)n, PL_LEN);
+    send_all(fd, buf, KVR_FRAME_HEADER_SIZE + n);
+    free(buf);
+    send_all(fd, pl2, 4096);
+    /* (64 tokens, 8 MiB: under --max-drain, so the refusal keeps C open) */
+    size_t small = kvr_payload_size(NL, 64, NH, ND, KVR_DTYPE_F16);
+    rc = KVR_EBUSY;
+    for (int i = 0; i < 500 && rc == KVR_EBUSY; i++) {
+        /* Until the daemon has read the writer's frame, the replace may win;
+         * once the writer holds it, E_BUSY. */
+        rc = put_n("rp", KVR_PUT_REPLACE, PL, small, 0, 64);
+        if (rc == 0) {
+            testd_sleep_ms(10);
+            rc = KVR_EBUSY;
+            continue;
+        }
+        break;
+    }
+    cr_assert_eq(rc, KVR_EBUSY, "%s", kvr_client_last_error(C));
+    close(fd);
+    rc = KVR_EBUSY;
+    for (int i = 0; i < 500 && rc == KVR_EBUSY; i++) {
+        rc = put_n("rp", KVR_PUT_REPLACE, PL, small, 0, 64);
+        if (rc == KVR_EBUSY)
+            testd_sleep_ms(10);
+    }
+    cr_assert_eq(rc, 0, "%s", kvr_client_last_error(C));
+    cr_assert_eq(kvr_client_stat(C, "rp", &ci), 0);
+    cr_assert_eq(ci.n_tokens, 64);
+    cr_assert_eq(testd_metric(C, "contexts"), 1);
+    free(pl2);
     cr_assert(testd_alive(&D));
 }

@@ -28,7 +28,7 @@ ROPE_MAX_LAYERS = 1024    # rope.h KVR_ROPE_MAX_LAYERS
 # kvr_dtype
 DTYPE_F32, DTYPE_F16, DTYPE_BF16 = 0, 1, 2
 # kvr_put_mode (the store's and the wire's values)
-PUT_CREATE, PUT_APPEND, PUT_UPSERT = 0, 1, 2
+PUT_CREATE, PUT_APPEND, PUT_UPSERT, PUT_REPLACE = 0, 1, 2, 3
 
 
 class iovec(Structure):

@@ -362,7 +362,8 @@ class Match:
 
 # ---- the client -----------------------------------------------------------------
 
-_MODES = {"upsert": _lib.PUT_UPSERT, "create": _lib.PUT_CREATE, "append": _lib.PUT_APPEND}
+_MODES = {"upsert": _lib.PUT_UPSERT, "create": _lib.PUT_CREATE, "append": _lib.PUT_APPEND,
+          "replace": _lib.PUT_REPLACE}
 
 
 class Client:
@@ -572,7 +573,8 @@ class Client:
         kv: [n_layers, 2, T, kv_heads, head_dim] array/tensor, or a list of
         (K, V) per layer ([T, kv_heads, head_dim] each); or k=, v= each
         [n_layers, T, kv_heads, head_dim]. dtype: wire dtype (default: the
-        data's; see kvrope.tensors). mode: "upsert" | "create" | "append".
+        data's; see kvrope.tensors). mode: "upsert" | "create" | "append" |
+        "replace" (create, or replace an existing context of the model at once).
         Positions: `positions` (one per token) or `pos_start` (contiguous), or
         neither (the context's last position + 1; 0 for a new context).
         check_model: look the model's shape up (once per connection, cached)
