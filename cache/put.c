@@ -995,7 +995,8 @@ int kvr_put_commit(kvr_put *t, kvr_put_result *res, kvr_error *err)
         c->pinned = true;
     if (s->tier && (t->persist || (t->created && s->persist_all)))
         c->persist = true;
-    kvr_store_touch(s, c);
+    if (!t->created)
+        kvr_store_touch(s, c);   /* a created one was, by kvr_store_ctx_commit */
     s->n_puts++;
     if (res) {
         res->n_tokens = c->n_tokens;

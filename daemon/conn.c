@@ -75,6 +75,16 @@ uint64_t kvr_now_ms(void)
     return (uint64_t)ts.tv_sec * 1000u + (uint64_t)ts.tv_nsec / 1000000u;
 }
 
+/* The loop's time (ms, CLOCK_MONOTONIC as kvr_now_ms, taken once per loop
+ * iteration when epoll returns): what the per-read and per-write stall
+ * clocks (read_ms, write_ms, frame_ms) need, whose limits are seconds,
+ * without a clock_gettime for each read and write of every request. Never
+ * ahead of kvr_now_ms, so now - these stays >= 0 in the sweep. */
+static inline uint64_t loop_ms(const kvr_conn *c)
+{
+    return uv_now(&c->d->loop);
+}
+
 /* Frees c's message buffer, and its share of the daemon's budget. */
 static void msg_release(kvr_conn *c)
 {
@@ -195,7 +205,7 @@ static void on_write(uv_write_t *req, int status)
     assert(c->writes_pending > 0 && c->out_queued >= w->total);
     kvr_mem_free(w->buf);
     c->writes_pending--;
-    c->write_ms = kvr_now_ms();
+    c->write_ms = loop_ms(c);
     c->write_q = c->closing ? 0 : uv_stream_get_write_queue_size(&c->h.stream);
     c->out_queued -= w->total;
     if (status == 0)
@@ -290,7 +300,7 @@ static int queue_write(kvr_conn *c, uint8_t *buf, const uv_buf_t *bufs, size_t k
     }
     c->refs++;
     if (c->writes_pending++ == 0) {
-        c->write_ms = kvr_now_ms();
+        c->write_ms = loop_ms(c);
         c->write_q = uv_stream_get_write_queue_size(&c->h.stream);
     }
     c->out_queued += total;
@@ -365,7 +375,7 @@ void kvrd_conn_cork_flush(kvr_conn *c)
             if (w > 0) {
                 done = (size_t)w;
                 c->d->bytes_out += done;
-                c->write_ms = kvr_now_ms();
+                c->write_ms = loop_ms(c);
             }
             if (heap)
                 kvr_mem_free(all);
@@ -468,7 +478,7 @@ int kvrd_conn_write_ex(kvr_conn *c, uint8_t *buf, size_t len, const struct iovec
         int n = uv_try_write(&c->h.stream, bufs, (unsigned)k);
         if (n > 0) {
             d->bytes_out += (uint64_t)n;
-            c->write_ms = kvr_now_ms();
+            c->write_ms = loop_ms(c);
             if ((size_t)n == total) {
                 if (heap)
                     kvr_mem_free(bufs);
@@ -609,7 +619,7 @@ static void update_reading(kvr_conn *c)
         /* These bytes reach the frame machine now: a frame starting here
          * is timed from now (frame_ms, --min-rate), not from the read that
          * brought them while an earlier request ran. */
-        c->read_ms = kvr_now_ms();
+        c->read_ms = loop_ms(c);
         c->in_read = true;
         feed_inbuf(c);
         c->in_read = false;
@@ -648,7 +658,7 @@ static void update_reading(kvr_conn *c)
             kvr_conn_close(c);
             return;
         }
-        c->read_ms = kvr_now_ms();   /* the stall clock starts now */
+        c->read_ms = loop_ms(c);   /* the stall clock starts now */
     } else {
         uv_read_stop(&c->h.stream);
     }
@@ -981,7 +991,7 @@ static void read_cb_body(uv_stream_t *s, ssize_t nread, const uv_buf_t *buf)
     }
     size_t n = (size_t)nread;
     c->d->bytes_in += n;
-    c->read_ms = kvr_now_ms();
+    c->read_ms = loop_ms(c);
     if (buf->base == (char *)c->inbuf && c->inbuf) {
         assert(c->st == KVRD_CONN_HDR && c->in_len == 0);
         c->in_pos = 0;
@@ -1110,7 +1120,7 @@ static void payload_read_direct(kvr_conn *c)
             }
         }
         c->d->bytes_in += (uint64_t)n;
-        c->read_ms = kvr_now_ms();
+        c->read_ms = loop_ms(c);
         size_t got = (size_t)n < want ? (size_t)n : want;
         if (ahead && (size_t)n > want) {
             c->in_pos = 0;
@@ -1166,7 +1176,7 @@ void kvrd_conn_read_payload(kvr_conn *c, const struct iovec *iov, size_t niov)
          * with them (or one starts here). */
         if (!c->feeding) {
             if (!c->in_read)
-                c->read_ms = kvr_now_ms();   /* fed now (update_reading) */
+                c->read_ms = loop_ms(c);   /* fed now (update_reading) */
             feed_inbuf(c);
         }
         return;

@@ -40,6 +40,10 @@
 /* The generated structs take non-const pointers; the data is only read. */
 #define UNCONST(T, p) ((T)(uintptr_t)(p))
 
+/* Bytes of a request's inline arena for its unpacked message: a put's
+ * Request, Put, ids and a few hundred tokens fit. */
+#define KVRD_PB_ARENA 2048
+
 typedef enum rq_phase {
     RQ_RUN = 0,     /* in a handler on the loop thread */
     RQ_PAYLOAD,     /* conn.c reads the payload into the transaction */
@@ -107,7 +111,37 @@ struct kvrd_request {
     /* match: what matched (the get half reads it) */
     uint64_t         match_len;
     char             match_ctx[KVR_ID_MAX + 1];
+    /* The unpacked message's first bytes (pb_arena_*): a request's message
+     * is a few small allocations (the Request, its body, ids, tokens), made
+     * here instead of one malloc + free each; what does not fit is
+     * allocated. Reset for each request (with the struct: see req_spare). */
+    ProtobufCAllocator pb;
+    size_t           arena_used;
+    _Alignas(16) uint8_t arena[KVRD_PB_ARENA];
 };
+
+/* protobuf-c's allocator for a request's message: bump allocation in
+ * r->arena, kvr_mem_malloc past it; a free of arena memory is a no-op (the
+ * whole arena goes with the request). */
+static void *pb_arena_alloc(void *ud, size_t n)
+{
+    kvrd_request *r = ud;
+    size_t k = (n + 15) & ~(size_t)15;
+    if (n > 0 && k <= sizeof r->arena - r->arena_used) {
+        void *p = r->arena + r->arena_used;
+        r->arena_used += k;
+        return p;
+    }
+    return kvr_mem_malloc(n ? n : 1);
+}
+
+static void pb_arena_free(void *ud, void *p)
+{
+    kvrd_request *r = ud;
+    if ((uint8_t *)p >= r->arena && (uint8_t *)p < r->arena + sizeof r->arena)
+        return;
+    kvr_mem_free(p);
+}
 
 static const kvrd_verb VERBS[KVR_N_VERBS];
 
@@ -150,7 +184,7 @@ void kvrd_request_end(kvrd_request *r, int status)
                 status ? kvr_error_name(status) : "OK",
                 (double)(uv_hrtime() - r->start_ns) / 1e6, (unsigned long long)r->bytes_out);
     if (r->msg)
-        kvrope__request__free_unpacked(r->msg, &kvr_pb_allocator);
+        kvrope__request__free_unpacked(r->msg, &r->pb);
     kvrd_region_unref(r->shm);      /* work on it is over: unmapped if released */
     r->shm = NULL;
     if (r->fd >= 0)
@@ -1486,7 +1520,7 @@ static void send_get(kvrd_request *r, bool stream)
     uint8_t *buf = kvrd_pack_response(&resp, payload, &len);
     if (buf) {
         /* The message is packed: the request's fields are no longer needed. */
-        kvrope__request__free_unpacked(r->msg, &kvr_pb_allocator);
+        kvrope__request__free_unpacked(r->msg, &r->pb);
         r->msg = NULL;
         r->bytes_out += len + payload;
         r->phase = RQ_STREAM;
@@ -1777,7 +1811,9 @@ void kvrd_dispatch_frame(kvr_conn *c, const kvr_frame_header *fh, const uint8_t 
         kvr_conn_fail(c, 0, KVR_ENOMEM, "out of memory for the request");
         return;
     }
-    Kvrope__Request *q = kvrope__request__unpack(&kvr_pb_allocator, fh->msg_len, msg);
+    r->pb = (ProtobufCAllocator){ pb_arena_alloc, pb_arena_free, r };
+    r->arena_used = 0;
+    Kvrope__Request *q = kvrope__request__unpack(&r->pb, fh->msg_len, msg);
     if (!q) {
         c->req_spare = r;
         kvr_conn_fail(c, 0, KVR_EBADFRAME, "message does not decode as a kvrope.Request");
