@@ -221,6 +221,17 @@ Test(int_cli, safetensors_roundtrip)
     cr_assert(memcmp(kv.payload, pl, len) == 0);
     cr_assert_eq(kv.tokens[n - 1], 400 + n - 1);
     kvr_kv_release(&kv);
+    /* --mode replace: the same file again replaces the copy (a create is
+     * refused, an upsert would append). */
+    cr_assert_eq(CLI("put", "copy", st, "--mode", "create"), 1);
+    cr_assert_eq(CLI("put", "copy", st, "--mode", "replace"), 0);
+    cr_assert_eq(CLI("put", "copy", st, "--mode", "overwrite"), 2);
+    kvr_context cc;
+    cr_assert_eq(kvr_client_stat(C, "copy", &cc), 0);
+    cr_assert_eq(cc.n_tokens, n);
+    cr_assert_eq(kvr_client_get(C, &g, &kv), 0);
+    cr_assert(memcmp(kv.payload, pl, len) == 0);
+    kvr_kv_release(&kv);
     free(pl);
     /* match through the CLI finds the copy's prefix. */
     cr_assert_eq(CLI("match", "--model", "m", "--tokens", "400,401,402,9", "--json"), 0);
