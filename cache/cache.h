@@ -120,6 +120,10 @@ int kvr_store_codec_check(const kvr_store *s, const char *model, const char *spe
 int kvr_store_model_register(kvr_store *s, const kvr_model_desc *d,
                              kvr_model_info *out, kvr_error *err);
 int kvr_store_model_find(const kvr_store *s, const char *name, kvr_model_info *out);
+/* The shape alone (what a request that leaves it out defaults to), without
+ * filling a whole kvr_model_info; KVR_ENOMODEL if absent. */
+int kvr_store_model_shape(const kvr_store *s, const char *name, uint32_t *n_layers,
+                          uint32_t *n_kv_heads, uint32_t *head_dim);
 /* Removes a model that no context uses (KVR_EBUSY naming how many do, or
  * while any read holds leases: its work may still use a model whose last
  * context was deleted meanwhile; KVR_ENOMODEL if unknown). A model the disk tier has persisted is

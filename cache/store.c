@@ -614,6 +614,18 @@ int kvr_store_model_find(const kvr_store *s, const char *name, kvr_model_info *o
     return 0;
 }
 
+int kvr_store_model_shape(const kvr_store *s, const char *name, uint32_t *n_layers,
+                          uint32_t *n_kv_heads, uint32_t *head_dim)
+{
+    const kvr_model *m = kvr_store_model(s, name);
+    if (!m)
+        return KVR_ENOMODEL;
+    *n_layers = m->n_layers;
+    *n_kv_heads = m->n_kv_heads;
+    *head_dim = m->head_dim;
+    return 0;
+}
+
 size_t kvr_store_model_list(const kvr_store *s, kvr_model_info *out, size_t cap)
 {
     for (size_t i = 0; i < s->n_models && i < cap; i++)

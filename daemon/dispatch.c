@@ -1050,17 +1050,17 @@ static void start_put(kvrd_request *r, const Kvrope__Put *p, const char *group,
         return;
     }
     if (!p->has_n_layers || !p->has_n_kv_heads || !p->has_head_dim) {
-        kvr_model_info mi;
-        if (kvr_store_model_find(r->d->store, p->model, &mi) < 0) {
+        uint32_t ml, mh, md;
+        if (kvr_store_model_shape(r->d->store, p->model, &ml, &mh, &md) < 0) {
             reply_errf(r, KVR_ENOMODEL, "unknown model '%s'", p->model);
             return;
         }
         if (!p->has_n_layers)
-            pp.n_layers = mi.n_layers;
+            pp.n_layers = ml;
         if (!p->has_n_kv_heads)
-            pp.n_kv_heads = mi.n_kv_heads;
+            pp.n_kv_heads = mh;
         if (!p->has_head_dim)
-            pp.head_dim = mi.head_dim;
+            pp.head_dim = md;
     }
     kvr_error e = { 0 };
     rc = kvr_store_put_begin(r->d->store, &pp, &r->put, &e);

@@ -330,9 +330,12 @@ Test(daemon_convert, put_params_refusals)
     cr_assert_eq(kvrd_put_params_from_pb(&p, NULL, 0, &pp, &err), KVR_EBADREQUEST);
     cr_assert_str_eq(err.msg, "put.dtype: unknown value 7");
     p.dtype = KVROPE__DTYPE__F16;
-    p.mode = (Kvrope__PutMode)3;
+    p.mode = (Kvrope__PutMode)4;   /* 3 is REPLACE */
     cr_assert_eq(kvrd_put_params_from_pb(&p, NULL, 0, &pp, &err), KVR_EBADREQUEST);
-    cr_assert_str_eq(err.msg, "put.mode: unknown value 3");
+    cr_assert_str_eq(err.msg, "put.mode: unknown value 4");
+    p.mode = KVROPE__PUT_MODE__REPLACE;
+    cr_assert_eq(kvrd_put_params_from_pb(&p, NULL, 0, &pp, &err), 0, "%s", err.msg);
+    cr_assert_eq(pp.mode, KVR_PUT_REPLACE);
     p.mode = KVROPE__PUT_MODE__CREATE;
     uint32_t tok[3] = { 0 };
     int64_t pos[2] = { 0 };
