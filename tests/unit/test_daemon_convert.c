@@ -823,3 +823,118 @@ Test(daemon_convert, layout_info)
     cr_assert(o.has_retention && !o.retention);
     cr_assert(!o.has_sinks);
 }
+
+/* kvrd_pack_response's fast path (a successful reply: id, status, one body)
+ * writes exactly the bytes protobuf-c's generic packer writes. */
+static void same_as_protobuf_c(const Kvrope__Response *r, uint64_t payload_len)
+{
+    size_t len = 0;
+    uint8_t *got = kvrd_pack_response(r, payload_len, &len);
+    cr_assert_not_null(got);
+    size_t n = kvrope__response__get_packed_size(r);
+    uint8_t *want = malloc(n ? n : 1);
+    cr_assert_eq(kvrope__response__pack(r, want), n);
+    cr_assert_eq(len, KVR_FRAME_HEADER_SIZE + n, "body case %d: %zu bytes, protobuf-c %zu",
+                 (int)r->body_case, len - KVR_FRAME_HEADER_SIZE, n);
+    cr_assert(memcmp(got + KVR_FRAME_HEADER_SIZE, want, n) == 0, "body case %d differs",
+              (int)r->body_case);
+    kvr_frame_header fh;
+    kvr_frame_limits lim = { .max_msg_len = UINT32_MAX, .max_payload_len = UINT64_MAX };
+    cr_assert_eq(kvr_frame_header_decode(got, &fh, &lim), 0);
+    cr_assert_eq(fh.msg_len, n);
+    cr_assert_eq(fh.payload_len, payload_len);
+    Kvrope__Response *back = kvrope__response__unpack(NULL, n, got + KVR_FRAME_HEADER_SIZE);
+    cr_assert_not_null(back);
+    cr_assert_eq(back->id, r->id);
+    cr_assert_eq(back->body_case, r->body_case);
+    kvrope__response__free_unpacked(back, NULL);
+    free(want);
+    kvr_mem_free(got);
+}
+
+Test(daemon_convert, fast_response_packing_matches_protobuf_c)
+{
+    const uint64_t ids[] = { 0, 1, 127, 128, 300, 1ull << 35, UINT64_MAX };
+    for (size_t k = 0; k < sizeof ids / sizeof ids[0]; k++) {
+        Kvrope__PutResult pr = KVROPE__PUT_RESULT__INIT;
+        pr.n_tokens = 4 + k * 1000;
+        pr.first_pos = -(int64_t)k * 77;
+        pr.last_pos = (int64_t)k << 40;
+        Kvrope__Response r = KVROPE__RESPONSE__INIT;
+        r.id = ids[k];
+        r.body_case = KVROPE__RESPONSE__BODY_PUT;
+        r.put = &pr;
+        same_as_protobuf_c(&r, 0);
+        r.body_case = KVROPE__RESPONSE__BODY_GROUP_APPEND;
+        r.group_append = &pr;
+        same_as_protobuf_c(&r, 0);
+
+        /* A KVResult with every repeated field, negatives and big values. */
+        size_t nt = k * 37 + 1;
+        uint32_t *tok = malloc(nt * sizeof *tok), *fl = malloc(nt * sizeof *fl),
+                 layers[3] = { 0, 5, 300 };
+        int64_t *pos = malloc(nt * sizeof *pos);
+        int32_t *grp = malloc(nt * sizeof *grp);
+        for (size_t i = 0; i < nt; i++) {
+            tok[i] = (uint32_t)(i * 2654435761u);
+            pos[i] = (int64_t)i * (k % 2 ? -1000003 : 1) + (int64_t)k;
+            fl[i] = (uint32_t)(i % 8);
+            grp[i] = (int32_t)(i % 3) - 1;
+        }
+        Kvrope__KVResult kv = KVROPE__KVRESULT__INIT;
+        kv.context_id = (char *)"ctx";
+        kv.model = (char *)"model";
+        kv.start = k;
+        kv.token_count = nt;
+        kv.dtype = KVROPE__DTYPE__BF16;
+        kv.n_kv_heads = 8;
+        kv.head_dim = 128;
+        kv.n_layers = 3;
+        kv.layers = layers;
+        kv.n_tokens = nt;
+        kv.tokens = tok;
+        kv.n_positions = nt;
+        kv.positions = pos;
+        kv.n_flags = nt;
+        kv.flags = fl;
+        kv.n_groups = nt;
+        kv.groups = grp;
+        r.body_case = KVROPE__RESPONSE__BODY_KV;
+        r.kv = &kv;
+        same_as_protobuf_c(&r, 65536 + k);
+        Kvrope__MatchResult mr = KVROPE__MATCH_RESULT__INIT;
+        mr.length = nt;
+        mr.context_id = (char *)"ctx";
+        mr.kv = k % 2 ? &kv : NULL;
+        r.body_case = KVROPE__RESPONSE__BODY_MATCH;
+        r.match = &mr;
+        same_as_protobuf_c(&r, k % 2 ? 65536 : 0);
+        free(tok);
+        free(fl);
+        free(pos);
+        free(grp);
+    }
+    Kvrope__Pong pong = KVROPE__PONG__INIT;
+    pong.server = (char *)"kvroped 0.3.0";
+    pong.protocol = 1;
+    Kvrope__Response r = KVROPE__RESPONSE__INIT;
+    r.id = 9;
+    r.body_case = KVROPE__RESPONSE__BODY_PONG;
+    r.pong = &pong;
+    same_as_protobuf_c(&r, 0);
+    Kvrope__ContextInfo ci = KVROPE__CONTEXT_INFO__INIT;
+    ci.id = (char *)"c";
+    ci.model = (char *)"m";
+    r.body_case = KVROPE__RESPONSE__BODY_CONTEXT;
+    r.context = &ci;
+    same_as_protobuf_c(&r, 0);
+    /* Not the fast path's (message set, a status other than OK, no body):
+     * still what protobuf-c writes. */
+    r.status = KVROPE__STATUS__E_BUSY;
+    r.message = (char *)"busy";
+    same_as_protobuf_c(&r, 0);
+    r.message = NULL;
+    same_as_protobuf_c(&r, 0);
+    r.body_case = KVROPE__RESPONSE__BODY__NOT_SET;
+    same_as_protobuf_c(&r, 0);
+}
