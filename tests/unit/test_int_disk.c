@@ -203,6 +203,53 @@ static void restart(const char *engine)
     rm_tree(dir);
 }
 
+static int put_replace(kvr_client *c, const char *ctx, uint32_t seed, size_t n, bool persist)
+{
+    size_t len;
+    void *pl = testd_payload(seed, T_LAYERS, 0, n, KVR_DTYPE_F16, &len);
+    uint32_t *tok = testd_tokens(seed * 1000, n);
+    kvr_put_args a = { .ctx_id = ctx, .model = "m", .dtype = KVR_DTYPE_F16, .tokens = tok,
+                       .n_tokens = n, .payload = pl, .payload_len = len,
+                       .mode = KVR_PUT_REPLACE, .persist = persist };
+    int r = kvr_client_put(c, &a, NULL);
+    free(pl);
+    free(tok);
+    return r;
+}
+
+/* put REPLACE of persistent contexts: the replacement is what a restart
+ * brings back (persistent), or nothing (not persistent: the old one's
+ * record is superseded by its DELETE). */
+Test(int_disk, replace_survives_restart, .timeout = 120)
+{
+    char dir[64];
+    disk_dir(dir, sizeof dir);
+    kvr_testd d;
+    cr_assert_eq(start(&d, dir, "auto", NULL), 0);
+    kvr_client *c = testd_connect(&d);
+    cr_assert_eq(testd_register(c, "m", KVR_DTYPE_F16, NULL), 0);
+    cr_assert_eq(put_replace(c, "a", 1, 120, true), 0, "%s", kvr_client_last_error(c));
+    cr_assert_eq(put_replace(c, "b", 2, 80, true), 0, "%s", kvr_client_last_error(c));
+    cr_assert_eq(put_replace(c, "a", 3, 40, true), 0, "%s", kvr_client_last_error(c));
+    cr_assert_eq(put_replace(c, "b", 4, 30, false), 0, "%s", kvr_client_last_error(c));
+    uint64_t ha = ctx_hash(c, "a", KVR_DTYPE_F16);
+    cr_assert_eq(testd_metric(c, "persist_contexts"), 1.0);
+    kvr_client_close(c);
+    testd_stop(&d);
+
+    cr_assert_eq(start(&d, dir, "auto", NULL), 0);
+    c = testd_connect(&d);
+    cr_assert_eq(ctx_hash(c, "a", KVR_DTYPE_F16), ha, "the replacement did not come back");
+    kvr_context ci;
+    cr_assert_eq(kvr_client_stat(c, "a", &ci), 0);
+    cr_assert_eq(ci.n_tokens, 40);
+    cr_assert_eq(ctx_hash(c, "b", KVR_DTYPE_F16), 0, "a replaced context came back");
+    cr_assert_eq(testd_metric(c, "recovery_contexts"), 1.0);
+    kvr_client_close(c);
+    testd_stop(&d);
+    rm_tree(dir);
+}
+
 Test(int_disk, restart_auto, .timeout = 120) { restart("auto"); }
 Test(int_disk, restart_posix, .timeout = 120) { restart("posix"); }
 
