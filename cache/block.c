@@ -64,8 +64,7 @@ kvr_block *kvr_block_create(kvr_block_pool *p, const kvr_block_geom *g, uint8_t 
         meta = len - (size_t)g->cap * KVR_BLOCK_META_SLOT;
     } else {
         meta = geom_kv_bytes(g);
-        data = g->full ? kvr_mem_block(kvr_block_geom_bytes(g))
-                       : kvr_mem_aligned(KVR_BLOCK_ALIGN, kvr_block_geom_bytes(g));
+        data = kvr_mem_aligned(KVR_BLOCK_ALIGN, kvr_block_geom_bytes(g));
         if (!data) {
             kvr_mem_free(b);
             return NULL;

@@ -5,7 +5,7 @@
  * nothing but the allocator, and learns that a block goes through the
  * pool's release hook (the disk tier's, which owns `disk`).
  *
- * Layout of block->data (one kvr_mem_block allocation, 64-byte aligned):
+ * Layout of block->data (one kvr_mem_aligned allocation, 64-byte aligned):
  *
  *   plain:  layer 0: K [cap][row] V [cap][row] | layer 1: ... | pad to 64
  *   quant:  kvr_qhdr (KVR_QHDR_BYTES) | layer 0: K slab, V slab | ...
@@ -39,7 +39,7 @@
 
 #pragma GCC visibility push(hidden)
 
-#define KVR_BLOCK_ALIGN KVR_MEM_BLOCK_ALIGN   /* 64: kvr_mem_block's alignment */
+#define KVR_BLOCK_ALIGN 64u
 #define KVR_QHDR_BYTES 128u
 /* Bytes of per-slot metadata: stored_pos, token id, group id. */
 #define KVR_BLOCK_META_SLOT 16u
@@ -85,12 +85,6 @@ typedef struct kvr_block_geom {
     uint32_t  cap, row, n_layers;
     kvr_dtype dtype;
     bool      quant;
-    /* The creator writes every slot at once (a put's or an edit's whole
-     * block): its data comes from kvr_mem_block (huge pages where offered:
-     * the whole block is resident at once, and a copy into it runs faster).
-     * Else small pages, so a block filled token by token (a tail, appends)
-     * is resident only as far as it is used. */
-    bool      full;
     kvr_qhdr  qh;           /* quant only */
 } kvr_block_geom;
 
@@ -108,7 +102,7 @@ void   kvr_block_geom_plain(kvr_block_geom *g, uint32_t cap, uint32_t n_layers,
 size_t kvr_block_geom_bytes(const kvr_block_geom *g);
 
 /* The one constructor. data NULL: a fresh, empty block (used 0). Else the
- * block adopts `data` (kvr_mem_block or kvr_mem_aligned, `len` bytes laid out as above, the
+ * block adopts `data` (kvr_mem_aligned, `len` bytes laid out as above, the
  * metadata in its last cap * KVR_BLOCK_META_SLOT bytes, a quantized block's
  * header already in it) with `used` committed slots (disk recovery).
  * Returns the block with one reference (the caller's), or NULL (ENOMEM;

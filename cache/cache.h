@@ -48,10 +48,6 @@ void  *kvr_mem_malloc(size_t n);
 void  *kvr_mem_calloc(size_t count, size_t size);
 void  *kvr_mem_realloc(void *p, size_t n);
 void  *kvr_mem_aligned(size_t align, size_t n);    /* free with kvr_mem_free */
-/* A block's data (KVR_MEM_BLOCK_ALIGN-aligned; large ones from huge pages
- * where the kernel offers them: mem.c). Free with kvr_mem_free. */
-#define KVR_MEM_BLOCK_ALIGN 64u
-void  *kvr_mem_block(size_t n);
 void   kvr_mem_free(void *p);
 size_t kvr_mem_size_class(size_t n); /* what an allocation of n will really hold */
 /* A request's staging buffer (at least 64-byte aligned): large ones are kept

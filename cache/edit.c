@@ -325,10 +325,10 @@ static int txn_alloc(kvr_edit *t, size_t payload, kvr_error *err)
         goto nomem;
     size_t left = t->n_new;
     while (left) {
-        uint32_t k = left < s->B ? (uint32_t)left : s->B;
-        kvr_block *b = kvr_store_block_new(s, c, false, k == s->B);
+        kvr_block *b = kvr_store_block_new(s, c, false);
         if (!b)
             goto nomem;
+        uint32_t k = left < s->B ? (uint32_t)left : s->B;
         t->runs[t->n_runs++] = (kvr_brun){ b, 0, k };
         left -= k;
     }

@@ -9,10 +9,6 @@
  * thread may allocate and free. A pointer from kvr_mem_* must be freed with
  * kvr_mem_free (and nothing else).
  *
- * Block data (kvr_mem_block) of 512 KiB and more comes from an arena of its
- * own whose memory is offered to transparent huge pages (below); the same
- * usable sizes as any other allocation, so the accounting does not change.
- *
  * Allocation-failure injection (SQLite's test mode): kvr_mem_fault_set(n,
  * sticky) makes the n-th allocation from now fail (and with sticky, every
  * one after it), so a test can walk a request through each of its
@@ -162,78 +158,6 @@ void *kvr_mem_aligned(size_t align, size_t n)
         (void)madvise(p, n & ~(HUGE_ALIGN - 1), MADV_HUGEPAGE);
     account_add(p);
     return p;
-}
-
-/* Block data: the store's bulk memory, written end to end by every put
- * (a shared-memory put's copy runs at memory bandwidth) and read end to end
- * by every get. Blocks of a mid-sized model (a few layers of 8 KV heads:
- * 0.5-4 MiB) sit under HUGE_MIN, so on 4 KiB pages a 64 MiB copy into them
- * crosses 16,384 pages in 128 KiB pieces scattered over the blocks; from
- * huge pages the same copy ran 4-7% faster (1 thread, the daemon's exact
- * pattern). A block is not a huge page of its own (1 MiB + its metadata is
- * a 1.25 MiB size class; aligning each to 2 MiB would waste the rest), so
- * blocks of BLOCK_HUGE_MIN and more come from one jemalloc arena whose
- * extent hook offers every mapping it makes to THP (MADV_HUGEPAGE; a no-op
- * where THP is "never", what it is for where THP is "madvise"): they pack
- * into 2 MiB pages like any other allocation. Sizes are those of any
- * allocation (mallocx with the same alignment: the same size classes as
- * kvr_mem_size_class), so the accounting is unchanged; what changes is
- * that a block's size-class slack is resident as well (RSS moves up to the
- * accounted bytes, never past them but for the arena's last, partly used
- * huge page). Smaller blocks (small models, many small contexts) stay in
- * the ordinary arenas. Without jemalloc (sanitizer builds: libc malloc) or
- * if the arena cannot be made, kvr_mem_aligned. */
-#define BLOCK_HUGE_MIN ((size_t)512 << 10)
-
-#ifdef KVR_JEMALLOC
-static extent_hooks_t *je_hooks;         /* the default hooks we wrap */
-static extent_hooks_t  huge_hooks;
-static unsigned        huge_arena;       /* 0: none */
-static pthread_once_t  huge_once = PTHREAD_ONCE_INIT;
-
-static void *huge_extent_alloc(extent_hooks_t *h, void *addr, size_t size, size_t align,
-                               bool *zero, bool *commit, unsigned arena)
-{
-    (void)h;
-    void *p = je_hooks->alloc(je_hooks, addr, size, align, zero, commit, arena);
-    if (p)
-        (void)madvise(p, size, MADV_HUGEPAGE);   /* page aligned, whole pages */
-    return p;
-}
-
-static void huge_arena_init(void)
-{
-    extent_hooks_t *def = NULL, *mine = &huge_hooks;
-    size_t sz = sizeof def;
-    unsigned a = 0;
-    if (mallctl("arena.0.extent_hooks", &def, &sz, NULL, 0) != 0 || !def || !def->alloc)
-        return;
-    je_hooks = def;
-    huge_hooks = *def;
-    huge_hooks.alloc = huge_extent_alloc;
-    sz = sizeof a;
-    if (mallctl("arenas.create", &a, &sz, &mine, sizeof mine) == 0)
-        huge_arena = a;
-}
-#endif
-
-void *kvr_mem_block(size_t n)
-{
-#ifdef KVR_JEMALLOC
-    if (n >= BLOCK_HUGE_MIN) {
-        (void)pthread_once(&huge_once, huge_arena_init);
-        if (huge_arena) {
-            if (fault_hit())
-                return NULL;
-            void *p = mallocx(n, MALLOCX_ARENA(huge_arena) | MALLOCX_TCACHE_NONE |
-                                 MALLOCX_ALIGN(KVR_MEM_BLOCK_ALIGN));
-            if (p)
-                account_add(p);
-            return p;
-        }
-    }
-#endif
-    return kvr_mem_aligned(KVR_MEM_BLOCK_ALIGN, n);
 }
 
 /* Staging buffers: one large buffer kept between requests. A request's

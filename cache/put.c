@@ -192,10 +192,10 @@ static int alloc_quant(kvr_put *t, const kvr_put_params *p, kvr_error *err)
         left -= qfree;
     }
     while (left) {
-        uint32_t k = left < cap ? (uint32_t)left : cap;
-        kvr_block *b = kvr_store_block_new(s, c, true, k == cap);
+        kvr_block *b = kvr_store_block_new(s, c, true);
         if (!b)
             goto nomem;
+        uint32_t k = left < cap ? (uint32_t)left : cap;
         t->qruns[t->n_qruns++] = (kvr_brun){ b, 0, k };
         left -= k;
     }
@@ -784,13 +784,13 @@ int kvr_store_put_begin(kvr_store *s, const kvr_put_params *p, kvr_put **out,
         left -= tail_free;
     }
     while (left) {
-        uint32_t k = left < s->B ? (uint32_t)left : s->B;
-        kvr_block *b = kvr_store_block_new(s, c, false, k == s->B);
+        kvr_block *b = kvr_store_block_new(s, c, false);
         if (!b) {
             rc = kvr_error_set(err, KVR_ENOMEM,
                                "out of memory allocating blocks for %zu tokens", n);
             goto fail_ctx;
         }
+        uint32_t k = left < s->B ? (uint32_t)left : s->B;
         t->runs[t->n_runs++] = (kvr_brun){ b, 0, k };
         left -= k;
     }

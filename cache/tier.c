@@ -728,7 +728,7 @@ static int reload_begin(kvr_store *s, kvr_block *const *bs, size_t n, kvr_ctx *p
         pf->busy = true;
     int rc = kvr_store_reserve(s, bytes, err);
     for (size_t i = 0; i < r->n && rc == 0; i++)
-        if (!(r->e[i].buf = kvr_mem_block(spilled_len(r->e[i].b))))
+        if (!(r->e[i].buf = kvr_mem_aligned(KVR_BLOCK_ALIGN, spilled_len(r->e[i].b))))
             rc = kvr_error_set(err, KVR_ENOMEM, "out of memory reloading a block");
     /* Prefetch: the context's other spilled blocks, while they fit under
      * the cap without evicting anything, up to TIER_PREFETCH_MAX bytes.
@@ -745,7 +745,7 @@ static int reload_begin(kvr_store *s, kvr_block *const *bs, size_t n, kvr_ctx *p
         if (pbytes + sc > TIER_PREFETCH_MAX ||
             (s->cfg.max_memory && kvr_mem_allocated() + sc > s->cfg.max_memory))
             break;
-        uint8_t *buf = kvr_mem_block(len);
+        uint8_t *buf = kvr_mem_aligned(KVR_BLOCK_ALIGN, len);
         if (!buf)
             break;
         b->mark = ep;

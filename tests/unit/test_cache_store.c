@@ -712,20 +712,20 @@ Test(cache_store, non_composing_rope_moves_with_its_length)
     kvr_store_destroy(s);
 }
 
-/* Block data allocations (kvr_mem_block): large ones come from mem.c's
- * huge-page arena in release builds. 64-byte aligned, as kvr_mem_aligned
- * makes them (the SIMD kernels; the disk tier checks O_DIRECT's own
- * alignment per buffer), accounted at their usable size, which is what
- * kvr_mem_size_class predicts (the store reserves with it), and every
- * byte writable. */
+/* Block-sized allocations (kvr_mem_aligned at the blocks' alignment, over
+ * and under mem.c's HUGE_MIN, where it aligns to 2 MiB for THP): accounted
+ * at their usable size, which is what kvr_mem_size_class predicts under
+ * jemalloc (the store reserves a block's memory with it) and at most that
+ * under libc, and every byte writable. */
 Test(cache_store, block_allocations_accounted)
 {
-    const size_t sizes[] = { 4096, 511u << 10, 512u << 10, (1u << 20) + 1024, 5u << 20 };
+    const size_t sizes[] = { 4096, 511u << 10, 512u << 10, (1u << 20) + 1024, 5u << 20,
+                             (8u << 20) + 2048 };
     for (size_t i = 0; i < sizeof sizes / sizeof sizes[0]; i++) {
         size_t base = kvr_mem_allocated(), n = sizes[i];
-        uint8_t *p = kvr_mem_block(n);
+        uint8_t *p = kvr_mem_aligned(64, n);
         cr_assert_not_null(p);
-        cr_assert_eq((uintptr_t)p % KVR_MEM_BLOCK_ALIGN, 0);
+        cr_assert_eq((uintptr_t)p % 64, 0);
         size_t got = kvr_mem_allocated() - base;
         cr_assert_geq(got, n);
         cr_assert_leq(got, kvr_mem_size_class(n), "%zu: holds %zu, size class %zu", n, got,
@@ -739,9 +739,9 @@ Test(cache_store, block_allocations_accounted)
     }
 }
 
-/* Blocks over the huge-page threshold (3 layers x 2 heads x 8 dims f16 at
- * 4096 tokens a block: 832 KiB), whole and partial (a put's tail, filled
- * by appends): bit-exact round trips, and memory back to where it was. */
+/* Large blocks (3 layers x 2 heads x 8 dims f16 at 4096 tokens a block:
+ * 832 KiB), whole and partial (a put's tail, filled by appends): bit-exact
+ * round trips, and memory back to where it was. */
 Test(cache_store, large_blocks_roundtrip)
 {
     size_t base = kvr_mem_allocated();

@@ -26,8 +26,8 @@ static const char *CODECS[] = { "", "f16", "bf16", "int8", "int4", "int2", "k4v2
 #define N_CODECS (sizeof CODECS / sizeof CODECS[0])
 
 static char DIR_[256];
-/* Tokens per block (0: the store's default, 64). 256: plain blocks of
- * 512 KiB + metadata, over mem.c's huge-page threshold for block data. */
+/* Tokens per block (0: the store's default, 64). 256: plain f32 blocks of
+ * 512 KiB + metadata (a 640 KiB size class). */
 static uint32_t BLOCK_TOKENS;
 
 static void rm_tree(const char *dir)
@@ -221,9 +221,8 @@ static void spill_reload(int engine)
 
 Test(tier, spill_reload_every_codec_uring) { spill_reload(0); }
 Test(tier, spill_reload_every_codec_posix) { spill_reload(2); }
-/* Blocks from the huge-page arena (a context's first block; its tail
- * block is partial, from the ordinary one): spilled with O_DIRECT and
- * reloaded into new block memory from the same arena. */
+/* Large blocks (a context's first block whole, its tail partial): spilled
+ * with O_DIRECT and reloaded, every codec. */
 Test(tier, spill_reload_large_blocks_uring) { BLOCK_TOKENS = 256; spill_reload(0); }
 Test(tier, spill_reload_large_blocks_posix) { BLOCK_TOKENS = 256; spill_reload(2); }
 
