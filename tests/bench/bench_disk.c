@@ -40,7 +40,7 @@
 #define BLOCK (2u << 20)
 #define MAX_ROUNDS 9
 #define BATCH 16
-#define SIDE 2
+#define SIDE 3
 
 static double now_s(void)
 {
@@ -211,6 +211,8 @@ static void plain(const char *dir, size_t total, double *w, double *r)
     kvr_mem_free(buf);
 }
 
+static double median(const double *v0, int n);
+
 /* Seconds of a plain read of [off, off + len) of fd into buf, in 4 MiB
  * requests one at a time (the baseline's own pattern). */
 static double plain_part(int fd, uint8_t *buf, size_t off, size_t len)
@@ -278,14 +280,16 @@ static void spill_reload(const char *dir, kvr_disk_engine e, size_t total, doubl
      * number of bytes, 4 MiB requests one at a time) into the same memory,
      * the reload, and the plain read again, each whole and sequential as in
      * its own phase, back to back: the reload against the mean of the two
-     * plain reads around it, so the device's drift over the round cancels
+     * plain reads around it, so the device's drift over the pass cancels
      * (separate phases seconds apart differ by more than the goal's
-     * margin on a shared machine). SIDE passes; the ratio of the sums. */
+     * margin on a shared machine). The median of SIDE passes. */
     char path[512];
     snprintf(path, sizeof path, "%s/plain.dat", dir);
     int pfd = open(path, O_RDONLY | O_DIRECT);
-    double tp = 0, tl = 0;
+    double pass_r[SIDE];
+    int np = 0;
     for (int pass = 0; pfd >= 0 && pass < SIDE; pass++) {
+        double tp = 0;
         for (size_t i = 0; i < n; i += BATCH) {
             size_t b = n - i < BATCH ? n - i : BATCH;
             tp += plain_part(pfd, src, i * BLOCK, b * BLOCK) / 2;
@@ -298,13 +302,14 @@ static void spill_reload(const char *dir, kvr_disk_engine e, size_t total, doubl
                 exit(1);
             }
         }
-        tl += now_s() - t1;
+        double tl = now_s() - t1;
         for (size_t i = 0; i < n; i += BATCH) {
             size_t b = n - i < BATCH ? n - i : BATCH;
             tp += plain_part(pfd, src, i * BLOCK, b * BLOCK) / 2;
         }
+        pass_r[np++] = tp / tl;
     }
-    *ir = pfd >= 0 && tl > 0 ? tp / tl : 0;
+    *ir = np ? median(pass_r, np) : 0;
     if (pfd >= 0)
         close(pfd);
     kvr_disk_close(d);
@@ -450,9 +455,10 @@ int main(void)
            mcc / median(pr, rounds));
     printf("\n(medians over %d rounds; ratios are medians of each round's ratio. \"read vs "
            "plain\": the reload phase against the plain read phase of its round, seconds "
-           "apart; \"side by side\": %d passes of plain read, reload, plain read of the "
-           "same bytes into the same memory, back to back, the reload against the mean of "
-           "the plain reads around it (the device's drift cancels; the reload goals use it). "
+           "apart; \"side by side\": the median of %d passes of plain read, reload, plain "
+           "read of the same bytes into the same memory, back to back, the reload against "
+           "the mean of the plain reads around it (the device's drift cancels; the reload "
+           "goals use it). "
            "Block memory aligned for O_DIRECT goes between the device and memory with no "
            "copy: the layer's CPU part is one checksum pass, overlapped with the device; "
            "where it is not well above the device's rate (a loaded machine), it is what "
