@@ -244,7 +244,25 @@ AI void st16(void *dst, size_t i, __m512 y, int h)
     }
 }
 
-AI void dec_block16(kvr_codec_type t, void *dst, size_t i, const uint8_t *x, int h)
+/* A block's two vectors with non-temporal stores (dst + i on 64 bytes: f16
+ * one whole line, f32 two): the values st16 stores. */
+AI void st32_nt(void *dst, size_t i, __m512 y0, __m512 y1, int h)
+{
+    if (h) {
+        const __m512 lim = _mm512_set1_ps(KVR_CODEC_F16_LIMIT);
+        const __m512 nlim = _mm512_sub_ps(_mm512_setzero_ps(), lim);
+        y0 = _mm512_min_ps(lim, _mm512_max_ps(nlim, y0));
+        y1 = _mm512_min_ps(lim, _mm512_max_ps(nlim, y1));
+        __m256i a = _mm512_cvtps_ph(y0, RNE), b = _mm512_cvtps_ph(y1, RNE);
+        _mm512_stream_si512((__m512i *)((uint16_t *)dst + i),
+                            _mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1));
+    } else {
+        _mm512_stream_ps((float *)dst + i, y0);
+        _mm512_stream_ps((float *)dst + i + 16, y1);
+    }
+}
+
+AI void dec_block16(kvr_codec_type t, void *dst, size_t i, const uint8_t *x, int h, int nt)
 {
     /* F16C's conversion is exact, as kvr_f16_to_f32 */
     const __m512 d = _mm512_set1_ps(_cvtsh_ss(rd16(x)));
@@ -288,24 +306,51 @@ AI void dec_block16(kvr_codec_type t, void *dst, size_t i, const uint8_t *x, int
         y0 = _mm512_add_ps(y0, m);
         y1 = _mm512_add_ps(y1, m);
     }
-    st16(dst, i, y0, h);
-    st16(dst, i + 16, y1, h);
+    if (nt) {
+        st32_nt(dst, i, y0, y1, h);
+    } else {
+        st16(dst, i, y0, h);
+        st16(dst, i + 16, y1, h);
+    }
 }
+
+/* One loop per (type, output, stores): the block's switch folds away. */
+#define DEC_LOOP(T, H, NT)                                                               \
+    for (size_t i = 0; i < n; i += QK) dec_block16(T, dst, i, src + i / QK * bb, H, NT); \
+    return;
+#define DEC_SWITCH(NT)                                                                   \
+    switch (t) {                                                                         \
+    case KVR_CODEC_Q8_0: if (h) { DEC_LOOP(KVR_CODEC_Q8_0, 1, NT) } DEC_LOOP(KVR_CODEC_Q8_0, 0, NT) \
+    case KVR_CODEC_Q4_0: if (h) { DEC_LOOP(KVR_CODEC_Q4_0, 1, NT) } DEC_LOOP(KVR_CODEC_Q4_0, 0, NT) \
+    case KVR_CODEC_Q4_1: if (h) { DEC_LOOP(KVR_CODEC_Q4_1, 1, NT) } DEC_LOOP(KVR_CODEC_Q4_1, 0, NT) \
+    default:             if (h) { DEC_LOOP(KVR_CODEC_Q5_0, 1, NT) } DEC_LOOP(KVR_CODEC_Q5_0, 0, NT) \
+    }
 
 void kvr_codec_ggml_dec_avx512(kvr_codec_type t, void *dst, kvr_dtype dt, const uint8_t *src,
                                size_t n)
 {
-    /* One loop per (type, output): the block's switch folds away. */
-#define DEC_LOOP(T, H)                                                                \
-    for (size_t i = 0; i < n; i += QK) dec_block16(T, dst, i, src + i / QK * bb, H);  \
-    return;
     const size_t bb = block_bytes(t);
     int h = dt == KVR_DTYPE_F16;
-    switch (t) {
-    case KVR_CODEC_Q8_0: if (h) { DEC_LOOP(KVR_CODEC_Q8_0, 1) } DEC_LOOP(KVR_CODEC_Q8_0, 0)
-    case KVR_CODEC_Q4_0: if (h) { DEC_LOOP(KVR_CODEC_Q4_0, 1) } DEC_LOOP(KVR_CODEC_Q4_0, 0)
-    case KVR_CODEC_Q4_1: if (h) { DEC_LOOP(KVR_CODEC_Q4_1, 1) } DEC_LOOP(KVR_CODEC_Q4_1, 0)
-    default:             if (h) { DEC_LOOP(KVR_CODEC_Q5_0, 1) } DEC_LOOP(KVR_CODEC_Q5_0, 0)
-    }
+    DEC_SWITCH(0)
+}
+
+static void dec_nt(kvr_codec_type t, void *dst, kvr_dtype dt, const uint8_t *src, size_t n)
+{
+    const size_t bb = block_bytes(t);
+    int h = dt == KVR_DTYPE_F16;
+    DEC_SWITCH(1)
+}
+#undef DEC_SWITCH
 #undef DEC_LOOP
+
+/* The decoder with non-temporal stores (codec.h: ggml_dec_nt): dst on 64
+ * bytes, f32 or f16 output; fenced before it returns. */
+bool kvr_codec_ggml_dec_nt_avx512(kvr_codec_type t, void *dst, kvr_dtype dt, const uint8_t *src,
+                                  size_t n)
+{
+    if ((uintptr_t)dst % 64 || (dt != KVR_DTYPE_F16 && dt != KVR_DTYPE_F32))
+        return false;
+    dec_nt(t, dst, dt, src, n);
+    _mm_sfence();
+    return true;
 }
