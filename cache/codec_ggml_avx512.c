@@ -21,6 +21,30 @@
 #define AI static inline __attribute__((always_inline))
 #define QK 32
 
+/* ld16, folding the magnitude bits into *acc for one unsigned max check at
+ * the end (f16: the bits & 0x7fff in 16-bit lanes, finite iff <= 0x7bff;
+ * f32: the bits & 0x7fffffff, finite iff <= FLT_MAX's): no chain of masked
+ * compares through one mask register. */
+AI __m512 ld16c(const void *src, size_t i, int h, __m512i *acc)
+{
+    if (h) {
+        __m256i r = _mm256_loadu_si256((const __m256i *)((const uint16_t *)src + i));
+        *acc = _mm512_max_epu16(*acc, _mm512_zextsi256_si512(
+                   _mm256_and_si256(r, _mm256_set1_epi16(0x7fff))));
+        return _mm512_cvtph_ps(r);
+    }
+    __m512 v = _mm512_loadu_ps((const float *)src + i);
+    *acc = _mm512_max_epu32(*acc, _mm512_and_si512(_mm512_castps_si512(v),
+                                                   _mm512_set1_epi32(0x7fffffff)));
+    return v;
+}
+
+AI int acc_bad(__m512i acc, int h)
+{
+    if (h) return _mm512_cmpgt_epu16_mask(acc, _mm512_set1_epi16(0x7bff)) != 0;
+    return _mm512_cmpgt_epu32_mask(acc, _mm512_set1_epi32(0x7f7fffff)) != 0;
+}
+
 AI __m512 ld16(const void *src, size_t i, int h)
 {
     if (h) return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)src + i)));
@@ -89,9 +113,13 @@ AI __m256 reduce8(const __m512 *v, int is_max)
 {
 #define OP(a, b) (is_max ? _mm512_max_ps((a), (b)) : _mm512_min_ps((a), (b)))
     __m512 w[4], x[2];
+    /* unrolled, so that v, w and x stay in registers (loops over them kept
+     * the arrays on the stack) */
+#pragma GCC unroll 4
     for (int k = 0; k < 4; k++)
         w[k] = OP(_mm512_shuffle_f32x4(v[2 * k], v[2 * k + 1], 0x44),
                   _mm512_shuffle_f32x4(v[2 * k], v[2 * k + 1], 0xEE));
+#pragma GCC unroll 2
     for (int k = 0; k < 2; k++)
         x[k] = OP(_mm512_shuffle_f32x4(w[2 * k], w[2 * k + 1], 0x88),
                   _mm512_shuffle_f32x4(w[2 * k], w[2 * k + 1], 0xDD));
@@ -114,21 +142,16 @@ AI __m256 reduce8(const __m512 *v, int is_max)
  *   blocks whose min or max is a zero (the sign the reference keeps). */
 AI int enc8(kvr_codec_type t, uint8_t *dst, size_t bb, const void *src, size_t i, int h)
 {
-    __mmask16 ok = 0xffff;
-    const __m512 fmax = _mm512_set1_ps(FLT_MAX);
-    __m512 xv[16], mx[8], mn[8];
+    __m512i acc = _mm512_setzero_si512();
+    __m512 mx[8], mn[8];
 #pragma GCC unroll 8
     for (int b = 0; b < 8; b++) {
         size_t o = i + 32 * (size_t)b;
-        __m512 x0 = ld16(src, o, h), x1 = ld16(src, o + 16, h);
-        xv[2 * b] = x0;
-        xv[2 * b + 1] = x1;
-        ok &= (__mmask16)(_mm512_cmp_ps_mask(_mm512_abs_ps(x0), fmax, _CMP_LE_OQ) &
-                          _mm512_cmp_ps_mask(_mm512_abs_ps(x1), fmax, _CMP_LE_OQ));
+        __m512 x0 = ld16c(src, o, h, &acc), x1 = ld16c(src, o + 16, h, &acc);
         mx[b] = _mm512_max_ps(x0, x1);
         mn[b] = _mm512_min_ps(x0, x1);
     }
-    if (ok != 0xffff) return -1;
+    if (acc_bad(acc, h)) return -1;
     const __m256 zero = _mm256_setzero_ps();
     __m256 vmax = reduce8(mx, 1), vmin = reduce8(mn, 0);
     __m256 nmin = _mm256_sub_ps(zero, vmin);
@@ -180,7 +203,9 @@ AI int enc8(kvr_codec_type t, uint8_t *dst, size_t bb, const void *src, size_t i
     for (int b = 0; b < 8; b++) {
         size_t o = i + 32 * (size_t)b;
         uint8_t *y = dst + o / QK * bb;
-        __m512 x0 = xv[2 * b], x1 = xv[2 * b + 1];
+        /* loaded again (from L1): kept in registers beside the 16
+         * extremes they spilled to the stack, a third of the time */
+        __m512 x0 = ld16(src, o, h), x1 = ld16(src, o + 16, h);
         if (fb & (1u << b)) {
             float xs[QK];
             _mm512_storeu_ps(xs, x0);
