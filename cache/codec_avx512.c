@@ -233,7 +233,8 @@ AI void quant_group(uint8_t *qs, const void *src, size_t base, uint32_t G, unsig
 
 /* Full groups of a row, 16 at a time; returns the groups done or -1 on a bad
  * value. */
-AI long enc_rows(uint8_t *dst, const void *src, size_t n, unsigned bits, uint32_t G, int h)
+AI long enc_rows(uint8_t *dst, const void *src, size_t n, const unsigned bits, const uint32_t G,
+                 const int h)
 {
     const size_t gb = 4 + (size_t)G * bits / 8, ng = n / G, nv = G / 16;
     __m512i acc = _mm512_setzero_si512();
@@ -273,12 +274,24 @@ AI long enc_rows(uint8_t *dst, const void *src, size_t n, unsigned bits, uint32_
     return (long)ng;
 }
 
+/* One loop per (bits, input) and a constant group for the default 64: the
+ * group's loops unroll and the bit width's branches fold away. */
+AI long enc_rows_any(uint8_t *dst, const void *src, size_t n, unsigned bits, uint32_t G,
+                     const int h)
+{
+#define ER(B) return G == 64 ? enc_rows(dst, src, n, B, 64, h) : enc_rows(dst, src, n, B, G, h)
+    if (bits == 8) ER(8);
+    if (bits == 4) ER(4);
+    ER(2);
+#undef ER
+}
+
 static int x5_enc_f32(uint8_t *dst, const float *src, size_t n, unsigned bits,
                       uint32_t group, kvr_codec_params params)
 {
     if (params != KVR_CODEC_PARAMS_F16)
         return kvr_codec_kernels_avx2.enc_f32(dst, src, n, bits, group, params);
-    long ng = enc_rows(dst, src, n, bits, group, 0);
+    long ng = enc_rows_any(dst, src, n, bits, group, 0);
     if (ng < 0) return -1;
     size_t i = (size_t)ng * group;
     if (i < n)
@@ -292,7 +305,7 @@ static int x5_enc_f16(uint8_t *dst, const uint16_t *src, size_t n, unsigned bits
 {
     if (params != KVR_CODEC_PARAMS_F16)
         return kvr_codec_kernels_avx2.enc_f16(dst, src, n, bits, group, params);
-    long ng = enc_rows(dst, src, n, bits, group, 1);
+    long ng = enc_rows_any(dst, src, n, bits, group, 1);
     if (ng < 0) return -1;
     size_t i = (size_t)ng * group;
     if (i < n)
