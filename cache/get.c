@@ -6,7 +6,9 @@
  * A get is the read plan (read.h) over one range of one context: begin
  * (loop thread) checks the request, adds the extents overlapping the range
  * (copying the metadata and leasing the blocks), lets the disk tier reload
- * spilled ones and stages what cannot go out zero-copy; from then on the
+ * spilled ones and plans the staging of what cannot go out zero-copy
+ * (reserved only once the caller says how the payload goes out: read.h);
+ * from then on the
  * transaction reads only leased slots below each block's `used`, which
  * never change, so work may run on any thread while the store changes
  * around it (even deleting the context). Streaming responses work and send
@@ -137,9 +139,9 @@ int kvr_get_work_layers(kvr_get *t, size_t l0, size_t l1, kvr_error *err)
     return kvr_read_work(&t->r, l0, l1, "out of memory dequantizing", err);
 }
 
-int kvr_get_stage_ring(kvr_get *t, size_t per, size_t slots)
+int kvr_get_stage_ring(kvr_get *t, size_t per, size_t slots, kvr_error *err)
 {
-    return kvr_read_stage_ring(&t->r, per, slots);
+    return kvr_read_stage_ring(&t->r, per, slots, err);
 }
 
 int kvr_get_copy_into(kvr_get *t, void *dst, size_t size, kvr_error *err)

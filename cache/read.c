@@ -4,6 +4,7 @@
  * tier's reloads, zero-copy decisions, staging and iovecs, and the
  * per-layer work that fills the staging on any thread.
  */
+#include <stdio.h>
 #include <string.h>
 
 #include "cache/parallel.h"
@@ -14,7 +15,8 @@ int kvr_read_init(kvr_read *r, kvr_store *s, kvr_model *m, const uint32_t *layer
                   kvr_dtype odt)
 {
     *r = (kvr_read){ .s = s, .m = m, .odt = odt, .meta_only = meta_only, .all_same = true,
-                     .n = n, .nl = nl, .cap_runs = max_runs ? max_runs : 1 };
+                     .n = n, .nl = nl, .cap_runs = max_runs ? max_runs : 1,
+                     .owner = pthread_self() };
     size_t cnt = n ? n : 1;
     r->layers = kvr_mem_malloc((nl ? nl : 1) * sizeof *r->layers);
     r->tokens = kvr_mem_malloc(cnt * sizeof *r->tokens);
@@ -254,38 +256,75 @@ int kvr_read_stage(kvr_read *r, kvr_ctx *keep, const char *what, kvr_error *err)
         return kvr_error_set(err, KVR_ENOMEM, "out of memory for a %s of %zu tokens", what,
                              r->n);
     size_t stage = (r->kst + r->vst) * r->nl;
+    r->what = what;
     if (r->dst) {
         if (stage > r->dst_cap)
             return kvr_error_set(err, KVR_ERANGE, "a %s of %zu bytes does not fit the "
                                  "%zu-byte destination", what, stage, r->dst_cap);
         r->staging = stage ? r->dst : NULL;
-    } else if (stage) {
-        bool was_busy = keep ? keep->busy : false;
-        if (keep)
-            keep->busy = true;
-        int rc = kvr_store_reserve_request(r->s, stage, what, err);
-        if (keep)
-            keep->busy = was_busy;
-        if (rc != 0)
-            return rc;
-        r->staging = kvr_mem_aligned(KVR_BLOCK_ALIGN, stage);
-        if (!r->staging)
-            return kvr_error_set(err, KVR_ENOMEM, "out of memory for a %zu-byte %s buffer",
-                                 stage, what);
+        stage_iov(r);
+        return 0;
     }
+    /* Lazy: reserved and allocated once the caller says how the payload
+     * goes out (kvr_read_stage_now / _ring); kvr_read_work_into never. */
+    r->stage_need = stage;
+    if (keep)
+        snprintf(r->keep_id, sizeof r->keep_id, "%s", keep->id);
+    if (!stage)
+        stage_iov(r);
+    return 0;
+}
+
+/* Reserves `bytes` of staging as the read's request, its context (if any)
+ * kept busy meanwhile so eviction spares it. */
+static int stage_reserve(kvr_read *r, size_t bytes, kvr_error *err)
+{
+    kvr_ctx *keep = r->keep_id[0] ? kvr_store_ctx_find(r->s, r->keep_id) : NULL;
+    bool was_busy = keep ? keep->busy : false;
+    if (keep)
+        keep->busy = true;
+    int rc = kvr_store_reserve_request(r->s, bytes, r->what, err);
+    if (keep)
+        keep->busy = was_busy;
+    return rc;
+}
+
+static bool stage_pending(const kvr_read *r)
+{
+    return r->stage_need && !r->staging;
+}
+
+int kvr_read_stage_now(kvr_read *r, kvr_error *err)
+{
+    if (!stage_pending(r))
+        return 0;
+    int rc = stage_reserve(r, r->stage_need, err);
+    if (rc != 0)
+        return rc;
+    r->staging = kvr_mem_aligned(KVR_BLOCK_ALIGN, r->stage_need);
+    if (!r->staging)
+        return kvr_error_set(err, KVR_ENOMEM, "out of memory for a %zu-byte %s buffer",
+                             r->stage_need, r->what);
+    r->out.n_iov = 0;
     stage_iov(r);
     return 0;
 }
 
-int kvr_read_stage_ring(kvr_read *r, size_t per, size_t slots)
+int kvr_read_stage_ring(kvr_read *r, size_t per, size_t slots, kvr_error *err)
 {
-    if (!r->staging || r->staging == r->dst || r->worked || r->ring_slots || per == 0 ||
-        slots == 0 || per >= r->nl || slots >= (r->nl + per - 1) / per)
-        return 0;   /* nothing staged, or the ring would not be smaller */
-    uint8_t *ring = kvr_mem_staging(slots * per * (r->kst + r->vst));
+    if (!stage_pending(r))
+        return 0;
+    if (r->worked || per == 0 || slots == 0 || per >= r->nl ||
+        slots >= (r->nl + per - 1) / per)
+        return kvr_read_stage_now(r, err);   /* the ring would not be smaller */
+    size_t bytes = slots * per * (r->kst + r->vst);
+    int rc = stage_reserve(r, bytes, err);
+    if (rc != 0)
+        return rc;
+    uint8_t *ring = kvr_mem_staging(bytes);
     if (!ring)
-        return KVR_ENOMEM;   /* the whole staging stays: still correct */
-    kvr_mem_free(r->staging);
+        return kvr_error_set(err, KVR_ENOMEM, "out of memory for a %zu-byte %s staging "
+                             "ring", bytes, r->what);
     r->staging = ring;
     r->ring_per = per;
     r->ring_slots = slots;
@@ -338,7 +377,8 @@ int kvr_read_stage_raw(kvr_read *r, const char *ctx_id, size_t start, size_t *kb
 
 bool kvr_read_needs_work(const kvr_read *r)
 {
-    return (r->staging != NULL || kvr_store_reload_pending(r->s, r->rl)) && !r->worked;
+    return (r->stage_need || r->staging != NULL || kvr_store_reload_pending(r->s, r->rl)) &&
+           !r->worked;
 }
 
 /* One layer of the stream (any thread; layers write disjoint parts of the
@@ -492,7 +532,7 @@ int kvr_read_work_into(kvr_read *r, void *dst, const char *nomem, kvr_error *err
     if (rc != 0)
         return rc;
     into_job j = { r, dst };
-    if (!r->staging || r->worked) {
+    if ((!r->staging && !r->stage_need) || r->worked) {
         /* Nothing to compute (zero-copy or raw), or already in the staging:
          * the iovecs' bytes, in order, layer by layer on the pool as the
          * worked path splits them (no iovec spans two layers). */
@@ -535,6 +575,15 @@ int kvr_read_work(kvr_read *r, size_t l0, size_t l1, const char *nomem, kvr_erro
     int rc = kvr_store_reload_work(r->s, r->rl, err);
     if (rc != 0)
         return rc;
+    if (stage_pending(r)) {
+        /* Nobody said how the payload goes out: the whole staging, which
+         * only the store's thread may reserve. */
+        if (!pthread_equal(r->owner, pthread_self()))
+            return kvr_error_set(err, KVR_EINTERNAL, "the staging of this %s must be reserved on "
+                                 "the store's thread before work (stage it first)", r->what);
+        if ((rc = kvr_read_stage_now(r, err)) != 0)
+            return rc;
+    }
     bool all = l0 == 0 && l1 == r->nl;
     if (r->ring_slots && l1 - l0 > r->ring_per * r->ring_slots)
         return kvr_error_set(err, KVR_EINTERNAL, "layers [%zu, %zu) do not fit the staging "

@@ -358,6 +358,11 @@ void kvrd_request_persisted(void *arg, int rc, const kvr_error *e);
  * stream cannot start. */
 int  kvrd_stream_start(kvrd_request *r, kvr_conn *c, kvr_get *get, uint8_t *buf, size_t len,
                        size_t payload_len);
+/* Loop thread, before kvrd_stream_start and before anything is sent: the
+ * get's staging as the stream will use it (a ring of chunks when that is
+ * smaller than the whole staging, kvr_get_stage_ring). 0, or the store's
+ * refusal (reply with it: nothing was sent). */
+int  kvrd_stream_stage(kvr_get *get, kvr_error *err);
 
 /* ---- persist.c: the disk tier ------------------------------------------ */
 /* Opens --disk-dir and recovers the persistent contexts (before listening). */

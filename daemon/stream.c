@@ -18,9 +18,10 @@
  * a reference on the connection, so it outlives the stream.
  *
  * Staging (issue 15): a stream of more than RING_SLOTS chunks stages them
- * in a ring of RING_SLOTS chunk slots (kvr_get_stage_ring) instead of one
- * buffer for the whole payload: memory bounded by the chunk, not the
- * context, and every slot after the first round lands in pages already
+ * in a ring of RING_SLOTS chunk slots (kvrd_stream_stage, before anything
+ * is sent: kvr_get_stage_ring; only the ring is reserved, never the whole
+ * payload) instead of one buffer for the whole payload: memory bounded by
+ * the chunk, not the context, and every slot after the first round lands in pages already
  * faulted in (the ring itself is kept for the next request, mem.c). Chunk
  * k is worked in slot k % RING_SLOTS, so it is queued only once chunk
  * k - RING_SLOTS's write has completed (writes complete in order: wdone).
@@ -181,6 +182,23 @@ static void stream_pump(kvrd_stream *s)
     stream_finish(s);
 }
 
+/* Layers per chunk of a stream of nl layers, payload bytes. */
+static size_t stream_per(size_t nl, size_t payload_len)
+{
+    size_t layer_bytes = payload_len / nl;
+    size_t per = layer_bytes ? KVR_STREAM_CHUNK_BYTES / layer_bytes : nl;
+    return per ? per : 1;
+}
+
+int kvrd_stream_stage(kvr_get *get, kvr_error *err)
+{
+    size_t nl = kvr_get_get_info(get)->n_layers;
+    if (nl == 0)
+        return kvr_get_stage(get, err);
+    size_t per = stream_per(nl, kvr_get_payload_size(get));
+    return kvr_get_stage_ring(get, per, RING_SLOTS, err);
+}
+
 int kvrd_stream_start(kvrd_request *r, kvr_conn *c, kvr_get *get, uint8_t *buf, size_t len,
                       size_t payload_len)
 {
@@ -199,12 +217,11 @@ int kvrd_stream_start(kvrd_request *r, kvr_conn *c, kvr_get *get, uint8_t *buf, 
     s->get = get;
     s->n_layers = nl;
     s->layer_bytes = payload_len / nl;
-    s->per = s->layer_bytes ? KVR_STREAM_CHUNK_BYTES / s->layer_bytes : nl;
-    if (s->per == 0)
-        s->per = 1;
+    s->per = stream_per(nl, payload_len);
     s->n_chunks = (nl + s->per - 1) / s->per;
-    /* Out of memory for the ring: the whole staging is still there. */
-    if (s->n_chunks > RING_SLOTS && kvr_get_stage_ring(get, s->per, RING_SLOTS) == 0)
+    /* Staged by kvrd_stream_stage: a ring when there are more chunks than
+     * its slots (kvr_read_stage_ring's rule), else the whole staging. */
+    if (s->n_chunks > RING_SLOTS)
         s->ring = RING_SLOTS;
     c->d->n_streamed++;
     if (kvrd_conn_write(c, buf, len, NULL, 0, 0, NULL, NULL) != 0) {
