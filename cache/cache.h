@@ -338,6 +338,29 @@ void kvr_get_payload_iov_layers(const kvr_get *t, size_t l0, size_t l1,
  * thread, before any work; where the ring would not be smaller, the whole
  * staging (kvr_get_stage). 0, or as kvr_get_stage. */
 int  kvr_get_stage_ring(kvr_get *t, size_t per, size_t slots, kvr_error *err);
+/* A streamed get sent in pieces of about piece_bytes instead of whole
+ * layers (issue 15): a layer's side (K or V) is split at token boundaries,
+ * a side with nothing to produce is one piece straight from block memory,
+ * and at most `slots` pieces are staged at once (only that ring is
+ * reserved), so a piece's rotated bytes are still in cache when its write
+ * reads them. Loop thread, before any work, instead of kvr_get_stage /
+ * kvr_get_stage_ring. Only where every produced row has the same bits
+ * however it is split (plain blocks: keys moved by one delta or converted,
+ * values converted); else *n_pieces = 0 and nothing changed (stage as
+ * before). 0, or as kvr_get_stage. With pieces, kvr_get_work(_layers) and
+ * the whole-payload iovecs are not available: piece k is worked by
+ * kvr_get_work_piece (any thread; the first call returns before any other
+ * starts, later ones may run concurrently) and sent from
+ * kvr_get_payload_iov_piece's iovecs (`bytes` in all), valid from its work
+ * until piece k + slots is worked. Pieces come in payload order. */
+int    kvr_get_stage_pieces(kvr_get *t, size_t piece_bytes, size_t slots, size_t *n_pieces,
+                            kvr_error *err);
+size_t kvr_get_n_pieces(const kvr_get *t);
+/* Bytes one payload layer stages (0: nothing staged, or staged already). */
+size_t kvr_get_staged_layer_bytes(const kvr_get *t);
+int    kvr_get_work_piece(kvr_get *t, size_t k, kvr_error *err);
+void   kvr_get_payload_iov_piece(const kvr_get *t, size_t k, const struct iovec **iov,
+                                 size_t *n, size_t *bytes);
 /* In-process callers: the whole payload (kvr_get_payload_size bytes, wire
  * order) straight into dst, instead of work + iovecs + a copy. Keys are
  * re-rotated and quantized sides decoded in place, zero-copy parts copied;

@@ -144,6 +144,33 @@ int kvr_get_stage_ring(kvr_get *t, size_t per, size_t slots, kvr_error *err)
     return kvr_read_stage_ring(&t->r, per, slots, err);
 }
 
+int kvr_get_stage_pieces(kvr_get *t, size_t piece_bytes, size_t slots, size_t *n_pieces,
+                         kvr_error *err)
+{
+    return kvr_read_stage_pieces(&t->r, piece_bytes, slots, n_pieces, err);
+}
+
+size_t kvr_get_staged_layer_bytes(const kvr_get *t)
+{
+    return t->r.stage_need && t->r.nl ? t->r.stage_need / t->r.nl : 0;
+}
+
+size_t kvr_get_n_pieces(const kvr_get *t)
+{
+    return t->r.n_pieces;
+}
+
+int kvr_get_work_piece(kvr_get *t, size_t k, kvr_error *err)
+{
+    return kvr_read_work_piece(&t->r, k, "out of memory dequantizing", err);
+}
+
+void kvr_get_payload_iov_piece(const kvr_get *t, size_t k, const struct iovec **iov,
+                               size_t *n, size_t *bytes)
+{
+    kvr_read_iov_piece(&t->r, k, iov, n, bytes);
+}
+
 int kvr_get_copy_into(kvr_get *t, void *dst, size_t size, kvr_error *err)
 {
     if (size != t->r.out.bytes || (size && !dst))

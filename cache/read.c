@@ -333,6 +333,199 @@ int kvr_read_stage_ring(kvr_read *r, size_t per, size_t slots, kvr_error *err)
     return 0;
 }
 
+/* ---- a streamed read in pieces ------------------------------------------------ */
+
+/* Whether every staged run is produced row by row, the same bits however
+ * its tokens are split: keys of plain blocks in one pass (one delta, or a
+ * conversion with 1/T) or converted where they stay, values of plain
+ * blocks converted. */
+static bool pieces_ok(const kvr_read *r)
+{
+    for (size_t i = 0; i < r->n_runs; i++) {
+        const kvr_read_run *run = &r->runs[i];
+        if (run->rd->quant && (!run->k_zc || !run->v_zc))
+            return false;
+        /* keys: one pass, or converted where they stay (no rotation) */
+        if (!run->k_zc && !run->one_pass && !(run->same && !run->fold))
+            return false;
+    }
+    return true;
+}
+
+static bool side_staged(const kvr_read *r, int kv)
+{
+    for (size_t i = 0; i < r->n_runs; i++)
+        if (!(kv ? r->runs[i].v_zc : r->runs[i].k_zc))
+            return true;
+    return false;
+}
+
+static uint8_t *piece_slot(const kvr_read *r, size_t k)
+{
+    size_t rowb = kvr_model_row(r->m) * kvr_dtype_size(r->odt);
+    return r->staging + k % r->ring_slots * r->piece_tok * rowb;
+}
+
+/* Piece k's iovecs (its runs in order, neighbours that touch joined). */
+static void piece_iov(kvr_read *r, size_t k, size_t *at)
+{
+    kvr_read_piece *pc = &r->pieces[k];
+    size_t rowb = kvr_model_row(r->m) * kvr_dtype_size(r->odt);
+    uint32_t l = r->layers[pc->li];
+    uint8_t *slot = pc->work ? piece_slot(r, k) : NULL;
+    pc->iov0 = *at;
+    pc->n_iov = 0;
+    pc->bytes = (pc->b - pc->a) * rowb;
+    for (size_t i = 0; i < r->n_runs; i++) {
+        const kvr_read_run *run = &r->runs[i];
+        size_t s = run->tok > pc->a ? run->tok : pc->a;
+        size_t e = run->tok + run->count < pc->b ? run->tok + run->count : pc->b;
+        if (s >= e)
+            continue;
+        bool zc = pc->kv ? run->v_zc : run->k_zc;
+        uint8_t *p = zc ? (uint8_t *)kvr_block_kv(run->rd, l, pc->kv, run->first) +
+                              (s - run->tok) * rowb
+                        : slot + (s - pc->a) * rowb;
+        size_t len = (e - s) * rowb;
+        struct iovec *last = pc->n_iov ? &r->piov[*at - 1] : NULL;
+        if (last && (uint8_t *)last->iov_base + last->iov_len == p) {
+            last->iov_len += len;
+            continue;
+        }
+        r->piov[(*at)++] = (struct iovec){ p, len };
+        pc->n_iov++;
+    }
+}
+
+int kvr_read_stage_pieces(kvr_read *r, size_t piece_bytes, size_t slots, size_t *n_pieces,
+                          kvr_error *err)
+{
+    *n_pieces = 0;
+    if (!stage_pending(r) || r->worked || slots == 0 || !pieces_ok(r))
+        return 0;
+    size_t rowb = kvr_model_row(r->m) * kvr_dtype_size(r->odt);
+    size_t P = piece_bytes / rowb ? piece_bytes / rowb : 1;
+    if (P > r->n)
+        P = r->n;
+    bool st[2] = { side_staged(r, 0), side_staged(r, 1) };
+    /* A side straight from block memory stays one piece: one large write
+     * (splitting it too measured no better: more writes, more wake-ups). */
+    size_t per_layer = (st[0] ? (r->n + P - 1) / P : 1) + (st[1] ? (r->n + P - 1) / P : 1);
+    size_t np = per_layer * r->nl;
+    if (slots > np)
+        slots = np;
+    size_t bytes = slots * P * rowb;
+    if (bytes >= r->stage_need)
+        return 0;   /* no smaller than the whole staging: the usual paths */
+    size_t niov = np + 2 * r->nl * r->n_runs;
+    kvr_read_piece *pcs = kvr_mem_calloc(np, sizeof *pcs);
+    struct iovec *iov = kvr_mem_malloc(niov * sizeof *iov);
+    if (!pcs || !iov) {
+        kvr_mem_free(pcs);
+        kvr_mem_free(iov);
+        return kvr_error_set(err, KVR_ENOMEM, "out of memory planning a %s of %zu tokens",
+                             r->what, r->n);
+    }
+    int rc = stage_reserve(r, bytes, err);
+    uint8_t *ring = rc == 0 ? kvr_mem_staging(bytes) : NULL;
+    if (!ring) {
+        kvr_mem_free(pcs);
+        kvr_mem_free(iov);
+        return rc ? rc : kvr_error_set(err, KVR_ENOMEM, "out of memory for a %zu-byte %s "
+                                       "staging ring", bytes, r->what);
+    }
+    r->staging = ring;
+    r->ring_slots = slots;
+    r->piece_tok = P;
+    r->pieces = pcs;
+    r->piov = iov;
+    size_t k = 0, at = 0;
+    for (size_t li = 0; li < r->nl; li++)
+        for (int kv = 0; kv < 2; kv++) {
+            size_t step = st[kv] ? P : r->n;
+            for (size_t a = 0; a < r->n; a += step, k++) {
+                pcs[k] = (kvr_read_piece){ .li = (uint32_t)li, .kv = (uint8_t)kv,
+                                           .work = st[kv], .a = a,
+                                           .b = a + step < r->n ? a + step : r->n };
+                piece_iov(r, k, &at);
+            }
+        }
+    assert(k == np && at <= niov);
+    r->n_pieces = np;
+    r->out.n_iov = 0;   /* the whole payload's iovecs: not with pieces */
+    *n_pieces = np;
+    return 0;
+}
+
+int kvr_read_work_piece(kvr_read *r, size_t k, const char *nomem, kvr_error *err)
+{
+    if (k >= r->n_pieces)
+        return kvr_error_set(err, KVR_EINVAL, "piece %zu of a %zu-piece %s", k, r->n_pieces,
+                             r->what);
+    int rc = kvr_store_reload_work(r->s, r->rl, err);
+    if (rc != 0)
+        return rc;
+    const kvr_read_piece *pc = &r->pieces[k];
+    if (!pc->work)
+        return 0;
+    const kvr_model *m = r->m;
+    size_t rowb = kvr_model_row(m) * kvr_dtype_size(r->odt);
+    uint32_t l = r->layers[pc->li];
+    uint8_t *slot = piece_slot(r, k);
+    for (size_t i = 0; i < r->n_runs && rc == 0; i++) {
+        const kvr_read_run *run = &r->runs[i];
+        size_t s = run->tok > pc->a ? run->tok : pc->a;
+        size_t e = run->tok + run->count < pc->b ? run->tok + run->count : pc->b;
+        if (s >= e || (pc->kv ? run->v_zc : run->k_zc))
+            continue;
+        uint32_t from = run->first + (uint32_t)(s - run->tok), cnt = (uint32_t)(e - s);
+        uint8_t *d = slot + (s - pc->a) * rowb;
+        const kvr_block *b = run->rd;
+        if (pc->kv) {
+            rc = kvr_block_read_side(m->engine, m->n_kv_heads, b, l, 1, from, cnt, d, r->odt,
+                                     NULL, NULL, NULL, NULL);
+            continue;
+        }
+        if (!run->one_pass) {   /* converted where they stay: as layer_to */
+            rc = kvr_block_read_side(kvr_rope_layer(m->engine, l), m->n_kv_heads, b, l, 0,
+                                     from, cnt, d, r->odt, NULL,
+                                     r->targets + run->tok + (s - run->tok), NULL, &r->ro);
+            continue;
+        }
+        /* keys_one_pass on rows [from, from + cnt): each row's bits depend
+         * only on its own input and the run's one delta */
+        const void *src = kvr_block_kv(b, l, 0, from);
+        float sc = run->fold ? r->inv_t : 1.0f;
+        if (run->same) {
+            kvr_convert_scaled(d, r->odt, src, b->dtype, cnt * kvr_model_row(m), sc);
+        } else {
+            kvr_rope_opts o = r->ro;
+            o.stream = false;   /* read back by the write at once: keep it in cache */
+            rc = kvr_rope_reposition_delta(kvr_rope_layer(m->engine, l), d, r->odt, src,
+                                           b->dtype, cnt, m->n_kv_heads, run->delta, sc, &o);
+        }
+    }
+    if (rc == KVR_ENOMEM)
+        return kvr_error_set(err, KVR_ENOMEM, "%s", nomem);
+    if (rc != 0)
+        return kvr_error_set(err, KVR_EINTERNAL, "re-rotating keys failed (%d)", rc);
+    return 0;
+}
+
+void kvr_read_iov_piece(const kvr_read *r, size_t k, const struct iovec **iov, size_t *n,
+                        size_t *bytes)
+{
+    if (k >= r->n_pieces) {
+        *iov = NULL;
+        *n = 0;
+        *bytes = 0;
+        return;
+    }
+    *iov = r->piov + r->pieces[k].iov0;
+    *n = r->pieces[k].n_iov;
+    *bytes = r->pieces[k].bytes;
+}
+
 int kvr_read_stage_raw(kvr_read *r, const char *ctx_id, size_t start, size_t *kbytes,
                        size_t *vbytes, kvr_error *err)
 {
@@ -575,6 +768,9 @@ int kvr_read_work(kvr_read *r, size_t l0, size_t l1, const char *nomem, kvr_erro
     int rc = kvr_store_reload_work(r->s, r->rl, err);
     if (rc != 0)
         return rc;
+    if (r->n_pieces)
+        return kvr_error_set(err, KVR_EINTERNAL, "a %s staged in pieces is worked piece by "
+                             "piece", r->what);
     if (stage_pending(r)) {
         /* Nobody said how the payload goes out: the whole staging, which
          * only the store's thread may reserve. */
@@ -653,6 +849,8 @@ void kvr_read_free(kvr_read *r)
     kvr_mem_free(r->targets);
     kvr_mem_free(r->from);
     kvr_mem_free(r->groups);
+    kvr_mem_free(r->pieces);
+    kvr_mem_free(r->piov);
     if (r->ring_slots)
         kvr_mem_staging_free(r->staging);
     else if (r->staging != r->dst)

@@ -51,6 +51,17 @@ typedef struct kvr_read_run {
     size_t           k_off, v_off;   /* else: offsets in the layer's staging */
 } kvr_read_run;
 
+/* A piece of a streamed read (kvr_read_stage_pieces): payload layer li's
+ * side kv (0 K, 1 V), stream tokens [a, b): one contiguous range of the
+ * payload, its iovecs piov[iov0 .. iov0 + n_iov). */
+typedef struct kvr_read_piece {
+    uint32_t li;
+    uint8_t  kv;
+    bool     work;               /* some of it is staged: produced in its slot */
+    size_t   a, b;
+    size_t   iov0, n_iov, bytes;
+} kvr_read_piece;
+
 typedef struct kvr_read {
     kvr_store    *s;
     kvr_model    *m;
@@ -79,6 +90,10 @@ typedef struct kvr_read {
     uint8_t      *staging;       /* or dst */
     size_t        ring_per, ring_slots; /* kvr_read_stage_ring: layer li is staged
                                     in slot (li / per) % slots; 0: no ring */
+    kvr_read_piece *pieces;      /* kvr_read_stage_pieces; NULL: none */
+    size_t        n_pieces, piece_tok;  /* piece k is staged in slot k % ring_slots
+                                    of piece_tok rows */
+    struct iovec *piov;
     uint8_t      *dst;           /* set before stage: everything is produced
                                     here, in wire order (no zero-copy runs,
                                     no staging of our own) */
@@ -141,6 +156,25 @@ int  kvr_read_stage_ring(kvr_read *r, size_t per, size_t slots, kvr_error *err);
  * computed in place, zero-copy ones copied; the staging is not used. Same
  * bytes as work + the iovecs. */
 int  kvr_read_work_into(kvr_read *r, void *dst, const char *nomem, kvr_error *err);
+/* The store's thread, before any work: a streamed read sent in pieces of
+ * about piece_bytes (whole rows, a side of a layer split at token
+ * boundaries; a side with nothing staged is one piece, straight from block
+ * memory), with at most `slots` pieces staged at once: only a ring of
+ * `slots` pieces is reserved, and a piece's staged bytes are produced just
+ * before its write reads them, while they are still in cache. Only for
+ * reads whose staged runs are all produced row by row with the same bits
+ * however they are split (keys of plain blocks in one pass, values of
+ * plain blocks converted); for any other *n_pieces = 0 and nothing
+ * changes. 0, or the reservation's error. Piece k's bytes are valid from
+ * its work until piece k + slots is worked; the whole-payload iovecs and
+ * kvr_read_work are not available on a read in pieces. */
+int  kvr_read_stage_pieces(kvr_read *r, size_t piece_bytes, size_t slots, size_t *n_pieces,
+                           kvr_error *err);
+/* Piece k's work (any thread; the first call must return before any
+ * other starts: it does the disk tier's load) and iovecs. */
+int  kvr_read_work_piece(kvr_read *r, size_t k, const char *nomem, kvr_error *err);
+void kvr_read_iov_piece(const kvr_read *r, size_t k, const struct iovec **iov, size_t *n,
+                        size_t *bytes);
 /* Produces layers [l0, l1) of the staging (the reload first); all layers
  * mark the read worked. nomem: the message for KVR_ENOMEM. Any thread once
  * staged; a read not staged yet is staged whole first (kvr_read_stage_now),

@@ -320,6 +320,66 @@ Test(int_stream, client_leaving_mid_stream_leaves_the_daemon_healthy)
     cr_assert(testd_alive(&D));
 }
 
+/* ---- in pieces ------------------------------------------------------------ */
+
+/* Wide layers: 4 x 32 heads x 128 dims, 1000 tokens: 16 MiB a layer, its
+ * keys 8 MiB. A ring of whole-layer chunks would stage 24 MiB, so the
+ * stream goes in pieces of about 2 MiB (kvr_get_stage_pieces): the same
+ * bytes as the single-shot result. */
+Test(int_stream, wide_layers_stream_in_pieces)
+{
+    enum { WL = 4, WH = 32, WT = 1000 };
+    kvr_rope_config rc;
+    kvr_rope_config_init(&rc);
+    rc.head_dim = ND;
+    rc.rotary_dim = ND;
+    kvr_model_params mp = { .name = "wide", .n_layers = WL, .n_kv_heads = WH, .head_dim = ND,
+                            .dtype = KVR_DTYPE_F16, .rope = &rc };
+    cr_assert_eq(kvr_client_model_register(C, &mp, NULL), 0, "%s", kvr_client_last_error(C));
+    size_t len = kvr_payload_size(WL, WT, WH, ND, KVR_DTYPE_F16), half = len / WL / 2;
+    uint8_t *pl = malloc(len), *want = malloc(len);
+    cr_assert(pl && want);
+    testd_fill(pl, 11, NULL, WL, 0, WT, WH, ND, KVR_DTYPE_F16);
+    uint32_t *tok = malloc(WT * sizeof *tok);
+    for (uint32_t i = 0; i < WT; i++)
+        tok[i] = 7 + i;
+    kvr_put_args a = { .mode = KVR_PUT_UPSERT, .ctx_id = "w", .model = "wide",
+                       .dtype = KVR_DTYPE_F16, .tokens = tok, .n_tokens = WT,
+                       .has_pos_start = true, .pos_start = 0, .payload = pl, .payload_len = len };
+    cr_assert_eq(kvr_client_put(C, &a, NULL), 0, "%s", kvr_client_last_error(C));
+    /* the first 100 tokens stay (zero-copy keys), the rest move */
+    cr_assert_eq(kvr_client_shift(C, "w", 100, WT, SHIFT), 0, "%s", kvr_client_last_error(C));
+    int64_t *from = malloc(WT * sizeof *from), *to = malloc(WT * sizeof *to);
+    for (size_t i = 0; i < WT; i++) {
+        from[i] = (int64_t)i;
+        to[i] = (int64_t)i + (i >= 100 ? SHIFT : 0);
+    }
+    for (size_t l = 0; l < WL; l++) {
+        cr_assert_eq(kvr_rope_reposition(R, want + l * 2 * half, KVR_DTYPE_F16,
+                                         pl + l * 2 * half, KVR_DTYPE_F16, WT, WH, from, to,
+                                         NULL), 0);
+        memcpy(want + l * 2 * half + half, pl + l * 2 * half + half, half);
+    }
+    double streamed0 = testd_metric(C, "streamed_replies");
+    for (int rep = 0; rep < 2; rep++) {
+        kvr_get_args ga = { .ctx_id = "w", .dtype = KVR_DTYPE_F16 };
+        kvr_kv kv;
+        cr_assert_eq(kvr_client_get(C, &ga, &kv), 0, "get: %s", kvr_client_last_error(C));
+        cr_assert_eq(kv.payload_len, len);
+        for (size_t off = 0; off < len; off += half)
+            cr_assert(memcmp((const uint8_t *)kv.payload + off, want + off, half) == 0,
+                      "layer %zu %s differs", off / (2 * half), (off / half) % 2 ? "V" : "K");
+        kvr_kv_release(&kv);
+    }
+    cr_assert_eq(testd_metric(C, "streamed_replies"), streamed0 + 2);
+    cr_assert_eq(testd_metric(C, "streams_aborted"), 0);
+    free(from);
+    free(to);
+    free(tok);
+    free(pl);
+    free(want);
+}
+
 /* ---- near the memory cap ------------------------------------------------- */
 
 static const char *const CAP_ARGS[] = { "--max-memory", "96M", NULL };
