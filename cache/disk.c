@@ -1039,6 +1039,18 @@ static size_t dio_load_depth(void)
     return a;
 }
 
+/* KVR_DISK_LOAD_TAPER=0 sends a load's last requests at full size
+ * (comparisons; see ds_run_io). */
+static bool dio_taper(void)
+{
+    static int v = -1;
+    if (v < 0) {
+        const char *e = getenv("KVR_DISK_LOAD_TAPER");
+        v = !(e && *e == '0');
+    }
+    return v;
+}
+
 static bool dio_dma_off(void)
 {
     static int v = -1;
@@ -1223,6 +1235,22 @@ static void ds_add(dstream *s, size_t k, size_t pos, void *p, size_t len, bool s
 static void ds_send(dstream *s)
 {
     size_t slot = (s->qh + s->qn) % KVR_DIO_STREAM_MAX;
+#ifndef NDEBUG
+    /* What O_DIRECT wants, whoever allocated the memory (block memory in
+     * 4 KiB or huge pages, the staging ring): the file offset and every
+     * length in whole granules, every address aligned as the filesystem
+     * said (statx; the ring is granule-aligned). A request that breaks it
+     * would fail with EINVAL on the device, so it is a bug here. */
+    {
+        const kvr_dio_req *q = &s->q[slot];
+        size_t ma = s->d->mem_align ? s->d->mem_align : EXT_ALIGN;
+        assert(q->off % EXT_ALIGN == 0);
+        for (int v = 0; v < q->iovcnt; v++) {
+            assert(q->iov[v].iov_len % EXT_ALIGN == 0);
+            assert((uintptr_t)q->iov[v].iov_base % ma == 0);
+        }
+    }
+#endif
     if (s->sl[slot])
         s->tail = s->sp[slot] + s->sl[slot];
     s->qn++;
@@ -1288,19 +1316,35 @@ static size_t ds_run(const kvr_disk *d, const kvr_disk_handle *hs, const size_t 
  * granule, trailer, zeros) staged. A write checksums each data part and
  * stages each tail (its extent's checksum then complete) before the
  * request is pushed; a read's parts are checked by ld_take. crc and
- * built are per run position (writes). */
+ * built are per run position (writes).
+ *
+ * taper (a load's last run): the run's last 2 * dio_mem_piece() bytes go
+ * in requests of half what is left each (down to an eighth of a piece),
+ * so what is checked after the device's last completion, with nothing
+ * left in flight, is a small request, not a full one: the caller waits
+ * for the whole load, and every byte checked then is device time lost
+ * (bench_disk). */
 static void ds_run_io(dstream *w, const kvr_disk_handle *hs, const size_t *ord,
-                      void *const *mem, size_t i, size_t j, bool write, uint8_t *hdr,
-                      uint32_t *crc, bool *built, ds_done_fn done, void *arg)
+                      void *const *mem, size_t i, size_t j, bool write, bool taper,
+                      uint8_t *hdr, uint32_t *crc, bool *built, ds_done_fn done, void *arg)
 {
 #define AT(x) (ord ? ord[x] : (x))
     kvr_disk *d = w->d;
     const seg *s = seg_find(d, hs[AT(i)].seg);
     size_t R = dio_mem_piece();
     size_t x = i, pos = 0;
+    uint64_t left = 0;      /* image bytes of the run not yet in a request */
+    for (size_t q = i; q < j; q++)
+        left += ext_alloc(&hs[AT(q)]);
     while (x < j && !w->err) {
         dpart plan[KVR_DIO_IOV_MAX];
-        size_t np = 0, room = R, stg = 0, px = x, ppos = pos;
+        size_t room = R;
+        if (taper && dio_taper() && left < 2 * (uint64_t)R) {
+            uint64_t half = align_up(left / 2), lo = R / 8 > EXT_ALIGN ? R / 8 : EXT_ALIGN;
+            room = (size_t)(half < lo ? lo : half < R ? half : R);
+            room &= ~(size_t)(EXT_ALIGN - 1);
+        }
+        size_t np = 0, stg = 0, px = x, ppos = pos;
         uint64_t wo = hs[AT(x)].off + pos;
         while (px < j && room > 0 && np < KVR_DIO_IOV_MAX) {
             const kvr_disk_handle *h = &hs[AT(px)];
@@ -1327,6 +1371,8 @@ static void ds_run_io(dstream *w, const kvr_disk_handle *hs, const size_t *ord,
             px = plan[0].k;
             ppos = plan[0].pos + plan[0].len;
         }
+        for (size_t q = 0; q < np; q++)
+            left -= plan[q].len;
         uint8_t *out = ds_alloc(w, stg, done, arg);
         if (w->err)
             break;
@@ -1400,7 +1446,7 @@ static int spill_direct(kvr_disk *d, const kvr_disk_buf *bufs, size_t n,
         size_t dma = dma_bytes(d, s, src, hs[i].len);
         if (dma) {
             size_t j = ds_run(d, hs, NULL, (const void *const *)mem, i, n);
-            ds_run_io(w, hs, NULL, mem, i, j, true, hdr, crcs + i, built + i, NULL, NULL);
+            ds_run_io(w, hs, NULL, mem, i, j, true, false, hdr, crcs + i, built + i, NULL, NULL);
             for (size_t x = i; x < j; x++)
                 hs[x].crc = crcs[x];
             i = j;
@@ -1575,7 +1621,7 @@ static void load_direct(kvr_disk *d, const kvr_disk_handle *hs, void *const *dst
         size_t dma = dma_bytes(d, s, out, h->len);
         if (dma) {
             size_t j = ds_run(d, hs, ord, (const void *const *)dst, k, nk);
-            ds_run_io(r, hs, ord, dst, k, j, false, NULL, NULL, NULL, ld_take, &l);
+            ds_run_io(r, hs, ord, dst, k, j, false, j == nk, NULL, NULL, NULL, ld_take, &l);
             k = j;
             continue;
         }

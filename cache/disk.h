@@ -82,7 +82,14 @@
  *  ext4 an O_DIRECT write that extends the file is synchronous and
  *  serialised on the inode, writes inside it go to the device together.
  *  Loads keep at most 4 reads in flight (deeper made a virtio disk
- *  slower), sorted by segment and offset. Durability is unchanged:
+ *  slower), sorted by segment and offset; once less than 8 MiB of a load
+ *  are left, each request takes half of what is left (down to 0.5 MiB),
+ *  so the check that runs after the last completion, with the device
+ *  idle, covers about 0.5 MiB, not 4. Every request's offset and lengths are whole granules and its
+ *  addresses aligned as statx said (asserted in debug builds): memory of
+ *  either page size qualifies; physically contiguous memory (huge pages)
+ *  reaches a device in fewer, larger segments (bench_disk prints the
+ *  destination's physical runs). Durability is unchanged:
  *  O_DIRECT writes are made durable by the same fdatasync as before.
 
  * ---- write ordering (why a crash leaves the old state or the new) -----------

@@ -42,13 +42,13 @@ void kvr_rope_config_init(kvr_rope_config *cfg)
     cfg->factor = 1.0;
     cfg->beta_fast = 32.0;
     cfg->beta_slow = 1.0;
-    cfg->attention_factor = NAN;
-    cfg->mscale = NAN;
-    cfg->mscale_all_dim = NAN;
-    cfg->low_freq_factor = NAN;
-    cfg->high_freq_factor = NAN;
+    cfg->attention_factor = (double)NAN;
+    cfg->mscale = (double)NAN;
+    cfg->mscale_all_dim = (double)NAN;
+    cfg->low_freq_factor = (double)NAN;
+    cfg->high_freq_factor = (double)NAN;
     cfg->yarn_truncate = 1;
-    cfg->local_theta = NAN;
+    cfg->local_theta = (double)NAN;
 }
 
 kvr_rope_layer_kind kvr_rope_config_layer_kind(const kvr_rope_config *cfg, uint32_t layer)
@@ -624,7 +624,7 @@ int kvr_rope_config_from_json(kvr_rope_config *cfg, const char *json, size_t len
         } while (0)
         if (cfg->scaling != KVR_ROPE_SCALING_DEFAULT) {
             bool has_factor = get(rs, "factor") != NULL;
-            cfg->factor = NAN;
+            cfg->factor = (double)NAN;
             RS_NUM("factor", cfg->factor);
             if (!has_factor && uses_factor(cfg->scaling)) {
                 rc = fail(err, "%s.factor: required for rope type %s", rsn, tn);

@@ -235,7 +235,7 @@ int kvr_rope_create(kvr_rope **out, const kvr_rope_config *cfg, kvr_error *err)
     sub.n_layer_kinds = 0;
     sub.scaling = KVR_ROPE_SCALING_DEFAULT;
     sub.factor = 1.0;
-    sub.attention_factor = NAN;
+    sub.attention_factor = (double)NAN;
     sub.n_short_factor = sub.n_long_factor = 0;
     if (want_local) {
         sub.theta = cfg->local_theta;

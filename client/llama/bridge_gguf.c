@@ -133,7 +133,7 @@ static bool num_at(uint32_t t, const uint8_t *v, double *out)
     case T_I16: { int16_t x; memcpy(&x, v, 2); *out = x; return true; }
     case T_U32: { uint32_t x; memcpy(&x, v, 4); *out = x; return true; }
     case T_I32: { int32_t x; memcpy(&x, v, 4); *out = x; return true; }
-    case T_F32: { float x; memcpy(&x, v, 4); *out = x; return true; }
+    case T_F32: { float x; memcpy(&x, v, 4); *out = (double)x; return true; }
     case T_BOOL: *out = v[0] != 0; return true;
     case T_U64: { uint64_t x; memcpy(&x, v, 8); *out = (double)x; return true; }
     case T_I64: { int64_t x; memcpy(&x, v, 8); *out = (double)x; return true; }

@@ -1231,10 +1231,10 @@ static void ppl_rows(void *ud, size_t first, size_t n, const float *const *rows)
         if (t + 1 >= a->end)
             continue;
         const float *x = rows[j];
-        double mx = x[0];
+        double mx = (double)x[0];
         for (size_t i = 1; i < a->nv; i++)
             if ((double)x[i] > mx)
-                mx = x[i];
+                mx = (double)x[i];
         double s = 0;
         for (size_t i = 0; i < a->nv; i++)
             s += exp((double)x[i] - mx);

@@ -123,7 +123,7 @@ double kvr_wk_rep_get(const kvr_wk_report *r, const char *group, const char *key
         return v->valuedouble;
     if (cJSON_IsBool(v))
         return cJSON_IsTrue(v) ? 1 : 0;
-    return NAN;
+    return (double)NAN;
 }
 
 void kvr_wk_rep_print(const kvr_wk_report *r, bool json, FILE *out)

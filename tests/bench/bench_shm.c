@@ -7,11 +7,27 @@
  *    kvrope through a registered memfd region (the daemon's workers write
  *    the get into it / copy the put out of it), kvrope over the Unix socket
  *    (into a caller buffer), Redis GET/SET of the same bytes, and memcpy of
- *    the same bytes between two buffers of this process, two ways:
+ *    the same bytes, two ways:
  *      "memcpy 1t": one memcpy per client thread;
  *      "memcpy pool": each client's copy split as the daemon splits its
  *        own (4 MiB chunks over the worker pool, kvr_pool_for, at most 8
  *        threads: as many threads as the daemon copies with).
+ *    The baseline copies what the daemon copies, between memory of the same
+ *    kinds: a put from a memfd region (4 KiB shmem pages, as
+ *    kvr_client_region_create makes) holding the region's bytes into
+ *    anonymous memory (the daemon's blocks), a get from anonymous memory
+ *    into a memfd region; both buffers faulted in before the timer and
+ *    reused, as the daemon reuses its freed block pages. The bytes matter:
+ *    the put baseline of earlier versions copied a zero-filled anonymous
+ *    buffer, and this machine writes zero lines faster than others where
+ *    the copy is bound by memory bandwidth (non-temporal stores, one
+ *    thread: zeros 98 GB/s, 0x3c bytes 45 GB/s); in a quiet run that
+ *    baseline ran 1.69x the get baseline of the same size and threads.
+ *  - "put copies" (cell "copy"): for the put goal, in the same slices, the
+ *    shm put against three pool copies of 64 MiB: memcpy of the region's
+ *    bytes (the baseline), memcpy of zeros (the earlier baseline), and the
+ *    daemon's own copy loop (kvr_mem_copy_stream, non-temporal stores:
+ *    what bounds the shm put).
  *  - the shared-memory get again with every key re-rotated (positions moved
  *    by 1000), 1 client, 64 MiB.
  *  Puts create a context and retire an older one (a cache's steady state;
@@ -45,6 +61,9 @@
 #include <time.h>
 #include <unistd.h>
 
+#include <sys/mman.h>
+
+#include "cache/cache.h"
 #include "client/kvrope.h"
 
 #include "tests/common/kvr_bench_redis.h"
@@ -58,7 +77,11 @@
 #define TOKEN_BYTES ((size_t)B_LAYERS * 2 * B_HEADS * B_DIM * 2)
 
 typedef enum { OP_PUT, OP_GET } op_kind;
-typedef enum { M_MEMCPY, M_MEMCPY_POOL, M_SHM, M_UNIX, M_REDIS, M_SHM_ROT } mode_kind;
+typedef enum {
+    M_MEMCPY, M_MEMCPY_POOL, M_SHM, M_UNIX, M_REDIS, M_SHM_ROT,
+    M_POOL_ZERO,     /* pool memcpy from a zero-filled buffer (the earlier put baseline) */
+    M_POOL_STREAM,   /* pool copy with the daemon's loop (kvr_mem_copy_stream) */
+} mode_kind;
 
 /* The daemon's split of a region copy (dispatch.c: SHM_COPY_CHUNK, at most
  * 8 threads of the pool), for the pool memcpy baseline. */
@@ -77,14 +100,37 @@ static int pcopy_chunk(void *ud, size_t i)
     return 0;
 }
 
-static void pool_memcpy(uint8_t *dst, const uint8_t *src, size_t n)
+static int pcopy_chunk_stream(void *ud, size_t i)
+{
+    const pcopy *pc = ud;
+    size_t lo = i * COPY_CHUNK, k = pc->n - lo < COPY_CHUNK ? pc->n - lo : COPY_CHUNK;
+    kvr_mem_copy_stream(pc->dst + lo, pc->src + lo, k);
+    return 0;
+}
+
+static void pool_memcpy(uint8_t *dst, const uint8_t *src, size_t n, bool stream)
 {
     pcopy pc = { dst, src, n };
     size_t chunks = (n + COPY_CHUNK - 1) / COPY_CHUNK;
     if (chunks > 1)
-        (void)kvr_pool_for(NULL, chunks, 8, pcopy_chunk, &pc);
+        (void)kvr_pool_for(NULL, chunks, 8, stream ? pcopy_chunk_stream : pcopy_chunk, &pc);
+    else if (stream)
+        kvr_mem_copy_stream(dst, src, n);
     else
         memcpy(dst, src, n);
+}
+
+/* The client side of a baseline copy: a memfd region like
+ * kvr_client_region_create's (MAP_SHARED, 4 KiB shmem pages). */
+static uint8_t *memfd_buf(size_t n)
+{
+    int fd = memfd_create("bench-baseline", MFD_CLOEXEC | MFD_ALLOW_SEALING);
+    if (fd < 0)
+        return NULL;
+    void *p = ftruncate(fd, (off_t)n) == 0
+                  ? mmap(NULL, n, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0) : MAP_FAILED;
+    close(fd);   /* the mapping keeps the file */
+    return p == MAP_FAILED ? NULL : p;
 }
 
 typedef struct job {
@@ -120,9 +166,22 @@ static void *run_job(void *arg)
     uint8_t *rbase = NULL;
     /* Contexts a put keeps alive: the memory cap holds 4 clients' worth. */
     long keep = j->bytes >= (16u << 20) ? 1 : 16;
-    if (j->mode == M_MEMCPY || j->mode == M_MEMCPY_POOL) {
+    /* Baselines: reg is the client's side (a memfd region holding the
+     * region's bytes), dst the daemon's (anonymous memory); a put copies
+     * reg -> dst, a get dst -> reg (M_POOL_ZERO: a zero-filled anonymous
+     * source instead of reg, the earlier put baseline). */
+    uint8_t *reg = NULL;
+    bool baseline = j->mode == M_MEMCPY || j->mode == M_MEMCPY_POOL ||
+                    j->mode == M_POOL_ZERO || j->mode == M_POOL_STREAM;
+    if (baseline) {
         dst = malloc(j->bytes);
-        memset(dst, 0, j->bytes);
+        reg = j->mode == M_POOL_ZERO ? malloc(j->bytes) : memfd_buf(j->bytes);
+        if (!dst || !reg) {
+            j->err = 1;
+        } else {
+            memset(dst, 0x3c, j->bytes);
+            memset(reg, j->mode == M_POOL_ZERO ? 0 : 0x3c, j->bytes);
+        }
     } else if (j->mode == M_REDIS) {
         if (resp_connect(&r, j->redis_sock) < 0)
             j->err = 1;
@@ -200,16 +259,17 @@ static void *run_job(void *arg)
         int rc = 0;
         if (j->mode == M_MEMCPY) {
             if (j->op == OP_GET)
-                memcpy(dst, buf, j->bytes);
+                memcpy(reg, dst, j->bytes);
             else
-                memcpy(buf, dst, j->bytes);
-            __asm__ volatile("" : : "r"(dst), "r"(buf) : "memory");
-        } else if (j->mode == M_MEMCPY_POOL) {
+                memcpy(dst, reg, j->bytes);
+            __asm__ volatile("" : : "r"(dst), "r"(reg) : "memory");
+        } else if (baseline) {
+            bool st = j->mode == M_POOL_STREAM;
             if (j->op == OP_GET)
-                pool_memcpy(dst, buf, j->bytes);
+                pool_memcpy(reg, dst, j->bytes, st);
             else
-                pool_memcpy(buf, dst, j->bytes);
-            __asm__ volatile("" : : "r"(dst), "r"(buf) : "memory");
+                pool_memcpy(dst, reg, j->bytes, st);
+            __asm__ volatile("" : : "r"(dst), "r"(reg) : "memory");
         } else if (j->mode == M_REDIS) {
             rc = j->op == OP_PUT ? resp_set(&r, key, buf, j->bytes)
                                  : resp_get(&r, key, buf, j->bytes);
@@ -278,6 +338,10 @@ static void *run_job(void *arg)
         close(r.fd);
     free(buf);
     free(dst);
+    if (reg && j->mode == M_POOL_ZERO)
+        free(reg);
+    else if (reg)
+        munmap(reg, j->bytes);
     free(tok);
     free(pos);
     return NULL;
@@ -392,8 +456,9 @@ int main(void)
            "(MiB/s of payload over all clients, higher is better)\n\n", seconds);
     printf("memcpy 1t: one memcpy per client thread; memcpy pool: split as the daemon splits "
            "its copy (4 MiB chunks, %u threads of the pool here); the goals use the pool "
-           "figure\n\n", kvr_pool_threads(kvr_pool_default()) < 8
-                             ? kvr_pool_threads(kvr_pool_default()) : 8);
+           "figure. Both copy the payload's bytes between a memfd region (the client's "
+           "side) and anonymous memory (the daemon's)\n\n",
+           kvr_pool_threads(kvr_pool_default()) < 8 ? kvr_pool_threads(kvr_pool_default()) : 8);
     printf("| op | size | clients | memcpy 1t | memcpy pool | kvrope shm | kvrope unix | redis "
            "| shm/memcpy pool | shm/memcpy 1t | unix/redis |\n");
     printf("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |\n");
@@ -463,6 +528,29 @@ int main(void)
     if (g_get_1t > 0 && g_put_1t > 0 && g_get > 0 && g_put > 0)
         printf("against one-thread memcpy (not the goals' baseline): shm get %.2fx, shm put "
                "%.2fx\n", g_get / g_get_1t, g_put / g_put_1t);
+    /* Put copies: what the put goal's baseline is and what bounds the put. */
+    if (!only || strstr(only, "copy")) {
+        enum { NC = 4 };
+        const mode_kind cm[NC] = { M_MEMCPY_POOL, M_POOL_ZERO, M_POOL_STREAM, M_SHM };
+        double cv[NC] = { 0 };
+        for (int sl = 0; sl < SLICES; sl++)
+            for (int m = 0; m < NC; m++) {
+                double x = cv[m] < 0 ? -1 : run(OP_PUT, cm[m], 64u << 20, 1, addr, rsock,
+                                                 seconds / SLICES, sl);
+                cv[m] = x < 0 ? -1 : cv[m] + x / SLICES;
+            }
+        printf("\nput copies, 64 MiB, 1 client, pool threads, in the same slices (MiB/s; "
+               "ratio: shm put against it):\n");
+        static const char *const cn[NC - 1] = {
+            "memcpy, memfd region's bytes -> anonymous (the goal's baseline)",
+            "memcpy, zero-filled anonymous buffer -> anonymous (the baseline before)",
+            "the daemon's copy loop, non-temporal stores (kvr_mem_copy_stream): the bound",
+        };
+        for (int m = 0; m < NC - 1; m++)
+            printf("  %-100s %7.0f  %.2fx\n", cn[m], cv[m],
+                   cv[m] > 0 && cv[NC - 1] > 0 ? cv[NC - 1] / cv[m] : 0.0);
+        printf("  %-100s %7.0f\n", "kvrope shm put", cv[NC - 1]);
+    }
     printf("\n");
     goal_line("shm get, 1 client, 64 MiB, stored positions", g_get, g_get_base, 0.8);
     goal_line("re-rotated shm get, 1 client, 64 MiB", rot, rot_base, 0.7);

@@ -246,11 +246,11 @@ static int own_setup(own *o, const char *model, const char *ctx, size_t n_old, c
 static double own_run(own *o)
 {
     if (!o->ok)
-        return NAN;
+        return (double)NAN;
     llama_memory_t mem = llama_get_memory(o->lc);
     llama_memory_clear(mem, true);
     if (llama_state_seq_set_data(o->lc, o->sb.buf, o->sb.len, 0) == 0)
-        return NAN;
+        return (double)NAN;
     struct llama_batch *b = &o->b;
     int32_t p = o->p, n_ins = o->n_ins, n_tok = o->n_tok;
     double t0 = now_ms();
@@ -267,7 +267,7 @@ static double own_run(own *o)
         b->logits[i] = 0;
     }
     if (llama_decode(o->lc, *b) != 0)
-        return NAN;
+        return (double)NAN;
     llama_memory_seq_cp(mem, 1, 0, p, p + n_ins);
     llama_memory_seq_rm(mem, 1, -1, -1);
     llama_memory_seq_rm(mem, 0, n_tok - 1, -1);
@@ -277,7 +277,7 @@ static double own_run(own *o)
     b->seq_id[0][0] = 0;
     b->logits[0] = 1;
     if (llama_decode(o->lc, *b) != 0)
-        return NAN;
+        return (double)NAN;
     return llama_get_logits_ith(o->lc, 0) ? now_ms() - t0 : (double)NAN;
 }
 
@@ -366,9 +366,9 @@ int main(void)
     if (own_setup(&ow, model, ctx, n_old, neu, n_new, at, ins) < 0)
         fprintf(stderr, "bench_llama: llama.cpp own-path setup failed\n");
     enum { PAIRS = 5 };
-    double ed[PAIRS], edc[PAIRS], edt[PAIRS], ownt[PAIRS], full = NAN;
+    double ed[PAIRS], edc[PAIRS], edt[PAIRS], ownt[PAIRS], full = (double)NAN;
     double ph[PAIRS][6];      /* fetch, load, decode, last token, the rest, prefault */
-    double agree = NAN, err = NAN;
+    double agree = (double)NAN, err = (double)NAN;
     for (int i = 0; i < PAIRS; i++) {
         const char *a1[] = { "edit", "--old", p_old, "--new", p_new, "--n", "1",
                              i == 0 ? "--check" : NULL, NULL };

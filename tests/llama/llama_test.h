@@ -138,7 +138,7 @@ static inline double lt_ulp16(double x)
 static inline double lt_max_abs(const float *a, int n)
 {
     double m = 0;
-    for (int i = 0; i < n; i++) m = fabs(a[i]) > m ? fabs(a[i]) : m;
+    for (int i = 0; i < n; i++) m = fabs((double)a[i]) > m ? fabs((double)a[i]) : m;
     return m;
 }
 

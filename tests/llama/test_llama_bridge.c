@@ -279,7 +279,7 @@ static kstat compare_k(const kvr_llama_model *m, const unsigned char *s0, size_t
                         size_t i0, i1;
                         pair_idx(m, t * nv + (size_t)h * hd, i, &i0, &i1);
                         double th = (double)delta * pow(m->rope_base, -2.0 * i / m->rotary_dim);
-                        double x = k0[i0], y = k0[i1];
+                        double x = (double)k0[i0], y = (double)k0[i1];
                         double ex = x * cos(th) - y * sin(th), ey = x * sin(th) + y * cos(th);
                         double u = lt_ulp16(sqrt(ex * ex + ey * ey));
                         double dab = fmax(fabs((double)ka[i0] - (double)kb[i0]),

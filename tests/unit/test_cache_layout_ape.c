@@ -317,7 +317,7 @@ static void ape_ref(const kvr_assemble_info *in, const float *pl, size_t H, size
 {
     size_t N = in->n_tokens, row = H * D;
     const float *K = pl + (size_t)l * 2 * N * row, *V = K + N * row;
-    double lse[2] = { -INFINITY, -INFINITY };    /* 0: documents, 1: the rest */
+    double lse[2] = { -(double)INFINITY, -(double)INFINITY };    /* 0: documents, 1: the rest */
     double acc[2][MAXD] = { { 0 } };
     double isd = 1.0 / sqrt((double)D);
     for (size_t sgi = 0; sgi < in->n_segments; sgi++) {
@@ -359,7 +359,7 @@ static void plain_ref(const kvr_assemble_info *in, const float *pl, size_t H, si
 {
     size_t N = in->n_tokens, row = H * D;
     const float *K = pl + (size_t)l * 2 * N * row, *V = K + N * row;
-    double lg[64], mx = -INFINITY, sum = 0;
+    double lg[64], mx = -(double)INFINITY, sum = 0;
     for (size_t j = 0; j <= N; j++) {
         const float *k = j == N ? qk : K + j * row + h * D;
         double dot = 0;

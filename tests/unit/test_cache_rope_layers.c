@@ -106,7 +106,7 @@ static double *pre_keys(const model *m)
     for (uint32_t l = 0; l < m->L; l++)
         for (size_t t = 0; t < T; t++)
             for (size_t j = 0; j < row; j++)
-                E[((size_t)l * T + t) * row + j] = pre_val(l, 0, t, j);
+                E[((size_t)l * T + t) * row + j] = (double)pre_val(l, 0, t, j);
     return E;
 }
 

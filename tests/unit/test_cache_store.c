@@ -711,3 +711,66 @@ Test(cache_store, non_composing_rope_moves_with_its_length)
     free(tok);
     kvr_store_destroy(s);
 }
+
+/* Block-sized allocations (kvr_mem_aligned at the blocks' alignment, over
+ * and under mem.c's HUGE_MIN, where it aligns to 2 MiB for THP): accounted
+ * at their usable size, which is what kvr_mem_size_class predicts under
+ * jemalloc (the store reserves a block's memory with it) and at most that
+ * under libc, and every byte writable. */
+Test(cache_store, block_allocations_accounted)
+{
+    const size_t sizes[] = { 4096, 511u << 10, 512u << 10, (1u << 20) + 1024, 5u << 20,
+                             (8u << 20) + 2048 };
+    for (size_t i = 0; i < sizeof sizes / sizeof sizes[0]; i++) {
+        size_t base = kvr_mem_allocated(), n = sizes[i];
+        uint8_t *p = kvr_mem_aligned(64, n);
+        cr_assert_not_null(p);
+        cr_assert_eq((uintptr_t)p % 64, 0);
+        size_t got = kvr_mem_allocated() - base;
+        cr_assert_geq(got, n);
+        cr_assert_leq(got, kvr_mem_size_class(n), "%zu: holds %zu, size class %zu", n, got,
+                      kvr_mem_size_class(n));
+#ifdef KVR_JEMALLOC
+        cr_assert_eq(got, kvr_mem_size_class(n));
+#endif
+        memset(p, 0xa5, n);
+        kvr_mem_free(p);
+        cr_assert_eq(kvr_mem_allocated(), base);
+    }
+}
+
+/* Large blocks (3 layers x 2 heads x 8 dims f16 at 4096 tokens a block:
+ * 832 KiB), whole and partial (a put's tail, filled by appends): bit-exact
+ * round trips, and memory back to where it was. */
+Test(cache_store, large_blocks_roundtrip)
+{
+    size_t base = kvr_mem_allocated();
+    kvr_store *s = mk_store(0, 4096);
+    mk_model(s, "m", KVR_DTYPE_F16, NULL);
+    kvr_error e = { 0 };
+    size_t sizes[] = { 4096 + 100, 4000, 8192 + 3 }, total = 0;
+    for (size_t i = 0; i < 3; i++) {
+        uint32_t *tok = seq_tokens((uint32_t)total, sizes[i]);
+        cr_assert_eq(do_put(s, "c", "m", i ? KVR_PUT_APPEND : KVR_PUT_CREATE, 5, total,
+                            sizes[i], tok, KVR_DTYPE_F16, &e), 0, "%s", e.msg);
+        free(tok);
+        total += sizes[i];
+    }
+    kvr_ctx_info ci;
+    cr_assert_eq(kvr_store_stat(s, "c", &ci, &e), 0);
+    cr_assert_eq(ci.n_blocks, (total + 4095) / 4096);
+    size_t ranges[][2] = { { 0, 16391 }, { 4090, 4200 }, { 8190, 8200 }, { 16000, 16391 } };
+    for (size_t r = 0; r < 4; r++)
+        check_range(s, "c", 5, ranges[r][0], ranges[r][1], KVR_DTYPE_F16, NULL, 0);
+    check_range(s, "c", 5, 100, 9000, KVR_DTYPE_F32, NULL, 0);
+    kvr_store_stats st;
+    kvr_store_get_stats(s, &st);
+    size_t block = 4096u * (3 * 2 * 16 * 2 + 16);   /* K/V of 3 layers + metadata */
+    cr_assert_geq(st.block_bytes, ci.n_blocks * block);
+#ifdef KVR_JEMALLOC
+    cr_assert_geq(st.block_bytes, ci.n_blocks * kvr_mem_size_class(block));
+#endif
+    cr_assert_eq(kvr_store_delete(s, "c", &e), 0, "%s", e.msg);
+    kvr_store_destroy(s);
+    cr_assert_eq(kvr_mem_allocated(), base);
+}

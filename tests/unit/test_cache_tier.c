@@ -26,6 +26,9 @@ static const char *CODECS[] = { "", "f16", "bf16", "int8", "int4", "int2", "k4v2
 #define N_CODECS (sizeof CODECS / sizeof CODECS[0])
 
 static char DIR_[256];
+/* Tokens per block (0: the store's default, 64). 256: plain f32 blocks of
+ * 512 KiB + metadata (a 640 KiB size class). */
+static uint32_t BLOCK_TOKENS;
 
 static void rm_tree(const char *dir)
 {
@@ -61,7 +64,7 @@ static kvr_store *open_store(size_t cap, int engine, kvr_tier_recovery *rec)
 {
     kvr_store *s;
     kvr_error e = { 0 };
-    kvr_store_config cfg = { .max_memory = cap };
+    kvr_store_config cfg = { .max_memory = cap, .block_tokens = BLOCK_TOKENS };
     cr_assert_eq(kvr_store_create(&s, &cfg, &e), 0);
     kvr_tier_config tc = { .dir = DIR_, .engine = engine };
     kvr_tier_recovery r;
@@ -218,6 +221,10 @@ static void spill_reload(int engine)
 
 Test(tier, spill_reload_every_codec_uring) { spill_reload(0); }
 Test(tier, spill_reload_every_codec_posix) { spill_reload(2); }
+/* Large blocks (a context's first block whole, its tail partial): spilled
+ * with O_DIRECT and reloaded, every codec. */
+Test(tier, spill_reload_large_blocks_uring) { BLOCK_TOKENS = 256; spill_reload(0); }
+Test(tier, spill_reload_large_blocks_posix) { BLOCK_TOKENS = 256; spill_reload(2); }
 
 static void restart(int engine)
 {

@@ -458,7 +458,7 @@ Test(daemon_convert, assemble_params_and_refusals)
     cr_assert_eq(kvrd_assemble_params_from_pb(&q, &ap, &err), KVR_EBADREQUEST);
     cr_assert_str_eq(err.msg, "assemble: starts are for the explicit layout only");
     q.n_starts = 0;
-    q.temperature = NAN;
+    q.temperature = (double)NAN;
     cr_assert_eq(kvrd_assemble_params_from_pb(&q, &ap, &err), KVR_EINVAL);
     q.temperature = 1.0;
     q.has_scale = 1;

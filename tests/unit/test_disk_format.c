@@ -9,9 +9,11 @@
  * reclaiming), the others of the same segment still load; a segment of a
  * newer format or two files of one id are refused with a clear error.
  * Memory that O_DIRECT cannot use directly (unaligned) is staged and gives
- * the same bytes. Every behaviour runs on io_uring and on POSIX.
+ * the same bytes. A load's last, smaller requests fail alone and lose
+ * nothing. Every behaviour runs on io_uring and on POSIX.
  */
 #include <criterion/criterion.h>
+#include <errno.h>
 #include <fcntl.h>
 #include <ftw.h>
 #include <stdio.h>
@@ -421,3 +423,122 @@ Test(disk_format, unknown_and_duplicate_segments)
         rmrf(dir);
     }
 }
+
+/* ---- a load's last requests (smaller: disk.h, data path) ------------------------ */
+/* A load whose last 8 MiB go in smaller requests than the rest, into
+ * memory O_DIRECT uses directly: the bytes are those spilled; a read error
+ * in any one of its requests fails only the extents that request carried
+ * (the last request carries the last extent's end), loses nothing (the
+ * next load has every byte); a corrupt byte in the last two extents'
+ * data (one read into memory, one staged) is refused for those extents
+ * alone. */
+enum { TN = 6 };
+static const size_t t_sizes[TN] = { 4u << 20, (3u << 20) + 5, 2u << 20, (1u << 20) + 4097,
+                                    700000, 4095 };
+
+static void t_load(kvr_disk *d, const kvr_disk_handle *h, uint8_t **want, uint8_t **dst,
+                   int *st, int *rc)
+{
+    kvr_error err = { 0 };
+    for (int i = 0; i < TN; i++)
+        memset(dst[i], 0xEE, t_sizes[i]);
+    *rc = kvr_disk_load(d, h, (void *const *)dst, TN, st, &err);
+    for (int i = 0; i < TN; i++)
+        if (st[i] == 0)
+            cr_assert_eq(memcmp(dst[i], want[i], t_sizes[i]), 0, "extent %d", i);
+}
+
+static void last_requests(kvr_disk_engine e)
+{
+    char dir[256];
+    tmpdir(dir, sizeof dir);
+    kvr_disk *d;
+    kvr_error err = { 0 };
+    cr_assert_eq(open_recovering(&d, dir, e, &err), 0, "%s", err.msg);
+    cr_assert_eq(kvr_disk_recover_done(d, &err), 0, "%s", err.msg);
+    uint8_t *data[TN], *dst[TN];
+    kvr_disk_buf b[TN];
+    kvr_disk_handle h[TN];
+    uint64_t image = 0;
+    for (int i = 0; i < TN; i++) {
+        cr_assert_eq(posix_memalign((void **)&data[i], 4096, t_sizes[i]), 0);
+        cr_assert_eq(posix_memalign((void **)&dst[i], 4096, t_sizes[i]), 0);
+        fill(data[i], t_sizes[i], 300u + (uint64_t)i);
+        b[i] = (kvr_disk_buf){ data[i], t_sizes[i] };
+        image += (32 + t_sizes[i] + 4095) & ~(uint64_t)4095;
+    }
+    cr_assert_eq(kvr_disk_spill(d, b, TN, h, true, &err), 0, "%s", err.msg);
+    int st[TN], rc;
+    kvr_disk_stats s0, s1;
+    kvr_disk_get_stats(d, &s0);
+    t_load(d, h, data, dst, st, &rc);
+    kvr_disk_get_stats(d, &s1);
+    cr_assert_eq(rc, 0);
+    uint64_t nreq = s1.n_reads - s0.n_reads;
+    cr_assert_geq(nreq, (image + (4u << 20) - 1) / (4u << 20));
+    {
+        /* One 12 MiB extent: 4 + 4 MiB, then 2, 1, 0.5 and the last 0.5
+         * MiB with the tail; 4 MiB requests alone would take 4. */
+        size_t big = 12u << 20;
+        uint8_t *p, *q;
+        cr_assert_eq(posix_memalign((void **)&p, 4096, big), 0);
+        cr_assert_eq(posix_memalign((void **)&q, 4096, big), 0);
+        fill(p, big, 77);
+        kvr_disk_buf bb = { p, big };
+        kvr_disk_handle hb;
+        cr_assert_eq(kvr_disk_spill(d, &bb, 1, &hb, false, &err), 0, "%s", err.msg);
+        kvr_disk_get_stats(d, &s0);
+        void *qd = q;
+        cr_assert_eq(kvr_disk_load(d, &hb, &qd, 1, NULL, &err), 0, "%s", err.msg);
+        kvr_disk_get_stats(d, &s1);
+        cr_assert_eq(memcmp(p, q, big), 0);
+        cr_assert_eq(s1.n_reads - s0.n_reads, 6, "%llu requests",
+                     (unsigned long long)(s1.n_reads - s0.n_reads));
+        cr_assert_eq(kvr_disk_free(d, &hb, &err), 0, "%s", err.msg);
+        free(p);
+        free(q);
+    }
+
+    for (uint64_t k = 1; k <= nreq; k++) {
+        kvr_disk_fault_set(d, KVR_DISK_FAULT_READ, k, EIO, 1);
+        t_load(d, h, data, dst, st, &rc);
+        cr_assert_eq(kvr_disk_fault_fired(d), 1, "request %llu", (unsigned long long)k);
+        int failed = 0;
+        for (int i = 0; i < TN; i++) {
+            cr_assert(st[i] == 0 || st[i] == KVR_EIO, "request %llu extent %d: %d",
+                      (unsigned long long)k, i, st[i]);
+            failed += st[i] != 0;
+        }
+        cr_assert_eq(rc, KVR_EIO);
+        cr_assert_geq(failed, 1);
+        cr_assert_lt(failed, TN, "request %llu failed every extent", (unsigned long long)k);
+        if (k == nreq)
+            cr_assert_eq(st[TN - 1], KVR_EIO);
+        kvr_disk_fault_set(d, 0, 0, 0, 0);
+        t_load(d, h, data, dst, st, &rc);      /* nothing lost */
+        cr_assert_eq(rc, 0, "after request %llu failed", (unsigned long long)k);
+    }
+    kvr_disk_close(d);
+
+    char path[512];
+    file_path(path, sizeof path, dir, h[0].seg, true);
+    flip(path, h[TN - 2].off + h[TN - 2].len - 1);     /* the last granule of extent 4 */
+    flip(path, h[TN - 1].off + 100);                   /* extent 5's data (staged) */
+    cr_assert_eq(open_recovering(&d, dir, e, &err), 0, "%s", err.msg);
+    for (int i = 0; i < TN; i++)
+        cr_assert_eq(kvr_disk_claim(d, &h[i], &err), 0, "extent %d: %s", i, err.msg);
+    cr_assert_eq(kvr_disk_recover_done(d, &err), 0, "%s", err.msg);
+    t_load(d, h, data, dst, st, &rc);
+    cr_assert_eq(rc, KVR_EIO);
+    for (int i = 0; i < TN; i++)
+        cr_assert_eq(st[i], i >= TN - 2 ? KVR_EIO : 0, "extent %d: %d", i, st[i]);
+    kvr_disk_close(d);
+    for (int i = 0; i < TN; i++) {
+        free(data[i]);
+        free(dst[i]);
+    }
+    rmrf(dir);
+}
+
+Test(disk_format, last_requests_uring) { last_requests(KVR_DISK_ENGINE_URING); }
+Test(disk_format, last_requests_posix) { last_requests(KVR_DISK_ENGINE_POSIX); }

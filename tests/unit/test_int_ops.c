@@ -284,7 +284,7 @@ Test(ops, json_logs_are_one_object_per_line)
     cr_assert_eq(kvr_client_connect(&c, sock, NULL), 0);
     /* Names with quotes, a backslash, a tab, UTF-8 and a byte that is not
      * UTF-8 end up in log messages. */
-    const char *names[] = { "q\"uo\\te", "t\tab", "caf\xc3\xa9", "bad\xff" "byte",
+    const char *names[] = { "q\"uo\\te", "t\tab", "caf\xc3\xa9", "bad\377byte",
                             /* overlong, surrogate, past U+10FFFF, cut short, 4-byte ok */
                             "o\xc0\xaf", "s\xed\xa0\x80", "p\xf4\x90\x80\x80", "c\xe2\x82",
                             "e\xf0\x9f\x98\x80" };

@@ -326,7 +326,7 @@ Test(rope_config, refusals)
     cr_assert_eq(kvr_rope_create(&r, &c, &err), KVR_EINVAL);
     cr_assert_null(r);
     cr_assert(strstr(err.msg, "rope_theta"));
-    c.theta = 10000; c.scaling = KVR_ROPE_SCALING_LINEAR; c.factor = NAN;
+    c.theta = 10000; c.scaling = KVR_ROPE_SCALING_LINEAR; c.factor = (double)NAN;
     cr_assert_eq(kvr_rope_config_validate(&c, &err), KVR_EINVAL);
     cr_assert(strstr(err.msg, "factor"));
     c.scaling = (kvr_rope_scaling)42;

@@ -418,13 +418,13 @@ Test(rope_props, theta_1e6_large_positions_long_double)
         kvr_rope_reposition(r, z, KVR_DTYPE_F32, y, KVR_DTYPE_F32, T, H, p, q, NULL);
         for (size_t t = 0; t < T; t++) for (size_t h = 0; h < H; h++) {
             const float *xr = x + (t * H + h) * D;
-            double nrm = row_norm(xr, D);
+            long double nrm = (long double)row_norm(xr, D);
             for (int i = 0; i < 64; i++) {
                 long double f = powl(1e6L, -(long double)(2 * i) / 128.0L);
                 size_t i0 = styles[s] == KVR_ROPE_GPTJ ? (size_t)(2 * i) : (size_t)i;
                 size_t i1 = styles[s] == KVR_ROPE_GPTJ ? (size_t)(2 * i + 1) : (size_t)i + 64;
                 long double th = (long double)p[t] * f, th2 = (long double)q[t] * f;
-                long double x0 = xr[i0], x1 = xr[i1];
+                long double x0 = (long double)xr[i0], x1 = (long double)xr[i1];
                 long double e0 = x0 * cosl(th) - x1 * sinl(th), e1 = x0 * sinl(th) + x1 * cosl(th);
                 long double g0 = x0 * cosl(th2) - x1 * sinl(th2), g1 = x0 * sinl(th2) + x1 * cosl(th2);
                 const float *yr = y + (t * H + h) * D, *zr = z + (t * H + h) * D;
@@ -445,17 +445,18 @@ Test(rope_props, theta_1e6_large_positions_long_double)
 static void direct_inv_freq(const kvr_rope_config *c, int64_t seq_len, long double *f)
 {
     int dim = c->rotary_dim;
-    long double base = c->theta;
+    long double base = (long double)c->theta;
     int64_t orig = c->original_max_position_embeddings ? c->original_max_position_embeddings
                                                        : c->max_position_embeddings;
     if (c->scaling == KVR_ROPE_SCALING_DYNAMIC) {
         long double L = (long double)(seq_len > orig ? seq_len : orig);
-        base *= powl(c->factor * L / (long double)orig - (c->factor - 1), (long double)dim / (dim - 2));
+        long double fac = (long double)c->factor;
+        base *= powl(fac * L / (long double)orig - (fac - 1), (long double)dim / (dim - 2));
     }
     for (int i = 0; i < dim / 2; i++) {
         f[i] = 1.0L / powl(base, (long double)(2 * i) / dim);
         if (c->scaling == KVR_ROPE_SCALING_LONGROPE)
-            f[i] /= seq_len > orig ? c->long_factor[i] : c->short_factor[i];
+            f[i] /= (long double)(seq_len > orig ? c->long_factor[i] : c->short_factor[i]);
     }
 }
 
@@ -486,17 +487,17 @@ static void check_len_dependent(const kvr_rope_config *c, long double mscale)
         direct_inv_freq(c, lens[li][1], f_to);
         for (size_t t = 0; t < T; t++) for (size_t h = 0; h < H; h++) {
             size_t off = (t * H + h) * D;
-            double nrm = row_norm(x + off, D);
+            long double nrm = (long double)row_norm(x + off, D);
             for (int i = 0; i < rot / 2; i++) {
                 size_t i0 = (size_t)i, i1 = (size_t)(i + rot / 2);
                 long double th = (long double)b[t] * f_to[i];
-                long double x0 = x[off + i0], x1 = x[off + i1];
+                long double x0 = (long double)x[off + i0], x1 = (long double)x[off + i1];
                 long double e0 = mscale * (x0 * cosl(th) - x1 * sinl(th));
                 long double e1 = mscale * (x0 * sinl(th) + x1 * cosl(th));
-                cr_assert_leq(fabsl(k2[off + i0] - e0), 2e-6L * nrm, "lens %d t %zu i %d", li, t, i);
-                cr_assert_leq(fabsl(k2[off + i1] - e1), 2e-6L * nrm, "lens %d t %zu i %d", li, t, i);
-                cr_assert_leq(fabsl(k3[off + i0] - e0), 2e-6L * nrm);
-                cr_assert_leq(fabsl(k3[off + i1] - e1), 2e-6L * nrm);
+                cr_assert_leq(fabsl((long double)k2[off + i0] - e0), 2e-6L * nrm, "lens %d t %zu i %d", li, t, i);
+                cr_assert_leq(fabsl((long double)k2[off + i1] - e1), 2e-6L * nrm, "lens %d t %zu i %d", li, t, i);
+                cr_assert_leq(fabsl((long double)k3[off + i0] - e0), 2e-6L * nrm);
+                cr_assert_leq(fabsl((long double)k3[off + i1] - e1), 2e-6L * nrm);
             }
             for (size_t j = (size_t)rot; j < D; j++) cr_assert_eq(k2[off + j], x[off + j]);
         }
@@ -519,7 +520,7 @@ Test(rope_props, longrope_tables_by_length)
     kvr_rope_config c;
     kvr_rope_config_init(&c);
     c.head_dim = 64; c.rotary_dim = 64; c.theta = 10000;
-    c.scaling = KVR_ROPE_SCALING_LONGROPE; c.factor = NAN;
+    c.scaling = KVR_ROPE_SCALING_LONGROPE; c.factor = (double)NAN;
     c.max_position_embeddings = 131072; c.original_max_position_embeddings = 4096;
     c.n_short_factor = c.n_long_factor = 32;
     for (int i = 0; i < 32; i++) { c.short_factor[i] = 1.0 + 0.01 * i; c.long_factor[i] = 1.0 + 1.5 * i; }
