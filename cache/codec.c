@@ -814,6 +814,23 @@ int kvr_codec_encode(const kvr_codec *c, void *dst, const void *src,
     return encode_plain(c, dst, src, src_type, n, bad);
 }
 
+int kvr_codec_decode_stream(const kvr_codec *c, void *dst, kvr_dtype dst_type,
+                            const void *src, size_t n)
+{
+    if (kvr_codec_validate(c) == 0 && n > 0 && dst && src &&
+        (dst_type == KVR_DTYPE_F32 || dst_type == KVR_DTYPE_F16)) {
+        const kvr_codec_kernels *k = kernels_for(c->isa);
+        if (kvr_codec_is_uniform(c->type) && k->dec_nt &&
+            k->dec_nt(dst, dst_type, src, n, kvr_codec_value_bits(c->type),
+                      kvr_codec_group(c), c->params))
+            return 0;
+        if (kvr_codec_is_ggml(c->type) && n % QK == 0 && k->ggml_dec_nt &&
+            k->ggml_dec_nt(c->type, dst, dst_type, src, n))
+            return 0;
+    }
+    return kvr_codec_decode(c, dst, dst_type, src, n);
+}
+
 int kvr_codec_decode(const kvr_codec *c, void *dst, kvr_dtype dst_type,
                      const void *src, size_t n)
 {

@@ -205,6 +205,15 @@ int kvr_codec_encode(const kvr_codec *c, void *dst, const void *src,
 int kvr_codec_decode(const kvr_codec *c, void *dst, kvr_dtype dst_type,
                      const void *src, size_t n);
 
+/* kvr_codec_decode with non-temporal stores where the ISA and dst allow
+ * (AVX-512, f32 or f16 output, uniform codecs with f16 parameters or ggml
+ * blocks, dst on 64 bytes; otherwise ordinary stores): the same bytes, no
+ * read of each destination line before its write. For output that is
+ * large and not read again soon (a whole context into a caller's buffer).
+ * The stores are fenced before it returns. */
+int kvr_codec_decode_stream(const kvr_codec *c, void *dst, kvr_dtype dst_type,
+                            const void *src, size_t n);
+
 /* Stored parameters of group g of an encoded uniform row (tests, tools). */
 int kvr_codec_group_params(const kvr_codec *c, const void *src, size_t n, size_t g,
                            float *scale, float *min);
@@ -278,6 +287,11 @@ typedef struct kvr_codec_kernels {
                     uint32_t group, kvr_codec_params params);
     void (*dec_f16)(uint16_t *dst, const uint8_t *src, size_t n, unsigned bits,
                     uint32_t group, kvr_codec_params params);
+    /* Optional: dec_f32 (dt f32) / dec_f16 (dt f16) with non-temporal
+     * stores, fenced before it returns; false, nothing written, where it
+     * does not apply (dst not on 64 bytes, these params or dtype). */
+    bool (*dec_nt)(void *dst, kvr_dtype dt, const uint8_t *src, size_t n, unsigned bits,
+                   uint32_t group, kvr_codec_params params);
     /* KIVI tiles: buf[j*G + t] = src[t*ld + j] for j < cc <= 8 (converted to
      * f32), and the inverse (f16 output clamped to +-65504, like decode). */
     void (*tile_gather)(float *buf, const void *src, kvr_dtype t, size_t G,
@@ -297,6 +311,9 @@ typedef struct kvr_codec_kernels {
      * meets a bad value (the caller reruns the scalar path to name it). */
     int  (*ggml_enc)(kvr_codec_type t, uint8_t *dst, const void *src, kvr_dtype st, size_t n);
     void (*ggml_dec)(kvr_codec_type t, void *dst, kvr_dtype dt, const uint8_t *src, size_t n);
+    /* Optional: ggml_dec with non-temporal stores, as dec_nt. */
+    bool (*ggml_dec_nt)(kvr_codec_type t, void *dst, kvr_dtype dt, const uint8_t *src,
+                        size_t n);
     /* kvr_codec_err_rows (required). */
     void (*err_rows)(const float *ref, const float *dec, size_t n_rows, size_t len,
                      double *e, double *q);
@@ -316,6 +333,8 @@ int  kvr_codec_ggml_enc_avx512(kvr_codec_type t, uint8_t *dst, const void *src, 
                                size_t n);
 void kvr_codec_ggml_dec_avx512(kvr_codec_type t, void *dst, kvr_dtype dt, const uint8_t *src,
                                size_t n);
+bool kvr_codec_ggml_dec_nt_avx512(kvr_codec_type t, void *dst, kvr_dtype dt,
+                                  const uint8_t *src, size_t n);
 
 /* The scalar encoder of one group of m <= 256 checked values; returns the
  * bytes written. The SIMD kernels use it for a row's short last group. */

@@ -233,7 +233,8 @@ AI void quant_group(uint8_t *qs, const void *src, size_t base, uint32_t G, unsig
 
 /* Full groups of a row, 16 at a time; returns the groups done or -1 on a bad
  * value. */
-AI long enc_rows(uint8_t *dst, const void *src, size_t n, unsigned bits, uint32_t G, int h)
+AI long enc_rows(uint8_t *dst, const void *src, size_t n, const unsigned bits, const uint32_t G,
+                 const int h)
 {
     const size_t gb = 4 + (size_t)G * bits / 8, ng = n / G, nv = G / 16;
     __m512i acc = _mm512_setzero_si512();
@@ -273,12 +274,24 @@ AI long enc_rows(uint8_t *dst, const void *src, size_t n, unsigned bits, uint32_
     return (long)ng;
 }
 
+/* One loop per (bits, input) and a constant group for the default 64: the
+ * group's loops unroll and the bit width's branches fold away. */
+AI long enc_rows_any(uint8_t *dst, const void *src, size_t n, unsigned bits, uint32_t G,
+                     const int h)
+{
+#define ER(B) return G == 64 ? enc_rows(dst, src, n, B, 64, h) : enc_rows(dst, src, n, B, G, h)
+    if (bits == 8) ER(8);
+    if (bits == 4) ER(4);
+    ER(2);
+#undef ER
+}
+
 static int x5_enc_f32(uint8_t *dst, const float *src, size_t n, unsigned bits,
                       uint32_t group, kvr_codec_params params)
 {
     if (params != KVR_CODEC_PARAMS_F16)
         return kvr_codec_kernels_avx2.enc_f32(dst, src, n, bits, group, params);
-    long ng = enc_rows(dst, src, n, bits, group, 0);
+    long ng = enc_rows_any(dst, src, n, bits, group, 0);
     if (ng < 0) return -1;
     size_t i = (size_t)ng * group;
     if (i < n)
@@ -292,7 +305,7 @@ static int x5_enc_f16(uint8_t *dst, const uint16_t *src, size_t n, unsigned bits
 {
     if (params != KVR_CODEC_PARAMS_F16)
         return kvr_codec_kernels_avx2.enc_f16(dst, src, n, bits, group, params);
-    long ng = enc_rows(dst, src, n, bits, group, 1);
+    long ng = enc_rows_any(dst, src, n, bits, group, 1);
     if (ng < 0) return -1;
     size_t i = (size_t)ng * group;
     if (i < n)
@@ -496,8 +509,27 @@ AI void st16(void *dst, size_t i, __m512 y, int h)
     }
 }
 
+/* Two vectors, elements [i, i + 32), with non-temporal stores (dst + i on
+ * 64 bytes: f16 one whole line, f32 two): the values st16 stores. */
+AI void st32_nt(void *dst, size_t i, __m512 y0, __m512 y1, int h)
+{
+    if (h) {
+        const __m512 lim = _mm512_set1_ps(KVR_CODEC_F16_LIMIT);
+        const __m512 nlim = _mm512_sub_ps(_mm512_setzero_ps(), lim);
+        y0 = _mm512_min_ps(lim, _mm512_max_ps(nlim, y0));
+        y1 = _mm512_min_ps(lim, _mm512_max_ps(nlim, y1));
+        __m256i a = _mm512_cvtps_ph(y0, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        __m256i b = _mm512_cvtps_ph(y1, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        _mm512_stream_si512((__m512i *)((uint16_t *)dst + i),
+                            _mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1));
+    } else {
+        _mm512_stream_ps((float *)dst + i, y0);
+        _mm512_stream_ps((float *)dst + i + 16, y1);
+    }
+}
+
 AI size_t dec_rows16(void *dst, const uint8_t *src, size_t n, const unsigned bits,
-                     const uint32_t G, const int h)
+                     const uint32_t G, const int h, const int nt)
 {
     const size_t gb = 4 + (size_t)G * bits / 8;
     size_t i = 0;
@@ -525,8 +557,12 @@ AI size_t dec_rows16(void *dst, const uint8_t *src, size_t n, const unsigned bit
             }
             __m512 y0 = _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(Q0)), vs), vm);
             __m512 y1 = _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(Q1)), vs), vm);
-            st16(dst, i + 32 * c, y0, h);
-            st16(dst, i + 32 * c + 16, y1, h);
+            if (nt) {
+                st32_nt(dst, i + 32 * c, y0, y1, h);
+            } else {
+                st16(dst, i + 32 * c, y0, h);
+                st16(dst, i + 32 * c + 16, y1, h);
+            }
         }
     }
     return i;
@@ -534,9 +570,10 @@ AI size_t dec_rows16(void *dst, const uint8_t *src, size_t n, const unsigned bit
 
 /* One loop per (bits, output), and a constant group for the default 64. */
 AI size_t dec_rows_any(void *dst, const uint8_t *src, size_t n, unsigned bits, uint32_t G,
-                       const int h)
+                       const int h, const int nt)
 {
-#define DR(B) return G == 64 ? dec_rows16(dst, src, n, B, 64, h) : dec_rows16(dst, src, n, B, G, h)
+#define DR(B) return G == 64 ? dec_rows16(dst, src, n, B, 64, h, nt) \
+                             : dec_rows16(dst, src, n, B, G, h, nt)
     if (bits == 8) DR(8);
     if (bits == 4) DR(4);
     DR(2);
@@ -550,7 +587,7 @@ static void x5_dec_f32(float *dst, const uint8_t *src, size_t n, unsigned bits,
         kvr_codec_kernels_avx2.dec_f32(dst, src, n, bits, group, params);
         return;
     }
-    size_t i = dec_rows_any(dst, src, n, bits, group, 0);
+    size_t i = dec_rows_any(dst, src, n, bits, group, 0, 0);
     if (i < n)
         kvr_codec_kernels_scalar.dec_f32(dst + i, src + i / group * (4 + group * bits / 8),
                                          n - i, bits, group, params);
@@ -563,10 +600,32 @@ static void x5_dec_f16(uint16_t *dst, const uint8_t *src, size_t n, unsigned bit
         kvr_codec_kernels_avx2.dec_f16(dst, src, n, bits, group, params);
         return;
     }
-    size_t i = dec_rows_any(dst, src, n, bits, group, 1);
+    size_t i = dec_rows_any(dst, src, n, bits, group, 1, 0);
     if (i < n)
         kvr_codec_kernels_scalar.dec_f16(dst + i, src + i / group * (4 + group * bits / 8),
                                          n - i, bits, group, params);
+}
+
+/* dec_f32 / dec_f16 with non-temporal stores (codec.h: dec_nt): dst on 64
+ * bytes; the row's short last group, if any, with ordinary stores; fenced. */
+static bool x5_dec_nt(void *dst, kvr_dtype dt, const uint8_t *src, size_t n, unsigned bits,
+                      uint32_t group, kvr_codec_params params)
+{
+    if (params != KVR_CODEC_PARAMS_F16 || (uintptr_t)dst % 64 ||
+        (dt != KVR_DTYPE_F16 && dt != KVR_DTYPE_F32))
+        return false;
+    const int h = dt == KVR_DTYPE_F16;
+    size_t i = h ? dec_rows_any(dst, src, n, bits, group, 1, 1)
+                 : dec_rows_any(dst, src, n, bits, group, 0, 1);
+    _mm_sfence();
+    if (i < n) {
+        const uint8_t *s = src + i / group * (4 + group * bits / 8);
+        if (h)
+            kvr_codec_kernels_scalar.dec_f16((uint16_t *)dst + i, s, n - i, bits, group, params);
+        else
+            kvr_codec_kernels_scalar.dec_f32((float *)dst + i, s, n - i, bits, group, params);
+    }
+    return true;
 }
 
 static void x5_tile_gather(float *buf, const void *src, kvr_dtype t, size_t G, size_t ld,
@@ -598,9 +657,10 @@ static void x5_err_rows_h(const uint16_t *ref, const float *dec, size_t n_rows, 
 
 const kvr_codec_kernels kvr_codec_kernels_avx512 = {
     .enc_f32 = x5_enc_f32, .enc_f16 = x5_enc_f16,
-    .dec_f32 = x5_dec_f32, .dec_f16 = x5_dec_f16,
+    .dec_f32 = x5_dec_f32, .dec_f16 = x5_dec_f16, .dec_nt = x5_dec_nt,
     .tile_gather = x5_tile_gather, .tile_scatter = x5_tile_scatter,
     .tile_enc = x5_tile_enc, .tile_dec = x5_tile_dec,
     .ggml_enc = kvr_codec_ggml_enc_avx512, .ggml_dec = kvr_codec_ggml_dec_avx512,
+    .ggml_dec_nt = kvr_codec_ggml_dec_nt_avx512,
     .err_rows = x5_err_rows, .err_rows_h = x5_err_rows_h,
 };

@@ -21,6 +21,30 @@
 #define AI static inline __attribute__((always_inline))
 #define QK 32
 
+/* ld16, folding the magnitude bits into *acc for one unsigned max check at
+ * the end (f16: the bits & 0x7fff in 16-bit lanes, finite iff <= 0x7bff;
+ * f32: the bits & 0x7fffffff, finite iff <= FLT_MAX's): no chain of masked
+ * compares through one mask register. */
+AI __m512 ld16c(const void *src, size_t i, int h, __m512i *acc)
+{
+    if (h) {
+        __m256i r = _mm256_loadu_si256((const __m256i *)((const uint16_t *)src + i));
+        *acc = _mm512_max_epu16(*acc, _mm512_zextsi256_si512(
+                   _mm256_and_si256(r, _mm256_set1_epi16(0x7fff))));
+        return _mm512_cvtph_ps(r);
+    }
+    __m512 v = _mm512_loadu_ps((const float *)src + i);
+    *acc = _mm512_max_epu32(*acc, _mm512_and_si512(_mm512_castps_si512(v),
+                                                   _mm512_set1_epi32(0x7fffffff)));
+    return v;
+}
+
+AI int acc_bad(__m512i acc, int h)
+{
+    if (h) return _mm512_cmpgt_epu16_mask(acc, _mm512_set1_epi16(0x7bff)) != 0;
+    return _mm512_cmpgt_epu32_mask(acc, _mm512_set1_epi32(0x7f7fffff)) != 0;
+}
+
 AI __m512 ld16(const void *src, size_t i, int h)
 {
     if (h) return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)src + i)));
@@ -89,9 +113,13 @@ AI __m256 reduce8(const __m512 *v, int is_max)
 {
 #define OP(a, b) (is_max ? _mm512_max_ps((a), (b)) : _mm512_min_ps((a), (b)))
     __m512 w[4], x[2];
+    /* unrolled, so that v, w and x stay in registers (loops over them kept
+     * the arrays on the stack) */
+#pragma GCC unroll 4
     for (int k = 0; k < 4; k++)
         w[k] = OP(_mm512_shuffle_f32x4(v[2 * k], v[2 * k + 1], 0x44),
                   _mm512_shuffle_f32x4(v[2 * k], v[2 * k + 1], 0xEE));
+#pragma GCC unroll 2
     for (int k = 0; k < 2; k++)
         x[k] = OP(_mm512_shuffle_f32x4(w[2 * k], w[2 * k + 1], 0x88),
                   _mm512_shuffle_f32x4(w[2 * k], w[2 * k + 1], 0xDD));
@@ -114,21 +142,16 @@ AI __m256 reduce8(const __m512 *v, int is_max)
  *   blocks whose min or max is a zero (the sign the reference keeps). */
 AI int enc8(kvr_codec_type t, uint8_t *dst, size_t bb, const void *src, size_t i, int h)
 {
-    __mmask16 ok = 0xffff;
-    const __m512 fmax = _mm512_set1_ps(FLT_MAX);
-    __m512 xv[16], mx[8], mn[8];
+    __m512i acc = _mm512_setzero_si512();
+    __m512 mx[8], mn[8];
 #pragma GCC unroll 8
     for (int b = 0; b < 8; b++) {
         size_t o = i + 32 * (size_t)b;
-        __m512 x0 = ld16(src, o, h), x1 = ld16(src, o + 16, h);
-        xv[2 * b] = x0;
-        xv[2 * b + 1] = x1;
-        ok &= (__mmask16)(_mm512_cmp_ps_mask(_mm512_abs_ps(x0), fmax, _CMP_LE_OQ) &
-                          _mm512_cmp_ps_mask(_mm512_abs_ps(x1), fmax, _CMP_LE_OQ));
+        __m512 x0 = ld16c(src, o, h, &acc), x1 = ld16c(src, o + 16, h, &acc);
         mx[b] = _mm512_max_ps(x0, x1);
         mn[b] = _mm512_min_ps(x0, x1);
     }
-    if (ok != 0xffff) return -1;
+    if (acc_bad(acc, h)) return -1;
     const __m256 zero = _mm256_setzero_ps();
     __m256 vmax = reduce8(mx, 1), vmin = reduce8(mn, 0);
     __m256 nmin = _mm256_sub_ps(zero, vmin);
@@ -151,7 +174,10 @@ AI int enc8(kvr_codec_type t, uint8_t *dst, size_t bb, const void *src, size_t i
         v0 = _mm256_blendv_ps(vmin, vmax, gt);
         /* max == -min == 0: the reference's max stays +0 */
         v0 = _mm256_and_ps(v0, _mm256_cmp_ps(v0, zero, _CMP_NEQ_OQ));
-        d = _mm256_div_ps(v0, _mm256_set1_ps(t == KVR_CODEC_Q5_0 ? -16.0f : -8.0f));
+        /* max / -16 (or -8) as a multiply by -1/16 (-1/8): the exact
+         * quotient either way, rounded once (a power of two), so the
+         * reference's bits, subnormals included, for a divide's cost less */
+        d = _mm256_mul_ps(v0, _mm256_set1_ps(t == KVR_CODEC_Q5_0 ? -0.0625f : -0.125f));
         break;
     }
     default:
@@ -180,7 +206,9 @@ AI int enc8(kvr_codec_type t, uint8_t *dst, size_t bb, const void *src, size_t i
     for (int b = 0; b < 8; b++) {
         size_t o = i + 32 * (size_t)b;
         uint8_t *y = dst + o / QK * bb;
-        __m512 x0 = xv[2 * b], x1 = xv[2 * b + 1];
+        /* loaded again (from L1): kept in registers beside the 16
+         * extremes they spilled to the stack, a third of the time */
+        __m512 x0 = ld16(src, o, h), x1 = ld16(src, o + 16, h);
         if (fb & (1u << b)) {
             float xs[QK];
             _mm512_storeu_ps(xs, x0);
@@ -244,7 +272,25 @@ AI void st16(void *dst, size_t i, __m512 y, int h)
     }
 }
 
-AI void dec_block16(kvr_codec_type t, void *dst, size_t i, const uint8_t *x, int h)
+/* A block's two vectors with non-temporal stores (dst + i on 64 bytes: f16
+ * one whole line, f32 two): the values st16 stores. */
+AI void st32_nt(void *dst, size_t i, __m512 y0, __m512 y1, int h)
+{
+    if (h) {
+        const __m512 lim = _mm512_set1_ps(KVR_CODEC_F16_LIMIT);
+        const __m512 nlim = _mm512_sub_ps(_mm512_setzero_ps(), lim);
+        y0 = _mm512_min_ps(lim, _mm512_max_ps(nlim, y0));
+        y1 = _mm512_min_ps(lim, _mm512_max_ps(nlim, y1));
+        __m256i a = _mm512_cvtps_ph(y0, RNE), b = _mm512_cvtps_ph(y1, RNE);
+        _mm512_stream_si512((__m512i *)((uint16_t *)dst + i),
+                            _mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1));
+    } else {
+        _mm512_stream_ps((float *)dst + i, y0);
+        _mm512_stream_ps((float *)dst + i + 16, y1);
+    }
+}
+
+AI void dec_block16(kvr_codec_type t, void *dst, size_t i, const uint8_t *x, int h, int nt)
 {
     /* F16C's conversion is exact, as kvr_f16_to_f32 */
     const __m512 d = _mm512_set1_ps(_cvtsh_ss(rd16(x)));
@@ -288,24 +334,51 @@ AI void dec_block16(kvr_codec_type t, void *dst, size_t i, const uint8_t *x, int
         y0 = _mm512_add_ps(y0, m);
         y1 = _mm512_add_ps(y1, m);
     }
-    st16(dst, i, y0, h);
-    st16(dst, i + 16, y1, h);
+    if (nt) {
+        st32_nt(dst, i, y0, y1, h);
+    } else {
+        st16(dst, i, y0, h);
+        st16(dst, i + 16, y1, h);
+    }
 }
+
+/* One loop per (type, output, stores): the block's switch folds away. */
+#define DEC_LOOP(T, H, NT)                                                               \
+    for (size_t i = 0; i < n; i += QK) dec_block16(T, dst, i, src + i / QK * bb, H, NT); \
+    return;
+#define DEC_SWITCH(NT)                                                                   \
+    switch (t) {                                                                         \
+    case KVR_CODEC_Q8_0: if (h) { DEC_LOOP(KVR_CODEC_Q8_0, 1, NT) } DEC_LOOP(KVR_CODEC_Q8_0, 0, NT) \
+    case KVR_CODEC_Q4_0: if (h) { DEC_LOOP(KVR_CODEC_Q4_0, 1, NT) } DEC_LOOP(KVR_CODEC_Q4_0, 0, NT) \
+    case KVR_CODEC_Q4_1: if (h) { DEC_LOOP(KVR_CODEC_Q4_1, 1, NT) } DEC_LOOP(KVR_CODEC_Q4_1, 0, NT) \
+    default:             if (h) { DEC_LOOP(KVR_CODEC_Q5_0, 1, NT) } DEC_LOOP(KVR_CODEC_Q5_0, 0, NT) \
+    }
 
 void kvr_codec_ggml_dec_avx512(kvr_codec_type t, void *dst, kvr_dtype dt, const uint8_t *src,
                                size_t n)
 {
-    /* One loop per (type, output): the block's switch folds away. */
-#define DEC_LOOP(T, H)                                                                \
-    for (size_t i = 0; i < n; i += QK) dec_block16(T, dst, i, src + i / QK * bb, H);  \
-    return;
     const size_t bb = block_bytes(t);
     int h = dt == KVR_DTYPE_F16;
-    switch (t) {
-    case KVR_CODEC_Q8_0: if (h) { DEC_LOOP(KVR_CODEC_Q8_0, 1) } DEC_LOOP(KVR_CODEC_Q8_0, 0)
-    case KVR_CODEC_Q4_0: if (h) { DEC_LOOP(KVR_CODEC_Q4_0, 1) } DEC_LOOP(KVR_CODEC_Q4_0, 0)
-    case KVR_CODEC_Q4_1: if (h) { DEC_LOOP(KVR_CODEC_Q4_1, 1) } DEC_LOOP(KVR_CODEC_Q4_1, 0)
-    default:             if (h) { DEC_LOOP(KVR_CODEC_Q5_0, 1) } DEC_LOOP(KVR_CODEC_Q5_0, 0)
-    }
+    DEC_SWITCH(0)
+}
+
+static void dec_nt(kvr_codec_type t, void *dst, kvr_dtype dt, const uint8_t *src, size_t n)
+{
+    const size_t bb = block_bytes(t);
+    int h = dt == KVR_DTYPE_F16;
+    DEC_SWITCH(1)
+}
+#undef DEC_SWITCH
 #undef DEC_LOOP
+
+/* The decoder with non-temporal stores (codec.h: ggml_dec_nt): dst on 64
+ * bytes, f32 or f16 output; fenced before it returns. */
+bool kvr_codec_ggml_dec_nt_avx512(kvr_codec_type t, void *dst, kvr_dtype dt, const uint8_t *src,
+                                  size_t n)
+{
+    if ((uintptr_t)dst % 64 || (dt != KVR_DTYPE_F16 && dt != KVR_DTYPE_F32))
+        return false;
+    dec_nt(t, dst, dt, src, n);
+    _mm_sfence();
+    return true;
 }

@@ -404,17 +404,19 @@ int kvr_quant_encode_side(const kvr_brun *runs, size_t n_runs, uint32_t layer, i
 /* Decodes slots [first, first+count) of a row-coded side (V, or per-token
  * K) into dst (odt): one call when the rows concatenate. */
 static void decode_rows(const kvr_block *b, uint32_t layer, int kv, uint32_t first,
-                        uint32_t count, void *dst, kvr_dtype odt)
+                        uint32_t count, void *dst, kvr_dtype odt, bool stream)
 {
     size_t row = b->row, osz = kvr_dtype_size(odt);
     const kvr_codec *c = kv ? &KVR_QH(b)->vc : &KVR_QH(b)->kc;
+    int (*dec)(const kvr_codec *, void *, kvr_dtype, const void *, size_t) =
+        stream ? kvr_codec_decode_stream : kvr_codec_decode;
     if (rows_concat(c, row)) {
-        kvr_codec_decode(c, dst, odt, kvr_block_kv(b, layer, kv, first), (size_t)count * row);
+        dec(c, dst, odt, kvr_block_kv(b, layer, kv, first), (size_t)count * row);
         return;
     }
     for (uint32_t j = 0; j < count; j++)
-        kvr_codec_decode(c, (uint8_t *)dst + (size_t)j * row * osz, odt,
-                         kvr_block_kv(b, layer, kv, first + j), row);
+        dec(c, (uint8_t *)dst + (size_t)j * row * osz, odt, kvr_block_kv(b, layer, kv, first + j),
+            row);
 }
 
 /* Rows of per-token keys decoded for kvr_rope_apply_src a few at a time:
@@ -433,7 +435,7 @@ static const float *key_rows_src(void *ud, size_t t)
     key_rows *k = ud;
     if (t < k->at || t >= (size_t)k->at + k->have) {
         uint32_t n = k->count - (uint32_t)t < k->cap ? k->count - (uint32_t)t : k->cap;
-        decode_rows(k->b, k->layer, 0, k->first + (uint32_t)t, n, k->buf, KVR_DTYPE_F32);
+        decode_rows(k->b, k->layer, 0, k->first + (uint32_t)t, n, k->buf, KVR_DTYPE_F32, false);
         k->at = (uint32_t)t;
         k->have = n;
     }
@@ -456,7 +458,7 @@ int kvr_block_read_side(const kvr_rope *engine, uint32_t n_heads, const kvr_bloc
                                    n_heads, from, to, ro);
     }
     if (kv) {
-        decode_rows(b, layer, 1, first, count, dst, odt);
+        decode_rows(b, layer, 1, first, count, dst, odt, ro && ro->stream);
         return 0;
     }
     /* Keys: dequantize a piece (a tile, or a bounded run of rows) and rotate

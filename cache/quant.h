@@ -63,7 +63,9 @@ int  kvr_quant_encode_side(const kvr_brun *runs, size_t n_runs, uint32_t layer, 
  * pass kvr_rope_layer(model engine, layer)) for rows of n_heads heads.
  * scratch: (count + ktile) * row floats for quantized blocks. ro: the
  * sequence lengths of length-dependent RoPE (dynamic NTK / longrope; NULL =
- * the base table). */
+ * the base table). ro->stream: a quantized block's keys and values are
+ * written with non-temporal stores where they can be (the same bytes;
+ * fenced before the return; plain blocks ignore it). */
 int  kvr_block_read_side(const kvr_rope *engine, uint32_t n_heads, const kvr_block *b,
                          uint32_t layer, int kv, uint32_t first, uint32_t count, void *dst,
                          kvr_dtype odt, const int64_t *from, const int64_t *to,

@@ -642,6 +642,12 @@ static int layer_to(kvr_read *r, size_t li, uint8_t *out)
             copy_out(ko, kvr_block_kv(run->rd, l, 0, run->first), run->count * rowb, stream);
         if (out && run->v_zc)
             copy_out(vo, kvr_block_kv(run->rd, l, 1, run->first), run->count * rowb, stream);
+        /* A quantized block's keys and values decoded into a caller's
+         * buffer stream too (kvr_block_read_side; folded keys are read
+         * back for the scale, so not those). */
+        kvr_rope_opts qo = r->ro, vo_opts = r->ro;
+        qo.stream = stream && run->rd->quant && !run->fold;
+        vo_opts.stream = stream && run->rd->quant;
         if (run->one_pass) {
             rc = keys_one_pass(r, run, l, out ? ko : base + run->k_off, stream);
         } else if (!run->k_zc) {
@@ -662,7 +668,7 @@ static int layer_to(kvr_read *r, size_t li, uint8_t *out)
                                          l, 0, run->first + (uint32_t)p0, (uint32_t)pc, kd,
                                          via ? KVR_DTYPE_F32 : odt,
                                          run->same ? NULL : r->from + run->tok + p0,
-                                         r->targets + run->tok + p0, qs, &r->ro);
+                                         r->targets + run->tok + p0, qs, &qo);
                 if (rc == 0 && run->fold) {
                     float *f = kd, inv_t = r->inv_t;   /* a local: f cannot alias it */
                     size_t k = 0;
@@ -681,7 +687,7 @@ static int layer_to(kvr_read *r, size_t li, uint8_t *out)
         if (rc == 0 && !run->v_zc)
             rc = kvr_block_read_side(m->engine, m->n_kv_heads, run->rd, l, 1, run->first,
                                      run->count, out ? vo : base + r->kst + run->v_off, odt,
-                                     NULL, NULL, NULL, NULL);
+                                     NULL, NULL, NULL, vo_opts.stream ? &vo_opts : NULL);
     }
     kvr_mem_free(scratch);
     return rc;

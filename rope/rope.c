@@ -553,9 +553,14 @@ static void run_range(const job *j)
         if (mode != 0 || !wide) { pa = a; pb = b; }
         const void *srow = j->src_fn ? (const void *)j->src_fn(j->src_ud, t)
                                      : (const void *)((const char *)j->src + t * row_elems * ssz);
-        j->rows((char *)j->dst + t * row_elems * dsz, j->dt, srow, j->st,
-                j->n_heads, r->head_dim, rot, gptj, fc, fs);
+        char *drow = (char *)j->dst + t * row_elems * dsz;
+        if (!j->stream || !rope_rows_stream_avx512(drow, j->dt, srow, j->st, j->n_heads,
+                                                   r->head_dim, rot, gptj, fc, fs, false, 1.0f))
+            j->rows(drow, j->dt, srow, j->st, j->n_heads, r->head_dim, rot, gptj, fc, fs);
     }
+    /* non-temporal stores are weakly ordered: visible before the return */
+    if (j->stream)
+        rope_stream_fence_avx512();
 }
 
 static int online_cpus(void)
@@ -675,6 +680,8 @@ static int one_table(const kvr_rope *r, kvr_dtype dt, void *dst, const void *src
         .r = r, .dst = dst, .dt = dt, .src = src, .st = st, .n_heads = n_heads,
         .a = pos, .f1 = f, .mag = sign < 0 ? 1.0 / r->mscale : r->mscale,
         .rows = pick_rows(opts),
+        .stream = rope_isa_resolve(opts ? opts->isa : KVR_ISA_AUTO) == KVR_ISA_AVX512 &&
+                  opts && opts->stream,
     };
     pick_tables(&j, opts);
     return run(&j, n_tokens, opts);
@@ -716,6 +723,8 @@ int kvr_rope_apply_src(const kvr_rope *r, void *dst, kvr_dtype dst_type,
         .r = r, .dst = dst, .dt = dst_type, .src = NULL, .st = KVR_DTYPE_F32,
         .n_heads = n_heads, .a = pos, .f1 = f, .mag = r->mscale, .rows = pick_rows(opts),
         .src_fn = src, .src_ud = ud, .t0 = 0, .t1 = n_tokens,
+        .stream = rope_isa_resolve(opts ? opts->isa : KVR_ISA_AUTO) == KVR_ISA_AVX512 &&
+                  opts && opts->stream,
     };
     pick_tables(&j, opts);
     run_range(&j);

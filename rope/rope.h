@@ -230,7 +230,8 @@ typedef struct kvr_rope_opts {
     int64_t seq_len_from;
     int64_t seq_len_to;
     /* The output is large and not read again soon (a whole context into a
-     * caller's buffer): kvr_rope_reposition_delta may write it with
+     * caller's buffer): kvr_rope_reposition_delta, kvr_rope_apply,
+     * kvr_rope_apply_src and kvr_rope_remove may write it with
      * non-temporal stores where the ISA and dst's alignment allow (no read
      * of each destination line before its write). The same bits; stores
      * are fenced before the call returns. */

@@ -128,8 +128,11 @@ AI void rows_t(void *dst, const kvr_dtype dt, const void *src, const kvr_dtype s
         if (nt) {
             /* streamed rows come from memory, not cache: ask for the rows
              * a few heads ahead (a hint; reads nothing itself) */
-            uintptr_t ahead = (uintptr_t)src + (b + 4 * hd) * kvr_dtype_size(st_);   /* may be past the end */
-            for (size_t o = 0; o < hd * kvr_dtype_size(st_); o += 64)
+            /* (the element size inline: st_ is a constant here, and a
+             * call per line cost a third of the streamed rows' time) */
+            const size_t ssz = st_ == KVR_DTYPE_F32 ? 4 : 2;
+            uintptr_t ahead = (uintptr_t)src + (b + 4 * hd) * ssz;   /* may be past the end */
+            for (size_t o = 0; o < hd * ssz; o += 64)
                 _mm_prefetch((const char *)(ahead + o), _MM_HINT_T0);
         }
         if (nt && dt != KVR_DTYPE_F32) {

@@ -196,6 +196,38 @@ Test(get_into, large_streamed)
     kvr_store_destroy(s);
 }
 
+/* Quantized contexts decoded into a buffer of 32 MiB and more: values
+ * dequantized and keys rotated with non-temporal stores
+ * (kvr_codec_decode_stream, kvr_rope_opts.stream): the bytes of the staged
+ * get, at an aligned and a misaligned destination, every output dtype, on 1
+ * and 2 threads, edited too (re-rotated keys). */
+Test(get_into, large_streamed_quantized)
+{
+    kvr_store *s = mk();
+    size_t n = 16384;
+    const char *codecs[] = { "int8", "int2", "q8_0", "q5_0" };
+    kvr_dtype dts[] = { KVR_DTYPE_F16, KVR_DTYPE_F32, KVR_DTYPE_BF16 };
+    for (int c = 0; c < 4; c++) {
+        put(s, "q", codecs[c], n);
+        for (unsigned w = 0; w <= 1; w++) {
+            kvr_pool_set_active(kvr_pool_default(), w);
+            for (size_t off = 0; off <= 8; off += 8)
+                for (int d = 0; d < (c == 0 ? 3 : 1); d++)
+                    same_at(s, (kvr_get_params){ .ctx_id = "q", .end = SIZE_MAX,
+                                                 .dtype = dts[d] }, off);
+        }
+        if (c == 0) {
+            edit(s, "q");
+            same_at(s, (kvr_get_params){ .ctx_id = "q", .end = SIZE_MAX,
+                                         .dtype = KVR_DTYPE_F16 }, 0);
+        }
+        kvr_pool_set_active(kvr_pool_default(), KVR_POOL_MAX_WORKERS);
+        kvr_error e = { 0 };
+        cr_assert_eq(kvr_store_delete(s, "q", &e), 0, "%s", e.msg);
+    }
+    kvr_store_destroy(s);
+}
+
 static void put_doc(kvr_store *s, const char *id, const char *prefix, size_t n, uint32_t tok0)
 {
     uint32_t *tok = malloc(n * sizeof *tok);

@@ -331,7 +331,8 @@ Test(codec_ggml, simd_equals_scalar)
  * largest, infinities, NaNs; any quants): every SIMD decoder writes the
  * scalar decoder's f32 and f16 bytes, at lengths around its batches; a NaN
  * is matched by a NaN (the payload a sum of two NaNs keeps is the compiler's
- * operand order, which differs between builds of the scalar code). */
+ * operand order, which differs between builds of the scalar code);
+ * kvr_codec_decode_stream writes the same values, aligned or not. */
 static bool same_f32(float a, float b)
 {
     return (isnan(a) && isnan(b)) || memcmp(&a, &b, sizeof a) == 0;
@@ -352,6 +353,7 @@ Test(codec_ggml, decode_random_bytes_simd_equals_scalar)
     uint8_t *src = malloc(nb * 34);
     float *y0 = malloc(n * 4), *y1 = malloc(n * 4);
     uint16_t *h0 = malloc(n * 2), *h1 = malloc(n * 2);
+    uint8_t *ba = aligned_alloc(64, n * 4 + 64);
     uint64_t st = 0x9e3779b97f4a7c15ull;
     for (int k = 0; k < 4; k++) {
         size_t bb = cases[k].block;
@@ -389,6 +391,24 @@ Test(codec_ggml, decode_random_bytes_simd_equals_scalar)
                 for (size_t i = 0; i < len; i++)
                     cr_assert(same_f16(h0[i], h1[i]), "%s %s f16 elem %zu: %04x vs %04x",
                               cases[k].name, kvr_isa_name((kvr_isa)isa), i, h1[i], h0[i]);
+                /* streamed (non-temporal stores where dst is on 64 bytes,
+                 * else ordinary ones): the same values */
+                for (size_t off = 0; off <= 16; off += 16) {
+                    float *ys = (float *)(void *)(ba + off);
+                    uint16_t *hs = (uint16_t *)(void *)(ba + off);
+                    memset(ba, 0xa5, n * 4 + 64);
+                    cr_assert_eq(kvr_codec_decode_stream(&vc, ys, KVR_DTYPE_F32, src, len), 0);
+                    for (size_t i = 0; i < len; i++)
+                        cr_assert(same_f32(y0[i], ys[i]), "stream %s %s off %zu f32 elem %zu",
+                                  cases[k].name, kvr_isa_name((kvr_isa)isa), off, i);
+                    cr_assert_eq(ba[off + len * 4], 0xa5, "wrote past the row");
+                    memset(ba, 0xa5, n * 4 + 64);
+                    cr_assert_eq(kvr_codec_decode_stream(&vc, hs, KVR_DTYPE_F16, src, len), 0);
+                    for (size_t i = 0; i < len; i++)
+                        cr_assert(same_f16(h0[i], hs[i]), "stream %s %s off %zu f16 elem %zu",
+                                  cases[k].name, kvr_isa_name((kvr_isa)isa), off, i);
+                    cr_assert_eq(ba[off + len * 2], 0xa5, "wrote past the row");
+                }
             }
         }
     }
@@ -397,4 +417,5 @@ Test(codec_ggml, decode_random_bytes_simd_equals_scalar)
     free(y1);
     free(h0);
     free(h1);
+    free(ba);
 }

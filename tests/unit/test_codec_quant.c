@@ -810,7 +810,8 @@ Test(codec_simd, err_rows_edge_values_same_doubles)
  * lengths around the kernels' batches. A NaN is matched by a NaN: which
  * payload a sum of two NaNs keeps follows the operand order the compiler
  * picked for a commutative add (it differs between -O1 and -O2 builds of the
- * scalar code), so NaN payloads are not part of the contract. */
+ * scalar code), so NaN payloads are not part of the contract.
+ * kvr_codec_decode_stream writes the same values, aligned or not. */
 static bool same_f32(float a, float b)
 {
     return (isnan(a) && isnan(b)) || memcmp(&a, &b, sizeof a) == 0;
@@ -832,6 +833,7 @@ Test(codec_simd, decode_random_bytes_equals_scalar)
     uint8_t *src = malloc(n * 2 + 4096);
     float *y0 = malloc(n * 4), *y1 = malloc(n * 4);
     uint16_t *h0 = malloc(n * 2), *h1 = malloc(n * 2);
+    uint8_t *ba = aligned_alloc(64, n * 4 + 64);
     rng_state = 4242;
     for (size_t t = 0; t < 3; t++)
         for (uint32_t g = 32; g <= 128; g *= 2) {
@@ -864,6 +866,24 @@ Test(codec_simd, decode_random_bytes_equals_scalar)
                         cr_assert(same_f16(h0[i], h1[i]), "type %zu g %u isa %d f16 %zu: "
                                   "%04x vs %04x", t, g, isa, i, h1[i], h0[i]);
                     }
+                    /* streamed (non-temporal stores where dst is on 64
+                     * bytes, else ordinary ones): the same values */
+                    for (size_t off = 0; off <= 16; off += 16) {
+                        float *ys = (float *)(void *)(ba + off);
+                        uint16_t *hs = (uint16_t *)(void *)(ba + off);
+                        memset(ba, 0xa5, n * 4 + 64);
+                        cr_assert_eq(kvr_codec_decode_stream(&vc, ys, KVR_DTYPE_F32, src, len), 0);
+                        for (size_t i = 0; i < len; i++)
+                            cr_assert(same_f32(y0[i], ys[i]), "stream type %zu g %u isa %d off "
+                                      "%zu f32 %zu", t, g, isa, off, i);
+                        cr_assert_eq(ba[off + len * 4], 0xa5, "wrote past the row");
+                        memset(ba, 0xa5, n * 4 + 64);
+                        cr_assert_eq(kvr_codec_decode_stream(&vc, hs, KVR_DTYPE_F16, src, len), 0);
+                        for (size_t i = 0; i < len; i++)
+                            cr_assert(same_f16(h0[i], hs[i]), "stream type %zu g %u isa %d off "
+                                      "%zu f16 %zu", t, g, isa, off, i);
+                        cr_assert_eq(ba[off + len * 2], 0xa5, "wrote past the row");
+                    }
                 }
             }
         }
@@ -872,6 +892,7 @@ Test(codec_simd, decode_random_bytes_equals_scalar)
     free(y1);
     free(h0);
     free(h1);
+    free(ba);
 }
 
 /* The error measure with f16 reference rows (a put measures an f16 payload

@@ -355,7 +355,8 @@ Test(rope_props, runs_bit_identical_across_isas_and_threads)
 
 /* kvr_rope_apply_src (rows on demand) writes kvr_rope_apply's bytes for
  * the same f32 source, every ISA and output type, NEOX / GPT-J / partial
- * rotary, contiguous and scattered positions. */
+ * rotary, contiguous and scattered positions; both streamed
+ * (kvr_rope_opts.stream) too, aligned or not. */
 typedef struct src_rows { const float *x; size_t row; size_t next; int bad; } src_rows;
 static const float *rows_of(void *ud, size_t t)
 {
@@ -379,6 +380,7 @@ Test(rope_props, apply_src_equals_apply)
             for (size_t t = 0; t < T; t++)
                 pos[t] = t < 70 ? 1000 + (int64_t)t : (int64_t)(urand() * 1e5);
             void *ref = malloc(n * 4), *o = malloc(n * 4);
+            void *oa = aligned_alloc(64, (n * 4 + 32 + 63) / 64 * 64);
             kvr_dtype ts[] = { KVR_DTYPE_F32, KVR_DTYPE_F16, KVR_DTYPE_BF16 };
             kvr_isa isas[] = { KVR_ISA_SCALAR, KVR_ISA_AVX2, KVR_ISA_AVX512 };
             for (int d = 0; d < 3; d++)
@@ -391,8 +393,27 @@ Test(rope_props, apply_src_equals_apply)
                     cr_assert(!sr.bad && sr.next == T);
                     cr_assert(!memcmp(ref, o, n * kvr_dtype_size(ts[d])), "shape %d style %d %s %s",
                               sh, st, kvr_isa_name(isas[k]), kvr_dtype_name(ts[d]));
+                    /* streamed (non-temporal stores where the ISA and the
+                     * alignment allow): the same bytes, into a buffer on 64
+                     * bytes and one 32 bytes off */
+                    for (size_t off = 0; off <= 32; off += 32) {
+                        kvr_rope_opts so = op;
+                        so.stream = true;
+                        uint8_t *ob = (uint8_t *)oa + off;
+                        memset(ob, 0xEE, n * 4);
+                        cr_assert_eq(kvr_rope_apply(r, ob, ts[d], x, KVR_DTYPE_F32, T, H, pos, &so), 0);
+                        cr_assert(!memcmp(ref, ob, n * kvr_dtype_size(ts[d])), "stream apply shape %d "
+                                  "style %d %s %s off %zu", sh, st, kvr_isa_name(isas[k]),
+                                  kvr_dtype_name(ts[d]), off);
+                        memset(ob, 0xEE, n * 4);
+                        src_rows sr2 = { x, row, 0, 0 };
+                        cr_assert_eq(kvr_rope_apply_src(r, ob, ts[d], rows_of, &sr2, T, H, pos, &so), 0);
+                        cr_assert(!memcmp(ref, ob, n * kvr_dtype_size(ts[d])), "stream apply_src "
+                                  "shape %d style %d %s %s off %zu", sh, st, kvr_isa_name(isas[k]),
+                                  kvr_dtype_name(ts[d]), off);
+                    }
                 }
-            free(x); free(pos); free(ref); free(o);
+            free(x); free(pos); free(ref); free(o); free(oa);
             kvr_rope_destroy(r);
         }
 }
