@@ -86,6 +86,12 @@ typedef struct kvr_block_geom {
     kvr_dtype dtype;
     bool      quant;
     kvr_qhdr  qh;           /* quant only */
+    /* Quantized, fresh (data NULL): slots [0, fill) are written whole by
+     * the creator before anything reads or spills the block (a put's new
+     * blocks: every K tile / row and V row of those slots, all layers);
+     * kvr_block_create zeroes only the other K/V bytes (later slots, partial
+     * tiles' remainder, slab padding). 0: every K/V byte is zeroed. */
+    uint32_t  fill;
 } kvr_block_geom;
 
 /* Accounting of every live block of a store, and the release hook. */

@@ -325,7 +325,7 @@ static int txn_alloc(kvr_edit *t, size_t payload, kvr_error *err)
         goto nomem;
     size_t left = t->n_new;
     while (left) {
-        kvr_block *b = kvr_store_block_new(s, c, false);
+        kvr_block *b = kvr_store_block_new(s, c, false, 0);
         if (!b)
             goto nomem;
         uint32_t k = left < s->B ? (uint32_t)left : s->B;

@@ -192,10 +192,12 @@ static int alloc_quant(kvr_put *t, const kvr_put_params *p, kvr_error *err)
         left -= qfree;
     }
     while (left) {
-        kvr_block *b = kvr_store_block_new(s, c, true);
+        uint32_t k = left < cap ? (uint32_t)left : cap;
+        /* put_work encodes every slot of [0, k) (all layers, K and V)
+         * before the block is visible to anyone else. */
+        kvr_block *b = kvr_store_block_new(s, c, true, k);
         if (!b)
             goto nomem;
-        uint32_t k = left < cap ? (uint32_t)left : cap;
         t->qruns[t->n_qruns++] = (kvr_brun){ b, 0, k };
         left -= k;
     }
@@ -784,7 +786,7 @@ int kvr_store_put_begin(kvr_store *s, const kvr_put_params *p, kvr_put **out,
         left -= tail_free;
     }
     while (left) {
-        kvr_block *b = kvr_store_block_new(s, c, false);
+        kvr_block *b = kvr_store_block_new(s, c, false, 0);
         if (!b) {
             rc = kvr_error_set(err, KVR_ENOMEM,
                                "out of memory allocating blocks for %zu tokens", n);

@@ -629,10 +629,11 @@ static void block_geom(const kvr_store *s, const kvr_ctx *c, bool quant, kvr_blo
         kvr_block_geom_plain(g, s->B, m->n_layers, kvr_model_row(m), c->dtype);
 }
 
-kvr_block *kvr_store_block_new(kvr_store *s, const kvr_ctx *c, bool quant)
+kvr_block *kvr_store_block_new(kvr_store *s, const kvr_ctx *c, bool quant, uint32_t fill)
 {
     kvr_block_geom g;
     block_geom(s, c, quant, &g);
+    g.fill = quant ? fill : 0;
     return kvr_block_create(&s->pool, &g, NULL, 0, 0);
 }
 

@@ -102,8 +102,10 @@ void       kvr_model_fill_info(const kvr_model *m, kvr_model_info *out);
 /* Parses a codec spec for a context of m (quant.h's kvr_qspec_parse). */
 int        kvr_model_codec(const kvr_model *m, const char *spec, kvr_qspec *out,
                            kvr_error *err);
-/* A fresh block of c's plain (window) dtype or of its quantized codec. */
-kvr_block *kvr_store_block_new(kvr_store *s, const kvr_ctx *c, bool quant);
+/* A fresh block of c's plain (window) dtype or of its quantized codec.
+ * fill (quantized): slots [0, fill) the caller writes whole before the
+ * block is read or spilled (kvr_block_geom.fill); 0 for plain blocks. */
+kvr_block *kvr_store_block_new(kvr_store *s, const kvr_ctx *c, bool quant, uint32_t fill);
 /* Data bytes of such a block. */
 size_t     kvr_store_block_bytes(const kvr_store *s, const kvr_ctx *c, bool quant);
 
