@@ -1335,6 +1335,14 @@ static void start_get(kvrd_request *r, const kvr_get_params *gp0)
                        "holds %zu", need, r->shm_len);
             return;
         }
+        /* A read the store placed in the region stages nothing (a no-op);
+         * one it could not place is staged here, on the loop thread, for
+         * shm_copy_out's copy. */
+        if (work && (rc = kvr_get_stage(r->get, &e)) < 0) {
+            release_txn(r);
+            reply_err(r, rc, &e);
+            return;
+        }
         run(r, work);   /* no stream: the worker writes the region */
         return;
     }
@@ -1543,8 +1551,9 @@ static void do_assemble(kvrd_request *r)
         return;
     }
     bool work = !ap.meta_only && kvr_assemble_needs_work(r->as);
-    /* The staging the iovecs need, reserved now (a region: none). */
-    if (work && !r->shm && (rc = kvr_assemble_stage(r->as, &e)) < 0) {
+    /* The staging the iovecs need, reserved now on the loop thread (an
+     * assembly placed in a region needs none: a no-op then). */
+    if (work && (rc = kvr_assemble_stage(r->as, &e)) < 0) {
         release_txn(r);
         reply_err(r, rc, &e);
         return;
