@@ -40,28 +40,12 @@
 #include <string.h>
 
 #define AI static inline __attribute__((always_inline))
+#include "cache/codec_avx512_inl.h"
 
 /* bits of 65504.0f: |x| <= 65504 (and not NaN) iff (bits & 0x7fffffff) <= it. */
 #define F16_LIMIT_BITS 0x477FE000u
 
 /* ---- loads with the range check ----------------------------------------- */
-
-/* 16 values at src[i] as f32; folds the magnitude bits into *acc (f16
- * input: the f16 bits & 0x7fff, in 16-bit lanes; f32: the f32 bits &
- * 0x7fffffff, in 32-bit lanes) for one unsigned max check at the end. */
-AI __m512 ld16(const void *src, size_t i, int h, __m512i *acc)
-{
-    if (h) {
-        __m256i r = _mm256_loadu_si256((const __m256i *)((const uint16_t *)src + i));
-        *acc = _mm512_max_epu16(*acc, _mm512_zextsi256_si512(
-                   _mm256_and_si256(r, _mm256_set1_epi16(0x7fff))));
-        return _mm512_cvtph_ps(r);
-    }
-    __m512 v = _mm512_loadu_ps((const float *)src + i);
-    *acc = _mm512_max_epu32(*acc, _mm512_and_si512(_mm512_castps_si512(v),
-                                                   _mm512_set1_epi32(0x7fffffff)));
-    return v;
-}
 
 /* The same for 16 channels of one token row (masked: lanes >= cc read 0). */
 AI __m512 ld16m(const void *src, size_t i, __mmask16 k, int h, __m512i *acc)
@@ -497,37 +481,6 @@ static int x5_tile_dec(void *dst, kvr_dtype t, size_t ld, const uint8_t *src, si
  * them), y = (float)q * s + m as a multiply then an add, f16 output clamped
  * to +-65504 and rounded to nearest even: the scalar reference's values.
  * f32 parameters and a row's short last group: the AVX2 / scalar kernels. */
-AI void st16(void *dst, size_t i, __m512 y, int h)
-{
-    if (h) {
-        const __m512 lim = _mm512_set1_ps(KVR_CODEC_F16_LIMIT);
-        y = _mm512_min_ps(lim, _mm512_max_ps(_mm512_sub_ps(_mm512_setzero_ps(), lim), y));
-        _mm256_storeu_si256((__m256i *)((uint16_t *)dst + i),
-                            _mm512_cvtps_ph(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-    } else {
-        _mm512_storeu_ps((float *)dst + i, y);
-    }
-}
-
-/* Two vectors, elements [i, i + 32), with non-temporal stores (dst + i on
- * 64 bytes: f16 one whole line, f32 two): the values st16 stores. */
-AI void st32_nt(void *dst, size_t i, __m512 y0, __m512 y1, int h)
-{
-    if (h) {
-        const __m512 lim = _mm512_set1_ps(KVR_CODEC_F16_LIMIT);
-        const __m512 nlim = _mm512_sub_ps(_mm512_setzero_ps(), lim);
-        y0 = _mm512_min_ps(lim, _mm512_max_ps(nlim, y0));
-        y1 = _mm512_min_ps(lim, _mm512_max_ps(nlim, y1));
-        __m256i a = _mm512_cvtps_ph(y0, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-        __m256i b = _mm512_cvtps_ph(y1, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-        _mm512_stream_si512((__m512i *)((uint16_t *)dst + i),
-                            _mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1));
-    } else {
-        _mm512_stream_ps((float *)dst + i, y0);
-        _mm512_stream_ps((float *)dst + i + 16, y1);
-    }
-}
-
 AI size_t dec_rows16(void *dst, const uint8_t *src, size_t n, const unsigned bits,
                      const uint32_t G, const int h, const int nt)
 {

@@ -19,25 +19,8 @@
 #include <string.h>
 
 #define AI static inline __attribute__((always_inline))
+#include "cache/codec_avx512_inl.h"
 #define QK 32
-
-/* ld16, folding the magnitude bits into *acc for one unsigned max check at
- * the end (f16: the bits & 0x7fff in 16-bit lanes, finite iff <= 0x7bff;
- * f32: the bits & 0x7fffffff, finite iff <= FLT_MAX's): no chain of masked
- * compares through one mask register. */
-AI __m512 ld16c(const void *src, size_t i, int h, __m512i *acc)
-{
-    if (h) {
-        __m256i r = _mm256_loadu_si256((const __m256i *)((const uint16_t *)src + i));
-        *acc = _mm512_max_epu16(*acc, _mm512_zextsi256_si512(
-                   _mm256_and_si256(r, _mm256_set1_epi16(0x7fff))));
-        return _mm512_cvtph_ps(r);
-    }
-    __m512 v = _mm512_loadu_ps((const float *)src + i);
-    *acc = _mm512_max_epu32(*acc, _mm512_and_si512(_mm512_castps_si512(v),
-                                                   _mm512_set1_epi32(0x7fffffff)));
-    return v;
-}
 
 AI int acc_bad(__m512i acc, int h)
 {
@@ -45,7 +28,7 @@ AI int acc_bad(__m512i acc, int h)
     return _mm512_cmpgt_epu32_mask(acc, _mm512_set1_epi32(0x7f7fffff)) != 0;
 }
 
-AI __m512 ld16(const void *src, size_t i, int h)
+AI __m512 ld16u(const void *src, size_t i, int h)
 {
     if (h) return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)src + i)));
     return _mm512_loadu_ps((const float *)src + i);
@@ -147,7 +130,7 @@ AI int enc8(kvr_codec_type t, uint8_t *dst, size_t bb, const void *src, size_t i
 #pragma GCC unroll 8
     for (int b = 0; b < 8; b++) {
         size_t o = i + 32 * (size_t)b;
-        __m512 x0 = ld16c(src, o, h, &acc), x1 = ld16c(src, o + 16, h, &acc);
+        __m512 x0 = ld16(src, o, h, &acc), x1 = ld16(src, o + 16, h, &acc);
         mx[b] = _mm512_max_ps(x0, x1);
         mn[b] = _mm512_min_ps(x0, x1);
     }
@@ -208,7 +191,7 @@ AI int enc8(kvr_codec_type t, uint8_t *dst, size_t bb, const void *src, size_t i
         uint8_t *y = dst + o / QK * bb;
         /* loaded again (from L1): kept in registers beside the 16
          * extremes they spilled to the stack, a third of the time */
-        __m512 x0 = ld16(src, o, h), x1 = ld16(src, o + 16, h);
+        __m512 x0 = ld16u(src, o, h), x1 = ld16u(src, o + 16, h);
         if (fb & (1u << b)) {
             float xs[QK];
             _mm512_storeu_ps(xs, x0);
@@ -258,37 +241,6 @@ int kvr_codec_ggml_enc_avx512(kvr_codec_type t, uint8_t *dst, const void *src, k
  * left a NaN (the scalar clamp's comparisons are false for it), and
  * converted with round-to-nearest-even: the scalar decoder's bytes. */
 static uint16_t rd16(const uint8_t *p) { return (uint16_t)(p[0] | (p[1] << 8)); }
-
-AI void st16(void *dst, size_t i, __m512 y, int h)
-{
-    if (h) {
-        const __m512 lim = _mm512_set1_ps(KVR_CODEC_F16_LIMIT);
-        /* y second: max / min return it when it is a NaN, which then
-         * converts as the scalar kvr_f32_to_f16 does (quiet, payload kept) */
-        y = _mm512_min_ps(lim, _mm512_max_ps(_mm512_sub_ps(_mm512_setzero_ps(), lim), y));
-        _mm256_storeu_si256((__m256i *)((uint16_t *)dst + i), _mm512_cvtps_ph(y, RNE));
-    } else {
-        _mm512_storeu_ps((float *)dst + i, y);
-    }
-}
-
-/* A block's two vectors with non-temporal stores (dst + i on 64 bytes: f16
- * one whole line, f32 two): the values st16 stores. */
-AI void st32_nt(void *dst, size_t i, __m512 y0, __m512 y1, int h)
-{
-    if (h) {
-        const __m512 lim = _mm512_set1_ps(KVR_CODEC_F16_LIMIT);
-        const __m512 nlim = _mm512_sub_ps(_mm512_setzero_ps(), lim);
-        y0 = _mm512_min_ps(lim, _mm512_max_ps(nlim, y0));
-        y1 = _mm512_min_ps(lim, _mm512_max_ps(nlim, y1));
-        __m256i a = _mm512_cvtps_ph(y0, RNE), b = _mm512_cvtps_ph(y1, RNE);
-        _mm512_stream_si512((__m512i *)((uint16_t *)dst + i),
-                            _mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1));
-    } else {
-        _mm512_stream_ps((float *)dst + i, y0);
-        _mm512_stream_ps((float *)dst + i + 16, y1);
-    }
-}
 
 AI void dec_block16(kvr_codec_type t, void *dst, size_t i, const uint8_t *x, int h, int nt)
 {
