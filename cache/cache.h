@@ -185,6 +185,11 @@ typedef struct kvr_put_params {
      * re-quantized: the context holds exactly the sender's codes. */
     bool            raw;
     size_t          raw_tokens;
+    /* The payload will be handed to kvr_put_work_from (private memory), not
+     * written into the iovecs: a put that converts or quantizes then
+     * reserves and allocates no staging buffer, and its payload iovecs are
+     * empty (one stored as it is keeps its iovecs into the blocks). */
+    bool            work_from;
 } kvr_put_params;
 
 typedef struct kvr_put_result {
@@ -220,7 +225,8 @@ int    kvr_put_work(kvr_put *t, kvr_error *err);
  * from it); one stored as it is copies it into the blocks. Any thread,
  * once; the same checks and errors as kvr_put_work (KVR_EPAYLOAD for a
  * wrong len). After a failure the put can only be aborted (a commit fails
- * too; the staging was never filled).
+ * too; the staging was never filled). Begin the put with work_from set so
+ * that it allocates no staging it would never use.
  * Never on memory another process (or an unsynchronized thread) can write:
  * not a client's shared-memory region (daemon/shm.c). The work reads a
  * value more than once: the nan/inf scan of the window tokens (and of a
@@ -288,7 +294,19 @@ typedef struct kvr_get kvr_get;
 int  kvr_store_get_begin(kvr_store *s, const kvr_get_params *p, kvr_get **out,
                          kvr_error *err);
 const kvr_get_info *kvr_get_get_info(const kvr_get *t);  /* borrowed */
-/* Rotation / conversion into the response buffer: any thread. */
+/* Staging (issue 15): begin reserves no staging. A caller says how the
+ * payload goes out, on the loop thread, before any work: kvr_get_stage (the
+ * iovecs: the whole staging buffer is reserved against the memory cap and
+ * allocated), kvr_get_stage_ring (streamed: only a ring of chunks), or
+ * nothing for kvr_get_copy_into and gets with a dst (no staging at all).
+ * No-op when nothing is staged or it is staged already; 0, or the
+ * reservation's KVR_ETOOLARGE / KVR_ENOMEM (the get is unchanged: end it).
+ * A get that needs staging and was not staged is staged whole by its first
+ * kvr_get_work / kvr_get_work_layers, which then must run on the loop
+ * thread (KVR_EINTERNAL on any other). Until staged, the payload iovecs are
+ * empty unless nothing needs staging. */
+int  kvr_get_stage(kvr_get *t, kvr_error *err);
+/* Rotation / conversion into the response buffer: any thread (once staged). */
 bool kvr_get_needs_work(const kvr_get *t);
 int  kvr_get_work(kvr_get *t, kvr_error *err);
 /* The payload, in wire order, valid after work (if needed) until end. May
@@ -313,12 +331,36 @@ void kvr_get_payload_iov_layers(const kvr_get *t, size_t l0, size_t l1,
                                 const struct iovec **iov, size_t *n);
 /* A streamed get that works and sends its layers `per` at a time, in
  * order, with at most `slots` chunks between their work and the end of
- * their write: the staging becomes a ring of `slots` chunks (memory
- * bounded by the chunk, not the context; pages reused, not faulted in per
- * request). Chunk k's iovecs then stay valid only until chunk k + slots is
- * worked. Before any work; no-op when nothing is staged or the ring would
- * not be smaller. 0, or KVR_ENOMEM (the get is unchanged and still whole). */
-int  kvr_get_stage_ring(kvr_get *t, size_t per, size_t slots);
+ * their write: instead of kvr_get_stage, the staging is a ring of `slots`
+ * chunks, and only the ring is reserved (memory bounded by the chunk, not
+ * the context; pages reused, not faulted in per request). Chunk k's
+ * iovecs then stay valid only until chunk k + slots is worked. Loop
+ * thread, before any work; where the ring would not be smaller, the whole
+ * staging (kvr_get_stage). 0, or as kvr_get_stage. */
+int  kvr_get_stage_ring(kvr_get *t, size_t per, size_t slots, kvr_error *err);
+/* A streamed get sent in pieces of about piece_bytes instead of whole
+ * layers (issue 15): a layer's side (K or V) is split at token boundaries,
+ * a side with nothing to produce is one piece straight from block memory,
+ * and at most `slots` pieces are staged at once (only that ring is
+ * reserved), so a piece's rotated bytes are still in cache when its write
+ * reads them. Loop thread, before any work, instead of kvr_get_stage /
+ * kvr_get_stage_ring. Only where every produced row has the same bits
+ * however it is split (plain blocks: keys moved by one delta or converted,
+ * values converted); else *n_pieces = 0 and nothing changed (stage as
+ * before). 0, or as kvr_get_stage. With pieces, kvr_get_work(_layers) and
+ * the whole-payload iovecs are not available: piece k is worked by
+ * kvr_get_work_piece (any thread; the first call returns before any other
+ * starts, later ones may run concurrently) and sent from
+ * kvr_get_payload_iov_piece's iovecs (`bytes` in all), valid from its work
+ * until piece k + slots is worked. Pieces come in payload order. */
+int    kvr_get_stage_pieces(kvr_get *t, size_t piece_bytes, size_t slots, size_t *n_pieces,
+                            kvr_error *err);
+size_t kvr_get_n_pieces(const kvr_get *t);
+/* Bytes one payload layer stages (0: nothing staged, or staged already). */
+size_t kvr_get_staged_layer_bytes(const kvr_get *t);
+int    kvr_get_work_piece(kvr_get *t, size_t k, kvr_error *err);
+void   kvr_get_payload_iov_piece(const kvr_get *t, size_t k, const struct iovec **iov,
+                                 size_t *n, size_t *bytes);
 /* In-process callers: the whole payload (kvr_get_payload_size bytes, wire
  * order) straight into dst, instead of work + iovecs + a copy. Keys are
  * re-rotated and quantized sides decoded in place, zero-copy parts copied;
@@ -583,8 +625,12 @@ typedef struct kvr_assemble kvr_assemble;
 int  kvr_store_assemble_begin(kvr_store *s, const kvr_assemble_params *p,
                               kvr_assemble **out, kvr_error *err);
 const kvr_assemble_info *kvr_assemble_get_info(const kvr_assemble *t); /* borrowed */
+/* Loop thread, before work: reserves and allocates the staging the
+ * iovecs need, exactly as kvr_get_stage (begin reserves none; not needed
+ * for kvr_assemble_copy_into or a dst). */
+int    kvr_assemble_stage(kvr_assemble *t, kvr_error *err);
 /* Rotation (one kvr_rope_reposition per run), conversion and temperature
- * folding into the response buffer: any thread. */
+ * folding into the response buffer: any thread (once staged). */
 bool   kvr_assemble_needs_work(const kvr_assemble *t);
 int    kvr_assemble_work(kvr_assemble *t, kvr_error *err);
 /* Payload in wire order (layer-major, for each layer K then V of all

@@ -333,7 +333,7 @@ static int txn_alloc(kvr_edit *t, size_t payload, kvr_error *err)
         left -= k;
     }
     if (payload && kvr_wpay_init(&t->w, t->runs, t->n_runs, m->n_layers, payload,
-                                 zero_copy) != 0)
+                                 zero_copy, true) != 0)
         goto nomem;
     return 0;
 
@@ -464,7 +464,7 @@ KVR_WRITE_TXN_API(kvr_edit, kvr_edit)
 
 int kvr_edit_work(kvr_edit *t, kvr_error *err)
 {
-    if (!t->w.staging || t->w.worked)
+    if (!t->w.work || t->w.worked)
         return 0;
     const kvr_model *m = t->m;
     size_t row = kvr_model_row(m);
@@ -519,7 +519,7 @@ int kvr_edit_commit(kvr_edit *t, kvr_edit_span *spans, kvr_edit_result *res, kvr
     int rc;
     kvr_store *s = t->s;
     kvr_ctx *c = t->c;
-    if (t->w.staging && !t->w.worked && (rc = kvr_edit_work(t, err)) != 0)
+    if (t->w.work && !t->w.worked && (rc = kvr_edit_work(t, err)) != 0)
         goto fail;
     size_t cap = c->n_ext + 3 * t->n_ops + t->n_runs + 1;
     ebuild o = { kvr_mem_malloc(cap * sizeof(kvr_extent)), 0 };

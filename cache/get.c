@@ -6,7 +6,9 @@
  * A get is the read plan (read.h) over one range of one context: begin
  * (loop thread) checks the request, adds the extents overlapping the range
  * (copying the metadata and leasing the blocks), lets the disk tier reload
- * spilled ones and stages what cannot go out zero-copy; from then on the
+ * spilled ones and plans the staging of what cannot go out zero-copy
+ * (reserved only once the caller says how the payload goes out: read.h);
+ * from then on the
  * transaction reads only leased slots below each block's `used`, which
  * never change, so work may run on any thread while the store changes
  * around it (even deleting the context). Streaming responses work and send
@@ -137,9 +139,36 @@ int kvr_get_work_layers(kvr_get *t, size_t l0, size_t l1, kvr_error *err)
     return kvr_read_work(&t->r, l0, l1, "out of memory dequantizing", err);
 }
 
-int kvr_get_stage_ring(kvr_get *t, size_t per, size_t slots)
+int kvr_get_stage_ring(kvr_get *t, size_t per, size_t slots, kvr_error *err)
 {
-    return kvr_read_stage_ring(&t->r, per, slots);
+    return kvr_read_stage_ring(&t->r, per, slots, err);
+}
+
+int kvr_get_stage_pieces(kvr_get *t, size_t piece_bytes, size_t slots, size_t *n_pieces,
+                         kvr_error *err)
+{
+    return kvr_read_stage_pieces(&t->r, piece_bytes, slots, n_pieces, err);
+}
+
+size_t kvr_get_staged_layer_bytes(const kvr_get *t)
+{
+    return t->r.stage_need && t->r.nl ? t->r.stage_need / t->r.nl : 0;
+}
+
+size_t kvr_get_n_pieces(const kvr_get *t)
+{
+    return t->r.n_pieces;
+}
+
+int kvr_get_work_piece(kvr_get *t, size_t k, kvr_error *err)
+{
+    return kvr_read_work_piece(&t->r, k, "out of memory dequantizing", err);
+}
+
+void kvr_get_payload_iov_piece(const kvr_get *t, size_t k, const struct iovec **iov,
+                               size_t *n, size_t *bytes)
+{
+    kvr_read_iov_piece(&t->r, k, iov, n, bytes);
 }
 
 int kvr_get_copy_into(kvr_get *t, void *dst, size_t size, kvr_error *err)

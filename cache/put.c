@@ -762,7 +762,7 @@ int kvr_store_put_begin(kvr_store *s, const kvr_put_params *p, kvr_put **out,
     /* Reserve what the allocator will really hold (its size classes), not
      * what is requested: jemalloc rounds a 25 KiB block up to 28 KiB. */
     size_t need = n_new * (kvr_mem_size_class(bb) + kvr_mem_size_class(sizeof(kvr_block))) +
-                  (zero_copy ? 0 : kvr_mem_size_class(payload)) +
+                  (zero_copy || p->work_from ? 0 : kvr_mem_size_class(payload)) +
                   n_iov * sizeof(struct iovec) + n * sizeof(uint32_t) +
                   n_runs * sizeof(kvr_brun) + qneed;
     if ((rc = kvr_store_reserve_request(s, need, "put", err)) != 0)
@@ -806,7 +806,8 @@ int kvr_store_put_begin(kvr_store *s, const kvr_put_params *p, kvr_put **out,
                                t->lp.group);
         }
     }
-    if (kvr_wpay_init(&t->w, t->runs, t->n_runs, m->n_layers, payload, zero_copy) != 0) {
+    if (kvr_wpay_init(&t->w, t->runs, t->n_runs, m->n_layers, payload, zero_copy,
+                      !p->work_from) != 0) {
         rc = kvr_error_set(err, KVR_ENOMEM, "out of memory for the %zu-byte payload of a put",
                            payload);
         goto fail_ctx;
@@ -831,11 +832,14 @@ KVR_WRITE_TXN_API(kvr_put, kvr_put)
 
 int kvr_put_work(kvr_put *t, kvr_error *err)
 {
-    if (!t->w.staging || t->w.worked)
+    if (!t->w.work || t->w.worked)
         return 0;
     if (t->from && !t->src)
         return kvr_error_set(err, KVR_EINVAL, "put: its payload was given to "
                              "kvr_put_work_from, whose work failed (abort the put)");
+    if (!t->src && !t->w.staging)
+        return kvr_error_set(err, KVR_EINVAL, "put: begun with work_from, its payload was "
+                             "never given to kvr_put_work_from (abort the put)");
     if (t->raw)
         return work_raw(t, err);
     if (t->quant)
@@ -856,7 +860,7 @@ int kvr_put_work_from(kvr_put *t, const void *payload, size_t len, kvr_error *er
     if (len != t->w.p.bytes)
         return kvr_error_set(err, KVR_EPAYLOAD, "put: a payload of %zu bytes, expected %zu",
                              len, t->w.p.bytes);
-    if (!t->w.staging) {
+    if (!t->w.work) {
         /* Stored as it is: the iovecs point into the blocks. */
         const uint8_t *p = payload;
         for (size_t i = 0; i < t->w.p.n_iov; i++) {
@@ -882,7 +886,7 @@ int kvr_put_commit(kvr_put *t, kvr_put_result *res, kvr_error *err)
     int rc;
     kvr_store *s = t->s;
     kvr_ctx *c = t->c;
-    if (t->w.staging && !t->w.worked && (rc = kvr_put_work(t, err)) != 0)
+    if (t->w.work && !t->w.worked && (rc = kvr_put_work(t, err)) != 0)
         goto fail;
     kvr_extent *qext = NULL;
     size_t qcap = c->n_ext + 2 * t->n_wsrc + t->n_qruns + t->n_runs + 4;

@@ -4,6 +4,7 @@
  * tier's reloads, zero-copy decisions, staging and iovecs, and the
  * per-layer work that fills the staging on any thread.
  */
+#include <stdio.h>
 #include <string.h>
 
 #include "cache/parallel.h"
@@ -14,7 +15,8 @@ int kvr_read_init(kvr_read *r, kvr_store *s, kvr_model *m, const uint32_t *layer
                   kvr_dtype odt)
 {
     *r = (kvr_read){ .s = s, .m = m, .odt = odt, .meta_only = meta_only, .all_same = true,
-                     .n = n, .nl = nl, .cap_runs = max_runs ? max_runs : 1 };
+                     .n = n, .nl = nl, .cap_runs = max_runs ? max_runs : 1,
+                     .owner = pthread_self() };
     size_t cnt = n ? n : 1;
     r->layers = kvr_mem_malloc((nl ? nl : 1) * sizeof *r->layers);
     r->tokens = kvr_mem_malloc(cnt * sizeof *r->tokens);
@@ -254,44 +256,274 @@ int kvr_read_stage(kvr_read *r, kvr_ctx *keep, const char *what, kvr_error *err)
         return kvr_error_set(err, KVR_ENOMEM, "out of memory for a %s of %zu tokens", what,
                              r->n);
     size_t stage = (r->kst + r->vst) * r->nl;
+    r->what = what;
     if (r->dst) {
         if (stage > r->dst_cap)
             return kvr_error_set(err, KVR_ERANGE, "a %s of %zu bytes does not fit the "
                                  "%zu-byte destination", what, stage, r->dst_cap);
         r->staging = stage ? r->dst : NULL;
-    } else if (stage) {
-        bool was_busy = keep ? keep->busy : false;
-        if (keep)
-            keep->busy = true;
-        int rc = kvr_store_reserve_request(r->s, stage, what, err);
-        if (keep)
-            keep->busy = was_busy;
-        if (rc != 0)
-            return rc;
-        r->staging = kvr_mem_aligned(KVR_BLOCK_ALIGN, stage);
-        if (!r->staging)
-            return kvr_error_set(err, KVR_ENOMEM, "out of memory for a %zu-byte %s buffer",
-                                 stage, what);
+        stage_iov(r);
+        return 0;
     }
+    /* Lazy: reserved and allocated once the caller says how the payload
+     * goes out (kvr_read_stage_now / _ring); kvr_read_work_into never. */
+    r->stage_need = stage;
+    if (keep)
+        snprintf(r->keep_id, sizeof r->keep_id, "%s", keep->id);
+    if (!stage)
+        stage_iov(r);
+    return 0;
+}
+
+/* Reserves `bytes` of staging as the read's request, its context (if any)
+ * kept busy meanwhile so eviction spares it. */
+static int stage_reserve(kvr_read *r, size_t bytes, kvr_error *err)
+{
+    kvr_ctx *keep = r->keep_id[0] ? kvr_store_ctx_find(r->s, r->keep_id) : NULL;
+    bool was_busy = keep ? keep->busy : false;
+    if (keep)
+        keep->busy = true;
+    int rc = kvr_store_reserve_request(r->s, bytes, r->what, err);
+    if (keep)
+        keep->busy = was_busy;
+    return rc;
+}
+
+static bool stage_pending(const kvr_read *r)
+{
+    return r->stage_need && !r->staging;
+}
+
+int kvr_read_stage_now(kvr_read *r, kvr_error *err)
+{
+    if (!stage_pending(r))
+        return 0;
+    int rc = stage_reserve(r, r->stage_need, err);
+    if (rc != 0)
+        return rc;
+    r->staging = kvr_mem_aligned(KVR_BLOCK_ALIGN, r->stage_need);
+    if (!r->staging)
+        return kvr_error_set(err, KVR_ENOMEM, "out of memory for a %zu-byte %s buffer",
+                             r->stage_need, r->what);
+    r->out.n_iov = 0;
     stage_iov(r);
     return 0;
 }
 
-int kvr_read_stage_ring(kvr_read *r, size_t per, size_t slots)
+int kvr_read_stage_ring(kvr_read *r, size_t per, size_t slots, kvr_error *err)
 {
-    if (!r->staging || r->staging == r->dst || r->worked || r->ring_slots || per == 0 ||
-        slots == 0 || per >= r->nl || slots >= (r->nl + per - 1) / per)
-        return 0;   /* nothing staged, or the ring would not be smaller */
-    uint8_t *ring = kvr_mem_staging(slots * per * (r->kst + r->vst));
+    if (!stage_pending(r))
+        return 0;
+    if (r->worked || per == 0 || slots == 0 || per >= r->nl ||
+        slots >= (r->nl + per - 1) / per)
+        return kvr_read_stage_now(r, err);   /* the ring would not be smaller */
+    size_t bytes = slots * per * (r->kst + r->vst);
+    int rc = stage_reserve(r, bytes, err);
+    if (rc != 0)
+        return rc;
+    uint8_t *ring = kvr_mem_staging(bytes);
     if (!ring)
-        return KVR_ENOMEM;   /* the whole staging stays: still correct */
-    kvr_mem_free(r->staging);
+        return kvr_error_set(err, KVR_ENOMEM, "out of memory for a %zu-byte %s staging "
+                             "ring", bytes, r->what);
     r->staging = ring;
     r->ring_per = per;
     r->ring_slots = slots;
     r->out.n_iov = 0;
     stage_iov(r);
     return 0;
+}
+
+/* ---- a streamed read in pieces ------------------------------------------------ */
+
+/* Whether every staged run is produced row by row, the same bits however
+ * its tokens are split: keys of plain blocks in one pass (one delta, or a
+ * conversion with 1/T) or converted where they stay, values of plain
+ * blocks converted. */
+static bool pieces_ok(const kvr_read *r)
+{
+    for (size_t i = 0; i < r->n_runs; i++) {
+        const kvr_read_run *run = &r->runs[i];
+        if (run->rd->quant && (!run->k_zc || !run->v_zc))
+            return false;
+        /* keys: one pass, or converted where they stay (no rotation) */
+        if (!run->k_zc && !run->one_pass && !(run->same && !run->fold))
+            return false;
+    }
+    return true;
+}
+
+static bool side_staged(const kvr_read *r, int kv)
+{
+    for (size_t i = 0; i < r->n_runs; i++)
+        if (!(kv ? r->runs[i].v_zc : r->runs[i].k_zc))
+            return true;
+    return false;
+}
+
+static uint8_t *piece_slot(const kvr_read *r, size_t k)
+{
+    size_t rowb = kvr_model_row(r->m) * kvr_dtype_size(r->odt);
+    return r->staging + k % r->ring_slots * r->piece_tok * rowb;
+}
+
+/* Piece k's iovecs (its runs in order, neighbours that touch joined). */
+static void piece_iov(kvr_read *r, size_t k, size_t *at)
+{
+    kvr_read_piece *pc = &r->pieces[k];
+    size_t rowb = kvr_model_row(r->m) * kvr_dtype_size(r->odt);
+    uint32_t l = r->layers[pc->li];
+    uint8_t *slot = pc->work ? piece_slot(r, k) : NULL;
+    pc->iov0 = *at;
+    pc->n_iov = 0;
+    pc->bytes = (pc->b - pc->a) * rowb;
+    for (size_t i = 0; i < r->n_runs; i++) {
+        const kvr_read_run *run = &r->runs[i];
+        size_t s = run->tok > pc->a ? run->tok : pc->a;
+        size_t e = run->tok + run->count < pc->b ? run->tok + run->count : pc->b;
+        if (s >= e)
+            continue;
+        bool zc = pc->kv ? run->v_zc : run->k_zc;
+        uint8_t *p = zc ? (uint8_t *)kvr_block_kv(run->rd, l, pc->kv, run->first) +
+                              (s - run->tok) * rowb
+                        : slot + (s - pc->a) * rowb;
+        size_t len = (e - s) * rowb;
+        struct iovec *last = pc->n_iov ? &r->piov[*at - 1] : NULL;
+        if (last && (uint8_t *)last->iov_base + last->iov_len == p) {
+            last->iov_len += len;
+            continue;
+        }
+        r->piov[(*at)++] = (struct iovec){ p, len };
+        pc->n_iov++;
+    }
+}
+
+int kvr_read_stage_pieces(kvr_read *r, size_t piece_bytes, size_t slots, size_t *n_pieces,
+                          kvr_error *err)
+{
+    *n_pieces = 0;
+    if (!stage_pending(r) || r->worked || slots == 0 || !pieces_ok(r))
+        return 0;
+    size_t rowb = kvr_model_row(r->m) * kvr_dtype_size(r->odt);
+    size_t P = piece_bytes / rowb ? piece_bytes / rowb : 1;
+    if (P > r->n)
+        P = r->n;
+    bool st[2] = { side_staged(r, 0), side_staged(r, 1) };
+    /* A side straight from block memory stays one piece: one large write
+     * (splitting it too measured no better: more writes, more wake-ups). */
+    size_t per_layer = (st[0] ? (r->n + P - 1) / P : 1) + (st[1] ? (r->n + P - 1) / P : 1);
+    size_t np = per_layer * r->nl;
+    if (slots > np)
+        slots = np;
+    size_t bytes = slots * P * rowb;
+    if (bytes >= r->stage_need)
+        return 0;   /* no smaller than the whole staging: the usual paths */
+    size_t niov = np + 2 * r->nl * r->n_runs;
+    kvr_read_piece *pcs = kvr_mem_calloc(np, sizeof *pcs);
+    struct iovec *iov = kvr_mem_malloc(niov * sizeof *iov);
+    if (!pcs || !iov) {
+        kvr_mem_free(pcs);
+        kvr_mem_free(iov);
+        return kvr_error_set(err, KVR_ENOMEM, "out of memory planning a %s of %zu tokens",
+                             r->what, r->n);
+    }
+    int rc = stage_reserve(r, bytes, err);
+    uint8_t *ring = rc == 0 ? kvr_mem_staging(bytes) : NULL;
+    if (!ring) {
+        kvr_mem_free(pcs);
+        kvr_mem_free(iov);
+        return rc ? rc : kvr_error_set(err, KVR_ENOMEM, "out of memory for a %zu-byte %s "
+                                       "staging ring", bytes, r->what);
+    }
+    r->staging = ring;
+    r->ring_slots = slots;
+    r->piece_tok = P;
+    r->pieces = pcs;
+    r->piov = iov;
+    size_t k = 0, at = 0;
+    for (size_t li = 0; li < r->nl; li++)
+        for (int kv = 0; kv < 2; kv++) {
+            size_t step = st[kv] ? P : r->n;
+            for (size_t a = 0; a < r->n; a += step, k++) {
+                pcs[k] = (kvr_read_piece){ .li = (uint32_t)li, .kv = (uint8_t)kv,
+                                           .work = st[kv], .a = a,
+                                           .b = a + step < r->n ? a + step : r->n };
+                piece_iov(r, k, &at);
+            }
+        }
+    assert(k == np && at <= niov);
+    r->n_pieces = np;
+    r->out.n_iov = 0;   /* the whole payload's iovecs: not with pieces */
+    *n_pieces = np;
+    return 0;
+}
+
+int kvr_read_work_piece(kvr_read *r, size_t k, const char *nomem, kvr_error *err)
+{
+    if (k >= r->n_pieces)
+        return kvr_error_set(err, KVR_EINVAL, "piece %zu of a %zu-piece %s", k, r->n_pieces,
+                             r->what);
+    int rc = kvr_store_reload_work(r->s, r->rl, err);
+    if (rc != 0)
+        return rc;
+    const kvr_read_piece *pc = &r->pieces[k];
+    if (!pc->work)
+        return 0;
+    const kvr_model *m = r->m;
+    size_t rowb = kvr_model_row(m) * kvr_dtype_size(r->odt);
+    uint32_t l = r->layers[pc->li];
+    uint8_t *slot = piece_slot(r, k);
+    for (size_t i = 0; i < r->n_runs && rc == 0; i++) {
+        const kvr_read_run *run = &r->runs[i];
+        size_t s = run->tok > pc->a ? run->tok : pc->a;
+        size_t e = run->tok + run->count < pc->b ? run->tok + run->count : pc->b;
+        if (s >= e || (pc->kv ? run->v_zc : run->k_zc))
+            continue;
+        uint32_t from = run->first + (uint32_t)(s - run->tok), cnt = (uint32_t)(e - s);
+        uint8_t *d = slot + (s - pc->a) * rowb;
+        const kvr_block *b = run->rd;
+        if (pc->kv) {
+            rc = kvr_block_read_side(m->engine, m->n_kv_heads, b, l, 1, from, cnt, d, r->odt,
+                                     NULL, NULL, NULL, NULL);
+            continue;
+        }
+        if (!run->one_pass) {   /* converted where they stay: as layer_to */
+            rc = kvr_block_read_side(kvr_rope_layer(m->engine, l), m->n_kv_heads, b, l, 0,
+                                     from, cnt, d, r->odt, NULL,
+                                     r->targets + run->tok + (s - run->tok), NULL, &r->ro);
+            continue;
+        }
+        /* keys_one_pass on rows [from, from + cnt): each row's bits depend
+         * only on its own input and the run's one delta */
+        const void *src = kvr_block_kv(b, l, 0, from);
+        float sc = run->fold ? r->inv_t : 1.0f;
+        if (run->same) {
+            kvr_convert_scaled(d, r->odt, src, b->dtype, cnt * kvr_model_row(m), sc);
+        } else {
+            kvr_rope_opts o = r->ro;
+            o.stream = false;   /* read back by the write at once: keep it in cache */
+            rc = kvr_rope_reposition_delta(kvr_rope_layer(m->engine, l), d, r->odt, src,
+                                           b->dtype, cnt, m->n_kv_heads, run->delta, sc, &o);
+        }
+    }
+    if (rc == KVR_ENOMEM)
+        return kvr_error_set(err, KVR_ENOMEM, "%s", nomem);
+    if (rc != 0)
+        return kvr_error_set(err, KVR_EINTERNAL, "re-rotating keys failed (%d)", rc);
+    return 0;
+}
+
+void kvr_read_iov_piece(const kvr_read *r, size_t k, const struct iovec **iov, size_t *n,
+                        size_t *bytes)
+{
+    if (k >= r->n_pieces) {
+        *iov = NULL;
+        *n = 0;
+        *bytes = 0;
+        return;
+    }
+    *iov = r->piov + r->pieces[k].iov0;
+    *n = r->pieces[k].n_iov;
+    *bytes = r->pieces[k].bytes;
 }
 
 int kvr_read_stage_raw(kvr_read *r, const char *ctx_id, size_t start, size_t *kbytes,
@@ -338,7 +570,8 @@ int kvr_read_stage_raw(kvr_read *r, const char *ctx_id, size_t start, size_t *kb
 
 bool kvr_read_needs_work(const kvr_read *r)
 {
-    return (r->staging != NULL || kvr_store_reload_pending(r->s, r->rl)) && !r->worked;
+    return (r->stage_need || r->staging != NULL || kvr_store_reload_pending(r->s, r->rl)) &&
+           !r->worked;
 }
 
 /* One layer of the stream (any thread; layers write disjoint parts of the
@@ -498,7 +731,7 @@ int kvr_read_work_into(kvr_read *r, void *dst, const char *nomem, kvr_error *err
     if (rc != 0)
         return rc;
     into_job j = { r, dst };
-    if (!r->staging || r->worked) {
+    if ((!r->staging && !r->stage_need) || r->worked) {
         /* Nothing to compute (zero-copy or raw), or already in the staging:
          * the iovecs' bytes, in order, layer by layer on the pool as the
          * worked path splits them (no iovec spans two layers). */
@@ -541,6 +774,18 @@ int kvr_read_work(kvr_read *r, size_t l0, size_t l1, const char *nomem, kvr_erro
     int rc = kvr_store_reload_work(r->s, r->rl, err);
     if (rc != 0)
         return rc;
+    if (r->n_pieces)
+        return kvr_error_set(err, KVR_EINTERNAL, "a %s staged in pieces is worked piece by "
+                             "piece", r->what);
+    if (stage_pending(r)) {
+        /* Nobody said how the payload goes out: the whole staging, which
+         * only the store's thread may reserve. */
+        if (!pthread_equal(r->owner, pthread_self()))
+            return kvr_error_set(err, KVR_EINTERNAL, "the staging of this %s must be reserved on "
+                                 "the store's thread before work (stage it first)", r->what);
+        if ((rc = kvr_read_stage_now(r, err)) != 0)
+            return rc;
+    }
     bool all = l0 == 0 && l1 == r->nl;
     if (r->ring_slots && l1 - l0 > r->ring_per * r->ring_slots)
         return kvr_error_set(err, KVR_EINTERNAL, "layers [%zu, %zu) do not fit the staging "
@@ -610,6 +855,8 @@ void kvr_read_free(kvr_read *r)
     kvr_mem_free(r->targets);
     kvr_mem_free(r->from);
     kvr_mem_free(r->groups);
+    kvr_mem_free(r->pieces);
+    kvr_mem_free(r->piov);
     if (r->ring_slots)
         kvr_mem_staging_free(r->staging);
     else if (r->staging != r->dst)

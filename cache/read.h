@@ -27,6 +27,7 @@
 #ifndef KVR_CACHE_READ_H
 #define KVR_CACHE_READ_H
 
+#include <pthread.h>
 #include <sys/uio.h>
 
 #include "cache/txn.h"
@@ -50,6 +51,17 @@ typedef struct kvr_read_run {
     size_t           k_off, v_off;   /* else: offsets in the layer's staging */
 } kvr_read_run;
 
+/* A piece of a streamed read (kvr_read_stage_pieces): payload layer li's
+ * side kv (0 K, 1 V), stream tokens [a, b): one contiguous range of the
+ * payload, its iovecs piov[iov0 .. iov0 + n_iov). */
+typedef struct kvr_read_piece {
+    uint32_t li;
+    uint8_t  kv;
+    bool     work;               /* some of it is staged: produced in its slot */
+    size_t   a, b;
+    size_t   iov0, n_iov, bytes;
+} kvr_read_piece;
+
 typedef struct kvr_read {
     kvr_store    *s;
     kvr_model    *m;
@@ -65,10 +77,23 @@ typedef struct kvr_read {
     kvr_rope_opts ro;            /* dynamic NTK / longrope: the tables' lengths */
     kvr_reload   *rl;            /* spilled blocks, loaded by work */
     size_t        kst, vst;      /* staged bytes per layer: K, V */
+    size_t        stage_need;    /* bytes the whole staging takes (0: none);
+                                    reserved and allocated only once the
+                                    caller says how the payload goes out
+                                    (kvr_read_stage_now / _ring), never for
+                                    dst or kvr_read_work_into */
+    const char   *what;          /* "get" / "assemble": reservation messages */
+    char          keep_id[KVR_ID_MAX + 1]; /* context kept busy while staging
+                                    is reserved ("" : none) */
+    pthread_t     owner;         /* the store's thread (kvr_read_init's) */
     size_t        scratch;       /* floats of scratch one layer needs */
     uint8_t      *staging;       /* or dst */
     size_t        ring_per, ring_slots; /* kvr_read_stage_ring: layer li is staged
                                     in slot (li / per) % slots; 0: no ring */
+    kvr_read_piece *pieces;      /* kvr_read_stage_pieces; NULL: none */
+    size_t        n_pieces, piece_tok;  /* piece k is staged in slot k % ring_slots
+                                    of piece_tok rows */
+    struct iovec *piov;
     uint8_t      *dst;           /* set before stage: everything is produced
                                     here, in wire order (no zero-copy runs,
                                     no staging of our own) */
@@ -98,33 +123,62 @@ int  kvr_read_check_rope(const kvr_read *r, kvr_error *err);
  * when the two tables differ. requested: the targets were asked for. No-op
  * for RoPE that composes. After every kvr_read_add. */
 void kvr_read_rope_lens(kvr_read *r, const kvr_ctx *c, bool requested);
-/* Zero-copy decisions, the staging buffer (reserved as request `what`;
- * with r->dst set: every run is produced into dst, whose per-layer layout
- * then is exactly the wire's, and nothing is reserved;
- * `keep`, may be NULL, is made busy meanwhile so eviction spares it) and
- * the iovecs. */
+/* Zero-copy decisions and the staging's layout (request `what`; with
+ * r->dst set: every run is produced into dst, whose per-layer layout then is
+ * exactly the wire's, and nothing is reserved; `keep`, may be NULL: the
+ * context made busy while the staging is reserved, so eviction spares it).
+ * Lazy: the staging itself is reserved and allocated only by
+ * kvr_read_stage_now (whole) or kvr_read_stage_ring (a ring), and never for
+ * kvr_read_work_into; until then the iovecs are empty unless nothing is
+ * staged. */
 int  kvr_read_stage(kvr_read *r, kvr_ctx *keep, const char *what, kvr_error *err);
+/* The store's thread: reserves and allocates the whole staging and fills
+ * the iovecs. No-op when staged already or nothing is staged. 0, or the
+ * reservation's error (KVR_ETOOLARGE / KVR_ENOMEM); nothing changed then. */
+int  kvr_read_stage_now(kvr_read *r, kvr_error *err);
 /* Raw read (quantized blocks as stored, zero-copy): *kb / *vb bytes of K /
  * V per layer; KVR_EUNSUPPORTED (naming ctx_id, token `start` + i) where
  * the runs cannot go out raw. */
 int  kvr_read_stage_raw(kvr_read *r, const char *ctx_id, size_t start, size_t *kb,
                         size_t *vb, kvr_error *err);
 bool kvr_read_needs_work(const kvr_read *r);
-/* A caller that works and sends the layers `per` at a time, in order, with
- * at most `slots` such chunks staged at once (the daemon's streamed get):
- * the staging shrinks to a ring of that many chunks, reused chunk after
- * chunk (its pages faulted in once, the ring itself kept for the next
- * request: kvr_mem_staging). Chunk k's bytes are then valid from its work
- * until chunk k + slots is worked. No-op when nothing is staged or the
- * ring would not be smaller; KVR_ENOMEM leaves the whole staging. Before
- * any work. */
-int  kvr_read_stage_ring(kvr_read *r, size_t per, size_t slots);
-/* Produces layers [l0, l1) of the staging (the reload first); all layers
- * mark the read worked. nomem: the message for KVR_ENOMEM. */
+/* The store's thread, before any work. A caller that works and sends the
+ * layers `per` at a time, in order, with at most `slots` such chunks staged
+ * at once (the daemon's streamed get): the staging is a ring of that many
+ * chunks (only the ring is reserved), reused chunk after chunk (its pages
+ * faulted in once, the ring itself kept for the next request:
+ * kvr_mem_staging). Chunk k's bytes are then valid from its work until
+ * chunk k + slots is worked. Where the ring would not be smaller, the
+ * whole staging (kvr_read_stage_now); no-op when nothing is staged or it
+ * is staged already. 0, or the reservation's error. */
+int  kvr_read_stage_ring(kvr_read *r, size_t per, size_t slots, kvr_error *err);
 /* The whole read straight into dst (out.bytes, wire order), staged parts
  * computed in place, zero-copy ones copied; the staging is not used. Same
  * bytes as work + the iovecs. */
 int  kvr_read_work_into(kvr_read *r, void *dst, const char *nomem, kvr_error *err);
+/* The store's thread, before any work: a streamed read sent in pieces of
+ * about piece_bytes (whole rows, a side of a layer split at token
+ * boundaries; a side with nothing staged is one piece, straight from block
+ * memory), with at most `slots` pieces staged at once: only a ring of
+ * `slots` pieces is reserved, and a piece's staged bytes are produced just
+ * before its write reads them, while they are still in cache. Only for
+ * reads whose staged runs are all produced row by row with the same bits
+ * however they are split (keys of plain blocks in one pass, values of
+ * plain blocks converted); for any other *n_pieces = 0 and nothing
+ * changes. 0, or the reservation's error. Piece k's bytes are valid from
+ * its work until piece k + slots is worked; the whole-payload iovecs and
+ * kvr_read_work are not available on a read in pieces. */
+int  kvr_read_stage_pieces(kvr_read *r, size_t piece_bytes, size_t slots, size_t *n_pieces,
+                           kvr_error *err);
+/* Piece k's work (any thread; the first call must return before any
+ * other starts: it does the disk tier's load) and iovecs. */
+int  kvr_read_work_piece(kvr_read *r, size_t k, const char *nomem, kvr_error *err);
+void kvr_read_iov_piece(const kvr_read *r, size_t k, const struct iovec **iov, size_t *n,
+                        size_t *bytes);
+/* Produces layers [l0, l1) of the staging (the reload first); all layers
+ * mark the read worked. nomem: the message for KVR_ENOMEM. Any thread once
+ * staged; a read not staged yet is staged whole first (kvr_read_stage_now),
+ * which only the store's thread may do (KVR_EINTERNAL elsewhere). */
 int  kvr_read_work(kvr_read *r, size_t l0, size_t l1, const char *nomem, kvr_error *err);
 /* The iovecs of layers [l0, l1). */
 void kvr_read_iov_layers(const kvr_read *r, size_t l0, size_t l1, const struct iovec **iov,
@@ -159,6 +213,10 @@ void kvr_read_free(kvr_read *r);
     int prefix##_work(type *t, kvr_error *err)                                 \
     {                                                                          \
         return kvr_read_work(&t->r, 0, t->r.nl, nomem, err);                   \
+    }                                                                          \
+    int prefix##_stage(type *t, kvr_error *err)                                \
+    {                                                                          \
+        return kvr_read_stage_now(&t->r, err);                                 \
     }                                                                          \
     KVR_PAYLOAD_API(type, prefix, r.out)
 

@@ -1,11 +1,12 @@
 /*
  * txn.c — the write transactions' payload (txn.h): zero-copy iovecs into
- * destination blocks, or a staging buffer.
+ * destination blocks, or a staging buffer (none for a payload the caller
+ * hands to work itself: kvr_put_work_from).
  */
 #include "cache/txn.h"
 
 int kvr_wpay_init(kvr_wpay *w, const kvr_brun *runs, size_t n, uint32_t n_layers,
-                  size_t payload, bool zero_copy)
+                  size_t payload, bool zero_copy, bool stage)
 {
     kvr_payload *p = &w->p;
     p->bytes = payload;
@@ -16,6 +17,9 @@ int kvr_wpay_init(kvr_wpay *w, const kvr_brun *runs, size_t n, uint32_t n_layers
         p->n_iov = kvr_brun_iov(runs, n, n_layers, p->iov);
         return 0;
     }
+    w->work = true;
+    if (!stage)
+        return 0;
     w->staging = kvr_mem_staging(payload);   /* large ones reused: no page faults */
     if (!w->staging)
         return KVR_ENOMEM;

@@ -33,14 +33,19 @@ typedef struct kvr_payload {
 
 typedef struct kvr_wpay {
     kvr_payload   p;
-    uint8_t      *staging;      /* NULL when zero-copy */
+    uint8_t      *staging;      /* NULL when zero-copy or not staged */
+    bool          work;         /* the payload is converted by work (not
+                                   zero-copy): from the staging, or from the
+                                   caller's memory (kvr_put_work_from) */
     bool          worked;
 } kvr_wpay;
 
 /* Sets w up for `payload` bytes: iovecs into runs[0..n) (for n_layers
- * layers) when zero_copy, else one staging buffer. 0 or KVR_ENOMEM. */
+ * layers) when zero_copy, else work, from one staging buffer when `stage`
+ * (else no iovecs: the caller hands the payload to work itself). 0 or
+ * KVR_ENOMEM. */
 int  kvr_wpay_init(kvr_wpay *w, const kvr_brun *runs, size_t n, uint32_t n_layers,
-                   size_t payload, bool zero_copy);
+                   size_t payload, bool zero_copy, bool stage);
 void kvr_wpay_free(kvr_wpay *w);
 
 /* The public accessors of a write transaction: a struct `type` whose
@@ -49,7 +54,7 @@ void kvr_wpay_free(kvr_wpay *w);
     KVR_PAYLOAD_API(type, prefix, w.p)                                         \
     bool prefix##_needs_work(const type *t)                                    \
     {                                                                          \
-        return t->w.staging != NULL && !t->w.worked;                           \
+        return t->w.work && !t->w.worked;                           \
     }
 
 #pragma GCC visibility pop

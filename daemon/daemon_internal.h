@@ -96,6 +96,14 @@ typedef struct kvrd_request kvrd_request;
  * worked and as many written at a time, so rotation overlaps sending. */
 #define KVR_STREAM_MIN_BYTES   (4u << 20)
 #define KVR_STREAM_CHUNK_BYTES (8u << 20)
+/* ... or, where a ring of such chunks would stage more than
+ * KVR_STREAM_PIECES_FROM bytes (more than the last-level cache holds beside
+ * the socket's buffers) and the get can be produced in pieces
+ * (kvr_get_stage_pieces), pieces of about KVR_STREAM_PIECE_BYTES: a ring of
+ * KVR_STREAM_WINDOW + 1 of them stays in cache between their work and
+ * their write. */
+#define KVR_STREAM_PIECE_BYTES (2u << 20)
+#define KVR_STREAM_PIECES_FROM (16u << 20)
 #define KVR_STREAM_WINDOW      2
 
 struct kvr_daemon {
@@ -358,6 +366,11 @@ void kvrd_request_persisted(void *arg, int rc, const kvr_error *e);
  * stream cannot start. */
 int  kvrd_stream_start(kvrd_request *r, kvr_conn *c, kvr_get *get, uint8_t *buf, size_t len,
                        size_t payload_len);
+/* Loop thread, before kvrd_stream_start and before anything is sent: the
+ * get's staging as the stream will use it (a ring of chunks when that is
+ * smaller than the whole staging, kvr_get_stage_ring). 0, or the store's
+ * refusal (reply with it: nothing was sent). */
+int  kvrd_stream_stage(kvr_get *get, kvr_error *err);
 
 /* ---- persist.c: the disk tier ------------------------------------------ */
 /* Opens --disk-dir and recovers the persistent contexts (before listening). */

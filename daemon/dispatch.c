@@ -1335,11 +1335,28 @@ static void start_get(kvrd_request *r, const kvr_get_params *gp0)
                        "holds %zu", need, r->shm_len);
             return;
         }
+        /* A read the store placed in the region stages nothing (a no-op);
+         * one it could not place is staged here, on the loop thread, for
+         * shm_copy_out's copy. */
+        if (work && (rc = kvr_get_stage(r->get, &e)) < 0) {
+            release_txn(r);
+            reply_err(r, rc, &e);
+            return;
+        }
         run(r, work);   /* no stream: the worker writes the region */
         return;
     }
-    if (work && kvr_get_payload_size(r->get) > KVR_STREAM_MIN_BYTES &&
-        kvr_get_get_info(r->get)->n_layers > 1) {
+    /* The staging, reserved only now that it is known how the payload goes
+     * out (issue 15): a ring of chunks for a stream, else the whole buffer
+     * the iovecs point into; refused before anything is sent. */
+    bool stream = work && kvr_get_payload_size(r->get) > KVR_STREAM_MIN_BYTES &&
+                  kvr_get_get_info(r->get)->n_layers > 1;
+    if (work && (rc = stream ? kvrd_stream_stage(r->get, &e) : kvr_get_stage(r->get, &e)) < 0) {
+        release_txn(r);
+        reply_err(r, rc, &e);
+        return;
+    }
+    if (stream) {
         r->work_rc = 0;
         send_get(r, true);
         return;
@@ -1533,7 +1550,15 @@ static void do_assemble(kvrd_request *r)
                    "holds %zu", need, r->shm_len);
         return;
     }
-    run(r, !ap.meta_only && kvr_assemble_needs_work(r->as));
+    bool work = !ap.meta_only && kvr_assemble_needs_work(r->as);
+    /* The staging the iovecs need, reserved now on the loop thread (an
+     * assembly placed in a region needs none: a no-op then). */
+    if (work && (rc = kvr_assemble_stage(r->as, &e)) < 0) {
+        release_txn(r);
+        reply_err(r, rc, &e);
+        return;
+    }
+    run(r, work);
 }
 
 static void finish_assemble(kvrd_request *r)

@@ -1370,6 +1370,12 @@ int kvr_remote_publish(kvr_remote *r, const char *ctx_id, kvr_remote_done_fn don
             return rc;
         }
     }
+    /* Their staging (if any), here on the loop: the work runs on a worker. */
+    if ((g && (rc = kvr_get_stage(g, err)) < 0) || (g2 && (rc = kvr_get_stage(g2, err)) < 0)) {
+        kvr_get_end(g);
+        kvr_get_end(g2);
+        return rc;
+    }
     const kvr_get_info *gi = g ? kvr_get_get_info(g) : NULL;
     const kvr_get_info *gw = g2 ? kvr_get_get_info(g2) : NULL;
     if ((gi ? gi->n_tokens : 0) + (gw ? gw->n_tokens : 0) != n || (quant && gi && !gi->raw)) {

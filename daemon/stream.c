@@ -17,16 +17,30 @@
  * and the writes in flight have come back. Each queued job and write holds
  * a reference on the connection, so it outlives the stream.
  *
- * Staging (issue 15): a stream of more than RING_SLOTS chunks stages them
- * in a ring of RING_SLOTS chunk slots (kvr_get_stage_ring) instead of one
- * buffer for the whole payload: memory bounded by the chunk, not the
- * context, and every slot after the first round lands in pages already
- * faulted in (the ring itself is kept for the next request, mem.c). Chunk
- * k is worked in slot k % RING_SLOTS, so it is queued only once chunk
- * k - RING_SLOTS's write has completed (writes complete in order: wdone).
- * With the job window and the write window of KVR_STREAM_WINDOW each, at
- * most KVR_STREAM_WINDOW + 1 chunks are ever between their work and the
- * end of their write, so the ring never holds the pipeline back.
+ * Staging (issue 15), reserved by kvrd_stream_stage before anything is
+ * sent, never the whole payload's:
+ *  - In pieces (kvr_get_stage_pieces), where a ring of whole-layer chunks
+ *    would stage more than KVR_STREAM_PIECES_FROM and the get's staged
+ *    rows have the same bits however they are split (plain blocks: keys moved by one
+ *    delta or converted, values converted: an edited or shifted f16
+ *    context): chunk k is piece k, about KVR_STREAM_PIECE_BYTES of one
+ *    layer's staged side (a side straight from block memory is one piece,
+ *    one large write), staged in slot k % RING_SLOTS. A layer at 8k tokens
+ *    of Llama-3-8B is 32 MiB (its keys 16 MiB): in whole layers the ring
+ *    would be 48 MiB, past the last-level cache, so rotated keys went out
+ *    to memory and came back for the send copy; pieces keep the ring at 6
+ *    MiB, in cache between the rotation and the write.
+ *  - Else, a stream of more than RING_SLOTS chunks (whole layers of about
+ *    KVR_STREAM_CHUNK_BYTES) stages them in a ring of RING_SLOTS chunk
+ *    slots (kvr_get_stage_ring); fewer chunks: the whole staging.
+ * Either way memory is bounded by the chunk, not the context, and every
+ * slot after the first round lands in pages already faulted in (the ring
+ * itself is kept for the next request, mem.c). Chunk k is worked in slot
+ * k % RING_SLOTS, so it is queued only once chunk k - RING_SLOTS's write
+ * has completed (writes complete in order: wdone). With the job window and
+ * the write window of KVR_STREAM_WINDOW each, at most KVR_STREAM_WINDOW + 1
+ * chunks are ever between their work and the end of their write, so the
+ * ring never holds the pipeline back.
  */
 #include "daemon/daemon_internal.h"
 
@@ -55,6 +69,7 @@ struct kvrd_stream {
     kvr_conn  *c;
     kvr_get   *get;
     size_t     n_layers, per, n_chunks, layer_bytes;
+    bool       pieces;                   /* chunk k = piece k (kvr_get_stage_pieces) */
     size_t     next_queue, next_write;   /* chunks queued for work / written */
     size_t     wdone;                    /* chunk writes completed */
     size_t     ring;                     /* staging ring slots; 0: whole staging */
@@ -73,9 +88,13 @@ static void stream_range(const kvrd_stream *s, size_t chunk, size_t *l0, size_t 
 static void stream_work_cb(uv_work_t *w)
 {
     stream_job *j = w->data;
+    memset(&j->err, 0, sizeof j->err);
+    if (j->s->pieces) {
+        j->rc = kvr_get_work_piece(j->s->get, j->chunk, &j->err);
+        return;
+    }
     size_t l0, l1;
     stream_range(j->s, j->chunk, &l0, &l1);
-    memset(&j->err, 0, sizeof j->err);
     j->rc = kvr_get_work_layers(j->s->get, l0, l1, &j->err);
 }
 
@@ -141,15 +160,19 @@ static void stream_pump(kvrd_stream *s)
         stream_job *j = &s->job[s->next_write % KVR_STREAM_WINDOW];
         if (j->state != SLOT_READY || j->chunk != s->next_write)
             break;
-        size_t l0, l1;
-        stream_range(s, s->next_write, &l0, &l1);
         const struct iovec *iov;
-        size_t niov;
-        kvr_get_payload_iov_layers(s->get, l0, l1, &iov, &niov);
+        size_t niov, bytes;
+        if (s->pieces) {
+            kvr_get_payload_iov_piece(s->get, s->next_write, &iov, &niov, &bytes);
+        } else {
+            size_t l0, l1;
+            stream_range(s, s->next_write, &l0, &l1);
+            kvr_get_payload_iov_layers(s->get, l0, l1, &iov, &niov);
+            bytes = (l1 - l0) * s->layer_bytes;
+        }
         j->state = SLOT_FREE;
         s->next_write++;
-        if (kvrd_conn_write(c, NULL, 0, iov, niov, (l1 - l0) * s->layer_bytes,
-                            stream_write_cb, s) != 0) {
+        if (kvrd_conn_write(c, NULL, 0, iov, niov, bytes, stream_write_cb, s) != 0) {
             stream_fail(s, "the payload write could not be queued");
             break;
         }
@@ -181,6 +204,29 @@ static void stream_pump(kvrd_stream *s)
     stream_finish(s);
 }
 
+/* Layers per chunk of a stream of nl layers, payload bytes. */
+static size_t stream_per(size_t nl, size_t payload_len)
+{
+    size_t layer_bytes = payload_len / nl;
+    size_t per = layer_bytes ? KVR_STREAM_CHUNK_BYTES / layer_bytes : nl;
+    return per ? per : 1;
+}
+
+int kvrd_stream_stage(kvr_get *get, kvr_error *err)
+{
+    size_t nl = kvr_get_get_info(get)->n_layers;
+    if (nl == 0)
+        return kvr_get_stage(get, err);
+    size_t per = stream_per(nl, kvr_get_payload_size(get));
+    if (RING_SLOTS * per * kvr_get_staged_layer_bytes(get) > KVR_STREAM_PIECES_FROM) {
+        size_t np = 0;
+        int rc = kvr_get_stage_pieces(get, KVR_STREAM_PIECE_BYTES, RING_SLOTS, &np, err);
+        if (rc != 0 || np > 0)
+            return rc;
+    }
+    return kvr_get_stage_ring(get, per, RING_SLOTS, err);
+}
+
 int kvrd_stream_start(kvrd_request *r, kvr_conn *c, kvr_get *get, uint8_t *buf, size_t len,
                       size_t payload_len)
 {
@@ -199,12 +245,17 @@ int kvrd_stream_start(kvrd_request *r, kvr_conn *c, kvr_get *get, uint8_t *buf, 
     s->get = get;
     s->n_layers = nl;
     s->layer_bytes = payload_len / nl;
-    s->per = s->layer_bytes ? KVR_STREAM_CHUNK_BYTES / s->layer_bytes : nl;
-    if (s->per == 0)
-        s->per = 1;
+    s->per = stream_per(nl, payload_len);
     s->n_chunks = (nl + s->per - 1) / s->per;
-    /* Out of memory for the ring: the whole staging is still there. */
-    if (s->n_chunks > RING_SLOTS && kvr_get_stage_ring(get, s->per, RING_SLOTS) == 0)
+    size_t np = kvr_get_n_pieces(get);
+    if (np) {   /* in pieces: chunk k is piece k, in slot k % RING_SLOTS */
+        s->pieces = true;
+        s->n_chunks = np;
+    }
+    /* Staged by kvrd_stream_stage: pieces, a ring when there are more
+     * chunks than its slots (kvr_read_stage_ring's rule), else the whole
+     * staging. */
+    if (s->n_chunks > RING_SLOTS)
         s->ring = RING_SLOTS;
     c->d->n_streamed++;
     if (kvrd_conn_write(c, buf, len, NULL, 0, 0, NULL, NULL) != 0) {

@@ -54,7 +54,7 @@ static int run(kvr_store *s, const char *id, const char *codec, const uint16_t *
     kvr_put_params p = { .ctx_id = id, .model = "llama", .mode = KVR_PUT_CREATE,
                          .n_layers = NL, .n_kv_heads = NH, .head_dim = HD,
                          .dtype = KVR_DTYPE_F16, .n_tokens = NTOK, .tokens = tok,
-                         .codec = codec };
+                         .codec = codec, .work_from = true };
     double t0 = now_s(), c0 = cpu_s();
     kvr_put *t = NULL;
     if (kvr_store_put_begin(s, &p, &t, &e) != 0) {

@@ -879,7 +879,7 @@ static int put_from(const char *id, kvr_put_mode mode, const char *codec, size_t
     kvr_put_params p = { .ctx_id = id, .model = "m", .mode = mode, .n_layers = L,
                          .n_kv_heads = H, .head_dim = D, .dtype = KVR_DTYPE_F32,
                          .n_tokens = n, .tokens = tok, .codec = codec,
-                         .has_pos_start = true, .pos_start = pos0 };
+                         .has_pos_start = true, .pos_start = pos0, .work_from = true };
     kvr_put *t = NULL;
     int rc = kvr_store_put_begin(S, &p, &t, e);
     free(tok);
@@ -982,7 +982,7 @@ static int put_dt(const char *id, kvr_put_mode mode, const char *codec, size_t t
     kvr_put_params p = { .ctx_id = id, .model = "m", .mode = mode, .n_layers = L,
                          .n_kv_heads = H, .head_dim = D, .dtype = dt, .n_tokens = n,
                          .tokens = tok, .codec = codec, .has_pos_start = true,
-                         .pos_start = (int64_t)t0 };
+                         .pos_start = (int64_t)t0, .work_from = true };
     kvr_put *t = NULL;
     int rc = kvr_store_put_begin(S, &p, &t, e);
     free(tok);

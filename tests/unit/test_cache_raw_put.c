@@ -44,7 +44,9 @@ static bool FROM;
 static int put_bytes(const kvr_put_params *p0, const void *pl, size_t len, kvr_error *e)
 {
     kvr_put *t;
-    int rc = kvr_store_put_begin(S, p0, &t, e);
+    kvr_put_params pp = *p0;
+    pp.work_from = FROM;   /* no staging for a payload handed to work */
+    int rc = kvr_store_put_begin(S, &pp, &t, e);
     if (rc)
         return rc;
     if (kvr_put_payload_size(t) != len) {

@@ -222,6 +222,10 @@ static void *job_run(void *arg)
 
 static void job_start(job *j)
 {
+    /* The staging is reserved on the store's thread (cache.h), as the
+     * daemon does before it queues the work. */
+    int rc = j->g ? kvr_get_stage(j->g, &j->e) : kvr_assemble_stage(j->a, &j->e);
+    cr_assert_eq(rc, 0, "%s", j->e.msg);
     cr_assert_eq(pthread_create(&j->th, NULL, job_run, j), 0);
 }
 

@@ -6,7 +6,9 @@
  * (computed locally with kvr_rope_reposition), the per-layer callback fires
  * in order, match+get streams too, a client that disconnects mid-stream
  * leaves the daemon healthy (and, under `make check`, leak-free: the daemon
- * must exit 0 under ASan/LSan), and unedited zero-copy gets do not stream.
+ * must exit 0 under ASan/LSan), unedited zero-copy gets do not stream, and
+ * a streamed get near --max-memory reserves only its staging ring (issue
+ * 15: no eviction, no refusal for the whole payload it never stages).
  *
  * Shape: 32 layers x 8 KV heads x 128 dims, f16, 300 tokens (1.2 MiB a
  * layer, 37.5 MiB in all: several 8 MiB chunks).
@@ -33,9 +35,11 @@ static void *PL;        /* what was put: K at positions 0..NT-1 */
 static size_t PL_LEN;
 static uint32_t TOK[NT];
 
+static const char *const *EXTRA;   /* the daemon's extra options */
+
 static void setup(void)
 {
-    cr_assert_eq(testd_start(&D, NULL), 0, "daemon did not start");
+    cr_assert_eq(testd_start(&D, EXTRA), 0, "daemon did not start");
     C = testd_connect(&D);
     cr_assert_not_null(C);
     kvr_rope_config rc;
@@ -314,4 +318,129 @@ Test(int_stream, client_leaving_mid_stream_leaves_the_daemon_healthy)
     kvr_kv_release(&kv);
     free(want);
     cr_assert(testd_alive(&D));
+}
+
+/* ---- in pieces ------------------------------------------------------------ */
+
+/* Wide layers: 4 x 32 heads x 128 dims, 1000 tokens: 16 MiB a layer, its
+ * keys 8 MiB. A ring of whole-layer chunks would stage 24 MiB, so the
+ * stream goes in pieces of about 2 MiB (kvr_get_stage_pieces): the same
+ * bytes as the single-shot result. */
+Test(int_stream, wide_layers_stream_in_pieces)
+{
+    enum { WL = 4, WH = 32, WT = 1000 };
+    kvr_rope_config rc;
+    kvr_rope_config_init(&rc);
+    rc.head_dim = ND;
+    rc.rotary_dim = ND;
+    kvr_model_params mp = { .name = "wide", .n_layers = WL, .n_kv_heads = WH, .head_dim = ND,
+                            .dtype = KVR_DTYPE_F16, .rope = &rc };
+    cr_assert_eq(kvr_client_model_register(C, &mp, NULL), 0, "%s", kvr_client_last_error(C));
+    size_t len = kvr_payload_size(WL, WT, WH, ND, KVR_DTYPE_F16), half = len / WL / 2;
+    uint8_t *pl = malloc(len), *want = malloc(len);
+    cr_assert(pl && want);
+    testd_fill(pl, 11, NULL, WL, 0, WT, WH, ND, KVR_DTYPE_F16);
+    uint32_t *tok = malloc(WT * sizeof *tok);
+    for (uint32_t i = 0; i < WT; i++)
+        tok[i] = 7 + i;
+    kvr_put_args a = { .mode = KVR_PUT_UPSERT, .ctx_id = "w", .model = "wide",
+                       .dtype = KVR_DTYPE_F16, .tokens = tok, .n_tokens = WT,
+                       .has_pos_start = true, .pos_start = 0, .payload = pl, .payload_len = len };
+    cr_assert_eq(kvr_client_put(C, &a, NULL), 0, "%s", kvr_client_last_error(C));
+    /* the first 100 tokens stay (zero-copy keys), the rest move */
+    cr_assert_eq(kvr_client_shift(C, "w", 100, WT, SHIFT), 0, "%s", kvr_client_last_error(C));
+    int64_t *from = malloc(WT * sizeof *from), *to = malloc(WT * sizeof *to);
+    for (size_t i = 0; i < WT; i++) {
+        from[i] = (int64_t)i;
+        to[i] = (int64_t)i + (i >= 100 ? SHIFT : 0);
+    }
+    for (size_t l = 0; l < WL; l++) {
+        cr_assert_eq(kvr_rope_reposition(R, want + l * 2 * half, KVR_DTYPE_F16,
+                                         pl + l * 2 * half, KVR_DTYPE_F16, WT, WH, from, to,
+                                         NULL), 0);
+        memcpy(want + l * 2 * half + half, pl + l * 2 * half + half, half);
+    }
+    double streamed0 = testd_metric(C, "streamed_replies");
+    for (int rep = 0; rep < 2; rep++) {
+        kvr_get_args ga = { .ctx_id = "w", .dtype = KVR_DTYPE_F16 };
+        kvr_kv kv;
+        cr_assert_eq(kvr_client_get(C, &ga, &kv), 0, "get: %s", kvr_client_last_error(C));
+        cr_assert_eq(kv.payload_len, len);
+        for (size_t off = 0; off < len; off += half)
+            cr_assert(memcmp((const uint8_t *)kv.payload + off, want + off, half) == 0,
+                      "layer %zu %s differs", off / (2 * half), (off / half) % 2 ? "V" : "K");
+        kvr_kv_release(&kv);
+    }
+    cr_assert_eq(testd_metric(C, "streamed_replies"), streamed0 + 2);
+    cr_assert_eq(testd_metric(C, "streams_aborted"), 0);
+    free(from);
+    free(to);
+    free(tok);
+    free(pl);
+    free(want);
+}
+
+/* ---- near the memory cap ------------------------------------------------- */
+
+static const char *const CAP_ARGS[] = { "--max-memory", "96M", NULL };
+
+static void setup_cap(void)
+{
+    EXTRA = CAP_ARGS;
+    setup();
+    EXTRA = NULL;
+}
+
+/* Tokens [t0, t0 + n) of PL put (appended) to ctx: each put under a
+ * quarter of the cap. */
+static void put_piece(const char *ctx, size_t t0, size_t n)
+{
+    size_t half = (size_t)NT * NH * ND * 2, row = (size_t)NH * ND * 2;
+    size_t len = kvr_payload_size(NL, n, NH, ND, KVR_DTYPE_F16);
+    uint8_t *p = malloc(len), *o = p;
+    cr_assert_not_null(p);
+    for (size_t l = 0; l < NL; l++)
+        for (int kv = 0; kv < 2; kv++) {
+            memcpy(o, (const uint8_t *)PL + (2 * l + (size_t)kv) * half + t0 * row, n * row);
+            o += n * row;
+        }
+    kvr_put_args a = { .mode = KVR_PUT_UPSERT, .ctx_id = ctx, .model = "big",
+                       .dtype = KVR_DTYPE_F16, .tokens = TOK + t0, .n_tokens = n,
+                       .has_pos_start = true, .pos_start = (int64_t)t0, .payload = p,
+                       .payload_len = len };
+    cr_assert_eq(kvr_client_put(C, &a, NULL), 0, "%s", kvr_client_last_error(C));
+    free(p);
+}
+
+/* 96 MiB cap: a request may use 24 MiB. The shifted context (37.5 MiB) and
+ * a cold one (half of it) fit with room for the stream's ring (3 chunks of
+ * 6 layers: 21 MiB), not for a whole-payload staging (37.5 MiB, over what
+ * one request may use: it was refused, or made room by evicting). */
+Test(int_stream_cap, streamed_get_near_the_cap_reserves_only_its_ring, .init = setup_cap,
+     .fini = teardown, .timeout = 240)
+{
+    for (size_t t0 = 0; t0 < NT; t0 += 75)
+        put_piece("s", t0, 75);
+    for (size_t t0 = 0; t0 < NT / 2; t0 += 75)
+        put_piece("cold", t0, 75);
+    cr_assert_eq(kvr_client_shift(C, "s", 0, NT, SHIFT), 0, "%s", kvr_client_last_error(C));
+    uint8_t *want = expected_shifted();
+    double ev0 = testd_metric(C, "evicted_blocks"), st0 = testd_metric(C, "streamed_replies");
+    cr_assert_geq(ev0, 0, "no evicted_blocks metric");
+    for (int rep = 0; rep < 2; rep++) {
+        void *dst = malloc(PL_LEN);
+        layer_log g = { .base = dst };
+        kvr_kv kv = get_all("s", dst, &g);
+        assert_same(kv.payload, want, PL_LEN);
+        check_layers(&g);
+        kvr_kv_release(&kv);
+        free(dst);
+    }
+    cr_assert_eq(testd_metric(C, "streamed_replies"), st0 + 2);
+    cr_assert_eq(testd_metric(C, "evicted_blocks"), ev0, "the streamed get evicted blocks");
+    kvr_context cs;
+    cr_assert_eq(kvr_client_stat(C, "cold", &cs), 0, "cold: %s", kvr_client_last_error(C));
+    cr_assert_eq(cs.n_tokens, NT / 2);
+    cr_assert_eq(cs.n_evicted_tokens, 0);
+    free(want);
 }
