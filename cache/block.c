@@ -43,7 +43,7 @@ size_t kvr_block_geom_bytes(const kvr_block_geom *g)
  * (not the whole block, serially, before the put's parallel encode) is
  * what keeps a quantized put's serial part small (bench_quant_store). The
  * row and tile encoders write every byte of what they encode
- * (test_block_qfill). */
+ * (test_cache_qfill). */
 static void qzero_unwritten(uint8_t *data, const kvr_block_geom *g)
 {
     const kvr_qhdr *h = &g->qh;

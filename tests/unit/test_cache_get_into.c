@@ -4,8 +4,8 @@
  * to other positions, after an edit, quantized contexts (int4 per token,
  * KIVI key tiles with a window, q4_0), other output dtypes, a layer subset,
  * a sub-range; small (one thread), large (threaded) and streamed (32 MiB
- * and more, non-temporal stores, aligned or not) requests; and the size
- * check.
+ * and more, non-temporal stores, aligned or not; KIVI tiles too) requests;
+ * and the size check.
  */
 #include <criterion/criterion.h>
 #include <stdio.h>
@@ -225,6 +225,40 @@ Test(get_into, large_streamed_quantized)
         kvr_error e = { 0 };
         cr_assert_eq(kvr_store_delete(s, "q", &e), 0, "%s", e.msg);
     }
+    kvr_store_destroy(s);
+}
+
+/* The same for KIVI key tiles with a window (the tile path rotates into the
+ * buffer with kvr_rope_apply), int4 rows and ggml values, stored positions
+ * and re-rotated ones, at destinations on 64 bytes, 2 bytes off (one f16)
+ * and 68 bytes off, on 1 and 2 threads. */
+Test(get_into, large_streamed_kivi)
+{
+    kvr_store *s = mk();
+    size_t n = 16384 + 37;
+    const char *codecs[] = { "k=int4/g64/c,v=int2,r=16", "int4", "k=int4/g32/c,v=q4_0,r=5" };
+    kvr_dtype dts[] = { KVR_DTYPE_F16, KVR_DTYPE_F32, KVR_DTYPE_BF16 };
+    int64_t *pos = malloc(n * sizeof *pos);
+    for (size_t i = 0; i < n; i++) pos[i] = (int64_t)(i * 3 + 1000);
+    static const size_t offs[] = { 0, 2, 68 };
+    for (int c = 0; c < 3; c++) {
+        put(s, "q", codecs[c], n);
+        for (unsigned w = 0; w <= 1; w++) {
+            kvr_pool_set_active(kvr_pool_default(), w);
+            for (size_t oi = 0; oi < 3; oi++)
+                for (int d = 0; d < (c == 0 ? 3 : 1); d++) {
+                    same_at(s, (kvr_get_params){ .ctx_id = "q", .end = SIZE_MAX,
+                                                 .dtype = dts[d] }, offs[oi]);
+                    same_at(s, (kvr_get_params){ .ctx_id = "q", .end = SIZE_MAX,
+                                                 .dtype = dts[d], .positions = pos,
+                                                 .n_positions = n }, offs[oi]);
+                }
+        }
+        kvr_pool_set_active(kvr_pool_default(), KVR_POOL_MAX_WORKERS);
+        kvr_error e = { 0 };
+        cr_assert_eq(kvr_store_delete(s, "q", &e), 0, "%s", e.msg);
+    }
+    free(pos);
     kvr_store_destroy(s);
 }
 

@@ -5,13 +5,27 @@
  * group, ISA and a range of lengths, by encoding into a zeroed and a
  * poisoned buffer and comparing. Then the block's own bytes: header, the
  * K/V bytes past the filled slots zeroed, whatever memory it was given.
+ * The same for f16 input (a put's values encoded where they lie), and end
+ * to end: the quantized blocks of contexts built by creates and appends
+ * (window flushes, KIVI tiles, per-token rows, ggml blocks) on memory that
+ * jemalloc fills with 0xa5 when it hands it out (this binary's
+ * malloc_conf): zeros past each block's used slots, no run of the fill
+ * byte inside them.
  */
 #include <criterion/criterion.h>
 
 #include <string.h>
 #include <math.h>
 
+#include "cache/cache.h"
+#include "cache/ctx.h"
 #include "cache/quant.h"
+#include "cache/store.h"
+
+#ifdef KVR_JEMALLOC
+/* Fresh allocations filled with 0xa5 (jemalloc reads this at start-up). */
+const char *malloc_conf = "junk:alloc";
+#endif
 
 static const char *const codecs[] = { "int8", "int4", "int2", "int8/g32", "int4/g128",
                                       "int2/g256", "q8_0", "q4_0", "q4_1", "q5_0" };
@@ -128,4 +142,126 @@ Test(qfill, fresh_block_zeroes_what_is_not_filled)
             cr_assert_eq(pool.n_blocks, 0);
         }
     }
+}
+
+Test(qfill, f16_rows_write_every_byte)
+{
+    static const size_t lens[] = { 1, 7, 32, 33, 64, 96, 128, 1000, 1024 };
+    size_t compared = 0;
+    for (size_t a = 0; a < N_CODECS; a++)
+        for (int isa = KVR_ISA_SCALAR; isa <= KVR_ISA_AVX512; isa++) {
+            kvr_codec c;
+            cr_assert_eq(kvr_codec_parse(codecs[a], &c), 0);
+            c.isa = (kvr_isa)isa;
+            for (size_t z = 0; z < sizeof lens / sizeof lens[0]; z++) {
+                size_t n = lens[z], rb = kvr_codec_row_bytes(&c, n), bad;
+                if (rb == 0)
+                    continue;
+                float *x = values(n, 0.37);
+                uint16_t *xh = malloc(n * sizeof *xh);
+                cr_assert_not_null(xh);
+                kvr_convert(xh, KVR_DTYPE_F16, x, KVR_DTYPE_F32, n);
+                uint8_t *d0 = malloc(rb), *d1 = malloc(rb);
+                memset(d0, 0, rb);
+                memset(d1, 0xa5, rb);
+                cr_assert_eq(kvr_codec_encode(&c, d0, xh, KVR_DTYPE_F16, n, &bad), 0);
+                cr_assert_eq(kvr_codec_encode(&c, d1, xh, KVR_DTYPE_F16, n, &bad), 0);
+                cr_assert_eq(memcmp(d0, d1, rb), 0, "%s isa %d: an f16 row of %zu leaves bytes",
+                             codecs[a], isa, n);
+                compared++;
+                free(x); free(xh); free(d0); free(d1);
+            }
+        }
+    cr_assert_gt(compared, 200);
+}
+
+enum { SL = 4, SH = 2, SD = 64 };
+
+static void sput(kvr_store *s, const char *codec, size_t n, kvr_put_mode mode, uint32_t seed)
+{
+    uint32_t *tok = malloc(n * sizeof *tok);
+    cr_assert_not_null(tok);
+    for (size_t i = 0; i < n; i++)
+        tok[i] = (uint32_t)(i * 7 + 1 + seed);
+    kvr_error e = { 0 };
+    kvr_put_params p = { .ctx_id = "j", .model = "m", .mode = mode, .n_layers = SL,
+                         .n_kv_heads = SH, .head_dim = SD, .dtype = KVR_DTYPE_F16,
+                         .n_tokens = n, .tokens = tok, .codec = codec };
+    kvr_put *t = NULL;
+    cr_assert_eq(kvr_store_put_begin(s, &p, &t, &e), 0, "%s", e.msg);
+    const struct iovec *iov;
+    size_t niov;
+    kvr_put_payload_iov(t, &iov, &niov);
+    uint32_t x = 99 + seed;
+    for (size_t i = 0; i < niov; i++) {
+        uint16_t *h = iov[i].iov_base;
+        for (size_t k = 0; k < iov[i].iov_len / 2; k++) {
+            x = x * 1664525u + 1013904223u;
+            h[k] = kvr_f32_to_f16(((float)(x >> 8) / 16777216.0f - 0.5f) * 3.0f);
+        }
+    }
+    if (kvr_put_needs_work(t))
+        cr_assert_eq(kvr_put_work(t, &e), 0, "%s", e.msg);
+    cr_assert_eq(kvr_put_commit(t, NULL, &e), 0, "%s", e.msg);
+    free(tok);
+}
+
+/* Quantized blocks of context "j": zeros past the used slots; no run of
+ * 24 fill bytes (0xa5) inside them. Returns the blocks checked. */
+static size_t check_blocks(kvr_store *s, const char *codec)
+{
+    kvr_ctx *c = kvr_store_ctx_find(s, "j");
+    cr_assert_not_null(c);
+    size_t nq = 0;
+    for (size_t i = 0; i < c->n_ext; i++) {
+        const kvr_block *b = c->ext[i].block;
+        if (!b->quant)
+            continue;
+        nq++;
+        const kvr_qhdr *h = KVR_QH(b);
+        size_t kw = h->ktile > 1 ? (size_t)((b->used + h->ktile - 1) / h->ktile) * h->krow
+                                 : (size_t)b->used * h->krow;
+        size_t vw = (size_t)b->used * h->vrow;
+        for (uint32_t l = 0; l < SL; l++)
+            for (int kv = 0; kv < 2; kv++) {
+                const uint8_t *p = kvr_block_kv(b, l, kv, 0);
+                size_t w = kv ? vw : kw, sl = kv ? h->vslab : h->kslab, run = 0;
+                for (size_t k = w; k < sl; k++)
+                    cr_assert_eq(p[k], 0, "%s: extent %zu layer %u %s: byte %zu past the "
+                                 "%zu used bytes", codec, i, l, kv ? "V" : "K", k, w);
+                for (size_t k = 0; k < w; k++) {
+                    run = p[k] == 0xa5 ? run + 1 : 0;
+                    cr_assert_lt(run, 24, "%s: extent %zu layer %u %s: fill bytes at %zu "
+                                 "(%u slots used)", codec, i, l, kv ? "V" : "K", k, b->used);
+                }
+            }
+    }
+    return nq;
+}
+
+Test(qfill, put_blocks_written_or_zero)
+{
+    kvr_store *s = NULL;
+    kvr_error e = { 0 };
+    kvr_store_config cfg = { 0 };
+    cr_assert_eq(kvr_store_create(&s, &cfg, &e), 0, "%s", e.msg);
+    kvr_model_desc d = { .name = "m", .n_layers = SL, .n_kv_heads = SH, .head_dim = SD,
+                         .dtype = KVR_DTYPE_F16 };
+    kvr_rope_config_init(&d.rope);
+    d.rope.head_dim = SD;
+    d.rope.rotary_dim = SD;
+    d.rope.theta = 10000.0;
+    cr_assert_eq(kvr_store_model_register(s, &d, NULL, &e), 0, "%s", e.msg);
+    static const char *const cs[] = { "k=int4/g64/c,v=int2,r=16", "k=int4/g32/c,v=q4_0,r=5",
+                                      "k=int8/g32/c,v=int8/g32,r=0", "int4", "int2/g128",
+                                      "q8_0" };
+    static const size_t adds[] = { 1, 7, 31, 33, 64, 130, 5, 300 };
+    for (size_t ci = 0; ci < sizeof cs / sizeof cs[0]; ci++) {
+        sput(s, cs[ci], 200, KVR_PUT_CREATE, 0);
+        for (size_t a = 0; a < sizeof adds / sizeof adds[0]; a++)
+            sput(s, NULL, adds[a], KVR_PUT_APPEND, (uint32_t)a + 1);
+        cr_assert_gt(check_blocks(s, cs[ci]), 1);
+        cr_assert_eq(kvr_store_delete(s, "j", &e), 0, "%s", e.msg);
+    }
+    kvr_store_destroy(s);
 }
