@@ -225,8 +225,55 @@ static double plain_part(int fd, uint8_t *buf, size_t off, size_t len)
     return now_s() - t0;
 }
 
+/* Seconds of a plain write + fdatasync of n blocks into a new file of dir
+ * (O_DIRECT; extending it, as a spill extends its segment), from the
+ * batch memory src, each batch of blocks in 4 MiB requests one at a time
+ * (the baseline's own pattern); negative if the file cannot be made. */
+static double plain_write_side(const char *dir, const uint8_t *src, size_t n)
+{
+    char path[512];
+    snprintf(path, sizeof path, "%s/plain-side.dat", dir);
+    unlink(path);
+    int fd = open(path, O_WRONLY | O_CREAT | O_TRUNC | O_DIRECT, 0644);
+    if (fd < 0)
+        return -1;
+    size_t chunk = 4u << 20;
+    double t0 = now_s();
+    for (size_t i = 0; i < n; i += BATCH) {
+        size_t b = n - i < BATCH ? n - i : BATCH;
+        for (size_t o = 0; o < b * BLOCK; o += chunk)
+            if (pwrite(fd, src + o, chunk, (off_t)(i * BLOCK + o)) != (ssize_t)chunk)
+                break;
+    }
+    fdatasync(fd);
+    double t = now_s() - t0;
+    close(fd);
+    unlink(path);
+    return t;
+}
+
+/* Seconds of a spill of n blocks from bufs in batches (synced at the end),
+ * the handles into h. */
+static double spill_all(kvr_disk *d, const kvr_disk_buf *bufs, size_t n, kvr_disk_handle *h)
+{
+    kvr_error err = { 0 };
+    double t0 = now_s();
+    for (size_t i = 0; i < n; i += BATCH) {
+        size_t b = n - i < BATCH ? n - i : BATCH;
+        if (kvr_disk_spill(d, bufs, b, &h[i], false, &err)) {
+            fprintf(stderr, "bench_disk: %s\n", err.msg);
+            exit(1);
+        }
+    }
+    if (kvr_disk_sync(d, &err)) {
+        fprintf(stderr, "bench_disk: %s\n", err.msg);
+        exit(1);
+    }
+    return now_s() - t0;
+}
+
 static void spill_reload(const char *dir, kvr_disk_engine e, size_t total, double *w,
-                         double *r, double *ir, const char **name, int *cold, devsum *dw,
+                         double *r, double *ir, double *iw, const char **name, int *cold, devsum *dw,
                          devsum *dr)
 {
     char sub[512];
@@ -249,24 +296,37 @@ static void spill_reload(const char *dir, kvr_disk_engine e, size_t total, doubl
     for (int k = 0; k < BATCH; k++)
         bufs[k] = (kvr_disk_buf){ src + (size_t)k * BLOCK, BLOCK };
     devstat x = dev_read(1);
-    double t0 = now_s();
-    for (size_t i = 0; i < n; i += BATCH) {
-        size_t b = n - i < BATCH ? n - i : BATCH;
-        if (kvr_disk_spill(d, bufs, b, &h[i], false, &err)) {
-            fprintf(stderr, "bench_disk: %s\n", err.msg);
-            exit(1);
-        }
-    }
-    kvr_disk_sync(d, &err);
-    *w = (double)(n * BLOCK) / (now_s() - t0) / 1e9;
+    *w = (double)(n * BLOCK) / spill_all(d, bufs, n, h) / 1e9;
     dev_add(dw, x, dev_read(1));
+    /* Side by side: a plain write + fdatasync of the same bytes from the
+     * same memory (4 MiB requests, a new file), the spill (the layer's own
+     * requests, synced at the end), and the plain write again, back to
+     * back: the spill against the mean of the two plain writes around it,
+     * so the device's drift over the pass cancels. The median of SIDE
+     * passes; each pass's blocks are freed after it. */
+    {
+        kvr_disk_handle *h2 = kvr_mem_malloc(n * sizeof *h2);
+        double pass_w[SIDE];
+        int nw = 0;
+        for (int pass = 0; h2 && pass < SIDE; pass++) {
+            double p1 = plain_write_side(dir, src, n);
+            double tl = spill_all(d, bufs, n, h2);
+            double p2 = plain_write_side(dir, src, n);
+            for (size_t i = 0; i < n; i++)
+                (void)kvr_disk_free(d, &h2[i], &err);
+            if (p1 > 0 && p2 > 0)
+                pass_w[nw++] = (p1 + p2) / 2 / tl;
+        }
+        *iw = nw ? median(pass_w, nw) : 0;
+        kvr_mem_free(h2);
+    }
     *cold = drop_caches();
     void *dst[BATCH];
     for (int k = 0; k < BATCH; k++)
         dst[k] = src + (size_t)k * BLOCK;
     pr_layer[e == KVR_DISK_ENGINE_POSIX][cur_round] = phys_run(src, (size_t)BATCH * BLOCK);
     x = dev_read(0);
-    t0 = now_s();
+    double t0 = now_s();
     for (size_t i = 0; i < n; i += BATCH) {
         size_t b = n - i < BATCH ? n - i : BATCH;
         if (kvr_disk_load(d, &h[i], dst, b, NULL, &err)) {
@@ -414,7 +474,7 @@ int main(void)
     const char *names[2] = { "io_uring", "posix" };
     double pw[MAX_ROUNDS], pr[MAX_ROUNDS], w[2][MAX_ROUNDS], r[2][MAX_ROUNDS];
     double rw[2][MAX_ROUNDS], rr[2][MAX_ROUNDS], cpu[MAX_ROUNDS], cpuc[MAX_ROUNDS];
-    double ri[2][MAX_ROUNDS];
+    double ri[2][MAX_ROUNDS], wi[2][MAX_ROUNDS];
     int cold = 0;
     for (int k = 0; k < rounds; k++) {
         cur_round = k;
@@ -422,7 +482,7 @@ int main(void)
         cpu[k] = cpu_part(total, 0);
         cpuc[k] = cpu_part(total, 1);
         for (int i = 0; i < 2; i++) {
-            spill_reload(dir, es[i], total, &w[i][k], &r[i][k], &ri[i][k], &names[i], &cold,
+            spill_reload(dir, es[i], total, &w[i][k], &r[i][k], &ri[i][k], &wi[i][k], &names[i], &cold,
                          &dv_w[i], &dv_r[i]);
             rw[i][k] = w[i][k] / pw[k];
             rr[i][k] = r[i][k] / pr[k];
@@ -433,32 +493,37 @@ int main(void)
     }
     printf("## bench_disk: %zu MiB x %d rounds in %s, 2 MiB blocks, batches of %d\n\n",
            total >> 20, rounds, dir, BATCH);
-    printf("| what | engine | write GB/s | read GB/s | write vs plain | read vs plain | "
-           "read vs plain, side by side | reads |\n");
-    printf("| --- | --- | ---: | ---: | ---: | ---: | ---: | --- |\n");
-    printf("| plain O_DIRECT sequential (dd) | - | %.2f | %.2f | 1.00 | 1.00 | 1.00 | cold |\n",
+    printf("| what | engine | write GB/s | read GB/s | write vs plain | write vs plain, side "
+           "by side | read vs plain | read vs plain, side by side | reads |\n");
+    printf("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |\n");
+    printf("| plain O_DIRECT sequential (dd) | - | %.2f | %.2f | 1.00 | 1.00 | 1.00 | 1.00 | "
+           "cold |\n",
            median(pw, rounds), median(pr, rounds));
-    double mw[2], mr[2], mside[2];
+    double mw[2], mr[2], mside[2], mwside[2];
     for (int i = 0; i < 2; i++) {
         double a = median(w[i], rounds), b = median(r[i], rounds);
         mw[i] = median(rw[i], rounds);
         mr[i] = median(rr[i], rounds);
         mside[i] = median(ri[i], rounds);
+        mwside[i] = median(wi[i], rounds);
         printf("| spill (synced) / reload (crc checked) | %s | %.2f | %.2f | %.2f | %.2f | %.2f "
-               "| %s |\n", names[i], a, b, mw[i], mr[i], mside[i], cold ? "cold" : "page cache");
+               "| %.2f | %s |\n", names[i], a, b, mw[i], mwside[i], mr[i], mside[i],
+               cold ? "cold" : "page cache");
     }
     double mc = median(cpu, rounds), mcc = median(cpuc, rounds);
     printf("| CPU part alone: checksum (aligned memory), no device | - | %.2f | %.2f | %.2f | "
-           "%.2f | - | - |\n", mc, mc, mc / median(pw, rounds), mc / median(pr, rounds));
+           "- | %.2f | - | - |\n", mc, mc, mc / median(pw, rounds), mc / median(pr, rounds));
     printf("| CPU part alone: copy + checksum (staged memory), no device | - | %.2f | %.2f | "
-           "%.2f | %.2f | - | - |\n", mcc, mcc, mcc / median(pw, rounds),
+           "%.2f | - | %.2f | - | - |\n", mcc, mcc, mcc / median(pw, rounds),
            mcc / median(pr, rounds));
-    printf("\n(medians over %d rounds; ratios are medians of each round's ratio. \"read vs "
-           "plain\": the reload phase against the plain read phase of its round, seconds "
-           "apart; \"side by side\": the median of %d passes of plain read, reload, plain "
-           "read of the same bytes into the same memory, back to back, the reload against "
-           "the mean of the plain reads around it (the device's drift cancels; the reload "
-           "goals use it). "
+    printf("\n(medians over %d rounds; ratios are medians of each round's ratio. \"write / "
+           "read vs plain\": the spill / reload phase against the plain write / read phase "
+           "of its round, seconds apart; \"side by side\": the median of %d passes of plain "
+           "write + fdatasync, spill (synced), plain write + fdatasync (a new file each, "
+           "O_DIRECT, 4 MiB requests from the same memory), or of plain read, reload, plain "
+           "read of the same bytes into the same memory, back to back, the layer against "
+           "the mean of the plain passes around it (the device's drift cancels; the goals "
+           "use it). "
            "Block memory aligned for O_DIRECT goes between the device and memory with no "
            "copy: the layer's CPU part is one checksum pass, overlapped with the device; "
            "where it is not well above the device's rate (a loaded machine), it is what "
@@ -470,12 +535,13 @@ int main(void)
            "4 KiB pieces reaches this virtio disk in up to 254-segment pieces, ~3x slower "
            "than into huge pages.\n\n| round | plain write GB/s | plain read GB/s | spill "
            "io_uring | reload io_uring | spill posix | reload posix | reload io_uring, side "
-           "by side | reload posix, side by side | memory |\n| ---: | ---: | ---: | ---: | "
-           "---: | ---: | ---: | ---: | ---: | --- |\n");
+           "by side | reload posix, side by side | spill io_uring, side by side | spill posix, "
+           "side by side | memory |\n| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | "
+           "---: | ---: | ---: | --- |\n");
     for (int k = 0; k < rounds; k++)
-        printf("| %d | %.2f | %.2f | %.2fx | %.2fx | %.2fx | %.2fx | %.2fx | %.2fx | %.0f / "
-               "%.0f / %.0f |\n", k + 1, pw[k], pr[k], rw[0][k], rr[0][k], rw[1][k], rr[1][k],
-               ri[0][k], ri[1][k], pr_plain[k] / 1024, pr_layer[0][k] / 1024,
+        printf("| %d | %.2f | %.2f | %.2fx | %.2fx | %.2fx | %.2fx | %.2fx | %.2fx | %.2fx | "
+               "%.2fx | %.0f / %.0f / %.0f |\n", k + 1, pw[k], pr[k], rw[0][k], rr[0][k],
+               rw[1][k], rr[1][k], ri[0][k], ri[1][k], wi[0][k], wi[1][k], pr_plain[k] / 1024, pr_layer[0][k] / 1024,
                pr_layer[1][k] / 1024);
     printf("\nWhat the device (%s) saw, summed over the rounds (its other users' I/O "
            "included): requests, mean request size, time busy, mean requests in flight "
@@ -501,8 +567,8 @@ int main(void)
     printf("\n");
     for (int i = 0; i < 2; i++) {
         printf("goal: disk spill (layer, %s) >= 0.8x an O_DIRECT sequential write + fdatasync "
-               "of the same bytes: %.3fx (%s)\n", names[i], mw[i],
-               mw[i] >= 0.8 ? "met" : "not met");
+               "of the same bytes (side by side): %.3fx (%s)\n", names[i], mwside[i],
+               mwside[i] >= 0.8 ? "met" : "not met");
         printf("goal: disk reload (layer, %s) >= 0.8x an O_DIRECT sequential read of the same "
                "bytes (side by side): %.3fx (%s)\n", names[i], mside[i],
                mside[i] >= 0.8 ? "met" : "not met");
