@@ -19,6 +19,14 @@
  * the queue in order exactly as kvr_dio_run would (faults, short
  * transfers, counters; the caller touches that state only through the
  * io_uring path, never while the thread runs). Reaps are oldest first.
+ * Measured (bench_disk, a loaded 2-core VM): the thread runs queued
+ * requests back to back; it idles only between a caller's batches, ~0.9 ms
+ * per 32 MiB batch from the push to the thread running (the woken thread
+ * waits for a CPU behind the caller's checksum work), 5-10% of a spill.
+ * Polling the empty queue 300 us before sleeping, or a second thread (two
+ * requests on the device), measured no better or worse there (interleaved
+ * A/B: 0.83x / 0.86x of plain writes against 0.89-0.92x), so neither is
+ * done.
  */
 #include <errno.h>
 #include <liburing.h>
