@@ -229,9 +229,36 @@ void kvr_block_unlease(kvr_block_pool *p, kvr_block *b)
     kvr_block_unhold(p, b);
 }
 
+/* Runs a put's or get's iovecs are built from without a kvr_block_kv per
+ * iovec (plain blocks, the common few runs): each run's first slot and
+ * stride between slabs once, then one add per iovec. */
+#define BRUN_FAST_MAX 8
+
 size_t kvr_brun_iov(const kvr_brun *runs, size_t n, uint32_t n_layers, struct iovec *iov)
 {
     size_t k = 0;
+    if (n <= BRUN_FAST_MAX) {
+        uint8_t *at[BRUN_FAST_MAX];
+        size_t slab[BRUN_FAST_MAX], len[BRUN_FAST_MAX];
+        bool plain = true;
+        for (size_t r = 0; r < n && plain; r++) {
+            const kvr_block *b = runs[r].b;
+            plain = !b->quant;
+            size_t rowb = (size_t)b->row * kvr_dtype_size(b->dtype);
+            at[r] = b->data + rowb * runs[r].first;   /* layer 0, K */
+            slab[r] = rowb * b->cap;
+            len[r] = runs[r].count * rowb;
+        }
+        if (plain) {
+            for (uint32_t l = 0; l < n_layers; l++)
+                for (int kv = 0; kv < 2; kv++)
+                    for (size_t r = 0; r < n; r++) {
+                        iov[k++] = (struct iovec){ at[r], len[r] };
+                        at[r] += slab[r];
+                    }
+            return k;
+        }
+    }
     for (uint32_t l = 0; l < n_layers; l++)
         for (int kv = 0; kv < 2; kv++)
             for (size_t r = 0; r < n; r++) {

@@ -324,3 +324,35 @@ Test(block_cache, dropped_under_memory_pressure)
     kvr_store_destroy(s);
     cr_assert_eq(kvr_mem_allocated(), base);
 }
+
+/* kvr_brun_iov's per-run path (up to 8 plain runs) gives the iovecs
+ * kvr_block_kv gives, in the payload's order (layer, K then V, run). */
+Test(block_cache, brun_iov_matches_block_kv)
+{
+    kvr_block_pool pool = { 0 };
+    kvr_block_geom g;
+    kvr_block_geom_plain(&g, B, L, H * D, KVR_DTYPE_F16);
+    kvr_block *bs[10];
+    for (int i = 0; i < 10; i++)
+        cr_assert_not_null(bs[i] = kvr_block_create(&pool, &g, NULL, 0, 0));
+    for (size_t n = 1; n <= 10; n++) {
+        kvr_brun runs[10];
+        for (size_t r = 0; r < n; r++)
+            runs[r] = (kvr_brun){ .b = bs[r], .first = (uint32_t)(r % 5),
+                                  .count = (uint32_t)(B - r % 5 - r % 3) };
+        struct iovec iov[2 * L * 10];
+        size_t k = kvr_brun_iov(runs, n, L, iov), j = 0;
+        cr_assert_eq(k, 2 * L * n);
+        for (uint32_t l = 0; l < L; l++)
+            for (int kv = 0; kv < 2; kv++)
+                for (size_t r = 0; r < n; r++, j++) {
+                    cr_assert_eq(iov[j].iov_base, kvr_block_kv(bs[r], l, kv, runs[r].first),
+                                 "n %zu: iovec %zu", n, j);
+                    cr_assert_eq(iov[j].iov_len, (size_t)runs[r].count * H * D * 2);
+                }
+    }
+    for (int i = 0; i < 10; i++)
+        kvr_block_unref(&pool, bs[i]);
+    cr_assert_eq(pool.n_blocks, 0);
+    cr_assert_eq(pool.bytes, 0);
+}
