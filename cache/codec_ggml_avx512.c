@@ -115,15 +115,22 @@ AI __m256 reduce8(const __m512 *v, int is_max)
 #undef OP
 }
 
+/* One batch's parameters (scales8), used by quant8. */
+typedef struct {
+    float    ids[8], p0[8];
+    uint16_t dhs[8], mhs[8];
+    unsigned fb;
+} sc8;
+
 /* Eight blocks at i: each block's max and min (two transposed reductions),
- * then d / id / f16 forms eight at a time, then the quants, with the
- * blocks kept in registers. The extremes give every parameter:
+ * then d / id / f16 forms eight at a time. The extremes give every
+ * parameter:
  *   Q8_0 amax = max(max, -min) (a zero made +0, as fabsf's);
  *   Q4_0 / Q5_0 "max" (the first element of largest magnitude) = max when
  *   max > -min, min when -min > max; a tie (max == -min != 0) needs the
  *   first index: that block goes to the scalar block encoder, as do Q4_1
  *   blocks whose min or max is a zero (the sign the reference keeps). */
-AI int enc8(kvr_codec_type t, uint8_t *dst, size_t bb, const void *src, size_t i, int h)
+AI int scales8(kvr_codec_type t, const void *src, size_t i, int h, sc8 *s)
 {
     __m512i acc = _mm512_setzero_si512();
     __m512 mx[8], mn[8];
@@ -179,12 +186,18 @@ AI int enc8(kvr_codec_type t, uint8_t *dst, size_t bb, const void *src, size_t i
     if (t == KVR_CODEC_Q4_1) inf = _mm_or_si128(inf, _mm_cmpeq_epi16(_mm_and_si128(mh, em), em));
     unsigned bad = (unsigned)_mm_movemask_epi8(_mm_packs_epi16(inf, inf)) & 0xffu & ~fb;
     if (bad) return -1;
-    float ids[8], p0[8];
-    uint16_t dhs[8], mhs[8];
-    _mm256_storeu_ps(ids, id);
-    _mm256_storeu_ps(p0, v0);
-    _mm_storeu_si128((__m128i *)dhs, dh);
-    _mm_storeu_si128((__m128i *)mhs, mh);
+    s->fb = fb;
+    _mm256_storeu_ps(s->ids, id);
+    _mm256_storeu_ps(s->p0, v0);
+    _mm_storeu_si128((__m128i *)s->dhs, dh);
+    _mm_storeu_si128((__m128i *)s->mhs, mh);
+    return 0;
+}
+
+/* The quants of the eight blocks at i with scales8's parameters. */
+AI int quant8(kvr_codec_type t, uint8_t *dst, size_t bb, const void *src, size_t i, int h,
+              const sc8 *s)
+{
 #pragma GCC unroll 8
     for (int b = 0; b < 8; b++) {
         size_t o = i + 32 * (size_t)b;
@@ -192,25 +205,46 @@ AI int enc8(kvr_codec_type t, uint8_t *dst, size_t bb, const void *src, size_t i
         /* loaded again (from L1): kept in registers beside the 16
          * extremes they spilled to the stack, a third of the time */
         __m512 x0 = ld16u(src, o, h), x1 = ld16u(src, o + 16, h);
-        if (fb & (1u << b)) {
+        if (s->fb & (1u << b)) {
             float xs[QK];
             _mm512_storeu_ps(xs, x0);
             _mm512_storeu_ps(xs + 16, x1);
             if (kvr_codec_ggml_block_enc(t, y, xs) != 0) return -1;
             continue;
         }
-        wr16(y, dhs[b]);
-        if (t == KVR_CODEC_Q4_1) wr16(y + 2, mhs[b]);
-        quant_block(t, y, x0, x1, ids[b], p0[b]);
+        wr16(y, s->dhs[b]);
+        if (t == KVR_CODEC_Q4_1) wr16(y + 2, s->mhs[b]);
+        quant_block(t, y, x0, x1, s->ids[b], s->p0[b]);
     }
+    return 0;
+}
+
+/* Software-pipelined: batch k + 1's parameters are computed before batch
+ * k's quants, so the divide / f16 chain of one batch runs under the other's
+ * quants instead of stalling them (a bad value anywhere returns -1 and the
+ * caller redoes the whole call with the scalar path, so stopping one batch
+ * early writes nothing that is kept). */
+AI int enc_run(kvr_codec_type t, uint8_t *dst, size_t bb, const void *src, size_t *pi,
+               size_t n, int h)
+{
+    size_t i = *pi;
+    if (i + 256 > n) return 0;
+    sc8 s[2];
+    int cur = 0;
+    if (scales8(t, src, i, h, &s[0]) != 0) return -1;
+    for (; i + 256 <= n; i += 256) {
+        if (i + 512 <= n && scales8(t, src, i + 256, h, &s[cur ^ 1]) != 0) return -1;
+        if (quant8(t, dst, bb, src, i, h, &s[cur]) != 0) return -1;
+        cur ^= 1;
+    }
+    *pi = i;
     return 0;
 }
 
 #define ENC_CASE(T)                                                                  \
     case T:                                                                          \
-        for (; i + 256 <= n; i += 256)                                               \
-            if ((h ? enc8(T, dst, bb, src, i, 1) : enc8(T, dst, bb, src, i, 0)) != 0) \
-                return -1;                                                           \
+        if ((h ? enc_run(T, dst, bb, src, &i, n, 1) : enc_run(T, dst, bb, src, &i, n, 0)) != 0) \
+            return -1;                                                               \
         break;
 
 int kvr_codec_ggml_enc_avx512(kvr_codec_type t, uint8_t *dst, const void *src, kvr_dtype st,
