@@ -229,13 +229,20 @@ AI int enc_run(kvr_codec_type t, uint8_t *dst, size_t bb, const void *src, size_
 {
     size_t i = *pi;
     if (i + 256 > n) return 0;
-    sc8 s[2];
-    int cur = 0;
-    if (scales8(t, src, i, h, &s[0]) != 0) return -1;
-    for (; i + 256 <= n; i += 256) {
-        if (i + 512 <= n && scales8(t, src, i + 256, h, &s[cur ^ 1]) != 0) return -1;
-        if (quant8(t, dst, bb, src, i, h, &s[cur]) != 0) return -1;
-        cur ^= 1;
+    sc8 s0, s1;   /* unrolled by two: each batch's parameters in a fixed place */
+    s1.fb = 0;    /* (set before use; gcc cannot see it) */
+    if (scales8(t, src, i, h, &s0) != 0) return -1;
+    for (;;) {
+        int more = i + 512 <= n;
+        if (more && scales8(t, src, i + 256, h, &s1) != 0) return -1;
+        if (quant8(t, dst, bb, src, i, h, &s0) != 0) return -1;
+        i += 256;
+        if (!more) break;
+        more = i + 512 <= n;
+        if (more && scales8(t, src, i + 256, h, &s0) != 0) return -1;
+        if (quant8(t, dst, bb, src, i, h, &s1) != 0) return -1;
+        i += 256;
+        if (!more) break;
     }
     *pi = i;
     return 0;
