@@ -36,7 +36,7 @@ AI __m512 ld16u(const void *src, size_t i, int h)
 
 static void wr16(uint8_t *p, uint16_t v) { p[0] = (uint8_t)v; p[1] = (uint8_t)(v >> 8); }
 
-static size_t block_bytes(kvr_codec_type t)
+AI size_t block_bytes(kvr_codec_type t)
 {
     switch (t) {
     case KVR_CODEC_Q8_0: return 34;
@@ -81,8 +81,9 @@ AI void quant_block(kvr_codec_type t, uint8_t *y, __m512 x0, __m512 x1, float id
         uint32_t qh = (uint32_t)_mm512_test_epi32_mask(lo, b4) |
                       (uint32_t)_mm512_test_epi32_mask(hi, b4) << 16;
         memcpy(y + 2, &qh, 4);   /* little-endian, as wr32 */
-        __m512i nb = _mm512_or_si512(_mm512_and_si512(lo, m4),
-                                     _mm512_slli_epi32(_mm512_and_si512(hi, m4), 4));
+        /* bits 0-3 from lo, the rest from hi << 4 (bit select, 0xE4:
+         * m4 ? lo : hi << 4); vpmovdb keeps bits 0-7 */
+        __m512i nb = _mm512_ternarylogic_epi32(lo, _mm512_slli_epi32(hi, 4), m4, 0xE4);
         _mm_storeu_si128((__m128i *)(y + 6), _mm512_cvtepi32_epi8(nb));
     } else {
         __m512i nb = _mm512_or_si512(lo, _mm512_slli_epi32(hi, 4));
@@ -195,9 +196,9 @@ AI int scales8(kvr_codec_type t, const void *src, size_t i, int h, sc8 *s)
 }
 
 /* The quants of the eight blocks at i with scales8's parameters. */
-AI int quant8(kvr_codec_type t, uint8_t *dst, size_t bb, const void *src, size_t i, int h,
-              const sc8 *s)
+AI int quant8(kvr_codec_type t, uint8_t *dst, const void *src, size_t i, int h, const sc8 *s)
 {
+    const size_t bb = block_bytes(t);   /* a constant: t is */
 #pragma GCC unroll 8
     for (int b = 0; b < 8; b++) {
         size_t o = i + 32 * (size_t)b;
@@ -224,7 +225,7 @@ AI int quant8(kvr_codec_type t, uint8_t *dst, size_t bb, const void *src, size_t
  * quants instead of stalling them (a bad value anywhere returns -1 and the
  * caller redoes the whole call with the scalar path, so stopping one batch
  * early writes nothing that is kept). */
-AI int enc_run(kvr_codec_type t, uint8_t *dst, size_t bb, const void *src, size_t *pi,
+AI int enc_run(kvr_codec_type t, uint8_t *dst, const void *src, size_t *pi,
                size_t n, int h)
 {
     size_t i = *pi;
@@ -235,12 +236,12 @@ AI int enc_run(kvr_codec_type t, uint8_t *dst, size_t bb, const void *src, size_
     for (;;) {
         int more = i + 512 <= n;
         if (more && scales8(t, src, i + 256, h, &s1) != 0) return -1;
-        if (quant8(t, dst, bb, src, i, h, &s0) != 0) return -1;
+        if (quant8(t, dst, src, i, h, &s0) != 0) return -1;
         i += 256;
         if (!more) break;
         more = i + 512 <= n;
         if (more && scales8(t, src, i + 256, h, &s0) != 0) return -1;
-        if (quant8(t, dst, bb, src, i, h, &s1) != 0) return -1;
+        if (quant8(t, dst, src, i, h, &s1) != 0) return -1;
         i += 256;
         if (!more) break;
     }
@@ -250,7 +251,7 @@ AI int enc_run(kvr_codec_type t, uint8_t *dst, size_t bb, const void *src, size_
 
 #define ENC_CASE(T)                                                                  \
     case T:                                                                          \
-        if ((h ? enc_run(T, dst, bb, src, &i, n, 1) : enc_run(T, dst, bb, src, &i, n, 0)) != 0) \
+        if ((h ? enc_run(T, dst, src, &i, n, 1) : enc_run(T, dst, src, &i, n, 0)) != 0) \
             return -1;                                                               \
         break;
 
