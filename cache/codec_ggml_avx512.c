@@ -134,15 +134,30 @@ typedef struct {
 AI int scales8(kvr_codec_type t, const void *src, size_t i, int h, sc8 *s)
 {
     __m512i acc = _mm512_setzero_si512();
+    __m256i acch = _mm256_setzero_si256();   /* f16: the magnitudes' max on 256 bits */
     __m512 mx[8], mn[8];
 #pragma GCC unroll 8
     for (int b = 0; b < 8; b++) {
         size_t o = i + 32 * (size_t)b;
-        __m512 x0 = ld16(src, o, h, &acc), x1 = ld16(src, o + 16, h, &acc);
+        __m512 x0, x1;
+        if (h) {
+            const uint16_t *p = (const uint16_t *)src + o;
+            __m256i r0 = _mm256_loadu_si256((const __m256i *)p);
+            __m256i r1 = _mm256_loadu_si256((const __m256i *)(p + 16));
+            const __m256i m = _mm256_set1_epi16(0x7fff);
+            acch = _mm256_max_epu16(acch, _mm256_max_epu16(_mm256_and_si256(r0, m),
+                                                           _mm256_and_si256(r1, m)));
+            x0 = _mm512_cvtph_ps(r0);
+            x1 = _mm512_cvtph_ps(r1);
+        } else {
+            x0 = ld16(src, o, 0, &acc);
+            x1 = ld16(src, o + 16, 0, &acc);
+        }
         mx[b] = _mm512_max_ps(x0, x1);
         mn[b] = _mm512_min_ps(x0, x1);
     }
-    if (acc_bad(acc, h)) return -1;
+    if (h ? _mm256_cmpgt_epu16_mask(acch, _mm256_set1_epi16(0x7bff)) != 0 : acc_bad(acc, 0))
+        return -1;
     const __m256 zero = _mm256_setzero_ps();
     __m256 vmax = reduce8(mx, 1), vmin = reduce8(mn, 0);
     __m256 nmin = _mm256_sub_ps(zero, vmin);
