@@ -5,7 +5,11 @@
  *
  * Each K/V slab of a plain block is cap*row*dsize bytes; with cap a multiple
  * of 16 and dsize >= 2 every slab stays 64-byte aligned for the SIMD
- * kernels. A block is freed when its last reference goes, never earlier.
+ * kernels. A block is freed when its last reference goes, never earlier
+ * (into the pool's bounded cache of freed blocks when it has one: block.h;
+ * a reused block is initialised exactly as a fresh one, its data as
+ * uninitialised as kvr_mem_aligned's, a quantized block's unwritten bytes
+ * zeroed again for the new fill).
  */
 #include <malloc.h>
 #include <string.h>
@@ -77,10 +81,67 @@ static void account(kvr_block_pool *p, kvr_block *b)
     p->bytes += b->bytes;
 }
 
+/* A cached block whose data is `len` bytes (taken out of the cache), or NULL. */
+static kvr_block *cache_take(kvr_block_pool *p, size_t len)
+{
+    for (size_t i = p->cache_n; i-- > 0;) {
+        kvr_block *b = p->cached[i];
+        if (kvr_block_data_len(b) != len)
+            continue;
+        p->cached[i] = p->cached[--p->cache_n];
+        p->cached[p->cache_n] = NULL;
+        assert(p->cache_bytes >= b->bytes);
+        p->cache_bytes -= b->bytes;
+        return b;
+    }
+    return NULL;
+}
+
+/* Keeps a block whose last reference went (release hook run), if the cache
+ * has room; false: the caller frees it. */
+static bool cache_put(kvr_block_pool *p, kvr_block *b)
+{
+    if (b->spilled || !b->data || b->disk || p->cache_n >= KVR_BLOCK_CACHE_N ||
+        p->cache_bytes + b->bytes > p->cache_max)
+        return false;
+    p->cached[p->cache_n++] = b;
+    p->cache_bytes += b->bytes;
+    return true;
+}
+
+size_t kvr_block_pool_trim(kvr_block_pool *p)
+{
+    size_t freed = p->cache_bytes;
+    while (p->cache_n > 0) {
+        kvr_block *b = p->cached[--p->cache_n];
+        p->cached[p->cache_n] = NULL;
+        kvr_mem_free(b->data);
+        kvr_mem_free(b);
+    }
+    p->cache_bytes = 0;
+    return freed;
+}
+
 kvr_block *kvr_block_create(kvr_block_pool *p, const kvr_block_geom *g, uint8_t *data,
                             size_t len, uint32_t used)
 {
     assert(g->cap > 0 && used <= g->cap);
+    if (!data && p->cache_n > 0) {
+        kvr_block *b = cache_take(p, kvr_block_geom_bytes(g));
+        if (b) {
+            size_t bytes = b->bytes;
+            data = b->data;
+            if (g->quant)
+                qzero_unwritten(data, g);
+            *b = (kvr_block){ .refcount = 1, .used = used, .cap = g->cap, .row = g->row,
+                              .dtype = g->dtype, .quant = g->quant, .data = data,
+                              .pos_lo = 0, .pos_hi = -1, .bytes = bytes };
+            set_ptrs(b, data, geom_kv_bytes(g));
+            p->n_blocks++;
+            p->bytes += bytes;
+            return b;
+        }
+    }
     kvr_block *b = kvr_mem_calloc(1, sizeof *b);
     if (!b)
         return NULL;
@@ -127,6 +188,8 @@ void kvr_block_unref(kvr_block_pool *p, kvr_block *b)
     assert(p->n_blocks > 0 && p->bytes >= b->bytes);
     p->n_blocks--;
     p->bytes -= b->bytes;
+    if (p->cache_max && cache_put(p, b))
+        return;
     kvr_mem_free(b->data);
     kvr_mem_free(b);
 }
@@ -166,9 +229,36 @@ void kvr_block_unlease(kvr_block_pool *p, kvr_block *b)
     kvr_block_unhold(p, b);
 }
 
+/* Runs a put's or get's iovecs are built from without a kvr_block_kv per
+ * iovec (plain blocks, the common few runs): each run's first slot and
+ * stride between slabs once, then one add per iovec. */
+#define BRUN_FAST_MAX 8
+
 size_t kvr_brun_iov(const kvr_brun *runs, size_t n, uint32_t n_layers, struct iovec *iov)
 {
     size_t k = 0;
+    if (n <= BRUN_FAST_MAX) {
+        uint8_t *at[BRUN_FAST_MAX];
+        size_t slab[BRUN_FAST_MAX], len[BRUN_FAST_MAX];
+        bool plain = true;
+        for (size_t r = 0; r < n && plain; r++) {
+            const kvr_block *b = runs[r].b;
+            plain = !b->quant;
+            size_t rowb = (size_t)b->row * kvr_dtype_size(b->dtype);
+            at[r] = b->data + rowb * runs[r].first;   /* layer 0, K */
+            slab[r] = rowb * b->cap;
+            len[r] = runs[r].count * rowb;
+        }
+        if (plain) {
+            for (uint32_t l = 0; l < n_layers; l++)
+                for (int kv = 0; kv < 2; kv++)
+                    for (size_t r = 0; r < n; r++) {
+                        iov[k++] = (struct iovec){ at[r], len[r] };
+                        at[r] += slab[r];
+                    }
+            return k;
+        }
+    }
     for (uint32_t l = 0; l < n_layers; l++)
         for (int kv = 0; kv < 2; kv++)
             for (size_t r = 0; r < n; r++) {

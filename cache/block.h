@@ -94,13 +94,35 @@ typedef struct kvr_block_geom {
     uint32_t  fill;
 } kvr_block_geom;
 
-/* Accounting of every live block of a store, and the release hook. */
+/* Freed blocks a pool keeps for reuse at most (kvr_block_pool.cached). */
+#define KVR_BLOCK_CACHE_N 8
+
+/* Accounting of every live block of a store, and the release hook.
+ *
+ * The block cache: a freed in-memory block (its data and its struct) is
+ * kept in `cached` instead of going back to the allocator while fewer than
+ * KVR_BLOCK_CACHE_N are kept and their bytes stay within cache_max (0: no
+ * cache, the default). kvr_block_create takes one of the same data length
+ * (the same geometry) first: a put that replaces a context gets the block
+ * the previous replacement freed, warm in the CPU's cache and already
+ * faulted in, without an allocation and a free. A cached block is no
+ * longer a block: it is out of n_blocks and bytes (the live blocks, what
+ * the metrics report as block bytes) and in cache_n / cache_bytes; its
+ * memory stays in kvr_mem_allocated() (it is allocated), so the memory cap
+ * counts it, and the store drops the cache before anything else once at
+ * the cap (kvr_store_reserve), at the daemon's idle purge and at destroy
+ * (kvr_block_pool_trim). Only the store's thread touches a pool. */
 typedef struct kvr_block_pool {
     size_t n_blocks, bytes, n_leased;
     /* Called once per block, on its last reference, before it is freed. */
     void (*on_release)(void *arg, kvr_block *b);
     void  *release_arg;
+    size_t cache_max, cache_n, cache_bytes;
+    kvr_block *cached[KVR_BLOCK_CACHE_N];
 } kvr_block_pool;
+
+/* Frees every cached block (above); returns the bytes given back. */
+size_t kvr_block_pool_trim(kvr_block_pool *p);
 
 void   kvr_block_geom_plain(kvr_block_geom *g, uint32_t cap, uint32_t n_layers,
                             uint32_t row, kvr_dtype dt);

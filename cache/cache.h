@@ -83,10 +83,18 @@ typedef struct kvr_store_config {
     size_t   max_contexts;      /* contexts (forks included); 0 = unlimited;
                                    a create or fork past it is KVR_ELIMIT */
     uint32_t max_models;        /* registered models; 0 = unlimited (KVR_ELIMIT) */
+    size_t   block_cache;       /* bytes of freed blocks kept for reuse by the next
+                                   blocks of the same geometry (at most
+                                   KVR_BLOCK_CACHE_N, never over max_memory / 16);
+                                   0 = none. Counted in mem_allocated, dropped
+                                   first at the memory cap (kvr_store_trim) */
 } kvr_store_config;
 
 int  kvr_store_create(kvr_store **out, const kvr_store_config *cfg, kvr_error *err);
 void kvr_store_destroy(kvr_store *s);                /* NULL is a no-op */
+/* Gives back memory kept for reuse (the block cache, the kept staging
+ * buffer): the daemon's idle purge. Returns the cache's bytes freed. */
+size_t kvr_store_trim(kvr_store *s);
 
 /* ---- models ------------------------------------------------------------- */
 typedef struct kvr_model_desc {
@@ -546,6 +554,7 @@ int kvr_store_protect(kvr_store *s, const char *ctx_id, size_t n, kvr_error *err
 typedef struct kvr_store_stats {
     size_t   mem_allocated, mem_peak, mem_cap;
     size_t   block_bytes;              /* bytes held in blocks */
+    size_t   block_cache_bytes, n_block_cache;  /* freed blocks kept for reuse */
     size_t   n_models, n_contexts, n_blocks, n_tokens;
     uint64_t n_evicted_blocks, n_evicted_bytes;
     uint64_t n_puts, n_gets, n_matches, n_match_hits;

@@ -36,7 +36,7 @@ AI __m512 ld16u(const void *src, size_t i, int h)
 
 static void wr16(uint8_t *p, uint16_t v) { p[0] = (uint8_t)v; p[1] = (uint8_t)(v >> 8); }
 
-static size_t block_bytes(kvr_codec_type t)
+AI size_t block_bytes(kvr_codec_type t)
 {
     switch (t) {
     case KVR_CODEC_Q8_0: return 34;
@@ -81,8 +81,9 @@ AI void quant_block(kvr_codec_type t, uint8_t *y, __m512 x0, __m512 x1, float id
         uint32_t qh = (uint32_t)_mm512_test_epi32_mask(lo, b4) |
                       (uint32_t)_mm512_test_epi32_mask(hi, b4) << 16;
         memcpy(y + 2, &qh, 4);   /* little-endian, as wr32 */
-        __m512i nb = _mm512_or_si512(_mm512_and_si512(lo, m4),
-                                     _mm512_slli_epi32(_mm512_and_si512(hi, m4), 4));
+        /* bits 0-3 from lo, the rest from hi << 4 (bit select, 0xE4:
+         * m4 ? lo : hi << 4); vpmovdb keeps bits 0-7 */
+        __m512i nb = _mm512_ternarylogic_epi32(lo, _mm512_slli_epi32(hi, 4), m4, 0xE4);
         _mm_storeu_si128((__m128i *)(y + 6), _mm512_cvtepi32_epi8(nb));
     } else {
         __m512i nb = _mm512_or_si512(lo, _mm512_slli_epi32(hi, 4));
@@ -115,26 +116,48 @@ AI __m256 reduce8(const __m512 *v, int is_max)
 #undef OP
 }
 
+/* One batch's parameters (scales8), used by quant8. */
+typedef struct {
+    float    ids[8], p0[8];
+    uint16_t dhs[8], mhs[8];
+    unsigned fb;
+} sc8;
+
 /* Eight blocks at i: each block's max and min (two transposed reductions),
- * then d / id / f16 forms eight at a time, then the quants, with the
- * blocks kept in registers. The extremes give every parameter:
+ * then d / id / f16 forms eight at a time. The extremes give every
+ * parameter:
  *   Q8_0 amax = max(max, -min) (a zero made +0, as fabsf's);
  *   Q4_0 / Q5_0 "max" (the first element of largest magnitude) = max when
  *   max > -min, min when -min > max; a tie (max == -min != 0) needs the
  *   first index: that block goes to the scalar block encoder, as do Q4_1
  *   blocks whose min or max is a zero (the sign the reference keeps). */
-AI int enc8(kvr_codec_type t, uint8_t *dst, size_t bb, const void *src, size_t i, int h)
+AI int scales8(kvr_codec_type t, const void *src, size_t i, int h, sc8 *s)
 {
     __m512i acc = _mm512_setzero_si512();
+    __m256i acch = _mm256_setzero_si256();   /* f16: the magnitudes' max on 256 bits */
     __m512 mx[8], mn[8];
 #pragma GCC unroll 8
     for (int b = 0; b < 8; b++) {
         size_t o = i + 32 * (size_t)b;
-        __m512 x0 = ld16(src, o, h, &acc), x1 = ld16(src, o + 16, h, &acc);
+        __m512 x0, x1;
+        if (h) {
+            const uint16_t *p = (const uint16_t *)src + o;
+            __m256i r0 = _mm256_loadu_si256((const __m256i *)p);
+            __m256i r1 = _mm256_loadu_si256((const __m256i *)(p + 16));
+            const __m256i m = _mm256_set1_epi16(0x7fff);
+            acch = _mm256_max_epu16(acch, _mm256_max_epu16(_mm256_and_si256(r0, m),
+                                                           _mm256_and_si256(r1, m)));
+            x0 = _mm512_cvtph_ps(r0);
+            x1 = _mm512_cvtph_ps(r1);
+        } else {
+            x0 = ld16(src, o, 0, &acc);
+            x1 = ld16(src, o + 16, 0, &acc);
+        }
         mx[b] = _mm512_max_ps(x0, x1);
         mn[b] = _mm512_min_ps(x0, x1);
     }
-    if (acc_bad(acc, h)) return -1;
+    if (h ? _mm256_cmpgt_epu16_mask(acch, _mm256_set1_epi16(0x7bff)) != 0 : acc_bad(acc, 0))
+        return -1;
     const __m256 zero = _mm256_setzero_ps();
     __m256 vmax = reduce8(mx, 1), vmin = reduce8(mn, 0);
     __m256 nmin = _mm256_sub_ps(zero, vmin);
@@ -179,12 +202,18 @@ AI int enc8(kvr_codec_type t, uint8_t *dst, size_t bb, const void *src, size_t i
     if (t == KVR_CODEC_Q4_1) inf = _mm_or_si128(inf, _mm_cmpeq_epi16(_mm_and_si128(mh, em), em));
     unsigned bad = (unsigned)_mm_movemask_epi8(_mm_packs_epi16(inf, inf)) & 0xffu & ~fb;
     if (bad) return -1;
-    float ids[8], p0[8];
-    uint16_t dhs[8], mhs[8];
-    _mm256_storeu_ps(ids, id);
-    _mm256_storeu_ps(p0, v0);
-    _mm_storeu_si128((__m128i *)dhs, dh);
-    _mm_storeu_si128((__m128i *)mhs, mh);
+    s->fb = fb;
+    _mm256_storeu_ps(s->ids, id);
+    _mm256_storeu_ps(s->p0, v0);
+    _mm_storeu_si128((__m128i *)s->dhs, dh);
+    _mm_storeu_si128((__m128i *)s->mhs, mh);
+    return 0;
+}
+
+/* The quants of the eight blocks at i with scales8's parameters. */
+AI int quant8(kvr_codec_type t, uint8_t *dst, const void *src, size_t i, int h, const sc8 *s)
+{
+    const size_t bb = block_bytes(t);   /* a constant: t is */
 #pragma GCC unroll 8
     for (int b = 0; b < 8; b++) {
         size_t o = i + 32 * (size_t)b;
@@ -192,25 +221,53 @@ AI int enc8(kvr_codec_type t, uint8_t *dst, size_t bb, const void *src, size_t i
         /* loaded again (from L1): kept in registers beside the 16
          * extremes they spilled to the stack, a third of the time */
         __m512 x0 = ld16u(src, o, h), x1 = ld16u(src, o + 16, h);
-        if (fb & (1u << b)) {
+        if (s->fb & (1u << b)) {
             float xs[QK];
             _mm512_storeu_ps(xs, x0);
             _mm512_storeu_ps(xs + 16, x1);
             if (kvr_codec_ggml_block_enc(t, y, xs) != 0) return -1;
             continue;
         }
-        wr16(y, dhs[b]);
-        if (t == KVR_CODEC_Q4_1) wr16(y + 2, mhs[b]);
-        quant_block(t, y, x0, x1, ids[b], p0[b]);
+        wr16(y, s->dhs[b]);
+        if (t == KVR_CODEC_Q4_1) wr16(y + 2, s->mhs[b]);
+        quant_block(t, y, x0, x1, s->ids[b], s->p0[b]);
     }
+    return 0;
+}
+
+/* Software-pipelined: batch k + 1's parameters are computed before batch
+ * k's quants, so the divide / f16 chain of one batch runs under the other's
+ * quants instead of stalling them (a bad value anywhere returns -1 and the
+ * caller redoes the whole call with the scalar path, so stopping one batch
+ * early writes nothing that is kept). */
+AI int enc_run(kvr_codec_type t, uint8_t *dst, const void *src, size_t *pi,
+               size_t n, int h)
+{
+    size_t i = *pi;
+    if (i + 256 > n) return 0;
+    sc8 s0, s1;   /* unrolled by two: each batch's parameters in a fixed place */
+    s1.fb = 0;    /* (set before use; gcc cannot see it) */
+    if (scales8(t, src, i, h, &s0) != 0) return -1;
+    for (;;) {
+        int more = i + 512 <= n;
+        if (more && scales8(t, src, i + 256, h, &s1) != 0) return -1;
+        if (quant8(t, dst, src, i, h, &s0) != 0) return -1;
+        i += 256;
+        if (!more) break;
+        more = i + 512 <= n;
+        if (more && scales8(t, src, i + 256, h, &s0) != 0) return -1;
+        if (quant8(t, dst, src, i, h, &s1) != 0) return -1;
+        i += 256;
+        if (!more) break;
+    }
+    *pi = i;
     return 0;
 }
 
 #define ENC_CASE(T)                                                                  \
     case T:                                                                          \
-        for (; i + 256 <= n; i += 256)                                               \
-            if ((h ? enc8(T, dst, bb, src, i, 1) : enc8(T, dst, bb, src, i, 0)) != 0) \
-                return -1;                                                           \
+        if ((h ? enc_run(T, dst, src, &i, n, 1) : enc_run(T, dst, src, &i, n, 0)) != 0) \
+            return -1;                                                               \
         break;
 
 int kvr_codec_ggml_enc_avx512(kvr_codec_type t, uint8_t *dst, const void *src, kvr_dtype st,

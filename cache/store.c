@@ -56,6 +56,9 @@ int kvr_store_create(kvr_store **out, const kvr_store_config *cfg, kvr_error *er
                              s->cfg.block_tokens);
     }
     s->B = s->cfg.block_tokens ? s->cfg.block_tokens : KVR_DEFAULT_BLOCK_TOKENS;
+    s->pool.cache_max = s->cfg.block_cache;
+    if (s->cfg.max_memory && s->pool.cache_max > s->cfg.max_memory / 16)
+        s->pool.cache_max = s->cfg.max_memory / 16;
     s->cfg.block_tokens = s->B;
     s->n_buckets = 64;
     s->buckets = kvr_mem_calloc(s->n_buckets, sizeof *s->buckets);
@@ -90,11 +93,19 @@ void kvr_store_destroy(kvr_store *s)
         model_free(s->models[i]);
     if (s->hooks)
         s->hooks->close(s);
+    kvr_block_pool_trim(&s->pool);
     assert(s->pool.n_blocks == 0 && s->pool.n_leased == 0);
     kvr_mem_free(s->models);
     kvr_mem_free(s->buckets);
     kvr_mem_free(s);
     kvr_mem_trim();   /* the kept staging buffer (mem.c) */
+}
+
+size_t kvr_store_trim(kvr_store *s)
+{
+    size_t freed = kvr_block_pool_trim(&s->pool);
+    kvr_mem_trim();   /* the kept staging buffer (mem.c) */
+    return freed;
 }
 
 /* ---- ids and the context map -------------------------------------------- */
@@ -341,7 +352,7 @@ int kvr_store_reserve(kvr_store *s, size_t need, kvr_error *err)
     size_t cap = s->cfg.max_memory;
     if (cap == 0 || kvr_mem_allocated() + need <= cap)
         return 0;
-    kvr_mem_trim();   /* at the cap: the kept staging buffer goes first (mem.c) */
+    kvr_store_trim(s);   /* at the cap: the block cache and the kept staging buffer go first */
     size_t have = kvr_mem_allocated();
     size_t freeable = freeable_bytes(s) + (s->hooks ? s->hooks->freeable(s) : 0);
     if (need > cap || have - (freeable < have ? freeable : have) + need > cap) {
@@ -351,7 +362,12 @@ int kvr_store_reserve(kvr_store *s, size_t need, kvr_error *err)
                              "only %zu evictable (the rest is pinned, busy or leased)",
                              cap, need, have, freeable);
     }
-    while (kvr_mem_allocated() + need > cap) {
+    /* What eviction frees must go back to the allocator, not into the
+     * block cache, or it would not lower kvr_mem_allocated(). */
+    size_t cache_max = s->pool.cache_max;
+    s->pool.cache_max = 0;
+    int rc = 0;
+    while (rc == 0 && kvr_mem_allocated() + need > cap) {
         /* Disk tier: spill the least recently used block instead; drop
          * only when the disk refuses (full, failed) or nothing is left to
          * spill. Persistent contexts are never dropped. */
@@ -363,13 +379,15 @@ int kvr_store_reserve(kvr_store *s, size_t need, kvr_error *err)
             v = v->lru_prev;
         if (!v) {
             s->n_refused_nomem++;
-            return kvr_error_set(err, KVR_ENOMEM,
-                                 "memory cap %zu bytes cannot fit %zu more bytes "
-                                 "after evicting everything evictable", cap, need);
+            rc = kvr_error_set(err, KVR_ENOMEM,
+                               "memory cap %zu bytes cannot fit %zu more bytes "
+                               "after evicting everything evictable", cap, need);
+            break;
         }
         evict_tail(s, v);
     }
-    return 0;
+    s->pool.cache_max = cache_max;
+    return rc;
 }
 
 size_t kvr_store_request_max(const kvr_store *s)
@@ -954,6 +972,8 @@ void kvr_store_get_stats(const kvr_store *s, kvr_store_stats *out)
     out->mem_peak = kvr_mem_peak();
     out->mem_cap = s->cfg.max_memory;
     out->block_bytes = s->pool.bytes;
+    out->block_cache_bytes = s->pool.cache_bytes;
+    out->n_block_cache = s->pool.cache_n;
     out->n_models = s->n_models;
     out->n_blocks = s->pool.n_blocks;
     for (const kvr_ctx *c = s->lru_head; c; c = c->lru_next) {

@@ -387,6 +387,10 @@ static void render(const kvr_metrics *m, const snapshot *s, sbuf *b)
              "Highest value of kvrope_memory_allocated_bytes since start.", s->s.mem_peak);
     scalar_u(b, "kvrope_memory_block_bytes", "gauge", "Bytes held in KV blocks in memory.",
              s->s.block_bytes);
+    scalar_u(b, "kvrope_memory_block_cache_bytes", "gauge",
+             "Bytes of freed KV blocks kept for reuse by the next puts (in allocated, "
+             "not in block bytes; dropped first at the cap and when idle).",
+             s->s.block_cache_bytes);
     scalar_u(b, "kvrope_models", "gauge", "Registered models.", s->s.n_models);
     scalar_u(b, "kvrope_contexts", "gauge", "Contexts stored.", s->s.n_contexts);
     scalar_u(b, "kvrope_blocks", "gauge", "KV blocks resident in memory.", s->s.n_blocks);

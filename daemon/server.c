@@ -453,6 +453,11 @@ static int take_activated(kvr_daemon *d, int *metrics_fd, kvr_error *err)
  * to the kernel once no request arrived for KVR_IDLE_PURGE_MS. */
 #define KVR_IDLE_PURGE_MS 2000
 
+/* Freed blocks the store keeps for the next puts (cache/block.h): a put
+ * REPLACE takes the block the previous one freed instead of a fresh 1 MiB
+ * allocation and free. */
+#define KVR_DAEMON_BLOCK_CACHE ((size_t)16 << 20)
+
 static void idle_purge(kvr_daemon *d, uint64_t now)
 {
     if (d->n_requests != d->purge_seen) {
@@ -464,7 +469,7 @@ static void idle_purge(kvr_daemon *d, uint64_t now)
     if (d->purged || now - d->purge_idle_ms < KVR_IDLE_PURGE_MS)
         return;
     d->purged = true;
-    kvr_mem_trim();   /* the kept staging buffer too */
+    kvr_store_trim(d->store);   /* the block cache and the kept staging buffer too */
 #ifdef KVR_JEMALLOC
     (void)mallctl("arena." KVR_STR(MALLCTL_ARENAS_ALL) ".purge", NULL, NULL, NULL, 0);
 #endif
@@ -748,7 +753,8 @@ int kvr_daemon_create(kvr_daemon **out, const kvr_daemon_config *cfg, kvr_error 
     if (!cfg->max_contexts && max_ctx < 1024)
         max_ctx = 1024;
     kvr_store_config sc = { .max_memory = cfg->max_memory, .block_tokens = cfg->block_tokens,
-                            .max_contexts = max_ctx, .max_models = cfg->max_models };
+                            .max_contexts = max_ctx, .max_models = cfg->max_models,
+                            .block_cache = KVR_DAEMON_BLOCK_CACHE };
     kvr_error e = { 0 };
     rc = kvr_store_create(&d->store, &sc, &e);
     if (rc < 0) {

@@ -244,19 +244,12 @@ int kvr_llama_state_import(kvr_client *c, const char *ctx, const void *state, si
         ctx_len = er.n_tokens;
         kvr_client_free(er.spans);
     } else {
-        if (exists && opts->mode == KVR_LLAMA_IMPORT_REPLACE) {
-            rc = kvr_client_delete(c, ctx);
-            if (rc && rc != KVR_ENOCTX) {
-                rc = kvr_br_fail(err, errlen, rc, "replacing '%s': %s", ctx, kvr_client_last_error(c));
-                goto out;
-            }
-            exists = false;
-        }
+        bool replace = opts->mode == KVR_LLAMA_IMPORT_REPLACE;
         kvr_put_args pa;
         memset(&pa, 0, sizeof pa);
         pa.ctx_id = ctx;
         pa.model = name;
-        pa.mode = exists ? KVR_PUT_APPEND : KVR_PUT_CREATE;
+        pa.mode = replace ? KVR_PUT_REPLACE : exists ? KVR_PUT_APPEND : KVR_PUT_CREATE;
         pa.dtype = dt;
         pa.tokens = toks;
         pa.n_tokens = n;
@@ -265,10 +258,21 @@ int kvr_llama_state_import(kvr_client *c, const char *ctx, const void *state, si
         pa.payload_len = iov ? 0 : plen;
         pa.iov = iov;
         pa.iovcnt = iovcnt;
-        pa.codec = exists ? NULL : codec;
+        pa.codec = exists && !replace ? NULL : codec;
         pa.persist = opts->persist;
         kvr_put_res pr;
         rc = kvr_client_put(c, &pa, &pr);
+        if (rc == KVR_EFINGERPRINT && replace) {
+            /* The id holds another model's context, which a put never turns
+             * into this model's: delete it, then create (not atomic). */
+            rc = kvr_client_delete(c, ctx);
+            if (rc && rc != KVR_ENOCTX) {
+                rc = kvr_br_fail(err, errlen, rc, "replacing '%s': %s", ctx, kvr_client_last_error(c));
+                goto out;
+            }
+            pa.mode = KVR_PUT_CREATE;
+            rc = kvr_client_put(c, &pa, &pr);
+        }
         if (rc) {
             rc = kvr_br_fail(err, errlen, rc, "storing into '%s': %s", ctx, kvr_client_last_error(c));
             goto out;

@@ -238,7 +238,11 @@ void kvr_llama_free(void *p);                           /* free() of this librar
 
 typedef enum kvr_llama_import_mode {
     KVR_LLAMA_IMPORT_CREATE  = 0,  /* a new context (KVR_EEXIST if it exists) */
-    KVR_LLAMA_IMPORT_REPLACE = 1,  /* delete the context if it exists, then create */
+    KVR_LLAMA_IMPORT_REPLACE = 1,  /* create, or replace the context at once (a put
+                                      REPLACE: readers see the old one until the new
+                                      one is whole; a refused import leaves the old
+                                      one); another model's context of that id is
+                                      deleted first, then created */
     KVR_LLAMA_IMPORT_APPEND  = 2,  /* append the cells taken (the context must exist) */
     KVR_LLAMA_IMPORT_REFRESH = 3,  /* overwrite the KV of context tokens [ctx_start,
                                       ctx_start + n) (after an edit; their positions

@@ -173,8 +173,9 @@ Test(codec_ggml, refusals)
         x[40] = 10.0f;
     }
     /* A NaN or infinity at every position of a row long enough for the
-     * batched kernels (eight blocks and a tail), f32 and f16 input. */
-    enum { NB = 9 * 32 };
+     * batched kernels (three batches of eight blocks, the AVX-512 encoder's
+     * parameters computed one batch ahead, and a tail), f32 and f16 input. */
+    enum { NB = 26 * 32 };
     static float xs[NB];
     static uint16_t xh[NB];
     static uint8_t out[NB * 2];

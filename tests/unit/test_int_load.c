@@ -163,3 +163,63 @@ Test(int_load, eviction_under_small_cap, .fini = teardown, .timeout = 300)
     cr_assert(r == KVR_ENOCTX || (r == 0 && x.n_tokens < n), "c00 survived whole");
     kvr_client_close(c);
 }
+
+/* ---- the block cache (cache/block.h) ------------------------------------- */
+
+static void get_equals(kvr_client *c, const char *id, uint32_t seed, size_t n)
+{
+    size_t len;
+    void *want = testd_payload(seed, T_LAYERS, 0, n, KVR_DTYPE_F32, &len);
+    kvr_kv kv;
+    kvr_get_args g = { .ctx_id = id, .dtype = KVR_DTYPE_F32 };
+    cr_assert_eq(kvr_client_get(c, &g, &kv), 0, "%s", kvr_client_last_error(c));
+    cr_assert_eq(kv.payload_len, len);
+    cr_assert(memcmp(kv.payload, want, len) == 0, "%s (seed %u) differs", id, seed);
+    kvr_kv_release(&kv);
+    free(want);
+}
+
+/* Freed blocks stay in the daemon's cache (block_cache_bytes, inside
+ * mem_allocated, outside block_bytes), puts that reuse them read back
+ * exactly, and the idle purge gives them back. */
+Test(int_load, block_cache_metric_reuse_and_idle_purge, .fini = teardown, .timeout = 120)
+{
+    const char *args[] = { "--block-tokens", "32", NULL };
+    cr_assert_eq(testd_start(&D, args), 0);
+    kvr_client *c = testd_connect(&D);
+    cr_assert_not_null(c);
+    cr_assert_eq(testd_register(c, "m", KVR_DTYPE_F32, NULL), 0);
+    cr_assert_eq(testd_metric(c, "block_cache_bytes"), 0);
+    cr_assert_eq(testd_put(c, "a", "m", KVR_DTYPE_F32, 1, 100, 0, 96), 0);   /* 3 blocks */
+    double bb = testd_metric(c, "block_bytes");
+    cr_assert_gt(bb, 0);
+    cr_assert_eq(kvr_client_delete(c, "a"), 0);
+    cr_assert_eq(testd_metric(c, "block_bytes"), 0);
+    cr_assert_eq(testd_metric(c, "block_cache_bytes"), bb);
+    cr_assert_geq(testd_metric(c, "mem_allocated_bytes"), bb);
+    /* Puts into reused blocks (fewer tokens than their previous owner). */
+    for (uint32_t i = 0; i < 6; i++) {
+        size_t len, n = 40 + i;
+        void *pl = testd_payload(10 + i, T_LAYERS, 0, n, KVR_DTYPE_F32, &len);
+        uint32_t *tok = testd_tokens(200, n);
+        kvr_put_args a = { .mode = KVR_PUT_REPLACE, .ctx_id = "b", .model = "m",
+                           .dtype = KVR_DTYPE_F32, .tokens = tok, .n_tokens = n,
+                           .n_layers = T_LAYERS, .n_kv_heads = T_HEADS, .head_dim = T_DIM,
+                           .payload = pl, .payload_len = len };
+        cr_assert_eq(kvr_client_put(c, &a, NULL), 0, "%s", kvr_client_last_error(c));
+        free(pl);
+        free(tok);
+        get_equals(c, "b", 10 + i, 40 + i);
+    }
+    cr_assert_eq(kvr_client_delete(c, "b"), 0);
+    cr_assert_gt(testd_metric(c, "block_cache_bytes"), 0);
+    /* No request for a while: the idle purge empties the cache. */
+    double left = -1;
+    for (int tries = 0; tries < 10 && left != 0; tries++) {
+        testd_sleep_ms(3000);
+        left = testd_metric(c, "block_cache_bytes");
+    }
+    cr_assert_eq(left, 0, "the idle purge left %.0f bytes in the block cache", left);
+    cr_assert_eq(testd_metric(c, "block_bytes"), 0);
+    kvr_client_close(c);
+}

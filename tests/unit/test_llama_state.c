@@ -566,6 +566,26 @@ Test(llama_import, modes_append_refresh_replace)
     kvr_llama_import_opts o6 = { .mode = KVR_LLAMA_IMPORT_REPLACE, .cell_end = 5 };
     cr_assert_eq(kvr_llama_state_import(c, "doc", s, len, &m, &o6, &info, err, sizeof err), 0, "%s", err);
     cr_assert_eq(info.ctx_tokens, 5);
+    /* replace of a missing id: a create */
+    cr_assert_eq(kvr_llama_state_import(c, "new", s, len, &m, &o6, &info, err, sizeof err), 0, "%s", err);
+    cr_assert_eq(info.ctx_tokens, 5);
+    /* replace of another model's context of that id: deleted, then created */
+    kvr_llama_model m2;
+    load(&m2, "m2", "--layers 2 --width 64 --heads 2 --kv-heads 2 --head-dim 32");
+    cr_assert_eq(kvr_llama_model_register(c, &m2, NULL, NULL, err, sizeof err), 0, "%s", err);
+    size_t len2;
+    unsigned char *s2 = mk_state(&m2, 12, KVR_LLAMA_F16, KVR_LLAMA_F16, false, KVR_LLAMA_FORM_SESSION, &len2);
+    cr_assert_eq(kvr_llama_state_import(c, "other", s2, len2, &m2, NULL, &info, err, sizeof err), 0, "%s", err);
+    kvr_context oc, dc;
+    cr_assert_eq(kvr_client_stat(c, "other", &oc), 0);
+    cr_assert_eq(kvr_client_stat(c, "doc", &dc), 0);
+    cr_assert_str_neq(oc.model, dc.model);
+    cr_assert_eq(kvr_llama_state_import(c, "other", s, len, &m, &o6, &info, err, sizeof err), 0, "%s", err);
+    cr_assert_eq(info.ctx_tokens, 5);
+    cr_assert_eq(kvr_client_stat(c, "other", &oc), 0);
+    cr_assert_str_eq(oc.model, dc.model);
+    cr_assert_eq(oc.n_tokens, 5);
+    kvr_llama_free(s2);
     /* a quantized state imports as f32 (the exact dequantized values) */
     size_t lq;
     unsigned char *q = mk_state(&m, 40, KVR_LLAMA_Q8_0, KVR_LLAMA_Q4_0, false, KVR_LLAMA_FORM_SESSION, &lq);
