@@ -40,6 +40,24 @@ static float *values(size_t n, double step)
     return x;
 }
 
+/* Encodes a row of n values (sdt) into a zeroed and a 0xa5-poisoned buffer
+ * of rb bytes: the same bytes, or the encoder left some unwritten. */
+static void row_writes_all(const kvr_codec *c, const void *x, kvr_dtype sdt, size_t n,
+                           size_t rb, const char *name)
+{
+    size_t bad;
+    uint8_t *d0 = malloc(rb), *d1 = malloc(rb);
+    cr_assert(d0 && d1);
+    memset(d0, 0, rb);
+    memset(d1, 0xa5, rb);
+    cr_assert_eq(kvr_codec_encode(c, d0, x, sdt, n, &bad), 0);
+    cr_assert_eq(kvr_codec_encode(c, d1, x, sdt, n, &bad), 0);
+    cr_assert_eq(memcmp(d0, d1, rb), 0, "%s isa %d: a %s row of %zu leaves bytes", name,
+                 (int)c->isa, sdt == KVR_DTYPE_F16 ? "f16" : "f32", n);
+    free(d0);
+    free(d1);
+}
+
 Test(qfill, row_and_tile_encoders_write_every_byte)
 {
     static const size_t lens[] = { 1, 7, 32, 33, 64, 96, 128, 1000, 1024 };
@@ -50,19 +68,13 @@ Test(qfill, row_and_tile_encoders_write_every_byte)
             cr_assert_eq(kvr_codec_parse(codecs[a], &c), 0);
             c.isa = (kvr_isa)isa;
             for (size_t z = 0; z < sizeof lens / sizeof lens[0]; z++) {
-                size_t n = lens[z], rb = kvr_codec_row_bytes(&c, n), bad;
+                size_t n = lens[z], rb = kvr_codec_row_bytes(&c, n);
                 if (rb == 0)
                     continue;   /* ggml blocks: n % 32 != 0 */
                 float *x = values(n, 0.37);
-                uint8_t *d0 = malloc(rb), *d1 = malloc(rb);
-                memset(d0, 0, rb);
-                memset(d1, 0xa5, rb);
-                cr_assert_eq(kvr_codec_encode(&c, d0, x, KVR_DTYPE_F32, n, &bad), 0);
-                cr_assert_eq(kvr_codec_encode(&c, d1, x, KVR_DTYPE_F32, n, &bad), 0);
-                cr_assert_eq(memcmp(d0, d1, rb), 0, "%s isa %d: a row of %zu leaves bytes",
-                             codecs[a], isa, n);
+                row_writes_all(&c, x, KVR_DTYPE_F32, n, rb, codecs[a]);
                 compared++;
-                free(x); free(d0); free(d1);
+                free(x);
             }
             if (!kvr_codec_is_uniform(c.type))
                 continue;
@@ -154,22 +166,16 @@ Test(qfill, f16_rows_write_every_byte)
             cr_assert_eq(kvr_codec_parse(codecs[a], &c), 0);
             c.isa = (kvr_isa)isa;
             for (size_t z = 0; z < sizeof lens / sizeof lens[0]; z++) {
-                size_t n = lens[z], rb = kvr_codec_row_bytes(&c, n), bad;
+                size_t n = lens[z], rb = kvr_codec_row_bytes(&c, n);
                 if (rb == 0)
                     continue;
                 float *x = values(n, 0.37);
                 uint16_t *xh = malloc(n * sizeof *xh);
                 cr_assert_not_null(xh);
                 kvr_convert(xh, KVR_DTYPE_F16, x, KVR_DTYPE_F32, n);
-                uint8_t *d0 = malloc(rb), *d1 = malloc(rb);
-                memset(d0, 0, rb);
-                memset(d1, 0xa5, rb);
-                cr_assert_eq(kvr_codec_encode(&c, d0, xh, KVR_DTYPE_F16, n, &bad), 0);
-                cr_assert_eq(kvr_codec_encode(&c, d1, xh, KVR_DTYPE_F16, n, &bad), 0);
-                cr_assert_eq(memcmp(d0, d1, rb), 0, "%s isa %d: an f16 row of %zu leaves bytes",
-                             codecs[a], isa, n);
+                row_writes_all(&c, xh, KVR_DTYPE_F16, n, rb, codecs[a]);
                 compared++;
-                free(x); free(xh); free(d0); free(d1);
+                free(x); free(xh);
             }
         }
     cr_assert_gt(compared, 200);
