@@ -31,6 +31,14 @@ typedef enum kvr_put_mode {
 #define KVR_TOKEN_STALE 0x4u    /* restored from an older record: the context's
                                    newest persisted state was lost (corrupt log
                                    record); set with KVR_TOKEN_APPROX */
+/* Bits 8..15: the token's approximation age, how many edits ago its KV was
+ * last exact (0 for exact tokens; saturates at 255). An edit ages every
+ * approximate token after its first edit point by one and makes the exact
+ * ones there age 1; a refresh or a put clears it. It travels with the flags
+ * (wire, persistence, the shared tier). */
+#define KVR_TOKEN_AGE_SHIFT 8u
+#define KVR_TOKEN_AGE_MASK  0xff00u
+#define KVR_TOKEN_AGE(f)    (((f) & KVR_TOKEN_AGE_MASK) >> KVR_TOKEN_AGE_SHIFT)
 
 /* Assemble layouts (APE, docs/ape.md; wire Layout). */
 typedef enum kvr_layout_kind {

@@ -261,6 +261,76 @@ int kvr_wk_rag(kvr_wk_env *e, const int32_t *p, size_t np, const int32_t *const 
 /* Bits per byte of text under the model (n_bytes: the text's size). */
 int kvr_wk_ppl(kvr_wk_env *e, const int32_t *toks, size_t n, size_t n_bytes, bool bos);
 
+/* ---- sessions: the one engine behind edit, complete and serve
+ * (worker_session.c) ------------------------------------------------------
+ *
+ * A session is one kvrope context that follows one buffer (a file, an
+ * editor buffer, a server slot): each step brings a new token sequence into
+ * llama.cpp's seq 0 from what kvrope holds, computing only what it must,
+ * and then moves the session's context forward to that sequence.
+ *
+ *  kvr_wk_sync    the prompt toks[0..n) into seq 0 at positions 0..n-1:
+ *                 the session's context (or, when it is missing or shares
+ *                 less, the longest cached prefix of any context of the
+ *                 model) is diffed against the prompt into PIE ops; kept
+ *                 tokens come back with their keys re-rotated to their new
+ *                 places (approximate ones too: that is the PIE trade-off),
+ *                 new tokens and the refresh set are decoded. The last
+ *                 token's logits are current afterwards (kvr_wk_lm_logits).
+ *  kvr_wk_commit  the step's new and refreshed KV into the session's
+ *                 context: one atomic edit (or put REPLACE) of that id. It
+ *                 never deletes or forks over a context it read from; a
+ *                 context it read that is not the session's stays as it was.
+ *  kvr_wk_refresh_idle  re-encodes up to `budget` approximate tokens of the
+ *                 session (oldest first, then nearest the cursor), left to
+ *                 right from the first one chosen, and stores them (refresh):
+ *                 what a server does when idle, and the CLI's `refresh`.
+ *
+ * Approximation age: every token's flags carry how many edits ago its KV was
+ * last exact (KVR_TOKEN_AGE, kept by the daemon). The refresh policy: the
+ * `refresh` tokens after each edit point, plus every approximate token
+ * older than `max_age` edits (so drift stays bounded without idle time).
+ */
+typedef struct kvr_wk_sync_opts {
+    const char *session;     /* context id of this buffer; NULL: derived from the
+                                prompt's content (a completion cache) */
+    uint32_t    refresh;     /* tokens re-encoded after each edit point */
+    uint32_t    max_age;     /* approximate tokens older than this are refreshed
+                                now; 0 = the default (KVR_WK_MAX_AGE) */
+    bool        exact_only;  /* reuse exact tokens only (no moved KV) */
+    bool        no_cache;    /* compute everything (cache_prompt: false) */
+    size_t      max_d;       /* diff budget; 0 = 2048 */
+    size_t      min_gap;     /* hunks closer than this are one op; 0 = 8 */
+} kvr_wk_sync_opts;
+#define KVR_WK_MAX_AGE 16u
+
+typedef struct kvr_wk_sync_res {
+    size_t n_prompt;         /* n */
+    size_t n_reused;         /* KV taken from kvrope (prefix + moved) */
+    size_t n_computed;       /* decoded in this step (new + refreshed + last) */
+    size_t n_refreshed;      /* old tokens re-encoded (after edit points, by age) */
+    size_t n_ops;            /* PIE ops against the source context */
+    size_t n_approx;         /* tokens of the prompt whose KV is approximate now */
+    char   source[KVR_ID_MAX + 1];   /* the context read ("" = none) */
+    double t_match_ms, t_fetch_ms, t_load_ms, t_decode_ms, t_total_ms;
+} kvr_wk_sync_res;
+
+typedef struct kvr_wk_step kvr_wk_step;   /* what commit needs of a sync */
+
+/* *step (the caller's: kvr_wk_step_free) is NULL when nothing is to be stored. */
+int  kvr_wk_sync(kvr_wk_env *e, const int32_t *toks, size_t n, const kvr_wk_sync_opts *o,
+                 kvr_wk_step **step, kvr_wk_sync_res *res);
+/* Seq 0 must still hold the synced prompt (generated tokens after it are not
+ * stored). Errors leave the session's context as it was before the step. */
+int  kvr_wk_commit(kvr_wk_env *e, kvr_wk_step *step);
+void kvr_wk_step_free(kvr_wk_step *step);
+
+/* Refreshes at most budget approximate tokens of `session` (its whole current
+ * token sequence is loaded into seq 0 for it); cursor: a token index to
+ * prefer (SIZE_MAX = none). *n_done: tokens refreshed. */
+int  kvr_wk_refresh_idle(kvr_wk_env *e, const char *session, size_t budget, size_t cursor,
+                         size_t *n_done);
+
 /* ---- score (worker_score.c) --------------------------------------------- */
 typedef struct kvr_wk_gen_req {
     int64_t at;        /* I: the state is the cache before I plus T[I] */
