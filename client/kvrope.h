@@ -416,6 +416,9 @@ typedef struct kvr_edit_range {
     uint64_t        start, end;     /* [start, end) of the current sequence */
     const uint32_t *tokens;         /* n_tokens new ids (borrowed) */
     size_t          n_tokens;
+    bool            approx;         /* the new tokens' KV was computed against a
+                                       context holding approximate tokens: they
+                                       are stored KVR_TOKEN_APPROX (age 0) */
 } kvr_edit_range;
 
 typedef struct kvr_edit_args {
@@ -476,6 +479,9 @@ typedef struct kvr_refresh_args {
     size_t              iovcnt;
     bool                expect;         /* as kvr_edit_args */
     uint64_t            expect_n_tokens, expect_hash;
+    bool                approx;         /* the KV saw approximate tokens before
+                                           start: the range stays approximate
+                                           (age 0); else its flags are cleared */
 } kvr_refresh_args;
 
 /* Overwrites the range's KV and clears its approximate/pending flags; one

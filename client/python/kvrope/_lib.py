@@ -162,7 +162,7 @@ class kvr_context(Structure):
 # ---- edits (PIE) ----
 class kvr_edit_range(Structure):
     _fields_ = [("start", c_uint64), ("end", c_uint64),
-                ("tokens", POINTER(c_uint32)), ("n_tokens", c_size_t)]
+                ("tokens", POINTER(c_uint32)), ("n_tokens", c_size_t), ("approx", c_bool)]
 
 
 class kvr_edit_args(Structure):
@@ -194,7 +194,8 @@ class kvr_refresh_args(Structure):
                 ("dtype", c_int),
                 ("payload", c_void_p), ("payload_len", c_size_t),
                 ("iov", POINTER(iovec)), ("iovcnt", c_size_t),
-                ("expect", c_bool), ("expect_n_tokens", c_uint64), ("expect_hash", c_uint64)]
+                ("expect", c_bool), ("expect_n_tokens", c_uint64), ("expect_hash", c_uint64),
+                ("approx", c_bool)]
 
 
 # ---- position layouts (APE assemble, GPE groups, retention) ----
