@@ -187,7 +187,7 @@ void kvrd_request_end(kvrd_request *r, int status)
      * connection closed under it ends with KVR_EIO), latency
      * uv_hrtime() - r->start_ns, bytes in KVR_FRAME_HEADER_SIZE +
      * r->msg_len + r->payload_len, bytes out r->bytes_out. */
-    kvr_metrics_observe(c->d->metrics, r->verb ? (int)r->verb->body : 0, kvr_error_status(status),
+    kvr_metrics_observe(c->d->metrics, r->verb ? (int)(r->verb - VERBS) : -1, kvr_error_status(status),
                         r->payload_len, r->bytes_out,
                         (double)(uv_hrtime() - r->start_ns) / 1e9);
     if (kvr_log_get_level() <= KVR_LOG_DEBUG)
@@ -1769,7 +1769,9 @@ CHANGES(set_retention, q->set_retention->context_id)
 #undef CHANGES
 
 /* name, BODY case, flags, changes, work, finish; start is do_<name>. The
- * order is the order of the requests_<verb> metrics in stats. */
+ * one list of verbs: the order of the requests_<verb> figures in stats and
+ * the verb="<name>" series of /metrics (metrics.c takes its names from
+ * kvrd_verb_name and its index from here). */
 #define VERB(n, B, fl, ch, wk, fin) \
     { #n, KVROPE__REQUEST__BODY_##B, (fl), do_##n, (ch), (wk), (fin) }
 static const kvrd_verb VERBS[KVR_N_VERBS] = {

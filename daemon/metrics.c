@@ -132,7 +132,7 @@ void kvr_metrics_observe(kvr_metrics *m, int verb, int status, uint64_t bytes_in
 {
     if (!m)
         return;
-    int v = verb - 10;
+    int v = verb;
     if (v < 0 || v >= KVR_N_VERBS || !m->verb_names[v])
         v = KVR_N_VERBS;
     if (status < 0 || status >= N_STATUS)
@@ -810,11 +810,10 @@ int kvr_metrics_create(kvr_daemon *d, int listen_fd, kvr_error *err)
     pthread_condattr_init(&ca);
     pthread_cond_init(&m->cond, &ca);
     pthread_condattr_destroy(&ca);
-    for (int v = 0; v < KVR_N_VERBS; v++) {
-        const ProtobufCFieldDescriptor *f =
-            protobuf_c_message_descriptor_get_field(&kvrope__request__descriptor, (unsigned)(v + 10));
-        m->verb_names[v] = f ? f->name : NULL;
-    }
+    /* The verbs stats counts (dispatch.c's table), in its order: every
+     * verb has its series, whatever its body's field number. */
+    for (int v = 0; v < KVR_N_VERBS; v++)
+        m->verb_names[v] = kvrd_verb_name((size_t)v);
     m->verb_names[KVR_N_VERBS] = "none";
     for (int st = 0; st < N_STATUS; st++) {
         const ProtobufCEnumValue *ev =

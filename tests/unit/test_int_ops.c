@@ -217,6 +217,44 @@ Test(ops, metrics_follow_traffic_and_pass_promtool)
     cr_assert_eq(sample(m, "kvrope_contexts"), N - 1);
     cr_assert_eq(sample(m, "kvrope_requests_total{verb=\"delete\",status=\"OK\"}"), 1);
     free(m);
+
+    /* Every verb is named (issue 31: layout verbs counted under "none"),
+     * and /metrics names exactly the verbs stats counts, from one list. */
+    kvr_layout_res lr;
+    cr_assert_eq(kvr_client_set_retention(c, "c1", 2, 8, false, &lr), 0, "%s",
+                 kvr_client_last_error(c));
+    cr_assert_eq(kvr_client_layout_stat(c, "c1", &lr), 0, "%s", kvr_client_last_error(c));
+    cr_assert_neq(kvr_client_layout_stat(c, "nope", &lr), 0);
+    kvr_metric *st = NULL;
+    size_t nst = 0;
+    cr_assert_eq(kvr_client_stats(c, &st, &nst), 0);
+    m = scrape(port);
+    cr_assert_eq(sample(m, "kvrope_requests_total{verb=\"set_retention\",status=\"OK\"}"), 1, "%s",
+                 m);
+    cr_assert_eq(sample(m, "kvrope_requests_total{verb=\"layout_stat\",status=\"OK\"}"), 1);
+    cr_assert_eq(sample(m, "kvrope_requests_total{verb=\"layout_stat\",status=\"E_UNKNOWN_CONTEXT\"}"),
+                 1);
+    cr_assert_eq(sample(m, "kvrope_requests_total{verb=\"none\",status=\"OK\"}"), 0);
+    cr_assert_null(strstr(m, "verb=\"none\",status=\"E_"), "a request counted under none");
+    size_t nverbs = 0;
+    for (size_t i = 0; i < nst; i++) {
+        if (strncmp(st[i].name, "requests_", 9) != 0 || !strcmp(st[i].name, "requests_total"))
+            continue;
+        nverbs++;
+        double ok = sample(m, "kvrope_requests_total{verb=\"%s\",status=\"OK\"}", st[i].name + 9);
+        cr_assert(ok >= 0, "stats counts %s, /metrics has no verb=\"%s\"", st[i].name,
+                  st[i].name + 9);
+        cr_assert(sample(m, "kvrope_request_duration_seconds_count{verb=\"%s\"}",
+                         st[i].name + 9) >= 0);
+    }
+    cr_assert_geq(nverbs, 26, "stats lists %zu verbs", nverbs);
+    size_t series = 0;
+    for (const char *p = m; (p = strstr(p, "kvrope_requests_total{verb=\"")); p++)
+        if (strstr(p, "status=\"OK\"") < strchr(p, '\n') && strncmp(p + 28, "none\"", 5))
+            series++;
+    cr_assert_eq(series, nverbs, "/metrics names %zu verbs, stats %zu", series, nverbs);
+    kvr_client_free(st);
+    free(m);
     kvr_client_close(c);
 
     /* Only GET /metrics. */
