@@ -173,6 +173,35 @@ static int private_parent(const char *path, kvr_error *err)
     return 0;
 }
 
+/* A --socket path in a directory others may write to, sticky or not
+ * (/tmp): warned about, not refused (docs/operations.md, "The socket
+ * path"). Sticky: another user can create the path first (a socket of
+ * theirs while ours is down, which clients then talk to, or a file that
+ * stops us starting); not sticky: they can also replace ours. */
+static void shared_dir_warning(const char *path)
+{
+    char dir[256];
+    snprintf(dir, sizeof dir, "%s", path);
+    char *slash = strrchr(dir, '/');
+    if (!slash)
+        snprintf(dir, sizeof dir, ".");
+    else if (slash == dir)
+        dir[1] = '\0';
+    else
+        *slash = '\0';
+    struct stat st;
+    if (stat(dir, &st) < 0 || !(st.st_mode & S_IWOTH))
+        return;
+    kvr_log(KVR_LOG_WARN, "--socket %s is in %s, a directory every user can write to (mode "
+            "%04o): %s; put the socket in a directory only this user can write to (the "
+            "default, $XDG_RUNTIME_DIR/kvrope or /run/kvrope)", path, dir,
+            (unsigned)(st.st_mode & 07777),
+            (st.st_mode & S_ISVTX)
+                ? "another user can create this path before us, and clients would then talk "
+                  "to their socket while ours is down"
+                : "another user can remove or replace the socket");
+}
+
 /* 0: path free (or stale socket removed); <0: refuse. */
 static int probe_socket_path(const char *path, kvr_error *err)
 {
@@ -223,6 +252,7 @@ static int listen_unix(kvr_daemon *d, kvr_error *err)
     if (strlen(d->sock_path) >= sizeof(((struct sockaddr_un *)0)->sun_path))
         return kvr_error_set(err, KVR_EINVAL, "socket path too long (max 107 bytes): %s",
                              d->sock_path);
+    shared_dir_warning(d->sock_path);
     int rc = probe_socket_path(d->sock_path, err);
     if (rc < 0)
         return rc;
@@ -330,12 +360,18 @@ int kvr_daemon_read_token(const char *path, uint8_t **tok, size_t *len, kvr_erro
     FILE *f = fopen(path, "rb");
     if (!f)
         return kvr_error_sys(err, KVR_EIO, errno, "--auth-token-file %s", path);
+    /* Refused, as sshd refuses such a private key: anyone who can read
+     * the token can use the daemon, and anyone who can write it can lock
+     * every client out (issue 29). */
     struct stat st;
-    if (fstat(fileno(f), &st) == 0 && (st.st_mode & (S_IRWXG | S_IRWXO)))
-        kvr_log(KVR_LOG_WARN, "--auth-token-file %s can be read or written by %s (mode %04o): "
-                "anyone who reads it can use the daemon; chmod 600 it", path,
-                (st.st_mode & S_IRWXO) ? "other users" : "its group",
-                (unsigned)(st.st_mode & 07777));
+    if (fstat(fileno(f), &st) == 0 && (st.st_mode & (S_IRWXG | S_IRWXO))) {
+        fclose(f);
+        return kvr_error_set(err, KVR_EUNAUTH, "--auth-token-file %s can be read or written by "
+                             "%s (mode %04o): refusing it (anyone who reads it can use the "
+                             "daemon); chmod 600 it (mode 0600 or 0400)", path,
+                             (st.st_mode & S_IRWXO) ? "other users" : "its group",
+                             (unsigned)(st.st_mode & 07777));
+    }
     uint8_t buf[4097];
     size_t n = fread(buf, 1, sizeof buf, f);
     fclose(f);

@@ -760,26 +760,68 @@ Test(ops, another_users_tmp_kvrope_dir_is_refused)
     cr_assert(opsd_wait_log(log, "belongs to uid 0, not to us (uid 4243): refusing", 1000));
 }
 
-Test(ops, a_token_file_others_can_read_is_warned_about)
+/* Issue 29 item 9: refused, as sshd refuses a private key others can read
+ * (it was only a warning), with the mode to use; --check-config too. */
+Test(ops, a_token_file_others_can_read_is_refused)
 {
-    char sock[320], log[320], tok[320];
+    char sock[320], log[320], tok[320], conf[320];
     path(sock, sizeof sock, "s.sock");
     path(log, sizeof log, "d.log");
     path(tok, sizeof tok, "token");
+    path(conf, sizeof conf, "c.conf");
     cr_assert_eq(opsd_write_file(tok, "t\n", 0644), 0);
     const char *argv[] = { "--socket", sock, "--listen", "127.0.0.1:0", "--auth-token-file", tok,
                            NULL };
     opsd_spawn sp = { .argv = argv, .log = log };
     pid_t pid = opsd_start(&sp);
+    cr_assert_eq(opsd_wait_exit(pid, 30000), 1);
+    cr_assert(opsd_wait_log(log, "can be read or written by other users (mode 0644): refusing",
+                            1000));
+    cr_assert(opsd_wait_log(log, "chmod 600 it", 1000));
+    /* Its group only: refused too. */
+    cr_assert_eq(chmod(tok, 0640), 0);
+    pid = opsd_start(&sp);
+    cr_assert_eq(opsd_wait_exit(pid, 30000), 1);
+    cr_assert(opsd_wait_log(log, "by its group (mode 0640): refusing", 1000));
+    char text[700];
+    snprintf(text, sizeof text, "listen = 127.0.0.1:0\nauth-token-file = %s\n", tok);
+    cr_assert_eq(opsd_write_file(conf, text, 0600), 0);
+    char out[2048];
+    cr_assert_eq(check_config(conf, out, sizeof out), 1);
+    cr_assert(strstr(out, "refusing") && strstr(out, "chmod 600"), "%s", out);
+    /* 0600 and 0400: used. */
+    const mode_t ok[] = { 0600, 0400 };
+    for (size_t i = 0; i < 2; i++) {
+        cr_assert_eq(chmod(tok, ok[i]), 0);
+        pid = opsd_start(&sp);
+        cr_assert_eq(opsd_wait_ping(sock, 30000), 0);
+        cr_assert_eq(opsd_stop(pid), 0);
+    }
+}
+
+/* Issue 29 item 9: a --socket in a directory every user can write to
+ * (sticky, like /tmp) starts with a warning that says why. */
+Test(ops, a_socket_in_a_world_writable_directory_is_warned_about)
+{
+    char shared[320], sock[360], log[320];
+    path(shared, sizeof shared, "shared");
+    path(log, sizeof log, "d.log");
+    snprintf(sock, sizeof sock, "%s/kv.sock", shared);
+    cr_assert_eq(mkdir(shared, 0700), 0);
+    cr_assert_eq(chmod(shared, 01777), 0);
+    const char *argv[] = { "--socket", sock, NULL };
+    opsd_spawn sp = { .argv = argv, .log = log };
+    pid_t pid = opsd_start(&sp);
     cr_assert_eq(opsd_wait_ping(sock, 30000), 0);
-    cr_assert(opsd_wait_log(log, "can be read or written by other users (mode 0644)", 1000));
+    cr_assert(opsd_wait_log(log, "a directory every user can write to (mode 1777): another "
+                            "user can create this path before us", 1000));
     cr_assert_eq(opsd_stop(pid), 0);
-    /* 0600: no warning. */
-    chmod(tok, 0600);
+    /* A private directory: no warning. */
+    cr_assert_eq(chmod(shared, 0700), 0);
     pid = opsd_start(&sp);
     cr_assert_eq(opsd_wait_ping(sock, 30000), 0);
     cr_assert_eq(opsd_stop(pid), 0);
     char *t = opsd_slurp(log, NULL);
-    cr_assert(t && !strstr(t, "can be read or written"), "%s", t);
+    cr_assert(t && !strstr(t, "every user can write"), "%s", t);
     free(t);
 }
