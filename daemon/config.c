@@ -185,6 +185,8 @@ int kvr_daemon_config_set(kvr_daemon_config *c, const char *key, const char *v,
             c->max_drain = sz;
     } else if (!strcmp(key, "max-regions")) {
         rc = parse_u32(v, 0, 1u << 16, &c->max_regions);
+    } else if (!strcmp(key, "max-regions-total")) {
+        rc = parse_u32(v, 0, 1u << 30, &c->max_regions_total);
     } else if (!strcmp(key, "max-region-bytes")) {
         rc = parse_size_opt(key, v, 0, &sz, err);
         if (rc == 0)
@@ -476,6 +478,9 @@ static const char *HELP_TAIL =
 "                         (default 64; 0 = shared memory off)\n"
 "  --max-region-bytes SIZE  their total size per connection (default 64G;\n"
 "                         mappings only: the client's memfd holds the pages)\n"
+"  --max-regions-total N  regions of all connections together (default:\n"
+"                         vm.max_map_count less room for the daemon's own\n"
+"                         maps); past it register_region gets E_LIMIT\n"
 "  --config FILE          read options from FILE first; flags override it\n"
 "  -h, --help             show this help and exit\n"
 "  -V, --version          show the version and exit\n"
@@ -515,7 +520,7 @@ static bool known_option(const char *name)
 {
     static const char *names[] = {
         "socket", "listen", "auth-token-file", "max-memory", "max-connections", "max-frame",
-        "max-conn-buffer", "max-drain", "max-regions", "max-region-bytes", "block-tokens", "threads", "log-level", "config",
+        "max-conn-buffer", "max-drain", "max-regions", "max-region-bytes", "max-regions-total", "block-tokens", "threads", "log-level", "config",
         "io-timeout", "auth-timeout", "max-unauth-connections",
         "disk-dir", "disk-max", "disk-engine", "persist-all",
         "remote-tier", "remote-auth-file", "share-all",

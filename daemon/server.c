@@ -693,6 +693,7 @@ void kvr_daemon_reload(kvr_daemon *d)
         { "disk-max", o->disk_max != nc.disk_max },
         { "disk-engine", o->disk_engine != nc.disk_engine },
         { "persist-all", o->persist_all != nc.persist_all },
+        { "max-regions-total", o->max_regions_total != nc.max_regions_total },
     };
     for (size_t i = 0; i < sizeof fixed / sizeof fixed[0]; i++)
         if (fixed[i].changed)
@@ -774,6 +775,7 @@ int kvr_daemon_create(kvr_daemon **out, const kvr_daemon_config *cfg, kvr_error 
     d->msg_buffer_limit = cfg->max_msg_buffers ? cfg->max_msg_buffers : cfg->max_memory / 8;
     if (d->msg_buffer_limit < d->limits.max_msg_len)
         d->msg_buffer_limit = d->limits.max_msg_len;
+    kvrd_shm_init(d);     /* the region cap over all connections */
     int rc = uv_loop_init(&d->loop);
     if (rc < 0) {
         kvr_mem_free(d);

@@ -12,7 +12,15 @@
  *  - every slice is checked against the region's size without overflow;
  *  - the client may change the bytes at any time: puts copy out of the
  *    region first and validate the daemon's copy (dispatch.c).
- * Regions count against --max-regions / --max-region-bytes per connection.
+ * Regions count against --max-regions / --max-region-bytes per connection,
+ * and against one cap over all connections (d->region_cap,
+ * --max-regions-total): each region is a mapping, and the kernel's
+ * vm.max_map_count (65,530 by default) is the whole process's, so 1,024
+ * connections x 64 regions would leave the allocator no mappings and
+ * unrelated clients' puts would fail with E_NO_MEMORY (issue 29). The
+ * default cap is max_map_count less headroom for the daemon's own maps
+ * (KVRD_MAP_HEADROOM, or a quarter when that is more); a register past it
+ * gets E_LIMIT, and only the client that asked sees it.
  *
  * Lifetime: a region is reference counted on the loop thread only. The
  * connection holds one reference from registration until ReleaseRegion or
@@ -47,6 +55,38 @@
 #ifndef F_SEAL_FUTURE_WRITE
 #define F_SEAL_FUTURE_WRITE 0x0010
 #endif
+
+/* Mappings kept for the daemon itself (libraries, thread stacks, the
+ * allocator's extents, io_uring rings) when the region cap is derived. */
+#define KVRD_MAP_HEADROOM 16384u
+
+void kvrd_shm_init(kvr_daemon *d)
+{
+    uint64_t maps = 65530;     /* the kernel's default */
+    FILE *f = fopen("/proc/sys/vm/max_map_count", "r");
+    if (f) {
+        unsigned long long v;
+        if (fscanf(f, "%llu", &v) == 1 && v > 0)
+            maps = v;
+        fclose(f);
+    }
+    uint64_t room = maps / 4 > KVRD_MAP_HEADROOM ? maps / 4 : KVRD_MAP_HEADROOM;
+    uint64_t cap = maps > 2 * room ? maps - room : maps / 2;
+    if (cap > (1u << 30))
+        cap = 1u << 30;
+    if (d->cfg.max_regions_total) {
+        if (d->cfg.max_regions_total > cap)
+            kvr_log(KVR_LOG_WARN, "--max-regions-total %u leaves fewer than %llu of "
+                    "vm.max_map_count (%llu) for the daemon's own mappings: when regions use "
+                    "them up, allocations fail for every client", d->cfg.max_regions_total,
+                    (unsigned long long)room, (unsigned long long)maps);
+        cap = d->cfg.max_regions_total;
+    }
+    d->region_cap = (uint32_t)cap;
+    if (d->cfg.max_regions)
+        kvr_log(KVR_LOG_INFO, "shared-memory regions: at most %u over all connections "
+                "(vm.max_map_count %llu)", d->region_cap, (unsigned long long)maps);
+}
 
 static void region_free(kvrd_region *g)
 {
@@ -136,6 +176,13 @@ int kvrd_shm_register(kvr_conn *c, int fd, uint64_t size, kvrd_region **out, kvr
                              (unsigned long long)size,
                              (unsigned long long)cfg->max_region_bytes,
                              (unsigned long long)c->region_bytes);
+    kvr_daemon *d = c->d;
+    if (d->n_regions_all >= d->region_cap)
+        return kvr_error_set(e, KVR_ELIMIT, "register_region: the daemon holds %u regions over "
+                             "all connections, its limit (--max-regions-total %u%s): release "
+                             "regions, or send the payload on the socket", d->n_regions_all,
+                             d->region_cap, cfg->max_regions_total ? ""
+                             : ", from vm.max_map_count");
     kvrd_region *g = kvr_mem_calloc(1, sizeof *g);
     if (!g)
         return kvr_error_set(e, KVR_ENOMEM, "register_region: out of memory");
@@ -143,9 +190,11 @@ int kvrd_shm_register(kvr_conn *c, int fd, uint64_t size, kvrd_region **out, kvr
     if (p == MAP_FAILED) {
         int er = errno;
         kvr_mem_free(g);
-        return kvr_error_set(e, er == ENOMEM ? KVR_ENOMEM : KVR_EINVAL,
-                             "register_region: cannot map the memfd read-write: %s",
-                             strerror(er));
+        /* ENOMEM here is the address space or the map count, not the
+         * store's memory: E_LIMIT, for this client only. */
+        return kvr_error_set(e, er == ENOMEM ? KVR_ELIMIT : KVR_EINVAL,
+                             "register_region: cannot map the memfd read-write: %s%s",
+                             strerror(er), er == ENOMEM ? " (vm.max_map_count reached?)" : "");
     }
     g->base = p;
     g->size = (size_t)size;
@@ -156,6 +205,7 @@ int kvrd_shm_register(kvr_conn *c, int fd, uint64_t size, kvrd_region **out, kvr
     g->next = c->regions;
     c->regions = g;
     c->n_regions++;
+    d->n_regions_all++;
     c->region_bytes += size;
     *out = g;
     return 0;
@@ -177,6 +227,7 @@ int kvrd_shm_release(kvr_conn *c, uint32_t id, kvr_error *e)
             continue;
         *pp = g->next;
         c->n_regions--;
+        c->d->n_regions_all--;
         c->region_bytes -= g->size;
         kvrd_region_unref(g);
         return 0;
@@ -188,6 +239,7 @@ void kvrd_shm_conn_closed(kvr_conn *c)
 {
     kvrd_region *g = c->regions;
     c->regions = NULL;
+    c->d->n_regions_all -= c->n_regions;
     c->n_regions = 0;
     c->region_bytes = 0;
     while (g) {

@@ -876,3 +876,93 @@ Test(int_shm, descriptors_on_payload_bytes_are_closed)
     free(pl);
     free(tok);
 }
+
+/* Issue 29 item 7: regions are mappings and vm.max_map_count is global, so
+ * the daemon caps them over all connections (here 6; 4 per connection):
+ * the client that asks past the cap gets E_LIMIT saying so, the others
+ * keep working (puts, gets and their own regions), and a release or a
+ * closed connection gives the room back. */
+Test(int_shm, regions_of_all_connections_are_capped, .init = NULL, .fini = NULL)
+{
+    const char *extra[] = { "--max-regions", "4", "--max-regions-total", "6", NULL };
+    cr_assert_eq(testd_start(&D, extra), 0, "daemon did not start");
+    kvr_client *a = testd_connect(&D), *b = testd_connect(&D), *p = testd_connect(&D);
+    cr_assert(a && b && p);
+    uint32_t ia[4], ib[3], id;
+    void *base;
+    for (int i = 0; i < 4; i++)
+        cr_assert_eq(kvr_client_region_create(a, 4096, &ia[i], &base), 0, "%s",
+                     kvr_client_last_error(a));
+    for (int i = 0; i < 2; i++)
+        cr_assert_eq(kvr_client_region_create(b, 4096, &ib[i], &base), 0, "%s",
+                     kvr_client_last_error(b));
+    int r = kvr_client_region_create(b, 4096, &ib[2], &base);
+    cr_assert_eq(r, KVR_ELIMIT, "%d %s", r, kvr_client_last_error(b));
+    cr_assert(strstr(kvr_client_last_error(b), "over all connections") &&
+              strstr(kvr_client_last_error(b), "--max-regions-total 6"), "%s",
+              kvr_client_last_error(b));
+    /* Unrelated work goes on: a put and a get on a third connection, and
+     * b's regions still serve. */
+    cr_assert_eq(testd_register(p, "cm", KVR_DTYPE_F16, NULL), 0);
+    cr_assert_eq(testd_put(p, "capped", "cm", KVR_DTYPE_F16, 1, 0, 0, 40), 0, "%s",
+                 kvr_client_last_error(p));
+    kvr_get_args g = { .ctx_id = "capped", .dtype = KVR_DTYPE_F16 };
+    kvr_kv kv;
+    cr_assert_eq(kvr_client_get(p, &g, &kv), 0, "%s", kvr_client_last_error(p));
+    kvr_kv_release(&kv);
+    cr_assert_eq(kvr_client_ping(b, NULL), 0);
+    /* A release makes room for b; a's connection closing makes room too. */
+    cr_assert_eq(kvr_client_region_release(a, ia[0]), 0);
+    cr_assert_eq(kvr_client_region_create(b, 4096, &ib[2], &base), 0, "%s",
+                 kvr_client_last_error(b));
+    cr_assert_eq(kvr_client_region_create(p, 4096, &id, &base), KVR_ELIMIT);
+    kvr_client_close(a);
+    int rc = -1;
+    for (int i = 0; i < 200 && rc != 0; i++) {   /* the close is seen by the loop soon */
+        rc = kvr_client_region_create(p, 4096, &id, &base);
+        if (rc != 0)
+            testd_sleep_ms(10);
+    }
+    cr_assert_eq(rc, 0, "%s", kvr_client_last_error(p));
+    kvr_client_close(b);
+    kvr_client_close(p);
+    testd_stop(&D);
+}
+
+/* Without --max-regions-total the cap comes from vm.max_map_count, with
+ * room left for the daemon's own mappings. */
+Test(int_shm, the_default_region_cap_leaves_room_for_the_daemons_maps, .init = NULL,
+     .fini = NULL)
+{
+    const char *extra[] = { "--log-level", "info", NULL };
+    cr_assert_eq(testd_start(&D, extra), 0, "daemon did not start");
+    unsigned long long maps = 65530;
+    FILE *f = fopen("/proc/sys/vm/max_map_count", "r");
+    if (f) {
+        cr_assert_eq(fscanf(f, "%llu", &maps), 1);
+        fclose(f);
+    }
+    unsigned long long room = maps / 4 > 16384 ? maps / 4 : 16384;
+    unsigned long long cap = maps > 2 * room ? maps - room : maps / 2;
+    if (cap > (1ull << 30))
+        cap = 1ull << 30;
+    char want[160];
+    snprintf(want, sizeof want, "shared-memory regions: at most %llu over all connections "
+             "(vm.max_map_count %llu)", cap, maps);
+    cr_assert(cap < maps && cap + 16384 <= maps);
+    char *log = NULL;
+    for (int i = 0; i < 100; i++) {
+        FILE *l = fopen(D.log, "r");
+        if (l) {
+            static char buf[1 << 16];
+            size_t n = fread(buf, 1, sizeof buf - 1, l);
+            buf[n] = 0;
+            fclose(l);
+            if ((log = strstr(buf, want)))
+                break;
+        }
+        testd_sleep_ms(10);
+    }
+    cr_assert_not_null(log, "no '%s' in %s", want, D.log);
+    testd_stop(&D);
+}
