@@ -321,6 +321,8 @@ void kvrd_conn_quiet(kvr_conn *c);
 /* The fds that came with the current frame: the first is returned (the
  * caller's, or -1 if none came), any others are closed. */
 int  kvrd_shm_take_fd(kvr_conn *c);
+/* Closes every fd queued on c's handle. */
+void kvrd_shm_drop_fds(kvr_conn *c);
 /* Validates fd (a memfd sealed against shrinking, >= size bytes, not
  * write-sealed), the per-connection limits, and maps it; the region is
  * the connection's (*out borrowed). fd stays the caller's. */

@@ -1867,13 +1867,23 @@ void kvrd_dispatch_frame(kvr_conn *c, const kvr_frame_header *fh, const uint8_t 
     r->start_ns = uv_hrtime();
     r->verb = find_verb(q->body_case);
     /* fds never pile up on the handle: a RegisterRegion takes those that
-     * came with it; another frame closes strays when no later frame was
-     * read with it (it could be a RegisterRegion whose fd came in the same
-     * read: kvrd_conn_frames_ahead). */
-    bool takes = (r->verb && r->verb->body == KVROPE__REQUEST__BODY_REGISTER_REGION) ||
-                 !kvrd_conn_frames_ahead(c);
-    r->fd = takes ? kvrd_conn_take_fd(c) : -1;
+     * came with it; another frame takes them when no later frame was read
+     * with it (else they could be a later RegisterRegion's, read with it:
+     * kvrd_conn_frames_ahead), and refuses them (conn.c). */
+    bool region = r->verb && r->verb->body == KVROPE__REQUEST__BODY_REGISTER_REGION;
+    r->fd = region || !kvrd_conn_frames_ahead(c) ? kvrd_conn_take_fd(c) : -1;
     c->req = r;
+    if (r->fd >= 0 && !region) {
+        close(r->fd);
+        r->fd = -1;
+        char m[200];
+        snprintf(m, sizeof m, "a file descriptor came with this %s frame: only a "
+                 "register_region frame carries one (SCM_RIGHTS on its bytes)",
+                 r->verb ? r->verb->name : "unknown");
+        kvr_conn_fail(c, q->id, KVR_EBADREQUEST, m);
+        kvrd_request_end(r, KVR_EBADREQUEST);
+        return;
+    }
     const kvrd_verb *v = r->verb;
     if (v)
         d->per_verb[v - VERBS]++;

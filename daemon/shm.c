@@ -31,7 +31,9 @@
  * File descriptors: the pipe is in libuv's ipc mode, so fds sent with a
  * frame's bytes are queued on the handle. Each frame's fds are taken when
  * it is dispatched (kvrd_shm_take_fd): the first is kept for a
- * RegisterRegion, every other one is closed, so none accumulate.
+ * RegisterRegion, every other one is closed; fds on a frame that takes
+ * none, or more than KVRD_MAX_PENDING_FDS waiting for one frame, close
+ * the connection (conn.c), so none accumulate.
  */
 #include "daemon/daemon_internal.h"
 
@@ -111,11 +113,13 @@ static void close_tmp(uv_handle_t *h)
     kvr_mem_free(h);
 }
 
-int kvrd_shm_take_fd(kvr_conn *c)
+/* Takes every fd queued on c's handle: the first is kept (a dup, returned)
+ * when keep_first, every other one closed. -1: none kept. */
+static int take_pending(kvr_conn *c, bool keep_first)
 {
     if (c->is_tcp || c->closing || uv_pipe_pending_count(&c->h.pipe) == 0)
         return -1;
-    int keep = -1;
+    int keep = keep_first ? -1 : -2;
     while (uv_pipe_pending_count(&c->h.pipe) > 0) {
         uv_pipe_t *tmp = kvr_mem_malloc(sizeof *tmp);
         if (!tmp || uv_pipe_init(&c->d->loop, tmp, 0) < 0) {
@@ -124,7 +128,7 @@ int kvrd_shm_take_fd(kvr_conn *c)
         }
         if (uv_accept(&c->h.stream, (uv_stream_t *)tmp) == 0) {
             uv_os_fd_t fd;
-            if (keep < 0 && uv_fileno((uv_handle_t *)tmp, &fd) == 0)
+            if (keep == -1 && uv_fileno((uv_handle_t *)tmp, &fd) == 0)
                 keep = fcntl(fd, F_DUPFD_CLOEXEC, 0);
         }
         uv_close((uv_handle_t *)tmp, close_tmp);   /* closes its fd */
@@ -133,7 +137,17 @@ int kvrd_shm_take_fd(kvr_conn *c)
      * connection that is not reading must not be woken by its bytes. */
     if (!c->reading && !c->closing)
         kvrd_conn_quiet(c);
-    return keep;
+    return keep < 0 ? -1 : keep;
+}
+
+int kvrd_shm_take_fd(kvr_conn *c)
+{
+    return take_pending(c, true);
+}
+
+void kvrd_shm_drop_fds(kvr_conn *c)
+{
+    take_pending(c, false);
 }
 
 int kvrd_shm_register(kvr_conn *c, int fd, uint64_t size, kvrd_region **out, kvr_error *e)
