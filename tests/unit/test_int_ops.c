@@ -266,6 +266,126 @@ Test(ops, metrics_follow_traffic_and_pass_promtool)
     cr_assert_eq(opsd_stop(pid), 0);
 }
 
+/* A slowloris scrape connection from source address src (127.0.0.x):
+ * connected, a request line sent, headers to follow a line at a time. -1
+ * if the connect failed. */
+static int dribbler(const char *src, int port)
+{
+    int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    cr_assert_geq(fd, 0);
+    struct sockaddr_in me = { .sin_family = AF_INET };
+    cr_assert_eq(inet_pton(AF_INET, src, &me.sin_addr), 1);
+    cr_assert_eq(bind(fd, (struct sockaddr *)&me, sizeof me), 0, "bind %s: %s", src,
+                 strerror(errno));
+    struct sockaddr_in sa = { .sin_family = AF_INET, .sin_port = htons((uint16_t)port) };
+    sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    if (connect(fd, (struct sockaddr *)&sa, sizeof sa) < 0) {
+        close(fd);
+        return -1;
+    }
+    const char *line = "GET /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\n";
+    if (send(fd, line, strlen(line), MSG_NOSIGNAL) < 0) {
+        close(fd);
+        return -1;
+    }
+    return fd;
+}
+
+static uint64_t mono_ms(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000u + (uint64_t)ts.tv_nsec / 1000000u;
+}
+
+/* Has the daemon closed fd (EOF or reset)? */
+static bool dropped(int fd)
+{
+    char b[256];
+    ssize_t r = recv(fd, b, sizeof b, MSG_DONTWAIT);
+    return r == 0 || (r < 0 && errno != EAGAIN && errno != EWOULDBLOCK);
+}
+
+/* One more header line on every dribbler still open; closes (-1) those the
+ * daemon dropped. Returns how many are still open. */
+static int drip(int *fds, int n)
+{
+    int open = 0;
+    for (int i = 0; i < n; i++) {
+        if (fds[i] < 0)
+            continue;
+        if (dropped(fds[i]) || send(fds[i], "X-Drip: 1\r\n", 11, MSG_NOSIGNAL) < 0) {
+            close(fds[i]);
+            fds[i] = -1;
+            continue;
+        }
+        open++;
+    }
+    return open;
+}
+
+/* Issue 29 item 8: 16 connections each dribbling a header line (every 3 s
+ * then, every second here: both beat the 10 s idle timeout) held every
+ * scrape slot forever, before the token is checked. Now one peer address
+ * gets at most 4 connections, and a request must be in and answered within
+ * 10 s of its connection's start: a scrape succeeds at once against one
+ * peer's dribblers, within the deadline (generously bounded: 40 s) against
+ * dribblers from four addresses filling every slot, and every dribbler is
+ * dropped. */
+Test(ops, metrics_slowloris_cannot_hold_the_scrape_slots)
+{
+    char sock[320], log[320];
+    path(sock, sizeof sock, "s.sock");
+    path(log, sizeof log, "d.log");
+    const char *argv[] = { "--socket", sock, "--metrics-listen", "127.0.0.1:0", NULL };
+    opsd_spawn sp = { .argv = argv, .log = log };
+    pid_t pid = opsd_start(&sp);
+    cr_assert(pid > 0);
+    int port = opsd_metrics_port(log);
+    cr_assert(port > 0);
+    cr_assert_eq(opsd_wait_ping(sock, 30000), 0);
+    enum { N = 16 };
+    int one[N], many[N];
+    /* One peer: 16 dribblers, of which at most 4 keep a slot. */
+    for (int i = 0; i < N; i++)
+        one[i] = dribbler("127.0.0.2", port);
+    testd_sleep_ms(300);
+    int open = drip(one, N);
+    cr_assert_leq(open, 4, "one peer holds %d scrape connections", open);
+    char *body = NULL;
+    cr_assert_eq(opsd_http(port, "GET", "/metrics", NULL, &body), 200,
+                 "a scrape while one peer dribbles");
+    free(body);
+    /* Four more peers fill every slot; a scrape gets one once the
+     * dribblers' deadline passes. */
+    for (int i = 0; i < N; i++) {
+        char src[32];
+        snprintf(src, sizeof src, "127.0.0.%d", 3 + i / 4);
+        many[i] = dribbler(src, port);
+    }
+    int st = -1;
+    uint64_t t0 = mono_ms();
+    while (st != 200 && mono_ms() - t0 < 40000) {
+        drip(one, N);
+        drip(many, N);
+        body = NULL;
+        st = opsd_http(port, "GET", "/metrics", NULL, &body);
+        free(body);
+        if (st != 200)
+            testd_sleep_ms(1000);
+    }
+    cr_assert_eq(st, 200, "no scrape got through within 40 s");
+    /* Every dribbler is dropped, though each keeps dripping. */
+    int left = N;
+    while (left > 0 && mono_ms() - t0 < 40000) {
+        testd_sleep_ms(1000);
+        left = drip(one, N) + drip(many, N);
+    }
+    cr_assert_eq(left, 0, "%d dribblers still hold a connection after 40 s", left);
+    cr_assert(opsd_wait_log(log, "whose request was not in and answered within 10 s", 1000));
+    cr_assert_eq(opsd_stop(pid), 0);
+}
+
 Test(ops, metrics_need_the_bearer_token_when_there_is_one)
 {
     char sock[320], log[320], tok[320];
