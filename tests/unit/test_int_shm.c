@@ -723,17 +723,27 @@ static int fds_settle(int max)
     return n;
 }
 
+/* A raw connection the daemon has answered a ping on (accepted, its fds
+ * counted); *q is that ping (id 1), for more. */
+static int pinged_connect(Kvrope__Request *q, Kvrope__Ping *ping)
+{
+    int fd = raw_connect();
+    kvrope__request__init(q);
+    kvrope__ping__init(ping);
+    q->id = 1;
+    q->body_case = KVROPE__REQUEST__BODY_PING;
+    q->ping = ping;
+    cr_assert_eq(raw_call(fd, q, -1), KVROPE__STATUS__OK);
+    return fd;
+}
+
 /* Issue 29 item 6: a descriptor on a frame that takes none (here pings)
  * is refused, not silently closed: the peer learns its fd went nowhere. */
 Test(int_shm, descriptors_on_frames_that_take_none_are_refused)
 {
-    int fd = raw_connect();
-    Kvrope__Request q = KVROPE__REQUEST__INIT;
-    Kvrope__Ping ping = KVROPE__PING__INIT;
-    q.id = 1;
-    q.body_case = KVROPE__REQUEST__BODY_PING;
-    q.ping = &ping;
-    cr_assert_eq(raw_call(fd, &q, -1), KVROPE__STATUS__OK);
+    Kvrope__Request q;
+    Kvrope__Ping ping;
+    int fd = pinged_connect(&q, &ping);
     int before = count_fds(D.pid);
     int mfd = raw_memfd(4096, F_SEAL_SHRINK);
     uint8_t buf[512];
@@ -764,13 +774,9 @@ Test(int_shm, descriptors_on_frames_that_take_none_are_refused)
 
 Test(int_shm, descriptors_of_pipelined_frames)
 {
-    int fd = raw_connect();
-    Kvrope__Request q = KVROPE__REQUEST__INIT;
-    Kvrope__Ping ping = KVROPE__PING__INIT;
-    q.id = 1;
-    q.body_case = KVROPE__REQUEST__BODY_PING;
-    q.ping = &ping;
-    cr_assert_eq(raw_call(fd, &q, -1), KVROPE__STATUS__OK);
+    Kvrope__Request q;
+    Kvrope__Ping ping;
+    int fd = pinged_connect(&q, &ping);
     int before = count_fds(D.pid);
     int mfd = raw_memfd(4096, F_SEAL_SHRINK);
     Kvrope__RegisterRegion rr = KVROPE__REGISTER_REGION__INIT;
@@ -938,15 +944,10 @@ Test(int_shm, a_client_cannot_hoard_descriptors)
     int refused = 0;
     uint8_t hdr[KVR_FRAME_HEADER_SIZE];
     kvr_frame_header_encode(hdr, 16, 0);
-    Kvrope__Request q = KVROPE__REQUEST__INIT;
-    Kvrope__Ping ping = KVROPE__PING__INIT;
-    q.id = 1;
-    q.body_case = KVROPE__REQUEST__BODY_PING;
-    q.ping = &ping;
-    for (int i = 0; i < NC; i++) {
-        fds[i] = raw_connect();
-        cr_assert_eq(raw_call(fds[i], &q, -1), KVROPE__STATUS__OK);   /* accepted */
-    }
+    Kvrope__Request q;
+    Kvrope__Ping ping;
+    for (int i = 0; i < NC; i++)
+        fds[i] = pinged_connect(&q, &ping);
     int before = count_fds(D.pid);
     for (size_t b = 0; b + 1 < sizeof hdr; b++) {   /* never a whole header */
         for (int i = 0; i < NC; i++) {
