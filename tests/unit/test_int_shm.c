@@ -459,6 +459,7 @@ Test(int_shm, clients_that_vanish)
     want = testd_payload(3, T_LAYERS, 0, 2000, KVR_DTYPE_F16, &len);
     cr_assert_eq(memcmp(base, want, len), 0);
     free(want);
+    kvr_kv_release(&kv);
 }
 
 typedef struct worker_arg {
