@@ -96,6 +96,7 @@ typedef struct snapshot {
     bool            has_remote;   /* --remote-tier: r holds its counters */
     kvr_remote_stats r;
     uint64_t conns, unauth, conn_total, conn_refused;
+    uint64_t regions, region_cap;
     uint64_t requests, errors, wire_in, wire_out, streamed, stream_aborted;
     double   start_unix, uptime, published_unix;
     uint64_t gen;
@@ -194,6 +195,8 @@ static void build(kvr_metrics *m, snapshot *s)
     s->unauth = d->n_unauth;
     s->conn_total = d->n_conn_total;
     s->conn_refused = d->n_conn_refused;
+    s->regions = d->n_regions_all;
+    s->region_cap = d->region_cap;
     s->requests = d->n_requests;
     s->errors = d->n_errors;
     s->wire_in = d->bytes_in;
@@ -406,6 +409,10 @@ static void render(const kvr_metrics *m, const snapshot *s, sbuf *b)
     scalar_u(b, "kvrope_connections_refused_total", "counter",
              "Connections refused by --max-connections or --max-unauth-connections.",
              s->conn_refused);
+    scalar_u(b, "kvrope_shm_regions", "gauge",
+             "Shared-memory regions registered, all connections together.", s->regions);
+    scalar_u(b, "kvrope_shm_regions_limit", "gauge",
+             "The cap on them (--max-regions-total, or from vm.max_map_count).", s->region_cap);
 
     /* Memory and store. */
     scalar_u(b, "kvrope_memory_allocated_bytes", "gauge",

@@ -208,6 +208,8 @@ Test(ops, metrics_follow_traffic_and_pass_promtool)
     cr_assert(sample(m, "kvrope_error_replies_total") >= 1);
     cr_assert(sample(m, "kvrope_connections") >= 1);
     cr_assert(sample(m, "kvrope_connections_accepted_total") >= 3);
+    cr_assert_eq(sample(m, "kvrope_shm_regions"), 0);
+    cr_assert(sample(m, "kvrope_shm_regions_limit") > 0);
     cr_assert(sample(m, "kvrope_network_received_bytes_total") >= (double)(N * plen));
 
     /* Deletes move contexts down and count as delete requests. */
