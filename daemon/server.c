@@ -8,7 +8,10 @@
  * probed first: a live daemon there makes us refuse to start; a stale
  * socket is removed; anything that is not a socket is left alone and we
  * refuse. The default socket's directory must be ours and writable by no
- * one else (another user could replace the socket otherwise). Stopping
+ * one else (another user could replace the socket otherwise); a --socket
+ * in a directory every user can write to (/tmp) is used with a warning
+ * saying why. A token file its group or others can read or write is
+ * refused (kvr_daemon_read_token), as sshd refuses such a key. Stopping
  * (SIGINT/SIGTERM or kvr_daemon_stop) closes the listeners and removes the
  * socket file at once, but only if the path still names the socket we
  * bound (same device and inode: a successor may have replaced it), lets
