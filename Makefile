@@ -1,7 +1,8 @@
 # kvrope — top-level build.
 #
 #   make            build the daemon (kvroped), the CLI (kvrope), libkvrope, tests
-#   make run        install what is missing, build, run kvroped with embedded defaults
+#   make run        install what is missing to run (not to test), build what a user
+#                   needs, run kvroped (and kvrope serve) with embedded defaults
 #   make test       install what is missing, build, run every test
 #   make check      the tests under ASan + UBSan with libc malloc (build/check)
 #   make bench      the benchmarks (ratios against memcpy, Redis, ggml in the same run)
@@ -129,7 +130,7 @@ EVAL_GGUF := $(BUILD)/eval/kvrope-code.gguf
 # llama.cpp: the bridge (into libkvrope), and what links libllama (fetched from npm).
 include client/llama/llama.mk
 
-.PHONY: deps-eval eval eval-model deps-fuzz fuzz-ci soak fuzzers all deps deps-bench run test check bench fuzz clean \
+.PHONY: deps-run deps-eval eval eval-model deps-fuzz fuzz-ci soak fuzzers all deps deps-bench run test check bench fuzz clean \
         check-symbols install uninstall
 .DEFAULT_GOAL := all
 # Every file make builds is kept: the test and bench objects are intermediate
@@ -252,9 +253,18 @@ $(BUILD)/fuzz/%: $(BUILD)/obj/tests/fuzz/%.o $(ALL_A)
 fuzzers: $(FUZZERS)
 
 # ---- running ---------------------------------------------------------------
-run: deps
-	@$(MAKE) --no-print-directory $(KVROPED) $(KVROPE)
+# What a user runs: the daemon, the CLI, libkvrope (the Python binding loads
+# it; C programs link it), kvrope-llama and the served model (when llama.cpp's
+# libraries could be fetched); only run-time packages (scripts/deps.sh run).
+# scripts/run-daemon.sh says where the socket, the disk tier and the server are.
+RUN_PROGS := $(KVROPED) $(KVROPE) $(CLIENT_SO) $(CLIENT_A) $(LLAMA_PROGS) \
+             $(if $(LLAMA_PROGS),$(EVAL_GGUF))
+run: deps-run
+	@$(MAKE) --no-print-directory $(RUN_PROGS)
 	@scripts/run-daemon.sh $(KVROPED)
+
+deps-run:
+	@scripts/deps.sh run
 
 test: deps
 	@$(MAKE) --no-print-directory all
