@@ -10,7 +10,8 @@
 #   make fuzz-ci    every fuzz target for a few seconds from tests/fuzz/corpus (CI)
 #   make soak       the long crash run: 1,000 kill -9 trials (CI runs 100)
 #   make install    PREFIX=/usr/local DESTDIR= : binaries, libkvrope, headers,
-#                   kvrope.pc, man pages, systemd units, an example config
+#                   kvrope.pc, the Python package, man pages, systemd units,
+#                   an example config
 #   make uninstall  removes what install put there (not the config file)
 #   make clean
 #
@@ -368,7 +369,20 @@ KVR_PC_VERSION = $(if $(KVR_VER),$(KVR_VER),$(KVR_VERSION))
 # following its #include "..." lines), each under kvrope/ at its path.
 INSTALL_SO      ?= $(CLIENT_SO)
 INSTALL_A       ?= $(CLIENT_A)
-INSTALL_HEADERS ?= $(shell scripts/public-headers.sh client/kvrope.h)
+# The llama.cpp bridge's header is installed as kvrope/kvrope_llama.h (its
+# #include "client/kvrope.h" then finds kvrope/client/kvrope.h).
+INSTALL_HEADERS ?= $(shell scripts/public-headers.sh client/kvrope.h client/llama/kvrope_llama.h)
+# The Python package, where Debian's python3 finds it: /usr/lib/python3/
+# dist-packages for PREFIX=/usr, else PREFIX/lib/python3.N/dist-packages
+# (/usr/local/lib/python3.11/dist-packages is on Debian 12's sys.path). A
+# generated kvrope/_install.py tells it where libkvrope was installed.
+PYVER := $(shell $(PYTHON) -c 'import sys; print("python%d.%d" % sys.version_info[:2])' 2>/dev/null)
+ifeq ($(PREFIX),/usr)
+  PYTHONDIR ?= /usr/lib/python3/dist-packages
+else
+  PYTHONDIR ?= $(PREFIX)/lib/$(if $(PYVER),$(PYVER),python3)/dist-packages
+endif
+PY_SRC := $(wildcard client/python/kvrope/*.py)
 UNITS := kvroped.service kvroped.socket kvroped-metrics.socket
 SUBST = sed -e 's|@PREFIX@|$(PREFIX)|g' -e 's|@BINDIR@|$(BINDIR)|g' \
             -e 's|@LIBDIR@|$(LIBDIR)|g' -e 's|@INCLUDEDIR@|$(INCLUDEDIR)|g' \
@@ -393,15 +407,19 @@ install: $(INSTALL_DEPS)
 	  link=$${soname:-$$file}; echo "ln -sf $$link $(DESTDIR)$(LIBDIR)/libkvrope.so"; \
 	  ln -sf $$link $(DESTDIR)$(LIBDIR)/libkvrope.so; fi
 	$(INSTALL) -m 644 $(INSTALL_A) $(DESTDIR)$(LIBDIR)/
-	$(INSTALL) -m 644 client/kvrope.h $(DESTDIR)$(INCLUDEDIR)/kvrope/
+	$(INSTALL) -m 644 client/kvrope.h client/llama/kvrope_llama.h $(DESTDIR)$(INCLUDEDIR)/kvrope/
 	for h in $(INSTALL_HEADERS); do $(INSTALL) -D -m 644 $$h $(DESTDIR)$(INCLUDEDIR)/kvrope/$$h || exit 1; done
+	$(INSTALL) -d $(DESTDIR)$(PYTHONDIR)/kvrope
+	$(INSTALL) -m 644 $(PY_SRC) $(DESTDIR)$(PYTHONDIR)/kvrope/
+	printf '# Written by make install: where libkvrope was installed.\nLIBDIR = "%s"\n' \
+	  '$(LIBDIR)' > $(DESTDIR)$(PYTHONDIR)/kvrope/_install.py
 	$(SUBST) dist/kvrope.pc.in > $(DESTDIR)$(PKGCONFIGDIR)/kvrope.pc
 	$(SUBST) dist/man/kvrope.1 > $(DESTDIR)$(MANDIR)/man1/kvrope.1
 	$(SUBST) dist/man/kvroped.8 > $(DESTDIR)$(MANDIR)/man8/kvroped.8
 	for u in $(UNITS); do $(SUBST) dist/systemd/$$u.in > $(DESTDIR)$(UNITDIR)/$$u || exit 1; done
 	$(INSTALL) -m 644 dist/systemd/kvrope.sysusers $(DESTDIR)$(SYSUSERSDIR)/kvrope.conf
 	$(INSTALL) -m 644 dist/kvroped.conf $(DESTDIR)$(DOCDIR)/kvroped.conf.example
-	$(INSTALL) -m 644 docs/operations.md docs/protocol.md $(DESTDIR)$(DOCDIR)/
+	$(INSTALL) -m 644 docs/operations.md docs/protocol.md docs/formats.md $(DESTDIR)$(DOCDIR)/
 	@# The config is the operator's once it exists: never overwritten.
 	@if [ ! -e $(DESTDIR)$(SYSCONFDIR)/kvrope/kvroped.conf ]; then \
 	  echo "$(INSTALL) -m 644 dist/kvroped.conf $(DESTDIR)$(SYSCONFDIR)/kvrope/kvroped.conf"; \
@@ -414,7 +432,8 @@ uninstall:
 	rm -f $(DESTDIR)$(BINDIR)/kvroped $(DESTDIR)$(BINDIR)/kvrope
 	rm -f $(DESTDIR)$(LIBDIR)/libkvrope.so $(DESTDIR)$(LIBDIR)/libkvrope.so.* \
 	  $(DESTDIR)$(LIBDIR)/libkvrope.a $(DESTDIR)$(PKGCONFIGDIR)/kvrope.pc
-	rm -f $(DESTDIR)$(INCLUDEDIR)/kvrope/kvrope.h
+	rm -f $(DESTDIR)$(INCLUDEDIR)/kvrope/kvrope.h $(DESTDIR)$(INCLUDEDIR)/kvrope/kvrope_llama.h
+	rm -rf $(DESTDIR)$(PYTHONDIR)/kvrope
 	for h in $(INSTALL_HEADERS); do rm -f $(DESTDIR)$(INCLUDEDIR)/kvrope/$$h; \
 	  rmdir $$(dirname $(DESTDIR)$(INCLUDEDIR)/kvrope/$$h) 2>/dev/null || true; done
 	-rmdir $(DESTDIR)$(INCLUDEDIR)/kvrope 2>/dev/null
@@ -422,7 +441,7 @@ uninstall:
 	for u in $(UNITS); do rm -f $(DESTDIR)$(UNITDIR)/$$u; done
 	rm -f $(DESTDIR)$(SYSUSERSDIR)/kvrope.conf
 	rm -f $(DESTDIR)$(DOCDIR)/kvroped.conf.example $(DESTDIR)$(DOCDIR)/operations.md \
-	  $(DESTDIR)$(DOCDIR)/protocol.md
+	  $(DESTDIR)$(DOCDIR)/protocol.md $(DESTDIR)$(DOCDIR)/formats.md
 	-rmdir $(DESTDIR)$(DOCDIR) 2>/dev/null
 	@if cmp -s dist/kvroped.conf $(DESTDIR)$(SYSCONFDIR)/kvrope/kvroped.conf; then \
 	  echo "rm -f $(DESTDIR)$(SYSCONFDIR)/kvrope/kvroped.conf"; \
