@@ -288,7 +288,7 @@ bench: deps-bench
 # eval/model holds the committed float16 weights; the GGUF llama.cpp runs is
 # made from them (same weights in both engines). `make eval-model` retrains
 # (about 30 min of both cores) and re-exports; `make eval` writes docs/eval.md,
-# docs/eval/*.png and the README's quality tables (not part of make test).
+# docs/eval/*.png (the README keeps a summary line; not part of make test).
 $(EVAL_GGUF): eval/model/weights.npz eval/model/config.json scripts/gen-gguf.py
 	@mkdir -p $(dir $@)
 	@$(PYTHON) scripts/gen-gguf.py -o $@.tmp --hf eval/model --dtype f16 --name kvrope-code && mv $@.tmp $@
