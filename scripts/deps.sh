@@ -9,7 +9,10 @@
 #   test   run + the test-only packages below (what `make test` needs)
 #   bench, fuzz, eval: test + clang and its libFuzzer runtime (fuzz), matplotlib
 #          for make eval's pictures (eval); bench and eval add nothing else
+# scripts/deps.sh --list LEVEL prints the level's packages and installs nothing.
 set -eu
+list=0
+if [ "${1:-}" = --list ]; then list=1; shift; fi
 level=${1:-test}
 pkgs="build-essential pkg-config libuv1-dev libjemalloc-dev libprotobuf-c-dev protobuf-c-compiler liburing-dev libcjson-dev libmicrohttpd-dev libsystemd-dev libhiredis-dev"
 runpkgs="python3 python3-numpy nodejs npm git"
@@ -27,8 +30,9 @@ case "$level" in
   bench) pkgs="$pkgs $testpkgs" ;;
   fuzz)  pkgs="$pkgs $testpkgs clang libclang-rt-14-dev" ;;
   eval)  pkgs="$pkgs $testpkgs python3-matplotlib" ;;
-  *) echo "usage: $0 [core|run|test|bench|fuzz|eval]" >&2; exit 2 ;;
+  *) echo "usage: $0 [--list] [core|run|test|bench|fuzz|eval]" >&2; exit 2 ;;
 esac
+if [ $list = 1 ]; then echo $pkgs; exit 0; fi
 missing=""
 for p in $pkgs; do
   # Node and npm may come from elsewhere than Debian (they do on the CI image);

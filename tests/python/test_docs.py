@@ -249,3 +249,23 @@ def test_make_run_defaults_and_sigterm(tmp_path):
                        capture_output=True, text=True, timeout=30)
     assert r.returncode == 4
     assert "is kvroped running?" in r.stderr and "make run" in r.stderr, r.stderr
+
+
+def test_make_run_installs_run_time_packages_only():
+    """scripts/deps.sh: `make run` (level run) gets what kvroped, kvrope-llama
+    and the served model's GGUF need, none of the test tools; `make test`
+    (level test) gets all of run's and the test tools."""
+    def pkgs(level):
+        r = subprocess.run(["sh", os.path.join(ROOT, "scripts", "deps.sh"), "--list", level],
+                           capture_output=True, text=True, timeout=30)
+        assert r.returncode == 0, r.stderr
+        return set(r.stdout.split())
+    run, test = pkgs("run"), pkgs("test")
+    for p in ("libuv1-dev", "python3-numpy", "npm", "git"):
+        assert p in run, p
+    for p in ("python3-torch", "redis-server", "libcriterion-dev", "prometheus", "python3-pytest"):
+        assert p not in run and p in test, p
+    assert run <= test
+    with open(os.path.join(ROOT, "Makefile")) as f:
+        mk = f.read()
+    assert re.search(r"^run: deps-run$", mk, re.M) and "scripts/deps.sh run" in mk
