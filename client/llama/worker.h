@@ -385,6 +385,19 @@ size_t kvr_wk_step_removed_tokens(const kvr_wk_step *step);
 int  kvr_wk_refresh_idle(kvr_wk_env *e, const char *session, size_t budget, size_t cursor,
                          size_t *n_done);
 
+/* ---- replay (worker_replay.c): an edit history through the engine -------- */
+typedef struct kvr_wk_replay_opts {
+    const char       *dir;          /* DIR/v0000.txt, v0001.txt, ... */
+    size_t            max_versions; /* 0 = all */
+    kvr_wk_sync_opts  sync;         /* .session names the file's session */
+    bool              background;   /* refresh everything approximate after each edit */
+    bool              check_all;    /* a full re-encode after every version ... */
+    const size_t     *check_at;     /* ... or after these versions */
+    size_t            n_check_at;
+    FILE             *lines;        /* one JSON object per version (NULL = none) */
+} kvr_wk_replay_opts;
+int kvr_wk_replay(kvr_wk_env *e, const kvr_wk_replay_opts *o);
+
 /* ---- score (worker_score.c) --------------------------------------------- */
 typedef struct kvr_wk_gen_req {
     int64_t at;        /* I: the state is the cache before I plus T[I] */

@@ -8,6 +8,8 @@
  *     edit --new F2 [--old F1] [--session ID] [--refresh K] [--max-age A]
  *          [--refresh-all] [--check] [--n N]
  *     refresh --session ID [--budget N] [--cursor I]
+ *     replay --history DIR [--session ID] [--refresh K] [--max-age A] [--background]
+ *            [--check | --check-at I,I...] [--max-versions N] [--lines FILE]
  *     rag --prefix F --doc F [F...] [--doc F...] --query F
  *         [--layout sequential|parallel] [--check] [--n N]
  *     ppl FILE
@@ -51,6 +53,13 @@ static const char usage[] =
 "  refresh --session ID [--budget N] [--cursor I]\n"
 "        re-encodes up to N (default all) approximate tokens of the session,\n"
 "        oldest first, then nearest token index I\n"
+"  replay --history DIR [--session ID] [--refresh K] [--max-age A] [--background]\n"
+"         [--check | --check-at I,I...] [--max-versions N] [--lines FILE]\n"
+"        the versions DIR/v0000.txt, v0001.txt, ... (scripts/edit-history.py) as\n"
+"        consecutive edits of one session (default kvl-replay, started afresh from\n"
+"        v0000); --background: everything approximate\n"
+"        re-encoded after each edit; --check: a full re-encode after each version\n"
+"        (KL, logit error, time); --lines: one JSON object per version (- = stdout)\n"
 "  rag --prefix F --doc F [F...] --query F [--layout sequential|parallel] [--check]\n"
 "        documents encoded once against the prefix, assembled by kvrope, the\n"
 "        query decoded on top; --check: against a full sequential encode\n"
@@ -70,7 +79,10 @@ typedef struct args {
     int         threads, n_gen;
     bool        json, check, no_cache, parallel, refresh_all, has_refresh;
     long        refresh, max_age, budget, cursor;
-    const char *session;
+    const char *session, *history, *lines_f;
+    bool        background, check_all;
+    long        max_versions;
+    size_t      check_at[64], n_check_at;
     const char *prompt, *old_f, *new_f, *prefix, *query, *ppl_file;
     const char *docs[256];
     size_t      n_docs;
@@ -192,6 +204,29 @@ static int parse(int argc, char **argv, args *a)
                 return usage_err("--max-age takes a count of edits, 1..255");
         } else if (!strcmp(s, "--refresh-all")) {
             a->refresh_all = true;
+        } else if (!strcmp(s, "--history")) {
+            NEED();
+            a->history = v;
+        } else if (!strcmp(s, "--lines")) {
+            NEED();
+            a->lines_f = v;
+        } else if (!strcmp(s, "--background")) {
+            a->background = true;
+        } else if (!strcmp(s, "--max-versions")) {
+            NEED();
+            if (!parse_int(v, 2, INT32_MAX, &a->max_versions))
+                return usage_err("--max-versions takes a count of 2 or more");
+        } else if (!strcmp(s, "--check-at")) {
+            NEED();
+            for (const char *q = v; *q;) {
+                char *end;
+                errno = 0;
+                unsigned long x = strtoul(q, &end, 10);
+                if (errno || end == q || (*end && *end != ',') || a->n_check_at == 64)
+                    return usage_err("--check-at takes up to 64 version numbers I,I,...");
+                a->check_at[a->n_check_at++] = (size_t)x;
+                q = *end ? end + 1 : end;
+            }
         } else if (!strcmp(s, "--budget")) {
             NEED();
             if (!parse_int(v, 0, INT32_MAX, &a->budget))
@@ -293,7 +328,7 @@ static int parse(int argc, char **argv, args *a)
         return usage_err("no command");
     const char *c = a->command;
     if (strcmp(c, "complete") && strcmp(c, "edit") && strcmp(c, "rag") && strcmp(c, "ppl") &&
-        strcmp(c, "score") && strcmp(c, "refresh")) {
+        strcmp(c, "score") && strcmp(c, "refresh") && strcmp(c, "replay")) {
         snprintf(msg, sizeof msg, "unknown command %s", c);
         return usage_err(msg);
     }
@@ -305,6 +340,8 @@ static int parse(int argc, char **argv, args *a)
         return usage_err("edit needs --new F2 (and --old F1 the first time)");
     if (!strcmp(c, "refresh") && !a->session)
         return usage_err("refresh needs --session ID");
+    if (!strcmp(c, "replay") && !a->history)
+        return usage_err("replay needs --history DIR");
     if (!strcmp(c, "rag") && (!a->prefix || !a->query || !a->n_docs))
         return usage_err("rag needs --prefix F, at least one --doc F and --query F");
     if (!strcmp(c, "ppl") && !a->ppl_file)
@@ -527,6 +564,21 @@ int main(int argc, char **argv)
                                 .max_age = (uint32_t)a.max_age, .refresh_all = a.refresh_all,
                                 .check = a.check };
         r = kvr_wk_edit(&e, a.old_f ? tk[1] : NULL, ntk[1], tk[0], ntk[0], &eo);
+    } else if (!strcmp(a.command, "replay")) {
+        FILE *lf = NULL;
+        if (a.lines_f && !(lf = strcmp(a.lines_f, "-") ? fopen(a.lines_f, "w") : stdout)) {
+            rc = die(EX_FAIL, "--lines %s: %s", a.lines_f, strerror(errno));
+            goto done;
+        }
+        kvr_wk_replay_opts ro = {
+            .dir = a.history, .max_versions = (size_t)a.max_versions,
+            .sync = { .session = a.session ? a.session : "kvl-replay",
+                      .refresh = (uint32_t)a.refresh, .max_age = (uint32_t)a.max_age },
+            .background = a.background, .check_all = a.check, .check_at = a.check_at,
+            .n_check_at = a.n_check_at, .lines = lf };
+        r = kvr_wk_replay(&e, &ro);
+        if (lf && lf != stdout)
+            fclose(lf);
     } else if (!strcmp(a.command, "refresh")) {
         r = kvr_wk_refresh_cmd(&e, a.session, a.budget < 0 ? SIZE_MAX : (size_t)a.budget,
                                a.cursor < 0 ? SIZE_MAX : (size_t)a.cursor);
