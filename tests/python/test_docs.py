@@ -269,3 +269,38 @@ def test_make_run_installs_run_time_packages_only():
     with open(os.path.join(ROOT, "Makefile")) as f:
         mk = f.read()
     assert re.search(r"^run: deps-run$", mk, re.M) and "scripts/deps.sh run" in mk
+
+
+FAKE_SERVER = """#!/bin/sh
+# A stand-in for kvrope-llama: `serve --help` names --listen; `serve` answers HTTP.
+case "$*" in *"serve --help"*) echo "serve --listen HOST:PORT"; exit 0 ;; esac
+while [ $# -gt 0 ]; do [ "$1" = --listen ] && listen=$2; shift; done
+exec /usr/bin/python3 -m http.server --bind "${listen%:*}" "${listen##*:}"
+"""
+
+
+def test_make_run_starts_the_server_and_stops_both(tmp_path):
+    """When kvrope-llama has serve, make run starts it on the daemon's socket,
+    prints how to reach it (curl, llama.vim, OpenAI), and SIGTERM stops both."""
+    fake = tmp_path / "kvrope-llama"
+    fake.write_text(FAKE_SERVER)
+    fake.chmod(0o755)
+    model = tmp_path / "m.gguf"
+    model.write_bytes(b"GGUF")
+    port = free_port()
+    run = MakeRun({"KVROPE_RUN_DIR": str(tmp_path / "run"), "KVROPE_DISK_DIR": str(tmp_path / "d"),
+                   "KVROPE_LISTEN": f"127.0.0.1:{port}", "KVROPE_LLAMA": str(fake),
+                   "KVROPE_MODEL": str(model)})
+    try:
+        out = run.output()
+        assert run.serve == f"127.0.0.1:{port}", out
+        for want in (f"curl -s http://127.0.0.1:{port}/v1/completions",
+                     f"'endpoint': 'http://127.0.0.1:{port}/infill'",
+                     f"base URL http://127.0.0.1:{port}/v1", "Ctrl-C stops both"):
+            assert want in out, out
+        socket.create_connection(("127.0.0.1", port), timeout=5).close()
+    finally:
+        kids = run.stop()
+    assert len(kids) >= 2, kids   # kvroped, the server (and perhaps a sleep of the wait loop)
+    for k in kids:
+        assert not alive(k), f"pid {k} still running after SIGTERM to make run"
