@@ -274,6 +274,7 @@ def test_make_run_installs_run_time_packages_only():
 FAKE_SERVER = """#!/bin/sh
 # A stand-in for kvrope-llama: `serve --help` names --listen; `serve` answers HTTP.
 case "$*" in *"serve --help"*) echo "serve --listen HOST:PORT"; exit 0 ;; esac
+echo "$*" > "$0.args"
 while [ $# -gt 0 ]; do [ "$1" = --listen ] && listen=$2; shift; done
 exec /usr/bin/python3 -m http.server --bind "${listen%:*}" "${listen##*:}"
 """
@@ -299,6 +300,9 @@ def test_make_run_starts_the_server_and_stops_both(tmp_path):
                      f"base URL http://127.0.0.1:{port}/v1", "Ctrl-C stops both"):
             assert want in out, out
         socket.create_connection(("127.0.0.1", port), timeout=5).close()
+        args = (tmp_path / "kvrope-llama.args").read_text().split()
+        assert args == ["--model", str(model), "--socket", run.socket, "serve", "--listen",
+                        f"127.0.0.1:{port}"], args
     finally:
         kids = run.stop()
     assert len(kids) >= 2, kids   # kvroped, the server (and perhaps a sleep of the wait loop)
