@@ -18,6 +18,7 @@ sets up the disk tier, and SIGTERM stops everything it started.
 import glob
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -92,6 +93,7 @@ class MakeRun:
 
     def __init__(self, env_extra, serve_timeout=60.0):
         self.dir = tempfile.mkdtemp(prefix="kvr-doc-")
+        self.final = None
         self.err_path = os.path.join(self.dir, "run.err")
         env = dict(os.environ)
         env.pop("KVROPE_SOCKET", None)
@@ -128,6 +130,8 @@ class MakeRun:
                     time.sleep(0.2)
 
     def output(self):
+        if self.final is not None:
+            return self.final
         with open(self.err_path, "rb") as f:
             return f.read().decode(errors="replace")
 
@@ -141,6 +145,8 @@ class MakeRun:
                 self.proc.kill()
                 self.proc.wait()
         self.err.close()
+        self.final = self.output()
+        shutil.rmtree(self.dir, ignore_errors=True)
         return kids
 
 
@@ -167,6 +173,7 @@ def docs_env():
     env.setdefault("KVROPE_LIB", os.path.join(BUILD, "libkvrope.so"))
     yield {"run": run, "work": work, "env": env}
     kids = run.stop()
+    shutil.rmtree(tmp, ignore_errors=True)
     for k in kids:
         assert not alive(k), f"make run left pid {k} running after SIGTERM"
 
