@@ -74,7 +74,10 @@ typedef struct kvr_client_opts {
 } kvr_client_opts;
 
 /* Connects to `addr`: "unix:PATH", a path containing '/', "tcp:HOST:PORT",
- * "HOST:PORT" or "[V6ADDR]:PORT". With a token, authenticates first.
+ * "HOST:PORT" or "[V6ADDR]:PORT"; NULL: $KVROPE_SOCKET, else the daemon's
+ * default socket (the CLI's and `make run`'s: $XDG_RUNTIME_DIR/kvrope/
+ * kvroped.sock, /run/kvrope/kvroped.sock as root, /tmp/kvrope-$UID/
+ * kvroped.sock). With a token, authenticates first.
  * opts may be NULL. On success *out is the caller's (kvr_client_close). On
  * failure *out is NULL and kvr_client_last_error(NULL) returns the reason
  * (thread-local, valid until the next failed connect on this thread). */

@@ -12,7 +12,8 @@ The C library is the ONE definition of the framing rules (frame header,
 protobuf messages, payload streaming, auth); this package never builds a
 frame itself, so the CLI, C workers and Python see the same protocol code.
 The library is looked up at $KVROPE_LIB, then <repo>/build/libkvrope.so
-relative to this package, then ctypes.util.find_library("kvrope").
+relative to this package, then where `make install` put it (_install.py),
+then ctypes.util.find_library("kvrope").
 
 KV layout: one array [n_layers, 2, tokens, kv_heads, head_dim] (axis 1: K, V),
 which is byte for byte the daemon's layer-major payload; put() also takes a

@@ -5,7 +5,8 @@ and the function prototypes. It holds no protocol knowledge. Everything about
 frames, protobuf and payload streaming lives in libkvrope.
 
 The library is found, in order, at: $KVROPE_LIB; <repo>/build/libkvrope.so
-(relative to this package: client/python/kvrope/../../../build); then
+(relative to this package: client/python/kvrope/../../../build); where
+`make install` put it (kvrope/_install.py, written then); then
 ctypes.util.find_library("kvrope").
 """
 
@@ -332,6 +333,11 @@ def _candidates():
         return
     here = os.path.dirname(os.path.abspath(__file__))
     yield os.path.normpath(os.path.join(here, "..", "..", "..", "build", "libkvrope.so"))
+    try:   # installed by `make install`, which writes _install.py
+        from ._install import LIBDIR
+        yield os.path.join(LIBDIR, "libkvrope.so")
+    except ImportError:
+        pass
     found = ctypes.util.find_library("kvrope")
     if found:
         yield found
