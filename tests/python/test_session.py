@@ -368,3 +368,38 @@ def test_diff_hunks():
     b = a[:5] + [1] + a[5:9] + [2] + a[9:]        # 4 equal tokens apart: one op
     assert kvrope.diff_hunks(a, b, min_gap=8) == [(5, 9, 5, 11)]
     assert kvrope.diff_hunks(a, b, min_gap=1) == [(5, 5, 5, 6), (9, 9, 10, 11)]
+
+
+def apply_hunks(a, b, hunks):
+    out, last = [], 0
+    for a0, a1, b0, b1 in hunks:
+        assert a0 >= last and b0 <= b1
+        out += a[last:a0] + b[b0:b1]
+        last = a1
+    return out + a[last:]
+
+
+def test_diff_hunks_long_sequences():
+    """Past a few hundred tokens the diff goes through content-defined chunks:
+    still exact (the hunks turn a into b), still one region per edit site."""
+    from conftest import ROOT
+    with open(f"{ROOT}/client/llama/worker_session.c", "rb") as f:
+        src = f.read()
+    a = list(src)
+    sites = len(re.findall(rb"\bkvr_wk_fail\b", src))
+    assert sites >= 10
+    b = list(re.sub(rb"\bkvr_wk_fail\b", b"kvr_worker_fail", src))
+    h = kvrope.diff_hunks(a, b)
+    assert apply_hunks(a, b, h) == b
+    assert len(h) == sites                                   # one region per site
+    assert all(x[3] - x[2] <= len(b"worker") for x in h)     # each only its site
+    assert sum((x[3] - x[2]) - (x[1] - x[0]) for x in h) == 4 * sites
+    for b in (a[:700] + [1, 2, 3] + a[700:-900] + a[-890:],      # insert + delete
+              a[:5000] + list(range(256)) * 4 + a[9000:],          # a rewritten block
+              list(range(256)) * 3,                                # nothing in common
+              a + a[:100], a[50:]):
+        h = kvrope.diff_hunks(a, b)
+        assert apply_hunks(a, b, h) == b
+        assert all(h[i][1] < h[i + 1][0] for i in range(len(h) - 1))
+    h = kvrope.diff_hunks(a, a[:700] + [1, 2, 3] + a[700:-900] + a[-890:])
+    assert [(x[1] - x[0], x[3] - x[2]) for x in h] == [(0, 3), (10, 0)]

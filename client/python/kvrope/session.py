@@ -13,18 +13,20 @@ can be moved forward by the other.
 
 A step is sync then commit:
   sync    reads the session context (get meta_only: tokens, positions, flags),
-          diffs it against the new tokens (difflib on the token lists; one PIE
-          op per changed region, regions closer than min_gap equal tokens
-          merged into one), fetches the kept tokens' KV with their keys
+          diffs it against the new tokens (difflib on the token lists, on
+          content-defined chunks first when they are long; one PIE op per
+          changed region, regions closer than min_gap equal tokens merged
+          into one), fetches the kept tokens' KV with their keys
           re-rotated to their new positions (get positions=; approximate
           tokens are reused like exact ones, that is PIE's trade-off), and
           runs the encoder on: the new tokens, the `refresh` tokens after each
           edit point, every kept token whose age after this edit would exceed
           max_age, and the last token (for its logits). Those runs are
           computed in increasing position order, each with all the KV before
-          it (kept, new and recomputed) as its past. A missing session (or
-          one this engine cannot read: another model, positions not 0..n-1,
-          tokens without KV) is encoded whole.
+          it (kept, new and recomputed) as its past. A missing session, one
+          this engine cannot read (another model, positions not 0..n-1,
+          tokens without KV) and one that shares no token with the new
+          sequence are encoded whole.
   commit  one atomic edit of the session with the new tokens' KV and
           expect=the sequence sync read, then one refresh per recomputed run
           of old tokens with expect=the new sequence (compare-and-swap: when
@@ -32,8 +34,9 @@ A step is sync then commit:
           changes nothing; kvrope.Busy is raised and the context holds the
           other writer's consistent version; sync again to continue from it).
           A missing session is created (put mode="create"; someone else
-          creating it first is reported as kvrope.Busy too); an unreadable
-          one is replaced (put mode="replace").
+          creating it first is reported as kvrope.Busy too); an existing
+          one encoded whole is replaced at once (put mode="replace", no
+          compare-and-swap: nothing of it was reused).
 
 Approximation age: every token's flags carry how many edits ago its KV was
 last exact (kvrope.token_age, flag bits 8..15); the daemon's edit ages the
@@ -82,15 +85,51 @@ DEFAULT_MIN_GAP = 8
 
 # ---- the diff -------------------------------------------------------------------
 
+CHUNK_AVG = 16           # content-defined chunks: ~16 tokens on average
+CHUNK_WINDOW = 4         # tokens hashed to decide a chunk boundary
+DIRECT_MAX = 1 << 16     # len(a) * len(b) up to which tokens are diffed directly
+REFINE_MAX = 1 << 22     # a changed chunk region larger than this stays one hunk
+
+
+def _chunk_bounds(t):
+    """Content-defined chunk boundaries of a token array: a chunk ends after
+    token i when a hash of tokens [i - CHUNK_WINDOW + 1, i] is 0 mod
+    CHUNK_AVG, so an edit moves only the boundaries within a window of it and
+    equal text cuts into equal chunks wherever it sits. -> [0, ..., n]."""
+    n = t.size
+    x = t.astype(np.uint64)
+    h = np.zeros(n, dtype=np.uint64)
+    for k in range(CHUNK_WINDOW):               # uint64 arithmetic wraps: a hash
+        sh = np.zeros(n, dtype=np.uint64)
+        sh[k:] = x[:n - k]
+        h = h * np.uint64(0x9E3779B97F4A7C15) + (sh + np.uint64(k + 1)) * \
+            np.uint64(0xFF51AFD7ED558CCD)
+        h ^= h >> np.uint64(31)
+    cut = np.flatnonzero(h % np.uint64(CHUNK_AVG) == 0) + 1
+    return np.unique(np.concatenate(([0], cut, [n]))).tolist()
+
+
+def _opcodes(a, b, a_off, b_off, out):
+    """Appends [a0, a1, b0, b1] per changed region of token lists a, b
+    (difflib, no junk heuristic: with byte or BPE tokens the frequent ones
+    are what code is made of), offset into the full sequences."""
+    sm = difflib.SequenceMatcher(None, a, b, autojunk=False)
+    for tag, i0, i1, j0, j1 in sm.get_opcodes():
+        if tag != "equal":
+            out.append([a_off + i0, a_off + i1, b_off + j0, b_off + j1])
+
+
 def diff_hunks(a, b, min_gap=DEFAULT_MIN_GAP):
     """The changed regions between token sequences a (old) and b (new):
     [(a0, a1, b0, b1), ...] in increasing order, old [a0, a1) became new
-    [b0, b1). The common prefix and suffix are trimmed first (cheap), the
-    middle goes to difflib.SequenceMatcher (no junk heuristic: with byte or
-    BPE tokens the frequent ones are what code is made of). Regions separated
-    by fewer than min_gap equal tokens are merged into one (the equal tokens
-    between become part of it): each region is an edit point that costs a
-    round of computing and refreshing. [] when a == b."""
+    [b0, b1). The common prefix and suffix are trimmed first. A small middle
+    goes to difflib.SequenceMatcher token by token; a large one (difflib is
+    quadratic on it) is cut into content-defined chunks, the chunk sequences
+    are diffed, and each changed chunk region is diffed again token by token
+    (a region too large for that stays one hunk: correct, less economical).
+    Regions separated by fewer than min_gap equal tokens are merged into one
+    (the equal tokens between become part of it): each region is an edit
+    point that costs a round of computing and refreshing. [] when a == b."""
     a = np.asarray(a, dtype=np.int64).reshape(-1)
     b = np.asarray(b, dtype=np.int64).reshape(-1)
     na, nb = a.size, b.size
@@ -102,22 +141,30 @@ def diff_hunks(a, b, min_gap=DEFAULT_MIN_GAP):
     m2 = min(na, nb) - p
     neq = np.flatnonzero(a[na - m2:][::-1] != b[nb - m2:][::-1]) if m2 else np.empty(0)
     s = int(neq[0]) if neq.size else m2
-    ma, mb = a[p:na - s].tolist(), b[p:nb - s].tolist()
+    ma, mb = a[p:na - s], b[p:nb - s]
     hunks = []
-    if not ma or not mb:
+    if not ma.size or not mb.size:
         hunks.append([p, na - s, p, nb - s])
+    elif ma.size * mb.size <= DIRECT_MAX:
+        _opcodes(ma.tolist(), mb.tolist(), p, p, hunks)
     else:
-        sm = difflib.SequenceMatcher(None, ma, mb, autojunk=False)
+        ca, cb = _chunk_bounds(ma), _chunk_bounds(mb)
+        ka = [ma[ca[i]:ca[i + 1]].tobytes() for i in range(len(ca) - 1)]
+        kb = [mb[cb[i]:cb[i + 1]].tobytes() for i in range(len(cb) - 1)]
+        sm = difflib.SequenceMatcher(None, ka, kb, autojunk=False)
         for tag, i0, i1, j0, j1 in sm.get_opcodes():
             if tag == "equal":
                 continue
-            if hunks and hunks[-1][1] == p + i0 and hunks[-1][3] == p + j0:
-                hunks[-1][1], hunks[-1][3] = p + i1, p + j1   # adjacent: one region
+            a0, a1, b0, b1 = ca[i0], ca[i1], cb[j0], cb[j1]
+            if a0 == a1 or b0 == b1 or (a1 - a0) * (b1 - b0) > REFINE_MAX:
+                hunks.append([p + a0, p + a1, p + b0, p + b1])
             else:
-                hunks.append([p + i0, p + i1, p + j0, p + j1])
+                _opcodes(ma[a0:a1].tolist(), mb[b0:b1].tolist(), p + a0, p + b0, hunks)
     out = []
     for h in hunks:
-        if out and h[0] - out[-1][1] < min_gap:
+        if out and h[0] == out[-1][1] and h[2] == out[-1][3]:
+            out[-1][1], out[-1][3] = h[1], h[3]     # adjacent: one region
+        elif out and h[0] - out[-1][1] < min_gap:
             out[-1][1], out[-1][3] = h[1], h[3]
         else:
             out.append(h)
