@@ -403,3 +403,63 @@ def test_diff_hunks_long_sequences():
         assert all(h[i][1] < h[i + 1][0] for i in range(len(h) - 1))
     h = kvrope.diff_hunks(a, a[:700] + [1, 2, 3] + a[700:-900] + a[-890:])
     assert [(x[1] - x[0], x[3] - x[2]) for x in h] == [(0, 3), (10, 0)]
+
+
+def test_writer_between_edit_and_refresh(client, model, llm, uid):
+    """Another writer lands after this step's edit, before its refreshes: the
+    refresh is refused (Busy), and the context is the other writer's version,
+    whole (every token with KV, positions 0..n-1)."""
+    sid = f"mid-{uid}"
+    s1 = kvrope.EditSession(client, model, sid, llm, refresh=REFRESH)
+    s2 = kvrope.EditSession(client, model, sid, llm, refresh=REFRESH)
+    s1.step(list(SRC))
+    v1 = EDITS[0](SRC)[0]
+    v2 = EDITS[2](v1)[0]
+    r = s1.sync(list(v1))
+    assert r.n_refreshed > 0                           # commit will refresh after its edit
+    real_refresh = client.refresh
+    calls = []
+
+    def refresh(*a, **kw):
+        if not calls:
+            calls.append(1)
+            s2.step(list(v2))                          # the other writer, from v1
+        return real_refresh(*a, **kw)
+    client.refresh = refresh
+    try:
+        with pytest.raises(kvrope.Busy):
+            s1.commit()
+    finally:
+        del client.refresh
+    m = meta(client, sid)
+    assert bytes(m.tokens.astype(np.uint8)) == v2
+    assert np.array_equal(m.positions, np.arange(len(v2)))
+    assert not np.any(m.flags & kvrope.FLAG_PENDING)
+    s1.refresh_idle()
+    r = s1.sync(list(v2))
+    full = full_logits(llm, v2)
+    assert float(np.max(np.abs(r.logits - full))) <= 1e-5 * max(1.0, float(np.abs(full).max()))
+    client.delete(sid)
+
+
+def test_f16_model(client, llm, uid):
+    """A model kept as f16: the session sends float32 KV, the daemon stores
+    f16; the loop works the same and the idle refresh brings the logits to a
+    full encode's within f16 rounding."""
+    name = f"sess16-{uid}"
+    client.register_model(name, CFG, dtype="f16")
+    sid = f"s16-{uid}"
+    s = kvrope.EditSession(client, name, sid, llm, refresh=REFRESH, max_age=MAX_AGE)
+    text = SRC
+    s.step(list(text))
+    for edit in EDITS[:8]:
+        text = edit(text)[0]
+        r = s.step(list(text))
+        assert r.kind == "edit"
+        assert bytes(meta(client, sid).tokens.astype(np.uint8)) == text
+        assert int(kvrope.token_age(meta(client, sid).flags).max()) <= MAX_AGE
+    assert s.refresh_idle() > 0
+    r = s.sync(list(text))
+    full = full_logits(llm, text)
+    assert float(np.max(np.abs(r.logits - full))) <= 2e-2 * max(1.0, float(np.abs(full).max()))
+    client.delete(sid)
