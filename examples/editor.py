@@ -70,9 +70,10 @@ import llama as L  # noqa: E402
 ROOT = os.path.normpath(os.path.join(HERE, ".."))
 DEFAULT_FILE = os.path.join(ROOT, "client", "llama", "worker_diff.c")
 REL_TOL = 1e-5
-C_WORDS = {b"static", b"const", b"return", b"sizeof", b"size_t", b"include", b"define",
-           b"while", b"break", b"continue", b"struct", b"typedef", b"unsigned", b"long",
-           b"void", b"char", b"else", b"for", b"int", b"NULL", b"bool", b"true", b"false"}
+C_WORDS = set(b"""static const return sizeof size_t include define while break continue struct
+typedef unsigned signed long short void char else for int NULL bool true false if do goto switch
+case default double float enum union extern inline volatile restrict uint8_t uint16_t uint32_t
+uint64_t int8_t int16_t int32_t int64_t errno""".split())
 
 
 def load_source(path, limit):
@@ -114,13 +115,24 @@ def edit_insert_comment(text, rng, i):
     return f"insert a comment line at byte {a}", text[:a] + line + text[a:]
 
 
-def edit_rename(text, rng, i):
-    words = re.findall(rb"\b[A-Za-z_][A-Za-z_0-9]{1,}\b", text)
+def _identifiers(text, fresh):
+    """{identifier: occurrences} of the code (comments and strings left out;
+    fresh: only names not renamed by this script yet)."""
+    code = re.sub(rb'/\*.*?(?:\*/|$)|//[^\n]*|"(?:\\.|[^"\\\n])*"', b" ", text, flags=re.S)
     counts = {}
-    for w in words:
-        if w not in C_WORDS:
+    for w in re.findall(rb"\b[A-Za-z_][A-Za-z_0-9]{2,}\b", code):
+        if w not in C_WORDS and not (fresh and re.search(rb"_\d+$", w)):
             counts[w] = counts.get(w, 0) + 1
-    cands = sorted((w for w, n in counts.items() if n >= 3), key=lambda w: (-counts[w], w))
+    return counts
+
+
+def edit_rename(text, rng, i):
+    """An identifier of the code used at 2+ sites renamed at all of them
+    (as an editor's rename does; the diff makes it one op per site)."""
+    counts = _identifiers(text, True)
+    if not any(n >= 2 for n in counts.values()):
+        counts = _identifiers(text, False)
+    cands = sorted((w for w, n in counts.items() if n >= 2), key=lambda w: (-counts[w], w))
     if not cands:
         return edit_insert_comment(text, rng, i)
     old = cands[rng.randrange(min(5, len(cands)))]

@@ -274,7 +274,7 @@ def test_editor_example(kvroped, client):
     need_edit(client)
     env = dict(os.environ)
     r = subprocess.run([PYTHON, os.path.join(ROOT, "examples", "editor.py"),
-                        "--socket", kvroped.socket, "--bytes", "700", "--max-age", "6"],
+                        "--socket", kvroped.socket, "--bytes", "1000", "--max-age", "6"],
                        capture_output=True, text=True, timeout=600, env=env)
     assert r.returncode == 0, r.stdout + r.stderr
     out = r.stdout
