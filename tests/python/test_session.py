@@ -189,7 +189,9 @@ def test_twenty_consecutive_edits(client, model, llm, uid):
         age_a = kvrope.token_age(after.flags)
         assert int(age_a.max()) <= MAX_AGE, (i, int(age_a.max()))
         assert int(np.count_nonzero(after.flags & kvrope.FLAG_APPROX)) == c.n_approx, i
-        assert np.all((age_a > 0) == ((after.flags & kvrope.FLAG_APPROX) != 0)), i
+        # An aged token is approximate; an approximate one may be age 0 (its KV
+        # was recomputed this step, but against approximate tokens before it).
+        assert np.all((age_a == 0) | ((after.flags & kvrope.FLAG_APPROX) != 0)), i
         # Ages: the daemon aged every kept token from the first edit point on
         # by one, unless this step refreshed it (age 0).
         first_b = r.hunks[0][2]

@@ -178,6 +178,19 @@ def _runs(mask):
     return [(int(d[i]), int(d[i + 1])) for i in range(0, d.size, 2)]
 
 
+def _split(runs, rx):
+    """Runs cut where rx (1 exact, 2 approximate) changes: [(s, e, approx)]."""
+    out = []
+    for s, e in runs:
+        while s < e:
+            k = s + 1
+            while k < e and rx[k] == rx[s]:
+                k += 1
+            out.append((s, k, bool(rx[s] == 2)))
+            s = k
+    return out
+
+
 def _busy(message):
     return errors.from_c(errors.KVR_EBUSY, message)
 
@@ -225,6 +238,7 @@ class _Step:
     hunks: list              # edit: [(a0, a1, b0, b1)]
     refresh_runs: list       # edit: recomputed runs of old approximate tokens
     n_approx: int
+    rx: Optional[np.ndarray]  # per new token: 1 computed exact, 2 against approx ones
     exists: bool             # create: replace (True) or create (False)
 
 
@@ -293,6 +307,22 @@ class EditSession:
 
     # -- the encoder
 
+    def _decode(self, kv, toks, runs, apx):
+        """Runs `runs` in increasing order (each with the KV before it as
+        past) and says which came out exact: apx (bool per token) marks KV that
+        is approximate or not there yet; a run is exact when nothing before it
+        is. -> rx (uint8 per token: 1 exact, 2 computed against approximate
+        tokens, 0 not computed); the last run's logits in self._last_logits."""
+        apx = np.array(apx, dtype=bool)
+        rx = np.zeros(apx.size, dtype=np.uint8)
+        self._last_logits = None
+        for s, e in runs:
+            self._last_logits = self._run(kv, toks, s, e)
+            exact = not apx[:s].any()
+            apx[s:e] = not exact
+            rx[s:e] = 1 if exact else 2
+        return rx
+
     def _run(self, kv, toks, s, e):
         """Runs tokens [s, e) of the sequence with kv[:, :, :s] as past, writes
         their KV into kv[:, :, s:e]; -> their last token's logits."""
@@ -351,7 +381,7 @@ class EditSession:
         n = b.size
         kv = self._empty_kv(n)
         logits = self._run(kv, b, 0, n)
-        step = _Step("create", b, kv, None, [], [], 0, exists)
+        step = _Step("create", b, kv, None, [], [], 0, None, exists)
         return SyncResult(logits, kv, "create", n, 0, n, 0, 0, n, 0, 0), step
 
     def _sync_edit(self, meta, b, hunks):
@@ -394,19 +424,23 @@ class EditSession:
             old = self._fetch(A, newpos)
             kv[:, :, at] = old[:, :, kept]
             del old
+        # The loaded KV that is approximate (new tokens: not there yet).
+        apx = isnew.copy()
+        apx[at] = approx_now
         runs = _runs(comp)
-        logits = None
-        for s, e in runs:
-            logits = self._run(kv, b, s, e)
+        logits, rx = None, self._decode(kv, b, runs, apx)
+        logits = self._last_logits
         n_dec = int(comp.sum())
 
         # What commit refreshes: recomputed old tokens that are approximate
         # after the edit (exact ones before the first edit point did not
         # change: not stored).
         store = comp & ~isnew
-        store[at[~approx_now]] = False
-        n_approx = int(np.count_nonzero(approx_now & ~comp[at]))
-        step = _Step("edit", b, kv, A.copy(), hunks, _runs(store), n_approx, True)
+        store[at[~approx_now & (rx[at] == 1)]] = False
+        apx[rx == 1], apx[rx == 2] = False, True   # after this step's decodes
+        n_approx = int(np.count_nonzero(apx))
+        step = _Step("edit", b, kv, A.copy(), hunks, _split(_runs(store), rx), n_approx, rx,
+                     True)
         n_keep = nb - n_new
         res = SyncResult(logits, kv, "edit", nb, len(hunks), n_new,
                          sum(h[1] - h[0] for h in hunks), n_keep - (n_dec - n_new), n_dec,
@@ -434,7 +468,7 @@ class EditSession:
         if st.hunks:
             ops, parts = [], []
             for a0, a1, b0, b1 in st.hunks:
-                ops.append((a0, a1, st.b[b0:b1]))
+                ops.append((a0, a1, st.b[b0:b1], bool(b1 > b0 and st.rx[b0] == 2)))
                 if b1 > b0:
                     parts.append(st.kv[:, :, b0:b1])
             new_kv = np.ascontiguousarray(np.concatenate(parts, axis=2)) if parts else None
@@ -444,9 +478,9 @@ class EditSession:
                                     f"session {sid} holds {r.n_tokens} tokens after the "
                                     f"edit, not {st.b.size}")
         n_ref = 0
-        for s, e in st.refresh_runs:
+        for s, e, apx in st.refresh_runs:
             c.refresh(sid, s, e, np.ascontiguousarray(st.kv[:, :, s:e]),
-                      model=self.model_name, expect=st.b)
+                      model=self.model_name, expect=st.b, approx=apx)
             n_ref += e - s
         kind = "edit" if st.hunks or st.refresh_runs else "none"
         return CommitResult(kind, int(st.b.size), n_ref, st.n_approx)
@@ -489,11 +523,10 @@ class EditSession:
         mark[chosen] = True
         kv = self._fetch(toks)
         runs = _runs(mark)
-        for s, e in runs:
-            self._run(kv, toks, s, e)
+        rx = self._decode(kv, toks, runs, (meta.flags & FLAG_APPROX) != 0)
         done = 0
-        for s, e in runs:
+        for s, e, apx in _split(runs, rx):
             self.client.refresh(self.session_id, s, e, np.ascontiguousarray(kv[:, :, s:e]),
-                                model=self.model_name, expect=toks)
+                                model=self.model_name, expect=toks, approx=apx)
             done += e - s
         return done
