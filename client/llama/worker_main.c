@@ -71,7 +71,7 @@ static const char usage[] =
 "        F..N-2 (default F = cached tokens), greedy tokens from the points I (no daemon);\n"
 "        --exact: in-cache rows one per decode, bit-identical to a full forward;\n"
 "        --kv-out: the KV llama.cpp computed for T[m..N), as a KV.bin\n"
-"--socket: unix:PATH, a path, or HOST:PORT (default as kvrope's CLI);\n"
+"--socket: unix:PATH, a path, or HOST:PORT (default $KVROPE_SOCKET, else as kvrope's CLI);\n"
 "exit 0 ok, 1 refused/failed, 2 usage, 3 file not found, 4 daemon unreachable\n";
 
 typedef struct args {
@@ -353,8 +353,10 @@ static int parse(int argc, char **argv, args *a)
 
 static void default_socket(char *buf, size_t cap)
 {
-    const char *xdg = getenv("XDG_RUNTIME_DIR");
-    if (xdg && *xdg)
+    const char *env = getenv("KVROPE_SOCKET"), *xdg = getenv("XDG_RUNTIME_DIR");
+    if (env && *env)
+        snprintf(buf, cap, "%s", env);
+    else if (xdg && *xdg)
         snprintf(buf, cap, "%s/kvrope/kvroped.sock", xdg);
     else if (geteuid() == 0)
         snprintf(buf, cap, "/run/kvrope/kvroped.sock");
