@@ -2192,8 +2192,20 @@ int kvr_remote_job_land(kvr_rjob *j)
         miss(j, true, "the fetched shape differs from the local model's");
         return KVR_ENOCTX;
     }
-    if (j->by_id)
+    if (j->by_id) {
         j->n_tokens = j->m.n_tokens;
+        /* Every field of the manifest's layout passes the checks of the
+         * verb that would set it here, before anything is stored. */
+        kvr_error le = { 0 };
+        if (kvr_layout_info_check(&j->m.layout, j->ctx_id, mi.fingerprint, j->m.groups,
+                                  j->m.flags, j->m.n_tokens, &le) < 0) {
+            char why[600];
+            snprintf(why, sizeof why, "manifest of '%.200s': bad layout: %.300s", j->ctx_id,
+                     le.msg);
+            miss(j, true, why);
+            return KVR_ENOCTX;
+        }
+    }
     kvr_put_params pp = {
         .ctx_id = j->ctx_id,
         .model = mi.name,

@@ -974,3 +974,127 @@ Test(int_cluster, layout_travels)
     cr_assert_str_eq(lb.prefix_ctx, "pfx");
     cr_assert_eq(lb.prefix_len, 20);
 }
+
+/* ---- crafted layouts in a manifest (issue 29, finding 2) ------------------ */
+
+/* Puts n more tokens (ids base..) on c, appending, published synchronously. */
+static int append_share(kvr_client *c, const char *ctx, uint32_t seed, uint32_t base, size_t n)
+{
+    size_t len;
+    void *pl = testd_payload(seed, T_LAYERS, 0, n, KVR_DTYPE_F16, &len);
+    uint32_t *tok = testd_tokens(base, n);
+    kvr_put_args a = { .ctx_id = ctx, .model = "tiny", .dtype = KVR_DTYPE_F16, .tokens = tok,
+                       .n_tokens = n, .payload = pl, .payload_len = len,
+                       .mode = KVR_PUT_APPEND, .share = true, .share_sync = true };
+    int r = kvr_client_put(c, &a, NULL);
+    free(pl);
+    free(tok);
+    return r;
+}
+
+/* The manifest published for ctx, decoded. */
+static void fetch_manifest(kvr_rc *rc, const char *ctx, kvr_rt_manifest *m)
+{
+    char mk[KVR_RT_KEY_MAX];
+    kvr_rt_manifest_key(ctx, mk);
+    const char *gv[] = { "GET", mk };
+    size_t gl[] = { 3, strlen(mk) };
+    redisReply *x;
+    cr_assert_eq(kvr_rc_command(rc, 2, gv, gl, &x, NULL), 0);
+    cr_assert_eq(x->type, REDIS_REPLY_STRING, "no manifest for %s", ctx);
+    kvr_error e = { 0 };
+    cr_assert_eq(kvr_rt_manifest_decode((const uint8_t *)x->str, x->len, ctx, m, &e), 0, "%s",
+                 e.msg);
+    freeReplyObject(x);
+}
+
+static void plant_manifest(kvr_rc *rc, const kvr_rt_manifest *m)
+{
+    char mk[KVR_RT_KEY_MAX];
+    kvr_rt_manifest_key(m->ctx_id, mk);
+    size_t ml;
+    uint8_t *mv = kvr_rt_manifest_encode(m, &ml);
+    cr_assert_not_null(mv);
+    rc_set(rc, mk, mv, ml);
+    kvr_mem_free(mv);
+}
+
+Test(int_cluster, crafted_layouts_are_misses)
+{
+    /* Every kind of layout travels first: retention (set on a context that
+     * had no layout), retention on an APE document. */
+    cr_assert_eq(put_flags(CA, "r", 1, 100, 30, 0), 0);
+    cr_assert_eq(kvr_client_set_retention(CA, "r", 2, 8, false, NULL), 0);
+    cr_assert_eq(append_share(CA, "r", 2, 200, 4), 0, "%s", kvr_client_last_error(CA));
+    cr_assert_eq(put_flags(CA, "pfx", 5, 10, 20, 0), 0);
+    size_t len;
+    void *pl = testd_payload(6, T_LAYERS, 0, 30, KVR_DTYPE_F16, &len);
+    uint32_t *tok = testd_tokens(600, 30);
+    kvr_put_args a = { .ctx_id = "ar", .model = "tiny", .dtype = KVR_DTYPE_F16, .tokens = tok,
+                       .n_tokens = 30, .payload = pl, .payload_len = len, .prefix_ctx = "pfx" };
+    cr_assert_eq(kvr_client_put(CA, &a, NULL), 0, "%s", kvr_client_last_error(CA));
+    free(pl);
+    free(tok);
+    cr_assert_eq(kvr_client_set_retention(CA, "ar", 1, 5, false, NULL), 0);
+    cr_assert_eq(append_share(CA, "ar", 7, 700, 2), 0, "%s", kvr_client_last_error(CA));
+    kvr_kv ka, kb;
+    const char *kinds[] = { "r", "ar" };
+    for (int k = 0; k < 2; k++) {
+        cr_assert_eq(get_kv(CA, kinds[k], 0, 0, NULL, &ka), 0);
+        cr_assert_eq(get_kv(CB, kinds[k], 0, 0, NULL, &kb), 0, "%s: %s", kinds[k],
+                     kvr_client_last_error(CB));
+        assert_same_meta(&ka, &kb);
+        kvr_kv_release(&ka);
+        kvr_kv_release(&kb);
+        assert_same_layout(kinds[k]);
+    }
+    /* Now planted manifests (well-formed, checksum right) whose layout no
+     * verb would have set: each a miss on B, counted, B unharmed. */
+    cr_assert_eq(put_flags(CA, "v", 8, 800, 20, SHARE_SYNC), 0);
+    kvr_rc *rc = test_rc();
+    kvr_rt_manifest good;
+    fetch_manifest(rc, "v", &good);
+    cr_assert_eq(good.n_tokens, 20);
+    enum { RET_HUGE, RET_ZERO, RET_WRAP, GIDS_NO_GROUPS, APE_LEN, DROPPED, DUP_GROUPS,
+           BAD_FLAG, N_CRAFT };
+    for (int v = 0; v < N_CRAFT; v++) {
+        kvr_rt_manifest m;
+        fetch_manifest(rc, "v", &m);
+        kvr_layout_info *L = &m.layout;
+        switch (v) {
+        case RET_HUGE: L->has_retention = true; L->sinks = L->window = (size_t)1 << 63; break;
+        case RET_ZERO: L->has_retention = true; L->sinks = L->window = 0; break;
+        case RET_WRAP: L->has_retention = true; L->sinks = SIZE_MAX; L->window = 1; break;
+        case GIDS_NO_GROUPS: m.groups[3] = 1; break;
+        case APE_LEN:
+            L->has_prefix = true;
+            snprintf(L->prefix_ctx, sizeof L->prefix_ctx, "pfx");
+            L->prefix_fingerprint = MA.fingerprint;
+            L->prefix_len = (size_t)1 << 63;
+            break;
+        case DROPPED: L->has_retention = true; L->sinks = 4; L->window = 16;
+                      L->n_dropped = SIZE_MAX; break;
+        case DUP_GROUPS:
+            L->n_groups = 2;
+            snprintf(L->groups[0].name, sizeof L->groups[0].name, "g");
+            snprintf(L->groups[1].name, sizeof L->groups[1].name, "g");
+            break;
+        case BAD_FLAG: m.flags[5] = 1u << 30; break;
+        }
+        plant_manifest(rc, &m);
+        kvr_rt_manifest_free(&m);
+        double c0 = testd_metric(CB, "remote_fetch_corrupt");
+        cr_assert_eq(get_kv(CB, "v", 0, 0, NULL, &kb), KVR_ENOCTX, "crafted %d: served", v);
+        cr_assert_gt(testd_metric(CB, "remote_fetch_corrupt"), c0, "crafted %d: not counted", v);
+        cr_assert_neq(kvr_client_stat(CB, "v", &(kvr_context){ 0 }), 0, "crafted %d: kept", v);
+        /* B is alive and serves what it has. */
+        cr_assert_eq(get_kv(CB, "r", 0, 0, NULL, &kb), 0, "crafted %d: B hurt", v);
+        kvr_kv_release(&kb);
+    }
+    /* The good manifest back: a hit. */
+    plant_manifest(rc, &good);
+    kvr_rt_manifest_free(&good);
+    cr_assert_eq(get_kv(CB, "v", 0, 0, NULL, &kb), 0, "%s", kvr_client_last_error(CB));
+    kvr_kv_release(&kb);
+    kvr_rc_destroy(rc);
+}
