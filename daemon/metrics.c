@@ -277,6 +277,9 @@ static void render_remote(const kvr_remote_stats *r, sbuf *b)
               (unsigned long long)r->fetch_misses);
     sb_printf(b, "kvrope_remote_fetches_total{result=\"corrupt\"} %llu\n",
               (unsigned long long)r->fetch_corrupt);
+    scalar_u(b, "kvrope_remote_forged_values_total", "counter",
+             "Values read from the cluster whose MAC was not this cluster key's "
+             "(--remote-key-file): never served, each fetch a miss.", r->fetch_forged);
     scalar_u(b, "kvrope_remote_fetched_tokens_total", "counter",
              "Tokens landed locally from the cluster.", r->fetch_tokens);
     scalar_u(b, "kvrope_remote_prefix_probes_total", "counter",

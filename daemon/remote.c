@@ -12,7 +12,11 @@
  * and each value lives in exactly one slot.
  *
  * Values are little-endian (x86-64, as the project), checked by CRC32C and
- * by their own description; see kvr_rt_block_decode for the checks.
+ * by their own description; see kvr_rt_block_decode for the checks. With a
+ * cluster key each value is followed by its MAC (kvr_rt_mac), written by
+ * seal() and checked before anything else: unseal() for values read whole,
+ * the sinks' mac state for values streamed into a put's memory (which is
+ * only committed once every value checked).
  *
  * Threads. Publications run on one publisher thread, in order; finished ones
  * come back to the loop through an async handle (a synchronous put's reply
@@ -28,6 +32,9 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+
+#include <sodium.h>
+#include <sys/stat.h>
 
 #include "daemon/daemon_internal.h"
 #include "daemon/rcluster.h"
@@ -115,6 +122,73 @@ static inline void put32(uint8_t *p, uint32_t v) { memcpy(p, &v, 4); }
 static inline void put64(uint8_t *p, uint64_t v) { memcpy(p, &v, 8); }
 static inline uint32_t get32(const uint8_t *p) { uint32_t v; memcpy(&v, p, 4); return v; }
 static inline uint64_t get64(const uint8_t *p) { uint64_t v; memcpy(&v, p, 8); return v; }
+
+/* ---- MACs --------------------------------------------------------------- */
+
+static void mac_begin(crypto_generichash_state *st, const uint8_t *key, const char *rkey,
+                      size_t rklen)
+{
+    uint8_t n[8];
+    put64(n, rklen);
+    crypto_generichash_init(st, key, KVR_RT_KEY_BYTES, KVR_RT_MAC_LEN);
+    crypto_generichash_update(st, n, sizeof n);
+    crypto_generichash_update(st, (const uint8_t *)rkey, rklen);
+}
+
+/* Finishes st and compares with tag in constant time. */
+static bool mac_end_ok(crypto_generichash_state *st, const uint8_t *tag)
+{
+    uint8_t m[KVR_RT_MAC_LEN];
+    crypto_generichash_final(st, m, sizeof m);
+    return sodium_memcmp(m, tag, sizeof m) == 0;
+}
+
+void kvr_rt_mac(const uint8_t key[KVR_RT_KEY_BYTES], const char *rkey, size_t rklen,
+                const uint8_t *v, size_t len, uint8_t out[KVR_RT_MAC_LEN])
+{
+    crypto_generichash_state st;
+    mac_begin(&st, key, rkey, rklen);
+    crypto_generichash_update(&st, v, len);
+    crypto_generichash_final(&st, out, KVR_RT_MAC_LEN);
+}
+
+int kvr_rt_key_read(const char *path, uint8_t key[KVR_RT_KEY_BYTES], kvr_error *err)
+{
+    if (sodium_init() < 0)
+        return kvr_error_set(err, KVR_EINTERNAL, "--remote-key-file: libsodium did not start");
+    FILE *f = fopen(path, "rb");
+    if (!f)
+        return kvr_error_set(err, KVR_EIO, "--remote-key-file %s: %s", path, strerror(errno));
+    struct stat st;
+    if (fstat(fileno(f), &st) != 0 || (st.st_mode & (S_IRWXG | S_IRWXO))) {
+        fclose(f);
+        return kvr_error_set(err, KVR_EINVAL, "--remote-key-file %s can be read or written by "
+                             "others (mode %04o): anyone who reads it can forge the shared "
+                             "tier; chmod 600 it", path, (unsigned)(st.st_mode & 07777));
+    }
+    uint8_t buf[4097];
+    size_t n = fread(buf, 1, sizeof buf, f);
+    bool bad = ferror(f) != 0;
+    fclose(f);
+    int rc = 0;
+    if (bad)
+        rc = kvr_error_set(err, KVR_EIO, "--remote-key-file %s: read error", path);
+    else if (n == sizeof buf)
+        rc = kvr_error_set(err, KVR_EINVAL, "--remote-key-file %s: longer than 4096 bytes", path);
+    if (rc == 0) {
+        if (n > 0 && buf[n - 1] == '\n')
+            n--;
+        if (n > 0 && buf[n - 1] == '\r')
+            n--;
+        if (n < 32)
+            rc = kvr_error_set(err, KVR_EINVAL, "--remote-key-file %s: %zu bytes, at least 32 "
+                               "wanted (e.g. head -c 32 /dev/urandom | base64)", path, n);
+    }
+    if (rc == 0)
+        crypto_generichash(key, KVR_RT_KEY_BYTES, buf, n, NULL, 0);
+    sodium_memzero(buf, sizeof buf);
+    return rc;
+}
 
 static size_t row_bytes(const kvr_rt_desc *d)
 {
@@ -795,9 +869,12 @@ struct kvr_remote {
     bool            has_async;
     atomic_bool     joined;
     atomic_uint_fast64_t last_try_ms;
+    bool            keyed;      /* values carry a MAC under key */
+    uint8_t         key[KVR_RT_KEY_BYTES];
     /* metrics */
     atomic_uint_fast64_t pub_contexts, pub_blocks, pub_skipped, pub_errors;
-    atomic_uint_fast64_t fetch_hits, fetch_misses, fetch_corrupt, fetch_tokens, probes;
+    atomic_uint_fast64_t fetch_hits, fetch_misses, fetch_corrupt, fetch_forged, fetch_tokens;
+    atomic_uint_fast64_t probes;
     atomic_uint_fast64_t fetch_hist[KVR_METRICS_N_BUCKETS + 1], fetch_ns;
 };
 
@@ -856,12 +933,28 @@ static bool tier_up(kvr_remote *r)
     return false;
 }
 
+/* With a cluster key: appends the MAC of the value *v (*len bytes, a
+ * kvr_mem buffer, reallocated) under Redis key rkey. false: out of memory
+ * (*v unchanged). */
+static bool seal(const kvr_remote *r, const char *rkey, size_t rklen, uint8_t **v, size_t *len)
+{
+    if (!r->keyed)
+        return true;
+    uint8_t *n = kvr_mem_realloc(*v, *len + KVR_RT_MAC_LEN);
+    if (!n)
+        return false;
+    kvr_rt_mac(r->key, rkey, rklen, n, *len, n + *len);
+    *v = n;
+    *len += KVR_RT_MAC_LEN;
+    return true;
+}
+
 /* SETs every block's sub-block prefix keys, pipelined. */
 static int publish_subs(kvr_remote *r, const kvr_rt_manifest *m)
 {
     size_t per = KVR_RT_BLOCK / KVR_RT_GRAIN - 1, cap = m->n_blocks * per + 1;
     char (*keys)[KVR_RT_KEY_MAX] = kvr_mem_malloc(cap * KVR_RT_KEY_MAX);
-    uint8_t (*vals)[KVR_RT_SUB_LEN] = kvr_mem_malloc(cap * KVR_RT_SUB_LEN);
+    uint8_t (*vals)[KVR_RT_SUB_LEN + KVR_RT_MAC_LEN] = kvr_mem_malloc(cap * sizeof *vals);
     kvr_rc_cmd *cmds = kvr_mem_malloc(cap * sizeof *cmds);
     const char **argv = kvr_mem_malloc(cap * 3 * sizeof *argv);
     size_t *argl = kvr_mem_malloc(cap * 3 * sizeof *argl);
@@ -878,11 +971,14 @@ static int publish_subs(kvr_remote *r, const kvr_rt_manifest *m)
             uint64_t sub = kvr_rt_chain_next(prev, m->tokens + s, m->positions + s, e);
             argl[3 * k + 1] = kvr_rt_sub_key(sub, keys[k]);
             kvr_rt_sub_encode(&m->desc, m->chains[b], (uint32_t)n, e, vals[k]);
+            if (r->keyed)
+                kvr_rt_mac(r->key, keys[k], argl[3 * k + 1], vals[k], KVR_RT_SUB_LEN,
+                           vals[k] + KVR_RT_SUB_LEN);
             argv[3 * k] = "SET";
             argl[3 * k] = 3;
             argv[3 * k + 1] = keys[k];
             argv[3 * k + 2] = (const char *)vals[k];
-            argl[3 * k + 2] = KVR_RT_SUB_LEN;
+            argl[3 * k + 2] = KVR_RT_SUB_LEN + (r->keyed ? KVR_RT_MAC_LEN : 0);
             cmds[k] = (kvr_rc_cmd){ 3, argv + 3 * k, argl + 3 * k };
         }
     }
@@ -1005,6 +1101,10 @@ static void publish_one(kvr_remote *r, pub_job *j)
                                       m->positions + s, n, &wsrc, m->n_tokens - wbase, &vlen[k])
                         : encode_from(&m->desc, m->chains[b], s, m->tokens + s,
                                       m->positions + s, n, &src, m->n_tokens, &vlen[k]);
+            if (vals[k] && !seal(r, keys[b], klen[b], &vals[k], &vlen[k])) {
+                kvr_mem_free(vals[k]);
+                vals[k] = NULL;
+            }
             if (!vals[k]) {
                 failed++;
                 continue;
@@ -1046,14 +1146,18 @@ static void publish_one(kvr_remote *r, pub_job *j)
     /* The manifest last: whoever finds it finds its blocks (unless Redis
      * evicted them since, which is a miss). */
     size_t ml;
+    char mk[KVR_RT_KEY_MAX];
+    size_t mkl = kvr_rt_manifest_key(m->ctx_id, mk);
     uint8_t *mv = kvr_rt_manifest_encode(m, &ml);
+    if (mv && !seal(r, mk, mkl, &mv, &ml)) {
+        kvr_mem_free(mv);
+        mv = NULL;
+    }
     if (!mv) {
         j->rc = KVR_ENOMEM;
         snprintf(j->msg, sizeof j->msg, "remote tier: out of memory publishing");
         goto out;
     }
-    char mk[KVR_RT_KEY_MAX];
-    size_t mkl = kvr_rt_manifest_key(m->ctx_id, mk);
     const char *sv[] = { "SET", mk, (const char *)mv };
     size_t sl[] = { 3, mkl, ml };
     redisReply *x;
@@ -1202,10 +1306,24 @@ int kvr_remote_create(kvr_remote **out, kvr_daemon *d, kvr_error *err)
     if (!r)
         return kvr_error_set(err, KVR_ENOMEM, "remote tier: out of memory");
     r->d = d;
+    if (cfg->remote_key_file[0]) {
+        if ((rc = kvr_rt_key_read(cfg->remote_key_file, r->key, err)) < 0) {
+            kvr_mem_free(r);
+            return rc;
+        }
+        r->keyed = true;
+        kvr_log(KVR_LOG_INFO, "remote tier: every value carries a keyed BLAKE2b MAC "
+                "(--remote-key-file %s)", cfg->remote_key_file);
+    } else {
+        kvr_log(KVR_LOG_WARN, "remote tier: no --remote-key-file: values are not "
+                "authenticated, so the shared tier trusts everyone who can write to the "
+                "cluster (docs/cluster.md)");
+    }
     rc = kvr_rc_create(&r->rc, &(kvr_rc_config){ .seeds = cfg->remote_tier, .user = user,
                                                  .password = pass }, err);
     memset(pass, 0, sizeof pass);
     if (rc < 0) {
+        sodium_memzero(r->key, sizeof r->key);
         kvr_mem_free(r);
         return rc;
     }
@@ -1214,6 +1332,7 @@ int kvr_remote_create(kvr_remote **out, kvr_daemon *d, kvr_error *err)
     if (rc == KVR_EUNAUTH) {
         kvr_error_set(err, KVR_EUNAUTH, "remote tier: %s (check --remote-auth-file)", e.msg);
         kvr_rc_destroy(r->rc);
+        sodium_memzero(r->key, sizeof r->key);
         kvr_mem_free(r);
         return KVR_EUNAUTH;
     }
@@ -1286,6 +1405,7 @@ void kvr_remote_destroy(kvr_remote *r)
     kvr_rc_destroy(r->rc);
     pthread_mutex_destroy(&r->mu);
     pthread_cond_destroy(&r->cv);
+    sodium_memzero(r->key, sizeof r->key);
     kvr_mem_free(r);
 }
 
@@ -1520,6 +1640,34 @@ static void miss(kvr_rjob *j, bool corrupt, const char *why)
         kvr_log(KVR_LOG_DEBUG, "remote tier: miss: %s", why);
 }
 
+static void forged(kvr_rjob *j, const char *rkey)
+{
+    atomic_fetch_add(&j->r->fetch_forged, 1);
+    kvr_log(KVR_LOG_WARN, "remote tier: %s: its MAC is not this cluster key's (forged, or "
+            "written by a node with another key): treated as a miss", rkey);
+}
+
+/* The length of reply x's value under Redis key rkey without its MAC: true
+ * if the MAC verifies (or no key is configured), false (a forgery, counted)
+ * if not. */
+static bool unseal(kvr_rjob *j, const char *rkey, size_t rklen, const redisReply *x,
+                   size_t *len)
+{
+    kvr_remote *r = j->r;
+    *len = x->len;
+    if (!r->keyed)
+        return true;
+    if (x->len >= KVR_RT_MAC_LEN) {
+        uint8_t m[KVR_RT_MAC_LEN];
+        *len = x->len - KVR_RT_MAC_LEN;
+        kvr_rt_mac(r->key, rkey, rklen, (const uint8_t *)x->str, *len, m);
+        if (sodium_memcmp(m, x->str + *len, KVR_RT_MAC_LEN) == 0)
+            return true;
+    }
+    forged(j, rkey);
+    return false;
+}
+
 static redisReply *get_one(kvr_rc *rc, const char *key, size_t klen)
 {
     const char *argv[] = { "GET", key };
@@ -1541,12 +1689,15 @@ static redisReply *get_one(kvr_rc *rc, const char *key, size_t klen)
 #define HDR_MAX (BLOCK_HDR + KVR_RT_BLOCK * 12)
 
 typedef struct blk_state {
-    size_t   want_len;          /* the exact length a good value has */
-    size_t   got_len;           /* the reply's length */
+    crypto_generichash_state mac;   /* keyed: over [0, want_len) as it arrives */
+    size_t   want_len;          /* the exact length a good value has (its MAC apart) */
+    size_t   got_len;           /* the reply's length, its MAC apart */
+    size_t   raw_len;           /* the reply's length */
     uint32_t crc;
     bool     sized;             /* got_len == want_len: bytes go to hdr/dst */
     uint8_t  hdr[HDR_MAX];
     uint8_t  tail[4];
+    uint8_t  tag[KVR_RT_MAC_LEN];
 } blk_state;
 
 typedef struct fetch_ctx {
@@ -1573,10 +1724,15 @@ static bool blk_begin(void *ud, size_t b, size_t len)
     fetch_ctx *f = ud;
     blk_state *st = &f->st[b];
     size_t n = blk_tokens(f, b);
+    const kvr_remote *r = f->j->r;
+    size_t ml = r->keyed ? KVR_RT_MAC_LEN : 0;
     st->want_len = BLOCK_HDR + n * 12 + kv_bytes(&f->j->desc, n) + 4;
-    st->got_len = len;
+    st->raw_len = len;
+    st->got_len = len >= ml ? len - ml : len;
     st->crc = 0;
-    st->sized = len == st->want_len;
+    st->sized = len >= ml && st->got_len == st->want_len;
+    if (st->sized && ml)
+        mac_begin(&st->mac, r->key, f->keys[b], strlen(f->keys[b]));
     memset(st->hdr, 0, BLOCK_HDR);
     return true;     /* a wrong size is still read (whole, dropped): the CRC is not needed */
 }
@@ -1591,6 +1747,10 @@ static uint8_t *blk_span(void *ud, size_t b, size_t off, size_t *cap)
         return NULL;
     size_t n = blk_tokens(f, b), hl = BLOCK_HDR + n * 12, seg = n * f->row;
     size_t kv = st->want_len - hl - 4;
+    if (off >= st->want_len) {         /* its MAC */
+        *cap = st->want_len + KVR_RT_MAC_LEN - off;
+        return st->tag + (off - st->want_len);
+    }
     if (off < hl) {
         *cap = hl - off;
         return st->hdr + off;
@@ -1622,7 +1782,11 @@ static void blk_got(void *ud, size_t b, size_t off, const uint8_t *p, size_t n)
 {
     fetch_ctx *f = ud;
     blk_state *st = &f->st[b];
-    if (!st->sized || off >= st->want_len - 4)
+    if (!st->sized || off >= st->want_len)
+        return;
+    if (f->j->r->keyed)
+        crypto_generichash_update(&st->mac, p, st->want_len - off < n ? st->want_len - off : n);
+    if (off >= st->want_len - 4)
         return;
     size_t take = st->want_len - 4 - off < n ? st->want_len - 4 - off : n;
     st->crc = kvr_crc32c(st->crc, p, take);
@@ -1636,6 +1800,11 @@ static bool blk_end(void *ud, size_t b, bool is_string)
         return false;            /* missing: counted once by fetch_blocks */
     blk_state *st = &f->st[b];
     size_t s = b * KVR_RT_BLOCK, n = blk_tokens(f, b);
+    if (f->j->r->keyed && (st->sized ? !mac_end_ok(&st->mac, st->tag)
+                                     : st->raw_len == st->want_len)) {
+        forged(f->j, f->keys[b]);     /* a wrong MAC, or a good value without one */
+        return false;
+    }
     kvr_error e = { 0 };
     bool crc_ok = st->sized && st->crc == get32(st->tail);
     uint8_t small[BLOCK_HDR];
@@ -1705,6 +1874,9 @@ out:
  * n_raw tokens), the window's plain blocks after it. */
 typedef struct qfetch {
     kvr_rjob  *j;
+    crypto_generichash_state *mac;   /* keyed: per chunk, as in blk_state */
+    uint8_t  (*tag)[KVR_RT_MAC_LEN];
+    size_t    *raw_len;
     size_t     nch, hmax;
     uint8_t   *base;             /* the raw put's payload */
     uint8_t   *hdr;              /* nch * hmax: each chunk's header, tokens, positions */
@@ -1724,8 +1896,13 @@ static bool q_begin(void *ud, size_t i, size_t len)
     size_t s, n;
     bool ch;
     kvr_rt_manifest_block(&q->j->m, i, &s, &n, &ch);
-    q->got_len[i] = len;
-    q->sized[i] = len == chunk_len(&q->j->m, n);
+    const kvr_remote *r = q->j->r;
+    size_t ml = r->keyed ? KVR_RT_MAC_LEN : 0;
+    q->raw_len[i] = len;
+    q->got_len[i] = len >= ml ? len - ml : len;
+    q->sized[i] = len >= ml && q->got_len[i] == chunk_len(&q->j->m, n);
+    if (q->sized[i] && ml)
+        mac_begin(&q->mac[i], r->key, q->keys[i], strlen(q->keys[i]));
     q->crc[i] = 0;
     memset(q->hdr + i * q->hmax, 0, CHUNK_HDR);
     return true;
@@ -1744,6 +1921,10 @@ static uint8_t *q_span(void *ud, size_t i, size_t off, size_t *cap)
     kvr_rt_manifest_block(m, i, &s, &n, &ch);
     size_t hl = CHUNK_HDR + n * 12, kb = chunk_kb(m, n), vb = chunk_vb(m, n);
     size_t body = m->desc.n_layers * (kb + vb);
+    if (off >= hl + body + 4) {        /* its MAC */
+        *cap = hl + body + 4 + KVR_RT_MAC_LEN - off;
+        return q->tag[i] + (off - hl - body - 4);
+    }
     if (off < hl) {
         *cap = hl - off;
         return q->hdr + i * q->hmax + off;
@@ -1769,7 +1950,11 @@ static void q_got(void *ud, size_t i, size_t off, const uint8_t *p, size_t n)
         return;
     }
     size_t len = q->got_len[i];
-    if (!q->sized[i] || off >= len - 4)
+    if (!q->sized[i] || off >= len)
+        return;
+    if (q->j->r->keyed)
+        crypto_generichash_update(&q->mac[i], p, len - off < n ? len - off : n);
+    if (off >= len - 4)
         return;
     size_t take = len - 4 - off < n ? len - 4 - off : n;
     q->crc[i] = kvr_crc32c(q->crc[i], p, take);
@@ -1783,6 +1968,14 @@ static bool q_end(void *ud, size_t i, bool is_string)
     q->good[i] = false;
     if (!is_string)
         return false;
+    size_t cs, cn;
+    bool cch;
+    kvr_rt_manifest_block(&q->j->m, i, &cs, &cn, &cch);
+    if (q->j->r->keyed && (q->sized[i] ? !mac_end_ok(&q->mac[i], q->tag[i])
+                                       : q->raw_len[i] == chunk_len(&q->j->m, cn))) {
+        forged(q->j, q->keys[i]);     /* a wrong MAC, or a good value without one */
+        return false;
+    }
     kvr_error e = { 0 };
     bool crc_ok = q->sized[i] && q->crc[i] == get32(q->tail[i]);
     uint8_t small[CHUNK_HDR] = { 0 };
@@ -1817,6 +2010,9 @@ static bool fetch_quant(kvr_rjob *j, uint8_t *base)
     q.tail = kvr_mem_malloc(nch * 4 + 1);
     q.crc = kvr_mem_malloc(nch * 4 + 1);
     q.got_len = kvr_mem_malloc(nch * sizeof *q.got_len + 1);
+    q.raw_len = kvr_mem_malloc(nch * sizeof *q.raw_len + 1);
+    q.mac = kvr_mem_malloc(nch * sizeof *q.mac + 1);
+    q.tag = kvr_mem_malloc(nch * sizeof *q.tag + 1);
     q.sized = kvr_mem_calloc(nch + 1, 1);
     q.good = kvr_mem_calloc(nch + 1, 1);
     q.keys = kvr_mem_malloc(nb * KVR_RT_KEY_MAX + 1);
@@ -1826,8 +2022,8 @@ static bool fetch_quant(kvr_rjob *j, uint8_t *base)
     bool *wgood = kvr_mem_calloc(nwb + 1, 1);
     blk_state *wst = kvr_mem_malloc(nwb * sizeof *wst + 1);
     bool all = false;
-    if (!q.hdr || !q.tail || !q.crc || !q.got_len || !q.sized || !q.good || !q.keys || !cmds ||
-        !argv || !argl || !wgood || !wst)
+    if (!q.hdr || !q.tail || !q.crc || !q.got_len || !q.raw_len || !q.mac || !q.tag ||
+        !q.sized || !q.good || !q.keys || !cmds || !argv || !argl || !wgood || !wst)
         goto out;
     for (size_t b = 0; b < nb; b++) {
         argv[2 * b] = "GET";
@@ -1853,6 +2049,9 @@ out:
     kvr_mem_free(q.tail);
     kvr_mem_free(q.crc);
     kvr_mem_free(q.got_len);
+    kvr_mem_free(q.raw_len);
+    kvr_mem_free(q.mac);
+    kvr_mem_free(q.tag);
     kvr_mem_free(q.sized);
     kvr_mem_free(q.good);
     kvr_mem_free(q.keys);
@@ -1885,8 +2084,14 @@ static void work_by_id(kvr_rjob *j)
         miss(j, false, "no manifest");
         return;
     }
+    size_t vl;
+    if (!unseal(j, mk, mkl, x, &vl)) {
+        freeReplyObject(x);
+        miss(j, false, "a manifest without this cluster's MAC");
+        return;
+    }
     kvr_error e = { 0 };
-    int rc = kvr_rt_manifest_decode((const uint8_t *)x->str, x->len, j->ctx_id, &j->m, &e);
+    int rc = kvr_rt_manifest_decode((const uint8_t *)x->str, vl, j->ctx_id, &j->m, &e);
     freeReplyObject(x);
     if (rc < 0) {
         char why[400];
@@ -2034,19 +2239,25 @@ static void work_prefix(kvr_rjob *j)
         uint64_t bchain = 0;
         uint32_t bn = 0;
         kvr_error e = { 0 };
-        int rc = x ? kvr_rt_sub_decode((const uint8_t *)x->str, x->len, &j->desc, (uint32_t)extra,
-                                       &bchain, &bn, &e)
-                   : kvr_error_set(&e, KVR_EIO, "%s: gone", vk);
+        size_t vl = 0;
+        bool sealed = true;
+        int rc = !x ? kvr_error_set(&e, KVR_EIO, "%s: gone", vk)
+               : !(sealed = unseal(j, vk, vkl, x, &vl))
+                   ? kvr_error_set(&e, KVR_EIO, "%s: MAC mismatch", vk)
+                   : kvr_rt_sub_decode((const uint8_t *)x->str, vl, &j->desc, (uint32_t)extra,
+                                       &bchain, &bn, &e);
         if (x)
             freeReplyObject(x);
         if (rc == 0) {
             char bk[KVR_RT_KEY_MAX];
             size_t bkl = kvr_rt_block_key(bchain, bk);
             x = get_one(r->rc, bk, bkl);
-            rc = x ? decode_head((const uint8_t *)x->str, x->len, &j->desc,
+            rc = !x ? kvr_error_set(&e, KVR_EIO, "%s: gone", bk)
+               : !(sealed = unseal(j, bk, bkl, x, &vl))
+                   ? kvr_error_set(&e, KVR_EIO, "%s: MAC mismatch", bk)
+                   : decode_head((const uint8_t *)x->str, vl, &j->desc,
                                  run ? chains[run - 1] : seed, bchain, s0, bn, j->prompt + s0,
-                                 pos + s0, extra, j->payload, len, &e)
-                   : kvr_error_set(&e, KVR_EIO, "%s: gone", bk);
+                                 pos + s0, extra, j->payload, len, &e);
             if (x)
                 freeReplyObject(x);
         }
@@ -2054,7 +2265,7 @@ static void work_prefix(kvr_rjob *j)
             char why[400];
             snprintf(why, sizeof why, "%s: %s", vk, e.msg);
             bool evicted = strstr(e.msg, ": gone") != NULL;
-            miss(j, !evicted, why);
+            miss(j, !evicted && sealed, why);    /* a forgery is counted as such */
             glen = s0;
         }
     }
@@ -2285,6 +2496,7 @@ void kvr_remote_get_stats(kvr_remote *r, kvr_remote_stats *o)
     o->fetch_hits = atomic_load(&r->fetch_hits);
     o->fetch_misses = atomic_load(&r->fetch_misses);
     o->fetch_corrupt = atomic_load(&r->fetch_corrupt);
+    o->fetch_forged = atomic_load(&r->fetch_forged);
     o->fetch_tokens = atomic_load(&r->fetch_tokens);
     o->probes = atomic_load(&r->probes);
     o->moved = st.moved;
@@ -2309,6 +2521,7 @@ size_t kvr_remote_metrics(kvr_remote *r, const char **names, double *values, siz
         { "remote_fetch_hits", (double)s.fetch_hits },
         { "remote_fetch_misses", (double)s.fetch_misses },
         { "remote_fetch_corrupt", (double)s.fetch_corrupt },
+        { "remote_fetch_forged", (double)s.fetch_forged },
         { "remote_fetched_tokens", (double)s.fetch_tokens },
         { "remote_probes", (double)s.probes },
         { "remote_moved", (double)s.moved },

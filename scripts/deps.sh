@@ -6,7 +6,7 @@
 # eval adds matplotlib for make eval's pictures)
 set -eu
 level=${1:-test}
-pkgs="build-essential pkg-config libuv1-dev libjemalloc-dev libprotobuf-c-dev protobuf-c-compiler liburing-dev libcjson-dev libmicrohttpd-dev libsystemd-dev libhiredis-dev"
+pkgs="build-essential pkg-config libuv1-dev libjemalloc-dev libprotobuf-c-dev protobuf-c-compiler liburing-dev libcjson-dev libmicrohttpd-dev libsystemd-dev libhiredis-dev libsodium-dev"
 # Tests: Criterion, the Python suite, and for the operations tests promtool
 # (prometheus), systemd-analyze (systemd) and groff (the man pages). OpenBLAS:
 # Debian's torch and numpy otherwise run on the reference BLAS, ~12x slower

@@ -20,6 +20,7 @@
 #include <criterion/criterion.h>
 
 #include <pthread.h>
+#include <sys/stat.h>
 
 #include "daemon/rcluster.h"
 #include "daemon/remote.h"
@@ -1096,5 +1097,246 @@ Test(int_cluster, crafted_layouts_are_misses)
     kvr_rt_manifest_free(&good);
     cr_assert_eq(get_kv(CB, "v", 0, 0, NULL, &kb), 0, "%s", kvr_client_last_error(CB));
     kvr_kv_release(&kb);
+    kvr_rc_destroy(rc);
+}
+
+/* ---- a cluster key: every value carries a MAC (issue 29, finding 5) ------- */
+
+static char KEYF[300];
+
+static void write_key(const char *path, const char *secret, int mode)
+{
+    FILE *f = fopen(path, "w");
+    cr_assert_not_null(f);
+    fprintf(f, "%s\n", secret);
+    fclose(f);
+    cr_assert_eq(chmod(path, (mode_t)mode), 0);
+}
+
+static int start_keyed(kvr_testd *d, const char *seeds, const char *keyfile)
+{
+    const char *extra[] = { "--remote-tier", seeds, "--remote-auth-file", AUTH,
+                            "--remote-key-file", keyfile, "--metrics-listen", "127.0.0.1:0",
+                            "--log-level", getenv("KVR_T_DEBUG") ? "debug" : "info", NULL };
+    return testd_start(d, extra);
+}
+
+static void setup_mac(void)
+{
+    cr_assert_eq(tcluster_start(&T), 0, "cluster did not start");
+    write_auth("kvr kvrpass");
+    snprintf(KEYF, sizeof KEYF, "%s/cluster.key", T.dir);
+    write_key(KEYF, "c2VjcmV0LWNsdXN0ZXIta2V5LWZvci10aGUtdGVzdHMh", 0600);
+    cr_assert_eq(start_keyed(&A, T.seeds, KEYF), 0);
+    cr_assert_eq(start_keyed(&B, T.seeds, KEYF), 0);
+    CA = testd_connect(&A);
+    CB = testd_connect(&B);
+    cr_assert(CA && CB);
+    cr_assert_eq(testd_register(CA, "tiny", KVR_DTYPE_F16, &MA), 0);
+    cr_assert_eq(testd_register(CB, "tiny", KVR_DTYPE_F16, NULL), 0);
+}
+
+TestSuite(int_cluster_mac, .init = setup_mac, .fini = teardown, .timeout = 240);
+
+/* The raw value under key (malloc), *len bytes. */
+static uint8_t *raw_get(kvr_rc *rc, const char *key, size_t *len)
+{
+    const char *gv[] = { "GET", key };
+    size_t gl[] = { 3, strlen(key) };
+    redisReply *x;
+    cr_assert_eq(kvr_rc_command(rc, 2, gv, gl, &x, NULL), 0);
+    cr_assert_eq(x->type, REDIS_REPLY_STRING, "nothing under %s", key);
+    uint8_t *v = malloc(x->len);
+    memcpy(v, x->str, x->len);
+    *len = x->len;
+    freeReplyObject(x);
+    return v;
+}
+
+static uint32_t crc32c_sw(const uint8_t *p, size_t n)
+{
+    uint32_t c = ~0u;
+    for (size_t i = 0; i < n; i++) {
+        c ^= p[i];
+        for (int k = 0; k < 8; k++)
+            c = (c >> 1) ^ (0x82F63B78u & (0u - (c & 1)));
+    }
+    return ~c;
+}
+
+Test(int_cluster_mac, sealed_values_travel_forged_ones_are_misses)
+{
+    cr_assert(log_has(&A, "keyed BLAKE2b MAC"), "no log line about the key");
+    /* Sealed values travel: a get by id (manifest + streamed blocks) and a
+     * match (probes, prefix keys, a block read whole). */
+    cr_assert_eq(put_flags(CA, "m1", 3, 10, 130, SHARE_SYNC), 0, "%s",
+                 kvr_client_last_error(CA));
+    uint32_t *pr = testd_tokens(10, 100);
+    for (int i = 40; i < 100; i++)
+        pr[i] = 7;
+    kvr_match_res mr;
+    cr_assert_eq(kvr_client_match(CB, &(kvr_match_args){ .model = "tiny", .tokens = pr,
+                                                         .n_tokens = 100 }, &mr), 0);
+    cr_assert_eq(mr.length, 32, "a prefix key under the MAC");
+    free(pr);
+    kvr_kv ka, kb;
+    cr_assert_eq(get_kv(CA, "m1", 0, 0, NULL, &ka), 0);
+    cr_assert_eq(get_kv(CB, "m1", 0, 0, NULL, &kb), 0, "%s", kvr_client_last_error(CB));
+    assert_same(&ka, &kb);
+    kvr_kv_release(&ka);
+    kvr_kv_release(&kb);
+    cr_assert_eq(testd_metric(CB, "remote_fetch_forged"), 0);
+
+    kvr_rc *rc = test_rc();
+    uint8_t key[KVR_RT_KEY_BYTES];
+    cr_assert_eq(kvr_rt_key_read(KEYF, key, NULL), 0);
+    /* A manifest without a MAC (checksum right), then with a wrong one:
+     * misses, counted as forged, never served. */
+    cr_assert_eq(put_flags(CA, "m2", 4, 500, 70, SHARE_SYNC), 0);
+    char mk[KVR_RT_KEY_MAX];
+    kvr_rt_manifest_key("m2", mk);
+    size_t ml;
+    uint8_t *good = raw_get(rc, mk, &ml);
+    cr_assert_gt(ml, KVR_RT_MAC_LEN);
+    uint8_t mac[KVR_RT_MAC_LEN];
+    kvr_rt_mac(key, mk, strlen(mk), good, ml - KVR_RT_MAC_LEN, mac);
+    cr_assert_eq(memcmp(mac, good + ml - KVR_RT_MAC_LEN, KVR_RT_MAC_LEN), 0,
+                 "the MAC is not the documented one");
+    rc_set(rc, mk, good, ml - KVR_RT_MAC_LEN);
+    double f0 = testd_metric(CB, "remote_fetch_forged");
+    cr_assert_eq(get_kv(CB, "m2", 0, 0, NULL, &kb), KVR_ENOCTX, "an unsealed manifest served");
+    cr_assert_gt(testd_metric(CB, "remote_fetch_forged"), f0);
+    uint8_t *bad = malloc(ml);
+    memcpy(bad, good, ml);
+    bad[ml - 1] ^= 1;
+    rc_set(rc, mk, bad, ml);
+    f0 = testd_metric(CB, "remote_fetch_forged");
+    cr_assert_eq(get_kv(CB, "m2", 0, 0, NULL, &kb), KVR_ENOCTX, "a wrong MAC served");
+    cr_assert_gt(testd_metric(CB, "remote_fetch_forged"), f0);
+    /* A good manifest moved under another context's key: its MAC names
+     * the key it was written for. */
+    cr_assert_eq(put_flags(CA, "m3", 5, 900, 70, SHARE_SYNC), 0);
+    char mk3[KVR_RT_KEY_MAX];
+    kvr_rt_manifest_key("m3", mk3);
+    rc_set(rc, mk3, good, ml);
+    f0 = testd_metric(CB, "remote_fetch_forged");
+    cr_assert_eq(get_kv(CB, "m3", 0, 0, NULL, &kb), KVR_ENOCTX);
+    cr_assert_gt(testd_metric(CB, "remote_fetch_forged"), f0);
+    /* The good one back: a hit. */
+    rc_set(rc, mk, good, ml);
+    cr_assert_eq(get_kv(CB, "m2", 0, 0, NULL, &kb), 0, "%s", kvr_client_last_error(CB));
+    kvr_kv_release(&kb);
+
+    /* A forged block of m4 (K/V changed, CRC recomputed, the old MAC kept
+     * or none at all): a miss, counted, never served. */
+    cr_assert_eq(put_flags(CA, "m4", 6, 2000, 64, SHARE_SYNC), 0);
+    kvr_rt_desc desc = { MA.fingerprint, T_LAYERS, T_HEADS, T_DIM, KVR_DTYPE_F16 };
+    uint32_t *tok = testd_tokens(2000, 64);
+    int64_t pos[64];
+    for (int i = 0; i < 64; i++)
+        pos[i] = i;
+    char bk[KVR_RT_KEY_MAX];
+    kvr_rt_block_key(kvr_rt_chain_next(kvr_rt_chain_seed(&desc), tok, pos, 64), bk);
+    free(tok);
+    size_t bl;
+    uint8_t *blk = raw_get(rc, bk, &bl);
+    size_t body = bl - KVR_RT_MAC_LEN;
+    blk[body - 100] ^= 0x40;
+    uint32_t crc = crc32c_sw(blk, body - 4);
+    memcpy(blk + body - 4, &crc, 4);
+    rc_set(rc, bk, blk, bl);
+    f0 = testd_metric(CB, "remote_fetch_forged");
+    cr_assert_eq(get_kv(CB, "m4", 0, 0, NULL, &kb), KVR_ENOCTX, "a forged block served");
+    cr_assert_gt(testd_metric(CB, "remote_fetch_forged"), f0);
+    rc_set(rc, bk, blk, body);
+    f0 = testd_metric(CB, "remote_fetch_forged");
+    cr_assert_eq(get_kv(CB, "m4", 0, 0, NULL, &kb), KVR_ENOCTX, "an unsealed block served");
+    cr_assert_gt(testd_metric(CB, "remote_fetch_forged"), f0);
+    /* Sealed with the cluster key, the same forgery is taken: the MAC is
+     * what makes the difference (a writer without the key cannot). */
+    kvr_rt_mac(key, bk, strlen(bk), blk, body, blk + body);
+    rc_set(rc, bk, blk, bl);
+    cr_assert_eq(get_kv(CB, "m4", 0, 0, NULL, &kb), 0, "%s", kvr_client_last_error(CB));
+    kvr_kv_release(&kb);
+    free(blk);
+    free(bad);
+    free(good);
+    kvr_rc_destroy(rc);
+}
+
+Test(int_cluster_start, key_file_refused_unless_private_and_long)
+{
+    memset(&T, 0, sizeof T);
+    snprintf(T.dir, sizeof T.dir, "/tmp/kvr-rcl-XXXXXX");
+    cr_assert_not_null(mkdtemp(T.dir));
+    write_auth("kvr kvrpass");
+    snprintf(KEYF, sizeof KEYF, "%s/cluster.key", T.dir);
+    const struct { const char *secret; int mode; const char *why; } bad[] = {
+        { "c2VjcmV0LWNsdXN0ZXIta2V5LWZvci10aGUtdGVzdHMh", 0644, "chmod 600" },
+        { "short", 0600, "at least 32" },
+    };
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        write_key(KEYF, bad[i].secret, bad[i].mode);
+        kvr_testd w;
+        cr_assert_neq(start_keyed(&w, "127.0.0.1:1", KEYF), 0, "started with a bad key file");
+        cr_assert(log_has(&w, "remote-key-file") && log_has(&w, bad[i].why),
+                  "no clear error in %s", w.log);
+        char rm[400];
+        snprintf(rm, sizeof rm, "rm -rf %s", w.dir);
+        if (system(rm) != 0)
+            fprintf(stderr, "could not remove %s\n", w.dir);
+    }
+    char missing[400];
+    snprintf(missing, sizeof missing, "%s/nope", T.dir);
+    kvr_testd w;
+    cr_assert_neq(start_keyed(&w, "127.0.0.1:1", missing), 0);
+    cr_assert(log_has(&w, "remote-key-file"), "no clear error in %s", w.log);
+    /* Without a key the log says whom the tier trusts. */
+    kvr_testd d;
+    cr_assert_eq(start_node(&d, "127.0.0.1:1"), 0);
+    cr_assert(log_has(&d, "trusts everyone who can write"), "no warning in %s", d.log);
+    testd_stop(&d);
+    char rm[400];
+    snprintf(rm, sizeof rm, "rm -rf %s %s", w.dir, T.dir);
+    if (system(rm) != 0)
+        fprintf(stderr, "could not remove %s\n", w.dir);
+}
+
+Test(int_cluster_mac, quantized_values_sealed_and_checked)
+{
+    /* Chunks and window blocks are streamed into the put with their MACs. */
+    cr_assert_eq(put_quant("qk", "kivi:k4v2:g32:r32", 62, 3000, 200, 70), 0, "%s",
+                 kvr_client_last_error(CA));
+    kvr_context sa;
+    cr_assert_eq(kvr_client_stat(CA, "qk", &sa), 0);
+    kvr_get_args g = { .ctx_id = "qk", .start = 0, .end = 200 - sa.n_window, .raw = true };
+    kvr_kv ka, kb;
+    cr_assert_eq(kvr_client_get(CA, &g, &ka), 0, "%s", kvr_client_last_error(CA));
+    cr_assert_eq(kvr_client_get(CB, &g, &kb), 0, "%s", kvr_client_last_error(CB));
+    cr_assert_eq(ka.payload_len, kb.payload_len);
+    cr_assert_eq(memcmp(ka.payload, kb.payload, ka.payload_len), 0, "codes differ");
+    kvr_kv_release(&ka);
+    kvr_kv_release(&kb);
+    /* Its first chunk with a wrong MAC: a miss, counted as forged. */
+    cr_assert_eq(put_quant("qf", "int8/g32", 63, 4000, 300, 260), 0);
+    kvr_rc *rc = test_rc();
+    char mk[KVR_RT_KEY_MAX];
+    kvr_rt_manifest_key("qf", mk);
+    size_t ml;
+    uint8_t *mv = raw_get(rc, mk, &ml);
+    kvr_rt_manifest m;
+    cr_assert_eq(kvr_rt_manifest_decode(mv, ml - KVR_RT_MAC_LEN, "qf", &m, NULL), 0);
+    free(mv);
+    char ck[KVR_RT_KEY_MAX];
+    kvr_rt_chunk_key(m.chains[0], ck);
+    kvr_rt_manifest_free(&m);
+    size_t cl;
+    uint8_t *cv = raw_get(rc, ck, &cl);
+    cv[cl - 1] ^= 0x80;
+    rc_set(rc, ck, cv, cl);
+    free(cv);
+    double f0 = testd_metric(CB, "remote_fetch_forged");
+    cr_assert_eq(get_kv(CB, "qf", 0, 0, NULL, &kb), KVR_ENOCTX, "a forged chunk served");
+    cr_assert_gt(testd_metric(CB, "remote_fetch_forged"), f0);
     kvr_rc_destroy(rc);
 }
