@@ -1668,18 +1668,89 @@ static bool unseal(kvr_rjob *j, const char *rkey, size_t rklen, const redisReply
     return false;
 }
 
-static redisReply *get_one(kvr_rc *rc, const char *key, size_t klen)
+/* Every value is read with GETRANGE key 0 max, max the longest a good
+ * value can be (known before it is asked for: from the key's kind, the
+ * block's length, or a manifest's header), so Redis sends at most max + 1
+ * bytes and a huge value under a key is refused without being read
+ * (hiredis's buffers hold at most that). GETRANGE of a missing key is an
+ * empty string: a miss like nil. */
+typedef struct range_arg {
+    char end[24];
+} range_arg;
+
+static size_t range_set(range_arg *a, size_t max, const char **argv, size_t *argl,
+                        const char *key, size_t klen)
 {
-    const char *argv[] = { "GET", key };
-    size_t argl[] = { 3, klen };
+    argv[0] = "GETRANGE";
+    argl[0] = 8;
+    argv[1] = key;
+    argl[1] = klen;
+    argv[2] = "0";
+    argl[2] = 1;
+    argv[3] = a->end;
+    argl[3] = (size_t)snprintf(a->end, sizeof a->end, "%zu", max);
+    return 4;
+}
+
+/* The value under key if it has 1..max bytes; NULL if it is missing, the
+ * command failed, or it is longer (*too_long, when not NULL). */
+static redisReply *get_bounded(kvr_rc *rc, const char *key, size_t klen, size_t max,
+                               bool *too_long)
+{
+    const char *argv[4];
+    size_t argl[4];
+    range_arg ra;
+    range_set(&ra, max, argv, argl, key, klen);
+    if (too_long)
+        *too_long = false;
     redisReply *x;
-    if (kvr_rc_command(rc, 2, argv, argl, &x, NULL) < 0)
+    if (kvr_rc_command(rc, 4, argv, argl, &x, NULL) < 0)
         return NULL;
-    if (x->type != REDIS_REPLY_STRING) {
+    if (x->type != REDIS_REPLY_STRING || x->len == 0 || x->len > max) {
+        if (too_long && x->type == REDIS_REPLY_STRING && x->len > max)
+            *too_long = true;
         freeReplyObject(x);
         return NULL;
     }
     return x;
+}
+
+/* The first n bytes of the value under key (a reply of 1..n bytes: fewer
+ * if the value is shorter), or NULL: missing, or the command failed. */
+static redisReply *get_head(kvr_rc *rc, const char *key, size_t klen, size_t n)
+{
+    const char *argv[4];
+    size_t argl[4];
+    range_arg ra;
+    range_set(&ra, n - 1, argv, argl, key, klen);
+    redisReply *x;
+    if (kvr_rc_command(rc, 4, argv, argl, &x, NULL) < 0)
+        return NULL;
+    if (x->type != REDIS_REPLY_STRING || x->len == 0 || x->len > n) {
+        freeReplyObject(x);
+        return NULL;
+    }
+    return x;
+}
+
+/* The longest a manifest whose header is h (MANIFEST_HDR bytes) can be,
+ * MAC included; 0 if the header is not a manifest's or names more tokens
+ * than fit the bound below. A manifest is 20 bytes a token: the one of a
+ * context whose KV could never fit under --max-memory is refused, and no
+ * manifest above a sixteenth of the cap is read (docs/cluster.md). */
+static size_t manifest_max(const kvr_remote *r, const uint8_t *h)
+{
+    if (memcmp(h, MANIFEST_MAGIC, 4) != 0)
+        return 0;
+    uint64_t nt = get64(h + 40), nb = get64(h + 48);
+    if (nt > MAX_TOKENS || nb > nt)
+        return 0;
+    size_t max = MANIFEST_HDR + nb * 8 + nt * 20 + LAYOUT_FIXED + KVR_MAX_GROUPS * GROUP_REC +
+                 QUANT_SEC + 4 + (r->keyed ? KVR_RT_MAC_LEN : 0);
+    uint64_t cap = r->d->cfg.max_memory;
+    if (cap && max > cap / 16)
+        return 0;
+    return max;
 }
 
 /* What fetch_blocks checks each block against, and each block's state
@@ -1734,7 +1805,7 @@ static bool blk_begin(void *ud, size_t b, size_t len)
     if (st->sized && ml)
         mac_begin(&st->mac, r->key, f->keys[b], strlen(f->keys[b]));
     memset(st->hdr, 0, BLOCK_HDR);
-    return true;     /* a wrong size is still read (whole, dropped): the CRC is not needed */
+    return true;     /* a wrong size is still read (up to its GETRANGE bound) and dropped */
 }
 
 /* Value offset -> where it goes: hdr, the destination (one layer side's
@@ -1796,9 +1867,9 @@ static bool blk_end(void *ud, size_t b, bool is_string)
 {
     fetch_ctx *f = ud;
     f->good[b] = false;
-    if (!is_string)
-        return false;            /* missing: counted once by fetch_blocks */
     blk_state *st = &f->st[b];
+    if (!is_string || st->raw_len == 0)
+        return false;            /* missing: counted once by fetch_blocks */
     size_t s = b * KVR_RT_BLOCK, n = blk_tokens(f, b);
     if (f->j->r->keyed && (st->sized ? !mac_end_ok(&st->mac, st->tag)
                                      : st->raw_len == st->want_len)) {
@@ -1837,19 +1908,21 @@ static size_t fetch_blocks(kvr_rjob *j, const uint64_t *chains, size_t nb, size_
     kvr_remote *r = j->r;
     char (*keys)[KVR_RT_KEY_MAX] = kvr_mem_malloc(nb * KVR_RT_KEY_MAX + 1);
     kvr_rc_cmd *cmds = kvr_mem_malloc(nb * sizeof *cmds + 1);
-    const char **argv = kvr_mem_malloc(nb * 2 * sizeof *argv + 1);
-    size_t *argl = kvr_mem_malloc(nb * 2 * sizeof *argl + 1);
+    const char **argv = kvr_mem_malloc(nb * 4 * sizeof *argv + 1);
+    size_t *argl = kvr_mem_malloc(nb * 4 * sizeof *argl + 1);
+    range_arg *ra = kvr_mem_malloc(nb * sizeof *ra + 1);
     bool *good = kvr_mem_calloc(nb + 1, sizeof *good);
     blk_state *st = kvr_mem_malloc(nb * sizeof *st + 1);
     size_t n_good = 0;
-    if (!keys || !cmds || !argv || !argl || !good || !st)
+    if (!keys || !cmds || !argv || !argl || !ra || !good || !st)
         goto out;
+    size_t ml = r->keyed ? KVR_RT_MAC_LEN : 0;
     for (size_t b = 0; b < nb; b++) {
-        argv[2 * b] = "GET";
-        argl[2 * b] = 3;
-        argl[2 * b + 1] = kvr_rt_block_key(chains[b], keys[b]);
-        argv[2 * b + 1] = keys[b];
-        cmds[b] = (kvr_rc_cmd){ 2, argv + 2 * b, argl + 2 * b };
+        size_t s = b * KVR_RT_BLOCK, n = n_ctx - s < KVR_RT_BLOCK ? n_ctx - s : KVR_RT_BLOCK;
+        size_t kl = kvr_rt_block_key(chains[b], keys[b]);
+        range_set(&ra[b], BLOCK_HDR + n * 12 + kv_bytes(&j->desc, n) + 4 + ml, argv + 4 * b,
+                  argl + 4 * b, keys[b], kl);
+        cmds[b] = (kvr_rc_cmd){ 4, argv + 4 * b, argl + 4 * b };
     }
     fetch_ctx f = { j, chains, n_ctx, tokens, pos, keys, good, st, row_bytes(&j->desc),
                     { .flat = j->put ? NULL : j->payload, .iov = j->iov, .niov = j->niov,
@@ -1864,6 +1937,7 @@ out:
     kvr_mem_free(cmds);
     kvr_mem_free(argv);
     kvr_mem_free(argl);
+    kvr_mem_free(ra);
     kvr_mem_free(good);
     kvr_mem_free(st);
     return n_good;
@@ -1966,7 +2040,7 @@ static bool q_end(void *ud, size_t i, bool is_string)
     if (i >= q->nch)
         return blk_end(&q->w, i - q->nch, is_string);
     q->good[i] = false;
-    if (!is_string)
+    if (!is_string || q->raw_len[i] == 0)
         return false;
     size_t cs, cn;
     bool cch;
@@ -2017,21 +2091,25 @@ static bool fetch_quant(kvr_rjob *j, uint8_t *base)
     q.good = kvr_mem_calloc(nch + 1, 1);
     q.keys = kvr_mem_malloc(nb * KVR_RT_KEY_MAX + 1);
     kvr_rc_cmd *cmds = kvr_mem_malloc(nb * sizeof *cmds + 1);
-    const char **argv = kvr_mem_malloc(nb * 2 * sizeof *argv + 1);
-    size_t *argl = kvr_mem_malloc(nb * 2 * sizeof *argl + 1);
+    const char **argv = kvr_mem_malloc(nb * 4 * sizeof *argv + 1);
+    size_t *argl = kvr_mem_malloc(nb * 4 * sizeof *argl + 1);
+    range_arg *ra = kvr_mem_malloc(nb * sizeof *ra + 1);
     bool *wgood = kvr_mem_calloc(nwb + 1, 1);
     blk_state *wst = kvr_mem_malloc(nwb * sizeof *wst + 1);
     bool all = false;
     if (!q.hdr || !q.tail || !q.crc || !q.got_len || !q.raw_len || !q.mac || !q.tag ||
-        !q.sized || !q.good || !q.keys || !cmds || !argv || !argl || !wgood || !wst)
+        !q.sized || !q.good || !q.keys || !cmds || !argv || !argl || !ra || !wgood || !wst)
         goto out;
+    size_t ml = r->keyed ? KVR_RT_MAC_LEN : 0;
     for (size_t b = 0; b < nb; b++) {
-        argv[2 * b] = "GET";
-        argl[2 * b] = 3;
-        argl[2 * b + 1] = b < nch ? kvr_rt_chunk_key(m->chains[b], q.keys[b])
-                                  : kvr_rt_block_key(m->chains[b], q.keys[b]);
-        argv[2 * b + 1] = q.keys[b];
-        cmds[b] = (kvr_rc_cmd){ 2, argv + 2 * b, argl + 2 * b };
+        size_t s, n;
+        bool ch;
+        kvr_rt_manifest_block(m, b, &s, &n, &ch);
+        size_t kl = b < nch ? kvr_rt_chunk_key(m->chains[b], q.keys[b])
+                            : kvr_rt_block_key(m->chains[b], q.keys[b]);
+        size_t want = b < nch ? chunk_len(m, n) : BLOCK_HDR + n * 12 + kv_bytes(&j->desc, n) + 4;
+        range_set(&ra[b], want + ml, argv + 4 * b, argl + 4 * b, q.keys[b], kl);
+        cmds[b] = (kvr_rc_cmd){ 4, argv + 4 * b, argl + 4 * b };
     }
     q.w = (fetch_ctx){ j, m->chains + nch, nw, m->tokens + m->n_raw, m->positions + m->n_raw,
                        q.keys + nch, wgood, wst, row_bytes(&j->desc),
@@ -2058,6 +2136,7 @@ out:
     kvr_mem_free(cmds);
     kvr_mem_free(argv);
     kvr_mem_free(argl);
+    kvr_mem_free(ra);
     kvr_mem_free(wgood);
     kvr_mem_free(wst);
     return all;
@@ -2079,9 +2158,30 @@ static void work_by_id(kvr_rjob *j)
     }
     char mk[KVR_RT_KEY_MAX];
     size_t mkl = kvr_rt_manifest_key(j->ctx_id, mk);
-    redisReply *x = get_one(r->rc, mk, mkl);
+    /* Its header first: what it says bounds what is read of the rest. */
+    bool too_long = false;
+    redisReply *x = get_head(r->rc, mk, mkl, MANIFEST_HDR);
+    size_t mmax = x && x->len == MANIFEST_HDR ? manifest_max(r, (const uint8_t *)x->str) : 0;
+    if (x && mmax == 0) {
+        freeReplyObject(x);
+        char why[200];
+        snprintf(why, sizeof why, "%s: not a manifest, or one larger than this node takes "
+                 "(docs/cluster.md)", mk);
+        miss(j, true, why);
+        return;
+    }
+    if (x) {
+        freeReplyObject(x);
+        x = get_bounded(r->rc, mk, mkl, mmax, &too_long);
+    }
     if (!x) {
-        miss(j, false, "no manifest");
+        if (too_long) {
+            char why[200];
+            snprintf(why, sizeof why, "%s: longer than its header says (not read)", mk);
+            miss(j, true, why);
+        } else {
+            miss(j, false, "no manifest");
+        }
         return;
     }
     size_t vl;
@@ -2235,7 +2335,8 @@ static void work_prefix(kvr_rjob *j)
         size_t s0 = run * KVR_RT_BLOCK;
         char vk[KVR_RT_KEY_MAX];
         size_t vkl = kvr_rt_sub_key(f->chain[best], vk);
-        redisReply *x = get_one(r->rc, vk, vkl);
+        size_t ml = r->keyed ? KVR_RT_MAC_LEN : 0;
+        redisReply *x = get_bounded(r->rc, vk, vkl, KVR_RT_SUB_LEN + ml, NULL);
         uint64_t bchain = 0;
         uint32_t bn = 0;
         kvr_error e = { 0 };
@@ -2251,7 +2352,10 @@ static void work_prefix(kvr_rjob *j)
         if (rc == 0) {
             char bk[KVR_RT_KEY_MAX];
             size_t bkl = kvr_rt_block_key(bchain, bk);
-            x = get_one(r->rc, bk, bkl);
+            x = bn <= KVR_RT_BLOCK
+                    ? get_bounded(r->rc, bk, bkl, BLOCK_HDR + bn * 12 + kv_bytes(&j->desc, bn) +
+                                  4 + ml, NULL)
+                    : NULL;
             rc = !x ? kvr_error_set(&e, KVR_EIO, "%s: gone", bk)
                : !(sealed = unseal(j, bk, bkl, x, &vl))
                    ? kvr_error_set(&e, KVR_EIO, "%s: MAC mismatch", bk)
