@@ -268,6 +268,9 @@ static void render_remote(const kvr_remote_stats *r, sbuf *b)
              r->pub_skipped);
     scalar_u(b, "kvrope_remote_publish_errors_total", "counter",
              "Publications that failed.", r->pub_errors);
+    scalar_u(b, "kvrope_remote_publish_dropped_total", "counter",
+             "Shares dropped because the publish queue was full (the cluster slow or hung).",
+             r->pub_dropped);
     family(b, "kvrope_remote_fetches_total", "counter",
            "Fetches from the cluster (a local miss of a get or match), by result "
            "(corrupt: a value failed its checks and was treated as a miss).");

@@ -54,6 +54,19 @@ uint32_t kvr_crc32c(uint32_t crc, const void *p, size_t n);
 #define SET_GROUP 16            /* blocks encoded and SET per pipeline, at most */
 #define SET_GROUP_BYTES (32u << 20)   /* and about this many bytes */
 #define REJOIN_MS 1000
+/* Deadlines (docs/cluster.md): a fetch (get or match that asks the
+ * cluster) ends FETCH_MS after the request asked, whatever the cluster
+ * does, plus, once it knows how much K/V it is reading, 1 ms per
+ * SLOW_BYTES_PER_MS of it (a large context is not cut off by a cluster
+ * that answers at 100 MiB/s or more); a publication PUBLISH_MS (+ the same
+ * for its bytes) after it was queued (a share_sync is answered by then);
+ * the queue holds at most PUB_QUEUE_MAX publications and snapshots of at
+ * most a quarter of --max-memory, beyond which a share is dropped (counted)
+ * instead of waiting. */
+#define FETCH_MS 3000
+#define PUBLISH_MS 5000
+#define SLOW_BYTES_PER_MS ((100u << 20) / 1000)
+#define PUB_QUEUE_MAX 32
 
 /* ---- hashing ----------------------------------------------------------- */
 
@@ -851,6 +864,8 @@ typedef struct pub_job {
     size_t   *starts2;
     kvr_remote_done_fn done;    /* loop thread, when finished (may be NULL) */
     void     *done_arg;
+    uint64_t  deadline_ms;      /* queued + PUBLISH_MS */
+    size_t    bytes;            /* the snapshot's K/V (counted in pending_bytes) */
     int       rc;
     char      msg[512];
 } pub_job;
@@ -865,6 +880,7 @@ struct kvr_remote {
     bool            stop;
     pub_job        *q_head, *q_tail, *done;
     size_t          q_len;
+    size_t          pending_bytes;   /* snapshots queued or being published (mu) */
     uv_async_t      async;
     bool            has_async;
     atomic_bool     joined;
@@ -872,7 +888,7 @@ struct kvr_remote {
     bool            keyed;      /* values carry a MAC under key */
     uint8_t         key[KVR_RT_KEY_BYTES];
     /* metrics */
-    atomic_uint_fast64_t pub_contexts, pub_blocks, pub_skipped, pub_errors;
+    atomic_uint_fast64_t pub_contexts, pub_blocks, pub_skipped, pub_errors, pub_dropped;
     atomic_uint_fast64_t fetch_hits, fetch_misses, fetch_corrupt, fetch_forged, fetch_tokens;
     atomic_uint_fast64_t probes;
     atomic_uint_fast64_t fetch_hist[KVR_METRICS_N_BUCKETS + 1], fetch_ns;
@@ -900,6 +916,7 @@ struct kvr_rjob {
     size_t      niov;
     size_t     *starts;
     uint64_t    t0_ns;          /* created (loop), for the fetch histogram */
+    uint64_t    deadline_ms;    /* created + FETCH_MS (kvr_rc_now_ms's clock) */
     bool        worked;         /* reached the cluster (counted when freed) */
 };
 
@@ -1198,7 +1215,9 @@ static void *publisher(void *arg)
                 pthread_cond_timedwait(&r->cv, &r->mu, &ts);
                 if (!r->stop && !r->q_head) {
                     pthread_mutex_unlock(&r->mu);
+                    kvr_rc_set_deadline(kvr_rc_now_ms() + FETCH_MS);
                     tier_up(r);
+                    kvr_rc_set_deadline(0);
                     pthread_mutex_lock(&r->mu);
                 }
             } else {
@@ -1213,7 +1232,18 @@ static void *publisher(void *arg)
             r->q_tail = NULL;
         r->q_len--;
         pthread_mutex_unlock(&r->mu);
-        publish_one(r, j);
+        /* Everything it does ends by its deadline, so whatever waits behind
+         * it is answered by its own. */
+        if (kvr_rc_now_ms() >= j->deadline_ms) {
+            j->rc = KVR_EIO;
+            snprintf(j->msg, sizeof j->msg, "remote tier: '%.200s' was not published within "
+                     "%d ms of its share (the cluster is slow or hung)", j->m.ctx_id, PUBLISH_MS);
+            atomic_fetch_add(&r->pub_errors, 1);
+        } else {
+            kvr_rc_set_deadline(j->deadline_ms);
+            publish_one(r, j);
+            kvr_rc_set_deadline(0);
+        }
         pthread_mutex_lock(&r->mu);
         j->next = r->done;
         r->done = j;
@@ -1227,7 +1257,9 @@ static void *publisher(void *arg)
 
 static void job_finish(kvr_remote *r, pub_job *j)
 {
-    (void)r;
+    pthread_mutex_lock(&r->mu);
+    r->pending_bytes -= j->bytes;
+    pthread_mutex_unlock(&r->mu);
     if (j->rc < 0)
         kvr_log(KVR_LOG_WARN, "%s", j->msg);
     if (j->done)
@@ -1328,7 +1360,9 @@ int kvr_remote_create(kvr_remote **out, kvr_daemon *d, kvr_error *err)
         return rc;
     }
     kvr_error e = { 0 };
+    kvr_rc_set_deadline(kvr_rc_now_ms() + FETCH_MS);    /* start-up waits no longer */
     rc = kvr_rc_refresh(r->rc, &e);
+    kvr_rc_set_deadline(0);
     if (rc == KVR_EUNAUTH) {
         kvr_error_set(err, KVR_EUNAUTH, "remote tier: %s (check --remote-auth-file)", e.msg);
         kvr_rc_destroy(r->rc);
@@ -1448,6 +1482,18 @@ int kvr_remote_publish(kvr_remote *r, const char *ctx_id, kvr_remote_done_fn don
         dt = mi.dtype;               /* the window's */
     if (ci.n_tokens == 0)
         return kvr_error_set(err, KVR_EINVAL, "share: '%s' is empty", ctx_id);
+    /* A bounded queue: a share that would wait behind too many (or hold
+     * too much memory leased while it waits) is dropped, counted. */
+    uint64_t cap = r->d->cfg.max_memory;
+    pthread_mutex_lock(&r->mu);
+    size_t ql = r->q_len, qb = r->pending_bytes;
+    pthread_mutex_unlock(&r->mu);
+    if (ql >= PUB_QUEUE_MAX || (cap && qb + ci.kv_bytes > cap / 4)) {
+        atomic_fetch_add(&r->pub_dropped, 1);
+        return kvr_error_set(err, KVR_EBUSY, "share: the publish queue is full (%zu "
+                             "publications, %zu bytes waiting: the cluster is slow or hung); "
+                             "'%s' is not published", ql, qb, ctx_id);
+    }
     if (ci.n_pending)
         return kvr_error_set(err, KVR_EPENDING, "share: '%s' has %zu tokens without KV "
                              "(refresh them first)", ctx_id, ci.n_pending);
@@ -1560,7 +1606,10 @@ int kvr_remote_publish(kvr_remote *r, const char *ctx_id, kvr_remote_done_fn don
     j->m.n_protected = ci.n_protected;
     j->done = done;
     j->done_arg = arg;
+    j->deadline_ms = kvr_rc_now_ms() + PUBLISH_MS + ci.kv_bytes / SLOW_BYTES_PER_MS;
+    j->bytes = ci.kv_bytes;
     pthread_mutex_lock(&r->mu);
+    r->pending_bytes += j->bytes;
     if (r->q_tail)
         r->q_tail->next = j;
     else
@@ -1585,6 +1634,7 @@ kvr_rjob *kvr_remote_job_get(kvr_remote *r, const char *ctx_id)
         return NULL;
     j->r = r;
     j->by_id = true;
+    j->deadline_ms = kvr_rc_now_ms() + FETCH_MS;
     snprintf(j->ctx_id, sizeof j->ctx_id, "%s", ctx_id);
     return j;
 }
@@ -1603,6 +1653,7 @@ kvr_rjob *kvr_remote_job_prefix(kvr_remote *r, const char *model, const uint32_t
     if (!j)
         return NULL;
     j->r = r;
+    j->deadline_ms = kvr_rc_now_ms() + FETCH_MS;
     snprintf(j->model, sizeof j->model, "%s", mi.name);
     /* Contexts of the model's own dtype are the ones we look for. */
     j->desc = (kvr_rt_desc){ mi.fingerprint, mi.n_layers, mi.n_kv_heads, mi.head_dim,
@@ -2322,6 +2373,7 @@ static void work_prefix(kvr_rjob *j)
     j->payload = kvr_mem_malloc(kv_bytes(&j->desc, len));
     if (!j->payload)
         goto out;
+    kvr_rc_set_deadline(j->deadline_ms + kv_bytes(&j->desc, len) / SLOW_BYTES_PER_MS);
     /* The whole blocks, and a shorter last block, straight into the payload. */
     bool tail_block = best >= 0 && !f->sub[best];
     if (tail_block)
@@ -2410,15 +2462,22 @@ out:
 
 void kvr_remote_job_work(kvr_rjob *j)
 {
-    if (!tier_up(j->r)) {
-        miss(j, false, "the cluster is unreachable");
+    /* The whole fetch (both phases of a get) ends by its deadline. */
+    if (kvr_rc_now_ms() >= j->deadline_ms) {
+        miss(j, false, "the fetch deadline passed (the cluster is slow or hung)");
         return;
     }
-    j->worked = true;
-    if (j->by_id)
-        work_by_id(j);
-    else
-        work_prefix(j);
+    kvr_rc_set_deadline(j->deadline_ms);
+    if (!tier_up(j->r)) {
+        miss(j, false, "the cluster is unreachable");
+    } else {
+        j->worked = true;
+        if (j->by_id)
+            work_by_id(j);
+        else
+            work_prefix(j);
+    }
+    kvr_rc_set_deadline(0);
 }
 
 /* A local model for the fetched data: the named one if its fingerprint
@@ -2577,6 +2636,8 @@ int kvr_remote_job_land(kvr_rjob *j)
         j->iov = iov;
         j->niov = niov;
         j->phase = 1;
+        /* The blocks get a deadline of their own, by their size. */
+        j->deadline_ms = kvr_rc_now_ms() + FETCH_MS + want / SLOW_BYTES_PER_MS;
         return 1;
     }
     size_t off = 0;
@@ -2597,6 +2658,7 @@ void kvr_remote_get_stats(kvr_remote *r, kvr_remote_stats *o)
     o->pub_blocks = atomic_load(&r->pub_blocks);
     o->pub_skipped = atomic_load(&r->pub_skipped);
     o->pub_errors = atomic_load(&r->pub_errors);
+    o->pub_dropped = atomic_load(&r->pub_dropped);
     o->fetch_hits = atomic_load(&r->fetch_hits);
     o->fetch_misses = atomic_load(&r->fetch_misses);
     o->fetch_corrupt = atomic_load(&r->fetch_corrupt);
@@ -2622,6 +2684,7 @@ size_t kvr_remote_metrics(kvr_remote *r, const char **names, double *values, siz
         { "remote_published_blocks", (double)s.pub_blocks },
         { "remote_blocks_already_there", (double)s.pub_skipped },
         { "remote_publish_errors", (double)s.pub_errors },
+        { "remote_publish_dropped", (double)s.pub_dropped },
         { "remote_fetch_hits", (double)s.fetch_hits },
         { "remote_fetch_misses", (double)s.fetch_misses },
         { "remote_fetch_corrupt", (double)s.fetch_corrupt },

@@ -176,7 +176,7 @@ void kvr_remote_job_free(kvr_rjob *j);
  * abandoned), in kvr_metrics_bucket's buckets; the sum is in seconds. */
 typedef struct kvr_remote_stats {
     bool     joined;
-    uint64_t pub_contexts, pub_blocks, pub_skipped, pub_errors;
+    uint64_t pub_contexts, pub_blocks, pub_skipped, pub_errors, pub_dropped;
     uint64_t fetch_hits, fetch_misses, fetch_corrupt, fetch_forged, fetch_tokens, probes;
     uint64_t moved, ask, refreshes, conn_errors;
     uint64_t fetch_hist[KVR_METRICS_N_BUCKETS + 1];   /* the count is their sum */

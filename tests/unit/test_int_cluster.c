@@ -1412,3 +1412,87 @@ Test(int_cluster, big_values_refused_unread)
     kvr_client_close(cc);
     testd_stop(&C);
 }
+
+/* ---- a hung cluster (issue 29, finding 4) ---------------------------------- */
+
+#include <signal.h>
+#include <time.h>
+
+static double mono_s(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec / 1e9;
+}
+
+/* SIGSTOPs (or SIGCONTs) every server of the cluster: their sockets still
+ * accept connections (the kernel's backlog), nothing ever answers. */
+static void cluster_signal(int sig)
+{
+    for (int k = 0; k < 6; k++) {
+        char pf[300];
+        snprintf(pf, sizeof pf, "%s/%d/redis.pid", T.dir, T.ports[k]);
+        FILE *f = fopen(pf, "r");
+        cr_assert_not_null(f, "%s", pf);
+        int pid = 0;
+        cr_assert_eq(fscanf(f, "%d", &pid), 1);
+        fclose(f);
+        cr_assert_eq(kill(pid, sig), 0);
+    }
+}
+
+/* The documented deadlines (docs/cluster.md: a fetch 3 s, a publication
+ * 5 s); the test allows three times each. */
+#define FETCH_S 3.0
+#define PUBLISH_S 5.0
+
+Test(int_cluster, hung_cluster_deadlines_hold, .timeout = 300)
+{
+    cr_assert_eq(put_flags(CA, "warm", 1, 1, 70, SHARE_SYNC), 0);   /* both joined */
+    kvr_kv kv;
+    cr_assert_eq(get_kv(CB, "warm", 0, 0, NULL, &kv), 0);
+    kvr_kv_release(&kv);
+    cluster_signal(SIGSTOP);
+    /* A get of an id B does not have: a miss, within the deadline. */
+    double t0 = mono_s();
+    cr_assert_eq(get_kv(CB, "elsewhere", 0, 0, NULL, &kv), KVR_ENOCTX);
+    double dt = mono_s() - t0;
+    cr_assert_lt(dt, 3 * FETCH_S, "a get took %.1f s with the cluster hung", dt);
+    /* A match of a prompt B does not hold. */
+    uint32_t *pr = testd_tokens(5000, 300);
+    kvr_match_res mr;
+    t0 = mono_s();
+    cr_assert_eq(kvr_client_match(CB, &(kvr_match_args){ .model = "tiny", .tokens = pr,
+                                                         .n_tokens = 300 }, &mr), 0);
+    dt = mono_s() - t0;
+    cr_assert_eq(mr.length, 0);
+    cr_assert_lt(dt, 3 * FETCH_S, "a match took %.1f s with the cluster hung", dt);
+    free(pr);
+    /* 12 asynchronous shares, then a synchronous one behind them: answered
+     * ("stored locally, not shared") within its deadline; the put stands. */
+    for (int i = 0; i < 12; i++) {
+        char id[32];
+        snprintf(id, sizeof id, "async-%d", i);
+        cr_assert_eq(put_flags(CA, id, 2, 100, 70, SHARE), 0, "%s", kvr_client_last_error(CA));
+    }
+    t0 = mono_s();
+    int r = put_flags(CA, "sync", 3, 200, 70, SHARE_SYNC);
+    dt = mono_s() - t0;
+    cr_assert_eq(r, KVR_EIO, "%s", kvr_client_last_error(CA));
+    cr_assert(strstr(kvr_client_last_error(CA), "stored locally"), "%s",
+              kvr_client_last_error(CA));
+    cr_assert_lt(dt, 3 * PUBLISH_S, "a share_sync took %.1f s with the cluster hung", dt);
+    cr_assert_eq(get_kv(CA, "sync", 0, 0, NULL, &kv), 0);
+    kvr_kv_release(&kv);
+    /* 300 more shares: the queue is bounded, the rest dropped and counted;
+     * every local put goes on succeeding (no E_NO_MEMORY). */
+    for (int i = 0; i < 300; i++) {
+        char id[32];
+        snprintf(id, sizeof id, "many-%d", i);
+        cr_assert_eq(put_flags(CA, id, 4, 300, 70, SHARE), 0, "put %d: %s", i,
+                     kvr_client_last_error(CA));
+    }
+    cr_assert_gt(testd_metric(CA, "remote_publish_dropped"), 0);
+    cr_assert_eq(put_flags(CA, "local", 5, 400, 70, 0), 0, "%s", kvr_client_last_error(CA));
+    cluster_signal(SIGCONT);
+}
