@@ -18,6 +18,7 @@
 #include <unistd.h>
 
 #include "cache/cache.h"
+#include "tests/common/kvr_tmpdir.h"
 
 #define L 2
 #define H 2
@@ -25,23 +26,6 @@
 #define ROW (H * D)
 
 static char DIR_[256];
-
-static void rm_tree(const char *dir)
-{
-    DIR *d = opendir(dir);
-    if (!d)
-        return;
-    struct dirent *e;
-    char p[600];
-    while ((e = readdir(d)) != NULL) {
-        if (!strcmp(e->d_name, ".") || !strcmp(e->d_name, ".."))
-            continue;
-        snprintf(p, sizeof p, "%s/%s", dir, e->d_name);
-        unlink(p);
-    }
-    closedir(d);
-    rmdir(dir);
-}
 
 /* A store (with a disk tier in DIR_ if disk) and model "m". */
 static kvr_store *open_store(bool disk)
