@@ -1286,6 +1286,19 @@ Test(int_cluster_start, key_file_refused_unless_private_and_long)
         if (system(rm) != 0)
             fprintf(stderr, "could not remove %s\n", w.dir);
     }
+    /* The I/O errors of reading it: a missing file (open fails), a
+     * directory (open succeeds, the read fails with EISDIR). */
+    char kd[400];
+    snprintf(kd, sizeof kd, "%s/keydir", T.dir);
+    cr_assert_eq(mkdir(kd, 0700), 0);
+    kvr_testd wd;
+    cr_assert_neq(start_keyed(&wd, "127.0.0.1:1", kd), 0, "started with a directory as key");
+    cr_assert(log_has(&wd, "remote-key-file") && log_has(&wd, "read error"),
+              "no clear error in %s", wd.log);
+    char rmd[400];
+    snprintf(rmd, sizeof rmd, "rm -rf %s", wd.dir);
+    if (system(rmd) != 0)
+        fprintf(stderr, "could not remove %s\n", wd.dir);
     char missing[400];
     snprintf(missing, sizeof missing, "%s/nope", T.dir);
     kvr_testd w;
