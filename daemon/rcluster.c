@@ -41,6 +41,7 @@
 #define POOL_MAX 8
 #define REFRESH_MIN_MS 100
 #define MAX_REDIRECTS 16
+#define DL_RESET_MS 10          /* socket timeouts follow a deadline this closely */
 
 typedef struct rc_node {
     char            host[64];
@@ -940,16 +941,24 @@ static void part_recv(batch_part *p)
     if (!x)
         return;
     bool healthy = p->healthy;
+    uint64_t set_ms = now_ms();          /* node_get set the timeouts */
     for (size_t k = 0; k < p->nix && healthy; k++) {
         size_t j = p->ix[k];
         redisReply *r = NULL;
-        if (p->deadline) {          /* each reply by the deadline */
-            int left = dl_left(p->deadline, rc->io_ms);
-            if (left == 0) {
+        if (p->deadline) {
+            /* Each reply by the deadline: the socket timeouts shrink with
+             * what is left, reset at most every DL_RESET_MS (a probe reads
+             * hundreds of small replies; two setsockopt calls each would
+             * cost more than the replies), so at most that late. */
+            uint64_t now = now_ms();
+            if (now >= p->deadline) {
                 healthy = false;
                 break;
             }
-            redisSetTimeout(x, tv_ms(left));
+            if (now - set_ms >= DL_RESET_MS) {
+                redisSetTimeout(x, tv_ms(dl_left(p->deadline, rc->io_ms)));
+                set_ms = now;
+            }
         }
         if (redisGetReply(x, (void **)&r) != REDIS_OK || !r) {
             healthy = false;
