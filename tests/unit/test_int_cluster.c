@@ -296,6 +296,19 @@ static int put_quant(const char *ctx, const char *codec, uint32_t seed, uint32_t
     return 0;
 }
 
+/* A's and B's raw get of ctx's encoded tokens [0, end) are the same codes. */
+static void same_raw_codes(const char *ctx, uint64_t end)
+{
+    kvr_get_args g = { .ctx_id = ctx, .start = 0, .end = end, .raw = true };
+    kvr_kv ka, kb;
+    cr_assert_eq(kvr_client_get(CA, &g, &ka), 0, "%s", kvr_client_last_error(CA));
+    cr_assert_eq(kvr_client_get(CB, &g, &kb), 0, "%s", kvr_client_last_error(CB));
+    cr_assert_eq(ka.payload_len, kb.payload_len);
+    cr_assert_eq(memcmp(ka.payload, kb.payload, ka.payload_len), 0, "%s: codes differ", ctx);
+    kvr_kv_release(&ka);
+    kvr_kv_release(&kb);
+}
+
 Test(int_cluster, quantized_travels)
 {
     /* Per-token int8 (no window), KIVI k4v2 with a 32-token tile (K per
@@ -400,13 +413,7 @@ Test(int_cluster, quantized_travels)
         cr_assert_str_eq(sa.codec, sb.codec);
         cr_assert_eq(sa.n_window, sb.n_window);
         cr_assert_eq(sa.kv_bytes, sb.kv_bytes);
-        kvr_get_args g = { .ctx_id = "q-k4v2", .start = 0, .end = 256, .raw = true };
-        cr_assert_eq(kvr_client_get(CA, &g, &ka), 0, "%s", kvr_client_last_error(CA));
-        cr_assert_eq(kvr_client_get(CB, &g, &kb), 0, "%s", kvr_client_last_error(CB));
-        cr_assert_eq(ka.payload_len, kb.payload_len);
-        cr_assert_eq(memcmp(ka.payload, kb.payload, ka.payload_len), 0, "k4v2 codes differ");
-        kvr_kv_release(&ka);
-        kvr_kv_release(&kb);
+        same_raw_codes("q-k4v2", 256);
     }
     /* A spoilt chunk: a miss, counted, never served. */
     cr_assert_eq(put_quant("q-bad", "int8/g32", 60, 7000, 100, 50), 0);
@@ -1322,14 +1329,8 @@ Test(int_cluster_mac, quantized_values_sealed_and_checked)
                  kvr_client_last_error(CA));
     kvr_context sa;
     cr_assert_eq(kvr_client_stat(CA, "qk", &sa), 0);
-    kvr_get_args g = { .ctx_id = "qk", .start = 0, .end = 200 - sa.n_window, .raw = true };
-    kvr_kv ka, kb;
-    cr_assert_eq(kvr_client_get(CA, &g, &ka), 0, "%s", kvr_client_last_error(CA));
-    cr_assert_eq(kvr_client_get(CB, &g, &kb), 0, "%s", kvr_client_last_error(CB));
-    cr_assert_eq(ka.payload_len, kb.payload_len);
-    cr_assert_eq(memcmp(ka.payload, kb.payload, ka.payload_len), 0, "codes differ");
-    kvr_kv_release(&ka);
-    kvr_kv_release(&kb);
+    same_raw_codes("qk", 200 - sa.n_window);
+    kvr_kv kb;
     /* Its first chunk with a wrong MAC: a miss, counted as forged. */
     cr_assert_eq(put_quant("qf", "int8/g32", 63, 4000, 300, 260), 0);
     kvr_rc *rc = test_rc();
