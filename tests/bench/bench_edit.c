@@ -77,7 +77,7 @@ static double edit_once(kvr_store *s, const char *id, size_t rem, size_t add, si
     uint32_t nt[16];
     for (size_t i = 0; i < add; i++)
         nt[i] = 500 + (uint32_t)i;
-    kvr_edit_op op = { 100, 100 + rem, add, nt };
+    kvr_edit_op op = { 100, 100 + rem, add, nt, false };
     kvr_edit_params p = { .ctx_id = id, .ops = &op, .n_ops = 1, .with_kv = true,
                           .n_layers = NL, .n_kv_heads = NH, .head_dim = HD,
                           .dtype = KVR_DTYPE_F16, .payload_bytes = add * TOK_BYTES };
