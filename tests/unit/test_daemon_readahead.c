@@ -414,13 +414,34 @@ static void wait_fds_at_most(int limit)
         sleep_ms(20);
 }
 
+/* Reads c until the daemon closes it (10 s at most); true when it did and
+ * what came before the close says why (an error about descriptors). */
+static bool refused_then_closed(int c)
+{
+    struct timeval tv = { 10, 0 };
+    setsockopt(c, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+    static char buf[1 << 16];
+    size_t n = 0;
+    for (;;) {
+        ssize_t r = read(c, buf + n, sizeof buf - 1 - n);
+        if (r < 0 && errno == EINTR)
+            continue;
+        if (r <= 0)
+            return r == 0 && memmem(buf, n, "descriptor", 10) != NULL;
+        n += (size_t)r;
+        if (n == sizeof buf - 1)
+            n = 0;
+    }
+}
+
 /* A hostile peer attaches descriptors to a ping, to a put's header (its
  * payload past the read-ahead), to a put's payload bytes alone, to the
- * bytes after a put's payload, several at once, and sends two
- * RegisterRegions in one write with one descriptor (the second is refused
- * with an error). Every request is answered as usual and the daemon holds
- * no descriptor more than before, while the connection is open (but the
- * one region registered) and after it closed. */
+ * bytes after a put's payload, several at once (the daemon's rule,
+ * daemon/conn.c: a frame other than register_region takes none): each such
+ * connection gets an error saying why and is closed, a put it carried
+ * stores nothing, the daemon holds no descriptor more than before, and
+ * every other connection carries on. Then two RegisterRegions in one write
+ * with one descriptor: the first has it, the second is refused. */
 Test(daemon_readahead, stray_descriptors_on_every_kind_of_read)
 {
     payloads();
@@ -435,49 +456,66 @@ Test(daemon_readahead, stray_descriptors_on_every_kind_of_read)
     cr_assert_geq(mfd, 0);
     cr_assert_eq(ftruncate(mfd, 4096), 0);
     cr_assert_eq(fcntl(mfd, F_ADD_SEALS, F_SEAL_SHRINK), 0);
-    for (int round = 0; round < 8; round++) {
+    for (int round = 0; round < 4; round++) {
         script s = { 0 };
-        s.id = 100;
         /* 1. several fds on a lone ping */
+        int c = connect_unix(D.sock);
+        s.id = 100;
         sc_ping(&s);
-        send_fds(fd, s.buf, s.len, mfd, 8);
-        check_replies(fd, &s);
+        send_fds(c, s.buf, s.len, mfd, 8);
+        cr_assert(refused_then_closed(c), "round %d: fds on a ping", round);
+        close(c);
         sc_free(&s);
         /* 2. on a put's header; its payload is past the read-ahead */
+        c = connect_unix(D.sock);
         s.id = 200;
         sc_put(&s, "big", "tiny", KVROPE__DTYPE__F16, P16B, TB, KVROPE__STATUS__OK);
-        send_fds(fd, s.buf, 64, mfd, 2);
-        cr_assert_eq(write_all(fd, s.buf + 64, s.len - 64), 0);
-        check_replies(fd, &s);
+        send_fds(c, s.buf, 64, mfd, 2);
+        if (write_all(c, s.buf + 64, s.len - 64) != 0) {
+        }
+        cr_assert(refused_then_closed(c), "round %d: fds on a put's header", round);
+        close(c);
         sc_free(&s);
-        /* 3. on the payload bytes alone, with a ping after it in the same
-         *    write (the payload's last read takes it along) */
+        /* 3. on the payload bytes alone, with a ping after it in the same write */
+        c = connect_unix(D.sock);
         s.id = 300;
-        sc_delete(&s, "big");
         sc_put(&s, "big", "tiny", KVROPE__DTYPE__F16, P16B, TB, KVROPE__STATUS__OK);
         size_t cut = s.len - payload_bytes(TB) + 100;
         sc_ping(&s);
-        cr_assert_eq(write_all(fd, s.buf, cut), 0);
+        cr_assert_eq(write_all(c, s.buf, cut), 0);
         sleep_ms(5);   /* likelier that the daemon is reading the payload now */
-        send_fds(fd, s.buf + cut, s.len - cut, mfd, 3);
-        check_replies(fd, &s);
+        send_fds(c, s.buf + cut, s.len - cut, mfd, 3);
+        cr_assert(refused_then_closed(c), "round %d: fds on a payload", round);
+        close(c);
         sc_free(&s);
-        /* 4. on the bytes after a put's payload: a ping and a get */
-        s.id = 400;
-        sc_delete(&s, "big");
-        sc_put(&s, "big", "tiny", KVROPE__DTYPE__F16, P16B, TB, KVROPE__STATUS__OK);
-        cut = s.len;
-        sc_ping(&s);
-        sc_get(&s, "big", KVROPE__STATUS__OK, P16B, payload_bytes(TB));
-        cr_assert_eq(write_all(fd, s.buf, cut), 0);
-        send_fds(fd, s.buf + cut, s.len - cut, mfd, 1);
-        check_replies(fd, &s);
-        sc_free(&s);
-        s.id = 500;
-        sc_delete(&s, "big");
+        /* Neither put stored anything. */
+        s.id = 350;
+        sc_get(&s, "big", KVROPE__STATUS__E_UNKNOWN_CONTEXT, NULL, 0);
         cr_assert_eq(write_all(fd, s.buf, s.len), 0);
         check_replies(fd, &s);
         sc_free(&s);
+        /* 4. on the bytes after a put's payload: a ping and a get */
+        c = connect_unix(D.sock);
+        s.id = 400;
+        sc_put(&s, "big4", "tiny", KVROPE__DTYPE__F16, P16B, TB, KVROPE__STATUS__OK);
+        cut = s.len;
+        sc_ping(&s);
+        sc_get(&s, "big4", KVROPE__STATUS__OK, P16B, payload_bytes(TB));
+        cr_assert_eq(write_all(c, s.buf, cut), 0);
+        send_fds(c, s.buf + cut, s.len - cut, mfd, 1);
+        cr_assert(refused_then_closed(c), "round %d: fds after a payload", round);
+        close(c);
+        sc_free(&s);
+        s.id = 500;
+        sc_delete(&s, "big4");
+        cr_assert_eq(write_all(fd, s.buf, s.len), 0);
+        uint8_t *got = NULL;
+        uint64_t glen = 0;
+        Kvrope__Response *r = recv_resp(fd, &got, &glen);   /* stored or not: racy */
+        free(got);
+        kvrope__response__free_unpacked(r, NULL);
+        sc_free(&s);
+        cr_assert_eq(ping(fd, 3), KVROPE__STATUS__OK, "the other connection carries on");
         wait_fds_at_most(before);
         cr_assert_leq(count_fds(D.pid), before, "round %d: the daemon kept descriptors: %d -> %d",
                       round, before, count_fds(D.pid));
