@@ -432,8 +432,18 @@ def test_five_consecutive_edits(server):
                 same += 1
             assert t["cache_n"] >= min(same, len(toks["tokens"]) - 1)
         prev = toks["tokens"]
+    # idle: the background refresh re-encodes what the edits left approximate,
+    # and then the cached file continues exactly as a full re-encode
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        slots = json.loads(server.get("/slots")[1])
+        if all(s["kvrope"]["n_approximate"] == 0 for s in slots):
+            break
+        time.sleep(0.2)
+    assert all(s["kvrope"]["n_approximate"] == 0 for s in slots), slots
     ref = server.post("/completion", greedy(text, 8, cache_prompt=False))[1]
     again = server.post("/completion", greedy(text, 8))[1]
+    assert again["timings"]["cache_n"] >= again["tokens_evaluated"] - 1
     assert ref["tokens"] == again["tokens"]
 
 
