@@ -211,7 +211,7 @@ typedef struct tokv {
 
 static void tv_add(tokv *t, const int32_t *x, size_t n)
 {
-    if (t->oom)
+    if (t->oom || n == 0)
         return;
     if (t->n + n > t->cap) {
         size_t c = t->cap ? t->cap : 256;
@@ -230,6 +230,13 @@ static void tv_add(tokv *t, const int32_t *x, size_t n)
 }
 
 static void tv_one(tokv *t, int32_t x) { tv_add(t, &x, 1); }
+
+/* The last n tokens of src. */
+static void tv_tail(tokv *t, const tokv *src, size_t n)
+{
+    if (n)
+        tv_add(t, src->v + src->n - n, n);
+}
 
 static bool tv_text(srv *s, tokv *t, const char *text, bool add_special, bool parse_special)
 {
@@ -921,11 +928,11 @@ static int fim_layout(srv *s, const cJSON *b, const srv_params *p, tokv *out, co
     size_t n_ext = eb < 0 ? 0 : extra.n < (size_t)eb ? extra.n : (size_t)eb;
     bool bos = llama_vocab_get_add_bos(s->vocab);
     if (fim) {
-        tv_add(out, extra.v + extra.n - n_ext, n_ext);
+        tv_tail(out, &extra, n_ext);
         if (bos)
             tv_one(out, llama_vocab_bos(s->vocab));
         tv_one(out, fpre);
-        tv_add(out, tpre.v + tpre.n - n_pre, n_pre);
+        tv_tail(out, &tpre, n_pre);
         tv_add(out, tp.v, tp.n);
         tv_one(out, fsuf);
         tv_add(out, tsuf.v, n_suf);
@@ -936,8 +943,8 @@ static int fim_layout(srv *s, const cJSON *b, const srv_params *p, tokv *out, co
          * be given to such a model and is left out. */
         if (bos)
             tv_one(out, llama_vocab_bos(s->vocab));
-        tv_add(out, extra.v + extra.n - n_ext, n_ext);
-        tv_add(out, tpre.v + tpre.n - n_pre, n_pre);
+        tv_tail(out, &extra, n_ext);
+        tv_tail(out, &tpre, n_pre);
         tv_add(out, tp.v, tp.n);
     }
     free(tp.v);
@@ -1152,7 +1159,6 @@ static int handle_generate(conn *cn, struct MHD_Connection *c, enum route rt)
     } else if (rt == R_COMPLETION || rt == R_INFILL) {
         cJSON *o = completion_json(s, &j->p, &r, r.text ? r.text : "", r.len, false);
         ret = send_json(c, 200, fields ? select_fields(o, fields) : o);
-        fields = NULL;
     } else {
         cJSON *o = cJSON_CreateObject(), *ch = cJSON_AddArrayToObject(o, "choices");
         cJSON *cc = cJSON_CreateObject();
@@ -1426,6 +1432,8 @@ static int handle_slots_post(conn *cn, struct MHD_Connection *c, const char *url
     snprintf(err, sizeof err, "%s", j->err);
     size_t n = j->n_saved;
     double ms = j->t_op_ms;
+    char file[sizeof j->slot_file];
+    memcpy(file, j->slot_file, sizeof file);
     pthread_mutex_unlock(&s->mu);
     srv_job_release(s, j);
     if (status)
@@ -1435,7 +1443,7 @@ static int handle_slots_post(conn *cn, struct MHD_Connection *c, const char *url
     if (k == SRV_JOB_SLOT_ERASE) {
         cJSON_AddNumberToObject(o, "n_erased", (double)n);
     } else {
-        cJSON_AddStringToObject(o, "filename", fn ? j->slot_file : "");
+        cJSON_AddStringToObject(o, "filename", file);
         cJSON_AddNumberToObject(o, k == SRV_JOB_SLOT_SAVE ? "n_saved" : "n_restored", (double)n);
         cJSON_AddNumberToObject(o, k == SRV_JOB_SLOT_SAVE ? "n_written" : "n_read", 0);
         cJSON *t = cJSON_AddObjectToObject(o, "timings");
