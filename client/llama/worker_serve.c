@@ -667,7 +667,12 @@ static cJSON *select_fields(cJSON *o, const cJSON *fields)
     return out;
 }
 
-static const char *finish_reason(srv_stop t) { return t == SRV_STOP_LIMIT ? "length" : "stop"; }
+/* llama-server's rule: "stop" for an end-of-generation token or a stop word,
+ * else "length" */
+static const char *finish_reason(srv_stop t)
+{
+    return t == SRV_STOP_EOS || t == SRV_STOP_WORD ? "stop" : "length";
+}
 
 static void oai_head(srv *s, cJSON *o, const char *id, time_t created, const char *object)
 {
@@ -1473,7 +1478,10 @@ static int handle_metrics(srv *s, struct MHD_Connection *c)
       (unsigned long long)(v))
 #define GAUGE(name, help, v)                                                                \
     P("# HELP %s %s\n# TYPE %s gauge\n%s %g\n", name, help, name, name, (double)(v))
-    CTR("llamacpp:prompt_tokens_total", "Number of prompt tokens processed.", m.prompt_tokens);
+    CTR("llamacpp:prompt_tokens_total",
+        "Number of prompt tokens processed, excluding cached tokens", m.prompt_tokens);
+    CTR("llamacpp:prompt_tokens_cached_total", "Number of prompt tokens reused from the cache",
+        m.prompt_reused);
     GAUGE("llamacpp:prompt_seconds_total", "Prompt process time", m.prompt_seconds);
     CTR("llamacpp:tokens_predicted_total", "Number of generation tokens processed.",
         m.tokens_predicted);

@@ -1,0 +1,242 @@
+#!/usr/bin/python3
+"""bench_serve — kvrope serve against llama.cpp's llama-server on editor edits.
+
+Both servers run the same model (build/eval/kvrope-code.gguf), the same
+llama.cpp code (llama-server is built from the bundled v0.5.0 source and links
+the npm libraries kvrope links: scripts/llama-server.sh), one thread each,
+one after the other on this machine. llama-server runs twice: with llama.vim's
+recommended `--cache-reuse 256` (and its default host-RAM prompt cache), and
+with `--cache-ram 0 -np 1`.
+
+Requests replay real edits: consecutive versions of source files from this
+repository's git history. For each pair the old version's window is sent first
+(the cache holds it, as when the editor asked a moment ago), then the new
+version's window (the same byte range, the first changed byte in its middle):
+the edit is in the middle of a cached prompt. This model has no FIM tokens
+(llama-server answers /infill with 501), so both get the window as a
+/completion prompt, the way /infill would put the file around the cursor
+before the suffix. Per request: prompt tokens evaluated (timings.prompt_n),
+time to first token (client wall time of an n_predict 1 request), and for
+kvrope whether its greedy continuation equals a full re-encode's
+(cache_prompt false). After the replay both servers restart and the last
+prompt is sent again.
+
+Prints a table and `goal:` lines; ratios are measured in this run.
+Run: KVR_BUILD=$PWD/build /usr/bin/python3 tests/bench/bench_serve.py
+"""
+import http.client
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
+BUILD = os.path.abspath(os.environ.get("KVR_BUILD") or os.path.join(ROOT, "build"))
+MODEL = os.path.join(BUILD, "eval", "kvrope-code.gguf")
+CTX = 1024
+WINDOW = 800          # bytes (= tokens for this byte-level model) per prompt
+N_PAIRS = int(os.environ.get("KVR_SERVE_PAIRS", "24"))
+N_CHECK = 16          # greedy tokens compared with a full re-encode
+
+
+def free_port():
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    p = s.getsockname()[1]
+    s.close()
+    return p
+
+
+def post(port, path, obj, timeout=120):
+    c = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    try:
+        c.request("POST", path, json.dumps(obj), {"Content-Type": "application/json"})
+        r = c.getresponse()
+        data = r.read()
+        if r.status != 200:
+            raise RuntimeError(f"{path}: {r.status} {data[:300]!r}")
+        return json.loads(data)
+    finally:
+        c.close()
+
+
+def wait_health(port, proc, what, timeout=120):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{what} exited {proc.returncode}")
+        try:
+            c = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
+            c.request("GET", "/health")
+            if c.getresponse().status == 200:
+                return
+        except OSError:
+            pass
+        time.sleep(0.05)
+    raise RuntimeError(f"{what} not ready")
+
+
+class Proc:
+    def __init__(self, argv, port, what, log):
+        self.argv, self.port, self.what, self.log = argv, port, what, log
+        self.start()
+
+    def start(self):
+        env = {k: v for k, v in os.environ.items() if not k.startswith("LLAMA_ARG_")}
+        self.proc = subprocess.Popen(self.argv, stdout=self.log, stderr=subprocess.STDOUT,
+                                     stdin=subprocess.DEVNULL, env=env)
+        wait_health(self.port, self.proc, self.what)
+
+    def stop(self):
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+    def restart(self):
+        self.stop()
+        self.start()
+
+
+def edit_pairs():
+    """(old window, new window) of consecutive versions, the first changed byte
+    in the middle of the window, from this repository's history."""
+    files = subprocess.run(["git", "-C", ROOT, "ls-files", "*.py", "*.c", "*.h"],
+                           capture_output=True, text=True).stdout.split()
+    pairs = []
+    for f in sorted(files):
+        revs = subprocess.run(["git", "-C", ROOT, "log", "--format=%H", "--", f],
+                              capture_output=True, text=True).stdout.split()
+        vers = []
+        for r in reversed(revs[:12]):
+            b = subprocess.run(["git", "-C", ROOT, "show", f"{r}:{f}"], capture_output=True)
+            if b.returncode == 0:
+                try:
+                    vers.append(b.stdout.decode())
+                except UnicodeDecodeError:
+                    pass
+        for a, b in zip(vers, vers[1:]):
+            d = 0
+            while d < min(len(a), len(b)) and a[d] == b[d]:
+                d += 1
+            if d < WINDOW // 2 or d >= min(len(a), len(b)):
+                continue
+            s = d - WINDOW // 2
+            old, new = a[s:s + WINDOW], b[s:s + WINDOW]
+            if len(old) == WINDOW and len(new) == WINDOW and old != new:
+                pairs.append((f, old, new))
+        if len(pairs) >= N_PAIRS:
+            break
+    return pairs[:N_PAIRS]
+
+
+def ttft(port, prompt, **kw):
+    t0 = time.monotonic()
+    r = post(port, "/completion", {"prompt": prompt, "n_predict": 1, "temperature": 0,
+                                   "cache_prompt": True, **kw})
+    return (time.monotonic() - t0) * 1e3, r
+
+
+def main():
+    sys.path.insert(0, os.path.join(ROOT, "tests", "python"))
+    for p in (MODEL, os.path.join(BUILD, "kvrope-llama"), os.path.join(BUILD, "kvroped")):
+        if not os.path.exists(p):
+            print(f"bench_serve: {p} is not built; skipped")
+            return 0
+    peer = subprocess.run([os.path.join(ROOT, "scripts", "llama-server.sh"),
+                           os.path.join(BUILD, "llama-server"),
+                           os.environ.get("LLAMA_CACHE", os.path.join(BUILD, "llama"))],
+                          capture_output=True, text=True, cwd=ROOT)
+    if peer.returncode != 0:
+        print("bench_serve: llama-server could not be built: " + peer.stderr.strip()[-300:])
+        return 0
+    llama_server = os.path.abspath(os.path.join(ROOT, peer.stdout.strip().splitlines()[-1]))
+    pairs = edit_pairs()
+    print(f"bench_serve: {len(pairs)} real edits (consecutive versions from git), "
+          f"{WINDOW}-token prompts, context {CTX}, 1 thread each")
+    tmp = tempfile.mkdtemp(prefix="kvr-bsv-")
+    log = open(os.path.join(tmp, "log"), "wb")
+    sock = os.path.join(tmp, "k.sock")
+    kd = subprocess.Popen([os.path.join(BUILD, "kvroped"), "--socket", sock, "--max-memory",
+                           "512M", "--log-level", "warn"], stdout=log, stderr=subprocess.STDOUT)
+    while not os.path.exists(sock):
+        time.sleep(0.02)
+    procs = {}
+    try:
+        kp = free_port()
+        procs["kvrope serve"] = Proc([os.path.join(BUILD, "kvrope-llama"), "--model", MODEL,
+                                      "--socket", sock, "--threads", "1", "serve", "--listen",
+                                      f"127.0.0.1:{kp}", "--ctx-size", str(CTX)],
+                                     kp, "kvrope serve", log)
+        for name, flags in (("llama-server --cache-reuse 256", ["--cache-reuse", "256"]),
+                            ("llama-server --cache-ram 0", ["--cache-ram", "0"])):
+            p = free_port()
+            procs[name] = Proc([llama_server, "-m", MODEL, "--host", "127.0.0.1", "--port",
+                                str(p), "-t", "1", "-tb", "1", "-np", "1", "-c", str(CTX),
+                                "--no-warmup", *flags], p, name, log)
+        rows = {n: {"share": [], "ttft": [], "n": []} for n in procs}
+        agree = 0
+        for f, old, new in pairs:
+            for name, pr in procs.items():
+                ttft(pr.port, old)                       # the cache holds the old version
+                ms, r = ttft(pr.port, new)
+                t = r["timings"]
+                rows[name]["ttft"].append(ms)
+                rows[name]["share"].append(t["prompt_n"] / max(1, t["prompt_n"] + t["cache_n"]))
+                rows[name]["n"].append(t["prompt_n"])
+            kp = procs["kvrope serve"].port
+            a = post(kp, "/completion", {"prompt": new, "n_predict": N_CHECK, "temperature": 0,
+                                         "return_tokens": True})
+            b = post(kp, "/completion", {"prompt": new, "n_predict": N_CHECK, "temperature": 0,
+                                         "return_tokens": True, "cache_prompt": False})
+            agree += a["tokens"] == b["tokens"]
+        # restart: the last prompt again
+        last = pairs[-1][2]
+        restart = {}
+        for name, pr in procs.items():
+            ttft(pr.port, last)
+            pr.restart()
+            restart[name] = ttft(pr.port, last)[0]
+        print()
+        print("| server | prompt tokens evaluated after a mid-file edit (median, share of prompt) "
+              "| median TTFT ms | TTFT after restart ms |")
+        print("|---|---|---|---|")
+        for name in procs:
+            r = rows[name]
+            print(f"| {name} | {statistics.median(r['n']):.0f} ({100 * statistics.median(r['share']):.1f}%) "
+                  f"| {statistics.median(r['ttft']):.1f} | {restart[name]:.1f} |")
+        k, lr = rows["kvrope serve"], rows["llama-server --cache-reuse 256"]
+        share = statistics.median(k["share"])
+        sp = statistics.median(lr["ttft"]) / statistics.median(k["ttft"])
+        rs = restart["llama-server --cache-reuse 256"] / restart["kvrope serve"]
+        ag = agree / max(1, len(pairs))
+        print()
+        print(f"kvrope completions identical to a full re-encode ({N_CHECK} greedy tokens): "
+              f"{agree} of {len(pairs)}")
+        print(f"goal: prompt tokens evaluated after a mid-file edit <= 5% of the prompt: "
+              f"{100 * share:.1f}% ({'met' if share <= 0.05 else 'not met'})")
+        print(f"goal: median TTFT >= 5x faster than llama-server --cache-reuse 256: {sp:.2f}x "
+              f"({'met' if sp >= 5 else 'not met'})")
+        print(f"goal: after a restart >= 50x faster than llama-server after its restart: {rs:.2f}x "
+              f"({'met' if rs >= 50 else 'not met'})")
+        print(f"goal: completions identical to a full re-encode in >= 95% of requests: "
+              f"{100 * ag:.0f}% ({'met' if ag >= 0.95 else 'not met'})")
+    finally:
+        for pr in procs.values():
+            pr.stop()
+        kd.send_signal(signal.SIGTERM)
+        kd.wait(20)
+        log.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
