@@ -1812,18 +1812,24 @@ int kvr_wk_serve_main(kvr_wk_env *e, const char *model_path, const char *socket,
             model_path);
 
     int rc = 1;
-    if (kvr_client_connect(&e->kc, socket, NULL) < 0 || kvr_client_ping(e->kc, NULL) < 0) {
-        fprintf(stderr, "kvrope-llama serve: kvroped at %s cannot be reached: %s\n", socket,
-                kvr_client_last_error(e->kc));
-        rc = 4;
-        goto stop_http;
-    }
     if (kvr_wk_lm_load(&e->lm, model_path, threads ? threads : free_cores(), e->err,
                        sizeof e->err) < 0 ||
-        kvr_wk_profile(e, model_path) < 0 || kvr_wk_register(e, model_path) < 0) {
+        kvr_wk_profile(e, model_path) < 0) {
         fprintf(stderr, "kvrope-llama serve: %s\n", e->err);
-        rc = e->kv_code ? 4 : 1;
         goto stop_http;
+    }
+    /* kvroped may be down at start too: answer without the cache, and the
+     * engine registers the model when it connects */
+    bool up = kvr_client_connect(&e->kc, socket, NULL) == 0 && kvr_client_ping(e->kc, NULL) == 0;
+    if (up && kvr_wk_register(e, model_path) < 0) {
+        fprintf(stderr, "kvrope-llama serve: registering the model in kvroped: %s\n", e->err);
+        up = false;
+    }
+    if (!up) {
+        fprintf(stderr, "kvrope serve: kvroped at %s cannot be reached (%s): answering without "
+                "the cache until it can\n", socket, e->kc ? kvr_client_last_error(e->kc) : "");
+        kvr_llama_model_default_name(e->profile, e->model, sizeof e->model);
+        e->kv_code = 0;
     }
     if (kvr_wk_lm_threads_sleep(e->lm, err, sizeof err) < 0)
         fprintf(stderr, "kvrope serve: compute threads will spin: %s\n", err);
@@ -1836,13 +1842,17 @@ int kvr_wk_serve_main(kvr_wk_env *e, const char *model_path, const char *socket,
     s->n_batch = s->o.n_batch ? s->o.n_batch : s->n_ctx / 2 < 2048 ? s->n_ctx / 2 : 2048;
     s->vocab = llama_model_get_vocab(kvr_wk_lm_model(e->lm));
     s->e = *e;
-    s->connected = true;
+    s->connected = up;
+    s->t_reconnect = kvr_wk_now_ms() - 1000;
+    s->model_hash = 1469598103934665603ull;
+    for (const char *p = e->model; *p; p++)
+        s->model_hash = (s->model_hash ^ (unsigned char)*p) * 1099511628211ull;
     s->n_slots = s->o.parallel;
     unsigned port = ss.ss_family == AF_INET6 ? ntohs(((struct sockaddr_in6 *)&ss)->sin6_port)
                                              : ntohs(((struct sockaddr_in *)&ss)->sin_port);
     for (int i = 0; i < s->n_slots; i++)
         snprintf(s->slots[i].session, sizeof s->slots[i].session, "kvs-%016llx-%u-s%d",
-                 (unsigned long long)s->e.fingerprint, port, i);
+                 (unsigned long long)s->model_hash, port, i);
     if (srv_engine_start(s) < 0) {
         fprintf(stderr, "kvrope-llama serve: cannot start the engine thread\n");
         *e = s->e;

@@ -124,6 +124,7 @@ typedef struct srv {
     char             model_name[256];
     const struct llama_vocab *vocab;
     uint32_t         n_ctx, n_batch;
+    uint64_t         model_hash; /* of the kvrope model name: names sessions */
     bool             connected;  /* kvroped reachable (engine thread) */
     double           t_reconnect;
     /* shared (mu) */
@@ -156,7 +157,8 @@ void     srv_params_default(srv_params *p);
 
 /* worker_serve.c */
 /* The serve command: argv holds the words after "serve". Returns the exit
- * status (0 after SIGINT / SIGTERM, 2 usage, 4 kvroped unreachable at start). */
+ * status (0 after SIGINT / SIGTERM, 1 the model or the port cannot be used,
+ * 2 usage). kvroped need not be up: the server answers without it meanwhile. */
 int kvr_wk_serve_main(kvr_wk_env *e, const char *model_path, const char *socket, int threads,
                       int argc, char **argv);
 

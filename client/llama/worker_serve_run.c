@@ -590,7 +590,7 @@ static void run_gen(srv *s, srv_job *j)
 
 static void saved_name(const srv *s, const char *file, char *out, size_t cap)
 {
-    uint64_t h = 1469598103934665603ull ^ s->e.fingerprint;
+    uint64_t h = s->model_hash;
     for (const char *p = file; *p; p++)
         h = (h ^ (unsigned char)*p) * 1099511628211ull;
     snprintf(out, cap, "kvs-save-%016llx", (unsigned long long)h);

@@ -599,11 +599,16 @@ def test_daemon_unreachable_then_back():
                     pass
             time.sleep(0.02)
         raise RuntimeError("kvroped did not start")
-    kd = daemon()
-    wait_sock()
-    s = Server(sock)
+    s = Server(sock)                              # no kvroped yet: answers anyway
+    kd = None
     try:
+        st, r = s.post("/completion", greedy(CODE, 4))
+        assert st == 200 and r["timings"]["cache_n"] == 0
+        kd = daemon()
+        wait_sock()
+        time.sleep(1.1)                           # reconnects are at most once a second
         assert s.post("/completion", greedy(CODE, 4))[0] == 200
+        assert s.post("/completion", greedy(CODE, 4))[1]["timings"]["cache_n"] > 0
         kd.send_signal(signal.SIGTERM)
         kd.wait(15)
         st, r = s.post("/completion", greedy(CODE, 4))
@@ -617,8 +622,9 @@ def test_daemon_unreachable_then_back():
         assert r["timings"]["cache_n"] > 0
     finally:
         assert s.stop() == 0
-        kd.send_signal(signal.SIGTERM)
-        kd.wait(15)
+        if kd:
+            kd.send_signal(signal.SIGTERM)
+            kd.wait(15)
         shutil.rmtree(d, ignore_errors=True)
 
 
