@@ -444,11 +444,14 @@ static const char *parse_params(srv *s, const cJSON *b, enum route rt, srv_param
             return "invalid \"id_slot\": no such slot";
         p->id_slot = (int)x->valuedouble;
     }
-    for (int k = 0; k < 2; k++) {
-        const char *name = k ? "n" : "n_cmpl";
-        if (NUM(name) && (!cJSON_IsNumber(x) || x->valuedouble != 1))
-            return k ? "only \"n\": 1 is supported (one completion per request)"
-                     : "only \"n_cmpl\": 1 is supported (one completion per request)";
+    for (int k = 0; k < 2; k++) {       /* "n" is OpenAI's name of n_cmpl */
+        if (NUM(k ? "n" : "n_cmpl")) {
+            if (!cJSON_IsNumber(x) || x->valuedouble < 1 || x->valuedouble > s->n_slots ||
+                x->valuedouble != (double)(int)x->valuedouble)
+                return "\"n_cmpl\" (\"n\") must be an integer from 1 to the number of slots";
+            p->n_cmpl = (int)x->valuedouble;
+            break;
+        }
     }
     const char *bools[] = { "stream", "cache_prompt", "return_tokens" };
     bool *dst[] = { &p->stream, &p->cache_prompt, &p->return_tokens };
@@ -500,6 +503,8 @@ static const char *parse_params(srv *s, const cJSON *b, enum route rt, srv_param
     }
 #undef NUM
 #undef WANT_NUM
+    if (p->stream && p->n_cmpl > 1)
+        return "several completions (\"n_cmpl\" > 1) cannot be streamed";
     return NULL;
 }
 
@@ -1058,6 +1063,57 @@ done:
     return out;
 }
 
+/* The non-streamed answer of one completion (index: its place among n_cmpl). */
+static cJSON *result_json(srv *s, enum route rt, const srv_params *p, const result *r,
+                          const char *id, int index)
+{
+    if (rt == R_COMPLETION || rt == R_INFILL) {
+        cJSON *o = completion_json(s, p, r, r->text ? r->text : "", r->len, false);
+        cJSON_ReplaceItemInObject(o, "index", cJSON_CreateNumber(index));
+        return o;
+    }
+    cJSON *o = cJSON_CreateObject(), *ch = cJSON_AddArrayToObject(o, "choices");
+    cJSON *cc = cJSON_CreateObject();
+    cJSON_AddItemToArray(ch, cc);
+    cJSON_AddStringToObject(cc, "finish_reason", finish_reason(r->stop_type));
+    cJSON_AddNumberToObject(cc, "index", index);
+    if (rt == R_OAI_CHAT) {
+        cJSON *m = cJSON_AddObjectToObject(cc, "message");
+        cJSON_AddStringToObject(m, "role", "assistant");
+        cJSON_AddItemToObject(m, "content", str_json(r->text ? r->text : "", r->len));
+    } else {
+        cJSON_AddItemToObject(cc, "text", str_json(r->text ? r->text : "", r->len));
+        cJSON_AddNullToObject(cc, "logprobs");
+    }
+    oai_head(s, o, id, time(NULL), rt == R_OAI_CHAT ? "chat.completion" : "text_completion");
+    cJSON_AddItemToObject(o, "usage", usage_json(r));
+    cJSON_AddItemToObject(o, "timings", timings_json(r));
+    return o;
+}
+
+/* Another job for the same prompt and parameters (NULL without memory). */
+static srv_job *job_clone(const srv_job *j)
+{
+    srv_job *c = calloc(1, sizeof *c);
+    if (!c || !(c->toks = malloc(j->n * sizeof *c->toks))) {
+        free(c);
+        return NULL;
+    }
+    memcpy(c->toks, j->toks, j->n * sizeof *c->toks);
+    c->n = j->n;
+    c->kind = j->kind;
+    c->p = j->p;
+    for (int i = 0; i < j->p.n_stop; i++)
+        if (!(c->p.stop[i] = strdup(j->p.stop[i]))) {
+            c->p.n_stop = i;
+            srv_params_free(&c->p);
+            free(c->toks);
+            free(c);
+            return NULL;
+        }
+    return c;
+}
+
 static int handle_generate(conn *cn, struct MHD_Connection *c, enum route rt)
 {
     srv *s = cn->s;
@@ -1151,41 +1207,67 @@ static int handle_generate(conn *cn, struct MHD_Connection *c, enum route rt)
         MHD_destroy_response(r);
         return ret;
     }
-    if (!wait_job(s, j, SIZE_MAX, conn_fd(c))) {
+    /* n_cmpl > 1: the other completions are jobs of their own, queued now */
+    srv_job *jobs[SRV_MAX_SLOTS] = { j };
+    int nj = 1;
+    for (; nj < j->p.n_cmpl; nj++)
+        if (!(jobs[nj] = job_clone(j)) || srv_submit(s, jobs[nj]) < 0) {
+            if (jobs[nj]) {
+                srv_params_free(&jobs[nj]->p);
+                free(jobs[nj]->toks);
+                free(jobs[nj]);
+            }
+            break;
+        }
+    bool gone = false;
+    for (int k = 0; k < nj && !gone; k++)
+        gone = !wait_job(s, jobs[k], SIZE_MAX, conn_fd(c));
+    if (gone) {
         cJSON_Delete(fields);
-        srv_job_release(s, j);
+        for (int k = 0; k < nj; k++)
+            srv_job_release(s, jobs[k]);
         return MHD_NO;      /* the client is gone: close */
     }
-    result r;
-    snapshot(s, j, &r);
     int ret;
-    if (r.status) {
-        ret = send_json(c, (unsigned)r.status, error_obj((unsigned)r.status, r.err_type, r.err));
-    } else if (rt == R_COMPLETION || rt == R_INFILL) {
-        cJSON *o = completion_json(s, &j->p, &r, r.text ? r.text : "", r.len, false);
-        ret = send_json(c, 200, fields ? select_fields(o, fields) : o);
-    } else {
-        cJSON *o = cJSON_CreateObject(), *ch = cJSON_AddArrayToObject(o, "choices");
-        cJSON *cc = cJSON_CreateObject();
-        cJSON_AddItemToArray(ch, cc);
-        cJSON_AddStringToObject(cc, "finish_reason", finish_reason(r.stop_type));
-        cJSON_AddNumberToObject(cc, "index", 0);
-        if (rt == R_OAI_CHAT) {
-            cJSON *m = cJSON_AddObjectToObject(cc, "message");
-            cJSON_AddStringToObject(m, "role", "assistant");
-            cJSON_AddItemToObject(m, "content", str_json(r.text ? r.text : "", r.len));
-        } else {
-            cJSON_AddItemToObject(cc, "text", str_json(r.text ? r.text : "", r.len));
-            cJSON_AddNullToObject(cc, "logprobs");
+    cJSON *arr = cJSON_CreateArray(), *err = NULL;
+    unsigned err_code = 0;
+    for (int k = 0; k < nj; k++) {
+        result r;
+        snapshot(s, jobs[k], &r);
+        if (r.status && !err) {
+            err_code = (unsigned)r.status;
+            err = error_obj(err_code, r.err_type, r.err);
+        } else if (!r.status) {
+            cJSON *o = result_json(s, rt, &jobs[k]->p, &r, id, k);
+            cJSON_AddItemToArray(arr, fields && (rt == R_COMPLETION || rt == R_INFILL)
+                                          ? select_fields(o, fields) : o);
         }
-        oai_head(s, o, id, time(NULL), rt == R_OAI_CHAT ? "chat.completion" : "text_completion");
-        cJSON_AddItemToObject(o, "usage", usage_json(&r));
-        cJSON_AddItemToObject(o, "timings", timings_json(&r));
-        ret = send_json(c, 200, o);
+        result_free(&r);
     }
-    result_free(&r);
+    if (err) {
+        cJSON_Delete(arr);
+        ret = send_json(c, err_code, err);
+    } else if (nj == 1) {
+        cJSON *one = cJSON_DetachItemFromArray(arr, 0);
+        cJSON_Delete(arr);
+        ret = send_json(c, 200, one);
+    } else if (rt == R_OAI_CHAT || rt == R_OAI_CMPL) {
+        /* llama-server's merge: the first answer with every choice */
+        cJSON *one = cJSON_DetachItemFromArray(arr, 0);
+        cJSON *ch = cJSON_GetObjectItem(one, "choices"), *o;
+        while ((o = cJSON_DetachItemFromArray(arr, 0))) {
+            cJSON_AddItemToArray(ch, cJSON_DetachItemFromArray(cJSON_GetObjectItem(o, "choices"),
+                                                               0));
+            cJSON_Delete(o);
+        }
+        cJSON_Delete(arr);
+        ret = send_json(c, 200, one);
+    } else {
+        ret = send_json(c, 200, arr);
+    }
     cJSON_Delete(fields);
-    srv_job_release(s, j);
+    for (int k = 0; k < nj; k++)
+        srv_job_release(s, jobs[k]);
     return ret;
 }
 

@@ -56,6 +56,7 @@ void srv_params_default(srv_params *p)
     p->n_samplers = 4;
     p->cache_prompt = true;
     p->id_slot = -1;
+    p->n_cmpl = 1;
 }
 
 void srv_params_free(srv_params *p)

@@ -303,6 +303,15 @@ def test_openai_routes(server):
     assert ev[-2]["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
 
 
+def test_several_completions(server):
+    r = server.post("/completion", greedy(CODE, 6, n_cmpl=2))[1]
+    assert isinstance(r, list) and len(r) == 2 and [x["index"] for x in r] == [0, 1]
+    assert r[0]["tokens"] == r[1]["tokens"]                     # greedy: the same twice
+    st, o = server.post("/v1/completions", {"prompt": CODE, "max_tokens": 4, "n": 3,
+                                            "temperature": 0})
+    assert st == 200 and [c["index"] for c in o["choices"]] == [0, 1, 2]
+
+
 def test_sampling_seeded(server):
     body = {"prompt": CODE, "n_predict": 16, "temperature": 1.0, "seed": 42, "top_k": 20,
             "top_p": 0.9, "min_p": 0.01, "return_tokens": True}
@@ -509,7 +518,9 @@ def test_bad_input(server):
         {"prompt": [1, -1]},
         {"prompt": ["a", "b"]},
         {"prompt": "x", "samplers": "top_k"},
-        {"prompt": "x", "n_cmpl": 3},
+        {"prompt": "x", "n_cmpl": 9},
+        {"prompt": "x", "n_cmpl": 0},
+        {"prompt": "x", "n_cmpl": 2, "stream": True},
         {},
     ]
     for c in cases:
