@@ -474,6 +474,14 @@ typedef struct kvr_edit_op {
     const uint32_t *tokens;        /* n_tokens ids; copied by begin */
 } kvr_edit_op;
 
+/* An edit's or refresh's precondition: the context still holds the token
+ * sequence the client planned against (n_tokens ids whose kvr_tokens_hash
+ * is hash), else KVR_EBUSY and nothing changes. set false: none. */
+typedef struct kvr_expect {
+    bool     set;
+    uint64_t n_tokens, hash;
+} kvr_expect;
+
 typedef struct kvr_edit_params {
     const char        *ctx_id;
     const char        *model;       /* NULL or "": unchecked; else the context's */
@@ -485,6 +493,7 @@ typedef struct kvr_edit_params {
     kvr_dtype          dtype;       /* with_kv: payload dtype */
     size_t             payload_bytes; /* with_kv: bytes the client sends; must
                                          equal kvr_edit_payload_size (EPAYLOAD) */
+    kvr_expect         expect;      /* compare-and-swap: the sequence planned against */
 } kvr_edit_params;
 
 /* Per op, in request order: where its new tokens land. */
@@ -528,6 +537,7 @@ typedef struct kvr_refresh_params {
     uint32_t    n_layers, n_kv_heads, head_dim;
     kvr_dtype   dtype;
     size_t      payload_bytes;     /* must equal kvr_edit_payload_size */
+    kvr_expect  expect;            /* as kvr_edit_params.expect */
 } kvr_refresh_params;
 int kvr_store_refresh_begin(kvr_store *s, const kvr_refresh_params *p, kvr_edit **out,
                             kvr_error *err);

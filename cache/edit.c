@@ -17,8 +17,9 @@
  *  - New-token and refreshed KV always go into blocks that only this
  *    transaction references (never into a block shared with a fork or
  *    leased by a get); their slots become visible (used) at commit.
- *  - Old tokens at or after the first edit point get KVR_TOKEN_APPROX; new
- *    tokens sent without KV get KVR_TOKEN_PENDING; refresh clears both.
+ *  - Old tokens at or after the first edit point get KVR_TOKEN_APPROX and
+ *    age by one edit (KVR_TOKEN_AGE); new tokens sent without KV get
+ *    KVR_TOKEN_PENDING; refresh clears all three.
  *  - Prefix index: the exact tree is truncated at the first edit point and
  *    extended by the new exact tokens only (walks compressed edges). The
  *    full-sequence tree is truncated at the first edit point; when the
@@ -88,7 +89,7 @@ static int cmp_eop(const void *a, const void *b)
 /* The context an edit or refresh writes: live, of the model the request
  * names (if any), not being written. */
 static int edit_target(kvr_store *s, const char *id, const char *model, uint64_t fp,
-                       kvr_ctx **out, kvr_error *err)
+                       const kvr_expect *ex, kvr_ctx **out, kvr_error *err)
 {
     int rc = kvr_store_ctx_live(s, id, out, err);
     if (rc != 0)
@@ -105,6 +106,16 @@ static int edit_target(kvr_store *s, const char *id, const char *model, uint64_t
                              (unsigned long long)c->model->fingerprint);
     if (c->busy)
         return kvr_error_set(err, KVR_EBUSY, "context '%s' is being written", c->id);
+    if (ex && ex->set) {
+        uint64_t h = KVR_TOKENS_HASH_INIT;
+        for (size_t i = 0; i < c->n_ext && ex->n_tokens == c->n_tokens; i++) {
+            const kvr_extent *e = &c->ext[i];
+            h = kvr_tokens_hash(h, e->block->tokens + e->first, e->count);
+        }
+        if (ex->n_tokens != c->n_tokens || h != ex->hash)
+            return kvr_error_set(err, KVR_EBUSY, "context '%s' changed since the request "
+                                 "was planned (another writer's edit landed first)", c->id);
+    }
     return 0;
 }
 
@@ -145,7 +156,7 @@ static int edit_prepare(kvr_store *s, const kvr_edit_params *p, kvr_ctx **cout,
     kvr_ctx *c = NULL;
     if (!p)
         return kvr_error_set(err, KVR_EBADREQUEST, "edit: missing parameters");
-    if ((rc = edit_target(s, p->ctx_id, p->model, p->fingerprint, &c, err)) != 0)
+    if ((rc = edit_target(s, p->ctx_id, p->model, p->fingerprint, &p->expect, &c, err)) != 0)
         return rc;
     if (p->n_ops == 0 || !p->ops)
         return kvr_error_set(err, KVR_EBADREQUEST, "edit of '%s' with no ops", c->id);
@@ -403,7 +414,7 @@ int kvr_store_refresh_begin(kvr_store *s, const kvr_refresh_params *p, kvr_edit 
     kvr_ctx *c = NULL;
     if (!p || !out)
         return kvr_error_set(err, KVR_EBADREQUEST, "refresh: missing parameters");
-    if ((rc = edit_target(s, p->ctx_id, p->model, p->fingerprint, &c, err)) != 0)
+    if ((rc = edit_target(s, p->ctx_id, p->model, p->fingerprint, &p->expect, &c, err)) != 0)
         return rc;
     size_t start = p->start, end = p->end == SIZE_MAX ? c->n_tokens : p->end;
     if (start >= end || end > c->n_tokens)
@@ -500,6 +511,18 @@ static void emit(ebuild *o, kvr_block *b, uint32_t first, uint32_t count, int64_
         kvr_block_ref(b);
 }
 
+/* An old token's flags after an edit point moved past it: approximate, one
+ * edit older (KVR_TOKEN_AGE, saturating at 255). add 0: unchanged. */
+static uint32_t aged(uint32_t f, uint32_t add)
+{
+    if (!(add & KVR_TOKEN_APPROX))
+        return f | add;
+    uint32_t age = KVR_TOKEN_AGE(f);
+    if (age < 255)
+        age++;
+    return (f & ~KVR_TOKEN_AGE_MASK) | add | (age << KVR_TOKEN_AGE_SHIFT);
+}
+
 static void emit_old(ebuild *o, const kvr_ctx *c, size_t *ci, size_t *ck, size_t from,
                      size_t to, int64_t shift, uint32_t add_flags)
 {
@@ -510,7 +533,8 @@ static void emit_old(ebuild *o, const kvr_ctx *c, size_t *ci, size_t *ck, size_t
         const kvr_extent *e = &c->ext[i];
         uint32_t a = (uint32_t)(from > k ? from - k : 0);
         uint32_t z = (uint32_t)((k + e->count < to ? k + e->count : to) - k);
-        emit(o, e->block, e->first + a, z - a, e->pos_delta + shift, e->flags | add_flags);
+        emit(o, e->block, e->first + a, z - a, e->pos_delta + shift,
+             aged(e->flags, add_flags));
     }
 }
 

@@ -432,6 +432,11 @@ typedef struct kvr_edit_args {
     size_t                payload_len;
     const struct iovec   *iov;
     size_t                iovcnt;
+    /* Compare-and-swap (edit and plan): the context must still hold the
+     * sequence planned against, expect_n_tokens ids whose kvr_tokens_hash
+     * (rope/types.h) is expect_hash, else KVR_EBUSY and nothing changes. */
+    bool                  expect;
+    uint64_t              expect_n_tokens, expect_hash;
 } kvr_edit_args;
 
 /* Where one op's new tokens land (one per op, in request order). */
@@ -469,6 +474,8 @@ typedef struct kvr_refresh_args {
     size_t              payload_len;
     const struct iovec *iov;
     size_t              iovcnt;
+    bool                expect;         /* as kvr_edit_args */
+    uint64_t            expect_n_tokens, expect_hash;
 } kvr_refresh_args;
 
 /* Overwrites the range's KV and clears its approximate/pending flags; one

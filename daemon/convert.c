@@ -307,7 +307,9 @@ int kvrd_assemble_params_from_pb(const Kvrope__Assemble *q, kvr_assemble_params 
     .fingerprint = (q)->has_fingerprint ? (q)->fingerprint : 0,              \
     .n_layers = (q)->n_layers, .n_kv_heads = (q)->n_kv_heads,                \
     .head_dim = (q)->head_dim, .dtype = (kvr_dtype)(q)->dtype,               \
-    .payload_bytes = (size_t)(payload_len)
+    .payload_bytes = (size_t)(payload_len),                                  \
+    .expect = { .set = (q)->has_expect_length && (q)->has_expect_hash,       \
+                .n_tokens = (q)->expect_length, .hash = (q)->expect_hash }
 
 int kvrd_edit_params_from_pb(const Kvrope__Edit *q, uint64_t payload_len,
                              kvr_edit_params *out, kvr_error *err)

@@ -1286,6 +1286,8 @@ static void do_edit_plan(kvrd_request *r)
         .model = q->model,
         .fingerprint = q->has_fingerprint ? q->fingerprint : 0,
         .n_ops = q->n_ops,
+        .expect = { .set = q->has_expect_length && q->has_expect_hash,
+                    .n_tokens = q->expect_length, .hash = q->expect_hash },
     };
     kvr_error err = { 0 };
     kvr_edit_op *ops;

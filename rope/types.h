@@ -40,6 +40,19 @@ typedef enum kvr_put_mode {
 #define KVR_TOKEN_AGE_MASK  0xff00u
 #define KVR_TOKEN_AGE(f)    (((f) & KVR_TOKEN_AGE_MASK) >> KVR_TOKEN_AGE_SHIFT)
 
+/* A token sequence's fingerprint for compare-and-swap writes (an edit or
+ * refresh that says which sequence it was planned against; KVR_EBUSY when
+ * the context holds another): FNV-1a 64 over the ids' little-endian bytes,
+ * continued from h (start with KVR_TOKENS_HASH_INIT). */
+#define KVR_TOKENS_HASH_INIT 1469598103934665603ull
+static inline uint64_t kvr_tokens_hash(uint64_t h, const uint32_t *t, size_t n)
+{
+    for (size_t i = 0; i < n; i++)
+        for (unsigned k = 0; k < 32; k += 8)
+            h = (h ^ ((t[i] >> k) & 0xffu)) * 1099511628211ull;
+    return h;
+}
+
 /* Assemble layouts (APE, docs/ape.md; wire Layout). */
 typedef enum kvr_layout_kind {
     KVR_LAYOUT_PARALLEL   = 0,  /* every document at P..P+L_i-1; query at P + max L_i */

@@ -1056,6 +1056,11 @@ static int edit_begin(kvr_client *c, const char *what, const char *ctx_id, kvr_e
         (msg).ops = (ptrs);                                                     \
         (msg).model = unconst((a)->model);                                      \
         SET_IF(msg, fingerprint, (a)->fingerprint);                             \
+        if ((a)->expect) {                                                      \
+            (msg).has_expect_length = (msg).has_expect_hash = 1;                \
+            (msg).expect_length = (a)->expect_n_tokens;                         \
+            (msg).expect_hash = (a)->expect_hash;                               \
+        }                                                                       \
     } while (0)
 
 /* An edit, or (plan) the plan of one: same ops and target; only an edit
@@ -1127,6 +1132,11 @@ int kvr_client_refresh(kvr_client *c, const kvr_refresh_args *a, kvr_edit_res *o
     f.model = unconst(a->model);
     SET_IF(f, fingerprint, a->fingerprint);
     SET_SHAPE(f, a);
+    if (a->expect) {
+        f.has_expect_length = f.has_expect_hash = 1;
+        f.expect_length = a->expect_n_tokens;
+        f.expect_hash = a->expect_hash;
+    }
     REQUEST(req, REFRESH, refresh, &f);
     Kvrope__Response *resp;
     r = kvr__call(c, &req, w.iov, w.iovcnt, w.len, &resp, NULL);

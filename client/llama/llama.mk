@@ -20,7 +20,9 @@
 # Sources, picked up by name:
 #   client/llama/*.c but worker*.c  the bridge (no libllama): part of libkvrope
 #                                   (CLIB_OBJ), so the CLI and every test link it
-#   client/llama/worker*.c          build/kvrope-llama (needs libllama)
+#   client/llama/worker*.c          build/kvrope-llama (needs libllama); all but
+#                                   worker_main.c also as build/lib/libworker.a,
+#                                   which the llama tests and benches link
 #   tests/llama/test_*.c            Criterion binaries linked with libllama
 #   tests/llama/bench_*.c           benchmarks linked with libllama
 # Objects of the libllama parts get LLAMA_CFLAGS.
@@ -76,17 +78,23 @@ LLAMA_BENCHES := $(patsubst tests/llama/%.c,$(BUILD)/bench/%,$(LLAMA_BENCH_SRC))
 TESTS   += $(LLAMA_TESTS)
 BENCHES += $(LLAMA_BENCHES)
 
-$(LLAMA_TESTS): $(BUILD)/tests/%: $(BUILD)/obj/tests/llama/%.o $(ALL_A)
+# The worker as a library (everything but its main): kvrope-llama, and the
+# llama tests and benches that drive the engine in-process, link it.
+WORKER_A := $(BUILD)/lib/libworker.a
+$(WORKER_A): $(call obj,$(filter-out client/llama/worker_main.c,$(LLAMA_WORKER_SRC)))
+	$(archive)
+
+$(LLAMA_TESTS): $(BUILD)/tests/%: $(BUILD)/obj/tests/llama/%.o $(WORKER_A) $(ALL_A)
 	@mkdir -p $(dir $@)
 	$(CC) $(LDFLAGS_ALL) -o $@ $^ -lcriterion $(LLAMA_LIBS) $(LIBS) $(MALLOC_LIB)
 
-$(LLAMA_BENCHES): $(BUILD)/bench/%: $(BUILD)/obj/tests/llama/%.o $(ALL_A)
+$(LLAMA_BENCHES): $(BUILD)/bench/%: $(BUILD)/obj/tests/llama/%.o $(WORKER_A) $(ALL_A)
 	@mkdir -p $(dir $@)
 	$(CC) $(LDFLAGS_ALL) -o $@ $^ $(LLAMA_LIBS) $(LIBS) $(MALLOC_LIB)
 
 ifneq ($(LLAMA_WORKER_SRC),)
 LLAMA_PROGS := $(KVROPE_LLAMA)
-$(KVROPE_LLAMA): $(call obj,$(LLAMA_WORKER_SRC)) $(ALL_A)
+$(KVROPE_LLAMA): $(BUILD)/obj/client/llama/worker_main.o $(WORKER_A) $(ALL_A)
 	$(CC) $(LDFLAGS_ALL) -o $@ $^ $(LLAMA_LIBS) $(LIBS) $(MALLOC_LIB)
 endif
 endif

@@ -147,6 +147,8 @@ void kvr_wk_lm_set_profile(kvr_wk_lm *lm, const struct kvr_llama_model *m);
  * number of sequences (2..256; 2 by default) of contexts created after. */
 void     kvr_wk_lm_set_cache(kvr_wk_lm *lm, int32_t type, uint32_t n_seq);
 uint32_t kvr_wk_lm_n_seq(const kvr_wk_lm *lm);
+/* Cells of the current context (0 = none yet). */
+uint32_t kvr_wk_lm_n_ctx(const kvr_wk_lm *lm);
 /* Tokens per llama_decode (and per ubatch) of the current context. */
 uint32_t kvr_wk_lm_n_batch(const kvr_wk_lm *lm);
 
@@ -251,13 +253,20 @@ int kvr_wk_register(kvr_wk_env *e, const char *gguf);
 int kvr_wk_complete(kvr_wk_env *e, const int32_t *toks, size_t n, bool use_cache);
 
 typedef struct kvr_wk_edit_opts {
+    const char *session;   /* the file's context in kvrope (moved forward) */
     uint32_t refresh;      /* K tokens re-encoded after each edit point */
+    uint32_t max_age;      /* approximate older than this: refreshed (0: default) */
+    bool     refresh_all;  /* then everything approximate, as a server when idle */
     bool     check;        /* also a full re-encode of the new file */
     size_t   max_d;        /* diff budget; 0 = 2048 */
     size_t   min_gap;      /* hunks closer than this are one op; 0 = 8 */
 } kvr_wk_edit_opts;
+/* a NULL: the session must exist (a starts it otherwise). */
 int kvr_wk_edit(kvr_wk_env *e, const int32_t *a, size_t na, const int32_t *b, size_t nb,
                 const kvr_wk_edit_opts *o);
+
+/* The CLI's `refresh`: kvr_wk_refresh_idle on the session, reported. */
+int kvr_wk_refresh_cmd(kvr_wk_env *e, const char *session, size_t budget, size_t cursor);
 
 int kvr_wk_rag(kvr_wk_env *e, const int32_t *p, size_t np, const int32_t *const *docs,
                const size_t *ndocs, size_t n_docs, const int32_t *q, size_t nq,
@@ -265,6 +274,48 @@ int kvr_wk_rag(kvr_wk_env *e, const int32_t *p, size_t np, const int32_t *const 
 
 /* Bits per byte of text under the model (n_bytes: the text's size). */
 int kvr_wk_ppl(kvr_wk_env *e, const int32_t *toks, size_t n, size_t n_bytes, bool bos);
+
+/* ---- between kvroped and llama.cpp (worker_kv.c) -------------------------- */
+/* Sets e->err from fmt; returns r when negative, else -EINVAL. */
+int    kvr_wk_fail(kvr_wk_env *e, int r, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
+/* A kvrope call failed: e->kv_code = r, e->err says what and where; returns r. */
+int    kvr_wk_kv_fail(kvr_wk_env *e, int r, const char *what, const char *ctx);
+/* "kvl-<kind>-<hash of the model and the tokens>". */
+void   kvr_wk_ctx_name(const kvr_wk_env *e, char *out, size_t cap, const char *kind,
+                       const int32_t *t, size_t n, const int32_t *t2, size_t n2);
+size_t   kvr_wk_n_embd(const kvr_wk_env *e);       /* n_head_kv * head_dim */
+uint32_t kvr_wk_n_layer(const kvr_wk_env *e);
+size_t   kvr_wk_payload_bytes(const kvr_wk_env *e, size_t n_tok);   /* f16 layer-major */
+int      kvr_wk_check_kv_shape(kvr_wk_env *e, const kvr_kv *kv, const char *ctx);
+/* Writes every page once (bytes unchanged): first-touch faults happen here. */
+void     kvr_wk_prefault(void *buf, size_t len);
+size_t   kvr_wk_state_bytes(const kvr_wk_env *e, size_t n);
+void     kvr_wk_prefault_bufs(kvr_wk_env *e, size_t n);
+/* Tokens [0, n) of ctx into seq 0 at positions 0..n-1 (adds to the times). */
+int      kvr_wk_load_prefix(kvr_wk_env *e, const char *ctx, size_t n, double *t_fetch,
+                            double *t_load);
+
+/* The llama.cpp state of seq 0, parsed; cell index per position [0, np). */
+typedef struct kvr_wk_seqstate {
+    uint8_t     *buf;
+    size_t       len;
+    kvr_wk_state st;
+    long        *cell;    /* np entries, -1 = absent */
+    size_t       np;
+} kvr_wk_seqstate;
+int   kvr_wk_seqstate_get(kvr_wk_env *e, kvr_wk_seqstate *s, size_t np);
+void  kvr_wk_seqstate_free(kvr_wk_seqstate *s);
+/* Payload (malloc'ed, the caller's) of the cells at positions pos[0..n), or
+ * p0.. when pos is NULL; NULL with e->err set if one is missing. */
+void *kvr_wk_seqstate_payload(kvr_wk_env *e, const kvr_wk_seqstate *s, const int64_t *pos,
+                              size_t n, size_t p0);
+int   kvr_wk_ctx_len(kvr_wk_env *e, const char *ctx, kvr_context *info);
+/* Deletes ctx; a missing one is fine. */
+int   kvr_wk_del_quiet(kvr_wk_env *e, const char *ctx);
+/* A fresh context dst holding tokens [0, n) of src (len: src's length).
+ * dst is deleted first: never one the caller reads from. */
+int   kvr_wk_fork_prefix(kvr_wk_env *e, const char *src, const char *dst, size_t n,
+                         size_t len);
 
 /* ---- sessions: the one engine behind edit, complete and serve
  * (worker_session.c) ------------------------------------------------------
@@ -329,12 +380,28 @@ int  kvr_wk_sync(kvr_wk_env *e, const int32_t *toks, size_t n, const kvr_wk_sync
  * stored). Errors leave the session's context as it was before the step. */
 int  kvr_wk_commit(kvr_wk_env *e, kvr_wk_step *step);
 void kvr_wk_step_free(kvr_wk_step *step);
+/* What a step's commit writes: tokens inserted / removed by its ops. */
+size_t kvr_wk_step_new_tokens(const kvr_wk_step *step);
+size_t kvr_wk_step_removed_tokens(const kvr_wk_step *step);
 
 /* Refreshes at most budget approximate tokens of `session` (its whole current
  * token sequence is loaded into seq 0 for it); cursor: a token index to
  * prefer (SIZE_MAX = none). *n_done: tokens refreshed. */
 int  kvr_wk_refresh_idle(kvr_wk_env *e, const char *session, size_t budget, size_t cursor,
                          size_t *n_done);
+
+/* ---- replay (worker_replay.c): an edit history through the engine -------- */
+typedef struct kvr_wk_replay_opts {
+    const char       *dir;          /* DIR/v0000.txt, v0001.txt, ... */
+    size_t            max_versions; /* 0 = all */
+    kvr_wk_sync_opts  sync;         /* .session names the file's session */
+    bool              background;   /* refresh everything approximate after each edit */
+    bool              check_all;    /* a full re-encode after every version ... */
+    const size_t     *check_at;     /* ... or after these versions */
+    size_t            n_check_at;
+    FILE             *lines;        /* one JSON object per version (NULL = none) */
+} kvr_wk_replay_opts;
+int kvr_wk_replay(kvr_wk_env *e, const kvr_wk_replay_opts *o);
 
 /* ---- score (worker_score.c) --------------------------------------------- */
 typedef struct kvr_wk_gen_req {

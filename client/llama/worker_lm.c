@@ -61,6 +61,11 @@ uint32_t kvr_wk_lm_n_seq(const kvr_wk_lm *lm) { return lm->n_seq; }
 
 uint32_t kvr_wk_lm_n_batch(const kvr_wk_lm *lm) { return lm->n_batch; }
 
+uint32_t kvr_wk_lm_n_ctx(const kvr_wk_lm *lm)
+{
+    return lm->ctx ? (uint32_t)llama_n_ctx(lm->ctx) : 0;
+}
+
 static char log_last[512];
 static int  log_verbose = -1;
 

@@ -5,7 +5,11 @@
  *
  *   kvrope-llama --model M.gguf [--socket S] [--threads N] [--json] COMMAND
  *     complete --prompt-file F [--n N] [--no-cache]
- *     edit --old F1 --new F2 [--refresh K] [--check] [--n N]
+ *     edit --new F2 [--old F1] [--session ID] [--refresh K] [--max-age A]
+ *          [--refresh-all] [--check] [--n N]
+ *     refresh --session ID [--budget N] [--cursor I]
+ *     replay --history DIR [--session ID] [--refresh K] [--max-age A] [--background]
+ *            [--check | --check-at I,I...] [--max-versions N] [--lines FILE]
  *     rag --prefix F --doc F [F...] [--doc F...] --query F
  *         [--layout sequential|parallel] [--check] [--n N]
  *     ppl FILE
@@ -40,10 +44,24 @@ static const char usage[] =
 "  complete --prompt-file F [--n N] [--no-cache]\n"
 "        longest cached prefix from kvrope, decode the rest, N greedy tokens\n"
 "        (default 16), the new KV stored back; --no-cache: neither\n"
-"  edit --old F1 --new F2 [--refresh K] [--check] [--n N]\n"
-"        the old file cached (encoded once if needed), the token diff applied\n"
-"        as PIE edits in kvrope, only new tokens (and K after each edit point)\n"
-"        decoded; --check: against a full re-encode of F2\n"
+"  edit --new F2 [--old F1] [--session ID] [--refresh K] [--max-age A] [--refresh-all]\n"
+"       [--check] [--n N]\n"
+"        the file's session (its context in kvrope, started from F1 when missing)\n"
+"        moved to F2: the token diff applied as PIE edits, only new tokens, K after\n"
+"        each edit point (default 8) and tokens approximate for more than A edits\n"
+"        (default 16) decoded; --refresh-all: then every approximate token, as a\n"
+"        server does when idle; --check: against a full re-encode of F2.\n"
+"        --session defaults to one per path of F2 (\"kvl-f-<hash>\")\n"
+"  refresh --session ID [--budget N] [--cursor I]\n"
+"        re-encodes up to N (default all) approximate tokens of the session,\n"
+"        oldest first, then nearest token index I\n"
+"  replay --history DIR [--session ID] [--refresh K] [--max-age A] [--background]\n"
+"         [--check | --check-at I,I...] [--max-versions N] [--lines FILE]\n"
+"        the versions DIR/v0000.txt, v0001.txt, ... (scripts/edit-history.py) as\n"
+"        consecutive edits of one session (default kvl-replay, started afresh from\n"
+"        v0000); --background: everything approximate\n"
+"        re-encoded after each edit; --check: a full re-encode after each version\n"
+"        (KL, logit error, time); --lines: one JSON object per version (- = stdout)\n"
 "  rag --prefix F --doc F [F...] --query F [--layout sequential|parallel] [--check]\n"
 "        documents encoded once against the prefix, assembled by kvrope, the\n"
 "        query decoded on top; --check: against a full sequential encode\n"
@@ -63,8 +81,12 @@ static const char usage[] =
 typedef struct args {
     const char *model, *socket, *command;
     int         threads, n_gen;
-    bool        json, check, no_cache, parallel;
-    long        refresh;
+    bool        json, check, no_cache, parallel, refresh_all, has_refresh;
+    long        refresh, max_age, budget, cursor;
+    const char *session, *history, *lines_f;
+    bool        background, check_all;
+    long        max_versions;
+    size_t      check_at[64], n_check_at;
     const char *prompt, *old_f, *new_f, *prefix, *query, *ppl_file;
     const char *docs[256];
     size_t      n_docs;
@@ -124,6 +146,9 @@ static int parse(int argc, char **argv, args *a)
     memset(a, 0, sizeof *a);
     a->n_gen = 16;
     a->parallel = true;
+    a->refresh = 8;
+    a->budget = -1;
+    a->cursor = -1;
     char msg[256];
     for (int i = 1; i < argc; i++) {
         const char *s = argv[i];
@@ -173,6 +198,49 @@ static int parse(int argc, char **argv, args *a)
             NEED();
             if (!parse_int(v, 0, 1 << 20, &a->refresh))
                 return usage_err("--refresh takes a token count");
+            a->has_refresh = true;
+        } else if (!strcmp(s, "--session")) {
+            NEED();
+            if (!*v || strlen(v) > KVR_ID_MAX)
+                return usage_err("--session takes a context id of 1..255 bytes");
+            a->session = v;
+        } else if (!strcmp(s, "--max-age")) {
+            NEED();
+            if (!parse_int(v, 1, 255, &a->max_age))
+                return usage_err("--max-age takes a count of edits, 1..255");
+        } else if (!strcmp(s, "--refresh-all")) {
+            a->refresh_all = true;
+        } else if (!strcmp(s, "--history")) {
+            NEED();
+            a->history = v;
+        } else if (!strcmp(s, "--lines")) {
+            NEED();
+            a->lines_f = v;
+        } else if (!strcmp(s, "--background")) {
+            a->background = true;
+        } else if (!strcmp(s, "--max-versions")) {
+            NEED();
+            if (!parse_int(v, 2, INT32_MAX, &a->max_versions))
+                return usage_err("--max-versions takes a count of 2 or more");
+        } else if (!strcmp(s, "--check-at")) {
+            NEED();
+            for (const char *q = v; *q;) {
+                char *end;
+                errno = 0;
+                unsigned long x = strtoul(q, &end, 10);
+                if (errno || end == q || (*end && *end != ',') || a->n_check_at == 64)
+                    return usage_err("--check-at takes up to 64 version numbers I,I,...");
+                a->check_at[a->n_check_at++] = (size_t)x;
+                q = *end ? end + 1 : end;
+            }
+        } else if (!strcmp(s, "--budget")) {
+            NEED();
+            if (!parse_int(v, 0, INT32_MAX, &a->budget))
+                return usage_err("--budget takes a token count");
+        } else if (!strcmp(s, "--cursor")) {
+            NEED();
+            if (!parse_int(v, 0, INT32_MAX, &a->cursor))
+                return usage_err("--cursor takes a token index");
         } else if (!strcmp(s, "--check")) {
             a->check = true;
         } else if (!strcmp(s, "--prefix")) {
@@ -271,7 +339,8 @@ static int parse(int argc, char **argv, args *a)
         return usage_err("no command");
     const char *c = a->command;
     if (strcmp(c, "complete") && strcmp(c, "edit") && strcmp(c, "rag") && strcmp(c, "ppl") &&
-        strcmp(c, "score") && strcmp(c, "serve")) {
+        strcmp(c, "score") && strcmp(c, "refresh") && strcmp(c, "replay") &&
+        strcmp(c, "serve")) {
         snprintf(msg, sizeof msg, "unknown command %s", c);
         return usage_err(msg);
     }
@@ -279,8 +348,12 @@ static int parse(int argc, char **argv, args *a)
         return usage_err("--model M.gguf is required");
     if (!strcmp(c, "complete") && !a->prompt)
         return usage_err("complete needs --prompt-file F");
-    if (!strcmp(c, "edit") && (!a->old_f || !a->new_f))
-        return usage_err("edit needs --old F1 and --new F2");
+    if (!strcmp(c, "edit") && !a->new_f)
+        return usage_err("edit needs --new F2 (and --old F1 the first time)");
+    if (!strcmp(c, "refresh") && !a->session)
+        return usage_err("refresh needs --session ID");
+    if (!strcmp(c, "replay") && !a->history)
+        return usage_err("replay needs --history DIR");
     if (!strcmp(c, "rag") && (!a->prefix || !a->query || !a->n_docs))
         return usage_err("rag needs --prefix F, at least one --doc F and --query F");
     if (!strcmp(c, "ppl") && !a->ppl_file)
@@ -359,6 +432,18 @@ static int tokenize(kvr_wk_env *e, const text *t, bool bos, const char *what, co
     return 0;
 }
 
+/* One session per file: "kvl-f-<hash of the model and the file's real path>". */
+static void file_session(const kvr_wk_env *e, const char *path, char *out, size_t cap)
+{
+    char *rp = realpath(path, NULL);
+    const char *p = rp ? rp : path;
+    uint64_t h = 1469598103934665603ull ^ e->fingerprint;
+    for (const unsigned char *q = (const unsigned char *)p; *q; q++)
+        h = (h ^ *q) * 1099511628211ull;
+    snprintf(out, cap, "kvl-f-%016llx", (unsigned long long)h);
+    free(rp);
+}
+
 static int exit_of(const kvr_wk_env *e)
 {
     if (e->kv_code == KVR_ESYS || e->kv_code == KVR_ECLOSED)
@@ -417,8 +502,9 @@ int main(int argc, char **argv)
     if (!strcmp(a.command, "complete"))
         ADD("prompt file", a.prompt);
     if (!strcmp(a.command, "edit")) {
-        ADD("old file", a.old_f);
         ADD("new file", a.new_f);
+        if (a.old_f)
+            ADD("old file", a.old_f);
     }
     if (!strcmp(a.command, "rag")) {
         ADD("prefix file", a.prefix);
@@ -492,11 +578,37 @@ int main(int argc, char **argv)
             goto done;
         r = kvr_wk_complete(&e, tk[0], ntk[0], !a.no_cache);
     } else if (!strcmp(a.command, "edit")) {
-        if ((rc = tokenize(&e, &files[0], in->add_bos, "old file", a.old_f, &tk[0], &ntk[0])) ||
-            (rc = tokenize(&e, &files[1], in->add_bos, "new file", a.new_f, &tk[1], &ntk[1])))
+        if ((rc = tokenize(&e, &files[0], in->add_bos, "new file", a.new_f, &tk[0], &ntk[0])) ||
+            (a.old_f &&
+             (rc = tokenize(&e, &files[1], in->add_bos, "old file", a.old_f, &tk[1], &ntk[1]))))
             goto done;
-        kvr_wk_edit_opts eo = { .refresh = (uint32_t)a.refresh, .check = a.check };
-        r = kvr_wk_edit(&e, tk[0], ntk[0], tk[1], ntk[1], &eo);
+        char sid[KVR_ID_MAX + 1];
+        if (a.session)
+            snprintf(sid, sizeof sid, "%s", a.session);
+        else
+            file_session(&e, a.new_f, sid, sizeof sid);
+        kvr_wk_edit_opts eo = { .session = sid, .refresh = (uint32_t)a.refresh,
+                                .max_age = (uint32_t)a.max_age, .refresh_all = a.refresh_all,
+                                .check = a.check };
+        r = kvr_wk_edit(&e, a.old_f ? tk[1] : NULL, ntk[1], tk[0], ntk[0], &eo);
+    } else if (!strcmp(a.command, "replay")) {
+        FILE *lf = NULL;
+        if (a.lines_f && !(lf = strcmp(a.lines_f, "-") ? fopen(a.lines_f, "w") : stdout)) {
+            rc = die(EX_FAIL, "--lines %s: %s", a.lines_f, strerror(errno));
+            goto done;
+        }
+        kvr_wk_replay_opts ro = {
+            .dir = a.history, .max_versions = (size_t)a.max_versions,
+            .sync = { .session = a.session ? a.session : "kvl-replay",
+                      .refresh = (uint32_t)a.refresh, .max_age = (uint32_t)a.max_age },
+            .background = a.background, .check_all = a.check, .check_at = a.check_at,
+            .n_check_at = a.n_check_at, .lines = lf };
+        r = kvr_wk_replay(&e, &ro);
+        if (lf && lf != stdout)
+            fclose(lf);
+    } else if (!strcmp(a.command, "refresh")) {
+        r = kvr_wk_refresh_cmd(&e, a.session, a.budget < 0 ? SIZE_MAX : (size_t)a.budget,
+                               a.cursor < 0 ? SIZE_MAX : (size_t)a.cursor);
     } else if (!strcmp(a.command, "rag")) {
         if ((rc = tokenize(&e, &files[0], in->add_bos, "prefix file", a.prefix, &tk[0], &ntk[0])) ||
             (rc = tokenize(&e, &files[1], false, "query file", a.query, &tk[1], &ntk[1])))

@@ -32,22 +32,16 @@
 #include <llama.h>
 
 #include "client/llama/worker.h"
+#include "tests/common/kvr_llama_bench.h"
 #include "tests/common/kvr_testd.h"
 
-/* The worker's state builder (no llama.cpp in it), compiled in here. */
-#include "client/llama/worker_state.c"
+/* The worker's parts come from build/lib/libworker.a (client/llama/llama.mk). */
 
 #define N_PROMPT 2048
 #define THREADS  "2"
 
 static kvr_testd D;
 
-static double now_ms(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec * 1e3 + (double)ts.tv_nsec / 1e6;
-}
 
 static int cmp_d(const void *a, const void *b)
 {
@@ -71,37 +65,7 @@ static double median3(double a, double b, double c)
     return v[1];
 }
 
-/* Runs kvrope-llama with --json; returns its report (or NULL after printing why). */
-static cJSON *worker(const char *model, const char *const *args)
-{
-    char cmd[8192];
-    size_t o = (size_t)snprintf(cmd, sizeof cmd, "%s/kvrope-llama --model '%s' --socket '%s' "
-                                "--threads " THREADS " --json", testd_build_dir(), model, D.sock);
-    for (int i = 0; args[i]; i++)
-        o += (size_t)snprintf(cmd + o, sizeof cmd - o, " '%s'", args[i]);
-    FILE *f = popen(cmd, "r");
-    if (!f)
-        return NULL;
-    static char out[1 << 20];
-    size_t n = fread(out, 1, sizeof out - 1, f);
-    out[n] = 0;
-    int st = pclose(f);
-    if (!WIFEXITED(st) || WEXITSTATUS(st) != 0) {
-        fprintf(stderr, "bench_llama: %s failed: %s\n", cmd, out);
-        return NULL;
-    }
-    cJSON *j = cJSON_Parse(out);
-    if (!j)
-        fprintf(stderr, "bench_llama: not JSON: %s\n", out);
-    return j;
-}
 
-static double jnum(const cJSON *j, const char *group, const char *key)
-{
-    const cJSON *g = group ? cJSON_GetObjectItemCaseSensitive(j, group) : j;
-    const cJSON *v = g ? cJSON_GetObjectItemCaseSensitive(g, key) : NULL;
-    return cJSON_IsNumber(v) ? v->valuedouble : (double)NAN;
-}
 
 static const char *jstr(const cJSON *j, const char *key)
 {
@@ -109,29 +73,6 @@ static const char *jstr(const cJSON *j, const char *key)
     return cJSON_IsString(v) ? v->valuestring : "";
 }
 
-static int ensure_model(char *path, size_t cap)
-{
-    char dir[512];
-    snprintf(dir, sizeof dir, "%s/llama-models", testd_build_dir());
-    mkdir(dir, 0755);
-    snprintf(path, cap, "%s/bench-l16-w2048-kv8-f16.gguf", dir);
-    struct stat sb;
-    if (stat(path, &sb) == 0 && sb.st_size > 1000000)
-        return 0;
-    printf("generating the benchmark model (0.7 B parameters, f16) into %s ...\n", path);
-    fflush(stdout);
-    char cmd[4096];
-    double t0 = now_ms();
-    snprintf(cmd, sizeof cmd, "/usr/bin/python3 %s -o '%s.tmp' --arch llama --layers 16 "
-             "--width 2048 --heads 32 --kv-heads 8 --ffn 5632 --dtype f16 --seed 1 --ctx 4096 "
-             "&& mv '%s.tmp' '%s'", KVR_LLAMA_GEN_GGUF, path, path, path);
-    if (system(cmd) != 0) {
-        fprintf(stderr, "bench_llama: model generation failed\n");
-        return -1;
-    }
-    printf("  done in %.0f s\n", (now_ms() - t0) / 1e3);
-    return 0;
-}
 
 /* A 2,047-byte C file (2,048 tokens with BOS) from the project's own sources. */
 static int write_prompt(const char *path, char *text, size_t *len)
@@ -253,7 +194,7 @@ static double own_run(own *o)
         return (double)NAN;
     struct llama_batch *b = &o->b;
     int32_t p = o->p, n_ins = o->n_ins, n_tok = o->n_tok;
-    double t0 = now_ms();
+    double t0 = llb_now_ms();
     /* An insertion: nothing removed; the suffix moves by +ins. */
     llama_memory_seq_rm(mem, 0, p, p);
     llama_memory_seq_add(mem, 0, p, -1, n_ins);
@@ -278,7 +219,7 @@ static double own_run(own *o)
     b->logits[0] = 1;
     if (llama_decode(o->lc, *b) != 0)
         return (double)NAN;
-    return llama_get_logits_ith(o->lc, 0) ? now_ms() - t0 : (double)NAN;
+    return llama_get_logits_ith(o->lc, 0) ? llb_now_ms() - t0 : (double)NAN;
 }
 
 static void own_free(own *o)
@@ -303,7 +244,7 @@ int main(void)
 {
     setvbuf(stdout, NULL, _IOLBF, 0);
     char model[1024];
-    if (ensure_model(model, sizeof model) < 0)
+    if (llb_ensure_model(model, sizeof model) < 0)
         return 1;
     if (testd_start(&D, NULL) < 0)
         return 1;
@@ -328,25 +269,25 @@ int main(void)
            "heads, f16; %s threads; 2,048-token prompt; 32 KiB of KV per token)\n\n", THREADS);
     /* 1. Time to first token. */
     const char *cold_a[] = { "complete", "--prompt-file", p_old, "--n", "1", NULL };
-    cJSON *cold = worker(model, cold_a);
+    cJSON *cold = llb_worker(D.sock, model, cold_a);
     if (!cold)
         goto out;
-    double t_prefill = jnum(cold, "timings_ms", "prefill");
+    double t_prefill = llb_jnum(cold, "timings_ms", "prefill");
     char ctx[KVR_ID_MAX + 1];
     snprintf(ctx, sizeof ctx, "%s", jstr(cold, "stored_in"));
     double hit[3], fetch[3], load[3], dec[3], pf[3];
     for (int i = 0; i < 3; i++) {
-        cJSON *w = worker(model, cold_a);
+        cJSON *w = llb_worker(D.sock, model, cold_a);
         if (!w)
             goto out;
-        hit[i] = jnum(w, "timings_ms", "first_token");
-        fetch[i] = jnum(w, "timings_ms", "fetch");
-        load[i] = jnum(w, "timings_ms", "load");
-        dec[i] = jnum(w, "timings_ms", "prefill");
-        pf[i] = jnum(w, "timings_ms", "prefault");
-        if (jnum(w, NULL, "reused_tokens") != N_PROMPT - 1)
+        hit[i] = llb_jnum(w, "timings_ms", "first_token");
+        fetch[i] = llb_jnum(w, "timings_ms", "fetch");
+        load[i] = llb_jnum(w, "timings_ms", "load");
+        dec[i] = llb_jnum(w, "timings_ms", "prefill");
+        pf[i] = llb_jnum(w, "timings_ms", "prefault");
+        if (llb_jnum(w, NULL, "reused_tokens") != N_PROMPT - 1)
             fprintf(stderr, "bench_llama: warm run reused %g tokens\n",
-                    jnum(w, NULL, "reused_tokens"));
+                    llb_jnum(w, NULL, "reused_tokens"));
         cJSON_Delete(w);
     }
     double t_hit = median3(hit[0], hit[1], hit[2]);
@@ -372,27 +313,27 @@ int main(void)
     for (int i = 0; i < PAIRS; i++) {
         const char *a1[] = { "edit", "--old", p_old, "--new", p_new, "--n", "1",
                              i == 0 ? "--check" : NULL, NULL };
-        cJSON *e = worker(model, a1);
+        cJSON *e = llb_worker(D.sock, model, a1);
         if (!e)
             goto out;
-        ed[i] = jnum(e, "timings_ms", "first_token");
-        edt[i] = jnum(e, "timings_ms", "edit_total");
-        ph[i][0] = jnum(e, "timings_ms", "fetch");
-        ph[i][1] = jnum(e, "timings_ms", "load");
-        ph[i][2] = jnum(e, "timings_ms", "decode");
-        ph[i][3] = jnum(e, "timings_ms", "last_token");
+        ed[i] = llb_jnum(e, "timings_ms", "first_token");
+        edt[i] = llb_jnum(e, "timings_ms", "edit_total");
+        ph[i][0] = llb_jnum(e, "timings_ms", "fetch");
+        ph[i][1] = llb_jnum(e, "timings_ms", "load");
+        ph[i][2] = llb_jnum(e, "timings_ms", "decode");
+        ph[i][3] = llb_jnum(e, "timings_ms", "last_token");
         ph[i][4] = ed[i] - ph[i][0] - ph[i][1] - ph[i][2] - ph[i][3];
-        ph[i][5] = jnum(e, "timings_ms", "prefault");
+        ph[i][5] = llb_jnum(e, "timings_ms", "prefault");
         edc[i] = ed[i] + ph[i][5];
         if (i == 0) {
-            full = jnum(e, "check", "full_ms");
+            full = llb_jnum(e, "check", "full_ms");
             const cJSON *chk = cJSON_GetObjectItemCaseSensitive(e, "check");
             agree = cJSON_IsTrue(cJSON_GetObjectItemCaseSensitive(chk, "next_token_agrees"));
-            err = jnum(e, "check", "logit_max_abs_err");
+            err = llb_jnum(e, "check", "logit_max_abs_err");
             printf("edit: %g op(s), %g tokens inserted, %g decoded, %g reused from kvrope, "
-                   "%g approximate\n", jnum(e, NULL, "edit_ops"), jnum(e, NULL, "inserted_tokens"),
-                   jnum(e, NULL, "computed_tokens"), jnum(e, NULL, "reused_tokens"),
-                   jnum(e, NULL, "approximate_tokens"));
+                   "%g approximate\n", llb_jnum(e, NULL, "edit_ops"), llb_jnum(e, NULL, "inserted_tokens"),
+                   llb_jnum(e, NULL, "computed_tokens"), llb_jnum(e, NULL, "reused_tokens"),
+                   llb_jnum(e, NULL, "approximate_tokens"));
         }
         cJSON_Delete(e);
         ownt[i] = own_run(&ow);

@@ -29,8 +29,7 @@
 #include "client/llama/worker.h"
 #include "tests/common/kvr_testd.h"
 
-/* The worker's state parser (pure C) compiled in, as test_llama_worker does. */
-#include "client/llama/worker_state.c"
+/* The worker's parts come from build/lib/libworker.a (client/llama/llama.mk). */
 
 #define TOL 1e-4
 

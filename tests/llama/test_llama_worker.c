@@ -22,11 +22,7 @@
 #include "client/llama/worker.h"
 #include "tests/common/kvr_testd.h"
 
-/* The worker's pure parts (no llama.cpp, no daemon) are compiled into this
- * test directly: the build links tests/llama/ binaries with libkvrope and
- * libllama only, and kvrope-llama's objects include its main. */
-#include "client/llama/worker_diff.c"
-#include "client/llama/worker_state.c"
+/* The worker's parts come from build/lib/libworker.a (client/llama/llama.mk). */
 
 /* ---- fixtures ------------------------------------------------------------ */
 static kvr_testd D;

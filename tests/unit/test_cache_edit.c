@@ -234,7 +234,7 @@ static void world_check(const world *w, const char *id, const char *what)
         cr_assert_eq(in->tokens[i], w->seq[i], "%s: token %zu", what, i);
         cr_assert_eq(in->positions[i], (int64_t)i, "%s: position of %zu is %lld", what, i,
                      (long long)in->positions[i]);
-        cr_assert_eq(in->flags[i], w->approx[i] ? KVR_TOKEN_APPROX : 0u,
+        cr_assert_eq(in->flags[i] & ~KVR_TOKEN_AGE_MASK, w->approx[i] ? KVR_TOKEN_APPROX : 0u,
                      "%s: flags of token %zu: %u, expected %u", what, i, in->flags[i],
                      (unsigned)w->approx[i]);
     }
@@ -844,7 +844,8 @@ Test(cache_edit, plan_pending_refresh)
     cr_assert_eq(in->n_tokens, 52);
     cr_assert_eq(in->flags[5], KVR_TOKEN_PENDING);
     cr_assert_eq(in->flags[19], KVR_TOKEN_PENDING | 0u);
-    cr_assert_eq(in->flags[6], KVR_TOKEN_APPROX);
+    cr_assert_eq(in->flags[6] & ~KVR_TOKEN_AGE_MASK, KVR_TOKEN_APPROX);
+    cr_assert_eq(KVR_TOKEN_AGE(in->flags[6]), 1, "one edit old");
     cr_assert_eq(in->flags[4], 0u);
     for (size_t i = 0; i < 52; i++)
         cr_assert_eq(in->positions[i], (int64_t)i);
@@ -993,5 +994,120 @@ Test(cache_edit, protected_sinks)
     cr_assert_eq(kvr_store_edit_begin(w.s, &p, &t, &e), 0, "%s", e.msg);
     kvr_edit_abort(t);
     world_check(&w, "c", "sinks");
+    world_free(&w);
+}
+
+/* ---- approximation age and compare-and-swap ---------------------------------- */
+
+/* Flags of the whole context, meta only. */
+static void flags_of(world *w, const char *id, uint32_t *out, size_t n)
+{
+    kvr_error e = { 0 };
+    kvr_get_params p = { .ctx_id = id, .start = 0, .end = SIZE_MAX, .meta_only = true };
+    kvr_get *g;
+    cr_assert_eq(kvr_store_get_begin(w->s, &p, &g, &e), 0, "%s", e.msg);
+    const kvr_get_info *in = kvr_get_get_info(g);
+    cr_assert_eq(in->n_tokens, n);
+    memcpy(out, in->flags, n * sizeof *out);
+    kvr_get_end(g);
+}
+
+Test(cache_edit, approximation_age)
+{
+    fam fams[32];
+    load_families(fams, 32);
+    world w;
+    world_init(&w, &fams[0].cfg, KVR_DTYPE_F16, 16, 0);
+    uint32_t init[100], fl[400];
+    for (uint32_t i = 0; i < 100; i++)
+        init[i] = 1000 + i;
+    world_put(&w, "c", init, 100);
+    kvr_error e = { 0 };
+    uint32_t ins[3] = { 7, 8, 9 };
+    /* Edit 1 at 50: tokens 53.. (old 50..) age 1; before: exact; new: exact. */
+    kvr_edit_op op1 = { .start = 50, .end = 50, .n_tokens = 3, .tokens = ins };
+    cr_assert_eq(world_edit(&w, "c", &op1, 1, KVR_DTYPE_F32, &e), 0, "%s", e.msg);
+    flags_of(&w, "c", fl, 103);
+    for (size_t i = 0; i < 103; i++) {
+        uint32_t want_age = i < 53 ? 0 : 1;
+        cr_assert_eq(KVR_TOKEN_AGE(fl[i]), want_age, "edit 1: token %zu age %u", i,
+                     KVR_TOKEN_AGE(fl[i]));
+        cr_assert_eq(!!(fl[i] & KVR_TOKEN_APPROX), i >= 53, "token %zu", i);
+    }
+    /* Edit 2 at 80: the suffix after 80 ages to 2, 53..79 stay 1; edit 3 at
+     * 20: 23.. everything after ages by one more (new tokens of edit 2: 1). */
+    kvr_edit_op op2 = { .start = 80, .end = 81, .n_tokens = 1, .tokens = ins };
+    cr_assert_eq(world_edit(&w, "c", &op2, 1, KVR_DTYPE_F32, &e), 0, "%s", e.msg);
+    kvr_edit_op op3 = { .start = 20, .end = 20, .n_tokens = 2, .tokens = ins };
+    cr_assert_eq(world_edit(&w, "c", &op3, 1, KVR_DTYPE_F32, &e), 0, "%s", e.msg);
+    flags_of(&w, "c", fl, 105);
+    for (size_t i = 0; i < 105; i++) {
+        uint32_t want = i < 22 ? 0 : i < 25 ? 1 : i < 55 ? 1 : i < 82 ? 2 : i == 82 ? 1 : 3;
+        if (i < 20)
+            want = 0;
+        else if (i < 22)
+            want = 0;                    /* edit 3's new tokens */
+        cr_assert_eq(KVR_TOKEN_AGE(fl[i]), want, "after 3 edits: token %zu age %u, want %u",
+                     i, KVR_TOKEN_AGE(fl[i]), want);
+    }
+    /* Refresh clears flag and age; world_check still holds. */
+    cr_assert_eq(world_refresh(&w, "c", 60, 90, &e), 0, "%s", e.msg);
+    flags_of(&w, "c", fl, 105);
+    for (size_t i = 60; i < 90; i++)
+        cr_assert_eq(fl[i], 0, "refreshed token %zu flags %#x", i, fl[i]);
+    cr_assert_neq(fl[59], 0);
+    world_check(&w, "c", "after ageing edits and a refresh");
+    /* Ages saturate at 255. */
+    for (int k = 0; k < 300; k++) {
+        kvr_edit_op op = { .start = 0, .end = 1, .n_tokens = 1, .tokens = &ins[k % 3] };
+        cr_assert_eq(world_edit(&w, "c", &op, 1, KVR_DTYPE_F32, &e), 0, "%s", e.msg);
+    }
+    flags_of(&w, "c", fl, 105);
+    cr_assert_eq(KVR_TOKEN_AGE(fl[104]), 255);
+    cr_assert(fl[104] & KVR_TOKEN_APPROX);
+    world_free(&w);
+}
+
+Test(cache_edit, compare_and_swap)
+{
+    fam fams[32];
+    load_families(fams, 32);
+    world w;
+    world_init(&w, &fams[0].cfg, KVR_DTYPE_F16, 16, 0);
+    uint32_t init[40], ins[2] = { 5, 6 };
+    for (uint32_t i = 0; i < 40; i++)
+        init[i] = 2000 + i;
+    world_put(&w, "c", init, 40);
+    kvr_edit_op op = { .start = 10, .end = 12, .n_tokens = 2, .tokens = ins };
+    uint64_t h = kvr_tokens_hash(KVR_TOKENS_HASH_INIT, init, 40);
+    kvr_edit_params p = { .ctx_id = "c", .model = "m", .ops = &op, .n_ops = 1 };
+    snap s0;
+    take(&w, "c", &s0);
+    /* A wrong length, a wrong hash (one token differs): BUSY, nothing changed. */
+    p.expect = (kvr_expect){ true, 39, h };
+    try_edit(&w, p, "expect: wrong length", KVR_EBUSY);
+    same(&w, "c", &s0, "expect: wrong length");
+    uint32_t other[40];
+    memcpy(other, init, sizeof other);
+    other[39]++;
+    p.expect = (kvr_expect){ true, 40, kvr_tokens_hash(KVR_TOKENS_HASH_INIT, other, 40) };
+    try_edit(&w, p, "expect: another sequence", KVR_EBUSY);
+    same(&w, "c", &s0, "expect: another sequence");
+    kvr_error e = { 0 };
+    kvr_refresh_params rp = { .ctx_id = "c", .start = 0, .end = 4, .n_layers = L,
+                              .n_kv_heads = H, .head_dim = w.D, .dtype = KVR_DTYPE_F32,
+                              .payload_bytes = 2 * L * 4 * H * w.D * 4,
+                              .expect = { true, 40, h ^ 1 } };
+    kvr_edit *t = NULL;
+    cr_assert_eq(kvr_store_refresh_begin(w.s, &rp, &t, &e), KVR_EBUSY, "%s", e.msg);
+    same(&w, "c", &s0, "refresh expect");
+    /* The right sequence: the edit lands; the same expect again is now stale. */
+    p.expect = (kvr_expect){ true, 40, h };
+    p.with_kv = false;
+    cr_assert_eq(kvr_store_edit_begin(w.s, &p, &t, &e), 0, "%s", e.msg);
+    cr_assert_eq(kvr_edit_commit(t, NULL, NULL, &e), 0, "%s", e.msg);
+    cr_assert_eq(kvr_store_edit_begin(w.s, &p, &t, &e), KVR_EBUSY, "a second writer planned "
+                 "against the old sequence is refused");
+    free(s0.kv); free(s0.tok); free(s0.flags); free(s0.pos);
     world_free(&w);
 }

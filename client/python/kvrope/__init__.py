@@ -42,7 +42,7 @@ import os
 from . import errors, tensors
 from .client import (Client, Context, KV, Match, Model, Pong, PutResult, EditResult, EditSpan,
                      Assembly, Segment, Layout, Group, CodecInfo, RawKV, FLAG_APPROX,
-                     FLAG_PENDING, Region)
+                     FLAG_PENDING, Region, token_age, tokens_hash)
 from .errors import *  # noqa: F401,F403  (KvropeError and its subclasses)
 from .errors import KvropeError, Unsupported
 from .tensors import dtype_name, bf16_to_f32, f32_to_bf16, HAVE_TORCH

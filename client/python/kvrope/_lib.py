@@ -172,7 +172,8 @@ class kvr_edit_args(Structure):
                 ("n_layers", c_uint32), ("n_kv_heads", c_uint32), ("head_dim", c_uint32),
                 ("dtype", c_int),
                 ("payload", c_void_p), ("payload_len", c_size_t),
-                ("iov", POINTER(iovec)), ("iovcnt", c_size_t)]
+                ("iov", POINTER(iovec)), ("iovcnt", c_size_t),
+                ("expect", c_bool), ("expect_n_tokens", c_uint64), ("expect_hash", c_uint64)]
 
 
 class kvr_edit_span_res(Structure):
@@ -192,7 +193,8 @@ class kvr_refresh_args(Structure):
                 ("n_layers", c_uint32), ("n_kv_heads", c_uint32), ("head_dim", c_uint32),
                 ("dtype", c_int),
                 ("payload", c_void_p), ("payload_len", c_size_t),
-                ("iov", POINTER(iovec)), ("iovcnt", c_size_t)]
+                ("iov", POINTER(iovec)), ("iovcnt", c_size_t),
+                ("expect", c_bool), ("expect_n_tokens", c_uint64), ("expect_hash", c_uint64)]
 
 
 # ---- position layouts (APE assemble, GPE groups, retention) ----

@@ -208,6 +208,13 @@ class Pong:
 
 
 FLAG_APPROX = 0x1     # KV computed against text that has changed since (edits)
+AGE_SHIFT, AGE_MASK = 8, 0xFF00   # flag bits 8..15: edits since the token was exact
+
+
+def token_age(flags):
+    """Approximation age(s) of flags (int or array): how many edits ago each
+    token's KV was last exact (rope/types.h KVR_TOKEN_AGE)."""
+    return (np.asarray(flags) & AGE_MASK) >> AGE_SHIFT
 
 
 class KV:
@@ -975,7 +982,7 @@ class Client:
                 self._lib.kvr_client_free(out.spans)
                 out.spans = None
 
-    def edit_plan(self, ctx_id, ops, *, model=None):
+    def edit_plan(self, ctx_id, ops, *, model=None, expect=None):
         """Where an edit's new tokens would go, without changing anything;
         -> EditResult (spans[i].positions: the positions to compute op i's new
         tokens at; .positions: all of them in request order; payload_bytes:
@@ -983,16 +990,21 @@ class Client:
 
         ops: [(start, end, new_tokens), ...] in the context's current token
         indices: start == end inserts before `start`, empty new_tokens deletes.
-        model: checked by the daemon (name and fingerprint) when given."""
+        model: checked by the daemon (name and fingerprint) when given.
+        expect: the token sequence the ops were planned against; the daemon
+        refuses with KVR_EBUSY (nothing changed) when the context holds
+        another (compare-and-swap: another writer's edit landed first)."""
         fn_name = "kvr_client_edit_plan"
         self._fn(fn_name)
         a, keep, counts, _ = self._edit_args(ctx_id, ops, model)
+        _set_expect(a, expect)
         out = _lib.kvr_edit_res()
         self._call(fn_name, byref(a), byref(out))
         del keep
         return self._edit_result(out, counts)
 
-    def edit(self, ctx_id, ops, kv=None, *, k=None, v=None, model=None, dtype=None):
+    def edit(self, ctx_id, ops, kv=None, *, k=None, v=None, model=None, dtype=None,
+             expect=None):
         """Applies a PIE edit atomically; -> EditResult.
 
         ops: as edit_plan. kv: the new tokens' KV, ALL new tokens of all ops
@@ -1001,10 +1013,12 @@ class Client:
         (K, V), or k=/v=). Without KV the new tokens are FLAG_PENDING until
         refresh(). The tokens after the first edit point become FLAG_APPROX
         (their keys are re-rotated by the daemon, their values are unchanged).
-        model: checked locally (shape) and by the daemon (fingerprint)."""
+        model: checked locally (shape) and by the daemon (fingerprint).
+        expect: as edit_plan (compare-and-swap on the token sequence)."""
         fn_name = "kvr_client_edit"
         self._fn(fn_name)
         a, keep, counts, m = self._edit_args(ctx_id, ops, model)
+        _set_expect(a, expect)
         parts = None
         if kv is not None or k is not None or v is not None:
             n_new = sum(counts)
@@ -1023,11 +1037,12 @@ class Client:
         return self._edit_result(out, counts)
 
     def refresh(self, ctx_id, start, end=None, kv=None, *, k=None, v=None, model=None,
-                dtype=None):
+                dtype=None, expect=None):
         """Overwrites the KV of tokens [start, end) with recomputed KV (K
         rotated at the tokens' current positions, see get(meta_only=True))
         and clears their FLAG_APPROX / FLAG_PENDING; -> EditResult (one span).
-        end None = start + the KV's token count. kv as in put()."""
+        end None = start + the KV's token count. kv as in put().
+        expect: as edit_plan (compare-and-swap on the token sequence)."""
         fn_name = "kvr_client_refresh"
         self._fn(fn_name)
         cid = _b(ctx_id, "ctx_id")
@@ -1054,6 +1069,7 @@ class Client:
                                  f"{m.name!r} has {(m.n_layers, m.n_kv_heads, m.head_dim)}")
             a.model, a.fingerprint = m.name.encode(), m.fingerprint
         a.n_layers, a.n_kv_heads, a.head_dim, a.dtype = L, H, D, T.CODES[dt]
+        _set_expect(a, expect)
         keep = _set_payload(a, parts)
         out = _lib.kvr_edit_res()
         self._call(fn_name, byref(a), byref(out))
@@ -1247,6 +1263,28 @@ def _set_payload(a, parts):
         iov[i].iov_base, iov[i].iov_len = p.ctypes.data, p.nbytes
     a.iov, a.iovcnt = ctypes.cast(iov, POINTER(_lib.iovec)), len(parts)
     return iov
+
+
+TOKENS_HASH_INIT = 1469598103934665603
+
+
+def tokens_hash(tokens):
+    """kvr_tokens_hash (rope/types.h): FNV-1a 64 over the ids' little-endian
+    bytes; what an edit's or refresh's `expect` sends."""
+    t = np.ascontiguousarray(np.asarray(tokens, dtype="<u4"))
+    h = TOKENS_HASH_INIT
+    for byte in t.tobytes():
+        h = ((h ^ byte) * 1099511628211) & 0xFFFFFFFFFFFFFFFF
+    return h
+
+
+def _set_expect(a, expect):
+    if expect is None:
+        return
+    t = np.asarray(expect)
+    if t.ndim != 1:
+        raise ValueError("expect: a 1-D sequence of token ids")
+    a.expect, a.expect_n_tokens, a.expect_hash = True, int(t.size), tokens_hash(t)
 
 
 def _edit_ops(ops):

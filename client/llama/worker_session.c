@@ -1,0 +1,703 @@
+/*
+ * worker_session.c — the session engine: one kvrope context follows one
+ * buffer (a file, an editor buffer, a server slot) edit after edit. The
+ * CLI's edit / refresh commands and kvrope serve go through it.
+ *
+ * A step is sync then commit:
+ *  sync    chooses the source of the prompt's KV: the session's own context
+ *          (diffed against the prompt into PIE ops: kept tokens, approximate
+ *          ones too, come back with their keys re-rotated to their new
+ *          places) or, when the session is missing or shares less, the
+ *          longest exact cached prefix of any context of the model. It loads
+ *          that into seq 0 and decodes the rest: new tokens, the `refresh`
+ *          tokens after each edit point, every kept token the policy says
+ *          is too old (age > max_age edits), and the last token (for its
+ *          logits). Runs are decoded in increasing position, so a run sees
+ *          the runs before it already recomputed.
+ *  commit  moves the session's context to the prompt:
+ *            EDIT    (the source was the session) one atomic edit with the
+ *                    new tokens' KV, then a refresh per recomputed run; both
+ *                    compare-and-swap on the token sequence they were planned
+ *                    against (KVR_EBUSY if another writer got there first);
+ *            FORK    (the source was another context) the session is
+ *                    replaced by a fork of the source's prefix, then the
+ *                    rest appended;
+ *            CREATE  (no source) put REPLACE of the whole prompt.
+ *
+ * Invariants:
+ *  - A step never deletes, forks over or edits a context it read from,
+ *    except the session itself, which it edits in place (atomically, CAS).
+ *  - Session contexts hold their tokens at positions 0..n-1 (edits keep
+ *    that: new tokens land at their index, the suffix shifts with them); a
+ *    session that does not (written by someone else), or has tokens without
+ *    KV, is not read: the step replaces it.
+ *  - Without a session id, the target is named by the prompt's content
+ *    ("kvl-s-<hash>"), so the same prompt lands in the same place.
+ */
+#include <errno.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "client/llama/kvrope_llama.h"
+#include "client/llama/worker.h"
+
+#define F16 KVR_DTYPE_F16
+
+typedef enum { COMMIT_EDIT, COMMIT_FORK, COMMIT_CREATE } commit_kind;
+
+typedef struct run {
+    size_t s, e;            /* [s, e) in prompt coordinates */
+} run;
+
+struct kvr_wk_step {
+    commit_kind  kind;
+    char         target[KVR_ID_MAX + 1];
+    char         source[KVR_ID_MAX + 1];
+    int32_t     *b;         /* the prompt (owned) */
+    size_t       nb;
+    /* EDIT: the session's sequence planned against, the hunks (a: session
+     * coordinates, b: prompt), and the recomputed runs of old tokens. */
+    size_t       na;
+    uint64_t     a_hash;
+    kvr_wk_hunk *hk;
+    size_t       nh;
+    run         *rf;
+    size_t       nrf;
+    /* FORK: tokens [0, L) of the source (of length src_len) are reused. */
+    size_t       L, src_len;
+};
+
+void kvr_wk_step_free(kvr_wk_step *st)
+{
+    if (!st)
+        return;
+    free(st->b);
+    free(st->hk);
+    free(st->rf);
+    free(st);
+}
+
+size_t kvr_wk_step_new_tokens(const kvr_wk_step *st)
+{
+    size_t n = 0;
+    if (st && st->kind == COMMIT_EDIT)
+        for (size_t i = 0; i < st->nh; i++)
+            n += st->hk[i].b1 - st->hk[i].b0;
+    else if (st)
+        n = st->nb - (st->kind == COMMIT_FORK ? st->L : 0);
+    return n;
+}
+
+size_t kvr_wk_step_removed_tokens(const kvr_wk_step *st)
+{
+    size_t n = 0;
+    if (st && st->kind == COMMIT_EDIT)
+        for (size_t i = 0; i < st->nh; i++)
+            n += st->hk[i].a1 - st->hk[i].a0;
+    return n;
+}
+
+static uint64_t seq_hash(const int32_t *t, size_t n)
+{
+    return kvr_tokens_hash(KVR_TOKENS_HASH_INIT, (const uint32_t *)t, n);
+}
+
+/* The session's current sequence (meta only). ok false: missing, or not a
+ * session this engine can read (another model, positions not 0..n-1, tokens
+ * without KV). */
+typedef struct sess {
+    bool      ok, exists;
+    kvr_kv    meta;
+} sess;
+
+static int sess_read(kvr_wk_env *e, const char *id, sess *s)
+{
+    memset(s, 0, sizeof *s);
+    kvr_get_args g = { .ctx_id = id, .start = 0, .end = 0, .dtype = F16, .meta_only = true };
+    int r = kvr_client_get(e->kc, &g, &s->meta);
+    if (r == KVR_ENOCTX)
+        return 0;
+    if (r == KVR_EPENDING) {      /* a token without KV: not readable, replaced */
+        s->exists = true;
+        return 0;
+    }
+    if (r < 0)
+        return kvr_wk_kv_fail(e, r, "get (meta)", id);
+    s->exists = true;
+    s->ok = strcmp(s->meta.model, e->model) == 0 && s->meta.n_tokens > 0;
+    for (size_t i = 0; s->ok && i < s->meta.n_tokens; i++)
+        s->ok = s->meta.positions[i] == (int64_t)i &&
+                !(s->meta.flags[i] & KVR_TOKEN_PENDING);
+    return 0;
+}
+
+/* Marks [s, e) of a bitmap of n entries. */
+static void mark(uint8_t *m, size_t n, size_t s, size_t e)
+{
+    for (size_t i = s; i < e && i < n; i++)
+        m[i] = 1;
+}
+
+/* Runs of marked entries, in increasing order (*out the caller's). */
+static int runs_of(const uint8_t *m, size_t n, run **out, size_t *nr)
+{
+    size_t k = 0;
+    for (size_t i = 0; i < n; i++)
+        if (m[i] && (i == 0 || !m[i - 1]))
+            k++;
+    run *r = malloc((k ? k : 1) * sizeof *r);
+    if (!r)
+        return -ENOMEM;
+    k = 0;
+    for (size_t i = 0; i < n;) {
+        if (!m[i]) {
+            i++;
+            continue;
+        }
+        size_t j = i;
+        while (j < n && m[j])
+            j++;
+        r[k++] = (run){ i, j };
+        i = j;
+    }
+    *out = r;
+    *nr = k;
+    return 0;
+}
+
+/* Decodes the marked runs of the prompt into seq 0 (increasing order). */
+static int decode_runs(kvr_wk_env *e, const int32_t *b, const run *rs, size_t nr,
+                       size_t *n_dec)
+{
+    for (size_t i = 0; i < nr; i++) {
+        int r = kvr_wk_lm_decode_middle(e->lm, b + rs[i].s, rs[i].e - rs[i].s,
+                                        (int32_t)rs[i].s, e->err, sizeof e->err);
+        if (r < 0)
+            return r;
+        *n_dec += rs[i].e - rs[i].s;
+    }
+    return 0;
+}
+
+static int lm_fits(kvr_wk_env *e, size_t n)
+{
+    uint32_t cap = kvr_wk_lm_n_ctx(e->lm);
+    if (n >= cap)
+        return kvr_wk_fail(e, -E2BIG, "a prompt of %zu tokens does not fit the context "
+                           "of %u cells", n, cap);
+    return 0;
+}
+
+/* The prompt computed whole (no usable cache). */
+static int sync_full(kvr_wk_env *e, const int32_t *b, size_t nb, kvr_wk_sync_res *res)
+{
+    kvr_wk_lm_clear(e->lm);
+    double t0 = kvr_wk_now_ms();
+    int r = kvr_wk_lm_decode(e->lm, b, nb, 0, 0, KVR_WK_LOGITS_LAST, NULL, NULL, e->err,
+                             sizeof e->err);
+    res->t_decode_ms += kvr_wk_now_ms() - t0;
+    res->n_computed = nb;
+    return r;
+}
+
+/* Source = the session (edit path). hunks: session -> prompt. */
+static int sync_edit(kvr_wk_env *e, const sess *ss, const int32_t *b, size_t nb,
+                     kvr_wk_hunk *hk, size_t nh, const kvr_wk_sync_opts *o,
+                     kvr_wk_step *st, kvr_wk_sync_res *res)
+{
+    const kvr_kv *A = &ss->meta;
+    size_t na = (size_t)A->n_tokens;
+    uint32_t max_age = o->max_age ? o->max_age : KVR_WK_MAX_AGE;
+    int r;
+    uint8_t *comp = calloc(nb, 1);          /* tokens decoded in this step */
+    uint8_t *isnew = calloc(nb, 1);
+    int64_t *newpos = malloc(na * sizeof *newpos);
+    uint8_t *kept = calloc(na, 1);
+    void *fbuf = NULL;
+    kvr_kv kv = { 0 };
+    kvr_wk_sbuild sb = { 0 };
+    run *rs = NULL;
+    size_t nr = 0;
+    if (!comp || !isnew || !newpos || !kept) {
+        r = kvr_wk_fail(e, -ENOMEM, "out of memory");
+        goto out;
+    }
+    /* Where each old token lands (kept: not inside a hunk); what is new;
+     * what the policy recomputes. */
+    size_t n_new = 0, first_b = nh ? hk[0].b0 : nb;
+    int64_t delta = 0;
+    size_t j = 0;
+    for (size_t i = 0; i <= nh; i++) {
+        size_t end = i < nh ? hk[i].a0 : na;
+        for (; j < end; j++) {
+            size_t at = (size_t)((int64_t)j + delta);
+            newpos[j] = (int64_t)at;
+            kept[j] = 1;
+            uint32_t f = A->flags[j];
+            uint32_t age = KVR_TOKEN_AGE(f) + (at >= first_b ? 1u : 0u);
+            bool approx = (f & KVR_TOKEN_APPROX) || at >= first_b;
+            if (approx && age > max_age)
+                comp[at] = 1;
+        }
+        if (i < nh) {
+            for (; j < hk[i].a1; j++)
+                newpos[j] = (int64_t)j;      /* removed: fetched, unused */
+            mark(comp, nb, hk[i].b0, hk[i].b1);
+            mark(isnew, nb, hk[i].b0, hk[i].b1);
+            size_t room = (i + 1 < nh ? hk[i + 1].b0 : nb) - hk[i].b1;
+            mark(comp, nb, hk[i].b1, hk[i].b1 + (o->refresh < room ? o->refresh : room));
+            n_new += hk[i].b1 - hk[i].b0;
+            delta += (int64_t)(hk[i].b1 - hk[i].b0) - (int64_t)(hk[i].a1 - hk[i].a0);
+        }
+    }
+    bool last_extra = !comp[nb - 1];
+    comp[nb - 1] = 1;                           /* the last token's logits */
+    if ((r = runs_of(comp, nb, &rs, &nr)) < 0) {
+        r = kvr_wk_fail(e, r, "out of memory");
+        goto out;
+    }
+
+    /* Kept tokens: fetched re-rotated to their new positions, loaded. */
+    size_t n_keep = nb - n_new;
+    kvr_wk_lm_clear(e->lm);
+    if (n_keep > 0) {
+        double t0 = kvr_wk_now_ms();
+        size_t cap = kvr_wk_payload_bytes(e, na);
+        fbuf = malloc(cap ? cap : 1);
+        if (!fbuf) {
+            r = kvr_wk_fail(e, -ENOMEM, "out of memory");
+            goto out;
+        }
+        kvr_get_args g = { .ctx_id = st->target, .start = 0, .end = na, .dtype = F16,
+                           .positions = newpos, .n_positions = na, .dst = fbuf,
+                           .dst_cap = cap };
+        if ((r = kvr_client_get(e->kc, &g, &kv)) < 0) {
+            r = kvr_wk_kv_fail(e, r, "get", st->target);
+            goto out;
+        }
+        if ((r = kvr_wk_check_kv_shape(e, &kv, st->target)) < 0)
+            goto out;
+        double t1 = kvr_wk_now_ms();
+        res->t_fetch_ms += t1 - t0;
+        r = kvr_wk_sbuild_init(&sb, (uint32_t)n_keep, kvr_wk_n_layer(e),
+                               kvr_wk_lm_cache_type(e->lm), (uint32_t)kvr_wk_n_embd(e),
+                               kvr_wk_lm_v_trans(e->lm));
+        if (r < 0) {
+            r = kvr_wk_fail(e, r, "out of memory");
+            goto out;
+        }
+        size_t s0 = 0;
+        for (size_t i = 0; r == 0 && i <= nh; i++) {
+            size_t end = i < nh ? hk[i].a0 : na;
+            if (end > s0)
+                r = kvr_wk_sbuild_add(&sb, kv.payload, na, s0, end, newpos + s0);
+            if (i < nh)
+                s0 = hk[i].a1;
+        }
+        if (r < 0) {
+            r = kvr_wk_fail(e, r, "cannot build the state of %zu kept tokens", n_keep);
+            goto out;
+        }
+        kvr_kv_release(&kv);
+        if ((r = kvr_wk_lm_state_set(e->lm, sb.buf, sb.len, e->err, sizeof e->err)) < 0)
+            goto out;
+        res->t_load_ms += kvr_wk_now_ms() - t1;
+    }
+    double td = kvr_wk_now_ms();
+    size_t n_dec = 0;
+    if ((r = decode_runs(e, b, rs, nr, &n_dec)) < 0)
+        goto out;
+    res->t_decode_ms += kvr_wk_now_ms() - td;
+
+    /* Counts; what commit refreshes: recomputed old tokens, but not exact
+     * ones before the first edit point (their KV did not change). */
+    size_t n_approx = 0;
+    for (size_t i = 0; i < nb; i++)
+        if (isnew[i])
+            comp[i] = 0;
+    for (size_t jj = 0; jj < na; jj++) {
+        if (!kept[jj])
+            continue;
+        size_t at = (size_t)newpos[jj];
+        bool approx = (A->flags[jj] & KVR_TOKEN_APPROX) || at >= first_b;
+        if (comp[at] && !approx)
+            comp[at] = 0;                      /* recomputed, unchanged: not stored */
+        else if (!comp[at] && approx)
+            n_approx++;
+    }
+    free(rs);
+    rs = NULL;
+    if ((r = runs_of(comp, nb, &rs, &nr)) < 0) {
+        r = kvr_wk_fail(e, r, "out of memory");
+        goto out;
+    }
+    st->rf = rs;
+    st->nrf = nr;
+    rs = NULL;
+    st->hk = hk;
+    st->nh = nh;
+    st->na = na;
+    st->a_hash = seq_hash((const int32_t *)A->tokens, na);
+    res->n_ops = nh;
+    res->n_reused = n_keep - (n_dec - n_new);
+    res->n_computed = n_dec;
+    res->n_refreshed = n_dec - n_new - (last_extra ? 1 : 0);
+    res->n_approx = n_approx;
+    r = 0;
+out:
+    free(comp);
+    free(isnew);
+    free(newpos);
+    free(kept);
+    free(fbuf);
+    free(rs);
+    kvr_kv_release(&kv);
+    kvr_wk_sbuild_free(&sb);
+    return r;
+}
+
+int kvr_wk_sync(kvr_wk_env *e, const int32_t *toks, size_t n, const kvr_wk_sync_opts *o,
+                kvr_wk_step **step, kvr_wk_sync_res *res)
+{
+    static const kvr_wk_sync_opts none = { 0 };
+    if (!o)
+        o = &none;
+    *step = NULL;
+    memset(res, 0, sizeof *res);
+    res->n_prompt = n;
+    if (n == 0)
+        return kvr_wk_fail(e, -EINVAL, "an empty prompt");
+    int r = lm_fits(e, n);
+    if (r < 0)
+        return r;
+    double t0 = kvr_wk_now_ms();
+    if (o->no_cache || !e->kc) {
+        r = sync_full(e, toks, n, res);
+        res->t_total_ms = kvr_wk_now_ms() - t0;
+        return r;
+    }
+    kvr_wk_step *st = calloc(1, sizeof *st);
+    if (!st || !(st->b = malloc(n * sizeof *st->b))) {
+        kvr_wk_step_free(st);
+        return kvr_wk_fail(e, -ENOMEM, "out of memory");
+    }
+    memcpy(st->b, toks, n * sizeof *toks);
+    st->nb = n;
+    if (o->session) {
+        if (strlen(o->session) > KVR_ID_MAX) {
+            kvr_wk_step_free(st);
+            return kvr_wk_fail(e, -EINVAL, "session id longer than %d bytes", KVR_ID_MAX);
+        }
+        snprintf(st->target, sizeof st->target, "%s", o->session);
+    } else {
+        kvr_wk_ctx_name(e, st->target, sizeof st->target, "s", toks, n, NULL, 0);
+    }
+
+    /* The two candidates: the session, and the longest exact prefix. */
+    sess ss;
+    if ((r = sess_read(e, st->target, &ss)) < 0)
+        goto fail;
+    kvr_match_res m;
+    kvr_match_args ma = { .model = e->model, .tokens = (const uint32_t *)toks, .n_tokens = n };
+    if ((r = kvr_client_match(e->kc, &ma, &m)) < 0) {
+        r = kvr_wk_kv_fail(e, r, "match", NULL);
+        goto fail;
+    }
+    res->t_match_ms = kvr_wk_now_ms() - t0;
+    size_t L = (size_t)m.length;
+
+    kvr_wk_hunk *hk = NULL;
+    size_t nh = 0, keep = 0;
+    if (ss.ok) {
+        const int32_t *A = (const int32_t *)ss.meta.tokens;
+        size_t na = (size_t)ss.meta.n_tokens;
+        if (o->exact_only) {
+            /* One op: everything after the session's exact common prefix. */
+            size_t p = 0;
+            while (p < na && p < n && A[p] == toks[p] && !(ss.meta.flags[p] & KVR_TOKEN_APPROX))
+                p++;
+            if (p == n && n == na && p > 0)
+                p--;                         /* still one op: the last token */
+            if (!(hk = malloc(sizeof *hk))) {
+                r = kvr_wk_fail(e, -ENOMEM, "out of memory");
+                goto fail;
+            }
+            hk[0] = (kvr_wk_hunk){ p, na, p, n };
+            nh = 1;
+            keep = p;
+        } else {
+            if ((r = kvr_wk_diff(A, na, toks, n, o->max_d ? o->max_d : 2048, &hk, &nh)) < 0) {
+                r = kvr_wk_fail(e, r, "out of memory in the diff");
+                goto fail;
+            }
+            kvr_wk_hunks_merge(hk, &nh, o->min_gap ? o->min_gap : 8);
+            keep = n;
+            for (size_t i = 0; i < nh; i++)
+                keep -= hk[i].b1 - hk[i].b0;
+        }
+    }
+    if (ss.ok && keep >= L && keep > 0) {
+        snprintf(res->source, sizeof res->source, "%s", st->target);
+        snprintf(st->source, sizeof st->source, "%s", st->target);
+        st->kind = COMMIT_EDIT;
+        r = sync_edit(e, &ss, toks, n, hk, nh, o, st, res);
+        if (r < 0) {
+            if (st->hk != hk)
+                free(hk);
+            goto fail;
+        }
+    } else {
+        free(hk);
+        if (L > 0 && strcmp(m.ctx_id, st->target) != 0) {
+            /* Another context's exact prefix. */
+            kvr_context info;
+            if ((r = kvr_wk_ctx_len(e, m.ctx_id, &info)) < 0)
+                goto fail;
+            snprintf(res->source, sizeof res->source, "%s", m.ctx_id);
+            snprintf(st->source, sizeof st->source, "%s", m.ctx_id);
+            st->kind = COMMIT_FORK;
+            st->src_len = (size_t)info.n_tokens;
+            st->L = L < n ? L : n - 1;        /* the last token is decoded */
+            kvr_wk_lm_clear(e->lm);
+            if (st->L > 0 && (r = kvr_wk_load_prefix(e, m.ctx_id, st->L, &res->t_fetch_ms,
+                                                     &res->t_load_ms)) < 0)
+                goto fail;
+            double td = kvr_wk_now_ms();
+            r = kvr_wk_lm_decode(e->lm, toks + st->L, n - st->L, (int32_t)st->L, 0,
+                                 KVR_WK_LOGITS_LAST, NULL, NULL, e->err, sizeof e->err);
+            res->t_decode_ms += kvr_wk_now_ms() - td;
+            if (r < 0)
+                goto fail;
+            res->n_reused = st->L;
+            res->n_computed = n - st->L;
+            if (L >= n && st->src_len == n && !o->session) {
+                /* The prompt is that context: nothing to store. */
+                kvr_wk_step_free(st);
+                st = NULL;
+            }
+        } else {
+            st->kind = COMMIT_CREATE;
+            if ((r = sync_full(e, toks, n, res)) < 0)
+                goto fail;
+        }
+    }
+    kvr_kv_release(&ss.meta);
+    res->t_total_ms = kvr_wk_now_ms() - t0;
+    *step = st;
+    return 0;
+fail:
+    kvr_kv_release(&ss.meta);
+    kvr_wk_step_free(st);
+    return r;
+}
+
+/* The cells of seq 0 at [s, e) as a payload, sent as a refresh with CAS. */
+static int refresh_run(kvr_wk_env *e, const kvr_wk_seqstate *q, const char *ctx, size_t s,
+                       size_t en, size_t n, uint64_t h)
+{
+    void *pl = kvr_wk_seqstate_payload(e, q, NULL, en - s, s);
+    if (!pl)
+        return -EINVAL;
+    kvr_refresh_args ra = { .ctx_id = ctx, .start = s, .end = en, .model = e->model,
+                            .fingerprint = e->fingerprint, .dtype = F16, .payload = pl,
+                            .payload_len = kvr_wk_payload_bytes(e, en - s), .expect = true,
+                            .expect_n_tokens = n, .expect_hash = h };
+    int r = kvr_client_refresh(e->kc, &ra, NULL);
+    free(pl);
+    return r < 0 ? kvr_wk_kv_fail(e, r, "refresh", ctx) : 0;
+}
+
+static int commit_edit(kvr_wk_env *e, kvr_wk_step *st, const kvr_wk_seqstate *q)
+{
+    size_t n_new = 0;
+    for (size_t i = 0; i < st->nh; i++)
+        n_new += st->hk[i].b1 - st->hk[i].b0;
+    int r = 0;
+    if (st->nh > 0) {
+        kvr_edit_range *ops = calloc(st->nh, sizeof *ops);
+        int64_t *pos = malloc((n_new ? n_new : 1) * sizeof *pos);
+        void *pl = NULL;
+        if (!ops || !pos) {
+            free(ops);
+            free(pos);
+            return kvr_wk_fail(e, -ENOMEM, "out of memory");
+        }
+        size_t k = 0;
+        for (size_t i = 0; i < st->nh; i++) {
+            const kvr_wk_hunk *h = &st->hk[i];
+            ops[i] = (kvr_edit_range){ .start = h->a0, .end = h->a1,
+                                       .tokens = (const uint32_t *)st->b + h->b0,
+                                       .n_tokens = h->b1 - h->b0 };
+            for (size_t p = h->b0; p < h->b1; p++)
+                pos[k++] = (int64_t)p;
+        }
+        if (n_new && !(pl = kvr_wk_seqstate_payload(e, q, pos, n_new, 0)))
+            r = -EINVAL;
+        if (r == 0) {
+            kvr_edit_args ea = { .ctx_id = st->target, .ops = ops, .n_ops = st->nh,
+                                 .model = e->model, .fingerprint = e->fingerprint,
+                                 .with_kv = n_new > 0, .dtype = F16, .payload = pl,
+                                 .payload_len = n_new ? kvr_wk_payload_bytes(e, n_new) : 0,
+                                 .expect = true, .expect_n_tokens = st->na,
+                                 .expect_hash = st->a_hash };
+            kvr_edit_res er = { 0 };
+            if ((r = kvr_client_edit(e->kc, &ea, &er)) < 0)
+                r = kvr_wk_kv_fail(e, r, "edit", st->target);
+            else if (er.n_tokens != st->nb)
+                r = kvr_wk_fail(e, -EINVAL, "session %s holds %llu tokens after the edit, "
+                                "not %zu", st->target, (unsigned long long)er.n_tokens,
+                                st->nb);
+            for (size_t i = 0; r == 0 && i < er.n_spans; i++)
+                if (er.spans[i].first_pos != (int64_t)er.spans[i].index)
+                    r = kvr_wk_fail(e, -EINVAL, "session %s: new tokens at position %lld, "
+                                    "index %llu", st->target,
+                                    (long long)er.spans[i].first_pos,
+                                    (unsigned long long)er.spans[i].index);
+            kvr_client_free(er.spans);
+        }
+        free(pl);
+        free(ops);
+        free(pos);
+        if (r < 0)
+            return r;
+    }
+    uint64_t h = seq_hash(st->b, st->nb);
+    for (size_t i = 0; i < st->nrf; i++)
+        if ((r = refresh_run(e, q, st->target, st->rf[i].s, st->rf[i].e, st->nb, h)) < 0)
+            return r;
+    return 0;
+}
+
+/* The prompt's tokens [from, nb) from seq 0 into ctx (append or create). */
+static int put_rest(kvr_wk_env *e, const kvr_wk_step *st, const kvr_wk_seqstate *q,
+                    size_t from, kvr_put_mode mode)
+{
+    void *pl = kvr_wk_seqstate_payload(e, q, NULL, st->nb - from, from);
+    if (!pl)
+        return -EINVAL;
+    kvr_put_args p = { .ctx_id = st->target, .model = e->model, .mode = mode,
+                       .fingerprint = e->fingerprint, .dtype = F16,
+                       .tokens = (const uint32_t *)st->b + from, .n_tokens = st->nb - from,
+                       .has_pos_start = true, .pos_start = (int64_t)from, .payload = pl,
+                       .payload_len = kvr_wk_payload_bytes(e, st->nb - from) };
+    int r = kvr_client_put(e->kc, &p, NULL);
+    free(pl);
+    return r < 0 ? kvr_wk_kv_fail(e, r, "put", st->target) : 0;
+}
+
+int kvr_wk_commit(kvr_wk_env *e, kvr_wk_step *st)
+{
+    if (!st)
+        return 0;
+    kvr_wk_seqstate q;
+    int r = kvr_wk_seqstate_get(e, &q, st->nb);
+    if (r < 0)
+        return r;
+    switch (st->kind) {
+    case COMMIT_EDIT:
+        r = commit_edit(e, st, &q);
+        break;
+    case COMMIT_FORK:
+        if (strcmp(st->source, st->target) == 0) {
+            r = kvr_wk_fail(e, -EINVAL, "internal: a fork onto its own source %s", st->source);
+            break;
+        }
+        if ((r = kvr_wk_fork_prefix(e, st->source, st->target, st->L, st->src_len)) == 0 &&
+            st->L < st->nb)
+            r = put_rest(e, st, &q, st->L, KVR_PUT_APPEND);
+        break;
+    case COMMIT_CREATE:
+        r = put_rest(e, st, &q, 0, KVR_PUT_REPLACE);
+        break;
+    }
+    kvr_wk_seqstate_free(&q);
+    return r;
+}
+
+/* ---- idle refresh ---------------------------------------------------------- */
+typedef struct cand {
+    size_t   i;
+    uint32_t age;
+    size_t   dist;
+} cand;
+
+static int cand_cmp(const void *x, const void *y)
+{
+    const cand *a = x, *b = y;
+    if (a->age != b->age)
+        return a->age > b->age ? -1 : 1;
+    if (a->dist != b->dist)
+        return a->dist < b->dist ? -1 : 1;
+    return a->i < b->i ? -1 : a->i > b->i;
+}
+
+int kvr_wk_refresh_idle(kvr_wk_env *e, const char *session, size_t budget, size_t cursor,
+                        size_t *n_done)
+{
+    *n_done = 0;
+    sess ss;
+    int r = sess_read(e, session, &ss);
+    if (r < 0)
+        return r;
+    if (!ss.ok) {
+        kvr_kv_release(&ss.meta);
+        return ss.exists ? kvr_wk_fail(e, -EINVAL, "context %s is not a session this "
+                                       "engine can refresh (positions or KV missing)", session)
+                         : kvr_wk_fail(e, KVR_ENOCTX, "no session %s", session);
+    }
+    size_t n = (size_t)ss.meta.n_tokens, nc = 0;
+    cand *c = malloc(n * sizeof *c);
+    uint8_t *m = calloc(n, 1);
+    run *rs = NULL;
+    size_t nr = 0;
+    kvr_wk_seqstate q = { 0 };
+    if (!c || !m) {
+        r = kvr_wk_fail(e, -ENOMEM, "out of memory");
+        goto out;
+    }
+    for (size_t i = 0; i < n; i++)
+        if (ss.meta.flags[i] & KVR_TOKEN_APPROX)
+            c[nc++] = (cand){ i, KVR_TOKEN_AGE(ss.meta.flags[i]),
+                              cursor == SIZE_MAX ? 0 : (i > cursor ? i - cursor : cursor - i) };
+    if (nc == 0 || budget == 0) {
+        r = 0;
+        goto out;
+    }
+    if ((r = lm_fits(e, n)) < 0)
+        goto out;
+    qsort(c, nc, sizeof *c, cand_cmp);
+    if (budget > nc)
+        budget = nc;
+    for (size_t i = 0; i < budget; i++)
+        m[c[i].i] = 1;
+    if ((r = runs_of(m, n, &rs, &nr)) < 0) {
+        r = kvr_wk_fail(e, r, "out of memory");
+        goto out;
+    }
+    double tf = 0, tl = 0;
+    kvr_wk_lm_clear(e->lm);
+    if ((r = kvr_wk_load_prefix(e, session, n, &tf, &tl)) < 0)
+        goto out;
+    size_t n_dec = 0;
+    const int32_t *toks = (const int32_t *)ss.meta.tokens;
+    if ((r = decode_runs(e, toks, rs, nr, &n_dec)) < 0)
+        goto out;
+    if ((r = kvr_wk_seqstate_get(e, &q, n)) < 0)
+        goto out;
+    uint64_t h = seq_hash(toks, n);
+    for (size_t i = 0; i < nr; i++) {
+        if ((r = refresh_run(e, &q, session, rs[i].s, rs[i].e, n, h)) < 0)
+            goto out;
+        *n_done += rs[i].e - rs[i].s;
+    }
+    r = 0;
+out:
+    kvr_wk_seqstate_free(&q);
+    kvr_kv_release(&ss.meta);
+    free(c);
+    free(m);
+    free(rs);
+    return r;
+}
