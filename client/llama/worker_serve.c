@@ -546,6 +546,8 @@ typedef struct result {
     bool     truncated, has_new_line;
     int      slot, status;
     char     err_type[40], err[512];
+    kvr_wk_sync_res sync;
+    bool     via_cache;
 } result;
 
 static void snapshot(srv *s, srv_job *j, result *r)
@@ -574,6 +576,8 @@ static void snapshot(srv *s, srv_job *j, result *r)
     r->has_new_line = j->has_new_line;
     r->slot = j->slot;
     r->status = j->status;
+    r->sync = j->sync;
+    r->via_cache = j->via_cache;
     memcpy(r->err_type, j->err_type, sizeof r->err_type);
     memcpy(r->err, j->err, sizeof r->err);
     pthread_mutex_unlock(&s->mu);
@@ -615,6 +619,27 @@ static cJSON *usage_json(const result *r)
     return u;
 }
 
+/* What kvrope did for the prompt (an extra key; llama-server clients ignore
+ * it): where the KV came from, the PIE ops, refreshes, and the steps' times. */
+static cJSON *kvrope_json(const result *r)
+{
+    const kvr_wk_sync_res *y = &r->sync;
+    cJSON *k = cJSON_CreateObject();
+    cJSON_AddBoolToObject(k, "cache", r->via_cache);
+    cJSON_AddStringToObject(k, "source", y->source);
+    cJSON_AddNumberToObject(k, "n_reused", (double)y->n_reused);
+    cJSON_AddNumberToObject(k, "n_computed", (double)y->n_computed);
+    cJSON_AddNumberToObject(k, "n_refreshed", (double)y->n_refreshed);
+    cJSON_AddNumberToObject(k, "n_ops", (double)y->n_ops);
+    cJSON_AddNumberToObject(k, "n_approx", (double)y->n_approx);
+    cJSON_AddNumberToObject(k, "match_ms", y->t_match_ms);
+    cJSON_AddNumberToObject(k, "fetch_ms", y->t_fetch_ms);
+    cJSON_AddNumberToObject(k, "load_ms", y->t_load_ms);
+    cJSON_AddNumberToObject(k, "decode_ms", y->t_decode_ms);
+    cJSON_AddNumberToObject(k, "sync_ms", y->t_total_ms);
+    return k;
+}
+
 static void add_tokens(cJSON *o, const char *key, const int32_t *t, size_t n)
 {
     cJSON *a = cJSON_AddArrayToObject(o, key);
@@ -645,6 +670,7 @@ static cJSON *completion_json(srv *s, const srv_params *p, const result *r, cons
     cJSON_AddStringToObject(o, "stopping_word", r->stopping_word);
     cJSON_AddNumberToObject(o, "tokens_cached", (double)r->tokens_cached);
     cJSON_AddItemToObject(o, "timings", timings_json(r));
+    cJSON_AddItemToObject(o, "kvrope", kvrope_json(r));
     return o;
 }
 

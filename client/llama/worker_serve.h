@@ -92,6 +92,8 @@ typedef struct srv_job {
     bool         truncated, has_new_line;
     int          slot;
     size_t       n_cache, n_eval, tokens_cached, n_saved;
+    kvr_wk_sync_res sync;        /* the engine's account of the prompt */
+    bool         via_cache;
     double       t_prompt_ms, t_gen_ms, t_op_ms;
     /* queue and sharing (srv.mu) */
     int          refs;

@@ -38,7 +38,7 @@
 const double srv_ttft_le[12] = { 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05,
                                  0.1,   0.25,   0.5,   1.0,  2.5,   10.0 };
 
-#define REFRESH_BUDGET 64
+#define REFRESH_BUDGET 128
 
 void srv_params_default(srv_params *p)
 {
@@ -433,6 +433,8 @@ static void run_gen(srv *s, srv_job *j)
     pthread_mutex_lock(&s->mu);
     j->n_eval = n_eval;
     j->n_cache = j->n - n_eval;
+    j->sync = res;
+    j->via_cache = via_cache;
     j->t_prompt_ms = t1 - t0;
     s->m.prompt_tokens += n_eval;
     s->m.prompt_reused += j->n - n_eval;
