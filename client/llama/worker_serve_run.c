@@ -191,6 +191,16 @@ static int cand_desc(const void *a, const void *b)
     return x < y ? 1 : x > y ? -1 : 0;
 }
 
+/* c[0..n) from logits to probabilities (c sorted, c[0] the largest). */
+static void softmax(cand *c, size_t n)
+{
+    double mx = c[0].p, sum = 0;
+    for (size_t i = 0; i < n; i++)
+        sum += exp((double)c[i].p - mx);
+    for (size_t i = 0; i < n; i++)
+        c[i].p = (float)(exp((double)c[i].p - mx) / sum);
+}
+
 static uint64_t rng_next(uint64_t *st)
 {
     uint64_t z = (*st += 0x9E3779B97F4A7C15ull);
@@ -231,11 +241,7 @@ static int32_t sample(const srv_params *p, const float *logits, size_t nv, cand 
         case SRV_SAMP_TOP_P:
         case SRV_SAMP_MIN_P: {
             if (!soft) {
-                double mx = c[0].p, sum = 0;
-                for (size_t i = 0; i < n; i++)
-                    sum += exp((double)c[i].p - mx);
-                for (size_t i = 0; i < n; i++)
-                    c[i].p = (float)(exp((double)c[i].p - mx) / sum);
+                softmax(c, n);
                 soft = true;
             }
             if (p->samplers[k] == SRV_SAMP_TOP_P && p->top_p < 1.0f) {
@@ -260,13 +266,8 @@ static int32_t sample(const srv_params *p, const float *logits, size_t nv, cand 
         }
         }
     }
-    if (!soft) {
-        double mx = c[0].p, sum = 0;
-        for (size_t i = 0; i < n; i++)
-            sum += exp((double)c[i].p - mx);
-        for (size_t i = 0; i < n; i++)
-            c[i].p = (float)(exp((double)c[i].p - mx) / sum);
-    }
+    if (!soft)
+        softmax(c, n);
     double tot = 0;
     for (size_t i = 0; i < n; i++)
         tot += (double)c[i].p;

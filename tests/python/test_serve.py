@@ -58,10 +58,11 @@ def need_build():
             pytest.skip(f"{p} is not built (make build/kvrope-llama build/eval/kvrope-code.gguf)")
 
 
-class Server:
-    """build/kvrope-llama serve on 127.0.0.1:<free port> against a kvroped socket."""
+class Server(Daemon):
+    """build/kvrope-llama serve on 127.0.0.1:<free port> against a kvroped socket
+    (log() and stop() as conftest.Daemon's: SIGTERM, wait, the exit status)."""
 
-    def __init__(self, sock, *flags, port=None, ready_timeout=60.0):
+    def __init__(self, sock, *flags, port=None, ready_timeout=60.0):   # noqa: super not called
         need_build()
         self.port = port or free_tcp_port()
         self.dir = tempfile.mkdtemp(prefix="kvr-serve-")
@@ -86,13 +87,6 @@ class Server:
                 self.stop()
                 raise RuntimeError(f"serve not ready:\n{self.log()}")
             time.sleep(0.05)
-
-    def log(self):
-        try:
-            with open(self.log_path, "rb") as f:
-                return f.read().decode(errors="replace")
-        except OSError:
-            return ""
 
     def request(self, method, path, body=None, headers=None, timeout=120):
         c = http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout)
@@ -134,19 +128,6 @@ class Server:
             if line.startswith(name + " "):
                 return float(line.split()[1])
         raise KeyError(name)
-
-    def stop(self, timeout=20.0):
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self._log.close()
-        rc = self.proc.returncode
-        shutil.rmtree(self.dir, ignore_errors=True)
-        return rc
 
 
 @pytest.fixture
