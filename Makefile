@@ -1,7 +1,8 @@
 # kvrope — top-level build.
 #
 #   make            build the daemon (kvroped), the CLI (kvrope), libkvrope, tests
-#   make run        install what is missing, build, run kvroped with embedded defaults
+#   make run        install what is missing to run (not to test), build what a user
+#                   needs, run kvroped (and kvrope serve) with embedded defaults
 #   make test       install what is missing, build, run every test
 #   make check      the tests under ASan + UBSan with libc malloc (build/check)
 #   make bench      the benchmarks (ratios against memcpy, Redis, ggml in the same run)
@@ -9,7 +10,8 @@
 #   make fuzz-ci    every fuzz target for a few seconds from tests/fuzz/corpus (CI)
 #   make soak       the long crash run: 1,000 kill -9 trials (CI runs 100)
 #   make install    PREFIX=/usr/local DESTDIR= : binaries, libkvrope, headers,
-#                   kvrope.pc, man pages, systemd units, an example config
+#                   kvrope.pc, the Python package, man pages, systemd units,
+#                   an example config
 #   make uninstall  removes what install put there (not the config file)
 #   make clean
 #
@@ -129,7 +131,7 @@ EVAL_GGUF := $(BUILD)/eval/kvrope-code.gguf
 # llama.cpp: the bridge (into libkvrope), and what links libllama (fetched from npm).
 include client/llama/llama.mk
 
-.PHONY: deps-eval eval eval-model deps-fuzz fuzz-ci soak fuzzers all deps deps-bench run test check bench fuzz clean \
+.PHONY: deps-run deps-eval eval eval-model deps-fuzz fuzz-ci soak fuzzers all deps deps-bench run test check bench fuzz clean \
         check-symbols install uninstall
 .DEFAULT_GOAL := all
 # Every file make builds is kept: the test and bench objects are intermediate
@@ -252,9 +254,18 @@ $(BUILD)/fuzz/%: $(BUILD)/obj/tests/fuzz/%.o $(ALL_A)
 fuzzers: $(FUZZERS)
 
 # ---- running ---------------------------------------------------------------
-run: deps
-	@$(MAKE) --no-print-directory $(KVROPED) $(KVROPE)
+# What a user runs: the daemon, the CLI, libkvrope (the Python binding loads
+# it; C programs link it), kvrope-llama and the served model (when llama.cpp's
+# libraries could be fetched); only run-time packages (scripts/deps.sh run).
+# scripts/run-daemon.sh says where the socket, the disk tier and the server are.
+RUN_PROGS := $(KVROPED) $(KVROPE) $(CLIENT_SO) $(CLIENT_A) $(LLAMA_PROGS) \
+             $(if $(LLAMA_PROGS),$(EVAL_GGUF))
+run: deps-run
+	@$(MAKE) --no-print-directory $(RUN_PROGS)
 	@scripts/run-daemon.sh $(KVROPED)
+
+deps-run:
+	@scripts/deps.sh run
 
 test: deps
 	@$(MAKE) --no-print-directory all
@@ -277,7 +288,7 @@ bench: deps-bench
 # eval/model holds the committed float16 weights; the GGUF llama.cpp runs is
 # made from them (same weights in both engines). `make eval-model` retrains
 # (about 30 min of both cores) and re-exports; `make eval` writes docs/eval.md,
-# docs/eval/*.png and the README's quality tables (not part of make test).
+# docs/eval/*.png (the README keeps a summary line; not part of make test).
 $(EVAL_GGUF): eval/model/weights.npz eval/model/config.json scripts/gen-gguf.py
 	@mkdir -p $(dir $@)
 	@$(PYTHON) scripts/gen-gguf.py -o $@.tmp --hf eval/model --dtype f16 --name kvrope-code && mv $@.tmp $@
@@ -358,7 +369,20 @@ KVR_PC_VERSION = $(if $(KVR_VER),$(KVR_VER),$(KVR_VERSION))
 # following its #include "..." lines), each under kvrope/ at its path.
 INSTALL_SO      ?= $(CLIENT_SO)
 INSTALL_A       ?= $(CLIENT_A)
-INSTALL_HEADERS ?= $(shell scripts/public-headers.sh client/kvrope.h)
+# The llama.cpp bridge's header is installed as kvrope/kvrope_llama.h (its
+# #include "client/kvrope.h" then finds kvrope/client/kvrope.h).
+INSTALL_HEADERS ?= $(shell scripts/public-headers.sh client/kvrope.h client/llama/kvrope_llama.h)
+# The Python package, where Debian's python3 finds it: /usr/lib/python3/
+# dist-packages for PREFIX=/usr, else PREFIX/lib/python3.N/dist-packages
+# (/usr/local/lib/python3.11/dist-packages is on Debian 12's sys.path). A
+# generated kvrope/_install.py tells it where libkvrope was installed.
+PYVER := $(shell $(PYTHON) -c 'import sys; print("python%d.%d" % sys.version_info[:2])' 2>/dev/null)
+ifeq ($(PREFIX),/usr)
+  PYTHONDIR ?= /usr/lib/python3/dist-packages
+else
+  PYTHONDIR ?= $(PREFIX)/lib/$(if $(PYVER),$(PYVER),python3)/dist-packages
+endif
+PY_SRC := $(wildcard client/python/kvrope/*.py)
 UNITS := kvroped.service kvroped.socket kvroped-metrics.socket
 SUBST = sed -e 's|@PREFIX@|$(PREFIX)|g' -e 's|@BINDIR@|$(BINDIR)|g' \
             -e 's|@LIBDIR@|$(LIBDIR)|g' -e 's|@INCLUDEDIR@|$(INCLUDEDIR)|g' \
@@ -383,15 +407,19 @@ install: $(INSTALL_DEPS)
 	  link=$${soname:-$$file}; echo "ln -sf $$link $(DESTDIR)$(LIBDIR)/libkvrope.so"; \
 	  ln -sf $$link $(DESTDIR)$(LIBDIR)/libkvrope.so; fi
 	$(INSTALL) -m 644 $(INSTALL_A) $(DESTDIR)$(LIBDIR)/
-	$(INSTALL) -m 644 client/kvrope.h $(DESTDIR)$(INCLUDEDIR)/kvrope/
+	$(INSTALL) -m 644 client/kvrope.h client/llama/kvrope_llama.h $(DESTDIR)$(INCLUDEDIR)/kvrope/
 	for h in $(INSTALL_HEADERS); do $(INSTALL) -D -m 644 $$h $(DESTDIR)$(INCLUDEDIR)/kvrope/$$h || exit 1; done
+	$(INSTALL) -d $(DESTDIR)$(PYTHONDIR)/kvrope
+	$(INSTALL) -m 644 $(PY_SRC) $(DESTDIR)$(PYTHONDIR)/kvrope/
+	printf '# Written by make install: where libkvrope was installed.\nLIBDIR = "%s"\n' \
+	  '$(LIBDIR)' > $(DESTDIR)$(PYTHONDIR)/kvrope/_install.py
 	$(SUBST) dist/kvrope.pc.in > $(DESTDIR)$(PKGCONFIGDIR)/kvrope.pc
 	$(SUBST) dist/man/kvrope.1 > $(DESTDIR)$(MANDIR)/man1/kvrope.1
 	$(SUBST) dist/man/kvroped.8 > $(DESTDIR)$(MANDIR)/man8/kvroped.8
 	for u in $(UNITS); do $(SUBST) dist/systemd/$$u.in > $(DESTDIR)$(UNITDIR)/$$u || exit 1; done
 	$(INSTALL) -m 644 dist/systemd/kvrope.sysusers $(DESTDIR)$(SYSUSERSDIR)/kvrope.conf
 	$(INSTALL) -m 644 dist/kvroped.conf $(DESTDIR)$(DOCDIR)/kvroped.conf.example
-	$(INSTALL) -m 644 docs/operations.md docs/protocol.md $(DESTDIR)$(DOCDIR)/
+	$(INSTALL) -m 644 docs/operations.md docs/protocol.md docs/formats.md $(DESTDIR)$(DOCDIR)/
 	@# The config is the operator's once it exists: never overwritten.
 	@if [ ! -e $(DESTDIR)$(SYSCONFDIR)/kvrope/kvroped.conf ]; then \
 	  echo "$(INSTALL) -m 644 dist/kvroped.conf $(DESTDIR)$(SYSCONFDIR)/kvrope/kvroped.conf"; \
@@ -404,7 +432,8 @@ uninstall:
 	rm -f $(DESTDIR)$(BINDIR)/kvroped $(DESTDIR)$(BINDIR)/kvrope
 	rm -f $(DESTDIR)$(LIBDIR)/libkvrope.so $(DESTDIR)$(LIBDIR)/libkvrope.so.* \
 	  $(DESTDIR)$(LIBDIR)/libkvrope.a $(DESTDIR)$(PKGCONFIGDIR)/kvrope.pc
-	rm -f $(DESTDIR)$(INCLUDEDIR)/kvrope/kvrope.h
+	rm -f $(DESTDIR)$(INCLUDEDIR)/kvrope/kvrope.h $(DESTDIR)$(INCLUDEDIR)/kvrope/kvrope_llama.h
+	rm -rf $(DESTDIR)$(PYTHONDIR)/kvrope
 	for h in $(INSTALL_HEADERS); do rm -f $(DESTDIR)$(INCLUDEDIR)/kvrope/$$h; \
 	  rmdir $$(dirname $(DESTDIR)$(INCLUDEDIR)/kvrope/$$h) 2>/dev/null || true; done
 	-rmdir $(DESTDIR)$(INCLUDEDIR)/kvrope 2>/dev/null
@@ -412,7 +441,7 @@ uninstall:
 	for u in $(UNITS); do rm -f $(DESTDIR)$(UNITDIR)/$$u; done
 	rm -f $(DESTDIR)$(SYSUSERSDIR)/kvrope.conf
 	rm -f $(DESTDIR)$(DOCDIR)/kvroped.conf.example $(DESTDIR)$(DOCDIR)/operations.md \
-	  $(DESTDIR)$(DOCDIR)/protocol.md
+	  $(DESTDIR)$(DOCDIR)/protocol.md $(DESTDIR)$(DOCDIR)/formats.md
 	-rmdir $(DESTDIR)$(DOCDIR) 2>/dev/null
 	@if cmp -s dist/kvroped.conf $(DESTDIR)$(SYSCONFDIR)/kvrope/kvroped.conf; then \
 	  echo "rm -f $(DESTDIR)$(SYSCONFDIR)/kvrope/kvroped.conf"; \

@@ -472,6 +472,8 @@ typedef struct kvr_edit_op {
     size_t          start, end;    /* [start, end) of the current sequence */
     size_t          n_tokens;      /* new tokens (0: delete) */
     const uint32_t *tokens;        /* n_tokens ids; copied by begin */
+    bool            approx;        /* the new tokens' KV saw approximate tokens:
+                                      stored KVR_TOKEN_APPROX (age 0) */
 } kvr_edit_op;
 
 /* An edit's or refresh's precondition: the context still holds the token
@@ -538,6 +540,8 @@ typedef struct kvr_refresh_params {
     kvr_dtype   dtype;
     size_t      payload_bytes;     /* must equal kvr_edit_payload_size */
     kvr_expect  expect;            /* as kvr_edit_params.expect */
+    bool        approx;            /* the KV saw approximate tokens before start:
+                                      the range stays APPROX, age 0 */
 } kvr_refresh_params;
 int kvr_store_refresh_begin(kvr_store *s, const kvr_refresh_params *p, kvr_edit **out,
                             kvr_error *err);

@@ -19,7 +19,11 @@
  *    leased by a get); their slots become visible (used) at commit.
  *  - Old tokens at or after the first edit point get KVR_TOKEN_APPROX and
  *    age by one edit (KVR_TOKEN_AGE); new tokens sent without KV get
- *    KVR_TOKEN_PENDING; refresh clears all three.
+ *    KVR_TOKEN_PENDING; refresh clears all three. A new op's tokens or a
+ *    refreshed range whose KV saw approximate tokens before it (the request
+ *    says so: kvr_edit_op.approx, kvr_refresh_params.approx) are stored
+ *    KVR_TOKEN_APPROX with age 0: "exact" always means "what a full encode
+ *    of the current sequence gives".
  *  - Prefix index: the exact tree is truncated at the first edit point and
  *    extended by the new exact tokens only (walks compressed edges). The
  *    full-sequence tree is truncated at the first edit point; when the
@@ -44,6 +48,7 @@ typedef struct eop {
     int64_t first_pos;       /* position of its first new token */
     int64_t shift;           /* position/index change of old tokens after it */
     const uint32_t *tokens;  /* borrowed from the params (begin/plan only) */
+    bool    approx;          /* its new tokens are stored APPROX (age 0) */
 } eop;
 
 struct kvr_edit {
@@ -194,7 +199,7 @@ static int edit_prepare(kvr_store *s, const kvr_edit_params *p, kvr_ctx **cout,
     for (size_t j = 0; j < p->n_ops; j++) {
         ops[j] = (eop){ .start = p->ops[j].start, .end = p->ops[j].end,
                         .n = p->ops[j].n_tokens, .tok = tok, .req = j,
-                        .tokens = p->ops[j].tokens };
+                        .tokens = p->ops[j].tokens, .approx = p->ops[j].approx };
         tok += p->ops[j].n_tokens;
     }
     qsort(ops, p->n_ops, sizeof *ops, cmp_eop);
@@ -287,6 +292,8 @@ int kvr_store_edit_plan(kvr_store *s, const kvr_edit_params *p, kvr_edit_span *s
         res->first_change = first;
         res->n_approx = kvr_ctx_count_flag(c, 0, first, KVR_TOKEN_APPROX) + (n - first) -
                         (n_rem);
+        for (size_t j = 0; j < p->n_ops; j++)      /* new tokens stored APPROX */
+            res->n_approx += ops[j].approx ? ops[j].n : 0;
         /* Kept old tokens stay pending; new ones are pending without KV. */
         size_t pend = kvr_ctx_count_flag(c, 0, n, KVR_TOKEN_PENDING);
         for (size_t j = 0; j < p->n_ops; j++)
@@ -437,7 +444,7 @@ int kvr_store_refresh_begin(kvr_store *s, const kvr_refresh_params *p, kvr_edit 
     }
     size_t ci = 0, ck = 0;
     *op = (eop){ .start = start, .end = end, .n = n, .index = start,
-                 .first_pos = kvr_ctx_pos_at(c, &ci, &ck, start) };
+                 .first_pos = kvr_ctx_pos_at(c, &ci, &ck, start), .approx = p->approx };
     t->s = s;
     t->c = c;
     t->m = c->model;
@@ -569,7 +576,7 @@ int kvr_edit_commit(kvr_edit *t, kvr_edit_span *spans, kvr_edit_result *res, kvr
             uint32_t cnt = s->B - slot;
             if (cnt > op->n - q)
                 cnt = (uint32_t)(op->n - q);
-            emit(&o, b, slot, cnt, 0, new_flags);
+            emit(&o, b, slot, cnt, 0, new_flags | (op->approx ? KVR_TOKEN_APPROX : 0u));
             q += cnt;
         }
         shift = op->shift;
@@ -586,7 +593,9 @@ int kvr_edit_commit(kvr_edit *t, kvr_edit_span *spans, kvr_edit_result *res, kvr
     size_t exact = c->n_exact;
 
     /* Index. Failures leave c under-reported (a true prefix), never wrong. */
-    size_t keep0 = t->refresh ? old_exact : (old_exact < first ? old_exact : first);
+    /* A refresh can shorten the exact prefix too (a range stored APPROX). */
+    size_t keep0 = t->refresh ? (old_exact < exact ? old_exact : exact)
+                              : (old_exact < first ? old_exact : first);
     kvr_ctx_index_truncate(c, 0, keep0);
     if (!kvr_ctx_index_extend(c, 0, exact))
         kvr_ctx_index_truncate(c, 0, keep0);

@@ -74,7 +74,10 @@ typedef struct kvr_client_opts {
 } kvr_client_opts;
 
 /* Connects to `addr`: "unix:PATH", a path containing '/', "tcp:HOST:PORT",
- * "HOST:PORT" or "[V6ADDR]:PORT". With a token, authenticates first.
+ * "HOST:PORT" or "[V6ADDR]:PORT"; NULL: $KVROPE_SOCKET, else the daemon's
+ * default socket (the CLI's and `make run`'s: $XDG_RUNTIME_DIR/kvrope/
+ * kvroped.sock, /run/kvrope/kvroped.sock as root, /tmp/kvrope-$UID/
+ * kvroped.sock). With a token, authenticates first.
  * opts may be NULL. On success *out is the caller's (kvr_client_close). On
  * failure *out is NULL and kvr_client_last_error(NULL) returns the reason
  * (thread-local, valid until the next failed connect on this thread). */
@@ -416,6 +419,9 @@ typedef struct kvr_edit_range {
     uint64_t        start, end;     /* [start, end) of the current sequence */
     const uint32_t *tokens;         /* n_tokens new ids (borrowed) */
     size_t          n_tokens;
+    bool            approx;         /* the new tokens' KV was computed against a
+                                       context holding approximate tokens: they
+                                       are stored KVR_TOKEN_APPROX (age 0) */
 } kvr_edit_range;
 
 typedef struct kvr_edit_args {
@@ -476,6 +482,9 @@ typedef struct kvr_refresh_args {
     size_t              iovcnt;
     bool                expect;         /* as kvr_edit_args */
     uint64_t            expect_n_tokens, expect_hash;
+    bool                approx;         /* the KV saw approximate tokens before
+                                           start: the range stays approximate
+                                           (age 0); else its flags are cleared */
 } kvr_refresh_args;
 
 /* Overwrites the range's KV and clears its approximate/pending flags; one

@@ -5,6 +5,9 @@
  * so every rule can be tested without a loop.
  *
  * Precedence: built-in defaults < --config FILE < command-line flags.
+ * The file is refused whole, with the line number, for a line holding a
+ * NUL byte, a key set twice (both lines named) or any bad value; sizes
+ * are at most 1024T (SIZE_OPT_MAX), so nothing computed from them overflows.
  */
 #include "daemon/daemon_internal.h"
 
@@ -109,6 +112,28 @@ int kvr_parse_size(const char *s, uint64_t *out)
     return 0;
 }
 
+/* The largest size any option takes (1 PiB): no machine has more, and
+ * the sums and products the daemon makes of these values cannot
+ * overflow below it (issue 29: max-memory = 2^64-1 was accepted). */
+#define SIZE_OPT_MAX (1024ull * 1024ull * GIB)
+
+/* A size option's value, within [lo, SIZE_OPT_MAX]: KVR_EINVAL otherwise,
+ * with the range in err. */
+static int parse_size_opt(const char *key, const char *s, uint64_t lo, uint64_t *out,
+                          kvr_error *err)
+{
+    uint64_t v;
+    if (kvr_parse_size(s, &v) < 0)
+        return KVR_EINVAL;    /* the caller's "invalid value" */
+    if (v < lo || v > SIZE_OPT_MAX) {
+        seterr(err, "--%s %s is out of range: %llu to %llu bytes (1024T)", key, s,
+               (unsigned long long)lo, SIZE_OPT_MAX);
+        return KVR_ERANGE;
+    }
+    *out = v;
+    return 0;
+}
+
 static int parse_u32(const char *s, uint32_t lo, uint32_t hi, uint32_t *out)
 {
     uint64_t v;
@@ -143,9 +168,7 @@ int kvr_daemon_config_set(kvr_daemon_config *c, const char *key, const char *v,
     } else if (!strcmp(key, "auth-token-file")) {
         rc = copy_str(c->auth_token_file, sizeof c->auth_token_file, v);
     } else if (!strcmp(key, "max-memory")) {
-        rc = kvr_parse_size(v, &sz);
-        if (rc == 0 && sz < MIB)
-            rc = KVR_EINVAL;
+        rc = parse_size_opt(key, v, MIB, &sz, err);
         if (rc == 0)
             c->max_memory = sz;
     } else if (!strcmp(key, "max-connections")) {
@@ -153,19 +176,19 @@ int kvr_daemon_config_set(kvr_daemon_config *c, const char *key, const char *v,
     } else if (!strcmp(key, "max-frame")) {
         rc = parse_u32(v, 64, KVR_MAX_FRAME_CEILING, &c->max_frame);
     } else if (!strcmp(key, "max-conn-buffer")) {
-        rc = kvr_parse_size(v, &sz);
-        if (rc == 0 && sz < 4096)
-            rc = KVR_EINVAL;
+        rc = parse_size_opt(key, v, 4096, &sz, err);
         if (rc == 0)
             c->max_conn_buffer = sz;
     } else if (!strcmp(key, "max-drain")) {
-        rc = kvr_parse_size(v, &sz);
+        rc = parse_size_opt(key, v, 0, &sz, err);
         if (rc == 0)
             c->max_drain = sz;
     } else if (!strcmp(key, "max-regions")) {
         rc = parse_u32(v, 0, 1u << 16, &c->max_regions);
+    } else if (!strcmp(key, "max-regions-total")) {
+        rc = parse_u32(v, 0, 1u << 30, &c->max_regions_total);
     } else if (!strcmp(key, "max-region-bytes")) {
-        rc = kvr_parse_size(v, &sz);
+        rc = parse_size_opt(key, v, 0, &sz, err);
         if (rc == 0)
             c->max_region_bytes = sz;
     } else if (!strcmp(key, "block-tokens")) {
@@ -192,7 +215,7 @@ int kvr_daemon_config_set(kvr_daemon_config *c, const char *key, const char *v,
         else
             snprintf(c->disk_dir, sizeof c->disk_dir, "%s", v);
     } else if (!strcmp(key, "disk-max")) {
-        rc = kvr_parse_size(v, &sz);
+        rc = parse_size_opt(key, v, 0, &sz, err);
         if (rc == 0)
             c->disk_max = sz;
     } else if (!strcmp(key, "disk-engine")) {
@@ -220,11 +243,11 @@ int kvr_daemon_config_set(kvr_daemon_config *c, const char *key, const char *v,
         else
             rc = KVR_EINVAL;
     } else if (!strcmp(key, "min-rate")) {
-        rc = kvr_parse_size(v, &sz);
+        rc = parse_size_opt(key, v, 0, &sz, err);
         if (rc == 0)
             c->min_rate = sz;
     } else if (!strcmp(key, "max-msg-buffers")) {
-        rc = kvr_parse_size(v, &sz);
+        rc = parse_size_opt(key, v, 0, &sz, err);
         if (rc == 0 && sz != 0 && sz < 64 * 1024)
             rc = KVR_EINVAL;
         if (rc == 0)
@@ -248,6 +271,8 @@ int kvr_daemon_config_set(kvr_daemon_config *c, const char *key, const char *v,
         seterr(err, "unknown option '%s' (see kvroped --help)", key);
         return KVR_EINVAL;
     }
+    if (rc == KVR_ERANGE)
+        return KVR_EINVAL;    /* parse_size_opt said why */
     if (rc < 0) {
         seterr(err, "invalid value for --%s: '%s' (see kvroped --help)", key, v);
         rc = KVR_EINVAL;
@@ -265,16 +290,39 @@ static char *trim(char *s)
     return s;
 }
 
+/* A key the file set, and where (duplicates are refused, naming both). */
+typedef struct seen_key {
+    char key[40];
+    int  line;
+} seen_key;
+
 int kvr_daemon_config_load_file(kvr_daemon_config *c, const char *path,
                                 kvr_error *err)
 {
     FILE *f = fopen(path, "r");
     if (!f)
         return kvr_error_sys(err, KVR_EIO, errno, "cannot open config file %s", path);
-    char line[4096];
+    /* Every option at most once: known keys are all shorter than 40 bytes
+     * and fewer than 64 (an unknown one is refused before it is kept). */
+    seen_key seen[64];
+    size_t n_seen = 0;
+    char *line = NULL;
+    size_t cap = 0;
+    ssize_t len;
     int lineno = 0, rc = 0;
-    while (fgets(line, sizeof line, f)) {
+    while ((len = getline(&line, &cap, f)) >= 0) {
         lineno++;
+        /* A NUL would cut the value short where C reads it (issue 29). */
+        if (memchr(line, '\0', (size_t)len)) {
+            seterr(err, "%s:%d: the line holds a NUL byte (a binary file?)", path, lineno);
+            rc = KVR_EINVAL;
+            break;
+        }
+        if (len > 4096) {
+            seterr(err, "%s:%d: line longer than 4096 bytes", path, lineno);
+            rc = KVR_EINVAL;
+            break;
+        }
         char *hash = strchr(line, '#');
         if (hash)
             *hash = '\0';
@@ -300,7 +348,21 @@ int kvr_daemon_config_load_file(kvr_daemon_config *c, const char *path,
             rc = KVR_EINVAL;
             break;
         }
+        size_t i = 0;
+        while (i < n_seen && strcmp(seen[i].key, key))
+            i++;
+        if (i < n_seen) {
+            seterr(err, "%s:%d: '%s' is set again (first on line %d): each option may appear "
+                   "once", path, lineno, key, seen[i].line);
+            rc = KVR_EINVAL;
+            break;
+        }
+        if (n_seen < sizeof seen / sizeof seen[0] && strlen(key) < sizeof seen[0].key) {
+            snprintf(seen[n_seen].key, sizeof seen[n_seen].key, "%s", key);
+            seen[n_seen++].line = lineno;
+        }
     }
+    free(line);
     fclose(f);
     return rc;
 }
@@ -324,7 +386,8 @@ static const char *HELP =
 "                         localhost) needs nothing more; any other address\n"
 "                         requires --auth-token-file.\n"
 "  --auth-token-file FILE shared secret: TCP clients must send Auth with the\n"
-"                         file's content (trailing newline ignored) first\n"
+"                         file's content (trailing newline ignored) first;\n"
+"                         refused unless only its owner can read it (0600)\n"
 "  --max-memory SIZE      memory cap for the store, e.g. 4G, 512M or bytes\n"
 "                         (default: 4G or a quarter of RAM, whichever is less)\n"
 "  --max-connections N    simultaneous connections (default 1024); TCP clients\n"
@@ -364,13 +427,13 @@ static const char *HELP =
 "  --disk-engine ENGINE   auto | uring | posix (default auto: io_uring, or\n"
 "                         pread/pwrite when the kernel refuses it); posix\n"
 "                         forces the plain fallback\n"
-"  --persist-all          make every context persistent (else per put:\n"
-"                         Put.persist); needs --disk-dir. In a config file:\n"
-"                         persist-all = true\n"
 ;
 
 /* Split up: C11 compilers need only take 4095-byte literals. */
 static const char *HELP_LIMITS =
+"  --persist-all          make every context persistent (else per put:\n"
+"                         Put.persist); needs --disk-dir. In a config file:\n"
+"                         persist-all = true\n"
 "  --min-rate BYTES       a frame must arrive within --io-timeout plus its\n"
 "                         size at this rate (default 1M per second; 0 = no\n"
 "                         deadline), else the connection is closed and an\n"
@@ -415,6 +478,9 @@ static const char *HELP_TAIL =
 "                         (default 64; 0 = shared memory off)\n"
 "  --max-region-bytes SIZE  their total size per connection (default 64G;\n"
 "                         mappings only: the client's memfd holds the pages)\n"
+"  --max-regions-total N  regions of all connections together (default:\n"
+"                         vm.max_map_count less room for the daemon's own\n"
+"                         maps); past it register_region gets E_LIMIT\n"
 "  --config FILE          read options from FILE first; flags override it\n"
 "  -h, --help             show this help and exit\n"
 "  -V, --version          show the version and exit\n"
@@ -454,7 +520,7 @@ static bool known_option(const char *name)
 {
     static const char *names[] = {
         "socket", "listen", "auth-token-file", "max-memory", "max-connections", "max-frame",
-        "max-conn-buffer", "max-drain", "max-regions", "max-region-bytes", "block-tokens", "threads", "log-level", "config",
+        "max-conn-buffer", "max-drain", "max-regions", "max-region-bytes", "max-regions-total", "block-tokens", "threads", "log-level", "config",
         "io-timeout", "auth-timeout", "max-unauth-connections",
         "disk-dir", "disk-max", "disk-engine", "persist-all",
         "remote-tier", "remote-auth-file", "share-all",

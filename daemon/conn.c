@@ -22,10 +22,18 @@
  *    its state needs, so it never crosses a frame boundary. Read-ahead
  *    bytes of later frames wait in the inbuf while a request runs and are
  *    fed once it is done (update_reading), before the socket is read again.
- *  - fds (SCM_RIGHTS) come with the read holding the first bytes of the
- *    write they were sent with; a RegisterRegion among the frames of that
- *    read takes them, and the last frame read ahead closes strays
- *    (kvrd_conn_frames_ahead, dispatch.c).
+ *  - fds (SCM_RIGHTS) belong to the frame whose bytes they were sent with,
+ *    and only a RegisterRegion takes one (docs/protocol.md). The kernel
+ *    ends a read after the write that carried fds, so they come with the
+ *    read holding that write's bytes: a read bounded to the current frame
+ *    (MSG, PAYLOAD) gives them to it; a read at a frame boundary (into the
+ *    inbuf) to a RegisterRegion among its frames, else to its last frame
+ *    (kvrd_conn_frames_ahead, dispatch.c). fds on a frame that takes none
+ *    (a ping, a put's payload bytes) are refused: all pending fds closed,
+ *    E_BAD_REQUEST, the connection closed (an open put/edit aborted), at
+ *    once, never parked for a later frame (refuse_fds). At most
+ *    KVRD_MAX_PENDING_FDS wait for one frame; more close the connection
+ *    the same way, so a peer cannot hoard descriptors (issue 29).
  *  - The message buffer grows with the bytes that arrived (at most doubling,
  *    plus 64 KiB), never to the size a peer declared.
  *  - A payload is read straight into the iovecs dispatch hands over (a
@@ -109,6 +117,7 @@ static void conn_unref(kvr_conn *c)
 
 static void update_reading(kvr_conn *c);
 static void next_frame(kvr_conn *c);
+static bool check_fds(kvr_conn *c);
 static void alloc_cb(uv_handle_t *h, size_t suggested, uv_buf_t *buf);
 static void read_cb(uv_stream_t *s, ssize_t nread, const uv_buf_t *buf);
 static void payload_read_direct(kvr_conn *c);
@@ -116,6 +125,12 @@ static void feed_inbuf(kvr_conn *c);
 static bool wants_input(const kvr_conn *c);
 
 int kvr_conn_test_write_failures;
+
+/* A frame carries at most one fd (register_region's memfd); this many may
+ * wait for the frame they came with, a few reads' worth. A peer sending
+ * more (issue 29: a byte per sendmsg, each with 253 fds, took the daemon
+ * to its descriptor limit) is refused. */
+#define KVRD_MAX_PENDING_FDS 4
 
 static void on_close(uv_handle_t *h)
 {
@@ -925,7 +940,11 @@ static void read_cb(uv_stream_t *s, ssize_t nread, const uv_buf_t *buf)
     kvr_conn *c = s->data;
     kvr_conn_ref(c);
     c->in_read = true;
-    read_cb_body(s, nread, buf);
+    /* fds first: bytes that came with refused ones are not used. */
+    if (nread > 0 && !c->is_tcp && check_fds(c))
+        c->d->bytes_in += (uint64_t)nread;
+    else
+        read_cb_body(s, nread, buf);
     if (c->in_pos < c->in_len && !c->closing && wants_input(c)) {
         feed_inbuf(c);    /* the request that stopped the feed ended meanwhile */
         update_reading(c);
@@ -1055,6 +1074,58 @@ static void on_bytes(kvr_conn *c, size_t n, const uv_buf_t *buf)
     }
 }
 
+/* fds came where no frame takes them, or too many: every pending one is
+ * closed, the peer gets E_BAD_REQUEST (id 0) and the connection closes. A
+ * put or edit reading its payload is aborted first, as a close would. */
+static void refuse_fds(kvr_conn *c, const char *why)
+{
+    kvrd_shm_drop_fds(c);
+    if (c->read_fd >= 0)
+        close(c->read_fd);
+    c->read_fd = -1;
+    if (c->closing || c->close_after_write)
+        return;
+    if (c->st == KVRD_CONN_PAYLOAD) {
+        c->st = KVRD_CONN_BUSY;
+        kvrd_dispatch_conn_closing(c);    /* ends it (E_IO): nothing kept */
+        if (c->closing)
+            return;
+    }
+    kvr_conn_fail(c, 0, KVR_EBADREQUEST, why);
+}
+
+/* A libuv read of a Unix connection is in, its bytes not yet used: fds
+ * queued with it wait for the frame dispatch gives them to, unless they
+ * came with a payload's bytes (a PAYLOAD read never passes the payload's
+ * end) or too many wait. True: refused (the bytes are not to be used). A
+ * drained or lingering frame's fds are closed. */
+static bool check_fds(kvr_conn *c)
+{
+    if (c->closing)
+        return false;
+    int n = uv_pipe_pending_count(&c->h.pipe);
+    if (n == 0)
+        return false;
+    if (c->st == KVRD_CONN_DRAIN || c->st == KVRD_CONN_LINGER || c->close_after_write) {
+        kvrd_shm_drop_fds(c);
+        return false;
+    }
+    if (c->st == KVRD_CONN_PAYLOAD) {
+        refuse_fds(c, "file descriptors came with a payload's bytes: only a register_region "
+                   "frame carries one (SCM_RIGHTS on its bytes)");
+        return true;
+    }
+    if (n > KVRD_MAX_PENDING_FDS) {
+        char m[200];
+        snprintf(m, sizeof m, "%d file descriptors arrived for one frame: a frame carries at "
+                 "most one (register_region's memfd), at most %d may wait", n,
+                 KVRD_MAX_PENDING_FDS);
+        refuse_fds(c, m);
+        return true;
+    }
+    return false;
+}
+
 /* Reads what the socket holds of the payload straight into its iovecs, as
  * many as 64 of them in one recvmsg (libuv's read takes one buffer: a
  * payload over eight block iovecs cost eight reads, or one read into the
@@ -1105,6 +1176,9 @@ static void payload_read_direct(kvr_conn *c)
             c->drained = true;
         if (n <= 0)
             return;
+        /* fds: kept (one) for a frame read ahead with them; on this
+         * payload's bytes alone (the read ended within it), refused. */
+        bool ahead_fd = ahead && (size_t)n > want, fds = false;
         for (struct cmsghdr *h = mh.msg_controllen ? CMSG_FIRSTHDR(&mh) : NULL; h;
              h = CMSG_NXTHDR(&mh, h)) {
             if (h->cmsg_level != SOL_SOCKET || h->cmsg_type != SCM_RIGHTS)
@@ -1113,11 +1187,18 @@ static void payload_read_direct(kvr_conn *c)
             for (size_t j = 0; j < nfd; j++) {
                 int f;
                 memcpy(&f, CMSG_DATA(h) + j * sizeof(int), sizeof f);
-                if (c->read_fd < 0)
+                fds = true;
+                if (ahead_fd && c->read_fd < 0)
                     c->read_fd = f;
                 else
                     close(f);
             }
+        }
+        if ((fds || (mh.msg_flags & MSG_CTRUNC)) && !ahead_fd) {
+            c->d->bytes_in += (uint64_t)n;
+            refuse_fds(c, "file descriptors came with a payload's bytes: only a "
+                       "register_region frame carries one (SCM_RIGHTS on its bytes)");
+            return;
         }
         c->d->bytes_in += (uint64_t)n;
         c->read_ms = loop_ms(c);

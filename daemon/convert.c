@@ -343,6 +343,7 @@ int kvrd_refresh_params_from_pb(const Kvrope__Refresh *q, uint64_t payload_len,
         EDIT_SHAPE_FIELDS(q, payload_len),
         .start = (size_t)q->start,
         .end = q->has_end ? (size_t)q->end : SIZE_MAX,
+        .approx = q->has_approx && q->approx,
     };
     return 0;
 }
@@ -362,7 +363,8 @@ int kvrd_edit_ops_from_pb(Kvrope__EditOp *const *in, size_t n, kvr_edit_op **out
             return kvr_error_set(err, KVR_ERANGE, "edit op %zu: range out of bounds", i);
         }
         ops[i] = (kvr_edit_op){ .start = (size_t)in[i]->start, .end = (size_t)in[i]->end,
-                                .n_tokens = in[i]->n_tokens, .tokens = in[i]->tokens };
+                                .n_tokens = in[i]->n_tokens, .tokens = in[i]->tokens,
+                                .approx = in[i]->has_approx && in[i]->approx };
     }
     *out = ops;
     return 0;

@@ -48,6 +48,8 @@ typedef struct kvr_daemon_config {
     uint64_t max_drain;             /* payload bytes drained after a refused put */
     uint32_t max_regions;           /* shared-memory regions per connection */
     uint64_t max_region_bytes;      /* their total size per connection */
+    uint32_t max_regions_total;     /* regions of all connections together;
+                                       0 = from vm.max_map_count (shm.c) */
     uint32_t block_tokens;          /* 0 = the store's default */
     uint32_t threads;               /* libuv threadpool size; 0 = libuv default */
     uint32_t io_timeout;            /* s without progress mid-frame or on a reply; 0 = none */

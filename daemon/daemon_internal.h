@@ -153,6 +153,9 @@ struct kvr_daemon {
     uint64_t   per_verb[KVR_N_VERBS];
     /* Unfinished messages of all connections (conn.c) against their limit. */
     uint64_t   msg_buffered, msg_buffer_limit;
+    /* Shared-memory regions of all connections against their cap (shm.c:
+     * each is one mapping, and the kernel's vm.max_map_count is global). */
+    uint32_t   n_regions_all, region_cap;
     uint64_t   n_msg_limited, n_slow_closed;
     /* Connections with corked replies, flushed after the I/O phase. */
     kvr_conn  *corked;
@@ -318,10 +321,15 @@ void kvrd_conn_quiet(kvr_conn *c);
 /* The fds that came with the current frame: the first is returned (the
  * caller's, or -1 if none came), any others are closed. */
 int  kvrd_shm_take_fd(kvr_conn *c);
+/* Closes every fd queued on c's handle. */
+void kvrd_shm_drop_fds(kvr_conn *c);
 /* Validates fd (a memfd sealed against shrinking, >= size bytes, not
  * write-sealed), the per-connection limits, and maps it; the region is
  * the connection's (*out borrowed). fd stays the caller's. */
 int  kvrd_shm_register(kvr_conn *c, int fd, uint64_t size, kvrd_region **out, kvr_error *e);
+/* At start: d->region_cap from --max-regions-total, or derived from
+ * /proc/sys/vm/max_map_count less headroom for the daemon's own maps. */
+void kvrd_shm_init(kvr_daemon *d);
 kvrd_region *kvrd_shm_find(kvr_conn *c, uint32_t id);
 int  kvrd_shm_release(kvr_conn *c, uint32_t id, kvr_error *e);
 /* The connection closes: its references go (requests keep theirs). */

@@ -187,7 +187,7 @@ void kvrd_request_end(kvrd_request *r, int status)
      * connection closed under it ends with KVR_EIO), latency
      * uv_hrtime() - r->start_ns, bytes in KVR_FRAME_HEADER_SIZE +
      * r->msg_len + r->payload_len, bytes out r->bytes_out. */
-    kvr_metrics_observe(c->d->metrics, r->verb ? (int)r->verb->body : 0, kvr_error_status(status),
+    kvr_metrics_observe(c->d->metrics, r->verb ? (int)(r->verb - VERBS) : -1, kvr_error_status(status),
                         r->payload_len, r->bytes_out,
                         (double)(uv_hrtime() - r->start_ns) / 1e9);
     if (kvr_log_get_level() <= KVR_LOG_DEBUG)
@@ -1771,7 +1771,9 @@ CHANGES(set_retention, q->set_retention->context_id)
 #undef CHANGES
 
 /* name, BODY case, flags, changes, work, finish; start is do_<name>. The
- * order is the order of the requests_<verb> metrics in stats. */
+ * one list of verbs: the order of the requests_<verb> figures in stats and
+ * the verb="<name>" series of /metrics (metrics.c takes its names from
+ * kvrd_verb_name and its index from here). */
 #define VERB(n, B, fl, ch, wk, fin) \
     { #n, KVROPE__REQUEST__BODY_##B, (fl), do_##n, (ch), (wk), (fin) }
 static const kvrd_verb VERBS[KVR_N_VERBS] = {
@@ -1867,13 +1869,23 @@ void kvrd_dispatch_frame(kvr_conn *c, const kvr_frame_header *fh, const uint8_t 
     r->start_ns = uv_hrtime();
     r->verb = find_verb(q->body_case);
     /* fds never pile up on the handle: a RegisterRegion takes those that
-     * came with it; another frame closes strays when no later frame was
-     * read with it (it could be a RegisterRegion whose fd came in the same
-     * read: kvrd_conn_frames_ahead). */
-    bool takes = (r->verb && r->verb->body == KVROPE__REQUEST__BODY_REGISTER_REGION) ||
-                 !kvrd_conn_frames_ahead(c);
-    r->fd = takes ? kvrd_conn_take_fd(c) : -1;
+     * came with it; another frame takes them when no later frame was read
+     * with it (else they could be a later RegisterRegion's, read with it:
+     * kvrd_conn_frames_ahead), and refuses them (conn.c). */
+    bool region = r->verb && r->verb->body == KVROPE__REQUEST__BODY_REGISTER_REGION;
+    r->fd = region || !kvrd_conn_frames_ahead(c) ? kvrd_conn_take_fd(c) : -1;
     c->req = r;
+    if (r->fd >= 0 && !region) {
+        close(r->fd);
+        r->fd = -1;
+        char m[200];
+        snprintf(m, sizeof m, "a file descriptor came with this %s frame: only a "
+                 "register_region frame carries one (SCM_RIGHTS on its bytes)",
+                 r->verb ? r->verb->name : "unknown");
+        kvr_conn_fail(c, q->id, KVR_EBADREQUEST, m);
+        kvrd_request_end(r, KVR_EBADREQUEST);
+        return;
+    }
     const kvrd_verb *v = r->verb;
     if (v)
         d->per_verb[v - VERBS]++;

@@ -19,6 +19,17 @@
  *  - A scrape's text is plain malloc, outside the store's accounting, so
  *    monitoring still answers when the store is at its memory cap (at most
  *    MAX_SCRAPE_CONNS of them, ~50 KB each).
+ *  - No peer holds the scrape slots (issue 29: 16 connections dribbling a
+ *    header line every 3 s held all of them, before the token is checked):
+ *    at most PER_PEER_SCRAPE_CONNS connections per peer address, and every
+ *    request must be in and answered within REQUEST_DEADLINE_MS of its
+ *    connection's start (or of the previous request's end, keep-alive),
+ *    else the loop's watchdog shuts the socket down and libmicrohttpd
+ *    closes the connection. Its idle timeout (IDLE_TIMEOUT_S) alone is
+ *    reset by every byte. The watchdog knows a connection's fd only while
+ *    libmicrohttpd holds it open: it is listed at NOTIFY_STARTED and
+ *    unlisted at NOTIFY_CLOSED, which comes before the close, both under
+ *    conn_lock, and shutdown() runs under conn_lock.
  *  - Non-loopback addresses need a token (kvr_daemon_config_check); with a
  *    token every scrape must send "Authorization: Bearer TOKEN" (compared in
  *    constant time in the token's content), loopback or not, as on TCP.
@@ -45,6 +56,17 @@
 #define N_STATUS 24                      /* Status 0..23 (proto/kvrope.proto) */
 #define SNAP_WAIT_MS 1000
 #define MAX_SCRAPE_CONNS 16
+#define PER_PEER_SCRAPE_CONNS 4
+#define IDLE_TIMEOUT_S 10
+#define REQUEST_DEADLINE_MS 10000u
+#define WATCHDOG_MS 500u
+
+/* A scrape connection libmicrohttpd holds open (conn_lock). */
+typedef struct scrape_conn {
+    bool     used;
+    int      fd;
+    uint64_t deadline_ms;   /* kvr_now_ms; 0: shut down already */
+} scrape_conn;
 
 /* Latency buckets (seconds): 50 us .. 10 s. */
 static const double BUCKETS[] = {
@@ -74,6 +96,7 @@ typedef struct snapshot {
     bool            has_remote;   /* --remote-tier: r holds its counters */
     kvr_remote_stats r;
     uint64_t conns, unauth, conn_total, conn_refused;
+    uint64_t regions, region_cap;
     uint64_t requests, errors, wire_in, wire_out, streamed, stream_aborted;
     double   start_unix, uptime, published_unix;
     uint64_t gen;
@@ -101,6 +124,13 @@ struct kvr_metrics {
     char        addr[300];
 
     struct MHD_Daemon *mhd;
+
+    /* The request deadline's watchdog (loop thread timer). */
+    pthread_mutex_t conn_lock;
+    scrape_conn conns[MAX_SCRAPE_CONNS];   /* under conn_lock */
+    uint64_t    n_deadline_closed;         /* under conn_lock */
+    uv_timer_t  watchdog;
+    bool        has_watchdog;
 };
 
 uint64_t kvr_now_ns(void)
@@ -132,7 +162,7 @@ void kvr_metrics_observe(kvr_metrics *m, int verb, int status, uint64_t bytes_in
 {
     if (!m)
         return;
-    int v = verb - 10;
+    int v = verb;
     if (v < 0 || v >= KVR_N_VERBS || !m->verb_names[v])
         v = KVR_N_VERBS;
     if (status < 0 || status >= N_STATUS)
@@ -165,6 +195,8 @@ static void build(kvr_metrics *m, snapshot *s)
     s->unauth = d->n_unauth;
     s->conn_total = d->n_conn_total;
     s->conn_refused = d->n_conn_refused;
+    s->regions = d->n_regions_all;
+    s->region_cap = d->region_cap;
     s->requests = d->n_requests;
     s->errors = d->n_errors;
     s->wire_in = d->bytes_in;
@@ -377,6 +409,10 @@ static void render(const kvr_metrics *m, const snapshot *s, sbuf *b)
     scalar_u(b, "kvrope_connections_refused_total", "counter",
              "Connections refused by --max-connections or --max-unauth-connections.",
              s->conn_refused);
+    scalar_u(b, "kvrope_shm_regions", "gauge",
+             "Shared-memory regions registered, all connections together.", s->regions);
+    scalar_u(b, "kvrope_shm_regions_limit", "gauge",
+             "The cap on them (--max-regions-total, or from vm.max_map_count).", s->region_cap);
 
     /* Memory and store. */
     scalar_u(b, "kvrope_memory_allocated_bytes", "gauge",
@@ -690,6 +726,71 @@ static void name_of(const struct sockaddr_storage *ss, char *buf, size_t cap)
     }
 }
 
+/* HTTP thread: a connection opens (listed, its deadline set) or closes
+ * (unlisted, before libmicrohttpd closes its fd). */
+static void on_mhd_conn(void *cls, struct MHD_Connection *conn, void **socket_context,
+                        enum MHD_ConnectionNotificationCode code)
+{
+    kvr_metrics *m = cls;
+    pthread_mutex_lock(&m->conn_lock);
+    if (code == MHD_CONNECTION_NOTIFY_STARTED) {
+        const union MHD_ConnectionInfo *ci =
+            MHD_get_connection_info(conn, MHD_CONNECTION_INFO_CONNECTION_FD);
+        for (size_t i = 0; ci && i < MAX_SCRAPE_CONNS; i++) {
+            if (m->conns[i].used)
+                continue;
+            m->conns[i] = (scrape_conn){ .used = true, .fd = ci->connect_fd,
+                                         .deadline_ms = kvr_now_ms() + REQUEST_DEADLINE_MS };
+            *socket_context = &m->conns[i];
+            break;
+        }
+    } else if (*socket_context) {
+        ((scrape_conn *)*socket_context)->used = false;
+        *socket_context = NULL;
+    }
+    pthread_mutex_unlock(&m->conn_lock);
+}
+
+/* HTTP thread: a request was answered; the next one on the connection
+ * (keep-alive) has REQUEST_DEADLINE_MS from now. */
+static void on_mhd_done(void *cls, struct MHD_Connection *conn, void **con_cls,
+                        enum MHD_RequestTerminationCode toe)
+{
+    kvr_metrics *m = cls;
+    (void)con_cls;
+    (void)toe;
+    const union MHD_ConnectionInfo *ci =
+        MHD_get_connection_info(conn, MHD_CONNECTION_INFO_SOCKET_CONTEXT);
+    pthread_mutex_lock(&m->conn_lock);
+    scrape_conn *sc = ci ? ci->socket_context : NULL;
+    if (sc && sc->used && sc->deadline_ms)
+        sc->deadline_ms = kvr_now_ms() + REQUEST_DEADLINE_MS;
+    pthread_mutex_unlock(&m->conn_lock);
+}
+
+/* Loop thread: shuts down the sockets of connections past their deadline
+ * (libmicrohttpd then reads EOF and closes them). */
+static void on_watchdog(uv_timer_t *t)
+{
+    kvr_metrics *m = t->data;
+    uint64_t now = kvr_now_ms();
+    unsigned n = 0;
+    pthread_mutex_lock(&m->conn_lock);
+    for (size_t i = 0; i < MAX_SCRAPE_CONNS; i++) {
+        scrape_conn *sc = &m->conns[i];
+        if (!sc->used || !sc->deadline_ms || now < sc->deadline_ms)
+            continue;
+        shutdown(sc->fd, SHUT_RDWR);
+        sc->deadline_ms = 0;
+        n++;
+    }
+    m->n_deadline_closed += n;
+    pthread_mutex_unlock(&m->conn_lock);
+    if (n)
+        kvr_log(KVR_LOG_INFO, "metrics: closed %u connection%s whose request was not in and "
+                "answered within %u s", n, n == 1 ? "" : "s", REQUEST_DEADLINE_MS / 1000);
+}
+
 static int start_http(kvr_metrics *m, int listen_fd, kvr_error *err)
 {
     const kvr_daemon_config *cfg = &m->d->cfg;
@@ -735,20 +836,34 @@ static int start_http(kvr_metrics *m, int listen_fd, kvr_error *err)
                                   MHD_OPTION_EXTERNAL_LOGGER, mhd_log, m,
                                   MHD_OPTION_LISTEN_SOCKET, (MHD_socket)listen_fd,
                                   MHD_OPTION_CONNECTION_LIMIT, (unsigned)MAX_SCRAPE_CONNS,
-                                  MHD_OPTION_CONNECTION_TIMEOUT, (unsigned)10,
+                                  MHD_OPTION_PER_IP_CONNECTION_LIMIT,
+                                  (unsigned)PER_PEER_SCRAPE_CONNS,
+                                  MHD_OPTION_CONNECTION_TIMEOUT, (unsigned)IDLE_TIMEOUT_S,
                                   MHD_OPTION_CONNECTION_MEMORY_LIMIT, (size_t)32768,
+                                  MHD_OPTION_NOTIFY_CONNECTION, on_mhd_conn, m,
+                                  MHD_OPTION_NOTIFY_COMPLETED, on_mhd_done, m,
                                   MHD_OPTION_END);
     else
         m->mhd = MHD_start_daemon(flags, 0, NULL, NULL, on_http, m,
                                   MHD_OPTION_EXTERNAL_LOGGER, mhd_log, m,
                                   MHD_OPTION_SOCK_ADDR, (struct sockaddr *)&ss,
                                   MHD_OPTION_CONNECTION_LIMIT, (unsigned)MAX_SCRAPE_CONNS,
-                                  MHD_OPTION_CONNECTION_TIMEOUT, (unsigned)10,
+                                  MHD_OPTION_PER_IP_CONNECTION_LIMIT,
+                                  (unsigned)PER_PEER_SCRAPE_CONNS,
+                                  MHD_OPTION_CONNECTION_TIMEOUT, (unsigned)IDLE_TIMEOUT_S,
                                   MHD_OPTION_CONNECTION_MEMORY_LIMIT, (size_t)32768,
+                                  MHD_OPTION_NOTIFY_CONNECTION, on_mhd_conn, m,
+                                  MHD_OPTION_NOTIFY_COMPLETED, on_mhd_done, m,
                                   MHD_OPTION_END);
     if (!m->mhd) {
         return kvr_error_set(err, KVR_EIO, "--metrics-listen %s: cannot start the HTTP server (address in "
                  "use or not available?)", listen_fd >= 0 ? "(activated)" : cfg->metrics_listen);
+    }
+    if (uv_timer_init(&m->d->loop, &m->watchdog) == 0) {
+        m->watchdog.data = m;
+        m->has_watchdog = true;
+        uv_timer_start(&m->watchdog, on_watchdog, WATCHDOG_MS, WATCHDOG_MS);
+        uv_unref((uv_handle_t *)&m->watchdog);    /* never keeps the loop alive */
     }
     /* The bound address (port 0 picks one). */
     const union MHD_DaemonInfo *fi = MHD_get_daemon_info(m->mhd, MHD_DAEMON_INFO_LISTEN_FD);
@@ -806,15 +921,15 @@ int kvr_metrics_create(kvr_daemon *d, int listen_fd, kvr_error *err)
     m->stage = b;
     m->start_unix = now_unix();
     pthread_mutex_init(&m->lock, NULL);
+    pthread_mutex_init(&m->conn_lock, NULL);
     pthread_condattr_t ca;
     pthread_condattr_init(&ca);
     pthread_cond_init(&m->cond, &ca);
     pthread_condattr_destroy(&ca);
-    for (int v = 0; v < KVR_N_VERBS; v++) {
-        const ProtobufCFieldDescriptor *f =
-            protobuf_c_message_descriptor_get_field(&kvrope__request__descriptor, (unsigned)(v + 10));
-        m->verb_names[v] = f ? f->name : NULL;
-    }
+    /* The verbs stats counts (dispatch.c's table), in its order: every
+     * verb has its series, whatever its body's field number. */
+    for (int v = 0; v < KVR_N_VERBS; v++)
+        m->verb_names[v] = kvrd_verb_name((size_t)v);
     m->verb_names[KVR_N_VERBS] = "none";
     for (int st = 0; st < N_STATUS; st++) {
         const ProtobufCEnumValue *ev =
@@ -855,6 +970,10 @@ void kvr_metrics_stop(kvr_daemon *d)
         uv_close((uv_handle_t *)&m->async, NULL);
         m->has_async = false;
     }
+    if (m->has_watchdog) {
+        uv_close((uv_handle_t *)&m->watchdog, NULL);
+        m->has_watchdog = false;
+    }
 }
 
 void kvr_metrics_destroy(kvr_daemon *d)
@@ -864,6 +983,7 @@ void kvr_metrics_destroy(kvr_daemon *d)
         return;
     kvr_metrics_stop(d);
     pthread_mutex_destroy(&m->lock);
+    pthread_mutex_destroy(&m->conn_lock);
     pthread_cond_destroy(&m->cond);
     free(m->token);
     kvr_mem_free(m->snap);

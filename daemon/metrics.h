@@ -34,7 +34,8 @@ size_t kvr_metrics_bucket(double seconds);
 int  kvr_metrics_create(kvr_daemon *d, int listen_fd, kvr_error *err);
 
 /* THE per-request observation, one call when a request completes (its
- * reply queued): verb = the Request body case (0 or unknown: "none"),
+ * reply queued): verb = the index of the request's verb in dispatch.c's
+ * table (kvrd_verb_name; -1, no or an unknown body: "none"),
  * status = the reply's Status, payload bytes received / sent, seconds from
  * the frame's header to the reply. Loop thread; m may be NULL. */
 void kvr_metrics_observe(kvr_metrics *m, int verb, int status, uint64_t bytes_in,

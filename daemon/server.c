@@ -8,7 +8,10 @@
  * probed first: a live daemon there makes us refuse to start; a stale
  * socket is removed; anything that is not a socket is left alone and we
  * refuse. The default socket's directory must be ours and writable by no
- * one else (another user could replace the socket otherwise). Stopping
+ * one else (another user could replace the socket otherwise); a --socket
+ * in a directory every user can write to (/tmp) is used with a warning
+ * saying why. A token file its group or others can read or write is
+ * refused (kvr_daemon_read_token), as sshd refuses such a key. Stopping
  * (SIGINT/SIGTERM or kvr_daemon_stop) closes the listeners and removes the
  * socket file at once, but only if the path still names the socket we
  * bound (same device and inode: a successor may have replaced it), lets
@@ -173,6 +176,35 @@ static int private_parent(const char *path, kvr_error *err)
     return 0;
 }
 
+/* A --socket path in a directory others may write to, sticky or not
+ * (/tmp): warned about, not refused (docs/operations.md, "The socket
+ * path"). Sticky: another user can create the path first (a socket of
+ * theirs while ours is down, which clients then talk to, or a file that
+ * stops us starting); not sticky: they can also replace ours. */
+static void shared_dir_warning(const char *path)
+{
+    char dir[256];
+    snprintf(dir, sizeof dir, "%s", path);
+    char *slash = strrchr(dir, '/');
+    if (!slash)
+        snprintf(dir, sizeof dir, ".");
+    else if (slash == dir)
+        dir[1] = '\0';
+    else
+        *slash = '\0';
+    struct stat st;
+    if (stat(dir, &st) < 0 || !(st.st_mode & S_IWOTH))
+        return;
+    kvr_log(KVR_LOG_WARN, "--socket %s is in %s, a directory every user can write to (mode "
+            "%04o): %s; put the socket in a directory only this user can write to (the "
+            "default, $XDG_RUNTIME_DIR/kvrope or /run/kvrope)", path, dir,
+            (unsigned)(st.st_mode & 07777),
+            (st.st_mode & S_ISVTX)
+                ? "another user can create this path before us, and clients would then talk "
+                  "to their socket while ours is down"
+                : "another user can remove or replace the socket");
+}
+
 /* 0: path free (or stale socket removed); <0: refuse. */
 static int probe_socket_path(const char *path, kvr_error *err)
 {
@@ -223,6 +255,7 @@ static int listen_unix(kvr_daemon *d, kvr_error *err)
     if (strlen(d->sock_path) >= sizeof(((struct sockaddr_un *)0)->sun_path))
         return kvr_error_set(err, KVR_EINVAL, "socket path too long (max 107 bytes): %s",
                              d->sock_path);
+    shared_dir_warning(d->sock_path);
     int rc = probe_socket_path(d->sock_path, err);
     if (rc < 0)
         return rc;
@@ -330,12 +363,18 @@ int kvr_daemon_read_token(const char *path, uint8_t **tok, size_t *len, kvr_erro
     FILE *f = fopen(path, "rb");
     if (!f)
         return kvr_error_sys(err, KVR_EIO, errno, "--auth-token-file %s", path);
+    /* Refused, as sshd refuses such a private key: anyone who can read
+     * the token can use the daemon, and anyone who can write it can lock
+     * every client out (issue 29). */
     struct stat st;
-    if (fstat(fileno(f), &st) == 0 && (st.st_mode & (S_IRWXG | S_IRWXO)))
-        kvr_log(KVR_LOG_WARN, "--auth-token-file %s can be read or written by %s (mode %04o): "
-                "anyone who reads it can use the daemon; chmod 600 it", path,
-                (st.st_mode & S_IRWXO) ? "other users" : "its group",
-                (unsigned)(st.st_mode & 07777));
+    if (fstat(fileno(f), &st) == 0 && (st.st_mode & (S_IRWXG | S_IRWXO))) {
+        fclose(f);
+        return kvr_error_set(err, KVR_EUNAUTH, "--auth-token-file %s can be read or written by "
+                             "%s (mode %04o): refusing it (anyone who reads it can use the "
+                             "daemon); chmod 600 it (mode 0600 or 0400)", path,
+                             (st.st_mode & S_IRWXO) ? "other users" : "its group",
+                             (unsigned)(st.st_mode & 07777));
+    }
     uint8_t buf[4097];
     size_t n = fread(buf, 1, sizeof buf, f);
     fclose(f);
@@ -657,6 +696,7 @@ void kvr_daemon_reload(kvr_daemon *d)
         { "disk-max", o->disk_max != nc.disk_max },
         { "disk-engine", o->disk_engine != nc.disk_engine },
         { "persist-all", o->persist_all != nc.persist_all },
+        { "max-regions-total", o->max_regions_total != nc.max_regions_total },
     };
     for (size_t i = 0; i < sizeof fixed / sizeof fixed[0]; i++)
         if (fixed[i].changed)
@@ -738,6 +778,7 @@ int kvr_daemon_create(kvr_daemon **out, const kvr_daemon_config *cfg, kvr_error 
     d->msg_buffer_limit = cfg->max_msg_buffers ? cfg->max_msg_buffers : cfg->max_memory / 8;
     if (d->msg_buffer_limit < d->limits.max_msg_len)
         d->msg_buffer_limit = d->limits.max_msg_len;
+    kvrd_shm_init(d);     /* the region cap over all connections */
     int rc = uv_loop_init(&d->loop);
     if (rc < 0) {
         kvr_mem_free(d);

@@ -12,7 +12,15 @@
  *  - every slice is checked against the region's size without overflow;
  *  - the client may change the bytes at any time: puts copy out of the
  *    region first and validate the daemon's copy (dispatch.c).
- * Regions count against --max-regions / --max-region-bytes per connection.
+ * Regions count against --max-regions / --max-region-bytes per connection,
+ * and against one cap over all connections (d->region_cap,
+ * --max-regions-total): each region is a mapping, and the kernel's
+ * vm.max_map_count (65,530 by default) is the whole process's, so 1,024
+ * connections x 64 regions would leave the allocator no mappings and
+ * unrelated clients' puts would fail with E_NO_MEMORY (issue 29). The
+ * default cap is max_map_count less headroom for the daemon's own maps
+ * (KVRD_MAP_HEADROOM, or a quarter when that is more); a register past it
+ * gets E_LIMIT, and only the client that asked sees it.
  *
  * Lifetime: a region is reference counted on the loop thread only. The
  * connection holds one reference from registration until ReleaseRegion or
@@ -23,7 +31,9 @@
  * File descriptors: the pipe is in libuv's ipc mode, so fds sent with a
  * frame's bytes are queued on the handle. Each frame's fds are taken when
  * it is dispatched (kvrd_shm_take_fd): the first is kept for a
- * RegisterRegion, every other one is closed, so none accumulate.
+ * RegisterRegion, every other one is closed; fds on a frame that takes
+ * none, or more than KVRD_MAX_PENDING_FDS waiting for one frame, close
+ * the connection (conn.c), so none accumulate.
  */
 #include "daemon/daemon_internal.h"
 
@@ -48,6 +58,38 @@
 #define F_SEAL_FUTURE_WRITE 0x0010
 #endif
 
+/* Mappings kept for the daemon itself (libraries, thread stacks, the
+ * allocator's extents, io_uring rings) when the region cap is derived. */
+#define KVRD_MAP_HEADROOM 16384u
+
+void kvrd_shm_init(kvr_daemon *d)
+{
+    uint64_t maps = 65530;     /* the kernel's default */
+    FILE *f = fopen("/proc/sys/vm/max_map_count", "r");
+    if (f) {
+        unsigned long long v;
+        if (fscanf(f, "%llu", &v) == 1 && v > 0)
+            maps = v;
+        fclose(f);
+    }
+    uint64_t room = maps / 4 > KVRD_MAP_HEADROOM ? maps / 4 : KVRD_MAP_HEADROOM;
+    uint64_t cap = maps > 2 * room ? maps - room : maps / 2;
+    if (cap > (1u << 30))
+        cap = 1u << 30;
+    if (d->cfg.max_regions_total) {
+        if (d->cfg.max_regions_total > cap)
+            kvr_log(KVR_LOG_WARN, "--max-regions-total %u leaves fewer than %llu of "
+                    "vm.max_map_count (%llu) for the daemon's own mappings: when regions use "
+                    "them up, allocations fail for every client", d->cfg.max_regions_total,
+                    (unsigned long long)room, (unsigned long long)maps);
+        cap = d->cfg.max_regions_total;
+    }
+    d->region_cap = (uint32_t)cap;
+    if (d->cfg.max_regions)
+        kvr_log(KVR_LOG_INFO, "shared-memory regions: at most %u over all connections "
+                "(vm.max_map_count %llu)", d->region_cap, (unsigned long long)maps);
+}
+
 static void region_free(kvrd_region *g)
 {
     if (g->base)
@@ -71,11 +113,13 @@ static void close_tmp(uv_handle_t *h)
     kvr_mem_free(h);
 }
 
-int kvrd_shm_take_fd(kvr_conn *c)
+/* Takes every fd queued on c's handle: the first is kept (a dup, returned)
+ * when keep_first, every other one closed. -1: none kept. */
+static int take_pending(kvr_conn *c, bool keep_first)
 {
     if (c->is_tcp || c->closing || uv_pipe_pending_count(&c->h.pipe) == 0)
         return -1;
-    int keep = -1;
+    int keep = keep_first ? -1 : -2;
     while (uv_pipe_pending_count(&c->h.pipe) > 0) {
         uv_pipe_t *tmp = kvr_mem_malloc(sizeof *tmp);
         if (!tmp || uv_pipe_init(&c->d->loop, tmp, 0) < 0) {
@@ -84,7 +128,7 @@ int kvrd_shm_take_fd(kvr_conn *c)
         }
         if (uv_accept(&c->h.stream, (uv_stream_t *)tmp) == 0) {
             uv_os_fd_t fd;
-            if (keep < 0 && uv_fileno((uv_handle_t *)tmp, &fd) == 0)
+            if (keep == -1 && uv_fileno((uv_handle_t *)tmp, &fd) == 0)
                 keep = fcntl(fd, F_DUPFD_CLOEXEC, 0);
         }
         uv_close((uv_handle_t *)tmp, close_tmp);   /* closes its fd */
@@ -93,7 +137,17 @@ int kvrd_shm_take_fd(kvr_conn *c)
      * connection that is not reading must not be woken by its bytes. */
     if (!c->reading && !c->closing)
         kvrd_conn_quiet(c);
-    return keep;
+    return keep < 0 ? -1 : keep;
+}
+
+int kvrd_shm_take_fd(kvr_conn *c)
+{
+    return take_pending(c, true);
+}
+
+void kvrd_shm_drop_fds(kvr_conn *c)
+{
+    take_pending(c, false);
 }
 
 int kvrd_shm_register(kvr_conn *c, int fd, uint64_t size, kvrd_region **out, kvr_error *e)
@@ -136,6 +190,13 @@ int kvrd_shm_register(kvr_conn *c, int fd, uint64_t size, kvrd_region **out, kvr
                              (unsigned long long)size,
                              (unsigned long long)cfg->max_region_bytes,
                              (unsigned long long)c->region_bytes);
+    kvr_daemon *d = c->d;
+    if (d->n_regions_all >= d->region_cap)
+        return kvr_error_set(e, KVR_ELIMIT, "register_region: the daemon holds %u regions over "
+                             "all connections, its limit (--max-regions-total %u%s): release "
+                             "regions, or send the payload on the socket", d->n_regions_all,
+                             d->region_cap, cfg->max_regions_total ? ""
+                             : ", from vm.max_map_count");
     kvrd_region *g = kvr_mem_calloc(1, sizeof *g);
     if (!g)
         return kvr_error_set(e, KVR_ENOMEM, "register_region: out of memory");
@@ -143,9 +204,11 @@ int kvrd_shm_register(kvr_conn *c, int fd, uint64_t size, kvrd_region **out, kvr
     if (p == MAP_FAILED) {
         int er = errno;
         kvr_mem_free(g);
-        return kvr_error_set(e, er == ENOMEM ? KVR_ENOMEM : KVR_EINVAL,
-                             "register_region: cannot map the memfd read-write: %s",
-                             strerror(er));
+        /* ENOMEM here is the address space or the map count, not the
+         * store's memory: E_LIMIT, for this client only. */
+        return kvr_error_set(e, er == ENOMEM ? KVR_ELIMIT : KVR_EINVAL,
+                             "register_region: cannot map the memfd read-write: %s%s",
+                             strerror(er), er == ENOMEM ? " (vm.max_map_count reached?)" : "");
     }
     g->base = p;
     g->size = (size_t)size;
@@ -156,6 +219,7 @@ int kvrd_shm_register(kvr_conn *c, int fd, uint64_t size, kvrd_region **out, kvr
     g->next = c->regions;
     c->regions = g;
     c->n_regions++;
+    d->n_regions_all++;
     c->region_bytes += size;
     *out = g;
     return 0;
@@ -177,6 +241,7 @@ int kvrd_shm_release(kvr_conn *c, uint32_t id, kvr_error *e)
             continue;
         *pp = g->next;
         c->n_regions--;
+        c->d->n_regions_all--;
         c->region_bytes -= g->size;
         kvrd_region_unref(g);
         return 0;
@@ -188,6 +253,7 @@ void kvrd_shm_conn_closed(kvr_conn *c)
 {
     kvrd_region *g = c->regions;
     c->regions = NULL;
+    c->d->n_regions_all -= c->n_regions;
     c->n_regions = 0;
     c->region_bytes = 0;
     while (g) {

@@ -1,26 +1,38 @@
 #!/bin/sh
 # Installs the Debian packages kvrope needs, and only the missing ones, so that
-# `make test` and `make run` work on a fresh Debian 12 machine as root.
-# Usage: scripts/deps.sh [core|test|bench|fuzz|eval]   (test, bench, fuzz and eval each
-# include core and test; fuzz adds clang and its libFuzzer runtime for make fuzz/fuzz-ci;
-# eval adds matplotlib for make eval's pictures)
+# `make run` and `make test` work on a fresh Debian 12 machine as root.
+# Usage: scripts/deps.sh [core|run|test|bench|fuzz|eval]
+#   core   what the C build links (kvroped, kvrope, libkvrope)
+#   run    core + what `make run` needs at run time: Debian's python3 with numpy
+#          (scripts/gen-gguf.py writes the served model's GGUF) and node/npm/git
+#          (client/llama/llama.mk fetches llama.cpp's libraries for kvrope-llama)
+#   test   run + the test-only packages below (what `make test` needs)
+#   bench, fuzz, eval: test + clang and its libFuzzer runtime (fuzz), matplotlib
+#          for make eval's pictures (eval); bench and eval add nothing else
+# scripts/deps.sh --list LEVEL prints the level's packages and installs nothing.
 set -eu
+list=0
+if [ "${1:-}" = --list ]; then list=1; shift; fi
 level=${1:-test}
 pkgs="build-essential pkg-config libuv1-dev libjemalloc-dev libprotobuf-c-dev protobuf-c-compiler liburing-dev libcjson-dev libmicrohttpd-dev libsystemd-dev libhiredis-dev"
-# Tests: Criterion, the Python suite, and for the operations tests promtool
+runpkgs="python3 python3-numpy nodejs npm git"
+# Tests only: Criterion, the Python suite, and for the operations tests promtool
 # (prometheus), systemd-analyze (systemd) and groff (the man pages). OpenBLAS:
 # Debian's torch and numpy otherwise run on the reference BLAS, ~12x slower
 # (eval/train.py, the numpy Llama of the eval tests). libpython3.11-stdlib is
-# the eval model's corpus (eval/corpus.py).
-testpkgs="libcriterion-dev python3 python3-numpy python3-pytest prometheus systemd groff-base libopenblas0-pthread libpython3.11-stdlib"
+# the eval model's corpus (eval/corpus.py). torch and Redis (the tests' cluster,
+# the benches' baseline) are never needed to run kvrope.
+testpkgs="$runpkgs libcriterion-dev python3-pytest prometheus systemd groff-base libopenblas0-pthread libpython3.11-stdlib python3-torch redis-server redis-tools"
 case "$level" in
-  test)  pkgs="$pkgs $testpkgs python3-torch git nodejs npm redis-server redis-tools" ;;
-  bench) pkgs="$pkgs $testpkgs python3-torch git nodejs npm redis-server redis-tools" ;;
-  fuzz)  pkgs="$pkgs $testpkgs python3-torch git nodejs npm clang libclang-rt-14-dev" ;;
-  eval)  pkgs="$pkgs $testpkgs python3-torch git nodejs npm redis-server redis-tools python3-matplotlib" ;;
   core)  ;;
-  *) echo "usage: $0 [core|test|bench|fuzz|eval]" >&2; exit 2 ;;
+  run)   pkgs="$pkgs $runpkgs" ;;
+  test)  pkgs="$pkgs $testpkgs" ;;
+  bench) pkgs="$pkgs $testpkgs" ;;
+  fuzz)  pkgs="$pkgs $testpkgs clang libclang-rt-14-dev" ;;
+  eval)  pkgs="$pkgs $testpkgs python3-matplotlib" ;;
+  *) echo "usage: $0 [--list] [core|run|test|bench|fuzz|eval]" >&2; exit 2 ;;
 esac
+if [ $list = 1 ]; then echo $pkgs; exit 0; fi
 missing=""
 for p in $pkgs; do
   # Node and npm may come from elsewhere than Debian (they do on the CI image);

@@ -45,6 +45,10 @@ int cli_run(kvr_client *c, const cli_args *a);
 bool cli_known_command(const char *cmd);
 bool cli_option_takes_value(const char *name);
 
+/* Writes a KV result to `out` by extension (.safetensors, .npy, else raw
+ * layer-major; "-" = stdout). CLI_OK or the exit code after printing why. */
+int cli_write_kv(const cli_args *a, const kvr_kv *kv, const char *out);
+
 /* Maps a libkvrope code to an exit code, printing the error. */
 int cli_fail(const cli_args *a, kvr_client *c, int code, const char *what);
 
@@ -98,6 +102,31 @@ int cli_st_write_ex(const char *path, const kvr_kv *kv, const char *const *extra
                     size_t n_meta, const cli_st_extra *extra, size_t n_extra, char *err,
                     size_t errlen);
 
+/* A NumPy .npy file (docs/formats.md): little-endian, C order. data points
+ * into the file (or the parsed buffer). */
+#define CLI_NPY_MAX_DIMS 8
+typedef struct cli_npy {
+    cli_mapped     file;                    /* empty after cli_npy_parse */
+    char           descr[8];                /* "<f4", "<f2", "<i4", "<u4", "<i8", ... */
+    size_t         elem;                    /* bytes per element */
+    int            ndim;
+    size_t         shape[CLI_NPY_MAX_DIMS];
+    size_t         count;                   /* elements */
+    const uint8_t *data;
+    size_t         data_len;
+} cli_npy;
+
+int  cli_npy_parse(const void *buf, size_t len, cli_npy *n, char *err, size_t errlen);
+int  cli_npy_read(const char *path, cli_npy *n, char *err, size_t errlen);
+void cli_npy_free(cli_npy *n);
+/* A KV array [layers, 2, tokens, kv_heads, head_dim] of float32/float16:
+ * exactly kvrope's layer-major payload. 0, or -1 with err naming path. */
+int  cli_npy_kv_shape(const cli_npy *n, const char *path, kvr_dtype *dt, uint32_t *layers,
+                      size_t *tokens, uint32_t *heads, uint32_t *dim, char *err, size_t errlen);
+/* Writes an .npy (version 1) of descr and shape whose data are the iovecs. */
+int  cli_npy_write(const char *path, const char *descr, const size_t *shape, int ndim,
+                   struct iovec *iov, size_t n_iov, char *err, size_t errlen);
+
 /* Writes a buffer / iovecs to path ("-" = stdout). */
 int cli_write_iov(const char *path, struct iovec *iov, size_t n, char *err, size_t errlen);
 
@@ -107,7 +136,8 @@ bool cli_has_suffix(const char *s, const char *suffix);
  * array (free). Returns count or -1. */
 long cli_parse_u32_list(const char *s, uint32_t **out);
 long cli_parse_i64_list(const char *s, int64_t **out);
-/* Tokens from a file: *.bin = little-endian u32, else text as above. */
+/* Tokens from a file: *.bin = little-endian u32, *.npy = a 1-D integer
+ * array, else text as above. */
 long cli_read_tokens_file(const char *path, uint32_t **out, char *err, size_t errlen);
 
 /* ---- position layouts (cli_layout.c) ------------------------------------ */
@@ -142,6 +172,12 @@ int cli_put_layout_opts(const cli_args *a, kvr_put_args *p, cli_put_layout *lay)
 void cli_layout_stat_json(kvr_client *c, const char *ctx, struct cJSON *j);
 void cli_layout_stat_print(kvr_client *c, const char *ctx);
 
+
+/* ---- payloads from a model (cli_payload.c) ----------------------------- */
+extern const char cli_payload_help[];
+bool cli_payload_command(const char *cmd);
+int  cli_payload_run(kvr_client *c, const cli_args *a);
+bool cli_payload_option_takes_value(const char *name);
 
 /* ---- llama.cpp states (cli_llama.c) ------------------------------------ */
 extern const char cli_llama_help[];

@@ -646,6 +646,7 @@ static int cmd_put(kvr_client *c, const cli_args *a)
     char err[400];
     cli_st_kv st = { 0 };
     cli_mapped raw = { 0 };
+    cli_npy npy = { 0 };
     struct iovec *iov = NULL;
     kvr_model m;
     int r;
@@ -695,6 +696,30 @@ static int cmd_put(kvr_client *c, const cli_args *a)
         }
         p.iov = iov;
         p.iovcnt = 2 * (size_t)st.n_layers;
+    } else if (cli_has_suffix(file, ".npy")) {
+        /* [layers, 2, tokens, heads, dim]: the raw payload with its shape. */
+        uint32_t nl, nh, nd;
+        size_t nt;
+        kvr_dtype ndt;
+        if (cli_npy_read(file, &npy, err, sizeof err) < 0 ||
+            cli_npy_kv_shape(&npy, file, &ndt, &nl, &nt, &nh, &nd, err, sizeof err) < 0) {
+            rc = cli_io_err(a, err);
+            goto out;
+        }
+        if (nt != (size_t)ntok) {
+            rc = cli_usage_err("%s holds %zu tokens, --tokens gives %ld", file, nt, ntok);
+            goto out;
+        }
+        if (has_dt && dt != ndt) {
+            rc = cli_usage_err("--dtype differs from the array's dtype in %s", file);
+            goto out;
+        }
+        p.dtype = ndt;
+        p.n_layers = nl;
+        p.n_kv_heads = nh;
+        p.head_dim = nd;
+        p.payload = npy.data ? (const void *)npy.data : "";
+        p.payload_len = npy.data_len;
     } else {
         if (cli_map_file(file, &raw, err, sizeof err) < 0) {
             rc = cli_io_err(a, err);
@@ -800,17 +825,27 @@ out:
     free(positions);
     cli_st_free(&st);
     cli_unmap(&raw);
+    cli_npy_free(&npy);
     return rc;
 }
 
 /* Writes a get/match result to `out` by extension, or reports meta only. */
-static int write_kv(const cli_args *a, const kvr_kv *kv, const char *out)
+int cli_write_kv(const cli_args *a, const kvr_kv *kv, const char *out)
 {
     char err[400];
     if (out) {
         int w;
         if (cli_has_suffix(out, ".safetensors")) {
             w = cli_st_write(out, kv, err, sizeof err);
+        } else if (cli_has_suffix(out, ".npy")) {
+            if (kv->dtype != KVR_DTYPE_F32 && kv->dtype != KVR_DTYPE_F16)
+                return cli_usage_err(".npy has no %s: give --dtype f32 or f16, or write "
+                                     ".safetensors", kvr_dtype_name(kv->dtype));
+            size_t shape[5] = { kv->n_layers, 2, (size_t)kv->n_tokens, kv->n_kv_heads,
+                                kv->head_dim };
+            struct iovec iov = { kv->payload, kv->payload_len };
+            w = cli_npy_write(out, kv->dtype == KVR_DTYPE_F32 ? "<f4" : "<f2", shape, 5, &iov,
+                              1, err, sizeof err);
         } else {
             struct iovec iov = { kv->payload, kv->payload_len };
             w = cli_write_iov(out, &iov, 1, err, sizeof err);
@@ -933,7 +968,7 @@ static int cmd_get(kvr_client *c, const cli_args *a)
     free(layers);
     if (r < 0)
         return cli_fail(a, c, r, "get");
-    int rc = meta ? CLI_OK : write_kv(a, &kv, out);
+    int rc = meta ? CLI_OK : cli_write_kv(a, &kv, out);
     if (rc == CLI_OK) {
         if (a->json) {
             cJSON *j = kv_json(&kv, meta ? NULL : out);
@@ -1019,7 +1054,7 @@ static int cmd_match(kvr_client *c, const cli_args *a)
         return cli_fail(a, c, r, "match");
     rc = CLI_OK;
     if (res.has_kv)
-        rc = write_kv(a, &res.kv, out);
+        rc = cli_write_kv(a, &res.kv, out);
     if (rc == CLI_OK) {
         if (a->json) {
             cJSON *j = cJSON_CreateObject();
@@ -1133,6 +1168,7 @@ static int cmd_shift_keep(kvr_client *c, const cli_args *a, bool shift)
 typedef struct kv_src {
     cli_st_kv     st;
     cli_mapped    raw;
+    cli_npy       npy;
     struct iovec *iov;
     size_t        iovcnt;
     const void   *payload;
@@ -1146,6 +1182,7 @@ static void kv_src_free(kv_src *k)
     free(k->iov);
     cli_st_free(&k->st);
     cli_unmap(&k->raw);
+    cli_npy_free(&k->npy);
     memset(k, 0, sizeof *k);
 }
 
@@ -1181,6 +1218,22 @@ static int kv_src_load(kvr_client *c, const cli_args *a, const char *ctx, const 
             k->iov[2 * l + 1] = (struct iovec){ (void *)(uintptr_t)(k->st.v + l * slab), slab };
         }
         k->iovcnt = 2 * (size_t)k->n_layers;
+        return CLI_OK;
+    }
+    if (cli_has_suffix(file, ".npy")) {
+        size_t nt;
+        if (cli_npy_read(file, &k->npy, err, sizeof err) < 0 ||
+            cli_npy_kv_shape(&k->npy, file, &k->dtype, &k->n_layers, &nt, &k->n_heads,
+                             &k->head_dim, err, sizeof err) < 0)
+            return cli_io_err(a, err);
+        if (nt != n) {
+            snprintf(err, sizeof err, "%s holds %zu tokens, the request needs %zu", file, nt, n);
+            return cli_io_err(a, err);
+        }
+        if (has_dt && dt != k->dtype)
+            return cli_usage_err("--dtype differs from the array's dtype in %s", file);
+        k->payload = k->npy.data ? (const void *)k->npy.data : "";
+        k->payload_len = k->npy.data_len;
         return CLI_OK;
     }
     if (cli_map_file(file, &k->raw, err, sizeof err) < 0)

@@ -1,6 +1,7 @@
 /*
  * cli_files.c — the files `kvrope put/get` read and write: raw layer-major
- * payloads, token lists, and safetensors.
+ * payloads, token lists, safetensors and NumPy .npy (field by field in
+ * docs/formats.md).
  *
  * safetensors (https://github.com/huggingface/safetensors): u64 LE header
  * length N, N bytes of JSON {name: {dtype, shape, data_offsets}}, then the
@@ -174,7 +175,41 @@ long cli_read_tokens_file(const char *path, uint32_t **out, char *err, size_t er
     if (cli_map_file(path, &m, err, errlen) < 0)
         return -1;
     long n;
-    if (cli_has_suffix(path, ".bin")) {
+    if (cli_has_suffix(path, ".npy")) {
+        cli_npy a;
+        char why[300];
+        n = -1;
+        if (cli_npy_parse(m.base, m.len, &a, why, sizeof why) < 0) {
+            snprintf(err, errlen, "%s: %s", path, why);
+        } else if (a.ndim != 1 || a.descr[1] == 'f' || a.elem == 1) {
+            snprintf(err, errlen, "%s: token ids must be a 1-D integer array (int32, uint32 or "
+                     "int64), not '%s' with %d dimensions", path, a.descr, a.ndim);
+        } else if ((*out = malloc(a.count ? a.count * sizeof **out : 1)) != NULL) {
+            n = (long)a.count;
+            for (size_t i = 0; i < a.count; i++) {
+                int64_t v = 0;
+                if (a.elem == 4 && a.descr[1] == 'i') {
+                    int32_t x;
+                    memcpy(&x, a.data + 4 * i, 4);
+                    v = x;
+                } else if (a.elem == 4) {
+                    uint32_t x;
+                    memcpy(&x, a.data + 4 * i, 4);
+                    v = x;
+                } else {
+                    memcpy(&v, a.data + 8 * i, 8);
+                }
+                if (v < 0 || v > (int64_t)UINT32_MAX) {
+                    snprintf(err, errlen, "%s: token id %lld out of range", path, (long long)v);
+                    free(*out);
+                    *out = NULL;
+                    n = -1;
+                    break;
+                }
+                (*out)[i] = (uint32_t)v;
+            }
+        }
+    } else if (cli_has_suffix(path, ".bin")) {
         if (m.len % 4) {
             snprintf(err, errlen, "%s: size is not a multiple of 4", path);
             cli_unmap(&m);
@@ -198,6 +233,202 @@ long cli_read_tokens_file(const char *path, uint32_t **out, char *err, size_t er
     }
     cli_unmap(&m);
     return n;
+}
+
+/* ---- .npy --------------------------------------------------------------- */
+/* NumPy's format (numpy.lib.format): "\x93NUMPY", major, minor, a header
+ * length (u16 LE in version 1, u32 LE in 2 and 3), then that many bytes of a
+ * Python dict literal {'descr': '<f2', 'fortran_order': False, 'shape': (..)}
+ * padded with spaces to a multiple of 64 and ended by '\n'; the data follow,
+ * C order. Only little-endian (or byte-sized) descr and C order are taken. */
+
+static const struct { const char *descr; size_t size; } npy_types[] = {
+    { "<f4", 4 }, { "<f2", 2 }, { "<i4", 4 }, { "<u4", 4 }, { "<i8", 8 }, { "<u8", 8 },
+    { "|u1", 1 }, { "|i1", 1 },
+};
+
+int cli_npy_parse(const void *buf, size_t len, cli_npy *n, char *err, size_t errlen)
+{
+    const uint8_t *b = buf;
+    memset(n, 0, sizeof *n);
+    if (len < 10 || memcmp(b, "\x93NUMPY", 6) != 0) {
+        snprintf(err, errlen, "not a .npy file (no \\x93NUMPY magic)");
+        return -1;
+    }
+    size_t hlen, hoff;
+    if (b[6] == 1) {
+        hlen = (size_t)b[8] | (size_t)b[9] << 8;
+        hoff = 10;
+    } else if (b[6] == 2 || b[6] == 3) {
+        if (len < 12) {
+            snprintf(err, errlen, "truncated .npy header");
+            return -1;
+        }
+        hlen = (size_t)b[8] | (size_t)b[9] << 8 | (size_t)b[10] << 16 | (size_t)b[11] << 24;
+        hoff = 12;
+    } else {
+        snprintf(err, errlen, ".npy version %u.%u is not supported (1, 2 or 3)", b[6], b[7]);
+        return -1;
+    }
+    if (hlen > len - hoff || hlen > 65536) {
+        snprintf(err, errlen, "truncated .npy header");
+        return -1;
+    }
+    char h[65537];
+    memcpy(h, b + hoff, hlen);
+    h[hlen] = 0;
+    const char *d = strstr(h, "'descr'"), *f = strstr(h, "'fortran_order'"),
+               *sh = strstr(h, "'shape'");
+    if (!d || !f || !sh) {
+        snprintf(err, errlen, ".npy header lacks descr, fortran_order or shape");
+        return -1;
+    }
+    d = strchr(d + 7, '\'');
+    if (!d) {
+        snprintf(err, errlen, ".npy header: bad descr");
+        return -1;
+    }
+    d++;
+    const char *de = strchr(d, '\'');
+    if (!de || de - d >= (ptrdiff_t)sizeof n->descr) {
+        snprintf(err, errlen, ".npy header: bad descr");
+        return -1;
+    }
+    memcpy(n->descr, d, (size_t)(de - d));
+    n->descr[de - d] = 0;
+    if (n->descr[0] == '=')   /* native order: little-endian on every host we build for */
+        n->descr[0] = '<';
+    for (size_t i = 0; i < sizeof npy_types / sizeof npy_types[0]; i++)
+        if (!strcmp(n->descr, npy_types[i].descr))
+            n->elem = npy_types[i].size;
+    if (!n->elem) {
+        snprintf(err, errlen, ".npy dtype '%s' is not supported (float32 '<f4', float16 '<f2', "
+                 "int32/uint32/int64 for ids)", n->descr);
+        return -1;
+    }
+    f += 15;
+    while (*f == ' ' || *f == ':')
+        f++;
+    if (strncmp(f, "False", 5) != 0) {
+        snprintf(err, errlen, ".npy in Fortran order: save it C-contiguous (np.ascontiguousarray)");
+        return -1;
+    }
+    sh = strchr(sh + 7, '(');
+    if (!sh) {
+        snprintf(err, errlen, ".npy header: bad shape");
+        return -1;
+    }
+    sh++;
+    size_t count = 1;
+    for (;;) {
+        while (*sh == ' ' || *sh == ',')
+            sh++;
+        if (*sh == ')')
+            break;
+        char *end;
+        errno = 0;
+        unsigned long long v = strtoull(sh, &end, 10);
+        if (end == sh || errno || n->ndim == CLI_NPY_MAX_DIMS || v > (1ull << 40) ||
+            (v && count > SIZE_MAX / v)) {
+            snprintf(err, errlen, ".npy header: bad shape (at most %d dimensions)",
+                     CLI_NPY_MAX_DIMS);
+            return -1;
+        }
+        n->shape[n->ndim++] = (size_t)v;
+        count *= (size_t)v;
+        sh = end;
+    }
+    size_t off = hoff + hlen;
+    if (count > SIZE_MAX / n->elem || len - off != count * n->elem) {
+        snprintf(err, errlen, ".npy data: %zu bytes after the header, the shape needs %zu",
+                 len - off, count > SIZE_MAX / n->elem ? SIZE_MAX : count * n->elem);
+        return -1;
+    }
+    n->data = b + off;
+    n->data_len = len - off;
+    n->count = count;
+    return 0;
+}
+
+int cli_npy_read(const char *path, cli_npy *n, char *err, size_t errlen)
+{
+    cli_mapped m;
+    if (cli_map_file(path, &m, err, errlen) < 0)
+        return -1;
+    char why[300];
+    if (cli_npy_parse(m.base, m.len, n, why, sizeof why) < 0) {
+        snprintf(err, errlen, "%s: %s", path, why);
+        cli_unmap(&m);
+        return -1;
+    }
+    n->file = m;
+    return 0;
+}
+
+int cli_npy_kv_shape(const cli_npy *n, const char *path, kvr_dtype *dt, uint32_t *layers,
+                     size_t *tokens, uint32_t *heads, uint32_t *dim, char *err, size_t errlen)
+{
+    if (!strcmp(n->descr, "<f4"))
+        *dt = KVR_DTYPE_F32;
+    else if (!strcmp(n->descr, "<f2"))
+        *dt = KVR_DTYPE_F16;
+    else {
+        snprintf(err, errlen, "%s: KV must be float32 or float16, not '%s'", path, n->descr);
+        return -1;
+    }
+    if (n->ndim != 5 || n->shape[1] != 2 || n->shape[0] > UINT32_MAX ||
+        n->shape[3] > UINT32_MAX || n->shape[4] > UINT32_MAX) {
+        snprintf(err, errlen, "%s: KV must have shape [layers, 2, tokens, kv_heads, head_dim] "
+                 "(K then V per layer, docs/formats.md)", path);
+        return -1;
+    }
+    *layers = (uint32_t)n->shape[0];
+    *tokens = n->shape[2];
+    *heads = (uint32_t)n->shape[3];
+    *dim = (uint32_t)n->shape[4];
+    return 0;
+}
+
+void cli_npy_free(cli_npy *n)
+{
+    cli_unmap(&n->file);
+    memset(n, 0, sizeof *n);
+}
+
+int cli_npy_write(const char *path, const char *descr, const size_t *shape, int ndim,
+                  struct iovec *iov, size_t n_iov, char *err, size_t errlen)
+{
+    char dims[200] = "";
+    size_t o = 0;
+    for (int i = 0; i < ndim && o < sizeof dims; i++)
+        o += (size_t)snprintf(dims + o, sizeof dims - o, "%zu%s", shape[i],
+                              ndim == 1 ? "," : i + 1 < ndim ? ", " : "");
+    char h[320];
+    int hl = snprintf(h, sizeof h, "{'descr': '%s', 'fortran_order': False, 'shape': (%s), }",
+                      descr, dims);
+    if (hl < 0 || (size_t)hl + 10 + 64 > sizeof h) {
+        snprintf(err, errlen, "%s: .npy header too long", path);
+        return -1;
+    }
+    size_t total = 10 + (size_t)hl + 1;
+    size_t pad = (64 - total % 64) % 64;
+    memset(h + hl, ' ', pad);
+    h[(size_t)hl + pad] = '\n';
+    size_t hlen = (size_t)hl + pad + 1;
+    uint8_t pre[10] = { 0x93, 'N', 'U', 'M', 'P', 'Y', 1, 0, (uint8_t)(hlen & 0xff),
+                        (uint8_t)(hlen >> 8) };
+    struct iovec *all = malloc((n_iov + 2) * sizeof *all);
+    if (!all) {
+        snprintf(err, errlen, "out of memory");
+        return -1;
+    }
+    all[0] = (struct iovec){ pre, sizeof pre };
+    all[1] = (struct iovec){ h, hlen };
+    if (n_iov)
+        memcpy(all + 2, iov, n_iov * sizeof *all);
+    int rc = cli_write_iov(path, all, n_iov + 2, err, errlen);
+    free(all);
+    return rc;
 }
 
 /* ---- writing ------------------------------------------------------------ */

@@ -144,6 +144,13 @@ static int cmd_import(kvr_client *c, const cli_args *a)
     kvr_llama_import_info info;
     int r = kvr_llama_state_import(c, ctx, sf.base, sf.len, &m, &o, &info, err, sizeof err);
     cli_unmap(&sf);
+    if (r && !toks && strstr(err, "carries no token ids")) {
+        /* The bridge speaks of its options; the user has flags. */
+        size_t l = strlen(err);
+        snprintf(err + l, sizeof err - l, ": give them with --tokens-file F (text ids, *.bin "
+                 "u32 LE or *.npy) or --tokens 1,2,3, or import the session form "
+                 "(llama_state_seq_save_file), which carries them");
+    }
     free(toks);
     if (r) return fail(a, r, err);
     char fp[32];
@@ -179,6 +186,9 @@ static int cmd_import(kvr_client *c, const cli_args *a)
                info.v_trans ? ", transposed" : "",
                info.form == KVR_LLAMA_FORM_SESSION ? "a session file" : "a raw state", ctx,
                info.model, info.codec, (unsigned long long)info.ctx_tokens);
+        if (info.v_trans)
+            printf("the state had V transposed (flash attention off): export it back to such "
+                   "a context with --v-trans\n");
     }
     return CLI_OK;
 }
@@ -248,10 +258,12 @@ static int cmd_export(kvr_client *c, const cli_args *a)
         cJSON_AddNumberToObject(j, "payload_bytes", (double)info.payload_bytes);
         cli_print_json(j);
     } else if (!a->quiet) {
-        printf("exported %llu cells of %s (positions %lld..%lld, K %s, V %s%s) to %s: %llu bytes%s\n",
+        printf("exported %llu cells of %s (positions %lld..%lld, K %s, V %s, %s) to %s: %llu bytes%s\n",
                (unsigned long long)info.n_cells, ctx, (long long)info.pos_first,
                (long long)info.pos_last, kvr_llama_type_name(info.type_k),
-               kvr_llama_type_name(info.type_v), o.v_trans ? ", transposed" : "", out,
+               kvr_llama_type_name(info.type_v),
+               o.v_trans ? "V transposed: v_trans 1, for flash attention off"
+                         : "v_trans 0, for flash attention on; --v-trans for off", out,
                (unsigned long long)info.state_bytes,
                info.approx_tokens ? " (some tokens approximate: edited since)" : "");
     }

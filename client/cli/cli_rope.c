@@ -137,6 +137,10 @@ int kvr_cli_rope_main(int argc, char **argv)
     for (int i = 2; i < argc; i++) {
         const char *a = argv[i];
         const char **slot = NULL;
+        if (!strcmp(a, "-h") || !strcmp(a, "--help")) {   /* kvrope rope apply --help */
+            fputs(cli_rope_usage, stdout);
+            return 0;
+        }
         if (!strcmp(a, "--config")) slot = &config;
         else if (!strcmp(a, "--style")) slot = &style;
         else if (!strcmp(a, "--tokens")) slot = &tokens_s;

@@ -34,6 +34,8 @@ static const char help_text[] =
 "  --token-file FILE  shared-secret token for TCP ($KVROPE_TOKEN_FILE)\n"
 "  --timeout MS       give up on a silent daemon after MS milliseconds\n"
 "  --json             one JSON document on stdout (errors too: {\"error\": ...})\n"
+"  --version          the version (kvrope --version)\n"
+"  -h, --help         this help; kvrope COMMAND --help: that command's only\n"
 "  -q, --quiet        no human-readable output on success\n"
 "\n"
 "Commands:\n"
@@ -51,6 +53,9 @@ static const char help_text[] =
 "                                     (docs/quantized.md)\n"
 "  ls [--model M]                     contexts\n"
 "  stat CTX                           one context\n"
+"";
+/* (split: each string stays under the compiler's string-literal limit) */
+static const char help_put[] =
 "  put CTX FILE [--model M] [--mode create|append|upsert|replace] [--pin] [--protect N]\n"
 "        [--persist]                  keep the context on disk (daemon --disk-dir):\n"
 "                                     acknowledged once durable, survives restarts\n"
@@ -62,10 +67,14 @@ static const char help_text[] =
 "                                     FILE *.safetensors: tensors k, v [layers][tokens]\n"
 "                                     [heads][head_dim] (F32/F16/BF16), tokens and\n"
 "                                     positions optional; model from its metadata.\n"
+"                                     FILE *.npy: [layers, 2, tokens, heads, head_dim]\n"
+"                                     float32/float16 (K then V per layer).\n"
 "                                     Other FILE (or -): raw layer-major payload\n"
 "                                     (per layer K then V, [tokens][heads][dim]); shape\n"
 "                                     and dtype default to the model's.\n"
-"                                     --tokens-file: text ids, or *.bin u32 LE\n"
+"                                     --tokens-file: text ids, *.bin u32 LE, *.npy\n"
+"                                     (formats field by field: docs/formats.md;\n"
+"                                     kvrope payload makes a FILE to try)\n"
 "                                     --protect N: edits may not touch tokens [0,N)\n"
 "  get CTX -o FILE [--start I] [--end J] [--dtype D] [--layers 0,1,..]\n"
 "        [--positions p,q,.. | --pos-start N] [--meta] [--raw] [--shm]\n"
@@ -73,7 +82,8 @@ static const char help_text[] =
 "                                     region of this process (Unix socket only)\n"
 "                                     --raw: quantized contexts' stored bytes, keys\n"
 "                                     pre-RoPE (layout: --json, docs/quantized.md)\n"
-"                                     FILE by extension as for put (- = stdout);\n"
+"                                     FILE by extension as for put: .safetensors,\n"
+"                                     .npy (f32/f16), else raw (- = stdout);\n"
 "                                     keys are re-rotated to the target positions\n"
 "  match --model M (--tokens .. | --tokens-file F) [--approx] [--get -o FILE]\n"
 "                                     longest cached exact prefix (+ its KV)\n"
@@ -196,7 +206,7 @@ static int parse_args(int argc, char **argv, cli_args *a)
                 goto positional;
             }
             if (cli_option_takes_value(name) || cli_layout_option_takes_value(name) ||
-                cli_llama_option_takes_value(name)) {
+                cli_llama_option_takes_value(name) || cli_payload_option_takes_value(name)) {
                 if (!val) {
                     if (i + 1 >= argc) {
                         fprintf(stderr, "kvrope: option --%s needs a value\n", name);
@@ -272,6 +282,97 @@ static int read_token(const char *path, char **out, size_t *len)
     return *out ? 0 : -1;
 }
 
+static void print_help(FILE *f)
+{
+    fputs(help_text, f);
+    fputs(help_put, f);
+    fputs(help_edit, f);
+    fputs(cli_layout_help, f);
+    fputs(cli_layout_help_file, f);
+    fputs(cli_payload_help, f);
+    fputs(cli_llama_help, f);
+    fputs(help_tail, f);
+}
+
+/* Whether the help entry starting at line `e` (two spaces, then its words)
+ * is about `cmd` (and, when sub is not NULL, its subcommand `sub`). The
+ * first word names the command; "pin CTX | unpin CTX" names two. */
+static bool entry_is(const char *e, const char *cmd, const char *sub)
+{
+    size_t n = strlen(cmd);
+    const char *eol = strchr(e, '\n');
+    if (!eol)
+        eol = e + strlen(e);
+    for (const char *w = e; w && w < eol; w = strstr(w, " | ")) {
+        while (*w == ' ' || *w == '|')
+            w++;
+        if (!strncmp(w, cmd, n) && (w[n] == ' ' || w[n] == '\n' || w[n] == 0)) {
+            if (!sub)
+                return true;
+            const char *s2 = w + n;
+            while (*s2 == ' ')
+                s2++;
+            size_t m = strlen(sub);
+            return !strncmp(s2, sub, m) && (s2[m] == ' ' || s2[m] == '\n' || s2[m] == 0);
+        }
+    }
+    return false;
+}
+
+/* Prints (to out, or only counts when out is NULL) the entries of `text`
+ * (help lines from "  WORD" to the next such line) that are about cmd
+ * [sub]; returns how many. */
+static int print_entries(FILE *out, const char *text, const char *cmd, const char *sub)
+{
+    int found = 0;
+    const char *p = text;
+    while (*p) {
+        const char *eol = strchr(p, '\n');
+        const char *next = eol ? eol + 1 : p + strlen(p);
+        if (p[0] == ' ' && p[1] == ' ' && p[2] != ' ' && p[2] != '\n' && entry_is(p + 2, cmd, sub)) {
+            /* The entry: this line and every more-indented line after it. */
+            const char *end = next;
+            while (end[0] == ' ' && end[1] == ' ' && end[2] == ' ') {
+                const char *e2 = strchr(end, '\n');
+                end = e2 ? e2 + 1 : end + strlen(end);
+            }
+            if (out)
+                fwrite(p, 1, (size_t)(end - p), out);
+            found++;
+            next = end;
+        }
+        p = next;
+    }
+    return found;
+}
+
+/* `kvrope CMD --help`: that command's entries of the help only (for a
+ * command with subcommands, `kvrope llama export --help` narrows to one). */
+static bool print_command_help(const cli_args *a)
+{
+    const char *cmd = !strcmp(a->cmd, "list") ? "ls" : a->cmd;
+    const char *const sections[] = { help_text, help_put, help_edit, cli_layout_help, cli_llama_help,
+                                     cli_payload_help };
+    const size_t n_sections = sizeof sections / sizeof sections[0];
+    const char *sub = a->npos > 0 ? a->pos[0] : NULL;
+    int n = 0;
+    for (size_t i = 0; sub && i < n_sections; i++)
+        n += print_entries(NULL, sections[i], cmd, sub);
+    if (!n)
+        sub = NULL;   /* `put --help` or `put ctx file --help`: every put entry */
+    for (size_t i = 0; !sub && i < n_sections; i++)
+        n += print_entries(NULL, sections[i], cmd, NULL);
+    if (!n) {
+        fprintf(stderr, "kvrope: no help for '%s' (kvrope --help lists every command)\n", cmd);
+        return false;
+    }
+    printf("usage: kvrope [global options] %s%s%s ...\n", cmd, sub ? " " : "", sub ? sub : "");
+    for (size_t i = 0; i < n_sections; i++)
+        print_entries(stdout, sections[i], cmd, sub);
+    fputs("Global options (--socket, --json, ...) and exit status: kvrope --help\n", stdout);
+    return true;
+}
+
 int main(int argc, char **argv)
 {
     /* `rope` needs none of our options: hand over argv untouched. */
@@ -295,32 +396,35 @@ int main(int argc, char **argv)
         free_args(&a);
         return rc;
     }
-    if (cli_flag(&a, "help") || (a.cmd && !strcmp(a.cmd, "help"))) {
-        fputs(help_text, stdout);
-        fputs(help_edit, stdout);
-        fputs(cli_layout_help, stdout);
-        fputs(cli_layout_help_file, stdout);
-        fputs(cli_llama_help, stdout);
-        fputs(help_tail, stdout);
+    if (cli_flag(&a, "version") || (a.cmd && !strcmp(a.cmd, "version"))) {
+        printf("kvrope %d.%d.%d (libkvrope %s, protocol 1)\n", KVR_VERSION_MAJOR,
+               KVR_VERSION_MINOR, KVR_VERSION_PATCH, kvr_version_string());
         free_args(&a);
         return CLI_OK;
     }
-    if (cli_flag(&a, "version")) {
-        printf("kvrope (libkvrope, protocol 1)\n");
+    if (a.cmd && !strcmp(a.cmd, "help") && a.npos > 0) {   /* kvrope help put */
+        a.cmd = a.pos[0];
+        memmove(a.pos, a.pos + 1, (size_t)--a.npos * sizeof a.pos[0]);
+        rc = print_command_help(&a) ? CLI_OK : CLI_USAGE;
         free_args(&a);
-        return CLI_OK;
+        return rc;
+    }
+    if (cli_flag(&a, "help") || (a.cmd && !strcmp(a.cmd, "help"))) {
+        rc = CLI_OK;
+        if (!a.cmd || !strcmp(a.cmd, "help"))
+            print_help(stdout);
+        else if (!print_command_help(&a))
+            rc = CLI_USAGE;
+        free_args(&a);
+        return rc;
     }
     if (!a.cmd) {
-        fputs(help_text, stderr);
-        fputs(help_edit, stderr);
-        fputs(cli_layout_help, stderr);
-        fputs(cli_layout_help_file, stderr);
-        fputs(cli_llama_help, stderr);
-        fputs(help_tail, stderr);
+        print_help(stderr);
         free_args(&a);
         return CLI_USAGE;
     }
-    if (!cli_known_command(a.cmd) && !cli_layout_command(a.cmd) && !cli_llama_command(a.cmd)) {
+    if (!cli_known_command(a.cmd) && !cli_layout_command(a.cmd) && !cli_llama_command(a.cmd) &&
+        !cli_payload_command(a.cmd)) {
         fprintf(stderr, "kvrope: unknown command '%s' (see kvrope --help)\n", a.cmd);
         free_args(&a);
         return CLI_USAGE;
@@ -360,6 +464,13 @@ int main(int argc, char **argv)
     free(token);
     if (r < 0) {
         fprintf(stderr, "kvrope: %s\n", kvr_client_last_error(NULL));
+        if (!strncmp(addr, "unix:", 5) && strstr(kvr_client_last_error(NULL), "cannot connect")) {
+            char def[400];
+            default_socket(def, sizeof def);
+            fprintf(stderr, "kvrope: is kvroped running? `make run` starts it on %s%s\n"
+                    "kvrope: elsewhere: --socket PATH or KVROPE_SOCKET=PATH\n", def,
+                    strcmp(addr + 5, def) ? " (this tried another path)" : "");
+        }
         if (a.json) {
             printf("{\"error\": {\"code\": %d, \"name\": \"%s\", \"message\": \"cannot connect\"}}\n",
                    r, kvr_error_name(r));
@@ -367,9 +478,10 @@ int main(int argc, char **argv)
         free_args(&a);
         return CLI_CONNECT;
     }
-    rc = cli_layout_command(a.cmd)  ? cli_layout_run(c, &a)
-       : cli_llama_command(a.cmd) ? cli_llama_run(c, &a)
-                                  : cli_run(c, &a);
+    rc = cli_layout_command(a.cmd)    ? cli_layout_run(c, &a)
+       : cli_llama_command(a.cmd)   ? cli_llama_run(c, &a)
+       : cli_payload_command(a.cmd) ? cli_payload_run(c, &a)
+                                    : cli_run(c, &a);
     kvr_client_close(c);
     free_args(&a);
     return rc;

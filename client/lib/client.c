@@ -205,7 +205,22 @@ int kvr_client_connect(kvr_client **out, const char *addr, const kvr_client_opts
 {
     *out = NULL;
     connect_err[0] = 0;
-    if (!addr || !*addr)
+    char def[300];
+    if (!addr) {   /* $KVROPE_SOCKET, else the daemon's (and make run's) default */
+        const char *env = getenv("KVROPE_SOCKET"), *xdg = getenv("XDG_RUNTIME_DIR");
+        if (env && *env)
+            snprintf(def, sizeof def, "%s", env);
+        else if (xdg && *xdg)
+            snprintf(def, sizeof def, "%s/kvrope/kvroped.sock", xdg);
+        else if (geteuid() == 0)
+            snprintf(def, sizeof def, "/run/kvrope/kvroped.sock");
+        else
+            snprintf(def, sizeof def, "/tmp/kvrope-%u/kvroped.sock", (unsigned)getuid());
+        addr = def;
+        if (!strchr(addr, '/') && strncmp(addr, "unix:", 5) && strncmp(addr, "tcp:", 4))
+            return set_connect_err(KVR_EINVAL, "KVROPE_SOCKET=%s is not a socket path", addr);
+    }
+    if (!*addr)
         return set_connect_err(KVR_EINVAL, "no address given");
     int fd = -1, r;
     if (strncmp(addr, "unix:", 5) == 0)

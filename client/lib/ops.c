@@ -1032,6 +1032,8 @@ static int edit_ops(kvr_client *c, const kvr_edit_args *a, Kvrope__EditOp **ops,
         (*ops)[i].start = a->ops[i].start;
         (*ops)[i].end = a->ops[i].end;
         (*ops)[i].n_tokens = a->ops[i].n_tokens;
+        if (a->ops[i].approx)
+            (*ops)[i].has_approx = (*ops)[i].approx = 1;
         (*ops)[i].tokens = (uint32_t *)(uintptr_t)a->ops[i].tokens;
         (*ptrs)[i] = &(*ops)[i];
     }
@@ -1132,6 +1134,8 @@ int kvr_client_refresh(kvr_client *c, const kvr_refresh_args *a, kvr_edit_res *o
     f.model = unconst(a->model);
     SET_IF(f, fingerprint, a->fingerprint);
     SET_SHAPE(f, a);
+    if (a->approx)
+        f.has_approx = f.approx = 1;
     if (a->expect) {
         f.has_expect_length = f.has_expect_hash = 1;
         f.expect_length = a->expect_n_tokens;

@@ -325,6 +325,9 @@ static int parse(int argc, char **argv, args *a)
             if (!strcmp(s, "serve")) {     /* the rest is the server's */
                 a->serve_argc = argc - i - 1;
                 a->serve_argv = argv + i + 1;
+                for (int k = 0; k < a->serve_argc; k++)   /* help needs no model */
+                    if (!strcmp(a->serve_argv[k], "--help") || !strcmp(a->serve_argv[k], "-h"))
+                        exit(kvr_wk_serve_main(NULL, NULL, NULL, 0, 1, a->serve_argv + k));
                 break;
             }
         } else if (!strcmp(a->command, "ppl") && !a->ppl_file) {

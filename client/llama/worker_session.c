@@ -65,6 +65,8 @@ struct kvr_wk_step {
     size_t       nh;
     run         *rf;
     size_t       nrf;
+    uint8_t     *rx;        /* per prompt token: 0 loaded, 1 computed exact,
+                               2 computed against approximate tokens */
     /* FORK: tokens [0, L) of the source (of length src_len) are reused. */
     size_t       L, src_len;
 };
@@ -76,6 +78,7 @@ void kvr_wk_step_free(kvr_wk_step *st)
     free(st->b);
     free(st->hk);
     free(st->rf);
+    free(st->rx);
     free(st);
 }
 
@@ -167,15 +170,30 @@ static int runs_of(const uint8_t *m, size_t n, run **out, size_t *nr)
     return 0;
 }
 
-/* Decodes the marked runs of the prompt into seq 0 (increasing order). */
+/* Decodes the runs into seq 0, in increasing order, and says which came out
+ * exact: apx[i] (n entries) is 1 where seq 0's KV at i is approximate or not
+ * there yet (tokens still to be decoded). A run is exact when everything
+ * before it is (the frontier f, the first approximate index, is at or after
+ * its start); then the frontier moves past it. rx[i] of each decoded token:
+ * 1 exact, 2 computed against approximate tokens. */
 static int decode_runs(kvr_wk_env *e, const int32_t *b, const run *rs, size_t nr,
-                       size_t *n_dec)
+                       uint8_t *apx, uint8_t *rx, size_t n, size_t *n_dec)
 {
+    size_t f = 0;
+    while (f < n && !apx[f])
+        f++;
     for (size_t i = 0; i < nr; i++) {
         int r = kvr_wk_lm_decode_middle(e->lm, b + rs[i].s, rs[i].e - rs[i].s,
                                         (int32_t)rs[i].s, e->err, sizeof e->err);
         if (r < 0)
             return r;
+        bool exact = rs[i].s <= f;
+        for (size_t k = rs[i].s; k < rs[i].e; k++) {
+            apx[k] = !exact;
+            rx[k] = exact ? 1 : 2;
+        }
+        while (f < n && !apx[f])
+            f++;
         *n_dec += rs[i].e - rs[i].s;
     }
     return 0;
@@ -215,12 +233,14 @@ static int sync_edit(kvr_wk_env *e, const sess *ss, const int32_t *b, size_t nb,
     uint8_t *isnew = calloc(nb, 1);
     int64_t *newpos = malloc(na * sizeof *newpos);
     uint8_t *kept = calloc(na, 1);
+    uint8_t *apx = calloc(nb, 1);           /* seq 0's KV approximate (or absent) */
+    uint8_t *rx = calloc(nb, 1);
     void *fbuf = NULL;
     kvr_kv kv = { 0 };
     kvr_wk_sbuild sb = { 0 };
     run *rs = NULL;
     size_t nr = 0;
-    if (!comp || !isnew || !newpos || !kept) {
+    if (!comp || !isnew || !newpos || !kept || !apx || !rx) {
         r = kvr_wk_fail(e, -ENOMEM, "out of memory");
         goto out;
     }
@@ -238,6 +258,7 @@ static int sync_edit(kvr_wk_env *e, const sess *ss, const int32_t *b, size_t nb,
             uint32_t f = A->flags[j];
             uint32_t age = KVR_TOKEN_AGE(f) + (at >= first_b ? 1u : 0u);
             bool approx = (f & KVR_TOKEN_APPROX) || at >= first_b;
+            apx[at] = approx;
             if (approx && age > max_age)
                 comp[at] = 1;
         }
@@ -246,6 +267,7 @@ static int sync_edit(kvr_wk_env *e, const sess *ss, const int32_t *b, size_t nb,
                 newpos[j] = (int64_t)j;      /* removed: fetched, unused */
             mark(comp, nb, hk[i].b0, hk[i].b1);
             mark(isnew, nb, hk[i].b0, hk[i].b1);
+            mark(apx, nb, hk[i].b0, hk[i].b1);       /* not there yet */
             size_t room = (i + 1 < nh ? hk[i + 1].b0 : nb) - hk[i].b1;
             mark(comp, nb, hk[i].b1, hk[i].b1 + (o->refresh < room ? o->refresh : room));
             n_new += hk[i].b1 - hk[i].b0;
@@ -307,25 +329,25 @@ static int sync_edit(kvr_wk_env *e, const sess *ss, const int32_t *b, size_t nb,
     }
     double td = kvr_wk_now_ms();
     size_t n_dec = 0;
-    if ((r = decode_runs(e, b, rs, nr, &n_dec)) < 0)
+    if ((r = decode_runs(e, b, rs, nr, apx, rx, nb, &n_dec)) < 0)
         goto out;
     res->t_decode_ms += kvr_wk_now_ms() - td;
 
     /* Counts; what commit refreshes: recomputed old tokens, but not exact
      * ones before the first edit point (their KV did not change). */
     size_t n_approx = 0;
-    for (size_t i = 0; i < nb; i++)
+    for (size_t i = 0; i < nb; i++) {
+        n_approx += apx[i];
         if (isnew[i])
             comp[i] = 0;
+    }
     for (size_t jj = 0; jj < na; jj++) {
         if (!kept[jj])
             continue;
         size_t at = (size_t)newpos[jj];
         bool approx = (A->flags[jj] & KVR_TOKEN_APPROX) || at >= first_b;
-        if (comp[at] && !approx)
+        if (comp[at] && !approx && rx[at] == 1)
             comp[at] = 0;                      /* recomputed, unchanged: not stored */
-        else if (!comp[at] && approx)
-            n_approx++;
     }
     free(rs);
     rs = NULL;
@@ -333,6 +355,8 @@ static int sync_edit(kvr_wk_env *e, const sess *ss, const int32_t *b, size_t nb,
         r = kvr_wk_fail(e, r, "out of memory");
         goto out;
     }
+    st->rx = rx;
+    rx = NULL;
     st->rf = rs;
     st->nrf = nr;
     rs = NULL;
@@ -351,6 +375,8 @@ out:
     free(isnew);
     free(newpos);
     free(kept);
+    free(apx);
+    free(rx);
     free(fbuf);
     free(rs);
     kvr_kv_release(&kv);
@@ -495,7 +521,7 @@ fail:
 
 /* The cells of seq 0 at [s, e) as a payload, sent as a refresh with CAS. */
 static int refresh_run(kvr_wk_env *e, const kvr_wk_seqstate *q, const char *ctx, size_t s,
-                       size_t en, size_t n, uint64_t h)
+                       size_t en, size_t n, uint64_t h, bool approx)
 {
     void *pl = kvr_wk_seqstate_payload(e, q, NULL, en - s, s);
     if (!pl)
@@ -503,10 +529,26 @@ static int refresh_run(kvr_wk_env *e, const kvr_wk_seqstate *q, const char *ctx,
     kvr_refresh_args ra = { .ctx_id = ctx, .start = s, .end = en, .model = e->model,
                             .fingerprint = e->fingerprint, .dtype = F16, .payload = pl,
                             .payload_len = kvr_wk_payload_bytes(e, en - s), .expect = true,
-                            .expect_n_tokens = n, .expect_hash = h };
+                            .expect_n_tokens = n, .expect_hash = h, .approx = approx };
     int r = kvr_client_refresh(e->kc, &ra, NULL);
     free(pl);
     return r < 0 ? kvr_wk_kv_fail(e, r, "refresh", ctx) : 0;
+}
+
+/* [s, en) in pieces of one exactness (rx: 1 exact, 2 approximate). */
+static int refresh_runs(kvr_wk_env *e, const kvr_wk_seqstate *q, const char *ctx, size_t s,
+                        size_t en, const uint8_t *rx, size_t n, uint64_t h)
+{
+    while (s < en) {
+        size_t k = s + 1;
+        while (k < en && rx[k] == rx[s])
+            k++;
+        int r = refresh_run(e, q, ctx, s, k, n, h, rx[s] == 2);
+        if (r < 0)
+            return r;
+        s = k;
+    }
+    return 0;
 }
 
 static int commit_edit(kvr_wk_env *e, kvr_wk_step *st, const kvr_wk_seqstate *q)
@@ -529,7 +571,8 @@ static int commit_edit(kvr_wk_env *e, kvr_wk_step *st, const kvr_wk_seqstate *q)
             const kvr_wk_hunk *h = &st->hk[i];
             ops[i] = (kvr_edit_range){ .start = h->a0, .end = h->a1,
                                        .tokens = (const uint32_t *)st->b + h->b0,
-                                       .n_tokens = h->b1 - h->b0 };
+                                       .n_tokens = h->b1 - h->b0,
+                                       .approx = h->b1 > h->b0 && st->rx[h->b0] == 2 };
             for (size_t p = h->b0; p < h->b1; p++)
                 pos[k++] = (int64_t)p;
         }
@@ -565,7 +608,8 @@ static int commit_edit(kvr_wk_env *e, kvr_wk_step *st, const kvr_wk_seqstate *q)
     }
     uint64_t h = seq_hash(st->b, st->nb);
     for (size_t i = 0; i < st->nrf; i++)
-        if ((r = refresh_run(e, q, st->target, st->rf[i].s, st->rf[i].e, st->nb, h)) < 0)
+        if ((r = refresh_runs(e, q, st->target, st->rf[i].s, st->rf[i].e, st->rx, st->nb,
+                              h)) < 0)
             return r;
     return 0;
 }
@@ -652,6 +696,7 @@ int kvr_wk_refresh_idle(kvr_wk_env *e, const char *session, size_t budget, size_
     uint8_t *m = calloc(n, 1);
     run *rs = NULL;
     size_t nr = 0;
+    uint8_t *apx = NULL, *rx = NULL;
     kvr_wk_seqstate q = { 0 };
     if (!c || !m) {
         r = kvr_wk_fail(e, -ENOMEM, "out of memory");
@@ -682,13 +727,19 @@ int kvr_wk_refresh_idle(kvr_wk_env *e, const char *session, size_t budget, size_
         goto out;
     size_t n_dec = 0;
     const int32_t *toks = (const int32_t *)ss.meta.tokens;
-    if ((r = decode_runs(e, toks, rs, nr, &n_dec)) < 0)
+    if (!(apx = malloc(n)) || !(rx = calloc(n, 1))) {
+        r = kvr_wk_fail(e, -ENOMEM, "out of memory");
+        goto out;
+    }
+    for (size_t i = 0; i < n; i++)
+        apx[i] = !!(ss.meta.flags[i] & KVR_TOKEN_APPROX);
+    if ((r = decode_runs(e, toks, rs, nr, apx, rx, n, &n_dec)) < 0)
         goto out;
     if ((r = kvr_wk_seqstate_get(e, &q, n)) < 0)
         goto out;
     uint64_t h = seq_hash(toks, n);
     for (size_t i = 0; i < nr; i++) {
-        if ((r = refresh_run(e, &q, session, rs[i].s, rs[i].e, n, h)) < 0)
+        if ((r = refresh_runs(e, &q, session, rs[i].s, rs[i].e, rx, n, h)) < 0)
             goto out;
         *n_done += rs[i].e - rs[i].s;
     }
@@ -699,5 +750,7 @@ out:
     free(c);
     free(m);
     free(rs);
+    free(apx);
+    free(rx);
     return r;
 }

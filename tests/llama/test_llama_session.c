@@ -613,56 +613,68 @@ Test(llama_session, two_editors_at_once, .init = setup, .fini = teardown, .timeo
     wk_close(&w);
 }
 
-/* Logit RMS difference of the session's cached path against a full encode. */
-static double divergence(wk *w, const char *sid, const int32_t *t, size_t n)
+/* KL at versions 1 and 20 of a replay (kvr_wk_replay's JSON lines). */
+static void replay_kl(wk *w, const char *hdir, bool background, double *kl1, double *kl20)
 {
-    size_t nv = kvr_wk_lm_info_get(w->e.lm)->n_vocab;
-    float *a = malloc(nv * sizeof *a);
-    kvr_wk_sync_opts o = { .session = sid, .refresh = K_REFRESH, .max_age = MAX_AGE };
-    kvr_wk_step *st = NULL;
-    kvr_wk_sync_res res;
-    cr_assert_eq(kvr_wk_sync(&w->e, t, n, &o, &st, &res), 0, "%s", w->e.err);
-    kvr_wk_step_free(st);
-    memcpy(a, kvr_wk_lm_logits(w->e.lm), nv * sizeof *a);
-    kvr_wk_sync_opts full = { .no_cache = true };
-    cr_assert_eq(kvr_wk_sync(&w->e, t, n, &full, &st, &res), 0, "%s", w->e.err);
-    const float *b = kvr_wk_lm_logits(w->e.lm);
-    double s = 0;
-    for (size_t i = 0; i < nv; i++)
-        s += ((double)a[i] - (double)b[i]) * ((double)a[i] - (double)b[i]);
-    free(a);
-    return sqrt(s / (double)nv);
+    char lp[400];
+    snprintf(lp, sizeof lp, "%s/lines-%d.json", dir, (int)background);
+    FILE *lf = fopen(lp, "w+");
+    cr_assert_not_null(lf);
+    size_t at[2] = { 1, 20 };
+    kvr_wk_replay_opts ro = { .dir = hdir, .max_versions = 21,
+                              .sync = { .session = "editor:drift", .refresh = K_REFRESH,
+                                        .max_age = background ? 16 : 255 },
+                              .background = background, .check_at = at, .n_check_at = 2,
+                              .lines = lf };
+    if (!background)
+        ro.sync.refresh = 0;
+    cr_assert_eq(kvr_wk_replay(&w->e, &ro), 0, "%s", w->e.err);
+    cr_assert_eq(kvr_wk_rep_get(&w->rep, NULL, "failures"), 0);
+    rewind(lf);
+    char line[8192];
+    *kl1 = *kl20 = -1;
+    while (fgets(line, sizeof line, lf)) {
+        cJSON *j = cJSON_Parse(line);
+        cr_assert_not_null(j, "%s", line);
+        const cJSON *v = cJSON_GetObjectItem(j, "version"), *k = cJSON_GetObjectItem(j, "kl");
+        if (k && v->valuedouble == 1)
+            *kl1 = k->valuedouble;
+        if (k && v->valuedouble == 20)
+            *kl20 = k->valuedouble;
+        cJSON_Delete(j);
+    }
+    fclose(lf);
+    cr_assert(*kl1 >= 0 && *kl20 >= 0, "KL measured at edits 1 and 20");
 }
 
+/* The trained code model on a real history that fits its context: with
+ * background refresh (everything approximate re-encoded after each edit) the
+ * divergence from a full re-encode does not grow over 20 consecutive edits.
+ * What is left after a refresh is the noise of computing the same KV in
+ * another batch layout (llama.cpp's f16 flash attention sums in another
+ * order): the edit-1 figure is that floor, so edit 20 may not exceed it by
+ * more than its own spread (3x, or 1e-5 nats when the floor is ~0). */
 Test(llama_session, background_refresh_bounds_drift, .init = setup, .fini = teardown,
      .timeout = 900)
 {
+    snprintf(model, sizeof model, "%s/eval/kvrope-code.gguf", testd_build_dir());
+    cr_assert_eq(access(model, R_OK), 0, "the trained model %s is built (make)", model);
+    char hdir[400], cmd[1400];
+    snprintf(hdir, sizeof hdir, "%s/hist1k", dir);
+    snprintf(cmd, sizeof cmd, "/usr/bin/python3 %s/scripts/edit-history.py --repo %s --path "
+             "daemon/dispatch.c --window 1024 --max 21 %s >/dev/null", repo_root(), repo_root(),
+             hdir);
+    run_ok(cmd);
     wk w;
-    wk_open(&w, 24576);
-    const char *sid = "editor:drift";
-    double d1 = -1, d20 = -1;
-    for (int i = 0; i <= 20; i++) {
-        char p[400];
-        version_path(i, p, sizeof p);
-        size_t len, n;
-        char *text = slurp(p, &len);
-        int32_t *t = tok(&w, text, len, &n);
-        step(&w, sid, t, n, "drift");
-        size_t done = 0;
-        cr_assert_eq(kvr_wk_refresh_idle(&w.e, sid, SIZE_MAX, SIZE_MAX, &done), 0, "%s",
-                     w.e.err);
-        kvr_context info;
-        cr_assert_eq(kvr_client_stat(w.e.kc, sid, &info), 0);
-        cr_assert_eq(info.n_approximate, 0, "idle refresh leaves nothing approximate");
-        if (i == 1)
-            d1 = divergence(&w, sid, t, n);
-        if (i == 20)
-            d20 = divergence(&w, sid, t, n);
-        free(t);
-        free(text);
-    }
-    cr_assert(d1 >= 0 && d20 >= 0);
-    cr_assert_leq(d20, d1 + 1e-3, "with background refresh the divergence after 20 edits "
-                  "(%g) is no larger than after 1 (%g)", d20, d1);
+    wk_open(&w, 4096);
+    double n1, n20, b1, b20;
+    replay_kl(&w, hdir, false, &n1, &n20);
+    replay_kl(&w, hdir, true, &b1, &b20);
+    cr_log_info("KL from a full re-encode after 1 / 20 edits: no refresh %.3g / %.3g, "
+                "background refresh %.3g / %.3g", n1, n20, b1, b20);
+    cr_assert_leq(b20, fmax(3 * b1, 1e-5), "with background refresh the divergence after 20 "
+                  "edits (%g) is no larger than after 1 (%g)", b20, b1);
+    cr_assert_leq(b20, fmax(n20, 1e-5), "refresh never makes it worse: %g vs %g without", b20,
+                  n20);
     wk_close(&w);
 }

@@ -476,6 +476,7 @@ def test_closed_client_and_dead_daemon(daemon_factory):
 def test_tcp_with_token(daemon_factory, tmp_path):
     tok = tmp_path / "token"
     tok.write_text("s3cret-token\n")
+    tok.chmod(0o600)                               # others may not read it
     port = free_tcp_port()
     d = daemon_factory("--listen", f"127.0.0.1:{port}", "--auth-token-file", str(tok))
     with kvrope.connect(f"127.0.0.1:{port}", token="s3cret-token", timeout=5) as c:

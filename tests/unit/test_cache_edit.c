@@ -426,7 +426,7 @@ static size_t random_ops(uint64_t *st, size_t n, kvr_edit_op *ops, uint32_t (*bu
             add = 3;                   /* keep the context from vanishing */
         for (size_t q = 0; q < add; q++)
             buf[k][q] = rng_next(st) % 5000;
-        ops[k] = (kvr_edit_op){ start, start + rem, add, buf[k] };
+        ops[k] = (kvr_edit_op){ start, start + rem, add, buf[k], false };
         k++;
         lo = start + rem + 1;          /* strictly after: no shared start */
         if (start == n)
@@ -519,9 +519,9 @@ Test(cache_edit, no_accumulation)
     uint32_t ins[3] = { 7, 8, 9 };
     kvr_error e = { 0 };
     for (int i = 0; i < 500; i++) {
-        kvr_edit_op a = { 5, 5, 3, ins };
+        kvr_edit_op a = { 5, 5, 3, ins, false };
         cr_assert_eq(world_edit(&w, "c", &a, 1, KVR_DTYPE_F16, &e), 0, "%s", e.msg);
-        kvr_edit_op d = { 5, 8, 0, NULL };
+        kvr_edit_op d = { 5, 8, 0, NULL, false };
         cr_assert_eq(world_edit(&w, "c", &d, 1, KVR_DTYPE_F16, &e), 0, "%s", e.msg);
     }
     world_check(&w, "c", "after 1000 edits");
@@ -641,35 +641,35 @@ Test(cache_edit, refusals_leave_context_identical)
     world_put(&w, "c", init, 100);
     kvr_error e = { 0 };
     uint32_t nt[4] = { 1, 2, 3, 4 };
-    kvr_edit_op first = { 40, 42, 3, nt };
+    kvr_edit_op first = { 40, 42, 3, nt, false };
     cr_assert_eq(world_edit(&w, "c", &first, 1, KVR_DTYPE_F32, &e), 0);   /* some approx */
     cr_assert_eq(kvr_store_protect(w.s, "c", 4, &e), 0);
     snap a;
     take(&w, "c", &a);
     size_t rowb = (size_t)H * w.D * 2;
-    kvr_edit_op ok = { 10, 12, 2, nt };
+    kvr_edit_op ok = { 10, 12, 2, nt, false };
     kvr_edit_params base = { .ctx_id = "c", .model = "m", .ops = &ok, .n_ops = 1,
                              .with_kv = true, .n_layers = L, .n_kv_heads = H, .head_dim = w.D,
                              .dtype = KVR_DTYPE_F16, .payload_bytes = 2 * L * 2 * rowb };
     kvr_edit_params p;
     kvr_edit_op ops[3];
 
-    p = base; ops[0] = (kvr_edit_op){ 10, 500, 0, NULL }; p.ops = ops;
+    p = base; ops[0] = (kvr_edit_op){ 10, 500, 0, NULL, false }; p.ops = ops;
     try_edit(&w, p, "end out of bounds", KVR_ERANGE); same(&w, "c", &a, "erange");
-    p = base; ops[0] = (kvr_edit_op){ 12, 10, 0, NULL }; p.ops = ops;
+    p = base; ops[0] = (kvr_edit_op){ 12, 10, 0, NULL, false }; p.ops = ops;
     try_edit(&w, p, "start > end", KVR_ERANGE); same(&w, "c", &a, "erange2");
-    p = base; ops[0] = (kvr_edit_op){ 102, 102, 1, nt }; p.ops = ops; p.payload_bytes = 2 * L * rowb;
+    p = base; ops[0] = (kvr_edit_op){ 102, 102, 1, nt, false }; p.ops = ops; p.payload_bytes = 2 * L * rowb;
     try_edit(&w, p, "insert past the end", KVR_ERANGE); same(&w, "c", &a, "erange3");
-    p = base; ops[0] = (kvr_edit_op){ 10, 20, 0, NULL }; ops[1] = (kvr_edit_op){ 15, 25, 0, NULL };
+    p = base; ops[0] = (kvr_edit_op){ 10, 20, 0, NULL, false }; ops[1] = (kvr_edit_op){ 15, 25, 0, NULL, false };
     p.ops = ops; p.n_ops = 2; p.payload_bytes = 0;
     try_edit(&w, p, "overlap", KVR_EINVAL); same(&w, "c", &a, "overlap");
-    p = base; ops[0] = (kvr_edit_op){ 30, 30, 1, nt }; ops[1] = (kvr_edit_op){ 30, 30, 1, nt };
+    p = base; ops[0] = (kvr_edit_op){ 30, 30, 1, nt, false }; ops[1] = (kvr_edit_op){ 30, 30, 1, nt, false };
     p.ops = ops; p.n_ops = 2; p.payload_bytes = 2 * L * 2 * rowb;
     try_edit(&w, p, "two inserts at one point", KVR_EINVAL); same(&w, "c", &a, "2 inserts");
-    p = base; ops[0] = (kvr_edit_op){ 30, 30, 1, nt }; ops[1] = (kvr_edit_op){ 30, 32, 1, nt };
+    p = base; ops[0] = (kvr_edit_op){ 30, 30, 1, nt, false }; ops[1] = (kvr_edit_op){ 30, 32, 1, nt, false };
     p.ops = ops; p.n_ops = 2;
     try_edit(&w, p, "insert + replace at one start", KVR_EINVAL); same(&w, "c", &a, "ins+rep");
-    p = base; ops[0] = (kvr_edit_op){ 30, 30, 0, NULL }; p.ops = ops; p.payload_bytes = 0;
+    p = base; ops[0] = (kvr_edit_op){ 30, 30, 0, NULL, false }; p.ops = ops; p.payload_bytes = 0;
     try_edit(&w, p, "empty op", KVR_EINVAL); same(&w, "c", &a, "empty");
     p = base; p.payload_bytes += 2;
     try_edit(&w, p, "payload length", KVR_EPAYLOAD); same(&w, "c", &a, "payload");
@@ -677,9 +677,9 @@ Test(cache_edit, refusals_leave_context_identical)
     try_edit(&w, p, "shape", KVR_ESHAPE); same(&w, "c", &a, "shape");
     p = base; p.dtype = (kvr_dtype)9;
     try_edit(&w, p, "dtype", KVR_ESHAPE); same(&w, "c", &a, "dtype");
-    p = base; ops[0] = (kvr_edit_op){ 2, 3, 0, NULL }; p.ops = ops; p.payload_bytes = 0;
+    p = base; ops[0] = (kvr_edit_op){ 2, 3, 0, NULL, false }; p.ops = ops; p.payload_bytes = 0;
     try_edit(&w, p, "protected", KVR_EPROTECTED); same(&w, "c", &a, "protected");
-    p = base; ops[0] = (kvr_edit_op){ 0, 0, 1, nt }; p.ops = ops; p.payload_bytes = 2 * L * rowb;
+    p = base; ops[0] = (kvr_edit_op){ 0, 0, 1, nt, false }; p.ops = ops; p.payload_bytes = 2 * L * rowb;
     try_edit(&w, p, "insert at 0 with sinks", KVR_EPROTECTED); same(&w, "c", &a, "protected0");
     p = base; p.ctx_id = "nope";
     try_edit(&w, p, "unknown context", KVR_ENOCTX); same(&w, "c", &a, "noctx");
@@ -728,11 +728,11 @@ Test(cache_edit, refusals_leave_context_identical)
         snap b;
         take(&w, "big", &b);
         uint32_t many[4] = { 5, 6, 7, 8 };
-        p = base; p.ctx_id = "big"; ops[0] = (kvr_edit_op){ 1, 1, 4, many }; p.ops = ops;
+        p = base; p.ctx_id = "big"; ops[0] = (kvr_edit_op){ 1, 1, 4, many, false }; p.ops = ops;
         p.payload_bytes = 2 * L * 4 * rowb;
         try_edit(&w, p, "overflow", KVR_EINVAL);
         same(&w, "big", &b, "overflow");
-        p = base; p.ctx_id = "big"; ops[0] = (kvr_edit_op){ 4, 4, 3, many }; p.ops = ops;
+        p = base; p.ctx_id = "big"; ops[0] = (kvr_edit_op){ 4, 4, 3, many, false }; p.ops = ops;
         p.payload_bytes = 2 * L * 3 * rowb;
         try_edit(&w, p, "overflow at the end", KVR_EINVAL);
         same(&w, "big", &b, "overflow end");
@@ -785,7 +785,7 @@ Test(cache_edit, enomem_is_harmless)
     take(&w, "c", &a);
     size_t rowb = (size_t)H * w.D * 2;
     uint32_t *many = calloc(4096, 4);
-    kvr_edit_op op = { 10, 10, 4096, many };
+    kvr_edit_op op = { 10, 10, 4096, many, false };
     kvr_edit_params p = { .ctx_id = "c", .ops = &op, .n_ops = 1, .with_kv = true,
                           .n_layers = L, .n_kv_heads = H, .head_dim = w.D,
                           .dtype = KVR_DTYPE_F16, .payload_bytes = 2 * L * 4096 * rowb };
@@ -810,7 +810,7 @@ Test(cache_edit, plan_pending_refresh)
     world_put(&w, "c", init, 50);
     kvr_error e = { 0 };
     uint32_t nt[3] = { 900, 901, 902 };
-    kvr_edit_op ops[2] = { { 20, 20, 3, nt }, { 5, 7, 1, nt } };
+    kvr_edit_op ops[2] = { { 20, 20, 3, nt, false }, { 5, 7, 1, nt, false } };
     kvr_edit_params p = { .ctx_id = "c", .ops = ops, .n_ops = 2 };
     kvr_edit_span sp[2];
     kvr_edit_result r;
@@ -887,7 +887,7 @@ Test(cache_edit, forks_are_copy_on_write)
     world_put(&w, "a", init, 80);
     kvr_error e = { 0 };
     uint32_t nt[2] = { 77, 78 };
-    kvr_edit_op op = { 30, 31, 2, nt };
+    kvr_edit_op op = { 30, 31, 2, nt, false };
     cr_assert_eq(world_edit(&w, "a", &op, 1, KVR_DTYPE_F32, &e), 0);
     cr_assert_eq(kvr_store_fork(w.s, "a", "b", &e), 0, "%s", e.msg);
     snap sa;
@@ -900,7 +900,7 @@ Test(cache_edit, forks_are_copy_on_write)
     /* Refresh and edit b: a must not change. */
     cr_assert_eq(world_refresh(&wb, "b", 10, 60, &e), 0, "%s", e.msg);
     same_ex(&w, "a", &sa, "refresh of the fork", false);
-    kvr_edit_op op2 = { 5, 8, 1, nt };
+    kvr_edit_op op2 = { 5, 8, 1, nt, false };
     cr_assert_eq(world_edit(&wb, "b", &op2, 1, KVR_DTYPE_F32, &e), 0);
     same_ex(&w, "a", &sa, "edit of the fork", false);
     /* Check b's own contents (the index check in world_check sees both
@@ -928,7 +928,7 @@ Test(cache_edit, match_after_edits)
     uint32_t nt[2] = { 5, 6 };
     /* Edit near the start: the full-sequence entry goes stale (suffix of
      * ~500 tokens) and is rebuilt by the include_approx match. */
-    kvr_edit_op op = { 100, 105, 2, nt };
+    kvr_edit_op op = { 100, 105, 2, nt, false };
     cr_assert_eq(world_edit(&w, "c", &op, 1, KVR_DTYPE_F16, &e), 0);
     kvr_match_result mr;
     cr_assert_eq(kvr_store_match(w.s, "m", w.seq, w.n, false, &mr, &e), 0);
@@ -944,7 +944,7 @@ Test(cache_edit, match_after_edits)
     world_check(&w, "c", "after fork");
     /* Edit at the end stays eager; refresh of the approx range restores
      * the exact prefix. */
-    kvr_edit_op op2 = { w.n, w.n, 2, nt };
+    kvr_edit_op op2 = { w.n, w.n, 2, nt, false };
     cr_assert_eq(world_edit(&w, "c", &op2, 1, KVR_DTYPE_F16, &e), 0);
     world_check(&w, "c", "end insert");
     cr_assert_eq(world_refresh(&w, "c", 102, w.n - 2, &e), 0, "%s", e.msg);
@@ -979,9 +979,9 @@ Test(cache_edit, protected_sinks)
     cr_assert_eq(kvr_store_stat(w.s, "c", &ci, &e), 0);
     cr_assert_eq(ci.n_protected, 4);
     uint32_t nt[2] = { 99, 98 };
-    kvr_edit_op op = { 4, 4, 2, nt };       /* right after the sinks: allowed */
+    kvr_edit_op op = { 4, 4, 2, nt, false };       /* right after the sinks: allowed */
     cr_assert_eq(world_edit(&w, "c", &op, 1, KVR_DTYPE_F32, &e), 0, "%s", e.msg);
-    kvr_edit_op bad = { 3, 5, 0, NULL };
+    kvr_edit_op bad = { 3, 5, 0, NULL, false };
     kvr_edit_params p = { .ctx_id = "c", .ops = &bad, .n_ops = 1 };
     kvr_edit *t;
     cr_assert_eq(kvr_store_edit_begin(w.s, &p, &t, &e), KVR_EPROTECTED);
@@ -1019,6 +1019,7 @@ Test(cache_edit, approximation_age)
     world w;
     world_init(&w, &fams[0].cfg, KVR_DTYPE_F16, 16, 0);
     uint32_t init[100], fl[400];
+    memset(fl, 0, sizeof fl);
     for (uint32_t i = 0; i < 100; i++)
         init[i] = 1000 + i;
     world_put(&w, "c", init, 100);
@@ -1057,14 +1058,47 @@ Test(cache_edit, approximation_age)
         cr_assert_eq(fl[i], 0, "refreshed token %zu flags %#x", i, fl[i]);
     cr_assert_neq(fl[59], 0);
     world_check(&w, "c", "after ageing edits and a refresh");
+    /* New tokens whose KV saw approximate ones, and a range refreshed the
+     * same way, are stored APPROX with age 0; the exact prefix shrinks. */
+    uint32_t before[105];
+    memcpy(before, fl, sizeof before);
+    kvr_edit_op opa = { .start = 95, .end = 95, .n_tokens = 2, .tokens = ins, .approx = true };
+    cr_assert_eq(world_edit(&w, "c", &opa, 1, KVR_DTYPE_F32, &e), 0, "%s", e.msg);
+    flags_of(&w, "c", fl, 107);
+    cr_assert_eq(fl[95], KVR_TOKEN_APPROX, "approx new token: flags %#x", fl[95]);
+    cr_assert_eq(fl[96], KVR_TOKEN_APPROX);
+    cr_assert_eq(KVR_TOKEN_AGE(fl[97]), KVR_TOKEN_AGE(before[95]) + 1, "the suffix ages");
+    kvr_refresh_params rq = { .ctx_id = "c", .start = 0, .end = 4, .n_layers = L,
+                              .n_kv_heads = H, .head_dim = w.D, .dtype = KVR_DTYPE_F32,
+                              .payload_bytes = 2 * L * 4 * H * w.D * 4, .approx = true };
+    int64_t rpos[4] = { 0, 1, 2, 3 };
+    float *rpl = kv_payload(&w, w.seq, rpos, 4);
+    kvr_edit *rt;
+    cr_assert_eq(kvr_store_refresh_begin(w.s, &rq, &rt, &e), 0, "%s", e.msg);
+    const struct iovec *riov;
+    size_t rniov;
+    kvr_edit_payload_iov(rt, &riov, &rniov);
+    fill_iov(riov, rniov, rpl, rq.payload_bytes);
+    cr_assert_eq(kvr_edit_commit(rt, NULL, NULL, &e), 0, "%s", e.msg);
+    free(rpl);
+    flags_of(&w, "c", fl, 107);
+    for (size_t i = 0; i < 4; i++)
+        cr_assert_eq(fl[i], KVR_TOKEN_APPROX, "refreshed as approximate: %#x", fl[i]);
+    kvr_match_result mr;
+    cr_assert_eq(kvr_store_match(w.s, "m", w.seq, 107, false, &mr, &e), 0);
+    cr_assert_eq(mr.length, 0, "the exact prefix is empty now");
+    for (size_t i = 0; i < 4; i++)
+        w.approx[i] = 1;
+    w.approx[95] = w.approx[96] = 1;
+    world_check(&w, "c", "approximate new tokens and refresh");
     /* Ages saturate at 255. */
     for (int k = 0; k < 300; k++) {
         kvr_edit_op op = { .start = 0, .end = 1, .n_tokens = 1, .tokens = &ins[k % 3] };
         cr_assert_eq(world_edit(&w, "c", &op, 1, KVR_DTYPE_F32, &e), 0, "%s", e.msg);
     }
-    flags_of(&w, "c", fl, 105);
-    cr_assert_eq(KVR_TOKEN_AGE(fl[104]), 255);
-    cr_assert(fl[104] & KVR_TOKEN_APPROX);
+    flags_of(&w, "c", fl, 107);
+    cr_assert_eq(KVR_TOKEN_AGE(fl[106]), 255);
+    cr_assert(fl[106] & KVR_TOKEN_APPROX);
     world_free(&w);
 }
 

@@ -211,7 +211,7 @@ Test(cache_evict, one_request_uses_at_most_a_quarter_of_the_cap)
     cr_assert_eq(kvr_store_stat(s, "big", &ci, NULL), KVR_ENOCTX);
     /* An edit inserting as many tokens: the same. */
     uint32_t *many = calloc(5 * chunk, sizeof *many);
-    kvr_edit_op op = { 0, 0, 5 * chunk, many };
+    kvr_edit_op op = { 0, 0, 5 * chunk, many, false };
     kvr_edit_params ep = { .ctx_id = "v0", .ops = &op, .n_ops = 1, .with_kv = true,
                            .n_layers = L, .n_kv_heads = H, .head_dim = D,
                            .dtype = KVR_DTYPE_F16, .payload_bytes = 5 * chunk * tok_bytes };

@@ -377,7 +377,7 @@ Test(read_fused, get_after_edit_equals_reference)
     uint16_t *orig = stored(s, "c", &n, &pos0);
     /* replace [10, 12) with 3 new tokens (KV sent): the suffix moves by +1 */
     uint32_t nt[3] = { 900, 901, 902 };
-    kvr_edit_op op = { 10, 12, 3, nt };
+    kvr_edit_op op = { 10, 12, 3, nt, false };
     kvr_edit_params p = { .ctx_id = "c", .ops = &op, .n_ops = 1, .with_kv = true,
                           .n_layers = NL, .n_kv_heads = NH, .head_dim = HD,
                           .dtype = KVR_DTYPE_F16, .payload_bytes = 3 * NL * 2 * ROW * 2 };

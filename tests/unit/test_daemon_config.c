@@ -168,3 +168,58 @@ Test(daemon_config, default_socket_path)
     else
         cr_assert_not_null(strstr(buf, "/tmp/kvrope-"));
 }
+
+/* Loads text (len bytes, NULs allowed) as a config file; the error in *e. */
+static int load_text(const char *text, size_t len, kvr_daemon_config *c, kvr_error *e)
+{
+    char path[] = "/tmp/kvr-conf-XXXXXX";
+    int fd = mkstemp(path);
+    cr_assert_geq(fd, 0);
+    cr_assert_eq(write(fd, text, len), (ssize_t)len);
+    close(fd);
+    kvr_daemon_config_init(c);
+    memset(e, 0, sizeof *e);
+    int rc = kvr_daemon_config_load_file(c, path, e);
+    unlink(path);
+    return rc;
+}
+
+/* Issue 29 item 9: a NUL byte cut a value short silently, a key set twice
+ * took the last silently, and any size up to 2^64-1 was accepted. */
+Test(daemon_config, file_refuses_nul_duplicates_and_huge_sizes)
+{
+    kvr_daemon_config c;
+    kvr_error e;
+    static const char nul[] = "log-level = warn\nsocket = /tmp/a.sock\0/evil\nmax-memory = 1G\n";
+    cr_assert_lt(load_text(nul, sizeof nul - 1, &c, &e), 0);
+    cr_assert(strstr(e.msg, ":2:") && strstr(e.msg, "NUL"), "%s", e.msg);
+
+    const char *dup = "max-memory = 1G\nlog-level = warn\n# later\nmax-memory = 2G\n";
+    cr_assert_lt(load_text(dup, strlen(dup), &c, &e), 0);
+    cr_assert(strstr(e.msg, ":4:") && strstr(e.msg, "'max-memory'") &&
+              strstr(e.msg, "first on line 1"), "%s", e.msg);
+    const char *ok = "max-memory = 1G\nlog-level = warn\n";
+    cr_assert_eq(load_text(ok, strlen(ok), &c, &e), 0, "%s", e.msg);
+    cr_assert_eq(c.max_memory, 1ull << 30);
+
+    const char *huge[] = {
+        "max-memory = 18446744073709551615\n", "max-memory = 2P\n", "max-memory = 1048577G\n",
+        "max-conn-buffer = 18446744073709551615\n", "max-drain = 18446744073709551615\n",
+        "max-region-bytes = 16777216T\n", "disk-max = 18446744073709551615\n",
+        "min-rate = 18446744073709551615\n", "max-msg-buffers = 18446744073709551615\n",
+        "max-memory = 18446744073709551616\n", "max-memory = 1000\n",
+    };
+    for (size_t i = 0; i < sizeof huge / sizeof huge[0]; i++) {
+        cr_assert_lt(load_text(huge[i], strlen(huge[i]), &c, &e), 0, "accepted: %s", huge[i]);
+        cr_assert(strstr(e.msg, ":1:"), "%s", e.msg);
+    }
+    const char *range = "max-memory = 18446744073709551615\n";
+    cr_assert_lt(load_text(range, strlen(range), &c, &e), 0);
+    cr_assert(strstr(e.msg, "out of range"), "%s", e.msg);
+    const char *edge = "max-memory = 1024T\ndisk-max = 1024T\n";
+    cr_assert_eq(load_text(edge, strlen(edge), &c, &e), 0, "%s", e.msg);
+    /* and on the command line */
+    kvr_daemon_config_init(&c);
+    const char *a[] = { "--max-memory", "18446744073709551615" };
+    cr_assert_lt(parse(&c, a, 2), 0);
+}

@@ -529,6 +529,7 @@ Test(daemon_wire, tcp_auth_required)
     FILE *f = fopen(tokpath, "w");
     fputs("s3cret-token\n", f);
     fclose(f);
+    cr_assert_eq(chmod(tokpath, 0600), 0);   /* a token others can read is refused */
     int port = free_tcp_port();
     snprintf(listen, sizeof listen, "127.0.0.1:%d", port);
     const char *extra[] = { "--listen", listen, "--auth-token-file", tokpath, NULL };
@@ -725,6 +726,7 @@ static int start_tcp_daemon_with_token(const char *const *more)
     FILE *f = fopen(tokpath, "w");
     fputs("s3cret-token\n", f);
     fclose(f);
+    cr_assert_eq(chmod(tokpath, 0600), 0);   /* a token others can read is refused */
     int port = free_tcp_port();
     snprintf(listen, sizeof listen, "127.0.0.1:%d", port);
     const char *extra[24] = { "--listen", listen, "--auth-token-file", tokpath };

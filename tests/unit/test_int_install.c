@@ -3,8 +3,10 @@
  * temporary DESTDIR, then a program built with `pkg-config --cflags --libs
  * kvrope` against the staged tree runs and talks to a daemon; libkvrope's
  * SONAME link, headers, man pages (groff without warnings), the units
- * (`systemd-analyze verify`), the example config (`--check-config`); and
- * `make uninstall` leaves nothing behind.
+ * (`systemd-analyze verify`), the example config (`--check-config`), a
+ * program that includes kvrope_llama.h, the Python package imported by
+ * Debian's python3 from the staged tree; and `make uninstall` leaves
+ * nothing behind.
  *
  * Runs make in the source tree (the working directory, or $KVR_SRC) with
  * BUILD set to $KVR_BUILD and INSTALL_DEPS empty, so it installs the
@@ -116,6 +118,21 @@ static const char PROG[] =
     "    return r == 0 ? 0 : 1;\n"
     "}\n";
 
+/* The llama.cpp bridge's header, installed as kvrope/kvrope_llama.h. */
+static const char PROG_LLAMA[] =
+    "#include <kvrope_llama.h>\n"
+    "#include <stdio.h>\n"
+    "int main(void)\n"
+    "{\n"
+    "    kvr_llama_type t;\n"
+    "    if (kvr_llama_type_parse(\"q8_0\", &t) != 0)\n"
+    "        return 1;\n"
+    "    kvr_client *c = NULL;   /* kvrope.h's API, through kvrope_llama.h */\n"
+    "    kvr_client_close(c);\n"
+    "    printf(\"llama type %s\\n\", kvr_llama_type_name(t));\n"
+    "    return 0;\n"
+    "}\n";
+
 Test(install, destdir_install_pkg_config_program_runs_then_uninstall)
 {
     static char out[1 << 16];
@@ -135,6 +152,8 @@ Test(install, destdir_install_pkg_config_program_runs_then_uninstall)
     cr_assert(exists("%s%s/include/kvrope/kvrope.h", dest, p));
     cr_assert(exists("%s%s/include/kvrope/rope/rope.h", dest, p));
     cr_assert(exists("%s%s/include/kvrope/rope/error.h", dest, p));
+    cr_assert(exists("%s%s/include/kvrope/kvrope_llama.h", dest, p));
+    cr_assert(exists("%s%s/include/kvrope/client/kvrope.h", dest, p));
     cr_assert(exists("%s%s/lib/pkgconfig/kvrope.pc", dest, p));
     cr_assert(exists("%s%s/share/man/man8/kvroped.8", dest, p));
     cr_assert(exists("%s%s/share/man/man1/kvrope.1", dest, p));
@@ -196,9 +215,43 @@ Test(install, destdir_install_pkg_config_program_runs_then_uninstall)
     rc = sh(out, sizeof out, "'%s' '%s' && LD_LIBRARY_PATH='%s%s/lib' '%s' '%s' && "
             "LD_LIBRARY_PATH='%s%s/lib' ldd '%s'", sprog, d.sock, dest, p, prog, d.sock,
             dest, p, prog);
-    testd_stop(&d);
     cr_assert_eq(rc, 0, "the program: %s", out);
     cr_assert(strstr(out, "ping 0 theta 10000"), "%s", out);
+
+    /* A program that includes kvrope_llama.h builds with the same flags. */
+    char lprog_c[400], lprog[400];
+    snprintf(lprog_c, sizeof lprog_c, "%s/prog_llama.c", g_tmp);
+    snprintf(lprog, sizeof lprog, "%s/prog_llama", g_tmp);
+    cr_assert_eq(opsd_write_file(lprog_c, PROG_LLAMA, 0644), 0);
+    rc = sh(out, sizeof out,
+            "export PKG_CONFIG_PATH='%s%s/lib/pkgconfig' PKG_CONFIG_SYSROOT_DIR='%s'; "
+            "cc -std=c11 -Wall -Werror %s '%s' $(pkg-config --cflags --libs kvrope) -o '%s' && "
+            "LD_LIBRARY_PATH='%s%s/lib' '%s'", dest, p, dest, sanflags, lprog_c, lprog, dest, p,
+            lprog);
+    cr_assert_eq(rc, 0, "kvrope_llama.h program: %s", out);
+    cr_assert(strstr(out, "llama type q8_0"), "%s", out);
+
+    /* The Python package is where Debian's python3 looks under the prefix,
+     * imports from there (not from the source tree), knows where libkvrope
+     * was installed, and talks to the daemon through the staged library. */
+    if (sh(NULL, 0, "test -x /usr/bin/python3 && /usr/bin/python3 -c 'import numpy'") == 0) {
+        rc = sh(out, sizeof out,
+                "cd / && site=$(ls -d '%s%s'/lib/python3*/dist-packages) && "
+                "env -u PYTHONPATH PYTHONPATH=\"$site\" KVROPE_LIB='%s%s/lib/libkvrope.so' "
+                "/usr/bin/python3 -c 'import kvrope, kvrope._install as i; "
+                "print(kvrope.__file__); print(\"libdir\", i.LIBDIR); "
+                "c = kvrope.connect(\"%s\"); print(\"pong\", c.ping() is not None); c.close()' && "
+                "/usr/bin/python3 -c 'import sys; print(\"on sys.path:\", any(p.startswith(\"/usr/local/lib/python3\") and p.endswith(\"dist-packages\") for p in sys.path))'",
+                dest, p, dest, p, d.sock);
+        cr_assert_eq(rc, 0, "python import: %s", out);
+        char want_py[600];
+        snprintf(want_py, sizeof want_py, "%s%s/lib/python3", dest, p);
+        cr_assert(strstr(out, want_py), "kvrope imported from the staged tree: %s", out);
+        cr_assert(strstr(out, "libdir /usr/local/lib\n"), "%s", out);
+        cr_assert(strstr(out, "pong True"), "%s", out);
+        cr_assert(strstr(out, "on sys.path: True"), "Debian's python3 looks there: %s", out);
+    }
+    testd_stop(&d);
     char want[600];
     snprintf(want, sizeof want, "%s%s/lib/", dest, p);
     cr_assert(strstr(out, want), "libkvrope resolved from the staged tree: %s", out);

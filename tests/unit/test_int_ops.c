@@ -208,6 +208,8 @@ Test(ops, metrics_follow_traffic_and_pass_promtool)
     cr_assert(sample(m, "kvrope_error_replies_total") >= 1);
     cr_assert(sample(m, "kvrope_connections") >= 1);
     cr_assert(sample(m, "kvrope_connections_accepted_total") >= 3);
+    cr_assert_eq(sample(m, "kvrope_shm_regions"), 0);
+    cr_assert(sample(m, "kvrope_shm_regions_limit") > 0);
     cr_assert(sample(m, "kvrope_network_received_bytes_total") >= (double)(N * plen));
 
     /* Deletes move contexts down and count as delete requests. */
@@ -217,6 +219,44 @@ Test(ops, metrics_follow_traffic_and_pass_promtool)
     cr_assert_eq(sample(m, "kvrope_contexts"), N - 1);
     cr_assert_eq(sample(m, "kvrope_requests_total{verb=\"delete\",status=\"OK\"}"), 1);
     free(m);
+
+    /* Every verb is named (issue 31: layout verbs counted under "none"),
+     * and /metrics names exactly the verbs stats counts, from one list. */
+    kvr_layout_res lr;
+    cr_assert_eq(kvr_client_set_retention(c, "c1", 2, 8, false, &lr), 0, "%s",
+                 kvr_client_last_error(c));
+    cr_assert_eq(kvr_client_layout_stat(c, "c1", &lr), 0, "%s", kvr_client_last_error(c));
+    cr_assert_neq(kvr_client_layout_stat(c, "nope", &lr), 0);
+    kvr_metric *st = NULL;
+    size_t nst = 0;
+    cr_assert_eq(kvr_client_stats(c, &st, &nst), 0);
+    m = scrape(port);
+    cr_assert_eq(sample(m, "kvrope_requests_total{verb=\"set_retention\",status=\"OK\"}"), 1, "%s",
+                 m);
+    cr_assert_eq(sample(m, "kvrope_requests_total{verb=\"layout_stat\",status=\"OK\"}"), 1);
+    cr_assert_eq(sample(m, "kvrope_requests_total{verb=\"layout_stat\",status=\"E_UNKNOWN_CONTEXT\"}"),
+                 1);
+    cr_assert_eq(sample(m, "kvrope_requests_total{verb=\"none\",status=\"OK\"}"), 0);
+    cr_assert_null(strstr(m, "verb=\"none\",status=\"E_"), "a request counted under none");
+    size_t nverbs = 0;
+    for (size_t i = 0; i < nst; i++) {
+        if (strncmp(st[i].name, "requests_", 9) != 0 || !strcmp(st[i].name, "requests_total"))
+            continue;
+        nverbs++;
+        double ok = sample(m, "kvrope_requests_total{verb=\"%s\",status=\"OK\"}", st[i].name + 9);
+        cr_assert(ok >= 0, "stats counts %s, /metrics has no verb=\"%s\"", st[i].name,
+                  st[i].name + 9);
+        cr_assert(sample(m, "kvrope_request_duration_seconds_count{verb=\"%s\"}",
+                         st[i].name + 9) >= 0);
+    }
+    cr_assert_geq(nverbs, 26, "stats lists %zu verbs", nverbs);
+    size_t series = 0;
+    for (const char *p = m; (p = strstr(p, "kvrope_requests_total{verb=\"")); p++)
+        if (strstr(p, "status=\"OK\"") < strchr(p, '\n') && strncmp(p + 28, "none\"", 5))
+            series++;
+    cr_assert_eq(series, nverbs, "/metrics names %zu verbs, stats %zu", series, nverbs);
+    kvr_client_free(st);
+    free(m);
     kvr_client_close(c);
 
     /* Only GET /metrics. */
@@ -225,6 +265,126 @@ Test(ops, metrics_follow_traffic_and_pass_promtool)
     free(body);
     cr_assert_eq(opsd_http(port, "POST", "/metrics", NULL, &body), 405);
     free(body);
+    cr_assert_eq(opsd_stop(pid), 0);
+}
+
+/* A slowloris scrape connection from source address src (127.0.0.x):
+ * connected, a request line sent, headers to follow a line at a time. -1
+ * if the connect failed. */
+static int dribbler(const char *src, int port)
+{
+    int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    cr_assert_geq(fd, 0);
+    struct sockaddr_in me = { .sin_family = AF_INET };
+    cr_assert_eq(inet_pton(AF_INET, src, &me.sin_addr), 1);
+    cr_assert_eq(bind(fd, (struct sockaddr *)&me, sizeof me), 0, "bind %s: %s", src,
+                 strerror(errno));
+    struct sockaddr_in sa = { .sin_family = AF_INET, .sin_port = htons((uint16_t)port) };
+    sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    if (connect(fd, (struct sockaddr *)&sa, sizeof sa) < 0) {
+        close(fd);
+        return -1;
+    }
+    const char *line = "GET /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\n";
+    if (send(fd, line, strlen(line), MSG_NOSIGNAL) < 0) {
+        close(fd);
+        return -1;
+    }
+    return fd;
+}
+
+static uint64_t mono_ms(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000u + (uint64_t)ts.tv_nsec / 1000000u;
+}
+
+/* Has the daemon closed fd (EOF or reset)? */
+static bool dropped(int fd)
+{
+    char b[256];
+    ssize_t r = recv(fd, b, sizeof b, MSG_DONTWAIT);
+    return r == 0 || (r < 0 && errno != EAGAIN && errno != EWOULDBLOCK);
+}
+
+/* One more header line on every dribbler still open; closes (-1) those the
+ * daemon dropped. Returns how many are still open. */
+static int drip(int *fds, int n)
+{
+    int open = 0;
+    for (int i = 0; i < n; i++) {
+        if (fds[i] < 0)
+            continue;
+        if (dropped(fds[i]) || send(fds[i], "X-Drip: 1\r\n", 11, MSG_NOSIGNAL) < 0) {
+            close(fds[i]);
+            fds[i] = -1;
+            continue;
+        }
+        open++;
+    }
+    return open;
+}
+
+/* Issue 29 item 8: 16 connections each dribbling a header line (every 3 s
+ * then, every second here: both beat the 10 s idle timeout) held every
+ * scrape slot forever, before the token is checked. Now one peer address
+ * gets at most 4 connections, and a request must be in and answered within
+ * 10 s of its connection's start: a scrape succeeds at once against one
+ * peer's dribblers, within the deadline (generously bounded: 40 s) against
+ * dribblers from four addresses filling every slot, and every dribbler is
+ * dropped. */
+Test(ops, metrics_slowloris_cannot_hold_the_scrape_slots)
+{
+    char sock[320], log[320];
+    path(sock, sizeof sock, "s.sock");
+    path(log, sizeof log, "d.log");
+    const char *argv[] = { "--socket", sock, "--metrics-listen", "127.0.0.1:0", NULL };
+    opsd_spawn sp = { .argv = argv, .log = log };
+    pid_t pid = opsd_start(&sp);
+    cr_assert(pid > 0);
+    int port = opsd_metrics_port(log);
+    cr_assert(port > 0);
+    cr_assert_eq(opsd_wait_ping(sock, 30000), 0);
+    enum { N = 16 };
+    int one[N], many[N];
+    /* One peer: 16 dribblers, of which at most 4 keep a slot. */
+    for (int i = 0; i < N; i++)
+        one[i] = dribbler("127.0.0.2", port);
+    testd_sleep_ms(300);
+    int open = drip(one, N);
+    cr_assert_leq(open, 4, "one peer holds %d scrape connections", open);
+    char *body = NULL;
+    cr_assert_eq(opsd_http(port, "GET", "/metrics", NULL, &body), 200,
+                 "a scrape while one peer dribbles");
+    free(body);
+    /* Four more peers fill every slot; a scrape gets one once the
+     * dribblers' deadline passes. */
+    for (int i = 0; i < N; i++) {
+        char src[32];
+        snprintf(src, sizeof src, "127.0.0.%d", 3 + i / 4);
+        many[i] = dribbler(src, port);
+    }
+    int st = -1;
+    uint64_t t0 = mono_ms();
+    while (st != 200 && mono_ms() - t0 < 40000) {
+        drip(one, N);
+        drip(many, N);
+        body = NULL;
+        st = opsd_http(port, "GET", "/metrics", NULL, &body);
+        free(body);
+        if (st != 200)
+            testd_sleep_ms(1000);
+    }
+    cr_assert_eq(st, 200, "no scrape got through within 40 s");
+    /* Every dribbler is dropped, though each keeps dripping. */
+    int left = N;
+    while (left > 0 && mono_ms() - t0 < 40000) {
+        testd_sleep_ms(1000);
+        left = drip(one, N) + drip(many, N);
+    }
+    cr_assert_eq(left, 0, "%d dribblers still hold a connection after 40 s", left);
+    cr_assert(opsd_wait_log(log, "whose request was not in and answered within 10 s", 1000));
     cr_assert_eq(opsd_stop(pid), 0);
 }
 
@@ -722,26 +882,68 @@ Test(ops, another_users_tmp_kvrope_dir_is_refused)
     cr_assert(opsd_wait_log(log, "belongs to uid 0, not to us (uid 4243): refusing", 1000));
 }
 
-Test(ops, a_token_file_others_can_read_is_warned_about)
+/* Issue 29 item 9: refused, as sshd refuses a private key others can read
+ * (it was only a warning), with the mode to use; --check-config too. */
+Test(ops, a_token_file_others_can_read_is_refused)
 {
-    char sock[320], log[320], tok[320];
+    char sock[320], log[320], tok[320], conf[320];
     path(sock, sizeof sock, "s.sock");
     path(log, sizeof log, "d.log");
     path(tok, sizeof tok, "token");
+    path(conf, sizeof conf, "c.conf");
     cr_assert_eq(opsd_write_file(tok, "t\n", 0644), 0);
     const char *argv[] = { "--socket", sock, "--listen", "127.0.0.1:0", "--auth-token-file", tok,
                            NULL };
     opsd_spawn sp = { .argv = argv, .log = log };
     pid_t pid = opsd_start(&sp);
+    cr_assert_eq(opsd_wait_exit(pid, 30000), 1);
+    cr_assert(opsd_wait_log(log, "can be read or written by other users (mode 0644): refusing",
+                            1000));
+    cr_assert(opsd_wait_log(log, "chmod 600 it", 1000));
+    /* Its group only: refused too. */
+    cr_assert_eq(chmod(tok, 0640), 0);
+    pid = opsd_start(&sp);
+    cr_assert_eq(opsd_wait_exit(pid, 30000), 1);
+    cr_assert(opsd_wait_log(log, "by its group (mode 0640): refusing", 1000));
+    char text[700];
+    snprintf(text, sizeof text, "listen = 127.0.0.1:0\nauth-token-file = %s\n", tok);
+    cr_assert_eq(opsd_write_file(conf, text, 0600), 0);
+    char out[2048];
+    cr_assert_eq(check_config(conf, out, sizeof out), 1);
+    cr_assert(strstr(out, "refusing") && strstr(out, "chmod 600"), "%s", out);
+    /* 0600 and 0400: used. */
+    const mode_t ok[] = { 0600, 0400 };
+    for (size_t i = 0; i < 2; i++) {
+        cr_assert_eq(chmod(tok, ok[i]), 0);
+        pid = opsd_start(&sp);
+        cr_assert_eq(opsd_wait_ping(sock, 30000), 0);
+        cr_assert_eq(opsd_stop(pid), 0);
+    }
+}
+
+/* Issue 29 item 9: a --socket in a directory every user can write to
+ * (sticky, like /tmp) starts with a warning that says why. */
+Test(ops, a_socket_in_a_world_writable_directory_is_warned_about)
+{
+    char shared[320], sock[360], log[320];
+    path(shared, sizeof shared, "shared");
+    path(log, sizeof log, "d.log");
+    snprintf(sock, sizeof sock, "%s/kv.sock", shared);
+    cr_assert_eq(mkdir(shared, 0700), 0);
+    cr_assert_eq(chmod(shared, 01777), 0);
+    const char *argv[] = { "--socket", sock, NULL };
+    opsd_spawn sp = { .argv = argv, .log = log };
+    pid_t pid = opsd_start(&sp);
     cr_assert_eq(opsd_wait_ping(sock, 30000), 0);
-    cr_assert(opsd_wait_log(log, "can be read or written by other users (mode 0644)", 1000));
+    cr_assert(opsd_wait_log(log, "a directory every user can write to (mode 1777): another "
+                            "user can create this path before us", 1000));
     cr_assert_eq(opsd_stop(pid), 0);
-    /* 0600: no warning. */
-    chmod(tok, 0600);
+    /* A private directory: no warning. */
+    cr_assert_eq(chmod(shared, 0700), 0);
     pid = opsd_start(&sp);
     cr_assert_eq(opsd_wait_ping(sock, 30000), 0);
     cr_assert_eq(opsd_stop(pid), 0);
     char *t = opsd_slurp(log, NULL);
-    cr_assert(t && !strstr(t, "can be read or written"), "%s", t);
+    cr_assert(t && !strstr(t, "every user can write"), "%s", t);
     free(t);
 }

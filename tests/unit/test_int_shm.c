@@ -459,6 +459,7 @@ Test(int_shm, clients_that_vanish)
     want = testd_payload(3, T_LAYERS, 0, 2000, KVR_DTYPE_F16, &len);
     cr_assert_eq(memcmp(base, want, len), 0);
     free(want);
+    kvr_kv_release(&kv);
 }
 
 typedef struct worker_arg {
@@ -640,42 +641,9 @@ static int count_fds(pid_t pid)
     return n;
 }
 
-Test(int_shm, stray_descriptors_are_closed)
-{
-    int fd = raw_connect();
-    Kvrope__Request q = KVROPE__REQUEST__INIT;
-    Kvrope__Ping ping = KVROPE__PING__INIT;
-    q.id = 1;
-    q.body_case = KVROPE__REQUEST__BODY_PING;
-    q.ping = &ping;
-    cr_assert_eq(raw_call(fd, &q, -1), KVROPE__STATUS__OK);
-    int before = count_fds(D.pid);
-    int mfd = raw_memfd(4096, F_SEAL_SHRINK);
-    for (int i = 0; i < 50; i++)   /* fds riding on pings: closed, not kept */
-        cr_assert_eq(raw_call(fd, &q, mfd), KVROPE__STATUS__OK);
-    /* (a little slack: the daemon may open a descriptor of its own meanwhile) */
-    int after = count_fds(D.pid);
-    cr_assert_leq(after, before + 5, "the daemon kept stray descriptors: %d -> %d", before,
-                  after);
-    /* a RegisterRegion without a descriptor */
-    Kvrope__RegisterRegion rr = KVROPE__REGISTER_REGION__INIT;
-    rr.size = 4096;
-    Kvrope__Request g = KVROPE__REQUEST__INIT;
-    g.id = 2;
-    g.body_case = KVROPE__REQUEST__BODY_REGISTER_REGION;
-    g.register_region = &rr;
-    cr_assert_eq(raw_call(fd, &g, -1), KVROPE__STATUS__E_BAD_REQUEST);
-    /* and with one it works; the connection's close unmaps it */
-    cr_assert_eq(raw_call(fd, &g, mfd), KVROPE__STATUS__OK);
-    close(mfd);
-    close(fd);
-    cr_assert_eq(kvr_client_ping(C, NULL), 0);
-}
-
 /* Frames written together are read together (the daemon reads a header
- * with what follows it): a descriptor on the first bytes of a write whose
- * RegisterRegion comes after other frames is that RegisterRegion's, and
- * strays riding on pipelined pings are still closed. */
+ * with what follows it): a descriptor on a write whose RegisterRegion
+ * comes after other frames is that RegisterRegion's. */
 static void pack_frame(uint8_t *buf, size_t cap, size_t *off, Kvrope__Request *q)
 {
     size_t n = kvrope__request__get_packed_size(q);
@@ -685,22 +653,34 @@ static void pack_frame(uint8_t *buf, size_t cap, size_t *off, Kvrope__Request *q
     *off += KVR_FRAME_HEADER_SIZE + n;
 }
 
-static void send_with_fd(int fd, const uint8_t *buf, size_t len, int pass)
+/* sendmsg of len bytes with `copies` copies of fd `pass` (none if 0);
+ * the bytes sent, or -1. */
+static ssize_t send_fds(int fd, const void *buf, size_t len, int pass, int copies)
 {
     struct iovec iov = { (void *)(uintptr_t)buf, len };
     union {
         struct cmsghdr h;
-        char b[CMSG_SPACE(sizeof(int))];
+        char b[CMSG_SPACE(253 * sizeof(int))];
     } cm;
     memset(&cm, 0, sizeof cm);
-    struct msghdr mh = { .msg_iov = &iov, .msg_iovlen = 1, .msg_control = cm.b,
-                         .msg_controllen = sizeof cm.b };
-    struct cmsghdr *h = CMSG_FIRSTHDR(&mh);
-    h->cmsg_level = SOL_SOCKET;
-    h->cmsg_type = SCM_RIGHTS;
-    h->cmsg_len = CMSG_LEN(sizeof(int));
-    memcpy(CMSG_DATA(h), &pass, sizeof(int));
-    cr_assert_eq(sendmsg(fd, &mh, MSG_NOSIGNAL), (ssize_t)len);
+    struct msghdr mh = { .msg_iov = &iov, .msg_iovlen = 1 };
+    if (copies > 0) {
+        cr_assert_leq(copies, 253);
+        mh.msg_control = cm.b;
+        mh.msg_controllen = CMSG_SPACE((size_t)copies * sizeof(int));
+        struct cmsghdr *h = CMSG_FIRSTHDR(&mh);
+        h->cmsg_level = SOL_SOCKET;
+        h->cmsg_type = SCM_RIGHTS;
+        h->cmsg_len = CMSG_LEN((size_t)copies * sizeof(int));
+        for (int i = 0; i < copies; i++)
+            memcpy(CMSG_DATA(h) + (size_t)i * sizeof(int), &pass, sizeof(int));
+    }
+    return sendmsg(fd, &mh, MSG_NOSIGNAL);
+}
+
+static void send_with_fd(int fd, const uint8_t *buf, size_t len, int pass)
+{
+    cr_assert_eq(send_fds(fd, buf, len, pass, 1), (ssize_t)len);
 }
 
 static Kvrope__Response *recv_answer(int fd)
@@ -718,15 +698,86 @@ static Kvrope__Response *recv_answer(int fd)
     return r;
 }
 
-Test(int_shm, descriptors_of_pipelined_frames)
+/* The refusal of descriptors on a frame that takes none: E_BAD_REQUEST
+ * (with id `id`, or `alt`) saying only register_region carries one, then
+ * the daemon closes the connection. */
+static void expect_fd_refusal(int fd, uint64_t id, uint64_t alt)
+{
+    Kvrope__Response *r = recv_answer(fd);
+    cr_assert_eq(r->status, KVROPE__STATUS__E_BAD_REQUEST, "%d %s", r->status, r->message);
+    cr_assert(r->id == id || r->id == alt, "id %llu", (unsigned long long)r->id);
+    cr_assert(r->message && strstr(r->message, "only a register_region frame carries one"),
+              "%s", r->message);
+    kvrope__response__free_unpacked(r, NULL);
+    uint8_t b;
+    cr_assert_eq(recv(fd, &b, 1, 0), 0, "the connection stays open");
+}
+
+/* Waits (up to 5 s) for the daemon's descriptors to drop to at most max. */
+static int fds_settle(int max)
+{
+    int n = count_fds(D.pid);
+    for (int i = 0; i < 250 && n > max; i++) {
+        usleep(20000);
+        n = count_fds(D.pid);
+    }
+    return n;
+}
+
+/* A raw connection the daemon has answered a ping on (accepted, its fds
+ * counted); *q is that ping (id 1), for more. */
+static int pinged_connect(Kvrope__Request *q, Kvrope__Ping *ping)
 {
     int fd = raw_connect();
-    Kvrope__Request q = KVROPE__REQUEST__INIT;
-    Kvrope__Ping ping = KVROPE__PING__INIT;
-    q.id = 1;
-    q.body_case = KVROPE__REQUEST__BODY_PING;
-    q.ping = &ping;
+    kvrope__request__init(q);
+    kvrope__ping__init(ping);
+    q->id = 1;
+    q->body_case = KVROPE__REQUEST__BODY_PING;
+    q->ping = ping;
+    cr_assert_eq(raw_call(fd, q, -1), KVROPE__STATUS__OK);
+    return fd;
+}
+
+/* Issue 29 item 6: a descriptor on a frame that takes none (here pings)
+ * is refused, not silently closed: the peer learns its fd went nowhere. */
+Test(int_shm, descriptors_on_frames_that_take_none_are_refused)
+{
+    Kvrope__Request q;
+    Kvrope__Ping ping;
+    int fd = pinged_connect(&q, &ping);
+    int before = count_fds(D.pid);
+    int mfd = raw_memfd(4096, F_SEAL_SHRINK);
+    uint8_t buf[512];
+    size_t off = 0;
+    q.id = 7;
+    pack_frame(buf, sizeof buf, &off, &q);
+    send_with_fd(fd, buf, off, mfd);
+    expect_fd_refusal(fd, 7, 7);
+    close(fd);
+    int after = fds_settle(before);
+    cr_assert_leq(after, before, "the daemon kept descriptors: %d -> %d", before, after);
+    /* a RegisterRegion without a descriptor: refused, the connection stays */
+    fd = raw_connect();
+    Kvrope__RegisterRegion rr = KVROPE__REGISTER_REGION__INIT;
+    rr.size = 4096;
+    Kvrope__Request g = KVROPE__REQUEST__INIT;
+    g.id = 2;
+    g.body_case = KVROPE__REQUEST__BODY_REGISTER_REGION;
+    g.register_region = &rr;
+    cr_assert_eq(raw_call(fd, &g, -1), KVROPE__STATUS__E_BAD_REQUEST);
     cr_assert_eq(raw_call(fd, &q, -1), KVROPE__STATUS__OK);
+    /* and with one it works; the connection's close unmaps it */
+    cr_assert_eq(raw_call(fd, &g, mfd), KVROPE__STATUS__OK);
+    close(mfd);
+    close(fd);
+    cr_assert_eq(kvr_client_ping(C, NULL), 0);
+}
+
+Test(int_shm, descriptors_of_pipelined_frames)
+{
+    Kvrope__Request q;
+    Kvrope__Ping ping;
+    int fd = pinged_connect(&q, &ping);
     int before = count_fds(D.pid);
     int mfd = raw_memfd(4096, F_SEAL_SHRINK);
     Kvrope__RegisterRegion rr = KVROPE__REGISTER_REGION__INIT;
@@ -737,19 +788,23 @@ Test(int_shm, descriptors_of_pipelined_frames)
     uint32_t regions[4];   /* --max-regions 4 */
     for (int i = 0; i < 4; i++) {
         /* two pings, then the RegisterRegion, in one write, the fd on its
-         * first bytes (the first ping's) */
+         * first bytes (the first ping's); then a ping in a write of its own */
         uint8_t buf[512];
         size_t off = 0;
-        q.id = 100 + (uint64_t)i * 3;
+        q.id = 100 + (uint64_t)i * 4;
         pack_frame(buf, sizeof buf, &off, &q);
         q.id++;
         pack_frame(buf, sizeof buf, &off, &q);
         g.id = q.id + 1;
         pack_frame(buf, sizeof buf, &off, &g);
         send_with_fd(fd, buf, off, mfd);
-        for (int k = 0; k < 3; k++) {
+        q.id = g.id + 1;
+        off = 0;
+        pack_frame(buf, sizeof buf, &off, &q);
+        cr_assert_eq(send(fd, buf, off, MSG_NOSIGNAL), (ssize_t)off);
+        for (int k = 0; k < 4; k++) {
             Kvrope__Response *r = recv_answer(fd);
-            cr_assert_eq(r->id, 100 + (uint64_t)i * 3 + (uint64_t)k);
+            cr_assert_eq(r->id, 100 + (uint64_t)i * 4 + (uint64_t)k);
             cr_assert_eq(r->status, KVROPE__STATUS__OK, "frame %d: %s", k, r->message);
             if (k == 2) {
                 cr_assert_eq(r->body_case, KVROPE__RESPONSE__BODY_REGION);
@@ -760,119 +815,263 @@ Test(int_shm, descriptors_of_pipelined_frames)
         for (int j = 0; j < i; j++)
             cr_assert_neq(regions[j], regions[i]);
     }
-    for (int i = 0; i < 30; i++) {
-        /* a stray on the first of two pings written together: closed */
-        uint8_t buf[256];
-        size_t off = 0;
-        q.id = 1000 + (uint64_t)i * 2;
-        pack_frame(buf, sizeof buf, &off, &q);
-        q.id++;
-        pack_frame(buf, sizeof buf, &off, &q);
-        send_with_fd(fd, buf, off, mfd);
-        for (int k = 0; k < 2; k++) {
-            Kvrope__Response *r = recv_answer(fd);
-            cr_assert_eq(r->status, KVROPE__STATUS__OK);
-            kvrope__response__free_unpacked(r, NULL);
-        }
-    }
+    /* A stray on a write of two pings is the last frame's: the first is
+     * answered, the second refused, the connection closed. */
+    uint8_t buf[256];
+    size_t off = 0;
+    q.id = 1000;
+    pack_frame(buf, sizeof buf, &off, &q);
+    q.id++;
+    pack_frame(buf, sizeof buf, &off, &q);
+    send_with_fd(fd, buf, off, mfd);
+    Kvrope__Response *r = recv_answer(fd);
+    cr_assert_eq(r->id, 1000);
+    cr_assert_eq(r->status, KVROPE__STATUS__OK);
+    kvrope__response__free_unpacked(r, NULL);
+    expect_fd_refusal(fd, 1001, 1001);
     close(mfd);
     close(fd);
     /* the connection's regions are unmapped and its fds closed with it */
-    for (int i = 0; i < 100 && count_fds(D.pid) > before + 5; i++)
-        usleep(20000);
-    int after = count_fds(D.pid);
-    cr_assert_leq(after, before + 5, "the daemon kept descriptors: %d -> %d", before, after);
+    int after = fds_settle(before);
+    cr_assert_leq(after, before, "the daemon kept descriptors: %d -> %d", before, after);
     cr_assert_eq(kvr_client_ping(C, NULL), 0);
 }
 
-/* Descriptors riding on a put's payload bytes (the daemon reads a payload
- * straight into its blocks, all iovecs at once): closed, never kept, and
- * the put stores exactly its bytes. */
-Test(int_shm, descriptors_on_payload_bytes_are_closed)
+/* Sends a put frame's header and message for n tokens of ctx (the payload
+ * is the caller's to send). */
+static void send_put_head(int fd, uint64_t id, const char *ctx, uint32_t *tok, size_t n,
+                          size_t len)
+{
+    Kvrope__Put p = KVROPE__PUT__INIT;
+    p.context_id = (char *)(uintptr_t)ctx;
+    p.model = "pm";
+    p.has_mode = 1;
+    p.mode = KVROPE__PUT_MODE__CREATE;
+    p.n_tokens = n;
+    p.tokens = tok;
+    Kvrope__Request r = KVROPE__REQUEST__INIT;
+    r.id = id;
+    r.body_case = KVROPE__REQUEST__BODY_PUT;
+    r.put = &p;
+    uint8_t head[1024];
+    size_t m = kvrope__request__get_packed_size(&r);
+    cr_assert_leq(m + KVR_FRAME_HEADER_SIZE, sizeof head);
+    kvr_frame_header_encode(head, (uint32_t)m, len);
+    kvrope__request__pack(&r, head + KVR_FRAME_HEADER_SIZE);
+    cr_assert_eq(send(fd, head, m + KVR_FRAME_HEADER_SIZE, MSG_NOSIGNAL),
+                 (ssize_t)(m + KVR_FRAME_HEADER_SIZE));
+}
+
+/* Issue 29 item 6, the old open item: a descriptor riding on a put's
+ * payload bytes used to wait for the next descriptor-taking frame. It is
+ * refused at once: the put is aborted (nothing stored), E_BAD_REQUEST,
+ * the connection closed. A payload's tail written together with a
+ * RegisterRegion and its memfd is fine: the fd is the RegisterRegion's. */
+Test(int_shm, descriptors_on_payload_bytes_are_refused)
 {
     cr_assert_eq(testd_register(C, "pm", KVR_DTYPE_F16, NULL), 0);
-    int fd = raw_connect();
-    Kvrope__Request q = KVROPE__REQUEST__INIT;
-    Kvrope__Ping ping = KVROPE__PING__INIT;
-    q.id = 1;
-    q.body_case = KVROPE__REQUEST__BODY_PING;
-    q.ping = &ping;
-    cr_assert_eq(raw_call(fd, &q, -1), KVROPE__STATUS__OK);
     int before = count_fds(D.pid);
     int mfd = raw_memfd(4096, F_SEAL_SHRINK);
     const size_t n = 70;   /* two blocks: several iovecs */
     size_t len;
     void *pl = testd_payload(3, T_LAYERS, 0, n, KVR_DTYPE_F16, &len);
     uint32_t *tok = testd_tokens(0, n);
-    for (int i = 0; i < 20; i++) {
+    for (int part = 0; part < 2; part++) {
+        /* the descriptor on the payload's first part, or on its second */
+        int fd = raw_connect();
         char id[16];
-        snprintf(id, sizeof id, "fp%d", i);
-        Kvrope__Put p = KVROPE__PUT__INIT;
-        p.context_id = id;
-        p.model = "pm";
-        p.has_mode = 1;
-        p.mode = KVROPE__PUT_MODE__CREATE;
-        p.n_tokens = n;
-        p.tokens = tok;
-        Kvrope__Request r = KVROPE__REQUEST__INIT;
-        r.id = 10 + (uint64_t)i;
-        r.body_case = KVROPE__REQUEST__BODY_PUT;
-        r.put = &p;
-        uint8_t head[1024];
-        size_t m = kvrope__request__get_packed_size(&r);
-        cr_assert_leq(m + KVR_FRAME_HEADER_SIZE, sizeof head);
-        kvr_frame_header_encode(head, (uint32_t)m, len);
-        kvrope__request__pack(&r, head + KVR_FRAME_HEADER_SIZE);
-        cr_assert_eq(send(fd, head, m + KVR_FRAME_HEADER_SIZE, MSG_NOSIGNAL),
-                     (ssize_t)(m + KVR_FRAME_HEADER_SIZE));
-        /* the payload in two sends, a descriptor on each */
-        for (int part = 0; part < 2; part++) {
-            size_t a = part ? len / 3 : 0, z = part ? len : len / 3;
-            struct iovec iov = { (uint8_t *)pl + a, z - a };
-            union {
-                struct cmsghdr h;
-                char b[CMSG_SPACE(sizeof(int))];
-            } cm;
-            memset(&cm, 0, sizeof cm);
-            struct msghdr mh = { .msg_iov = &iov, .msg_iovlen = 1, .msg_control = cm.b,
-                                 .msg_controllen = sizeof cm.b };
-            struct cmsghdr *h = CMSG_FIRSTHDR(&mh);
-            h->cmsg_level = SOL_SOCKET;
-            h->cmsg_type = SCM_RIGHTS;
-            h->cmsg_len = CMSG_LEN(sizeof(int));
-            memcpy(CMSG_DATA(h), &mfd, sizeof(int));
-            cr_assert_eq(sendmsg(fd, &mh, MSG_NOSIGNAL), (ssize_t)(z - a));
-        }
-        uint8_t hdr[KVR_FRAME_HEADER_SIZE];
-        cr_assert_eq(recv(fd, hdr, sizeof hdr, MSG_WAITALL), (ssize_t)sizeof hdr);
-        kvr_frame_header fh;
-        cr_assert_eq(kvr_frame_header_decode(hdr, &fh, NULL), 0);
-        uint8_t *mb = malloc(fh.msg_len ? fh.msg_len : 1);
-        cr_assert_eq(recv(fd, mb, fh.msg_len, MSG_WAITALL), (ssize_t)fh.msg_len);
-        Kvrope__Response *resp = kvrope__response__unpack(NULL, fh.msg_len, mb);
-        free(mb);
-        cr_assert_not_null(resp);
-        cr_assert_eq(resp->status, KVROPE__STATUS__OK, "put: %s", resp->message);
-        kvrope__response__free_unpacked(resp, NULL);
+        snprintf(id, sizeof id, "fp%d", part);
+        send_put_head(fd, 10, id, tok, n, len);
+        cr_assert_eq(send_fds(fd, pl, len / 3, mfd, part == 0), (ssize_t)(len / 3));
+        usleep(20000);   /* read apart, when the daemon is still reading */
+        ssize_t w = send_fds(fd, (uint8_t *)pl + len / 3, len - len / 3, mfd, part == 1);
+        cr_assert(w == (ssize_t)(len - len / 3) || part == 0, "%zd", w);
+        /* id 0: they came with payload bytes; 10: read with the put's
+         * message (the kernel joined the two writes), so the put's own */
+        expect_fd_refusal(fd, 0, 10);
+        close(fd);
+        kvr_get_args g = { .ctx_id = id, .dtype = KVR_DTYPE_F16 };
+        kvr_kv kv;
+        cr_assert_eq(kvr_client_get(C, &g, &kv), KVR_ENOCTX, "an aborted put stored %s",
+                     id);
     }
-    int after = count_fds(D.pid);
-    cr_assert_leq(after, before + 5, "the daemon kept descriptors: %d -> %d", before, after);
-    kvr_get_args g = { .ctx_id = "fp19", .dtype = KVR_DTYPE_F16 };
+    int after = fds_settle(before);
+    cr_assert_leq(after, before, "the daemon kept descriptors: %d -> %d", before, after);
+    /* The payload's tail, then a RegisterRegion, in one write with the fd. */
+    int fd = raw_connect();
+    send_put_head(fd, 20, "fp-ok", tok, n, len);
+    cr_assert_eq(send(fd, pl, len / 2, MSG_NOSIGNAL), (ssize_t)(len / 2));
+    Kvrope__RegisterRegion rr = KVROPE__REGISTER_REGION__INIT;
+    rr.size = 4096;
+    Kvrope__Request rg = KVROPE__REQUEST__INIT;
+    rg.id = 21;
+    rg.body_case = KVROPE__REQUEST__BODY_REGISTER_REGION;
+    rg.register_region = &rr;
+    size_t rest = len - len / 2, off = rest;
+    uint8_t *buf = malloc(rest + 512);
+    memcpy(buf, (uint8_t *)pl + len / 2, rest);
+    pack_frame(buf, rest + 512, &off, &rg);
+    send_with_fd(fd, buf, off, mfd);
+    for (uint64_t k = 20; k <= 21; k++) {
+        Kvrope__Response *r = recv_answer(fd);
+        cr_assert_eq(r->id, k);
+        cr_assert_eq(r->status, KVROPE__STATUS__OK, "%llu: %s", (unsigned long long)k,
+                     r->message);
+        kvrope__response__free_unpacked(r, NULL);
+    }
+    kvr_get_args g = { .ctx_id = "fp-ok", .dtype = KVR_DTYPE_F16 };
     kvr_kv kv;
     cr_assert_eq(kvr_client_get(C, &g, &kv), 0, "%s", kvr_client_last_error(C));
     cr_assert_eq(kv.payload_len, len);
     cr_assert_eq(memcmp(kv.payload, pl, len), 0);
     kvr_kv_release(&kv);
-    /* and the connection still registers a region properly */
-    Kvrope__RegisterRegion rr = KVROPE__REGISTER_REGION__INIT;
-    rr.size = 4096;
-    Kvrope__Request rg = KVROPE__REQUEST__INIT;
-    rg.id = 2;
-    rg.body_case = KVROPE__REQUEST__BODY_REGISTER_REGION;
-    rg.register_region = &rr;
-    cr_assert_eq(raw_call(fd, &rg, mfd), KVROPE__STATUS__OK);
     close(mfd);
     close(fd);
+    free(buf);
     free(pl);
     free(tok);
+}
+
+/* Issue 29 item 6: clients each sending an unfinished frame a byte per
+ * sendmsg, every byte with 253 copies of a memfd, drove the daemon to its
+ * descriptor limit. The descriptors waiting for one frame are bounded:
+ * past the bound they are closed and the connection refused; the daemon's
+ * descriptor count stays where it was, and others are served. */
+Test(int_shm, a_client_cannot_hoard_descriptors)
+{
+    int mfd = raw_memfd(4096, F_SEAL_SHRINK);
+    enum { NC = 8 };
+    int fds[NC];
+    int refused = 0;
+    uint8_t hdr[KVR_FRAME_HEADER_SIZE];
+    kvr_frame_header_encode(hdr, 16, 0);
+    Kvrope__Request q;
+    Kvrope__Ping ping;
+    for (int i = 0; i < NC; i++)
+        fds[i] = pinged_connect(&q, &ping);
+    int before = count_fds(D.pid);
+    for (size_t b = 0; b + 1 < sizeof hdr; b++) {   /* never a whole header */
+        for (int i = 0; i < NC; i++) {
+            if (fds[i] < 0)
+                continue;
+            if (send_fds(fds[i], hdr + b, 1, mfd, 253) != 1) {
+                close(fds[i]);    /* refused and closed already */
+                fds[i] = -1;
+                refused++;
+            }
+        }
+        /* While the frames are unfinished the daemon holds none of them
+         * (a few may be in flight in a socket buffer or being closed). */
+        usleep(2000);
+    }
+    int during = fds_settle(before + 4);
+    cr_assert_leq(during, before + 4, "the daemon holds %d descriptors (%d before)", during,
+                  before);
+    for (int i = 0; i < NC; i++) {
+        if (fds[i] < 0)
+            continue;
+        Kvrope__Response *r = recv_answer(fds[i]);
+        cr_assert_eq(r->status, KVROPE__STATUS__E_BAD_REQUEST, "%s", r->message);
+        cr_assert(strstr(r->message, "file descriptors arrived for one frame"), "%s",
+                  r->message);
+        kvrope__response__free_unpacked(r, NULL);
+        close(fds[i]);
+    }
+    cr_assert_eq(kvr_client_ping(C, NULL), 0);
+    uint32_t id;
+    void *base;
+    cr_assert_eq(kvr_client_region_create(C, 4096, &id, &base), 0, "%s",
+                 kvr_client_last_error(C));
+    close(mfd);
+    (void)refused;
+}
+
+/* Issue 29 item 7: regions are mappings and vm.max_map_count is global, so
+ * the daemon caps them over all connections (here 6; 4 per connection):
+ * the client that asks past the cap gets E_LIMIT saying so, the others
+ * keep working (puts, gets and their own regions), and a release or a
+ * closed connection gives the room back. */
+Test(int_shm, regions_of_all_connections_are_capped, .init = NULL, .fini = NULL)
+{
+    const char *extra[] = { "--max-regions", "4", "--max-regions-total", "6", NULL };
+    cr_assert_eq(testd_start(&D, extra), 0, "daemon did not start");
+    kvr_client *a = testd_connect(&D), *b = testd_connect(&D), *p = testd_connect(&D);
+    cr_assert(a && b && p);
+    uint32_t ia[4], ib[3], id;
+    void *base;
+    for (int i = 0; i < 4; i++)
+        cr_assert_eq(kvr_client_region_create(a, 4096, &ia[i], &base), 0, "%s",
+                     kvr_client_last_error(a));
+    for (int i = 0; i < 2; i++)
+        cr_assert_eq(kvr_client_region_create(b, 4096, &ib[i], &base), 0, "%s",
+                     kvr_client_last_error(b));
+    int r = kvr_client_region_create(b, 4096, &ib[2], &base);
+    cr_assert_eq(r, KVR_ELIMIT, "%d %s", r, kvr_client_last_error(b));
+    cr_assert(strstr(kvr_client_last_error(b), "over all connections") &&
+              strstr(kvr_client_last_error(b), "--max-regions-total 6"), "%s",
+              kvr_client_last_error(b));
+    /* Unrelated work goes on: a put and a get on a third connection, and
+     * b's regions still serve. */
+    cr_assert_eq(testd_register(p, "cm", KVR_DTYPE_F16, NULL), 0);
+    cr_assert_eq(testd_put(p, "capped", "cm", KVR_DTYPE_F16, 1, 0, 0, 40), 0, "%s",
+                 kvr_client_last_error(p));
+    kvr_get_args g = { .ctx_id = "capped", .dtype = KVR_DTYPE_F16 };
+    kvr_kv kv;
+    cr_assert_eq(kvr_client_get(p, &g, &kv), 0, "%s", kvr_client_last_error(p));
+    kvr_kv_release(&kv);
+    cr_assert_eq(kvr_client_ping(b, NULL), 0);
+    /* A release makes room for b; a's connection closing makes room too. */
+    cr_assert_eq(kvr_client_region_release(a, ia[0]), 0);
+    cr_assert_eq(kvr_client_region_create(b, 4096, &ib[2], &base), 0, "%s",
+                 kvr_client_last_error(b));
+    cr_assert_eq(kvr_client_region_create(p, 4096, &id, &base), KVR_ELIMIT);
+    kvr_client_close(a);
+    int rc = -1;
+    for (int i = 0; i < 1000 && rc != 0; i++) {   /* the close is seen by the loop soon */
+        rc = kvr_client_region_create(p, 4096, &id, &base);
+        if (rc != 0)
+            testd_sleep_ms(10);
+    }
+    cr_assert_eq(rc, 0, "%s", kvr_client_last_error(p));
+    kvr_client_close(b);
+    kvr_client_close(p);
+    testd_stop(&D);
+}
+
+/* Without --max-regions-total the cap comes from vm.max_map_count, with
+ * room left for the daemon's own mappings. */
+Test(int_shm, the_default_region_cap_leaves_room_for_the_daemons_maps, .init = NULL,
+     .fini = NULL)
+{
+    const char *extra[] = { "--log-level", "info", NULL };
+    cr_assert_eq(testd_start(&D, extra), 0, "daemon did not start");
+    unsigned long long maps = 65530;
+    FILE *f = fopen("/proc/sys/vm/max_map_count", "r");
+    if (f) {
+        cr_assert_eq(fscanf(f, "%llu", &maps), 1);
+        fclose(f);
+    }
+    unsigned long long room = maps / 4 > 16384 ? maps / 4 : 16384;
+    unsigned long long cap = maps > 2 * room ? maps - room : maps / 2;
+    if (cap > (1ull << 30))
+        cap = 1ull << 30;
+    char want[160];
+    snprintf(want, sizeof want, "shared-memory regions: at most %llu over all connections "
+             "(vm.max_map_count %llu)", cap, maps);
+    cr_assert(cap < maps && cap + 16384 <= maps);
+    char *log = NULL;
+    for (int i = 0; i < 100; i++) {
+        FILE *l = fopen(D.log, "r");
+        if (l) {
+            static char buf[1 << 16];
+            size_t n = fread(buf, 1, sizeof buf - 1, l);
+            buf[n] = 0;
+            fclose(l);
+            if ((log = strstr(buf, want)))
+                break;
+        }
+        testd_sleep_ms(10);
+    }
+    cr_assert_not_null(log, "no '%s' in %s", want, D.log);
+    testd_stop(&D);
 }

@@ -4,7 +4,7 @@
  * / encode (both forms, every type, both V layouts), every bad input named
  * clearly, and through a real kvroped: import modes (create, append,
  * refresh, replace), refusals by model name, and nothing stored changing on
- * any refusal.
+ * any refusal; the CLI's llama import/export name the flags a state needs.
  */
 #include <criterion/criterion.h>
 #include <criterion/logging.h>
@@ -735,4 +735,49 @@ Test(llama_import, refusals_change_nothing)
     kvr_llama_free(so);
     kvr_llama_free(sr);
     kvr_client_close(c);
+}
+
+/* `kvrope llama import|export` through the CLI: a raw state without ids is
+ * refused with the flag that gives them (--tokens-file), a state with V
+ * transposed says how to export it back (--v-trans), and every export says
+ * which V layout it wrote. */
+Test(llama_import, cli_names_the_flags_a_state_needs)
+{
+    char gguf[512], path[600], ids[600];
+    gen(gguf, sizeof gguf, "cli", "--layers 2 --width 64 --heads 2 --kv-heads 1 --head-dim 32");
+    kvr_llama_model m;
+    char err[400];
+    cr_assert_eq(kvr_llama_gguf_read(gguf, &m, err, sizeof err), 0, "%s", err);
+    size_t len;
+    unsigned char *s = mk_state(&m, 6, KVR_LLAMA_F16, KVR_LLAMA_F16, true, KVR_LLAMA_FORM_RAW, &len);
+    snprintf(path, sizeof path, "%s/raw.bin", TMP);
+    FILE *f = fopen(path, "wb");
+    cr_assert(f && fwrite(s, 1, len, f) == len && fclose(f) == 0);
+    kvr_llama_free(s);
+    snprintf(ids, sizeof ids, "%s/ids.txt", TMP);
+    f = fopen(ids, "w");
+    cr_assert(f && fputs("3 4 5 6 7 8\n", f) >= 0 && fclose(f) == 0);
+
+    static char out[1 << 14];
+    int rc = testd_cli(&D, out, sizeof out, (const char *const[]){
+        "--json", "llama", "import", "vt", path, "--gguf", gguf, NULL });
+    cr_assert_eq(rc, 1, "%s", out);
+    cr_assert(strstr(out, "carries no token ids") && strstr(out, "--tokens-file"), "%s", out);
+
+    rc = testd_cli(&D, out, sizeof out, (const char *const[]){
+        "llama", "import", "vt", path, "--gguf", gguf, "--tokens-file", ids, NULL });
+    cr_assert_eq(rc, 0, "%s", out);
+    cr_assert(strstr(out, "transposed") && strstr(out, "with --v-trans"), "%s", out);
+
+    char st0[600], st1[600];
+    snprintf(st0, sizeof st0, "%s/out0.bin", TMP);
+    snprintf(st1, sizeof st1, "%s/out1.bin", TMP);
+    rc = testd_cli(&D, out, sizeof out, (const char *const[]){
+        "llama", "export", "vt", "-o", st0, "--gguf", gguf, NULL });
+    cr_assert_eq(rc, 0, "%s", out);
+    cr_assert(strstr(out, "v_trans 0, for flash attention on; --v-trans for off"), "%s", out);
+    rc = testd_cli(&D, out, sizeof out, (const char *const[]){
+        "llama", "export", "vt", "-o", st1, "--gguf", gguf, "--v-trans", NULL });
+    cr_assert_eq(rc, 0, "%s", out);
+    cr_assert(strstr(out, "V transposed: v_trans 1, for flash attention off"), "%s", out);
 }

@@ -12,7 +12,8 @@ The C library is the ONE definition of the framing rules (frame header,
 protobuf messages, payload streaming, auth); this package never builds a
 frame itself, so the CLI, C workers and Python see the same protocol code.
 The library is looked up at $KVROPE_LIB, then <repo>/build/libkvrope.so
-relative to this package, then ctypes.util.find_library("kvrope").
+relative to this package, then where `make install` put it (_install.py),
+then ctypes.util.find_library("kvrope").
 
 KV layout: one array [n_layers, 2, tokens, kv_heads, head_dim] (axis 1: K, V),
 which is byte for byte the daemon's layer-major payload; put() also takes a
@@ -35,6 +36,11 @@ set_group_offset, set_retention — one Client method each. Codecs at rest
 (docs/quantized.md): register_model(codec=), put(codec=), get(raw=True) ->
 RawKV, stat_codec() -> CodecInfo. On an older libkvrope lacking a
 verb's C function, its method raises kvrope.Unsupported (nothing is sent).
+
+Editing loop: kvrope.EditSession(client, model, session_id, encoder) moves
+one buffer's context forward edit after edit (sync -> logits, commit ->
+one compare-and-swap edit + refreshes; refresh_idle when the caller is
+idle); the same algorithm as the C session engine (kvrope.session).
 """
 
 import os
@@ -44,6 +50,7 @@ from .client import (Client, Context, KV, Match, Model, Pong, PutResult, EditRes
                      Assembly, Segment, Layout, Group, CodecInfo, RawKV, FLAG_APPROX,
                      FLAG_PENDING, Region, token_age, tokens_hash)
 from .errors import *  # noqa: F401,F403  (KvropeError and its subclasses)
+from .session import EditSession, SyncResult, CommitResult, diff_hunks
 from .errors import KvropeError, Unsupported
 from .tensors import dtype_name, bf16_to_f32, f32_to_bf16, HAVE_TORCH
 

@@ -5,7 +5,8 @@ and the function prototypes. It holds no protocol knowledge. Everything about
 frames, protobuf and payload streaming lives in libkvrope.
 
 The library is found, in order, at: $KVROPE_LIB; <repo>/build/libkvrope.so
-(relative to this package: client/python/kvrope/../../../build); then
+(relative to this package: client/python/kvrope/../../../build); where
+`make install` put it (kvrope/_install.py, written then); then
 ctypes.util.find_library("kvrope").
 """
 
@@ -162,7 +163,7 @@ class kvr_context(Structure):
 # ---- edits (PIE) ----
 class kvr_edit_range(Structure):
     _fields_ = [("start", c_uint64), ("end", c_uint64),
-                ("tokens", POINTER(c_uint32)), ("n_tokens", c_size_t)]
+                ("tokens", POINTER(c_uint32)), ("n_tokens", c_size_t), ("approx", c_bool)]
 
 
 class kvr_edit_args(Structure):
@@ -194,7 +195,8 @@ class kvr_refresh_args(Structure):
                 ("dtype", c_int),
                 ("payload", c_void_p), ("payload_len", c_size_t),
                 ("iov", POINTER(iovec)), ("iovcnt", c_size_t),
-                ("expect", c_bool), ("expect_n_tokens", c_uint64), ("expect_hash", c_uint64)]
+                ("expect", c_bool), ("expect_n_tokens", c_uint64), ("expect_hash", c_uint64),
+                ("approx", c_bool)]
 
 
 # ---- position layouts (APE assemble, GPE groups, retention) ----
@@ -331,6 +333,11 @@ def _candidates():
         return
     here = os.path.dirname(os.path.abspath(__file__))
     yield os.path.normpath(os.path.join(here, "..", "..", "..", "build", "libkvrope.so"))
+    try:   # installed by `make install`, which writes _install.py
+        from ._install import LIBDIR
+        yield os.path.join(LIBDIR, "libkvrope.so")
+    except ImportError:
+        pass
     found = ctypes.util.find_library("kvrope")
     if found:
         yield found

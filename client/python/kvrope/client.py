@@ -954,9 +954,10 @@ class Client:
         norm = _edit_ops(ops)
         rng = (_lib.kvr_edit_range * len(norm))()
         keep = [rng]
-        for i, (s, e, t) in enumerate(norm):
+        for i, (s, e, t, apx) in enumerate(norm):
             rng[i].start, rng[i].end = s, e
             rng[i].tokens, rng[i].n_tokens = _ptr(t, c_uint32), t.size
+            rng[i].approx = apx
             keep.append(t)
         a = _lib.kvr_edit_args()
         a.ctx_id = cid
@@ -965,7 +966,7 @@ class Client:
         if model is not None:
             m = self.model(_b(model, "model").decode())
             a.model, a.fingerprint = m.name.encode(), m.fingerprint
-        return a, keep, [t.size for _, _, t in norm], m
+        return a, keep, [t.size for _, _, t, _ in norm], m
 
     def _edit_result(self, out, counts):
         try:
@@ -1037,12 +1038,14 @@ class Client:
         return self._edit_result(out, counts)
 
     def refresh(self, ctx_id, start, end=None, kv=None, *, k=None, v=None, model=None,
-                dtype=None, expect=None):
+                dtype=None, expect=None, approx=False):
         """Overwrites the KV of tokens [start, end) with recomputed KV (K
         rotated at the tokens' current positions, see get(meta_only=True))
         and clears their FLAG_APPROX / FLAG_PENDING; -> EditResult (one span).
         end None = start + the KV's token count. kv as in put().
-        expect: as edit_plan (compare-and-swap on the token sequence)."""
+        expect: as edit_plan (compare-and-swap on the token sequence).
+        approx: the recomputed KV still saw approximate tokens before start:
+        the range stays FLAG_APPROX (age 0) instead of becoming exact."""
         fn_name = "kvr_client_refresh"
         self._fn(fn_name)
         cid = _b(ctx_id, "ctx_id")
@@ -1070,6 +1073,7 @@ class Client:
             a.model, a.fingerprint = m.name.encode(), m.fingerprint
         a.n_layers, a.n_kv_heads, a.head_dim, a.dtype = L, H, D, T.CODES[dt]
         _set_expect(a, expect)
+        a.approx = bool(approx)
         keep = _set_payload(a, parts)
         out = _lib.kvr_edit_res()
         self._call(fn_name, byref(a), byref(out))
@@ -1288,9 +1292,11 @@ def _set_expect(a, expect):
 
 
 def _edit_ops(ops):
-    """[(start, end, uint32 tokens)] from ops given as (start, end, tokens)
-    tuples or {"start", "end", "tokens"} dicts. Types only: the daemon judges
-    order, overlap and ranges (and refuses the whole request)."""
+    """[(start, end, uint32 tokens, approx)] from ops given as (start, end,
+    tokens[, approx]) tuples or {"start", "end", "tokens"[, "approx"]} dicts
+    (approx: the new tokens' KV was computed against approximate tokens, so
+    the daemon stores them FLAG_APPROX). Types only: the daemon judges order,
+    overlap and ranges (and refuses the whole request)."""
     if isinstance(ops, dict) or (isinstance(ops, tuple) and len(ops) == 3
                                  and isinstance(ops[0], (int, np.integer))):
         ops = [ops]                      # one op given bare
@@ -1301,16 +1307,18 @@ def _edit_ops(ops):
         if isinstance(op, dict):
             try:
                 s, e, t = op["start"], op["end"], op.get("tokens", ())
+                apx = bool(op.get("approx", False))
             except KeyError as ex:
                 raise ValueError(f"op {i}: missing {ex.args[0]!r}") from None
-        elif isinstance(op, (tuple, list)) and len(op) == 3:
-            s, e, t = op
+        elif isinstance(op, (tuple, list)) and len(op) in (3, 4):
+            s, e, t = op[:3]
+            apx = bool(op[3]) if len(op) == 4 else False
         else:
-            raise TypeError(f"op {i} must be (start, end, new_tokens), got {op!r}")
+            raise TypeError(f"op {i} must be (start, end, new_tokens[, approx]), got {op!r}")
         s, e = _u64(s, f"op {i} start"), _u64(e, f"op {i} end")
         if e < s:
             raise ValueError(f"op {i}: end {e} < start {s}")
-        out.append((s, e, tokens_array(t if t is not None else (), f"op {i} tokens")))
+        out.append((s, e, tokens_array(t if t is not None else (), f"op {i} tokens"), apx))
     return out
 
 
