@@ -16,13 +16,12 @@ PKG_VER=3.22.1
 cache=${1:-build/llama-server}
 llama=${2:-build/llama}
 bin=$cache/llama-server
-[ -x "$bin" ] && { echo "$bin"; exit 0; }
+[ -x "$bin" ] && ls "$cache"/libggml-cpu-*.so >/dev/null 2>&1 && { echo "$bin"; exit 0; }
 fail() { echo "llama-server.sh: $*" >&2; exit 1; }
 libdir=$(scripts/llama-deps.sh --libdir "$llama") || fail "no llama.cpp libraries in $llama (make fetches them)"
 mkdir -p "$cache"
 exec 9>"$cache/.lock"
 flock 9 2>/dev/null || true
-[ -x "$bin" ] && { echo "$bin"; exit 0; }
 src=$cache/src
 if [ ! -f "$src/tools/server/server.cpp" ]; then
   tmp=$(mktemp -d "$cache/tmp.XXXXXX")
@@ -72,5 +71,7 @@ done
 g++ -o "$bin.tmp" "$obj"/*.o -L"$libdir" -Wl,-rpath,"$libdir" \
   -l:libllama-common.so -l:libllama.v0.5.0.so -l:libggml.v0.5.0.so -l:libggml-base.so \
   -lpthread -ldl || fail "linking llama-server failed"
+# ggml loads its CPU backend at run time from the executable's directory
+for f in "$libdir"/libggml-cpu-*.so; do ln -sf "$f" "$cache/"; done
 mv "$bin.tmp" "$bin"
 echo "$bin"
