@@ -8,18 +8,20 @@ one after the other on this machine. llama-server runs twice: with llama.vim's
 recommended `--cache-reuse 256` (and its default host-RAM prompt cache), and
 with `--cache-ram 0 -np 1`.
 
-Requests replay real edits: consecutive versions of source files from this
-repository's git history. For each pair the old version's window is sent first
-(the cache holds it, as when the editor asked a moment ago), then the new
-version's window (the same byte range, the first changed byte in its middle):
-the edit is in the middle of a cached prompt. This model has no FIM tokens
+Requests replay a real editor session: a file's versions from this
+repository's git history split hunk by hunk (scripts/edit-history.py, the
+window of its first WINDOW bytes, so the prompt fits the model's context),
+each version sent after the previous one, as an editor asks after each change:
+an edit lands inside a cached prompt. This model has no FIM tokens
 (llama-server answers /infill with 501), so both get the window as a
-/completion prompt, the way /infill would put the file around the cursor
-before the suffix. Per request: prompt tokens evaluated (timings.prompt_n),
-time to first token (client wall time of an n_predict 1 request), and for
+/completion prompt, the way /infill would put the file around the cursor.
+Per request: prompt tokens evaluated (timings.prompt_n), time to first token
+(client wall time of an n_predict 1 request, 0.2 s after the previous answer,
+as between keystrokes; kvrope stores the previous step meanwhile), and for
 kvrope whether its greedy continuation equals a full re-encode's
-(cache_prompt false). After the replay both servers restart and the last
-prompt is sent again.
+(cache_prompt false). Then both servers restart and the last version is sent
+again. KVR_SERVE_MODEL=M.gguf (with KVR_SERVE_CTX, KVR_SERVE_WINDOW) runs
+another model, e.g. the 0.7 B benchmark model of tests/common/kvr_llama_bench.h.
 
 Prints a table and `goal:` lines; ratios are measured in this run.
 Run: KVR_BUILD=$PWD/build /usr/bin/python3 tests/bench/bench_serve.py
@@ -37,10 +39,12 @@ import time
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 BUILD = os.path.abspath(os.environ.get("KVR_BUILD") or os.path.join(ROOT, "build"))
-MODEL = os.path.join(BUILD, "eval", "kvrope-code.gguf")
-CTX = 1024
-WINDOW = 800          # bytes (= tokens for this byte-level model) per prompt
-N_PAIRS = int(os.environ.get("KVR_SERVE_PAIRS", "24"))
+MODEL = os.environ.get("KVR_SERVE_MODEL") or os.path.join(BUILD, "eval", "kvrope-code.gguf")
+CTX = int(os.environ.get("KVR_SERVE_CTX", "512"))       # the trained model's context
+WINDOW = int(os.environ.get("KVR_SERVE_WINDOW", "440"))  # bytes (= tokens: byte vocabulary)
+N_VERSIONS = int(os.environ.get("KVR_SERVE_VERSIONS", "21"))
+HISTORY = os.environ.get("KVR_SERVE_FILE", "daemon/dispatch.c")
+UNTIL = "3e761cf"     # a fixed history, whatever is committed later
 N_CHECK = 16          # greedy tokens compared with a full re-encode
 
 
@@ -106,36 +110,14 @@ class Proc:
         self.start()
 
 
-def edit_pairs():
-    """(old window, new window) of consecutive versions, the first changed byte
-    in the middle of the window, from this repository's history."""
-    files = subprocess.run(["git", "-C", ROOT, "ls-files", "*.py", "*.c", "*.h"],
-                           capture_output=True, text=True).stdout.split()
-    pairs = []
-    for f in sorted(files):
-        revs = subprocess.run(["git", "-C", ROOT, "log", "--format=%H", "--", f],
-                              capture_output=True, text=True).stdout.split()
-        vers = []
-        for r in reversed(revs[:12]):
-            b = subprocess.run(["git", "-C", ROOT, "show", f"{r}:{f}"], capture_output=True)
-            if b.returncode == 0:
-                try:
-                    vers.append(b.stdout.decode())
-                except UnicodeDecodeError:
-                    pass
-        for a, b in zip(vers, vers[1:]):
-            d = 0
-            while d < min(len(a), len(b)) and a[d] == b[d]:
-                d += 1
-            if d < WINDOW // 2 or d >= min(len(a), len(b)):
-                continue
-            s = d - WINDOW // 2
-            old, new = a[s:s + WINDOW], b[s:s + WINDOW]
-            if len(old) == WINDOW and len(new) == WINDOW and old != new:
-                pairs.append((f, old, new))
-        if len(pairs) >= N_PAIRS:
-            break
-    return pairs[:N_PAIRS]
+def versions(tmp):
+    """The editor session: consecutive versions, one hunk apart."""
+    out = os.path.join(tmp, "history")
+    subprocess.run(["/usr/bin/python3", os.path.join(ROOT, "scripts", "edit-history.py"),
+                    "--repo", ROOT, "--path", HISTORY, "--until", UNTIL, "--window", str(WINDOW),
+                    "--max", str(N_VERSIONS), out], check=True, capture_output=True)
+    names = sorted(f for f in os.listdir(out) if f.startswith("v") and f.endswith(".txt"))
+    return [open(os.path.join(out, f), encoding="utf-8", errors="replace").read() for f in names]
 
 
 def ttft(port, prompt, **kw):
@@ -159,10 +141,11 @@ def main():
         print("bench_serve: llama-server could not be built: " + peer.stderr.strip()[-300:])
         return 0
     llama_server = os.path.abspath(os.path.join(ROOT, peer.stdout.strip().splitlines()[-1]))
-    pairs = edit_pairs()
-    print(f"bench_serve: {len(pairs)} real edits (consecutive versions from git), "
-          f"{WINDOW}-token prompts, context {CTX}, 1 thread each")
     tmp = tempfile.mkdtemp(prefix="kvr-bsv-")
+    vers = versions(tmp)
+    print(f"bench_serve: {len(vers) - 1} consecutive real edits of {HISTORY} (git history "
+          f"hunk by hunk, first {WINDOW} bytes), model {os.path.basename(MODEL)}, context {CTX}, "
+          f"1 thread each")
     log = open(os.path.join(tmp, "log"), "wb")
     sock = os.path.join(tmp, "k.sock")
     kd = subprocess.Popen([os.path.join(BUILD, "kvroped"), "--socket", sock, "--max-memory",
@@ -184,9 +167,11 @@ def main():
                                 "--no-warmup", *flags], p, name, log)
         rows = {n: {"share": [], "ttft": [], "n": []} for n in procs}
         agree = 0
-        for f, old, new in pairs:
+        for name, pr in procs.items():
+            ttft(pr.port, vers[0])                      # the file as the session starts
+        for new in vers[1:]:
             for name, pr in procs.items():
-                ttft(pr.port, old)                       # the cache holds the old version
+                time.sleep(0.2)
                 ms, r = ttft(pr.port, new)
                 t = r["timings"]
                 rows[name]["ttft"].append(ms)
@@ -199,14 +184,14 @@ def main():
                                          "return_tokens": True, "cache_prompt": False})
             agree += a["tokens"] == b["tokens"]
         # restart: the last prompt again
-        last = pairs[-1][2]
+        last = vers[-1]
         restart = {}
         for name, pr in procs.items():
             ttft(pr.port, last)
             pr.restart()
             restart[name] = ttft(pr.port, last)[0]
         print()
-        print("| server | prompt tokens evaluated after a mid-file edit (median, share of prompt) "
+        print("| server | prompt tokens evaluated after an edit (median, share of prompt) "
               "| median TTFT ms | TTFT after restart ms |")
         print("|---|---|---|---|")
         for name in procs:
@@ -217,11 +202,12 @@ def main():
         share = statistics.median(k["share"])
         sp = statistics.median(lr["ttft"]) / statistics.median(k["ttft"])
         rs = restart["llama-server --cache-reuse 256"] / restart["kvrope serve"]
-        ag = agree / max(1, len(pairs))
+        n_req = len(vers) - 1
+        ag = agree / max(1, n_req)
         print()
         print(f"kvrope completions identical to a full re-encode ({N_CHECK} greedy tokens): "
-              f"{agree} of {len(pairs)}")
-        print(f"goal: prompt tokens evaluated after a mid-file edit <= 5% of the prompt: "
+              f"{agree} of {n_req}")
+        print(f"goal: prompt tokens evaluated after an edit <= 5% of the prompt: "
               f"{100 * share:.1f}% ({'met' if share <= 0.05 else 'not met'})")
         print(f"goal: median TTFT >= 5x faster than llama-server --cache-reuse 256: {sp:.2f}x "
               f"({'met' if sp >= 5 else 'not met'})")
