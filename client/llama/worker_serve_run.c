@@ -343,6 +343,11 @@ static size_t common_prefix(const int32_t *a, size_t na, const int32_t *b, size_
     return i;
 }
 
+/* The slot for a prompt: id_slot, else the slot whose last prompt shares the
+ * most with it, counting the common prefix and the common suffix (an edit in
+ * the middle of a file keeps both: the file's slot, whose session the engine
+ * can edit), when that is at least half the prompt (llama-server's similarity
+ * threshold); else the least recently used slot. */
 static int pick_slot(srv *s, const srv_job *j)
 {
     if (j->p.id_slot >= 0)
@@ -350,11 +355,15 @@ static int pick_slot(srv *s, const srv_job *j)
     int best = -1;
     size_t best_n = 0;
     for (int i = 0; i < s->n_slots; i++) {
-        size_t c = common_prefix(s->slots[i].toks, s->slots[i].n, j->toks, j->n);
-        /* llama-server's rule: a slot counts as similar past half the prompt */
-        if (c > best_n && c * 2 >= j->n) {
+        const srv_slot *sl = &s->slots[i];
+        size_t c = common_prefix(sl->toks, sl->n, j->toks, j->n);
+        size_t m = sl->n < j->n ? sl->n : j->n;
+        size_t e = 0;
+        while (c + e < m && sl->toks[sl->n - 1 - e] == j->toks[j->n - 1 - e])
+            e++;
+        if (c + e > best_n && (c + e) * 2 >= j->n) {
             best = i;
-            best_n = c;
+            best_n = c + e;
         }
     }
     if (best >= 0)
