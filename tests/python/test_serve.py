@@ -11,6 +11,7 @@ $KVR_BUILD/npm-openai when missing).
 Run: KVR_BUILD=$PWD/build /usr/bin/python3 -m pytest -q tests/python/test_serve.py
 Needs build/kvroped, build/kvrope-llama and build/eval/kvrope-code.gguf.
 """
+import difflib
 import http.client
 import json
 import os
@@ -421,6 +422,17 @@ def test_five_consecutive_edits(server):
             while same < min(len(prev), len(toks["tokens"])) and prev[same] == toks["tokens"][same]:
                 same += 1
             assert t["cache_n"] >= min(same, len(toks["tokens"]) - 1)
+            # the file's slot (prefix + suffix similarity), its session edited in
+            # place: only the new tokens, the refresh after each edit point and
+            # the last token are computed (hunks closer than 8 tokens are one op)
+            k = r["kvrope"]
+            assert r["id_slot"] == slot and k["source"].endswith("-s%d" % slot), (r["id_slot"], k)
+            sm = difflib.SequenceMatcher(None, prev, toks["tokens"], autojunk=False)
+            new_toks = sum(j2 - j1 for op, _, _, j1, j2 in sm.get_opcodes() if op != "equal")
+            assert k["n_ops"] >= 1
+            assert t["prompt_n"] <= new_toks + k["n_refreshed"] + 1 + 8 * k["n_ops"], (new_toks, k)
+        else:
+            slot = r["id_slot"]
         prev = toks["tokens"]
     # idle: the background refresh re-encodes what the edits left approximate,
     # and then the cached file continues exactly as a full re-encode
