@@ -43,7 +43,7 @@ WARN := -std=c11 -Wall -Wextra -Wpedantic -Wshadow -Wstrict-prototypes \
 GEN  := $(BUILD)/gen
 CPPFLAGS := -D_GNU_SOURCE -I. -I$(GEN)/proto -MMD -MP
 CFLAGS_BASE := $(WARN) -fPIC -pthread -fvisibility=default
-LIBS := -luv -luring -lprotobuf-c -lcjson -lmicrohttpd -lsystemd -lhiredis -lm -lpthread -ldl
+LIBS := -luv -luring -lprotobuf-c -lcjson -lmicrohttpd -lsystemd -lhiredis -lsodium -lm -lpthread -ldl
 
 ifeq ($(MODE),fuzz)
   CC := clang

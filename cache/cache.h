@@ -726,14 +726,29 @@ typedef struct kvr_retention {
 int kvr_store_set_retention(kvr_store *s, const char *ctx_id, const kvr_retention *r,
                             kvr_error *err);
 
+/* Checks a layout from outside (a shared-tier manifest, a disk record)
+ * with the same functions as the verbs that set each field locally: group
+ * count, names (1..KVR_GROUP_NAME_MAX bytes, distinct), offsets and cursors
+ * (no position overflow), the APE record (a valid context id, the
+ * context's own model fingerprint, a length that fits a position; all zero
+ * without a prefix), retention (set_retention's sinks/window checks, never
+ * with groups, at most sinks + window of the n tokens), n_dropped (fits a
+ * position), and per token (groups / flags may be NULL): a group id that
+ * names a group (0 without groups), no flag but KVR_TOKEN_STALE.
+ * fingerprint: the model of the context it is for. 0 or KVR_E* with err. */
+int kvr_layout_info_check(const kvr_layout_info *li, const char *ctx_id, uint64_t fingerprint,
+                          const int32_t *groups, const uint32_t *flags, size_t n,
+                          kvr_error *err);
+
 /* The shared tier (daemon/remote.c): gives a context just created from
  * another node's publication the layout it has there, as kvr_store_layout_stat
  * reported it (APE record, groups with offsets and cursors, retention
- * numbers), each token's group id (groups; ignored without groups: 0
- * each, as a put writes them) and the
- * KVR_TOKEN_STALE flag of each token (flags, NULL: none; other flags are
- * KVR_EINVAL). The context must hold n tokens in blocks it alone references
- * and have no layout yet. Metadata only; nothing changes on error. */
+ * numbers), each token's group id (groups, NULL: 0 each, as a put writes
+ * them; without groups every id must be 0) and the KVR_TOKEN_STALE flag of
+ * each token (flags, NULL: none). Everything is checked first by
+ * kvr_layout_info_check. The context must hold n tokens in blocks it alone
+ * references and have no layout yet. Metadata only; nothing changes on
+ * error. */
 int kvr_store_layout_restore(kvr_store *s, const char *ctx_id, const kvr_layout_info *li,
                              const int32_t *groups, const uint32_t *flags, size_t n,
                              kvr_error *err);

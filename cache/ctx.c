@@ -196,20 +196,6 @@ void kvr_ctx_share_extents(kvr_ctx *dst, const kvr_ctx *src)
     dst->n_exact = src->n_exact;
 }
 
-int kvr_ctx_copy_layout(kvr_ctx *dst, const kvr_ctx *src)
-{
-    if (!src->layout)
-        return 0;
-    void *l = kvr_mem_malloc(src->layout_bytes);
-    if (!l)
-        return KVR_ENOMEM;
-    memcpy(l, src->layout, src->layout_bytes);
-    kvr_mem_free(dst->layout);
-    dst->layout = l;
-    dst->layout_bytes = src->layout_bytes;
-    return 0;
-}
-
 /* ---- reading ------------------------------------------------------------ */
 
 void kvr_ctx_seek(const kvr_ctx *c, size_t *i, size_t *k, size_t idx)

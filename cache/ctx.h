@@ -71,9 +71,10 @@ struct kvr_ctx {
     bool        idx_stale;
     size_t      n_protected;    /* first tokens edits may not touch */
     /* layout.c's state (APE record, groups, retention): one flat
-     * allocation of layout_bytes, freed and copied bytewise here. */
+     * allocation of struct kvr_layout, freed here; allocated and copied
+     * only by layout.c, which alone knows its size (a size kept beside it
+     * once went stale and a fork copied 1 byte of it). */
     struct kvr_layout *layout;
-    size_t      layout_bytes;
     bool        persist;        /* tier.c: every change is logged to disk */
 };
 
@@ -119,8 +120,6 @@ void     kvr_ctx_drop_extents(kvr_block_pool *p, kvr_ctx *c, size_t i0, size_t i
 void     kvr_ctx_add_delta(kvr_ctx *c, size_t i0, size_t i1, int64_t delta);
 /* Shares every extent of src (one more reference each) into empty dst. */
 void     kvr_ctx_share_extents(kvr_ctx *dst, const kvr_ctx *src);
-/* Copies src's layout blob into dst (0 or KVR_ENOMEM). */
-int      kvr_ctx_copy_layout(kvr_ctx *dst, const kvr_ctx *src);
 
 /* ---- reading ------------------------------------------------------------ */
 /* Moves a cursor (extent *i starting at token *k) to the extent holding

@@ -4,8 +4,10 @@
  * offset each) and the StreamingLLM retention policy (sinks + window).
  *
  * The state lives in ctx->layout (NULL for a plain context), one flat
- * allocation the context frees and forks bytewise (ctx.c), and is only
- * touched on the loop thread. Everything here changes metadata: extents'
+ * allocation of struct kvr_layout that only this file allocates and copies
+ * (layout_new, kvr_layout_copy: always sizeof, never a size kept beside
+ * it); the context frees it (ctx.c). It is only touched on the loop
+ * thread. Everything here changes metadata: extents'
  * pos_delta and the extent array. No K/V byte is copied or rotated; get and
  * assemble rotate each key once from its stored form.
  *
@@ -18,6 +20,10 @@
  *    n_tokens <= sinks + window, or the context could not grow its extent
  *    array (out of memory), in which case the next put retries.
  *  - Every refusal leaves the context exactly as it was.
+ *  - Whatever sets a field checks it with the same function, whether the
+ *    value comes from a local verb or from outside (a shared-tier
+ *    manifest, a disk record): check_group_names, check_retention and
+ *    kvr_layout_info_check, which calls them.
  */
 #include <string.h>
 
@@ -62,6 +68,185 @@ static int find_group(const kvr_layout *L, const char *name)
         if (strcmp(L->g[i].name, name) == 0)
             return (int)i;
     return -1;
+}
+
+/* The one allocator of a layout (zeroed): its size is sizeof, always. */
+static kvr_layout *layout_new(void)
+{
+    return kvr_mem_calloc(1, sizeof(kvr_layout));
+}
+
+int kvr_layout_copy(kvr_ctx *dst, const kvr_ctx *src)
+{
+    if (!src->layout)
+        return 0;
+    kvr_layout *l = layout_new();
+    if (!l)
+        return KVR_ENOMEM;
+    *l = *src->layout;
+    kvr_mem_free(dst->layout);
+    dst->layout = l;
+    return 0;
+}
+
+/* ---- validation (the verbs and every restore) --------------------------- */
+
+/* Group names as a create names them: 1..KVR_GROUP_NAME_MAX bytes each,
+ * no two equal; at most KVR_MAX_GROUPS. */
+static int check_group_names(const char *const *names, size_t n, kvr_error *err)
+{
+    if (n > KVR_MAX_GROUPS)
+        return kvr_error_set(err, KVR_ELIMIT, "%zu groups (at most %d)", n, KVR_MAX_GROUPS);
+    if (n && !names)
+        return kvr_error_set(err, KVR_EBADREQUEST, "group names missing");
+    for (size_t i = 0; i < n; i++) {
+        const char *g = names[i];
+        size_t len = g ? strnlen(g, KVR_GROUP_NAME_MAX + 1) : 0;
+        if (len == 0 || len > KVR_GROUP_NAME_MAX)
+            return kvr_error_set(err, KVR_EINVAL, "group name %zu must be 1..%d bytes", i,
+                                 KVR_GROUP_NAME_MAX);
+        for (size_t j = 0; j < i; j++)
+            if (strcmp(names[j], g) == 0)
+                return kvr_error_set(err, KVR_EINVAL, "duplicate group name '%s'", g);
+    }
+    return 0;
+}
+
+/* A sink + window policy as set_retention accepts it (on a context with
+ * n_groups groups). */
+static int check_retention(const char *ctx_id, size_t sinks, size_t window, size_t n_groups,
+                           kvr_error *err)
+{
+    size_t total;
+    if (window == 0)
+        return kvr_error_set(err, KVR_EINVAL, "retention window must be at least 1 token");
+    if (__builtin_add_overflow(sinks, window, &total) || total > KVR_RETENTION_MAX)
+        return kvr_error_set(err, KVR_EINVAL,
+                             "retention sinks %zu + window %zu exceeds the limit of %u tokens",
+                             sinks, window, KVR_RETENTION_MAX);
+    if (n_groups)
+        return kvr_error_set(err, KVR_EUNSUPPORTED,
+                             "context '%s' has position groups: a sink + window policy "
+                             "would have to renumber each group separately, which is "
+                             "not supported", ctx_id);
+    return 0;
+}
+
+/* A group's offset and cursor as a put and set_group_offset keep them: the
+ * cursor a count that fits a position, offset + cursor no overflow. */
+static int check_group_cursor(const char *name, int64_t phi, uint64_t cursor, kvr_error *err)
+{
+    int64_t next;
+    if (cursor > (uint64_t)INT64_MAX || __builtin_add_overflow(phi, (int64_t)cursor, &next))
+        return kvr_error_set(err, KVR_EINVAL,
+                             "group '%s': positions from offset %lld + %llu overflow", name,
+                             (long long)phi, (unsigned long long)cursor);
+    return 0;
+}
+
+int kvr_layout_info_check(const kvr_layout_info *li, const char *ctx_id, uint64_t fingerprint,
+                          const int32_t *groups, const uint32_t *flags, size_t n,
+                          kvr_error *err)
+{
+    const char *names[KVR_MAX_GROUPS];
+    if (li->n_groups > KVR_MAX_GROUPS)
+        return kvr_error_set(err, KVR_ELIMIT, "%zu groups (at most %d)", li->n_groups,
+                             KVR_MAX_GROUPS);
+    for (size_t i = 0; i < li->n_groups; i++) {
+        if (!memchr(li->groups[i].name, 0, sizeof li->groups[i].name))
+            return kvr_error_set(err, KVR_EINVAL, "group name %zu unterminated", i);
+        names[i] = li->groups[i].name;
+    }
+    int rc = check_group_names(names, li->n_groups, err);
+    for (size_t i = 0; rc == 0 && i < li->n_groups; i++)
+        rc = check_group_cursor(names[i], li->groups[i].offset, li->groups[i].cursor, err);
+    if (rc != 0)
+        return rc;
+    /* The APE record as a put with prefix_ctx writes it: a valid id, the
+     * context's own model, a length that is a position. */
+    if (li->has_prefix) {
+        if (!memchr(li->prefix_ctx, 0, sizeof li->prefix_ctx))
+            return kvr_error_set(err, KVR_EINVAL, "prefix id unterminated");
+        if ((rc = kvr_ctx_id_check(li->prefix_ctx, err)) != 0)
+            return rc;
+        if (li->prefix_fingerprint != fingerprint)
+            return kvr_error_set(err, KVR_EFINGERPRINT,
+                                 "prefix record of '%s': fingerprint %016llx, the context's "
+                                 "model has %016llx", ctx_id,
+                                 (unsigned long long)li->prefix_fingerprint,
+                                 (unsigned long long)fingerprint);
+        if (li->prefix_len > (size_t)INT64_MAX)
+            return kvr_error_set(err, KVR_EINVAL, "prefix record of '%s': length %zu",
+                                 ctx_id, li->prefix_len);
+    } else if (li->prefix_ctx[0] || li->prefix_fingerprint || li->prefix_len ||
+               li->prefix_hash) {
+        return kvr_error_set(err, KVR_EINVAL, "prefix record of '%s' without a prefix",
+                             ctx_id);
+    }
+    if (li->has_retention) {
+        if ((rc = check_retention(ctx_id, li->sinks, li->window, li->n_groups, err)) != 0)
+            return rc;
+        if (n > li->sinks + li->window)
+            return kvr_error_set(err, KVR_EINVAL, "'%s': %zu tokens, more than sinks %zu + "
+                                 "window %zu", ctx_id, n, li->sinks, li->window);
+    }
+    if (li->n_dropped > (size_t)INT64_MAX)
+        return kvr_error_set(err, KVR_EINVAL, "'%s': %zu tokens dropped", ctx_id,
+                             li->n_dropped);
+    /* Every token's group id names a group (0 without groups, as a put
+     * writes it); its only flag STALE. */
+    for (size_t k = 0; k < n; k++) {
+        int32_t g = groups ? groups[k] : 0;
+        if (g < 0 || (size_t)g >= (li->n_groups ? li->n_groups : 1))
+            return kvr_error_set(err, KVR_EINVAL, "token %zu: group %d of %zu", k, (int)g,
+                                 li->n_groups);
+        if (flags && (flags[k] & ~KVR_TOKEN_STALE))
+            return kvr_error_set(err, KVR_EINVAL, "token %zu: flags 0x%x", k,
+                                 (unsigned)flags[k]);
+    }
+    return 0;
+}
+
+/* The layout's state as stat reports it, and back. */
+static void layout_to_info(const kvr_layout *L, kvr_layout_info *out)
+{
+    memset(out, 0, sizeof *out);
+    out->has_prefix = L->has_prefix;
+    memcpy(out->prefix_ctx, L->prefix, sizeof out->prefix_ctx);
+    out->prefix_fingerprint = L->prefix_fp;
+    out->prefix_len = L->prefix_len;
+    out->prefix_hash = L->prefix_hash;
+    out->n_groups = L->n_groups <= KVR_MAX_GROUPS ? L->n_groups : KVR_MAX_GROUPS + 1;
+    for (size_t i = 0; i < L->n_groups && i < KVR_MAX_GROUPS; i++) {
+        memcpy(out->groups[i].name, L->g[i].name, sizeof out->groups[i].name);
+        out->groups[i].id = (int32_t)i;
+        out->groups[i].offset = L->g[i].phi;
+        out->groups[i].cursor = L->g[i].cursor;
+    }
+    out->has_retention = L->has_ret;
+    out->sinks = L->sinks;
+    out->window = L->window;
+    out->n_dropped = L->n_dropped;
+}
+
+static void layout_from_info(kvr_layout *L, const kvr_layout_info *li)
+{
+    memset(L, 0, sizeof *L);
+    L->has_prefix = li->has_prefix;
+    memcpy(L->prefix, li->prefix_ctx, sizeof L->prefix);
+    L->prefix_fp = li->prefix_fingerprint;
+    L->prefix_len = li->prefix_len;
+    L->prefix_hash = li->prefix_hash;
+    L->n_groups = li->n_groups;
+    for (size_t i = 0; i < li->n_groups; i++) {
+        memcpy(L->g[i].name, li->groups[i].name, sizeof L->g[i].name);
+        L->g[i].phi = li->groups[i].offset;
+        L->g[i].cursor = li->groups[i].cursor;
+    }
+    L->has_ret = li->has_retention;
+    L->sinks = li->sinks;
+    L->window = li->window;
+    L->n_dropped = li->n_dropped;
 }
 
 /* ---- retention ---------------------------------------------------------- */
@@ -126,21 +311,9 @@ int kvr_layout_put_begin(kvr_store *s, const kvr_ctx *c, const kvr_model *m,
         return kvr_error_set(err, KVR_EBADREQUEST,
                              "context '%s' exists: a prefix or groups can only be given "
                              "when it is created", p->ctx_id);
-    if (p->n_groups > KVR_MAX_GROUPS)
-        return kvr_error_set(err, KVR_ELIMIT, "%zu groups (at most %d)", p->n_groups,
-                             KVR_MAX_GROUPS);
-    if (p->n_groups && !p->groups)
-        return kvr_error_set(err, KVR_EBADREQUEST, "group names missing");
-    for (size_t i = 0; i < p->n_groups; i++) {
-        const char *g = p->groups[i];
-        size_t len = g ? strnlen(g, KVR_GROUP_NAME_MAX + 1) : 0;
-        if (len == 0 || len > KVR_GROUP_NAME_MAX)
-            return kvr_error_set(err, KVR_EINVAL, "group name %zu must be 1..%d bytes", i,
-                                 KVR_GROUP_NAME_MAX);
-        for (size_t j = 0; j < i; j++)
-            if (strcmp(p->groups[j], g) == 0)
-                return kvr_error_set(err, KVR_EINVAL, "duplicate group name '%s'", g);
-    }
+    int crc = check_group_names(p->groups, p->n_groups, err);
+    if (crc != 0)
+        return crc;
 
     const kvr_layout *L = creating ? NULL : c->layout;
     size_t n_groups = creating ? p->n_groups : (L ? L->n_groups : 0);
@@ -166,9 +339,10 @@ int kvr_layout_put_begin(kvr_store *s, const kvr_ctx *c, const kvr_model *m,
                                  "a put to group '%s' takes the group's positions; "
                                  "explicit positions are not allowed", p->group);
         int64_t first, last;
-        if (cursor > (uint64_t)INT64_MAX ||
-            __builtin_add_overflow(phi, (int64_t)cursor, &first) ||
-            __builtin_add_overflow(first, (int64_t)(p->n_tokens - 1), &last))
+        if ((crc = check_group_cursor(p->group, phi, cursor, err)) != 0)
+            return crc;
+        first = phi + (int64_t)cursor;
+        if (__builtin_add_overflow(first, (int64_t)(p->n_tokens - 1), &last))
             return kvr_error_set(err, KVR_EINVAL,
                                  "group '%s': positions from offset %lld + %llu overflow",
                                  p->group, (long long)phi, (unsigned long long)cursor);
@@ -209,7 +383,7 @@ int kvr_layout_put_begin(kvr_store *s, const kvr_ctx *c, const kvr_model *m,
             memcpy(tmp.g[i].name, p->groups[i], strlen(p->groups[i]) + 1);
             tmp.g[i].phi = p->group_offsets ? p->group_offsets[i] : 0;
         }
-        lp->created = kvr_mem_malloc(sizeof *lp->created);
+        lp->created = layout_new();
         if (!lp->created)
             return kvr_error_set(err, KVR_ENOMEM, "out of memory creating '%s'", p->ctx_id);
         *lp->created = tmp;
@@ -221,7 +395,6 @@ int64_t kvr_layout_put_commit(kvr_store *s, kvr_ctx *c, kvr_layout_put *lp, size
 {
     if (lp->created) {
         c->layout = lp->created;
-        c->layout_bytes = sizeof *lp->created;
         lp->created = NULL;
     }
     kvr_layout *L = c->layout;
@@ -245,15 +418,23 @@ bool kvr_layout_blob_get(const kvr_ctx *c, void *out)
     return true;
 }
 
-int kvr_layout_blob_set(kvr_ctx *c, const void *in)
+int kvr_layout_blob_set(kvr_ctx *c, const void *in, kvr_error *err)
 {
-    kvr_layout *L = kvr_mem_malloc(sizeof *L);
+    kvr_layout *L = layout_new();
     if (!L)
-        return KVR_ENOMEM;
+        return kvr_error_set(err, KVR_ENOMEM, "out of memory");
     memcpy(L, in, sizeof *L);
+    /* A record is checksummed, but what it restores passes the same
+     * checks as what a verb sets (the tokens were checked by the caller). */
+    kvr_layout_info li;
+    layout_to_info(L, &li);
+    int rc = kvr_layout_info_check(&li, c->id, c->model->fingerprint, NULL, NULL, 0, err);
+    if (rc != 0) {
+        kvr_mem_free(L);
+        return rc;
+    }
     kvr_mem_free(c->layout);
     c->layout = L;
-    c->layout_bytes = sizeof *L;
     return 0;
 }
 
@@ -284,18 +465,7 @@ int kvr_store_layout_stat(kvr_store *s, const char *ctx_id, kvr_layout_info *out
     const kvr_layout *L = c->layout;
     if (!L)
         return 0;
-    out->has_prefix = L->has_prefix;
-    memcpy(out->prefix_ctx, L->prefix, sizeof out->prefix_ctx);
-    out->prefix_fingerprint = L->prefix_fp;
-    out->prefix_len = L->prefix_len;
-    out->prefix_hash = L->prefix_hash;
-    out->n_groups = L->n_groups;
-    for (size_t i = 0; i < L->n_groups; i++) {
-        memcpy(out->groups[i].name, L->g[i].name, sizeof out->groups[i].name);
-        out->groups[i].id = (int32_t)i;
-        out->groups[i].offset = L->g[i].phi;
-        out->groups[i].cursor = L->g[i].cursor;
-    }
+    layout_to_info(L, out);
     for (size_t i = 0; i < c->n_ext && L->n_groups; i++) {
         const kvr_extent *e = &c->ext[i];
         for (uint32_t j = 0; j < e->count; j++) {
@@ -304,10 +474,6 @@ int kvr_store_layout_stat(kvr_store *s, const char *ctx_id, kvr_layout_info *out
                 out->groups[g].n_tokens++;
         }
     }
-    out->has_retention = L->has_ret;
-    out->sinks = L->sinks;
-    out->window = L->window;
-    out->n_dropped = L->n_dropped;
     return 0;
 }
 
@@ -394,20 +560,11 @@ int kvr_store_set_retention(kvr_store *s, const char *ctx_id, const kvr_retentio
             c->layout->has_ret = false;
         return 0;
     }
-    size_t total;
-    if (r->window == 0)
-        return kvr_error_set(err, KVR_EINVAL, "retention window must be at least 1 token");
-    if (__builtin_add_overflow(r->sinks, r->window, &total) || total > KVR_RETENTION_MAX)
-        return kvr_error_set(err, KVR_EINVAL,
-                             "retention sinks %zu + window %zu exceeds the limit of %u tokens",
-                             r->sinks, r->window, KVR_RETENTION_MAX);
-    if (c->layout && c->layout->n_groups)
-        return kvr_error_set(err, KVR_EUNSUPPORTED,
-                             "context '%s' has position groups: a sink + window policy "
-                             "would have to renumber each group separately, which is "
-                             "not supported", ctx_id);
+    if ((rc = check_retention(ctx_id, r->sinks, r->window, c->layout ? c->layout->n_groups : 0,
+                              err)) != 0)
+        return rc;
     if (!c->layout) {
-        c->layout = kvr_mem_calloc(1, sizeof *c->layout);
+        c->layout = layout_new();
         if (!c->layout)
             return kvr_error_set(err, KVR_ENOMEM, "out of memory setting a retention policy");
     }
@@ -432,56 +589,24 @@ int kvr_store_layout_restore(kvr_store *s, const char *ctx_id, const kvr_layout_
                              ctx_id, n, c->n_tokens);
     if (c->layout)
         return kvr_error_set(err, KVR_EBUSY, "'%s' has a layout already", ctx_id);
-    if (li->n_groups > KVR_MAX_GROUPS)
-        return kvr_error_set(err, KVR_ELIMIT, "%zu groups (at most %d)", li->n_groups,
-                             KVR_MAX_GROUPS);
-    for (size_t i = 0; i < li->n_groups; i++) {
-        size_t len = strnlen(li->groups[i].name, KVR_GROUP_NAME_MAX + 1);
-        if (len == 0 || len > KVR_GROUP_NAME_MAX)
-            return kvr_error_set(err, KVR_EINVAL, "group name %zu must be 1..%d bytes", i,
-                                 KVR_GROUP_NAME_MAX);
-    }
-    if (li->has_prefix && !memchr(li->prefix_ctx, 0, sizeof li->prefix_ctx))
-        return kvr_error_set(err, KVR_EINVAL, "prefix id unterminated");
-    /* Every token's group id names a group (all of them when there are
-     * groups: a grouped context's invariant), its only flag STALE, and its
-     * block is the context's alone (its slots are written below). */
-    for (size_t i = 0, k = 0; i < c->n_ext; i++) {
+    if ((rc = kvr_layout_info_check(li, ctx_id, c->model->fingerprint, groups, flags, n,
+                                    err)) != 0)
+        return rc;
+    /* Every token's block is the context's alone (its slots are written
+     * below). */
+    for (size_t i = 0; i < c->n_ext; i++) {
         const kvr_extent *e = &c->ext[i];
         if (!kvr_block_exclusive(e->block) || e->block->spilled || e->block->disk)
             return kvr_error_set(err, KVR_EBUSY, "'%s' shares blocks or has them on disk",
                                  ctx_id);
-        for (uint32_t j = 0; j < e->count; j++, k++) {
-            int32_t g = groups && li->n_groups ? groups[k] : 0;
-            if (g < 0 || (size_t)g >= (li->n_groups ? li->n_groups : 1))
-                return kvr_error_set(err, KVR_EINVAL, "token %zu: group %d of %zu", k, (int)g,
-                                     li->n_groups);
-            if (flags && (flags[k] & ~KVR_TOKEN_STALE))
-                return kvr_error_set(err, KVR_EINVAL, "token %zu: flags 0x%x", k,
-                                     (unsigned)flags[k]);
-        }
     }
     bool any = li->has_prefix || li->n_groups || li->has_retention;
     kvr_layout *L = NULL;
     if (any) {
-        L = kvr_mem_calloc(1, sizeof *L);
+        L = layout_new();
         if (!L)
             return kvr_error_set(err, KVR_ENOMEM, "out of memory");
-        L->has_prefix = li->has_prefix;
-        memcpy(L->prefix, li->prefix_ctx, sizeof L->prefix);
-        L->prefix_fp = li->prefix_fingerprint;
-        L->prefix_len = li->prefix_len;
-        L->prefix_hash = li->prefix_hash;
-        L->n_groups = li->n_groups;
-        for (size_t i = 0; i < li->n_groups; i++) {
-            memcpy(L->g[i].name, li->groups[i].name, sizeof L->g[i].name);
-            L->g[i].phi = li->groups[i].offset;
-            L->g[i].cursor = li->groups[i].cursor;
-        }
-        L->has_ret = li->has_retention;
-        L->sinks = li->sinks;
-        L->window = li->window;
-        L->n_dropped = li->n_dropped;
+        layout_from_info(L, li);
     }
     /* Flags: split extents where STALE starts or stops (needs room first). */
     size_t cuts = 0;
@@ -501,10 +626,8 @@ int kvr_store_layout_restore(kvr_store *s, const char *ctx_id, const kvr_layout_
         for (uint32_t j = 0; j < e->count; j++, k++)
             e->block->groups[e->first + j] = groups && li->n_groups ? groups[k] : 0;
     }
-    if (L) {
+    if (L)
         c->layout = L;
-        c->layout_bytes = sizeof *L;
-    }
     kvr_ctx_check(c);
     return 0;
 }

@@ -3,8 +3,8 @@
  * the APE record, GPE groups and StreamingLLM retention. Above the store:
  * put calls the put hooks, assemble reads the APE record, the disk tier
  * stores the layout as an opaque blob. The state itself is one flat
- * allocation hanging off the context (ctx.h), so contexts free and fork it
- * without calling back up here.
+ * allocation hanging off the context (ctx.h): the context frees it; only
+ * layout.c allocates and copies it (its size is sizeof, never a field).
  */
 #ifndef KVR_CACHE_LAYOUT_H
 #define KVR_CACHE_LAYOUT_H
@@ -36,10 +36,14 @@ int     kvr_layout_ctx_hash(const kvr_ctx *c, uint64_t *out, kvr_error *err);
 /* c's APE record (borrowed strings): false if c was not created with one. */
 bool    kvr_layout_ape_record(const kvr_ctx *c, const char **prefix, uint64_t *fp,
                               size_t *len, uint64_t *hash);
-/* The layout as an opaque blob (tier.c's records). */
+/* Copies src's layout into dst (fork): 0 or KVR_ENOMEM. */
+int     kvr_layout_copy(kvr_ctx *dst, const kvr_ctx *src);
+/* The layout as an opaque blob of kvr_layout_blob_size() bytes (tier.c's
+ * records). blob_set checks what it restores as kvr_layout_info_check
+ * does (KVR_EINVAL etc.: c unchanged) or fails with KVR_ENOMEM. */
 size_t  kvr_layout_blob_size(void);
 bool    kvr_layout_blob_get(const kvr_ctx *c, void *out);   /* false: no layout */
-int     kvr_layout_blob_set(kvr_ctx *c, const void *in);    /* 0 or KVR_ENOMEM */
+int     kvr_layout_blob_set(kvr_ctx *c, const void *in, kvr_error *err);
 
 #pragma GCC visibility pop
 

@@ -22,6 +22,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "cache/layout.h"
 #include "cache/store.h"
 
 uint64_t kvr_fnv1a(const void *p, size_t n, uint64_t h)
@@ -884,7 +885,7 @@ int kvr_store_fork(kvr_store *s, const char *src, const char *dst, kvr_error *er
     }
     if (kvr_ptree_clone(&a->model->tree[0], &a->idx[0], &b->idx[0]) != 0 ||
         kvr_ptree_clone(&a->model->tree[1], &a->idx[1], &b->idx[1]) != 0 ||
-        kvr_ctx_copy_layout(b, a) != 0) {
+        kvr_layout_copy(b, a) != 0) {
         rc = kvr_error_set(err, KVR_ENOMEM, "out of memory forking '%s'", src);
         goto fail_ctx;    /* destroying b takes it out of the trees */
     }

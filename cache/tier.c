@@ -1736,8 +1736,10 @@ static int recover_ctx(kvr_store *s, kvr_tier *t, hmap *blocks, const trec *r)
         rc = KVR_EINVAL;
     if (rc == 0 && kvr_ctx_ext_reserve(c, ne ? ne : 1) != 0)
         rc = KVR_ENOMEM;
-    if (rc == 0 && blob && kvr_layout_blob_set(c, blob) != 0)
-        rc = KVR_ENOMEM;
+    kvr_error le = { 0 };
+    if (rc == 0 && blob && (rc = kvr_layout_blob_set(c, blob, &le)) != 0)
+        tlog(t, KVR_TIER_LOG_WARN, "disk: context '%s': its layout is refused (%s): dropped",
+             id, le.msg);
     for (uint32_t i = 0; i < ne && rc == 0; i++) {
         uint32_t bi = r_u32(&b), first = r_u32(&b), count = r_u32(&b), fl = r_u32(&b);
         int64_t delta = (int64_t)r_u64(&b);

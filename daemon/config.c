@@ -234,6 +234,8 @@ int kvr_daemon_config_set(kvr_daemon_config *c, const char *key, const char *v,
             snprintf(c->remote_tier, sizeof c->remote_tier, "%s", v);
     } else if (!strcmp(key, "remote-auth-file")) {
         rc = copy_str(c->remote_auth_file, sizeof c->remote_auth_file, v);
+    } else if (!strcmp(key, "remote-key-file")) {
+        rc = copy_str(c->remote_key_file, sizeof c->remote_key_file, v);
     } else if (!strcmp(key, "share-all")) {
         if (!strcmp(v, "1") || !strcmp(v, "true") || !strcmp(v, "yes") || !strcmp(v, "on"))
             c->share_all = true;
@@ -472,6 +474,10 @@ static const char *HELP_TAIL =
 "                         miss of get/match asks it (docs/cluster.md)\n"
 "  --remote-auth-file FILE  Redis ACL credentials: 'USER PASSWORD' (or just\n"
 "                         'PASSWORD') on the first line\n"
+"  --remote-key-file FILE   the cluster key (a secret of 32+ bytes, the same on\n"
+"                         every node; mode 600): every published value carries\n"
+"                         a keyed BLAKE2b MAC, checked before use. Without it\n"
+"                         the shared tier trusts everyone who can write to it\n"
 "  --share-all            publish every put (else per put: Put.share); needs\n"
 "                         --remote-tier. In a config file: share-all = true\n"
 "  --max-regions N        shared-memory regions one connection may register\n"
@@ -523,7 +529,7 @@ static bool known_option(const char *name)
         "max-conn-buffer", "max-drain", "max-regions", "max-region-bytes", "max-regions-total", "block-tokens", "threads", "log-level", "config",
         "io-timeout", "auth-timeout", "max-unauth-connections",
         "disk-dir", "disk-max", "disk-engine", "persist-all",
-        "remote-tier", "remote-auth-file", "share-all",
+        "remote-tier", "remote-auth-file", "remote-key-file", "share-all",
         "min-rate", "max-msg-buffers", "max-models", "max-contexts",
         "metrics-listen", "log-format", "log-file",
     };

@@ -64,6 +64,7 @@ typedef struct kvr_daemon_config {
     /* shared tier on Redis Cluster (daemon/remote.c, docs/cluster.md) */
     char     remote_tier[1024];     /* seed nodes; "" = none */
     char     remote_auth_file[1024];/* "USER PASSWORD"; "" = no AUTH */
+    char     remote_key_file[1024]; /* cluster MAC key; "" = values unauthenticated */
     bool     share_all;             /* publish every put */
     /* What a client can make the daemon hold (issue 12). */
     uint64_t min_rate;              /* bytes/s a frame must arrive at (after an

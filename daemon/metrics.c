@@ -300,6 +300,9 @@ static void render_remote(const kvr_remote_stats *r, sbuf *b)
              r->pub_skipped);
     scalar_u(b, "kvrope_remote_publish_errors_total", "counter",
              "Publications that failed.", r->pub_errors);
+    scalar_u(b, "kvrope_remote_publish_dropped_total", "counter",
+             "Shares dropped because the publish queue was full (the cluster slow or hung).",
+             r->pub_dropped);
     family(b, "kvrope_remote_fetches_total", "counter",
            "Fetches from the cluster (a local miss of a get or match), by result "
            "(corrupt: a value failed its checks and was treated as a miss).");
@@ -309,6 +312,9 @@ static void render_remote(const kvr_remote_stats *r, sbuf *b)
               (unsigned long long)r->fetch_misses);
     sb_printf(b, "kvrope_remote_fetches_total{result=\"corrupt\"} %llu\n",
               (unsigned long long)r->fetch_corrupt);
+    scalar_u(b, "kvrope_remote_forged_values_total", "counter",
+             "Values read from the cluster whose MAC was not this cluster key's "
+             "(--remote-key-file): never served, each fetch a miss.", r->fetch_forged);
     scalar_u(b, "kvrope_remote_fetched_tokens_total", "counter",
              "Tokens landed locally from the cluster.", r->fetch_tokens);
     scalar_u(b, "kvrope_remote_prefix_probes_total", "counter",

@@ -14,10 +14,20 @@
  * drops the connection, refreshes (at most every REFRESH_MIN_MS) and tries
  * again until the retry budget is spent. A command is retried only where
  * that is safe: GET/EXISTS/SET of immutable, content-addressed values.
+ *
+ * Deadlines: besides each operation's retry budget, a thread may set a
+ * deadline (kvr_rc_set_deadline) that every blocking step it takes then
+ * respects: a connection attempt, each socket read and write (the
+ * connection's timeouts are set to what is left before every use, and the
+ * sink reader polls with it), a map refresh (which gives up between nodes
+ * and never waits for another thread's refresh), the back-off sleeps. So a
+ * cluster whose nodes accept and never answer costs a caller its deadline,
+ * not the sum of every node's I/O timeout.
  */
 #include "daemon/rcluster.h"
 
 #include <errno.h>
+#include <poll.h>
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -31,6 +41,7 @@
 #define POOL_MAX 8
 #define REFRESH_MIN_MS 100
 #define MAX_REDIRECTS 16
+#define DL_RESET_MS 10          /* socket timeouts follow a deadline this closely */
 
 typedef struct rc_node {
     char            host[64];
@@ -66,6 +77,37 @@ static uint64_t now_ms(void)
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
     return (uint64_t)ts.tv_sec * 1000u + (uint64_t)ts.tv_nsec / 1000000u;
+}
+
+/* The calling thread's deadline (kvr_rc_set_deadline), 0 = none. */
+static _Thread_local uint64_t tl_deadline;
+
+void kvr_rc_set_deadline(uint64_t deadline_ms)
+{
+    tl_deadline = deadline_ms;
+}
+
+uint64_t kvr_rc_now_ms(void)
+{
+    return now_ms();
+}
+
+/* The earlier of two deadlines (0 = none). */
+static uint64_t dl_min(uint64_t a, uint64_t b)
+{
+    return !a ? b : !b ? a : a < b ? a : b;
+}
+
+/* Milliseconds left before deadline, at most cap (cap if no deadline); 0
+ * once it has passed. */
+static int dl_left(uint64_t deadline, int cap)
+{
+    if (!deadline)
+        return cap;
+    uint64_t now = now_ms();
+    if (now >= deadline)
+        return 0;
+    return deadline - now < (uint64_t)cap ? (int)(deadline - now) : cap;
 }
 
 static void sleep_ms(int ms)
@@ -249,11 +291,18 @@ static struct timeval tv_ms(int ms)
     return tv;
 }
 
-/* A connection to host:port, authenticated. NULL with err filled: code
- * KVR_EUNAUTH if the node refused the credentials, else KVR_EIO. */
-static redisContext *connect_to(kvr_rc *rc, const char *host, int port, kvr_error *err)
+/* A connection to host:port, authenticated, within deadline. NULL with
+ * err filled: code KVR_EUNAUTH if the node refused the credentials, else
+ * KVR_EIO. */
+static redisContext *connect_to(kvr_rc *rc, const char *host, int port, kvr_error *err,
+                                uint64_t deadline)
 {
-    redisContext *x = redisConnectWithTimeout(host, port, tv_ms(rc->connect_ms));
+    int cms = dl_left(deadline, rc->connect_ms);
+    if (cms == 0) {
+        kvr_error_set(err, KVR_EIO, "%s:%d: the deadline passed", host, port);
+        return NULL;
+    }
+    redisContext *x = redisConnectWithTimeout(host, port, tv_ms(cms));
     if (!x || x->err) {
         kvr_error_set(err, KVR_EIO, "cannot connect to %s:%d: %s", host, port,
                       x ? x->errstr : "out of memory");
@@ -261,7 +310,13 @@ static redisContext *connect_to(kvr_rc *rc, const char *host, int port, kvr_erro
             redisFree(x);
         return NULL;
     }
-    redisSetTimeout(x, tv_ms(rc->io_ms));
+    int ims = dl_left(deadline, rc->io_ms);
+    if (ims == 0) {
+        kvr_error_set(err, KVR_EIO, "%s:%d: the deadline passed", host, port);
+        redisFree(x);
+        return NULL;
+    }
+    redisSetTimeout(x, tv_ms(ims));
     if (rc->auth) {
         redisReply *r;
         if (rc->user[0])
@@ -285,14 +340,23 @@ static redisContext *connect_to(kvr_rc *rc, const char *host, int port, kvr_erro
     return x;
 }
 
-static redisContext *node_get(kvr_rc *rc, rc_node *nd, kvr_error *err)
+/* A pooled or new connection to nd whose socket timeouts end by deadline
+ * (the I/O timeout at most). */
+static redisContext *node_get(kvr_rc *rc, rc_node *nd, kvr_error *err, uint64_t deadline)
 {
+    int ims = dl_left(deadline, rc->io_ms);
+    if (ims == 0) {
+        kvr_error_set(err, KVR_EIO, "%s:%d: the deadline passed", nd->host, nd->port);
+        return NULL;
+    }
     pthread_mutex_lock(&nd->mu);
     redisContext *x = nd->n_idle ? nd->idle[--nd->n_idle] : NULL;
     pthread_mutex_unlock(&nd->mu);
-    if (x)
+    if (x) {
+        redisSetTimeout(x, tv_ms(ims));
         return x;
-    x = connect_to(rc, nd->host, nd->port, err);
+    }
+    x = connect_to(rc, nd->host, nd->port, err, deadline);
     if (!x)
         count(rc, &rc->conn_errors);
     return x;
@@ -363,8 +427,9 @@ static int apply_slots(kvr_rc *rc, const redisReply *r)
     return full ? 0 : KVR_EIO;
 }
 
-/* Tries the known nodes (those the map used first), then the seeds. */
-static int refresh_now(kvr_rc *rc, kvr_error *err)
+/* Tries the known nodes (those the map used first), then the seeds, until
+ * deadline. */
+static int refresh_now(kvr_rc *rc, kvr_error *err, uint64_t deadline)
 {
     char hosts[KVR_RC_MAX_NODES + KVR_RC_MAX_SEEDS][64];
     int ports[KVR_RC_MAX_NODES + KVR_RC_MAX_SEEDS];
@@ -384,7 +449,12 @@ static int refresh_now(kvr_rc *rc, kvr_error *err)
     int rc_auth = 0;
     for (int i = 0; i < n; i++) {
         kvr_error e = { 0 };
-        redisContext *x = connect_to(rc, hosts[i], ports[i], &e);
+        if (deadline && now_ms() >= deadline) {
+            kvr_error_set(&last, KVR_EIO, "no node answered CLUSTER SLOTS before the deadline "
+                          "(last: %.300s)", last.msg);
+            break;
+        }
+        redisContext *x = connect_to(rc, hosts[i], ports[i], &e, deadline);
         if (!x) {
             if (e.code == KVR_EUNAUTH)
                 rc_auth = KVR_EUNAUTH;
@@ -419,8 +489,17 @@ static int refresh_now(kvr_rc *rc, kvr_error *err)
 
 int kvr_rc_refresh(kvr_rc *rc, kvr_error *err)
 {
-    pthread_mutex_lock(&rc->refresh_mu);
-    int r = refresh_now(rc, err);
+    uint64_t deadline = tl_deadline;
+    if (deadline) {
+        /* Never wait for another thread's refresh past our deadline. */
+        if (pthread_mutex_trylock(&rc->refresh_mu) != 0) {
+            kvr_error_set(err, KVR_EIO, "a slot map refresh is in progress");
+            return KVR_EIO;
+        }
+    } else {
+        pthread_mutex_lock(&rc->refresh_mu);
+    }
+    int r = refresh_now(rc, err, deadline);
     pthread_mutex_lock(&rc->mu);
     rc->last_refresh_ms = now_ms();
     pthread_mutex_unlock(&rc->mu);
@@ -428,18 +507,20 @@ int kvr_rc_refresh(kvr_rc *rc, kvr_error *err)
     return r;
 }
 
-/* A refresh from a failure path, at most every REFRESH_MIN_MS: concurrent
- * callers wait for the one refresh in progress instead of starting theirs. */
-static void refresh_soon(kvr_rc *rc)
+/* A refresh from a failure path, at most every REFRESH_MIN_MS, within
+ * deadline: a caller that finds one in progress does not wait for it (it
+ * retries with the map it has, which the refresh then updates). */
+static void refresh_soon(kvr_rc *rc, uint64_t deadline)
 {
     uint64_t t0 = now_ms();
-    pthread_mutex_lock(&rc->refresh_mu);
+    if (pthread_mutex_trylock(&rc->refresh_mu) != 0)
+        return;
     pthread_mutex_lock(&rc->mu);
     bool recent = rc->last_refresh_ms >= t0 ||
                   (rc->last_refresh_ms && t0 - rc->last_refresh_ms < REFRESH_MIN_MS);
     pthread_mutex_unlock(&rc->mu);
     if (!recent) {
-        refresh_now(rc, NULL);
+        refresh_now(rc, NULL, deadline);
         pthread_mutex_lock(&rc->mu);
         rc->last_refresh_ms = now_ms();
         pthread_mutex_unlock(&rc->mu);
@@ -462,6 +543,8 @@ static bool err_is(const redisReply *r, const char *prefix)
     return r->type == REDIS_REPLY_ERROR && !strncmp(r->str, prefix, strlen(prefix));
 }
 
+/* Retries until deadline (the retry budget); every step's I/O ends by the
+ * thread's deadline (tl_deadline) too, which deadline never passes. */
 static int command_until(kvr_rc *rc, int argc, const char **argv, const size_t *argvlen,
                          redisReply **out, kvr_error *err, uint64_t deadline)
 {
@@ -477,13 +560,13 @@ static int command_until(kvr_rc *rc, int argc, const char **argv, const size_t *
         ask_node = -1;
         bool retry_now = false;
         if (idx < 0) {
-            refresh_soon(rc);
+            refresh_soon(rc, tl_deadline);
             idx = slot_node(rc, slot);
         }
         rc_node *nd = node_at(rc, idx);
         if (nd) {
             kvr_error ce = { 0 };
-            redisContext *x = node_get(rc, nd, &ce);
+            redisContext *x = node_get(rc, nd, &ce, tl_deadline);
             if (!x) {
                 last = ce;
                 if (ce.code == KVR_EUNAUTH) {
@@ -491,7 +574,7 @@ static int command_until(kvr_rc *rc, int argc, const char **argv, const size_t *
                         *err = ce;
                     return KVR_EUNAUTH;
                 }
-                refresh_soon(rc);
+                refresh_soon(rc, tl_deadline);
             } else {
                 redisReply *r = NULL;
                 bool ok = true;
@@ -514,7 +597,7 @@ static int command_until(kvr_rc *rc, int argc, const char **argv, const size_t *
                         freeReplyObject(r);
                     node_put(nd, x, false);
                     count(rc, &rc->conn_errors);
-                    refresh_soon(rc);
+                    refresh_soon(rc, tl_deadline);
                 } else if (r->type != REDIS_REPLY_ERROR) {
                     node_put(nd, x, true);
                     *out = r;
@@ -537,7 +620,7 @@ static int command_until(kvr_rc *rc, int argc, const char **argv, const size_t *
                             if (ni >= 0 && rc->have_map)
                                 rc->slots[rs] = (int16_t)ni;
                             pthread_mutex_unlock(&rc->mu);
-                            refresh_soon(rc);
+                            refresh_soon(rc, tl_deadline);
                         }
                         kvr_error_set(&last, KVR_EIO, "too many redirects (last: %s)", r->str);
                         freeReplyObject(r);
@@ -552,7 +635,7 @@ static int command_until(kvr_rc *rc, int argc, const char **argv, const size_t *
                         count(rc, &rc->tryagain);
                         kvr_error_set(&last, KVR_EIO, "%s:%d: %s", nd->host, nd->port, r->str);
                         freeReplyObject(r);
-                        refresh_soon(rc);
+                        refresh_soon(rc, tl_deadline);
                     } else {
                         int code = err_is(r, "NOAUTH") || err_is(r, "WRONGPASS") ||
                                            err_is(r, "NOPERM")
@@ -567,9 +650,10 @@ static int command_until(kvr_rc *rc, int argc, const char **argv, const size_t *
         }
         if (retry_now)
             continue;
-        if (now_ms() >= deadline)
+        int left = dl_left(deadline, backoff);
+        if (left == 0)
             break;
-        sleep_ms(backoff);
+        sleep_ms(left);
         if (backoff < 200)
             backoff *= 2;
     }
@@ -581,7 +665,8 @@ static int command_until(kvr_rc *rc, int argc, const char **argv, const size_t *
 int kvr_rc_command(kvr_rc *rc, int argc, const char **argv, const size_t *argvlen,
                    redisReply **out, kvr_error *err)
 {
-    return command_until(rc, argc, argv, argvlen, out, err, now_ms() + (uint64_t)rc->retry_ms);
+    return command_until(rc, argc, argv, argvlen, out, err,
+                         dl_min(now_ms() + (uint64_t)rc->retry_ms, tl_deadline));
 }
 
 /* One node's share of a batch: a pipeline on one connection. Each part
@@ -598,6 +683,7 @@ typedef struct batch_part {
     const kvr_rc_sink *sink;        /* non-NULL: replies read straight into it */
     void             *ud;
     size_t            ok;
+    uint64_t          deadline;     /* the calling thread's (0: none) */
     redisContext     *x;            /* between part_send and part_recv */
     bool              healthy;
     pthread_t         th;
@@ -646,14 +732,27 @@ static bool deliver(batch_part *p, size_t j, redisReply *r)
 
 typedef struct rd {
     int     fd;
+    uint64_t deadline;          /* every read ends by then (0: none) */
     uint8_t buf[RD_BUF];       /* reply headers (and whatever came with them) */
     size_t  pos, len;
 } rd;
 
-/* read(2) with the connection's timeout (SO_RCVTIMEO): > 0 bytes, or -1. */
-static ssize_t rd_sys(int fd, void *p, size_t n)
+/* read(2) with the connection's timeout (SO_RCVTIMEO) and, with a
+ * deadline, only once poll says bytes are there before it: > 0 bytes, or
+ * -1. */
+static ssize_t rd_sys(const rd *b, void *p, size_t n)
 {
+    int fd = b->fd;
     for (;;) {
+        if (b->deadline) {
+            int left = dl_left(b->deadline, INT32_MAX);
+            struct pollfd pf = { .fd = fd, .events = POLLIN };
+            int pr = left ? poll(&pf, 1, left) : 0;
+            if (pr < 0 && errno == EINTR)
+                continue;
+            if (pr <= 0)
+                return -1;       /* the deadline passed */
+        }
         ssize_t k = read(fd, p, n);
         if (k > 0)
             return k;
@@ -682,7 +781,7 @@ static char *rd_line(rd *b)
         }
         if (b->len >= RD_BUF - 1)
             return NULL;
-        ssize_t k = rd_sys(b->fd, b->buf + b->len, RD_BUF - 1 - b->len);
+        ssize_t k = rd_sys(b, b->buf + b->len, RD_BUF - 1 - b->len);
         if (k < 0)
             return NULL;
         b->len += (size_t)k;
@@ -712,7 +811,7 @@ static bool rd_bulk(rd *b, const kvr_rc_sink *k, void *ud, size_t j, size_t len)
             memcpy(to, b->buf + b->pos, n);
             b->pos += n;
         } else {
-            ssize_t r = rd_sys(b->fd, to, cap);
+            ssize_t r = rd_sys(b, to, cap);
             if (r < 0)
                 return false;
             n = (size_t)r;
@@ -728,7 +827,7 @@ static bool rd_bulk(rd *b, const kvr_rc_sink *k, void *ud, size_t j, size_t len)
             b->len -= b->pos;
             b->pos = 0;
         }
-        ssize_t r = rd_sys(b->fd, b->buf + b->len, RD_BUF - 1 - b->len);
+        ssize_t r = rd_sys(b, b->buf + b->len, RD_BUF - 1 - b->len);
         if (r < 0)
             return false;
         b->len += (size_t)r;
@@ -746,7 +845,7 @@ static void *run_part_sink(void *arg)
     batch_part *p = arg;
     kvr_rc *rc = p->rc;
     rc_node *nd = node_at(rc, p->idx);
-    redisContext *x = nd ? node_get(rc, nd, NULL) : NULL;
+    redisContext *x = nd ? node_get(rc, nd, NULL, p->deadline) : NULL;
     if (!x)
         return NULL;
     /* hiredis never reads ahead of a reply it was asked for, so a pooled
@@ -756,6 +855,7 @@ static void *run_part_sink(void *arg)
     bool healthy = b != NULL;
     if (healthy) {
         b->fd = x->fd;
+        b->deadline = p->deadline;
         b->pos = b->len = 0;
         for (size_t k = 0; k < p->nix; k++) {
             const kvr_rc_cmd *c = &p->cmds[p->ix[k]];
@@ -821,7 +921,7 @@ static void *run_part_sink(void *arg)
 static void part_send(batch_part *p)
 {
     rc_node *nd = node_at(p->rc, p->idx);
-    p->x = nd ? node_get(p->rc, nd, NULL) : NULL;
+    p->x = nd ? node_get(p->rc, nd, NULL, p->deadline) : NULL;
     if (!p->x)
         return;                      /* all left to the one-by-one path */
     for (size_t k = 0; k < p->nix; k++) {
@@ -841,9 +941,25 @@ static void part_recv(batch_part *p)
     if (!x)
         return;
     bool healthy = p->healthy;
+    uint64_t set_ms = now_ms();          /* node_get set the timeouts */
     for (size_t k = 0; k < p->nix && healthy; k++) {
         size_t j = p->ix[k];
         redisReply *r = NULL;
+        if (p->deadline) {
+            /* Each reply by the deadline: the socket timeouts shrink with
+             * what is left, reset at most every DL_RESET_MS (a probe reads
+             * hundreds of small replies; two setsockopt calls each would
+             * cost more than the replies), so at most that late. */
+            uint64_t now = now_ms();
+            if (now >= p->deadline) {
+                healthy = false;
+                break;
+            }
+            if (now - set_ms >= DL_RESET_MS) {
+                redisSetTimeout(x, tv_ms(dl_left(p->deadline, rc->io_ms)));
+                set_ms = now;
+            }
+        }
         if (redisGetReply(x, (void **)&r) != REDIS_OK || !r) {
             healthy = false;
             break;
@@ -878,7 +994,7 @@ static size_t batch_run(kvr_rc *rc, size_t n, const kvr_rc_cmd *cmds, redisReply
                         kvr_rc_reply_fn cb, const kvr_rc_sink *sink, void *ud)
 {
     /* One retry budget for the whole batch, not one per command. */
-    uint64_t deadline = now_ms() + (uint64_t)rc->retry_ms;
+    uint64_t deadline = dl_min(now_ms() + (uint64_t)rc->retry_ms, tl_deadline);
     if (n == 0)
         return 0;
     for (size_t i = 0; out && i < n; i++)
@@ -902,7 +1018,8 @@ static size_t batch_run(kvr_rc *rc, size_t n, const kvr_rc_cmd *cmds, redisReply
         }
         if (node[i] >= 0 && k == np)
             parts[np++] = (batch_part){ .rc = rc, .idx = node[i], .cmds = cmds, .done = done,
-                                        .out = out, .cb = cb, .sink = sink, .ud = ud };
+                                        .out = out, .cb = cb, .sink = sink, .ud = ud,
+                                        .deadline = tl_deadline };
     }
     /* Each part's commands, in order, in one array. */
     size_t at = 0;

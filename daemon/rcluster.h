@@ -14,7 +14,8 @@
  *
  * Failures are bounded in time: an operation retries across redirects,
  * CLUSTERDOWN/TRYAGAIN and node failures (a failover) until retry_ms have
- * passed, then fails with KVR_EIO. Nothing here ever blocks forever.
+ * passed, then fails with KVR_EIO. Nothing here ever blocks forever, and a
+ * thread with a deadline (kvr_rc_set_deadline) never past it.
  */
 #ifndef KVR_RCLUSTER_H
 #define KVR_RCLUSTER_H
@@ -121,5 +122,15 @@ size_t kvr_rc_batch_sink(kvr_rc *rc, size_t n, const kvr_rc_cmd *cmds, const kvr
                          void *ud);
 
 void kvr_rc_get_stats(kvr_rc *rc, kvr_rc_stats *out);
+
+/* The calling thread's deadline (CLOCK_MONOTONIC milliseconds, as
+ * kvr_rc_now_ms; 0 = none) for every call it makes until it sets another:
+ * each connection attempt, socket read and write, map refresh and retry
+ * sleep ends by then, so no call returns more than a few milliseconds
+ * after it (the rest fails with KVR_EIO or as a failed command of a
+ * batch). Without one, each step has its own timeout (connect 500 ms, each
+ * reply 5 s) and an operation retries for its budget (3 s). */
+void     kvr_rc_set_deadline(uint64_t deadline_ms);
+uint64_t kvr_rc_now_ms(void);
 
 #endif /* KVR_RCLUSTER_H */

@@ -12,7 +12,11 @@
  * and each value lives in exactly one slot.
  *
  * Values are little-endian (x86-64, as the project), checked by CRC32C and
- * by their own description; see kvr_rt_block_decode for the checks.
+ * by their own description; see kvr_rt_block_decode for the checks. With a
+ * cluster key each value is followed by its MAC (kvr_rt_mac), written by
+ * seal() and checked before anything else: unseal() for values read whole,
+ * the sinks' mac state for values streamed into a put's memory (which is
+ * only committed once every value checked).
  *
  * Threads. Publications run on one publisher thread, in order; finished ones
  * come back to the loop through an async handle (a synchronous put's reply
@@ -28,6 +32,9 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+
+#include <sodium.h>
+#include <sys/stat.h>
 
 #include "daemon/daemon_internal.h"
 #include "daemon/rcluster.h"
@@ -47,6 +54,19 @@ uint32_t kvr_crc32c(uint32_t crc, const void *p, size_t n);
 #define SET_GROUP 16            /* blocks encoded and SET per pipeline, at most */
 #define SET_GROUP_BYTES (32u << 20)   /* and about this many bytes */
 #define REJOIN_MS 1000
+/* Deadlines (docs/cluster.md): a fetch (get or match that asks the
+ * cluster) ends FETCH_MS after the request asked, whatever the cluster
+ * does, plus, once it knows how much K/V it is reading, 1 ms per
+ * SLOW_BYTES_PER_MS of it (a large context is not cut off by a cluster
+ * that answers at 100 MiB/s or more); a publication PUBLISH_MS (+ the same
+ * for its bytes) after it was queued (a share_sync is answered by then);
+ * the queue holds at most PUB_QUEUE_MAX publications and snapshots of at
+ * most a quarter of --max-memory, beyond which a share is dropped (counted)
+ * instead of waiting. */
+#define FETCH_MS 3000
+#define PUBLISH_MS 5000
+#define SLOW_BYTES_PER_MS ((100u << 20) / 1000)
+#define PUB_QUEUE_MAX 32
 
 /* ---- hashing ----------------------------------------------------------- */
 
@@ -115,6 +135,73 @@ static inline void put32(uint8_t *p, uint32_t v) { memcpy(p, &v, 4); }
 static inline void put64(uint8_t *p, uint64_t v) { memcpy(p, &v, 8); }
 static inline uint32_t get32(const uint8_t *p) { uint32_t v; memcpy(&v, p, 4); return v; }
 static inline uint64_t get64(const uint8_t *p) { uint64_t v; memcpy(&v, p, 8); return v; }
+
+/* ---- MACs --------------------------------------------------------------- */
+
+static void mac_begin(crypto_generichash_state *st, const uint8_t *key, const char *rkey,
+                      size_t rklen)
+{
+    uint8_t n[8];
+    put64(n, rklen);
+    crypto_generichash_init(st, key, KVR_RT_KEY_BYTES, KVR_RT_MAC_LEN);
+    crypto_generichash_update(st, n, sizeof n);
+    crypto_generichash_update(st, (const uint8_t *)rkey, rklen);
+}
+
+/* Finishes st and compares with tag in constant time. */
+static bool mac_end_ok(crypto_generichash_state *st, const uint8_t *tag)
+{
+    uint8_t m[KVR_RT_MAC_LEN];
+    crypto_generichash_final(st, m, sizeof m);
+    return sodium_memcmp(m, tag, sizeof m) == 0;
+}
+
+void kvr_rt_mac(const uint8_t key[KVR_RT_KEY_BYTES], const char *rkey, size_t rklen,
+                const uint8_t *v, size_t len, uint8_t out[KVR_RT_MAC_LEN])
+{
+    crypto_generichash_state st;
+    mac_begin(&st, key, rkey, rklen);
+    crypto_generichash_update(&st, v, len);
+    crypto_generichash_final(&st, out, KVR_RT_MAC_LEN);
+}
+
+int kvr_rt_key_read(const char *path, uint8_t key[KVR_RT_KEY_BYTES], kvr_error *err)
+{
+    if (sodium_init() < 0)
+        return kvr_error_set(err, KVR_EINTERNAL, "--remote-key-file: libsodium did not start");
+    FILE *f = fopen(path, "rb");
+    if (!f)
+        return kvr_error_set(err, KVR_EIO, "--remote-key-file %s: %s", path, strerror(errno));
+    struct stat st;
+    if (fstat(fileno(f), &st) != 0 || (st.st_mode & (S_IRWXG | S_IRWXO))) {
+        fclose(f);
+        return kvr_error_set(err, KVR_EINVAL, "--remote-key-file %s can be read or written by "
+                             "others (mode %04o): anyone who reads it can forge the shared "
+                             "tier; chmod 600 it", path, (unsigned)(st.st_mode & 07777));
+    }
+    uint8_t buf[4097];
+    size_t n = fread(buf, 1, sizeof buf, f);
+    bool bad = ferror(f) != 0;
+    fclose(f);
+    int rc = 0;
+    if (bad)
+        rc = kvr_error_set(err, KVR_EIO, "--remote-key-file %s: read error", path);
+    else if (n == sizeof buf)
+        rc = kvr_error_set(err, KVR_EINVAL, "--remote-key-file %s: longer than 4096 bytes", path);
+    if (rc == 0) {
+        if (n > 0 && buf[n - 1] == '\n')
+            n--;
+        if (n > 0 && buf[n - 1] == '\r')
+            n--;
+        if (n < 32)
+            rc = kvr_error_set(err, KVR_EINVAL, "--remote-key-file %s: %zu bytes, at least 32 "
+                               "wanted (e.g. head -c 32 /dev/urandom | base64)", path, n);
+    }
+    if (rc == 0)
+        crypto_generichash(key, KVR_RT_KEY_BYTES, buf, n, NULL, 0);
+    sodium_memzero(buf, sizeof buf);
+    return rc;
+}
 
 static size_t row_bytes(const kvr_rt_desc *d)
 {
@@ -777,6 +864,8 @@ typedef struct pub_job {
     size_t   *starts2;
     kvr_remote_done_fn done;    /* loop thread, when finished (may be NULL) */
     void     *done_arg;
+    uint64_t  deadline_ms;      /* queued + PUBLISH_MS */
+    size_t    bytes;            /* the snapshot's K/V (counted in pending_bytes) */
     int       rc;
     char      msg[512];
 } pub_job;
@@ -791,13 +880,17 @@ struct kvr_remote {
     bool            stop;
     pub_job        *q_head, *q_tail, *done;
     size_t          q_len;
+    size_t          pending_bytes;   /* snapshots queued or being published (mu) */
     uv_async_t      async;
     bool            has_async;
     atomic_bool     joined;
     atomic_uint_fast64_t last_try_ms;
+    bool            keyed;      /* values carry a MAC under key */
+    uint8_t         key[KVR_RT_KEY_BYTES];
     /* metrics */
-    atomic_uint_fast64_t pub_contexts, pub_blocks, pub_skipped, pub_errors;
-    atomic_uint_fast64_t fetch_hits, fetch_misses, fetch_corrupt, fetch_tokens, probes;
+    atomic_uint_fast64_t pub_contexts, pub_blocks, pub_skipped, pub_errors, pub_dropped;
+    atomic_uint_fast64_t fetch_hits, fetch_misses, fetch_corrupt, fetch_forged, fetch_tokens;
+    atomic_uint_fast64_t probes;
     atomic_uint_fast64_t fetch_hist[KVR_METRICS_N_BUCKETS + 1], fetch_ns;
 };
 
@@ -823,6 +916,7 @@ struct kvr_rjob {
     size_t      niov;
     size_t     *starts;
     uint64_t    t0_ns;          /* created (loop), for the fetch histogram */
+    uint64_t    deadline_ms;    /* created + FETCH_MS (kvr_rc_now_ms's clock) */
     bool        worked;         /* reached the cluster (counted when freed) */
 };
 
@@ -856,12 +950,28 @@ static bool tier_up(kvr_remote *r)
     return false;
 }
 
+/* With a cluster key: appends the MAC of the value *v (*len bytes, a
+ * kvr_mem buffer, reallocated) under Redis key rkey. false: out of memory
+ * (*v unchanged). */
+static bool seal(const kvr_remote *r, const char *rkey, size_t rklen, uint8_t **v, size_t *len)
+{
+    if (!r->keyed)
+        return true;
+    uint8_t *n = kvr_mem_realloc(*v, *len + KVR_RT_MAC_LEN);
+    if (!n)
+        return false;
+    kvr_rt_mac(r->key, rkey, rklen, n, *len, n + *len);
+    *v = n;
+    *len += KVR_RT_MAC_LEN;
+    return true;
+}
+
 /* SETs every block's sub-block prefix keys, pipelined. */
 static int publish_subs(kvr_remote *r, const kvr_rt_manifest *m)
 {
     size_t per = KVR_RT_BLOCK / KVR_RT_GRAIN - 1, cap = m->n_blocks * per + 1;
     char (*keys)[KVR_RT_KEY_MAX] = kvr_mem_malloc(cap * KVR_RT_KEY_MAX);
-    uint8_t (*vals)[KVR_RT_SUB_LEN] = kvr_mem_malloc(cap * KVR_RT_SUB_LEN);
+    uint8_t (*vals)[KVR_RT_SUB_LEN + KVR_RT_MAC_LEN] = kvr_mem_malloc(cap * sizeof *vals);
     kvr_rc_cmd *cmds = kvr_mem_malloc(cap * sizeof *cmds);
     const char **argv = kvr_mem_malloc(cap * 3 * sizeof *argv);
     size_t *argl = kvr_mem_malloc(cap * 3 * sizeof *argl);
@@ -878,11 +988,14 @@ static int publish_subs(kvr_remote *r, const kvr_rt_manifest *m)
             uint64_t sub = kvr_rt_chain_next(prev, m->tokens + s, m->positions + s, e);
             argl[3 * k + 1] = kvr_rt_sub_key(sub, keys[k]);
             kvr_rt_sub_encode(&m->desc, m->chains[b], (uint32_t)n, e, vals[k]);
+            if (r->keyed)
+                kvr_rt_mac(r->key, keys[k], argl[3 * k + 1], vals[k], KVR_RT_SUB_LEN,
+                           vals[k] + KVR_RT_SUB_LEN);
             argv[3 * k] = "SET";
             argl[3 * k] = 3;
             argv[3 * k + 1] = keys[k];
             argv[3 * k + 2] = (const char *)vals[k];
-            argl[3 * k + 2] = KVR_RT_SUB_LEN;
+            argl[3 * k + 2] = KVR_RT_SUB_LEN + (r->keyed ? KVR_RT_MAC_LEN : 0);
             cmds[k] = (kvr_rc_cmd){ 3, argv + 3 * k, argl + 3 * k };
         }
     }
@@ -1005,6 +1118,10 @@ static void publish_one(kvr_remote *r, pub_job *j)
                                       m->positions + s, n, &wsrc, m->n_tokens - wbase, &vlen[k])
                         : encode_from(&m->desc, m->chains[b], s, m->tokens + s,
                                       m->positions + s, n, &src, m->n_tokens, &vlen[k]);
+            if (vals[k] && !seal(r, keys[b], klen[b], &vals[k], &vlen[k])) {
+                kvr_mem_free(vals[k]);
+                vals[k] = NULL;
+            }
             if (!vals[k]) {
                 failed++;
                 continue;
@@ -1046,14 +1163,18 @@ static void publish_one(kvr_remote *r, pub_job *j)
     /* The manifest last: whoever finds it finds its blocks (unless Redis
      * evicted them since, which is a miss). */
     size_t ml;
+    char mk[KVR_RT_KEY_MAX];
+    size_t mkl = kvr_rt_manifest_key(m->ctx_id, mk);
     uint8_t *mv = kvr_rt_manifest_encode(m, &ml);
+    if (mv && !seal(r, mk, mkl, &mv, &ml)) {
+        kvr_mem_free(mv);
+        mv = NULL;
+    }
     if (!mv) {
         j->rc = KVR_ENOMEM;
         snprintf(j->msg, sizeof j->msg, "remote tier: out of memory publishing");
         goto out;
     }
-    char mk[KVR_RT_KEY_MAX];
-    size_t mkl = kvr_rt_manifest_key(m->ctx_id, mk);
     const char *sv[] = { "SET", mk, (const char *)mv };
     size_t sl[] = { 3, mkl, ml };
     redisReply *x;
@@ -1094,7 +1215,9 @@ static void *publisher(void *arg)
                 pthread_cond_timedwait(&r->cv, &r->mu, &ts);
                 if (!r->stop && !r->q_head) {
                     pthread_mutex_unlock(&r->mu);
+                    kvr_rc_set_deadline(kvr_rc_now_ms() + FETCH_MS);
                     tier_up(r);
+                    kvr_rc_set_deadline(0);
                     pthread_mutex_lock(&r->mu);
                 }
             } else {
@@ -1109,7 +1232,18 @@ static void *publisher(void *arg)
             r->q_tail = NULL;
         r->q_len--;
         pthread_mutex_unlock(&r->mu);
-        publish_one(r, j);
+        /* Everything it does ends by its deadline, so whatever waits behind
+         * it is answered by its own. */
+        if (kvr_rc_now_ms() >= j->deadline_ms) {
+            j->rc = KVR_EIO;
+            snprintf(j->msg, sizeof j->msg, "remote tier: '%.200s' was not published within "
+                     "%d ms of its share (the cluster is slow or hung)", j->m.ctx_id, PUBLISH_MS);
+            atomic_fetch_add(&r->pub_errors, 1);
+        } else {
+            kvr_rc_set_deadline(j->deadline_ms);
+            publish_one(r, j);
+            kvr_rc_set_deadline(0);
+        }
         pthread_mutex_lock(&r->mu);
         j->next = r->done;
         r->done = j;
@@ -1123,7 +1257,9 @@ static void *publisher(void *arg)
 
 static void job_finish(kvr_remote *r, pub_job *j)
 {
-    (void)r;
+    pthread_mutex_lock(&r->mu);
+    r->pending_bytes -= j->bytes;
+    pthread_mutex_unlock(&r->mu);
     if (j->rc < 0)
         kvr_log(KVR_LOG_WARN, "%s", j->msg);
     if (j->done)
@@ -1202,18 +1338,35 @@ int kvr_remote_create(kvr_remote **out, kvr_daemon *d, kvr_error *err)
     if (!r)
         return kvr_error_set(err, KVR_ENOMEM, "remote tier: out of memory");
     r->d = d;
+    if (cfg->remote_key_file[0]) {
+        if ((rc = kvr_rt_key_read(cfg->remote_key_file, r->key, err)) < 0) {
+            kvr_mem_free(r);
+            return rc;
+        }
+        r->keyed = true;
+        kvr_log(KVR_LOG_INFO, "remote tier: every value carries a keyed BLAKE2b MAC "
+                "(--remote-key-file %s)", cfg->remote_key_file);
+    } else {
+        kvr_log(KVR_LOG_WARN, "remote tier: no --remote-key-file: values are not "
+                "authenticated, so the shared tier trusts everyone who can write to the "
+                "cluster (docs/cluster.md)");
+    }
     rc = kvr_rc_create(&r->rc, &(kvr_rc_config){ .seeds = cfg->remote_tier, .user = user,
                                                  .password = pass }, err);
     memset(pass, 0, sizeof pass);
     if (rc < 0) {
+        sodium_memzero(r->key, sizeof r->key);
         kvr_mem_free(r);
         return rc;
     }
     kvr_error e = { 0 };
+    kvr_rc_set_deadline(kvr_rc_now_ms() + FETCH_MS);    /* start-up waits no longer */
     rc = kvr_rc_refresh(r->rc, &e);
+    kvr_rc_set_deadline(0);
     if (rc == KVR_EUNAUTH) {
         kvr_error_set(err, KVR_EUNAUTH, "remote tier: %s (check --remote-auth-file)", e.msg);
         kvr_rc_destroy(r->rc);
+        sodium_memzero(r->key, sizeof r->key);
         kvr_mem_free(r);
         return KVR_EUNAUTH;
     }
@@ -1286,6 +1439,7 @@ void kvr_remote_destroy(kvr_remote *r)
     kvr_rc_destroy(r->rc);
     pthread_mutex_destroy(&r->mu);
     pthread_cond_destroy(&r->cv);
+    sodium_memzero(r->key, sizeof r->key);
     kvr_mem_free(r);
 }
 
@@ -1328,6 +1482,18 @@ int kvr_remote_publish(kvr_remote *r, const char *ctx_id, kvr_remote_done_fn don
         dt = mi.dtype;               /* the window's */
     if (ci.n_tokens == 0)
         return kvr_error_set(err, KVR_EINVAL, "share: '%s' is empty", ctx_id);
+    /* A bounded queue: a share that would wait behind too many (or hold
+     * too much memory leased while it waits) is dropped, counted. */
+    uint64_t cap = r->d->cfg.max_memory;
+    pthread_mutex_lock(&r->mu);
+    size_t ql = r->q_len, qb = r->pending_bytes;
+    pthread_mutex_unlock(&r->mu);
+    if (ql >= PUB_QUEUE_MAX || (cap && qb + ci.kv_bytes > cap / 4)) {
+        atomic_fetch_add(&r->pub_dropped, 1);
+        return kvr_error_set(err, KVR_EBUSY, "share: the publish queue is full (%zu "
+                             "publications, %zu bytes waiting: the cluster is slow or hung); "
+                             "'%s' is not published", ql, qb, ctx_id);
+    }
     if (ci.n_pending)
         return kvr_error_set(err, KVR_EPENDING, "share: '%s' has %zu tokens without KV "
                              "(refresh them first)", ctx_id, ci.n_pending);
@@ -1440,7 +1606,10 @@ int kvr_remote_publish(kvr_remote *r, const char *ctx_id, kvr_remote_done_fn don
     j->m.n_protected = ci.n_protected;
     j->done = done;
     j->done_arg = arg;
+    j->deadline_ms = kvr_rc_now_ms() + PUBLISH_MS + ci.kv_bytes / SLOW_BYTES_PER_MS;
+    j->bytes = ci.kv_bytes;
     pthread_mutex_lock(&r->mu);
+    r->pending_bytes += j->bytes;
     if (r->q_tail)
         r->q_tail->next = j;
     else
@@ -1465,6 +1634,7 @@ kvr_rjob *kvr_remote_job_get(kvr_remote *r, const char *ctx_id)
         return NULL;
     j->r = r;
     j->by_id = true;
+    j->deadline_ms = kvr_rc_now_ms() + FETCH_MS;
     snprintf(j->ctx_id, sizeof j->ctx_id, "%s", ctx_id);
     return j;
 }
@@ -1483,6 +1653,7 @@ kvr_rjob *kvr_remote_job_prefix(kvr_remote *r, const char *model, const uint32_t
     if (!j)
         return NULL;
     j->r = r;
+    j->deadline_ms = kvr_rc_now_ms() + FETCH_MS;
     snprintf(j->model, sizeof j->model, "%s", mi.name);
     /* Contexts of the model's own dtype are the ones we look for. */
     j->desc = (kvr_rt_desc){ mi.fingerprint, mi.n_layers, mi.n_kv_heads, mi.head_dim,
@@ -1520,18 +1691,117 @@ static void miss(kvr_rjob *j, bool corrupt, const char *why)
         kvr_log(KVR_LOG_DEBUG, "remote tier: miss: %s", why);
 }
 
-static redisReply *get_one(kvr_rc *rc, const char *key, size_t klen)
+static void forged(kvr_rjob *j, const char *rkey)
 {
-    const char *argv[] = { "GET", key };
-    size_t argl[] = { 3, klen };
+    atomic_fetch_add(&j->r->fetch_forged, 1);
+    kvr_log(KVR_LOG_WARN, "remote tier: %s: its MAC is not this cluster key's (forged, or "
+            "written by a node with another key): treated as a miss", rkey);
+}
+
+/* The length of reply x's value under Redis key rkey without its MAC: true
+ * if the MAC verifies (or no key is configured), false (a forgery, counted)
+ * if not. */
+static bool unseal(kvr_rjob *j, const char *rkey, size_t rklen, const redisReply *x,
+                   size_t *len)
+{
+    kvr_remote *r = j->r;
+    *len = x->len;
+    if (!r->keyed)
+        return true;
+    if (x->len >= KVR_RT_MAC_LEN) {
+        uint8_t m[KVR_RT_MAC_LEN];
+        *len = x->len - KVR_RT_MAC_LEN;
+        kvr_rt_mac(r->key, rkey, rklen, (const uint8_t *)x->str, *len, m);
+        if (sodium_memcmp(m, x->str + *len, KVR_RT_MAC_LEN) == 0)
+            return true;
+    }
+    forged(j, rkey);
+    return false;
+}
+
+/* Every value is read with GETRANGE key 0 max, max the longest a good
+ * value can be (known before it is asked for: from the key's kind, the
+ * block's length, or a manifest's header), so Redis sends at most max + 1
+ * bytes and a huge value under a key is refused without being read
+ * (hiredis's buffers hold at most that). GETRANGE of a missing key is an
+ * empty string: a miss like nil. */
+typedef struct range_arg {
+    char end[24];
+} range_arg;
+
+static size_t range_set(range_arg *a, size_t max, const char **argv, size_t *argl,
+                        const char *key, size_t klen)
+{
+    argv[0] = "GETRANGE";
+    argl[0] = 8;
+    argv[1] = key;
+    argl[1] = klen;
+    argv[2] = "0";
+    argl[2] = 1;
+    argv[3] = a->end;
+    argl[3] = (size_t)snprintf(a->end, sizeof a->end, "%zu", max);
+    return 4;
+}
+
+/* The value under key if it has 1..max bytes; NULL if it is missing, the
+ * command failed, or it is longer (*too_long, when not NULL). */
+static redisReply *get_bounded(kvr_rc *rc, const char *key, size_t klen, size_t max,
+                               bool *too_long)
+{
+    const char *argv[4];
+    size_t argl[4];
+    range_arg ra;
+    range_set(&ra, max, argv, argl, key, klen);
+    if (too_long)
+        *too_long = false;
     redisReply *x;
-    if (kvr_rc_command(rc, 2, argv, argl, &x, NULL) < 0)
+    if (kvr_rc_command(rc, 4, argv, argl, &x, NULL) < 0)
         return NULL;
-    if (x->type != REDIS_REPLY_STRING) {
+    if (x->type != REDIS_REPLY_STRING || x->len == 0 || x->len > max) {
+        if (too_long && x->type == REDIS_REPLY_STRING && x->len > max)
+            *too_long = true;
         freeReplyObject(x);
         return NULL;
     }
     return x;
+}
+
+/* The first n bytes of the value under key (a reply of 1..n bytes: fewer
+ * if the value is shorter), or NULL: missing, or the command failed. */
+static redisReply *get_head(kvr_rc *rc, const char *key, size_t klen, size_t n)
+{
+    const char *argv[4];
+    size_t argl[4];
+    range_arg ra;
+    range_set(&ra, n - 1, argv, argl, key, klen);
+    redisReply *x;
+    if (kvr_rc_command(rc, 4, argv, argl, &x, NULL) < 0)
+        return NULL;
+    if (x->type != REDIS_REPLY_STRING || x->len == 0 || x->len > n) {
+        freeReplyObject(x);
+        return NULL;
+    }
+    return x;
+}
+
+/* The longest a manifest whose header is h (MANIFEST_HDR bytes) can be,
+ * MAC included; 0 if the header is not a manifest's or names more tokens
+ * than fit the bound below. A manifest is 20 bytes a token: the one of a
+ * context whose KV could never fit under --max-memory is refused, and no
+ * manifest above a sixteenth of the cap is read (docs/cluster.md). */
+static size_t manifest_max(const kvr_remote *r, const uint8_t *h)
+{
+    if (memcmp(h, MANIFEST_MAGIC, 4) != 0)
+        return 0;
+    uint64_t nt = get64(h + 40), nb = get64(h + 48);
+    if (nt > MAX_TOKENS || nb > nt)
+        return 0;
+    size_t max = MANIFEST_HDR + nb * 8 + nt * 20 + LAYOUT_FIXED + KVR_MAX_GROUPS * GROUP_REC +
+                 QUANT_SEC + 4 + (r->keyed ? KVR_RT_MAC_LEN : 0);
+    uint64_t cap = r->d->cfg.max_memory;
+    if (cap && max > cap / 16)
+        return 0;
+    return max;
 }
 
 /* What fetch_blocks checks each block against, and each block's state
@@ -1541,12 +1811,15 @@ static redisReply *get_one(kvr_rc *rc, const char *key, size_t klen)
 #define HDR_MAX (BLOCK_HDR + KVR_RT_BLOCK * 12)
 
 typedef struct blk_state {
-    size_t   want_len;          /* the exact length a good value has */
-    size_t   got_len;           /* the reply's length */
+    crypto_generichash_state mac;   /* keyed: over [0, want_len) as it arrives */
+    size_t   want_len;          /* the exact length a good value has (its MAC apart) */
+    size_t   got_len;           /* the reply's length, its MAC apart */
+    size_t   raw_len;           /* the reply's length */
     uint32_t crc;
     bool     sized;             /* got_len == want_len: bytes go to hdr/dst */
     uint8_t  hdr[HDR_MAX];
     uint8_t  tail[4];
+    uint8_t  tag[KVR_RT_MAC_LEN];
 } blk_state;
 
 typedef struct fetch_ctx {
@@ -1573,12 +1846,17 @@ static bool blk_begin(void *ud, size_t b, size_t len)
     fetch_ctx *f = ud;
     blk_state *st = &f->st[b];
     size_t n = blk_tokens(f, b);
+    const kvr_remote *r = f->j->r;
+    size_t ml = r->keyed ? KVR_RT_MAC_LEN : 0;
     st->want_len = BLOCK_HDR + n * 12 + kv_bytes(&f->j->desc, n) + 4;
-    st->got_len = len;
+    st->raw_len = len;
+    st->got_len = len >= ml ? len - ml : len;
     st->crc = 0;
-    st->sized = len == st->want_len;
+    st->sized = len >= ml && st->got_len == st->want_len;
+    if (st->sized && ml)
+        mac_begin(&st->mac, r->key, f->keys[b], strlen(f->keys[b]));
     memset(st->hdr, 0, BLOCK_HDR);
-    return true;     /* a wrong size is still read (whole, dropped): the CRC is not needed */
+    return true;     /* a wrong size is still read (up to its GETRANGE bound) and dropped */
 }
 
 /* Value offset -> where it goes: hdr, the destination (one layer side's
@@ -1591,6 +1869,10 @@ static uint8_t *blk_span(void *ud, size_t b, size_t off, size_t *cap)
         return NULL;
     size_t n = blk_tokens(f, b), hl = BLOCK_HDR + n * 12, seg = n * f->row;
     size_t kv = st->want_len - hl - 4;
+    if (off >= st->want_len) {         /* its MAC */
+        *cap = st->want_len + KVR_RT_MAC_LEN - off;
+        return st->tag + (off - st->want_len);
+    }
     if (off < hl) {
         *cap = hl - off;
         return st->hdr + off;
@@ -1622,7 +1904,11 @@ static void blk_got(void *ud, size_t b, size_t off, const uint8_t *p, size_t n)
 {
     fetch_ctx *f = ud;
     blk_state *st = &f->st[b];
-    if (!st->sized || off >= st->want_len - 4)
+    if (!st->sized || off >= st->want_len)
+        return;
+    if (f->j->r->keyed)
+        crypto_generichash_update(&st->mac, p, st->want_len - off < n ? st->want_len - off : n);
+    if (off >= st->want_len - 4)
         return;
     size_t take = st->want_len - 4 - off < n ? st->want_len - 4 - off : n;
     st->crc = kvr_crc32c(st->crc, p, take);
@@ -1632,10 +1918,15 @@ static bool blk_end(void *ud, size_t b, bool is_string)
 {
     fetch_ctx *f = ud;
     f->good[b] = false;
-    if (!is_string)
-        return false;            /* missing: counted once by fetch_blocks */
     blk_state *st = &f->st[b];
+    if (!is_string || st->raw_len == 0)
+        return false;            /* missing: counted once by fetch_blocks */
     size_t s = b * KVR_RT_BLOCK, n = blk_tokens(f, b);
+    if (f->j->r->keyed && (st->sized ? !mac_end_ok(&st->mac, st->tag)
+                                     : st->raw_len == st->want_len)) {
+        forged(f->j, f->keys[b]);     /* a wrong MAC, or a good value without one */
+        return false;
+    }
     kvr_error e = { 0 };
     bool crc_ok = st->sized && st->crc == get32(st->tail);
     uint8_t small[BLOCK_HDR];
@@ -1668,19 +1959,21 @@ static size_t fetch_blocks(kvr_rjob *j, const uint64_t *chains, size_t nb, size_
     kvr_remote *r = j->r;
     char (*keys)[KVR_RT_KEY_MAX] = kvr_mem_malloc(nb * KVR_RT_KEY_MAX + 1);
     kvr_rc_cmd *cmds = kvr_mem_malloc(nb * sizeof *cmds + 1);
-    const char **argv = kvr_mem_malloc(nb * 2 * sizeof *argv + 1);
-    size_t *argl = kvr_mem_malloc(nb * 2 * sizeof *argl + 1);
+    const char **argv = kvr_mem_malloc(nb * 4 * sizeof *argv + 1);
+    size_t *argl = kvr_mem_malloc(nb * 4 * sizeof *argl + 1);
+    range_arg *ra = kvr_mem_malloc(nb * sizeof *ra + 1);
     bool *good = kvr_mem_calloc(nb + 1, sizeof *good);
     blk_state *st = kvr_mem_malloc(nb * sizeof *st + 1);
     size_t n_good = 0;
-    if (!keys || !cmds || !argv || !argl || !good || !st)
+    if (!keys || !cmds || !argv || !argl || !ra || !good || !st)
         goto out;
+    size_t ml = r->keyed ? KVR_RT_MAC_LEN : 0;
     for (size_t b = 0; b < nb; b++) {
-        argv[2 * b] = "GET";
-        argl[2 * b] = 3;
-        argl[2 * b + 1] = kvr_rt_block_key(chains[b], keys[b]);
-        argv[2 * b + 1] = keys[b];
-        cmds[b] = (kvr_rc_cmd){ 2, argv + 2 * b, argl + 2 * b };
+        size_t s = b * KVR_RT_BLOCK, n = n_ctx - s < KVR_RT_BLOCK ? n_ctx - s : KVR_RT_BLOCK;
+        size_t kl = kvr_rt_block_key(chains[b], keys[b]);
+        range_set(&ra[b], BLOCK_HDR + n * 12 + kv_bytes(&j->desc, n) + 4 + ml, argv + 4 * b,
+                  argl + 4 * b, keys[b], kl);
+        cmds[b] = (kvr_rc_cmd){ 4, argv + 4 * b, argl + 4 * b };
     }
     fetch_ctx f = { j, chains, n_ctx, tokens, pos, keys, good, st, row_bytes(&j->desc),
                     { .flat = j->put ? NULL : j->payload, .iov = j->iov, .niov = j->niov,
@@ -1695,6 +1988,7 @@ out:
     kvr_mem_free(cmds);
     kvr_mem_free(argv);
     kvr_mem_free(argl);
+    kvr_mem_free(ra);
     kvr_mem_free(good);
     kvr_mem_free(st);
     return n_good;
@@ -1705,6 +1999,9 @@ out:
  * n_raw tokens), the window's plain blocks after it. */
 typedef struct qfetch {
     kvr_rjob  *j;
+    crypto_generichash_state *mac;   /* keyed: per chunk, as in blk_state */
+    uint8_t  (*tag)[KVR_RT_MAC_LEN];
+    size_t    *raw_len;
     size_t     nch, hmax;
     uint8_t   *base;             /* the raw put's payload */
     uint8_t   *hdr;              /* nch * hmax: each chunk's header, tokens, positions */
@@ -1724,8 +2021,13 @@ static bool q_begin(void *ud, size_t i, size_t len)
     size_t s, n;
     bool ch;
     kvr_rt_manifest_block(&q->j->m, i, &s, &n, &ch);
-    q->got_len[i] = len;
-    q->sized[i] = len == chunk_len(&q->j->m, n);
+    const kvr_remote *r = q->j->r;
+    size_t ml = r->keyed ? KVR_RT_MAC_LEN : 0;
+    q->raw_len[i] = len;
+    q->got_len[i] = len >= ml ? len - ml : len;
+    q->sized[i] = len >= ml && q->got_len[i] == chunk_len(&q->j->m, n);
+    if (q->sized[i] && ml)
+        mac_begin(&q->mac[i], r->key, q->keys[i], strlen(q->keys[i]));
     q->crc[i] = 0;
     memset(q->hdr + i * q->hmax, 0, CHUNK_HDR);
     return true;
@@ -1744,6 +2046,10 @@ static uint8_t *q_span(void *ud, size_t i, size_t off, size_t *cap)
     kvr_rt_manifest_block(m, i, &s, &n, &ch);
     size_t hl = CHUNK_HDR + n * 12, kb = chunk_kb(m, n), vb = chunk_vb(m, n);
     size_t body = m->desc.n_layers * (kb + vb);
+    if (off >= hl + body + 4) {        /* its MAC */
+        *cap = hl + body + 4 + KVR_RT_MAC_LEN - off;
+        return q->tag[i] + (off - hl - body - 4);
+    }
     if (off < hl) {
         *cap = hl - off;
         return q->hdr + i * q->hmax + off;
@@ -1769,7 +2075,11 @@ static void q_got(void *ud, size_t i, size_t off, const uint8_t *p, size_t n)
         return;
     }
     size_t len = q->got_len[i];
-    if (!q->sized[i] || off >= len - 4)
+    if (!q->sized[i] || off >= len)
+        return;
+    if (q->j->r->keyed)
+        crypto_generichash_update(&q->mac[i], p, len - off < n ? len - off : n);
+    if (off >= len - 4)
         return;
     size_t take = len - 4 - off < n ? len - 4 - off : n;
     q->crc[i] = kvr_crc32c(q->crc[i], p, take);
@@ -1781,8 +2091,16 @@ static bool q_end(void *ud, size_t i, bool is_string)
     if (i >= q->nch)
         return blk_end(&q->w, i - q->nch, is_string);
     q->good[i] = false;
-    if (!is_string)
+    if (!is_string || q->raw_len[i] == 0)
         return false;
+    size_t cs, cn;
+    bool cch;
+    kvr_rt_manifest_block(&q->j->m, i, &cs, &cn, &cch);
+    if (q->j->r->keyed && (q->sized[i] ? !mac_end_ok(&q->mac[i], q->tag[i])
+                                       : q->raw_len[i] == chunk_len(&q->j->m, cn))) {
+        forged(q->j, q->keys[i]);     /* a wrong MAC, or a good value without one */
+        return false;
+    }
     kvr_error e = { 0 };
     bool crc_ok = q->sized[i] && q->crc[i] == get32(q->tail[i]);
     uint8_t small[CHUNK_HDR] = { 0 };
@@ -1817,25 +2135,32 @@ static bool fetch_quant(kvr_rjob *j, uint8_t *base)
     q.tail = kvr_mem_malloc(nch * 4 + 1);
     q.crc = kvr_mem_malloc(nch * 4 + 1);
     q.got_len = kvr_mem_malloc(nch * sizeof *q.got_len + 1);
+    q.raw_len = kvr_mem_malloc(nch * sizeof *q.raw_len + 1);
+    q.mac = kvr_mem_malloc(nch * sizeof *q.mac + 1);
+    q.tag = kvr_mem_malloc(nch * sizeof *q.tag + 1);
     q.sized = kvr_mem_calloc(nch + 1, 1);
     q.good = kvr_mem_calloc(nch + 1, 1);
     q.keys = kvr_mem_malloc(nb * KVR_RT_KEY_MAX + 1);
     kvr_rc_cmd *cmds = kvr_mem_malloc(nb * sizeof *cmds + 1);
-    const char **argv = kvr_mem_malloc(nb * 2 * sizeof *argv + 1);
-    size_t *argl = kvr_mem_malloc(nb * 2 * sizeof *argl + 1);
+    const char **argv = kvr_mem_malloc(nb * 4 * sizeof *argv + 1);
+    size_t *argl = kvr_mem_malloc(nb * 4 * sizeof *argl + 1);
+    range_arg *ra = kvr_mem_malloc(nb * sizeof *ra + 1);
     bool *wgood = kvr_mem_calloc(nwb + 1, 1);
     blk_state *wst = kvr_mem_malloc(nwb * sizeof *wst + 1);
     bool all = false;
-    if (!q.hdr || !q.tail || !q.crc || !q.got_len || !q.sized || !q.good || !q.keys || !cmds ||
-        !argv || !argl || !wgood || !wst)
+    if (!q.hdr || !q.tail || !q.crc || !q.got_len || !q.raw_len || !q.mac || !q.tag ||
+        !q.sized || !q.good || !q.keys || !cmds || !argv || !argl || !ra || !wgood || !wst)
         goto out;
+    size_t ml = r->keyed ? KVR_RT_MAC_LEN : 0;
     for (size_t b = 0; b < nb; b++) {
-        argv[2 * b] = "GET";
-        argl[2 * b] = 3;
-        argl[2 * b + 1] = b < nch ? kvr_rt_chunk_key(m->chains[b], q.keys[b])
-                                  : kvr_rt_block_key(m->chains[b], q.keys[b]);
-        argv[2 * b + 1] = q.keys[b];
-        cmds[b] = (kvr_rc_cmd){ 2, argv + 2 * b, argl + 2 * b };
+        size_t s, n;
+        bool ch;
+        kvr_rt_manifest_block(m, b, &s, &n, &ch);
+        size_t kl = b < nch ? kvr_rt_chunk_key(m->chains[b], q.keys[b])
+                            : kvr_rt_block_key(m->chains[b], q.keys[b]);
+        size_t want = b < nch ? chunk_len(m, n) : BLOCK_HDR + n * 12 + kv_bytes(&j->desc, n) + 4;
+        range_set(&ra[b], want + ml, argv + 4 * b, argl + 4 * b, q.keys[b], kl);
+        cmds[b] = (kvr_rc_cmd){ 4, argv + 4 * b, argl + 4 * b };
     }
     q.w = (fetch_ctx){ j, m->chains + nch, nw, m->tokens + m->n_raw, m->positions + m->n_raw,
                        q.keys + nch, wgood, wst, row_bytes(&j->desc),
@@ -1853,12 +2178,16 @@ out:
     kvr_mem_free(q.tail);
     kvr_mem_free(q.crc);
     kvr_mem_free(q.got_len);
+    kvr_mem_free(q.raw_len);
+    kvr_mem_free(q.mac);
+    kvr_mem_free(q.tag);
     kvr_mem_free(q.sized);
     kvr_mem_free(q.good);
     kvr_mem_free(q.keys);
     kvr_mem_free(cmds);
     kvr_mem_free(argv);
     kvr_mem_free(argl);
+    kvr_mem_free(ra);
     kvr_mem_free(wgood);
     kvr_mem_free(wst);
     return all;
@@ -1880,13 +2209,40 @@ static void work_by_id(kvr_rjob *j)
     }
     char mk[KVR_RT_KEY_MAX];
     size_t mkl = kvr_rt_manifest_key(j->ctx_id, mk);
-    redisReply *x = get_one(r->rc, mk, mkl);
+    /* Its header first: what it says bounds what is read of the rest. */
+    bool too_long = false;
+    redisReply *x = get_head(r->rc, mk, mkl, MANIFEST_HDR);
+    size_t mmax = x && x->len == MANIFEST_HDR ? manifest_max(r, (const uint8_t *)x->str) : 0;
+    if (x && mmax == 0) {
+        freeReplyObject(x);
+        char why[200];
+        snprintf(why, sizeof why, "%s: not a manifest, or one larger than this node takes "
+                 "(docs/cluster.md)", mk);
+        miss(j, true, why);
+        return;
+    }
+    if (x) {
+        freeReplyObject(x);
+        x = get_bounded(r->rc, mk, mkl, mmax, &too_long);
+    }
     if (!x) {
-        miss(j, false, "no manifest");
+        if (too_long) {
+            char why[200];
+            snprintf(why, sizeof why, "%s: longer than its header says (not read)", mk);
+            miss(j, true, why);
+        } else {
+            miss(j, false, "no manifest");
+        }
+        return;
+    }
+    size_t vl;
+    if (!unseal(j, mk, mkl, x, &vl)) {
+        freeReplyObject(x);
+        miss(j, false, "a manifest without this cluster's MAC");
         return;
     }
     kvr_error e = { 0 };
-    int rc = kvr_rt_manifest_decode((const uint8_t *)x->str, x->len, j->ctx_id, &j->m, &e);
+    int rc = kvr_rt_manifest_decode((const uint8_t *)x->str, vl, j->ctx_id, &j->m, &e);
     freeReplyObject(x);
     if (rc < 0) {
         char why[400];
@@ -2017,6 +2373,7 @@ static void work_prefix(kvr_rjob *j)
     j->payload = kvr_mem_malloc(kv_bytes(&j->desc, len));
     if (!j->payload)
         goto out;
+    kvr_rc_set_deadline(j->deadline_ms + kv_bytes(&j->desc, len) / SLOW_BYTES_PER_MS);
     /* The whole blocks, and a shorter last block, straight into the payload. */
     bool tail_block = best >= 0 && !f->sub[best];
     if (tail_block)
@@ -2030,23 +2387,33 @@ static void work_prefix(kvr_rjob *j)
         size_t s0 = run * KVR_RT_BLOCK;
         char vk[KVR_RT_KEY_MAX];
         size_t vkl = kvr_rt_sub_key(f->chain[best], vk);
-        redisReply *x = get_one(r->rc, vk, vkl);
+        size_t ml = r->keyed ? KVR_RT_MAC_LEN : 0;
+        redisReply *x = get_bounded(r->rc, vk, vkl, KVR_RT_SUB_LEN + ml, NULL);
         uint64_t bchain = 0;
         uint32_t bn = 0;
         kvr_error e = { 0 };
-        int rc = x ? kvr_rt_sub_decode((const uint8_t *)x->str, x->len, &j->desc, (uint32_t)extra,
-                                       &bchain, &bn, &e)
-                   : kvr_error_set(&e, KVR_EIO, "%s: gone", vk);
+        size_t vl = 0;
+        bool sealed = true;
+        int rc = !x ? kvr_error_set(&e, KVR_EIO, "%s: gone", vk)
+               : !(sealed = unseal(j, vk, vkl, x, &vl))
+                   ? kvr_error_set(&e, KVR_EIO, "%s: MAC mismatch", vk)
+                   : kvr_rt_sub_decode((const uint8_t *)x->str, vl, &j->desc, (uint32_t)extra,
+                                       &bchain, &bn, &e);
         if (x)
             freeReplyObject(x);
         if (rc == 0) {
             char bk[KVR_RT_KEY_MAX];
             size_t bkl = kvr_rt_block_key(bchain, bk);
-            x = get_one(r->rc, bk, bkl);
-            rc = x ? decode_head((const uint8_t *)x->str, x->len, &j->desc,
+            x = bn <= KVR_RT_BLOCK
+                    ? get_bounded(r->rc, bk, bkl, BLOCK_HDR + bn * 12 + kv_bytes(&j->desc, bn) +
+                                  4 + ml, NULL)
+                    : NULL;
+            rc = !x ? kvr_error_set(&e, KVR_EIO, "%s: gone", bk)
+               : !(sealed = unseal(j, bk, bkl, x, &vl))
+                   ? kvr_error_set(&e, KVR_EIO, "%s: MAC mismatch", bk)
+                   : decode_head((const uint8_t *)x->str, vl, &j->desc,
                                  run ? chains[run - 1] : seed, bchain, s0, bn, j->prompt + s0,
-                                 pos + s0, extra, j->payload, len, &e)
-                   : kvr_error_set(&e, KVR_EIO, "%s: gone", bk);
+                                 pos + s0, extra, j->payload, len, &e);
             if (x)
                 freeReplyObject(x);
         }
@@ -2054,7 +2421,7 @@ static void work_prefix(kvr_rjob *j)
             char why[400];
             snprintf(why, sizeof why, "%s: %s", vk, e.msg);
             bool evicted = strstr(e.msg, ": gone") != NULL;
-            miss(j, !evicted, why);
+            miss(j, !evicted && sealed, why);    /* a forgery is counted as such */
             glen = s0;
         }
     }
@@ -2095,15 +2462,22 @@ out:
 
 void kvr_remote_job_work(kvr_rjob *j)
 {
-    if (!tier_up(j->r)) {
-        miss(j, false, "the cluster is unreachable");
+    /* The whole fetch (both phases of a get) ends by its deadline. */
+    if (kvr_rc_now_ms() >= j->deadline_ms) {
+        miss(j, false, "the fetch deadline passed (the cluster is slow or hung)");
         return;
     }
-    j->worked = true;
-    if (j->by_id)
-        work_by_id(j);
-    else
-        work_prefix(j);
+    kvr_rc_set_deadline(j->deadline_ms);
+    if (!tier_up(j->r)) {
+        miss(j, false, "the cluster is unreachable");
+    } else {
+        j->worked = true;
+        if (j->by_id)
+            work_by_id(j);
+        else
+            work_prefix(j);
+    }
+    kvr_rc_set_deadline(0);
 }
 
 /* A local model for the fetched data: the named one if its fingerprint
@@ -2192,8 +2566,20 @@ int kvr_remote_job_land(kvr_rjob *j)
         miss(j, true, "the fetched shape differs from the local model's");
         return KVR_ENOCTX;
     }
-    if (j->by_id)
+    if (j->by_id) {
         j->n_tokens = j->m.n_tokens;
+        /* Every field of the manifest's layout passes the checks of the
+         * verb that would set it here, before anything is stored. */
+        kvr_error le = { 0 };
+        if (kvr_layout_info_check(&j->m.layout, j->ctx_id, mi.fingerprint, j->m.groups,
+                                  j->m.flags, j->m.n_tokens, &le) < 0) {
+            char why[600];
+            snprintf(why, sizeof why, "manifest of '%.200s': bad layout: %.300s", j->ctx_id,
+                     le.msg);
+            miss(j, true, why);
+            return KVR_ENOCTX;
+        }
+    }
     kvr_put_params pp = {
         .ctx_id = j->ctx_id,
         .model = mi.name,
@@ -2250,6 +2636,8 @@ int kvr_remote_job_land(kvr_rjob *j)
         j->iov = iov;
         j->niov = niov;
         j->phase = 1;
+        /* The blocks get a deadline of their own, by their size. */
+        j->deadline_ms = kvr_rc_now_ms() + FETCH_MS + want / SLOW_BYTES_PER_MS;
         return 1;
     }
     size_t off = 0;
@@ -2270,9 +2658,11 @@ void kvr_remote_get_stats(kvr_remote *r, kvr_remote_stats *o)
     o->pub_blocks = atomic_load(&r->pub_blocks);
     o->pub_skipped = atomic_load(&r->pub_skipped);
     o->pub_errors = atomic_load(&r->pub_errors);
+    o->pub_dropped = atomic_load(&r->pub_dropped);
     o->fetch_hits = atomic_load(&r->fetch_hits);
     o->fetch_misses = atomic_load(&r->fetch_misses);
     o->fetch_corrupt = atomic_load(&r->fetch_corrupt);
+    o->fetch_forged = atomic_load(&r->fetch_forged);
     o->fetch_tokens = atomic_load(&r->fetch_tokens);
     o->probes = atomic_load(&r->probes);
     o->moved = st.moved;
@@ -2294,9 +2684,11 @@ size_t kvr_remote_metrics(kvr_remote *r, const char **names, double *values, siz
         { "remote_published_blocks", (double)s.pub_blocks },
         { "remote_blocks_already_there", (double)s.pub_skipped },
         { "remote_publish_errors", (double)s.pub_errors },
+        { "remote_publish_dropped", (double)s.pub_dropped },
         { "remote_fetch_hits", (double)s.fetch_hits },
         { "remote_fetch_misses", (double)s.fetch_misses },
         { "remote_fetch_corrupt", (double)s.fetch_corrupt },
+        { "remote_fetch_forged", (double)s.fetch_forged },
         { "remote_fetched_tokens", (double)s.fetch_tokens },
         { "remote_probes", (double)s.probes },
         { "remote_moved", (double)s.moved },

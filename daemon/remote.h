@@ -5,11 +5,16 @@
  * get or match runs on the threadpool.
  *
  * Invariants:
- *  - Nothing read from the cluster is served before it is verified: magic,
- *    version, CRC32C over the whole value, its own description (fingerprint,
- *    shape, dtype, block size, chain hash) equal to what the key promised,
- *    and its tokens and positions equal to what the reader asked for. A
- *    value that fails any check is a miss (counted, logged at debug).
+ *  - Nothing read from the cluster is served before it is verified: with a
+ *    cluster key (--remote-key-file), its keyed BLAKE2b MAC (libsodium) over
+ *    the Redis key and the value, so only a holder of the key can write a
+ *    value anyone takes; then magic, version, CRC32C over the whole value,
+ *    its own description (fingerprint, shape, dtype, block size, chain
+ *    hash) equal to what the key promised, and its tokens and positions
+ *    equal to what the reader asked for. A value that fails any check is a
+ *    miss (counted: remote_fetch_forged for a MAC, remote_fetch_corrupt for
+ *    the rest). Without a key, anyone who can write to the cluster is
+ *    trusted (logged at start).
  *  - The store is touched on the loop thread only: a publication snapshots
  *    the context there (a get), a fetch lands through a normal put there.
  *    The cluster is spoken to on other threads only (rcluster.h).
@@ -64,6 +69,20 @@ void kvr_rt_sub_encode(const kvr_rt_desc *d, uint64_t block_chain, uint32_t bloc
 /* 0 and the block's chain and length, or KVR_EIO (corrupt or not for d, e). */
 int  kvr_rt_sub_decode(const uint8_t *v, size_t len, const kvr_rt_desc *d, uint32_t e,
                        uint64_t *block_chain, uint32_t *block_n, kvr_error *err);
+
+/* ---- the MAC of a value (pure) ----------------------------------------- */
+/* With a cluster key every value is stored as value || MAC, MAC = keyed
+ * BLAKE2b-256 (crypto_generichash, key = BLAKE2b-256 of the key file's
+ * secret) over the Redis key's length (8 bytes LE), the Redis key and the
+ * value: a value is only good under the key it was written for. */
+#define KVR_RT_MAC_LEN 32u
+#define KVR_RT_KEY_BYTES 32u
+void kvr_rt_mac(const uint8_t key[KVR_RT_KEY_BYTES], const char *rkey, size_t rklen,
+                const uint8_t *v, size_t len, uint8_t out[KVR_RT_MAC_LEN]);
+/* The cluster key from a key file: its content (a trailing newline cut)
+ * must be at least 32 bytes and the file readable by its owner only.
+ * 0, or KVR_EIO / KVR_EINVAL with the reason. */
+int kvr_rt_key_read(const char *path, uint8_t key[KVR_RT_KEY_BYTES], kvr_error *err);
 
 /* ---- values (pure) ----------------------------------------------------- */
 /* A block value: header, tokens, positions, the block's K/V (layer-major,
@@ -157,8 +176,8 @@ void kvr_remote_job_free(kvr_rjob *j);
  * abandoned), in kvr_metrics_bucket's buckets; the sum is in seconds. */
 typedef struct kvr_remote_stats {
     bool     joined;
-    uint64_t pub_contexts, pub_blocks, pub_skipped, pub_errors;
-    uint64_t fetch_hits, fetch_misses, fetch_corrupt, fetch_tokens, probes;
+    uint64_t pub_contexts, pub_blocks, pub_skipped, pub_errors, pub_dropped;
+    uint64_t fetch_hits, fetch_misses, fetch_corrupt, fetch_forged, fetch_tokens, probes;
     uint64_t moved, ask, refreshes, conn_errors;
     uint64_t fetch_hist[KVR_METRICS_N_BUCKETS + 1];   /* the count is their sum */
     double   fetch_seconds;

@@ -14,7 +14,7 @@ set -eu
 list=0
 if [ "${1:-}" = --list ]; then list=1; shift; fi
 level=${1:-test}
-pkgs="build-essential pkg-config libuv1-dev libjemalloc-dev libprotobuf-c-dev protobuf-c-compiler liburing-dev libcjson-dev libmicrohttpd-dev libsystemd-dev libhiredis-dev"
+pkgs="build-essential pkg-config libuv1-dev libjemalloc-dev libprotobuf-c-dev protobuf-c-compiler liburing-dev libcjson-dev libmicrohttpd-dev libsystemd-dev libhiredis-dev libsodium-dev"
 runpkgs="python3 python3-numpy nodejs npm git"
 # Tests only: Criterion, the Python suite, and for the operations tests promtool
 # (prometheus), systemd-analyze (systemd) and groff (the man pages). OpenBLAS:

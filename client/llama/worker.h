@@ -95,11 +95,16 @@ typedef struct kvr_wk_sbuild {
     size_t    len;
     uint32_t  n_cells, n_layer, n_embd, el, filled;
     bool      v_trans;
+    bool      borrowed;          /* buf is the caller's (kvr_wk_sbuild_init_in) */
     size_t    k_off, v_off;      /* where layer 0's K / V data start */
 } kvr_wk_sbuild;
 
 int  kvr_wk_sbuild_init(kvr_wk_sbuild *b, uint32_t n_cells, uint32_t n_layer, int32_t type,
                         uint32_t n_embd, bool v_trans);
+/* The same in the caller's memory when cap holds the state (a worker's warm
+ * buffer: no first touch per request), else allocated. */
+int  kvr_wk_sbuild_init_in(kvr_wk_sbuild *b, void *mem, size_t cap, uint32_t n_cells,
+                           uint32_t n_layer, int32_t type, uint32_t n_embd, bool v_trans);
 /* Adds tokens [t0, t1) of a layer-major payload holding n_tok tokens, at
  * positions pos[0 .. t1-t0). Returns -EINVAL past n_cells. */
 int  kvr_wk_sbuild_add(kvr_wk_sbuild *b, const void *payload, size_t n_tok, size_t t0,

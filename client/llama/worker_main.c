@@ -75,7 +75,7 @@ static const char usage[] =
 "        --kv-out: the KV llama.cpp computed for T[m..N), as a KV.bin\n"
 "  serve [--listen HOST:PORT] [--parallel N] [--ctx-size N] [--api-key-file F]\n"
 "        llama-server's HTTP API on the model, kvroped as its cache (serve --help)\n"
-"--socket: unix:PATH, a path, or HOST:PORT (default as kvrope's CLI);\n"
+"--socket: unix:PATH, a path, or HOST:PORT (default $KVROPE_SOCKET, else as kvrope's CLI);\n"
 "exit 0 ok, 1 refused/failed, 2 usage, 3 file not found, 4 daemon unreachable\n";
 
 typedef struct args {
@@ -368,8 +368,10 @@ static int parse(int argc, char **argv, args *a)
 
 static void default_socket(char *buf, size_t cap)
 {
-    const char *xdg = getenv("XDG_RUNTIME_DIR");
-    if (xdg && *xdg)
+    const char *env = getenv("KVROPE_SOCKET"), *xdg = getenv("XDG_RUNTIME_DIR");
+    if (env && *env)
+        snprintf(buf, cap, "%s", env);
+    else if (xdg && *xdg)
         snprintf(buf, cap, "%s/kvrope/kvroped.sock", xdg);
     else if (geteuid() == 0)
         snprintf(buf, cap, "/run/kvrope/kvroped.sock");

@@ -281,19 +281,22 @@ static int sync_edit(kvr_wk_env *e, const sess *ss, const int32_t *b, size_t nb,
         goto out;
     }
 
-    /* Kept tokens: fetched re-rotated to their new positions, loaded. */
+    /* Kept tokens: fetched re-rotated to their new positions, loaded. The
+     * fetch and the state go through the env's warm buffers (allocated and
+     * faulted in once, reused by every step of a long-lived worker). */
     size_t n_keep = nb - n_new;
     kvr_wk_lm_clear(e->lm);
     if (n_keep > 0) {
         double t0 = kvr_wk_now_ms();
         size_t cap = kvr_wk_payload_bytes(e, na);
-        fbuf = malloc(cap ? cap : 1);
-        if (!fbuf) {
+        kvr_wk_prefault_bufs(e, na > n_keep ? na : n_keep);
+        void *dst = e->pf_fetch_cap >= cap ? e->pf_fetch : (fbuf = malloc(cap ? cap : 1));
+        if (!dst) {
             r = kvr_wk_fail(e, -ENOMEM, "out of memory");
             goto out;
         }
         kvr_get_args g = { .ctx_id = st->target, .start = 0, .end = na, .dtype = F16,
-                           .positions = newpos, .n_positions = na, .dst = fbuf,
+                           .positions = newpos, .n_positions = na, .dst = dst,
                            .dst_cap = cap };
         if ((r = kvr_client_get(e->kc, &g, &kv)) < 0) {
             r = kvr_wk_kv_fail(e, r, "get", st->target);
@@ -303,9 +306,9 @@ static int sync_edit(kvr_wk_env *e, const sess *ss, const int32_t *b, size_t nb,
             goto out;
         double t1 = kvr_wk_now_ms();
         res->t_fetch_ms += t1 - t0;
-        r = kvr_wk_sbuild_init(&sb, (uint32_t)n_keep, kvr_wk_n_layer(e),
-                               kvr_wk_lm_cache_type(e->lm), (uint32_t)kvr_wk_n_embd(e),
-                               kvr_wk_lm_v_trans(e->lm));
+        r = kvr_wk_sbuild_init_in(&sb, e->pf_state, e->pf_state_cap, (uint32_t)n_keep,
+                                  kvr_wk_n_layer(e), kvr_wk_lm_cache_type(e->lm),
+                                  (uint32_t)kvr_wk_n_embd(e), kvr_wk_lm_v_trans(e->lm));
         if (r < 0) {
             r = kvr_wk_fail(e, r, "out of memory");
             goto out;

@@ -199,6 +199,12 @@ static void put64(uint8_t *p, uint64_t v) { memcpy(p, &v, 8); }
 int kvr_wk_sbuild_init(kvr_wk_sbuild *b, uint32_t n_cells, uint32_t n_layer, int32_t type,
                        uint32_t n_embd, bool v_trans)
 {
+    return kvr_wk_sbuild_init_in(b, NULL, 0, n_cells, n_layer, type, n_embd, v_trans);
+}
+
+int kvr_wk_sbuild_init_in(kvr_wk_sbuild *b, void *mem, size_t cap, uint32_t n_cells,
+                          uint32_t n_layer, int32_t type, uint32_t n_embd, bool v_trans)
+{
     memset(b, 0, sizeof *b);
     uint32_t el = type_size(type);
     if (!el || !n_layer || !n_embd)
@@ -210,7 +216,8 @@ int kvr_wk_sbuild_init(kvr_wk_sbuild *b, uint32_t n_cells, uint32_t n_layer, int
     size_t len = 16 + (n_cells ? (size_t)n_cells * 12 + 8 +
                                  (size_t)n_layer * (k_hdr + v_hdr + 2 * row * n_cells)
                                : 0);
-    b->buf = malloc(len);
+    b->borrowed = mem && cap >= len;
+    b->buf = b->borrowed ? mem : malloc(len);
     if (!b->buf)
         return -ENOMEM;
     b->len = len;
@@ -290,6 +297,7 @@ void kvr_wk_sbuild_free(kvr_wk_sbuild *b)
 {
     if (!b)
         return;
-    free(b->buf);
+    if (!b->borrowed)
+        free(b->buf);
     memset(b, 0, sizeof *b);
 }

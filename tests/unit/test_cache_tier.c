@@ -14,6 +14,7 @@
 #include <unistd.h>
 
 #include "cache/cache.h"
+#include "tests/common/kvr_tmpdir.h"
 
 #define L 2
 #define H 2
@@ -29,23 +30,6 @@ static char DIR_[256];
 /* Tokens per block (0: the store's default, 64). 256: plain f32 blocks of
  * 512 KiB + metadata (a 640 KiB size class). */
 static uint32_t BLOCK_TOKENS;
-
-static void rm_tree(const char *dir)
-{
-    DIR *d = opendir(dir);
-    if (!d)
-        return;
-    struct dirent *e;
-    char p[600];
-    while ((e = readdir(d)) != NULL) {
-        if (!strcmp(e->d_name, ".") || !strcmp(e->d_name, ".."))
-            continue;
-        snprintf(p, sizeof p, "%s/%s", dir, e->d_name);
-        unlink(p);
-    }
-    closedir(d);
-    rmdir(dir);
-}
 
 static void fresh_dir(void)
 {

@@ -26,6 +26,7 @@
 #include <unistd.h>
 
 #include "cache/cache.h"
+#include "tests/common/kvr_tmpdir.h"
 
 #define L 2
 #define H 2
@@ -34,23 +35,6 @@
 #define NTOK 300
 
 static char DIR_[256];
-
-static void rm_tree(const char *dir)
-{
-    DIR *d = opendir(dir);
-    if (!d)
-        return;
-    struct dirent *e;
-    char p[600];
-    while ((e = readdir(d)) != NULL) {
-        if (!strcmp(e->d_name, ".") || !strcmp(e->d_name, ".."))
-            continue;
-        snprintf(p, sizeof p, "%s/%s", dir, e->d_name);
-        unlink(p);
-    }
-    closedir(d);
-    rmdir(dir);
-}
 
 static void tlog(void *arg, int level, const char *msg)
 {

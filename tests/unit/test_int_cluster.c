@@ -20,6 +20,7 @@
 #include <criterion/criterion.h>
 
 #include <pthread.h>
+#include <sys/stat.h>
 
 #include "daemon/rcluster.h"
 #include "daemon/remote.h"
@@ -295,6 +296,19 @@ static int put_quant(const char *ctx, const char *codec, uint32_t seed, uint32_t
     return 0;
 }
 
+/* A's and B's raw get of ctx's encoded tokens [0, end) are the same codes. */
+static void same_raw_codes(const char *ctx, uint64_t end)
+{
+    kvr_get_args g = { .ctx_id = ctx, .start = 0, .end = end, .raw = true };
+    kvr_kv ka, kb;
+    cr_assert_eq(kvr_client_get(CA, &g, &ka), 0, "%s", kvr_client_last_error(CA));
+    cr_assert_eq(kvr_client_get(CB, &g, &kb), 0, "%s", kvr_client_last_error(CB));
+    cr_assert_eq(ka.payload_len, kb.payload_len);
+    cr_assert_eq(memcmp(ka.payload, kb.payload, ka.payload_len), 0, "%s: codes differ", ctx);
+    kvr_kv_release(&ka);
+    kvr_kv_release(&kb);
+}
+
 Test(int_cluster, quantized_travels)
 {
     /* Per-token int8 (no window), KIVI k4v2 with a 32-token tile (K per
@@ -399,13 +413,7 @@ Test(int_cluster, quantized_travels)
         cr_assert_str_eq(sa.codec, sb.codec);
         cr_assert_eq(sa.n_window, sb.n_window);
         cr_assert_eq(sa.kv_bytes, sb.kv_bytes);
-        kvr_get_args g = { .ctx_id = "q-k4v2", .start = 0, .end = 256, .raw = true };
-        cr_assert_eq(kvr_client_get(CA, &g, &ka), 0, "%s", kvr_client_last_error(CA));
-        cr_assert_eq(kvr_client_get(CB, &g, &kb), 0, "%s", kvr_client_last_error(CB));
-        cr_assert_eq(ka.payload_len, kb.payload_len);
-        cr_assert_eq(memcmp(ka.payload, kb.payload, ka.payload_len), 0, "k4v2 codes differ");
-        kvr_kv_release(&ka);
-        kvr_kv_release(&kb);
+        same_raw_codes("q-k4v2", 256);
     }
     /* A spoilt chunk: a miss, counted, never served. */
     cr_assert_eq(put_quant("q-bad", "int8/g32", 60, 7000, 100, 50), 0);
@@ -973,4 +981,532 @@ Test(int_cluster, layout_travels)
     cr_assert(lb.has_prefix);
     cr_assert_str_eq(lb.prefix_ctx, "pfx");
     cr_assert_eq(lb.prefix_len, 20);
+}
+
+/* ---- crafted layouts in a manifest (issue 29, finding 2) ------------------ */
+
+/* Puts n more tokens (ids base..) on c, appending, published synchronously. */
+static int append_share(kvr_client *c, const char *ctx, uint32_t seed, uint32_t base, size_t n)
+{
+    size_t len;
+    void *pl = testd_payload(seed, T_LAYERS, 0, n, KVR_DTYPE_F16, &len);
+    uint32_t *tok = testd_tokens(base, n);
+    kvr_put_args a = { .ctx_id = ctx, .model = "tiny", .dtype = KVR_DTYPE_F16, .tokens = tok,
+                       .n_tokens = n, .payload = pl, .payload_len = len,
+                       .mode = KVR_PUT_APPEND, .share = true, .share_sync = true };
+    int r = kvr_client_put(c, &a, NULL);
+    free(pl);
+    free(tok);
+    return r;
+}
+
+/* The manifest published for ctx, decoded. */
+static void fetch_manifest(kvr_rc *rc, const char *ctx, kvr_rt_manifest *m)
+{
+    char mk[KVR_RT_KEY_MAX];
+    kvr_rt_manifest_key(ctx, mk);
+    const char *gv[] = { "GET", mk };
+    size_t gl[] = { 3, strlen(mk) };
+    redisReply *x;
+    cr_assert_eq(kvr_rc_command(rc, 2, gv, gl, &x, NULL), 0);
+    cr_assert_eq(x->type, REDIS_REPLY_STRING, "no manifest for %s", ctx);
+    kvr_error e = { 0 };
+    cr_assert_eq(kvr_rt_manifest_decode((const uint8_t *)x->str, x->len, ctx, m, &e), 0, "%s",
+                 e.msg);
+    freeReplyObject(x);
+}
+
+static void plant_manifest(kvr_rc *rc, const kvr_rt_manifest *m)
+{
+    char mk[KVR_RT_KEY_MAX];
+    kvr_rt_manifest_key(m->ctx_id, mk);
+    size_t ml;
+    uint8_t *mv = kvr_rt_manifest_encode(m, &ml);
+    cr_assert_not_null(mv);
+    rc_set(rc, mk, mv, ml);
+    kvr_mem_free(mv);
+}
+
+Test(int_cluster, crafted_layouts_are_misses)
+{
+    /* Every kind of layout travels first: retention (set on a context that
+     * had no layout), retention on an APE document. */
+    cr_assert_eq(put_flags(CA, "r", 1, 100, 30, 0), 0);
+    cr_assert_eq(kvr_client_set_retention(CA, "r", 2, 8, false, NULL), 0);
+    cr_assert_eq(append_share(CA, "r", 2, 200, 4), 0, "%s", kvr_client_last_error(CA));
+    cr_assert_eq(put_flags(CA, "pfx", 5, 10, 20, 0), 0);
+    size_t len;
+    void *pl = testd_payload(6, T_LAYERS, 0, 30, KVR_DTYPE_F16, &len);
+    uint32_t *tok = testd_tokens(600, 30);
+    kvr_put_args a = { .ctx_id = "ar", .model = "tiny", .dtype = KVR_DTYPE_F16, .tokens = tok,
+                       .n_tokens = 30, .payload = pl, .payload_len = len, .prefix_ctx = "pfx" };
+    cr_assert_eq(kvr_client_put(CA, &a, NULL), 0, "%s", kvr_client_last_error(CA));
+    free(pl);
+    free(tok);
+    cr_assert_eq(kvr_client_set_retention(CA, "ar", 1, 5, false, NULL), 0);
+    cr_assert_eq(append_share(CA, "ar", 7, 700, 2), 0, "%s", kvr_client_last_error(CA));
+    kvr_kv ka, kb;
+    const char *kinds[] = { "r", "ar" };
+    for (int k = 0; k < 2; k++) {
+        cr_assert_eq(get_kv(CA, kinds[k], 0, 0, NULL, &ka), 0);
+        cr_assert_eq(get_kv(CB, kinds[k], 0, 0, NULL, &kb), 0, "%s: %s", kinds[k],
+                     kvr_client_last_error(CB));
+        assert_same_meta(&ka, &kb);
+        kvr_kv_release(&ka);
+        kvr_kv_release(&kb);
+        assert_same_layout(kinds[k]);
+    }
+    /* Now planted manifests (well-formed, checksum right) whose layout no
+     * verb would have set: each a miss on B, counted, B unharmed. */
+    cr_assert_eq(put_flags(CA, "v", 8, 800, 20, SHARE_SYNC), 0);
+    kvr_rc *rc = test_rc();
+    kvr_rt_manifest good;
+    fetch_manifest(rc, "v", &good);
+    cr_assert_eq(good.n_tokens, 20);
+    enum { RET_HUGE, RET_ZERO, RET_WRAP, GIDS_NO_GROUPS, APE_LEN, DROPPED, DUP_GROUPS,
+           BAD_FLAG, N_CRAFT };
+    for (int v = 0; v < N_CRAFT; v++) {
+        kvr_rt_manifest m;
+        fetch_manifest(rc, "v", &m);
+        kvr_layout_info *L = &m.layout;
+        switch (v) {
+        case RET_HUGE: L->has_retention = true; L->sinks = L->window = (size_t)1 << 63; break;
+        case RET_ZERO: L->has_retention = true; L->sinks = L->window = 0; break;
+        case RET_WRAP: L->has_retention = true; L->sinks = SIZE_MAX; L->window = 1; break;
+        case GIDS_NO_GROUPS: m.groups[3] = 1; break;
+        case APE_LEN:
+            L->has_prefix = true;
+            snprintf(L->prefix_ctx, sizeof L->prefix_ctx, "pfx");
+            L->prefix_fingerprint = MA.fingerprint;
+            L->prefix_len = (size_t)1 << 63;
+            break;
+        case DROPPED: L->has_retention = true; L->sinks = 4; L->window = 16;
+                      L->n_dropped = SIZE_MAX; break;
+        case DUP_GROUPS:
+            L->n_groups = 2;
+            snprintf(L->groups[0].name, sizeof L->groups[0].name, "g");
+            snprintf(L->groups[1].name, sizeof L->groups[1].name, "g");
+            break;
+        case BAD_FLAG: m.flags[5] = 1u << 30; break;
+        }
+        plant_manifest(rc, &m);
+        kvr_rt_manifest_free(&m);
+        double c0 = testd_metric(CB, "remote_fetch_corrupt");
+        cr_assert_eq(get_kv(CB, "v", 0, 0, NULL, &kb), KVR_ENOCTX, "crafted %d: served", v);
+        cr_assert_gt(testd_metric(CB, "remote_fetch_corrupt"), c0, "crafted %d: not counted", v);
+        cr_assert_neq(kvr_client_stat(CB, "v", &(kvr_context){ 0 }), 0, "crafted %d: kept", v);
+        /* B is alive and serves what it has. */
+        cr_assert_eq(get_kv(CB, "r", 0, 0, NULL, &kb), 0, "crafted %d: B hurt", v);
+        kvr_kv_release(&kb);
+    }
+    /* The good manifest back: a hit. */
+    plant_manifest(rc, &good);
+    kvr_rt_manifest_free(&good);
+    cr_assert_eq(get_kv(CB, "v", 0, 0, NULL, &kb), 0, "%s", kvr_client_last_error(CB));
+    kvr_kv_release(&kb);
+    kvr_rc_destroy(rc);
+}
+
+/* ---- a cluster key: every value carries a MAC (issue 29, finding 5) ------- */
+
+static char KEYF[300];
+
+static void write_key(const char *path, const char *secret, int mode)
+{
+    FILE *f = fopen(path, "w");
+    cr_assert_not_null(f);
+    fprintf(f, "%s\n", secret);
+    fclose(f);
+    cr_assert_eq(chmod(path, (mode_t)mode), 0);
+}
+
+static int start_keyed(kvr_testd *d, const char *seeds, const char *keyfile)
+{
+    const char *extra[] = { "--remote-tier", seeds, "--remote-auth-file", AUTH,
+                            "--remote-key-file", keyfile, "--metrics-listen", "127.0.0.1:0",
+                            "--log-level", getenv("KVR_T_DEBUG") ? "debug" : "info", NULL };
+    return testd_start(d, extra);
+}
+
+static void setup_mac(void)
+{
+    cr_assert_eq(tcluster_start(&T), 0, "cluster did not start");
+    write_auth("kvr kvrpass");
+    snprintf(KEYF, sizeof KEYF, "%s/cluster.key", T.dir);
+    write_key(KEYF, "c2VjcmV0LWNsdXN0ZXIta2V5LWZvci10aGUtdGVzdHMh", 0600);
+    cr_assert_eq(start_keyed(&A, T.seeds, KEYF), 0);
+    cr_assert_eq(start_keyed(&B, T.seeds, KEYF), 0);
+    CA = testd_connect(&A);
+    CB = testd_connect(&B);
+    cr_assert(CA && CB);
+    cr_assert_eq(testd_register(CA, "tiny", KVR_DTYPE_F16, &MA), 0);
+    cr_assert_eq(testd_register(CB, "tiny", KVR_DTYPE_F16, NULL), 0);
+}
+
+TestSuite(int_cluster_mac, .init = setup_mac, .fini = teardown, .timeout = 240);
+
+/* The raw value under key (malloc), *len bytes. */
+static uint8_t *raw_get(kvr_rc *rc, const char *key, size_t *len)
+{
+    const char *gv[] = { "GET", key };
+    size_t gl[] = { 3, strlen(key) };
+    redisReply *x;
+    cr_assert_eq(kvr_rc_command(rc, 2, gv, gl, &x, NULL), 0);
+    cr_assert_eq(x->type, REDIS_REPLY_STRING, "nothing under %s", key);
+    uint8_t *v = malloc(x->len);
+    memcpy(v, x->str, x->len);
+    *len = x->len;
+    freeReplyObject(x);
+    return v;
+}
+
+static uint32_t crc32c_sw(const uint8_t *p, size_t n)
+{
+    uint32_t c = ~0u;
+    for (size_t i = 0; i < n; i++) {
+        c ^= p[i];
+        for (int k = 0; k < 8; k++)
+            c = (c >> 1) ^ (0x82F63B78u & (0u - (c & 1)));
+    }
+    return ~c;
+}
+
+Test(int_cluster_mac, sealed_values_travel_forged_ones_are_misses)
+{
+    cr_assert(log_has(&A, "keyed BLAKE2b MAC"), "no log line about the key");
+    /* Sealed values travel: a get by id (manifest + streamed blocks) and a
+     * match (probes, prefix keys, a block read whole). */
+    cr_assert_eq(put_flags(CA, "m1", 3, 10, 130, SHARE_SYNC), 0, "%s",
+                 kvr_client_last_error(CA));
+    uint32_t *pr = testd_tokens(10, 100);
+    for (int i = 40; i < 100; i++)
+        pr[i] = 7;
+    kvr_match_res mr;
+    cr_assert_eq(kvr_client_match(CB, &(kvr_match_args){ .model = "tiny", .tokens = pr,
+                                                         .n_tokens = 100 }, &mr), 0);
+    cr_assert_eq(mr.length, 32, "a prefix key under the MAC");
+    free(pr);
+    kvr_kv ka, kb;
+    cr_assert_eq(get_kv(CA, "m1", 0, 0, NULL, &ka), 0);
+    cr_assert_eq(get_kv(CB, "m1", 0, 0, NULL, &kb), 0, "%s", kvr_client_last_error(CB));
+    assert_same(&ka, &kb);
+    kvr_kv_release(&ka);
+    kvr_kv_release(&kb);
+    cr_assert_eq(testd_metric(CB, "remote_fetch_forged"), 0);
+
+    kvr_rc *rc = test_rc();
+    uint8_t key[KVR_RT_KEY_BYTES];
+    cr_assert_eq(kvr_rt_key_read(KEYF, key, NULL), 0);
+    /* A manifest without a MAC (checksum right), then with a wrong one:
+     * misses, counted as forged, never served. */
+    cr_assert_eq(put_flags(CA, "m2", 4, 500, 70, SHARE_SYNC), 0);
+    char mk[KVR_RT_KEY_MAX];
+    kvr_rt_manifest_key("m2", mk);
+    size_t ml;
+    uint8_t *good = raw_get(rc, mk, &ml);
+    cr_assert_gt(ml, KVR_RT_MAC_LEN);
+    uint8_t mac[KVR_RT_MAC_LEN];
+    kvr_rt_mac(key, mk, strlen(mk), good, ml - KVR_RT_MAC_LEN, mac);
+    cr_assert_eq(memcmp(mac, good + ml - KVR_RT_MAC_LEN, KVR_RT_MAC_LEN), 0,
+                 "the MAC is not the documented one");
+    rc_set(rc, mk, good, ml - KVR_RT_MAC_LEN);
+    double f0 = testd_metric(CB, "remote_fetch_forged");
+    cr_assert_eq(get_kv(CB, "m2", 0, 0, NULL, &kb), KVR_ENOCTX, "an unsealed manifest served");
+    cr_assert_gt(testd_metric(CB, "remote_fetch_forged"), f0);
+    uint8_t *bad = malloc(ml);
+    memcpy(bad, good, ml);
+    bad[ml - 1] ^= 1;
+    rc_set(rc, mk, bad, ml);
+    f0 = testd_metric(CB, "remote_fetch_forged");
+    cr_assert_eq(get_kv(CB, "m2", 0, 0, NULL, &kb), KVR_ENOCTX, "a wrong MAC served");
+    cr_assert_gt(testd_metric(CB, "remote_fetch_forged"), f0);
+    /* A good manifest moved under another context's key: its MAC names
+     * the key it was written for. */
+    cr_assert_eq(put_flags(CA, "m3", 5, 900, 70, SHARE_SYNC), 0);
+    char mk3[KVR_RT_KEY_MAX];
+    kvr_rt_manifest_key("m3", mk3);
+    rc_set(rc, mk3, good, ml);
+    f0 = testd_metric(CB, "remote_fetch_forged");
+    cr_assert_eq(get_kv(CB, "m3", 0, 0, NULL, &kb), KVR_ENOCTX);
+    cr_assert_gt(testd_metric(CB, "remote_fetch_forged"), f0);
+    /* The good one back: a hit. */
+    rc_set(rc, mk, good, ml);
+    cr_assert_eq(get_kv(CB, "m2", 0, 0, NULL, &kb), 0, "%s", kvr_client_last_error(CB));
+    kvr_kv_release(&kb);
+
+    /* A forged block of m4 (K/V changed, CRC recomputed, the old MAC kept
+     * or none at all): a miss, counted, never served. */
+    cr_assert_eq(put_flags(CA, "m4", 6, 2000, 64, SHARE_SYNC), 0);
+    kvr_rt_desc desc = { MA.fingerprint, T_LAYERS, T_HEADS, T_DIM, KVR_DTYPE_F16 };
+    uint32_t *tok = testd_tokens(2000, 64);
+    int64_t pos[64];
+    for (int i = 0; i < 64; i++)
+        pos[i] = i;
+    char bk[KVR_RT_KEY_MAX];
+    kvr_rt_block_key(kvr_rt_chain_next(kvr_rt_chain_seed(&desc), tok, pos, 64), bk);
+    free(tok);
+    size_t bl;
+    uint8_t *blk = raw_get(rc, bk, &bl);
+    size_t body = bl - KVR_RT_MAC_LEN;
+    blk[body - 100] ^= 0x40;
+    uint32_t crc = crc32c_sw(blk, body - 4);
+    memcpy(blk + body - 4, &crc, 4);
+    rc_set(rc, bk, blk, bl);
+    f0 = testd_metric(CB, "remote_fetch_forged");
+    cr_assert_eq(get_kv(CB, "m4", 0, 0, NULL, &kb), KVR_ENOCTX, "a forged block served");
+    cr_assert_gt(testd_metric(CB, "remote_fetch_forged"), f0);
+    rc_set(rc, bk, blk, body);
+    f0 = testd_metric(CB, "remote_fetch_forged");
+    cr_assert_eq(get_kv(CB, "m4", 0, 0, NULL, &kb), KVR_ENOCTX, "an unsealed block served");
+    cr_assert_gt(testd_metric(CB, "remote_fetch_forged"), f0);
+    /* Sealed with the cluster key, the same forgery is taken: the MAC is
+     * what makes the difference (a writer without the key cannot). */
+    kvr_rt_mac(key, bk, strlen(bk), blk, body, blk + body);
+    rc_set(rc, bk, blk, bl);
+    cr_assert_eq(get_kv(CB, "m4", 0, 0, NULL, &kb), 0, "%s", kvr_client_last_error(CB));
+    kvr_kv_release(&kb);
+    free(blk);
+    free(bad);
+    free(good);
+    kvr_rc_destroy(rc);
+}
+
+Test(int_cluster_start, key_file_refused_unless_private_and_long)
+{
+    memset(&T, 0, sizeof T);
+    snprintf(T.dir, sizeof T.dir, "/tmp/kvr-rcl-XXXXXX");
+    cr_assert_not_null(mkdtemp(T.dir));
+    write_auth("kvr kvrpass");
+    snprintf(KEYF, sizeof KEYF, "%s/cluster.key", T.dir);
+    const struct { const char *secret; int mode; const char *why; } bad[] = {
+        { "c2VjcmV0LWNsdXN0ZXIta2V5LWZvci10aGUtdGVzdHMh", 0644, "chmod 600" },
+        { "short", 0600, "at least 32" },
+    };
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        write_key(KEYF, bad[i].secret, bad[i].mode);
+        kvr_testd w;
+        cr_assert_neq(start_keyed(&w, "127.0.0.1:1", KEYF), 0, "started with a bad key file");
+        cr_assert(log_has(&w, "remote-key-file") && log_has(&w, bad[i].why),
+                  "no clear error in %s", w.log);
+        char rm[400];
+        snprintf(rm, sizeof rm, "rm -rf %s", w.dir);
+        if (system(rm) != 0)
+            fprintf(stderr, "could not remove %s\n", w.dir);
+    }
+    /* The I/O errors of reading it: a missing file (open fails), a
+     * directory (open succeeds, the read fails with EISDIR). */
+    char kd[400];
+    snprintf(kd, sizeof kd, "%s/keydir", T.dir);
+    cr_assert_eq(mkdir(kd, 0700), 0);
+    kvr_testd wd;
+    cr_assert_neq(start_keyed(&wd, "127.0.0.1:1", kd), 0, "started with a directory as key");
+    cr_assert(log_has(&wd, "remote-key-file") && log_has(&wd, "read error"),
+              "no clear error in %s", wd.log);
+    char rmd[400];
+    snprintf(rmd, sizeof rmd, "rm -rf %s", wd.dir);
+    if (system(rmd) != 0)
+        fprintf(stderr, "could not remove %s\n", wd.dir);
+    char missing[400];
+    snprintf(missing, sizeof missing, "%s/nope", T.dir);
+    kvr_testd w;
+    cr_assert_neq(start_keyed(&w, "127.0.0.1:1", missing), 0);
+    cr_assert(log_has(&w, "remote-key-file"), "no clear error in %s", w.log);
+    /* Without a key the log says whom the tier trusts. */
+    kvr_testd d;
+    cr_assert_eq(start_node(&d, "127.0.0.1:1"), 0);
+    cr_assert(log_has(&d, "trusts everyone who can write"), "no warning in %s", d.log);
+    testd_stop(&d);
+    char rm[400];
+    snprintf(rm, sizeof rm, "rm -rf %s %s", w.dir, T.dir);
+    if (system(rm) != 0)
+        fprintf(stderr, "could not remove %s\n", w.dir);
+}
+
+Test(int_cluster_mac, quantized_values_sealed_and_checked)
+{
+    /* Chunks and window blocks are streamed into the put with their MACs. */
+    cr_assert_eq(put_quant("qk", "kivi:k4v2:g32:r32", 62, 3000, 200, 70), 0, "%s",
+                 kvr_client_last_error(CA));
+    kvr_context sa;
+    cr_assert_eq(kvr_client_stat(CA, "qk", &sa), 0);
+    same_raw_codes("qk", 200 - sa.n_window);
+    kvr_kv kb;
+    /* Its first chunk with a wrong MAC: a miss, counted as forged. */
+    cr_assert_eq(put_quant("qf", "int8/g32", 63, 4000, 300, 260), 0);
+    kvr_rc *rc = test_rc();
+    char mk[KVR_RT_KEY_MAX];
+    kvr_rt_manifest_key("qf", mk);
+    size_t ml;
+    uint8_t *mv = raw_get(rc, mk, &ml);
+    kvr_rt_manifest m;
+    cr_assert_eq(kvr_rt_manifest_decode(mv, ml - KVR_RT_MAC_LEN, "qf", &m, NULL), 0);
+    free(mv);
+    char ck[KVR_RT_KEY_MAX];
+    kvr_rt_chunk_key(m.chains[0], ck);
+    kvr_rt_manifest_free(&m);
+    size_t cl;
+    uint8_t *cv = raw_get(rc, ck, &cl);
+    cv[cl - 1] ^= 0x80;
+    rc_set(rc, ck, cv, cl);
+    free(cv);
+    double f0 = testd_metric(CB, "remote_fetch_forged");
+    cr_assert_eq(get_kv(CB, "qf", 0, 0, NULL, &kb), KVR_ENOCTX, "a forged chunk served");
+    cr_assert_gt(testd_metric(CB, "remote_fetch_forged"), f0);
+    kvr_rc_destroy(rc);
+}
+
+/* ---- big values are refused unread (issue 29, finding 3) ------------------ */
+
+/* Peak resident memory of pid, KiB (VmHWM). */
+static long peak_kib(pid_t pid)
+{
+    char p[64], line[256];
+    snprintf(p, sizeof p, "/proc/%d/status", (int)pid);
+    FILE *f = fopen(p, "r");
+    cr_assert_not_null(f);
+    long v = -1;
+    while (fgets(line, sizeof line, f))
+        if (sscanf(line, "VmHWM: %ld kB", &v) == 1)
+            break;
+    fclose(f);
+    return v;
+}
+
+Test(int_cluster, big_values_refused_unread)
+{
+    /* A node capped at 64 MiB and 16 MiB under a manifest key (the issue
+     * had 128 MiB against a 256 MiB cap; a 128 MiB SET makes the test
+     * cluster, with its 1 s node timeout, fail over on this machine): as
+     * garbage, and behind a manifest header that claims 2^22 tokens.
+     * Neither is read: the get is a miss, counted, and the node's peak
+     * memory does not grow by anything like the value. */
+    kvr_testd C;
+    const char *extra[] = { "--remote-tier", T.seeds, "--remote-auth-file", AUTH,
+                            "--max-memory", "64M", NULL };
+    cr_assert_eq(testd_start(&C, extra), 0);
+    kvr_client *cc = testd_connect(&C);
+    cr_assert_not_null(cc);
+    cr_assert_eq(testd_register(cc, "tiny", KVR_DTYPE_F16, NULL), 0);
+    size_t big = (size_t)16 << 20;
+    uint8_t *v = calloc(1, big);
+    cr_assert_not_null(v);
+    memset(v, 'x', big);
+    kvr_rc *rc = test_rc();
+    char mk[KVR_RT_KEY_MAX];
+    kvr_rt_manifest_key("big", mk);
+    rc_set(rc, mk, v, big);
+    long p0 = peak_kib(C.pid);
+    double c0 = testd_metric(cc, "remote_fetch_corrupt");
+    kvr_kv kv;
+    for (int i = 0; i < 4; i++)
+        cr_assert_eq(get_kv(cc, "big", 0, 0, NULL, &kv), KVR_ENOCTX);
+    cr_assert_gt(testd_metric(cc, "remote_fetch_corrupt"), c0);
+    /* A real manifest's header, claiming 2^22 tokens. */
+    cr_assert_eq(put_flags(CA, "big", 1, 1, 20, SHARE_SYNC), 0);
+    kvr_rt_manifest m;
+    fetch_manifest(rc, "big", &m);
+    size_t ml;
+    uint8_t *mv = kvr_rt_manifest_encode(&m, &ml);
+    kvr_rt_manifest_free(&m);
+    memcpy(v, mv, 568);                      /* MANIFEST_HDR */
+    kvr_mem_free(mv);
+    uint64_t nt = (uint64_t)1 << 22, nb = nt / KVR_RT_BLOCK;
+    memcpy(v + 40, &nt, 8);
+    memcpy(v + 48, &nb, 8);
+    rc_set(rc, mk, v, big);
+    free(v);
+    c0 = testd_metric(cc, "remote_fetch_corrupt");
+    for (int i = 0; i < 4; i++)
+        cr_assert_eq(get_kv(cc, "big", 0, 0, NULL, &kv), KVR_ENOCTX);
+    cr_assert_gt(testd_metric(cc, "remote_fetch_corrupt"), c0);
+    long p1 = peak_kib(C.pid);
+    cr_assert_lt(p1 - p0, 8 * 1024, "peak memory grew by %ld KiB reading refused values",
+                 p1 - p0);
+    kvr_rc_destroy(rc);
+    kvr_client_close(cc);
+    testd_stop(&C);
+}
+
+/* ---- a hung cluster (issue 29, finding 4) ---------------------------------- */
+
+#include <signal.h>
+#include <time.h>
+
+static double mono_s(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec / 1e9;
+}
+
+/* SIGSTOPs (or SIGCONTs) every server of the cluster: their sockets still
+ * accept connections (the kernel's backlog), nothing ever answers. */
+static void cluster_signal(int sig)
+{
+    for (int k = 0; k < 6; k++) {
+        char pf[300];
+        snprintf(pf, sizeof pf, "%s/%d/redis.pid", T.dir, T.ports[k]);
+        FILE *f = fopen(pf, "r");
+        cr_assert_not_null(f, "%s", pf);
+        int pid = 0;
+        cr_assert_eq(fscanf(f, "%d", &pid), 1);
+        fclose(f);
+        cr_assert_eq(kill(pid, sig), 0);
+    }
+}
+
+/* The documented deadlines (docs/cluster.md: a fetch 3 s, a publication
+ * 5 s); the test allows three times each. */
+#define FETCH_S 3.0
+#define PUBLISH_S 5.0
+
+Test(int_cluster, hung_cluster_deadlines_hold, .timeout = 300)
+{
+    cr_assert_eq(put_flags(CA, "warm", 1, 1, 70, SHARE_SYNC), 0);   /* both joined */
+    kvr_kv kv;
+    cr_assert_eq(get_kv(CB, "warm", 0, 0, NULL, &kv), 0);
+    kvr_kv_release(&kv);
+    cluster_signal(SIGSTOP);
+    /* A get of an id B does not have: a miss, within the deadline. */
+    double t0 = mono_s();
+    cr_assert_eq(get_kv(CB, "elsewhere", 0, 0, NULL, &kv), KVR_ENOCTX);
+    double dt = mono_s() - t0;
+    cr_assert_lt(dt, 3 * FETCH_S, "a get took %.1f s with the cluster hung", dt);
+    /* A match of a prompt B does not hold. */
+    uint32_t *pr = testd_tokens(5000, 300);
+    kvr_match_res mr;
+    t0 = mono_s();
+    cr_assert_eq(kvr_client_match(CB, &(kvr_match_args){ .model = "tiny", .tokens = pr,
+                                                         .n_tokens = 300 }, &mr), 0);
+    dt = mono_s() - t0;
+    cr_assert_eq(mr.length, 0);
+    cr_assert_lt(dt, 3 * FETCH_S, "a match took %.1f s with the cluster hung", dt);
+    free(pr);
+    /* 12 asynchronous shares, then a synchronous one behind them: answered
+     * ("stored locally, not shared") within its deadline; the put stands. */
+    for (int i = 0; i < 12; i++) {
+        char id[32];
+        snprintf(id, sizeof id, "async-%d", i);
+        cr_assert_eq(put_flags(CA, id, 2, 100, 70, SHARE), 0, "%s", kvr_client_last_error(CA));
+    }
+    t0 = mono_s();
+    int r = put_flags(CA, "sync", 3, 200, 70, SHARE_SYNC);
+    dt = mono_s() - t0;
+    cr_assert_eq(r, KVR_EIO, "%s", kvr_client_last_error(CA));
+    cr_assert(strstr(kvr_client_last_error(CA), "stored locally"), "%s",
+              kvr_client_last_error(CA));
+    cr_assert_lt(dt, 3 * PUBLISH_S, "a share_sync took %.1f s with the cluster hung", dt);
+    cr_assert_eq(get_kv(CA, "sync", 0, 0, NULL, &kv), 0);
+    kvr_kv_release(&kv);
+    /* 300 more shares: the queue is bounded, the rest dropped and counted;
+     * every local put goes on succeeding (no E_NO_MEMORY). */
+    for (int i = 0; i < 300; i++) {
+        char id[32];
+        snprintf(id, sizeof id, "many-%d", i);
+        cr_assert_eq(put_flags(CA, id, 4, 300, 70, SHARE), 0, "put %d: %s", i,
+                     kvr_client_last_error(CA));
+    }
+    cr_assert_gt(testd_metric(CA, "remote_publish_dropped"), 0);
+    cr_assert_eq(put_flags(CA, "local", 5, 400, 70, 0), 0, "%s", kvr_client_last_error(CA));
+    cluster_signal(SIGCONT);
 }

@@ -28,24 +28,7 @@
 #include <unistd.h>
 
 #include "tests/common/kvr_testd.h"
-
-
-static void rm_tree(const char *dir)
-{
-    DIR *d = opendir(dir);
-    if (!d)
-        return;
-    struct dirent *e;
-    char p[600];
-    while ((e = readdir(d)) != NULL) {
-        if (!strcmp(e->d_name, ".") || !strcmp(e->d_name, ".."))
-            continue;
-        snprintf(p, sizeof p, "%s/%s", dir, e->d_name);
-        unlink(p);
-    }
-    closedir(d);
-    rmdir(dir);
-}
+#include "tests/common/kvr_tmpdir.h"
 
 static void disk_dir(char *out, size_t cap)
 {
