@@ -8,7 +8,8 @@
 #          (client/llama/llama.mk fetches llama.cpp's libraries for kvrope-llama)
 #   test   run + the test-only packages below (what `make test` needs)
 #   bench, fuzz, eval: test + clang and its libFuzzer runtime (fuzz), matplotlib
-#          for make eval's pictures (eval); bench and eval add nothing else
+#          for make eval's pictures (eval), cmake (bench: scripts/llama-server.sh
+#          makes llama-server's UI stub with it, for bench_serve's peer)
 # scripts/deps.sh --list LEVEL prints the level's packages and installs nothing.
 set -eu
 list=0
@@ -27,7 +28,7 @@ case "$level" in
   core)  ;;
   run)   pkgs="$pkgs $runpkgs" ;;
   test)  pkgs="$pkgs $testpkgs" ;;
-  bench) pkgs="$pkgs $testpkgs" ;;
+  bench) pkgs="$pkgs $testpkgs cmake" ;;
   fuzz)  pkgs="$pkgs $testpkgs clang libclang-rt-14-dev" ;;
   eval)  pkgs="$pkgs $testpkgs python3-matplotlib" ;;
   *) echo "usage: $0 [--list] [core|run|test|bench|fuzz|eval]" >&2; exit 2 ;;

@@ -12,4 +12,10 @@ for b in "$build"/bench/bench_*; do
   echo "== $(basename "$b")"
   "$b" || rc=1
 done
+# Benchmarks that drive servers over HTTP are Python (Debian's interpreter).
+for p in tests/bench/bench_*.py; do
+  [ -f "$p" ] || continue
+  echo "== $(basename "$p" .py)"
+  KVR_BUILD="$build" /usr/bin/python3 "$p" || rc=1
+done
 exit $rc

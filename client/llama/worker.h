@@ -128,6 +128,11 @@ int  kvr_wk_lm_load(kvr_wk_lm **out, const char *gguf, int n_threads, char *err,
 int    kvr_wk_lm_context(kvr_wk_lm *lm, uint32_t n_ctx, char *err, size_t errlen);
 double kvr_wk_lm_warmup_ms(const kvr_wk_lm *lm);
 void kvr_wk_lm_destroy(kvr_wk_lm *lm);
+/* Waiting compute threads sleep instead of spinning (a ggml threadpool with
+ * poll 0, attached to this and every later context): what a long-running
+ * process on a shared machine wants. */
+int  kvr_wk_lm_threads_sleep(kvr_wk_lm *lm, char *err, size_t errlen);
+int  kvr_wk_lm_n_threads(const kvr_wk_lm *lm);
 
 typedef struct kvr_wk_lm_info {
     uint32_t n_layer, n_head, n_head_kv, head_dim, n_embd, n_vocab, n_ctx_train;

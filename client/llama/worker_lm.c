@@ -46,6 +46,7 @@ struct kvr_wk_lm {
     const kvr_llama_model    *profile;
     int32_t                   cache_type;   /* ggml type of K and V (F16 unless set) */
     uint32_t                  n_seq;        /* n_seq_max of the next context (>= 2) */
+    struct ggml_threadpool   *tp;           /* sleeping threads (poll 0), or NULL */
 };
 
 void kvr_wk_lm_set_profile(kvr_wk_lm *lm, const kvr_llama_model *m) { lm->profile = m; }
@@ -221,6 +222,8 @@ int kvr_wk_lm_context(kvr_wk_lm *lm, uint32_t n_ctx, char *err, size_t errlen)
                  log_last[0] ? ": " : "", log_last);
         return -EINVAL;
     }
+    if (lm->tp)
+        llama_attach_threadpool(lm->ctx, lm->tp, lm->tp);
     lm->n_ctx = llama_n_ctx(lm->ctx);
     lm->n_batch = llama_n_batch(lm->ctx);
     lm->batch = llama_batch_init((int32_t)lm->n_batch, 0, 2);
@@ -249,6 +252,14 @@ void kvr_wk_lm_destroy(kvr_wk_lm *lm)
     }
     if (lm->model)
         llama_model_free(lm->model);
+    if (lm->tp) {
+        ggml_backend_reg_t reg = ggml_backend_reg_by_name("CPU");
+        void *sym = reg ? ggml_backend_reg_get_proc_address(reg, "ggml_threadpool_free") : NULL;
+        void (*tp_free)(struct ggml_threadpool *) = NULL;
+        memcpy(&tp_free, &sym, sizeof sym);     /* dlsym's idiom: ISO C has no cast */
+        if (tp_free)
+            tp_free(lm->tp);
+    }
     free(lm);
 }
 
@@ -475,3 +486,31 @@ bool kvr_wk_lm_v_trans(const kvr_wk_lm *lm)
     (void)lm;
     return false;   /* flash attention on */
 }
+
+int kvr_wk_lm_threads_sleep(kvr_wk_lm *lm, char *err, size_t errlen)
+{
+    if (lm->tp)
+        return 0;
+    /* ggml_threadpool_new lives in the CPU backend, a shared object loaded at
+     * run time: reached through the backend registry, not linked. */
+    ggml_backend_reg_t reg = ggml_backend_reg_by_name("CPU");
+    void *sym = reg ? ggml_backend_reg_get_proc_address(reg, "ggml_threadpool_new") : NULL;
+    struct ggml_threadpool *(*tp_new)(struct ggml_threadpool_params *) = NULL;
+    memcpy(&tp_new, &sym, sizeof sym);
+    if (!tp_new) {
+        snprintf(err, errlen, "the CPU backend does not export ggml_threadpool_new");
+        return -ENOTSUP;
+    }
+    struct ggml_threadpool_params tpp = ggml_threadpool_params_default(lm->n_threads);
+    tpp.poll = 0;
+    lm->tp = tp_new(&tpp);
+    if (!lm->tp) {
+        snprintf(err, errlen, "ggml cannot create a threadpool of %d threads", lm->n_threads);
+        return -ENOMEM;
+    }
+    if (lm->ctx)
+        llama_attach_threadpool(lm->ctx, lm->tp, lm->tp);
+    return 0;
+}
+
+int kvr_wk_lm_n_threads(const kvr_wk_lm *lm) { return lm->n_threads; }

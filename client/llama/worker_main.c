@@ -16,6 +16,7 @@
  *     score --tokens T.bin [--kv KV.bin] [--from F] [--next-pos P]
  *           [--logits-out L.bin] [--kv-out KV.bin] [--generate I:N[,I:N...]]
  *           [--stop-token ID] [--exact]
+ *     serve [--listen HOST:PORT] [--parallel N] [--ctx-size N] ...  (worker_serve.c)
  *
  * Exit status: 0 done, 1 refused or failed (the reason on stderr, and as
  * {"error": ...} with --json), 2 usage, 3 a file (or the model) not found,
@@ -34,6 +35,7 @@
 #include <cjson/cJSON.h>
 
 #include "client/llama/worker.h"
+#include "client/llama/worker_serve.h"
 
 enum { EX_OK = 0, EX_FAIL = 1, EX_USAGE = 2, EX_NOTFOUND = 3, EX_CONNECT = 4 };
 
@@ -71,6 +73,8 @@ static const char usage[] =
 "        F..N-2 (default F = cached tokens), greedy tokens from the points I (no daemon);\n"
 "        --exact: in-cache rows one per decode, bit-identical to a full forward;\n"
 "        --kv-out: the KV llama.cpp computed for T[m..N), as a KV.bin\n"
+"  serve [--listen HOST:PORT] [--parallel N] [--ctx-size N] [--api-key-file F]\n"
+"        llama-server's HTTP API on the model, kvroped as its cache (serve --help)\n"
 "--socket: unix:PATH, a path, or HOST:PORT (default $KVROPE_SOCKET, else as kvrope's CLI);\n"
 "exit 0 ok, 1 refused/failed, 2 usage, 3 file not found, 4 daemon unreachable\n";
 
@@ -91,6 +95,8 @@ typedef struct args {
     long        from, next_pos, stop;
     kvr_wk_gen_req gen[1024];
     size_t      n_points;
+    int         serve_argc;      /* the words after "serve" */
+    char      **serve_argv;
 } args;
 
 static bool g_json;
@@ -316,6 +322,14 @@ static int parse(int argc, char **argv, args *a)
             return usage_err(msg);
         } else if (!a->command) {
             a->command = s;
+            if (!strcmp(s, "serve")) {     /* the rest is the server's */
+                a->serve_argc = argc - i - 1;
+                a->serve_argv = argv + i + 1;
+                for (int k = 0; k < a->serve_argc; k++)   /* help needs no model */
+                    if (!strcmp(a->serve_argv[k], "--help") || !strcmp(a->serve_argv[k], "-h"))
+                        exit(kvr_wk_serve_main(NULL, NULL, NULL, 0, 1, a->serve_argv + k));
+                break;
+            }
         } else if (!strcmp(a->command, "ppl") && !a->ppl_file) {
             a->ppl_file = s;
         } else {
@@ -328,7 +342,8 @@ static int parse(int argc, char **argv, args *a)
         return usage_err("no command");
     const char *c = a->command;
     if (strcmp(c, "complete") && strcmp(c, "edit") && strcmp(c, "rag") && strcmp(c, "ppl") &&
-        strcmp(c, "score") && strcmp(c, "refresh") && strcmp(c, "replay")) {
+        strcmp(c, "score") && strcmp(c, "refresh") && strcmp(c, "replay") &&
+        strcmp(c, "serve")) {
         snprintf(msg, sizeof msg, "unknown command %s", c);
         return usage_err(msg);
     }
@@ -451,6 +466,21 @@ int main(int argc, char **argv)
         return rc;
     g_json = a.json;
     g_command = a.command;
+    if (!strcmp(a.command, "serve")) {
+        char ssock[512];
+        if (a.socket)
+            snprintf(ssock, sizeof ssock, "%s", a.socket);
+        else
+            default_socket(ssock, sizeof ssock);
+        kvr_wk_env se;
+        memset(&se, 0, sizeof se);
+        rc = kvr_wk_serve_main(&se, a.model, ssock, a.threads, a.serve_argc, a.serve_argv);
+        kvr_wk_lm_destroy(se.lm);
+        kvr_wk_env_bufs_free(&se);
+        free(se.profile);
+        kvr_client_close(se.kc);
+        return rc;
+    }
     bool is_ppl = !strcmp(a.command, "ppl"), is_score = !strcmp(a.command, "score");
     bool offline = is_ppl || is_score;      /* no daemon */
 

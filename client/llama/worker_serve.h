@@ -1,0 +1,168 @@
+/*
+ * worker_serve.h — internals of `kvrope-llama serve`: llama-server's HTTP API
+ * on one resident model, with kvroped as its KV cache. Private to
+ * worker_serve*.c.
+ *
+ *  worker_serve.c      HTTP (libmicrohttpd, a thread per connection): routes,
+ *                      request fields, response and SSE shapes, errors.
+ *  worker_serve_run.c  the engine thread: the job queue, every prompt through
+ *                      the session engine (kvr_wk_sync, one session per slot),
+ *                      sampling and stop rules, the commit after the response,
+ *                      background refresh when idle, kvroped reconnects, metrics.
+ *
+ * Threads and ownership: the engine thread alone touches llama.cpp's context
+ * and the kvrope connection (srv.e). Connection threads parse, tokenize (the
+ * vocabulary is read-only) and wait on their job. A job is shared by its
+ * connection and the engine (refs, under srv.mu); everything in it below
+ * "progress" is written by the engine under srv.mu and read by the connection
+ * under srv.mu. The connection cancels a job when its client goes away; the
+ * engine checks between tokens.
+ */
+#ifndef KVR_LLAMA_WORKER_SERVE_H
+#define KVR_LLAMA_WORKER_SERVE_H
+
+#include <pthread.h>
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "client/llama/worker.h"
+
+#define SRV_MAX_SLOTS   64
+#define SRV_MAX_STOP    16
+#define SRV_MAX_BODY    (16u << 20)   /* bytes of a request body */
+
+typedef struct srv_opts {
+    const char *listen;          /* HOST:PORT (default 127.0.0.1:8080) */
+    int         parallel;        /* slots (sessions); default 4 */
+    uint32_t    n_ctx;           /* 0 = the model's training context */
+    uint32_t    n_batch;         /* /infill's layout budget; 0 = min(2048, n_ctx / 2) */
+    const char *api_key_file;
+    uint32_t    refresh;         /* tokens refreshed after each edit point */
+    uint32_t    idle_ms;         /* idle time before background refresh; default 300 */
+    const char *alias;           /* model name in responses; default the file's name */
+} srv_opts;
+
+typedef enum srv_stop {
+    SRV_STOP_NONE, SRV_STOP_EOS, SRV_STOP_LIMIT, SRV_STOP_WORD
+} srv_stop;
+
+enum { SRV_SAMP_TOP_K, SRV_SAMP_TOP_P, SRV_SAMP_MIN_P, SRV_SAMP_TEMP };
+
+typedef struct srv_params {
+    int      n_predict;          /* -1 = up to the end of the context */
+    float    temperature, top_p, min_p;
+    int      top_k;
+    uint32_t seed;               /* 0xFFFFFFFF = random */
+    int      samplers[8];        /* SRV_SAMP_*, in order */
+    int      n_samplers;
+    char    *stop[SRV_MAX_STOP]; /* owned */
+    int      n_stop;
+    int      n_indent;
+    double   t_max_predict_ms;   /* 0 = none */
+    bool     cache_prompt;
+    int      id_slot;            /* -1 = any */
+    bool     stream, return_tokens;
+    int      n_cmpl;             /* completions of the prompt (1..slots) */
+} srv_params;
+
+typedef enum srv_job_kind {
+    SRV_JOB_GEN, SRV_JOB_SLOT_SAVE, SRV_JOB_SLOT_RESTORE, SRV_JOB_SLOT_ERASE
+} srv_job_kind;
+
+typedef struct srv_job {
+    /* input: set before the job is queued, then read-only */
+    srv_job_kind kind;
+    srv_params   p;
+    int32_t     *toks;           /* the prompt (owned) */
+    size_t       n;
+    char         slot_file[256]; /* slot save / restore */
+    /* progress (srv.mu) */
+    char        *text;           /* generated text after stop cuts (owned) */
+    size_t       len, cap;
+    size_t       safe;           /* bytes of text that can be sent (no partial stop
+                                    word, whole UTF-8 characters) */
+    int32_t     *gen;            /* generated tokens (owned) */
+    size_t       n_gen, gen_cap;
+    bool         started, done, cancelled;
+    int          status;         /* 0 or an HTTP error status */
+    char         err_type[40], err[512];
+    srv_stop     stop_type;
+    char         stopping_word[128];
+    bool         truncated, has_new_line;
+    int          slot;
+    size_t       n_cache, n_eval, tokens_cached, n_saved;
+    kvr_wk_sync_res sync;        /* the engine's account of the prompt */
+    bool         via_cache;
+    double       t_prompt_ms, t_gen_ms, t_op_ms;
+    /* queue and sharing (srv.mu) */
+    int          refs;
+    struct srv_job *next;
+} srv_job;
+
+typedef struct srv_slot {
+    char     session[KVR_ID_MAX + 1];
+    int32_t *toks;               /* the last prompt (engine thread) */
+    size_t   n;
+    size_t   n_approx;           /* approximate tokens after the last step */
+    bool     processing;         /* srv.mu */
+    uint64_t last_used;
+    int      id_task;
+} srv_slot;
+
+typedef struct srv_metrics {
+    uint64_t requests, requests_failed, prompt_tokens, prompt_reused, prompt_refreshed,
+             tokens_predicted, cache_unavailable, commit_failed, refreshed_idle, cancelled;
+    double   prompt_seconds, predicted_seconds;
+    uint64_t ttft_bucket[12];    /* cumulative by srv_ttft_le */
+    double   ttft_sum;
+    uint64_t ttft_count;
+} srv_metrics;
+
+typedef struct srv {
+    srv_opts         o;
+    kvr_wk_env       e;          /* engine thread only, after start */
+    const char      *socket;     /* kvroped address */
+    const char      *model_path;
+    char             model_name[256];
+    const struct llama_vocab *vocab;
+    uint32_t         n_ctx, n_batch;
+    uint64_t         model_hash; /* of the kvrope model name: names sessions */
+    bool             connected;  /* kvroped reachable (engine thread) */
+    double           t_reconnect;
+    /* shared (mu) */
+    pthread_mutex_t  mu;
+    pthread_cond_t   wake;       /* the engine: a job, or stop */
+    pthread_cond_t   progress;   /* connections: their job moved */
+    srv_job         *q_head, *q_tail;
+    size_t           q_len;
+    bool             stopping, ready;
+    srv_slot         slots[SRV_MAX_SLOTS];
+    int              n_slots;
+    int              next_task;
+    srv_metrics      m;
+    char           **keys;       /* API keys (NULL = none) */
+    size_t           n_keys;
+    pthread_t        engine;
+} srv;
+
+extern const double srv_ttft_le[12];
+
+/* worker_serve_run.c */
+int      srv_engine_start(srv *s);
+void     srv_engine_stop(srv *s);
+/* Queues a job (refs: one for the caller, one for the engine). -ESHUTDOWN when
+ * stopping. */
+int      srv_submit(srv *s, srv_job *j);
+void     srv_job_release(srv *s, srv_job *j);     /* mu held by the caller: no */
+void     srv_params_free(srv_params *p);
+void     srv_params_default(srv_params *p);
+
+/* worker_serve.c */
+/* The serve command: argv holds the words after "serve". Returns the exit
+ * status (0 after SIGINT / SIGTERM, 1 the model or the port cannot be used,
+ * 2 usage). kvroped need not be up: the server answers without it meanwhile. */
+int kvr_wk_serve_main(kvr_wk_env *e, const char *model_path, const char *socket, int threads,
+                      int argc, char **argv);
+
+#endif

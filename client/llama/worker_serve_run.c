@@ -1,0 +1,769 @@
+/*
+ * worker_serve_run.c — the engine thread of `kvrope-llama serve`.
+ *
+ * One thread owns llama.cpp's context and the kvrope connection and runs the
+ * queued jobs one at a time (slots are sessions, not concurrent sequences:
+ * the session engine works in seq 0). A generation job:
+ *   slot   id_slot, else the slot whose last prompt shares the longest
+ *          prefix with this one, else the least recently used;
+ *   prompt kvr_wk_sync with the slot's session (cached prefix, PIE edits of
+ *          the session's context, chunks placed; only new and refreshed
+ *          tokens decoded). cache_prompt false, or kvroped unreachable:
+ *          the whole prompt decoded here, no store (counted, logged);
+ *   tokens sampled (greedy at temperature <= 0) under llama-server's stop
+ *          rules (EOG, n_predict, the context's end, stop words, n_indent,
+ *          t_max_predict_ms), published to the job as they come;
+ *   commit after the job is marked done (its client gets the answer first),
+ *          then the next job.
+ * Idle (no job for idle_ms): kvr_wk_refresh_idle on slots whose sessions
+ * hold approximate tokens, a small budget at a time, so a cache converges
+ * to exact without delaying requests by more than one budget.
+ *
+ * Invariants: a job is marked done exactly once; every wait on srv.mu
+ * re-checks `stopping`; a failed kvrope step never fails the request when
+ * the prompt can be computed without it.
+ */
+#include <errno.h>
+#include <math.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "llama.h"
+
+#include "client/llama/worker_serve.h"
+
+const double srv_ttft_le[12] = { 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05,
+                                 0.1,   0.25,   0.5,   1.0,  2.5,   10.0 };
+
+#define REFRESH_BUDGET 128
+
+void srv_params_default(srv_params *p)
+{
+    memset(p, 0, sizeof *p);
+    p->n_predict = -1;
+    p->temperature = 0.8f;
+    p->top_k = 40;
+    p->top_p = 0.95f;
+    p->min_p = 0.05f;
+    p->seed = 0xFFFFFFFFu;
+    p->samplers[0] = SRV_SAMP_TOP_K;
+    p->samplers[1] = SRV_SAMP_TOP_P;
+    p->samplers[2] = SRV_SAMP_MIN_P;
+    p->samplers[3] = SRV_SAMP_TEMP;
+    p->n_samplers = 4;
+    p->cache_prompt = true;
+    p->id_slot = -1;
+    p->n_cmpl = 1;
+}
+
+void srv_params_free(srv_params *p)
+{
+    for (int i = 0; i < p->n_stop; i++)
+        free(p->stop[i]);
+    p->n_stop = 0;
+}
+
+static void job_free(srv_job *j)
+{
+    srv_params_free(&j->p);
+    free(j->toks);
+    free(j->text);
+    free(j->gen);
+    free(j);
+}
+
+void srv_job_release(srv *s, srv_job *j)
+{
+    pthread_mutex_lock(&s->mu);
+    int left = --j->refs;
+    if (left == 0 && !j->done)
+        j->cancelled = true;
+    pthread_mutex_unlock(&s->mu);
+    if (left == 0)
+        job_free(j);
+}
+
+int srv_submit(srv *s, srv_job *j)
+{
+    pthread_mutex_lock(&s->mu);
+    if (s->stopping) {
+        pthread_mutex_unlock(&s->mu);
+        return -ESHUTDOWN;
+    }
+    j->refs = 2;
+    j->next = NULL;
+    if (s->q_tail)
+        s->q_tail->next = j;
+    else
+        s->q_head = j;
+    s->q_tail = j;
+    s->q_len++;
+    pthread_cond_signal(&s->wake);
+    pthread_mutex_unlock(&s->mu);
+    return 0;
+}
+
+/* ---- text and stop rules ------------------------------------------------ */
+
+static int text_add(srv_job *j, const char *p, size_t n)
+{
+    if (j->len + n + 1 > j->cap) {
+        size_t c = j->cap ? j->cap : 256;
+        while (c < j->len + n + 1)
+            c *= 2;
+        char *t = realloc(j->text, c);
+        if (!t)
+            return -ENOMEM;
+        j->text = t;
+        j->cap = c;
+    }
+    memcpy(j->text + j->len, p, n);
+    j->len += n;
+    j->text[j->len] = 0;
+    return 0;
+}
+
+/* Bytes of the text that hold whole UTF-8 characters. */
+static size_t utf8_whole(const char *t, size_t n)
+{
+    size_t i = n, back = 0;
+    while (i > 0 && back < 4 && ((unsigned char)t[i - 1] & 0xC0) == 0x80) {
+        i--;
+        back++;
+    }
+    if (i == 0)
+        return n;
+    unsigned char c = (unsigned char)t[i - 1];
+    size_t need = c >= 0xF0 ? 4 : c >= 0xE0 ? 3 : c >= 0xC0 ? 2 : 1;
+    return back + 1 >= need ? n : i - 1;
+}
+
+/* Applies stop words to the text (cutting at the first full match) and
+ * recomputes how much can be sent. Returns true when a word matched. */
+static bool stop_words(srv_job *j, size_t from)
+{
+    bool hit = false;
+    for (int i = 0; i < j->p.n_stop; i++) {
+        const char *w = j->p.stop[i];
+        size_t wl = strlen(w);
+        if (!wl)
+            continue;
+        size_t st = from > wl ? from - wl : 0;
+        char *at = j->len >= st ? strstr(j->text + st, w) : NULL;
+        if (at) {
+            j->len = (size_t)(at - j->text);
+            j->text[j->len] = 0;
+            j->stop_type = SRV_STOP_WORD;
+            snprintf(j->stopping_word, sizeof j->stopping_word, "%s", w);
+            hit = true;
+        }
+    }
+    size_t safe = j->len;
+    if (!hit)
+        for (int i = 0; i < j->p.n_stop; i++) {
+            /* the longest suffix of the text that starts a stop word */
+            const char *w = j->p.stop[i];
+            size_t wl = strlen(w);
+            for (size_t k = wl > j->len ? j->len : wl - 1; k > 0; k--)
+                if (!memcmp(j->text + j->len - k, w, k)) {
+                    if (j->len - k < safe)
+                        safe = j->len - k;
+                    break;
+                }
+        }
+    j->safe = utf8_whole(j->text, safe);
+    return hit;
+}
+
+/* ---- sampling ----------------------------------------------------------- */
+
+typedef struct cand {
+    float   p;
+    int32_t id;
+} cand;
+
+static int cand_desc(const void *a, const void *b)
+{
+    float x = ((const cand *)a)->p, y = ((const cand *)b)->p;
+    return x < y ? 1 : x > y ? -1 : 0;
+}
+
+/* c[0..n) from logits to probabilities (c sorted, c[0] the largest). */
+static void softmax(cand *c, size_t n)
+{
+    double mx = c[0].p, sum = 0;
+    for (size_t i = 0; i < n; i++)
+        sum += exp((double)c[i].p - mx);
+    for (size_t i = 0; i < n; i++)
+        c[i].p = (float)(exp((double)c[i].p - mx) / sum);
+}
+
+static uint64_t rng_next(uint64_t *st)
+{
+    uint64_t z = (*st += 0x9E3779B97F4A7C15ull);
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+}
+
+/* One token from the logits: greedy at temperature <= 0, else the samplers
+ * in order (top_k, top_p, min_p, temperature), then a draw. cands: n_vocab. */
+static int32_t sample(const srv_params *p, const float *logits, size_t nv, cand *c,
+                      uint64_t *rng)
+{
+    if (p->temperature <= 0.0f)
+        return kvr_wk_argmax(logits, nv);
+    size_t n = nv;
+    for (size_t i = 0; i < nv; i++)
+        c[i] = (cand){ logits[i], (int32_t)i };
+    qsort(c, n, sizeof *c, cand_desc);
+    float temp = 1.0f;
+    bool soft = false;   /* c[].p holds probabilities (else logits) */
+    for (int k = 0; k < p->n_samplers; k++) {
+        switch (p->samplers[k]) {
+        case SRV_SAMP_TOP_K:
+            if (p->top_k > 0 && (size_t)p->top_k < n)
+                n = (size_t)p->top_k;
+            break;
+        case SRV_SAMP_TEMP:
+            temp = p->temperature;
+            if (soft) {   /* back to logits, then rescale below */
+                for (size_t i = 0; i < n; i++)
+                    c[i].p = logf(c[i].p > 0 ? c[i].p : 1e-30f);
+                soft = false;
+            }
+            for (size_t i = 0; i < n; i++)
+                c[i].p /= temp;
+            break;
+        case SRV_SAMP_TOP_P:
+        case SRV_SAMP_MIN_P: {
+            if (!soft) {
+                softmax(c, n);
+                soft = true;
+            }
+            if (p->samplers[k] == SRV_SAMP_TOP_P && p->top_p < 1.0f) {
+                double cum = 0;
+                size_t keep = n;
+                for (size_t i = 0; i < n; i++) {
+                    cum += (double)c[i].p;
+                    if (cum >= (double)p->top_p) {
+                        keep = i + 1;
+                        break;
+                    }
+                }
+                n = keep;
+            } else if (p->samplers[k] == SRV_SAMP_MIN_P && p->min_p > 0.0f) {
+                float lim = c[0].p * p->min_p;
+                size_t keep = 1;
+                while (keep < n && c[keep].p >= lim)
+                    keep++;
+                n = keep;
+            }
+            break;
+        }
+        }
+    }
+    if (!soft)
+        softmax(c, n);
+    double tot = 0;
+    for (size_t i = 0; i < n; i++)
+        tot += (double)c[i].p;
+    double r = (double)(rng_next(rng) >> 11) / 9007199254740992.0 * tot, acc = 0;
+    for (size_t i = 0; i < n; i++) {
+        acc += (double)c[i].p;
+        if (r < acc)
+            return c[i].id;
+    }
+    return c[n - 1].id;
+}
+
+/* ---- the cache connection ---------------------------------------------- */
+
+static void log_line(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+static void log_line(const char *fmt, ...)
+{
+    char buf[1200];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(buf, sizeof buf, fmt, ap);
+    va_end(ap);
+    time_t t = time(NULL);
+    struct tm tm;
+    gmtime_r(&t, &tm);
+    fprintf(stderr, "kvrope serve %02d:%02d:%02d %s\n", tm.tm_hour, tm.tm_min, tm.tm_sec, buf);
+}
+
+static bool is_conn_err(int code) { return code == KVR_ESYS || code == KVR_ECLOSED; }
+
+/* Reconnects to kvroped at most once a second while it is unreachable. */
+static void reconnect(srv *s)
+{
+    double now = kvr_wk_now_ms();
+    if (s->connected || now - s->t_reconnect < 1000)
+        return;
+    s->t_reconnect = now;
+    kvr_client_close(s->e.kc);
+    s->e.kc = NULL;
+    if (kvr_client_connect(&s->e.kc, s->socket, NULL) < 0 || kvr_client_ping(s->e.kc, NULL) < 0)
+        return;
+    if (kvr_wk_register(&s->e, s->model_path) < 0) {
+        log_line("kvroped at %s is back but registering the model failed: %s", s->socket,
+                 s->e.err);
+        return;
+    }
+    s->connected = true;
+    log_line("kvroped at %s reachable again: prompts use the cache", s->socket);
+}
+
+static void lost(srv *s, const char *what)
+{
+    pthread_mutex_lock(&s->mu);
+    s->m.cache_unavailable++;
+    pthread_mutex_unlock(&s->mu);
+    if (is_conn_err(s->e.kv_code) && s->connected) {
+        s->connected = false;
+        s->t_reconnect = kvr_wk_now_ms();
+        log_line("kvroped unreachable (%s: %s): answering without the cache", what, s->e.err);
+    } else {
+        log_line("%s failed, answering without the cache: %s", what, s->e.err);
+    }
+    s->e.kv_code = 0;
+}
+
+/* ---- slots -------------------------------------------------------------- */
+
+static size_t common_prefix(const int32_t *a, size_t na, const int32_t *b, size_t nb)
+{
+    size_t i = 0;
+    while (i < na && i < nb && a[i] == b[i])
+        i++;
+    return i;
+}
+
+/* The slot for a prompt: id_slot, else the slot whose last prompt shares the
+ * most with it, counting the common prefix and the common suffix (an edit in
+ * the middle of a file keeps both: the file's slot, whose session the engine
+ * can edit), when that is at least half the prompt (llama-server's similarity
+ * threshold); else the least recently used slot. */
+static int pick_slot(srv *s, const srv_job *j)
+{
+    if (j->p.id_slot >= 0)
+        return j->p.id_slot;
+    int best = -1;
+    size_t best_n = 0;
+    for (int i = 0; i < s->n_slots; i++) {
+        const srv_slot *sl = &s->slots[i];
+        size_t c = common_prefix(sl->toks, sl->n, j->toks, j->n);
+        size_t m = sl->n < j->n ? sl->n : j->n;
+        size_t e = 0;
+        while (c + e < m && sl->toks[sl->n - 1 - e] == j->toks[j->n - 1 - e])
+            e++;
+        if (c + e > best_n && (c + e) * 2 >= j->n) {
+            best = i;
+            best_n = c + e;
+        }
+    }
+    if (best >= 0)
+        return best;
+    best = 0;
+    for (int i = 1; i < s->n_slots; i++)
+        if (s->slots[i].last_used < s->slots[best].last_used)
+            best = i;
+    return best;
+}
+
+/* ---- a generation job --------------------------------------------------- */
+
+static void finish(srv *s, srv_job *j, int status, const char *type, const char *msg)
+{
+    pthread_mutex_lock(&s->mu);
+    if (status) {
+        j->status = status;
+        snprintf(j->err_type, sizeof j->err_type, "%s", type);
+        snprintf(j->err, sizeof j->err, "%.500s", msg);
+        s->m.requests_failed++;
+    }
+    j->done = true;
+    pthread_cond_broadcast(&s->progress);
+    pthread_mutex_unlock(&s->mu);
+}
+
+/* Decodes the prompt into seq 0 without kvrope. */
+static int prompt_direct(srv *s, const srv_job *j)
+{
+    kvr_wk_lm_clear(s->e.lm);
+    return kvr_wk_lm_decode(s->e.lm, j->toks, j->n, 0, 0, KVR_WK_LOGITS_LAST, NULL, NULL,
+                            s->e.err, sizeof s->e.err);
+}
+
+static void run_gen(srv *s, srv_job *j)
+{
+    int slot = pick_slot(s, j);
+    srv_slot *sl = &s->slots[slot];
+    pthread_mutex_lock(&s->mu);
+    j->slot = slot;
+    j->started = true;
+    sl->processing = true;
+    sl->id_task = s->next_task++;
+    pthread_mutex_unlock(&s->mu);
+
+    double t0 = kvr_wk_now_ms();
+    kvr_wk_step *step = NULL;
+    kvr_wk_sync_res res = { 0 };
+    bool via_cache = false;
+    reconnect(s);
+    if (j->p.cache_prompt && s->connected) {
+        kvr_wk_sync_opts so = { .session = sl->session, .refresh = s->o.refresh };
+        int r = kvr_wk_sync(&s->e, j->toks, j->n, &so, &step, &res);
+        if (r == 0)
+            via_cache = true;
+        else
+            lost(s, "kvr_wk_sync");
+    }
+    if (!via_cache) {
+        kvr_wk_step_free(step);
+        step = NULL;
+        if (prompt_direct(s, j) < 0) {
+            log_line("decoding a prompt of %zu tokens failed: %s", j->n, s->e.err);
+            pthread_mutex_lock(&s->mu);
+            sl->processing = false;
+            pthread_mutex_unlock(&s->mu);
+            finish(s, j, 500, "server_error", s->e.err);
+            return;
+        }
+    }
+    size_t n_eval = via_cache ? res.n_computed : j->n;
+    if (n_eval > j->n)
+        n_eval = j->n;
+    double t1 = kvr_wk_now_ms();
+    const kvr_wk_lm_info *in = kvr_wk_lm_info_get(s->e.lm);
+    pthread_mutex_lock(&s->mu);
+    j->n_eval = n_eval;
+    j->n_cache = j->n - n_eval;
+    j->sync = res;
+    j->via_cache = via_cache;
+    j->t_prompt_ms = t1 - t0;
+    s->m.prompt_tokens += n_eval;
+    s->m.prompt_reused += j->n - n_eval;
+    s->m.prompt_refreshed += via_cache ? res.n_refreshed : 0;
+    s->m.prompt_seconds += (t1 - t0) / 1e3;
+    pthread_mutex_unlock(&s->mu);
+
+    /* generation */
+    size_t room = s->n_ctx > j->n ? s->n_ctx - j->n : 0;
+    size_t limit = j->p.n_predict < 0 ? room : (size_t)j->p.n_predict;
+    bool ctx_cut = limit > room;
+    if (ctx_cut)
+        limit = room;
+    cand *c = malloc(in->n_vocab * sizeof *c);
+    uint64_t rng = j->p.seed == 0xFFFFFFFFu ? (uint64_t)time(NULL) ^ (uint64_t)(t0 * 1e3)
+                                            : j->p.seed;
+    size_t last_nl = 0;
+    int status = 0;
+    char msg[600] = "";
+    bool first = true;
+    for (size_t i = 0; i < limit; i++) {
+        const float *lg = kvr_wk_lm_logits(s->e.lm);
+        if (!c || !lg) {
+            status = 500;
+            snprintf(msg, sizeof msg, "%s", c ? "llama.cpp returned no logits" : "out of memory");
+            break;
+        }
+        int32_t tok = sample(&j->p, lg, in->n_vocab, c, &rng);
+        if (first) {
+            double ttft = (kvr_wk_now_ms() - t0) / 1e3;
+            pthread_mutex_lock(&s->mu);
+            for (int b = 0; b < 12; b++)
+                if (ttft <= srv_ttft_le[b])
+                    s->m.ttft_bucket[b]++;
+            s->m.ttft_sum += ttft;
+            s->m.ttft_count++;
+            pthread_mutex_unlock(&s->mu);
+            first = false;
+        }
+        pthread_mutex_lock(&s->mu);
+        bool stop = j->cancelled || s->stopping;
+        if (!stop && llama_vocab_is_eog(s->vocab, tok)) {
+            j->stop_type = SRV_STOP_EOS;
+            stop = true;
+        }
+        if (!stop) {
+            char piece[256];
+            int32_t pl = llama_token_to_piece(s->vocab, tok, piece, sizeof piece, 0, false);
+            if (pl < 0)
+                pl = 0;
+            if (j->n_gen == j->gen_cap) {
+                size_t gc = j->gen_cap ? j->gen_cap * 2 : 64;
+                int32_t *g = realloc(j->gen, gc * sizeof *g);
+                if (!g) {
+                    pthread_mutex_unlock(&s->mu);
+                    status = 500;
+                    snprintf(msg, sizeof msg, "out of memory");
+                    break;
+                }
+                j->gen = g;
+                j->gen_cap = gc;
+            }
+            j->gen[j->n_gen++] = tok;
+            size_t before = j->len;
+            if (text_add(j, piece, (size_t)pl) < 0) {
+                pthread_mutex_unlock(&s->mu);
+                status = 500;
+                snprintf(msg, sizeof msg, "out of memory");
+                break;
+            }
+            if (memchr(piece, '\n', (size_t)pl))
+                j->has_new_line = true;
+            if (stop_words(j, before))
+                stop = true;
+            /* llama-server's n_indent: once a line is complete, a new line
+             * indented less than n_indent ends the completion (cut there) */
+            if (!stop && j->p.n_indent > 0) {
+                if (last_nl > 0) {
+                    size_t pos = last_nl, ind = 0;
+                    while (pos < j->len && (j->text[pos] == ' ' || j->text[pos] == '\t')) {
+                        ind++;
+                        pos++;
+                    }
+                    if (pos < j->len && ind < (size_t)j->p.n_indent) {
+                        j->len = pos;
+                        j->text[pos] = 0;
+                        j->stop_type = SRV_STOP_LIMIT;
+                        stop = true;
+                    }
+                }
+                char *nl = memchr(j->text + last_nl, '\n', j->len - last_nl);
+                if (nl)
+                    last_nl = (size_t)(nl - j->text) + 1;
+            }
+            if (!stop && j->has_new_line && j->p.t_max_predict_ms > 0 &&
+                kvr_wk_now_ms() - t1 > j->p.t_max_predict_ms) {
+                j->stop_type = SRV_STOP_LIMIT;
+                stop = true;
+            }
+            if (stop)
+                j->safe = utf8_whole(j->text, j->len);
+            pthread_cond_broadcast(&s->progress);
+        }
+        pthread_mutex_unlock(&s->mu);
+        if (stop || i + 1 == limit)
+            break;
+        int r = kvr_wk_lm_decode(s->e.lm, &tok, 1, (int32_t)(j->n + i), 0, KVR_WK_LOGITS_LAST,
+                                 NULL, NULL, s->e.err, sizeof s->e.err);
+        if (r < 0) {
+            status = 500;
+            snprintf(msg, sizeof msg, "%.500s", s->e.err);
+            break;
+        }
+    }
+    free(c);
+    double t2 = kvr_wk_now_ms();
+    pthread_mutex_lock(&s->mu);
+    if (j->stop_type == SRV_STOP_NONE && j->n_gen >= limit && !j->cancelled)
+        j->stop_type = SRV_STOP_LIMIT;
+    j->truncated = false;
+    j->safe = utf8_whole(j->text ? j->text : "", j->len);
+    j->t_gen_ms = t2 - t1;
+    j->tokens_cached = j->n + (j->n_gen ? j->n_gen - 1 : 0);
+    if (j->cancelled)
+        s->m.cancelled++;
+    s->m.requests++;
+    s->m.tokens_predicted += j->n_gen;
+    s->m.predicted_seconds += (t2 - t1) / 1e3;
+    pthread_mutex_unlock(&s->mu);
+    finish(s, j, status, "server_error", msg);
+
+    /* after the answer: the prompt's KV into the slot's session */
+    if (step) {
+        if (kvr_wk_commit(&s->e, step) < 0) {
+            pthread_mutex_lock(&s->mu);
+            s->m.commit_failed++;
+            pthread_mutex_unlock(&s->mu);
+            lost(s, "kvr_wk_commit");
+        }
+        kvr_wk_step_free(step);
+    }
+    int32_t *keep = realloc(sl->toks, (j->n ? j->n : 1) * sizeof *keep);
+    if (keep) {
+        memcpy(keep, j->toks, j->n * sizeof *keep);
+        sl->toks = keep;
+        sl->n = j->n;
+    }
+    sl->n_approx = via_cache ? res.n_approx : 0;
+    sl->last_used = (uint64_t)(t2 * 1e3);
+    pthread_mutex_lock(&s->mu);
+    sl->processing = false;
+    pthread_mutex_unlock(&s->mu);
+}
+
+/* ---- slot save / restore / erase: kvrope contexts ---------------------- */
+
+static void saved_name(const srv *s, const char *file, char *out, size_t cap)
+{
+    uint64_t h = s->model_hash;
+    for (const char *p = file; *p; p++)
+        h = (h ^ (unsigned char)*p) * 1099511628211ull;
+    snprintf(out, cap, "kvs-save-%016llx", (unsigned long long)h);
+}
+
+static void run_slot_op(srv *s, srv_job *j)
+{
+    srv_slot *sl = &s->slots[j->p.id_slot];
+    double t0 = kvr_wk_now_ms();
+    reconnect(s);
+    if (!s->connected) {
+        finish(s, j, 503, "unavailable_error", "kvroped is unreachable");
+        return;
+    }
+    char saved[KVR_ID_MAX + 1];
+    saved_name(s, j->slot_file, saved, sizeof saved);
+    kvr_context info = { 0 };
+    int r = 0;
+    const char *from = j->kind == SRV_JOB_SLOT_SAVE ? sl->session : saved;
+    const char *to = j->kind == SRV_JOB_SLOT_SAVE ? saved : sl->session;
+    if (j->kind == SRV_JOB_SLOT_ERASE) {
+        r = kvr_client_stat(s->e.kc, sl->session, &info);
+        if (r == 0)
+            r = kvr_client_delete(s->e.kc, sl->session);
+        if (r == KVR_ENOCTX)
+            r = 0, info.n_tokens = 0;
+        if (r == 0) {
+            free(sl->toks);
+            sl->toks = NULL;
+            sl->n = 0;
+        }
+    } else {
+        r = kvr_client_stat(s->e.kc, from, &info);
+        if (r == 0) {
+            int d = kvr_client_delete(s->e.kc, to);
+            if (d < 0 && d != KVR_ENOCTX)
+                r = d;
+        }
+        if (r == 0)
+            r = kvr_client_fork(s->e.kc, from, to);
+        if (r == 0 && j->kind == SRV_JOB_SLOT_RESTORE) {
+            free(sl->toks);   /* the next request finds the context by its session */
+            sl->toks = NULL;
+            sl->n = 0;
+        }
+    }
+    double t1 = kvr_wk_now_ms();
+    if (r == KVR_ENOCTX) {
+        char m[400];
+        if (j->kind == SRV_JOB_SLOT_SAVE)
+            snprintf(m, sizeof m, "slot %d holds no cached prompt", j->p.id_slot);
+        else
+            snprintf(m, sizeof m, "no slot was saved as %s", j->slot_file);
+        finish(s, j, j->kind == SRV_JOB_SLOT_SAVE ? 400 : 404,
+               j->kind == SRV_JOB_SLOT_SAVE ? "invalid_request_error" : "not_found_error", m);
+        return;
+    }
+    if (r < 0) {
+        s->e.kv_code = r;
+        snprintf(s->e.err, sizeof s->e.err, "%s", kvr_client_last_error(s->e.kc));
+        char m[1200];
+        snprintf(m, sizeof m, "kvrope: %s", s->e.err);
+        if (is_conn_err(r))
+            lost(s, "slot operation");
+        finish(s, j, 500, "server_error", m);
+        return;
+    }
+    pthread_mutex_lock(&s->mu);
+    j->n_saved = (size_t)info.n_tokens;
+    j->t_op_ms = t1 - t0;
+    pthread_mutex_unlock(&s->mu);
+    finish(s, j, 0, "", "");
+}
+
+/* ---- the thread --------------------------------------------------------- */
+
+static void idle_refresh(srv *s)
+{
+    if (!s->connected)
+        return;
+    for (int i = 0; i < s->n_slots; i++) {
+        srv_slot *sl = &s->slots[i];
+        if (!sl->n_approx)
+            continue;
+        size_t done = 0;
+        if (kvr_wk_refresh_idle(&s->e, sl->session, REFRESH_BUDGET, SIZE_MAX, &done) < 0) {
+            lost(s, "background refresh");
+            sl->n_approx = 0;
+            return;
+        }
+        sl->n_approx = done >= sl->n_approx || done == 0 ? 0 : sl->n_approx - done;
+        pthread_mutex_lock(&s->mu);
+        s->m.refreshed_idle += done;
+        pthread_mutex_unlock(&s->mu);
+        return;     /* one budget, then look at the queue again */
+    }
+}
+
+static void *engine_main(void *arg)
+{
+    srv *s = arg;
+    pthread_mutex_lock(&s->mu);
+    for (;;) {
+        while (!s->stopping && !s->q_head) {
+            bool pending = false;
+            for (int i = 0; i < s->n_slots; i++)
+                pending |= s->slots[i].n_approx > 0;
+            if (!pending) {
+                pthread_cond_wait(&s->wake, &s->mu);
+                continue;
+            }
+            struct timespec ts;
+            clock_gettime(CLOCK_REALTIME, &ts);
+            long ns = ts.tv_nsec + (long)(s->o.idle_ms % 1000) * 1000000L;
+            ts.tv_sec += s->o.idle_ms / 1000 + ns / 1000000000L;
+            ts.tv_nsec = ns % 1000000000L;
+            if (pthread_cond_timedwait(&s->wake, &s->mu, &ts) == ETIMEDOUT && !s->q_head &&
+                !s->stopping) {
+                pthread_mutex_unlock(&s->mu);
+                idle_refresh(s);
+                pthread_mutex_lock(&s->mu);
+            }
+        }
+        if (s->stopping && !s->q_head)
+            break;
+        srv_job *j = s->q_head;
+        s->q_head = j->next;
+        if (!s->q_head)
+            s->q_tail = NULL;
+        s->q_len--;
+        bool skip = j->cancelled || s->stopping;
+        pthread_mutex_unlock(&s->mu);
+        if (skip)
+            finish(s, j, 503, "unavailable_error", "cancelled");
+        else if (j->kind == SRV_JOB_GEN)
+            run_gen(s, j);
+        else
+            run_slot_op(s, j);
+        srv_job_release(s, j);
+        pthread_mutex_lock(&s->mu);
+    }
+    pthread_mutex_unlock(&s->mu);
+    return NULL;
+}
+
+int srv_engine_start(srv *s)
+{
+    return -pthread_create(&s->engine, NULL, engine_main, s);
+}
+
+void srv_engine_stop(srv *s)
+{
+    pthread_mutex_lock(&s->mu);
+    s->stopping = true;
+    for (srv_job *j = s->q_head; j; j = j->next)
+        j->cancelled = true;
+    pthread_cond_broadcast(&s->wake);
+    pthread_cond_broadcast(&s->progress);
+    pthread_mutex_unlock(&s->mu);
+    pthread_join(s->engine, NULL);
+    for (int i = 0; i < s->n_slots; i++)
+        free(s->slots[i].toks);
+}
