@@ -3,9 +3,13 @@
  * counting, the release hook, data swaps for the disk tier (block.h has
  * the layout and the invariants).
  *
- * Each K/V slab of a plain block is cap*row*dsize bytes; with cap a multiple
- * of 16 and dsize >= 2 every slab stays 64-byte aligned for the SIMD
- * kernels. A block is freed when its last reference goes, never earlier
+ * Each K/V slab of a plain block is cap*row*dsize bytes; cap a multiple of
+ * kvr_block_cap_gran keeps every slab 64-byte aligned for the SIMD kernels
+ * (16 slots with dsize >= 2 always do). The K/V allocation and the
+ * metadata allocation are separate (block.h), so a 2^k-byte K/V slab set
+ * is one 2^k-byte allocation, and what is accounted is what the allocator
+ * holds for both (malloc_usable_size). A block is freed when its last
+ * reference goes, never earlier
  * (into the pool's bounded cache of freed blocks when it has one: block.h;
  * a reused block is initialised exactly as a fresh one, its data as
  * uninitialised as kvr_mem_aligned's, a quantized block's unwritten bytes
@@ -27,7 +31,7 @@ void kvr_block_geom_plain(kvr_block_geom *g, uint32_t cap, uint32_t n_layers, ui
     *g = (kvr_block_geom){ .cap = cap, .n_layers = n_layers, .row = row, .dtype = dt };
 }
 
-/* Bytes before the metadata: K/V slabs (plus the quantized header). */
+/* Bytes of the K/V allocation: K/V slabs (plus the quantized header). */
 static size_t geom_kv_bytes(const kvr_block_geom *g)
 {
     if (g->quant)
@@ -36,9 +40,53 @@ static size_t geom_kv_bytes(const kvr_block_geom *g)
     return align64(slab * 2u * g->n_layers);
 }
 
+size_t kvr_block_geom_kv_bytes(const kvr_block_geom *g)
+{
+    return geom_kv_bytes(g);
+}
+
 size_t kvr_block_geom_bytes(const kvr_block_geom *g)
 {
     return geom_kv_bytes(g) + (size_t)g->cap * KVR_BLOCK_META_SLOT;
+}
+
+size_t kvr_block_geom_alloc(const kvr_block_geom *g)
+{
+    return kvr_mem_size_class(geom_kv_bytes(g)) +
+           kvr_mem_size_class((size_t)g->cap * KVR_BLOCK_META_SLOT) +
+           kvr_mem_size_class(sizeof(kvr_block));
+}
+
+uint32_t kvr_block_cap_gran(uint32_t row, kvr_dtype dt)
+{
+    size_t rowb = (size_t)row * kvr_dtype_size(dt);
+    uint32_t g = 1;
+    while ((rowb * g) % KVR_BLOCK_ALIGN && g < KVR_BLOCK_ALIGN)
+        g *= 2;
+    return g;
+}
+
+uint32_t kvr_block_fit_cap(const kvr_block_geom *g, uint32_t want)
+{
+    assert(!g->quant && want >= 1);
+    uint32_t gran = kvr_block_cap_gran(g->row, g->dtype), B = g->cap;
+    if (want >= B)
+        return B;
+    uint32_t cap = (want + gran - 1) / gran * gran;
+    if (cap >= B)
+        return B;
+    /* The slots the size class holds anyway: per slot, 2 * n_layers rows. */
+    size_t per = 2u * (size_t)g->n_layers * g->row * kvr_dtype_size(g->dtype);
+    kvr_block_geom t = *g;
+    t.cap = cap;
+    size_t cls = kvr_mem_size_class(geom_kv_bytes(&t));
+    uint32_t more = (uint32_t)((cls / per) / gran * gran);
+    if (more > cap) {
+        t.cap = more < B ? more : B;
+        if (geom_kv_bytes(&t) <= cls)
+            cap = t.cap;
+    }
+    return cap;
 }
 
 /* A fresh quantized block's header, and zeros in every K/V byte its
@@ -67,26 +115,40 @@ static void qzero_unwritten(uint8_t *data, const kvr_block_geom *g)
     }
 }
 
-static void set_ptrs(kvr_block *b, uint8_t *base, size_t off)
+static void set_ptrs(kvr_block *b, uint8_t *meta)
 {
-    b->stored_pos = (int64_t *)(void *)(base + off);
-    b->tokens = (uint32_t *)(void *)(base + off + (size_t)b->cap * sizeof(int64_t));
-    b->groups = (int32_t *)(void *)(base + off + (size_t)b->cap * 12u);
+    b->meta = meta;
+    b->stored_pos = (int64_t *)(void *)meta;
+    b->tokens = (uint32_t *)(void *)(meta + (size_t)b->cap * sizeof(int64_t));
+    b->groups = (int32_t *)(void *)(meta + (size_t)b->cap * 12u);
+}
+
+static size_t held_bytes(const kvr_block *b)
+{
+    return (b->data ? malloc_usable_size(b->data) : 0) + malloc_usable_size(b->meta) +
+           malloc_usable_size((void *)(uintptr_t)b);
 }
 
 static void account(kvr_block_pool *p, kvr_block *b)
 {
     p->bytes -= b->bytes;
-    b->bytes = malloc_usable_size(b->data) + malloc_usable_size(b);
+    b->bytes = held_bytes(b);
     p->bytes += b->bytes;
 }
 
-/* A cached block whose data is `len` bytes (taken out of the cache), or NULL. */
-static kvr_block *cache_take(kvr_block_pool *p, size_t len)
+static void free_block(kvr_block *b)
+{
+    kvr_mem_free(b->data);
+    kvr_mem_free(b->meta);
+    kvr_mem_free(b);
+}
+
+/* A cached block of this K/V length and cap (taken out of the cache), or NULL. */
+static kvr_block *cache_take(kvr_block_pool *p, size_t len, uint32_t cap)
 {
     for (size_t i = p->cache_n; i-- > 0;) {
         kvr_block *b = p->cached[i];
-        if (kvr_block_data_len(b) != len)
+        if (b->kv_len != len || b->cap != cap)
             continue;
         p->cached[i] = p->cached[--p->cache_n];
         p->cached[p->cache_n] = NULL;
@@ -115,28 +177,32 @@ size_t kvr_block_pool_trim(kvr_block_pool *p)
     while (p->cache_n > 0) {
         kvr_block *b = p->cached[--p->cache_n];
         p->cached[p->cache_n] = NULL;
-        kvr_mem_free(b->data);
-        kvr_mem_free(b);
+        free_block(b);
     }
     p->cache_bytes = 0;
     return freed;
 }
 
 kvr_block *kvr_block_create(kvr_block_pool *p, const kvr_block_geom *g, uint8_t *data,
-                            size_t len, uint32_t used)
+                            size_t len, uint8_t *meta, uint32_t used)
 {
-    assert(g->cap > 0 && used <= g->cap);
+    assert(g->cap > 0 && used <= g->cap && !data == !meta);
+    assert(g->quant || ((size_t)g->cap * g->row * kvr_dtype_size(g->dtype)) %
+                       KVR_BLOCK_ALIGN == 0);
+    size_t kv = data ? len : geom_kv_bytes(g);
     if (!data && p->cache_n > 0) {
-        kvr_block *b = cache_take(p, kvr_block_geom_bytes(g));
+        kvr_block *b = cache_take(p, kv, g->cap);
         if (b) {
             size_t bytes = b->bytes;
             data = b->data;
+            meta = b->meta;
             if (g->quant)
                 qzero_unwritten(data, g);
             *b = (kvr_block){ .refcount = 1, .used = used, .cap = g->cap, .row = g->row,
-                              .dtype = g->dtype, .quant = g->quant, .data = data,
-                              .pos_lo = 0, .pos_hi = -1, .bytes = bytes };
-            set_ptrs(b, data, geom_kv_bytes(g));
+                              .n_layers = g->n_layers, .dtype = g->dtype, .quant = g->quant,
+                              .data = data, .kv_len = kv, .pos_lo = 0, .pos_hi = -1,
+                              .bytes = bytes };
+            set_ptrs(b, meta);
             p->n_blocks++;
             p->bytes += bytes;
             return b;
@@ -145,14 +211,12 @@ kvr_block *kvr_block_create(kvr_block_pool *p, const kvr_block_geom *g, uint8_t 
     kvr_block *b = kvr_mem_calloc(1, sizeof *b);
     if (!b)
         return NULL;
-    size_t meta;
-    if (data) {
-        assert(len >= (size_t)g->cap * KVR_BLOCK_META_SLOT);
-        meta = len - (size_t)g->cap * KVR_BLOCK_META_SLOT;
-    } else {
-        meta = geom_kv_bytes(g);
-        data = kvr_mem_aligned(KVR_BLOCK_ALIGN, kvr_block_geom_bytes(g));
-        if (!data) {
+    if (!data) {
+        data = kvr_mem_aligned(KVR_BLOCK_ALIGN, kv);
+        meta = kvr_mem_malloc((size_t)g->cap * KVR_BLOCK_META_SLOT);
+        if (!data || !meta) {
+            kvr_mem_free(data);
+            kvr_mem_free(meta);
             kvr_mem_free(b);
             return NULL;
         }
@@ -160,13 +224,48 @@ kvr_block *kvr_block_create(kvr_block_pool *p, const kvr_block_geom *g, uint8_t 
             qzero_unwritten(data, g);
     }
     *b = (kvr_block){ .refcount = 1, .used = used, .cap = g->cap, .row = g->row,
-                      .dtype = g->dtype, .quant = g->quant, .data = data, .pos_lo = 0,
-                      .pos_hi = -1 };
-    set_ptrs(b, data, meta);
-    b->bytes = malloc_usable_size(b->data) + malloc_usable_size(b);
+                      .n_layers = g->n_layers, .dtype = g->dtype, .quant = g->quant,
+                      .data = data, .kv_len = kv, .pos_lo = 0, .pos_hi = -1 };
+    set_ptrs(b, meta);
+    b->bytes = held_bytes(b);
     p->n_blocks++;
     p->bytes += b->bytes;
     return b;
+}
+
+int kvr_block_resize(kvr_block_pool *p, kvr_block *b, uint32_t n_layers, uint32_t cap)
+{
+    assert(b->n_layers == n_layers && cap >= b->used);
+    if (cap == b->cap)
+        return 0;
+    /* Anyone else's view (a reader, a disk image of the old cap) forbids it. */
+    if (b->quant || b->spilled || b->disk || b->holds || b->refcount != 1)
+        return KVR_EINVAL;
+    kvr_block_geom g;
+    kvr_block_geom_plain(&g, cap, n_layers, b->row, b->dtype);
+    size_t rowb = (size_t)b->row * kvr_dtype_size(b->dtype);
+    assert((rowb * cap) % KVR_BLOCK_ALIGN == 0);
+    uint8_t *data = kvr_mem_aligned(KVR_BLOCK_ALIGN, geom_kv_bytes(&g));
+    uint8_t *meta = kvr_mem_malloc((size_t)cap * KVR_BLOCK_META_SLOT);
+    if (!data || !meta) {
+        kvr_mem_free(data);
+        kvr_mem_free(meta);
+        return KVR_ENOMEM;
+    }
+    /* Slabs move to the new stride; slots below used keep their bytes. */
+    for (uint32_t s = 0; s < 2u * n_layers; s++)
+        memcpy(data + rowb * cap * s, b->data + rowb * b->cap * s, rowb * b->used);
+    memcpy(meta, b->stored_pos, (size_t)b->used * sizeof(int64_t));
+    memcpy(meta + (size_t)cap * sizeof(int64_t), b->tokens, (size_t)b->used * sizeof(uint32_t));
+    memcpy(meta + (size_t)cap * 12u, b->groups, (size_t)b->used * sizeof(int32_t));
+    kvr_mem_free(b->data);
+    kvr_mem_free(b->meta);
+    b->data = data;
+    b->cap = cap;
+    b->kv_len = geom_kv_bytes(&g);
+    set_ptrs(b, meta);
+    account(p, b);
+    return 0;
 }
 
 void kvr_block_ref(kvr_block *b)
@@ -190,8 +289,7 @@ void kvr_block_unref(kvr_block_pool *p, kvr_block *b)
     p->bytes -= b->bytes;
     if (p->cache_max && cache_put(p, b))
         return;
-    kvr_mem_free(b->data);
-    kvr_mem_free(b);
+    free_block(b);
 }
 
 void kvr_block_hold(kvr_block *b)
@@ -283,14 +381,24 @@ const uint8_t *kvr_brun_fill(const kvr_brun *runs, size_t n, uint32_t layer, int
     return src;
 }
 
-size_t kvr_block_meta_off(const kvr_block *b)
+size_t kvr_block_meta_len(const kvr_block *b)
 {
-    return (size_t)((const uint8_t *)(const void *)b->stored_pos - b->data);
+    return (size_t)b->cap * KVR_BLOCK_META_SLOT;
 }
 
 size_t kvr_block_data_len(const kvr_block *b)
 {
-    return kvr_block_meta_off(b) + (size_t)b->cap * KVR_BLOCK_META_SLOT;
+    return b->kv_len + kvr_block_meta_len(b);
+}
+
+size_t kvr_block_held_bytes(const kvr_block *b)
+{
+    if (!b->quant)
+        return 2u * (size_t)b->n_layers * b->used * b->row * kvr_dtype_size(b->dtype);
+    const kvr_qhdr *h = KVR_QH(b);
+    /* K tiles: their share of a tile per token. */
+    double k = (double)h->krow * b->used / h->ktile;
+    return (size_t)((k + (double)h->vrow * b->used) * b->n_layers);
 }
 
 size_t kvr_block_spilled_bytes(const kvr_block *b)
@@ -298,23 +406,20 @@ size_t kvr_block_spilled_bytes(const kvr_block *b)
     return (b->quant ? KVR_QHDR_BYTES : 0) + (size_t)b->cap * KVR_BLOCK_META_SLOT;
 }
 
-void kvr_block_set_data(kvr_block_pool *p, kvr_block *b, uint8_t *data, size_t meta_off,
-                        bool spilled)
+void kvr_block_set_data(kvr_block_pool *p, kvr_block *b, uint8_t *data, bool spilled)
 {
     kvr_mem_free(b->data);
     b->data = data;
-    set_ptrs(b, data, meta_off);
     b->spilled = spilled;
     account(p, b);
 }
 
-void kvr_block_view(const kvr_block *b, kvr_block *view, uint8_t *buf, size_t meta_off)
+void kvr_block_view(const kvr_block *b, kvr_block *view, uint8_t *buf)
 {
     *view = *b;
     view->data = buf;
     view->spilled = false;
     view->disk = NULL;
-    set_ptrs(view, buf, meta_off);
 }
 
 void kvr_block_pos_bounds(kvr_block *b, int64_t *lo, int64_t *hi)

@@ -669,28 +669,57 @@ int kvr_store_codec_check(const kvr_store *s, const char *model, const char *spe
     return rc;
 }
 
-static void block_geom(const kvr_store *s, const kvr_ctx *c, bool quant, kvr_block_geom *g)
+/* Geometry of c's blocks for `want` tokens (>= s->B: a full block). A
+ * context's last block holds what its tokens need, not s->B slots: a
+ * 200-token context of 64-token blocks is three full blocks and one of 8
+ * (rounded up to a slab alignment and to what its size class holds). */
+static void block_geom(const kvr_store *s, const kvr_ctx *c, bool quant, uint32_t want,
+                       kvr_block_geom *g)
 {
     const kvr_model *m = c->model;
-    if (quant)
-        kvr_qspec_geom(&c->codec, s->B, m->n_layers, kvr_model_row(m), g);
-    else
-        kvr_block_geom_plain(g, s->B, m->n_layers, kvr_model_row(m), c->dtype);
+    uint32_t B = want && want < s->B ? want : s->B;
+    if (quant) {
+        kvr_qspec_geom(&c->codec, B, m->n_layers, kvr_model_row(m), g);
+        return;
+    }
+    kvr_block_geom_plain(g, s->B, m->n_layers, kvr_model_row(m), c->dtype);
+    if (B < s->B)
+        g->cap = kvr_block_fit_cap(g, B);
+}
+
+kvr_block *kvr_store_block_new_for(kvr_store *s, const kvr_ctx *c, bool quant, uint32_t fill,
+                                   uint32_t want)
+{
+    kvr_block_geom g;
+    block_geom(s, c, quant, want, &g);
+    g.fill = quant ? fill : 0;
+    return kvr_block_create(&s->pool, &g, NULL, 0, NULL, 0);
 }
 
 kvr_block *kvr_store_block_new(kvr_store *s, const kvr_ctx *c, bool quant, uint32_t fill)
 {
-    kvr_block_geom g;
-    block_geom(s, c, quant, &g);
-    g.fill = quant ? fill : 0;
-    return kvr_block_create(&s->pool, &g, NULL, 0, 0);
+    return kvr_store_block_new_for(s, c, quant, fill, 0);
 }
 
 size_t kvr_store_block_bytes(const kvr_store *s, const kvr_ctx *c, bool quant)
 {
     kvr_block_geom g;
-    block_geom(s, c, quant, &g);
+    block_geom(s, c, quant, 0, &g);
     return kvr_block_geom_bytes(&g);
+}
+
+size_t kvr_store_block_alloc(const kvr_store *s, const kvr_ctx *c, bool quant, uint32_t want)
+{
+    kvr_block_geom g;
+    block_geom(s, c, quant, want, &g);
+    return kvr_block_geom_alloc(&g);
+}
+
+uint32_t kvr_store_block_fit(const kvr_store *s, const kvr_ctx *c, uint32_t want)
+{
+    kvr_block_geom g;
+    block_geom(s, c, false, want, &g);
+    return g.cap;
 }
 
 int kvr_store_fault_in(kvr_store *s, kvr_block *const *bs, size_t n, kvr_error *err)

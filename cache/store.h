@@ -114,8 +114,19 @@ int        kvr_model_codec(const kvr_model *m, const char *spec, kvr_qspec *out,
  * fill (quantized): slots [0, fill) the caller writes whole before the
  * block is read or spilled (kvr_block_geom.fill); 0 for plain blocks. */
 kvr_block *kvr_store_block_new(kvr_store *s, const kvr_ctx *c, bool quant, uint32_t fill);
-/* Data bytes of such a block. */
+/* The same sized for `want` tokens (a context's last block): plain, the
+ * cap kvr_block_fit_cap gives; quantized, want rounded up to the K tile.
+ * want >= the full cap: a full block. */
+kvr_block *kvr_store_block_new_for(kvr_store *s, const kvr_ctx *c, bool quant, uint32_t fill,
+                                   uint32_t want);
+/* Image bytes of a full block (K/V, header, metadata). */
 size_t     kvr_store_block_bytes(const kvr_store *s, const kvr_ctx *c, bool quant);
+/* What the allocator holds for a block sized for `want` tokens (its size
+ * classes: K/V, metadata, struct): a request's reservation. */
+size_t     kvr_store_block_alloc(const kvr_store *s, const kvr_ctx *c, bool quant,
+                                 uint32_t want);
+/* The cap a plain block of c for `want` tokens gets (kvr_block_fit_cap). */
+uint32_t   kvr_store_block_fit(const kvr_store *s, const kvr_ctx *c, uint32_t want);
 
 /* ---- memory ------------------------------------------------------------- */
 /* Makes room for `need` more bytes under the cap (evicting), or KVR_ENOMEM. */

@@ -314,8 +314,7 @@ static void r_head(rbuf *r, char *name, size_t cap)
 
 typedef struct pspill {
     kvr_block      *b;           /* leased (ref + hold) until the batch ends */
-    const void     *data;
-    size_t          len;
+    kvr_disk_buf    img;         /* its two parts */
     uint32_t        used;        /* b->used when the record was made */
     size_t          off;         /* where its handle goes in the record */
 } pspill;
@@ -392,39 +391,41 @@ typedef struct kvr_block_disk {
     uint32_t        used;
 } kvr_block_disk;
 
-/* Drops b's K/V bytes from memory (it has a valid disk copy). */
+/* Drops b's K/V bytes from memory (it has a valid disk copy); its
+ * metadata (its own allocation) stays, and a quantized block's header. */
 static int make_spilled(kvr_store *s, kvr_block *b)
 {
     /* Only an unheld block with a valid disk copy goes. */
     assert(!b->spilled && b->holds == 0 && b->disk && b->disk->used == b->used);
-    uint8_t *m = kvr_mem_aligned(KVR_BLOCK_ALIGN, kvr_block_spilled_bytes(b));
-    if (!m)
-        return KVR_ENOMEM;
-    size_t mo = b->quant ? KVR_QHDR_BYTES : 0;
-    if (b->quant)
+    uint8_t *m = NULL;
+    if (b->quant) {
+        if (!(m = kvr_mem_aligned(KVR_BLOCK_ALIGN, KVR_QHDR_BYTES)))
+            return KVR_ENOMEM;
         memcpy(m, b->data, KVR_QHDR_BYTES);
-    memcpy(m + mo, b->stored_pos, (size_t)b->cap * KVR_BLOCK_META_SLOT);
-    kvr_block_set_data(&s->pool, b, m, mo, true);
+    }
+    kvr_block_set_data(&s->pool, b, m, true);
     return 0;
 }
 
-/* Full data length of a spilled block: its handle's length. */
+/* The K/V part of a spilled block's image (the rest is its metadata). */
 static size_t spilled_len(const kvr_block *b)
 {
-    return b->disk->h.len;
+    assert(b->disk->h.len == kvr_block_data_len(b));
+    return b->kv_len;
 }
 
-/* Where the metadata sits in a spilled block's full data. */
-static size_t full_meta_off(const kvr_block *b)
+/* The two parts of a block's image, to spill. */
+static kvr_disk_buf image_buf(const kvr_block *b)
 {
-    return spilled_len(b) - (size_t)b->cap * KVR_BLOCK_META_SLOT;
+    return (kvr_disk_buf){ .data = b->data, .len = b->kv_len, .tail = b->meta,
+                           .tail_len = kvr_block_meta_len(b) };
 }
 
-/* Installs freshly loaded full data into a spilled block. */
+/* Installs freshly loaded K/V data into a spilled block. */
 static void install_data(kvr_store *s, kvr_block *b, uint8_t *buf)
 {
     assert(b->spilled && b->disk);
-    kvr_block_set_data(&s->pool, b, buf, full_meta_off(b), false);
+    kvr_block_set_data(&s->pool, b, buf, false);
 }
 
 /* A handle this store no longer needs: freed now if no durable record
@@ -579,7 +580,7 @@ static int tier_evict(kvr_store *s, size_t want)
             b->mark = ep;
             bs[n++] = b;
             if (io) {
-                bufs[nio++] = (kvr_disk_buf){ b->data, len };
+                bufs[nio++] = image_buf(b);
                 io_bytes += len;
             }
             size_t sp = kvr_block_spilled_bytes(b);
@@ -762,14 +763,12 @@ static int reload_begin(kvr_store *s, kvr_block *const *bs, size_t n, kvr_ctx *p
     for (size_t i = 0; i < r->n; i++) {
         rl_ent *x = &r->e[i];
         x->h = x->b->disk->h;
-        size_t full_off = full_meta_off(x->b);
-        kvr_block_view(x->b, &x->view, x->buf, full_off);
-        /* The view is readable at begin: its quantized header and metadata
-         * (kept in memory while spilled) go in now; the load rewrites the
-         * same bytes. */
+        kvr_block_view(x->b, &x->view, x->buf);
+        /* The view is readable at begin: its quantized header (kept in
+         * memory while spilled) goes in now, the load rewrites the same
+         * bytes; its metadata is the block's own (never spilled). */
         if (x->b->quant)
             memcpy(x->buf, x->b->data, KVR_QHDR_BYTES);
-        memcpy(x->buf + full_off, x->b->stored_pos, (size_t)x->b->cap * KVR_BLOCK_META_SLOT);
         x->st = KVR_EIO;      /* not loaded yet */
     }
     qsort(r->e, r->n, sizeof *r->e, rl_cmp);
@@ -807,18 +806,25 @@ static int reload_work(kvr_reload *r, kvr_error *err)
         return 0;
     if (!r->loaded) {
         kvr_disk_handle *hs = kvr_mem_malloc(r->n * sizeof *hs);
-        void **bufs = kvr_mem_malloc(r->n * sizeof *bufs);
+        kvr_disk_dst *bufs = kvr_mem_malloc(r->n * sizeof *bufs);
         int *st = kvr_mem_malloc(r->n * sizeof *st);
+        /* The images' metadata parts: the blocks kept theirs in memory, so
+         * these bytes are only read (and checksummed) and dropped. */
+        size_t tails = 0;
+        for (size_t i = 0; i < r->n; i++)
+            tails += r->e[i].h.len - r->e[i].view.kv_len;
+        uint8_t *tail = kvr_mem_malloc(tails);
         r->rc = 0;
-        if (!hs || !bufs || !st) {
+        if (!hs || !bufs || !st || !tail) {
             r->rc = kvr_error_set(&r->err, KVR_ENOMEM, "out of memory reloading blocks");
         } else {
-            for (size_t i = 0; i < r->n; i++) {
+            for (size_t i = 0, at = 0; i < r->n; i++) {
                 hs[i] = r->e[i].h;
-                bufs[i] = r->e[i].buf;
+                bufs[i] = (kvr_disk_dst){ r->e[i].buf, r->e[i].view.kv_len, tail + at };
+                at += hs[i].len - r->e[i].view.kv_len;
             }
             kvr_error le = { 0 };
-            kvr_disk_load(r->d, hs, (void *const *)bufs, r->n, st, &le);
+            kvr_disk_load_split(r->d, hs, bufs, r->n, st, &le);
             for (size_t i = 0; i < r->n; i++) {
                 r->e[i].st = st[i];
                 if (st[i] != 0 && r->e[i].needed && r->rc == 0)
@@ -831,6 +837,7 @@ static int reload_work(kvr_reload *r, kvr_error *err)
         kvr_mem_free(hs);
         kvr_mem_free(bufs);
         kvr_mem_free(st);
+        kvr_mem_free(tail);
         r->loaded = true;
     }
     if (r->rc != 0 && err)
@@ -944,7 +951,7 @@ static int enc_ctx(kvr_store *s, kvr_ctx *c, pjob *j)
             kvr_disk_handle_encode(&b->disk->h, hb);
         } else {
             kvr_block_hold(b);
-            j->sp[j->n_sp++] = (pspill){ b, b->data, kvr_block_data_len(b), b->used, w->len };
+            j->sp[j->n_sp++] = (pspill){ b, image_buf(b), b->used, w->len };
         }
         w_raw(w, hb, sizeof hb);
         w_u32(w, b->used);
@@ -1298,7 +1305,7 @@ void kvr_persist_batch_work(kvr_persist_batch *b)
                 goto out;
             }
             idx[k++] = b->n_u;
-            bufs[b->n_u] = (kvr_disk_buf){ j->sp[i].data, j->sp[i].len };
+            bufs[b->n_u] = j->sp[i].img;
             b->u[b->n_u++] = &j->sp[i];
         }
     if (b->n_u) {
@@ -1652,10 +1659,12 @@ static int recover_ctx(kvr_store *s, kvr_tier *t, hmap *blocks, const trec *r)
      * each; over the memory cap a block keeps only its metadata (it is on
      * disk already: no I/O), so recovery needs memory for one chunk. */
     void **bufs = kvr_mem_calloc(nb ? nb : 1, sizeof *bufs);
+    void **metas = kvr_mem_calloc(nb ? nb : 1, sizeof *metas);
+    kvr_disk_dst *dst = kvr_mem_calloc(nb ? nb : 1, sizeof *dst);
     kvr_disk_handle *hs = kvr_mem_calloc(nb ? nb : 1, sizeof *hs);
     uint32_t *which = kvr_mem_calloc(nb ? nb : 1, sizeof *which);
     int *st = kvr_mem_calloc(nb ? nb : 1, sizeof *st);
-    if (rc == 0 && (!bufs || !hs || !st || !which))
+    if (rc == 0 && (!bufs || !metas || !dst || !hs || !st || !which))
         rc = KVR_ENOMEM;
     size_t chunk_max = 64u << 20;
     if (s->cfg.max_memory && s->cfg.max_memory / 4 < chunk_max)
@@ -1668,7 +1677,20 @@ static int recover_ctx(kvr_store *s, kvr_tier *t, hmap *blocks, const trec *r)
                 continue;
             if (k && bytes + rb[i].h.len > chunk_max)
                 break;
-            if (!(bufs[k] = kvr_mem_aligned(KVR_BLOCK_ALIGN, rb[i].h.len))) {
+            /* The image: K/V, then the metadata, each into its own
+             * allocation (block.h). */
+            size_t ml = (size_t)rb[i].cap * KVR_BLOCK_META_SLOT;
+            if (rb[i].h.len <= ml) {
+                rc = KVR_EINVAL;
+                tlog(t, KVR_TIER_LOG_WARN, "disk: context '%s': block %u of %u bytes cannot "
+                     "hold %u slots: dropped", id, i, rb[i].h.len, rb[i].cap);
+                break;
+            }
+            bufs[k] = kvr_mem_aligned(KVR_BLOCK_ALIGN, rb[i].h.len - ml);
+            metas[k] = kvr_mem_malloc(ml);
+            dst[k] = (kvr_disk_dst){ bufs[k], rb[i].h.len - ml, metas[k] };
+            if (!bufs[k] || !metas[k]) {
+                k++;
                 rc = KVR_ENOMEM;
                 tlog(t, KVR_TIER_LOG_WARN, "disk: context '%s': out of memory reading it "
                      "back: dropped", id);
@@ -1680,27 +1702,28 @@ static int recover_ctx(kvr_store *s, kvr_tier *t, hmap *blocks, const trec *r)
         }
         i0 = i;
         kvr_error e;
-        if (rc == 0 && k && kvr_disk_load(t->d, hs, bufs, k, st, &e) != 0) {
+        if (rc == 0 && k && kvr_disk_load_split(t->d, hs, dst, k, st, &e) != 0) {
             rc = KVR_EIO;
             tlog(t, KVR_TIER_LOG_WARN, "disk: context '%s': reading its blocks failed (%s): "
                  "dropped", id, e.msg);
         }
         for (size_t q = 0; q < k && rc == 0; q++) {
             uint32_t bi = which[q];
-            /* The block adopts the loaded data (header and metadata in it);
-             * its one reference is this function's until the extents take
-             * theirs. */
+            /* The block adopts the loaded data (a quantized header in it)
+             * and metadata; its one reference is this function's until the
+             * extents take theirs. */
             kvr_block_geom g = { .cap = rb[bi].cap, .row = kvr_model_row(m),
                                  .n_layers = m->n_layers,
                                  .dtype = (kvr_dtype)rb[bi].dtype,
                                  .quant = rb[bi].quant != 0 };
-            kvr_block *blk = kvr_block_create(&s->pool, &g, bufs[q], rb[bi].h.len,
+            kvr_block *blk = kvr_block_create(&s->pool, &g, bufs[q], dst[q].len, metas[q],
                                               rb[bi].used);
             if (!blk) {
                 rc = KVR_ENOMEM;
                 break;
             }
             bufs[q] = NULL;
+            metas[q] = NULL;
             blk->disk = kvr_mem_malloc(sizeof *blk->disk);
             if (!blk->disk) {
                 kvr_block_unref(&s->pool, blk);
@@ -1720,7 +1743,9 @@ static int recover_ctx(kvr_store *s, kvr_tier *t, hmap *blocks, const trec *r)
         }
         for (size_t q = 0; q < k; q++) {
             kvr_mem_free(bufs[q]);
+            kvr_mem_free(metas[q]);
             bufs[q] = NULL;
+            metas[q] = NULL;
         }
         /* Room for the next chunk: spill least recently used blocks. */
         if (rc == 0 && s->cfg.max_memory)
@@ -1786,7 +1811,11 @@ static int recover_ctx(kvr_store *s, kvr_tier *t, hmap *blocks, const trec *r)
     }
     for (size_t i = 0; bufs && i < nb; i++)
         kvr_mem_free(bufs[i]);
+    for (size_t i = 0; metas && i < nb; i++)
+        kvr_mem_free(metas[i]);
     kvr_mem_free(bufs);
+    kvr_mem_free(metas);
+    kvr_mem_free(dst);
     kvr_mem_free(hs);
     kvr_mem_free(st);
     kvr_mem_free(rb);
