@@ -554,6 +554,8 @@ int kvr_store_protect(kvr_store *s, const char *ctx_id, size_t n, kvr_error *err
 typedef struct kvr_store_stats {
     size_t   mem_allocated, mem_peak, mem_cap;
     size_t   block_bytes;              /* bytes held in blocks */
+    size_t   kv_held_bytes;            /* K/V the committed tokens of in-memory
+                                          blocks need: what block_bytes holds */
     size_t   block_cache_bytes, n_block_cache;  /* freed blocks kept for reuse */
     size_t   n_models, n_contexts, n_blocks, n_tokens;
     uint64_t n_evicted_blocks, n_evicted_bytes;

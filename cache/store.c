@@ -1005,9 +1005,19 @@ void kvr_store_get_stats(const kvr_store *s, kvr_store_stats *out)
     out->n_block_cache = s->pool.cache_n;
     out->n_models = s->n_models;
     out->n_blocks = s->pool.n_blocks;
+    kvr_store *ms = (kvr_store *)(uintptr_t)s;    /* the scan's marks only */
+    uint32_t ep = ++ms->epoch;
     for (const kvr_ctx *c = s->lru_head; c; c = c->lru_next) {
         out->n_contexts++;
         out->n_tokens += c->n_tokens;
+        for (size_t i = 0; i < c->n_ext; i++) {
+            kvr_block *b = c->ext[i].block;
+            if (b->mark == ep)
+                continue;
+            b->mark = ep;
+            if (!b->spilled)
+                out->kv_held_bytes += kvr_block_held_bytes(b);
+        }
     }
     out->n_evicted_blocks = s->n_evicted_blocks;
     out->n_evicted_bytes = s->n_evicted_bytes;
