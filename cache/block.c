@@ -129,11 +129,25 @@ static size_t held_bytes(const kvr_block *b)
            malloc_usable_size((void *)(uintptr_t)b);
 }
 
+/* The pool's totals (and b's tenant's) gain or lose b's bytes. */
+static void pool_add(kvr_block_pool *p, const kvr_block *b)
+{
+    p->bytes += b->bytes;
+    p->tenant_bytes[b->tenant] += b->bytes;
+}
+
+static void pool_sub(kvr_block_pool *p, const kvr_block *b)
+{
+    assert(p->bytes >= b->bytes && p->tenant_bytes[b->tenant] >= b->bytes);
+    p->bytes -= b->bytes;
+    p->tenant_bytes[b->tenant] -= b->bytes;
+}
+
 static void account(kvr_block_pool *p, kvr_block *b)
 {
-    p->bytes -= b->bytes;
+    pool_sub(p, b);
     b->bytes = held_bytes(b);
-    p->bytes += b->bytes;
+    pool_add(p, b);
 }
 
 static void free_block(kvr_block *b)
@@ -199,12 +213,12 @@ kvr_block *kvr_block_create(kvr_block_pool *p, const kvr_block_geom *g, uint8_t 
             if (g->quant)
                 qzero_unwritten(data, g);
             *b = (kvr_block){ .refcount = 1, .used = used, .cap = g->cap, .row = g->row,
-                              .n_layers = g->n_layers, .dtype = g->dtype, .quant = g->quant,
-                              .data = data, .kv_len = kv, .pos_lo = 0, .pos_hi = -1,
-                              .bytes = bytes };
+                              .n_layers = g->n_layers, .tenant = g->tenant,
+                              .dtype = g->dtype, .quant = g->quant, .data = data,
+                              .kv_len = kv, .pos_lo = 0, .pos_hi = -1, .bytes = bytes };
             set_ptrs(b, meta);
             p->n_blocks++;
-            p->bytes += bytes;
+            pool_add(p, b);
             return b;
         }
     }
@@ -223,13 +237,15 @@ kvr_block *kvr_block_create(kvr_block_pool *p, const kvr_block_geom *g, uint8_t 
         if (g->quant)
             qzero_unwritten(data, g);
     }
+    assert(g->tenant < KVR_BLOCK_TENANTS);
     *b = (kvr_block){ .refcount = 1, .used = used, .cap = g->cap, .row = g->row,
-                      .n_layers = g->n_layers, .dtype = g->dtype, .quant = g->quant,
-                      .data = data, .kv_len = kv, .pos_lo = 0, .pos_hi = -1 };
+                      .n_layers = g->n_layers, .tenant = g->tenant, .dtype = g->dtype,
+                      .quant = g->quant, .data = data, .kv_len = kv, .pos_lo = 0,
+                      .pos_hi = -1 };
     set_ptrs(b, meta);
     b->bytes = held_bytes(b);
     p->n_blocks++;
-    p->bytes += b->bytes;
+    pool_add(p, b);
     return b;
 }
 
@@ -284,9 +300,9 @@ void kvr_block_unref(kvr_block_pool *p, kvr_block *b)
         return;
     if (p->on_release)
         p->on_release(p->release_arg, b);
-    assert(p->n_blocks > 0 && p->bytes >= b->bytes);
+    assert(p->n_blocks > 0);
     p->n_blocks--;
-    p->bytes -= b->bytes;
+    pool_sub(p, b);
     if (p->cache_max && cache_put(p, b))
         return;
     free_block(b);

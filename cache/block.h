@@ -73,6 +73,7 @@ struct kvr_block {
     uint32_t  cap;          /* slots */
     uint32_t  row;          /* values per K or V row (kv_heads * head_dim) */
     uint32_t  n_layers;
+    uint16_t  tenant;       /* whose bytes (kvr_block_pool.tenant_bytes) */
     kvr_dtype dtype;        /* plain blocks: storage dtype; quant: window dtype */
     /* Quantized: the header at the start of data; keys are stored
      * UN-ROTATED (pre-RoPE), so stored_pos is metadata only. */
@@ -104,7 +105,11 @@ typedef struct kvr_block_geom {
      * kvr_block_create zeroes only the other K/V bytes (later slots, partial
      * tiles' remainder, slab padding). 0: every K/V byte is zeroed. */
     uint32_t  fill;
+    uint16_t  tenant;       /* < KVR_BLOCK_TENANTS; 0: nobody's in particular */
 } kvr_block_geom;
+
+/* Tenants a pool counts bytes for (the store's models, kvr_model.tenant). */
+#define KVR_BLOCK_TENANTS 64
 
 /* Freed blocks a pool keeps for reuse at most (kvr_block_pool.cached). */
 #define KVR_BLOCK_CACHE_N 8
@@ -126,6 +131,8 @@ typedef struct kvr_block_geom {
  * (kvr_block_pool_trim). Only the store's thread touches a pool. */
 typedef struct kvr_block_pool {
     size_t n_blocks, bytes, n_leased;
+    /* bytes of live blocks by tenant (the sum over tenants is bytes) */
+    size_t tenant_bytes[KVR_BLOCK_TENANTS];
     /* Called once per block, on its last reference, before it is freed. */
     void (*on_release)(void *arg, kvr_block *b);
     void  *release_arg;

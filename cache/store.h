@@ -64,6 +64,7 @@ struct kvr_store {
     uint64_t     n_evicted_blocks, n_evicted_bytes;
     uint64_t     n_puts, n_gets, n_matches, n_match_hits, n_refused_nomem;
     uint32_t     epoch;
+    uint64_t     tenants_used;       /* bit t: a model counts as tenant t (1..63) */
     struct kvr_tier      *tier;      /* tier.c: NULL = memory only */
     const kvr_tier_hooks *hooks;     /* set with tier */
     bool         persist_all;        /* tier: every new context is persistent */
@@ -88,6 +89,12 @@ int        kvr_store_ctx_writable(kvr_store *s, const char *id, kvr_ctx **out,
  * (*end SIZE_MAX: to the end) or KVR_ERANGE. */
 int        kvr_store_ctx_range(kvr_store *s, const char *id, size_t start, size_t *end,
                                kvr_ctx **out, kvr_error *err);
+/* kvr_store_reserve_request for a write of model m's: first within the
+ * model's bound (cfg.max_memory_per_model), evicting m's own least
+ * recently used contexts, never another model's; then the cap. */
+int kvr_store_reserve_for(kvr_store *s, kvr_model *m, size_t need, const char *what,
+                          kvr_error *err);
+
 /* 0, or KVR_ELIMIT when a new context would pass cfg.max_contexts. */
 int        kvr_store_ctx_limit(const kvr_store *s, const char *id, kvr_error *err);
 /* A new pending context in the map (NULL: ENOMEM). */

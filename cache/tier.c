@@ -1715,7 +1715,7 @@ static int recover_ctx(kvr_store *s, kvr_tier *t, hmap *blocks, const trec *r)
             kvr_block_geom g = { .cap = rb[bi].cap, .row = kvr_model_row(m),
                                  .n_layers = m->n_layers,
                                  .dtype = (kvr_dtype)rb[bi].dtype,
-                                 .quant = rb[bi].quant != 0 };
+                                 .quant = rb[bi].quant != 0, .tenant = m->tenant };
             kvr_block *blk = kvr_block_create(&s->pool, &g, bufs[q], dst[q].len, metas[q],
                                               rb[bi].used);
             if (!blk) {

@@ -148,6 +148,10 @@ int kvr_daemon_config_set(kvr_daemon_config *c, const char *key, const char *v,
             rc = KVR_EINVAL;
         if (rc == 0)
             c->max_memory = sz;
+    } else if (!strcmp(key, "max-memory-per-model")) {
+        rc = kvr_parse_size(v, &sz);
+        if (rc == 0)
+            c->max_memory_per_model = sz;
     } else if (!strcmp(key, "max-connections")) {
         rc = parse_u32(v, 1, 1000000, &c->max_connections);
     } else if (!strcmp(key, "max-frame")) {
@@ -383,7 +387,12 @@ static const char *HELP_LIMITS =
 "  --max-models N         registered models (default 1024; E_LIMIT past it;\n"
 "                         remove_model frees one)\n"
 "  --max-contexts N       contexts, forks included (default max-memory / 4K,\n"
-"                         at least 1024; E_LIMIT past it)\n";
+"                         at least 1024; E_LIMIT past it)\n"
+"  --max-memory-per-model SIZE\n"
+"                         bound on one model's blocks (its tenants' share of\n"
+"                         the cap): a put over it evicts that model's own\n"
+"                         least recently used contexts, never another's\n"
+"                         (default 0: no bound; docs/operations.md)\n";
 /* Split in parts: C11 compilers need only take 4095-byte literals. */
 static const char *HELP_OPS =
 "  --metrics-listen HOST:PORT\n"
@@ -453,7 +462,8 @@ void kvr_daemon_print_help(FILE *out)
 static bool known_option(const char *name)
 {
     static const char *names[] = {
-        "socket", "listen", "auth-token-file", "max-memory", "max-connections", "max-frame",
+        "socket", "listen", "auth-token-file", "max-memory", "max-memory-per-model",
+        "max-connections", "max-frame",
         "max-conn-buffer", "max-drain", "max-regions", "max-region-bytes", "block-tokens", "threads", "log-level", "config",
         "io-timeout", "auth-timeout", "max-unauth-connections",
         "disk-dir", "disk-max", "disk-engine", "persist-all",

@@ -650,6 +650,7 @@ void kvr_daemon_reload(kvr_daemon *d)
         { "listen", strcmp(o->listen, nc.listen) != 0 },
         { "metrics-listen", strcmp(o->metrics_listen, nc.metrics_listen) != 0 },
         { "max-memory", o->max_memory != nc.max_memory },
+        { "max-memory-per-model", o->max_memory_per_model != nc.max_memory_per_model },
         { "max-frame", o->max_frame != nc.max_frame },
         { "block-tokens", o->block_tokens != nc.block_tokens },
         { "threads", o->threads != nc.threads },
@@ -753,6 +754,7 @@ int kvr_daemon_create(kvr_daemon **out, const kvr_daemon_config *cfg, kvr_error 
     if (!cfg->max_contexts && max_ctx < 1024)
         max_ctx = 1024;
     kvr_store_config sc = { .max_memory = cfg->max_memory, .block_tokens = cfg->block_tokens,
+                            .max_memory_per_model = cfg->max_memory_per_model,
                             .max_contexts = max_ctx, .max_models = cfg->max_models,
                             .block_cache = KVR_DAEMON_BLOCK_CACHE };
     kvr_error e = { 0 };
