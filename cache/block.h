@@ -5,20 +5,25 @@
  * nothing but the allocator, and learns that a block goes through the
  * pool's release hook (the disk tier's, which owns `disk`).
  *
- * A block is two allocations, so that the K/V one is exactly what the
+ * A block is two allocations, so that what the allocator holds is what the
  * K/V needs (a 64-token f16 block of Llama-3-8B is 8 MiB; with its 1 KiB of
  * metadata in the same allocation jemalloc made it a 10 MiB size class):
  *
- *   data (kvr_mem_aligned, 64-byte aligned, kv_len bytes):
- *     plain:  layer 0: K [cap][row] V [cap][row] | layer 1: ... | pad to 64
+ *   data (kvr_mem_aligned, 64-byte aligned, head_len bytes): layers [0, split)
+ *     plain:  layer 0: K [cap][row] V [cap][row] | layer 1: ...
  *     quant:  kvr_qhdr (KVR_QHDR_BYTES) | layer 0: K slab, V slab | ...
- *   meta (cap * KVR_BLOCK_META_SLOT bytes):
- *     stored_pos int64[cap] | tokens uint32[cap] | groups int32[cap]
+ *   tail (kvr_mem_aligned): layers [split, n_layers) as above, then the
+ *     metadata: stored_pos int64[cap] | tokens uint32[cap] | groups int32[cap]
  *
- * The block's image on disk (a spill extent, kvr_disk_buf's two parts) is
- * data then meta, as it was when they were one buffer. A spilled block
- * keeps its metadata and, quantized, its header (data then holds only the
- * header; plain: data is NULL); kvr_block_set_data swaps data either way.
+ * Every layer is layer_bytes (64-byte multiples). split is n_layers unless
+ * cutting the layers in two lands both allocations closer to jemalloc's
+ * size classes (kvr_block_split: 36 layers of 64 KiB are 2 MiB + 256 KiB
+ * and the metadata, not a 2.5 MiB class). The block's image on disk (a
+ * spill extent, kvr_disk_buf's two parts) is data then tail: every layer's
+ * K/V in order, then the metadata, as when it was one buffer. A spilled
+ * block keeps its metadata (tail then holds only it) and, quantized, its
+ * header (data then holds only the header; plain: data is NULL);
+ * kvr_block_set_data swaps both either way.
  * `cap` is any slot count (a context's last block is sized to its tokens,
  * kvr_block_fit_cap), so a block's slabs stay 64-byte aligned for the SIMD
  * kernels by kvr_block_cap_gran.
@@ -79,13 +84,16 @@ struct kvr_block {
      * UN-ROTATED (pre-RoPE), so stored_pos is metadata only. */
     bool      quant;
     bool      spilled;      /* data holds only the header and metadata */
-    size_t    bytes;        /* accounted bytes (data + meta + struct) */
-    size_t    kv_len;       /* bytes of the K/V image (data when not spilled) */
+    size_t    bytes;        /* accounted bytes (data + tail + struct) */
+    size_t    kv_len;       /* bytes of the K/V image (header included) */
+    size_t    head_len;     /* of which in data: header + split layers */
+    size_t    layer_bytes;  /* K/V bytes of one layer */
+    uint32_t  split;        /* layers in data; the others lead tail */
     uint8_t  *data;
-    uint8_t  *meta;         /* the metadata allocation */
-    int64_t  *stored_pos;   /* [cap], inside meta */
-    uint32_t *tokens;       /* [cap], inside meta */
-    int32_t  *groups;       /* [cap], inside meta */
+    uint8_t  *tail;         /* later layers (not while spilled), metadata */
+    int64_t  *stored_pos;   /* [cap], inside tail */
+    uint32_t *tokens;       /* [cap], inside tail */
+    int32_t  *groups;       /* [cap], inside tail */
     /* Bounds of stored_pos over slots [0, bounds_used), kept lazily. */
     int64_t   pos_lo, pos_hi;
     uint32_t  bounds_used;
@@ -160,14 +168,18 @@ uint32_t kvr_block_cap_gran(uint32_t row, kvr_dtype dt);
  * (never over g->cap). */
 uint32_t kvr_block_fit_cap(const kvr_block_geom *g, uint32_t want);
 
+/* Where an image of kv_len bytes of K/V (a quantized one with its header)
+ * for n_layers layers is cut between data and tail: the bytes in data. */
+size_t kvr_block_split(bool quant, size_t kv_len, uint32_t n_layers, uint32_t cap);
+
 /* The one constructor. data NULL: a fresh, empty block (used 0). Else the
- * block adopts `data` (kvr_mem_aligned, `len` bytes of K/V laid out as
- * above, a quantized block's header already in it) and `meta`
- * (kvr_mem_malloc, cap * KVR_BLOCK_META_SLOT bytes) with `used` committed
- * slots (disk recovery). Returns the block with one reference (the
- * caller's), or NULL (ENOMEM; adopted buffers are not freed then). */
+ * block adopts `data` and `tail` (kvr_mem_aligned, an image of `len` bytes
+ * of K/V cut where kvr_block_split says, then the metadata; a quantized
+ * block's header already in it) with `used` committed slots (disk
+ * recovery). Returns the block with one reference (the caller's), or NULL
+ * (ENOMEM; adopted buffers are not freed then). */
 kvr_block *kvr_block_create(kvr_block_pool *p, const kvr_block_geom *g, uint8_t *data,
-                            size_t len, uint8_t *meta, uint32_t used);
+                            size_t len, uint8_t *tail, uint32_t used);
 /* Gives an exclusively owned (refcount 1, unheld) plain block in memory
  * with no disk copy `cap` slots (>= used, a multiple of
  * kvr_block_cap_gran), keeping its committed slots: the growth of a
@@ -200,18 +212,26 @@ static inline bool kvr_block_exclusive(const kvr_block *b)
     return b->refcount == 1;
 }
 
+/* The K/V of one layer (in data or in tail). */
+static inline uint8_t *kvr_block_layer(const kvr_block *b, uint32_t layer)
+{
+    if (layer < b->split)
+        return b->data + (b->quant ? KVR_QHDR_BYTES : 0) + (size_t)layer * b->layer_bytes;
+    return b->tail + (size_t)(layer - b->split) * b->layer_bytes;
+}
+
 /* K (kv 0) or V (kv 1) of `layer` at `slot` (for K tiles: of its tile). */
 static inline uint8_t *kvr_block_kv(const kvr_block *b, uint32_t layer, int kv, uint32_t slot)
 {
+    uint8_t *base = kvr_block_layer(b, layer);
     if (b->quant) {
         const kvr_qhdr *h = KVR_QH(b);
-        uint8_t *base = b->data + KVR_QHDR_BYTES + (size_t)layer * (h->kslab + h->vslab);
         if (kv)
             return base + h->kslab + h->vrow * slot;
         return base + h->krow * (slot / h->ktile);
     }
     size_t rowb = (size_t)b->row * kvr_dtype_size(b->dtype);
-    return b->data + rowb * b->cap * (2u * layer + (unsigned)kv) + rowb * slot;
+    return base + rowb * b->cap * (unsigned)kv + rowb * slot;
 }
 
 /* Metadata of a not yet committed slot (slot >= used). */
@@ -254,13 +274,18 @@ size_t kvr_block_spilled_bytes(const kvr_block *b);
 /* K/V bytes the block's committed tokens need: what a cap "holds". */
 size_t kvr_block_held_bytes(const kvr_block *b);
 
-/* Replaces b's K/V data by `data` (kv_len bytes; the old buffer is freed)
- * and re-accounts it; spilled: data holds only the quantized header (plain:
- * NULL). The metadata stays. */
-void kvr_block_set_data(kvr_block_pool *p, kvr_block *b, uint8_t *data, bool spilled);
-/* A read-only copy of b's fields reading K/V from `buf` (kv_len bytes),
- * the metadata b's own: the disk tier's reload view. */
-void kvr_block_view(const kvr_block *b, kvr_block *view, uint8_t *buf);
+/* Bytes of tail when in memory (later layers and metadata). */
+size_t kvr_block_tail_len(const kvr_block *b);
+/* Replaces b's data and tail (the old buffers are freed) and re-accounts
+ * them. In memory: data of head_len bytes, tail of kvr_block_tail_len.
+ * Spilled: data holds only the quantized header (plain: NULL), tail only
+ * the metadata. */
+void kvr_block_set_data(kvr_block_pool *p, kvr_block *b, uint8_t *data, uint8_t *tail,
+                        bool spilled);
+/* A read-only copy of b's fields reading from `buf` (head_len bytes) and
+ * `tail` (kvr_block_tail_len bytes, its metadata filled by the caller): the
+ * disk tier's reload view. */
+void kvr_block_view(const kvr_block *b, kvr_block *view, uint8_t *buf, uint8_t *tail);
 
 /* Bounds of stored_pos over the committed slots (cached; slots below used
  * never change). */

@@ -775,8 +775,9 @@ int kvr_store_put_begin(kvr_store *s, const kvr_put_params *p, kvr_put **out,
      * A last block sized to its tokens (store.c's block_geom) grows as
      * tokens arrive: to what this put needs, at least doubling (appends of
      * a few tokens copy it O(log B) times per block), never over B; only
-     * in memory, unheld and without a disk copy (whose image has the old
-     * cap), and not in quantized contexts (their window churns anyway). */
+     * in memory and unheld (a disk copy, whose image has the old cap, is
+     * dropped first: the append would outdate it anyway), and not in
+     * quantized contexts (their window churns anyway). */
     kvr_block *tail = NULL;
     uint32_t tail_free = 0, grow = 0;
     if (c->n_ext) {
@@ -784,10 +785,10 @@ int kvr_store_put_begin(kvr_store *s, const kvr_put_params *p, kvr_put **out,
         kvr_block *b = e->block;
         if (kvr_block_exclusive(b) && e->first + e->count == b->used && b->used < s->B &&
             b->dtype == c->dtype && !b->quant && !b->spilled &&
-            (b->used < b->cap || (b->cap < s->B && !b->disk && !t->quant))) {
+            (b->used < b->cap || (b->cap < s->B && !t->quant))) {
             tail = b;
             tail_free = tail->cap - tail->used;
-            if (tail_free < n && b->cap < s->B && !b->disk && !t->quant) {
+            if (tail_free < n && b->cap < s->B && !t->quant) {
                 size_t want = b->used + n < s->B ? b->used + n : s->B;
                 if (want < 2u * (size_t)b->cap)
                     want = 2u * (size_t)b->cap < s->B ? 2u * b->cap : s->B;
@@ -840,6 +841,8 @@ int kvr_store_put_begin(kvr_store *s, const kvr_put_params *p, kvr_put **out,
         goto fail_ctx;
     if (grow) {
         uint32_t cap0 = tail->cap;
+        if (tail->disk && s->hooks)
+            s->hooks->drop_copy(s, tail);
         if (kvr_block_resize(&s->pool, tail, m->n_layers, grow) != 0) {
             rc = kvr_error_set(err, KVR_ENOMEM, "out of memory growing the last block of "
                                "'%s'", p->ctx_id);

@@ -45,6 +45,9 @@ typedef struct kvr_tier_hooks {
     bool   (*reload_pending)(const kvr_reload *r);
     int    (*reload_work)(kvr_reload *r, kvr_error *err);
     void   (*reload_end)(kvr_store *s, kvr_reload *r);
+    /* Forgets an in-memory block's disk copy (a put is about to give it
+     * another cap: the image would no longer match). */
+    void   (*drop_copy)(kvr_store *s, kvr_block *b);
     /* Whether m has a record in the log (it would come back at a restart). */
     bool   (*model_persisted)(const kvr_store *s, const kvr_model *m);
     /* kvr_store_destroy: before the contexts go / after. */

@@ -397,35 +397,40 @@ static int make_spilled(kvr_store *s, kvr_block *b)
 {
     /* Only an unheld block with a valid disk copy goes. */
     assert(!b->spilled && b->holds == 0 && b->disk && b->disk->used == b->used);
-    uint8_t *m = NULL;
-    if (b->quant) {
-        if (!(m = kvr_mem_aligned(KVR_BLOCK_ALIGN, KVR_QHDR_BYTES)))
-            return KVR_ENOMEM;
+    uint8_t *m = NULL, *mt = kvr_mem_aligned(KVR_BLOCK_ALIGN, kvr_block_meta_len(b));
+    if (b->quant && (m = kvr_mem_aligned(KVR_BLOCK_ALIGN, KVR_QHDR_BYTES)) != NULL)
         memcpy(m, b->data, KVR_QHDR_BYTES);
+    if (!mt || (b->quant && !m)) {
+        kvr_mem_free(m);
+        kvr_mem_free(mt);
+        return KVR_ENOMEM;
     }
-    kvr_block_set_data(&s->pool, b, m, true);
+    memcpy(mt, b->stored_pos, kvr_block_meta_len(b));
+    kvr_block_set_data(&s->pool, b, m, mt, true);
     return 0;
 }
 
-/* The K/V part of a spilled block's image (the rest is its metadata). */
+/* What a spilled block's reload allocates: its data and tail as size
+ * classes. */
 static size_t spilled_len(const kvr_block *b)
 {
     assert(b->disk->h.len == kvr_block_data_len(b));
-    return b->kv_len;
+    return kvr_mem_size_class(b->head_len) + kvr_mem_size_class(kvr_block_tail_len(b));
 }
 
-/* The two parts of a block's image, to spill. */
+/* The two parts of a block's image (data, then tail: the later layers and
+ * the metadata), to spill. */
 static kvr_disk_buf image_buf(const kvr_block *b)
 {
-    return (kvr_disk_buf){ .data = b->data, .len = b->kv_len, .tail = b->meta,
-                           .tail_len = kvr_block_meta_len(b) };
+    return (kvr_disk_buf){ .data = b->data, .len = b->head_len, .tail = b->tail,
+                           .tail_len = kvr_block_tail_len(b) };
 }
 
-/* Installs freshly loaded K/V data into a spilled block. */
-static void install_data(kvr_store *s, kvr_block *b, uint8_t *buf)
+/* Installs freshly loaded data and tail into a spilled block. */
+static void install_data(kvr_store *s, kvr_block *b, uint8_t *buf, uint8_t *tbuf)
 {
     assert(b->spilled && b->disk);
-    kvr_block_set_data(&s->pool, b, buf, false);
+    kvr_block_set_data(&s->pool, b, buf, tbuf, false);
 }
 
 /* A handle this store no longer needs: freed now if no durable record
@@ -490,6 +495,16 @@ static int set_copy(kvr_store *s, kvr_block *b, const kvr_disk_handle *h, uint32
     b->disk->h = *h;
     b->disk->used = used;
     return 0;
+}
+
+static void drop_copy(kvr_store *s, kvr_block *b)
+{
+    assert(!b->spilled);
+    if (!b->disk)
+        return;
+    release_handle(s, &b->disk->h);   /* deferred while a record points at it */
+    kvr_mem_free(b->disk);
+    b->disk = NULL;
 }
 
 /* A persistent context leaves the store: remembered for the DELETE record. */
@@ -654,7 +669,7 @@ int64_t kvr_store_tier_evict(kvr_store *s, size_t bytes, kvr_error *err)
 typedef struct rl_ent {
     kvr_block      *b;
     kvr_block       view;
-    uint8_t        *buf;
+    uint8_t        *buf, *tbuf;  /* its data and tail */
     kvr_disk_handle h;
     int             st;
     bool            needed;      /* read by the request (else a prefetch) */
@@ -682,6 +697,7 @@ static void rl_free(kvr_store *s, kvr_reload *r)
 {
     for (size_t i = 0; i < r->n; i++) {
         kvr_mem_free(r->e[i].buf);
+        kvr_mem_free(r->e[i].tbuf);
         kvr_block_unref(&s->pool, r->e[i].b);
     }
     kvr_mem_free(r->e);
@@ -722,14 +738,15 @@ static int reload_begin(kvr_store *s, kvr_block *const *bs, size_t n, kvr_ctx *p
             bs[i]->mark = ep;
             kvr_block_ref(bs[i]);
             r->e[r->n++] = (rl_ent){ .b = bs[i], .needed = true };
-            bytes += kvr_mem_size_class(spilled_len(bs[i]));
+            bytes += spilled_len(bs[i]);
         }
     bool was_busy = pf ? pf->busy : false;
     if (pf)
         pf->busy = true;
     int rc = kvr_store_reserve(s, bytes, err);
     for (size_t i = 0; i < r->n && rc == 0; i++)
-        if (!(r->e[i].buf = kvr_mem_aligned(KVR_BLOCK_ALIGN, spilled_len(r->e[i].b))))
+        if (!(r->e[i].buf = kvr_mem_aligned(KVR_BLOCK_ALIGN, r->e[i].b->head_len)) ||
+            !(r->e[i].tbuf = kvr_mem_aligned(KVR_BLOCK_ALIGN, kvr_block_tail_len(r->e[i].b))))
             rc = kvr_error_set(err, KVR_ENOMEM, "out of memory reloading a block");
     /* Prefetch: the context's other spilled blocks, while they fit under
      * the cap without evicting anything, up to TIER_PREFETCH_MAX bytes.
@@ -742,17 +759,21 @@ static int reload_begin(kvr_store *s, kvr_block *const *bs, size_t n, kvr_ctx *p
         kvr_block *b = pf->ext[i].block;
         if (!b->spilled || b->mark == ep)
             continue;
-        size_t len = spilled_len(b), sc = kvr_mem_size_class(len);
+        size_t sc = spilled_len(b);
         if (pbytes + sc > TIER_PREFETCH_MAX ||
             (s->cfg.max_memory && kvr_mem_allocated() + sc > s->cfg.max_memory))
             break;
-        uint8_t *buf = kvr_mem_aligned(KVR_BLOCK_ALIGN, len);
-        if (!buf)
+        uint8_t *buf = kvr_mem_aligned(KVR_BLOCK_ALIGN, b->head_len);
+        uint8_t *tbuf = kvr_mem_aligned(KVR_BLOCK_ALIGN, kvr_block_tail_len(b));
+        if (!buf || !tbuf) {
+            kvr_mem_free(buf);
+            kvr_mem_free(tbuf);
             break;
+        }
         b->mark = ep;
         kvr_block_ref(b);
         pbytes += sc;
-        r->e[r->n++] = (rl_ent){ .b = b, .buf = buf };
+        r->e[r->n++] = (rl_ent){ .b = b, .buf = buf, .tbuf = tbuf };
     }
     if (pf)
         pf->busy = was_busy;
@@ -763,12 +784,14 @@ static int reload_begin(kvr_store *s, kvr_block *const *bs, size_t n, kvr_ctx *p
     for (size_t i = 0; i < r->n; i++) {
         rl_ent *x = &r->e[i];
         x->h = x->b->disk->h;
-        kvr_block_view(x->b, &x->view, x->buf);
-        /* The view is readable at begin: its quantized header (kept in
-         * memory while spilled) goes in now, the load rewrites the same
-         * bytes; its metadata is the block's own (never spilled). */
+        /* The view is readable at begin: its quantized header and its
+         * metadata (kept in memory while spilled) go in now; the load
+         * rewrites the same bytes. */
         if (x->b->quant)
             memcpy(x->buf, x->b->data, KVR_QHDR_BYTES);
+        memcpy(x->tbuf + (x->b->kv_len - x->b->head_len), x->b->stored_pos,
+               kvr_block_meta_len(x->b));
+        kvr_block_view(x->b, &x->view, x->buf, x->tbuf);
         x->st = KVR_EIO;      /* not loaded yet */
     }
     qsort(r->e, r->n, sizeof *r->e, rl_cmp);
@@ -808,20 +831,13 @@ static int reload_work(kvr_reload *r, kvr_error *err)
         kvr_disk_handle *hs = kvr_mem_malloc(r->n * sizeof *hs);
         kvr_disk_dst *bufs = kvr_mem_malloc(r->n * sizeof *bufs);
         int *st = kvr_mem_malloc(r->n * sizeof *st);
-        /* The images' metadata parts: the blocks kept theirs in memory, so
-         * these bytes are only read (and checksummed) and dropped. */
-        size_t tails = 0;
-        for (size_t i = 0; i < r->n; i++)
-            tails += r->e[i].h.len - r->e[i].view.kv_len;
-        uint8_t *tail = kvr_mem_malloc(tails);
         r->rc = 0;
-        if (!hs || !bufs || !st || !tail) {
+        if (!hs || !bufs || !st) {
             r->rc = kvr_error_set(&r->err, KVR_ENOMEM, "out of memory reloading blocks");
         } else {
-            for (size_t i = 0, at = 0; i < r->n; i++) {
+            for (size_t i = 0; i < r->n; i++) {
                 hs[i] = r->e[i].h;
-                bufs[i] = (kvr_disk_dst){ r->e[i].buf, r->e[i].view.kv_len, tail + at };
-                at += hs[i].len - r->e[i].view.kv_len;
+                bufs[i] = (kvr_disk_dst){ r->e[i].buf, r->e[i].view.head_len, r->e[i].tbuf };
             }
             kvr_error le = { 0 };
             kvr_disk_load_split(r->d, hs, bufs, r->n, st, &le);
@@ -837,7 +853,6 @@ static int reload_work(kvr_reload *r, kvr_error *err)
         kvr_mem_free(hs);
         kvr_mem_free(bufs);
         kvr_mem_free(st);
-        kvr_mem_free(tail);
         r->loaded = true;
     }
     if (r->rc != 0 && err)
@@ -863,8 +878,9 @@ static void reload_end(kvr_store *s, kvr_reload *r)
          * then the buffer is freed below. */
         if (t && x->b->spilled && !kvr_block_exclusive(x->b) && x->b->disk &&
             x->b->disk->h.seg == x->h.seg && x->b->disk->h.off == x->h.off) {
-            install_data(s, x->b, x->buf);
+            install_data(s, x->b, x->buf, x->tbuf);
             x->buf = NULL;
+            x->tbuf = NULL;
         }
     }
     rl_free(s, r);
@@ -1677,18 +1693,21 @@ static int recover_ctx(kvr_store *s, kvr_tier *t, hmap *blocks, const trec *r)
                 continue;
             if (k && bytes + rb[i].h.len > chunk_max)
                 break;
-            /* The image: K/V, then the metadata, each into its own
-             * allocation (block.h). */
+            /* The image: K/V, then the metadata, into the block's data
+             * and tail, cut as the block cuts it (block.h). */
             size_t ml = (size_t)rb[i].cap * KVR_BLOCK_META_SLOT;
-            if (rb[i].h.len <= ml) {
+            size_t hdr = rb[i].quant ? KVR_QHDR_BYTES : 0;
+            if (rb[i].h.len <= ml + hdr) {
                 rc = KVR_EINVAL;
                 tlog(t, KVR_TIER_LOG_WARN, "disk: context '%s': block %u of %u bytes cannot "
                      "hold %u slots: dropped", id, i, rb[i].h.len, rb[i].cap);
                 break;
             }
-            bufs[k] = kvr_mem_aligned(KVR_BLOCK_ALIGN, rb[i].h.len - ml);
-            metas[k] = kvr_mem_malloc(ml);
-            dst[k] = (kvr_disk_dst){ bufs[k], rb[i].h.len - ml, metas[k] };
+            size_t head = kvr_block_split(rb[i].quant != 0, rb[i].h.len - ml, m->n_layers,
+                                          rb[i].cap);
+            bufs[k] = kvr_mem_aligned(KVR_BLOCK_ALIGN, head);
+            metas[k] = kvr_mem_aligned(KVR_BLOCK_ALIGN, rb[i].h.len - head);
+            dst[k] = (kvr_disk_dst){ bufs[k], head, metas[k] };
             if (!bufs[k] || !metas[k]) {
                 k++;
                 rc = KVR_ENOMEM;
@@ -1716,7 +1735,8 @@ static int recover_ctx(kvr_store *s, kvr_tier *t, hmap *blocks, const trec *r)
                                  .n_layers = m->n_layers,
                                  .dtype = (kvr_dtype)rb[bi].dtype,
                                  .quant = rb[bi].quant != 0, .tenant = m->tenant };
-            kvr_block *blk = kvr_block_create(&s->pool, &g, bufs[q], dst[q].len, metas[q],
+            size_t kv_len = rb[bi].h.len - (size_t)rb[bi].cap * KVR_BLOCK_META_SLOT;
+            kvr_block *blk = kvr_block_create(&s->pool, &g, bufs[q], kv_len, metas[q],
                                               rb[bi].used);
             if (!blk) {
                 rc = KVR_ENOMEM;
@@ -1834,6 +1854,7 @@ static const kvr_tier_hooks tier_hooks = {
     .reload_pending = reload_pending,
     .reload_work = reload_work,
     .reload_end = reload_end,
+    .drop_copy = drop_copy,
     .model_persisted = tier_model_persisted,
     .destroy = tier_destroy,
     .close = tier_close,

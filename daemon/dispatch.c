@@ -943,6 +943,7 @@ static void do_stats(kvrd_request *r)
         { "mem_peak_bytes", (double)s.mem_peak },
         { "mem_cap_bytes", (double)s.mem_cap },
         { "block_bytes", (double)s.block_bytes },
+        { "kv_held_bytes", (double)s.kv_held_bytes },
         { "block_cache_bytes", (double)s.block_cache_bytes },
         { "models", (double)s.n_models },
         { "contexts", (double)s.n_contexts },
