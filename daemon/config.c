@@ -148,6 +148,13 @@ int kvr_daemon_config_set(kvr_daemon_config *c, const char *key, const char *v,
             rc = KVR_EINVAL;
         if (rc == 0)
             c->max_memory = sz;
+    } else if (!strcmp(key, "prefault")) {
+        if (!strcmp(v, "cap") || !strcmp(v, "max"))
+            c->prefault = UINT64_MAX;
+        else if ((rc = kvr_parse_size(v, &sz)) == 0)
+            c->prefault = sz;
+    } else if (!strcmp(key, "idle-purge")) {
+        rc = parse_u32(v, 0, 7u * 86400u, &c->idle_purge);
     } else if (!strcmp(key, "max-memory-per-model")) {
         rc = kvr_parse_size(v, &sz);
         if (rc == 0)
@@ -392,7 +399,13 @@ static const char *HELP_LIMITS =
 "                         bound on one model's blocks (its tenants' share of\n"
 "                         the cap): a put over it evicts that model's own\n"
 "                         least recently used contexts, never another's\n"
-"                         (default 0: no bound; docs/operations.md)\n";
+"                         (default 0: no bound; docs/operations.md)\n"
+"  --prefault SIZE|cap    fault in SIZE bytes (or the whole cap) at start, in\n"
+"                         the background, kept mapped for the store: the\n"
+"                         first puts do not pay first touch (default 0)\n"
+"  --idle-purge SECONDS   give the allocator's retained pages back to the\n"
+"                         kernel after this long without a request (default\n"
+"                         0: never; memory once used stays mapped)\n";
 /* Split in parts: C11 compilers need only take 4095-byte literals. */
 static const char *HELP_OPS =
 "  --metrics-listen HOST:PORT\n"
@@ -463,6 +476,7 @@ static bool known_option(const char *name)
 {
     static const char *names[] = {
         "socket", "listen", "auth-token-file", "max-memory", "max-memory-per-model",
+        "prefault", "idle-purge",
         "max-connections", "max-frame",
         "max-conn-buffer", "max-drain", "max-regions", "max-region-bytes", "block-tokens", "threads", "log-level", "config",
         "io-timeout", "auth-timeout", "max-unauth-connections",
