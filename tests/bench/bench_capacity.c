@@ -182,11 +182,11 @@ int main(void)
         for (int c = 0; c < 2; c++) {
             tally t = { 0 };
             int nctx = c ? N_QUANT : N_F16;
-            size_t row = (size_t)d.n_kv_heads * d.head_dim;
             if (c && !zeros) {
                 /* Raw k4v2 is under 4.3 bits a value plus scales; the window
                  * (< 256 tokens) f16: a generous bound for the largest shape. */
-                zeros_len = (size_t)MAX_LEN * 2 * 80 * 8 * 128 + (size_t)256 * 2 * 80 * 40 * 128 * 2;
+                zeros_len = (size_t)MAX_LEN * 2 * 80 * 8 * 128 +
+                            (size_t)256 * 2 * 80 * 40 * 128 * 2;
                 zeros = calloc(1, zeros_len);
             }
             int rc1 = 0;
@@ -194,7 +194,6 @@ int main(void)
                 size_t n = 1 + rnd() % MAX_LEN;
                 rc1 = one(s, codecs[c], n, tok, pos, zeros, zeros_len, &t, &e);
             }
-            (void)row;
             if (rc1 != 0) {
                 printf("%-26s %-6s refused: %s\n", shape, c ? "k4v2" : "f16", e.msg);
                 continue;

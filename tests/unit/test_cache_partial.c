@@ -11,13 +11,12 @@
  * blocks cut in two allocations; the same checks hold for it.
  */
 #include <criterion/criterion.h>
-#include <dirent.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <unistd.h>
 
 #include "cache/cache.h"
+#include "tests/common/cache_stream.h"
 
 /* 4 KiB of f16 K/V per token: a 64-token block is 256 KiB, exactly a size
  * class, and a partial one of k tokens k * 4 KiB (a size class up to a few
@@ -28,23 +27,6 @@ static uint32_t L = 4, H = 4, D = 64;   /* the model's shape (one per test) */
 #define TOK_KV ((size_t)2 * L * ROW * 2)
 
 static char DIR_[256];
-
-static void rm_tree(const char *dir)
-{
-    DIR *d = opendir(dir);
-    if (!d)
-        return;
-    struct dirent *e;
-    char p[600];
-    while ((e = readdir(d)) != NULL) {
-        if (!strcmp(e->d_name, ".") || !strcmp(e->d_name, ".."))
-            continue;
-        snprintf(p, sizeof p, "%s/%s", dir, e->d_name);
-        unlink(p);
-    }
-    closedir(d);
-    rmdir(dir);
-}
 
 static kvr_store *open_store(size_t cap, bool tier)
 {
@@ -65,89 +47,28 @@ static kvr_store *open_store(size_t cap, bool tier)
     return s;
 }
 
-static float val(uint32_t seed, int l, int kv, size_t t, size_t j)
-{
-    uint32_t h = seed * 2654435761u ^ (uint32_t)(l * 7919 + kv * 104729) ^
-                 (uint32_t)(t * 40503u) ^ (uint32_t)(j * 97u);
-    h ^= h >> 13;
-    h *= 0x5bd1e995u;
-    h ^= h >> 15;
-    return (float)(h % 20001u) / 10000.0f - 1.0f;
-}
-
 /* Tokens [first, first + n) of the stream `seed` (the same values whatever
- * the split into puts), as f32, appended (or created). */
+ * the split into puts), appended (or created). */
 static int put_range(kvr_store *s, const char *id, const char *codec, uint32_t seed,
                      size_t first, size_t n, bool persist)
 {
-    float *p = malloc((size_t)L * 2 * n * ROW * sizeof *p);
-    uint32_t *tok = malloc(n * sizeof *tok);
-    for (size_t i = 0; i < n; i++)
-        tok[i] = seed * 100000 + (uint32_t)(first + i);
-    size_t k = 0;
-    for (int l = 0; l < (int)L; l++)
-        for (int kv = 0; kv < 2; kv++)
-            for (size_t t = 0; t < n; t++)
-                for (size_t j = 0; j < ROW; j++)
-                    p[k++] = val(seed, l, kv, first + t, j);
-    kvr_put_params pp = { .ctx_id = id, .model = "m",
-                          .mode = first ? KVR_PUT_APPEND : KVR_PUT_CREATE,
-                          .n_layers = L, .n_kv_heads = H, .head_dim = D,
-                          .dtype = KVR_DTYPE_F32, .n_tokens = n, .tokens = tok,
-                          .codec = codec, .persist = persist };
-    kvr_put *t;
     kvr_error e = { 0 };
-    int rc = kvr_store_put_begin(s, &pp, &t, &e);
-    if (rc == 0) {
-        const struct iovec *iov;
-        size_t ni;
-        kvr_put_payload_iov(t, &iov, &ni);
-        const uint8_t *src = (const uint8_t *)p;
-        for (size_t i = 0; i < ni; i++) {
-            memcpy(iov[i].iov_base, src, iov[i].iov_len);
-            src += iov[i].iov_len;
-        }
-        if (kvr_put_needs_work(t))
-            rc = kvr_put_work(t, &e);
-        if (rc == 0)
-            rc = kvr_put_commit(t, NULL, &e);
-        else
-            kvr_put_abort(t);
-    }
-    free(p);
-    free(tok);
+    kvt_put a = { .id = id, .codec = codec, .seed = seed, .n_layers = L, .n_heads = H,
+                  .head_dim = D, .first = first, .n = n,
+                  .mode = first ? KVR_PUT_APPEND : KVR_PUT_CREATE, .persist = persist };
+    int rc = kvt_stream_put(s, &a, &e);
     cr_assert_eq(rc, 0, "put %s [%zu, +%zu): %s", id, first, n, e.msg);
     if (persist)
         cr_assert_geq(kvr_store_persist(s, id, NULL, NULL, &e), 0, "%s", e.msg);
     return rc;
 }
 
-/* The whole context (f32 K/V, tokens, positions, flags); *len bytes. */
 static uint8_t *get_all(kvr_store *s, const char *id, size_t *len)
 {
-    kvr_get_params gp = { .ctx_id = id, .start = 0, .end = SIZE_MAX, .dtype = KVR_DTYPE_F32 };
-    kvr_get *g;
     kvr_error e = { 0 };
-    cr_assert_eq(kvr_store_get_begin(s, &gp, &g, &e), 0, "get %s: %s", id, e.msg);
-    if (kvr_get_needs_work(g))
-        cr_assert_eq(kvr_get_work(g, &e), 0, "get %s: %s", id, e.msg);
-    const kvr_get_info *gi = kvr_get_get_info(g);
-    *len = kvr_get_payload_size(g) + gi->n_tokens * (4 + 8 + 4);
-    uint8_t *out = malloc(*len ? *len : 1), *w = out;
-    const struct iovec *iov;
-    size_t ni;
-    kvr_get_payload_iov(g, &iov, &ni);
-    for (size_t i = 0; i < ni; i++) {
-        memcpy(w, iov[i].iov_base, iov[i].iov_len);
-        w += iov[i].iov_len;
-    }
-    memcpy(w, gi->tokens, gi->n_tokens * 4);
-    w += gi->n_tokens * 4;
-    memcpy(w, gi->positions, gi->n_tokens * 8);
-    w += gi->n_tokens * 8;
-    memcpy(w, gi->flags, gi->n_tokens * 4);
-    kvr_get_end(g);
-    return out;
+    uint8_t *g = kvt_get_all(s, id, len, &e);
+    cr_assert_not_null(g, "get %s: %s", id, e.msg);
+    return g;
 }
 
 static void same_ctx(kvr_store *s, const char *a, kvr_store *s2, const char *b, const char *what)
@@ -353,7 +274,7 @@ Test(partial, spill_reload_restart)
         free(want[c]);
     }
     kvr_store_destroy(r);
-    rm_tree(DIR_);
+    kvt_rm_tree(DIR_);
 }
 
 /* Quantized contexts: the last quantized block holds its tiles only (a
@@ -446,5 +367,5 @@ Test(partial, blocks_cut_in_two)
     free(w0);
     free(w1);
     kvr_store_destroy(r);
-    rm_tree(DIR_);
+    kvt_rm_tree(DIR_);
 }

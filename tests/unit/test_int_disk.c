@@ -27,25 +27,9 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include "tests/common/cache_stream.h"
 #include "tests/common/kvr_testd.h"
 
-
-static void rm_tree(const char *dir)
-{
-    DIR *d = opendir(dir);
-    if (!d)
-        return;
-    struct dirent *e;
-    char p[600];
-    while ((e = readdir(d)) != NULL) {
-        if (!strcmp(e->d_name, ".") || !strcmp(e->d_name, ".."))
-            continue;
-        snprintf(p, sizeof p, "%s/%s", dir, e->d_name);
-        unlink(p);
-    }
-    closedir(d);
-    rmdir(dir);
-}
 
 static void disk_dir(char *out, size_t cap)
 {
@@ -157,7 +141,7 @@ static void spill_reload(const char *engine)
         cr_assert_eq(testd_metric(c, "disk_engine_posix"), 1.0);
     kvr_client_close(c);
     testd_stop(&d);
-    rm_tree(dir);
+    kvt_rm_tree(dir);
 }
 
 Test(int_disk, spill_reload_auto, .timeout = 120) { spill_reload("auto"); }
@@ -200,7 +184,7 @@ static void restart(const char *engine)
     cr_assert_geq(testd_metric(c, "recovery_ms"), 0.0);
     kvr_client_close(c);
     testd_stop(&d);
-    rm_tree(dir);
+    kvt_rm_tree(dir);
 }
 
 static int put_replace(kvr_client *c, const char *ctx, uint32_t seed, size_t n, bool persist)
@@ -247,7 +231,7 @@ Test(int_disk, replace_survives_restart, .timeout = 120)
     cr_assert_eq(testd_metric(c, "recovery_contexts"), 1.0);
     kvr_client_close(c);
     testd_stop(&d);
-    rm_tree(dir);
+    kvt_rm_tree(dir);
 }
 
 Test(int_disk, restart_auto, .timeout = 120) { restart("auto"); }
@@ -406,7 +390,7 @@ static void kill9(const char *engine)
             trials, inflight_seen);
     kvr_client_close(rc);
     testd_stop(&ref);
-    rm_tree(dir);
+    kvt_rm_tree(dir);
 }
 
 /* A worker whose kvroped is killed gets an error from every call, never a
@@ -522,7 +506,7 @@ static void corrupt(const char *engine)
                  kvr_client_last_error(c));
     kvr_client_close(c);
     testd_stop(&d);
-    rm_tree(dir);
+    kvt_rm_tree(dir);
 }
 
 Test(int_disk, corrupt_auto, .timeout = 120) { corrupt("auto"); }
@@ -568,7 +552,7 @@ static void fsync_fault(const char *engine)
     cr_assert_geq(testd_metric(c, "recovery_contexts"), (double)ok);
     kvr_client_close(c);
     testd_stop(&d);
-    rm_tree(dir);
+    kvt_rm_tree(dir);
 }
 
 Test(int_disk, fsync_fault_auto, .timeout = 120) { fsync_fault("auto"); }
@@ -619,7 +603,7 @@ Test(int_disk, enospc_small_tmpfs, .timeout = 120)
     kvr_client_close(c);
     testd_stop(&d);
     umount(dir);
-    rm_tree(dir);
+    kvt_rm_tree(dir);
 }
 
 /* ---- a corrupt newest record: stale marks, never a silent roll-back --------- */
@@ -766,7 +750,7 @@ static void corrupt_newest(int how)
         kvr_client_close(c);
         testd_stop(&d);
     }
-    rm_tree(dir);
+    kvt_rm_tree(dir);
 }
 
 Test(int_disk, corrupt_newest_record_attributed, .timeout = 120) { corrupt_newest(0); }
