@@ -30,6 +30,7 @@
 
 #define WARM_CHUNK ((size_t)64 << 20)
 
+#ifdef KVR_JEMALLOC
 static double mono_ms(void)
 {
     struct timespec ts;
@@ -40,10 +41,8 @@ static double mono_ms(void)
 static void *warm_main(void *arg)
 {
     kvr_daemon *d = arg;
-#ifdef KVR_JEMALLOC
     unsigned arena = d->warm_arena;
     (void)mallctl("thread.arena", NULL, NULL, &arena, sizeof arena);
-#endif
     size_t n_max = (size_t)(d->warm_want / WARM_CHUNK) + 1, n = 0, held = 0;
     void **chunks = calloc(n_max, sizeof *chunks);
     double t0 = mono_ms();
@@ -73,6 +72,7 @@ static void *warm_main(void *arg)
             "kept mapped for the store", held >> 20, ms, ms > 0 ? (double)held / ms / 1e6 : 0);
     return NULL;
 }
+#endif
 
 int kvr_warm_start(kvr_daemon *d, kvr_error *err)
 {

@@ -941,6 +941,7 @@ Test(cache_store, large_blocks_roundtrip)
      * class over what its tokens need. */
     size_t tok_bytes = 3 * 2 * 16 * 2 + 16, kvb = 4096u * 3 * 2 * 16 * 2;
     cr_assert_geq(st.block_bytes, total * tok_bytes);
+    (void)kvb;
 #ifdef KVR_JEMALLOC
     cr_assert_eq(kvr_mem_size_class(kvb), kvb);
     cr_assert_geq(st.block_bytes, (total / 4096) * kvr_mem_size_class(kvb));
