@@ -83,6 +83,11 @@ typedef struct kvr_store_config {
     size_t   max_contexts;      /* contexts (forks included); 0 = unlimited;
                                    a create or fork past it is KVR_ELIMIT */
     uint32_t max_models;        /* registered models; 0 = unlimited (KVR_ELIMIT) */
+    size_t   max_memory_per_model; /* bound on one model's block bytes (its
+                                   tenants' share of the cap); 0 = none. A
+                                   put over it evicts that model's own least
+                                   recently used contexts, never another
+                                   model's; the first 63 models are bounded */
     size_t   block_cache;       /* bytes of freed blocks kept for reuse by the next
                                    blocks of the same geometry (at most
                                    KVR_BLOCK_CACHE_N, never over max_memory / 16);
@@ -116,6 +121,13 @@ typedef struct kvr_model_info {
     const kvr_rope *engine;            /* borrowed; likewise */
     size_t   n_contexts;
     char     codec[KVR_CODEC_NAME_MAX];  /* default codec, canonical spec */
+    /* As a tenant: bytes of its blocks (0 if not counted apart: past the
+     * 63rd model), blocks / bytes evicted from its contexts (dropped or
+     * spilled), prefix matches asked and found, writes refused at its
+     * bound (max_memory_per_model). */
+    size_t   bytes;
+    uint64_t n_evicted_blocks, n_evicted_bytes, n_matches, n_match_hits;
+    uint64_t n_refused_bound;
 } kvr_model_info;
 
 /* Canonical form of a codec spec for model `model` (0, KVR_ENOMODEL or
@@ -568,6 +580,8 @@ int kvr_store_protect(kvr_store *s, const char *ctx_id, size_t n, kvr_error *err
 typedef struct kvr_store_stats {
     size_t   mem_allocated, mem_peak, mem_cap;
     size_t   block_bytes;              /* bytes held in blocks */
+    size_t   kv_held_bytes;            /* K/V the committed tokens of in-memory
+                                          blocks need: what block_bytes holds */
     size_t   block_cache_bytes, n_block_cache;  /* freed blocks kept for reuse */
     size_t   n_models, n_contexts, n_blocks, n_tokens;
     uint64_t n_evicted_blocks, n_evicted_bytes;

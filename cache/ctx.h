@@ -48,6 +48,11 @@ struct kvr_model {
     size_t          n_contexts;
     kvr_ptree       tree[2];    /* 0: exact prefixes, 1: full sequences */
     size_t          n_stale;    /* contexts with idx_stale set */
+    /* Its blocks' tenant in the pool (1..63; 0: not counted apart) and
+     * what happened to it: the stats verb's per-model lines. */
+    uint16_t        tenant;
+    uint64_t        n_evicted_blocks, n_evicted_bytes, n_matches, n_match_hits;
+    uint64_t        n_refused_bound;
 };
 
 struct kvr_ctx {

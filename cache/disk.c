@@ -1066,6 +1066,41 @@ static size_t ext_alloc(const kvr_disk_handle *h)
     return (size_t)align_up(EXT_HDR + (uint64_t)h->len);
 }
 
+/* An extent's data in memory, in two parts (kvr_disk_buf / kvr_disk_dst):
+ * data bytes [0, n) at p, the rest at t (a block's K/V, then its
+ * metadata). Only p takes direct I/O; t is always staged. */
+typedef struct xmem {
+    uint8_t *p, *t;
+    size_t   n;
+} xmem;
+
+/* Data bytes [a, a + m) of x, out of it (get) or into it (put). */
+static void x_get(const xmem *x, size_t a, uint8_t *out, size_t m)
+{
+    if (a < x->n) {
+        size_t k = x->n - a < m ? x->n - a : m;
+        memcpy(out, x->p + a, k);
+        out += k;
+        a += k;
+        m -= k;
+    }
+    if (m)
+        memcpy(out, x->t + (a - x->n), m);
+}
+
+static void x_put(const xmem *x, size_t a, const uint8_t *in, size_t m)
+{
+    if (a < x->n) {
+        size_t k = x->n - a < m ? x->n - a : m;
+        memcpy(x->p + a, in, k);
+        in += k;
+        a += k;
+        m -= k;
+    }
+    if (m)
+        memcpy(x->t + (a - x->n), in, m);
+}
+
 /* The leading data bytes of a v2 extent that go straight between the
  * device and memory p (whole granules; the rest of the image is staged),
  * or 0 when p is not aligned as O_DIRECT wants or the segment is v1. */
@@ -1259,9 +1294,9 @@ static void ds_send(dstream *s)
 
 /* Stages image bytes [a, a + n) of a v2 extent (data p[len], trailer,
  * zero padding) at out, in image order: data copied and checksummed in
- * cache-sized steps into *crc; the trailer (built in trl once the data's
+ * cache-sized steps into *crc (p in its two parts); the trailer (built in trl once the data's
  * checksum is complete, i.e. when first reached) after it. */
-static void stage_v2(uint8_t *out, size_t a, size_t n, const uint8_t *p,
+static void stage_v2(uint8_t *out, size_t a, size_t n, const xmem *p,
                      const kvr_disk_handle *h, uint32_t segid, uint32_t *crc, uint8_t *trl,
                      bool *trl_built)
 {
@@ -1270,7 +1305,7 @@ static void stage_v2(uint8_t *out, size_t a, size_t n, const uint8_t *p,
         size_t m = e < len ? e - a : len - a;
         if (m > DIO_PIECE)
             m = DIO_PIECE;
-        memcpy(out, p + a, m);
+        x_get(p, a, out, m);
         *crc = kvr_crc32c(*crc, out, m);
         out += m;
         a += m;
@@ -1293,7 +1328,7 @@ static void stage_v2(uint8_t *out, size_t a, size_t n, const uint8_t *p,
  * NULL) that go straight from / into memory: consecutive in one v2
  * segment, each aligned for O_DIRECT. */
 static size_t ds_run(const kvr_disk *d, const kvr_disk_handle *hs, const size_t *ord,
-                     const void *const *mem, size_t i, size_t n)
+                     const xmem *mem, size_t i, size_t n)
 {
 #define AT(x) (ord ? ord[x] : (x))
     const kvr_disk_handle *h0 = &hs[AT(i)];
@@ -1302,7 +1337,7 @@ static size_t ds_run(const kvr_disk *d, const kvr_disk_handle *hs, const size_t 
     for (; j < n; j++) {
         const kvr_disk_handle *p = &hs[AT(j - 1)], *h = &hs[AT(j)];
         if (h->seg != h0->seg || h->off != p->off + ext_alloc(p) ||
-            !dma_bytes(d, s, mem[AT(j)], h->len))
+            !dma_bytes(d, s, mem[AT(j)].p, (uint32_t)mem[AT(j)].n))
             break;
     }
 #undef AT
@@ -1325,7 +1360,7 @@ static size_t ds_run(const kvr_disk *d, const kvr_disk_handle *hs, const size_t 
  * for the whole load, and every byte checked then is device time lost
  * (bench_disk). */
 static void ds_run_io(dstream *w, const kvr_disk_handle *hs, const size_t *ord,
-                      void *const *mem, size_t i, size_t j, bool write, bool taper,
+                      const xmem *mem, size_t i, size_t j, bool write, bool taper,
                       uint8_t *hdr, uint32_t *crc, bool *built, ds_done_fn done, void *arg)
 {
 #define AT(x) (ord ? ord[x] : (x))
@@ -1348,11 +1383,18 @@ static void ds_run_io(dstream *w, const kvr_disk_handle *hs, const size_t *ord,
         uint64_t wo = hs[AT(x)].off + pos;
         while (px < j && room > 0 && np < KVR_DIO_IOV_MAX) {
             const kvr_disk_handle *h = &hs[AT(px)];
-            size_t D = dma_bytes(d, s, mem[AT(px)], h->len), A = ext_alloc(h), m;
+            size_t D = dma_bytes(d, s, mem[AT(px)].p, (uint32_t)mem[AT(px)].n);
+            size_t A = ext_alloc(h), m;
             bool st = ppos >= D;
             m = (st ? A : D) - ppos;
             if (m > room)
                 m = room;
+            /* Staged bytes of one request fit the ring's piece (a long
+             * second part, kvr_disk_buf.tail, goes over several). */
+            if (st && m > w->piece - stg)
+                m = w->piece - stg;
+            if (m == 0)
+                break;
             plan[np++] = (dpart){ .k = px, .pos = ppos, .len = m, .stage = st ? w->st : NULL };
             if (st)
                 stg += m;
@@ -1380,7 +1422,8 @@ static void ds_run_io(dstream *w, const kvr_disk_handle *hs, const size_t *ord,
         bool later[KVR_DIO_IOV_MAX] = { false };
         for (size_t q = 0; q < np; q++) {
             const dpart *p = &plan[q];
-            uint8_t *m = (uint8_t *)mem[AT(p->k)];
+            const xmem *xm = &mem[AT(p->k)];
+            uint8_t *m = xm->p;
             if (!p->stage) {
                 /* A data part whose extent's tail is not in this request
                  * is checksummed after the push, while on the device. */
@@ -1391,7 +1434,7 @@ static void ds_run_io(dstream *w, const kvr_disk_handle *hs, const size_t *ord,
                 continue;
             }
             if (write)
-                stage_v2(out, p->pos, p->len, m, &hs[AT(p->k)], s->id, &crc[p->k - i],
+                stage_v2(out, p->pos, p->len, xm, &hs[AT(p->k)], s->id, &crc[p->k - i],
                          hdr + AT(p->k) * EXT_HDR, &built[p->k - i]);
             ds_add(w, p->k, p->pos, out, p->len, true);
             out += p->len;
@@ -1400,7 +1443,7 @@ static void ds_run_io(dstream *w, const kvr_disk_handle *hs, const size_t *ord,
         for (size_t q = 0; q < np; q++)
             if (later[q])
                 crc[plan[q].k - i] = kvr_crc32c(crc[plan[q].k - i],
-                                                (uint8_t *)mem[AT(plan[q].k)] + plan[q].pos,
+                                                mem[AT(plan[q].k)].p + plan[q].pos,
                                                 plan[q].len);
         x = px;
         pos = ppos;
@@ -1423,9 +1466,9 @@ static int spill_direct(kvr_disk *d, const kvr_disk_buf *bufs, size_t n,
     uint64_t total = 0;
     for (size_t i = 0; i < n; i++)
         total += ext_alloc(&hs[i]) - dma_bytes(d, seg_find(d, hs[i].seg), bufs[i].data,
-                                              hs[i].len);
+                                              (uint32_t)bufs[i].len);
     dstream *w = kvr_mem_malloc(sizeof *w);
-    void **mem = kvr_mem_malloc(n * sizeof *mem);
+    xmem *mem = kvr_mem_malloc(n * sizeof *mem);
     uint32_t *crcs = kvr_mem_calloc(n, sizeof *crcs);
     bool *built = kvr_mem_calloc(n, sizeof *built);
     if (!w || !mem || !crcs || !built) {
@@ -1436,16 +1479,16 @@ static int spill_direct(kvr_disk *d, const kvr_disk_buf *bufs, size_t n,
         return -ENOMEM;
     }
     for (size_t i = 0; i < n; i++)
-        mem[i] = (void *)(uintptr_t)bufs[i].data;   /* only read */
+        mem[i] = (xmem){ (uint8_t *)(uintptr_t)bufs[i].data,       /* only read */
+                         (uint8_t *)(uintptr_t)bufs[i].tail, bufs[i].len };
     int rc = ds_init(w, d, total, true);
     for (size_t i = 0; i < n && !rc && !w->err;) {
         seg *s = seg_find(d, hs[i].seg);
         assert(s->fmt == FMT_V2);
-        const uint8_t *src = bufs[i].data;
         size_t alloc = ext_alloc(&hs[i]);
-        size_t dma = dma_bytes(d, s, src, hs[i].len);
+        size_t dma = dma_bytes(d, s, mem[i].p, (uint32_t)mem[i].n);
         if (dma) {
-            size_t j = ds_run(d, hs, NULL, (const void *const *)mem, i, n);
+            size_t j = ds_run(d, hs, NULL, mem, i, n);
             ds_run_io(w, hs, NULL, mem, i, j, true, false, hdr, crcs + i, built + i, NULL, NULL);
             for (size_t x = i; x < j; x++)
                 hs[x].crc = crcs[x];
@@ -1460,7 +1503,7 @@ static int spill_direct(kvr_disk *d, const kvr_disk_buf *bufs, size_t n,
             uint8_t *out = ds_alloc(w, k, NULL, NULL);
             if (w->err)
                 break;
-            stage_v2(out, a, k, src, &hs[i], s->id, &crc, hdr + i * EXT_HDR, &built[i]);
+            stage_v2(out, a, k, &mem[i], &hs[i], s->id, &crc, hdr + i * EXT_HDR, &built[i]);
             ds_new(w, s->dfd, true, hs[i].off + a);
             ds_add(w, i, a, out, k, true);
             ds_send(w);
@@ -1486,7 +1529,7 @@ typedef struct ldst {
     kvr_disk              *d;
     const kvr_disk_handle *hs;
     const size_t          *ord;
-    void *const           *dst;
+    const xmem            *dst;
     uint8_t               *hdr;
     uint32_t              *crc;
     int                   *res;
@@ -1499,7 +1542,7 @@ static void take_staged(ldst *l, size_t k, uint32_t fmt, size_t a, const uint8_t
 {
     const kvr_disk_handle *h = &l->hs[l->ord[k]];
     size_t da = img_data_at(fmt), ha = img_hdr_at(fmt, h->len), len = h->len;
-    uint8_t *out = l->dst[l->ord[k]];
+    const xmem *out = &l->dst[l->ord[k]];
     size_t e = a + n;
     while (a < e) {
         size_t m;
@@ -1507,8 +1550,8 @@ static void take_staged(ldst *l, size_t k, uint32_t fmt, size_t a, const uint8_t
             m = (e < da + len ? e : da + len) - a;
             if (m > DIO_PIECE)
                 m = DIO_PIECE;
-            memcpy(out + (a - da), b, m);
-            l->crc[k] = kvr_crc32c(l->crc[k], out + (a - da), m);
+            x_put(out, a - da, b, m);
+            l->crc[k] = kvr_crc32c(l->crc[k], b, m);
         } else if (a >= ha && a < ha + EXT_HDR) {
             m = (e < ha + EXT_HDR ? e : ha + EXT_HDR) - a;
             memcpy(l->hdr + k * EXT_HDR + (a - ha), b, m);
@@ -1547,7 +1590,7 @@ static void ld_take(dstream *s, size_t slot, void *arg)
         } else if (ro + want > q->done) {
             l->res[k] = -EIO;           /* the file ended inside the extent */
         } else if (!p->stage) {         /* v2 in memory: image offset == data offset */
-            l->crc[k] = kvr_crc32c(l->crc[k], (uint8_t *)l->dst[l->ord[k]] + p->pos, p->len);
+            l->crc[k] = kvr_crc32c(l->crc[k], l->dst[l->ord[k]].p + p->pos, p->len);
         } else {
             take_staged(l, k, seg_find(l->d, h->seg)->fmt, p->pos, p->stage, p->len);
         }
@@ -1595,14 +1638,15 @@ static int ord_cmp(const void *a, const void *b, void *arg)
  * device. A v2 extent whose destination is aligned for O_DIRECT is read
  * straight into it, in pieces of dio_mem_piece() bytes, the last with the
  * staged tail; the others (v1, unaligned) are staged whole. */
-static void load_direct(kvr_disk *d, const kvr_disk_handle *hs, void *const *dst,
+static void load_direct(kvr_disk *d, const kvr_disk_handle *hs, const xmem *dst,
                         size_t *ord, size_t nk, uint8_t *hdr, uint32_t *crc, int *res)
 {
     qsort_r(ord, nk, sizeof *ord, ord_cmp, (void *)(uintptr_t)hs);
     uint64_t total = 0;
     for (size_t k = 0; k < nk; k++) {
         const kvr_disk_handle *h = &hs[ord[k]];
-        total += ext_alloc(h) - dma_bytes(d, seg_find(d, h->seg), dst[ord[k]], h->len);
+        total += ext_alloc(h) - dma_bytes(d, seg_find(d, h->seg), dst[ord[k]].p,
+                                          (uint32_t)dst[ord[k]].n);
     }
     ldst l = { .d = d, .hs = hs, .ord = ord, .dst = dst, .hdr = hdr, .crc = crc,
                .res = res };
@@ -1616,16 +1660,16 @@ static void load_direct(kvr_disk *d, const kvr_disk_handle *hs, void *const *dst
     for (size_t k = 0; k < nk;) {
         const kvr_disk_handle *h = &hs[ord[k]];
         seg *s = seg_find(d, h->seg);
-        uint8_t *out = dst[ord[k]];
+        const xmem *out = &dst[ord[k]];
         size_t alloc = ext_alloc(h);
-        size_t dma = dma_bytes(d, s, out, h->len);
+        size_t dma = dma_bytes(d, s, out->p, (uint32_t)out->n);
         if (dma) {
-            size_t j = ds_run(d, hs, ord, (const void *const *)dst, k, nk);
+            size_t j = ds_run(d, hs, ord, dst, k, nk);
             ds_run_io(r, hs, ord, dst, k, j, false, j == nk, NULL, NULL, NULL, ld_take, &l);
             k = j;
             continue;
         }
-        prefault(out, h->len);
+        prefault(out->p, out->n);
         for (size_t a = 0; a < alloc;) {
             size_t len = alloc - a < r->piece ? alloc - a : r->piece;
             uint8_t *p = ds_alloc(r, len, ld_take, &l);
@@ -1649,11 +1693,14 @@ int kvr_disk_spill(kvr_disk *d, const kvr_disk_buf *bufs, size_t n,
         return 0;
     uint64_t need = 0;
     for (size_t i = 0; i < n; i++) {
-        if (bufs[i].len == 0 || bufs[i].len > KVR_DISK_MAX_EXTENT)
-            return kvr_error_set(err, KVR_EINVAL, "disk: spill of %zu bytes (1..%u allowed)",
-                                 bufs[i].len, KVR_DISK_MAX_EXTENT);
-        need += align_up(EXT_HDR + (uint64_t)bufs[i].len);
-        hs[i].len = (uint32_t)bufs[i].len;
+        size_t len = bufs[i].len + bufs[i].tail_len;
+        if (len == 0 || len < bufs[i].len || len > KVR_DISK_MAX_EXTENT ||
+            (bufs[i].tail_len && !bufs[i].tail))
+            return kvr_error_set(err, KVR_EINVAL, "disk: spill of %zu + %zu bytes (1..%u "
+                                 "allowed)", bufs[i].len, bufs[i].tail_len,
+                                 KVR_DISK_MAX_EXTENT);
+        need += align_up(EXT_HDR + (uint64_t)len);
+        hs[i].len = (uint32_t)len;
     }
     uint8_t *hdr = kvr_mem_malloc(n * EXT_HDR);
     kvr_dio_req *q = kvr_mem_calloc(n, sizeof *q);
@@ -1675,7 +1722,7 @@ int kvr_disk_spill(kvr_disk *d, const kvr_disk_buf *bufs, size_t n,
     }
     bool direct = true;
     for (size_t i = 0; i < n; i++) {
-        uint64_t alloc = align_up(EXT_HDR + (uint64_t)bufs[i].len);
+        uint64_t alloc = align_up(EXT_HDR + (uint64_t)hs[i].len);
         if (!d->active || (d->active->size > 0 &&
                            d->active->size + alloc > d->cfg.segment_bytes)) {
             /* Dropping the old segment here (no registered extent yet)
@@ -1716,14 +1763,19 @@ int kvr_disk_spill(kvr_disk *d, const kvr_disk_buf *bufs, size_t n,
         for (size_t i = 0; i < n; i++) {
             /* Buffered: data, then the trailer (the file may end there). */
             seg *s = seg_find(d, hs[i].seg);
-            hs[i].crc = kvr_crc32c(0, bufs[i].data, bufs[i].len);
+            hs[i].crc = kvr_crc32c(kvr_crc32c(0, bufs[i].data, bufs[i].len), bufs[i].tail,
+                                   bufs[i].tail_len);
             ext_header(hdr + i * EXT_HDR, s->fmt, hs[i].seq, s->id, hs[i].len, hs[i].crc,
                        hs[i].off);
-            q[i] = (kvr_dio_req){ .fd = s->fd, .write = true, .iovcnt = 2, .off = hs[i].off };
-            q[i].iov[0].iov_base = (void *)(uintptr_t)bufs[i].data;
-            q[i].iov[0].iov_len = bufs[i].len;
-            q[i].iov[1].iov_base = hdr + i * EXT_HDR;
-            q[i].iov[1].iov_len = EXT_HDR;
+            q[i] = (kvr_dio_req){ .fd = s->fd, .write = true, .off = hs[i].off };
+            int v = 0;
+            if (bufs[i].len)
+                q[i].iov[v++] = (struct iovec){ (void *)(uintptr_t)bufs[i].data, bufs[i].len };
+            if (bufs[i].tail_len)
+                q[i].iov[v++] = (struct iovec){ (void *)(uintptr_t)bufs[i].tail,
+                                                bufs[i].tail_len };
+            q[i].iov[v++] = (struct iovec){ hdr + i * EXT_HDR, EXT_HDR };
+            q[i].iovcnt = v;
         }
         io = kvr_dio_run(d->io, q, n);
     }
@@ -1790,13 +1842,30 @@ int kvr_disk_load(kvr_disk *d, const kvr_disk_handle *hs, void *const *dst,
 {
     if (n == 0)
         return 0;
+    kvr_disk_dst *x = kvr_mem_malloc(n * sizeof *x);
+    if (!x)
+        return kvr_error_set(err, KVR_ENOMEM, "disk: out of memory");
+    for (size_t i = 0; i < n; i++)
+        x[i] = (kvr_disk_dst){ dst[i], hs[i].len, NULL };
+    int rc = kvr_disk_load_split(d, hs, x, n, status, err);
+    kvr_mem_free(x);
+    return rc;
+}
+
+int kvr_disk_load_split(kvr_disk *d, const kvr_disk_handle *hs, const kvr_disk_dst *dst,
+                        size_t n, int *status, kvr_error *err)
+{
+    if (n == 0)
+        return 0;
     uint8_t *hdr = kvr_mem_malloc(n * EXT_HDR);
     kvr_dio_req *q = kvr_mem_calloc(n, sizeof *q);
     size_t *map = kvr_mem_malloc(n * sizeof *map);
-    if (!hdr || !q || !map) {
+    xmem *xm = kvr_mem_malloc(n * sizeof *xm);
+    if (!hdr || !q || !map || !xm) {
         kvr_mem_free(hdr);
         kvr_mem_free(q);
         kvr_mem_free(map);
+        kvr_mem_free(xm);
         return kvr_error_set(err, KVR_ENOMEM, "disk: out of memory");
     }
     int first = 0;
@@ -1813,22 +1882,34 @@ int kvr_disk_load(kvr_disk *d, const kvr_disk_handle *hs, void *const *dst,
         int st = 0;
         if (!s || !ext_find(s, &hs[i]))
             st = KVR_EINVAL;
+        else if (dst[i].len > hs[i].len || (dst[i].len < hs[i].len && !dst[i].tail))
+            st = KVR_EINVAL;
         if (status)
             status[i] = st;
         if (st) {
-            if (!first)
+            if (!first && s && ext_find(s, &hs[i]))
+                first = kvr_error_set(err, st, "disk: load of %" PRIu32 " bytes into a "
+                                      "%zu-byte destination without a tail", hs[i].len,
+                                      dst[i].len);
+            else if (!first)
                 first = kvr_error_set(err, st, "disk: handle seg %" PRIu32 " off %"
                                       PRIu64 " seq %" PRIu64 " is not live",
                                       hs[i].seg, hs[i].off, hs[i].seq);
             continue;
         }
         /* Buffered: the image up to the end of the header / trailer. */
-        q[nq] = (kvr_dio_req){ .fd = s->fd, .write = false, .iovcnt = 2, .off = hs[i].off };
-        int hi = s->fmt == FMT_V1 ? 0 : 1;
-        q[nq].iov[hi].iov_base = hdr + nq * EXT_HDR;
-        q[nq].iov[hi].iov_len = EXT_HDR;
-        q[nq].iov[1 - hi].iov_base = dst[i];
-        q[nq].iov[1 - hi].iov_len = hs[i].len;
+        xm[i] = (xmem){ dst[i].data, dst[i].tail, dst[i].len };
+        q[nq] = (kvr_dio_req){ .fd = s->fd, .write = false, .off = hs[i].off };
+        int v = 0;
+        if (s->fmt == FMT_V1)
+            q[nq].iov[v++] = (struct iovec){ hdr + nq * EXT_HDR, EXT_HDR };
+        if (dst[i].len)
+            q[nq].iov[v++] = (struct iovec){ dst[i].data, dst[i].len };
+        if (dst[i].len < hs[i].len)
+            q[nq].iov[v++] = (struct iovec){ dst[i].tail, hs[i].len - dst[i].len };
+        if (s->fmt != FMT_V1)
+            q[nq].iov[v++] = (struct iovec){ hdr + nq * EXT_HDR, EXT_HDR };
+        q[nq].iovcnt = v;
         map[nq++] = i;
     }
     bool direct = nq > 0;
@@ -1844,7 +1925,7 @@ int kvr_disk_load(kvr_disk *d, const kvr_disk_handle *hs, void *const *dst,
                 status[map[k]] = KVR_ENOMEM;
             goto out;
         }
-        load_direct(d, hs, dst, map, nq, hdr, crc, res);
+        load_direct(d, hs, xm, map, nq, hdr, crc, res);
         for (size_t k = 0; k < nq; k++)
             q[k].res = res[k];
     } else {
@@ -1858,7 +1939,9 @@ int kvr_disk_load(kvr_disk *d, const kvr_disk_handle *hs, void *const *dst,
             if (!first)
                 first = io_error(q[k].res, "load read", err);
         } else if (!ext_header_ok(hdr + k * EXT_HDR, seg_find(d, hs[i].seg)->fmt, &hs[i]) ||
-                   (direct ? crc[k] : kvr_crc32c(0, dst[i], hs[i].len)) != hs[i].crc) {
+                   (direct ? crc[k]
+                           : kvr_crc32c(kvr_crc32c(0, dst[i].data, dst[i].len), dst[i].tail,
+                                        hs[i].len - dst[i].len)) != hs[i].crc) {
             st = KVR_EIO;
             d->n_quarantined++;
             if (!first)
@@ -1875,6 +1958,7 @@ out:
     kvr_mem_free(hdr);
     kvr_mem_free(q);
     kvr_mem_free(map);
+    kvr_mem_free(xm);
     kvr_mem_free(crc);
     kvr_mem_free(res);
     return first;

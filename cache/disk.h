@@ -255,10 +255,24 @@ int kvr_disk_claim(kvr_disk *d, const kvr_disk_handle *h, kvr_error *err);
 int kvr_disk_recover_done(kvr_disk *d, kvr_error *err);
 
 /* ---- spill store ------------------------------------------------------------- */
+/* An extent's bytes: data[len], then tail[tail_len] (a block's K/V, then
+ * its metadata, kept in two allocations: the extent is their
+ * concatenation, the format does not change). tail may be NULL when
+ * tail_len is 0. Only data goes to the device without staging. */
 typedef struct kvr_disk_buf {
     const void *data;             /* borrowed for the call */
-    size_t      len;              /* 0 < len <= KVR_DISK_MAX_EXTENT */
+    size_t      len;              /* 0 < len + tail_len <= KVR_DISK_MAX_EXTENT */
+    const void *tail;
+    size_t      tail_len;
 } kvr_disk_buf;
+
+/* Where a load puts an extent of h.len bytes: its first len bytes at data,
+ * the other h.len - len at tail (NULL when len == h.len). */
+typedef struct kvr_disk_dst {
+    void  *data;
+    size_t len;
+    void  *tail;
+} kvr_disk_dst;
 
 /* Writes n byte strings in one batch; on success hs[i] is the handle of
  * bufs[i] with one reference. All or nothing: on failure no handle is live.
@@ -274,6 +288,10 @@ int kvr_disk_spill(kvr_disk *d, const kvr_disk_buf *bufs, size_t n,
  * garbage and must not be used. */
 int kvr_disk_load(kvr_disk *d, const kvr_disk_handle *hs, void *const *dst,
                   size_t n, int *status, kvr_error *err);
+/* The same into two-part destinations (KVR_EINVAL in status for one whose
+ * len is over the handle's or that lacks the tail it needs). */
+int kvr_disk_load_split(kvr_disk *d, const kvr_disk_handle *hs, const kvr_disk_dst *dst,
+                        size_t n, int *status, kvr_error *err);
 /* One more reference to a live handle (a block shared by two contexts). */
 int kvr_disk_ref(kvr_disk *d, const kvr_disk_handle *h, kvr_error *err);
 /* Drops a reference; the last one releases the space. KVR_EINVAL if h is

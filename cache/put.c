@@ -36,6 +36,8 @@ struct kvr_put {
     kvr_ctx      *c;
     kvr_model    *m;
     bool          created, tail, pin, persist;
+    kvr_block    *grown;        /* the last block, grown from grown_cap (undone on abort) */
+    uint32_t      grown_cap;
     bool          has_protect;  /* protect_first given: n_protected at commit */
     bool          raw;          /* the fl_new tokens arrive encoded (raw bytes first) */
     bool          quant;        /* quantized context (below); beside the other flags:
@@ -110,6 +112,10 @@ static void txn_free(kvr_put *t)
         kvr_block_unref(&s->pool, t->qruns[i].b);
     for (size_t i = 0; i < t->n_wsrc; i++)
         kvr_block_unhold(&s->pool, t->wsrc[i].b);   /* held: eviction must not spill it */
+    /* An aborted put gives a grown last block its old size back (its
+     * committed slots are untouched); should that fail, it stays larger. */
+    if (t->grown)
+        (void)kvr_block_resize(&s->pool, t->grown, t->m->n_layers, t->grown_cap);
     kvr_mem_free(t->qruns);
     kvr_mem_free(t->wsrc);
     kvr_mem_free(t->qpos);
@@ -225,8 +231,9 @@ static int alloc_quant(kvr_put *t, const kvr_put_params *p, kvr_error *err)
     while (left) {
         uint32_t k = left < cap ? (uint32_t)left : cap;
         /* put_work encodes every slot of [0, k) (all layers, K and V)
-         * before the block is visible to anyone else. */
-        kvr_block *b = kvr_store_block_new(s, c, true, k);
+         * before the block is visible to anyone else. A last partial one
+         * is sized to its tiles. */
+        kvr_block *b = kvr_store_block_new_for(s, c, true, k, k);
         if (!b)
             goto nomem;
         t->qruns[t->n_qruns++] = (kvr_brun){ b, 0, k };
@@ -764,16 +771,30 @@ int kvr_store_put_begin(kvr_store *s, const kvr_put_params *p, kvr_put **out,
         goto fail_ctx;
     }
 
-    /* Plan: tail slots of an exclusively owned last block, then new blocks. */
+    /* Plan: tail slots of an exclusively owned last block, then new blocks.
+     * A last block sized to its tokens (store.c's block_geom) grows as
+     * tokens arrive: to what this put needs, at least doubling (appends of
+     * a few tokens copy it O(log B) times per block), never over B; only
+     * in memory and unheld (a disk copy, whose image has the old cap, is
+     * dropped first: the append would outdate it anyway), and not in
+     * quantized contexts (their window churns anyway). */
     kvr_block *tail = NULL;
-    uint32_t tail_free = 0;
+    uint32_t tail_free = 0, grow = 0;
     if (c->n_ext) {
         kvr_extent *e = &c->ext[c->n_ext - 1];
-        if (kvr_block_exclusive(e->block) && e->first + e->count == e->block->used &&
-            e->block->used < e->block->cap && e->block->dtype == c->dtype &&
-            !e->block->quant && !e->block->spilled) {
-            tail = e->block;
+        kvr_block *b = e->block;
+        if (kvr_block_exclusive(b) && e->first + e->count == b->used && b->used < s->B &&
+            b->dtype == c->dtype && !b->quant && !b->spilled &&
+            (b->used < b->cap || (b->cap < s->B && !t->quant))) {
+            tail = b;
             tail_free = tail->cap - tail->used;
+            if (tail_free < n && b->cap < s->B && !t->quant) {
+                size_t want = b->used + n < s->B ? b->used + n : s->B;
+                if (want < 2u * (size_t)b->cap)
+                    want = 2u * (size_t)b->cap < s->B ? 2u * b->cap : s->B;
+                grow = kvr_store_block_fit(s, c, (uint32_t)want);
+                tail_free = grow - tail->used;
+            }
             if (tail_free > n)
                 tail_free = (uint32_t)n;
         }
@@ -802,18 +823,34 @@ int kvr_store_put_begin(kvr_store *s, const kvr_put_params *p, kvr_put **out,
         }
     }
     size_t n_new = (nwin - tail_free + s->B - 1) / s->B;
-    size_t bb = kvr_store_block_bytes(s, c, false);
+    uint32_t lastk = (uint32_t)((nwin - tail_free) % s->B);    /* 0: full */
     bool zero_copy = p->dtype == c->dtype && !t->quant;
     size_t n_runs = n_new + (tail ? 1 : 0);
     size_t n_iov = zero_copy ? 2u * m->n_layers * n_runs : 1;
     /* Reserve what the allocator will really hold (its size classes), not
      * what is requested: jemalloc rounds a 25 KiB block up to 28 KiB. */
-    size_t need = n_new * (kvr_mem_size_class(bb) + kvr_mem_size_class(sizeof(kvr_block))) +
+    size_t bnew = n_new ? (n_new - (lastk ? 1 : 0)) * kvr_store_block_alloc(s, c, false, 0) +
+                          (lastk ? kvr_store_block_alloc(s, c, false, lastk) : 0) : 0;
+    if (grow)
+        bnew += kvr_store_block_alloc(s, c, false, grow);
+    size_t need = bnew +
                   (zero_copy || p->work_from ? 0 : kvr_mem_size_class(payload)) +
                   n_iov * sizeof(struct iovec) + n * sizeof(uint32_t) +
                   n_runs * sizeof(kvr_brun) + qneed;
-    if ((rc = kvr_store_reserve_request(s, need, "put", err)) != 0)
+    if ((rc = kvr_store_reserve_for(s, m, need, "put", err)) != 0)
         goto fail_ctx;
+    if (grow) {
+        uint32_t cap0 = tail->cap;
+        if (tail->disk && s->hooks)
+            s->hooks->drop_copy(s, tail);
+        if (kvr_block_resize(&s->pool, tail, m->n_layers, grow) != 0) {
+            rc = kvr_error_set(err, KVR_ENOMEM, "out of memory growing the last block of "
+                               "'%s'", p->ctx_id);
+            goto fail_ctx;
+        }
+        t->grown = tail;
+        t->grown_cap = cap0;
+    }
     if (t->quant && (rc = alloc_quant(t, p, err)) != 0)
         goto fail_ctx;
 
@@ -833,13 +870,13 @@ int kvr_store_put_begin(kvr_store *s, const kvr_put_params *p, kvr_put **out,
         left -= tail_free;
     }
     while (left) {
-        kvr_block *b = kvr_store_block_new(s, c, false, 0);
+        uint32_t k = left < s->B ? (uint32_t)left : s->B;
+        kvr_block *b = kvr_store_block_new_for(s, c, false, 0, k);
         if (!b) {
             rc = kvr_error_set(err, KVR_ENOMEM,
                                "out of memory allocating blocks for %zu tokens", n);
             goto fail_ctx;
         }
-        uint32_t k = left < s->B ? (uint32_t)left : s->B;
         t->runs[t->n_runs++] = (kvr_brun){ b, 0, k };
         left -= k;
     }
@@ -1011,6 +1048,7 @@ int kvr_put_commit(kvr_put *t, kvr_put_result *res, kvr_error *err)
         res->last_pos = t->last_pos + moved;
     }
     t->tail = false;
+    t->grown = NULL;
     txn_free(t);
     return 0;
 

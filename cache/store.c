@@ -296,8 +296,11 @@ static void evict_tail(kvr_store *s, kvr_ctx *c)
     kvr_block *b = c->ext[c->n_ext - 1].block;
     size_t before = c->n_tokens;
     s->n_evicted_blocks++;
-    if (kvr_block_exclusive(b))
+    c->model->n_evicted_blocks++;
+    if (kvr_block_exclusive(b)) {
         s->n_evicted_bytes += b->bytes;
+        c->model->n_evicted_bytes += b->bytes;
+    }
     kvr_ctx_drop_extents(&s->pool, c, c->n_ext - 1, c->n_ext);
     c->n_evicted_tokens += before - c->n_tokens;
     kvr_ctx_index_truncate(c, 0, c->n_exact);
@@ -305,6 +308,12 @@ static void evict_tail(kvr_store *s, kvr_ctx *c)
     kvr_ctx_check(c);
     if (c->n_tokens == 0)
         kvr_store_ctx_destroy(s, c);
+}
+
+/* The model's bytes as a tenant (its blocks'). */
+static size_t tenant_bytes(const kvr_store *s, const kvr_model *m)
+{
+    return m->tenant ? s->pool.tenant_bytes[m->tenant] : 0;
 }
 
 static bool evictable(const kvr_ctx *c)
@@ -425,6 +434,41 @@ int kvr_layers_check(const kvr_model *m, const uint32_t *layers, size_t nl, kvr_
     return rc;
 }
 
+int kvr_store_reserve_for(kvr_store *s, kvr_model *m, size_t need, const char *what,
+                          kvr_error *err)
+{
+    size_t bound = s->cfg.max_memory_per_model;
+    if (!bound || !m->tenant || tenant_bytes(s, m) + need <= bound)
+        return kvr_store_reserve_request(s, need, what, err);
+    if (need > bound) {
+        m->n_refused_bound++;
+        return kvr_error_set(err, KVR_ETOOLARGE, "%s needs %zu bytes, over model '%s''s "
+                             "bound of %zu (max-memory-per-model)", what, need, m->name,
+                             bound);
+    }
+    /* Over its bound: this model's own least recently used contexts go
+     * (dropped: the bound is on memory, and a spill would make room
+     * only to fill the disk with the flood); persistent ones stay. */
+    size_t cache_max = s->pool.cache_max;
+    s->pool.cache_max = 0;
+    int rc = 0;
+    while (tenant_bytes(s, m) + need > bound) {
+        kvr_ctx *v = s->lru_tail;
+        while (v && (v->model != m || !evictable(v) || (s->tier && v->persist)))
+            v = v->lru_prev;
+        if (!v) {
+            m->n_refused_bound++;
+            rc = kvr_error_set(err, KVR_ENOMEM, "model '%s' holds %zu bytes of its %zu-byte "
+                               "bound (max-memory-per-model) and none of it can be evicted "
+                               "for %zu more", m->name, tenant_bytes(s, m), bound, need);
+            break;
+        }
+        evict_tail(s, v);
+    }
+    s->pool.cache_max = cache_max;
+    return rc ? rc : kvr_store_reserve_request(s, need, what, err);
+}
+
 int kvr_store_reserve_request(kvr_store *s, size_t need, const char *what, kvr_error *err)
 {
     size_t max = kvr_store_request_max(s);
@@ -461,7 +505,13 @@ void kvr_model_fill_info(const kvr_model *m, kvr_model_info *out)
     out->engine = m->engine;
     out->n_contexts = m->n_contexts;
     memcpy(out->codec, m->codec.name, sizeof out->codec);
+    out->n_evicted_blocks = m->n_evicted_blocks;
+    out->n_evicted_bytes = m->n_evicted_bytes;
+    out->n_matches = m->n_matches;
+    out->n_match_hits = m->n_match_hits;
+    out->n_refused_bound = m->n_refused_bound;
 }
+
 
 static uint64_t model_fingerprint(const kvr_model_desc *d, const kvr_rope_config *rc,
                                   int *rc_out)
@@ -582,6 +632,11 @@ int kvr_store_model_register(kvr_store *s, const kvr_model_desc *d,
         goto fail_engine;
     kvr_ptree_init(&m->tree[0]);
     kvr_ptree_init(&m->tree[1]);
+    for (uint16_t t = 1; t < KVR_BLOCK_TENANTS && !m->tenant; t++)
+        if (!(s->tenants_used & (1ull << t))) {
+            m->tenant = t;
+            s->tenants_used |= 1ull << t;
+        }
     s->models[s->n_models++] = m;
     if (out)
         kvr_model_fill_info(m, out);
@@ -617,6 +672,8 @@ int kvr_store_model_remove(kvr_store *s, const char *name, kvr_error *err)
     if (s->hooks && s->hooks->model_persisted && s->hooks->model_persisted(s, m))
         return kvr_error_set(err, KVR_EUNSUPPORTED, "model '%s' is persisted on the disk "
                              "tier: removing it is not supported", name);
+    assert(tenant_bytes(s, m) == 0);   /* no contexts: no blocks */
+    s->tenants_used &= ~(1ull << m->tenant);
     model_free(m);
     memmove(&s->models[k], &s->models[k + 1], (s->n_models - k - 1) * sizeof *s->models);
     s->n_models--;
@@ -628,8 +685,10 @@ int kvr_store_model_find(const kvr_store *s, const char *name, kvr_model_info *o
     kvr_model *m = kvr_store_model(s, name);
     if (!m)
         return KVR_ENOMODEL;
-    if (out)
+    if (out) {
         kvr_model_fill_info(m, out);
+        out->bytes = tenant_bytes(s, m);
+    }
     return 0;
 }
 
@@ -647,8 +706,10 @@ int kvr_store_model_shape(const kvr_store *s, const char *name, uint32_t *n_laye
 
 size_t kvr_store_model_list(const kvr_store *s, kvr_model_info *out, size_t cap)
 {
-    for (size_t i = 0; i < s->n_models && i < cap; i++)
+    for (size_t i = 0; i < s->n_models && i < cap; i++) {
         kvr_model_fill_info(s->models[i], &out[i]);
+        out[i].bytes = tenant_bytes(s, s->models[i]);
+    }
     return s->n_models;
 }
 
@@ -670,28 +731,59 @@ int kvr_store_codec_check(const kvr_store *s, const char *model, const char *spe
     return rc;
 }
 
-static void block_geom(const kvr_store *s, const kvr_ctx *c, bool quant, kvr_block_geom *g)
+/* Geometry of c's blocks for `want` tokens (>= s->B: a full block). A
+ * context's last block holds what its tokens need, not s->B slots: a
+ * 200-token context of 64-token blocks is three full blocks and one of 8
+ * (rounded up to a slab alignment and to what its size class holds). */
+static void block_geom(const kvr_store *s, const kvr_ctx *c, bool quant, uint32_t want,
+                       kvr_block_geom *g)
 {
     const kvr_model *m = c->model;
-    if (quant)
-        kvr_qspec_geom(&c->codec, s->B, m->n_layers, kvr_model_row(m), g);
-    else
-        kvr_block_geom_plain(g, s->B, m->n_layers, kvr_model_row(m), c->dtype);
+    uint32_t B = want && want < s->B ? want : s->B;
+    if (quant) {
+        kvr_qspec_geom(&c->codec, B, m->n_layers, kvr_model_row(m), g);
+        g->tenant = m->tenant;
+        return;
+    }
+    kvr_block_geom_plain(g, s->B, m->n_layers, kvr_model_row(m), c->dtype);
+    if (B < s->B)
+        g->cap = kvr_block_fit_cap(g, B);
+    g->tenant = m->tenant;
+}
+
+kvr_block *kvr_store_block_new_for(kvr_store *s, const kvr_ctx *c, bool quant, uint32_t fill,
+                                   uint32_t want)
+{
+    kvr_block_geom g;
+    block_geom(s, c, quant, want, &g);
+    g.fill = quant ? fill : 0;
+    return kvr_block_create(&s->pool, &g, NULL, 0, NULL, 0);
 }
 
 kvr_block *kvr_store_block_new(kvr_store *s, const kvr_ctx *c, bool quant, uint32_t fill)
 {
-    kvr_block_geom g;
-    block_geom(s, c, quant, &g);
-    g.fill = quant ? fill : 0;
-    return kvr_block_create(&s->pool, &g, NULL, 0, 0);
+    return kvr_store_block_new_for(s, c, quant, fill, 0);
 }
 
 size_t kvr_store_block_bytes(const kvr_store *s, const kvr_ctx *c, bool quant)
 {
     kvr_block_geom g;
-    block_geom(s, c, quant, &g);
+    block_geom(s, c, quant, 0, &g);
     return kvr_block_geom_bytes(&g);
+}
+
+size_t kvr_store_block_alloc(const kvr_store *s, const kvr_ctx *c, bool quant, uint32_t want)
+{
+    kvr_block_geom g;
+    block_geom(s, c, quant, want, &g);
+    return kvr_block_geom_alloc(&g);
+}
+
+uint32_t kvr_store_block_fit(const kvr_store *s, const kvr_ctx *c, uint32_t want)
+{
+    kvr_block_geom g;
+    block_geom(s, c, false, want, &g);
+    return g.cap;
 }
 
 int kvr_store_fault_in(kvr_store *s, kvr_block *const *bs, size_t n, kvr_error *err)
@@ -729,6 +821,7 @@ int kvr_store_match(kvr_store *s, const char *model, const uint32_t *tokens,
     if (n > 0 && !tokens)
         return kvr_error_set(err, KVR_EBADREQUEST, "match: tokens missing");
     s->n_matches++;
+    m->n_matches++;
     if (include_approx && m->n_stale)
         index_fresh(s, m);
     kvr_ctx *rep = NULL;
@@ -738,6 +831,7 @@ int kvr_store_match(kvr_store *s, const char *model, const uint32_t *tokens,
     if (rep && len) {
         memcpy(res->ctx_id, rep->id, rep->id_len + 1);
         s->n_match_hits++;
+        m->n_match_hits++;
         kvr_store_touch(s, rep);
     }
     return 0;
@@ -977,9 +1071,19 @@ void kvr_store_get_stats(const kvr_store *s, kvr_store_stats *out)
     out->n_block_cache = s->pool.cache_n;
     out->n_models = s->n_models;
     out->n_blocks = s->pool.n_blocks;
+    kvr_store *ms = (kvr_store *)(uintptr_t)s;    /* the scan's marks only */
+    uint32_t ep = ++ms->epoch;
     for (const kvr_ctx *c = s->lru_head; c; c = c->lru_next) {
         out->n_contexts++;
         out->n_tokens += c->n_tokens;
+        for (size_t i = 0; i < c->n_ext; i++) {
+            kvr_block *b = c->ext[i].block;
+            if (b->mark == ep)
+                continue;
+            b->mark = ep;
+            if (!b->spilled)
+                out->kv_held_bytes += kvr_block_held_bytes(b);
+        }
     }
     out->n_evicted_blocks = s->n_evicted_blocks;
     out->n_evicted_bytes = s->n_evicted_bytes;

@@ -45,6 +45,9 @@ typedef struct kvr_tier_hooks {
     bool   (*reload_pending)(const kvr_reload *r);
     int    (*reload_work)(kvr_reload *r, kvr_error *err);
     void   (*reload_end)(kvr_store *s, kvr_reload *r);
+    /* Forgets an in-memory block's disk copy (a put is about to give it
+     * another cap: the image would no longer match). */
+    void   (*drop_copy)(kvr_store *s, kvr_block *b);
     /* Whether m has a record in the log (it would come back at a restart). */
     bool   (*model_persisted)(const kvr_store *s, const kvr_model *m);
     /* kvr_store_destroy: before the contexts go / after. */
@@ -64,6 +67,7 @@ struct kvr_store {
     uint64_t     n_evicted_blocks, n_evicted_bytes;
     uint64_t     n_puts, n_gets, n_matches, n_match_hits, n_refused_nomem;
     uint32_t     epoch;
+    uint64_t     tenants_used;       /* bit t: a model counts as tenant t (1..63) */
     struct kvr_tier      *tier;      /* tier.c: NULL = memory only */
     const kvr_tier_hooks *hooks;     /* set with tier */
     bool         persist_all;        /* tier: every new context is persistent */
@@ -88,6 +92,12 @@ int        kvr_store_ctx_writable(kvr_store *s, const char *id, kvr_ctx **out,
  * (*end SIZE_MAX: to the end) or KVR_ERANGE. */
 int        kvr_store_ctx_range(kvr_store *s, const char *id, size_t start, size_t *end,
                                kvr_ctx **out, kvr_error *err);
+/* kvr_store_reserve_request for a write of model m's: first within the
+ * model's bound (cfg.max_memory_per_model), evicting m's own least
+ * recently used contexts, never another model's; then the cap. */
+int kvr_store_reserve_for(kvr_store *s, kvr_model *m, size_t need, const char *what,
+                          kvr_error *err);
+
 /* 0, or KVR_ELIMIT when a new context would pass cfg.max_contexts. */
 int        kvr_store_ctx_limit(const kvr_store *s, const char *id, kvr_error *err);
 /* A new pending context in the map (NULL: ENOMEM). */
@@ -114,8 +124,19 @@ int        kvr_model_codec(const kvr_model *m, const char *spec, kvr_qspec *out,
  * fill (quantized): slots [0, fill) the caller writes whole before the
  * block is read or spilled (kvr_block_geom.fill); 0 for plain blocks. */
 kvr_block *kvr_store_block_new(kvr_store *s, const kvr_ctx *c, bool quant, uint32_t fill);
-/* Data bytes of such a block. */
+/* The same sized for `want` tokens (a context's last block): plain, the
+ * cap kvr_block_fit_cap gives; quantized, want rounded up to the K tile.
+ * want >= the full cap: a full block. */
+kvr_block *kvr_store_block_new_for(kvr_store *s, const kvr_ctx *c, bool quant, uint32_t fill,
+                                   uint32_t want);
+/* Image bytes of a full block (K/V, header, metadata). */
 size_t     kvr_store_block_bytes(const kvr_store *s, const kvr_ctx *c, bool quant);
+/* What the allocator holds for a block sized for `want` tokens (its size
+ * classes: K/V, metadata, struct): a request's reservation. */
+size_t     kvr_store_block_alloc(const kvr_store *s, const kvr_ctx *c, bool quant,
+                                 uint32_t want);
+/* The cap a plain block of c for `want` tokens gets (kvr_block_fit_cap). */
+uint32_t   kvr_store_block_fit(const kvr_store *s, const kvr_ctx *c, uint32_t want);
 
 /* ---- memory ------------------------------------------------------------- */
 /* Makes room for `need` more bytes under the cap (evicting), or KVR_ENOMEM. */

@@ -314,8 +314,7 @@ static void r_head(rbuf *r, char *name, size_t cap)
 
 typedef struct pspill {
     kvr_block      *b;           /* leased (ref + hold) until the batch ends */
-    const void     *data;
-    size_t          len;
+    kvr_disk_buf    img;         /* its two parts */
     uint32_t        used;        /* b->used when the record was made */
     size_t          off;         /* where its handle goes in the record */
 } pspill;
@@ -392,39 +391,46 @@ typedef struct kvr_block_disk {
     uint32_t        used;
 } kvr_block_disk;
 
-/* Drops b's K/V bytes from memory (it has a valid disk copy). */
+/* Drops b's K/V bytes from memory (it has a valid disk copy); its
+ * metadata (its own allocation) stays, and a quantized block's header. */
 static int make_spilled(kvr_store *s, kvr_block *b)
 {
     /* Only an unheld block with a valid disk copy goes. */
     assert(!b->spilled && b->holds == 0 && b->disk && b->disk->used == b->used);
-    uint8_t *m = kvr_mem_aligned(KVR_BLOCK_ALIGN, kvr_block_spilled_bytes(b));
-    if (!m)
-        return KVR_ENOMEM;
-    size_t mo = b->quant ? KVR_QHDR_BYTES : 0;
-    if (b->quant)
+    uint8_t *m = NULL, *mt = kvr_mem_aligned(KVR_BLOCK_ALIGN, kvr_block_meta_len(b));
+    if (b->quant && (m = kvr_mem_aligned(KVR_BLOCK_ALIGN, KVR_QHDR_BYTES)) != NULL)
         memcpy(m, b->data, KVR_QHDR_BYTES);
-    memcpy(m + mo, b->stored_pos, (size_t)b->cap * KVR_BLOCK_META_SLOT);
-    kvr_block_set_data(&s->pool, b, m, mo, true);
+    if (!mt || (b->quant && !m)) {
+        kvr_mem_free(m);
+        kvr_mem_free(mt);
+        return KVR_ENOMEM;
+    }
+    memcpy(mt, b->stored_pos, kvr_block_meta_len(b));
+    kvr_block_set_data(&s->pool, b, m, mt, true);
     return 0;
 }
 
-/* Full data length of a spilled block: its handle's length. */
+/* What a spilled block's reload allocates: its data and tail as size
+ * classes. */
 static size_t spilled_len(const kvr_block *b)
 {
-    return b->disk->h.len;
+    assert(b->disk->h.len == kvr_block_data_len(b));
+    return kvr_mem_size_class(b->head_len) + kvr_mem_size_class(kvr_block_tail_len(b));
 }
 
-/* Where the metadata sits in a spilled block's full data. */
-static size_t full_meta_off(const kvr_block *b)
+/* The two parts of a block's image (data, then tail: the later layers and
+ * the metadata), to spill. */
+static kvr_disk_buf image_buf(const kvr_block *b)
 {
-    return spilled_len(b) - (size_t)b->cap * KVR_BLOCK_META_SLOT;
+    return (kvr_disk_buf){ .data = b->data, .len = b->head_len, .tail = b->tail,
+                           .tail_len = kvr_block_tail_len(b) };
 }
 
-/* Installs freshly loaded full data into a spilled block. */
-static void install_data(kvr_store *s, kvr_block *b, uint8_t *buf)
+/* Installs freshly loaded data and tail into a spilled block. */
+static void install_data(kvr_store *s, kvr_block *b, uint8_t *buf, uint8_t *tbuf)
 {
     assert(b->spilled && b->disk);
-    kvr_block_set_data(&s->pool, b, buf, full_meta_off(b), false);
+    kvr_block_set_data(&s->pool, b, buf, tbuf, false);
 }
 
 /* A handle this store no longer needs: freed now if no durable record
@@ -489,6 +495,16 @@ static int set_copy(kvr_store *s, kvr_block *b, const kvr_disk_handle *h, uint32
     b->disk->h = *h;
     b->disk->used = used;
     return 0;
+}
+
+static void drop_copy(kvr_store *s, kvr_block *b)
+{
+    assert(!b->spilled);
+    if (!b->disk)
+        return;
+    release_handle(s, &b->disk->h);   /* deferred while a record points at it */
+    kvr_mem_free(b->disk);
+    b->disk = NULL;
 }
 
 /* A persistent context leaves the store: remembered for the DELETE record. */
@@ -579,7 +595,7 @@ static int tier_evict(kvr_store *s, size_t want)
             b->mark = ep;
             bs[n++] = b;
             if (io) {
-                bufs[nio++] = (kvr_disk_buf){ b->data, len };
+                bufs[nio++] = image_buf(b);
                 io_bytes += len;
             }
             size_t sp = kvr_block_spilled_bytes(b);
@@ -653,7 +669,7 @@ int64_t kvr_store_tier_evict(kvr_store *s, size_t bytes, kvr_error *err)
 typedef struct rl_ent {
     kvr_block      *b;
     kvr_block       view;
-    uint8_t        *buf;
+    uint8_t        *buf, *tbuf;  /* its data and tail */
     kvr_disk_handle h;
     int             st;
     bool            needed;      /* read by the request (else a prefetch) */
@@ -681,6 +697,7 @@ static void rl_free(kvr_store *s, kvr_reload *r)
 {
     for (size_t i = 0; i < r->n; i++) {
         kvr_mem_free(r->e[i].buf);
+        kvr_mem_free(r->e[i].tbuf);
         kvr_block_unref(&s->pool, r->e[i].b);
     }
     kvr_mem_free(r->e);
@@ -721,14 +738,15 @@ static int reload_begin(kvr_store *s, kvr_block *const *bs, size_t n, kvr_ctx *p
             bs[i]->mark = ep;
             kvr_block_ref(bs[i]);
             r->e[r->n++] = (rl_ent){ .b = bs[i], .needed = true };
-            bytes += kvr_mem_size_class(spilled_len(bs[i]));
+            bytes += spilled_len(bs[i]);
         }
     bool was_busy = pf ? pf->busy : false;
     if (pf)
         pf->busy = true;
     int rc = kvr_store_reserve(s, bytes, err);
     for (size_t i = 0; i < r->n && rc == 0; i++)
-        if (!(r->e[i].buf = kvr_mem_aligned(KVR_BLOCK_ALIGN, spilled_len(r->e[i].b))))
+        if (!(r->e[i].buf = kvr_mem_aligned(KVR_BLOCK_ALIGN, r->e[i].b->head_len)) ||
+            !(r->e[i].tbuf = kvr_mem_aligned(KVR_BLOCK_ALIGN, kvr_block_tail_len(r->e[i].b))))
             rc = kvr_error_set(err, KVR_ENOMEM, "out of memory reloading a block");
     /* Prefetch: the context's other spilled blocks, while they fit under
      * the cap without evicting anything, up to TIER_PREFETCH_MAX bytes.
@@ -741,17 +759,21 @@ static int reload_begin(kvr_store *s, kvr_block *const *bs, size_t n, kvr_ctx *p
         kvr_block *b = pf->ext[i].block;
         if (!b->spilled || b->mark == ep)
             continue;
-        size_t len = spilled_len(b), sc = kvr_mem_size_class(len);
+        size_t sc = spilled_len(b);
         if (pbytes + sc > TIER_PREFETCH_MAX ||
             (s->cfg.max_memory && kvr_mem_allocated() + sc > s->cfg.max_memory))
             break;
-        uint8_t *buf = kvr_mem_aligned(KVR_BLOCK_ALIGN, len);
-        if (!buf)
+        uint8_t *buf = kvr_mem_aligned(KVR_BLOCK_ALIGN, b->head_len);
+        uint8_t *tbuf = kvr_mem_aligned(KVR_BLOCK_ALIGN, kvr_block_tail_len(b));
+        if (!buf || !tbuf) {
+            kvr_mem_free(buf);
+            kvr_mem_free(tbuf);
             break;
+        }
         b->mark = ep;
         kvr_block_ref(b);
         pbytes += sc;
-        r->e[r->n++] = (rl_ent){ .b = b, .buf = buf };
+        r->e[r->n++] = (rl_ent){ .b = b, .buf = buf, .tbuf = tbuf };
     }
     if (pf)
         pf->busy = was_busy;
@@ -762,14 +784,14 @@ static int reload_begin(kvr_store *s, kvr_block *const *bs, size_t n, kvr_ctx *p
     for (size_t i = 0; i < r->n; i++) {
         rl_ent *x = &r->e[i];
         x->h = x->b->disk->h;
-        size_t full_off = full_meta_off(x->b);
-        kvr_block_view(x->b, &x->view, x->buf, full_off);
-        /* The view is readable at begin: its quantized header and metadata
-         * (kept in memory while spilled) go in now; the load rewrites the
-         * same bytes. */
+        /* The view is readable at begin: its quantized header and its
+         * metadata (kept in memory while spilled) go in now; the load
+         * rewrites the same bytes. */
         if (x->b->quant)
             memcpy(x->buf, x->b->data, KVR_QHDR_BYTES);
-        memcpy(x->buf + full_off, x->b->stored_pos, (size_t)x->b->cap * KVR_BLOCK_META_SLOT);
+        memcpy(x->tbuf + (x->b->kv_len - x->b->head_len), x->b->stored_pos,
+               kvr_block_meta_len(x->b));
+        kvr_block_view(x->b, &x->view, x->buf, x->tbuf);
         x->st = KVR_EIO;      /* not loaded yet */
     }
     qsort(r->e, r->n, sizeof *r->e, rl_cmp);
@@ -807,7 +829,7 @@ static int reload_work(kvr_reload *r, kvr_error *err)
         return 0;
     if (!r->loaded) {
         kvr_disk_handle *hs = kvr_mem_malloc(r->n * sizeof *hs);
-        void **bufs = kvr_mem_malloc(r->n * sizeof *bufs);
+        kvr_disk_dst *bufs = kvr_mem_malloc(r->n * sizeof *bufs);
         int *st = kvr_mem_malloc(r->n * sizeof *st);
         r->rc = 0;
         if (!hs || !bufs || !st) {
@@ -815,10 +837,10 @@ static int reload_work(kvr_reload *r, kvr_error *err)
         } else {
             for (size_t i = 0; i < r->n; i++) {
                 hs[i] = r->e[i].h;
-                bufs[i] = r->e[i].buf;
+                bufs[i] = (kvr_disk_dst){ r->e[i].buf, r->e[i].view.head_len, r->e[i].tbuf };
             }
             kvr_error le = { 0 };
-            kvr_disk_load(r->d, hs, (void *const *)bufs, r->n, st, &le);
+            kvr_disk_load_split(r->d, hs, bufs, r->n, st, &le);
             for (size_t i = 0; i < r->n; i++) {
                 r->e[i].st = st[i];
                 if (st[i] != 0 && r->e[i].needed && r->rc == 0)
@@ -856,8 +878,9 @@ static void reload_end(kvr_store *s, kvr_reload *r)
          * then the buffer is freed below. */
         if (t && x->b->spilled && !kvr_block_exclusive(x->b) && x->b->disk &&
             x->b->disk->h.seg == x->h.seg && x->b->disk->h.off == x->h.off) {
-            install_data(s, x->b, x->buf);
+            install_data(s, x->b, x->buf, x->tbuf);
             x->buf = NULL;
+            x->tbuf = NULL;
         }
     }
     rl_free(s, r);
@@ -944,7 +967,7 @@ static int enc_ctx(kvr_store *s, kvr_ctx *c, pjob *j)
             kvr_disk_handle_encode(&b->disk->h, hb);
         } else {
             kvr_block_hold(b);
-            j->sp[j->n_sp++] = (pspill){ b, b->data, kvr_block_data_len(b), b->used, w->len };
+            j->sp[j->n_sp++] = (pspill){ b, image_buf(b), b->used, w->len };
         }
         w_raw(w, hb, sizeof hb);
         w_u32(w, b->used);
@@ -1298,7 +1321,7 @@ void kvr_persist_batch_work(kvr_persist_batch *b)
                 goto out;
             }
             idx[k++] = b->n_u;
-            bufs[b->n_u] = (kvr_disk_buf){ j->sp[i].data, j->sp[i].len };
+            bufs[b->n_u] = j->sp[i].img;
             b->u[b->n_u++] = &j->sp[i];
         }
     if (b->n_u) {
@@ -1652,10 +1675,12 @@ static int recover_ctx(kvr_store *s, kvr_tier *t, hmap *blocks, const trec *r)
      * each; over the memory cap a block keeps only its metadata (it is on
      * disk already: no I/O), so recovery needs memory for one chunk. */
     void **bufs = kvr_mem_calloc(nb ? nb : 1, sizeof *bufs);
+    void **metas = kvr_mem_calloc(nb ? nb : 1, sizeof *metas);
+    kvr_disk_dst *dst = kvr_mem_calloc(nb ? nb : 1, sizeof *dst);
     kvr_disk_handle *hs = kvr_mem_calloc(nb ? nb : 1, sizeof *hs);
     uint32_t *which = kvr_mem_calloc(nb ? nb : 1, sizeof *which);
     int *st = kvr_mem_calloc(nb ? nb : 1, sizeof *st);
-    if (rc == 0 && (!bufs || !hs || !st || !which))
+    if (rc == 0 && (!bufs || !metas || !dst || !hs || !st || !which))
         rc = KVR_ENOMEM;
     size_t chunk_max = 64u << 20;
     if (s->cfg.max_memory && s->cfg.max_memory / 4 < chunk_max)
@@ -1668,7 +1693,23 @@ static int recover_ctx(kvr_store *s, kvr_tier *t, hmap *blocks, const trec *r)
                 continue;
             if (k && bytes + rb[i].h.len > chunk_max)
                 break;
-            if (!(bufs[k] = kvr_mem_aligned(KVR_BLOCK_ALIGN, rb[i].h.len))) {
+            /* The image: K/V, then the metadata, into the block's data
+             * and tail, cut as the block cuts it (block.h). */
+            size_t ml = (size_t)rb[i].cap * KVR_BLOCK_META_SLOT;
+            size_t hdr = rb[i].quant ? KVR_QHDR_BYTES : 0;
+            if (rb[i].h.len <= ml + hdr) {
+                rc = KVR_EINVAL;
+                tlog(t, KVR_TIER_LOG_WARN, "disk: context '%s': block %u of %u bytes cannot "
+                     "hold %u slots: dropped", id, i, rb[i].h.len, rb[i].cap);
+                break;
+            }
+            size_t head = kvr_block_split(rb[i].quant != 0, rb[i].h.len - ml, m->n_layers,
+                                          rb[i].cap);
+            bufs[k] = kvr_mem_aligned(KVR_BLOCK_ALIGN, head);
+            metas[k] = kvr_mem_aligned(KVR_BLOCK_ALIGN, rb[i].h.len - head);
+            dst[k] = (kvr_disk_dst){ bufs[k], head, metas[k] };
+            if (!bufs[k] || !metas[k]) {
+                k++;
                 rc = KVR_ENOMEM;
                 tlog(t, KVR_TIER_LOG_WARN, "disk: context '%s': out of memory reading it "
                      "back: dropped", id);
@@ -1680,27 +1721,29 @@ static int recover_ctx(kvr_store *s, kvr_tier *t, hmap *blocks, const trec *r)
         }
         i0 = i;
         kvr_error e;
-        if (rc == 0 && k && kvr_disk_load(t->d, hs, bufs, k, st, &e) != 0) {
+        if (rc == 0 && k && kvr_disk_load_split(t->d, hs, dst, k, st, &e) != 0) {
             rc = KVR_EIO;
             tlog(t, KVR_TIER_LOG_WARN, "disk: context '%s': reading its blocks failed (%s): "
                  "dropped", id, e.msg);
         }
         for (size_t q = 0; q < k && rc == 0; q++) {
             uint32_t bi = which[q];
-            /* The block adopts the loaded data (header and metadata in it);
-             * its one reference is this function's until the extents take
-             * theirs. */
+            /* The block adopts the loaded data (a quantized header in it)
+             * and metadata; its one reference is this function's until the
+             * extents take theirs. */
             kvr_block_geom g = { .cap = rb[bi].cap, .row = kvr_model_row(m),
                                  .n_layers = m->n_layers,
                                  .dtype = (kvr_dtype)rb[bi].dtype,
-                                 .quant = rb[bi].quant != 0 };
-            kvr_block *blk = kvr_block_create(&s->pool, &g, bufs[q], rb[bi].h.len,
+                                 .quant = rb[bi].quant != 0, .tenant = m->tenant };
+            size_t kv_len = rb[bi].h.len - (size_t)rb[bi].cap * KVR_BLOCK_META_SLOT;
+            kvr_block *blk = kvr_block_create(&s->pool, &g, bufs[q], kv_len, metas[q],
                                               rb[bi].used);
             if (!blk) {
                 rc = KVR_ENOMEM;
                 break;
             }
             bufs[q] = NULL;
+            metas[q] = NULL;
             blk->disk = kvr_mem_malloc(sizeof *blk->disk);
             if (!blk->disk) {
                 kvr_block_unref(&s->pool, blk);
@@ -1720,7 +1763,9 @@ static int recover_ctx(kvr_store *s, kvr_tier *t, hmap *blocks, const trec *r)
         }
         for (size_t q = 0; q < k; q++) {
             kvr_mem_free(bufs[q]);
+            kvr_mem_free(metas[q]);
             bufs[q] = NULL;
+            metas[q] = NULL;
         }
         /* Room for the next chunk: spill least recently used blocks. */
         if (rc == 0 && s->cfg.max_memory)
@@ -1788,7 +1833,11 @@ static int recover_ctx(kvr_store *s, kvr_tier *t, hmap *blocks, const trec *r)
     }
     for (size_t i = 0; bufs && i < nb; i++)
         kvr_mem_free(bufs[i]);
+    for (size_t i = 0; metas && i < nb; i++)
+        kvr_mem_free(metas[i]);
     kvr_mem_free(bufs);
+    kvr_mem_free(metas);
+    kvr_mem_free(dst);
     kvr_mem_free(hs);
     kvr_mem_free(st);
     kvr_mem_free(rb);
@@ -1807,6 +1856,7 @@ static const kvr_tier_hooks tier_hooks = {
     .reload_pending = reload_pending,
     .reload_work = reload_work,
     .reload_end = reload_end,
+    .drop_copy = drop_copy,
     .model_persisted = tier_model_persisted,
     .destroy = tier_destroy,
     .close = tier_close,

@@ -171,6 +171,17 @@ int kvr_daemon_config_set(kvr_daemon_config *c, const char *key, const char *v,
         rc = parse_size_opt(key, v, MIB, &sz, err);
         if (rc == 0)
             c->max_memory = sz;
+    } else if (!strcmp(key, "prefault")) {
+        if (!strcmp(v, "cap") || !strcmp(v, "max"))
+            c->prefault = UINT64_MAX;
+        else if ((rc = parse_size_opt(key, v, 0, &sz, err)) == 0)
+            c->prefault = sz;
+    } else if (!strcmp(key, "idle-purge")) {
+        rc = parse_u32(v, 0, 7u * 86400u, &c->idle_purge);
+    } else if (!strcmp(key, "max-memory-per-model")) {
+        rc = parse_size_opt(key, v, 0, &sz, err);
+        if (rc == 0)
+            c->max_memory_per_model = sz;
     } else if (!strcmp(key, "max-connections")) {
         rc = parse_u32(v, 1, 1000000, &c->max_connections);
     } else if (!strcmp(key, "max-frame")) {
@@ -448,7 +459,18 @@ static const char *HELP_LIMITS =
 "  --max-models N         registered models (default 1024; E_LIMIT past it;\n"
 "                         remove_model frees one)\n"
 "  --max-contexts N       contexts, forks included (default max-memory / 4K,\n"
-"                         at least 1024; E_LIMIT past it)\n";
+"                         at least 1024; E_LIMIT past it)\n"
+"  --max-memory-per-model SIZE\n"
+"                         bound on one model's blocks (its tenants' share of\n"
+"                         the cap): a put over it evicts that model's own\n"
+"                         least recently used contexts, never another's\n"
+"                         (default 0: no bound; docs/operations.md)\n"
+"  --prefault SIZE|cap    fault in SIZE bytes (or the whole cap) at start, in\n"
+"                         the background, kept mapped for the store: the\n"
+"                         first puts do not pay first touch (default 0)\n"
+"  --idle-purge SECONDS   give the allocator's retained pages back to the\n"
+"                         kernel after this long without a request (default\n"
+"                         0: never; memory once used stays mapped)\n";
 /* Split in parts: C11 compilers need only take 4095-byte literals. */
 static const char *HELP_OPS =
 "  --metrics-listen HOST:PORT\n"
@@ -525,8 +547,10 @@ void kvr_daemon_print_help(FILE *out)
 static bool known_option(const char *name)
 {
     static const char *names[] = {
-        "socket", "listen", "auth-token-file", "max-memory", "max-connections", "max-frame",
-        "max-conn-buffer", "max-drain", "max-regions", "max-region-bytes", "max-regions-total", "block-tokens", "threads", "log-level", "config",
+        "socket", "listen", "auth-token-file", "max-memory", "max-memory-per-model",
+        "prefault", "idle-purge", "max-connections", "max-frame",
+        "max-conn-buffer", "max-drain", "max-regions", "max-region-bytes", "max-regions-total",
+        "block-tokens", "threads", "log-level", "config",
         "io-timeout", "auth-timeout", "max-unauth-connections",
         "disk-dir", "disk-max", "disk-engine", "persist-all",
         "remote-tier", "remote-auth-file", "remote-key-file", "share-all",

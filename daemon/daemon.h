@@ -42,6 +42,10 @@ typedef struct kvr_daemon_config {
     char     listen[256];           /* "host:port" or "" (no TCP) */
     char     auth_token_file[1024]; /* "" = no auth */
     uint64_t max_memory;            /* store cap, bytes */
+    uint64_t max_memory_per_model;  /* one model's block bytes; 0 = no bound */
+    uint64_t prefault;              /* bytes faulted in at start; UINT64_MAX = the
+                                       cap; 0 = none (daemon/warm.c) */
+    uint32_t idle_purge;            /* s idle before retained pages go back; 0 = never */
     uint32_t max_connections;
     uint32_t max_frame;             /* protobuf message bytes per frame */
     uint64_t max_conn_buffer;       /* queued response bytes per connection */

@@ -25,6 +25,8 @@
 #ifndef KVR_DAEMON_INTERNAL_H
 #define KVR_DAEMON_INTERNAL_H
 
+#include <pthread.h>
+#include <stdatomic.h>
 #include <uv.h>
 
 #include "cache/cache.h"
@@ -147,9 +149,17 @@ struct kvr_daemon {
     uint64_t   n_conn_total, n_conn_refused, n_requests, n_errors;
     uint64_t   bytes_in, bytes_out;
     uint64_t   n_streamed, n_stream_aborted;   /* streamed replies; cut short */
-    /* server.c's idle purge of the allocator's retained pages */
+    /* server.c's idle purge of the allocator's retained pages (only with
+     * --idle-purge: else what was once used stays mapped) */
     uint64_t   purge_seen, purge_idle_ms;
     bool       purged;
+    /* warm.c: --prefault's thread and what it did */
+    pthread_t  warm_thread;
+    bool       has_warm;
+    unsigned   warm_arena;
+    uint64_t   warm_want;
+    atomic_bool warm_stop;
+    _Atomic uint64_t warm_done_bytes, warm_done_us;
     uint64_t   per_verb[KVR_N_VERBS];
     /* Unfinished messages of all connections (conn.c) against their limit. */
     uint64_t   msg_buffered, msg_buffer_limit;
@@ -391,5 +401,11 @@ int  kvrd_persist_defer(kvr_daemon *d, const char *ctx_id, kvrd_request *r, kvr_
 /* Metrics of the disk tier for stats: fills up to cap, returns the count.
  * Names are static strings. */
 size_t kvr_persist_metrics(kvr_daemon *d, const char **names, double *values, size_t cap);
+
+/* ---- warm.c: --prefault ------------------------------------------------ */
+/* Starts faulting in --prefault bytes in the background (0: nothing). */
+int  kvr_warm_start(kvr_daemon *d, kvr_error *err);
+/* Stops and joins it (no-op if not started). */
+void kvr_warm_stop(kvr_daemon *d);
 
 #endif /* KVR_DAEMON_INTERNAL_H */

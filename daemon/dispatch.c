@@ -943,6 +943,7 @@ static void do_stats(kvrd_request *r)
         { "mem_peak_bytes", (double)s.mem_peak },
         { "mem_cap_bytes", (double)s.mem_cap },
         { "block_bytes", (double)s.block_bytes },
+        { "kv_held_bytes", (double)s.kv_held_bytes },
         { "block_cache_bytes", (double)s.block_cache_bytes },
         { "models", (double)s.n_models },
         { "contexts", (double)s.n_contexts },
@@ -973,9 +974,7 @@ static void do_stats(kvrd_request *r)
         { "msg_buffer_refused", (double)d->n_msg_limited },
         { "slow_frames_closed", (double)d->n_slow_closed },
     };
-    enum { NF = sizeof fixed / sizeof fixed[0], ND = 72, N = NF + KVR_N_VERBS + ND };
-    Kvrope__Metric ms[N];
-    Kvrope__Metric *ptrs[N];
+    enum { NF = sizeof fixed / sizeof fixed[0], ND = 72, NT = 6 };
     char names[KVR_N_VERBS][40];
     const char *dn[ND];
     double dv[ND];
@@ -983,6 +982,26 @@ static void do_stats(kvrd_request *r)
     size_t nd = kvr_persist_metrics(d, dn, dv, ND);
     if (d->remote)
         nd += kvr_remote_metrics(d->remote, dn + nd, dv + nd, ND - nd);
+    /* Per model, as a tenant of the cap (--max-memory-per-model): its
+     * bytes, evictions, prefix matches and hits, writes refused at its
+     * bound: model_<name>_<figure>. */
+    size_t n_models = kvr_store_model_list(d->store, NULL, 0);
+    kvr_model_info *mi = n_models ? kvr_mem_calloc(n_models, sizeof *mi) : NULL;
+    size_t nt = mi ? NT * kvr_store_model_list(d->store, mi, n_models) : 0;
+    if (nt > NT * n_models)
+        nt = NT * n_models;
+    size_t N = NF + KVR_N_VERBS + nd + nt;
+    Kvrope__Metric *ms = kvr_mem_calloc(N, sizeof *ms);
+    Kvrope__Metric **ptrs = kvr_mem_calloc(N, sizeof *ptrs);
+    char (*tn)[KVR_ID_MAX + 32] = nt ? kvr_mem_calloc(nt, sizeof *tn) : NULL;
+    if (!ms || !ptrs || (nt && !tn)) {
+        kvr_mem_free(mi);
+        kvr_mem_free(ms);
+        kvr_mem_free(ptrs);
+        kvr_mem_free(tn);
+        reply_error(r, KVR_ENOMEM, "out of memory for the stats");
+        return;
+    }
     size_t nm = 0;
     for (size_t i = 0; i < NF + KVR_N_VERBS + nd; i++, nm++) {
         kvrope__metric__init(&ms[nm]);
@@ -1000,6 +1019,19 @@ static void do_stats(kvrd_request *r)
             ms[nm].value = dv[i - NF - KVR_N_VERBS];
         }
     }
+    for (size_t k = 0; k < nt; k++, nm++) {
+        const kvr_model_info *m = &mi[k / NT];
+        static const char *const fig[NT] = { "bytes", "evicted_blocks", "evicted_bytes",
+                                             "matches", "match_hits", "refused_bound" };
+        double v[NT] = { (double)m->bytes, (double)m->n_evicted_blocks,
+                         (double)m->n_evicted_bytes, (double)m->n_matches,
+                         (double)m->n_match_hits, (double)m->n_refused_bound };
+        snprintf(tn[k], sizeof tn[k], "model_%s_%s", m->name, fig[k % NT]);
+        kvrope__metric__init(&ms[nm]);
+        ptrs[nm] = &ms[nm];
+        ms[nm].name = tn[k];
+        ms[nm].value = v[k % NT];
+    }
     Kvrope__StatsResult sr = KVROPE__STATS_RESULT__INIT;
     sr.n_metrics = nm;
     sr.metrics = ptrs;
@@ -1007,6 +1039,10 @@ static void do_stats(kvrd_request *r)
     resp.body_case = KVROPE__RESPONSE__BODY_STATS;
     resp.stats = &sr;
     reply_ok(r, &resp);
+    kvr_mem_free(mi);
+    kvr_mem_free(ms);
+    kvr_mem_free(ptrs);
+    kvr_mem_free(tn);
 }
 
 /* ---- put and group append ------------------------------------------------------ */

@@ -294,7 +294,7 @@ static void spill_reload(const char *dir, kvr_disk_engine e, size_t total, doubl
     kvr_disk_handle *h = kvr_mem_malloc(n * sizeof *h);
     kvr_disk_buf bufs[BATCH];
     for (int k = 0; k < BATCH; k++)
-        bufs[k] = (kvr_disk_buf){ src + (size_t)k * BLOCK, BLOCK };
+        bufs[k] = (kvr_disk_buf){ .data = src + (size_t)k * BLOCK, .len = BLOCK };
     devstat x = dev_read(1);
     *w = (double)(n * BLOCK) / spill_all(d, bufs, n, h) / 1e9;
     dev_add(dw, x, dev_read(1));

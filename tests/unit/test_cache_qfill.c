@@ -130,7 +130,7 @@ Test(qfill, fresh_block_zeroes_what_is_not_filled)
             memset(dirty, 0xa5, bytes);
             kvr_mem_free(dirty);
             kvr_block_pool pool = { 0 };
-            kvr_block *b = kvr_block_create(&pool, &g, NULL, 0, 0);
+            kvr_block *b = kvr_block_create(&pool, &g, NULL, 0, NULL, 0);
             cr_assert_not_null(b);
             const kvr_qhdr *h = KVR_QH(b);
             cr_assert_eq(memcmp(h, &g.qh, sizeof *h), 0, "the header is the geometry's");

@@ -15,6 +15,7 @@
 
 #include "cache/cache.h"
 #include "tests/common/kvr_tmpdir.h"
+#include "tests/common/cache_stream.h"
 
 #define L 2
 #define H 2
@@ -64,54 +65,13 @@ static kvr_store *open_store(size_t cap, int engine, kvr_tier_recovery *rec)
     return s;
 }
 
-static float val(uint32_t seed, int l, int kv, size_t t, size_t j)
-{
-    uint32_t h = seed * 2654435761u ^ (uint32_t)(l * 7919 + kv * 104729) ^
-                 (uint32_t)(t * 40503u) ^ (uint32_t)(j * 97u);
-    h ^= h >> 13;
-    h *= 0x5bd1e995u;
-    h ^= h >> 15;
-    return (float)(h % 20001u) / 10000.0f - 1.0f;
-}
-
 static int put(kvr_store *s, const char *id, const char *codec, uint32_t seed, size_t n,
                bool persist)
 {
-    float *p = malloc((size_t)L * 2 * n * ROW * sizeof *p);
-    uint32_t *tok = malloc(n * sizeof *tok);
-    for (size_t i = 0; i < n; i++)
-        tok[i] = seed * 1000 + (uint32_t)i;
-    size_t k = 0;
-    for (int l = 0; l < L; l++)
-        for (int kv = 0; kv < 2; kv++)
-            for (size_t t = 0; t < n; t++)
-                for (size_t j = 0; j < ROW; j++)
-                    p[k++] = val(seed, l, kv, t, j);
-    kvr_put_params pp = { .ctx_id = id, .model = "m", .mode = KVR_PUT_UPSERT,
-                          .n_layers = L, .n_kv_heads = H, .head_dim = D,
-                          .dtype = KVR_DTYPE_F32, .n_tokens = n, .tokens = tok,
-                          .codec = codec, .persist = persist };
-    kvr_put *t;
     kvr_error e = { 0 };
-    int rc = kvr_store_put_begin(s, &pp, &t, &e);
-    if (rc == 0) {
-        const struct iovec *iov;
-        size_t ni;
-        kvr_put_payload_iov(t, &iov, &ni);
-        const uint8_t *src = (const uint8_t *)p;
-        for (size_t i = 0; i < ni; i++) {
-            memcpy(iov[i].iov_base, src, iov[i].iov_len);
-            src += iov[i].iov_len;
-        }
-        if (kvr_put_needs_work(t))
-            rc = kvr_put_work(t, &e);
-        if (rc == 0)
-            rc = kvr_put_commit(t, NULL, &e);
-        else
-            kvr_put_abort(t);
-    }
-    free(p);
-    free(tok);
+    kvt_put a = { .id = id, .codec = codec, .seed = seed, .n_layers = L, .n_heads = H,
+                  .head_dim = D, .n = n, .mode = KVR_PUT_UPSERT, .persist = persist };
+    int rc = kvt_stream_put(s, &a, &e);
     if (rc != 0)
         fprintf(stderr, "put %s: %s\n", id, e.msg);
     else if (kvr_store_persist(s, id, NULL, NULL, &e) < 0)   /* as the daemon does */
@@ -122,35 +82,11 @@ static int put(kvr_store *s, const char *id, const char *codec, uint32_t seed, s
 /* The whole context as f32 (or NULL); *len bytes. */
 static uint8_t *get_all(kvr_store *s, const char *id, size_t *len)
 {
-    kvr_get_params gp = { .ctx_id = id, .start = 0, .end = SIZE_MAX, .dtype = KVR_DTYPE_F32 };
-    kvr_get *g;
     kvr_error e = { 0 };
-    if (kvr_store_get_begin(s, &gp, &g, &e) != 0) {
+    uint8_t *g = kvt_get_all(s, id, len, &e);
+    if (!g)
         fprintf(stderr, "get %s: %s\n", id, e.msg);
-        return NULL;
-    }
-    if (kvr_get_needs_work(g) && kvr_get_work(g, &e) != 0) {
-        kvr_get_end(g);
-        return NULL;
-    }
-    const kvr_get_info *gi = kvr_get_get_info(g);
-    size_t meta = gi->n_tokens * (4 + 8 + 4);
-    *len = kvr_get_payload_size(g) + meta;
-    uint8_t *out = malloc(*len ? *len : 1), *w = out;
-    const struct iovec *iov;
-    size_t ni;
-    kvr_get_payload_iov(g, &iov, &ni);
-    for (size_t i = 0; i < ni; i++) {
-        memcpy(w, iov[i].iov_base, iov[i].iov_len);
-        w += iov[i].iov_len;
-    }
-    memcpy(w, gi->tokens, gi->n_tokens * 4);
-    w += gi->n_tokens * 4;
-    memcpy(w, gi->positions, gi->n_tokens * 8);
-    w += gi->n_tokens * 8;
-    memcpy(w, gi->flags, gi->n_tokens * 4);
-    kvr_get_end(g);
-    return out;
+    return g;
 }
 
 static void same(const uint8_t *a, size_t na, const uint8_t *b, size_t nb, const char *what)
@@ -199,7 +135,7 @@ static void spill_reload(int engine)
         free(g0);
         free(g1);
         kvr_store_destroy(s);
-        rm_tree(DIR_);
+        kvt_rm_tree(DIR_);
     }
 }
 
@@ -255,7 +191,7 @@ static void restart(int engine)
     s = open_store(1u << 20, engine, &rec);     /* small: recovery spills */
     cr_assert_eq(rec.contexts, N_CODECS);
     kvr_store_destroy(s);
-    rm_tree(DIR_);
+    kvt_rm_tree(DIR_);
 }
 
 Test(tier, restart_recovers_persistent_only_uring) { restart(0); }
@@ -299,7 +235,7 @@ Test(tier, corrupt_log_quarantined_rest_served)
     free(ga);
     free(ga2);
     kvr_store_destroy(s);
-    rm_tree(DIR_);
+    kvt_rm_tree(DIR_);
 }
 
 Test(tier, persist_without_disk_refused)

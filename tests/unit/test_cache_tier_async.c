@@ -27,6 +27,7 @@
 
 #include "cache/cache.h"
 #include "tests/common/kvr_tmpdir.h"
+#include "tests/common/cache_stream.h"
 
 #define L 2
 #define H 2
@@ -63,58 +64,17 @@ static kvr_store *open_store(size_t cap, int engine)
 static void close_store(kvr_store *s)
 {
     kvr_store_destroy(s);
-    rm_tree(DIR_);
-}
-
-static float val(uint32_t seed, int l, int kv, size_t t, size_t j)
-{
-    uint32_t h = seed * 2654435761u ^ (uint32_t)(l * 7919 + kv * 104729) ^
-                 (uint32_t)(t * 40503u) ^ (uint32_t)(j * 97u);
-    h ^= h >> 13;
-    h *= 0x5bd1e995u;
-    h ^= h >> 15;
-    return (float)(h % 20001u) / 10000.0f - 1.0f;
+    kvt_rm_tree(DIR_);
 }
 
 static int put_ex(kvr_store *s, const char *id, const char *codec, uint32_t seed, size_t n,
                   const char *prefix)
 {
-    float *p = malloc((size_t)L * 2 * n * ROW * sizeof *p);
-    uint32_t *tok = malloc(n * sizeof *tok);
-    for (size_t i = 0; i < n; i++)
-        tok[i] = seed * 1000 + (uint32_t)i;
-    size_t k = 0;
-    for (int l = 0; l < L; l++)
-        for (int kv = 0; kv < 2; kv++)
-            for (size_t t = 0; t < n; t++)
-                for (size_t j = 0; j < ROW; j++)
-                    p[k++] = val(seed, l, kv, t, j);
-    kvr_put_params pp = { .ctx_id = id, .model = "m",
-                          .mode = prefix ? KVR_PUT_CREATE : KVR_PUT_UPSERT,
-                          .n_layers = L, .n_kv_heads = H, .head_dim = D,
-                          .dtype = KVR_DTYPE_F32, .n_tokens = n, .tokens = tok,
-                          .codec = codec, .prefix_ctx = prefix };
-    kvr_put *t;
     kvr_error e = { 0 };
-    int rc = kvr_store_put_begin(s, &pp, &t, &e);
-    if (rc == 0) {
-        const struct iovec *iov;
-        size_t ni;
-        kvr_put_payload_iov(t, &iov, &ni);
-        const uint8_t *src = (const uint8_t *)p;
-        for (size_t i = 0; i < ni; i++) {
-            memcpy(iov[i].iov_base, src, iov[i].iov_len);
-            src += iov[i].iov_len;
-        }
-        if (kvr_put_needs_work(t))
-            rc = kvr_put_work(t, &e);
-        if (rc == 0)
-            rc = kvr_put_commit(t, NULL, &e);
-        else
-            kvr_put_abort(t);
-    }
-    free(p);
-    free(tok);
+    kvt_put a = { .id = id, .codec = codec, .prefix = prefix, .seed = seed, .n_layers = L,
+                  .n_heads = H, .head_dim = D, .n = n,
+                  .mode = prefix ? KVR_PUT_CREATE : KVR_PUT_UPSERT };
+    int rc = kvt_stream_put(s, &a, &e);
     if (rc != 0)
         fprintf(stderr, "put %s: %s\n", id, e.msg);
     return rc;

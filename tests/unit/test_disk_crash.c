@@ -68,7 +68,7 @@ static void child(const char *dir, kvr_disk_engine e, int wfd)
     for (uint32_t i = 0; i < MAXREC; i++) {
         size_t n = blk_len(i);
         fill(blk, n, i);
-        kvr_disk_buf b = { blk, n };
+        kvr_disk_buf b = { .data = blk, .len = n };
         kvr_disk_handle h;
         if (kvr_disk_spill(d, &b, 1, &h, false, NULL))
             _exit(3);

@@ -79,7 +79,7 @@ static int spill(kvr_disk *d, wl *w, uint32_t first, uint32_t n, bool sync)
     memset(b, 0, sizeof b);
     for (uint32_t k = 0; k < n; k++) {
         fill(data[first + k], EXT_BYTES, 1000 + first + k);
-        b[k] = (kvr_disk_buf){ data[first + k], EXT_BYTES };
+        b[k] = (kvr_disk_buf){ .data = data[first + k], .len = EXT_BYTES };
     }
     kvr_error e;
     int rc = kvr_disk_spill(d, b, n, &w->h[first], sync, &e);

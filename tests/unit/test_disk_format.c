@@ -177,7 +177,7 @@ static void v1_read(kvr_disk_engine e)
     /* A new spill goes to a new, v2 segment; a batch mixes both formats. */
     data[V1N] = malloc(3u << 20);
     fill(data[V1N], 3u << 20, 77);
-    kvr_disk_buf b = { data[V1N], 3u << 20 };
+    kvr_disk_buf b = { .data = data[V1N], .len = 3u << 20 };
     cr_assert_eq(kvr_disk_spill(d, &b, 1, &h[V1N], true, &err), 0, "%s", err.msg);
     cr_assert_gt(h[V1N].seg, 1);
     char path[512];
@@ -271,7 +271,7 @@ static void v2_damage(kvr_disk_engine e)
     for (int i = 0; i < V2N; i++) {
         cr_assert_eq(posix_memalign((void **)&data[i], 4096, v2_sizes[i]), 0);
         fill(data[i], v2_sizes[i], 900u + (uint64_t)i);
-        b[i] = (kvr_disk_buf){ data[i], v2_sizes[i] };
+        b[i] = (kvr_disk_buf){ .data = data[i], .len = v2_sizes[i] };
     }
     cr_assert_eq(kvr_disk_spill(d, b, V2N, h, true, &err), 0, "%s", err.msg);
     for (int i = 1; i < V2N; i++)
@@ -348,7 +348,7 @@ static void alignments(kvr_disk_engine e)
         src[i] = raw[i] + shift[i];
         fill(src[i], sizes[i], 40u + (uint64_t)i);
         want[i] = src[i];
-        b[i] = (kvr_disk_buf){ src[i], sizes[i] };
+        b[i] = (kvr_disk_buf){ .data = src[i], .len = sizes[i] };
     }
     cr_assert_eq(kvr_disk_spill(d, b, 7, h, false, &err), 0, "%s", err.msg);
     cr_assert_eq(kvr_disk_spill(d, b + 7, N - 7, h + 7, true, &err), 0, "%s", err.msg);
@@ -464,7 +464,7 @@ static void last_requests(kvr_disk_engine e)
         cr_assert_eq(posix_memalign((void **)&data[i], 4096, t_sizes[i]), 0);
         cr_assert_eq(posix_memalign((void **)&dst[i], 4096, t_sizes[i]), 0);
         fill(data[i], t_sizes[i], 300u + (uint64_t)i);
-        b[i] = (kvr_disk_buf){ data[i], t_sizes[i] };
+        b[i] = (kvr_disk_buf){ .data = data[i], .len = t_sizes[i] };
         image += (32 + t_sizes[i] + 4095) & ~(uint64_t)4095;
     }
     cr_assert_eq(kvr_disk_spill(d, b, TN, h, true, &err), 0, "%s", err.msg);
@@ -484,7 +484,7 @@ static void last_requests(kvr_disk_engine e)
         cr_assert_eq(posix_memalign((void **)&p, 4096, big), 0);
         cr_assert_eq(posix_memalign((void **)&q, 4096, big), 0);
         fill(p, big, 77);
-        kvr_disk_buf bb = { p, big };
+        kvr_disk_buf bb = { .data = p, .len = big };
         kvr_disk_handle hb;
         cr_assert_eq(kvr_disk_spill(d, &bb, 1, &hb, false, &err), 0, "%s", err.msg);
         kvr_disk_get_stats(d, &s0);

@@ -395,7 +395,8 @@ static void faults(kvr_disk_engine e)
     /* EIO on a spill write: no handle is live afterwards. */
     uint8_t data[10000];
     fill(data, sizeof data, 77);
-    kvr_disk_buf kb[3] = { { data, 100 }, { data, 5000 }, { data, 10000 } };
+    kvr_disk_buf kb[3] = { { .data = data, .len = 100 }, { .data = data, .len = 5000 },
+                          { .data = data, .len = 10000 } };
     kvr_disk_handle h[3];
     kvr_disk_fault_set(d, KVR_DISK_FAULT_WRITE, 2, EIO, 1);
     cr_assert_eq(kvr_disk_spill(d, kb, 3, h, false, &err), KVR_EIO);
@@ -495,7 +496,7 @@ static void real_enospc(kvr_disk_engine e)
     append_n(d, 0, 3, NULL);
     static uint8_t data[100000];
     fill(data, sizeof data, 5);
-    kvr_disk_buf kb = { data, sizeof data };
+    kvr_disk_buf kb = { .data = data, .len = sizeof data };
     kvr_disk_handle h[32];
     int n = 0, rc = 0;
     while (n < 32 && (rc = kvr_disk_spill(d, &kb, 1, &h[n], true, &err)) == 0)

@@ -140,7 +140,7 @@ static void round_trips(kvr_disk_engine e)
             b = N - i;
         kvr_disk_buf bufs[9];
         for (int k = 0; k < b; k++)
-            bufs[k] = (kvr_disk_buf){ src[i + k], len[i + k] };
+            bufs[k] = (kvr_disk_buf){ .data = src[i + k], .len = len[i + k] };
         cr_assert_eq(kvr_disk_spill(d, bufs, (size_t)b, &h[i], (i & 1) != 0, &err), 0,
                      "%s", err.msg);
         i += b;
@@ -189,6 +189,88 @@ static void round_trips(kvr_disk_engine e)
 Test(disk_spill, round_trips_uring) { round_trips(KVR_DISK_ENGINE_URING); }
 Test(disk_spill, round_trips_posix) { round_trips(KVR_DISK_ENGINE_POSIX); }
 
+/* Two-part extents (a block's K/V, then its metadata, in two allocations):
+ * written from and read into any split, page-aligned or not, the image is
+ * the concatenation; a whole load of one matches, and a split load puts
+ * each part where it belongs. */
+static void two_part(kvr_disk_engine e)
+{
+    char dir[256];
+    tmpdir(dir, sizeof dir);
+    kvr_disk *d = open_ready(dir, e, 0, 4u << 20);
+    enum { N = 24 };
+    size_t len[N], cut[N];
+    uint8_t *src[N], *kv[N];
+    kvr_disk_handle h[N];
+    kvr_disk_buf bufs[N];
+    kvr_error err = { 0 };
+    for (int i = 0; i < N; i++) {
+        /* K/V parts of whole pages (aligned memory: direct I/O) and of
+         * odd lengths; tails of 0 .. 3 pages and a few bytes. */
+        size_t a = i % 3 == 0 ? (size_t)(1 + i) << 16 : 1 + (size_t)(rnd() % 300000);
+        size_t t = i % 4 == 0 ? 0 : 1 + (size_t)(rnd() % 13000);
+        len[i] = a + t;
+        cut[i] = a;
+        src[i] = malloc(len[i]);
+        fill(src[i], len[i], (uint64_t)i + 7);
+        cr_assert_eq(posix_memalign((void **)&kv[i], 4096, a), 0);
+        memcpy(kv[i], src[i], a);
+        bufs[i] = (kvr_disk_buf){ .data = kv[i], .len = a, .tail = t ? src[i] + a : NULL,
+                                  .tail_len = t };
+    }
+    cr_assert_eq(kvr_disk_spill(d, bufs, N, h, true, &err), 0, "%s", err.msg);
+    for (int i = 0; i < N; i++)
+        cr_assert_eq(h[i].len, len[i]);
+    /* Whole loads. */
+    void *dst[N];
+    for (int i = 0; i < N; i++)
+        dst[i] = malloc(len[i]);
+    cr_assert_eq(kvr_disk_load(d, h, dst, N, NULL, &err), 0, "%s", err.msg);
+    for (int i = 0; i < N; i++)
+        cr_assert_eq(memcmp(dst[i], src[i], len[i]), 0, "extent %d", i);
+    /* Split loads at the written cut (aligned K/V memory) and elsewhere. */
+    for (int pass = 0; pass < 2; pass++) {
+        kvr_disk_dst x[N];
+        uint8_t *tails[N];
+        int status[N];
+        for (int i = 0; i < N; i++) {
+            size_t c = pass == 0 ? cut[i] : (size_t)(rnd() % (len[i] + 1));
+            memset(kv[i], 0, cut[i]);
+            uint8_t *p = pass == 0 ? kv[i] : dst[i];
+            tails[i] = malloc(len[i] - c + 1);
+            x[i] = (kvr_disk_dst){ p, c, c < len[i] ? tails[i] : NULL };
+        }
+        cr_assert_eq(kvr_disk_load_split(d, h, x, N, status, &err), 0, "%s", err.msg);
+        for (int i = 0; i < N; i++) {
+            cr_assert_eq(status[i], 0);
+            cr_assert_eq(memcmp(x[i].data, src[i], x[i].len), 0, "extent %d", i);
+            cr_assert_eq(memcmp(tails[i], src[i] + x[i].len, len[i] - x[i].len), 0,
+                         "extent %d tail", i);
+            free(tails[i]);
+        }
+    }
+    /* A destination shorter than the extent without a tail is refused. */
+    kvr_disk_dst bad = { dst[1], len[1] - 1, NULL };
+    int st1 = 0;
+    cr_assert_eq(kvr_disk_load_split(d, &h[1], &bad, 1, &st1, &err), KVR_EINVAL);
+    cr_assert_eq(st1, KVR_EINVAL);
+    cr_assert(strstr(err.msg, "without a tail"), "%s", err.msg);
+    /* So is a tail length without a tail. */
+    kvr_disk_buf nb = { .data = kv[0], .len = 10, .tail = NULL, .tail_len = 5 };
+    kvr_disk_handle hx;
+    cr_assert_eq(kvr_disk_spill(d, &nb, 1, &hx, false, &err), KVR_EINVAL);
+    for (int i = 0; i < N; i++) {
+        free(src[i]);
+        free(kv[i]);
+        free(dst[i]);
+    }
+    kvr_disk_close(d);
+    rmrf(dir);
+}
+
+Test(disk_spill, two_part_uring) { two_part(KVR_DISK_ENGINE_URING); }
+Test(disk_spill, two_part_posix) { two_part(KVR_DISK_ENGINE_POSIX); }
+
 /* Spilled + synced data survives a reopen; claimed handles stay, the rest
  * is reclaimed. */
 static void reopen_claim(kvr_disk_engine e)
@@ -203,7 +285,7 @@ static void reopen_claim(kvr_disk_engine e)
     for (int i = 0; i < N; i++) {
         size_t n = 1 + (size_t)(rnd() % sizeof buf);
         fill(buf, n, (uint64_t)i * 31);
-        kvr_disk_buf b = { buf, n };
+        kvr_disk_buf b = { .data = buf, .len = n };
         cr_assert_eq(kvr_disk_spill(d, &b, 1, &h[i], false, &err), 0, "%s", err.msg);
     }
     cr_assert_eq(kvr_disk_sync(d, &err), 0, "%s", err.msg);
@@ -212,7 +294,7 @@ static void reopen_claim(kvr_disk_engine e)
     kvr_disk_config cfg = { .dir = dir, .engine = e };
     cr_assert_eq(kvr_disk_open(&d, &cfg, &err), 0, "%s", err.msg);
     /* Before recover: nothing may be written. */
-    kvr_disk_buf b0 = { buf, 10 };
+    kvr_disk_buf b0 = { .data = buf, .len = 10 };
     kvr_disk_handle hx;
     cr_assert_eq(kvr_disk_spill(d, &b0, 1, &hx, false, &err), KVR_EINVAL);
     kvr_disk_recovery rs;
@@ -258,7 +340,7 @@ static void refs(kvr_disk_engine e)
     kvr_error err = { 0 };
     uint8_t b[5000];
     fill(b, sizeof b, 3);
-    kvr_disk_buf kb = { b, sizeof b };
+    kvr_disk_buf kb = { .data = b, .len = sizeof b };
     kvr_disk_handle h;
     cr_assert_eq(kvr_disk_spill(d, &kb, 1, &h, false, &err), 0);
     cr_assert_eq(kvr_disk_ref(d, &h, &err), 0);
@@ -284,7 +366,7 @@ static void disk_max(kvr_disk_engine e)
     kvr_error err = { 0 };
     static uint8_t b[100000];
     fill(b, sizeof b, 9);
-    kvr_disk_buf kb = { b, sizeof b };
+    kvr_disk_buf kb = { .data = b, .len = sizeof b };
     kvr_disk_handle h[16];
     int ok = 0, rc = 0;
     while (ok < 16 && (rc = kvr_disk_spill(d, &kb, 1, &h[ok], false, &err)) == 0)
@@ -328,7 +410,7 @@ static void corrupt_extent(kvr_disk_engine e)
     kvr_disk_handle h[N];
     for (int i = 0; i < N; i++) {
         fill(b[i], sizeof b[i], (uint64_t)i + 100);
-        kb[i] = (kvr_disk_buf){ b[i], sizeof b[i] };
+        kb[i] = (kvr_disk_buf){ .data = b[i], .len = sizeof b[i] };
     }
     cr_assert_eq(kvr_disk_spill(d, kb, N, h, true, &err), 0);
     char path[512];
@@ -379,7 +461,7 @@ Test(disk_spill, lock_and_args)
     kvr_disk *d2 = NULL;
     kvr_error err = { 0 };
     cr_assert_eq(kvr_disk_open(&d2, &cfg, &err), KVR_EBUSY);
-    kvr_disk_buf b = { "x", 0 };
+    kvr_disk_buf b = { .data = "x", .len = 0 };
     kvr_disk_handle h;
     cr_assert_eq(kvr_disk_spill(d, &b, 1, &h, false, &err), KVR_EINVAL);
     kvr_disk_close(d);
@@ -402,7 +484,7 @@ static void *mt_worker(void *arg)
     for (int i = 0; i < 50 && !bad; i++) {
         size_t n = 1 + (id * 7919 + (uint64_t)i * 104729) % 30000;
         fill(b, n, id * 1000 + (uint64_t)i);
-        kvr_disk_buf kb = { b, n };
+        kvr_disk_buf kb = { .data = b, .len = n };
         kvr_disk_handle h;
         if (kvr_disk_spill(mt_disk, &kb, 1, &h, i % 5 == 0, NULL) != 0) {
             bad = 1;
@@ -487,7 +569,7 @@ static void cross_path(kvr_disk_engine e, bool write_buffered)
     for (int i = 0; i < N; i++) {
         src[i] = malloc(sizes[i]);
         fill(src[i], sizes[i], 1000u + (uint64_t)i);
-        bufs[i] = (kvr_disk_buf){ src[i], sizes[i] };
+        bufs[i] = (kvr_disk_buf){ .data = src[i], .len = sizes[i] };
     }
     /* Batches of 1, 5 and 10 extents. */
     cr_assert_eq(kvr_disk_spill(d, bufs, 1, h, false, &err), 0, "%s", err.msg);

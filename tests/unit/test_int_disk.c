@@ -27,8 +27,10 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include "tests/common/cache_stream.h"
 #include "tests/common/kvr_testd.h"
 #include "tests/common/kvr_tmpdir.h"
+
 
 static void disk_dir(char *out, size_t cap)
 {
@@ -140,7 +142,7 @@ static void spill_reload(const char *engine)
         cr_assert_eq(testd_metric(c, "disk_engine_posix"), 1.0);
     kvr_client_close(c);
     testd_stop(&d);
-    rm_tree(dir);
+    kvt_rm_tree(dir);
 }
 
 Test(int_disk, spill_reload_auto, .timeout = 120) { spill_reload("auto"); }
@@ -183,7 +185,7 @@ static void restart(const char *engine)
     cr_assert_geq(testd_metric(c, "recovery_ms"), 0.0);
     kvr_client_close(c);
     testd_stop(&d);
-    rm_tree(dir);
+    kvt_rm_tree(dir);
 }
 
 static int put_replace(kvr_client *c, const char *ctx, uint32_t seed, size_t n, bool persist)
@@ -230,7 +232,7 @@ Test(int_disk, replace_survives_restart, .timeout = 120)
     cr_assert_eq(testd_metric(c, "recovery_contexts"), 1.0);
     kvr_client_close(c);
     testd_stop(&d);
-    rm_tree(dir);
+    kvt_rm_tree(dir);
 }
 
 Test(int_disk, restart_auto, .timeout = 120) { restart("auto"); }
@@ -389,7 +391,7 @@ static void kill9(const char *engine)
             trials, inflight_seen);
     kvr_client_close(rc);
     testd_stop(&ref);
-    rm_tree(dir);
+    kvt_rm_tree(dir);
 }
 
 /* A worker whose kvroped is killed gets an error from every call, never a
@@ -505,7 +507,7 @@ static void corrupt(const char *engine)
                  kvr_client_last_error(c));
     kvr_client_close(c);
     testd_stop(&d);
-    rm_tree(dir);
+    kvt_rm_tree(dir);
 }
 
 Test(int_disk, corrupt_auto, .timeout = 120) { corrupt("auto"); }
@@ -551,7 +553,7 @@ static void fsync_fault(const char *engine)
     cr_assert_geq(testd_metric(c, "recovery_contexts"), (double)ok);
     kvr_client_close(c);
     testd_stop(&d);
-    rm_tree(dir);
+    kvt_rm_tree(dir);
 }
 
 Test(int_disk, fsync_fault_auto, .timeout = 120) { fsync_fault("auto"); }
@@ -602,7 +604,7 @@ Test(int_disk, enospc_small_tmpfs, .timeout = 120)
     kvr_client_close(c);
     testd_stop(&d);
     umount(dir);
-    rm_tree(dir);
+    kvt_rm_tree(dir);
 }
 
 /* ---- a corrupt newest record: stale marks, never a silent roll-back --------- */
@@ -749,7 +751,7 @@ static void corrupt_newest(int how)
         kvr_client_close(c);
         testd_stop(&d);
     }
-    rm_tree(dir);
+    kvt_rm_tree(dir);
 }
 
 Test(int_disk, corrupt_newest_record_attributed, .timeout = 120) { corrupt_newest(0); }

@@ -184,7 +184,8 @@ static void get_equals(kvr_client *c, const char *id, uint32_t seed, size_t n)
  * exactly, and the idle purge gives them back. */
 Test(int_load, block_cache_metric_reuse_and_idle_purge, .fini = teardown, .timeout = 120)
 {
-    const char *args[] = { "--block-tokens", "32", NULL };
+    /* The idle purge runs only when asked (--idle-purge: issue 32). */
+    const char *args[] = { "--block-tokens", "32", "--idle-purge", "1", NULL };
     cr_assert_eq(testd_start(&D, args), 0);
     kvr_client *c = testd_connect(&D);
     cr_assert_not_null(c);

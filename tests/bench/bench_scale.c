@@ -1,0 +1,227 @@
+/*
+ * bench_scale.c — costs as the store grows (issue 32): stores of 10^3 ..
+ * 10^6 cached tokens (contexts of 256 .. 32k tokens, a small model shape so
+ * the largest store fits a shared machine: 1 layer x 1 kv head x 64, f16,
+ * 256 B of K/V a token) and, for each: prefix match latency p50 / p99
+ * (hits on random contexts), metadata bytes per token and per context
+ * (everything the allocator holds for the store minus the K/V its tokens
+ * need), the resident set against what the store accounts; then, at the
+ * largest size, eviction throughput with the cap full and puts still
+ * coming, and the restart time of 10^6 persisted tokens with a disk dir.
+ *
+ * Goal lines (issue 32): match p99 grows at most 2x from 10^3 to the
+ * largest store; metadata <= 1% of K/V for the Llama-3-8B shape (computed
+ * from the per-token metadata measured here against 8B's 128 KiB of K/V a
+ * token); RSS within 5% of accounted; recovery of 10^6 tokens <= 2 s.
+ * Timings are printed, never asserted.
+ */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#ifdef KVR_JEMALLOC
+#include <jemalloc/jemalloc.h>
+#endif
+
+#include "cache/cache.h"
+#include "tests/common/cache_stream.h"
+
+#define NL 1
+#define NH 1
+#define HD 64
+#define TOK_KV ((size_t)2 * NL * NH * HD * 2)
+
+static double now_s(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+static uint64_t rng = 0x9E3779B97F4A7C15ull;
+static uint32_t rnd(void)
+{
+    rng ^= rng << 13;
+    rng ^= rng >> 7;
+    rng ^= rng << 17;
+    return (uint32_t)(rng >> 11);
+}
+
+static size_t rss_bytes(void)
+{
+    FILE *f = fopen("/proc/self/statm", "r");
+    unsigned long size = 0, res = 0;
+    if (f) {
+        if (fscanf(f, "%lu %lu", &size, &res) != 2)
+            res = 0;
+        fclose(f);
+    }
+    return (size_t)res * (size_t)sysconf(_SC_PAGESIZE);
+}
+
+/* Freed pages back to the kernel, so RSS measures what is live. */
+static void purge(void)
+{
+#ifdef KVR_JEMALLOC
+    (void)mallctl("arena.4096.purge", NULL, NULL, NULL, 0);   /* MALLCTL_ARENAS_ALL */
+#endif
+}
+
+static kvr_store *mk(size_t cap, const char *dir)
+{
+    kvr_store *s;
+    kvr_error e = { 0 };
+    kvr_store_config c = { .max_memory = cap };
+    if (kvr_store_create(&s, &c, &e) != 0)
+        exit(1);
+    if (dir) {
+        kvr_tier_config tc = { .dir = dir };
+        if (kvr_store_tier_open(s, &tc, NULL, NULL, NULL, &e) != 0) {
+            fprintf(stderr, "tier: %s\n", e.msg);
+            exit(1);
+        }
+    }
+    if (kvr_store_model_find(s, "m", NULL) != 0) {
+        kvr_model_desc d = { .name = "m", .n_layers = NL, .n_kv_heads = NH, .head_dim = HD,
+                             .dtype = KVR_DTYPE_F16 };
+        kvr_rope_config_init(&d.rope);
+        if (kvr_store_model_register(s, &d, NULL, &e) != 0)
+            exit(1);
+    }
+    return s;
+}
+
+/* Contexts of 256 .. max tokens (log-uniform) until `total` tokens; their
+ * lengths in lens (returns the count). Stream i is context "c<i>". */
+static size_t fill(kvr_store *s, size_t total, size_t max, size_t *lens, size_t cap_n,
+                   bool persist)
+{
+    size_t n = 0, have = 0;
+    while (have < total && n < cap_n) {
+        size_t len = (size_t)(256.0 * (double)(1u << (rnd() % 8)) *
+                              (1.0 + (rnd() % 1000) / 1000.0));
+        if (len > max)
+            len = max;
+        if (have + len > total)
+            len = total - have < 1 ? 1 : total - have;
+        char id[32];
+        snprintf(id, sizeof id, "c%zu", n);
+        kvr_error e = { 0 };
+        kvt_put a = { .id = id, .codec = "", .seed = (uint32_t)n + 1, .n_layers = NL,
+                      .n_heads = NH, .head_dim = HD, .n = len, .mode = KVR_PUT_CREATE,
+                      .persist = persist };
+        if (kvt_stream_put(s, &a, &e) != 0) {
+            fprintf(stderr, "put: %s\n", e.msg);
+            break;
+        }
+        if (persist)
+            (void)kvr_store_persist(s, id, NULL, NULL, &e);
+        lens[n++] = len;
+        have += len;
+    }
+    return n;
+}
+
+static int cmp_d(const void *a, const void *b)
+{
+    double x = *(const double *)a, y = *(const double *)b;
+    return x < y ? -1 : x > y;
+}
+
+/* p50 / p99 of matching a random context's first 256 tokens (the same
+ * query length at every store size). */
+static void match_lat(kvr_store *s, const size_t *lens, size_t n, double *p50, double *p99)
+{
+    enum { Q = 2000 };
+    static double lat[Q];
+    static uint32_t q[32768];
+    for (int i = 0; i < Q; i++) {
+        size_t c = rnd() % n, len = lens[c];
+        size_t m = len < 256 ? len : 256;
+        for (size_t k = 0; k < m; k++)
+            q[k] = (uint32_t)(c + 1) * 1000 + (uint32_t)k;
+        kvr_match_result r;
+        double t0 = now_s();
+        (void)kvr_store_match(s, "m", q, m, false, &r, NULL);
+        lat[i] = now_s() - t0;
+    }
+    qsort(lat, Q, sizeof lat[0], cmp_d);
+    *p50 = lat[Q / 2] * 1e6;
+    *p99 = lat[Q * 99 / 100] * 1e6;
+}
+
+int main(void)
+{
+    static size_t lens[1 << 16];
+    static const size_t sizes[] = { 1000, 10000, 100000, 1000000 };
+    enum { NS = sizeof sizes / sizeof sizes[0] };
+    double p99_first = 0, p99_last = 0, meta_tok_last = 0, rss_worst = 0;
+    printf("store of N tokens (contexts of 256..32k, %zu B of K/V a token):\n", TOK_KV);
+    printf("%9s %8s %10s %10s %12s %12s %10s\n", "tokens", "ctxs", "match p50", "match p99",
+           "meta B/tok", "meta B/ctx", "dRSS/acct");
+    for (int k = 0; k < NS; k++) {
+        purge();
+        size_t base = kvr_mem_allocated(), rss0 = rss_bytes();
+        kvr_store *s = mk(0, NULL);
+        size_t n = fill(s, sizes[k], 32768, lens, sizeof lens / sizeof lens[0], false);
+        kvr_store_stats st;
+        kvr_store_get_stats(s, &st);
+        double p50, p99;
+        match_lat(s, lens, n, &p50, &p99);
+        size_t acct = kvr_mem_allocated() - base;
+        double meta = (double)acct - (double)st.kv_held_bytes;
+        double rss = (double)(rss_bytes() - rss0) / (double)acct;
+        printf("%9zu %8zu %8.2fus %8.2fus %12.1f %12.0f %10.3f\n", st.n_tokens, n, p50, p99,
+               meta / (double)st.n_tokens, meta / (double)n, rss);
+        if (k == 0)
+            p99_first = p99;
+        p99_last = p99;
+        meta_tok_last = meta / (double)st.n_tokens;
+        if (k == NS - 1)
+            rss_worst = rss;
+        kvr_store_destroy(s);
+    }
+    /* Eviction at a full cap: the largest store's worth of puts into a cap
+     * of a tenth of it. */
+    size_t total = sizes[NS - 1];
+    kvr_store *s = mk(total * (TOK_KV + 64) / 10, NULL);
+    double t0 = now_s();
+    size_t n = fill(s, total, 2048, lens, sizeof lens / sizeof lens[0], false);
+    double ev_s = now_s() - t0;
+    kvr_store_stats st;
+    kvr_store_get_stats(s, &st);
+    printf("eviction at a full cap: %zu puts (%zu tokens) into a %zu-byte cap in %.2f s: "
+           "%.0f blocks evicted, %.1f MB/s of K/V put\n", n, total, st.mem_cap, ev_s,
+           (double)st.n_evicted_blocks, (double)total * TOK_KV / ev_s / 1e6);
+    kvr_store_destroy(s);
+    /* Recovery of 10^6 persisted tokens. */
+    char dir[] = "/tmp/kvr-scale-XXXXXX";
+    double rec_s = -1;
+    if (mkdtemp(dir)) {
+        s = mk(0, dir);
+        n = fill(s, total, 32768, lens, sizeof lens / sizeof lens[0], true);
+        kvr_store_persist_flush(s);
+        kvr_store_destroy(s);
+        t0 = now_s();
+        s = mk(0, dir);
+        rec_s = now_s() - t0;
+        kvr_store_get_stats(s, &st);
+        printf("recovery: %zu contexts, %zu tokens back in %.3f s\n", st.n_contexts,
+               st.n_tokens, rec_s);
+        kvr_store_destroy(s);
+        kvt_rm_tree(dir);
+    }
+    double meta_8b = meta_tok_last / 131072.0;
+    printf("goal: match p99 at %zu tokens <= 2x at 10^3: %.2fx (%s)\n", total,
+           p99_last / p99_first, p99_last <= 2 * p99_first ? "met" : "not met");
+    printf("goal: metadata <= 1%% of K/V for the Llama-3-8B shape (%.1f B a token against "
+           "128 KiB): %.4f%% (%s)\n", meta_tok_last, meta_8b * 100,
+           meta_8b <= 0.01 ? "met" : "not met");
+    printf("goal: RSS within 5%% of accounted at %zu tokens: %.3f (%s)\n", total, rss_worst,
+           rss_worst <= 1.05 && rss_worst >= 0.95 ? "met" : "not met");
+    printf("goal: recovery of 10^6 tokens <= 2 s: %.3f s (%s)\n", rec_s,
+           rec_s >= 0 && rec_s <= 2.0 ? "met" : "not met");
+    return 0;
+}
