@@ -101,7 +101,7 @@ def sample(rng, ft, seq, chunk_src=None):
     # llama.vim: prompt = current line up to the cursor, prefix = lines before
     ls = int(nl[np.searchsorted(nl, c) - 1]) + 1 if np.searchsorted(nl, c) > 0 else 0
     budget = seq + 1 - len(mid) - 1
-    n_batch = int(rng.choice([128, 256, 256, 384, 512]))
+    n_batch = int(rng.choice([128, 192, 256, 384]))
     n_pre = min(ls, 3 * (n_batch // 4))
     n_suf = min(n - e, max(0, n_batch // 4 - (2 + c - ls)))
     head = [corpus.BOS, PRE] + list(ft[ls - n_pre:c]) + [SUF] + list(ft[e:e + n_suf]) + [MID]

@@ -57,7 +57,7 @@ import fim  # noqa: E402
 SHAPE = dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=8,
              num_key_value_heads=2, head_dim=32, intermediate_size=704,
              vocab_size=corpus.VOCAB, rope_theta=10000.0, rms_norm_eps=1e-5)
-SEQ = 512          # training context (tokens)
+SEQ = 512          # the model's context (tokens); rows are --seq long (default SEQ)
 BATCH = 16
 
 
@@ -267,13 +267,20 @@ def main(argv):
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--batch", type=int, default=BATCH)
+    p.add_argument("--seq", type=int, default=SEQ, help="tokens per training row (at most the context)")
     p.add_argument("--decay", type=float, default=0.3, help="share of the steps spent decaying the lr")
     p.add_argument("--fim", type=float, default=0.5, help="share of rows that are FIM samples")
     p.add_argument("--repo", type=float, default=0.5, help="share of FIM rows with repo-level context")
     p.add_argument("--eval-every", type=int, default=100)
+    p.add_argument("--eval-bytes", type=int, default=65536,
+                   help="held-out tokens scored at each --eval-every (the start of the held-out stream)")
+    p.add_argument("--no-final-eval", action="store_true",
+                   help="skip the full held-out score at the end (eval/score.py measures it faster with llama.cpp)")
     p.add_argument("--init", default=None,
                    help="start from this trained model's weights (eval/model layout) instead of random ones")
     a = p.parse_args(argv)
+    if not 16 <= a.seq <= SEQ:
+        p.error(f"--seq must be in 16..{SEQ}")
     torch.set_num_threads(a.threads)
     torch.set_flush_denormal(True)   # subnormal gradients are ~100x slower on x86 and change nothing
     os.makedirs(a.out, exist_ok=True)
@@ -303,7 +310,7 @@ def main(argv):
         print(f"resumed at step {step}", flush=True)
     t_run, c_run = time.time(), time.process_time()
     while step < a.steps:
-        x = batches.rows(step, a.batch, SEQ)
+        x = batches.rows(step, a.batch, a.seq)
         lr = a.lr * lr_factor(step, a.steps, a.decay)
         for g in opt.param_groups:
             g["lr"] = lr
@@ -320,14 +327,15 @@ def main(argv):
             print(f"step {step}/{a.steps} loss {loss.item() / math.log(2):.3f} bits/byte lr {lr:.2e} "
                   f"{spent:.0f}s (cpu {time.process_time() - c_run:.0f}s this run)", flush=True)
         if step % a.eval_every == 0 or step == a.steps:
-            bpb = held_out_bpb(m, held_ids[:65536], SEQ)
-            log.append({"step": step, "held_out_bpb_64k": bpb, "seconds": spent})
-            print(f"  held-out (first 64 KiB) {bpb:.3f} bits/byte", flush=True)
+            bpb = held_out_bpb(m, held_ids[:a.eval_bytes], SEQ)
+            log.append({"step": step, "held_out_bpb_start": bpb, "eval_tokens": a.eval_bytes, "seconds": spent})
+            print(f"  held-out (first {a.eval_bytes} tokens) {bpb:.3f} bits/byte", flush=True)
             torch.save({"model": m.state_dict(), "opt": opt.state_dict(), "step": step,
                         "seconds": spent, "log": log}, ck + ".tmp")
             os.replace(ck + ".tmp", ck)
-    bpb = held_out_bpb(m, held_ids, SEQ)
-    print(f"held-out bits per byte (all {len(held)} files, {len(held_ids)} tokens): {bpb:.4f}")
+    bpb = None if a.no_final_eval else held_out_bpb(m, held_ids, SEQ)
+    if bpb is not None:
+        print(f"held-out bits per byte (all {len(held)} files, {len(held_ids)} tokens): {bpb:.4f}")
     w = hf_weights(m)
     np.savez(os.path.join(a.out, "weights.npz"), **w)
     hf = dict(cfg, architectures=["LlamaForCausalLM"], model_type="llama", hidden_act="silu",
@@ -338,9 +346,9 @@ def main(argv):
         json.dump(hf, f, indent=1, sort_keys=True)
     meta = {"held_out_bpb": bpb, "held_out_files": len(held), "held_out_tokens": int(len(held_ids)),
             "train_files": len(train_files), "train_tokens": int(len(data)), "steps": a.steps,
-            "batch": a.batch, "seq": SEQ, "lr": a.lr, "seed": a.seed, "threads": a.threads,
+            "batch": a.batch, "seq": a.seq, "context": SEQ, "lr": a.lr, "seed": a.seed, "threads": a.threads,
             "decay": a.decay, "init": a.init, "init_weights_sha256": init_sha, "fim_rate": a.fim, "repo_share": a.repo, "vocab": cfg["vocab_size"],
-            "tokens_seen": a.steps * a.batch * SEQ, "train_seconds": round(spent, 1),
+            "tokens_seen": a.steps * a.batch * a.seq, "train_seconds": round(spent, 1),
             "wall_seconds_last_run": round(time.time() - t_run, 1),
             "cpu_seconds_last_run": round(time.process_time() - c_run, 1),
             "corpus_digest": corpus.corpus_digest(train_files + held), "log": log,
