@@ -107,9 +107,9 @@ def sample(rng, ft, seq, chunk_src=None):
     head = [corpus.BOS, PRE] + list(ft[ls - n_pre:c]) + [SUF] + list(ft[e:e + n_suf]) + [MID]
     if len(head) > budget:   # a long middle or line: drop prefix from the front
         cut = len(head) - budget
+        if cut > c - (ls - n_pre):
+            return None      # not even the suffix fits: draw another sample
         head = [corpus.BOS, PRE] + head[2 + cut:]
-        if len(head) > budget:
-            return None
     if chunk_src is not None:
         ex = extra_tokens_ids(chunk_src(rng))
         room = budget - len(head)
