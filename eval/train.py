@@ -22,6 +22,12 @@ as the middle, then EOT); --repo of those carry the repo-level context
 that /infill builds from input_extra. The other rows are plain windows of
 the corpus, left to right. Padding (FIM_PAD) is not scored.
 
+A run can be cut short on a loaded machine without changing a step taken:
+--stop-after N checkpoints at step N and exits, and a rerun with a smaller
+--steps resumes there (warmup-stable-decay: the steps before the new decay
+are the same). make eval-model does exactly what the committed model went
+through.
+
 Reproducible: the weights, the data order (numpy PCG64 seeded from --seed)
 and the schedule depend only on the arguments and the corpus; float
 summation order inside torch depends on the thread count, so two runs with
@@ -276,6 +282,8 @@ def main(argv):
                    help="held-out tokens scored at each --eval-every (the start of the held-out stream)")
     p.add_argument("--no-final-eval", action="store_true",
                    help="skip the full held-out score at the end (eval/score.py measures it faster with llama.cpp)")
+    p.add_argument("--stop-after", type=int, default=None,
+                   help="checkpoint after this step and exit (resume with other --steps: a shorter schedule)")
     p.add_argument("--init", default=None,
                    help="start from this trained model's weights (eval/model layout) instead of random ones")
     a = p.parse_args(argv)
@@ -326,13 +334,16 @@ def main(argv):
         if step % 10 == 0 or step == a.steps or step <= 3:
             print(f"step {step}/{a.steps} loss {loss.item() / math.log(2):.3f} bits/byte lr {lr:.2e} "
                   f"{spent:.0f}s (cpu {time.process_time() - c_run:.0f}s this run)", flush=True)
-        if step % a.eval_every == 0 or step == a.steps:
+        if step % a.eval_every == 0 or step == a.steps or step == a.stop_after:
             bpb = held_out_bpb(m, held_ids[:a.eval_bytes], SEQ)
             log.append({"step": step, "held_out_bpb_start": bpb, "eval_tokens": a.eval_bytes, "seconds": spent})
             print(f"  held-out (first {a.eval_bytes} tokens) {bpb:.3f} bits/byte", flush=True)
             torch.save({"model": m.state_dict(), "opt": opt.state_dict(), "step": step,
                         "seconds": spent, "log": log}, ck + ".tmp")
             os.replace(ck + ".tmp", ck)
+            if step == a.stop_after:
+                print(f"stopped after step {step} (--stop-after)", flush=True)
+                return 0
     bpb = None if a.no_final_eval else held_out_bpb(m, held_ids, SEQ)
     if bpb is not None:
         print(f"held-out bits per byte (all {len(held)} files, {len(held_ids)} tokens): {bpb:.4f}")
