@@ -20,7 +20,9 @@ a cursor mostly in the middle of a line, the rest of the line or a few lines
 as the middle, then EOT); --repo of those carry the repo-level context
 (FIM_REP / FIM_SEP, file names, chunks of other files of the same package)
 that /infill builds from input_extra. The other rows are plain windows of
-the corpus, left to right. Padding (FIM_PAD) is not scored.
+the corpus, left to right. Padding (FIM_PAD) is not scored; a FIM row's
+middle (after FIM_MID, EOT included) weighs --mid-weight in the loss, so the
+few tokens that teach infilling are not drowned by the prefix and suffix.
 
 A run can be cut short on a loaded machine without changing a step taken:
 --stop-after N checkpoints at step N and exits, and a rerun with a smaller
@@ -277,6 +279,8 @@ def main(argv):
     p.add_argument("--decay", type=float, default=0.3, help="share of the steps spent decaying the lr")
     p.add_argument("--fim", type=float, default=0.5, help="share of rows that are FIM samples")
     p.add_argument("--repo", type=float, default=0.5, help="share of FIM rows with repo-level context")
+    p.add_argument("--mid-weight", type=float, default=1.0,
+                   help="loss weight of a FIM row's middle tokens (the rest weigh 1)")
     p.add_argument("--eval-every", type=int, default=100)
     p.add_argument("--eval-bytes", type=int, default=65536,
                    help="held-out tokens scored at each --eval-every (the start of the held-out stream)")
@@ -323,8 +327,13 @@ def main(argv):
         for g in opt.param_groups:
             g["lr"] = lr
         t0 = time.time()
-        loss = F.cross_entropy(m(x[:, :-1]).reshape(-1, cfg["vocab_size"]), x[:, 1:].reshape(-1),
-                               ignore_index=fim.PAD)
+        tgt = x[:, 1:]
+        nll = F.cross_entropy(m(x[:, :-1]).reshape(-1, cfg["vocab_size"]), tgt.reshape(-1),
+                              ignore_index=fim.PAD, reduction="none").view(tgt.shape)
+        # a FIM row's middle (the targets after FIM_MID, EOT included) weighs --mid-weight
+        w = 1.0 + (a.mid_weight - 1.0) * ((x[:, :-1] == fim.MID).cumsum(1) > 0).float()
+        w = w * (tgt != fim.PAD).float()
+        loss = (nll * w).sum() / w.sum()
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0)
@@ -358,7 +367,7 @@ def main(argv):
     meta = {"held_out_bpb": bpb, "held_out_files": len(held), "held_out_tokens": int(len(held_ids)),
             "train_files": len(train_files), "train_tokens": int(len(data)), "steps": a.steps,
             "batch": a.batch, "seq": a.seq, "context": SEQ, "lr": a.lr, "seed": a.seed, "threads": a.threads,
-            "decay": a.decay, "init": a.init, "init_weights_sha256": init_sha, "fim_rate": a.fim, "repo_share": a.repo, "vocab": cfg["vocab_size"],
+            "decay": a.decay, "init": a.init, "init_weights_sha256": init_sha, "fim_rate": a.fim, "mid_weight": a.mid_weight, "repo_share": a.repo, "vocab": cfg["vocab_size"],
             "tokens_seen": a.steps * a.batch * a.seq, "train_seconds": round(spent, 1),
             "wall_seconds_last_run": round(time.time() - t_run, 1),
             "cpu_seconds_last_run": round(time.process_time() - c_run, 1),
