@@ -44,8 +44,9 @@ def test_format_infill_is_llama_servers_layout():
     assert ids == [corpus.BOS, fim.PRE] + b(("0123456789" * 4)[-24:]) + [fim.SUF] + b("XYZW") + [fim.MID]
     # the extra context keeps its tail
     ids = fim.format_infill(b"a", b"", b"", [("m.py", "0123456789")], n_batch=8, n_ctx=24, n_predict=2)
-    assert ids[:-5] == (extra[:0] + [fim.REP] + b("myproject\n") + [fim.SEP] + b("m.py\n") + b("0123456789")
-                        + [fim.SEP] + b("filename\n"))[-12:]
+    # n_extra_take = 24 - 8 - 4 = 12: the last 12 tokens of the extra context, then <s> FIM_PRE "a" FIM_SUF FIM_MID
+    full = [fim.REP] + b("myproject\n") + [fim.SEP] + b("m.py\n") + b("0123456789") + [fim.SEP] + b("filename\n")
+    assert ids == full[-12:] + [corpus.BOS, fim.PRE] + b("a") + [fim.SUF, fim.MID]
 
 
 def test_fim_ids_follow_the_bytes():
