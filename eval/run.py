@@ -535,6 +535,10 @@ def model_paragraph(meta):
     other = (f" On Python that is not the standard library, {len(o['files'])} files of Debian's "
              f"{o['package']} ({o['bytes']} bytes, chosen by the same path hash, never trained on): "
              f"**{o['bpb']:.3f}** bits per byte." if o else "")
+    sw = meta.get("lr_sweep")
+    if sw:
+        body += ("Learning rate: " + sw["how"] + " " + "; ".join(
+            f"lr {r['lr']:g} ({r['run']}): {r['bpb']:.3f}" for r in sw["runs"]) + ". ")
     return (head + body + f"**Held-out bits per byte, left to right: {meta['held_out_bpb']:.3f}** over "
             f"{meta['held_out_files']} files never trained on ({meta['held_out_tokens']} bytes; random "
             f"weights give ~8).{other} The committed weights are float16 (eval/model/weights.npz, the numpy "
