@@ -376,7 +376,7 @@ def main(argv):
     ap.add_argument("--tune", type=int, default=8, help="document cases to choose APE's T, S on")
     ap.add_argument("--quant", type=int, default=16)
     ap.add_argument("--long", type=int, default=8)
-    ap.add_argument("--infill", type=int, default=6, help="middle-line cursor cases per held-out file")
+    ap.add_argument("--infill", type=int, default=4, help="middle-line cursor cases per held-out file")
     ap.add_argument("--only", default=None, choices=["infill"],
                     help="measure only this section; the others come from --merge")
     ap.add_argument("--merge", default=None, help="results.json of an earlier run for the sections not measured")
@@ -414,6 +414,8 @@ def main(argv):
             log(f"engine {eng.name}: {len(ic)} infill cases")
             results["engines"].setdefault(eng.name, {})["infill"] = run_infill(eng, ic, log)
         results["seconds_infill"] = time.time() - t0
+        with open(os.path.join(MODEL_DIR, "train.json")) as f:   # eval/score.py may have filled it in meanwhile
+            results["infill_model"] = json.load(f)
         write_report(results, a, results.get("seconds", 0), log)
         return 0
     edits = C.synthetic_edits(a.edits) + C.git_edits(a.real, ROOT)
@@ -539,7 +541,9 @@ def model_paragraph(meta):
     if sw:
         body += ("Learning rate: " + sw["how"] + " " + "; ".join(
             f"lr {r['lr']:g} ({r['run']}): {r['bpb']:.3f}" for r in sw["runs"]) + ". ")
-    return (head + body + f"**Held-out bits per byte, left to right: {meta['held_out_bpb']:.3f}** over "
+    hb = meta.get("held_out_bpb")
+    return (head + body + f"**Held-out bits per byte, left to right: "
+            f"{'not scored (eval/score.py)' if hb is None else format(hb, '.3f')}** over "
             f"{meta['held_out_files']} files never trained on ({meta['held_out_tokens']} bytes; random "
             f"weights give ~8).{other} The committed weights are float16 (eval/model/weights.npz, the numpy "
             "Llama's format); `scripts/gen-gguf.py --hf eval/model` writes the GGUF llama.cpp runs "
@@ -606,7 +610,7 @@ def write_report(results, a, seconds, log):
                 "policy kept (kvrope drops the middle and moves the window's positions up to the sinks).")
         md += [f"### Retention ({en})", "", scap, "", st, ""]
         if "infill" in r:
-            icap, it = infill_caption(r["infill"], results.get("infill_per_file", 6)), infill_table(r["infill"])
+            icap, it = infill_caption(r["infill"], results.get("infill_per_file", 4)), infill_table(r["infill"])
             md += [f"### Infill: completing the middle of a line ({en})", "", icap, "", it, ""]
         if en.startswith("llama") or len(results["engines"]) == 1 or not readme:
             readme = [f"Quality on a trained {meta['params'] / 1e6:.2f} M-parameter code model "
