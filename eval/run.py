@@ -316,6 +316,17 @@ def stream_table(res, window=256, sinks=4):
 
 # ---- pictures ------------------------------------------------------------------------
 
+def can_plot(log):
+    """matplotlib present (scripts/deps.sh eval); without it the pictures of
+    the last run are kept, so a partial run (--only) still writes its tables."""
+    try:
+        import matplotlib  # noqa: F401
+        return True
+    except ImportError:
+        log("matplotlib is not installed: docs/eval/*.png kept as they are")
+        return False
+
+
 def plot_pie(res, kinds, path, engine_name):
     import matplotlib
     matplotlib.use("Agg")
@@ -416,6 +427,9 @@ def main(argv):
         results["seconds_infill"] = time.time() - t0
         with open(os.path.join(MODEL_DIR, "train.json")) as f:   # eval/score.py may have filled it in meanwhile
             results["infill_model"] = json.load(f)
+        os.makedirs(os.path.join(a.build, "eval"), exist_ok=True)
+        with open(os.path.join(a.build, "eval", "results.json"), "w") as f:   # before the report: kept if it fails
+            json.dump(results, f, indent=1, default=float)
         write_report(results, a, results.get("seconds", 0), log)
         return 0
     edits = C.synthetic_edits(a.edits) + C.git_edits(a.real, ROOT)
@@ -586,7 +600,8 @@ def write_report(results, a, seconds, log):
         if not a.no_write:
             os.makedirs(os.path.join(ROOT, "docs", "eval"), exist_ok=True)
             tag = "llama" if en.startswith("llama") else "numpy"
-            plot_pie(r["pie"], kinds, os.path.join(ROOT, "docs", "eval", f"pie-{tag}.png"), en)
+            if can_plot(log):
+                plot_pie(r["pie"], kinds, os.path.join(ROOT, "docs", "eval", f"pie-{tag}.png"), en)
             md += [f"![divergence vs tokens refreshed](eval/pie-{tag}.png)", ""]
         dt = docs_table(r["docs"], ts)
         dcap = (f"Documents: {len(r['docs'])} cases, each 3 chunks of 96 bytes of a held-out file encoded one "
@@ -602,7 +617,8 @@ def write_report(results, a, seconds, log):
                 "figure for the whole context.")
         md += [f"### Quantization at rest ({en})", "", qcap, "", qt, ""]
         if not a.no_write:
-            plot_quant(pts, os.path.join(ROOT, "docs", "eval", f"quant-{tag}.png"), en)
+            if can_plot(log):
+                plot_quant(pts, os.path.join(ROOT, "docs", "eval", f"quant-{tag}.png"), en)
             md += [f"![added bits per byte vs bytes per token](eval/quant-{tag}.png)", ""]
         st = stream_table(r["stream"])
         scap = (f"Retention: {len(r['stream'])} long held-out files (1,024 bytes each) streamed through "
