@@ -90,22 +90,18 @@ class NumpyEngine:
     def greedy(self, tokens, cache, i, n, stop=None):
         kv, pos = cache
         past = (kv_take(kv, slice(0, i)), pos[:i])
-        out, p = [], int(pos[i])
+        p = int(pos[i])
         logits, new = self.forward([tokens[i]], [p], past if i > 0 else None)
-        cur = L.kv_concat(past[0], new) if i > 0 else new
-        for _ in range(n):
-            t = int(np.argmax(logits[-1]))
-            out.append(t)
-            if t == stop or len(out) == n:
-                break
-            p += 1
-            logits, new = self.model.forward([t], positions=[p], past=cur)
-            cur = L.kv_concat(cur, new)
-        return out
+        return self._decode(logits, L.kv_concat(past[0], new) if i > 0 else new, p, n, stop)
 
     def complete(self, tokens, n, stop=None):
         logits, cur = self.forward(tokens, np.arange(len(tokens)))
-        out, p = [], len(tokens) - 1
+        return self._decode(logits, cur, len(tokens) - 1, n, stop)
+
+    def _decode(self, logits, cur, p, n, stop):
+        """Up to n greedy tokens after the one at position p (logits: its row
+        last; cur: the cache including it), stopping after `stop`."""
+        out = []
         for _ in range(n):
             t = int(np.argmax(logits[-1]))
             out.append(t)
