@@ -14,7 +14,9 @@ mixed.
 Tokens are bytes, numbered as the GGUF tokenizer of scripts/gen-gguf.py
 numbers them (so llama.cpp's llama_tokenize gives the same ids): <unk> 0,
 <s> (BOS) 1, </s> 2, byte b -> 3 + b, except the space, which llama.cpp's
-SentencePiece tokenizer turns into U+2581, id 259. Vocabulary 260.
+SentencePiece tokenizer turns into U+2581, id 259: 260 byte-level ids.
+The fill-in-the-middle special tokens follow them, 260..266 (eval/fim.py):
+vocabulary 267. decode() drops every special token.
 """
 import hashlib
 import os
@@ -23,7 +25,8 @@ import zlib
 import numpy as np
 
 ROOT = "/usr/lib/python3.11"
-VOCAB = 260
+BYTE_VOCAB = 260   # <unk>, <s>, </s>, the 256 bytes (space as U+2581)
+VOCAB = 267        # + the FIM tokens of eval/fim.py
 BOS = 1
 SPACE_ID = 259
 HELD_OUT_MOD = 20
@@ -84,7 +87,7 @@ def decode(ids):
 
 
 def is_byte_id(i):
-    return 3 <= i < VOCAB
+    return 3 <= i < BYTE_VOCAB
 
 
 if __name__ == "__main__":

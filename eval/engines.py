@@ -20,6 +20,9 @@ the cells' positions. Methods:
   greedy(tokens, cache, i, n, stop) -> ids
       from cells < i plus tokens[i] decoded at pos[i], n greedy tokens
       (stopping after `stop`).
+  complete(tokens, n, stop) -> ids
+      a prompt decoded from position 0 with no cache, then up to n greedy
+      tokens (stopping after `stop`): what a server does with a request.
 attention (numpy only): an attention function with llama.attention's
 signature (APE's T and S); the llama.cpp engine has no such hook, so APE's
 S cannot run there (T can: kvrope folds it into the keys).
@@ -87,9 +90,18 @@ class NumpyEngine:
     def greedy(self, tokens, cache, i, n, stop=None):
         kv, pos = cache
         past = (kv_take(kv, slice(0, i)), pos[:i])
-        out, p = [], int(pos[i])
+        p = int(pos[i])
         logits, new = self.forward([tokens[i]], [p], past if i > 0 else None)
-        cur = L.kv_concat(past[0], new) if i > 0 else new
+        return self._decode(logits, L.kv_concat(past[0], new) if i > 0 else new, p, n, stop)
+
+    def complete(self, tokens, n, stop=None):
+        logits, cur = self.forward(tokens, np.arange(len(tokens)))
+        return self._decode(logits, cur, len(tokens) - 1, n, stop)
+
+    def _decode(self, logits, cur, p, n, stop):
+        """Up to n greedy tokens after the one at position p (logits: its row
+        last; cur: the cache including it), stopping after `stop`."""
+        out = []
         for _ in range(n):
             t = int(np.argmax(logits[-1]))
             out.append(t)
@@ -206,4 +218,9 @@ class LlamaEngine:
         if len(toks) < m + 1:
             toks = np.concatenate([toks, [3]])
         js, _, _ = self._run(toks, cache, first=m, generate=(i, n), stop=stop)
+        return list(js["generated"][0])
+
+    def complete(self, tokens, n, stop=None):
+        toks = np.concatenate([np.asarray(tokens, np.int32), [3]])   # row len-1 needs a token after it
+        js, _, _ = self._run(toks, None, generate=(len(tokens) - 1, n), stop=stop)
         return list(js["generated"][0])

@@ -2,7 +2,10 @@
 """export.py — turns a training run's output (eval/train.py --out DIR) into
 the committed model, eval/model/: config.json, weights.npz (float16, HF
 names: the numpy Llama's format, examples/llama.py load_model) and
-train.json (how it was trained, its held-out bits per byte). The GGUF that
+train.json (how it was trained, its held-out bits per byte; with
+--no-final-eval eval/score.py fills those in afterwards from the GGUF; a
+run that started from another model (--init) keeps that model's summary
+as init_model). The GGUF that
 llama.cpp runs is made from these by `scripts/gen-gguf.py --hf eval/model
 --dtype f16` (make does it), so both engines run the same float16 weights.
 
@@ -33,10 +36,18 @@ def main(argv):
     with open(os.path.join(src, "train.json")) as f:
         meta = json.load(f)
     meta["weights_dtype"] = "f16"
+    init = meta.get("init")
+    if init and os.path.exists(os.path.join(init, "train.json")):
+        # the run started from another trained model: keep how that one was trained
+        with open(os.path.join(init, "train.json")) as f:
+            p = json.load(f)
+        meta["init_model"] = {k: p[k] for k in ("held_out_bpb", "steps", "batch", "seq", "lr", "seed",
+                                                "tokens_seen", "train_seconds", "params") if k in p}
     with open(os.path.join(dst, "train.json"), "w") as f:
         json.dump(meta, f, indent=1)
-    print(f"export: {dst}: {sum(x.size for x in w.values())} parameters, "
-          f"held-out {meta['held_out_bpb']:.3f} bits per byte")
+    bpb = meta.get("held_out_bpb")
+    print(f"export: {dst}: {sum(x.size for x in w.values())} parameters, held-out "
+          + (f"{bpb:.3f} bits per byte" if bpb is not None else "not scored yet (eval/score.py)"))
     return 0
 
 

@@ -7,7 +7,8 @@ the pictures in docs/eval/, the README's quality tables (between the
 Debian's /usr/bin/python3.
 
     /usr/bin/python3 eval/run.py [--build build] [--engines llama,numpy]
-        [--edits N] [--real N] [--docs N] [--quant N] [--long N] [--no-write]
+        [--edits N] [--real N] [--docs N] [--quant N] [--long N] [--infill N]
+        [--only infill --merge RESULTS.json] [--no-write]
 
 Every number is an average over the cases named in its table's caption;
 cases are seeded (eval/cases.py), so a rerun on the same corpus and model
@@ -36,6 +37,7 @@ for p in (HERE, os.path.join(ROOT, "client", "python"), os.path.join(ROOT, "exam
 import cases as C  # noqa: E402
 import corpus  # noqa: E402
 import engines as E  # noqa: E402
+import infill as I  # noqa: E402
 import measure as M  # noqa: E402
 
 MODEL_DIR = os.environ.get("KVR_EVAL_MODEL") or os.path.join(HERE, "model")
@@ -181,6 +183,17 @@ def run_quant(client, engine, model, files, log, n_prefix=384):
     return out
 
 
+def run_infill(engine, cases_, log):
+    """Middle-line completion (eval/infill.py): per row the exact-match rate
+    and the share of bytes right before the first miss."""
+    r = I.run(engine, cases_, log=log)
+    for row, _ in I.ROWS:
+        log(f"  infill {row}: exact {pct(r[row]['exact'])}, right before miss {pct(r[row]['right_before_miss'])}")
+    return {row: {k: v for k, v in x.items() if k != "per_case"} |
+            {"got": [c["got"].decode("latin-1") for c in x["per_case"]],
+             "ended": sum(c["ended"] for c in x["per_case"])} for row, x in r.items()}
+
+
 def run_stream(client, engine, model, files, log, window=256, sinks=4):
     pols = {"full": None, "window": (0, window), "sinks+window": (sinks, window - sinks)}
     out = []
@@ -263,6 +276,30 @@ def quant_table(res):
     return "\n".join(lines), pts
 
 
+def infill_table(res):
+    rows = ["| request | middle-line exact match | bytes right before the first miss | cases |",
+            "| --- | --- | --- | --- |"]
+    for row, name in I.ROWS:
+        if row in res:
+            x = res[row]
+            rows.append(f"| {name} | {pct(x['exact'])} | {pct(x['right_before_miss'])} | {x['n']} |")
+    return "\n".join(rows)
+
+
+def infill_caption(res, per_file):
+    n = next(iter(res.values()))["n"]
+    return (f"Infill: {n} middle-line cases on the held-out files (up to {per_file} cursors per "
+            "file, seeded by its path): the cursor inside a line of code, the rest of that line the target, "
+            f"the request as llama.vim sends it ({I.N_PREFIX_LINES} lines before, {I.N_SUFFIX_LINES} after, "
+            f"up to {I.N_CHUNKS} chunks of {I.CHUNK_LINES} lines of other files of the same package as "
+            "input_extra) and the prompt as llama-server builds it for /infill with "
+            f"-c {I.SERVER['n_ctx']} -b {I.SERVER['n_batch']} -n {I.SERVER['n_predict']} (eval/fim.py "
+            "format_infill, token for token); left to right gets the same prefix without FIM tokens or "
+            "suffix. Greedy; the line ends at a newline or a special token (EOT). Exact match: the whole "
+            "rest of the line, nothing more. Not measured here yet: the same requests through kvrope "
+            "serve after PIE edits and chunk placement (that server is built in parallel).")
+
+
 def stream_table(res, window=256, sinks=4):
     lines = [f"| cache | bits/byte, tokens {window}.. | bits/byte beyond the 512-token training context |",
              "| --- | --- | --- |"]
@@ -278,6 +315,17 @@ def stream_table(res, window=256, sinks=4):
 
 
 # ---- pictures ------------------------------------------------------------------------
+
+def can_plot(log):
+    """matplotlib present (scripts/deps.sh eval); without it the pictures of
+    the last run are kept, so a partial run (--only) still writes its tables."""
+    try:
+        import matplotlib  # noqa: F401
+        return True
+    except ImportError:
+        log("matplotlib is not installed: docs/eval/*.png kept as they are")
+        return False
+
 
 def plot_pie(res, kinds, path, engine_name):
     import matplotlib
@@ -339,6 +387,10 @@ def main(argv):
     ap.add_argument("--tune", type=int, default=8, help="document cases to choose APE's T, S on")
     ap.add_argument("--quant", type=int, default=16)
     ap.add_argument("--long", type=int, default=8)
+    ap.add_argument("--infill", type=int, default=4, help="middle-line cursor cases per held-out file")
+    ap.add_argument("--only", default=None, choices=["infill"],
+                    help="measure only this section; the others come from --merge")
+    ap.add_argument("--merge", default=None, help="results.json of an earlier run for the sections not measured")
     ap.add_argument("--no-write", action="store_true", help="print only; leave docs and README")
     ap.add_argument("--from-results", default=None,
                     help="rewrite the report from a results.json of an earlier run (no measuring)")
@@ -359,6 +411,27 @@ def main(argv):
     tr, ho = corpus.split()
     if corpus.corpus_digest(tr + ho) != meta["corpus_digest"]:
         log("note: this machine's /usr/lib/python3.11 differs from the one the model was trained on")
+    ic = I.cases(ho, a.infill)
+    if a.only == "infill":
+        if not a.merge:
+            raise SystemExit("eval: --only infill needs --merge RESULTS.json (the other sections)")
+        with open(a.merge) as f:
+            results = json.load(f)
+        results["ape_ts"] = tuple(results["ape_ts"])
+        results["infill_model"] = meta
+        results["infill_per_file"] = a.infill
+        for en in [x for x in a.engines.split(",") if x]:
+            eng = make_engine(en, a.build)
+            log(f"engine {eng.name}: {len(ic)} infill cases")
+            results["engines"].setdefault(eng.name, {})["infill"] = run_infill(eng, ic, log)
+        results["seconds_infill"] = time.time() - t0
+        with open(os.path.join(MODEL_DIR, "train.json")) as f:   # eval/score.py may have filled it in meanwhile
+            results["infill_model"] = json.load(f)
+        os.makedirs(os.path.join(a.build, "eval"), exist_ok=True)
+        with open(os.path.join(a.build, "eval", "results.json"), "w") as f:   # before the report: kept if it fails
+            json.dump(results, f, indent=1, default=float)
+        write_report(results, a, results.get("seconds", 0), log)
+        return 0
     edits = C.synthetic_edits(a.edits) + C.git_edits(a.real, ROOT)
     docs = C.doc_cases(a.docs, skip=a.tune)
     tune = C.doc_cases(a.tune)
@@ -368,7 +441,7 @@ def main(argv):
         f"{len(qf)} quantization files, {len(lf)} long files")
     import kvrope
     d = Daemon(a.build)
-    results = {"model": meta, "engines": {}}
+    results = {"model": meta, "infill_model": meta, "infill_per_file": a.infill, "engines": {}}
     try:
         with kvrope.Client("unix:" + d.socket) as client:
             register(client, "code")
@@ -388,7 +461,8 @@ def main(argv):
                 r = {"pie": run_pie(client, eng, "code", edits, log),
                      "docs": run_docs(client, eng, "code", docs, ts, log),
                      "quant": run_quant(client, eng, "code16", qf, log),
-                     "stream": run_stream(client, eng, "code", lf, log)}
+                     "stream": run_stream(client, eng, "code", lf, log),
+                     "infill": run_infill(eng, ic, log)}
                 results["engines"][eng.name] = r
     finally:
         d.stop()
@@ -442,8 +516,52 @@ def findings(results):
                f"({sb['full']:.3f} bits/byte from token 256 on), a 256-token window does not "
                f"({sb['window']:.3f}), and 4 attention sinks in the same budget are better still "
                f"({sb['sinks+window']:.3f}), as StreamingLLM reports.")
+    if "infill" in r:
+        x = r["infill"]
+        better = x["fim"]["exact"] > x["ltr"]["exact"]
+        out.append(f"- **Infill.** Completing the rest of a line with the code after it known, FIM gets "
+                   f"{pct(x['fim']['exact'])} of the lines exactly (with input_extra chunks of the same package "
+                   f"{pct(x['fim_extra']['exact'])}) against {pct(x['ltr']['exact'])} left to right"
+                   + (": the suffix helps." if better else ": on this model the suffix does not help yet.")
+                   + f" Bytes right before the first miss: {pct(x['fim']['right_before_miss'])} / "
+                   f"{pct(x['fim_extra']['right_before_miss'])} / {pct(x['ltr']['right_before_miss'])}.")
     out.append("")
     return out
+
+
+def model_paragraph(meta):
+    v = meta.get("vocab", 260)
+    toks = "260 byte tokens" if v == 260 else f"{v} tokens: 260 byte-level ones and {v - 260} fill-in-the-middle ones"
+    head = (f"A {meta['params'] / 1e6:.2f} M-parameter Llama-architecture model (eval/model/config.json: "
+            "4 layers, width 256, 8 query heads and 2 KV heads of dimension 32, SwiGLU FFN of 704, "
+            f"RMSNorm, interleaved RoPE with base 10000, {toks}) trained by `make eval-model` (eval/train.py) "
+            f"on the Python standard library of Debian 12 ({meta['train_files']} files, "
+            f"{meta['train_tokens'] / 1e6:.1f} M bytes), ")
+    run = lambda m: (f"{m['steps']} steps of {m['batch']} x {m['seq']} tokens ({m['tokens_seen'] / 1e6:.1f} M "
+                     f"tokens seen, {m['train_seconds'] / 60:.0f} min of wall time)")
+    p = meta.get("init_model")
+    if p:
+        body = (f"first left to right, {run(p)}, then from those weights {run(meta)} with "
+                f"{meta['fim_rate']:.0%} of the rows fill-in-the-middle samples laid out as llama-server's "
+                f"/infill prompt (PSM; {meta['repo_share']:.0%} of them with the repo-level FIM_REP / FIM_SEP "
+                "context of input_extra; eval/fim.py), the rest left to right. ")
+    else:
+        body = run(meta) + ". "
+    o = meta.get("other_python")
+    other = (f" On Python that is not the standard library, {len(o['files'])} files of Debian's "
+             f"{o['package']} ({o['bytes']} bytes, chosen by the same path hash, never trained on): "
+             f"**{o['bpb']:.3f}** bits per byte." if o else "")
+    sw = meta.get("lr_sweep")
+    if sw:
+        body += ("Learning rate: " + sw["how"] + " " + "; ".join(
+            f"lr {r['lr']:g} ({r['run']}): {r['bpb']:.3f}" for r in sw["runs"]) + ". ")
+    hb = meta.get("held_out_bpb")
+    return (head + body + f"**Held-out bits per byte, left to right: "
+            f"{'not scored (eval/score.py)' if hb is None else format(hb, '.3f')}** over "
+            f"{meta['held_out_files']} files never trained on ({meta['held_out_tokens']} bytes; random "
+            f"weights give ~8).{other} The committed weights are float16 (eval/model/weights.npz, the numpy "
+            "Llama's format); `scripts/gen-gguf.py --hf eval/model` writes the GGUF llama.cpp runs "
+            "(build/eval/kvrope-code.gguf), with the FIM token ids under the keys llama.cpp reads.")
 
 
 def write_report(results, a, seconds, log):
@@ -453,18 +571,12 @@ def write_report(results, a, seconds, log):
     md = ["# What the approximations cost: quality on a trained code model", "",
           "Generated by `make eval` (eval/run.py); do not edit by hand. "
           f"Run took {seconds / 60:.0f} min on the 2-core machine.", "",
-          "## The model", "",
-          f"A {meta['params'] / 1e6:.2f} M-parameter Llama-architecture model (eval/model/config.json: "
-          "4 layers, width 256, 8 query heads and 2 KV heads of dimension 32, SwiGLU FFN of 704, "
-          "RMSNorm, interleaved RoPE with base 10000, 260 byte tokens) trained by `make eval-model` (eval/train.py) on the Python standard "
-          f"library of Debian 12 ({meta['train_files']} files, {meta['train_tokens'] / 1e6:.1f} M bytes), "
-          f"{meta['steps']} steps of {meta['batch']} x {meta['seq']} tokens "
-          f"({meta['tokens_seen'] / 1e6:.1f} M tokens seen, {meta['train_seconds'] / 60:.0f} min of CPU time). "
-          f"**Held-out bits per byte: {meta['held_out_bpb']:.3f}** over {meta['held_out_files']} files "
-          f"never trained on ({meta['held_out_tokens']} bytes; random weights give ~8). The committed "
-          "weights are float16 (eval/model/weights.npz, the numpy Llama's format); "
-          "`scripts/gen-gguf.py --hf eval/model` writes the GGUF llama.cpp runs (build/eval/kvrope-code.gguf).",
-          "",
+          "## The model", "", model_paragraph(results.get("infill_model", meta)), "",
+          *([f"Note: only the infill tables were measured on this model (`eval/run.py --only infill`). The "
+             "PIE, documents, quantization and retention tables are the last full run's, on the model before "
+             f"fill-in-the-middle training (held-out {meta['held_out_bpb']:.3f} bits/byte); the next full "
+             "`make eval` measures them on this one.", ""]
+            if results.get("infill_model", meta) is not meta and results["infill_model"] != meta else []),
           "Every cache below lives in a kvroped that eval/run.py starts: the edits, re-rotations, "
           "layouts, codecs and retention are the daemon's. An engine only encodes tokens and scores "
           "them from the KV kvrope returns. llama.cpp (`kvrope-llama score`, docs/llama.md) is the "
@@ -488,7 +600,8 @@ def write_report(results, a, seconds, log):
         if not a.no_write:
             os.makedirs(os.path.join(ROOT, "docs", "eval"), exist_ok=True)
             tag = "llama" if en.startswith("llama") else "numpy"
-            plot_pie(r["pie"], kinds, os.path.join(ROOT, "docs", "eval", f"pie-{tag}.png"), en)
+            if can_plot(log):
+                plot_pie(r["pie"], kinds, os.path.join(ROOT, "docs", "eval", f"pie-{tag}.png"), en)
             md += [f"![divergence vs tokens refreshed](eval/pie-{tag}.png)", ""]
         dt = docs_table(r["docs"], ts)
         dcap = (f"Documents: {len(r['docs'])} cases, each 3 chunks of 96 bytes of a held-out file encoded one "
@@ -504,18 +617,24 @@ def write_report(results, a, seconds, log):
                 "figure for the whole context.")
         md += [f"### Quantization at rest ({en})", "", qcap, "", qt, ""]
         if not a.no_write:
-            plot_quant(pts, os.path.join(ROOT, "docs", "eval", f"quant-{tag}.png"), en)
+            if can_plot(log):
+                plot_quant(pts, os.path.join(ROOT, "docs", "eval", f"quant-{tag}.png"), en)
             md += [f"![added bits per byte vs bytes per token](eval/quant-{tag}.png)", ""]
         st = stream_table(r["stream"])
         scap = (f"Retention: {len(r['stream'])} long held-out files (1,024 bytes each) streamed through "
                 "kvrope in 32-token chunks, the cache before each chunk being what the context's retention "
                 "policy kept (kvrope drops the middle and moves the window's positions up to the sinks).")
         md += [f"### Retention ({en})", "", scap, "", st, ""]
+        if "infill" in r:
+            icap, it = infill_caption(r["infill"], results.get("infill_per_file", 4)), infill_table(r["infill"])
+            md += [f"### Infill: completing the middle of a line ({en})", "", icap, "", it, ""]
         if en.startswith("llama") or len(results["engines"]) == 1 or not readme:
             readme = [f"Quality on a trained {meta['params'] / 1e6:.2f} M-parameter code model "
                       f"(held-out {meta['held_out_bpb']:.2f} bits/byte), through {en}; "
                       f"made by `{cmd}`, details and the numpy cross-check in [docs/eval.md](docs/eval.md).",
                       "", cap, "", pt, "", dcap, "", dt, "", qcap, "", qt, "", scap, "", st]
+            if "infill" in r:
+                readme += ["", icap, "", it]
     fnd = findings(results)
     md += fnd
     readme = readme + [""] + fnd[3:-1]

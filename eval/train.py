@@ -1,16 +1,34 @@
 #!/usr/bin/python3
 """train.py — trains kvrope's eval model: a small Llama-architecture
 transformer (RMSNorm, SwiGLU, grouped-query attention, interleaved RoPE,
-byte vocabulary) on the Python standard library (eval/corpus.py), on the CPU
-with Debian's python3-torch. Run with /usr/bin/python3 (`make eval-model`).
+byte vocabulary + the fill-in-the-middle tokens of eval/fim.py) on the
+Python standard library (eval/corpus.py), on the CPU with Debian's
+python3-torch. Run with /usr/bin/python3 (`make eval-model`).
 
     /usr/bin/python3 eval/train.py --out DIR [--steps N] [--seed S] [--threads T]
+        [--lr LR] [--batch B] [--fim RATE] [--repo SHARE]
 
 Writes DIR/train.pt (checkpoint, resumed when present: the run can be
 interrupted) and, at the end, DIR/weights.npz (HF tensor names, [out, in],
 float32) + DIR/config.json (HF-shaped, rope_style "gptj") + DIR/train.json
 (corpus digest, held-out bits per byte, steps, seconds). eval/export.py turns
 those into the committed files.
+
+Samples: a share --fim of each batch's rows is a fill-in-the-middle sample
+laid out exactly as llama-server's /infill prompt (eval/fim.py: PSM order,
+a cursor mostly in the middle of a line, the rest of the line or a few lines
+as the middle, then EOT); --repo of those carry the repo-level context
+(FIM_REP / FIM_SEP, file names, chunks of other files of the same package)
+that /infill builds from input_extra. The other rows are plain windows of
+the corpus, left to right. Padding (FIM_PAD) is not scored; a FIM row's
+middle (after FIM_MID, EOT included) weighs --mid-weight in the loss, so the
+few tokens that teach infilling are not drowned by the prefix and suffix.
+
+A run can be cut short on a loaded machine without changing a step taken:
+--stop-after N checkpoints at step N and exits, and a rerun with a smaller
+--steps resumes there (warmup-stable-decay: the steps before the new decay
+are the same). make eval-model does exactly what the committed model went
+through.
 
 Reproducible: the weights, the data order (numpy PCG64 seeded from --seed)
 and the schedule depend only on the arguments and the corpus; float
@@ -22,6 +40,7 @@ both take: pairs (2i, 2i+1) rotate by p * base^(-2i/head_dim) (ggml's NORM
 rope type, the numpy Llama's "gptj" style).
 """
 import argparse
+import hashlib
 import json
 import math
 import os
@@ -41,11 +60,12 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import corpus  # noqa: E402
+import fim  # noqa: E402
 
 SHAPE = dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=8,
              num_key_value_heads=2, head_dim=32, intermediate_size=704,
              vocab_size=corpus.VOCAB, rope_theta=10000.0, rms_norm_eps=1e-5)
-SEQ = 512          # training context (tokens)
+SEQ = 512          # the model's context (tokens); rows are --seq long (default SEQ)
 BATCH = 16
 
 
@@ -78,6 +98,7 @@ class Model(nn.Module):
         ang = torch.arange(seq, dtype=torch.float64)[:, None] * inv[None]
         s.register_buffer("cos", ang.cos().float(), persistent=False)
         s.register_buffer("sin", ang.sin().float(), persistent=False)
+        s.register_buffer("mask", torch.full((seq, seq), float("-inf")).triu(1), persistent=False)
         for n, p in s.named_parameters():
             if p.dim() == 2:
                 nn.init.normal_(p, std=0.02 if n != "emb.weight" else 1.0)
@@ -99,7 +120,7 @@ class Model(nn.Module):
         H, K, D = c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"]
         b, n = t.shape
         x = s.emb(t)
-        mask = torch.full((n, n), float("-inf")).triu(1)
+        mask = s.mask[:n, :n]
         for blk in s.blocks:
             h = s.rms(x, blk.ln1)
             q = s.rope(blk.q(h).view(b, n, H, D).transpose(1, 2))
@@ -112,8 +133,8 @@ class Model(nn.Module):
         return s.head(s.rms(x, s.norm))
 
 
-def hf_weights(m):
-    """The model's tensors under HF Llama names, float32 numpy [out, in]."""
+def hf_params(m):
+    """The model's parameters under HF Llama names ([out, in] matrices)."""
     w = {"model.embed_tokens.weight": m.emb.weight, "model.norm.weight": m.norm,
          "lm_head.weight": m.head.weight}
     for i, b in enumerate(m.blocks):
@@ -123,7 +144,32 @@ def hf_weights(m):
                   p + "mlp.gate_proj.weight": b.gate.weight, p + "mlp.up_proj.weight": b.up.weight,
                   p + "mlp.down_proj.weight": b.down.weight, p + "input_layernorm.weight": b.ln1,
                   p + "post_attention_layernorm.weight": b.ln2})
-    return {k: v.detach().float().numpy().copy() for k, v in w.items()}
+    return w
+
+
+def hf_weights(m):
+    """The model's tensors under HF Llama names, float32 numpy [out, in]."""
+    return {k: v.detach().float().numpy().copy() for k, v in hf_params(m).items()}
+
+
+@torch.no_grad()
+def load_init(m, d):
+    """Start from a trained model (DIR/weights.npz, HF names, any float
+    dtype) whose vocabulary may be smaller: its rows keep their ids, the new
+    tokens' rows keep this model's seeded initialisation."""
+    with np.load(os.path.join(d, "weights.npz")) as z:
+        src = {k: torch.from_numpy(z[k].astype(np.float32)) for k in z.files}
+    dst = hf_params(m)
+    if set(src) != set(dst):
+        raise SystemExit(f"train: --init {d}: tensor names differ from this model's")
+    for k, p_ in dst.items():
+        t = src[k]
+        if t.shape == p_.shape:
+            p_.copy_(t)
+        elif t.dim() == 2 and t.shape[1:] == p_.shape[1:] and t.shape[0] < p_.shape[0]:
+            p_[:t.shape[0]].copy_(t)   # vocabulary rows: the old ids keep their rows
+        else:
+            raise SystemExit(f"train: --init {d}: {k} is {tuple(t.shape)}, this model's {tuple(p_.shape)}")
 
 
 def stream(rels):
@@ -152,6 +198,75 @@ def held_out_bpb(m, ids, seq):
     return nll / n / math.log(2)
 
 
+def lr_factor(step, steps, decay):
+    """Warmup over the first 4% of the steps, then constant, then a linear
+    decay to 10% over the last `decay` share (warmup-stable-decay): the end
+    of the stable phase can be moved (resume with another --steps) without
+    changing any step already taken."""
+    warm = max(1, steps // 25)
+    d0 = steps - int(decay * steps)
+    if step < warm:
+        return (step + 1) / warm
+    if step < d0:
+        return 1.0
+    return 1.0 - 0.9 * (step - d0 + 1) / max(1, steps - d0)
+
+
+class Batches:
+    """The rows of step `step`: a function of (seed, step) only, so a run
+    resumes and repeats exactly."""
+
+    def __init__(s, files, data, starts, seed, fim_rate, repo_share):
+        s.files, s.data, s.starts = files, data, starts
+        s.ends = np.append(starts[1:], len(data))
+        s.seed, s.fim_rate, s.repo_share = seed, fim_rate, repo_share
+        by_dir = {}
+        for i, r in enumerate(files):
+            by_dir.setdefault(os.path.dirname(r), []).append(i)
+        s.peers = [by_dir[os.path.dirname(r)] for r in files]
+
+    def tokens(s, i):
+        return s.data[s.starts[i] + 1:s.ends[i]]
+
+    def chunks(s, i):
+        """Chunks of 1-3 other files of file i's package, as an editor's ring
+        buffer holds them (llama.vim: 64 lines each)."""
+        def pick(rng):
+            others = [j for j in s.peers[i] if j != i] or [int(rng.integers(0, len(s.files)))]
+            out = []
+            for j in rng.choice(others, size=min(len(others), int(rng.integers(1, 4))), replace=False):
+                ft = s.tokens(int(j))
+                nl = np.flatnonzero(ft == fim.enc("\n")[0])
+                a0 = int(nl[rng.integers(0, len(nl))]) + 1 if len(nl) else 0
+                e = np.searchsorted(nl, a0)
+                e = int(nl[e + 63]) + 1 if e + 63 < len(nl) else len(ft)
+                out.append((s.files[int(j)], ft[a0:e]))
+            return out
+        return pick
+
+    def rows(s, step, n, seq):
+        rng = np.random.Generator(np.random.PCG64([s.seed, step]))
+        data, starts = s.data, s.starts
+        out = []
+        for _ in range(n):
+            row = None
+            if rng.random() < s.fim_rate:
+                while row is None:
+                    i = int(np.searchsorted(starts, rng.integers(0, len(data)), "right") - 1)
+                    if s.ends[i] - starts[i] < 16:
+                        continue
+                    src = s.chunks(i) if rng.random() < s.repo_share else None
+                    row = fim.sample(rng, s.tokens(i), seq, src)
+            else:
+                o = int(rng.integers(0, len(data) - seq - 1))
+                if rng.random() < 0.25:      # a quarter of windows begin at a file's BOS
+                    pk = int(starts[rng.integers(0, len(starts))])
+                    o = pk if pk < len(data) - seq - 1 else o
+                row = data[o:o + seq + 1]
+            out.append(np.asarray(row, dtype=np.int64))
+        return torch.from_numpy(np.stack(out))
+
+
 def main(argv):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True)
@@ -159,17 +274,40 @@ def main(argv):
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--batch", type=int, default=BATCH)
+    p.add_argument("--seq", type=int, default=SEQ, help="tokens per training row (at most the context)")
+    p.add_argument("--decay", type=float, default=0.3, help="share of the steps spent decaying the lr")
+    p.add_argument("--fim", type=float, default=0.5, help="share of rows that are FIM samples")
+    p.add_argument("--repo", type=float, default=0.5, help="share of FIM rows with repo-level context")
+    p.add_argument("--mid-weight", type=float, default=1.0,
+                   help="loss weight of a FIM row's middle tokens (the rest weigh 1)")
     p.add_argument("--eval-every", type=int, default=100)
+    p.add_argument("--eval-bytes", type=int, default=65536,
+                   help="held-out tokens scored at each --eval-every (the start of the held-out stream)")
+    p.add_argument("--no-final-eval", action="store_true",
+                   help="skip the full held-out score at the end (eval/score.py measures it faster with llama.cpp)")
+    p.add_argument("--stop-after", type=int, default=None,
+                   help="checkpoint after this step and exit (resume with other --steps: a shorter schedule)")
+    p.add_argument("--init", default=None,
+                   help="start from this trained model's weights (eval/model layout) instead of random ones")
     a = p.parse_args(argv)
+    if not 16 <= a.seq <= SEQ:
+        p.error(f"--seq must be in 16..{SEQ}")
     torch.set_num_threads(a.threads)
     torch.set_flush_denormal(True)   # subnormal gradients are ~100x slower on x86 and change nothing
     os.makedirs(a.out, exist_ok=True)
     train_files, held = corpus.split()
     data, starts = stream(train_files)
     held_ids = stream(held)[0]
+    batches = Batches(train_files, data, starts, a.seed, a.fim, a.repo)
     cfg = dict(SHAPE)
     torch.manual_seed(a.seed)
     m = Model(cfg, SEQ)
+    init_sha = None
+    if a.init:
+        load_init(m, a.init)
+        with open(os.path.join(a.init, "weights.npz"), "rb") as f:
+            init_sha = hashlib.sha256(f.read()).hexdigest()
     decay = [p_ for n, p_ in m.named_parameters() if p_.dim() == 2]
     other = [p_ for n, p_ in m.named_parameters() if p_.dim() != 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
@@ -182,22 +320,20 @@ def main(argv):
         opt.load_state_dict(st["opt"])
         step, spent, log = st["step"], st["seconds"], st["log"]
         print(f"resumed at step {step}", flush=True)
-    warm = max(1, a.steps // 25)
-    t_run = time.time()
+    t_run, c_run = time.time(), time.process_time()
     while step < a.steps:
-        # the batch of step `step` depends only on (seed, step): resumable and reproducible
-        rng = np.random.Generator(np.random.PCG64([a.seed, step]))
-        offs = rng.integers(0, len(data) - SEQ - 1, BATCH)
-        at_start = rng.random(BATCH) < 0.25      # a quarter of windows begin at a file's BOS
-        pick = starts[rng.integers(0, len(starts), BATCH)]
-        offs = np.where(at_start & (pick < len(data) - SEQ - 1), pick, offs)
-        x = torch.from_numpy(np.stack([data[o:o + SEQ + 1] for o in offs]).astype(np.int64))
-        lr = a.lr * (step + 1) / warm if step < warm else \
-            a.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * (step - warm) / (a.steps - warm))))
+        x = batches.rows(step, a.batch, a.seq)
+        lr = a.lr * lr_factor(step, a.steps, a.decay)
         for g in opt.param_groups:
             g["lr"] = lr
         t0 = time.time()
-        loss = F.cross_entropy(m(x[:, :-1]).reshape(-1, cfg["vocab_size"]), x[:, 1:].reshape(-1))
+        tgt = x[:, 1:]
+        nll = F.cross_entropy(m(x[:, :-1]).reshape(-1, cfg["vocab_size"]), tgt.reshape(-1),
+                              ignore_index=fim.PAD, reduction="none").view(tgt.shape)
+        # a FIM row's middle (the targets after FIM_MID, EOT included) weighs --mid-weight
+        w = 1.0 + (a.mid_weight - 1.0) * ((x[:, :-1] == fim.MID).cumsum(1) > 0).float()
+        w = w * (tgt != fim.PAD).float()
+        loss = (nll * w).sum() / w.sum()
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0)
@@ -206,16 +342,20 @@ def main(argv):
         step += 1
         if step % 10 == 0 or step == a.steps or step <= 3:
             print(f"step {step}/{a.steps} loss {loss.item() / math.log(2):.3f} bits/byte lr {lr:.2e} "
-                  f"{spent:.0f}s", flush=True)
-        if step % a.eval_every == 0 or step == a.steps:
-            bpb = held_out_bpb(m, held_ids[:65536], SEQ)
-            log.append({"step": step, "held_out_bpb_64k": bpb, "seconds": spent})
-            print(f"  held-out (first 64 KiB) {bpb:.3f} bits/byte", flush=True)
+                  f"{spent:.0f}s (cpu {time.process_time() - c_run:.0f}s this run)", flush=True)
+        if step % a.eval_every == 0 or step == a.steps or step == a.stop_after:
+            bpb = held_out_bpb(m, held_ids[:a.eval_bytes], SEQ)
+            log.append({"step": step, "held_out_bpb_start": bpb, "eval_tokens": a.eval_bytes, "seconds": spent})
+            print(f"  held-out (first {a.eval_bytes} tokens) {bpb:.3f} bits/byte", flush=True)
             torch.save({"model": m.state_dict(), "opt": opt.state_dict(), "step": step,
                         "seconds": spent, "log": log}, ck + ".tmp")
             os.replace(ck + ".tmp", ck)
-    bpb = held_out_bpb(m, held_ids, SEQ)
-    print(f"held-out bits per byte (all {len(held)} files, {len(held_ids)} tokens): {bpb:.4f}")
+            if step == a.stop_after:
+                print(f"stopped after step {step} (--stop-after)", flush=True)
+                return 0
+    bpb = None if a.no_final_eval else held_out_bpb(m, held_ids, SEQ)
+    if bpb is not None:
+        print(f"held-out bits per byte (all {len(held)} files, {len(held_ids)} tokens): {bpb:.4f}")
     w = hf_weights(m)
     np.savez(os.path.join(a.out, "weights.npz"), **w)
     hf = dict(cfg, architectures=["LlamaForCausalLM"], model_type="llama", hidden_act="silu",
@@ -226,9 +366,11 @@ def main(argv):
         json.dump(hf, f, indent=1, sort_keys=True)
     meta = {"held_out_bpb": bpb, "held_out_files": len(held), "held_out_tokens": int(len(held_ids)),
             "train_files": len(train_files), "train_tokens": int(len(data)), "steps": a.steps,
-            "batch": BATCH, "seq": SEQ, "lr": a.lr, "seed": a.seed, "threads": a.threads,
-            "tokens_seen": a.steps * BATCH * SEQ, "train_seconds": round(spent, 1),
+            "batch": a.batch, "seq": a.seq, "context": SEQ, "lr": a.lr, "seed": a.seed, "threads": a.threads,
+            "decay": a.decay, "init": a.init, "init_weights_sha256": init_sha, "fim_rate": a.fim, "mid_weight": a.mid_weight, "repo_share": a.repo, "vocab": cfg["vocab_size"],
+            "tokens_seen": a.steps * a.batch * a.seq, "train_seconds": round(spent, 1),
             "wall_seconds_last_run": round(time.time() - t_run, 1),
+            "cpu_seconds_last_run": round(time.process_time() - c_run, 1),
             "corpus_digest": corpus.corpus_digest(train_files + held), "log": log,
             "params": int(sum(p_.numel() for p_ in m.parameters())), "torch": torch.__version__}
     with open(os.path.join(a.out, "train.json"), "w") as f:

@@ -10,11 +10,12 @@ after ggml's docs/gguf.md and gguf.h of the pinned llama.cpp release).
         [--yarn-beta-fast 32] [--yarn-beta-slow 1] [--yarn-ext-factor E]
         [--yarn-attn-factor A] [--yarn-log-mul M]
         [--ctx 4096] [--dtype f32|f16] [--seed 1] [--eps 1e-5] [--qkv-bias]
-        [--std S] [--name NAME]
+        [--std S] [--name NAME] [--fim]
     /usr/bin/python3 scripts/gen-gguf.py -o m.gguf --hf DIR [--dtype f16]
         trained weights instead of random ones: DIR/config.json (HF Llama
         shape, rope_style "gptj") and DIR/weights.npz (HF tensor names,
-        [out, in]); the shape flags are then read from the config
+        [out, in]); the shape flags are then read from the config, and a
+        vocab_size of 267 means the FIM tokens (--fim)
 
 Invariants:
   - Same arguments, same bytes (the weights come from numpy's PCG64 seeded with
@@ -28,6 +29,12 @@ Invariants:
     256 byte tokens <0x00>..<0xFF> and U+2581 (the space), so llama_tokenize
     turns any text into one token per byte (plus BOS), and detokenises it back.
     No space prefix is added.
+  - --fim appends the fill-in-the-middle tokens of FIM_TOKENS (ids 260..266,
+    control tokens, Qwen2.5-Coder's texts) and writes their ids under the keys
+    llama.cpp v0.5.0 reads (tokenizer.ggml.fim_*_token_id, eot_token_id), so
+    llama_vocab_fim_pre() etc. return them and llama-server's /infill accepts
+    the model. The byte tokens keep their ids. eval/fim.py reads FIM_TOKENS
+    from here: one table for the tokenizer and the training.
   - Matrices are f32 or f16 (--dtype); norms and biases are always f32.
   - YaRN: the writer records every parameter given. llama.cpp v0.5.0 reads
     rope.scaling.{type,factor,original_context_length,attn_factor} for these
@@ -44,6 +51,18 @@ import numpy as np
 GGUF_MAGIC = 0x46554747  # "GGUF"
 GGUF_VERSION = 3
 ALIGN = 32
+
+# Fill-in-the-middle tokens (--fim), in id order after the byte vocabulary:
+# (name, text, GGUF key holding its id).
+FIM_TOKENS = [
+    ("pre", "<|fim_prefix|>", "tokenizer.ggml.fim_pre_token_id"),
+    ("suf", "<|fim_suffix|>", "tokenizer.ggml.fim_suf_token_id"),
+    ("mid", "<|fim_middle|>", "tokenizer.ggml.fim_mid_token_id"),
+    ("pad", "<|fim_pad|>", "tokenizer.ggml.fim_pad_token_id"),
+    ("rep", "<|repo_name|>", "tokenizer.ggml.fim_rep_token_id"),
+    ("sep", "<|file_sep|>", "tokenizer.ggml.fim_sep_token_id"),
+    ("eot", "<|endoftext|>", "tokenizer.ggml.eot_token_id"),
+]
 
 # gguf_type
 T_UINT8, T_INT8, T_UINT16, T_INT16, T_UINT32, T_INT32, T_FLOAT32, T_BOOL, \
@@ -135,6 +154,8 @@ def parse_args(argv):
                    help="weight std (default 1/sqrt(fan_in); embeddings 1)")
     p.add_argument("--name", default=None)
     p.add_argument("--hf", default=None, help="directory with config.json + weights.npz")
+    p.add_argument("--fim", action="store_true",
+                   help="add the fill-in-the-middle tokens (ids 260..266) and their GGUF keys")
     a = p.parse_args(argv)
     a.weights = None
     if a.hf is not None:
@@ -199,16 +220,26 @@ def hf_shape(a, p):
     a.eps, a.ctx = float(c.get("rms_norm_eps", 1e-5)), int(c.get("max_position_embeddings", 4096))
     a.rope_dim, a.qkv_bias = a.head_dim, False
     a.weights = {k: w[k] for k in w.files}
-    if int(c["vocab_size"]) != len(vocab()[0]):
-        p.error("--hf: vocab_size %s, the byte tokenizer has %d" % (c["vocab_size"], len(vocab()[0])))
+    if int(c["vocab_size"]) == len(vocab(True)[0]):
+        a.fim = True
+    elif int(c["vocab_size"]) != len(vocab(a.fim)[0]):
+        p.error("--hf: vocab_size %s, the byte tokenizer has %d (%d with the FIM tokens)"
+                % (c["vocab_size"], len(vocab(False)[0]), len(vocab(True)[0])))
 
 
-def vocab():
+def vocab(fim=False):
     toks = ["<unk>", "<s>", "</s>"] + ["<0x%02X>" % i for i in range(256)] + ["\u2581"]
     types = [2, 3, 3] + [6] * 256 + [1]
     scores = [0.0] * len(toks)
     scores[-1] = -1.0
+    if fim:
+        toks += [t for _, t, _ in FIM_TOKENS]
+        types += [3] * len(FIM_TOKENS)     # LLAMA_TOKEN_TYPE_CONTROL
+        scores += [0.0] * len(FIM_TOKENS)
     return toks, scores, types
+
+
+FIM_FIRST_ID = len(vocab(False)[0])
 
 
 def tensors(a, n_vocab):
@@ -244,7 +275,7 @@ def tensors(a, n_vocab):
 def main(argv):
     a = parse_args(argv)
     arch = a.arch
-    toks, scores, types = vocab()
+    toks, scores, types = vocab(a.fim)
     n_vocab = len(toks)
 
     kv = KV()
@@ -291,6 +322,9 @@ def main(argv):
     kv.b("tokenizer.ggml.add_bos_token", True)
     kv.b("tokenizer.ggml.add_eos_token", False)
     kv.b("tokenizer.ggml.add_space_prefix", False)
+    if a.fim:
+        for i, (_, _, key) in enumerate(FIM_TOKENS):
+            kv.u32(key, FIM_FIRST_ID + i)
 
     tlist = tensors(a, n_vocab)
     wtype = GGML_F16 if a.dtype == "f16" else GGML_F32
