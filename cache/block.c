@@ -245,8 +245,10 @@ kvr_block *kvr_block_create(kvr_block_pool *p, const kvr_block_geom *g, uint8_t 
                             size_t len, uint8_t *tail, uint32_t used)
 {
     assert(g->cap > 0 && used <= g->cap && !data == !tail && g->n_layers > 0);
-    assert(g->quant || ((size_t)g->cap * g->row * kvr_dtype_size(g->dtype)) %
-                       KVR_BLOCK_ALIGN == 0);
+    /* A slab of cap rows is 64-byte aligned when cap is a multiple of
+     * kvr_block_cap_gran (partial blocks are: kvr_block_fit_cap); a full
+     * block of a store whose block_tokens is not (tiny rows) need not be:
+     * no kernel requires aligned slabs, alignment only helps them. */
     assert(g->tenant < KVR_BLOCK_TENANTS);
     bool fresh = !data;
     size_t kv = data ? len : geom_kv_bytes(g), hdr = g->quant ? KVR_QHDR_BYTES : 0;
@@ -298,8 +300,6 @@ int kvr_block_resize(kvr_block_pool *p, kvr_block *b, uint32_t n_layers, uint32_
         return KVR_EINVAL;
     kvr_block_geom g;
     kvr_block_geom_plain(&g, cap, n_layers, b->row, b->dtype);
-    size_t rowb = (size_t)b->row * kvr_dtype_size(b->dtype);
-    assert((rowb * cap) % KVR_BLOCK_ALIGN == 0);
     size_t meta = (size_t)cap * KVR_BLOCK_META_SLOT;
     kvr_block nb = *b;
     nb.cap = cap;
@@ -315,6 +315,7 @@ int kvr_block_resize(kvr_block_pool *p, kvr_block *b, uint32_t n_layers, uint32_
     }
     set_ptrs(&nb);
     /* Slabs move to the new stride; slots below used keep their bytes. */
+    size_t rowb = (size_t)b->row * kvr_dtype_size(b->dtype);
     for (uint32_t l = 0; l < n_layers; l++)
         for (int kv = 0; kv < 2; kv++)
             memcpy(kvr_block_kv(&nb, l, kv, 0), kvr_block_kv(b, l, kv, 0), rowb * b->used);

@@ -234,15 +234,19 @@ Test(install, destdir_install_pkg_config_program_runs_then_uninstall)
     /* The Python package is where Debian's python3 looks under the prefix,
      * imports from there (not from the source tree), knows where libkvrope
      * was installed, and talks to the daemon through the staged library. */
+    /* A sanitizer build's libkvrope needs its runtimes loaded first in python. */
+    const char *pypre = *sanflags ? "LD_PRELOAD=\"$(cc -print-file-name=libasan.so) "
+                                    "$(cc -print-file-name=libubsan.so)\" "
+                                    "ASAN_OPTIONS=detect_leaks=0" : "";
     if (sh(NULL, 0, "test -x /usr/bin/python3 && /usr/bin/python3 -c 'import numpy'") == 0) {
         rc = sh(out, sizeof out,
                 "cd / && site=$(ls -d '%s%s'/lib/python3*/dist-packages) && "
-                "env -u PYTHONPATH PYTHONPATH=\"$site\" KVROPE_LIB='%s%s/lib/libkvrope.so' "
+                "%s env -u PYTHONPATH PYTHONPATH=\"$site\" KVROPE_LIB='%s%s/lib/libkvrope.so' "
                 "/usr/bin/python3 -c 'import kvrope, kvrope._install as i; "
                 "print(kvrope.__file__); print(\"libdir\", i.LIBDIR); "
                 "c = kvrope.connect(\"%s\"); print(\"pong\", c.ping() is not None); c.close()' && "
                 "/usr/bin/python3 -c 'import sys; print(\"on sys.path:\", any(p.startswith(\"/usr/local/lib/python3\") and p.endswith(\"dist-packages\") for p in sys.path))'",
-                dest, p, dest, p, d.sock);
+                dest, p, pypre, dest, p, d.sock);
         cr_assert_eq(rc, 0, "python import: %s", out);
         char want_py[600];
         snprintf(want_py, sizeof want_py, "%s%s/lib/python3", dest, p);
