@@ -45,7 +45,7 @@ POLICIES = [
     ("default", ["--refresh", "8", "--max-age", "16"]),
     ("background", ["--refresh", "8", "--max-age", "16", "--background"]),
 ]
-POINTS = [1, 5, 20, 100]
+RANGES = [(1, 1), (2, 5), (6, 20), (21, 50), (51, 100)]
 
 
 def replay(build, model, sock, hist, policy_args, tmp):
@@ -66,8 +66,16 @@ def main():
     ap.add_argument("--model", default=None, help="GGUF (default: the trained eval model)")
     ap.add_argument("--out", default=os.path.join(ROOT, "docs", "eval"))
     ap.add_argument("--window", type=int, default=2048)
+    ap.add_argument("--from-json", default=None,
+                    help="render the table and picture from a drift.json already measured")
     a = ap.parse_args()
+    if a.from_json:
+        with open(a.from_json) as f:
+            results = json.load(f)["results"]
+        return report(results, a.out)
     model = a.model or os.path.join(a.build, "eval", "kvrope-code.gguf")
+    if not a.out:
+        a.out = os.path.join(ROOT, "docs", "eval")
     if not os.path.exists(model):
         raise SystemExit(f"drift: {model} is not built (make)")
     tmp = tempfile.mkdtemp(prefix="kvr-drift-")
@@ -100,10 +108,16 @@ def main():
         json.dump({"window": a.window, "model": os.path.basename(model), "results": results},
                   f, indent=1)
 
-    # The table: mean KL after k edits over the histories that have k edits.
-    def kl_at(name, k):
+    return report(results, a.out)
+
+
+def report(results, out):
+    # The table: mean KL over ranges of consecutive edits (one edit's KL
+    # swings with where it lands; a range over every history is the signal),
+    # and the tokens computed (background: its refreshes included).
+    def kl_range(name, lo, hi):
         v = [e["kl"] for p in results.values() for e in p[name]["edits"]
-             if e["version"] == k and e.get("kl") is not None]
+             if lo <= e["version"] <= hi and e.get("kl") is not None]
         return (sum(v) / len(v), len(v)) if v else (None, 0)
 
     def share(name):
@@ -113,13 +127,13 @@ def main():
              if e.get("computed") is not None]
         return sum(c) / sum(t) if t else float("nan")
 
-    hdr = " | ".join(f"after {k} edit{'s' if k > 1 else ''}" for k in POINTS)
+    hdr = " | ".join(f"edits {lo}-{hi}" if lo != hi else f"edit {lo}" for lo, hi in RANGES)
     print(f"\n| policy | {hdr} | tokens computed (share of re-encodes) |")
-    print("| --- |" + " --- |" * len(POINTS) + " --- |")
+    print("| --- |" + " --- |" * len(RANGES) + " --- |")
     for name, _ in POLICIES:
         cells = []
-        for k in POINTS:
-            m, cnt = kl_at(name, k)
+        for lo, hi in RANGES:
+            m, cnt = kl_range(name, lo, hi)
             cells.append("n/a" if m is None else f"{m:.5f} ({cnt})")
         print(f"| {name} | " + " | ".join(cells) + f" | {100 * share(name):.1f}% |")
     try:
@@ -141,8 +155,8 @@ def main():
     ax.set_title("Drift of the editor's loop by refresh policy")
     ax.legend()
     fig.tight_layout()
-    fig.savefig(os.path.join(a.out, "drift.png"), dpi=110)
-    print(f"wrote {os.path.join(a.out, 'drift.png')}")
+    fig.savefig(os.path.join(out, "drift.png"), dpi=110)
+    print(f"wrote {os.path.join(out, 'drift.png')}")
     return 0
 
 
