@@ -23,6 +23,7 @@
 #include <unistd.h>
 
 #include "tests/common/kvr_llama_bench.h"
+#include "tests/common/kvr_llama_run.h"
 #include "tests/common/kvr_testd.h"
 
 static kvr_testd D;
@@ -42,20 +43,6 @@ static double pct(double *v, size_t n, double q)
     return v[i];
 }
 
-static const char *repo_root(void)
-{
-    static char root[1024];
-    char p[1200];
-    snprintf(root, sizeof root, "%s", testd_build_dir());
-    for (int up = 0; up < 4; up++) {
-        snprintf(p, sizeof p, "%s/scripts/edit-history.py", root);
-        if (access(p, R_OK) == 0)
-            return root;
-        strncat(root, "/..", sizeof root - strlen(root) - 1);
-    }
-    return ".";
-}
-
 int main(void)
 {
     setvbuf(stdout, NULL, _IOLBF, 0);
@@ -69,7 +56,7 @@ int main(void)
     snprintf(hist, sizeof hist, "%s/hist", D.dir);
     snprintf(lines, sizeof lines, "%s/lines.json", D.dir);
     snprintf(cmd, sizeof cmd, "/usr/bin/python3 %s/scripts/edit-history.py --repo %s "
-             "--path cache/put.c --window 3072 --max 51 %s", repo_root(), repo_root(), hist);
+             "--path cache/put.c --window 3072 --max 51 %s", kvr_repo_root(), kvr_repo_root(), hist);
     if (system(cmd) != 0) {
         fprintf(stderr, "bench_session: %s failed\n", cmd);
         goto out;

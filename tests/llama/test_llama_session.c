@@ -27,6 +27,7 @@
 #include <unistd.h>
 
 #include "client/llama/worker.h"
+#include "tests/common/kvr_llama_run.h"
 #include "tests/common/kvr_testd.h"
 
 #define K_REFRESH 8
@@ -37,21 +38,6 @@ static char dir[256], model[320], hist[320];
 static int n_hist;
 
 /* ---- fixtures ------------------------------------------------------------ */
-static const char *repo_root(void)
-{
-    static char root[1024];
-    char p[1200];
-    snprintf(root, sizeof root, "%s", testd_build_dir());
-    for (int up = 0; up < 4; up++) {
-        snprintf(p, sizeof p, "%s/scripts/edit-history.py", root);
-        if (access(p, R_OK) == 0)
-            return root;
-        strncat(root, "/..", sizeof root - strlen(root) - 1);
-    }
-    cr_assert_fail("scripts/edit-history.py not found above KVR_BUILD=%s", testd_build_dir());
-    return NULL;
-}
-
 static void run_ok(const char *cmd)
 {
     cr_assert_eq(system(cmd), 0, "%s", cmd);
@@ -69,7 +55,7 @@ static void start(const char *const *extra)
     /* 51 versions of cache/get.c: 50 real edits, hunk by hunk. */
     snprintf(hist, sizeof hist, "%s/hist", dir);
     snprintf(cmd, sizeof cmd, "/usr/bin/python3 %s/scripts/edit-history.py --repo %s --max 51 "
-             "%s >/dev/null", repo_root(), repo_root(), hist);
+             "%s >/dev/null", kvr_repo_root(), kvr_repo_root(), hist);
     run_ok(cmd);
     n_hist = 0;
     for (;;) {
@@ -376,14 +362,13 @@ Test(llama_session, real_history_one_process, .init = setup, .fini = teardown, .
     wk_close(&w);
 }
 
-/* Runs build/kvrope-llama with args; stdout into out; the exit status. */
+/* Runs build/kvrope-llama --model M --socket S --threads 1 --json args;
+ * stdout into out; the exit status. child: the caller reads the returned
+ * pipe and waits; kill_ms > 0: SIGKILL after that long (-1 if it died so). */
 static int worker(char *out, size_t cap, const char *const *args, pid_t *child, int kill_ms)
 {
-    char bin[512];
-    snprintf(bin, sizeof bin, "%s/kvrope-llama", testd_build_dir());
     const char *argv[64];
     int n = 0;
-    argv[n++] = bin;
     argv[n++] = "--model";
     argv[n++] = model;
     argv[n++] = "--socket";
@@ -391,51 +376,27 @@ static int worker(char *out, size_t cap, const char *const *args, pid_t *child, 
     argv[n++] = "--threads";
     argv[n++] = "1";
     argv[n++] = "--json";
-    for (int i = 0; args[i] && n < 63; i++)
+    for (int i = 0; args[i] && n < 62; i++)
         argv[n++] = args[i];
     argv[n] = NULL;
-    int pfd[2];
-    cr_assert_eq(pipe(pfd), 0);
-    pid_t pid = fork();
-    cr_assert_geq(pid, 0);
-    if (pid == 0) {
-        prctl(PR_SET_PDEATHSIG, SIGKILL);
-        alarm(300);
-        dup2(pfd[1], 1);
-        close(pfd[0]);
-        close(pfd[1]);
-        execv(bin, (char *const *)(uintptr_t)argv);
-        _exit(127);
+    if (!child && kill_ms <= 0) {
+        int rc = kvr_llama_run(out, cap, argv);
+        cr_assert_geq(rc, 0, "kvrope-llama died: %s", out);
+        return rc;
     }
-    close(pfd[1]);
-    if (child) {                 /* the caller reads and waits */
+    pid_t pid;
+    int fd = kvr_llama_spawn(argv, &pid);
+    cr_assert_geq(fd, 0);
+    if (child) {
         *child = pid;
-        return pfd[0];
+        return fd;
     }
-    if (kill_ms > 0) {
-        testd_sleep_ms(kill_ms);
-        kill(pid, SIGKILL);
-    }
-    size_t len = 0;
-    for (;;) {
-        char tmp[4096];
-        ssize_t r = read(pfd[0], tmp, sizeof tmp);
-        if (r < 0 && errno == EINTR)
-            continue;
-        if (r <= 0)
-            break;
-        for (ssize_t i = 0; i < r; i++)
-            if (len + 1 < cap)
-                out[len++] = tmp[i];
-    }
-    out[len] = 0;
-    close(pfd[0]);
+    testd_sleep_ms(kill_ms);
+    kill(pid, SIGKILL);
+    kvr_llama_drain(fd, out, cap);
     int st;
     cr_assert_eq(waitpid(pid, &st, 0), pid);
-    if (kill_ms > 0)
-        return WIFSIGNALED(st) ? -1 : WEXITSTATUS(st);
-    cr_assert(WIFEXITED(st), "kvrope-llama died (status %d): %s", st, out);
-    return WEXITSTATUS(st);
+    return WIFSIGNALED(st) ? -1 : WEXITSTATUS(st);
 }
 
 static char outbuf[1 << 20];
@@ -662,7 +623,7 @@ Test(llama_session, background_refresh_bounds_drift, .init = setup, .fini = tear
     char hdir[400], cmd[1400];
     snprintf(hdir, sizeof hdir, "%s/hist1k", dir);
     snprintf(cmd, sizeof cmd, "/usr/bin/python3 %s/scripts/edit-history.py --repo %s --path "
-             "daemon/dispatch.c --window 1024 --max 21 %s >/dev/null", repo_root(), repo_root(),
+             "daemon/dispatch.c --window 1024 --max 21 %s >/dev/null", kvr_repo_root(), kvr_repo_root(),
              hdir);
     run_ok(cmd);
     wk w;

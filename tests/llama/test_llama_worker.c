@@ -20,6 +20,7 @@
 #include <cjson/cJSON.h>
 
 #include "client/llama/worker.h"
+#include "tests/common/kvr_llama_run.h"
 #include "tests/common/kvr_testd.h"
 
 /* The worker's parts come from build/lib/libworker.a (client/llama/llama.mk). */
@@ -65,46 +66,9 @@ static void write_file(const char *name, const char *text, char *path, size_t ca
  * the exit status. */
 static int worker(char *out, size_t cap, const char *const *args)
 {
-    char bin[512];
-    snprintf(bin, sizeof bin, "%s/kvrope-llama", testd_build_dir());
-    const char *argv[64];
-    int n = 0;
-    argv[n++] = bin;
-    for (int i = 0; args[i] && n < 63; i++)
-        argv[n++] = args[i];
-    argv[n] = NULL;
-    int pfd[2];
-    cr_assert_eq(pipe(pfd), 0);
-    pid_t pid = fork();
-    cr_assert_geq(pid, 0);
-    if (pid == 0) {
-        prctl(PR_SET_PDEATHSIG, SIGKILL);
-        alarm(300);
-        dup2(pfd[1], 1);
-        close(pfd[0]);
-        close(pfd[1]);
-        execv(bin, (char *const *)(uintptr_t)argv);
-        _exit(127);
-    }
-    close(pfd[1]);
-    size_t len = 0;
-    for (;;) {
-        char tmp[4096];
-        ssize_t r = read(pfd[0], tmp, sizeof tmp);
-        if (r < 0 && errno == EINTR)
-            continue;
-        if (r <= 0)
-            break;
-        for (ssize_t i = 0; i < r; i++)
-            if (len + 1 < cap)
-                out[len++] = tmp[i];
-    }
-    out[len] = 0;
-    close(pfd[0]);
-    int st;
-    cr_assert_eq(waitpid(pid, &st, 0), pid);
-    cr_assert(WIFEXITED(st), "kvrope-llama died (status %d): %s", st, out);
-    return WEXITSTATUS(st);
+    int rc = kvr_llama_run(out, cap, args);
+    cr_assert_geq(rc, 0, "kvrope-llama died: %s", out);
+    return rc;
 }
 
 static char outbuf[1 << 20];
