@@ -19,6 +19,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -182,7 +183,7 @@ def test_health_props_models_metrics(server):
     st, data = server.get("/v1/models")
     m = json.loads(data)
     assert st == 200 and m["object"] == "list" and m["data"][0]["id"] == "kvrope-code.gguf"
-    assert m["data"][0]["meta"]["n_vocab"] == 260
+    assert m["data"][0]["meta"]["n_vocab"] == 267          # 260 + the 7 FIM tokens
     st, data = server.get("/metrics")
     text = data.decode()
     assert st == 200
@@ -366,20 +367,28 @@ def test_llama_vim_replay(server):
 
 
 def test_infill_layout_truncation(servers):
-    """Without FIM tokens (this model): the chunks, then the text before the
-    cursor; prefix and chunks cut by llama-server's budgets (3/4 of the batch
-    for the prefix, n_ctx - batch - 2 n_predict for the chunks)."""
+    """/infill lays the prompt out as llama-server does, for this model's FIM
+    tokens: the repo-level form (FIM_REP, FIM_SEP and file names), then
+    FIM_PRE prefix FIM_SUF suffix FIM_MID, prefix and chunks cut by its
+    budgets (3/4 of the batch for the prefix, n_ctx - batch - 2 n_predict for
+    the chunks). eval/fim.py's format_infill is a token-for-token copy of
+    llama-server v0.5.0's builder: the prompt lengths must be its."""
+    sys.path.insert(0, os.path.join(ROOT, "eval"))
+    import fim
     s = servers("--ctx-size", "512", "--batch-size", "128")
     big = "x = 1\n" * 200                      # 1200 tokens
     st, r = s.post("/infill", {"input_prefix": big, "input_suffix": "", "prompt": "",
                                "n_predict": 1, "temperature": 0})
     assert st == 200, r
-    assert r["tokens_evaluated"] == 1 + 96       # BOS + 3/4 of the batch
+    want = fim.format_infill(big.encode(), b"", b"", [], n_batch=128, n_ctx=512, n_predict=1)
+    assert r["tokens_evaluated"] == len(want) == 1 + 1 + 96 + 1 + 1 + 21
     extra = [{"filename": "a.py", "text": big}]
     st, r = s.post("/infill", {"input_prefix": "y = 2\n", "input_extra": extra, "prompt": "",
                                "n_predict": 8, "temperature": 0})
     assert st == 200, r
-    assert r["tokens_evaluated"] == 1 + (512 - 128 - 16) + 6
+    want = fim.format_infill(b"y = 2\n", b"", b"", [("a.py", big)], n_batch=128, n_ctx=512,
+                             n_predict=8)
+    assert r["tokens_evaluated"] == len(want)
 
 
 # ---- the cache across processes --------------------------------------------------
