@@ -560,15 +560,18 @@ def test_bad_input(server):
 def test_vanishing_client_cancels(server):
     body = json.dumps({"prompt": CODE, "n_predict": -1, "temperature": 0, "stream": True,
                        "stop": ["\x01never"]}).encode()
-    for _ in range(3):
+    # Clients that read the first bytes of a stream and go away, until one is
+    # seen cancelled (a loaded machine may finish a generation first).
+    deadline = time.monotonic() + 90
+    while server.metric("kvrope:requests_cancelled_total") < 1 and time.monotonic() < deadline:
         s = socket.create_connection(("127.0.0.1", server.port))
         s.sendall(b"POST /completion HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                   b"Content-Length: %d\r\n\r\n" % len(body) + body)
         s.recv(64)
         s.close()
-    deadline = time.monotonic() + 30
-    while server.metric("kvrope:requests_cancelled_total") < 1 and time.monotonic() < deadline:
-        time.sleep(0.05)
+        wait = time.monotonic() + 5
+        while server.metric("kvrope:requests_cancelled_total") < 1 and time.monotonic() < wait:
+            time.sleep(0.05)
     assert server.metric("kvrope:requests_cancelled_total") >= 1
     # a slow client that sends half a request and goes away
     s = socket.create_connection(("127.0.0.1", server.port))
