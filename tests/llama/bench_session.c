@@ -52,7 +52,7 @@ int main(void)
     if (testd_start(&D, NULL) < 0)
         return 1;
     int rc = 1;
-    char hist[400], lines[420], cmd[2048];
+    char hist[400], lines[420], cmd[4096];
     snprintf(hist, sizeof hist, "%s/hist", D.dir);
     snprintf(lines, sizeof lines, "%s/lines.json", D.dir);
     snprintf(cmd, sizeof cmd, "/usr/bin/python3 %s/scripts/edit-history.py --repo %s "

@@ -48,7 +48,7 @@ static void start(const char *const *extra)
     cr_assert_eq(testd_start(&D, extra), 0, "kvroped starts");
     snprintf(dir, sizeof dir, "%s", D.dir);
     snprintf(model, sizeof model, "%s/m.gguf", dir);
-    char cmd[1024];
+    char cmd[4096];
     snprintf(cmd, sizeof cmd, "/usr/bin/python3 %s -o %s --arch llama --layers 2 --width 128 "
              "--heads 4 --kv-heads 2 --seed 11", KVR_LLAMA_GEN_GGUF, model);
     run_ok(cmd);
@@ -620,7 +620,7 @@ Test(llama_session, background_refresh_bounds_drift, .init = setup, .fini = tear
 {
     snprintf(model, sizeof model, "%s/eval/kvrope-code.gguf", testd_build_dir());
     cr_assert_eq(access(model, R_OK), 0, "the trained model %s is built (make)", model);
-    char hdir[400], cmd[1400];
+    char hdir[400], cmd[4096];
     snprintf(hdir, sizeof hdir, "%s/hist1k", dir);
     snprintf(cmd, sizeof cmd, "/usr/bin/python3 %s/scripts/edit-history.py --repo %s --path "
              "daemon/dispatch.c --window 1024 --max 21 %s >/dev/null", kvr_repo_root(), kvr_repo_root(),
