@@ -912,19 +912,38 @@ Test(int_shm, descriptors_on_payload_bytes_are_refused)
     memcpy(buf, (uint8_t *)pl + len / 2, rest);
     pack_frame(buf, rest + 512, &off, &rg);
     send_with_fd(fd, buf, off, mfd);
-    for (uint64_t k = 20; k <= 21; k++) {
-        Kvrope__Response *r = recv_answer(fd);
-        cr_assert_eq(r->id, k);
-        cr_assert_eq(r->status, KVROPE__STATUS__OK, "%llu: %s", (unsigned long long)k,
-                     r->message);
+    /* The kernel hands the descriptor to the first read of that write: when
+     * the daemon's read takes the payload's tail alone (its reads into the
+     * block stop at the payload's end), the descriptor came with payload
+     * bytes and is refused like any other; when the read also takes the
+     * RegisterRegion, that frame has it. Either way the answer is clear and
+     * what is stored is whole: the put and the region, or a refusal naming
+     * the descriptors and no fp-ok. (libkvrope never writes a payload and a
+     * RegisterRegion together.) */
+    Kvrope__Response *r = recv_answer(fd);
+    bool refused = r->status == KVROPE__STATUS__E_BAD_REQUEST;
+    if (refused) {
+        cr_assert(r->message && strstr(r->message, "descriptor"), "%s", r->message);
+        kvrope__response__free_unpacked(r, NULL);
+    } else {
+        cr_assert_eq(r->id, 20);
+        cr_assert_eq(r->status, KVROPE__STATUS__OK, "20: %s", r->message);
+        kvrope__response__free_unpacked(r, NULL);
+        r = recv_answer(fd);
+        cr_assert_eq(r->id, 21);
+        cr_assert_eq(r->status, KVROPE__STATUS__OK, "21: %s", r->message);
         kvrope__response__free_unpacked(r, NULL);
     }
     kvr_get_args g = { .ctx_id = "fp-ok", .dtype = KVR_DTYPE_F16 };
     kvr_kv kv;
-    cr_assert_eq(kvr_client_get(C, &g, &kv), 0, "%s", kvr_client_last_error(C));
-    cr_assert_eq(kv.payload_len, len);
-    cr_assert_eq(memcmp(kv.payload, pl, len), 0);
-    kvr_kv_release(&kv);
+    if (refused) {
+        cr_assert_eq(kvr_client_get(C, &g, &kv), KVR_ENOCTX, "a refused put stored fp-ok");
+    } else {
+        cr_assert_eq(kvr_client_get(C, &g, &kv), 0, "%s", kvr_client_last_error(C));
+        cr_assert_eq(kv.payload_len, len);
+        cr_assert_eq(memcmp(kv.payload, pl, len), 0);
+        kvr_kv_release(&kv);
+    }
     close(mfd);
     close(fd);
     free(buf);
