@@ -453,14 +453,16 @@ static const char *parse_params(srv *s, const cJSON *b, enum route rt, srv_param
             break;
         }
     }
-    const char *bools[] = { "stream", "cache_prompt", "return_tokens" };
-    bool *dst[] = { &p->stream, &p->cache_prompt, &p->return_tokens };
-    for (int k = 0; k < 3; k++)
+    static const char *const bools[] = { "stream", "cache_prompt", "return_tokens",
+                                         "ignore_eos" };
+    static const char *const bool_err[] = {
+        "\"stream\" must be a boolean", "\"cache_prompt\" must be a boolean",
+        "\"return_tokens\" must be a boolean", "\"ignore_eos\" must be a boolean" };
+    bool *dst[] = { &p->stream, &p->cache_prompt, &p->return_tokens, &p->ignore_eos };
+    for (int k = 0; k < 4; k++)
         if ((x = cJSON_GetObjectItemCaseSensitive(b, bools[k])) && !cJSON_IsNull(x)) {
             if (!cJSON_IsBool(x))
-                return k == 0 ? "\"stream\" must be a boolean"
-                              : k == 1 ? "\"cache_prompt\" must be a boolean"
-                                       : "\"return_tokens\" must be a boolean";
+                return bool_err[k];
             *dst[k] = cJSON_IsTrue(x);
         }
     if ((x = cJSON_GetObjectItemCaseSensitive(b, "stop")) && !cJSON_IsNull(x)) {

@@ -63,6 +63,7 @@ typedef struct srv_params {
     bool     cache_prompt;
     int      id_slot;            /* -1 = any */
     bool     stream, return_tokens;
+    bool     ignore_eos;        /* llama-server's: generate past end-of-generation tokens */
     int      n_cmpl;             /* completions of the prompt (1..slots) */
 } srv_params;
 

@@ -486,7 +486,7 @@ static void run_gen(srv *s, srv_job *j)
         }
         pthread_mutex_lock(&s->mu);
         bool stop = j->cancelled || s->stopping;
-        if (!stop && llama_vocab_is_eog(s->vocab, tok)) {
+        if (!stop && !j->p.ignore_eos && llama_vocab_is_eog(s->vocab, tok)) {
             j->stop_type = SRV_STOP_EOS;
             stop = true;
         }

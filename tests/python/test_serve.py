@@ -559,6 +559,7 @@ def test_bad_input(server):
 
 def test_vanishing_client_cancels(server):
     body = json.dumps({"prompt": CODE, "n_predict": -1, "temperature": 0, "stream": True,
+                       "ignore_eos": True,
                        "stop": ["\x01never"]}).encode()
     # Clients that read the first bytes of a stream and go away, until one is
     # seen cancelled (a loaded machine may finish a generation first).
