@@ -727,6 +727,7 @@ typedef struct stream {
     char        *buf;            /* events not yet handed to MHD */
     size_t       blen, boff, bcap;
     bool         head_sent, end;
+    bool         delivered;      /* the end of the stream went to MHD */
     bool         include_usage;
     char         id[64];
     time_t       created;
@@ -874,8 +875,10 @@ static ssize_t st_read(void *cls, uint64_t pos, char *out, size_t max)
                 st->boff = st->blen = 0;
             return (ssize_t)n;
         }
-        if (st->end)
+        if (st->end) {
+            st->delivered = true;
             return MHD_CONTENT_READER_END_OF_STREAM;
+        }
         if (!st_produce(st))
             return MHD_CONTENT_READER_END_WITH_ERROR;
     }
@@ -884,7 +887,23 @@ static ssize_t st_read(void *cls, uint64_t pos, char *out, size_t max)
 static void st_free(void *cls)
 {
     stream *st = cls;
-    srv_job_release(st->s, st->j);
+    srv *s = st->s;
+    srv_job *j = st->j;
+    /* A stream dropped before its end: the client went away (MHD failed a
+     * write, or the connection closed). Cancel the job if it still runs (the
+     * engine counts it when it stops); count it here if it had finished
+     * before the answer reached the client. */
+    if (!st->delivered) {
+        pthread_mutex_lock(&s->mu);
+        if (!j->done) {
+            j->cancelled = true;
+            pthread_cond_broadcast(&s->wake);
+        } else if (!j->cancelled) {
+            s->m.cancelled++;
+        }
+        pthread_mutex_unlock(&s->mu);
+    }
+    srv_job_release(s, j);
     cJSON_Delete(st->fields);
     free(st->buf);
     free(st);

@@ -386,6 +386,8 @@ static void finish(srv *s, srv_job *j, int status, const char *type, const char 
         snprintf(j->err, sizeof j->err, "%.500s", msg);
         s->m.requests_failed++;
     }
+    if (j->cancelled)
+        s->m.cancelled++;       /* counted with done, under one lock (st_free) */
     j->done = true;
     pthread_cond_broadcast(&s->progress);
     pthread_mutex_unlock(&s->mu);
@@ -568,8 +570,6 @@ static void run_gen(srv *s, srv_job *j)
     j->safe = utf8_whole(j->text ? j->text : "", j->len);
     j->t_gen_ms = t2 - t1;
     j->tokens_cached = j->n + (j->n_gen ? j->n_gen - 1 : 0);
-    if (j->cancelled)
-        s->m.cancelled++;
     s->m.requests++;
     s->m.tokens_predicted += j->n_gen;
     s->m.predicted_seconds += (t2 - t1) / 1e3;
