@@ -176,6 +176,13 @@ typedef struct kvr_put_params {
     const char *const *groups;     /* create: n_groups group names (GPE) */
     size_t          n_groups;
     const int64_t  *group_offsets; /* create: start offset phi per group, NULL = 0 */
+    bool            v_trans;       /* create: the KV comes from an engine whose V
+                                      cache is transposed (llama.cpp, flash
+                                      attention off). Only recorded (layout.c;
+                                      kept by fork, persistence, the shared
+                                      tier) so an export can default to it;
+                                      V is stored per token either way. An
+                                      append keeps the context's record. */
     const char     *group;         /* grouped context: the group these tokens
                                       join; they take its next positions
                                       (phi + cursor, ...); no explicit positions */
@@ -428,6 +435,7 @@ typedef struct kvr_ctx_info {
     size_t   bytes_saved;          /* vs the model dtype, plain: 0 */
     double   bits_per_value;       /* kv_bytes * 8 / values */
     double   rel_rms_k, rel_rms_v; /* measured at put time on quantized data */
+    bool     v_trans;              /* created from a transposed V cache */
 } kvr_ctx_info;
 
 int kvr_store_delete(kvr_store *s, const char *ctx_id, kvr_error *err);
@@ -713,6 +721,8 @@ typedef struct kvr_layout_info {
     bool     has_retention;
     size_t   sinks, window;
     size_t   n_dropped;                   /* tokens dropped by the window, ever */
+    bool     v_trans;                     /* created from a transposed V cache
+                                             (kvr_put_params.v_trans) */
 } kvr_layout_info;
 
 int kvr_store_layout_stat(kvr_store *s, const char *ctx_id, kvr_layout_info *out,

@@ -907,6 +907,7 @@ static void ctx_fill_info(kvr_store *s, const kvr_ctx *c, kvr_ctx_info *o)
     o->bits_per_value = values ? kvbytes * 8.0 / (double)values : 0;
     o->rel_rms_k = c->q_ss[0] > 0 ? sqrt(c->q_sse[0] / c->q_ss[0]) : 0;
     o->rel_rms_v = c->q_ss[1] > 0 ? sqrt(c->q_sse[1] / c->q_ss[1]) : 0;
+    o->v_trans = kvr_layout_v_trans(c);
 }
 
 int kvr_store_stat(kvr_store *s, const char *ctx_id, kvr_ctx_info *out, kvr_error *err)

@@ -1618,7 +1618,7 @@ static int recover_ctx(kvr_store *s, kvr_tier *t, hmap *blocks, const trec *r)
         qs[i] = r_f64(&b);
     uint32_t lb = r_u32(&b);
     const void *blob = lb ? r_raw(&b, lb) : NULL;
-    if (lb && lb != kvr_layout_blob_size())
+    if (lb > kvr_layout_blob_size())     /* shorter: an older record */
         b.bad = true;
     uint32_t nb = r_u32(&b);
     if (b.bad || nb > r->len / (KVR_DISK_HANDLE_BYTES + 16)) {
@@ -1782,7 +1782,7 @@ static int recover_ctx(kvr_store *s, kvr_tier *t, hmap *blocks, const trec *r)
     if (rc == 0 && kvr_ctx_ext_reserve(c, ne ? ne : 1) != 0)
         rc = KVR_ENOMEM;
     kvr_error le = { 0 };
-    if (rc == 0 && blob && (rc = kvr_layout_blob_set(c, blob, &le)) != 0)
+    if (rc == 0 && blob && (rc = kvr_layout_blob_set(c, blob, lb, &le)) != 0)
         tlog(t, KVR_TIER_LOG_WARN, "disk: context '%s': its layout is refused (%s): dropped",
              id, le.msg);
     for (uint32_t i = 0; i < ne && rc == 0; i++) {

@@ -207,6 +207,7 @@ int kvrd_put_params_from_pb(const Kvrope__Put *p, const char *group, uint64_t pa
         .pin = p->has_pin && p->pin,
         .group = group,
         .persist = p->has_persist && p->persist,
+        .v_trans = p->has_v_trans && p->v_trans,
         .codec = p->codec && p->codec[0] ? p->codec : NULL,
         /* The store checks the declared length before it reserves (and
          * maybe evicts) anything: a put refused for its length changes
@@ -490,6 +491,8 @@ void kvrd_pb_context(const kvr_ctx_info *i, Kvrope__ContextInfo *o)
     OPT(o, bits_per_value, i->bits_per_value);
     OPT(o, rel_rms_k, i->rel_rms_k);
     OPT(o, rel_rms_v, i->rel_rms_v);
+    if (i->v_trans)
+        OPT(o, v_trans, true);
 }
 
 void kvrd_pb_put_result(const kvr_put_result *res, Kvrope__PutResult *o)
@@ -753,6 +756,8 @@ void kvrd_pb_layout(const kvr_layout_info *li, const char *id, Kvrope__LayoutInf
         OPT(o, window, li->window);
     }
     OPT(o, dropped, li->n_dropped);
+    if (li->v_trans)
+        OPT(o, v_trans, true);
 }
 
 /* ---- frames ----------------------------------------------------------------- */

@@ -662,7 +662,8 @@ uint8_t *kvr_rt_manifest_encode(const kvr_rt_manifest *m, size_t *len)
         memcpy(p, m->groups, m->n_tokens * 4);
     p += m->n_tokens * 4;
     const kvr_layout_info *L = &m->layout;
-    put32(p, (L->has_prefix ? 1u : 0u) | (L->has_retention ? 2u : 0u) | (m->quant ? 4u : 0u));
+    put32(p, (L->has_prefix ? 1u : 0u) | (L->has_retention ? 2u : 0u) | (m->quant ? 4u : 0u) |
+                 (L->v_trans ? 8u : 0u));
     snprintf((char *)p + 4, 256, "%s", L->has_prefix ? L->prefix_ctx : "");
     put64(p + 260, L->prefix_fingerprint);
     put64(p + 268, L->prefix_len);
@@ -780,12 +781,13 @@ int kvr_rt_manifest_decode(const uint8_t *v, size_t len, const char *want_id,
         p += nt * 4;
         kvr_layout_info *L = &m->layout;
         uint32_t lf = get32(p);
-        if ((lf & ~7u) || memchr(p + 4, 0, 256) == NULL) {
+        if ((lf & ~15u) || memchr(p + 4, 0, 256) == NULL) {
             kvr_rt_manifest_free(m);
             return kvr_error_set(err, KVR_EIO, "manifest: bad layout record");
         }
         L->has_prefix = lf & 1u;
         L->has_retention = (lf & 2u) != 0;
+        L->v_trans = (lf & 8u) != 0;    /* Put.v_trans: a record only */
         snprintf(L->prefix_ctx, sizeof L->prefix_ctx, "%s", (const char *)p + 4);
         L->prefix_fingerprint = get64(p + 260);
         L->prefix_len = (size_t)get64(p + 268);
@@ -2499,7 +2501,8 @@ static int find_model(kvr_store *s, const char *name, uint64_t fp, kvr_model_inf
 /* Does the manifest carry a layout beyond tokens and positions? */
 static bool has_layout(const kvr_rt_manifest *m)
 {
-    if (m->layout.has_prefix || m->layout.n_groups || m->layout.has_retention)
+    if (m->layout.has_prefix || m->layout.n_groups || m->layout.has_retention ||
+        m->layout.v_trans)
         return true;
     for (size_t i = 0; i < m->n_tokens; i++)
         if (m->flags[i])
