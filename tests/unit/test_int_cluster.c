@@ -981,6 +981,23 @@ Test(int_cluster, layout_travels)
     cr_assert(lb.has_prefix);
     cr_assert_str_eq(lb.prefix_ctx, "pfx");
     cr_assert_eq(lb.prefix_len, 20);
+
+    /* The record of a V cache imported transposed (Put.v_trans): a layout
+     * of its own, which travels with the manifest. */
+    pl = testd_payload(7, T_LAYERS, 0, 12, KVR_DTYPE_F16, &len);
+    tok = testd_tokens(700, 12);
+    kvr_put_args v = { .ctx_id = "vt", .model = "tiny", .dtype = KVR_DTYPE_F16, .tokens = tok,
+                       .n_tokens = 12, .payload = pl, .payload_len = len, .v_trans = true,
+                       .share_sync = true };
+    cr_assert_eq(kvr_client_put(CA, &v, NULL), 0, "%s", kvr_client_last_error(CA));
+    free(pl);
+    free(tok);
+    cr_assert_eq(get_kv(CB, "vt", 0, 0, NULL, &kb), 0, "%s", kvr_client_last_error(CB));
+    kvr_kv_release(&kb);
+    cr_assert_eq(kvr_client_stat(CB, "vt", &sb), 0);
+    cr_assert(sb.v_trans, "B's copy says it came from a transposed V cache");
+    cr_assert_eq(kvr_client_layout_stat(CB, "vt", &lb), 0);
+    cr_assert(lb.v_trans && !lb.has_prefix && lb.n_groups == 0);
 }
 
 /* ---- crafted layouts in a manifest (issue 29, finding 2) ------------------ */
