@@ -286,6 +286,43 @@ def test_make_run_defaults_and_sigterm(tmp_path):
     assert "is kvroped running?" in r.stderr and "make run" in r.stderr, r.stderr
 
 
+def test_cannot_connect_names_sudo_make_run(tmp_path):
+    """A user whose `make run` ran as root (sudo) gets, from "cannot connect",
+    where that socket is and what to do instead."""
+    import pwd
+    if os.geteuid() != 0:
+        pytest.skip("needs root to run the CLI as another user")
+    try:
+        nobody = pwd.getpwnam("nobody")
+    except KeyError:
+        pytest.skip("no user nobody")
+    made = not os.path.isdir("/run/kvrope")
+    if made:
+        os.makedirs("/run/kvrope", mode=0o700)
+    try:
+        env = {k: v for k, v in os.environ.items()
+               if k not in ("KVROPE_SOCKET", "XDG_RUNTIME_DIR", "KVROPE_CONNECT")}
+        env["HOME"] = str(tmp_path)
+
+        def as_nobody():
+            os.setgid(nobody.pw_gid)
+            os.setgroups([])
+            os.setuid(nobody.pw_uid)
+        kv = os.path.join(BUILD, "kvrope")
+        if not os.access(kv, os.X_OK):
+            pytest.skip("build/kvrope is not built")
+        r = subprocess.run([kv, "ping"], env=env, capture_output=True, text=True, timeout=30,
+                           preexec_fn=as_nobody, cwd=str(tmp_path))
+        if r.returncode == 126 or "Permission denied" in r.stderr and "kvrope:" not in r.stderr:
+            pytest.skip(f"nobody cannot run {kv}")
+        assert r.returncode == 4, r.stderr
+        assert "is kvroped running?" in r.stderr, r.stderr
+        assert "/run/kvrope" in r.stderr and "as yourself" in r.stderr, r.stderr
+    finally:
+        if made:
+            os.rmdir("/run/kvrope")
+
+
 def test_make_run_installs_run_time_packages_only():
     """scripts/deps.sh: `make run` (level run) gets what kvroped, kvrope-llama
     and the served model's GGUF need, none of the test tools; `make test`
