@@ -152,6 +152,21 @@ static int run(const char *cmd)
     return WIFEXITED(rc) ? WEXITSTATUS(rc) : -1;
 }
 
+/* N_PROMPT tokens (seed) decoded in *a (f16 cache, flash attention fa),
+ * saved as a session file; returns the logits of token N_PROMPT after them
+ * (malloc'ed, n_vocab floats). toks gets N_PROMPT + 1 ids. */
+static float *prompt_session(lt_lm *a, const char *path, int fa, unsigned seed, llama_token *toks,
+                             const char *sess)
+{
+    lt_tokens(toks, N_PROMPT + 1, seed);
+    cr_assert_eq(lt_open(a, path, GGML_TYPE_F16, GGML_TYPE_F16, fa, 256), 0);
+    cr_assert_eq(lt_decode(a, toks, N_PROMPT, 0, NULL), 0);
+    cr_assert_gt(llama_state_seq_save_file(a->ctx, sess, 0, toks, N_PROMPT), 0);
+    float *la = malloc((size_t)a->n_vocab * 4);
+    cr_assert_eq(lt_decode(a, toks + N_PROMPT, 1, N_PROMPT, la), 0);
+    return la;
+}
+
 Test(llama_bridge, round_trip_through_the_cli_in_other_processes)
 {
     kvr_client *c = testd_connect(&D);
@@ -160,17 +175,13 @@ Test(llama_bridge, round_trip_through_the_cli_in_other_processes)
     model(path, sizeof path, "cli", "--arch qwen2 --layers 2 --width 128 --heads 2 --kv-heads 2 --qkv-bias --dtype f16", &m, NULL);
     kvr_client_close(c);
     llama_token toks[N_PROMPT + 1];
-    lt_tokens(toks, N_PROMPT + 1, 11);
     lt_lm a, b;
-    cr_assert_eq(lt_open(&a, path, GGML_TYPE_F16, GGML_TYPE_F16, 1, 256), 0);
-    cr_assert_eq(lt_decode(&a, toks, N_PROMPT, 0, NULL), 0);
     char sess[400], out[400], out2[400], cmd[2048];
     snprintf(sess, sizeof sess, "%s/a.session", TMP);
     snprintf(out, sizeof out, "%s/b.state", TMP);
     snprintf(out2, sizeof out2, "%s/b.session", TMP);
-    cr_assert_gt(llama_state_seq_save_file(a.ctx, sess, 0, toks, N_PROMPT), 0);
-    float *la = malloc((size_t)a.n_vocab * 4), *lb = malloc((size_t)a.n_vocab * 4);
-    cr_assert_eq(lt_decode(&a, toks + N_PROMPT, 1, N_PROMPT, la), 0);
+    float *la = prompt_session(&a, path, 1, 11, toks, sess);
+    float *lb = malloc((size_t)a.n_vocab * 4);
 
     const char *bin = testd_build_dir();
     snprintf(cmd, sizeof cmd, "%s/kvrope --socket %s llama import doc %s --gguf %s --json > %s/imp.json",
@@ -263,17 +274,13 @@ Test(llama_bridge, export_defaults_to_the_v_layout_imported)
     kvr_llama_model m;
     model(path, sizeof path, "vt", "--layers 2 --width 128 --heads 2 --kv-heads 1 --head-dim 64 --seed 5", &m, NULL);
     llama_token toks[N_PROMPT + 1];
-    lt_tokens(toks, N_PROMPT + 1, 13);
     lt_lm a;
-    cr_assert_eq(lt_open(&a, path, GGML_TYPE_F16, GGML_TYPE_F16, 0, 256), 0);
-    cr_assert_eq(lt_decode(&a, toks, N_PROMPT, 0, NULL), 0);
     char sess[400], st1[400], st0[400];
     snprintf(sess, sizeof sess, "%s/off.session", TMP);
     snprintf(st1, sizeof st1, "%s/off.state", TMP);
     snprintf(st0, sizeof st0, "%s/on.state", TMP);
-    cr_assert_gt(llama_state_seq_save_file(a.ctx, sess, 0, toks, N_PROMPT), 0);
-    float *la = malloc((size_t)a.n_vocab * 4), *lb = malloc((size_t)a.n_vocab * 4);
-    cr_assert_eq(lt_decode(&a, toks + N_PROMPT, 1, N_PROMPT, la), 0);
+    float *la = prompt_session(&a, path, 0, 13, toks, sess);
+    float *lb = malloc((size_t)a.n_vocab * 4);
     const char *bin = testd_build_dir();
 
     snprintf(cmd, sizeof cmd, "%s/kvrope --socket %s llama import doc %s --gguf %s --persist",
