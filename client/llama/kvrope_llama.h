@@ -300,10 +300,6 @@ typedef struct kvr_llama_export_opts {
     int64_t         pos_start;
     kvr_llama_type  type_k, type_v;   /* the destination context's (DEFAULT = f16) */
     bool            v_trans;      /* destination with flash attention off */
-    bool            v_trans_auto; /* instead of v_trans: the layout the context was
-                                     imported with (an import records the state's
-                                     v_trans: kvr_context.v_trans), for a caller
-                                     that does not know the destination */
     bool            no_attn_rot;
     int32_t         seq_id;       /* written in the raw header and the cells */
     kvr_llama_form  form;         /* RAW (set_data) or SESSION (load_file, with tokens) */
@@ -315,17 +311,21 @@ typedef struct kvr_llama_export_opts {
     size_t          dst_cap;
     void           *scratch;
     size_t          scratch_cap;
+    bool            v_trans_auto; /* instead of v_trans: the layout the context was
+                                     imported with (an import records the state's
+                                     v_trans: kvr_context.v_trans), for a caller
+                                     that does not know the destination */
 } kvr_llama_export_opts;
 
 typedef struct kvr_llama_export_info {
     uint64_t       n_cells;
     int64_t        pos_first, pos_last;
     kvr_llama_type type_k, type_v;
-    bool           v_trans;        /* the V layout written (1: transposed) */
-    bool           v_trans_recorded;  /* the context's import record said transposed */
     uint64_t       approx_tokens;  /* tokens flagged approximate (edited since) */
     uint64_t       payload_bytes;  /* bytes fetched from the daemon */
     uint64_t       state_bytes;
+    bool           v_trans;        /* the V layout written (1: transposed) */
+    bool           v_trans_recorded;  /* the context's import record said transposed */
 } kvr_llama_export_info;
 
 /* Exports tokens [start, end) of ctx, all layers, as a state: keys re-rotated
