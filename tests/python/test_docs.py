@@ -465,6 +465,9 @@ def test_make_run_from_a_fresh_clone(tmp_path):
             assert skipped, "the server did not start, yet no block needed it"
     finally:
         kids = run.stop()
+        if os.path.islink(build):
+            os.unlink(build)          # never remove the linked build
+        shutil.rmtree(clone, ignore_errors=True)   # its own build: some 100 MB
     assert kids, f"make run started nothing:\n{run.final}"
     for k in kids:
         assert not alive(k), f"pid {k} still running after Ctrl-C to make run:\n{run.final}"
