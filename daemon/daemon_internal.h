@@ -113,6 +113,9 @@ struct kvr_daemon {
     kvr_daemon_config  cfg;
     kvr_store         *store;
     struct kvr_remote *remote;   /* shared tier; NULL = none (remote.c) */
+    /* The request whose verb is starting, while it may still ask the shared
+     * tier: the store's miss hooks give their fetch to it (dispatch.c). */
+    struct kvrd_request *fetch_req;
     kvr_frame_limits   limits;
 
     uv_pipe_t  unix_srv;
@@ -358,6 +361,9 @@ void kvrd_region_unref(kvrd_region *g);   /* NULL: no-op; the last one unmaps */
  * close. */
 void kvrd_dispatch_frame(kvr_conn *c, const kvr_frame_header *fh, const uint8_t *msg);
 /* The payload kvrd_conn_read_payload was asked for arrived in full. */
+/* With a shared tier: installs the store's miss hooks (kvr_store_miss_hooks)
+ * that fetch for the request whose verb meets the miss (dispatch.c). */
+void kvrd_dispatch_tier_install(kvr_daemon *d);
 void kvrd_dispatch_payload_done(kvr_conn *c);
 /* kvr_conn_close: a request waiting for payload bytes is aborted (nothing
  * it would have changed is kept); one in work, in a stream or waiting for

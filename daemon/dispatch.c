@@ -98,9 +98,11 @@ struct kvrd_request {
     bool             meta;          /* get/assemble: meta_only (no payload) */
     bool             needs_work;    /* run(): the verb's work is to be done */
     int              fd;            /* came with the frame (-1 none); closed at the end */
-    /* shared tier (remote.c): this get/match's fetch job, and whether the
-     * request already asked the cluster (then it answers from what landed) */
+    /* The shared tier under the store (remote.c): the fetch a miss of this
+     * request's verb gave it, the fetches it has made, and whether it is
+     * done asking (then its verb sees the store's plain misses). */
     struct kvr_rjob *rjob;
+    unsigned         n_fetches;
     bool             remote_tried;
     /* From here on each field is set before it is read, so a reused
      * request is cleared only up to `work`. */
@@ -181,6 +183,10 @@ void kvrd_request_end(kvrd_request *r, int status)
     assert(c->req == r);
     assert(r->phase == RQ_RUN || r->phase == RQ_STREAM);
     assert(!r->put && !r->edit && !r->get && !r->as && !r->held);
+    kvr_remote_job_free(r->rjob);   /* taken by a probe the verb went past */
+    r->rjob = NULL;
+    if (c->d->fetch_req == r)
+        c->d->fetch_req = NULL;
     /* Every request passes here exactly once, whatever its path: this is
      * where per-request figures go. A metrics hook is one call here:
      * verb r->verb (NULL: none), status (KVR_E*, 0 OK; a request whose
@@ -213,9 +219,16 @@ void kvrd_request_end(kvrd_request *r, int status)
 
 /* ---- replies ------------------------------------------------------------------ */
 
+static bool fetch_park(kvrd_request *r);
+
 static void reply_error(kvrd_request *r, int code, const char *msg)
 {
     assert(r->phase == RQ_RUN && code < 0);
+    if (code == KVR_EFETCH) {
+        if (fetch_park(r))
+            return;     /* the verb starts again once the fetch landed */
+        code = KVR_ENOCTX;
+    }
     kvrd_conn_reply_error(r->c, r->id, code, msg);
     kvrd_request_end(r, code);
 }
@@ -388,37 +401,94 @@ static void reply_shared(kvrd_request *r, Kvrope__Response *resp, const char *ct
     reply_errf(r, e.code ? e.code : KVR_EIO, "stored locally, not shared: %s", e.msg);
 }
 
-static void do_get(kvrd_request *r);
-static void do_match(kvrd_request *r);
-static void remote_queue(kvrd_request *r);
+/* ---- the shared tier under the store: fetches on a miss -------------------- */
 
-static void remote_work_cb(uv_work_t *w)
+/* The store asks the shared tier on a miss through its miss hooks
+ * (kvr_store_miss_hooks, cache.h), as it asks the disk tier through its
+ * tier hooks: every verb that names a context (kvr_store_ctx_live) or
+ * matches a prefix sees published contexts the same way, with no code of
+ * its own. A hook takes a miss only for the request whose verb is starting
+ * (d->fetch_req, armed by start_verb) and that has not given up on the
+ * tier: the request gets the fetch job, the store call fails with
+ * KVR_EFETCH changing nothing, and reply_error parks the request instead
+ * of answering (fetch_park): the job runs on the threadpool (slow network
+ * I/O, never on the loop), lands on the loop as an ordinary put
+ * (remote.c), and the verb starts again from the top. A verb that names
+ * several missing contexts (an assembly) fetches them one round each, up
+ * to FETCH_ROUNDS; a miss in the cluster or a prefix fetch ends the asking,
+ * so the verb then answers from what is local. */
+#define FETCH_ROUNDS 16
+
+static void start_verb(kvrd_request *r)
+{
+    kvr_daemon *d = r->d;
+    kvrd_request *prev = d->fetch_req;
+    d->fetch_req = d->remote && !r->remote_tried ? r : NULL;
+    r->verb->start(r);
+    d->fetch_req = prev == r ? NULL : prev;
+}
+
+static bool take_fetch(kvr_daemon *d, kvr_rjob *j)
+{
+    if (!j)
+        return false;
+    kvrd_request *r = d->fetch_req;
+    kvr_remote_job_free(r->rjob);
+    r->rjob = j;
+    return true;
+}
+
+static bool on_ctx_miss(void *arg, const char *id)
+{
+    kvr_daemon *d = arg;
+    return d->fetch_req && take_fetch(d, kvr_remote_job_get(d->remote, id));
+}
+
+static bool on_prefix_miss(void *arg, const char *model, const uint32_t *tokens, size_t n,
+                           size_t local)
+{
+    kvr_daemon *d = arg;
+    return d->fetch_req &&
+           take_fetch(d, kvr_remote_job_prefix(d->remote, model, tokens, n, local));
+}
+
+void kvrd_dispatch_tier_install(kvr_daemon *d)
+{
+    if (d->remote)
+        kvr_store_set_miss_hooks(d->store,
+                                 &(kvr_store_miss_hooks){ on_ctx_miss, on_prefix_miss, d });
+}
+
+static void fetch_queue(kvrd_request *r);
+
+static void fetch_work_cb(uv_work_t *w)
 {
     kvrd_request *r = w->data;
     kvr_remote_job_work(r->rjob);
 }
 
 /* After a fetch: land it (a local put), maybe fetch again (a get by id:
- * the blocks, straight into the put opened for them), then answer as if
- * it had been local all along (or as the miss it is). */
-static void remote_done(kvrd_request *r)
+ * the blocks, straight into the put opened for them), then start the verb
+ * again, as if what landed had been local all along (or as the miss it
+ * is). */
+static void fetch_done(kvrd_request *r)
 {
     kvr_rjob *j = r->rjob;
     r->rjob = NULL;
-    if (kvr_remote_job_land(j) == 1) {
+    int rc = kvr_remote_job_land(j);
+    if (rc == 1) {
         r->rjob = j;
-        remote_queue(r);
+        fetch_queue(r);
         return;
     }
+    bool prefix = !kvr_remote_job_by_id(j);
     kvr_remote_job_free(j);
-    r->remote_tried = true;
-    if (r->verb->body == KVROPE__REQUEST__BODY_GET)
-        do_get(r);
-    else
-        do_match(r);
+    if (rc < 0 || prefix || ++r->n_fetches >= FETCH_ROUNDS)
+        r->remote_tried = true;
+    start_verb(r);
 }
 
-static void remote_after_cb(uv_work_t *w, int status)
+static void fetch_after_cb(uv_work_t *w, int status)
 {
     (void)status;     /* never cancelled */
     kvrd_request *r = w->data;
@@ -429,30 +499,36 @@ static void remote_after_cb(uv_work_t *w, int status)
         release_txn(r);
         kvrd_request_end(r, KVR_EIO);
     } else {
-        remote_done(r);
+        fetch_done(r);
     }
     kvr_conn_unref(c);
 }
 
-static void remote_queue(kvrd_request *r)
+static void fetch_queue(kvrd_request *r)
 {
     r->phase = RQ_WORK;
     r->work.data = r;
     kvr_conn_ref(r->c);
-    if (uv_queue_work(&r->d->loop, &r->work, remote_work_cb, remote_after_cb) < 0) {
-        remote_work_cb(&r->work);          /* rather than fail the request */
-        remote_after_cb(&r->work, 0);
+    if (uv_queue_work(&r->d->loop, &r->work, fetch_work_cb, fetch_after_cb) < 0) {
+        fetch_work_cb(&r->work);          /* rather than fail the request */
+        fetch_after_cb(&r->work, 0);
     }
 }
 
-/* A local miss the shared tier may answer: queue its fetch (true), or
- * answer from what is local (false). */
-static bool ask_remote(kvrd_request *r, kvr_rjob *j)
+/* A verb failed with KVR_EFETCH: park the request on its fetch (true), or
+ * false when there is none to park on (the verb had a transaction open: it
+ * cannot start again; the miss is answered as one). */
+static bool fetch_park(kvrd_request *r)
 {
-    if (!j)
+    if (!r->rjob || r->put || r->edit || r->get || r->as) {
+        kvr_log(KVR_LOG_WARN, "request id %llu: a %s missed in the store with no fetch to "
+                "wait for: answered as a miss", (unsigned long long)r->id,
+                r->verb ? r->verb->name : "(none)");
         return false;
-    r->rjob = j;
-    remote_queue(r);
+    }
+    if (r->d->fetch_req == r)
+        r->d->fetch_req = NULL;
+    fetch_queue(r);
     return true;
 }
 
@@ -632,6 +708,11 @@ static size_t work_bytes(const kvrd_request *r)
 static void run(kvrd_request *r, bool needs_work)
 {
     assert(r->phase == RQ_RUN && r->verb->finish);
+    /* Past its lookups: what it calls now does not ask the shared tier. */
+    if (r->d->fetch_req == r)
+        r->d->fetch_req = NULL;
+    kvr_remote_job_free(r->rjob);
+    r->rjob = NULL;
     r->work_rc = 0;
     r->needs_work = needs_work;
     if (!needs_work && !r->shm) {
@@ -1452,10 +1533,6 @@ static void start_get(kvrd_request *r, const kvr_get_params *gp0)
 static void do_get(kvrd_request *r)
 {
     const Kvrope__Get *g = r->msg->get;
-    if (r->d->remote && !r->remote_tried &&
-        kvr_store_stat(r->d->store, g->context_id, &(kvr_ctx_info){ 0 }, NULL) == KVR_ENOCTX &&
-        ask_remote(r, kvr_remote_job_get(r->d->remote, g->context_id)))
-        return;
     kvr_error err = { 0 };
     kvr_get_params gp;
     int rc = kvrd_get_params_from_pb(g, &gp, &err);
@@ -1501,10 +1578,6 @@ static void do_match(kvrd_request *r)
         reply_err(r, rc, &e);
         return;
     }
-    if (r->d->remote && !r->remote_tried && mr.length < m->n_tokens &&
-        ask_remote(r, kvr_remote_job_prefix(r->d->remote, m->model, m->tokens, m->n_tokens,
-                                            mr.length)))
-        return;
     r->match_len = mr.length;
     snprintf(r->match_ctx, sizeof r->match_ctx, "%s", mr.ctx_id);
     if (m->has_get && m->get && mr.length > 0) {
@@ -1931,7 +2004,7 @@ void kvrd_dispatch_frame(kvr_conn *c, const kvr_frame_header *fh, const uint8_t 
 
     if (!c->authed) {
         if (v && (v->flags & V_OPEN) && r->payload_len == 0) {
-            v->start(r);
+            start_verb(r);
             return;
         }
         kvr_conn_fail(c, q->id, KVR_EUNAUTH,
@@ -1983,5 +2056,5 @@ void kvrd_dispatch_frame(kvr_conn *c, const kvr_frame_header *fh, const uint8_t 
         if (v->flags & V_PAYLOAD_IN)
             r->payload_len = q->shm->length;   /* what the put/edit declares */
     }
-    v->start(r);
+    start_verb(r);
 }

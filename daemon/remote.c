@@ -1682,6 +1682,11 @@ void kvr_remote_job_free(kvr_rjob *j)
     kvr_mem_free(j);
 }
 
+bool kvr_remote_job_by_id(const kvr_rjob *j)
+{
+    return j->by_id;
+}
+
 static void miss(kvr_rjob *j, bool corrupt, const char *why)
 {
     atomic_fetch_add(corrupt ? &j->r->fetch_corrupt : &j->r->fetch_misses, 1);

@@ -1,8 +1,10 @@
 /*
  * remote.h — the shared tier on Redis Cluster (docs/cluster.md), private to
  * daemon/: the value formats and key scheme (pure functions, tested on
- * their own), the publisher thread, and the fetch jobs that a local miss of
- * get or match runs on the threadpool.
+ * their own), the publisher thread, and the fetch jobs that a miss in the
+ * store runs on the threadpool: the store asks the tier through its miss
+ * hooks (kvr_store_miss_hooks) whatever verb missed, and the request that
+ * missed waits for the job (dispatch.c).
  *
  * Invariants:
  *  - Nothing read from the cluster is served before it is verified: with a
@@ -158,7 +160,8 @@ typedef void (*kvr_remote_done_fn)(void *arg, int rc, const char *msg);
 int  kvr_remote_publish(kvr_remote *r, const char *ctx_id, kvr_remote_done_fn done, void *arg,
                         kvr_error *err);
 
-/* Fetch jobs: built on the loop (NULL if nothing to ask), worked on the
+/* Fetch jobs: built on the loop by the store's miss hooks (NULL if nothing
+ * to ask; a prefix job borrows the tokens: the request's), worked on the
  * threadpool, landed on the loop (a local put; 0 if a context now holds
  * the data, < 0 a miss, 1: work the job once more, then land it again —
  * a get by id opens its local put after the manifest and fetches the
@@ -169,6 +172,8 @@ kvr_rjob *kvr_remote_job_prefix(kvr_remote *r, const char *model, const uint32_t
 void kvr_remote_job_work(kvr_rjob *j);
 int  kvr_remote_job_land(kvr_rjob *j);
 void kvr_remote_job_free(kvr_rjob *j);
+/* A fetch by context id (else of a prompt's prefix). */
+bool kvr_remote_job_by_id(const kvr_rjob *j);
 
 /* The tier's counters, read from atomics (each exact, not one instant
  * together: workers count while it is read). fetch_hist counts every

@@ -820,6 +820,7 @@ int kvr_daemon_create(kvr_daemon **out, const kvr_daemon_config *cfg, kvr_error 
      * cluster is logged and joined later. */
     if ((rc = kvr_remote_create(&d->remote, d, err)) < 0)
         goto fail;
+    kvrd_dispatch_tier_install(d);   /* the store asks it on a miss */
     int metrics_fd = -1;
     if ((rc = take_activated(d, &metrics_fd, err)) < 0)
         goto fail;
@@ -895,6 +896,7 @@ void kvr_daemon_destroy(kvr_daemon *d)
         uv_loop_close(&d->loop);
     }
     kvr_metrics_destroy(d);
+    kvr_store_set_miss_hooks(d->store, NULL);
     kvr_remote_destroy(d->remote);
     kvr_store_destroy(d->store);
     kvr_mem_free(d->token);

@@ -1510,3 +1510,73 @@ Test(int_cluster, hung_cluster_deadlines_hold, .timeout = 300)
     cr_assert_eq(put_flags(CA, "local", 5, 400, 70, 0), 0, "%s", kvr_client_last_error(CA));
     cluster_signal(SIGCONT);
 }
+
+/* Every verb that names a context, or matches a prefix, sees a context
+ * another node published the same way: the cluster is a tier under B's
+ * store, asked on a miss (not by a few verbs of the daemon's). Each verb
+ * below meets the miss itself: B deletes its landed copy before the next.
+ * The CLI's get stats the context first, which is how a user met this. */
+Test(int_cluster, every_verb_sees_published_contexts)
+{
+    cr_assert_eq(put_flags(CA, "pub", 11, 3000, 150, SHARE_SYNC), 0);
+    kvr_kv ka;
+    cr_assert_eq(get_kv(CA, "pub", 0, 0, NULL, &ka), 0);
+
+    kvr_context ci;
+    cr_assert_eq(kvr_client_stat(CB, "pub", &ci), 0, "stat: %s", kvr_client_last_error(CB));
+    cr_assert_eq(ci.n_tokens, 150);
+    cr_assert_eq(kvr_client_delete(CB, "pub"), 0);
+
+    char raw[300], out[256];
+    snprintf(raw, sizeof raw, "%s/pub.raw", B.dir);
+    cr_assert_eq(testd_cli(&B, out, sizeof out, (const char *const[]){ "get", "pub", "-o", raw,
+                                                                       NULL }), 0,
+                 "kvrope get of a published context failed: %s", out);
+    FILE *f = fopen(raw, "rb");
+    cr_assert_not_null(f);
+    uint8_t *got = malloc(ka.payload_len + 1);
+    cr_assert_eq(fread(got, 1, ka.payload_len + 1, f), ka.payload_len);
+    fclose(f);
+    unlink(raw);
+    cr_assert_eq(memcmp(got, ka.payload, ka.payload_len), 0, "the CLI's get differs from A's");
+    free(got);
+    cr_assert_eq(kvr_client_delete(CB, "pub"), 0);
+
+    cr_assert_eq(kvr_client_fork(CB, "pub", "pub2"), 0, "fork: %s", kvr_client_last_error(CB));
+    cr_assert_eq(kvr_client_stat(CB, "pub2", &ci), 0);
+    cr_assert_eq(ci.n_tokens, 150);
+    cr_assert_eq(kvr_client_delete(CB, "pub2"), 0);
+    cr_assert_eq(kvr_client_delete(CB, "pub"), 0);
+
+    cr_assert_eq(kvr_client_pin(CB, "pub", true), 0, "pin: %s", kvr_client_last_error(CB));
+    cr_assert_eq(kvr_client_pin(CB, "pub", false), 0);
+    cr_assert_eq(kvr_client_delete(CB, "pub"), 0);
+
+    kvr_layout_res lr;
+    cr_assert_eq(kvr_client_layout_stat(CB, "pub", &lr), 0, "layout_stat: %s",
+                 kvr_client_last_error(CB));
+    cr_assert_eq(kvr_client_delete(CB, "pub"), 0);
+
+    /* A match of its tokens (and more): all 150 found, bit-exact. */
+    uint32_t *prompt = testd_tokens(3000, 170);
+    for (int i = 150; i < 170; i++)
+        prompt[i] = 9;
+    kvr_match_res m;
+    cr_assert_eq(kvr_client_match(CB, &(kvr_match_args){ .model = "tiny", .tokens = prompt,
+                                                        .n_tokens = 170, .get = true,
+                                                        .dtype = KVR_DTYPE_F16 }, &m), 0);
+    cr_assert_eq(m.length, 150, "match: %llu", (unsigned long long)m.length);
+    cr_assert(m.has_kv);
+    cr_assert_eq(m.kv.payload_len, ka.payload_len);
+    cr_assert_eq(memcmp(m.kv.payload, ka.payload, ka.payload_len), 0);
+    kvr_kv_release(&m.kv);
+    free(prompt);
+
+    /* What the cluster does not hold stays a plain miss for every verb. */
+    cr_assert_eq(kvr_client_stat(CB, "nowhere", &ci), KVR_ENOCTX);
+    cr_assert(strstr(kvr_client_last_error(CB), "nowhere"), "%s", kvr_client_last_error(CB));
+    cr_assert_eq(kvr_client_fork(CB, "nowhere", "x"), KVR_ENOCTX);
+    cr_assert_eq(testd_cli(&B, out, sizeof out, (const char *const[]){ "get", "nowhere", "-o",
+                                                                       raw, NULL }) != 0, 1);
+    kvr_kv_release(&ka);
+}
