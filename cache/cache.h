@@ -778,7 +778,7 @@ int kvr_layout_info_check(const kvr_layout_info *li, const char *ctx_id, uint64_
                           const int32_t *groups, const uint32_t *flags, size_t n,
                           kvr_error *err);
 
-/* The shared tier (daemon/remote.c): gives a context just created from
+/* The shared tier (daemon/remote_fetch.c): gives a context just created from
  * another node's publication the layout it has there, as kvr_store_layout_stat
  * reported it (APE record, groups with offsets and cursors, retention
  * numbers), each token's group id (groups, NULL: 0 each, as a put writes

@@ -112,7 +112,7 @@ struct kvr_daemon {
     uv_loop_t          loop;
     kvr_daemon_config  cfg;
     kvr_store         *store;
-    struct kvr_remote *remote;   /* shared tier; NULL = none (remote.c) */
+    struct kvr_remote *remote;   /* shared tier; NULL = none (remote_pub.c) */
     /* The request whose verb is starting, while it may still ask the shared
      * tier: the store's miss hooks give their fetch to it (dispatch.c). */
     struct kvrd_request *fetch_req;

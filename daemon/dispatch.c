@@ -98,7 +98,7 @@ struct kvrd_request {
     bool             meta;          /* get/assemble: meta_only (no payload) */
     bool             needs_work;    /* run(): the verb's work is to be done */
     int              fd;            /* came with the frame (-1 none); closed at the end */
-    /* The shared tier under the store (remote.c): the fetch a miss of this
+    /* The shared tier under the store (remote_fetch.c): the fetch a miss of this
      * request's verb gave it, the fetches it has made, and whether it is
      * done asking (then its verb sees the store's plain misses). */
     struct kvr_rjob *rjob;
@@ -349,7 +349,7 @@ static void reply_ok(kvrd_request *r, Kvrope__Response *resp)
     send_ok(r, resp, NULL, 0, 0, NULL, NULL);
 }
 
-/* ---- the shared tier (remote.c) ------------------------------------------- */
+/* ---- the shared tier (remote_pub.c) ----------------------------------------- */
 
 /* A synchronous share: the reply waits (phase PERSIST, the held reply)
  * until the publication is done; then it is sent, or "stored locally, not
@@ -413,7 +413,7 @@ static void reply_shared(kvrd_request *r, Kvrope__Response *resp, const char *ct
  * KVR_EFETCH changing nothing, and reply_error parks the request instead
  * of answering (fetch_park): the job runs on the threadpool (slow network
  * I/O, never on the loop), lands on the loop as an ordinary put
- * (remote.c), and the verb starts again from the top. A verb that names
+ * (remote_fetch.c), and the verb starts again from the top. A verb that names
  * several missing contexts (an assembly) fetches them one round each, up
  * to FETCH_ROUNDS; a miss in the cluster or a prefix fetch ends the asking,
  * so the verb then answers from what is local. */

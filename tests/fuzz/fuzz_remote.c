@@ -1,6 +1,6 @@
 /*
  * fuzz_remote.c — libFuzzer target for the values the shared tier reads
- * back from Redis (daemon/remote.c): a manifest (versions 1 and 2, layout
+ * back from Redis (daemon/remote_wire.c): a manifest (versions 1 and 2, layout
  * and quantized sections), a block value and a prefix entry, all of them
  * bytes anybody with access to the cluster can write. The first input byte
  * picks the parser. Whatever decodes is re-encoded and must decode to the
