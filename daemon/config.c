@@ -114,7 +114,7 @@ int kvr_parse_size(const char *s, uint64_t *out)
 
 /* The largest size any option takes (1 PiB): no machine has more, and
  * the sums and products the daemon makes of these values cannot
- * overflow below it (issue 29: max-memory = 2^64-1 was accepted). */
+ * overflow below it (max-memory = 2^64-1 was once accepted). */
 #define SIZE_OPT_MAX (1024ull * 1024ull * GIB)
 
 /* A size option's value, within [lo, SIZE_OPT_MAX]: KVR_EINVAL otherwise,
@@ -325,7 +325,7 @@ int kvr_daemon_config_load_file(kvr_daemon_config *c, const char *path,
     int lineno = 0, rc = 0;
     while ((len = getline(&line, &cap, f)) >= 0) {
         lineno++;
-        /* A NUL would cut the value short where C reads it (issue 29). */
+        /* A NUL would cut the value short where C reads it. */
         if (memchr(line, '\0', (size_t)len)) {
             seterr(err, "%s:%d: the line holds a NUL byte (a binary file?)", path, lineno);
             rc = KVR_EINVAL;

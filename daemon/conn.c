@@ -33,7 +33,7 @@
  *    E_BAD_REQUEST, the connection closed (an open put/edit aborted), at
  *    once, never parked for a later frame (refuse_fds). At most
  *    KVRD_MAX_PENDING_FDS wait for one frame; more close the connection
- *    the same way, so a peer cannot hoard descriptors (issue 29).
+ *    the same way, so a peer cannot hoard descriptors.
  *  - The message buffer grows with the bytes that arrived (at most doubling,
  *    plus 64 KiB), never to the size a peer declared.
  *  - A payload is read straight into the iovecs dispatch hands over (a
@@ -128,7 +128,7 @@ int kvr_conn_test_write_failures;
 
 /* A frame carries at most one fd (register_region's memfd); this many may
  * wait for the frame they came with, a few reads' worth. A peer sending
- * more (issue 29: a byte per sendmsg, each with 253 fds, took the daemon
+ * more (a byte per sendmsg, each with 253 fds, took the daemon
  * to its descriptor limit) is refused. */
 #define KVRD_MAX_PENDING_FDS 4
 

@@ -70,7 +70,7 @@ typedef struct kvr_daemon_config {
     char     remote_auth_file[1024];/* "USER PASSWORD"; "" = no AUTH */
     char     remote_key_file[1024]; /* cluster MAC key; "" = values unauthenticated */
     bool     share_all;             /* publish every put */
-    /* What a client can make the daemon hold (issue 12). */
+    /* What a client can make the daemon hold. */
     uint64_t min_rate;              /* bytes/s a frame must arrive at (after an
                                        --io-timeout grace); 0 = no deadline */
     uint64_t max_msg_buffers;       /* unfinished messages of all connections;

@@ -126,7 +126,7 @@ struct kvr_daemon {
     bool       has_tcp;
     uv_signal_t sig_int, sig_term, sig_hup;
     bool       has_signals;
-    /* The socket file we bound (issue 12: unlink only if it is still ours). */
+    /* The socket file we bound (unlink only if it is still ours). */
     dev_t      sock_dev;
     ino_t      sock_ino;
     bool       unix_activated, tcp_activated;   /* fds passed by systemd */
@@ -404,9 +404,6 @@ int  kvr_persist_open(kvr_daemon *d, char *err, size_t errlen);
  * is on disk or failed); 0 if it is not persistent (reply now); negative
  * KVR_E* (e filled) if the record could not be queued. */
 int  kvrd_persist_defer(kvr_daemon *d, const char *ctx_id, kvrd_request *r, kvr_error *e);
-/* Metrics of the disk tier for stats: fills up to cap, returns the count.
- * Names are static strings. */
-size_t kvr_persist_metrics(kvr_daemon *d, const char **names, double *values, size_t cap);
 
 /* ---- warm.c: --prefault ------------------------------------------------ */
 /* Starts faulting in --prefault bytes in the background (0: nothing). */

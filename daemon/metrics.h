@@ -41,6 +41,19 @@ int  kvr_metrics_create(kvr_daemon *d, int listen_fd, kvr_error *err);
 void kvr_metrics_observe(kvr_metrics *m, int verb, int status, uint64_t bytes_in,
                          uint64_t bytes_out, double seconds);
 
+/* The stats verb's figures, by name: taken from the same snapshot and the
+ * same list of figures /metrics renders (metrics.c's FIG_* tables), on the
+ * loop thread. names[i] are static or point into buf. 0, or KVR_ENOMEM
+ * (*out empty). Free with kvr_metrics_list_free. */
+typedef struct kvr_metric_list {
+    size_t       n;
+    const char **names;
+    double      *values;
+    char        *buf;
+} kvr_metric_list;
+int  kvr_metrics_list(kvr_daemon *d, kvr_metric_list *out, kvr_error *err);
+void kvr_metrics_list_free(kvr_metric_list *l);   /* zeroed: no-op */
+
 /* Loop thread (SIGHUP): the token scrapes must send (NULL: none). */
 int  kvr_metrics_set_token(kvr_metrics *m, const uint8_t *token, size_t len);
 

@@ -189,7 +189,4 @@ typedef struct kvr_remote_stats {
 } kvr_remote_stats;
 void kvr_remote_get_stats(kvr_remote *r, kvr_remote_stats *out);
 
-/* Metrics for stats: fills up to cap, returns the count (static names). */
-size_t kvr_remote_metrics(kvr_remote *r, const char **names, double *values, size_t cap);
-
 #endif /* KVR_REMOTE_H */

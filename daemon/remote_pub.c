@@ -778,33 +778,3 @@ void kvr_remote_get_stats(kvr_remote *r, kvr_remote_stats *o)
         o->fetch_hist[i] = atomic_load(&r->fetch_hist[i]);
 }
 
-size_t kvr_remote_metrics(kvr_remote *r, const char **names, double *values, size_t cap)
-{
-    kvr_remote_stats s;
-    kvr_remote_get_stats(r, &s);
-    struct { const char *n; double v; } m[] = {
-        { "remote_joined", s.joined ? 1 : 0 },
-        { "remote_published_contexts", (double)s.pub_contexts },
-        { "remote_published_blocks", (double)s.pub_blocks },
-        { "remote_blocks_already_there", (double)s.pub_skipped },
-        { "remote_publish_errors", (double)s.pub_errors },
-        { "remote_publish_dropped", (double)s.pub_dropped },
-        { "remote_fetch_hits", (double)s.fetch_hits },
-        { "remote_fetch_misses", (double)s.fetch_misses },
-        { "remote_fetch_corrupt", (double)s.fetch_corrupt },
-        { "remote_fetch_forged", (double)s.fetch_forged },
-        { "remote_fetched_tokens", (double)s.fetch_tokens },
-        { "remote_probes", (double)s.probes },
-        { "remote_moved", (double)s.moved },
-        { "remote_ask", (double)s.ask },
-        { "remote_map_refreshes", (double)s.refreshes },
-        { "remote_conn_errors", (double)s.conn_errors },
-    };
-    size_t n = sizeof m / sizeof *m;
-    for (size_t i = 0; i < n && i < cap; i++) {
-        names[i] = m[i].n;
-        values[i] = m[i].v;
-    }
-    return n < cap ? n : cap;
-}
-

@@ -144,7 +144,7 @@ int kvr_daemon_adopt_fd(kvr_daemon *d, int fd)
 
 /* The default socket's directory: created 0700 if missing; refused unless
  * it is a real directory (not a symlink) owned by us that neither group
- * nor others can write (issue 12: another user's directory lets that user
+ * nor others can write (another user's directory lets that user
  * replace the socket). */
 static int private_parent(const char *path, kvr_error *err)
 {
@@ -261,7 +261,7 @@ static int listen_unix(kvr_daemon *d, kvr_error *err)
         return rc;
     /* Bound here rather than with uv_pipe_bind: libuv unlinks the path it
      * bound when the handle closes, whoever's socket it names by then
-     * (issue 12); remove_socket does it only while the inode is ours. */
+     *; remove_socket does it only while the inode is ours. */
     int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
     if (fd < 0)
         return kvr_error_sys(err, KVR_ESYS, errno, "unix socket %s", d->sock_path);
@@ -365,7 +365,7 @@ int kvr_daemon_read_token(const char *path, uint8_t **tok, size_t *len, kvr_erro
         return kvr_error_sys(err, KVR_EIO, errno, "--auth-token-file %s", path);
     /* Refused, as sshd refuses such a private key: anyone who can read
      * the token can use the daemon, and anyone who can write it can lock
-     * every client out (issue 29). */
+     * every client out. */
     struct stat st;
     if (fstat(fileno(f), &st) == 0 && (st.st_mode & (S_IRWXG | S_IRWXO))) {
         fclose(f);
@@ -492,7 +492,7 @@ static int take_activated(kvr_daemon *d, int *metrics_fd, kvr_error *err)
  * to the kernel once no request arrived for --idle-purge seconds, and only
  * when the operator asked for it: given back, they cost the next puts the
  * kernel's first touch again (0.35 GB/s against 23 GB/s on a VM that
- * reports free pages to its host: issue 32). */
+ * reports free pages to its host). */
 
 /* Freed blocks the store keeps for the next puts (cache/block.h): a put
  * REPLACE takes the block the previous one freed instead of a fresh 1 MiB
@@ -580,7 +580,7 @@ static void close_signals(kvr_daemon *d)
 
 /* Unlinks the socket file only while it is still the one we bound: if the
  * path was removed and another kvroped bound it since, that socket is its
- * own (issue 12). The check and the unlink are two calls; a replacement in
+ * own. The check and the unlink are two calls; a replacement in
  * between cannot be excluded, but only by a process that can write the
  * directory, which is ours alone for the default path. */
 static void remove_socket(kvr_daemon *d)
@@ -791,7 +791,7 @@ int kvr_daemon_create(kvr_daemon **out, const kvr_daemon_config *cfg, kvr_error 
     /* The worker pool for rotation and codecs (rope/pool.c), started now
      * rather than by the first large get. */
     (void)kvr_pool_default();
-    /* Contexts and models count against limits too (issue 12): by default
+    /* Contexts and models count against limits too: by default
      * one context per 4 KiB of the cap (its metadata is not evictable). */
     size_t max_ctx = cfg->max_contexts ? (size_t)cfg->max_contexts
                                        : (size_t)(cfg->max_memory / 4096);

@@ -1,6 +1,5 @@
 /*
- * shm.c — shared-memory regions of a Unix-socket connection (issue 14,
- * docs/protocol.md "Shared memory"): a client hands the daemon a memfd once
+ * shm.c — shared-memory regions of a Unix-socket connection (docs/protocol.md "Shared memory"): a client hands the daemon a memfd once
  * (RegisterRegion + SCM_RIGHTS), then names (region, offset, length) in
  * Request.shm instead of sending or receiving a socket payload.
  *
@@ -17,7 +16,7 @@
  * --max-regions-total): each region is a mapping, and the kernel's
  * vm.max_map_count (65,530 by default) is the whole process's, so 1,024
  * connections x 64 regions would leave the allocator no mappings and
- * unrelated clients' puts would fail with E_NO_MEMORY (issue 29). The
+ * unrelated clients' puts would fail with E_NO_MEMORY. The
  * default cap is max_map_count less headroom for the daemon's own maps
  * (KVRD_MAP_HEADROOM, or a quarter when that is more); a register past it
  * gets E_LIMIT, and only the client that asked sees it.

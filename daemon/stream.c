@@ -17,7 +17,7 @@
  * and the writes in flight have come back. Each queued job and write holds
  * a reference on the connection, so it outlives the stream.
  *
- * Staging (issue 15), reserved by kvrd_stream_stage before anything is
+ * Staging, reserved by kvrd_stream_stage before anything is
  * sent, never the whole payload's:
  *  - In pieces (kvr_get_stage_pieces), where a ring of whole-layer chunks
  *    would stage more than KVR_STREAM_PIECES_FROM and the get's staged

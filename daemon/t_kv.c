@@ -225,7 +225,7 @@ static void start_get(kvrd_request *r, const kvr_get_params *gp0)
         return;
     }
     /* The staging, reserved only now that it is known how the payload goes
-     * out (issue 15): a ring of chunks for a stream, else the whole buffer
+     * out: a ring of chunks for a stream, else the whole buffer
      * the iovecs point into; refused before anything is sent. */
     bool stream = work && kvr_get_payload_size(r->get) > KVR_STREAM_MIN_BYTES &&
                   kvr_get_get_info(r->get)->n_layers > 1;

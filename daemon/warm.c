@@ -2,7 +2,7 @@
  * warm.c — --prefault: the memory the store will use, faulted in once at
  * start, in the background, so the first puts do not pay the kernel's first
  * touch of fresh pages (on VMs that hand free pages back to their host it
- * runs at ~0.35 GB/s against ~20 GB/s for memory already touched: issue 32).
+ * runs at ~0.35 GB/s against ~20 GB/s for memory already touched).
  *
  * A thread bound to the loop thread's jemalloc arena (where blocks are
  * allocated: puts and reloads begin on the loop) allocates chunks up to the
