@@ -11,7 +11,7 @@
  * context's record), and its handlers: start (loop thread), work (any
  * thread, optional) and finish (loop thread, after work).
  *
- * A request (kvrd_request) is created here from a complete frame and is
+ * A request (kvr_request) is created here from a complete frame and is
  * dispatch's alone: conn.c moves its bytes and never looks inside it. Its
  * phases:
  *
@@ -21,11 +21,11 @@
  *   RUN --large get that needs work--> STREAM (stream.c)
  *   RUN --a miss the shared tier took--> WORK (fetch) --landed--> RUN (start again)
  *
- * Invariants: every path ends in exactly one kvrd_request_end (after the
+ * Invariants: every path ends in exactly one kvr__request_end (after the
  * reply was handed to conn.c, or when the connection closed under it);
  * when it ends the request holds no store transaction and no reply; at
  * most one of put / edit / get / as is open. Store errors map to Status
- * with kvr_error_status (kvr_status_of).
+ * with kvr_error_status (kvr__status_of).
  */
 #include "daemon/dispatch.h"
 #include "proto/check.h"
@@ -38,7 +38,7 @@
  * whole arena goes with the request). */
 static void *pb_arena_alloc(void *ud, size_t n)
 {
-    kvrd_request *r = ud;
+    kvr_request *r = ud;
     size_t k = (n + 15) & ~(size_t)15;
     if (n > 0 && k <= sizeof r->arena - r->arena_used) {
         void *p = r->arena + r->arena_used;
@@ -51,7 +51,7 @@ static void *pb_arena_alloc(void *ud, size_t n)
 
 static void pb_arena_free(void *ud, void *p)
 {
-    kvrd_request *r = ud;
+    kvr_request *r = ud;
     if ((uint8_t *)p >= r->arena && (uint8_t *)p < r->arena + sizeof r->arena)
         return;
     kvr_mem_free(p);
@@ -60,24 +60,24 @@ static void pb_arena_free(void *ud, void *p)
 /* Frees a request's unpacked message. When every allocation of it is in
  * the arena there is nothing to free: the walk over its descriptor that
  * free_unpacked does (~800 instructions for a put) is skipped. */
-void kvr__msg_free(kvrd_request *r)
+void kvr__msg_free(kvr_request *r)
 {
     if (r->msg && r->arena_heap)
         kvrope__request__free_unpacked(r->msg, &r->pb);
     r->msg = NULL;
 }
 
-static const kvrd_verb VERBS[KVR_N_VERBS];
+static const kvr_verb VERBS[KVR_N_VERBS];
 
 /* ---- ending a request ------------------------------------------------------ */
 
-void kvr__release_txn(kvrd_request *r)
+void kvr__release_txn(kvr_request *r)
 {
     if (r->put)
         kvr_put_abort(r->put);
     if (r->edit)
         kvr_edit_abort(r->edit);
-    kvr_remote_job_free(r->rjob);   /* aborts the put a fetch may hold open */
+    kvr__remote_job_free(r->rjob);   /* aborts the put a fetch may hold open */
     r->rjob = NULL;
     kvr_get_end(r->get);
     kvr_assemble_end(r->as);
@@ -87,13 +87,13 @@ void kvr__release_txn(kvrd_request *r)
     r->as = NULL;
 }
 
-void kvrd_request_end(kvrd_request *r, int status)
+void kvr__request_end(kvr_request *r, int status)
 {
     kvr_conn *c = r->c;
     assert(c->req == r);
     assert(r->phase == RQ_RUN || r->phase == RQ_STREAM);
     assert(!r->put && !r->edit && !r->get && !r->as && !r->held);
-    kvr_remote_job_free(r->rjob);   /* taken by a probe the verb went past */
+    kvr__remote_job_free(r->rjob);   /* taken by a probe the verb went past */
     r->rjob = NULL;
     if (c->d->fetch_req == r)
         c->d->fetch_req = NULL;
@@ -103,7 +103,7 @@ void kvrd_request_end(kvrd_request *r, int status)
      * connection closed under it ends with KVR_EIO), latency
      * uv_hrtime() - r->start_ns, bytes in KVR_FRAME_HEADER_SIZE +
      * r->msg_len + r->payload_len, bytes out r->bytes_out. */
-    kvr_metrics_observe(c->d->metrics, r->verb ? (int)(r->verb - VERBS) : -1, kvr_error_status(status),
+    kvr__metrics_observe(c->d->metrics, r->verb ? (int)(r->verb - VERBS) : -1, kvr_error_status(status),
                         r->payload_len, r->bytes_out,
                         (double)(uv_hrtime() - r->start_ns) / 1e9);
     if (kvr_log_get_level() <= KVR_LOG_DEBUG)
@@ -112,7 +112,7 @@ void kvrd_request_end(kvrd_request *r, int status)
                 status ? kvr_error_name(status) : "OK",
                 (double)(uv_hrtime() - r->start_ns) / 1e6, (unsigned long long)r->bytes_out);
     kvr__msg_free(r);
-    kvrd_region_unref(r->shm);      /* work on it is over: unmapped if released */
+    kvr__region_unref(r->shm);      /* work on it is over: unmapped if released */
     r->shm = NULL;
     if (r->fd >= 0)
         close(r->fd);
@@ -124,14 +124,14 @@ void kvrd_request_end(kvrd_request *r, int status)
         c->req_spare = r;
     else
         kvr_mem_free(r);
-    kvrd_conn_request_done(c);
+    kvr__conn_request_done(c);
 }
 
 /* ---- replies ------------------------------------------------------------------ */
 
-static bool fetch_park(kvrd_request *r);
+static bool fetch_park(kvr_request *r);
 
-void kvr__reply_error(kvrd_request *r, int code, const char *msg)
+void kvr__reply_error(kvr_request *r, int code, const char *msg)
 {
     assert(r->phase == RQ_RUN && code < 0);
     if (code == KVR_EFETCH) {
@@ -139,18 +139,18 @@ void kvr__reply_error(kvrd_request *r, int code, const char *msg)
             return;     /* the verb starts again once the fetch landed */
         code = KVR_ENOCTX;
     }
-    kvrd_conn_reply_error(r->c, r->id, code, msg);
-    kvrd_request_end(r, code);
+    kvr__conn_reply_error(r->c, r->id, code, msg);
+    kvr__request_end(r, code);
 }
 
-void kvr__reply_err(kvrd_request *r, int code, const kvr_error *e)
+void kvr__reply_err(kvr_request *r, int code, const kvr_error *e)
 {
     kvr__reply_error(r, code, e && e->msg[0] ? e->msg : NULL);
 }
 
-void kvr__reply_errf(kvrd_request *r, int code, const char *fmt, ...)
+void kvr__reply_errf(kvr_request *r, int code, const char *fmt, ...)
 {
-    char m[KVRD_ERR_MAX];
+    char m[KVR_ERR_MAX];
     va_list ap;
     va_start(ap, fmt);
     vsnprintf(m, sizeof m, fmt, ap);
@@ -161,15 +161,15 @@ void kvr__reply_errf(kvrd_request *r, int code, const char *fmt, ...)
 /* Sends resp (status OK) and then payload_len bytes from iov; done(arg)
  * releases the payload's source once written (at once if it cannot be).
  * Ends the request. */
-void kvr__send_ok(kvrd_request *r, Kvrope__Response *resp, const struct iovec *iov,
-                    size_t niov, size_t payload_len, kvrd_write_cb done, void *arg)
+void kvr__send_ok(kvr_request *r, Kvrope__Response *resp, const struct iovec *iov,
+                    size_t niov, size_t payload_len, kvr_write_cb done, void *arg)
 {
     assert(payload_len == 0 || (r->verb->flags & V_PAYLOAD_OUT));
     resp->id = r->id;
     resp->status = KVROPE__STATUS__OK;
     size_t len;
     /* The message may point into the payload source: pack before done. */
-    uint8_t *buf = kvrd_pack_response(resp, payload_len, &len);
+    uint8_t *buf = kvr__pack_response(resp, payload_len, &len);
     if (!buf) {
         if (done)
             done(arg, KVR_ENOMEM);
@@ -178,22 +178,22 @@ void kvr__send_ok(kvrd_request *r, Kvrope__Response *resp, const struct iovec *i
     }
     r->bytes_out += len + payload_len;
     /* Written in full at once (1): the source is released here. */
-    int wr = kvrd_conn_write_ex(r->c, buf, len, iov, niov, payload_len, done, arg, true);
+    int wr = kvr__conn_write_ex(r->c, buf, len, iov, niov, payload_len, done, arg, true);
     if (wr == 1)
         done(arg, 0);
     else if (wr != 0 && done)
         done(arg, KVR_EIO);
-    kvrd_request_end(r, 0);
+    kvr__request_end(r, 0);
 }
 
 /* The reply to a change of a persistent context: held until its record is
- * on disk (kvrd_request_persisted), or sent now if the context is not. */
-static void reply_durable(kvrd_request *r, Kvrope__Response *resp, const char *ctx_id)
+ * on disk (kvr__request_persisted), or sent now if the context is not. */
+static void reply_durable(kvr_request *r, Kvrope__Response *resp, const char *ctx_id)
 {
     resp->id = r->id;
     resp->status = KVROPE__STATUS__OK;
     size_t len;
-    uint8_t *buf = kvrd_pack_response(resp, 0, &len);
+    uint8_t *buf = kvr__pack_response(resp, 0, &len);
     if (!buf) {
         kvr__reply_error(r, KVR_ENOMEM, "out of memory holding a reply");
         return;
@@ -202,18 +202,18 @@ static void reply_durable(kvrd_request *r, Kvrope__Response *resp, const char *c
     r->held = buf;
     r->held_len = len;
     r->phase = RQ_PERSIST;
-    kvr_conn_ref(c);
+    kvr__conn_ref(c);
     kvr_error e = { 0 };
-    int rc = kvrd_persist_defer(r->d, ctx_id, r, &e);
+    int rc = kvr__persist_defer(r->d, ctx_id, r, &e);
     if (rc > 0)
         return;     /* r may be gone already */
     r->phase = RQ_RUN;
     r->held = NULL;
-    kvr_conn_unref(c);      /* the handle's reference is still there */
+    kvr__conn_unref(c);      /* the handle's reference is still there */
     if (rc == 0) {
         r->bytes_out += len;
-        kvrd_conn_write(c, buf, len, NULL, 0, 0, NULL, NULL);
-        kvrd_request_end(r, 0);
+        kvr__conn_write(c, buf, len, NULL, 0, 0, NULL, NULL);
+        kvr__request_end(r, 0);
         return;
     }
     kvr_mem_free(buf);
@@ -223,9 +223,9 @@ static void reply_durable(kvrd_request *r, Kvrope__Response *resp, const char *c
     kvr__reply_error(r, rc == KVR_ENOMEM ? rc : KVR_EIO, m);
 }
 
-void kvrd_request_persisted(void *arg, int rc, const kvr_error *e)
+void kvr__request_persisted(void *arg, int rc, const kvr_error *e)
 {
-    kvrd_request *r = arg;
+    kvr_request *r = arg;
     kvr_conn *c = r->c;
     assert(r->phase == RQ_PERSIST && r->held);
     r->phase = RQ_RUN;
@@ -233,22 +233,22 @@ void kvrd_request_persisted(void *arg, int rc, const kvr_error *e)
     r->held = NULL;
     if (c->closing) {
         kvr_mem_free(buf);
-        kvrd_request_end(r, rc ? rc : KVR_EIO);
+        kvr__request_end(r, rc ? rc : KVR_EIO);
     } else if (rc == 0) {
         r->bytes_out += r->held_len;
-        kvrd_conn_write(c, buf, r->held_len, NULL, 0, 0, NULL, NULL);
-        kvrd_request_end(r, 0);
+        kvr__conn_write(c, buf, r->held_len, NULL, 0, 0, NULL, NULL);
+        kvr__request_end(r, 0);
     } else {
         kvr_mem_free(buf);
         kvr_log(KVR_LOG_WARN, "persistence failed: %s", e && e->msg[0] ? e->msg : "");
         kvr__reply_err(r, rc, e);
     }
-    kvr_conn_unref(c);
+    kvr__conn_unref(c);
 }
 
 /* A reply with no payload: through persistence when the verb changes a
  * context and there is a disk tier. */
-void kvr__reply_ok(kvrd_request *r, Kvrope__Response *resp)
+void kvr__reply_ok(kvr_request *r, Kvrope__Response *resp)
 {
     if (r->verb->changes && kvr_store_tier_engine(r->d->store)) {
         reply_durable(r, resp, r->verb->changes(r->msg));
@@ -264,7 +264,7 @@ void kvr__reply_ok(kvrd_request *r, Kvrope__Response *resp)
  * shared: ..." instead. */
 static void shared_done(void *arg, int rc, const char *msg)
 {
-    kvrd_request *r = arg;
+    kvr_request *r = arg;
     kvr_conn *c = r->c;
     assert(r->phase == RQ_PERSIST && r->held);
     r->phase = RQ_RUN;
@@ -272,25 +272,25 @@ static void shared_done(void *arg, int rc, const char *msg)
     r->held = NULL;
     if (c->closing) {
         kvr_mem_free(buf);
-        kvrd_request_end(r, rc ? rc : KVR_EIO);
+        kvr__request_end(r, rc ? rc : KVR_EIO);
     } else if (rc == 0) {
         r->bytes_out += r->held_len;
-        kvrd_conn_write(c, buf, r->held_len, NULL, 0, 0, NULL, NULL);
-        kvrd_request_end(r, 0);
+        kvr__conn_write(c, buf, r->held_len, NULL, 0, 0, NULL, NULL);
+        kvr__request_end(r, 0);
     } else {
         kvr_mem_free(buf);
         kvr__reply_errf(r, rc == KVR_ENOMEM ? rc : KVR_EIO, "stored locally, not shared: %s",
                    msg ? msg : kvr_strerror(rc));
     }
-    kvr_conn_unref(c);
+    kvr__conn_unref(c);
 }
 
-void kvr__reply_shared(kvrd_request *r, Kvrope__Response *resp, const char *ctx_id)
+void kvr__reply_shared(kvr_request *r, Kvrope__Response *resp, const char *ctx_id)
 {
     resp->id = r->id;
     resp->status = KVROPE__STATUS__OK;
     size_t len;
-    uint8_t *buf = kvrd_pack_response(resp, 0, &len);
+    uint8_t *buf = kvr__pack_response(resp, 0, &len);
     if (!buf) {
         kvr__reply_error(r, KVR_ENOMEM, "stored locally, not shared: out of memory");
         return;
@@ -298,14 +298,14 @@ void kvr__reply_shared(kvrd_request *r, Kvrope__Response *resp, const char *ctx_
     r->held = buf;
     r->held_len = len;
     r->phase = RQ_PERSIST;
-    kvr_conn_ref(r->c);
+    kvr__conn_ref(r->c);
     kvr_error e = { 0 };
-    if (kvr_remote_publish(r->d->remote, ctx_id, shared_done, r, &e) == 0)
+    if (kvr__remote_publish(r->d->remote, ctx_id, shared_done, r, &e) == 0)
         return;     /* shared_done answers */
     r->phase = RQ_RUN;
     r->held = NULL;
     kvr_mem_free(buf);
-    kvr_conn_unref(r->c);
+    kvr__conn_unref(r->c);
     kvr__reply_errf(r, e.code ? e.code : KVR_EIO, "stored locally, not shared: %s", e.msg);
 }
 
@@ -327,10 +327,10 @@ void kvr__reply_shared(kvrd_request *r, Kvrope__Response *resp, const char *ctx_
  * so the verb then answers from what is local. */
 #define FETCH_ROUNDS 16
 
-static void start_verb(kvrd_request *r)
+static void start_verb(kvr_request *r)
 {
     kvr_daemon *d = r->d;
-    kvrd_request *prev = d->fetch_req;
+    kvr_request *prev = d->fetch_req;
     d->fetch_req = d->remote && !r->remote_tried ? r : NULL;
     r->verb->start(r);
     d->fetch_req = prev == r ? NULL : prev;
@@ -340,8 +340,8 @@ static bool take_fetch(kvr_daemon *d, kvr_rjob *j)
 {
     if (!j)
         return false;
-    kvrd_request *r = d->fetch_req;
-    kvr_remote_job_free(r->rjob);
+    kvr_request *r = d->fetch_req;
+    kvr__remote_job_free(r->rjob);
     r->rjob = j;
     return true;
 }
@@ -349,7 +349,7 @@ static bool take_fetch(kvr_daemon *d, kvr_rjob *j)
 static bool on_ctx_miss(void *arg, const char *id)
 {
     kvr_daemon *d = arg;
-    return d->fetch_req && take_fetch(d, kvr_remote_job_get(d->remote, id));
+    return d->fetch_req && take_fetch(d, kvr__remote_job_get(d->remote, id));
 }
 
 static bool on_prefix_miss(void *arg, const char *model, const uint32_t *tokens, size_t n,
@@ -357,40 +357,40 @@ static bool on_prefix_miss(void *arg, const char *model, const uint32_t *tokens,
 {
     kvr_daemon *d = arg;
     return d->fetch_req &&
-           take_fetch(d, kvr_remote_job_prefix(d->remote, model, tokens, n, local));
+           take_fetch(d, kvr__remote_job_prefix(d->remote, model, tokens, n, local));
 }
 
-void kvrd_dispatch_tier_install(kvr_daemon *d)
+void kvr__dispatch_tier_install(kvr_daemon *d)
 {
     if (d->remote)
         kvr_store_set_miss_hooks(d->store,
                                  &(kvr_store_miss_hooks){ on_ctx_miss, on_prefix_miss, d });
 }
 
-static void fetch_queue(kvrd_request *r);
+static void fetch_queue(kvr_request *r);
 
 static void fetch_work_cb(uv_work_t *w)
 {
-    kvrd_request *r = w->data;
-    kvr_remote_job_work(r->rjob);
+    kvr_request *r = w->data;
+    kvr__remote_job_work(r->rjob);
 }
 
 /* After a fetch: land it (a local put), maybe fetch again (a get by id:
  * the blocks, straight into the put opened for them), then start the verb
  * again, as if what landed had been local all along (or as the miss it
  * is). */
-static void fetch_done(kvrd_request *r)
+static void fetch_done(kvr_request *r)
 {
     kvr_rjob *j = r->rjob;
     r->rjob = NULL;
-    int rc = kvr_remote_job_land(j);
+    int rc = kvr__remote_job_land(j);
     if (rc == 1) {
         r->rjob = j;
         fetch_queue(r);
         return;
     }
-    bool prefix = !kvr_remote_job_by_id(j);
-    kvr_remote_job_free(j);
+    bool prefix = !kvr__remote_job_by_id(j);
+    kvr__remote_job_free(j);
     if (rc < 0 || prefix || ++r->n_fetches >= FETCH_ROUNDS)
         r->remote_tried = true;
     start_verb(r);
@@ -399,24 +399,24 @@ static void fetch_done(kvrd_request *r)
 static void fetch_after_cb(uv_work_t *w, int status)
 {
     (void)status;     /* never cancelled */
-    kvrd_request *r = w->data;
+    kvr_request *r = w->data;
     kvr_conn *c = r->c;
     assert(r->phase == RQ_WORK);
     r->phase = RQ_RUN;
     if (c->closing) {
         kvr__release_txn(r);
-        kvrd_request_end(r, KVR_EIO);
+        kvr__request_end(r, KVR_EIO);
     } else {
         fetch_done(r);
     }
-    kvr_conn_unref(c);
+    kvr__conn_unref(c);
 }
 
-static void fetch_queue(kvrd_request *r)
+static void fetch_queue(kvr_request *r)
 {
     r->phase = RQ_WORK;
     r->work.data = r;
-    kvr_conn_ref(r->c);
+    kvr__conn_ref(r->c);
     if (uv_queue_work(&r->d->loop, &r->work, fetch_work_cb, fetch_after_cb) < 0) {
         fetch_work_cb(&r->work);          /* rather than fail the request */
         fetch_after_cb(&r->work, 0);
@@ -426,7 +426,7 @@ static void fetch_queue(kvrd_request *r)
 /* A verb failed with KVR_EFETCH: park the request on its fetch (true), or
  * false when there is none to park on (the verb had a transaction open: it
  * cannot start again; the miss is answered as one). */
-static bool fetch_park(kvrd_request *r)
+static bool fetch_park(kvr_request *r)
 {
     if (!r->rjob || r->put || r->edit || r->get || r->as) {
         kvr_log(KVR_LOG_WARN, "request id %llu: a %s missed in the store with no fetch to "
@@ -488,7 +488,7 @@ static int copy_in_chunk(void *ud, size_t i)
 #define SHM_COPY_CHUNK ((size_t)4 << 20)
 #define SHM_STREAM_MIN ((size_t)16 << 20)
 
-static void shm_copy_in(kvrd_request *r)
+static void shm_copy_in(kvr_request *r)
 {
     copy_in ci = { .src = r->shm_p, .chunk = SHM_COPY_CHUNK };
     if (r->edit)
@@ -518,7 +518,7 @@ static void shm_copy_in(kvrd_request *r)
  * and there is nothing left to copy. Raw gets, and any read the store did
  * not place, are copied here: a get that needs work layer by layer, so
  * each layer is copied while it is still in cache. */
-static int shm_copy_out(kvrd_request *r, kvr_error *e)
+static int shm_copy_out(kvr_request *r, kvr_error *e)
 {
     const struct iovec *iov;
     size_t n;
@@ -555,7 +555,7 @@ static int shm_copy_out(kvrd_request *r, kvr_error *e)
 
 static void work_cb(uv_work_t *w)
 {
-    kvrd_request *r = w->data;
+    kvr_request *r = w->data;
     memset(&r->work_err, 0, sizeof r->work_err);
     int rc = 0;
     if (r->shm && (r->verb->flags & V_PAYLOAD_OUT)) {
@@ -571,7 +571,7 @@ static void work_cb(uv_work_t *w)
 
 static void after_work_cb(uv_work_t *w, int status)
 {
-    kvrd_request *r = w->data;
+    kvr_request *r = w->data;
     kvr_conn *c = r->c;
     assert(r->phase == RQ_WORK);
     r->phase = RQ_RUN;
@@ -582,11 +582,11 @@ static void after_work_cb(uv_work_t *w, int status)
     if (c->closing) {
         /* Nobody to answer: nothing acknowledged, so nothing kept. */
         kvr__release_txn(r);
-        kvrd_request_end(r, KVR_EIO);
+        kvr__request_end(r, KVR_EIO);
     } else {
         r->verb->finish(r);
     }
-    kvr_conn_unref(c);
+    kvr__conn_unref(c);
 }
 
 /* A region copy with nothing else to do (a plain shm get or put) of up to
@@ -595,9 +595,9 @@ static void after_work_cb(uv_work_t *w, int status)
  * microseconds on a loaded machine) costs more than the copy, and the loop
  * is held no longer than about that. Rotation, conversion and codec work
  * always go to the threadpool. */
-#define KVRD_INLINE_COPY_MAX ((size_t)1 << 20)
+#define KVR_INLINE_COPY_MAX ((size_t)1 << 20)
 
-static size_t work_bytes(const kvrd_request *r)
+static size_t work_bytes(const kvr_request *r)
 {
     if (r->put || r->edit)
         return (size_t)r->payload_len;
@@ -610,16 +610,16 @@ static size_t work_bytes(const kvrd_request *r)
 
 /* The one "queue the work or finish inline" path: the verb's work on the
  * threadpool when the transaction needs it (here, if the pool refuses, or
- * for a small region copy: KVRD_INLINE_COPY_MAX), then its finish on the
+ * for a small region copy: KVR_INLINE_COPY_MAX), then its finish on the
  * loop thread;
  * finish at once when it needs none. */
-void kvr__run(kvrd_request *r, bool needs_work)
+void kvr__run(kvr_request *r, bool needs_work)
 {
     assert(r->phase == RQ_RUN && r->verb->finish);
     /* Past its lookups: what it calls now does not ask the shared tier. */
     if (r->d->fetch_req == r)
         r->d->fetch_req = NULL;
-    kvr_remote_job_free(r->rjob);
+    kvr__remote_job_free(r->rjob);
     r->rjob = NULL;
     r->work_rc = 0;
     r->needs_work = needs_work;
@@ -630,8 +630,8 @@ void kvr__run(kvrd_request *r, bool needs_work)
     assert(r->verb->work);
     r->phase = RQ_WORK;
     r->work.data = r;
-    kvr_conn_ref(r->c);
-    bool small = !needs_work && work_bytes(r) <= KVRD_INLINE_COPY_MAX;
+    kvr__conn_ref(r->c);
+    bool small = !needs_work && work_bytes(r) <= KVR_INLINE_COPY_MAX;
     if (small || uv_queue_work(&r->d->loop, &r->work, work_cb, after_work_cb) < 0) {
         work_cb(&r->work);          /* rather than fail the request */
         after_work_cb(&r->work, 0);
@@ -643,12 +643,12 @@ void kvr__run(kvrd_request *r, bool needs_work)
 /* ---- payloads ------------------------------------------------------------------- */
 
 /* The open put's (or edit's) payload is read into its iovecs; then
- * kvrd_dispatch_payload_done. */
-void kvr__read_payload(kvrd_request *r)
+ * kvr__dispatch_payload_done. */
+void kvr__read_payload(kvr_request *r)
 {
     if (r->c->closing) {
         kvr__release_txn(r);
-        kvrd_request_end(r, KVR_EIO);
+        kvr__request_end(r, KVR_EIO);
         return;
     }
     if (r->shm) {   /* copied from the region by the worker (shm_copy_in) */
@@ -662,27 +662,27 @@ void kvr__read_payload(kvrd_request *r)
     else
         kvr_put_payload_iov(r->put, &iov, &n);
     r->phase = RQ_PAYLOAD;
-    kvrd_conn_read_payload(r->c, iov, n);
+    kvr__conn_read_payload(r->c, iov, n);
 }
 
-void kvrd_dispatch_payload_done(kvr_conn *c)
+void kvr__dispatch_payload_done(kvr_conn *c)
 {
-    kvrd_request *r = c->req;
+    kvr_request *r = c->req;
     assert(r && r->phase == RQ_PAYLOAD && (r->put || r->edit));
     r->phase = RQ_RUN;
     kvr__run(r, r->edit ? kvr_edit_needs_work(r->edit) : kvr_put_needs_work(r->put));
 }
 
-void kvrd_dispatch_conn_closing(kvr_conn *c)
+void kvr__dispatch_conn_closing(kvr_conn *c)
 {
-    kvrd_request *r = c->req;
+    kvr_request *r = c->req;
     if (!r || r->phase != RQ_PAYLOAD)
         return;     /* RUN: its handler is on the stack; the others come back */
     kvr_log(KVR_LOG_INFO, "client closed during %s payload: %s aborted",
             r->put ? "a put" : "an edit", r->put ? "put" : "edit");
     kvr__release_txn(r);
     r->phase = RQ_RUN;
-    kvrd_request_end(r, KVR_EIO);
+    kvr__request_end(r, KVR_EIO);
 }
 
 
@@ -707,10 +707,10 @@ CHANGES(set_retention, q->set_retention->context_id)
 /* name, BODY case, flags, changes, work, finish; start is do_<name>. The
  * one list of verbs: the order of the requests_<verb> figures in stats and
  * the verb="<name>" series of /metrics (metrics.c takes its names from
- * kvrd_verb_name and its index from here). */
+ * kvr__verb_name and its index from here). */
 #define VERB(n, B, fl, ch, wk, fin) \
     { #n, KVROPE__REQUEST__BODY_##B, (fl), kvr__do_##n, (ch), (wk), (fin) }
-static const kvrd_verb VERBS[KVR_N_VERBS] = {
+static const kvr_verb VERBS[KVR_N_VERBS] = {
     VERB(auth,             AUTH,             V_OPEN,        NULL, NULL, NULL),
     VERB(ping,             PING,             0,             NULL, NULL, NULL),
     VERB(register_model,   REGISTER_MODEL,   0,             NULL, NULL, NULL),
@@ -744,7 +744,7 @@ static const kvrd_verb VERBS[KVR_N_VERBS] = {
 };
 #undef VERB
 
-const char *kvrd_verb_name(size_t i)
+const char *kvr__verb_name(size_t i)
 {
     return i < KVR_N_VERBS ? VERBS[i].name : NULL;
 }
@@ -762,7 +762,7 @@ static void build_verb_index(void)
     }
 }
 
-static const kvrd_verb *find_verb(Kvrope__Request__BodyCase body)
+static const kvr_verb *find_verb(Kvrope__Request__BodyCase body)
 {
     pthread_once(&verb_index_once, build_verb_index);
     unsigned b = (unsigned)body;
@@ -771,18 +771,18 @@ static const kvrd_verb *find_verb(Kvrope__Request__BodyCase body)
 
 /* ---- a frame comes in -------------------------------------------------------- */
 
-void kvrd_dispatch_frame(kvr_conn *c, const kvr_frame_header *fh, const uint8_t *msg)
+void kvr__dispatch_frame(kvr_conn *c, const kvr_frame_header *fh, const uint8_t *msg)
 {
-    assert(c->req == NULL && c->st == KVRD_CONN_BUSY);
+    assert(c->req == NULL && c->st == KVR_CONN_BUSY);
     kvr_daemon *d = c->d;
-    kvrd_request *r = c->req_spare;
+    kvr_request *r = c->req_spare;
     c->req_spare = NULL;
     if (r)
-        memset(r, 0, offsetof(kvrd_request, work));   /* the rest is set before use */
+        memset(r, 0, offsetof(kvr_request, work));   /* the rest is set before use */
     else
         r = kvr_mem_calloc(1, sizeof *r);
     if (!r) {
-        kvr_conn_fail(c, 0, KVR_ENOMEM, "out of memory for the request");
+        kvr__conn_fail(c, 0, KVR_ENOMEM, "out of memory for the request");
         return;
     }
     r->pb = (ProtobufCAllocator){ pb_arena_alloc, pb_arena_free, r };
@@ -791,7 +791,7 @@ void kvrd_dispatch_frame(kvr_conn *c, const kvr_frame_header *fh, const uint8_t 
     Kvrope__Request *q = kvrope__request__unpack(&r->pb, fh->msg_len, msg);
     if (!q) {
         c->req_spare = r;
-        kvr_conn_fail(c, 0, KVR_EBADFRAME, "message does not decode as a kvrope.Request");
+        kvr__conn_fail(c, 0, KVR_EBADFRAME, "message does not decode as a kvrope.Request");
         return;
     }
     r->c = c;
@@ -805,9 +805,9 @@ void kvrd_dispatch_frame(kvr_conn *c, const kvr_frame_header *fh, const uint8_t 
     /* fds never pile up on the handle: a RegisterRegion takes those that
      * came with it; another frame takes them when no later frame was read
      * with it (else they could be a later RegisterRegion's, read with it:
-     * kvrd_conn_frames_ahead), and refuses them (conn.c). */
+     * kvr__conn_frames_ahead), and refuses them (conn.c). */
     bool region = r->verb && r->verb->body == KVROPE__REQUEST__BODY_REGISTER_REGION;
-    r->fd = region || !kvrd_conn_frames_ahead(c) ? kvrd_conn_take_fd(c) : -1;
+    r->fd = region || !kvr__conn_frames_ahead(c) ? kvr__conn_take_fd(c) : -1;
     c->req = r;
     if (r->fd >= 0 && !region) {
         close(r->fd);
@@ -816,11 +816,11 @@ void kvrd_dispatch_frame(kvr_conn *c, const kvr_frame_header *fh, const uint8_t 
         snprintf(m, sizeof m, "a file descriptor came with this %s frame: only a "
                  "register_region frame carries one (SCM_RIGHTS on its bytes)",
                  r->verb ? r->verb->name : "unknown");
-        kvr_conn_fail(c, q->id, KVR_EBADREQUEST, m);
-        kvrd_request_end(r, KVR_EBADREQUEST);
+        kvr__conn_fail(c, q->id, KVR_EBADREQUEST, m);
+        kvr__request_end(r, KVR_EBADREQUEST);
         return;
     }
-    const kvrd_verb *v = r->verb;
+    const kvr_verb *v = r->verb;
     if (v)
         d->per_verb[v - VERBS]++;
     kvr_log(KVR_LOG_DEBUG, "request id %llu: %s, msg %u bytes, payload %llu bytes",
@@ -832,9 +832,9 @@ void kvrd_dispatch_frame(kvr_conn *c, const kvr_frame_header *fh, const uint8_t 
             start_verb(r);
             return;
         }
-        kvr_conn_fail(c, q->id, KVR_EUNAUTH,
+        kvr__conn_fail(c, q->id, KVR_EUNAUTH,
                       "authentication required: send Auth with the token first");
-        kvrd_request_end(r, KVR_EUNAUTH);
+        kvr__request_end(r, KVR_EUNAUTH);
         return;
     }
     /* Ids are byte strings: one with a NUL would reach C cut short. */
@@ -867,7 +867,7 @@ void kvrd_dispatch_frame(kvr_conn *c, const kvr_frame_header *fh, const uint8_t 
             return;
         }
         kvr_error e = { 0 };
-        int rc = kvrd_shm_slice(c, q->shm->region, q->shm->offset, q->shm->length, &r->shm,
+        int rc = kvr__shm_slice(c, q->shm->region, q->shm->offset, q->shm->length, &r->shm,
                                 &r->shm_p, &e);
         if (rc < 0) {
             kvr__reply_err(r, rc, &e);

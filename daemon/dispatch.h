@@ -1,7 +1,7 @@
 /*
  * dispatch.h — a request as dispatch.c and the verb files (t_*.c) see it;
  * private to them (conn.c moves a request's bytes and never looks inside:
- * it has daemon_internal.h's opaque kvrd_request).
+ * it has daemon_internal.h's opaque kvr_request).
  *
  *   dispatch.c   a request's life: the frame in, the verb table, phases,
  *                replies, the threadpool, shared-memory payloads, the
@@ -39,7 +39,7 @@
 
 /* Bytes of a request's inline arena for its unpacked message: a put's
  * Request, Put, ids and a few hundred tokens fit. */
-#define KVRD_PB_ARENA 2048
+#define KVR_PB_ARENA 2048
 
 typedef enum rq_phase {
     RQ_RUN = 0,     /* in a handler on the loop thread */
@@ -55,24 +55,24 @@ enum {
     V_OPEN        = 1u << 2,   /* allowed before Auth */
 };
 
-typedef struct kvrd_verb {
+typedef struct kvr_verb {
     const char *name;                    /* "put"; stats: requests_<name> */
     Kvrope__Request__BodyCase body;
     unsigned    flags;                   /* V_* */
-    void      (*start)(kvrd_request *r);
+    void      (*start)(kvr_request *r);
     /* The context a successful request changes (its reply then waits for
      * the record when the context is persistent); NULL: changes none. */
     const char *(*changes)(const Kvrope__Request *q);
     /* Threadpool part (any thread; NULL: none) and the loop-thread part
      * after it (or instead of it when the transaction needs no work). */
-    int       (*work)(kvrd_request *r, kvr_error *e);
-    void      (*finish)(kvrd_request *r);
-} kvrd_verb;
+    int       (*work)(kvr_request *r, kvr_error *e);
+    void      (*finish)(kvr_request *r);
+} kvr_verb;
 
-struct kvrd_request {
+struct kvr_request {
     kvr_conn        *c;
     kvr_daemon      *d;
-    const kvrd_verb *verb;          /* NULL: no body, or a verb we do not know */
+    const kvr_verb *verb;          /* NULL: no body, or a verb we do not know */
     Kvrope__Request *msg;           /* freed early by a stream (packed by then) */
     uint64_t         id;
     uint64_t         msg_len, payload_len;   /* of its frame */
@@ -89,7 +89,7 @@ struct kvrd_request {
     size_t           held_len;
     /* Request.shm (shm.c): the payload's place instead of the socket; the
      * region is referenced until the request ends. */
-    kvrd_region     *shm;
+    kvr_region     *shm;
     uint8_t         *shm_p;
     size_t           shm_len;
     bool             meta;          /* get/assemble: meta_only (no payload) */
@@ -117,76 +117,76 @@ struct kvrd_request {
     ProtobufCAllocator pb;
     size_t           arena_used;
     size_t           arena_heap;   /* allocations that did not fit (kvr_mem_malloc) */
-    _Alignas(16) uint8_t arena[KVRD_PB_ARENA];
+    _Alignas(16) uint8_t arena[KVR_PB_ARENA];
 };
 
 /* ---- dispatch.c: ending, replying, running ------------------------------- */
 /* Aborts the request's open transaction (and a fetch it holds), if any. */
-void kvr__release_txn(kvrd_request *r);
+void kvr__release_txn(kvr_request *r);
 /* Errors (code < 0; KVR_EFETCH parks the request on its fetch instead):
  * reply and end the request. */
-void kvr__reply_error(kvrd_request *r, int code, const char *msg);
-void kvr__reply_err(kvrd_request *r, int code, const kvr_error *e);
-void kvr__reply_errf(kvrd_request *r, int code, const char *fmt, ...)
+void kvr__reply_error(kvr_request *r, int code, const char *msg);
+void kvr__reply_err(kvr_request *r, int code, const kvr_error *e);
+void kvr__reply_errf(kvr_request *r, int code, const char *fmt, ...)
     __attribute__((format(printf, 3, 4)));
 /* Sends resp (status OK) and then payload_len bytes from iov; done(arg)
  * releases the payload's source once written. Ends the request. */
-void kvr__send_ok(kvrd_request *r, Kvrope__Response *resp, const struct iovec *iov,
-                  size_t niov, size_t payload_len, kvrd_write_cb done, void *arg);
+void kvr__send_ok(kvr_request *r, Kvrope__Response *resp, const struct iovec *iov,
+                  size_t niov, size_t payload_len, kvr_write_cb done, void *arg);
 /* A reply with no payload: held until the record is on disk when the verb
  * changes a persistent context. Ends the request (then or later). */
-void kvr__reply_ok(kvrd_request *r, Kvrope__Response *resp);
+void kvr__reply_ok(kvr_request *r, Kvrope__Response *resp);
 /* A put with share_sync: the reply waits for the publication. */
-void kvr__reply_shared(kvrd_request *r, Kvrope__Response *resp, const char *ctx_id);
+void kvr__reply_shared(kvr_request *r, Kvrope__Response *resp, const char *ctx_id);
 /* The verb's work on the threadpool when needs_work (or inline), then its
  * finish on the loop thread. */
-void kvr__run(kvrd_request *r, bool needs_work);
+void kvr__run(kvr_request *r, bool needs_work);
 /* The open put's (or edit's) payload into its iovecs, then run. */
-void kvr__read_payload(kvrd_request *r);
+void kvr__read_payload(kvr_request *r);
 /* Frees the request's unpacked message (a stream packed it already). */
-void kvr__msg_free(kvrd_request *r);
+void kvr__msg_free(kvr_request *r);
 
 /* ---- t_ctx.c: replies about a context ------------------------------------ */
 /* Replies with the context's ContextInfo. */
-void kvr__reply_ctx(kvrd_request *r, const char *id);
+void kvr__reply_ctx(kvr_request *r, const char *id);
 /* A store call's outcome: the error, else ContextInfo of ctx_for_info
  * (NULL: an empty OK). */
-void kvr__reply_simple(kvrd_request *r, int rc, const kvr_error *e, const char *ctx_for_info);
+void kvr__reply_simple(kvr_request *r, int rc, const kvr_error *e, const char *ctx_for_info);
 
 /* ---- t_*.c: the verbs (start handlers: do_<name>) ------------------------- */
-void kvr__do_assemble(kvrd_request *r);
-void kvr__do_auth(kvrd_request *r);
-void kvr__do_delete(kvrd_request *r);
-void kvr__do_edit(kvrd_request *r);
-void kvr__do_edit_plan(kvrd_request *r);
-void kvr__do_fork(kvrd_request *r);
-void kvr__do_get(kvrd_request *r);
-void kvr__do_group_append(kvrd_request *r);
-void kvr__do_keep(kvrd_request *r);
-void kvr__do_layout_stat(kvrd_request *r);
-void kvr__do_list(kvrd_request *r);
-void kvr__do_list_models(kvrd_request *r);
-void kvr__do_match(kvrd_request *r);
-void kvr__do_pin(kvrd_request *r);
-void kvr__do_ping(kvrd_request *r);
-void kvr__do_put(kvrd_request *r);
-void kvr__do_refresh(kvrd_request *r);
-void kvr__do_register_model(kvrd_request *r);
-void kvr__do_register_region(kvrd_request *r);
-void kvr__do_release_region(kvrd_request *r);
-void kvr__do_remove_model(kvrd_request *r);
-void kvr__do_set_group_offset(kvrd_request *r);
-void kvr__do_set_retention(kvrd_request *r);
-void kvr__do_shift(kvrd_request *r);
-void kvr__do_stat(kvrd_request *r);
-void kvr__do_stats(kvrd_request *r);
-int  kvr__work_put(kvrd_request *r, kvr_error *e);
-int  kvr__work_edit(kvrd_request *r, kvr_error *e);
-int  kvr__work_get(kvrd_request *r, kvr_error *e);
-int  kvr__work_assemble(kvrd_request *r, kvr_error *e);
-void kvr__finish_put(kvrd_request *r);
-void kvr__finish_get(kvrd_request *r);
-void kvr__finish_edit(kvrd_request *r);
-void kvr__finish_assemble(kvrd_request *r);
+void kvr__do_assemble(kvr_request *r);
+void kvr__do_auth(kvr_request *r);
+void kvr__do_delete(kvr_request *r);
+void kvr__do_edit(kvr_request *r);
+void kvr__do_edit_plan(kvr_request *r);
+void kvr__do_fork(kvr_request *r);
+void kvr__do_get(kvr_request *r);
+void kvr__do_group_append(kvr_request *r);
+void kvr__do_keep(kvr_request *r);
+void kvr__do_layout_stat(kvr_request *r);
+void kvr__do_list(kvr_request *r);
+void kvr__do_list_models(kvr_request *r);
+void kvr__do_match(kvr_request *r);
+void kvr__do_pin(kvr_request *r);
+void kvr__do_ping(kvr_request *r);
+void kvr__do_put(kvr_request *r);
+void kvr__do_refresh(kvr_request *r);
+void kvr__do_register_model(kvr_request *r);
+void kvr__do_register_region(kvr_request *r);
+void kvr__do_release_region(kvr_request *r);
+void kvr__do_remove_model(kvr_request *r);
+void kvr__do_set_group_offset(kvr_request *r);
+void kvr__do_set_retention(kvr_request *r);
+void kvr__do_shift(kvr_request *r);
+void kvr__do_stat(kvr_request *r);
+void kvr__do_stats(kvr_request *r);
+int  kvr__work_put(kvr_request *r, kvr_error *e);
+int  kvr__work_edit(kvr_request *r, kvr_error *e);
+int  kvr__work_get(kvr_request *r, kvr_error *e);
+int  kvr__work_assemble(kvr_request *r, kvr_error *e);
+void kvr__finish_put(kvr_request *r);
+void kvr__finish_get(kvr_request *r);
+void kvr__finish_edit(kvr_request *r);
+void kvr__finish_assemble(kvr_request *r);
 
 #endif /* KVR_DAEMON_DISPATCH_H */

@@ -1,6 +1,6 @@
 /*
  * metrics.c — kvroped's figures for Prometheus: per-request observations
- * (kvr_metrics_observe, one call per completed request), a snapshot the
+ * (kvr__metrics_observe, one call per completed request), a snapshot the
  * loop publishes, and GET /metrics in the text exposition format (0.0.4)
  * served by libmicrohttpd on its own thread.
  *
@@ -13,7 +13,7 @@
  *    A scrape asks for a fresh snapshot (uv_async_send) and waits at most
  *    SNAP_WAIT_MS for it; after that, or while stopping, it serves the last
  *    one published, never blocking on the loop for long.
- *  - The async handle outlives the HTTP thread: kvr_metrics_stop joins the
+ *  - The async handle outlives the HTTP thread: kvr__metrics_stop joins the
  *    thread (MHD_stop_daemon) before closing the handle, so no
  *    uv_async_send can reach a closed handle.
  *  - A scrape's text is plain malloc, outside the store's accounting, so
@@ -66,7 +66,7 @@
 typedef struct scrape_conn {
     bool     used;
     int      fd;
-    uint64_t deadline_ms;   /* kvr_now_ms; 0: shut down already */
+    uint64_t deadline_ms;   /* kvr__now_ms; 0: shut down already */
 } scrape_conn;
 
 /* Latency buckets (seconds): 50 us .. 10 s. */
@@ -327,7 +327,7 @@ struct kvr_metrics {
     bool        has_watchdog;
 };
 
-uint64_t kvr_now_ns(void)
+uint64_t kvr__now_ns(void)
 {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
@@ -343,7 +343,7 @@ static double now_unix(void)
 
 /* ---- observations (loop thread) ------------------------------------------ */
 
-size_t kvr_metrics_bucket(double seconds)
+size_t kvr__metrics_bucket(double seconds)
 {
     size_t b = 0;
     while (b < N_BUCKETS && seconds > BUCKETS[b])
@@ -351,7 +351,7 @@ size_t kvr_metrics_bucket(double seconds)
     return b;
 }
 
-void kvr_metrics_observe(kvr_metrics *m, int verb, int status, uint64_t bytes_in,
+void kvr__metrics_observe(kvr_metrics *m, int verb, int status, uint64_t bytes_in,
                          uint64_t bytes_out, double seconds)
 {
     if (!m)
@@ -367,7 +367,7 @@ void kvr_metrics_observe(kvr_metrics *m, int verb, int status, uint64_t bytes_in
     o->pay_out[v] += bytes_out;
     if (seconds < 0)
         seconds = 0;
-    o->hist[v][kvr_metrics_bucket(seconds)]++;
+    o->hist[v][kvr__metrics_bucket(seconds)]++;
     o->hcount[v]++;
     o->hsum[v] += seconds;
 }
@@ -387,7 +387,7 @@ static void build(kvr_daemon *d, snapshot *s)
     s->t.engine = NULL;
     s->has_remote = d->remote != NULL;
     if (s->has_remote)
-        kvr_remote_get_stats(d->remote, &s->r);
+        kvr__remote_get_stats(d->remote, &s->r);
     s->conns = d->n_conns;
     s->unauth = d->n_unauth;
     s->conn_total = d->n_conn_total;
@@ -406,7 +406,7 @@ static void build(kvr_daemon *d, snapshot *s)
     s->msg_limited = d->n_msg_limited;
     s->slow_closed = d->n_slow_closed;
     s->start_unix = m ? m->start_unix : 0;
-    s->uptime = (double)(kvr_now_ms() - d->start_ms) / 1000.0;
+    s->uptime = (double)(kvr__now_ms() - d->start_ms) / 1000.0;
     s->published_unix = now_unix();
 }
 
@@ -630,7 +630,7 @@ static void render(const kvr_metrics *m, const snapshot *s, sbuf *b)
 
 /* ---- the stats verb's list (loop thread) ------------------------------------ */
 
-int kvr_metrics_list(kvr_daemon *d, kvr_metric_list *out, kvr_error *err)
+int kvr__metrics_list(kvr_daemon *d, kvr_metric_list *out, kvr_error *err)
 {
     enum { NT = 6, VN = 40, MN = KVR_ID_MAX + 32 };
     memset(out, 0, sizeof *out);
@@ -654,7 +654,7 @@ int kvr_metrics_list(kvr_daemon *d, kvr_metric_list *out, kvr_error *err)
     if (!out->names || !out->values || !out->buf) {
         kvr_mem_free(s);
         kvr_mem_free(mi);
-        kvr_metrics_list_free(out);
+        kvr__metrics_list_free(out);
         return kvr_error_set(err, KVR_ENOMEM, "out of memory for the stats");
     }
     size_t n = 0;
@@ -666,7 +666,7 @@ int kvr_metrics_list(kvr_daemon *d, kvr_metric_list *out, kvr_error *err)
     }
     FIG_CORE(LIST_FIG)
     for (size_t k = 0; k < KVR_N_VERBS; k++, nb += VN) {
-        snprintf(nb, VN, "requests_%s", kvrd_verb_name(k));
+        snprintf(nb, VN, "requests_%s", kvr__verb_name(k));
         out->names[n] = nb;
         out->values[n++] = (double)s->per_verb[k];
     }
@@ -693,7 +693,7 @@ int kvr_metrics_list(kvr_daemon *d, kvr_metric_list *out, kvr_error *err)
     return 0;
 }
 
-void kvr_metrics_list_free(kvr_metric_list *l)
+void kvr__metrics_list_free(kvr_metric_list *l)
 {
     kvr_mem_free(l->names);
     kvr_mem_free(l->values);
@@ -833,7 +833,7 @@ static void mhd_log(void *cls, const char *fmt, va_list ap)
     kvr_log(KVR_LOG_WARN, "metrics http: %s", msg);
 }
 
-bool kvr_daemon_sockaddr_is_loopback(const struct sockaddr *sa)
+bool kvr__daemon_sockaddr_is_loopback(const struct sockaddr *sa)
 {
     if (sa->sa_family == AF_INET) {
         const struct sockaddr_in *a = (const struct sockaddr_in *)(const void *)sa;
@@ -879,7 +879,7 @@ static void on_mhd_conn(void *cls, struct MHD_Connection *conn, void **socket_co
             if (m->conns[i].used)
                 continue;
             m->conns[i] = (scrape_conn){ .used = true, .fd = ci->connect_fd,
-                                         .deadline_ms = kvr_now_ms() + REQUEST_DEADLINE_MS };
+                                         .deadline_ms = kvr__now_ms() + REQUEST_DEADLINE_MS };
             *socket_context = &m->conns[i];
             break;
         }
@@ -903,7 +903,7 @@ static void on_mhd_done(void *cls, struct MHD_Connection *conn, void **con_cls,
     pthread_mutex_lock(&m->conn_lock);
     scrape_conn *sc = ci ? ci->socket_context : NULL;
     if (sc && sc->used && sc->deadline_ms)
-        sc->deadline_ms = kvr_now_ms() + REQUEST_DEADLINE_MS;
+        sc->deadline_ms = kvr__now_ms() + REQUEST_DEADLINE_MS;
     pthread_mutex_unlock(&m->conn_lock);
 }
 
@@ -912,7 +912,7 @@ static void on_mhd_done(void *cls, struct MHD_Connection *conn, void **con_cls,
 static void on_watchdog(uv_timer_t *t)
 {
     kvr_metrics *m = t->data;
-    uint64_t now = kvr_now_ms();
+    uint64_t now = kvr__now_ms();
     unsigned n = 0;
     pthread_mutex_lock(&m->conn_lock);
     for (size_t i = 0; i < MAX_SCRAPE_CONNS; i++) {
@@ -939,7 +939,7 @@ static int start_http(kvr_metrics *m, int listen_fd, kvr_error *err)
     if (listen_fd < 0) {
         char host[256];
         int port;
-        if (kvr_daemon_split_listen(cfg->metrics_listen, host, sizeof host, &port) < 0) {
+        if (kvr__daemon_split_listen(cfg->metrics_listen, host, sizeof host, &port) < 0) {
             return kvr_error_set(err, KVR_EINVAL, "--metrics-listen: expected HOST:PORT, got '%s'",
                      cfg->metrics_listen);
         }
@@ -965,7 +965,7 @@ static int start_http(kvr_metrics *m, int listen_fd, kvr_error *err)
         }
         if (ss.ss_family == AF_INET6)
             flags |= MHD_USE_IPv6;
-        if (!kvr_daemon_sockaddr_is_loopback((struct sockaddr *)&ss) && !m->token) {
+        if (!kvr__daemon_sockaddr_is_loopback((struct sockaddr *)&ss) && !m->token) {
             return kvr_error_set(err, KVR_EINVAL, "the activated metrics socket is not on a loopback address: "
                      "it requires --auth-token-file FILE");
         }
@@ -1020,7 +1020,7 @@ static int start_http(kvr_metrics *m, int listen_fd, kvr_error *err)
 
 /* ---- lifecycle -------------------------------------------------------------- */
 
-int kvr_metrics_set_token(kvr_metrics *m, const uint8_t *token, size_t len)
+int kvr__metrics_set_token(kvr_metrics *m, const uint8_t *token, size_t len)
 {
     if (!m)
         return 0;
@@ -1040,12 +1040,12 @@ int kvr_metrics_set_token(kvr_metrics *m, const uint8_t *token, size_t len)
     return 0;
 }
 
-const char *kvr_metrics_address(const kvr_metrics *m)
+const char *kvr__metrics_address(const kvr_metrics *m)
 {
     return m && m->mhd ? m->addr : "";
 }
 
-int kvr_metrics_create(kvr_daemon *d, int listen_fd, kvr_error *err)
+int kvr__metrics_create(kvr_daemon *d, int listen_fd, kvr_error *err)
 {
     kvr_metrics *m = kvr_mem_calloc(1, sizeof *m);
     snapshot *a = kvr_mem_calloc(1, sizeof *a), *b = kvr_mem_calloc(1, sizeof *b);
@@ -1068,7 +1068,7 @@ int kvr_metrics_create(kvr_daemon *d, int listen_fd, kvr_error *err)
     /* The verbs stats counts (dispatch.c's table), in its order: every
      * verb has its series, whatever its body's field number. */
     for (int v = 0; v < KVR_N_VERBS; v++)
-        m->verb_names[v] = kvrd_verb_name((size_t)v);
+        m->verb_names[v] = kvr__verb_name((size_t)v);
     m->verb_names[KVR_N_VERBS] = "none";
     for (int st = 0; st < N_STATUS; st++) {
         const ProtobufCEnumValue *ev =
@@ -1076,7 +1076,7 @@ int kvr_metrics_create(kvr_daemon *d, int listen_fd, kvr_error *err)
         m->status_names[st] = ev ? ev->name : "E_INTERNAL";
     }
     d->metrics = m;
-    if (kvr_metrics_set_token(m, d->token, d->token_len) < 0) {
+    if (kvr__metrics_set_token(m, d->token, d->token_len) < 0) {
         return kvr_error_set(err, KVR_ENOMEM, "out of memory");
     }
     int rc = uv_async_init(&d->loop, &m->async, on_async);
@@ -1092,7 +1092,7 @@ int kvr_metrics_create(kvr_daemon *d, int listen_fd, kvr_error *err)
     return 0;
 }
 
-void kvr_metrics_stop(kvr_daemon *d)
+void kvr__metrics_stop(kvr_daemon *d)
 {
     kvr_metrics *m = d->metrics;
     if (!m)
@@ -1115,12 +1115,12 @@ void kvr_metrics_stop(kvr_daemon *d)
     }
 }
 
-void kvr_metrics_destroy(kvr_daemon *d)
+void kvr__metrics_destroy(kvr_daemon *d)
 {
     kvr_metrics *m = d->metrics;
     if (!m)
         return;
-    kvr_metrics_stop(d);
+    kvr__metrics_stop(d);
     pthread_mutex_destroy(&m->lock);
     pthread_mutex_destroy(&m->conn_lock);
     pthread_cond_destroy(&m->cond);

@@ -5,12 +5,12 @@
  * disk (the disk figures of stats and /metrics are metrics.c's FIG_DISK).
  *
  * A change to a persistent context is committed in memory as usual; then
- * dispatch.c holds the packed reply and kvrd_persist_defer queues the
+ * dispatch.c holds the packed reply and kvr__persist_defer queues the
  * context's record (kvr_store_persist); which verbs change which context
  * is in dispatch.c's verb table. One batch of records at a time runs on the
  * libuv threadpool (kvr_persist_batch_work: spill + append + fsync); its
  * after-callback (loop thread) ends the batch, which calls
- * kvrd_request_persisted for each record: the held reply goes out if the
+ * kvr__request_persisted for each record: the held reply goes out if the
  * append returned 0, else an E_IO error. The connection stays BUSY (not
  * reading) meanwhile, so its requests are still answered in order, and the
  * request holds a reference so its memory outlives a close.
@@ -35,7 +35,7 @@ static void tier_log(void *arg, int level, const char *msg)
     kvr_log(level == KVR_TIER_LOG_WARN ? KVR_LOG_WARN : KVR_LOG_INFO, "%s", msg);
 }
 
-int kvr_persist_open(kvr_daemon *d, char *err, size_t errlen)
+int kvr__persist_open(kvr_daemon *d, char *err, size_t errlen)
 {
     const kvr_daemon_config *cfg = &d->cfg;
     if (!cfg->disk_dir[0])
@@ -73,9 +73,9 @@ int kvr_persist_open(kvr_daemon *d, char *err, size_t errlen)
     return 0;
 }
 
-int kvrd_persist_defer(kvr_daemon *d, const char *ctx_id, kvrd_request *r, kvr_error *e)
+int kvr__persist_defer(kvr_daemon *d, const char *ctx_id, kvr_request *r, kvr_error *e)
 {
-    int rc = kvr_store_persist(d->store, ctx_id, kvrd_request_persisted, r, e);
+    int rc = kvr_store_persist(d->store, ctx_id, kvr__request_persisted, r, e);
     if (rc > 0)
         kick(d);
     return rc;

@@ -51,29 +51,29 @@ struct kvr_rjob {
     size_t      niov;
     size_t     *starts;
     uint64_t    t0_ns;          /* created (loop), for the fetch histogram */
-    uint64_t    deadline_ms;    /* created + FETCH_MS (kvr_rc_now_ms's clock) */
+    uint64_t    deadline_ms;    /* created + FETCH_MS (kvr__rc_now_ms's clock) */
     bool        worked;         /* reached the cluster (counted when freed) */
 };
 
 /* ---- fetch jobs ---------------------------------------------------------- */
 
-kvr_rjob *kvr_remote_job_get(kvr_remote *r, const char *ctx_id)
+kvr_rjob *kvr__remote_job_get(kvr_remote *r, const char *ctx_id)
 {
     if (!r)
         return NULL;
     kvr_rjob *j = kvr_mem_calloc(1, sizeof *j);
     if (j)
-        j->t0_ns = kvr_now_ns();
+        j->t0_ns = kvr__now_ns();
     if (!j)
         return NULL;
     j->r = r;
     j->by_id = true;
-    j->deadline_ms = kvr_rc_now_ms() + FETCH_MS;
+    j->deadline_ms = kvr__rc_now_ms() + FETCH_MS;
     snprintf(j->ctx_id, sizeof j->ctx_id, "%s", ctx_id);
     return j;
 }
 
-kvr_rjob *kvr_remote_job_prefix(kvr_remote *r, const char *model, const uint32_t *tokens,
+kvr_rjob *kvr__remote_job_prefix(kvr_remote *r, const char *model, const uint32_t *tokens,
                                 size_t n, size_t local_len)
 {
     if (!r || n < KVR_RT_GRAIN || local_len >= n)
@@ -83,11 +83,11 @@ kvr_rjob *kvr_remote_job_prefix(kvr_remote *r, const char *model, const uint32_t
         return NULL;
     kvr_rjob *j = kvr_mem_calloc(1, sizeof *j);
     if (j)
-        j->t0_ns = kvr_now_ns();
+        j->t0_ns = kvr__now_ns();
     if (!j)
         return NULL;
     j->r = r;
-    j->deadline_ms = kvr_rc_now_ms() + FETCH_MS;
+    j->deadline_ms = kvr__rc_now_ms() + FETCH_MS;
     snprintf(j->model, sizeof j->model, "%s", mi.name);
     /* Contexts of the model's own dtype are the ones we look for. */
     j->desc = (kvr_rt_desc){ mi.fingerprint, mi.n_layers, mi.n_kv_heads, mi.head_dim,
@@ -98,25 +98,25 @@ kvr_rjob *kvr_remote_job_prefix(kvr_remote *r, const char *model, const uint32_t
     return j;
 }
 
-void kvr_remote_job_free(kvr_rjob *j)
+void kvr__remote_job_free(kvr_rjob *j)
 {
     if (!j)
         return;
     if (j->worked) {
-        uint64_t ns = kvr_now_ns() - j->t0_ns;
+        uint64_t ns = kvr__now_ns() - j->t0_ns;
         kvr_remote *r = j->r;
-        atomic_fetch_add(&r->fetch_hist[kvr_metrics_bucket((double)ns / 1e9)], 1);
+        atomic_fetch_add(&r->fetch_hist[kvr__metrics_bucket((double)ns / 1e9)], 1);
         atomic_fetch_add(&r->fetch_ns, ns);
     }
     if (j->put)
         kvr_put_abort(j->put);      /* loop thread: nothing was committed */
     kvr_mem_free(j->starts);
-    kvr_rt_manifest_free(&j->m);
+    kvr__rt_manifest_free(&j->m);
     kvr_mem_free(j->payload);
     kvr_mem_free(j);
 }
 
-bool kvr_remote_job_by_id(const kvr_rjob *j)
+bool kvr__remote_job_by_id(const kvr_rjob *j)
 {
     return j->by_id;
 }
@@ -150,7 +150,7 @@ static bool unseal(kvr_rjob *j, const char *rkey, size_t rklen, const redisReply
     if (x->len >= KVR_RT_MAC_LEN) {
         uint8_t m[KVR_RT_MAC_LEN];
         *len = x->len - KVR_RT_MAC_LEN;
-        kvr_rt_mac(r->key, rkey, rklen, (const uint8_t *)x->str, *len, m);
+        kvr__rt_mac(r->key, rkey, rklen, (const uint8_t *)x->str, *len, m);
         if (sodium_memcmp(m, x->str + *len, KVR_RT_MAC_LEN) == 0)
             return true;
     }
@@ -194,7 +194,7 @@ static redisReply *get_bounded(kvr_rc *rc, const char *key, size_t klen, size_t 
     if (too_long)
         *too_long = false;
     redisReply *x;
-    if (kvr_rc_command(rc, 4, argv, argl, &x, NULL) < 0)
+    if (kvr__rc_command(rc, 4, argv, argl, &x, NULL) < 0)
         return NULL;
     if (x->type != REDIS_REPLY_STRING || x->len == 0 || x->len > max) {
         if (too_long && x->type == REDIS_REPLY_STRING && x->len > max)
@@ -214,7 +214,7 @@ static redisReply *get_head(kvr_rc *rc, const char *key, size_t klen, size_t n)
     range_arg ra;
     range_set(&ra, n - 1, argv, argl, key, klen);
     redisReply *x;
-    if (kvr_rc_command(rc, 4, argv, argl, &x, NULL) < 0)
+    if (kvr__rc_command(rc, 4, argv, argl, &x, NULL) < 0)
         return NULL;
     if (x->type != REDIS_REPLY_STRING || x->len == 0 || x->len > n) {
         freeReplyObject(x);
@@ -244,7 +244,7 @@ static size_t manifest_max(const kvr_remote *r, const uint8_t *h)
 }
 
 /* What fetch_blocks checks each block against, and each block's state
- * while it is read straight into the destination (kvr_rc_batch_sink): the
+ * while it is read straight into the destination (kvr__rc_batch_sink): the
  * header, tokens and positions into hdr, the K/V into the destination, the
  * CRC32C computed as the bytes arrive (while they are in cache). */
 #define HDR_MAX (BLOCK_HDR + KVR_RT_BLOCK * 12)
@@ -409,7 +409,7 @@ static size_t fetch_blocks(kvr_rjob *j, const uint64_t *chains, size_t nb, size_
     size_t ml = r->keyed ? KVR_RT_MAC_LEN : 0;
     for (size_t b = 0; b < nb; b++) {
         size_t s = b * KVR_RT_BLOCK, n = n_ctx - s < KVR_RT_BLOCK ? n_ctx - s : KVR_RT_BLOCK;
-        size_t kl = kvr_rt_block_key(chains[b], keys[b]);
+        size_t kl = kvr__rt_block_key(chains[b], keys[b]);
         range_set(&ra[b], BLOCK_HDR + n * 12 + kv_bytes(&j->desc, n) + 4 + ml, argv + 4 * b,
                   argl + 4 * b, keys[b], kl);
         cmds[b] = (kvr_rc_cmd){ 4, argv + 4 * b, argl + 4 * b };
@@ -417,7 +417,7 @@ static size_t fetch_blocks(kvr_rjob *j, const uint64_t *chains, size_t nb, size_
     fetch_ctx f = { j, chains, n_ctx, tokens, pos, keys, good, st, row_bytes(&j->desc),
                     { .flat = j->put ? NULL : j->payload, .iov = j->iov, .niov = j->niov,
                       .starts = j->starts } };
-    kvr_rc_batch_sink(r->rc, nb, cmds, &blk_sink, &f);
+    kvr__rc_batch_sink(r->rc, nb, cmds, &blk_sink, &f);
     while (n_good < nb && good[n_good])
         n_good++;
     if (n_good < nb)
@@ -459,7 +459,7 @@ static bool q_begin(void *ud, size_t i, size_t len)
         return blk_begin(&q->w, i - q->nch, len);
     size_t s, n;
     bool ch;
-    kvr_rt_manifest_block(&q->j->m, i, &s, &n, &ch);
+    kvr__rt_manifest_block(&q->j->m, i, &s, &n, &ch);
     const kvr_remote *r = q->j->r;
     size_t ml = r->keyed ? KVR_RT_MAC_LEN : 0;
     q->raw_len[i] = len;
@@ -482,7 +482,7 @@ static uint8_t *q_span(void *ud, size_t i, size_t off, size_t *cap)
     const kvr_rt_manifest *m = &q->j->m;
     size_t s, n;
     bool ch;
-    kvr_rt_manifest_block(m, i, &s, &n, &ch);
+    kvr__rt_manifest_block(m, i, &s, &n, &ch);
     size_t hl = CHUNK_HDR + n * 12, kb = chunk_kb(m, n), vb = chunk_vb(m, n);
     size_t body = m->desc.n_layers * (kb + vb);
     if (off >= hl + body + 4) {        /* its MAC */
@@ -534,7 +534,7 @@ static bool q_end(void *ud, size_t i, bool is_string)
         return false;
     size_t cs, cn;
     bool cch;
-    kvr_rt_manifest_block(&q->j->m, i, &cs, &cn, &cch);
+    kvr__rt_manifest_block(&q->j->m, i, &cs, &cn, &cch);
     if (q->j->r->keyed && (q->sized[i] ? !kvr__rt_mac_end_ok(&q->mac[i], q->tag[i])
                                        : q->raw_len[i] == chunk_len(&q->j->m, cn))) {
         forged(q->j, q->keys[i]);     /* a wrong MAC, or a good value without one */
@@ -594,9 +594,9 @@ static bool fetch_quant(kvr_rjob *j, uint8_t *base)
     for (size_t b = 0; b < nb; b++) {
         size_t s, n;
         bool ch;
-        kvr_rt_manifest_block(m, b, &s, &n, &ch);
-        size_t kl = b < nch ? kvr_rt_chunk_key(m->chains[b], q.keys[b])
-                            : kvr_rt_block_key(m->chains[b], q.keys[b]);
+        kvr__rt_manifest_block(m, b, &s, &n, &ch);
+        size_t kl = b < nch ? kvr__rt_chunk_key(m->chains[b], q.keys[b])
+                            : kvr__rt_block_key(m->chains[b], q.keys[b]);
         size_t want = b < nch ? chunk_len(m, n) : BLOCK_HDR + n * 12 + kv_bytes(&j->desc, n) + 4;
         range_set(&ra[b], want + ml, argv + 4 * b, argl + 4 * b, q.keys[b], kl);
         cmds[b] = (kvr_rc_cmd){ 4, argv + 4 * b, argl + 4 * b };
@@ -604,7 +604,7 @@ static bool fetch_quant(kvr_rjob *j, uint8_t *base)
     q.w = (fetch_ctx){ j, m->chains + nch, nw, m->tokens + m->n_raw, m->positions + m->n_raw,
                        q.keys + nch, wgood, wst, row_bytes(&j->desc),
                        { .flat = base + m->desc.n_layers * (m->raw_kb + m->raw_vb) } };
-    kvr_rc_batch_sink(r->rc, nb, cmds, &q_sink, &q);
+    kvr__rc_batch_sink(r->rc, nb, cmds, &q_sink, &q);
     all = true;
     for (size_t b = 0; b < nch; b++)
         all = all && q.good[b];
@@ -647,7 +647,7 @@ static void work_by_id(kvr_rjob *j)
         return;
     }
     char mk[KVR_RT_KEY_MAX];
-    size_t mkl = kvr_rt_manifest_key(j->ctx_id, mk);
+    size_t mkl = kvr__rt_manifest_key(j->ctx_id, mk);
     /* Its header first: what it says bounds what is read of the rest. */
     bool too_long = false;
     redisReply *x = get_head(r->rc, mk, mkl, MANIFEST_HDR);
@@ -681,7 +681,7 @@ static void work_by_id(kvr_rjob *j)
         return;
     }
     kvr_error e = { 0 };
-    int rc = kvr_rt_manifest_decode((const uint8_t *)x->str, vl, j->ctx_id, &j->m, &e);
+    int rc = kvr__rt_manifest_decode((const uint8_t *)x->str, vl, j->ctx_id, &j->m, &e);
     freeReplyObject(x);
     if (rc < 0) {
         char why[400];
@@ -697,7 +697,7 @@ static void work_by_id(kvr_rjob *j)
  * `prev` before them): a published context's last, shorter block of 1..63
  * tokens ("kvr1:b:"), and the sub-block prefix keys of 16, 32, 48 tokens
  * ("kvr1:p:"), each as far as the prompt goes. Same hash for a length
- * either way (kvr_rt_chain_next of those tokens). */
+ * either way (kvr__rt_chain_next of those tokens). */
 #define FINE_MAX (KVR_RT_BLOCK - 1 + KVR_RT_BLOCK / KVR_RT_GRAIN - 1)
 
 typedef struct fine {
@@ -717,7 +717,7 @@ static void fine_build(fine *f, uint64_t prev, const uint32_t *tok, const int64_
     if (avail > KVR_RT_BLOCK)
         avail = KVR_RT_BLOCK;
     for (uint32_t e = 1; e <= avail && e < KVR_RT_BLOCK; e++) {
-        uint64_t c = kvr_rt_chain_next(prev, tok, pos, e);
+        uint64_t c = kvr__rt_chain_next(prev, tok, pos, e);
         for (int sub = 0; sub < 2; sub++) {
             if (sub && e % KVR_RT_GRAIN)
                 continue;
@@ -727,7 +727,7 @@ static void fine_build(fine *f, uint64_t prev, const uint32_t *tok, const int64_
             f->chain[i] = c;
             f->argv[i][0] = "EXISTS";
             f->argl[i][0] = 6;
-            f->argl[i][1] = sub ? kvr_rt_sub_key(c, f->keys[i]) : kvr_rt_block_key(c, f->keys[i]);
+            f->argl[i][1] = sub ? kvr__rt_sub_key(c, f->keys[i]) : kvr__rt_block_key(c, f->keys[i]);
             f->argv[i][1] = f->keys[i];
         }
     }
@@ -762,14 +762,14 @@ static void work_prefix(kvr_rjob *j)
         goto out;
     for (size_t i = 0; i < np; i++)
         pos[i] = (int64_t)i;
-    uint64_t seed = kvr_rt_chain_seed(&j->desc), h = seed;
+    uint64_t seed = kvr__rt_chain_seed(&j->desc), h = seed;
     for (size_t b = 0; b < nb; b++) {
-        h = kvr_rt_chain_next(h, j->prompt + b * KVR_RT_BLOCK, pos + b * KVR_RT_BLOCK,
+        h = kvr__rt_chain_next(h, j->prompt + b * KVR_RT_BLOCK, pos + b * KVR_RT_BLOCK,
                               KVR_RT_BLOCK);
         chains[b] = h;
         argv[2 * b] = "EXISTS";
         argl[2 * b] = 6;
-        argl[2 * b + 1] = kvr_rt_block_key(h, keys[b]);
+        argl[2 * b + 1] = kvr__rt_block_key(h, keys[b]);
         argv[2 * b + 1] = keys[b];
         cmds[b] = (kvr_rc_cmd){ 2, argv + 2 * b, argl + 2 * b };
     }
@@ -782,7 +782,7 @@ static void work_prefix(kvr_rjob *j)
         cmds[nb + i] = (kvr_rc_cmd){ 2, f->argv[i], f->argl[i] };
     nrep = nb + f->n;
     atomic_fetch_add(&r->probes, 1);
-    kvr_rc_batch(r->rc, nrep, cmds, rep);
+    kvr__rc_batch(r->rc, nrep, cmds, rep);
     size_t run = 0;
     while (run < nb && rep[run] && rep[run]->type == REDIS_REPLY_INTEGER && rep[run]->integer == 1)
         run++;
@@ -801,7 +801,7 @@ static void work_prefix(kvr_rjob *j)
         nrep = nb + f->n;
         for (size_t i = 0; i < f->n; i++)
             cmds[i] = (kvr_rc_cmd){ 2, f->argv[i], f->argl[i] };
-        kvr_rc_batch(r->rc, f->n, cmds, rep + nb);
+        kvr__rc_batch(r->rc, f->n, cmds, rep + nb);
         best = fine_best(f, rep + nb);
     }
     size_t extra = best >= 0 ? f->len[best] : 0, len = run * KVR_RT_BLOCK + extra;
@@ -812,7 +812,7 @@ static void work_prefix(kvr_rjob *j)
     j->payload = kvr_mem_malloc(kv_bytes(&j->desc, len));
     if (!j->payload)
         goto out;
-    kvr_rc_set_deadline(j->deadline_ms + kv_bytes(&j->desc, len) / SLOW_BYTES_PER_MS);
+    kvr__rc_set_deadline(j->deadline_ms + kv_bytes(&j->desc, len) / SLOW_BYTES_PER_MS);
     /* The whole blocks, and a shorter last block, straight into the payload. */
     bool tail_block = best >= 0 && !f->sub[best];
     if (tail_block)
@@ -825,7 +825,7 @@ static void work_prefix(kvr_rjob *j)
          * `extra` tokens are the prompt's. */
         size_t s0 = run * KVR_RT_BLOCK;
         char vk[KVR_RT_KEY_MAX];
-        size_t vkl = kvr_rt_sub_key(f->chain[best], vk);
+        size_t vkl = kvr__rt_sub_key(f->chain[best], vk);
         size_t ml = r->keyed ? KVR_RT_MAC_LEN : 0;
         redisReply *x = get_bounded(r->rc, vk, vkl, KVR_RT_SUB_LEN + ml, NULL);
         uint64_t bchain = 0;
@@ -836,13 +836,13 @@ static void work_prefix(kvr_rjob *j)
         int rc = !x ? kvr_error_set(&e, KVR_EIO, "%s: gone", vk)
                : !(sealed = unseal(j, vk, vkl, x, &vl))
                    ? kvr_error_set(&e, KVR_EIO, "%s: MAC mismatch", vk)
-                   : kvr_rt_sub_decode((const uint8_t *)x->str, vl, &j->desc, (uint32_t)extra,
+                   : kvr__rt_sub_decode((const uint8_t *)x->str, vl, &j->desc, (uint32_t)extra,
                                        &bchain, &bn, &e);
         if (x)
             freeReplyObject(x);
         if (rc == 0) {
             char bk[KVR_RT_KEY_MAX];
-            size_t bkl = kvr_rt_block_key(bchain, bk);
+            size_t bkl = kvr__rt_block_key(bchain, bk);
             x = bn <= KVR_RT_BLOCK
                     ? get_bounded(r->rc, bk, bkl, BLOCK_HDR + bn * 12 + kv_bytes(&j->desc, bn) +
                                   4 + ml, NULL)
@@ -899,14 +899,14 @@ out:
     kvr_mem_free(f);
 }
 
-void kvr_remote_job_work(kvr_rjob *j)
+void kvr__remote_job_work(kvr_rjob *j)
 {
     /* The whole fetch (both phases of a get) ends by its deadline. */
-    if (kvr_rc_now_ms() >= j->deadline_ms) {
+    if (kvr__rc_now_ms() >= j->deadline_ms) {
         miss(j, false, "the fetch deadline passed (the cluster is slow or hung)");
         return;
     }
-    kvr_rc_set_deadline(j->deadline_ms);
+    kvr__rc_set_deadline(j->deadline_ms);
     if (!kvr__remote_up(j->r)) {
         miss(j, false, "the cluster is unreachable");
     } else {
@@ -916,7 +916,7 @@ void kvr_remote_job_work(kvr_rjob *j)
         else
             work_prefix(j);
     }
-    kvr_rc_set_deadline(0);
+    kvr__rc_set_deadline(0);
 }
 
 /* A local model for the fetched data: the named one if its fingerprint
@@ -980,7 +980,7 @@ static int land_commit(kvr_rjob *j, kvr_put *t)
     return 0;
 }
 
-int kvr_remote_job_land(kvr_rjob *j)
+int kvr__remote_job_land(kvr_rjob *j)
 {
     if (j->by_id && j->phase == 1) {
         kvr_put *t = j->put;
@@ -1076,7 +1076,7 @@ int kvr_remote_job_land(kvr_rjob *j)
         j->niov = niov;
         j->phase = 1;
         /* The blocks get a deadline of their own, by their size. */
-        j->deadline_ms = kvr_rc_now_ms() + FETCH_MS + want / SLOW_BYTES_PER_MS;
+        j->deadline_ms = kvr__rc_now_ms() + FETCH_MS + want / SLOW_BYTES_PER_MS;
         return 1;
     }
     size_t off = 0;

@@ -131,7 +131,7 @@ int kvr__rt_decode_head(const uint8_t *v, size_t len, const kvr_rt_desc *d, uint
                         uint64_t chain, uint64_t start, size_t n, const uint32_t *tokens,
                         const int64_t *pos, size_t e, uint8_t *dst, size_t n_ctx,
                         kvr_error *err);
-/* kvr_rt_block_encode from either form of source (a flat payload or a
+/* kvr__rt_block_encode from either form of source (a flat payload or a
  * get's iovecs). */
 uint8_t *kvr__rt_encode_from(const kvr_rt_desc *d, uint64_t chain, uint64_t start,
                              const uint32_t *tokens, const int64_t *pos, size_t n,
@@ -142,7 +142,7 @@ uint8_t *kvr__rt_chunk_encode(const kvr_rt_manifest *m, size_t b, uint64_t chain
                               const rt_src *raw, size_t *len);
 int kvr__rt_chunk_check(const uint8_t *v, size_t len, bool crc_ok, const kvr_rt_manifest *m,
                         size_t b, uint64_t chain, kvr_error *err);
-/* A value's MAC in steps (kvr_rt_mac's): begin with the key and the Redis
+/* A value's MAC in steps (kvr__rt_mac's): begin with the key and the Redis
  * key, crypto_generichash_update the value, then compare with tag. */
 void kvr__rt_mac_begin(crypto_generichash_state *st, const uint8_t *key, const char *rkey,
                        size_t rklen);

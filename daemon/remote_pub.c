@@ -68,9 +68,9 @@ bool kvr__remote_up(kvr_remote *r)
     if (!atomic_compare_exchange_strong(&r->last_try_ms, &last, now))
         return false;
     kvr_error e = { 0 };
-    if (kvr_rc_refresh(r->rc, &e) == 0) {
+    if (kvr__rc_refresh(r->rc, &e) == 0) {
         kvr_rc_stats st;
-        kvr_rc_get_stats(r->rc, &st);
+        kvr__rc_get_stats(r->rc, &st);
         if (!atomic_exchange(&r->joined, true))
             kvr_log(KVR_LOG_WARN, "remote tier: joined the cluster (%u slot ranges)",
                     st.n_masters);
@@ -89,7 +89,7 @@ static bool seal(const kvr_remote *r, const char *rkey, size_t rklen, uint8_t **
     uint8_t *n = kvr_mem_realloc(*v, *len + KVR_RT_MAC_LEN);
     if (!n)
         return false;
-    kvr_rt_mac(r->key, rkey, rklen, n, *len, n + *len);
+    kvr__rt_mac(r->key, rkey, rklen, n, *len, n + *len);
     *v = n;
     *len += KVR_RT_MAC_LEN;
     return true;
@@ -112,13 +112,13 @@ static int publish_subs(kvr_remote *r, const kvr_rt_manifest *m)
     for (size_t b = 0; b < m->n_blocks; b++) {
         size_t s = b * KVR_RT_BLOCK, n = m->n_tokens - s < KVR_RT_BLOCK ? m->n_tokens - s
                                                                         : KVR_RT_BLOCK;
-        uint64_t prev = b ? m->chains[b - 1] : kvr_rt_chain_seed(&m->desc);
+        uint64_t prev = b ? m->chains[b - 1] : kvr__rt_chain_seed(&m->desc);
         for (uint32_t e = KVR_RT_GRAIN; e < n; e += KVR_RT_GRAIN, k++) {
-            uint64_t sub = kvr_rt_chain_next(prev, m->tokens + s, m->positions + s, e);
-            argl[3 * k + 1] = kvr_rt_sub_key(sub, keys[k]);
-            kvr_rt_sub_encode(&m->desc, m->chains[b], (uint32_t)n, e, vals[k]);
+            uint64_t sub = kvr__rt_chain_next(prev, m->tokens + s, m->positions + s, e);
+            argl[3 * k + 1] = kvr__rt_sub_key(sub, keys[k]);
+            kvr__rt_sub_encode(&m->desc, m->chains[b], (uint32_t)n, e, vals[k]);
             if (r->keyed)
-                kvr_rt_mac(r->key, keys[k], argl[3 * k + 1], vals[k], KVR_RT_SUB_LEN,
+                kvr__rt_mac(r->key, keys[k], argl[3 * k + 1], vals[k], KVR_RT_SUB_LEN,
                            vals[k] + KVR_RT_SUB_LEN);
             argv[3 * k] = "SET";
             argl[3 * k] = 3;
@@ -128,7 +128,7 @@ static int publish_subs(kvr_remote *r, const kvr_rt_manifest *m)
             cmds[k] = (kvr_rc_cmd){ 3, argv + 3 * k, argl + 3 * k };
         }
     }
-    size_t ok = kvr_rc_batch(r->rc, k, cmds, rep);
+    size_t ok = kvr__rc_batch(r->rc, k, cmds, rep);
     for (size_t i = 0; i < k; i++)
         if (rep[i])
             freeReplyObject(rep[i]);
@@ -190,7 +190,7 @@ static void publish_one(kvr_remote *r, pub_job *j)
     rt_src src = { .iov = j->iov, .niov = j->niov, .starts = j->starts };
     rt_src wsrc = { .iov = j->iov2, .niov = j->niov2, .starts = j->starts2 };
     size_t nb = m->n_blocks, wbase = m->quant ? m->n_raw : 0;
-    kvr_rt_manifest_chains(m, m->chains);
+    kvr__rt_manifest_chains(m, m->chains);
     /* Which blocks are there already (content-addressed: equal key, equal
      * bytes)? EXISTS is one pipelined round per node. */
     char (*keys)[KVR_RT_KEY_MAX] = kvr_mem_malloc((nb + 1) * KVR_RT_KEY_MAX);
@@ -208,16 +208,16 @@ static void publish_one(kvr_remote *r, pub_job *j)
     for (size_t b = 0; b < nb; b++) {
         size_t bs, bn;
         bool ch;
-        kvr_rt_manifest_block(m, b, &bs, &bn, &ch);
-        klen[b] = ch ? kvr_rt_chunk_key(m->chains[b], keys[b])
-                     : kvr_rt_block_key(m->chains[b], keys[b]);
+        kvr__rt_manifest_block(m, b, &bs, &bn, &ch);
+        klen[b] = ch ? kvr__rt_chunk_key(m->chains[b], keys[b])
+                     : kvr__rt_block_key(m->chains[b], keys[b]);
         argv[3 * b] = "EXISTS";
         argl[3 * b] = 6;
         argv[3 * b + 1] = keys[b];
         argl[3 * b + 1] = klen[b];
         cmds[b] = (kvr_rc_cmd){ 2, argv + 3 * b, argl + 3 * b };
     }
-    kvr_rc_batch(r->rc, nb, cmds, rep);
+    kvr__rc_batch(r->rc, nb, cmds, rep);
     for (size_t b = 0; b < nb; b++) {
         have[b] = rep[b] && rep[b]->type == REDIS_REPLY_INTEGER && rep[b]->integer == 1;
         if (rep[b])
@@ -238,7 +238,7 @@ static void publish_one(kvr_remote *r, pub_job *j)
             }
             size_t s, n;
             bool ch;
-            kvr_rt_manifest_block(m, b, &s, &n, &ch);
+            kvr__rt_manifest_block(m, b, &s, &n, &ch);
             /* A quantized context's window blocks count from the window's
              * start, in the window get's payload. */
             vals[k] = ch ? kvr__rt_chunk_encode(m, b, m->chains[b], &src, &vlen[k])
@@ -265,7 +265,7 @@ static void publish_one(kvr_remote *r, pub_job *j)
             bytes += vlen[k];
             k++;
         }
-        size_t ok = kvr_rc_batch(r->rc, k, cmds, rep);
+        size_t ok = kvr__rc_batch(r->rc, k, cmds, rep);
         for (size_t i = 0; i < k; i++) {
             if (rep[i])
                 freeReplyObject(rep[i]);
@@ -293,8 +293,8 @@ static void publish_one(kvr_remote *r, pub_job *j)
      * evicted them since, which is a miss). */
     size_t ml;
     char mk[KVR_RT_KEY_MAX];
-    size_t mkl = kvr_rt_manifest_key(m->ctx_id, mk);
-    uint8_t *mv = kvr_rt_manifest_encode(m, &ml);
+    size_t mkl = kvr__rt_manifest_key(m->ctx_id, mk);
+    uint8_t *mv = kvr__rt_manifest_encode(m, &ml);
     if (mv && !seal(r, mk, mkl, &mv, &ml)) {
         kvr_mem_free(mv);
         mv = NULL;
@@ -308,7 +308,7 @@ static void publish_one(kvr_remote *r, pub_job *j)
     size_t sl[] = { 3, mkl, ml };
     redisReply *x;
     kvr_error e = { 0 };
-    int rc = kvr_rc_command(r->rc, 3, sv, sl, &x, &e);
+    int rc = kvr__rc_command(r->rc, 3, sv, sl, &x, &e);
     kvr_mem_free(mv);
     if (rc < 0) {
         j->rc = rc;
@@ -344,9 +344,9 @@ static void *publisher(void *arg)
                 pthread_cond_timedwait(&r->cv, &r->mu, &ts);
                 if (!r->stop && !r->q_head) {
                     pthread_mutex_unlock(&r->mu);
-                    kvr_rc_set_deadline(kvr_rc_now_ms() + FETCH_MS);
+                    kvr__rc_set_deadline(kvr__rc_now_ms() + FETCH_MS);
                     kvr__remote_up(r);
-                    kvr_rc_set_deadline(0);
+                    kvr__rc_set_deadline(0);
                     pthread_mutex_lock(&r->mu);
                 }
             } else {
@@ -363,15 +363,15 @@ static void *publisher(void *arg)
         pthread_mutex_unlock(&r->mu);
         /* Everything it does ends by its deadline, so whatever waits behind
          * it is answered by its own. */
-        if (kvr_rc_now_ms() >= j->deadline_ms) {
+        if (kvr__rc_now_ms() >= j->deadline_ms) {
             j->rc = KVR_EIO;
             snprintf(j->msg, sizeof j->msg, "remote tier: '%.200s' was not published within "
                      "%d ms of its share (the cluster is slow or hung)", j->m.ctx_id, PUBLISH_MS);
             atomic_fetch_add(&r->pub_errors, 1);
         } else {
-            kvr_rc_set_deadline(j->deadline_ms);
+            kvr__rc_set_deadline(j->deadline_ms);
             publish_one(r, j);
-            kvr_rc_set_deadline(0);
+            kvr__rc_set_deadline(0);
         }
         pthread_mutex_lock(&r->mu);
         j->next = r->done;
@@ -395,7 +395,7 @@ static void job_finish(kvr_remote *r, pub_job *j)
         j->done(j->done_arg, j->rc, j->msg);
     kvr_get_end(j->get);     /* loop thread: the leases go */
     kvr_get_end(j->get2);
-    kvr_rt_manifest_free(&j->m);
+    kvr__rt_manifest_free(&j->m);
     kvr_mem_free(j->starts);
     kvr_mem_free(j->starts2);
     kvr_mem_free(j);
@@ -452,7 +452,7 @@ static int read_auth(const char *path, char *user, size_t ucap, char *pass, size
     return 0;
 }
 
-int kvr_remote_create(kvr_remote **out, kvr_daemon *d, kvr_error *err)
+int kvr__remote_create(kvr_remote **out, kvr_daemon *d, kvr_error *err)
 {
     *out = NULL;
     const kvr_daemon_config *cfg = &d->cfg;
@@ -468,7 +468,7 @@ int kvr_remote_create(kvr_remote **out, kvr_daemon *d, kvr_error *err)
         return kvr_error_set(err, KVR_ENOMEM, "remote tier: out of memory");
     r->d = d;
     if (cfg->remote_key_file[0]) {
-        if ((rc = kvr_rt_key_read(cfg->remote_key_file, r->key, err)) < 0) {
+        if ((rc = kvr__rt_key_read(cfg->remote_key_file, r->key, err)) < 0) {
             kvr_mem_free(r);
             return rc;
         }
@@ -480,7 +480,7 @@ int kvr_remote_create(kvr_remote **out, kvr_daemon *d, kvr_error *err)
                 "authenticated, so the shared tier trusts everyone who can write to the "
                 "cluster (docs/cluster.md)");
     }
-    rc = kvr_rc_create(&r->rc, &(kvr_rc_config){ .seeds = cfg->remote_tier, .user = user,
+    rc = kvr__rc_create(&r->rc, &(kvr_rc_config){ .seeds = cfg->remote_tier, .user = user,
                                                  .password = pass }, err);
     memset(pass, 0, sizeof pass);
     if (rc < 0) {
@@ -489,19 +489,19 @@ int kvr_remote_create(kvr_remote **out, kvr_daemon *d, kvr_error *err)
         return rc;
     }
     kvr_error e = { 0 };
-    kvr_rc_set_deadline(kvr_rc_now_ms() + FETCH_MS);    /* start-up waits no longer */
-    rc = kvr_rc_refresh(r->rc, &e);
-    kvr_rc_set_deadline(0);
+    kvr__rc_set_deadline(kvr__rc_now_ms() + FETCH_MS);    /* start-up waits no longer */
+    rc = kvr__rc_refresh(r->rc, &e);
+    kvr__rc_set_deadline(0);
     if (rc == KVR_EUNAUTH) {
         kvr_error_set(err, KVR_EUNAUTH, "remote tier: %s (check --remote-auth-file)", e.msg);
-        kvr_rc_destroy(r->rc);
+        kvr__rc_destroy(r->rc);
         sodium_memzero(r->key, sizeof r->key);
         kvr_mem_free(r);
         return KVR_EUNAUTH;
     }
     if (rc == 0) {
         kvr_rc_stats st;
-        kvr_rc_get_stats(r->rc, &st);
+        kvr__rc_get_stats(r->rc, &st);
         atomic_store(&r->joined, true);
         kvr_log(KVR_LOG_INFO, "remote tier: cluster %s, %u slot ranges", cfg->remote_tier,
                 st.n_masters);
@@ -520,7 +520,7 @@ int kvr_remote_create(kvr_remote **out, kvr_daemon *d, kvr_error *err)
     if (pthread_create(&r->th, NULL, publisher, r) != 0) {
         uv_close((uv_handle_t *)&r->async, NULL);
         r->has_async = false;
-        kvr_remote_destroy(r);
+        kvr__remote_destroy(r);
         return kvr_error_set(err, KVR_EINTERNAL, "remote tier: cannot start its thread");
     }
     r->th_started = true;
@@ -528,7 +528,7 @@ int kvr_remote_create(kvr_remote **out, kvr_daemon *d, kvr_error *err)
     return 0;
 }
 
-void kvr_remote_close(kvr_remote *r)
+void kvr__remote_close(kvr_remote *r)
 {
     if (!r)
         return;
@@ -561,11 +561,11 @@ void kvr_remote_close(kvr_remote *r)
     }
 }
 
-void kvr_remote_destroy(kvr_remote *r)
+void kvr__remote_destroy(kvr_remote *r)
 {
     if (!r)
         return;
-    kvr_rc_destroy(r->rc);
+    kvr__rc_destroy(r->rc);
     pthread_mutex_destroy(&r->mu);
     pthread_cond_destroy(&r->cv);
     sodium_memzero(r->key, sizeof r->key);
@@ -594,7 +594,7 @@ static uint32_t ktile_of(const char *canon)
     return v >= 1 && v <= 256 ? (uint32_t)v : 1;
 }
 
-int kvr_remote_publish(kvr_remote *r, const char *ctx_id, kvr_remote_done_fn done, void *arg,
+int kvr__remote_publish(kvr_remote *r, const char *ctx_id, kvr_remote_done_fn done, void *arg,
                        kvr_error *err)
 {
     kvr_store *s = r->d->store;
@@ -691,7 +691,7 @@ int kvr_remote_publish(kvr_remote *r, const char *ctx_id, kvr_remote_done_fn don
         }
         j->m.n_tokens = n;
     }
-    size_t nb = j ? kvr_rt_manifest_blocks(&j->m) : 0;
+    size_t nb = j ? kvr__rt_manifest_blocks(&j->m) : 0;
     if (j) {
         j->m.chains = kvr_mem_malloc(nb * 8 + 1);
         j->m.tokens = kvr_mem_malloc(n * 4 + 1);
@@ -701,7 +701,7 @@ int kvr_remote_publish(kvr_remote *r, const char *ctx_id, kvr_remote_done_fn don
     }
     if (!j || !j->m.chains || !j->m.tokens || !j->m.positions || !j->m.flags || !j->m.groups) {
         if (j) {
-            kvr_rt_manifest_free(&j->m);
+            kvr__rt_manifest_free(&j->m);
             kvr_mem_free(j);
         }
         kvr_get_end(g);
@@ -735,7 +735,7 @@ int kvr_remote_publish(kvr_remote *r, const char *ctx_id, kvr_remote_done_fn don
     j->m.n_protected = ci.n_protected;
     j->done = done;
     j->done_arg = arg;
-    j->deadline_ms = kvr_rc_now_ms() + PUBLISH_MS + ci.kv_bytes / SLOW_BYTES_PER_MS;
+    j->deadline_ms = kvr__rc_now_ms() + PUBLISH_MS + ci.kv_bytes / SLOW_BYTES_PER_MS;
     j->bytes = ci.kv_bytes;
     pthread_mutex_lock(&r->mu);
     r->pending_bytes += j->bytes;
@@ -752,11 +752,11 @@ int kvr_remote_publish(kvr_remote *r, const char *ctx_id, kvr_remote_done_fn don
 
 
 
-void kvr_remote_get_stats(kvr_remote *r, kvr_remote_stats *o)
+void kvr__remote_get_stats(kvr_remote *r, kvr_remote_stats *o)
 {
     memset(o, 0, sizeof *o);
     kvr_rc_stats st;
-    kvr_rc_get_stats(r->rc, &st);
+    kvr__rc_get_stats(r->rc, &st);
     o->joined = atomic_load(&r->joined);
     o->pub_contexts = atomic_load(&r->pub_contexts);
     o->pub_blocks = atomic_load(&r->pub_blocks);

@@ -15,8 +15,8 @@
  * and each value lives in exactly one slot.
  *
  * Values are little-endian (x86-64, as the project), checked by CRC32C and
- * by their own description; see kvr_rt_block_decode for the checks. With a
- * cluster key each value is followed by its MAC (kvr_rt_mac), written by
+ * by their own description; see kvr__rt_block_decode for the checks. With a
+ * cluster key each value is followed by its MAC (kvr__rt_mac), written by
  * the publisher's seal() and checked before anything else by the fetch
  * jobs: unseal() for values read whole, the sinks' mac state for values
  * streamed into a put's memory (which is only committed once every value
@@ -62,7 +62,7 @@ static inline uint64_t fin(uint64_t h)
     return h;
 }
 
-uint64_t kvr_rt_chain_seed(const kvr_rt_desc *d)
+uint64_t kvr__rt_chain_seed(const kvr_rt_desc *d)
 {
     uint64_t h = 0x6b7672315f726f70ull;     /* "kvr1_rop" */
     h = mix(h, d->fingerprint);
@@ -72,7 +72,7 @@ uint64_t kvr_rt_chain_seed(const kvr_rt_desc *d)
     return fin(h);
 }
 
-uint64_t kvr_rt_chain_next(uint64_t prev, const uint32_t *tokens, const int64_t *pos, size_t n)
+uint64_t kvr__rt_chain_next(uint64_t prev, const uint32_t *tokens, const int64_t *pos, size_t n)
 {
     uint64_t h = mix(prev, n);
     for (size_t i = 0; i < n; i++) {
@@ -82,12 +82,12 @@ uint64_t kvr_rt_chain_next(uint64_t prev, const uint32_t *tokens, const int64_t 
     return fin(h);
 }
 
-size_t kvr_rt_block_key(uint64_t chain, char out[KVR_RT_KEY_MAX])
+size_t kvr__rt_block_key(uint64_t chain, char out[KVR_RT_KEY_MAX])
 {
     return (size_t)snprintf(out, KVR_RT_KEY_MAX, "kvr1:b:{%016" PRIx64 "}", chain);
 }
 
-size_t kvr_rt_manifest_key(const char *ctx_id, char out[KVR_RT_KEY_MAX])
+size_t kvr__rt_manifest_key(const char *ctx_id, char out[KVR_RT_KEY_MAX])
 {
     uint64_t h = 0x6b7672315f6d616eull;
     size_t n = strlen(ctx_id);
@@ -97,7 +97,7 @@ size_t kvr_rt_manifest_key(const char *ctx_id, char out[KVR_RT_KEY_MAX])
     return (size_t)snprintf(out, KVR_RT_KEY_MAX, "kvr1:m:{%016" PRIx64 "}", fin(h));
 }
 
-size_t kvr_rt_sub_key(uint64_t sub_chain, char out[KVR_RT_KEY_MAX])
+size_t kvr__rt_sub_key(uint64_t sub_chain, char out[KVR_RT_KEY_MAX])
 {
     return (size_t)snprintf(out, KVR_RT_KEY_MAX, "kvr1:p:{%016" PRIx64 "}", sub_chain);
 }
@@ -125,7 +125,7 @@ bool kvr__rt_mac_end_ok(crypto_generichash_state *st, const uint8_t *tag)
     return sodium_memcmp(m, tag, sizeof m) == 0;
 }
 
-void kvr_rt_mac(const uint8_t key[KVR_RT_KEY_BYTES], const char *rkey, size_t rklen,
+void kvr__rt_mac(const uint8_t key[KVR_RT_KEY_BYTES], const char *rkey, size_t rklen,
                 const uint8_t *v, size_t len, uint8_t out[KVR_RT_MAC_LEN])
 {
     crypto_generichash_state st;
@@ -134,7 +134,7 @@ void kvr_rt_mac(const uint8_t key[KVR_RT_KEY_BYTES], const char *rkey, size_t rk
     crypto_generichash_final(&st, out, KVR_RT_MAC_LEN);
 }
 
-int kvr_rt_key_read(const char *path, uint8_t key[KVR_RT_KEY_BYTES], kvr_error *err)
+int kvr__rt_key_read(const char *path, uint8_t key[KVR_RT_KEY_BYTES], kvr_error *err)
 {
     if (sodium_init() < 0)
         return kvr_error_set(err, KVR_EINTERNAL, "--remote-key-file: libsodium did not start");
@@ -225,7 +225,7 @@ static void src_read(const rt_src *d, size_t off, uint8_t *out, size_t len)
     }
 }
 
-uint8_t *kvr_rt_block_encode(const kvr_rt_desc *d, uint64_t chain, uint64_t start,
+uint8_t *kvr__rt_block_encode(const kvr_rt_desc *d, uint64_t chain, uint64_t start,
                              const uint32_t *tokens, const int64_t *pos, size_t n,
                              const uint8_t *ctx_payload, size_t n_ctx, size_t *len)
 {
@@ -271,7 +271,7 @@ static int decode_to(const uint8_t *v, size_t len, const kvr_rt_desc *d, uint64_
                      uint64_t start, const uint32_t *tokens, const int64_t *pos, size_t n,
                      const rt_dst *dst, size_t n_ctx, kvr_error *err);
 
-int kvr_rt_block_decode(const uint8_t *v, size_t len, const kvr_rt_desc *d, uint64_t chain,
+int kvr__rt_block_decode(const uint8_t *v, size_t len, const kvr_rt_desc *d, uint64_t chain,
                         uint64_t start, const uint32_t *tokens, const int64_t *pos, size_t n,
                         uint8_t *dst, size_t n_ctx, kvr_error *err)
 {
@@ -343,7 +343,7 @@ int kvr__rt_decode_head(const uint8_t *v, size_t len, const kvr_rt_desc *d, uint
     }
     memcpy(bt, v + BLOCK_HDR, n * 4);
     memcpy(bp, v + BLOCK_HDR + n * 4, n * 8);
-    bool cont = kvr_rt_chain_next(prev, bt, bp, n) == chain;
+    bool cont = kvr__rt_chain_next(prev, bt, bp, n) == chain;
     kvr_mem_free(bt);
     kvr_mem_free(bp);
     if (!cont)
@@ -379,7 +379,7 @@ static size_t layout_bytes(const kvr_rt_manifest *m)
 
 /* ---- the values of a manifest -------------------------------------------- */
 
-size_t kvr_rt_manifest_blocks(const kvr_rt_manifest *m)
+size_t kvr__rt_manifest_blocks(const kvr_rt_manifest *m)
 {
     if (!m->quant)
         return (m->n_tokens + KVR_RT_BLOCK - 1) / KVR_RT_BLOCK;
@@ -387,7 +387,7 @@ size_t kvr_rt_manifest_blocks(const kvr_rt_manifest *m)
            (m->n_tokens - m->n_raw + KVR_RT_BLOCK - 1) / KVR_RT_BLOCK;
 }
 
-void kvr_rt_manifest_block(const kvr_rt_manifest *m, size_t b, size_t *start, size_t *n,
+void kvr__rt_manifest_block(const kvr_rt_manifest *m, size_t b, size_t *start, size_t *n,
                            bool *chunk)
 {
     size_t nch = m->quant ? (m->n_raw + m->chunk - 1) / m->chunk : 0;
@@ -407,7 +407,7 @@ void kvr_rt_manifest_block(const kvr_rt_manifest *m, size_t b, size_t *start, si
  * are never taken for a plain context's (nor found by match). */
 static uint64_t manifest_seed(const kvr_rt_manifest *m)
 {
-    uint64_t h = kvr_rt_chain_seed(&m->desc);
+    uint64_t h = kvr__rt_chain_seed(&m->desc);
     if (!m->quant)
         return h;
     h = mix(h, 0x7175616e74ull);      /* "quant" */
@@ -417,15 +417,15 @@ static uint64_t manifest_seed(const kvr_rt_manifest *m)
     return fin(h);
 }
 
-void kvr_rt_manifest_chains(const kvr_rt_manifest *m, uint64_t *out)
+void kvr__rt_manifest_chains(const kvr_rt_manifest *m, uint64_t *out)
 {
     uint64_t h = manifest_seed(m);
-    size_t nb = kvr_rt_manifest_blocks(m);
+    size_t nb = kvr__rt_manifest_blocks(m);
     for (size_t b = 0; b < nb; b++) {
         size_t s, n;
         bool ch;
-        kvr_rt_manifest_block(m, b, &s, &n, &ch);
-        h = kvr_rt_chain_next(h, m->tokens + s, m->positions + s, n);
+        kvr__rt_manifest_block(m, b, &s, &n, &ch);
+        h = kvr__rt_chain_next(h, m->tokens + s, m->positions + s, n);
         out[b] = h;
     }
 }
@@ -439,7 +439,7 @@ uint8_t *kvr__rt_chunk_encode(const kvr_rt_manifest *m, size_t b, uint64_t chain
 {
     size_t s, n;
     bool ch;
-    kvr_rt_manifest_block(m, b, &s, &n, &ch);
+    kvr__rt_manifest_block(m, b, &s, &n, &ch);
     size_t total = chunk_len(m, n), kb = chunk_kb(m, n), vb = chunk_vb(m, n);
     uint8_t *v = kvr_mem_calloc(1, total);
     if (!v)
@@ -478,7 +478,7 @@ int kvr__rt_chunk_check(const uint8_t *v, size_t len, bool crc_ok, const kvr_rt_
 {
     size_t s, n;
     bool ch;
-    kvr_rt_manifest_block(m, b, &s, &n, &ch);
+    kvr__rt_manifest_block(m, b, &s, &n, &ch);
     if (len < CHUNK_HDR + 4 || memcmp(v, CHUNK_MAGIC, 4) != 0)
         return kvr_error_set(err, KVR_EIO, "chunk value: not a kvrope chunk (%zu bytes)", len);
     if (get32(v + 4) != RT_VERSION)
@@ -506,14 +506,14 @@ int kvr__rt_chunk_check(const uint8_t *v, size_t len, bool crc_ok, const kvr_rt_
     return 0;
 }
 
-size_t kvr_rt_chunk_key(uint64_t chain, char out[KVR_RT_KEY_MAX])
+size_t kvr__rt_chunk_key(uint64_t chain, char out[KVR_RT_KEY_MAX])
 {
     return (size_t)snprintf(out, KVR_RT_KEY_MAX, "kvr1:q:{%016" PRIx64 "}", chain);
 }
 
 #define SUB_MAGIC "KVRP"
 
-void kvr_rt_sub_encode(const kvr_rt_desc *d, uint64_t block_chain, uint32_t block_n,
+void kvr__rt_sub_encode(const kvr_rt_desc *d, uint64_t block_chain, uint32_t block_n,
                        uint32_t e, uint8_t out[KVR_RT_SUB_LEN])
 {
     memcpy(out, SUB_MAGIC, 4);
@@ -525,7 +525,7 @@ void kvr_rt_sub_encode(const kvr_rt_desc *d, uint64_t block_chain, uint32_t bloc
     put32(out + 32, kvr_crc32c(0, out, 32));
 }
 
-int kvr_rt_sub_decode(const uint8_t *v, size_t len, const kvr_rt_desc *d, uint32_t e,
+int kvr__rt_sub_decode(const uint8_t *v, size_t len, const kvr_rt_desc *d, uint32_t e,
                       uint64_t *block_chain, uint32_t *block_n, kvr_error *err)
 {
     if (len != KVR_RT_SUB_LEN || memcmp(v, SUB_MAGIC, 4) != 0 || get32(v + 4) != RT_VERSION)
@@ -541,7 +541,7 @@ int kvr_rt_sub_decode(const uint8_t *v, size_t len, const kvr_rt_desc *d, uint32
     return 0;
 }
 
-uint8_t *kvr_rt_manifest_encode(const kvr_rt_manifest *m, size_t *len)
+uint8_t *kvr__rt_manifest_encode(const kvr_rt_manifest *m, size_t *len)
 {
     if (m->layout.n_groups > KVR_MAX_GROUPS)
         return NULL;
@@ -605,7 +605,7 @@ uint8_t *kvr_rt_manifest_encode(const kvr_rt_manifest *m, size_t *len)
     return v;
 }
 
-void kvr_rt_manifest_free(kvr_rt_manifest *m)
+void kvr__rt_manifest_free(kvr_rt_manifest *m)
 {
     kvr_mem_free(m->chains);
     kvr_mem_free(m->tokens);
@@ -619,7 +619,7 @@ void kvr_rt_manifest_free(kvr_rt_manifest *m)
     m->groups = NULL;
 }
 
-int kvr_rt_manifest_decode(const uint8_t *v, size_t len, const char *want_id,
+int kvr__rt_manifest_decode(const uint8_t *v, size_t len, const char *want_id,
                            kvr_rt_manifest *m, kvr_error *err)
 {
     memset(m, 0, sizeof *m);
@@ -673,7 +673,7 @@ int kvr_rt_manifest_decode(const uint8_t *v, size_t len, const char *want_id,
     m->flags = kvr_mem_malloc(nt * 4 + 1);
     m->groups = kvr_mem_malloc(nt * 4 + 1);
     if (!m->chains || !m->tokens || !m->positions || !m->flags || !m->groups) {
-        kvr_rt_manifest_free(m);
+        kvr__rt_manifest_free(m);
         return kvr_error_set(err, KVR_ENOMEM, "manifest: out of memory");
     }
     const uint8_t *p = v + MANIFEST_HDR;
@@ -693,7 +693,7 @@ int kvr_rt_manifest_decode(const uint8_t *v, size_t len, const char *want_id,
         kvr_layout_info *L = &m->layout;
         uint32_t lf = get32(p);
         if ((lf & ~7u) || memchr(p + 4, 0, 256) == NULL) {
-            kvr_rt_manifest_free(m);
+            kvr__rt_manifest_free(m);
             return kvr_error_set(err, KVR_EIO, "manifest: bad layout record");
         }
         L->has_prefix = lf & 1u;
@@ -710,7 +710,7 @@ int kvr_rt_manifest_decode(const uint8_t *v, size_t len, const char *want_id,
         p += LAYOUT_FIXED;
         for (size_t g = 0; g < ng; g++, p += GROUP_REC) {
             if (memchr(p, 0, KVR_GROUP_NAME_MAX + 1) == NULL || !p[0]) {
-                kvr_rt_manifest_free(m);
+                kvr__rt_manifest_free(m);
                 return kvr_error_set(err, KVR_EIO, "manifest: bad group name");
             }
             snprintf(L->groups[g].name, sizeof L->groups[g].name, "%s", (const char *)p);
@@ -733,14 +733,14 @@ int kvr_rt_manifest_decode(const uint8_t *v, size_t len, const char *want_id,
                  (m->n_raw == 0 || (m->raw_kb % (m->n_raw / m->ktile) == 0 &&
                                     m->raw_vb % m->n_raw == 0)) &&
                  m->raw_kb <= ((size_t)1 << 40) && m->raw_vb <= ((size_t)1 << 40) &&
-                 nb == kvr_rt_manifest_blocks(m);
+                 nb == kvr__rt_manifest_blocks(m);
             if (!ok) {
-                kvr_rt_manifest_free(m);
+                kvr__rt_manifest_free(m);
                 return kvr_error_set(err, KVR_EIO, "manifest: bad quantized section");
             }
         }
         if (m->n_protected > nt) {
-            kvr_rt_manifest_free(m);
+            kvr__rt_manifest_free(m);
             return kvr_error_set(err, KVR_EIO, "manifest: %zu protected of %zu tokens",
                                  m->n_protected, (size_t)nt);
         }
@@ -750,10 +750,10 @@ int kvr_rt_manifest_decode(const uint8_t *v, size_t len, const char *want_id,
     for (size_t b = 0; b < nb; b++) {
         size_t s, n;
         bool ch;
-        kvr_rt_manifest_block(m, b, &s, &n, &ch);
-        h = kvr_rt_chain_next(h, m->tokens + s, m->positions + s, n);
+        kvr__rt_manifest_block(m, b, &s, &n, &ch);
+        h = kvr__rt_chain_next(h, m->tokens + s, m->positions + s, n);
         if (h != m->chains[b]) {
-            kvr_rt_manifest_free(m);
+            kvr__rt_manifest_free(m);
             return kvr_error_set(err, KVR_EIO, "manifest: chain of block %zu is wrong", b);
         }
     }

@@ -11,7 +11,7 @@
 #include "daemon/dispatch.h"
 
 /* Replies with the context's ContextInfo (pin, fork, shift, keep, stat). */
-void kvr__reply_ctx(kvrd_request *r, const char *id)
+void kvr__reply_ctx(kvr_request *r, const char *id)
 {
     kvr_ctx_info info;
     kvr_error e = { 0 };
@@ -21,7 +21,7 @@ void kvr__reply_ctx(kvrd_request *r, const char *id)
         return;
     }
     Kvrope__ContextInfo ci;
-    kvrd_pb_context(&info, &ci);
+    kvr__pb_context(&info, &ci);
     Kvrope__Response resp = KVROPE__RESPONSE__INIT;
     resp.body_case = KVROPE__RESPONSE__BODY_CONTEXT;
     resp.context = &ci;
@@ -30,7 +30,7 @@ void kvr__reply_ctx(kvrd_request *r, const char *id)
 
 /* A store call's outcome: the error, else ContextInfo of ctx_for_info, or
  * an empty OK. */
-void kvr__reply_simple(kvrd_request *r, int rc, const kvr_error *e, const char *ctx_for_info)
+void kvr__reply_simple(kvr_request *r, int rc, const kvr_error *e, const char *ctx_for_info)
 {
     if (rc < 0) {
         kvr__reply_err(r, rc, e);
@@ -45,7 +45,7 @@ void kvr__reply_simple(kvrd_request *r, int rc, const kvr_error *e, const char *
 }
 
 
-void kvr__do_list(kvrd_request *r)
+void kvr__do_list(kvr_request *r)
 {
     const Kvrope__List *l = r->msg->list;
     kvr_ctx_info *infos = NULL;
@@ -58,7 +58,7 @@ void kvr__do_list(kvrd_request *r)
         return;
     }
     Kvrope__ContextList cl;
-    if (kvrd_pb_context_list(infos, n, &cl) < 0) {
+    if (kvr__pb_context_list(infos, n, &cl) < 0) {
         kvr_mem_free(infos);
         kvr__reply_errf(r, KVR_ENOMEM, "out of memory listing contexts");
         return;
@@ -67,24 +67,24 @@ void kvr__do_list(kvrd_request *r)
     resp.body_case = KVROPE__RESPONSE__BODY_CONTEXTS;
     resp.contexts = &cl;
     kvr__reply_ok(r, &resp);
-    kvrd_pb_context_list_free(&cl);
+    kvr__pb_context_list_free(&cl);
     kvr_mem_free(infos);
 }
 
-void kvr__do_stat(kvrd_request *r)
+void kvr__do_stat(kvr_request *r)
 {
     kvr__reply_ctx(r, r->msg->stat->context_id);
 }
 
 
-void kvr__do_delete(kvrd_request *r)
+void kvr__do_delete(kvr_request *r)
 {
     kvr_error e = { 0 };
     int rc = kvr_store_delete(r->d->store, r->msg->delete_->context_id, &e);
     kvr__reply_simple(r, rc, &e, NULL);
 }
 
-void kvr__do_pin(kvrd_request *r)
+void kvr__do_pin(kvr_request *r)
 {
     const Kvrope__Pin *q = r->msg->pin;
     kvr_error e = { 0 };
@@ -92,7 +92,7 @@ void kvr__do_pin(kvrd_request *r)
     kvr__reply_simple(r, rc, &e, q->context_id);
 }
 
-void kvr__do_fork(kvrd_request *r)
+void kvr__do_fork(kvr_request *r)
 {
     const Kvrope__Fork *q = r->msg->fork;
     kvr_error e = { 0 };
@@ -102,12 +102,12 @@ void kvr__do_fork(kvrd_request *r)
 
 /* Shift (delta given) and Keep (delta NULL): a token range of context id,
  * then its ContextInfo. */
-static void range_op(kvrd_request *r, const char *verb, const char *id, uint64_t start,
+static void range_op(kvr_request *r, const char *verb, const char *id, uint64_t start,
                      uint64_t end, const int64_t *delta)
 {
     kvr_error err = { 0 };
     size_t s, t;
-    int rc = kvrd_range_from_pb(verb, start, end, &s, &t, &err);
+    int rc = kvr__range_from_pb(verb, start, end, &s, &t, &err);
     if (rc < 0) {
         kvr__reply_err(r, rc, &err);
         return;
@@ -118,13 +118,13 @@ static void range_op(kvrd_request *r, const char *verb, const char *id, uint64_t
     kvr__reply_simple(r, rc, &e, id);
 }
 
-void kvr__do_shift(kvrd_request *r)
+void kvr__do_shift(kvr_request *r)
 {
     const Kvrope__Shift *q = r->msg->shift;
     range_op(r, "shift", q->context_id, q->start, q->end, &q->delta);
 }
 
-void kvr__do_keep(kvrd_request *r)
+void kvr__do_keep(kvr_request *r)
 {
     const Kvrope__Keep *q = r->msg->keep;
     range_op(r, "keep", q->context_id, q->start, q->end, NULL);
@@ -133,7 +133,7 @@ void kvr__do_keep(kvrd_request *r)
 
 /* Replies with the context's LayoutInfo (layout_stat, set_group_offset,
  * set_retention). */
-static void reply_layout(kvrd_request *r, const char *id)
+static void reply_layout(kvr_request *r, const char *id)
 {
     kvr_layout_info *li = kvr_mem_malloc(sizeof *li);
     if (!li) {
@@ -150,7 +150,7 @@ static void reply_layout(kvrd_request *r, const char *id)
     Kvrope__GroupInfo gi[KVR_MAX_GROUPS];
     Kvrope__GroupInfo *gp[KVR_MAX_GROUPS];
     Kvrope__LayoutInfo lo;
-    kvrd_pb_layout(li, id, &lo, gi, gp);
+    kvr__pb_layout(li, id, &lo, gi, gp);
     Kvrope__Response resp = KVROPE__RESPONSE__INIT;
     resp.body_case = KVROPE__RESPONSE__BODY_LAYOUT;
     resp.layout = &lo;
@@ -158,12 +158,12 @@ static void reply_layout(kvrd_request *r, const char *id)
     kvr_mem_free(li);
 }
 
-void kvr__do_layout_stat(kvrd_request *r)
+void kvr__do_layout_stat(kvr_request *r)
 {
     reply_layout(r, r->msg->layout_stat->context_id);
 }
 
-void kvr__do_set_group_offset(kvrd_request *r)
+void kvr__do_set_group_offset(kvr_request *r)
 {
     const Kvrope__SetGroupOffset *q = r->msg->set_group_offset;
     kvr_error e = { 0 };
@@ -175,7 +175,7 @@ void kvr__do_set_group_offset(kvrd_request *r)
     reply_layout(r, q->context_id);
 }
 
-void kvr__do_set_retention(kvrd_request *r)
+void kvr__do_set_retention(kvr_request *r)
 {
     const Kvrope__SetRetention *q = r->msg->set_retention;
     bool off = q->has_off && q->off;

@@ -10,13 +10,13 @@
  */
 #include "daemon/dispatch.h"
 
-int kvr__work_edit(kvrd_request *r, kvr_error *e)     { return kvr_edit_work(r->edit, e); }
+int kvr__work_edit(kvr_request *r, kvr_error *e)     { return kvr_edit_work(r->edit, e); }
 
 /* ---- edits (PIE) ------------------------------------------------------------- */
 
 /* Resolves the shape fields of an Edit/Refresh: as given, else the model's
  * (the context's model, or the one named). */
-static int edit_shape(kvrd_request *r, const char *ctx_id, const char *model, bool has_l,
+static int edit_shape(kvr_request *r, const char *ctx_id, const char *model, bool has_l,
                       uint32_t *nl, bool has_h, uint32_t *nh, bool has_d, uint32_t *hd,
                       kvr_error *e)
 {
@@ -44,11 +44,11 @@ static int edit_shape(kvrd_request *r, const char *ctx_id, const char *model, bo
     return 0;
 }
 
-static void reply_edit(kvrd_request *r, const kvr_edit_result *res, const kvr_edit_span *spans,
+static void reply_edit(kvr_request *r, const kvr_edit_result *res, const kvr_edit_span *spans,
                        size_t n_spans, uint64_t payload_bytes)
 {
     Kvrope__EditResult er;
-    if (kvrd_pb_edit_result(res, spans, n_spans, payload_bytes, &er) < 0) {
+    if (kvr__pb_edit_result(res, spans, n_spans, payload_bytes, &er) < 0) {
         kvr__reply_errf(r, KVR_ENOMEM, "out of memory for the edit result");
         return;
     }
@@ -56,13 +56,13 @@ static void reply_edit(kvrd_request *r, const kvr_edit_result *res, const kvr_ed
     resp.body_case = KVROPE__RESPONSE__BODY_EDIT;
     resp.edit = &er;
     kvr__reply_ok(r, &resp);
-    kvrd_pb_edit_result_free(&er);
+    kvr__pb_edit_result_free(&er);
 }
 
 /* Edit and Refresh: begin validates (nothing changes on refusal; a refused
  * request's payload is drained), the payload goes straight into the
  * transaction's iovecs, then work (threadpool) and commit (kvr__finish_edit). */
-static void after_edit_begin(kvrd_request *r, int rc, const kvr_error *e)
+static void after_edit_begin(kvr_request *r, int rc, const kvr_error *e)
 {
     if (rc < 0) {
         r->edit = NULL;
@@ -79,12 +79,12 @@ static void after_edit_begin(kvrd_request *r, int rc, const kvr_error *e)
     kvr__read_payload(r);
 }
 
-void kvr__do_edit(kvrd_request *r)
+void kvr__do_edit(kvr_request *r)
 {
     const Kvrope__Edit *q = r->msg->edit;
     kvr_error err = { 0 };
     kvr_edit_params ep;
-    int rc = kvrd_edit_params_from_pb(q, r->payload_len, &ep, &err);
+    int rc = kvr__edit_params_from_pb(q, r->payload_len, &ep, &err);
     if (rc < 0) {
         kvr__reply_err(r, rc, &err);
         return;
@@ -98,7 +98,7 @@ void kvr__do_edit(kvrd_request *r)
         return;
     }
     kvr_edit_op *ops;
-    if ((rc = kvrd_edit_ops_from_pb(q->ops, q->n_ops, &ops, &err)) < 0) {
+    if ((rc = kvr__edit_ops_from_pb(q->ops, q->n_ops, &ops, &err)) < 0) {
         kvr__reply_err(r, rc, &err);
         return;
     }
@@ -108,12 +108,12 @@ void kvr__do_edit(kvrd_request *r)
     after_edit_begin(r, rc, &e);
 }
 
-void kvr__do_refresh(kvrd_request *r)
+void kvr__do_refresh(kvr_request *r)
 {
     const Kvrope__Refresh *q = r->msg->refresh;
     kvr_error err = { 0 };
     kvr_refresh_params rp;
-    int rc = kvrd_refresh_params_from_pb(q, r->payload_len, &rp, &err);
+    int rc = kvr__refresh_params_from_pb(q, r->payload_len, &rp, &err);
     if (rc < 0) {
         kvr__reply_err(r, rc, &err);
         return;
@@ -129,7 +129,7 @@ void kvr__do_refresh(kvrd_request *r)
     after_edit_begin(r, rc, &e);
 }
 
-void kvr__do_edit_plan(kvrd_request *r)
+void kvr__do_edit_plan(kvr_request *r)
 {
     const Kvrope__EditPlan *q = r->msg->edit_plan;
     kvr_edit_params ep = {
@@ -142,7 +142,7 @@ void kvr__do_edit_plan(kvrd_request *r)
     };
     kvr_error err = { 0 };
     kvr_edit_op *ops;
-    int rc = kvrd_edit_ops_from_pb(q->ops, q->n_ops, &ops, &err);
+    int rc = kvr__edit_ops_from_pb(q->ops, q->n_ops, &ops, &err);
     if (rc < 0) {
         kvr__reply_err(r, rc, &err);
         return;
@@ -175,7 +175,7 @@ void kvr__do_edit_plan(kvrd_request *r)
     kvr_mem_free(spans);
 }
 
-void kvr__finish_edit(kvrd_request *r)
+void kvr__finish_edit(kvr_request *r)
 {
     kvr_edit *t = r->edit;
     r->edit = NULL;

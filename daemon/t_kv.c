@@ -11,9 +11,9 @@
  */
 #include "daemon/dispatch.h"
 
-int kvr__work_put(kvrd_request *r, kvr_error *e)      { return kvr_put_work(r->put, e); }
-int kvr__work_get(kvrd_request *r, kvr_error *e)      { return kvr_get_work(r->get, e); }
-int kvr__work_assemble(kvrd_request *r, kvr_error *e) { return kvr_assemble_work(r->as, e); }
+int kvr__work_put(kvr_request *r, kvr_error *e)      { return kvr_put_work(r->put, e); }
+int kvr__work_get(kvr_request *r, kvr_error *e)      { return kvr_get_work(r->get, e); }
+int kvr__work_assemble(kvr_request *r, kvr_error *e) { return kvr_assemble_work(r->as, e); }
 
 static void end_get_cb(void *arg, int status)
 {
@@ -34,7 +34,7 @@ static void end_assemble_cb(void *arg, int status)
  * mode; on an existing context (append/upsert) it must be the context's
  * codec, since a context's codec is fixed at create (a replace creates a
  * new context: any codec). Replies on failure. */
-static int put_codec_check(kvrd_request *r, const Kvrope__Put *p)
+static int put_codec_check(kvr_request *r, const Kvrope__Put *p)
 {
     char canon[KVR_CODEC_NAME_MAX];
     kvr_error e = { 0 };
@@ -59,12 +59,12 @@ static int put_codec_check(kvrd_request *r, const Kvrope__Put *p)
 
 /* Starts a put (Put, or the Put inside a GroupAppend with `group` set):
  * begin, then the payload into its iovecs, then work and finish_put. */
-static void start_put(kvrd_request *r, const Kvrope__Put *p, const char *group,
+static void start_put(kvr_request *r, const Kvrope__Put *p, const char *group,
                       const Kvrope__LayoutPutOptions *lo)
 {
     kvr_error err = { 0 };
     kvr_put_params pp;
-    int rc = kvrd_put_params_from_pb(p, group, r->payload_len, &pp, &err);
+    int rc = kvr__put_params_from_pb(p, group, r->payload_len, &pp, &err);
     if (rc < 0) {
         kvr__reply_err(r, rc, &err);
         return;
@@ -76,7 +76,7 @@ static void start_put(kvrd_request *r, const Kvrope__Put *p, const char *group,
                    "with --remote-tier redis://HOST:PORT); nothing was stored");
         return;
     }
-    if ((rc = kvrd_put_layout_from_pb(lo, &pp, &err)) < 0) {
+    if ((rc = kvr__put_layout_from_pb(lo, &pp, &err)) < 0) {
         kvr__reply_err(r, rc, &err);
         return;
     }
@@ -113,13 +113,13 @@ static void start_put(kvrd_request *r, const Kvrope__Put *p, const char *group,
     kvr__read_payload(r);
 }
 
-void kvr__do_put(kvrd_request *r)
+void kvr__do_put(kvr_request *r)
 {
     const Kvrope__Put *p = r->msg->put;
     start_put(r, p, NULL, p->layout);
 }
 
-void kvr__do_group_append(kvrd_request *r)
+void kvr__do_group_append(kvr_request *r)
 {
     const Kvrope__GroupAppend *g = r->msg->group_append;
     if (!g->group || !g->group[0]) {
@@ -134,7 +134,7 @@ void kvr__do_group_append(kvrd_request *r)
     start_put(r, g->put, g->group, g->options ? g->options : g->put->layout);
 }
 
-void kvr__finish_put(kvrd_request *r)
+void kvr__finish_put(kvr_request *r)
 {
     kvr_put *t = r->put;
     r->put = NULL;
@@ -151,7 +151,7 @@ void kvr__finish_put(kvrd_request *r)
         return;
     }
     Kvrope__PutResult pr;
-    kvrd_pb_put_result(&res, &pr);
+    kvr__pb_put_result(&res, &pr);
     Kvrope__Response resp = KVROPE__RESPONSE__INIT;
     bool ga = r->verb->body == KVROPE__REQUEST__BODY_GROUP_APPEND;
     if (ga) {
@@ -174,7 +174,7 @@ void kvr__finish_put(kvrd_request *r)
             return;
         }
         e = (kvr_error){ 0 };
-        if (kvr_remote_publish(r->d->remote, pq->context_id, NULL, NULL, &e) < 0)
+        if (kvr__remote_publish(r->d->remote, pq->context_id, NULL, NULL, &e) < 0)
             kvr_log(KVR_LOG_WARN, "'%s' stored locally, not shared: %s", pq->context_id, e.msg);
     }
     kvr__reply_ok(r, &resp);
@@ -183,12 +183,12 @@ void kvr__finish_put(kvrd_request *r)
 
 /* ---- get and match ----------------------------------------------------------- */
 
-static void send_get(kvrd_request *r, bool stream);
+static void send_get(kvr_request *r, bool stream);
 
 /* Starts a get, or the get half of a match. A large one that needs work is
  * streamed (stream.c): its status is decided here, by begin, before any of
  * its payload exists. */
-static void start_get(kvrd_request *r, const kvr_get_params *gp0)
+static void start_get(kvr_request *r, const kvr_get_params *gp0)
 {
     kvr_get_params g = *gp0;
     const kvr_get_params *gp = &g;
@@ -229,7 +229,7 @@ static void start_get(kvrd_request *r, const kvr_get_params *gp0)
      * the iovecs point into; refused before anything is sent. */
     bool stream = work && kvr_get_payload_size(r->get) > KVR_STREAM_MIN_BYTES &&
                   kvr_get_get_info(r->get)->n_layers > 1;
-    if (work && (rc = stream ? kvrd_stream_stage(r->get, &e) : kvr_get_stage(r->get, &e)) < 0) {
+    if (work && (rc = stream ? kvr__stream_stage(r->get, &e) : kvr_get_stage(r->get, &e)) < 0) {
         kvr__release_txn(r);
         kvr__reply_err(r, rc, &e);
         return;
@@ -242,12 +242,12 @@ static void start_get(kvrd_request *r, const kvr_get_params *gp0)
     kvr__run(r, work);
 }
 
-void kvr__do_get(kvrd_request *r)
+void kvr__do_get(kvr_request *r)
 {
     const Kvrope__Get *g = r->msg->get;
     kvr_error err = { 0 };
     kvr_get_params gp;
-    int rc = kvrd_get_params_from_pb(g, &gp, &err);
+    int rc = kvr__get_params_from_pb(g, &gp, &err);
     if (rc < 0) {
         kvr__reply_err(r, rc, &err);
         return;
@@ -275,10 +275,10 @@ void kvr__do_get(kvrd_request *r)
     start_get(r, &gp);
 }
 
-void kvr__do_match(kvrd_request *r)
+void kvr__do_match(kvr_request *r)
 {
     const Kvrope__Match *m = r->msg->match;
-    if (!kvrd_dtype_ok(m->dtype)) {
+    if (!kvr__dtype_ok(m->dtype)) {
         kvr__reply_errf(r, KVR_EBADREQUEST, "match.dtype: unknown value %d", (int)m->dtype);
         return;
     }
@@ -318,7 +318,7 @@ void kvr__do_match(kvrd_request *r)
  * straight from the get's iovecs and the get ends in the write callback.
  * stream: the get's work has not been done; it is done chunk by chunk as
  * the payload is written (stream.c). */
-static void send_get(kvrd_request *r, bool stream)
+static void send_get(kvr_request *r, bool stream)
 {
     kvr_get *t = r->get;
     r->get = NULL;
@@ -334,7 +334,7 @@ static void send_get(kvrd_request *r, bool stream)
     Kvrope__KVResult kv;
     Kvrope__RawLayout rl;
     char rl_buf[3][64];
-    kvrd_pb_kv_of_get(gi, is_get ? r->msg->get->context_id : r->match_ctx, meta_only, &kv,
+    kvr__pb_kv_of_get(gi, is_get ? r->msg->get->context_id : r->match_ctx, meta_only, &kv,
                       &rl, rl_buf);
     Kvrope__Response resp = KVROPE__RESPONSE__INIT;
     Kvrope__MatchResult mr = KVROPE__MATCH_RESULT__INIT;
@@ -369,13 +369,13 @@ static void send_get(kvrd_request *r, bool stream)
     resp.id = r->id;
     resp.status = KVROPE__STATUS__OK;
     size_t len;
-    uint8_t *buf = kvrd_pack_response(&resp, payload, &len);
+    uint8_t *buf = kvr__pack_response(&resp, payload, &len);
     if (buf) {
         /* The message is packed: the request's fields are no longer needed. */
         kvr__msg_free(r);
         r->bytes_out += len + payload;
         r->phase = RQ_STREAM;
-        if (kvrd_stream_start(r, r->c, t, buf, len, payload) == 0)
+        if (kvr__stream_start(r, r->c, t, buf, len, payload) == 0)
             return;     /* stream.c ends r */
         r->phase = RQ_RUN;
         kvr_mem_free(buf);
@@ -384,7 +384,7 @@ static void send_get(kvrd_request *r, bool stream)
     kvr__reply_errf(r, KVR_ENOMEM, "out of memory starting a streamed reply");
 }
 
-void kvr__finish_get(kvrd_request *r)
+void kvr__finish_get(kvr_request *r)
 {
     send_get(r, false);
 }
@@ -392,11 +392,11 @@ void kvr__finish_get(kvrd_request *r)
 
 /* ---- position layouts: assemble (APE), groups (GPE), retention ---------- */
 
-void kvr__do_assemble(kvrd_request *r)
+void kvr__do_assemble(kvr_request *r)
 {
     kvr_error err = { 0 };
     kvr_assemble_params ap;
-    int rc = kvrd_assemble_params_from_pb(r->msg->assemble, &ap, &err);
+    int rc = kvr__assemble_params_from_pb(r->msg->assemble, &ap, &err);
     if (rc < 0) {
         kvr__reply_err(r, rc, &err);
         return;
@@ -431,7 +431,7 @@ void kvr__do_assemble(kvrd_request *r)
     kvr__run(r, work);
 }
 
-void kvr__finish_assemble(kvrd_request *r)
+void kvr__finish_assemble(kvr_request *r)
 {
     kvr_assemble *t = r->as;
     r->as = NULL;
@@ -445,7 +445,7 @@ void kvr__finish_assemble(kvrd_request *r)
     size_t payload = meta ? 0 : kvr_assemble_payload_size(t);
     Kvrope__AssembleResult ar;
     Kvrope__KVResult kv;
-    if (kvrd_pb_assemble_result(kvr_assemble_get_info(t), q->prefix, &ar, &kv) < 0) {
+    if (kvr__pb_assemble_result(kvr_assemble_get_info(t), q->prefix, &ar, &kv) < 0) {
         kvr_assemble_end(t);
         kvr__reply_errf(r, KVR_ENOMEM, "out of memory for the segment table");
         return;
@@ -461,7 +461,7 @@ void kvr__finish_assemble(kvrd_request *r)
         resp.shm = &sl;
         kvr__send_ok(r, &resp, NULL, 0, 0, NULL, NULL);
         kvr_assemble_end(t);
-        kvrd_pb_assemble_result_free(&ar);
+        kvr__pb_assemble_result_free(&ar);
         return;
     }
     const struct iovec *iov = NULL;
@@ -469,6 +469,6 @@ void kvr__finish_assemble(kvrd_request *r)
     if (payload > 0)
         kvr_assemble_payload_iov(t, &iov, &niov);
     kvr__send_ok(r, &resp, iov, niov, payload, end_assemble_cb, t);
-    kvrd_pb_assemble_result_free(&ar);
+    kvr__pb_assemble_result_free(&ar);
 }
 

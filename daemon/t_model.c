@@ -7,11 +7,11 @@
  */
 #include "daemon/dispatch.h"
 
-void kvr__do_register_model(kvrd_request *r)
+void kvr__do_register_model(kvr_request *r)
 {
     kvr_model_desc desc = { 0 };
     kvr_error err = { 0 };
-    int rc = kvrd_model_desc_from_pb(r->msg->register_model, &desc, &err);
+    int rc = kvr__model_desc_from_pb(r->msg->register_model, &desc, &err);
     if (rc < 0) {
         kvr__reply_err(r, rc, &err);
         return;
@@ -27,14 +27,14 @@ void kvr__do_register_model(kvrd_request *r)
             info.name, info.n_layers, info.n_kv_heads, info.head_dim);
     Kvrope__ModelInfo mi;
     Kvrope__RopeParams rp;
-    kvrd_pb_model(&info, &mi, &rp);
+    kvr__pb_model(&info, &mi, &rp);
     Kvrope__Response resp = KVROPE__RESPONSE__INIT;
     resp.body_case = KVROPE__RESPONSE__BODY_MODEL;
     resp.model = &mi;
     kvr__reply_ok(r, &resp);
 }
 
-void kvr__do_list_models(kvrd_request *r)
+void kvr__do_list_models(kvr_request *r)
 {
     size_t n = kvr_store_model_list(r->d->store, NULL, 0);
     kvr_model_info *infos = n ? kvr_mem_calloc(n, sizeof *infos) : NULL;
@@ -44,7 +44,7 @@ void kvr__do_list_models(kvrd_request *r)
         if (got < n)
             n = got;
     }
-    if ((n && !infos) || kvrd_pb_model_list(infos, n, &ml) < 0) {
+    if ((n && !infos) || kvr__pb_model_list(infos, n, &ml) < 0) {
         kvr_mem_free(infos);
         kvr__reply_errf(r, KVR_ENOMEM, "out of memory listing models");
         return;
@@ -53,12 +53,12 @@ void kvr__do_list_models(kvrd_request *r)
     resp.body_case = KVROPE__RESPONSE__BODY_MODELS;
     resp.models = &ml;
     kvr__reply_ok(r, &resp);
-    kvrd_pb_model_list_free(&ml);
+    kvr__pb_model_list_free(&ml);
     kvr_mem_free(infos);
 }
 
 
-void kvr__do_remove_model(kvrd_request *r)
+void kvr__do_remove_model(kvr_request *r)
 {
     kvr_error e = { 0 };
     int rc = kvr_store_model_remove(r->d->store, r->msg->remove_model->name, &e);

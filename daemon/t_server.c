@@ -10,7 +10,7 @@
  */
 #include "daemon/dispatch.h"
 
-void kvr__do_auth(kvrd_request *r)
+void kvr__do_auth(kvr_request *r)
 {
     kvr_daemon *d = r->d;
     kvr_conn *c = r->c;
@@ -24,16 +24,16 @@ void kvr__do_auth(kvrd_request *r)
             diff |= (unsigned)(x ^ d->token[i]);
         }
         if (diff) {
-            kvr_conn_fail(c, r->id, KVR_EUNAUTH, "authentication failed: wrong token");
-            kvrd_request_end(r, KVR_EUNAUTH);
+            kvr__conn_fail(c, r->id, KVR_EUNAUTH, "authentication failed: wrong token");
+            kvr__request_end(r, KVR_EUNAUTH);
             return;
         }
         /* From here on it counts against --max-connections. */
-        kvr_conn_set_authed(c);
+        kvr__conn_set_authed(c);
         if (d->n_conns - d->n_unauth > d->cfg.max_connections) {
             d->n_conn_refused++;
-            kvr_conn_fail(c, r->id, KVR_ELIMIT, "too many connections (--max-connections)");
-            kvrd_request_end(r, KVR_ELIMIT);
+            kvr__conn_fail(c, r->id, KVR_ELIMIT, "too many connections (--max-connections)");
+            kvr__request_end(r, KVR_ELIMIT);
             return;
         }
     }
@@ -41,7 +41,7 @@ void kvr__do_auth(kvrd_request *r)
     kvr__reply_ok(r, &resp);
 }
 
-void kvr__do_ping(kvrd_request *r)
+void kvr__do_ping(kvr_request *r)
 {
     Kvrope__Pong p = KVROPE__PONG__INIT;
     char server[64];
@@ -56,11 +56,11 @@ void kvr__do_ping(kvrd_request *r)
 
 
 /* Every figure by name, from the snapshot /metrics renders (metrics.c). */
-void kvr__do_stats(kvrd_request *r)
+void kvr__do_stats(kvr_request *r)
 {
     kvr_metric_list l;
     kvr_error e = { 0 };
-    int rc = kvr_metrics_list(r->d, &l, &e);
+    int rc = kvr__metrics_list(r->d, &l, &e);
     if (rc < 0) {
         kvr__reply_err(r, rc, &e);
         return;
@@ -70,7 +70,7 @@ void kvr__do_stats(kvrd_request *r)
     if (!ms || !ptrs) {
         kvr_mem_free(ms);
         kvr_mem_free(ptrs);
-        kvr_metrics_list_free(&l);
+        kvr__metrics_list_free(&l);
         kvr__reply_error(r, KVR_ENOMEM, "out of memory for the stats");
         return;
     }
@@ -89,13 +89,13 @@ void kvr__do_stats(kvrd_request *r)
     kvr__reply_ok(r, &resp);
     kvr_mem_free(ms);
     kvr_mem_free(ptrs);
-    kvr_metrics_list_free(&l);
+    kvr__metrics_list_free(&l);
 }
 
 
 /* ---- shared-memory regions (shm.c) ---------------------------------------------- */
 
-static void reply_region(kvrd_request *r, uint32_t id, uint64_t size)
+static void reply_region(kvr_request *r, uint32_t id, uint64_t size)
 {
     Kvrope__RegionInfo ri = KVROPE__REGION_INFO__INIT;
     ri.region = id;
@@ -108,11 +108,11 @@ static void reply_region(kvrd_request *r, uint32_t id, uint64_t size)
     kvr__reply_ok(r, &resp);
 }
 
-void kvr__do_register_region(kvrd_request *r)
+void kvr__do_register_region(kvr_request *r)
 {
-    kvrd_region *g;
+    kvr_region *g;
     kvr_error e = { 0 };
-    int rc = kvrd_shm_register(r->c, r->fd, r->msg->register_region->size, &g, &e);
+    int rc = kvr__shm_register(r->c, r->fd, r->msg->register_region->size, &g, &e);
     if (rc < 0) {
         kvr__reply_err(r, rc, &e);
         return;
@@ -121,11 +121,11 @@ void kvr__do_register_region(kvrd_request *r)
     reply_region(r, g->id, g->size);
 }
 
-void kvr__do_release_region(kvrd_request *r)
+void kvr__do_release_region(kvr_request *r)
 {
     uint32_t id = r->msg->release_region->region;
     kvr_error e = { 0 };
-    int rc = kvrd_shm_release(r->c, id, &e);
+    int rc = kvr__shm_release(r->c, id, &e);
     if (rc < 0) {
         kvr__reply_err(r, rc, &e);
         return;

@@ -14,7 +14,7 @@
  * Invariants: the chunks are plain malloc, never kvr_mem (they are not the
  * store's and are all freed before the thread ends); it stops taking more
  * once the store's own allocations plus what it holds reach the cap, and at
- * once when the daemon stops (kvr_warm_stop joins it). Without jemalloc
+ * once when the daemon stops (kvr__warm_stop joins it). Without jemalloc
  * (sanitizer builds) it does nothing.
  */
 #include <stdatomic.h>
@@ -74,7 +74,7 @@ static void *warm_main(void *arg)
 }
 #endif
 
-int kvr_warm_start(kvr_daemon *d, kvr_error *err)
+int kvr__warm_start(kvr_daemon *d, kvr_error *err)
 {
     uint64_t want = d->cfg.prefault;
     if (want == 0)
@@ -100,7 +100,7 @@ int kvr_warm_start(kvr_daemon *d, kvr_error *err)
     return 0;
 }
 
-void kvr_warm_stop(kvr_daemon *d)
+void kvr__warm_stop(kvr_daemon *d)
 {
     if (!d->has_warm)
         return;
