@@ -19,7 +19,8 @@
 # on, jemalloc), MODE=check (ASan + UBSan, assert() on, libc malloc), MODE=fuzz.
 #
 # Sources are picked up by directory, so adding a file needs no edit here:
-#   rope/*.c cache/*.c proto/*.c        -> internal archive (and libkvrope)
+#   base/*.c rope/*.c cache/*.c proto/*.c -> one archive each (base/ and rope/
+#                                        also in libkvrope)
 #   daemon/*.c (but main.c)             -> internal archive;  daemon/main.c -> kvroped
 #   client/lib/*.c                      -> libkvrope.a / libkvrope.so
 #   client/cli/*.c                      -> kvrope
@@ -82,6 +83,7 @@ AVX512_FLAGS := -mavx512f -mavx512bw -mavx512vl -mavx512dq -mavx2 -mfma -mf16c
 PROTO_GEN_C := $(GEN)/proto/kvrope.pb-c.c
 PROTO_GEN_H := $(GEN)/proto/kvrope.pb-c.h
 
+BASE_SRC   := $(wildcard base/*.c)
 ROPE_SRC   := $(wildcard rope/*.c)
 CACHE_SRC  := $(wildcard cache/*.c)
 PROTO_SRC  := $(wildcard proto/*.c)
@@ -94,6 +96,7 @@ FUZZ_SRC   := $(wildcard tests/fuzz/fuzz_*.c)
 
 obj = $(patsubst %.c,$(BUILD)/obj/%.o,$(1))
 
+BASE_OBJ   := $(call obj,$(BASE_SRC))
 ROPE_OBJ   := $(call obj,$(ROPE_SRC))
 CACHE_OBJ  := $(call obj,$(CACHE_SRC))
 PROTO_OBJ  := $(call obj,$(PROTO_SRC)) $(BUILD)/obj/gen/kvrope.pb-c.o
@@ -102,14 +105,16 @@ CLIB_OBJ   := $(call obj,$(CLIB_SRC))
 CLI_OBJ    := $(call obj,$(CLI_SRC))
 
 # One archive per module, linked in layering order, so a test links only the
-# modules it exercises (test_rope_* needs rope/ alone, test_cache_* cache/ and
-# rope/, everything else all of them).
+# modules it exercises (test_rope_* needs rope/ and base/, test_cache_* cache/,
+# rope/ and base/, everything else all of them). base/ is the foundation
+# every other archive builds on (docs/base.md), so it comes last.
+BASE_A   := $(BUILD)/lib/libbase.a
 ROPE_A   := $(BUILD)/lib/librope.a
 CACHE_A  := $(BUILD)/lib/libcache.a
 PROTO_A  := $(BUILD)/lib/libproto.a
 DAEMON_A := $(BUILD)/lib/libdaemon.a
 CLIB_A   := $(BUILD)/lib/libclient.a
-ALL_A    := $(DAEMON_A) $(CLIB_A) $(CACHE_A) $(PROTO_A) $(ROPE_A)
+ALL_A    := $(DAEMON_A) $(CLIB_A) $(CACHE_A) $(PROTO_A) $(ROPE_A) $(BASE_A)
 
 # libkvrope's version: client/kvrope.h's KVR_VERSION_* (read here, not repeated).
 KVR_VER := $(shell awk '/^\#define KVR_VERSION_(MAJOR|MINOR|PATCH) /{v=v s $$3; s="."} END{print v}' client/kvrope.h)
@@ -181,19 +186,20 @@ define archive
 	@mkdir -p $(dir $@)
 	rm -f $@ && ar rcs $@ $^
 endef
+$(BASE_A):   $(BASE_OBJ)   ; $(archive)
 $(ROPE_A):   $(ROPE_OBJ)   ; $(archive)
 $(CACHE_A):  $(CACHE_OBJ)  ; $(archive)
 $(PROTO_A):  $(PROTO_OBJ)  ; $(archive)
 $(DAEMON_A): $(DAEMON_OBJ) ; $(archive)
 $(CLIB_A):   $(CLIB_OBJ)   ; $(archive)
 
-# The public client library bundles what it needs of proto/ and rope/.
-$(CLIENT_A): $(CLIB_OBJ) $(PROTO_OBJ) $(ROPE_OBJ) ; $(archive)
+# The public client library bundles what it needs of proto/, rope/ and base/.
+$(CLIENT_A): $(CLIB_OBJ) $(PROTO_OBJ) $(ROPE_OBJ) $(BASE_OBJ) ; $(archive)
 
 # The shared library: SONAME libkvrope.so.MAJOR, the file libkvrope.so.X.Y.Z,
 # the usual symlinks (libkvrope.so.MAJOR for the loader, libkvrope.so for the
 # linker and the Python binding), kvr_* exported only (client/lib/kvrope.map).
-$(CLIENT_SOREAL): $(CLIB_OBJ) $(PROTO_OBJ) $(ROPE_OBJ) $(CLIENT_MAP)
+$(CLIENT_SOREAL): $(CLIB_OBJ) $(PROTO_OBJ) $(ROPE_OBJ) $(BASE_OBJ) $(CLIENT_MAP)
 	$(CC) -shared $(LDFLAGS_ALL) -Wl,-soname,$(CLIENT_SONAME) \
 	  -Wl,--version-script=$(CLIENT_MAP) -o $@ $(filter %.o,$^) -lprotobuf-c -lcjson -lm -lpthread
 
@@ -207,21 +213,21 @@ $(KVROPED): $(BUILD)/obj/daemon/main.o $(ALL_A)
 $(KVROPE): $(CLI_OBJ) $(ALL_A)
 	$(CC) $(LDFLAGS_ALL) -o $@ $^ $(LIBS) $(MALLOC_LIB)
 
-$(BUILD)/tests/test_rope%: $(BUILD)/obj/tests/unit/test_rope%.o $(ROPE_A)
+$(BUILD)/tests/test_rope%: $(BUILD)/obj/tests/unit/test_rope%.o $(ROPE_A) $(BASE_A)
 	@mkdir -p $(dir $@)
 	$(CC) $(LDFLAGS_ALL) -o $@ $^ -lcriterion $(LIBS) $(MALLOC_LIB)
 
 # Codec kernels (cache/codec*.c) test on their own, without the store.
 CODEC_OBJ := $(call obj,$(wildcard cache/codec*.c))
-$(BUILD)/tests/test_codec%: $(BUILD)/obj/tests/unit/test_codec%.o $(CODEC_OBJ) $(ROPE_A)
+$(BUILD)/tests/test_codec%: $(BUILD)/obj/tests/unit/test_codec%.o $(CODEC_OBJ) $(ROPE_A) $(BASE_A)
 	@mkdir -p $(dir $@)
 	$(CC) $(LDFLAGS_ALL) -o $@ $^ -lcriterion $(LIBS) $(MALLOC_LIB)
 
-$(BUILD)/bench/bench_codec: $(BUILD)/obj/tests/bench/bench_codec.o $(CODEC_OBJ) $(ROPE_A)
+$(BUILD)/bench/bench_codec: $(BUILD)/obj/tests/bench/bench_codec.o $(CODEC_OBJ) $(ROPE_A) $(BASE_A)
 	@mkdir -p $(dir $@)
 	$(CC) $(LDFLAGS_ALL) -o $@ $^ $(LIBS) $(MALLOC_LIB)
 
-$(BUILD)/tests/test_cache%: $(BUILD)/obj/tests/unit/test_cache%.o $(CACHE_A) $(ROPE_A)
+$(BUILD)/tests/test_cache%: $(BUILD)/obj/tests/unit/test_cache%.o $(CACHE_A) $(ROPE_A) $(BASE_A)
 	@mkdir -p $(dir $@)
 	$(CC) $(LDFLAGS_ALL) -o $@ $^ -lcriterion $(LIBS) $(MALLOC_LIB)
 
@@ -232,7 +238,7 @@ $(BUILD)/tests/%: $(BUILD)/obj/tests/unit/%.o $(ALL_A)
 	@mkdir -p $(dir $@)
 	$(CC) $(LDFLAGS_ALL) -o $@ $^ -lcriterion $(LIBS) $(MALLOC_LIB)
 
-$(BUILD)/bench/bench_rope%: $(BUILD)/obj/tests/bench/bench_rope%.o $(ROPE_A)
+$(BUILD)/bench/bench_rope%: $(BUILD)/obj/tests/bench/bench_rope%.o $(ROPE_A) $(BASE_A)
 	@mkdir -p $(dir $@)
 	$(CC) $(LDFLAGS_ALL) -o $@ $^ $(LIBS) $(MALLOC_LIB)
 

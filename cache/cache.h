@@ -32,14 +32,14 @@
 #include <sys/uio.h>
 
 #include "rope/rope.h"
-#include "rope/types.h"
+#include "base/types.h"
 
 #ifdef __cplusplus
 extern "C" {
 #endif
 
 /* ---- errors: KVR_E*, kvr_error, kvr_error_set, kvr_strerror come from
- * rope/error.h (included through rope/rope.h): one space for the project. */
+ * base/error.h (included through rope/rope.h): one space for the project. */
 
 /* ---- accounted memory --------------------------------------------------- */
 /* Process-wide and thread-safe. All of kvroped's allocations (store, libuv via
@@ -73,7 +73,7 @@ bool     kvr_mem_fault_set(uint64_t nth, bool sticky);
 uint64_t kvr_mem_fault_failed(void);
 
 /* ---- store -------------------------------------------------------------- */
-/* KVR_ID_MAX, KVR_CODEC_NAME_MAX: rope/types.h (shared with kvrope.h). */
+/* KVR_ID_MAX, KVR_CODEC_NAME_MAX: base/types.h (shared with kvrope.h). */
 
 typedef struct kvr_store kvr_store;
 
@@ -153,7 +153,7 @@ int kvr_store_model_remove(kvr_store *s, const char *name, kvr_error *err);
 size_t kvr_store_model_list(const kvr_store *s, kvr_model_info *out, size_t cap);
 
 /* ---- put: create or append ---------------------------------------------- */
-/* kvr_put_mode (KVR_PUT_CREATE / APPEND / UPSERT): rope/types.h. */
+/* kvr_put_mode (KVR_PUT_CREATE / APPEND / UPSERT): base/types.h. */
 
 typedef struct kvr_put_params {
     const char     *ctx_id;
@@ -268,7 +268,7 @@ int    kvr_put_commit(kvr_put *t, kvr_put_result *res, kvr_error *err);
 void   kvr_put_abort(kvr_put *t);
 
 /* ---- get ---------------------------------------------------------------- */
-/* Token flags KVR_TOKEN_APPROX / _PENDING / _STALE: rope/types.h. */
+/* Token flags KVR_TOKEN_APPROX / _PENDING / _STALE: base/types.h. */
 
 typedef struct kvr_get_params {
     const char     *ctx_id;
@@ -605,7 +605,7 @@ void kvr_store_get_stats(const kvr_store *s, kvr_store_stats *out);
  * positions to the layout's positions in one pass (docs/ape.md gives the
  * attention formula a worker applies with the segment table).
  */
-/* kvr_layout_kind, kvr_segment_kind, KVR_APE_TEMPERATURE / SCALE: rope/types.h. */
+/* kvr_layout_kind, kvr_segment_kind, KVR_APE_TEMPERATURE / SCALE: base/types.h. */
 #define KVR_ASSEMBLE_MAX_DOCS 4096
 
 typedef struct kvr_assemble_params {
@@ -691,7 +691,7 @@ void   kvr_assemble_end(kvr_assemble *t);       /* loop thread; NULL is a no-op 
  * phi + cursor, phi + cursor + 1, ... Tokens are stored in arrival order;
  * get reports each token's group id (kvr_get_info.groups).
  */
-/* KVR_MAX_GROUPS, KVR_GROUP_NAME_MAX: rope/types.h. */
+/* KVR_MAX_GROUPS, KVR_GROUP_NAME_MAX: base/types.h. */
 
 typedef struct kvr_group_info {
     char     name[KVR_GROUP_NAME_MAX + 1];

@@ -1,6 +1,6 @@
 /*
  * parallel.c — the store's parallel loop over layers, on the process's
- * worker pool (kvr_pool_*, rope/pool.c): this file only decides how many
+ * worker pool (kvr_pool_*, base/pool.c): this file only decides how many
  * threads a request is worth. Invariant (the pool's): every index in [0, n)
  * runs at most once, and exactly once unless an earlier call failed; the
  * caller's thread always takes part, so a pool without free workers only

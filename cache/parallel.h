@@ -1,6 +1,6 @@
 /*
  * parallel.h — the store's fork/join over layers for its *_work functions
- * (private to cache/), a thin user of the process's worker pool (rope/pool.c).
+ * (private to cache/), a thin user of the process's worker pool (base/pool.c).
  * A get or an assemble that re-rotates many keys splits its layers across the
  * pool's threads; small requests stay on the calling thread, where waking
  * workers would cost more than it saves.

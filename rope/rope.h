@@ -6,7 +6,7 @@
  * This is the whole public API of rope/. It has no dependency on libuv and
  * none on the rest of kvrope; cache/, daemon/ and client/ build on it.
  *
- * Conventions (the project's, rope/error.h): functions return 0 on success
+ * Conventions (the project's, base/error.h): functions return 0 on success
  * and a negative KVR_E* code on failure (KVR_EINVAL for a bad argument or
  * configuration, KVR_ENOMEM, KVR_EIO for a file that cannot be read).
  * Functions that can refuse a configuration take a `kvr_error *` (may be
@@ -27,7 +27,7 @@
 #include <stdint.h>
 #include <stdbool.h>
 
-#include "rope/error.h"
+#include "base/error.h"
 
 #ifdef __cplusplus
 extern "C" {

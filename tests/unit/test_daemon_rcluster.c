@@ -316,7 +316,7 @@ Test(rcluster_live, batch_sink, .init = cl_setup, .fini = cl_teardown, .timeout 
     kvr_rc_destroy(rc);
 }
 
-/* The 3-lane SSE4.2 CRC32C (cache/disk_crc.c) on lengths and alignments
+/* The 3-lane SSE4.2 CRC32C (base/crc32c.c) on lengths and alignments
  * its lanes (3 x 4096 bytes) and their tails cover, against the tables. */
 uint32_t kvr_crc32c(uint32_t crc, const void *p, size_t n);
 uint32_t kvr_crc32c_portable(uint32_t crc, const void *p, size_t n);
