@@ -8,7 +8,7 @@
 #include <stdatomic.h>
 #include <string.h>
 
-#include "cache/disk.h"
+#include "base/crc32c.h"
 
 static uint32_t table[8][256];
 static atomic_int table_ready;

@@ -1,5 +1,5 @@
 /*
- * pool.c — the process's persistent worker pool (kvr_pool_*, rope/rope.h):
+ * pool.c — the process's persistent worker pool (kvr_pool_*, base/pool.h):
  * threads created once, then lent to every parallel loop of the project
  * (RoPE rotation in rope.c, the store's per-layer get/assemble/codec work
  * through cache/parallel.c) instead of a pthread_create per call.
@@ -25,10 +25,12 @@
 #include <assert.h>
 #include <pthread.h>
 #include <stdatomic.h>
+#include <stdbool.h>
 #include <stdlib.h>
 #include <unistd.h>
 
-#include "rope/rope.h"
+#include "base/pool.h"
+#include "base/error.h"
 
 typedef struct pool_job {
     struct pool_job *next;          /* the pool's list, under p->lock */

@@ -38,9 +38,7 @@
 
 #include "daemon/daemon_internal.h"
 #include "daemon/rcluster.h"
-
-/* CRC32C (base/crc32c.c: SSE4.2 where present, tables elsewhere). */
-uint32_t kvr_crc32c(uint32_t crc, const void *p, size_t n);
+#include "base/crc32c.h"
 
 #define BLOCK_MAGIC "KVRB"
 #define MANIFEST_MAGIC "KVRM"

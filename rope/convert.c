@@ -1,8 +1,9 @@
 /*
- * dtype.c — element types: names, sizes, the scalar f16/bf16 conversions
- * (round to nearest even; inf and nan survive), kvr_convert with its run-time
- * choice of kernel, and the scalar reference "rows" kernel that rotates the
- * heads of one token.
+ * convert.c — bulk element conversion: kvr_convert / kvr_convert_scaled /
+ * kvr_copy_stream with their run-time choice of kernel (the SIMD kernels live
+ * beside the rows kernels in rope_avx2.c / rope_avx512.c and share their
+ * load/store code), and the scalar reference "rows" kernel that rotates the
+ * heads of one token. The element types themselves are base/dtype.[ch].
  *
  * The scalar kernel is the reference every SIMD kernel is tested against; it
  * evaluates the same float expressions in the same order (see
@@ -14,40 +15,6 @@
 #include <math.h>
 
 #include "rope/rope_internal.h"
-
-size_t kvr_dtype_size(kvr_dtype t)
-{
-    switch (t) {
-    case KVR_DTYPE_F32:  return 4;
-    case KVR_DTYPE_F16:  return 2;
-    case KVR_DTYPE_BF16: return 2;
-    }
-    return 0;
-}
-
-const char *kvr_dtype_name(kvr_dtype t)
-{
-    switch (t) {
-    case KVR_DTYPE_F32:  return "f32";
-    case KVR_DTYPE_F16:  return "f16";
-    case KVR_DTYPE_BF16: return "bf16";
-    }
-    return "unknown";
-}
-
-int kvr_dtype_parse(const char *s, kvr_dtype *out)
-{
-    if (!s || !out) return KVR_EINVAL;
-    if (!strcasecmp(s, "f32") || !strcasecmp(s, "float32")) { *out = KVR_DTYPE_F32; return 0; }
-    if (!strcasecmp(s, "f16") || !strcasecmp(s, "float16")) { *out = KVR_DTYPE_F16; return 0; }
-    if (!strcasecmp(s, "bf16") || !strcasecmp(s, "bfloat16")) { *out = KVR_DTYPE_BF16; return 0; }
-    return KVR_EINVAL;
-}
-
-float    kvr_f16_to_f32(uint16_t h)  { return rope_h2f(h); }
-uint16_t kvr_f32_to_f16(float f)     { return rope_f2h(f); }
-float    kvr_bf16_to_f32(uint16_t h) { return rope_b2f(h); }
-uint16_t kvr_f32_to_bf16(float f)    { return rope_f2b(f); }
 
 void rope_convert_scalar(void *dst, kvr_dtype dt, const void *src, kvr_dtype st, size_t n)
 {
