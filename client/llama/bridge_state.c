@@ -1,7 +1,8 @@
 /*
  * bridge_state.c — llama.cpp sequence states in memory: parse (either form),
  * decode cells into kvrope's layer-major payload, encode a payload back into
- * a state; the ggml element codecs and the Walsh-Hadamard transform they need.
+ * a state; the ggml element codecs (blocks: base/ggml_quants.c, shared with
+ * the store) and the Walsh-Hadamard transform they need.
  *
  * The format (llama.cpp v0.5.0, llama-context.cpp / llama-kv-cache.cpp), LE:
  *   raw:     u32 0xaf143cd8, i32 seq_id, MEM
@@ -22,6 +23,7 @@
  * bytes; all arithmetic on quantized rows is float, in ggml's order.
  */
 #include "client/llama/bridge_int.h"
+#include "base/ggml_quants.h"
 
 #include <errno.h>
 #include <float.h>
@@ -138,121 +140,11 @@ static kvr_dtype plain_dtype(kvr_llama_type t)
 
 static bool is_plain(kvr_llama_type t) { return !kvr_llama_type_is_quantized(t); }
 
-/* ---- ggml blocks (reference quantizers, bit for bit) -------------------- */
+/* ---- ggml blocks (base/ggml_quants.c: ggml's reference quantizers) ------- */
 
-#define QK 32
+#define QK KVR_GGML_QK
 
 static inline uint16_t rd16(const uint8_t *p) { uint16_t v; memcpy(&v, p, 2); return v; }
-static inline void wr16(uint8_t *p, uint16_t v) { memcpy(p, &v, 2); }
-
-static void blk_dec(kvr_llama_type t, float *y, const uint8_t *x)
-{
-    const float d = kvr_f16_to_f32(rd16(x));
-    switch (t) {
-    case KVR_LLAMA_Q8_0:
-        for (int j = 0; j < QK; ++j) y[j] = (float)(int8_t)x[2 + j] * d;
-        break;
-    case KVR_LLAMA_Q4_0:
-        for (int j = 0; j < QK / 2; ++j) {
-            y[j] = (float)((x[2 + j] & 0x0F) - 8) * d;
-            y[j + QK / 2] = (float)((x[2 + j] >> 4) - 8) * d;
-        }
-        break;
-    case KVR_LLAMA_Q4_1: {
-        const float m = kvr_f16_to_f32(rd16(x + 2));
-        for (int j = 0; j < QK / 2; ++j) {
-            float p0 = (float)(x[4 + j] & 0x0F) * d, p1 = (float)(x[4 + j] >> 4) * d;
-            y[j] = p0 + m;
-            y[j + QK / 2] = p1 + m;
-        }
-        break;
-    }
-    case KVR_LLAMA_Q5_0: {
-        const uint32_t qh = kvr_br_rd32(x + 2);
-        for (int j = 0; j < QK / 2; ++j) {
-            const uint8_t h0 = (uint8_t)(((qh >> (j + 0)) << 4) & 0x10);
-            const uint8_t h1 = (uint8_t)(((qh >> (j + 12))) & 0x10);
-            y[j] = (float)(((x[6 + j] & 0x0F) | h0) - 16) * d;
-            y[j + QK / 2] = (float)(((x[6 + j] >> 4) | h1) - 16) * d;
-        }
-        break;
-    }
-    default:
-        break;
-    }
-}
-
-/* roundf (half away from zero) for |x| < 2^31, without the libm call. */
-static inline int round_half_away(float x)
-{
-    int t = (int)x;                 /* truncates toward zero */
-    float fr = x - (float)t;        /* exact */
-    return fr >= 0.5f ? t + 1 : fr <= -0.5f ? t - 1 : t;
-}
-
-static void blk_enc(kvr_llama_type t, uint8_t *y, const float *x)
-{
-    switch (t) {
-    case KVR_LLAMA_Q8_0: {
-        float amax = 0.0f;
-        for (int j = 0; j < QK; j++) {
-            float a = fabsf(x[j]);
-            amax = a > amax ? a : amax;   /* fmaxf for finite values */
-        }
-        const float d = amax / ((1 << 7) - 1);
-        const float id = d != 0.0f ? 1.0f / d : 0.0f;
-        wr16(y, kvr_f32_to_f16(d));
-        for (int j = 0; j < QK; ++j) y[2 + j] = (uint8_t)(int8_t)round_half_away(x[j] * id);
-        break;
-    }
-    case KVR_LLAMA_Q4_0:
-    case KVR_LLAMA_Q5_0: {
-        const int q5 = t == KVR_LLAMA_Q5_0;
-        float amax = 0.0f, max = 0.0f;
-        for (int j = 0; j < QK; j++)
-            if (amax < fabsf(x[j])) { amax = fabsf(x[j]); max = x[j]; }
-        const float d = q5 ? max / -16 : max / -8;
-        const float id = d != 0.0f ? 1.0f / d : 0.0f;
-        wr16(y, kvr_f32_to_f16(d));
-        if (!q5) {
-            for (int j = 0; j < QK / 2; ++j) {
-                int a = (int8_t)(x[j] * id + 8.5f), b = (int8_t)(x[QK / 2 + j] * id + 8.5f);
-                y[2 + j] = (uint8_t)((a < 15 ? a : 15) | (b < 15 ? b : 15) << 4);
-            }
-        } else {
-            uint32_t qh = 0;
-            for (int j = 0; j < QK / 2; ++j) {
-                int a = (int8_t)(x[j] * id + 16.5f), b = (int8_t)(x[QK / 2 + j] * id + 16.5f);
-                const uint8_t x0 = (uint8_t)(a < 31 ? a : 31), x1 = (uint8_t)(b < 31 ? b : 31);
-                y[6 + j] = (uint8_t)((x0 & 0x0F) | ((x1 & 0x0F) << 4));
-                qh |= ((x0 & 0x10u) >> 4) << (j + 0);
-                qh |= ((x1 & 0x10u) >> 4) << (j + QK / 2);
-            }
-            kvr_br_wr32(y + 2, qh);
-        }
-        break;
-    }
-    case KVR_LLAMA_Q4_1: {
-        float min = FLT_MAX, max = -FLT_MAX;
-        for (int j = 0; j < QK; j++) {
-            if (x[j] < min) min = x[j];
-            if (x[j] > max) max = x[j];
-        }
-        const float d = (max - min) / ((1 << 4) - 1);
-        const float id = d != 0.0f ? 1.0f / d : 0.0f;
-        wr16(y, kvr_f32_to_f16(d));
-        wr16(y + 2, kvr_f32_to_f16(min));
-        for (int j = 0; j < QK / 2; ++j) {
-            int a = (int8_t)((x[j] - min) * id + 0.5f);
-            int b = (int8_t)((x[QK / 2 + j] - min) * id + 0.5f);
-            y[4 + j] = (uint8_t)((a < 15 ? a : 15) | (b < 15 ? b : 15) << 4);
-        }
-        break;
-    }
-    default:
-        break;
-    }
-}
 
 void kvr_br_row_to_f32(kvr_llama_type t, float *dst, const uint8_t *src, size_t n)
 {
@@ -263,7 +155,8 @@ void kvr_br_row_to_f32(kvr_llama_type t, float *dst, const uint8_t *src, size_t 
     }
     uint32_t b, s;
     kvr_br_type_geom(t, &b, &s);
-    for (size_t i = 0; i < n / QK; i++) blk_dec(t, dst + i * QK, src + i * s);
+    kvr_ggml_qtype q = (kvr_ggml_qtype)kvr_llama_type_to_ggml(t);
+    for (size_t i = 0; i < n / QK; i++) kvr_ggml_block_dec(q, dst + i * QK, src + i * s);
 }
 
 void kvr_br_row_from_f32(kvr_llama_type t, uint8_t *dst, const float *src, size_t n)
@@ -275,7 +168,9 @@ void kvr_br_row_from_f32(kvr_llama_type t, uint8_t *dst, const float *src, size_
     }
     uint32_t b, s;
     kvr_br_type_geom(t, &b, &s);
-    for (size_t i = 0; i < n / QK; i++) blk_enc(t, dst + i * s, src + i * QK);
+    kvr_ggml_qtype q = (kvr_ggml_qtype)kvr_llama_type_to_ggml(t);
+    /* an f16 scale overflow is written as ggml writes it (inf) */
+    for (size_t i = 0; i < n / QK; i++) (void)kvr_ggml_block_enc(q, dst + i * s, src + i * QK);
 }
 
 /* ---- Walsh-Hadamard ------------------------------------------------------- */
