@@ -152,7 +152,7 @@ extern const double srv_ttft_le[12];
 /* worker_serve_run.c */
 int      srv_engine_start(srv *s);
 void     srv_engine_stop(srv *s);
-/* Queues a job (refs: one for the caller, one for the engine). -ESHUTDOWN when
+/* Queues a job (refs: one for the caller, one for the engine). KVR_EBUSY when
  * stopping. */
 int      srv_submit(srv *s, srv_job *j);
 void     srv_job_release(srv *s, srv_job *j);     /* mu held by the caller: no */

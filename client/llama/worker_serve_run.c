@@ -91,7 +91,7 @@ int srv_submit(srv *s, srv_job *j)
     pthread_mutex_lock(&s->mu);
     if (s->stopping) {
         pthread_mutex_unlock(&s->mu);
-        return -ESHUTDOWN;
+        return KVR_EBUSY;
     }
     j->refs = 2;
     j->next = NULL;
@@ -116,7 +116,7 @@ static int text_add(srv_job *j, const char *p, size_t n)
             c *= 2;
         char *t = realloc(j->text, c);
         if (!t)
-            return -ENOMEM;
+            return KVR_ENOMEM;
         j->text = t;
         j->cap = c;
     }
