@@ -217,6 +217,12 @@ $(BUILD)/tests/test_rope%: $(BUILD)/obj/tests/unit/test_rope%.o $(ROPE_A) $(BASE
 	@mkdir -p $(dir $@)
 	$(CC) $(LDFLAGS_ALL) -o $@ $^ -lcriterion $(LIBS) $(MALLOC_LIB)
 
+# `kvrope rope` runs without a daemon: its test links the CLI's file for it.
+$(BUILD)/tests/test_rope_cli: $(BUILD)/obj/tests/unit/test_rope_cli.o \
+  $(call obj,client/cli/cli_rope.c) $(ROPE_A) $(BASE_A)
+	@mkdir -p $(dir $@)
+	$(CC) $(LDFLAGS_ALL) -o $@ $^ -lcriterion $(LIBS) $(MALLOC_LIB)
+
 # Codec kernels (cache/codec*.c) test on their own, without the store.
 CODEC_OBJ := $(call obj,$(wildcard cache/codec*.c))
 $(BUILD)/tests/test_codec%: $(BUILD)/obj/tests/unit/test_codec%.o $(CODEC_OBJ) $(ROPE_A) $(BASE_A)
