@@ -16,7 +16,7 @@
 
 #include "rope/rope_internal.h"
 
-void rope_convert_scalar(void *dst, kvr_dtype dt, const void *src, kvr_dtype st, size_t n)
+void kvr__rope_convert_scalar(void *dst, kvr_dtype dt, const void *src, kvr_dtype st, size_t n)
 {
     if (dt == st) {
         if (dst != src) memmove(dst, src, n * kvr_dtype_size(st));
@@ -32,10 +32,10 @@ void kvr_convert(void *dst, kvr_dtype dst_type, const void *src, kvr_dtype src_t
 {
     if (n == 0 || !dst || !src) return;
     if (kvr_dtype_size(dst_type) == 0 || kvr_dtype_size(src_type) == 0) return;
-    switch (rope_isa_resolve(KVR_ISA_AUTO)) {
-    case KVR_ISA_AVX512: rope_convert_avx512(dst, dst_type, src, src_type, n); break;
-    case KVR_ISA_AVX2:   rope_convert_avx2(dst, dst_type, src, src_type, n); break;
-    default:             rope_convert_scalar(dst, dst_type, src, src_type, n); break;
+    switch (kvr__rope_isa_resolve(KVR_ISA_AUTO)) {
+    case KVR_ISA_AVX512: kvr__rope_convert_avx512(dst, dst_type, src, src_type, n); break;
+    case KVR_ISA_AVX2:   kvr__rope_convert_avx2(dst, dst_type, src, src_type, n); break;
+    default:             kvr__rope_convert_scalar(dst, dst_type, src, src_type, n); break;
     }
 }
 
@@ -44,13 +44,13 @@ void kvr_copy_stream(void *dst, const void *src, size_t n)
     if (n == 0)
         return;
     /* below a few lines the fence costs more than it saves */
-    if (n < 1024 || rope_isa_resolve(KVR_ISA_AUTO) != KVR_ISA_AVX512) {
+    if (n < 1024 || kvr__rope_isa_resolve(KVR_ISA_AUTO) != KVR_ISA_AVX512) {
         memcpy(dst, src, n);
         return;
     }
     size_t head = (64 - (uintptr_t)dst % 64) % 64, body = (n - head) / 64 * 64;
     memcpy(dst, src, head);
-    rope_copy_stream_avx512((char *)dst + head, (const char *)src + head, body);
+    kvr__rope_copy_stream_avx512((char *)dst + head, (const char *)src + head, body);
     memcpy((char *)dst + head + body, (const char *)src + head + body, n - head - body);
 }
 
@@ -60,8 +60,8 @@ void kvr_convert_scaled(void *dst, kvr_dtype dst_type, const void *src, kvr_dtyp
     if (n == 0 || !dst || !src) return;
     size_t ssz = kvr_dtype_size(src_type), dsz = kvr_dtype_size(dst_type);
     if (ssz == 0 || dsz == 0) return;
-    if (rope_isa_resolve(KVR_ISA_AUTO) == KVR_ISA_AVX512) {
-        rope_convert_scaled_avx512(dst, dst_type, src, src_type, n, scale);
+    if (kvr__rope_isa_resolve(KVR_ISA_AUTO) == KVR_ISA_AVX512) {
+        kvr__rope_convert_scaled_avx512(dst, dst_type, src, src_type, n, scale);
         return;
     }
     /* Through an f32 piece in L1: the same operations, in pieces. */
@@ -77,7 +77,7 @@ void kvr_convert_scaled(void *dst, kvr_dtype dst_type, const void *src, kvr_dtyp
 
 /* One token: n_heads rows of head_dim elements. Each row is widened into a
  * float scratch row first, which also makes dst == src safe. */
-void rope_rows_scalar(void *dst, kvr_dtype dt, const void *src, kvr_dtype st,
+void kvr__rope_rows_scalar(void *dst, kvr_dtype dt, const void *src, kvr_dtype st,
                       size_t n_heads, int head_dim, int rot, int gptj,
                       const float *c, const float *s)
 {

@@ -107,7 +107,7 @@ AI void rows_t(void *dst, const kvr_dtype dt, const void *src, const kvr_dtype s
         return;                                                                      \
     }
 
-void rope_rows_avx2(void *dst, kvr_dtype dt, const void *src, kvr_dtype st,
+void kvr__rope_rows_avx2(void *dst, kvr_dtype dt, const void *src, kvr_dtype st,
                     size_t n_heads, int head_dim, int rot, int gptj,
                     const float *c, const float *s)
 {
@@ -125,7 +125,7 @@ void rope_rows_avx2(void *dst, kvr_dtype dt, const void *src, kvr_dtype st,
 #define CONV_CASE(S, D) \
     if (st == S && dt == D) { conv_span(dst, D, src, S, 0, n); return; }
 
-void rope_convert_avx2(void *dst, kvr_dtype dt, const void *src, kvr_dtype st, size_t n)
+void kvr__rope_convert_avx2(void *dst, kvr_dtype dt, const void *src, kvr_dtype st, size_t n)
 {
     if (dt == st) {
         if (dst != src) memmove(dst, src, n * kvr_dtype_size(st));

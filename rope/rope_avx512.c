@@ -137,7 +137,7 @@ AI void rows_t(void *dst, const kvr_dtype dt, const void *src, const kvr_dtype s
         }
         if (nt && dt != KVR_DTYPE_F32) {
             /* 16-bit results streamed a whole 64-byte line at a time (two
-             * vectors' worth; rope_rows_stream_avx512 checked the spans are
+             * vectors' worth; kvr__rope_rows_stream_avx512 checked the spans are
              * multiples of 32 elements): the same values as below */
             if (gptj) {
                 for (size_t j = 0; j < r; j += 32) {
@@ -230,7 +230,7 @@ AI void rows_t(void *dst, const kvr_dtype dt, const void *src, const kvr_dtype s
         return;                                                                      \
     }
 
-void rope_rows_avx512(void *dst, kvr_dtype dt, const void *src, kvr_dtype st,
+void kvr__rope_rows_avx512(void *dst, kvr_dtype dt, const void *src, kvr_dtype st,
                       size_t n_heads, int head_dim, int rot, int gptj,
                       const float *c, const float *s)
 {
@@ -245,7 +245,7 @@ void rope_rows_avx512(void *dst, kvr_dtype dt, const void *src, kvr_dtype st,
     ROWS_CASE(KVR_DTYPE_BF16, KVR_DTYPE_BF16)
 }
 
-void rope_rows_scaled_avx512(void *dst, kvr_dtype dt, const void *src, kvr_dtype st,
+void kvr__rope_rows_scaled_avx512(void *dst, kvr_dtype dt, const void *src, kvr_dtype st,
                              size_t n_heads, int head_dim, int rot, int gptj,
                              const float *c, const float *s, float k)
 {
@@ -272,13 +272,13 @@ void rope_rows_scaled_avx512(void *dst, kvr_dtype dt, const void *src, kvr_dtype
         return true;                                                                      \
     }
 
-/* rope_rows_avx512 (scaled: rope_rows_scaled_avx512) with non-temporal
+/* kvr__rope_rows_avx512 (scaled: kvr__rope_rows_scaled_avx512) with non-temporal
  * stores of the full vectors: the same values. Only where every full
  * vector's address is aligned (dst on 64 bytes, head rows and rotary
  * halves whole vectors); false, nothing done, otherwise. The caller
- * fences (_mm_sfence via rope_stream_fence_avx512) before the data is
+ * fences (_mm_sfence via kvr__rope_stream_fence_avx512) before the data is
  * handed on. */
-bool rope_rows_stream_avx512(void *dst, kvr_dtype dt, const void *src, kvr_dtype st,
+bool kvr__rope_rows_stream_avx512(void *dst, kvr_dtype dt, const void *src, kvr_dtype st,
                              size_t n_heads, int head_dim, int rot, int gptj,
                              const float *c, const float *s, bool scaled, float k)
 {
@@ -298,9 +298,9 @@ bool rope_rows_stream_avx512(void *dst, kvr_dtype dt, const void *src, kvr_dtype
     return false;
 }
 
-void rope_stream_fence_avx512(void) { _mm_sfence(); }
+void kvr__rope_stream_fence_avx512(void) { _mm_sfence(); }
 
-void rope_copy_stream_avx512(void *dst, const void *src, size_t n)
+void kvr__rope_copy_stream_avx512(void *dst, const void *src, size_t n)
 {
     char *d = dst;
     const char *s = src;
@@ -321,7 +321,7 @@ void rope_copy_stream_avx512(void *dst, const void *src, size_t n)
 #define CONV_CASE(S, D) \
     if (st == S && dt == D) { conv_span(dst, D, src, S, 0, n); return; }
 
-void rope_convert_avx512(void *dst, kvr_dtype dt, const void *src, kvr_dtype st, size_t n)
+void kvr__rope_convert_avx512(void *dst, kvr_dtype dt, const void *src, kvr_dtype st, size_t n)
 {
     if (dt == st) {
         if (dst != src) memmove(dst, src, n * kvr_dtype_size(st));
@@ -338,7 +338,7 @@ void rope_convert_avx512(void *dst, kvr_dtype dt, const void *src, kvr_dtype st,
 #define CONV_SCALED_CASE(S, D) \
     if (st == S && dt == D) { conv_span_scaled(dst, D, src, S, 0, n, kv); return; }
 
-void rope_convert_scaled_avx512(void *dst, kvr_dtype dt, const void *src, kvr_dtype st,
+void kvr__rope_convert_scaled_avx512(void *dst, kvr_dtype dt, const void *src, kvr_dtype st,
                                 size_t n, float k)
 {
     const __m512 kv = _mm512_set1_ps(k);

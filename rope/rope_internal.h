@@ -40,7 +40,7 @@ struct kvr_rope {
 
 /* Frequency table for a sequence length (dynamic / longrope depend on it;
  * the others ignore it). */
-void rope_inv_freq(const kvr_rope *r, int64_t seq_len, double *out);
+void kvr__rope_inv_freq(const kvr_rope *r, int64_t seq_len, double *out);
 
 typedef void (*rope_rows_fn)(void *dst, kvr_dtype dt, const void *src, kvr_dtype st,
                              size_t n_heads, int head_dim, int rot, int gptj,
@@ -48,19 +48,19 @@ typedef void (*rope_rows_fn)(void *dst, kvr_dtype dt, const void *src, kvr_dtype
 typedef void (*rope_convert_fn)(void *dst, kvr_dtype dt, const void *src, kvr_dtype st,
                                 size_t n);
 
-void rope_rows_scalar(void *dst, kvr_dtype dt, const void *src, kvr_dtype st,
+void kvr__rope_rows_scalar(void *dst, kvr_dtype dt, const void *src, kvr_dtype st,
                       size_t n_heads, int head_dim, int rot, int gptj,
                       const float *c, const float *s);
-void rope_convert_scalar(void *dst, kvr_dtype dt, const void *src, kvr_dtype st, size_t n);
+void kvr__rope_convert_scalar(void *dst, kvr_dtype dt, const void *src, kvr_dtype st, size_t n);
 
-void rope_rows_avx2(void *dst, kvr_dtype dt, const void *src, kvr_dtype st,
+void kvr__rope_rows_avx2(void *dst, kvr_dtype dt, const void *src, kvr_dtype st,
                     size_t n_heads, int head_dim, int rot, int gptj,
                     const float *c, const float *s);
-void rope_convert_avx2(void *dst, kvr_dtype dt, const void *src, kvr_dtype st, size_t n);
-void rope_rows_avx512(void *dst, kvr_dtype dt, const void *src, kvr_dtype st,
+void kvr__rope_convert_avx2(void *dst, kvr_dtype dt, const void *src, kvr_dtype st, size_t n);
+void kvr__rope_rows_avx512(void *dst, kvr_dtype dt, const void *src, kvr_dtype st,
                       size_t n_heads, int head_dim, int rot, int gptj,
                       const float *c, const float *s);
-void rope_convert_avx512(void *dst, kvr_dtype dt, const void *src, kvr_dtype st, size_t n);
+void kvr__rope_convert_avx512(void *dst, kvr_dtype dt, const void *src, kvr_dtype st, size_t n);
 /* The rows kernel with every result multiplied by k in f32 before it is
  * stored (passed-through dims too): the bits of rope_rows_* into f32, a
  * multiply and a conversion, in one pass. AVX-512 only; other ISAs get the
@@ -68,68 +68,68 @@ void rope_convert_avx512(void *dst, kvr_dtype dt, const void *src, kvr_dtype st,
 typedef void (*rope_rows_scaled_fn)(void *dst, kvr_dtype dt, const void *src, kvr_dtype st,
                                     size_t n_heads, int head_dim, int rot, int gptj,
                                     const float *c, const float *s, float k);
-void rope_rows_scaled_avx512(void *dst, kvr_dtype dt, const void *src, kvr_dtype st,
+void kvr__rope_rows_scaled_avx512(void *dst, kvr_dtype dt, const void *src, kvr_dtype st,
                              size_t n_heads, int head_dim, int rot, int gptj,
                              const float *c, const float *s, float k);
-/* rope_rows_avx512 / rope_rows_scaled_avx512 (scaled) with non-temporal
+/* kvr__rope_rows_avx512 / kvr__rope_rows_scaled_avx512 (scaled) with non-temporal
  * stores: the same bits, no read of the destination lines. false (nothing
  * written) when dst or the row layout is not aligned for them. Fence with
- * rope_stream_fence_avx512 before the data is handed on. */
-bool rope_rows_stream_avx512(void *dst, kvr_dtype dt, const void *src, kvr_dtype st,
+ * kvr__rope_stream_fence_avx512 before the data is handed on. */
+bool kvr__rope_rows_stream_avx512(void *dst, kvr_dtype dt, const void *src, kvr_dtype st,
                              size_t n_heads, int head_dim, int rot, int gptj,
                              const float *c, const float *s, bool scaled, float k);
-void rope_stream_fence_avx512(void);
+void kvr__rope_stream_fence_avx512(void);
 /* n (a multiple of 64) bytes to a 64-byte aligned dst with non-temporal
  * stores, fenced (kvr_copy_stream). */
-void rope_copy_stream_avx512(void *dst, const void *src, size_t n);
+void kvr__rope_copy_stream_avx512(void *dst, const void *src, size_t n);
 /* dst = src * k element-wise in f32, rounded once (kvr_convert_scaled). */
-void rope_convert_scaled_avx512(void *dst, kvr_dtype dt, const void *src, kvr_dtype st,
+void kvr__rope_convert_scaled_avx512(void *dst, kvr_dtype dt, const void *src, kvr_dtype st,
                                 size_t n, float k);
 
 /* The per-token sin/cos table: s[i], c[i] = sin, cos(a * f1[i] + b * f2[i])
  * for i < n (f2 may be NULL), bit for bit the same on every ISA. */
 typedef void (*rope_sincos_fn)(double a, const double *f1, double b, const double *f2, int n,
                                double *s, double *c);
-void rope_sincos_scalar(double a, const double *f1, double b, const double *f2, int n,
+void kvr__rope_sincos_scalar(double a, const double *f1, double b, const double *f2, int n,
                         double *s, double *c);
-void rope_sincos_avx2(double a, const double *f1, double b, const double *f2, int n,
+void kvr__rope_sincos_avx2(double a, const double *f1, double b, const double *f2, int n,
                       double *s, double *c);
-void rope_sincos_avx512(double a, const double *f1, double b, const double *f2, int n,
+void kvr__rope_sincos_avx512(double a, const double *f1, double b, const double *f2, int n,
                         double *s, double *c);
 
 /* The float tables handed to a rows kernel (layout above) from a double
  * table: fc = (float)(c * m), fs = (float)(s * m), bit for bit on every ISA. */
 typedef void (*rope_tofloat_fn)(const double *c, const double *s, int n, double m, int gptj,
                                 float *fc, float *fs);
-void rope_tofloat_scalar(const double *c, const double *s, int n, double m, int gptj,
+void kvr__rope_tofloat_scalar(const double *c, const double *s, int n, double m, int gptj,
                          float *fc, float *fs);
-void rope_tofloat_avx2(const double *c, const double *s, int n, double m, int gptj,
+void kvr__rope_tofloat_avx2(const double *c, const double *s, int n, double m, int gptj,
                        float *fc, float *fs);
-void rope_tofloat_avx512(const double *c, const double *s, int n, double m, int gptj,
+void kvr__rope_tofloat_avx512(const double *c, const double *s, int n, double m, int gptj,
                          float *fc, float *fs);
 
 /* One step of the angle-addition recurrence over a table of n pairs:
  * c' = c*stc - s*sts, s' = s*stc + c*sts, each product and sum rounded on
  * its own (no fused multiply-add), so every ISA advances the same bits. */
 typedef void (*rope_step_fn)(const double *stc, const double *sts, int n, double *c, double *s);
-void rope_step_scalar(const double *stc, const double *sts, int n, double *c, double *s);
-void rope_step_avx2(const double *stc, const double *sts, int n, double *c, double *s);
-void rope_step_avx512(const double *stc, const double *sts, int n, double *c, double *s);
+void kvr__rope_step_scalar(const double *stc, const double *sts, int n, double *c, double *s);
+void kvr__rope_step_avx2(const double *stc, const double *sts, int n, double *c, double *s);
+void kvr__rope_step_avx512(const double *stc, const double *sts, int n, double *c, double *s);
 
 /* Both at once, for a table computed afresh (bit for bit sincos then
  * tofloat); NULL for the ISAs that do not fuse them. */
 typedef void (*rope_table_fn)(double a, const double *f1, double b, const double *f2, int n,
                               double m, int gptj, double *s, double *c, float *fs, float *fc);
-void rope_table_avx512(double a, const double *f1, double b, const double *f2, int n, double m,
+void kvr__rope_table_avx512(double a, const double *f1, double b, const double *f2, int n, double m,
                        int gptj, double *s, double *c, float *fs, float *fc);
 
-/* The float tables of rope_table_avx512 (fs, fc only) through fused
+/* The float tables of kvr__rope_table_avx512 (fs, fc only) through fused
  * multiply-adds, or false when any of its floats could differ from the
  * reference's (then fs / fc hold garbage and the caller makes the
  * reference table): the same bits whenever it returns true. */
 typedef bool (*rope_table_fast_fn)(double a, const double *f1, double b, const double *f2,
                                    int n, int gptj, float *fs, float *fc);
-bool rope_table_fast_avx512(double a, const double *f1, double b, const double *f2, int n,
+bool kvr__rope_table_fast_avx512(double a, const double *f1, double b, const double *f2, int n,
                             int gptj, float *fs, float *fc);
 
 /* Its constants: angles below ROPE_FAST_MAX (2^20 * pi/2 and a margin) are
@@ -154,7 +154,7 @@ bool rope_table_fast_avx512(double a, const double *f1, double b, const double *
 #define ROPE_C6 -1.13596475577881948265e-11
 
 /* Resolves AUTO and refuses (falls back from) ISAs the CPU lacks. */
-kvr_isa rope_isa_resolve(kvr_isa want);
+kvr_isa kvr__rope_isa_resolve(kvr_isa want);
 
 static inline float rope_load1(const void *p, kvr_dtype t, size_t i)
 {

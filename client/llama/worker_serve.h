@@ -115,7 +115,7 @@ typedef struct srv_metrics {
     uint64_t requests, requests_failed, prompt_tokens, prompt_reused, prompt_refreshed,
              tokens_predicted, cache_unavailable, commit_failed, refreshed_idle, cancelled;
     double   prompt_seconds, predicted_seconds;
-    uint64_t ttft_bucket[12];    /* cumulative by srv_ttft_le */
+    uint64_t ttft_bucket[12];    /* cumulative by kvr__srv_ttft_le */
     double   ttft_sum;
     uint64_t ttft_count;
 } srv_metrics;
@@ -147,17 +147,17 @@ typedef struct srv {
     pthread_t        engine;
 } srv;
 
-extern const double srv_ttft_le[12];
+extern const double kvr__srv_ttft_le[12];
 
 /* worker_serve_run.c */
-int      srv_engine_start(srv *s);
-void     srv_engine_stop(srv *s);
+int      kvr__srv_engine_start(srv *s);
+void     kvr__srv_engine_stop(srv *s);
 /* Queues a job (refs: one for the caller, one for the engine). KVR_EBUSY when
  * stopping. */
-int      srv_submit(srv *s, srv_job *j);
-void     srv_job_release(srv *s, srv_job *j);     /* mu held by the caller: no */
-void     srv_params_free(srv_params *p);
-void     srv_params_default(srv_params *p);
+int      kvr__srv_submit(srv *s, srv_job *j);
+void     kvr__srv_job_release(srv *s, srv_job *j);     /* mu held by the caller: no */
+void     kvr__srv_params_free(srv_params *p);
+void     kvr__srv_params_default(srv_params *p);
 
 /* worker_serve.c */
 /* The serve command: argv holds the words after "serve". Returns the exit

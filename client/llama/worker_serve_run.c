@@ -35,12 +35,12 @@
 
 #include "client/llama/worker_serve.h"
 
-const double srv_ttft_le[12] = { 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05,
+const double kvr__srv_ttft_le[12] = { 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05,
                                  0.1,   0.25,   0.5,   1.0,  2.5,   10.0 };
 
 #define REFRESH_BUDGET 128
 
-void srv_params_default(srv_params *p)
+void kvr__srv_params_default(srv_params *p)
 {
     memset(p, 0, sizeof *p);
     p->n_predict = -1;
@@ -59,7 +59,7 @@ void srv_params_default(srv_params *p)
     p->n_cmpl = 1;
 }
 
-void srv_params_free(srv_params *p)
+void kvr__srv_params_free(srv_params *p)
 {
     for (int i = 0; i < p->n_stop; i++)
         free(p->stop[i]);
@@ -68,14 +68,14 @@ void srv_params_free(srv_params *p)
 
 static void job_free(srv_job *j)
 {
-    srv_params_free(&j->p);
+    kvr__srv_params_free(&j->p);
     free(j->toks);
     free(j->text);
     free(j->gen);
     free(j);
 }
 
-void srv_job_release(srv *s, srv_job *j)
+void kvr__srv_job_release(srv *s, srv_job *j)
 {
     pthread_mutex_lock(&s->mu);
     int left = --j->refs;
@@ -86,7 +86,7 @@ void srv_job_release(srv *s, srv_job *j)
         job_free(j);
 }
 
-int srv_submit(srv *s, srv_job *j)
+int kvr__srv_submit(srv *s, srv_job *j)
 {
     pthread_mutex_lock(&s->mu);
     if (s->stopping) {
@@ -479,7 +479,7 @@ static void run_gen(srv *s, srv_job *j)
             double ttft = (kvr_wk_now_ms() - t0) / 1e3;
             pthread_mutex_lock(&s->mu);
             for (int b = 0; b < 12; b++)
-                if (ttft <= srv_ttft_le[b])
+                if (ttft <= kvr__srv_ttft_le[b])
                     s->m.ttft_bucket[b]++;
             s->m.ttft_sum += ttft;
             s->m.ttft_count++;
@@ -742,19 +742,19 @@ static void *engine_main(void *arg)
             run_gen(s, j);
         else
             run_slot_op(s, j);
-        srv_job_release(s, j);
+        kvr__srv_job_release(s, j);
         pthread_mutex_lock(&s->mu);
     }
     pthread_mutex_unlock(&s->mu);
     return NULL;
 }
 
-int srv_engine_start(srv *s)
+int kvr__srv_engine_start(srv *s)
 {
     return -pthread_create(&s->engine, NULL, engine_main, s);
 }
 
-void srv_engine_stop(srv *s)
+void kvr__srv_engine_stop(srv *s)
 {
     pthread_mutex_lock(&s->mu);
     s->stopping = true;
