@@ -4,7 +4,9 @@
 #   make run        install what is missing to run (not to test), build what a user
 #                   needs, run kvroped (and kvrope serve) with embedded defaults
 #   make test       install what is missing, build, run every test
-#   make check      the tests under ASan + UBSan with libc malloc (build/check)
+#   make check      the tests under ASan + UBSan with libc malloc (build/check),
+#                   and make check-symbols (the kvr_ / kvr__ naming line)
+#   make check-symbols  nm over every archive: globals carry kvr_ or kvr__
 #   make bench      the benchmarks (ratios against memcpy, Redis, ggml in the same run)
 #   make fuzz       libFuzzer targets (clang), a short run of each
 #   make fuzz-ci    every fuzz target for a few seconds from tests/fuzz/corpus (CI)
@@ -286,6 +288,7 @@ test: deps
 
 check: deps
 	@$(MAKE) --no-print-directory BUILD=build/check MODE=check all
+	@$(MAKE) --no-print-directory BUILD=build/check MODE=check check-symbols
 	@KVR_BUILD=$(abspath build/check) KVR_VECTORS=$(SHARED)/vectors KVR_CONFIGS=$(SHARED)/configs \
 	  KVR_SANITIZE=1 \
 	  ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1 \
@@ -346,24 +349,35 @@ fuzz-ci: deps-fuzz
 	@$(MAKE) --no-print-directory BUILD=build/fuzz MODE=fuzz fuzzers
 	@FUZZ_SECONDS=$${FUZZ_CI_SECONDS:-4} scripts/run-fuzz.sh build/fuzz
 
-# Every exported symbol of the client library carries the kvr_ prefix (the
-# protobuf-c code included), and the library has its SONAME; the cross-file
-# symbols of rope/, proto/ and client/ carry kvr_ or their module's prefix
-# (rope_, cli_; kvrope__ is protoc-c's generated code).
-check-symbols: $(CLIENT_SO) $(ROPE_A) $(PROTO_A) $(CLIB_A) $(CLI_OBJ)
+# The naming line (docs/base.md): every global symbol of every archive, of
+# the CLI's objects and of the worker's main carries kvr_ (a room's public
+# API) or kvr__ (a room's cross-file internals). Documented exceptions: main;
+# kvrope__* (protoc-c's code generated from proto/kvrope.proto, package
+# kvrope); LLVMFuzzerTestOneInput and friends (fuzz targets, not archived).
+# libkvrope.so exports exactly the functions and data its installed headers
+# declare (client/kvrope.h, client/llama/kvrope_llama.h and every header they
+# include), never a kvr__ name, and has its SONAME. Part of `make check`.
+SYMBOL_EXCEPTIONS := main|kvrope__.*|LLVMFuzzer.*
+CHECK_SYMBOL_OBJS := $(ALL_A) $(CLI_OBJ) $(WORKER_A) \
+                     $(if $(WORKER_A),$(BUILD)/obj/client/llama/worker_main.o)
+check-symbols: $(CLIENT_SO) $(CHECK_SYMBOL_OBJS)
 	@bad=$$(nm -D --defined-only $(CLIENT_SOREAL) | awk '$$2 ~ /[TDBRVW]/ {print $$3}' | \
-	  sed 's/@.*//' | grep -v -E '^(kvr_|_init$$|_fini$$|_edata$$|_end$$|__bss_start$$)' || true); \
-	if [ -n "$$bad" ]; then echo "unprefixed exports:"; echo "$$bad"; exit 1; fi; \
+	  sed 's/@.*//' | grep -v -E '^(_init|_fini|_edata|_end|__bss_start)$$' | \
+	  while read -r s; do \
+	    case $$s in kvr__*) echo "$$s"; continue;; esac; \
+	    grep -qw -- "$$s" client/kvrope.h client/llama/kvrope_llama.h $(INSTALL_HEADERS) || echo "$$s"; \
+	  done); \
+	if [ -n "$$bad" ]; then echo "libkvrope.so exports what no installed header declares:"; \
+	  echo "$$bad"; exit 1; fi; \
 	so=$$(readelf -d $(CLIENT_SOREAL) | sed -n 's/.*(SONAME).*\[\(.*\)\]/\1/p'); \
 	if [ "$$so" != "$(CLIENT_SONAME)" ]; then echo "SONAME is '$$so', want $(CLIENT_SONAME)"; exit 1; fi; \
 	n=$$(nm -D --defined-only $(CLIENT_SOREAL) | grep -c ' [TDBRVW] kvr_'); \
-	echo "check-symbols: ok ($$n kvr_* exports, SONAME $$so)"
-	@bad=$$(nm -g --defined-only $(ROPE_A) $(PROTO_A) $(CLIB_A) $(CLI_OBJ) 2>/dev/null | \
-	  awk '$$2 ~ /[TDBRVW]/ {print $$3}' | \
-	  grep -v -E '^(kvr_|rope_|cli_|kvrope__|main$$)' || true); \
-	if [ -n "$$bad" ]; then echo "unprefixed cross-file symbols in rope/ proto/ client/:"; \
-	  echo "$$bad"; exit 1; fi; \
-	echo "check-symbols: rope/ proto/ client/ internals carry kvr_ / rope_ / cli_"
+	echo "check-symbols: libkvrope.so ok ($$n kvr_* exports, each in an installed header; SONAME $$so)"
+	@bad=$$(for f in $(CHECK_SYMBOL_OBJS); do \
+	    nm -g --defined-only $$f 2>/dev/null | awk -v f=$$f '$$2 ~ /^[A-TV-Z]$$/ {print f ": " $$3}'; \
+	  done | grep -v -E ': (kvr_|kvr__)' | grep -v -E ': ($(SYMBOL_EXCEPTIONS))$$' | sort -u); \
+	if [ -n "$$bad" ]; then echo "global symbols without kvr_ / kvr__:"; echo "$$bad"; exit 1; fi; \
+	echo "check-symbols: every archive's globals carry kvr_ or kvr__ ($(words $(CHECK_SYMBOL_OBJS)) files)"
 
 # ---- install ----------------------------------------------------------------
 # GNU-style directories; DESTDIR is prepended to every path (staging).

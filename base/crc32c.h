@@ -14,9 +14,15 @@
 #include <stddef.h>
 #include <stdint.h>
 
+/* Not installed: hidden in shared objects (libkvrope.so exports its
+ * installed headers' functions only), linked statically across rooms. */
+#pragma GCC visibility push(hidden)
+
 /* crc starts at 0 (or is a previous call's result, to continue). */
 uint32_t kvr_crc32c(uint32_t crc, const void *p, size_t n);
 /* The table implementation alone (tests compare the two). */
 uint32_t kvr_crc32c_portable(uint32_t crc, const void *p, size_t n);
+
+#pragma GCC visibility pop
 
 #endif /* KVR_BASE_CRC32C_H */

@@ -20,6 +20,10 @@
 #include <stddef.h>
 #include <stdint.h>
 
+/* Not installed: hidden in shared objects (libkvrope.so exports its
+ * installed headers' functions only), linked statically across rooms. */
+#pragma GCC visibility push(hidden)
+
 #define KVR_GGML_QK 32          /* values per block */
 
 typedef enum kvr_ggml_qtype {
@@ -40,5 +44,7 @@ int kvr_ggml_block_enc(kvr_ggml_qtype t, uint8_t *y, const float *x);
 
 /* Decodes one block at x into 32 floats at y (nothing for other types). */
 void kvr_ggml_block_dec(kvr_ggml_qtype t, float *y, const uint8_t *x);
+
+#pragma GCC visibility pop
 
 #endif /* KVR_BASE_GGML_QUANTS_H */
