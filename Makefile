@@ -299,11 +299,11 @@ bench: deps-bench
 	@$(MAKE) --no-print-directory all
 	@KVR_BUILD=$(abspath $(BUILD)) KVR_VECTORS=$(SHARED)/vectors scripts/run-bench.sh
 
-# ---- the trained eval model (issues 19, 28; docs/eval.md) ------------------
+# ---- the trained eval model (docs/eval.md) ----------------------------------
 # eval/model holds the committed float16 weights; the GGUF llama.cpp runs is
 # made from them (same weights in both engines; a vocabulary of 267 gets the
 # FIM token ids under llama.cpp's keys). `make eval-model` retrains: from the
-# left-to-right model of issue 19 (EVAL_BASE_COMMIT, taken from git) it
+# left-to-right model first trained (EVAL_BASE_COMMIT, taken from git) it
 # fine-tunes with fill-in-the-middle rows (eval/train.py, under nice 19),
 # re-exports, and scores the GGUF on the held-out code (eval/score.py).
 # `make eval` writes docs/eval.md and docs/eval/*.png (the README keeps a

@@ -10,7 +10,7 @@
  * other thread while the store goes on serving: they touch only memory the
  * transaction owns or has leased, never the store's maps.
  *
- * Per-token model (DESIGN.md). Every token of a context has: its token id,
+ * Per-token model (docs/formats.md, docs/protocol.md). Every token of a context has: its token id,
  * its logical position (what attention sees now), the position its stored key
  * is rotated at ("stored-at"), a group id and flags (KVR_TOKEN_APPROX). Edits,
  * shifts and layouts change logical positions only; a key is rotated from its
@@ -318,7 +318,7 @@ typedef struct kvr_get kvr_get;
 int  kvr_store_get_begin(kvr_store *s, const kvr_get_params *p, kvr_get **out,
                          kvr_error *err);
 const kvr_get_info *kvr_get_get_info(const kvr_get *t);  /* borrowed */
-/* Staging (issue 15): begin reserves no staging. A caller says how the
+/* Staging on demand: begin reserves no staging. A caller says how the
  * payload goes out, on the loop thread, before any work: kvr_get_stage (the
  * iovecs: the whole staging buffer is reserved against the memory cap and
  * allocated), kvr_get_stage_ring (streamed: only a ring of chunks), or
@@ -363,7 +363,7 @@ void kvr_get_payload_iov_layers(const kvr_get *t, size_t l0, size_t l1,
  * staging (kvr_get_stage). 0, or as kvr_get_stage. */
 int  kvr_get_stage_ring(kvr_get *t, size_t per, size_t slots, kvr_error *err);
 /* A streamed get sent in pieces of about piece_bytes instead of whole
- * layers (issue 15): a layer's side (K or V) is split at token boundaries,
+ * layers (so memory holds a ring, not a layer): a layer's side (K or V) is split at token boundaries,
  * a side with nothing to produce is one piece straight from block memory,
  * and at most `slots` pieces are staged at once (only that ring is
  * reserved), so a piece's rotated bytes are still in cache when its write

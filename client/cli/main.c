@@ -17,10 +17,6 @@
 #include "client/cli/cli.h"
 #include "client/cli/cli_rope.h"
 
-/* The rope subcommand lives in another engineer's file; until it is linked,
- * `kvrope rope` says so instead of the whole tool failing to link. */
-#pragma weak kvr_cli_rope_main
-
 static const char help_text[] =
 "usage: kvrope [global options] COMMAND [args] [options]\n"
 "\n"
@@ -378,10 +374,6 @@ int main(int argc, char **argv)
     /* `rope` needs none of our options: hand over argv untouched. */
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "rope")) {
-            if (!kvr_cli_rope_main) {
-                fprintf(stderr, "kvrope: the rope subcommand is not built into this binary\n");
-                return CLI_ERR;
-            }
             return kvr_cli_rope_main(argc - i, argv + i);
         }
         if (argv[i][0] != '-')

@@ -2,7 +2,7 @@
  * worker_score.c — `kvrope-llama score`: the next-token logits of a token
  * sequence T over a KV cache handed over as a file (KV.bin, docs/llama.md:
  * the payload a kvrope get returns, with its positions), and greedy
- * continuations from chosen points. No daemon: the caller (issue 19's eval)
+ * continuations from chosen points. No daemon: the caller (eval/run.py's measurements)
  * does every kvrope operation itself and gives llama.cpp the resulting KV.
  *
  * Rows: row i (F <= i < N-1) is the logits after T[i], predicting T[i+1].

@@ -2,7 +2,8 @@
  * worker_state.c — cell-level access to llama.cpp sequence states for the
  * worker (float caches only; the bridge owns the parser and the general codec).
  *
- * Layout (llama_state_seq_get_data, little endian; ../shared/notes/llama.cpp.md):
+ * Layout (llama_state_seq_get_data, little endian; bridge_state.c has the
+ * full format, the session form too):
  *   u32 magic 0xaf143cd8 · i32 seq_id · u32 n_stream (1 here)
  *   u32 cell_count; when > 0:
  *     cell_count x { i32 pos, u32 n_seq_id = 1, i32 seq_id }
