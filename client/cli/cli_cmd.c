@@ -4,6 +4,7 @@
  * returns an exit code (cli.h). Errors go to stderr; with --json they are
  * also printed to stdout as {"error": {...}} so scripts see one document.
  */
+#include "base/clock.h"
 #include "client/cli/cli.h"
 #include "client/cli/cli_parse.h"
 
@@ -92,24 +93,18 @@ static void human_bytes(char *buf, size_t cap, double b)
 static struct {
     bool            active, drawn;
     const char     *label;
-    struct timespec t0, last;
+    double          t0, last;       /* kvr_clock_mono_msf */
 } prog;
-
-static double since(const struct timespec *a, const struct timespec *b)
-{
-    return (double)(b->tv_sec - a->tv_sec) + (double)(b->tv_nsec - a->tv_nsec) * 1e-9;
-}
 
 static void on_progress(void *ud, uint64_t done, uint64_t total)
 {
     (void)ud;
     if (!prog.active || total == 0)
         return;
-    struct timespec now;
-    clock_gettime(CLOCK_MONOTONIC, &now);
-    double el = since(&prog.t0, &now);
+    double now = kvr_clock_mono_msf();
+    double el = (now - prog.t0) / 1e3;
     /* Only transfers that take more than a moment get a bar, redrawn at 10 Hz. */
-    if (el < 0.3 || (prog.drawn && since(&prog.last, &now) < 0.1 && done < total))
+    if (el < 0.3 || (prog.drawn && now - prog.last < 100 && done < total))
         return;
     prog.last = now;
     prog.drawn = true;
@@ -132,7 +127,7 @@ void kvr__cli_progress_begin(kvr_client *c, const char *label)
     prog.active = true;
     prog.drawn = false;
     prog.label = label;
-    clock_gettime(CLOCK_MONOTONIC, &prog.t0);
+    prog.t0 = kvr_clock_mono_msf();
     kvr_client_set_progress(c, on_progress, NULL);
 }
 
@@ -292,14 +287,12 @@ static cJSON *kv_json(const kvr_kv *kv, const char *file)
 
 static int cmd_ping(kvr_client *c, const cli_args *a)
 {
-    struct timespec t0, t1;
     kvr_pong p;
-    clock_gettime(CLOCK_MONOTONIC, &t0);
+    double t0 = kvr_clock_mono_msf();
     int r = kvr_client_ping(c, &p);
-    clock_gettime(CLOCK_MONOTONIC, &t1);
+    double ms = kvr_clock_mono_msf() - t0;
     if (r < 0)
         return kvr__cli_fail(a, c, r, "ping");
-    double ms = since(&t0, &t1) * 1e3;
     if (a->json) {
         cJSON *j = cJSON_CreateObject();
         cJSON_AddStringToObject(j, "server", p.server);

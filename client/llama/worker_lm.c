@@ -28,6 +28,7 @@
 
 #include "client/llama/kvrope_llama.h"
 #include "client/llama/worker.h"
+#include "base/clock.h"
 
 #ifndef KVR_LLAMA_LIBDIR
 #define KVR_LLAMA_LIBDIR ""
@@ -89,9 +90,7 @@ static void log_cb(enum ggml_log_level level, const char *text, void *ud)
 
 double kvr_wk_now_ms(void)
 {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec * 1e3 + (double)ts.tv_nsec / 1e6;
+    return kvr_clock_mono_msf();
 }
 
 static void init_once(void)

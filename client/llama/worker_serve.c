@@ -34,6 +34,7 @@
 
 #include "client/llama/kvrope_llama.h"
 #include "client/llama/worker_serve.h"
+#include "base/clock.h"
 
 enum route { R_COMPLETION, R_INFILL, R_OAI_CMPL, R_OAI_CHAT };
 
@@ -143,13 +144,7 @@ static bool wait_job(srv *s, srv_job *j, size_t seen, int fd)
             pthread_mutex_unlock(&s->mu);
             return false;
         }
-        struct timespec ts;
-        clock_gettime(CLOCK_REALTIME, &ts);
-        ts.tv_nsec += 50 * 1000000L;
-        if (ts.tv_nsec >= 1000000000L) {
-            ts.tv_sec++;
-            ts.tv_nsec -= 1000000000L;
-        }
+        struct timespec ts = kvr_clock_deadline(50);
         pthread_cond_timedwait(&s->progress, &s->mu, &ts);
         if (!j->done && j->safe <= seen) {
             pthread_mutex_unlock(&s->mu);
@@ -1915,6 +1910,7 @@ int kvr_wk_serve_main(kvr_wk_env *e, const char *model_path, const char *socket,
                                                                    : base ? base + 1 : model_path);
     pthread_mutex_init(&s->mu, NULL);
     pthread_cond_init(&s->wake, NULL);
+    kvr_list_init(&s->queue);
     pthread_cond_init(&s->progress, NULL);
 
     /* Signals: blocked everywhere, taken by sigwait in this thread. */

@@ -27,6 +27,8 @@
 #include <stdint.h>
 
 #include "client/llama/worker.h"
+#include "base/list.h"
+#include "base/ref.h"
 
 #define SRV_MAX_SLOTS   64
 #define SRV_MAX_STOP    16
@@ -97,8 +99,8 @@ typedef struct srv_job {
     bool         via_cache;
     double       t_prompt_ms, t_gen_ms, t_op_ms;
     /* queue and sharing (srv.mu) */
-    int          refs;
-    struct srv_job *next;
+    kvr_ref      ref;
+    kvr_list     node;           /* on srv.queue while queued */
 } srv_job;
 
 typedef struct srv_slot {
@@ -135,7 +137,7 @@ typedef struct srv {
     pthread_mutex_t  mu;
     pthread_cond_t   wake;       /* the engine: a job, or stop */
     pthread_cond_t   progress;   /* connections: their job moved */
-    srv_job         *q_head, *q_tail;
+    kvr_list         queue;      /* srv_job.node, oldest first */
     size_t           q_len;
     bool             stopping, ready;
     srv_slot         slots[SRV_MAX_SLOTS];
