@@ -4,6 +4,7 @@
  * family (base/dtype.c) compute exactly the same bits. f16: round to nearest
  * even as F16C's vcvtps2ph with imm 0; inf stays inf, NaN stays NaN (quiet,
  * top payload bits kept). bf16: round to nearest even; NaN stays NaN.
+ * kvr__load1 / kvr__store1: one element of a typed buffer, through them.
  * Header only, private to the project (not installed).
  */
 #ifndef KVR_BASE_HALF_H
@@ -11,6 +12,8 @@
 
 #include <stdint.h>
 #include <string.h>
+
+#include "base/dtype.h"
 
 static inline uint32_t kvr__f32_bits(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
 static inline float kvr__bits_f32(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
@@ -66,6 +69,25 @@ static inline uint16_t kvr__f2b(float f)
     uint32_t u = kvr__f32_bits(f);
     if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u);
     return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+/* Element i of a buffer of type t, widened to float / stored from float. */
+static inline float kvr__load1(const void *p, kvr_dtype t, size_t i)
+{
+    switch (t) {
+    case KVR_DTYPE_F16:  return kvr__h2f(((const uint16_t *)p)[i]);
+    case KVR_DTYPE_BF16: return kvr__b2f(((const uint16_t *)p)[i]);
+    default:             return ((const float *)p)[i];
+    }
+}
+
+static inline void kvr__store1(void *p, kvr_dtype t, size_t i, float v)
+{
+    switch (t) {
+    case KVR_DTYPE_F16:  ((uint16_t *)p)[i] = kvr__f2h(v); break;
+    case KVR_DTYPE_BF16: ((uint16_t *)p)[i] = kvr__f2b(v); break;
+    default:             ((float *)p)[i] = v; break;
+    }
 }
 
 #endif /* KVR_BASE_HALF_H */

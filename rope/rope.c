@@ -31,67 +31,9 @@
 #include <unistd.h>
 #include <math.h>
 
-#include <cpuid.h>
-
 #include "rope/rope_internal.h"
 
 #define RESEED 32
-
-/* ---- ISA ----------------------------------------------------------------- */
-
-/* F16C through CPUID leaf 1 (ECX bit 29): clang 14's __builtin_cpu_supports
- * does not know the "f16c" feature string. */
-static bool have_f16c(void)
-{
-    unsigned a, b, c, d;
-    if (!__get_cpuid(1, &a, &b, &c, &d))
-        return false;
-    return (c & bit_F16C) != 0;
-}
-
-static kvr_isa detect_isa(void)
-{
-    __builtin_cpu_init();
-    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-        __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
-        __builtin_cpu_supports("fma") && __builtin_cpu_supports("avx2"))
-        return KVR_ISA_AVX512;
-    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && have_f16c())
-        return KVR_ISA_AVX2;
-    return KVR_ISA_SCALAR;
-}
-
-static pthread_once_t isa_once = PTHREAD_ONCE_INIT;
-static kvr_isa isa_best = KVR_ISA_SCALAR;
-static void isa_init(void) { isa_best = detect_isa(); }
-
-kvr_isa kvr_isa_best(void)
-{
-    pthread_once(&isa_once, isa_init);
-    return isa_best;
-}
-
-const char *kvr_isa_name(kvr_isa isa)
-{
-    switch (isa) {
-    case KVR_ISA_AUTO:   return "auto";
-    case KVR_ISA_SCALAR: return "scalar";
-    case KVR_ISA_AVX2:   return "avx2";
-    case KVR_ISA_AVX512: return "avx512";
-    }
-    return "unknown";
-}
-
-kvr_isa kvr__rope_isa_resolve(kvr_isa want)
-{
-    kvr_isa best = kvr_isa_best();
-    if (want == KVR_ISA_AUTO) return best;
-    if (want == KVR_ISA_SCALAR) return KVR_ISA_SCALAR;
-    /* A forced ISA the CPU lacks degrades to the best it has (never faults). */
-    if (want == KVR_ISA_AVX512) return best;
-    if (want == KVR_ISA_AVX2) return best == KVR_ISA_SCALAR ? KVR_ISA_SCALAR : KVR_ISA_AVX2;
-    return best;
-}
 
 /* ---- frequency tables ------------------------------------------------------ */
 
@@ -619,7 +561,7 @@ static int run(job *base, size_t n_tokens, const kvr_rope_opts *opts)
 
 static rope_rows_fn pick_rows(const kvr_rope_opts *opts)
 {
-    switch (kvr__rope_isa_resolve(opts ? opts->isa : KVR_ISA_AUTO)) {
+    switch (kvr__isa_resolve(opts ? opts->isa : KVR_ISA_AUTO)) {
     case KVR_ISA_AVX512: return kvr__rope_rows_avx512;
     case KVR_ISA_AVX2:   return kvr__rope_rows_avx2;
     default:             return kvr__rope_rows_scalar;
@@ -628,7 +570,7 @@ static rope_rows_fn pick_rows(const kvr_rope_opts *opts)
 
 static void pick_tables(job *j, const kvr_rope_opts *opts)
 {
-    switch (kvr__rope_isa_resolve(opts ? opts->isa : KVR_ISA_AUTO)) {
+    switch (kvr__isa_resolve(opts ? opts->isa : KVR_ISA_AUTO)) {
     case KVR_ISA_AVX512:
         j->sincos = kvr__rope_sincos_avx512; j->tofloat = kvr__rope_tofloat_avx512;
         j->table = kvr__rope_table_avx512; j->step = kvr__rope_step_avx512;
@@ -680,7 +622,7 @@ static int one_table(const kvr_rope *r, kvr_dtype dt, void *dst, const void *src
         .r = r, .dst = dst, .dt = dt, .src = src, .st = st, .n_heads = n_heads,
         .a = pos, .f1 = f, .mag = sign < 0 ? 1.0 / r->mscale : r->mscale,
         .rows = pick_rows(opts),
-        .stream = kvr__rope_isa_resolve(opts ? opts->isa : KVR_ISA_AUTO) == KVR_ISA_AVX512 &&
+        .stream = kvr__isa_resolve(opts ? opts->isa : KVR_ISA_AUTO) == KVR_ISA_AVX512 &&
                   opts && opts->stream,
     };
     pick_tables(&j, opts);
@@ -723,7 +665,7 @@ int kvr_rope_apply_src(const kvr_rope *r, void *dst, kvr_dtype dst_type,
         .r = r, .dst = dst, .dt = dst_type, .src = NULL, .st = KVR_DTYPE_F32,
         .n_heads = n_heads, .a = pos, .f1 = f, .mag = r->mscale, .rows = pick_rows(opts),
         .src_fn = src, .src_ud = ud, .t0 = 0, .t1 = n_tokens,
-        .stream = kvr__rope_isa_resolve(opts ? opts->isa : KVR_ISA_AUTO) == KVR_ISA_AVX512 &&
+        .stream = kvr__isa_resolve(opts ? opts->isa : KVR_ISA_AUTO) == KVR_ISA_AVX512 &&
                   opts && opts->stream,
     };
     pick_tables(&j, opts);
@@ -812,7 +754,7 @@ int kvr_rope_reposition_delta(const kvr_rope *r, void *dst, kvr_dtype dst_type,
         if (memcmp(f_to, f_from, fb))
             return KVR_EINVAL;   /* not a rotation by the delta */
     }
-    kvr_isa isa = kvr__rope_isa_resolve(opts ? opts->isa : KVR_ISA_AUTO);
+    kvr_isa isa = kvr__isa_resolve(opts ? opts->isa : KVR_ISA_AUTO);
     job j = {
         .r = r, .dst = dst, .dt = dst_type, .src = src, .st = src_type, .n_heads = n_heads,
         .f1 = f_to, .mag = 1.0, .rows = pick_rows(opts), .fixed = true, .scaled = scaled,

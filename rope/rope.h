@@ -1,12 +1,12 @@
 /*
  * rope.h — kvrope's positional engine: the kernels that apply, remove and
  * re-position rotary embeddings on [tokens][heads][head_dim] buffers, built
- * from a model configuration (base/config.h), and the bulk element
- * conversions that share their per-ISA kernels.
+ * from a model configuration (base/config.h).
  *
  * This is the whole public API of rope/. It has no dependency on libuv and
  * none on the rest of kvrope but the foundation (base/: the error space,
- * element types, configurations, the worker pool, all included from here so
+ * element types and their conversions, configurations, the worker pool, the
+ * CPU's kernel choice, all included from here so
  * that one include gives a caller the engine's whole vocabulary); cache/,
  * daemon/ and client/ build on it.
  *
@@ -35,35 +35,11 @@
 #include "base/dtype.h"
 #include "base/config.h"
 #include "base/pool.h"
+#include "base/cpu.h"
 
 #ifdef __cplusplus
 extern "C" {
 #endif
-
-/* ---- conversion --------------------------------------------------------- */
-
-/* Converts n elements; dst and src may be the same buffer only when the
- * element sizes are equal. Uses F16C/AVX-512 where the CPU has them. */
-void kvr_convert(void *dst, kvr_dtype dst_type,
-                 const void *src, kvr_dtype src_type, size_t n);
-
-/* dst = src * scale element-wise: each element widened to f32, multiplied
- * in f32 and rounded once to dst_type; the same bits as kvr_convert to
- * f32, a multiply and kvr_convert back, in one pass. dst != src. */
-void kvr_convert_scaled(void *dst, kvr_dtype dst_type,
-                        const void *src, kvr_dtype src_type, size_t n, float scale);
-
-/* memcpy of n bytes (no overlap) that nothing reads back soon, e.g. a whole
- * context into a caller's buffer: with non-temporal stores where the CPU
- * has AVX-512 (no read of each destination line before it is written),
- * plain memcpy for the unaligned ends and elsewhere; fenced before it
- * returns. */
-void kvr_copy_stream(void *dst, const void *src, size_t n);
-
-/* The sequence length transformers would use for a forward over these
- * positions (max + 1, at least 1): the default seq_len of a dynamic NTK /
- * longrope table. */
-int64_t kvr_rope_default_seq_len(const int64_t *pos, size_t n);
 
 /* ---- engine ------------------------------------------------------------- */
 
@@ -90,13 +66,6 @@ double kvr_rope_attention_scale(const kvr_rope *r);
  * (always for composing types; dynamic NTK: both within the original
  * length; longrope: both on the same side of it). */
 bool kvr_rope_same_table(const kvr_rope *r, int64_t seq_len_a, int64_t seq_len_b);
-
-typedef enum kvr_isa {
-    KVR_ISA_AUTO   = 0,   /* best the CPU supports */
-    KVR_ISA_SCALAR = 1,   /* the reference */
-    KVR_ISA_AVX2   = 2,   /* AVX2 + FMA + F16C */
-    KVR_ISA_AVX512 = 3,
-} kvr_isa;
 
 /* Per-call options; pass NULL for the defaults (all zero). */
 typedef struct kvr_rope_opts {
@@ -126,8 +95,6 @@ typedef struct kvr_rope_opts {
     bool    stream;
 } kvr_rope_opts;
 
-kvr_isa     kvr_isa_best(void);                     /* what AUTO resolves to */
-const char *kvr_isa_name(kvr_isa isa);
 
 /* Buffers are [n_tokens][n_heads][head_dim] contiguous, head_dim from the
  * config. pos / from / to have n_tokens entries, any int64 values

@@ -21,6 +21,7 @@
 #include <math.h>
 #include "rope/rope.h"
 #include "base/half.h"
+#include "base/base_internal.h"
 
 /* Private to rope/: hidden in shared objects (libkvrope.so exports kvr_* only). */
 #pragma GCC visibility push(hidden)
@@ -45,22 +46,17 @@ void kvr__rope_inv_freq(const kvr_rope *r, int64_t seq_len, double *out);
 typedef void (*rope_rows_fn)(void *dst, kvr_dtype dt, const void *src, kvr_dtype st,
                              size_t n_heads, int head_dim, int rot, int gptj,
                              const float *c, const float *s);
-typedef void (*rope_convert_fn)(void *dst, kvr_dtype dt, const void *src, kvr_dtype st,
-                                size_t n);
 
 void kvr__rope_rows_scalar(void *dst, kvr_dtype dt, const void *src, kvr_dtype st,
                       size_t n_heads, int head_dim, int rot, int gptj,
                       const float *c, const float *s);
-void kvr__rope_convert_scalar(void *dst, kvr_dtype dt, const void *src, kvr_dtype st, size_t n);
 
 void kvr__rope_rows_avx2(void *dst, kvr_dtype dt, const void *src, kvr_dtype st,
                     size_t n_heads, int head_dim, int rot, int gptj,
                     const float *c, const float *s);
-void kvr__rope_convert_avx2(void *dst, kvr_dtype dt, const void *src, kvr_dtype st, size_t n);
 void kvr__rope_rows_avx512(void *dst, kvr_dtype dt, const void *src, kvr_dtype st,
                       size_t n_heads, int head_dim, int rot, int gptj,
                       const float *c, const float *s);
-void kvr__rope_convert_avx512(void *dst, kvr_dtype dt, const void *src, kvr_dtype st, size_t n);
 /* The rows kernel with every result multiplied by k in f32 before it is
  * stored (passed-through dims too): the bits of rope_rows_* into f32, a
  * multiply and a conversion, in one pass. AVX-512 only; other ISAs get the
@@ -79,13 +75,6 @@ bool kvr__rope_rows_stream_avx512(void *dst, kvr_dtype dt, const void *src, kvr_
                              size_t n_heads, int head_dim, int rot, int gptj,
                              const float *c, const float *s, bool scaled, float k);
 void kvr__rope_stream_fence_avx512(void);
-/* n (a multiple of 64) bytes to a 64-byte aligned dst with non-temporal
- * stores, fenced (kvr_copy_stream). */
-void kvr__rope_copy_stream_avx512(void *dst, const void *src, size_t n);
-/* dst = src * k element-wise in f32, rounded once (kvr_convert_scaled). */
-void kvr__rope_convert_scaled_avx512(void *dst, kvr_dtype dt, const void *src, kvr_dtype st,
-                                size_t n, float k);
-
 /* The per-token sin/cos table: s[i], c[i] = sin, cos(a * f1[i] + b * f2[i])
  * for i < n (f2 may be NULL), bit for bit the same on every ISA. */
 typedef void (*rope_sincos_fn)(double a, const double *f1, double b, const double *f2, int n,
@@ -153,26 +142,6 @@ bool kvr__rope_table_fast_avx512(double a, const double *f1, double b, const dou
 #define ROPE_C5  2.08757232129817482790e-09
 #define ROPE_C6 -1.13596475577881948265e-11
 
-/* Resolves AUTO and refuses (falls back from) ISAs the CPU lacks. */
-kvr_isa kvr__rope_isa_resolve(kvr_isa want);
-
-static inline float rope_load1(const void *p, kvr_dtype t, size_t i)
-{
-    switch (t) {
-    case KVR_DTYPE_F16:  return kvr__h2f(((const uint16_t *)p)[i]);
-    case KVR_DTYPE_BF16: return kvr__b2f(((const uint16_t *)p)[i]);
-    default:             return ((const float *)p)[i];
-    }
-}
-
-static inline void rope_store1(void *p, kvr_dtype t, size_t i, float v)
-{
-    switch (t) {
-    case KVR_DTYPE_F16:  ((uint16_t *)p)[i] = kvr__f2h(v); break;
-    case KVR_DTYPE_BF16: ((uint16_t *)p)[i] = kvr__f2b(v); break;
-    default:             ((float *)p)[i] = v; break;
-    }
-}
 
 #pragma GCC visibility pop
 
