@@ -14,6 +14,13 @@
 
 #pragma GCC visibility push(hidden)
 
+/* X(src, dst) for the six pairs of different element types: the cases a
+ * conversion kernel specialises (equal types are a memmove). */
+#define KVR__DTYPE_PAIRS_CONVERTED(X)                                          \
+    X(KVR_DTYPE_F32, KVR_DTYPE_F16)  X(KVR_DTYPE_F32, KVR_DTYPE_BF16)         \
+    X(KVR_DTYPE_F16, KVR_DTYPE_F32)  X(KVR_DTYPE_F16, KVR_DTYPE_BF16)         \
+    X(KVR_DTYPE_BF16, KVR_DTYPE_F32) X(KVR_DTYPE_BF16, KVR_DTYPE_F16)
+
 /* Resolves AUTO and refuses (falls back from) ISAs the CPU lacks. */
 kvr_isa kvr__isa_resolve(kvr_isa want);
 

@@ -18,10 +18,5 @@ void kvr__convert_avx2(void *dst, kvr_dtype dt, const void *src, kvr_dtype st, s
         if (dst != src) memmove(dst, src, n * kvr_dtype_size(st));
         return;
     }
-    CONV_CASE(KVR_DTYPE_F32, KVR_DTYPE_F16)
-    CONV_CASE(KVR_DTYPE_F32, KVR_DTYPE_BF16)
-    CONV_CASE(KVR_DTYPE_F16, KVR_DTYPE_F32)
-    CONV_CASE(KVR_DTYPE_F16, KVR_DTYPE_BF16)
-    CONV_CASE(KVR_DTYPE_BF16, KVR_DTYPE_F32)
-    CONV_CASE(KVR_DTYPE_BF16, KVR_DTYPE_F16)
+    KVR__DTYPE_PAIRS_CONVERTED(CONV_CASE)
 }
