@@ -4,7 +4,9 @@
 #   make run        install what is missing to run (not to test), build what a user
 #                   needs, run kvroped (and kvrope serve) with embedded defaults
 #   make test       install what is missing, build, run every test
-#   make check      the tests under ASan + UBSan with libc malloc (build/check)
+#   make check      the tests under ASan + UBSan with libc malloc (build/check),
+#                   and make check-symbols (the kvr_ / kvr__ naming line)
+#   make check-symbols  nm over every archive: globals carry kvr_ or kvr__
 #   make bench      the benchmarks (ratios against memcpy, Redis, ggml in the same run)
 #   make fuzz       libFuzzer targets (clang), a short run of each
 #   make fuzz-ci    every fuzz target for a few seconds from tests/fuzz/corpus (CI)
@@ -19,7 +21,8 @@
 # on, jemalloc), MODE=check (ASan + UBSan, assert() on, libc malloc), MODE=fuzz.
 #
 # Sources are picked up by directory, so adding a file needs no edit here:
-#   rope/*.c cache/*.c proto/*.c        -> internal archive (and libkvrope)
+#   base/*.c rope/*.c cache/*.c proto/*.c -> one archive each (base/ and rope/
+#                                        also in libkvrope)
 #   daemon/*.c (but main.c)             -> internal archive;  daemon/main.c -> kvroped
 #   client/lib/*.c                      -> libkvrope.a / libkvrope.so
 #   client/cli/*.c                      -> kvrope
@@ -82,6 +85,7 @@ AVX512_FLAGS := -mavx512f -mavx512bw -mavx512vl -mavx512dq -mavx2 -mfma -mf16c
 PROTO_GEN_C := $(GEN)/proto/kvrope.pb-c.c
 PROTO_GEN_H := $(GEN)/proto/kvrope.pb-c.h
 
+BASE_SRC   := $(wildcard base/*.c)
 ROPE_SRC   := $(wildcard rope/*.c)
 CACHE_SRC  := $(wildcard cache/*.c)
 PROTO_SRC  := $(wildcard proto/*.c)
@@ -94,6 +98,7 @@ FUZZ_SRC   := $(wildcard tests/fuzz/fuzz_*.c)
 
 obj = $(patsubst %.c,$(BUILD)/obj/%.o,$(1))
 
+BASE_OBJ   := $(call obj,$(BASE_SRC))
 ROPE_OBJ   := $(call obj,$(ROPE_SRC))
 CACHE_OBJ  := $(call obj,$(CACHE_SRC))
 PROTO_OBJ  := $(call obj,$(PROTO_SRC)) $(BUILD)/obj/gen/kvrope.pb-c.o
@@ -102,14 +107,16 @@ CLIB_OBJ   := $(call obj,$(CLIB_SRC))
 CLI_OBJ    := $(call obj,$(CLI_SRC))
 
 # One archive per module, linked in layering order, so a test links only the
-# modules it exercises (test_rope_* needs rope/ alone, test_cache_* cache/ and
-# rope/, everything else all of them).
+# modules it exercises (test_rope_* needs rope/ and base/, test_cache_* cache/,
+# rope/ and base/, everything else all of them). base/ is the foundation
+# every other archive builds on (docs/base.md), so it comes last.
+BASE_A   := $(BUILD)/lib/libbase.a
 ROPE_A   := $(BUILD)/lib/librope.a
 CACHE_A  := $(BUILD)/lib/libcache.a
 PROTO_A  := $(BUILD)/lib/libproto.a
 DAEMON_A := $(BUILD)/lib/libdaemon.a
 CLIB_A   := $(BUILD)/lib/libclient.a
-ALL_A    := $(DAEMON_A) $(CLIB_A) $(CACHE_A) $(PROTO_A) $(ROPE_A)
+ALL_A    := $(DAEMON_A) $(CLIB_A) $(CACHE_A) $(PROTO_A) $(ROPE_A) $(BASE_A)
 
 # libkvrope's version: client/kvrope.h's KVR_VERSION_* (read here, not repeated).
 KVR_VER := $(shell awk '/^\#define KVR_VERSION_(MAJOR|MINOR|PATCH) /{v=v s $$3; s="."} END{print v}' client/kvrope.h)
@@ -181,19 +188,20 @@ define archive
 	@mkdir -p $(dir $@)
 	rm -f $@ && ar rcs $@ $^
 endef
+$(BASE_A):   $(BASE_OBJ)   ; $(archive)
 $(ROPE_A):   $(ROPE_OBJ)   ; $(archive)
 $(CACHE_A):  $(CACHE_OBJ)  ; $(archive)
 $(PROTO_A):  $(PROTO_OBJ)  ; $(archive)
 $(DAEMON_A): $(DAEMON_OBJ) ; $(archive)
 $(CLIB_A):   $(CLIB_OBJ)   ; $(archive)
 
-# The public client library bundles what it needs of proto/ and rope/.
-$(CLIENT_A): $(CLIB_OBJ) $(PROTO_OBJ) $(ROPE_OBJ) ; $(archive)
+# The public client library bundles what it needs of proto/, rope/ and base/.
+$(CLIENT_A): $(CLIB_OBJ) $(PROTO_OBJ) $(ROPE_OBJ) $(BASE_OBJ) ; $(archive)
 
 # The shared library: SONAME libkvrope.so.MAJOR, the file libkvrope.so.X.Y.Z,
 # the usual symlinks (libkvrope.so.MAJOR for the loader, libkvrope.so for the
 # linker and the Python binding), kvr_* exported only (client/lib/kvrope.map).
-$(CLIENT_SOREAL): $(CLIB_OBJ) $(PROTO_OBJ) $(ROPE_OBJ) $(CLIENT_MAP)
+$(CLIENT_SOREAL): $(CLIB_OBJ) $(PROTO_OBJ) $(ROPE_OBJ) $(BASE_OBJ) $(CLIENT_MAP)
 	$(CC) -shared $(LDFLAGS_ALL) -Wl,-soname,$(CLIENT_SONAME) \
 	  -Wl,--version-script=$(CLIENT_MAP) -o $@ $(filter %.o,$^) -lprotobuf-c -lcjson -lm -lpthread
 
@@ -207,21 +215,27 @@ $(KVROPED): $(BUILD)/obj/daemon/main.o $(ALL_A)
 $(KVROPE): $(CLI_OBJ) $(ALL_A)
 	$(CC) $(LDFLAGS_ALL) -o $@ $^ $(LIBS) $(MALLOC_LIB)
 
-$(BUILD)/tests/test_rope%: $(BUILD)/obj/tests/unit/test_rope%.o $(ROPE_A)
+$(BUILD)/tests/test_rope%: $(BUILD)/obj/tests/unit/test_rope%.o $(ROPE_A) $(BASE_A)
+	@mkdir -p $(dir $@)
+	$(CC) $(LDFLAGS_ALL) -o $@ $^ -lcriterion $(LIBS) $(MALLOC_LIB)
+
+# `kvrope rope` runs without a daemon: its test links the CLI's file for it.
+$(BUILD)/tests/test_rope_cli: $(BUILD)/obj/tests/unit/test_rope_cli.o \
+  $(call obj,client/cli/cli_rope.c) $(ROPE_A) $(BASE_A)
 	@mkdir -p $(dir $@)
 	$(CC) $(LDFLAGS_ALL) -o $@ $^ -lcriterion $(LIBS) $(MALLOC_LIB)
 
 # Codec kernels (cache/codec*.c) test on their own, without the store.
 CODEC_OBJ := $(call obj,$(wildcard cache/codec*.c))
-$(BUILD)/tests/test_codec%: $(BUILD)/obj/tests/unit/test_codec%.o $(CODEC_OBJ) $(ROPE_A)
+$(BUILD)/tests/test_codec%: $(BUILD)/obj/tests/unit/test_codec%.o $(CODEC_OBJ) $(ROPE_A) $(BASE_A)
 	@mkdir -p $(dir $@)
 	$(CC) $(LDFLAGS_ALL) -o $@ $^ -lcriterion $(LIBS) $(MALLOC_LIB)
 
-$(BUILD)/bench/bench_codec: $(BUILD)/obj/tests/bench/bench_codec.o $(CODEC_OBJ) $(ROPE_A)
+$(BUILD)/bench/bench_codec: $(BUILD)/obj/tests/bench/bench_codec.o $(CODEC_OBJ) $(ROPE_A) $(BASE_A)
 	@mkdir -p $(dir $@)
 	$(CC) $(LDFLAGS_ALL) -o $@ $^ $(LIBS) $(MALLOC_LIB)
 
-$(BUILD)/tests/test_cache%: $(BUILD)/obj/tests/unit/test_cache%.o $(CACHE_A) $(ROPE_A)
+$(BUILD)/tests/test_cache%: $(BUILD)/obj/tests/unit/test_cache%.o $(CACHE_A) $(ROPE_A) $(BASE_A)
 	@mkdir -p $(dir $@)
 	$(CC) $(LDFLAGS_ALL) -o $@ $^ -lcriterion $(LIBS) $(MALLOC_LIB)
 
@@ -232,7 +246,7 @@ $(BUILD)/tests/%: $(BUILD)/obj/tests/unit/%.o $(ALL_A)
 	@mkdir -p $(dir $@)
 	$(CC) $(LDFLAGS_ALL) -o $@ $^ -lcriterion $(LIBS) $(MALLOC_LIB)
 
-$(BUILD)/bench/bench_rope%: $(BUILD)/obj/tests/bench/bench_rope%.o $(ROPE_A)
+$(BUILD)/bench/bench_rope%: $(BUILD)/obj/tests/bench/bench_rope%.o $(ROPE_A) $(BASE_A)
 	@mkdir -p $(dir $@)
 	$(CC) $(LDFLAGS_ALL) -o $@ $^ $(LIBS) $(MALLOC_LIB)
 
@@ -274,6 +288,7 @@ test: deps
 
 check: deps
 	@$(MAKE) --no-print-directory BUILD=build/check MODE=check all
+	@$(MAKE) --no-print-directory BUILD=build/check MODE=check check-symbols
 	@KVR_BUILD=$(abspath build/check) KVR_VECTORS=$(SHARED)/vectors KVR_CONFIGS=$(SHARED)/configs \
 	  KVR_SANITIZE=1 \
 	  ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1 \
@@ -284,11 +299,11 @@ bench: deps-bench
 	@$(MAKE) --no-print-directory all
 	@KVR_BUILD=$(abspath $(BUILD)) KVR_VECTORS=$(SHARED)/vectors scripts/run-bench.sh
 
-# ---- the trained eval model (issues 19, 28; docs/eval.md) ------------------
+# ---- the trained eval model (docs/eval.md) ----------------------------------
 # eval/model holds the committed float16 weights; the GGUF llama.cpp runs is
 # made from them (same weights in both engines; a vocabulary of 267 gets the
 # FIM token ids under llama.cpp's keys). `make eval-model` retrains: from the
-# left-to-right model of issue 19 (EVAL_BASE_COMMIT, taken from git) it
+# left-to-right model first trained (EVAL_BASE_COMMIT, taken from git) it
 # fine-tunes with fill-in-the-middle rows (eval/train.py, under nice 19),
 # re-exports, and scores the GGUF on the held-out code (eval/score.py).
 # `make eval` writes docs/eval.md and docs/eval/*.png (the README keeps a
@@ -334,24 +349,35 @@ fuzz-ci: deps-fuzz
 	@$(MAKE) --no-print-directory BUILD=build/fuzz MODE=fuzz fuzzers
 	@FUZZ_SECONDS=$${FUZZ_CI_SECONDS:-4} scripts/run-fuzz.sh build/fuzz
 
-# Every exported symbol of the client library carries the kvr_ prefix (the
-# protobuf-c code included), and the library has its SONAME; the cross-file
-# symbols of rope/, proto/ and client/ carry kvr_ or their module's prefix
-# (rope_, cli_; kvrope__ is protoc-c's generated code).
-check-symbols: $(CLIENT_SO) $(ROPE_A) $(PROTO_A) $(CLIB_A) $(CLI_OBJ)
+# The naming line (docs/base.md): every global symbol of every archive, of
+# the CLI's objects and of the worker's main carries kvr_ (a room's public
+# API) or kvr__ (a room's cross-file internals). Documented exceptions: main;
+# kvrope__* (protoc-c's code generated from proto/kvrope.proto, package
+# kvrope); LLVMFuzzerTestOneInput and friends (fuzz targets, not archived).
+# libkvrope.so exports exactly the functions and data its installed headers
+# declare (client/kvrope.h, client/llama/kvrope_llama.h and every header they
+# include), never a kvr__ name, and has its SONAME. Part of `make check`.
+SYMBOL_EXCEPTIONS := main|kvrope__.*|LLVMFuzzer.*
+CHECK_SYMBOL_OBJS := $(ALL_A) $(CLI_OBJ) $(WORKER_A) \
+                     $(if $(WORKER_A),$(BUILD)/obj/client/llama/worker_main.o)
+check-symbols: $(CLIENT_SO) $(CHECK_SYMBOL_OBJS)
 	@bad=$$(nm -D --defined-only $(CLIENT_SOREAL) | awk '$$2 ~ /[TDBRVW]/ {print $$3}' | \
-	  sed 's/@.*//' | grep -v -E '^(kvr_|_init$$|_fini$$|_edata$$|_end$$|__bss_start$$)' || true); \
-	if [ -n "$$bad" ]; then echo "unprefixed exports:"; echo "$$bad"; exit 1; fi; \
+	  sed 's/@.*//' | grep -v -E '^(_init|_fini|_edata|_end|__bss_start)$$' | \
+	  while read -r s; do \
+	    case $$s in kvr__*) echo "$$s"; continue;; esac; \
+	    grep -qw -- "$$s" client/kvrope.h client/llama/kvrope_llama.h $(INSTALL_HEADERS) || echo "$$s"; \
+	  done); \
+	if [ -n "$$bad" ]; then echo "libkvrope.so exports what no installed header declares:"; \
+	  echo "$$bad"; exit 1; fi; \
 	so=$$(readelf -d $(CLIENT_SOREAL) | sed -n 's/.*(SONAME).*\[\(.*\)\]/\1/p'); \
 	if [ "$$so" != "$(CLIENT_SONAME)" ]; then echo "SONAME is '$$so', want $(CLIENT_SONAME)"; exit 1; fi; \
 	n=$$(nm -D --defined-only $(CLIENT_SOREAL) | grep -c ' [TDBRVW] kvr_'); \
-	echo "check-symbols: ok ($$n kvr_* exports, SONAME $$so)"
-	@bad=$$(nm -g --defined-only $(ROPE_A) $(PROTO_A) $(CLIB_A) $(CLI_OBJ) 2>/dev/null | \
-	  awk '$$2 ~ /[TDBRVW]/ {print $$3}' | \
-	  grep -v -E '^(kvr_|rope_|cli_|kvrope__|main$$)' || true); \
-	if [ -n "$$bad" ]; then echo "unprefixed cross-file symbols in rope/ proto/ client/:"; \
-	  echo "$$bad"; exit 1; fi; \
-	echo "check-symbols: rope/ proto/ client/ internals carry kvr_ / rope_ / cli_"
+	echo "check-symbols: libkvrope.so ok ($$n kvr_* exports, each in an installed header; SONAME $$so)"
+	@bad=$$(for f in $(CHECK_SYMBOL_OBJS); do \
+	    nm -g --defined-only $$f 2>/dev/null | awk -v f=$$f '$$2 ~ /^[A-TV-Z]$$/ {print f ": " $$3}'; \
+	  done | grep -v -E ': (kvr_|kvr__)' | grep -v -E ': ($(SYMBOL_EXCEPTIONS))$$' | sort -u); \
+	if [ -n "$$bad" ]; then echo "global symbols without kvr_ / kvr__:"; echo "$$bad"; exit 1; fi; \
+	echo "check-symbols: every archive's globals carry kvr_ or kvr__ ($(words $(CHECK_SYMBOL_OBJS)) files)"
 
 # ---- install ----------------------------------------------------------------
 # GNU-style directories; DESTDIR is prepended to every path (staging).

@@ -10,7 +10,7 @@
  * other thread while the store goes on serving: they touch only memory the
  * transaction owns or has leased, never the store's maps.
  *
- * Per-token model (DESIGN.md). Every token of a context has: its token id,
+ * Per-token model (docs/formats.md, docs/protocol.md). Every token of a context has: its token id,
  * its logical position (what attention sees now), the position its stored key
  * is rotated at ("stored-at"), a group id and flags (KVR_TOKEN_APPROX). Edits,
  * shifts and layouts change logical positions only; a key is rotated from its
@@ -32,14 +32,14 @@
 #include <sys/uio.h>
 
 #include "rope/rope.h"
-#include "rope/types.h"
+#include "base/types.h"
 
 #ifdef __cplusplus
 extern "C" {
 #endif
 
 /* ---- errors: KVR_E*, kvr_error, kvr_error_set, kvr_strerror come from
- * rope/error.h (included through rope/rope.h): one space for the project. */
+ * base/error.h (included through rope/rope.h): one space for the project. */
 
 /* ---- accounted memory --------------------------------------------------- */
 /* Process-wide and thread-safe. All of kvroped's allocations (store, libuv via
@@ -73,7 +73,7 @@ bool     kvr_mem_fault_set(uint64_t nth, bool sticky);
 uint64_t kvr_mem_fault_failed(void);
 
 /* ---- store -------------------------------------------------------------- */
-/* KVR_ID_MAX, KVR_CODEC_NAME_MAX: rope/types.h (shared with kvrope.h). */
+/* KVR_ID_MAX, KVR_CODEC_NAME_MAX: base/types.h (shared with kvrope.h). */
 
 typedef struct kvr_store kvr_store;
 
@@ -176,7 +176,7 @@ int kvr_store_model_remove(kvr_store *s, const char *name, kvr_error *err);
 size_t kvr_store_model_list(const kvr_store *s, kvr_model_info *out, size_t cap);
 
 /* ---- put: create or append ---------------------------------------------- */
-/* kvr_put_mode (KVR_PUT_CREATE / APPEND / UPSERT): rope/types.h. */
+/* kvr_put_mode (KVR_PUT_CREATE / APPEND / UPSERT): base/types.h. */
 
 typedef struct kvr_put_params {
     const char     *ctx_id;
@@ -298,7 +298,7 @@ int    kvr_put_commit(kvr_put *t, kvr_put_result *res, kvr_error *err);
 void   kvr_put_abort(kvr_put *t);
 
 /* ---- get ---------------------------------------------------------------- */
-/* Token flags KVR_TOKEN_APPROX / _PENDING / _STALE: rope/types.h. */
+/* Token flags KVR_TOKEN_APPROX / _PENDING / _STALE: base/types.h. */
 
 typedef struct kvr_get_params {
     const char     *ctx_id;
@@ -348,7 +348,7 @@ typedef struct kvr_get kvr_get;
 int  kvr_store_get_begin(kvr_store *s, const kvr_get_params *p, kvr_get **out,
                          kvr_error *err);
 const kvr_get_info *kvr_get_get_info(const kvr_get *t);  /* borrowed */
-/* Staging (issue 15): begin reserves no staging. A caller says how the
+/* Staging on demand: begin reserves no staging. A caller says how the
  * payload goes out, on the loop thread, before any work: kvr_get_stage (the
  * iovecs: the whole staging buffer is reserved against the memory cap and
  * allocated), kvr_get_stage_ring (streamed: only a ring of chunks), or
@@ -393,7 +393,7 @@ void kvr_get_payload_iov_layers(const kvr_get *t, size_t l0, size_t l1,
  * staging (kvr_get_stage). 0, or as kvr_get_stage. */
 int  kvr_get_stage_ring(kvr_get *t, size_t per, size_t slots, kvr_error *err);
 /* A streamed get sent in pieces of about piece_bytes instead of whole
- * layers (issue 15): a layer's side (K or V) is split at token boundaries,
+ * layers (so memory holds a ring, not a layer): a layer's side (K or V) is split at token boundaries,
  * a side with nothing to produce is one piece straight from block memory,
  * and at most `slots` pieces are staged at once (only that ring is
  * reserved), so a piece's rotated bytes are still in cache when its write
@@ -637,7 +637,7 @@ void kvr_store_get_stats(const kvr_store *s, kvr_store_stats *out);
  * positions to the layout's positions in one pass (docs/ape.md gives the
  * attention formula a worker applies with the segment table).
  */
-/* kvr_layout_kind, kvr_segment_kind, KVR_APE_TEMPERATURE / SCALE: rope/types.h. */
+/* kvr_layout_kind, kvr_segment_kind, KVR_APE_TEMPERATURE / SCALE: base/types.h. */
 #define KVR_ASSEMBLE_MAX_DOCS 4096
 
 typedef struct kvr_assemble_params {
@@ -723,7 +723,7 @@ void   kvr_assemble_end(kvr_assemble *t);       /* loop thread; NULL is a no-op 
  * phi + cursor, phi + cursor + 1, ... Tokens are stored in arrival order;
  * get reports each token's group id (kvr_get_info.groups).
  */
-/* KVR_MAX_GROUPS, KVR_GROUP_NAME_MAX: rope/types.h. */
+/* KVR_MAX_GROUPS, KVR_GROUP_NAME_MAX: base/types.h. */
 
 typedef struct kvr_group_info {
     char     name[KVR_GROUP_NAME_MAX + 1];

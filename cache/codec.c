@@ -5,12 +5,15 @@
  * Invariants: the scalar kernels here ARE the definition of the uniform
  * codecs; the SIMD kernels (codec_avx2.c) must produce the same bytes and
  * the same decoded values, and fall back to the scalar group encoder for the
- * short last group of a row. The ggml block codecs follow ggml's
- * quantize_row_*_ref / dequantize_row_* operation for operation (same float
- * expressions, same casts), which is what makes them bit-exact.
+ * short last group of a row. The ggml block codecs' scalar reference is
+ * base/ggml_quants.c (ggml's quantize_row_*_ref / dequantize_row_* operation
+ * for operation, shared with the llama.cpp bridge); this file adds the
+ * checks (non-finite input, an f16 scale that overflows) and the SIMD
+ * dispatch.
  */
 #include "cache/codec.h"
 #include "cache/cache.h"
+#include "base/ggml_quants.h"
 
 #include <errno.h>
 #include <math.h>
@@ -167,20 +170,21 @@ int kvr_codec_pair_validate(const kvr_codec_pair *p)
     return rc;
 }
 
+/* ggml's type for a block codec (base/ggml_quants.h holds the quantizers). */
+static kvr_ggml_qtype qtype(kvr_codec_type t)
+{
+    switch (t) {
+    case KVR_CODEC_Q8_0: return KVR_GGML_Q8_0;
+    case KVR_CODEC_Q4_0: return KVR_GGML_Q4_0;
+    case KVR_CODEC_Q4_1: return KVR_GGML_Q4_1;
+    case KVR_CODEC_Q5_0: return KVR_GGML_Q5_0;
+    default:             return (kvr_ggml_qtype)0;
+    }
+}
+
 /* ---- sizes -------------------------------------------------------------- */
 
 static size_t param_bytes(const kvr_codec *c) { return c->params == KVR_CODEC_PARAMS_F32 ? 8 : 4; }
-
-static size_t ggml_block_bytes(kvr_codec_type t)
-{
-    switch (t) {
-    case KVR_CODEC_Q8_0: return 34;
-    case KVR_CODEC_Q4_0: return 18;
-    case KVR_CODEC_Q4_1: return 20;
-    case KVR_CODEC_Q5_0: return 22;
-    default:             return 0;
-    }
-}
 
 /* Size without validation of c (callers validated). */
 static size_t row_bytes(const kvr_codec *c, size_t n)
@@ -191,7 +195,7 @@ static size_t row_bytes(const kvr_codec *c, size_t n)
     }
     if (kvr_codec_is_ggml(c->type)) {
         if (n % 32) return 0;
-        return n / 32 * ggml_block_bytes(c->type);
+        return n / 32 * kvr_ggml_block_bytes(qtype(c->type));
     }
     return n * (kvr_codec_value_bits(c->type) / 8);
 }
@@ -217,7 +221,7 @@ double kvr_codec_bits_per_value(const kvr_codec *c, size_t n)
     if (n == 0) {
         if (kvr_codec_is_uniform(c->type))
             return kvr_codec_value_bits(c->type) + 8.0 * (double)param_bytes(c) / kvr_codec_group(c);
-        if (kvr_codec_is_ggml(c->type)) return 8.0 * (double)ggml_block_bytes(c->type) / 32.0;
+        if (kvr_codec_is_ggml(c->type)) return 8.0 * (double)kvr_ggml_block_bytes(qtype(c->type)) / 32.0;
         return kvr_codec_value_bits(c->type);
     }
     size_t b = kvr_codec_row_bytes(c, n);
@@ -553,7 +557,7 @@ static const kvr_codec_kernels *kernels_for(kvr_isa isa)
     return &kvr_codec_kernels_avx512;
 }
 
-/* ---- ggml blocks (scalar, bit-exact) ------------------------------------ */
+/* ---- ggml blocks (the reference is base/ggml_quants.c) -------------------- */
 
 #define QK 32
 
@@ -567,138 +571,9 @@ static size_t argmax_abs(const float *x, size_t n)
     return k;
 }
 
-static bool f16_finite(uint16_t h) { return (h & 0x7C00) != 0x7C00; }
-
-/* One block of 32 values x into dst; returns 0 or -1 if d/m overflow f16. */
-static int ggml_block_enc(kvr_codec_type t, uint8_t *y, const float *x)
-{
-    switch (t) {
-    case KVR_CODEC_Q8_0: {
-        float amax = 0.0f;
-        for (int j = 0; j < QK; j++) amax = fmaxf(amax, fabsf(x[j]));
-        const float d = amax / ((1 << 7) - 1);
-        const float id = d != 0.0f ? 1.0f / d : 0.0f;
-        uint16_t dh = kvr_f32_to_f16(d);
-        if (!f16_finite(dh)) return -1;
-        wr16(y, dh);
-        for (int j = 0; j < QK; ++j) {
-            const float x0 = x[j] * id;
-            y[2 + j] = (uint8_t)(int8_t)roundf(x0);
-        }
-        return 0;
-    }
-    case KVR_CODEC_Q4_0:
-    case KVR_CODEC_Q5_0: {
-        const int q5 = t == KVR_CODEC_Q5_0;
-        float amax = 0.0f, max = 0.0f;
-        for (int j = 0; j < QK; j++) {
-            const float v = x[j];
-            if (amax < fabsf(v)) { amax = fabsf(v); max = v; }
-        }
-        const float d = q5 ? max / -16 : max / -8;
-        const float id = d != 0.0f ? 1.0f / d : 0.0f;
-        uint16_t dh = kvr_f32_to_f16(d);
-        if (!f16_finite(dh)) return -1;
-        wr16(y, dh);
-        if (!q5) {
-            for (int j = 0; j < QK / 2; ++j) {
-                const float x0 = x[j] * id;
-                const float x1 = x[QK / 2 + j] * id;
-                int a = (int8_t)(x0 + 8.5f), b = (int8_t)(x1 + 8.5f);
-                const uint8_t xi0 = (uint8_t)(a < 15 ? a : 15);
-                const uint8_t xi1 = (uint8_t)(b < 15 ? b : 15);
-                y[2 + j] = (uint8_t)(xi0 | xi1 << 4);
-            }
-        } else {
-            uint32_t qh = 0;
-            for (int j = 0; j < QK / 2; ++j) {
-                const float x0 = x[j] * id;
-                const float x1 = x[QK / 2 + j] * id;
-                int a = (int8_t)(x0 + 16.5f), b = (int8_t)(x1 + 16.5f);
-                const uint8_t xi0 = (uint8_t)(a < 31 ? a : 31);
-                const uint8_t xi1 = (uint8_t)(b < 31 ? b : 31);
-                y[6 + j] = (uint8_t)((xi0 & 0x0F) | ((xi1 & 0x0F) << 4));
-                qh |= ((xi0 & 0x10u) >> 4) << (j + 0);
-                qh |= ((xi1 & 0x10u) >> 4) << (j + QK / 2);
-            }
-            wr32(y + 2, qh);
-        }
-        return 0;
-    }
-    case KVR_CODEC_Q4_1: {
-        float min = FLT_MAX, max = -FLT_MAX;
-        for (int j = 0; j < QK; j++) {
-            const float v = x[j];
-            if (v < min) min = v;
-            if (v > max) max = v;
-        }
-        const float d = (max - min) / ((1 << 4) - 1);
-        const float id = d != 0.0f ? 1.0f / d : 0.0f;
-        uint16_t dh = kvr_f32_to_f16(d), mh = kvr_f32_to_f16(min);
-        if (!f16_finite(dh) || !f16_finite(mh)) return -1;
-        wr16(y, dh);
-        wr16(y + 2, mh);
-        for (int j = 0; j < QK / 2; ++j) {
-            const float x0 = (x[j] - min) * id;
-            const float x1 = (x[QK / 2 + j] - min) * id;
-            int a = (int8_t)(x0 + 0.5f), b = (int8_t)(x1 + 0.5f);
-            const uint8_t xi0 = (uint8_t)(a < 15 ? a : 15);
-            const uint8_t xi1 = (uint8_t)(b < 15 ? b : 15);
-            y[4 + j] = (uint8_t)(xi0 | xi1 << 4);
-        }
-        return 0;
-    }
-    default:
-        return -1;
-    }
-}
-
 int kvr_codec_ggml_block_enc(kvr_codec_type t, uint8_t *dst, const float *x)
 {
-    return ggml_block_enc(t, dst, x);
-}
-
-static void ggml_block_dec(kvr_codec_type t, float *y, const uint8_t *x)
-{
-    const float d = kvr_f16_to_f32(rd16(x));
-    switch (t) {
-    case KVR_CODEC_Q8_0:
-        for (int j = 0; j < QK; ++j) y[j] = (float)(int8_t)x[2 + j] * d;
-        break;
-    case KVR_CODEC_Q4_0:
-        for (int j = 0; j < QK / 2; ++j) {
-            const int x0 = (x[2 + j] & 0x0F) - 8;
-            const int x1 = (x[2 + j] >> 4) - 8;
-            y[j] = (float)x0 * d;
-            y[j + QK / 2] = (float)x1 * d;
-        }
-        break;
-    case KVR_CODEC_Q4_1: {
-        const float m = kvr_f16_to_f32(rd16(x + 2));
-        for (int j = 0; j < QK / 2; ++j) {
-            const int x0 = x[4 + j] & 0x0F;
-            const int x1 = x[4 + j] >> 4;
-            float p0 = (float)x0 * d, p1 = (float)x1 * d;
-            y[j] = p0 + m;
-            y[j + QK / 2] = p1 + m;
-        }
-        break;
-    }
-    case KVR_CODEC_Q5_0: {
-        const uint32_t qh = rd32(x + 2);
-        for (int j = 0; j < QK / 2; ++j) {
-            const uint8_t xh_0 = (uint8_t)(((qh >> (j + 0)) << 4) & 0x10);
-            const uint8_t xh_1 = (uint8_t)(((qh >> (j + 12))) & 0x10);
-            const int x0 = ((x[6 + j] & 0x0F) | xh_0) - 16;
-            const int x1 = ((x[6 + j] >> 4) | xh_1) - 16;
-            y[j] = (float)x0 * d;
-            y[j + QK / 2] = (float)x1 * d;
-        }
-        break;
-    }
-    default:
-        break;
-    }
+    return kvr_ggml_block_enc(qtype(t), dst, x);
 }
 
 /* ---- public encode / decode --------------------------------------------- */
@@ -760,11 +635,11 @@ static int encode_ggml(const kvr_codec *c, uint8_t *dst, const void *src, kvr_dt
         if (bad) *bad = b;
         return KVR_EINVAL;
     }
-    size_t bb = ggml_block_bytes(c->type);
+    size_t bb = kvr_ggml_block_bytes(qtype(c->type));
     float x[QK];
     for (size_t i = 0; i < n; i += QK) {
         for (size_t j = 0; j < QK; j++) x[j] = load_elem(src, st, i + j);
-        if (ggml_block_enc(c->type, dst + i / QK * bb, x) != 0) {
+        if (kvr_ggml_block_enc(qtype(c->type), dst + i / QK * bb, x) != 0) {
             if (bad) *bad = i + argmax_abs(x, QK);
             return KVR_EINVAL;
         }
@@ -865,10 +740,10 @@ int kvr_codec_decode(const kvr_codec *c, void *dst, kvr_dtype dst_type,
             k->ggml_dec(c->type, dst, dst_type, src, n);
             return 0;
         }
-        size_t bb = ggml_block_bytes(c->type);
+        size_t bb = kvr_ggml_block_bytes(qtype(c->type));
         float y[QK];
         for (size_t i = 0; i < n; i += QK) {
-            ggml_block_dec(c->type, y, (const uint8_t *)src + i / QK * bb);
+            kvr_ggml_block_dec(qtype(c->type), y, (const uint8_t *)src + i / QK * bb);
             if (dst_type == KVR_DTYPE_F32) memcpy((float *)dst + i, y, sizeof y);
             else for (size_t j = 0; j < QK; j++) store_elem(dst, dst_type, i + j, y[j]);
         }

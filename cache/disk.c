@@ -33,6 +33,7 @@
 #include <unistd.h>
 
 #include "cache/disk.h"
+#include "base/clock.h"
 
 #define EXT_ALIGN     4096u
 #define EXT_HDR       32u
@@ -134,12 +135,6 @@ static uint64_t align_up(uint64_t n)
     return (n + EXT_ALIGN - 1) & ~(uint64_t)(EXT_ALIGN - 1);
 }
 
-static double mono_ms(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec * 1e3 + (double)ts.tv_nsec / 1e6;
-}
 
 void kvr_disk_handle_encode(const kvr_disk_handle *h, uint8_t out[KVR_DISK_HANDLE_BYTES])
 {
@@ -764,7 +759,7 @@ static int recover(kvr_disk *d, kvr_disk_record_fn on_record,
                    kvr_disk_corrupt_fn on_corrupt, void *arg,
                    kvr_disk_recovery *out, kvr_error *err)
 {
-    double t0 = mono_ms();
+    double t0 = kvr_clock_mono_msf();
     kvr_disk_recovery rs = { 0 };
     uint32_t gen = 0;
     int rc = scan_dir(d, &gen, err);
@@ -859,7 +854,7 @@ static int recover(kvr_disk *d, kvr_disk_record_fn on_record,
     }
 
 done:
-    rs.ms = mono_ms() - t0;
+    rs.ms = kvr_clock_mono_msf() - t0;
     d->n_quarantined += rs.quarantined;
     d->n_torn_bytes += rs.torn_bytes;
     d->last = rs;

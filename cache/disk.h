@@ -169,6 +169,7 @@
 #include <stdint.h>
 
 #include "cache/cache.h"
+#include "base/crc32c.h"
 
 typedef struct kvr_disk kvr_disk;
 typedef struct kvr_disk_cp kvr_disk_cp;
@@ -356,10 +357,6 @@ enum { KVR_DISK_FAULT_WRITE = 1, KVR_DISK_FAULT_FSYNC = 2, KVR_DISK_FAULT_READ =
 void kvr_disk_fault_set(kvr_disk *d, unsigned ops, uint64_t nth, int err_no,
                         uint64_t count);
 uint64_t kvr_disk_fault_fired(const kvr_disk *d);
-
-/* CRC32C (Castagnoli), SSE4.2 when the CPU has it; crc starts at 0. */
-uint32_t kvr_crc32c(uint32_t crc, const void *p, size_t n);
-uint32_t kvr_crc32c_portable(uint32_t crc, const void *p, size_t n); /* tables */
 
 /* ---- between disk*.c files only: the I/O engines (disk_io.c) ----------------- */
 typedef struct kvr_dio kvr_dio;

@@ -1,6 +1,6 @@
 /*
  * parallel.c — the store's parallel loop over layers, on the process's
- * worker pool (kvr_pool_*, rope/pool.c): this file only decides how many
+ * worker pool (kvr_pool_*, base/pool.c): this file only decides how many
  * threads a request is worth. Invariant (the pool's): every index in [0, n)
  * runs at most once, and exactly once unless an earlier call failed; the
  * caller's thread always takes part, so a pool without free workers only
@@ -14,7 +14,7 @@
 #define PAR_MIN_BYTES ((size_t)4 << 20)
 #define PAR_MAX_THREADS 8u
 
-unsigned par_threads_for(size_t work_bytes)
+unsigned kvr__par_threads_for(size_t work_bytes)
 {
     if (work_bytes < PAR_MIN_BYTES)
         return 1;
@@ -23,7 +23,7 @@ unsigned par_threads_for(size_t work_bytes)
     return t > PAR_MAX_THREADS ? PAR_MAX_THREADS : t;
 }
 
-int par_for(size_t n, unsigned n_threads, int (*fn)(void *ud, size_t i), void *ud)
+int kvr__par_for(size_t n, unsigned n_threads, int (*fn)(void *ud, size_t i), void *ud)
 {
     if (n_threads > PAR_MAX_THREADS)
         n_threads = PAR_MAX_THREADS;

@@ -422,7 +422,7 @@ static int work_quant(kvr_put *t, kvr_error *err)
     /* Threads by the bytes the sides read and write; each thread holds one
      * slot of f tokens of f32 (x) and two K tiles (scratch): bounded by
      * the request, not by the context. */
-    unsigned nt = par_threads_for(n_items * (f * row * 4 + t->n * row * psize));
+    unsigned nt = kvr__par_threads_for(n_items * (f * row * 4 + t->n * row * psize));
     if (nt > n_items) nt = (unsigned)n_items;
     if (nt > 8) nt = 8;
     qwork w = { .t = t, .row = row, .psize = psize, .part = t->n * row * psize, .f = f,
@@ -453,7 +453,7 @@ static int work_quant(kvr_put *t, kvr_error *err)
                            : (kvr_qacc){ .sse = &t->sse[kv], .ss = &t->ss[kv] };
         }
         if (par) {
-            par_for(n_items, nt, quant_side, &w);
+            kvr__par_for(n_items, nt, quant_side, &w);
         } else {
             for (size_t i = 0; i < n_items; i++)
                 if (quant_side(&w, i) != 0)

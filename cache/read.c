@@ -744,9 +744,9 @@ int kvr_read_work_into(kvr_read *r, void *dst, const char *nomem, kvr_error *err
             }
             return 0;
         }
-        return par_for(r->nl, par_threads_for(r->out.bytes), copy_layer_into, &j);
+        return kvr__par_for(r->nl, kvr__par_threads_for(r->out.bytes), copy_layer_into, &j);
     }
-    rc = par_for(r->nl, par_threads_for(r->out.bytes), work_layer_into, &j);
+    rc = kvr__par_for(r->nl, kvr__par_threads_for(r->out.bytes), work_layer_into, &j);
     if (rc == KVR_ENOMEM)
         return kvr_error_set(err, KVR_ENOMEM, "%s", nomem);
     if (rc != 0)
@@ -795,7 +795,7 @@ int kvr_read_work(kvr_read *r, size_t l0, size_t l1, const char *nomem, kvr_erro
          * compute-bound enough that one core cannot keep up with a socket. */
         layer_range lr = { r, l0 };
         size_t bytes = all ? r->out.bytes : r->out.bytes / r->nl * (l1 - l0);
-        rc = par_for(l1 - l0, par_threads_for(bytes), work_layer_in, &lr);
+        rc = kvr__par_for(l1 - l0, kvr__par_threads_for(bytes), work_layer_in, &lr);
         if (rc == KVR_ENOMEM)
             return kvr_error_set(err, KVR_ENOMEM, "%s", nomem);
         if (rc != 0)

@@ -24,6 +24,7 @@
 
 #include "cache/layout.h"
 #include "cache/store.h"
+#include "base/clock.h"
 
 uint64_t kvr_fnv1a(const void *p, size_t n, uint64_t h)
 {
@@ -37,9 +38,7 @@ uint64_t kvr_fnv1a(const void *p, size_t n, uint64_t h)
 
 uint64_t kvr_store_now_ms(void)
 {
-    struct timespec ts;
-    clock_gettime(CLOCK_REALTIME, &ts);
-    return (uint64_t)ts.tv_sec * 1000u + (uint64_t)ts.tv_nsec / 1000000u;
+    return kvr_clock_wall_ms();
 }
 
 /* ---- store -------------------------------------------------------------- */

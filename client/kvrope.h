@@ -10,7 +10,7 @@
  * are independent and may be used from different threads at once.
  *
  * Errors. Every call returns 0 on success or a negative KVR_E* code
- * (rope/error.h): a daemon's Status s arrives as KVR_E_FROM_STATUS(s), the
+ * (base/error.h): a daemon's Status s arrives as KVR_E_FROM_STATUS(s), the
  * very code the daemon's store returned (KVR_ENOCTX for E_UNKNOWN_CONTEXT);
  * KVR_ESYS, KVR_ECLOSED, KVR_EPROTO and KVR_EBUFFER are the client's own
  * (connection, protocol, buffers), KVR_ENOMEM also when the client cannot
@@ -40,7 +40,7 @@
 #include <sys/uio.h>
 
 #include "rope/rope.h"
-#include "rope/types.h"
+#include "base/types.h"
 
 #ifdef __cplusplus
 extern "C" {
@@ -61,7 +61,7 @@ const char *kvr_version_string(void);
 
 /* ---- errors ------------------------------------------------------------- */
 /* The codes (KVR_E*), kvr_strerror, kvr_error_name and the wire mapping are
- * rope/error.h's, included through rope/rope.h: the library, the daemon and
+ * base/error.h's, included through rope/rope.h: the library, the daemon and
  * the store share one error space. */
 
 /* ---- connection --------------------------------------------------------- */
@@ -104,7 +104,7 @@ int kvr_client_ping(kvr_client *c, kvr_pong *out /* may be NULL */);
 
 /* ---- models ------------------------------------------------------------- */
 /* Names (context ids, model names) are at most KVR_ID_MAX bytes, canonical
- * codec specs fit in KVR_CODEC_NAME_MAX bytes with the NUL (rope/types.h).
+ * codec specs fit in KVR_CODEC_NAME_MAX bytes with the NUL (base/types.h).
  * Codec specs (docs/quantized.md): "f32" | "f16" | "bf16" (plain), "int8" |
  * "int4" | "int2" ["/gN"], "q8_0" | "q4_0" | "q4_1" | "q5_0", "k4v2"-style
  * "k<b>v<b>" (the default grouping; "quant" = "k4v2"),
@@ -155,7 +155,7 @@ int kvr_client_model_get(kvr_client *c, const char *name, kvr_model *out);
 int kvr_client_model_remove(kvr_client *c, const char *name);
 
 /* ---- put ---------------------------------------------------------------- */
-/* Modes: kvr_put_mode, the store's (rope/types.h): KVR_PUT_CREATE = 0
+/* Modes: kvr_put_mode, the store's (base/types.h): KVR_PUT_CREATE = 0
  * (KVR_EEXIST if the context exists), KVR_PUT_APPEND (KVR_ENOCTX if it does
  * not), KVR_PUT_UPSERT (create or append), KVR_PUT_REPLACE (create, or
  * replace an existing context of the same model at once, as Redis' SET: a
@@ -449,7 +449,7 @@ typedef struct kvr_edit_args {
     size_t                iovcnt;
     /* Compare-and-swap (edit and plan): the context must still hold the
      * sequence planned against, expect_n_tokens ids whose kvr_tokens_hash
-     * (rope/types.h) is expect_hash, else KVR_EBUSY and nothing changes. */
+     * (base/types.h) is expect_hash, else KVR_EBUSY and nothing changes. */
     bool                  expect;
     uint64_t              expect_n_tokens, expect_hash;
 } kvr_edit_args;
@@ -512,7 +512,7 @@ int kvr_client_group_append(kvr_client *c, const kvr_put_args *a, const char *gr
 
 /* Layouts and segment kinds: kvr_layout_kind (KVR_LAYOUT_PARALLEL,
  * _SEQUENTIAL, _EXPLICIT) and kvr_segment_kind (KVR_SEGMENT_PREFIX,
- * _DOCUMENT, _QUERY), the store's (rope/types.h). */
+ * _DOCUMENT, _QUERY), the store's (base/types.h). */
 
 typedef struct kvr_assemble_args {
     const char         *prefix;

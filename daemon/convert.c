@@ -40,7 +40,7 @@ ProtobufCAllocator kvr__pb_allocator = { pb_alloc, pb_free, NULL };
 
 int kvr__status_of(int code)
 {
-    return kvr_error_status(code);   /* rope/error.h: local codes -> E_INTERNAL */
+    return kvr_error_status(code);   /* base/error.h: local codes -> E_INTERNAL */
 }
 
 /* n messages of type T and the pointers to them in one allocation: returns

@@ -16,7 +16,7 @@
 #include <stdbool.h>
 #include <stdio.h>
 
-#include "rope/error.h"
+#include "base/error.h"
 
 #ifdef __cplusplus
 extern "C" {

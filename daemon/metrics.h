@@ -16,7 +16,7 @@
 #include <stdint.h>
 #include <stddef.h>
 
-#include "rope/error.h"
+#include "base/error.h"
 
 typedef struct kvr_daemon kvr_daemon;
 typedef struct kvr_metrics kvr_metrics;

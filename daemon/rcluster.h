@@ -26,7 +26,7 @@
 
 #include <hiredis/hiredis.h>
 
-#include "rope/error.h"
+#include "base/error.h"
 
 #define KVR_RC_SLOTS 16384u
 #define KVR_RC_MAX_NODES 64

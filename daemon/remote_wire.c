@@ -38,8 +38,7 @@
 
 #include <sys/stat.h>
 
-/* CRC32C (cache/disk_crc.c: SSE4.2 where present, tables elsewhere). */
-uint32_t kvr_crc32c(uint32_t crc, const void *p, size_t n);
+#include "base/crc32c.h"
 
 /* ---- hashing ----------------------------------------------------------- */
 

@@ -788,7 +788,7 @@ int kvr_daemon_create(kvr_daemon **out, const kvr_daemon_config *cfg, kvr_error 
         kvr_mem_free(d);
         return kvr_error_sys(err, KVR_EINTERNAL, -rc, "uv_loop_init");
     }
-    /* The worker pool for rotation and codecs (rope/pool.c), started now
+    /* The worker pool for rotation and codecs (base/pool.c), started now
      * rather than by the first large get. */
     (void)kvr_pool_default();
     /* Contexts and models count against limits too: by default

@@ -1,6 +1,6 @@
 #!/usr/bin/python3
 """infill.py — what an editor asks the code model: complete the line the
-cursor is in, with the code after it known (issue 28). Used by eval/run.py
+cursor is in, with the code after it known (fill-in-the-middle). Used by eval/run.py
 (the infill table of docs/eval.md) and tests/python/test_infill.py.
 Debian's /usr/bin/python3.
 

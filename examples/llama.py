@@ -258,7 +258,7 @@ def rope_parameters(config, seq_len=None):
         mscale = rs.get("mscale")
         mscale_all_dim = rs.get("mscale_all_dim")
         # The stated factor, as transformers computes it since PR #40320
-        # (issue #38224; older versions took max_pos / original when the
+        # (transformers issue #38224; older versions took max_pos / original when the
         # rope dict names original_max_position_embeddings) and as kvrope's
         # engine does.
         orig = int(rs.get("original_max_position_embeddings") or max_pos)

@@ -10,10 +10,10 @@
 #include <string.h>
 
 #include "kvrope.pb-c.h"
-#include "rope/error.h"
-#include "rope/types.h"
+#include "base/error.h"
+#include "base/types.h"
 
-/* The error space (rope/error.h) and the wire's Status enum are one list:
+/* The error space (base/error.h) and the wire's Status enum are one list:
  * every wire code's number is its Status value, so the daemon sends
  * kvr_error_status(code) and a client maps Status s back with
  * KVR_E_FROM_STATUS(s). A renumbered or renamed Status fails to build here. */
@@ -26,7 +26,7 @@ KVR_ERRORS_WIRE(STATUS_MATCHES)
 _Static_assert(KVROPE__STATUS__OK == 0 && KVR_E_FROM_STATUS(KVROPE__STATUS__OK) == KVR_OK,
                "OK is 0 on both sides");
 
-/* The shared vocabulary (rope/types.h) has the wire's values, so the client
+/* The shared vocabulary (base/types.h) has the wire's values, so the client
  * and the daemon copy modes, layouts and segment kinds without a table. */
 _Static_assert((int)KVR_PUT_CREATE == KVROPE__PUT_MODE__CREATE &&
                (int)KVR_PUT_APPEND == KVROPE__PUT_MODE__APPEND &&

@@ -19,7 +19,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "rope/error.h"
+#include "base/error.h"
 
 #ifdef __cplusplus
 extern "C" {
@@ -44,6 +44,9 @@ typedef struct kvr_frame_limits {
     uint64_t max_payload_len;   /* default: the memory cap */
 } kvr_frame_limits;
 
+/* The daemon's and libkvrope's, not part of libkvrope's ABI. */
+#pragma GCC visibility push(hidden)
+
 /* Writes the 24-byte header. */
 void kvr_frame_header_encode(uint8_t out[KVR_FRAME_HEADER_SIZE],
                              uint32_t msg_len, uint64_t payload_len);
@@ -54,6 +57,8 @@ void kvr_frame_header_encode(uint8_t out[KVR_FRAME_HEADER_SIZE],
  * the limits. Never reads past 24 bytes. */
 int kvr_frame_header_decode(const uint8_t in[KVR_FRAME_HEADER_SIZE],
                             kvr_frame_header *h, const kvr_frame_limits *lim);
+
+#pragma GCC visibility pop
 
 #ifdef __cplusplus
 }

@@ -20,7 +20,7 @@
  * token index that is a multiple of RESEED, so recurrence error is bounded and
  * results do not depend on how tokens are split across threads. Where (a, b)
  * changes token after token (no repeat, no step), AVX-512 takes the float
- * table from rope_table_fast_avx512, which vouches for the reference's
+ * table from kvr__rope_table_fast_avx512, which vouches for the reference's
  * floats or declines (then the reference table is made); the reference
  * doubles are made later only if a step needs them.
  */
@@ -31,67 +31,9 @@
 #include <unistd.h>
 #include <math.h>
 
-#include <cpuid.h>
-
 #include "rope/rope_internal.h"
 
 #define RESEED 32
-
-/* ---- ISA ----------------------------------------------------------------- */
-
-/* F16C through CPUID leaf 1 (ECX bit 29): clang 14's __builtin_cpu_supports
- * does not know the "f16c" feature string. */
-static bool have_f16c(void)
-{
-    unsigned a, b, c, d;
-    if (!__get_cpuid(1, &a, &b, &c, &d))
-        return false;
-    return (c & bit_F16C) != 0;
-}
-
-static kvr_isa detect_isa(void)
-{
-    __builtin_cpu_init();
-    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-        __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
-        __builtin_cpu_supports("fma") && __builtin_cpu_supports("avx2"))
-        return KVR_ISA_AVX512;
-    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && have_f16c())
-        return KVR_ISA_AVX2;
-    return KVR_ISA_SCALAR;
-}
-
-static pthread_once_t isa_once = PTHREAD_ONCE_INIT;
-static kvr_isa isa_best = KVR_ISA_SCALAR;
-static void isa_init(void) { isa_best = detect_isa(); }
-
-kvr_isa kvr_isa_best(void)
-{
-    pthread_once(&isa_once, isa_init);
-    return isa_best;
-}
-
-const char *kvr_isa_name(kvr_isa isa)
-{
-    switch (isa) {
-    case KVR_ISA_AUTO:   return "auto";
-    case KVR_ISA_SCALAR: return "scalar";
-    case KVR_ISA_AVX2:   return "avx2";
-    case KVR_ISA_AVX512: return "avx512";
-    }
-    return "unknown";
-}
-
-kvr_isa rope_isa_resolve(kvr_isa want)
-{
-    kvr_isa best = kvr_isa_best();
-    if (want == KVR_ISA_AUTO) return best;
-    if (want == KVR_ISA_SCALAR) return KVR_ISA_SCALAR;
-    /* A forced ISA the CPU lacks degrades to the best it has (never faults). */
-    if (want == KVR_ISA_AVX512) return best;
-    if (want == KVR_ISA_AVX2) return best == KVR_ISA_SCALAR ? KVR_ISA_SCALAR : KVR_ISA_AVX2;
-    return best;
-}
 
 /* ---- frequency tables ------------------------------------------------------ */
 
@@ -108,7 +50,7 @@ static double yarn_corr_dim(double num_rot, int dim, double base, double max_pos
     return ((double)dim * log(max_pos / (num_rot * 2.0 * M_PI))) / (2.0 * log(base));
 }
 
-void rope_inv_freq(const kvr_rope *r, int64_t seq_len, double *out)
+void kvr__rope_inv_freq(const kvr_rope *r, int64_t seq_len, double *out)
 {
     const kvr_rope_config *c = &r->cfg;
     int n = r->npairs, dim = r->rot;
@@ -212,7 +154,7 @@ static kvr_rope *rope_build(const kvr_rope_config *cfg)
         break;
     }
     if (r->npairs > 0)
-        rope_inv_freq(r, 0, r->inv_freq);
+        kvr__rope_inv_freq(r, 0, r->inv_freq);
     return r;
 }
 
@@ -331,9 +273,9 @@ static inline void sincos_small(double x, double *sp, double *cp)
 }
 
 /* s[i], c[i] = sin, cos(a * f1[i] + b * f2[i]) (f2 may be NULL): the scalar
- * reference of rope_sincos_avx2 / rope_sincos_avx512, which compute the same
+ * reference of kvr__rope_sincos_avx2 / kvr__rope_sincos_avx512, which compute the same
  * bits. */
-void rope_sincos_scalar(double a, const double *f1, double b, const double *f2, int n,
+void kvr__rope_sincos_scalar(double a, const double *f1, double b, const double *f2, int n,
                         double *s, double *c)
 {
     double ang[KVR_ROPE_MAX_HEAD_DIM / 2];
@@ -346,7 +288,7 @@ void rope_sincos_scalar(double a, const double *f1, double b, const double *f2, 
     else       for (int i = 0; i < n; i++) sincos(ang[i], &s[i], &c[i]);
 }
 
-void rope_step_scalar(const double *stc, const double *sts, int n, double *c, double *s)
+void kvr__rope_step_scalar(const double *stc, const double *sts, int n, double *c, double *s)
 {
     for (int i = 0; i < n; i++) {
         double c0 = c[i], s0 = s[i];
@@ -355,7 +297,7 @@ void rope_step_scalar(const double *stc, const double *sts, int n, double *c, do
     }
 }
 
-void rope_tofloat_scalar(const double *c, const double *s, int n, double m, int gptj,
+void kvr__rope_tofloat_scalar(const double *c, const double *s, int n, double m, int gptj,
                          float *fc, float *fs)
 {
     if (gptj) {
@@ -399,7 +341,7 @@ typedef struct job {
     int64_t delta;
     float scale;
     rope_rows_scaled_fn rows_s;   /* NULL: through an f32 row per head */
-    bool stream;                  /* rope_rows_stream_avx512 where it can */
+    bool stream;                  /* kvr__rope_rows_stream_avx512 where it can */
 } job;
 
 /* a_t for token t, or false when it overflows int64 (the caller then falls
@@ -435,10 +377,10 @@ static void run_fixed(const job *j)
     size_t nrows = (j->t1 - j->t0) * j->n_heads;
     char *d = (char *)j->dst + j->t0 * row_elems * dsz;
     const char *s = (const char *)j->src + j->t0 * row_elems * ssz;
-    if (j->stream && rope_rows_stream_avx512(d, j->dt, s, j->st, nrows, hd, rot, gptj, fc, fs,
+    if (j->stream && kvr__rope_rows_stream_avx512(d, j->dt, s, j->st, nrows, hd, rot, gptj, fc, fs,
                                              j->scaled, j->scale)) {
         /* non-temporal stores are weakly ordered: visible before the return */
-        rope_stream_fence_avx512();
+        kvr__rope_stream_fence_avx512();
     } else if (!j->scaled) {
         j->rows(d, j->dt, s, j->st, nrows, hd, rot, gptj, fc, fs);
     } else if (j->rows_s) {
@@ -554,13 +496,13 @@ static void run_range(const job *j)
         const void *srow = j->src_fn ? (const void *)j->src_fn(j->src_ud, t)
                                      : (const void *)((const char *)j->src + t * row_elems * ssz);
         char *drow = (char *)j->dst + t * row_elems * dsz;
-        if (!j->stream || !rope_rows_stream_avx512(drow, j->dt, srow, j->st, j->n_heads,
+        if (!j->stream || !kvr__rope_rows_stream_avx512(drow, j->dt, srow, j->st, j->n_heads,
                                                    r->head_dim, rot, gptj, fc, fs, false, 1.0f))
             j->rows(drow, j->dt, srow, j->st, j->n_heads, r->head_dim, rot, gptj, fc, fs);
     }
     /* non-temporal stores are weakly ordered: visible before the return */
     if (j->stream)
-        rope_stream_fence_avx512();
+        kvr__rope_stream_fence_avx512();
 }
 
 static int online_cpus(void)
@@ -619,28 +561,28 @@ static int run(job *base, size_t n_tokens, const kvr_rope_opts *opts)
 
 static rope_rows_fn pick_rows(const kvr_rope_opts *opts)
 {
-    switch (rope_isa_resolve(opts ? opts->isa : KVR_ISA_AUTO)) {
-    case KVR_ISA_AVX512: return rope_rows_avx512;
-    case KVR_ISA_AVX2:   return rope_rows_avx2;
-    default:             return rope_rows_scalar;
+    switch (kvr__isa_resolve(opts ? opts->isa : KVR_ISA_AUTO)) {
+    case KVR_ISA_AVX512: return kvr__rope_rows_avx512;
+    case KVR_ISA_AVX2:   return kvr__rope_rows_avx2;
+    default:             return kvr__rope_rows_scalar;
     }
 }
 
 static void pick_tables(job *j, const kvr_rope_opts *opts)
 {
-    switch (rope_isa_resolve(opts ? opts->isa : KVR_ISA_AUTO)) {
+    switch (kvr__isa_resolve(opts ? opts->isa : KVR_ISA_AUTO)) {
     case KVR_ISA_AVX512:
-        j->sincos = rope_sincos_avx512; j->tofloat = rope_tofloat_avx512;
-        j->table = rope_table_avx512; j->step = rope_step_avx512;
+        j->sincos = kvr__rope_sincos_avx512; j->tofloat = kvr__rope_tofloat_avx512;
+        j->table = kvr__rope_table_avx512; j->step = kvr__rope_step_avx512;
         /* floats only, for the unit magnitude (reposition) */
-        j->table_fast = j->mag == 1.0 ? rope_table_fast_avx512 : NULL;
+        j->table_fast = j->mag == 1.0 ? kvr__rope_table_fast_avx512 : NULL;
         break;
     case KVR_ISA_AVX2:
-        j->sincos = rope_sincos_avx2; j->tofloat = rope_tofloat_avx2; j->step = rope_step_avx2;
+        j->sincos = kvr__rope_sincos_avx2; j->tofloat = kvr__rope_tofloat_avx2; j->step = kvr__rope_step_avx2;
         break;
     default:
-        j->sincos = rope_sincos_scalar; j->tofloat = rope_tofloat_scalar;
-        j->step = rope_step_scalar;
+        j->sincos = kvr__rope_sincos_scalar; j->tofloat = kvr__rope_tofloat_scalar;
+        j->step = kvr__rope_step_scalar;
         break;
     }
 }
@@ -674,13 +616,13 @@ static int one_table(const kvr_rope *r, kvr_dtype dt, void *dst, const void *src
 {
     double f[KVR_ROPE_MAX_HEAD_DIM / 2];
     if (kvr_rope_config_composes(&r->cfg)) memcpy(f, r->inv_freq, sizeof(double) * (size_t)r->npairs);
-    else rope_inv_freq(r, seq_len, f);
+    else kvr__rope_inv_freq(r, seq_len, f);
     if (sign < 0) for (int i = 0; i < r->npairs; i++) f[i] = -f[i];
     job j = {
         .r = r, .dst = dst, .dt = dt, .src = src, .st = st, .n_heads = n_heads,
         .a = pos, .f1 = f, .mag = sign < 0 ? 1.0 / r->mscale : r->mscale,
         .rows = pick_rows(opts),
-        .stream = rope_isa_resolve(opts ? opts->isa : KVR_ISA_AUTO) == KVR_ISA_AVX512 &&
+        .stream = kvr__isa_resolve(opts ? opts->isa : KVR_ISA_AUTO) == KVR_ISA_AVX512 &&
                   opts && opts->stream,
     };
     pick_tables(&j, opts);
@@ -718,12 +660,12 @@ int kvr_rope_apply_src(const kvr_rope *r, void *dst, kvr_dtype dst_type,
     }
     double f[KVR_ROPE_MAX_HEAD_DIM / 2];
     if (kvr_rope_config_composes(&r->cfg)) memcpy(f, r->inv_freq, sizeof(double) * (size_t)r->npairs);
-    else rope_inv_freq(r, opts ? opts->seq_len_to : 0, f);
+    else kvr__rope_inv_freq(r, opts ? opts->seq_len_to : 0, f);
     job j = {
         .r = r, .dst = dst, .dt = dst_type, .src = NULL, .st = KVR_DTYPE_F32,
         .n_heads = n_heads, .a = pos, .f1 = f, .mag = r->mscale, .rows = pick_rows(opts),
         .src_fn = src, .src_ud = ud, .t0 = 0, .t1 = n_tokens,
-        .stream = rope_isa_resolve(opts ? opts->isa : KVR_ISA_AUTO) == KVR_ISA_AVX512 &&
+        .stream = kvr__isa_resolve(opts ? opts->isa : KVR_ISA_AUTO) == KVR_ISA_AVX512 &&
                   opts && opts->stream,
     };
     pick_tables(&j, opts);
@@ -756,8 +698,8 @@ int kvr_rope_reposition(const kvr_rope *r, void *dst, kvr_dtype dst_type,
         memcpy(f_to, r->inv_freq, fb);
         memcpy(f_from, r->inv_freq, fb);
     } else {
-        rope_inv_freq(r, opts ? opts->seq_len_to : 0, f_to);
-        rope_inv_freq(r, opts ? opts->seq_len_from : 0, f_from);
+        kvr__rope_inv_freq(r, opts ? opts->seq_len_to : 0, f_to);
+        kvr__rope_inv_freq(r, opts ? opts->seq_len_from : 0, f_from);
     }
     job j = {
         .r = r, .dst = dst, .dt = dst_type, .src = src, .st = src_type, .n_heads = n_heads,
@@ -807,17 +749,17 @@ int kvr_rope_reposition_delta(const kvr_rope *r, void *dst, kvr_dtype dst_type,
     if (kvr_rope_config_composes(&r->cfg)) {
         memcpy(f_to, r->inv_freq, fb);
     } else {
-        rope_inv_freq(r, opts ? opts->seq_len_to : 0, f_to);
-        rope_inv_freq(r, opts ? opts->seq_len_from : 0, f_from);
+        kvr__rope_inv_freq(r, opts ? opts->seq_len_to : 0, f_to);
+        kvr__rope_inv_freq(r, opts ? opts->seq_len_from : 0, f_from);
         if (memcmp(f_to, f_from, fb))
             return KVR_EINVAL;   /* not a rotation by the delta */
     }
-    kvr_isa isa = rope_isa_resolve(opts ? opts->isa : KVR_ISA_AUTO);
+    kvr_isa isa = kvr__isa_resolve(opts ? opts->isa : KVR_ISA_AUTO);
     job j = {
         .r = r, .dst = dst, .dt = dst_type, .src = src, .st = src_type, .n_heads = n_heads,
         .f1 = f_to, .mag = 1.0, .rows = pick_rows(opts), .fixed = true, .scaled = scaled,
         .delta = delta, .scale = scale,
-        .rows_s = isa == KVR_ISA_AVX512 ? rope_rows_scaled_avx512 : NULL,
+        .rows_s = isa == KVR_ISA_AVX512 ? kvr__rope_rows_scaled_avx512 : NULL,
         .stream = isa == KVR_ISA_AVX512 && opts && opts->stream,
     };
     pick_tables(&j, opts);

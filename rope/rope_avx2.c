@@ -1,5 +1,6 @@
 /*
- * rope_avx2.c — AVX2 + FMA + F16C rows kernel and conversions. Built with
+ * rope_avx2.c — AVX2 + FMA + F16C rows kernel (its loads, stores and
+ * conversions are base/simd_avx2.h's, shared with base/convert_avx2.c). Built with
  * those flags for this file only; called only when cpuid says the CPU has
  * them (rope.c).
  *
@@ -13,42 +14,7 @@
 #include <string.h>
 
 #include "rope/rope_internal.h"
-
-#define AI static inline __attribute__((always_inline))
-
-AI __m256 ld(const void *p, size_t i, kvr_dtype t)
-{
-    if (t == KVR_DTYPE_F32) return _mm256_loadu_ps((const float *)p + i);
-    __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)p + i));
-    if (t == KVR_DTYPE_F16) return _mm256_cvtph_ps(h);
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-}
-
-AI __m128i to_bf16(__m256 v)
-{
-    __m256i u = _mm256_castps_si256(v);
-    __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-    __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), lsb), 16);
-    __m256 nan = _mm256_cmp_ps(v, v, _CMP_UNORD_Q);
-    __m256i q = _mm256_or_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x40));
-    r = _mm256_blendv_epi8(r, q, _mm256_castps_si256(nan));
-    return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
-}
-
-AI void st(void *p, size_t i, kvr_dtype t, __m256 v)
-{
-    if (t == KVR_DTYPE_F32) { _mm256_storeu_ps((float *)p + i, v); return; }
-    __m128i h = t == KVR_DTYPE_F16 ? _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
-                                   : to_bf16(v);
-    _mm_storeu_si128((__m128i *)((uint16_t *)p + i), h);
-}
-
-AI void conv_span(void *dst, kvr_dtype dt, const void *src, kvr_dtype st_, size_t i0, size_t i1)
-{
-    size_t i = i0;
-    for (; i + 8 <= i1; i += 8) st(dst, i, dt, ld(src, i, st_));
-    for (; i < i1; i++) rope_store1(dst, dt, i, rope_load1(src, st_, i));
-}
+#include "base/simd_avx2.h"
 
 AI void rows_t(void *dst, const kvr_dtype dt, const void *src, const kvr_dtype st_,
                size_t n_heads, int head_dim, int rot, const int gptj,
@@ -67,9 +33,9 @@ AI void rows_t(void *dst, const kvr_dtype dt, const void *src, const kvr_dtype s
                 st(dst, b + j, dt, o);
             }
             for (; j < r; j += 2) {
-                float x0 = rope_load1(src, st_, b + j), x1 = rope_load1(src, st_, b + j + 1);
-                rope_store1(dst, dt, b + j, fmaf(x0, c[j], x1 * s[j]));
-                rope_store1(dst, dt, b + j + 1, fmaf(x1, c[j + 1], x0 * s[j + 1]));
+                float x0 = kvr__load1(src, st_, b + j), x1 = kvr__load1(src, st_, b + j + 1);
+                kvr__store1(dst, dt, b + j, fmaf(x0, c[j], x1 * s[j]));
+                kvr__store1(dst, dt, b + j + 1, fmaf(x1, c[j + 1], x0 * s[j + 1]));
             }
         } else {
             size_t half = r / 2, i = 0;
@@ -82,9 +48,9 @@ AI void rows_t(void *dst, const kvr_dtype dt, const void *src, const kvr_dtype s
                 st(dst, b + i + half, dt, o1);
             }
             for (; i < half; i++) {
-                float x0 = rope_load1(src, st_, b + i), x1 = rope_load1(src, st_, b + i + half);
-                rope_store1(dst, dt, b + i, fmaf(x0, c[i], -(x1 * s[i])));
-                rope_store1(dst, dt, b + i + half, fmaf(x1, c[i], x0 * s[i]));
+                float x0 = kvr__load1(src, st_, b + i), x1 = kvr__load1(src, st_, b + i + half);
+                kvr__store1(dst, dt, b + i, fmaf(x0, c[i], -(x1 * s[i])));
+                kvr__store1(dst, dt, b + i + half, fmaf(x1, c[i], x0 * s[i]));
             }
         }
         if (r < hd) {
@@ -107,7 +73,7 @@ AI void rows_t(void *dst, const kvr_dtype dt, const void *src, const kvr_dtype s
         return;                                                                      \
     }
 
-void rope_rows_avx2(void *dst, kvr_dtype dt, const void *src, kvr_dtype st,
+void kvr__rope_rows_avx2(void *dst, kvr_dtype dt, const void *src, kvr_dtype st,
                     size_t n_heads, int head_dim, int rot, int gptj,
                     const float *c, const float *s)
 {
@@ -120,21 +86,4 @@ void rope_rows_avx2(void *dst, kvr_dtype dt, const void *src, kvr_dtype st,
     ROWS_CASE(KVR_DTYPE_BF16, KVR_DTYPE_F32)
     ROWS_CASE(KVR_DTYPE_BF16, KVR_DTYPE_F16)
     ROWS_CASE(KVR_DTYPE_BF16, KVR_DTYPE_BF16)
-}
-
-#define CONV_CASE(S, D) \
-    if (st == S && dt == D) { conv_span(dst, D, src, S, 0, n); return; }
-
-void rope_convert_avx2(void *dst, kvr_dtype dt, const void *src, kvr_dtype st, size_t n)
-{
-    if (dt == st) {
-        if (dst != src) memmove(dst, src, n * kvr_dtype_size(st));
-        return;
-    }
-    CONV_CASE(KVR_DTYPE_F32, KVR_DTYPE_F16)
-    CONV_CASE(KVR_DTYPE_F32, KVR_DTYPE_BF16)
-    CONV_CASE(KVR_DTYPE_F16, KVR_DTYPE_F32)
-    CONV_CASE(KVR_DTYPE_F16, KVR_DTYPE_BF16)
-    CONV_CASE(KVR_DTYPE_BF16, KVR_DTYPE_F32)
-    CONV_CASE(KVR_DTYPE_BF16, KVR_DTYPE_F16)
 }

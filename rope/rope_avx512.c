@@ -1,5 +1,6 @@
 /*
- * rope_avx512.c — AVX-512 (F/BW/VL/DQ) rows kernel and conversions. Built
+ * rope_avx512.c — AVX-512 (F/BW/VL/DQ) rows kernels (their loads, stores and
+ * conversions are base/simd_avx512.h's, shared with base/convert_avx512.c). Built
  * with AVX-512 flags for this file only; called only when cpuid says the CPU
  * has them (rope.c).
  *
@@ -15,106 +16,8 @@
 #include <string.h>
 
 #include "rope/rope_internal.h"
+#include "base/simd_avx512.h"
 
-#define AI static inline __attribute__((always_inline))
-
-AI __m512 ld(const void *p, size_t i, kvr_dtype t)
-{
-    if (t == KVR_DTYPE_F32) return _mm512_loadu_ps((const float *)p + i);
-    __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)p + i));
-    if (t == KVR_DTYPE_F16) return _mm512_cvtph_ps(h);
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-
-AI __m512 ldm(const void *p, size_t i, kvr_dtype t, __mmask16 m)
-{
-    if (t == KVR_DTYPE_F32) return _mm512_maskz_loadu_ps(m, (const float *)p + i);
-    __m256i h = _mm256_maskz_loadu_epi16(m, (const uint16_t *)p + i);
-    if (t == KVR_DTYPE_F16) return _mm512_cvtph_ps(h);
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-
-AI __m256i to_bf16(__m512 v)
-{
-    __m512i u = _mm512_castps_si512(v);
-    __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb), 16);
-    __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-    __m512i q = _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
-    r = _mm512_mask_mov_epi32(r, nan, q);
-    return _mm512_cvtepi32_epi16(r);
-}
-
-AI void st(void *p, size_t i, kvr_dtype t, __m512 v)
-{
-    if (t == KVR_DTYPE_F32) { _mm512_storeu_ps((float *)p + i, v); return; }
-    __m256i h = t == KVR_DTYPE_F16 ? _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
-                                   : to_bf16(v);
-    _mm256_storeu_si256((__m256i *)((uint16_t *)p + i), h);
-}
-
-AI void stm(void *p, size_t i, kvr_dtype t, __m512 v, __mmask16 m)
-{
-    if (t == KVR_DTYPE_F32) { _mm512_mask_storeu_ps((float *)p + i, m, v); return; }
-    __m256i h = t == KVR_DTYPE_F16 ? _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
-                                   : to_bf16(v);
-    _mm256_mask_storeu_epi16((uint16_t *)p + i, m, h);
-}
-
-/* st() with a non-temporal store (dst aligned to the vector: the caller
- * checks). */
-AI void st_nt(void *p, size_t i, kvr_dtype t, __m512 v)
-{
-    if (t == KVR_DTYPE_F32) { _mm512_stream_ps((float *)p + i, v); return; }
-    __m256i h = t == KVR_DTYPE_F16 ? _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
-                                   : to_bf16(v);
-    _mm256_stream_si256((__m256i *)((uint16_t *)p + i), h);
-}
-
-/* Two vectors of 16-bit results, elements [i, i + 32), in one
- * non-temporal 64-byte store (p + i aligned to 64 bytes). */
-AI void st_line(void *p, size_t i, kvr_dtype t, __m512 v0, __m512 v1)
-{
-    __m256i h0, h1;
-    if (t == KVR_DTYPE_F16) {
-        h0 = _mm512_cvtps_ph(v0, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-        h1 = _mm512_cvtps_ph(v1, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    } else {
-        h0 = to_bf16(v0);
-        h1 = to_bf16(v1);
-    }
-    _mm512_stream_si512((__m512i *)((uint16_t *)p + i),
-                        _mm512_inserti64x4(_mm512_castsi256_si512(h0), h1, 1));
-}
-
-#define ST(nt, p, i, t, v) do { if (nt) st_nt(p, i, t, v); else st(p, i, t, v); } while (0)
-
-AI __mmask16 tailmask(size_t n) { return (__mmask16)((1u << n) - 1u); }
-
-AI void conv_span(void *dst, kvr_dtype dt, const void *src, kvr_dtype st_, size_t i0, size_t i1)
-{
-    size_t i = i0;
-    for (; i + 16 <= i1; i += 16) st(dst, i, dt, ld(src, i, st_));
-    if (i < i1) {
-        __mmask16 m = tailmask(i1 - i);
-        stm(dst, i, dt, ldm(src, i, st_, m), m);
-    }
-}
-
-AI void conv_span_scaled(void *dst, kvr_dtype dt, const void *src, kvr_dtype st_, size_t i0,
-                         size_t i1, __m512 kv)
-{
-    size_t i = i0;
-    for (; i + 16 <= i1; i += 16) st(dst, i, dt, _mm512_mul_ps(ld(src, i, st_), kv));
-    if (i < i1) {
-        __mmask16 m = tailmask(i1 - i);
-        stm(dst, i, dt, _mm512_mul_ps(ldm(src, i, st_, m), kv), m);
-    }
-}
-
-/* sc: every result is multiplied by k in f32 before its store (rounded
- * once), the passed-through dims too: the bits of the unscaled kernel into
- * f32, a multiply and a conversion. */
 #define SC(v) (sc ? _mm512_mul_ps((v), kv) : (v))
 
 AI void rows_t(void *dst, const kvr_dtype dt, const void *src, const kvr_dtype st_,
@@ -137,7 +40,7 @@ AI void rows_t(void *dst, const kvr_dtype dt, const void *src, const kvr_dtype s
         }
         if (nt && dt != KVR_DTYPE_F32) {
             /* 16-bit results streamed a whole 64-byte line at a time (two
-             * vectors' worth; rope_rows_stream_avx512 checked the spans are
+             * vectors' worth; kvr__rope_rows_stream_avx512 checked the spans are
              * multiples of 32 elements): the same values as below */
             if (gptj) {
                 for (size_t j = 0; j < r; j += 32) {
@@ -230,7 +133,7 @@ AI void rows_t(void *dst, const kvr_dtype dt, const void *src, const kvr_dtype s
         return;                                                                      \
     }
 
-void rope_rows_avx512(void *dst, kvr_dtype dt, const void *src, kvr_dtype st,
+void kvr__rope_rows_avx512(void *dst, kvr_dtype dt, const void *src, kvr_dtype st,
                       size_t n_heads, int head_dim, int rot, int gptj,
                       const float *c, const float *s)
 {
@@ -245,7 +148,7 @@ void rope_rows_avx512(void *dst, kvr_dtype dt, const void *src, kvr_dtype st,
     ROWS_CASE(KVR_DTYPE_BF16, KVR_DTYPE_BF16)
 }
 
-void rope_rows_scaled_avx512(void *dst, kvr_dtype dt, const void *src, kvr_dtype st,
+void kvr__rope_rows_scaled_avx512(void *dst, kvr_dtype dt, const void *src, kvr_dtype st,
                              size_t n_heads, int head_dim, int rot, int gptj,
                              const float *c, const float *s, float k)
 {
@@ -272,13 +175,13 @@ void rope_rows_scaled_avx512(void *dst, kvr_dtype dt, const void *src, kvr_dtype
         return true;                                                                      \
     }
 
-/* rope_rows_avx512 (scaled: rope_rows_scaled_avx512) with non-temporal
+/* kvr__rope_rows_avx512 (scaled: kvr__rope_rows_scaled_avx512) with non-temporal
  * stores of the full vectors: the same values. Only where every full
  * vector's address is aligned (dst on 64 bytes, head rows and rotary
  * halves whole vectors); false, nothing done, otherwise. The caller
- * fences (_mm_sfence via rope_stream_fence_avx512) before the data is
+ * fences (_mm_sfence via kvr__rope_stream_fence_avx512) before the data is
  * handed on. */
-bool rope_rows_stream_avx512(void *dst, kvr_dtype dt, const void *src, kvr_dtype st,
+bool kvr__rope_rows_stream_avx512(void *dst, kvr_dtype dt, const void *src, kvr_dtype st,
                              size_t n_heads, int head_dim, int rot, int gptj,
                              const float *c, const float *s, bool scaled, float k)
 {
@@ -298,57 +201,4 @@ bool rope_rows_stream_avx512(void *dst, kvr_dtype dt, const void *src, kvr_dtype
     return false;
 }
 
-void rope_stream_fence_avx512(void) { _mm_sfence(); }
-
-void rope_copy_stream_avx512(void *dst, const void *src, size_t n)
-{
-    char *d = dst;
-    const char *s = src;
-    size_t i = 0;
-    for (; i + 256 <= n; i += 256) {
-        __m512i a = _mm512_loadu_si512(s + i), b = _mm512_loadu_si512(s + i + 64);
-        __m512i c = _mm512_loadu_si512(s + i + 128), e = _mm512_loadu_si512(s + i + 192);
-        _mm512_stream_si512((__m512i *)(d + i), a);
-        _mm512_stream_si512((__m512i *)(d + i + 64), b);
-        _mm512_stream_si512((__m512i *)(d + i + 128), c);
-        _mm512_stream_si512((__m512i *)(d + i + 192), e);
-    }
-    for (; i < n; i += 64)
-        _mm512_stream_si512((__m512i *)(d + i), _mm512_loadu_si512(s + i));
-    _mm_sfence();
-}
-
-#define CONV_CASE(S, D) \
-    if (st == S && dt == D) { conv_span(dst, D, src, S, 0, n); return; }
-
-void rope_convert_avx512(void *dst, kvr_dtype dt, const void *src, kvr_dtype st, size_t n)
-{
-    if (dt == st) {
-        if (dst != src) memmove(dst, src, n * kvr_dtype_size(st));
-        return;
-    }
-    CONV_CASE(KVR_DTYPE_F32, KVR_DTYPE_F16)
-    CONV_CASE(KVR_DTYPE_F32, KVR_DTYPE_BF16)
-    CONV_CASE(KVR_DTYPE_F16, KVR_DTYPE_F32)
-    CONV_CASE(KVR_DTYPE_F16, KVR_DTYPE_BF16)
-    CONV_CASE(KVR_DTYPE_BF16, KVR_DTYPE_F32)
-    CONV_CASE(KVR_DTYPE_BF16, KVR_DTYPE_F16)
-}
-
-#define CONV_SCALED_CASE(S, D) \
-    if (st == S && dt == D) { conv_span_scaled(dst, D, src, S, 0, n, kv); return; }
-
-void rope_convert_scaled_avx512(void *dst, kvr_dtype dt, const void *src, kvr_dtype st,
-                                size_t n, float k)
-{
-    const __m512 kv = _mm512_set1_ps(k);
-    CONV_SCALED_CASE(KVR_DTYPE_F32, KVR_DTYPE_F32)
-    CONV_SCALED_CASE(KVR_DTYPE_F32, KVR_DTYPE_F16)
-    CONV_SCALED_CASE(KVR_DTYPE_F32, KVR_DTYPE_BF16)
-    CONV_SCALED_CASE(KVR_DTYPE_F16, KVR_DTYPE_F32)
-    CONV_SCALED_CASE(KVR_DTYPE_F16, KVR_DTYPE_F16)
-    CONV_SCALED_CASE(KVR_DTYPE_F16, KVR_DTYPE_BF16)
-    CONV_SCALED_CASE(KVR_DTYPE_BF16, KVR_DTYPE_F32)
-    CONV_SCALED_CASE(KVR_DTYPE_BF16, KVR_DTYPE_F16)
-    CONV_SCALED_CASE(KVR_DTYPE_BF16, KVR_DTYPE_BF16)
-}
+void kvr__rope_stream_fence_avx512(void) { _mm_sfence(); }

@@ -20,6 +20,8 @@
 #include <string.h>
 #include <math.h>
 #include "rope/rope.h"
+#include "base/half.h"
+#include "base/base_internal.h"
 
 /* Private to rope/: hidden in shared objects (libkvrope.so exports kvr_* only). */
 #pragma GCC visibility push(hidden)
@@ -39,27 +41,22 @@ struct kvr_rope {
 
 /* Frequency table for a sequence length (dynamic / longrope depend on it;
  * the others ignore it). */
-void rope_inv_freq(const kvr_rope *r, int64_t seq_len, double *out);
+void kvr__rope_inv_freq(const kvr_rope *r, int64_t seq_len, double *out);
 
 typedef void (*rope_rows_fn)(void *dst, kvr_dtype dt, const void *src, kvr_dtype st,
                              size_t n_heads, int head_dim, int rot, int gptj,
                              const float *c, const float *s);
-typedef void (*rope_convert_fn)(void *dst, kvr_dtype dt, const void *src, kvr_dtype st,
-                                size_t n);
 
-void rope_rows_scalar(void *dst, kvr_dtype dt, const void *src, kvr_dtype st,
+void kvr__rope_rows_scalar(void *dst, kvr_dtype dt, const void *src, kvr_dtype st,
                       size_t n_heads, int head_dim, int rot, int gptj,
                       const float *c, const float *s);
-void rope_convert_scalar(void *dst, kvr_dtype dt, const void *src, kvr_dtype st, size_t n);
 
-void rope_rows_avx2(void *dst, kvr_dtype dt, const void *src, kvr_dtype st,
+void kvr__rope_rows_avx2(void *dst, kvr_dtype dt, const void *src, kvr_dtype st,
                     size_t n_heads, int head_dim, int rot, int gptj,
                     const float *c, const float *s);
-void rope_convert_avx2(void *dst, kvr_dtype dt, const void *src, kvr_dtype st, size_t n);
-void rope_rows_avx512(void *dst, kvr_dtype dt, const void *src, kvr_dtype st,
+void kvr__rope_rows_avx512(void *dst, kvr_dtype dt, const void *src, kvr_dtype st,
                       size_t n_heads, int head_dim, int rot, int gptj,
                       const float *c, const float *s);
-void rope_convert_avx512(void *dst, kvr_dtype dt, const void *src, kvr_dtype st, size_t n);
 /* The rows kernel with every result multiplied by k in f32 before it is
  * stored (passed-through dims too): the bits of rope_rows_* into f32, a
  * multiply and a conversion, in one pass. AVX-512 only; other ISAs get the
@@ -67,68 +64,61 @@ void rope_convert_avx512(void *dst, kvr_dtype dt, const void *src, kvr_dtype st,
 typedef void (*rope_rows_scaled_fn)(void *dst, kvr_dtype dt, const void *src, kvr_dtype st,
                                     size_t n_heads, int head_dim, int rot, int gptj,
                                     const float *c, const float *s, float k);
-void rope_rows_scaled_avx512(void *dst, kvr_dtype dt, const void *src, kvr_dtype st,
+void kvr__rope_rows_scaled_avx512(void *dst, kvr_dtype dt, const void *src, kvr_dtype st,
                              size_t n_heads, int head_dim, int rot, int gptj,
                              const float *c, const float *s, float k);
-/* rope_rows_avx512 / rope_rows_scaled_avx512 (scaled) with non-temporal
+/* kvr__rope_rows_avx512 / kvr__rope_rows_scaled_avx512 (scaled) with non-temporal
  * stores: the same bits, no read of the destination lines. false (nothing
  * written) when dst or the row layout is not aligned for them. Fence with
- * rope_stream_fence_avx512 before the data is handed on. */
-bool rope_rows_stream_avx512(void *dst, kvr_dtype dt, const void *src, kvr_dtype st,
+ * kvr__rope_stream_fence_avx512 before the data is handed on. */
+bool kvr__rope_rows_stream_avx512(void *dst, kvr_dtype dt, const void *src, kvr_dtype st,
                              size_t n_heads, int head_dim, int rot, int gptj,
                              const float *c, const float *s, bool scaled, float k);
-void rope_stream_fence_avx512(void);
-/* n (a multiple of 64) bytes to a 64-byte aligned dst with non-temporal
- * stores, fenced (kvr_copy_stream). */
-void rope_copy_stream_avx512(void *dst, const void *src, size_t n);
-/* dst = src * k element-wise in f32, rounded once (kvr_convert_scaled). */
-void rope_convert_scaled_avx512(void *dst, kvr_dtype dt, const void *src, kvr_dtype st,
-                                size_t n, float k);
-
+void kvr__rope_stream_fence_avx512(void);
 /* The per-token sin/cos table: s[i], c[i] = sin, cos(a * f1[i] + b * f2[i])
  * for i < n (f2 may be NULL), bit for bit the same on every ISA. */
 typedef void (*rope_sincos_fn)(double a, const double *f1, double b, const double *f2, int n,
                                double *s, double *c);
-void rope_sincos_scalar(double a, const double *f1, double b, const double *f2, int n,
+void kvr__rope_sincos_scalar(double a, const double *f1, double b, const double *f2, int n,
                         double *s, double *c);
-void rope_sincos_avx2(double a, const double *f1, double b, const double *f2, int n,
+void kvr__rope_sincos_avx2(double a, const double *f1, double b, const double *f2, int n,
                       double *s, double *c);
-void rope_sincos_avx512(double a, const double *f1, double b, const double *f2, int n,
+void kvr__rope_sincos_avx512(double a, const double *f1, double b, const double *f2, int n,
                         double *s, double *c);
 
 /* The float tables handed to a rows kernel (layout above) from a double
  * table: fc = (float)(c * m), fs = (float)(s * m), bit for bit on every ISA. */
 typedef void (*rope_tofloat_fn)(const double *c, const double *s, int n, double m, int gptj,
                                 float *fc, float *fs);
-void rope_tofloat_scalar(const double *c, const double *s, int n, double m, int gptj,
+void kvr__rope_tofloat_scalar(const double *c, const double *s, int n, double m, int gptj,
                          float *fc, float *fs);
-void rope_tofloat_avx2(const double *c, const double *s, int n, double m, int gptj,
+void kvr__rope_tofloat_avx2(const double *c, const double *s, int n, double m, int gptj,
                        float *fc, float *fs);
-void rope_tofloat_avx512(const double *c, const double *s, int n, double m, int gptj,
+void kvr__rope_tofloat_avx512(const double *c, const double *s, int n, double m, int gptj,
                          float *fc, float *fs);
 
 /* One step of the angle-addition recurrence over a table of n pairs:
  * c' = c*stc - s*sts, s' = s*stc + c*sts, each product and sum rounded on
  * its own (no fused multiply-add), so every ISA advances the same bits. */
 typedef void (*rope_step_fn)(const double *stc, const double *sts, int n, double *c, double *s);
-void rope_step_scalar(const double *stc, const double *sts, int n, double *c, double *s);
-void rope_step_avx2(const double *stc, const double *sts, int n, double *c, double *s);
-void rope_step_avx512(const double *stc, const double *sts, int n, double *c, double *s);
+void kvr__rope_step_scalar(const double *stc, const double *sts, int n, double *c, double *s);
+void kvr__rope_step_avx2(const double *stc, const double *sts, int n, double *c, double *s);
+void kvr__rope_step_avx512(const double *stc, const double *sts, int n, double *c, double *s);
 
 /* Both at once, for a table computed afresh (bit for bit sincos then
  * tofloat); NULL for the ISAs that do not fuse them. */
 typedef void (*rope_table_fn)(double a, const double *f1, double b, const double *f2, int n,
                               double m, int gptj, double *s, double *c, float *fs, float *fc);
-void rope_table_avx512(double a, const double *f1, double b, const double *f2, int n, double m,
+void kvr__rope_table_avx512(double a, const double *f1, double b, const double *f2, int n, double m,
                        int gptj, double *s, double *c, float *fs, float *fc);
 
-/* The float tables of rope_table_avx512 (fs, fc only) through fused
+/* The float tables of kvr__rope_table_avx512 (fs, fc only) through fused
  * multiply-adds, or false when any of its floats could differ from the
  * reference's (then fs / fc hold garbage and the caller makes the
  * reference table): the same bits whenever it returns true. */
 typedef bool (*rope_table_fast_fn)(double a, const double *f1, double b, const double *f2,
                                    int n, int gptj, float *fs, float *fc);
-bool rope_table_fast_avx512(double a, const double *f1, double b, const double *f2, int n,
+bool kvr__rope_table_fast_avx512(double a, const double *f1, double b, const double *f2, int n,
                             int gptj, float *fs, float *fc);
 
 /* Its constants: angles below ROPE_FAST_MAX (2^20 * pi/2 and a margin) are
@@ -152,84 +142,6 @@ bool rope_table_fast_avx512(double a, const double *f1, double b, const double *
 #define ROPE_C5  2.08757232129817482790e-09
 #define ROPE_C6 -1.13596475577881948265e-11
 
-/* Resolves AUTO and refuses (falls back from) ISAs the CPU lacks. */
-kvr_isa rope_isa_resolve(kvr_isa want);
-
-/* ---- scalar conversions (inline so every kernel's tail uses the same) ---- */
-
-static inline uint32_t rope_f32_bits(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
-static inline float rope_bits_f32(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
-
-static inline float rope_h2f(uint16_t h)
-{
-    uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
-    uint32_t exp = (h >> 10) & 0x1fu;
-    uint32_t man = h & 0x3ffu;
-    if (exp == 0x1f)                        /* inf / nan */
-        return rope_bits_f32(sign | 0x7f800000u | (man << 13));
-    if (exp == 0) {
-        if (man == 0) return rope_bits_f32(sign);
-        /* subnormal: value = man * 2^-24, exact in float */
-        float v = (float)man * 0x1p-24f;
-        return sign ? -v : v;
-    }
-    return rope_bits_f32(sign | ((exp + 112u) << 23) | (man << 13));
-}
-
-/* Round to nearest even, as F16C's vcvtps2ph with imm 0 does; NaN keeps the
- * top payload bits and becomes quiet. */
-static inline uint16_t rope_f2h(float f)
-{
-    uint32_t u = rope_f32_bits(f);
-    uint32_t sign = (u >> 16) & 0x8000u;
-    uint32_t a = u & 0x7fffffffu;
-    if (a >= 0x7f800000u) {
-        if (a == 0x7f800000u) return (uint16_t)(sign | 0x7c00u);
-        return (uint16_t)(sign | 0x7e00u | ((a >> 13) & 0x3ffu));
-    }
-    if (a >= 0x477ff000u)                   /* rounds to >= 65536: inf */
-        return (uint16_t)(sign | 0x7c00u);
-    if (a < 0x38800000u) {                  /* below the f16 normal range */
-        if (a < 0x33000000u) return (uint16_t)sign;   /* < 2^-25: to zero */
-        uint32_t e = a >> 23;
-        uint32_t m = (a & 0x7fffffu) | 0x800000u;
-        uint32_t shift = 126u - e;          /* 14..24 */
-        uint32_t q = m >> shift;
-        uint32_t rem = m & ((1u << shift) - 1u);
-        uint32_t half = 1u << (shift - 1u);
-        if (rem > half || (rem == half && (q & 1u))) q++;
-        return (uint16_t)(sign | q);
-    }
-    uint32_t r = a + 0xfffu + ((a >> 13) & 1u);
-    return (uint16_t)(sign | ((r - 0x38000000u) >> 13));
-}
-
-static inline float rope_b2f(uint16_t h) { return rope_bits_f32((uint32_t)h << 16); }
-
-static inline uint16_t rope_f2b(float f)
-{
-    uint32_t u = rope_f32_bits(f);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u);
-    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
-
-static inline float rope_load1(const void *p, kvr_dtype t, size_t i)
-{
-    switch (t) {
-    case KVR_DTYPE_F16:  return rope_h2f(((const uint16_t *)p)[i]);
-    case KVR_DTYPE_BF16: return rope_b2f(((const uint16_t *)p)[i]);
-    default:             return ((const float *)p)[i];
-    }
-}
-
-static inline void rope_store1(void *p, kvr_dtype t, size_t i, float v)
-{
-    switch (t) {
-    case KVR_DTYPE_F16:  ((uint16_t *)p)[i] = rope_f2h(v); break;
-    case KVR_DTYPE_BF16: ((uint16_t *)p)[i] = rope_f2b(v); break;
-    default:             ((float *)p)[i] = v; break;
-    }
-}
 
 #pragma GCC visibility pop
 

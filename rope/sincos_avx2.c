@@ -1,5 +1,5 @@
 /*
- * sincos_avx2.c — the per-token sin/cos table of rope.c (rope_sincos_scalar)
+ * sincos_avx2.c — the per-token sin/cos table of rope.c (kvr__rope_sincos_scalar)
  * four doubles at a time with AVX2.
  *
  * Invariant: every lane performs exactly the scalar reference's double
@@ -54,7 +54,7 @@ static inline __m256d sincos4(__m256d x, __m256d *cp)
     return _mm256_xor_pd(s, _mm256_castsi256_pd(ns));
 }
 
-void rope_sincos_avx2(double a, const double *f1, double b, const double *f2, int n,
+void kvr__rope_sincos_avx2(double a, const double *f1, double b, const double *f2, int n,
                       double *s, double *c)
 {
     double ang[KVR_ROPE_MAX_HEAD_DIM / 2 + W];
@@ -93,7 +93,7 @@ void rope_sincos_avx2(double a, const double *f1, double b, const double *f2, in
     }
 }
 
-void rope_tofloat_avx2(const double *c, const double *s, int n, double m, int gptj,
+void kvr__rope_tofloat_avx2(const double *c, const double *s, int n, double m, int gptj,
                        float *fc, float *fs)
 {
     const __m256d vm = _mm256_set1_pd(m);
@@ -124,8 +124,8 @@ void rope_tofloat_avx2(const double *c, const double *s, int n, double m, int gp
     }
 }
 
-/* rope_step_scalar, 4 pairs at a time (the same products and sums). */
-void rope_step_avx2(const double *stc, const double *sts, int n, double *c, double *s)
+/* kvr__rope_step_scalar, 4 pairs at a time (the same products and sums). */
+void kvr__rope_step_avx2(const double *stc, const double *sts, int n, double *c, double *s)
 {
     int i = 0;
     for (; i + 4 <= n; i += 4) {

@@ -1,5 +1,5 @@
 /*
- * sincos_avx512.c — the per-token sin/cos table of rope.c (rope_sincos_scalar)
+ * sincos_avx512.c — the per-token sin/cos table of rope.c (kvr__rope_sincos_scalar)
  * eight doubles at a time with AVX-512 (F/DQ).
  *
  * Invariant: every lane performs exactly the scalar reference's double
@@ -10,7 +10,7 @@
  * scalar one. Tables with an angle at or beyond FAST_MAX (or NaN) go to
  * libm's sincos element by element, as the scalar path does.
  *
- * The one exception, rope_table_fast_avx512, uses fused multiply-adds for
+ * The one exception, kvr__rope_table_fast_avx512, uses fused multiply-adds for
  * float tables only, and refuses every table whose floats could differ from
  * the reference's (see there).
  */
@@ -61,7 +61,7 @@ static inline __m512d sincos8(__m512d x, __m512d *cp)
     return _mm512_castsi512_pd(_mm512_ternarylogic_epi64(_mm512_castpd_si512(s), ns, sign, 0x78));
 }
 
-void rope_sincos_avx512(double a, const double *f1, double b, const double *f2, int n,
+void kvr__rope_sincos_avx512(double a, const double *f1, double b, const double *f2, int n,
                         double *s, double *c)
 {
     double ang[KVR_ROPE_MAX_HEAD_DIM / 2 + W];
@@ -88,7 +88,7 @@ void rope_sincos_avx512(double a, const double *f1, double b, const double *f2, 
     }
 }
 
-void rope_tofloat_avx512(const double *c, const double *s, int n, double m, int gptj,
+void kvr__rope_tofloat_avx512(const double *c, const double *s, int n, double m, int gptj,
                          float *fc, float *fs)
 {
     const __m512d vm = _mm512_set1_pd(m);
@@ -114,7 +114,7 @@ void rope_tofloat_avx512(const double *c, const double *s, int n, double m, int 
     }
 }
 
-/* One group of 8 pairs from i of rope_table_avx512: the table's doubles,
+/* One group of 8 pairs from i of kvr__rope_table_avx512: the table's doubles,
  * then the float tables (times m unless m is 1, where the product is the
  * value itself). k8 all ones stores plainly (masked stores cost more). */
 AI void table8(__m512d x, int i, __mmask8 k8, __m512d vm, bool unit, int gptj,
@@ -167,11 +167,11 @@ AI __m512d angle8(__m512d va, const double *f1, __m512d vb, const double *f2, in
     return x;
 }
 
-/* rope_sincos_avx512 then rope_tofloat_avx512 in one pass over the lanes
+/* kvr__rope_sincos_avx512 then kvr__rope_tofloat_avx512 in one pass over the lanes
  * (the same operations, so the same bits), for tables computed afresh. The
  * angles are checked first, then made again (the same products) 64 at a
  * time, in registers, fully unrolled. */
-void rope_table_avx512(double a, const double *f1, double b, const double *f2, int n, double m,
+void kvr__rope_table_avx512(double a, const double *f1, double b, const double *f2, int n, double m,
                        int gptj, double *s, double *c, float *fs, float *fc)
 {
     const __m512d va = _mm512_set1_pd(a), vb = _mm512_set1_pd(b);
@@ -192,7 +192,7 @@ void rope_table_avx512(double a, const double *f1, double b, const double *f2, i
             _mm512_storeu_pd(ang + i, angle8(va, f1, vb, f2, i, k8));
         }
         for (int i = 0; i < n; i++) sincos(ang[i], &s[i], &c[i]);
-        rope_tofloat_avx512(c, s, n, m, gptj, fc, fs);
+        kvr__rope_tofloat_avx512(c, s, n, m, gptj, fc, fs);
         return;
     }
     const __m512d vm = _mm512_set1_pd(m);
@@ -320,7 +320,7 @@ AI __mmask8 fast8(__m512d va, const double *f1, __m512d vb, const double *f2, in
     return bad;
 }
 
-bool rope_table_fast_avx512(double a, const double *f1, double b, const double *f2, int n,
+bool kvr__rope_table_fast_avx512(double a, const double *f1, double b, const double *f2, int n,
                             int gptj, float *fs, float *fc)
 {
     const __m512d va = _mm512_set1_pd(a), vb = _mm512_set1_pd(b);
@@ -342,8 +342,8 @@ bool rope_table_fast_avx512(double a, const double *f1, double b, const double *
     return bad == 0;
 }
 
-/* rope_step_scalar, 8 pairs at a time (the same products and sums). */
-void rope_step_avx512(const double *stc, const double *sts, int n, double *c, double *s)
+/* kvr__rope_step_scalar, 8 pairs at a time (the same products and sums). */
+void kvr__rope_step_avx512(const double *stc, const double *sts, int n, double *c, double *s)
 {
     int i = 0;
     for (; i + 8 <= n; i += 8) {

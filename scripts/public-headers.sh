@@ -1,7 +1,7 @@
 #!/bin/sh
 # Prints the project headers a public header includes, directly or not, by
 # following its #include "..." lines (paths relative to the source root):
-#   scripts/public-headers.sh client/kvrope.h   ->  rope/rope.h rope/error.h ...
+#   scripts/public-headers.sh client/kvrope.h   ->  rope/rope.h base/error.h ...
 # `make install` installs them beside kvrope.h.
 set -eu
 seen=""

@@ -36,25 +36,25 @@ typedef struct cli_args {
     const char *opt_val[CLI_MAX_OPTS];    /* NULL for a flag */
 } cli_args;
 
-const char *cli_opt(const cli_args *a, const char *name);      /* value or NULL */
-bool        cli_flag(const cli_args *a, const char *name);
+const char *kvr__cli_opt(const cli_args *a, const char *name);      /* value or NULL */
+bool        kvr__cli_flag(const cli_args *a, const char *name);
 
 /* Subcommands (cli_cmd.c): return the exit code. */
-int cli_run(kvr_client *c, const cli_args *a);
+int kvr__cli_run(kvr_client *c, const cli_args *a);
 /* Whether a subcommand exists, and which options take a value. */
-bool cli_known_command(const char *cmd);
-bool cli_option_takes_value(const char *name);
+bool kvr__cli_known_command(const char *cmd);
+bool kvr__cli_option_takes_value(const char *name);
 
 /* Writes a KV result to `out` by extension (.safetensors, .npy, else raw
  * layer-major; "-" = stdout). CLI_OK or the exit code after printing why. */
-int cli_write_kv(const cli_args *a, const kvr_kv *kv, const char *out);
+int kvr__cli_write_kv(const cli_args *a, const kvr_kv *kv, const char *out);
 
 /* Maps a libkvrope code to an exit code, printing the error. */
-int cli_fail(const cli_args *a, kvr_client *c, int code, const char *what);
+int kvr__cli_fail(const cli_args *a, kvr_client *c, int code, const char *what);
 
 /* Progress bar on stderr (only when it is a terminal). */
-void cli_progress_begin(kvr_client *c, const char *label);
-void cli_progress_end(void);
+void kvr__cli_progress_begin(kvr_client *c, const char *label);
+void kvr__cli_progress_end(void);
 
 /* ---- tensor files (cli_files.c) ----------------------------------------- */
 typedef struct cli_mapped {
@@ -63,8 +63,8 @@ typedef struct cli_mapped {
     bool   mapped;   /* munmap, else free */
 } cli_mapped;
 
-int  cli_map_file(const char *path, cli_mapped *m, char *err, size_t errlen);
-void cli_unmap(cli_mapped *m);
+int  kvr__cli_map_file(const char *path, cli_mapped *m, char *err, size_t errlen);
+void kvr__cli_unmap(cli_mapped *m);
 
 /* A safetensors file with KV tensors k, v [layers][tokens][heads][dim] and
  * optionally tokens, positions. Arrays are owned by the struct. */
@@ -79,14 +79,14 @@ typedef struct cli_st_kv {
     char         model[KVR_ID_MAX + 1];  /* from __metadata__, "" if absent */
 } cli_st_kv;
 
-int  cli_st_read(const char *path, cli_st_kv *st, char *err, size_t errlen);
-void cli_st_free(cli_st_kv *st);
+int  kvr__cli_st_read(const char *path, cli_st_kv *st, char *err, size_t errlen);
+void kvr__cli_st_free(cli_st_kv *st);
 
 /* Writes kv (payload required) as safetensors: k, v, tokens, positions,
  * flags, groups; metadata names the model and context. */
-int cli_st_write(const char *path, const kvr_kv *kv, char *err, size_t errlen);
+int kvr__cli_st_write(const char *path, const kvr_kv *kv, char *err, size_t errlen);
 
-/* One more tensor for cli_st_write_ex (data borrowed for the call). */
+/* One more tensor for kvr__cli_st_write_ex (data borrowed for the call). */
 typedef struct cli_st_extra {
     const char *name;
     const char *dtype;      /* safetensors dtype name: "I64", "F64", ... */
@@ -96,9 +96,9 @@ typedef struct cli_st_extra {
     size_t      bytes;
 } cli_st_extra;
 
-/* cli_st_write plus n_meta metadata entries (extra_meta holds key, value,
+/* kvr__cli_st_write plus n_meta metadata entries (extra_meta holds key, value,
  * key, value, ... strings) and n_extra tensors after the standard ones. */
-int cli_st_write_ex(const char *path, const kvr_kv *kv, const char *const *extra_meta,
+int kvr__cli_st_write_ex(const char *path, const kvr_kv *kv, const char *const *extra_meta,
                     size_t n_meta, const cli_st_extra *extra, size_t n_extra, char *err,
                     size_t errlen);
 
@@ -106,7 +106,7 @@ int cli_st_write_ex(const char *path, const kvr_kv *kv, const char *const *extra
  * into the file (or the parsed buffer). */
 #define CLI_NPY_MAX_DIMS 8
 typedef struct cli_npy {
-    cli_mapped     file;                    /* empty after cli_npy_parse */
+    cli_mapped     file;                    /* empty after kvr__cli_npy_parse */
     char           descr[8];                /* "<f4", "<f2", "<i4", "<u4", "<i8", ... */
     size_t         elem;                    /* bytes per element */
     int            ndim;
@@ -116,43 +116,43 @@ typedef struct cli_npy {
     size_t         data_len;
 } cli_npy;
 
-int  cli_npy_parse(const void *buf, size_t len, cli_npy *n, char *err, size_t errlen);
-int  cli_npy_read(const char *path, cli_npy *n, char *err, size_t errlen);
-void cli_npy_free(cli_npy *n);
+int  kvr__cli_npy_parse(const void *buf, size_t len, cli_npy *n, char *err, size_t errlen);
+int  kvr__cli_npy_read(const char *path, cli_npy *n, char *err, size_t errlen);
+void kvr__cli_npy_free(cli_npy *n);
 /* A KV array [layers, 2, tokens, kv_heads, head_dim] of float32/float16:
  * exactly kvrope's layer-major payload. 0, or -1 with err naming path. */
-int  cli_npy_kv_shape(const cli_npy *n, const char *path, kvr_dtype *dt, uint32_t *layers,
+int  kvr__cli_npy_kv_shape(const cli_npy *n, const char *path, kvr_dtype *dt, uint32_t *layers,
                       size_t *tokens, uint32_t *heads, uint32_t *dim, char *err, size_t errlen);
 /* Writes an .npy (version 1) of descr and shape whose data are the iovecs. */
-int  cli_npy_write(const char *path, const char *descr, const size_t *shape, int ndim,
+int  kvr__cli_npy_write(const char *path, const char *descr, const size_t *shape, int ndim,
                    struct iovec *iov, size_t n_iov, char *err, size_t errlen);
 
 /* Writes a buffer / iovecs to path ("-" = stdout). */
-int cli_write_iov(const char *path, struct iovec *iov, size_t n, char *err, size_t errlen);
+int kvr__cli_write_iov(const char *path, struct iovec *iov, size_t n, char *err, size_t errlen);
 
-bool cli_has_suffix(const char *s, const char *suffix);
+bool kvr__cli_has_suffix(const char *s, const char *suffix);
 
 /* Parses "1,2,3" (also spaces, brackets: a JSON array works) into a new
  * array (free). Returns count or -1. */
-long cli_parse_u32_list(const char *s, uint32_t **out);
-long cli_parse_i64_list(const char *s, int64_t **out);
+long kvr__cli_parse_u32_list(const char *s, uint32_t **out);
+long kvr__cli_parse_i64_list(const char *s, int64_t **out);
 /* Tokens from a file: *.bin = little-endian u32, *.npy = a 1-D integer
  * array, else text as above. */
-long cli_read_tokens_file(const char *path, uint32_t **out, char *err, size_t errlen);
+long kvr__cli_read_tokens_file(const char *path, uint32_t **out, char *err, size_t errlen);
 
 /* ---- position layouts (cli_layout.c) ------------------------------------ */
 struct cJSON;
 
 /* The `kvrope --help` section of the layout commands (two strings: each
  * stays under the compiler's string-literal limit). */
-extern const char cli_layout_help[];
-extern const char cli_layout_help_file[];
+extern const char kvr__cli_layout_help[];
+extern const char kvr__cli_layout_help_file[];
 
-/* assemble, group, retain: known/dispatched by main.c next to cli_run. */
-bool cli_layout_command(const char *cmd);
-int  cli_layout_run(kvr_client *c, const cli_args *a);
-bool cli_layout_option_takes_value(const char *name);
-bool cli_layout_option_is_flag(const char *name);
+/* assemble, group, retain: known/dispatched by main.c next to kvr__cli_run. */
+bool kvr__cli_layout_command(const char *cmd);
+int  kvr__cli_layout_run(kvr_client *c, const cli_args *a);
+bool kvr__cli_layout_option_takes_value(const char *name);
+bool kvr__cli_layout_option_is_flag(const char *name);
 
 /* put's layout options: --prefix-ctx P (APE document), --group NAME and
  * --groups A,B[:PHI] (GPE). Fills po and, for a group put, clears p's
@@ -164,32 +164,32 @@ typedef struct cli_put_layout {
     const char *names[KVR_MAX_GROUPS];
     int64_t     offsets[KVR_MAX_GROUPS];
 } cli_put_layout;
-int cli_put_layout_opts(const cli_args *a, kvr_put_args *p, cli_put_layout *lay);
+int kvr__cli_put_layout_opts(const cli_args *a, kvr_put_args *p, cli_put_layout *lay);
 
 /* stat: the context's layout (APE prefix, groups, retention) added to its
  * JSON object as "layout", or printed as more "label: value" lines. A
  * failed layout_stat adds / prints nothing. */
-void cli_layout_stat_json(kvr_client *c, const char *ctx, struct cJSON *j);
-void cli_layout_stat_print(kvr_client *c, const char *ctx);
+void kvr__cli_layout_stat_json(kvr_client *c, const char *ctx, struct cJSON *j);
+void kvr__cli_layout_stat_print(kvr_client *c, const char *ctx);
 
 
 /* ---- payloads from a model (cli_payload.c) ----------------------------- */
-extern const char cli_payload_help[];
-bool cli_payload_command(const char *cmd);
-int  cli_payload_run(kvr_client *c, const cli_args *a);
-bool cli_payload_option_takes_value(const char *name);
+extern const char kvr__cli_payload_help[];
+bool kvr__cli_payload_command(const char *cmd);
+int  kvr__cli_payload_run(kvr_client *c, const cli_args *a);
+bool kvr__cli_payload_option_takes_value(const char *name);
 
 /* ---- llama.cpp states (cli_llama.c) ------------------------------------ */
-extern const char cli_llama_help[];
-bool cli_llama_command(const char *cmd);
-int  cli_llama_run(kvr_client *c, const cli_args *a);
-bool cli_llama_option_takes_value(const char *name);
-bool cli_llama_option_is_flag(const char *name);
+extern const char kvr__cli_llama_help[];
+bool kvr__cli_llama_command(const char *cmd);
+int  kvr__cli_llama_run(kvr_client *c, const cli_args *a);
+bool kvr__cli_llama_option_takes_value(const char *name);
+bool kvr__cli_llama_option_is_flag(const char *name);
 
 /* Shared by the command files (cli_cmd.c defines them). */
-void cli_print_json(struct cJSON *j);         /* prints and frees j */
-int  cli_usage_err(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
-int  cli_io_err(const cli_args *a, const char *msg);
-int  cli_parse_u64(const char *v, uint64_t *out);   /* 0, or -1 if not a u64 */
+void kvr__cli_print_json(struct cJSON *j);         /* prints and frees j */
+int  kvr__cli_usage_err(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+int  kvr__cli_io_err(const cli_args *a, const char *msg);
+int  kvr__cli_parse_u64(const char *v, uint64_t *out);   /* 0, or -1 if not a u64 */
 
 #endif

@@ -4,6 +4,7 @@
  * returns an exit code (cli.h). Errors go to stderr; with --json they are
  * also printed to stdout as {"error": {...}} so scripts see one document.
  */
+#include "base/clock.h"
 #include "client/cli/cli.h"
 #include "client/cli/cli_parse.h"
 
@@ -20,7 +21,7 @@
 
 /* ---- output helpers ----------------------------------------------------- */
 
-void cli_print_json(struct cJSON *j)
+void kvr__cli_print_json(struct cJSON *j)
 {
     char *s = cJSON_Print(j);
     if (s) {
@@ -31,7 +32,7 @@ void cli_print_json(struct cJSON *j)
     cJSON_Delete(j);
 }
 
-int cli_usage_err(const char *fmt, ...)
+int kvr__cli_usage_err(const char *fmt, ...)
 {
     va_list ap;
     va_start(ap, fmt);
@@ -42,7 +43,7 @@ int cli_usage_err(const char *fmt, ...)
     return CLI_USAGE;
 }
 
-int cli_io_err(const cli_args *a, const char *msg)
+int kvr__cli_io_err(const cli_args *a, const char *msg)
 {
     fprintf(stderr, "kvrope: %s\n", msg);
     if (a->json) {
@@ -50,12 +51,12 @@ int cli_io_err(const cli_args *a, const char *msg)
         cJSON *e = cJSON_AddObjectToObject(j, "error");
         cJSON_AddStringToObject(e, "name", "io");
         cJSON_AddStringToObject(e, "message", msg);
-        cli_print_json(j);
+        kvr__cli_print_json(j);
     }
     return CLI_ERR;
 }
 
-int cli_fail(const cli_args *a, kvr_client *c, int code, const char *what)
+int kvr__cli_fail(const cli_args *a, kvr_client *c, int code, const char *what)
 {
     const char *msg = kvr_client_last_error(c);
     if (!msg || !*msg)
@@ -67,7 +68,7 @@ int cli_fail(const cli_args *a, kvr_client *c, int code, const char *what)
         cJSON_AddNumberToObject(e, "code", code);
         cJSON_AddStringToObject(e, "name", kvr_error_name(code));
         cJSON_AddStringToObject(e, "message", msg);
-        cli_print_json(j);
+        kvr__cli_print_json(j);
     }
     if (code == KVR_ENOCTX || code == KVR_ENOMODEL)
         return CLI_NOTFOUND;
@@ -92,24 +93,18 @@ static void human_bytes(char *buf, size_t cap, double b)
 static struct {
     bool            active, drawn;
     const char     *label;
-    struct timespec t0, last;
+    double          t0, last;       /* kvr_clock_mono_msf */
 } prog;
-
-static double since(const struct timespec *a, const struct timespec *b)
-{
-    return (double)(b->tv_sec - a->tv_sec) + (double)(b->tv_nsec - a->tv_nsec) * 1e-9;
-}
 
 static void on_progress(void *ud, uint64_t done, uint64_t total)
 {
     (void)ud;
     if (!prog.active || total == 0)
         return;
-    struct timespec now;
-    clock_gettime(CLOCK_MONOTONIC, &now);
-    double el = since(&prog.t0, &now);
+    double now = kvr_clock_mono_msf();
+    double el = (now - prog.t0) / 1e3;
     /* Only transfers that take more than a moment get a bar, redrawn at 10 Hz. */
-    if (el < 0.3 || (prog.drawn && since(&prog.last, &now) < 0.1 && done < total))
+    if (el < 0.3 || (prog.drawn && now - prog.last < 100 && done < total))
         return;
     prog.last = now;
     prog.drawn = true;
@@ -125,18 +120,18 @@ static void on_progress(void *ud, uint64_t done, uint64_t total)
     fflush(stderr);
 }
 
-void cli_progress_begin(kvr_client *c, const char *label)
+void kvr__cli_progress_begin(kvr_client *c, const char *label)
 {
     if (!isatty(2))
         return;
     prog.active = true;
     prog.drawn = false;
     prog.label = label;
-    clock_gettime(CLOCK_MONOTONIC, &prog.t0);
+    prog.t0 = kvr_clock_mono_msf();
     kvr_client_set_progress(c, on_progress, NULL);
 }
 
-void cli_progress_end(void)
+void kvr__cli_progress_end(void)
 {
     if (prog.drawn)
         fputc('\n', stderr);
@@ -147,7 +142,7 @@ void cli_progress_end(void)
 
 static int opt_u64(const cli_args *a, const char *name, uint64_t *out, bool *present)
 {
-    const char *v = cli_opt(a, name);
+    const char *v = kvr__cli_opt(a, name);
     if (present)
         *present = v != NULL;
     if (!v)
@@ -163,7 +158,7 @@ static int opt_u64(const cli_args *a, const char *name, uint64_t *out, bool *pre
 
 static int opt_i64(const cli_args *a, const char *name, int64_t *out, bool *present)
 {
-    const char *v = cli_opt(a, name);
+    const char *v = kvr__cli_opt(a, name);
     if (present)
         *present = v != NULL;
     if (!v)
@@ -177,7 +172,7 @@ static int opt_i64(const cli_args *a, const char *name, int64_t *out, bool *pres
     return 0;
 }
 
-int cli_parse_u64(const char *v, uint64_t *out)
+int kvr__cli_parse_u64(const char *v, uint64_t *out)
 {
     char *end;
     errno = 0;
@@ -190,7 +185,7 @@ int cli_parse_u64(const char *v, uint64_t *out)
 
 static int opt_dtype(const cli_args *a, kvr_dtype *out, bool *present)
 {
-    const char *v = cli_opt(a, "dtype");
+    const char *v = kvr__cli_opt(a, "dtype");
     *present = v != NULL;
     if (!v)
         return 0;
@@ -292,20 +287,18 @@ static cJSON *kv_json(const kvr_kv *kv, const char *file)
 
 static int cmd_ping(kvr_client *c, const cli_args *a)
 {
-    struct timespec t0, t1;
     kvr_pong p;
-    clock_gettime(CLOCK_MONOTONIC, &t0);
+    double t0 = kvr_clock_mono_msf();
     int r = kvr_client_ping(c, &p);
-    clock_gettime(CLOCK_MONOTONIC, &t1);
+    double ms = kvr_clock_mono_msf() - t0;
     if (r < 0)
-        return cli_fail(a, c, r, "ping");
-    double ms = since(&t0, &t1) * 1e3;
+        return kvr__cli_fail(a, c, r, "ping");
     if (a->json) {
         cJSON *j = cJSON_CreateObject();
         cJSON_AddStringToObject(j, "server", p.server);
         cJSON_AddNumberToObject(j, "protocol", p.protocol);
         cJSON_AddNumberToObject(j, "rtt_ms", ms);
-        cli_print_json(j);
+        kvr__cli_print_json(j);
     } else {
         printf("%s, protocol %u, %.3f ms\n", p.server, p.protocol, ms);
     }
@@ -318,12 +311,12 @@ static int cmd_stats(kvr_client *c, const cli_args *a)
     size_t n;
     int r = kvr_client_stats(c, &m, &n);
     if (r < 0)
-        return cli_fail(a, c, r, "stats");
+        return kvr__cli_fail(a, c, r, "stats");
     if (a->json) {
         cJSON *j = cJSON_CreateObject();
         for (size_t i = 0; i < n; i++)
             cJSON_AddNumberToObject(j, m[i].name, m[i].value);
-        cli_print_json(j);
+        kvr__cli_print_json(j);
     } else {
         for (size_t i = 0; i < n; i++) {
             char hb[32] = "";
@@ -391,30 +384,30 @@ static int cmd_models(kvr_client *c, const cli_args *a)
     const char *sub = a->npos > 0 ? a->pos[0] : "list";
     if (strcmp(sub, "add") == 0) {
         if (a->npos != 2)
-            return cli_usage_err("usage: kvrope models add NAME --config config.json");
+            return kvr__cli_usage_err("usage: kvrope models add NAME --config config.json");
         kvr_dtype dt = KVR_DTYPE_F16;
         bool has_dt;
         if (opt_dtype(a, &dt, &has_dt) < 0)
-            return cli_usage_err("--dtype: want f32, f16 or bf16");
-        const char *cfg = cli_opt(a, "config"), *style = cli_opt(a, "style");
+            return kvr__cli_usage_err("--dtype: want f32, f16 or bf16");
+        const char *cfg = kvr__cli_opt(a, "config"), *style = kvr__cli_opt(a, "style");
         if (style && strcmp(style, "neox") && strcmp(style, "gptj"))
-            return cli_usage_err("--style: want neox or gptj");
+            return kvr__cli_usage_err("--style: want neox or gptj");
         uint64_t L = 0, H = 0, D = 0;
         double theta = 10000.0;
-        const char *th = cli_opt(a, "theta");
+        const char *th = kvr__cli_opt(a, "theta");
         if (opt_u64(a, "layers", &L, NULL) < 0 || opt_u64(a, "heads", &H, NULL) < 0 ||
             opt_u64(a, "head-dim", &D, NULL) < 0 || L > UINT32_MAX || H > UINT32_MAX ||
             D > UINT32_MAX)
-            return cli_usage_err("--layers/--heads/--head-dim: want positive integers");
+            return kvr__cli_usage_err("--layers/--heads/--head-dim: want positive integers");
         if (th && (theta = strtod(th, NULL)) <= 0)
-            return cli_usage_err("--theta: want a positive number");
+            return kvr__cli_usage_err("--theta: want a positive number");
         if (!cfg && !(L && H && D))
-            return cli_usage_err("models add: give --config FILE, or --layers, --heads and "
+            return kvr__cli_usage_err("models add: give --config FILE, or --layers, --heads and "
                              "--head-dim");
         kvr_model m;
-        const char *codec = cli_opt(a, "codec");
+        const char *codec = kvr__cli_opt(a, "codec");
         int r;
-        const char *rot_s = cli_opt(a, "rotary-dim");
+        const char *rot_s = kvr__cli_opt(a, "rotary-dim");
         if (cfg && !L && !H && !D && !codec && !th && !rot_s) {
             r = kvr_client_model_register_file(c, a->pos[1], cfg, style, dt, &m);
         } else {
@@ -424,66 +417,66 @@ static int cmd_models(kvr_client *c, const cli_args *a)
             rc.style = style && !strcmp(style, "gptj") ? KVR_ROPE_GPTJ : KVR_ROPE_NEOX;
             uint64_t rot = 0;
             if (opt_u64(a, "rotary-dim", &rot, NULL) < 0)
-                return cli_usage_err("--rotary-dim: want an integer");
+                return kvr__cli_usage_err("--rotary-dim: want an integer");
             rc.rotary_dim = (int32_t)rot;
             char *json = NULL;
             if (cfg) {
                 cli_mapped mf;
                 char err[256];
-                if (cli_map_file(cfg, &mf, err, sizeof err) < 0)
-                    return cli_io_err(a, err);
+                if (kvr__cli_map_file(cfg, &mf, err, sizeof err) < 0)
+                    return kvr__cli_io_err(a, err);
                 if (th || rot_s)
                     json = config_overrides(mf.base ? mf.base : "", mf.len, th, rot_s);
                 if (!json && (json = malloc(mf.len + 1))) {
                     memcpy(json, mf.base, mf.len);
                     json[mf.len] = 0;
                 }
-                cli_unmap(&mf);
+                kvr__cli_unmap(&mf);
             }
             kvr_model_params p = { .name = a->pos[1], .config_json = json, .style = style,
                                    .n_layers = (uint32_t)L, .n_kv_heads = (uint32_t)H,
                                    .head_dim = (uint32_t)D, .dtype = dt,
                                    .rope = json ? NULL : &rc, .codec = codec };
             if (cfg && !json)
-                return cli_io_err(a, "out of memory");
+                return kvr__cli_io_err(a, "out of memory");
             r = kvr_client_model_register(c, &p, &m);
             free(json);
         }
         if (r < 0)
-            return cli_fail(a, c, r, "models add");
+            return kvr__cli_fail(a, c, r, "models add");
         if (a->json)
-            cli_print_json(model_json(&m));
+            kvr__cli_print_json(model_json(&m));
         else
             print_model(&m);
         return CLI_OK;
     }
     if (!strcmp(sub, "rm") || !strcmp(sub, "remove")) {
         if (a->npos != 2)
-            return cli_usage_err("usage: kvrope models rm NAME");
+            return kvr__cli_usage_err("usage: kvrope models rm NAME");
         int r = kvr_client_model_remove(c, a->pos[1]);
         if (r < 0)
-            return cli_fail(a, c, r, "models rm");
+            return kvr__cli_fail(a, c, r, "models rm");
         if (a->json) {
             cJSON *j = cJSON_CreateObject();
             cJSON_AddStringToObject(j, "removed", a->pos[1]);
-            cli_print_json(j);
+            kvr__cli_print_json(j);
         } else if (!a->quiet) {
             printf("removed model %s\n", a->pos[1]);
         }
         return CLI_OK;
     }
     if (strcmp(sub, "list") && strcmp(sub, "ls"))
-        return cli_usage_err("models: unknown subcommand '%s' (list, add, rm)", sub);
+        return kvr__cli_usage_err("models: unknown subcommand '%s' (list, add, rm)", sub);
     kvr_model *ms;
     size_t n;
     int r = kvr_client_model_list(c, &ms, &n);
     if (r < 0)
-        return cli_fail(a, c, r, "models");
+        return kvr__cli_fail(a, c, r, "models");
     if (a->json) {
         cJSON *arr = cJSON_CreateArray();
         for (size_t i = 0; i < n; i++)
             cJSON_AddItemToArray(arr, model_json(&ms[i]));
-        cli_print_json(arr);
+        kvr__cli_print_json(arr);
     } else {
         if (n == 0)
             printf("(no models)\n");
@@ -507,14 +500,14 @@ static int cmd_ls(kvr_client *c, const cli_args *a)
 {
     kvr_context *xs;
     size_t n;
-    int r = kvr_client_list(c, cli_opt(a, "model"), &xs, &n);
+    int r = kvr_client_list(c, kvr__cli_opt(a, "model"), &xs, &n);
     if (r < 0)
-        return cli_fail(a, c, r, "ls");
+        return kvr__cli_fail(a, c, r, "ls");
     if (a->json) {
         cJSON *arr = cJSON_CreateArray();
         for (size_t i = 0; i < n; i++)
             cJSON_AddItemToArray(arr, ctx_json(&xs[i]));
-        cli_print_json(arr);
+        kvr__cli_print_json(arr);
     } else {
         printf("%-24s %-16s %8s %18s %10s\n", "ID", "MODEL", "TOKENS", "POSITIONS", "BYTES");
         for (size_t i = 0; i < n; i++)
@@ -527,12 +520,12 @@ static int cmd_ls(kvr_client *c, const cli_args *a)
 static int cmd_stat(kvr_client *c, const cli_args *a)
 {
     if (a->npos != 1)
-        return cli_usage_err("usage: kvrope stat CONTEXT");
+        return kvr__cli_usage_err("usage: kvrope stat CONTEXT");
     kvr_context x;
     int r = kvr_client_stat(c, a->pos[0], &x);
     const kvr_context *cc = &x;
     if (r < 0)
-        return cli_fail(a, c, r, "stat");
+        return kvr__cli_fail(a, c, r, "stat");
     if (a->json) {
         cJSON *j = ctx_json(&x);
         cJSON_AddStringToObject(j, "codec", cc->codec);
@@ -544,8 +537,8 @@ static int cmd_stat(kvr_client *c, const cli_args *a)
         cJSON_AddNumberToObject(j, "rel_rms_k", cc->rel_rms_k);
         cJSON_AddNumberToObject(j, "rel_rms_v", cc->rel_rms_v);
         cJSON_AddBoolToObject(j, "v_trans", cc->v_trans);
-        cli_layout_stat_json(c, a->pos[0], j);
-        cli_print_json(j);
+        kvr__cli_layout_stat_json(c, a->pos[0], j);
+        kvr__cli_print_json(j);
     } else {
         char b[32];
         human_bytes(b, sizeof b, (double)x.bytes);
@@ -567,31 +560,31 @@ static int cmd_stat(kvr_client *c, const cli_args *a)
         if (cc->v_trans)
             printf("V layout:     imported transposed (flash attention off): llama export "
                    "writes v_trans 1\n");
-        cli_layout_stat_print(c, a->pos[0]);
+        kvr__cli_layout_stat_print(c, a->pos[0]);
     }
     return CLI_OK;
 }
 
 static int load_tokens(const cli_args *a, uint32_t **tok, long *n, bool required)
 {
-    const char *tl = cli_opt(a, "tokens"), *tf = cli_opt(a, "tokens-file");
+    const char *tl = kvr__cli_opt(a, "tokens"), *tf = kvr__cli_opt(a, "tokens-file");
     *tok = NULL;
     *n = -1;
     if (tl && tf)
-        return cli_usage_err("give --tokens or --tokens-file, not both");
+        return kvr__cli_usage_err("give --tokens or --tokens-file, not both");
     if (tl) {
-        *n = cli_parse_u32_list(tl, tok);
+        *n = kvr__cli_parse_u32_list(tl, tok);
         if (*n < 0)
-            return cli_usage_err("--tokens: want comma-separated unsigned integers");
+            return kvr__cli_usage_err("--tokens: want comma-separated unsigned integers");
     } else if (tf) {
         char err[300];
-        *n = cli_read_tokens_file(tf, tok, err, sizeof err);
+        *n = kvr__cli_read_tokens_file(tf, tok, err, sizeof err);
         if (*n < 0) {
             fprintf(stderr, "kvrope: %s\n", err);
             return CLI_ERR;
         }
     } else if (required) {
-        return cli_usage_err("--tokens or --tokens-file is required");
+        return kvr__cli_usage_err("--tokens or --tokens-file is required");
     }
     return CLI_OK;
 }
@@ -599,47 +592,47 @@ static int load_tokens(const cli_args *a, uint32_t **tok, long *n, bool required
 static int cmd_put(kvr_client *c, const cli_args *a)
 {
     if (a->npos != 2)
-        return cli_usage_err("usage: kvrope put CONTEXT FILE --model M [options]");
+        return kvr__cli_usage_err("usage: kvrope put CONTEXT FILE --model M [options]");
     const char *ctx = a->pos[0], *file = a->pos[1];
-    bool st_file = cli_has_suffix(file, ".safetensors");
-    kvr_put_args p = { .ctx_id = ctx, .model = cli_opt(a, "model"), .mode = KVR_PUT_UPSERT };
-    const char *mode = cli_opt(a, "mode");
+    bool st_file = kvr__cli_has_suffix(file, ".safetensors");
+    kvr_put_args p = { .ctx_id = ctx, .model = kvr__cli_opt(a, "model"), .mode = KVR_PUT_UPSERT };
+    const char *mode = kvr__cli_opt(a, "mode");
     if (mode) {
         if (!strcmp(mode, "create")) p.mode = KVR_PUT_CREATE;
         else if (!strcmp(mode, "append")) p.mode = KVR_PUT_APPEND;
         else if (!strcmp(mode, "upsert")) p.mode = KVR_PUT_UPSERT;
         else if (!strcmp(mode, "replace")) p.mode = KVR_PUT_REPLACE;
-        else return cli_usage_err("--mode: want create, append, upsert or replace");
+        else return kvr__cli_usage_err("--mode: want create, append, upsert or replace");
     }
-    p.pin = cli_flag(a, "pin");
+    p.pin = kvr__cli_flag(a, "pin");
     bool has_protect;
     if (opt_u64(a, "protect", &p.protect_first, &has_protect) < 0)
-        return cli_usage_err("--protect: want a token count");
+        return kvr__cli_usage_err("--protect: want a token count");
     p.has_protect = has_protect;
-    p.codec = cli_opt(a, "codec");   /* create: storage codec (docs/quantized.md) */
-    const char *fp = cli_opt(a, "fingerprint");
+    p.codec = kvr__cli_opt(a, "codec");   /* create: storage codec (docs/quantized.md) */
+    const char *fp = kvr__cli_opt(a, "fingerprint");
     if (fp) {
         char *end;
         p.fingerprint = strtoull(fp, &end, 16);
         if (*end || end == fp)
-            return cli_usage_err("--fingerprint: want hex digits");
+            return kvr__cli_usage_err("--fingerprint: want hex digits");
     }
     bool has_dt;
     kvr_dtype dt = KVR_DTYPE_F16;
     if (opt_dtype(a, &dt, &has_dt) < 0)
-        return cli_usage_err("--dtype: want f32, f16 or bf16");
+        return kvr__cli_usage_err("--dtype: want f32, f16 or bf16");
     uint64_t L = 0, H = 0, D = 0;
     if (opt_u64(a, "layers", &L, NULL) < 0 || opt_u64(a, "heads", &H, NULL) < 0 ||
         opt_u64(a, "head-dim", &D, NULL) < 0 || L > UINT32_MAX || H > UINT32_MAX ||
         D > UINT32_MAX)
-        return cli_usage_err("--layers/--heads/--head-dim: want integers");
+        return kvr__cli_usage_err("--layers/--heads/--head-dim: want integers");
     if (opt_i64(a, "pos-start", &p.pos_start, &p.has_pos_start) < 0)
-        return cli_usage_err("--pos-start: want an integer");
+        return kvr__cli_usage_err("--pos-start: want an integer");
     int64_t *positions = NULL;
-    const char *pl = cli_opt(a, "positions");
-    long npos = pl ? cli_parse_i64_list(pl, &positions) : -1;
+    const char *pl = kvr__cli_opt(a, "positions");
+    long npos = pl ? kvr__cli_parse_i64_list(pl, &positions) : -1;
     if (pl && npos < 0)
-        return cli_usage_err("--positions: want comma-separated integers");
+        return kvr__cli_usage_err("--positions: want comma-separated integers");
     uint32_t *tokens = NULL;
     long ntok;
     int rc = load_tokens(a, &tokens, &ntok, !st_file);
@@ -656,15 +649,15 @@ static int cmd_put(kvr_client *c, const cli_args *a)
     int r;
     rc = CLI_OK;
     if (st_file) {
-        if (cli_st_read(file, &st, err, sizeof err) < 0) {
-            rc = cli_io_err(a, err);
+        if (kvr__cli_st_read(file, &st, err, sizeof err) < 0) {
+            rc = kvr__cli_io_err(a, err);
             goto out;
         }
         if (!p.model && st.model[0])
             p.model = st.model;
         if (ntok < 0) {
             if (!st.tokens) {
-                rc = cli_usage_err("%s has no 'tokens' tensor: give --tokens", file);
+                rc = kvr__cli_usage_err("%s has no 'tokens' tensor: give --tokens", file);
                 goto out;
             }
             ntok = (long)st.n_tokens;
@@ -672,7 +665,7 @@ static int cmd_put(kvr_client *c, const cli_args *a)
             st.tokens = NULL;
         }
         if ((size_t)ntok != st.n_tokens) {
-            rc = cli_usage_err("token count does not match the tensors in %s", file);
+            rc = kvr__cli_usage_err("token count does not match the tensors in %s", file);
             goto out;
         }
         if (!positions && !p.has_pos_start && st.positions) {
@@ -681,7 +674,7 @@ static int cmd_put(kvr_client *c, const cli_args *a)
             st.positions = NULL;
         }
         if (has_dt && dt != st.dtype) {
-            rc = cli_usage_err("--dtype differs from the tensors' dtype in %s", file);
+            rc = kvr__cli_usage_err("--dtype differs from the tensors' dtype in %s", file);
             goto out;
         }
         p.dtype = st.dtype;
@@ -690,7 +683,7 @@ static int cmd_put(kvr_client *c, const cli_args *a)
         p.head_dim = st.head_dim;
         iov = malloc((2 * (size_t)st.n_layers + 1) * sizeof *iov);
         if (!iov) {
-            rc = cli_io_err(a, "out of memory");
+            rc = kvr__cli_io_err(a, "out of memory");
             goto out;
         }
         size_t slab = kvr_payload_size(1, st.n_tokens, st.n_heads, st.head_dim, st.dtype) / 2;
@@ -700,22 +693,22 @@ static int cmd_put(kvr_client *c, const cli_args *a)
         }
         p.iov = iov;
         p.iovcnt = 2 * (size_t)st.n_layers;
-    } else if (cli_has_suffix(file, ".npy")) {
+    } else if (kvr__cli_has_suffix(file, ".npy")) {
         /* [layers, 2, tokens, heads, dim]: the raw payload with its shape. */
         uint32_t nl, nh, nd;
         size_t nt;
         kvr_dtype ndt;
-        if (cli_npy_read(file, &npy, err, sizeof err) < 0 ||
-            cli_npy_kv_shape(&npy, file, &ndt, &nl, &nt, &nh, &nd, err, sizeof err) < 0) {
-            rc = cli_io_err(a, err);
+        if (kvr__cli_npy_read(file, &npy, err, sizeof err) < 0 ||
+            kvr__cli_npy_kv_shape(&npy, file, &ndt, &nl, &nt, &nh, &nd, err, sizeof err) < 0) {
+            rc = kvr__cli_io_err(a, err);
             goto out;
         }
         if (nt != (size_t)ntok) {
-            rc = cli_usage_err("%s holds %zu tokens, --tokens gives %ld", file, nt, ntok);
+            rc = kvr__cli_usage_err("%s holds %zu tokens, --tokens gives %ld", file, nt, ntok);
             goto out;
         }
         if (has_dt && dt != ndt) {
-            rc = cli_usage_err("--dtype differs from the array's dtype in %s", file);
+            rc = kvr__cli_usage_err("--dtype differs from the array's dtype in %s", file);
             goto out;
         }
         p.dtype = ndt;
@@ -725,18 +718,18 @@ static int cmd_put(kvr_client *c, const cli_args *a)
         p.payload = npy.data ? (const void *)npy.data : "";
         p.payload_len = npy.data_len;
     } else {
-        if (cli_map_file(file, &raw, err, sizeof err) < 0) {
-            rc = cli_io_err(a, err);
+        if (kvr__cli_map_file(file, &raw, err, sizeof err) < 0) {
+            rc = kvr__cli_io_err(a, err);
             goto out;
         }
         if (!p.model) {
-            rc = cli_usage_err("put: --model is required");
+            rc = kvr__cli_usage_err("put: --model is required");
             goto out;
         }
         if (!(L && H && D) || !has_dt) {   /* the rest of the shape from the model */
             r = kvr_client_model_get(c, p.model, &m);
             if (r < 0) {
-                rc = cli_fail(a, c, r, "put");
+                rc = kvr__cli_fail(a, c, r, "put");
                 goto out;
             }
             if (!L) L = m.n_layers;
@@ -755,31 +748,31 @@ static int cmd_put(kvr_client *c, const cli_args *a)
             snprintf(err, sizeof err, "%s: %zu bytes, but %ld tokens x %u layers x %u heads x "
                      "%u dims x K,V in %s need %zu", file, raw.len, ntok, p.n_layers,
                      p.n_kv_heads, p.head_dim, kvr_dtype_name(dt), want);
-            rc = cli_io_err(a, err);
+            rc = kvr__cli_io_err(a, err);
             goto out;
         }
     }
     if (!p.model) {
-        rc = cli_usage_err("put: --model is required");
+        rc = kvr__cli_usage_err("put: --model is required");
         goto out;
     }
     if (positions && npos != ntok) {
-        rc = cli_usage_err("--positions: need one per token");
+        rc = kvr__cli_usage_err("--positions: need one per token");
         goto out;
     }
     p.tokens = tokens;
     p.n_tokens = (size_t)ntok;
     p.positions = positions;
     cli_put_layout lay;   /* --prefix-ctx, --group, --groups (cli_layout.c) */
-    rc = cli_put_layout_opts(a, &p, &lay);
+    rc = kvr__cli_put_layout_opts(a, &p, &lay);
     if (rc != CLI_OK)
         goto out;
     kvr_put_res res;
-    cli_progress_begin(c, "put");
-    p.persist = cli_flag(a, "persist");
-    p.share = cli_flag(a, "share");
-    p.share_sync = cli_flag(a, "share-sync");
-    if (cli_flag(a, "shm")) {
+    kvr__cli_progress_begin(c, "put");
+    p.persist = kvr__cli_flag(a, "persist");
+    p.share = kvr__cli_flag(a, "share");
+    p.share_sync = kvr__cli_flag(a, "share-sync");
+    if (kvr__cli_flag(a, "shm")) {
         /* The payload through a memfd region instead of the socket. */
         uint64_t len = p.payload_len;
         for (size_t i = 0; p.iov && i < p.iovcnt; i++)
@@ -788,8 +781,8 @@ static int cmd_put(kvr_client *c, const cli_args *a)
         void *base;
         r = kvr_client_region_create(c, len ? (size_t)len : 1, &id, &base);
         if (r < 0) {
-            cli_progress_end();
-            rc = cli_fail(a, c, r, "put --shm");
+            kvr__cli_progress_end();
+            rc = kvr__cli_fail(a, c, r, "put --shm");
             goto out;
         }
         uint8_t *d = base;
@@ -804,9 +797,9 @@ static int cmd_put(kvr_client *c, const cli_args *a)
     }
     r = lay.group ? kvr_client_group_append(c, &p, lay.group, &res)
                   : kvr_client_put(c, &p, &res);
-    cli_progress_end();
+    kvr__cli_progress_end();
     if (r < 0) {
-        rc = cli_fail(a, c, r, "put");
+        rc = kvr__cli_fail(a, c, r, "put");
         goto out;
     }
     if (a->json) {
@@ -818,7 +811,7 @@ static int cmd_put(kvr_client *c, const cli_args *a)
         cJSON_AddNumberToObject(j, "last_pos", (double)res.last_pos);
         if (has_protect)
             cJSON_AddNumberToObject(j, "protected", (double)p.protect_first);
-        cli_print_json(j);
+        kvr__cli_print_json(j);
     } else if (!a->quiet) {
         printf("%s: put %ld tokens at positions %" PRId64 "..%" PRId64 ", length now %" PRIu64
                "\n", ctx, ntok, res.first_pos, res.last_pos, res.n_tokens);
@@ -827,35 +820,35 @@ out:
     free(iov);
     free(tokens);
     free(positions);
-    cli_st_free(&st);
-    cli_unmap(&raw);
-    cli_npy_free(&npy);
+    kvr__cli_st_free(&st);
+    kvr__cli_unmap(&raw);
+    kvr__cli_npy_free(&npy);
     return rc;
 }
 
 /* Writes a get/match result to `out` by extension, or reports meta only. */
-int cli_write_kv(const cli_args *a, const kvr_kv *kv, const char *out)
+int kvr__cli_write_kv(const cli_args *a, const kvr_kv *kv, const char *out)
 {
     char err[400];
     if (out) {
         int w;
-        if (cli_has_suffix(out, ".safetensors")) {
-            w = cli_st_write(out, kv, err, sizeof err);
-        } else if (cli_has_suffix(out, ".npy")) {
+        if (kvr__cli_has_suffix(out, ".safetensors")) {
+            w = kvr__cli_st_write(out, kv, err, sizeof err);
+        } else if (kvr__cli_has_suffix(out, ".npy")) {
             if (kv->dtype != KVR_DTYPE_F32 && kv->dtype != KVR_DTYPE_F16)
-                return cli_usage_err(".npy has no %s: give --dtype f32 or f16, or write "
+                return kvr__cli_usage_err(".npy has no %s: give --dtype f32 or f16, or write "
                                      ".safetensors", kvr_dtype_name(kv->dtype));
             size_t shape[5] = { kv->n_layers, 2, (size_t)kv->n_tokens, kv->n_kv_heads,
                                 kv->head_dim };
             struct iovec iov = { kv->payload, kv->payload_len };
-            w = cli_npy_write(out, kv->dtype == KVR_DTYPE_F32 ? "<f4" : "<f2", shape, 5, &iov,
+            w = kvr__cli_npy_write(out, kv->dtype == KVR_DTYPE_F32 ? "<f4" : "<f2", shape, 5, &iov,
                               1, err, sizeof err);
         } else {
             struct iovec iov = { kv->payload, kv->payload_len };
-            w = cli_write_iov(out, &iov, 1, err, sizeof err);
+            w = kvr__cli_write_iov(out, &iov, 1, err, sizeof err);
         }
         if (w < 0)
-            return cli_io_err(a, err);
+            return kvr__cli_io_err(a, err);
     }
     return CLI_OK;
 }
@@ -863,28 +856,28 @@ int cli_write_kv(const cli_args *a, const kvr_kv *kv, const char *out)
 static int cmd_get(kvr_client *c, const cli_args *a)
 {
     if (a->npos != 1)
-        return cli_usage_err("usage: kvrope get CONTEXT -o FILE [options]");
-    const char *out = cli_opt(a, "output");
-    bool meta = cli_flag(a, "meta");
+        return kvr__cli_usage_err("usage: kvrope get CONTEXT -o FILE [options]");
+    const char *out = kvr__cli_opt(a, "output");
+    bool meta = kvr__cli_flag(a, "meta");
     if (!out && !meta)
-        return cli_usage_err("get: give -o FILE (.safetensors or raw), or --meta");
+        return kvr__cli_usage_err("get: give -o FILE (.safetensors or raw), or --meta");
     bool to_stdout = out && !strcmp(out, "-");
     if (to_stdout && a->json)
-        return cli_usage_err("get: --json and -o - both want stdout");
-    bool raw = cli_flag(a, "raw");
-    if (raw && (cli_opt(a, "positions") || cli_opt(a, "pos-start") || cli_opt(a, "dtype")))
-        return cli_usage_err("get --raw: the stored bytes, keys pre-RoPE: no --dtype/--positions");
-    if (raw && out && cli_has_suffix(out, ".safetensors"))
-        return cli_usage_err("get --raw: write a raw file (.safetensors holds float tensors)");
+        return kvr__cli_usage_err("get: --json and -o - both want stdout");
+    bool raw = kvr__cli_flag(a, "raw");
+    if (raw && (kvr__cli_opt(a, "positions") || kvr__cli_opt(a, "pos-start") || kvr__cli_opt(a, "dtype")))
+        return kvr__cli_usage_err("get --raw: the stored bytes, keys pre-RoPE: no --dtype/--positions");
+    if (raw && out && kvr__cli_has_suffix(out, ".safetensors"))
+        return kvr__cli_usage_err("get --raw: write a raw file (.safetensors holds float tensors)");
     kvr_get_args g = { .ctx_id = a->pos[0], .meta_only = meta, .raw = raw };
     bool has_dt;
     if (opt_dtype(a, &g.dtype, &has_dt) < 0)
-        return cli_usage_err("--dtype: want f32, f16 or bf16");
+        return kvr__cli_usage_err("--dtype: want f32, f16 or bf16");
     bool has_end;
     if (opt_u64(a, "start", &g.start, NULL) < 0 || opt_u64(a, "end", &g.end, &has_end) < 0)
-        return cli_usage_err("--start/--end: want token indexes");
+        return kvr__cli_usage_err("--start/--end: want token indexes");
     if (has_end && g.end <= g.start)
-        return cli_usage_err("--end must be greater than --start");
+        return kvr__cli_usage_err("--end must be greater than --start");
     int r;
     if (!has_dt && !raw) {   /* default: the model's native dtype */
         kvr_context x;
@@ -893,50 +886,50 @@ static int cmd_get(kvr_client *c, const cli_args *a)
         if (r == 0)
             r = kvr_client_model_get(c, x.model, &m);
         if (r < 0)
-            return cli_fail(a, c, r, "get");
+            return kvr__cli_fail(a, c, r, "get");
         g.dtype = m.dtype;
     }
     int64_t *pos = NULL;
     uint32_t *layers = NULL;
-    const char *ps = cli_opt(a, "positions"), *ls = cli_opt(a, "layers");
+    const char *ps = kvr__cli_opt(a, "positions"), *ls = kvr__cli_opt(a, "layers");
     bool has_ps;
     int64_t pstart = 0;
     if (opt_i64(a, "pos-start", &pstart, &has_ps) < 0)
-        return cli_usage_err("--pos-start: want an integer");
+        return kvr__cli_usage_err("--pos-start: want an integer");
     if (ps && has_ps)
-        return cli_usage_err("give --positions or --pos-start, not both");
+        return kvr__cli_usage_err("give --positions or --pos-start, not both");
     if (ps) {
-        long n = cli_parse_i64_list(ps, &pos);
+        long n = kvr__cli_parse_i64_list(ps, &pos);
         if (n < 0)
-            return cli_usage_err("--positions: want comma-separated integers");
+            return kvr__cli_usage_err("--positions: want comma-separated integers");
         g.positions = pos;
         g.n_positions = (size_t)n;
     } else if (has_ps) {   /* contiguous target positions: need the range length */
         kvr_context x;
         r = kvr_client_stat(c, g.ctx_id, &x);
         if (r < 0)
-            return cli_fail(a, c, r, "get");
+            return kvr__cli_fail(a, c, r, "get");
         uint64_t end = has_end ? g.end : x.n_tokens;
         size_t n = end > g.start ? (size_t)(end - g.start) : 0;
         pos = malloc((n ? n : 1) * sizeof *pos);
         if (!pos)
-            return cli_io_err(a, "out of memory");
+            return kvr__cli_io_err(a, "out of memory");
         for (size_t i = 0; i < n; i++)
             pos[i] = pstart + (int64_t)i;
         g.positions = pos;
         g.n_positions = n;
     }
     if (ls) {
-        long n = cli_parse_u32_list(ls, &layers);
+        long n = kvr__cli_parse_u32_list(ls, &layers);
         if (n < 0) {
             free(pos);
-            return cli_usage_err("--layers: want comma-separated layer indexes");
+            return kvr__cli_usage_err("--layers: want comma-separated layer indexes");
         }
         g.layers = layers;
         g.n_layers = (size_t)n;
     }
     kvr_kv kv;
-    if (cli_flag(a, "shm") && !meta) {
+    if (kvr__cli_flag(a, "shm") && !meta) {
         /* The daemon writes the KV into a memfd region of ours: size it
          * from the context's length and the model's shape. */
         kvr_context x;
@@ -947,7 +940,7 @@ static int cmd_get(kvr_client *c, const cli_args *a)
         if (r < 0) {
             free(pos);
             free(layers);
-            return cli_fail(a, c, r, "get --shm");
+            return kvr__cli_fail(a, c, r, "get --shm");
         }
         uint64_t end = g.end ? g.end : x.n_tokens;
         size_t n = end > g.start ? (size_t)(end - g.start) : 0;
@@ -959,20 +952,20 @@ static int cmd_get(kvr_client *c, const cli_args *a)
         if (r < 0) {
             free(pos);
             free(layers);
-            return cli_fail(a, c, r, "get --shm");
+            return kvr__cli_fail(a, c, r, "get --shm");
         }
         kvr_shm at = { id, 0, sz };
         kvr_client_shm_next(c, &at);
     }
-    cli_progress_begin(c, "get");
+    kvr__cli_progress_begin(c, "get");
     r = kvr_client_get(c, &g, &kv);
     const kvr_raw_layout *rl = &kv.raw;
-    cli_progress_end();
+    kvr__cli_progress_end();
     free(pos);
     free(layers);
     if (r < 0)
-        return cli_fail(a, c, r, "get");
-    int rc = meta ? CLI_OK : cli_write_kv(a, &kv, out);
+        return kvr__cli_fail(a, c, r, "get");
+    int rc = meta ? CLI_OK : kvr__cli_write_kv(a, &kv, out);
     if (rc == CLI_OK) {
         if (a->json) {
             cJSON *j = kv_json(&kv, meta ? NULL : out);
@@ -990,7 +983,7 @@ static int cmd_get(kvr_client *c, const cli_args *a)
                 cJSON_AddNumberToObject(o, "k_unit_bytes", (double)rl->k_unit_bytes);
                 cJSON_AddNumberToObject(o, "v_unit_bytes", (double)rl->v_unit_bytes);
             }
-            cli_print_json(j);
+            kvr__cli_print_json(j);
         } else if (rl->raw && !a->quiet) {
             FILE *o = to_stdout ? stderr : stdout;
             fprintf(o, "%s: %" PRIu64 " tokens [%" PRIu64 ", %" PRIu64 ") raw %s: per layer K "
@@ -1019,9 +1012,9 @@ static int cmd_get(kvr_client *c, const cli_args *a)
 
 static int cmd_match(kvr_client *c, const cli_args *a)
 {
-    const char *model = cli_opt(a, "model"), *out = cli_opt(a, "output");
+    const char *model = kvr__cli_opt(a, "model"), *out = kvr__cli_opt(a, "output");
     if (!model || a->npos != 0)
-        return cli_usage_err("usage: kvrope match --model M (--tokens 1,2,3 | --tokens-file F) "
+        return kvr__cli_usage_err("usage: kvrope match --model M (--tokens 1,2,3 | --tokens-file F) "
                          "[--get -o FILE]");
     uint32_t *tok;
     long n;
@@ -1029,36 +1022,36 @@ static int cmd_match(kvr_client *c, const cli_args *a)
     if (rc != CLI_OK)
         return rc;
     kvr_match_args m = { .model = model, .tokens = tok, .n_tokens = (size_t)n,
-                         .include_approximate = cli_flag(a, "approx"),
-                         .get = cli_flag(a, "get") || out != NULL, .dtype = KVR_DTYPE_F16 };
+                         .include_approximate = kvr__cli_flag(a, "approx"),
+                         .get = kvr__cli_flag(a, "get") || out != NULL, .dtype = KVR_DTYPE_F16 };
     bool has_dt;
     if (opt_dtype(a, &m.dtype, &has_dt) < 0) {
         free(tok);
-        return cli_usage_err("--dtype: want f32, f16 or bf16");
+        return kvr__cli_usage_err("--dtype: want f32, f16 or bf16");
     }
     if (m.get && !has_dt) {
         kvr_model mi;
         int r = kvr_client_model_get(c, model, &mi);
         if (r < 0) {
             free(tok);
-            return cli_fail(a, c, r, "match");
+            return kvr__cli_fail(a, c, r, "match");
         }
         m.dtype = mi.dtype;
     }
     if (m.get && !out) {
         free(tok);
-        return cli_usage_err("match --get needs -o FILE");
+        return kvr__cli_usage_err("match --get needs -o FILE");
     }
     kvr_match_res res;
-    cli_progress_begin(c, "match");
+    kvr__cli_progress_begin(c, "match");
     int r = kvr_client_match(c, &m, &res);
-    cli_progress_end();
+    kvr__cli_progress_end();
     free(tok);
     if (r < 0)
-        return cli_fail(a, c, r, "match");
+        return kvr__cli_fail(a, c, r, "match");
     rc = CLI_OK;
     if (res.has_kv)
-        rc = cli_write_kv(a, &res.kv, out);
+        rc = kvr__cli_write_kv(a, &res.kv, out);
     if (rc == CLI_OK) {
         if (a->json) {
             cJSON *j = cJSON_CreateObject();
@@ -1067,7 +1060,7 @@ static int cmd_match(kvr_client *c, const cli_args *a)
             cJSON_AddStringToObject(j, "context_id", res.ctx_id);
             if (res.has_kv)
                 cJSON_AddItemToObject(j, "kv", kv_json(&res.kv, out));
-            cli_print_json(j);
+            kvr__cli_print_json(j);
         } else if (!a->quiet) {
             if (res.length)
                 printf("%" PRIu64 " of %ld tokens cached in %s%s%s\n", res.length, n, res.ctx_id,
@@ -1089,7 +1082,7 @@ static int simple_done(const cli_args *a, const char *what, const char *id)
         cJSON_AddBoolToObject(j, "ok", 1);
         cJSON_AddStringToObject(j, "op", what);
         cJSON_AddStringToObject(j, "context_id", id);
-        cli_print_json(j);
+        kvr__cli_print_json(j);
     } else if (!a->quiet) {
         printf("%s: %s\n", id, what);
     }
@@ -1099,12 +1092,12 @@ static int simple_done(const cli_args *a, const char *what, const char *id)
 static int cmd_rm(kvr_client *c, const cli_args *a)
 {
     if (a->npos < 1)
-        return cli_usage_err("usage: kvrope rm CONTEXT...");
+        return kvr__cli_usage_err("usage: kvrope rm CONTEXT...");
     int rc = CLI_OK;
     for (int i = 0; i < a->npos; i++) {
         int r = kvr_client_delete(c, a->pos[i]);
         if (r < 0)
-            rc = cli_fail(a, c, r, a->pos[i]);
+            rc = kvr__cli_fail(a, c, r, a->pos[i]);
         else if (!a->json && !a->quiet)
             printf("%s: deleted\n", a->pos[i]);
     }
@@ -1112,7 +1105,7 @@ static int cmd_rm(kvr_client *c, const cli_args *a)
         cJSON *j = cJSON_CreateObject();
         cJSON_AddBoolToObject(j, "ok", 1);
         cJSON_AddNumberToObject(j, "deleted", a->npos);
-        cli_print_json(j);
+        kvr__cli_print_json(j);
     }
     return rc;
 }
@@ -1120,26 +1113,26 @@ static int cmd_rm(kvr_client *c, const cli_args *a)
 static int cmd_pin(kvr_client *c, const cli_args *a, bool pin)
 {
     if (a->npos != 1)
-        return cli_usage_err(pin ? "usage: kvrope pin CONTEXT" : "usage: kvrope unpin CONTEXT");
+        return kvr__cli_usage_err(pin ? "usage: kvrope pin CONTEXT" : "usage: kvrope unpin CONTEXT");
     int r = kvr_client_pin(c, a->pos[0], pin);
     if (r < 0)
-        return cli_fail(a, c, r, pin ? "pin" : "unpin");
+        return kvr__cli_fail(a, c, r, pin ? "pin" : "unpin");
     return simple_done(a, pin ? "pinned" : "unpinned", a->pos[0]);
 }
 
 static int cmd_fork(kvr_client *c, const cli_args *a)
 {
     if (a->npos != 2)
-        return cli_usage_err("usage: kvrope fork SRC DST");
+        return kvr__cli_usage_err("usage: kvrope fork SRC DST");
     int r = kvr_client_fork(c, a->pos[0], a->pos[1]);
     if (r < 0)
-        return cli_fail(a, c, r, "fork");
+        return kvr__cli_fail(a, c, r, "fork");
     if (a->json) {
         cJSON *j = cJSON_CreateObject();
         cJSON_AddBoolToObject(j, "ok", 1);
         cJSON_AddStringToObject(j, "src", a->pos[0]);
         cJSON_AddStringToObject(j, "dst", a->pos[1]);
-        cli_print_json(j);
+        kvr__cli_print_json(j);
     } else if (!a->quiet) {
         printf("%s -> %s: forked (copy-on-write)\n", a->pos[0], a->pos[1]);
     }
@@ -1151,15 +1144,15 @@ static int cmd_shift_keep(kvr_client *c, const cli_args *a, bool shift)
     uint64_t start, end;
     int64_t delta = 0;
     char *e = NULL;
-    if (a->npos != (shift ? 4 : 3) || cli_parse_u64(a->pos[1], &start) < 0 ||
-        cli_parse_u64(a->pos[2], &end) < 0 ||
+    if (a->npos != (shift ? 4 : 3) || kvr__cli_parse_u64(a->pos[1], &start) < 0 ||
+        kvr__cli_parse_u64(a->pos[2], &end) < 0 ||
         (shift && (errno = 0, delta = strtoll(a->pos[3], &e, 0), errno || *e || e == a->pos[3])))
-        return cli_usage_err(shift ? "usage: kvrope shift CONTEXT START END DELTA"
+        return kvr__cli_usage_err(shift ? "usage: kvrope shift CONTEXT START END DELTA"
                                : "usage: kvrope keep CONTEXT START END");
     int r = shift ? kvr_client_shift(c, a->pos[0], start, end, delta)
                   : kvr_client_keep(c, a->pos[0], start, end);
     if (r < 0)
-        return cli_fail(a, c, r, shift ? "shift" : "keep");
+        return kvr__cli_fail(a, c, r, shift ? "shift" : "keep");
     return simple_done(a, shift ? "shifted" : "kept", a->pos[0]);
 }
 
@@ -1184,9 +1177,9 @@ typedef struct kv_src {
 static void kv_src_free(kv_src *k)
 {
     free(k->iov);
-    cli_st_free(&k->st);
-    cli_unmap(&k->raw);
-    cli_npy_free(&k->npy);
+    kvr__cli_st_free(&k->st);
+    kvr__cli_unmap(&k->raw);
+    kvr__cli_npy_free(&k->npy);
     memset(k, 0, sizeof *k);
 }
 
@@ -1198,24 +1191,24 @@ static int kv_src_load(kvr_client *c, const cli_args *a, const char *ctx, const 
     bool has_dt;
     kvr_dtype dt = KVR_DTYPE_F16;
     if (opt_dtype(a, &dt, &has_dt) < 0)
-        return cli_usage_err("--dtype: want f32, f16 or bf16");
-    if (cli_has_suffix(file, ".safetensors")) {
-        if (cli_st_read(file, &k->st, err, sizeof err) < 0)
-            return cli_io_err(a, err);
+        return kvr__cli_usage_err("--dtype: want f32, f16 or bf16");
+    if (kvr__cli_has_suffix(file, ".safetensors")) {
+        if (kvr__cli_st_read(file, &k->st, err, sizeof err) < 0)
+            return kvr__cli_io_err(a, err);
         if (k->st.n_tokens != n) {
             snprintf(err, sizeof err, "%s holds %zu tokens, the request needs %zu", file,
                      k->st.n_tokens, n);
-            return cli_io_err(a, err);
+            return kvr__cli_io_err(a, err);
         }
         if (has_dt && dt != k->st.dtype)
-            return cli_usage_err("--dtype differs from the tensors' dtype in %s", file);
+            return kvr__cli_usage_err("--dtype differs from the tensors' dtype in %s", file);
         k->dtype = k->st.dtype;
         k->n_layers = k->st.n_layers;
         k->n_heads = k->st.n_heads;
         k->head_dim = k->st.head_dim;
         k->iov = malloc((2 * (size_t)k->n_layers + 1) * sizeof *k->iov);
         if (!k->iov)
-            return cli_io_err(a, "out of memory");
+            return kvr__cli_io_err(a, "out of memory");
         size_t slab = kvr_payload_size(1, n, k->n_heads, k->head_dim, k->dtype) / 2;
         for (uint32_t l = 0; l < k->n_layers; l++) {
             k->iov[2 * l] = (struct iovec){ (void *)(uintptr_t)(k->st.k + l * slab), slab };
@@ -1224,31 +1217,31 @@ static int kv_src_load(kvr_client *c, const cli_args *a, const char *ctx, const 
         k->iovcnt = 2 * (size_t)k->n_layers;
         return CLI_OK;
     }
-    if (cli_has_suffix(file, ".npy")) {
+    if (kvr__cli_has_suffix(file, ".npy")) {
         size_t nt;
-        if (cli_npy_read(file, &k->npy, err, sizeof err) < 0 ||
-            cli_npy_kv_shape(&k->npy, file, &k->dtype, &k->n_layers, &nt, &k->n_heads,
+        if (kvr__cli_npy_read(file, &k->npy, err, sizeof err) < 0 ||
+            kvr__cli_npy_kv_shape(&k->npy, file, &k->dtype, &k->n_layers, &nt, &k->n_heads,
                              &k->head_dim, err, sizeof err) < 0)
-            return cli_io_err(a, err);
+            return kvr__cli_io_err(a, err);
         if (nt != n) {
             snprintf(err, sizeof err, "%s holds %zu tokens, the request needs %zu", file, nt, n);
-            return cli_io_err(a, err);
+            return kvr__cli_io_err(a, err);
         }
         if (has_dt && dt != k->dtype)
-            return cli_usage_err("--dtype differs from the array's dtype in %s", file);
+            return kvr__cli_usage_err("--dtype differs from the array's dtype in %s", file);
         k->payload = k->npy.data ? (const void *)k->npy.data : "";
         k->payload_len = k->npy.data_len;
         return CLI_OK;
     }
-    if (cli_map_file(file, &k->raw, err, sizeof err) < 0)
-        return cli_io_err(a, err);
+    if (kvr__cli_map_file(file, &k->raw, err, sizeof err) < 0)
+        return kvr__cli_io_err(a, err);
     kvr_context x;
     kvr_model m;
     int r = kvr_client_stat(c, ctx, &x);
     if (r == 0)
         r = kvr_client_model_get(c, x.model, &m);
     if (r < 0)
-        return cli_fail(a, c, r, "edit");
+        return kvr__cli_fail(a, c, r, "edit");
     k->dtype = has_dt ? dt : m.dtype;
     k->n_layers = m.n_layers;
     k->n_heads = m.n_kv_heads;
@@ -1260,12 +1253,12 @@ static int kv_src_load(kvr_client *c, const cli_args *a, const char *ctx, const 
         snprintf(err, sizeof err, "%s: %zu bytes, but %zu tokens x %u layers x %u heads x "
                  "%u dims x K,V in %s need %zu", file, k->raw.len, n, k->n_layers,
                  k->n_heads, k->head_dim, kvr_dtype_name(k->dtype), want);
-        return cli_io_err(a, err);
+        return kvr__cli_io_err(a, err);
     }
     return CLI_OK;
 }
 
-/* Reads the --ops JSON file (cli_edit_ops_parse). */
+/* Reads the --ops JSON file (kvr__cli_edit_ops_parse). */
 static int load_ops(const cli_args *a, const char *path, kvr_edit_range **out, size_t *n,
                     uint32_t **tokbuf, size_t *n_new)
 {
@@ -1274,14 +1267,14 @@ static int load_ops(const cli_args *a, const char *path, kvr_edit_range **out, s
     *out = NULL;
     *tokbuf = NULL;
     *n = *n_new = 0;
-    if (cli_map_file(path, &m, err, sizeof err) < 0)
-        return cli_io_err(a, err);
-    int rc = cli_edit_ops_parse(m.base, m.len, out, n, tokbuf, n_new, err, sizeof err);
-    cli_unmap(&m);
+    if (kvr__cli_map_file(path, &m, err, sizeof err) < 0)
+        return kvr__cli_io_err(a, err);
+    int rc = kvr__cli_edit_ops_parse(m.base, m.len, out, n, tokbuf, n_new, err, sizeof err);
+    kvr__cli_unmap(&m);
     if (rc == -2)
-        return cli_io_err(a, "out of memory");
+        return kvr__cli_io_err(a, "out of memory");
     if (rc < 0)
-        return cli_usage_err("%s: %s", path, err);
+        return kvr__cli_usage_err("%s: %s", path, err);
     return CLI_OK;
 }
 
@@ -1307,7 +1300,7 @@ static void print_edit(const cli_args *a, const char *ctx, const char *what,
             cJSON_AddNumberToObject(o, "shift", (double)r->spans[i].shift);
             cJSON_AddItemToArray(sp, o);
         }
-        cli_print_json(j);
+        kvr__cli_print_json(j);
         return;
     }
     if (a->quiet)
@@ -1324,13 +1317,13 @@ static void print_edit(const cli_args *a, const char *ctx, const char *what,
 
 static int cmd_edit(kvr_client *c, const cli_args *a)
 {
-    const char *ops_path = cli_opt(a, "ops"), *kvf = cli_opt(a, "kv");
-    bool plan = cli_flag(a, "plan");
+    const char *ops_path = kvr__cli_opt(a, "ops"), *kvf = kvr__cli_opt(a, "kv");
+    bool plan = kvr__cli_flag(a, "plan");
     if (a->npos != 1 || !ops_path)
-        return cli_usage_err("usage: kvrope edit CONTEXT --ops ops.json [--kv FILE [--dtype D]] "
+        return kvr__cli_usage_err("usage: kvrope edit CONTEXT --ops ops.json [--kv FILE [--dtype D]] "
                          "[--plan]");
     if (plan && kvf)
-        return cli_usage_err("edit: --plan sends no KV (drop --kv)");
+        return kvr__cli_usage_err("edit: --plan sends no KV (drop --kv)");
     const char *ctx = a->pos[0];
     kvr_edit_range *ops;
     size_t n_ops, n_new;
@@ -1338,7 +1331,7 @@ static int cmd_edit(kvr_client *c, const cli_args *a)
     int rc = load_ops(a, ops_path, &ops, &n_ops, &tb, &n_new);
     if (rc != CLI_OK)
         return rc;
-    kvr_edit_args e = { .ctx_id = ctx, .ops = ops, .n_ops = n_ops, .model = cli_opt(a, "model") };
+    kvr_edit_args e = { .ctx_id = ctx, .ops = ops, .n_ops = n_ops, .model = kvr__cli_opt(a, "model") };
     kv_src k;
     memset(&k, 0, sizeof k);
     kvr_edit_res res;
@@ -1360,12 +1353,12 @@ static int cmd_edit(kvr_client *c, const cli_args *a)
             e.iov = k.iov;
             e.iovcnt = k.iovcnt;
         }
-        cli_progress_begin(c, "edit");
+        kvr__cli_progress_begin(c, "edit");
         r = kvr_client_edit(c, &e, &res);
-        cli_progress_end();
+        kvr__cli_progress_end();
     }
     if (r < 0) {
-        rc = cli_fail(a, c, r, plan ? "edit --plan" : "edit");
+        rc = kvr__cli_fail(a, c, r, plan ? "edit --plan" : "edit");
         goto out;
     }
     print_edit(a, ctx, plan ? "plan" : "edited", &res);
@@ -1381,9 +1374,9 @@ out:
 static int cmd_refresh(kvr_client *c, const cli_args *a)
 {
     uint64_t start, end;
-    if (a->npos != 4 || cli_parse_u64(a->pos[1], &start) < 0 ||
-        cli_parse_u64(a->pos[2], &end) < 0 || end <= start)
-        return cli_usage_err("usage: kvrope refresh CONTEXT START END FILE (END > START)");
+    if (a->npos != 4 || kvr__cli_parse_u64(a->pos[1], &start) < 0 ||
+        kvr__cli_parse_u64(a->pos[2], &end) < 0 || end <= start)
+        return kvr__cli_usage_err("usage: kvrope refresh CONTEXT START END FILE (END > START)");
     const char *ctx = a->pos[0];
     kv_src k;
     int rc = kv_src_load(c, a, ctx, a->pos[3], (size_t)(end - start), &k);
@@ -1392,17 +1385,17 @@ static int cmd_refresh(kvr_client *c, const cli_args *a)
         return rc;
     }
     kvr_refresh_args f = { .ctx_id = ctx, .start = start, .end = end,
-                           .model = cli_opt(a, "model"), .dtype = k.dtype,
+                           .model = kvr__cli_opt(a, "model"), .dtype = k.dtype,
                            .n_layers = k.n_layers, .n_kv_heads = k.n_heads,
                            .head_dim = k.head_dim, .payload = k.payload,
                            .payload_len = k.payload_len, .iov = k.iov, .iovcnt = k.iovcnt };
     kvr_edit_res res;
-    cli_progress_begin(c, "refresh");
+    kvr__cli_progress_begin(c, "refresh");
     int r = kvr_client_refresh(c, &f, &res);
-    cli_progress_end();
+    kvr__cli_progress_end();
     kv_src_free(&k);
     if (r < 0)
-        return cli_fail(a, c, r, "refresh");
+        return kvr__cli_fail(a, c, r, "refresh");
     print_edit(a, ctx, "refreshed", &res);
     kvr_client_free(res.spans);
     return CLI_OK;
@@ -1412,7 +1405,7 @@ static const char *const commands[] = { "ping", "stats", "models", "ls", "list",
                                         "put", "get", "match", "rm", "pin", "unpin",
                                         "fork", "shift", "keep", "edit", "refresh", NULL };
 
-bool cli_known_command(const char *cmd)
+bool kvr__cli_known_command(const char *cmd)
 {
     for (int i = 0; commands[i]; i++)
         if (!strcmp(commands[i], cmd))
@@ -1420,7 +1413,7 @@ bool cli_known_command(const char *cmd)
     return false;
 }
 
-bool cli_option_takes_value(const char *n)
+bool kvr__cli_option_takes_value(const char *n)
 {
     static const char *const v[] = { "socket", "connect", "token-file", "model", "config",
                                      "style", "dtype", "tokens", "tokens-file", "pos-start",
@@ -1434,7 +1427,7 @@ bool cli_option_takes_value(const char *n)
     return false;
 }
 
-int cli_run(kvr_client *c, const cli_args *a)
+int kvr__cli_run(kvr_client *c, const cli_args *a)
 {
     const char *k = a->cmd;
     if (!strcmp(k, "ping"))   return cmd_ping(c, a);
@@ -1453,5 +1446,5 @@ int cli_run(kvr_client *c, const cli_args *a)
     if (!strcmp(k, "keep"))   return cmd_shift_keep(c, a, false);
     if (!strcmp(k, "edit"))   return cmd_edit(c, a);
     if (!strcmp(k, "refresh")) return cmd_refresh(c, a);
-    return cli_usage_err("unknown command '%s'", k);
+    return kvr__cli_usage_err("unknown command '%s'", k);
 }

@@ -30,13 +30,13 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-bool cli_has_suffix(const char *s, const char *suffix)
+bool kvr__cli_has_suffix(const char *s, const char *suffix)
 {
     size_t a = strlen(s), b = strlen(suffix);
     return a >= b && strcasecmp(s + a - b, suffix) == 0;
 }
 
-int cli_map_file(const char *path, cli_mapped *m, char *err, size_t errlen)
+int kvr__cli_map_file(const char *path, cli_mapped *m, char *err, size_t errlen)
 {
     memset(m, 0, sizeof *m);
     if (strcmp(path, "-") == 0) {   /* stdin: read it all */
@@ -99,7 +99,7 @@ int cli_map_file(const char *path, cli_mapped *m, char *err, size_t errlen)
     return 0;
 }
 
-void cli_unmap(cli_mapped *m)
+void kvr__cli_unmap(cli_mapped *m)
 {
     if (m->mapped && m->base)
         munmap(m->base, m->len);
@@ -153,7 +153,7 @@ static long parse_list(const char *s, void **out, bool is_i64)
     return (long)n;
 }
 
-long cli_parse_u32_list(const char *s, uint32_t **out)
+long kvr__cli_parse_u32_list(const char *s, uint32_t **out)
 {
     void *p = NULL;
     long n = parse_list(s, &p, false);
@@ -161,7 +161,7 @@ long cli_parse_u32_list(const char *s, uint32_t **out)
     return n;
 }
 
-long cli_parse_i64_list(const char *s, int64_t **out)
+long kvr__cli_parse_i64_list(const char *s, int64_t **out)
 {
     void *p = NULL;
     long n = parse_list(s, &p, true);
@@ -169,17 +169,17 @@ long cli_parse_i64_list(const char *s, int64_t **out)
     return n;
 }
 
-long cli_read_tokens_file(const char *path, uint32_t **out, char *err, size_t errlen)
+long kvr__cli_read_tokens_file(const char *path, uint32_t **out, char *err, size_t errlen)
 {
     cli_mapped m;
-    if (cli_map_file(path, &m, err, errlen) < 0)
+    if (kvr__cli_map_file(path, &m, err, errlen) < 0)
         return -1;
     long n;
-    if (cli_has_suffix(path, ".npy")) {
+    if (kvr__cli_has_suffix(path, ".npy")) {
         cli_npy a;
         char why[300];
         n = -1;
-        if (cli_npy_parse(m.base, m.len, &a, why, sizeof why) < 0) {
+        if (kvr__cli_npy_parse(m.base, m.len, &a, why, sizeof why) < 0) {
             snprintf(err, errlen, "%s: %s", path, why);
         } else if (a.ndim != 1 || a.descr[1] == 'f' || a.elem == 1) {
             snprintf(err, errlen, "%s: token ids must be a 1-D integer array (int32, uint32 or "
@@ -209,10 +209,10 @@ long cli_read_tokens_file(const char *path, uint32_t **out, char *err, size_t er
                 (*out)[i] = (uint32_t)v;
             }
         }
-    } else if (cli_has_suffix(path, ".bin")) {
+    } else if (kvr__cli_has_suffix(path, ".bin")) {
         if (m.len % 4) {
             snprintf(err, errlen, "%s: size is not a multiple of 4", path);
-            cli_unmap(&m);
+            kvr__cli_unmap(&m);
             return -1;
         }
         n = (long)(m.len / 4);
@@ -226,12 +226,12 @@ long cli_read_tokens_file(const char *path, uint32_t **out, char *err, size_t er
                 memcpy(txt, m.base, m.len);
             txt[m.len] = 0;
         }
-        n = txt ? cli_parse_u32_list(txt, out) : -1;
+        n = txt ? kvr__cli_parse_u32_list(txt, out) : -1;
         free(txt);
         if (n < 0)
             snprintf(err, errlen, "%s: expected token ids (unsigned integers)", path);
     }
-    cli_unmap(&m);
+    kvr__cli_unmap(&m);
     return n;
 }
 
@@ -247,7 +247,7 @@ static const struct { const char *descr; size_t size; } npy_types[] = {
     { "|u1", 1 }, { "|i1", 1 },
 };
 
-int cli_npy_parse(const void *buf, size_t len, cli_npy *n, char *err, size_t errlen)
+int kvr__cli_npy_parse(const void *buf, size_t len, cli_npy *n, char *err, size_t errlen)
 {
     const uint8_t *b = buf;
     memset(n, 0, sizeof *n);
@@ -350,22 +350,22 @@ int cli_npy_parse(const void *buf, size_t len, cli_npy *n, char *err, size_t err
     return 0;
 }
 
-int cli_npy_read(const char *path, cli_npy *n, char *err, size_t errlen)
+int kvr__cli_npy_read(const char *path, cli_npy *n, char *err, size_t errlen)
 {
     cli_mapped m;
-    if (cli_map_file(path, &m, err, errlen) < 0)
+    if (kvr__cli_map_file(path, &m, err, errlen) < 0)
         return -1;
     char why[300];
-    if (cli_npy_parse(m.base, m.len, n, why, sizeof why) < 0) {
+    if (kvr__cli_npy_parse(m.base, m.len, n, why, sizeof why) < 0) {
         snprintf(err, errlen, "%s: %s", path, why);
-        cli_unmap(&m);
+        kvr__cli_unmap(&m);
         return -1;
     }
     n->file = m;
     return 0;
 }
 
-int cli_npy_kv_shape(const cli_npy *n, const char *path, kvr_dtype *dt, uint32_t *layers,
+int kvr__cli_npy_kv_shape(const cli_npy *n, const char *path, kvr_dtype *dt, uint32_t *layers,
                      size_t *tokens, uint32_t *heads, uint32_t *dim, char *err, size_t errlen)
 {
     if (!strcmp(n->descr, "<f4"))
@@ -389,13 +389,13 @@ int cli_npy_kv_shape(const cli_npy *n, const char *path, kvr_dtype *dt, uint32_t
     return 0;
 }
 
-void cli_npy_free(cli_npy *n)
+void kvr__cli_npy_free(cli_npy *n)
 {
-    cli_unmap(&n->file);
+    kvr__cli_unmap(&n->file);
     memset(n, 0, sizeof *n);
 }
 
-int cli_npy_write(const char *path, const char *descr, const size_t *shape, int ndim,
+int kvr__cli_npy_write(const char *path, const char *descr, const size_t *shape, int ndim,
                   struct iovec *iov, size_t n_iov, char *err, size_t errlen)
 {
     char dims[200] = "";
@@ -426,14 +426,14 @@ int cli_npy_write(const char *path, const char *descr, const size_t *shape, int 
     all[1] = (struct iovec){ h, hlen };
     if (n_iov)
         memcpy(all + 2, iov, n_iov * sizeof *all);
-    int rc = cli_write_iov(path, all, n_iov + 2, err, errlen);
+    int rc = kvr__cli_write_iov(path, all, n_iov + 2, err, errlen);
     free(all);
     return rc;
 }
 
 /* ---- writing ------------------------------------------------------------ */
 
-int cli_write_iov(const char *path, struct iovec *iov, size_t n, char *err, size_t errlen)
+int kvr__cli_write_iov(const char *path, struct iovec *iov, size_t n, char *err, size_t errlen)
 {
     int fd = strcmp(path, "-") == 0 ? 1 : open(path, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
     if (fd < 0) {
@@ -496,12 +496,12 @@ static void add_tensor(cJSON *root, const char *name, const char *dtype, const s
     *off += bytes;
 }
 
-int cli_st_write(const char *path, const kvr_kv *kv, char *err, size_t errlen)
+int kvr__cli_st_write(const char *path, const kvr_kv *kv, char *err, size_t errlen)
 {
-    return cli_st_write_ex(path, kv, NULL, 0, NULL, 0, err, errlen);
+    return kvr__cli_st_write_ex(path, kv, NULL, 0, NULL, 0, err, errlen);
 }
 
-int cli_st_write_ex(const char *path, const kvr_kv *kv, const char *const *extra_meta,
+int kvr__cli_st_write_ex(const char *path, const kvr_kv *kv, const char *const *extra_meta,
                     size_t n_meta, const cli_st_extra *extra, size_t n_extra, char *err,
                     size_t errlen)
 {
@@ -566,7 +566,7 @@ int cli_st_write_ex(const char *path, const kvr_kv *kv, const char *const *extra
     iov[k++] = (struct iovec){ kv->groups, n * 4 };
     for (size_t i = 0; i < n_extra; i++)
         iov[k++] = (struct iovec){ (void *)(uintptr_t)extra[i].data, extra[i].bytes };
-    int rc = cli_write_iov(path, iov, k, err, errlen);
+    int rc = kvr__cli_write_iov(path, iov, k, err, errlen);
     free(hdr);
     free(iov);
     return rc;
@@ -646,9 +646,9 @@ static int st_ints(const st_tensor *t, size_t n, int64_t *out, const char *name,
     return 0;
 }
 
-void cli_st_free(cli_st_kv *st)
+void kvr__cli_st_free(cli_st_kv *st)
 {
-    cli_unmap(&st->file);
+    kvr__cli_unmap(&st->file);
     free(st->tokens);
     free(st->positions);
     memset(st, 0, sizeof *st);
@@ -750,19 +750,19 @@ static int st_parse(cli_st_kv *st, const uint8_t *base, size_t len, const char *
 fail_json:
     cJSON_Delete(root);
 fail:
-    cli_st_free(st);
+    kvr__cli_st_free(st);
     return -1;
 }
 
-int cli_st_read(const char *path, cli_st_kv *st, char *err, size_t errlen)
+int kvr__cli_st_read(const char *path, cli_st_kv *st, char *err, size_t errlen)
 {
     memset(st, 0, sizeof *st);
-    if (cli_map_file(path, &st->file, err, errlen) < 0)
+    if (kvr__cli_map_file(path, &st->file, err, errlen) < 0)
         return -1;
     return st_parse(st, st->file.base, st->file.len, path, err, errlen);
 }
 
-int cli_st_parse(const void *buf, size_t len, cli_st_kv *st, char *err, size_t errlen)
+int kvr__cli_st_parse(const void *buf, size_t len, cli_st_kv *st, char *err, size_t errlen)
 {
     memset(st, 0, sizeof *st);
     return st_parse(st, buf, len, "safetensors", err, errlen);

@@ -31,7 +31,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-const char cli_layout_help[] =
+const char kvr__cli_layout_help[] =
 "  put CTX FILE ... --prefix-ctx PREFIX\n"
 "                                     APE document: FILE's KV was encoded after\n"
 "                                     context PREFIX (recorded: id, model, length P,\n"
@@ -68,7 +68,7 @@ const char cli_layout_help[] =
 "                                     range, positions, T, S) and the query position\n"
 "                                     (docs/protocol.md \"Position layouts\", docs/ape.md).\n";
 
-const char cli_layout_help_file[] =
+const char kvr__cli_layout_help_file[] =
 "                                     FILE *.safetensors: as get (k, v, tokens,\n"
 "                                     positions, flags, groups) plus tensors\n"
 "                                     segments I64 [n][6] = kind (0 prefix, 1 document,\n"
@@ -109,7 +109,7 @@ static int parse_pos_double(const char *v, double *out)
 
 static const char *const commands[] = { "assemble", "group", "retain", NULL };
 
-bool cli_layout_command(const char *cmd)
+bool kvr__cli_layout_command(const char *cmd)
 {
     for (int i = 0; commands[i]; i++)
         if (!strcmp(commands[i], cmd))
@@ -117,7 +117,7 @@ bool cli_layout_command(const char *cmd)
     return false;
 }
 
-bool cli_layout_option_takes_value(const char *name)
+bool kvr__cli_layout_option_takes_value(const char *name)
 {
     static const char *const v[] = { "layout", "starts", "temperature", "scale", "prefix-ctx",
                                      "group", "groups", "sinks", "window", NULL };
@@ -127,7 +127,7 @@ bool cli_layout_option_takes_value(const char *name)
     return false;
 }
 
-bool cli_layout_option_is_flag(const char *name)
+bool kvr__cli_layout_option_is_flag(const char *name)
 {
     return !strcmp(name, "fold-temperature") || !strcmp(name, "off");
 }
@@ -187,14 +187,14 @@ static void layout_print(const kvr_layout_res *l, bool all)
         printf("retention:    off\n");
 }
 
-void cli_layout_stat_json(kvr_client *c, const char *ctx, struct cJSON *j)
+void kvr__cli_layout_stat_json(kvr_client *c, const char *ctx, struct cJSON *j)
 {
     kvr_layout_res l;
     if (kvr_client_layout_stat(c, ctx, &l) == 0)
         cJSON_AddItemToObject(j, "layout", layout_json(&l));
 }
 
-void cli_layout_stat_print(kvr_client *c, const char *ctx)
+void kvr__cli_layout_stat_print(kvr_client *c, const char *ctx)
 {
     kvr_layout_res l;
     if (kvr_client_layout_stat(c, ctx, &l) == 0)
@@ -210,7 +210,7 @@ static int layout_done(const cli_args *a, const char *ctx, const char *what,
         cJSON_AddStringToObject(j, "op", what);
         cJSON_AddStringToObject(j, "context_id", ctx);
         cJSON_AddItemToObject(j, "layout", layout_json(l));
-        cli_print_json(j);
+        kvr__cli_print_json(j);
     } else if (!a->quiet) {
         printf("%s: %s\n", ctx, what);
         layout_print(l, true);
@@ -230,13 +230,13 @@ static long parse_groups(const char *s, cli_put_layout *lay, bool *any_offset)
         const char *end = strchr(p, ',');
         size_t len = end ? (size_t)(end - p) : strlen(p);
         if (n == KVR_MAX_GROUPS) {
-            cli_usage_err("--groups: at most %d groups", KVR_MAX_GROUPS);
+            kvr__cli_usage_err("--groups: at most %d groups", KVR_MAX_GROUPS);
             return -1;
         }
         const char *colon = memchr(p, ':', len);
         size_t nl = colon ? (size_t)(colon - p) : len;
         if (nl == 0 || nl >= sizeof lay->name_buf[0]) {
-            cli_usage_err("--groups: group names are 1..%zu bytes (NAME or NAME:PHI, "
+            kvr__cli_usage_err("--groups: group names are 1..%zu bytes (NAME or NAME:PHI, "
                       "comma-separated)", sizeof lay->name_buf[0] - 1);
             return -1;
         }
@@ -248,13 +248,13 @@ static long parse_groups(const char *s, cli_put_layout *lay, bool *any_offset)
             char num[32];
             size_t ml = len - nl - 1;
             if (ml == 0 || ml >= sizeof num) {
-                cli_usage_err("--groups: want NAME:PHI with an integer PHI");
+                kvr__cli_usage_err("--groups: want NAME:PHI with an integer PHI");
                 return -1;
             }
             memcpy(num, colon + 1, ml);
             num[ml] = 0;
             if (parse_i64(num, &lay->offsets[n]) < 0) {
-                cli_usage_err("--groups: '%s' is not an integer offset", num);
+                kvr__cli_usage_err("--groups: '%s' is not an integer offset", num);
                 return -1;
             }
             *any_offset = true;
@@ -267,24 +267,24 @@ static long parse_groups(const char *s, cli_put_layout *lay, bool *any_offset)
     return (long)n;
 }
 
-int cli_put_layout_opts(const cli_args *a, kvr_put_args *p, cli_put_layout *lay)
+int kvr__cli_put_layout_opts(const cli_args *a, kvr_put_args *p, cli_put_layout *lay)
 {
     memset(lay, 0, sizeof *lay);
-    const char *prefix = cli_opt(a, "prefix-ctx"), *groups = cli_opt(a, "groups");
-    lay->group = cli_opt(a, "group");
+    const char *prefix = kvr__cli_opt(a, "prefix-ctx"), *groups = kvr__cli_opt(a, "groups");
+    lay->group = kvr__cli_opt(a, "group");
     if (prefix) {
         if (!*prefix)
-            return cli_usage_err("--prefix-ctx: want a context id");
+            return kvr__cli_usage_err("--prefix-ctx: want a context id");
         p->prefix_ctx = prefix;
     }
     if (groups && !lay->group)
-        return cli_usage_err("--groups creates a grouped context: name the group these tokens "
+        return kvr__cli_usage_err("--groups creates a grouped context: name the group these tokens "
                          "join with --group NAME");
     if (lay->group) {
         if (!*lay->group)
-            return cli_usage_err("--group: want a group name");
-        if (cli_opt(a, "positions") || cli_opt(a, "pos-start"))
-            return cli_usage_err("--group: the group gives the positions (drop --positions / "
+            return kvr__cli_usage_err("--group: want a group name");
+        if (kvr__cli_opt(a, "positions") || kvr__cli_opt(a, "pos-start"))
+            return kvr__cli_usage_err("--group: the group gives the positions (drop --positions / "
                              "--pos-start)");
         p->positions = NULL;   /* e.g. from the file: the group decides */
         p->has_pos_start = false;
@@ -308,11 +308,11 @@ static int cmd_group(kvr_client *c, const cli_args *a)
     const char *sub = a->npos > 0 ? a->pos[0] : "";
     if (!strcmp(sub, "append")) {
         if (a->npos != 4)
-            return cli_usage_err("usage: kvrope group append CONTEXT GROUP FILE [put options]");
-        if (cli_opt(a, "group"))
-            return cli_usage_err("group append: the group is the GROUP argument (drop --group)");
+            return kvr__cli_usage_err("usage: kvrope group append CONTEXT GROUP FILE [put options]");
+        if (kvr__cli_opt(a, "group"))
+            return kvr__cli_usage_err("group append: the group is the GROUP argument (drop --group)");
         if (a->nopt == CLI_MAX_OPTS)
-            return cli_usage_err("too many options");
+            return kvr__cli_usage_err("too many options");
         /* It is a put with --group: same files, options and output. */
         cli_args p = *a;
         p.cmd = "put";
@@ -321,21 +321,21 @@ static int cmd_group(kvr_client *c, const cli_args *a)
         p.pos[1] = a->pos[3];
         p.opt_name[p.nopt] = "group";
         p.opt_val[p.nopt++] = a->pos[2];
-        return cli_run(c, &p);
+        return kvr__cli_run(c, &p);
     }
     if (!strcmp(sub, "offset")) {
         int64_t phi;
         if (a->npos != 4 || parse_i64(a->pos[3], &phi) < 0)
-            return cli_usage_err("usage: kvrope group offset CONTEXT GROUP PHI (an integer)");
+            return kvr__cli_usage_err("usage: kvrope group offset CONTEXT GROUP PHI (an integer)");
         kvr_layout_res l;
         int r = kvr_client_set_group_offset(c, a->pos[1], a->pos[2], phi, &l);
         if (r < 0)
-            return cli_fail(a, c, r, "group offset");
+            return kvr__cli_fail(a, c, r, "group offset");
         char what[128];
         snprintf(what, sizeof what, "group %s offset %" PRId64, a->pos[2], phi);
         return layout_done(a, a->pos[1], what, &l);
     }
-    return cli_usage_err("usage: kvrope group append CONTEXT GROUP FILE | group offset CONTEXT "
+    return kvr__cli_usage_err("usage: kvrope group append CONTEXT GROUP FILE | group offset CONTEXT "
                      "GROUP PHI");
 }
 
@@ -343,18 +343,18 @@ static int cmd_group(kvr_client *c, const cli_args *a)
 
 static int cmd_retain(kvr_client *c, const cli_args *a)
 {
-    const char *sv = cli_opt(a, "sinks"), *wv = cli_opt(a, "window");
-    bool off = cli_flag(a, "off");
+    const char *sv = kvr__cli_opt(a, "sinks"), *wv = kvr__cli_opt(a, "window");
+    bool off = kvr__cli_flag(a, "off");
     if (a->npos != 1 || (off && (sv || wv)) || (!off && !wv))
-        return cli_usage_err("usage: kvrope retain CONTEXT [--sinks S] --window W | "
+        return kvr__cli_usage_err("usage: kvrope retain CONTEXT [--sinks S] --window W | "
                          "retain CONTEXT --off");
     uint64_t sinks = 0, window = 0;
-    if ((sv && cli_parse_u64(sv, &sinks) < 0) || (wv && cli_parse_u64(wv, &window) < 0))
-        return cli_usage_err("--sinks/--window: want token counts");
+    if ((sv && kvr__cli_parse_u64(sv, &sinks) < 0) || (wv && kvr__cli_parse_u64(wv, &window) < 0))
+        return kvr__cli_usage_err("--sinks/--window: want token counts");
     kvr_layout_res l;
     int r = kvr_client_set_retention(c, a->pos[0], sinks, window, off, &l);
     if (r < 0)
-        return cli_fail(a, c, r, "retain");
+        return kvr__cli_fail(a, c, r, "retain");
     return layout_done(a, a->pos[0], off ? "retention off" : "retention set", &l);
 }
 
@@ -518,7 +518,7 @@ static int assemble_write_st(const char *path, const cli_args *a, kvr_layout_kin
         { .name = "segment_ts", .dtype = "F64", .shape = { ns, 2 }, .ndim = 2, .data = ts,
           .bytes = ns * 2 * sizeof *ts },
     };
-    rc = cli_st_write_ex(path, &r->kv, meta, sizeof meta / sizeof meta[0] / 2, ex, 2, err,
+    rc = kvr__cli_st_write_ex(path, &r->kv, meta, sizeof meta / sizeof meta[0] / 2, ex, 2, err,
                          errlen);
 out:
     free(seg);
@@ -533,57 +533,57 @@ out:
 static int cmd_assemble(kvr_client *c, const cli_args *a)
 {
     if (a->npos < 2)
-        return cli_usage_err("usage: kvrope assemble PREFIX DOC... (-o FILE | --meta) [options]");
-    const char *out = cli_opt(a, "output"), *lv = cli_opt(a, "layout");
-    const char *sv = cli_opt(a, "starts"), *ls = cli_opt(a, "layers");
-    bool meta = cli_flag(a, "meta");
+        return kvr__cli_usage_err("usage: kvrope assemble PREFIX DOC... (-o FILE | --meta) [options]");
+    const char *out = kvr__cli_opt(a, "output"), *lv = kvr__cli_opt(a, "layout");
+    const char *sv = kvr__cli_opt(a, "starts"), *ls = kvr__cli_opt(a, "layers");
+    bool meta = kvr__cli_flag(a, "meta");
     if (!out && !meta)
-        return cli_usage_err("assemble: give -o FILE (.safetensors or raw), or --meta");
+        return kvr__cli_usage_err("assemble: give -o FILE (.safetensors or raw), or --meta");
     bool to_stdout = out && !meta && !strcmp(out, "-");
     if (to_stdout && a->json)
-        return cli_usage_err("assemble: --json and -o - both want stdout");
+        return kvr__cli_usage_err("assemble: --json and -o - both want stdout");
     size_t n_docs = (size_t)a->npos - 1;
     kvr_assemble_args g = { .prefix = a->pos[0], .docs = a->pos + 1, .n_docs = n_docs,
                             .layout = KVR_LAYOUT_PARALLEL, .meta_only = meta,
-                            .fold_temperature = cli_flag(a, "fold-temperature") };
+                            .fold_temperature = kvr__cli_flag(a, "fold-temperature") };
     if (lv) {
         if (!strcmp(lv, "parallel"))        g.layout = KVR_LAYOUT_PARALLEL;
         else if (!strcmp(lv, "sequential")) g.layout = KVR_LAYOUT_SEQUENTIAL;
         else if (!strcmp(lv, "explicit"))   g.layout = KVR_LAYOUT_EXPLICIT;
-        else return cli_usage_err("--layout: want parallel, sequential or explicit");
+        else return kvr__cli_usage_err("--layout: want parallel, sequential or explicit");
         if (sv && g.layout != KVR_LAYOUT_EXPLICIT)
-            return cli_usage_err("--starts goes with --layout explicit");
+            return kvr__cli_usage_err("--starts goes with --layout explicit");
         if (!sv && g.layout == KVR_LAYOUT_EXPLICIT)
-            return cli_usage_err("--layout explicit needs --starts S1,S2,.. (one per document)");
+            return kvr__cli_usage_err("--layout explicit needs --starts S1,S2,.. (one per document)");
     } else if (sv) {
         g.layout = KVR_LAYOUT_EXPLICIT;
     }
-    const char *tv = cli_opt(a, "temperature"), *scv = cli_opt(a, "scale");
+    const char *tv = kvr__cli_opt(a, "temperature"), *scv = kvr__cli_opt(a, "scale");
     if (tv && parse_pos_double(tv, &g.temperature) < 0)
-        return cli_usage_err("--temperature: want a positive number");
+        return kvr__cli_usage_err("--temperature: want a positive number");
     if (scv && parse_pos_double(scv, &g.scale) < 0)
-        return cli_usage_err("--scale: want a positive number");
-    const char *dv = cli_opt(a, "dtype");
+        return kvr__cli_usage_err("--scale: want a positive number");
+    const char *dv = kvr__cli_opt(a, "dtype");
     if (dv && kvr_dtype_parse(dv, &g.dtype) != 0)
-        return cli_usage_err("--dtype: want f32, f16 or bf16");
+        return kvr__cli_usage_err("--dtype: want f32, f16 or bf16");
     int64_t *starts = NULL;
     uint32_t *layers = NULL;
     if (sv) {
-        long n = cli_parse_i64_list(sv, &starts);
+        long n = kvr__cli_parse_i64_list(sv, &starts);
         if (n < 0)
-            return cli_usage_err("--starts: want comma-separated integers");
+            return kvr__cli_usage_err("--starts: want comma-separated integers");
         if ((size_t)n != n_docs) {
             free(starts);
-            return cli_usage_err("--starts: %ld values for %zu documents (want one each)", n,
+            return kvr__cli_usage_err("--starts: %ld values for %zu documents (want one each)", n,
                              n_docs);
         }
         g.starts = starts;
     }
     if (ls) {
-        long n = cli_parse_u32_list(ls, &layers);
+        long n = kvr__cli_parse_u32_list(ls, &layers);
         if (n < 0) {
             free(starts);
-            return cli_usage_err("--layers: want comma-separated layer indexes");
+            return kvr__cli_usage_err("--layers: want comma-separated layer indexes");
         }
         g.layers = layers;
         g.n_layers = (size_t)n;
@@ -596,17 +596,17 @@ static int cmd_assemble(kvr_client *c, const cli_args *a)
         if (r == 0)
             r = kvr_client_model_get(c, x.model, &m);
         if (r < 0) {
-            rc = cli_fail(a, c, r, "assemble");
+            rc = kvr__cli_fail(a, c, r, "assemble");
             goto out;
         }
         g.dtype = m.dtype;
     }
     kvr_assemble_res res;
-    cli_progress_begin(c, "assemble");
+    kvr__cli_progress_begin(c, "assemble");
     r = kvr_client_assemble(c, &g, &res);
-    cli_progress_end();
+    kvr__cli_progress_end();
     if (r < 0) {
-        rc = cli_fail(a, c, r, "assemble");
+        rc = kvr__cli_fail(a, c, r, "assemble");
         goto out;
     }
     rc = CLI_OK;
@@ -614,18 +614,18 @@ static int cmd_assemble(kvr_client *c, const cli_args *a)
     if (file) {
         char err[400];
         int w;
-        if (cli_has_suffix(file, ".safetensors")) {
+        if (kvr__cli_has_suffix(file, ".safetensors")) {
             w = assemble_write_st(file, a, g.layout, &res, err, sizeof err);
         } else {
             struct iovec iov = { res.kv.payload, res.kv.payload_len };
-            w = cli_write_iov(file, &iov, 1, err, sizeof err);
+            w = kvr__cli_write_iov(file, &iov, 1, err, sizeof err);
         }
         if (w < 0)
-            rc = cli_io_err(a, err);
+            rc = kvr__cli_io_err(a, err);
     }
     if (rc == CLI_OK) {
         if (a->json)
-            cli_print_json(assemble_json(a, g.layout, &res, file));
+            kvr__cli_print_json(assemble_json(a, g.layout, &res, file));
         else if (!a->quiet)
             assemble_print(to_stdout ? stderr : stdout, a, g.layout, &res, file);
     }
@@ -636,11 +636,11 @@ out:
     return rc;
 }
 
-int cli_layout_run(kvr_client *c, const cli_args *a)
+int kvr__cli_layout_run(kvr_client *c, const cli_args *a)
 {
     const char *k = a->cmd;
     if (!strcmp(k, "assemble")) return cmd_assemble(c, a);
     if (!strcmp(k, "group"))    return cmd_group(c, a);
     if (!strcmp(k, "retain"))   return cmd_retain(c, a);
-    return cli_usage_err("unknown command '%s'", k);
+    return kvr__cli_usage_err("unknown command '%s'", k);
 }

@@ -22,7 +22,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-const char cli_llama_help[] =
+const char kvr__cli_llama_help[] =
 "  llama import CTX STATE_FILE --gguf MODEL.gguf [--model NAME]\n"
 "                                     a llama.cpp sequence state (the bytes of\n"
 "                                     llama_state_seq_get_data, or a file of\n"
@@ -44,9 +44,9 @@ const char cli_llama_help[] =
 "                                     (the save_file form, with tokens), --seq-id S,\n"
 "                                     --model NAME\n";
 
-bool cli_llama_command(const char *cmd) { return cmd && !strcmp(cmd, "llama"); }
+bool kvr__cli_llama_command(const char *cmd) { return cmd && !strcmp(cmd, "llama"); }
 
-bool cli_llama_option_takes_value(const char *n)
+bool kvr__cli_llama_option_takes_value(const char *n)
 {
     static const char *const v[] = { "gguf", "type-k", "type-v", "seq-id", NULL };
     for (int i = 0; v[i]; i++)
@@ -54,7 +54,7 @@ bool cli_llama_option_takes_value(const char *n)
     return false;
 }
 
-bool cli_llama_option_is_flag(const char *n)
+bool kvr__cli_llama_option_is_flag(const char *n)
 {
     static const char *const v[] = { "append", "replace", "session", "v-trans", "no-v-trans",
                                      "no-attn-rot", NULL };
@@ -72,7 +72,7 @@ static int fail(const cli_args *a, int code, const char *msg)
         cJSON_AddNumberToObject(e, "code", code);
         cJSON_AddStringToObject(e, "name", kvr_error_name(code));
         cJSON_AddStringToObject(e, "message", msg);
-        cli_print_json(j);
+        kvr__cli_print_json(j);
     }
     if (code == KVR_ENOCTX || code == KVR_ENOMODEL) return CLI_NOTFOUND;
     return CLI_ERR;
@@ -92,12 +92,12 @@ static bool parse_i64(const char *s, int64_t *out)
 static int load_model(kvr_client *c, const cli_args *a, kvr_llama_model *m, char *name_out,
                       size_t cap)
 {
-    const char *path = cli_opt(a, "gguf");
-    if (!path) return cli_usage_err("llama %s: --gguf MODEL.gguf is required", a->pos[0]);
+    const char *path = kvr__cli_opt(a, "gguf");
+    if (!path) return kvr__cli_usage_err("llama %s: --gguf MODEL.gguf is required", a->pos[0]);
     char err[512];
     int rc = kvr_llama_gguf_read(path, m, err, sizeof err);
     if (rc) return fail(a, rc, err);
-    const char *name = cli_opt(a, "model");
+    const char *name = kvr__cli_opt(a, "model");
     if (name) snprintf(name_out, cap, "%s", name);
     else kvr_llama_model_default_name(m, name_out, cap);
     rc = kvr_llama_model_register(c, m, name_out, NULL, err, sizeof err);
@@ -112,28 +112,28 @@ static void fp_hex(char *buf, size_t cap, uint64_t fp)
 
 static int cmd_import(kvr_client *c, const cli_args *a)
 {
-    if (a->npos != 3) return cli_usage_err("usage: kvrope llama import CTX STATE_FILE --gguf MODEL.gguf [--model NAME]");
+    if (a->npos != 3) return kvr__cli_usage_err("usage: kvrope llama import CTX STATE_FILE --gguf MODEL.gguf [--model NAME]");
     const char *ctx = a->pos[1], *file = a->pos[2];
-    if (cli_flag(a, "append") && cli_flag(a, "replace"))
-        return cli_usage_err("llama import: --append and --replace exclude each other");
+    if (kvr__cli_flag(a, "append") && kvr__cli_flag(a, "replace"))
+        return kvr__cli_usage_err("llama import: --append and --replace exclude each other");
     kvr_llama_import_opts o;
     memset(&o, 0, sizeof o);
-    o.mode = cli_flag(a, "append") ? KVR_LLAMA_IMPORT_APPEND
-           : cli_flag(a, "replace") ? KVR_LLAMA_IMPORT_REPLACE : KVR_LLAMA_IMPORT_CREATE;
-    o.codec = cli_opt(a, "codec");
-    o.no_attn_rot = cli_flag(a, "no-attn-rot");
-    o.persist = cli_flag(a, "persist");
+    o.mode = kvr__cli_flag(a, "append") ? KVR_LLAMA_IMPORT_APPEND
+           : kvr__cli_flag(a, "replace") ? KVR_LLAMA_IMPORT_REPLACE : KVR_LLAMA_IMPORT_CREATE;
+    o.codec = kvr__cli_opt(a, "codec");
+    o.no_attn_rot = kvr__cli_flag(a, "no-attn-rot");
+    o.persist = kvr__cli_flag(a, "persist");
     uint32_t *toks = NULL;
-    const char *tf = cli_opt(a, "tokens-file"), *tl = cli_opt(a, "tokens");
+    const char *tf = kvr__cli_opt(a, "tokens-file"), *tl = kvr__cli_opt(a, "tokens");
     char err[512];
     if (tf || tl) {
-        long n = tf ? cli_read_tokens_file(tf, &toks, err, sizeof err) : cli_parse_u32_list(tl, &toks);
-        if (n < 0) return cli_usage_err("llama import: bad tokens%s%s", tf ? ": " : "", tf ? err : "");
+        long n = tf ? kvr__cli_read_tokens_file(tf, &toks, err, sizeof err) : kvr__cli_parse_u32_list(tl, &toks);
+        if (n < 0) return kvr__cli_usage_err("llama import: bad tokens%s%s", tf ? ": " : "", tf ? err : "");
         o.tokens = toks;
         o.n_tokens = (size_t)n;
     }
     cli_mapped sf;
-    if (cli_map_file(file, &sf, err, sizeof err) < 0) {
+    if (kvr__cli_map_file(file, &sf, err, sizeof err) < 0) {
         free(toks);
         return fail(a, KVR_ESYS, err);
     }
@@ -141,14 +141,14 @@ static int cmd_import(kvr_client *c, const cli_args *a)
     char name[KVR_ID_MAX + 1];
     int rc = load_model(c, a, &m, name, sizeof name);
     if (rc) {
-        cli_unmap(&sf);
+        kvr__cli_unmap(&sf);
         free(toks);
         return rc;
     }
     o.model = name;
     kvr_llama_import_info info;
     int r = kvr_llama_state_import(c, ctx, sf.base, sf.len, &m, &o, &info, err, sizeof err);
-    cli_unmap(&sf);
+    kvr__cli_unmap(&sf);
     if (r && !toks && strstr(err, "carries no token ids")) {
         /* The bridge speaks of its options; the user has flags. */
         size_t l = strlen(err);
@@ -181,7 +181,7 @@ static int cmd_import(kvr_client *c, const cli_args *a)
         cJSON_AddNumberToObject(j, "n_tokens", (double)info.ctx_tokens);
         cJSON_AddNumberToObject(j, "state_bytes", (double)info.state_bytes);
         cJSON_AddNumberToObject(j, "payload_bytes", (double)info.payload_bytes);
-        cli_print_json(j);
+        kvr__cli_print_json(j);
     } else if (!a->quiet) {
         printf("imported %u of %u cells (positions %d..%d, K %s%s, V %s%s%s) from %s into %s "
                "(model %s, codec %s): %llu tokens\n",
@@ -200,40 +200,40 @@ static int cmd_import(kvr_client *c, const cli_args *a)
 
 static int cmd_export(kvr_client *c, const cli_args *a)
 {
-    if (a->npos != 2) return cli_usage_err("usage: kvrope llama export CTX -o STATE_FILE --gguf MODEL.gguf [--pos-start N] [--type-k T] [--type-v T]");
-    const char *ctx = a->pos[1], *out = cli_opt(a, "output");
-    if (!out) return cli_usage_err("llama export: -o STATE_FILE is required");
+    if (a->npos != 2) return kvr__cli_usage_err("usage: kvrope llama export CTX -o STATE_FILE --gguf MODEL.gguf [--pos-start N] [--type-k T] [--type-v T]");
+    const char *ctx = a->pos[1], *out = kvr__cli_opt(a, "output");
+    if (!out) return kvr__cli_usage_err("llama export: -o STATE_FILE is required");
     kvr_llama_export_opts o;
     memset(&o, 0, sizeof o);
     const char *s;
     int64_t v;
-    if ((s = cli_opt(a, "pos-start"))) {
-        if (!parse_i64(s, &v)) return cli_usage_err("llama export: bad --pos-start '%s'", s);
+    if ((s = kvr__cli_opt(a, "pos-start"))) {
+        if (!parse_i64(s, &v)) return kvr__cli_usage_err("llama export: bad --pos-start '%s'", s);
         o.has_pos_start = true;
         o.pos_start = v;
     }
-    if ((s = cli_opt(a, "start"))) {
-        if (!parse_i64(s, &v) || v < 0) return cli_usage_err("llama export: bad --start '%s'", s);
+    if ((s = kvr__cli_opt(a, "start"))) {
+        if (!parse_i64(s, &v) || v < 0) return kvr__cli_usage_err("llama export: bad --start '%s'", s);
         o.start = (uint64_t)v;
     }
-    if ((s = cli_opt(a, "end"))) {
-        if (!parse_i64(s, &v) || v <= 0) return cli_usage_err("llama export: bad --end '%s'", s);
+    if ((s = kvr__cli_opt(a, "end"))) {
+        if (!parse_i64(s, &v) || v <= 0) return kvr__cli_usage_err("llama export: bad --end '%s'", s);
         o.end = (uint64_t)v;
     }
-    if ((s = cli_opt(a, "type-k")) && kvr_llama_type_parse(s, &o.type_k))
-        return cli_usage_err("llama export: unknown --type-k '%s' (f32 f16 bf16 q8_0 q4_0 q4_1 q5_0)", s);
-    if ((s = cli_opt(a, "type-v")) && kvr_llama_type_parse(s, &o.type_v))
-        return cli_usage_err("llama export: unknown --type-v '%s' (f32 f16 bf16 q8_0 q4_0 q4_1 q5_0)", s);
-    if ((s = cli_opt(a, "seq-id"))) {
-        if (!parse_i64(s, &v) || v < 0 || v > INT32_MAX) return cli_usage_err("llama export: bad --seq-id '%s'", s);
+    if ((s = kvr__cli_opt(a, "type-k")) && kvr_llama_type_parse(s, &o.type_k))
+        return kvr__cli_usage_err("llama export: unknown --type-k '%s' (f32 f16 bf16 q8_0 q4_0 q4_1 q5_0)", s);
+    if ((s = kvr__cli_opt(a, "type-v")) && kvr_llama_type_parse(s, &o.type_v))
+        return kvr__cli_usage_err("llama export: unknown --type-v '%s' (f32 f16 bf16 q8_0 q4_0 q4_1 q5_0)", s);
+    if ((s = kvr__cli_opt(a, "seq-id"))) {
+        if (!parse_i64(s, &v) || v < 0 || v > INT32_MAX) return kvr__cli_usage_err("llama export: bad --seq-id '%s'", s);
         o.seq_id = (int32_t)v;
     }
-    if (cli_flag(a, "v-trans") && cli_flag(a, "no-v-trans"))
-        return cli_usage_err("llama export: --v-trans and --no-v-trans exclude each other");
-    o.v_trans = cli_flag(a, "v-trans");
-    o.v_trans_auto = !o.v_trans && !cli_flag(a, "no-v-trans");
-    o.no_attn_rot = cli_flag(a, "no-attn-rot");
-    o.form = cli_flag(a, "session") ? KVR_LLAMA_FORM_SESSION : KVR_LLAMA_FORM_RAW;
+    if (kvr__cli_flag(a, "v-trans") && kvr__cli_flag(a, "no-v-trans"))
+        return kvr__cli_usage_err("llama export: --v-trans and --no-v-trans exclude each other");
+    o.v_trans = kvr__cli_flag(a, "v-trans");
+    o.v_trans_auto = !o.v_trans && !kvr__cli_flag(a, "no-v-trans");
+    o.no_attn_rot = kvr__cli_flag(a, "no-attn-rot");
+    o.form = kvr__cli_flag(a, "session") ? KVR_LLAMA_FORM_SESSION : KVR_LLAMA_FORM_RAW;
     kvr_llama_model m;
     char name[KVR_ID_MAX + 1];
     int rc = load_model(c, a, &m, name, sizeof name);
@@ -246,7 +246,7 @@ static int cmd_export(kvr_client *c, const cli_args *a)
     int r = kvr_llama_state_export(c, ctx, &m, &o, &st, &len, &info, err, sizeof err);
     if (r) return fail(a, r, err);
     struct iovec iov = { st, len };
-    r = cli_write_iov(out, &iov, 1, err, sizeof err);
+    r = kvr__cli_write_iov(out, &iov, 1, err, sizeof err);
     kvr_llama_free(st);
     if (r < 0) return fail(a, KVR_ESYS, err);
     if (a->json) {
@@ -265,7 +265,7 @@ static int cmd_export(kvr_client *c, const cli_args *a)
         cJSON_AddNumberToObject(j, "approximate", (double)info.approx_tokens);
         cJSON_AddNumberToObject(j, "state_bytes", (double)info.state_bytes);
         cJSON_AddNumberToObject(j, "payload_bytes", (double)info.payload_bytes);
-        cli_print_json(j);
+        kvr__cli_print_json(j);
     } else if (!a->quiet) {
         const char *why = !o.v_trans_auto ? "as asked"
                         : info.v_trans ? "as the context was imported; --no-v-trans for on"
@@ -284,10 +284,10 @@ static int cmd_export(kvr_client *c, const cli_args *a)
     return CLI_OK;
 }
 
-int cli_llama_run(kvr_client *c, const cli_args *a)
+int kvr__cli_llama_run(kvr_client *c, const cli_args *a)
 {
-    if (a->npos < 1) return cli_usage_err("usage: kvrope llama import|export ... (kvrope --help)");
+    if (a->npos < 1) return kvr__cli_usage_err("usage: kvrope llama import|export ... (kvrope --help)");
     if (!strcmp(a->pos[0], "import")) return cmd_import(c, a);
     if (!strcmp(a->pos[0], "export")) return cmd_export(c, a);
-    return cli_usage_err("llama: unknown subcommand '%s' (import, export)", a->pos[0]);
+    return kvr__cli_usage_err("llama: unknown subcommand '%s' (import, export)", a->pos[0]);
 }

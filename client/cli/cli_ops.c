@@ -29,7 +29,7 @@ static bool whole(const cJSON *x, double max)
            x->valuedouble == (double)(uint64_t)x->valuedouble;
 }
 
-int cli_edit_ops_parse(const char *json, size_t len, kvr_edit_range **out, size_t *n,
+int kvr__cli_edit_ops_parse(const char *json, size_t len, kvr_edit_range **out, size_t *n,
                        uint32_t **tokbuf, size_t *n_new, char *err, size_t errlen)
 {
     *out = NULL;

@@ -23,7 +23,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-const char cli_payload_help[] =
+const char kvr__cli_payload_help[] =
 "  payload --model M (--tokens 1,2,3 | --tokens-file F) -o FILE [--random SEED]\n"
 "        [--from KV.npy] [--pos-start N] [--dtype f32|f16|bf16]\n"
 "                                     a KV file for put/edit/refresh: M's shape,\n"
@@ -33,9 +33,9 @@ const char cli_payload_help[] =
 "                                     N, default 0) included. FILE by extension:\n"
 "                                     .safetensors, .npy or raw (docs/formats.md)\n";
 
-bool cli_payload_command(const char *cmd) { return cmd && !strcmp(cmd, "payload"); }
+bool kvr__cli_payload_command(const char *cmd) { return cmd && !strcmp(cmd, "payload"); }
 
-bool cli_payload_option_takes_value(const char *n)
+bool kvr__cli_payload_option_takes_value(const char *n)
 {
     return !strcmp(n, "random") || !strcmp(n, "from");
 }
@@ -48,50 +48,50 @@ static uint64_t splitmix64(uint64_t *s)
     return z ^ (z >> 31);
 }
 
-int cli_payload_run(kvr_client *c, const cli_args *a)
+int kvr__cli_payload_run(kvr_client *c, const cli_args *a)
 {
-    const char *model = cli_opt(a, "model"), *out = cli_opt(a, "output");
-    const char *seed_s = cli_opt(a, "random"), *from = cli_opt(a, "from");
+    const char *model = kvr__cli_opt(a, "model"), *out = kvr__cli_opt(a, "output");
+    const char *seed_s = kvr__cli_opt(a, "random"), *from = kvr__cli_opt(a, "from");
     if (!model || !out || a->npos)
-        return cli_usage_err("usage: kvrope payload --model M --tokens 1,2,3 -o FILE "
+        return kvr__cli_usage_err("usage: kvrope payload --model M --tokens 1,2,3 -o FILE "
                              "[--random SEED | --from KV.npy] (kvrope payload --help)");
     if (seed_s && from)
-        return cli_usage_err("payload: give --random or --from, not both");
+        return kvr__cli_usage_err("payload: give --random or --from, not both");
     uint64_t seed = 1;
-    if (seed_s && cli_parse_u64(seed_s, &seed) < 0)
-        return cli_usage_err("payload: --random wants an unsigned integer seed");
-    const char *tl = cli_opt(a, "tokens"), *tf = cli_opt(a, "tokens-file");
+    if (seed_s && kvr__cli_parse_u64(seed_s, &seed) < 0)
+        return kvr__cli_usage_err("payload: --random wants an unsigned integer seed");
+    const char *tl = kvr__cli_opt(a, "tokens"), *tf = kvr__cli_opt(a, "tokens-file");
     if (!tl == !tf)
-        return cli_usage_err("payload: give the token ids: --tokens 1,2,3 or --tokens-file F");
+        return kvr__cli_usage_err("payload: give the token ids: --tokens 1,2,3 or --tokens-file F");
     char err[400];
     uint32_t *tokens = NULL;
-    long n = tl ? cli_parse_u32_list(tl, &tokens) : cli_read_tokens_file(tf, &tokens, err, sizeof err);
+    long n = tl ? kvr__cli_parse_u32_list(tl, &tokens) : kvr__cli_read_tokens_file(tf, &tokens, err, sizeof err);
     if (n <= 0) {
         free(tokens);
-        return tl || n == 0 ? cli_usage_err("payload: want at least one token id (unsigned integers)")
-                            : cli_io_err(a, err);
+        return tl || n == 0 ? kvr__cli_usage_err("payload: want at least one token id (unsigned integers)")
+                            : kvr__cli_io_err(a, err);
     }
     int64_t pos0 = 0;
-    const char *ps = cli_opt(a, "pos-start");
+    const char *ps = kvr__cli_opt(a, "pos-start");
     if (ps) {
         char *e;
         pos0 = strtoll(ps, &e, 10);
         if (e == ps || *e) {
             free(tokens);
-            return cli_usage_err("payload: --pos-start wants an integer");
+            return kvr__cli_usage_err("payload: --pos-start wants an integer");
         }
     }
     kvr_model m;
     int r = kvr_client_model_get(c, model, &m);
     if (r < 0) {
         free(tokens);
-        return cli_fail(a, c, r, "payload");
+        return kvr__cli_fail(a, c, r, "payload");
     }
     kvr_dtype dt = m.dtype;
-    const char *ds = cli_opt(a, "dtype");
+    const char *ds = kvr__cli_opt(a, "dtype");
     if (ds && kvr_dtype_parse(ds, &dt)) {
         free(tokens);
-        return cli_usage_err("payload: --dtype wants f32, f16 or bf16");
+        return kvr__cli_usage_err("payload: --dtype wants f32, f16 or bf16");
     }
     size_t nt = (size_t)n, es = kvr_dtype_size(dt);
     size_t elems = kvr_payload_size(m.n_layers, nt, m.n_kv_heads, m.head_dim, KVR_DTYPE_F32) / 4;
@@ -100,7 +100,7 @@ int cli_payload_run(kvr_client *c, const cli_args *a)
     uint32_t *zeros = calloc(nt, 4);
     int rc = CLI_OK;
     if (!payload || !pos || !zeros) {
-        rc = cli_io_err(a, "out of memory");
+        rc = kvr__cli_io_err(a, "out of memory");
         goto out;
     }
     if (from) {
@@ -108,21 +108,21 @@ int cli_payload_run(kvr_client *c, const cli_args *a)
         kvr_dtype fdt;
         uint32_t fl, fh, fd;
         size_t ftok;
-        if (cli_npy_read(from, &f, err, sizeof err) < 0 ||
-            cli_npy_kv_shape(&f, from, &fdt, &fl, &ftok, &fh, &fd, err, sizeof err) < 0) {
-            rc = cli_io_err(a, err);
+        if (kvr__cli_npy_read(from, &f, err, sizeof err) < 0 ||
+            kvr__cli_npy_kv_shape(&f, from, &fdt, &fl, &ftok, &fh, &fd, err, sizeof err) < 0) {
+            rc = kvr__cli_io_err(a, err);
             goto out;
         }
         if (fl != m.n_layers || ftok != nt || fh != m.n_kv_heads || fd != m.head_dim) {
             snprintf(err, sizeof err, "%s has shape [%u, 2, %zu, %u, %u]; model %s with %zu "
                      "tokens needs [%u, 2, %zu, %u, %u]", from, fl, ftok, fh, fd, model, nt,
                      m.n_layers, nt, m.n_kv_heads, m.head_dim);
-            cli_npy_free(&f);
-            rc = cli_io_err(a, err);
+            kvr__cli_npy_free(&f);
+            rc = kvr__cli_io_err(a, err);
             goto out;
         }
         kvr_convert(payload, dt, f.data, fdt, elems);
-        cli_npy_free(&f);
+        kvr__cli_npy_free(&f);
     } else {
         uint64_t s = seed;
         for (size_t i = 0; i < elems; i++) {
@@ -150,7 +150,7 @@ int cli_payload_run(kvr_client *c, const cli_args *a)
     kv.groups = (int32_t *)zeros;
     kv.payload = payload;
     kv.payload_len = elems * es;
-    rc = cli_write_kv(a, &kv, out);
+    rc = kvr__cli_write_kv(a, &kv, out);
     if (rc == CLI_OK && a->json) {
         cJSON *j = cJSON_CreateObject();
         cJSON_AddStringToObject(j, "output", out);
@@ -158,7 +158,7 @@ int cli_payload_run(kvr_client *c, const cli_args *a)
         cJSON_AddNumberToObject(j, "n_tokens", (double)nt);
         cJSON_AddStringToObject(j, "dtype", kvr_dtype_name(dt));
         cJSON_AddNumberToObject(j, "bytes", (double)(elems * es));
-        cli_print_json(j);
+        kvr__cli_print_json(j);
     } else if (rc == CLI_OK && !a->quiet) {
         printf("%s: %zu tokens of model %s (%u layers x %u kv heads x %u dims, %s, %s), "
                "positions %lld..%lld\n", out, nt, model, m.n_layers, m.n_kv_heads, m.head_dim,

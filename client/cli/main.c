@@ -18,10 +18,6 @@
 #include "client/cli/cli.h"
 #include "client/cli/cli_rope.h"
 
-/* The rope subcommand lives in another engineer's file; until it is linked,
- * `kvrope rope` says so instead of the whole tool failing to link. */
-#pragma weak kvr_cli_rope_main
-
 static const char help_text[] =
 "usage: kvrope [global options] COMMAND [args] [options]\n"
 "\n"
@@ -124,7 +120,7 @@ static const char help_tail[] =
 "\n"
 "A progress bar is drawn on stderr for long transfers when it is a terminal.\n";
 
-const char *cli_opt(const cli_args *a, const char *name)
+const char *kvr__cli_opt(const cli_args *a, const char *name)
 {
     for (int i = a->nopt - 1; i >= 0; i--)
         if (!strcmp(a->opt_name[i], name))
@@ -146,7 +142,7 @@ static bool is_flag(const char *name)
     return false;
 }
 
-bool cli_flag(const cli_args *a, const char *name)
+bool kvr__cli_flag(const cli_args *a, const char *name)
 {
     for (int i = 0; i < a->nopt; i++)
         if (!strcmp(a->opt_name[i], name))
@@ -206,8 +202,8 @@ static int parse_args(int argc, char **argv, cli_args *a)
                 }
                 goto positional;
             }
-            if (cli_option_takes_value(name) || cli_layout_option_takes_value(name) ||
-                cli_llama_option_takes_value(name) || cli_payload_option_takes_value(name)) {
+            if (kvr__cli_option_takes_value(name) || kvr__cli_layout_option_takes_value(name) ||
+                kvr__cli_llama_option_takes_value(name) || kvr__cli_payload_option_takes_value(name)) {
                 if (!val) {
                     if (i + 1 >= argc) {
                         fprintf(stderr, "kvrope: option --%s needs a value\n", name);
@@ -218,8 +214,8 @@ static int parse_args(int argc, char **argv, cli_args *a)
             } else if (val) {
                 fprintf(stderr, "kvrope: option --%s takes no value\n", name);
                 return CLI_USAGE;
-            } else if (!is_flag(name) && !cli_layout_option_is_flag(name) &&
-                       !cli_llama_option_is_flag(name)) {
+            } else if (!is_flag(name) && !kvr__cli_layout_option_is_flag(name) &&
+                       !kvr__cli_llama_option_is_flag(name)) {
                 fprintf(stderr, "kvrope: unknown option --%s\n", name);
                 return CLI_USAGE;
             }
@@ -246,11 +242,11 @@ static int parse_args(int argc, char **argv, cli_args *a)
             a->pos[a->npos++] = s;
         }
     }
-    a->socket = cli_opt(a, "socket");
-    a->connect = cli_opt(a, "connect");
-    a->token_file = cli_opt(a, "token-file");
-    a->json = cli_flag(a, "json");
-    a->quiet = cli_flag(a, "quiet");
+    a->socket = kvr__cli_opt(a, "socket");
+    a->connect = kvr__cli_opt(a, "connect");
+    a->token_file = kvr__cli_opt(a, "token-file");
+    a->json = kvr__cli_flag(a, "json");
+    a->quiet = kvr__cli_flag(a, "quiet");
     return 0;
 }
 
@@ -264,7 +260,7 @@ static int read_token(const char *path, char **out, size_t *len)
 {
     cli_mapped m;
     char err[300];
-    if (cli_map_file(path, &m, err, sizeof err) < 0) {
+    if (kvr__cli_map_file(path, &m, err, sizeof err) < 0) {
         fprintf(stderr, "kvrope: token file: %s\n", err);
         return -1;
     }
@@ -279,7 +275,7 @@ static int read_token(const char *path, char **out, size_t *len)
         (*out)[n] = 0;
     }
     *len = n;
-    cli_unmap(&m);
+    kvr__cli_unmap(&m);
     return *out ? 0 : -1;
 }
 
@@ -288,10 +284,10 @@ static void print_help(FILE *f)
     fputs(help_text, f);
     fputs(help_put, f);
     fputs(help_edit, f);
-    fputs(cli_layout_help, f);
-    fputs(cli_layout_help_file, f);
-    fputs(cli_payload_help, f);
-    fputs(cli_llama_help, f);
+    fputs(kvr__cli_layout_help, f);
+    fputs(kvr__cli_layout_help_file, f);
+    fputs(kvr__cli_payload_help, f);
+    fputs(kvr__cli_llama_help, f);
     fputs(help_tail, f);
 }
 
@@ -352,8 +348,8 @@ static int print_entries(FILE *out, const char *text, const char *cmd, const cha
 static bool print_command_help(const cli_args *a)
 {
     const char *cmd = !strcmp(a->cmd, "list") ? "ls" : a->cmd;
-    const char *const sections[] = { help_text, help_put, help_edit, cli_layout_help, cli_llama_help,
-                                     cli_payload_help };
+    const char *const sections[] = { help_text, help_put, help_edit, kvr__cli_layout_help, kvr__cli_llama_help,
+                                     kvr__cli_payload_help };
     const size_t n_sections = sizeof sections / sizeof sections[0];
     const char *sub = a->npos > 0 ? a->pos[0] : NULL;
     int n = 0;
@@ -379,10 +375,6 @@ int main(int argc, char **argv)
     /* `rope` needs none of our options: hand over argv untouched. */
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "rope")) {
-            if (!kvr_cli_rope_main) {
-                fprintf(stderr, "kvrope: the rope subcommand is not built into this binary\n");
-                return CLI_ERR;
-            }
             return kvr_cli_rope_main(argc - i, argv + i);
         }
         if (argv[i][0] != '-')
@@ -397,7 +389,7 @@ int main(int argc, char **argv)
         free_args(&a);
         return rc;
     }
-    if (cli_flag(&a, "version") || (a.cmd && !strcmp(a.cmd, "version"))) {
+    if (kvr__cli_flag(&a, "version") || (a.cmd && !strcmp(a.cmd, "version"))) {
         printf("kvrope %d.%d.%d (libkvrope %s, protocol 1)\n", KVR_VERSION_MAJOR,
                KVR_VERSION_MINOR, KVR_VERSION_PATCH, kvr_version_string());
         free_args(&a);
@@ -410,7 +402,7 @@ int main(int argc, char **argv)
         free_args(&a);
         return rc;
     }
-    if (cli_flag(&a, "help") || (a.cmd && !strcmp(a.cmd, "help"))) {
+    if (kvr__cli_flag(&a, "help") || (a.cmd && !strcmp(a.cmd, "help"))) {
         rc = CLI_OK;
         if (!a.cmd || !strcmp(a.cmd, "help"))
             print_help(stdout);
@@ -424,8 +416,8 @@ int main(int argc, char **argv)
         free_args(&a);
         return CLI_USAGE;
     }
-    if (!cli_known_command(a.cmd) && !cli_layout_command(a.cmd) && !cli_llama_command(a.cmd) &&
-        !cli_payload_command(a.cmd)) {
+    if (!kvr__cli_known_command(a.cmd) && !kvr__cli_layout_command(a.cmd) && !kvr__cli_llama_command(a.cmd) &&
+        !kvr__cli_payload_command(a.cmd)) {
         fprintf(stderr, "kvrope: unknown command '%s' (see kvrope --help)\n", a.cmd);
         free_args(&a);
         return CLI_USAGE;
@@ -457,7 +449,7 @@ int main(int argc, char **argv)
         if (opts.token_len == 0)
             opts.token = "";
     }
-    const char *to = cli_opt(&a, "timeout");
+    const char *to = kvr__cli_opt(&a, "timeout");
     if (to)
         opts.timeout_ms = atoi(to);
     kvr_client *c;
@@ -485,10 +477,10 @@ int main(int argc, char **argv)
         free_args(&a);
         return CLI_CONNECT;
     }
-    rc = cli_layout_command(a.cmd)    ? cli_layout_run(c, &a)
-       : cli_llama_command(a.cmd)   ? cli_llama_run(c, &a)
-       : cli_payload_command(a.cmd) ? cli_payload_run(c, &a)
-                                    : cli_run(c, &a);
+    rc = kvr__cli_layout_command(a.cmd)    ? kvr__cli_layout_run(c, &a)
+       : kvr__cli_llama_command(a.cmd)   ? kvr__cli_llama_run(c, &a)
+       : kvr__cli_payload_command(a.cmd) ? kvr__cli_payload_run(c, &a)
+                                    : kvr__cli_run(c, &a);
     kvr_client_close(c);
     free_args(&a);
     return rc;

@@ -43,7 +43,7 @@
 
 static _Thread_local char connect_err[512];
 
-/* ---- errors (the codes and their tables: rope/error.h) ---------------- */
+/* ---- errors (the codes and their tables: base/error.h) ---------------- */
 
 int kvr__fail(kvr_client *c, int code, const char *fmt, ...)
 {

@@ -52,11 +52,11 @@ static bool have(const gguf *g, uint64_t n) { return n <= g->len - g->off; }
 static int rd_str(gguf *g, const char **s, uint64_t *n, const char *what, char *err, size_t errlen)
 {
     if (!have(g, 8))
-        return kvr_br_fail(err, errlen, KVR_EINVAL, "GGUF truncated at offset %zu (%s)", g->off, what);
-    uint64_t l = kvr_br_rd64(g->p + g->off);
+        return kvr__br_fail(err, errlen, KVR_EINVAL, "GGUF truncated at offset %zu (%s)", g->off, what);
+    uint64_t l = kvr__br_rd64(g->p + g->off);
     g->off += 8;
     if (!have(g, l))
-        return kvr_br_fail(err, errlen, KVR_EINVAL,
+        return kvr__br_fail(err, errlen, KVR_EINVAL,
                            "GGUF %s at offset %zu declares %llu bytes, %zu are left", what,
                            g->off - 8, (unsigned long long)l, g->len - g->off);
     *s = (const char *)g->p + g->off;
@@ -68,7 +68,7 @@ static int rd_str(gguf *g, const char **s, uint64_t *n, const char *what, char *
 static int skip_value(gguf *g, uint32_t type, const char *key, char *err, size_t errlen)
 {
     if (type >= T_COUNT)
-        return kvr_br_fail(err, errlen, KVR_EINVAL, "GGUF key '%s': unknown value type %u", key, type);
+        return kvr__br_fail(err, errlen, KVR_EINVAL, "GGUF key '%s': unknown value type %u", key, type);
     if (type == T_STR) {
         const char *s;
         uint64_t n;
@@ -76,16 +76,16 @@ static int skip_value(gguf *g, uint32_t type, const char *key, char *err, size_t
     }
     if (type == T_ARR) {
         if (!have(g, 12))
-            return kvr_br_fail(err, errlen, KVR_EINVAL, "GGUF key '%s': truncated array header", key);
-        uint32_t at = kvr_br_rd32(g->p + g->off);
-        uint64_t an = kvr_br_rd64(g->p + g->off + 4);
+            return kvr__br_fail(err, errlen, KVR_EINVAL, "GGUF key '%s': truncated array header", key);
+        uint32_t at = kvr__br_rd32(g->p + g->off);
+        uint64_t an = kvr__br_rd64(g->p + g->off + 4);
         g->off += 12;
         if (at >= T_COUNT || at == T_ARR)
-            return kvr_br_fail(err, errlen, KVR_EINVAL,
+            return kvr__br_fail(err, errlen, KVR_EINVAL,
                                "GGUF key '%s': array of unsupported type %u", key, at);
         if (at == T_STR) {
             if (an > (g->len - g->off) / 8)
-                return kvr_br_fail(err, errlen, KVR_EINVAL,
+                return kvr__br_fail(err, errlen, KVR_EINVAL,
                                    "GGUF key '%s': %llu strings declared, %zu bytes left", key,
                                    (unsigned long long)an, g->len - g->off);
             for (uint64_t i = 0; i < an; i++) {
@@ -97,14 +97,14 @@ static int skip_value(gguf *g, uint32_t type, const char *key, char *err, size_t
             return 0;
         }
         if (an > (g->len - g->off) / TSIZE[at])
-            return kvr_br_fail(err, errlen, KVR_EINVAL,
+            return kvr__br_fail(err, errlen, KVR_EINVAL,
                                "GGUF key '%s': %llu elements declared, %zu bytes left", key,
                                (unsigned long long)an, g->len - g->off);
         g->off += an * TSIZE[at];
         return 0;
     }
     if (!have(g, TSIZE[type]))
-        return kvr_br_fail(err, errlen, KVR_EINVAL, "GGUF key '%s': truncated value", key);
+        return kvr__br_fail(err, errlen, KVR_EINVAL, "GGUF key '%s': truncated value", key);
     g->off += TSIZE[type];
     return 0;
 }
@@ -149,7 +149,7 @@ static int get_num(const gguf *g, const kv *e, double *out, bool allow_arr, char
     if (!e) return 0;
     if (e->type == T_ARR) {
         if (!allow_arr || e->atype == T_STR || e->an == 0)
-            return kvr_br_fail(err, errlen, KVR_EUNSUPPORTED, "GGUF key '%.*s' is an array",
+            return kvr__br_fail(err, errlen, KVR_EUNSUPPORTED, "GGUF key '%.*s' is an array",
                                (int)e->klen, e->key);
         double first = 0;
         for (uint64_t i = 0; i < e->an; i++) {
@@ -157,7 +157,7 @@ static int get_num(const gguf *g, const kv *e, double *out, bool allow_arr, char
             num_at(e->atype, e->val + 12 + i * TSIZE[e->atype], &x);
             if (i == 0) first = x;
             else if (x != first)
-                return kvr_br_fail(err, errlen, KVR_EUNSUPPORTED,
+                return kvr__br_fail(err, errlen, KVR_EUNSUPPORTED,
                                    "GGUF key '%.*s' differs between layers (%g and %g): per-layer "
                                    "shapes are not supported", (int)e->klen, e->key, first, x);
         }
@@ -165,7 +165,7 @@ static int get_num(const gguf *g, const kv *e, double *out, bool allow_arr, char
         return 1;
     }
     if (!num_at(e->type, e->val, out))
-        return kvr_br_fail(err, errlen, KVR_EINVAL, "GGUF key '%.*s' is not a number",
+        return kvr__br_fail(err, errlen, KVR_EINVAL, "GGUF key '%.*s' is not a number",
                            (int)e->klen, e->key);
     (void)g;
     return 1;
@@ -177,7 +177,7 @@ static int get_u32(const gguf *g, const kv *e, uint32_t *out, bool allow_arr, ch
     int rc = get_num(g, e, &x, allow_arr, err, errlen);
     if (rc <= 0) return rc;
     if (!(x >= 0 && x <= 4294967295.0) || x != floor(x))
-        return kvr_br_fail(err, errlen, KVR_EINVAL, "GGUF key '%.*s' = %g is not a count",
+        return kvr__br_fail(err, errlen, KVR_EINVAL, "GGUF key '%.*s' = %g is not a count",
                            (int)e->klen, e->key, x);
     *out = (uint32_t)x;
     return 1;
@@ -186,7 +186,7 @@ static int get_u32(const gguf *g, const kv *e, uint32_t *out, bool allow_arr, ch
 static bool get_str(const kv *e, const char **s, uint64_t *n)
 {
     if (!e || e->type != T_STR) return false;
-    *n = kvr_br_rd64(e->val);
+    *n = kvr__br_rd64(e->val);
     *s = (const char *)e->val + 8;
     return true;
 }
@@ -201,42 +201,42 @@ static bool str_is(const kv *e, const char *want)
 static int parse_file(gguf *g, char *err, size_t errlen)
 {
     if (g->len < 24)
-        return kvr_br_fail(err, errlen, KVR_EINVAL, "not a GGUF file: %zu bytes", g->len);
-    uint32_t magic = kvr_br_rd32(g->p);
+        return kvr__br_fail(err, errlen, KVR_EINVAL, "not a GGUF file: %zu bytes", g->len);
+    uint32_t magic = kvr__br_rd32(g->p);
     if (magic != GGUF_MAGIC)
-        return kvr_br_fail(err, errlen, KVR_EINVAL,
+        return kvr__br_fail(err, errlen, KVR_EINVAL,
                            "not a GGUF file: magic 0x%08x (expected \"GGUF\")", magic);
-    g->version = kvr_br_rd32(g->p + 4);
+    g->version = kvr__br_rd32(g->p + 4);
     if (g->version != 2 && g->version != 3)
-        return kvr_br_fail(err, errlen, KVR_EUNSUPPORTED,
+        return kvr__br_fail(err, errlen, KVR_EUNSUPPORTED,
                            "GGUF version %u (2 and 3 are supported)", g->version);
-    g->n_tensors = kvr_br_rd64(g->p + 8);
-    g->n_kv = kvr_br_rd64(g->p + 16);
+    g->n_tensors = kvr__br_rd64(g->p + 8);
+    g->n_kv = kvr__br_rd64(g->p + 16);
     g->off = 24;
     /* a key/value needs >= 8 + 1 + 4 + 1 bytes, a tensor >= 8 + 1 + 4 + 8 + 4 + 8 */
     if (g->n_kv > (g->len - g->off) / 14)
-        return kvr_br_fail(err, errlen, KVR_EINVAL,
+        return kvr__br_fail(err, errlen, KVR_EINVAL,
                            "GGUF declares %llu key/values, more than its %zu bytes can hold",
                            (unsigned long long)g->n_kv, g->len);
     if (g->n_tensors > (g->len - g->off) / 33)
-        return kvr_br_fail(err, errlen, KVR_EINVAL,
+        return kvr__br_fail(err, errlen, KVR_EINVAL,
                            "GGUF declares %llu tensors, more than its %zu bytes can hold",
                            (unsigned long long)g->n_tensors, g->len);
     g->kvs = calloc(g->n_kv ? g->n_kv : 1, sizeof *g->kvs);
-    if (!g->kvs) return kvr_br_fail(err, errlen, KVR_ENOMEM, "out of memory");
+    if (!g->kvs) return kvr__br_fail(err, errlen, KVR_ENOMEM, "out of memory");
     for (uint64_t i = 0; i < g->n_kv; i++) {
         kv *e = &g->kvs[i];
         int rc = rd_str(g, &e->key, &e->klen, "key", err, errlen);
         if (rc) return rc;
         if (!have(g, 4))
-            return kvr_br_fail(err, errlen, KVR_EINVAL, "GGUF truncated at key '%.*s'",
+            return kvr__br_fail(err, errlen, KVR_EINVAL, "GGUF truncated at key '%.*s'",
                                (int)(e->klen > 80 ? 80 : e->klen), e->key);
-        e->type = kvr_br_rd32(g->p + g->off);
+        e->type = kvr__br_rd32(g->p + g->off);
         g->off += 4;
         e->val = g->p + g->off;
         if (e->type == T_ARR && have(g, 12)) {
-            e->atype = kvr_br_rd32(e->val);
-            e->an = kvr_br_rd64(e->val + 4);
+            e->atype = kvr__br_rd32(e->val);
+            e->an = kvr__br_rd64(e->val + 4);
         }
         char kname[96];
         snprintf(kname, sizeof kname, "%.*s", (int)(e->klen > 80 ? 80 : e->klen), e->key);
@@ -247,7 +247,7 @@ static int parse_file(gguf *g, char *err, size_t errlen)
     if (al) {
         uint32_t a;
         if (get_u32(g, al, &a, false, err, errlen) < 0 || a == 0 || (a & (a - 1)))
-            return kvr_br_fail(err, errlen, KVR_EINVAL, "GGUF general.alignment is not a power of two");
+            return kvr__br_fail(err, errlen, KVR_EINVAL, "GGUF general.alignment is not a power of two");
         align = a;
     }
     for (uint64_t i = 0; i < g->n_tensors; i++) {
@@ -255,14 +255,14 @@ static int parse_file(gguf *g, char *err, size_t errlen)
         uint64_t nl;
         int rc = rd_str(g, &name, &nl, "tensor name", err, errlen);
         if (rc) return rc;
-        if (!have(g, 4)) return kvr_br_fail(err, errlen, KVR_EINVAL, "GGUF truncated in tensor %llu", (unsigned long long)i);
-        uint32_t nd = kvr_br_rd32(g->p + g->off);
+        if (!have(g, 4)) return kvr__br_fail(err, errlen, KVR_EINVAL, "GGUF truncated in tensor %llu", (unsigned long long)i);
+        uint32_t nd = kvr__br_rd32(g->p + g->off);
         g->off += 4;
         if (nd == 0 || nd > 4)
-            return kvr_br_fail(err, errlen, KVR_EINVAL, "GGUF tensor '%.*s' has %u dimensions",
+            return kvr__br_fail(err, errlen, KVR_EINVAL, "GGUF tensor '%.*s' has %u dimensions",
                                (int)(nl > 80 ? 80 : nl), name, nd);
         if (!have(g, (uint64_t)nd * 8 + 12))
-            return kvr_br_fail(err, errlen, KVR_EINVAL, "GGUF truncated in tensor '%.*s'",
+            return kvr__br_fail(err, errlen, KVR_EINVAL, "GGUF truncated in tensor '%.*s'",
                                (int)(nl > 80 ? 80 : nl), name);
         g->off += (size_t)nd * 8 + 12;
 #define IS(s) (nl == sizeof(s) - 1 && memcmp(name, s, nl) == 0)
@@ -303,13 +303,13 @@ static int profile(const gguf *g, kvr_llama_model *m, char *err, size_t errlen)
     uint64_t n;
     const kv *ty = find(g, "general.type");
     if (ty && !str_is(ty, "model") && get_str(ty, &s, &n))
-        return kvr_br_fail(err, errlen, KVR_EUNSUPPORTED,
+        return kvr__br_fail(err, errlen, KVR_EUNSUPPORTED,
                            "not a model: general.type is '%.*s'", (int)(n > 40 ? 40 : n), s);
     if (!get_str(find(g, "general.architecture"), &s, &n))
-        return kvr_br_fail(err, errlen, KVR_EUNSUPPORTED,
+        return kvr__br_fail(err, errlen, KVR_EUNSUPPORTED,
                            "not a model: no general.architecture string");
     if (n == 0 || n >= sizeof m->arch || memchr(s, '\0', n))
-        return kvr_br_fail(err, errlen, KVR_EUNSUPPORTED, "bad general.architecture");
+        return kvr__br_fail(err, errlen, KVR_EUNSUPPORTED, "bad general.architecture");
     memcpy(m->arch, s, n);
     m->arch[n] = '\0';
     if (get_str(find(g, "general.name"), &s, &n)) {
@@ -323,32 +323,32 @@ static int profile(const gguf *g, kvr_llama_model *m, char *err, size_t errlen)
     int rc;
     if ((rc = get_u32(g, findf(g, A, "block_count"), &m->n_layers, false, err, errlen)) < 0) return rc;
     if (rc == 0 || m->n_layers == 0)
-        return kvr_br_fail(err, errlen, KVR_EUNSUPPORTED,
+        return kvr__br_fail(err, errlen, KVR_EUNSUPPORTED,
                            "not a model: no %s.block_count (a vocabulary-only or adapter GGUF?)", A);
     if (!g->has_tok_embd || !g->has_attn_k0)
-        return kvr_br_fail(err, errlen, KVR_EUNSUPPORTED,
+        return kvr__br_fail(err, errlen, KVR_EUNSUPPORTED,
                            "not a model: no tensor %s (a vocabulary-only or adapter GGUF?)",
                            g->has_tok_embd ? "blk.0.attn_k.weight" : "token_embd.weight");
     if (findf(g, A, "rope.dimension_sections") || strstr(A, "vl"))
-        return kvr_br_fail(err, errlen, KVR_EUNSUPPORTED,
+        return kvr__br_fail(err, errlen, KVR_EUNSUPPORTED,
                            "architecture %s uses M-RoPE (extra per-cell positions): not supported", A);
     m->rope_type = -1;
     for (size_t i = 0; i < sizeof ARCHS / sizeof ARCHS[0]; i++)
         if (strcmp(ARCHS[i].arch, A) == 0) m->rope_type = ARCHS[i].rope;
     if (m->rope_type < 0)
-        return kvr_br_fail(err, errlen, KVR_EUNSUPPORTED,
+        return kvr__br_fail(err, errlen, KVR_EUNSUPPORTED,
                            "architecture '%s' is not supported by the bridge (its RoPE pairing is "
                            "not known; llama, qwen2, qwen3, phi3, ... are)", A);
     if ((rc = get_u32(g, findf(g, A, "embedding_length"), &m->n_embd, false, err, errlen)) < 0) return rc;
     if (rc == 0 || m->n_embd == 0)
-        return kvr_br_fail(err, errlen, KVR_EUNSUPPORTED, "not a model: no %s.embedding_length", A);
+        return kvr__br_fail(err, errlen, KVR_EUNSUPPORTED, "not a model: no %s.embedding_length", A);
     if ((rc = get_u32(g, findf(g, A, "attention.head_count"), &m->n_heads, true, err, errlen)) < 0) return rc;
     if (rc == 0 || m->n_heads == 0)
-        return kvr_br_fail(err, errlen, KVR_EUNSUPPORTED, "not a model: no %s.attention.head_count", A);
+        return kvr__br_fail(err, errlen, KVR_EUNSUPPORTED, "not a model: no %s.attention.head_count", A);
     m->n_kv_heads = m->n_heads;
     if ((rc = get_u32(g, findf(g, A, "attention.head_count_kv"), &m->n_kv_heads, true, err, errlen)) < 0) return rc;
     if (m->n_kv_heads == 0 || m->n_heads % m->n_kv_heads)
-        return kvr_br_fail(err, errlen, KVR_EUNSUPPORTED,
+        return kvr__br_fail(err, errlen, KVR_EUNSUPPORTED,
                            "%s.attention.head_count_kv = %u does not divide head_count %u", A,
                            m->n_kv_heads, m->n_heads);
     m->head_dim = m->n_embd / m->n_heads;
@@ -356,20 +356,20 @@ static int profile(const gguf *g, kvr_llama_model *m, char *err, size_t errlen)
     uint32_t hv = m->head_dim;
     if ((rc = get_u32(g, findf(g, A, "attention.value_length"), &hv, false, err, errlen)) < 0) return rc;
     if (hv != m->head_dim)
-        return kvr_br_fail(err, errlen, KVR_EUNSUPPORTED,
+        return kvr__br_fail(err, errlen, KVR_EUNSUPPORTED,
                            "%s.attention.value_length %u differs from key_length %u: not supported",
                            A, hv, m->head_dim);
     if (m->head_dim == 0 || m->head_dim > KVR_ROPE_MAX_HEAD_DIM || m->head_dim % 2)
-        return kvr_br_fail(err, errlen, KVR_EUNSUPPORTED, "head_dim %u out of range", m->head_dim);
+        return kvr__br_fail(err, errlen, KVR_EUNSUPPORTED, "head_dim %u out of range", m->head_dim);
     if ((uint64_t)m->n_kv_heads * m->head_dim > (1u << 20) || m->n_layers > 65536)
-        return kvr_br_fail(err, errlen, KVR_EUNSUPPORTED,
+        return kvr__br_fail(err, errlen, KVR_EUNSUPPORTED,
                            "%u layers x %u KV heads x %u: a shape beyond the bridge's limits "
                            "(65536 layers, 2^20 values per cell)", m->n_layers, m->n_kv_heads,
                            m->head_dim);
     m->rotary_dim = m->head_dim;
     if ((rc = get_u32(g, findf(g, A, "rope.dimension_count"), &m->rotary_dim, false, err, errlen)) < 0) return rc;
     if (m->rotary_dim == 0 || m->rotary_dim % 2 || m->rotary_dim > m->head_dim)
-        return kvr_br_fail(err, errlen, KVR_EUNSUPPORTED,
+        return kvr__br_fail(err, errlen, KVR_EUNSUPPORTED,
                            "%s.rope.dimension_count %u: must be even and at most head_dim %u", A,
                            m->rotary_dim, m->head_dim);
     m->n_ctx_train = 0;
@@ -382,7 +382,7 @@ static int profile(const gguf *g, kvr_llama_model *m, char *err, size_t errlen)
     if ((rc = get_num(g, findf(g, A, "rope.freq_base"), &x, false, err, errlen)) < 0) return rc;
     if (rc) m->rope_base = x;
     if (!(m->rope_base > 0) || !isfinite(m->rope_base))
-        return kvr_br_fail(err, errlen, KVR_EUNSUPPORTED, "%s.rope.freq_base %g", A, m->rope_base);
+        return kvr__br_fail(err, errlen, KVR_EUNSUPPORTED, "%s.rope.freq_base %g", A, m->rope_base);
     /* llama.cpp: the type defaults to "linear", the factor to none (1) */
     const kv *st = findf(g, A, "rope.scaling.type");
     m->factor = 1.0;
@@ -390,7 +390,7 @@ static int profile(const gguf *g, kvr_llama_model *m, char *err, size_t errlen)
     if (rc == 0 && (rc = get_num(g, findf(g, A, "rope.scale_linear"), &x, false, err, errlen)) < 0) return rc;
     if (rc && x != 0) m->factor = x;
     if (!(m->factor > 0) || !isfinite(m->factor))
-        return kvr_br_fail(err, errlen, KVR_EUNSUPPORTED, "%s.rope.scaling.factor %g", A, m->factor);
+        return kvr__br_fail(err, errlen, KVR_EUNSUPPORTED, "%s.rope.scaling.factor %g", A, m->factor);
     m->scaling = m->factor != 1.0 ? KVR_ROPE_SCALING_LINEAR : KVR_ROPE_SCALING_DEFAULT;
     if (st) {
         if (str_is(st, "none")) { m->scaling = KVR_ROPE_SCALING_DEFAULT; m->factor = 1.0; }
@@ -400,7 +400,7 @@ static int profile(const gguf *g, kvr_llama_model *m, char *err, size_t errlen)
             const char *ts = "?";
             uint64_t tn = 1;
             get_str(st, &ts, &tn);
-            return kvr_br_fail(err, errlen, KVR_EUNSUPPORTED,
+            return kvr__br_fail(err, errlen, KVR_EUNSUPPORTED,
                                "%s.rope.scaling.type '%.*s' is not supported (none, linear, yarn)",
                                A, (int)(tn > 40 ? 40 : tn), ts);
         }
@@ -425,11 +425,11 @@ static int profile(const gguf *g, kvr_llama_model *m, char *err, size_t errlen)
     m->mscale = m->rope_attn_factor;
     if (m->scaling == KVR_ROPE_SCALING_YARN) {
         if (m->yarn_ext_factor != 1.0)
-            return kvr_br_fail(err, errlen, KVR_EUNSUPPORTED,
+            return kvr__br_fail(err, errlen, KVR_EUNSUPPORTED,
                                "%s.rope.scaling.yarn_ext_factor %g: kvrope's YaRN (Hugging Face's) "
                                "mixes with factor 1", A, m->yarn_ext_factor);
         if (m->orig_ctx == 0)
-            return kvr_br_fail(err, errlen, KVR_EUNSUPPORTED,
+            return kvr__br_fail(err, errlen, KVR_EUNSUPPORTED,
                                "YaRN without an original context length");
         double f = m->factor;
         double ms = f <= 1 ? 1.0 : 0.1 * log(f) + 1.0;
@@ -439,7 +439,7 @@ static int profile(const gguf *g, kvr_llama_model *m, char *err, size_t errlen)
         }
         m->mscale = ms * m->rope_attn_factor;
     } else if (m->rope_attn_factor != 1.0) {
-        return kvr_br_fail(err, errlen, KVR_EUNSUPPORTED,
+        return kvr__br_fail(err, errlen, KVR_EUNSUPPORTED,
                            "%s.rope.scaling.attn_factor %g without YaRN: not supported", A,
                            m->rope_attn_factor);
     }
@@ -467,7 +467,7 @@ static int profile(const gguf *g, kvr_llama_model *m, char *err, size_t errlen)
     }
     kvr_error verr;
     if (kvr_rope_config_validate(c, &verr) != 0)
-        return kvr_br_fail(err, errlen, KVR_EUNSUPPORTED, "the model's RoPE is refused: %s", verr.msg);
+        return kvr__br_fail(err, errlen, KVR_EUNSUPPORTED, "the model's RoPE is refused: %s", verr.msg);
 
     /* fingerprint: metadata + tensor table + samples of the data section */
     uint64_t h = 0xcbf29ce484222325ull;
@@ -490,7 +490,7 @@ static int profile(const gguf *g, kvr_llama_model *m, char *err, size_t errlen)
 int kvr_llama_gguf_parse(const void *buf, size_t len, kvr_llama_model *out, char *err,
                          size_t errlen)
 {
-    if (!buf || !out) return kvr_br_fail(err, errlen, KVR_EINVAL, "no GGUF bytes");
+    if (!buf || !out) return kvr__br_fail(err, errlen, KVR_EINVAL, "no GGUF bytes");
     gguf g;
     memset(&g, 0, sizeof g);
     g.p = buf;
@@ -504,28 +504,28 @@ int kvr_llama_gguf_parse(const void *buf, size_t len, kvr_llama_model *out, char
 
 int kvr_llama_gguf_read(const char *path, kvr_llama_model *out, char *err, size_t errlen)
 {
-    if (!path || !out) return kvr_br_fail(err, errlen, KVR_EINVAL, "no GGUF path");
+    if (!path || !out) return kvr__br_fail(err, errlen, KVR_EINVAL, "no GGUF path");
     int fd = open(path, O_RDONLY | O_CLOEXEC);
-    if (fd < 0) return kvr_br_fail(err, errlen, KVR_ESYS, "%s: %s", path, strerror(errno));
+    if (fd < 0) return kvr__br_fail(err, errlen, KVR_ESYS, "%s: %s", path, strerror(errno));
     struct stat sb;
     if (fstat(fd, &sb) != 0 || !S_ISREG(sb.st_mode)) {
         int e = errno;
         close(fd);
-        return kvr_br_fail(err, errlen, KVR_ESYS, "%s: %s", path,
+        return kvr__br_fail(err, errlen, KVR_ESYS, "%s: %s", path,
                            S_ISREG(sb.st_mode) ? strerror(e) : "not a regular file");
     }
     if (sb.st_size < 24) {
         close(fd);
-        return kvr_br_fail(err, errlen, KVR_EINVAL, "%s: not a GGUF file (%lld bytes)", path,
+        return kvr__br_fail(err, errlen, KVR_EINVAL, "%s: not a GGUF file (%lld bytes)", path,
                            (long long)sb.st_size);
     }
     void *p = mmap(NULL, (size_t)sb.st_size, PROT_READ, MAP_PRIVATE, fd, 0);
     close(fd);
-    if (p == MAP_FAILED) return kvr_br_fail(err, errlen, KVR_ESYS, "%s: mmap: %s", path, strerror(errno));
+    if (p == MAP_FAILED) return kvr__br_fail(err, errlen, KVR_ESYS, "%s: mmap: %s", path, strerror(errno));
     char e2[400] = "";
     int rc = kvr_llama_gguf_parse(p, (size_t)sb.st_size, out, e2, sizeof e2);
     munmap(p, (size_t)sb.st_size);
-    if (rc) return kvr_br_fail(err, errlen, rc, "%s: %s", path, e2);
+    if (rc) return kvr__br_fail(err, errlen, rc, "%s: %s", path, e2);
     return 0;
 }
 

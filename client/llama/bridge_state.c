@@ -1,7 +1,8 @@
 /*
  * bridge_state.c — llama.cpp sequence states in memory: parse (either form),
  * decode cells into kvrope's layer-major payload, encode a payload back into
- * a state; the ggml element codecs and the Walsh-Hadamard transform they need.
+ * a state; the ggml element codecs (blocks: base/ggml_quants.c, shared with
+ * the store) and the Walsh-Hadamard transform they need.
  *
  * The format (llama.cpp v0.5.0, llama-context.cpp / llama-kv-cache.cpp), LE:
  *   raw:     u32 0xaf143cd8, i32 seq_id, MEM
@@ -22,6 +23,7 @@
  * bytes; all arithmetic on quantized rows is float, in ggml's order.
  */
 #include "client/llama/bridge_int.h"
+#include "base/ggml_quants.h"
 
 #include <errno.h>
 #include <float.h>
@@ -32,7 +34,7 @@
 #include <emmintrin.h>
 #endif
 
-int kvr_br_fail(char *err, size_t errlen, int code, const char *fmt, ...)
+int kvr__br_fail(char *err, size_t errlen, int code, const char *fmt, ...)
 {
     if (err && errlen) {
         va_list ap;
@@ -107,7 +109,7 @@ bool kvr_llama_type_is_quantized(kvr_llama_type t)
            t == KVR_LLAMA_Q5_0;
 }
 
-void kvr_br_type_geom(kvr_llama_type t, uint32_t *blck, uint32_t *bytes)
+void kvr__br_type_geom(kvr_llama_type t, uint32_t *blck, uint32_t *bytes)
 {
     t = norm_type(t);
     *blck = 0;
@@ -119,10 +121,10 @@ void kvr_br_type_geom(kvr_llama_type t, uint32_t *blck, uint32_t *bytes)
         }
 }
 
-uint64_t kvr_br_row_bytes(kvr_llama_type t, uint64_t n)
+uint64_t kvr__br_row_bytes(kvr_llama_type t, uint64_t n)
 {
     uint32_t b, s;
-    kvr_br_type_geom(t, &b, &s);
+    kvr__br_type_geom(t, &b, &s);
     if (!b || n % b) return 0;
     return n / b * s;
 }
@@ -138,123 +140,13 @@ static kvr_dtype plain_dtype(kvr_llama_type t)
 
 static bool is_plain(kvr_llama_type t) { return !kvr_llama_type_is_quantized(t); }
 
-/* ---- ggml blocks (reference quantizers, bit for bit) -------------------- */
+/* ---- ggml blocks (base/ggml_quants.c: ggml's reference quantizers) ------- */
 
-#define QK 32
+#define QK KVR_GGML_QK
 
 static inline uint16_t rd16(const uint8_t *p) { uint16_t v; memcpy(&v, p, 2); return v; }
-static inline void wr16(uint8_t *p, uint16_t v) { memcpy(p, &v, 2); }
 
-static void blk_dec(kvr_llama_type t, float *y, const uint8_t *x)
-{
-    const float d = kvr_f16_to_f32(rd16(x));
-    switch (t) {
-    case KVR_LLAMA_Q8_0:
-        for (int j = 0; j < QK; ++j) y[j] = (float)(int8_t)x[2 + j] * d;
-        break;
-    case KVR_LLAMA_Q4_0:
-        for (int j = 0; j < QK / 2; ++j) {
-            y[j] = (float)((x[2 + j] & 0x0F) - 8) * d;
-            y[j + QK / 2] = (float)((x[2 + j] >> 4) - 8) * d;
-        }
-        break;
-    case KVR_LLAMA_Q4_1: {
-        const float m = kvr_f16_to_f32(rd16(x + 2));
-        for (int j = 0; j < QK / 2; ++j) {
-            float p0 = (float)(x[4 + j] & 0x0F) * d, p1 = (float)(x[4 + j] >> 4) * d;
-            y[j] = p0 + m;
-            y[j + QK / 2] = p1 + m;
-        }
-        break;
-    }
-    case KVR_LLAMA_Q5_0: {
-        const uint32_t qh = kvr_br_rd32(x + 2);
-        for (int j = 0; j < QK / 2; ++j) {
-            const uint8_t h0 = (uint8_t)(((qh >> (j + 0)) << 4) & 0x10);
-            const uint8_t h1 = (uint8_t)(((qh >> (j + 12))) & 0x10);
-            y[j] = (float)(((x[6 + j] & 0x0F) | h0) - 16) * d;
-            y[j + QK / 2] = (float)(((x[6 + j] >> 4) | h1) - 16) * d;
-        }
-        break;
-    }
-    default:
-        break;
-    }
-}
-
-/* roundf (half away from zero) for |x| < 2^31, without the libm call. */
-static inline int round_half_away(float x)
-{
-    int t = (int)x;                 /* truncates toward zero */
-    float fr = x - (float)t;        /* exact */
-    return fr >= 0.5f ? t + 1 : fr <= -0.5f ? t - 1 : t;
-}
-
-static void blk_enc(kvr_llama_type t, uint8_t *y, const float *x)
-{
-    switch (t) {
-    case KVR_LLAMA_Q8_0: {
-        float amax = 0.0f;
-        for (int j = 0; j < QK; j++) {
-            float a = fabsf(x[j]);
-            amax = a > amax ? a : amax;   /* fmaxf for finite values */
-        }
-        const float d = amax / ((1 << 7) - 1);
-        const float id = d != 0.0f ? 1.0f / d : 0.0f;
-        wr16(y, kvr_f32_to_f16(d));
-        for (int j = 0; j < QK; ++j) y[2 + j] = (uint8_t)(int8_t)round_half_away(x[j] * id);
-        break;
-    }
-    case KVR_LLAMA_Q4_0:
-    case KVR_LLAMA_Q5_0: {
-        const int q5 = t == KVR_LLAMA_Q5_0;
-        float amax = 0.0f, max = 0.0f;
-        for (int j = 0; j < QK; j++)
-            if (amax < fabsf(x[j])) { amax = fabsf(x[j]); max = x[j]; }
-        const float d = q5 ? max / -16 : max / -8;
-        const float id = d != 0.0f ? 1.0f / d : 0.0f;
-        wr16(y, kvr_f32_to_f16(d));
-        if (!q5) {
-            for (int j = 0; j < QK / 2; ++j) {
-                int a = (int8_t)(x[j] * id + 8.5f), b = (int8_t)(x[QK / 2 + j] * id + 8.5f);
-                y[2 + j] = (uint8_t)((a < 15 ? a : 15) | (b < 15 ? b : 15) << 4);
-            }
-        } else {
-            uint32_t qh = 0;
-            for (int j = 0; j < QK / 2; ++j) {
-                int a = (int8_t)(x[j] * id + 16.5f), b = (int8_t)(x[QK / 2 + j] * id + 16.5f);
-                const uint8_t x0 = (uint8_t)(a < 31 ? a : 31), x1 = (uint8_t)(b < 31 ? b : 31);
-                y[6 + j] = (uint8_t)((x0 & 0x0F) | ((x1 & 0x0F) << 4));
-                qh |= ((x0 & 0x10u) >> 4) << (j + 0);
-                qh |= ((x1 & 0x10u) >> 4) << (j + QK / 2);
-            }
-            kvr_br_wr32(y + 2, qh);
-        }
-        break;
-    }
-    case KVR_LLAMA_Q4_1: {
-        float min = FLT_MAX, max = -FLT_MAX;
-        for (int j = 0; j < QK; j++) {
-            if (x[j] < min) min = x[j];
-            if (x[j] > max) max = x[j];
-        }
-        const float d = (max - min) / ((1 << 4) - 1);
-        const float id = d != 0.0f ? 1.0f / d : 0.0f;
-        wr16(y, kvr_f32_to_f16(d));
-        wr16(y + 2, kvr_f32_to_f16(min));
-        for (int j = 0; j < QK / 2; ++j) {
-            int a = (int8_t)((x[j] - min) * id + 0.5f);
-            int b = (int8_t)((x[QK / 2 + j] - min) * id + 0.5f);
-            y[4 + j] = (uint8_t)((a < 15 ? a : 15) | (b < 15 ? b : 15) << 4);
-        }
-        break;
-    }
-    default:
-        break;
-    }
-}
-
-void kvr_br_row_to_f32(kvr_llama_type t, float *dst, const uint8_t *src, size_t n)
+void kvr__br_row_to_f32(kvr_llama_type t, float *dst, const uint8_t *src, size_t n)
 {
     t = norm_type(t);
     if (is_plain(t)) {
@@ -262,11 +154,12 @@ void kvr_br_row_to_f32(kvr_llama_type t, float *dst, const uint8_t *src, size_t 
         return;
     }
     uint32_t b, s;
-    kvr_br_type_geom(t, &b, &s);
-    for (size_t i = 0; i < n / QK; i++) blk_dec(t, dst + i * QK, src + i * s);
+    kvr__br_type_geom(t, &b, &s);
+    kvr_ggml_qtype q = (kvr_ggml_qtype)kvr_llama_type_to_ggml(t);
+    for (size_t i = 0; i < n / QK; i++) kvr_ggml_block_dec(q, dst + i * QK, src + i * s);
 }
 
-void kvr_br_row_from_f32(kvr_llama_type t, uint8_t *dst, const float *src, size_t n)
+void kvr__br_row_from_f32(kvr_llama_type t, uint8_t *dst, const float *src, size_t n)
 {
     t = norm_type(t);
     if (is_plain(t)) {
@@ -274,13 +167,15 @@ void kvr_br_row_from_f32(kvr_llama_type t, uint8_t *dst, const float *src, size_
         return;
     }
     uint32_t b, s;
-    kvr_br_type_geom(t, &b, &s);
-    for (size_t i = 0; i < n / QK; i++) blk_enc(t, dst + i * s, src + i * QK);
+    kvr__br_type_geom(t, &b, &s);
+    kvr_ggml_qtype q = (kvr_ggml_qtype)kvr_llama_type_to_ggml(t);
+    /* an f16 scale overflow is written as ggml writes it (inf) */
+    for (size_t i = 0; i < n / QK; i++) (void)kvr_ggml_block_enc(q, dst + i * s, src + i * QK);
 }
 
 /* ---- Walsh-Hadamard ------------------------------------------------------- */
 
-uint32_t kvr_br_rot_k(kvr_llama_type t, uint32_t head_dim, bool no_attn_rot)
+uint32_t kvr__br_rot_k(kvr_llama_type t, uint32_t head_dim, bool no_attn_rot)
 {
     if (no_attn_rot || !kvr_llama_type_is_quantized(t) || head_dim == 0 || head_dim % 64)
         return 0;
@@ -289,7 +184,7 @@ uint32_t kvr_br_rot_k(kvr_llama_type t, uint32_t head_dim, bool no_attn_rot)
     return n;
 }
 
-uint32_t kvr_br_rot_v(kvr_llama_type t, uint32_t head_dim, bool no_attn_rot)
+uint32_t kvr__br_rot_v(kvr_llama_type t, uint32_t head_dim, bool no_attn_rot)
 {
     if (no_attn_rot || !kvr_llama_type_is_quantized(t) || head_dim == 0 || head_dim % 64)
         return 0;
@@ -308,7 +203,7 @@ static void fwht_pass(float *restrict a, float *restrict b, uint32_t len)
     }
 }
 
-void kvr_br_fwht(float *x, size_t n, uint32_t nrot)
+void kvr__br_fwht(float *x, size_t n, uint32_t nrot)
 {
     if (!nrot) return;
     const float scale = 1.0f / sqrtf((float)nrot);
@@ -362,15 +257,15 @@ static bool data_starts_at(const cur *c, uint64_t off, uint32_t n_cells)
 {
     if (off > c->len || c->len - off < 20) return false;
     const uint8_t *q = c->p + off;
-    uint32_t vt = kvr_br_rd32(q), nl = kvr_br_rd32(q + 4);
+    uint32_t vt = kvr__br_rd32(q), nl = kvr__br_rd32(q + 4);
     int32_t ty;
     memcpy(&ty, q + 8, 4);
-    uint64_t row = kvr_br_rd64(q + 12);
+    uint64_t row = kvr__br_rd64(q + 12);
     if (vt > 1 || nl == 0 || nl > 65536) return false;
     kvr_llama_type t = kvr_llama_type_from_ggml(ty);
     if (t == KVR_LLAMA_TYPE_DEFAULT) return false;
     uint32_t b, s;
-    kvr_br_type_geom(t, &b, &s);
+    kvr__br_type_geom(t, &b, &s);
     if (row == 0 || row % s) return false;
     return row <= (c->len - off) / (n_cells ? n_cells : 1);
 }
@@ -378,128 +273,128 @@ static bool data_starts_at(const cur *c, uint64_t off, uint32_t n_cells)
 static int parse_mem(cur *c, kvr_llama_state *st, bool seq_known, char *err, size_t errlen)
 {
     const char *fn = form_name(st->form);
-    if (!have(c, 4)) return kvr_br_fail(err, errlen, KVR_EINVAL, "truncated %s: no stream count", fn);
-    uint32_t n_stream = kvr_br_rd32(c->p + c->off);
+    if (!have(c, 4)) return kvr__br_fail(err, errlen, KVR_EINVAL, "truncated %s: no stream count", fn);
+    uint32_t n_stream = kvr__br_rd32(c->p + c->off);
     c->off += 4;
     if (n_stream != 1)
-        return kvr_br_fail(err, errlen, KVR_EUNSUPPORTED,
+        return kvr__br_fail(err, errlen, KVR_EUNSUPPORTED,
                            "the %s has %u streams: only one-stream states are supported "
                            "(a context with kv_unified = true, or n_seq_max = 1)", fn, n_stream);
-    if (!have(c, 4)) return kvr_br_fail(err, errlen, KVR_EINVAL, "truncated %s: no cell count", fn);
-    uint32_t n_cells = kvr_br_rd32(c->p + c->off);
+    if (!have(c, 4)) return kvr__br_fail(err, errlen, KVR_EINVAL, "truncated %s: no cell count", fn);
+    uint32_t n_cells = kvr__br_rd32(c->p + c->off);
     c->off += 4;
     st->n_cells = n_cells;
     if (n_cells == 0) {
         if (c->off != c->len)
-            return kvr_br_fail(err, errlen, KVR_EINVAL,
+            return kvr__br_fail(err, errlen, KVR_EINVAL,
                                "%zu bytes after the end of an empty %s", c->len - c->off, fn);
         return 0;
     }
     /* Cells: 12 bytes each without extra per-cell data. */
     if (!have(c, (uint64_t)n_cells * 12))
-        return kvr_br_fail(err, errlen, KVR_EINVAL,
+        return kvr__br_fail(err, errlen, KVR_EINVAL,
                            "truncated %s: %u cells declared, %zu bytes left", fn, n_cells,
                            c->len - c->off);
     if (!data_starts_at(c, c->off + (uint64_t)n_cells * 12, n_cells)) {
         if (have(c, (uint64_t)n_cells * 24) &&
             data_starts_at(c, c->off + (uint64_t)n_cells * 24, n_cells) &&
-            kvr_br_rd32(c->p + c->off + 4) == 1)
-            return kvr_br_fail(err, errlen, KVR_EUNSUPPORTED,
+            kvr__br_rd32(c->p + c->off + 4) == 1)
+            return kvr__br_fail(err, errlen, KVR_EUNSUPPORTED,
                                "the %s's cells carry 12 bytes of extra per-cell data (M-RoPE "
                                "positions / token ids): models with per-cell data are not "
                                "supported", fn);
     }
     st->pos = malloc((size_t)n_cells * sizeof *st->pos);
-    if (!st->pos) return kvr_br_fail(err, errlen, KVR_ENOMEM, "out of memory");
+    if (!st->pos) return kvr__br_fail(err, errlen, KVR_ENOMEM, "out of memory");
     for (uint32_t i = 0; i < n_cells; i++) {
         const uint8_t *q = c->p + c->off + (size_t)i * 12;
         int32_t pos, sq;
         memcpy(&pos, q, 4);
-        uint32_t ns = kvr_br_rd32(q + 4);
+        uint32_t ns = kvr__br_rd32(q + 4);
         if (ns != 1)
-            return kvr_br_fail(err, errlen, KVR_EUNSUPPORTED,
+            return kvr__br_fail(err, errlen, KVR_EUNSUPPORTED,
                                "cell %u (position %d) belongs to %u sequences: only states of "
                                "one sequence are supported (llama_state_seq_get_data with a "
                                "seq_id >= 0)", i, pos, ns);
         memcpy(&sq, q + 8, 4);
         if (!seq_known && i == 0) st->seq_id = sq;
         if (sq != st->seq_id)
-            return kvr_br_fail(err, errlen, KVR_EUNSUPPORTED,
+            return kvr__br_fail(err, errlen, KVR_EUNSUPPORTED,
                                "cell %u (position %d) belongs to sequence %d, the %s's is %d", i,
                                pos, sq, fn, st->seq_id);
         if (pos < 0)
-            return kvr_br_fail(err, errlen, KVR_EINVAL, "cell %u has a negative position %d",
+            return kvr__br_fail(err, errlen, KVR_EINVAL, "cell %u has a negative position %d",
                                i, pos);
         st->pos[i] = pos;
     }
     c->off += (size_t)n_cells * 12;
 
-    if (!have(c, 8)) return kvr_br_fail(err, errlen, KVR_EINVAL, "truncated %s: no v_trans / layer count", fn);
-    uint32_t vt = kvr_br_rd32(c->p + c->off), nl = kvr_br_rd32(c->p + c->off + 4);
+    if (!have(c, 8)) return kvr__br_fail(err, errlen, KVR_EINVAL, "truncated %s: no v_trans / layer count", fn);
+    uint32_t vt = kvr__br_rd32(c->p + c->off), nl = kvr__br_rd32(c->p + c->off + 4);
     c->off += 8;
-    if (vt > 1) return kvr_br_fail(err, errlen, KVR_EINVAL, "v_trans is %u (0 or 1 expected)", vt);
-    if (nl == 0) return kvr_br_fail(err, errlen, KVR_EINVAL, "the %s has 0 layers", fn);
+    if (vt > 1) return kvr__br_fail(err, errlen, KVR_EINVAL, "v_trans is %u (0 or 1 expected)", vt);
+    if (nl == 0) return kvr__br_fail(err, errlen, KVR_EINVAL, "the %s has 0 layers", fn);
     /* each layer needs at least 12 + 12 header bytes: bounds nl by the input */
     if (!have(c, (uint64_t)nl * 24))
-        return kvr_br_fail(err, errlen, KVR_EINVAL,
+        return kvr__br_fail(err, errlen, KVR_EINVAL,
                            "truncated %s: %u layers declared, %zu bytes left", fn, nl,
                            c->len - c->off);
     st->v_trans = vt == 1;
     st->n_layers = nl;
     st->k = calloc(nl, sizeof *st->k);
     st->v = calloc(nl, sizeof *st->v);
-    if (!st->k || !st->v) return kvr_br_fail(err, errlen, KVR_ENOMEM, "out of memory");
+    if (!st->k || !st->v) return kvr__br_fail(err, errlen, KVR_ENOMEM, "out of memory");
 
     for (int side = 0; side < 2; side++) {
         const char *sn = side ? "V" : "K";
         for (uint32_t l = 0; l < nl; l++) {
             if (!have(c, 4))
-                return kvr_br_fail(err, errlen, KVR_EINVAL, "truncated %s at layer %u's %s type", fn, l, sn);
+                return kvr__br_fail(err, errlen, KVR_EINVAL, "truncated %s at layer %u's %s type", fn, l, sn);
             int32_t gt;
             memcpy(&gt, c->p + c->off, 4);
             c->off += 4;
             kvr_llama_type t = kvr_llama_type_from_ggml(gt);
             if (t == KVR_LLAMA_TYPE_DEFAULT)
-                return kvr_br_fail(err, errlen, KVR_EUNSUPPORTED,
+                return kvr__br_fail(err, errlen, KVR_EUNSUPPORTED,
                                    "layer %u: %s has ggml type %d, which the bridge does not know "
                                    "(f32, f16, bf16, q8_0, q4_0, q4_1, q5_0 are supported)", l, sn, gt);
             kvr_llama_type *tp = side ? &st->type_v : &st->type_k;
             if (l == 0) *tp = t;
             else if (*tp != t)
-                return kvr_br_fail(err, errlen, KVR_EUNSUPPORTED,
+                return kvr__br_fail(err, errlen, KVR_EUNSUPPORTED,
                                    "layer %u: %s type %s differs from layer 0's %s (mixed cache "
                                    "types are not supported)", l, sn, kvr_llama_type_name(t),
                                    kvr_llama_type_name(*tp));
             uint32_t b, s;
-            kvr_br_type_geom(t, &b, &s);
+            kvr__br_type_geom(t, &b, &s);
             if (side == 1 && st->v_trans) {
                 if (!is_plain(t))
-                    return kvr_br_fail(err, errlen, KVR_EUNSUPPORTED,
+                    return kvr__br_fail(err, errlen, KVR_EUNSUPPORTED,
                                        "layer %u: quantized V (%s) with v_trans 1", l,
                                        kvr_llama_type_name(t));
                 if (!have(c, 8))
-                    return kvr_br_fail(err, errlen, KVR_EINVAL, "truncated %s at layer %u's V header", fn, l);
-                uint32_t el = kvr_br_rd32(c->p + c->off), ne = kvr_br_rd32(c->p + c->off + 4);
+                    return kvr__br_fail(err, errlen, KVR_EINVAL, "truncated %s at layer %u's V header", fn, l);
+                uint32_t el = kvr__br_rd32(c->p + c->off), ne = kvr__br_rd32(c->p + c->off + 4);
                 c->off += 8;
                 if (el != s)
-                    return kvr_br_fail(err, errlen, KVR_EINVAL,
+                    return kvr__br_fail(err, errlen, KVR_EINVAL,
                                        "layer %u: V element size %u, type %s has %u", l, el,
                                        kvr_llama_type_name(t), s);
                 if (ne == 0 || ne > (1u << 24))
-                    return kvr_br_fail(err, errlen, KVR_EINVAL, "layer %u: V has %u values per cell",
+                    return kvr__br_fail(err, errlen, KVR_EINVAL, "layer %u: V has %u values per cell",
                                        l, ne);
                 if (l == 0) { st->n_embd_v = ne; st->row_v = el; }
                 else if (ne != st->n_embd_v)
-                    return kvr_br_fail(err, errlen, KVR_EUNSUPPORTED,
+                    return kvr__br_fail(err, errlen, KVR_EUNSUPPORTED,
                                        "layer %u: %u V values per cell, layer 0 has %u", l, ne, st->n_embd_v);
                 if ((uint64_t)ne > (c->len - c->off) / n_cells / el)
-                    return kvr_br_fail(err, errlen, KVR_EINVAL,
+                    return kvr__br_fail(err, errlen, KVR_EINVAL,
                                        "truncated %s: layer %u's V needs %u x %u elements of %u "
                                        "bytes, %zu bytes left", fn, l, ne, n_cells, el,
                                        c->len - c->off);
                 uint64_t need = (uint64_t)ne * n_cells * el;
                 if (!have(c, need))
-                    return kvr_br_fail(err, errlen, KVR_EINVAL,
+                    return kvr__br_fail(err, errlen, KVR_EINVAL,
                                        "truncated %s: layer %u's V needs %llu bytes, %zu left", fn, l,
                                        (unsigned long long)need, c->len - c->off);
                 st->v[l] = c->p + c->off;
@@ -507,11 +402,11 @@ static int parse_mem(cur *c, kvr_llama_state *st, bool seq_known, char *err, siz
                 continue;
             }
             if (!have(c, 8))
-                return kvr_br_fail(err, errlen, KVR_EINVAL, "truncated %s at layer %u's %s row size", fn, l, sn);
-            uint64_t row = kvr_br_rd64(c->p + c->off);
+                return kvr__br_fail(err, errlen, KVR_EINVAL, "truncated %s at layer %u's %s row size", fn, l, sn);
+            uint64_t row = kvr__br_rd64(c->p + c->off);
             c->off += 8;
             if (row == 0 || row % s || row / s * b > (1u << 24))
-                return kvr_br_fail(err, errlen, KVR_EINVAL,
+                return kvr__br_fail(err, errlen, KVR_EINVAL,
                                    "layer %u: %s row of %llu bytes is not a whole number of %s "
                                    "blocks (or is 0 or huge)", l, sn, (unsigned long long)row,
                                    kvr_llama_type_name(t));
@@ -520,10 +415,10 @@ static int parse_mem(cur *c, kvr_llama_state *st, bool seq_known, char *err, siz
             uint64_t *rp = side ? &st->row_v : &st->row_k;
             if (l == 0) { *np = ne; *rp = row; }
             else if (ne != *np)
-                return kvr_br_fail(err, errlen, KVR_EUNSUPPORTED,
+                return kvr__br_fail(err, errlen, KVR_EUNSUPPORTED,
                                    "layer %u: %u %s values per cell, layer 0 has %u", l, ne, sn, *np);
             if (row > (c->len - c->off) / n_cells)
-                return kvr_br_fail(err, errlen, KVR_EINVAL,
+                return kvr__br_fail(err, errlen, KVR_EINVAL,
                                    "truncated %s: layer %u's %s needs %u rows of %llu bytes, %zu left",
                                    fn, l, sn, n_cells, (unsigned long long)row, c->len - c->off);
             (side ? st->v : st->k)[l] = c->p + c->off;
@@ -531,7 +426,7 @@ static int parse_mem(cur *c, kvr_llama_state *st, bool seq_known, char *err, siz
         }
     }
     if (c->off != c->len)
-        return kvr_br_fail(err, errlen, KVR_EINVAL,
+        return kvr__br_fail(err, errlen, KVR_EINVAL,
                            "%zu bytes after the end of the %s (oversized, or not one sequence)",
                            c->len - c->off, fn);
     return 0;
@@ -541,14 +436,14 @@ int kvr_llama_state_parse(const void *buf, size_t len, const kvr_llama_model *m,
                           kvr_llama_state **out, char *err, size_t errlen)
 {
     *out = NULL;
-    if (!buf && len) return kvr_br_fail(err, errlen, KVR_EINVAL, "no state bytes");
+    if (!buf && len) return kvr__br_fail(err, errlen, KVR_EINVAL, "no state bytes");
     cur c = { buf, len, 0 };
     if (len < 8)
-        return kvr_br_fail(err, errlen, KVR_EINVAL,
+        return kvr__br_fail(err, errlen, KVR_EINVAL,
                            "not a llama.cpp sequence state: %zu bytes", len);
     kvr_llama_state *st = calloc(1, sizeof *st);
-    if (!st) return kvr_br_fail(err, errlen, KVR_ENOMEM, "out of memory");
-    uint32_t magic = kvr_br_rd32(c.p);
+    if (!st) return kvr__br_fail(err, errlen, KVR_ENOMEM, "out of memory");
+    uint32_t magic = kvr__br_rd32(c.p);
     int rc;
     bool seq_known = false;
     if (magic == KVR_LLAMA_STATE_MAGIC) {
@@ -558,22 +453,22 @@ int kvr_llama_state_parse(const void *buf, size_t len, const kvr_llama_model *m,
         c.off = 8;
     } else if (magic == KVR_LLAMA_SESSION_MAGIC) {
         st->form = KVR_LLAMA_FORM_SESSION;
-        uint32_t ver = kvr_br_rd32(c.p + 4);
+        uint32_t ver = kvr__br_rd32(c.p + 4);
         if (ver != KVR_LLAMA_SESSION_VERSION) {
-            rc = kvr_br_fail(err, errlen, KVR_EUNSUPPORTED,
+            rc = kvr__br_fail(err, errlen, KVR_EUNSUPPORTED,
                              "sequence state file version %u (llama.cpp v0.5.0 writes %u)", ver,
                              KVR_LLAMA_SESSION_VERSION);
             goto fail;
         }
         c.off = 8;
         if (!have(&c, 4)) {
-            rc = kvr_br_fail(err, errlen, KVR_EINVAL, "truncated session file: no token count");
+            rc = kvr__br_fail(err, errlen, KVR_EINVAL, "truncated session file: no token count");
             goto fail;
         }
-        uint32_t nt = kvr_br_rd32(c.p + 8);
+        uint32_t nt = kvr__br_rd32(c.p + 8);
         c.off = 12;
         if (!have(&c, (uint64_t)nt * 4)) {
-            rc = kvr_br_fail(err, errlen, KVR_EINVAL,
+            rc = kvr__br_fail(err, errlen, KVR_EINVAL,
                              "truncated session file: %u tokens declared, %zu bytes left", nt,
                              len - c.off);
             goto fail;
@@ -581,18 +476,18 @@ int kvr_llama_state_parse(const void *buf, size_t len, const kvr_llama_model *m,
         st->n_tokens = nt;
         if (nt) {
             st->tokens = malloc((size_t)nt * 4);
-            if (!st->tokens) { rc = kvr_br_fail(err, errlen, KVR_ENOMEM, "out of memory"); goto fail; }
+            if (!st->tokens) { rc = kvr__br_fail(err, errlen, KVR_ENOMEM, "out of memory"); goto fail; }
             memcpy(st->tokens, c.p + 12, (size_t)nt * 4);
             for (uint32_t i = 0; i < nt; i++)
                 if (st->tokens[i] < 0) {
-                    rc = kvr_br_fail(err, errlen, KVR_EINVAL, "session token %u is %d (negative)",
+                    rc = kvr__br_fail(err, errlen, KVR_EINVAL, "session token %u is %d (negative)",
                                      i, st->tokens[i]);
                     goto fail;
                 }
         }
         c.off += (size_t)nt * 4;
     } else {
-        rc = kvr_br_fail(err, errlen, KVR_EINVAL,
+        rc = kvr__br_fail(err, errlen, KVR_EINVAL,
                          "not a llama.cpp sequence state: magic 0x%08x (expected 0x%08x from "
                          "llama_state_seq_get_data or 'ggsq' from llama_state_seq_save_file)",
                          magic, KVR_LLAMA_STATE_MAGIC);
@@ -600,13 +495,13 @@ int kvr_llama_state_parse(const void *buf, size_t len, const kvr_llama_model *m,
     }
     if ((rc = parse_mem(&c, st, seq_known, err, errlen)) != 0) goto fail;
     if (st->n_cells && st->type_k == KVR_LLAMA_TYPE_DEFAULT) {
-        rc = kvr_br_fail(err, errlen, KVR_EINVAL, "the state has no K data");
+        rc = kvr__br_fail(err, errlen, KVR_EINVAL, "the state has no K data");
         goto fail;
     }
     if (m && st->n_cells) {
         uint32_t want = m->n_kv_heads * m->head_dim;
         if (st->n_layers != m->n_layers || st->n_embd_k != want || st->n_embd_v != want) {
-            rc = kvr_br_fail(err, errlen, KVR_ESHAPE,
+            rc = kvr__br_fail(err, errlen, KVR_ESHAPE,
                              "the state was made by another model: %u layers x %u K / %u V values "
                              "per cell; model '%s' (%s) has %u layers x %u (%u KV heads x %u)",
                              st->n_layers, st->n_embd_k, st->n_embd_v,
@@ -645,8 +540,8 @@ static void decode_rows(kvr_llama_type t, const uint8_t *src, uint64_t row, uint
         return;
     }
     for (size_t i = 0; i < nc; i++) {
-        kvr_br_row_to_f32(t, tmp, src + i * row, n);
-        kvr_br_fwht(tmp, n, nrot);
+        kvr__br_row_to_f32(t, tmp, src + i * row, n);
+        kvr__br_fwht(tmp, n, nrot);
         kvr_convert(dst + i * n * ds, dtype, tmp, KVR_DTYPE_F32, n);
     }
 }
@@ -732,27 +627,27 @@ int kvr_llama_state_decode(const kvr_llama_state *st, const kvr_llama_model *m, 
                            uint32_t c1, bool no_attn_rot, kvr_dtype dtype, void *dst,
                            size_t cap, char *err, size_t errlen)
 {
-    if (!st || !m) return kvr_br_fail(err, errlen, KVR_EINVAL, "no state or model");
+    if (!st || !m) return kvr__br_fail(err, errlen, KVR_EINVAL, "no state or model");
     if (c0 > c1 || c1 > st->n_cells)
-        return kvr_br_fail(err, errlen, KVR_ERANGE, "cells [%u, %u) outside the state's %u",
+        return kvr__br_fail(err, errlen, KVR_ERANGE, "cells [%u, %u) outside the state's %u",
                            c0, c1, st->n_cells);
-    if (kvr_dtype_size(dtype) == 0) return kvr_br_fail(err, errlen, KVR_EINVAL, "bad dtype");
+    if (kvr_dtype_size(dtype) == 0) return kvr__br_fail(err, errlen, KVR_EINVAL, "bad dtype");
     if (c0 == c1) return 0;
     if ((uint64_t)m->n_kv_heads * m->head_dim > (1u << 24))
-        return kvr_br_fail(err, errlen, KVR_ESHAPE, "model '%s' has a huge shape", m->name);
+        return kvr__br_fail(err, errlen, KVR_ESHAPE, "model '%s' has a huge shape", m->name);
     uint32_t n = m->n_kv_heads * m->head_dim;
     if (st->n_layers != m->n_layers || st->n_embd_k != n || st->n_embd_v != n)
-        return kvr_br_fail(err, errlen, KVR_ESHAPE, "state and model '%s' differ in shape",
+        return kvr__br_fail(err, errlen, KVR_ESHAPE, "state and model '%s' differ in shape",
                            m->name);
     size_t need = kvr_llama_payload_size(m, c1 - c0, dtype);
-    if (need == 0) return kvr_br_fail(err, errlen, KVR_ETOOLARGE, "payload size overflows");
+    if (need == 0) return kvr__br_fail(err, errlen, KVR_ETOOLARGE, "payload size overflows");
     if (!dst || cap < need)
-        return kvr_br_fail(err, errlen, KVR_EBUFFER, "payload needs %zu bytes, %zu given",
+        return kvr__br_fail(err, errlen, KVR_EBUFFER, "payload needs %zu bytes, %zu given",
                            need, cap);
     float *tmp = malloc((size_t)n * sizeof *tmp);
-    if (!tmp) return kvr_br_fail(err, errlen, KVR_ENOMEM, "out of memory");
-    uint32_t rk = kvr_br_rot_k(st->type_k, m->head_dim, no_attn_rot);
-    uint32_t rv = kvr_br_rot_v(st->type_v, m->head_dim, no_attn_rot);
+    if (!tmp) return kvr__br_fail(err, errlen, KVR_ENOMEM, "out of memory");
+    uint32_t rk = kvr__br_rot_k(st->type_k, m->head_dim, no_attn_rot);
+    uint32_t rv = kvr__br_rot_v(st->type_v, m->head_dim, no_attn_rot);
     size_t side = (size_t)(c1 - c0) * n * kvr_dtype_size(dtype);
     uint8_t *d = dst;
     for (uint32_t l = 0; l < st->n_layers; l++) {
@@ -773,7 +668,7 @@ static size_t state_size(const kvr_llama_model *m, const kvr_llama_encode_args *
     *ok = false;
     uint64_t n = (uint64_t)m->n_kv_heads * m->head_dim;
     if (n == 0 || n > (1u << 24)) return 0;
-    uint64_t rk = kvr_br_row_bytes(a->type_k, n), rv = kvr_br_row_bytes(a->type_v, n);
+    uint64_t rk = kvr__br_row_bytes(a->type_k, n), rv = kvr__br_row_bytes(a->type_v, n);
     if (!rk || !rv) return 0;
     uint64_t s = a->form == KVR_LLAMA_FORM_SESSION ? 12 + (uint64_t)(a->tokens ? a->n_cells : 0) * 4 : 8;
     s += 8;                                   /* n_stream, cell_count */
@@ -807,8 +702,8 @@ static void encode_rows(kvr_llama_type t, uint8_t *dst, uint64_t row, const uint
     }
     for (size_t i = 0; i < nc; i++) {
         kvr_convert(tmp, KVR_DTYPE_F32, src + i * n * ds, dtype, n);
-        kvr_br_fwht(tmp, n, nrot);
-        kvr_br_row_from_f32(t, dst + i * row, tmp, n);
+        kvr__br_fwht(tmp, n, nrot);
+        kvr__br_row_from_f32(t, dst + i * row, tmp, n);
     }
 }
 
@@ -845,88 +740,88 @@ int kvr_llama_state_encode_to(const kvr_llama_model *m, const kvr_llama_encode_a
                               void *dst, size_t cap, size_t *len, char *err, size_t errlen)
 {
     *len = 0;
-    if (!dst && cap) return kvr_br_fail(err, errlen, KVR_EINVAL, "no destination buffer");
+    if (!dst && cap) return kvr__br_fail(err, errlen, KVR_EINVAL, "no destination buffer");
     return encode(m, a, NULL, dst, cap, len, err, errlen);
 }
 
 static int encode(const kvr_llama_model *m, const kvr_llama_encode_args *a, void **out,
                   uint8_t *dst, size_t cap, size_t *len, char *err, size_t errlen)
 {
-    if (!m || !a) return kvr_br_fail(err, errlen, KVR_EINVAL, "no model or arguments");
+    if (!m || !a) return kvr__br_fail(err, errlen, KVR_EINVAL, "no model or arguments");
     if (a->n_cells && (!a->pos || !a->payload))
-        return kvr_br_fail(err, errlen, KVR_EINVAL, "cells without positions or payload");
+        return kvr__br_fail(err, errlen, KVR_EINVAL, "cells without positions or payload");
     if (kvr_dtype_size(a->dtype) == 0)
-        return kvr_br_fail(err, errlen, KVR_EINVAL, "bad payload dtype %d", (int)a->dtype);
+        return kvr__br_fail(err, errlen, KVR_EINVAL, "bad payload dtype %d", (int)a->dtype);
     kvr_llama_type tk = norm_type(a->type_k), tv = norm_type(a->type_v);
     if (kvr_llama_type_to_ggml(tk) < 0 || kvr_llama_type_to_ggml(tv) < 0)
-        return kvr_br_fail(err, errlen, KVR_EINVAL, "unknown destination type");
+        return kvr__br_fail(err, errlen, KVR_EINVAL, "unknown destination type");
     if (a->v_trans && !is_plain(tv))
-        return kvr_br_fail(err, errlen, KVR_EUNSUPPORTED,
+        return kvr__br_fail(err, errlen, KVR_EUNSUPPORTED,
                            "quantized V (%s) needs v_trans 0 (flash attention)", kvr_llama_type_name(tv));
     if ((uint64_t)m->n_kv_heads * m->head_dim > (1u << 24) || !m->n_layers)
-        return kvr_br_fail(err, errlen, KVR_EINVAL, "model without a shape (or a huge one)");
+        return kvr__br_fail(err, errlen, KVR_EINVAL, "model without a shape (or a huge one)");
     uint32_t n = m->n_kv_heads * m->head_dim;
-    if (!n) return kvr_br_fail(err, errlen, KVR_EINVAL, "model without shape");
-    uint64_t rk = kvr_br_row_bytes(tk, n), rv = kvr_br_row_bytes(tv, n);
+    if (!n) return kvr__br_fail(err, errlen, KVR_EINVAL, "model without shape");
+    uint64_t rk = kvr__br_row_bytes(tk, n), rv = kvr__br_row_bytes(tv, n);
     if (!rk || !rv)
-        return kvr_br_fail(err, errlen, KVR_EUNSUPPORTED,
+        return kvr__br_fail(err, errlen, KVR_EUNSUPPORTED,
                            "%u values per cell is not a multiple of %s/%s's block of 32", n,
                            kvr_llama_type_name(tk), kvr_llama_type_name(tv));
     for (uint32_t i = 0; i < a->n_cells; i++)
         if (a->pos[i] < 0)
-            return kvr_br_fail(err, errlen, KVR_ERANGE, "cell %u at negative position %d", i,
+            return kvr__br_fail(err, errlen, KVR_ERANGE, "cell %u at negative position %d", i,
                                a->pos[i]);
     kvr_llama_encode_args aa = *a;
     aa.type_k = tk;
     aa.type_v = tv;
     bool ok;
     size_t total = state_size(m, &aa, &ok);
-    if (!ok) return kvr_br_fail(err, errlen, KVR_ETOOLARGE, "state too large");
+    if (!ok) return kvr__br_fail(err, errlen, KVR_ETOOLARGE, "state too large");
     if (!out && cap < total)
-        return kvr_br_fail(err, errlen, KVR_EBUFFER, "the state needs %zu bytes, %zu given",
+        return kvr__br_fail(err, errlen, KVR_EBUFFER, "the state needs %zu bytes, %zu given",
                            total, cap);
     uint8_t *b = out ? malloc(total ? total : 1) : dst;
     float *tmp = malloc((size_t)n * sizeof *tmp);
     if (!b || !tmp) {
         if (out) free(b);
         free(tmp);
-        return kvr_br_fail(err, errlen, KVR_ENOMEM, "out of memory (%zu bytes)", total);
+        return kvr__br_fail(err, errlen, KVR_ENOMEM, "out of memory (%zu bytes)", total);
     }
     uint8_t *p = b;
     if (a->form == KVR_LLAMA_FORM_SESSION) {
         uint32_t nt = a->tokens ? a->n_cells : 0;
-        kvr_br_wr32(p, KVR_LLAMA_SESSION_MAGIC);
-        kvr_br_wr32(p + 4, KVR_LLAMA_SESSION_VERSION);
-        kvr_br_wr32(p + 8, nt);
+        kvr__br_wr32(p, KVR_LLAMA_SESSION_MAGIC);
+        kvr__br_wr32(p + 4, KVR_LLAMA_SESSION_VERSION);
+        kvr__br_wr32(p + 8, nt);
         p += 12;
         if (nt) memcpy(p, a->tokens, (size_t)nt * 4);
         p += (size_t)nt * 4;
     } else {
-        kvr_br_wr32(p, KVR_LLAMA_STATE_MAGIC);
+        kvr__br_wr32(p, KVR_LLAMA_STATE_MAGIC);
         memcpy(p + 4, &a->seq_id, 4);
         p += 8;
     }
-    kvr_br_wr32(p, 1);
-    kvr_br_wr32(p + 4, a->n_cells);
+    kvr__br_wr32(p, 1);
+    kvr__br_wr32(p + 4, a->n_cells);
     p += 8;
     if (a->n_cells) {
         for (uint32_t i = 0; i < a->n_cells; i++) {
             memcpy(p, &a->pos[i], 4);
-            kvr_br_wr32(p + 4, 1);
+            kvr__br_wr32(p + 4, 1);
             memcpy(p + 8, &a->seq_id, 4);
             p += 12;
         }
-        kvr_br_wr32(p, a->v_trans ? 1 : 0);
-        kvr_br_wr32(p + 4, m->n_layers);
+        kvr__br_wr32(p, a->v_trans ? 1 : 0);
+        kvr__br_wr32(p + 4, m->n_layers);
         p += 8;
         size_t side = (size_t)a->n_cells * n * kvr_dtype_size(a->dtype);
         const uint8_t *src = a->payload;
-        uint32_t hk = kvr_br_rot_k(tk, m->head_dim, a->no_attn_rot);
-        uint32_t hv = kvr_br_rot_v(tv, m->head_dim, a->no_attn_rot);
+        uint32_t hk = kvr__br_rot_k(tk, m->head_dim, a->no_attn_rot);
+        uint32_t hv = kvr__br_rot_v(tv, m->head_dim, a->no_attn_rot);
         int32_t gk = kvr_llama_type_to_ggml(tk), gv = kvr_llama_type_to_ggml(tv);
         for (uint32_t l = 0; l < m->n_layers; l++) {
             memcpy(p, &gk, 4);
-            kvr_br_wr64(p + 4, rk);
+            kvr__br_wr64(p + 4, rk);
             p += 12;
             encode_rows(tk, p, rk, src + (size_t)l * 2 * side, a->dtype, a->n_cells, n, hk, tmp);
             p += (size_t)rk * a->n_cells;
@@ -935,12 +830,12 @@ static int encode(const kvr_llama_model *m, const kvr_llama_encode_args *a, void
             const uint8_t *vs = src + (size_t)l * 2 * side + side;
             memcpy(p, &gv, 4);
             if (a->v_trans) {
-                kvr_br_wr32(p + 4, (uint32_t)rv / n);
-                kvr_br_wr32(p + 8, n);
+                kvr__br_wr32(p + 4, (uint32_t)rv / n);
+                kvr__br_wr32(p + 8, n);
                 p += 12;
                 encode_trans(tv, p, vs, a->dtype, a->n_cells, n);
             } else {
-                kvr_br_wr64(p + 4, rv);
+                kvr__br_wr64(p + 4, rv);
                 p += 12;
                 encode_rows(tv, p, rv, vs, a->dtype, a->n_cells, n, hv, tmp);
             }
@@ -950,7 +845,7 @@ static int encode(const kvr_llama_model *m, const kvr_llama_encode_args *a, void
     free(tmp);
     if ((size_t)(p - b) != total) {
         if (out) free(b);
-        return kvr_br_fail(err, errlen, KVR_EINTERNAL, "state size mismatch");
+        return kvr__br_fail(err, errlen, KVR_EINTERNAL, "state size mismatch");
     }
     if (out) *out = b;
     *len = total;

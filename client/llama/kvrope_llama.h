@@ -34,7 +34,7 @@
  * restored from it computes bit-identical logits). Quantized states import as
  * f32 (the exact dequantized, Hadamard-undone values) unless a codec is asked.
  *
- * Errors: 0 or a negative KVR_E* code (rope/error.h): KVR_EINVAL
+ * Errors: 0 or a negative KVR_E* code (base/error.h): KVR_EINVAL
  * (malformed input: truncated, oversized, inconsistent), KVR_EUNSUPPORTED
  * (well-formed but not supported: ggml type, several streams, a cell in several
  * sequences, per-cell M-RoPE data, a GGUF that is not a supported model),

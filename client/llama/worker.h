@@ -32,6 +32,7 @@
 #include <sys/uio.h>
 
 #include "client/kvrope.h"
+#include "client/llama/kvrope_llama.h"
 
 #ifdef __cplusplus
 extern "C" {
@@ -47,7 +48,7 @@ typedef struct kvr_wk_hunk {
  * prefix and suffix), grouped into hunks separated by at least one equal
  * token, in increasing order. When more than max_d insertions + deletions
  * are needed, the whole differing middle is one hunk. *out is the caller's
- * (free); *n = 0 when a == b. Returns 0 or -ENOMEM. */
+ * (free); *n = 0 when a == b. Returns 0 or KVR_ENOMEM. */
 int kvr_wk_diff(const int32_t *a, size_t na, const int32_t *b, size_t nb, size_t max_d,
                 kvr_wk_hunk **out, size_t *n);
 
@@ -62,20 +63,24 @@ void kvr_wk_hunks_merge(kvr_wk_hunk *h, size_t *n, size_t min_gap);
 #define KVR_WK_GGML_BF16 30
 #define KVR_WK_STATE_MAGIC 0xaf143cd8u
 
-/* A parsed state; pointers borrow the parsed buffer. */
+/* A parsed state (a float-only view of the bridge's kvr_llama_state, which
+ * it owns); pointers borrow the parsed buffer. */
 typedef struct kvr_wk_state {
+    kvr_llama_state *ls;         /* the bridge's parse (owned) */
     uint32_t        n_cells, n_layer;
     bool            v_trans;
     int32_t         type;        /* ggml type of K and V (one float type) */
     uint32_t        el;          /* bytes per element */
     uint32_t        n_embd;      /* elements per row (n_head_kv * head_dim) */
-    int32_t        *pos;         /* n_cells, in cell order (owned) */
-    const uint8_t **k, **v;      /* n_layer each (owned arrays) */
+    const int32_t  *pos;         /* n_cells, in cell order (ls's) */
+    const uint8_t **k, **v;      /* n_layer each (ls's arrays) */
 } kvr_wk_state;
 
-/* Parses buf as a sequence state. Refuses (-EINVAL, reason in err) another
- * magic, several streams, a cell with several sequences, non-float or mixed
- * types, rows that are not n_embd elements, and truncated or trailing bytes. */
+/* Parses buf as a sequence state (llama_state_seq_get_data's form) with the
+ * bridge's kvr_llama_state_parse. Refuses (a KVR_E* code, reason in err)
+ * what the bridge refuses (another magic, several streams, a cell with
+ * several sequences, truncated or trailing bytes, ...), a session file, and
+ * quantized, mixed or unequal K / V rows. */
 int  kvr_wk_state_parse(kvr_wk_state *st, const uint8_t *buf, size_t len, char *err,
                         size_t errlen);
 void kvr_wk_state_free(kvr_wk_state *st);
@@ -106,7 +111,7 @@ int  kvr_wk_sbuild_init(kvr_wk_sbuild *b, uint32_t n_cells, uint32_t n_layer, in
 int  kvr_wk_sbuild_init_in(kvr_wk_sbuild *b, void *mem, size_t cap, uint32_t n_cells,
                            uint32_t n_layer, int32_t type, uint32_t n_embd, bool v_trans);
 /* Adds tokens [t0, t1) of a layer-major payload holding n_tok tokens, at
- * positions pos[0 .. t1-t0). Returns -EINVAL past n_cells. */
+ * positions pos[0 .. t1-t0). Returns KVR_EINVAL past n_cells. */
 int  kvr_wk_sbuild_add(kvr_wk_sbuild *b, const void *payload, size_t n_tok, size_t t0,
                        size_t t1, const int64_t *pos);
 void kvr_wk_sbuild_free(kvr_wk_sbuild *b);
@@ -281,7 +286,7 @@ int kvr_wk_rag(kvr_wk_env *e, const int32_t *p, size_t np, const int32_t *const 
 int kvr_wk_ppl(kvr_wk_env *e, const int32_t *toks, size_t n, size_t n_bytes, bool bos);
 
 /* ---- between kvroped and llama.cpp (worker_kv.c) -------------------------- */
-/* Sets e->err from fmt; returns r when negative, else -EINVAL. */
+/* Sets e->err from fmt; returns r when negative, else KVR_EINVAL. */
 int    kvr_wk_fail(kvr_wk_env *e, int r, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
 /* A kvrope call failed: e->kv_code = r, e->err says what and where; returns r. */
 int    kvr_wk_kv_fail(kvr_wk_env *e, int r, const char *what, const char *ctx);
@@ -429,7 +434,7 @@ typedef struct kvr_wk_score_opts {
     size_t                n_gen;
 } kvr_wk_score_opts;
 
-/* Scores T over the KV cache (every refusal: -EINVAL and the reason in
+/* Scores T over the KV cache (every refusal: KVR_EINVAL and the reason in
  * e->err, before anything is written). */
 int kvr_wk_score(kvr_wk_env *e, const kvr_wk_score_opts *o);
 

@@ -25,7 +25,7 @@ static int push(kvr_wk_hunk **h, size_t *n, size_t *cap, size_t a0, size_t a1, s
         size_t nc = *cap ? *cap * 2 : 8;
         kvr_wk_hunk *p = realloc(*h, nc * sizeof *p);
         if (!p)
-            return -ENOMEM;
+            return KVR_ENOMEM;
         *h = p;
         *cap = nc;
     }
@@ -35,7 +35,7 @@ static int push(kvr_wk_hunk **h, size_t *n, size_t *cap, size_t a0, size_t a1, s
 
 /* Myers on a[0..N) vs b[0..M) (both non-empty). Writes the matched pairs
  * (forward order) into ma/mb (capacity min(N, M)) and their count into *nm.
- * Returns 1 if the distance exceeds max_d, 0 on success, -ENOMEM. */
+ * Returns 1 if the distance exceeds max_d, 0 on success, KVR_ENOMEM. */
 static int myers(const int32_t *a, long N, const int32_t *b, long M, long max_d, long *ma,
                  long *mb, long *nm)
 {
@@ -47,7 +47,7 @@ static int myers(const int32_t *a, long N, const int32_t *b, long M, long max_d,
     if (!v || !trace) {
         free(v);
         free(trace);
-        return -ENOMEM;
+        return KVR_ENOMEM;
     }
     long D = -1;
     for (long d = 0; d <= maxd && D < 0; d++) {
@@ -136,14 +136,14 @@ int kvr_wk_diff(const int32_t *a, size_t na, const int32_t *b, size_t nb, size_t
     size_t n = 0, cap = 0;
     if (N == 0 || M == 0) {
         if (push(&h, &n, &cap, p, p + N, p, p + M) < 0)
-            return -ENOMEM;
+            return KVR_ENOMEM;
         *out = h;
         *n_out = n;
         return 0;
     }
     size_t mn = N < M ? N : M;
     long *ma = malloc(mn * sizeof *ma), *mb = malloc(mn * sizeof *mb), nm = 0;
-    int r = ma && mb ? myers(a + p, (long)N, b + p, (long)M, (long)max_d, ma, mb, &nm) : -ENOMEM;
+    int r = ma && mb ? myers(a + p, (long)N, b + p, (long)M, (long)max_d, ma, mb, &nm) : KVR_ENOMEM;
     if (r < 0) {
         free(ma);
         free(mb);

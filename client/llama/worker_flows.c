@@ -87,7 +87,7 @@ static int store_seq(kvr_wk_env *e, const int32_t *S, size_t ns, const char *kin
     void *pl = NULL;
     if (!in_order && !(pl = kvr_wk_seqstate_payload(e, &s, NULL, ns - L, L))) {
         kvr_wk_seqstate_free(&s);
-        return -EINVAL;
+        return KVR_EINVAL;
     }
     kvr_put_mode mode = KVR_PUT_APPEND;
     if (L > 0 && info.n_tokens == L && info.pos_max == (int64_t)L - 1 &&
@@ -238,7 +238,7 @@ static int reference(kvr_wk_env *e, const int32_t *toks, size_t n, float **logit
         return r;
     *t_ms = kvr_wk_now_ms() - t0;
     if (!(*logits = copy_logits(e)))
-        return kvr_wk_fail(e, -ENOMEM, "out of memory");
+        return kvr_wk_fail(e, KVR_ENOMEM, "out of memory");
     if (n_gen) {
         gen[0] = kvr_wk_argmax(*logits, kvr_wk_lm_info_get(e->lm)->n_vocab);
         if ((r = generate(e, gen, n_gen, (int32_t)n)) < 0)
@@ -280,7 +280,7 @@ int kvr_wk_complete(kvr_wk_env *e, const int32_t *toks, size_t n, bool use_cache
 {
     kvr_wk_report *R = e->rep;
     if (n == 0)
-        return kvr_wk_fail(e, -EINVAL, "the prompt is empty");
+        return kvr_wk_fail(e, KVR_EINVAL, "the prompt is empty");
     size_t n_gen = e->n_gen > 0 ? (size_t)e->n_gen : 1;
     int r = kvr_wk_lm_context(e->lm, (uint32_t)(n + n_gen + 16), e->err, sizeof e->err);
     if (r < 0)
@@ -309,7 +309,7 @@ int kvr_wk_complete(kvr_wk_env *e, const int32_t *toks, size_t n, bool use_cache
         return r;
     int32_t *S = malloc((n + n_gen) * sizeof *S);
     if (!S)
-        return kvr_wk_fail(e, -ENOMEM, "out of memory");
+        return kvr_wk_fail(e, KVR_ENOMEM, "out of memory");
     memcpy(S, toks, n * sizeof *S);
     int32_t *gen = S + n;
     gen[0] = kvr_wk_argmax(kvr_wk_lm_logits(e->lm), kvr_wk_lm_info_get(e->lm)->n_vocab);
@@ -384,9 +384,9 @@ int kvr_wk_edit(kvr_wk_env *e, const int32_t *a, size_t na, const int32_t *b, si
 {
     kvr_wk_report *R = e->rep;
     if ((a && na == 0) || nb == 0)
-        return kvr_wk_fail(e, -EINVAL, "the %s file is empty", nb == 0 ? "new" : "old");
+        return kvr_wk_fail(e, KVR_EINVAL, "the %s file is empty", nb == 0 ? "new" : "old");
     if (!o->session || !o->session[0])
-        return kvr_wk_fail(e, -EINVAL, "edit needs a session id");
+        return kvr_wk_fail(e, KVR_EINVAL, "edit needs a session id");
     size_t n_gen = e->n_gen > 0 ? (size_t)e->n_gen : 1;
     size_t nv = kvr_wk_lm_info_get(e->lm)->n_vocab;
     int r = kvr_wk_lm_context(e->lm, (uint32_t)((na > nb ? na : nb) + n_gen + 16), e->err,
@@ -444,7 +444,7 @@ int kvr_wk_edit(kvr_wk_env *e, const int32_t *a, size_t na, const int32_t *b, si
     logits = malloc(nv * sizeof *logits);
     gen = calloc(n_gen, sizeof *gen);
     if (!logits || !gen) {
-        r = kvr_wk_fail(e, -ENOMEM, "out of memory");
+        r = kvr_wk_fail(e, KVR_ENOMEM, "out of memory");
         goto out;
     }
     memcpy(logits, kvr_wk_lm_logits(e->lm), nv * sizeof *logits);
@@ -539,7 +539,7 @@ int kvr_wk_edit(kvr_wk_env *e, const int32_t *a, size_t na, const int32_t *b, si
         ref_gen = calloc(n_gen, sizeof *ref_gen);
         double t_full = 0;
         if (!ref_gen) {
-            r = kvr_wk_fail(e, -ENOMEM, "out of memory");
+            r = kvr_wk_fail(e, KVR_ENOMEM, "out of memory");
             goto out;
         }
         if ((r = reference(e, b, nb, &ref, ref_gen, n_gen, &t_full)) < 0)
@@ -593,14 +593,14 @@ int kvr_wk_rag(kvr_wk_env *e, const int32_t *P, size_t np, const int32_t *const 
 {
     kvr_wk_report *R = e->rep;
     if (np == 0 || nq == 0)
-        return kvr_wk_fail(e, -EINVAL, "the %s is empty", np == 0 ? "prefix" : "query");
+        return kvr_wk_fail(e, KVR_EINVAL, "the %s is empty", np == 0 ? "prefix" : "query");
     if (n_docs == 0)
-        return kvr_wk_fail(e, -EINVAL, "no documents");
+        return kvr_wk_fail(e, KVR_EINVAL, "no documents");
     size_t n_gen = e->n_gen > 0 ? (size_t)e->n_gen : 1;
     size_t nv = kvr_wk_lm_info_get(e->lm)->n_vocab, total = np + nq;
     for (size_t i = 0; i < n_docs; i++) {
         if (nd[i] == 0)
-            return kvr_wk_fail(e, -EINVAL, "document %zu is empty", i + 1);
+            return kvr_wk_fail(e, KVR_EINVAL, "document %zu is empty", i + 1);
         total += nd[i];
     }
     int r = kvr_wk_lm_context(e->lm, (uint32_t)(total + n_gen + 16), e->err, sizeof e->err);
@@ -615,7 +615,7 @@ int kvr_wk_rag(kvr_wk_env *e, const int32_t *P, size_t np, const int32_t *const 
     memset(&ar, 0, sizeof ar);
     kvr_wk_sbuild sb = { 0 };
     if (!ids || !idp || !full || !gen || !ref_gen) {
-        r = kvr_wk_fail(e, -ENOMEM, "out of memory");
+        r = kvr_wk_fail(e, KVR_ENOMEM, "out of memory");
         goto out;
     }
     double t0 = kvr_wk_now_ms(), t_prefix = 0, t_docs = 0, tf = 0, tl = 0;
@@ -672,7 +672,7 @@ int kvr_wk_rag(kvr_wk_env *e, const int32_t *P, size_t np, const int32_t *const 
         void *pl = kvr_wk_seqstate_payload(e, &s, NULL, nd[i], np);
         kvr_wk_seqstate_free(&s);
         if (!pl) {
-            r = -EINVAL;
+            r = KVR_EINVAL;
             goto out;
         }
         if ((r = kvr_wk_del_quiet(e, ids[i])) < 0) {
@@ -726,7 +726,7 @@ int kvr_wk_rag(kvr_wk_env *e, const int32_t *P, size_t np, const int32_t *const 
         goto out;
     computed += nq;
     if (!(logits = copy_logits(e))) {
-        r = kvr_wk_fail(e, -ENOMEM, "out of memory");
+        r = kvr_wk_fail(e, KVR_ENOMEM, "out of memory");
         goto out;
     }
     gen[0] = kvr_wk_argmax(logits, nv);
@@ -838,7 +838,7 @@ int kvr_wk_ppl(kvr_wk_env *e, const int32_t *toks, size_t n, size_t n_bytes, boo
     (void)bos;
     kvr_wk_report *R = e->rep;
     if (n < 2)
-        return kvr_wk_fail(e, -EINVAL, "the file is too short to score (%zu tokens)", n);
+        return kvr_wk_fail(e, KVR_EINVAL, "the file is too short to score (%zu tokens)", n);
     const kvr_wk_lm_info *in = kvr_wk_lm_info_get(e->lm);
     size_t W = in->n_ctx_train && in->n_ctx_train < 1024 ? in->n_ctx_train : 1024;
     if (W < 16)
@@ -867,7 +867,7 @@ int kvr_wk_ppl(kvr_wk_env *e, const int32_t *toks, size_t n, size_t n_bytes, boo
     for (size_t i = 1; i < n; i++)
         bytes += kvr_wk_lm_piece(e->lm, toks[i], piece, sizeof piece);
     if (bytes == 0)
-        return kvr_wk_fail(e, -EINVAL, "the predicted tokens have no bytes");
+        return kvr_wk_fail(e, KVR_EINVAL, "the predicted tokens have no bytes");
     double t = kvr_wk_now_ms() - t0;
     double bpb = acc.nll / log(2.0) / (double)bytes;
     double ppl = exp(acc.nll / (double)(acc.count ? acc.count : 1));

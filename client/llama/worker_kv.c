@@ -28,7 +28,7 @@ int kvr_wk_fail(kvr_wk_env *e, int r, const char *fmt, ...)
     va_start(ap, fmt);
     vsnprintf(e->err, sizeof e->err, fmt, ap);
     va_end(ap);
-    return r < 0 ? r : -EINVAL;
+    return r < 0 ? r : KVR_EINVAL;
 }
 
 /* A kvrope call failed: remember its code and say what was being done. */
@@ -74,7 +74,7 @@ int kvr_wk_check_kv_shape(kvr_wk_env *e, const kvr_kv *kv, const char *ctx)
 {
     if (kv->n_layers != kvr_wk_n_layer(e) || (size_t)kv->n_kv_heads * kv->head_dim != kvr_wk_n_embd(e) ||
         kv->dtype != F16)
-        return kvr_wk_fail(e, -EINVAL, "context %s: KV of %zu layers x %u x %u does not fit the model",
+        return kvr_wk_fail(e, KVR_EINVAL, "context %s: KV of %zu layers x %u x %u does not fit the model",
                     ctx, kv->n_layers, kv->n_kv_heads, kv->head_dim);
     return 0;
 }
@@ -187,14 +187,14 @@ int kvr_wk_seqstate_get(kvr_wk_env *e, kvr_wk_seqstate *s, size_t np)
     }
     if (s->st.n_cells && (s->st.n_layer != kvr_wk_n_layer(e) || s->st.n_embd != kvr_wk_n_embd(e))) {
         kvr_wk_seqstate_free(s);
-        return kvr_wk_fail(e, -EINVAL, "llama.cpp's state has %u layers x %u, the model %u x %zu",
+        return kvr_wk_fail(e, KVR_EINVAL, "llama.cpp's state has %u layers x %u, the model %u x %zu",
                     s->st.n_layer, s->st.n_embd, kvr_wk_n_layer(e), kvr_wk_n_embd(e));
     }
     s->np = np;
     s->cell = malloc((np ? np : 1) * sizeof *s->cell);
     if (!s->cell) {
         kvr_wk_seqstate_free(s);
-        return kvr_wk_fail(e, -ENOMEM, "out of memory");
+        return kvr_wk_fail(e, KVR_ENOMEM, "out of memory");
     }
     for (size_t i = 0; i < np; i++)
         s->cell[i] = -1;
@@ -204,7 +204,7 @@ int kvr_wk_seqstate_get(kvr_wk_env *e, kvr_wk_seqstate *s, size_t np)
             continue;
         if (s->cell[p] >= 0) {
             kvr_wk_seqstate_free(s);
-            return kvr_wk_fail(e, -EINVAL, "llama.cpp's state holds position %d twice", p);
+            return kvr_wk_fail(e, KVR_EINVAL, "llama.cpp's state holds position %d twice", p);
         }
         s->cell[p] = c;
     }
@@ -220,7 +220,7 @@ void *kvr_wk_seqstate_payload(kvr_wk_env *e, const kvr_wk_seqstate *s, const int
     if (!cells || !out) {
         free(cells);
         free(out);
-        kvr_wk_fail(e, -ENOMEM, "out of memory");
+        kvr_wk_fail(e, KVR_ENOMEM, "out of memory");
         return NULL;
     }
     for (size_t i = 0; i < n; i++) {
@@ -228,7 +228,7 @@ void *kvr_wk_seqstate_payload(kvr_wk_env *e, const kvr_wk_seqstate *s, const int
         if (p < 0 || (size_t)p >= s->np || s->cell[p] < 0) {
             free(cells);
             free(out);
-            kvr_wk_fail(e, -EINVAL, "llama.cpp's state has no cell at position %lld", (long long)p);
+            kvr_wk_fail(e, KVR_EINVAL, "llama.cpp's state has no cell at position %lld", (long long)p);
             return NULL;
         }
         cells[i] = (uint32_t)s->cell[p];

@@ -28,6 +28,7 @@
 
 #include "client/llama/kvrope_llama.h"
 #include "client/llama/worker.h"
+#include "base/clock.h"
 
 #ifndef KVR_LLAMA_LIBDIR
 #define KVR_LLAMA_LIBDIR ""
@@ -89,9 +90,7 @@ static void log_cb(enum ggml_log_level level, const char *text, void *ud)
 
 double kvr_wk_now_ms(void)
 {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec * 1e3 + (double)ts.tv_nsec / 1e6;
+    return kvr_clock_mono_msf();
 }
 
 static void init_once(void)
@@ -125,11 +124,11 @@ int kvr_wk_lm_load(kvr_wk_lm **out, const char *gguf, int n_threads, char *err, 
     struct stat sb;
     if (stat(gguf, &sb) < 0) {
         snprintf(err, errlen, "model %s: %s", gguf, strerror(errno));
-        return -ENOENT;
+        return KVR_ESYS;
     }
     if (!S_ISREG(sb.st_mode)) {
         snprintf(err, errlen, "model %s: not a regular file", gguf);
-        return -EINVAL;
+        return KVR_EINVAL;
     }
     FILE *f = fopen(gguf, "rb");
     char magic[4] = { 0 };
@@ -137,14 +136,14 @@ int kvr_wk_lm_load(kvr_wk_lm **out, const char *gguf, int n_threads, char *err, 
         if (f)
             fclose(f);
         snprintf(err, errlen, "model %s: not a GGUF file (no GGUF magic)", gguf);
-        return -EINVAL;
+        return KVR_EINVAL;
     }
     fclose(f);
     init_once();
     kvr_wk_lm *lm = calloc(1, sizeof *lm);
     if (!lm) {
         snprintf(err, errlen, "out of memory");
-        return -ENOMEM;
+        return KVR_ENOMEM;
     }
     lm->n_threads = n_threads > 0 ? n_threads : default_threads();
     lm->cache_type = KVR_WK_GGML_F16;
@@ -160,7 +159,7 @@ int kvr_wk_lm_load(kvr_wk_lm **out, const char *gguf, int n_threads, char *err, 
         snprintf(err, errlen, "model %s: llama.cpp cannot load it%s%s", gguf,
                  log_last[0] ? ": " : "", log_last);
         free(lm);
-        return -EINVAL;
+        return KVR_EINVAL;
     }
     lm->vocab = llama_model_get_vocab(lm->model);
     kvr_wk_lm_info *in = &lm->info;
@@ -220,7 +219,7 @@ int kvr_wk_lm_context(kvr_wk_lm *lm, uint32_t n_ctx, char *err, size_t errlen)
     if (!lm->ctx) {
         snprintf(err, errlen, "llama.cpp cannot create a context of %u cells%s%s", n_ctx,
                  log_last[0] ? ": " : "", log_last);
-        return -EINVAL;
+        return KVR_EINVAL;
     }
     if (lm->tp)
         llama_attach_threadpool(lm->ctx, lm->tp, lm->tp);
@@ -274,13 +273,13 @@ int kvr_wk_lm_tokenize(kvr_wk_lm *lm, const char *text, size_t len, bool bos, in
     *n = 0;
     if (len > (size_t)INT32_MAX / 2) {
         snprintf(err, errlen, "text of %zu bytes is too long", len);
-        return -EINVAL;
+        return KVR_EINVAL;
     }
     size_t cap = len + 8;
     int32_t *t = malloc(cap * sizeof *t);
     if (!t) {
         snprintf(err, errlen, "out of memory");
-        return -ENOMEM;
+        return KVR_ENOMEM;
     }
     int32_t r = llama_tokenize(lm->vocab, text, (int32_t)len, t, (int32_t)cap, bos, false);
     if (r < 0) {
@@ -288,7 +287,7 @@ int kvr_wk_lm_tokenize(kvr_wk_lm *lm, const char *text, size_t len, bool bos, in
         int32_t *nt = realloc(t, cap * sizeof *t);
         if (!nt) {
             free(t);
-            return -ENOMEM;
+            return KVR_ENOMEM;
         }
         t = nt;
         r = llama_tokenize(lm->vocab, text, (int32_t)len, t, (int32_t)cap, bos, false);
@@ -296,7 +295,7 @@ int kvr_wk_lm_tokenize(kvr_wk_lm *lm, const char *text, size_t len, bool bos, in
     if (r < 0) {
         free(t);
         snprintf(err, errlen, "tokenization failed");
-        return -EINVAL;
+        return KVR_EINVAL;
     }
     *out = t;
     *n = (size_t)r;
@@ -334,7 +333,7 @@ int kvr_wk_lm_decode(kvr_wk_lm *lm, const int32_t *toks, size_t n, int32_t pos0,
         if (r != 0) {
             snprintf(err, errlen, "llama_decode of %zu tokens at position %d failed (%d)%s%s", m,
                      pos0 + (int)i, r, log_last[0] ? ": " : "", log_last);
-            return -EIO;
+            return KVR_EIO;
         }
         if (mode == KVR_WK_LOGITS_ALL && fn) {
             const float *rows[512];
@@ -373,7 +372,7 @@ int kvr_wk_lm_decode_batch(kvr_wk_lm *lm, const kvr_wk_btok *t, size_t n, kvr_wk
             snprintf(err, errlen, "llama_decode of %zu tokens (the first at position %d, "
                      "sequence %d) failed (%d)%s%s", m, t[i].pos, t[i].seq, r,
                      log_last[0] ? ": " : "", log_last);
-            return -EIO;
+            return KVR_EIO;
         }
         for (size_t j = 0; j < m; j++) {
             if (!t[i + j].logits)
@@ -381,7 +380,7 @@ int kvr_wk_lm_decode_batch(kvr_wk_lm *lm, const kvr_wk_btok *t, size_t n, kvr_wk
             const float *row = llama_get_logits_ith(lm->ctx, (int32_t)j);
             if (!row) {
                 snprintf(err, errlen, "llama.cpp has no logits for batch row %zu", j);
-                return -EIO;
+                return KVR_EIO;
             }
             if (fn)
                 fn(ud, i + j, row);
@@ -452,14 +451,14 @@ int kvr_wk_lm_state_get(kvr_wk_lm *lm, uint8_t **out, size_t *len, char *err, si
     uint8_t *b = malloc(n ? n : 1);
     if (!b) {
         snprintf(err, errlen, "out of memory for a state of %zu bytes", n);
-        return -ENOMEM;
+        return KVR_ENOMEM;
     }
     size_t w = llama_state_seq_get_data(lm->ctx, b, n, 0);
     if (w == 0 || w > n) {
         free(b);
         snprintf(err, errlen, "llama_state_seq_get_data failed%s%s", log_last[0] ? ": " : "",
                  log_last);
-        return -EIO;
+        return KVR_EIO;
     }
     *out = b;
     *len = w;
@@ -474,7 +473,7 @@ int kvr_wk_lm_state_set(kvr_wk_lm *lm, const uint8_t *buf, size_t len, char *err
     if (llama_state_seq_set_data(lm->ctx, buf, len, 0) == 0) {
         snprintf(err, errlen, "llama_state_seq_set_data refused the state%s%s",
                  log_last[0] ? ": " : "", log_last);
-        return -EINVAL;
+        return KVR_EINVAL;
     }
     return 0;
 }
@@ -499,14 +498,14 @@ int kvr_wk_lm_threads_sleep(kvr_wk_lm *lm, char *err, size_t errlen)
     memcpy(&tp_new, &sym, sizeof sym);
     if (!tp_new) {
         snprintf(err, errlen, "the CPU backend does not export ggml_threadpool_new");
-        return -ENOTSUP;
+        return KVR_EUNSUPPORTED;
     }
     struct ggml_threadpool_params tpp = ggml_threadpool_params_default(lm->n_threads);
     tpp.poll = 0;
     lm->tp = tp_new(&tpp);
     if (!lm->tp) {
         snprintf(err, errlen, "ggml cannot create a threadpool of %d threads", lm->n_threads);
-        return -ENOMEM;
+        return KVR_ENOMEM;
     }
     if (lm->ctx)
         llama_attach_threadpool(lm->ctx, lm->tp, lm->tp);

@@ -23,7 +23,7 @@ int kvr_wk_profile(kvr_wk_env *e, const char *gguf)
     kvr_llama_model *m = calloc(1, sizeof *m);
     if (!m) {
         snprintf(e->err, sizeof e->err, "out of memory");
-        return -ENOMEM;
+        return KVR_ENOMEM;
     }
     char err[512] = "";
     int r = kvr_llama_gguf_read(gguf, m, err, sizeof err);
@@ -39,7 +39,7 @@ int kvr_wk_profile(kvr_wk_env *e, const char *gguf)
                  "%u) is not what llama.cpp loaded (%u x %u x %u)", gguf, m->n_layers,
                  m->n_kv_heads, m->head_dim, in->n_layer, in->n_head_kv, in->head_dim);
         free(m);
-        return -EINVAL;
+        return KVR_EINVAL;
     }
     e->profile = m;
     kvr_wk_lm_set_profile(e->lm, m);

@@ -113,7 +113,7 @@ int kvr_wk_replay(kvr_wk_env *e, const kvr_wk_replay_opts *o)
                 ver = nv2;
             if (!nv2 || !nn2) {
                 free(text);
-                r = kvr_wk_fail(e, -ENOMEM, "out of memory");
+                r = kvr_wk_fail(e, KVR_ENOMEM, "out of memory");
                 goto out;
             }
             nver = nn2;
@@ -128,7 +128,7 @@ int kvr_wk_replay(kvr_wk_env *e, const kvr_wk_replay_opts *o)
             max_n = nver[n_ver];
     }
     if (n_ver < 2) {
-        r = kvr_wk_fail(e, -ENOENT, "%s holds %zu versions (v0000.txt, v0001.txt, ...): an "
+        r = kvr_wk_fail(e, KVR_EINVAL, "%s holds %zu versions (v0000.txt, v0001.txt, ...): an "
                         "edit history needs two at least (scripts/edit-history.py)", o->dir,
                         n_ver);
         goto out;
@@ -148,7 +148,7 @@ int kvr_wk_replay(kvr_wk_env *e, const kvr_wk_replay_opts *o)
         free(t_first);
         free(speed);
         free(lg);
-        r = kvr_wk_fail(e, -ENOMEM, "out of memory");
+        r = kvr_wk_fail(e, KVR_ENOMEM, "out of memory");
         goto out;
     }
     double sum_share = 0, kl_sum = 0;

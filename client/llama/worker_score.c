@@ -2,7 +2,7 @@
  * worker_score.c — `kvrope-llama score`: the next-token logits of a token
  * sequence T over a KV cache handed over as a file (KV.bin, docs/llama.md:
  * the payload a kvrope get returns, with its positions), and greedy
- * continuations from chosen points. No daemon: the caller (issue 19's eval)
+ * continuations from chosen points. No daemon: the caller (eval/run.py's measurements)
  * does every kvrope operation itself and gives llama.cpp the resulting KV.
  *
  * Rows: row i (F <= i < N-1) is the logits after T[i], predicting T[i+1].
@@ -74,16 +74,6 @@
 #define MAX_QUERIES 126           /* scratch sequences per in-cache decode */
 #define PAD_MIN     64            /* tokens per llama_decode at least (GGML_FA_TILE_Q) */
 
-static int fail(kvr_wk_env *e, int r, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
-static int fail(kvr_wk_env *e, int r, const char *fmt, ...)
-{
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(e->err, sizeof e->err, fmt, ap);
-    va_end(ap);
-    return r < 0 ? r : -EINVAL;
-}
-
 static uint32_t rd32(const uint8_t *p)
 {
     return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24;
@@ -121,13 +111,13 @@ static int kv_out_write(kvr_wk_env *e, const char *path, int64_t P, size_t n)
     cells = malloc((n ? n : 1) * sizeof *cells);
     pay = malloc(bytes ? bytes : 1);
     if (!cells || !pay) {
-        r = fail(e, -ENOMEM, "out of memory for the --kv-out payload");
+        r = kvr_wk_fail(e, KVR_ENOMEM, "out of memory for the --kv-out payload");
         goto out;
     }
     for (size_t i = 0; i < n; i++) {
         long c = kvr_wk_state_find(&st, (int32_t)(P + (int64_t)i));
         if (c < 0) {
-            r = fail(e, -EIO, "--kv-out: llama.cpp's state has no cell at position %lld",
+            r = kvr_wk_fail(e, KVR_EIO, "--kv-out: llama.cpp's state has no cell at position %lld",
                      (long long)(P + (int64_t)i));
             goto out;
         }
@@ -136,7 +126,7 @@ static int kv_out_write(kvr_wk_env *e, const char *path, int64_t P, size_t n)
     kvr_wk_state_gather(&st, cells, n, pay);
     snprintf(tmp, sizeof tmp, "%s.tmp-%ld", path, (long)getpid());
     if (!(f = fopen(tmp, "wb"))) {
-        r = fail(e, -errno, "--kv-out %s: %s", path, strerror(errno));
+        r = kvr_wk_fail(e, KVR_ESYS, "--kv-out %s: %s", path, strerror(errno));
         goto out;
     }
     uint8_t h[32];
@@ -159,7 +149,7 @@ static int kv_out_write(kvr_wk_env *e, const char *path, int64_t P, size_t n)
         ok = false;
     f = NULL;
     if (!ok || rename(tmp, path) != 0) {
-        r = fail(e, -EIO, "--kv-out %s: %s", path, strerror(errno ? errno : EIO));
+        r = kvr_wk_fail(e, KVR_EIO, "--kv-out %s: %s", path, strerror(errno ? errno : EIO));
         unlink(tmp);
         goto out;
     }
@@ -190,9 +180,9 @@ static int kvbin_parse(kvr_wk_env *e, const uint8_t *b, size_t len, kvbin *kv)
     const kvr_wk_lm_info *in = kvr_wk_lm_info_get(e->lm);
     memset(kv, 0, sizeof *kv);
     if (len < 8 || memcmp(b, KVBIN_MAGIC, 8) != 0)
-        return fail(e, -EINVAL, "KV file: not a KV.bin file (no \"KVRKV1\" magic)");
+        return kvr_wk_fail(e, KVR_EINVAL, "KV file: not a KV.bin file (no \"KVRKV1\" magic)");
     if (len < KVBIN_HDR)
-        return fail(e, -EINVAL, "KV file: truncated in its header (%zu of %d bytes)", len,
+        return kvr_wk_fail(e, KVR_EINVAL, "KV file: truncated in its header (%zu of %d bytes)", len,
                     KVBIN_HDR);
     kv->n_layers = rd32(b + 8);
     kv->m = rd32(b + 12);
@@ -201,17 +191,17 @@ static int kvbin_parse(kvr_wk_env *e, const uint8_t *b, size_t len, kvbin *kv)
     kv->dtype = rd32(b + 24);
     uint32_t reserved = rd32(b + 28);
     if (reserved != 0)
-        return fail(e, -EINVAL, "KV file: reserved header field is %u (must be 0)", reserved);
+        return kvr_wk_fail(e, KVR_EINVAL, "KV file: reserved header field is %u (must be 0)", reserved);
     if (kv->dtype > 2)
-        return fail(e, -EINVAL, "KV file: dtype %u unknown (0 f32, 1 f16, 2 bf16)", kv->dtype);
+        return kvr_wk_fail(e, KVR_EINVAL, "KV file: dtype %u unknown (0 f32, 1 f16, 2 bf16)", kv->dtype);
     if (kv->n_layers != in->n_layer)
-        return fail(e, -EINVAL, "KV file: %u layers, the model has %u (another model?)",
+        return kvr_wk_fail(e, KVR_EINVAL, "KV file: %u layers, the model has %u (another model?)",
                     kv->n_layers, in->n_layer);
     if (kv->n_kv_heads != in->n_head_kv)
-        return fail(e, -EINVAL, "KV file: %u KV heads, the model has %u (another model?)",
+        return kvr_wk_fail(e, KVR_EINVAL, "KV file: %u KV heads, the model has %u (another model?)",
                     kv->n_kv_heads, in->n_head_kv);
     if (kv->head_dim != in->head_dim)
-        return fail(e, -EINVAL, "KV file: head_dim %u, the model's is %u (another model?)",
+        return kvr_wk_fail(e, KVR_EINVAL, "KV file: head_dim %u, the model's is %u (another model?)",
                     kv->head_dim, in->head_dim);
     kv->ggml_type = kv->dtype == 0 ? KVR_WK_GGML_F32 : kv->dtype == 1 ? KVR_WK_GGML_F16
                                                                        : KVR_WK_GGML_BF16;
@@ -221,19 +211,19 @@ static int kvbin_parse(kvr_wk_env *e, const uint8_t *b, size_t len, kvbin *kv)
      * any 32-bit token count. */
     uint64_t need = KVBIN_HDR + 8 * (uint64_t)kv->m + (uint64_t)kv->n_layers * 2 * kv->m * row;
     if ((uint64_t)len < need)
-        return fail(e, -EINVAL, "KV file: truncated: %zu bytes, %llu needed for %u tokens", len,
+        return kvr_wk_fail(e, KVR_EINVAL, "KV file: truncated: %zu bytes, %llu needed for %u tokens", len,
                     (unsigned long long)need, kv->m);
     if ((uint64_t)len > need)
-        return fail(e, -EINVAL, "KV file: %llu trailing bytes after %u tokens",
+        return kvr_wk_fail(e, KVR_EINVAL, "KV file: %llu trailing bytes after %u tokens",
                     (unsigned long long)((uint64_t)len - need), kv->m);
     kv->pos = malloc((kv->m ? kv->m : 1) * sizeof *kv->pos);
     if (!kv->pos)
-        return fail(e, -ENOMEM, "out of memory for %u positions", kv->m);
+        return kvr_wk_fail(e, KVR_ENOMEM, "out of memory for %u positions", kv->m);
     kv->pos_max = -1;
     for (uint32_t j = 0; j < kv->m; j++) {
         int64_t p = rd64(b + KVBIN_HDR + 8 * (size_t)j);
         if (p < 0 || p >= INT32_MAX)
-            return fail(e, -EINVAL, "KV file: position %lld of token %u is out of range "
+            return kvr_wk_fail(e, KVR_EINVAL, "KV file: position %lld of token %u is out of range "
                         "(0..%d)", (long long)p, j, INT32_MAX - 1);
         kv->pos[j] = p;
         if (p > kv->pos_max)
@@ -256,7 +246,7 @@ static int load_cells(kvr_wk_env *e, const kvbin *kv, const int64_t *meta)
         r = kvr_wk_sbuild_add(&sb, kv->payload, kv->m, 0, kv->m, meta);
     if (r < 0) {
         kvr_wk_sbuild_free(&sb);
-        return fail(e, r, "cannot build a llama.cpp state of %u cells", kv->m);
+        return kvr_wk_fail(e, r, "cannot build a llama.cpp state of %u cells", kv->m);
     }
     r = kvr_wk_lm_state_set(e->lm, sb.buf, sb.len, e->err, sizeof e->err);
     kvr_wk_sbuild_free(&sb);
@@ -388,20 +378,20 @@ int kvr_wk_score(kvr_wk_env *e, const kvr_wk_score_opts *o)
 
     /* Tokens. */
     if (o->tokens_len % 4)
-        return fail(e, -EINVAL, "token file: %zu bytes is not a whole number of int32 ids",
+        return kvr_wk_fail(e, KVR_EINVAL, "token file: %zu bytes is not a whole number of int32 ids",
                     o->tokens_len);
     size_t N = o->tokens_len / 4;
     if (N == 0)
-        return fail(e, -EINVAL, "token file: no tokens");
+        return kvr_wk_fail(e, KVR_EINVAL, "token file: no tokens");
     if (N > MAX_TOKENS)
-        return fail(e, -EINVAL, "token file: %zu tokens, at most %u", N, MAX_TOKENS);
+        return kvr_wk_fail(e, KVR_EINVAL, "token file: %zu tokens, at most %u", N, MAX_TOKENS);
     T = malloc(N * sizeof *T);
     if (!T)
-        return fail(e, -ENOMEM, "out of memory for %zu tokens", N);
+        return kvr_wk_fail(e, KVR_ENOMEM, "out of memory for %zu tokens", N);
     for (size_t i = 0; i < N; i++) {
         T[i] = (int32_t)rd32(o->tokens + 4 * i);
         if (T[i] < 0 || (uint32_t)T[i] >= nv) {
-            r = fail(e, -EINVAL, "token file: id %d at index %zu is not in the vocabulary "
+            r = kvr_wk_fail(e, KVR_EINVAL, "token file: id %d at index %zu is not in the vocabulary "
                      "(0..%zu)", T[i], i, nv - 1);
             goto out;
         }
@@ -411,22 +401,22 @@ int kvr_wk_score(kvr_wk_env *e, const kvr_wk_score_opts *o)
         goto out;
     size_t m = kv.m;
     if (m > N) {
-        r = fail(e, -EINVAL, "KV file holds %zu tokens, more than the %zu of the token file "
+        r = kvr_wk_fail(e, KVR_EINVAL, "KV file holds %zu tokens, more than the %zu of the token file "
                  "(T must start with the cached tokens)", m, N);
         goto out;
     }
     int64_t F = o->has_from ? o->from : (int64_t)m;
     if (F < 0 || F > (int64_t)N) {
-        r = fail(e, -EINVAL, "--from %lld is outside 0..%zu", (long long)F, N);
+        r = kvr_wk_fail(e, KVR_EINVAL, "--from %lld is outside 0..%zu", (long long)F, N);
         goto out;
     }
     int64_t P = o->has_next_pos ? o->next_pos : kv.pos_max + 1;
     if (o->kv_out && N == m) {
-        r = fail(e, -EINVAL, "--kv-out: no tokens after the cache to write the KV of");
+        r = kvr_wk_fail(e, KVR_EINVAL, "--kv-out: no tokens after the cache to write the KV of");
         goto out;
     }
     if (o->has_stop && (o->stop < 0 || (uint32_t)o->stop >= nv)) {
-        r = fail(e, -EINVAL, "--stop-token %d is not in the vocabulary (0..%zu)", o->stop,
+        r = kvr_wk_fail(e, KVR_EINVAL, "--stop-token %d is not in the vocabulary (0..%zu)", o->stop,
                  nv - 1);
         goto out;
     }
@@ -439,18 +429,18 @@ int kvr_wk_score(kvr_wk_env *e, const kvr_wk_score_opts *o)
     for (size_t g = 0; g < o->n_gen; g++) {
         const kvr_wk_gen_req *q = &o->gen[g];
         if (q->at < 0 || q->at >= (int64_t)N) {
-            r = fail(e, -EINVAL, "--generate %lld:%lld: %lld is past the last token (%zu "
+            r = kvr_wk_fail(e, KVR_EINVAL, "--generate %lld:%lld: %lld is past the last token (%zu "
                      "tokens)", (long long)q->at, (long long)q->n, (long long)q->at, N);
             goto out;
         }
         if (q->n < 1) {
-            r = fail(e, -EINVAL, "--generate %lld:%lld: nothing to generate", (long long)q->at,
+            r = kvr_wk_fail(e, KVR_EINVAL, "--generate %lld:%lld: nothing to generate", (long long)q->at,
                      (long long)q->n);
             goto out;
         }
         int64_t p0 = q->at < (int64_t)m ? kv.pos[q->at] : P + (q->at - (int64_t)m);
         if (p0 + q->n > INT32_MAX) {
-            r = fail(e, -EINVAL, "--generate %lld:%lld runs past position %d", (long long)q->at,
+            r = kvr_wk_fail(e, KVR_EINVAL, "--generate %lld:%lld runs past position %d", (long long)q->at,
                      (long long)q->n, INT32_MAX);
             goto out;
         }
@@ -466,14 +456,14 @@ int kvr_wk_score(kvr_wk_env *e, const kvr_wk_score_opts *o)
     metaA = malloc((m ? m : 1) * sizeof *metaA);
     metaB = malloc((m ? m : 1) * sizeof *metaB);
     if (!metaA || !metaB) {
-        r = fail(e, -ENOMEM, "out of memory");
+        r = kvr_wk_fail(e, KVR_ENOMEM, "out of memory");
         goto out;
     }
     bool same = true;
     if (needA) {
         for (size_t j = 1; j < m; j++)
             if (kv.pos[j] <= kv.pos[j - 1]) {
-                r = fail(e, -EINVAL, "in-cache scoring (%s) needs strictly increasing cached "
+                r = kvr_wk_fail(e, KVR_EINVAL, "in-cache scoring (%s) needs strictly increasing cached "
                          "positions: token %zu is at %lld after %lld",
                          rowsA > 0 ? "--from before the end of the cache"
                                    : "--generate inside the cache",
@@ -483,7 +473,7 @@ int kvr_wk_score(kvr_wk_env *e, const kvr_wk_score_opts *o)
         for (size_t j = 0; j < m; j++) {
             metaA[j] = j + 1 < m ? kv.pos[j + 1] - 1 : kv.pos[j];
             if (metaA[j] != kv.pos[j] && !in->pos_mask_only) {
-                r = fail(e, -EINVAL, "in-cache scoring over positions with gaps (%lld after "
+                r = kvr_wk_fail(e, KVR_EINVAL, "in-cache scoring over positions with gaps (%lld after "
                          "%lld) is not supported for this model (%s)", (long long)kv.pos[j + 1],
                          (long long)kv.pos[j], in->arch);
                 goto out;
@@ -492,18 +482,18 @@ int kvr_wk_score(kvr_wk_env *e, const kvr_wk_score_opts *o)
     }
     if (needB) {
         if (m > 0 && P < 1) {
-            r = fail(e, -EINVAL, "--next-pos 0 leaves no room for the cached cells before it");
+            r = kvr_wk_fail(e, KVR_EINVAL, "--next-pos 0 leaves no room for the cached cells before it");
             goto out;
         }
         if (P + (int64_t)(N - m) > INT32_MAX) {
-            r = fail(e, -EINVAL, "--next-pos %lld + %zu tokens runs past position %d",
+            r = kvr_wk_fail(e, KVR_EINVAL, "--next-pos %lld + %zu tokens runs past position %d",
                      (long long)P, N - m, INT32_MAX);
             goto out;
         }
         for (size_t j = 0; j < m; j++) {
             metaB[j] = kv.pos[j] == kv.pos_max ? P - 1 : kv.pos[j] < P - 1 ? kv.pos[j] : P - 1;
             if (metaB[j] != kv.pos[j] && !in->pos_mask_only) {
-                r = fail(e, -EINVAL, "--next-pos %lld must be the cache's last position + 1 "
+                r = kvr_wk_fail(e, KVR_EINVAL, "--next-pos %lld must be the cache's last position + 1 "
                          "(%lld) for this model (%s)", (long long)P,
                          (long long)kv.pos_max + 1, in->arch);
                 goto out;
@@ -512,7 +502,7 @@ int kvr_wk_score(kvr_wk_env *e, const kvr_wk_score_opts *o)
                 same = false;
         }
     } else if (o->has_next_pos && P < 0) {
-        r = fail(e, -EINVAL, "--next-pos %lld is negative", (long long)P);
+        r = kvr_wk_fail(e, KVR_EINVAL, "--next-pos %lld is negative", (long long)P);
         goto out;
     }
 
@@ -523,7 +513,7 @@ int kvr_wk_score(kvr_wk_env *e, const kvr_wk_score_opts *o)
                                     : 1;
     uint64_t extra = (uint64_t)(Q > max_gen + 1 ? Q : max_gen + 1) + PAD_MIN;
     if ((uint64_t)N + extra + 16 > UINT32_MAX / 2) {
-        r = fail(e, -EINVAL, "%zu tokens and %lld generated do not fit a context", N,
+        r = kvr_wk_fail(e, KVR_EINVAL, "%zu tokens and %lld generated do not fit a context", N,
                  (long long)max_gen);
         goto out;
     }
@@ -536,7 +526,7 @@ int kvr_wk_score(kvr_wk_env *e, const kvr_wk_score_opts *o)
     size_t chunk = kvr_wk_lm_n_batch(e->lm) - 1;   /* one decode = one ubatch, with room
                                                      * for a throw-away output */
     if (chunk <= PAD_MIN + Q) {
-        r = fail(e, -EINVAL, "the context's batch of %zu tokens is too small", chunk);
+        r = kvr_wk_fail(e, KVR_EINVAL, "the context's batch of %zu tokens is too small", chunk);
         goto out;
     }
     bt = malloc(((N > Q ? N : Q) + PAD_MIN + 1) * sizeof *bt);
@@ -544,18 +534,18 @@ int kvr_wk_score(kvr_wk_env *e, const kvr_wk_score_opts *o)
     gen = calloc(o->n_gen ? o->n_gen : 1, sizeof *gen);
     n_out = calloc(o->n_gen ? o->n_gen : 1, sizeof *n_out);
     if (!bt || !row || !gen || !n_out) {
-        r = fail(e, -ENOMEM, "out of memory");
+        r = kvr_wk_fail(e, KVR_ENOMEM, "out of memory");
         goto out;
     }
     for (size_t g = 0; g < o->n_gen; g++)
         if (!(gen[g] = malloc((size_t)o->gen[g].n * sizeof **gen))) {
-            r = fail(e, -ENOMEM, "out of memory");
+            r = kvr_wk_fail(e, KVR_ENOMEM, "out of memory");
             goto out;
         }
     if (o->logits_out) {
         snprintf(tmp, sizeof tmp, "%s.tmp-%ld", o->logits_out, (long)getpid());
         if (!(f = fopen(tmp, "wb"))) {
-            r = fail(e, -errno, "logits file %s: %s", o->logits_out, strerror(errno));
+            r = kvr_wk_fail(e, KVR_ESYS, "logits file %s: %s", o->logits_out, strerror(errno));
             tmp[0] = 0;
             goto out;
         }
@@ -581,12 +571,12 @@ int kvr_wk_score(kvr_wk_env *e, const kvr_wk_score_opts *o)
             if (!sk.werr && (r = decode_padded(e, bt, 1, pad_seq, on_row, &sk)) < 0)
                 goto out;
             if (sk.werr) {
-                r = fail(e, -sk.werr, "logits file %s: %s", o->logits_out, strerror(sk.werr));
+                r = kvr_wk_fail(e, -sk.werr, "logits file %s: %s", o->logits_out, strerror(sk.werr));
                 goto out;
             }
         }
         if (o->exact && f && fseek(f, (long)(rowsA * (int64_t)nv * 4), SEEK_SET) != 0) {
-            r = fail(e, -EIO, "logits file %s: %s", o->logits_out, strerror(errno));
+            r = kvr_wk_fail(e, KVR_EIO, "logits file %s: %s", o->logits_out, strerror(errno));
             goto out;
         }
         if (o->exact && genA && (r = load_cells(e, &kv, metaA)) < 0)
@@ -607,7 +597,7 @@ int kvr_wk_score(kvr_wk_env *e, const kvr_wk_score_opts *o)
             if (r < 0)
                 goto out;
             if (sk.werr) {
-                r = fail(e, -sk.werr, "logits file %s: %s", o->logits_out, strerror(sk.werr));
+                r = kvr_wk_fail(e, -sk.werr, "logits file %s: %s", o->logits_out, strerror(sk.werr));
                 goto out;
             }
         }
@@ -644,7 +634,7 @@ int kvr_wk_score(kvr_wk_env *e, const kvr_wk_score_opts *o)
             if ((r = decode_padded(e, bt, cnt, pad_seq, on_row, &sk)) < 0)
                 goto out;
             if (sk.werr) {
-                r = fail(e, -sk.werr, "logits file %s: %s", o->logits_out, strerror(sk.werr));
+                r = kvr_wk_fail(e, -sk.werr, "logits file %s: %s", o->logits_out, strerror(sk.werr));
                 goto out;
             }
         }
@@ -671,7 +661,7 @@ int kvr_wk_score(kvr_wk_env *e, const kvr_wk_score_opts *o)
             fe = errno;
         f = NULL;
         if (fe || rename(tmp, o->logits_out) != 0) {
-            r = fail(e, -EIO, "logits file %s: %s", o->logits_out, strerror(fe ? fe : errno));
+            r = kvr_wk_fail(e, KVR_EIO, "logits file %s: %s", o->logits_out, strerror(fe ? fe : errno));
             goto out;
         }
         tmp[0] = 0;

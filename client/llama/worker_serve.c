@@ -34,6 +34,7 @@
 
 #include "client/llama/kvrope_llama.h"
 #include "client/llama/worker_serve.h"
+#include "base/clock.h"
 
 enum route { R_COMPLETION, R_INFILL, R_OAI_CMPL, R_OAI_CHAT };
 
@@ -143,13 +144,7 @@ static bool wait_job(srv *s, srv_job *j, size_t seen, int fd)
             pthread_mutex_unlock(&s->mu);
             return false;
         }
-        struct timespec ts;
-        clock_gettime(CLOCK_REALTIME, &ts);
-        ts.tv_nsec += 50 * 1000000L;
-        if (ts.tv_nsec >= 1000000000L) {
-            ts.tv_sec++;
-            ts.tv_nsec -= 1000000000L;
-        }
+        struct timespec ts = kvr_clock_deadline(50);
         pthread_cond_timedwait(&s->progress, &s->mu, &ts);
         if (!j->done && j->safe <= seen) {
             pthread_mutex_unlock(&s->mu);
@@ -384,7 +379,7 @@ static const char *samp_names[] = { "top_k", "top_p", "min_p", "temperature" };
  * Returns NULL or the reason the request is refused. */
 static const char *parse_params(srv *s, const cJSON *b, enum route rt, srv_params *p)
 {
-    srv_params_default(p);
+    kvr__srv_params_default(p);
     const cJSON *x;
 #define NUM(name) ((x = cJSON_GetObjectItemCaseSensitive(b, name)) && !cJSON_IsNull(x))
 #define WANT_NUM(name)                                                          \
@@ -903,7 +898,7 @@ static void st_free(void *cls)
         }
         pthread_mutex_unlock(&s->mu);
     }
-    srv_job_release(s, j);
+    kvr__srv_job_release(s, j);
     cJSON_Delete(st->fields);
     free(st->buf);
     free(st);
@@ -1153,7 +1148,7 @@ static srv_job *job_clone(const srv_job *j)
     for (int i = 0; i < j->p.n_stop; i++)
         if (!(c->p.stop[i] = strdup(j->p.stop[i]))) {
             c->p.n_stop = i;
-            srv_params_free(&c->p);
+            kvr__srv_params_free(&c->p);
             free(c->toks);
             free(c);
             return NULL;
@@ -1196,7 +1191,7 @@ static int handle_generate(conn *cn, struct MHD_Connection *c, enum route rt)
         why = "the prompt is empty";
     if (why) {
         free(t.v);
-        srv_params_free(&j->p);
+        kvr__srv_params_free(&j->p);
         free(j);
         cJSON_Delete(b);
         return bad(c, why);
@@ -1208,7 +1203,7 @@ static int handle_generate(conn *cn, struct MHD_Connection *c, enum route rt)
         cJSON_AddNumberToObject(eo, "n_prompt_tokens", (double)t.n);
         cJSON_AddNumberToObject(eo, "n_ctx", s->n_ctx);
         free(t.v);
-        srv_params_free(&j->p);
+        kvr__srv_params_free(&j->p);
         free(j);
         cJSON_Delete(b);
         return send_json(c, 400, e);
@@ -1220,9 +1215,9 @@ static int handle_generate(conn *cn, struct MHD_Connection *c, enum route rt)
     bool include_usage = cJSON_IsTrue(cJSON_GetObjectItemCaseSensitive(so, "include_usage"));
     cJSON *fields = cJSON_Duplicate(cJSON_GetObjectItemCaseSensitive(b, "response_fields"), true);
     cJSON_Delete(b);
-    if (srv_submit(s, j) < 0) {
+    if (kvr__srv_submit(s, j) < 0) {
         cJSON_Delete(fields);
-        srv_params_free(&j->p);
+        kvr__srv_params_free(&j->p);
         free(j->toks);
         free(j);
         return send_error(c, 503, "unavailable_error", "the server is stopping");
@@ -1244,7 +1239,7 @@ static int handle_generate(conn *cn, struct MHD_Connection *c, enum route rt)
         if (!r) {
             free(st);
             cJSON_Delete(fields);
-            srv_job_release(s, j);
+            kvr__srv_job_release(s, j);
             return send_error(c, 500, "server_error", "out of memory");
         }
         MHD_add_response_header(r, "Content-Type", "text/event-stream");
@@ -1258,9 +1253,9 @@ static int handle_generate(conn *cn, struct MHD_Connection *c, enum route rt)
     srv_job *jobs[SRV_MAX_SLOTS] = { j };
     int nj = 1;
     for (; nj < j->p.n_cmpl; nj++)
-        if (!(jobs[nj] = job_clone(j)) || srv_submit(s, jobs[nj]) < 0) {
+        if (!(jobs[nj] = job_clone(j)) || kvr__srv_submit(s, jobs[nj]) < 0) {
             if (jobs[nj]) {
-                srv_params_free(&jobs[nj]->p);
+                kvr__srv_params_free(&jobs[nj]->p);
                 free(jobs[nj]->toks);
                 free(jobs[nj]);
             }
@@ -1272,7 +1267,7 @@ static int handle_generate(conn *cn, struct MHD_Connection *c, enum route rt)
     if (gone) {
         cJSON_Delete(fields);
         for (int k = 0; k < nj; k++)
-            srv_job_release(s, jobs[k]);
+            kvr__srv_job_release(s, jobs[k]);
         return MHD_NO;      /* the client is gone: close */
     }
     int ret;
@@ -1314,7 +1309,7 @@ static int handle_generate(conn *cn, struct MHD_Connection *c, enum route rt)
     }
     cJSON_Delete(fields);
     for (int k = 0; k < nj; k++)
-        srv_job_release(s, jobs[k]);
+        kvr__srv_job_release(s, jobs[k]);
     return ret;
 }
 
@@ -1457,7 +1452,7 @@ static int handle_models(srv *s, struct MHD_Connection *c)
 static int handle_props(srv *s, struct MHD_Connection *c)
 {
     srv_params p;
-    srv_params_default(&p);
+    kvr__srv_params_default(&p);
     cJSON *o = cJSON_CreateObject(), *d = cJSON_AddObjectToObject(o, "default_generation_settings");
     cJSON_AddNumberToObject(d, "id", 0);
     cJSON_AddNumberToObject(d, "id_task", -1);
@@ -1491,7 +1486,7 @@ static int handle_props(srv *s, struct MHD_Connection *c)
 static int handle_slots_get(srv *s, struct MHD_Connection *c)
 {
     srv_params p;
-    srv_params_default(&p);
+    kvr__srv_params_default(&p);
     cJSON *a = cJSON_CreateArray();
     pthread_mutex_lock(&s->mu);
     for (int i = 0; i < s->n_slots; i++) {
@@ -1545,18 +1540,18 @@ static int handle_slots_post(conn *cn, struct MHD_Connection *c, const char *url
         cJSON_Delete(b);
         return send_error(c, 500, "server_error", "out of memory");
     }
-    srv_params_default(&j->p);
+    kvr__srv_params_default(&j->p);
     j->kind = k;
     j->p.id_slot = (int)id;
     if (fn)
         snprintf(j->slot_file, sizeof j->slot_file, "%s", fn->valuestring);
     cJSON_Delete(b);
-    if (srv_submit(s, j) < 0) {
+    if (kvr__srv_submit(s, j) < 0) {
         free(j);
         return send_error(c, 503, "unavailable_error", "the server is stopping");
     }
     if (!wait_job(s, j, SIZE_MAX, conn_fd(c))) {
-        srv_job_release(s, j);
+        kvr__srv_job_release(s, j);
         return MHD_NO;
     }
     pthread_mutex_lock(&s->mu);
@@ -1569,7 +1564,7 @@ static int handle_slots_post(conn *cn, struct MHD_Connection *c, const char *url
     char file[sizeof j->slot_file];
     memcpy(file, j->slot_file, sizeof file);
     pthread_mutex_unlock(&s->mu);
-    srv_job_release(s, j);
+    kvr__srv_job_release(s, j);
     if (status)
         return send_error(c, (unsigned)status, type, "%s", err);
     cJSON *o = cJSON_CreateObject();
@@ -1634,7 +1629,7 @@ static int handle_metrics(srv *s, struct MHD_Connection *c)
     GAUGE("kvrope:queue_depth", "Requests waiting for the engine.", q);
     P("# HELP kvrope:ttft_seconds Time to first token.\n# TYPE kvrope:ttft_seconds histogram\n");
     for (int b = 0; b < 12; b++)
-        P("kvrope:ttft_seconds_bucket{le=\"%g\"} %llu\n", srv_ttft_le[b],
+        P("kvrope:ttft_seconds_bucket{le=\"%g\"} %llu\n", kvr__srv_ttft_le[b],
           (unsigned long long)m.ttft_bucket[b]);
     P("kvrope:ttft_seconds_bucket{le=\"+Inf\"} %llu\n", (unsigned long long)m.ttft_count);
     P("kvrope:ttft_seconds_sum %g\nkvrope:ttft_seconds_count %llu\n", m.ttft_sum,
@@ -1915,6 +1910,7 @@ int kvr_wk_serve_main(kvr_wk_env *e, const char *model_path, const char *socket,
                                                                    : base ? base + 1 : model_path);
     pthread_mutex_init(&s->mu, NULL);
     pthread_cond_init(&s->wake, NULL);
+    kvr_list_init(&s->queue);
     pthread_cond_init(&s->progress, NULL);
 
     /* Signals: blocked everywhere, taken by sigwait in this thread. */
@@ -1982,7 +1978,7 @@ int kvr_wk_serve_main(kvr_wk_env *e, const char *model_path, const char *socket,
     for (int i = 0; i < s->n_slots; i++)
         snprintf(s->slots[i].session, sizeof s->slots[i].session, "kvs-%016llx-%u-s%d",
                  (unsigned long long)s->model_hash, port, i);
-    if (srv_engine_start(s) < 0) {
+    if (kvr__srv_engine_start(s) < 0) {
         fprintf(stderr, "kvrope-llama serve: cannot start the engine thread\n");
         *e = s->e;
         goto stop_http;
@@ -1997,7 +1993,7 @@ int kvr_wk_serve_main(kvr_wk_env *e, const char *model_path, const char *socket,
     int sig = 0;
     sigwait(&sigs, &sig);
     fprintf(stderr, "kvrope serve: %s, stopping\n", sig == SIGINT ? "SIGINT" : "SIGTERM");
-    srv_engine_stop(s);
+    kvr__srv_engine_stop(s);
     MHD_stop_daemon(d);
     d = NULL;
     *e = s->e;

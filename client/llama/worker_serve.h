@@ -27,6 +27,8 @@
 #include <stdint.h>
 
 #include "client/llama/worker.h"
+#include "base/list.h"
+#include "base/ref.h"
 
 #define SRV_MAX_SLOTS   64
 #define SRV_MAX_STOP    16
@@ -97,8 +99,8 @@ typedef struct srv_job {
     bool         via_cache;
     double       t_prompt_ms, t_gen_ms, t_op_ms;
     /* queue and sharing (srv.mu) */
-    int          refs;
-    struct srv_job *next;
+    kvr_ref      ref;
+    kvr_list     node;           /* on srv.queue while queued */
 } srv_job;
 
 typedef struct srv_slot {
@@ -115,7 +117,7 @@ typedef struct srv_metrics {
     uint64_t requests, requests_failed, prompt_tokens, prompt_reused, prompt_refreshed,
              tokens_predicted, cache_unavailable, commit_failed, refreshed_idle, cancelled;
     double   prompt_seconds, predicted_seconds;
-    uint64_t ttft_bucket[12];    /* cumulative by srv_ttft_le */
+    uint64_t ttft_bucket[12];    /* cumulative by kvr__srv_ttft_le */
     double   ttft_sum;
     uint64_t ttft_count;
 } srv_metrics;
@@ -135,7 +137,7 @@ typedef struct srv {
     pthread_mutex_t  mu;
     pthread_cond_t   wake;       /* the engine: a job, or stop */
     pthread_cond_t   progress;   /* connections: their job moved */
-    srv_job         *q_head, *q_tail;
+    kvr_list         queue;      /* srv_job.node, oldest first */
     size_t           q_len;
     bool             stopping, ready;
     srv_slot         slots[SRV_MAX_SLOTS];
@@ -147,17 +149,17 @@ typedef struct srv {
     pthread_t        engine;
 } srv;
 
-extern const double srv_ttft_le[12];
+extern const double kvr__srv_ttft_le[12];
 
 /* worker_serve_run.c */
-int      srv_engine_start(srv *s);
-void     srv_engine_stop(srv *s);
-/* Queues a job (refs: one for the caller, one for the engine). -ESHUTDOWN when
+int      kvr__srv_engine_start(srv *s);
+void     kvr__srv_engine_stop(srv *s);
+/* Queues a job (refs: one for the caller, one for the engine). KVR_EBUSY when
  * stopping. */
-int      srv_submit(srv *s, srv_job *j);
-void     srv_job_release(srv *s, srv_job *j);     /* mu held by the caller: no */
-void     srv_params_free(srv_params *p);
-void     srv_params_default(srv_params *p);
+int      kvr__srv_submit(srv *s, srv_job *j);
+void     kvr__srv_job_release(srv *s, srv_job *j);     /* mu held by the caller: no */
+void     kvr__srv_params_free(srv_params *p);
+void     kvr__srv_params_default(srv_params *p);
 
 /* worker_serve.c */
 /* The serve command: argv holds the words after "serve". Returns the exit

@@ -34,13 +34,14 @@
 #include "llama.h"
 
 #include "client/llama/worker_serve.h"
+#include "base/clock.h"
 
-const double srv_ttft_le[12] = { 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05,
+const double kvr__srv_ttft_le[12] = { 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05,
                                  0.1,   0.25,   0.5,   1.0,  2.5,   10.0 };
 
 #define REFRESH_BUDGET 128
 
-void srv_params_default(srv_params *p)
+void kvr__srv_params_default(srv_params *p)
 {
     memset(p, 0, sizeof *p);
     p->n_predict = -1;
@@ -59,7 +60,7 @@ void srv_params_default(srv_params *p)
     p->n_cmpl = 1;
 }
 
-void srv_params_free(srv_params *p)
+void kvr__srv_params_free(srv_params *p)
 {
     for (int i = 0; i < p->n_stop; i++)
         free(p->stop[i]);
@@ -68,38 +69,33 @@ void srv_params_free(srv_params *p)
 
 static void job_free(srv_job *j)
 {
-    srv_params_free(&j->p);
+    kvr__srv_params_free(&j->p);
     free(j->toks);
     free(j->text);
     free(j->gen);
     free(j);
 }
 
-void srv_job_release(srv *s, srv_job *j)
+void kvr__srv_job_release(srv *s, srv_job *j)
 {
     pthread_mutex_lock(&s->mu);
-    int left = --j->refs;
-    if (left == 0 && !j->done)
+    bool last = kvr_ref_put(&j->ref);
+    if (last && !j->done)
         j->cancelled = true;
     pthread_mutex_unlock(&s->mu);
-    if (left == 0)
+    if (last)
         job_free(j);
 }
 
-int srv_submit(srv *s, srv_job *j)
+int kvr__srv_submit(srv *s, srv_job *j)
 {
     pthread_mutex_lock(&s->mu);
     if (s->stopping) {
         pthread_mutex_unlock(&s->mu);
-        return -ESHUTDOWN;
+        return KVR_EBUSY;
     }
-    j->refs = 2;
-    j->next = NULL;
-    if (s->q_tail)
-        s->q_tail->next = j;
-    else
-        s->q_head = j;
-    s->q_tail = j;
+    kvr_ref_init(&j->ref, 2);
+    kvr_list_insert_tail(&s->queue, &j->node);
     s->q_len++;
     pthread_cond_signal(&s->wake);
     pthread_mutex_unlock(&s->mu);
@@ -116,7 +112,7 @@ static int text_add(srv_job *j, const char *p, size_t n)
             c *= 2;
         char *t = realloc(j->text, c);
         if (!t)
-            return -ENOMEM;
+            return KVR_ENOMEM;
         j->text = t;
         j->cap = c;
     }
@@ -479,7 +475,7 @@ static void run_gen(srv *s, srv_job *j)
             double ttft = (kvr_wk_now_ms() - t0) / 1e3;
             pthread_mutex_lock(&s->mu);
             for (int b = 0; b < 12; b++)
-                if (ttft <= srv_ttft_le[b])
+                if (ttft <= kvr__srv_ttft_le[b])
                     s->m.ttft_bucket[b]++;
             s->m.ttft_sum += ttft;
             s->m.ttft_count++;
@@ -707,7 +703,7 @@ static void *engine_main(void *arg)
     srv *s = arg;
     pthread_mutex_lock(&s->mu);
     for (;;) {
-        while (!s->stopping && !s->q_head) {
+        while (!s->stopping && kvr_list_empty(&s->queue)) {
             bool pending = false;
             for (int i = 0; i < s->n_slots; i++)
                 pending |= s->slots[i].n_approx > 0;
@@ -715,24 +711,19 @@ static void *engine_main(void *arg)
                 pthread_cond_wait(&s->wake, &s->mu);
                 continue;
             }
-            struct timespec ts;
-            clock_gettime(CLOCK_REALTIME, &ts);
-            long ns = ts.tv_nsec + (long)(s->o.idle_ms % 1000) * 1000000L;
-            ts.tv_sec += s->o.idle_ms / 1000 + ns / 1000000000L;
-            ts.tv_nsec = ns % 1000000000L;
-            if (pthread_cond_timedwait(&s->wake, &s->mu, &ts) == ETIMEDOUT && !s->q_head &&
+            struct timespec ts = kvr_clock_deadline((uint64_t)s->o.idle_ms);
+            if (pthread_cond_timedwait(&s->wake, &s->mu, &ts) == ETIMEDOUT &&
+                kvr_list_empty(&s->queue) &&
                 !s->stopping) {
                 pthread_mutex_unlock(&s->mu);
                 idle_refresh(s);
                 pthread_mutex_lock(&s->mu);
             }
         }
-        if (s->stopping && !s->q_head)
+        if (s->stopping && kvr_list_empty(&s->queue))
             break;
-        srv_job *j = s->q_head;
-        s->q_head = j->next;
-        if (!s->q_head)
-            s->q_tail = NULL;
+        srv_job *j = kvr_list_entry(kvr_list_first(&s->queue), srv_job, node);
+        kvr_list_remove(&j->node);
         s->q_len--;
         bool skip = j->cancelled || s->stopping;
         pthread_mutex_unlock(&s->mu);
@@ -742,24 +733,25 @@ static void *engine_main(void *arg)
             run_gen(s, j);
         else
             run_slot_op(s, j);
-        srv_job_release(s, j);
+        kvr__srv_job_release(s, j);
         pthread_mutex_lock(&s->mu);
     }
     pthread_mutex_unlock(&s->mu);
     return NULL;
 }
 
-int srv_engine_start(srv *s)
+int kvr__srv_engine_start(srv *s)
 {
-    return -pthread_create(&s->engine, NULL, engine_main, s);
+    return pthread_create(&s->engine, NULL, engine_main, s) == 0 ? 0 : KVR_ESYS;
 }
 
-void srv_engine_stop(srv *s)
+void kvr__srv_engine_stop(srv *s)
 {
     pthread_mutex_lock(&s->mu);
     s->stopping = true;
-    for (srv_job *j = s->q_head; j; j = j->next)
-        j->cancelled = true;
+    kvr_list *n;
+    kvr_list_foreach(n, &s->queue)
+        kvr_list_entry(n, srv_job, node)->cancelled = true;
     pthread_cond_broadcast(&s->wake);
     pthread_cond_broadcast(&s->progress);
     pthread_mutex_unlock(&s->mu);

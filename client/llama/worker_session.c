@@ -152,7 +152,7 @@ static int runs_of(const uint8_t *m, size_t n, run **out, size_t *nr)
             k++;
     run *r = malloc((k ? k : 1) * sizeof *r);
     if (!r)
-        return -ENOMEM;
+        return KVR_ENOMEM;
     k = 0;
     for (size_t i = 0; i < n;) {
         if (!m[i]) {
@@ -241,7 +241,7 @@ static int sync_edit(kvr_wk_env *e, const sess *ss, const int32_t *b, size_t nb,
     run *rs = NULL;
     size_t nr = 0;
     if (!comp || !isnew || !newpos || !kept || !apx || !rx) {
-        r = kvr_wk_fail(e, -ENOMEM, "out of memory");
+        r = kvr_wk_fail(e, KVR_ENOMEM, "out of memory");
         goto out;
     }
     /* Where each old token lands (kept: not inside a hunk); what is new;
@@ -292,7 +292,7 @@ static int sync_edit(kvr_wk_env *e, const sess *ss, const int32_t *b, size_t nb,
         kvr_wk_prefault_bufs(e, na > n_keep ? na : n_keep);
         void *dst = e->pf_fetch_cap >= cap ? e->pf_fetch : (fbuf = malloc(cap ? cap : 1));
         if (!dst) {
-            r = kvr_wk_fail(e, -ENOMEM, "out of memory");
+            r = kvr_wk_fail(e, KVR_ENOMEM, "out of memory");
             goto out;
         }
         kvr_get_args g = { .ctx_id = st->target, .start = 0, .end = na, .dtype = F16,
@@ -397,7 +397,7 @@ int kvr_wk_sync(kvr_wk_env *e, const int32_t *toks, size_t n, const kvr_wk_sync_
     memset(res, 0, sizeof *res);
     res->n_prompt = n;
     if (n == 0)
-        return kvr_wk_fail(e, -EINVAL, "an empty prompt");
+        return kvr_wk_fail(e, KVR_EINVAL, "an empty prompt");
     int r = lm_fits(e, n);
     if (r < 0)
         return r;
@@ -410,14 +410,14 @@ int kvr_wk_sync(kvr_wk_env *e, const int32_t *toks, size_t n, const kvr_wk_sync_
     kvr_wk_step *st = calloc(1, sizeof *st);
     if (!st || !(st->b = malloc(n * sizeof *st->b))) {
         kvr_wk_step_free(st);
-        return kvr_wk_fail(e, -ENOMEM, "out of memory");
+        return kvr_wk_fail(e, KVR_ENOMEM, "out of memory");
     }
     memcpy(st->b, toks, n * sizeof *toks);
     st->nb = n;
     if (o->session) {
         if (strlen(o->session) > KVR_ID_MAX) {
             kvr_wk_step_free(st);
-            return kvr_wk_fail(e, -EINVAL, "session id longer than %d bytes", KVR_ID_MAX);
+            return kvr_wk_fail(e, KVR_EINVAL, "session id longer than %d bytes", KVR_ID_MAX);
         }
         snprintf(st->target, sizeof st->target, "%s", o->session);
     } else {
@@ -450,7 +450,7 @@ int kvr_wk_sync(kvr_wk_env *e, const int32_t *toks, size_t n, const kvr_wk_sync_
             if (p == n && n == na && p > 0)
                 p--;                         /* still one op: the last token */
             if (!(hk = malloc(sizeof *hk))) {
-                r = kvr_wk_fail(e, -ENOMEM, "out of memory");
+                r = kvr_wk_fail(e, KVR_ENOMEM, "out of memory");
                 goto fail;
             }
             hk[0] = (kvr_wk_hunk){ p, na, p, n };
@@ -528,7 +528,7 @@ static int refresh_run(kvr_wk_env *e, const kvr_wk_seqstate *q, const char *ctx,
 {
     void *pl = kvr_wk_seqstate_payload(e, q, NULL, en - s, s);
     if (!pl)
-        return -EINVAL;
+        return KVR_EINVAL;
     kvr_refresh_args ra = { .ctx_id = ctx, .start = s, .end = en, .model = e->model,
                             .fingerprint = e->fingerprint, .dtype = F16, .payload = pl,
                             .payload_len = kvr_wk_payload_bytes(e, en - s), .expect = true,
@@ -567,7 +567,7 @@ static int commit_edit(kvr_wk_env *e, kvr_wk_step *st, const kvr_wk_seqstate *q)
         if (!ops || !pos) {
             free(ops);
             free(pos);
-            return kvr_wk_fail(e, -ENOMEM, "out of memory");
+            return kvr_wk_fail(e, KVR_ENOMEM, "out of memory");
         }
         size_t k = 0;
         for (size_t i = 0; i < st->nh; i++) {
@@ -580,7 +580,7 @@ static int commit_edit(kvr_wk_env *e, kvr_wk_step *st, const kvr_wk_seqstate *q)
                 pos[k++] = (int64_t)p;
         }
         if (n_new && !(pl = kvr_wk_seqstate_payload(e, q, pos, n_new, 0)))
-            r = -EINVAL;
+            r = KVR_EINVAL;
         if (r == 0) {
             kvr_edit_args ea = { .ctx_id = st->target, .ops = ops, .n_ops = st->nh,
                                  .model = e->model, .fingerprint = e->fingerprint,
@@ -592,12 +592,12 @@ static int commit_edit(kvr_wk_env *e, kvr_wk_step *st, const kvr_wk_seqstate *q)
             if ((r = kvr_client_edit(e->kc, &ea, &er)) < 0)
                 r = kvr_wk_kv_fail(e, r, "edit", st->target);
             else if (er.n_tokens != st->nb)
-                r = kvr_wk_fail(e, -EINVAL, "session %s holds %llu tokens after the edit, "
+                r = kvr_wk_fail(e, KVR_EINVAL, "session %s holds %llu tokens after the edit, "
                                 "not %zu", st->target, (unsigned long long)er.n_tokens,
                                 st->nb);
             for (size_t i = 0; r == 0 && i < er.n_spans; i++)
                 if (er.spans[i].first_pos != (int64_t)er.spans[i].index)
-                    r = kvr_wk_fail(e, -EINVAL, "session %s: new tokens at position %lld, "
+                    r = kvr_wk_fail(e, KVR_EINVAL, "session %s: new tokens at position %lld, "
                                     "index %llu", st->target,
                                     (long long)er.spans[i].first_pos,
                                     (unsigned long long)er.spans[i].index);
@@ -623,7 +623,7 @@ static int put_rest(kvr_wk_env *e, const kvr_wk_step *st, const kvr_wk_seqstate 
 {
     void *pl = kvr_wk_seqstate_payload(e, q, NULL, st->nb - from, from);
     if (!pl)
-        return -EINVAL;
+        return KVR_EINVAL;
     kvr_put_args p = { .ctx_id = st->target, .model = e->model, .mode = mode,
                        .fingerprint = e->fingerprint, .dtype = F16,
                        .tokens = (const uint32_t *)st->b + from, .n_tokens = st->nb - from,
@@ -648,7 +648,7 @@ int kvr_wk_commit(kvr_wk_env *e, kvr_wk_step *st)
         break;
     case COMMIT_FORK:
         if (strcmp(st->source, st->target) == 0) {
-            r = kvr_wk_fail(e, -EINVAL, "internal: a fork onto its own source %s", st->source);
+            r = kvr_wk_fail(e, KVR_EINVAL, "internal: a fork onto its own source %s", st->source);
             break;
         }
         if ((r = kvr_wk_fork_prefix(e, st->source, st->target, st->L, st->src_len)) == 0 &&
@@ -690,7 +690,7 @@ int kvr_wk_refresh_idle(kvr_wk_env *e, const char *session, size_t budget, size_
         return r;
     if (!ss.ok) {
         kvr_kv_release(&ss.meta);
-        return ss.exists ? kvr_wk_fail(e, -EINVAL, "context %s is not a session this "
+        return ss.exists ? kvr_wk_fail(e, KVR_EINVAL, "context %s is not a session this "
                                        "engine can refresh (positions or KV missing)", session)
                          : kvr_wk_fail(e, KVR_ENOCTX, "no session %s", session);
     }
@@ -702,7 +702,7 @@ int kvr_wk_refresh_idle(kvr_wk_env *e, const char *session, size_t budget, size_
     uint8_t *apx = NULL, *rx = NULL;
     kvr_wk_seqstate q = { 0 };
     if (!c || !m) {
-        r = kvr_wk_fail(e, -ENOMEM, "out of memory");
+        r = kvr_wk_fail(e, KVR_ENOMEM, "out of memory");
         goto out;
     }
     for (size_t i = 0; i < n; i++)
@@ -731,7 +731,7 @@ int kvr_wk_refresh_idle(kvr_wk_env *e, const char *session, size_t budget, size_
     size_t n_dec = 0;
     const int32_t *toks = (const int32_t *)ss.meta.tokens;
     if (!(apx = malloc(n)) || !(rx = calloc(n, 1))) {
-        r = kvr_wk_fail(e, -ENOMEM, "out of memory");
+        r = kvr_wk_fail(e, KVR_ENOMEM, "out of memory");
         goto out;
     }
     for (size_t i = 0; i < n; i++)

@@ -1,8 +1,9 @@
 /*
  * worker_state.c — cell-level access to llama.cpp sequence states for the
- * worker (float caches only; the bridge owns the general codec).
+ * worker (float caches only; the bridge owns the parser and the general codec).
  *
- * Layout (llama_state_seq_get_data, little endian; ../shared/notes/llama.cpp.md):
+ * Layout (llama_state_seq_get_data, little endian; bridge_state.c has the
+ * full format, the session form too):
  *   u32 magic 0xaf143cd8 · i32 seq_id · u32 n_stream (1 here)
  *   u32 cell_count; when > 0:
  *     cell_count x { i32 pos, u32 n_seq_id = 1, i32 seq_id }
@@ -12,8 +13,10 @@
  *     v_trans 1: n_layer x { i32 type, u32 el bytes, u32 n_embd,
  *                            n_embd runs of cell_count elements }        V^T
  * Cells come in KV-cache slot order, which need not be position order: every
- * consumer here goes through positions. The parser checks every length
- * against the buffer before it reads, and refuses trailing bytes.
+ * consumer here goes through positions. Parsing is the bridge's
+ * (kvr_llama_state_parse: every length checked against the buffer before it
+ * is read, trailing bytes refused); this file keeps a float-only view of the
+ * result and builds states.
  */
 #include <errno.h>
 #include <stdio.h>
@@ -22,135 +25,51 @@
 
 #include "client/llama/worker.h"
 
-typedef struct rd {
-    const uint8_t *p;
-    size_t         len, off;
-} rd;
-
-static int rd_take(rd *r, void *dst, size_t n)
-{
-    if (r->len - r->off < n)
-        return -1;
-    memcpy(dst, r->p + r->off, n);
-    r->off += n;
-    return 0;
-}
-
-static const uint8_t *rd_skip(rd *r, uint64_t n)
-{
-    if ((uint64_t)(r->len - r->off) < n)
-        return NULL;
-    const uint8_t *at = r->p + r->off;
-    r->off += (size_t)n;
-    return at;
-}
-
+/* The bridge's parser (kvr_llama_state_parse, bridge_state.c) reads the
+ * state; the worker keeps a float-only view of it. */
+/* Bytes of an element of a float cache type (ggml's numbering), 0 else. */
 static uint32_t type_size(int32_t t)
 {
     return t == KVR_WK_GGML_F32 ? 4 : (t == KVR_WK_GGML_F16 || t == KVR_WK_GGML_BF16) ? 2 : 0;
 }
 
-#define FAIL(...)                                   \
-    do {                                            \
-        if (err)                                    \
-            snprintf(err, errlen, __VA_ARGS__);     \
-        kvr_wk_state_free(st);                      \
-        return -EINVAL;                             \
-    } while (0)
-
 int kvr_wk_state_parse(kvr_wk_state *st, const uint8_t *buf, size_t len, char *err,
                        size_t errlen)
 {
     memset(st, 0, sizeof *st);
-    rd r = { buf, len, 0 };
-    uint32_t magic, n_stream, cells;
-    int32_t seq;
-    if (rd_take(&r, &magic, 4) || rd_take(&r, &seq, 4) || rd_take(&r, &n_stream, 4))
-        FAIL("state truncated in its header (%zu bytes)", len);
-    if (magic != KVR_WK_STATE_MAGIC)
-        FAIL("not a llama.cpp sequence state (magic 0x%08x)", magic);
-    if (n_stream != 1)
-        FAIL("state has %u streams (the worker's contexts have one)", n_stream);
-    if (rd_take(&r, &cells, 4))
-        FAIL("state truncated before its cell count");
-    st->n_cells = cells;
-    if (cells == 0) {
-        if (r.off != len)
-            FAIL("%zu bytes after an empty state", len - r.off);
+    kvr_llama_state *ls = NULL;
+    int r = kvr_llama_state_parse(buf, len, NULL, &ls, err, errlen);
+    if (r < 0)
+        return r;
+    if (ls->form != KVR_LLAMA_FORM_RAW) {
+        kvr_llama_state_free(ls);
+        if (err && errlen)
+            snprintf(err, errlen, "a session file, not a sequence state (llama_state_seq_get_data)");
+        return KVR_EINVAL;
+    }
+    st->ls = ls;
+    st->n_cells = ls->n_cells;
+    if (ls->n_cells == 0)
         return 0;
+    uint32_t el = type_size(kvr_llama_type_to_ggml(ls->type_k));
+    if (!el || ls->type_v != ls->type_k || ls->n_embd_k != ls->n_embd_v) {
+        if (err && errlen)
+            snprintf(err, errlen,
+                     "K %s x %u and V %s x %u: the worker needs one float cache type "
+                     "(it uses f16) and equal K and V rows",
+                     kvr_llama_type_name(ls->type_k), ls->n_embd_k,
+                     kvr_llama_type_name(ls->type_v), ls->n_embd_v);
+        kvr_wk_state_free(st);
+        return KVR_EINVAL;
     }
-    if ((uint64_t)cells * 12 > len - r.off)
-        FAIL("state truncated in its %u cells", cells);
-    st->pos = malloc((size_t)cells * sizeof *st->pos);
-    if (!st->pos)
-        FAIL("out of memory");
-    for (uint32_t i = 0; i < cells; i++) {
-        uint32_t nseq = 0;
-        int32_t s;
-        rd_take(&r, &st->pos[i], 4);
-        rd_take(&r, &nseq, 4);
-        if (nseq != 1)
-            FAIL("cell %u belongs to %u sequences", i, nseq);
-        rd_take(&r, &s, 4);
-    }
-    uint32_t vt, nl;
-    if (rd_take(&r, &vt, 4) || rd_take(&r, &nl, 4))
-        FAIL("state truncated before its layers");
-    if (vt > 1 || nl == 0 || nl > 4096)
-        FAIL("state header invalid (v_trans %u, %u layers)", vt, nl);
-    st->v_trans = vt;
-    st->n_layer = nl;
-    st->k = calloc(nl, sizeof *st->k);
-    st->v = calloc(nl, sizeof *st->v);
-    if (!st->k || !st->v)
-        FAIL("out of memory");
-    st->type = -1;
-    for (int side = 0; side < 2; side++) {
-        for (uint32_t l = 0; l < nl; l++) {
-            int32_t t;
-            if (rd_take(&r, &t, 4))
-                FAIL("state truncated at layer %u", l);
-            uint32_t el = type_size(t);
-            if (!el)
-                FAIL("layer %u: %s type %d is not a float cache type (the worker uses f16)", l,
-                     side ? "V" : "K", t);
-            if (st->type == -1) {
-                st->type = t;
-                st->el = el;
-            } else if (t != st->type) {
-                FAIL("layer %u: %s type %d differs from %d", l, side ? "V" : "K", t, st->type);
-            }
-            uint64_t nbytes;
-            if (side == 0 || !vt) {
-                uint64_t row;
-                if (rd_take(&r, &row, 8))
-                    FAIL("state truncated at layer %u", l);
-                if (row == 0 || row % el)
-                    FAIL("layer %u: row of %llu bytes", l, (unsigned long long)row);
-                uint64_t ne = row / el;
-                if (st->n_embd == 0)
-                    st->n_embd = (uint32_t)ne;
-                else if (ne != st->n_embd)
-                    FAIL("layer %u: rows of %llu elements, expected %u", l,
-                         (unsigned long long)ne, st->n_embd);
-                nbytes = row * cells;
-            } else {
-                uint32_t e, ne;
-                if (rd_take(&r, &e, 4) || rd_take(&r, &ne, 4))
-                    FAIL("state truncated at layer %u", l);
-                if (e != el || ne != st->n_embd)
-                    FAIL("layer %u: transposed V of %u-byte elements x %u", l, e, ne);
-                nbytes = (uint64_t)el * ne * cells;
-            }
-            const uint8_t *at = rd_skip(&r, nbytes);
-            if (!at)
-                FAIL("state truncated in layer %u's %s (%llu bytes needed)", l, side ? "V" : "K",
-                     (unsigned long long)nbytes);
-            (side ? st->v : st->k)[l] = at;
-        }
-    }
-    if (r.off != len)
-        FAIL("%zu bytes after the state", len - r.off);
+    st->n_layer = ls->n_layers;
+    st->v_trans = ls->v_trans;
+    st->type = kvr_llama_type_to_ggml(ls->type_k);
+    st->el = el;
+    st->n_embd = ls->n_embd_k;
+    st->pos = ls->pos;
+    st->k = ls->k;
+    st->v = ls->v;
     return 0;
 }
 
@@ -158,9 +77,7 @@ void kvr_wk_state_free(kvr_wk_state *st)
 {
     if (!st)
         return;
-    free(st->pos);
-    free(st->k);
-    free(st->v);
+    kvr_llama_state_free(st->ls);
     memset(st, 0, sizeof *st);
 }
 
@@ -208,7 +125,7 @@ int kvr_wk_sbuild_init_in(kvr_wk_sbuild *b, void *mem, size_t cap, uint32_t n_ce
     memset(b, 0, sizeof *b);
     uint32_t el = type_size(type);
     if (!el || !n_layer || !n_embd)
-        return -EINVAL;
+        return KVR_EINVAL;
     size_t row = (size_t)n_embd * el;
     /* Each layer section: a 12-byte header (type + u64 row, or type + u32
      * element size + u32 n_embd when transposed), then its rows. */
@@ -219,7 +136,7 @@ int kvr_wk_sbuild_init_in(kvr_wk_sbuild *b, void *mem, size_t cap, uint32_t n_ce
     b->borrowed = mem && cap >= len;
     b->buf = b->borrowed ? mem : malloc(len);
     if (!b->buf)
-        return -ENOMEM;
+        return KVR_ENOMEM;
     b->len = len;
     b->n_cells = n_cells;
     b->n_layer = n_layer;
@@ -263,12 +180,12 @@ int kvr_wk_sbuild_add(kvr_wk_sbuild *b, const void *payload, size_t n_tok, size_
 {
     size_t n = t1 - t0;
     if (t1 < t0 || t1 > n_tok || n > (size_t)(b->n_cells - b->filled))
-        return -EINVAL;
+        return KVR_EINVAL;
     size_t row = (size_t)b->n_embd * b->el, stride = 12 + row * b->n_cells;
     uint8_t *cells = b->buf + 16 + (size_t)b->filled * 12;
     for (size_t i = 0; i < n; i++) {
         if (pos[i] < 0 || pos[i] > INT32_MAX)
-            return -EINVAL;
+            return KVR_EINVAL;
         put32(cells + i * 12, (uint32_t)pos[i]);
         put32(cells + i * 12 + 4, 1);
         put32(cells + i * 12 + 8, 0);

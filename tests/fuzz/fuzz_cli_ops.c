@@ -1,7 +1,7 @@
 /*
  * fuzz_cli_ops.c — libFuzzer target for the CLI's edit-ops JSON
  * (`kvrope edit --ops FILE`: [{"start", "end", "tokens"}, ...]) through
- * cli_edit_ops_parse. Checks what it promises: on success every op's tokens
+ * kvr__cli_edit_ops_parse. Checks what it promises: on success every op's tokens
  * lie inside the token buffer and their count adds up.
  */
 #include <stdint.h>
@@ -17,7 +17,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     uint32_t *tb;
     size_t n, n_new;
     char err[400];
-    if (cli_edit_ops_parse((const char *)data, size, &ops, &n, &tb, &n_new, err,
+    if (kvr__cli_edit_ops_parse((const char *)data, size, &ops, &n, &tb, &n_new, err,
                            sizeof err) == 0) {
         size_t sum = 0;
         for (size_t i = 0; i < n; i++) {

@@ -540,7 +540,7 @@ Test(llama_worker, state_build_parse_gather_round_trip)
         memcpy(big, b.buf, b.len);
         big[b.len] = 0;
         cr_assert_neq(kvr_wk_state_parse(&st, big, b.len + 1, err, sizeof err), 0);
-        cr_assert(strstr(err, "after the state") != NULL, "%s", err);
+        cr_assert(strstr(err, "after the end") != NULL, "%s", err);
         big[0] ^= 1;
         cr_assert_neq(kvr_wk_state_parse(&st, big, b.len, err, sizeof err), 0);
         free(big);

@@ -560,7 +560,7 @@ def test_worker_without_daemon_exits_2(tmp_path):
 
 
 def test_error_space_comes_from_the_library():
-    # The codes are rope/error.h's, read from libkvrope: every class the
+    # The codes are base/error.h's, read from libkvrope: every class the
     # binding maps names a code the library has, and every wire Status has
     # a class.
     t = kvrope.errors._tables()

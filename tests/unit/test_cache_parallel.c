@@ -31,17 +31,17 @@ Test(parallel, every_index_once)
     for (unsigned th = 1; th <= 8; th++) {
         for (size_t i = 0; i < 1000; i++)
             atomic_store(&hits[i], 0);
-        cr_assert_eq(par_for(1000, th, mark, NULL), 0);
+        cr_assert_eq(kvr__par_for(1000, th, mark, NULL), 0);
         for (size_t i = 0; i < 1000; i++)
             cr_assert_eq(atomic_load(&hits[i]), 1, "index %zu with %u threads", i, th);
     }
-    cr_assert_eq(par_for(0, 4, mark, NULL), 0);
+    cr_assert_eq(kvr__par_for(0, 4, mark, NULL), 0);
 }
 
 Test(parallel, first_error_returned)
 {
-    cr_assert_eq(par_for(100, 3, fail_at_7, NULL), -42);
-    cr_assert_eq(par_threads_for(1024), 1u);
+    cr_assert_eq(kvr__par_for(100, 3, fail_at_7, NULL), -42);
+    cr_assert_eq(kvr__par_threads_for(1024), 1u);
 }
 
 #define NL 8
@@ -89,7 +89,7 @@ Test(parallel, large_get_rotation_matches_reference)
 
     /* Shift everything after token 10 by +1000, as an edit near the start would. */
     cr_assert_eq(kvr_store_shift(s, "c", 10, NT, 1000, &e), 0, "%s", e.msg);
-    cr_assert_geq(par_threads_for(bytes), 1u);
+    cr_assert_geq(kvr__par_threads_for(bytes), 1u);
 
     kvr_get_params gp = { .ctx_id = "c", .start = 0, .end = SIZE_MAX,
                           .dtype = KVR_DTYPE_F16 };

@@ -11,6 +11,7 @@
 #include <criterion/criterion.h>
 
 #include "daemon/rcluster.h"
+#include "base/crc32c.h"
 #include "tests/common/kvr_cluster.h"
 
 Test(rcluster, crc16_reference)
@@ -316,10 +317,8 @@ Test(rcluster_live, batch_sink, .init = cl_setup, .fini = cl_teardown, .timeout 
     kvr__rc_destroy(rc);
 }
 
-/* The 3-lane SSE4.2 CRC32C (cache/disk_crc.c) on lengths and alignments
+/* The 3-lane SSE4.2 CRC32C (base/crc32c.c) on lengths and alignments
  * its lanes (3 x 4096 bytes) and their tails cover, against the tables. */
-uint32_t kvr_crc32c(uint32_t crc, const void *p, size_t n);
-uint32_t kvr_crc32c_portable(uint32_t crc, const void *p, size_t n);
 
 Test(rcluster, crc32c_lanes)
 {

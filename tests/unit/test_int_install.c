@@ -151,7 +151,7 @@ Test(install, destdir_install_pkg_config_program_runs_then_uninstall)
     cr_assert(exists("%s%s/lib/libkvrope.a", dest, p));
     cr_assert(exists("%s%s/include/kvrope/kvrope.h", dest, p));
     cr_assert(exists("%s%s/include/kvrope/rope/rope.h", dest, p));
-    cr_assert(exists("%s%s/include/kvrope/rope/error.h", dest, p));
+    cr_assert(exists("%s%s/include/kvrope/base/error.h", dest, p));
     cr_assert(exists("%s%s/include/kvrope/kvrope_llama.h", dest, p));
     cr_assert(exists("%s%s/include/kvrope/client/kvrope.h", dest, p));
     cr_assert(exists("%s%s/lib/pkgconfig/kvrope.pc", dest, p));

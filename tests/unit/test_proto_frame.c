@@ -13,7 +13,7 @@
 #include <unistd.h>
 
 #include "proto/frame.h"
-#include "rope/error.h"
+#include "base/error.h"
 
 static const kvr_frame_limits LIM = { .max_msg_len = 1u << 20,
                                       .max_payload_len = 1ull << 32 };

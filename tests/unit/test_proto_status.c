@@ -1,5 +1,5 @@
 /*
- * test_proto_status.c — the one error space (rope/error.h) against the wire's
+ * test_proto_status.c — the one error space (base/error.h) against the wire's
  * Status enum as protoc-c generated it: every Status has its code, with the
  * same name, and back; codes never collide with -errno; the tables are
  * complete and the message helpers follow the convention.
@@ -10,7 +10,7 @@
 #include <string.h>
 
 #include "kvrope.pb-c.h"
-#include "rope/error.h"
+#include "base/error.h"
 
 Test(proto_status, every_status_has_its_code)
 {

@@ -1,9 +1,14 @@
 /*
  * test_rope_cli.c — `kvrope rope apply|remove|reposition` on raw files, driven
- * through kvr_cli_rope_main. test_rope_* binaries link rope/ only, so the CLI
- * source is compiled into this test directly.
+ * through kvr_cli_rope_main. test_rope_* binaries link rope/ and base/ only;
+ * this one links the CLI's rope file too (the Makefile's rule for it).
  */
-#include "client/cli/cli_rope.c"
+#include "client/cli/cli_rope.h"
+#include "rope/rope.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
 
 #include <criterion/criterion.h>
 #include <math.h>

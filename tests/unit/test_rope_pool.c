@@ -1,5 +1,5 @@
 /*
- * test_rope_pool.c — the persistent worker pool (rope/pool.c): every index
+ * test_rope_pool.c — the persistent worker pool (base/pool.c): every index
  * of a loop runs exactly once whatever the pool and thread count, the first
  * failure stops the loop, loops started from several threads at once and
  * loops nested inside items neither deadlock nor lose or repeat work, and a

@@ -233,7 +233,7 @@ Test(rope_props, sincos_tables_bit_identical_across_isas)
         f1[i] = 1.0 / pow(10000.0, (double)(2 * i) / 128.0);
         f2[i] = -f1[i] * (1.0 + 0.25 * (double)(i % 3));
     }
-    rope_sincos_fn fns[] = { rope_sincos_avx2, rope_sincos_avx512 };
+    rope_sincos_fn fns[] = { kvr__rope_sincos_avx2, kvr__rope_sincos_avx512 };
     kvr_isa isas[] = { KVR_ISA_AVX2, KVR_ISA_AVX512 };
     long checked = 0;
     for (int k = 0; k < 2; k++) {
@@ -244,26 +244,26 @@ Test(rope_props, sincos_tables_bit_identical_across_isas)
             double a = floor((urand() + 1.0) * mag) * (trial & 1 ? -1.0 : 1.0);
             double b = floor((urand() + 1.0) * mag);
             const double *g = trial % 3 == 0 ? NULL : f2;
-            rope_sincos_scalar(a, f1, b, g, n, s0, c0);
+            kvr__rope_sincos_scalar(a, f1, b, g, n, s0, c0);
             fns[k](a, f1, b, g, n, s1, c1);
             cr_assert(!memcmp(s0, s1, sizeof(double) * (size_t)n) &&
                       !memcmp(c0, c1, sizeof(double) * (size_t)n),
                       "%s: a %.17g b %.17g n %d f2 %d", kvr_isa_name(isas[k]), a, b, n, g != NULL);
             checked++;
             /* and their float forms, both layouts, a magnitude or none */
-            rope_tofloat_fn tf[] = { rope_tofloat_avx2, rope_tofloat_avx512 };
+            rope_tofloat_fn tf[] = { kvr__rope_tofloat_avx2, kvr__rope_tofloat_avx512 };
             float fc0[KVR_ROPE_MAX_HEAD_DIM], fs0[KVR_ROPE_MAX_HEAD_DIM];
             float fc1[KVR_ROPE_MAX_HEAD_DIM], fs1[KVR_ROPE_MAX_HEAD_DIM];
             double m = trial & 2 ? 1.0 : 1.0 / 1.1;
             int gptj = (trial >> 2) & 1, w = gptj ? 2 * n : n;
-            rope_tofloat_scalar(c0, s0, n, m, gptj, fc0, fs0);
+            kvr__rope_tofloat_scalar(c0, s0, n, m, gptj, fc0, fs0);
             tf[k](c0, s0, n, m, gptj, fc1, fs1);
             cr_assert(!memcmp(fc0, fc1, sizeof(float) * (size_t)w) &&
                       !memcmp(fs0, fs1, sizeof(float) * (size_t)w),
                       "%s tofloat n %d gptj %d", kvr_isa_name(isas[k]), n, gptj);
             if (isas[k] == KVR_ISA_AVX512) {
                 /* the fused table: both forms at once, the same bits */
-                rope_table_avx512(a, f1, b, g, n, m, gptj, s1, c1, fs1, fc1);
+                kvr__rope_table_avx512(a, f1, b, g, n, m, gptj, s1, c1, fs1, fc1);
                 cr_assert(!memcmp(s0, s1, sizeof(double) * (size_t)n) &&
                           !memcmp(c0, c1, sizeof(double) * (size_t)n) &&
                           !memcmp(fc0, fc1, sizeof(float) * (size_t)w) &&
@@ -775,9 +775,9 @@ Test(rope_props, fast_float_tables_equal_the_reference)
             double s0[KVR_ROPE_MAX_HEAD_DIM / 2], c0[KVR_ROPE_MAX_HEAD_DIM / 2];
             float fc0[KVR_ROPE_MAX_HEAD_DIM], fs0[KVR_ROPE_MAX_HEAD_DIM];
             float fc1[KVR_ROPE_MAX_HEAD_DIM], fs1[KVR_ROPE_MAX_HEAD_DIM];
-            rope_sincos_scalar(a, f1, b, g, n, s0, c0);
-            rope_tofloat_scalar(c0, s0, n, 1.0, gptj, fc0, fs0);
-            if (!rope_table_fast_avx512(a, f1, b, g, n, gptj, fs1, fc1)) {
+            kvr__rope_sincos_scalar(a, f1, b, g, n, s0, c0);
+            kvr__rope_tofloat_scalar(c0, s0, n, 1.0, gptj, fc0, fs0);
+            if (!kvr__rope_table_fast_avx512(a, f1, b, g, n, gptj, fs1, fc1)) {
                 refused++;
                 continue;
             }

@@ -20,7 +20,7 @@ from ctypes import (POINTER, Structure, c_bool, c_char, c_char_p, c_double, c_in
 # (0.x minors may change struct layouts; the loader refuses another one).
 ABI = (0, 3)
 
-NAME_MAX = 255            # KVR_ID_MAX (rope/types.h)
+NAME_MAX = 255            # KVR_ID_MAX (base/types.h)
 ROPE_MAX_HEAD_DIM = 1024
 CODEC_MAX = 64            # KVR_CODEC_NAME_MAX
 GROUP_NAME_MAX = 63       # KVR_GROUP_NAME_MAX

@@ -213,7 +213,7 @@ AGE_SHIFT, AGE_MASK = 8, 0xFF00   # flag bits 8..15: edits since the token was e
 
 def token_age(flags):
     """Approximation age(s) of flags (int or array): how many edits ago each
-    token's KV was last exact (rope/types.h KVR_TOKEN_AGE)."""
+    token's KV was last exact (base/types.h KVR_TOKEN_AGE)."""
     return (np.asarray(flags) & AGE_MASK) >> AGE_SHIFT
 
 
@@ -1275,7 +1275,7 @@ TOKENS_HASH_INIT = 1469598103934665603
 
 
 def tokens_hash(tokens):
-    """kvr_tokens_hash (rope/types.h): FNV-1a 64 over the ids' little-endian
+    """kvr_tokens_hash (base/types.h): FNV-1a 64 over the ids' little-endian
     bytes; what an edit's or refresh's `expect` sends."""
     t = np.ascontiguousarray(np.asarray(tokens, dtype="<u4"))
     h = TOKENS_HASH_INIT

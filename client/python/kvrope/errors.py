@@ -5,12 +5,12 @@ KvropeError (or a subclass chosen by its code) carrying:
             the client's own failures libkvrope's negative code (KVR_ESYS, ...)
   .name     the Status name ("E_UNKNOWN_CONTEXT") or the client code's name
             ("KVR_ESYS")
-  .c_code   libkvrope's return value (a KVR_E* code, rope/error.h)
+  .c_code   libkvrope's return value (a KVR_E* code, base/error.h)
   .message  the daemon's human-readable message (or the client's)
 
 The codes, names and Status numbers are not repeated here: they are read from
 the loaded libkvrope (kvr_error_codes and friends, generated in C from the one
-list in rope/error.h). `errors.KVR_ENOCTX` etc. are the library's values;
+list in base/error.h). `errors.KVR_ENOCTX` etc. are the library's values;
 `errors.STATUS` maps Status number -> (protocol name, libkvrope name).
 This module only chooses which Python class each code raises.
 

@@ -17,7 +17,7 @@
 #include <stdarg.h>
 #include <cjson/cJSON.h>
 
-#include "rope/rope_internal.h"
+#include "base/config.h"
 
 /* A refused configuration: KVR_EINVAL with a message naming the field. */
 static int fail(kvr_error *err, const char *fmt, ...)

@@ -1,5 +1,5 @@
 /*
- * pool.c — the process's persistent worker pool (kvr_pool_*, rope/rope.h):
+ * pool.c — the process's persistent worker pool (kvr_pool_*, base/pool.h):
  * threads created once, then lent to every parallel loop of the project
  * (RoPE rotation in rope.c, the store's per-layer get/assemble/codec work
  * through cache/parallel.c) instead of a pthread_create per call.
@@ -25,13 +25,16 @@
 #include <assert.h>
 #include <pthread.h>
 #include <stdatomic.h>
+#include <stdbool.h>
 #include <stdlib.h>
 #include <unistd.h>
 
-#include "rope/rope.h"
+#include "base/pool.h"
+#include "base/list.h"
+#include "base/error.h"
 
 typedef struct pool_job {
-    struct pool_job *next;          /* the pool's list, under p->lock */
+    kvr_list         node;          /* on the pool's list (newest first), under p->lock */
     size_t           n;
     atomic_size_t    claim;         /* next index to hand out */
     atomic_int       rc;            /* first failure, 0 if none */
@@ -45,7 +48,7 @@ struct kvr_pool {
     pthread_mutex_t lock;
     pthread_cond_t  work_cv;        /* a job was listed, or stop */
     pthread_cond_t  done_cv;        /* a helper left a job */
-    pool_job       *jobs;
+    kvr_list        jobs;           /* listed jobs, newest first */
     bool            stop;
     unsigned        n_workers;      /* threads started */
     unsigned        active;         /* at most this many help at once */
@@ -72,9 +75,12 @@ static void job_run(pool_job *j)
 
 static pool_job *job_to_help(kvr_pool *p)
 {
-    for (pool_job *j = p->jobs; j; j = j->next)
+    kvr_list *n;
+    kvr_list_foreach(n, &p->jobs) {
+        pool_job *j = kvr_list_entry(n, pool_job, node);
         if (j->wanted > 0 && atomic_load_explicit(&j->claim, memory_order_relaxed) < j->n)
             return j;
+    }
     return NULL;
 }
 
@@ -99,7 +105,7 @@ static void *worker_main(void *arg)
         if (--j->running == 0)
             pthread_cond_broadcast(&p->done_cv);
         /* a worker held back by the cap may take a job now */
-        if (p->jobs && p->helping + 1 == p->active)
+        if (!kvr_list_empty(&p->jobs) && p->helping + 1 == p->active)
             pthread_cond_signal(&p->work_cv);
     }
     pthread_mutex_unlock(&p->lock);
@@ -122,6 +128,7 @@ int kvr_pool_create(kvr_pool **out, unsigned n_workers)
     pthread_mutex_init(&p->lock, NULL);
     pthread_cond_init(&p->work_cv, NULL);
     pthread_cond_init(&p->done_cv, NULL);
+    kvr_list_init(&p->jobs);
     /* Fewer threads than asked is still a working pool (the callers do
      * the rest): a failed pthread_create only costs speed. */
     for (unsigned i = 0; i < n_workers; i++) {
@@ -151,7 +158,7 @@ void kvr_pool_destroy(kvr_pool *p)
     if (!p)
         return;
     pool_stop(p);
-    assert(p->jobs == NULL);   /* destroying a pool in use is a caller bug */
+    assert(kvr_list_empty(&p->jobs));   /* destroying a pool in use is a caller bug */
     pthread_cond_destroy(&p->done_cv);
     pthread_cond_destroy(&p->work_cv);
     pthread_mutex_destroy(&p->lock);
@@ -198,8 +205,7 @@ int kvr_pool_for(kvr_pool *p, size_t n, unsigned max_threads,
             helpers = 0;
         } else {
             j.wanted = helpers;
-            j.next = p->jobs;
-            p->jobs = &j;
+            kvr_list_insert_head(&p->jobs, &j.node);
             if (helpers == 1)
                 pthread_cond_signal(&p->work_cv);
             else
@@ -212,10 +218,7 @@ int kvr_pool_for(kvr_pool *p, size_t n, unsigned max_threads,
     job_run(&j);
     if (helpers > 0) {
         pthread_mutex_lock(&p->lock);
-        pool_job **pp = &p->jobs;
-        while (*pp != &j)
-            pp = &(*pp)->next;
-        *pp = j.next;
+        kvr_list_remove(&j.node);
         while (j.running > 0)
             pthread_cond_wait(&p->done_cv, &p->lock);
         pthread_mutex_unlock(&p->lock);

@@ -4,8 +4,8 @@
  *
  * Every function of the project returns 0 on success or a negative KVR_E*
  * code. The codes are defined once, in the X-macro lists below; the enum,
- * the name and message tables (rope/error.c) and the static assertions that
- * tie them to the wire's Status enum (proto/status.c) are all generated from
+ * the name and message tables (base/error.c) and the static assertions that
+ * tie them to the wire's Status enum (proto/frame.c) are all generated from
  * them, so adding a code is one line here (plus the proto value if the daemon
  * sends it).
  *

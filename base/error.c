@@ -1,6 +1,6 @@
 /*
  * error.c — the tables of kvrope's error space, generated from the X-macro
- * lists of rope/error.h (one entry per code, in list order), and the
+ * lists of base/error.h (one entry per code, in list order), and the
  * kvr_error fillers. Lookups scan the table: there are a few dozen codes and
  * they are looked up only when something already failed.
  */
@@ -10,7 +10,7 @@
 #include <string.h>
 #include <errno.h>
 
-#include "rope/error.h"
+#include "base/error.h"
 
 typedef struct entry {
     int         code;

@@ -1,5 +1,5 @@
 /*
- * disk_crc.c — CRC32C (Castagnoli, reflected polynomial 0x82F63B78), the
+ * crc32c.c — CRC32C (Castagnoli, reflected polynomial 0x82F63B78), the
  * checksum of every disk-tier record and extent. Two implementations with
  * identical results: slicing-by-8 tables (any CPU) and the SSE4.2 crc32
  * instruction, picked once at run time; the shipped build needs no -msse4.2.
@@ -8,7 +8,7 @@
 #include <stdatomic.h>
 #include <string.h>
 
-#include "cache/disk.h"
+#include "base/crc32c.h"
 
 static uint32_t table[8][256];
 static atomic_int table_ready;
