@@ -210,7 +210,8 @@ static int choose(search *S, size_t min_run, kvr_cover_result *res)
     for (size_t i = 0; i < S->n_runs; i++)      /* drop the emptied ones */
         if (rs[i].b > rs[i].a)
             rs[nr++] = rs[i];
-    qsort(rs, nr, sizeof *rs, cmp_run);
+    if (nr > 1)
+        qsort(rs, nr, sizeof *rs, cmp_run);
     size_t pos = 0;
     const run *ex = NULL;
     for (size_t i = 0; i < nr && rs[i].a == 0; i++)
