@@ -2,7 +2,8 @@
  * test_cache_cover.c — covers at store level (cache/grain.c, cache/cover.c):
  * the grain index kept in step through every path that changes a context's
  * tokens (put, append, fork, edit, shift, keep, retention, delete,
- * eviction, recovery after a restart; kvr_grain_check after each), covers
+ * eviction, spill and reload, recovery after a restart; kvr_grain_check
+ * after each), covers
  * of prompts built from cached contexts' chunks shuffled behind a new
  * header, forced hash collisions refused by the token check, bad input
  * refused with nothing stored changed, and the placed get: every piece's
@@ -393,6 +394,61 @@ Test(cache_cover, restart_recovers_the_index)
     cover(s, q, 150, 16, &r);
     cr_assert_eq(r.n_covered, 130);
     cr_assert_eq(r.n_pieces, 2);
+    kvr_cover_result_free(&r);
+    kvr_store_destroy(s);
+    char cmd[128];
+    snprintf(cmd, sizeof cmd, "rm -rf %s", DIR_);
+    cr_assert_eq(system(cmd), 0);
+}
+
+/* Spilled blocks keep their token ids: a cover still finds them, and its
+ * placed get reloads their K/V from the disk tier, bit for bit. */
+Test(cache_cover, spilled_contexts_are_found_and_reloaded)
+{
+    snprintf(DIR_, sizeof DIR_, "/tmp/kvr-cover-XXXXXX");
+    cr_assert(mkdtemp(DIR_));
+    kvr_store *s = open_store(0, true);
+    uint32_t a[160], b[160];
+    seq(a, 160, 1000000, 71);
+    seq(b, 160, 2000000, 72);
+    put(s, "a", KVR_PUT_CREATE, a, 160, 1);
+    put(s, "b", KVR_PUT_CREATE, b, 160, 2);
+    kvr_error e = { 0 };
+    cr_assert_gt(kvr_store_tier_evict(s, SIZE_MAX, &e), 0, "%s", e.msg);
+    kvr_tier_stats ts;
+    kvr_store_tier_stats(s, &ts);
+    cr_assert_gt(ts.spilled_blocks, 0);
+    check_index(s);
+    uint32_t q[150];
+    seq(q, 10, 9000000, 1);
+    memcpy(q + 10, b + 40, 70 * 4);
+    memcpy(q + 80, a + 90, 70 * 4);
+    kvr_cover_result r;
+    cover(s, q, 150, 16, &r);
+    cr_assert_eq(r.n_pieces, 2);
+    cr_assert_eq(r.n_covered, 140);
+    kvr_cover_params p = { .model = "m", .tokens = q, .n_tokens = 150, .min_run = 16,
+                           .dtype = KVR_DTYPE_F32 };
+    kvr_assemble *t;
+    cr_assert_eq(kvr_store_cover_get_begin(s, &p, &r, &t, &e), 0, "%s", e.msg);
+    size_t bytes = kvr_assemble_payload_size(t), N = r.n_covered;
+    float *got = malloc(bytes);
+    cr_assert_eq(kvr_assemble_copy_into(t, got, bytes, &e), 0, "%s", e.msg);
+    for (size_t pi = 0; pi < r.n_pieces; pi++) {
+        const kvr_cover_piece *pc = &r.pieces[pi];
+        uint32_t seed = strcmp(pc->ctx_id, "a") == 0 ? 1 : 2;
+        for (size_t j = 0; j < pc->n_tokens; j++)
+            for (uint32_t l = 0; l < L; l++)
+                for (size_t c = 0; c < ROW; c++)
+                    cr_assert_eq(got[((size_t)l * 2 * N + N + pc->stream_off + j) * ROW + c],
+                                 val(seed, pc->ctx_off + j, l, 1, c), "values reloaded");
+    }
+    free(got);
+    kvr_assemble_end(t);
+    kvr_store_tier_stats(s, &ts);
+    cr_assert(ts.n_reloads > 0 || ts.reads_disk > 0, "the get did not read the disk "
+              "(%llu reloads, %llu disk reads)", (unsigned long long)ts.n_reloads,
+              (unsigned long long)ts.reads_disk);
     kvr_cover_result_free(&r);
     kvr_store_destroy(s);
     char cmd[128];
