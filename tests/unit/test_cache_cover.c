@@ -456,6 +456,43 @@ Test(cache_cover, spilled_contexts_are_found_and_reloaded)
     cr_assert_eq(system(cmd), 0);
 }
 
+/* A run at prompt offset 0 from its context's offset 0 is exact only when
+ * the context's KV was computed from its own first token on, at
+ * consecutive positions (a uniform shift is fine). */
+Test(cache_cover, exact_needs_the_context_encoded_from_its_start)
+{
+    kvr_store *s = open_store(0, false);
+    kvr_error e = { 0 };
+    uint32_t pre[32], d[64];
+    seq(pre, 32, 1000000, 81);
+    seq(d, 64, 2000000, 82);
+    put(s, "pre", KVR_PUT_CREATE, pre, 32, 1);
+    kvr_put_params p = { .ctx_id = "doc", .model = "m", .mode = KVR_PUT_CREATE, .n_layers = L,
+                         .n_kv_heads = H, .head_dim = D, .dtype = KVR_DTYPE_F32,
+                         .n_tokens = 64, .tokens = d, .prefix_ctx = "pre" };
+    kvr_put *t;
+    cr_assert_eq(kvr_store_put_begin(s, &p, &t, &e), 0, "%s", e.msg);
+    fill_payload(t, 2, 64);
+    cr_assert_eq(kvr_put_commit(t, NULL, &e), 0, "%s", e.msg);
+    kvr_cover_result r;
+    cover(s, d, 64, 16, &r);          /* an APE document: encoded after "pre" */
+    cr_assert_eq(r.n_pieces, 1);
+    cr_assert_not(r.pieces[0].exact);
+    kvr_cover_result_free(&r);
+    cover(s, pre, 32, 16, &r);        /* the prefix itself is */
+    cr_assert(r.pieces[0].exact);
+    kvr_cover_result_free(&r);
+    cr_assert_eq(kvr_store_shift(s, "pre", 0, SIZE_MAX, 50, &e), 0, "%s", e.msg);
+    cover(s, pre, 32, 16, &r);        /* shifted whole: still */
+    cr_assert(r.pieces[0].exact);
+    kvr_cover_result_free(&r);
+    cr_assert_eq(kvr_store_shift(s, "pre", 20, SIZE_MAX, 3, &e), 0, "%s", e.msg);
+    cover(s, pre, 32, 16, &r);        /* a gap in its positions: not */
+    cr_assert_not(r.pieces[0].exact);
+    kvr_cover_result_free(&r);
+    kvr_store_destroy(s);
+}
+
 /* ---- hashes are hints --------------------------------------------------------- */
 
 /* With every hash cut to 2 bits, nearly every lookup meets grains of other
