@@ -99,6 +99,18 @@ static void put(kvr_store *s, const char *id, kvr_put_mode mode, const uint32_t 
     cr_assert_eq(put_ex(s, id, mode, tok, n, seed, false, &e), 0, "put %s: %s", id, e.msg);
 }
 
+/* Replaces [start, end) of id by tok[0..n) without KV (pending tokens). */
+static void edit_pending(kvr_store *s, const char *id, size_t start, size_t end,
+                         const uint32_t *tok, size_t n)
+{
+    kvr_edit_op op = { .start = start, .end = end, .n_tokens = n, .tokens = tok };
+    kvr_edit_params ep = { .ctx_id = id, .ops = &op, .n_ops = 1 };
+    kvr_edit *t;
+    kvr_error e = { 0 };
+    cr_assert_eq(kvr_store_edit_begin(s, &ep, &t, &e), 0, "%s", e.msg);
+    cr_assert_eq(kvr_edit_commit(t, NULL, NULL, &e), 0, "%s", e.msg);
+}
+
 static void check_index(kvr_store *s)
 {
     kvr_error e = { 0 };
@@ -288,11 +300,7 @@ Test(cache_cover, index_follows_every_change)
 
     /* edit: replace [100, 110) of f by x[0..10): the old tokens there are
      * no longer found, the new ones are, in their new neighbourhood */
-    kvr_edit_op op = { .start = 100, .end = 110, .n_tokens = 10, .tokens = x };
-    kvr_edit_params ep = { .ctx_id = "f", .ops = &op, .n_ops = 1 };
-    kvr_edit *t;
-    cr_assert_eq(kvr_store_edit_begin(s, &ep, &t, &e), 0, "%s", e.msg);
-    cr_assert_eq(kvr_edit_commit(t, NULL, NULL, &e), 0, "%s", e.msg);
+    edit_pending(s, "f", 100, 110, x, 10);
     uint32_t q[120];
     memcpy(q, a + 60, 40 * 4);
     memcpy(q + 40, x, 10 * 4);
@@ -700,12 +708,8 @@ Test(cache_cover, pending_tokens_are_gaps)
     seq(a, 128, 1000000, 61);
     put(s, "a", KVR_PUT_CREATE, a, 128, 1);
     uint32_t same[4] = { a[60], a[61], a[62], a[63] };
-    kvr_edit_op op = { .start = 60, .end = 64, .n_tokens = 4, .tokens = same };
-    kvr_edit_params ep = { .ctx_id = "a", .ops = &op, .n_ops = 1 };
-    kvr_edit *t;
+    edit_pending(s, "a", 60, 64, same, 4);
     kvr_error e = { 0 };
-    cr_assert_eq(kvr_store_edit_begin(s, &ep, &t, &e), 0, "%s", e.msg);
-    cr_assert_eq(kvr_edit_commit(t, NULL, NULL, &e), 0, "%s", e.msg);
     kvr_cover_result r;
     cover(s, a, 128, 16, &r);
     check_index(s);
