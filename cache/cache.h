@@ -591,6 +591,8 @@ typedef struct kvr_store_stats {
     size_t   n_quant_contexts;         /* contexts with a quantized codec */
     size_t   quant_bytes_saved;        /* sum of their bytes_saved */
     double   quant_bits_per_value;     /* over their tokens (0 if none) */
+    size_t   cover_index_bytes;        /* the covers' content index (grain.h), all models */
+    size_t   cover_index_lagging;      /* contexts it has yet to catch up with */
 } kvr_store_stats;
 
 void kvr_store_get_stats(const kvr_store *s, kvr_store_stats *out);

@@ -1113,4 +1113,8 @@ void kvr_store_get_stats(const kvr_store *s, kvr_store_stats *out)
         values += v;
     }
     out->quant_bits_per_value = values > 0 ? bits / values : 0;
+    for (size_t i = 0; i < s->n_models; i++) {
+        out->cover_index_bytes += s->models[i]->grains.bytes;
+        out->cover_index_lagging += s->models[i]->grains.n_dirty;
+    }
 }

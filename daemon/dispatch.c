@@ -963,6 +963,8 @@ static void do_stats(kvrd_request *r)
         { "quant_contexts", (double)s.n_quant_contexts },
         { "quant_bytes_saved", (double)s.quant_bytes_saved },
         { "quant_bits_per_value", s.quant_bits_per_value },
+        { "cover_index_bytes", (double)s.cover_index_bytes },
+        { "cover_index_lagging_contexts", (double)s.cover_index_lagging },
         { "connections", (double)d->n_conns },
         { "connections_total", (double)d->n_conn_total },
         { "connections_refused", (double)d->n_conn_refused },

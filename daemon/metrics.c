@@ -554,6 +554,14 @@ static void render(const kvr_metrics *m, const snapshot *s, sbuf *b)
            "Mean stored size of one K/V value over quantized contexts (0.5: 4 bits; 0: none).",
            s->s.quant_bits_per_value / 8.0);
 
+    /* Covers' content index (docs/reuse.md). */
+    scalar_u(b, "kvrope_cover_index_bytes", "gauge",
+             "Bytes the covers' content index holds (token copies, grain table).",
+             s->s.cover_index_bytes);
+    scalar_u(b, "kvrope_cover_index_lagging_contexts", "gauge",
+             "Contexts the content index has yet to catch up with (the next cover does).",
+             s->s.cover_index_lagging);
+
     if (s->has_remote)
         render_remote(&s->r, b);
 

@@ -106,6 +106,10 @@ Test(int_cover, runs_gaps_and_the_placed_kv)
     cr_assert_eq(r.gaps[0].prompt_off, 0);
     cr_assert_eq(r.gaps[0].n_tokens, 7);
     kvr_cover_release(&r);
+    /* the index is in the figures: 300 cached tokens, about 6.5 bytes each */
+    cr_assert_geq(testd_metric(C, "cover_index_bytes"), 300 * 6);
+    cr_assert_eq(testd_metric(C, "cover_index_lagging_contexts"), 0);
+    cr_assert_eq(testd_metric(C, "requests_cover"), 1);
 
     /* the placed K/V: library buffer */
     cr_assert_eq(kvr_client_cover_get(C, &ca, &r), 0, "%s", kvr_client_last_error(C));
