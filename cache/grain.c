@@ -310,11 +310,11 @@ size_t kvr_grain_sync(kvr_ctx *c)
     kvr_grain_ctx *g = &c->grain;
     kvr_grain_index *x = &c->model->grains;
     size_t n = c->n_tokens, gathered = 0;
+    if (g->ok_tok > n)              /* shorter than noted: what is gone is stale */
+        kvr_grain_note(c, n);
     for (size_t i = g->valid; i < g->n_grain; i++)
         ent_remove(x, g->slot[i]);
     g->n_grain = g->valid;
-    if (g->ok_tok > n)
-        g->ok_tok = n;
     g->n_tok = g->ok_tok;
     if (arr_fit(x, &g->tok, &g->cap_tok, n) == 0 &&
         arr_fit(x, &g->slot, &g->cap_grain, n / G) == 0) {

@@ -538,6 +538,47 @@ Test(cache_cover, collisions_are_refused)
     kvr_grain_test_mask = ~0ull;
 }
 
+/* ---- allocation failures ------------------------------------------------------- */
+
+/* Every allocation of an append, a fork and a cover made to fail in turn
+ * (kvr_mem_fault_set): the index stays a true account (kvr_grain_check) and
+ * may lag, never lie; the first cover with memory again finds everything. */
+Test(cache_cover, allocation_failures_never_make_the_index_lie)
+{
+    uint32_t a[200];
+    seq(a, 200, 1000000, 91);
+    if (!kvr_mem_fault_set(0, false))
+        cr_skip_test("allocation faults are compiled out (KVR_NO_FAULT_INJECT)");
+    for (uint64_t n = 1; n < 400; n++) {
+        kvr_store *s = open_store(0, false);
+        put(s, "a", KVR_PUT_CREATE, a, 100, 1);
+        kvr_error e = { 0 };
+        kvr_mem_fault_set(n, false);
+        int rc = put_ex(s, "a", KVR_PUT_APPEND, a + 100, 100, 2, false, &e);
+        if (rc == 0)
+            rc = kvr_store_fork(s, "a", "b", &e);
+        kvr_cover_params p = { .model = "m", .tokens = a, .n_tokens = 200, .min_run = 16 };
+        kvr_cover_result r;
+        int rc2 = rc == 0 ? kvr_store_cover(s, &p, &r, &e) : -1;
+        uint64_t failed = kvr_mem_fault_failed();
+        kvr_mem_fault_set(0, false);
+        if (rc2 == 0)
+            kvr_cover_result_free(&r);
+        check_index(s);
+        kvr_ctx_info ci;
+        cr_assert_eq(kvr_store_stat(s, "a", &ci, NULL), 0);
+        cover(s, a, ci.n_tokens, 16, &r);       /* checks every piece */
+        cr_assert_eq(r.n_covered, ci.n_tokens, "n=%llu: %zu of %zu covered",
+                     (unsigned long long)n, r.n_covered, ci.n_tokens);
+        kvr_cover_result_free(&r);
+        check_index(s);
+        kvr_store_destroy(s);
+        if (!failed)
+            break;      /* the whole path ran without reaching allocation n */
+        cr_assert_lt(n, 399, "the path never ran to its end");
+    }
+}
+
 /* ---- bad input ----------------------------------------------------------------- */
 
 Test(cache_cover, bad_input_is_refused_and_changes_nothing)
