@@ -836,7 +836,7 @@ int kvr_store_put_begin(kvr_store *s, const kvr_put_params *p, kvr_put **out,
     size_t need = bnew +
                   (zero_copy || p->work_from ? 0 : kvr_mem_size_class(payload)) +
                   n_iov * sizeof(struct iovec) + n * sizeof(uint32_t) +
-                  n_runs * sizeof(kvr_brun) + qneed;
+                  n_runs * sizeof(kvr_brun) + qneed + kvr_grain_need(c, n);
     if ((rc = kvr_store_reserve_for(s, m, need, "put", err)) != 0)
         goto fail_ctx;
     if (grow) {
@@ -1014,6 +1014,7 @@ int kvr_put_commit(kvr_put *t, kvr_put_result *res, kvr_error *err)
         run->b = NULL;                  /* the reference now belongs to c */
     }
     assert(c->n_tokens == first_index + t->n);
+    kvr_grain_append(c, first_index, t->tokens, t->n);
     c->n_exact = exact ? c->n_tokens : old_exact;
     if (resync)
         kvr_ctx_index_rebuild(c, c->n_tokens);   /* best effort; never lies */

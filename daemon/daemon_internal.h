@@ -63,7 +63,7 @@ typedef enum kvr_conn_state {
 
 /* Requests counted per verb: one counter per entry of dispatch.c's verb
  * table, in its order (kvr__verb_name gives the names). */
-#define KVR_N_VERBS 26
+#define KVR_N_VERBS 27
 
 typedef struct kvr_conn kvr_conn;
 /* A reply held back while a read callback runs (conn.c's cork). */
@@ -404,6 +404,21 @@ int  kvr__persist_open(kvr_daemon *d, char *err, size_t errlen);
  * is on disk or failed); 0 if it is not persistent (reply now); negative
  * KVR_E* (e filled) if the record could not be queued. */
 int  kvr__persist_defer(kvr_daemon *d, const char *ctx_id, kvr_request *r, kvr_error *e);
+
+/* ---- t_cover.c: the Cover verb ------------------------------------------ */
+/* The verb's state from its start to its reply (t_cover.c has the rest). */
+typedef struct kvr__cover kvr__cover;
+/* Loop thread: computes the cover of q's prompt and, with q->get, opens
+ * the placed read into *as (dst: the shm slice it is produced into, or
+ * NULL). On failure nothing is owned (*out, *as NULL) and e says why. */
+int  kvr__cover_begin(kvr_store *s, const Kvrope__Cover *q, void *dst, size_t dst_cap,
+                      kvr__cover **out, kvr_assemble **as, kvr_error *e);
+/* True when the reply has no payload (no get, or meta_only). */
+bool kvr__cover_meta(const kvr__cover *cv);
+/* The CoverResult (as: the placed read, or NULL), owned by cv and valid
+ * until kvr__cover_free; KVR_ENOMEM. */
+int  kvr__cover_result(kvr__cover *cv, const kvr_assemble *as, Kvrope__CoverResult **out);
+void kvr__cover_free(kvr__cover *cv);   /* NULL: no-op */
 
 /* ---- warm.c: --prefault ------------------------------------------------ */
 /* Starts faulting in --prefault bytes in the background (0: nothing). */

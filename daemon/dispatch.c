@@ -81,6 +81,8 @@ void kvr__release_txn(kvr_request *r)
     r->rjob = NULL;
     kvr_get_end(r->get);
     kvr_assemble_end(r->as);
+    kvr__cover_free(r->cover);
+    r->cover = NULL;
     r->put = NULL;
     r->edit = NULL;
     r->get = NULL;
@@ -92,7 +94,7 @@ void kvr__request_end(kvr_request *r, int status)
     kvr_conn *c = r->c;
     assert(c->req == r);
     assert(r->phase == RQ_RUN || r->phase == RQ_STREAM);
-    assert(!r->put && !r->edit && !r->get && !r->as && !r->held);
+    assert(!r->put && !r->edit && !r->get && !r->as && !r->cover && !r->held);
     kvr__remote_job_free(r->rjob);   /* taken by a probe the verb went past */
     r->rjob = NULL;
     if (c->d->fetch_req == r)
@@ -741,6 +743,8 @@ static const kvr_verb VERBS[KVR_N_VERBS] = {
     VERB(register_region,  REGISTER_REGION,  0,             NULL, NULL, NULL),
     VERB(release_region,   RELEASE_REGION,   0,             NULL, NULL, NULL),
     VERB(remove_model,     REMOVE_MODEL,     0,             NULL, NULL, NULL),
+    VERB(cover,            COVER,            V_PAYLOAD_OUT, NULL, kvr__work_assemble,
+         kvr__finish_cover),
 };
 #undef VERB
 

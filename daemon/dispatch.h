@@ -84,6 +84,7 @@ struct kvr_request {
     kvr_edit        *edit;
     kvr_get         *get;
     kvr_assemble    *as;
+    kvr__cover      *cover;         /* cover: its runs (t_cover.c); as: its get */
     /* PERSIST: the packed reply */
     uint8_t         *held;
     size_t           held_len;
@@ -188,5 +189,10 @@ void kvr__finish_put(kvr_request *r);
 void kvr__finish_get(kvr_request *r);
 void kvr__finish_edit(kvr_request *r);
 void kvr__finish_assemble(kvr_request *r);
+/* t_cover.c: the runs, and with get their placed K/V, sent as an assemble's. */
+void kvr__do_cover(kvr_request *r);
+void kvr__finish_cover(kvr_request *r);
+/* t_kv.c: ends the assemble a reply's payload came from (send_ok's callback). */
+void kvr__end_assemble_cb(void *arg, int status);
 
 #endif /* KVR_DAEMON_DISPATCH_H */

@@ -156,6 +156,12 @@ typedef struct snapshot {
     X("", "kvrope_quantization_value_size_bytes", "gauge",                                \
       "Mean stored size of one K/V value over quantized contexts (0.5: 4 bits; 0: none).", \
       s->s.quant_bits_per_value / 8.0)                                                    \
+    X("cover_index_bytes", "kvrope_cover_index_bytes", "gauge",                           \
+      "Bytes the covers' content index holds (token copies, grain table).",              \
+      s->s.cover_index_bytes)                                                             \
+    X("cover_index_lagging_contexts", "kvrope_cover_index_lagging_contexts", "gauge",     \
+      "Contexts the content index has yet to catch up with (the next cover does).",      \
+      s->s.cover_index_lagging)                                                           \
     X("connections", "kvrope_connections", "gauge", "Client connections open now.",      \
       s->conns)                                                                           \
     X("", "kvrope_connections_unauthenticated", "gauge",                                  \

@@ -21,7 +21,7 @@ static void end_get_cb(void *arg, int status)
     kvr_get_end(arg);
 }
 
-static void end_assemble_cb(void *arg, int status)
+void kvr__end_assemble_cb(void *arg, int status)
 {
     (void)status;
     kvr_assemble_end(arg);
@@ -468,7 +468,7 @@ void kvr__finish_assemble(kvr_request *r)
     size_t niov = 0;
     if (payload > 0)
         kvr_assemble_payload_iov(t, &iov, &niov);
-    kvr__send_ok(r, &resp, iov, niov, payload, end_assemble_cb, t);
+    kvr__send_ok(r, &resp, iov, niov, payload, kvr__end_assemble_cb, t);
     kvr__pb_assemble_result_free(&ar);
 }
 

@@ -140,6 +140,10 @@ long kvr__cli_parse_i64_list(const char *s, int64_t **out);
  * array, else text as above. */
 long kvr__cli_read_tokens_file(const char *path, uint32_t **out, char *err, size_t errlen);
 
+/* The prompt of --tokens 1,2,3 or --tokens-file F (new array, free; *n -1
+ * when neither was given and !required). CLI_OK or the exit code, printed. */
+int kvr__cli_load_tokens(const cli_args *a, uint32_t **tok, long *n, bool required);
+
 /* ---- position layouts (cli_layout.c) ------------------------------------ */
 struct cJSON;
 
@@ -186,10 +190,17 @@ int  kvr__cli_llama_run(kvr_client *c, const cli_args *a);
 bool kvr__cli_llama_option_takes_value(const char *name);
 bool kvr__cli_llama_option_is_flag(const char *name);
 
+/* ---- covers (cli_cover.c) ----------------------------------------------- */
+extern const char kvr__cli_cover_help[];
+bool kvr__cli_cover_command(const char *cmd);
+int  kvr__cli_cover_run(kvr_client *c, const cli_args *a);
+bool kvr__cli_cover_option_takes_value(const char *name);
+
 /* Shared by the command files (cli_cmd.c defines them). */
 void kvr__cli_print_json(struct cJSON *j);         /* prints and frees j */
 int  kvr__cli_usage_err(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
 int  kvr__cli_io_err(const cli_args *a, const char *msg);
 int  kvr__cli_parse_u64(const char *v, uint64_t *out);   /* 0, or -1 if not a u64 */
+int  kvr__cli_parse_i64(const char *v, int64_t *out);    /* 0, or -1 if not an i64 (cli_layout.c) */
 
 #endif
