@@ -209,6 +209,80 @@ int kvr_wk_lm_state_set(kvr_wk_lm *lm, const uint8_t *buf, size_t len, char *err
 int32_t kvr_wk_lm_cache_type(const kvr_wk_lm *lm);
 bool    kvr_wk_lm_v_trans(const kvr_wk_lm *lm);
 
+/* Probing (seam repair's selection pass): contexts created after
+ * kvr_wk_lm_set_probe(lm, true) carry llama.cpp's eval callback. A probe
+ * decode runs toks through seq `seq` only as far as layer `layer`'s K and V
+ * projections (the RoPE'd "Kcur-L" and "Vcur-L" of each ubatch), copies them
+ * out ([n][row] f32 each, row = n_head_kv * head_dim) and cuts the graph
+ * there: layers below L write their KV cells, layers from L on do not, and
+ * no logits come out. The caller removes the sequence's cells after. */
+typedef struct kvr_wk_probe {
+    uint32_t layer;
+    size_t   row, cap;           /* floats per token; tokens k and v hold */
+    float   *k, *v;              /* the caller's, cap * row each */
+    size_t   k_off, v_off;       /* tokens seen (filled by the decode) */
+    char     kname[32], vname[32];
+} kvr_wk_probe;
+void kvr_wk_lm_set_probe(kvr_wk_lm *lm, bool on);
+bool kvr_wk_lm_probe_on(const kvr_wk_lm *lm);     /* set, and a context exists */
+int  kvr_wk_lm_probe_decode(kvr_wk_lm *lm, kvr_wk_probe *p, const int32_t *toks, size_t n,
+                            int32_t pos0, int seq, char *err, size_t errlen);
+
+/* ---- seam repair (worker_repair.c) ----------------------------------------
+ *
+ * A prompt whose KV is partly placed (runs of tokens cached elsewhere, keys
+ * re-rotated to their place here, e.g. a cover from kvroped) and partly
+ * gaps. Placed tokens carry KV computed with another left context, so the
+ * seams (a run's first tokens, and tokens that attended much to what is no
+ * longer before them) are wrong. Repair computes the gaps and a repair set:
+ *  - EPIC (LegoLink): the first k tokens of every placed run;
+ *  - CacheBlend: the placed tokens whose layer-L K/V deviates most from a
+ *    full encode's, a share of the placed tokens.
+ * Both may be combined (union). Everything computed is decoded in increasing
+ * position, each token attending to what seq 0 holds before it: placed KV
+ * (approximate) or what was already recomputed. `all` recomputes every
+ * placed token, which equals a full encode.
+ */
+typedef struct kvr_wk_repair_opts {
+    uint32_t first_k;        /* EPIC: first k tokens of each placed run (0 = none) */
+    double   blend_share;    /* CacheBlend: share of placed tokens (0 = none) */
+    uint32_t blend_layer;    /* the selection layer, >= 1 (0 = 1: layer 0's KV
+                                does not depend on context) */
+    bool     all;            /* recompute every placed token */
+} kvr_wk_repair_opts;
+/* The default policy: from docs/eval.md's reuse table (EPIC first 16). */
+#define KVR_WK_REPAIR_DEFAULT_K 16u
+
+typedef struct kvr_wk_repair_res {
+    size_t n_prompt, n_placed, n_gap;
+    size_t n_repaired;       /* placed tokens recomputed */
+    size_t n_computed;       /* gaps + repaired (+ the last token if placed and not chosen) */
+    size_t n_probed;         /* tokens through the selection pass (0 without blend) */
+    double probe_layers;     /* layers the selection pass ran for each of them */
+    double t_probe_ms, t_decode_ms;
+} kvr_wk_repair_res;
+
+/* Parses "none", "all", "epic:K", "blend:SHARE[@LAYER]" (SHARE in (0, 1] or
+ * "N%"), or several joined by "+" (e.g. "epic:16+blend:0.1"). */
+int kvr_wk_repair_parse(const char *s, kvr_wk_repair_opts *o, char *err, size_t errlen);
+/* The repair set, no llama.cpp: placed[i] (n entries) non-zero where KV is
+ * placed, run_start[i] non-zero where a placed run begins (NULL: after every
+ * gap and at 0); dev[i] the deviation of placed token i (NULL unless
+ * blend_share > 0). compute[i] := 1 for gaps and chosen tokens, else 0.
+ * Ties in dev go to the earlier token. Returns the placed tokens chosen. */
+size_t kvr_wk_repair_plan(const uint8_t *placed, const uint8_t *run_start, size_t n,
+                          const float *dev, const kvr_wk_repair_opts *o, uint8_t *compute);
+/* Seq 0 holds cells exactly at the placed positions of toks[0..n) (and
+ * nothing at or after n); this computes the gaps and the repair set, in
+ * increasing position, and the prompt's last token always (its logits are
+ * current afterwards: kvr_wk_lm_logits). Blend needs a probing context
+ * (kvr_wk_lm_set_probe before kvr_wk_lm_context) with room for n more
+ * cells (its pass runs the whole prompt through seq 1). compute_out (n entries,
+ * may be NULL) receives the plan. */
+int kvr_wk_repair(kvr_wk_lm *lm, const int32_t *toks, size_t n, const uint8_t *placed,
+                  const uint8_t *run_start, const kvr_wk_repair_opts *o, uint8_t *compute_out,
+                  kvr_wk_repair_res *res, char *err, size_t errlen);
+
 /* ---- reports -------------------------------------------------------------- */
 struct cJSON;
 typedef struct kvr_wk_report {
@@ -432,6 +506,35 @@ typedef struct kvr_wk_score_opts {
 /* Scores T over the KV cache (every refusal: -EINVAL and the reason in
  * e->err, before anything is written). */
 int kvr_wk_score(kvr_wk_env *e, const kvr_wk_score_opts *o);
+
+/* KV.bin (docs/llama.md), parsed against the model (pointers borrow the
+ * file's bytes; pos is owned: free it) and loaded into seq 0 with cell j at
+ * meta[j] (everything else in the cache goes). */
+typedef struct kvr_wk_kvbin {
+    uint32_t       n_layers, m, n_kv_heads, head_dim, dtype;
+    int32_t        ggml_type;
+    int64_t       *pos;           /* m (owned) */
+    int64_t        pos_max;
+    const uint8_t *payload;       /* borrowed from the file's bytes */
+} kvr_wk_kvbin;
+int kvr_wk_kvbin_parse(kvr_wk_env *e, const uint8_t *b, size_t len, kvr_wk_kvbin *kv);
+int kvr_wk_kvbin_load(kvr_wk_env *e, const kvr_wk_kvbin *kv, const int64_t *meta);
+
+/* The CLI's `repair` (the reuse eval's engine): T = a prompt of n_prompt
+ * tokens and a continuation; KV.bin holds cells at some of the prompt's
+ * positions (the placed ones; the rest are gaps); run starts as given.
+ * kvr_wk_repair with the policy, then the continuation decoded after the
+ * prompt; logits rows (f32, n_vocab each) of the prompt's last token and of
+ * every continuation token but the last (so row j predicts T[n_prompt + j])
+ * into logits_out. Reports the repair's counts. */
+typedef struct kvr_wk_repair_cmd_opts {
+    const uint8_t *tokens, *kv;
+    size_t         tokens_len, kv_len, n_prompt;
+    const size_t  *run_starts;
+    size_t         n_run_starts;
+    const char    *policy, *logits_out;
+} kvr_wk_repair_cmd_opts;
+int kvr_wk_repair_cmd(kvr_wk_env *e, const kvr_wk_repair_cmd_opts *o);
 
 /* ---- time ----------------------------------------------------------------- */
 double kvr_wk_now_ms(void);
