@@ -17,11 +17,15 @@
  * its context, or when the layout moves it away from its logical position
  * (its KV was computed at another place relative to the prefix: sequential
  * documents after the first, explicit starts other than P).
+ *
+ * kvr_assemble_place_begin (cover.h) builds the same transaction over
+ * pieces of contexts at explicit positions: a cover's get.
  */
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include "cache/cover.h"
 #include "cache/layout.h"
 #include "cache/read.h"
 
@@ -261,6 +265,98 @@ int kvr_store_assemble_begin(kvr_store *s, const kvr_assemble_params *p,
     r->dst_cap = p->dst_cap;
     if ((rc = kvr_read_reload(r, NULL, err)) != 0 ||
         (rc = kvr_read_stage(r, NULL, "assemble", err)) != 0)
+        goto fail;
+    s->n_gets++;
+    *out = t;
+    return 0;
+
+fail:
+    asm_free(t);
+    return rc;
+}
+
+/* Extents of c holding tokens [from, from + n): the first's index and the
+ * token index it starts at (*i, *k), and how many. */
+static size_t place_span(const kvr_ctx *c, size_t from, size_t n, size_t *i, size_t *k)
+{
+    *i = *k = 0;
+    kvr_ctx_seek(c, i, k, from);
+    size_t j = *i, kk = *k, cnt = 0;
+    for (; j < c->n_ext && kk < from + n; kk += c->ext[j].count, j++)
+        cnt++;
+    return cnt;
+}
+
+int kvr_assemble_place_begin(kvr_store *s, kvr_model *m, const kvr_place *pc, size_t n_pc,
+                             const kvr_place_opts *o, kvr_assemble **out, kvr_error *err)
+{
+    int rc;
+    if (!o->meta_only && kvr_dtype_size(o->dtype) == 0)
+        return kvr_error_set(err, KVR_EINVAL, "unknown output dtype %d", (int)o->dtype);
+    if (o->layers && o->n_layers_sel == 0)
+        return kvr_error_set(err, KVR_EINVAL, "empty layer selection");
+    size_t nl = o->layers ? o->n_layers_sel : m->n_layers;
+    if (o->layers && (rc = kvr_layers_check(m, o->layers, nl, err)) != 0)
+        return rc;
+    size_t N = 0, n_ext = 0, i, k;
+    for (size_t p = 0; p < n_pc; p++) {
+        assert(pc[p].n > 0 && pc[p].from + pc[p].n <= pc[p].c->n_tokens);
+        N += pc[p].n;
+        n_ext += place_span(pc[p].c, pc[p].from, pc[p].n, &i, &k);
+    }
+    kvr_assemble *t = kvr_mem_calloc(1, sizeof *t);
+    if (!t)
+        return kvr_error_set(err, KVR_ENOMEM, "out of memory starting a cover's get");
+    kvr_read *r = &t->r;
+    t->segs = kvr_mem_calloc(n_pc + 1, sizeof *t->segs);
+    if (kvr_read_init(r, s, m, o->layers, nl, N, n_ext, false, o->meta_only, o->dtype) != 0 ||
+        !t->segs) {
+        rc = kvr_error_set(err, KVR_ENOMEM, "out of memory for a cover's get of %zu tokens", N);
+        goto fail;
+    }
+    for (size_t p = 0; p < n_pc; p++) {
+        const kvr_place *q = &pc[p];
+        kvr_segment *sg = &t->segs[p];
+        *sg = (kvr_segment){ .kind = KVR_SEGMENT_DOCUMENT, .start = r->n_added,
+                             .n_tokens = q->n, .pos_first = q->pos,
+                             .pos_last = q->pos + (int64_t)q->n - 1, .doc_index = (uint32_t)p,
+                             .temperature = 1.0, .scale = 1.0 };
+        memcpy(sg->ctx_id, q->c->id, q->c->id_len + 1);
+        int64_t target = q->pos;
+        place_span(q->c, q->from, q->n, &i, &k);
+        for (; i < q->c->n_ext && k < q->from + q->n; k += q->c->ext[i].count, i++) {
+            const kvr_extent *e = &q->c->ext[i];
+            size_t lo = k > q->from ? k : q->from;
+            size_t hi = k + e->count < q->from + q->n ? k + e->count : q->from + q->n;
+            if (!o->meta_only && (e->flags & KVR_TOKEN_PENDING)) {
+                rc = kvr_error_set(err, KVR_EPENDING, "context '%s' has tokens without KV "
+                                   "in [%zu, %zu)", q->c->id, lo, hi);
+                goto fail;
+            }
+            kvr_read_add(r, e, (uint32_t)(lo - k), (uint32_t)(hi - k), NULL, &target, false,
+                         false);
+        }
+        for (size_t j = sg->start; q->approx && j < r->n_added; j++)
+            r->flags[j] |= KVR_TOKEN_APPROX;
+    }
+    kvr_segment *qs = &t->segs[n_pc];
+    *qs = (kvr_segment){ .kind = KVR_SEGMENT_QUERY, .start = N, .pos_first = o->query_pos,
+                         .pos_last = o->query_pos - 1, .temperature = 1.0, .scale = 1.0 };
+    if ((rc = kvr_read_check_rope(r, err)) != 0)
+        goto fail;
+    kvr_assemble_info *info = &t->info;
+    KVR_READ_INFO(info, r);
+    info->layout = KVR_LAYOUT_EXPLICIT;
+    info->segments = t->segs;
+    info->n_segments = n_pc + 1;
+    info->query_pos = o->query_pos;
+    info->temperature = info->scale = 1.0;
+    for (size_t p = 0; p < n_pc; p++)
+        kvr_store_touch(s, pc[p].c);
+    r->dst = o->dst;
+    r->dst_cap = o->dst_cap;
+    if ((rc = kvr_read_reload(r, NULL, err)) != 0 ||
+        (rc = kvr_read_stage(r, NULL, "cover", err)) != 0)
         goto fail;
     s->n_gets++;
     *out = t;

@@ -684,6 +684,80 @@ void   kvr_assemble_payload_iov(const kvr_assemble *t, const struct iovec **iov,
 int    kvr_assemble_copy_into(kvr_assemble *t, void *dst, size_t size, kvr_error *err);
 void   kvr_assemble_end(kvr_assemble *t);       /* loop thread; NULL is a no-op */
 
+/* ---- cover: cached runs anywhere in a prompt (docs/reuse.md) ------------ */
+/*
+ * Every context's tokens are indexed by content in grains of
+ * KVR_COVER_GRAIN tokens at its offsets 0, 16, 32, ... (grain.h), kept in
+ * step with every change of its tokens. A cover of a prompt: a rolling hash
+ * over every prompt offset finds grains, each candidate is verified token
+ * by token (never trusted on a hash alone) and extended left and right to a
+ * maximal run; then non-overlapping pieces of those runs are chosen, the
+ * longest exact prefix first (a run at prompt offset 0 from its context's
+ * offset 0: its KV is what a full encode gives), then greedily the run
+ * reaching furthest, so the pieces are few and long; pieces shorter than
+ * min_run are dropped. What no piece covers is a gap. Each call is bounded
+ * whatever the prompt: at most KVR_COVER_MAX_TOKENS tokens, candidates per
+ * grain and chain steps capped, a work budget on the token comparisons.
+ * KVR_COVER_*: rope/types.h.
+ */
+typedef struct kvr_cover_params {
+    const char     *model;
+    const uint32_t *tokens;            /* the prompt */
+    size_t          n_tokens;          /* 1..KVR_COVER_MAX_TOKENS */
+    size_t          min_run;           /* 1..KVR_COVER_MAX_TOKENS (KVR_COVER_MIN_RUN
+                                          is the wire's default) */
+    /* The placed get (kvr_store_cover_get_begin): */
+    int64_t         pos_base;          /* position of prompt token 0, >= 0 */
+    kvr_dtype       dtype;
+    const uint32_t *layers;            /* NULL = all, else n_layers_sel ids */
+    size_t          n_layers_sel;
+    bool            meta_only;
+    void           *dst;               /* as kvr_get_params.dst */
+    size_t          dst_cap;
+} kvr_cover_params;
+
+typedef struct kvr_cover_piece {
+    size_t   prompt_off;               /* prompt tokens [prompt_off, +n_tokens) */
+    size_t   ctx_off;                  /* are the context's [ctx_off, +n_tokens) */
+    size_t   n_tokens;
+    size_t   n_approx;                 /* of them KVR_TOKEN_APPROX in the context */
+    size_t   stream_off;               /* its first token in the placed stream */
+    bool     exact;                    /* at its context's place after the same text */
+    char     ctx_id[KVR_ID_MAX + 1];
+} kvr_cover_piece;
+
+typedef struct kvr_cover_result {
+    size_t           n_prompt, n_covered;
+    kvr_cover_piece *pieces;           /* prompt order; kvr_cover_result_free */
+    size_t           n_pieces;
+    /* What the search did: grain lookups, entries whose hash matched,
+     * of them refused by the token check, maximal runs found; truncated:
+     * the work budget ended the search early (the cover is valid, maybe
+     * not the best). */
+    size_t           n_lookups, n_hits, n_rejected, n_runs;
+    bool             truncated;
+} kvr_cover_result;
+
+/* Loop thread. Computes the cover of p->tokens (the get fields are
+ * ignored); marks the contexts it uses recently used. Nothing stored
+ * changes (the index may catch up with contexts changed since the last
+ * cover). KVR_ENOMODEL, KVR_EINVAL (empty prompt, min_run), KVR_EBADREQUEST,
+ * KVR_ETOOLARGE (over KVR_COVER_MAX_TOKENS), KVR_ENOMEM. On success res
+ * owns pieces (kvr_cover_result_free); on failure it owns nothing. */
+int  kvr_store_cover(kvr_store *s, const kvr_cover_params *p, kvr_cover_result *res,
+                     kvr_error *err);
+void kvr_cover_result_free(kvr_cover_result *res);   /* NULL ok */
+/* Loop thread. The pieces' K/V as one read (an assemble transaction: the
+ * kvr_assemble_* calls stage, work and send it): pieces in prompt order,
+ * keys re-rotated to p->pos_base + prompt offset, one DOCUMENT segment per
+ * piece (T = S = 1) then the QUERY at pos_base + n_prompt. Flags: a token
+ * keeps its context's and is KVR_TOKEN_APPROX when its piece is not exact.
+ * Every piece is checked against the prompt token by token again:
+ * KVR_EBUSY if a context changed since res was computed. */
+int  kvr_store_cover_get_begin(kvr_store *s, const kvr_cover_params *p,
+                               const kvr_cover_result *res, kvr_assemble **out,
+                               kvr_error *err);
+
 /*
  * GPE groups. A context created with kvr_put_params.groups has named groups
  * (ids 0..n-1 in the order given), each with a cursor (tokens appended to it,

@@ -29,6 +29,7 @@ kvr_ctx *kvr_ctx_create(kvr_model *m, const char *id, uint64_t hash, uint64_t no
 
 void kvr_ctx_free(kvr_block_pool *p, kvr_ctx *c)
 {
+    kvr_grain_forget(c);
     kvr_ctx_stale_clear(c);
     kvr_ctx_index_truncate(c, 0, 0);
     kvr_ctx_index_truncate(c, 1, 0);
@@ -304,6 +305,8 @@ void kvr_ctx_index_rebuild(kvr_ctx *c, size_t common)
             kvr_ctx_index_truncate(c, w, 0);
     }
     kvr_mem_free(seq);
+    kvr_grain_note(c, common);
+    kvr_grain_sync(c);
 }
 
 void kvr_ctx_stale_set(kvr_ctx *c)

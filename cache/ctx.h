@@ -22,6 +22,7 @@
 #define KVR_CACHE_CTX_H
 
 #include "cache/block.h"
+#include "cache/grain.h"
 #include "cache/prefix.h"
 #include "cache/quant.h"
 
@@ -48,6 +49,7 @@ struct kvr_model {
     size_t          n_contexts;
     kvr_ptree       tree[2];    /* 0: exact prefixes, 1: full sequences */
     size_t          n_stale;    /* contexts with idx_stale set */
+    kvr_grain_index grains;     /* content index for covers (grain.h) */
     /* Its blocks' tenant in the pool (1..63; 0: not counted apart) and
      * what happened to it: the stats verb's per-model lines. */
     uint16_t        tenant;
@@ -74,6 +76,7 @@ struct kvr_ctx {
     size_t      n_evicted_tokens;
     kvr_pentry  idx[2];         /* place in model->tree[0] / [1] */
     bool        idx_stale;
+    kvr_grain_ctx grain;        /* place in model->grains (grain.h) */
     size_t      n_protected;    /* first tokens edits may not touch */
     /* layout.c's state (APE record, groups, retention): one flat
      * allocation of struct kvr_layout, freed here; allocated and copied
@@ -151,9 +154,9 @@ void     kvr_ctx_index_truncate(kvr_ctx *c, int w, size_t n);
 bool     kvr_ctx_index_extend(kvr_ctx *c, int w, size_t len);
 /* Appends the given suffix to tree w (0 or KVR_ENOMEM; tree unchanged then). */
 int      kvr_ctx_index_append(kvr_ctx *c, int w, const uint32_t *seq, size_t n);
-/* Recomputes n_exact and resyncs both trees; the first `common` tokens are
- * known unchanged. On allocation failure c is left out of the index (which
- * then under-reports, never lies). */
+/* Recomputes n_exact and resyncs both trees and the grain index; the first
+ * `common` tokens are known unchanged. On allocation failure c is left out
+ * of the index (which then under-reports, never lies). */
 void     kvr_ctx_index_rebuild(kvr_ctx *c, size_t common);
 void     kvr_ctx_stale_set(kvr_ctx *c);
 void     kvr_ctx_stale_clear(kvr_ctx *c);

@@ -590,6 +590,8 @@ int kvr_edit_commit(kvr_edit *t, kvr_edit_span *spans, kvr_edit_result *res, kvr
     size_t old_exact = c->n_exact, first = t->ops[0].start;
     kvr_ctx_replace_extents(&s->pool, c, o.ext, o.n, cap);
     assert(c->n_tokens == n_old - t->n_removed + t->n_new);
+    if (!t->refresh)
+        kvr_grain_note(c, first);     /* resynced by the next cover */
     size_t exact = c->n_exact;
 
     /* Index. Failures leave c under-reported (a true prefix), never wrong. */

@@ -1014,6 +1014,7 @@ int kvr_put_commit(kvr_put *t, kvr_put_result *res, kvr_error *err)
         run->b = NULL;                  /* the reference now belongs to c */
     }
     assert(c->n_tokens == first_index + t->n);
+    kvr_grain_append(c, first_index, t->tokens, t->n);
     c->n_exact = exact ? c->n_tokens : old_exact;
     if (resync)
         kvr_ctx_index_rebuild(c, c->n_tokens);   /* best effort; never lies */

@@ -76,6 +76,7 @@ static void model_free(kvr_model *m)
 {
     kvr_ptree_free(&m->tree[0]);
     kvr_ptree_free(&m->tree[1]);
+    kvr_grain_index_free(&m->grains);
     kvr_rope_destroy(m->engine);
     kvr_mem_free(m);
 }
@@ -305,6 +306,8 @@ static void evict_tail(kvr_store *s, kvr_ctx *c)
     c->n_evicted_tokens += before - c->n_tokens;
     kvr_ctx_index_truncate(c, 0, c->n_exact);
     kvr_ctx_index_truncate(c, 1, c->n_tokens);
+    kvr_grain_note(c, c->n_tokens);
+    kvr_grain_sync(c);
     kvr_ctx_check(c);
     if (c->n_tokens == 0)
         kvr_store_ctx_destroy(s, c);
@@ -632,6 +635,7 @@ int kvr_store_model_register(kvr_store *s, const kvr_model_desc *d,
         goto fail_engine;
     kvr_ptree_init(&m->tree[0]);
     kvr_ptree_init(&m->tree[1]);
+    kvr_grain_index_init(&m->grains);
     for (uint16_t t = 1; t < KVR_BLOCK_TENANTS && !m->tenant; t++)
         if (!(s->tenants_used & (1ull << t))) {
             m->tenant = t;
@@ -984,6 +988,7 @@ int kvr_store_fork(kvr_store *s, const char *src, const char *dst, kvr_error *er
         goto fail_ctx;    /* destroying b takes it out of the trees */
     }
     kvr_ctx_share_extents(b, a);
+    kvr_grain_note(b, 0);       /* indexed by the next cover */
     b->dtype = a->dtype;
     b->codec = a->codec;
     memcpy(b->q_sse, a->q_sse, sizeof b->q_sse);

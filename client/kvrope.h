@@ -631,6 +631,83 @@ int kvr_client_edit_shm(kvr_client *c, const kvr_edit_args *a, const kvr_shm *at
 int kvr_client_refresh_shm(kvr_client *c, const kvr_refresh_args *a, const kvr_shm *at,
                            kvr_edit_res *out);
 
+/* ---- cover: cached runs anywhere in a prompt (docs/reuse.md) ------------ */
+/*
+ * For a model and a prompt (token ids), the daemon finds cached runs at any
+ * offset of the prompt (not only its prefix): every context's tokens are
+ * indexed in grains of KVR_COVER_GRAIN tokens by content alone, a rolling
+ * hash over the prompt looks them up, each hit is verified token by token
+ * and extended to a maximal run. The cover is a set of non-overlapping runs
+ * in prompt order, preferring the longest exact prefix, then fewer, longer
+ * runs; runs shorter than min_run are left out. Whatever no run covers is a
+ * gap the engine computes. KVR_COVER_* are rope/types.h's.
+ *
+ * With get, the same call returns every run's K/V in one stream: runs in
+ * prompt order, each token's key re-rotated to position pos_base + its
+ * prompt offset (the stream's positions[] say so), gaps absent. A token is
+ * KVR_TOKEN_APPROX in the stream's flags when it was approximate in its
+ * context, or when its run is not exact (placed after a gap, or away from
+ * the left context it was encoded with: its KV was computed against other
+ * text). Only a run that starts the prompt at its context's offset 0 is
+ * exact.
+ */
+typedef struct kvr_cover_args {
+    const char     *model;
+    const uint32_t *tokens;           /* the prompt, n_tokens ids */
+    size_t          n_tokens;         /* 1..KVR_COVER_MAX_TOKENS */
+    uint32_t        min_run;          /* 0 = KVR_COVER_MIN_RUN; at most
+                                         KVR_COVER_MAX_TOKENS */
+    /* get (kvr_client_cover_get / _shm): */
+    int64_t         pos_base;         /* position of prompt token 0 (>= 0) */
+    kvr_dtype       dtype;            /* of the stream (F32 is 0: set it) */
+    const uint32_t *layers;           /* NULL = all */
+    size_t          n_layers;
+    bool            meta_only;        /* tokens/positions/flags, no payload */
+    void           *dst;              /* as kvr_get_args */
+    size_t          dst_cap;
+} kvr_cover_args;
+
+typedef struct kvr_cover_run {
+    uint64_t    prompt_off;           /* its first token's offset in the prompt */
+    const char *ctx_id;               /* the context it comes from (owned by
+                                         the result) */
+    uint64_t    ctx_off;              /* its first token's index in the context */
+    uint64_t    n_tokens;
+    uint64_t    n_approx;             /* of them KVR_TOKEN_APPROX in the context */
+    bool        exact;                /* at its original place after the same
+                                         text: its KV is a full encode's (but for
+                                         the n_approx) */
+    uint64_t    stream_off;           /* get: its first token in kv's stream */
+} kvr_cover_run;
+
+typedef struct kvr_cover_gap {
+    uint64_t prompt_off, n_tokens;
+} kvr_cover_gap;
+
+typedef struct kvr_cover_res {
+    uint64_t       n_prompt;          /* the prompt's tokens */
+    uint64_t       n_covered;         /* tokens in runs */
+    kvr_cover_run *runs;              /* in prompt order */
+    size_t         n_runs;
+    kvr_cover_gap *gaps;              /* what no run covers, in prompt order */
+    size_t         n_gaps;
+    bool           has_kv;
+    kvr_kv         kv;                /* get: the runs' tokens in prompt order,
+                                         n_covered of them */
+} kvr_cover_res;
+
+/* The cover alone (no K/V). On success release out with kvr_cover_release;
+ * on failure it owns nothing. */
+int  kvr_client_cover(kvr_client *c, const kvr_cover_args *a, kvr_cover_res *out);
+/* The cover and its runs' K/V placed for the prompt, in one call (into
+ * a->dst when given). */
+int  kvr_client_cover_get(kvr_client *c, const kvr_cover_args *a, kvr_cover_res *out);
+/* kvr_client_cover_get with the payload written into a shared-memory region
+ * (out->kv.payload points there). */
+int  kvr_client_cover_shm(kvr_client *c, const kvr_cover_args *a, const kvr_shm *at,
+                          kvr_cover_res *out);
+void kvr_cover_release(kvr_cover_res *r);   /* NULL / zeroed: no-op */
+
 /* ---- statistics --------------------------------------------------------- */
 typedef struct kvr_metric {
     char   name[120];

@@ -76,4 +76,12 @@ typedef enum kvr_segment_kind {
 #define KVR_MAX_GROUPS 16
 #define KVR_GROUP_NAME_MAX 63     /* bytes, without the NUL */
 
+/* Cover (cached runs anywhere in a prompt; docs/reuse.md): contexts are
+ * indexed in grains of KVR_COVER_GRAIN tokens at offsets 0, 16, 32, ...;
+ * a prompt may have up to KVR_COVER_MAX_TOKENS tokens; runs shorter than
+ * the minimum run (default KVR_COVER_MIN_RUN) are left as gaps. */
+#define KVR_COVER_GRAIN      16u
+#define KVR_COVER_MIN_RUN    16u
+#define KVR_COVER_MAX_TOKENS (128u * 1024u)
+
 #endif /* KVR_TYPES_H */
