@@ -759,16 +759,19 @@ def parse_repair_policy(s):
 
 
 def repair_plan(placed, run_start=None, dev=None, first_k=0, blend_share=0.0, all=False, **_):
-    """The repair set, exactly as kvr_wk_repair_plan: gaps always; with `all`
-    every token; EPIC: the first first_k tokens of every placed run (runs
-    begin where run_start says, default after every gap); CacheBlend: the
-    ceil(share * placed) placed tokens of largest dev (ties: the earlier
+    """The repair set, exactly as kvr_wk_repair_plan. placed per token: 0 a
+    gap, 1 placed approximate (a candidate), 2 placed exact (never repaired);
+    booleans mean 0 / 1. Gaps always; with `all` every token; EPIC: the first
+    first_k tokens of every placed run (runs begin where run_start says,
+    default after every gap) that are candidates; CacheBlend: the
+    ceil(share * candidates) candidates of largest dev (ties: the earlier
     token), counted apart from EPIC's. -> (compute bool [n], placed chosen)."""
-    placed = np.asarray(placed, bool)
+    placed = np.asarray(placed).astype(np.int64)
     n = placed.size
-    compute = ~placed
+    compute = placed == 0
+    cand = placed == 1
     if all:
-        return np.ones(n, bool), int(placed.sum())
+        return np.ones(n, bool), int((placed != 0).sum())
     chosen = 0
     if first_k:
         since = 0
@@ -778,13 +781,13 @@ def repair_plan(placed, run_start=None, dev=None, first_k=0, blend_share=0.0, al
                 continue
             starts = run_start[i] if run_start is not None else (i == 0 or not placed[i - 1])
             since = 1 if starts else since + 1
-            if since <= first_k and not compute[i]:
+            if since <= first_k and cand[i] and not compute[i]:
                 compute[i] = True
                 chosen += 1
-    n_placed = int(placed.sum())
-    if blend_share > 0 and dev is not None and n_placed:
-        budget = int(math.ceil(blend_share * n_placed - 1e-9))
-        idx = np.flatnonzero(placed)
+    n_cand = int(cand.sum())
+    if blend_share > 0 and dev is not None and n_cand:
+        budget = int(math.ceil(blend_share * n_cand - 1e-9))
+        idx = np.flatnonzero(cand)
         d = np.nan_to_num(np.asarray(dev, np.float64)[idx], nan=np.inf)
         order = idx[np.lexsort((idx, -d))][:budget]
         for i in order:
@@ -795,7 +798,8 @@ def repair_plan(placed, run_start=None, dev=None, first_k=0, blend_share=0.0, al
 
 
 def repair(model, tokens, kv, placed, run_start=None, policy="none"):
-    """A prompt whose KV is placed where `placed` is true (kv: per layer K, V
+    """A prompt whose KV is placed where `placed` is non-zero (1 approximate,
+    2 exact: never repaired; kv: per layer K, V
     [n][kv_heads][head_dim] at the prompt's positions 0..n-1, K rotated there;
     rows of gaps are ignored) repaired as the C engine does: gaps and the
     repair set recomputed in increasing position, each run of them seeing
@@ -808,11 +812,11 @@ def repair(model, tokens, kv, placed, run_start=None, policy="none"):
     o = parse_repair_policy(policy) if isinstance(policy, str) else dict(policy)
     tokens = np.asarray(tokens, np.int64)
     n = tokens.size
-    placed = np.asarray(placed, bool)
+    placed = np.asarray(placed).astype(np.int64)
     kv = [(np.array(k, np.float32), np.array(v, np.float32)) for k, v in kv]
     dev = None
     probed = 0
-    if o["blend_share"] > 0 and not o["all"] and placed.any():
+    if o["blend_share"] > 0 and not o["all"] and (placed == 1).any():
         L = o["blend_layer"]
         if L >= model.n_layers:
             raise ValueError(f"blend layer {L}: the model has {model.n_layers} layers")
@@ -840,7 +844,7 @@ def repair(model, tokens, kv, placed, run_start=None, policy="none"):
             kv[li][1][i:j] = nv
         logits = lg[-1]
         i = j
-    stats = {"prompt": n, "placed": int(placed.sum()), "gaps": int((~placed).sum()),
+    stats = {"prompt": n, "placed": int((placed != 0).sum()), "gaps": int((placed == 0).sum()),
              "repaired": chosen, "computed": int(compute.sum()), "probed": probed,
              "probe_layers": (o["blend_layer"] + 0.5) if probed else 0.0}
     return logits, kv, compute, stats

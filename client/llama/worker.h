@@ -265,11 +265,18 @@ typedef struct kvr_wk_repair_res {
 /* Parses "none", "all", "epic:K", "blend:SHARE[@LAYER]" (SHARE in (0, 1] or
  * "N%"), or several joined by "+" (e.g. "epic:16+blend:0.1"). */
 int kvr_wk_repair_parse(const char *s, kvr_wk_repair_opts *o, char *err, size_t errlen);
-/* The repair set, no llama.cpp: placed[i] (n entries) non-zero where KV is
- * placed, run_start[i] non-zero where a placed run begins (NULL: after every
- * gap and at 0); dev[i] the deviation of placed token i (NULL unless
- * blend_share > 0). compute[i] := 1 for gaps and chosen tokens, else 0.
- * Ties in dev go to the earlier token. Returns the placed tokens chosen. */
+/* Per prompt token: a gap (computed), placed approximate (a repair
+ * candidate), or placed exact (a run at its original place after the same
+ * text, e.g. a cached prefix: never repaired). */
+#define KVR_WK_GAP          0
+#define KVR_WK_PLACED       1
+#define KVR_WK_PLACED_EXACT 2
+/* The repair set, no llama.cpp: placed[i] (n entries, KVR_WK_GAP / PLACED /
+ * PLACED_EXACT), run_start[i] non-zero where a placed run begins (NULL:
+ * after every gap and at 0); dev[i] the deviation of placed token i (NULL
+ * unless blend_share > 0; the share is of the candidates). compute[i] := 1
+ * for gaps and chosen tokens, else 0. Ties in dev go to the earlier token.
+ * Returns the placed tokens chosen. */
 size_t kvr_wk_repair_plan(const uint8_t *placed, const uint8_t *run_start, size_t n,
                           const float *dev, const kvr_wk_repair_opts *o, uint8_t *compute);
 /* Seq 0 holds cells exactly at the placed positions of toks[0..n) (and
@@ -305,6 +312,16 @@ void   kvr_wk_quote(const char *s, size_t n, char *out, size_t cap);
 
 /* ---- the flows (worker_flows.c) ------------------------------------------ */
 struct kvr_llama_model;
+/* The daemon's cover verb (kvrope.h: kvr_client_cover, kvr_client_cover_get,
+ * kvr_cover_release), through pointers: the engine's cover path builds and
+ * is tested before and without the verb's client side. All NULL: the
+ * session engine never asks for a cover (prefix and PIE reuse only). */
+typedef struct kvr_wk_cover_api {
+    int  (*cover)(kvr_client *c, const kvr_cover_args *a, kvr_cover_res *out);
+    int  (*cover_get)(kvr_client *c, const kvr_cover_args *a, kvr_cover_res *out);
+    void (*release)(kvr_cover_res *r);
+} kvr_wk_cover_api;
+
 typedef struct kvr_wk_env {
     kvr_wk_lm     *lm;
     struct kvr_llama_model *profile;      /* the GGUF's (owned; NULL if unread) */
@@ -318,6 +335,7 @@ typedef struct kvr_wk_env {
      * and faulted in before the timed steps; freed by kvr_wk_env_bufs_free. */
     void          *pf_fetch, *pf_state;
     size_t         pf_fetch_cap, pf_state_cap;
+    kvr_wk_cover_api cover;               /* reuse anywhere (NULLs: off) */
     char           err[1024];
 } kvr_wk_env;
 void kvr_wk_env_bufs_free(kvr_wk_env *e);
@@ -436,6 +454,15 @@ typedef struct kvr_wk_sync_opts {
     bool        no_cache;    /* compute everything (cache_prompt: false) */
     size_t      max_d;       /* diff budget; 0 = 2048 */
     size_t      min_gap;     /* hunks closer than this are one op; 0 = 8 */
+    /* Reuse anywhere (e->cover set): when the session and the longest
+     * prefix leave at least KVR_COVER_MIN_RUN tokens to compute, the daemon's
+     * cover of the prompt is asked for; if it places at least that many
+     * more tokens, its runs are loaded re-rotated and the gaps and this
+     * repair set computed (kvr_wk_repair). NULL = EPIC first
+     * KVR_WK_REPAIR_DEFAULT_K. Blend's part is skipped without a probing
+     * context or room for the prompt twice in it. */
+    const struct kvr_wk_repair_opts *repair;
+    bool        no_cover;    /* never ask for a cover */
 } kvr_wk_sync_opts;
 #define KVR_WK_MAX_AGE 16u
 
@@ -446,7 +473,11 @@ typedef struct kvr_wk_sync_res {
     size_t n_refreshed;      /* old tokens re-encoded (after edit points, by age) */
     size_t n_ops;            /* PIE ops against the source context */
     size_t n_approx;         /* tokens of the prompt whose KV is approximate now */
-    char   source[KVR_ID_MAX + 1];   /* the context read ("" = none) */
+    size_t n_placed;         /* cover path: tokens placed from cached runs */
+    size_t n_repaired;       /* cover path: placed tokens recomputed (seams) */
+    size_t n_runs;           /* cover path: runs placed */
+    char   source[KVR_ID_MAX + 1];   /* the context read ("" = none; "cover" for
+                                        the cover path: runs of several) */
     double t_match_ms, t_fetch_ms, t_load_ms, t_decode_ms, t_total_ms;
 } kvr_wk_sync_res;
 

@@ -131,15 +131,17 @@ static int by_dev_desc(const void *a, const void *b)
 size_t kvr_wk_repair_plan(const uint8_t *placed, const uint8_t *run_start, size_t n,
                           const float *dev, const kvr_wk_repair_opts *o, uint8_t *compute)
 {
-    size_t n_placed = 0, chosen = 0;
+    size_t n_cand = 0, chosen = 0;     /* candidates: placed approximate tokens */
     for (size_t i = 0; i < n; i++) {
         compute[i] = placed[i] ? 0 : 1;
-        n_placed += placed[i] != 0;
+        n_cand += placed[i] == KVR_WK_PLACED;
     }
     if (o->all) {
-        for (size_t i = 0; i < n; i++)
+        for (size_t i = 0; i < n; i++) {
+            chosen += placed[i] != 0;
             compute[i] = 1;
-        return n_placed;
+        }
+        return chosen;
     }
     if (o->first_k) {
         size_t since = 0;     /* tokens of the current run so far */
@@ -150,19 +152,19 @@ size_t kvr_wk_repair_plan(const uint8_t *placed, const uint8_t *run_start, size_
             }
             bool starts = run_start ? run_start[i] != 0 : (i == 0 || !placed[i - 1]);
             since = starts ? 1 : since + 1;
-            if (since <= o->first_k && !compute[i]) {
+            if (since <= o->first_k && placed[i] == KVR_WK_PLACED && !compute[i]) {
                 compute[i] = 1;
                 chosen++;
             }
         }
     }
-    if (o->blend_share > 0 && dev && n_placed) {
-        size_t budget = (size_t)ceil(o->blend_share * (double)n_placed - 1e-9);
-        scored *sc = malloc(n_placed * sizeof *sc);
+    if (o->blend_share > 0 && dev && n_cand) {
+        size_t budget = (size_t)ceil(o->blend_share * (double)n_cand - 1e-9);
+        scored *sc = malloc(n_cand * sizeof *sc);
         if (sc) {
             size_t m = 0;
             for (size_t i = 0; i < n; i++)
-                if (placed[i])
+                if (placed[i] == KVR_WK_PLACED)
                     sc[m++] = (scored){ isnan(dev[i]) ? INFINITY : dev[i], i };
             qsort(sc, m, sizeof *sc, by_dev_desc);
             /* the budget is the blend's own: tokens EPIC already took count */
@@ -173,10 +175,10 @@ size_t kvr_wk_repair_plan(const uint8_t *placed, const uint8_t *run_start, size_
                 }
             free(sc);
         } else {
-            /* no memory for the ranking: recompute every placed token (the
-             * safe side: exact, only slower) */
+            /* no memory for the ranking: recompute every candidate (the safe
+             * side: exact, only slower) */
             for (size_t i = 0; i < n; i++)
-                if (!compute[i]) {
+                if (placed[i] == KVR_WK_PLACED && !compute[i]) {
                     compute[i] = 1;
                     chosen++;
                 }
@@ -257,7 +259,7 @@ static int deviations(kvr_wk_lm *lm, const int32_t *toks, size_t n, const uint8_
             cell[st.pos[c]] = c;
     for (size_t i = 0; i < n; i++) {
         dev[i] = 0;
-        if (!placed[i])
+        if (placed[i] != KVR_WK_PLACED)
             continue;
         if (cell[i] < 0) {
             snprintf(err, errlen, "placed token %zu has no cell in seq 0", i);
@@ -298,9 +300,13 @@ int kvr_wk_repair(kvr_wk_lm *lm, const int32_t *toks, size_t n, const uint8_t *p
         res->n_placed += placed[i] != 0;
     res->n_gap = n - res->n_placed;
     uint8_t *cmp = compute_out ? compute_out : malloc(n);
-    float *dev = o->blend_share > 0 && !o->all && res->n_placed ? malloc(n * sizeof *dev) : NULL;
+    size_t n_cand = 0;
+    for (size_t i = 0; i < n; i++)
+        n_cand += placed[i] == KVR_WK_PLACED;
+    bool blend = o->blend_share > 0 && !o->all && n_cand > 0;
+    float *dev = blend ? malloc(n * sizeof *dev) : NULL;
     int r = 0;
-    if (!cmp || (o->blend_share > 0 && !o->all && res->n_placed && !dev)) {
+    if (!cmp || (blend && !dev)) {
         snprintf(err, errlen, "out of memory for the repair plan of %zu tokens", n);
         r = -ENOMEM;
         goto out;

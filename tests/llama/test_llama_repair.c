@@ -20,9 +20,17 @@
  *  - no repair policy makes the mean KL from the full encode larger than no
  *    repair (plus KL_EPS for the f16 noise of recomputing the same KV);
  *  - the probe decode's layer-1 K and V equal the full encode's cells (f16);
- *  - plans and policy strings, without llama.cpp.
+ *  - plans and policy strings, without llama.cpp;
+ *  - the session engine's cover path (kvr_wk_sync with a stand-in for the
+ *    daemon's cover verb over a real test daemon): runs placed, the default
+ *    seams repaired, the stored context exact up to the first unrepaired
+ *    placed token and flagged approximate after it; with every token
+ *    repaired the greedy continuation is a full encode's; a cover that
+ *    places too little is not taken, one that does not match the prompt is
+ *    refused and stores nothing.
  */
 #include <criterion/criterion.h>
+#include <errno.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -491,4 +499,264 @@ Test(repair_plan, policy_strings)
         cr_assert_lt(kvr_wk_repair_parse(bad[i], &o, e, sizeof e), 0, "%s refused", bad[i]);
         cr_assert(strstr(e, "repair policy"), "%s: %s", bad[i], e);
     }
+}
+
+/* ---- the session engine's cover path (kvr_wk_sync), with a stand-in verb ----
+ *
+ * A real kvroped (the test daemon) holds prompt A's context, stored by the
+ * session engine itself. The daemon's cover verb is the other half of issue
+ * 27 (w-cover); here a stand-in with the same signature (kvr_wk_cover_api)
+ * answers the runs the test knows, each fetched by a real get re-rotated to
+ * its place in B: what the verb's get returns. */
+
+static kvr_testd D;
+
+typedef struct fake_run {
+    size_t ctx_off, prompt_off, n;
+} fake_run;
+static fake_run FR[8];
+static size_t NFR;
+static const char *F_CTX;
+static bool F_CORRUPT;      /* a stream whose tokens do not match the prompt */
+
+static int fake_fill(kvr_client *c, const kvr_cover_args *a, kvr_cover_res *out, bool get)
+{
+    memset(out, 0, sizeof *out);
+    out->n_prompt = a->n_tokens;
+    out->runs = calloc(NFR ? NFR : 1, sizeof *out->runs);
+    if (!out->runs)
+        return -ENOMEM;
+    out->n_runs = NFR;
+    size_t covered = 0;
+    for (size_t i = 0; i < NFR; i++) {
+        out->runs[i] = (kvr_cover_run){ .prompt_off = FR[i].prompt_off, .ctx_id = F_CTX,
+                                        .ctx_off = FR[i].ctx_off, .n_tokens = FR[i].n,
+                                        .exact = false, .stream_off = covered };
+        covered += FR[i].n;
+    }
+    out->n_covered = covered;
+    if (!get)
+        return 0;
+    /* the stream: runs in prompt order, layer-major f16 */
+    kvr_kv *kv = &out->kv;
+    out->has_kv = true;
+    kv->n_tokens = covered;
+    kv->tokens = calloc(covered, sizeof *kv->tokens);
+    kv->positions = calloc(covered, sizeof *kv->positions);
+    kv->flags = calloc(covered, sizeof *kv->flags);
+    kvr_kv part[8];
+    memset(part, 0, sizeof part);
+    size_t row = 0, nl = 0;
+    for (size_t i = 0; i < NFR; i++) {
+        int64_t pos[512];
+        for (size_t t = 0; t < FR[i].n; t++)
+            pos[t] = (int64_t)(FR[i].prompt_off + t);
+        kvr_get_args g = { .ctx_id = F_CTX, .start = FR[i].ctx_off,
+                           .end = FR[i].ctx_off + FR[i].n, .dtype = KVR_DTYPE_F16,
+                           .positions = pos, .n_positions = FR[i].n };
+        int r = kvr_client_get(c, &g, &part[i]);
+        if (r < 0)
+            return r;
+        row = (size_t)part[i].n_kv_heads * part[i].head_dim;
+        nl = part[i].n_layers;
+        size_t so = out->runs[i].stream_off;
+        for (size_t t = 0; t < FR[i].n; t++) {
+            kv->tokens[so + t] = part[i].tokens[t] + (F_CORRUPT && i == 1 && t == 3);
+            kv->positions[so + t] = part[i].positions[t];
+            kv->flags[so + t] = part[i].flags[t] | KVR_TOKEN_APPROX;
+        }
+    }
+    kv->dtype = KVR_DTYPE_F16;
+    kv->n_layers = nl;
+    kv->n_kv_heads = part[0].n_kv_heads;
+    kv->head_dim = part[0].head_dim;
+    snprintf(kv->model, sizeof kv->model, "%s", part[0].model);
+    kv->payload_len = nl * 2 * covered * row * 2;
+    uint8_t *pl = malloc(kv->payload_len);
+    kv->payload = pl;
+    for (size_t l = 0; l < nl; l++)
+        for (int w = 0; w < 2; w++)
+            for (size_t i = 0; i < NFR; i++) {
+                const uint8_t *src = (const uint8_t *)part[i].payload +
+                                     (l * 2 + (size_t)w) * FR[i].n * row * 2;
+                memcpy(pl + (l * 2 + (size_t)w) * covered * row * 2 +
+                           out->runs[i].stream_off * row * 2,
+                       src, FR[i].n * row * 2);
+            }
+    for (size_t i = 0; i < NFR; i++)
+        kvr_kv_release(&part[i]);
+    return 0;
+}
+
+static int fake_cover(kvr_client *c, const kvr_cover_args *a, kvr_cover_res *out)
+{
+    return fake_fill(c, a, out, false);
+}
+
+static int fake_cover_get(kvr_client *c, const kvr_cover_args *a, kvr_cover_res *out)
+{
+    return fake_fill(c, a, out, true);
+}
+
+static void fake_release(kvr_cover_res *r)
+{
+    free(r->runs);
+    free(r->kv.tokens);
+    free(r->kv.positions);
+    free(r->kv.flags);
+    free(r->kv.payload);
+    memset(r, 0, sizeof *r);
+}
+
+static kvr_wk_env E;
+static kvr_wk_report REP;
+
+static void cover_setup(void)
+{
+    cr_assert_eq(testd_start(&D, NULL), 0, "kvroped starts");
+    char model[600];
+    snprintf(model, sizeof model, "%s/eval/kvrope-code.gguf", testd_build_dir());
+    cr_assert_eq(access(model, R_OK), 0, "the trained model %s is built (make)", model);
+    memset(&E, 0, sizeof E);
+    kvr_wk_rep_init(&REP, "test");
+    E.rep = &REP;
+    E.n_gen = 1;
+    cr_assert_eq(kvr_client_connect(&E.kc, D.addr, NULL), 0);
+    cr_assert_eq(kvr_wk_lm_load(&E.lm, model, 1, E.err, sizeof E.err), 0, "%s", E.err);
+    cr_assert_eq(kvr_wk_register(&E, model), 0, "%s", E.err);
+    cr_assert_eq(kvr_wk_lm_context(E.lm, 2048, E.err, sizeof E.err), 0, "%s", E.err);
+    LM = E.lm;
+    IN = kvr_wk_lm_info_get(LM);
+    NFR = 0;
+    F_CORRUPT = false;
+}
+
+static void cover_teardown(void)
+{
+    kvr_wk_lm_destroy(E.lm);
+    LM = NULL;
+    kvr_wk_env_bufs_free(&E);
+    free(E.profile);
+    kvr_client_close(E.kc);
+    kvr_wk_rep_free(&REP);
+    testd_stop(&D);
+}
+
+static void sync_commit(const int32_t *t, size_t n, const kvr_wk_sync_opts *o,
+                        kvr_wk_sync_res *res)
+{
+    kvr_wk_step *st = NULL;
+    cr_assert_eq(kvr_wk_sync(&E, t, n, o, &st, res), 0, "%s", E.err);
+    cr_assert_eq(kvr_wk_commit(&E, st), 0, "%s", E.err);
+    kvr_wk_step_free(st);
+}
+
+/* n greedy tokens after the synced prompt of length np (seq 0). */
+static void greedy(size_t np, int32_t *out, size_t n)
+{
+    const float *lg = kvr_wk_lm_logits(LM);
+    for (size_t i = 0; i < n; i++) {
+        out[i] = kvr_wk_argmax(lg, IN->n_vocab);
+        cr_assert_eq(kvr_wk_lm_decode(LM, &out[i], 1, (int32_t)(np + i), 0, KVR_WK_LOGITS_LAST,
+                                      NULL, NULL, err, sizeof err), 0, "%s", err);
+        lg = kvr_wk_lm_logits(LM);
+    }
+}
+
+TestSuite(llama_cover, .init = cover_setup, .fini = cover_teardown, .timeout = 600);
+
+Test(llama_cover, sync_places_runs_repairs_seams_and_stores_flags)
+{
+    prompts p;
+    make_prompts(&p);
+    kvr_wk_sync_res res;
+    kvr_wk_sync_opts oa = { .session = "ctx-a", .no_cover = true };
+    sync_commit(p.a, p.na, &oa, &res);
+    F_CTX = "ctx-a";
+    E.cover = (kvr_wk_cover_api){ fake_cover, fake_cover_get, fake_release };
+    NFR = 0;
+    for (int j = 0; j < 3; j++) {
+        int i = p.order_b[j];
+        FR[NFR++] = (fake_run){ p.a_off[i], p.b_off[i], p.len[i] };
+    }
+    size_t placed = p.len[0] + p.len[1] + p.len[2];
+
+    /* the default repair: EPIC first 16 of each run */
+    kvr_wk_sync_opts ob = { .session = "ctx-b" };
+    sync_commit(p.b, p.nb, &ob, &res);
+    cr_assert_str_eq(res.source, "cover");
+    cr_assert_eq(res.n_placed, placed);
+    cr_assert_eq(res.n_runs, 3);
+    cr_assert_eq(res.n_repaired, 3 * KVR_WK_REPAIR_DEFAULT_K);
+    cr_assert_eq(res.n_computed, p.nb - placed + res.n_repaired);
+    cr_assert_eq(res.n_reused + res.n_computed, p.nb);
+    /* stored: B's tokens at 0..n-1, exact before the first unrepaired placed
+     * token, approximate from there */
+    kvr_get_args g = { .ctx_id = "ctx-b", .dtype = KVR_DTYPE_F16, .meta_only = true };
+    kvr_kv m;
+    cr_assert_eq(kvr_client_get(E.kc, &g, &m), 0, "%s", kvr_client_last_error(E.kc));
+    cr_assert_eq(m.n_tokens, p.nb);
+    size_t f = p.b_off[p.order_b[0]] + KVR_WK_REPAIR_DEFAULT_K;
+    cr_assert_eq(res.n_approx, p.nb - f);
+    for (size_t i = 0; i < p.nb; i++) {
+        cr_assert_eq(m.tokens[i], (uint32_t)p.b[i]);
+        cr_assert_eq(m.positions[i], (int64_t)i);
+        cr_assert_eq(!!(m.flags[i] & KVR_TOKEN_APPROX), i >= f, "token %zu flagged %s", i,
+                     i >= f ? "approximate" : "exact");
+    }
+    kvr_kv_release(&m);
+
+    /* everything repaired: the greedy continuation is a full encode's */
+    int32_t want[16], got[16];
+    kvr_wk_sync_opts full = { .no_cache = true };
+    kvr_wk_step *st = NULL;
+    cr_assert_eq(kvr_wk_sync(&E, p.b, p.nb, &full, &st, &res), 0, "%s", E.err);
+    kvr_wk_step_free(st);
+    greedy(p.nb, want, 16);
+    kvr_wk_repair_opts all = { .all = true };
+    kvr_wk_sync_opts oc = { .session = "ctx-c", .repair = &all };
+    sync_commit(p.b, p.nb, &oc, &res);
+    cr_assert_str_eq(res.source, "cover");
+    cr_assert_eq(res.n_repaired, placed);
+    cr_assert_eq(res.n_approx, 0);
+    greedy(p.nb, got, 16);
+    cr_assert_arr_eq(got, want, sizeof want, "all repaired: the same greedy tokens as a full "
+                     "encode");
+    free_prompts(&p);
+}
+
+/* A cover that places too little is not taken; one that does not match the
+ * prompt is refused with a reason and stores nothing. */
+Test(llama_cover, small_or_wrong_covers)
+{
+    prompts p;
+    make_prompts(&p);
+    kvr_wk_sync_res res;
+    kvr_wk_sync_opts oa = { .session = "ctx-a", .no_cover = true };
+    sync_commit(p.a, p.na, &oa, &res);
+    F_CTX = "ctx-a";
+    E.cover = (kvr_wk_cover_api){ fake_cover, fake_cover_get, fake_release };
+    NFR = 0;
+    for (int j = 0; j < 3; j++) {
+        int k = p.order_b[j];
+        FR[NFR++] = (fake_run){ p.a_off[k], p.b_off[k], p.len[k] };
+    }
+    F_CORRUPT = true;
+    kvr_wk_step *st = NULL;
+    kvr_wk_sync_opts od = { .session = "ctx-d" };
+    cr_assert_lt(kvr_wk_sync(&E, p.b, p.nb, &od, &st, &res), 0);
+    cr_assert_null(st);
+    cr_assert(strstr(E.err, "does not match the prompt"), "%s", E.err);
+    kvr_context info;
+    cr_assert_eq(kvr_client_stat(E.kc, "ctx-d", &info), KVR_ENOCTX, "nothing stored");
+    F_CORRUPT = false;
+    int i = p.order_b[1];
+    NFR = 1;
+    FR[0] = (fake_run){ p.a_off[i], p.b_off[i], KVR_COVER_MIN_RUN - 1 };
+    kvr_wk_sync_opts ob = { .session = "ctx-b" };
+    sync_commit(p.b, p.nb, &ob, &res);
+    cr_assert_str_neq(res.source, "cover");
+    cr_assert_eq(res.n_placed, 0);
+
+    free_prompts(&p);
 }
