@@ -63,7 +63,7 @@ typedef enum kvrd_conn_state {
 
 /* Requests counted per verb: one counter per entry of dispatch.c's verb
  * table, in its order (kvrd_verb_name gives the names). */
-#define KVR_N_VERBS 26
+#define KVR_N_VERBS 27
 
 typedef struct kvr_conn kvr_conn;
 /* A reply held back while a read callback runs (conn.c's cork). */
@@ -401,6 +401,21 @@ int  kvrd_persist_defer(kvr_daemon *d, const char *ctx_id, kvrd_request *r, kvr_
 /* Metrics of the disk tier for stats: fills up to cap, returns the count.
  * Names are static strings. */
 size_t kvr_persist_metrics(kvr_daemon *d, const char **names, double *values, size_t cap);
+
+/* ---- t_cover.c: the Cover verb ------------------------------------------ */
+/* The verb's state from its start to its reply (t_cover.c has the rest). */
+typedef struct kvrd_cover kvrd_cover;
+/* Loop thread: computes the cover of q's prompt and, with q->get, opens
+ * the placed read into *as (dst: the shm slice it is produced into, or
+ * NULL). On failure nothing is owned (*out, *as NULL) and e says why. */
+int  kvrd_cover_begin(kvr_store *s, const Kvrope__Cover *q, void *dst, size_t dst_cap,
+                      kvrd_cover **out, kvr_assemble **as, kvr_error *e);
+/* True when the reply has no payload (no get, or meta_only). */
+bool kvrd_cover_meta(const kvrd_cover *cv);
+/* The CoverResult (as: the placed read, or NULL), owned by cv and valid
+ * until kvrd_cover_free; KVR_ENOMEM. */
+int  kvrd_cover_result(kvrd_cover *cv, const kvr_assemble *as, Kvrope__CoverResult **out);
+void kvrd_cover_free(kvrd_cover *cv);   /* NULL: no-op */
 
 /* ---- warm.c: --prefault ------------------------------------------------ */
 /* Starts faulting in --prefault bytes in the background (0: nothing). */

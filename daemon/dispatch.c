@@ -87,6 +87,7 @@ struct kvrd_request {
     kvr_edit        *edit;
     kvr_get         *get;
     kvr_assemble    *as;
+    kvrd_cover      *cover;         /* cover: its runs (t_cover.c); as: its get */
     /* PERSIST: the packed reply */
     uint8_t         *held;
     size_t           held_len;
@@ -169,6 +170,8 @@ static void release_txn(kvrd_request *r)
     r->rjob = NULL;
     kvr_get_end(r->get);
     kvr_assemble_end(r->as);
+    kvrd_cover_free(r->cover);
+    r->cover = NULL;
     r->put = NULL;
     r->edit = NULL;
     r->get = NULL;
@@ -180,7 +183,7 @@ void kvrd_request_end(kvrd_request *r, int status)
     kvr_conn *c = r->c;
     assert(c->req == r);
     assert(r->phase == RQ_RUN || r->phase == RQ_STREAM);
-    assert(!r->put && !r->edit && !r->get && !r->as && !r->held);
+    assert(!r->put && !r->edit && !r->get && !r->as && !r->cover && !r->held);
     /* Every request passes here exactly once, whatever its path: this is
      * where per-request figures go. A metrics hook is one call here:
      * verb r->verb (NULL: none), status (KVR_E*, 0 OK; a request whose
@@ -1686,6 +1689,70 @@ static void finish_assemble(kvrd_request *r)
     kvrd_pb_assemble_result_free(&ar);
 }
 
+/* Cover (t_cover.c): the runs, and with get their placed K/V, which goes
+ * out as an assemble's does (r->as). */
+static void do_cover(kvrd_request *r)
+{
+    kvr_error e = { 0 };
+    int rc = kvrd_cover_begin(r->d->store, r->msg->cover, r->shm ? r->shm_p : NULL,
+                              r->shm_len, &r->cover, &r->as, &e);
+    if (rc < 0) {
+        reply_err(r, rc, &e);
+        return;
+    }
+    r->meta = kvrd_cover_meta(r->cover);
+    size_t need = r->meta ? 0 : kvr_assemble_payload_size(r->as);
+    if (r->shm && need > r->shm_len) {
+        release_txn(r);
+        reply_errf(r, KVR_ERANGE, "shm: the placed payload is %zu bytes, the region slice "
+                   "holds %zu", need, r->shm_len);
+        return;
+    }
+    bool work = !r->meta && kvr_assemble_needs_work(r->as);
+    if (work && (rc = kvr_assemble_stage(r->as, &e)) < 0) {
+        release_txn(r);
+        reply_err(r, rc, &e);
+        return;
+    }
+    run(r, work);
+}
+
+static void finish_cover(kvrd_request *r)
+{
+    kvr_assemble *t = r->as;
+    kvrd_cover *cv = r->cover;
+    r->as = NULL;
+    r->cover = NULL;
+    Kvrope__Response resp = KVROPE__RESPONSE__INIT;
+    resp.body_case = KVROPE__RESPONSE__BODY_COVER;
+    if (r->work_rc < 0 || kvrd_cover_result(cv, t, &resp.cover) < 0) {
+        kvr_assemble_end(t);
+        kvrd_cover_free(cv);
+        if (r->work_rc < 0)
+            reply_err(r, r->work_rc, &r->work_err);
+        else
+            reply_errf(r, KVR_ENOMEM, "out of memory for the cover's runs");
+        return;
+    }
+    size_t payload = r->meta ? 0 : kvr_assemble_payload_size(t);
+    Kvrope__ShmSlice sl = KVROPE__SHM_SLICE__INIT;
+    const struct iovec *iov = NULL;
+    size_t niov = 0;
+    if (r->shm && t) {
+        sl.region = r->shm->id;
+        sl.offset = (uint64_t)(r->shm_p - r->shm->base);
+        sl.length = payload;
+        resp.shm = &sl;
+        send_ok(r, &resp, NULL, 0, 0, NULL, NULL);
+        kvr_assemble_end(t);
+    } else {
+        if (payload > 0)
+            kvr_assemble_payload_iov(t, &iov, &niov);
+        send_ok(r, &resp, iov, niov, payload, t ? end_assemble_cb : NULL, t);
+    }
+    kvrd_cover_free(cv);
+}
+
 /* Replies with the context's LayoutInfo (layout_stat, set_group_offset,
  * set_retention). */
 static void reply_layout(kvrd_request *r, const char *id)
@@ -1843,6 +1910,7 @@ static const kvrd_verb VERBS[KVR_N_VERBS] = {
     VERB(register_region,  REGISTER_REGION,  0,             NULL, NULL, NULL),
     VERB(release_region,   RELEASE_REGION,   0,             NULL, NULL, NULL),
     VERB(remove_model,     REMOVE_MODEL,     0,             NULL, NULL, NULL),
+    VERB(cover,            COVER,            V_PAYLOAD_OUT, NULL, work_assemble, finish_cover),
 };
 #undef VERB
 

@@ -140,6 +140,10 @@ long cli_parse_i64_list(const char *s, int64_t **out);
  * array, else text as above. */
 long cli_read_tokens_file(const char *path, uint32_t **out, char *err, size_t errlen);
 
+/* The prompt of --tokens 1,2,3 or --tokens-file F (new array, free; *n -1
+ * when neither was given and !required). CLI_OK or the exit code, printed. */
+int cli_load_tokens(const cli_args *a, uint32_t **tok, long *n, bool required);
+
 /* ---- position layouts (cli_layout.c) ------------------------------------ */
 struct cJSON;
 
@@ -185,6 +189,12 @@ bool cli_llama_command(const char *cmd);
 int  cli_llama_run(kvr_client *c, const cli_args *a);
 bool cli_llama_option_takes_value(const char *name);
 bool cli_llama_option_is_flag(const char *name);
+
+/* ---- covers (cli_cover.c) ----------------------------------------------- */
+extern const char cli_cover_help[];
+bool cli_cover_command(const char *cmd);
+int  cli_cover_run(kvr_client *c, const cli_args *a);
+bool cli_cover_option_takes_value(const char *name);
 
 /* Shared by the command files (cli_cmd.c defines them). */
 void cli_print_json(struct cJSON *j);         /* prints and frees j */

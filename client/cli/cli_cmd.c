@@ -568,7 +568,7 @@ static int cmd_stat(kvr_client *c, const cli_args *a)
     return CLI_OK;
 }
 
-static int load_tokens(const cli_args *a, uint32_t **tok, long *n, bool required)
+int cli_load_tokens(const cli_args *a, uint32_t **tok, long *n, bool required)
 {
     const char *tl = cli_opt(a, "tokens"), *tf = cli_opt(a, "tokens-file");
     *tok = NULL;
@@ -638,7 +638,7 @@ static int cmd_put(kvr_client *c, const cli_args *a)
         return cli_usage_err("--positions: want comma-separated integers");
     uint32_t *tokens = NULL;
     long ntok;
-    int rc = load_tokens(a, &tokens, &ntok, !st_file);
+    int rc = cli_load_tokens(a, &tokens, &ntok, !st_file);
     if (rc != CLI_OK) {
         free(positions);
         return rc;
@@ -1021,7 +1021,7 @@ static int cmd_match(kvr_client *c, const cli_args *a)
                          "[--get -o FILE]");
     uint32_t *tok;
     long n;
-    int rc = load_tokens(a, &tok, &n, true);
+    int rc = cli_load_tokens(a, &tok, &n, true);
     if (rc != CLI_OK)
         return rc;
     kvr_match_args m = { .model = model, .tokens = tok, .n_tokens = (size_t)n,

@@ -206,7 +206,8 @@ static int parse_args(int argc, char **argv, cli_args *a)
                 goto positional;
             }
             if (cli_option_takes_value(name) || cli_layout_option_takes_value(name) ||
-                cli_llama_option_takes_value(name) || cli_payload_option_takes_value(name)) {
+                cli_llama_option_takes_value(name) || cli_payload_option_takes_value(name) ||
+                cli_cover_option_takes_value(name)) {
                 if (!val) {
                     if (i + 1 >= argc) {
                         fprintf(stderr, "kvrope: option --%s needs a value\n", name);
@@ -290,6 +291,7 @@ static void print_help(FILE *f)
     fputs(cli_layout_help, f);
     fputs(cli_layout_help_file, f);
     fputs(cli_payload_help, f);
+    fputs(cli_cover_help, f);
     fputs(cli_llama_help, f);
     fputs(help_tail, f);
 }
@@ -352,7 +354,7 @@ static bool print_command_help(const cli_args *a)
 {
     const char *cmd = !strcmp(a->cmd, "list") ? "ls" : a->cmd;
     const char *const sections[] = { help_text, help_put, help_edit, cli_layout_help, cli_llama_help,
-                                     cli_payload_help };
+                                     cli_payload_help, cli_cover_help };
     const size_t n_sections = sizeof sections / sizeof sections[0];
     const char *sub = a->npos > 0 ? a->pos[0] : NULL;
     int n = 0;
@@ -424,7 +426,7 @@ int main(int argc, char **argv)
         return CLI_USAGE;
     }
     if (!cli_known_command(a.cmd) && !cli_layout_command(a.cmd) && !cli_llama_command(a.cmd) &&
-        !cli_payload_command(a.cmd)) {
+        !cli_payload_command(a.cmd) && !cli_cover_command(a.cmd)) {
         fprintf(stderr, "kvrope: unknown command '%s' (see kvrope --help)\n", a.cmd);
         free_args(&a);
         return CLI_USAGE;
@@ -481,6 +483,7 @@ int main(int argc, char **argv)
     rc = cli_layout_command(a.cmd)    ? cli_layout_run(c, &a)
        : cli_llama_command(a.cmd)   ? cli_llama_run(c, &a)
        : cli_payload_command(a.cmd) ? cli_payload_run(c, &a)
+       : cli_cover_command(a.cmd)   ? cli_cover_run(c, &a)
                                     : cli_run(c, &a);
     kvr_client_close(c);
     free_args(&a);

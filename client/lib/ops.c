@@ -1323,3 +1323,116 @@ int kvr_client_set_retention(kvr_client *c, const char *ctx_id, uint64_t sinks,
     REQUEST(req, SET_RETENTION, set_retention, &m);
     return layout_call(c, &req, "set retention", out);
 }
+
+/* ---- cover ----------------------------------------------------------------- */
+
+void kvr_cover_release(kvr_cover_res *r)
+{
+    if (!r)
+        return;
+    kvr_kv_release(&r->kv);
+    free(r->runs);
+    free(r->gaps);
+    memset(r, 0, sizeof *r);
+}
+
+/* The runs (their ids in the same allocation, after them) and the gaps
+ * between them, from the reply. */
+static int cover_from_wire(kvr_client *c, const Kvrope__CoverResult *w, kvr_cover_res *out)
+{
+    size_t n = w->n_runs, ids = 0;
+    for (size_t i = 0; i < n; i++)
+        ids += strlen(w->runs[i]->context_id) + 1;
+    out->runs = malloc(n * sizeof *out->runs + ids + 1);
+    out->gaps = malloc((n + 1) * sizeof *out->gaps);
+    if (!out->runs || !out->gaps)
+        return kvr__fail(c, KVR_ENOMEM, "cover: out of memory for %zu runs", n);
+    char *s = (char *)(out->runs + n);
+    uint64_t at = 0;
+    for (size_t i = 0; i < n; i++) {
+        const Kvrope__CoverRun *x = w->runs[i];
+        if (x->prompt_offset < at || x->token_count > w->prompt_length ||
+            x->prompt_offset > w->prompt_length - x->token_count)
+            return kvr__fail(c, KVR_EPROTO, "cover: run %zu out of order or past the prompt",
+                             i);
+        if (x->prompt_offset > at)
+            out->gaps[out->n_gaps++] = (kvr_cover_gap){ at, x->prompt_offset - at };
+        size_t len = strlen(x->context_id) + 1;
+        memcpy(s, x->context_id, len);
+        out->runs[i] = (kvr_cover_run){
+            .prompt_off = x->prompt_offset, .ctx_id = s, .ctx_off = x->context_offset,
+            .n_tokens = x->token_count, .n_approx = x->n_approximate, .exact = x->exact,
+            .stream_off = x->has_stream_offset ? x->stream_offset : 0,
+        };
+        s += len;
+        at = x->prompt_offset + x->token_count;
+    }
+    if (at < w->prompt_length)
+        out->gaps[out->n_gaps++] = (kvr_cover_gap){ at, w->prompt_length - at };
+    out->n_runs = n;
+    out->n_prompt = w->prompt_length;
+    out->n_covered = w->covered;
+    return 0;
+}
+
+static int cover_call(kvr_client *c, const kvr_cover_args *a, bool get, kvr_cover_res *out)
+{
+    memset(out, 0, sizeof *out);
+    c->err[0] = 0;
+    int r = check_id(c, "cover model", a->model);
+    if (r < 0)
+        return r;
+    if (a->n_tokens && !a->tokens)
+        return kvr__fail(c, KVR_EINVAL, "cover: tokens missing");
+    Kvrope__Cover m = KVROPE__COVER__INIT;
+    m.model = unconst(a->model);
+    m.n_tokens = a->n_tokens;
+    m.tokens = (uint32_t *)(uintptr_t)a->tokens;
+    SET_IF(m, min_run, a->min_run);
+    if (get) {
+        m.has_get = m.get = 1;
+        SET_IF(m, pos_base, a->pos_base);
+        m.has_dtype = 1;
+        m.dtype = (Kvrope__DType)a->dtype;
+        if (a->layers) {
+            m.n_layers = a->n_layers;
+            m.layers = (uint32_t *)(uintptr_t)a->layers;
+        }
+        SET_FLAG(m, meta_only, a->meta_only);
+    }
+    REQUEST(req, COVER, cover, &m);
+    Kvrope__Response *resp;
+    uint64_t pl;
+    if (get && a->dst && !a->meta_only && !c->shm_next)
+        kvr__place_next(c, a->dst, a->dst_cap);
+    r = kvr__call(c, &req, NULL, 0, 0, &resp, &pl);
+    if (r < 0)
+        return r;
+    if (resp->body_case != KVROPE__RESPONSE__BODY_COVER || (get && !resp->cover->kv)) {
+        r = kvr__drain(c, pl);
+        return r < 0 ? r : bad_body(c, resp, "cover");
+    }
+    r = cover_from_wire(c, resp->cover, out);
+    if (r == 0 && get) {
+        r = take_kv(c, resp->cover->kv, pl, &out->kv, a->meta_only, a->dst, a->dst_cap, NULL,
+                    NULL);
+        out->has_kv = r == 0;
+    } else if (pl) {
+        int d = kvr__drain(c, pl);
+        r = r < 0 ? r : d;
+    }
+    kvrope__response__free_unpacked(resp, NULL);
+    if (r < 0)
+        kvr_cover_release(out);
+    return r;
+}
+
+int kvr_client_cover(kvr_client *c, const kvr_cover_args *a, kvr_cover_res *out)
+{
+    return cover_call(c, a, false, out);
+}
+
+int kvr_client_cover_get(kvr_client *c, const kvr_cover_args *a, kvr_cover_res *out)
+{
+    return cover_call(c, a, true, out);
+}

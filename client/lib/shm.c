@@ -243,6 +243,15 @@ int kvr_client_assemble_shm(kvr_client *c, const kvr_assemble_args *a, const kvr
     return r;
 }
 
+int kvr_client_cover_shm(kvr_client *c, const kvr_cover_args *a, const kvr_shm *at,
+                         kvr_cover_res *out)
+{
+    place_out(c, at);
+    int r = kvr_client_cover_get(c, a, out);
+    c->shm_next = false;
+    return r;
+}
+
 int kvr_client_edit_shm(kvr_client *c, const kvr_edit_args *a, const kvr_shm *at,
                         kvr_edit_res *out)
 {

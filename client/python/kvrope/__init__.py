@@ -32,7 +32,9 @@ ValueError / TypeError before anything is sent.
 Verbs: ping, register_model, models, model, put, get, match, delete, list,
 stat, exists, pin, unpin, fork, shift, keep, stats, edit_plan, edit,
 refresh, stat_edit, stat_codec, assemble, group_append, layout,
-set_group_offset, set_retention — one Client method each. Codecs at rest
+set_group_offset, set_retention, cover — one Client method each. cover()
+finds cached runs anywhere in a prompt and with get=True returns their K/V
+placed for it (docs/reuse.md). Codecs at rest
 (docs/quantized.md): register_model(codec=), put(codec=), get(raw=True) ->
 RawKV, stat_codec() -> CodecInfo. On an older libkvrope lacking a
 verb's C function, its method raises kvrope.Unsupported (nothing is sent).
@@ -48,7 +50,7 @@ import os
 from . import errors, tensors
 from .client import (Client, Context, KV, Match, Model, Pong, PutResult, EditResult, EditSpan,
                      Assembly, Segment, Layout, Group, CodecInfo, RawKV, FLAG_APPROX,
-                     FLAG_PENDING, Region, token_age, tokens_hash)
+                     FLAG_PENDING, Region, token_age, tokens_hash, Cover, CoverRun)
 from .errors import *  # noqa: F401,F403  (KvropeError and its subclasses)
 from .session import EditSession, SyncResult, CommitResult, diff_hunks
 from .errors import KvropeError, Unsupported

@@ -246,6 +246,34 @@ class kvr_shm(Structure):
     _fields_ = [("region", c_uint32), ("offset", c_uint64), ("length", c_uint64)]
 
 
+# ---- cover (cached runs anywhere in a prompt; docs/reuse.md) ----
+COVER_GRAIN, COVER_MIN_RUN, COVER_MAX_TOKENS = 16, 16, 128 * 1024   # KVR_COVER_*
+
+
+class kvr_cover_args(Structure):
+    _fields_ = [("model", c_char_p), ("tokens", POINTER(c_uint32)), ("n_tokens", c_size_t),
+                ("min_run", c_uint32), ("pos_base", c_int64), ("dtype", c_int),
+                ("layers", POINTER(c_uint32)), ("n_layers", c_size_t),
+                ("meta_only", c_bool), ("dst", c_void_p), ("dst_cap", c_size_t)]
+
+
+class kvr_cover_run(Structure):
+    _fields_ = [("prompt_off", c_uint64), ("ctx_id", c_char_p), ("ctx_off", c_uint64),
+                ("n_tokens", c_uint64), ("n_approx", c_uint64), ("exact", c_bool),
+                ("stream_off", c_uint64)]
+
+
+class kvr_cover_gap(Structure):
+    _fields_ = [("prompt_off", c_uint64), ("n_tokens", c_uint64)]
+
+
+class kvr_cover_res(Structure):
+    _fields_ = [("n_prompt", c_uint64), ("n_covered", c_uint64),
+                ("runs", POINTER(kvr_cover_run)), ("n_runs", c_size_t),
+                ("gaps", POINTER(kvr_cover_gap)), ("n_gaps", c_size_t),
+                ("has_kv", c_bool), ("kv", kvr_kv)]
+
+
 class kvr_metric(Structure):
     _fields_ = [("name", c_char * 120), ("value", c_double)]
 
@@ -258,7 +286,8 @@ STRUCTS = {c.__name__: c for c in (kvr_client_opts, kvr_pong, kvr_rope_config, k
                                    kvr_edit_args, kvr_edit_span_res, kvr_edit_res,
                                    kvr_refresh_args, kvr_assemble_args,
                                    kvr_segment_res, kvr_assemble_res, kvr_group_res,
-                                   kvr_layout_res)}
+                                   kvr_layout_res, kvr_cover_args, kvr_cover_run,
+                                   kvr_cover_gap, kvr_cover_res)}
 
 H = c_void_p  # kvr_client *
 
@@ -314,12 +343,18 @@ PROTOTYPES = {
                                             POINTER(kvr_layout_res)]),
     "kvr_client_set_retention": (c_int, [H, c_char_p, c_uint64, c_uint64, c_bool,
                                          POINTER(kvr_layout_res)]),
+    # cover
+    "kvr_client_cover": (c_int, [H, POINTER(kvr_cover_args), POINTER(kvr_cover_res)]),
+    "kvr_client_cover_get": (c_int, [H, POINTER(kvr_cover_args), POINTER(kvr_cover_res)]),
+    "kvr_cover_release": (None, [POINTER(kvr_cover_res)]),
     # shared memory (Unix socket)
     "kvr_client_region_create": (c_int, [H, c_size_t, POINTER(c_uint32), POINTER(c_void_p)]),
     "kvr_client_region_release": (c_int, [H, c_uint32]),
     "kvr_client_put_shm": (c_int, [H, POINTER(kvr_put_args), POINTER(kvr_shm),
                                    POINTER(kvr_put_res)]),
     "kvr_client_get_shm": (c_int, [H, POINTER(kvr_get_args), POINTER(kvr_shm), POINTER(kvr_kv)]),
+    "kvr_client_cover_shm": (c_int, [H, POINTER(kvr_cover_args), POINTER(kvr_shm),
+                                     POINTER(kvr_cover_res)]),
 }
 # Symbols a library may lack and still load (the method that needs one raises
 # kvrope.Unsupported): none since the ABI was folded at 0.2.0.

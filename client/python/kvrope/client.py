@@ -1184,6 +1184,60 @@ class Client:
         return Layout._from(r)
 
 
+    def cover(self, model, tokens, *, min_run=None, get=False, pos_base=0, dtype="f32",
+              layers=None, meta_only=False, out=None, shm=None):
+        """Which cached runs make up `tokens` (a prompt of up to 131072 ids),
+        found anywhere in it, not only as a prefix (docs/reuse.md); -> Cover
+        (runs in prompt order, gaps: what the engine must compute).
+        min_run: the shortest run worth placing (default 16; >= 1).
+        get=True: also the runs' K/V in one stream (Cover.kv, tokens in prompt
+        order, each key re-rotated to pos_base + its prompt offset; flags bit 0
+        on every token of a run that is not exact); dtype, layers, meta_only,
+        out and shm=Region or (Region, offset) as for get()."""
+        mn = _b(model, "model")
+        toks = tokens_array(tokens)
+        if min_run is not None and (isinstance(min_run, bool) or
+                                    not isinstance(min_run, (int, np.integer))):
+            raise TypeError(f"min_run must be an int, got {type(min_run).__name__}")
+        if min_run is not None and not 1 <= int(min_run) <= _lib.COVER_MAX_TOKENS:
+            raise ValueError(f"min_run must be 1..{_lib.COVER_MAX_TOKENS}, got {min_run}")
+        if not get and (out is not None or shm is not None or meta_only):
+            raise ValueError("cover: out, shm and meta_only are for get=True")
+        dt = T.dtype_name(dtype)
+        lay = self._layers(layers)
+        dst, cap = self._out_buf(out, dt)
+        a = _lib.kvr_cover_args()
+        a.model, a.tokens, a.n_tokens = mn, _ptr(toks, c_uint32), toks.size
+        a.min_run = 0 if min_run is None else int(min_run)
+        a.pos_base, a.dtype = _i64(pos_base, "pos_base"), T.CODES[dt]
+        a.layers, a.n_layers = _ptr(lay, c_uint32), 0 if lay is None else lay.size
+        a.meta_only, a.dst, a.dst_cap = bool(meta_only), dst, cap
+        r = _lib.kvr_cover_res()
+        reg = None
+        if shm is not None:
+            if out is not None:
+                raise ValueError("cover: out and shm exclude each other")
+            reg, off = _shm_place(shm)
+            place = _lib.kvr_shm(reg.id, off or 0, 0)
+            self._call("kvr_client_cover_shm", byref(a), byref(place), byref(r))
+        elif get:
+            self._call("kvr_client_cover_get", byref(a), byref(r))
+        else:
+            self._call("kvr_client_cover", byref(a), byref(r))
+        try:
+            runs = tuple(CoverRun(int(x.prompt_off), x.ctx_id.decode(), int(x.ctx_off),
+                                  int(x.n_tokens), int(x.n_approx), bool(x.exact),
+                                  int(x.stream_off))
+                         for x in (r.runs[i] for i in range(r.n_runs)))
+            gaps = tuple((int(r.gaps[i].prompt_off), int(r.gaps[i].n_tokens))
+                         for i in range(r.n_gaps))
+            n_prompt, n_covered = int(r.n_prompt), int(r.n_covered)
+            kv = self._take(r.kv, out, reg) if r.has_kv else None
+        finally:
+            self._lib.kvr_cover_release(byref(r))
+        return Cover(n_prompt, n_covered, runs, gaps, kv)
+
+
 _LAYOUTS = {"parallel": _lib.LAYOUT_PARALLEL, "sequential": _lib.LAYOUT_SEQUENTIAL,
             "explicit": _lib.LAYOUT_EXPLICIT}
 SEGMENT_KINDS = {_lib.SEGMENT_PREFIX: "prefix", _lib.SEGMENT_DOCUMENT: "document",
@@ -1228,6 +1282,35 @@ class Assembly:
             if s.kind == "document":
                 m[s.start:s.end] = True
         return m
+
+
+@dataclass(frozen=True)
+class CoverRun:
+    prompt_off: int        # prompt tokens [prompt_off, end) ...
+    ctx_id: str
+    ctx_off: int           # ... are the context's [ctx_off, ctx_off + n_tokens)
+    n_tokens: int
+    n_approx: int          # of them approximate in the context
+    exact: bool            # at its context's own place after the same text
+    stream_off: int        # get: its first token in Cover.kv
+
+    end = property(lambda self: self.prompt_off + self.n_tokens)
+
+
+@dataclass
+class Cover:
+    n_prompt: int
+    n_covered: int
+    runs: tuple            # CoverRun, in prompt order
+    gaps: tuple            # (prompt_off, n_tokens) the engine computes
+    kv: Optional["KV"] = None   # get=True: the runs' K/V, placed
+
+    def placed(self):
+        """int64 [n_covered]: the prompt offset of each token of kv's stream."""
+        out = np.empty(self.n_covered, dtype=np.int64)
+        for r in self.runs:
+            out[r.stream_off:r.stream_off + r.n_tokens] = np.arange(r.prompt_off, r.end)
+        return out
 
 
 @dataclass(frozen=True)
