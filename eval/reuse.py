@@ -21,6 +21,9 @@ daemon's get with target positions); B's header is a gap. Rows:
   CacheBlend p%          + the p% placed tokens whose layer-1 K/V deviates most
                            (found by a probe pass through layer 1: its cost is
                            counted in "with selection")
+  kvroped's cover        the daemon's cover verb finds B's runs by content in
+                           A's context and places them (what kvrope serve
+                           does), EPIC's 16 per run repaired
   prefix caching         the longest common prefix with A reused (what
                            llama-server and vLLM reuse), the rest computed
   APE parallel           the chunks encoded once after B's header as APE
@@ -61,11 +64,12 @@ import measure as M  # noqa: E402
 
 LN2 = math.log(2.0)
 METHODS = ["full", "none_repair", "epic:4", "epic:16", "epic:32", "blend:0.05", "blend:0.15",
-           "blend:0.3", "prefix", "ape_parallel", "nochunks"]
+           "blend:0.3", "cover_epic16", "prefix", "ape_parallel", "nochunks"]
 LABEL = {"full": "full encode", "none_repair": "placed runs, no repair",
          "epic:4": "EPIC first 4 of each run", "epic:16": "EPIC first 16 of each run",
          "epic:32": "EPIC first 32 of each run", "blend:0.05": "CacheBlend 5% (layer 1)",
          "blend:0.15": "CacheBlend 15% (layer 1)", "blend:0.3": "CacheBlend 30% (layer 1)",
+         "cover_epic16": "kvroped's cover + EPIC 16 (kvrope serve's path)",
          "prefix": "plain prefix caching", "ape_parallel": "APE parallel (T = 1, S = 1)",
          "nochunks": "no chunks"}
 MARK_BEGIN = "<!-- reuse:begin {} (eval/reuse.py) -->"     # one block per engine
@@ -199,9 +203,18 @@ def reuse_case(client, enc, rep, model, uid, rel, chunks, cont, rng):
         ref, st = rep.run(B, cont)
         rows["full"] = (ref, st)
         for m in METHODS:
-            if m in ("full", "prefix", "ape_parallel", "nochunks"):
+            if m in ("full", "prefix", "ape_parallel", "nochunks", "cover_epic16"):
                 continue
             rows[m] = rep.run(B, cont, placed_kv, pos, runs, policy_of(m))
+        # what kvrope serve does: the daemon finds the runs by content (its cover
+        # verb), places them re-rotated, the engine repairs EPIC's 16 per run
+        cov = client.cover(model, B, get=True)
+        if cov.n_covered:
+            kv_c, p_c = M.cache_of(cov.kv)
+            rows["cover_epic16"] = rep.run(B, cont, kv_c, p_c, [r.prompt_off for r in cov.runs],
+                                           "epic:16")
+        else:
+            rows["cover_epic16"] = rep.run(B, cont)
         # prefix caching: the longest common prefix with A, exact, at the same positions
         P = lcp(A, B)
         if P:
@@ -294,7 +307,7 @@ def plot(summary, path, engine):
             xs = [100 * base["computed"]] + [100 * summary[k][col] for k in keys]
             ys = [scale * base[key]] + [scale * summary[k][key] for k in keys]
             ax.plot(xs, ys, mk, label=name)
-        for m, mk in (("prefix", "rv"), ("none_repair", "gx")):
+        for m, mk in (("prefix", "rv"), ("none_repair", "gx"), ("cover_epic16", "mD")):
             ax.plot([100 * summary[m]["computed"]], [scale * summary[m][key]], mk, label=LABEL[m])
         if key == "gain_kept":
             ax.plot([100.0], [100.0], "k*", label=LABEL["full"])

@@ -1989,6 +1989,9 @@ int kvr_wk_serve_main(kvr_wk_env *e, const char *model_path, const char *socket,
     }
     s->n_batch = s->o.n_batch ? s->o.n_batch : s->n_ctx / 2 < 2048 ? s->n_ctx / 2 : 2048;
     s->vocab = llama_model_get_vocab(kvr_wk_lm_model(e->lm));
+    /* reuse anywhere: the daemon's cover verb (a daemon without it refuses
+     * the call, and the engine goes on with prefix and PIE reuse) */
+    e->cover = (kvr_wk_cover_api){ kvr_client_cover, kvr_client_cover_get, kvr_cover_release };
     s->e = *e;
     s->connected = up;
     s->t_reconnect = kvr_wk_now_ms() - 1000;
