@@ -18,6 +18,10 @@
  *  - flows (worker_flows.c): the four commands, each filling a report.
  *  - score (worker_score.c): logits and greedy continuations of a token
  *    sequence over a given KV cache (KV.bin, docs/llama.md), no daemon.
+ *  - repair (worker_repair.c): seam repair of a prompt whose KV is partly
+ *    placed from cached runs (EPIC first-k, CacheBlend layer deviation via
+ *    a probe decode), the session engine's cover path and the CLI's
+ *    `repair`.
  *
  * Conventions: int return 0 or a negative code; functions that can fail for
  * a reason worth telling write it into `char *err, size_t errlen`.

@@ -10,6 +10,12 @@
  * (kvr_wk_lm_decode_middle). Attention masks by position within a sequence,
  * so those tokens see exactly the cells before them.
  *
+ * Probing (seam repair's CacheBlend selection): a context created after
+ * kvr_wk_lm_set_probe(lm, true) carries llama.cpp's eval callback; it asks
+ * for no tensor unless a probe decode is running, so other decodes compute
+ * the whole graph as before (one graph view, the same kernels). A probe
+ * decode copies layer L's RoPE'd K and V out and stops the graph there.
+ *
  * llama.cpp's log goes nowhere unless KVR_LLAMA_VERBOSE is set; its last
  * error line is kept and quoted in our error messages.
  */

@@ -413,6 +413,28 @@ Test(llama_repair, probe_matches_full_encode)
     free_prompts(&p);
 }
 
+/* The eval callback of a probing context asks for no tensor outside a probe:
+ * a decode there computes exactly what it computes without probing. */
+Test(llama_repair, probing_context_computes_the_same)
+{
+    prompts p;
+    make_prompts(&p);
+    float *with = malloc(IN->n_vocab * sizeof *with);
+    cr_assert_not_null(with);
+    kvr_wk_lm_clear(LM);
+    cr_assert_eq(kvr_wk_lm_decode(LM, p.b, p.nb, 0, 0, KVR_WK_LOGITS_LAST, NULL, NULL, err,
+                                  sizeof err), 0, "%s", err);
+    memcpy(with, kvr_wk_lm_logits(LM), IN->n_vocab * sizeof *with);
+    kvr_wk_lm_set_probe(LM, false);
+    cr_assert_eq(kvr_wk_lm_context(LM, 2048, err, sizeof err), 0, "%s", err);
+    cr_assert_eq(kvr_wk_lm_decode(LM, p.b, p.nb, 0, 0, KVR_WK_LOGITS_LAST, NULL, NULL, err,
+                                  sizeof err), 0, "%s", err);
+    cr_assert_eq(memcmp(with, kvr_wk_lm_logits(LM), IN->n_vocab * sizeof *with), 0,
+                 "the same logits with and without the probe callback");
+    free(with);
+    free_prompts(&p);
+}
+
 /* A context made without probing refuses blend, with a reason. */
 Test(llama_repair, blend_needs_probe)
 {
