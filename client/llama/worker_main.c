@@ -153,6 +153,22 @@ static bool parse_int(const char *s, long lo, long hi, long *out)
     return true;
 }
 
+/* "N,N,..." into out (appended after *n, at most cap in all); false on a bad
+ * number, an empty item or too many. */
+static bool parse_list(const char *v, size_t *out, size_t cap, size_t *n)
+{
+    for (const char *q = v; *q;) {
+        char *end;
+        errno = 0;
+        unsigned long x = strtoul(q, &end, 10);
+        if (errno || end == q || (*end && *end != ',') || *n == cap)
+            return false;
+        out[(*n)++] = (size_t)x;
+        q = *end ? end + 1 : end;
+    }
+    return true;
+}
+
 static int parse(int argc, char **argv, args *a)
 {
     memset(a, 0, sizeof *a);
@@ -236,15 +252,8 @@ static int parse(int argc, char **argv, args *a)
                 return usage_err("--max-versions takes a count of 2 or more");
         } else if (!strcmp(s, "--check-at")) {
             NEED();
-            for (const char *q = v; *q;) {
-                char *end;
-                errno = 0;
-                unsigned long x = strtoul(q, &end, 10);
-                if (errno || end == q || (*end && *end != ',') || a->n_check_at == 64)
-                    return usage_err("--check-at takes up to 64 version numbers I,I,...");
-                a->check_at[a->n_check_at++] = (size_t)x;
-                q = *end ? end + 1 : end;
-            }
+            if (!parse_list(v, a->check_at, 64, &a->n_check_at))
+                return usage_err("--check-at takes up to 64 version numbers I,I,...");
         } else if (!strcmp(s, "--budget")) {
             NEED();
             if (!parse_int(v, 0, INT32_MAX, &a->budget))
@@ -285,16 +294,8 @@ static int parse(int argc, char **argv, args *a)
             a->policy = v;
         } else if (!strcmp(s, "--runs")) {
             NEED();
-            for (const char *q = v; *q;) {
-                char *end;
-                errno = 0;
-                unsigned long x = strtoul(q, &end, 10);
-                if (errno || end == q || (*end && *end != ',') ||
-                    a->n_runs == sizeof a->runs / sizeof a->runs[0])
-                    return usage_err("--runs takes up to 8192 token indexes S,S,...");
-                a->runs[a->n_runs++] = (size_t)x;
-                q = *end ? end + 1 : end;
-            }
+            if (!parse_list(v, a->runs, sizeof a->runs / sizeof a->runs[0], &a->n_runs))
+                return usage_err("--runs takes up to 8192 token indexes S,S,...");
         } else if (!strcmp(s, "--exact")) {
             a->exact = true;
         } else if (!strcmp(s, "--tokens")) {

@@ -685,6 +685,21 @@ static void greedy(size_t np, int32_t *out, size_t n)
     }
 }
 
+/* Prompt A stored as context ctx-a by the session engine; the stand-in verb
+ * answers B's three chunks from it. */
+static void cover_prompt_a(const prompts *p, kvr_wk_sync_res *res)
+{
+    kvr_wk_sync_opts oa = { .session = "ctx-a", .no_cover = true };
+    sync_commit(p->a, p->na, &oa, res);
+    F_CTX = "ctx-a";
+    E.cover = (kvr_wk_cover_api){ fake_cover, fake_cover_get, fake_release };
+    NFR = 0;
+    for (int j = 0; j < 3; j++) {
+        int i = p->order_b[j];
+        FR[NFR++] = (fake_run){ p->a_off[i], p->b_off[i], p->len[i] };
+    }
+}
+
 TestSuite(llama_cover, .init = cover_setup, .fini = cover_teardown, .timeout = 600);
 
 Test(llama_cover, sync_places_runs_repairs_seams_and_stores_flags)
@@ -692,15 +707,7 @@ Test(llama_cover, sync_places_runs_repairs_seams_and_stores_flags)
     prompts p;
     make_prompts(&p);
     kvr_wk_sync_res res;
-    kvr_wk_sync_opts oa = { .session = "ctx-a", .no_cover = true };
-    sync_commit(p.a, p.na, &oa, &res);
-    F_CTX = "ctx-a";
-    E.cover = (kvr_wk_cover_api){ fake_cover, fake_cover_get, fake_release };
-    NFR = 0;
-    for (int j = 0; j < 3; j++) {
-        int i = p.order_b[j];
-        FR[NFR++] = (fake_run){ p.a_off[i], p.b_off[i], p.len[i] };
-    }
+    cover_prompt_a(&p, &res);
     size_t placed = p.len[0] + p.len[1] + p.len[2];
 
     /* the default repair: EPIC first 16 of each run */
@@ -754,15 +761,7 @@ Test(llama_cover, small_or_wrong_covers)
     prompts p;
     make_prompts(&p);
     kvr_wk_sync_res res;
-    kvr_wk_sync_opts oa = { .session = "ctx-a", .no_cover = true };
-    sync_commit(p.a, p.na, &oa, &res);
-    F_CTX = "ctx-a";
-    E.cover = (kvr_wk_cover_api){ fake_cover, fake_cover_get, fake_release };
-    NFR = 0;
-    for (int j = 0; j < 3; j++) {
-        int k = p.order_b[j];
-        FR[NFR++] = (fake_run){ p.a_off[k], p.b_off[k], p.len[k] };
-    }
+    cover_prompt_a(&p, &res);
     F_CORRUPT = true;
     kvr_wk_step *st = NULL;
     kvr_wk_sync_opts od = { .session = "ctx-d" };
