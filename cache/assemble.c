@@ -42,6 +42,27 @@ static void asm_free(kvr_assemble *t)
     kvr_mem_free(t);
 }
 
+/* The end of a begin, its plan laid out and its contexts touched: the disk
+ * tier's spilled blocks get memory now (the leases keep them; work reads
+ * them off the loop thread), the staging is planned, and t is the
+ * caller's. On failure t is freed. */
+static int asm_open(kvr_assemble *t, void *dst, size_t dst_cap, const char *what,
+                    kvr_assemble **out, kvr_error *err)
+{
+    kvr_read *r = &t->r;
+    r->dst = dst;
+    r->dst_cap = dst_cap;
+    int rc;
+    if ((rc = kvr_read_reload(r, NULL, err)) != 0 ||
+        (rc = kvr_read_stage(r, NULL, what, err)) != 0) {
+        asm_free(t);
+        return rc;
+    }
+    r->s->n_gets++;
+    *out = t;
+    return 0;
+}
+
 /* Checks that document d was encoded against prefix pc as it is now. */
 static int check_doc(const kvr_ctx *pc, uint64_t phash, const kvr_ctx *d, size_t i,
                      kvr_error *err)
@@ -259,16 +280,7 @@ int kvr_store_assemble_begin(kvr_store *s, const kvr_assemble_params *p,
     for (size_t i = 0; i < p->n_docs; i++)
         kvr_store_touch(s, kvr_store_ctx_find(s, p->docs[i]));
 
-    /* Disk tier: spilled blocks get memory now (the leases keep them) and
-     * are read by work, off the loop thread. */
-    r->dst = p->dst;
-    r->dst_cap = p->dst_cap;
-    if ((rc = kvr_read_reload(r, NULL, err)) != 0 ||
-        (rc = kvr_read_stage(r, NULL, "assemble", err)) != 0)
-        goto fail;
-    s->n_gets++;
-    *out = t;
-    return 0;
+    return asm_open(t, p->dst, p->dst_cap, "assemble", out, err);
 
 fail:
     asm_free(t);
@@ -353,14 +365,7 @@ int kvr_assemble_place_begin(kvr_store *s, kvr_model *m, const kvr_place *pc, si
     info->temperature = info->scale = 1.0;
     for (size_t p = 0; p < n_pc; p++)
         kvr_store_touch(s, pc[p].c);
-    r->dst = o->dst;
-    r->dst_cap = o->dst_cap;
-    if ((rc = kvr_read_reload(r, NULL, err)) != 0 ||
-        (rc = kvr_read_stage(r, NULL, "cover", err)) != 0)
-        goto fail;
-    s->n_gets++;
-    *out = t;
-    return 0;
+    return asm_open(t, o->dst, o->dst_cap, "cover", out, err);
 
 fail:
     asm_free(t);

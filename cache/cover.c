@@ -16,7 +16,8 @@
  * the cover is built from what was found (res->truncated).
  *
  * Choosing: the longest exact run (prompt offset 0 = context offset 0, so
- * its KV is a full encode's) goes first; then a sweep takes, at each
+ * its KV is a full encode's, when the context's own KV was computed from its
+ * first token at consecutive positions: exact_in_context) goes first; then a sweep takes, at each
  * uncovered offset, the run reaching furthest (exact ones first on a tie)
  * and places the rest of it there: the fewest pieces that cover what the
  * runs cover. A piece shorter than min_run is left as a gap. Tokens without
@@ -26,6 +27,7 @@
 #include <string.h>
 
 #include "cache/cover.h"
+#include "cache/layout.h"
 
 #define G KVR_GRAIN
 #define COVER_HITS 8                 /* candidates taken per grain lookup */
@@ -180,6 +182,29 @@ static bool better(const run *x, const run *best)
     return !best || x->b > best->b || (x->b == best->b && x->exact && !best->exact);
 }
 
+/* An exact run's KV is a full encode's only if the context's own KV was
+ * computed from its first token on, at consecutive positions: not an APE
+ * document (encoded after a prefix the context does not hold), and tokens
+ * [0, end) at positions p0, p0 + 1, ... (a uniform shift changes nothing
+ * under RoPE; a gap, a group layout or a moved range does). */
+static bool exact_in_context(const kvr_ctx *c, size_t end)
+{
+    const char *pid;
+    uint64_t fp, hash;
+    size_t len;
+    if (kvr_layout_ape_record(c, &pid, &fp, &len, &hash) || c->n_ext == 0)
+        return false;
+    int64_t next = kvr_ext_pos(&c->ext[0], 0);
+    size_t k = 0;
+    for (size_t i = 0; i < c->n_ext && k < end; i++) {
+        const kvr_extent *e = &c->ext[i];
+        for (uint32_t j = 0; j < e->count && k < end; j++, k++, next++)
+            if (kvr_ext_pos(e, j) != next)
+                return false;
+    }
+    return true;
+}
+
 static int add_piece(kvr_cover_result *res, size_t *cap, const run *r, size_t pos, size_t end)
 {
     if (res->n_pieces == *cap) {
@@ -194,7 +219,8 @@ static int add_piece(kvr_cover_result *res, size_t *cap, const run *r, size_t po
     const kvr_ctx *c = r->c;
     size_t co = r->ca + (pos - r->a), n = end - pos;
     *pc = (kvr_cover_piece){ .prompt_off = pos, .ctx_off = co, .n_tokens = n,
-                             .stream_off = res->n_covered, .exact = r->exact };
+                             .stream_off = res->n_covered,
+                             .exact = r->exact && exact_in_context(c, co + n) };
     pc->n_approx = c->n_exact >= co + n ? 0 :
                    kvr_ctx_count_flag(c, co, co + n, KVR_TOKEN_APPROX);
     memcpy(pc->ctx_id, c->id, c->id_len + 1);
@@ -210,7 +236,8 @@ static int choose(search *S, size_t min_run, kvr_cover_result *res)
     for (size_t i = 0; i < S->n_runs; i++)      /* drop the emptied ones */
         if (rs[i].b > rs[i].a)
             rs[nr++] = rs[i];
-    qsort(rs, nr, sizeof *rs, cmp_run);
+    if (nr > 1)
+        qsort(rs, nr, sizeof *rs, cmp_run);
     size_t pos = 0;
     const run *ex = NULL;
     for (size_t i = 0; i < nr && rs[i].a == 0; i++)

@@ -95,7 +95,7 @@ static void link_head(kvr_grain_index *x, uint32_t i)
 /* Doubles the heads (load <= 1); on failure the chains just get longer. */
 static void heads_grow(kvr_grain_index *x)
 {
-    size_t nh = x->n_heads ? x->n_heads * 2 : 1024;
+    size_t nh = x->n_heads ? x->n_heads * 2 : 8;
     uint32_t *h = kvr_mem_malloc(nh * sizeof *h);
     if (!h)
         return;
@@ -122,7 +122,7 @@ static uint32_t ent_insert(kvr_grain_index *x, uint64_t key, kvr_ctx *c, uint32_
         x->free_head = x->ents[i].next;
     } else {
         if (x->n_ents == x->cap_ents) {
-            size_t cap = x->cap_ents ? x->cap_ents * 2 : 1024;
+            size_t cap = x->cap_ents ? x->cap_ents * 2 : 8;
             if (cap > KVR_GRAIN_NONE)
                 return KVR_GRAIN_NONE;
             kvr_grain_ent *a = kvr_mem_realloc(x->ents, cap * sizeof *a);
@@ -211,17 +211,29 @@ static void dirty_unlink(kvr_ctx *c)
     x->n_dirty--;
 }
 
+/* The capacity arr_fit gives an array holding `cap` for `need`: exact the
+ * first time (most contexts are one put), half again more when it grows. */
+static size_t fit_cap(size_t cap, size_t need)
+{
+    return need <= cap ? cap : cap ? need + need / 2 : need;
+}
+
 /* Resizes one of c's arrays to hold `need` elements of `size` bytes: grows
  * by half again, shrinks when it is over twice what is needed. */
 static int arr_fit(kvr_grain_index *x, uint32_t **a, size_t *cap, size_t need)
 {
-    size_t want = *cap;
-    if (need > *cap)
-        want = need + need / 2 + 64;
-    else if (*cap > 2 * need + 256)
-        want = need + 64;
+    size_t want = fit_cap(*cap, need);
+    if (need <= *cap && *cap > 2 * need + 64)
+        want = need;
     if (want == *cap)
         return 0;
+    if (want == 0) {
+        kvr_mem_free(*a);
+        x->bytes -= *cap * sizeof **a;
+        *a = NULL;
+        *cap = 0;
+        return 0;
+    }
     uint32_t *p = kvr_mem_realloc(*a, want * sizeof *p);
     if (!p)
         return need > *cap ? KVR_ENOMEM : 0;    /* a failed shrink keeps the old one */
@@ -229,6 +241,29 @@ static int arr_fit(kvr_grain_index *x, uint32_t **a, size_t *cap, size_t need)
     *a = p;
     *cap = want;
     return 0;
+}
+
+size_t kvr_grain_need(const kvr_ctx *c, size_t n)
+{
+    const kvr_grain_ctx *g = &c->grain;
+    const kvr_grain_index *x = &c->model->grains;
+    size_t tok = c->n_tokens + n, ng = tok / G, bytes = 0;
+    size_t cap = fit_cap(g->cap_tok, tok);
+    if (cap != g->cap_tok)
+        bytes += kvr_mem_size_class(cap * sizeof(uint32_t));
+    cap = fit_cap(g->cap_grain, ng);
+    if (cap != g->cap_grain)
+        bytes += kvr_mem_size_class(cap * sizeof(uint32_t));
+    size_t live = x->n_live + (ng > g->n_grain ? ng - g->n_grain : 0);
+    for (size_t ce = x->cap_ents; live > ce;) {
+        ce = ce ? ce * 2 : 8;
+        bytes += kvr_mem_size_class(ce * sizeof(kvr_grain_ent));
+    }
+    for (size_t nh = x->n_heads; live > nh;) {
+        nh = nh ? nh * 2 : 8;
+        bytes += kvr_mem_size_class(nh * sizeof(uint32_t));
+    }
+    return bytes;
 }
 
 void kvr_grain_note(kvr_ctx *c, size_t common)

@@ -111,6 +111,10 @@ size_t kvr_grain_sync(kvr_ctx *c);
 /* A put appended tokens[0..n) at first_index: the cheap path when c was
  * in sync up to there, else note + sync. */
 void kvr_grain_append(kvr_ctx *c, size_t first_index, const uint32_t *tokens, size_t n);
+/* Bytes the allocator will hold for c's index once n more tokens are
+ * appended to it (its arrays and the model's table growing): a put
+ * reserves them with its blocks, so the cap covers the index too. */
+size_t kvr_grain_need(const kvr_ctx *c, size_t n);
 /* Syncs m's dirty contexts until about `budget` tokens were gathered. */
 void kvr_grain_sync_dirty(kvr_model *m, size_t budget);
 /* c leaves the store: its entries, its place on the dirty list, its arrays. */

@@ -836,7 +836,7 @@ int kvr_store_put_begin(kvr_store *s, const kvr_put_params *p, kvr_put **out,
     size_t need = bnew +
                   (zero_copy || p->work_from ? 0 : kvr_mem_size_class(payload)) +
                   n_iov * sizeof(struct iovec) + n * sizeof(uint32_t) +
-                  n_runs * sizeof(kvr_brun) + qneed;
+                  n_runs * sizeof(kvr_brun) + qneed + kvr_grain_need(c, n);
     if ((rc = kvr_store_reserve_for(s, m, need, "put", err)) != 0)
         goto fail_ctx;
     if (grow) {

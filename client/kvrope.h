@@ -649,7 +649,9 @@ int kvr_client_refresh_shm(kvr_client *c, const kvr_refresh_args *a, const kvr_s
  * context, or when its run is not exact (placed after a gap, or away from
  * the left context it was encoded with: its KV was computed against other
  * text). Only a run that starts the prompt at its context's offset 0 is
- * exact.
+ * exact, and only when that context's KV was computed from its own first
+ * token on at consecutive positions (not an APE document put with a
+ * prefix_ctx; a uniform shift is fine).
  */
 typedef struct kvr_cover_args {
     const char     *model;

@@ -201,5 +201,6 @@ void cli_print_json(struct cJSON *j);         /* prints and frees j */
 int  cli_usage_err(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
 int  cli_io_err(const cli_args *a, const char *msg);
 int  cli_parse_u64(const char *v, uint64_t *out);   /* 0, or -1 if not a u64 */
+int  cli_parse_i64(const char *v, int64_t *out);    /* 0, or -1 if not an i64 (cli_layout.c) */
 
 #endif

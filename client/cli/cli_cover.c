@@ -17,7 +17,6 @@
 #include "client/cli/cli.h"
 
 #include <cjson/cJSON.h>
-#include <errno.h>
 #include <inttypes.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -161,17 +160,6 @@ out:
     return rc;
 }
 
-static int parse_i64(const char *v, int64_t *out)
-{
-    char *end;
-    errno = 0;
-    long long x = strtoll(v, &end, 0);
-    if (errno || end == v || *end)
-        return -1;
-    *out = x;
-    return 0;
-}
-
 static int cmd_cover(kvr_client *c, const cli_args *a)
 {
     const char *model = cli_opt(a, "model"), *out = cli_opt(a, "output");
@@ -193,7 +181,7 @@ static int cmd_cover(kvr_client *c, const cli_args *a)
         g.min_run = (uint32_t)mr;
     if ((pv || dv || ls) && !get)
         return cli_usage_err("--pos-base, --dtype and --layers go with --get -o FILE");
-    if (pv && (parse_i64(pv, &g.pos_base) < 0 || g.pos_base < 0))
+    if (pv && (cli_parse_i64(pv, &g.pos_base) < 0 || g.pos_base < 0))
         return cli_usage_err("--pos-base: want a position >= 0");
     if (dv && kvr_dtype_parse(dv, &g.dtype) != 0)
         return cli_usage_err("--dtype: want f32, f16 or bf16");

@@ -82,7 +82,7 @@ const char cli_layout_help_file[] =
 
 /* ---- output helpers (as cli_cmd.c's) ------------------------------------ */
 
-static int parse_i64(const char *v, int64_t *out)
+int cli_parse_i64(const char *v, int64_t *out)
 {
     char *end;
     errno = 0;
@@ -253,7 +253,7 @@ static long parse_groups(const char *s, cli_put_layout *lay, bool *any_offset)
             }
             memcpy(num, colon + 1, ml);
             num[ml] = 0;
-            if (parse_i64(num, &lay->offsets[n]) < 0) {
+            if (cli_parse_i64(num, &lay->offsets[n]) < 0) {
                 cli_usage_err("--groups: '%s' is not an integer offset", num);
                 return -1;
             }
@@ -325,7 +325,7 @@ static int cmd_group(kvr_client *c, const cli_args *a)
     }
     if (!strcmp(sub, "offset")) {
         int64_t phi;
-        if (a->npos != 4 || parse_i64(a->pos[3], &phi) < 0)
+        if (a->npos != 4 || cli_parse_i64(a->pos[3], &phi) < 0)
             return cli_usage_err("usage: kvrope group offset CONTEXT GROUP PHI (an integer)");
         kvr_layout_res l;
         int r = kvr_client_set_group_offset(c, a->pos[1], a->pos[2], phi, &l);

@@ -15,6 +15,7 @@
 #define KVR_TESTD_H
 
 #include <errno.h>
+#include <math.h>
 #include <fcntl.h>
 #include <signal.h>
 #include <stdarg.h>
@@ -333,6 +334,79 @@ static inline double testd_metric(kvr_client *c, const char *name)
         kvr_client_free(m);
     }
     return v;
+}
+
+/* ---- KV that follows its tokens (keys rotated at their positions) ------- */
+/* A payload (all T_LAYERS layers) whose keys are rope(E_K[token], pos) and
+ * values E_V[token], E from testd_val seeded by the token id: the KV of any
+ * token at any position can be made again, so a read that moved keys can be
+ * checked (R: the model's rope). NULL on failure; free it. */
+static inline void *testd_rope_kv(const kvr_rope *R, kvr_dtype dt, const uint32_t *tok,
+                                  const int64_t *pos, size_t n, size_t *len)
+{
+    const size_t per = (size_t)T_HEADS * T_DIM, es = kvr_dtype_size(dt);
+    *len = kvr_payload_size(T_LAYERS, n, T_HEADS, T_DIM, dt);
+    uint8_t *buf = malloc(*len ? *len : 1);
+    float *x = malloc((n ? n : 1) * per * sizeof *x);
+    size_t half = n * per * es;
+    for (uint32_t l = 0; buf && x && l < T_LAYERS; l++) {
+        uint8_t *k = buf + (size_t)l * 2 * half, *v = k + half;
+        for (uint32_t kv = 0; kv < 2; kv++) {
+            for (size_t i = 0; i < n; i++)
+                for (uint32_t h = 0; h < T_HEADS; h++)
+                    for (uint32_t d = 0; d < T_DIM; d++)
+                        x[i * per + h * T_DIM + d] = testd_val(tok[i], l, kv, 0, h, d);
+            if (kv == 1)
+                kvr_convert(v, dt, x, KVR_DTYPE_F32, n * per);
+            else if (n && kvr_rope_apply(R, k, dt, x, KVR_DTYPE_F32, n, T_HEADS, pos, NULL))
+                goto fail;
+        }
+    }
+    if (!x)
+        goto fail;
+    free(x);
+    return buf;
+fail:
+    free(x);
+    free(buf);
+    return NULL;
+}
+
+/* kv's payload against testd_rope_kv of its own tokens and positions: keys
+ * within one rounding of the dtype (1/1024 for f16, relative to 1), values
+ * bit for bit. 0, or -1 with what differs in msg. */
+static inline int testd_rope_kv_check(const kvr_rope *R, const kvr_kv *kv, const void *payload,
+                                      char *msg, size_t cap)
+{
+    size_t n = kv->n_tokens, len, es = kvr_dtype_size(kv->dtype);
+    uint8_t *want = testd_rope_kv(R, kv->dtype, kv->tokens, kv->positions, n, &len);
+    int rc = 0;
+    if (!want || kv->payload_len != len) {
+        snprintf(msg, cap, "payload of %zu bytes, %zu expected", kv->payload_len, len);
+        free(want);
+        return -1;
+    }
+    size_t vals = n * T_HEADS * T_DIM, half = vals * es;
+    float a, b;
+    for (uint32_t l = 0; l < T_LAYERS && rc == 0; l++) {
+        const uint8_t *gk = (const uint8_t *)payload + (size_t)l * 2 * half;
+        const uint8_t *wk = want + (size_t)l * 2 * half;
+        for (size_t i = 0; i < vals && rc == 0; i++) {
+            kvr_convert(&a, KVR_DTYPE_F32, gk + i * es, kv->dtype, 1);
+            kvr_convert(&b, KVR_DTYPE_F32, wk + i * es, kv->dtype, 1);
+            if (fabsf(a - b) > (es == 4 ? 1e-5f : 1.0f / 1024.0f + 1e-6f)) {
+                snprintf(msg, cap, "layer %u key value %zu: %g, want %g", l, i, (double)a,
+                         (double)b);
+                rc = -1;
+            }
+        }
+        if (rc == 0 && memcmp(gk + half, wk + half, half) != 0) {
+            snprintf(msg, cap, "layer %u: values differ", l);
+            rc = -1;
+        }
+    }
+    free(want);
+    return rc;
 }
 
 #endif /* KVR_TESTD_H */

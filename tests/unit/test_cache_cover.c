@@ -2,7 +2,8 @@
  * test_cache_cover.c — covers at store level (cache/grain.c, cache/cover.c):
  * the grain index kept in step through every path that changes a context's
  * tokens (put, append, fork, edit, shift, keep, retention, delete,
- * eviction, recovery after a restart; kvr_grain_check after each), covers
+ * eviction, spill and reload, recovery after a restart; kvr_grain_check
+ * after each), covers
  * of prompts built from cached contexts' chunks shuffled behind a new
  * header, forced hash collisions refused by the token check, bad input
  * refused with nothing stored changed, and the placed get: every piece's
@@ -96,6 +97,18 @@ static void put(kvr_store *s, const char *id, kvr_put_mode mode, const uint32_t 
 {
     kvr_error e = { 0 };
     cr_assert_eq(put_ex(s, id, mode, tok, n, seed, false, &e), 0, "put %s: %s", id, e.msg);
+}
+
+/* Replaces [start, end) of id by tok[0..n) without KV (pending tokens). */
+static void edit_pending(kvr_store *s, const char *id, size_t start, size_t end,
+                         const uint32_t *tok, size_t n)
+{
+    kvr_edit_op op = { .start = start, .end = end, .n_tokens = n, .tokens = tok };
+    kvr_edit_params ep = { .ctx_id = id, .ops = &op, .n_ops = 1 };
+    kvr_edit *t;
+    kvr_error e = { 0 };
+    cr_assert_eq(kvr_store_edit_begin(s, &ep, &t, &e), 0, "%s", e.msg);
+    cr_assert_eq(kvr_edit_commit(t, NULL, NULL, &e), 0, "%s", e.msg);
 }
 
 static void check_index(kvr_store *s)
@@ -287,11 +300,7 @@ Test(cache_cover, index_follows_every_change)
 
     /* edit: replace [100, 110) of f by x[0..10): the old tokens there are
      * no longer found, the new ones are, in their new neighbourhood */
-    kvr_edit_op op = { .start = 100, .end = 110, .n_tokens = 10, .tokens = x };
-    kvr_edit_params ep = { .ctx_id = "f", .ops = &op, .n_ops = 1 };
-    kvr_edit *t;
-    cr_assert_eq(kvr_store_edit_begin(s, &ep, &t, &e), 0, "%s", e.msg);
-    cr_assert_eq(kvr_edit_commit(t, NULL, NULL, &e), 0, "%s", e.msg);
+    edit_pending(s, "f", 100, 110, x, 10);
     uint32_t q[120];
     memcpy(q, a + 60, 40 * 4);
     memcpy(q + 40, x, 10 * 4);
@@ -398,6 +407,98 @@ Test(cache_cover, restart_recovers_the_index)
     char cmd[128];
     snprintf(cmd, sizeof cmd, "rm -rf %s", DIR_);
     cr_assert_eq(system(cmd), 0);
+}
+
+/* Spilled blocks keep their token ids: a cover still finds them, and its
+ * placed get reloads their K/V from the disk tier, bit for bit. */
+Test(cache_cover, spilled_contexts_are_found_and_reloaded)
+{
+    snprintf(DIR_, sizeof DIR_, "/tmp/kvr-cover-XXXXXX");
+    cr_assert(mkdtemp(DIR_));
+    kvr_store *s = open_store(0, true);
+    uint32_t a[160], b[160];
+    seq(a, 160, 1000000, 71);
+    seq(b, 160, 2000000, 72);
+    put(s, "a", KVR_PUT_CREATE, a, 160, 1);
+    put(s, "b", KVR_PUT_CREATE, b, 160, 2);
+    kvr_error e = { 0 };
+    cr_assert_gt(kvr_store_tier_evict(s, SIZE_MAX, &e), 0, "%s", e.msg);
+    kvr_tier_stats ts;
+    kvr_store_tier_stats(s, &ts);
+    cr_assert_gt(ts.spilled_blocks, 0);
+    check_index(s);
+    uint32_t q[150];
+    seq(q, 10, 9000000, 1);
+    memcpy(q + 10, b + 40, 70 * 4);
+    memcpy(q + 80, a + 90, 70 * 4);
+    kvr_cover_result r;
+    cover(s, q, 150, 16, &r);
+    cr_assert_eq(r.n_pieces, 2);
+    cr_assert_eq(r.n_covered, 140);
+    kvr_cover_params p = { .model = "m", .tokens = q, .n_tokens = 150, .min_run = 16,
+                           .dtype = KVR_DTYPE_F32 };
+    kvr_assemble *t;
+    cr_assert_eq(kvr_store_cover_get_begin(s, &p, &r, &t, &e), 0, "%s", e.msg);
+    size_t bytes = kvr_assemble_payload_size(t), N = r.n_covered;
+    float *got = malloc(bytes);
+    cr_assert_eq(kvr_assemble_copy_into(t, got, bytes, &e), 0, "%s", e.msg);
+    for (size_t pi = 0; pi < r.n_pieces; pi++) {
+        const kvr_cover_piece *pc = &r.pieces[pi];
+        uint32_t seed = strcmp(pc->ctx_id, "a") == 0 ? 1 : 2;
+        for (size_t j = 0; j < pc->n_tokens; j++)
+            for (uint32_t l = 0; l < L; l++)
+                for (size_t c = 0; c < ROW; c++)
+                    cr_assert_eq(got[((size_t)l * 2 * N + N + pc->stream_off + j) * ROW + c],
+                                 val(seed, pc->ctx_off + j, l, 1, c), "values reloaded");
+    }
+    free(got);
+    kvr_assemble_end(t);
+    kvr_store_tier_stats(s, &ts);
+    cr_assert(ts.n_reloads > 0 || ts.reads_disk > 0, "the get did not read the disk "
+              "(%llu reloads, %llu disk reads)", (unsigned long long)ts.n_reloads,
+              (unsigned long long)ts.reads_disk);
+    kvr_cover_result_free(&r);
+    kvr_store_destroy(s);
+    char cmd[128];
+    snprintf(cmd, sizeof cmd, "rm -rf %s", DIR_);
+    cr_assert_eq(system(cmd), 0);
+}
+
+/* A run at prompt offset 0 from its context's offset 0 is exact only when
+ * the context's KV was computed from its own first token on, at
+ * consecutive positions (a uniform shift is fine). */
+Test(cache_cover, exact_needs_the_context_encoded_from_its_start)
+{
+    kvr_store *s = open_store(0, false);
+    kvr_error e = { 0 };
+    uint32_t pre[32], d[64];
+    seq(pre, 32, 1000000, 81);
+    seq(d, 64, 2000000, 82);
+    put(s, "pre", KVR_PUT_CREATE, pre, 32, 1);
+    kvr_put_params p = { .ctx_id = "doc", .model = "m", .mode = KVR_PUT_CREATE, .n_layers = L,
+                         .n_kv_heads = H, .head_dim = D, .dtype = KVR_DTYPE_F32,
+                         .n_tokens = 64, .tokens = d, .prefix_ctx = "pre" };
+    kvr_put *t;
+    cr_assert_eq(kvr_store_put_begin(s, &p, &t, &e), 0, "%s", e.msg);
+    fill_payload(t, 2, 64);
+    cr_assert_eq(kvr_put_commit(t, NULL, &e), 0, "%s", e.msg);
+    kvr_cover_result r;
+    cover(s, d, 64, 16, &r);          /* an APE document: encoded after "pre" */
+    cr_assert_eq(r.n_pieces, 1);
+    cr_assert_not(r.pieces[0].exact);
+    kvr_cover_result_free(&r);
+    cover(s, pre, 32, 16, &r);        /* the prefix itself is */
+    cr_assert(r.pieces[0].exact);
+    kvr_cover_result_free(&r);
+    cr_assert_eq(kvr_store_shift(s, "pre", 0, SIZE_MAX, 50, &e), 0, "%s", e.msg);
+    cover(s, pre, 32, 16, &r);        /* shifted whole: still */
+    cr_assert(r.pieces[0].exact);
+    kvr_cover_result_free(&r);
+    cr_assert_eq(kvr_store_shift(s, "pre", 20, SIZE_MAX, 3, &e), 0, "%s", e.msg);
+    cover(s, pre, 32, 16, &r);        /* a gap in its positions: not */
+    cr_assert_not(r.pieces[0].exact);
+    kvr_cover_result_free(&r);
+    kvr_store_destroy(s);
 }
 
 /* ---- hashes are hints --------------------------------------------------------- */
@@ -607,12 +708,8 @@ Test(cache_cover, pending_tokens_are_gaps)
     seq(a, 128, 1000000, 61);
     put(s, "a", KVR_PUT_CREATE, a, 128, 1);
     uint32_t same[4] = { a[60], a[61], a[62], a[63] };
-    kvr_edit_op op = { .start = 60, .end = 64, .n_tokens = 4, .tokens = same };
-    kvr_edit_params ep = { .ctx_id = "a", .ops = &op, .n_ops = 1 };
-    kvr_edit *t;
+    edit_pending(s, "a", 60, 64, same, 4);
     kvr_error e = { 0 };
-    cr_assert_eq(kvr_store_edit_begin(s, &ep, &t, &e), 0, "%s", e.msg);
-    cr_assert_eq(kvr_edit_commit(t, NULL, NULL, &e), 0, "%s", e.msg);
     kvr_cover_result r;
     cover(s, a, 128, 16, &r);
     check_index(s);

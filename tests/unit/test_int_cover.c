@@ -38,43 +38,14 @@ static void teardown(void)
 
 TestSuite(int_cover, .init = setup, .fini = teardown, .timeout = 180);
 
-static void embed(uint32_t id, uint32_t layer, uint32_t kv, float *out)
-{
-    for (uint32_t h = 0; h < T_HEADS; h++)
-        for (uint32_t d = 0; d < T_DIM; d++)
-            out[h * T_DIM + d] = testd_val(id, layer, kv, 0, h, d);
-}
-
-/* K = rope(E_K[token], pos), V = E_V[token]: any token at any position can
- * be regenerated. */
-static void *make_kv(const uint32_t *tok, const int64_t *pos, size_t n, size_t *len)
-{
-    const size_t per = (size_t)T_HEADS * T_DIM;
-    *len = kvr_payload_size(T_LAYERS, n, T_HEADS, T_DIM, DT);
-    uint8_t *buf = malloc(*len ? *len : 1);
-    float *x = malloc((n ? n : 1) * per * sizeof *x);
-    size_t half = n * per * 2;
-    for (uint32_t l = 0; l < T_LAYERS; l++) {
-        uint8_t *k = buf + (size_t)l * 2 * half, *v = k + half;
-        for (size_t i = 0; i < n; i++)
-            embed(tok[i], l, 0, x + i * per);
-        if (n)
-            cr_assert_eq(kvr_rope_apply(R, k, DT, x, KVR_DTYPE_F32, n, T_HEADS, pos, NULL), 0);
-        for (size_t i = 0; i < n; i++)
-            embed(tok[i], l, 1, x + i * per);
-        kvr_convert(v, DT, x, KVR_DTYPE_F32, n * per);
-    }
-    free(x);
-    return buf;
-}
-
 static void put_ids(const char *ctx, const uint32_t *tok, size_t n)
 {
     int64_t *pos = malloc(n * sizeof *pos);
     for (size_t i = 0; i < n; i++)
         pos[i] = (int64_t)i;
     size_t len;
-    void *pl = make_kv(tok, pos, n, &len);
+    void *pl = testd_rope_kv(R, DT, tok, pos, n, &len);
+    cr_assert_not_null(pl);
     kvr_put_args a = { .ctx_id = ctx, .model = "tiny", .dtype = DT, .tokens = tok,
                        .n_tokens = n, .has_pos_start = true, .payload = pl,
                        .payload_len = len, .mode = KVR_PUT_UPSERT };
@@ -83,31 +54,11 @@ static void put_ids(const char *ctx, const uint32_t *tok, size_t n)
     free(pos);
 }
 
-static float h2f(const uint8_t *p)
-{
-    uint16_t u;
-    memcpy(&u, p, 2);
-    return kvr_f16_to_f32(u);
-}
-
 /* The stream's keys are rope(E[tok], its position), values E_V[tok]. */
 static void check_kv(const kvr_kv *kv, const void *payload)
 {
-    size_t n = kv->n_tokens, len;
-    uint8_t *want = make_kv(kv->tokens, kv->positions, n, &len);
-    cr_assert_eq(kv->payload_len, len);
-    const uint8_t *got = payload;
-    size_t half = n * T_HEADS * T_DIM * 2;
-    for (uint32_t l = 0; l < T_LAYERS; l++) {
-        const uint8_t *gk = got + (size_t)l * 2 * half, *wk = want + (size_t)l * 2 * half;
-        for (size_t i = 0; i < half / 2; i++) {
-            float a = h2f(gk + 2 * i), b = h2f(wk + 2 * i);
-            cr_assert(fabsf(a - b) <= 1.0f / 1024.0f + 1e-6f, "layer %u key %zu: %g vs %g", l,
-                      i, (double)a, (double)b);
-        }
-        cr_assert(memcmp(gk + half, wk + half, half) == 0, "layer %u values differ", l);
-    }
-    free(want);
+    char msg[200];
+    cr_assert_eq(testd_rope_kv_check(R, kv, payload, msg, sizeof msg), 0, "%s", msg);
 }
 
 /* a: ids 1000.., b: 2000.., c: 3000.. (100 tokens each); the prompt is 7
