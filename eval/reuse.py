@@ -5,7 +5,7 @@ prompt (keys re-rotated by kvroped), their seams repaired by the engine
 Llama's llama.repair), against a full encode. Debian's /usr/bin/python3.
 
   /usr/bin/python3 eval/reuse.py [--build B] [--cases N] [--chunks K] [--engine llama|numpy]
-                                 [--no-write]
+                                 [--no-write] [--from-results JSON]
 
 Each case: K consecutive chunks of a held-out file and the bytes after them.
 Prompt A ("# retrieved from <file>" then the chunks in one shuffled order) is
@@ -35,8 +35,10 @@ Columns: share of the full encode's gain kept ((none - row) / (none - full) in
 bits), mean KL(full || row) per continuation token in nats, prompt tokens
 computed as a share of a full encode (decoded through every layer), and the
 same with the selection pass (probed tokens x layers it ran / n_layer).
-Writes build/eval/reuse.json and, unless --no-write, the table into
-docs/eval.md (between the reuse markers) and docs/eval/reuse.png.
+Writes build/eval/reuse-<engine>.json and, unless --no-write, the table into
+docs/eval.md (between the engine's reuse markers, which eval/run.py keeps) and
+docs/eval/reuse.png (reuse-numpy.png for the numpy cross-check);
+--from-results rewrites both from a json of an earlier run.
 """
 import argparse
 import json
