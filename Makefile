@@ -138,7 +138,7 @@ EVAL_GGUF := $(BUILD)/eval/kvrope-code.gguf
 # llama.cpp: the bridge (into libkvrope), and what links libllama (fetched from npm).
 include client/llama/llama.mk
 
-.PHONY: deps-run deps-eval eval eval-model deps-fuzz fuzz-ci soak fuzzers all deps deps-bench run test check bench fuzz clean \
+.PHONY: deps-run deps-eval eval eval-reuse eval-model deps-fuzz fuzz-ci soak fuzzers all deps deps-bench run test check bench fuzz clean \
         check-symbols install uninstall
 .DEFAULT_GOAL := all
 # Every file make builds is kept: the test and bench objects are intermediate
@@ -330,6 +330,14 @@ eval-model: deps-eval
 eval: deps-eval
 	@$(MAKE) --no-print-directory all
 	KVR_BUILD=$(abspath $(BUILD)) $(PYTHON) eval/run.py
+	KVR_BUILD=$(abspath $(BUILD)) nice $(PYTHON) eval/reuse.py
+
+# Reuse anywhere alone (issue 27; a few minutes): chunks cached in one prompt,
+# placed in another by kvroped's re-rotation, seams repaired by the engine
+# (kvrope-llama repair); the table into docs/eval.md, docs/eval/reuse.png.
+eval-reuse: deps-eval
+	@$(MAKE) --no-print-directory $(KVROPED) $(CLIENT_SO) $(EVAL_GGUF) $(KVROPE_LLAMA)
+	KVR_BUILD=$(abspath $(BUILD)) nice $(PYTHON) eval/reuse.py
 
 # The long crash run: 1,000 kill -9 trials through the daemon and 1,000
 # against the storage layer (CI runs 100 of each inside `make test`).

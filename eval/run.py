@@ -651,7 +651,16 @@ def write_report(results, a, seconds, log):
     if a.no_write:
         print(text)
         return
-    with open(os.path.join(ROOT, "docs", "eval.md"), "w") as f:
+    # the reuse section (eval/reuse.py, its own run) is kept as it is
+    ep = os.path.join(ROOT, "docs", "eval.md")
+    rb, re_ = "<!-- reuse:begin", "<!-- reuse:end"
+    if os.path.exists(ep):
+        with open(ep) as f:
+            old = f.read()
+        if rb in old and re_ in old:
+            end = old.index("-->", old.rindex(re_)) + 3
+            text = text.rstrip("\n") + "\n\n" + old[old.index(rb):end] + "\n"
+    with open(ep, "w") as f:
         f.write(text)
     os.makedirs(os.path.join(a.build, "eval"), exist_ok=True)
     with open(os.path.join(a.build, "eval", "results.json"), "w") as f:

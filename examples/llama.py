@@ -734,6 +734,122 @@ def kv_slice(kv, start, end=None):
     return [(k[start:end], v[start:end]) for k, v in kv]
 
 
+# ---- seam repair (the engine half of "reuse anywhere"; C: client/llama/worker_repair.c) --
+
+def parse_repair_policy(s):
+    """"none", "all", "epic:K", "blend:SHARE[@LAYER]" (SHARE in (0, 1] or "N%"),
+    joined by "+" -> dict(first_k, blend_share, blend_layer, all)."""
+    o = {"first_k": 0, "blend_share": 0.0, "blend_layer": 1, "all": False}
+    for part in (s or "none").split("+"):
+        if part == "none":
+            continue
+        if part == "all":
+            o["all"] = True
+        elif part.startswith("epic:") and part[5:].isdigit():
+            o["first_k"] = int(part[5:])
+        elif part.startswith("blend:"):
+            v, _, layer = part[6:].partition("@")
+            share = float(v[:-1]) / 100 if v.endswith("%") else float(v)
+            if not 0 < share <= 1 or (layer and (not layer.isdigit() or int(layer) < 1)):
+                raise ValueError(f"repair policy {part!r}: SHARE in (0, 1], LAYER >= 1")
+            o["blend_share"], o["blend_layer"] = share, int(layer or 1)
+        else:
+            raise ValueError(f"repair policy {part!r}: expected none, all, epic:K, blend:SHARE[@L]")
+    return o
+
+
+def repair_plan(placed, run_start=None, dev=None, first_k=0, blend_share=0.0, all=False, **_):
+    """The repair set, exactly as kvr_wk_repair_plan. placed per token: 0 a
+    gap, 1 placed approximate (a candidate), 2 placed exact (never repaired);
+    booleans mean 0 / 1. Gaps always; with `all` every token; EPIC: the first
+    first_k tokens of every placed run (runs begin where run_start says,
+    default after every gap) that are candidates; CacheBlend: the
+    ceil(share * candidates) candidates of largest dev (ties: the earlier
+    token), counted apart from EPIC's. -> (compute bool [n], placed chosen)."""
+    placed = np.asarray(placed).astype(np.int64)
+    n = placed.size
+    compute = placed == 0
+    cand = placed == 1
+    if all:
+        return np.ones(n, bool), int((placed != 0).sum())
+    chosen = 0
+    if first_k:
+        since = 0
+        for i in range(n):
+            if not placed[i]:
+                since = 0
+                continue
+            starts = run_start[i] if run_start is not None else (i == 0 or not placed[i - 1])
+            since = 1 if starts else since + 1
+            if since <= first_k and cand[i] and not compute[i]:
+                compute[i] = True
+                chosen += 1
+    n_cand = int(cand.sum())
+    if blend_share > 0 and dev is not None and n_cand:
+        budget = int(math.ceil(blend_share * n_cand - 1e-9))
+        idx = np.flatnonzero(cand)
+        d = np.nan_to_num(np.asarray(dev, np.float64)[idx], nan=np.inf)
+        order = idx[np.lexsort((idx, -d))][:budget]
+        for i in order:
+            if not compute[i]:
+                compute[i] = True
+                chosen += 1
+    return compute, chosen
+
+
+def repair(model, tokens, kv, placed, run_start=None, policy="none"):
+    """A prompt whose KV is placed where `placed` is non-zero (1 approximate,
+    2 exact: never repaired; kv: per layer K, V
+    [n][kv_heads][head_dim] at the prompt's positions 0..n-1, K rotated there;
+    rows of gaps are ignored) repaired as the C engine does: gaps and the
+    repair set recomputed in increasing position, each run of them seeing
+    the cache before it (placed or already recomputed); the last token
+    always. CacheBlend's deviation is taken at layer L against a full
+    forward's K/V: the same numbers a probe that stops after layer L's
+    projections gives (layer L's K/V depend only on layers < L), computed here
+    with the whole forward for simplicity (the C engine stops the graph).
+    -> (last token's logits [vocab], repaired kv, compute mask, stats)."""
+    o = parse_repair_policy(policy) if isinstance(policy, str) else dict(policy)
+    tokens = np.asarray(tokens, np.int64)
+    n = tokens.size
+    placed = np.asarray(placed).astype(np.int64)
+    kv = [(np.array(k, np.float32), np.array(v, np.float32)) for k, v in kv]
+    dev = None
+    probed = 0
+    if o["blend_share"] > 0 and not o["all"] and (placed == 1).any():
+        L = o["blend_layer"]
+        if L >= model.n_layers:
+            raise ValueError(f"blend layer {L}: the model has {model.n_layers} layers")
+        _, fresh = model.forward(tokens, positions=np.arange(n))
+        fk, fv = fresh[L]
+        pk, pv = kv[L]
+        dev = (((fk.astype(np.float64) - pk) ** 2).sum((1, 2)) +
+               ((fv.astype(np.float64) - pv) ** 2).sum((1, 2)))
+        probed = n
+    compute, chosen = repair_plan(placed, run_start, dev, **o)
+    compute[n - 1] = True
+    logits = None
+    i = 0
+    while i < n:
+        if not compute[i]:
+            i += 1
+            continue
+        j = i
+        while j < n and compute[j]:
+            j += 1
+        past = [(k[:i], v[:i]) for k, v in kv] if i else None
+        lg, new = model.forward(tokens[i:j], positions=np.arange(i, j), past=past)
+        for li, (nk, nv) in enumerate(new):
+            kv[li][0][i:j] = nk
+            kv[li][1][i:j] = nv
+        logits = lg[-1]
+        i = j
+    stats = {"prompt": n, "placed": int((placed != 0).sum()), "gaps": int((placed == 0).sum()),
+             "repaired": chosen, "computed": int(compute.sum()), "probed": probed,
+             "probe_layers": (o["blend_layer"] + 0.5) if probed else 0.0}
+    return logits, kv, compute, stats
+
+
 # ---- payload layout (the daemon's wire/storage order) ------------------------------
 
 _DTYPE_NAMES = {"f32": "f32", "float32": "f32", "F32": "f32", 0: "f32",

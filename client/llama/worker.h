@@ -18,6 +18,10 @@
  *  - flows (worker_flows.c): the four commands, each filling a report.
  *  - score (worker_score.c): logits and greedy continuations of a token
  *    sequence over a given KV cache (KV.bin, docs/llama.md), no daemon.
+ *  - repair (worker_repair.c): seam repair of a prompt whose KV is partly
+ *    placed from cached runs (EPIC first-k, CacheBlend layer deviation via
+ *    a probe decode), the session engine's cover path and the CLI's
+ *    `repair`.
  *
  * Conventions: int return 0 or a negative code; functions that can fail for
  * a reason worth telling write it into `char *err, size_t errlen`.
@@ -214,6 +218,87 @@ int kvr_wk_lm_state_set(kvr_wk_lm *lm, const uint8_t *buf, size_t len, char *err
 int32_t kvr_wk_lm_cache_type(const kvr_wk_lm *lm);
 bool    kvr_wk_lm_v_trans(const kvr_wk_lm *lm);
 
+/* Probing (seam repair's selection pass): contexts created after
+ * kvr_wk_lm_set_probe(lm, true) carry llama.cpp's eval callback. A probe
+ * decode runs toks through seq `seq` only as far as layer `layer`'s K and V
+ * projections (the RoPE'd "Kcur-L" and "Vcur-L" of each ubatch), copies them
+ * out ([n][row] f32 each, row = n_head_kv * head_dim) and cuts the graph
+ * there: layers below L write their KV cells, layers from L on do not, and
+ * no logits come out. The caller removes the sequence's cells after. */
+typedef struct kvr_wk_probe {
+    uint32_t layer;
+    size_t   row, cap;           /* floats per token; tokens k and v hold */
+    float   *k, *v;              /* the caller's, cap * row each */
+    size_t   k_off, v_off;       /* tokens seen (filled by the decode) */
+    char     kname[32], vname[32];
+} kvr_wk_probe;
+void kvr_wk_lm_set_probe(kvr_wk_lm *lm, bool on);
+bool kvr_wk_lm_probe_on(const kvr_wk_lm *lm);     /* set, and a context exists */
+int  kvr_wk_lm_probe_decode(kvr_wk_lm *lm, kvr_wk_probe *p, const int32_t *toks, size_t n,
+                            int32_t pos0, int seq, char *err, size_t errlen);
+
+/* ---- seam repair (worker_repair.c) ----------------------------------------
+ *
+ * A prompt whose KV is partly placed (runs of tokens cached elsewhere, keys
+ * re-rotated to their place here, e.g. a cover from kvroped) and partly
+ * gaps. Placed tokens carry KV computed with another left context, so the
+ * seams (a run's first tokens, and tokens that attended much to what is no
+ * longer before them) are wrong. Repair computes the gaps and a repair set:
+ *  - EPIC (LegoLink): the first k tokens of every placed run;
+ *  - CacheBlend: the placed tokens whose layer-L K/V deviates most from a
+ *    full encode's, a share of the placed tokens.
+ * Both may be combined (union). Everything computed is decoded in increasing
+ * position, each token attending to what seq 0 holds before it: placed KV
+ * (approximate) or what was already recomputed. `all` recomputes every
+ * placed token, which equals a full encode.
+ */
+typedef struct kvr_wk_repair_opts {
+    uint32_t first_k;        /* EPIC: first k tokens of each placed run (0 = none) */
+    double   blend_share;    /* CacheBlend: share of placed tokens (0 = none) */
+    uint32_t blend_layer;    /* the selection layer, >= 1 (0 = 1: layer 0's KV
+                                does not depend on context) */
+    bool     all;            /* recompute every placed token */
+} kvr_wk_repair_opts;
+/* The default policy: from docs/eval.md's reuse table (EPIC first 16). */
+#define KVR_WK_REPAIR_DEFAULT_K 16u
+
+typedef struct kvr_wk_repair_res {
+    size_t n_prompt, n_placed, n_gap;
+    size_t n_repaired;       /* placed tokens recomputed */
+    size_t n_computed;       /* gaps + repaired (+ the last token if placed and not chosen) */
+    size_t n_probed;         /* tokens through the selection pass (0 without blend) */
+    double probe_layers;     /* layers the selection pass ran for each of them */
+    double t_probe_ms, t_decode_ms;
+} kvr_wk_repair_res;
+
+/* Parses "none", "all", "epic:K", "blend:SHARE[@LAYER]" (SHARE in (0, 1] or
+ * "N%"), or several joined by "+" (e.g. "epic:16+blend:0.1"). */
+int kvr_wk_repair_parse(const char *s, kvr_wk_repair_opts *o, char *err, size_t errlen);
+/* Per prompt token: a gap (computed), placed approximate (a repair
+ * candidate), or placed exact (a run at its original place after the same
+ * text, e.g. a cached prefix: never repaired). */
+#define KVR_WK_GAP          0
+#define KVR_WK_PLACED       1
+#define KVR_WK_PLACED_EXACT 2
+/* The repair set, no llama.cpp: placed[i] (n entries, KVR_WK_GAP / PLACED /
+ * PLACED_EXACT), run_start[i] non-zero where a placed run begins (NULL:
+ * after every gap and at 0); dev[i] the deviation of placed token i (NULL
+ * unless blend_share > 0; the share is of the candidates). compute[i] := 1
+ * for gaps and chosen tokens, else 0. Ties in dev go to the earlier token.
+ * Returns the placed tokens chosen. */
+size_t kvr_wk_repair_plan(const uint8_t *placed, const uint8_t *run_start, size_t n,
+                          const float *dev, const kvr_wk_repair_opts *o, uint8_t *compute);
+/* Seq 0 holds cells exactly at the placed positions of toks[0..n) (and
+ * nothing at or after n); this computes the gaps and the repair set, in
+ * increasing position, and the prompt's last token always (its logits are
+ * current afterwards: kvr_wk_lm_logits). Blend needs a probing context
+ * (kvr_wk_lm_set_probe before kvr_wk_lm_context) with room for n more
+ * cells (its pass runs the whole prompt through seq 1). compute_out (n entries,
+ * may be NULL) receives the plan. */
+int kvr_wk_repair(kvr_wk_lm *lm, const int32_t *toks, size_t n, const uint8_t *placed,
+                  const uint8_t *run_start, const kvr_wk_repair_opts *o, uint8_t *compute_out,
+                  kvr_wk_repair_res *res, char *err, size_t errlen);
+
 /* ---- reports -------------------------------------------------------------- */
 struct cJSON;
 typedef struct kvr_wk_report {
@@ -236,6 +321,16 @@ void   kvr_wk_quote(const char *s, size_t n, char *out, size_t cap);
 
 /* ---- the flows (worker_flows.c) ------------------------------------------ */
 struct kvr_llama_model;
+/* The daemon's cover verb (kvrope.h: kvr_client_cover, kvr_client_cover_get,
+ * kvr_cover_release), through pointers: the engine's cover path builds and
+ * is tested before and without the verb's client side. All NULL: the
+ * session engine never asks for a cover (prefix and PIE reuse only). */
+typedef struct kvr_wk_cover_api {
+    int  (*cover)(kvr_client *c, const kvr_cover_args *a, kvr_cover_res *out);
+    int  (*cover_get)(kvr_client *c, const kvr_cover_args *a, kvr_cover_res *out);
+    void (*release)(kvr_cover_res *r);
+} kvr_wk_cover_api;
+
 typedef struct kvr_wk_env {
     kvr_wk_lm     *lm;
     struct kvr_llama_model *profile;      /* the GGUF's (owned; NULL if unread) */
@@ -249,6 +344,7 @@ typedef struct kvr_wk_env {
      * and faulted in before the timed steps; freed by kvr_wk_env_bufs_free. */
     void          *pf_fetch, *pf_state;
     size_t         pf_fetch_cap, pf_state_cap;
+    kvr_wk_cover_api cover;               /* reuse anywhere (NULLs: off) */
     char           err[1024];
 } kvr_wk_env;
 void kvr_wk_env_bufs_free(kvr_wk_env *e);
@@ -367,6 +463,15 @@ typedef struct kvr_wk_sync_opts {
     bool        no_cache;    /* compute everything (cache_prompt: false) */
     size_t      max_d;       /* diff budget; 0 = 2048 */
     size_t      min_gap;     /* hunks closer than this are one op; 0 = 8 */
+    /* Reuse anywhere (e->cover set): when the session and the longest
+     * prefix leave at least KVR_COVER_MIN_RUN tokens to compute, the daemon's
+     * cover of the prompt is asked for; if it places at least that many
+     * more tokens, its runs are loaded re-rotated and the gaps and this
+     * repair set computed (kvr_wk_repair). NULL = EPIC first
+     * KVR_WK_REPAIR_DEFAULT_K. Blend's part is skipped without a probing
+     * context or room for the prompt twice in it. */
+    const struct kvr_wk_repair_opts *repair;
+    bool        no_cover;    /* never ask for a cover */
 } kvr_wk_sync_opts;
 #define KVR_WK_MAX_AGE 16u
 
@@ -377,7 +482,11 @@ typedef struct kvr_wk_sync_res {
     size_t n_refreshed;      /* old tokens re-encoded (after edit points, by age) */
     size_t n_ops;            /* PIE ops against the source context */
     size_t n_approx;         /* tokens of the prompt whose KV is approximate now */
-    char   source[KVR_ID_MAX + 1];   /* the context read ("" = none) */
+    size_t n_placed;         /* cover path: tokens placed from cached runs */
+    size_t n_repaired;       /* cover path: placed tokens recomputed (seams) */
+    size_t n_runs;           /* cover path: runs placed */
+    char   source[KVR_ID_MAX + 1];   /* the context read ("" = none; "cover" for
+                                        the cover path: runs of several) */
     double t_match_ms, t_fetch_ms, t_load_ms, t_decode_ms, t_total_ms;
 } kvr_wk_sync_res;
 
@@ -437,6 +546,35 @@ typedef struct kvr_wk_score_opts {
 /* Scores T over the KV cache (every refusal: KVR_EINVAL and the reason in
  * e->err, before anything is written). */
 int kvr_wk_score(kvr_wk_env *e, const kvr_wk_score_opts *o);
+
+/* KV.bin (docs/llama.md), parsed against the model (pointers borrow the
+ * file's bytes; pos is owned: free it) and loaded into seq 0 with cell j at
+ * meta[j] (everything else in the cache goes). */
+typedef struct kvr_wk_kvbin {
+    uint32_t       n_layers, m, n_kv_heads, head_dim, dtype;
+    int32_t        ggml_type;
+    int64_t       *pos;           /* m (owned) */
+    int64_t        pos_max;
+    const uint8_t *payload;       /* borrowed from the file's bytes */
+} kvr_wk_kvbin;
+int kvr_wk_kvbin_parse(kvr_wk_env *e, const uint8_t *b, size_t len, kvr_wk_kvbin *kv);
+int kvr_wk_kvbin_load(kvr_wk_env *e, const kvr_wk_kvbin *kv, const int64_t *meta);
+
+/* The CLI's `repair` (the reuse eval's engine): T = a prompt of n_prompt
+ * tokens and a continuation; KV.bin holds cells at some of the prompt's
+ * positions (the placed ones; the rest are gaps); run starts as given.
+ * kvr_wk_repair with the policy, then the continuation decoded after the
+ * prompt; logits rows (f32, n_vocab each) of the prompt's last token and of
+ * every continuation token but the last (so row j predicts T[n_prompt + j])
+ * into logits_out. Reports the repair's counts. */
+typedef struct kvr_wk_repair_cmd_opts {
+    const uint8_t *tokens, *kv;
+    size_t         tokens_len, kv_len, n_prompt;
+    const size_t  *run_starts;
+    size_t         n_run_starts;
+    const char    *policy, *logits_out;
+} kvr_wk_repair_cmd_opts;
+int kvr_wk_repair_cmd(kvr_wk_env *e, const kvr_wk_repair_cmd_opts *o);
 
 /* ---- time ----------------------------------------------------------------- */
 double kvr_wk_now_ms(void);

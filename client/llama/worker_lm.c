@@ -10,6 +10,12 @@
  * (kvr_wk_lm_decode_middle). Attention masks by position within a sequence,
  * so those tokens see exactly the cells before them.
  *
+ * Probing (seam repair's CacheBlend selection): a context created after
+ * kvr_wk_lm_set_probe(lm, true) carries llama.cpp's eval callback; it asks
+ * for no tensor unless a probe decode is running, so other decodes compute
+ * the whole graph as before (one graph view, the same kernels). A probe
+ * decode copies layer L's RoPE'd K and V out and stops the graph there.
+ *
  * llama.cpp's log goes nowhere unless KVR_LLAMA_VERBOSE is set; its last
  * error line is kept and quoted in our error messages.
  */
@@ -48,7 +54,66 @@ struct kvr_wk_lm {
     int32_t                   cache_type;   /* ggml type of K and V (F16 unless set) */
     uint32_t                  n_seq;        /* n_seq_max of the next context (>= 2) */
     struct ggml_threadpool   *tp;           /* sleeping threads (poll 0), or NULL */
+    bool                      probe_on;     /* contexts get the eval callback below */
+    kvr_wk_probe             *probe;        /* the active probe of a decode, or NULL */
 };
+
+/* llama.cpp's eval callback (set only when probing is on): asks for no
+ * tensor unless a probe is active; then observes the probe's layer's
+ * "Kcur-L" / "Vcur-L" (RoPE'd K, V of the ubatch's tokens, f32
+ * [head_dim][n_head_kv][n_tokens]) and stops the graph once it has both
+ * (ggml's scheduler breaks out of the split when the callback says false). */
+static bool probe_cb(struct ggml_tensor *t, bool ask, void *ud)
+{
+    kvr_wk_lm *lm = ud;
+    kvr_wk_probe *p = lm->probe;
+    if (!p)
+        return ask ? false : true;
+    const char *nm = ggml_get_name(t);
+    int which = strcmp(nm, p->kname) == 0 ? 0 : strcmp(nm, p->vname) == 0 ? 1 : -1;
+    if (ask)
+        return which >= 0;
+    /* K: the RoPE'd tensor (the projection before it carries the same name);
+     * V: its 3-D reshape (the 2-D projection shares the name). */
+    if (which < 0 || t->type != GGML_TYPE_F32 || !ggml_is_contiguous(t) ||
+        t->op != (which == 0 ? GGML_OP_ROPE : GGML_OP_RESHAPE))
+        return true;
+    size_t row = (size_t)t->ne[0] * (size_t)t->ne[1];
+    size_t ntok = (size_t)t->ne[2];
+    size_t *off = which == 0 ? &p->k_off : &p->v_off;
+    float *dst = which == 0 ? p->k : p->v;
+    if (row != p->row || *off + ntok > p->cap)
+        return true;            /* not what the probe sized for: counted as missing */
+    ggml_backend_tensor_get(t, dst + *off * row, 0, ntok * row * sizeof(float));
+    *off += ntok;
+    /* both of this ubatch seen: the rest of the graph is not needed */
+    return p->k_off != p->v_off;
+}
+
+void kvr_wk_lm_set_probe(kvr_wk_lm *lm, bool on) { lm->probe_on = on; }
+bool kvr_wk_lm_probe_on(const kvr_wk_lm *lm) { return lm->probe_on && lm->ctx; }
+
+int kvr_wk_lm_probe_decode(kvr_wk_lm *lm, kvr_wk_probe *p, const int32_t *toks, size_t n,
+                           int32_t pos0, int seq, char *err, size_t errlen)
+{
+    if (!lm->probe_on) {
+        snprintf(err, errlen, "the context was created without probing (kvr_wk_lm_set_probe)");
+        return -EINVAL;
+    }
+    snprintf(p->kname, sizeof p->kname, "Kcur-%u", p->layer);
+    snprintf(p->vname, sizeof p->vname, "Vcur-%u", p->layer);
+    p->k_off = p->v_off = 0;
+    lm->probe = p;
+    int r = kvr_wk_lm_decode(lm, toks, n, pos0, seq, KVR_WK_LOGITS_NONE, NULL, NULL, err, errlen);
+    lm->probe = NULL;
+    lm->last_logits = NULL;      /* whatever the cut graph left is not logits */
+    if (r == 0 && (p->k_off != n || p->v_off != n)) {
+        snprintf(err, errlen, "probe: saw %zu / %zu of %zu tokens' %s / %s", p->k_off, p->v_off,
+                 n, p->kname, p->vname);
+        r = -EIO;
+    }
+    return r;
+}
 
 void kvr_wk_lm_set_profile(kvr_wk_lm *lm, const kvr_llama_model *m) { lm->profile = m; }
 
@@ -212,6 +277,10 @@ int kvr_wk_lm_context(kvr_wk_lm *lm, uint32_t n_ctx, char *err, size_t errlen)
     cp.type_k = (enum ggml_type)lm->cache_type;
     cp.type_v = (enum ggml_type)lm->cache_type;
     cp.no_perf = true;
+    if (lm->probe_on) {
+        cp.cb_eval = probe_cb;
+        cp.cb_eval_user_data = lm;
+    }
     if (lm->profile)
         kvr_llama_model_context_params(lm->profile, &cp);
     log_last[0] = 0;

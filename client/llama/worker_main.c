@@ -16,6 +16,8 @@
  *     score --tokens T.bin [--kv KV.bin] [--from F] [--next-pos P]
  *           [--logits-out L.bin] [--kv-out KV.bin] [--generate I:N[,I:N...]]
  *           [--stop-token ID] [--exact]
+ *     repair --tokens T.bin --prompt-len N [--kv KV.bin] [--runs S,S...] [--policy P]
+ *            [--logits-out L.bin]                                   (worker_repair.c)
  *     serve [--listen HOST:PORT] [--parallel N] [--ctx-size N] ...  (worker_serve.c)
  *
  * Exit status: 0 done, 1 refused or failed (the reason on stderr, and as
@@ -73,6 +75,13 @@ static const char usage[] =
 "        F..N-2 (default F = cached tokens), greedy tokens from the points I (no daemon);\n"
 "        --exact: in-cache rows one per decode, bit-identical to a full forward;\n"
 "        --kv-out: the KV llama.cpp computed for T[m..N), as a KV.bin\n"
+"  repair --tokens T.bin --prompt-len N [--kv KV.bin] [--runs S,S...] [--policy P]\n"
+"         [--logits-out L.bin]\n"
+"        a prompt (T's first N tokens) whose KV is placed where KV.bin has cells and\n"
+"        gaps elsewhere (runs of placed tokens begin at S..., default after each gap):\n"
+"        gaps and the repair set computed (P: none, all, epic:K, blend:SHARE[@L],\n"
+"        joined by '+'; default none), then the rest of T decoded; logits of the\n"
+"        prompt's last token and of each later token but the last (no daemon)\n"
 "  serve [--listen HOST:PORT] [--parallel N] [--ctx-size N] [--api-key-file F]\n"
 "        llama-server's HTTP API on the model, kvroped as its cache (serve --help)\n"
 "--socket: unix:PATH, a path, or HOST:PORT (default $KVROPE_SOCKET, else as kvrope's CLI);\n"
@@ -92,6 +101,9 @@ typedef struct args {
     size_t      n_docs;
     const char *tokens_f, *kv_f, *logits_f, *kv_out_f;
     bool        has_from, has_next_pos, has_stop, exact;
+    long        prompt_len;
+    const char *policy;
+    size_t      runs[8192], n_runs;
     long        from, next_pos, stop;
     kvr_wk_gen_req gen[1024];
     size_t      n_points;
@@ -138,6 +150,22 @@ static bool parse_int(const char *s, long lo, long hi, long *out)
     if (errno || end == s || *end || v < lo || v > hi)
         return false;
     *out = v;
+    return true;
+}
+
+/* "N,N,..." into out (appended after *n, at most cap in all); false on a bad
+ * number, an empty item or too many. */
+static bool parse_list(const char *v, size_t *out, size_t cap, size_t *n)
+{
+    for (const char *q = v; *q;) {
+        char *end;
+        errno = 0;
+        unsigned long x = strtoul(q, &end, 10);
+        if (errno || end == q || (*end && *end != ',') || *n == cap)
+            return false;
+        out[(*n)++] = (size_t)x;
+        q = *end ? end + 1 : end;
+    }
     return true;
 }
 
@@ -224,15 +252,8 @@ static int parse(int argc, char **argv, args *a)
                 return usage_err("--max-versions takes a count of 2 or more");
         } else if (!strcmp(s, "--check-at")) {
             NEED();
-            for (const char *q = v; *q;) {
-                char *end;
-                errno = 0;
-                unsigned long x = strtoul(q, &end, 10);
-                if (errno || end == q || (*end && *end != ',') || a->n_check_at == 64)
-                    return usage_err("--check-at takes up to 64 version numbers I,I,...");
-                a->check_at[a->n_check_at++] = (size_t)x;
-                q = *end ? end + 1 : end;
-            }
+            if (!parse_list(v, a->check_at, 64, &a->n_check_at))
+                return usage_err("--check-at takes up to 64 version numbers I,I,...");
         } else if (!strcmp(s, "--budget")) {
             NEED();
             if (!parse_int(v, 0, INT32_MAX, &a->budget))
@@ -264,6 +285,17 @@ static int parse(int argc, char **argv, args *a)
                 a->parallel = false;
             else
                 return usage_err("--layout is sequential or parallel");
+        } else if (!strcmp(s, "--prompt-len")) {
+            NEED();
+            if (!parse_int(v, 1, INT32_MAX, &a->prompt_len))
+                return usage_err("--prompt-len takes a token count of 1 or more");
+        } else if (!strcmp(s, "--policy")) {
+            NEED();
+            a->policy = v;
+        } else if (!strcmp(s, "--runs")) {
+            NEED();
+            if (!parse_list(v, a->runs, sizeof a->runs / sizeof a->runs[0], &a->n_runs))
+                return usage_err("--runs takes up to 8192 token indexes S,S,...");
         } else if (!strcmp(s, "--exact")) {
             a->exact = true;
         } else if (!strcmp(s, "--tokens")) {
@@ -342,7 +374,7 @@ static int parse(int argc, char **argv, args *a)
         return usage_err("no command");
     const char *c = a->command;
     if (strcmp(c, "complete") && strcmp(c, "edit") && strcmp(c, "rag") && strcmp(c, "ppl") &&
-        strcmp(c, "score") && strcmp(c, "refresh") && strcmp(c, "replay") &&
+        strcmp(c, "score") && strcmp(c, "repair") && strcmp(c, "refresh") && strcmp(c, "replay") &&
         strcmp(c, "serve")) {
         snprintf(msg, sizeof msg, "unknown command %s", c);
         return usage_err(msg);
@@ -363,6 +395,8 @@ static int parse(int argc, char **argv, args *a)
         return usage_err("ppl needs a FILE");
     if (!strcmp(c, "score") && !a->tokens_f)
         return usage_err("score needs --tokens T.bin");
+    if (!strcmp(c, "repair") && (!a->tokens_f || !a->prompt_len))
+        return usage_err("repair needs --tokens T.bin and --prompt-len N");
     return 0;
 }
 
@@ -482,7 +516,8 @@ int main(int argc, char **argv)
         return rc;
     }
     bool is_ppl = !strcmp(a.command, "ppl"), is_score = !strcmp(a.command, "score");
-    bool offline = is_ppl || is_score;      /* no daemon */
+    bool is_repair = !strcmp(a.command, "repair");
+    bool offline = is_ppl || is_score || is_repair;      /* no daemon */
 
     /* Everything released at `done`, whatever the way out. */
     text files[260];
@@ -519,7 +554,7 @@ int main(int argc, char **argv)
     }
     if (is_ppl)
         ADD("file", a.ppl_file);
-    if (is_score) {
+    if (is_score || is_repair) {
         ADD("token file", a.tokens_f);
         if (a.kv_f)
             ADD("KV file", a.kv_f);
@@ -634,6 +669,14 @@ int main(int argc, char **argv)
             .has_stop = a.has_stop, .stop = (int32_t)a.stop, .exact = a.exact,
             .logits_out = a.logits_f, .kv_out = a.kv_out_f, .gen = a.gen, .n_gen = a.n_points };
         r = kvr_wk_score(&e, &so);
+    } else if (is_repair) {
+        kvr_wk_repair_cmd_opts ro = {
+            .tokens = (const uint8_t *)files[0].data, .tokens_len = files[0].len,
+            .kv = a.kv_f ? (const uint8_t *)files[1].data : NULL,
+            .kv_len = a.kv_f ? files[1].len : 0, .n_prompt = (size_t)a.prompt_len,
+            .run_starts = a.runs, .n_run_starts = a.n_runs, .policy = a.policy,
+            .logits_out = a.logits_f };
+        r = kvr_wk_repair_cmd(&e, &ro);
     } else {
         if ((rc = tokenize(&e, &files[0], in->add_bos, "file", a.ppl_file, &tk[0], &ntk[0])))
             goto done;

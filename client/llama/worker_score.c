@@ -165,17 +165,11 @@ out:
     return r;
 }
 
-typedef struct kvbin {
-    uint32_t       n_layers, m, n_kv_heads, head_dim, dtype;
-    int32_t        ggml_type;
-    int64_t       *pos;           /* m (owned) */
-    int64_t        pos_max;
-    const uint8_t *payload;       /* borrowed from the file's bytes */
-} kvbin;
+typedef kvr_wk_kvbin kvbin;
 
 static const char *dtype_name(uint32_t d) { return d == 0 ? "f32" : d == 1 ? "f16" : "bf16"; }
 
-static int kvbin_parse(kvr_wk_env *e, const uint8_t *b, size_t len, kvbin *kv)
+int kvr_wk_kvbin_parse(kvr_wk_env *e, const uint8_t *b, size_t len, kvbin *kv)
 {
     const kvr_wk_lm_info *in = kvr_wk_lm_info_get(e->lm);
     memset(kv, 0, sizeof *kv);
@@ -234,7 +228,7 @@ static int kvbin_parse(kvr_wk_env *e, const uint8_t *b, size_t len, kvbin *kv)
 }
 
 /* Loads the cache into seq 0 with cell j at meta[j]; everything else goes. */
-static int load_cells(kvr_wk_env *e, const kvbin *kv, const int64_t *meta)
+int kvr_wk_kvbin_load(kvr_wk_env *e, const kvbin *kv, const int64_t *meta)
 {
     kvr_wk_lm_clear(e->lm);
     if (kv->m == 0)
@@ -397,7 +391,7 @@ int kvr_wk_score(kvr_wk_env *e, const kvr_wk_score_opts *o)
         }
     }
     /* The cache. */
-    if (o->kv && (r = kvbin_parse(e, o->kv, o->kv_len, &kv)) < 0)
+    if (o->kv && (r = kvr_wk_kvbin_parse(e, o->kv, o->kv_len, &kv)) < 0)
         goto out;
     size_t m = kv.m;
     if (m > N) {
@@ -556,7 +550,7 @@ int kvr_wk_score(kvr_wk_env *e, const kvr_wk_score_opts *o)
     /* Inside the cache. */
     if (needA) {
         double ta0 = kvr_wk_now_ms();
-        if ((r = load_cells(e, &kv, metaA)) < 0)
+        if ((r = kvr_wk_kvbin_load(e, &kv, metaA)) < 0)
             goto out;
         t_load += kvr_wk_now_ms() - ta0;
         /* --exact: from the last row down, the cells from i on dropped (no
@@ -579,7 +573,7 @@ int kvr_wk_score(kvr_wk_env *e, const kvr_wk_score_opts *o)
             r = kvr_wk_fail(e, KVR_EIO, "logits file %s: %s", o->logits_out, strerror(errno));
             goto out;
         }
-        if (o->exact && genA && (r = load_cells(e, &kv, metaA)) < 0)
+        if (o->exact && genA && (r = kvr_wk_kvbin_load(e, &kv, metaA)) < 0)
             goto out;
         for (int64_t i0 = F; !o->exact && i0 < endA; i0 += Q) {
             size_t cnt = (size_t)(endA - i0 < (int64_t)Q ? endA - i0 : (int64_t)Q);
@@ -619,7 +613,7 @@ int kvr_wk_score(kvr_wk_env *e, const kvr_wk_score_opts *o)
     if (needB) {
         double tb0 = kvr_wk_now_ms();
         if (!needA || !same || (o->exact && !genA)) {
-            if ((r = load_cells(e, &kv, metaB)) < 0)
+            if ((r = kvr_wk_kvbin_load(e, &kv, metaB)) < 0)
                 goto out;
         }
         t_load += kvr_wk_now_ms() - tb0;

@@ -629,6 +629,9 @@ static cJSON *kvrope_json(const result *r)
     cJSON_AddNumberToObject(k, "n_refreshed", (double)y->n_refreshed);
     cJSON_AddNumberToObject(k, "n_ops", (double)y->n_ops);
     cJSON_AddNumberToObject(k, "n_approx", (double)y->n_approx);
+    cJSON_AddNumberToObject(k, "n_placed", (double)y->n_placed);
+    cJSON_AddNumberToObject(k, "n_repaired", (double)y->n_repaired);
+    cJSON_AddNumberToObject(k, "n_runs", (double)y->n_runs);
     cJSON_AddNumberToObject(k, "match_ms", y->t_match_ms);
     cJSON_AddNumberToObject(k, "fetch_ms", y->t_fetch_ms);
     cJSON_AddNumberToObject(k, "load_ms", y->t_load_ms);
@@ -1621,6 +1624,10 @@ static int handle_metrics(srv *s, struct MHD_Connection *c)
         m.prompt_reused);
     CTR("kvrope:prompt_tokens_refreshed_total",
         "Approximate prompt tokens re-encoded during requests.", m.prompt_refreshed);
+    CTR("kvrope:prompt_tokens_placed_total",
+        "Prompt tokens placed from cached runs anywhere in the prompt (cover).", m.prompt_placed);
+    CTR("kvrope:prompt_tokens_repaired_total",
+        "Placed prompt tokens recomputed at the seams of their runs.", m.prompt_repaired);
     CTR("kvrope:tokens_refreshed_idle_total", "Approximate tokens re-encoded when idle.",
         m.refreshed_idle);
     CTR("kvrope:cache_unavailable_total", "Requests answered without kvroped.",
@@ -1771,11 +1778,13 @@ static void on_completed(void *cls, struct MHD_Connection *c, void **con_cls,
 static const char serve_usage[] =
 "usage: kvrope-llama --model M.gguf [--socket S] [--threads N] serve [--listen HOST:PORT]\n"
 "        [--parallel N] [--ctx-size N] [--batch-size N] [--api-key-file F] [--refresh K]\n"
-"        [--alias NAME]\n"
+"        [--alias NAME] [--repair P]\n"
 "  llama-server's HTTP API (/completion, /infill, /v1/completions, /v1/chat/completions,\n"
 "  /tokenize, /detokenize, /apply-template, /health, /props, /v1/models, /metrics,\n"
 "  /slots) on the model, kvroped as its cache. --listen defaults to 127.0.0.1:8080;\n"
-"  --threads to the cores not busy now. SIGINT / SIGTERM stop it.\n";
+"  --threads to the cores not busy now. --repair: how the seams of cached runs\n"
+"  placed anywhere in a prompt are repaired (none, epic:K, blend:SHARE[@L], all,\n"
+"  joined by '+'; default epic:16, docs/eval.md). SIGINT / SIGTERM stop it.\n";
 
 static int parse_listen(const char *l, struct sockaddr_storage *ss, socklen_t *len, char *err,
                         size_t errlen)
@@ -1868,7 +1877,8 @@ int kvr_wk_serve_main(kvr_wk_env *e, const char *model_path, const char *socket,
     /* refresh 16: docs/eval.md's PIE table (llama.cpp), 98.4% argmax agreement
      * with a full re-encode for 20% of its tokens, against 97.6% for 13.5% */
     s->o = (srv_opts){ .listen = "127.0.0.1:8080", .parallel = 4, .idle_ms = 300,
-                       .refresh = 16 };
+                       .refresh = 16,
+                       .repair = { .first_k = KVR_WK_REPAIR_DEFAULT_K } };
     s->model_path = model_path;
     s->socket = socket;
     for (int i = 0; i < argc; i++) {
@@ -1891,6 +1901,13 @@ int kvr_wk_serve_main(kvr_wk_env *e, const char *model_path, const char *socket,
             s->o.api_key_file = v, i++;
         } else if (!strcmp(a, "--alias") && v) {
             s->o.alias = v, i++;
+        } else if (!strcmp(a, "--repair") && v) {
+            char why[256];
+            if (kvr_wk_repair_parse(v, &s->o.repair, why, sizeof why) < 0) {
+                fprintf(stderr, "kvrope-llama serve: %s\n", why);
+                return 2;
+            }
+            i++;
         } else {
             fprintf(stderr, "kvrope-llama serve: bad or incomplete option %s\n%s", a,
                     serve_usage);
@@ -1960,12 +1977,17 @@ int kvr_wk_serve_main(kvr_wk_env *e, const char *model_path, const char *socket,
         fprintf(stderr, "kvrope serve: compute threads will spin: %s\n", err);
     const kvr_wk_lm_info *in = kvr_wk_lm_info_get(e->lm);
     s->n_ctx = s->o.n_ctx ? s->o.n_ctx : in->n_ctx_train ? in->n_ctx_train : 4096;
+    /* blend repair's selection pass runs the prompt through layer 1 */
+    kvr_wk_lm_set_probe(e->lm, s->o.repair.blend_share > 0 && !s->o.repair.all);
     if (kvr_wk_lm_context(e->lm, s->n_ctx, e->err, sizeof e->err) < 0) {
         fprintf(stderr, "kvrope-llama serve: %s\n", e->err);
         goto stop_http;
     }
     s->n_batch = s->o.n_batch ? s->o.n_batch : s->n_ctx / 2 < 2048 ? s->n_ctx / 2 : 2048;
     s->vocab = llama_model_get_vocab(kvr_wk_lm_model(e->lm));
+    /* reuse anywhere: the daemon's cover verb (a daemon without it refuses
+     * the call, and the engine goes on with prefix and PIE reuse) */
+    e->cover = (kvr_wk_cover_api){ kvr_client_cover, kvr_client_cover_get, kvr_cover_release };
     s->e = *e;
     s->connected = up;
     s->t_reconnect = kvr_wk_now_ms() - 1000;

@@ -43,6 +43,8 @@ typedef struct srv_opts {
     uint32_t    refresh;         /* tokens refreshed after each edit point */
     uint32_t    idle_ms;         /* idle time before background refresh; default 300 */
     const char *alias;           /* model name in responses; default the file's name */
+    kvr_wk_repair_opts repair;   /* seams of placed runs (reuse anywhere); default
+                                    EPIC first KVR_WK_REPAIR_DEFAULT_K */
 } srv_opts;
 
 typedef enum srv_stop {
@@ -114,6 +116,7 @@ typedef struct srv_slot {
 } srv_slot;
 
 typedef struct srv_metrics {
+    uint64_t prompt_placed, prompt_repaired;   /* reuse anywhere: cover runs, seams */
     uint64_t requests, requests_failed, prompt_tokens, prompt_reused, prompt_refreshed,
              tokens_predicted, cache_unavailable, commit_failed, refreshed_idle, cancelled;
     double   prompt_seconds, predicted_seconds;

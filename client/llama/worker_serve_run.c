@@ -414,7 +414,8 @@ static void run_gen(srv *s, srv_job *j)
     bool via_cache = false;
     reconnect(s);
     if (j->p.cache_prompt && s->connected) {
-        kvr_wk_sync_opts so = { .session = sl->session, .refresh = s->o.refresh };
+        kvr_wk_sync_opts so = { .session = sl->session, .refresh = s->o.refresh,
+                                .repair = &s->o.repair };
         int r = kvr_wk_sync(&s->e, j->toks, j->n, &so, &step, &res);
         if (r == 0)
             via_cache = true;
@@ -447,6 +448,8 @@ static void run_gen(srv *s, srv_job *j)
     s->m.prompt_tokens += n_eval;
     s->m.prompt_reused += j->n - n_eval;
     s->m.prompt_refreshed += via_cache ? res.n_refreshed : 0;
+    s->m.prompt_placed += via_cache ? res.n_placed : 0;
+    s->m.prompt_repaired += via_cache ? res.n_repaired : 0;
     s->m.prompt_seconds += (t1 - t0) / 1e3;
     pthread_mutex_unlock(&s->mu);
 

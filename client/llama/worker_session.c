@@ -13,7 +13,12 @@
  *          tokens after each edit point, every kept token the policy says
  *          is too old (age > max_age edits), and the last token (for its
  *          logits). Runs are decoded in increasing position, so a run sees
- *          the runs before it already recomputed.
+ *          the runs before it already recomputed. When both leave at least
+ *          KVR_COVER_MIN_RUN tokens to compute and the env has the cover
+ *          verb, the daemon's cover of the prompt (cached runs anywhere,
+ *          keys re-rotated to their place) is the third candidate: its runs
+ *          are loaded, the gaps and the repair set decoded (reuse anywhere,
+ *          worker_repair.c).
  *  commit  moves the session's context to the prompt:
  *            EDIT    (the source was the session) one atomic edit with the
  *                    new tokens' KV, then a refresh per recomputed run; both
@@ -22,7 +27,11 @@
  *            FORK    (the source was another context) the session is
  *                    replaced by a fork of the source's prefix, then the
  *                    rest appended;
- *            CREATE  (no source) put REPLACE of the whole prompt.
+ *            CREATE  (no source) put REPLACE of the whole prompt;
+ *            COVER   (the daemon's cover placed cached runs anywhere in the
+ *                    prompt, seams repaired: kvr_wk_repair) put REPLACE of
+ *                    the exact part, then the rest as one insert flagged
+ *                    approximate, so the stored context says what it is.
  *
  * Invariants:
  *  - A step never deletes, forks over or edits a context it read from,
@@ -45,7 +54,7 @@
 
 #define F16 KVR_DTYPE_F16
 
-typedef enum { COMMIT_EDIT, COMMIT_FORK, COMMIT_CREATE } commit_kind;
+typedef enum { COMMIT_EDIT, COMMIT_FORK, COMMIT_CREATE, COMMIT_COVER } commit_kind;
 
 typedef struct run {
     size_t s, e;            /* [s, e) in prompt coordinates */
@@ -69,6 +78,9 @@ struct kvr_wk_step {
                                2 computed against approximate tokens */
     /* FORK: tokens [0, L) of the source (of length src_len) are reused. */
     size_t       L, src_len;
+    /* COVER: seq 0's KV is exact before apx_from, approximate from there
+     * (placed tokens not repaired, and everything computed after them). */
+    size_t       apx_from;
 };
 
 void kvr_wk_step_free(kvr_wk_step *st)
@@ -387,6 +399,117 @@ out:
     return r;
 }
 
+/* Source = the daemon's cover (runs anywhere, re-rotated), when it places
+ * at least KVR_COVER_MIN_RUN tokens more than `best` (what the other paths
+ * reuse). Returns 1 when taken (seq 0 holds the prompt, st set up for
+ * COMMIT_COVER), 0 when not (nothing changed; a daemon without the verb
+ * answers so), or an error. */
+static int sync_cover(kvr_wk_env *e, const int32_t *toks, size_t n, size_t best,
+                      const kvr_wk_sync_opts *o, kvr_wk_step *st, kvr_wk_sync_res *res)
+{
+    double t0 = kvr_wk_now_ms();
+    kvr_cover_args ca = { .model = e->model, .tokens = (const uint32_t *)toks, .n_tokens = n,
+                          .dtype = F16 };
+    kvr_cover_res cr;
+    memset(&cr, 0, sizeof cr);
+    if (e->cover.cover(e->kc, &ca, &cr) < 0)
+        return 0;
+    size_t covered = (size_t)cr.n_covered;
+    e->cover.release(&cr);
+    memset(&cr, 0, sizeof cr);
+    if (covered < best + KVR_COVER_MIN_RUN || covered > n)
+        return 0;
+    kvr_wk_prefault_bufs(e, n);
+    if (e->pf_fetch_cap >= kvr_wk_payload_bytes(e, n)) {
+        ca.dst = e->pf_fetch;
+        ca.dst_cap = e->pf_fetch_cap;
+    }
+    int r = e->cover.cover_get(e->kc, &ca, &cr);
+    if (r < 0)
+        return kvr_wk_kv_fail(e, r, "cover get", NULL);
+    res->t_fetch_ms += kvr_wk_now_ms() - t0;
+    kvr_wk_repair_opts ro_ = o->repair ? *o->repair
+                                       : (kvr_wk_repair_opts){ .first_k = KVR_WK_REPAIR_DEFAULT_K };
+    /* blend's selection pass holds the prompt twice in the cache: without
+     * the room (or a probing context) the seams get EPIC's part alone */
+    if (ro_.blend_share > 0 && (!kvr_wk_lm_probe_on(e->lm) || 2 * n + 1 > kvr_wk_lm_n_ctx(e->lm)))
+        ro_.blend_share = 0;
+    const kvr_wk_repair_opts *ro = &ro_;
+    uint8_t *placed = calloc(n, 1), *starts = calloc(n, 1), *cmp = calloc(n, 1);
+    kvr_wk_sbuild sb = { 0 };
+    covered = (size_t)cr.n_covered;
+    if (!placed || !starts || !cmp) {
+        r = kvr_wk_fail(e, -ENOMEM, "out of memory");
+        goto out;
+    }
+    if (!cr.has_kv || cr.kv.n_tokens != covered || covered == 0 || covered > n) {
+        r = kvr_wk_fail(e, -EINVAL, "the daemon's cover holds %llu tokens of K/V for %zu "
+                        "covered", (unsigned long long)(cr.has_kv ? cr.kv.n_tokens : 0), covered);
+        goto out;
+    }
+    if ((r = kvr_wk_check_kv_shape(e, &cr.kv, "(cover)")) < 0)
+        goto out;
+    for (size_t i = 0; i < cr.n_runs; i++) {
+        const kvr_cover_run *u = &cr.runs[i];
+        if (u->prompt_off + u->n_tokens > n || u->stream_off + u->n_tokens > covered) {
+            r = kvr_wk_fail(e, -EINVAL, "the daemon's cover run %zu lies outside the prompt", i);
+            goto out;
+        }
+        for (size_t t = 0; t < u->n_tokens; t++) {
+            size_t at = (size_t)u->prompt_off + t, so = (size_t)u->stream_off + t;
+            if (placed[at] || cr.kv.tokens[so] != (uint32_t)toks[at] ||
+                cr.kv.positions[so] != (int64_t)at) {
+                r = kvr_wk_fail(e, -EINVAL, "the daemon's cover does not match the prompt at "
+                                "token %zu", at);
+                goto out;
+            }
+            placed[at] = u->exact && !(cr.kv.flags[so] & KVR_TOKEN_APPROX) ? KVR_WK_PLACED_EXACT
+                                                                           : KVR_WK_PLACED;
+        }
+        starts[u->prompt_off] = 1;
+    }
+    double t1 = kvr_wk_now_ms();
+    r = kvr_wk_sbuild_init_in(&sb, e->pf_state, e->pf_state_cap, (uint32_t)covered,
+                              kvr_wk_n_layer(e), kvr_wk_lm_cache_type(e->lm),
+                              (uint32_t)kvr_wk_n_embd(e), kvr_wk_lm_v_trans(e->lm));
+    if (r == 0)
+        r = kvr_wk_sbuild_add(&sb, cr.kv.payload, covered, 0, covered, cr.kv.positions);
+    if (r < 0) {
+        r = kvr_wk_fail(e, r, "cannot build the state of %zu placed tokens", covered);
+        goto out;
+    }
+    kvr_wk_lm_clear(e->lm);
+    if ((r = kvr_wk_lm_state_set(e->lm, sb.buf, sb.len, e->err, sizeof e->err)) < 0)
+        goto out;
+    res->t_load_ms += kvr_wk_now_ms() - t1;
+    kvr_wk_repair_res rr;
+    if ((r = kvr_wk_repair(e->lm, toks, n, placed, starts, ro, cmp, &rr, e->err,
+                           sizeof e->err)) < 0)
+        goto out;
+    res->t_decode_ms += rr.t_probe_ms + rr.t_decode_ms;
+    size_t f = 0;
+    while (f < n && !(placed[f] == KVR_WK_PLACED && !cmp[f]))
+        f++;
+    st->kind = COMMIT_COVER;
+    st->apx_from = f;
+    snprintf(st->source, sizeof st->source, "cover");
+    snprintf(res->source, sizeof res->source, "cover");
+    res->n_computed = rr.n_computed;
+    res->n_reused = n - rr.n_computed;
+    res->n_placed = covered;
+    res->n_repaired = rr.n_repaired;
+    res->n_runs = cr.n_runs;
+    res->n_approx = n - f;
+    r = 1;
+out:
+    e->cover.release(&cr);
+    kvr_wk_sbuild_free(&sb);
+    free(placed);
+    free(starts);
+    free(cmp);
+    return r;
+}
+
 int kvr_wk_sync(kvr_wk_env *e, const int32_t *toks, size_t n, const kvr_wk_sync_opts *o,
                 kvr_wk_step **step, kvr_wk_sync_res *res)
 {
@@ -467,6 +590,18 @@ int kvr_wk_sync(kvr_wk_env *e, const int32_t *toks, size_t n, const kvr_wk_sync_
                 keep -= hk[i].b1 - hk[i].b0;
         }
     }
+    size_t best = ss.ok && keep >= L ? keep : L;
+    if (!o->no_cover && e->cover.cover && e->cover.cover_get && e->cover.release &&
+        n >= best + KVR_COVER_MIN_RUN) {
+        if ((r = sync_cover(e, toks, n, best, o, st, res)) < 0) {
+            free(hk);
+            goto fail;
+        }
+        if (r == 1) {
+            free(hk);
+            goto done;
+        }
+    }
     if (ss.ok && keep >= L && keep > 0) {
         snprintf(res->source, sizeof res->source, "%s", st->target);
         snprintf(st->source, sizeof st->source, "%s", st->target);
@@ -512,6 +647,7 @@ int kvr_wk_sync(kvr_wk_env *e, const int32_t *toks, size_t n, const kvr_wk_sync_
                 goto fail;
         }
     }
+done:
     kvr_kv_release(&ss.meta);
     res->t_total_ms = kvr_wk_now_ms() - t0;
     *step = st;
@@ -617,21 +753,63 @@ static int commit_edit(kvr_wk_env *e, kvr_wk_step *st, const kvr_wk_seqstate *q)
     return 0;
 }
 
-/* The prompt's tokens [from, nb) from seq 0 into ctx (append or create). */
-static int put_rest(kvr_wk_env *e, const kvr_wk_step *st, const kvr_wk_seqstate *q,
-                    size_t from, kvr_put_mode mode)
+/* The prompt's tokens [from, to) from seq 0 into ctx (append or create). */
+static int put_range(kvr_wk_env *e, const kvr_wk_step *st, const kvr_wk_seqstate *q,
+                     size_t from, size_t to, kvr_put_mode mode)
 {
-    void *pl = kvr_wk_seqstate_payload(e, q, NULL, st->nb - from, from);
+    void *pl = kvr_wk_seqstate_payload(e, q, NULL, to - from, from);
     if (!pl)
         return KVR_EINVAL;
     kvr_put_args p = { .ctx_id = st->target, .model = e->model, .mode = mode,
                        .fingerprint = e->fingerprint, .dtype = F16,
-                       .tokens = (const uint32_t *)st->b + from, .n_tokens = st->nb - from,
+                       .tokens = (const uint32_t *)st->b + from, .n_tokens = to - from,
                        .has_pos_start = true, .pos_start = (int64_t)from, .payload = pl,
-                       .payload_len = kvr_wk_payload_bytes(e, st->nb - from) };
+                       .payload_len = kvr_wk_payload_bytes(e, to - from) };
     int r = kvr_client_put(e->kc, &p, NULL);
     free(pl);
     return r < 0 ? kvr_wk_kv_fail(e, r, "put", st->target) : 0;
+}
+
+static int put_rest(kvr_wk_env *e, const kvr_wk_step *st, const kvr_wk_seqstate *q,
+                    size_t from, kvr_put_mode mode)
+{
+    return put_range(e, st, q, from, st->nb, mode);
+}
+
+/* COVER: the exact part put, the approximate rest inserted flagged so (one
+ * edit, CAS on what the put left); everything approximate: put, then a
+ * refresh that flags it all. */
+static int commit_cover(kvr_wk_env *e, kvr_wk_step *st, const kvr_wk_seqstate *q)
+{
+    size_t f = st->apx_from < st->nb ? st->apx_from : st->nb;
+    if (f == 0) {
+        int r = put_rest(e, st, q, 0, KVR_PUT_REPLACE);
+        return r < 0 ? r : refresh_run(e, q, st->target, 0, st->nb, st->nb,
+                                       seq_hash(st->b, st->nb), true);
+    }
+    int r = put_range(e, st, q, 0, f, KVR_PUT_REPLACE);
+    if (r < 0 || f == st->nb)
+        return r;
+    size_t m = st->nb - f;
+    void *pl = kvr_wk_seqstate_payload(e, q, NULL, m, f);
+    if (!pl)
+        return -EINVAL;
+    kvr_edit_range op = { .start = f, .end = f, .tokens = (const uint32_t *)st->b + f,
+                          .n_tokens = m, .approx = true };
+    kvr_edit_args ea = { .ctx_id = st->target, .ops = &op, .n_ops = 1, .model = e->model,
+                         .fingerprint = e->fingerprint, .with_kv = true, .dtype = F16,
+                         .payload = pl, .payload_len = kvr_wk_payload_bytes(e, m),
+                         .expect = true, .expect_n_tokens = f,
+                         .expect_hash = seq_hash(st->b, f) };
+    kvr_edit_res er = { 0 };
+    if ((r = kvr_client_edit(e->kc, &ea, &er)) < 0)
+        r = kvr_wk_kv_fail(e, r, "edit", st->target);
+    else if (er.n_tokens != st->nb || (er.n_spans == 1 && er.spans[0].first_pos != (int64_t)f))
+        r = kvr_wk_fail(e, -EINVAL, "context %s after the cover's insert: %llu tokens, not %zu",
+                        st->target, (unsigned long long)er.n_tokens, st->nb);
+    kvr_client_free(er.spans);
+    free(pl);
+    return r;
 }
 
 int kvr_wk_commit(kvr_wk_env *e, kvr_wk_step *st)
@@ -657,6 +835,9 @@ int kvr_wk_commit(kvr_wk_env *e, kvr_wk_step *st)
         break;
     case COMMIT_CREATE:
         r = put_rest(e, st, &q, 0, KVR_PUT_REPLACE);
+        break;
+    case COMMIT_COVER:
+        r = commit_cover(e, st, &q);
         break;
     }
     kvr_wk_seqstate_free(&q);

@@ -366,6 +366,62 @@ def test_llama_vim_replay(server):
             assert len(line) - len(line.lstrip(" \t")) >= 8, r["content"]
 
 
+REUSE_CHUNKS = [
+    chunk("textwrap_helpers.py", ["def indent(text, prefix, predicate=None):",
+                                  "    if predicate is None:",
+                                  "        def predicate(line):",
+                                  "            return line.strip()",
+                                  "    return ''.join(prefix + l if predicate(l) else l",
+                                  "                   for l in text.splitlines(True))"]),
+    chunk("paths.py", ["import os", "", "def walk_py(root):",
+                       "    for d, _, files in os.walk(root):",
+                       "        for f in files:",
+                       "            if f.endswith('.py'):",
+                       "                yield os.path.join(d, f)"]),
+    chunk("counts.py", ["def count_words(lines):", "    total = 0", "    for line in lines:",
+                        "        total += len(line.split())", "    return total"]),
+]
+
+
+def reuse_infill(extra, slot, **kw):
+    return {"input_prefix": "def main(root):\n    for path in ", "input_suffix": "\n",
+            "input_extra": extra, "prompt": "", "n_predict": 12, "temperature": 0,
+            "samplers": ["temperature"], "id_slot": slot, **kw}
+
+
+@pytest.mark.parametrize("repair", ["default", "all"])
+def test_reuse_anywhere_input_extra(servers, repair):
+    """input_extra chunks cached by one request are found by content in
+    another order in the next one (another slot, so neither the slot's session
+    nor the prefix holds them): the daemon's cover places them, the seams are
+    repaired, cache_n > 0 and the answer is whole; with every placed token
+    repaired (--repair all) the greedy answer is a full encode's (and cache_n
+    is 0: the placed KV was all recomputed)."""
+    flags = ["--ctx-size", "2048", "--batch-size", "1024", "--parallel", "2"]
+    s = servers(*flags, *(["--repair", "all"] if repair == "all" else []))
+    st, first = s.post("/infill", reuse_infill(REUSE_CHUNKS, 0))
+    assert st == 200, first
+    moved = [REUSE_CHUNKS[2], REUSE_CHUNKS[0], REUSE_CHUNKS[1]]
+    st, ref = s.post("/infill", reuse_infill(moved, 1, cache_prompt=False))
+    assert st == 200, ref
+    st, r = s.post("/infill", reuse_infill(moved, 1))
+    assert st == 200, r
+    k = r["kvrope"]
+    assert k["source"] == "cover", k
+    assert k["n_placed"] > 100 and k["n_runs"] >= 1, k
+    assert r["timings"]["cache_n"] + r["timings"]["prompt_n"] == r["tokens_evaluated"]
+    assert s.metric("kvrope:prompt_tokens_placed_total") >= k["n_placed"]
+    if repair == "all":
+        # every placed token recomputed: nothing of the cache's KV is used
+        assert k["n_repaired"] == k["n_placed"] and r["timings"]["cache_n"] == 0
+        assert r["content"] == ref["content"], (r["content"], ref["content"])
+    else:
+        assert r["timings"]["cache_n"] > 0
+        assert 0 < k["n_repaired"] <= 16 * k["n_runs"], k
+        assert s.metric("kvrope:prompt_tokens_repaired_total") >= k["n_repaired"]
+        assert isinstance(r["content"], str)
+
+
 def test_infill_layout_truncation(servers):
     """/infill lays the prompt out as llama-server does, for this model's FIM
     tokens: the repo-level form (FIM_REP, FIM_SEP and file names), then
