@@ -134,7 +134,8 @@ static int store_seq(kvr_wk_env *e, const int32_t *S, size_t ns, const char *kin
                        .fingerprint = e->fingerprint, .dtype = F16,
                        .tokens = (const uint32_t *)S + L, .n_tokens = ns - L,
                        .has_pos_start = true, .pos_start = (int64_t)L, .payload = pl,
-                       .payload_len = kvr_wk_payload_bytes(e, ns - L) };
+                       .payload_len = kvr_wk_payload_bytes(e, ns - L),
+                       .v_trans = kvr_wk_lm_v_trans(e->lm) };
     r = kvr_client_put(e->kc, &p, NULL);
     free(pl);
     if (r < 0)
@@ -683,7 +684,8 @@ int kvr_wk_rag(kvr_wk_env *e, const int32_t *P, size_t np, const int32_t *const 
                             .fingerprint = e->fingerprint, .dtype = F16,
                             .tokens = (const uint32_t *)docs[i], .n_tokens = nd[i],
                             .has_pos_start = true, .pos_start = (int64_t)np, .payload = pl,
-                            .payload_len = kvr_wk_payload_bytes(e, nd[i]), .prefix_ctx = pctx };
+                            .payload_len = kvr_wk_payload_bytes(e, nd[i]), .prefix_ctx = pctx,
+                            .v_trans = kvr_wk_lm_v_trans(e->lm) };
         r = kvr_client_put(e->kc, &pa, NULL);
         free(pl);
         if (r < 0) {

@@ -764,7 +764,8 @@ static int put_range(kvr_wk_env *e, const kvr_wk_step *st, const kvr_wk_seqstate
                        .fingerprint = e->fingerprint, .dtype = F16,
                        .tokens = (const uint32_t *)st->b + from, .n_tokens = to - from,
                        .has_pos_start = true, .pos_start = (int64_t)from, .payload = pl,
-                       .payload_len = kvr_wk_payload_bytes(e, to - from) };
+                       .payload_len = kvr_wk_payload_bytes(e, to - from),
+                       .v_trans = kvr_wk_lm_v_trans(e->lm) };
     int r = kvr_client_put(e->kc, &p, NULL);
     free(pl);
     return r < 0 ? kvr_wk_kv_fail(e, r, "put", st->target) : 0;
