@@ -244,3 +244,24 @@ def test_streaming_example(kvroped, client, offset):
     assert "group src: 40 tokens at positions 0..39 (contiguous)" in out
     assert f"group tgt: 16 tokens at positions {offset}..{offset + 15} (contiguous)" in out
     assert "-> identical" in out and "OK: both streams kept their own positions" in out
+
+
+def test_put_records_the_v_layout(client, llm, uid):
+    # v_trans=True on create is a record the context keeps (llama export's
+    # default layout), a fork copies it, an append cannot change it, and a
+    # context put without it records False.
+    need(client, "kvr_client_layout_stat")
+    name = f"vt-{uid}"
+    client.register_model(name, CFG, dtype="f32")
+    t = L.encode("def f(x):\n    return x\n")
+    _, kv = llm.forward(t)
+    client.put(f"vt1-{uid}", name, t, kv, mode="create", v_trans=True)
+    client.put(f"vt0-{uid}", name, t, kv, mode="create")
+    assert client.layout(f"vt1-{uid}").v_trans is True
+    assert client.layout(f"vt0-{uid}").v_trans is False
+    client.fork(f"vt1-{uid}", f"vt2-{uid}")
+    assert client.layout(f"vt2-{uid}").v_trans is True
+    t2 = L.encode("#")
+    _, kv2 = llm.forward(t2, positions=np.arange(len(t), len(t) + len(t2)), past=kv)
+    client.put(f"vt0-{uid}", name, t2, kv2, mode="append", v_trans=True)
+    assert client.layout(f"vt0-{uid}").v_trans is False

@@ -563,9 +563,14 @@ class Client:
     def put(self, ctx_id, model, tokens, kv=None, *, k=None, v=None, dtype=None, mode="upsert",
             positions=None, pos_start=None, pin=False, check_model=True, protect_first=None,
             prefix=None, groups=None, group_offsets=None, codec=None, shm=None, share=False,
-            share_sync=False):
+            share_sync=False, v_trans=False):
         """Stores the KV of `tokens` in context `ctx_id` (created or appended
         to); -> PutResult.
+
+        v_trans=True records, on create, that this KV came from an engine
+        cache with V transposed (llama.cpp with flash attention off), so
+        `kvrope llama export` writes that layout by default (a record only:
+        the payload's layout is the same either way).
 
         share=True publishes the context to the daemon's shared tier
         (kvroped --remote-tier, docs/cluster.md) after the acknowledgement;
@@ -600,6 +605,7 @@ class Client:
                                  pos_start, pin, check_model, protect_first, prefix,
                                  groups, group_offsets, codec)
         a.share, a.share_sync = bool(share or share_sync), bool(share_sync)
+        a.v_trans = bool(v_trans)
         out = _lib.kvr_put_res()
         if shm is not None:
             reg, off = _shm_place(shm)
