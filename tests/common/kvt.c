@@ -1,0 +1,66 @@
+/*
+ * kvt.c — tests/common/kvt.h: temporary directories, deterministic bytes,
+ * whole files. Every failure is a Criterion assertion in the calling test.
+ */
+#include "tests/common/kvt.h"
+
+#include <criterion/criterion.h>
+#include <ftw.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+void kvt_tmpdir(char *buf, size_t cap, const char *name)
+{
+    const char *t = getenv("TMPDIR");
+    int n = snprintf(buf, cap, "%s/%s-XXXXXX", t && *t ? t : "/tmp", name);
+    cr_assert(n > 0 && (size_t)n < cap, "temporary directory name too long: %s", buf);
+    cr_assert_not_null(mkdtemp(buf), "mkdtemp %s", buf);
+}
+
+static int rm_one(const char *p, const struct stat *sb, int flag, struct FTW *f)
+{
+    (void)sb; (void)flag; (void)f;
+    return remove(p);
+}
+
+void kvt_rmrf(const char *dir)
+{
+    nftw(dir, rm_one, 16, FTW_DEPTH | FTW_PHYS);
+}
+
+void kvt_fill(uint8_t *p, size_t n, uint64_t seed)
+{
+    uint64_t s = seed * 0x2545F4914F6CDD1Dull + 1;
+    for (size_t i = 0; i < n; i++) {
+        s ^= s << 13; s ^= s >> 7; s ^= s << 17;
+        p[i] = (uint8_t)s;
+    }
+}
+
+void kvt_write_file(const char *path, const void *data, size_t n)
+{
+    FILE *f = fopen(path, "wb");
+    cr_assert_not_null(f, "cannot create %s", path);
+    cr_assert_eq(fwrite(data, 1, n, f), n, "short write to %s", path);
+    cr_assert_eq(fclose(f), 0, "%s", path);
+}
+
+void *kvt_read_file(const char *path, size_t *n)
+{
+    FILE *f = fopen(path, "rb");
+    cr_assert_not_null(f, "cannot open %s", path);
+    fseek(f, 0, SEEK_END);
+    long len = ftell(f);
+    cr_assert_geq(len, 0, "%s", path);
+    fseek(f, 0, SEEK_SET);
+    char *b = malloc((size_t)len + 1);
+    cr_assert_not_null(b);
+    cr_assert_eq(fread(b, 1, (size_t)len, f), (size_t)len, "short read of %s", path);
+    fclose(f);
+    b[len] = 0;
+    *n = (size_t)len;
+    return b;
+}

@@ -1,0 +1,31 @@
+/*
+ * kvt.h — the tests' shared fixtures that need nothing of kvrope itself:
+ * temporary directories, removing them, deterministic bytes, whole files.
+ * Compiled once into libtestcommon.a (tests/common/kvt.c), which every test
+ * binary links. Helpers fail the calling Criterion test (cr_assert) rather
+ * than return errors: a fixture that cannot be set up is a failed test.
+ */
+#ifndef KVR_TESTS_KVT_H
+#define KVR_TESTS_KVT_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+/* Makes a fresh directory $TMPDIR/<name>-XXXXXX (/tmp without TMPDIR) in
+ * buf (cap bytes). */
+void kvt_tmpdir(char *buf, size_t cap, const char *name);
+
+/* Removes dir and everything below it (no error if it is gone). */
+void kvt_rmrf(const char *dir);
+
+/* n bytes of a xorshift64 stream from seed: the same seed, the same bytes. */
+void kvt_fill(uint8_t *p, size_t n, uint64_t seed);
+
+/* Writes n bytes to path (created or truncated). */
+void kvt_write_file(const char *path, const void *data, size_t n);
+
+/* The whole of path in a malloc'd buffer (NUL-terminated past *n; the
+ * caller frees it). */
+void *kvt_read_file(const char *path, size_t *n);
+
+#endif
