@@ -136,8 +136,12 @@ UNIT_TESTS := $(patsubst tests/unit/%.c,$(BUILD)/tests/%,$(UNIT_SRC))
 INT_TESTS  := $(patsubst tests/int/%.c,$(BUILD)/tests/%,$(INT_SRC))
 TESTS      := $(UNIT_TESTS) $(INT_TESTS)
 # make test-fast: the in-process tests of rope/, the codecs, cache/ (the disk
-# tier included) and proto/.
-FAST_TESTS := $(filter $(addprefix $(BUILD)/tests/test_,rope_% codec_% cache_% disk_% proto_%),$(UNIT_TESTS))
+# tier included) and proto/, but for two stress runs make test keeps: the
+# 32 MiB streamed gets (test_cache_get_into, a minute and more of one core)
+# and the kill -9 trials (test_disk_crash).
+FAST_SLOW  := $(addprefix $(BUILD)/tests/,test_cache_get_into test_disk_crash)
+FAST_TESTS := $(filter-out $(FAST_SLOW),$(filter $(addprefix $(BUILD)/tests/test_,rope_% codec_% \
+                cache_% disk_% proto_%),$(UNIT_TESTS)))
 BENCHES    := $(patsubst tests/bench/%.c,$(BUILD)/bench/%,$(BENCH_SRC))
 FUZZERS    := $(patsubst tests/fuzz/%.c,$(BUILD)/fuzz/%,$(FUZZ_SRC))
 

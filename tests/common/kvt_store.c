@@ -1,0 +1,107 @@
+/*
+ * kvt_store.c — tests/common/kvt_store.h: stores, models and puts for the
+ * cache/ tests.
+ */
+#include "tests/common/kvt_store.h"
+
+#include <criterion/criterion.h>
+#include <stdlib.h>
+#include <string.h>
+
+kvr_store *kvt_store_new(const kvr_store_config *cfg)
+{
+    kvr_store_config none = { 0 };
+    kvr_store *s = NULL;
+    kvr_error e = { 0 };
+    cr_assert_eq(kvr_store_create(&s, cfg ? cfg : &none, &e), 0, "%s", e.msg);
+    return s;
+}
+
+kvr_model_desc kvt_model_desc(const char *name, uint32_t n_layers, uint32_t n_kv_heads,
+                              uint32_t head_dim, kvr_dtype dtype)
+{
+    kvr_model_desc d = { .name = name, .n_layers = n_layers, .n_kv_heads = n_kv_heads,
+                         .head_dim = head_dim, .dtype = dtype };
+    kvr_rope_config_init(&d.rope);
+    d.rope.head_dim = (int)head_dim;
+    d.rope.rotary_dim = (int)head_dim;
+    return d;
+}
+
+void kvt_model_add(kvr_store *s, const kvr_model_desc *d, kvr_model_info *out)
+{
+    kvr_error e = { 0 };
+    cr_assert_eq(kvr_store_model_register(s, d, out, &e), 0, "model %s: %s", d->name, e.msg);
+}
+
+kvr_store *kvt_store_with_model(const kvr_store_config *cfg, uint32_t n_layers,
+                                uint32_t n_kv_heads, uint32_t head_dim, kvr_dtype dtype,
+                                kvr_model_info *out)
+{
+    kvr_store *s = kvt_store_new(cfg);
+    kvr_model_desc d = kvt_model_desc("m", n_layers, n_kv_heads, head_dim, dtype);
+    kvt_model_add(s, &d, out);
+    return s;
+}
+
+void kvt_put(kvr_store *s, const kvr_put_params *p, kvt_fill_fn fill, void *arg)
+{
+    kvr_error e = { 0 };
+    kvr_put *t = NULL;
+    cr_assert_eq(kvr_store_put_begin(s, p, &t, &e), 0, "put %s: %s", p->ctx_id, e.msg);
+    const struct iovec *iov;
+    size_t niov;
+    kvr_put_payload_iov(t, &iov, &niov);
+    for (size_t i = 0; i < niov; i++)
+        fill(arg, iov[i].iov_base, iov[i].iov_len);
+    if (kvr_put_needs_work(t))
+        cr_assert_eq(kvr_put_work(t, &e), 0, "put %s: %s", p->ctx_id, e.msg);
+    cr_assert_eq(kvr_put_commit(t, NULL, &e), 0, "put %s: %s", p->ctx_id, e.msg);
+}
+
+void kvt_edit(kvr_store *s, const kvr_edit_params *p, kvt_fill_fn fill, void *arg)
+{
+    kvr_error e = { 0 };
+    kvr_edit *t = NULL;
+    cr_assert_eq(kvr_store_edit_begin(s, p, &t, &e), 0, "edit %s: %s", p->ctx_id, e.msg);
+    const struct iovec *iov;
+    size_t niov;
+    kvr_edit_payload_iov(t, &iov, &niov);
+    for (size_t i = 0; i < niov; i++)
+        fill(arg, iov[i].iov_base, iov[i].iov_len);
+    if (kvr_edit_needs_work(t))
+        cr_assert_eq(kvr_edit_work(t, &e), 0, "edit %s: %s", p->ctx_id, e.msg);
+    cr_assert_eq(kvr_edit_commit(t, NULL, NULL, &e), 0, "edit %s: %s", p->ctx_id, e.msg);
+}
+
+void kvt_fill_memset(void *arg, void *p, size_t bytes)
+{
+    memset(p, *(const uint8_t *)arg, bytes);
+}
+
+/* f16 values of an LCG stream in [-1.5, 1.5); arg: its uint32_t state. */
+static void fill_lcg_f16(void *arg, void *p, size_t bytes)
+{
+    uint32_t *x = arg;
+    uint16_t *h = p;
+    for (size_t k = 0; k < bytes / 2; k++) {
+        *x = *x * 1664525u + 1013904223u;
+        h[k] = kvr_f32_to_f16(((float)(*x >> 8) / 16777216.0f - 0.5f) * 3.0f);
+    }
+}
+
+void kvt_put_f16(kvr_store *s, const char *id, const char *codec, kvr_put_mode mode,
+                 uint32_t seed, uint32_t n_layers, uint32_t n_kv_heads, uint32_t head_dim,
+                 size_t n)
+{
+    uint32_t *tok = malloc(n * sizeof *tok);
+    cr_assert_not_null(tok);
+    for (size_t i = 0; i < n; i++)
+        tok[i] = (uint32_t)(i * 7 + 1 + seed);
+    kvr_put_params p = { .ctx_id = id, .model = "m", .mode = mode,
+                         .n_layers = n_layers, .n_kv_heads = n_kv_heads, .head_dim = head_dim,
+                         .dtype = KVR_DTYPE_F16, .n_tokens = n, .tokens = tok, .codec = codec };
+    uint32_t x = 99 + seed;
+    kvt_put(s, &p, fill_lcg_f16, &x);
+    free(tok);
+}

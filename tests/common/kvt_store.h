@@ -1,0 +1,55 @@
+/*
+ * kvt_store.h — the store-with-a-model fixture the cache/ tests share: a
+ * store made from a config, a model description with the default RoPE
+ * (NEOX, theta 10000) over the whole head, its registration, and a put of
+ * deterministic f16 values. Compiled into libtestcommon.a
+ * (tests/common/kvt_store.c); failures are Criterion assertions in the
+ * calling test, so a fixture that cannot be built fails that test.
+ */
+#ifndef KVR_TESTS_KVT_STORE_H
+#define KVR_TESTS_KVT_STORE_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "cache/cache.h"
+
+/* A store made from *cfg (NULL: every default). */
+kvr_store *kvt_store_new(const kvr_store_config *cfg);
+
+/* Model `name` of that shape and native dtype: kvr_rope_config_init's RoPE
+ * (NEOX, theta 10000) rotating all head_dim dimensions, no default codec. */
+kvr_model_desc kvt_model_desc(const char *name, uint32_t n_layers, uint32_t n_kv_heads,
+                              uint32_t head_dim, kvr_dtype dtype);
+
+/* Registers *d in s (its info in *out if not NULL). */
+void kvt_model_add(kvr_store *s, const kvr_model_desc *d, kvr_model_info *out);
+
+/* A store made from *cfg (NULL: defaults) with model "m" of that shape and
+ * dtype (kvt_model_desc), its info in *out if not NULL. */
+kvr_store *kvt_store_with_model(const kvr_store_config *cfg, uint32_t n_layers,
+                                uint32_t n_kv_heads, uint32_t head_dim, kvr_dtype dtype,
+                                kvr_model_info *out);
+
+/* Fills one payload iovec of bytes bytes at p (arg: the caller's state;
+ * iovecs come in payload order). */
+typedef void (*kvt_fill_fn)(void *arg, void *p, size_t bytes);
+
+/* A put of *p (begin, each payload iovec through fill, the work if it
+ * needs any, commit), every step asserted to succeed. */
+void kvt_put(kvr_store *s, const kvr_put_params *p, kvt_fill_fn fill, void *arg);
+
+/* Likewise an edit (no spans or result asked for). */
+void kvt_edit(kvr_store *s, const kvr_edit_params *p, kvt_fill_fn fill, void *arg);
+
+/* A kvt_fill_fn writing the byte *(const uint8_t *)arg everywhere. */
+void kvt_fill_memset(void *arg, void *p, size_t bytes);
+
+/* A put into context id of model "m" (that shape, f16) of n tokens (ids
+ * i * 7 + 1 + seed) with f16 values of an LCG stream from 99 + seed in
+ * [-1.5, 1.5), with codec (NULL: the model's or the context's). */
+void kvt_put_f16(kvr_store *s, const char *id, const char *codec, kvr_put_mode mode,
+                 uint32_t seed, uint32_t n_layers, uint32_t n_kv_heads, uint32_t head_dim,
+                 size_t n);
+
+#endif
