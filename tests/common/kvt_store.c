@@ -44,19 +44,29 @@ kvr_store *kvt_store_with_model(const kvr_store_config *cfg, uint32_t n_layers,
     return s;
 }
 
-void kvt_put(kvr_store *s, const kvr_put_params *p, kvt_fill_fn fill, void *arg)
+int kvt_put_try(kvr_store *s, const kvr_put_params *p, kvt_fill_fn fill, void *arg,
+                kvr_error *e)
 {
-    kvr_error e = { 0 };
     kvr_put *t = NULL;
-    cr_assert_eq(kvr_store_put_begin(s, p, &t, &e), 0, "put %s: %s", p->ctx_id, e.msg);
+    int rc = kvr_store_put_begin(s, p, &t, e);
+    if (rc)
+        return rc;
     const struct iovec *iov;
     size_t niov;
     kvr_put_payload_iov(t, &iov, &niov);
     for (size_t i = 0; i < niov; i++)
         fill(arg, iov[i].iov_base, iov[i].iov_len);
-    if (kvr_put_needs_work(t))
-        cr_assert_eq(kvr_put_work(t, &e), 0, "put %s: %s", p->ctx_id, e.msg);
-    cr_assert_eq(kvr_put_commit(t, NULL, &e), 0, "put %s: %s", p->ctx_id, e.msg);
+    if (kvr_put_needs_work(t) && (rc = kvr_put_work(t, e)) != 0) {
+        kvr_put_abort(t);
+        return rc;
+    }
+    return kvr_put_commit(t, NULL, e);
+}
+
+void kvt_put(kvr_store *s, const kvr_put_params *p, kvt_fill_fn fill, void *arg)
+{
+    kvr_error e = { 0 };
+    cr_assert_eq(kvt_put_try(s, p, fill, arg, &e), 0, "put %s: %s", p->ctx_id, e.msg);
 }
 
 void kvt_edit(kvr_store *s, const kvr_edit_params *p, kvt_fill_fn fill, void *arg)
@@ -72,6 +82,71 @@ void kvt_edit(kvr_store *s, const kvr_edit_params *p, kvt_fill_fn fill, void *ar
     if (kvr_edit_needs_work(t))
         cr_assert_eq(kvr_edit_work(t, &e), 0, "edit %s: %s", p->ctx_id, e.msg);
     cr_assert_eq(kvr_edit_commit(t, NULL, NULL, &e), 0, "edit %s: %s", p->ctx_id, e.msg);
+}
+
+void kvt_fill_src(void *arg, void *p, size_t bytes)
+{
+    kvt_src *src = arg;
+    cr_assert_leq(bytes, src->len - src->off, "the payload is longer than the %zu bytes made",
+                  src->len);
+    memcpy(p, (const uint8_t *)src->p + src->off, bytes);
+    src->off += bytes;
+}
+
+float kvt_kv_value(uint32_t seed, uint32_t l, int kv, uint64_t t, uint32_t h, uint32_t d)
+{
+    uint64_t x = seed * 0x9E3779B97F4A7C15ull ^ (l * 1315423911ull) ^ ((uint64_t)kv << 40) ^
+                 (t * 2654435761ull) ^ (h * 97531ull) ^ (d * 1009ull);
+    x ^= x >> 29;
+    x *= 0xBF58476D1CE4E5B9ull;
+    x ^= x >> 32;
+    return (float)((int)(x % 255) - 127) / 16.0f;
+}
+
+void *kvt_kv_payload(uint32_t seed, uint32_t n_layers, uint32_t n_kv_heads, uint32_t head_dim,
+                     uint64_t t0, size_t n, kvr_dtype dt, size_t *bytes)
+{
+    size_t es = kvr_dtype_size(dt), cnt = (size_t)n_layers * 2 * n * n_kv_heads * head_dim;
+    float *f = malloc(cnt * sizeof *f);
+    cr_assert_not_null(f);
+    size_t k = 0;
+    for (uint32_t l = 0; l < n_layers; l++)
+        for (int kv = 0; kv < 2; kv++)
+            for (size_t t = 0; t < n; t++)
+                for (uint32_t h = 0; h < n_kv_heads; h++)
+                    for (uint32_t d = 0; d < head_dim; d++)
+                        f[k++] = kvt_kv_value(seed, l, kv, t0 + t, h, d);
+    void *out = malloc(cnt * es);
+    cr_assert_not_null(out);
+    kvr_convert(out, dt, f, KVR_DTYPE_F32, cnt);
+    free(f);
+    *bytes = cnt * es;
+    return out;
+}
+
+uint8_t *kvt_get_payload(kvr_store *s, const kvr_get_params *p, size_t *n, kvr_get **keep_open)
+{
+    kvr_get *g = NULL;
+    kvr_error e = { 0 };
+    cr_assert_eq(kvr_store_get_begin(s, p, &g, &e), 0, "get %s: %s", p->ctx_id, e.msg);
+    if (kvr_get_needs_work(g))
+        cr_assert_eq(kvr_get_work(g, &e), 0, "get %s: %s", p->ctx_id, e.msg);
+    size_t len = kvr_get_payload_size(g), off = 0, niov;
+    const struct iovec *iov;
+    kvr_get_payload_iov(g, &iov, &niov);
+    uint8_t *out = malloc(len ? len : 1);
+    cr_assert_not_null(out);
+    for (size_t i = 0; i < niov; i++) {
+        memcpy(out + off, iov[i].iov_base, iov[i].iov_len);
+        off += iov[i].iov_len;
+    }
+    cr_assert_eq(off, len);
+    *n = len;
+    if (keep_open)
+        *keep_open = g;
+    else
+        kvr_get_end(g);
+    return out;
 }
 
 void kvt_fill_memset(void *arg, void *p, size_t bytes)

@@ -35,12 +35,44 @@ kvr_store *kvt_store_with_model(const kvr_store_config *cfg, uint32_t n_layers,
  * iovecs come in payload order). */
 typedef void (*kvt_fill_fn)(void *arg, void *p, size_t bytes);
 
-/* A put of *p (begin, each payload iovec through fill, the work if it
- * needs any, commit), every step asserted to succeed. */
+/* A put of *p: begin, each payload iovec through fill, the work if it
+ * needs any, commit. 0, or the first step's error (in *e if not NULL; a
+ * begun put is aborted). */
+int kvt_put_try(kvr_store *s, const kvr_put_params *p, kvt_fill_fn fill, void *arg,
+                kvr_error *e);
+
+/* kvt_put_try, asserted to succeed. */
 void kvt_put(kvr_store *s, const kvr_put_params *p, kvt_fill_fn fill, void *arg);
 
 /* Likewise an edit (no spans or result asked for). */
 void kvt_edit(kvr_store *s, const kvr_edit_params *p, kvt_fill_fn fill, void *arg);
+
+/* A source the payload is copied from, in order (kvt_fill_src): off is how
+ * much has been copied, so a test can check the put took all len bytes. */
+typedef struct kvt_src {
+    const void *p;
+    size_t      len, off;
+} kvt_src;
+
+/* A kvt_fill_fn copying the next bytes of the kvt_src at arg (asserting
+ * it has them). */
+void kvt_fill_src(void *arg, void *p, size_t bytes);
+
+/* A value exactly representable in f32, f16 and bf16 (so every dtype holds
+ * the same one): element d of head h, token t, K (kv 0) or V of layer l of
+ * the context seeded `seed`. */
+float kvt_kv_value(uint32_t seed, uint32_t l, int kv, uint64_t t, uint32_t h, uint32_t d);
+
+/* Payload in wire order (layer, K then V, token, head, element) of tokens
+ * [t0, t0 + n) of the context seeded `seed` (kvt_kv_value), in dtype dt
+ * (malloc'd, *bytes long; the caller frees it). */
+void *kvt_kv_payload(uint32_t seed, uint32_t n_layers, uint32_t n_kv_heads, uint32_t head_dim,
+                     uint64_t t0, size_t n, kvr_dtype dt, size_t *bytes);
+
+/* A get of *p, worked if it needs it, its payload gathered into one
+ * malloc'd buffer (*n bytes); the get is ended, or handed to *keep_open
+ * if that is not NULL. */
+uint8_t *kvt_get_payload(kvr_store *s, const kvr_get_params *p, size_t *n, kvr_get **keep_open);
 
 /* A kvt_fill_fn writing the byte *(const uint8_t *)arg everywhere. */
 void kvt_fill_memset(void *arg, void *p, size_t bytes);

@@ -12,19 +12,13 @@
 #include <string.h>
 
 #include "cache/cache.h"
+#include "tests/common/kvt_store.h"
 #include "cache/store.h"
 
 static kvr_store *setup(void)
 {
-    kvr_store *s = NULL;
     kvr_store_config c = { .block_tokens = 4 };
-    cr_assert_eq(kvr_store_create(&s, &c, NULL), 0);
-    kvr_model_desc d = { .name = "m", .n_layers = 1, .n_kv_heads = 1, .head_dim = 2,
-                         .dtype = KVR_DTYPE_F16 };
-    kvr_rope_config_init(&d.rope);
-    kvr_error e = { 0 };
-    cr_assert_eq(kvr_store_model_register(s, &d, NULL, &e), 0, "%s", e.msg);
-    return s;
+    return kvt_store_with_model(&c, 1, 1, 2, KVR_DTYPE_F16, NULL);
 }
 
 static void put(kvr_store *s, const char *id, kvr_put_mode mode, const uint32_t *tok, size_t n)
@@ -32,15 +26,8 @@ static void put(kvr_store *s, const char *id, kvr_put_mode mode, const uint32_t 
     kvr_put_params p = { .ctx_id = id, .model = "m", .mode = mode, .n_layers = 1,
                          .n_kv_heads = 1, .head_dim = 2, .dtype = KVR_DTYPE_F16,
                          .n_tokens = n, .tokens = tok };
-    kvr_put *t;
-    kvr_error e = { 0 };
-    cr_assert_eq(kvr_store_put_begin(s, &p, &t, &e), 0, "%s", e.msg);
-    const struct iovec *iov;
-    size_t niov;
-    kvr_put_payload_iov(t, &iov, &niov);
-    for (size_t i = 0; i < niov; i++)
-        memset(iov[i].iov_base, 0, iov[i].iov_len);
-    cr_assert_eq(kvr_put_commit(t, NULL, &e), 0, "%s", e.msg);
+    uint8_t zero = 0;
+    kvt_put(s, &p, kvt_fill_memset, &zero);
 }
 
 /* Matches q both ways; a match must name a context whose first `length`
