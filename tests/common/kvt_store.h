@@ -69,9 +69,14 @@ float kvt_kv_value(uint32_t seed, uint32_t l, int kv, uint64_t t, uint32_t h, ui
 void *kvt_kv_payload(uint32_t seed, uint32_t n_layers, uint32_t n_kv_heads, uint32_t head_dim,
                      uint64_t t0, size_t n, kvr_dtype dt, size_t *bytes);
 
-/* A get of *p, worked if it needs it, its payload gathered into one
- * malloc'd buffer (*n bytes); the get is ended, or handed to *keep_open
- * if that is not NULL. */
+/* A get of *p, worked if it needs it (asserted), its payload gathered into
+ * one malloc'd buffer (*n bytes); the get is ended, or handed to
+ * *keep_open if that is not NULL. NULL if the get could not begin: its
+ * error in *rc and *e (each if not NULL). */
+uint8_t *kvt_get_payload_try(kvr_store *s, const kvr_get_params *p, size_t *n,
+                             kvr_get **keep_open, int *rc, kvr_error *e);
+
+/* kvt_get_payload_try, asserted to begin. */
 uint8_t *kvt_get_payload(kvr_store *s, const kvr_get_params *p, size_t *n, kvr_get **keep_open);
 
 /* A kvt_fill_fn writing the byte *(const uint8_t *)arg everywhere. */
