@@ -22,7 +22,7 @@
 
 #include "kvrope.pb-c.h"
 #include "proto/frame.h"
-#include "tests/common/kvr_testd.h"
+#include "tests/common/kvt_daemon.h"
 
 static kvr_testd D;
 static kvr_client *C;
@@ -30,16 +30,12 @@ static kvr_client *C;
 static void setup(void)
 {
     const char *extra[] = { "--max-regions", "4", "--max-region-bytes", "64M", NULL };
-    cr_assert_eq(testd_start(&D, extra), 0, "daemon did not start");
-    C = testd_connect(&D);
-    cr_assert_not_null(C);
+    C = kvt_daemon_up(&D, extra);
 }
 
 static void teardown(void)
 {
-    kvr_client_close(C);
-    C = NULL;
-    testd_stop(&D);
+    kvt_daemon_down(&D, &C, NULL);
 }
 
 TestSuite(int_shm, .init = setup, .fini = teardown, .timeout = 180);

@@ -23,7 +23,7 @@
 
 #include "kvrope.pb-c.h"
 #include "proto/frame.h"
-#include "tests/common/kvr_testd.h"
+#include "tests/common/kvt_daemon.h"
 
 #define NL 32
 #define NH 8
@@ -42,19 +42,8 @@ static const char *const *EXTRA;   /* the daemon's extra options */
 
 static void setup(void)
 {
-    cr_assert_eq(testd_start(&D, EXTRA), 0, "daemon did not start");
-    C = testd_connect(&D);
-    cr_assert_not_null(C);
-    kvr_rope_config rc;
-    kvr_rope_config_init(&rc);
-    rc.head_dim = ND;
-    rc.rotary_dim = ND;
-    kvr_model_params p = { .name = "big", .n_layers = NL, .n_kv_heads = NH, .head_dim = ND,
-                           .dtype = KVR_DTYPE_F16, .rope = &rc };
-    kvr_model m;
-    cr_assert_eq(kvr_client_model_register(C, &p, &m), 0, "%s", kvr_client_last_error(C));
-    kvr_error err = { 0 };
-    cr_assert_eq(kvr_rope_create(&R, &m.rope, &err), 0, "%s", err.msg);
+    C = kvt_daemon_up(&D, EXTRA);
+    R = kvt_register_model(C, "big", NL, NH, ND, KVR_DTYPE_F16, NULL);
     PL_LEN = kvr_payload_size(NL, NT, NH, ND, KVR_DTYPE_F16);
     PL = malloc(PL_LEN);
     cr_assert_not_null(PL);
@@ -65,14 +54,10 @@ static void setup(void)
 
 static void teardown(void)
 {
-    kvr_rope_destroy(R);
-    R = NULL;
     free(PL);
     PL = NULL;
-    kvr_client_close(C);
-    C = NULL;
     /* Exit status 0: under ASan/LSan, nothing leaked. */
-    cr_expect_eq(testd_stop(&D), 0, "the daemon did not exit cleanly");
+    cr_expect_eq(kvt_daemon_down(&D, &C, &R), 0, "the daemon did not exit cleanly");
 }
 
 TestSuite(int_stream, .init = setup, .fini = teardown, .timeout = 240);
