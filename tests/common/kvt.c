@@ -11,6 +11,9 @@
 #include <string.h>
 #include <sys/stat.h>
 #include <unistd.h>
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
 
 void kvt_tmpdir(char *buf, size_t cap, const char *name)
 {
@@ -63,4 +66,16 @@ void *kvt_read_file(const char *path, size_t *n)
     b[len] = 0;
     *n = (size_t)len;
     return b;
+}
+
+int kvt_free_tcp_port(void)
+{
+    int s = socket(AF_INET, SOCK_STREAM, 0);
+    cr_assert_geq(s, 0);
+    struct sockaddr_in a = { .sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK) };
+    cr_assert_eq(bind(s, (struct sockaddr *)&a, sizeof a), 0);
+    socklen_t l = sizeof a;
+    getsockname(s, (struct sockaddr *)&a, &l);
+    close(s);
+    return ntohs(a.sin_port);
 }

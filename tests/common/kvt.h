@@ -28,4 +28,7 @@ void kvt_write_file(const char *path, const void *data, size_t n);
  * caller frees it). */
 void *kvt_read_file(const char *path, size_t *n);
 
+/* A TCP port on 127.0.0.1 that was free a moment ago (bound, then let go). */
+int kvt_free_tcp_port(void);
+
 #endif

@@ -23,6 +23,7 @@
 #include "kvrope.pb-c.h"
 #include "proto/frame.h"
 #include "tests/common/kvt_daemon.h"
+#include "tests/common/kvt.h"
 
 static kvr_testd D;
 static kvr_client *C;
@@ -345,21 +346,10 @@ Test(int_shm, refusals)
     cr_assert_eq(kvr_client_ping(C, NULL), 0);
 }
 
-static int free_tcp_port(void)
-{
-    int s = socket(AF_INET, SOCK_STREAM, 0);
-    struct sockaddr_in a = { .sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK) };
-    cr_assert_eq(bind(s, (struct sockaddr *)&a, sizeof a), 0);
-    socklen_t l = sizeof a;
-    getsockname(s, (struct sockaddr *)&a, &l);
-    close(s);
-    return ntohs(a.sin_port);
-}
-
 Test(int_shm, tcp_refuses_shared_memory, .init = NULL, .fini = NULL)
 {
     char listen[64], addr[80];
-    int port = free_tcp_port();
+    int port = kvt_free_tcp_port();
     snprintf(listen, sizeof listen, "127.0.0.1:%d", port);
     snprintf(addr, sizeof addr, "tcp:127.0.0.1:%d", port);
     const char *extra[] = { "--listen", listen, NULL };
