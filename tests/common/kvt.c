@@ -79,3 +79,20 @@ int kvt_free_tcp_port(void)
     close(s);
     return ntohs(a.sin_port);
 }
+
+char *kvt_slurp(const char *path, size_t *len)
+{
+    if (access(path, R_OK) != 0)
+        return NULL;
+    size_t n;
+    char *b = kvt_read_file(path, &n);
+    if (len)
+        *len = n;
+    return b;
+}
+
+const char *kvt_vectors_dir(void)
+{
+    const char *v = getenv("KVR_VECTORS");
+    return v && *v ? v : "../shared/vectors";
+}

@@ -28,6 +28,13 @@ void kvt_write_file(const char *path, const void *data, size_t n);
  * caller frees it). */
 void *kvt_read_file(const char *path, size_t *n);
 
+/* Like kvt_read_file, but NULL (nothing asserted) if path cannot be
+ * opened: for inputs a test looks for. len may be NULL. */
+char *kvt_slurp(const char *path, size_t *len);
+
+/* The shared test vectors: $KVR_VECTORS, else ../shared/vectors. */
+const char *kvt_vectors_dir(void);
+
 /* A TCP port on 127.0.0.1 that was free a moment ago (bound, then let go). */
 int kvt_free_tcp_port(void);
 

@@ -17,32 +17,12 @@
 #include <string.h>
 
 #include "cache/cache.h"
+#include "tests/common/kvt.h"
 
 #define L 2
 #define H 2
 
 /* ---- vectors: the RoPE configurations of the manifest ------------------- */
-
-static char *slurp(const char *path, size_t *len)
-{
-    FILE *f = fopen(path, "rb");
-    if (!f) return NULL;
-    fseek(f, 0, SEEK_END);
-    long n = ftell(f);
-    fseek(f, 0, SEEK_SET);
-    char *b = malloc((size_t)n + 1);
-    if (b && fread(b, 1, (size_t)n, f) != (size_t)n) { free(b); b = NULL; }
-    if (b) b[n] = '\0';
-    fclose(f);
-    if (len) *len = (size_t)n;
-    return b;
-}
-
-static const char *vec_dir(void)
-{
-    const char *v = getenv("KVR_VECTORS");
-    return (v && *v) ? v : "../shared/vectors";
-}
 
 typedef struct fam {
     char name[64];
@@ -52,9 +32,9 @@ typedef struct fam {
 static int load_families(fam *out, int cap)
 {
     char path[1024];
-    snprintf(path, sizeof path, "%s/rope/manifest.json", vec_dir());
+    snprintf(path, sizeof path, "%s/rope/manifest.json", kvt_vectors_dir());
     size_t len;
-    char *txt = slurp(path, &len);
+    char *txt = kvt_slurp(path, &len);
     cr_assert(txt != NULL, "cannot read %s (set KVR_VECTORS)", path);
     cJSON *m = cJSON_ParseWithLength(txt, len);
     cr_assert(m != NULL);

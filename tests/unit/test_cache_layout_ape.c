@@ -15,6 +15,7 @@
 #include <string.h>
 
 #include "cache/cache.h"
+#include "tests/common/kvt.h"
 
 #define NL 2
 #define MAXD 256
@@ -198,34 +199,12 @@ static void check_layout(fam *f, kvr_layout_kind kind, const int64_t *starts)
     kvr_assemble_end(t);
 }
 
-static char *slurp(const char *path, size_t *len)
-{
-    FILE *fp = fopen(path, "rb");
-    if (!fp)
-        return NULL;
-    fseek(fp, 0, SEEK_END);
-    long n = ftell(fp);
-    fseek(fp, 0, SEEK_SET);
-    char *b = malloc((size_t)n + 1);
-    cr_assert_eq(fread(b, 1, (size_t)n, fp), (size_t)n);
-    fclose(fp);
-    b[n] = 0;
-    *len = (size_t)n;
-    return b;
-}
-
-static const char *vec_dir(void)
-{
-    const char *v = getenv("KVR_VECTORS");
-    return v && *v ? v : "../shared/vectors";
-}
-
 Test(layout_ape, every_family_every_layout_keys_exact)
 {
     char path[1024];
-    snprintf(path, sizeof path, "%s/rope/manifest.json", vec_dir());
+    snprintf(path, sizeof path, "%s/rope/manifest.json", kvt_vectors_dir());
     size_t len;
-    char *txt = slurp(path, &len);
+    char *txt = kvt_slurp(path, &len);
     cr_assert(txt, "cannot read %s (set KVR_VECTORS)", path);
     cJSON *m = cJSON_ParseWithLength(txt, len);
     cr_assert(m);
@@ -257,10 +236,10 @@ Test(layout_ape, every_family_every_layout_keys_exact)
                                                &emsg), 0, "%s: %s", name, emsg.msg);
         free(ct);
         cJSON_Delete(cfgj);
-        snprintf(path, sizeof path, "%s/rope/%s", vec_dir(),
+        snprintf(path, sizeof path, "%s/rope/%s", kvt_vectors_dir(),
                  cJSON_GetObjectItem(cJSON_GetObjectItem(c, "files"), "x")->valuestring);
         size_t xl;
-        char *x = slurp(path, &xl);
+        char *x = kvt_slurp(path, &xl);
         cr_assert(x && xl >= 32 * f.H * f.D * 4, "%s", path);
         f.x = (const float *)(void *)x;
         kvr_store_config sc = { .block_tokens = 16 };

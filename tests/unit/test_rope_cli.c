@@ -18,8 +18,7 @@ static const char *vec = NULL;
 /* neox_insert_shift from the ggml vectors: 32 tokens, 2 heads, head_dim 128 */
 static void setup(void)
 {
-    const char *v = getenv("KVR_VECTORS");
-    vec = (v && *v) ? v : "../shared/vectors";
+    vec = kvt_vectors_dir();
     snprintf(dir, sizeof dir, "/tmp/kvr_cli_rope_XXXXXX");
     cr_assert(mkdtemp(dir));
     snprintf(path_cfg, sizeof path_cfg, "%s/config.json", dir);

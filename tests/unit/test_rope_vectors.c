@@ -24,27 +24,7 @@
 #include <string.h>
 
 #include "rope/rope.h"
-
-static char *slurp(const char *path, size_t *len)
-{
-    FILE *f = fopen(path, "rb");
-    if (!f) return NULL;
-    fseek(f, 0, SEEK_END);
-    long n = ftell(f);
-    fseek(f, 0, SEEK_SET);
-    char *b = malloc((size_t)n + 1);
-    if (b && fread(b, 1, (size_t)n, f) != (size_t)n) { free(b); b = NULL; }
-    if (b) b[n] = '\0';
-    fclose(f);
-    if (len) *len = (size_t)n;
-    return b;
-}
-
-static const char *vec_dir(void)
-{
-    const char *v = getenv("KVR_VECTORS");
-    return (v && *v) ? v : "../shared/vectors";
-}
+#include "tests/common/kvt.h"
 
 typedef struct vcase {
     char name[64];
@@ -61,9 +41,9 @@ static int n_cases;
 static void *load_file(const char *file, size_t want_bytes)
 {
     char path[1024];
-    snprintf(path, sizeof path, "%s/rope/%s", vec_dir(), file);
+    snprintf(path, sizeof path, "%s/rope/%s", kvt_vectors_dir(), file);
     size_t len = 0;
-    char *b = slurp(path, &len);
+    char *b = kvt_slurp(path, &len);
     cr_assert(b != NULL, "cannot read %s", path);
     cr_assert_eq(len, want_bytes, "%s: %zu bytes, expected %zu", path, len, want_bytes);
     return b;
@@ -81,9 +61,9 @@ static int64_t *load_pos(const char *file, size_t n)
 static void load_cases(void)
 {
     char path[1024];
-    snprintf(path, sizeof path, "%s/rope/manifest.json", vec_dir());
+    snprintf(path, sizeof path, "%s/rope/manifest.json", kvt_vectors_dir());
     size_t len;
-    char *txt = slurp(path, &len);
+    char *txt = kvt_slurp(path, &len);
     cr_assert(txt != NULL, "cannot read %s (set KVR_VECTORS)", path);
     cJSON *m = cJSON_ParseWithLength(txt, len);
     cr_assert(m != NULL);
