@@ -169,6 +169,18 @@ void kvt_fill_memset(void *arg, void *p, size_t bytes)
     memset(p, *(const uint8_t *)arg, bytes);
 }
 
+void kvt_edit_replace(kvr_store *s, const char *id, uint32_t n_layers, uint32_t n_kv_heads,
+                      uint32_t head_dim, size_t start, size_t end, const uint32_t *tokens,
+                      size_t n, uint8_t byte)
+{
+    kvr_edit_op op = { start, end, n, tokens, false };
+    kvr_edit_params p = { .ctx_id = id, .ops = &op, .n_ops = 1, .with_kv = true,
+                          .n_layers = n_layers, .n_kv_heads = n_kv_heads,
+                          .head_dim = head_dim, .dtype = KVR_DTYPE_F16,
+                          .payload_bytes = n * 2 * n_layers * n_kv_heads * head_dim * 2 };
+    kvt_edit(s, &p, kvt_fill_memset, &byte);
+}
+
 /* f16 values of an LCG stream in [-1.5, 1.5); arg: its uint32_t state. */
 static void fill_lcg_f16(void *arg, void *p, size_t bytes)
 {

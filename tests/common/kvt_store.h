@@ -82,6 +82,12 @@ uint8_t *kvt_get_payload(kvr_store *s, const kvr_get_params *p, size_t *n, kvr_g
 /* A kvt_fill_fn writing the byte *(const uint8_t *)arg everywhere. */
 void kvt_fill_memset(void *arg, void *p, size_t bytes);
 
+/* An edit of context id (that shape, f16) replacing tokens [start, end)
+ * by the n new tokens, whose K/V bytes are all `byte`. */
+void kvt_edit_replace(kvr_store *s, const char *id, uint32_t n_layers, uint32_t n_kv_heads,
+                      uint32_t head_dim, size_t start, size_t end, const uint32_t *tokens,
+                      size_t n, uint8_t byte);
+
 /* A put into context id of model "m" (that shape, f16) of n tokens (ids
  * i * 7 + 1 + seed) with f16 values of an LCG stream from 99 + seed in
  * [-1.5, 1.5), with codec (NULL: the model's or the context's). */

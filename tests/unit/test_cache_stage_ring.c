@@ -37,13 +37,8 @@ static void put(kvr_store *s, const char *id, const char *codec, size_t n)
 
 static void edit(kvr_store *s, const char *id)
 {
-    uint32_t nt[3] = { 5, 6, 7 };
-    kvr_edit_op op = { 10, 12, 3, nt, false };
-    kvr_edit_params p = { .ctx_id = id, .ops = &op, .n_ops = 1, .with_kv = true,
-                          .n_layers = NL, .n_kv_heads = NH, .head_dim = HD,
-                          .dtype = KVR_DTYPE_F16, .payload_bytes = 3 * 2 * NL * NH * HD * 2 };
-    uint8_t byte = 0x21;
-    kvt_edit(s, &p, kvt_fill_memset, &byte);
+    static const uint32_t nt[3] = { 5, 6, 7 };
+    kvt_edit_replace(s, id, NL, NH, HD, 10, 12, nt, 3, 0x21);
 }
 
 /* The get p through a ring of `slots` chunks of `per` layers, chunk by
