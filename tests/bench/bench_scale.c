@@ -109,7 +109,7 @@ static size_t fill(kvr_store *s, size_t total, size_t max, size_t *lens, size_t 
         char id[32];
         snprintf(id, sizeof id, "c%zu", n);
         kvr_error e = { 0 };
-        kvt_put a = { .id = id, .codec = "", .seed = (uint32_t)n + 1, .n_layers = NL,
+        kvt_range a = { .id = id, .codec = "", .seed = (uint32_t)n + 1, .n_layers = NL,
                       .n_heads = NH, .head_dim = HD, .n = len, .mode = KVR_PUT_CREATE,
                       .persist = persist };
         if (kvt_stream_put(s, &a, &e) != 0) {

@@ -5,6 +5,7 @@
 #include "tests/common/kvt_store.h"
 
 #include <criterion/criterion.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -41,6 +42,29 @@ kvr_store *kvt_store_with_model(const kvr_store_config *cfg, uint32_t n_layers,
     kvr_store *s = kvt_store_new(cfg);
     kvr_model_desc d = kvt_model_desc("m", n_layers, n_kv_heads, head_dim, dtype);
     kvt_model_add(s, &d, out);
+    return s;
+}
+
+void kvt_tier_log(void *arg, int level, const char *msg)
+{
+    (void)arg;
+    (void)level;
+    fprintf(stderr, "tier: %s\n", msg);
+}
+
+kvr_store *kvt_store_open(const kvr_store_config *cfg, const kvr_tier_config *tc, bool log,
+                          kvr_tier_recovery *rec, uint32_t n_layers, uint32_t n_kv_heads,
+                          uint32_t head_dim, kvr_dtype dtype)
+{
+    kvr_store *s = kvt_store_new(cfg);
+    kvr_error e = { 0 };
+    if (tc)
+        cr_assert_eq(kvr_store_tier_open(s, tc, log ? kvt_tier_log : NULL, NULL, rec, &e), 0,
+                     "tier %s: %s", tc->dir, e.msg);
+    if (kvr_store_model_find(s, "m", NULL) != 0) {
+        kvr_model_desc d = kvt_model_desc("m", n_layers, n_kv_heads, head_dim, dtype);
+        kvt_model_add(s, &d, NULL);
+    }
     return s;
 }
 

@@ -9,6 +9,7 @@
 #ifndef KVR_TESTS_KVT_STORE_H
 #define KVR_TESTS_KVT_STORE_H
 
+#include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -30,6 +31,17 @@ void kvt_model_add(kvr_store *s, const kvr_model_desc *d, kvr_model_info *out);
 kvr_store *kvt_store_with_model(const kvr_store_config *cfg, uint32_t n_layers,
                                 uint32_t n_kv_heads, uint32_t head_dim, kvr_dtype dtype,
                                 kvr_model_info *out);
+
+/* A kvr_tier_log_fn printing "tier: msg" to stderr. */
+void kvt_tier_log(void *arg, int level, const char *msg);
+
+/* A store made from *cfg with, if tc is not NULL, the disk tier *tc opened
+ * (logging through kvt_tier_log if log; its recovery in *rec if not NULL),
+ * and model "m" of that shape and dtype (kvt_model_desc) registered unless
+ * the tier brought it back. */
+kvr_store *kvt_store_open(const kvr_store_config *cfg, const kvr_tier_config *tc, bool log,
+                          kvr_tier_recovery *rec, uint32_t n_layers, uint32_t n_kv_heads,
+                          uint32_t head_dim, kvr_dtype dtype);
 
 /* Fills one payload iovec of bytes bytes at p (arg: the caller's state;
  * iovecs come in payload order). */
