@@ -28,7 +28,8 @@
 #   tests/unit/test_*.c                 -> one Criterion binary each (in-process)
 #   tests/int/test_*.c                  -> one Criterion binary each; these start
 #                                          kvroped, the CLI or Redis themselves
-#   tests/common/*.c                    -> libtestcommon.a, linked by every test
+#   tests/common/*.c                    -> libtestcommon.a, linked by every test and
+#                                          benchmark (kvt_bench.c needs no Criterion)
 #   tests/common/*.h                    -> its declarations, and header-only helpers
 #   tests/bench/bench_*.c               -> one benchmark binary each
 #   tests/fuzz/fuzz_*.c                 -> one libFuzzer target each
@@ -238,7 +239,7 @@ $(BUILD)/tests/test_codec%: $(BUILD)/obj/tests/unit/test_codec%.o $(TESTCOMMON_A
 	@mkdir -p $(dir $@)
 	$(CC) $(LDFLAGS_ALL) -o $@ $^ -lcriterion $(LIBS) $(MALLOC_LIB)
 
-$(BUILD)/bench/bench_codec: $(BUILD)/obj/tests/bench/bench_codec.o $(CODEC_OBJ) $(ROPE_A)
+$(BUILD)/bench/bench_codec: $(BUILD)/obj/tests/bench/bench_codec.o $(TESTCOMMON_A) $(CODEC_OBJ) $(ROPE_A)
 	@mkdir -p $(dir $@)
 	$(CC) $(LDFLAGS_ALL) -o $@ $^ $(LIBS) $(MALLOC_LIB)
 
@@ -258,11 +259,11 @@ $(INT_TESTS): $(BUILD)/tests/%: $(BUILD)/obj/tests/int/%.o $(TESTCOMMON_A) $(ALL
 	@mkdir -p $(dir $@)
 	$(CC) $(LDFLAGS_ALL) -o $@ $^ -lcriterion $(LIBS) $(MALLOC_LIB)
 
-$(BUILD)/bench/bench_rope%: $(BUILD)/obj/tests/bench/bench_rope%.o $(ROPE_A)
+$(BUILD)/bench/bench_rope%: $(BUILD)/obj/tests/bench/bench_rope%.o $(TESTCOMMON_A) $(ROPE_A)
 	@mkdir -p $(dir $@)
 	$(CC) $(LDFLAGS_ALL) -o $@ $^ $(LIBS) $(MALLOC_LIB)
 
-$(BUILD)/bench/%: $(BUILD)/obj/tests/bench/%.o $(ALL_A)
+$(BUILD)/bench/%: $(BUILD)/obj/tests/bench/%.o $(TESTCOMMON_A) $(ALL_A)
 	@mkdir -p $(dir $@)
 	$(CC) $(LDFLAGS_ALL) -o $@ $^ $(LIBS) $(MALLOC_LIB)
 
