@@ -6,6 +6,7 @@
 
 #include <criterion/criterion.h>
 #include <ftw.h>
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -95,4 +96,15 @@ const char *kvt_vectors_dir(void)
 {
     const char *v = getenv("KVR_VECTORS");
     return v && *v ? v : "../shared/vectors";
+}
+
+bool kvt_same_f32(float a, float b)
+{
+    return (isnan(a) && isnan(b)) || memcmp(&a, &b, sizeof a) == 0;
+}
+
+bool kvt_same_f16(uint16_t a, uint16_t b)
+{
+    bool na = (a & 0x7c00) == 0x7c00 && (a & 0x3ff), nb = (b & 0x7c00) == 0x7c00 && (b & 0x3ff);
+    return (na && nb) || a == b;
 }

@@ -8,6 +8,7 @@
 #ifndef KVR_TESTS_KVT_H
 #define KVR_TESTS_KVT_H
 
+#include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -34,6 +35,13 @@ char *kvt_slurp(const char *path, size_t *len);
 
 /* The shared test vectors: $KVR_VECTORS, else ../shared/vectors. */
 const char *kvt_vectors_dir(void);
+
+/* Bit-equal floats, any NaN matching any NaN (a NaN's payload depends on
+ * the operand order the compiler chose, so it is no part of a contract). */
+bool kvt_same_f32(float a, float b);
+
+/* The same for f16 bit patterns. */
+bool kvt_same_f16(uint16_t a, uint16_t b);
 
 /* A TCP port on 127.0.0.1 that was free a moment ago (bound, then let go). */
 int kvt_free_tcp_port(void);

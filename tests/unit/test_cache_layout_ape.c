@@ -16,6 +16,7 @@
 
 #include "cache/cache.h"
 #include "tests/common/kvt.h"
+#include "tests/common/kvt_vectors.h"
 
 #define NL 2
 #define MAXD 256
@@ -202,12 +203,7 @@ static void check_layout(fam *f, kvr_layout_kind kind, const int64_t *starts)
 Test(layout_ape, every_family_every_layout_keys_exact)
 {
     char path[1024];
-    snprintf(path, sizeof path, "%s/rope/manifest.json", kvt_vectors_dir());
-    size_t len;
-    char *txt = kvt_slurp(path, &len);
-    cr_assert(txt, "cannot read %s (set KVR_VECTORS)", path);
-    cJSON *m = cJSON_ParseWithLength(txt, len);
-    cr_assert(m);
+    cJSON *m = kvt_rope_manifest();
     const cJSON *c;
     int n_cases = 0;
     cJSON_ArrayForEach(c, cJSON_GetObjectItem(m, "cases")) {
@@ -217,25 +213,9 @@ Test(layout_ape, every_family_every_layout_keys_exact)
         f.D = (size_t)cJSON_GetObjectItem(c, "head_dim")->valueint;
         f.tol = cJSON_GetObjectItem(c, "tolerance_abs")->valuedouble;
         cr_assert_leq(f.H * f.D, 2 * MAXD);
-        cJSON *cfgj = cJSON_CreateObject();
-        cJSON_AddNumberToObject(cfgj, "head_dim", (double)f.D);
-        cJSON_AddNumberToObject(cfgj, "rotary_dim",
-                                cJSON_GetObjectItem(c, "rotary_dim")->valuedouble);
-        cJSON_AddNumberToObject(cfgj, "rope_theta",
-                                cJSON_GetObjectItem(c, "theta_base")->valuedouble);
-        cJSON_AddNumberToObject(cfgj, "num_attention_heads", (double)f.H);
-        const cJSON *rs = cJSON_GetObjectItem(c, "rope_scaling");
-        if (rs && !cJSON_IsNull(rs))
-            cJSON_AddItemToObject(cfgj, "rope_scaling", cJSON_Duplicate(rs, 1));
-        char *ct = cJSON_PrintUnformatted(cfgj);
         kvr_model_desc d = { .name = name, .n_layers = NL, .n_kv_heads = (uint32_t)f.H,
                              .head_dim = (uint32_t)f.D, .dtype = KVR_DTYPE_F32 };
-        kvr_error emsg = { 0 };
-        cr_assert_eq(kvr_rope_config_from_json(&d.rope, ct, strlen(ct),
-                                               cJSON_GetObjectItem(c, "style")->valuestring,
-                                               &emsg), 0, "%s: %s", name, emsg.msg);
-        free(ct);
-        cJSON_Delete(cfgj);
+        kvt_rope_case_config(c, (double)f.H, &d.rope);
         snprintf(path, sizeof path, "%s/rope/%s", kvt_vectors_dir(),
                  cJSON_GetObjectItem(cJSON_GetObjectItem(c, "files"), "x")->valuestring);
         size_t xl;
@@ -260,7 +240,6 @@ Test(layout_ape, every_family_every_layout_keys_exact)
     }
     cr_assert_geq(n_cases, 6);
     cJSON_Delete(m);
-    free(txt);
 }
 
 /* ---- APE reference attention ------------------------------------------- */

@@ -25,6 +25,7 @@
 
 #include "rope/rope.h"
 #include "tests/common/kvt.h"
+#include "tests/common/kvt_vectors.h"
 
 typedef struct vcase {
     char name[64];
@@ -60,13 +61,7 @@ static int64_t *load_pos(const char *file, size_t n)
 
 static void load_cases(void)
 {
-    char path[1024];
-    snprintf(path, sizeof path, "%s/rope/manifest.json", kvt_vectors_dir());
-    size_t len;
-    char *txt = kvt_slurp(path, &len);
-    cr_assert(txt != NULL, "cannot read %s (set KVR_VECTORS)", path);
-    cJSON *m = cJSON_ParseWithLength(txt, len);
-    cr_assert(m != NULL);
+    cJSON *m = kvt_rope_manifest();
     const cJSON *cs = cJSON_GetObjectItem(m, "cases"), *c;
     n_cases = 0;
     cJSON_ArrayForEach(c, cs) {
@@ -77,22 +72,7 @@ static void load_cases(void)
         v->n_tokens = (size_t)cJSON_GetObjectItem(c, "n_tokens")->valueint;
         v->tol = cJSON_GetObjectItem(c, "tolerance_abs")->valuedouble;
         /* the config.json a model with these parameters would ship */
-        cJSON *cfgj = cJSON_CreateObject();
-        cJSON_AddNumberToObject(cfgj, "head_dim", (double)v->hd);
-        cJSON_AddNumberToObject(cfgj, "rotary_dim", cJSON_GetObjectItem(c, "rotary_dim")->valuedouble);
-        cJSON_AddNumberToObject(cfgj, "rope_theta", cJSON_GetObjectItem(c, "theta_base")->valuedouble);
-        cJSON_AddNumberToObject(cfgj, "num_attention_heads", (double)v->n_heads);
-        const cJSON *rs = cJSON_GetObjectItem(c, "rope_scaling");
-        if (rs && !cJSON_IsNull(rs))
-            cJSON_AddItemToObject(cfgj, "rope_scaling", cJSON_Duplicate(rs, 1));
-        char *ct = cJSON_PrintUnformatted(cfgj);
-        kvr_error err = { 0 };
-        int rc = kvr_rope_config_from_json(&v->cfg, ct, strlen(ct),
-                                           cJSON_GetObjectItem(c, "style")->valuestring,
-                                           &err);
-        cr_assert_eq(rc, 0, "%s: config refused: %s", v->name, err.msg);
-        free(ct);
-        cJSON_Delete(cfgj);
+        kvt_rope_case_config(c, (double)v->n_heads, &v->cfg);
         const cJSON *f = cJSON_GetObjectItem(c, "files");
         size_t nel = v->n_tokens * v->n_heads * v->hd;
         v->x = load_file(cJSON_GetObjectItem(f, "x")->valuestring, nel * 4);
@@ -102,7 +82,6 @@ static void load_cases(void)
         v->pos_new = load_pos(cJSON_GetObjectItem(f, "pos_new")->valuestring, v->n_tokens);
     }
     cJSON_Delete(m);
-    free(txt);
     cr_assert(n_cases >= 12, "manifest has %d cases", n_cases);
 }
 
