@@ -108,3 +108,13 @@ bool kvt_same_f16(uint16_t a, uint16_t b)
     bool na = (a & 0x7c00) == 0x7c00 && (a & 0x3ff), nb = (b & 0x7c00) == 0x7c00 && (b & 0x3ff);
     return (na && nb) || a == b;
 }
+
+uint64_t kvt_fnv(uint64_t h, const void *p, size_t n)
+{
+    const uint8_t *b = p;
+    for (size_t i = 0; i < n; i++) {
+        h ^= b[i];
+        h *= 1099511628211ull;
+    }
+    return h;
+}

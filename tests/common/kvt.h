@@ -43,6 +43,9 @@ bool kvt_same_f32(float a, float b);
 /* The same for f16 bit patterns. */
 bool kvt_same_f16(uint16_t a, uint16_t b);
 
+/* FNV-1a of n bytes at p, continuing from h (start: 14695981039346656037). */
+uint64_t kvt_fnv(uint64_t h, const void *p, size_t n);
+
 /* A TCP port on 127.0.0.1 that was free a moment ago (bound, then let go). */
 int kvt_free_tcp_port(void);
 

@@ -69,7 +69,7 @@ kvr_store *kvt_store_open(const kvr_store_config *cfg, const kvr_tier_config *tc
 }
 
 int kvt_put_try(kvr_store *s, const kvr_put_params *p, kvt_fill_fn fill, void *arg,
-                kvr_error *e)
+                kvr_put_result *res, kvr_error *e)
 {
     kvr_put *t = NULL;
     int rc = kvr_store_put_begin(s, p, &t, e);
@@ -84,13 +84,13 @@ int kvt_put_try(kvr_store *s, const kvr_put_params *p, kvt_fill_fn fill, void *a
         kvr_put_abort(t);
         return rc;
     }
-    return kvr_put_commit(t, NULL, e);
+    return kvr_put_commit(t, res, e);
 }
 
 void kvt_put(kvr_store *s, const kvr_put_params *p, kvt_fill_fn fill, void *arg)
 {
     kvr_error e = { 0 };
-    cr_assert_eq(kvt_put_try(s, p, fill, arg, &e), 0, "put %s: %s", p->ctx_id, e.msg);
+    cr_assert_eq(kvt_put_try(s, p, fill, arg, NULL, &e), 0, "put %s: %s", p->ctx_id, e.msg);
 }
 
 void kvt_edit(kvr_store *s, const kvr_edit_params *p, kvt_fill_fn fill, void *arg)

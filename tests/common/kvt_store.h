@@ -48,10 +48,10 @@ kvr_store *kvt_store_open(const kvr_store_config *cfg, const kvr_tier_config *tc
 typedef void (*kvt_fill_fn)(void *arg, void *p, size_t bytes);
 
 /* A put of *p: begin, each payload iovec through fill, the work if it
- * needs any, commit. 0, or the first step's error (in *e if not NULL; a
- * begun put is aborted). */
+ * needs any, commit (its result in *res if not NULL). 0, or the first
+ * step's error (in *e if not NULL; a begun put is aborted). */
 int kvt_put_try(kvr_store *s, const kvr_put_params *p, kvt_fill_fn fill, void *arg,
-                kvr_error *e);
+                kvr_put_result *res, kvr_error *e);
 
 /* kvt_put_try, asserted to succeed. */
 void kvt_put(kvr_store *s, const kvr_put_params *p, kvt_fill_fn fill, void *arg);

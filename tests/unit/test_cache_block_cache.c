@@ -49,7 +49,7 @@ static int put(kvr_store *s, const char *id, const char *model, kvr_put_mode mod
     void *pl = kvt_kv_payload(seed, L, H, D, t0, n, KVR_DTYPE_F16, &bytes);
     kvt_src src = { pl, bytes, 0 };
     kvr_error e = { 0 };
-    int rc = kvt_put_try(s, &p, kvt_fill_src, &src, &e);
+    int rc = kvt_put_try(s, &p, kvt_fill_src, &src, NULL, &e);
     if (rc == 0)
         cr_assert_eq(src.off, bytes);
     free(pl);

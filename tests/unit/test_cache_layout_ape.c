@@ -16,6 +16,7 @@
 
 #include "cache/cache.h"
 #include "tests/common/kvt.h"
+#include "tests/common/kvt_store.h"
 #include "tests/common/kvt_vectors.h"
 
 #define NL 2
@@ -58,10 +59,6 @@ static int put_doc(const fam *f, const char *id, const char *prefix, uint32_t ui
                          .n_layers = NL, .n_kv_heads = (uint32_t)f->H,
                          .head_dim = (uint32_t)f->D, .dtype = KVR_DTYPE_F32,
                          .n_tokens = n, .tokens = u, .prefix_ctx = prefix };
-    kvr_put *t = NULL;
-    int rc = kvr_store_put_begin(f->s, &p, &t, e);
-    if (rc)
-        return rc;
     size_t row = f->H * f->D;
     float *pl = malloc(NL * 2 * n * row * sizeof *pl);
     for (uint32_t l = 0; l < NL; l++) {
@@ -72,16 +69,10 @@ static int put_doc(const fam *f, const char *id, const char *prefix, uint32_t ui
                 v[i * row + j] = xv(u[i], l, j);
         }
     }
-    const struct iovec *iov;
-    size_t niov, off = 0;
-    kvr_put_payload_iov(t, &iov, &niov);
-    for (size_t i = 0; i < niov; i++) {
-        memcpy(iov[i].iov_base, (char *)pl + off, iov[i].iov_len);
-        off += iov[i].iov_len;
-    }
-    free(pl);
+    kvt_src src = { pl, NL * 2 * n * row * sizeof *pl, 0 };
     kvr_put_result r;
-    rc = kvr_put_commit(t, &r, e);
+    int rc = kvt_put_try(f->s, &p, kvt_fill_src, &src, &r, e);
+    free(pl);
     if (rc == 0)
         cr_assert_eq(r.first_pos, pos0, "%s stored at %lld, not %lld", id,
                      (long long)r.first_pos, (long long)pos0);

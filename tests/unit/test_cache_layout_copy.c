@@ -58,7 +58,7 @@ static int put(kvr_store *s, const char *id, kvr_put_params p, uint32_t base, si
     if (!p.mode)
         p.mode = KVR_PUT_UPSERT;
     kvt_src src = { pl, (size_t)L * 2 * n * ROW * sizeof *pl, 0 };
-    int rc = kvt_put_try(s, &p, kvt_fill_src, &src, e);
+    int rc = kvt_put_try(s, &p, kvt_fill_src, &src, NULL, e);
     free(pl);
     free(tok);
     if (rc == 0 && kvr_store_persist(s, id, NULL, NULL, e) < 0)

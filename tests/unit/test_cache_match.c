@@ -23,7 +23,7 @@ static int put(kvr_store *s, const char *id, kvr_put_mode mode, const uint32_t *
                          .n_kv_heads = 1, .head_dim = 2, .dtype = KVR_DTYPE_F16,
                          .n_tokens = n, .tokens = tok };
     uint8_t zero = 0;
-    return kvt_put_try(s, &p, kvt_fill_memset, &zero, NULL);
+    return kvt_put_try(s, &p, kvt_fill_memset, &zero, NULL, NULL);
 }
 
 static size_t match(kvr_store *s, const uint32_t *q, size_t n, char *id)

@@ -90,7 +90,7 @@ static int put_raw(const char *id, kvr_put_mode mode, const char *codec, size_t 
                          .has_pos_start = true, .pos_start = pos0 };
     size_t bytes = (size_t)L * 2 * n * ROW * sizeof(float);
     kvt_src src = { pl, bytes, 0 };
-    int rc = kvt_put_try(S, &p, kvt_fill_src, &src, e);
+    int rc = kvt_put_try(S, &p, kvt_fill_src, &src, NULL, e);
     free(tok);
     if (rc == 0)
         cr_assert_eq(src.off, bytes);

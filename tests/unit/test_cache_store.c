@@ -43,7 +43,7 @@ static int do_put(kvr_store *s, const char *id, const char *model, kvr_put_mode 
     size_t bytes;
     void *pl = make_payload(seed, t0, n, dt, &bytes);
     kvt_src src = { pl, bytes, 0 };
-    int rc = kvt_put_try(s, &p, kvt_fill_src, &src, e);
+    int rc = kvt_put_try(s, &p, kvt_fill_src, &src, NULL, e);
     if (rc == 0)
         cr_assert_eq(src.off, bytes);
     free(pl);
