@@ -27,6 +27,21 @@ int kvt_daemon_down(kvr_testd *d, kvr_client **c, kvr_rope **r)
     return testd_stop(d);
 }
 
+kvr_testd   kvt_suite_d;
+kvr_client *kvt_suite_c;
+kvr_rope   *kvt_suite_r;
+
+void kvt_tiny_suite_init(void)
+{
+    kvt_suite_c = kvt_daemon_up(&kvt_suite_d, NULL);
+    kvt_suite_r = kvt_register_tiny(kvt_suite_c, "tiny", KVR_DTYPE_F16, NULL);
+}
+
+void kvt_tiny_suite_fini(void)
+{
+    kvt_daemon_down(&kvt_suite_d, &kvt_suite_c, &kvt_suite_r);
+}
+
 kvr_rope *kvt_model_rope(const kvr_model *m)
 {
     kvr_rope *r = NULL;

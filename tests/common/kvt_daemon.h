@@ -19,6 +19,16 @@ kvr_client *kvt_daemon_up(kvr_testd *d, const char *const *extra);
  * be NULL), then stops the daemon: testd_stop's result. */
 int kvt_daemon_down(kvr_testd *d, kvr_client **c, kvr_rope **r);
 
+/* A Criterion suite's fixture: a daemon, a client, and tiny-model "tiny"
+ * in f16 with its RoPE engine, set up and torn down around each test by
+ *   TestSuite(name, .init = kvt_tiny_suite_init, .fini = kvt_tiny_suite_fini)
+ * (a test file names them as it likes: #define D kvt_suite_d ...). */
+extern kvr_testd   kvt_suite_d;
+extern kvr_client *kvt_suite_c;
+extern kvr_rope   *kvt_suite_r;
+void kvt_tiny_suite_init(void);
+void kvt_tiny_suite_fini(void);
+
 /* A RoPE engine for m's config (the caller destroys it). */
 kvr_rope *kvt_model_rope(const kvr_model *m);
 

@@ -18,32 +18,24 @@
 #include "tests/common/kvt_daemon.h"
 #include "tests/common/kvt.h"
 
-static kvr_testd D;
-static kvr_client *C;
-static kvr_rope *R;
+/* The suite's daemon, client and tiny model (kvt_daemon.h). */
+#define D kvt_suite_d
+#define C kvt_suite_c
+#define R kvt_suite_r
 static char OUT[1 << 18];
 static const kvr_dtype DT = KVR_DTYPE_F16;
 
-static void setup(void)
-{
-    C = kvt_daemon_up(&D, NULL);
-    R = kvt_register_tiny(C, "tiny", DT, NULL);
-}
-
+/* The files the CLI wrote go before the daemon's directory does. */
 static void teardown(void)
 {
-    kvr_rope_destroy(R);
-    R = NULL;
-    kvr_client_close(C);
-    C = NULL;
     char cmd[2048];
     snprintf(cmd, sizeof cmd, "rm -f %s/*.raw %s/*.safetensors", D.dir, D.dir);
     if (system(cmd) != 0) {
     }
-    testd_stop(&D);
+    kvt_tiny_suite_fini();
 }
 
-TestSuite(int_cli_layout, .init = setup, .fini = teardown, .timeout = 180);
+TestSuite(int_cli_layout, .init = kvt_tiny_suite_init, .fini = teardown, .timeout = 180);
 
 #define CLI(...) testd_cli(&D, OUT, sizeof OUT, (const char *const[]){ __VA_ARGS__, NULL })
 

@@ -16,23 +16,13 @@
 
 #include "tests/common/kvt_daemon.h"
 
-static kvr_testd D;
-static kvr_client *C;
-static kvr_rope *R;
+/* The suite's daemon, client and tiny model (kvt_daemon.h). */
+#define D kvt_suite_d
+#define C kvt_suite_c
+#define R kvt_suite_r
 static const kvr_dtype DT = KVR_DTYPE_F16;
 
-static void setup(void)
-{
-    C = kvt_daemon_up(&D, NULL);
-    R = kvt_register_tiny(C, "tiny", DT, NULL);
-}
-
-static void teardown(void)
-{
-    kvt_daemon_down(&D, &C, &R);
-}
-
-TestSuite(int_edit, .init = setup, .fini = teardown, .timeout = 180);
+TestSuite(int_edit, .init = kvt_tiny_suite_init, .fini = kvt_tiny_suite_fini, .timeout = 180);
 
 /* ---- the reference ------------------------------------------------------ */
 

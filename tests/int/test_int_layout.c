@@ -10,28 +10,13 @@
 
 #include "tests/common/kvt_daemon.h"
 
-static kvr_testd D;
-static kvr_client *C;
-static kvr_rope *R;
+/* The suite's daemon, client and tiny model (kvt_daemon.h). */
+#define D kvt_suite_d
+#define C kvt_suite_c
+#define R kvt_suite_r
 static const kvr_dtype DT = KVR_DTYPE_F16;
 
-static void setup(void)
-{
-    C = kvt_daemon_up(&D, NULL);
-    R = kvt_register_tiny(C, "tiny", DT, NULL);
-}
-
-static void teardown(void)
-{
-    kvt_daemon_down(&D, &C, &R);
-}
-
-TestSuite(int_layout, .init = setup, .fini = teardown, .timeout = 180);
-
-static void *make_kv(const uint32_t *tok, const int64_t *pos, size_t n, size_t *len)
-{
-    return kvt_tiny_kv(R, tok, pos, n, DT, len);
-}
+TestSuite(int_layout, .init = kvt_tiny_suite_init, .fini = kvt_tiny_suite_fini, .timeout = 180);
 
 static float h2f(const uint8_t *p)
 {
@@ -50,7 +35,7 @@ static void check_kv(const kvr_kv *kv, const uint32_t *tok, const int64_t *pos, 
                      (long long)kv->positions[i], (long long)pos[i]);
     }
     size_t len;
-    uint8_t *want = make_kv(tok, pos, n, &len);
+    uint8_t *want = kvt_tiny_kv(R, tok, pos, n, DT, &len);
     cr_assert_eq(kv->payload_len, len);
     const uint8_t *got = kv->payload;
     size_t half = n * T_HEADS * T_DIM * 2;
@@ -74,7 +59,7 @@ static void put_at(const char *ctx, const uint32_t *tok, size_t n, int64_t p0,
     for (size_t i = 0; i < n; i++)
         pos[i] = p0 + (int64_t)i;
     size_t len;
-    void *pl = make_kv(tok, pos, n, &len);
+    void *pl = kvt_tiny_kv(R, tok, pos, n, DT, &len);
     kvr_put_args a = o ? *o : (kvr_put_args){ 0 };
     a.ctx_id = ctx, a.model = "tiny", a.dtype = DT, a.tokens = tok, a.n_tokens = n;
     a.has_pos_start = o == NULL || o->prefix_ctx == NULL, a.pos_start = p0;
@@ -175,7 +160,7 @@ static void group_put(const char *ctx, const char *group, const uint32_t *tok, s
     for (size_t i = 0; i < n; i++)
         pos[i] = expect_first + (int64_t)i;
     size_t len;
-    void *pl = make_kv(tok, pos, n, &len);
+    void *pl = kvt_tiny_kv(R, tok, pos, n, DT, &len);
     kvr_put_args a = o ? *o : (kvr_put_args){ 0 };
     a.ctx_id = ctx, a.model = "tiny", a.dtype = DT, a.tokens = tok, a.n_tokens = n;
     a.payload = pl, a.payload_len = len, a.mode = KVR_PUT_UPSERT;
@@ -252,7 +237,7 @@ Test(int_layout, sinks_and_window)
     uint32_t more[] = { 800, 801 };
     size_t len;
     int64_t mp[] = { 6, 7 };
-    void *pl = make_kv(more, mp, 2, &len);
+    void *pl = kvt_tiny_kv(R, more, mp, 2, DT, &len);
     kvr_put_args a = { .mode = KVR_PUT_UPSERT, .ctx_id = "w", .model = "tiny", .dtype = DT, .tokens = more,
                        .n_tokens = 2, .payload = pl, .payload_len = len };
     cr_assert_eq(kvr_client_put(C, &a, NULL), 0, "%s", kvr_client_last_error(C));
@@ -280,7 +265,7 @@ Test(int_layout, protect_first_with_retention)
     uint32_t more[] = { 950, 951 };
     int64_t mp[] = { 6, 7 };
     size_t len;
-    void *pl = make_kv(more, mp, 2, &len);
+    void *pl = kvt_tiny_kv(R, more, mp, 2, DT, &len);
     kvr_put_args a = { .ctx_id = "pw", .model = "tiny", .dtype = DT, .tokens = more,
                        .n_tokens = 2, .payload = pl, .payload_len = len, .mode = KVR_PUT_UPSERT,
                        .protect_first = 8, .has_protect = true };
