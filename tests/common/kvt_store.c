@@ -231,3 +231,19 @@ void kvt_put_f16(kvr_store *s, const char *id, const char *codec, kvr_put_mode m
     kvt_put(s, &p, fill_lcg_f16, &x);
     free(tok);
 }
+
+kvr_store *kvt_index_store(void)
+{
+    kvr_store_config c = { .block_tokens = 4 };
+    return kvt_store_with_model(&c, 1, 1, 2, KVR_DTYPE_F16, NULL);
+}
+
+int kvt_index_put(kvr_store *s, const char *id, kvr_put_mode mode, const uint32_t *tok,
+                  size_t n)
+{
+    kvr_put_params p = { .ctx_id = id, .model = "m", .mode = mode, .n_layers = 1,
+                         .n_kv_heads = 1, .head_dim = 2, .dtype = KVR_DTYPE_F16,
+                         .n_tokens = n, .tokens = tok };
+    uint8_t zero = 0;
+    return kvt_put_try(s, &p, kvt_fill_memset, &zero, NULL, NULL);
+}

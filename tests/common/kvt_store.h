@@ -107,4 +107,11 @@ void kvt_put_f16(kvr_store *s, const char *id, const char *codec, kvr_put_mode m
                  uint32_t seed, uint32_t n_layers, uint32_t n_kv_heads, uint32_t head_dim,
                  size_t n);
 
+/* For tests of the prefix index, where only tokens matter: a store of
+ * 4-token blocks with model "m" of one layer and one head of 2 dims (f16),
+ * and a put of n tokens into it whose K/V are all zero (0 or the error). */
+kvr_store *kvt_index_store(void);
+int kvt_index_put(kvr_store *s, const char *id, kvr_put_mode mode, const uint32_t *tok,
+                  size_t n);
+
 #endif
