@@ -5,6 +5,7 @@
 #include "tests/common/kvt.h"
 
 #include <criterion/criterion.h>
+#include <dirent.h>
 #include <ftw.h>
 #include <math.h>
 #include <stdio.h>
@@ -117,4 +118,17 @@ uint64_t kvt_fnv(uint64_t h, const void *p, size_t n)
         h *= 1099511628211ull;
     }
     return h;
+}
+
+int kvt_count_fds(pid_t pid)
+{
+    char path[64];
+    snprintf(path, sizeof path, "/proc/%d/fd", (int)pid);
+    DIR *d = opendir(path);
+    cr_assert_not_null(d, "%s", path);
+    int n = 0;
+    while (readdir(d))
+        n++;
+    closedir(d);
+    return n;
 }

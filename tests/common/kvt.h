@@ -11,6 +11,7 @@
 #include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <sys/types.h>
 
 /* Makes a fresh directory $TMPDIR/<name>-XXXXXX (/tmp without TMPDIR) in
  * buf (cap bytes). */
@@ -45,6 +46,10 @@ bool kvt_same_f16(uint16_t a, uint16_t b);
 
 /* FNV-1a of n bytes at p, continuing from h (start: 14695981039346656037). */
 uint64_t kvt_fnv(uint64_t h, const void *p, size_t n);
+
+/* How many descriptors process pid has open (its /proc/PID/fd entries,
+ * "." and ".." included: compare counts, not absolute numbers). */
+int kvt_count_fds(pid_t pid);
 
 /* A TCP port on 127.0.0.1 that was free a moment ago (bound, then let go). */
 int kvt_free_tcp_port(void);

@@ -614,19 +614,6 @@ static int raw_call(int fd, Kvrope__Request *req, int pass)
     return st;
 }
 
-static int count_fds(pid_t pid)
-{
-    char path[64];
-    snprintf(path, sizeof path, "/proc/%d/fd", (int)pid);
-    DIR *d = opendir(path);
-    cr_assert_not_null(d);
-    int n = 0;
-    while (readdir(d))
-        n++;
-    closedir(d);
-    return n;
-}
-
 /* Frames written together are read together (the daemon reads a header
  * with what follows it): a descriptor on a write whose RegisterRegion
  * comes after other frames is that RegisterRegion's. */
@@ -702,10 +689,10 @@ static void expect_fd_refusal(int fd, uint64_t id, uint64_t alt)
 /* Waits (up to 5 s) for the daemon's descriptors to drop to at most max. */
 static int fds_settle(int max)
 {
-    int n = count_fds(D.pid);
+    int n = kvt_count_fds(D.pid);
     for (int i = 0; i < 250 && n > max; i++) {
         usleep(20000);
-        n = count_fds(D.pid);
+        n = kvt_count_fds(D.pid);
     }
     return n;
 }
@@ -731,7 +718,7 @@ Test(int_shm, descriptors_on_frames_that_take_none_are_refused)
     Kvrope__Request q;
     Kvrope__Ping ping;
     int fd = pinged_connect(&q, &ping);
-    int before = count_fds(D.pid);
+    int before = kvt_count_fds(D.pid);
     int mfd = raw_memfd(4096, F_SEAL_SHRINK);
     uint8_t buf[512];
     size_t off = 0;
@@ -764,7 +751,7 @@ Test(int_shm, descriptors_of_pipelined_frames)
     Kvrope__Request q;
     Kvrope__Ping ping;
     int fd = pinged_connect(&q, &ping);
-    int before = count_fds(D.pid);
+    int before = kvt_count_fds(D.pid);
     int mfd = raw_memfd(4096, F_SEAL_SHRINK);
     Kvrope__RegisterRegion rr = KVROPE__REGISTER_REGION__INIT;
     rr.size = 4096;
@@ -856,7 +843,7 @@ static void send_put_head(int fd, uint64_t id, const char *ctx, uint32_t *tok, s
 Test(int_shm, descriptors_on_payload_bytes_are_refused)
 {
     cr_assert_eq(testd_register(C, "pm", KVR_DTYPE_F16, NULL), 0);
-    int before = count_fds(D.pid);
+    int before = kvt_count_fds(D.pid);
     int mfd = raw_memfd(4096, F_SEAL_SHRINK);
     const size_t n = 70;   /* two blocks: several iovecs */
     size_t len;
@@ -954,7 +941,7 @@ Test(int_shm, a_client_cannot_hoard_descriptors)
     Kvrope__Ping ping;
     for (int i = 0; i < NC; i++)
         fds[i] = pinged_connect(&q, &ping);
-    int before = count_fds(D.pid);
+    int before = kvt_count_fds(D.pid);
     for (size_t b = 0; b + 1 < sizeof hdr; b++) {   /* never a whole header */
         for (int i = 0; i < NC; i++) {
             if (fds[i] < 0)
