@@ -24,4 +24,11 @@ kvr_disk *kvt_disk_open(const kvr_disk_config *cfg, kvr_disk_record_fn on_record
 /* The byte at off of path, xor mask, written back. */
 void kvt_flip_byte(const char *path, uint64_t off, uint8_t mask);
 
+/* Criterion tests suite::name_uring and suite::name_posix running fn on
+ * io_uring and on the forced POSIX engine (the test files include
+ * criterion.h). */
+#define KVT_DISK_TESTS(suite, name, fn)                               \
+    Test(suite, name##_uring) { fn(KVR_DISK_ENGINE_URING); }          \
+    Test(suite, name##_posix) { fn(KVR_DISK_ENGINE_POSIX); }
+
 #endif

@@ -180,8 +180,7 @@ static void v1_read(kvr_disk_engine e)
     kvt_rmrf(dir);
 }
 
-Test(disk_format, v1_read_uring) { v1_read(KVR_DISK_ENGINE_URING); }
-Test(disk_format, v1_read_posix) { v1_read(KVR_DISK_ENGINE_POSIX); }
+KVT_DISK_TESTS(disk_format, v1_read, v1_read)
 
 /* A v1 segment cut inside an extent: that claim fails as corrupt (not as
  * an I/O error: recover_done still reclaims), the earlier ones load. */
@@ -218,8 +217,7 @@ static void v1_truncated(kvr_disk_engine e)
     kvt_rmrf(dir);
 }
 
-Test(disk_format, v1_truncated_uring) { v1_truncated(KVR_DISK_ENGINE_URING); }
-Test(disk_format, v1_truncated_posix) { v1_truncated(KVR_DISK_ENGINE_POSIX); }
+KVT_DISK_TESTS(disk_format, v1_truncated, v1_truncated)
 
 /* ---- v2: truncated and corrupt records ---------------------------------------- */
 enum { V2N = 10 };
@@ -290,8 +288,7 @@ static void v2_damage(kvr_disk_engine e)
     kvt_rmrf(dir);
 }
 
-Test(disk_format, v2_damage_uring) { v2_damage(KVR_DISK_ENGINE_URING); }
-Test(disk_format, v2_damage_posix) { v2_damage(KVR_DISK_ENGINE_POSIX); }
+KVT_DISK_TESTS(disk_format, v2_damage, v2_damage)
 
 /* Memory at every alignment: straight to / from the device when O_DIRECT
  * can use it, staged otherwise; the bytes are the same either way, in
@@ -350,8 +347,7 @@ static void alignments(kvr_disk_engine e)
     kvt_rmrf(dir);
 }
 
-Test(disk_format, alignments_uring) { alignments(KVR_DISK_ENGINE_URING); }
-Test(disk_format, alignments_posix) { alignments(KVR_DISK_ENGINE_POSIX); }
+KVT_DISK_TESTS(disk_format, alignments, alignments)
 
 /* A segment of a format newer than this build, or two files with one id
  * (an older kvrope wrote after a newer one): recovery refuses, saying why,
@@ -509,5 +505,4 @@ static void last_requests(kvr_disk_engine e)
     kvt_rmrf(dir);
 }
 
-Test(disk_format, last_requests_uring) { last_requests(KVR_DISK_ENGINE_URING); }
-Test(disk_format, last_requests_posix) { last_requests(KVR_DISK_ENGINE_POSIX); }
+KVT_DISK_TESTS(disk_format, last_requests, last_requests)

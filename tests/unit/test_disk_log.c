@@ -162,8 +162,7 @@ static void append_reopen(kvr_disk_engine e)
     kvt_rmrf(dir);
 }
 
-Test(disk_log, append_reopen_uring) { append_reopen(KVR_DISK_ENGINE_URING); }
-Test(disk_log, append_reopen_posix) { append_reopen(KVR_DISK_ENGINE_POSIX); }
+KVT_DISK_TESTS(disk_log, append_reopen, append_reopen)
 
 typedef struct snap { uint32_t from, n; int fail; } snap;
 static int snapshot(void *arg, kvr_disk_cp *cp)
@@ -225,8 +224,7 @@ static void checkpoint(kvr_disk_engine e)
     kvt_rmrf(dir);
 }
 
-Test(disk_log, checkpoint_uring) { checkpoint(KVR_DISK_ENGINE_URING); }
-Test(disk_log, checkpoint_posix) { checkpoint(KVR_DISK_ENGINE_POSIX); }
+KVT_DISK_TESTS(disk_log, checkpoint, checkpoint)
 
 typedef struct list_snap { uint32_t idx[64]; size_t n; } list_snap;
 static int snapshot_list(void *arg, kvr_disk_cp *cp)
@@ -294,8 +292,7 @@ static void corrupt(kvr_disk_engine e)
     free(g);
 }
 
-Test(disk_log, corrupt_uring) { corrupt(KVR_DISK_ENGINE_URING); }
-Test(disk_log, corrupt_posix) { corrupt(KVR_DISK_ENGINE_POSIX); }
+KVT_DISK_TESTS(disk_log, corrupt, corrupt)
 
 /* Cut the log at a random length: exactly the records wholly before the cut
  * come back, the tail is reported and truncated, appends continue. */
@@ -337,8 +334,7 @@ static void truncated(kvr_disk_engine e)
     free(g);
 }
 
-Test(disk_log, truncated_uring) { truncated(KVR_DISK_ENGINE_URING); }
-Test(disk_log, truncated_posix) { truncated(KVR_DISK_ENGINE_POSIX); }
+KVT_DISK_TESTS(disk_log, truncated, truncated)
 
 /* Injected faults. */
 static void faults(kvr_disk_engine e)
@@ -445,8 +441,7 @@ static void faults(kvr_disk_engine e)
     kvt_rmrf(dir);
 }
 
-Test(disk_log, faults_uring) { faults(KVR_DISK_ENGINE_URING); }
-Test(disk_log, faults_posix) { faults(KVR_DISK_ENGINE_POSIX); }
+KVT_DISK_TESTS(disk_log, faults, faults)
 
 /* A real ENOSPC: a 1 MiB tmpfs (needs CAP_SYS_ADMIN; skipped otherwise). */
 static void real_enospc(kvr_disk_engine e)
@@ -494,8 +489,7 @@ static void real_enospc(kvr_disk_engine e)
     rmdir(dir);
 }
 
-Test(disk_log, real_enospc_uring) { real_enospc(KVR_DISK_ENGINE_URING); }
-Test(disk_log, real_enospc_posix) { real_enospc(KVR_DISK_ENGINE_POSIX); }
+KVT_DISK_TESTS(disk_log, real_enospc, real_enospc)
 
 Test(disk_log, bad_args)
 {

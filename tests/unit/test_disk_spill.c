@@ -156,8 +156,7 @@ static void round_trips(kvr_disk_engine e)
     kvt_rmrf(dir);
 }
 
-Test(disk_spill, round_trips_uring) { round_trips(KVR_DISK_ENGINE_URING); }
-Test(disk_spill, round_trips_posix) { round_trips(KVR_DISK_ENGINE_POSIX); }
+KVT_DISK_TESTS(disk_spill, round_trips, round_trips)
 
 /* Two-part extents (a block's K/V, then its metadata, in two allocations):
  * written from and read into any split, page-aligned or not, the image is
@@ -238,8 +237,7 @@ static void two_part(kvr_disk_engine e)
     kvt_rmrf(dir);
 }
 
-Test(disk_spill, two_part_uring) { two_part(KVR_DISK_ENGINE_URING); }
-Test(disk_spill, two_part_posix) { two_part(KVR_DISK_ENGINE_POSIX); }
+KVT_DISK_TESTS(disk_spill, two_part, two_part)
 
 /* Spilled + synced data survives a reopen; claimed handles stay, the rest
  * is reclaimed. */
@@ -299,8 +297,7 @@ static void reopen_claim(kvr_disk_engine e)
     kvt_rmrf(dir);
 }
 
-Test(disk_spill, reopen_claim_uring) { reopen_claim(KVR_DISK_ENGINE_URING); }
-Test(disk_spill, reopen_claim_posix) { reopen_claim(KVR_DISK_ENGINE_POSIX); }
+KVT_DISK_TESTS(disk_spill, reopen_claim, reopen_claim)
 
 static void refs(kvr_disk_engine e)
 {
@@ -325,8 +322,7 @@ static void refs(kvr_disk_engine e)
     kvt_rmrf(dir);
 }
 
-Test(disk_spill, refs_uring) { refs(KVR_DISK_ENGINE_URING); }
-Test(disk_spill, refs_posix) { refs(KVR_DISK_ENGINE_POSIX); }
+KVT_DISK_TESTS(disk_spill, refs, refs)
 
 static void disk_max(kvr_disk_engine e)
 {
@@ -363,8 +359,7 @@ static void disk_max(kvr_disk_engine e)
     kvt_rmrf(dir);
 }
 
-Test(disk_spill, disk_max_uring) { disk_max(KVR_DISK_ENGINE_URING); }
-Test(disk_spill, disk_max_posix) { disk_max(KVR_DISK_ENGINE_POSIX); }
+KVT_DISK_TESTS(disk_spill, disk_max, disk_max)
 
 /* A flipped byte inside an extent fails its load (quarantined); the
  * neighbours still load. */
@@ -419,8 +414,7 @@ static void corrupt_extent(kvr_disk_engine e)
     kvt_rmrf(dir);
 }
 
-Test(disk_spill, corrupt_extent_uring) { corrupt_extent(KVR_DISK_ENGINE_URING); }
-Test(disk_spill, corrupt_extent_posix) { corrupt_extent(KVR_DISK_ENGINE_POSIX); }
+KVT_DISK_TESTS(disk_spill, corrupt_extent, corrupt_extent)
 
 Test(disk_spill, lock_and_args)
 {
