@@ -5,7 +5,7 @@
 #                   needs, run kvroped (and kvrope serve) with embedded defaults
 #   make test       install what is missing, build, run every test
 #   make test-fast  the rope, codec, cache and proto unit tests alone (no daemon,
-#                   no llama.cpp, no Python): under a minute
+#                   no llama.cpp, no Python): about a minute of CPU
 #   make check      the tests under ASan + UBSan with libc malloc (build/check)
 #   make bench      the benchmarks (ratios against memcpy, Redis, ggml in the same run)
 #   make fuzz       libFuzzer targets (clang), a short run of each
