@@ -16,6 +16,8 @@
 #include <arpa/inet.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
+#include <sys/time.h>
+#include <sys/un.h>
 
 void kvt_tmpdir(char *buf, size_t cap, const char *name)
 {
@@ -131,4 +133,20 @@ int kvt_count_fds(pid_t pid)
         n++;
     closedir(d);
     return n;
+}
+
+int kvt_unix_connect(const char *path, int rcv_timeout_s)
+{
+    int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    cr_assert_geq(fd, 0);
+    struct sockaddr_un sa = { .sun_family = AF_UNIX };
+    size_t sl = strlen(path);
+    cr_assert_lt(sl, sizeof sa.sun_path, "socket path too long: %s", path);
+    memcpy(sa.sun_path, path, sl + 1);
+    cr_assert_eq(connect(fd, (struct sockaddr *)&sa, sizeof sa), 0, "connect %s", path);
+    if (rcv_timeout_s > 0) {
+        struct timeval tv = { rcv_timeout_s, 0 };
+        setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+    }
+    return fd;
 }

@@ -51,6 +51,10 @@ uint64_t kvt_fnv(uint64_t h, const void *p, size_t n);
  * "." and ".." included: compare counts, not absolute numbers). */
 int kvt_count_fds(pid_t pid);
 
+/* A connected Unix stream socket to path (asserted; close-on-exec), with a
+ * receive timeout of rcv_timeout_s seconds if that is > 0. */
+int kvt_unix_connect(const char *path, int rcv_timeout_s);
+
 /* A TCP port on 127.0.0.1 that was free a moment ago (bound, then let go). */
 int kvt_free_tcp_port(void);
 

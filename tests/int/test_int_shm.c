@@ -565,14 +565,7 @@ Test(int_shm, cli_put_and_get_through_shared_memory)
 
 static int raw_connect(void)
 {
-    int fd = socket(AF_UNIX, SOCK_STREAM, 0);
-    struct sockaddr_un sa = { .sun_family = AF_UNIX };
-    cr_assert_lt(strlen(D.sock), sizeof sa.sun_path);
-    memcpy(sa.sun_path, D.sock, strlen(D.sock) + 1);
-    cr_assert_eq(connect(fd, (struct sockaddr *)&sa, sizeof sa), 0);
-    struct timeval tv = { 20, 0 };
-    setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
-    return fd;
+    return kvt_unix_connect(D.sock, 20);
 }
 
 /* Sends req, with `pass` (>= 0) attached by SCM_RIGHTS; returns the status. */

@@ -24,6 +24,7 @@
 #include "kvrope.pb-c.h"
 #include "proto/frame.h"
 #include "tests/common/kvt_daemon.h"
+#include "tests/common/kvt.h"
 
 #define NL 32
 #define NH 8
@@ -221,14 +222,7 @@ Test(int_stream, unedited_get_is_zero_copy_and_not_streamed)
 
 static int raw_connect(void)
 {
-    int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
-    cr_assert_geq(fd, 0);
-    struct sockaddr_un sa = { .sun_family = AF_UNIX };
-    size_t sl = strlen(D.sock);
-    cr_assert_lt(sl, sizeof sa.sun_path);
-    memcpy(sa.sun_path, D.sock, sl + 1);
-    cr_assert_eq(connect(fd, (struct sockaddr *)&sa, sizeof sa), 0, "connect %s", D.sock);
-    return fd;
+    return kvt_unix_connect(D.sock, 0);
 }
 
 static void send_all(int fd, const uint8_t *p, size_t n)
