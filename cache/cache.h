@@ -101,6 +101,29 @@ void kvr_store_destroy(kvr_store *s);                /* NULL is a no-op */
  * buffer): the daemon's idle purge. Returns the cache's bytes freed. */
 size_t kvr_store_trim(kvr_store *s);
 
+/* A tier that holds contexts the store does not (the daemon's Redis
+ * Cluster tier, docs/cluster.md): the store asks it on a miss, as it asks
+ * the disk tier through its hooks (store.h), so every verb that names a
+ * context or matches a prefix sees the tier's contexts the same way.
+ * Fetching is slow I/O and the store's verbs do not wait: a hook that takes
+ * a miss arranges the fetch and the verb fails with KVR_EFETCH, changing
+ * nothing; its caller fetches (off its loop thread), lands what it got with
+ * an ordinary put, and runs the verb again (when the hook declines, the
+ * verb sees the plain miss). Both hooks run on the thread that called the
+ * verb, with the store's arguments borrowed for the call. */
+typedef struct kvr_store_miss_hooks {
+    /* Context id (a valid id) is not in the store, not even pending:
+     * true to take the miss. */
+    bool  (*ctx)(void *arg, const char *id);
+    /* A match of n tokens of model found only `local` of them: true to take
+     * the miss. */
+    bool  (*prefix)(void *arg, const char *model, const uint32_t *tokens, size_t n,
+                    size_t local);
+    void   *arg;
+} kvr_store_miss_hooks;
+/* Installs (copies) h; NULL removes the hooks. */
+void kvr_store_set_miss_hooks(kvr_store *s, const kvr_store_miss_hooks *h);
+
 /* ---- models ------------------------------------------------------------- */
 typedef struct kvr_model_desc {
     const char     *name;
@@ -176,6 +199,13 @@ typedef struct kvr_put_params {
     const char *const *groups;     /* create: n_groups group names (GPE) */
     size_t          n_groups;
     const int64_t  *group_offsets; /* create: start offset phi per group, NULL = 0 */
+    bool            v_trans;       /* create: the KV comes from an engine whose V
+                                      cache is transposed (llama.cpp, flash
+                                      attention off). Only recorded (layout.c;
+                                      kept by fork, persistence, the shared
+                                      tier) so an export can default to it;
+                                      V is stored per token either way. An
+                                      append keeps the context's record. */
     const char     *group;         /* grouped context: the group these tokens
                                       join; they take its next positions
                                       (phi + cursor, ...); no explicit positions */
@@ -404,7 +434,8 @@ typedef struct kvr_match_result {
 } kvr_match_result;
 
 /* Longest exact cached prefix across all contexts of `model`. Tokens marked
- * approximate end a context's exact prefix unless include_approx. */
+ * approximate end a context's exact prefix unless include_approx. Shorter
+ * than n: KVR_EFETCH if the miss hooks took it (kvr_store_miss_hooks). */
 int kvr_store_match(kvr_store *s, const char *model, const uint32_t *tokens,
                     size_t n, bool include_approx, kvr_match_result *res,
                     kvr_error *err);
@@ -428,6 +459,7 @@ typedef struct kvr_ctx_info {
     size_t   bytes_saved;          /* vs the model dtype, plain: 0 */
     double   bits_per_value;       /* kv_bytes * 8 / values */
     double   rel_rms_k, rel_rms_v; /* measured at put time on quantized data */
+    bool     v_trans;              /* created from a transposed V cache */
 } kvr_ctx_info;
 
 int kvr_store_delete(kvr_store *s, const char *ctx_id, kvr_error *err);
@@ -713,6 +745,8 @@ typedef struct kvr_layout_info {
     bool     has_retention;
     size_t   sinks, window;
     size_t   n_dropped;                   /* tokens dropped by the window, ever */
+    bool     v_trans;                     /* created from a transposed V cache
+                                             (kvr_put_params.v_trans) */
 } kvr_layout_info;
 
 int kvr_store_layout_stat(kvr_store *s, const char *ctx_id, kvr_layout_info *out,
@@ -754,7 +788,7 @@ int kvr_layout_info_check(const kvr_layout_info *li, const char *ctx_id, uint64_
                           const int32_t *groups, const uint32_t *flags, size_t n,
                           kvr_error *err);
 
-/* The shared tier (daemon/remote.c): gives a context just created from
+/* The shared tier (daemon/remote_fetch.c): gives a context just created from
  * another node's publication the layout it has there, as kvr_store_layout_stat
  * reported it (APE record, groups with offsets and cursors, retention
  * numbers), each token's group id (groups, NULL: 0 each, as a put writes

@@ -11,6 +11,12 @@
  * pos_delta and the extent array. No K/V byte is copied or rotated; get and
  * assemble rotate each key once from its stored form.
  *
+ * Besides positions it keeps one fact about how the KV arrived: v_trans,
+ * the context was created from an engine whose V cache is transposed
+ * (llama.cpp with flash attention off; the daemon stores V per token
+ * either way), so an export can default to that layout. Set by the put
+ * that creates the context, kept by fork, persistence and the shared tier.
+ *
  * Invariants:
  *  - A grouped context's tokens all carry a group id in 0..n_groups-1 (the
  *    block's per-slot groups[]); group g's k-th token ever appended was
@@ -25,6 +31,7 @@
  *    manifest, a disk record): check_group_names, check_retention and
  *    kvr_layout_info_check, which calls them.
  */
+#include <stddef.h>
 #include <string.h>
 
 #include "cache/layout.h"
@@ -46,6 +53,9 @@ struct kvr_layout {
     /* StreamingLLM retention. */
     bool     has_ret;
     size_t   sinks, window, n_dropped;
+    /* Created from a transposed V cache (put's v_trans). Last: a disk
+     * record written before it has a shorter blob, zero-extended. */
+    bool     v_trans;
 };
 
 int kvr_layout_ctx_hash(const kvr_ctx *c, uint64_t *out, kvr_error *err)
@@ -227,6 +237,7 @@ static void layout_to_info(const kvr_layout *L, kvr_layout_info *out)
     out->sinks = L->sinks;
     out->window = L->window;
     out->n_dropped = L->n_dropped;
+    out->v_trans = L->v_trans;
 }
 
 static void layout_from_info(kvr_layout *L, const kvr_layout_info *li)
@@ -247,6 +258,7 @@ static void layout_from_info(kvr_layout *L, const kvr_layout_info *li)
     L->sinks = li->sinks;
     L->window = li->window;
     L->n_dropped = li->n_dropped;
+    L->v_trans = li->v_trans;
 }
 
 /* ---- retention ---------------------------------------------------------- */
@@ -355,7 +367,8 @@ int kvr_layout_put_begin(kvr_store *s, const kvr_ctx *c, const kvr_model *m,
     }
 
     kvr_layout tmp;   /* ~1.6 KiB: cleared only for a put that records a layout */
-    if (p->prefix_ctx || (creating && p->n_groups))
+    bool record = p->prefix_ctx || (creating && (p->n_groups || p->v_trans));
+    if (record)
         memset(&tmp, 0, sizeof tmp);
     if (p->prefix_ctx) {
         kvr_ctx *pc = NULL;
@@ -377,7 +390,8 @@ int kvr_layout_put_begin(kvr_store *s, const kvr_ctx *c, const kvr_model *m,
             lp->first = (int64_t)pc->n_tokens;
         }
     }
-    if (creating && (p->prefix_ctx || p->n_groups)) {
+    if (creating && record) {
+        tmp.v_trans = p->v_trans;
         tmp.n_groups = p->n_groups;
         for (size_t i = 0; i < p->n_groups; i++) {
             memcpy(tmp.g[i].name, p->groups[i], strlen(p->groups[i]) + 1);
@@ -418,12 +432,15 @@ bool kvr_layout_blob_get(const kvr_ctx *c, void *out)
     return true;
 }
 
-int kvr_layout_blob_set(kvr_ctx *c, const void *in, kvr_error *err)
+int kvr_layout_blob_set(kvr_ctx *c, const void *in, size_t len, kvr_error *err)
 {
+    if (len > sizeof(kvr_layout) || len < offsetof(kvr_layout, v_trans))
+        return kvr_error_set(err, KVR_EINVAL, "layout blob of %zu bytes (%zu..%zu)", len,
+                             offsetof(kvr_layout, v_trans), sizeof(kvr_layout));
     kvr_layout *L = layout_new();
     if (!L)
         return kvr_error_set(err, KVR_ENOMEM, "out of memory");
-    memcpy(L, in, sizeof *L);
+    memcpy(L, in, len);     /* an older record's blob ends before v_trans: 0 */
     /* A record is checksummed, but what it restores passes the same
      * checks as what a verb sets (the tokens were checked by the caller). */
     kvr_layout_info li;
@@ -436,6 +453,11 @@ int kvr_layout_blob_set(kvr_ctx *c, const void *in, kvr_error *err)
     kvr_mem_free(c->layout);
     c->layout = L;
     return 0;
+}
+
+bool kvr_layout_v_trans(const kvr_ctx *c)
+{
+    return c->layout && c->layout->v_trans;
 }
 
 /* The APE record of c, for assemble.c: false if c has none. */
@@ -600,7 +622,7 @@ int kvr_store_layout_restore(kvr_store *s, const char *ctx_id, const kvr_layout_
             return kvr_error_set(err, KVR_EBUSY, "'%s' shares blocks or has them on disk",
                                  ctx_id);
     }
-    bool any = li->has_prefix || li->n_groups || li->has_retention;
+    bool any = li->has_prefix || li->n_groups || li->has_retention || li->v_trans;
     kvr_layout *L = NULL;
     if (any) {
         L = layout_new();

@@ -39,11 +39,15 @@ bool    kvr_layout_ape_record(const kvr_ctx *c, const char **prefix, uint64_t *f
 /* Copies src's layout into dst (fork): 0 or KVR_ENOMEM. */
 int     kvr_layout_copy(kvr_ctx *dst, const kvr_ctx *src);
 /* The layout as an opaque blob of kvr_layout_blob_size() bytes (tier.c's
- * records). blob_set checks what it restores as kvr_layout_info_check
- * does (KVR_EINVAL etc.: c unchanged) or fails with KVR_ENOMEM. */
+ * records). blob_set takes len bytes, at most blob_size (a blob written
+ * before the last fields were added is shorter: they read as zero), checks
+ * what it restores as kvr_layout_info_check does (KVR_EINVAL etc.: c
+ * unchanged) or fails with KVR_ENOMEM. */
 size_t  kvr_layout_blob_size(void);
 bool    kvr_layout_blob_get(const kvr_ctx *c, void *out);   /* false: no layout */
-int     kvr_layout_blob_set(kvr_ctx *c, const void *in, kvr_error *err);
+int     kvr_layout_blob_set(kvr_ctx *c, const void *in, size_t len, kvr_error *err);
+/* c was created from a transposed V cache (kvr_put_params.v_trans). */
+bool    kvr_layout_v_trans(const kvr_ctx *c);
 
 #pragma GCC visibility pop
 

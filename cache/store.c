@@ -142,10 +142,18 @@ int kvr_store_ctx_live(const kvr_store *s, const char *id, kvr_ctx **out, kvr_er
     if (rc != 0)
         return rc;
     kvr_ctx *c = kvr_store_ctx_find(s, id);
+    if (!c && s->miss.ctx && s->miss.ctx(s->miss.arg, id))
+        return kvr_error_set(err, KVR_EFETCH, "context '%s' is not here: asked the tier "
+                             "above the store", id);
     if (!c || c->pending)
         return kvr_error_set(err, KVR_ENOCTX, "no context '%s'", id);
     *out = c;
     return 0;
+}
+
+void kvr_store_set_miss_hooks(kvr_store *s, const kvr_store_miss_hooks *h)
+{
+    s->miss = h ? *h : (kvr_store_miss_hooks){ 0 };
 }
 
 int kvr_store_ctx_writable(kvr_store *s, const char *id, kvr_ctx **out, kvr_error *err)
@@ -820,14 +828,19 @@ int kvr_store_match(kvr_store *s, const char *model, const uint32_t *tokens,
         return kvr_error_set(err, KVR_ENOMODEL, "no model '%s'", model ? model : "");
     if (n > 0 && !tokens)
         return kvr_error_set(err, KVR_EBADREQUEST, "match: tokens missing");
-    s->n_matches++;
-    m->n_matches++;
     if (include_approx && m->n_stale)
         index_fresh(s, m);
     kvr_ctx *rep = NULL;
     size_t len = n ? kvr_ptree_match(&m->tree[include_approx ? 1 : 0], tokens, n, &rep) : 0;
     res->length = rep ? len : 0;
     res->ctx_id[0] = '\0';
+    /* Counted once, when it is answered (not when the tier is asked). */
+    if (res->length < n && s->miss.prefix &&
+        s->miss.prefix(s->miss.arg, m->name, tokens, n, res->length))
+        return kvr_error_set(err, KVR_EFETCH, "match: %zu of %zu tokens here: asked the tier "
+                             "above the store", res->length, n);
+    s->n_matches++;
+    m->n_matches++;
     if (rep && len) {
         memcpy(res->ctx_id, rep->id, rep->id_len + 1);
         s->n_match_hits++;
@@ -842,6 +855,10 @@ int kvr_store_match(kvr_store *s, const char *model, const uint32_t *tokens,
 int kvr_store_delete(kvr_store *s, const char *ctx_id, kvr_error *err)
 {
     kvr_ctx *c = NULL;
+    /* The one verb that never asks a tier above: fetching a context only
+     * to delete the copy would answer OK for what was never here. */
+    if (kvr_ctx_id_check(ctx_id, NULL) == 0 && !kvr_store_ctx_find(s, ctx_id))
+        return kvr_error_set(err, KVR_ENOCTX, "no context '%s'", ctx_id);
     int rc = kvr_store_ctx_writable(s, ctx_id, &c, err);
     if (rc != 0)
         return rc;
@@ -907,6 +924,7 @@ static void ctx_fill_info(kvr_store *s, const kvr_ctx *c, kvr_ctx_info *o)
     o->bits_per_value = values ? kvbytes * 8.0 / (double)values : 0;
     o->rel_rms_k = c->q_ss[0] > 0 ? sqrt(c->q_sse[0] / c->q_ss[0]) : 0;
     o->rel_rms_v = c->q_ss[1] > 0 ? sqrt(c->q_sse[1] / c->q_ss[1]) : 0;
+    o->v_trans = kvr_layout_v_trans(c);
 }
 
 int kvr_store_stat(kvr_store *s, const char *ctx_id, kvr_ctx_info *out, kvr_error *err)

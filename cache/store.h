@@ -68,6 +68,7 @@ struct kvr_store {
     uint64_t     n_puts, n_gets, n_matches, n_match_hits, n_refused_nomem;
     uint32_t     epoch;
     uint64_t     tenants_used;       /* bit t: a model counts as tenant t (1..63) */
+    kvr_store_miss_hooks  miss;      /* a tier above (cache.h); zeroed: none */
     struct kvr_tier      *tier;      /* tier.c: NULL = memory only */
     const kvr_tier_hooks *hooks;     /* set with tier */
     bool         persist_all;        /* tier: every new context is persistent */
@@ -80,7 +81,10 @@ uint64_t   kvr_fnv1a(const void *p, size_t n, uint64_t h);
 /* ---- contexts ----------------------------------------------------------- */
 /* Any context by id, pending ones included. */
 kvr_ctx   *kvr_store_ctx_find(const kvr_store *s, const char *id);
-/* Committed (non-pending) context by id: 0, or EBADREQUEST / ENOCTX. */
+/* Committed (non-pending) context by id: 0, or EBADREQUEST / ENOCTX, or
+ * KVR_EFETCH when the id is not in the map at all and the miss hooks took
+ * it (every verb that names a context looks it up here: the one place a
+ * tier above the store is asked). */
 int        kvr_store_ctx_live(const kvr_store *s, const char *id, kvr_ctx **out,
                               kvr_error *err);
 int        kvr_ctx_id_check(const char *id, kvr_error *err);

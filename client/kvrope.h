@@ -215,6 +215,13 @@ typedef struct kvr_put_args {
                                            ..." (the local put stands). A daemon
                                            without a remote tier refuses a share
                                            with KVR_EUNSUPPORTED, storing nothing */
+    bool                v_trans;        /* create: the KV comes from an engine whose
+                                           V cache is transposed (llama.cpp with
+                                           flash attention off). Only recorded (V is
+                                           stored per token either way) and reported
+                                           by stat, so an export can default to that
+                                           layout; an append keeps the context's
+                                           record */
 } kvr_put_args;
 
 typedef struct kvr_put_res {
@@ -364,6 +371,8 @@ typedef struct kvr_context {
     uint64_t bytes_saved;           /* against the model's dtype (plain: 0) */
     double   bits_per_value;
     double   rel_rms_k, rel_rms_v;  /* measured at quantization, keys pre-RoPE */
+    bool     v_trans;               /* created from a transposed V cache
+                                       (kvr_put_args.v_trans) */
 } kvr_context;
 
 int kvr_client_delete(kvr_client *c, const char *ctx_id);
@@ -561,6 +570,7 @@ typedef struct kvr_layout_res {
     size_t        n_groups;
     bool          retention;
     uint64_t      sinks, window, n_dropped;
+    bool          v_trans;                  /* kvr_put_args.v_trans when created */
 } kvr_layout_res;
 
 /* out may be NULL in all three. */

@@ -114,7 +114,7 @@ int kvr_parse_size(const char *s, uint64_t *out)
 
 /* The largest size any option takes (1 PiB): no machine has more, and
  * the sums and products the daemon makes of these values cannot
- * overflow below it (issue 29: max-memory = 2^64-1 was accepted). */
+ * overflow below it (max-memory = 2^64-1 was once accepted). */
 #define SIZE_OPT_MAX (1024ull * 1024ull * GIB)
 
 /* A size option's value, within [lo, SIZE_OPT_MAX]: KVR_EINVAL otherwise,
@@ -325,7 +325,7 @@ int kvr_daemon_config_load_file(kvr_daemon_config *c, const char *path,
     int lineno = 0, rc = 0;
     while ((len = getline(&line, &cap, f)) >= 0) {
         lineno++;
-        /* A NUL would cut the value short where C reads it (issue 29). */
+        /* A NUL would cut the value short where C reads it. */
         if (memchr(line, '\0', (size_t)len)) {
             seterr(err, "%s:%d: the line holds a NUL byte (a binary file?)", path, lineno);
             rc = KVR_EINVAL;
@@ -657,7 +657,7 @@ int kvr_daemon_config_parse_args(kvr_daemon_config *c, int argc, char **argv,
 }
 
 /* Splits "host:port", "[v6]:port". host gets the address without brackets. */
-int kvr_daemon_split_listen(const char *s, char *host, size_t hcap, int *port)
+int kvr__daemon_split_listen(const char *s, char *host, size_t hcap, int *port)
 {
     const char *colon;
     const char *h = s;
@@ -688,7 +688,7 @@ int kvr_daemon_split_listen(const char *s, char *host, size_t hcap, int *port)
     return 0;
 }
 
-bool kvr_daemon_host_is_loopback(const char *host)
+bool kvr__daemon_host_is_loopback(const char *host)
 {
     return !strcmp(host, "localhost") || !strcmp(host, "::1") ||
            !strncmp(host, "127.", 4);
@@ -717,12 +717,12 @@ int kvr_daemon_config_check(const kvr_daemon_config *c, kvr_error *err)
             continue;
         char host[256];
         int port;
-        if (kvr_daemon_split_listen(addrs[i].val, host, sizeof host, &port) < 0) {
+        if (kvr__daemon_split_listen(addrs[i].val, host, sizeof host, &port) < 0) {
             seterr(err, "--%s: expected HOST:PORT, e.g. 127.0.0.1:7420, got '%s'",
                    addrs[i].flag, addrs[i].val);
             return KVR_EINVAL;
         }
-        if (!kvr_daemon_host_is_loopback(host) && !c->auth_token_file[0]) {
+        if (!kvr__daemon_host_is_loopback(host) && !c->auth_token_file[0]) {
             seterr(err, "--%s %s is not a loopback address: it requires "
                    "--auth-token-file FILE", addrs[i].flag, addrs[i].val);
             return KVR_EINVAL;
@@ -736,7 +736,7 @@ static int check_numeric(const char *flag, const char *val, kvr_error *err)
 {
     char host[256];
     int port;
-    if (kvr_daemon_split_listen(val, host, sizeof host, &port) < 0)
+    if (kvr__daemon_split_listen(val, host, sizeof host, &port) < 0)
         return KVR_EINVAL;
     if (!strcmp(host, "localhost"))
         return 0;
@@ -762,7 +762,7 @@ int kvr_daemon_check_config_file(const char *path, FILE *out, FILE *errout)
     if (c.auth_token_file[0]) {
         uint8_t *tok = NULL;
         size_t n = 0;
-        int rc = kvr_daemon_read_token(c.auth_token_file, &tok, &n, &err);
+        int rc = kvr__daemon_read_token(c.auth_token_file, &tok, &n, &err);
         kvr_mem_free(tok);
         if (rc < 0) {
             fprintf(errout, "kvroped: %s: %s\n", path, err.msg);

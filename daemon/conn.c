@@ -1,19 +1,19 @@
 /*
  * conn.c — one client connection: the frame state machine, reads straight
  * into the right memory, ordered replies, and closing rules. It moves bytes
- * only: a complete message goes to kvrd_dispatch_frame, a payload is read
- * into the iovecs dispatch gives (kvrd_conn_read_payload), and replies come
- * back as packed buffers plus payload iovecs (kvrd_conn_write). What a
+ * only: a complete message goes to kvr__dispatch_frame, a payload is read
+ * into the iovecs dispatch gives (kvr__conn_read_payload), and replies come
+ * back as packed buffers plus payload iovecs (kvr__conn_write). What a
  * request means, and the store transactions behind it, are dispatch.c's.
  *
- *   HDR --24 bytes--> MSG --msg_len bytes--> BUSY (kvrd_dispatch_frame)
- *   BUSY --kvrd_conn_read_payload--> PAYLOAD --payload_len bytes--> BUSY
+ *   HDR --24 bytes--> MSG --msg_len bytes--> BUSY (kvr__dispatch_frame)
+ *   BUSY --kvr__conn_read_payload--> PAYLOAD --payload_len bytes--> BUSY
  *   BUSY --error, payload <= max_drain--> DRAIN --> reply --> HDR
- *   BUSY --kvrd_conn_request_done--> HDR
+ *   BUSY --kvr__conn_request_done--> HDR
  *   any --protocol error--> reply, shutdown(write), LINGER --> close
  *
  * Invariants:
- *  - At a frame boundary (HDR) a read takes up to KVRD_INBUF_SIZE bytes
+ *  - At a frame boundary (HDR) a read takes up to KVR_INBUF_SIZE bytes
  *    into c->inbuf: a small request arrives whole in one recvmsg (and a
  *    short read tells libuv the socket is empty: no EAGAIN read), a put's
  *    header, message and first payload bytes too. feed_inbuf hands those
@@ -28,12 +28,12 @@
  *    read holding that write's bytes: a read bounded to the current frame
  *    (MSG, PAYLOAD) gives them to it; a read at a frame boundary (into the
  *    inbuf) to a RegisterRegion among its frames, else to its last frame
- *    (kvrd_conn_frames_ahead, dispatch.c). fds on a frame that takes none
+ *    (kvr__conn_frames_ahead, dispatch.c). fds on a frame that takes none
  *    (a ping, a put's payload bytes) are refused: all pending fds closed,
  *    E_BAD_REQUEST, the connection closed (an open put/edit aborted), at
  *    once, never parked for a later frame (refuse_fds). At most
- *    KVRD_MAX_PENDING_FDS wait for one frame; more close the connection
- *    the same way, so a peer cannot hoard descriptors (issue 29).
+ *    KVR_MAX_PENDING_FDS wait for one frame; more close the connection
+ *    the same way, so a peer cannot hoard descriptors.
  *  - The message buffer grows with the bytes that arrived (at most doubling,
  *    plus 64 KiB), never to the size a peer declared.
  *  - A payload is read straight into the iovecs dispatch hands over (a
@@ -72,22 +72,22 @@ typedef struct write_req {
     kvr_conn  *c;
     uint8_t   *buf;        /* header + message, kvr_mem (NULL: payload only) */
     size_t     total;      /* bytes queued (buf + payload) */
-    kvrd_write_cb cb;      /* told when the write completes */
+    kvr_write_cb cb;      /* told when the write completes */
     void      *arg;
 } write_req;
 
-uint64_t kvr_now_ms(void)
+uint64_t kvr__now_ms(void)
 {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
     return (uint64_t)ts.tv_sec * 1000u + (uint64_t)ts.tv_nsec / 1000000u;
 }
 
-/* The loop's time (ms, CLOCK_MONOTONIC as kvr_now_ms, taken once per loop
+/* The loop's time (ms, CLOCK_MONOTONIC as kvr__now_ms, taken once per loop
  * iteration when epoll returns): what the per-read and per-write stall
  * clocks (read_ms, write_ms, frame_ms) need, whose limits are seconds,
  * without a clock_gettime for each read and write of every request. Never
- * ahead of kvr_now_ms, so now - these stays >= 0 in the sweep. */
+ * ahead of kvr__now_ms, so now - these stays >= 0 in the sweep. */
 static inline uint64_t loop_ms(const kvr_conn *c)
 {
     return uv_now(&c->d->loop);
@@ -124,13 +124,13 @@ static void payload_read_direct(kvr_conn *c);
 static void feed_inbuf(kvr_conn *c);
 static bool wants_input(const kvr_conn *c);
 
-int kvr_conn_test_write_failures;
+int kvr__conn_test_write_failures;
 
 /* A frame carries at most one fd (register_region's memfd); this many may
  * wait for the frame they came with, a few reads' worth. A peer sending
- * more (issue 29: a byte per sendmsg, each with 253 fds, took the daemon
+ * more (a byte per sendmsg, each with 253 fds, took the daemon
  * to its descriptor limit) is refused. */
-#define KVRD_MAX_PENDING_FDS 4
+#define KVR_MAX_PENDING_FDS 4
 
 static void on_close(uv_handle_t *h)
 {
@@ -152,12 +152,12 @@ static void on_close(uv_handle_t *h)
     conn_unref(c);
 }
 
-void kvr_conn_close(kvr_conn *c)
+void kvr__conn_close(kvr_conn *c)
 {
     if (c->closing)
         return;
     /* What is held goes out first (as it would have without the cork). */
-    kvrd_conn_cork_flush(c);
+    kvr__conn_cork_flush(c);
     if (c->closing)
         return;     /* that write failed and closed it */
     c->closing = true;
@@ -165,8 +165,8 @@ void kvr_conn_close(kvr_conn *c)
         close(c->read_fd);
     c->read_fd = -1;
     /* A request reading its payload is aborted: the context stays as it was. */
-    kvrd_dispatch_conn_closing(c);
-    kvrd_shm_conn_closed(c);
+    kvr__dispatch_conn_closing(c);
+    kvr__shm_conn_closed(c);
     uv_close(&c->h.handle, on_close);
 }
 
@@ -175,7 +175,7 @@ static void on_shutdown(uv_shutdown_t *req, int status)
     kvr_conn *c = req->data;
     kvr_mem_free(req);
     if (status < 0 && !c->closing)
-        kvr_conn_close(c);
+        kvr__conn_close(c);
     conn_unref(c);
 }
 
@@ -186,13 +186,13 @@ static void start_linger(kvr_conn *c)
 {
     if (c->closing)
         return;
-    c->st = KVRD_CONN_LINGER;
+    c->st = KVR_CONN_LINGER;
     c->linger_left = KVR_LINGER_BYTES;
-    c->linger_deadline_ms = kvr_now_ms() + KVR_LINGER_MS;
+    c->linger_deadline_ms = kvr__now_ms() + KVR_LINGER_MS;
     uv_shutdown_t *sr = kvr_mem_malloc(sizeof *sr);
     if (!sr || uv_shutdown(sr, &c->h.stream, on_shutdown) < 0) {
         kvr_mem_free(sr);
-        kvr_conn_close(c);
+        kvr__conn_close(c);
         return;
     }
     sr->data = c;
@@ -203,13 +203,13 @@ static void start_linger(kvr_conn *c)
 static void maybe_finish_close(kvr_conn *c)
 {
     if (c->close_after_write && c->n_cork)
-        kvrd_conn_cork_flush(c);
+        kvr__conn_cork_flush(c);
     if (c->close_after_write && c->writes_pending == 0 && !c->closing &&
-        c->st != KVRD_CONN_LINGER) {
+        c->st != KVR_CONN_LINGER) {
         if (c->linger)
             start_linger(c);
         else
-            kvr_conn_close(c);
+            kvr__conn_close(c);
     }
 }
 
@@ -225,13 +225,13 @@ static void on_write(uv_write_t *req, int status)
     c->out_queued -= w->total;
     if (status == 0)
         c->d->bytes_out += w->total;
-    kvrd_write_cb cb = w->cb;
+    kvr_write_cb cb = w->cb;
     void *arg = w->arg;
     kvr_mem_free(w);
     if (!c->closing) {
         if (status < 0) {
             kvr_log(KVR_LOG_DEBUG, "write failed: %s", uv_strerror(status));
-            kvr_conn_close(c);
+            kvr__conn_close(c);
         } else {
             maybe_finish_close(c);
             update_reading(c);
@@ -257,10 +257,10 @@ static uv_buf_t *bufs_advance(uv_buf_t *bufs, size_t *k, size_t n)
     return bufs;
 }
 
-int kvrd_conn_write(kvr_conn *c, uint8_t *buf, size_t len, const struct iovec *iov,
-                    size_t niov, size_t payload_len, kvrd_write_cb cb, void *arg)
+int kvr__conn_write(kvr_conn *c, uint8_t *buf, size_t len, const struct iovec *iov,
+                    size_t niov, size_t payload_len, kvr_write_cb cb, void *arg)
 {
-    return kvrd_conn_write_ex(c, buf, len, iov, niov, payload_len, cb, arg, false);
+    return kvr__conn_write_ex(c, buf, len, iov, niov, payload_len, cb, arg, false);
 }
 
 /* bufs[0..k) for buf (len bytes, may be NULL) then the non-empty iovecs:
@@ -292,12 +292,12 @@ static uv_buf_t *bufs_build(uv_buf_t *small, size_t nsmall, uint8_t *buf, size_t
  * when it completes. On failure the connection is closed, buf freed and
  * KVR_EIO returned (cb never runs). */
 static int queue_write(kvr_conn *c, uint8_t *buf, const uv_buf_t *bufs, size_t k,
-                       size_t total, kvrd_write_cb cb, void *arg)
+                       size_t total, kvr_write_cb cb, void *arg)
 {
     write_req *w = kvr_mem_calloc(1, sizeof *w);
     if (!w) {
         kvr_mem_free(buf);
-        kvr_conn_close(c);
+        kvr__conn_close(c);
         return KVR_EIO;
     }
     w->c = c;
@@ -305,12 +305,12 @@ static int queue_write(kvr_conn *c, uint8_t *buf, const uv_buf_t *bufs, size_t k
     w->total = total;
     w->cb = cb;
     w->arg = arg;
-    int rc = kvr_conn_test_write_failures > 0 ? (kvr_conn_test_write_failures--, UV_EPIPE)
+    int rc = kvr__conn_test_write_failures > 0 ? (kvr__conn_test_write_failures--, UV_EPIPE)
              : uv_write(&w->req, &c->h.stream, bufs, (unsigned)k, on_write);
     if (rc < 0) {
         kvr_mem_free(buf);
         kvr_mem_free(w);
-        kvr_conn_close(c);
+        kvr__conn_close(c);
         return KVR_EIO;
     }
     c->refs++;
@@ -327,7 +327,7 @@ static int queue_write(kvr_conn *c, uint8_t *buf, const uv_buf_t *bufs, size_t k
 static bool can_try_write(kvr_conn *c, size_t total)
 {
     return c->writes_pending == 0 && !c->close_after_write &&
-           kvr_conn_test_write_failures <= 0 && total <= (1u << 30) &&
+           kvr__conn_test_write_failures <= 0 && total <= (1u << 30) &&
            uv_stream_get_write_queue_size(&c->h.stream) == 0;
 }
 
@@ -340,7 +340,7 @@ static bool can_try_write(kvr_conn *c, size_t total)
 
 static void cork_check_cb(uv_check_t *h);
 
-static void cork_entry_done(kvr_conn *c, kvrd_cork *e, int status)
+static void cork_entry_done(kvr_conn *c, kvr_cork *e, int status)
 {
     kvr_mem_free(e->buf);
     e->buf = NULL;
@@ -349,7 +349,7 @@ static void cork_entry_done(kvr_conn *c, kvrd_cork *e, int status)
     (void)c;
 }
 
-void kvrd_conn_cork_flush(kvr_conn *c)
+void kvr__conn_cork_flush(kvr_conn *c)
 {
     size_t n = c->n_cork;
     if (n == 0)
@@ -361,7 +361,7 @@ void kvrd_conn_cork_flush(kvr_conn *c)
         c->cork_next->cork_prev = c->cork_prev;
     c->cork_next = NULL;
     c->cork_prev = NULL;
-    kvrd_cork ents[KVRD_CORK_MAX];
+    kvr_cork ents[KVR_CORK_MAX];
     memcpy(ents, c->cork, n * sizeof ents[0]);
     size_t total = 0, nb = 0;
     for (size_t i = 0; i < n; i++) {
@@ -397,7 +397,7 @@ void kvrd_conn_cork_flush(kvr_conn *c)
         }
     }
     for (size_t i = 0; i < n; i++) {
-        kvrd_cork *e = &ents[i];
+        kvr_cork *e = &ents[i];
         if (c->closing) {
             cork_entry_done(c, e, UV_ECANCELED);
             continue;
@@ -413,7 +413,7 @@ void kvrd_conn_cork_flush(kvr_conn *c)
         uv_buf_t *bufs = bufs_build(small, sizeof small / sizeof small[0], e->buf, e->len,
                                     e->iov, e->niov, &k, &heap);
         if (!bufs) {
-            kvr_conn_close(c);
+            kvr__conn_close(c);
             cork_entry_done(c, e, UV_ENOMEM);
             continue;
         }
@@ -434,15 +434,15 @@ static void cork_check_cb(uv_check_t *h)
          * reading that back pressure stopped (its corks are flushed by
          * update_reading itself: the loop ends). */
         kvr_conn *c = d->corked;
-        kvr_conn_ref(c);
-        kvrd_conn_cork_flush(c);
+        kvr__conn_ref(c);
+        kvr__conn_cork_flush(c);
         update_reading(c);
-        kvr_conn_unref(c);
+        kvr__conn_unref(c);
     }
 }
 
-int kvrd_conn_write_ex(kvr_conn *c, uint8_t *buf, size_t len, const struct iovec *iov,
-                       size_t niov, size_t payload_len, kvrd_write_cb cb, void *arg,
+int kvr__conn_write_ex(kvr_conn *c, uint8_t *buf, size_t len, const struct iovec *iov,
+                       size_t niov, size_t payload_len, kvr_write_cb cb, void *arg,
                        bool sync_ok)
 {
     if (c->closing) {
@@ -453,8 +453,8 @@ int kvrd_conn_write_ex(kvr_conn *c, uint8_t *buf, size_t len, const struct iovec
     kvr_daemon *d = c->d;
     /* Made inside a read callback: held until the I/O phase is over. */
     if (c->in_read && d->has_cork_check && (cb == NULL || sync_ok) && !c->close_after_write &&
-        c->n_cork < KVRD_CORK_MAX && kvr_conn_test_write_failures <= 0) {
-        c->cork[c->n_cork++] = (kvrd_cork){ .buf = buf, .len = len, .iov = iov, .niov = niov,
+        c->n_cork < KVR_CORK_MAX && kvr__conn_test_write_failures <= 0) {
+        c->cork[c->n_cork++] = (kvr_cork){ .buf = buf, .len = len, .iov = iov, .niov = niov,
                                             .total = total, .cb = cb, .arg = arg };
         c->out_queued += total;
         if (!c->cork_prev) {
@@ -466,7 +466,7 @@ int kvrd_conn_write_ex(kvr_conn *c, uint8_t *buf, size_t len, const struct iovec
         }
         return 0;
     }
-    kvrd_conn_cork_flush(c);    /* what was corked goes first */
+    kvr__conn_cork_flush(c);    /* what was corked goes first */
     if (c->closing) {
         kvr_mem_free(buf);
         return KVR_EIO;
@@ -526,17 +526,17 @@ static void cork_init(kvr_daemon *d)
     d->has_cork_check = true;
 }
 
-void kvr_conn_ref(kvr_conn *c)
+void kvr__conn_ref(kvr_conn *c)
 {
     c->refs++;
 }
 
-void kvr_conn_unref(kvr_conn *c)
+void kvr__conn_unref(kvr_conn *c)
 {
     conn_unref(c);
 }
 
-void kvr_conn_fail(kvr_conn *c, uint64_t id, int code, const char *msg)
+void kvr__conn_fail(kvr_conn *c, uint64_t id, int code, const char *msg)
 {
     kvr_log(KVR_LOG_INFO, "closing connection after error %s: %s",
             kvr_error_name(code), msg ? msg : kvr_strerror(code));
@@ -544,15 +544,15 @@ void kvr_conn_fail(kvr_conn *c, uint64_t id, int code, const char *msg)
     if (c->closing)
         return;
     size_t len;
-    uint8_t *buf = kvrd_pack_error(id, code, msg, &len);
+    uint8_t *buf = kvr__pack_error(id, code, msg, &len);
     if (!buf) {
-        kvr_conn_close(c);
+        kvr__conn_close(c);
         return;
     }
     c->linger = true;
     c->close_after_write = true;
-    if (kvrd_conn_write(c, buf, len, NULL, 0, 0, NULL, NULL) == 0) {
-        c->st = KVRD_CONN_BUSY;
+    if (kvr__conn_write(c, buf, len, NULL, 0, 0, NULL, NULL) == 0) {
+        c->st = KVR_CONN_BUSY;
         update_reading(c);
     }
 }
@@ -562,31 +562,31 @@ static void next_frame(kvr_conn *c)
 {
     if (c->closing || c->close_after_write)
         return;
-    c->st = KVRD_CONN_HDR;
+    c->st = KVR_CONN_HDR;
     c->hdr_have = 0;
     c->msg_have = 0;
     if (c->d->stopping) {
         c->close_after_write = true;
-        kvrd_conn_cork_flush(c);
+        kvr__conn_cork_flush(c);
         if (c->closing)
             return;
         if (c->writes_pending == 0)
-            kvr_conn_close(c);
+            kvr__conn_close(c);
         return;
     }
     update_reading(c);
 }
 
-void kvrd_conn_request_done(kvr_conn *c)
+void kvr__conn_request_done(kvr_conn *c)
 {
     assert(c->req == NULL);
-    if (c->st == KVRD_CONN_DRAIN)
+    if (c->st == KVR_CONN_DRAIN)
         return;     /* the drain reads on and then calls next_frame */
-    assert(c->closing || c->st == KVRD_CONN_BUSY);
+    assert(c->closing || c->st == KVR_CONN_BUSY);
     next_frame(c);
 }
 
-void kvrd_conn_reply_error(kvr_conn *c, uint64_t id, int code, const char *msg)
+void kvr__conn_reply_error(kvr_conn *c, uint64_t id, int code, const char *msg)
 {
     const char *text = msg && msg[0] ? msg : kvr_strerror(code);
     bool drain = c->payload_unread && !c->closing;
@@ -594,27 +594,27 @@ void kvrd_conn_reply_error(kvr_conn *c, uint64_t id, int code, const char *msg)
         char m[600];
         snprintf(m, sizeof m, "%s (payload of %llu bytes not drained: closing)",
                  text, (unsigned long long)c->fh.payload_len);
-        kvr_conn_fail(c, id, code, m);
+        kvr__conn_fail(c, id, code, m);
         return;
     }
     c->d->n_errors++;
     size_t len;
-    uint8_t *buf = kvrd_pack_error(id, code, text, &len);
+    uint8_t *buf = kvr__pack_error(id, code, text, &len);
     if (!buf) {
-        kvr_conn_close(c);
+        kvr__conn_close(c);
         return;
     }
     if (!drain) {
-        kvrd_conn_write(c, buf, len, NULL, 0, 0, NULL, NULL);
+        kvr__conn_write(c, buf, len, NULL, 0, 0, NULL, NULL);
         return;
     }
     /* The reply goes out once the payload is read and discarded. */
-    assert(c->st == KVRD_CONN_BUSY && c->pending == NULL);
+    assert(c->st == KVR_CONN_BUSY && c->pending == NULL);
     c->pending = buf;
     c->pending_len = len;
     c->drain_left = c->fh.payload_len;
     c->payload_unread = false;
-    c->st = KVRD_CONN_DRAIN;
+    c->st = KVR_CONN_DRAIN;
     update_reading(c);
 }
 
@@ -629,8 +629,8 @@ static void update_reading(kvr_conn *c)
      * once (no write callback follows to resume it) goes on with the rest.
      * Every turn feeds at least one byte (or closes). */
     while (c->in_pos < c->in_len && !c->feeding && !c->in_read && wants_input(c) &&
-           (c->st == KVRD_CONN_LINGER || c->out_queued <= c->d->cfg.max_conn_buffer)) {
-        kvr_conn_ref(c);
+           (c->st == KVR_CONN_LINGER || c->out_queued <= c->d->cfg.max_conn_buffer)) {
+        kvr__conn_ref(c);
         /* These bytes reach the frame machine now: a frame starting here
          * is timed from now (frame_ms, --min-rate), not from the read that
          * brought them while an earlier request ran. */
@@ -639,20 +639,20 @@ static void update_reading(kvr_conn *c)
         feed_inbuf(c);
         c->in_read = false;
         c->drained = false;   /* no libuv read follows this feed to skip */
-        kvrd_conn_cork_flush(c);
-        kvr_conn_unref(c);   /* the handle's reference remains */
+        kvr__conn_cork_flush(c);
+        kvr__conn_unref(c);   /* the handle's reference remains */
         if (c->closing)
             return;
     }
     bool want;
     switch (c->st) {
-    case KVRD_CONN_HDR:
-    case KVRD_CONN_MSG:
-    case KVRD_CONN_PAYLOAD:
-    case KVRD_CONN_DRAIN:
+    case KVR_CONN_HDR:
+    case KVR_CONN_MSG:
+    case KVR_CONN_PAYLOAD:
+    case KVR_CONN_DRAIN:
         want = !c->close_after_write && c->out_queued <= c->d->cfg.max_conn_buffer;
         break;
-    case KVRD_CONN_LINGER:
+    case KVR_CONN_LINGER:
         want = true;
         break;
     default:
@@ -663,14 +663,14 @@ static void update_reading(kvr_conn *c)
      * armed, so the next frame is read without touching epoll (stopping and
      * restarting it cost two epoll_ctl per request). If bytes come while
      * BUSY, alloc_cb offers no room and read_cb stops reading then. */
-    if (!want && c->reading && c->st == KVRD_CONN_BUSY && !c->close_after_write &&
+    if (!want && c->reading && c->st == KVR_CONN_BUSY && !c->close_after_write &&
         c->out_queued <= c->d->cfg.max_conn_buffer)
         return;
     if (want == c->reading)
         return;
     if (want) {
         if (uv_read_start(&c->h.stream, alloc_cb, read_cb) < 0) {
-            kvr_conn_close(c);
+            kvr__conn_close(c);
             return;
         }
         c->read_ms = loop_ms(c);   /* the stall clock starts now */
@@ -680,7 +680,7 @@ static void update_reading(kvr_conn *c)
     c->reading = want;
 }
 
-void kvrd_conn_quiet(kvr_conn *c)
+void kvr__conn_quiet(kvr_conn *c)
 {
     if (c->reading || c->closing)
         return;
@@ -712,21 +712,21 @@ static void alloc_cb(uv_handle_t *h, size_t suggested, uv_buf_t *buf)
         return;
     }
     switch (c->st) {
-    case KVRD_CONN_HDR:
+    case KVR_CONN_HDR:
         if (c->in_pos < c->in_len && !c->feeding)
             break;    /* read-ahead comes first: nothing from the socket (read_cb) */
         /* The header with what follows it, into the inbuf (feed_inbuf). */
         if (c->in_pos == c->in_len && !c->feeding &&
-            (c->inbuf || (c->inbuf = kvr_mem_malloc(KVRD_INBUF_SIZE)))) {
+            (c->inbuf || (c->inbuf = kvr_mem_malloc(KVR_INBUF_SIZE)))) {
             c->in_pos = c->in_len = 0;
             buf->base = (char *)c->inbuf;
-            buf->len = KVRD_INBUF_SIZE;
+            buf->len = KVR_INBUF_SIZE;
             break;
         }
         buf->base = (char *)c->hdr + c->hdr_have;
         buf->len = KVR_FRAME_HEADER_SIZE - c->hdr_have;
         break;
-    case KVRD_CONN_MSG: {
+    case KVR_CONN_MSG: {
         size_t want = c->fh.msg_len - c->msg_have;
         if (c->msg_cap == c->msg_have) {
             /* Grow with what has arrived: at most double, plus 64 KiB. */
@@ -750,7 +750,7 @@ static void alloc_cb(uv_handle_t *h, size_t suggested, uv_buf_t *buf)
         buf->len = room < want ? room : want;
         break;
     }
-    case KVRD_CONN_PAYLOAD:
+    case KVR_CONN_PAYLOAD:
         skip_empty_iov(c);
         if (c->iov_i < c->niov) {
             buf->base = (char *)c->iov[c->iov_i].iov_base + c->iov_off;
@@ -765,12 +765,12 @@ static void alloc_cb(uv_handle_t *h, size_t suggested, uv_buf_t *buf)
             }
         }
         break;
-    case KVRD_CONN_DRAIN:
+    case KVR_CONN_DRAIN:
         buf->base = (char *)c->d->scratch;
         buf->len = c->drain_left < KVR_SCRATCH_SIZE ? (size_t)c->drain_left
                                                      : KVR_SCRATCH_SIZE;
         break;
-    case KVRD_CONN_LINGER:
+    case KVR_CONN_LINGER:
         buf->base = (char *)c->d->scratch;
         buf->len = KVR_SCRATCH_SIZE;
         break;
@@ -783,7 +783,7 @@ static void on_header(kvr_conn *c)
 {
     int rc = kvr_frame_header_decode(c->hdr, &c->fh, &c->d->limits);
     if (rc == KVR_EBADFRAME) {
-        kvr_conn_fail(c, 0, KVR_EBADFRAME,
+        kvr__conn_fail(c, 0, KVR_EBADFRAME,
                       "bad frame header (wrong magic, version, header_len or flags)");
         return;
     }
@@ -794,7 +794,7 @@ static void on_header(kvr_conn *c)
                  c->fh.msg_len, c->d->limits.max_msg_len,
                  (unsigned long long)c->fh.payload_len,
                  (unsigned long long)c->d->limits.max_payload_len);
-        kvr_conn_fail(c, 0, KVR_ETOOLARGE, m);
+        kvr__conn_fail(c, 0, KVR_ETOOLARGE, m);
         return;
     }
     if (!c->authed && (c->fh.msg_len > KVR_UNAUTH_MAX_MSG || c->fh.payload_len > 0)) {
@@ -803,11 +803,11 @@ static void on_header(kvr_conn *c)
         snprintf(m, sizeof m, "authentication required: a frame before Auth may carry at "
                  "most %u message bytes and no payload (msg_len %u, payload_len %llu)",
                  KVR_UNAUTH_MAX_MSG, c->fh.msg_len, (unsigned long long)c->fh.payload_len);
-        kvr_conn_fail(c, 0, KVR_EUNAUTH, m);
+        kvr__conn_fail(c, 0, KVR_EUNAUTH, m);
         return;
     }
     c->msg_have = 0;
-    c->st = KVRD_CONN_MSG;
+    c->st = KVR_CONN_MSG;
     /* Deadline of the whole frame: the --io-timeout grace plus its bytes at
      * --min-rate. */
     const kvr_daemon_config *cfg = &c->d->cfg;
@@ -823,14 +823,14 @@ static void on_header(kvr_conn *c)
 static void on_message(kvr_conn *c)
 {
     assert(c->req == NULL && c->msg_have == c->fh.msg_len);
-    c->st = KVRD_CONN_BUSY;
+    c->st = KVR_CONN_BUSY;
     update_reading(c);
     static const uint8_t empty[1] = { 0 };
     c->payload_unread = c->fh.payload_len > 0;
     c->d->n_requests++;
     /* c stays allocated through the call: a close frees it in a later
      * loop iteration (on_close). */
-    kvrd_dispatch_frame(c, &c->fh, c->fh.msg_len ? c->msg : empty);
+    kvr__dispatch_frame(c, &c->fh, c->fh.msg_len ? c->msg : empty);
     /* Keep a small buffer for the next frame; give big ones back. */
     if (c->msg_cap > 65536)
         msg_release(c);
@@ -868,9 +868,9 @@ static void payload_advance(kvr_conn *c, size_t n)
     assert(n == 0);   /* alloc_cb never offers room past the payload */
     skip_empty_iov(c);
     if (c->iov_i >= c->niov) {
-        c->st = KVRD_CONN_BUSY;
+        c->st = KVR_CONN_BUSY;
         update_reading(c);
-        kvrd_dispatch_payload_done(c);
+        kvr__dispatch_payload_done(c);
     }
 }
 
@@ -880,11 +880,11 @@ static void on_bytes(kvr_conn *c, size_t n, const uv_buf_t *buf);
 static bool wants_input(const kvr_conn *c)
 {
     switch (c->st) {
-    case KVRD_CONN_HDR:
-    case KVRD_CONN_MSG:
-    case KVRD_CONN_PAYLOAD:
-    case KVRD_CONN_DRAIN:
-    case KVRD_CONN_LINGER:
+    case KVR_CONN_HDR:
+    case KVR_CONN_MSG:
+    case KVR_CONN_PAYLOAD:
+    case KVR_CONN_DRAIN:
+    case KVR_CONN_LINGER:
         return true;
     default:
         return false;
@@ -904,10 +904,10 @@ static void feed_inbuf(kvr_conn *c)
     assert(!c->feeding);
     c->feeding = true;
     while (!c->closing && c->in_pos < c->in_len && wants_input(c) &&
-           (c->st == KVRD_CONN_LINGER || c->out_queued <= c->d->cfg.max_conn_buffer)) {
+           (c->st == KVR_CONN_LINGER || c->out_queued <= c->d->cfg.max_conn_buffer)) {
         size_t avail = c->in_len - c->in_pos;
         const uint8_t *src = c->inbuf + c->in_pos;
-        if (c->st == KVRD_CONN_PAYLOAD) {
+        if (c->st == KVR_CONN_PAYLOAD) {
             size_t k = avail < c->payload_left ? avail : (size_t)c->payload_left;
             skip_empty_iov(c);
             c->in_pos += k;
@@ -930,15 +930,15 @@ static void feed_inbuf(kvr_conn *c)
     c->feeding = false;
     if (c->in_pos == c->in_len)
         c->in_pos = c->in_len = 0;
-    if (c->st == KVRD_CONN_PAYLOAD && c->in_len == 0 && !c->closing)
+    if (c->st == KVR_CONN_PAYLOAD && c->in_len == 0 && !c->closing)
         payload_read_direct(c);   /* the rest of the payload, all iovecs at once */
 }
 
-/* Replies made while it runs are corked (kvrd_conn_write_ex). */
+/* Replies made while it runs are corked (kvr__conn_write_ex). */
 static void read_cb(uv_stream_t *s, ssize_t nread, const uv_buf_t *buf)
 {
     kvr_conn *c = s->data;
-    kvr_conn_ref(c);
+    kvr__conn_ref(c);
     c->in_read = true;
     /* fds first: bytes that came with refused ones are not used. */
     if (nread > 0 && !c->is_tcp && check_fds(c))
@@ -956,7 +956,7 @@ static void read_cb(uv_stream_t *s, ssize_t nread, const uv_buf_t *buf)
      * catches what is left, e.g. after libuv's 32 reads in a row). */
     if (c->closing || nread <= 0 || (size_t)nread < buf->len) {
         c->drained = false;   /* libuv ends the batch itself */
-        kvrd_conn_cork_flush(c);
+        kvr__conn_cork_flush(c);
         /* Reading stopped for back pressure (with frames maybe left in
          * the inbuf) while the flush wrote the replies at once: no write
          * callback will resume it, so this does. */
@@ -977,8 +977,8 @@ static void read_cb_body(uv_stream_t *s, ssize_t nread, const uv_buf_t *buf)
             c->drain_skip = false;   /* alloc_cb's skip: the batch is over */
             return;
         }
-        if (c->st == KVRD_CONN_BUSY ||
-            (nread == UV_ENOBUFS && c->st == KVRD_CONN_HDR && c->in_pos < c->in_len)) {
+        if (c->st == KVR_CONN_BUSY ||
+            (nread == UV_ENOBUFS && c->st == KVR_CONN_HDR && c->in_pos < c->in_len)) {
             /* Bytes (UV_ENOBUFS: alloc_cb offered no room), an EOF or an
              * error while a request is in progress (update_reading's lazy
              * stop): stop now and see them once the request is answered, as
@@ -988,31 +988,31 @@ static void read_cb_body(uv_stream_t *s, ssize_t nread, const uv_buf_t *buf)
             c->reading = false;
             return;
         }
-        if (nread == UV_ENOBUFS && c->st == KVRD_CONN_MSG && c->msg_over_limit) {
+        if (nread == UV_ENOBUFS && c->st == KVR_CONN_MSG && c->msg_over_limit) {
             c->d->n_msg_limited++;
             char m[200];
             snprintf(m, sizeof m, "unfinished messages of all connections are at "
                      "--max-msg-buffers (%llu bytes): this one (%u bytes) is refused",
                      (unsigned long long)c->d->msg_buffer_limit, c->fh.msg_len);
-            kvr_conn_fail(c, 0, KVR_ELIMIT, m);
+            kvr__conn_fail(c, 0, KVR_ELIMIT, m);
             return;
         }
-        if (nread == UV_ENOBUFS && c->st == KVRD_CONN_MSG) {
-            kvr_conn_fail(c, 0, KVR_ENOMEM, "out of memory buffering the message");
+        if (nread == UV_ENOBUFS && c->st == KVR_CONN_MSG) {
+            kvr__conn_fail(c, 0, KVR_ENOMEM, "out of memory buffering the message");
             return;
         }
         if (nread != UV_EOF)
             kvr_log(KVR_LOG_DEBUG, "read: %s", uv_strerror((int)nread));
-        else if (c->st != KVRD_CONN_HDR || c->hdr_have != 0)
+        else if (c->st != KVR_CONN_HDR || c->hdr_have != 0)
             kvr_log(KVR_LOG_DEBUG, "client closed mid-frame (state %d)", (int)c->st);
-        kvr_conn_close(c);
+        kvr__conn_close(c);
         return;
     }
     size_t n = (size_t)nread;
     c->d->bytes_in += n;
     c->read_ms = loop_ms(c);
     if (buf->base == (char *)c->inbuf && c->inbuf) {
-        assert(c->st == KVRD_CONN_HDR && c->in_len == 0);
+        assert(c->st == KVR_CONN_HDR && c->in_len == 0);
         c->in_pos = 0;
         c->in_len = n;
         feed_inbuf(c);
@@ -1026,45 +1026,45 @@ static void read_cb_body(uv_stream_t *s, ssize_t nread, const uv_buf_t *buf)
 static void on_bytes(kvr_conn *c, size_t n, const uv_buf_t *buf)
 {
     switch (c->st) {
-    case KVRD_CONN_HDR:
+    case KVR_CONN_HDR:
         assert(c->hdr_have + n <= KVR_FRAME_HEADER_SIZE);   /* alloc_cb's bound */
         if (c->hdr_have == 0)
             c->frame_ms = c->read_ms;
         c->hdr_have += n;
         if (c->hdr_have == KVR_FRAME_HEADER_SIZE) {
             on_header(c);
-            if (c->st == KVRD_CONN_MSG && c->fh.msg_len == 0)
+            if (c->st == KVR_CONN_MSG && c->fh.msg_len == 0)
                 on_message(c);
         }
         break;
-    case KVRD_CONN_MSG:
+    case KVR_CONN_MSG:
         assert(c->msg_have + n <= c->fh.msg_len);
         c->msg_have += n;
         if (c->msg_have == c->fh.msg_len)
             on_message(c);
         break;
-    case KVRD_CONN_PAYLOAD:
+    case KVR_CONN_PAYLOAD:
         if (buf->base == (char *)c->d->scratch)
             payload_scatter(c, c->d->scratch, n);
         payload_advance(c, n);
         if (n == buf->len && c->in_len == 0)
             payload_read_direct(c);   /* the rest, all iovecs at once */
         break;
-    case KVRD_CONN_DRAIN:
+    case KVR_CONN_DRAIN:
         assert(n <= c->drain_left && c->pending);
         c->drain_left -= n;
         if (c->drain_left == 0) {
             uint8_t *p = c->pending;
             size_t len = c->pending_len;
             c->pending = NULL;
-            c->st = KVRD_CONN_BUSY;
-            if (kvrd_conn_write(c, p, len, NULL, 0, 0, NULL, NULL) == 0)
+            c->st = KVR_CONN_BUSY;
+            if (kvr__conn_write(c, p, len, NULL, 0, 0, NULL, NULL) == 0)
                 next_frame(c);
         }
         break;
-    case KVRD_CONN_LINGER:
+    case KVR_CONN_LINGER:
         if (n >= c->linger_left) {
-            kvr_conn_close(c);
+            kvr__conn_close(c);
             return;
         }
         c->linger_left -= n;
@@ -1079,19 +1079,19 @@ static void on_bytes(kvr_conn *c, size_t n, const uv_buf_t *buf)
  * put or edit reading its payload is aborted first, as a close would. */
 static void refuse_fds(kvr_conn *c, const char *why)
 {
-    kvrd_shm_drop_fds(c);
+    kvr__shm_drop_fds(c);
     if (c->read_fd >= 0)
         close(c->read_fd);
     c->read_fd = -1;
     if (c->closing || c->close_after_write)
         return;
-    if (c->st == KVRD_CONN_PAYLOAD) {
-        c->st = KVRD_CONN_BUSY;
-        kvrd_dispatch_conn_closing(c);    /* ends it (E_IO): nothing kept */
+    if (c->st == KVR_CONN_PAYLOAD) {
+        c->st = KVR_CONN_BUSY;
+        kvr__dispatch_conn_closing(c);    /* ends it (E_IO): nothing kept */
         if (c->closing)
             return;
     }
-    kvr_conn_fail(c, 0, KVR_EBADREQUEST, why);
+    kvr__conn_fail(c, 0, KVR_EBADREQUEST, why);
 }
 
 /* A libuv read of a Unix connection is in, its bytes not yet used: fds
@@ -1106,20 +1106,20 @@ static bool check_fds(kvr_conn *c)
     int n = uv_pipe_pending_count(&c->h.pipe);
     if (n == 0)
         return false;
-    if (c->st == KVRD_CONN_DRAIN || c->st == KVRD_CONN_LINGER || c->close_after_write) {
-        kvrd_shm_drop_fds(c);
+    if (c->st == KVR_CONN_DRAIN || c->st == KVR_CONN_LINGER || c->close_after_write) {
+        kvr__shm_drop_fds(c);
         return false;
     }
-    if (c->st == KVRD_CONN_PAYLOAD) {
+    if (c->st == KVR_CONN_PAYLOAD) {
         refuse_fds(c, "file descriptors came with a payload's bytes: only a register_region "
                    "frame carries one (SCM_RIGHTS on its bytes)");
         return true;
     }
-    if (n > KVRD_MAX_PENDING_FDS) {
+    if (n > KVR_MAX_PENDING_FDS) {
         char m[200];
         snprintf(m, sizeof m, "%d file descriptors arrived for one frame: a frame carries at "
                  "most one (register_region's memfd), at most %d may wait", n,
-                 KVRD_MAX_PENDING_FDS);
+                 KVR_MAX_PENDING_FDS);
         refuse_fds(c, m);
         return true;
     }
@@ -1133,14 +1133,14 @@ static bool check_fds(kvr_conn *c)
  * what follows it into the (empty) inbuf: the next frames (a put's
  * deferred deletes) come with the payload's end, without a read of their
  * own. An fd that comes with it is kept for the frame it belongs to
- * (kvrd_conn_take_fd). EAGAIN, EOF and errors are left for libuv's next
+ * (kvr__conn_take_fd). EAGAIN, EOF and errors are left for libuv's next
  * read to find. */
 static void payload_read_direct(kvr_conn *c)
 {
     uv_os_fd_t fd;
     if (uv_fileno(&c->h.handle, &fd) != 0)
         return;
-    while (c->st == KVRD_CONN_PAYLOAD && !c->closing && !c->close_after_write &&
+    while (c->st == KVR_CONN_PAYLOAD && !c->closing && !c->close_after_write &&
            c->out_queued <= c->d->cfg.max_conn_buffer) {
         struct iovec v[65];
         size_t k = 0, want = 0, off = c->iov_off, i = c->iov_i;
@@ -1155,10 +1155,10 @@ static void payload_read_direct(kvr_conn *c)
         if (k == 0)
             return;
         bool ahead = i == c->niov && c->in_len == 0 &&
-                     (c->inbuf || (c->inbuf = kvr_mem_malloc(KVRD_INBUF_SIZE)));
+                     (c->inbuf || (c->inbuf = kvr_mem_malloc(KVR_INBUF_SIZE)));
         if (ahead) {
             v[k].iov_base = c->inbuf;
-            v[k++].iov_len = KVRD_INBUF_SIZE;
+            v[k++].iov_len = KVR_INBUF_SIZE;
         }
         union {
             struct cmsghdr h;
@@ -1207,7 +1207,7 @@ static void payload_read_direct(kvr_conn *c)
             c->in_pos = 0;
             c->in_len = (size_t)n - want;   /* fed once this frame is done */
         }
-        if (c->in_read && (size_t)n < want + (ahead ? KVRD_INBUF_SIZE : 0))
+        if (c->in_read && (size_t)n < want + (ahead ? KVR_INBUF_SIZE : 0))
             c->drained = true;      /* the socket is empty for now */
         payload_advance(c, got);   /* the last byte: dispatch, maybe the answer */
         if (got < want)
@@ -1215,9 +1215,9 @@ static void payload_read_direct(kvr_conn *c)
     }
 }
 
-int kvrd_conn_take_fd(kvr_conn *c)
+int kvr__conn_take_fd(kvr_conn *c)
 {
-    int fd = kvrd_shm_take_fd(c), mine = c->read_fd;
+    int fd = kvr__shm_take_fd(c), mine = c->read_fd;
     c->read_fd = -1;
     if (fd < 0)
         return mine;
@@ -1226,14 +1226,14 @@ int kvrd_conn_take_fd(kvr_conn *c)
     return fd;
 }
 
-bool kvrd_conn_frames_ahead(const kvr_conn *c)
+bool kvr__conn_frames_ahead(const kvr_conn *c)
 {
     return c->in_len - c->in_pos > c->fh.payload_len;
 }
 
-void kvrd_conn_read_payload(kvr_conn *c, const struct iovec *iov, size_t niov)
+void kvr__conn_read_payload(kvr_conn *c, const struct iovec *iov, size_t niov)
 {
-    assert(c->st == KVRD_CONN_BUSY && !c->closing);
+    assert(c->st == KVR_CONN_BUSY && !c->closing);
     c->iov = iov;
     c->niov = niov;
     c->iov_i = 0;
@@ -1242,15 +1242,15 @@ void kvrd_conn_read_payload(kvr_conn *c, const struct iovec *iov, size_t niov)
     for (size_t i = 0; i < niov; i++)
         c->payload_left += iov[i].iov_len;
     c->payload_unread = false;
-    c->st = KVRD_CONN_PAYLOAD;
+    c->st = KVR_CONN_PAYLOAD;
     skip_empty_iov(c);
     if (c->iov_i >= c->niov) {
-        c->st = KVRD_CONN_BUSY;
-        kvrd_dispatch_payload_done(c);
+        c->st = KVR_CONN_BUSY;
+        kvr__dispatch_payload_done(c);
         return;
     }
     update_reading(c);
-    if (c->closing || c->st != KVRD_CONN_PAYLOAD)
+    if (c->closing || c->st != KVR_CONN_PAYLOAD)
         return;
     if (c->in_pos < c->in_len) {
         /* Its first bytes are in the inbuf: the feed on the stack goes on
@@ -1267,7 +1267,7 @@ void kvrd_conn_read_payload(kvr_conn *c, const struct iovec *iov, size_t niov)
 
 /* ---- lifecycle ----------------------------------------------------------- */
 
-void kvr_conn_start(kvr_daemon *d, kvr_conn *c, bool is_tcp)
+void kvr__conn_start(kvr_daemon *d, kvr_conn *c, bool is_tcp)
 {
     cork_init(d);
     c->d = d;
@@ -1277,7 +1277,7 @@ void kvr_conn_start(kvr_daemon *d, kvr_conn *c, bool is_tcp)
     c->authed = !is_tcp || d->token == NULL;
     if (!c->authed) {
         d->n_unauth++;
-        c->auth_deadline_ms = kvr_now_ms() + (uint64_t)d->cfg.auth_timeout * 1000u;
+        c->auth_deadline_ms = kvr__now_ms() + (uint64_t)d->cfg.auth_timeout * 1000u;
     }
     c->h.handle.data = c;
     c->next = d->conns;
@@ -1286,20 +1286,20 @@ void kvr_conn_start(kvr_daemon *d, kvr_conn *c, bool is_tcp)
     d->conns = c;
     d->n_conns++;
     d->n_conn_total++;
-    c->st = KVRD_CONN_HDR;
+    c->st = KVR_CONN_HDR;
     update_reading(c);
 }
 
-void kvr_conn_stop(kvr_conn *c)
+void kvr__conn_stop(kvr_conn *c)
 {
     if (c->closing)
         return;
-    kvrd_conn_cork_flush(c);
+    kvr__conn_cork_flush(c);
     if (c->closing)
         return;
-    if (c->st == KVRD_CONN_HDR && c->hdr_have == 0) {
+    if (c->st == KVR_CONN_HDR && c->hdr_have == 0) {
         if (c->writes_pending == 0) {
-            kvr_conn_close(c);
+            kvr__conn_close(c);
             return;
         }
         c->close_after_write = true;
@@ -1308,7 +1308,7 @@ void kvr_conn_stop(kvr_conn *c)
     /* Let the request in flight finish; request_done closes it. */
 }
 
-void kvr_conn_set_authed(kvr_conn *c)
+void kvr__conn_set_authed(kvr_conn *c)
 {
     if (c->authed)
         return;
@@ -1320,35 +1320,35 @@ void kvr_conn_set_authed(kvr_conn *c)
 static bool mid_frame(const kvr_conn *c)
 {
     switch (c->st) {
-    case KVRD_CONN_HDR:
+    case KVR_CONN_HDR:
         return c->hdr_have > 0;
-    case KVRD_CONN_MSG:
-    case KVRD_CONN_PAYLOAD:
-    case KVRD_CONN_DRAIN:
+    case KVR_CONN_MSG:
+    case KVR_CONN_PAYLOAD:
+    case KVR_CONN_DRAIN:
         return true;
     default:
         return false;
     }
 }
 
-void kvr_conn_sweep(kvr_conn *c, uint64_t now_ms, bool force)
+void kvr__conn_sweep(kvr_conn *c, uint64_t now_ms, bool force)
 {
     if (c->closing)
         return;
-    if (force || (c->st == KVRD_CONN_LINGER && now_ms >= c->linger_deadline_ms)) {
-        kvr_conn_close(c);
+    if (force || (c->st == KVR_CONN_LINGER && now_ms >= c->linger_deadline_ms)) {
+        kvr__conn_close(c);
         return;
     }
-    if (c->st == KVRD_CONN_LINGER)
+    if (c->st == KVR_CONN_LINGER)
         return;
     const kvr_daemon_config *cfg = &c->d->cfg;
     if (!c->authed && cfg->auth_timeout && now_ms >= c->auth_deadline_ms) {
         kvr_log(KVR_LOG_INFO, "closing a connection that did not authenticate within "
                 "--auth-timeout %u s", cfg->auth_timeout);
-        kvr_conn_close(c);
+        kvr__conn_close(c);
         return;
     }
-    if (c->reading && mid_frame(c) && c->st != KVRD_CONN_HDR && c->frame_deadline_ms &&
+    if (c->reading && mid_frame(c) && c->st != KVR_CONN_HDR && c->frame_deadline_ms &&
         now_ms >= c->frame_deadline_ms) {
         c->d->n_slow_closed++;
         kvr_log(KVR_LOG_INFO, "closing a connection whose frame (%llu bytes) did not arrive "
@@ -1356,8 +1356,8 @@ void kvr_conn_sweep(kvr_conn *c, uint64_t now_ms, bool force)
                 (unsigned long long)(KVR_FRAME_HEADER_SIZE + (uint64_t)c->fh.msg_len +
                                      c->fh.payload_len),
                 (unsigned long long)cfg->min_rate, (int)c->st,
-                c->st == KVRD_CONN_PAYLOAD ? ": its put/edit is aborted" : "");
-        kvr_conn_close(c);
+                c->st == KVR_CONN_PAYLOAD ? ": its put/edit is aborted" : "");
+        kvr__conn_close(c);
         return;
     }
     if (!cfg->io_timeout)
@@ -1373,7 +1373,7 @@ void kvr_conn_sweep(kvr_conn *c, uint64_t now_ms, bool force)
             kvr_log(KVR_LOG_INFO, "closing a connection that read none of its replies "
                     "for --io-timeout %u s (%llu bytes queued)", cfg->io_timeout,
                     (unsigned long long)c->out_queued);
-            kvr_conn_close(c);
+            kvr__conn_close(c);
             return;
         }
     }
@@ -1381,7 +1381,7 @@ void kvr_conn_sweep(kvr_conn *c, uint64_t now_ms, bool force)
     if (c->reading && mid_frame(c) && now_ms - c->read_ms >= limit) {
         kvr_log(KVR_LOG_INFO, "closing a connection stalled mid-frame (state %d) for "
                 "--io-timeout %u s%s", (int)c->st, cfg->io_timeout,
-                c->st == KVRD_CONN_PAYLOAD ? ": its put/edit is aborted" : "");
-        kvr_conn_close(c);
+                c->st == KVR_CONN_PAYLOAD ? ": its put/edit is aborted" : "");
+        kvr__conn_close(c);
     }
 }

@@ -36,9 +36,9 @@ static void pb_free(void *ud, void *p)
     kvr_mem_free(p);
 }
 
-ProtobufCAllocator kvr_pb_allocator = { pb_alloc, pb_free, NULL };
+ProtobufCAllocator kvr__pb_allocator = { pb_alloc, pb_free, NULL };
 
-int kvr_status_of(int code)
+int kvr__status_of(int code)
 {
     return kvr_error_status(code);   /* rope/error.h: local codes -> E_INTERNAL */
 }
@@ -67,12 +67,12 @@ DEFINE_PB_VEC(Kvrope__Segment, segment_vec, kvrope__segment__init)
 
 /* ---- wire -> store -------------------------------------------------------- */
 
-bool kvrd_dtype_ok(int t)
+bool kvr__dtype_ok(int t)
 {
     return t == KVROPE__DTYPE__F32 || t == KVROPE__DTYPE__F16 || t == KVROPE__DTYPE__BF16;
 }
 
-int kvrd_rope_from_pb(const Kvrope__RopeParams *p, kvr_rope_config *rc, kvr_error *err)
+int kvr__rope_from_pb(const Kvrope__RopeParams *p, kvr_rope_config *rc, kvr_error *err)
 {
     if (!p)
         return 0;
@@ -115,7 +115,7 @@ int kvrd_rope_from_pb(const Kvrope__RopeParams *p, kvr_rope_config *rc, kvr_erro
     return 0;
 }
 
-int kvrd_model_desc_from_pb(const Kvrope__RegisterModel *m, kvr_model_desc *out,
+int kvr__model_desc_from_pb(const Kvrope__RegisterModel *m, kvr_model_desc *out,
                             kvr_error *err)
 {
     kvr_rope_config *rc = &out->rope;
@@ -124,7 +124,7 @@ int kvrd_model_desc_from_pb(const Kvrope__RegisterModel *m, kvr_model_desc *out,
     if (style && strcmp(style, "neox") && strcmp(style, "gptj"))
         return kvr_error_set(err, KVR_EBADREQUEST, "register_model.style must be \"neox\" "
                              "or \"gptj\", not \"%s\"", style);
-    if (!kvrd_dtype_ok(m->dtype))
+    if (!kvr__dtype_ok(m->dtype))
         return kvr_error_set(err, KVR_EBADREQUEST, "register_model.dtype: unknown value %d",
                              (int)m->dtype);
     if (m->config_json) {
@@ -133,7 +133,7 @@ int kvrd_model_desc_from_pb(const Kvrope__RegisterModel *m, kvr_model_desc *out,
             return kvr_error_set(err, KVR_ECONFIG, "config_json refused: %s",
                                  why.msg[0] ? why.msg : "invalid");
         /* Explicit RoPE fields override what config_json says. */
-        int r = kvrd_rope_from_pb(m->rope, rc, err);
+        int r = kvr__rope_from_pb(m->rope, rc, err);
         if (r < 0)
             return r;
     } else {
@@ -144,7 +144,7 @@ int kvrd_model_desc_from_pb(const Kvrope__RegisterModel *m, kvr_model_desc *out,
         kvr_rope_config_init(rc);
         rc->head_dim = (int32_t)m->head_dim;
         rc->rotary_dim = (int32_t)m->head_dim;
-        int r = kvrd_rope_from_pb(m->rope, rc, err);
+        int r = kvr__rope_from_pb(m->rope, rc, err);
         if (r < 0)
             return r;
         if (style)
@@ -178,10 +178,10 @@ int kvrd_model_desc_from_pb(const Kvrope__RegisterModel *m, kvr_model_desc *out,
     return 0;
 }
 
-int kvrd_put_params_from_pb(const Kvrope__Put *p, const char *group, uint64_t payload_len,
+int kvr__put_params_from_pb(const Kvrope__Put *p, const char *group, uint64_t payload_len,
                             kvr_put_params *out, kvr_error *err)
 {
-    if (!kvrd_dtype_ok(p->dtype))
+    if (!kvr__dtype_ok(p->dtype))
         return kvr_error_set(err, KVR_EBADREQUEST, "put.dtype: unknown value %d", (int)p->dtype);
     if ((int)p->mode < 0 || (int)p->mode > KVROPE__PUT_MODE__REPLACE)
         return kvr_error_set(err, KVR_EBADREQUEST, "put.mode: unknown value %d", (int)p->mode);
@@ -207,6 +207,7 @@ int kvrd_put_params_from_pb(const Kvrope__Put *p, const char *group, uint64_t pa
         .pin = p->has_pin && p->pin,
         .group = group,
         .persist = p->has_persist && p->persist,
+        .v_trans = p->has_v_trans && p->v_trans,
         .codec = p->codec && p->codec[0] ? p->codec : NULL,
         /* The store checks the declared length before it reserves (and
          * maybe evicts) anything: a put refused for its length changes
@@ -227,7 +228,7 @@ int kvrd_put_params_from_pb(const Kvrope__Put *p, const char *group, uint64_t pa
  * them; the names point into the request. */
 #define MAX_GROUP_ARGS 64
 
-int kvrd_put_layout_from_pb(const Kvrope__LayoutPutOptions *lo, kvr_put_params *out,
+int kvr__put_layout_from_pb(const Kvrope__LayoutPutOptions *lo, kvr_put_params *out,
                             kvr_error *err)
 {
     if (!lo)
@@ -245,9 +246,9 @@ int kvrd_put_layout_from_pb(const Kvrope__LayoutPutOptions *lo, kvr_put_params *
     return 0;
 }
 
-int kvrd_get_params_from_pb(const Kvrope__Get *g, kvr_get_params *out, kvr_error *err)
+int kvr__get_params_from_pb(const Kvrope__Get *g, kvr_get_params *out, kvr_error *err)
 {
-    if (!kvrd_dtype_ok(g->dtype))
+    if (!kvr__dtype_ok(g->dtype))
         return kvr_error_set(err, KVR_EBADREQUEST, "get.dtype: unknown value %d", (int)g->dtype);
     if (g->start > SIZE_MAX || (g->has_end && g->end > SIZE_MAX))
         return kvr_error_set(err, KVR_ERANGE, "get: range out of bounds");
@@ -265,10 +266,10 @@ int kvrd_get_params_from_pb(const Kvrope__Get *g, kvr_get_params *out, kvr_error
     return 0;
 }
 
-int kvrd_assemble_params_from_pb(const Kvrope__Assemble *q, kvr_assemble_params *out,
+int kvr__assemble_params_from_pb(const Kvrope__Assemble *q, kvr_assemble_params *out,
                                  kvr_error *err)
 {
-    if (!kvrd_dtype_ok(q->dtype))
+    if (!kvr__dtype_ok(q->dtype))
         return kvr_error_set(err, KVR_EBADREQUEST, "assemble.dtype: unknown value %d",
                              (int)q->dtype);
     if ((int)q->layout < 0 || (int)q->layout > KVROPE__LAYOUT__EXPLICIT)
@@ -311,11 +312,11 @@ int kvrd_assemble_params_from_pb(const Kvrope__Assemble *q, kvr_assemble_params 
     .expect = { .set = (q)->has_expect_length && (q)->has_expect_hash,       \
                 .n_tokens = (q)->expect_length, .hash = (q)->expect_hash }
 
-int kvrd_edit_params_from_pb(const Kvrope__Edit *q, uint64_t payload_len,
+int kvr__edit_params_from_pb(const Kvrope__Edit *q, uint64_t payload_len,
                              kvr_edit_params *out, kvr_error *err)
 {
     bool with_kv = q->has_with_kv && q->with_kv;
-    if (with_kv && !kvrd_dtype_ok(q->dtype))
+    if (with_kv && !kvr__dtype_ok(q->dtype))
         return kvr_error_set(err, KVR_EBADREQUEST, "edit.dtype: unknown value %d", (int)q->dtype);
     if (!with_kv && payload_len)
         return kvr_error_set(err, KVR_EPAYLOAD,
@@ -331,10 +332,10 @@ int kvrd_edit_params_from_pb(const Kvrope__Edit *q, uint64_t payload_len,
     return 0;
 }
 
-int kvrd_refresh_params_from_pb(const Kvrope__Refresh *q, uint64_t payload_len,
+int kvr__refresh_params_from_pb(const Kvrope__Refresh *q, uint64_t payload_len,
                                 kvr_refresh_params *out, kvr_error *err)
 {
-    if (!kvrd_dtype_ok(q->dtype))
+    if (!kvr__dtype_ok(q->dtype))
         return kvr_error_set(err, KVR_EBADREQUEST, "refresh.dtype: unknown value %d",
                              (int)q->dtype);
     if (q->start > SIZE_MAX || (q->has_end && q->end > SIZE_MAX) || payload_len > SIZE_MAX)
@@ -348,7 +349,7 @@ int kvrd_refresh_params_from_pb(const Kvrope__Refresh *q, uint64_t payload_len,
     return 0;
 }
 
-int kvrd_edit_ops_from_pb(Kvrope__EditOp *const *in, size_t n, kvr_edit_op **out,
+int kvr__edit_ops_from_pb(Kvrope__EditOp *const *in, size_t n, kvr_edit_op **out,
                           kvr_error *err)
 {
     *out = NULL;
@@ -370,7 +371,7 @@ int kvrd_edit_ops_from_pb(Kvrope__EditOp *const *in, size_t n, kvr_edit_op **out
     return 0;
 }
 
-int kvrd_range_from_pb(const char *verb, uint64_t start, uint64_t end, size_t *s, size_t *e,
+int kvr__range_from_pb(const char *verb, uint64_t start, uint64_t end, size_t *s, size_t *e,
                        kvr_error *err)
 {
     if (start > SIZE_MAX || end > SIZE_MAX)
@@ -382,7 +383,7 @@ int kvrd_range_from_pb(const char *verb, uint64_t start, uint64_t end, size_t *s
 
 /* ---- store -> wire -------------------------------------------------------- */
 
-void kvrd_pb_rope(const kvr_rope_config *rc, Kvrope__RopeParams *p)
+void kvr__pb_rope(const kvr_rope_config *rc, Kvrope__RopeParams *p)
 {
     kvrope__rope_params__init(p);
     p->has_style = 1;
@@ -443,7 +444,7 @@ void kvrd_pb_rope(const kvr_rope_config *rc, Kvrope__RopeParams *p)
         OPT(p, yarn_truncate, 0);
 }
 
-void kvrd_pb_model(const kvr_model_info *m, Kvrope__ModelInfo *o, Kvrope__RopeParams *rp)
+void kvr__pb_model(const kvr_model_info *m, Kvrope__ModelInfo *o, Kvrope__RopeParams *rp)
 {
     kvrope__model_info__init(o);
     o->name = UNCONST(char *, m->name);
@@ -452,7 +453,7 @@ void kvrd_pb_model(const kvr_model_info *m, Kvrope__ModelInfo *o, Kvrope__RopePa
     o->head_dim = m->head_dim;
     o->dtype = (Kvrope__DType)m->dtype;
     o->fingerprint = m->fingerprint;
-    kvrd_pb_rope(m->rope, rp);
+    kvr__pb_rope(m->rope, rp);
     /* Longrope's factor is derived (max / original positions) when the
      * config does not state it: report the one the engine uses. */
     if (m->rope && m->engine && m->rope->scaling == KVR_ROPE_SCALING_LONGROPE &&
@@ -464,7 +465,7 @@ void kvrd_pb_model(const kvr_model_info *m, Kvrope__ModelInfo *o, Kvrope__RopePa
     o->codec = UNCONST(char *, m->codec);
 }
 
-void kvrd_pb_context(const kvr_ctx_info *i, Kvrope__ContextInfo *o)
+void kvr__pb_context(const kvr_ctx_info *i, Kvrope__ContextInfo *o)
 {
     kvrope__context_info__init(o);
     o->id = UNCONST(char *, i->id);
@@ -490,9 +491,11 @@ void kvrd_pb_context(const kvr_ctx_info *i, Kvrope__ContextInfo *o)
     OPT(o, bits_per_value, i->bits_per_value);
     OPT(o, rel_rms_k, i->rel_rms_k);
     OPT(o, rel_rms_v, i->rel_rms_v);
+    if (i->v_trans)
+        OPT(o, v_trans, true);
 }
 
-void kvrd_pb_put_result(const kvr_put_result *res, Kvrope__PutResult *o)
+void kvr__pb_put_result(const kvr_put_result *res, Kvrope__PutResult *o)
 {
     kvrope__put_result__init(o);
     o->n_tokens = res->n_tokens;
@@ -501,7 +504,7 @@ void kvrd_pb_put_result(const kvr_put_result *res, Kvrope__PutResult *o)
     o->last_pos = res->last_pos;
 }
 
-int kvrd_pb_model_list(const kvr_model_info *infos, size_t n, Kvrope__ModelList *o)
+int kvr__pb_model_list(const kvr_model_info *infos, size_t n, Kvrope__ModelList *o)
 {
     kvrope__model_list__init(o);
     if (n == 0)
@@ -515,13 +518,13 @@ int kvrd_pb_model_list(const kvr_model_info *infos, size_t n, Kvrope__ModelList 
         return KVR_ENOMEM;
     }
     for (size_t i = 0; i < n; i++)
-        kvrd_pb_model(&infos[i], mp[i], &rp[i]);
+        kvr__pb_model(&infos[i], mp[i], &rp[i]);
     o->n_models = n;
     o->models = mp;
     return 0;
 }
 
-void kvrd_pb_model_list_free(Kvrope__ModelList *o)
+void kvr__pb_model_list_free(Kvrope__ModelList *o)
 {
     if (o->n_models)
         kvr_mem_free(o->models[0]->rope);
@@ -530,7 +533,7 @@ void kvrd_pb_model_list_free(Kvrope__ModelList *o)
     o->n_models = 0;
 }
 
-int kvrd_pb_context_list(const kvr_ctx_info *infos, size_t n, Kvrope__ContextList *o)
+int kvr__pb_context_list(const kvr_ctx_info *infos, size_t n, Kvrope__ContextList *o)
 {
     kvrope__context_list__init(o);
     if (n == 0)
@@ -539,20 +542,20 @@ int kvrd_pb_context_list(const kvr_ctx_info *infos, size_t n, Kvrope__ContextLis
     if (!cp)
         return KVR_ENOMEM;
     for (size_t i = 0; i < n; i++)
-        kvrd_pb_context(&infos[i], cp[i]);
+        kvr__pb_context(&infos[i], cp[i]);
     o->n_contexts = n;
     o->contexts = cp;
     return 0;
 }
 
-void kvrd_pb_context_list_free(Kvrope__ContextList *o)
+void kvr__pb_context_list_free(Kvrope__ContextList *o)
 {
     kvr_mem_free(o->contexts);
     o->contexts = NULL;
     o->n_contexts = 0;
 }
 
-int kvrd_pb_edit_result(const kvr_edit_result *res, const kvr_edit_span *spans, size_t n,
+int kvr__pb_edit_result(const kvr_edit_result *res, const kvr_edit_span *spans, size_t n,
                         uint64_t payload_bytes, Kvrope__EditResult *o)
 {
     kvrope__edit_result__init(o);
@@ -576,7 +579,7 @@ int kvrd_pb_edit_result(const kvr_edit_result *res, const kvr_edit_span *spans, 
     return 0;
 }
 
-void kvrd_pb_edit_result_free(Kvrope__EditResult *o)
+void kvr__pb_edit_result_free(Kvrope__EditResult *o)
 {
     kvr_mem_free(o->spans);
     o->spans = NULL;
@@ -612,7 +615,7 @@ static void kv_result(const kv_source *s, const char *ctx_id, Kvrope__KVResult *
     o->flags = UNCONST(uint32_t *, s->flags);
 }
 
-void kvrd_pb_kv_of_get(const kvr_get_info *gi, const char *ctx_id, bool meta_only,
+void kvr__pb_kv_of_get(const kvr_get_info *gi, const char *ctx_id, bool meta_only,
                        Kvrope__KVResult *o, Kvrope__RawLayout *rl, char buf[3][64])
 {
     kv_source s = {
@@ -624,7 +627,7 @@ void kvrd_pb_kv_of_get(const kvr_get_info *gi, const char *ctx_id, bool meta_onl
     o->n_groups = gi->groups ? gi->n_tokens : 0;
     o->groups = UNCONST(int32_t *, gi->groups);
     if (gi->raw && !meta_only) {
-        kvrd_pb_raw_layout(gi, rl, buf);
+        kvr__pb_raw_layout(gi, rl, buf);
         o->raw = rl;
     }
 }
@@ -647,7 +650,7 @@ static void raw_side(const char *side, size_t len, char *out, size_t cap, bool *
         *group = 1;     /* plain */
 }
 
-void kvrd_pb_raw_layout(const kvr_get_info *gi, Kvrope__RawLayout *rl, char buf[3][64])
+void kvr__pb_raw_layout(const kvr_get_info *gi, Kvrope__RawLayout *rl, char buf[3][64])
 {
     kvrope__raw_layout__init(rl);
     snprintf(buf[0], 64, "%s", gi->codec);
@@ -677,7 +680,7 @@ void kvrd_pb_raw_layout(const kvr_get_info *gi, Kvrope__RawLayout *rl, char buf[
         OPT(rl, window, (uint32_t)strtoul(r + 3, NULL, 10));
 }
 
-int kvrd_pb_assemble_result(const kvr_assemble_info *ai, const char *prefix,
+int kvr__pb_assemble_result(const kvr_assemble_info *ai, const char *prefix,
                             Kvrope__AssembleResult *o, Kvrope__KVResult *kv)
 {
     kvrope__assemble_result__init(o);
@@ -717,14 +720,14 @@ int kvrd_pb_assemble_result(const kvr_assemble_info *ai, const char *prefix,
     return 0;
 }
 
-void kvrd_pb_assemble_result_free(Kvrope__AssembleResult *o)
+void kvr__pb_assemble_result_free(Kvrope__AssembleResult *o)
 {
     kvr_mem_free(o->segments);
     o->segments = NULL;
     o->n_segments = 0;
 }
 
-void kvrd_pb_layout(const kvr_layout_info *li, const char *id, Kvrope__LayoutInfo *o,
+void kvr__pb_layout(const kvr_layout_info *li, const char *id, Kvrope__LayoutInfo *o,
                     Kvrope__GroupInfo gi[KVR_MAX_GROUPS], Kvrope__GroupInfo *gp[KVR_MAX_GROUPS])
 {
     size_t ng = li->n_groups < KVR_MAX_GROUPS ? li->n_groups : KVR_MAX_GROUPS;
@@ -753,6 +756,8 @@ void kvrd_pb_layout(const kvr_layout_info *li, const char *id, Kvrope__LayoutInf
         OPT(o, window, li->window);
     }
     OPT(o, dropped, li->n_dropped);
+    if (li->v_trans)
+        OPT(o, v_trans, true);
 }
 
 /* ---- frames ----------------------------------------------------------------- */
@@ -833,7 +838,7 @@ static uint8_t *pack_response_fast(const Kvrope__Response *r, uint64_t payload_l
     return buf;
 }
 
-uint8_t *kvrd_pack_response(const Kvrope__Response *r, uint64_t payload_len, size_t *len)
+uint8_t *kvr__pack_response(const Kvrope__Response *r, uint64_t payload_len, size_t *len)
 {
     uint8_t *fast = pack_response_fast(r, payload_len, len);
     if (fast)
@@ -850,13 +855,13 @@ uint8_t *kvrd_pack_response(const Kvrope__Response *r, uint64_t payload_len, siz
     return buf;
 }
 
-uint8_t *kvrd_pack_error(uint64_t id, int code, const char *msg, size_t *len)
+uint8_t *kvr__pack_error(uint64_t id, int code, const char *msg, size_t *len)
 {
     Kvrope__Response r = KVROPE__RESPONSE__INIT;
-    char text[KVRD_ERR_MAX];
+    char text[KVR_ERR_MAX];
     snprintf(text, sizeof text, "%s", msg ? msg : kvr_strerror(code));
     r.id = id;
-    r.status = (Kvrope__Status)kvr_status_of(code);
+    r.status = (Kvrope__Status)kvr__status_of(code);
     r.message = text;
-    return kvrd_pack_response(&r, 0, len);
+    return kvr__pack_response(&r, 0, len);
 }

@@ -65,12 +65,12 @@ typedef struct kvr_daemon_config {
     uint64_t disk_max;              /* live data + log bytes; 0 = unbounded */
     int      disk_engine;           /* 0 auto, 1 uring, 2 posix */
     bool     persist_all;           /* every context is persistent */
-    /* shared tier on Redis Cluster (daemon/remote.c, docs/cluster.md) */
+    /* shared tier on Redis Cluster (daemon/remote_*.c, docs/cluster.md) */
     char     remote_tier[1024];     /* seed nodes; "" = none */
     char     remote_auth_file[1024];/* "USER PASSWORD"; "" = no AUTH */
     char     remote_key_file[1024]; /* cluster MAC key; "" = values unauthenticated */
     bool     share_all;             /* publish every put */
-    /* What a client can make the daemon hold (issue 12). */
+    /* What a client can make the daemon hold. */
     uint64_t min_rate;              /* bytes/s a frame must arrive at (after an
                                        --io-timeout grace); 0 = no deadline */
     uint64_t max_msg_buffers;       /* unfinished messages of all connections;

@@ -6,7 +6,7 @@
 /* jemalloc's options for kvroped. Pages freed by a delete or an eviction
  * are kept for the next put instead of being handed back on jemalloc's
  * decay clock: a put into freshly mapped pages faults them in 4 KiB at a
- * time, which cost ~8x the copy itself (1 MiB-64 MiB puts, issue 14).
+ * time, which cost ~8x the copy itself (1 MiB-64 MiB puts).
  * lg_extent_max_active_fit: freed blocks next to each other coalesce into
  * large free extents, and by default jemalloc will not split a free extent
  * over 64x a request's size for it: it maps fresh pages instead, so with

@@ -1,6 +1,6 @@
 /*
  * metrics.c — kvroped's figures for Prometheus: per-request observations
- * (kvr_metrics_observe, one call per completed request), a snapshot the
+ * (kvr__metrics_observe, one call per completed request), a snapshot the
  * loop publishes, and GET /metrics in the text exposition format (0.0.4)
  * served by libmicrohttpd on its own thread.
  *
@@ -13,13 +13,13 @@
  *    A scrape asks for a fresh snapshot (uv_async_send) and waits at most
  *    SNAP_WAIT_MS for it; after that, or while stopping, it serves the last
  *    one published, never blocking on the loop for long.
- *  - The async handle outlives the HTTP thread: kvr_metrics_stop joins the
+ *  - The async handle outlives the HTTP thread: kvr__metrics_stop joins the
  *    thread (MHD_stop_daemon) before closing the handle, so no
  *    uv_async_send can reach a closed handle.
  *  - A scrape's text is plain malloc, outside the store's accounting, so
  *    monitoring still answers when the store is at its memory cap (at most
  *    MAX_SCRAPE_CONNS of them, ~50 KB each).
- *  - No peer holds the scrape slots (issue 29: 16 connections dribbling a
+ *  - No peer holds the scrape slots (16 connections dribbling a
  *    header line every 3 s held all of them, before the token is checked):
  *    at most PER_PEER_SCRAPE_CONNS connections per peer address, and every
  *    request must be in and answered within REQUEST_DEADLINE_MS of its
@@ -41,6 +41,7 @@
 #include "daemon/metrics.h"
 #include "daemon/remote.h"
 
+#include <assert.h>
 #include <errno.h>
 #include <microhttpd.h>
 #include <pthread.h>
@@ -65,7 +66,7 @@
 typedef struct scrape_conn {
     bool     used;
     int      fd;
-    uint64_t deadline_ms;   /* kvr_now_ms; 0: shut down already */
+    uint64_t deadline_ms;   /* kvr__now_ms; 0: shut down already */
 } scrape_conn;
 
 /* Latency buckets (seconds): 50 us .. 10 s. */
@@ -98,9 +99,202 @@ typedef struct snapshot {
     uint64_t conns, unauth, conn_total, conn_refused;
     uint64_t regions, region_cap;
     uint64_t requests, errors, wire_in, wire_out, streamed, stream_aborted;
+    uint64_t per_verb[KVR_N_VERBS];          /* requests dispatched, by verb */
+    uint64_t msg_buffered, msg_buffer_limit, msg_limited, slow_closed;
     double   start_unix, uptime, published_unix;
     uint64_t gen;
 } snapshot;
+
+/* ---- the one list of figures ---------------------------------------------- */
+/* Every scalar figure of the daemon, once: X(stats name, /metrics name,
+ * Prometheus type, HELP, its value in snapshot s). The stats verb lists
+ * the rows that have a stats name and /metrics renders the rows that have
+ * a /metrics name, both from one snapshot taken on the loop thread
+ * (build): they cannot drift apart or show two instants. "" leaves a
+ * figure out of one of them (/metrics gives it as a labelled family
+ * below, or it is a ratio or a detail only the stats verb lists). */
+#define FIG_CORE(X)                                                                       \
+    X("uptime_seconds", "kvrope_uptime_seconds", "gauge",                                 \
+      "Seconds since kvroped started.", s->uptime)                                        \
+    X("mem_allocated_bytes", "kvrope_memory_allocated_bytes", "gauge",                    \
+      "Bytes the accounted allocator holds now.", s->s.mem_allocated)                     \
+    X("mem_peak_bytes", "kvrope_memory_peak_bytes", "gauge",                              \
+      "Highest value of kvrope_memory_allocated_bytes since start.", s->s.mem_peak)       \
+    X("mem_cap_bytes", "kvrope_memory_cap_bytes", "gauge", "The memory cap (--max-memory).", \
+      s->s.mem_cap)                                                                       \
+    X("block_bytes", "kvrope_memory_block_bytes", "gauge",                                \
+      "Bytes held in KV blocks in memory.", s->s.block_bytes)                             \
+    X("kv_held_bytes", "", "", "", s->s.kv_held_bytes)                                    \
+    X("block_cache_bytes", "kvrope_memory_block_cache_bytes", "gauge",                    \
+      "Bytes of freed KV blocks kept for reuse by the next puts (in allocated, "          \
+      "not in block bytes; dropped first at the cap and when idle).",                     \
+      s->s.block_cache_bytes)                                                             \
+    X("models", "kvrope_models", "gauge", "Registered models.", s->s.n_models)            \
+    X("contexts", "kvrope_contexts", "gauge", "Contexts stored.", s->s.n_contexts)        \
+    X("blocks", "kvrope_blocks", "gauge", "KV blocks resident in memory.", s->s.n_blocks) \
+    X("tokens", "kvrope_tokens", "gauge", "Tokens stored over all contexts.",            \
+      s->s.n_tokens)                                                                      \
+    X("leased_blocks", "kvrope_leased_blocks", "gauge",                                   \
+      "Blocks held by reads in flight (gets, assembles).", s->s.n_leased_blocks)          \
+    X("evicted_blocks", "kvrope_evicted_blocks_total", "counter",                         \
+      "Blocks evicted from memory (spilled to disk or dropped).", s->s.n_evicted_blocks)  \
+    X("evicted_bytes", "kvrope_evicted_bytes_total", "counter",                           \
+      "Bytes of the evicted blocks.", s->s.n_evicted_bytes)                               \
+    X("refused_nomem", "kvrope_refused_no_memory_total", "counter",                       \
+      "Requests refused with E_NO_MEMORY by the store.", s->s.n_refused_nomem)            \
+    X("store_puts", "kvrope_store_puts_total", "counter", "Puts committed by the store.", \
+      s->s.n_puts)                                                                        \
+    X("store_gets", "kvrope_store_gets_total", "counter", "Gets served by the store.",    \
+      s->s.n_gets)                                                                        \
+    X("store_matches", "", "", "", s->s.n_matches)                                        \
+    X("store_match_hits", "", "", "", s->s.n_match_hits)                                  \
+    X("quant_contexts", "kvrope_quantized_contexts", "gauge",                             \
+      "Contexts stored with a quantized codec.", s->s.n_quant_contexts)                   \
+    X("quant_bytes_saved", "kvrope_quantization_saved_bytes", "gauge",                    \
+      "Bytes quantization saves over the contexts' native dtype.", s->s.quant_bytes_saved) \
+    X("quant_bits_per_value", "", "", "", s->s.quant_bits_per_value)                      \
+    X("", "kvrope_quantization_value_size_bytes", "gauge",                                \
+      "Mean stored size of one K/V value over quantized contexts (0.5: 4 bits; 0: none).", \
+      s->s.quant_bits_per_value / 8.0)                                                    \
+    X("connections", "kvrope_connections", "gauge", "Client connections open now.",      \
+      s->conns)                                                                           \
+    X("", "kvrope_connections_unauthenticated", "gauge",                                  \
+      "Open TCP connections that have not authenticated yet.", s->unauth)                 \
+    X("connections_total", "kvrope_connections_accepted_total", "counter",                \
+      "Client connections accepted.", s->conn_total)                                      \
+    X("connections_refused", "kvrope_connections_refused_total", "counter",               \
+      "Connections refused by --max-connections or --max-unauth-connections.",            \
+      s->conn_refused)                                                                    \
+    X("", "kvrope_shm_regions", "gauge",                                                  \
+      "Shared-memory regions registered, all connections together.", s->regions)          \
+    X("", "kvrope_shm_regions_limit", "gauge",                                            \
+      "The cap on them (--max-regions-total, or from vm.max_map_count).", s->region_cap)  \
+    X("requests_total", "kvrope_frames_total", "counter",                                 \
+      "Request frames decoded (including those refused before a reply).", s->requests)    \
+    X("errors_total", "kvrope_error_replies_total", "counter",                            \
+      "Replies with a status other than OK, including protocol errors.", s->errors)       \
+    X("bytes_in", "kvrope_network_received_bytes_total", "counter",                       \
+      "Bytes read from client connections (frames and payloads).", s->wire_in)            \
+    X("bytes_out", "kvrope_network_sent_bytes_total", "counter",                          \
+      "Bytes written to client connections.", s->wire_out)                                \
+    X("streamed_replies", "kvrope_streamed_replies_total", "counter",                     \
+      "Replies whose payload was streamed layer chunk by chunk.", s->streamed)            \
+    X("streams_aborted", "kvrope_streamed_replies_aborted_total", "counter",              \
+      "Streamed replies cut short (client gone or work failed).", s->stream_aborted)      \
+    X("msg_buffered_bytes", "", "", "", s->msg_buffered)                                  \
+    X("msg_buffer_limit_bytes", "", "", "", s->msg_buffer_limit)                          \
+    X("msg_buffer_refused", "", "", "", s->msg_limited)                                   \
+    X("slow_frames_closed", "", "", "", s->slow_closed)                                   \
+    X("disk_enabled", "kvrope_disk_enabled", "gauge", "1 if the disk tier (--disk-dir) is on.", \
+      s->t.enabled ? 1 : 0)
+
+/* The disk tier's: the stats verb lists them always, /metrics with a disk
+ * tier. */
+#define FIG_DISK(X)                                                                       \
+    X("disk_engine_io_uring", "", "", "", !strcmp(s->engine, "io_uring"))                 \
+    X("disk_engine_posix", "", "", "", !strcmp(s->engine, "posix"))                       \
+    X("tier_mem_blocks", "", "", "", s->t.mem_blocks)                                     \
+    X("tier_mem_bytes", "", "", "", s->t.mem_bytes)                                       \
+    X("tier_spilled_blocks", "kvrope_disk_spilled_blocks", "gauge",                       \
+      "Blocks whose data is on disk only.", s->t.spilled_blocks)                          \
+    X("tier_disk_blocks", "", "", "", s->t.disk_blocks)                                   \
+    X("tier_disk_bytes", "", "", "", s->t.disk_bytes)                                     \
+    X("tier_disk_log_bytes", "kvrope_disk_log_bytes", "gauge",                            \
+      "Bytes of the disk tier's log.", s->t.disk_log_bytes)                               \
+    X("tier_disk_max_bytes", "kvrope_disk_max_bytes", "gauge",                            \
+      "The disk tier's bound (0: none).", s->t.disk_max_bytes)                            \
+    X("tier_reads_mem", "", "", "", s->t.reads_mem)                                       \
+    X("tier_reads_disk", "", "", "", s->t.reads_disk)                                     \
+    X("tier_hit_rate_mem", "", "", "", hit_rate(s->t.reads_mem, s->t.reads_disk))         \
+    X("tier_hit_rate_disk", "", "", "", hit_rate(s->t.reads_disk, s->t.reads_mem))        \
+    X("tier_spills", "kvrope_disk_spills_total", "counter",                               \
+      "Blocks written to disk by eviction.", s->t.n_spills)                               \
+    X("tier_spill_bytes", "kvrope_disk_spilled_bytes_total", "counter",                   \
+      "Bytes written by spills.", s->t.spill_bytes)                                       \
+    X("tier_reloads", "kvrope_disk_reloads_total", "counter",                             \
+      "Blocks read back from disk.", s->t.n_reloads)                                      \
+    X("tier_reload_bytes", "kvrope_disk_reloaded_bytes_total", "counter",                 \
+      "Bytes read back from disk.", s->t.reload_bytes)                                    \
+    X("tier_spill_refused", "kvrope_disk_spills_refused_total", "counter",                \
+      "Evictions that dropped blocks because the disk tier was full.",                    \
+      s->t.n_spill_refused)                                                               \
+    X("persist_contexts", "kvrope_persistent_contexts", "gauge", "Persistent contexts.",  \
+      s->t.persistent_contexts)                                                           \
+    X("persist_records", "kvrope_persist_records_total", "counter",                       \
+      "Records appended to the log (acknowledged changes).", s->t.n_persist_records)      \
+    X("persist_errors", "kvrope_persist_errors_total", "counter",                         \
+      "Persistence failures (the change was not acknowledged as durable).",               \
+      s->t.n_persist_errors)                                                              \
+    X("persist_checkpoints", "kvrope_disk_checkpoints_total", "counter",                  \
+      "Log checkpoints written.", s->t.n_checkpoints)                                     \
+    X("disk_quarantined", "kvrope_disk_quarantined", "gauge",                             \
+      "Corrupt records and extents found and quarantined.", s->t.quarantined)             \
+    X("disk_failed", "kvrope_disk_failed", "gauge",                                       \
+      "1 after an fsync failure: persistence is off until a restart.", s->t.failed ? 1 : 0) \
+    X("recovery_unix_ms", "", "", "", s->t.recovery.at_ms)                                \
+    X("", "kvrope_last_recovery_timestamp_seconds", "gauge",                              \
+      "When the last recovery of the disk tier ran (Unix time).",                         \
+      (double)s->t.recovery.at_ms / 1000.0)                                               \
+    X("recovery_ms", "", "", "", s->t.recovery.ms)                                        \
+    X("", "kvrope_last_recovery_duration_seconds", "gauge",                               \
+      "How long the last recovery took.", s->t.recovery.ms / 1000.0)                      \
+    X("recovery_models", "", "", "", s->t.recovery.models)                                \
+    X("recovery_contexts", "kvrope_last_recovery_contexts", "gauge",                      \
+      "Contexts the last recovery restored.", s->t.recovery.contexts)                     \
+    X("recovery_tokens", "kvrope_last_recovery_tokens", "gauge",                          \
+      "Tokens the last recovery restored.", s->t.recovery.tokens)                         \
+    X("recovery_bytes", "kvrope_last_recovery_bytes", "gauge",                            \
+      "KV bytes the last recovery restored.", s->t.recovery.bytes)                        \
+    X("recovery_records", "kvrope_last_recovery_records", "gauge",                        \
+      "Log records the last recovery read.", s->t.recovery.records)                       \
+    X("recovery_quarantined", "kvrope_last_recovery_quarantined", "gauge",                \
+      "Corrupt records the last recovery quarantined.", s->t.recovery.quarantined)        \
+    X("recovery_dropped_contexts", "kvrope_last_recovery_dropped_contexts", "gauge",      \
+      "Contexts the last recovery could not restore.", s->t.recovery.dropped_contexts)    \
+    X("recovery_stale_contexts", "", "", "", s->t.recovery.stale_contexts)                \
+    X("recovery_lost_contexts", "", "", "", s->t.recovery.lost_contexts)
+
+/* The shared tier's (--remote-tier; docs/cluster.md): both lists, with one. */
+#define FIG_REMOTE(X)                                                                     \
+    X("remote_joined", "kvrope_remote_joined", "gauge",                                   \
+      "1 once the daemon has joined the Redis Cluster of its remote tier.",               \
+      s->r.joined ? 1 : 0)                                                                \
+    X("remote_published_contexts", "kvrope_remote_published_contexts_total", "counter",   \
+      "Contexts published to the cluster (share, share_sync).", s->r.pub_contexts)        \
+    X("remote_published_blocks", "kvrope_remote_published_blocks_total", "counter",       \
+      "Blocks written to the cluster by publications.", s->r.pub_blocks)                  \
+    X("remote_blocks_already_there", "kvrope_remote_blocks_already_there_total", "counter", \
+      "Blocks a publication found in the cluster already and did not send.",              \
+      s->r.pub_skipped)                                                                   \
+    X("remote_publish_errors", "kvrope_remote_publish_errors_total", "counter",           \
+      "Publications that failed.", s->r.pub_errors)                                       \
+    X("remote_publish_dropped", "kvrope_remote_publish_dropped_total", "counter",         \
+      "Shares dropped because the publish queue was full (the cluster slow or hung).",    \
+      s->r.pub_dropped)                                                                   \
+    X("remote_fetch_hits", "", "", "", s->r.fetch_hits)                                   \
+    X("remote_fetch_misses", "", "", "", s->r.fetch_misses)                               \
+    X("remote_fetch_corrupt", "", "", "", s->r.fetch_corrupt)                             \
+    X("remote_fetch_forged", "kvrope_remote_forged_values_total", "counter",              \
+      "Values read from the cluster whose MAC was not this cluster key's "                \
+      "(--remote-key-file): never served, each fetch a miss.", s->r.fetch_forged)         \
+    X("remote_fetched_tokens", "kvrope_remote_fetched_tokens_total", "counter",           \
+      "Tokens landed locally from the cluster.", s->r.fetch_tokens)                       \
+    X("remote_probes", "kvrope_remote_prefix_probes_total", "counter",                    \
+      "Prefix probes (pipelined EXISTS of a prompt's block chain).", s->r.probes)         \
+    X("remote_moved", "", "", "", s->r.moved)                                             \
+    X("remote_ask", "", "", "", s->r.ask)                                                 \
+    X("remote_map_refreshes", "kvrope_remote_slot_map_refreshes_total", "counter",        \
+      "Reloads of the cluster's slot map.", s->r.refreshes)                               \
+    X("remote_conn_errors", "kvrope_remote_connection_errors_total", "counter",           \
+      "Connections to cluster nodes that failed or broke.", s->r.conn_errors)
+
+#define FIG_COUNT_(st, pn, ty, help, expr) +1
+enum { N_FIGURES = 0 FIG_CORE(FIG_COUNT_) FIG_DISK(FIG_COUNT_) FIG_REMOTE(FIG_COUNT_) };
+
+static double hit_rate(uint64_t hits, uint64_t others)
+{
+    return hits + others ? (double)hits / (double)(hits + others) : 0;
+}
 
 struct kvr_metrics {
     kvr_daemon *d;
@@ -133,7 +327,7 @@ struct kvr_metrics {
     bool        has_watchdog;
 };
 
-uint64_t kvr_now_ns(void)
+uint64_t kvr__now_ns(void)
 {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
@@ -149,7 +343,7 @@ static double now_unix(void)
 
 /* ---- observations (loop thread) ------------------------------------------ */
 
-size_t kvr_metrics_bucket(double seconds)
+size_t kvr__metrics_bucket(double seconds)
 {
     size_t b = 0;
     while (b < N_BUCKETS && seconds > BUCKETS[b])
@@ -157,7 +351,7 @@ size_t kvr_metrics_bucket(double seconds)
     return b;
 }
 
-void kvr_metrics_observe(kvr_metrics *m, int verb, int status, uint64_t bytes_in,
+void kvr__metrics_observe(kvr_metrics *m, int verb, int status, uint64_t bytes_in,
                          uint64_t bytes_out, double seconds)
 {
     if (!m)
@@ -173,24 +367,27 @@ void kvr_metrics_observe(kvr_metrics *m, int verb, int status, uint64_t bytes_in
     o->pay_out[v] += bytes_out;
     if (seconds < 0)
         seconds = 0;
-    o->hist[v][kvr_metrics_bucket(seconds)]++;
+    o->hist[v][kvr__metrics_bucket(seconds)]++;
     o->hcount[v]++;
     o->hsum[v] += seconds;
 }
 
 /* ---- snapshot (loop thread) ---------------------------------------------- */
 
-static void build(kvr_metrics *m, snapshot *s)
+static void build(kvr_daemon *d, snapshot *s)
 {
-    kvr_daemon *d = m->d;
-    memcpy(&s->o, &m->obs, sizeof s->o);
+    kvr_metrics *m = d->metrics;
+    if (m)
+        memcpy(&s->o, &m->obs, sizeof s->o);
+    else
+        memset(&s->o, 0, sizeof s->o);
     kvr_store_get_stats(d->store, &s->s);
     kvr_store_tier_stats(d->store, &s->t);
     snprintf(s->engine, sizeof s->engine, "%s", s->t.engine ? s->t.engine : "");
     s->t.engine = NULL;
     s->has_remote = d->remote != NULL;
     if (s->has_remote)
-        kvr_remote_get_stats(d->remote, &s->r);
+        kvr__remote_get_stats(d->remote, &s->r);
     s->conns = d->n_conns;
     s->unauth = d->n_unauth;
     s->conn_total = d->n_conn_total;
@@ -203,8 +400,13 @@ static void build(kvr_metrics *m, snapshot *s)
     s->wire_out = d->bytes_out;
     s->streamed = d->n_streamed;
     s->stream_aborted = d->n_stream_aborted;
-    s->start_unix = m->start_unix;
-    s->uptime = (double)(kvr_now_ms() - d->start_ms) / 1000.0;
+    memcpy(s->per_verb, d->per_verb, sizeof s->per_verb);
+    s->msg_buffered = d->msg_buffered;
+    s->msg_buffer_limit = d->msg_buffer_limit;
+    s->msg_limited = d->n_msg_limited;
+    s->slow_closed = d->n_slow_closed;
+    s->start_unix = m ? m->start_unix : 0;
+    s->uptime = (double)(kvr__now_ms() - d->start_ms) / 1000.0;
     s->published_unix = now_unix();
 }
 
@@ -213,7 +415,7 @@ static void publish(kvr_metrics *m)
     pthread_mutex_lock(&m->lock);
     uint64_t serving = m->asked;   /* every scrape that asked so far sees this one */
     pthread_mutex_unlock(&m->lock);
-    build(m, m->stage);
+    build(m->d, m->stage);
     pthread_mutex_lock(&m->lock);
     uint64_t gen = m->snap->gen + 1;
     memcpy(m->snap, m->stage, sizeof *m->snap);
@@ -279,30 +481,9 @@ static void scalar(sbuf *b, const char *name, const char *type, const char *help
     sb_printf(b, "%s %.17g\n", name, v);
 }
 
-static void scalar_u(sbuf *b, const char *name, const char *type, const char *help, uint64_t v)
-{
-    family(b, name, type, help);
-    sb_printf(b, "%s %llu\n", name, (unsigned long long)v);
-}
-
-/* The shared tier on Redis Cluster (--remote-tier; docs/cluster.md). */
+/* The shared tier's labelled families (its scalars are FIG_REMOTE's). */
 static void render_remote(const kvr_remote_stats *r, sbuf *b)
 {
-    scalar_u(b, "kvrope_remote_joined", "gauge",
-             "1 once the daemon has joined the Redis Cluster of its remote tier.",
-             r->joined ? 1 : 0);
-    scalar_u(b, "kvrope_remote_published_contexts_total", "counter",
-             "Contexts published to the cluster (share, share_sync).", r->pub_contexts);
-    scalar_u(b, "kvrope_remote_published_blocks_total", "counter",
-             "Blocks written to the cluster by publications.", r->pub_blocks);
-    scalar_u(b, "kvrope_remote_blocks_already_there_total", "counter",
-             "Blocks a publication found in the cluster already and did not send.",
-             r->pub_skipped);
-    scalar_u(b, "kvrope_remote_publish_errors_total", "counter",
-             "Publications that failed.", r->pub_errors);
-    scalar_u(b, "kvrope_remote_publish_dropped_total", "counter",
-             "Shares dropped because the publish queue was full (the cluster slow or hung).",
-             r->pub_dropped);
     family(b, "kvrope_remote_fetches_total", "counter",
            "Fetches from the cluster (a local miss of a get or match), by result "
            "(corrupt: a value failed its checks and was treated as a miss).");
@@ -312,23 +493,12 @@ static void render_remote(const kvr_remote_stats *r, sbuf *b)
               (unsigned long long)r->fetch_misses);
     sb_printf(b, "kvrope_remote_fetches_total{result=\"corrupt\"} %llu\n",
               (unsigned long long)r->fetch_corrupt);
-    scalar_u(b, "kvrope_remote_forged_values_total", "counter",
-             "Values read from the cluster whose MAC was not this cluster key's "
-             "(--remote-key-file): never served, each fetch a miss.", r->fetch_forged);
-    scalar_u(b, "kvrope_remote_fetched_tokens_total", "counter",
-             "Tokens landed locally from the cluster.", r->fetch_tokens);
-    scalar_u(b, "kvrope_remote_prefix_probes_total", "counter",
-             "Prefix probes (pipelined EXISTS of a prompt's block chain).", r->probes);
     family(b, "kvrope_remote_redirects_total", "counter",
            "Cluster redirections followed, by kind (MOVED, ASK).");
     sb_printf(b, "kvrope_remote_redirects_total{kind=\"moved\"} %llu\n",
               (unsigned long long)r->moved);
     sb_printf(b, "kvrope_remote_redirects_total{kind=\"ask\"} %llu\n",
               (unsigned long long)r->ask);
-    scalar_u(b, "kvrope_remote_slot_map_refreshes_total", "counter",
-             "Reloads of the cluster's slot map.", r->refreshes);
-    scalar_u(b, "kvrope_remote_connection_errors_total", "counter",
-             "Connections to cluster nodes that failed or broke.", r->conn_errors);
     family(b, "kvrope_remote_fetch_duration_seconds", "histogram",
            "Time from a fetch's start (a local miss) to its end: landed, a miss, or "
            "abandoned.");
@@ -393,62 +563,11 @@ static void render(const kvr_metrics *m, const snapshot *s, sbuf *b)
         sb_printf(b, "kvrope_request_duration_seconds_count{verb=\"%s\"} %llu\n",
                   m->verb_names[v], (unsigned long long)o->hcount[v]);
     }
-    scalar_u(b, "kvrope_frames_total", "counter",
-             "Request frames decoded (including those refused before a reply).", s->requests);
-    scalar_u(b, "kvrope_error_replies_total", "counter",
-             "Replies with a status other than OK, including protocol errors.", s->errors);
-    scalar_u(b, "kvrope_network_received_bytes_total", "counter",
-             "Bytes read from client connections (frames and payloads).", s->wire_in);
-    scalar_u(b, "kvrope_network_sent_bytes_total", "counter",
-             "Bytes written to client connections.", s->wire_out);
-    scalar_u(b, "kvrope_streamed_replies_total", "counter",
-             "Replies whose payload was streamed layer chunk by chunk.", s->streamed);
-    scalar_u(b, "kvrope_streamed_replies_aborted_total", "counter",
-             "Streamed replies cut short (client gone or work failed).", s->stream_aborted);
-
-    /* Connections. */
-    scalar_u(b, "kvrope_connections", "gauge", "Client connections open now.", s->conns);
-    scalar_u(b, "kvrope_connections_unauthenticated", "gauge",
-             "Open TCP connections that have not authenticated yet.", s->unauth);
-    scalar_u(b, "kvrope_connections_accepted_total", "counter",
-             "Client connections accepted.", s->conn_total);
-    scalar_u(b, "kvrope_connections_refused_total", "counter",
-             "Connections refused by --max-connections or --max-unauth-connections.",
-             s->conn_refused);
-    scalar_u(b, "kvrope_shm_regions", "gauge",
-             "Shared-memory regions registered, all connections together.", s->regions);
-    scalar_u(b, "kvrope_shm_regions_limit", "gauge",
-             "The cap on them (--max-regions-total, or from vm.max_map_count).", s->region_cap);
-
-    /* Memory and store. */
-    scalar_u(b, "kvrope_memory_allocated_bytes", "gauge",
-             "Bytes the accounted allocator holds now.", s->s.mem_allocated);
-    scalar_u(b, "kvrope_memory_cap_bytes", "gauge", "The memory cap (--max-memory).",
-             s->s.mem_cap);
-    scalar_u(b, "kvrope_memory_peak_bytes", "gauge",
-             "Highest value of kvrope_memory_allocated_bytes since start.", s->s.mem_peak);
-    scalar_u(b, "kvrope_memory_block_bytes", "gauge", "Bytes held in KV blocks in memory.",
-             s->s.block_bytes);
-    scalar_u(b, "kvrope_memory_block_cache_bytes", "gauge",
-             "Bytes of freed KV blocks kept for reuse by the next puts (in allocated, "
-             "not in block bytes; dropped first at the cap and when idle).",
-             s->s.block_cache_bytes);
-    scalar_u(b, "kvrope_models", "gauge", "Registered models.", s->s.n_models);
-    scalar_u(b, "kvrope_contexts", "gauge", "Contexts stored.", s->s.n_contexts);
-    scalar_u(b, "kvrope_blocks", "gauge", "KV blocks resident in memory.", s->s.n_blocks);
-    scalar_u(b, "kvrope_tokens", "gauge", "Tokens stored over all contexts.", s->s.n_tokens);
-    scalar_u(b, "kvrope_leased_blocks", "gauge",
-             "Blocks held by reads in flight (gets, assembles).", s->s.n_leased_blocks);
-    scalar_u(b, "kvrope_evicted_blocks_total", "counter",
-             "Blocks evicted from memory (spilled to disk or dropped).", s->s.n_evicted_blocks);
-    scalar_u(b, "kvrope_evicted_bytes_total", "counter", "Bytes of the evicted blocks.",
-             s->s.n_evicted_bytes);
-    scalar_u(b, "kvrope_refused_no_memory_total", "counter",
-             "Requests refused with E_NO_MEMORY by the store.", s->s.n_refused_nomem);
-    scalar_u(b, "kvrope_store_puts_total", "counter", "Puts committed by the store.",
-             s->s.n_puts);
-    scalar_u(b, "kvrope_store_gets_total", "counter", "Gets served by the store.",
-             s->s.n_gets);
+    /* The one list's scalars (stats names too: FIG_CORE above). */
+#define RENDER_FIG(st, pn, ty, help, expr) \
+    if ((pn)[0])                             \
+        scalar(b, pn, ty, help, (double)(expr));
+    FIG_CORE(RENDER_FIG)
     family(b, "kvrope_prefix_matches_total", "counter",
            "Prefix matches, by result (hit: at least one token cached).");
     sb_printf(b, "kvrope_prefix_matches_total{result=\"hit\"} %llu\n",
@@ -488,74 +607,16 @@ static void render(const kvr_metrics *m, const snapshot *s, sbuf *b)
     if (t->enabled)
         sb_printf(b, "kvrope_tier_bytes{tier=\"disk\"} %llu\n",
                   (unsigned long long)t->disk_bytes);
-
-    scalar_u(b, "kvrope_disk_enabled", "gauge", "1 if the disk tier (--disk-dir) is on.",
-             t->enabled ? 1 : 0);
     if (t->enabled) {
         family(b, "kvrope_disk_engine_info", "gauge", "The disk tier's I/O engine (value 1).");
         sb_printf(b, "kvrope_disk_engine_info{engine=\"%s\"} 1\n", s->engine);
-        scalar_u(b, "kvrope_disk_log_bytes", "gauge", "Bytes of the disk tier's log.",
-                 t->disk_log_bytes);
-        scalar_u(b, "kvrope_disk_max_bytes", "gauge", "The disk tier's bound (0: none).",
-                 t->disk_max_bytes);
-        scalar_u(b, "kvrope_disk_spilled_blocks", "gauge",
-                 "Blocks whose data is on disk only.", t->spilled_blocks);
-        scalar_u(b, "kvrope_disk_spills_total", "counter", "Blocks written to disk by eviction.",
-                 t->n_spills);
-        scalar_u(b, "kvrope_disk_spilled_bytes_total", "counter", "Bytes written by spills.",
-                 t->spill_bytes);
-        scalar_u(b, "kvrope_disk_reloads_total", "counter", "Blocks read back from disk.",
-                 t->n_reloads);
-        scalar_u(b, "kvrope_disk_reloaded_bytes_total", "counter", "Bytes read back from disk.",
-                 t->reload_bytes);
-        scalar_u(b, "kvrope_disk_spills_refused_total", "counter",
-                 "Evictions that dropped blocks because the disk tier was full.",
-                 t->n_spill_refused);
-        scalar_u(b, "kvrope_persistent_contexts", "gauge", "Persistent contexts.",
-                 t->persistent_contexts);
-        scalar_u(b, "kvrope_persist_records_total", "counter",
-                 "Records appended to the log (acknowledged changes).", t->n_persist_records);
-        scalar_u(b, "kvrope_persist_errors_total", "counter",
-                 "Persistence failures (the change was not acknowledged as durable).",
-                 t->n_persist_errors);
-        scalar_u(b, "kvrope_disk_checkpoints_total", "counter", "Log checkpoints written.",
-                 t->n_checkpoints);
-        scalar_u(b, "kvrope_disk_quarantined", "gauge",
-                 "Corrupt records and extents found and quarantined.", t->quarantined);
-        scalar_u(b, "kvrope_disk_failed", "gauge",
-                 "1 after an fsync failure: persistence is off until a restart.",
-                 t->failed ? 1 : 0);
-        const kvr_tier_recovery *r = &t->recovery;
-        scalar(b, "kvrope_last_recovery_timestamp_seconds", "gauge",
-               "When the last recovery of the disk tier ran (Unix time).",
-               (double)r->at_ms / 1000.0);
-        scalar(b, "kvrope_last_recovery_duration_seconds", "gauge",
-               "How long the last recovery took.", r->ms / 1000.0);
-        scalar_u(b, "kvrope_last_recovery_contexts", "gauge", "Contexts the last recovery restored.",
-                 r->contexts);
-        scalar_u(b, "kvrope_last_recovery_tokens", "gauge", "Tokens the last recovery restored.",
-                 r->tokens);
-        scalar_u(b, "kvrope_last_recovery_bytes", "gauge", "KV bytes the last recovery restored.",
-                 r->bytes);
-        scalar_u(b, "kvrope_last_recovery_records", "gauge", "Log records the last recovery read.",
-                 r->records);
-        scalar_u(b, "kvrope_last_recovery_quarantined", "gauge",
-                 "Corrupt records the last recovery quarantined.", r->quarantined);
-        scalar_u(b, "kvrope_last_recovery_dropped_contexts", "gauge",
-                 "Contexts the last recovery could not restore.", r->dropped_contexts);
+        FIG_DISK(RENDER_FIG)
     }
-
-    /* Quantization at rest. */
-    scalar_u(b, "kvrope_quantized_contexts", "gauge", "Contexts stored with a quantized codec.",
-             s->s.n_quant_contexts);
-    scalar_u(b, "kvrope_quantization_saved_bytes", "gauge",
-             "Bytes quantization saves over the contexts' native dtype.", s->s.quant_bytes_saved);
-    scalar(b, "kvrope_quantization_value_size_bytes", "gauge",
-           "Mean stored size of one K/V value over quantized contexts (0.5: 4 bits; 0: none).",
-           s->s.quant_bits_per_value / 8.0);
-
-    if (s->has_remote)
+    if (s->has_remote) {
+        FIG_REMOTE(RENDER_FIG)
         render_remote(&s->r, b);
+    }
+#undef RENDER_FIG
 
     /* Process. */
     family(b, "kvrope_build_info", "gauge", "kvroped's version (value 1).");
@@ -563,9 +624,81 @@ static void render(const kvr_metrics *m, const snapshot *s, sbuf *b)
               (unsigned)KVR_PROTOCOL_VERSION);
     scalar(b, "kvrope_start_time_seconds", "gauge", "When kvroped started (Unix time).",
            s->start_unix);
-    scalar(b, "kvrope_uptime_seconds", "gauge", "Seconds since kvroped started.", s->uptime);
     scalar(b, "kvrope_metrics_snapshot_timestamp_seconds", "gauge",
            "When the figures of this scrape were taken (Unix time).", s->published_unix);
+}
+
+/* ---- the stats verb's list (loop thread) ------------------------------------ */
+
+int kvr__metrics_list(kvr_daemon *d, kvr_metric_list *out, kvr_error *err)
+{
+    enum { NT = 6, VN = 40, MN = KVR_ID_MAX + 32 };
+    memset(out, 0, sizeof *out);
+    snapshot *s = kvr_mem_malloc(sizeof *s);
+    if (!s)
+        return kvr_error_set(err, KVR_ENOMEM, "out of memory for the stats");
+    build(d, s);
+    /* Per model, as a tenant of the cap (--max-memory-per-model): its
+     * bytes, evictions, prefix matches and hits, writes refused at its
+     * bound: model_<name>_<figure>, read in the same loop turn. */
+    size_t n_models = kvr_store_model_list(d->store, NULL, 0);
+    kvr_model_info *mi = n_models ? kvr_mem_calloc(n_models, sizeof *mi) : NULL;
+    if (mi)
+        n_models = kvr_store_model_list(d->store, mi, n_models);
+    else
+        n_models = 0;
+    size_t cap = N_FIGURES + KVR_N_VERBS + NT * n_models;
+    out->names = kvr_mem_calloc(cap, sizeof *out->names);
+    out->values = kvr_mem_calloc(cap, sizeof *out->values);
+    out->buf = kvr_mem_calloc(KVR_N_VERBS * VN + NT * n_models * MN + 1, 1);
+    if (!out->names || !out->values || !out->buf) {
+        kvr_mem_free(s);
+        kvr_mem_free(mi);
+        kvr__metrics_list_free(out);
+        return kvr_error_set(err, KVR_ENOMEM, "out of memory for the stats");
+    }
+    size_t n = 0;
+    char *nb = out->buf;
+#define LIST_FIG(st, pn, ty, help, expr) \
+    if ((st)[0]) {                        \
+        out->names[n] = st;               \
+        out->values[n++] = (double)(expr); \
+    }
+    FIG_CORE(LIST_FIG)
+    for (size_t k = 0; k < KVR_N_VERBS; k++, nb += VN) {
+        snprintf(nb, VN, "requests_%s", kvr__verb_name(k));
+        out->names[n] = nb;
+        out->values[n++] = (double)s->per_verb[k];
+    }
+    FIG_DISK(LIST_FIG)
+    if (s->has_remote) {
+        FIG_REMOTE(LIST_FIG)
+    }
+#undef LIST_FIG
+    for (size_t k = 0; k < NT * n_models; k++, nb += MN) {
+        const kvr_model_info *m = &mi[k / NT];
+        static const char *const fig[NT] = { "bytes", "evicted_blocks", "evicted_bytes",
+                                             "matches", "match_hits", "refused_bound" };
+        double v[NT] = { (double)m->bytes, (double)m->n_evicted_blocks,
+                         (double)m->n_evicted_bytes, (double)m->n_matches,
+                         (double)m->n_match_hits, (double)m->n_refused_bound };
+        snprintf(nb, MN, "model_%s_%s", m->name, fig[k % NT]);
+        out->names[n] = nb;
+        out->values[n++] = v[k % NT];
+    }
+    assert(n <= cap);
+    out->n = n;
+    kvr_mem_free(mi);
+    kvr_mem_free(s);
+    return 0;
+}
+
+void kvr__metrics_list_free(kvr_metric_list *l)
+{
+    kvr_mem_free(l->names);
+    kvr_mem_free(l->values);
+    kvr_mem_free(l->buf);
+    memset(l, 0, sizeof *l);
 }
 
 static int render_snapshot(const kvr_metrics *m, const snapshot *s, char **out, size_t *len)
@@ -700,7 +833,7 @@ static void mhd_log(void *cls, const char *fmt, va_list ap)
     kvr_log(KVR_LOG_WARN, "metrics http: %s", msg);
 }
 
-bool kvr_daemon_sockaddr_is_loopback(const struct sockaddr *sa)
+bool kvr__daemon_sockaddr_is_loopback(const struct sockaddr *sa)
 {
     if (sa->sa_family == AF_INET) {
         const struct sockaddr_in *a = (const struct sockaddr_in *)(const void *)sa;
@@ -746,7 +879,7 @@ static void on_mhd_conn(void *cls, struct MHD_Connection *conn, void **socket_co
             if (m->conns[i].used)
                 continue;
             m->conns[i] = (scrape_conn){ .used = true, .fd = ci->connect_fd,
-                                         .deadline_ms = kvr_now_ms() + REQUEST_DEADLINE_MS };
+                                         .deadline_ms = kvr__now_ms() + REQUEST_DEADLINE_MS };
             *socket_context = &m->conns[i];
             break;
         }
@@ -770,7 +903,7 @@ static void on_mhd_done(void *cls, struct MHD_Connection *conn, void **con_cls,
     pthread_mutex_lock(&m->conn_lock);
     scrape_conn *sc = ci ? ci->socket_context : NULL;
     if (sc && sc->used && sc->deadline_ms)
-        sc->deadline_ms = kvr_now_ms() + REQUEST_DEADLINE_MS;
+        sc->deadline_ms = kvr__now_ms() + REQUEST_DEADLINE_MS;
     pthread_mutex_unlock(&m->conn_lock);
 }
 
@@ -779,7 +912,7 @@ static void on_mhd_done(void *cls, struct MHD_Connection *conn, void **con_cls,
 static void on_watchdog(uv_timer_t *t)
 {
     kvr_metrics *m = t->data;
-    uint64_t now = kvr_now_ms();
+    uint64_t now = kvr__now_ms();
     unsigned n = 0;
     pthread_mutex_lock(&m->conn_lock);
     for (size_t i = 0; i < MAX_SCRAPE_CONNS; i++) {
@@ -806,7 +939,7 @@ static int start_http(kvr_metrics *m, int listen_fd, kvr_error *err)
     if (listen_fd < 0) {
         char host[256];
         int port;
-        if (kvr_daemon_split_listen(cfg->metrics_listen, host, sizeof host, &port) < 0) {
+        if (kvr__daemon_split_listen(cfg->metrics_listen, host, sizeof host, &port) < 0) {
             return kvr_error_set(err, KVR_EINVAL, "--metrics-listen: expected HOST:PORT, got '%s'",
                      cfg->metrics_listen);
         }
@@ -832,7 +965,7 @@ static int start_http(kvr_metrics *m, int listen_fd, kvr_error *err)
         }
         if (ss.ss_family == AF_INET6)
             flags |= MHD_USE_IPv6;
-        if (!kvr_daemon_sockaddr_is_loopback((struct sockaddr *)&ss) && !m->token) {
+        if (!kvr__daemon_sockaddr_is_loopback((struct sockaddr *)&ss) && !m->token) {
             return kvr_error_set(err, KVR_EINVAL, "the activated metrics socket is not on a loopback address: "
                      "it requires --auth-token-file FILE");
         }
@@ -887,7 +1020,7 @@ static int start_http(kvr_metrics *m, int listen_fd, kvr_error *err)
 
 /* ---- lifecycle -------------------------------------------------------------- */
 
-int kvr_metrics_set_token(kvr_metrics *m, const uint8_t *token, size_t len)
+int kvr__metrics_set_token(kvr_metrics *m, const uint8_t *token, size_t len)
 {
     if (!m)
         return 0;
@@ -907,12 +1040,12 @@ int kvr_metrics_set_token(kvr_metrics *m, const uint8_t *token, size_t len)
     return 0;
 }
 
-const char *kvr_metrics_address(const kvr_metrics *m)
+const char *kvr__metrics_address(const kvr_metrics *m)
 {
     return m && m->mhd ? m->addr : "";
 }
 
-int kvr_metrics_create(kvr_daemon *d, int listen_fd, kvr_error *err)
+int kvr__metrics_create(kvr_daemon *d, int listen_fd, kvr_error *err)
 {
     kvr_metrics *m = kvr_mem_calloc(1, sizeof *m);
     snapshot *a = kvr_mem_calloc(1, sizeof *a), *b = kvr_mem_calloc(1, sizeof *b);
@@ -935,7 +1068,7 @@ int kvr_metrics_create(kvr_daemon *d, int listen_fd, kvr_error *err)
     /* The verbs stats counts (dispatch.c's table), in its order: every
      * verb has its series, whatever its body's field number. */
     for (int v = 0; v < KVR_N_VERBS; v++)
-        m->verb_names[v] = kvrd_verb_name((size_t)v);
+        m->verb_names[v] = kvr__verb_name((size_t)v);
     m->verb_names[KVR_N_VERBS] = "none";
     for (int st = 0; st < N_STATUS; st++) {
         const ProtobufCEnumValue *ev =
@@ -943,7 +1076,7 @@ int kvr_metrics_create(kvr_daemon *d, int listen_fd, kvr_error *err)
         m->status_names[st] = ev ? ev->name : "E_INTERNAL";
     }
     d->metrics = m;
-    if (kvr_metrics_set_token(m, d->token, d->token_len) < 0) {
+    if (kvr__metrics_set_token(m, d->token, d->token_len) < 0) {
         return kvr_error_set(err, KVR_ENOMEM, "out of memory");
     }
     int rc = uv_async_init(&d->loop, &m->async, on_async);
@@ -959,7 +1092,7 @@ int kvr_metrics_create(kvr_daemon *d, int listen_fd, kvr_error *err)
     return 0;
 }
 
-void kvr_metrics_stop(kvr_daemon *d)
+void kvr__metrics_stop(kvr_daemon *d)
 {
     kvr_metrics *m = d->metrics;
     if (!m)
@@ -982,12 +1115,12 @@ void kvr_metrics_stop(kvr_daemon *d)
     }
 }
 
-void kvr_metrics_destroy(kvr_daemon *d)
+void kvr__metrics_destroy(kvr_daemon *d)
 {
     kvr_metrics *m = d->metrics;
     if (!m)
         return;
-    kvr_metrics_stop(d);
+    kvr__metrics_stop(d);
     pthread_mutex_destroy(&m->lock);
     pthread_mutex_destroy(&m->conn_lock);
     pthread_cond_destroy(&m->cond);

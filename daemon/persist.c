@@ -1,16 +1,16 @@
 /*
- * persist.c — the daemon's side of the disk tier (cache/tier.c): opening
- * and recovering --disk-dir before the listeners start, deferring the
+ * persist.c — the daemon's side of the disk tier (cache/tier*.c): opening
+ * and recovering --disk-dir before the listeners start, and deferring the
  * replies of changes to persistent contexts until their records are on
- * disk, and the disk metrics of stats.
+ * disk (the disk figures of stats and /metrics are metrics.c's FIG_DISK).
  *
  * A change to a persistent context is committed in memory as usual; then
- * dispatch.c holds the packed reply and kvrd_persist_defer queues the
+ * dispatch.c holds the packed reply and kvr__persist_defer queues the
  * context's record (kvr_store_persist); which verbs change which context
  * is in dispatch.c's verb table. One batch of records at a time runs on the
  * libuv threadpool (kvr_persist_batch_work: spill + append + fsync); its
  * after-callback (loop thread) ends the batch, which calls
- * kvrd_request_persisted for each record: the held reply goes out if the
+ * kvr__request_persisted for each record: the held reply goes out if the
  * append returned 0, else an E_IO error. The connection stays BUSY (not
  * reading) meanwhile, so its requests are still answered in order, and the
  * request holds a reference so its memory outlives a close.
@@ -35,7 +35,7 @@ static void tier_log(void *arg, int level, const char *msg)
     kvr_log(level == KVR_TIER_LOG_WARN ? KVR_LOG_WARN : KVR_LOG_INFO, "%s", msg);
 }
 
-int kvr_persist_open(kvr_daemon *d, char *err, size_t errlen)
+int kvr__persist_open(kvr_daemon *d, char *err, size_t errlen)
 {
     const kvr_daemon_config *cfg = &d->cfg;
     if (!cfg->disk_dir[0])
@@ -73,9 +73,9 @@ int kvr_persist_open(kvr_daemon *d, char *err, size_t errlen)
     return 0;
 }
 
-int kvrd_persist_defer(kvr_daemon *d, const char *ctx_id, kvrd_request *r, kvr_error *e)
+int kvr__persist_defer(kvr_daemon *d, const char *ctx_id, kvr_request *r, kvr_error *e)
 {
-    int rc = kvr_store_persist(d->store, ctx_id, kvrd_request_persisted, r, e);
+    int rc = kvr_store_persist(d->store, ctx_id, kvr__request_persisted, r, e);
     if (rc > 0)
         kick(d);
     return rc;
@@ -115,58 +115,4 @@ static void kick(kvr_daemon *d)
     kvr_persist_batch_work(b);
     kvr_persist_batch_end(b);
     kick(d);
-}
-
-size_t kvr_persist_metrics(kvr_daemon *d, const char **names, double *v, size_t cap)
-{
-    kvr_tier_stats t;
-    kvr_store_tier_stats(d->store, &t);
-    uint64_t reads = t.reads_mem + t.reads_disk;
-    const char *eng = t.engine ? t.engine : "";
-    struct { const char *n; double v; } m[] = {
-        { "disk_enabled", t.enabled ? 1 : 0 },
-        { "disk_engine_io_uring", !strcmp(eng, "io_uring") ? 1 : 0 },
-        { "disk_engine_posix", !strcmp(eng, "posix") ? 1 : 0 },
-        { "tier_mem_blocks", (double)t.mem_blocks },
-        { "tier_mem_bytes", (double)t.mem_bytes },
-        { "tier_spilled_blocks", (double)t.spilled_blocks },
-        { "tier_disk_blocks", (double)t.disk_blocks },
-        { "tier_disk_bytes", (double)t.disk_bytes },
-        { "tier_disk_log_bytes", (double)t.disk_log_bytes },
-        { "tier_disk_max_bytes", (double)t.disk_max_bytes },
-        { "tier_reads_mem", (double)t.reads_mem },
-        { "tier_reads_disk", (double)t.reads_disk },
-        { "tier_hit_rate_mem", reads ? (double)t.reads_mem / (double)reads : 0 },
-        { "tier_hit_rate_disk", reads ? (double)t.reads_disk / (double)reads : 0 },
-        { "tier_spills", (double)t.n_spills },
-        { "tier_spill_bytes", (double)t.spill_bytes },
-        { "tier_reloads", (double)t.n_reloads },
-        { "tier_reload_bytes", (double)t.reload_bytes },
-        { "tier_spill_refused", (double)t.n_spill_refused },
-        { "persist_contexts", (double)t.persistent_contexts },
-        { "persist_records", (double)t.n_persist_records },
-        { "persist_errors", (double)t.n_persist_errors },
-        { "persist_checkpoints", (double)t.n_checkpoints },
-        { "disk_quarantined", (double)t.quarantined },
-        { "disk_failed", t.failed ? 1 : 0 },
-        { "recovery_unix_ms", (double)t.recovery.at_ms },
-        { "recovery_ms", t.recovery.ms },
-        { "recovery_models", (double)t.recovery.models },
-        { "recovery_contexts", (double)t.recovery.contexts },
-        { "recovery_tokens", (double)t.recovery.tokens },
-        { "recovery_bytes", (double)t.recovery.bytes },
-        { "recovery_records", (double)t.recovery.records },
-        { "recovery_quarantined", (double)t.recovery.quarantined },
-        { "recovery_dropped_contexts", (double)t.recovery.dropped_contexts },
-        { "recovery_stale_contexts", (double)t.recovery.stale_contexts },
-        { "recovery_lost_contexts", (double)t.recovery.lost_contexts },
-    };
-    size_t n = sizeof m / sizeof m[0];
-    if (n > cap)
-        n = cap;
-    for (size_t i = 0; i < n; i++) {
-        names[i] = m[i].n;
-        v[i] = m[i].v;
-    }
-    return n;
 }

@@ -16,7 +16,7 @@
  * that is safe: GET/EXISTS/SET of immutable, content-addressed values.
  *
  * Deadlines: besides each operation's retry budget, a thread may set a
- * deadline (kvr_rc_set_deadline) that every blocking step it takes then
+ * deadline (kvr__rc_set_deadline) that every blocking step it takes then
  * respects: a connection attempt, each socket read and write (the
  * connection's timeouts are set to what is left before every use, and the
  * sink reader polls with it), a map refresh (which gives up between nodes
@@ -79,15 +79,15 @@ static uint64_t now_ms(void)
     return (uint64_t)ts.tv_sec * 1000u + (uint64_t)ts.tv_nsec / 1000000u;
 }
 
-/* The calling thread's deadline (kvr_rc_set_deadline), 0 = none. */
+/* The calling thread's deadline (kvr__rc_set_deadline), 0 = none. */
 static _Thread_local uint64_t tl_deadline;
 
-void kvr_rc_set_deadline(uint64_t deadline_ms)
+void kvr__rc_set_deadline(uint64_t deadline_ms)
 {
     tl_deadline = deadline_ms;
 }
 
-uint64_t kvr_rc_now_ms(void)
+uint64_t kvr__rc_now_ms(void)
 {
     return now_ms();
 }
@@ -133,7 +133,7 @@ static void crc16_init(void)
     }
 }
 
-uint16_t kvr_rc_crc16(const void *p, size_t n)
+uint16_t kvr__rc_crc16(const void *p, size_t n)
 {
     pthread_once(&crc16_once, crc16_init);
     const uint8_t *b = p;
@@ -143,7 +143,7 @@ uint16_t kvr_rc_crc16(const void *p, size_t n)
     return crc;
 }
 
-unsigned kvr_rc_key_slot(const void *key, size_t n)
+unsigned kvr__rc_key_slot(const void *key, size_t n)
 {
     const char *k = key;
     size_t s, e;
@@ -155,12 +155,12 @@ unsigned kvr_rc_key_slot(const void *key, size_t n)
             if (k[e] == '}')
                 break;
         if (e < n && e != s + 1)
-            return kvr_rc_crc16(k + s + 1, e - s - 1) & (KVR_RC_SLOTS - 1);
+            return kvr__rc_crc16(k + s + 1, e - s - 1) & (KVR_RC_SLOTS - 1);
     }
-    return kvr_rc_crc16(k, n) & (KVR_RC_SLOTS - 1);
+    return kvr__rc_crc16(k, n) & (KVR_RC_SLOTS - 1);
 }
 
-int kvr_rc_parse_redirect(const char *s, size_t n, bool *is_ask, unsigned *slot, char *host,
+int kvr__rc_parse_redirect(const char *s, size_t n, bool *is_ask, unsigned *slot, char *host,
                           size_t hcap, int *port)
 {
     char buf[160];
@@ -197,7 +197,7 @@ int kvr_rc_parse_redirect(const char *s, size_t n, bool *is_ask, unsigned *slot,
     return 0;
 }
 
-int kvr_rc_parse_seeds(const char *s, char hosts[][64], int *ports, int cap, kvr_error *err)
+int kvr__rc_parse_seeds(const char *s, char hosts[][64], int *ports, int cap, kvr_error *err)
 {
     int n = 0;
     if (!strncmp(s, "redis://", 8))
@@ -487,7 +487,7 @@ static int refresh_now(kvr_rc *rc, kvr_error *err, uint64_t deadline)
     return KVR_EIO;
 }
 
-int kvr_rc_refresh(kvr_rc *rc, kvr_error *err)
+int kvr__rc_refresh(kvr_rc *rc, kvr_error *err)
 {
     uint64_t deadline = tl_deadline;
     if (deadline) {
@@ -549,7 +549,7 @@ static int command_until(kvr_rc *rc, int argc, const char **argv, const size_t *
                          redisReply **out, kvr_error *err, uint64_t deadline)
 {
     *out = NULL;
-    unsigned slot = kvr_rc_key_slot(argv[1], argvlen[1]);
+    unsigned slot = kvr__rc_key_slot(argv[1], argvlen[1]);
     int ask_node = -1, redirects = 0, backoff = 10;
     kvr_error last = { 0 };
     kvr_error_set(&last, KVR_EIO, "remote tier: no reachable node serves slot %u", slot);
@@ -608,7 +608,7 @@ static int command_until(kvr_rc *rc, int argc, const char **argv, const size_t *
                     unsigned rs;
                     char host[64];
                     int port;
-                    if (kvr_rc_parse_redirect(r->str, r->len, &is_ask, &rs, host, sizeof host,
+                    if (kvr__rc_parse_redirect(r->str, r->len, &is_ask, &rs, host, sizeof host,
                                               &port) == 0) {
                         int ni = node_index(rc, host, port);
                         if (is_ask) {
@@ -662,7 +662,7 @@ static int command_until(kvr_rc *rc, int argc, const char **argv, const size_t *
     return KVR_EIO;
 }
 
-int kvr_rc_command(kvr_rc *rc, int argc, const char **argv, const size_t *argvlen,
+int kvr__rc_command(kvr_rc *rc, int argc, const char **argv, const size_t *argvlen,
                    redisReply **out, kvr_error *err)
 {
     return command_until(rc, argc, argv, argvlen, out, err,
@@ -726,7 +726,7 @@ static bool deliver(batch_part *p, size_t j, redisReply *r)
     return true;
 }
 
-/* ---- replies read straight from the socket (kvr_rc_batch_sink) -------- */
+/* ---- replies read straight from the socket (kvr__rc_batch_sink) -------- */
 
 #define RD_BUF 16384
 
@@ -1012,7 +1012,7 @@ static size_t batch_run(kvr_rc *rc, size_t n, const kvr_rc_cmd *cmds, redisReply
     }
     int np = 0;
     for (size_t i = 0; i < n; i++) {
-        node[i] = slot_node(rc, kvr_rc_key_slot(cmds[i].argv[1], cmds[i].argvlen[1]));
+        node[i] = slot_node(rc, kvr__rc_key_slot(cmds[i].argv[1], cmds[i].argvlen[1]));
         int k;
         for (k = 0; k < np && parts[k].idx != node[i]; k++) {
         }
@@ -1075,26 +1075,26 @@ static size_t batch_run(kvr_rc *rc, size_t n, const kvr_rc_cmd *cmds, redisReply
     return ok;
 }
 
-size_t kvr_rc_batch_cb(kvr_rc *rc, size_t n, const kvr_rc_cmd *cmds, redisReply **out,
+size_t kvr__rc_batch_cb(kvr_rc *rc, size_t n, const kvr_rc_cmd *cmds, redisReply **out,
                        kvr_rc_reply_fn cb, void *ud)
 {
     return batch_run(rc, n, cmds, out, cb, NULL, ud);
 }
 
-size_t kvr_rc_batch_sink(kvr_rc *rc, size_t n, const kvr_rc_cmd *cmds, const kvr_rc_sink *sink,
+size_t kvr__rc_batch_sink(kvr_rc *rc, size_t n, const kvr_rc_cmd *cmds, const kvr_rc_sink *sink,
                          void *ud)
 {
     return batch_run(rc, n, cmds, NULL, NULL, sink, ud);
 }
 
-size_t kvr_rc_batch(kvr_rc *rc, size_t n, const kvr_rc_cmd *cmds, redisReply **out)
+size_t kvr__rc_batch(kvr_rc *rc, size_t n, const kvr_rc_cmd *cmds, redisReply **out)
 {
-    return kvr_rc_batch_cb(rc, n, cmds, out, NULL, NULL);
+    return kvr__rc_batch_cb(rc, n, cmds, out, NULL, NULL);
 }
 
 /* ---- life cycle -------------------------------------------------------- */
 
-int kvr_rc_create(kvr_rc **out, const kvr_rc_config *cfg, kvr_error *err)
+int kvr__rc_create(kvr_rc **out, const kvr_rc_config *cfg, kvr_error *err)
 {
     *out = NULL;
     kvr_rc *rc = calloc(1, sizeof *rc);
@@ -1102,7 +1102,7 @@ int kvr_rc_create(kvr_rc **out, const kvr_rc_config *cfg, kvr_error *err)
         kvr_error_set(err, KVR_ENOMEM, "remote tier: out of memory");
         return KVR_ENOMEM;
     }
-    int n = kvr_rc_parse_seeds(cfg->seeds ? cfg->seeds : "", rc->seed_host, rc->seed_port,
+    int n = kvr__rc_parse_seeds(cfg->seeds ? cfg->seeds : "", rc->seed_host, rc->seed_port,
                                KVR_RC_MAX_SEEDS, err);
     if (n < 0) {
         free(rc);
@@ -1125,7 +1125,7 @@ int kvr_rc_create(kvr_rc **out, const kvr_rc_config *cfg, kvr_error *err)
     return 0;
 }
 
-void kvr_rc_destroy(kvr_rc *rc)
+void kvr__rc_destroy(kvr_rc *rc)
 {
     if (!rc)
         return;
@@ -1142,7 +1142,7 @@ void kvr_rc_destroy(kvr_rc *rc)
     free(rc);
 }
 
-void kvr_rc_get_stats(kvr_rc *rc, kvr_rc_stats *o)
+void kvr__rc_get_stats(kvr_rc *rc, kvr_rc_stats *o)
 {
     pthread_mutex_lock(&rc->mu);
     o->moved = rc->moved;

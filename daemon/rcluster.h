@@ -15,7 +15,7 @@
  * Failures are bounded in time: an operation retries across redirects,
  * CLUSTERDOWN/TRYAGAIN and node failures (a failover) until retry_ms have
  * passed, then fails with KVR_EIO. Nothing here ever blocks forever, and a
- * thread with a deadline (kvr_rc_set_deadline) never past it.
+ * thread with a deadline (kvr__rc_set_deadline) never past it.
  */
 #ifndef KVR_RCLUSTER_H
 #define KVR_RCLUSTER_H
@@ -50,33 +50,33 @@ typedef struct kvr_rc_stats {
 } kvr_rc_stats;
 
 /* CRC16/XMODEM as Redis Cluster uses it (poly 0x1021, init 0). */
-uint16_t kvr_rc_crc16(const void *p, size_t n);
+uint16_t kvr__rc_crc16(const void *p, size_t n);
 /* The slot of a key: CRC16 of its hash tag (the bytes between the first
  * '{' and the first '}' after it, if that is non-empty) else of the whole
  * key, mod 16384. */
-unsigned kvr_rc_key_slot(const void *key, size_t n);
+unsigned kvr__rc_key_slot(const void *key, size_t n);
 /* Parses "MOVED 3999 127.0.0.1:6381" / "ASK ..." (0, or KVR_EINVAL if s is
  * no redirect). host gets the address (hcap bytes). */
-int kvr_rc_parse_redirect(const char *s, size_t n, bool *is_ask, unsigned *slot,
+int kvr__rc_parse_redirect(const char *s, size_t n, bool *is_ask, unsigned *slot,
                           char *host, size_t hcap, int *port);
 /* Parses a seed list into hosts/ports; returns the count or KVR_EINVAL. */
-int kvr_rc_parse_seeds(const char *s, char hosts[][64], int *ports, int cap, kvr_error *err);
+int kvr__rc_parse_seeds(const char *s, char hosts[][64], int *ports, int cap, kvr_error *err);
 
-/* Creates the client; does not connect (kvr_rc_refresh does). Copies cfg's
+/* Creates the client; does not connect (kvr__rc_refresh does). Copies cfg's
  * strings. KVR_EINVAL for a bad seed list. */
-int  kvr_rc_create(kvr_rc **out, const kvr_rc_config *cfg, kvr_error *err);
-void kvr_rc_destroy(kvr_rc *rc);        /* NULL is a no-op */
+int  kvr__rc_create(kvr_rc **out, const kvr_rc_config *cfg, kvr_error *err);
+void kvr__rc_destroy(kvr_rc *rc);        /* NULL is a no-op */
 
 /* Loads the slot map now from a seed or a known node: 0, KVR_EUNAUTH (a
  * node refused the credentials: the message says which and why), KVR_EIO
  * (no node answered, or the cluster has no full map yet). */
-int  kvr_rc_refresh(kvr_rc *rc, kvr_error *err);
+int  kvr__rc_refresh(kvr_rc *rc, kvr_error *err);
 
 /* One command whose key is argv[1], routed by its slot. On 0 *out is the
  * reply (never an error reply; the caller frees it with freeReplyObject).
  * KVR_EIO when the budget ran out or the command failed (message in err),
  * KVR_EUNAUTH on NOAUTH/WRONGPASS. */
-int  kvr_rc_command(kvr_rc *rc, int argc, const char **argv, const size_t *argvlen,
+int  kvr__rc_command(kvr_rc *rc, int argc, const char **argv, const size_t *argvlen,
                     redisReply **out, kvr_error *err);
 
 /* Several single-key commands (key = argv[1] of each), pipelined per node
@@ -88,13 +88,13 @@ typedef struct kvr_rc_cmd {
     const char   **argv;
     const size_t  *argvlen;
 } kvr_rc_cmd;
-size_t kvr_rc_batch(kvr_rc *rc, size_t n, const kvr_rc_cmd *cmds, redisReply **out);
+size_t kvr__rc_batch(kvr_rc *rc, size_t n, const kvr_rc_cmd *cmds, redisReply **out);
 /* The same, each node's pipeline on its own thread, and every reply handed
  * to cb(ud, i, reply) as it arrives (possibly concurrently, for distinct
  * i; the reply is freed when cb returns) instead of stored in out (NULL).
  * Returns how many replies cb accepted (returned true for). */
 typedef bool (*kvr_rc_reply_fn)(void *ud, size_t i, const redisReply *r);
-size_t kvr_rc_batch_cb(kvr_rc *rc, size_t n, const kvr_rc_cmd *cmds, redisReply **out,
+size_t kvr__rc_batch_cb(kvr_rc *rc, size_t n, const kvr_rc_cmd *cmds, redisReply **out,
                        kvr_rc_reply_fn cb, void *ud);
 
 /* Large string replies read straight from the socket into the caller's
@@ -118,19 +118,19 @@ typedef struct kvr_rc_sink {
     void     (*got)(void *ud, size_t i, size_t off, const uint8_t *p, size_t n);
     bool     (*end)(void *ud, size_t i, bool is_string);
 } kvr_rc_sink;
-size_t kvr_rc_batch_sink(kvr_rc *rc, size_t n, const kvr_rc_cmd *cmds, const kvr_rc_sink *sink,
+size_t kvr__rc_batch_sink(kvr_rc *rc, size_t n, const kvr_rc_cmd *cmds, const kvr_rc_sink *sink,
                          void *ud);
 
-void kvr_rc_get_stats(kvr_rc *rc, kvr_rc_stats *out);
+void kvr__rc_get_stats(kvr_rc *rc, kvr_rc_stats *out);
 
 /* The calling thread's deadline (CLOCK_MONOTONIC milliseconds, as
- * kvr_rc_now_ms; 0 = none) for every call it makes until it sets another:
+ * kvr__rc_now_ms; 0 = none) for every call it makes until it sets another:
  * each connection attempt, socket read and write, map refresh and retry
  * sleep ends by then, so no call returns more than a few milliseconds
  * after it (the rest fails with KVR_EIO or as a failed command of a
  * batch). Without one, each step has its own timeout (connect 500 ms, each
  * reply 5 s) and an operation retries for its budget (3 s). */
-void     kvr_rc_set_deadline(uint64_t deadline_ms);
-uint64_t kvr_rc_now_ms(void);
+void     kvr__rc_set_deadline(uint64_t deadline_ms);
+uint64_t kvr__rc_now_ms(void);
 
 #endif /* KVR_RCLUSTER_H */

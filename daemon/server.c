@@ -11,7 +11,7 @@
  * one else (another user could replace the socket otherwise); a --socket
  * in a directory every user can write to (/tmp) is used with a warning
  * saying why. A token file its group or others can read or write is
- * refused (kvr_daemon_read_token), as sshd refuses such a key. Stopping
+ * refused (kvr__daemon_read_token), as sshd refuses such a key. Stopping
  * (SIGINT/SIGTERM or kvr_daemon_stop) closes the listeners and removes the
  * socket file at once, but only if the path still names the socket we
  * bound (same device and inode: a successor may have replaced it), lets
@@ -105,19 +105,19 @@ static void on_connection(uv_stream_t *srv, int status)
     bool unauth = is_tcp && d->token;
     bool over = unauth ? d->n_unauth >= d->cfg.max_unauth_connections
                        : d->n_conns - d->n_unauth >= d->cfg.max_connections;
-    kvr_conn_start(d, c, is_tcp);
+    kvr__conn_start(d, c, is_tcp);
     if (over) {
         d->n_conn_refused++;
         if (unauth) {
             kvr_log(KVR_LOG_WARN, "refusing a connection: %zu unauthenticated open "
                     "(--max-unauth-connections %u)", d->n_unauth - 1,
                     d->cfg.max_unauth_connections);
-            kvr_conn_fail(c, 0, KVR_ELIMIT,
+            kvr__conn_fail(c, 0, KVR_ELIMIT,
                           "too many unauthenticated connections (--max-unauth-connections)");
         } else {
             kvr_log(KVR_LOG_WARN, "refusing a connection: %zu open (--max-connections %u)",
                     d->n_conns - d->n_unauth - 1, d->cfg.max_connections);
-            kvr_conn_fail(c, 0, KVR_ELIMIT, "too many connections (--max-connections)");
+            kvr__conn_fail(c, 0, KVR_ELIMIT, "too many connections (--max-connections)");
         }
         return;
     }
@@ -136,7 +136,7 @@ int kvr_daemon_adopt_fd(kvr_daemon *d, int fd)
         kvr_mem_free(c);
         return KVR_EINTERNAL;
     }
-    kvr_conn_start(d, c, false);
+    kvr__conn_start(d, c, false);
     return 0;
 }
 
@@ -144,7 +144,7 @@ int kvr_daemon_adopt_fd(kvr_daemon *d, int fd)
 
 /* The default socket's directory: created 0700 if missing; refused unless
  * it is a real directory (not a symlink) owned by us that neither group
- * nor others can write (issue 12: another user's directory lets that user
+ * nor others can write (another user's directory lets that user
  * replace the socket). */
 static int private_parent(const char *path, kvr_error *err)
 {
@@ -261,7 +261,7 @@ static int listen_unix(kvr_daemon *d, kvr_error *err)
         return rc;
     /* Bound here rather than with uv_pipe_bind: libuv unlinks the path it
      * bound when the handle closes, whoever's socket it names by then
-     * (issue 12); remove_socket does it only while the inode is ours. */
+     *; remove_socket does it only while the inode is ours. */
     int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
     if (fd < 0)
         return kvr_error_sys(err, KVR_ESYS, errno, "unix socket %s", d->sock_path);
@@ -313,7 +313,7 @@ static int listen_tcp(kvr_daemon *d, kvr_error *err)
         return 0;
     char host[256];
     int port;
-    if (kvr_daemon_split_listen(d->cfg.listen, host, sizeof host, &port) < 0)
+    if (kvr__daemon_split_listen(d->cfg.listen, host, sizeof host, &port) < 0)
         return kvr_error_set(err, KVR_EINVAL, "--listen: expected HOST:PORT, got '%s'",
                              d->cfg.listen);
     if (!strcmp(host, "localhost"))
@@ -356,7 +356,7 @@ fail:
     return kvr_error_sys(err, KVR_ESYS, -rc, "--listen %s", d->cfg.listen);
 }
 
-int kvr_daemon_read_token(const char *path, uint8_t **tok, size_t *len, kvr_error *err)
+int kvr__daemon_read_token(const char *path, uint8_t **tok, size_t *len, kvr_error *err)
 {
     *tok = NULL;
     *len = 0;
@@ -365,7 +365,7 @@ int kvr_daemon_read_token(const char *path, uint8_t **tok, size_t *len, kvr_erro
         return kvr_error_sys(err, KVR_EIO, errno, "--auth-token-file %s", path);
     /* Refused, as sshd refuses such a private key: anyone who can read
      * the token can use the daemon, and anyone who can write it can lock
-     * every client out (issue 29). */
+     * every client out. */
     struct stat st;
     if (fstat(fileno(f), &st) == 0 && (st.st_mode & (S_IRWXG | S_IRWXO))) {
         fclose(f);
@@ -400,7 +400,7 @@ static int read_token(kvr_daemon *d, kvr_error *err)
 {
     if (!d->cfg.auth_token_file[0])
         return 0;
-    return kvr_daemon_read_token(d->cfg.auth_token_file, &d->token, &d->token_len, err);
+    return kvr__daemon_read_token(d->cfg.auth_token_file, &d->token, &d->token_len, err);
 }
 
 /* ---- socket activation -------------------------------------------------------- */
@@ -447,7 +447,7 @@ static int take_one(kvr_daemon *d, int fd, const char *name, int *metrics_fd, kv
         struct sockaddr_storage ss;
         socklen_t sl = sizeof ss;
         if (getsockname(fd, (struct sockaddr *)&ss, &sl) < 0 ||
-            (!kvr_daemon_sockaddr_is_loopback((struct sockaddr *)&ss) && !d->token))
+            (!kvr__daemon_sockaddr_is_loopback((struct sockaddr *)&ss) && !d->token))
             return kvr_error_set(err, KVR_EINVAL, "the activated TCP socket is not on a loopback "
                                  "address: it requires --auth-token-file FILE");
         if ((rc = uv_tcp_init(&d->loop, &d->tcp_srv)) == 0) {
@@ -492,7 +492,7 @@ static int take_activated(kvr_daemon *d, int *metrics_fd, kvr_error *err)
  * to the kernel once no request arrived for --idle-purge seconds, and only
  * when the operator asked for it: given back, they cost the next puts the
  * kernel's first touch again (0.35 GB/s against 23 GB/s on a VM that
- * reports free pages to its host: issue 32). */
+ * reports free pages to its host). */
 
 /* Freed blocks the store keeps for the next puts (cache/block.h): a put
  * REPLACE takes the block the previous one freed instead of a fresh 1 MiB
@@ -520,12 +520,12 @@ static void idle_purge(kvr_daemon *d, uint64_t now)
 static void on_sweep(uv_timer_t *t)
 {
     kvr_daemon *d = t->data;
-    uint64_t now = kvr_now_ms();
+    uint64_t now = kvr__now_ms();
     idle_purge(d, now);
     bool force = d->stopping && now >= d->stop_ms + KVR_STOP_GRACE_MS;
     for (kvr_conn *c = d->conns, *n; c; c = n) {
         n = c->next;
-        kvr_conn_sweep(c, now, force);
+        kvr__conn_sweep(c, now, force);
     }
     if (d->stopping && d->n_conns == 0 && d->has_sweep) {
         uv_timer_stop(&d->sweep);
@@ -580,7 +580,7 @@ static void close_signals(kvr_daemon *d)
 
 /* Unlinks the socket file only while it is still the one we bound: if the
  * path was removed and another kvroped bound it since, that socket is its
- * own (issue 12). The check and the unlink are two calls; a replacement in
+ * own. The check and the unlink are two calls; a replacement in
  * between cannot be excluded, but only by a process that can write the
  * directory, which is ours alone for the default path. */
 static void remove_socket(kvr_daemon *d)
@@ -609,7 +609,7 @@ static void notify_status(kvr_daemon *d, const char *state)
              state, d->stopping ? "stopping" : "serving", d->n_conns,
              d->has_unix || d->unix_activated ? d->sock_path : "off",
              d->has_tcp ? (d->tcp_activated ? "activated" : d->cfg.listen) : "off",
-             kvr_metrics_address(d->metrics)[0] ? kvr_metrics_address(d->metrics) : "off");
+             kvr__metrics_address(d->metrics)[0] ? kvr__metrics_address(d->metrics) : "off");
     sd_notify(0, msg);
 }
 
@@ -667,10 +667,10 @@ void kvr_daemon_reload(kvr_daemon *d)
     if (nc.auth_token_file[0]) {
         uint8_t *tok;
         size_t len;
-        if (kvr_daemon_read_token(nc.auth_token_file, &tok, &len, &err) < 0) {
+        if (kvr__daemon_read_token(nc.auth_token_file, &tok, &len, &err) < 0) {
             kvr_log(KVR_LOG_ERROR, "reload: %s (keeping the current token)", err.msg);
             snprintf(nc.auth_token_file, sizeof nc.auth_token_file, "%s", d->cfg.auth_token_file);
-        } else if (kvr_metrics_set_token(d->metrics, tok, len) < 0) {
+        } else if (kvr__metrics_set_token(d->metrics, tok, len) < 0) {
             kvr_mem_free(tok);
             kvr_log(KVR_LOG_ERROR, "reload: out of memory (keeping the current token)");
             snprintf(nc.auth_token_file, sizeof nc.auth_token_file, "%s", d->cfg.auth_token_file);
@@ -733,9 +733,9 @@ void kvr_daemon_stop(kvr_daemon *d)
     if (d->stopping)
         return;
     d->stopping = true;
-    d->stop_ms = kvr_now_ms();
+    d->stop_ms = kvr__now_ms();
     notify_status(d, "STOPPING=1\n");
-    kvr_metrics_stop(d);
+    kvr__metrics_stop(d);
     remove_socket(d);
     if (d->has_unix) {
         uv_close((uv_handle_t *)&d->unix_srv, NULL);
@@ -748,7 +748,7 @@ void kvr_daemon_stop(kvr_daemon *d)
     close_signals(d);
     for (kvr_conn *c = d->conns, *n; c; c = n) {
         n = c->next;
-        kvr_conn_stop(c);
+        kvr__conn_stop(c);
     }
     /* The sweep timer keeps the loop alive until the grace period ends. */
     if (d->has_sweep)
@@ -765,7 +765,7 @@ int kvr_daemon_create(kvr_daemon **out, const kvr_daemon_config *cfg, kvr_error 
     if (!d)
         return kvr_error_set(err, KVR_ENOMEM, "out of memory");
     d->cfg = *cfg;
-    d->start_ms = kvr_now_ms();
+    d->start_ms = kvr__now_ms();
     d->limits.max_msg_len = cfg->max_frame;
     d->limits.max_payload_len = cfg->max_memory;
     uint64_t unpack_max = cfg->max_memory / (4u * KVR_UNPACK_FACTOR);
@@ -782,7 +782,7 @@ int kvr_daemon_create(kvr_daemon **out, const kvr_daemon_config *cfg, kvr_error 
     d->msg_buffer_limit = cfg->max_msg_buffers ? cfg->max_msg_buffers : cfg->max_memory / 8;
     if (d->msg_buffer_limit < d->limits.max_msg_len)
         d->msg_buffer_limit = d->limits.max_msg_len;
-    kvrd_shm_init(d);     /* the region cap over all connections */
+    kvr__shm_init(d);     /* the region cap over all connections */
     int rc = uv_loop_init(&d->loop);
     if (rc < 0) {
         kvr_mem_free(d);
@@ -791,7 +791,7 @@ int kvr_daemon_create(kvr_daemon **out, const kvr_daemon_config *cfg, kvr_error 
     /* The worker pool for rotation and codecs (rope/pool.c), started now
      * rather than by the first large get. */
     (void)kvr_pool_default();
-    /* Contexts and models count against limits too (issue 12): by default
+    /* Contexts and models count against limits too: by default
      * one context per 4 KiB of the cap (its metadata is not evictable). */
     size_t max_ctx = cfg->max_contexts ? (size_t)cfg->max_contexts
                                        : (size_t)(cfg->max_memory / 4096);
@@ -812,14 +812,15 @@ int kvr_daemon_create(kvr_daemon **out, const kvr_daemon_config *cfg, kvr_error 
         goto fail;
     /* Disk tier: recovered before anything is accepted. */
     char pmsg[sizeof e.msg] = "";
-    if ((rc = kvr_persist_open(d, pmsg, sizeof pmsg)) < 0) {
+    if ((rc = kvr__persist_open(d, pmsg, sizeof pmsg)) < 0) {
         kvr_error_set(err, rc, "%s", pmsg[0] ? pmsg : kvr_strerror(rc));
         goto fail;
     }
     /* Shared tier: a wrong password stops the start; an unreachable
      * cluster is logged and joined later. */
-    if ((rc = kvr_remote_create(&d->remote, d, err)) < 0)
+    if ((rc = kvr__remote_create(&d->remote, d, err)) < 0)
         goto fail;
+    kvr__dispatch_tier_install(d);   /* the store asks it on a miss */
     int metrics_fd = -1;
     if ((rc = take_activated(d, &metrics_fd, err)) < 0)
         goto fail;
@@ -827,14 +828,14 @@ int kvr_daemon_create(kvr_daemon **out, const kvr_daemon_config *cfg, kvr_error 
         goto fail;
     if (!d->tcp_activated && (rc = listen_tcp(d, err)) < 0)
         goto fail;
-    if ((rc = kvr_metrics_create(d, metrics_fd, err)) < 0)
+    if ((rc = kvr__metrics_create(d, metrics_fd, err)) < 0)
         goto fail;
     uv_timer_init(&d->loop, &d->sweep);
     d->sweep.data = d;
     d->has_sweep = true;
     uv_timer_start(&d->sweep, on_sweep, 250, 250);
     uv_unref((uv_handle_t *)&d->sweep);
-    if ((rc = kvr_warm_start(d, err)) < 0)
+    if ((rc = kvr__warm_start(d, err)) < 0)
         goto fail;
     *out = d;
     return 0;
@@ -875,27 +876,28 @@ void kvr_daemon_destroy(kvr_daemon *d)
     /* Close whatever is left and let the close callbacks run. */
     for (kvr_conn *c = d->conns, *n; c; c = n) {
         n = c->next;
-        kvr_conn_close(c);
+        kvr__conn_close(c);
     }
     if (d->has_unix)
         uv_close((uv_handle_t *)&d->unix_srv, NULL);
     if (d->has_tcp)
         uv_close((uv_handle_t *)&d->tcp_srv, NULL);
     close_signals(d);
-    kvr_warm_stop(d);
-    kvr_metrics_stop(d);
+    kvr__warm_stop(d);
+    kvr__metrics_stop(d);
     if (d->has_sweep)
         uv_close((uv_handle_t *)&d->sweep, NULL);
     d->has_unix = d->has_tcp = d->has_signals = d->has_sweep = false;
-    kvr_remote_close(d->remote);
+    kvr__remote_close(d->remote);
     uv_run(&d->loop, UV_RUN_DEFAULT);
     if (uv_loop_close(&d->loop) == UV_EBUSY) {
         uv_walk(&d->loop, close_walk, NULL);
         uv_run(&d->loop, UV_RUN_DEFAULT);
         uv_loop_close(&d->loop);
     }
-    kvr_metrics_destroy(d);
-    kvr_remote_destroy(d->remote);
+    kvr__metrics_destroy(d);
+    kvr_store_set_miss_hooks(d->store, NULL);
+    kvr__remote_destroy(d->remote);
     kvr_store_destroy(d->store);
     kvr_mem_free(d->token);
     kvr_mem_free(d);

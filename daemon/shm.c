@@ -1,6 +1,5 @@
 /*
- * shm.c — shared-memory regions of a Unix-socket connection (issue 14,
- * docs/protocol.md "Shared memory"): a client hands the daemon a memfd once
+ * shm.c — shared-memory regions of a Unix-socket connection (docs/protocol.md "Shared memory"): a client hands the daemon a memfd once
  * (RegisterRegion + SCM_RIGHTS), then names (region, offset, length) in
  * Request.shm instead of sending or receiving a socket payload.
  *
@@ -17,9 +16,9 @@
  * --max-regions-total): each region is a mapping, and the kernel's
  * vm.max_map_count (65,530 by default) is the whole process's, so 1,024
  * connections x 64 regions would leave the allocator no mappings and
- * unrelated clients' puts would fail with E_NO_MEMORY (issue 29). The
+ * unrelated clients' puts would fail with E_NO_MEMORY. The
  * default cap is max_map_count less headroom for the daemon's own maps
- * (KVRD_MAP_HEADROOM, or a quarter when that is more); a register past it
+ * (KVR_MAP_HEADROOM, or a quarter when that is more); a register past it
  * gets E_LIMIT, and only the client that asked sees it.
  *
  * Lifetime: a region is reference counted on the loop thread only. The
@@ -30,9 +29,9 @@
  *
  * File descriptors: the pipe is in libuv's ipc mode, so fds sent with a
  * frame's bytes are queued on the handle. Each frame's fds are taken when
- * it is dispatched (kvrd_shm_take_fd): the first is kept for a
+ * it is dispatched (kvr__shm_take_fd): the first is kept for a
  * RegisterRegion, every other one is closed; fds on a frame that takes
- * none, or more than KVRD_MAX_PENDING_FDS waiting for one frame, close
+ * none, or more than KVR_MAX_PENDING_FDS waiting for one frame, close
  * the connection (conn.c), so none accumulate.
  */
 #include "daemon/daemon_internal.h"
@@ -60,9 +59,9 @@
 
 /* Mappings kept for the daemon itself (libraries, thread stacks, the
  * allocator's extents, io_uring rings) when the region cap is derived. */
-#define KVRD_MAP_HEADROOM 16384u
+#define KVR_MAP_HEADROOM 16384u
 
-void kvrd_shm_init(kvr_daemon *d)
+void kvr__shm_init(kvr_daemon *d)
 {
     uint64_t maps = 65530;     /* the kernel's default */
     FILE *f = fopen("/proc/sys/vm/max_map_count", "r");
@@ -72,7 +71,7 @@ void kvrd_shm_init(kvr_daemon *d)
             maps = v;
         fclose(f);
     }
-    uint64_t room = maps / 4 > KVRD_MAP_HEADROOM ? maps / 4 : KVRD_MAP_HEADROOM;
+    uint64_t room = maps / 4 > KVR_MAP_HEADROOM ? maps / 4 : KVR_MAP_HEADROOM;
     uint64_t cap = maps > 2 * room ? maps - room : maps / 2;
     if (cap > (1u << 30))
         cap = 1u << 30;
@@ -90,19 +89,19 @@ void kvrd_shm_init(kvr_daemon *d)
                 "(vm.max_map_count %llu)", d->region_cap, (unsigned long long)maps);
 }
 
-static void region_free(kvrd_region *g)
+static void region_free(kvr_region *g)
 {
     if (g->base)
         munmap(g->base, g->size);
     kvr_mem_free(g);
 }
 
-void kvrd_region_ref(kvrd_region *g)
+void kvr__region_ref(kvr_region *g)
 {
     g->refs++;
 }
 
-void kvrd_region_unref(kvrd_region *g)
+void kvr__region_unref(kvr_region *g)
 {
     if (g && --g->refs == 0)
         region_free(g);
@@ -136,21 +135,21 @@ static int take_pending(kvr_conn *c, bool keep_first)
     /* uv_accept re-arms the read watcher once the queue is empty; a
      * connection that is not reading must not be woken by its bytes. */
     if (!c->reading && !c->closing)
-        kvrd_conn_quiet(c);
+        kvr__conn_quiet(c);
     return keep < 0 ? -1 : keep;
 }
 
-int kvrd_shm_take_fd(kvr_conn *c)
+int kvr__shm_take_fd(kvr_conn *c)
 {
     return take_pending(c, true);
 }
 
-void kvrd_shm_drop_fds(kvr_conn *c)
+void kvr__shm_drop_fds(kvr_conn *c)
 {
     take_pending(c, false);
 }
 
-int kvrd_shm_register(kvr_conn *c, int fd, uint64_t size, kvrd_region **out, kvr_error *e)
+int kvr__shm_register(kvr_conn *c, int fd, uint64_t size, kvr_region **out, kvr_error *e)
 {
     *out = NULL;
     const kvr_daemon_config *cfg = &c->d->cfg;
@@ -197,7 +196,7 @@ int kvrd_shm_register(kvr_conn *c, int fd, uint64_t size, kvrd_region **out, kvr
                              "regions, or send the payload on the socket", d->n_regions_all,
                              d->region_cap, cfg->max_regions_total ? ""
                              : ", from vm.max_map_count");
-    kvrd_region *g = kvr_mem_calloc(1, sizeof *g);
+    kvr_region *g = kvr_mem_calloc(1, sizeof *g);
     if (!g)
         return kvr_error_set(e, KVR_ENOMEM, "register_region: out of memory");
     void *p = mmap(NULL, (size_t)size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
@@ -225,53 +224,53 @@ int kvrd_shm_register(kvr_conn *c, int fd, uint64_t size, kvrd_region **out, kvr
     return 0;
 }
 
-kvrd_region *kvrd_shm_find(kvr_conn *c, uint32_t id)
+kvr_region *kvr__shm_find(kvr_conn *c, uint32_t id)
 {
-    for (kvrd_region *g = c->regions; g; g = g->next)
+    for (kvr_region *g = c->regions; g; g = g->next)
         if (g->id == id)
             return g;
     return NULL;
 }
 
-int kvrd_shm_release(kvr_conn *c, uint32_t id, kvr_error *e)
+int kvr__shm_release(kvr_conn *c, uint32_t id, kvr_error *e)
 {
-    for (kvrd_region **pp = &c->regions; *pp; pp = &(*pp)->next) {
-        kvrd_region *g = *pp;
+    for (kvr_region **pp = &c->regions; *pp; pp = &(*pp)->next) {
+        kvr_region *g = *pp;
         if (g->id != id)
             continue;
         *pp = g->next;
         c->n_regions--;
         c->d->n_regions_all--;
         c->region_bytes -= g->size;
-        kvrd_region_unref(g);
+        kvr__region_unref(g);
         return 0;
     }
     return kvr_error_set(e, KVR_EINVAL, "release_region: no region %u on this connection", id);
 }
 
-void kvrd_shm_conn_closed(kvr_conn *c)
+void kvr__shm_conn_closed(kvr_conn *c)
 {
-    kvrd_region *g = c->regions;
+    kvr_region *g = c->regions;
     c->regions = NULL;
     c->d->n_regions_all -= c->n_regions;
     c->n_regions = 0;
     c->region_bytes = 0;
     while (g) {
-        kvrd_region *n = g->next;
-        kvrd_region_unref(g);     /* a request using it keeps its own */
+        kvr_region *n = g->next;
+        kvr__region_unref(g);     /* a request using it keeps its own */
         g = n;
     }
 }
 
-int kvrd_shm_slice(kvr_conn *c, uint32_t region, uint64_t offset, uint64_t length,
-                   kvrd_region **out, uint8_t **p, kvr_error *e)
+int kvr__shm_slice(kvr_conn *c, uint32_t region, uint64_t offset, uint64_t length,
+                   kvr_region **out, uint8_t **p, kvr_error *e)
 {
     *out = NULL;
     *p = NULL;
     if (c->is_tcp)
         return kvr_error_set(e, KVR_EUNSUPPORTED, "shm: shared memory needs the Unix socket; "
                              "over TCP the payload travels on the connection");
-    kvrd_region *g = kvrd_shm_find(c, region);
+    kvr_region *g = kvr__shm_find(c, region);
     if (!g)
         return kvr_error_set(e, KVR_EINVAL, "shm: no region %u on this connection "
                              "(register it first; regions are per connection)", region);
@@ -279,7 +278,7 @@ int kvrd_shm_slice(kvr_conn *c, uint32_t region, uint64_t offset, uint64_t lengt
         return kvr_error_set(e, KVR_ERANGE, "shm: [%llu, +%llu) is outside region %u's %zu "
                              "bytes", (unsigned long long)offset, (unsigned long long)length,
                              region, g->size);
-    kvrd_region_ref(g);
+    kvr__region_ref(g);
     *out = g;
     *p = g->base + offset;
     return 0;

@@ -17,7 +17,7 @@
  * and the writes in flight have come back. Each queued job and write holds
  * a reference on the connection, so it outlives the stream.
  *
- * Staging (issue 15), reserved by kvrd_stream_stage before anything is
+ * Staging, reserved by kvr__stream_stage before anything is
  * sent, never the whole payload's:
  *  - In pieces (kvr_get_stage_pieces), where a ring of whole-layer chunks
  *    would stage more than KVR_STREAM_PIECES_FROM and the get's staged
@@ -51,21 +51,21 @@ enum { SLOT_FREE = 0, SLOT_QUEUED, SLOT_READY };
 
 #define RING_SLOTS (KVR_STREAM_WINDOW + 1)
 
-typedef struct kvrd_stream kvrd_stream;
+typedef struct kvr_stream kvr_stream;
 
-static void stream_pump(kvrd_stream *s);
+static void stream_pump(kvr_stream *s);
 
 typedef struct stream_job {
     uv_work_t    w;
-    kvrd_stream *s;
+    kvr_stream *s;
     size_t       chunk;
     int          state;       /* SLOT_* */
     int          rc;
     kvr_error    err;
 } stream_job;
 
-struct kvrd_stream {
-    kvrd_request *r;
+struct kvr_stream {
+    kvr_request *r;
     kvr_conn  *c;
     kvr_get   *get;
     size_t     n_layers, per, n_chunks, layer_bytes;
@@ -79,7 +79,7 @@ struct kvrd_stream {
     stream_job job[KVR_STREAM_WINDOW];
 };
 
-static void stream_range(const kvrd_stream *s, size_t chunk, size_t *l0, size_t *l1)
+static void stream_range(const kvr_stream *s, size_t chunk, size_t *l0, size_t *l1)
 {
     *l0 = chunk * s->per;
     *l1 = *l0 + s->per < s->n_layers ? *l0 + s->per : s->n_layers;
@@ -98,7 +98,7 @@ static void stream_work_cb(uv_work_t *w)
     j->rc = kvr_get_work_layers(j->s->get, l0, l1, &j->err);
 }
 
-static void stream_fail(kvrd_stream *s, const char *why)
+static void stream_fail(kvr_stream *s, const char *why)
 {
     kvr_conn *c = s->c;
     if (!s->failed)
@@ -106,13 +106,13 @@ static void stream_fail(kvrd_stream *s, const char *why)
                 "(closing the connection)", why);
     s->failed = true;
     if (!c->closing)
-        kvr_conn_close(c);
+        kvr__conn_close(c);
 }
 
 static void stream_after_work_cb(uv_work_t *w, int status)
 {
     stream_job *j = w->data;
-    kvrd_stream *s = j->s;
+    kvr_stream *s = j->s;
     kvr_conn *c = s->c;
     assert(s->jobs > 0 && j->state == SLOT_QUEUED);
     s->jobs--;
@@ -126,24 +126,24 @@ static void stream_after_work_cb(uv_work_t *w, int status)
     if (j->rc != 0)
         stream_fail(s, j->err.msg[0] ? j->err.msg : kvr_strerror(j->rc));
     stream_pump(s);
-    kvr_conn_unref(c);
+    kvr__conn_unref(c);
 }
 
-static void stream_finish(kvrd_stream *s)
+static void stream_finish(kvr_stream *s)
 {
     kvr_conn *c = s->c;
-    kvrd_request *r = s->r;
+    kvr_request *r = s->r;
     bool ok = !s->failed && !c->closing && s->next_write == s->n_chunks;
     if (!ok)
         c->d->n_stream_aborted++;
     kvr_get_end(s->get);
     kvr_mem_free(s);
-    kvrd_request_end(r, ok ? 0 : KVR_EIO);
+    kvr__request_end(r, ok ? 0 : KVR_EIO);
 }
 
 static void stream_write_cb(void *arg, int status)
 {
-    kvrd_stream *s = arg;
+    kvr_stream *s = arg;
     (void)status;     /* a failed write closed the connection */
     assert(s->writes > 0);
     s->writes--;
@@ -153,7 +153,7 @@ static void stream_write_cb(void *arg, int status)
 
 /* Writes what is ready, in order; queues work while the window allows;
  * ends the stream when nothing is left in flight. May free s. */
-static void stream_pump(kvrd_stream *s)
+static void stream_pump(kvr_stream *s)
 {
     kvr_conn *c = s->c;
     while (!c->closing && !s->failed && s->next_write < s->n_chunks) {
@@ -172,7 +172,7 @@ static void stream_pump(kvrd_stream *s)
         }
         j->state = SLOT_FREE;
         s->next_write++;
-        if (kvrd_conn_write(c, NULL, 0, iov, niov, bytes, stream_write_cb, s) != 0) {
+        if (kvr__conn_write(c, NULL, 0, iov, niov, bytes, stream_write_cb, s) != 0) {
             stream_fail(s, "the payload write could not be queued");
             break;
         }
@@ -193,7 +193,7 @@ static void stream_pump(kvrd_stream *s)
             break;
         }
         j->state = SLOT_QUEUED;
-        kvr_conn_ref(c);
+        kvr__conn_ref(c);
         s->jobs++;
         s->next_queue++;
     }
@@ -212,7 +212,7 @@ static size_t stream_per(size_t nl, size_t payload_len)
     return per ? per : 1;
 }
 
-int kvrd_stream_stage(kvr_get *get, kvr_error *err)
+int kvr__stream_stage(kvr_get *get, kvr_error *err)
 {
     size_t nl = kvr_get_get_info(get)->n_layers;
     if (nl == 0)
@@ -227,17 +227,17 @@ int kvrd_stream_stage(kvr_get *get, kvr_error *err)
     return kvr_get_stage_ring(get, per, RING_SLOTS, err);
 }
 
-int kvrd_stream_start(kvrd_request *r, kvr_conn *c, kvr_get *get, uint8_t *buf, size_t len,
+int kvr__stream_start(kvr_request *r, kvr_conn *c, kvr_get *get, uint8_t *buf, size_t len,
                       size_t payload_len)
 {
     if (c->closing) {
         kvr_mem_free(buf);
         kvr_get_end(get);
-        kvrd_request_end(r, KVR_EIO);
+        kvr__request_end(r, KVR_EIO);
         return 0;
     }
     size_t nl = kvr_get_get_info(get)->n_layers;
-    kvrd_stream *s = nl ? kvr_mem_calloc(1, sizeof *s) : NULL;
+    kvr_stream *s = nl ? kvr_mem_calloc(1, sizeof *s) : NULL;
     if (!s)
         return KVR_ENOMEM;
     s->r = r;
@@ -252,13 +252,13 @@ int kvrd_stream_start(kvrd_request *r, kvr_conn *c, kvr_get *get, uint8_t *buf, 
         s->pieces = true;
         s->n_chunks = np;
     }
-    /* Staged by kvrd_stream_stage: pieces, a ring when there are more
+    /* Staged by kvr__stream_stage: pieces, a ring when there are more
      * chunks than its slots (kvr_read_stage_ring's rule), else the whole
      * staging. */
     if (s->n_chunks > RING_SLOTS)
         s->ring = RING_SLOTS;
     c->d->n_streamed++;
-    if (kvrd_conn_write(c, buf, len, NULL, 0, 0, NULL, NULL) != 0) {
+    if (kvr__conn_write(c, buf, len, NULL, 0, 0, NULL, NULL) != 0) {
         stream_fail(s, "the header write could not be queued");
         stream_finish(s);
         return 0;

@@ -2,7 +2,7 @@
  * warm.c — --prefault: the memory the store will use, faulted in once at
  * start, in the background, so the first puts do not pay the kernel's first
  * touch of fresh pages (on VMs that hand free pages back to their host it
- * runs at ~0.35 GB/s against ~20 GB/s for memory already touched: issue 32).
+ * runs at ~0.35 GB/s against ~20 GB/s for memory already touched).
  *
  * A thread bound to the loop thread's jemalloc arena (where blocks are
  * allocated: puts and reloads begin on the loop) allocates chunks up to the
@@ -14,7 +14,7 @@
  * Invariants: the chunks are plain malloc, never kvr_mem (they are not the
  * store's and are all freed before the thread ends); it stops taking more
  * once the store's own allocations plus what it holds reach the cap, and at
- * once when the daemon stops (kvr_warm_stop joins it). Without jemalloc
+ * once when the daemon stops (kvr__warm_stop joins it). Without jemalloc
  * (sanitizer builds) it does nothing.
  */
 #include <stdatomic.h>
@@ -74,7 +74,7 @@ static void *warm_main(void *arg)
 }
 #endif
 
-int kvr_warm_start(kvr_daemon *d, kvr_error *err)
+int kvr__warm_start(kvr_daemon *d, kvr_error *err)
 {
     uint64_t want = d->cfg.prefault;
     if (want == 0)
@@ -100,7 +100,7 @@ int kvr_warm_start(kvr_daemon *d, kvr_error *err)
     return 0;
 }
 
-void kvr_warm_stop(kvr_daemon *d)
+void kvr__warm_stop(kvr_daemon *d)
 {
     if (!d->has_warm)
         return;

@@ -60,12 +60,15 @@ extern "C" {
     X(PENDING,     22, E_PENDING,         "KV of the range is pending (edited without KV, not refreshed yet)") \
     X(PREFIX,      23, E_PREFIX,          "document encoded against another prefix")
 
-/* X(NAME, n, text): codes that never travel on the wire (libkvrope's own). */
+/* X(NAME, n, text): codes that never travel on the wire (libkvrope's own,
+ * and FETCH, which the store returns to the daemon only: cache.h's
+ * kvr_store_miss_hooks). */
 #define KVR_ERRORS_LOCAL(X)                                                             \
     X(SYS,       1000, "system call failed")                                            \
     X(CLOSED,    1001, "connection closed")                                             \
     X(PROTO,     1002, "protocol error (undecodable response)")                         \
-    X(BUFFER,    1003, "destination buffer too small")
+    X(BUFFER,    1003, "destination buffer too small")                                 \
+    X(FETCH,     1004, "not in the store: the tier above it was asked for it")
 
 /* The wire Status of a code and back (OK <-> 0). */
 #define KVR_E_FROM_STATUS(s) ((s) == 0 ? 0 : -(KVR_E_BASE + (int)(s)))

@@ -127,33 +127,57 @@ def write_scalar(f, vtype, v):
 
 def parse_args(argv):
     p = argparse.ArgumentParser(description="write a seeded random Llama-architecture GGUF v3 model")
-    p.add_argument("-o", "--out", required=True)
-    p.add_argument("--arch", choices=["llama", "qwen2"], default="llama")
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--width", type=int, default=128)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--kv-heads", type=int, default=None)
-    p.add_argument("--head-dim", type=int, default=None)
-    p.add_argument("--ffn", type=int, default=None)
-    p.add_argument("--rope-base", type=float, default=10000.0)
-    p.add_argument("--rope-dim", type=int, default=None)
-    p.add_argument("--rope-scaling", choices=["none", "linear", "yarn"], default="none")
-    p.add_argument("--rope-factor", type=float, default=None)
-    p.add_argument("--orig-ctx", type=int, default=None)
-    p.add_argument("--yarn-beta-fast", type=float, default=None)
-    p.add_argument("--yarn-beta-slow", type=float, default=None)
-    p.add_argument("--yarn-ext-factor", type=float, default=None)
-    p.add_argument("--yarn-attn-factor", type=float, default=None)
-    p.add_argument("--yarn-log-mul", type=float, default=None)
-    p.add_argument("--ctx", type=int, default=4096)
-    p.add_argument("--dtype", choices=["f32", "f16"], default="f32")
-    p.add_argument("--seed", type=int, default=1)
-    p.add_argument("--eps", type=float, default=1e-5)
-    p.add_argument("--qkv-bias", action="store_true")
+    p.add_argument("-o", "--out", required=True, help="the GGUF file to write")
+    p.add_argument("--arch", choices=["llama", "qwen2"], default="llama",
+                   help="general.architecture: llama (RoPE pairs adjacent values) or qwen2 "
+                   "(NEOX halves; needs heads * head-dim == width) (default llama)")
+    p.add_argument("--layers", type=int, default=2, help="transformer blocks (default 2)")
+    p.add_argument("--width", type=int, default=128, help="embedding width n_embd (default 128)")
+    p.add_argument("--heads", type=int, default=4, help="query heads (default 4)")
+    p.add_argument("--kv-heads", type=int, default=None,
+                   help="key/value heads, dividing --heads (GQA) (default: --heads)")
+    p.add_argument("--head-dim", type=int, default=None,
+                   help="values per head (default: width / heads)")
+    p.add_argument("--ffn", type=int, default=None,
+                   help="feed-forward width (default: 2 * width)")
+    p.add_argument("--rope-base", type=float, default=10000.0,
+                   help="RoPE frequency base theta (default 10000)")
+    p.add_argument("--rope-dim", type=int, default=None,
+                   help="rotated values per head, even, at most --head-dim (qwen2 only; "
+                   "default: head-dim)")
+    p.add_argument("--rope-scaling", choices=["none", "linear", "yarn"], default="none",
+                   help="RoPE context extension (linear and yarn need --rope-factor) "
+                   "(default none)")
+    p.add_argument("--rope-factor", type=float, default=None,
+                   help="scaling factor of --rope-scaling, > 0")
+    p.add_argument("--orig-ctx", type=int, default=None,
+                   help="YaRN: the original training context length (default: --ctx)")
+    p.add_argument("--yarn-beta-fast", type=float, default=None,
+                   help="YaRN beta_fast, recorded in the GGUF (llama.cpp uses 32 unless its "
+                   "context parameters say otherwise)")
+    p.add_argument("--yarn-beta-slow", type=float, default=None,
+                   help="YaRN beta_slow, recorded (llama.cpp's default 1)")
+    p.add_argument("--yarn-ext-factor", type=float, default=None,
+                   help="YaRN extrapolation mix, recorded (llama.cpp's default 1)")
+    p.add_argument("--yarn-attn-factor", type=float, default=None,
+                   help="YaRN attention magnitude factor (rope.scaling.attn_factor)")
+    p.add_argument("--yarn-log-mul", type=float, default=None,
+                   help="YaRN log multiplier (rope.scaling.yarn_log_multiplier)")
+    p.add_argument("--ctx", type=int, default=4096,
+                   help="context_length the model declares (default 4096)")
+    p.add_argument("--dtype", choices=["f32", "f16"], default="f32",
+                   help="type of the weight matrices; norms and biases stay f32 (default f32)")
+    p.add_argument("--seed", type=int, default=1,
+                   help="seed of the random weights: same seed, same file (default 1)")
+    p.add_argument("--eps", type=float, default=1e-5,
+                   help="RMSNorm epsilon (default 1e-5)")
+    p.add_argument("--qkv-bias", action="store_true",
+                   help="add q/k/v biases (as qwen2 has)")
     p.add_argument("--std", type=float, default=None,
                    help="weight std (default 1/sqrt(fan_in); embeddings 1)")
-    p.add_argument("--name", default=None)
-    p.add_argument("--hf", default=None, help="directory with config.json + weights.npz")
+    p.add_argument("--name", default=None,
+                   help="general.name (default kvrope-ARCH-random-NL-WIDTH; -trained- with --hf)")
+    p.add_argument("--hf", default=None, help="trained weights: a directory with config.json (the shape) and weights.npz (HF tensor names)")
     p.add_argument("--fim", action="store_true",
                    help="add the fill-in-the-middle tokens (ids 260..266) and their GGUF keys")
     a = p.parse_args(argv)

@@ -543,6 +543,7 @@ static int cmd_stat(kvr_client *c, const cli_args *a)
         cJSON_AddNumberToObject(j, "bits_per_value", cc->bits_per_value);
         cJSON_AddNumberToObject(j, "rel_rms_k", cc->rel_rms_k);
         cJSON_AddNumberToObject(j, "rel_rms_v", cc->rel_rms_v);
+        cJSON_AddBoolToObject(j, "v_trans", cc->v_trans);
         cli_layout_stat_json(c, a->pos[0], j);
         cli_print_json(j);
     } else {
@@ -563,6 +564,9 @@ static int cmd_stat(kvr_client *c, const cli_args *a)
                    "kv bytes:     %s (%.3f bits/value), %s saved\n"
                    "rel. RMS:     K %.4g, V %.4g\n",
                    cc->n_window, kb, cc->bits_per_value, sb, cc->rel_rms_k, cc->rel_rms_v);
+        if (cc->v_trans)
+            printf("V layout:     imported transposed (flash attention off): llama export "
+                   "writes v_trans 1\n");
         cli_layout_stat_print(c, a->pos[0]);
     }
     return CLI_OK;

@@ -31,15 +31,18 @@ const char cli_llama_help[] =
 "                                     Registers the GGUF's profile as NAME (default\n"
 "                                     <general.name>-<fingerprint>). Also: --append\n"
 "                                     / --replace, --tokens-file F (raw states carry\n"
-"                                     no ids), --codec C, --no-attn-rot\n"
+"                                     no ids), --codec C, --persist, --no-attn-rot\n"
 "  llama export CTX -o STATE_FILE --gguf MODEL.gguf [--pos-start N] [--type-k T]\n"
 "               [--type-v T]          CTX as a state llama_state_seq_set_data takes:\n"
 "                                     keys re-rotated to N, N+1, .. (default: their\n"
 "                                     positions), K/V in the destination context's\n"
 "                                     types (f32 f16 bf16 q8_0 q4_0 q4_1 q5_0; default\n"
-"                                     f16). Also: --start/--end, --v-trans (flash\n"
-"                                     attention off), --session (the save_file form,\n"
-"                                     with tokens), --seq-id S, --model NAME\n";
+"                                     f16), V in the layout the context was imported\n"
+"                                     with (transposed if its state was: flash\n"
+"                                     attention off; else not), or as --v-trans /\n"
+"                                     --no-v-trans say. Also: --start/--end, --session\n"
+"                                     (the save_file form, with tokens), --seq-id S,\n"
+"                                     --model NAME\n";
 
 bool cli_llama_command(const char *cmd) { return cmd && !strcmp(cmd, "llama"); }
 
@@ -53,7 +56,8 @@ bool cli_llama_option_takes_value(const char *n)
 
 bool cli_llama_option_is_flag(const char *n)
 {
-    static const char *const v[] = { "append", "replace", "session", "v-trans", "no-attn-rot", NULL };
+    static const char *const v[] = { "append", "replace", "session", "v-trans", "no-v-trans",
+                                     "no-attn-rot", NULL };
     for (int i = 0; v[i]; i++)
         if (!strcmp(v[i], n)) return true;
     return false;
@@ -118,6 +122,7 @@ static int cmd_import(kvr_client *c, const cli_args *a)
            : cli_flag(a, "replace") ? KVR_LLAMA_IMPORT_REPLACE : KVR_LLAMA_IMPORT_CREATE;
     o.codec = cli_opt(a, "codec");
     o.no_attn_rot = cli_flag(a, "no-attn-rot");
+    o.persist = cli_flag(a, "persist");
     uint32_t *toks = NULL;
     const char *tf = cli_opt(a, "tokens-file"), *tl = cli_opt(a, "tokens");
     char err[512];
@@ -187,8 +192,8 @@ static int cmd_import(kvr_client *c, const cli_args *a)
                info.form == KVR_LLAMA_FORM_SESSION ? "a session file" : "a raw state", ctx,
                info.model, info.codec, (unsigned long long)info.ctx_tokens);
         if (info.v_trans)
-            printf("the state had V transposed (flash attention off): export it back to such "
-                   "a context with --v-trans\n");
+            printf("the state had V transposed (flash attention off): recorded, so `kvrope "
+                   "llama export %s` writes V transposed unless --no-v-trans\n", ctx);
     }
     return CLI_OK;
 }
@@ -223,7 +228,10 @@ static int cmd_export(kvr_client *c, const cli_args *a)
         if (!parse_i64(s, &v) || v < 0 || v > INT32_MAX) return cli_usage_err("llama export: bad --seq-id '%s'", s);
         o.seq_id = (int32_t)v;
     }
+    if (cli_flag(a, "v-trans") && cli_flag(a, "no-v-trans"))
+        return cli_usage_err("llama export: --v-trans and --no-v-trans exclude each other");
     o.v_trans = cli_flag(a, "v-trans");
+    o.v_trans_auto = !o.v_trans && !cli_flag(a, "no-v-trans");
     o.no_attn_rot = cli_flag(a, "no-attn-rot");
     o.form = cli_flag(a, "session") ? KVR_LLAMA_FORM_SESSION : KVR_LLAMA_FORM_RAW;
     kvr_llama_model m;
@@ -252,20 +260,26 @@ static int cmd_export(kvr_client *c, const cli_args *a)
         cJSON_AddNumberToObject(j, "pos_last", (double)info.pos_last);
         cJSON_AddStringToObject(j, "type_k", kvr_llama_type_name(info.type_k));
         cJSON_AddStringToObject(j, "type_v", kvr_llama_type_name(info.type_v));
-        cJSON_AddBoolToObject(j, "v_trans", o.v_trans);
+        cJSON_AddBoolToObject(j, "v_trans", info.v_trans);
+        cJSON_AddStringToObject(j, "v_trans_from", o.v_trans_auto ? "context" : "option");
         cJSON_AddNumberToObject(j, "approximate", (double)info.approx_tokens);
         cJSON_AddNumberToObject(j, "state_bytes", (double)info.state_bytes);
         cJSON_AddNumberToObject(j, "payload_bytes", (double)info.payload_bytes);
         cli_print_json(j);
     } else if (!a->quiet) {
-        printf("exported %llu cells of %s (positions %lld..%lld, K %s, V %s, %s) to %s: %llu bytes%s\n",
+        const char *why = !o.v_trans_auto ? "as asked"
+                        : info.v_trans ? "as the context was imported; --no-v-trans for on"
+                                       : "the context was not imported transposed; --v-trans "
+                                         "for off";
+        printf("exported %llu cells of %s (positions %lld..%lld, K %s, V %s) to %s: %llu bytes%s\n"
+               "V layout written: %s (%s)\n",
                (unsigned long long)info.n_cells, ctx, (long long)info.pos_first,
                (long long)info.pos_last, kvr_llama_type_name(info.type_k),
-               kvr_llama_type_name(info.type_v),
-               o.v_trans ? "V transposed: v_trans 1, for flash attention off"
-                         : "v_trans 0, for flash attention on; --v-trans for off", out,
-               (unsigned long long)info.state_bytes,
-               info.approx_tokens ? " (some tokens approximate: edited since)" : "");
+               kvr_llama_type_name(info.type_v), out, (unsigned long long)info.state_bytes,
+               info.approx_tokens ? " (some tokens approximate: edited since)" : "",
+               info.v_trans ? "v_trans 1, V transposed, for a context with flash attention off"
+                            : "v_trans 0, for a context with flash attention on",
+               why);
     }
     return CLI_OK;
 }

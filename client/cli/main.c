@@ -12,6 +12,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include "client/cli/cli.h"
@@ -470,6 +471,12 @@ int main(int argc, char **argv)
             fprintf(stderr, "kvrope: is kvroped running? `make run` starts it on %s%s\n"
                     "kvrope: elsewhere: --socket PATH or KVROPE_SOCKET=PATH\n", def,
                     strcmp(addr + 5, def) ? " (this tried another path)" : "");
+            /* `sudo make run`: the socket is in root's private directory. */
+            struct stat rs;
+            if (geteuid() != 0 && stat("/run/kvrope", &rs) == 0 && rs.st_uid == 0)
+                fprintf(stderr, "kvrope: a make run as root listens in /run/kvrope, which only "
+                        "root can open: run `make run` as yourself (install the packages once "
+                        "with `sudo scripts/deps.sh run`)\n");
         }
         if (a.json) {
             printf("{\"error\": {\"code\": %d, \"name\": \"%s\", \"message\": \"cannot connect\"}}\n",

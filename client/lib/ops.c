@@ -488,6 +488,7 @@ static int put_common(kvr_client *c, const kvr_put_args *a, const char *group,
     if (a->codec && a->codec[0])
         put.codec = unconst(a->codec);
     SET_FLAG(put, persist, a->persist);
+    SET_FLAG(put, v_trans, a->v_trans);
     SET_FLAG(put, share, a->share || a->share_sync);
     SET_FLAG(put, share_sync, a->share_sync);
     Kvrope__Request req = KVROPE__REQUEST__INIT;
@@ -862,6 +863,7 @@ static void ctx_from_wire(kvr_context *o, const Kvrope__ContextInfo *ci)
     o->bits_per_value = ci->has_bits_per_value ? ci->bits_per_value : 0.0;
     o->rel_rms_k = ci->has_rel_rms_k ? ci->rel_rms_k : 0.0;
     o->rel_rms_v = ci->has_rel_rms_v ? ci->rel_rms_v : 0.0;
+    o->v_trans = ci->has_v_trans && ci->v_trans;
 }
 
 static size_t count_contexts(const Kvrope__Response *resp) { return resp->contexts->n_contexts; }
@@ -1269,6 +1271,7 @@ static int layout_call(kvr_client *c, Kvrope__Request *req, const char *what,
         out->sinks = li->has_sinks ? li->sinks : 0;
         out->window = li->has_window ? li->window : 0;
         out->n_dropped = li->has_dropped ? li->dropped : 0;
+        out->v_trans = li->has_v_trans && li->v_trans;
     }
     kvrope__response__free_unpacked(resp, NULL);
     return 0;

@@ -260,6 +260,7 @@ int kvr_llama_state_import(kvr_client *c, const char *ctx, const void *state, si
         pa.iovcnt = iovcnt;
         pa.codec = exists && !replace ? NULL : codec;
         pa.persist = opts->persist;
+        pa.v_trans = st->v_trans;   /* recorded on create: export's default */
         kvr_put_res pr;
         rc = kvr_client_put(c, &pa, &pr);
         if (rc == KVR_EFINGERPRINT && replace) {
@@ -328,7 +329,7 @@ int kvr_llama_state_export(kvr_client *c, const char *ctx, const kvr_llama_model
     kvr_llama_type tv = opts->type_v ? opts->type_v : KVR_LLAMA_F16;
     if (kvr_llama_type_to_ggml(tk) < 0 || kvr_llama_type_to_ggml(tv) < 0)
         return kvr_br_fail(err, errlen, KVR_EINVAL, "unknown destination K/V type");
-    if (opts->v_trans && kvr_llama_type_is_quantized(tv))
+    if (!opts->v_trans_auto && opts->v_trans && kvr_llama_type_is_quantized(tv))
         return kvr_br_fail(err, errlen, KVR_EUNSUPPORTED,
                            "quantized V (%s) needs v_trans 0 (flash attention)", kvr_llama_type_name(tv));
     uint32_t nval = m->n_kv_heads * m->head_dim;
@@ -339,6 +340,13 @@ int kvr_llama_state_export(kvr_client *c, const char *ctx, const kvr_llama_model
     if (rc) return rc;
     kvr_context ci;
     if ((rc = check_ctx(c, ctx, name, &ci, err, errlen)) != 0) return rc;
+    bool v_trans = opts->v_trans_auto ? ci.v_trans : opts->v_trans;
+    if (opts->v_trans_auto && v_trans && kvr_llama_type_is_quantized(tv))
+        return kvr_br_fail(err, errlen, KVR_EUNSUPPORTED,
+                           "'%s' was imported from a state with V transposed (flash attention "
+                           "off), and quantized V (%s) needs v_trans 0 (flash attention on): "
+                           "choose the layout (--no-v-trans) or an f16/f32/bf16 V", ctx,
+                           kvr_llama_type_name(tv));
     uint64_t s0 = opts->start, s1 = opts->end ? opts->end : ci.n_tokens;
     if (s0 >= s1 || s1 > ci.n_tokens)
         return kvr_br_fail(err, errlen, KVR_ERANGE, "tokens [%llu, %llu) outside '%s' (%llu tokens)",
@@ -404,7 +412,7 @@ int kvr_llama_state_export(kvr_client *c, const char *ctx, const kvr_llama_model
     ea.dtype = dt;
     ea.type_k = tk;
     ea.type_v = tv;
-    ea.v_trans = opts->v_trans;
+    ea.v_trans = v_trans;
     ea.no_attn_rot = opts->no_attn_rot;
     ea.form = opts->form;
     ea.seq_id = opts->seq_id;
@@ -426,6 +434,8 @@ int kvr_llama_state_export(kvr_client *c, const char *ctx, const kvr_llama_model
         info->pos_last = pos[n - 1];
         info->type_k = tk;
         info->type_v = tv;
+        info->v_trans = v_trans;
+        info->v_trans_recorded = ci.v_trans;
         info->approx_tokens = approx;
         info->payload_bytes = kv.payload_len;
         info->state_bytes = *len;

@@ -311,6 +311,10 @@ typedef struct kvr_llama_export_opts {
     size_t          dst_cap;
     void           *scratch;
     size_t          scratch_cap;
+    bool            v_trans_auto; /* instead of v_trans: the layout the context was
+                                     imported with (an import records the state's
+                                     v_trans: kvr_context.v_trans), for a caller
+                                     that does not know the destination */
 } kvr_llama_export_opts;
 
 typedef struct kvr_llama_export_info {
@@ -320,6 +324,8 @@ typedef struct kvr_llama_export_info {
     uint64_t       approx_tokens;  /* tokens flagged approximate (edited since) */
     uint64_t       payload_bytes;  /* bytes fetched from the daemon */
     uint64_t       state_bytes;
+    bool           v_trans;        /* the V layout written (1: transposed) */
+    bool           v_trans_recorded;  /* the context's import record said transposed */
 } kvr_llama_export_info;
 
 /* Exports tokens [start, end) of ctx, all layers, as a state: keys re-rotated

@@ -156,11 +156,11 @@ int main(void)
     int64_t *pos = malloc(CTX_TOKENS * sizeof *pos);
     for (size_t i = 0; i < CTX_TOKENS; i++)
         pos[i] = (int64_t)i;
-    uint64_t h = kvr_rt_chain_seed(&desc);
+    uint64_t h = kvr__rt_chain_seed(&desc);
     size_t vbytes = 0;
     for (size_t b = 0; b < nb; b++) {
-        h = kvr_rt_chain_next(h, tok + b * KVR_RT_BLOCK, pos + b * KVR_RT_BLOCK, KVR_RT_BLOCK);
-        kvr_rt_block_key(h, keys[b]);
+        h = kvr__rt_chain_next(h, tok + b * KVR_RT_BLOCK, pos + b * KVR_RT_BLOCK, KVR_RT_BLOCK);
+        kvr__rt_block_key(h, keys[b]);
         where[b] = conn_for(&T, pool, keys[b]);
         if (!where[b]) {
             fprintf(stderr, "block %zu not found in the cluster\n", b);

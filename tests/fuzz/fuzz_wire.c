@@ -101,11 +101,11 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
         kvr_frame_header h;
         kvr_frame_limits lim = { .max_msg_len = 64u << 10, .max_payload_len = 64u << 20 };
         (void)kvr_frame_header_decode(data, &h, &lim);
-        Kvrope__Request *r = kvrope__request__unpack(&kvr_pb_allocator,
+        Kvrope__Request *r = kvrope__request__unpack(&kvr__pb_allocator,
                                                      size - KVR_FRAME_HEADER_SIZE,
                                                      data + KVR_FRAME_HEADER_SIZE);
         if (r)
-            kvrope__request__free_unpacked(r, &kvr_pb_allocator);
+            kvrope__request__free_unpacked(r, &kvr__pb_allocator);
     }
     stream_through_daemon(data, size);
     return 0;

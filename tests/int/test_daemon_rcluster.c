@@ -5,7 +5,7 @@
  * and seed parsing, and against a 3+3 loopback cluster: routing, pipelined
  * batches, ASK during a slot migration and MOVED after it, ACL auth (and a
  * wrong password), an unreachable seed list; replies read straight into
- * caller memory (kvr_rc_batch_sink) at sizes around its buffer, through an
+ * caller memory (kvr__rc_batch_sink) at sizes around its buffer, through an
  * ASK; the 3-lane CRC32C against the table one.
  */
 #include <criterion/criterion.h>
@@ -16,27 +16,27 @@
 Test(rcluster, crc16_reference)
 {
     /* The specification's reference: CRC16/XMODEM("123456789") = 0x31C3. */
-    cr_assert_eq(kvr_rc_crc16("123456789", 9), 0x31C3);
-    cr_assert_eq(kvr_rc_crc16("", 0), 0);
+    cr_assert_eq(kvr__rc_crc16("123456789", 9), 0x31C3);
+    cr_assert_eq(kvr__rc_crc16("", 0), 0);
 }
 
 Test(rcluster, hash_tags)
 {
     /* The specification's examples. */
-    cr_assert_eq(kvr_rc_key_slot("{user1000}.following", 20),
-                 kvr_rc_key_slot("{user1000}.followers", 20));
-    cr_assert_eq(kvr_rc_key_slot("{user1000}.following", 20), kvr_rc_key_slot("user1000", 8));
-    cr_assert_eq(kvr_rc_key_slot("foo{}{bar}", 10),
-                 kvr_rc_crc16("foo{}{bar}", 10) & 16383);               /* whole key */
-    cr_assert_eq(kvr_rc_key_slot("foo{{bar}}zap", 13), kvr_rc_key_slot("{bar", 4) ,
+    cr_assert_eq(kvr__rc_key_slot("{user1000}.following", 20),
+                 kvr__rc_key_slot("{user1000}.followers", 20));
+    cr_assert_eq(kvr__rc_key_slot("{user1000}.following", 20), kvr__rc_key_slot("user1000", 8));
+    cr_assert_eq(kvr__rc_key_slot("foo{}{bar}", 10),
+                 kvr__rc_crc16("foo{}{bar}", 10) & 16383);               /* whole key */
+    cr_assert_eq(kvr__rc_key_slot("foo{{bar}}zap", 13), kvr__rc_key_slot("{bar", 4) ,
                  "'{bar' is hashed");
-    cr_assert_eq(kvr_rc_key_slot("foo{{bar}}zap", 13), kvr_rc_crc16("{bar", 4) & 16383);
-    cr_assert_eq(kvr_rc_key_slot("foo{bar}{zap}", 13), kvr_rc_key_slot("bar", 3));
-    cr_assert_eq(kvr_rc_key_slot("foo{bar", 7), kvr_rc_crc16("foo{bar", 7) & 16383);
+    cr_assert_eq(kvr__rc_key_slot("foo{{bar}}zap", 13), kvr__rc_crc16("{bar", 4) & 16383);
+    cr_assert_eq(kvr__rc_key_slot("foo{bar}{zap}", 13), kvr__rc_key_slot("bar", 3));
+    cr_assert_eq(kvr__rc_key_slot("foo{bar", 7), kvr__rc_crc16("foo{bar", 7) & 16383);
     /* Well-known slots (CLUSTER KEYSLOT). */
-    cr_assert_eq(kvr_rc_key_slot("foo", 3), 12182);
-    cr_assert_eq(kvr_rc_key_slot("bar", 3), 5061);
-    cr_assert_eq(kvr_rc_key_slot("hello", 5), 866);
+    cr_assert_eq(kvr__rc_key_slot("foo", 3), 12182);
+    cr_assert_eq(kvr__rc_key_slot("bar", 3), 5061);
+    cr_assert_eq(kvr__rc_key_slot("hello", 5), 866);
 }
 
 Test(rcluster, parse_redirect)
@@ -46,13 +46,13 @@ Test(rcluster, parse_redirect)
     char host[64];
     int port;
     const char *m = "MOVED 3999 127.0.0.1:6381";
-    cr_assert_eq(kvr_rc_parse_redirect(m, strlen(m), &ask, &slot, host, sizeof host, &port), 0);
+    cr_assert_eq(kvr__rc_parse_redirect(m, strlen(m), &ask, &slot, host, sizeof host, &port), 0);
     cr_assert(!ask);
     cr_assert_eq(slot, 3999);
     cr_assert_str_eq(host, "127.0.0.1");
     cr_assert_eq(port, 6381);
     const char *a = "ASK 16383 ::1:7000";
-    cr_assert_eq(kvr_rc_parse_redirect(a, strlen(a), &ask, &slot, host, sizeof host, &port), 0);
+    cr_assert_eq(kvr__rc_parse_redirect(a, strlen(a), &ask, &slot, host, sizeof host, &port), 0);
     cr_assert(ask);
     cr_assert_eq(slot, 16383);
     cr_assert_str_eq(host, "::1");
@@ -60,7 +60,7 @@ Test(rcluster, parse_redirect)
     const char *bad[] = { "MOVED", "MOVED x 1.2.3.4:5", "MOVED 16384 h:1", "ASK 1 h:0",
                           "ASK 1 h", "ERR MOVED 1 h:1", "MOVED 1 :5", "CLUSTERDOWN" };
     for (size_t i = 0; i < sizeof bad / sizeof *bad; i++)
-        cr_assert_lt(kvr_rc_parse_redirect(bad[i], strlen(bad[i]), &ask, &slot, host,
+        cr_assert_lt(kvr__rc_parse_redirect(bad[i], strlen(bad[i]), &ask, &slot, host,
                                            sizeof host, &port), 0, "%s", bad[i]);
 }
 
@@ -68,17 +68,17 @@ Test(rcluster, parse_seeds)
 {
     char h[4][64];
     int p[4];
-    cr_assert_eq(kvr_rc_parse_seeds("redis://127.0.0.1:7000,localhost:7001", h, p, 4, NULL), 2);
+    cr_assert_eq(kvr__rc_parse_seeds("redis://127.0.0.1:7000,localhost:7001", h, p, 4, NULL), 2);
     cr_assert_str_eq(h[0], "127.0.0.1");
     cr_assert_eq(p[1], 7001);
-    cr_assert_eq(kvr_rc_parse_seeds("a:1,redis://b:2", h, p, 4, NULL), 2);
+    cr_assert_eq(kvr__rc_parse_seeds("a:1,redis://b:2", h, p, 4, NULL), 2);
     kvr_error e = { 0 };
-    cr_assert_eq(kvr_rc_parse_seeds("", h, p, 4, &e), KVR_EINVAL);
-    cr_assert_eq(kvr_rc_parse_seeds("host", h, p, 4, &e), KVR_EINVAL);
+    cr_assert_eq(kvr__rc_parse_seeds("", h, p, 4, &e), KVR_EINVAL);
+    cr_assert_eq(kvr__rc_parse_seeds("host", h, p, 4, &e), KVR_EINVAL);
     cr_assert(strstr(e.msg, "HOST:PORT"), "%s", e.msg);
-    cr_assert_eq(kvr_rc_parse_seeds("h:1,,h:2", h, p, 4, NULL), KVR_EINVAL);
-    cr_assert_eq(kvr_rc_parse_seeds("h:99999", h, p, 4, NULL), KVR_EINVAL);
-    cr_assert_eq(kvr_rc_parse_seeds("a:1,b:2,c:3,d:4,e:5", h, p, 4, NULL), KVR_EINVAL);
+    cr_assert_eq(kvr__rc_parse_seeds("h:1,,h:2", h, p, 4, NULL), KVR_EINVAL);
+    cr_assert_eq(kvr__rc_parse_seeds("h:99999", h, p, 4, NULL), KVR_EINVAL);
+    cr_assert_eq(kvr__rc_parse_seeds("a:1,b:2,c:3,d:4,e:5", h, p, 4, NULL), KVR_EINVAL);
 }
 
 static int set_get(kvr_rc *rc, const char *key, const char *val, char *got, size_t cap)
@@ -87,7 +87,7 @@ static int set_get(kvr_rc *rc, const char *key, const char *val, char *got, size
     size_t sl[] = { 3, strlen(key), strlen(val) };
     redisReply *r;
     kvr_error e = { 0 };
-    int x = kvr_rc_command(rc, 3, sv, sl, &r, &e);
+    int x = kvr__rc_command(rc, 3, sv, sl, &r, &e);
     if (x < 0) {
         fprintf(stderr, "SET %s: %s\n", key, e.msg);
         return x;
@@ -95,7 +95,7 @@ static int set_get(kvr_rc *rc, const char *key, const char *val, char *got, size
     freeReplyObject(r);
     const char *gv[] = { "GET", key };
     size_t gl[] = { 3, strlen(key) };
-    x = kvr_rc_command(rc, 2, gv, gl, &r, &e);
+    x = kvr__rc_command(rc, 2, gv, gl, &r, &e);
     if (x < 0) {
         fprintf(stderr, "GET %s: %s\n", key, e.msg);
         return x;
@@ -121,11 +121,11 @@ Test(rcluster_live, routing_batch_auth, .init = cl_setup, .fini = cl_teardown, .
 {
     kvr_rc *rc;
     kvr_error e = { 0 };
-    cr_assert_eq(kvr_rc_create(&rc, &(kvr_rc_config){ .seeds = T.seeds, .user = "kvr",
+    cr_assert_eq(kvr__rc_create(&rc, &(kvr_rc_config){ .seeds = T.seeds, .user = "kvr",
                                                      .password = "kvrpass" }, &e), 0);
-    cr_assert_eq(kvr_rc_refresh(rc, &e), 0, "%s", e.msg);
+    cr_assert_eq(kvr__rc_refresh(rc, &e), 0, "%s", e.msg);
     kvr_rc_stats st;
-    kvr_rc_get_stats(rc, &st);
+    kvr__rc_get_stats(rc, &st);
     cr_assert(st.have_map);
     cr_assert_eq(st.n_masters, 3);
     /* Our slots agree with the server's CLUSTER KEYSLOT. */
@@ -134,7 +134,7 @@ Test(rcluster_live, routing_batch_auth, .init = cl_setup, .fini = cl_teardown, .
         char args[128], out[64];
         snprintf(args, sizeof args, "cluster keyslot '%s'", keys[i]);
         cr_assert_eq(tcluster_cli(&T, T.ports[0], args, out, sizeof out), 0);
-        cr_assert_eq((unsigned)atoi(out), kvr_rc_key_slot(keys[i], strlen(keys[i])), "%s",
+        cr_assert_eq((unsigned)atoi(out), kvr__rc_key_slot(keys[i], strlen(keys[i])), "%s",
                      keys[i]);
     }
     /* 200 keys over every master, and pipelined back. */
@@ -157,7 +157,7 @@ Test(rcluster_live, routing_batch_auth, .init = cl_setup, .fini = cl_teardown, .
         cmds[i] = (kvr_rc_cmd){ 2, argv[i], argl[i] };
     }
     redisReply *out[201];
-    cr_assert_eq(kvr_rc_batch(rc, 201, cmds, out), 201);
+    cr_assert_eq(kvr__rc_batch(rc, 201, cmds, out), 201);
     for (int i = 0; i < 200; i++) {
         cr_assert_eq(out[i]->type, REDIS_REPLY_STRING);
         cr_assert_str_eq(out[i]->str, val[i]);
@@ -165,27 +165,27 @@ Test(rcluster_live, routing_batch_auth, .init = cl_setup, .fini = cl_teardown, .
     }
     cr_assert_eq(out[200]->type, REDIS_REPLY_NIL);
     freeReplyObject(out[200]);
-    kvr_rc_get_stats(rc, &st);
+    kvr__rc_get_stats(rc, &st);
     cr_assert_eq(st.moved, 0);
-    kvr_rc_destroy(rc);
+    kvr__rc_destroy(rc);
 
     /* A wrong password: a clear error naming the user. */
-    cr_assert_eq(kvr_rc_create(&rc, &(kvr_rc_config){ .seeds = T.seeds, .user = "kvr",
+    cr_assert_eq(kvr__rc_create(&rc, &(kvr_rc_config){ .seeds = T.seeds, .user = "kvr",
                                                      .password = "nope" }, &e), 0);
-    cr_assert_eq(kvr_rc_refresh(rc, &e), KVR_EUNAUTH);
+    cr_assert_eq(kvr__rc_refresh(rc, &e), KVR_EUNAUTH);
     cr_assert(strstr(e.msg, "AUTH") && strstr(e.msg, "kvr"), "%s", e.msg);
-    kvr_rc_destroy(rc);
+    kvr__rc_destroy(rc);
 
     /* Nobody listening: KVR_EIO, bounded. */
-    cr_assert_eq(kvr_rc_create(&rc, &(kvr_rc_config){ .seeds = "127.0.0.1:1", .retry_ms = 300 },
+    cr_assert_eq(kvr__rc_create(&rc, &(kvr_rc_config){ .seeds = "127.0.0.1:1", .retry_ms = 300 },
                                &e), 0);
-    cr_assert_eq(kvr_rc_refresh(rc, &e), KVR_EIO);
+    cr_assert_eq(kvr__rc_refresh(rc, &e), KVR_EIO);
     char got[8];
     cr_assert_eq(set_get(rc, "x", "y", got, sizeof got), KVR_EIO);
-    kvr_rc_destroy(rc);
+    kvr__rc_destroy(rc);
 }
 
-/* ---- kvr_rc_batch_sink: replies read straight into caller memory ------- */
+/* ---- kvr__rc_batch_sink: replies read straight into caller memory ------- */
 
 typedef struct tsink {
     uint8_t *buf[64];
@@ -255,8 +255,8 @@ Test(rcluster_live, batch_sink, .init = cl_setup, .fini = cl_teardown, .timeout 
 {
     kvr_rc *rc;
     kvr_error e = { 0 };
-    cr_assert_eq(kvr_rc_create(&rc, &(kvr_rc_config){ .seeds = T.seeds }, &e), 0);
-    cr_assert_eq(kvr_rc_refresh(rc, &e), 0, "%s", e.msg);
+    cr_assert_eq(kvr__rc_create(&rc, &(kvr_rc_config){ .seeds = T.seeds }, &e), 0);
+    cr_assert_eq(kvr__rc_refresh(rc, &e), 0, "%s", e.msg);
     /* Sizes around the reader's 16 KiB header buffer, empty, and large. */
     static const size_t sizes[] = { 0, 1, 2, 100, 16381, 16382, 16384, 16385, 70000,
                                     1u << 20, 3u << 20, 5, 0, 33 };
@@ -273,7 +273,7 @@ Test(rcluster_live, batch_sink, .init = cl_setup, .fini = cl_teardown, .timeout 
         const char *argv[] = { "SET", key[i], (const char *)val[i] };
         size_t argl[] = { 3, strlen(key[i]), sizes[i] };
         redisReply *r;
-        cr_assert_eq(kvr_rc_command(rc, 3, argv, argl, &r, &e), 0, "%s", e.msg);
+        cr_assert_eq(kvr__rc_command(rc, 3, argv, argl, &r, &e), 0, "%s", e.msg);
         freeReplyObject(r);
     }
     snprintf(key[NK], 32, "sink-missing");
@@ -292,7 +292,7 @@ Test(rcluster_live, batch_sink, .init = cl_setup, .fini = cl_teardown, .timeout 
     for (int pass = 0; pass < 2; pass++) {
         memset(&t, 0, sizeof t);
         t.cap_max = pass ? 1000 : 0;
-        cr_assert_eq(kvr_rc_batch_sink(rc, NK + 1, cmds, &TS, &t), NK);
+        cr_assert_eq(kvr__rc_batch_sink(rc, NK + 1, cmds, &TS, &t), NK);
         for (int i = 0; i < NK; i++) {
             cr_assert_eq(t.begins[i], 1);
             cr_assert_eq(t.ends[i], 1);
@@ -313,7 +313,7 @@ Test(rcluster_live, batch_sink, .init = cl_setup, .fini = cl_teardown, .timeout 
     cr_assert_str_eq(got, "fine");
     for (int i = 0; i < NK; i++)
         free(val[i]);
-    kvr_rc_destroy(rc);
+    kvr__rc_destroy(rc);
 }
 
 /* The 3-lane SSE4.2 CRC32C (cache/disk_crc.c) on lengths and alignments
@@ -352,11 +352,11 @@ Test(rcluster_live, ask_then_moved, .init = cl_setup, .fini = cl_teardown, .time
 {
     kvr_rc *rc;
     kvr_error e = { 0 };
-    cr_assert_eq(kvr_rc_create(&rc, &(kvr_rc_config){ .seeds = T.seeds }, &e), 0);
-    cr_assert_eq(kvr_rc_refresh(rc, &e), 0, "%s", e.msg);
+    cr_assert_eq(kvr__rc_create(&rc, &(kvr_rc_config){ .seeds = T.seeds }, &e), 0);
+    cr_assert_eq(kvr__rc_refresh(rc, &e), 0, "%s", e.msg);
     char got[64];
     cr_assert_eq(set_get(rc, "{mig}old", "before", got, sizeof got), 0);
-    unsigned slot = kvr_rc_key_slot("{mig}old", 8);
+    unsigned slot = kvr__rc_key_slot("{mig}old", 8);
     int src = tcluster_master_of(&T, slot), dst = -1;
     cr_assert_gt(src, 0);
     for (unsigned s = 0; s < 16384 && dst < 0; s += 1000) {
@@ -376,7 +376,7 @@ Test(rcluster_live, ask_then_moved, .init = cl_setup, .fini = cl_teardown, .time
     cr_assert_eq(set_get(rc, "{mig}new", "during", got, sizeof got), 0);
     cr_assert_str_eq(got, "during");
     kvr_rc_stats st;
-    kvr_rc_get_stats(rc, &st);
+    kvr__rc_get_stats(rc, &st);
     cr_assert_geq(st.ask, 2, "SET and GET were asked on: %llu", (unsigned long long)st.ask);
     cr_assert_eq(st.moved, 0);
     /* A sink batch in the middle of it: {mig}old straight from the source,
@@ -387,7 +387,7 @@ Test(rcluster_live, ask_then_moved, .init = cl_setup, .fini = cl_teardown, .time
         const char *a0[] = { "GET", "{mig}old" }, *a1[] = { "GET", "{mig}new" };
         size_t l0[] = { 3, 8 }, l1[] = { 3, 8 };
         kvr_rc_cmd c2[] = { { 2, a0, l0 }, { 2, a1, l1 } };
-        cr_assert_eq(kvr_rc_batch_sink(rc, 2, c2, &TS, &t), 2);
+        cr_assert_eq(kvr__rc_batch_sink(rc, 2, c2, &TS, &t), 2);
         cr_assert_eq(t.len[0], 6);
         cr_assert_eq(memcmp(t.buf[0], "before", 6), 0);
         cr_assert_eq(t.len[1], 6);
@@ -405,17 +405,17 @@ Test(rcluster_live, ask_then_moved, .init = cl_setup, .fini = cl_teardown, .time
     const char *gv[] = { "GET", "{mig}old" };
     size_t gl[] = { 3, 8 };
     redisReply *r;
-    cr_assert_eq(kvr_rc_command(rc, 2, gv, gl, &r, &e), 0, "%s", e.msg);
+    cr_assert_eq(kvr__rc_command(rc, 2, gv, gl, &r, &e), 0, "%s", e.msg);
     cr_assert_eq(r->type, REDIS_REPLY_STRING);
     cr_assert_str_eq(r->str, "before");
     freeReplyObject(r);
-    kvr_rc_get_stats(rc, &st);
+    kvr__rc_get_stats(rc, &st);
     cr_assert_geq(st.moved, 1);
     /* The map learned it: no more redirects for that slot. */
     uint64_t moved = st.moved;
-    cr_assert_eq(kvr_rc_command(rc, 2, gv, gl, &r, &e), 0);
+    cr_assert_eq(kvr__rc_command(rc, 2, gv, gl, &r, &e), 0);
     freeReplyObject(r);
-    kvr_rc_get_stats(rc, &st);
+    kvr__rc_get_stats(rc, &st);
     cr_assert_eq(st.moved, moved);
-    kvr_rc_destroy(rc);
+    kvr__rc_destroy(rc);
 }

@@ -117,6 +117,13 @@ static int get_kv(kvr_client *c, const char *ctx, uint64_t start, uint64_t end,
     return kvr_client_get(c, &g, kv);
 }
 
+/* A match+get of n tokens of tok on c, in F16: 0 and *m, or the error. */
+static int match_kv(kvr_client *c, const uint32_t *tok, size_t n, kvr_match_res *m)
+{
+    return kvr_client_match(c, &(kvr_match_args){ .model = "tiny", .tokens = tok, .n_tokens = n,
+                                                 .get = true, .dtype = KVR_DTYPE_F16 }, m);
+}
+
 static void assert_same(const kvr_kv *x, const kvr_kv *y)
 {
     cr_assert_eq(x->n_tokens, y->n_tokens);
@@ -155,9 +162,7 @@ Test(int_cluster, share_on_a_get_and_match_on_b)
     for (int i = 200; i < 260; i++)
         prompt[i] = 5;
     kvr_match_res m;
-    cr_assert_eq(kvr_client_match(CB, &(kvr_match_args){ .model = "tiny", .tokens = prompt,
-                                                        .n_tokens = 260, .get = true,
-                                                        .dtype = KVR_DTYPE_F16 }, &m), 0);
+    cr_assert_eq(match_kv(CB, prompt, 260, &m), 0);
     /* All 200: three whole blocks and doc's last, shorter one. */
     cr_assert_eq(m.length, 200, "remote prefix: %llu", (unsigned long long)m.length);
     cr_assert(!strncmp(m.ctx_id, "cluster:", 8), "%s", m.ctx_id);
@@ -183,9 +188,7 @@ Test(int_cluster, share_on_a_get_and_match_on_b)
         uint32_t *pr = testd_tokens(1000, 260);
         for (size_t i = fin[t].diverge; i < 260; i++)
             pr[i] = 7;
-        cr_assert_eq(kvr_client_match(CB, &(kvr_match_args){ .model = "tiny", .tokens = pr,
-                                                            .n_tokens = 260, .get = true,
-                                                            .dtype = KVR_DTYPE_F16 }, &m), 0);
+        cr_assert_eq(match_kv(CB, pr, 260, &m), 0);
         cr_assert_eq(m.length, fin[t].want, "diverging at %zu: %llu", fin[t].diverge,
                      (unsigned long long)m.length);
         cr_assert_eq(get_kv(CA, "doc", 0, fin[t].want, NULL, &ka), 0);
@@ -420,20 +423,20 @@ Test(int_cluster, quantized_travels)
     kvr_rc *rc = test_rc();
     /* Find its chunk by its manifest (the key scheme of docs/cluster.md). */
     char mk[KVR_RT_KEY_MAX];
-    kvr_rt_manifest_key("q-bad", mk);
+    kvr__rt_manifest_key("q-bad", mk);
     const char *gv[] = { "GET", mk };
     size_t gl[] = { 3, strlen(mk) };
     redisReply *x;
-    cr_assert_eq(kvr_rc_command(rc, 2, gv, gl, &x, NULL), 0);
+    cr_assert_eq(kvr__rc_command(rc, 2, gv, gl, &x, NULL), 0);
     kvr_rt_manifest m;
-    cr_assert_eq(kvr_rt_manifest_decode((const uint8_t *)x->str, x->len, "q-bad", &m, NULL), 0);
+    cr_assert_eq(kvr__rt_manifest_decode((const uint8_t *)x->str, x->len, "q-bad", &m, NULL), 0);
     freeReplyObject(x);
     cr_assert(m.quant);
     cr_assert_eq(m.n_raw, 100);
     char ck[KVR_RT_KEY_MAX];
-    kvr_rt_chunk_key(m.chains[0], ck);
+    kvr__rt_chunk_key(m.chains[0], ck);
     rc_set(rc, ck, "garbage!", 8);
-    kvr_rt_manifest_free(&m);
+    kvr__rt_manifest_free(&m);
     double c0 = testd_metric(CB, "remote_fetch_corrupt");
     kvr_kv kb;
     cr_assert_eq(get_kv(CB, "q-bad", 0, 0, NULL, &kb), KVR_ENOCTX);
@@ -441,31 +444,31 @@ Test(int_cluster, quantized_travels)
     /* A manifest that names another codec (well-formed, checksum right):
      * its chains and values do not fit it, a miss. */
     cr_assert_eq(put_quant("q-mis", "int8/g32", 61, 8000, 100, 50), 0);
-    kvr_rt_manifest_key("q-mis", mk);
+    kvr__rt_manifest_key("q-mis", mk);
     gl[1] = strlen(mk);
-    cr_assert_eq(kvr_rc_command(rc, 2, gv, gl, &x, NULL), 0);
-    cr_assert_eq(kvr_rt_manifest_decode((const uint8_t *)x->str, x->len, "q-mis", &m, NULL), 0);
+    cr_assert_eq(kvr__rc_command(rc, 2, gv, gl, &x, NULL), 0);
+    cr_assert_eq(kvr__rt_manifest_decode((const uint8_t *)x->str, x->len, "q-mis", &m, NULL), 0);
     freeReplyObject(x);
     snprintf(m.codec, sizeof m.codec, "k=int4/g32,v=int4/g32,r=0");
     size_t ml;
-    uint8_t *mv = kvr_rt_manifest_encode(&m, &ml);
+    uint8_t *mv = kvr__rt_manifest_encode(&m, &ml);
     rc_set(rc, mk, mv, ml);
     kvr_mem_free(mv);
-    kvr_rt_manifest_free(&m);
+    kvr__rt_manifest_free(&m);
     c0 = testd_metric(CB, "remote_fetch_corrupt");
     cr_assert_eq(get_kv(CB, "q-mis", 0, 0, NULL, &kb), KVR_ENOCTX);
     cr_assert_gt(testd_metric(CB, "remote_fetch_corrupt"), c0);
     kvr_kv ka;
     cr_assert_eq(get_kv(CA, "q-mis", 0, 0, NULL, &ka), 0, "A's own is untouched");
     kvr_kv_release(&ka);
-    kvr_rc_destroy(rc);
+    kvr__rc_destroy(rc);
 }
 
 static kvr_rc *test_rc(void)
 {
     kvr_rc *rc;
-    cr_assert_eq(kvr_rc_create(&rc, &(kvr_rc_config){ .seeds = T.seeds }, NULL), 0);
-    cr_assert_eq(kvr_rc_refresh(rc, NULL), 0);
+    cr_assert_eq(kvr__rc_create(&rc, &(kvr_rc_config){ .seeds = T.seeds }, NULL), 0);
+    cr_assert_eq(kvr__rc_refresh(rc, NULL), 0);
     return rc;
 }
 
@@ -474,7 +477,7 @@ static void rc_set(kvr_rc *rc, const char *key, const void *v, size_t n)
     const char *argv[] = { "SET", key, v };
     size_t argl[] = { 3, strlen(key), n };
     redisReply *r;
-    cr_assert_eq(kvr_rc_command(rc, 3, argv, argl, &r, NULL), 0);
+    cr_assert_eq(kvr__rc_command(rc, 3, argv, argl, &r, NULL), 0);
     freeReplyObject(r);
 }
 
@@ -487,17 +490,17 @@ Test(int_cluster, garbage_is_a_miss)
     int64_t pos[130];
     for (int i = 0; i < 130; i++)
         pos[i] = i;
-    uint64_t h = kvr_rt_chain_seed(&desc);
-    h = kvr_rt_chain_next(h, tok, pos, 64);
-    h = kvr_rt_chain_next(h, tok + 64, pos + 64, 64);   /* the second block */
+    uint64_t h = kvr__rt_chain_seed(&desc);
+    h = kvr__rt_chain_next(h, tok, pos, 64);
+    h = kvr__rt_chain_next(h, tok + 64, pos + 64, 64);   /* the second block */
     char key[KVR_RT_KEY_MAX];
-    kvr_rt_block_key(h, key);
+    kvr__rt_block_key(h, key);
     kvr_rc *rc = test_rc();
     /* The block exists (the key scheme is what docs/cluster.md says)... */
     const char *ev[] = { "EXISTS", key };
     size_t el[] = { 6, strlen(key) };
     redisReply *r;
-    cr_assert_eq(kvr_rc_command(rc, 2, ev, el, &r, NULL), 0);
+    cr_assert_eq(kvr__rc_command(rc, 2, ev, el, &r, NULL), 0);
     cr_assert_eq(r->integer, 1, "block key %s not found", key);
     freeReplyObject(r);
     /* ...and is now garbage, then a bit flip of a real value. */
@@ -514,9 +517,9 @@ Test(int_cluster, garbage_is_a_miss)
     /* A prefix key overwritten with garbage, then with well-formed entries
      * naming another block (g2's, too short; g1's second, which is
      * garbage): misses, counted, never served. */
-    uint64_t seed = kvr_rt_chain_seed(&desc);
+    uint64_t seed = kvr__rt_chain_seed(&desc);
     char pk[KVR_RT_KEY_MAX];
-    kvr_rt_sub_key(kvr_rt_chain_next(seed, tok, pos, 16), pk);
+    kvr__rt_sub_key(kvr__rt_chain_next(seed, tok, pos, 16), pk);
     uint32_t *pr = testd_tokens(10, 130);
     for (int i = 20; i < 130; i++)
         pr[i] = 3;
@@ -532,7 +535,7 @@ Test(int_cluster, garbage_is_a_miss)
     cr_assert_gt(testd_metric(CB, "remote_fetch_corrupt"), c0);
     uint8_t sv[KVR_RT_SUB_LEN];
     uint32_t *t2 = testd_tokens(10, 10);
-    kvr_rt_sub_encode(&desc, kvr_rt_chain_next(seed, t2, pos, 10), 10, 16, sv);
+    kvr__rt_sub_encode(&desc, kvr__rt_chain_next(seed, t2, pos, 10), 10, 16, sv);
     free(t2);
     rc_set(rc, pk, sv, sizeof sv);
     c0 = testd_metric(CB, "remote_fetch_corrupt");
@@ -540,7 +543,7 @@ Test(int_cluster, garbage_is_a_miss)
                                                         .n_tokens = 130 }, &m), 0);
     cr_assert_eq(m.length, 0);
     cr_assert_gt(testd_metric(CB, "remote_fetch_corrupt"), c0);
-    kvr_rt_sub_encode(&desc, h, 64, 16, sv);
+    kvr__rt_sub_encode(&desc, h, 64, 16, sv);
     rc_set(rc, pk, sv, sizeof sv);
     c0 = testd_metric(CB, "remote_fetch_corrupt");
     cr_assert_eq(kvr_client_match(CB, &(kvr_match_args){ .model = "tiny", .tokens = pr,
@@ -550,10 +553,10 @@ Test(int_cluster, garbage_is_a_miss)
     free(pr);
     /* The manifest of g2, one byte flipped: a miss. */
     char mk[KVR_RT_KEY_MAX];
-    kvr_rt_manifest_key("g2", mk);
+    kvr__rt_manifest_key("g2", mk);
     const char *gv[] = { "GET", mk };
     size_t gl[] = { 3, strlen(mk) };
-    cr_assert_eq(kvr_rc_command(rc, 2, gv, gl, &r, NULL), 0);
+    cr_assert_eq(kvr__rc_command(rc, 2, gv, gl, &r, NULL), 0);
     cr_assert_eq(r->type, REDIS_REPLY_STRING);
     char *copy = malloc(r->len);
     memcpy(copy, r->str, r->len);
@@ -567,7 +570,7 @@ Test(int_cluster, garbage_is_a_miss)
     /* A's data is untouched. */
     cr_assert_eq(get_kv(CA, "g2", 0, 0, NULL, &kb), 0);
     kvr_kv_release(&kb);
-    kvr_rc_destroy(rc);
+    kvr__rc_destroy(rc);
     free(tok);
 }
 
@@ -981,6 +984,23 @@ Test(int_cluster, layout_travels)
     cr_assert(lb.has_prefix);
     cr_assert_str_eq(lb.prefix_ctx, "pfx");
     cr_assert_eq(lb.prefix_len, 20);
+
+    /* The record of a V cache imported transposed (Put.v_trans): a layout
+     * of its own, which travels with the manifest. */
+    pl = testd_payload(7, T_LAYERS, 0, 12, KVR_DTYPE_F16, &len);
+    tok = testd_tokens(700, 12);
+    kvr_put_args v = { .ctx_id = "vt", .model = "tiny", .dtype = KVR_DTYPE_F16, .tokens = tok,
+                       .n_tokens = 12, .payload = pl, .payload_len = len, .v_trans = true,
+                       .share_sync = true };
+    cr_assert_eq(kvr_client_put(CA, &v, NULL), 0, "%s", kvr_client_last_error(CA));
+    free(pl);
+    free(tok);
+    cr_assert_eq(get_kv(CB, "vt", 0, 0, NULL, &kb), 0, "%s", kvr_client_last_error(CB));
+    kvr_kv_release(&kb);
+    cr_assert_eq(kvr_client_stat(CB, "vt", &sb), 0);
+    cr_assert(sb.v_trans, "B's copy says it came from a transposed V cache");
+    cr_assert_eq(kvr_client_layout_stat(CB, "vt", &lb), 0);
+    cr_assert(lb.v_trans && !lb.has_prefix && lb.n_groups == 0);
 }
 
 /* ---- crafted layouts in a manifest (issue 29, finding 2) ------------------ */
@@ -1004,14 +1024,14 @@ static int append_share(kvr_client *c, const char *ctx, uint32_t seed, uint32_t 
 static void fetch_manifest(kvr_rc *rc, const char *ctx, kvr_rt_manifest *m)
 {
     char mk[KVR_RT_KEY_MAX];
-    kvr_rt_manifest_key(ctx, mk);
+    kvr__rt_manifest_key(ctx, mk);
     const char *gv[] = { "GET", mk };
     size_t gl[] = { 3, strlen(mk) };
     redisReply *x;
-    cr_assert_eq(kvr_rc_command(rc, 2, gv, gl, &x, NULL), 0);
+    cr_assert_eq(kvr__rc_command(rc, 2, gv, gl, &x, NULL), 0);
     cr_assert_eq(x->type, REDIS_REPLY_STRING, "no manifest for %s", ctx);
     kvr_error e = { 0 };
-    cr_assert_eq(kvr_rt_manifest_decode((const uint8_t *)x->str, x->len, ctx, m, &e), 0, "%s",
+    cr_assert_eq(kvr__rt_manifest_decode((const uint8_t *)x->str, x->len, ctx, m, &e), 0, "%s",
                  e.msg);
     freeReplyObject(x);
 }
@@ -1019,9 +1039,9 @@ static void fetch_manifest(kvr_rc *rc, const char *ctx, kvr_rt_manifest *m)
 static void plant_manifest(kvr_rc *rc, const kvr_rt_manifest *m)
 {
     char mk[KVR_RT_KEY_MAX];
-    kvr_rt_manifest_key(m->ctx_id, mk);
+    kvr__rt_manifest_key(m->ctx_id, mk);
     size_t ml;
-    uint8_t *mv = kvr_rt_manifest_encode(m, &ml);
+    uint8_t *mv = kvr__rt_manifest_encode(m, &ml);
     cr_assert_not_null(mv);
     rc_set(rc, mk, mv, ml);
     kvr_mem_free(mv);
@@ -1090,7 +1110,7 @@ Test(int_cluster, crafted_layouts_are_misses)
         case BAD_FLAG: m.flags[5] = 1u << 30; break;
         }
         plant_manifest(rc, &m);
-        kvr_rt_manifest_free(&m);
+        kvr__rt_manifest_free(&m);
         double c0 = testd_metric(CB, "remote_fetch_corrupt");
         cr_assert_eq(get_kv(CB, "v", 0, 0, NULL, &kb), KVR_ENOCTX, "crafted %d: served", v);
         cr_assert_gt(testd_metric(CB, "remote_fetch_corrupt"), c0, "crafted %d: not counted", v);
@@ -1101,10 +1121,10 @@ Test(int_cluster, crafted_layouts_are_misses)
     }
     /* The good manifest back: a hit. */
     plant_manifest(rc, &good);
-    kvr_rt_manifest_free(&good);
+    kvr__rt_manifest_free(&good);
     cr_assert_eq(get_kv(CB, "v", 0, 0, NULL, &kb), 0, "%s", kvr_client_last_error(CB));
     kvr_kv_release(&kb);
-    kvr_rc_destroy(rc);
+    kvr__rc_destroy(rc);
 }
 
 /* ---- a cluster key: every value carries a MAC (issue 29, finding 5) ------- */
@@ -1151,7 +1171,7 @@ static uint8_t *raw_get(kvr_rc *rc, const char *key, size_t *len)
     const char *gv[] = { "GET", key };
     size_t gl[] = { 3, strlen(key) };
     redisReply *x;
-    cr_assert_eq(kvr_rc_command(rc, 2, gv, gl, &x, NULL), 0);
+    cr_assert_eq(kvr__rc_command(rc, 2, gv, gl, &x, NULL), 0);
     cr_assert_eq(x->type, REDIS_REPLY_STRING, "nothing under %s", key);
     uint8_t *v = malloc(x->len);
     memcpy(v, x->str, x->len);
@@ -1196,17 +1216,17 @@ Test(int_cluster_mac, sealed_values_travel_forged_ones_are_misses)
 
     kvr_rc *rc = test_rc();
     uint8_t key[KVR_RT_KEY_BYTES];
-    cr_assert_eq(kvr_rt_key_read(KEYF, key, NULL), 0);
+    cr_assert_eq(kvr__rt_key_read(KEYF, key, NULL), 0);
     /* A manifest without a MAC (checksum right), then with a wrong one:
      * misses, counted as forged, never served. */
     cr_assert_eq(put_flags(CA, "m2", 4, 500, 70, SHARE_SYNC), 0);
     char mk[KVR_RT_KEY_MAX];
-    kvr_rt_manifest_key("m2", mk);
+    kvr__rt_manifest_key("m2", mk);
     size_t ml;
     uint8_t *good = raw_get(rc, mk, &ml);
     cr_assert_gt(ml, KVR_RT_MAC_LEN);
     uint8_t mac[KVR_RT_MAC_LEN];
-    kvr_rt_mac(key, mk, strlen(mk), good, ml - KVR_RT_MAC_LEN, mac);
+    kvr__rt_mac(key, mk, strlen(mk), good, ml - KVR_RT_MAC_LEN, mac);
     cr_assert_eq(memcmp(mac, good + ml - KVR_RT_MAC_LEN, KVR_RT_MAC_LEN), 0,
                  "the MAC is not the documented one");
     rc_set(rc, mk, good, ml - KVR_RT_MAC_LEN);
@@ -1224,7 +1244,7 @@ Test(int_cluster_mac, sealed_values_travel_forged_ones_are_misses)
      * the key it was written for. */
     cr_assert_eq(put_flags(CA, "m3", 5, 900, 70, SHARE_SYNC), 0);
     char mk3[KVR_RT_KEY_MAX];
-    kvr_rt_manifest_key("m3", mk3);
+    kvr__rt_manifest_key("m3", mk3);
     rc_set(rc, mk3, good, ml);
     f0 = testd_metric(CB, "remote_fetch_forged");
     cr_assert_eq(get_kv(CB, "m3", 0, 0, NULL, &kb), KVR_ENOCTX);
@@ -1243,7 +1263,7 @@ Test(int_cluster_mac, sealed_values_travel_forged_ones_are_misses)
     for (int i = 0; i < 64; i++)
         pos[i] = i;
     char bk[KVR_RT_KEY_MAX];
-    kvr_rt_block_key(kvr_rt_chain_next(kvr_rt_chain_seed(&desc), tok, pos, 64), bk);
+    kvr__rt_block_key(kvr__rt_chain_next(kvr__rt_chain_seed(&desc), tok, pos, 64), bk);
     free(tok);
     size_t bl;
     uint8_t *blk = raw_get(rc, bk, &bl);
@@ -1261,14 +1281,14 @@ Test(int_cluster_mac, sealed_values_travel_forged_ones_are_misses)
     cr_assert_gt(testd_metric(CB, "remote_fetch_forged"), f0);
     /* Sealed with the cluster key, the same forgery is taken: the MAC is
      * what makes the difference (a writer without the key cannot). */
-    kvr_rt_mac(key, bk, strlen(bk), blk, body, blk + body);
+    kvr__rt_mac(key, bk, strlen(bk), blk, body, blk + body);
     rc_set(rc, bk, blk, bl);
     cr_assert_eq(get_kv(CB, "m4", 0, 0, NULL, &kb), 0, "%s", kvr_client_last_error(CB));
     kvr_kv_release(&kb);
     free(blk);
     free(bad);
     free(good);
-    kvr_rc_destroy(rc);
+    kvr__rc_destroy(rc);
 }
 
 Test(int_cluster_start, key_file_refused_unless_private_and_long)
@@ -1335,15 +1355,15 @@ Test(int_cluster_mac, quantized_values_sealed_and_checked)
     cr_assert_eq(put_quant("qf", "int8/g32", 63, 4000, 300, 260), 0);
     kvr_rc *rc = test_rc();
     char mk[KVR_RT_KEY_MAX];
-    kvr_rt_manifest_key("qf", mk);
+    kvr__rt_manifest_key("qf", mk);
     size_t ml;
     uint8_t *mv = raw_get(rc, mk, &ml);
     kvr_rt_manifest m;
-    cr_assert_eq(kvr_rt_manifest_decode(mv, ml - KVR_RT_MAC_LEN, "qf", &m, NULL), 0);
+    cr_assert_eq(kvr__rt_manifest_decode(mv, ml - KVR_RT_MAC_LEN, "qf", &m, NULL), 0);
     free(mv);
     char ck[KVR_RT_KEY_MAX];
-    kvr_rt_chunk_key(m.chains[0], ck);
-    kvr_rt_manifest_free(&m);
+    kvr__rt_chunk_key(m.chains[0], ck);
+    kvr__rt_manifest_free(&m);
     size_t cl;
     uint8_t *cv = raw_get(rc, ck, &cl);
     cv[cl - 1] ^= 0x80;
@@ -1352,7 +1372,7 @@ Test(int_cluster_mac, quantized_values_sealed_and_checked)
     double f0 = testd_metric(CB, "remote_fetch_forged");
     cr_assert_eq(get_kv(CB, "qf", 0, 0, NULL, &kb), KVR_ENOCTX, "a forged chunk served");
     cr_assert_gt(testd_metric(CB, "remote_fetch_forged"), f0);
-    kvr_rc_destroy(rc);
+    kvr__rc_destroy(rc);
 }
 
 /* ---- big values are refused unread (issue 29, finding 3) ------------------ */
@@ -1393,7 +1413,7 @@ Test(int_cluster, big_values_refused_unread)
     memset(v, 'x', big);
     kvr_rc *rc = test_rc();
     char mk[KVR_RT_KEY_MAX];
-    kvr_rt_manifest_key("big", mk);
+    kvr__rt_manifest_key("big", mk);
     rc_set(rc, mk, v, big);
     long p0 = peak_kib(C.pid);
     double c0 = testd_metric(cc, "remote_fetch_corrupt");
@@ -1406,8 +1426,8 @@ Test(int_cluster, big_values_refused_unread)
     kvr_rt_manifest m;
     fetch_manifest(rc, "big", &m);
     size_t ml;
-    uint8_t *mv = kvr_rt_manifest_encode(&m, &ml);
-    kvr_rt_manifest_free(&m);
+    uint8_t *mv = kvr__rt_manifest_encode(&m, &ml);
+    kvr__rt_manifest_free(&m);
     memcpy(v, mv, 568);                      /* MANIFEST_HDR */
     kvr_mem_free(mv);
     uint64_t nt = (uint64_t)1 << 22, nb = nt / KVR_RT_BLOCK;
@@ -1422,7 +1442,7 @@ Test(int_cluster, big_values_refused_unread)
     long p1 = peak_kib(C.pid);
     cr_assert_lt(p1 - p0, 8 * 1024, "peak memory grew by %ld KiB reading refused values",
                  p1 - p0);
-    kvr_rc_destroy(rc);
+    kvr__rc_destroy(rc);
     kvr_client_close(cc);
     testd_stop(&C);
 }
@@ -1509,4 +1529,85 @@ Test(int_cluster, hung_cluster_deadlines_hold, .timeout = 300)
     cr_assert_gt(testd_metric(CA, "remote_publish_dropped"), 0);
     cr_assert_eq(put_flags(CA, "local", 5, 400, 70, 0), 0, "%s", kvr_client_last_error(CA));
     cluster_signal(SIGCONT);
+}
+
+/* Every verb that names a context, or matches a prefix, sees a context
+ * another node published the same way: the cluster is a tier under B's
+ * store, asked on a miss (not by a few verbs of the daemon's). Each verb
+ * below (stat, the CLI's get, fork, pin, layout_stat, edit, match) meets
+ * the miss itself: B deletes its landed copy before the next.
+ * The CLI's get stats the context first, which is how a user met this. */
+Test(int_cluster, every_verb_sees_published_contexts)
+{
+    cr_assert_eq(put_flags(CA, "pub", 11, 3000, 150, SHARE_SYNC), 0);
+    kvr_kv ka;
+    cr_assert_eq(get_kv(CA, "pub", 0, 0, NULL, &ka), 0);
+
+    kvr_context ci;
+    cr_assert_eq(kvr_client_stat(CB, "pub", &ci), 0, "stat: %s", kvr_client_last_error(CB));
+    cr_assert_eq(ci.n_tokens, 150);
+    cr_assert_eq(kvr_client_delete(CB, "pub"), 0);
+
+    char raw[300], out[256];
+    snprintf(raw, sizeof raw, "%s/pub.raw", B.dir);
+    cr_assert_eq(testd_cli(&B, out, sizeof out, (const char *const[]){ "get", "pub", "-o", raw,
+                                                                       NULL }), 0,
+                 "kvrope get of a published context failed: %s", out);
+    FILE *f = fopen(raw, "rb");
+    cr_assert_not_null(f);
+    uint8_t *got = malloc(ka.payload_len + 1);
+    cr_assert_eq(fread(got, 1, ka.payload_len + 1, f), ka.payload_len);
+    fclose(f);
+    unlink(raw);
+    cr_assert_eq(memcmp(got, ka.payload, ka.payload_len), 0, "the CLI's get differs from A's");
+    free(got);
+    cr_assert_eq(kvr_client_delete(CB, "pub"), 0);
+
+    cr_assert_eq(kvr_client_fork(CB, "pub", "pub2"), 0, "fork: %s", kvr_client_last_error(CB));
+    cr_assert_eq(kvr_client_stat(CB, "pub2", &ci), 0);
+    cr_assert_eq(ci.n_tokens, 150);
+    cr_assert_eq(kvr_client_delete(CB, "pub2"), 0);
+    cr_assert_eq(kvr_client_delete(CB, "pub"), 0);
+
+    cr_assert_eq(kvr_client_pin(CB, "pub", true), 0, "pin: %s", kvr_client_last_error(CB));
+    cr_assert_eq(kvr_client_pin(CB, "pub", false), 0);
+    cr_assert_eq(kvr_client_delete(CB, "pub"), 0);
+
+    kvr_layout_res lr;
+    cr_assert_eq(kvr_client_layout_stat(CB, "pub", &lr), 0, "layout_stat: %s",
+                 kvr_client_last_error(CB));
+    cr_assert_eq(kvr_client_delete(CB, "pub"), 0);
+
+    /* An edit (PIE) of the published context: tokens [10, 20) removed from
+     * B's copy; A's is untouched. */
+    kvr_edit_range cut = { .start = 10, .end = 20 };
+    cr_assert_eq(kvr_client_edit(CB, &(kvr_edit_args){ .ctx_id = "pub", .ops = &cut,
+                                                       .n_ops = 1 }, NULL), 0,
+                 "edit: %s", kvr_client_last_error(CB));
+    cr_assert_eq(kvr_client_stat(CB, "pub", &ci), 0);
+    cr_assert_eq(ci.n_tokens, 140);
+    cr_assert_eq(kvr_client_stat(CA, "pub", &ci), 0);
+    cr_assert_eq(ci.n_tokens, 150);
+    cr_assert_eq(kvr_client_delete(CB, "pub"), 0);
+
+    /* A match of its tokens (and more): all 150 found, bit-exact. */
+    uint32_t *prompt = testd_tokens(3000, 170);
+    for (int i = 150; i < 170; i++)
+        prompt[i] = 9;
+    kvr_match_res m;
+    cr_assert_eq(match_kv(CB, prompt, 170, &m), 0);
+    cr_assert_eq(m.length, 150, "match: %llu", (unsigned long long)m.length);
+    cr_assert(m.has_kv);
+    cr_assert_eq(m.kv.payload_len, ka.payload_len);
+    cr_assert_eq(memcmp(m.kv.payload, ka.payload, ka.payload_len), 0);
+    kvr_kv_release(&m.kv);
+    free(prompt);
+
+    /* What the cluster does not hold stays a plain miss for every verb. */
+    cr_assert_eq(kvr_client_stat(CB, "nowhere", &ci), KVR_ENOCTX);
+    cr_assert(strstr(kvr_client_last_error(CB), "nowhere"), "%s", kvr_client_last_error(CB));
+    cr_assert_eq(kvr_client_fork(CB, "nowhere", "x"), KVR_ENOCTX);
+    cr_assert_eq(testd_cli(&B, out, sizeof out, (const char *const[]){ "get", "nowhere", "-o",
+                                                                       raw, NULL }) != 0, 1);
+    kvr_kv_release(&ka);
 }

@@ -11,7 +11,7 @@
 #include <math.h>
 
 #include "client/llama/kvrope_llama.h"
-#include "tests/common/kvr_testd.h"
+#include "tests/common/kvr_opsd.h"   /* kvr_testd.h, opsd_slurp */
 
 static char TMP[256];
 
@@ -739,8 +739,8 @@ Test(llama_import, refusals_change_nothing)
 
 /* `kvrope llama import|export` through the CLI: a raw state without ids is
  * refused with the flag that gives them (--tokens-file), a state with V
- * transposed says how to export it back (--v-trans), and every export says
- * which V layout it wrote. */
+ * transposed is recorded as such, the export writes that layout by default
+ * (or the one --no-v-trans asks for), and every export says which it wrote. */
 Test(llama_import, cli_names_the_flags_a_state_needs)
 {
     char gguf[512], path[600], ids[600];
@@ -767,17 +767,30 @@ Test(llama_import, cli_names_the_flags_a_state_needs)
     rc = testd_cli(&D, out, sizeof out, (const char *const[]){
         "llama", "import", "vt", path, "--gguf", gguf, "--tokens-file", ids, NULL });
     cr_assert_eq(rc, 0, "%s", out);
-    cr_assert(strstr(out, "transposed") && strstr(out, "with --v-trans"), "%s", out);
+    cr_assert(strstr(out, "transposed") && strstr(out, "recorded"), "%s", out);
 
     char st0[600], st1[600];
     snprintf(st0, sizeof st0, "%s/out0.bin", TMP);
     snprintf(st1, sizeof st1, "%s/out1.bin", TMP);
     rc = testd_cli(&D, out, sizeof out, (const char *const[]){
-        "llama", "export", "vt", "-o", st0, "--gguf", gguf, NULL });
+        "llama", "export", "vt", "-o", st1, "--gguf", gguf, NULL });
     cr_assert_eq(rc, 0, "%s", out);
-    cr_assert(strstr(out, "v_trans 0, for flash attention on; --v-trans for off"), "%s", out);
+    cr_assert(strstr(out, "V layout written: v_trans 1") && strstr(out, "as the context was imported"),
+              "%s", out);
     rc = testd_cli(&D, out, sizeof out, (const char *const[]){
-        "llama", "export", "vt", "-o", st1, "--gguf", gguf, "--v-trans", NULL });
+        "llama", "export", "vt", "-o", st0, "--gguf", gguf, "--no-v-trans", NULL });
     cr_assert_eq(rc, 0, "%s", out);
-    cr_assert(strstr(out, "V transposed: v_trans 1, for flash attention off"), "%s", out);
+    cr_assert(strstr(out, "V layout written: v_trans 0") && strstr(out, "as asked"), "%s", out);
+    /* The files say what the messages say. */
+    const char *files[] = { st0, st1 };
+    for (int i = 0; i < 2; i++) {
+        size_t n;
+        char *b = opsd_slurp(files[i], &n);
+        cr_assert_not_null(b, "%s", files[i]);
+        kvr_llama_state *st;
+        cr_assert_eq(kvr_llama_state_parse(b, n, &m, &st, err, sizeof err), 0, "%s", err);
+        cr_assert_eq(st->v_trans, i == 1, "%s: v_trans %d", files[i], (int)st->v_trans);
+        kvr_llama_state_free(st);
+        free(b);
+    }
 }

@@ -8,15 +8,19 @@
  *    (llama_memory_seq_add + decode) within one rounding of the cache type,
  *    NORM (llama) and NEOX (qwen2) pairing, f16 and q8_0 (Hadamard) caches,
  *    small, large and negative deltas; next-token logits agree;
+ *  - a context imported from a flash-attention-off state is exported, by
+ *    default, with V transposed as it came (through a kill -9 restart with
+ *    persistence and a fork), and export says which layout it wrote;
  *  - YaRN: kvrope's shift keeps key norms (= a fresh encode's); llama.cpp's
  *    own shift is measured and its figure asserted.
  */
 #include <criterion/criterion.h>
 #include <criterion/logging.h>
+#include <sys/stat.h>
 
 #include "tests/llama/llama_test.h"   /* llama.h first: kvrope_llama.h's context helper */
 #include "client/llama/kvrope_llama.h"
-#include "tests/common/kvr_testd.h"
+#include "tests/common/kvr_opsd.h"   /* kvr_testd.h, opsd_slurp */
 
 #define N_PROMPT 48
 
@@ -148,6 +152,21 @@ static int run(const char *cmd)
     return WIFEXITED(rc) ? WEXITSTATUS(rc) : -1;
 }
 
+/* N_PROMPT tokens (seed) decoded in *a (f16 cache, flash attention fa),
+ * saved as a session file; returns the logits of token N_PROMPT after them
+ * (malloc'ed, n_vocab floats). toks gets N_PROMPT + 1 ids. */
+static float *prompt_session(lt_lm *a, const char *path, int fa, unsigned seed, llama_token *toks,
+                             const char *sess)
+{
+    lt_tokens(toks, N_PROMPT + 1, seed);
+    cr_assert_eq(lt_open(a, path, GGML_TYPE_F16, GGML_TYPE_F16, fa, 256), 0);
+    cr_assert_eq(lt_decode(a, toks, N_PROMPT, 0, NULL), 0);
+    cr_assert_gt(llama_state_seq_save_file(a->ctx, sess, 0, toks, N_PROMPT), 0);
+    float *la = malloc((size_t)a->n_vocab * 4);
+    cr_assert_eq(lt_decode(a, toks + N_PROMPT, 1, N_PROMPT, la), 0);
+    return la;
+}
+
 Test(llama_bridge, round_trip_through_the_cli_in_other_processes)
 {
     kvr_client *c = testd_connect(&D);
@@ -156,17 +175,13 @@ Test(llama_bridge, round_trip_through_the_cli_in_other_processes)
     model(path, sizeof path, "cli", "--arch qwen2 --layers 2 --width 128 --heads 2 --kv-heads 2 --qkv-bias --dtype f16", &m, NULL);
     kvr_client_close(c);
     llama_token toks[N_PROMPT + 1];
-    lt_tokens(toks, N_PROMPT + 1, 11);
     lt_lm a, b;
-    cr_assert_eq(lt_open(&a, path, GGML_TYPE_F16, GGML_TYPE_F16, 1, 256), 0);
-    cr_assert_eq(lt_decode(&a, toks, N_PROMPT, 0, NULL), 0);
     char sess[400], out[400], out2[400], cmd[2048];
     snprintf(sess, sizeof sess, "%s/a.session", TMP);
     snprintf(out, sizeof out, "%s/b.state", TMP);
     snprintf(out2, sizeof out2, "%s/b.session", TMP);
-    cr_assert_gt(llama_state_seq_save_file(a.ctx, sess, 0, toks, N_PROMPT), 0);
-    float *la = malloc((size_t)a.n_vocab * 4), *lb = malloc((size_t)a.n_vocab * 4);
-    cr_assert_eq(lt_decode(&a, toks + N_PROMPT, 1, N_PROMPT, la), 0);
+    float *la = prompt_session(&a, path, 1, 11, toks, sess);
+    float *lb = malloc((size_t)a.n_vocab * 4);
 
     const char *bin = testd_build_dir();
     snprintf(cmd, sizeof cmd, "%s/kvrope --socket %s llama import doc %s --gguf %s --json > %s/imp.json",
@@ -207,6 +222,124 @@ Test(llama_bridge, round_trip_through_the_cli_in_other_processes)
     free(lb);
     lt_close(&a);
     lt_close(&b);
+}
+
+/* ---- the V layout a context came with ---------------------------------------- */
+
+/* Runs cmd (stdout into TMP/out.txt) and returns its exit status; out gets
+ * what it printed. */
+static int run_out(const char *cmd, char *out, size_t cap)
+{
+    char full[2600], path[400];
+    snprintf(path, sizeof path, "%s/out.txt", TMP);
+    snprintf(full, sizeof full, "%s > %s", cmd, path);
+    int rc = run(full);
+    size_t n;
+    char *text = opsd_slurp(path, &n);
+    snprintf(out, cap, "%s", text ? text : "");
+    free(text);
+    return rc;
+}
+
+/* A raw state exported by the CLI into a fresh context (fa as given):
+ * whether llama.cpp takes it, and if so the next token's logits. */
+static bool load_raw(const char *path, const char *file, int fa, const llama_token *next,
+                     float *logits)
+{
+    size_t n;
+    char *buf = opsd_slurp(file, &n);
+    cr_assert_not_null(buf, "%s", file);
+    lt_lm b;
+    cr_assert_eq(lt_open(&b, path, GGML_TYPE_F16, GGML_TYPE_F16, fa, 256), 0);
+    bool ok = llama_state_seq_set_data(b.ctx, (const uint8_t *)buf, n, 0) == n;
+    if (ok) cr_assert_eq(lt_decode(&b, next, 1, N_PROMPT, logits), 0);
+    lt_close(&b);
+    free(buf);
+    return ok;
+}
+
+/* Issue 31: a context imported from a flash-attention-off state (V
+ * transposed) is exported, with no option, in that layout, which the same
+ * kind of context takes back; the record survives a kill -9 and restart of a
+ * daemon with persistence, and a fork; export says which layout it wrote. */
+Test(llama_bridge, export_defaults_to_the_v_layout_imported)
+{
+    testd_stop(&D);
+    char disk[400], cmd[2048], out[8192];
+    snprintf(disk, sizeof disk, "%s/disk", TMP);
+    cr_assert_eq(mkdir(disk, 0700), 0);
+    const char *extra[] = { "--disk-dir", disk, NULL };
+    cr_assert_eq(testd_start(&D, extra), 0);
+    char path[512];
+    kvr_llama_model m;
+    model(path, sizeof path, "vt", "--layers 2 --width 128 --heads 2 --kv-heads 1 --head-dim 64 --seed 5", &m, NULL);
+    llama_token toks[N_PROMPT + 1];
+    lt_lm a;
+    char sess[400], st1[400], st0[400];
+    snprintf(sess, sizeof sess, "%s/off.session", TMP);
+    snprintf(st1, sizeof st1, "%s/off.state", TMP);
+    snprintf(st0, sizeof st0, "%s/on.state", TMP);
+    float *la = prompt_session(&a, path, 0, 13, toks, sess);
+    float *lb = malloc((size_t)a.n_vocab * 4);
+    const char *bin = testd_build_dir();
+
+    snprintf(cmd, sizeof cmd, "%s/kvrope --socket %s llama import doc %s --gguf %s --persist",
+             bin, D.sock, sess, path);
+    cr_assert_eq(run_out(cmd, out, sizeof out), 0, "%s", cmd);
+    cr_assert(strstr(out, "V transposed") && strstr(out, "recorded"),
+              "import says the state had V transposed and that it is recorded: %s", out);
+    snprintf(cmd, sizeof cmd, "%s/kvrope --socket %s stat doc --json", bin, D.sock);
+    cr_assert_eq(run_out(cmd, out, sizeof out), 0, "%s", cmd);
+    cr_assert(strstr(out, "\"v_trans\":\ttrue") || strstr(out, "\"v_trans\": true") ||
+              strstr(out, "\"v_trans\":true"), "stat reports the record: %s", out);
+
+    /* No option: the layout it came with, named; llama.cpp with flash
+     * attention off takes it, logits bit-identical. */
+    snprintf(cmd, sizeof cmd, "%s/kvrope --socket %s llama export doc -o %s --gguf %s", bin,
+             D.sock, st1, path);
+    cr_assert_eq(run_out(cmd, out, sizeof out), 0, "%s", cmd);
+    cr_assert(strstr(out, "V layout written: v_trans 1"), "export names the layout: %s", out);
+    cr_assert(load_raw(path, st1, 0, toks + N_PROMPT, lb), "a flash-attention-off context takes "
+              "the default export");
+    cr_assert(memcmp(la, lb, (size_t)a.n_vocab * 4) == 0, "logits bit-identical");
+    /* The other layout on request, said so, and what each kind of context
+     * does with it: the reason for the default. */
+    snprintf(cmd, sizeof cmd, "%s/kvrope --socket %s llama export doc -o %s --gguf %s --no-v-trans",
+             bin, D.sock, st0, path);
+    cr_assert_eq(run_out(cmd, out, sizeof out), 0, "%s", cmd);
+    cr_assert(strstr(out, "V layout written: v_trans 0"), "%s", out);
+    cr_assert_not(load_raw(path, st0, 0, toks + N_PROMPT, lb),
+                  "llama.cpp (flash attention off) refuses v_trans 0");
+    cr_assert(load_raw(path, st0, 1, toks + N_PROMPT, lb), "flash attention on takes v_trans 0");
+    snprintf(cmd, sizeof cmd, "%s/kvrope --socket %s llama export doc -o %s --gguf %s --v-trans "
+             "--no-v-trans 2>/dev/null", bin, D.sock, st0, path);
+    cr_assert_eq(run_out(cmd, out, sizeof out), 2, "both options: a usage error");
+
+    /* kill -9, restart on the same disk: the record is back; a fork keeps it. */
+    kill(D.pid, SIGKILL);
+    waitpid(D.pid, NULL, 0);
+    D.pid = 0;
+    kvr_testd old = D;
+    testd_stop(&old);
+    cr_assert_eq(testd_start(&D, extra), 0, "kvroped restarts on %s", disk);
+    snprintf(cmd, sizeof cmd, "%s/kvrope --socket %s fork doc doc2", bin, D.sock);
+    cr_assert_eq(run_out(cmd, out, sizeof out), 0, "%s (the context came back)", cmd);
+    const char *ids[] = { "doc", "doc2" };
+    for (int i = 0; i < 2; i++) {
+        unlink(st1);
+        snprintf(cmd, sizeof cmd, "%s/kvrope --socket %s llama export %s -o %s --gguf %s --json",
+                 bin, D.sock, ids[i], st1, path);
+        cr_assert_eq(run_out(cmd, out, sizeof out), 0, "%s", cmd);
+        cr_assert(strstr(out, "\"v_trans\":\ttrue") || strstr(out, "\"v_trans\": true") ||
+                  strstr(out, "\"v_trans\":true"), "%s after the restart: %s", ids[i], out);
+        memset(lb, 0, (size_t)a.n_vocab * 4);
+        cr_assert(load_raw(path, st1, 0, toks + N_PROMPT, lb), "%s after the restart: taken",
+                  ids[i]);
+        cr_assert(memcmp(la, lb, (size_t)a.n_vocab * 4) == 0, "%s: logits bit-identical", ids[i]);
+    }
+    free(la);
+    free(lb);
+    lt_close(&a);
 }
 
 /* ---- re-rotation against llama.cpp's K-shift --------------------------------- */

@@ -13,7 +13,9 @@ reason, when this kvrope-llama has no serve subcommand; `llama` blocks need
 build/kvrope-llama. Each block is bounded in time.
 
 Also here: make run's script prints the socket the CLI finds by default,
-sets up the disk tier, and SIGTERM stops everything it started.
+sets up the disk tier, and SIGTERM stops everything it started; and
+test_make_run_from_a_fresh_clone, which types `make run` in a git clone and
+then runs every README block there (its docstring says what it reuses).
 """
 import glob
 import os
@@ -36,14 +38,14 @@ BLOCK_TIMEOUT = 180
 FENCE = re.compile(r"^```([^\n`]*)\n(.*?)^```[ \t]*$", re.S | re.M)
 
 
-def doc_files():
-    return [os.path.join(ROOT, "README.md")] + sorted(glob.glob(os.path.join(ROOT, "docs", "*.md")))
+def doc_files(root=ROOT):
+    return [os.path.join(root, "README.md")] + sorted(glob.glob(os.path.join(root, "docs", "*.md")))
 
 
-def runnable_blocks():
+def runnable_blocks(root=ROOT):
     """[(file, line, lang, needs, attrs, text)] in document order."""
     out = []
-    for path in doc_files():
+    for path in doc_files(root):
         with open(path) as f:
             text = f.read()
         for m in FENCE.finditer(text):
@@ -53,7 +55,7 @@ def runnable_blocks():
             attrs = dict(w.split("=", 1) for w in words[2:] if "=" in w)
             needs = [w for w in words[2:] if "=" not in w]
             line = text.count("\n", 0, m.start()) + 1
-            out.append((os.path.relpath(path, ROOT), line, words[0], needs, attrs, m.group(2)))
+            out.append((os.path.relpath(path, root), line, words[0], needs, attrs, m.group(2)))
     return out
 
 
@@ -76,6 +78,15 @@ def children(pid):
         return []
 
 
+def descendants(pid):
+    out, todo = [], [pid]
+    while todo:
+        for k in children(todo.pop()):
+            out.append(k)
+            todo.append(k)
+    return out
+
+
 def alive(pid):
     try:
         os.kill(pid, 0)
@@ -89,9 +100,11 @@ def alive(pid):
 
 
 class MakeRun:
-    """scripts/run-daemon.sh BUILD/kvroped, as `make run` starts it."""
+    """scripts/run-daemon.sh BUILD/kvroped, as `make run` starts it; or, with
+    argv, that command (`make run` itself) in cwd, in its own process group,
+    stopped as Ctrl-C stops it (SIGINT to the group)."""
 
-    def __init__(self, env_extra, serve_timeout=60.0):
+    def __init__(self, env_extra, serve_timeout=60.0, argv=None, cwd=ROOT, start_timeout=30.0):
         self.dir = tempfile.mkdtemp(prefix="kvr-doc-")
         self.final = None
         self.err_path = os.path.join(self.dir, "run.err")
@@ -100,10 +113,12 @@ class MakeRun:
         env.update(env_extra)
         self.env = env
         self.err = open(self.err_path, "wb")
-        self.proc = subprocess.Popen(["sh", RUN, os.path.join(BUILD, "kvroped"), "--log-level", "warn"],
-                                     stdout=self.err, stderr=subprocess.STDOUT,
-                                     stdin=subprocess.DEVNULL, env=env, cwd=ROOT)
-        deadline = time.monotonic() + 30
+        self.group = argv is not None
+        argv = argv or ["sh", RUN, os.path.join(BUILD, "kvroped"), "--log-level", "warn"]
+        self.proc = subprocess.Popen(argv, stdout=self.err, stderr=subprocess.STDOUT,
+                                     stdin=subprocess.DEVNULL, env=env, cwd=cwd,
+                                     start_new_session=self.group)
+        deadline = time.monotonic() + start_timeout
         while "Ctrl-C stops" not in self.output():
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 self.stop()
@@ -136,13 +151,19 @@ class MakeRun:
             return f.read().decode(errors="replace")
 
     def stop(self):
-        kids = children(self.proc.pid)
+        kids = descendants(self.proc.pid)
         if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
+            if self.group:   # Ctrl-C: the terminal signals the whole group
+                os.killpg(self.proc.pid, signal.SIGINT)
+            else:
+                self.proc.send_signal(signal.SIGTERM)
             try:
                 self.proc.wait(timeout=30)
             except subprocess.TimeoutExpired:
-                self.proc.kill()
+                if self.group:
+                    os.killpg(self.proc.pid, signal.SIGKILL)
+                else:
+                    self.proc.kill()
                 self.proc.wait()
         self.err.close()
         self.final = self.output()
@@ -182,21 +203,20 @@ def block_id(b):
     return f"{b[0]}:{b[1]}:{b[2]}"
 
 
-@pytest.mark.parametrize("block", BLOCKS, ids=[block_id(b) for b in BLOCKS])
-def test_block_runs(docs_env, block):
+def run_block(block, run, work, env, build):
+    """Runs one block in work; returns why it was skipped, or None."""
     path, line, lang, needs, attrs, text = block
-    run, work, env = docs_env["run"], docs_env["work"], docs_env["env"]
     if "serve" in needs:
         if not run.serve:
-            pytest.skip(f"{path}:{line} needs kvrope serve: {run.no_serve_why}")
+            return f"{path}:{line} needs kvrope serve: {run.no_serve_why}"
         text = text.replace(SERVE_ADDR, run.serve)
-    if "llama" in needs and not os.access(os.path.join(BUILD, "kvrope-llama"), os.X_OK):
-        pytest.skip(f"{path}:{line} needs build/kvrope-llama (llama.cpp from npm)")
+    if "llama" in needs and not os.access(os.path.join(build, "kvrope-llama"), os.X_OK):
+        return f"{path}:{line} needs build/kvrope-llama (llama.cpp from npm)"
     if lang == "c":
         assert "file" in attrs, f"{path}:{line}: a runnable c block names its file=NAME"
         with open(os.path.join(work, attrs["file"]), "w") as f:
             f.write(text)
-        return
+        return None
     if lang == "sh":
         argv = ["bash", "-e", "-o", "pipefail", "-c", text]
     elif lang == "python":
@@ -207,6 +227,14 @@ def test_block_runs(docs_env, block):
                        timeout=BLOCK_TIMEOUT)
     assert r.returncode == 0, (f"{path}:{line} ({lang}) exited {r.returncode}\n--- block\n{text}"
                                f"--- stdout\n{r.stdout[-3000:]}\n--- stderr\n{r.stderr[-3000:]}")
+    return None
+
+
+@pytest.mark.parametrize("block", BLOCKS, ids=[block_id(b) for b in BLOCKS])
+def test_block_runs(docs_env, block):
+    why = run_block(block, docs_env["run"], docs_env["work"], docs_env["env"], BUILD)
+    if why:
+        pytest.skip(why)
 
 
 def test_blocks_found():
@@ -256,6 +284,43 @@ def test_make_run_defaults_and_sigterm(tmp_path):
                        capture_output=True, text=True, timeout=30)
     assert r.returncode == 4
     assert "is kvroped running?" in r.stderr and "make run" in r.stderr, r.stderr
+
+
+def test_cannot_connect_names_sudo_make_run(tmp_path):
+    """A user whose `make run` ran as root (sudo) gets, from "cannot connect",
+    where that socket is and what to do instead."""
+    import pwd
+    if os.geteuid() != 0:
+        pytest.skip("needs root to run the CLI as another user")
+    try:
+        nobody = pwd.getpwnam("nobody")
+    except KeyError:
+        pytest.skip("no user nobody")
+    made = not os.path.isdir("/run/kvrope")
+    if made:
+        os.makedirs("/run/kvrope", mode=0o700)
+    try:
+        env = {k: v for k, v in os.environ.items()
+               if k not in ("KVROPE_SOCKET", "XDG_RUNTIME_DIR", "KVROPE_CONNECT")}
+        env["HOME"] = str(tmp_path)
+
+        def as_nobody():
+            os.setgid(nobody.pw_gid)
+            os.setgroups([])
+            os.setuid(nobody.pw_uid)
+        kv = os.path.join(BUILD, "kvrope")
+        if not os.access(kv, os.X_OK):
+            pytest.skip("build/kvrope is not built")
+        r = subprocess.run([kv, "ping"], env=env, capture_output=True, text=True, timeout=30,
+                           preexec_fn=as_nobody, cwd=str(tmp_path))
+        if r.returncode == 126 or "Permission denied" in r.stderr and "kvrope:" not in r.stderr:
+            pytest.skip(f"nobody cannot run {kv}")
+        assert r.returncode == 4, r.stderr
+        assert "is kvroped running?" in r.stderr, r.stderr
+        assert "/run/kvrope" in r.stderr and "as yourself" in r.stderr, r.stderr
+    finally:
+        if made:
+            os.rmdir("/run/kvrope")
 
 
 def test_make_run_installs_run_time_packages_only():
@@ -315,3 +380,97 @@ def test_make_run_starts_the_server_and_stops_both(tmp_path):
     assert len(kids) >= 2, kids   # kvroped, the server (and perhaps a sleep of the wait loop)
     for k in kids:
         assert not alive(k), f"pid {k} still running after SIGTERM to make run"
+
+
+# `make run` from a fresh clone: its build step builds everything in the clone,
+# as a new user's `make run` does (serially; 3.5 min at a load average of 10 on
+# 2 cores), unless KVR_DOCS_REUSE_BUILD=1, with which the clone reuses this build.
+FRESH_BUILD = os.environ.get("KVR_DOCS_REUSE_BUILD") != "1"
+FRESH_BUILD_TIMEOUT = 1800.0
+
+
+def test_make_run_from_a_fresh_clone(tmp_path):
+    """Issue 31: `make run` typed in a fresh clone, then every runnable block
+    of the README in order in that clone, as a user in a second terminal
+    would, then Ctrl-C.
+
+    What is exact: the clone is `git clone` of this repository (its HEAD);
+    `make run` is the Makefile's target, run with make from the clone's
+    root (scripts/deps.sh run, which installs nothing when the packages are
+    there, as after `make test`'s own deps; the build of everything it runs,
+    in the clone's own build/; then scripts/run-daemon.sh); the blocks find
+    the daemon the way the README
+    says, by make run's default socket ($XDG_RUNTIME_DIR/kvrope/kvroped.sock,
+    no KVROPE_SOCKET), and the Python binding finds the clone's
+    build/libkvrope.so by itself (no KVROPE_LIB); they get
+    PYTHONPATH=client/python as the README tells a user in a checkout. The
+    whole run (clone, start, blocks, stop) is bounded.
+
+    What is not: XDG_RUNTIME_DIR, KVROPE_DISK_DIR and KVROPE_LISTEN point at
+    this test's temporary directory and a free port (a user's own make run
+    may be up on the defaults; blocks get the port in place of 8012); and
+    llama.cpp's prebuilt libraries are not fetched from npm again:
+    LLAMA_CACHE is $LLAMA_CACHE, else this build's llama/ when it has them
+    (the same pinned release; no network). With KVR_DOCS_REUSE_BUILD=1 (a
+    quick run while working on the docs) nothing is compiled either: the
+    clone's build/ is a link to this build ($KVR_BUILD) and the clone's
+    files are dated in the past, so make run's build step finds everything
+    up to date (asserted: it compiles nothing)."""
+    if not os.access(os.path.join(BUILD, "kvroped"), os.X_OK):
+        pytest.skip("build/kvroped is not built")
+    if not shutil.which("git") or not os.path.isdir(os.path.join(ROOT, ".git")) and \
+            not os.path.isfile(os.path.join(ROOT, ".git")):
+        pytest.skip("not a git checkout")
+    clone = tmp_path / "kvrope"
+    subprocess.run(["git", "clone", "--quiet", ROOT, str(clone)], check=True, timeout=300,
+                   capture_output=True)
+    env = {"XDG_RUNTIME_DIR": str(tmp_path / "xdg"), "KVROPE_DISK_DIR": str(tmp_path / "disk"),
+           "KVROPE_LISTEN": f"127.0.0.1:{free_port()}"}
+    (tmp_path / "xdg").mkdir(mode=0o700)
+    cache = os.environ.get("LLAMA_CACHE") or os.path.join(BUILD, "llama")
+    if os.path.isdir(os.path.join(cache, "npm")):
+        env["LLAMA_CACHE"] = os.path.abspath(cache)
+    build = str(clone / "build")
+    if not FRESH_BUILD:
+        old = time.time() - 10 * 365 * 86400
+        for d, dirs, files in os.walk(clone):
+            dirs[:] = [x for x in dirs if x != ".git"]
+            for f in files:
+                os.utime(os.path.join(d, f), (old, old), follow_symlinks=False)
+        os.symlink(BUILD, build)
+    run = MakeRun(env, argv=["make", "run"], cwd=str(clone),
+                  start_timeout=FRESH_BUILD_TIMEOUT if FRESH_BUILD else 120.0,
+                  serve_timeout=120.0)
+    try:
+        out = run.output()
+        assert run.socket == str(tmp_path / "xdg" / "kvrope" / "kvroped.sock"), out
+        if not FRESH_BUILD:
+            assert not re.search(r"^(cc|gcc|clang) ", out, re.M), \
+                f"make run rebuilt in the reused build dir ({BUILD} is stale?):\n{out}"
+        benv = dict(os.environ)
+        for k in ("KVROPE_SOCKET", "KVROPE_LIB", "KVROPE_CONNECT"):
+            benv.pop(k, None)
+        benv["XDG_RUNTIME_DIR"] = env["XDG_RUNTIME_DIR"]
+        benv["PYTHONPATH"] = "client/python"
+        readme = [b for b in runnable_blocks(str(clone)) if b[0] == "README.md"]
+        assert len(readme) >= 5, readme
+        skipped, ran = [], 0
+        for b in readme:
+            why = run_block(b, run, str(clone), benv, build)
+            if why:
+                skipped.append(why)
+            else:
+                ran += 1
+        if run.serve is None:
+            assert skipped, "the server did not start, yet no block needed it"
+    finally:
+        kids = run.stop()
+        if os.path.islink(build):
+            os.unlink(build)          # never remove the linked build
+        shutil.rmtree(clone, ignore_errors=True)   # its own build: some 100 MB
+    assert kids, f"make run started nothing:\n{run.final}"
+    for k in kids:
+        assert not alive(k), f"pid {k} still running after Ctrl-C to make run:\n{run.final}"
+    print(f"make run from a fresh clone: {ran} README blocks ran, {len(skipped)} skipped")
+    for why in skipped:
+        print("skipped:", why)

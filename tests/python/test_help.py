@@ -5,7 +5,7 @@ The commands are read from `kvrope --help` itself, so a new command is
 checked as soon as it is in the help: `kvrope CMD --help` must print that
 command's entries only (exit 0), and the man page must have an entry for it;
 every --option the man page's COMMANDS section names must be one the help
-knows. No daemon is needed.
+knows. scripts/gen-gguf.py --help describes every option. No daemon is needed.
 """
 import os
 import re
@@ -134,3 +134,31 @@ def test_man_page_formats_cleanly():
     assert re.search(r"^ {7}ls \[--model M\]\s*$", r.stdout, re.M), r.stdout
     for tag in ("llama import CTX STATE_FILE", "llama export CTX", "payload --model M"):
         assert tag in r.stdout, tag
+
+
+def test_gen_gguf_describes_every_option():
+    """scripts/gen-gguf.py --help: every option has a description (argparse
+    prints an option with no help= as its name alone on its line)."""
+    r = subprocess.run(["/usr/bin/python3", os.path.join(ROOT, "scripts", "gen-gguf.py"),
+                        "--help"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert "\noptions:\n" in r.stdout, r.stdout
+    body = r.stdout.split("\noptions:\n", 1)[1]
+    # An option entry starts with two spaces and a dash; its description is
+    # on the same line (after two or more spaces) or on the next, deeper one.
+    lines = body.splitlines()
+    opts = {}
+    for i, ln in enumerate(lines):
+        m = re.match(r"  (-\S.*?)(?: {2,}(\S.*))?$", ln)
+        if not m:
+            continue
+        name = re.findall(r"--[\w-]+", m.group(1))[-1]
+        desc = m.group(2) or ""
+        if not desc and i + 1 < len(lines) and re.match(r" {6,}\S", lines[i + 1]):
+            desc = lines[i + 1].strip()
+        opts[name] = desc
+    for want in ("--out", "--arch", "--layers", "--kv-heads", "--rope-scaling",
+                 "--yarn-log-mul", "--dtype", "--seed", "--fim", "--hf"):
+        assert want in opts, (want, sorted(opts))
+    missing = [o for o, d in opts.items() if not d]
+    assert not missing, f"options without a description: {missing}"

@@ -210,3 +210,73 @@ Test(cache_match, randomized_vs_brute_force)
     kvr_store_destroy(s);
     cr_assert_eq(kvr_mem_allocated(), base);
 }
+
+/* The miss hooks (kvr_store_miss_hooks): a lookup by id of a context the
+ * store does not hold, or a match shorter than the query, asks the tier
+ * above; a taken miss is KVR_EFETCH and changes nothing (counters
+ * included), a declined one the plain miss; delete and put never ask. */
+typedef struct miss_log {
+    bool   take;
+    int    n_ctx, n_prefix;
+    char   id[64];
+    size_t local;
+} miss_log;
+
+static bool on_ctx(void *arg, const char *id)
+{
+    miss_log *l = arg;
+    l->n_ctx++;
+    snprintf(l->id, sizeof l->id, "%s", id);
+    return l->take;
+}
+
+static bool on_prefix(void *arg, const char *model, const uint32_t *tok, size_t n, size_t local)
+{
+    (void)model;
+    (void)tok;
+    (void)n;
+    miss_log *l = arg;
+    l->n_prefix++;
+    l->local = local;
+    return l->take;
+}
+
+Test(cache_match, miss_hooks_ask_the_tier_above)
+{
+    kvr_store *s = kvt_index_store();
+    miss_log l = { .take = true };
+    kvr_store_set_miss_hooks(s, &(kvr_store_miss_hooks){ on_ctx, on_prefix, &l });
+    uint32_t a[] = { 1, 2, 3, 4, 5, 6 };
+    cr_assert_eq(kvt_index_put(s, "a", KVR_PUT_CREATE, a, 6), 0);
+    cr_assert_eq(l.n_ctx, 0, "a put asked the tier");
+    kvr_ctx_info ci;
+    kvr_error e = { 0 };
+    cr_assert_eq(kvr_store_stat(s, "a", &ci, &e), 0);
+    cr_assert_eq(kvr_store_stat(s, "far", &ci, &e), KVR_EFETCH);
+    cr_assert_eq(l.n_ctx, 1);
+    cr_assert_str_eq(l.id, "far");
+    cr_assert_eq(kvr_store_fork(s, "far", "b", &e), KVR_EFETCH);
+    cr_assert_eq(kvr_store_stat(s, "b", &ci, NULL), KVR_EFETCH, "the fork made 'b'");
+    cr_assert_eq(kvr_store_delete(s, "far", &e), KVR_ENOCTX);
+    cr_assert_eq(l.n_ctx, 3, "delete asked the tier");
+    kvr_store_stats st0, st1;
+    kvr_store_get_stats(s, &st0);
+    uint32_t q[] = { 1, 2, 3, 9 };
+    kvr_match_result r;
+    cr_assert_eq(kvr_store_match(s, "m", q, 4, false, &r, &e), KVR_EFETCH);
+    cr_assert_eq(l.n_prefix, 1);
+    cr_assert_eq(l.local, 3);
+    kvr_store_get_stats(s, &st1);
+    cr_assert_eq(st1.n_matches, st0.n_matches, "a match handed to the tier was counted");
+    cr_assert_eq(kvr_store_match(s, "m", a, 6, false, &r, &e), 0, "a whole match asked");
+    cr_assert_eq(l.n_prefix, 1);
+    /* Declined: the plain misses. */
+    l.take = false;
+    cr_assert_eq(kvr_store_stat(s, "far", &ci, &e), KVR_ENOCTX);
+    cr_assert_eq(kvr_store_match(s, "m", q, 4, false, &r, &e), 0);
+    cr_assert_eq(r.length, 3);
+    kvr_store_set_miss_hooks(s, NULL);
+    l.take = true;
+    cr_assert_eq(kvr_store_stat(s, "far", &ci, &e), KVR_ENOCTX);
+    kvr_store_destroy(s);
+}

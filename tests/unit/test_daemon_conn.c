@@ -92,10 +92,10 @@ Test(daemon_conn, drained_refusal_whose_reply_write_fails_frees_the_request, .ti
     kvr_frame_header_encode(buf, (uint32_t)n, sizeof payload);
     cr_assert_eq(write(fd, buf, KVR_FRAME_HEADER_SIZE + n), (ssize_t)(KVR_FRAME_HEADER_SIZE + n));
     spin(d, 10);                        /* refused: now draining */
-    kvr_conn_test_write_failures = 1;   /* the pending reply's write fails */
+    kvr__conn_test_write_failures = 1;   /* the pending reply's write fails */
     cr_assert_eq(write(fd, payload, sizeof payload), (ssize_t)sizeof payload);
     wait_closed(d);
-    cr_assert_eq(kvr_conn_test_write_failures, 0, "the reply was never written");
+    cr_assert_eq(kvr__conn_test_write_failures, 0, "the reply was never written");
     close(fd);
     spin(d, 3);
     cr_assert_eq(kvr_mem_allocated(), base, "%zu bytes leaked",

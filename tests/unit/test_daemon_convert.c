@@ -21,14 +21,14 @@ static kvr_error err;
 
 Test(daemon_convert, status_of_maps_codes_and_refuses_the_rest)
 {
-    cr_assert_eq(kvr_status_of(0), KVROPE__STATUS__OK);
-    cr_assert_eq(kvr_status_of(KVR_ENOCTX), KVROPE__STATUS__E_UNKNOWN_CONTEXT);
-    cr_assert_eq(kvr_status_of(KVR_EPREFIX), KVROPE__STATUS__E_PREFIX);
-    cr_assert_eq(kvr_status_of(KVR_EIO), KVROPE__STATUS__E_IO);
-    cr_assert_eq(kvr_status_of(KVR_ESYS), KVROPE__STATUS__E_INTERNAL, "local codes never travel");
-    cr_assert_eq(kvr_status_of(-7), KVROPE__STATUS__E_INTERNAL, "not a KVR_E* code");
-    cr_assert_eq(kvr_status_of(-100000), KVROPE__STATUS__E_INTERNAL);
-    cr_assert_eq(kvr_status_of(5), KVROPE__STATUS__E_INTERNAL);
+    cr_assert_eq(kvr__status_of(0), KVROPE__STATUS__OK);
+    cr_assert_eq(kvr__status_of(KVR_ENOCTX), KVROPE__STATUS__E_UNKNOWN_CONTEXT);
+    cr_assert_eq(kvr__status_of(KVR_EPREFIX), KVROPE__STATUS__E_PREFIX);
+    cr_assert_eq(kvr__status_of(KVR_EIO), KVROPE__STATUS__E_IO);
+    cr_assert_eq(kvr__status_of(KVR_ESYS), KVROPE__STATUS__E_INTERNAL, "local codes never travel");
+    cr_assert_eq(kvr__status_of(-7), KVROPE__STATUS__E_INTERNAL, "not a KVR_E* code");
+    cr_assert_eq(kvr__status_of(-100000), KVROPE__STATUS__E_INTERNAL);
+    cr_assert_eq(kvr__status_of(5), KVROPE__STATUS__E_INTERNAL);
 }
 
 static Kvrope__Response *unframe(const uint8_t *buf, size_t len, uint64_t *payload_len)
@@ -47,7 +47,7 @@ static Kvrope__Response *unframe(const uint8_t *buf, size_t len, uint64_t *paylo
 static Kvrope__Response *through_the_wire(const Kvrope__Response *r)
 {
     size_t len;
-    uint8_t *buf = kvrd_pack_response(r, 0, &len);
+    uint8_t *buf = kvr__pack_response(r, 0, &len);
     cr_assert(buf);
     uint64_t pl;
     Kvrope__Response *u = unframe(buf, len, &pl);
@@ -65,7 +65,7 @@ Test(daemon_convert, pack_response_frames_message_and_announces_payload)
     r.body_case = KVROPE__RESPONSE__BODY_PONG;
     r.pong = &p;
     size_t len = 0;
-    uint8_t *buf = kvrd_pack_response(&r, 12345, &len);
+    uint8_t *buf = kvr__pack_response(&r, 12345, &len);
     cr_assert(buf);
     uint64_t pl;
     Kvrope__Response *u = unframe(buf, len, &pl);
@@ -80,7 +80,7 @@ Test(daemon_convert, pack_response_frames_message_and_announces_payload)
 Test(daemon_convert, pack_error_uses_strerror_and_truncates)
 {
     size_t len;
-    uint8_t *buf = kvrd_pack_error(7, KVR_ENOCTX, NULL, &len);
+    uint8_t *buf = kvr__pack_error(7, KVR_ENOCTX, NULL, &len);
     uint64_t pl;
     Kvrope__Response *u = unframe(buf, len, &pl);
     cr_assert_eq(pl, 0);
@@ -93,9 +93,9 @@ Test(daemon_convert, pack_error_uses_strerror_and_truncates)
     char big[2000];
     memset(big, 'a', sizeof big - 1);
     big[sizeof big - 1] = '\0';
-    buf = kvrd_pack_error(0, KVR_EINVAL, big, &len);
+    buf = kvr__pack_error(0, KVR_EINVAL, big, &len);
     u = unframe(buf, len, &pl);
-    cr_assert_eq(strlen(u->message), KVRD_ERR_MAX - 1);
+    cr_assert_eq(strlen(u->message), KVR_ERR_MAX - 1);
     kvrope__response__free_unpacked(u, NULL);
     kvr_mem_free(buf);
 }
@@ -118,7 +118,7 @@ Test(daemon_convert, rope_round_trips_through_the_wire)
     a.attention_factor = 1.5;
     a.max_position_embeddings = 16384;
     Kvrope__RopeParams p;
-    kvrd_pb_rope(&a, &p);
+    kvr__pb_rope(&a, &p);
     cr_assert(p.has_style && p.style == KVROPE__ROPE_STYLE__GPTJ);
     cr_assert(p.has_factor && p.factor == 4.0);
     cr_assert(p.has_attention_factor && p.has_mscale);
@@ -131,7 +131,7 @@ Test(daemon_convert, rope_round_trips_through_the_wire)
     kvr_rope_config b;
     kvr_rope_config_init(&b);
     b.head_dim = 64;
-    cr_assert_eq(kvrd_rope_from_pb(q, &b, &err), 0);
+    cr_assert_eq(kvr__rope_from_pb(q, &b, &err), 0);
     cr_assert_eq(b.style, a.style);
     cr_assert_eq(b.theta, a.theta);
     cr_assert_eq(b.rotary_dim, a.rotary_dim);
@@ -157,14 +157,14 @@ Test(daemon_convert, rope_reports_per_layer_kinds_and_model_type)
     a.layer_kind[1] = 0;
     a.layer_kind[2] = 2;
     Kvrope__RopeParams p;
-    kvrd_pb_rope(&a, &p);
+    kvr__pb_rope(&a, &p);
     cr_assert_str_eq(p.model_type, "gemma3_text");
     cr_assert(p.has_local_theta && p.local_theta == 10000.0);
     cr_assert(p.has_layer_kinds && p.layer_kinds.len == 3);
     cr_assert_eq(p.layer_kinds.data[2], 2);
     cr_assert(!p.has_yarn_truncate, "only reported when yarn does not truncate");
     a.n_layer_kinds = 0;
-    kvrd_pb_rope(&a, &p);
+    kvr__pb_rope(&a, &p);
     cr_assert(!p.has_layer_kinds);
 }
 
@@ -175,15 +175,15 @@ Test(daemon_convert, rope_from_pb_refuses_bad_scaling_and_long_factor_lists)
     Kvrope__RopeParams p = KVROPE__ROPE_PARAMS__INIT;
     p.has_scaling = 1;
     p.scaling = (Kvrope__RopeScaling)99;
-    cr_assert_eq(kvrd_rope_from_pb(&p, &rc, &err), KVR_ECONFIG);
+    cr_assert_eq(kvr__rope_from_pb(&p, &rc, &err), KVR_ECONFIG);
     cr_assert_str_eq(err.msg, "rope.scaling: unknown value 99");
     p.has_scaling = 0;
     double f[KVR_ROPE_MAX_HEAD_DIM / 2 + 1] = { 0 };
     p.n_short_factor = KVR_ROPE_MAX_HEAD_DIM / 2 + 1;
     p.short_factor = f;
-    cr_assert_eq(kvrd_rope_from_pb(&p, &rc, &err), KVR_ECONFIG);
+    cr_assert_eq(kvr__rope_from_pb(&p, &rc, &err), KVR_ECONFIG);
     cr_assert(strstr(err.msg, "more than"), "%s", err.msg);
-    cr_assert_eq(kvrd_rope_from_pb(NULL, &rc, &err), 0);
+    cr_assert_eq(kvr__rope_from_pb(NULL, &rc, &err), 0);
 }
 
 Test(daemon_convert, model_desc_from_shape_fields)
@@ -198,7 +198,7 @@ Test(daemon_convert, model_desc_from_shape_fields)
     m.style = "gptj";
     m.codec = "k4v2";
     kvr_model_desc d = { 0 };
-    cr_assert_eq(kvrd_model_desc_from_pb(&m, &d, &err), 0, "%s", err.msg);
+    cr_assert_eq(kvr__model_desc_from_pb(&m, &d, &err), 0, "%s", err.msg);
     cr_assert_str_eq(d.name, "tiny");
     cr_assert_eq(d.n_layers, 2);
     cr_assert_eq(d.n_kv_heads, 4);
@@ -209,7 +209,7 @@ Test(daemon_convert, model_desc_from_shape_fields)
     cr_assert_eq(d.rope.num_heads, 4);
     cr_assert_str_eq(d.codec, "k4v2");
     m.codec = "";
-    cr_assert_eq(kvrd_model_desc_from_pb(&m, &d, &err), 0);
+    cr_assert_eq(kvr__model_desc_from_pb(&m, &d, &err), 0);
     cr_assert_null(d.codec);
 }
 
@@ -219,25 +219,25 @@ Test(daemon_convert, model_desc_refusals_name_the_field)
     m.name = "x";
     m.dtype = KVROPE__DTYPE__F32;
     kvr_model_desc d = { 0 };
-    cr_assert_eq(kvrd_model_desc_from_pb(&m, &d, &err), KVR_EBADREQUEST);
+    cr_assert_eq(kvr__model_desc_from_pb(&m, &d, &err), KVR_EBADREQUEST);
     cr_assert_str_eq(err.msg, "register_model needs config_json, or n_layers, n_kv_heads and head_dim");
     m.style = "rotary";
-    cr_assert_eq(kvrd_model_desc_from_pb(&m, &d, &err), KVR_EBADREQUEST);
+    cr_assert_eq(kvr__model_desc_from_pb(&m, &d, &err), KVR_EBADREQUEST);
     cr_assert_str_eq(err.msg, "register_model.style must be \"neox\" or \"gptj\", not \"rotary\"");
     m.style = NULL;
     m.dtype = (Kvrope__DType)9;
-    cr_assert_eq(kvrd_model_desc_from_pb(&m, &d, &err), KVR_EBADREQUEST);
+    cr_assert_eq(kvr__model_desc_from_pb(&m, &d, &err), KVR_EBADREQUEST);
     cr_assert_str_eq(err.msg, "register_model.dtype: unknown value 9");
     m.dtype = KVROPE__DTYPE__F32;
     m.config_json = "{ not json";
-    cr_assert_eq(kvrd_model_desc_from_pb(&m, &d, &err), KVR_ECONFIG);
+    cr_assert_eq(kvr__model_desc_from_pb(&m, &d, &err), KVR_ECONFIG);
     cr_assert(!strncmp(err.msg, "config_json refused: ", 21), "%s", err.msg);
     m.config_json = NULL;
     m.has_n_layers = m.has_n_kv_heads = m.has_head_dim = 1;
     m.n_layers = 1;
     m.n_kv_heads = 1;
     m.head_dim = 7;      /* odd: the rope configuration refuses it */
-    cr_assert_eq(kvrd_model_desc_from_pb(&m, &d, &err), KVR_ECONFIG);
+    cr_assert_eq(kvr__model_desc_from_pb(&m, &d, &err), KVR_ECONFIG);
     cr_assert(!strncmp(err.msg, "rope configuration refused: ", 28), "%s", err.msg);
 }
 
@@ -250,7 +250,7 @@ Test(daemon_convert, model_info_to_pb)
                           .n_contexts = 5, .codec = "bf16" };
     Kvrope__ModelInfo o;
     Kvrope__RopeParams rp;
-    kvrd_pb_model(&mi, &o, &rp);
+    kvr__pb_model(&mi, &o, &rp);
     cr_assert_str_eq(o.name, "m");
     cr_assert_eq(o.n_layers, 3);
     cr_assert_eq(o.n_kv_heads, 2);
@@ -290,7 +290,7 @@ Test(daemon_convert, put_params_map_every_field)
     p.has_protect_first = 1;
     p.protect_first = 2;
     kvr_put_params pp;
-    cr_assert_eq(kvrd_put_params_from_pb(&p, "g", 777, &pp, &err), 0, "%s", err.msg);
+    cr_assert_eq(kvr__put_params_from_pb(&p, "g", 777, &pp, &err), 0, "%s", err.msg);
     cr_assert_str_eq(pp.ctx_id, "c");
     cr_assert_str_eq(pp.model, "m");
     cr_assert_eq(pp.mode, KVR_PUT_UPSERT);
@@ -312,7 +312,7 @@ Test(daemon_convert, put_params_map_every_field)
     p.n_positions = 0;
     p.codec = "";
     p.has_protect_first = 0;
-    cr_assert_eq(kvrd_put_params_from_pb(&p, NULL, 0, &pp, &err), 0);
+    cr_assert_eq(kvr__put_params_from_pb(&p, NULL, 0, &pp, &err), 0);
     cr_assert_eq(pp.fingerprint, 0);
     cr_assert_null(pp.positions);
     cr_assert_null(pp.codec);
@@ -327,14 +327,14 @@ Test(daemon_convert, put_params_refusals)
     p.model = "m";
     p.dtype = (Kvrope__DType)7;
     kvr_put_params pp;
-    cr_assert_eq(kvrd_put_params_from_pb(&p, NULL, 0, &pp, &err), KVR_EBADREQUEST);
+    cr_assert_eq(kvr__put_params_from_pb(&p, NULL, 0, &pp, &err), KVR_EBADREQUEST);
     cr_assert_str_eq(err.msg, "put.dtype: unknown value 7");
     p.dtype = KVROPE__DTYPE__F16;
     p.mode = (Kvrope__PutMode)4;   /* 3 is REPLACE */
-    cr_assert_eq(kvrd_put_params_from_pb(&p, NULL, 0, &pp, &err), KVR_EBADREQUEST);
+    cr_assert_eq(kvr__put_params_from_pb(&p, NULL, 0, &pp, &err), KVR_EBADREQUEST);
     cr_assert_str_eq(err.msg, "put.mode: unknown value 4");
     p.mode = KVROPE__PUT_MODE__REPLACE;
-    cr_assert_eq(kvrd_put_params_from_pb(&p, NULL, 0, &pp, &err), 0, "%s", err.msg);
+    cr_assert_eq(kvr__put_params_from_pb(&p, NULL, 0, &pp, &err), 0, "%s", err.msg);
     cr_assert_eq(pp.mode, KVR_PUT_REPLACE);
     p.mode = KVROPE__PUT_MODE__CREATE;
     uint32_t tok[3] = { 0 };
@@ -343,18 +343,18 @@ Test(daemon_convert, put_params_refusals)
     p.tokens = tok;
     p.n_positions = 2;
     p.positions = pos;
-    cr_assert_eq(kvrd_put_params_from_pb(&p, NULL, 0, &pp, &err), KVR_EBADREQUEST);
+    cr_assert_eq(kvr__put_params_from_pb(&p, NULL, 0, &pp, &err), KVR_EBADREQUEST);
     cr_assert_str_eq(err.msg, "put: 2 positions for 3 tokens");
     p.n_tokens = 2;
     p.has_pos_start = 1;
-    cr_assert_eq(kvrd_put_params_from_pb(&p, NULL, 0, &pp, &err), KVR_EBADREQUEST);
+    cr_assert_eq(kvr__put_params_from_pb(&p, NULL, 0, &pp, &err), KVR_EBADREQUEST);
     cr_assert_str_eq(err.msg, "put: give pos_start or positions, not both");
 }
 
 Test(daemon_convert, put_layout_options)
 {
     kvr_put_params pp = { 0 };
-    cr_assert_eq(kvrd_put_layout_from_pb(NULL, &pp, &err), 0);
+    cr_assert_eq(kvr__put_layout_from_pb(NULL, &pp, &err), 0);
     char *names[2] = { "a", "b" };
     int64_t offs[2] = { 0, 100 };
     Kvrope__LayoutPutOptions lo = KVROPE__LAYOUT_PUT_OPTIONS__INIT;
@@ -363,21 +363,21 @@ Test(daemon_convert, put_layout_options)
     lo.groups = names;
     lo.n_group_offsets = 2;
     lo.group_offsets = offs;
-    cr_assert_eq(kvrd_put_layout_from_pb(&lo, &pp, &err), 0);
+    cr_assert_eq(kvr__put_layout_from_pb(&lo, &pp, &err), 0);
     cr_assert_str_eq(pp.prefix_ctx, "sys");
     cr_assert_eq(pp.n_groups, 2);
     cr_assert_str_eq(pp.groups[1], "b");
     cr_assert_eq(pp.group_offsets, offs);
     lo.n_group_offsets = 1;
-    cr_assert_eq(kvrd_put_layout_from_pb(&lo, &pp, &err), KVR_EBADREQUEST);
+    cr_assert_eq(kvr__put_layout_from_pb(&lo, &pp, &err), KVR_EBADREQUEST);
     cr_assert_str_eq(err.msg, "put: 1 group offsets for 2 groups");
     lo.n_groups = 65;
-    cr_assert_eq(kvrd_put_layout_from_pb(&lo, &pp, &err), KVR_EINVAL);
+    cr_assert_eq(kvr__put_layout_from_pb(&lo, &pp, &err), KVR_EINVAL);
     cr_assert_str_eq(err.msg, "put: 65 groups (limit 16)");
     lo.n_groups = 0;
     lo.n_group_offsets = 0;
     lo.prefix_context = "";
-    cr_assert_eq(kvrd_put_layout_from_pb(&lo, &pp, &err), 0);
+    cr_assert_eq(kvr__put_layout_from_pb(&lo, &pp, &err), 0);
     cr_assert_null(pp.prefix_ctx);
     cr_assert_null(pp.group_offsets);
 }
@@ -386,7 +386,7 @@ Test(daemon_convert, put_result_to_pb)
 {
     kvr_put_result res = { .n_tokens = 10, .first_index = 4, .first_pos = 100, .last_pos = 105 };
     Kvrope__PutResult o;
-    kvrd_pb_put_result(&res, &o);
+    kvr__pb_put_result(&res, &o);
     cr_assert_eq(o.n_tokens, 10);
     cr_assert_eq(o.first_index, 4);
     cr_assert_eq(o.first_pos, 100);
@@ -406,7 +406,7 @@ Test(daemon_convert, get_params)
     g.n_layers = 2;
     g.layers = layers;
     kvr_get_params gp;
-    cr_assert_eq(kvrd_get_params_from_pb(&g, &gp, &err), 0);
+    cr_assert_eq(kvr__get_params_from_pb(&g, &gp, &err), 0);
     cr_assert_str_eq(gp.ctx_id, "c");
     cr_assert_eq(gp.start, 2);
     cr_assert_eq(gp.end, SIZE_MAX, "no end: to the end");
@@ -420,12 +420,12 @@ Test(daemon_convert, get_params)
     g.positions = pos;
     g.has_meta_only = g.meta_only = 1;
     g.has_raw = g.raw = 1;
-    cr_assert_eq(kvrd_get_params_from_pb(&g, &gp, &err), 0);
+    cr_assert_eq(kvr__get_params_from_pb(&g, &gp, &err), 0);
     cr_assert_eq(gp.end, 6);
     cr_assert_eq(gp.positions, pos);
     cr_assert(gp.meta_only && gp.raw);
     g.dtype = (Kvrope__DType)5;
-    cr_assert_eq(kvrd_get_params_from_pb(&g, &gp, &err), KVR_EBADREQUEST);
+    cr_assert_eq(kvr__get_params_from_pb(&g, &gp, &err), KVR_EBADREQUEST);
     cr_assert_str_eq(err.msg, "get.dtype: unknown value 5");
 }
 
@@ -445,7 +445,7 @@ Test(daemon_convert, assemble_params_and_refusals)
     q.temperature = 0.5;
     q.has_fold_temperature = q.fold_temperature = 1;
     kvr_assemble_params ap;
-    cr_assert_eq(kvrd_assemble_params_from_pb(&q, &ap, &err), 0, "%s", err.msg);
+    cr_assert_eq(kvr__assemble_params_from_pb(&q, &ap, &err), 0, "%s", err.msg);
     cr_assert_str_eq(ap.prefix, "sys");
     cr_assert_eq(ap.n_docs, 2);
     cr_assert_str_eq(ap.docs[1], "d2");
@@ -455,22 +455,22 @@ Test(daemon_convert, assemble_params_and_refusals)
     cr_assert_eq(ap.scale, 0.0, "absent: the store's default");
     cr_assert(ap.fold_temperature && !ap.meta_only);
     q.n_starts = 1;
-    cr_assert_eq(kvrd_assemble_params_from_pb(&q, &ap, &err), KVR_EBADREQUEST);
+    cr_assert_eq(kvr__assemble_params_from_pb(&q, &ap, &err), KVR_EBADREQUEST);
     cr_assert_str_eq(err.msg, "assemble: explicit layout with 1 starts for 2 documents");
     q.layout = KVROPE__LAYOUT__PARALLEL;
-    cr_assert_eq(kvrd_assemble_params_from_pb(&q, &ap, &err), KVR_EBADREQUEST);
+    cr_assert_eq(kvr__assemble_params_from_pb(&q, &ap, &err), KVR_EBADREQUEST);
     cr_assert_str_eq(err.msg, "assemble: starts are for the explicit layout only");
     q.n_starts = 0;
     q.temperature = (double)NAN;
-    cr_assert_eq(kvrd_assemble_params_from_pb(&q, &ap, &err), KVR_EINVAL);
+    cr_assert_eq(kvr__assemble_params_from_pb(&q, &ap, &err), KVR_EINVAL);
     q.temperature = 1.0;
     q.has_scale = 1;
     q.scale = 0.0;
-    cr_assert_eq(kvrd_assemble_params_from_pb(&q, &ap, &err), KVR_EINVAL);
+    cr_assert_eq(kvr__assemble_params_from_pb(&q, &ap, &err), KVR_EINVAL);
     cr_assert_str_eq(err.msg, "assemble: temperature and scale must be positive numbers");
     q.has_scale = 0;
     q.layout = (Kvrope__Layout)9;
-    cr_assert_eq(kvrd_assemble_params_from_pb(&q, &ap, &err), KVR_EBADREQUEST);
+    cr_assert_eq(kvr__assemble_params_from_pb(&q, &ap, &err), KVR_EBADREQUEST);
     cr_assert_str_eq(err.msg, "assemble.layout: unknown value 9");
 }
 
@@ -492,7 +492,7 @@ Test(daemon_convert, kv_of_get_fills_every_field)
     Kvrope__KVResult kv;
     Kvrope__RawLayout rl;
     char buf[3][64];
-    kvrd_pb_kv_of_get(&gi, "ctx", false, &kv, &rl, buf);
+    kvr__pb_kv_of_get(&gi, "ctx", false, &kv, &rl, buf);
     cr_assert_str_eq(kv.context_id, "ctx");
     cr_assert_str_eq(kv.model, "m");
     cr_assert_eq(kv.start, 5);
@@ -513,7 +513,7 @@ Test(daemon_convert, kv_of_get_fills_every_field)
     gi.positions = NULL;
     gi.flags = NULL;
     gi.groups = NULL;
-    kvrd_pb_kv_of_get(&gi, "ctx", false, &kv, &rl, buf);
+    kvr__pb_kv_of_get(&gi, "ctx", false, &kv, &rl, buf);
     cr_assert_eq(kv.n_positions, 0);
     cr_assert_eq(kv.n_flags, 0);
     cr_assert_eq(kv.n_groups, 0);
@@ -527,7 +527,7 @@ Test(daemon_convert, raw_layout_parses_the_canonical_codec)
     Kvrope__KVResult kv;
     Kvrope__RawLayout rl;
     char buf[3][64];
-    kvrd_pb_kv_of_get(&gi, "c", false, &kv, &rl, buf);
+    kvr__pb_kv_of_get(&gi, "c", false, &kv, &rl, buf);
     cr_assert_eq(kv.raw, &rl);
     cr_assert_str_eq(rl.codec, "k=int4/g128/c,v=int2/g64,r=128");
     cr_assert_str_eq(rl.k_codec, "int4/g128");
@@ -541,14 +541,14 @@ Test(daemon_convert, raw_layout_parses_the_canonical_codec)
     cr_assert_eq(rl.v_unit_bytes, 10);
 
     snprintf(gi.codec, sizeof gi.codec, "k=q4_0,v=q8_0,r=0");
-    kvrd_pb_raw_layout(&gi, &rl, buf);
+    kvr__pb_raw_layout(&gi, &rl, buf);
     cr_assert_str_eq(rl.k_codec, "q4_0");
     cr_assert(!rl.k_per_channel);
     cr_assert_eq(rl.k_group, 32);
     cr_assert_eq(rl.v_group, 32);
     cr_assert_eq(rl.k_unit_bytes, 10, "per token");
 
-    kvrd_pb_kv_of_get(&gi, "c", true, &kv, &rl, buf);
+    kvr__pb_kv_of_get(&gi, "c", true, &kv, &rl, buf);
     cr_assert_null(kv.raw, "meta_only: no RawLayout");
 }
 
@@ -570,7 +570,7 @@ Test(daemon_convert, assemble_result_segments_and_memory)
                              .temperature_folded = true, .prefix_len = 2 };
     Kvrope__AssembleResult ar;
     Kvrope__KVResult kv;
-    cr_assert_eq(kvrd_pb_assemble_result(&ai, "sys", &ar, &kv), 0);
+    cr_assert_eq(kvr__pb_assemble_result(&ai, "sys", &ar, &kv), 0);
     cr_assert_eq(ar.kv, &kv);
     cr_assert_str_eq(kv.context_id, "sys");
     cr_assert_eq(kv.token_count, 6);
@@ -594,7 +594,7 @@ Test(daemon_convert, assemble_result_segments_and_memory)
     cr_assert_eq(u->assemble->n_segments, 3);
     cr_assert_str_eq(u->assemble->segments[1]->context_id, "d");
     kvrope__response__free_unpacked(u, NULL);
-    kvrd_pb_assemble_result_free(&ar);
+    kvr__pb_assemble_result_free(&ar);
     cr_assert_eq(kvr_mem_allocated(), base);
 }
 
@@ -607,17 +607,17 @@ Test(daemon_convert, edit_and_refresh_params)
     q.model = "m";
     q.dtype = KVROPE__DTYPE__F16;
     kvr_edit_params ep;
-    cr_assert_eq(kvrd_edit_params_from_pb(&q, 10, &ep, &err), KVR_EPAYLOAD);
+    cr_assert_eq(kvr__edit_params_from_pb(&q, 10, &ep, &err), KVR_EPAYLOAD);
     cr_assert_str_eq(err.msg, "edit without with_kv takes no payload (payload_len 10)");
     q.has_with_kv = q.with_kv = 1;
     q.n_layers = 2;
-    cr_assert_eq(kvrd_edit_params_from_pb(&q, 10, &ep, &err), 0);
+    cr_assert_eq(kvr__edit_params_from_pb(&q, 10, &ep, &err), 0);
     cr_assert(ep.with_kv);
     cr_assert_eq(ep.payload_bytes, 10);
     cr_assert_eq(ep.n_layers, 2);
     cr_assert_str_eq(ep.ctx_id, "c");
     q.dtype = (Kvrope__DType)4;
-    cr_assert_eq(kvrd_edit_params_from_pb(&q, 10, &ep, &err), KVR_EBADREQUEST);
+    cr_assert_eq(kvr__edit_params_from_pb(&q, 10, &ep, &err), KVR_EBADREQUEST);
     cr_assert_str_eq(err.msg, "edit.dtype: unknown value 4");
 
     Kvrope__Refresh f = KVROPE__REFRESH__INIT;
@@ -625,14 +625,14 @@ Test(daemon_convert, edit_and_refresh_params)
     f.start = 3;
     f.dtype = KVROPE__DTYPE__BF16;
     kvr_refresh_params rp;
-    cr_assert_eq(kvrd_refresh_params_from_pb(&f, 64, &rp, &err), 0);
+    cr_assert_eq(kvr__refresh_params_from_pb(&f, 64, &rp, &err), 0);
     cr_assert_eq(rp.start, 3);
     cr_assert_eq(rp.end, SIZE_MAX);
     cr_assert_eq(rp.dtype, KVR_DTYPE_BF16);
     cr_assert_eq(rp.payload_bytes, 64);
     f.has_end = 1;
     f.end = 9;
-    cr_assert_eq(kvrd_refresh_params_from_pb(&f, 64, &rp, &err), 0);
+    cr_assert_eq(kvr__refresh_params_from_pb(&f, 64, &rp, &err), 0);
     cr_assert_eq(rp.end, 9);
 }
 
@@ -649,7 +649,7 @@ Test(daemon_convert, edit_ops_copy_ranges_and_borrow_tokens)
     b.end = 7;
     Kvrope__EditOp *in[2] = { &a, &b };
     kvr_edit_op *ops;
-    cr_assert_eq(kvrd_edit_ops_from_pb(in, 2, &ops, &err), 0);
+    cr_assert_eq(kvr__edit_ops_from_pb(in, 2, &ops, &err), 0);
     cr_assert_eq(ops[0].start, 1);
     cr_assert_eq(ops[0].end, 3);
     cr_assert_eq(ops[0].n_tokens, 2);
@@ -657,7 +657,7 @@ Test(daemon_convert, edit_ops_copy_ranges_and_borrow_tokens)
     cr_assert_eq(ops[1].start, 7);
     cr_assert_eq(ops[1].n_tokens, 0);
     kvr_mem_free(ops);
-    cr_assert_eq(kvrd_edit_ops_from_pb(in, 0, &ops, &err), 0);
+    cr_assert_eq(kvr__edit_ops_from_pb(in, 0, &ops, &err), 0);
     cr_assert_null(ops);
     cr_assert_eq(kvr_mem_allocated(), base);
 }
@@ -670,7 +670,7 @@ Test(daemon_convert, edit_result_with_spans)
     kvr_edit_span spans[2] = { { .index = 4, .first_pos = 4, .shift = 2 },
                                { .index = 10, .first_pos = 12, .shift = -1 } };
     Kvrope__EditResult er;
-    cr_assert_eq(kvrd_pb_edit_result(&res, spans, 2, 4096, &er), 0);
+    cr_assert_eq(kvr__pb_edit_result(&res, spans, 2, 4096, &er), 0);
     cr_assert_eq(er.context_length, 20);
     cr_assert_eq(er.n_new, 3);
     cr_assert_eq(er.n_removed, 1);
@@ -682,21 +682,21 @@ Test(daemon_convert, edit_result_with_spans)
     cr_assert_eq(er.spans[1]->index, 10);
     cr_assert_eq(er.spans[1]->first_pos, 12);
     cr_assert_eq(er.spans[1]->shift, -1);
-    kvrd_pb_edit_result_free(&er);
-    cr_assert_eq(kvrd_pb_edit_result(&res, NULL, 0, 0, &er), 0);
+    kvr__pb_edit_result_free(&er);
+    cr_assert_eq(kvr__pb_edit_result(&res, NULL, 0, 0, &er), 0);
     cr_assert_eq(er.n_spans, 0);
-    kvrd_pb_edit_result_free(&er);
+    kvr__pb_edit_result_free(&er);
     cr_assert_eq(kvr_mem_allocated(), base);
 }
 
 Test(daemon_convert, ranges_refuse_what_size_t_cannot_hold)
 {
     size_t s, e;
-    cr_assert_eq(kvrd_range_from_pb("shift", 2, 9, &s, &e, &err), 0);
+    cr_assert_eq(kvr__range_from_pb("shift", 2, 9, &s, &e, &err), 0);
     cr_assert_eq(s, 2);
     cr_assert_eq(e, 9);
 #if SIZE_MAX < UINT64_MAX
-    cr_assert_eq(kvrd_range_from_pb("keep", UINT64_MAX, 1, &s, &e, &err), KVR_ERANGE);
+    cr_assert_eq(kvr__range_from_pb("keep", UINT64_MAX, 1, &s, &e, &err), KVR_ERANGE);
     cr_assert_str_eq(err.msg, "keep: range out of bounds");
 #endif
 }
@@ -721,7 +721,7 @@ Test(daemon_convert, context_info_round_trips)
 {
     kvr_ctx_info i = ctx_info("c1");
     Kvrope__ContextInfo o;
-    kvrd_pb_context(&i, &o);
+    kvr__pb_context(&i, &o);
     uint8_t buf[1024];
     size_t n = kvrope__context_info__pack(&o, buf);
     Kvrope__ContextInfo *u = kvrope__context_info__unpack(NULL, n, buf);
@@ -756,14 +756,14 @@ Test(daemon_convert, lists_allocate_once_and_free_all)
     size_t base = kvr_mem_allocated();
     kvr_ctx_info infos[3] = { ctx_info("a"), ctx_info("b"), ctx_info("c") };
     Kvrope__ContextList cl;
-    cr_assert_eq(kvrd_pb_context_list(infos, 3, &cl), 0);
+    cr_assert_eq(kvr__pb_context_list(infos, 3, &cl), 0);
     cr_assert_eq(cl.n_contexts, 3);
     cr_assert_str_eq(cl.contexts[2]->id, "c");
     cr_assert_str_eq(cl.contexts[0]->id, "a");
-    kvrd_pb_context_list_free(&cl);
-    cr_assert_eq(kvrd_pb_context_list(NULL, 0, &cl), 0);
+    kvr__pb_context_list_free(&cl);
+    cr_assert_eq(kvr__pb_context_list(NULL, 0, &cl), 0);
     cr_assert_eq(cl.n_contexts, 0);
-    kvrd_pb_context_list_free(&cl);
+    kvr__pb_context_list_free(&cl);
 
     kvr_rope_config rc;
     kvr_rope_config_init(&rc);
@@ -771,7 +771,7 @@ Test(daemon_convert, lists_allocate_once_and_free_all)
     mi[0].rope = mi[1].rope = &rc;
     snprintf(mi[1].name, sizeof mi[1].name, "other");
     Kvrope__ModelList ml;
-    cr_assert_eq(kvrd_pb_model_list(mi, 2, &ml), 0);
+    cr_assert_eq(kvr__pb_model_list(mi, 2, &ml), 0);
     cr_assert_eq(ml.n_models, 2);
     cr_assert_str_eq(ml.models[1]->name, "other");
     cr_assert(ml.models[1]->rope && ml.models[1]->rope != ml.models[0]->rope);
@@ -782,9 +782,9 @@ Test(daemon_convert, lists_allocate_once_and_free_all)
     cr_assert_eq(u->models->n_models, 2);
     cr_assert_eq(u->models->models[1]->rope->theta, 10000.0);
     kvrope__response__free_unpacked(u, NULL);
-    kvrd_pb_model_list_free(&ml);
-    cr_assert_eq(kvrd_pb_model_list(NULL, 0, &ml), 0);
-    kvrd_pb_model_list_free(&ml);
+    kvr__pb_model_list_free(&ml);
+    cr_assert_eq(kvr__pb_model_list(NULL, 0, &ml), 0);
+    kvr__pb_model_list_free(&ml);
     cr_assert_eq(kvr_mem_allocated(), base);
 }
 
@@ -800,7 +800,7 @@ Test(daemon_convert, layout_info)
     Kvrope__GroupInfo gi[KVR_MAX_GROUPS];
     Kvrope__GroupInfo *gp[KVR_MAX_GROUPS];
     Kvrope__LayoutInfo o;
-    kvrd_pb_layout(&li, "c", &o, gi, gp);
+    kvr__pb_layout(&li, "c", &o, gi, gp);
     cr_assert_str_eq(o.context_id, "c");
     cr_assert_str_eq(o.prefix_context, "sys");
     cr_assert(o.has_prefix_fingerprint && o.prefix_fingerprint == 11);
@@ -817,19 +817,19 @@ Test(daemon_convert, layout_info)
     cr_assert(o.has_dropped && o.dropped == 100);
     li.has_prefix = false;
     li.has_retention = false;
-    kvrd_pb_layout(&li, "c", &o, gi, gp);
+    kvr__pb_layout(&li, "c", &o, gi, gp);
     cr_assert_null(o.prefix_context);
     cr_assert(!o.has_prefix_len);
     cr_assert(o.has_retention && !o.retention);
     cr_assert(!o.has_sinks);
 }
 
-/* kvrd_pack_response's fast path (a successful reply: id, status, one body)
+/* kvr__pack_response's fast path (a successful reply: id, status, one body)
  * writes exactly the bytes protobuf-c's generic packer writes. */
 static void same_as_protobuf_c(const Kvrope__Response *r, uint64_t payload_len)
 {
     size_t len = 0;
-    uint8_t *got = kvrd_pack_response(r, payload_len, &len);
+    uint8_t *got = kvr__pack_response(r, payload_len, &len);
     cr_assert_not_null(got);
     size_t n = kvrope__response__get_packed_size(r);
     uint8_t *want = malloc(n ? n : 1);

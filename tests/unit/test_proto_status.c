@@ -32,7 +32,8 @@ Test(proto_status, codes_are_complete_and_apart_from_errno)
     size_t n = 0;
     const int *codes = kvr_error_codes(&n);
     cr_assert_eq(codes[0], KVR_OK);
-    cr_assert_eq(n, (size_t)kvrope__status__descriptor.n_values + 4);  /* + the 4 local */
+    /* + the 5 local: libkvrope's 4 and KVR_EFETCH (the store's to the daemon) */
+    cr_assert_eq(n, (size_t)kvrope__status__descriptor.n_values + 5);
     for (size_t i = 0; i < n; i++) {
         int c = codes[i];
         cr_assert(c == 0 || c < -4096, "%d is in errno's range", c);
@@ -50,6 +51,7 @@ Test(proto_status, codes_are_complete_and_apart_from_errno)
     /* Local codes never travel: they are sent as E_INTERNAL. */
     cr_assert_eq(kvr_error_status(KVR_ESYS), KVROPE__STATUS__E_INTERNAL);
     cr_assert_null(kvr_error_status_name(KVR_EBUFFER));
+    cr_assert_null(kvr_error_status_name(KVR_EFETCH));
     cr_assert_eq(kvr_error_status(-ENOMEM), KVROPE__STATUS__E_INTERNAL);
     cr_assert_eq(kvr_error_status(KVR_OK), KVROPE__STATUS__OK);
 }

@@ -93,7 +93,7 @@ class kvr_put_args(Structure):
                 ("groups", POINTER(c_char_p)), ("n_groups", c_size_t),
                 ("group_offsets", POINTER(c_int64)),
                 ("codec", c_char_p), ("persist", c_bool),
-                ("share", c_bool), ("share_sync", c_bool)]
+                ("share", c_bool), ("share_sync", c_bool), ("v_trans", c_bool)]
 
 
 class kvr_put_res(Structure):
@@ -157,7 +157,8 @@ class kvr_context(Structure):
                 ("n_pending", c_uint64), ("n_protected", c_uint64),
                 ("codec", c_char * CODEC_MAX), ("quantized", c_bool),
                 ("n_window", c_uint64), ("kv_bytes", c_uint64), ("bytes_saved", c_uint64),
-                ("bits_per_value", c_double), ("rel_rms_k", c_double), ("rel_rms_v", c_double)]
+                ("bits_per_value", c_double), ("rel_rms_k", c_double), ("rel_rms_v", c_double),
+                ("v_trans", c_bool)]
 
 
 # ---- edits (PIE) ----
@@ -238,7 +239,7 @@ class kvr_layout_res(Structure):
                 ("prefix_len", c_uint64),
                 ("groups", kvr_group_res * MAX_GROUPS), ("n_groups", c_size_t),
                 ("retention", c_bool), ("sinks", c_uint64), ("window", c_uint64),
-                ("n_dropped", c_uint64)]
+                ("n_dropped", c_uint64), ("v_trans", c_bool)]
 
 
 class kvr_shm(Structure):

@@ -1248,13 +1248,15 @@ class Layout:
     sinks: int
     window: int
     n_dropped: int
+    v_trans: bool = False   # created from a transposed V cache (put's v_trans)
 
     @classmethod
     def _from(cls, r):
         gs = tuple(Group(g.name.decode(), int(g.id), int(g.offset), int(g.cursor),
                          int(g.n_tokens)) for g in r.groups[:r.n_groups])
         return cls(r.prefix_ctx.decode() if r.has_prefix else None, int(r.prefix_len), gs,
-                   bool(r.retention), int(r.sinks), int(r.window), int(r.n_dropped))
+                   bool(r.retention), int(r.sinks), int(r.window), int(r.n_dropped),
+                   bool(r.v_trans))
 
 
 def _set_payload(a, parts):
