@@ -4,6 +4,8 @@
 #   make run        install what is missing to run (not to test), build what a user
 #                   needs, run kvroped (and kvrope serve) with embedded defaults
 #   make test       install what is missing, build, run every test
+#   make test-fast  the rope, codec, cache and proto unit tests alone (no daemon,
+#                   no llama.cpp, no Python): about a minute of CPU
 #   make check      the tests under ASan + UBSan with libc malloc (build/check),
 #                   and make check-symbols (the kvr_ / kvr__ naming line)
 #   make check-symbols  nm over every archive: globals carry kvr_ or kvr__
@@ -26,8 +28,12 @@
 #   daemon/*.c (but main.c)             -> internal archive;  daemon/main.c -> kvroped
 #   client/lib/*.c                      -> libkvrope.a / libkvrope.so
 #   client/cli/*.c                      -> kvrope
-#   tests/unit/test_*.c                 -> one Criterion binary each
-#   tests/common/*.h                     -> header-only test helpers (static functions)
+#   tests/unit/test_*.c                 -> one Criterion binary each (in-process)
+#   tests/int/test_*.c                  -> one Criterion binary each; these start
+#                                          kvroped, the CLI or Redis themselves
+#   tests/common/*.c                    -> libtestcommon.a, linked by every test and
+#                                          benchmark (kvt_bench.c needs no Criterion)
+#   tests/common/*.h                    -> its declarations, and header-only helpers
 #   tests/bench/bench_*.c               -> one benchmark binary each
 #   tests/fuzz/fuzz_*.c                 -> one libFuzzer target each
 #   client/llama/, tests/llama/         -> see client/llama/llama.mk (llama.cpp from npm)
@@ -92,7 +98,9 @@ PROTO_SRC  := $(wildcard proto/*.c)
 DAEMON_SRC := $(filter-out daemon/main.c,$(wildcard daemon/*.c))
 CLIB_SRC   := $(wildcard client/lib/*.c)
 CLI_SRC    := $(wildcard client/cli/*.c)
-TEST_SRC   := $(wildcard tests/unit/test_*.c)
+UNIT_SRC   := $(wildcard tests/unit/test_*.c)
+INT_SRC    := $(wildcard tests/int/test_*.c)
+TESTCOMMON_SRC := $(wildcard tests/common/*.c)
 BENCH_SRC  := $(wildcard tests/bench/bench_*.c)
 FUZZ_SRC   := $(wildcard tests/fuzz/fuzz_*.c)
 
@@ -117,6 +125,10 @@ PROTO_A  := $(BUILD)/lib/libproto.a
 DAEMON_A := $(BUILD)/lib/libdaemon.a
 CLIB_A   := $(BUILD)/lib/libclient.a
 ALL_A    := $(DAEMON_A) $(CLIB_A) $(CACHE_A) $(PROTO_A) $(ROPE_A) $(BASE_A)
+# The tests' shared fixtures (tests/common/*.c): each test links the archive
+# right after its own object, so it pulls only the helpers it calls (and the
+# modules those need, which its rule links anyway).
+TESTCOMMON_A := $(BUILD)/lib/libtestcommon.a
 
 # libkvrope's version: client/kvrope.h's KVR_VERSION_* (read here, not repeated).
 KVR_VER := $(shell awk '/^\#define KVR_VERSION_(MAJOR|MINOR|PATCH) /{v=v s $$3; s="."} END{print v}' client/kvrope.h)
@@ -128,7 +140,16 @@ CLIENT_SOREAL := $(BUILD)/libkvrope.so.$(KVR_VER)
 CLIENT_MAP := client/lib/kvrope.map
 KVROPED    := $(BUILD)/kvroped
 KVROPE     := $(BUILD)/kvrope
-TESTS      := $(patsubst tests/unit/%.c,$(BUILD)/tests/%,$(TEST_SRC))
+UNIT_TESTS := $(patsubst tests/unit/%.c,$(BUILD)/tests/%,$(UNIT_SRC))
+INT_TESTS  := $(patsubst tests/int/%.c,$(BUILD)/tests/%,$(INT_SRC))
+TESTS      := $(UNIT_TESTS) $(INT_TESTS)
+# make test-fast: the in-process tests of rope/, the codecs, cache/ (the disk
+# tier included) and proto/, but for two stress runs make test keeps: the
+# 32 MiB streamed gets (test_cache_get_into, a minute and more of one core)
+# and the kill -9 trials (test_disk_crash).
+FAST_SLOW  := $(addprefix $(BUILD)/tests/,test_cache_get_into test_disk_crash)
+FAST_TESTS := $(filter-out $(FAST_SLOW),$(filter $(addprefix $(BUILD)/tests/test_,rope_% codec_% \
+                cache_% disk_% proto_%),$(UNIT_TESTS)))
 BENCHES    := $(patsubst tests/bench/%.c,$(BUILD)/bench/%,$(BENCH_SRC))
 FUZZERS    := $(patsubst tests/fuzz/%.c,$(BUILD)/fuzz/%,$(FUZZ_SRC))
 
@@ -138,7 +159,7 @@ EVAL_GGUF := $(BUILD)/eval/kvrope-code.gguf
 # llama.cpp: the bridge (into libkvrope), and what links libllama (fetched from npm).
 include client/llama/llama.mk
 
-.PHONY: deps-run deps-eval eval eval-reuse eval-model deps-fuzz fuzz-ci soak fuzzers all deps deps-bench run test check bench fuzz clean \
+.PHONY: deps-run deps-eval eval eval-reuse eval-model deps-fuzz fuzz-ci soak fuzzers all deps deps-bench run test test-fast check bench fuzz clean \
         check-symbols install uninstall
 .DEFAULT_GOAL := all
 # Every file make builds is kept: the test and bench objects are intermediate
@@ -194,6 +215,7 @@ $(CACHE_A):  $(CACHE_OBJ)  ; $(archive)
 $(PROTO_A):  $(PROTO_OBJ)  ; $(archive)
 $(DAEMON_A): $(DAEMON_OBJ) ; $(archive)
 $(CLIB_A):   $(CLIB_OBJ)   ; $(archive)
+$(TESTCOMMON_A): $(call obj,$(TESTCOMMON_SRC)) ; $(archive)
 
 # The public client library bundles what it needs of proto/, rope/ and base/.
 $(CLIENT_A): $(CLIB_OBJ) $(PROTO_OBJ) $(ROPE_OBJ) $(BASE_OBJ) ; $(archive)
@@ -215,42 +237,47 @@ $(KVROPED): $(BUILD)/obj/daemon/main.o $(ALL_A)
 $(KVROPE): $(CLI_OBJ) $(ALL_A)
 	$(CC) $(LDFLAGS_ALL) -o $@ $^ $(LIBS) $(MALLOC_LIB)
 
-$(BUILD)/tests/test_rope%: $(BUILD)/obj/tests/unit/test_rope%.o $(ROPE_A) $(BASE_A)
+$(BUILD)/tests/test_rope%: $(BUILD)/obj/tests/unit/test_rope%.o $(TESTCOMMON_A) $(ROPE_A) $(BASE_A)
 	@mkdir -p $(dir $@)
 	$(CC) $(LDFLAGS_ALL) -o $@ $^ -lcriterion $(LIBS) $(MALLOC_LIB)
 
 # `kvrope rope` runs without a daemon: its test links the CLI's file for it.
-$(BUILD)/tests/test_rope_cli: $(BUILD)/obj/tests/unit/test_rope_cli.o \
+$(BUILD)/tests/test_rope_cli: $(BUILD)/obj/tests/unit/test_rope_cli.o $(TESTCOMMON_A) \
   $(call obj,client/cli/cli_rope.c) $(ROPE_A) $(BASE_A)
 	@mkdir -p $(dir $@)
 	$(CC) $(LDFLAGS_ALL) -o $@ $^ -lcriterion $(LIBS) $(MALLOC_LIB)
 
 # Codec kernels (cache/codec*.c) test on their own, without the store.
 CODEC_OBJ := $(call obj,$(wildcard cache/codec*.c))
-$(BUILD)/tests/test_codec%: $(BUILD)/obj/tests/unit/test_codec%.o $(CODEC_OBJ) $(ROPE_A) $(BASE_A)
+$(BUILD)/tests/test_codec%: $(BUILD)/obj/tests/unit/test_codec%.o $(TESTCOMMON_A) $(CODEC_OBJ) $(ROPE_A) $(BASE_A)
 	@mkdir -p $(dir $@)
 	$(CC) $(LDFLAGS_ALL) -o $@ $^ -lcriterion $(LIBS) $(MALLOC_LIB)
 
-$(BUILD)/bench/bench_codec: $(BUILD)/obj/tests/bench/bench_codec.o $(CODEC_OBJ) $(ROPE_A) $(BASE_A)
+$(BUILD)/bench/bench_codec: $(BUILD)/obj/tests/bench/bench_codec.o $(TESTCOMMON_A) $(CODEC_OBJ) $(ROPE_A) $(BASE_A)
 	@mkdir -p $(dir $@)
 	$(CC) $(LDFLAGS_ALL) -o $@ $^ $(LIBS) $(MALLOC_LIB)
 
-$(BUILD)/tests/test_cache%: $(BUILD)/obj/tests/unit/test_cache%.o $(CACHE_A) $(ROPE_A) $(BASE_A)
+$(BUILD)/tests/test_cache%: $(BUILD)/obj/tests/unit/test_cache%.o $(TESTCOMMON_A) $(CACHE_A) $(ROPE_A) $(BASE_A)
 	@mkdir -p $(dir $@)
 	$(CC) $(LDFLAGS_ALL) -o $@ $^ -lcriterion $(LIBS) $(MALLOC_LIB)
 
 # Start-up failure tests make chosen allocations fail (tests/unit/test_daemon_start.c).
 $(BUILD)/tests/test_daemon_start: LDFLAGS += -Wl,--wrap=kvr_mem_malloc
 
-$(BUILD)/tests/%: $(BUILD)/obj/tests/unit/%.o $(ALL_A)
+$(BUILD)/tests/%: $(BUILD)/obj/tests/unit/%.o $(TESTCOMMON_A) $(ALL_A)
 	@mkdir -p $(dir $@)
 	$(CC) $(LDFLAGS_ALL) -o $@ $^ -lcriterion $(LIBS) $(MALLOC_LIB)
 
-$(BUILD)/bench/bench_rope%: $(BUILD)/obj/tests/bench/bench_rope%.o $(ROPE_A) $(BASE_A)
+# The tests that start a daemon, the CLI or Redis (tests/int/) link everything.
+$(INT_TESTS): $(BUILD)/tests/%: $(BUILD)/obj/tests/int/%.o $(TESTCOMMON_A) $(ALL_A)
+	@mkdir -p $(dir $@)
+	$(CC) $(LDFLAGS_ALL) -o $@ $^ -lcriterion $(LIBS) $(MALLOC_LIB)
+
+$(BUILD)/bench/bench_rope%: $(BUILD)/obj/tests/bench/bench_rope%.o $(TESTCOMMON_A) $(ROPE_A) $(BASE_A)
 	@mkdir -p $(dir $@)
 	$(CC) $(LDFLAGS_ALL) -o $@ $^ $(LIBS) $(MALLOC_LIB)
 
-$(BUILD)/bench/%: $(BUILD)/obj/tests/bench/%.o $(ALL_A)
+$(BUILD)/bench/%: $(BUILD)/obj/tests/bench/%.o $(TESTCOMMON_A) $(ALL_A)
 	@mkdir -p $(dir $@)
 	$(CC) $(LDFLAGS_ALL) -o $@ $^ $(LIBS) $(MALLOC_LIB)
 
@@ -285,6 +312,11 @@ test: deps
 	@$(MAKE) --no-print-directory all
 	@KVR_BUILD=$(abspath $(BUILD)) KVR_VECTORS=$(SHARED)/vectors KVR_CONFIGS=$(SHARED)/configs \
 	  PYTHON=$(PYTHON) scripts/run-tests.sh
+
+# No deps step and no `all`: only what these tests link is built.
+test-fast: $(FAST_TESTS)
+	@KVR_BUILD=$(abspath $(BUILD)) KVR_VECTORS=$(SHARED)/vectors KVR_CONFIGS=$(SHARED)/configs \
+	  scripts/run-tests.sh --c-only $(FAST_TESTS)
 
 check: deps
 	@$(MAKE) --no-print-directory BUILD=build/check MODE=check all

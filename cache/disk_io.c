@@ -220,6 +220,24 @@ static int finish_posix(kvr_dio_req *r, size_t done)
     return 0;
 }
 
+/* Records an io_uring completion of res for q: the error, the whole
+ * transfer, a zero-byte one (end of file where a read may stop there, else
+ * ENOSPC for a write and EIO for a read), or a short one finished
+ * synchronously. */
+static void complete(kvr_dio_req *q, int res)
+{
+    if (res < 0) {
+        q->res = res;
+    } else if ((size_t)res == req_len(q)) {
+        q->res = 0;
+        q->done = (size_t)res;
+    } else if (res == 0 && !(q->eof_ok && !q->write)) {
+        q->res = q->write ? -ENOSPC : -EIO;
+    } else {
+        q->res = finish_posix(q, (size_t)res);
+    }
+}
+
 /* A short transfer (injected): half the bytes first, then the rest as any
  * partial transfer is finished. */
 static int short_posix(kvr_dio_req *r)
@@ -332,16 +350,7 @@ static int uring_wait(kvr_dio *io, kvr_dio_req *r, size_t n)
         int res = cqe->res;
         io_uring_cqe_seen(&io->ring, cqe);
         io->g_nsub--;
-        if (res < 0) {
-            q->res = res;
-        } else if ((size_t)res == req_len(q)) {
-            q->res = 0;
-            q->done = (size_t)res;
-        } else if (res == 0 && !(q->eof_ok && !q->write)) {
-            q->res = q->write ? -ENOSPC : -EIO;
-        } else {
-            q->res = finish_posix(q, (size_t)res);
-        }
+        complete(q, res);
     }
     int first = 0;
     for (size_t j = 0; j < n; j++)
@@ -471,16 +480,7 @@ static int uring_take_one(kvr_dio *io)
     int res = cqe->res;
     io_uring_cqe_seen(&io->ring, cqe);
     io->s_inring--;
-    if (res < 0) {
-        q->res = res;
-    } else if ((size_t)res == req_len(q)) {
-        q->res = 0;
-        q->done = (size_t)res;
-    } else if (res == 0 && !(q->eof_ok && !q->write)) {
-        q->res = q->write ? -ENOSPC : -EIO;
-    } else {
-        q->res = finish_posix(q, (size_t)res);
-    }
+    complete(q, res);
     return 0;
 }
 

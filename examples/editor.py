@@ -50,7 +50,6 @@ verbs).
 
 import argparse
 import hashlib
-import json
 import os
 import random
 import re
@@ -66,6 +65,7 @@ sys.path.insert(0, os.path.join(HERE, "..", "client", "python"))
 
 import kvrope  # noqa: E402
 import llama as L  # noqa: E402
+import common as C  # noqa: E402
 
 ROOT = os.path.normpath(os.path.join(HERE, ".."))
 DEFAULT_FILE = os.path.join(ROOT, "client", "llama", "worker_diff.c")
@@ -215,9 +215,7 @@ def show_byte(b):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--socket", default=None,
-                    help="daemon socket (default: $KVROPE_SOCKET, else the daemon's default, "
-                         f"here {kvrope.default_socket()})")
+    C.add_socket_arg(ap)
     ap.add_argument("--file", default=DEFAULT_FILE,
                     help="source file (default client/llama/worker_diff.c)")
     ap.add_argument("--bytes", type=int, default=1500, help="bytes of it to use (default 1500)")
@@ -233,16 +231,9 @@ def main(argv=None):
     if args.bytes < 64 or args.edits < 1:
         ap.error("--bytes must be >= 64 and --edits >= 1")
 
-    config = L.make_config(args.rope)
-    model = L.LlamaModel(config, seed=args.seed)
-    digest = hashlib.sha1((json.dumps(config, sort_keys=True) + f"/{args.seed}").encode())
-    name = f"editor-llama-{digest.hexdigest()[:10]}"
-    sock = args.socket or kvrope.default_socket()
-    try:
-        c = kvrope.connect(sock)
-    except kvrope.KvropeError as e:
-        print(f"cannot reach kvroped at {sock}: {e.message}\n"
-              f"start it with `make run` (or pass --socket PATH)", file=sys.stderr)
+    config, model, name, _ = C.toy_model(args.rope, args.seed, "editor")
+    c, sock = C.connect(args.socket)
+    if c is None:
         return 2
     if not c._lib.has("kvr_client_edit"):
         print("this libkvrope has no edit verbs; rebuild it (make build/libkvrope.so)",

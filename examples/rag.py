@@ -31,7 +31,6 @@ T = S = 1 check holds, 1 if not, 2 when no daemon answers.
 
 import argparse
 import hashlib
-import json
 import os
 import sys
 import tempfile
@@ -44,6 +43,7 @@ sys.path.insert(0, os.path.join(HERE, "..", "client", "python"))
 
 import kvrope  # noqa: E402
 import llama as L  # noqa: E402
+import common as C  # noqa: E402
 
 PREFIX = "You answer questions using only the documents below.\n"
 DOCUMENTS = [
@@ -100,24 +100,15 @@ def show_byte(b):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--socket", default=None,
-                    help="daemon socket (default: $KVROPE_SOCKET, else the daemon's default, "
-                         f"here {kvrope.default_socket()})")
+    C.add_socket_arg(ap)
     ap.add_argument("--seed", type=int, default=0, help="weights seed (default 0)")
     ap.add_argument("--temperature", type=float, default=None, help="APE T (default 0.9)")
     ap.add_argument("--scale", type=float, default=None, help="APE S (default 0.9)")
     args = ap.parse_args(argv)
 
-    config = L.make_config("default")
-    model = L.LlamaModel(config, seed=args.seed)
-    digest = hashlib.sha1((json.dumps(config, sort_keys=True) + f"/{args.seed}").encode())
-    name = f"rag-llama-{digest.hexdigest()[:10]}"
-    sock = args.socket or kvrope.default_socket()
-    try:
-        c = kvrope.connect(sock)
-    except kvrope.KvropeError as e:
-        print(f"cannot reach kvroped at {sock}: {e.message}\n"
-              f"start it with `make run` (or pass --socket PATH)", file=sys.stderr)
+    config, model, name, _ = C.toy_model("default", args.seed, "rag")
+    c, sock = C.connect(args.socket)
+    if c is None:
         return 2
     if not c._lib.has("kvr_client_assemble"):
         print("this libkvrope has no assemble; rebuild it (make build/libkvrope.so)",

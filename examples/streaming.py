@@ -26,7 +26,6 @@ daemon answers.
 
 import argparse
 import hashlib
-import json
 import os
 import sys
 import tempfile
@@ -39,6 +38,7 @@ sys.path.insert(0, os.path.join(HERE, "..", "client", "python"))
 
 import kvrope  # noqa: E402
 import llama as L  # noqa: E402
+import common as C  # noqa: E402
 
 SOURCE = ["Der Hund ", "bellt laut, ", "die Katze ", "schnurrt."]
 TARGET_PER_CHUNK = 4
@@ -60,24 +60,15 @@ def show(ids):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--socket", default=None,
-                    help="daemon socket (default: $KVROPE_SOCKET, else the daemon's default, "
-                         f"here {kvrope.default_socket()})")
+    C.add_socket_arg(ap)
     ap.add_argument("--seed", type=int, default=0, help="weights seed (default 0)")
     ap.add_argument("--target-offset", type=int, default=0,
                     help="position offset phi of the target group (default 0)")
     args = ap.parse_args(argv)
 
-    config = L.make_config("default")
-    model = L.LlamaModel(config, seed=args.seed)
-    digest = hashlib.sha1((json.dumps(config, sort_keys=True) + f"/{args.seed}").encode())
-    name = f"stream-llama-{digest.hexdigest()[:10]}"
-    sock = args.socket or kvrope.default_socket()
-    try:
-        c = kvrope.connect(sock)
-    except kvrope.KvropeError as e:
-        print(f"cannot reach kvroped at {sock}: {e.message}\n"
-              f"start it with `make run` (or pass --socket PATH)", file=sys.stderr)
+    config, model, name, digest = C.toy_model("default", args.seed, "stream")
+    c, sock = C.connect(args.socket)
+    if c is None:
         return 2
     if not c._lib.has("kvr_client_group_append"):
         print("this libkvrope has no group append; rebuild it (make build/libkvrope.so)",

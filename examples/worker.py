@@ -25,7 +25,6 @@ more; the worker allows 1e-5 * max|logit| and exits 1 beyond that.
 
 import argparse
 import hashlib
-import json
 import os
 import sys
 import tempfile
@@ -38,6 +37,7 @@ sys.path.insert(0, os.path.join(HERE, "..", "client", "python"))
 
 import kvrope  # noqa: E402
 import llama as L  # noqa: E402
+import common as C  # noqa: E402
 
 SYSTEM = "You are kvrope's tiny test assistant. Answer in one short line.\n"
 PROMPTS = [
@@ -90,25 +90,15 @@ def serve(c, model, name, tokens):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--socket", default=None,
-                    help="daemon socket (default: $KVROPE_SOCKET, else the daemon's default, "
-                         f"here {kvrope.default_socket()})")
+    C.add_socket_arg(ap)
     ap.add_argument("--seed", type=int, default=0, help="weights seed (default 0)")
     ap.add_argument("--rope", default="default", choices=L.ROPE_FAMILIES,
                     help="RoPE family of the toy model (default: default)")
     args = ap.parse_args(argv)
 
-    config = L.make_config(args.rope)
-    model = L.LlamaModel(config, seed=args.seed)
-    # The name carries a hash of config + seed: another config never collides.
-    digest = hashlib.sha1((json.dumps(config, sort_keys=True) + f"/{args.seed}").encode())
-    name = f"worker-llama-{digest.hexdigest()[:10]}"
-    sock = args.socket or kvrope.default_socket()
-    try:
-        c = kvrope.connect(sock)
-    except kvrope.KvropeError as e:
-        print(f"cannot reach kvroped at {sock}: {e.message}\n"
-              f"start it with `make run` (or pass --socket PATH)", file=sys.stderr)
+    config, model, name, _ = C.toy_model(args.rope, args.seed, "worker")
+    c, sock = C.connect(args.socket)
+    if c is None:
         return 2
     with c, tempfile.TemporaryDirectory() as tmp:
         path = L.write_config(tmp, config)

@@ -2,14 +2,17 @@
 # Runs every Criterion test binary in $KVR_BUILD/tests (and, unless --c-only,
 # the pytest suite with Debian's /usr/bin/python3), then prints one closing
 # line "N passed, N failed" summed over all of them. Exit status is non-zero
-# if anything failed or crashed.
+# if anything failed or crashed. Binaries named after the options are run
+# instead of all of them (make test-fast), and pytest is not.
+#   scripts/run-tests.sh [--c-only] [BINARY...]
 set -u
 build=${KVR_BUILD:?KVR_BUILD must name the build directory}
-c_only=0; [ "${1:-}" = "--c-only" ] && c_only=1
+c_only=0; [ "${1:-}" = "--c-only" ] && { c_only=1; shift; }
+if [ $# -gt 0 ]; then bins=("$@"); c_only=1; else bins=("$build"/tests/test_*); fi
 export KVR_BUILD KVR_VECTORS=${KVR_VECTORS:-$(cd "$(dirname "$0")/../.." && pwd)/shared/vectors}
 pass=0; fail=0; bad_bins=""
 logdir=$build/test-logs; mkdir -p "$logdir"
-for t in "$build"/tests/test_*; do
+for t in "${bins[@]}"; do
   [ -x "$t" ] || continue
   name=$(basename "$t")
   echo "== $name"

@@ -533,6 +533,27 @@ static int recv_placed(kvr_client *c, kvr_frame_header *h, const kvr_frame_limit
     return 1;
 }
 
+/* Decodes a response message of len bytes at msg (inside buf, which is
+ * freed here) answering request id: *out, 0; or the connection's fatal
+ * error. id 0 answers any request only as an error: the daemon uses it for
+ * a protocol-level failure before it knew the request's id. */
+static int decode_answer(kvr_client *c, uint64_t id, uint8_t *buf, const uint8_t *msg,
+                         size_t len, Kvrope__Response **out)
+{
+    Kvrope__Response *resp = kvrope__response__unpack(NULL, len, msg);
+    free(buf);
+    if (!resp)
+        return fatal(c, KVR_EPROTO, "undecodable response message");
+    if (resp->id != id && (resp->id != 0 || resp->status == KVROPE__STATUS__OK)) {
+        unsigned long long got = (unsigned long long)resp->id;
+        kvrope__response__free_unpacked(resp, NULL);
+        return fatal(c, KVR_EPROTO, "response id %llu does not answer request %llu",
+                     got, (unsigned long long)id);
+    }
+    *out = resp;
+    return 0;
+}
+
 static int recv_response(kvr_client *c, uint64_t id, Kvrope__Response **out,
                          uint64_t *payload_len)
 {
@@ -545,20 +566,11 @@ static int recv_response(kvr_client *c, uint64_t id, Kvrope__Response **out,
         if (pr < 0)
             return pr;
         if (pr == 1) {
-            Kvrope__Response *resp = kvrope__response__unpack(NULL, ph.msg_len,
-                                                              placed_buf + KVR_FRAME_HEADER_SIZE);
-            free(placed_buf);
-            if (!resp)
-                return fatal(c, KVR_EPROTO, "undecodable response message");
-            if (resp->id != id && (resp->id != 0 || resp->status == KVROPE__STATUS__OK)) {
-                unsigned long long got = (unsigned long long)resp->id;
-                kvrope__response__free_unpacked(resp, NULL);
-                return fatal(c, KVR_EPROTO, "response id %llu does not answer request %llu",
-                             got, (unsigned long long)id);
-            }
-            *out = resp;
-            *payload_len = ph.payload_len;
-            return 0;
+            int dr = decode_answer(c, id, placed_buf, placed_buf + KVR_FRAME_HEADER_SIZE,
+                                   ph.msg_len, out);
+            if (dr == 0)
+                *payload_len = ph.payload_len;
+            return dr;
         }
     }
     c->rx_dst = NULL;
@@ -593,21 +605,10 @@ static int recv_response(kvr_client *c, uint64_t id, Kvrope__Response **out,
         }
         len = cap;
     }
-    Kvrope__Response *resp = kvrope__response__unpack(NULL, len, buf);
-    free(buf);
-    if (!resp)
-        return fatal(c, KVR_EPROTO, "undecodable response message");
-    /* id 0 answers any request only as an error: the daemon uses it for a
-     * protocol-level failure before it knew the request's id. */
-    if (resp->id != id && (resp->id != 0 || resp->status == KVROPE__STATUS__OK)) {
-        unsigned long long got = (unsigned long long)resp->id;
-        kvrope__response__free_unpacked(resp, NULL);
-        return fatal(c, KVR_EPROTO, "response id %llu does not answer request %llu",
-                     got, (unsigned long long)id);
-    }
-    *out = resp;
-    *payload_len = h.payload_len;
-    return 0;
+    r = decode_answer(c, id, buf, buf, len, out);
+    if (r == 0)
+        *payload_len = h.payload_len;
+    return r;
 }
 
 /* ---- deferred requests (pipelining) ------------------------------------ */

@@ -90,26 +90,30 @@ typedef struct list_kind {
     void   (*fill)(void *dst, const Kvrope__Response *resp, size_t i);
 } list_kind;
 
-/* Sends req and copies the list into one calloc'ed array (*arr, the
- * caller's: kvr_client_free), *n entries; on failure *arr is NULL, *n 0. */
-static int list_call(kvr_client *c, Kvrope__Request *req, const list_kind *lk, void **arr,
+/* Sends req and copies the list into one calloc'ed array (the caller's:
+ * kvr_client_free) of *n entries, stored through out, the caller's T ** for
+ * lk's element type T (a pointer's bytes, copied: no void ** punning); on
+ * failure that pointer is NULL and *n 0. */
+static int list_call(kvr_client *c, Kvrope__Request *req, const list_kind *lk, void *out,
                      size_t *n)
 {
-    *arr = NULL;
+    void *a = NULL;
+    memcpy(out, &a, sizeof a);
     *n = 0;
     Kvrope__Response *resp;
     int r = call_expect(c, req, lk->body, lk->what, &resp);
     if (r < 0)
         return r;
     size_t k = lk->count(resp);
-    uint8_t *a = calloc(k ? k : 1, lk->elem);
-    if (a)
+    uint8_t *arr = calloc(k ? k : 1, lk->elem);
+    if (arr)
         for (size_t i = 0; i < k; i++)
-            lk->fill(a + i * lk->elem, resp, i);
+            lk->fill(arr + i * lk->elem, resp, i);
     kvrope__response__free_unpacked(resp, NULL);
-    if (!a)
+    if (!arr)
         return kvr__fail(c, KVR_ENOMEM, "out of memory");
-    *arr = a;
+    a = arr;
+    memcpy(out, &a, sizeof a);
     *n = k;
     return 0;
 }
@@ -379,10 +383,7 @@ int kvr_client_model_list(kvr_client *c, kvr_model **out, size_t *n)
 {
     Kvrope__ListModels lm = KVROPE__LIST_MODELS__INIT;
     REQUEST(req, LIST_MODELS, list_models, &lm);
-    void *arr;
-    int r = list_call(c, &req, &MODEL_LIST, &arr, n);
-    *out = arr;
-    return r;
+    return list_call(c, &req, &MODEL_LIST, out, n);
 }
 
 int kvr_client_model_get(kvr_client *c, const char *name, kvr_model *out)
@@ -879,10 +880,7 @@ int kvr_client_list(kvr_client *c, const char *model, kvr_context **out, size_t 
     Kvrope__List l = KVROPE__LIST__INIT;
     l.model = model ? unconst(model) : NULL;
     REQUEST(req, LIST, list, &l);
-    void *arr;
-    int r = list_call(c, &req, &CONTEXT_LIST, &arr, n);
-    *out = arr;
-    return r;
+    return list_call(c, &req, &CONTEXT_LIST, out, n);
 }
 
 int kvr_client_pin(kvr_client *c, const char *ctx_id, bool pin)
@@ -954,10 +952,7 @@ int kvr_client_stats(kvr_client *c, kvr_metric **out, size_t *n)
 {
     Kvrope__Stats s = KVROPE__STATS__INIT;
     REQUEST(req, STATS, stats, &s);
-    void *arr;
-    int r = list_call(c, &req, &METRIC_LIST, &arr, n);
-    *out = arr;
-    return r;
+    return list_call(c, &req, &METRIC_LIST, out, n);
 }
 
 bool kvr_metric_find(const kvr_metric *m, size_t n, const char *name, double *value)

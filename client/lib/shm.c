@@ -198,6 +198,14 @@ void kvr_client_shm_next(kvr_client *c, const kvr_shm *at)
         c->shm_at = *at;
 }
 
+/* The request that used the region has been sent (or failed): the next
+ * one does not, unless asked again. Returns r. */
+static int shm_done(kvr_client *c, int r)
+{
+    c->shm_next = false;
+    return r;
+}
+
 /* A get's room: length 0 = to the end of the region. */
 static void place_out(kvr_client *c, const kvr_shm *at)
 {
@@ -212,35 +220,27 @@ int kvr_client_put_shm(kvr_client *c, const kvr_put_args *a, const kvr_shm *at,
                        kvr_put_res *out)
 {
     kvr_client_shm_next(c, at);
-    int r = kvr_client_put(c, a, out);
-    c->shm_next = false;
-    return r;
+    return shm_done(c, kvr_client_put(c, a, out));
 }
 
 int kvr_client_get_shm(kvr_client *c, const kvr_get_args *a, const kvr_shm *at, kvr_kv *out)
 {
     place_out(c, at);
-    int r = kvr_client_get(c, a, out);
-    c->shm_next = false;
-    return r;
+    return shm_done(c, kvr_client_get(c, a, out));
 }
 
 int kvr_client_match_shm(kvr_client *c, const kvr_match_args *a, const kvr_shm *at,
                          kvr_match_res *out)
 {
     place_out(c, at);
-    int r = kvr_client_match(c, a, out);
-    c->shm_next = false;
-    return r;
+    return shm_done(c, kvr_client_match(c, a, out));
 }
 
 int kvr_client_assemble_shm(kvr_client *c, const kvr_assemble_args *a, const kvr_shm *at,
                             kvr_assemble_res *out)
 {
     place_out(c, at);
-    int r = kvr_client_assemble(c, a, out);
-    c->shm_next = false;
-    return r;
+    return shm_done(c, kvr_client_assemble(c, a, out));
 }
 
 int kvr_client_cover_shm(kvr_client *c, const kvr_cover_args *a, const kvr_shm *at,
@@ -256,16 +256,12 @@ int kvr_client_edit_shm(kvr_client *c, const kvr_edit_args *a, const kvr_shm *at
                         kvr_edit_res *out)
 {
     kvr_client_shm_next(c, at);
-    int r = kvr_client_edit(c, a, out);
-    c->shm_next = false;
-    return r;
+    return shm_done(c, kvr_client_edit(c, a, out));
 }
 
 int kvr_client_refresh_shm(kvr_client *c, const kvr_refresh_args *a, const kvr_shm *at,
                            kvr_edit_res *out)
 {
     kvr_client_shm_next(c, at);
-    int r = kvr_client_refresh(c, a, out);
-    c->shm_next = false;
-    return r;
+    return shm_done(c, kvr_client_refresh(c, a, out));
 }

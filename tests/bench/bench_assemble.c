@@ -17,23 +17,11 @@
 #include <time.h>
 
 #include "cache/cache.h"
+#include "tests/common/kvt_bench.h"
 
 #define NLAY 32
 #define NH 8
 #define HD 128
-
-static double now_s(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
-}
-
-static size_t envz(const char *k, size_t d)
-{
-    const char *v = getenv(k);
-    return v && *v ? (size_t)strtoull(v, NULL, 10) : d;
-}
 
 static void put(kvr_store *s, const char *id, const char *prefix, size_t n, uint32_t tok0)
 {
@@ -80,7 +68,7 @@ static size_t gather(const struct iovec *iov, size_t n, char *dst)
 static double plain_gets(kvr_store *s, char **ids, size_t ND, char *out)
 {
     kvr_error e = { 0 };
-    double t0 = now_s();
+    double t0 = kvt_now_s();
     size_t off = 0;
     for (size_t i = 0; i <= ND; i++) {
         kvr_get_params gp = { .ctx_id = i ? ids[i - 1] : "prefix", .end = SIZE_MAX,
@@ -94,13 +82,13 @@ static double plain_gets(kvr_store *s, char **ids, size_t ND, char *out)
         off += gather(iov, niov, out + off);
         kvr_get_end(g);
     }
-    return now_s() - t0;
+    return kvt_now_s() - t0;
 }
 
 int main(void)
 {
-    size_t ND = envz("KVR_BENCH_DOCS", 16), LD = envz("KVR_BENCH_DOC_TOKENS", 2048);
-    size_t P = envz("KVR_BENCH_PREFIX", 512);
+    size_t ND = kvt_env_size("KVR_BENCH_DOCS", 16), LD = kvt_env_size("KVR_BENCH_DOC_TOKENS", 2048);
+    size_t P = kvt_env_size("KVR_BENCH_PREFIX", 512);
     kvr_store *s = NULL;
     kvr_store_config cfg = { .block_tokens = 64 };
     kvr_error e = { 0 };
@@ -137,7 +125,7 @@ int main(void)
                                  KVR_LAYOUT_SEQUENTIAL };
     const char *names[3] = { "parallel", "sequential", "parallel, T folded" };
     double ratio_into[3] = { 0, 0, 0 }, best_row[6], ratio_row[6];
-    int reps = (int)envz("KVR_BENCH_REPS", 5);
+    int reps = (int)kvt_env_size("KVR_BENCH_REPS", 5);
     for (int k = 0; k < 6; k++) {
         /* rows 3..5: the same layouts written straight into the buffer
          * (kvr_assemble_copy_into, no staging) */
@@ -153,7 +141,7 @@ int main(void)
                                        .n_docs = ND, .layout = k % 3 == 2 ? KVR_LAYOUT_PARALLEL
                                                                           : kinds[k % 3],
                                        .dtype = KVR_DTYPE_F16, .fold_temperature = k % 3 == 2 };
-            double t0 = now_s();
+            double t0 = kvt_now_s();
             kvr_assemble *a = NULL;
             if (kvr_store_assemble_begin(s, &ap, &a, &e) != 0) {
                 fprintf(stderr, "assemble: %s\n", e.msg);
@@ -175,7 +163,7 @@ int main(void)
                 gather(iov, niov, out);
             }
             kvr_assemble_end(a);
-            double dt = now_s() - t0;
+            double dt = kvt_now_s() - t0;
             if (dt < best)
                 best = dt;
         }

@@ -28,6 +28,7 @@
 
 #include "cache/cache.h"
 #include "rope/rope.h"
+#include "tests/common/kvt_bench.h"
 
 #define MAX_LEN 4096
 #define N_F16   64
@@ -91,13 +92,6 @@ static int one(kvr_store *s, const char *codec, size_t n, uint32_t *tok, int64_t
     return kvr_store_delete(s, "c", e);
 }
 
-static double now_s(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
-}
-
 /* GB/s of memset into n fresh bytes (mmap: first touch), then into the
  * same bytes again (best of 3). */
 static void first_touch(size_t n)
@@ -105,13 +99,13 @@ static void first_touch(size_t n)
     uint8_t *p = mmap(NULL, n, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     if (p == MAP_FAILED)
         return;
-    double t0 = now_s();
+    double t0 = kvt_now_s();
     memset(p, 1, n);
-    double fresh = now_s() - t0, again = 1e9;
+    double fresh = kvt_now_s() - t0, again = 1e9;
     for (int r = 0; r < 3; r++) {
-        t0 = now_s();
+        t0 = kvt_now_s();
         memset(p, (int)r + 2, n);
-        double t = now_s() - t0;
+        double t = kvt_now_s() - t0;
         if (t < again)
             again = t;
     }

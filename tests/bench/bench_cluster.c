@@ -28,18 +28,12 @@
 #include "daemon/remote.h"
 #include "tests/common/kvr_cluster.h"
 #include "tests/common/kvr_testd.h"
+#include "tests/common/kvt_bench.h"
 
 #define BL 8          /* bench model: 8 layers x 8 KV heads x 128 dims, f16 */
 #define BH 8
 #define BD 128
 #define CTX_TOKENS 1024
-
-static double now_s(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
-}
 
 static int cmp_d(const void *a, const void *b)
 {
@@ -194,10 +188,10 @@ int main(void)
     for (int i = 0; i < reps; i++) {
         kvr_client_delete(cb, "doc");
         kvr_kv kv;
-        double t0 = now_s();
+        double t0 = kvt_now_s();
         int r = kvr_client_get(cb, &(kvr_get_args){ .ctx_id = "doc", .dtype = KVR_DTYPE_F16,
                                                     .dst = buf, .dst_cap = bytes }, &kv);
-        double dt = now_s() - t0;
+        double dt = kvt_now_s() - t0;
         if (r != 0) {
             fprintf(stderr, "B get: %s\n", kvr_client_last_error(cb));
             return 1;
@@ -205,33 +199,33 @@ int main(void)
         kvr_kv_release(&kv);
         if (dt < t_fetch)
             t_fetch = dt;
-        t0 = now_s();
+        t0 = kvt_now_s();
         kvr_client_get(cb, &(kvr_get_args){ .ctx_id = "doc", .dtype = KVR_DTYPE_F16,
                                             .dst = buf, .dst_cap = bytes }, &kv);
-        dt = now_s() - t0;
+        dt = kvt_now_s() - t0;
         kvr_kv_release(&kv);
         if (dt < t_local)
             t_local = dt;
-        t0 = now_s();
+        t0 = kvt_now_s();
         vbytes = 0;
         for (size_t b = 0; b < nb; b++) {
             redisReply *x = redisCommand(where[b], "GET %s", keys[b]);
             vbytes += x && x->type == REDIS_REPLY_STRING ? x->len : 0;
             freeReplyObject(x);
         }
-        dt = now_s() - t0;
+        dt = kvt_now_s() - t0;
         if (dt < t_serial)
             t_serial = dt;
-        t0 = now_s();
+        t0 = kvt_now_s();
         size_t pb = 0;
         for (int k = 0; k < nmast; k++) {
             pipe_gets(&pa_[k]);
             pb += pa_[k].bytes;
         }
-        dt = now_s() - t0;
+        dt = kvt_now_s() - t0;
         if (dt < t_pipe)
             t_pipe = dt;
-        t0 = now_s();
+        t0 = kvt_now_s();
         pthread_t th[6];
         for (int k = 0; k < nmast; k++)
             pthread_create(&th[k], NULL, pipe_gets, &pa_[k]);
@@ -240,13 +234,13 @@ int main(void)
             pthread_join(th[k], NULL);
             qb += pa_[k].bytes;
         }
-        dt = now_s() - t0;
+        dt = kvt_now_s() - t0;
         if (dt < t_par)
             t_par = dt;
         kvr_client_delete(cb, "doc");
-        t0 = now_s();
+        t0 = kvt_now_s();
         r = kvr_client_get(cb, &(kvr_get_args){ .ctx_id = "doc", .meta_only = true }, &kv);
-        dt = now_s() - t0;
+        dt = kvt_now_s() - t0;
         if (r != 0) {
             fprintf(stderr, "B get (meta only): %s\n", kvr_client_last_error(cb));
             return 1;
@@ -308,19 +302,19 @@ int main(void)
     for (int i = 0; i < nm; i++) {
         other[0] = 9000000u + (uint32_t)i * 7919u;     /* a fresh prompt: nobody has it */
         kvr_match_res m;
-        double t0 = now_s();
+        double t0 = kvt_now_s();
         kvr_client_match(cb, &(kvr_match_args){ .model = "tiny", .tokens = other,
                                                 .n_tokens = NP }, &m);
-        lat[i] = now_s() - t0;
+        lat[i] = kvt_now_s() - t0;
     }
     int nf = nm / 4 < 10 ? 10 : nm / 4;
     size_t got = 0;
     for (int i = 0; i < nf; i++) {
         kvr_match_res m;
-        double t0 = now_s();
+        double t0 = kvt_now_s();
         kvr_client_match(cb, &(kvr_match_args){ .model = "tiny", .tokens = prompt,
                                                 .n_tokens = NP }, &m);
-        lat2[i] = now_s() - t0;
+        lat2[i] = kvt_now_s() - t0;
         got = m.length;
         if (m.length)
             kvr_client_delete(cb, m.ctx_id);     /* so the next one asks the cluster again */

@@ -21,6 +21,7 @@
 
 #include "cache/codec.h"
 #include "cache/cache.h"
+#include "tests/common/kvt_bench.h"
 
 /* ---- ggml peer ---------------------------------------------------------- */
 
@@ -88,13 +89,6 @@ static to_float_fn peer_to_float(int type, const char *name, size_t type_size)
 
 /* ---- helpers ------------------------------------------------------------ */
 
-static double now(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
-
 static uint64_t rng_state = 88172645463325252ULL;
 static double rng_unit(void)
 {
@@ -152,15 +146,15 @@ static const tcase *g_tc;
 static double run_memcpy(void *arg)
 {
     (void)arg;
-    double t0 = now();
+    double t0 = kvt_now_s();
     memcpy(g_dst16, g_src16, g_n * 2);
-    return now() - t0;
+    return kvt_now_s() - t0;
 }
 
 static double run_enc(void *arg)
 {
     (void)arg;
-    double t0 = now();
+    double t0 = kvt_now_s();
     if (g_tc->tile) {
         size_t G = kvr_codec_group(&g_tc->c), tb = kvr_codec_tile_bytes(&g_tc->c, ROW);
         for (size_t t = 0; t + G <= g_n / ROW; t += G)
@@ -169,13 +163,13 @@ static double run_enc(void *arg)
     } else {
         kvr_codec_encode(&g_tc->c, g_enc, g_src16, KVR_DTYPE_F16, g_n, NULL);
     }
-    return now() - t0;
+    return kvt_now_s() - t0;
 }
 
 static double run_dec(void *arg)
 {
     (void)arg;
-    double t0 = now();
+    double t0 = kvt_now_s();
     if (g_tc->tile) {
         size_t G = kvr_codec_group(&g_tc->c), tb = kvr_codec_tile_bytes(&g_tc->c, ROW);
         for (size_t t = 0; t + G <= g_n / ROW; t += G)
@@ -184,7 +178,7 @@ static double run_dec(void *arg)
     } else {
         kvr_codec_decode(&g_tc->c, g_dst16, KVR_DTYPE_F16, g_enc, g_n);
     }
-    return now() - t0;
+    return kvt_now_s() - t0;
 }
 
 static void bench_throughput(void)

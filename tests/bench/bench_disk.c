@@ -36,18 +36,12 @@
 #include <unistd.h>
 
 #include "cache/disk.h"
+#include "tests/common/kvt_bench.h"
 
 #define BLOCK (2u << 20)
 #define MAX_ROUNDS 9
 #define BATCH 16
 #define SIDE 3
-
-static double now_s(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + (double)ts.tv_nsec / 1e9;
-}
 
 /* What the device saw during a phase (/proc/diskstats of the directory's
  * block device; all zero where it cannot be read). Other processes' I/O
@@ -78,7 +72,7 @@ static void dev_find(const char *dir)
 /* write: the write side (writes + flushes), else the read side. */
 static devstat dev_read(int write)
 {
-    devstat d = { .t = now_s() };
+    devstat d = { .t = kvt_now_s() };
     FILE *f = dev_name[0] ? fopen("/proc/diskstats", "r") : NULL;
     char line[512];
     while (f && fgets(line, sizeof line, f)) {
@@ -190,21 +184,21 @@ static void plain(const char *dir, size_t total, double *w, double *r)
         fd = open(path, O_RDWR | O_CREAT | O_TRUNC, 0644);
     }
     devstat x = dev_read(1);
-    double t0 = now_s();
+    double t0 = kvt_now_s();
     for (size_t o = 0; o < total; o += chunk)
         if (pwrite(fd, buf, chunk, (off_t)o) != (ssize_t)chunk)
             break;
     fdatasync(fd);
-    *w = (double)total / (now_s() - t0) / 1e9;
+    *w = (double)total / (kvt_now_s() - t0) / 1e9;
     dev_add(&dv_plain_w, x, dev_read(1));
     (void)direct;
     drop_caches();      /* as before each reload: the same state of the machine */
     x = dev_read(0);
-    t0 = now_s();
+    t0 = kvt_now_s();
     for (size_t o = 0; o < total; o += chunk)
         if (pread(fd, buf, chunk, (off_t)o) != (ssize_t)chunk)
             break;
-    *r = (double)total / (now_s() - t0) / 1e9;
+    *r = (double)total / (kvt_now_s() - t0) / 1e9;
     dev_add(&dv_plain_r, x, dev_read(0));
     pr_plain[cur_round] = phys_run(buf, chunk);
     close(fd);
@@ -218,11 +212,11 @@ static double median(const double *v0, int n);
 static double plain_part(int fd, uint8_t *buf, size_t off, size_t len)
 {
     size_t chunk = 4u << 20;
-    double t0 = now_s();
+    double t0 = kvt_now_s();
     for (size_t o = 0; o < len; o += chunk)
         if (pread(fd, buf + o, chunk, (off_t)(off + o)) != (ssize_t)chunk)
             break;
-    return now_s() - t0;
+    return kvt_now_s() - t0;
 }
 
 /* Seconds of a plain write + fdatasync of n blocks into a new file of dir
@@ -238,7 +232,7 @@ static double plain_write_side(const char *dir, const uint8_t *src, size_t n)
     if (fd < 0)
         return -1;
     size_t chunk = 4u << 20;
-    double t0 = now_s();
+    double t0 = kvt_now_s();
     for (size_t i = 0; i < n; i += BATCH) {
         size_t b = n - i < BATCH ? n - i : BATCH;
         for (size_t o = 0; o < b * BLOCK; o += chunk)
@@ -246,7 +240,7 @@ static double plain_write_side(const char *dir, const uint8_t *src, size_t n)
                 break;
     }
     fdatasync(fd);
-    double t = now_s() - t0;
+    double t = kvt_now_s() - t0;
     close(fd);
     unlink(path);
     return t;
@@ -257,7 +251,7 @@ static double plain_write_side(const char *dir, const uint8_t *src, size_t n)
 static double spill_all(kvr_disk *d, const kvr_disk_buf *bufs, size_t n, kvr_disk_handle *h)
 {
     kvr_error err = { 0 };
-    double t0 = now_s();
+    double t0 = kvt_now_s();
     for (size_t i = 0; i < n; i += BATCH) {
         size_t b = n - i < BATCH ? n - i : BATCH;
         if (kvr_disk_spill(d, bufs, b, &h[i], false, &err)) {
@@ -269,7 +263,7 @@ static double spill_all(kvr_disk *d, const kvr_disk_buf *bufs, size_t n, kvr_dis
         fprintf(stderr, "bench_disk: %s\n", err.msg);
         exit(1);
     }
-    return now_s() - t0;
+    return kvt_now_s() - t0;
 }
 
 static void spill_reload(const char *dir, kvr_disk_engine e, size_t total, double *w,
@@ -326,7 +320,7 @@ static void spill_reload(const char *dir, kvr_disk_engine e, size_t total, doubl
         dst[k] = src + (size_t)k * BLOCK;
     pr_layer[e == KVR_DISK_ENGINE_POSIX][cur_round] = phys_run(src, (size_t)BATCH * BLOCK);
     x = dev_read(0);
-    double t0 = now_s();
+    double t0 = kvt_now_s();
     for (size_t i = 0; i < n; i += BATCH) {
         size_t b = n - i < BATCH ? n - i : BATCH;
         if (kvr_disk_load(d, &h[i], dst, b, NULL, &err)) {
@@ -334,7 +328,7 @@ static void spill_reload(const char *dir, kvr_disk_engine e, size_t total, doubl
             exit(1);
         }
     }
-    *r = (double)(n * BLOCK) / (now_s() - t0) / 1e9;
+    *r = (double)(n * BLOCK) / (kvt_now_s() - t0) / 1e9;
     dev_add(dr, x, dev_read(0));
     /* Side by side: a plain read of the round's plain file (the same
      * number of bytes, 4 MiB requests one at a time) into the same memory,
@@ -354,7 +348,7 @@ static void spill_reload(const char *dir, kvr_disk_engine e, size_t total, doubl
             size_t b = n - i < BATCH ? n - i : BATCH;
             tp += plain_part(pfd, src, i * BLOCK, b * BLOCK) / 2;
         }
-        double t1 = now_s();
+        double t1 = kvt_now_s();
         for (size_t i = 0; i < n; i += BATCH) {
             size_t b = n - i < BATCH ? n - i : BATCH;
             if (kvr_disk_load(d, &h[i], dst, b, NULL, &err)) {
@@ -362,7 +356,7 @@ static void spill_reload(const char *dir, kvr_disk_engine e, size_t total, doubl
                 exit(1);
             }
         }
-        double tl = now_s() - t1;
+        double tl = kvt_now_s() - t1;
         for (size_t i = 0; i < n; i += BATCH) {
             size_t b = n - i < BATCH ? n - i : BATCH;
             tp += plain_part(pfd, src, i * BLOCK, b * BLOCK) / 2;
@@ -419,14 +413,14 @@ static double cpu_part(size_t total, int copy)
     memset(a, 0x11, n);
     memset(b, 0x22, n);
     uint32_t c = 0;
-    double t0 = now_s();
+    double t0 = kvt_now_s();
     for (size_t done = 0; done < total; done += n)
         for (size_t o = 0; o < n; o += 64u << 10) {
             if (copy)
                 memcpy(b + o, a + o, 64u << 10);
             c ^= kvr_crc32c(0, (copy ? b : a) + o, 64u << 10);
         }
-    double dt = now_s() - t0;
+    double dt = kvt_now_s() - t0;
     if (c == 0x12345678u)
         printf("(unlikely checksum)\n");
     kvr_mem_free(a);

@@ -25,18 +25,12 @@
 #include <time.h>
 
 #include "cache/cache.h"
+#include "tests/common/kvt_bench.h"
 
 #define NL 32
 #define NH 8
 #define HD 128
 #define TOK_BYTES ((size_t)NL * 2 * NH * HD * 2)
-
-static double now_s(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
-}
 
 static void die(int rc, const kvr_error *e, const char *what)
 {
@@ -82,7 +76,7 @@ static double edit_once(kvr_store *s, const char *id, size_t rem, size_t add, si
                           .n_layers = NL, .n_kv_heads = NH, .head_dim = HD,
                           .dtype = KVR_DTYPE_F16, .payload_bytes = add * TOK_BYTES };
     kvr_error e = { 0 };
-    double t0 = now_s();
+    double t0 = kvt_now_s();
     kvr_edit *t;
     die(kvr_store_edit_begin(s, &p, &t, &e), &e, "edit_begin");
     const struct iovec *iov;
@@ -94,7 +88,7 @@ static double edit_once(kvr_store *s, const char *id, size_t rem, size_t add, si
         die(kvr_edit_work(t, &e), &e, "edit_work");
     die(kvr_edit_commit(t, NULL, NULL, &e), &e, "edit_commit");
     *moved = add * TOK_BYTES;
-    return now_s() - t0;
+    return kvt_now_s() - t0;
 }
 
 /* The get's threads: `threads` in all, the caller's and threads - 1 of the
@@ -153,7 +147,7 @@ static double get_all(kvr_store *s, const char *id, uint8_t *dst, int threads, i
     kvr_get_params p = { .ctx_id = id, .start = 0, .end = SIZE_MAX, .dtype = KVR_DTYPE_F16 };
     kvr_error e = { 0 };
     kvr_get *g;
-    double t0 = now_s();
+    double t0 = kvt_now_s();
     die(kvr_store_get_begin(s, &p, &g, &e), &e, "get_begin");
     if (via == VIA_INTO) {
         die(kvr_get_copy_into(g, dst, kvr_get_payload_size(g), &e), &e, "copy_into");
@@ -163,7 +157,7 @@ static double get_all(kvr_store *s, const char *id, uint8_t *dst, int threads, i
         copy_iov_threads(g, dst, threads);
     }
     kvr_get_end(g);
-    return now_s() - t0;
+    return kvt_now_s() - t0;
 }
 
 static int cmpd(const void *a, const void *b)

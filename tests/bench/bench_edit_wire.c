@@ -21,17 +21,11 @@
 
 #include "client/kvrope.h"
 #include "tests/common/kvr_testd.h"
+#include "tests/common/kvt_bench.h"
 
 #define NL 32
 #define NH 8
 #define ND 128
-
-static double now_s(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
-}
 
 /* CPU seconds (user + system) process pid has used so far, from /proc; 0
  * if it cannot be read. */
@@ -67,12 +61,12 @@ static double get_gbs(kvr_client *c, const char *ctx, void *dst, size_t cap, int
     for (int r = 0; r < reps; r++) {
         kvr_get_args ga = { .ctx_id = ctx, .dtype = KVR_DTYPE_F16, .dst = dst, .dst_cap = cap };
         kvr_kv kv;
-        double t0 = now_s();
+        double t0 = kvt_now_s();
         if (kvr_client_get(c, &ga, &kv) != 0) {
             fprintf(stderr, "get: %s\n", kvr_client_last_error(c));
             exit(1);
         }
-        double dt = now_s() - t0;
+        double dt = kvt_now_s() - t0;
         double gbs = (double)cap / dt / 1e9;
         if (gbs > best)
             best = gbs;

@@ -17,18 +17,12 @@
 
 #include "client/llama/kvrope_llama.h"
 #include "tests/common/kvr_testd.h"
+#include "tests/common/kvt_bench.h"
 
 #define NL 16
 #define NH 8
 #define ND 128
 #define NT 2048
-
-static double now_s(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
-}
 
 static void die(const char *what, const char *err)
 {
@@ -66,9 +60,9 @@ static double best_memcpy(void *dst, const void *src, size_t n, int reps)
 {
     double best = 1e9;
     for (int r = 0; r < reps; r++) {
-        double t0 = now_s();
+        double t0 = kvt_now_s();
         memcpy(dst, src, n);
-        double dt = now_s() - t0;
+        double dt = kvt_now_s() - t0;
         if (dt < best) best = dt;
     }
     return best;
@@ -124,12 +118,12 @@ int main(void)
         kvr_dtype dt = C[k].t == KVR_LLAMA_F32 || C[k].t == KVR_LLAMA_Q8_0 ? KVR_DTYPE_F32 : KVR_DTYPE_F16;
         double bi = 1e9, be = 1e9;
         for (int r = 0; r < 5; r++) {
-            double t0 = now_s();
+            double t0 = kvt_now_s();
             kvr_llama_state *ps;
             if (kvr_llama_state_parse(st, len, &m, &ps, err, sizeof err) != 0) die("parse", err);
             if (kvr_llama_state_decode(ps, &m, 0, NT, false, dt, dst, fcap, err, sizeof err) != 0)
                 die("decode", err);
-            double d1 = now_s() - t0;
+            double d1 = kvt_now_s() - t0;
             if (d1 < bi) bi = d1;
             /* export: encode from that payload */
             kvr_llama_encode_args a = { .n_cells = NT, .pos = ps->pos, .tokens = ps->tokens,
@@ -137,9 +131,9 @@ int main(void)
                                         .type_v = C[k].t, .v_trans = C[k].vt,
                                         .form = KVR_LLAMA_FORM_SESSION };
             size_t ol;
-            t0 = now_s();
+            t0 = kvt_now_s();
             if (kvr_llama_state_encode_to(&m, &a, sbuf, fcap + (4u << 20), &ol, err, sizeof err) != 0) die("encode", err);
-            double d2 = now_s() - t0;
+            double d2 = kvt_now_s() - t0;
             if (d2 < be) be = d2;
             if (ol != len || memcmp(sbuf, st, len) != 0) die("encode", "not the state back");
             kvr_llama_state_free(ps);
@@ -167,9 +161,9 @@ int main(void)
         for (int r = 0; r < 5; r++) {
             void *out;
             size_t ol;
-            double t0 = now_s();
+            double t0 = kvt_now_s();
             if (kvr_llama_state_encode(&m, &a, &out, &ol, err, sizeof err) != 0) die("encode", err);
-            double dt = now_s() - t0;
+            double dt = kvt_now_s() - t0;
             if (dt < ba) ba = dt;
             kvr_llama_free(out);
         }
@@ -202,32 +196,32 @@ int main(void)
         kvr_client_delete(c, "a");
         kvr_client_delete(c, "p");
         kvr_llama_import_opts o = { .model = "bench" };
-        double t0 = now_s();
+        double t0 = kvt_now_s();
         if (kvr_llama_state_import(c, "a", st, len, &m, &o, NULL, err, sizeof err) != 0) die("import", err);
-        double dt = now_s() - t0;
+        double dt = kvt_now_s() - t0;
         if (dt < t_imp) t_imp = dt;
         kvr_put_args pa = { .ctx_id = "p", .model = "bench", .mode = KVR_PUT_CREATE,
                             .dtype = KVR_DTYPE_F16, .tokens = tok, .n_tokens = NT, .payload = pl,
                             .payload_len = pbytes };
-        t0 = now_s();
+        t0 = kvt_now_s();
         if (kvr_client_put(c, &pa, NULL) != 0) die("put", kvr_client_last_error(c));
-        dt = now_s() - t0;
+        dt = kvt_now_s() - t0;
         if (dt < t_put) t_put = dt;
         kvr_llama_export_opts eo = { .model = "bench", .form = KVR_LLAMA_FORM_SESSION,
                                      .dst = sbuf, .dst_cap = fcap, .scratch = dst,
                                      .scratch_cap = fcap };
         void *out;
         size_t ol;
-        t0 = now_s();
+        t0 = kvt_now_s();
         if (kvr_llama_state_export(c, "a", &m, &eo, &out, &ol, NULL, err, sizeof err) != 0) die("export", err);
-        dt = now_s() - t0;
+        dt = kvt_now_s() - t0;
         if (dt < t_exp) t_exp = dt;
         if (ol != len || memcmp(out, st, len) != 0) die("export", "not the state back");
         kvr_get_args ga = { .ctx_id = "p", .dtype = KVR_DTYPE_F16, .dst = src2, .dst_cap = fcap };
         kvr_kv kv;
-        t0 = now_s();
+        t0 = kvt_now_s();
         if (kvr_client_get(c, &ga, &kv) != 0) die("get", kvr_client_last_error(c));
-        dt = now_s() - t0;
+        dt = kvt_now_s() - t0;
         if (dt < t_get) t_get = dt;
         kvr_kv_release(&kv);
     }

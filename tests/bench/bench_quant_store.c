@@ -16,6 +16,7 @@
 
 #include "cache/cache.h"
 #include "cache/codec.h"
+#include "tests/common/kvt_bench.h"
 
 #define NL 32
 #define NH 8
@@ -30,13 +31,6 @@ static double cpu_s(void)
     getrusage(RUSAGE_SELF, &u);
     return (double)u.ru_utime.tv_sec + (double)u.ru_utime.tv_usec * 1e-6 +
            (double)u.ru_stime.tv_sec + (double)u.ru_stime.tv_usec * 1e-6;
-}
-
-static double now_s(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
 }
 
 /* One put (timed; the payload read from the caller's memory), one get of every token as f16 into the staging buffer
@@ -55,7 +49,7 @@ static int run(kvr_store *s, const char *id, const char *codec, const uint16_t *
                          .n_layers = NL, .n_kv_heads = NH, .head_dim = HD,
                          .dtype = KVR_DTYPE_F16, .n_tokens = NTOK, .tokens = tok,
                          .codec = codec, .work_from = true };
-    double t0 = now_s(), c0 = cpu_s();
+    double t0 = kvt_now_s(), c0 = cpu_s();
     kvr_put *t = NULL;
     if (kvr_store_put_begin(s, &p, &t, &e) != 0) {
         fprintf(stderr, "%s: %s\n", codec, e.msg);
@@ -71,10 +65,10 @@ static int run(kvr_store *s, const char *id, const char *codec, const uint16_t *
         fprintf(stderr, "%s: %s\n", codec, e.msg);
         return -1;
     }
-    *put_s = now_s() - t0;
+    *put_s = kvt_now_s() - t0;
     last_put_cpu = cpu_s() - c0;
     kvr_get_params g = { .ctx_id = id, .end = SIZE_MAX, .dtype = KVR_DTYPE_F16 };
-    t0 = now_s();
+    t0 = kvt_now_s();
     c0 = cpu_s();
     kvr_get *gt = NULL;
     if (kvr_store_get_begin(s, &g, &gt, &e) != 0) {
@@ -100,7 +94,7 @@ static int run(kvr_store *s, const char *id, const char *codec, const uint16_t *
         }
     }
     kvr_get_end(gt);
-    *get_s = now_s() - t0;
+    *get_s = kvt_now_s() - t0;
     last_get_cpu = cpu_s() - c0;
     return kvr_store_stat(s, id, ci, &e);
 }
@@ -145,12 +139,12 @@ static void mem_bounds(uint8_t *dst, const uint16_t *src, size_t bytes, double *
 {
     *cpy = *wr2 = 1e30;
     for (int r = 0; r < 5; r++) {
-        double t0 = now_s();
+        double t0 = kvt_now_s();
         memcpy(dst, src, bytes);
-        double t1 = now_s();
+        double t1 = kvt_now_s();
         fill_arg a[2] = { { dst, bytes / 2 }, { dst + bytes / 2, bytes - bytes / 2 } };
         pthread_t th;
-        double t2 = now_s();
+        double t2 = kvt_now_s();
         if (pthread_create(&th, NULL, fill, &a[1]) != 0) {
             fill(&a[1]);
             fill(&a[0]);
@@ -158,7 +152,7 @@ static void mem_bounds(uint8_t *dst, const uint16_t *src, size_t bytes, double *
             fill(&a[0]);
             pthread_join(th, NULL);
         }
-        double t3 = now_s();
+        double t3 = kvt_now_s();
         if (t1 - t0 < *cpy) *cpy = t1 - t0;
         if (t3 - t2 < *wr2) *wr2 = t3 - t2;
     }
@@ -176,10 +170,10 @@ static double err_rate(const uint16_t *pl)
     for (size_t i = 0; i < m; i++)
         dec[i] = ref[i] * 1.0078125f;
     for (int r = 0; r < 20; r++) {
-        double t0 = now_s();
+        double t0 = kvt_now_s();
         for (int k = 0; k < 8; k++)
             kvr_codec_err_rows(KVR_ISA_AUTO, ref, dec, rows, len, e, q);
-        double t = (now_s() - t0) / 8;
+        double t = (kvt_now_s() - t0) / 8;
         if (t < best) best = t;
     }
     free(ref);

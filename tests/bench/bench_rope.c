@@ -20,18 +20,12 @@
 #include <time.h>
 
 #include "rope/rope.h"
+#include "tests/common/kvt_bench.h"
 
 #define T_TOK 8192
 #define N_HEAD 8
 #define HD 128
 #define REPS 15
-
-static double now(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
-}
 
 /* ---- memcpy, threaded the same way ------------------------------------- */
 
@@ -158,9 +152,9 @@ static double ggml_time(const ggml_api *g, int f16, const void *keys, const int6
     g->build_forward_expand(gf, out);
     double best = 1e30;
     for (int r = 0; r < REPS; r++) {
-        double t0 = now();
+        double t0 = kvt_now_s();
         g->compute_with_ctx(ctx, gf, nt);
-        double dt = now() - t0;
+        double dt = kvt_now_s() - t0;
         if (dt < best) best = dt;
     }
     g->free_(ctx);
@@ -221,9 +215,9 @@ int main(void)
         for (int nt = 1; nt <= 2; nt++) {
             double mbest = 1e30;
             for (int k = 0; k < REPS; k++) {
-                double t0 = now();
+                double t0 = kvt_now_s();
                 par_memcpy(dst, src, bytes, nt);
-                double d = now() - t0;
+                double d = kvt_now_s() - t0;
                 if (d < mbest) mbest = d;
             }
             for (int pat = 0; pat < 2; pat++) {
@@ -233,13 +227,13 @@ int main(void)
                 /* memcpy interleaved with the kernel, best of each: both
                  * see the same load on a shared machine */
                 for (int k = 0; k < REPS; k++) {
-                    double t0 = now();
+                    double t0 = kvt_now_s();
                     kvr_rope_reposition(r, dst, dt, src, dt, T_TOK, N_HEAD, from, to, &o);
-                    double d = now() - t0;
+                    double d = kvt_now_s() - t0;
                     if (d < best) best = d;
-                    t0 = now();
+                    t0 = kvt_now_s();
                     par_memcpy(dst, src, bytes, nt);
-                    d = now() - t0;
+                    d = kvt_now_s() - t0;
                     if (d < mbest) mbest = d;
                 }
                 double gt = -1;

@@ -27,18 +27,12 @@
 
 #include "cache/cache.h"
 #include "tests/common/cache_stream.h"
+#include "tests/common/kvt_bench.h"
 
 #define NL 1
 #define NH 1
 #define HD 64
 #define TOK_KV ((size_t)2 * NL * NH * HD * 2)
-
-static double now_s(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
-}
 
 static uint64_t rng = 0x9E3779B97F4A7C15ull;
 static uint32_t rnd(void)
@@ -109,7 +103,7 @@ static size_t fill(kvr_store *s, size_t total, size_t max, size_t *lens, size_t 
         char id[32];
         snprintf(id, sizeof id, "c%zu", n);
         kvr_error e = { 0 };
-        kvt_put a = { .id = id, .codec = "", .seed = (uint32_t)n + 1, .n_layers = NL,
+        kvt_range a = { .id = id, .codec = "", .seed = (uint32_t)n + 1, .n_layers = NL,
                       .n_heads = NH, .head_dim = HD, .n = len, .mode = KVR_PUT_CREATE,
                       .persist = persist };
         if (kvt_stream_put(s, &a, &e) != 0) {
@@ -143,9 +137,9 @@ static void match_lat(kvr_store *s, const size_t *lens, size_t n, double *p50, d
         for (size_t k = 0; k < m; k++)
             q[k] = (uint32_t)(c + 1) * 1000 + (uint32_t)k;
         kvr_match_result r;
-        double t0 = now_s();
+        double t0 = kvt_now_s();
         (void)kvr_store_match(s, "m", q, m, false, &r, NULL);
-        lat[i] = now_s() - t0;
+        lat[i] = kvt_now_s() - t0;
     }
     qsort(lat, Q, sizeof lat[0], cmp_d);
     *p50 = lat[Q / 2] * 1e6;
@@ -187,9 +181,9 @@ int main(void)
      * of a tenth of it. */
     size_t total = sizes[NS - 1];
     kvr_store *s = mk(total * (TOK_KV + 64) / 10, NULL);
-    double t0 = now_s();
+    double t0 = kvt_now_s();
     size_t n = fill(s, total, 2048, lens, sizeof lens / sizeof lens[0], false);
-    double ev_s = now_s() - t0;
+    double ev_s = kvt_now_s() - t0;
     kvr_store_stats st;
     kvr_store_get_stats(s, &st);
     printf("eviction at a full cap: %zu puts (%zu tokens) into a %zu-byte cap in %.2f s: "
@@ -204,9 +198,9 @@ int main(void)
         n = fill(s, total, 32768, lens, sizeof lens / sizeof lens[0], true);
         kvr_store_persist_flush(s);
         kvr_store_destroy(s);
-        t0 = now_s();
+        t0 = kvt_now_s();
         s = mk(0, dir);
-        rec_s = now_s() - t0;
+        rec_s = kvt_now_s() - t0;
         kvr_store_get_stats(s, &st);
         printf("recovery: %zu contexts, %zu tokens back in %.3f s\n", st.n_contexts,
                st.n_tokens, rec_s);

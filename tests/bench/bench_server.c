@@ -279,10 +279,10 @@ static void *run_job(void *arg)
         }
     }
     pthread_barrier_wait(j->bar);
-    double t0 = now_s(), end = t0 + j->seconds, c0 = thread_cpu_s();
+    double t0 = kvt_now_s(), end = t0 + j->seconds, c0 = thread_cpu_s();
     long ops = 0;
     char id[64], old[64];
-    while (!j->err && now_s() < end) {
+    while (!j->err && kvt_now_s() < end) {
         for (int k = 0; k < 4; k++, ops++) {
             int rc;
             if (j->side == SIDE_FLOOR) {
@@ -334,7 +334,7 @@ static void *run_job(void *arg)
             }
         }
     }
-    j->seconds = now_s() - t0;
+    j->seconds = kvt_now_s() - t0;
     j->cpu = thread_cpu_s() - c0;
     j->ops = ops;
     if (c) {
@@ -469,10 +469,10 @@ static int bench_match(const char *addr, double *p50, double *p99, uint64_t *len
     kvr_match_args m = { .model = "tiny", .tokens = prompt, .n_tokens = P };
     for (int i = 0; i < N + 20; i++) {
         kvr_match_res r;
-        double t0 = now_s();
+        double t0 = kvt_now_s();
         if (kvr_client_match(c, &m, &r) < 0)
             return -1;
-        double dt = now_s() - t0;
+        double dt = kvt_now_s() - t0;
         if (i >= 20)
             lat[i - 20] = dt;
         *len_out = r.length;

@@ -253,9 +253,9 @@ static void *run_job(void *arg)
         }
     }
     pthread_barrier_wait(j->bar);
-    double t0 = now_s(), end = t0 + j->seconds;
+    double t0 = kvt_now_s(), end = t0 + j->seconds;
     long ops = 0;
-    while (!j->err && now_s() < end) {
+    while (!j->err && kvt_now_s() < end) {
         int rc = 0;
         if (j->mode == M_MEMCPY) {
             if (j->op == OP_GET)
@@ -317,7 +317,7 @@ static void *run_job(void *arg)
         }
         ops++;
     }
-    j->seconds = now_s() - t0;
+    j->seconds = kvt_now_s() - t0;
     j->ops = ops;
     if (c) {
         if (!j->err && kvr_client_flush(c) < 0)

@@ -26,18 +26,12 @@
 #include <unistd.h>
 
 #include "cache/cache.h"
+#include "tests/common/kvt_bench.h"
 
 #define NL 8
 #define NH 8
 #define HD 128
 #define CTX_TOKENS 1024
-
-static double now_s(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + (double)ts.tv_nsec / 1e9;
-}
 
 static int rm_one(const char *p, const struct stat *sb, int flag, struct FTW *f)
 {
@@ -67,18 +61,18 @@ static void plain(const char *dir, size_t total, double *w, double *r)
     int fd = open(path, O_RDWR | O_CREAT | O_TRUNC | O_DIRECT, 0644);
     if (fd < 0)
         fd = open(path, O_RDWR | O_CREAT | O_TRUNC, 0644);
-    double t0 = now_s();
+    double t0 = kvt_now_s();
     for (size_t o = 0; o < total; o += chunk)
         if (pwrite(fd, buf, chunk, (off_t)o) != (ssize_t)chunk)
             break;
     fdatasync(fd);
-    *w = (double)total / (now_s() - t0) / 1e9;
+    *w = (double)total / (kvt_now_s() - t0) / 1e9;
     drop_caches();
-    t0 = now_s();
+    t0 = kvt_now_s();
     for (size_t o = 0; o < total; o += chunk)
         if (pread(fd, buf, chunk, (off_t)o) != (ssize_t)chunk)
             break;
-    *r = (double)total / (now_s() - t0) / 1e9;
+    *r = (double)total / (kvt_now_s() - t0) / 1e9;
     close(fd);
     unlink(path);
     kvr_mem_free(buf);
@@ -138,7 +132,7 @@ static int put(kvr_store *s, const char *id, const void *payload, bool persist)
 
 static double get_all(kvr_store *s, size_t n_ctx)
 {
-    double t0 = now_s();
+    double t0 = kvt_now_s();
     for (size_t i = 0; i < n_ctx; i++) {
         char id[32];
         snprintf(id, sizeof id, "c%zu", i);
@@ -150,7 +144,7 @@ static double get_all(kvr_store *s, size_t n_ctx)
             kvr_get_work(g, NULL);
         kvr_get_end(g);
     }
-    return now_s() - t0;
+    return kvt_now_s() - t0;
 }
 
 /* What a reload pays before any I/O: fresh memory for the blocks it
@@ -160,13 +154,13 @@ static double fresh_fill(size_t total, size_t blk)
 {
     size_t n = total / blk ? total / blk : 1;
     uint8_t **v = malloc(n * sizeof *v);
-    double t0 = now_s();
+    double t0 = kvt_now_s();
     for (size_t i = 0; i < n; i++) {
         v[i] = kvr_mem_aligned(64, blk);
         if (v[i])
             memset(v[i], (int)i, blk);
     }
-    double dt = now_s() - t0;
+    double dt = kvt_now_s() - t0;
     for (size_t i = 0; i < n; i++)
         kvr_mem_free(v[i]);
     free(v);
@@ -235,22 +229,22 @@ int main(void)
                 put(s, id, payload, false);
             }
             double tm = get_all(s, n_ctx);     /* resident */
-            double t0 = now_s();
+            double t0 = kvt_now_s();
             int64_t freed = kvr_store_tier_evict(s, SIZE_MAX, NULL);
-            double ts = now_s() - t0;
+            double ts = kvt_now_s() - t0;
             drop_caches();
             double tr = get_all(s, n_ctx);
             kvr_store_destroy(s);
             nftw(sub, rm_one, 16, FTW_DEPTH | FTW_PHYS);
             /* Persistent puts, then recovery. */
             s = open_store(sub, engines[ei], NULL);
-            t0 = now_s();
+            t0 = kvt_now_s();
             for (size_t i = 0; i < n_ctx; i++) {
                 char id[32];
                 snprintf(id, sizeof id, "c%zu", i);
                 put(s, id, payload, true);
             }
-            double tp = now_s() - t0;
+            double tp = kvt_now_s() - t0;
             kvr_store_destroy(s);
             drop_caches();
             kvr_tier_recovery rec;

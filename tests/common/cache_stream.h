@@ -39,16 +39,16 @@ static inline float kvt_val(uint32_t seed, int l, int kv, size_t t, size_t j)
 
 /* A put of tokens [first, first + n) of stream `seed` (token ids
  * seed * 1000 + index) into context id of model "m" of that shape. */
-typedef struct kvt_put {
+typedef struct kvt_range {
     const char  *id, *codec, *prefix;
     uint32_t     seed, n_layers, n_heads, head_dim;
     size_t       first, n;
     kvr_put_mode mode;
     bool         persist;
-} kvt_put;
+} kvt_range;
 
 /* 0 or the store's error (in *e; the put aborted). */
-static inline int kvt_stream_put(kvr_store *s, const kvt_put *a, kvr_error *e)
+static inline int kvt_stream_put(kvr_store *s, const kvt_range *a, kvr_error *e)
 {
     size_t row = (size_t)a->n_heads * a->head_dim, n = a->n;
     float *p = malloc((size_t)a->n_layers * 2 * n * row * sizeof *p);

@@ -15,40 +15,24 @@
 
 #include "cache/cache.h"
 #include "cache/block.h"
+#include "tests/common/kvt_store.h"
 
 #define L 3
 #define H 2
 #define D 8
 #define B 16
 
-static float val(uint32_t seed, uint32_t l, int kv, uint64_t t, uint32_t h, uint32_t d)
-{
-    uint64_t x = seed * 0x9E3779B97F4A7C15ull ^ (l * 1315423911ull) ^ ((uint64_t)kv << 40) ^
-                 (t * 2654435761ull) ^ (h * 97531ull) ^ (d * 1009ull);
-    x ^= x >> 29;
-    x *= 0xBF58476D1CE4E5B9ull;
-    x ^= x >> 32;
-    return (float)((int)(x % 255) - 127) / 16.0f;
-}
-
 static kvr_store *mk_store(size_t cap, size_t cache)
 {
-    kvr_store *s = NULL;
     kvr_store_config c = { .max_memory = cap, .block_tokens = B, .block_cache = cache };
-    kvr_error e = { 0 };
-    cr_assert_eq(kvr_store_create(&s, &c, &e), 0, "%s", e.msg);
-    return s;
+    return kvt_store_new(&c);
 }
 
 static void mk_model(kvr_store *s, const char *name, const char *codec)
 {
-    kvr_model_desc d = { .name = name, .n_layers = L, .n_kv_heads = H, .head_dim = D,
-                         .dtype = KVR_DTYPE_F16, .codec = codec };
-    kvr_rope_config_init(&d.rope);
-    d.rope.head_dim = D;
-    d.rope.rotary_dim = D;
-    kvr_error e = { 0 };
-    cr_assert_eq(kvr_store_model_register(s, &d, NULL, &e), 0, "%s", e.msg);
+    kvr_model_desc d = kvt_model_desc(name, L, H, D, KVR_DTYPE_F16);
+    d.codec = codec;
+    kvt_model_add(s, &d, NULL);
 }
 
 /* A put of tokens [t0, t0+n) of a context seeded `seed` (f16 payload). */
@@ -61,34 +45,14 @@ static int put(kvr_store *s, const char *id, const char *model, kvr_put_mode mod
     kvr_put_params p = { .ctx_id = id, .model = model, .mode = mode, .n_layers = L,
                          .n_kv_heads = H, .head_dim = D, .dtype = KVR_DTYPE_F16,
                          .n_tokens = n, .tokens = tok };
-    kvr_put *t = NULL;
+    size_t bytes;
+    void *pl = kvt_kv_payload(seed, L, H, D, t0, n, KVR_DTYPE_F16, &bytes);
+    kvt_src src = { pl, bytes, 0 };
     kvr_error e = { 0 };
-    int rc = kvr_store_put_begin(s, &p, &t, &e);
-    if (rc == 0) {
-        size_t cnt = (size_t)L * 2 * n * H * D, k = 0;
-        float *f = malloc(cnt * sizeof *f);
-        for (uint32_t l = 0; l < L; l++)
-            for (int kv = 0; kv < 2; kv++)
-                for (size_t i = 0; i < n; i++)
-                    for (uint32_t h = 0; h < H; h++)
-                        for (uint32_t d = 0; d < D; d++)
-                            f[k++] = val(seed, l, kv, t0 + i, h, d);
-        uint16_t *pl = malloc(cnt * 2);
-        kvr_convert(pl, KVR_DTYPE_F16, f, KVR_DTYPE_F32, cnt);
-        free(f);
-        cr_assert_eq(kvr_put_payload_size(t), cnt * 2);
-        const struct iovec *iov;
-        size_t niov, off = 0;
-        kvr_put_payload_iov(t, &iov, &niov);
-        for (size_t i = 0; i < niov; i++) {
-            memcpy(iov[i].iov_base, (uint8_t *)pl + off, iov[i].iov_len);
-            off += iov[i].iov_len;
-        }
-        free(pl);
-        if (kvr_put_needs_work(t))
-            cr_assert_eq(kvr_put_work(t, &e), 0, "%s", e.msg);
-        rc = kvr_put_commit(t, NULL, &e);
-    }
+    int rc = kvt_put_try(s, &p, kvt_fill_src, &src, NULL, &e);
+    if (rc == 0)
+        cr_assert_eq(src.off, bytes);
+    free(pl);
     free(tok);
     return rc;
 }
@@ -97,23 +61,7 @@ static int put(kvr_store *s, const char *id, const char *model, kvr_put_mode mod
 static uint8_t *get_all(kvr_store *s, const char *id, size_t *n)
 {
     kvr_get_params p = { .ctx_id = id, .start = 0, .end = SIZE_MAX, .dtype = KVR_DTYPE_F32 };
-    kvr_get *g = NULL;
-    kvr_error e = { 0 };
-    cr_assert_eq(kvr_store_get_begin(s, &p, &g, &e), 0, "%s", e.msg);
-    if (kvr_get_needs_work(g))
-        cr_assert_eq(kvr_get_work(g, &e), 0, "%s", e.msg);
-    size_t len = kvr_get_payload_size(g), off = 0, niov;
-    const struct iovec *iov;
-    kvr_get_payload_iov(g, &iov, &niov);
-    uint8_t *out = malloc(len ? len : 1);
-    for (size_t i = 0; i < niov; i++) {
-        memcpy(out + off, iov[i].iov_base, iov[i].iov_len);
-        off += iov[i].iov_len;
-    }
-    cr_assert_eq(off, len);
-    kvr_get_end(g);
-    *n = len;
-    return out;
+    return kvt_get_payload(s, &p, n, NULL);
 }
 
 static kvr_store_stats stats(const kvr_store *s)

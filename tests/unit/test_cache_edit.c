@@ -17,32 +17,13 @@
 #include <string.h>
 
 #include "cache/cache.h"
+#include "tests/common/kvt.h"
+#include "tests/common/kvt_vectors.h"
 
 #define L 2
 #define H 2
 
 /* ---- vectors: the RoPE configurations of the manifest ------------------- */
-
-static char *slurp(const char *path, size_t *len)
-{
-    FILE *f = fopen(path, "rb");
-    if (!f) return NULL;
-    fseek(f, 0, SEEK_END);
-    long n = ftell(f);
-    fseek(f, 0, SEEK_SET);
-    char *b = malloc((size_t)n + 1);
-    if (b && fread(b, 1, (size_t)n, f) != (size_t)n) { free(b); b = NULL; }
-    if (b) b[n] = '\0';
-    fclose(f);
-    if (len) *len = (size_t)n;
-    return b;
-}
-
-static const char *vec_dir(void)
-{
-    const char *v = getenv("KVR_VECTORS");
-    return (v && *v) ? v : "../shared/vectors";
-}
 
 typedef struct fam {
     char name[64];
@@ -51,13 +32,7 @@ typedef struct fam {
 
 static int load_families(fam *out, int cap)
 {
-    char path[1024];
-    snprintf(path, sizeof path, "%s/rope/manifest.json", vec_dir());
-    size_t len;
-    char *txt = slurp(path, &len);
-    cr_assert(txt != NULL, "cannot read %s (set KVR_VECTORS)", path);
-    cJSON *m = cJSON_ParseWithLength(txt, len);
-    cr_assert(m != NULL);
+    cJSON *m = kvt_rope_manifest();
     const cJSON *c;
     int n = 0;
     cJSON_ArrayForEach(c, cJSON_GetObjectItem(m, "cases")) {
@@ -65,25 +40,9 @@ static int load_families(fam *out, int cap)
             break;
         fam *f = &out[n++];
         snprintf(f->name, sizeof f->name, "%s", cJSON_GetObjectItem(c, "name")->valuestring);
-        cJSON *j = cJSON_CreateObject();
-        cJSON_AddNumberToObject(j, "head_dim", cJSON_GetObjectItem(c, "head_dim")->valuedouble);
-        cJSON_AddNumberToObject(j, "rotary_dim", cJSON_GetObjectItem(c, "rotary_dim")->valuedouble);
-        cJSON_AddNumberToObject(j, "rope_theta", cJSON_GetObjectItem(c, "theta_base")->valuedouble);
-        cJSON_AddNumberToObject(j, "num_attention_heads", H);
-        const cJSON *rs = cJSON_GetObjectItem(c, "rope_scaling");
-        if (rs && !cJSON_IsNull(rs))
-            cJSON_AddItemToObject(j, "rope_scaling", cJSON_Duplicate(rs, 1));
-        char *ct = cJSON_PrintUnformatted(j);
-        kvr_error err = { 0 };
-        int rc = kvr_rope_config_from_json(&f->cfg, ct, strlen(ct),
-                                           cJSON_GetObjectItem(c, "style")->valuestring,
-                                           &err);
-        cr_assert_eq(rc, 0, "%s: %s", f->name, err.msg);
-        free(ct);
-        cJSON_Delete(j);
+        kvt_rope_case_config(c, H, &f->cfg);
     }
     cJSON_Delete(m);
-    free(txt);
     cr_assert(n >= 6, "manifest has %d cases", n);
     return n;
 }

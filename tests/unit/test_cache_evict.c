@@ -8,6 +8,7 @@
 #include <string.h>
 
 #include "cache/cache.h"
+#include "tests/common/kvt_store.h"
 
 #define L 2
 #define H 2
@@ -18,6 +19,12 @@ static void fill(uint8_t *p, size_t n, uint32_t seed)
 {
     for (size_t i = 0; i < n; i++)
         p[i] = (uint8_t)(seed * 31u + i * 7u);
+}
+
+/* A kvt_fill_fn: fill() of each iovec with the seed at arg. */
+static void fill_seed(void *arg, void *p, size_t bytes)
+{
+    fill(p, bytes, *(const uint32_t *)arg);
 }
 
 static kvr_store *setup(size_t extra_blocks, size_t *block_bytes)
@@ -65,17 +72,9 @@ static int put(kvr_store *s, const char *id, uint32_t seed, size_t n, kvr_error 
     kvr_put_params p = { .ctx_id = id, .model = "m", .mode = KVR_PUT_UPSERT, .n_layers = L,
                          .n_kv_heads = H, .head_dim = D, .dtype = KVR_DTYPE_F16,
                          .n_tokens = n, .tokens = tok };
-    kvr_put *t;
-    int rc = kvr_store_put_begin(s, &p, &t, e);
+    int rc = kvt_put_try(s, &p, fill_seed, &seed, NULL, e);
     free(tok);
-    if (rc)
-        return rc;
-    const struct iovec *iov;
-    size_t niov;
-    kvr_put_payload_iov(t, &iov, &niov);
-    for (size_t i = 0; i < niov; i++)
-        fill(iov[i].iov_base, iov[i].iov_len, seed);
-    return kvr_put_commit(t, NULL, e);
+    return rc;
 }
 
 /* Checks that ctx `id` (put with one put of `n` tokens and `seed`) still

@@ -13,6 +13,7 @@
 #include <string.h>
 
 #include "cache/cache.h"
+#include "tests/common/kvt_store.h"
 
 #define NL 4
 #define NH 2
@@ -20,62 +21,18 @@
 
 static kvr_store *mk(void)
 {
-    kvr_store *s = NULL;
-    kvr_error e = { 0 };
-    kvr_store_config cfg = { 0 };
-    cr_assert_eq(kvr_store_create(&s, &cfg, &e), 0, "%s", e.msg);
-    kvr_model_desc d = { .name = "m", .n_layers = NL, .n_kv_heads = NH, .head_dim = HD,
-                         .dtype = KVR_DTYPE_F16 };
-    kvr_rope_config_init(&d.rope);
-    d.rope.head_dim = HD;
-    d.rope.rotary_dim = HD;
-    d.rope.theta = 10000.0;
-    cr_assert_eq(kvr_store_model_register(s, &d, NULL, &e), 0, "%s", e.msg);
-    return s;
+    return kvt_store_with_model(NULL, NL, NH, HD, KVR_DTYPE_F16, NULL);
 }
 
 static void put(kvr_store *s, const char *id, const char *codec, size_t n)
 {
-    uint32_t *tok = malloc(n * sizeof *tok);
-    for (size_t i = 0; i < n; i++) tok[i] = (uint32_t)(i * 7 + 1);
-    kvr_error e = { 0 };
-    kvr_put_params p = { .ctx_id = id, .model = "m", .mode = KVR_PUT_CREATE, .n_layers = NL,
-                         .n_kv_heads = NH, .head_dim = HD, .dtype = KVR_DTYPE_F16,
-                         .n_tokens = n, .tokens = tok, .codec = codec };
-    kvr_put *t = NULL;
-    cr_assert_eq(kvr_store_put_begin(s, &p, &t, &e), 0, "%s", e.msg);
-    const struct iovec *iov;
-    size_t niov;
-    kvr_put_payload_iov(t, &iov, &niov);
-    uint32_t x = 99;
-    for (size_t i = 0; i < niov; i++) {
-        uint16_t *h = iov[i].iov_base;
-        for (size_t k = 0; k < iov[i].iov_len / 2; k++) {
-            x = x * 1664525u + 1013904223u;
-            h[k] = kvr_f32_to_f16(((float)(x >> 8) / 16777216.0f - 0.5f) * 3.0f);
-        }
-    }
-    if (kvr_put_needs_work(t)) cr_assert_eq(kvr_put_work(t, &e), 0, "%s", e.msg);
-    cr_assert_eq(kvr_put_commit(t, NULL, &e), 0, "%s", e.msg);
-    free(tok);
+    kvt_put_f16(s, id, codec, KVR_PUT_CREATE, 0, NL, NH, HD, n);
 }
 
 static void edit(kvr_store *s, const char *id)
 {
-    uint32_t nt[3] = { 5, 6, 7 };
-    kvr_edit_op op = { 10, 12, 3, nt, false };
-    kvr_edit_params p = { .ctx_id = id, .ops = &op, .n_ops = 1, .with_kv = true,
-                          .n_layers = NL, .n_kv_heads = NH, .head_dim = HD,
-                          .dtype = KVR_DTYPE_F16, .payload_bytes = 3 * 2 * NL * NH * HD * 2 };
-    kvr_error e = { 0 };
-    kvr_edit *t = NULL;
-    cr_assert_eq(kvr_store_edit_begin(s, &p, &t, &e), 0, "%s", e.msg);
-    const struct iovec *iov;
-    size_t niov;
-    kvr_edit_payload_iov(t, &iov, &niov);
-    for (size_t i = 0; i < niov; i++) memset(iov[i].iov_base, 0x21, iov[i].iov_len);
-    if (kvr_edit_needs_work(t)) cr_assert_eq(kvr_edit_work(t, &e), 0, "%s", e.msg);
-    cr_assert_eq(kvr_edit_commit(t, NULL, NULL, &e), 0, "%s", e.msg);
+    static const uint32_t nt[3] = { 5, 6, 7 };
+    kvt_edit_replace(s, id, NL, NH, HD, 10, 12, nt, 3, 0x21);
 }
 
 /* Both ways for one request, copy_into writing at `off` bytes past a
@@ -262,26 +219,30 @@ Test(get_into, large_streamed_kivi)
     kvr_store_destroy(s);
 }
 
+/* put_doc's values: iovec i, element k of a document from token tok0. */
+typedef struct doc_fill {
+    size_t   i;
+    uint32_t tok0;
+} doc_fill;
+
+static void fill_doc(void *arg, void *p, size_t bytes)
+{
+    doc_fill *f = arg;
+    uint16_t *h = p;
+    for (size_t k = 0; k < bytes / 2; k++)
+        h[k] = (uint16_t)(0x3000 + ((f->i * 131 + k * 7 + f->tok0) & 0x0fff));
+    f->i++;
+}
+
 static void put_doc(kvr_store *s, const char *id, const char *prefix, size_t n, uint32_t tok0)
 {
     uint32_t *tok = malloc(n * sizeof *tok);
     for (size_t i = 0; i < n; i++) tok[i] = tok0 + (uint32_t)i;
-    kvr_error e = { 0 };
     kvr_put_params p = { .ctx_id = id, .model = "m", .mode = KVR_PUT_CREATE, .n_layers = NL,
                          .n_kv_heads = NH, .head_dim = HD, .dtype = KVR_DTYPE_F16,
                          .n_tokens = n, .tokens = tok, .prefix_ctx = prefix };
-    kvr_put *t = NULL;
-    cr_assert_eq(kvr_store_put_begin(s, &p, &t, &e), 0, "%s", e.msg);
-    const struct iovec *iov;
-    size_t niov;
-    kvr_put_payload_iov(t, &iov, &niov);
-    for (size_t i = 0; i < niov; i++) {
-        uint16_t *h = iov[i].iov_base;
-        for (size_t k = 0; k < iov[i].iov_len / 2; k++)
-            h[k] = (uint16_t)(0x3000 + ((i * 131 + k * 7 + tok0) & 0x0fff));
-    }
-    if (kvr_put_needs_work(t)) cr_assert_eq(kvr_put_work(t, &e), 0, "%s", e.msg);
-    cr_assert_eq(kvr_put_commit(t, NULL, &e), 0, "%s", e.msg);
+    doc_fill f = { 0, tok0 };
+    kvt_put(s, &p, fill_doc, &f);
     free(tok);
 }
 

@@ -12,35 +12,13 @@
 #include <string.h>
 
 #include "cache/cache.h"
+#include "tests/common/kvt_store.h"
 #include "cache/store.h"
 
-static kvr_store *setup(void)
-{
-    kvr_store *s = NULL;
-    kvr_store_config c = { .block_tokens = 4 };
-    cr_assert_eq(kvr_store_create(&s, &c, NULL), 0);
-    kvr_model_desc d = { .name = "m", .n_layers = 1, .n_kv_heads = 1, .head_dim = 2,
-                         .dtype = KVR_DTYPE_F16 };
-    kvr_rope_config_init(&d.rope);
-    kvr_error e = { 0 };
-    cr_assert_eq(kvr_store_model_register(s, &d, NULL, &e), 0, "%s", e.msg);
-    return s;
-}
 
 static void put(kvr_store *s, const char *id, kvr_put_mode mode, const uint32_t *tok, size_t n)
 {
-    kvr_put_params p = { .ctx_id = id, .model = "m", .mode = mode, .n_layers = 1,
-                         .n_kv_heads = 1, .head_dim = 2, .dtype = KVR_DTYPE_F16,
-                         .n_tokens = n, .tokens = tok };
-    kvr_put *t;
-    kvr_error e = { 0 };
-    cr_assert_eq(kvr_store_put_begin(s, &p, &t, &e), 0, "%s", e.msg);
-    const struct iovec *iov;
-    size_t niov;
-    kvr_put_payload_iov(t, &iov, &niov);
-    for (size_t i = 0; i < niov; i++)
-        memset(iov[i].iov_base, 0, iov[i].iov_len);
-    cr_assert_eq(kvr_put_commit(t, NULL, &e), 0, "%s", e.msg);
+    cr_assert_eq(kvt_index_put(s, id, mode, tok, n), 0, "put %s", id);
 }
 
 /* Matches q both ways; a match must name a context whose first `length`
@@ -74,7 +52,7 @@ static size_t match_checked(kvr_store *s, const uint32_t *q, size_t n)
  * off the root, as if they were the context's first. */
 Test(cache_index, append_after_dropped_from_index)
 {
-    kvr_store *s = setup();
+    kvr_store *s = kvt_index_store();
     uint32_t a[4] = { 1, 2, 3, 4 }, more[2] = { 5, 6 };
     put(s, "a", KVR_PUT_CREATE, a, 4);
     kvr_ctx *c = kvr_store_ctx_find(s, "a");
@@ -98,7 +76,7 @@ Test(cache_index, append_after_dropped_from_index)
  * there. */
 Test(cache_index, append_after_truncated_exact_index)
 {
-    kvr_store *s = setup();
+    kvr_store *s = kvt_index_store();
     uint32_t a[6] = { 1, 2, 3, 4, 5, 6 }, more[1] = { 7 };
     put(s, "a", KVR_PUT_CREATE, a, 6);
     kvr_ctx *c = kvr_store_ctx_find(s, "a");

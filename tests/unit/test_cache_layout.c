@@ -12,6 +12,7 @@
 #include <string.h>
 
 #include "cache/cache.h"
+#include "tests/common/kvt_store.h"
 
 #define L 2
 #define H 2
@@ -65,10 +66,6 @@ static int put(const char *id, kvr_put_params p, const uint32_t *uids, const int
     p.dtype = KVR_DTYPE_F32;
     p.n_tokens = n;
     p.tokens = uids;
-    kvr_put *t = NULL;
-    int rc = kvr_store_put_begin(S_, &p, &t, e);
-    if (rc)
-        return rc;
     size_t row = H * D;
     float *pl = malloc(L * 2 * n * row * sizeof *pl);
     for (uint32_t l = 0; l < L; l++) {
@@ -80,19 +77,11 @@ static int put(const char *id, kvr_put_params p, const uint32_t *uids, const int
                     v[i * row + h * D + d] = xval(uids[i], l, 1, h, d);
         }
     }
-    const struct iovec *iov;
-    size_t niov, off = 0;
-    kvr_put_payload_iov(t, &iov, &niov);
-    for (size_t i = 0; i < niov; i++) {
-        memcpy(iov[i].iov_base, (char *)pl + off, iov[i].iov_len);
-        off += iov[i].iov_len;
-    }
-    cr_assert_eq(off, kvr_put_payload_size(t));
+    kvt_src src = { pl, L * 2 * n * row * sizeof *pl, 0 };
+    int rc = kvt_put_try(S_, &p, kvt_fill_src, &src, res, e);
+    if (rc == 0)
+        cr_assert_eq(src.off, src.len);
     free(pl);
-    if (kvr_put_needs_work(t))
-        cr_assert_eq(kvr_put_work(t, e), 0);
-    kvr_put_result r0;
-    rc = kvr_put_commit(t, res ? res : &r0, e);
     return rc;
 }
 

@@ -15,6 +15,9 @@
 #include <string.h>
 
 #include "cache/cache.h"
+#include "tests/common/kvt.h"
+#include "tests/common/kvt_store.h"
+#include "tests/common/kvt_vectors.h"
 
 #define NL 2
 #define MAXD 256
@@ -56,10 +59,6 @@ static int put_doc(const fam *f, const char *id, const char *prefix, uint32_t ui
                          .n_layers = NL, .n_kv_heads = (uint32_t)f->H,
                          .head_dim = (uint32_t)f->D, .dtype = KVR_DTYPE_F32,
                          .n_tokens = n, .tokens = u, .prefix_ctx = prefix };
-    kvr_put *t = NULL;
-    int rc = kvr_store_put_begin(f->s, &p, &t, e);
-    if (rc)
-        return rc;
     size_t row = f->H * f->D;
     float *pl = malloc(NL * 2 * n * row * sizeof *pl);
     for (uint32_t l = 0; l < NL; l++) {
@@ -70,16 +69,10 @@ static int put_doc(const fam *f, const char *id, const char *prefix, uint32_t ui
                 v[i * row + j] = xv(u[i], l, j);
         }
     }
-    const struct iovec *iov;
-    size_t niov, off = 0;
-    kvr_put_payload_iov(t, &iov, &niov);
-    for (size_t i = 0; i < niov; i++) {
-        memcpy(iov[i].iov_base, (char *)pl + off, iov[i].iov_len);
-        off += iov[i].iov_len;
-    }
-    free(pl);
+    kvt_src src = { pl, NL * 2 * n * row * sizeof *pl, 0 };
     kvr_put_result r;
-    rc = kvr_put_commit(t, &r, e);
+    int rc = kvt_put_try(f->s, &p, kvt_fill_src, &src, &r, e);
+    free(pl);
     if (rc == 0)
         cr_assert_eq(r.first_pos, pos0, "%s stored at %lld, not %lld", id,
                      (long long)r.first_pos, (long long)pos0);
@@ -198,37 +191,10 @@ static void check_layout(fam *f, kvr_layout_kind kind, const int64_t *starts)
     kvr_assemble_end(t);
 }
 
-static char *slurp(const char *path, size_t *len)
-{
-    FILE *fp = fopen(path, "rb");
-    if (!fp)
-        return NULL;
-    fseek(fp, 0, SEEK_END);
-    long n = ftell(fp);
-    fseek(fp, 0, SEEK_SET);
-    char *b = malloc((size_t)n + 1);
-    cr_assert_eq(fread(b, 1, (size_t)n, fp), (size_t)n);
-    fclose(fp);
-    b[n] = 0;
-    *len = (size_t)n;
-    return b;
-}
-
-static const char *vec_dir(void)
-{
-    const char *v = getenv("KVR_VECTORS");
-    return v && *v ? v : "../shared/vectors";
-}
-
 Test(layout_ape, every_family_every_layout_keys_exact)
 {
     char path[1024];
-    snprintf(path, sizeof path, "%s/rope/manifest.json", vec_dir());
-    size_t len;
-    char *txt = slurp(path, &len);
-    cr_assert(txt, "cannot read %s (set KVR_VECTORS)", path);
-    cJSON *m = cJSON_ParseWithLength(txt, len);
-    cr_assert(m);
+    cJSON *m = kvt_rope_manifest();
     const cJSON *c;
     int n_cases = 0;
     cJSON_ArrayForEach(c, cJSON_GetObjectItem(m, "cases")) {
@@ -238,29 +204,13 @@ Test(layout_ape, every_family_every_layout_keys_exact)
         f.D = (size_t)cJSON_GetObjectItem(c, "head_dim")->valueint;
         f.tol = cJSON_GetObjectItem(c, "tolerance_abs")->valuedouble;
         cr_assert_leq(f.H * f.D, 2 * MAXD);
-        cJSON *cfgj = cJSON_CreateObject();
-        cJSON_AddNumberToObject(cfgj, "head_dim", (double)f.D);
-        cJSON_AddNumberToObject(cfgj, "rotary_dim",
-                                cJSON_GetObjectItem(c, "rotary_dim")->valuedouble);
-        cJSON_AddNumberToObject(cfgj, "rope_theta",
-                                cJSON_GetObjectItem(c, "theta_base")->valuedouble);
-        cJSON_AddNumberToObject(cfgj, "num_attention_heads", (double)f.H);
-        const cJSON *rs = cJSON_GetObjectItem(c, "rope_scaling");
-        if (rs && !cJSON_IsNull(rs))
-            cJSON_AddItemToObject(cfgj, "rope_scaling", cJSON_Duplicate(rs, 1));
-        char *ct = cJSON_PrintUnformatted(cfgj);
         kvr_model_desc d = { .name = name, .n_layers = NL, .n_kv_heads = (uint32_t)f.H,
                              .head_dim = (uint32_t)f.D, .dtype = KVR_DTYPE_F32 };
-        kvr_error emsg = { 0 };
-        cr_assert_eq(kvr_rope_config_from_json(&d.rope, ct, strlen(ct),
-                                               cJSON_GetObjectItem(c, "style")->valuestring,
-                                               &emsg), 0, "%s: %s", name, emsg.msg);
-        free(ct);
-        cJSON_Delete(cfgj);
-        snprintf(path, sizeof path, "%s/rope/%s", vec_dir(),
+        kvt_rope_case_config(c, (double)f.H, &d.rope);
+        snprintf(path, sizeof path, "%s/rope/%s", kvt_vectors_dir(),
                  cJSON_GetObjectItem(cJSON_GetObjectItem(c, "files"), "x")->valuestring);
         size_t xl;
-        char *x = slurp(path, &xl);
+        char *x = kvt_slurp(path, &xl);
         cr_assert(x && xl >= 32 * f.H * f.D * 4, "%s", path);
         f.x = (const float *)(void *)x;
         kvr_store_config sc = { .block_tokens = 16 };
@@ -281,7 +231,6 @@ Test(layout_ape, every_family_every_layout_keys_exact)
     }
     cr_assert_geq(n_cases, 6);
     cJSON_Delete(m);
-    free(txt);
 }
 
 /* ---- APE reference attention ------------------------------------------- */

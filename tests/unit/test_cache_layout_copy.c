@@ -18,6 +18,8 @@
 #include <unistd.h>
 
 #include "cache/cache.h"
+#include "tests/common/kvt.h"
+#include "tests/common/kvt_store.h"
 #include "tests/common/kvr_tmpdir.h"
 
 #define L 2
@@ -30,21 +32,9 @@ static char DIR_[256];
 /* A store (with a disk tier in DIR_ if disk) and model "m". */
 static kvr_store *open_store(bool disk)
 {
-    kvr_store *s;
-    kvr_error e = { 0 };
     kvr_store_config cfg = { .block_tokens = 8 };
-    cr_assert_eq(kvr_store_create(&s, &cfg, &e), 0, "%s", e.msg);
-    if (disk) {
-        kvr_tier_config tc = { .dir = DIR_, .engine = 2 };
-        cr_assert_eq(kvr_store_tier_open(s, &tc, NULL, NULL, NULL, &e), 0, "%s", e.msg);
-    }
-    if (kvr_store_model_find(s, "m", NULL) != 0) {
-        kvr_model_desc d = { .name = "m", .n_layers = L, .n_kv_heads = H, .head_dim = D,
-                             .dtype = KVR_DTYPE_F32 };
-        kvr_rope_config_init(&d.rope);
-        cr_assert_eq(kvr_store_model_register(s, &d, NULL, &e), 0, "%s", e.msg);
-    }
-    return s;
+    kvr_tier_config tc = { .dir = DIR_, .engine = 2 };
+    return kvt_store_open(&cfg, disk ? &tc : NULL, false, NULL, L, H, D, KVR_DTYPE_F32);
 }
 
 /* Puts n tokens (ids base..) with p's layout fields; persisted if asked. */
@@ -67,24 +57,8 @@ static int put(kvr_store *s, const char *id, kvr_put_params p, uint32_t base, si
     p.tokens = tok;
     if (!p.mode)
         p.mode = KVR_PUT_UPSERT;
-    kvr_put *t = NULL;
-    int rc = kvr_store_put_begin(s, &p, &t, e);
-    if (rc == 0) {
-        const struct iovec *iov;
-        size_t ni;
-        kvr_put_payload_iov(t, &iov, &ni);
-        const uint8_t *src = (const uint8_t *)pl;
-        for (size_t i = 0; i < ni; i++) {
-            memcpy(iov[i].iov_base, src, iov[i].iov_len);
-            src += iov[i].iov_len;
-        }
-        if (kvr_put_needs_work(t))
-            rc = kvr_put_work(t, e);
-        if (rc == 0)
-            rc = kvr_put_commit(t, NULL, e);
-        else
-            kvr_put_abort(t);
-    }
+    kvt_src src = { pl, (size_t)L * 2 * n * ROW * sizeof *pl, 0 };
+    int rc = kvt_put_try(s, &p, kvt_fill_src, &src, NULL, e);
     free(pl);
     free(tok);
     if (rc == 0 && kvr_store_persist(s, id, NULL, NULL, e) < 0)
@@ -223,8 +197,7 @@ Test(layout_copy, every_kind_through_fork)
 
 Test(layout_copy, every_kind_through_persistence_and_restart)
 {
-    snprintf(DIR_, sizeof DIR_, "/tmp/kvr-lcopy-XXXXXX");
-    cr_assert(mkdtemp(DIR_));
+    kvt_tmpdir(DIR_, sizeof DIR_, "kvr-lcopy");
     kvr_store *s = open_store(true);
     make_kinds(s, true);
     fork_kinds(s);

@@ -9,37 +9,9 @@
 #include <string.h>
 
 #include "cache/cache.h"
+#include "tests/common/kvt_store.h"
 
-static kvr_store *setup(void)
-{
-    kvr_store *s = NULL;
-    kvr_store_config c = { .block_tokens = 4 };
-    cr_assert_eq(kvr_store_create(&s, &c, NULL), 0);
-    kvr_model_desc d = { .name = "m", .n_layers = 1, .n_kv_heads = 1, .head_dim = 2,
-                         .dtype = KVR_DTYPE_F16 };
-    kvr_rope_config_init(&d.rope);
-    kvr_error e = { 0 };
-    cr_assert_eq(kvr_store_model_register(s, &d, NULL, &e), 0, "%s", e.msg);
-    return s;
-}
 
-static int put(kvr_store *s, const char *id, kvr_put_mode mode, const uint32_t *tok, size_t n)
-{
-    kvr_put_params p = { .ctx_id = id, .model = "m", .mode = mode, .n_layers = 1,
-                         .n_kv_heads = 1, .head_dim = 2, .dtype = KVR_DTYPE_F16,
-                         .n_tokens = n, .tokens = tok };
-    kvr_put *t;
-    kvr_error e = { 0 };
-    int rc = kvr_store_put_begin(s, &p, &t, &e);
-    if (rc)
-        return rc;
-    const struct iovec *iov;
-    size_t niov;
-    kvr_put_payload_iov(t, &iov, &niov);
-    for (size_t i = 0; i < niov; i++)
-        memset(iov[i].iov_base, 0, iov[i].iov_len);
-    return kvr_put_commit(t, NULL, &e);
-}
 
 static size_t match(kvr_store *s, const uint32_t *q, size_t n, char *id)
 {
@@ -58,15 +30,15 @@ static size_t match(kvr_store *s, const uint32_t *q, size_t n, char *id)
 
 Test(cache_match, overlapping_prompts)
 {
-    kvr_store *s = setup();
+    kvr_store *s = kvt_index_store();
     uint32_t sys[] = { 1, 2, 3, 4, 5, 6 };
     uint32_t a[] = { 1, 2, 3, 4, 5, 6, 10, 11, 12 };
     uint32_t b[] = { 1, 2, 3, 4, 5, 6, 10, 20 };
     uint32_t c[] = { 1, 2, 9 };
-    cr_assert_eq(put(s, "sys", KVR_PUT_CREATE, sys, 6), 0);
-    cr_assert_eq(put(s, "a", KVR_PUT_CREATE, a, 9), 0);
-    cr_assert_eq(put(s, "b", KVR_PUT_CREATE, b, 8), 0);
-    cr_assert_eq(put(s, "c", KVR_PUT_CREATE, c, 3), 0);
+    cr_assert_eq(kvt_index_put(s, "sys", KVR_PUT_CREATE, sys, 6), 0);
+    cr_assert_eq(kvt_index_put(s, "a", KVR_PUT_CREATE, a, 9), 0);
+    cr_assert_eq(kvt_index_put(s, "b", KVR_PUT_CREATE, b, 8), 0);
+    cr_assert_eq(kvt_index_put(s, "c", KVR_PUT_CREATE, c, 3), 0);
     char id[300];
     uint32_t q1[] = { 1, 2, 3, 4, 5, 6, 10, 11, 12, 13 };
     cr_assert_eq(match(s, q1, 10, id), 9);
@@ -88,7 +60,7 @@ Test(cache_match, overlapping_prompts)
     cr_assert_eq(match(s, a, 4, id), 4);    /* a query shorter than the contexts */
     /* Append extends the match. */
     uint32_t more[] = { 13, 14 };
-    cr_assert_eq(put(s, "a", KVR_PUT_APPEND, more, 2), 0);
+    cr_assert_eq(kvt_index_put(s, "a", KVR_PUT_APPEND, more, 2), 0);
     cr_assert_eq(match(s, q1, 10, id), 10);
     cr_assert_str_eq(id, "a");
     /* Delete. */
@@ -159,7 +131,7 @@ static size_t brute(const ref_ctx *r, const uint32_t *q, size_t n)
 Test(cache_match, randomized_vs_brute_force)
 {
     size_t base = kvr_mem_allocated();
-    kvr_store *s = setup();
+    kvr_store *s = kvt_index_store();
     static ref_ctx r[MAXC];
     memset(r, 0, sizeof r);
     kvr_error e = { 0 };
@@ -178,14 +150,14 @@ Test(cache_match, randomized_vs_brute_force)
             memcpy(r[i].tok, r[j].tok, share * sizeof(uint32_t));
             for (size_t k = share; k < n; k++)
                 r[i].tok[k] = rnd(3);
-            cr_assert_eq(put(s, name, KVR_PUT_CREATE, r[i].tok, n), 0);
+            cr_assert_eq(kvt_index_put(s, name, KVR_PUT_CREATE, r[i].tok, n), 0);
             r[i].n = n;
             r[i].live = true;
         } else if (op < 3 && r[i].n < 3 * MAXLEN) {
             size_t n = 1 + rnd(8);
             for (size_t k = 0; k < n; k++)
                 r[i].tok[r[i].n + k] = rnd(3);
-            cr_assert_eq(put(s, name, KVR_PUT_APPEND, r[i].tok + r[i].n, n), 0);
+            cr_assert_eq(kvt_index_put(s, name, KVR_PUT_APPEND, r[i].tok + r[i].n, n), 0);
             r[i].n += n;
         } else if (op < 5) {
             cr_assert_eq(kvr_store_delete(s, name, &e), 0);
@@ -271,11 +243,11 @@ static bool on_prefix(void *arg, const char *model, const uint32_t *tok, size_t 
 
 Test(cache_match, miss_hooks_ask_the_tier_above)
 {
-    kvr_store *s = setup();
+    kvr_store *s = kvt_index_store();
     miss_log l = { .take = true };
     kvr_store_set_miss_hooks(s, &(kvr_store_miss_hooks){ on_ctx, on_prefix, &l });
     uint32_t a[] = { 1, 2, 3, 4, 5, 6 };
-    cr_assert_eq(put(s, "a", KVR_PUT_CREATE, a, 6), 0);
+    cr_assert_eq(kvt_index_put(s, "a", KVR_PUT_CREATE, a, 6), 0);
     cr_assert_eq(l.n_ctx, 0, "a put asked the tier");
     kvr_ctx_info ci;
     kvr_error e = { 0 };

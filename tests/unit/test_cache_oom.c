@@ -18,20 +18,12 @@
 #include <string.h>
 
 #include "cache/cache.h"
+#include "tests/common/kvt.h"
+#include "tests/common/kvt_store.h"
 
 #define L 2
 #define H 2
 #define D 8
-
-static uint64_t fnv(uint64_t h, const void *p, size_t n)
-{
-    const uint8_t *b = p;
-    for (size_t i = 0; i < n; i++) {
-        h ^= b[i];
-        h *= 1099511628211ull;
-    }
-    return h;
-}
 
 static float val(uint32_t seed, size_t i)
 {
@@ -117,16 +109,16 @@ static int get(kvr_store *s, const char *id, bool reposition, kvr_error *e, uint
     }
     const kvr_get_info *gi = kvr_get_get_info(g);
     uint64_t h = 14695981039346656037ull;
-    h = fnv(h, gi->tokens, gi->n_tokens * 4);
-    h = fnv(h, gi->positions, gi->n_tokens * 8);
-    h = fnv(h, gi->flags, gi->n_tokens * 4);
+    h = kvt_fnv(h, gi->tokens, gi->n_tokens * 4);
+    h = kvt_fnv(h, gi->positions, gi->n_tokens * 8);
+    h = kvt_fnv(h, gi->flags, gi->n_tokens * 4);
     last_n = gi->n_tokens < 512 ? gi->n_tokens : 512;
     memcpy(last_tokens, gi->tokens, last_n * 4);
     const struct iovec *iov;
     size_t niov;
     kvr_get_payload_iov(g, &iov, &niov);
     for (size_t i = 0; i < niov; i++)
-        h = fnv(h, iov[i].iov_base, iov[i].iov_len);
+        h = kvt_fnv(h, iov[i].iov_base, iov[i].iov_len);
     kvr_get_end(g);
     if (hash)
         *hash = h;
@@ -140,16 +132,16 @@ static uint64_t state(kvr_store *s)
     size_t n = 0;
     kvr_error e;
     cr_assert_eq(kvr_store_list(s, NULL, &ci, &n, &e), 0, "%s", e.msg);
-    uint64_t h = fnv(14695981039346656037ull, &n, sizeof n);
+    uint64_t h = kvt_fnv(14695981039346656037ull, &n, sizeof n);
     for (size_t i = 0; i < n; i++) {
-        h = fnv(h, ci[i].id, strlen(ci[i].id) + 1);
-        h = fnv(h, &ci[i].n_tokens, sizeof ci[i].n_tokens);
-        h = fnv(h, &ci[i].pinned, sizeof ci[i].pinned);
-        h = fnv(h, &ci[i].n_protected, sizeof ci[i].n_protected);
-        h = fnv(h, ci[i].codec, strlen(ci[i].codec));
+        h = kvt_fnv(h, ci[i].id, strlen(ci[i].id) + 1);
+        h = kvt_fnv(h, &ci[i].n_tokens, sizeof ci[i].n_tokens);
+        h = kvt_fnv(h, &ci[i].pinned, sizeof ci[i].pinned);
+        h = kvt_fnv(h, &ci[i].n_protected, sizeof ci[i].n_protected);
+        h = kvt_fnv(h, ci[i].codec, strlen(ci[i].codec));
         uint64_t g = 0;
         cr_assert_eq(get(s, ci[i].id, false, &e, &g), 0, "%s", e.msg);
-        h = fnv(h, &g, sizeof g);
+        h = kvt_fnv(h, &g, sizeof g);
         /* What the prefix index answers for its sequence (and one more
          * token), exact and approximate. */
         if (last_n) {
@@ -159,26 +151,26 @@ static uint64_t state(kvr_store *s)
             for (int ap = 0; ap < 2; ap++) {
                 kvr_match_result mr;
                 cr_assert_eq(kvr_store_match(s, ci[i].model, q, last_n + 1, ap, &mr, &e), 0);
-                h = fnv(h, &mr.length, sizeof mr.length);
+                h = kvt_fnv(h, &mr.length, sizeof mr.length);
             }
         }
         kvr_layout_info li;
         memset(&li, 0, sizeof li);
         cr_assert_eq(kvr_store_layout_stat(s, ci[i].id, &li, &e), 0, "%s", e.msg);
-        h = fnv(h, &li.n_groups, sizeof li.n_groups);
+        h = kvt_fnv(h, &li.n_groups, sizeof li.n_groups);
         for (size_t k = 0; k < li.n_groups; k++) {
-            h = fnv(h, &li.groups[k].offset, sizeof li.groups[k].offset);
-            h = fnv(h, &li.groups[k].n_tokens, sizeof li.groups[k].n_tokens);
+            h = kvt_fnv(h, &li.groups[k].offset, sizeof li.groups[k].offset);
+            h = kvt_fnv(h, &li.groups[k].n_tokens, sizeof li.groups[k].n_tokens);
         }
-        h = fnv(h, &li.has_retention, sizeof li.has_retention);
-        h = fnv(h, &li.sinks, sizeof li.sinks);
+        h = kvt_fnv(h, &li.has_retention, sizeof li.has_retention);
+        h = kvt_fnv(h, &li.sinks, sizeof li.sinks);
     }
     kvr_mem_free(ci);
     kvr_model_info mi[8];
     size_t nm = kvr_store_model_list(s, mi, 8);
-    h = fnv(h, &nm, sizeof nm);
+    h = kvt_fnv(h, &nm, sizeof nm);
     for (size_t i = 0; i < nm && i < 8; i++)
-        h = fnv(h, &mi[i].fingerprint, sizeof mi[i].fingerprint);
+        h = kvt_fnv(h, &mi[i].fingerprint, sizeof mi[i].fingerprint);
     return h;
 }
 

@@ -16,6 +16,8 @@
 #include <string.h>
 
 #include "cache/cache.h"
+#include "tests/common/kvt.h"
+#include "tests/common/kvt_store.h"
 #include "tests/common/cache_stream.h"
 
 /* 4 KiB of f16 K/V per token: a 64-token block is 256 KiB, exactly a size
@@ -30,21 +32,9 @@ static char DIR_[256];
 
 static kvr_store *open_store(size_t cap, bool tier)
 {
-    kvr_store *s;
-    kvr_error e = { 0 };
     kvr_store_config cfg = { .max_memory = cap, .block_tokens = B };
-    cr_assert_eq(kvr_store_create(&s, &cfg, &e), 0, "%s", e.msg);
-    if (tier) {
-        kvr_tier_config tc = { .dir = DIR_, .engine = 0 };
-        cr_assert_eq(kvr_store_tier_open(s, &tc, NULL, NULL, NULL, &e), 0, "%s", e.msg);
-    }
-    if (kvr_store_model_find(s, "m", NULL) != 0) {
-        kvr_model_desc d = { .name = "m", .n_layers = L, .n_kv_heads = H, .head_dim = D,
-                             .dtype = KVR_DTYPE_F16 };
-        kvr_rope_config_init(&d.rope);
-        cr_assert_eq(kvr_store_model_register(s, &d, NULL, &e), 0, "%s", e.msg);
-    }
-    return s;
+    kvr_tier_config tc = { .dir = DIR_, .engine = 0 };
+    return kvt_store_open(&cfg, tier ? &tc : NULL, false, NULL, L, H, D, KVR_DTYPE_F16);
 }
 
 /* Tokens [first, first + n) of the stream `seed` (the same values whatever
@@ -53,7 +43,7 @@ static int put_range(kvr_store *s, const char *id, const char *codec, uint32_t s
                      size_t first, size_t n, bool persist)
 {
     kvr_error e = { 0 };
-    kvt_put a = { .id = id, .codec = codec, .seed = seed, .n_layers = L, .n_heads = H,
+    kvt_range a = { .id = id, .codec = codec, .seed = seed, .n_layers = L, .n_heads = H,
                   .head_dim = D, .first = first, .n = n,
                   .mode = first ? KVR_PUT_APPEND : KVR_PUT_CREATE, .persist = persist };
     int rc = kvt_stream_put(s, &a, &e);
@@ -209,8 +199,7 @@ static const char *CODECS[] = { "", "int4/g32", "kivi:k4v2:g32:r32", "k4v2", "q8
 
 Test(partial, spill_reload_restart)
 {
-    snprintf(DIR_, sizeof DIR_, "/tmp/kvr-partial-XXXXXX");
-    cr_assert(mkdtemp(DIR_));
+    kvt_tmpdir(DIR_, sizeof DIR_, "kvr-partial");
     kvr_store *s = open_store(3u << 20, true);
     uint8_t *want[N_CODECS];
     size_t nw[N_CODECS], lens[N_CODECS];
@@ -319,8 +308,7 @@ Test(partial, blocks_cut_in_two)
     L = 36;
     H = 2;
     D = 128;
-    snprintf(DIR_, sizeof DIR_, "/tmp/kvr-partial-XXXXXX");
-    cr_assert(mkdtemp(DIR_));
+    kvt_tmpdir(DIR_, sizeof DIR_, "kvr-partial");
     kvr_store *s = open_store(96u << 20, true);
     put_range(s, "whole", "", 30, 0, 3 * B + 10, true);
     kvr_store_stats st = stats(s);

@@ -21,6 +21,7 @@
 #include "cache/ctx.h"
 #include "cache/quant.h"
 #include "cache/store.h"
+#include "tests/common/kvt_store.h"
 
 #ifdef KVR_JEMALLOC
 /* Fresh allocations filled with 0xa5 (jemalloc reads this at start-up). */
@@ -185,31 +186,7 @@ enum { SL = 4, SH = 2, SD = 64 };
 
 static void sput(kvr_store *s, const char *codec, size_t n, kvr_put_mode mode, uint32_t seed)
 {
-    uint32_t *tok = malloc(n * sizeof *tok);
-    cr_assert_not_null(tok);
-    for (size_t i = 0; i < n; i++)
-        tok[i] = (uint32_t)(i * 7 + 1 + seed);
-    kvr_error e = { 0 };
-    kvr_put_params p = { .ctx_id = "j", .model = "m", .mode = mode, .n_layers = SL,
-                         .n_kv_heads = SH, .head_dim = SD, .dtype = KVR_DTYPE_F16,
-                         .n_tokens = n, .tokens = tok, .codec = codec };
-    kvr_put *t = NULL;
-    cr_assert_eq(kvr_store_put_begin(s, &p, &t, &e), 0, "%s", e.msg);
-    const struct iovec *iov;
-    size_t niov;
-    kvr_put_payload_iov(t, &iov, &niov);
-    uint32_t x = 99 + seed;
-    for (size_t i = 0; i < niov; i++) {
-        uint16_t *h = iov[i].iov_base;
-        for (size_t k = 0; k < iov[i].iov_len / 2; k++) {
-            x = x * 1664525u + 1013904223u;
-            h[k] = kvr_f32_to_f16(((float)(x >> 8) / 16777216.0f - 0.5f) * 3.0f);
-        }
-    }
-    if (kvr_put_needs_work(t))
-        cr_assert_eq(kvr_put_work(t, &e), 0, "%s", e.msg);
-    cr_assert_eq(kvr_put_commit(t, NULL, &e), 0, "%s", e.msg);
-    free(tok);
+    kvt_put_f16(s, "j", codec, mode, seed, SL, SH, SD, n);
 }
 
 /* Quantized blocks of context "j": zeros past the used slots; no run of
@@ -247,17 +224,8 @@ static size_t check_blocks(kvr_store *s, const char *codec)
 
 Test(qfill, put_blocks_written_or_zero)
 {
-    kvr_store *s = NULL;
+    kvr_store *s = kvt_store_with_model(NULL, SL, SH, SD, KVR_DTYPE_F16, NULL);
     kvr_error e = { 0 };
-    kvr_store_config cfg = { 0 };
-    cr_assert_eq(kvr_store_create(&s, &cfg, &e), 0, "%s", e.msg);
-    kvr_model_desc d = { .name = "m", .n_layers = SL, .n_kv_heads = SH, .head_dim = SD,
-                         .dtype = KVR_DTYPE_F16 };
-    kvr_rope_config_init(&d.rope);
-    d.rope.head_dim = SD;
-    d.rope.rotary_dim = SD;
-    d.rope.theta = 10000.0;
-    cr_assert_eq(kvr_store_model_register(s, &d, NULL, &e), 0, "%s", e.msg);
     static const char *const cs[] = { "k=int4/g64/c,v=int2,r=16", "k=int4/g32/c,v=q4_0,r=5",
                                       "k=int8/g32/c,v=int8/g32,r=0", "int4", "int2/g128",
                                       "q8_0" };

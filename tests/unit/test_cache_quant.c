@@ -17,6 +17,7 @@
 
 #include "cache/cache.h"
 #include "cache/codec.h"
+#include "tests/common/kvt_store.h"
 
 #define L 2
 #define H 2
@@ -28,14 +29,8 @@ static const kvr_rope *ENG;
 
 static void setup(void)
 {
-    kvr_error e = { 0 };
-    kvr_store_config cfg = { 0 };
-    cr_assert_eq(kvr_store_create(&S, &cfg, &e), 0);
-    kvr_model_desc d = { .name = "m", .n_layers = L, .n_kv_heads = H, .head_dim = D,
-                         .dtype = KVR_DTYPE_F32 };
-    kvr_rope_config_init(&d.rope);
     kvr_model_info mi;
-    cr_assert_eq(kvr_store_model_register(S, &d, &mi, &e), 0, "%s", e.msg);
+    S = kvt_store_with_model(NULL, L, H, D, KVR_DTYPE_F32, &mi);
     ENG = mi.engine;
 }
 
@@ -93,24 +88,13 @@ static int put_raw(const char *id, kvr_put_mode mode, const char *codec, size_t 
                          .n_kv_heads = H, .head_dim = D, .dtype = KVR_DTYPE_F32,
                          .n_tokens = n, .tokens = tok, .codec = codec,
                          .has_pos_start = true, .pos_start = pos0 };
-    kvr_put *t = NULL;
-    int rc = kvr_store_put_begin(S, &p, &t, e);
+    size_t bytes = (size_t)L * 2 * n * ROW * sizeof(float);
+    kvt_src src = { pl, bytes, 0 };
+    int rc = kvt_put_try(S, &p, kvt_fill_src, &src, NULL, e);
     free(tok);
-    if (rc)
-        return rc;
-    cr_assert_eq(kvr_put_payload_size(t), (size_t)L * 2 * n * ROW * sizeof(float));
-    const struct iovec *iov;
-    size_t niov, off = 0;
-    kvr_put_payload_iov(t, &iov, &niov);
-    for (size_t i = 0; i < niov; i++) {
-        memcpy(iov[i].iov_base, (const uint8_t *)pl + off, iov[i].iov_len);
-        off += iov[i].iov_len;
-    }
-    if (kvr_put_needs_work(t) && (rc = kvr_put_work(t, e)) != 0) {
-        kvr_put_abort(t);
-        return rc;
-    }
-    return kvr_put_commit(t, NULL, e);
+    if (rc == 0)
+        cr_assert_eq(src.off, bytes);
+    return rc;
 }
 
 static int put(const char *id, kvr_put_mode mode, const char *codec, size_t t0, size_t n,
@@ -129,24 +113,15 @@ static uint8_t *get(const char *id, bool raw, size_t start, size_t end, const in
                          .raw = raw, .positions = pos };
     kvr_get *g = NULL;
     kvr_error e = { 0 };
-    int rc = kvr_store_get_begin(S, &p, &g, &e);
+    int rc = 0;
+    size_t n;
+    uint8_t *out = kvt_get_payload_try(S, &p, &n, &g, &rc, &e);
     if (rc_out)
         *rc_out = rc;
     if (rc) {
         cr_assert(rc_out, "get: %s", e.msg);
         return NULL;
     }
-    if (kvr_get_needs_work(g))
-        cr_assert_eq(kvr_get_work(g, &e), 0, "%s", e.msg);
-    size_t n = kvr_get_payload_size(g), off = 0, niov;
-    const struct iovec *iov;
-    kvr_get_payload_iov(g, &iov, &niov);
-    uint8_t *out = malloc(n ? n : 1);
-    for (size_t i = 0; i < niov; i++) {
-        memcpy(out + off, iov[i].iov_base, iov[i].iov_len);
-        off += iov[i].iov_len;
-    }
-    cr_assert_eq(off, n);
     if (info_out) {
         *info_out = *kvr_get_get_info(g);
         info_out->positions = NULL;   /* not valid after end */

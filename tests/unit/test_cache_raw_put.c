@@ -12,6 +12,7 @@
 #include <string.h>
 
 #include "cache/cache.h"
+#include "tests/common/kvt_store.h"
 
 #define L 2
 #define H 2
@@ -22,13 +23,7 @@ static kvr_store *S;
 
 static void setup(void)
 {
-    kvr_error e = { 0 };
-    kvr_store_config cfg = { 0 };
-    cr_assert_eq(kvr_store_create(&S, &cfg, &e), 0);
-    kvr_model_desc d = { .name = "m", .n_layers = L, .n_kv_heads = H, .head_dim = D,
-                         .dtype = KVR_DTYPE_F32 };
-    kvr_rope_config_init(&d.rope);
-    cr_assert_eq(kvr_store_model_register(S, &d, NULL, &e), 0, "%s", e.msg);
+    S = kvt_store_with_model(NULL, L, H, D, KVR_DTYPE_F32, NULL);
 }
 
 static void teardown(void)
@@ -62,12 +57,11 @@ static int put_bytes(const kvr_put_params *p0, const void *pl, size_t len, kvr_e
         return kvr_put_commit(t, &res, e);
     }
     const struct iovec *iov;
-    size_t niov, off = 0;
+    size_t niov;
     kvr_put_payload_iov(t, &iov, &niov);
-    for (size_t i = 0; i < niov; i++) {
-        memcpy(iov[i].iov_base, (const uint8_t *)pl + off, iov[i].iov_len);
-        off += iov[i].iov_len;
-    }
+    kvt_src src = { pl, len, 0 };
+    for (size_t i = 0; i < niov; i++)
+        kvt_fill_src(&src, iov[i].iov_base, iov[i].iov_len);
     if (kvr_put_needs_work(t) && (rc = kvr_put_work(t, e)) != 0) {
         kvr_put_abort(t);
         return rc;
@@ -97,25 +91,9 @@ static int put_floats(const char *id, const char *codec, size_t n)
 static uint8_t *get_bytes(const char *id, size_t start, size_t end, bool raw, size_t *len,
                           const int64_t *pos)
 {
-    kvr_get *g;
-    kvr_error e = { 0 };
     kvr_get_params p = { .ctx_id = id, .start = start, .end = end, .dtype = KVR_DTYPE_F32,
                          .raw = raw, .positions = pos, .n_positions = pos ? end - start : 0 };
-    if (kvr_store_get_begin(S, &p, &g, &e) != 0)
-        return NULL;
-    if (kvr_get_needs_work(g))
-        cr_assert_eq(kvr_get_work(g, &e), 0, "%s", e.msg);
-    const struct iovec *iov;
-    size_t niov;
-    kvr_get_payload_iov(g, &iov, &niov);
-    *len = kvr_get_payload_size(g);
-    uint8_t *out = malloc(*len + 1), *p2 = out;
-    for (size_t i = 0; i < niov; i++) {
-        memcpy(p2, iov[i].iov_base, iov[i].iov_len);
-        p2 += iov[i].iov_len;
-    }
-    kvr_get_end(g);
-    return out;
+    return kvt_get_payload_try(S, &p, len, NULL, NULL, NULL);
 }
 
 static void copy_of(const char *src, const char *dst, const char *codec, size_t n, size_t nq)

@@ -16,6 +16,7 @@
 #include <string.h>
 
 #include "cache/cache.h"
+#include "tests/common/kvt_store.h"
 
 static uint32_t rng = 12345;
 static float frand(void)
@@ -228,33 +229,28 @@ static kvr_rope_config model_rope(void)
 
 static kvr_store *mk(void)
 {
-    kvr_store *s = NULL;
-    kvr_error e = { 0 };
     kvr_store_config cfg = { .block_tokens = 32 };
-    cr_assert_eq(kvr_store_create(&s, &cfg, &e), 0, "%s", e.msg);
+    kvr_store *s = kvt_store_new(&cfg);
     kvr_model_desc d = { .name = "m", .n_layers = NL, .n_kv_heads = NH, .head_dim = HD,
                          .dtype = KVR_DTYPE_F16, .rope = model_rope() };
-    cr_assert_eq(kvr_store_model_register(s, &d, NULL, &e), 0, "%s", e.msg);
+    kvt_model_add(s, &d, NULL);
     return s;
+}
+
+static void fill_f16(void *arg, void *p, size_t bytes)
+{
+    (void)arg;
+    fill(p, KVR_DTYPE_F16, bytes / 2);
 }
 
 static void put(kvr_store *s, const char *id, const char *prefix, size_t n, uint32_t tok0)
 {
     uint32_t *tok = malloc(n * sizeof *tok);
     for (size_t i = 0; i < n; i++) tok[i] = tok0 + (uint32_t)i;
-    kvr_error e = { 0 };
     kvr_put_params p = { .ctx_id = id, .model = "m", .mode = KVR_PUT_CREATE, .n_layers = NL,
                          .n_kv_heads = NH, .head_dim = HD, .dtype = KVR_DTYPE_F16,
                          .n_tokens = n, .tokens = tok, .prefix_ctx = prefix };
-    kvr_put *t = NULL;
-    cr_assert_eq(kvr_store_put_begin(s, &p, &t, &e), 0, "%s", e.msg);
-    const struct iovec *iov;
-    size_t niov;
-    kvr_put_payload_iov(t, &iov, &niov);
-    for (size_t i = 0; i < niov; i++)
-        fill(iov[i].iov_base, KVR_DTYPE_F16, iov[i].iov_len / 2);
-    if (kvr_put_needs_work(t)) cr_assert_eq(kvr_put_work(t, &e), 0, "%s", e.msg);
-    cr_assert_eq(kvr_put_commit(t, NULL, &e), 0, "%s", e.msg);
+    kvt_put(s, &p, fill_f16, NULL);
     free(tok);
 }
 

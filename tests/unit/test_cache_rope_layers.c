@@ -19,6 +19,7 @@
 #include <string.h>
 
 #include "cache/cache.h"
+#include "tests/common/kvt_store.h"
 
 #define T 16
 #define SHIFT 1000
@@ -130,19 +131,8 @@ static void put_ex(model *m, const char *id, const char *codec, const double *E,
                          .n_layers = m->L, .n_kv_heads = m->H, .head_dim = m->D,
                          .dtype = KVR_DTYPE_F32, .n_tokens = T, .tokens = tok,
                          .positions = pos, .codec = codec, .prefix_ctx = prefix };
-    kvr_put *t = NULL;
-    kvr_error e = { 0 };
-    cr_assert_eq(kvr_store_put_begin(m->s, &p, &t, &e), 0, "%s", e.msg);
-    const struct iovec *iov;
-    size_t niov, off = 0;
-    kvr_put_payload_iov(t, &iov, &niov);
-    for (size_t i = 0; i < niov; i++) {
-        memcpy(iov[i].iov_base, (const uint8_t *)pl + off, iov[i].iov_len);
-        off += iov[i].iov_len;
-    }
-    if (kvr_put_needs_work(t))
-        cr_assert_eq(kvr_put_work(t, &e), 0, "%s", e.msg);
-    cr_assert_eq(kvr_put_commit(t, NULL, &e), 0, "%s", e.msg);
+    kvt_src src = { pl, (size_t)m->L * 2 * part * sizeof *pl, 0 };
+    kvt_put(m->s, &p, kvt_fill_src, &src);
     free(k);
     free(pl);
 }
@@ -157,21 +147,8 @@ static float *get(model *m, const char *id, const int64_t *targets)
 {
     kvr_get_params p = { .ctx_id = id, .end = SIZE_MAX, .dtype = KVR_DTYPE_F32,
                          .positions = targets };
-    kvr_get *g = NULL;
-    kvr_error e = { 0 };
-    cr_assert_eq(kvr_store_get_begin(m->s, &p, &g, &e), 0, "%s", e.msg);
-    if (kvr_get_needs_work(g))
-        cr_assert_eq(kvr_get_work(g, &e), 0, "%s", e.msg);
-    size_t n = kvr_get_payload_size(g), off = 0, niov;
-    const struct iovec *iov;
-    kvr_get_payload_iov(g, &iov, &niov);
-    float *out = malloc(n);
-    for (size_t i = 0; i < niov; i++) {
-        memcpy((uint8_t *)out + off, iov[i].iov_base, iov[i].iov_len);
-        off += iov[i].iov_len;
-    }
-    kvr_get_end(g);
-    return out;
+    size_t n;
+    return (float *)(void *)kvt_get_payload(m->s, &p, &n, NULL);
 }
 
 /* Worst relative error (max abs diff / max abs ref) of every layer's keys

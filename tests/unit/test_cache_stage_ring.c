@@ -19,74 +19,17 @@
 #include <string.h>
 
 #include "cache/cache.h"
+#include "tests/common/kvt_store.h"
 
 #define NL 12
 #define NH 2
 #define HD 64
 
-static kvr_store *mk(void)
-{
-    kvr_store *s = NULL;
-    kvr_error e = { 0 };
-    kvr_store_config cfg = { 0 };
-    cr_assert_eq(kvr_store_create(&s, &cfg, &e), 0, "%s", e.msg);
-    kvr_model_desc d = { .name = "m", .n_layers = NL, .n_kv_heads = NH, .head_dim = HD,
-                         .dtype = KVR_DTYPE_F16 };
-    kvr_rope_config_init(&d.rope);
-    d.rope.head_dim = HD;
-    d.rope.rotary_dim = HD;
-    d.rope.theta = 10000.0;
-    cr_assert_eq(kvr_store_model_register(s, &d, NULL, &e), 0, "%s", e.msg);
-    return s;
-}
+/* An edit replaces tokens [10, 12) by these, K/V bytes all 0x21. */
+static const uint32_t NEW3[3] = { 5, 6, 7 };
 
-static void put(kvr_store *s, const char *id, const char *codec, size_t n)
-{
-    uint32_t *tok = malloc(n * sizeof *tok);
-    for (size_t i = 0; i < n; i++)
-        tok[i] = (uint32_t)(i * 7 + 1);
-    kvr_error e = { 0 };
-    kvr_put_params p = { .ctx_id = id, .model = "m", .mode = KVR_PUT_CREATE, .n_layers = NL,
-                         .n_kv_heads = NH, .head_dim = HD, .dtype = KVR_DTYPE_F16,
-                         .n_tokens = n, .tokens = tok, .codec = codec };
-    kvr_put *t = NULL;
-    cr_assert_eq(kvr_store_put_begin(s, &p, &t, &e), 0, "%s", e.msg);
-    const struct iovec *iov;
-    size_t niov;
-    kvr_put_payload_iov(t, &iov, &niov);
-    uint32_t x = 99;
-    for (size_t i = 0; i < niov; i++) {
-        uint16_t *h = iov[i].iov_base;
-        for (size_t k = 0; k < iov[i].iov_len / 2; k++) {
-            x = x * 1664525u + 1013904223u;
-            h[k] = kvr_f32_to_f16(((float)(x >> 8) / 16777216.0f - 0.5f) * 3.0f);
-        }
-    }
-    if (kvr_put_needs_work(t))
-        cr_assert_eq(kvr_put_work(t, &e), 0, "%s", e.msg);
-    cr_assert_eq(kvr_put_commit(t, NULL, &e), 0, "%s", e.msg);
-    free(tok);
-}
 
-static void edit(kvr_store *s, const char *id)
-{
-    uint32_t nt[3] = { 5, 6, 7 };
-    kvr_edit_op op = { 10, 12, 3, nt, false };
-    kvr_edit_params p = { .ctx_id = id, .ops = &op, .n_ops = 1, .with_kv = true,
-                          .n_layers = NL, .n_kv_heads = NH, .head_dim = HD,
-                          .dtype = KVR_DTYPE_F16, .payload_bytes = 3 * 2 * NL * NH * HD * 2 };
-    kvr_error e = { 0 };
-    kvr_edit *t = NULL;
-    cr_assert_eq(kvr_store_edit_begin(s, &p, &t, &e), 0, "%s", e.msg);
-    const struct iovec *iov;
-    size_t niov;
-    kvr_edit_payload_iov(t, &iov, &niov);
-    for (size_t i = 0; i < niov; i++)
-        memset(iov[i].iov_base, 0x21, iov[i].iov_len);
-    if (kvr_edit_needs_work(t))
-        cr_assert_eq(kvr_edit_work(t, &e), 0, "%s", e.msg);
-    cr_assert_eq(kvr_edit_commit(t, NULL, NULL, &e), 0, "%s", e.msg);
-}
+
 
 /* The get p through a ring of `slots` chunks of `per` layers, chunk by
  * chunk, against the whole get into a buffer. halves: the ring is at most
@@ -173,14 +116,14 @@ static void every_ring(kvr_store *s, const char *id, size_t n)
 
 Test(stage_ring, plain_edited_and_quantized)
 {
-    kvr_store *s = mk();
+    kvr_store *s = kvt_store_with_model(NULL, NL, NH, HD, KVR_DTYPE_F16, NULL);
     const char *codecs[] = { "f16", "int4", "k=int4/g64/c,v=int2,r=16" };
     for (int c = 0; c < 3; c++) {
         char id[16];
         snprintf(id, sizeof id, "c%d", c);
-        put(s, id, codecs[c], 150);
+        kvt_put_f16(s, id, codecs[c], KVR_PUT_CREATE, 0, NL, NH, HD, 150);
         every_ring(s, id, 150);
-        edit(s, id);
+        kvt_edit_replace(s, id, NL, NH, HD, 10, 12, NEW3, 3, 0x21);
         every_ring(s, id, 151);
     }
     kvr_store_destroy(s);
@@ -191,9 +134,9 @@ Test(stage_ring, large_threaded_chunks)
     /* 12 layers x 2 x 3000 tokens x 128 x 2 B = 18 MiB: threaded chunks,
      * and rings of 4 MiB or more come from (and go back to) the kept
      * staging buffer */
-    kvr_store *s = mk();
-    put(s, "big", "f16", 3000);
-    edit(s, "big");
+    kvr_store *s = kvt_store_with_model(NULL, NL, NH, HD, KVR_DTYPE_F16, NULL);
+    kvt_put_f16(s, "big", "f16", KVR_PUT_CREATE, 0, NL, NH, HD, 3000);
+    kvt_edit_replace(s, "big", NL, NH, HD, 10, 12, NEW3, 3, 0x21);
     for (int rep = 0; rep < 2; rep++) {
         ring_same(s, (kvr_get_params){ .ctx_id = "big", .end = SIZE_MAX,
                                        .dtype = KVR_DTYPE_F16 }, 2, 3, true);
@@ -205,9 +148,9 @@ Test(stage_ring, large_threaded_chunks)
 
 Test(stage_ring, a_range_past_the_ring_is_refused)
 {
-    kvr_store *s = mk();
-    put(s, "x", "f16", 100);
-    edit(s, "x");
+    kvr_store *s = kvt_store_with_model(NULL, NL, NH, HD, KVR_DTYPE_F16, NULL);
+    kvt_put_f16(s, "x", "f16", KVR_PUT_CREATE, 0, NL, NH, HD, 100);
+    kvt_edit_replace(s, "x", NL, NH, HD, 10, 12, NEW3, 3, 0x21);
     kvr_error e = { 0 };
     kvr_get *g = NULL;
     kvr_get_params p = { .ctx_id = "x", .end = SIZE_MAX, .dtype = KVR_DTYPE_F16 };
@@ -219,8 +162,8 @@ Test(stage_ring, a_range_past_the_ring_is_refused)
     cr_assert_eq(kvr_get_work_layers(g, 0, 4, &e), 0, "%s", e.msg);
     kvr_get_end(g);
     /* nothing staged (an unedited get in the stored dtype): no ring */
-    kvr_store *s2 = mk();
-    put(s2, "y", "f16", 100);
+    kvr_store *s2 = kvt_store_with_model(NULL, NL, NH, HD, KVR_DTYPE_F16, NULL);
+    kvt_put_f16(s2, "y", "f16", KVR_PUT_CREATE, 0, NL, NH, HD, 100);
     kvr_get_params q = { .ctx_id = "y", .end = SIZE_MAX, .dtype = KVR_DTYPE_F16 };
     cr_assert_eq(kvr_store_get_begin(s2, &q, &g, &e), 0, "%s", e.msg);
     cr_assert_not(kvr_get_needs_work(g));
@@ -329,12 +272,12 @@ static void every_piece(kvr_store *s, const char *id, size_t n, bool split)
 
 Test(stage_ring, pieces_edited_plain_and_left_alone)
 {
-    kvr_store *s = mk();
-    put(s, "p", "f16", 150);
-    edit(s, "p");                 /* zero-copy prefix, new tokens, a suffix moved by one delta */
+    kvr_store *s = kvt_store_with_model(NULL, NL, NH, HD, KVR_DTYPE_F16, NULL);
+    kvt_put_f16(s, "p", "f16", KVR_PUT_CREATE, 0, NL, NH, HD, 150);
+    kvt_edit_replace(s, "p", NL, NH, HD, 10, 12, NEW3, 3, 0x21);                 /* zero-copy prefix, new tokens, a suffix moved by one delta */
     every_piece(s, "p", 151, true);
-    put(s, "q", "int4", 150);     /* quantized: not in pieces */
-    edit(s, "q");
+    kvt_put_f16(s, "q", "int4", KVR_PUT_CREATE, 0, NL, NH, HD, 150);     /* quantized: not in pieces */
+    kvt_edit_replace(s, "q", NL, NH, HD, 10, 12, NEW3, 3, 0x21);
     every_piece(s, "q", 151, false);
     /* keys moved by deltas that differ: the general path, not in pieces */
     int64_t *pos = malloc(151 * sizeof *pos);
@@ -344,7 +287,7 @@ Test(stage_ring, pieces_edited_plain_and_left_alone)
                                      .positions = pos, .n_positions = 151 }, 4096, 3, false);
     free(pos);
     /* nothing staged (unedited, stored dtype): nothing to split */
-    put(s, "u", "f16", 150);
+    kvt_put_f16(s, "u", "f16", KVR_PUT_CREATE, 0, NL, NH, HD, 150);
     pieces_same(s, (kvr_get_params){ .ctx_id = "u", .end = SIZE_MAX, .dtype = KVR_DTYPE_F16 },
                 4096, 3, false);
     kvr_store_destroy(s);
@@ -352,9 +295,9 @@ Test(stage_ring, pieces_edited_plain_and_left_alone)
 
 Test(stage_ring, pieces_large)
 {
-    kvr_store *s = mk();
-    put(s, "big", "f16", 3000);
-    edit(s, "big");
+    kvr_store *s = kvt_store_with_model(NULL, NL, NH, HD, KVR_DTYPE_F16, NULL);
+    kvt_put_f16(s, "big", "f16", KVR_PUT_CREATE, 0, NL, NH, HD, 3000);
+    kvt_edit_replace(s, "big", NL, NH, HD, 10, 12, NEW3, 3, 0x21);
     pieces_same(s, (kvr_get_params){ .ctx_id = "big", .end = SIZE_MAX,
                                      .dtype = KVR_DTYPE_F16 }, 2u << 20, 3, true);
     pieces_same(s, (kvr_get_params){ .ctx_id = "big", .end = SIZE_MAX,

@@ -9,59 +9,28 @@
 #include <string.h>
 
 #include "cache/cache.h"
+#include "tests/common/kvt_store.h"
 
 #define L 3
 #define H 2
 #define D 8
 
-/* A value exactly representable in f32, f16 and bf16. */
-static float val(uint32_t seed, uint32_t l, int kv, uint64_t t, uint32_t h, uint32_t d)
-{
-    uint64_t x = seed * 0x9E3779B97F4A7C15ull ^ (l * 1315423911ull) ^ ((uint64_t)kv << 40) ^
-                 (t * 2654435761ull) ^ (h * 97531ull) ^ (d * 1009ull);
-    x ^= x >> 29;
-    x *= 0xBF58476D1CE4E5B9ull;
-    x ^= x >> 32;
-    return (float)((int)(x % 255) - 127) / 16.0f;
-}
-
 static kvr_store *mk_store(size_t cap, uint32_t B)
 {
-    kvr_store *s = NULL;
     kvr_store_config c = { .max_memory = cap, .block_tokens = B };
-    kvr_error e = { 0 };
-    cr_assert_eq(kvr_store_create(&s, &c, &e), 0, "%s", e.msg);
-    return s;
+    return kvt_store_new(&c);
 }
 
 static void mk_model(kvr_store *s, const char *name, kvr_dtype dt, kvr_model_info *out)
 {
-    kvr_model_desc d = { .name = name, .n_layers = L, .n_kv_heads = H, .head_dim = D,
-                         .dtype = dt };
-    kvr_rope_config_init(&d.rope);
-    d.rope.head_dim = D;
-    d.rope.rotary_dim = D;
-    kvr_error e = { 0 };
-    cr_assert_eq(kvr_store_model_register(s, &d, out, &e), 0, "%s", e.msg);
+    kvr_model_desc d = kvt_model_desc(name, L, H, D, dt);
+    kvt_model_add(s, &d, out);
 }
 
 /* Payload in wire order for tokens [t0, t0+n) of a context seeded `seed`. */
 static void *make_payload(uint32_t seed, uint64_t t0, size_t n, kvr_dtype dt, size_t *bytes)
 {
-    size_t es = kvr_dtype_size(dt), cnt = (size_t)L * 2 * n * H * D;
-    float *f = malloc(cnt * sizeof *f);
-    size_t k = 0;
-    for (uint32_t l = 0; l < L; l++)
-        for (int kv = 0; kv < 2; kv++)
-            for (size_t t = 0; t < n; t++)
-                for (uint32_t h = 0; h < H; h++)
-                    for (uint32_t d = 0; d < D; d++)
-                        f[k++] = val(seed, l, kv, t0 + t, h, d);
-    void *out = malloc(cnt * es);
-    kvr_convert(out, dt, f, KVR_DTYPE_F32, cnt);
-    free(f);
-    *bytes = cnt * es;
-    return out;
+    return kvt_kv_payload(seed, L, H, D, t0, n, dt, bytes);
 }
 
 static int do_put(kvr_store *s, const char *id, const char *model, kvr_put_mode mode,
@@ -71,25 +40,14 @@ static int do_put(kvr_store *s, const char *id, const char *model, kvr_put_mode 
     kvr_put_params p = { .ctx_id = id, .model = model, .mode = mode, .n_layers = L,
                          .n_kv_heads = H, .head_dim = D, .dtype = dt, .n_tokens = n,
                          .tokens = tokens };
-    kvr_put *t = NULL;
-    int rc = kvr_store_put_begin(s, &p, &t, e);
-    if (rc)
-        return rc;
     size_t bytes;
-    uint8_t *pl = make_payload(seed, t0, n, dt, &bytes);
-    cr_assert_eq(kvr_put_payload_size(t), bytes);
-    const struct iovec *iov;
-    size_t niov, off = 0;
-    kvr_put_payload_iov(t, &iov, &niov);
-    for (size_t i = 0; i < niov; i++) {
-        memcpy(iov[i].iov_base, pl + off, iov[i].iov_len);
-        off += iov[i].iov_len;
-    }
-    cr_assert_eq(off, bytes);
+    void *pl = make_payload(seed, t0, n, dt, &bytes);
+    kvt_src src = { pl, bytes, 0 };
+    int rc = kvt_put_try(s, &p, kvt_fill_src, &src, NULL, e);
+    if (rc == 0)
+        cr_assert_eq(src.off, bytes);
     free(pl);
-    if (kvr_put_needs_work(t))
-        cr_assert_eq(kvr_put_work(t, e), 0);
-    return kvr_put_commit(t, NULL, e);
+    return rc;
 }
 
 static uint32_t *seq_tokens(uint32_t base, size_t n)
@@ -104,26 +62,7 @@ static uint32_t *seq_tokens(uint32_t base, size_t n)
 static uint8_t *do_get(kvr_store *s, const kvr_get_params *p, size_t *bytes,
                        kvr_get **keep_open)
 {
-    kvr_get *g = NULL;
-    kvr_error e = { 0 };
-    cr_assert_eq(kvr_store_get_begin(s, p, &g, &e), 0, "%s", e.msg);
-    if (kvr_get_needs_work(g))
-        cr_assert_eq(kvr_get_work(g, &e), 0, "%s", e.msg);
-    size_t n = kvr_get_payload_size(g), off = 0, niov;
-    const struct iovec *iov;
-    kvr_get_payload_iov(g, &iov, &niov);
-    uint8_t *out = malloc(n ? n : 1);
-    for (size_t i = 0; i < niov; i++) {
-        memcpy(out + off, iov[i].iov_base, iov[i].iov_len);
-        off += iov[i].iov_len;
-    }
-    cr_assert_eq(off, n);
-    *bytes = n;
-    if (keep_open)
-        *keep_open = g;
-    else
-        kvr_get_end(g);
-    return out;
+    return kvt_get_payload(s, p, bytes, keep_open);
 }
 
 /* Expected payload of tokens [start, end) for the given layers, where token
@@ -138,7 +77,7 @@ static void *expect_payload(uint32_t seed, const uint64_t *vidx, size_t n,
             for (size_t t = 0; t < n; t++)
                 for (uint32_t h = 0; h < H; h++)
                     for (uint32_t d = 0; d < D; d++)
-                        f[k++] = val(seed, layers[li], kv, vidx[t], h, d);
+                        f[k++] = kvt_kv_value(seed, layers[li], kv, vidx[t], h, d);
     void *out = malloc(cnt * es);
     kvr_convert(out, dt, f, KVR_DTYPE_F32, cnt);
     free(f);

@@ -14,6 +14,7 @@
 #include <string.h>
 
 #include "cache/cache.h"
+#include "tests/common/kvt_store.h"
 
 #define L 4
 #define H 4
@@ -53,17 +54,10 @@ static int put(kvr_store *s, const char *model, const char *id, uint32_t seed, s
     uint32_t *t = toks(seed, n);
     kvr_put_params p = { .ctx_id = id, .model = model, .n_layers = L, .n_kv_heads = H,
                          .head_dim = D, .dtype = KVR_DTYPE_F16, .n_tokens = n, .tokens = t };
-    kvr_put *tx;
-    int rc = kvr_store_put_begin(s, &p, &tx, e);
+    uint8_t byte = (uint8_t)(seed & 0x7f);
+    int rc = kvt_put_try(s, &p, kvt_fill_memset, &byte, NULL, e);
     free(t);
-    if (rc)
-        return rc;
-    const struct iovec *iov;
-    size_t ni;
-    kvr_put_payload_iov(tx, &iov, &ni);
-    for (size_t i = 0; i < ni; i++)
-        memset(iov[i].iov_base, (int)(seed & 0x7f), iov[i].iov_len);
-    return kvr_put_commit(tx, NULL, e);
+    return rc;
 }
 
 static size_t match(kvr_store *s, const char *model, uint32_t seed)

@@ -14,6 +14,8 @@
 #include <unistd.h>
 
 #include "cache/cache.h"
+#include "tests/common/kvt.h"
+#include "tests/common/kvt_store.h"
 #include "tests/common/kvr_tmpdir.h"
 #include "tests/common/cache_stream.h"
 
@@ -34,42 +36,22 @@ static uint32_t BLOCK_TOKENS;
 
 static void fresh_dir(void)
 {
-    snprintf(DIR_, sizeof DIR_, "/tmp/kvr-tier-XXXXXX");
-    cr_assert(mkdtemp(DIR_));
+    kvt_tmpdir(DIR_, sizeof DIR_, "kvr-tier");
 }
 
-static void tlog(void *arg, int level, const char *msg)
-{
-    (void)arg;
-    (void)level;
-    fprintf(stderr, "tier: %s\n", msg);
-}
 
 static kvr_store *open_store(size_t cap, int engine, kvr_tier_recovery *rec)
 {
-    kvr_store *s;
-    kvr_error e = { 0 };
     kvr_store_config cfg = { .max_memory = cap, .block_tokens = BLOCK_TOKENS };
-    cr_assert_eq(kvr_store_create(&s, &cfg, &e), 0);
     kvr_tier_config tc = { .dir = DIR_, .engine = engine };
-    kvr_tier_recovery r;
-    cr_assert_eq(kvr_store_tier_open(s, &tc, tlog, NULL, &r, &e), 0, "%s", e.msg);
-    if (rec)
-        *rec = r;
-    if (kvr_store_model_find(s, "m", NULL) != 0) {
-        kvr_model_desc d = { .name = "m", .n_layers = L, .n_kv_heads = H, .head_dim = D,
-                             .dtype = KVR_DTYPE_F32 };
-        kvr_rope_config_init(&d.rope);
-        cr_assert_eq(kvr_store_model_register(s, &d, NULL, &e), 0, "%s", e.msg);
-    }
-    return s;
+    return kvt_store_open(&cfg, &tc, true, rec, L, H, D, KVR_DTYPE_F32);
 }
 
 static int put(kvr_store *s, const char *id, const char *codec, uint32_t seed, size_t n,
                bool persist)
 {
     kvr_error e = { 0 };
-    kvt_put a = { .id = id, .codec = codec, .seed = seed, .n_layers = L, .n_heads = H,
+    kvt_range a = { .id = id, .codec = codec, .seed = seed, .n_layers = L, .n_heads = H,
                   .head_dim = D, .n = n, .mode = KVR_PUT_UPSERT, .persist = persist };
     int rc = kvt_stream_put(s, &a, &e);
     if (rc != 0)

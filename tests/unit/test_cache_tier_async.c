@@ -26,6 +26,8 @@
 #include <unistd.h>
 
 #include "cache/cache.h"
+#include "tests/common/kvt.h"
+#include "tests/common/kvt_store.h"
 #include "tests/common/kvr_tmpdir.h"
 #include "tests/common/cache_stream.h"
 
@@ -37,28 +39,13 @@
 
 static char DIR_[256];
 
-static void tlog(void *arg, int level, const char *msg)
-{
-    (void)arg;
-    (void)level;
-    fprintf(stderr, "tier: %s\n", msg);
-}
 
 static kvr_store *open_store(size_t cap, int engine)
 {
-    snprintf(DIR_, sizeof DIR_, "/tmp/kvr-tiera-XXXXXX");
-    cr_assert(mkdtemp(DIR_));
-    kvr_store *s;
-    kvr_error e = { 0 };
+    kvt_tmpdir(DIR_, sizeof DIR_, "kvr-tiera");
     kvr_store_config cfg = { .max_memory = cap };
-    cr_assert_eq(kvr_store_create(&s, &cfg, &e), 0);
     kvr_tier_config tc = { .dir = DIR_, .engine = engine };
-    cr_assert_eq(kvr_store_tier_open(s, &tc, tlog, NULL, NULL, &e), 0, "%s", e.msg);
-    kvr_model_desc d = { .name = "m", .n_layers = L, .n_kv_heads = H, .head_dim = D,
-                         .dtype = KVR_DTYPE_F32 };
-    kvr_rope_config_init(&d.rope);
-    cr_assert_eq(kvr_store_model_register(s, &d, NULL, &e), 0, "%s", e.msg);
-    return s;
+    return kvt_store_open(&cfg, &tc, true, NULL, L, H, D, KVR_DTYPE_F32);
 }
 
 static void close_store(kvr_store *s)
@@ -71,7 +58,7 @@ static int put_ex(kvr_store *s, const char *id, const char *codec, uint32_t seed
                   const char *prefix)
 {
     kvr_error e = { 0 };
-    kvt_put a = { .id = id, .codec = codec, .prefix = prefix, .seed = seed, .n_layers = L,
+    kvt_range a = { .id = id, .codec = codec, .prefix = prefix, .seed = seed, .n_layers = L,
                   .n_heads = H, .head_dim = D, .n = n,
                   .mode = prefix ? KVR_PUT_CREATE : KVR_PUT_UPSERT };
     int rc = kvt_stream_put(s, &a, &e);

@@ -19,6 +19,7 @@
 
 #include "cache/codec.h"
 #include "cache/cache.h"
+#include "tests/common/kvt.h"
 
 static char vec_dir[PATH_MAX + 64];
 
@@ -334,17 +335,6 @@ Test(codec_ggml, simd_equals_scalar)
  * is matched by a NaN (the payload a sum of two NaNs keeps is the compiler's
  * operand order, which differs between builds of the scalar code);
  * kvr_codec_decode_stream writes the same values, aligned or not. */
-static bool same_f32(float a, float b)
-{
-    return (isnan(a) && isnan(b)) || memcmp(&a, &b, sizeof a) == 0;
-}
-
-static bool same_f16(uint16_t a, uint16_t b)
-{
-    bool na = (a & 0x7c00) == 0x7c00 && (a & 0x3ff), nb = (b & 0x7c00) == 0x7c00 && (b & 0x3ff);
-    return (na && nb) || a == b;
-}
-
 Test(codec_ggml, decode_random_bytes_simd_equals_scalar)
 {
     static const uint16_t scales[] = { 0x0000, 0x8000, 0x0001, 0x83ff, 0x0400, 0x3c00,
@@ -384,13 +374,13 @@ Test(codec_ggml, decode_random_bytes_simd_equals_scalar)
                 cr_assert_eq(kvr_codec_decode(&sc, y0, KVR_DTYPE_F32, src, len), 0);
                 cr_assert_eq(kvr_codec_decode(&vc, y1, KVR_DTYPE_F32, src, len), 0);
                 for (size_t i = 0; i < len; i++)
-                    cr_assert(same_f32(y0[i], y1[i]), "%s %s f32 elem %zu: %a vs %a",
+                    cr_assert(kvt_same_f32(y0[i], y1[i]), "%s %s f32 elem %zu: %a vs %a",
                               cases[k].name, kvr_isa_name((kvr_isa)isa), i, (double)y1[i],
                               (double)y0[i]);
                 cr_assert_eq(kvr_codec_decode(&sc, h0, KVR_DTYPE_F16, src, len), 0);
                 cr_assert_eq(kvr_codec_decode(&vc, h1, KVR_DTYPE_F16, src, len), 0);
                 for (size_t i = 0; i < len; i++)
-                    cr_assert(same_f16(h0[i], h1[i]), "%s %s f16 elem %zu: %04x vs %04x",
+                    cr_assert(kvt_same_f16(h0[i], h1[i]), "%s %s f16 elem %zu: %04x vs %04x",
                               cases[k].name, kvr_isa_name((kvr_isa)isa), i, h1[i], h0[i]);
                 /* streamed (non-temporal stores where dst is on 64 bytes,
                  * else ordinary ones): the same values */
@@ -400,13 +390,13 @@ Test(codec_ggml, decode_random_bytes_simd_equals_scalar)
                     memset(ba, 0xa5, n * 4 + 64);
                     cr_assert_eq(kvr_codec_decode_stream(&vc, ys, KVR_DTYPE_F32, src, len), 0);
                     for (size_t i = 0; i < len; i++)
-                        cr_assert(same_f32(y0[i], ys[i]), "stream %s %s off %zu f32 elem %zu",
+                        cr_assert(kvt_same_f32(y0[i], ys[i]), "stream %s %s off %zu f32 elem %zu",
                                   cases[k].name, kvr_isa_name((kvr_isa)isa), off, i);
                     cr_assert_eq(ba[off + len * 4], 0xa5, "wrote past the row");
                     memset(ba, 0xa5, n * 4 + 64);
                     cr_assert_eq(kvr_codec_decode_stream(&vc, hs, KVR_DTYPE_F16, src, len), 0);
                     for (size_t i = 0; i < len; i++)
-                        cr_assert(same_f16(h0[i], hs[i]), "stream %s %s off %zu f16 elem %zu",
+                        cr_assert(kvt_same_f16(h0[i], hs[i]), "stream %s %s off %zu f16 elem %zu",
                                   cases[k].name, kvr_isa_name((kvr_isa)isa), off, i);
                     cr_assert_eq(ba[off + len * 2], 0xa5, "wrote past the row");
                 }

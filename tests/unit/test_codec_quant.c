@@ -18,6 +18,7 @@
 
 #include "cache/codec.h"
 #include "cache/cache.h"
+#include "tests/common/kvt.h"
 
 /* ---- data --------------------------------------------------------------- */
 
@@ -812,17 +813,6 @@ Test(codec_simd, err_rows_edge_values_same_doubles)
  * picked for a commutative add (it differs between -O1 and -O2 builds of the
  * scalar code), so NaN payloads are not part of the contract.
  * kvr_codec_decode_stream writes the same values, aligned or not. */
-static bool same_f32(float a, float b)
-{
-    return (isnan(a) && isnan(b)) || memcmp(&a, &b, sizeof a) == 0;
-}
-
-static bool same_f16(uint16_t a, uint16_t b)
-{
-    bool na = (a & 0x7c00) == 0x7c00 && (a & 0x3ff), nb = (b & 0x7c00) == 0x7c00 && (b & 0x3ff);
-    return (na && nb) || a == b;
-}
-
 Test(codec_simd, decode_random_bytes_equals_scalar)
 {
     static const uint16_t specials[] = { 0x0000, 0x8000, 0x0001, 0x83ff, 0x0400, 0x3c00,
@@ -861,9 +851,9 @@ Test(codec_simd, decode_random_bytes_equals_scalar)
                     cr_assert_eq(kvr_codec_decode(&vc, y1, KVR_DTYPE_F32, src, len), 0);
                     cr_assert_eq(kvr_codec_decode(&vc, h1, KVR_DTYPE_F16, src, len), 0);
                     for (size_t i = 0; i < len; i++) {
-                        cr_assert(same_f32(y0[i], y1[i]), "type %zu g %u isa %d f32 %zu: "
+                        cr_assert(kvt_same_f32(y0[i], y1[i]), "type %zu g %u isa %d f32 %zu: "
                                   "%a vs %a", t, g, isa, i, (double)y1[i], (double)y0[i]);
-                        cr_assert(same_f16(h0[i], h1[i]), "type %zu g %u isa %d f16 %zu: "
+                        cr_assert(kvt_same_f16(h0[i], h1[i]), "type %zu g %u isa %d f16 %zu: "
                                   "%04x vs %04x", t, g, isa, i, h1[i], h0[i]);
                     }
                     /* streamed (non-temporal stores where dst is on 64
@@ -874,13 +864,13 @@ Test(codec_simd, decode_random_bytes_equals_scalar)
                         memset(ba, 0xa5, n * 4 + 64);
                         cr_assert_eq(kvr_codec_decode_stream(&vc, ys, KVR_DTYPE_F32, src, len), 0);
                         for (size_t i = 0; i < len; i++)
-                            cr_assert(same_f32(y0[i], ys[i]), "stream type %zu g %u isa %d off "
+                            cr_assert(kvt_same_f32(y0[i], ys[i]), "stream type %zu g %u isa %d off "
                                       "%zu f32 %zu", t, g, isa, off, i);
                         cr_assert_eq(ba[off + len * 4], 0xa5, "wrote past the row");
                         memset(ba, 0xa5, n * 4 + 64);
                         cr_assert_eq(kvr_codec_decode_stream(&vc, hs, KVR_DTYPE_F16, src, len), 0);
                         for (size_t i = 0; i < len; i++)
-                            cr_assert(same_f16(h0[i], hs[i]), "stream type %zu g %u isa %d off "
+                            cr_assert(kvt_same_f16(h0[i], hs[i]), "stream type %zu g %u isa %d off "
                                       "%zu f16 %zu", t, g, isa, off, i);
                         cr_assert_eq(ba[off + len * 2], 0xa5, "wrote past the row");
                     }

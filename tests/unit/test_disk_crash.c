@@ -24,24 +24,11 @@
 #include <unistd.h>
 
 #include "cache/disk.h"
+#include "tests/common/kvt.h"
+#include "tests/common/kvt_disk.h"
 
 #define MAXREC 20000
 #define REC_BYTES (4 + KVR_DISK_HANDLE_BYTES)
-
-static int rm_one(const char *p, const struct stat *sb, int flag, struct FTW *f)
-{
-    (void)sb; (void)flag; (void)f;
-    return remove(p);
-}
-
-static void fill(uint8_t *p, size_t n, uint64_t seed)
-{
-    uint64_t s = seed * 0x2545F4914F6CDD1Dull + 1;
-    for (size_t i = 0; i < n; i++) {
-        s ^= s << 13; s ^= s >> 7; s ^= s << 17;
-        p[i] = (uint8_t)s;
-    }
-}
 
 static size_t blk_len(uint32_t i) { return 1 + (i * 2654435761u) % 200000; }
 
@@ -67,7 +54,7 @@ static void child(const char *dir, kvr_disk_engine e, int wfd)
     static uint8_t blk[200000];
     for (uint32_t i = 0; i < MAXREC; i++) {
         size_t n = blk_len(i);
-        fill(blk, n, i);
+        kvt_fill(blk, n, i);
         kvr_disk_buf b = { .data = blk, .len = n };
         kvr_disk_handle h;
         if (kvr_disk_spill(d, &b, 1, &h, false, NULL))
@@ -118,7 +105,6 @@ Test(disk_crash, kill9_random_instants, .timeout = 600)
 {
     const char *env = getenv("KVR_DISK_CRASH_TRIALS");
     int trials = env ? atoi(env) : 100;
-    const char *t = getenv("TMPDIR");
     srand((unsigned)time(NULL));
     static rec_list l;
     static uint8_t out[200000], want[200000];
@@ -126,8 +112,7 @@ Test(disk_crash, kill9_random_instants, .timeout = 600)
     for (int trial = 0; trial < trials; trial++) {
         kvr_disk_engine e = trial % 2 ? KVR_DISK_ENGINE_POSIX : KVR_DISK_ENGINE_URING;
         char dir[256];
-        snprintf(dir, sizeof dir, "%s/kvr_crash_XXXXXX", t && *t ? t : "/tmp");
-        cr_assert_not_null(mkdtemp(dir));
+        kvt_tmpdir(dir, sizeof dir, "kvr_crash");
         int p[2];
         cr_assert_eq(pipe(p), 0);
         pid_t pid = fork();
@@ -173,12 +158,9 @@ Test(disk_crash, kill9_random_instants, .timeout = 600)
             max_acked_seen = (int)acked;
 
         kvr_disk_config cfg = { .dir = dir, .engine = e };
-        kvr_disk *d;
         kvr_error err = { 0 };
         memset(&l, 0, sizeof l);
-        cr_assert_eq(kvr_disk_open(&d, &cfg, &err), 0, "%s", err.msg);
-        cr_assert_eq(kvr_disk_recover(d, on_rec, on_bad, &l, NULL, &err), 0, "%s", err.msg);
-        cr_assert_eq(kvr_disk_recover_done(d, &err), 0, "%s", err.msg);
+        kvr_disk *d = kvt_disk_open(&cfg, on_rec, on_bad, &l, NULL, true);
         cr_assert_eq(l.bad, 0, "trial %d", trial);
         cr_assert(l.n == (size_t)(acked + 1) || l.n == (size_t)(acked + 2),
                   "trial %d: acked up to %lld, recovered %zu", trial, (long long)acked, l.n);
@@ -188,11 +170,11 @@ Test(disk_crash, kill9_random_instants, .timeout = 600)
             cr_assert_eq(kvr_disk_load(d, &l.h[i], &dst, 1, NULL, &err), 0,
                          "trial %d rec %zu: %s", trial, i, err.msg);
             cr_assert_eq(l.h[i].len, blk_len((uint32_t)i));
-            fill(want, l.h[i].len, i);
+            kvt_fill(want, l.h[i].len, i);
             cr_assert_eq(memcmp(out, want, l.h[i].len), 0);
         }
         kvr_disk_close(d);
-        nftw(dir, rm_one, 16, FTW_DEPTH | FTW_PHYS);
+        kvt_rmrf(dir);
     }
     cr_log_info("%d kill -9 trials, up to %d records acknowledged", trials, max_acked_seen);
     cr_assert_gt(max_acked_seen, 40, "children never got past a checkpoint");

@@ -25,25 +25,11 @@
 #include <sys/stat.h>
 
 #include "cache/disk.h"
+#include "tests/common/kvt.h"
 
 #define NREC 5
 #define NEXT 8
 #define EXT_BYTES 3000
-
-static int rm_one(const char *p, const struct stat *sb, int flag, struct FTW *f)
-{
-    (void)sb; (void)flag; (void)f;
-    return remove(p);
-}
-
-static void fill(uint8_t *p, size_t n, uint64_t seed)
-{
-    uint64_t s = seed * 0x2545F4914F6CDD1Dull + 1;
-    for (size_t i = 0; i < n; i++) {
-        s ^= s << 13; s ^= s >> 7; s ^= s << 17;
-        p[i] = (uint8_t)s;
-    }
-}
 
 /* A record: u32 index, u32 n handles, the handles, then filler. */
 typedef struct wl {
@@ -66,7 +52,7 @@ static void make_rec(wl *w, uint32_t i, uint32_t first, uint32_t n)
         kvr_disk_handle_encode(&w->h[first + k], b + off);
         off += KVR_DISK_HANDLE_BYTES;
     }
-    fill(b + off, 100, i);
+    kvt_fill(b + off, 100, i);
     w->len[i] = off + 100;
     w->n_h[i] = n;
     w->first_h[i] = first;
@@ -78,7 +64,7 @@ static int spill(kvr_disk *d, wl *w, uint32_t first, uint32_t n, bool sync)
     kvr_disk_buf b[NEXT];
     memset(b, 0, sizeof b);
     for (uint32_t k = 0; k < n; k++) {
-        fill(data[first + k], EXT_BYTES, 1000 + first + k);
+        kvt_fill(data[first + k], EXT_BYTES, 1000 + first + k);
         b[k] = (kvr_disk_buf){ .data = data[first + k], .len = EXT_BYTES };
     }
     kvr_error e;
@@ -100,7 +86,7 @@ static void load_check(kvr_disk *d, const kvr_disk_handle *h, uint32_t id, bool 
     if (must)
         cr_assert_eq(rc, 0, "extent %u must load: %s", id, e.msg);
     if (rc == 0) {
-        fill(want, EXT_BYTES, 1000 + id);
+        kvt_fill(want, EXT_BYTES, 1000 + id);
         cr_assert_eq(memcmp(got, want, EXT_BYTES), 0, "extent %u loaded wrong bytes", id);
     }
 }
@@ -228,8 +214,7 @@ static void run(kvr_disk_engine eng, unsigned kind, const char *kname)
     for (uint64_t n = 1;; n++) {
         cr_assert_lt(n, 500, "%s: the workload never ran out of such operations", kname);
         char dir[64];
-        snprintf(dir, sizeof dir, "/tmp/kvr-dfault-XXXXXX");
-        cr_assert(mkdtemp(dir));
+        kvt_tmpdir(dir, sizeof dir, "kvr-dfault");
         wl w;
         memset(&w, 0, sizeof w);
         kvr_disk *d = open_dir(dir, eng);
@@ -265,7 +250,7 @@ static void run(kvr_disk_engine eng, unsigned kind, const char *kname)
         strncat(what, " (recovery)", sizeof what - strlen(what) - 1);
         verify(dir, eng, &w, what);
 
-        nftw(dir, rm_one, 16, FTW_DEPTH | FTW_PHYS);
+        kvt_rmrf(dir);
         total++;
         with_errors += failed > 0;
         if (fired == 0 && fired2 == 0)
@@ -298,12 +283,11 @@ Test(disk_faults, submit_auto, .timeout = 300)
 {
     kvr_disk *d;
     char dir[64];
-    snprintf(dir, sizeof dir, "/tmp/kvr-dfault-XXXXXX");
-    cr_assert(mkdtemp(dir));
+    kvt_tmpdir(dir, sizeof dir, "kvr-dfault");
     d = open_dir(dir, KVR_DISK_ENGINE_AUTO);
     bool uring = !strcmp(kvr_disk_engine_name(d), "io_uring");
     kvr_disk_close(d);
-    nftw(dir, rm_one, 16, FTW_DEPTH | FTW_PHYS);
+    kvt_rmrf(dir);
     if (!uring)
         cr_skip_test("io_uring is not available here");
     run(KVR_DISK_ENGINE_AUTO, KVR_DISK_FAULT_SUBMIT, "submit");

@@ -22,35 +22,10 @@
 #include <unistd.h>
 
 #include "cache/disk.h"
+#include "tests/common/kvt.h"
+#include "tests/common/kvt_disk.h"
 
 static const kvr_disk_engine engines[] = { KVR_DISK_ENGINE_URING, KVR_DISK_ENGINE_POSIX };
-
-static int rm_one(const char *p, const struct stat *sb, int flag, struct FTW *f)
-{
-    (void)sb; (void)flag; (void)f;
-    return remove(p);
-}
-
-static void tmpdir(char *buf, size_t cap)
-{
-    const char *t = getenv("TMPDIR");
-    snprintf(buf, cap, "%s/kvr_dfmt_XXXXXX", t && *t ? t : "/tmp");
-    cr_assert_not_null(mkdtemp(buf));
-}
-
-static void rmrf(const char *dir)
-{
-    nftw(dir, rm_one, 16, FTW_DEPTH | FTW_PHYS);
-}
-
-static void fill(uint8_t *p, size_t n, uint64_t seed)
-{
-    uint64_t s = seed * 0x2545F4914F6CDD1Dull + 1;
-    for (size_t i = 0; i < n; i++) {
-        s ^= s << 13; s ^= s >> 7; s ^= s << 17;
-        p[i] = (uint8_t)s;
-    }
-}
 
 static void put32(uint8_t *p, uint32_t v)
 {
@@ -84,13 +59,7 @@ static void file_path(char *p, size_t cap, const char *dir, uint32_t seg, bool v
 
 static void flip(const char *path, uint64_t off)
 {
-    int fd = open(path, O_RDWR);
-    cr_assert_geq(fd, 0, "%s", path);
-    uint8_t c;
-    cr_assert_eq(pread(fd, &c, 1, (off_t)off), 1);
-    c ^= 0x10;
-    cr_assert_eq(pwrite(fd, &c, 1, (off_t)off), 1);
-    close(fd);
+    kvt_flip_byte(path, off, 0x10);
 }
 
 static void cut(const char *path, uint64_t size)
@@ -115,7 +84,7 @@ static void write_v1(const char *dir, kvr_disk_handle *h, uint8_t **data)
     for (int i = 0; i < V1N; i++) {
         size_t n = v1_sizes[i];
         data[i] = malloc(n);
-        fill(data[i], n, 500u + (uint64_t)i);
+        kvt_fill(data[i], n, 500u + (uint64_t)i);
         h[i] = (kvr_disk_handle){ .seg = 1, .len = (uint32_t)n, .off = off,
                                   .seq = 1000u + (uint64_t)i,
                                   .crc = kvr_crc32c(0, data[i], n) };
@@ -158,7 +127,7 @@ static void load_check(kvr_disk *d, const kvr_disk_handle *h, uint8_t **want, in
 static void v1_read(kvr_disk_engine e)
 {
     char dir[256];
-    tmpdir(dir, sizeof dir);
+    kvt_tmpdir(dir, sizeof dir, "kvr_dfmt");
     kvr_disk *d;
     kvr_error err = { 0 };
     cr_assert_eq(open_recovering(&d, dir, e, &err), 0, "%s", err.msg);
@@ -176,7 +145,7 @@ static void v1_read(kvr_disk_engine e)
     load_check(d, h, data, V1N, ok);
     /* A new spill goes to a new, v2 segment; a batch mixes both formats. */
     data[V1N] = malloc(3u << 20);
-    fill(data[V1N], 3u << 20, 77);
+    kvt_fill(data[V1N], 3u << 20, 77);
     kvr_disk_buf b = { .data = data[V1N], .len = 3u << 20 };
     cr_assert_eq(kvr_disk_spill(d, &b, 1, &h[V1N], true, &err), 0, "%s", err.msg);
     cr_assert_gt(h[V1N].seg, 1);
@@ -208,18 +177,17 @@ static void v1_read(kvr_disk_engine e)
     kvr_disk_close(d);
     for (int i = 0; i <= V1N; i++)
         free(data[i]);
-    rmrf(dir);
+    kvt_rmrf(dir);
 }
 
-Test(disk_format, v1_read_uring) { v1_read(KVR_DISK_ENGINE_URING); }
-Test(disk_format, v1_read_posix) { v1_read(KVR_DISK_ENGINE_POSIX); }
+KVT_DISK_TESTS(disk_format, v1_read, v1_read)
 
 /* A v1 segment cut inside an extent: that claim fails as corrupt (not as
  * an I/O error: recover_done still reclaims), the earlier ones load. */
 static void v1_truncated(kvr_disk_engine e)
 {
     char dir[256];
-    tmpdir(dir, sizeof dir);
+    kvt_tmpdir(dir, sizeof dir, "kvr_dfmt");
     kvr_disk *d;
     kvr_error err = { 0 };
     cr_assert_eq(open_recovering(&d, dir, e, &err), 0, "%s", err.msg);
@@ -246,11 +214,10 @@ static void v1_truncated(kvr_disk_engine e)
     kvr_disk_close(d);
     for (int i = 0; i < V1N; i++)
         free(data[i]);
-    rmrf(dir);
+    kvt_rmrf(dir);
 }
 
-Test(disk_format, v1_truncated_uring) { v1_truncated(KVR_DISK_ENGINE_URING); }
-Test(disk_format, v1_truncated_posix) { v1_truncated(KVR_DISK_ENGINE_POSIX); }
+KVT_DISK_TESTS(disk_format, v1_truncated, v1_truncated)
 
 /* ---- v2: truncated and corrupt records ---------------------------------------- */
 enum { V2N = 10 };
@@ -260,7 +227,7 @@ static const size_t v2_sizes[V2N] = { 4065, 4095, 8192, 1, (2u << 20), (9u << 20
 static void v2_damage(kvr_disk_engine e)
 {
     char dir[256];
-    tmpdir(dir, sizeof dir);
+    kvt_tmpdir(dir, sizeof dir, "kvr_dfmt");
     kvr_disk *d;
     kvr_error err = { 0 };
     cr_assert_eq(open_recovering(&d, dir, e, &err), 0, "%s", err.msg);
@@ -270,7 +237,7 @@ static void v2_damage(kvr_disk_engine e)
     kvr_disk_handle h[V2N];
     for (int i = 0; i < V2N; i++) {
         cr_assert_eq(posix_memalign((void **)&data[i], 4096, v2_sizes[i]), 0);
-        fill(data[i], v2_sizes[i], 900u + (uint64_t)i);
+        kvt_fill(data[i], v2_sizes[i], 900u + (uint64_t)i);
         b[i] = (kvr_disk_buf){ .data = data[i], .len = v2_sizes[i] };
     }
     cr_assert_eq(kvr_disk_spill(d, b, V2N, h, true, &err), 0, "%s", err.msg);
@@ -318,11 +285,10 @@ static void v2_damage(kvr_disk_engine e)
     kvr_disk_close(d);
     for (int i = 0; i < V2N; i++)
         free(data[i]);
-    rmrf(dir);
+    kvt_rmrf(dir);
 }
 
-Test(disk_format, v2_damage_uring) { v2_damage(KVR_DISK_ENGINE_URING); }
-Test(disk_format, v2_damage_posix) { v2_damage(KVR_DISK_ENGINE_POSIX); }
+KVT_DISK_TESTS(disk_format, v2_damage, v2_damage)
 
 /* Memory at every alignment: straight to / from the device when O_DIRECT
  * can use it, staged otherwise; the bytes are the same either way, in
@@ -330,7 +296,7 @@ Test(disk_format, v2_damage_posix) { v2_damage(KVR_DISK_ENGINE_POSIX); }
 static void alignments(kvr_disk_engine e)
 {
     char dir[256];
-    tmpdir(dir, sizeof dir);
+    kvt_tmpdir(dir, sizeof dir, "kvr_dfmt");
     kvr_disk *d;
     kvr_error err = { 0 };
     cr_assert_eq(open_recovering(&d, dir, e, &err), 0, "%s", err.msg);
@@ -346,7 +312,7 @@ static void alignments(kvr_disk_engine e)
     for (int i = 0; i < N; i++) {
         cr_assert_eq(posix_memalign((void **)&raw[i], 4096, sizes[i] + 8192), 0);
         src[i] = raw[i] + shift[i];
-        fill(src[i], sizes[i], 40u + (uint64_t)i);
+        kvt_fill(src[i], sizes[i], 40u + (uint64_t)i);
         want[i] = src[i];
         b[i] = (kvr_disk_buf){ .data = src[i], .len = sizes[i] };
     }
@@ -378,11 +344,10 @@ static void alignments(kvr_disk_engine e)
     kvr_disk_close(d);
     for (int i = 0; i < N; i++)
         free(raw[i]);
-    rmrf(dir);
+    kvt_rmrf(dir);
 }
 
-Test(disk_format, alignments_uring) { alignments(KVR_DISK_ENGINE_URING); }
-Test(disk_format, alignments_posix) { alignments(KVR_DISK_ENGINE_POSIX); }
+KVT_DISK_TESTS(disk_format, alignments, alignments)
 
 /* A segment of a format newer than this build, or two files with one id
  * (an older kvrope wrote after a newer one): recovery refuses, saying why,
@@ -391,7 +356,7 @@ Test(disk_format, unknown_and_duplicate_segments)
 {
     for (size_t k = 0; k < sizeof engines / sizeof *engines; k++) {
         char dir[256], path[512];
-        tmpdir(dir, sizeof dir);
+        kvt_tmpdir(dir, sizeof dir, "kvr_dfmt");
         kvr_disk *d;
         kvr_error err = { 0 };
         cr_assert_eq(open_recovering(&d, dir, engines[k], &err), 0, "%s", err.msg);
@@ -420,7 +385,7 @@ Test(disk_format, unknown_and_duplicate_segments)
         cr_assert_eq(access(path, F_OK), 0);
         for (int i = 0; i < V1N; i++)
             free(data[i]);
-        rmrf(dir);
+        kvt_rmrf(dir);
     }
 }
 
@@ -451,7 +416,7 @@ static void t_load(kvr_disk *d, const kvr_disk_handle *h, uint8_t **want, uint8_
 static void last_requests(kvr_disk_engine e)
 {
     char dir[256];
-    tmpdir(dir, sizeof dir);
+    kvt_tmpdir(dir, sizeof dir, "kvr_dfmt");
     kvr_disk *d;
     kvr_error err = { 0 };
     cr_assert_eq(open_recovering(&d, dir, e, &err), 0, "%s", err.msg);
@@ -463,7 +428,7 @@ static void last_requests(kvr_disk_engine e)
     for (int i = 0; i < TN; i++) {
         cr_assert_eq(posix_memalign((void **)&data[i], 4096, t_sizes[i]), 0);
         cr_assert_eq(posix_memalign((void **)&dst[i], 4096, t_sizes[i]), 0);
-        fill(data[i], t_sizes[i], 300u + (uint64_t)i);
+        kvt_fill(data[i], t_sizes[i], 300u + (uint64_t)i);
         b[i] = (kvr_disk_buf){ .data = data[i], .len = t_sizes[i] };
         image += (32 + t_sizes[i] + 4095) & ~(uint64_t)4095;
     }
@@ -483,7 +448,7 @@ static void last_requests(kvr_disk_engine e)
         uint8_t *p, *q;
         cr_assert_eq(posix_memalign((void **)&p, 4096, big), 0);
         cr_assert_eq(posix_memalign((void **)&q, 4096, big), 0);
-        fill(p, big, 77);
+        kvt_fill(p, big, 77);
         kvr_disk_buf bb = { .data = p, .len = big };
         kvr_disk_handle hb;
         cr_assert_eq(kvr_disk_spill(d, &bb, 1, &hb, false, &err), 0, "%s", err.msg);
@@ -537,8 +502,7 @@ static void last_requests(kvr_disk_engine e)
         free(data[i]);
         free(dst[i]);
     }
-    rmrf(dir);
+    kvt_rmrf(dir);
 }
 
-Test(disk_format, last_requests_uring) { last_requests(KVR_DISK_ENGINE_URING); }
-Test(disk_format, last_requests_posix) { last_requests(KVR_DISK_ENGINE_POSIX); }
+KVT_DISK_TESTS(disk_format, last_requests, last_requests)

@@ -19,26 +19,10 @@
 #include <unistd.h>
 
 #include "cache/disk.h"
+#include "tests/common/kvt.h"
+#include "tests/common/kvt_disk.h"
 
 static const kvr_disk_engine engines[] = { KVR_DISK_ENGINE_URING, KVR_DISK_ENGINE_POSIX };
-
-static int rm_one(const char *p, const struct stat *sb, int flag, struct FTW *f)
-{
-    (void)sb; (void)flag; (void)f;
-    return remove(p);
-}
-
-static void tmpdir(char *buf, size_t cap)
-{
-    const char *t = getenv("TMPDIR");
-    snprintf(buf, cap, "%s/kvr_disk_XXXXXX", t && *t ? t : "/tmp");
-    cr_assert_not_null(mkdtemp(buf));
-}
-
-static void rmrf(const char *dir)
-{
-    nftw(dir, rm_one, 16, FTW_DEPTH | FTW_PHYS);
-}
 
 static uint64_t rng_state = 0x1234567887654321ull;
 static uint64_t rnd(void)
@@ -49,23 +33,14 @@ static uint64_t rnd(void)
     return rng_state;
 }
 
-static void fill(uint8_t *p, size_t n, uint64_t seed)
-{
-    uint64_t s = seed * 0x2545F4914F6CDD1Dull + 1;
-    for (size_t i = 0; i < n; i++) {
-        s ^= s << 13; s ^= s >> 7; s ^= s << 17;
-        p[i] = (uint8_t)s;
-    }
-}
-
-/* Record i: type 1 + i%5, payload = u32 i, then fill(i) of a length from i. */
+/* Record i: type 1 + i%5, payload = u32 i, then kvt_fill(i) of a length from i. */
 static size_t rec_len(uint32_t i) { return 4 + (i * 2654435761u) % 3000; }
 
 static void make_rec(uint32_t i, uint8_t *buf, kvr_disk_rec_in *r)
 {
     size_t n = rec_len(i);
     memcpy(buf, &i, 4);
-    fill(buf + 4, n - 4, i);
+    kvt_fill(buf + 4, n - 4, i);
     *r = (kvr_disk_rec_in){ .type = 1 + i % 5, .payload = buf, .len = n };
 }
 
@@ -89,7 +64,7 @@ static void on_rec(void *arg, kvr_disk *d, const kvr_disk_record *r)
     cr_assert_gt(r->seq, g->last_seq, "records out of order");
     g->last_seq = r->seq;
     memcpy(&i, r->payload, 4);
-    fill(want, rec_len(i) - 4, i);
+    kvt_fill(want, rec_len(i) - 4, i);
     if (r->len != rec_len(i) || r->type != 1 + i % 5 ||
         memcmp((const uint8_t *)r->payload + 4, want, r->len - 4))
         g->n_bad_payload++;
@@ -112,12 +87,8 @@ static void on_bad(void *arg, const char *file, uint64_t off, uint64_t bytes,
 static kvr_disk *reopen(const char *dir, kvr_disk_engine e, got *g, kvr_disk_recovery *rs)
 {
     kvr_disk_config cfg = { .dir = dir, .engine = e };
-    kvr_disk *d = NULL;
-    kvr_error err = { 0 };
     memset(g, 0, sizeof *g);
-    cr_assert_eq(kvr_disk_open(&d, &cfg, &err), 0, "%s", err.msg);
-    cr_assert_eq(kvr_disk_recover(d, on_rec, on_bad, g, rs, &err), 0, "%s", err.msg);
-    cr_assert_eq(kvr_disk_recover_done(d, &err), 0, "%s", err.msg);
+    kvr_disk *d = kvt_disk_open(&cfg, on_rec, on_bad, g, rs, true);
     cr_assert_eq(g->n_bad_payload, 0, "a corrupt record was handed out");
     return d;
 }
@@ -153,7 +124,7 @@ static void log_path(char *p, size_t cap, const char *dir)
 static void append_reopen(kvr_disk_engine e)
 {
     char dir[256];
-    tmpdir(dir, sizeof dir);
+    kvt_tmpdir(dir, sizeof dir, "kvr_disk");
     got *g = calloc(1, sizeof *g);
     kvr_disk_recovery rs;
     kvr_disk *d = reopen(dir, e, g, &rs);
@@ -188,11 +159,10 @@ static void append_reopen(kvr_disk_engine e)
         kvr_disk_close(d);
     }
     free(g);
-    rmrf(dir);
+    kvt_rmrf(dir);
 }
 
-Test(disk_log, append_reopen_uring) { append_reopen(KVR_DISK_ENGINE_URING); }
-Test(disk_log, append_reopen_posix) { append_reopen(KVR_DISK_ENGINE_POSIX); }
+KVT_DISK_TESTS(disk_log, append_reopen, append_reopen)
 
 typedef struct snap { uint32_t from, n; int fail; } snap;
 static int snapshot(void *arg, kvr_disk_cp *cp)
@@ -210,15 +180,12 @@ static int snapshot(void *arg, kvr_disk_cp *cp)
 static void checkpoint(kvr_disk_engine e)
 {
     char dir[256];
-    tmpdir(dir, sizeof dir);
+    kvt_tmpdir(dir, sizeof dir, "kvr_disk");
     got *g = calloc(1, sizeof *g);
     kvr_disk_recovery rs;
     kvr_disk_config cfg = { .dir = dir, .engine = e, .checkpoint_bytes = 100000 };
-    kvr_disk *d = NULL;
+    kvr_disk *d = kvt_disk_open(&cfg, NULL, NULL, NULL, NULL, true);
     kvr_error err = { 0 };
-    cr_assert_eq(kvr_disk_open(&d, &cfg, &err), 0);
-    cr_assert_eq(kvr_disk_recover(d, NULL, NULL, NULL, NULL, &err), 0);
-    cr_assert_eq(kvr_disk_recover_done(d, &err), 0);
     cr_assert(!kvr_disk_log_wants_checkpoint(d));
     append_n(d, 0, 300, NULL);
     cr_assert(kvr_disk_log_wants_checkpoint(d));
@@ -254,11 +221,10 @@ static void checkpoint(kvr_disk_engine e)
     cr_assert_eq(system(cmd), 0);
     kvr_disk_close(d);
     free(g);
-    rmrf(dir);
+    kvt_rmrf(dir);
 }
 
-Test(disk_log, checkpoint_uring) { checkpoint(KVR_DISK_ENGINE_URING); }
-Test(disk_log, checkpoint_posix) { checkpoint(KVR_DISK_ENGINE_POSIX); }
+KVT_DISK_TESTS(disk_log, checkpoint, checkpoint)
 
 typedef struct list_snap { uint32_t idx[64]; size_t n; } list_snap;
 static int snapshot_list(void *arg, kvr_disk_cp *cp)
@@ -283,7 +249,7 @@ static void corrupt(kvr_disk_engine e)
     got *g = calloc(1, sizeof *g);
     kvr_disk_recovery rs;
     for (int trial = 0; trial < 25; trial++) {
-        tmpdir(dir, sizeof dir);
+        kvt_tmpdir(dir, sizeof dir, "kvr_disk");
         kvr_disk *d = reopen(dir, e, g, &rs);
         append_n(d, 0, 60, NULL);
         kvr_disk_close(d);
@@ -321,13 +287,12 @@ static void corrupt(kvr_disk_engine e)
         for (size_t i = 0; i < g->n; i++)
             cr_assert_eq(g->idx[i], ls.idx[i]);
         kvr_disk_close(d);
-        rmrf(dir);
+        kvt_rmrf(dir);
     }
     free(g);
 }
 
-Test(disk_log, corrupt_uring) { corrupt(KVR_DISK_ENGINE_URING); }
-Test(disk_log, corrupt_posix) { corrupt(KVR_DISK_ENGINE_POSIX); }
+KVT_DISK_TESTS(disk_log, corrupt, corrupt)
 
 /* Cut the log at a random length: exactly the records wholly before the cut
  * come back, the tail is reported and truncated, appends continue. */
@@ -338,7 +303,7 @@ static void truncated(kvr_disk_engine e)
     kvr_disk_recovery rs;
     static uint64_t ends[64];
     for (int trial = 0; trial < 25; trial++) {
-        tmpdir(dir, sizeof dir);
+        kvt_tmpdir(dir, sizeof dir, "kvr_disk");
         kvr_disk *d = reopen(dir, e, g, &rs);
         kvr_disk_stats st;
         kvr_disk_get_stats(d, &st);
@@ -364,19 +329,18 @@ static void truncated(kvr_disk_engine e)
         cr_assert_eq(g->n, want + 1);
         cr_assert_eq(g->n_reports, 0);
         kvr_disk_close(d);
-        rmrf(dir);
+        kvt_rmrf(dir);
     }
     free(g);
 }
 
-Test(disk_log, truncated_uring) { truncated(KVR_DISK_ENGINE_URING); }
-Test(disk_log, truncated_posix) { truncated(KVR_DISK_ENGINE_POSIX); }
+KVT_DISK_TESTS(disk_log, truncated, truncated)
 
 /* Injected faults. */
 static void faults(kvr_disk_engine e)
 {
     char dir[256];
-    tmpdir(dir, sizeof dir);
+    kvt_tmpdir(dir, sizeof dir, "kvr_disk");
     got *g = calloc(1, sizeof *g);
     kvr_disk_recovery rs;
     kvr_error err = { 0 };
@@ -394,7 +358,7 @@ static void faults(kvr_disk_engine e)
 
     /* EIO on a spill write: no handle is live afterwards. */
     uint8_t data[10000];
-    fill(data, sizeof data, 77);
+    kvt_fill(data, sizeof data, 77);
     kvr_disk_buf kb[3] = { { .data = data, .len = 100 }, { .data = data, .len = 5000 },
                           { .data = data, .len = 10000 } };
     kvr_disk_handle h[3];
@@ -474,17 +438,16 @@ static void faults(kvr_disk_engine e)
     cr_assert_eq(kvr_disk_recover(d, NULL, NULL, NULL, NULL, &err), KVR_EIO);
     kvr_disk_close(d);
     free(g);
-    rmrf(dir);
+    kvt_rmrf(dir);
 }
 
-Test(disk_log, faults_uring) { faults(KVR_DISK_ENGINE_URING); }
-Test(disk_log, faults_posix) { faults(KVR_DISK_ENGINE_POSIX); }
+KVT_DISK_TESTS(disk_log, faults, faults)
 
 /* A real ENOSPC: a 1 MiB tmpfs (needs CAP_SYS_ADMIN; skipped otherwise). */
 static void real_enospc(kvr_disk_engine e)
 {
     char dir[256];
-    tmpdir(dir, sizeof dir);
+    kvt_tmpdir(dir, sizeof dir, "kvr_disk");
     if (mount("tmpfs", dir, "tmpfs", 0, "size=1m") != 0) {
         rmdir(dir);
         cr_skip_test("cannot mount a tmpfs here (%s)", strerror(errno));
@@ -495,7 +458,7 @@ static void real_enospc(kvr_disk_engine e)
     kvr_disk *d = reopen(dir, e, g, &rs);
     append_n(d, 0, 3, NULL);
     static uint8_t data[100000];
-    fill(data, sizeof data, 5);
+    kvt_fill(data, sizeof data, 5);
     kvr_disk_buf kb = { .data = data, .len = sizeof data };
     kvr_disk_handle h[32];
     int n = 0, rc = 0;
@@ -526,13 +489,12 @@ static void real_enospc(kvr_disk_engine e)
     rmdir(dir);
 }
 
-Test(disk_log, real_enospc_uring) { real_enospc(KVR_DISK_ENGINE_URING); }
-Test(disk_log, real_enospc_posix) { real_enospc(KVR_DISK_ENGINE_POSIX); }
+KVT_DISK_TESTS(disk_log, real_enospc, real_enospc)
 
 Test(disk_log, bad_args)
 {
     char dir[256];
-    tmpdir(dir, sizeof dir);
+    kvt_tmpdir(dir, sizeof dir, "kvr_disk");
     got *g = calloc(1, sizeof *g);
     kvr_disk_recovery rs;
     kvr_error err = { 0 };
@@ -544,5 +506,5 @@ Test(disk_log, bad_args)
     cr_assert_eq(kvr_disk_recover(d, NULL, NULL, NULL, NULL, &err), KVR_EINVAL);
     kvr_disk_close(d);
     free(g);
-    rmrf(dir);
+    kvt_rmrf(dir);
 }

@@ -9,6 +9,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include "tests/common/kvt.h"
 
 #include <criterion/criterion.h>
 #include <math.h>
@@ -19,32 +20,10 @@ static char path_cfg[128], path_x[128], path_po[128], path_pn[128], path_out[128
             path_po64[128], path_pn64[128], path_kold[128], path_knew[128];
 static const char *vec = NULL;
 
-static void put(const char *path, const void *data, size_t n)
-{
-    FILE *f = fopen(path, "wb");
-    cr_assert(f);
-    cr_assert_eq(fwrite(data, 1, n, f), n);
-    fclose(f);
-}
-
-static void *get_file(const char *path, size_t *n)
-{
-    FILE *f = fopen(path, "rb");
-    cr_assert(f, "cannot open %s", path);
-    fseek(f, 0, SEEK_END);
-    *n = (size_t)ftell(f);
-    fseek(f, 0, SEEK_SET);
-    void *b = malloc(*n + 1);
-    cr_assert_eq(fread(b, 1, *n, f), *n);
-    fclose(f);
-    return b;
-}
-
 /* neox_insert_shift from the ggml vectors: 32 tokens, 2 heads, head_dim 128 */
 static void setup(void)
 {
-    const char *v = getenv("KVR_VECTORS");
-    vec = (v && *v) ? v : "../shared/vectors";
+    vec = kvt_vectors_dir();
     snprintf(dir, sizeof dir, "/tmp/kvr_cli_rope_XXXXXX");
     cr_assert(mkdtemp(dir));
     snprintf(path_cfg, sizeof path_cfg, "%s/config.json", dir);
@@ -58,16 +37,16 @@ static void setup(void)
     snprintf(path_knew, sizeof path_knew, "%s/rope/neox_insert_shift.k_new.f32", vec);
     const char *cfg = "{\"model_type\":\"llama\",\"hidden_size\":4096,\"num_attention_heads\":32,"
                       "\"num_key_value_heads\":2,\"rope_theta\":10000.0}";
-    put(path_cfg, cfg, strlen(cfg));
+    kvt_write_file(path_cfg, cfg, strlen(cfg));
     size_t n;
-    int32_t *p = get_file(path_po, &n);
+    int32_t *p = kvt_read_file(path_po, &n);
     int64_t q[32];
     for (int i = 0; i < 32; i++) q[i] = p[i];
-    put(path_po64, q, sizeof q);
+    kvt_write_file(path_po64, q, sizeof q);
     free(p);
-    p = get_file(path_pn, &n);
+    p = kvt_read_file(path_pn, &n);
     for (int i = 0; i < 32; i++) q[i] = p[i];
-    put(path_pn64, q, sizeof q);
+    kvt_write_file(path_pn64, q, sizeof q);
     free(p);
 }
 
@@ -92,8 +71,8 @@ static int run(const char *const *args)
 static void expect_out(const char *ref_path, kvr_dtype dt, double tol)
 {
     size_t n, nr;
-    void *o = get_file(path_out, &n);
-    float *ref = get_file(ref_path, &nr);
+    void *o = kvt_read_file(path_out, &n);
+    float *ref = kvt_read_file(ref_path, &nr);
     size_t nel = nr / 4;
     cr_assert_eq(n, nel * kvr_dtype_size(dt));
     float *f = malloc(nel * 4);
@@ -136,7 +115,7 @@ Test(rope_cli, i64_positions_f16_out_and_style)
                         "--heads", "2", "--in", path_x, "--pos", path_po, "--out", path_out, NULL };
     cr_assert_eq(run(b), 0);
     size_t n, nr;
-    float *o = get_file(path_out, &n), *ref = get_file(path_kold, &nr);
+    float *o = kvt_read_file(path_out, &n), *ref = kvt_read_file(path_kold, &nr);
     double worst = 0;
     for (size_t i = 0; i < nr / 4; i++) worst = fmax(worst, fabs((double)o[i] - (double)ref[i]));
     cr_assert_gt(worst, 0.1);
@@ -201,7 +180,7 @@ Test(rope_cli, io_and_size_errors_exit_1)
     char bad[160];
     snprintf(bad, sizeof bad, "%s/bad.json", dir);
     const char *bj = "{\"head_dim\":128,\"rope_scaling\":{\"rope_type\":\"linear\"}}";
-    put(bad, bj, strlen(bj));
+    kvt_write_file(bad, bj, strlen(bj));
     const char *g[] = { "apply", "--config", bad, "--tokens", "32", "--heads", "2",
                         "--in", path_x, "--pos", path_po, "--out", path_out, NULL };
     cr_assert_eq(run(g), 1);

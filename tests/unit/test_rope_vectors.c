@@ -24,27 +24,8 @@
 #include <string.h>
 
 #include "rope/rope.h"
-
-static char *slurp(const char *path, size_t *len)
-{
-    FILE *f = fopen(path, "rb");
-    if (!f) return NULL;
-    fseek(f, 0, SEEK_END);
-    long n = ftell(f);
-    fseek(f, 0, SEEK_SET);
-    char *b = malloc((size_t)n + 1);
-    if (b && fread(b, 1, (size_t)n, f) != (size_t)n) { free(b); b = NULL; }
-    if (b) b[n] = '\0';
-    fclose(f);
-    if (len) *len = (size_t)n;
-    return b;
-}
-
-static const char *vec_dir(void)
-{
-    const char *v = getenv("KVR_VECTORS");
-    return (v && *v) ? v : "../shared/vectors";
-}
+#include "tests/common/kvt.h"
+#include "tests/common/kvt_vectors.h"
 
 typedef struct vcase {
     char name[64];
@@ -61,9 +42,9 @@ static int n_cases;
 static void *load_file(const char *file, size_t want_bytes)
 {
     char path[1024];
-    snprintf(path, sizeof path, "%s/rope/%s", vec_dir(), file);
+    snprintf(path, sizeof path, "%s/rope/%s", kvt_vectors_dir(), file);
     size_t len = 0;
-    char *b = slurp(path, &len);
+    char *b = kvt_slurp(path, &len);
     cr_assert(b != NULL, "cannot read %s", path);
     cr_assert_eq(len, want_bytes, "%s: %zu bytes, expected %zu", path, len, want_bytes);
     return b;
@@ -80,13 +61,7 @@ static int64_t *load_pos(const char *file, size_t n)
 
 static void load_cases(void)
 {
-    char path[1024];
-    snprintf(path, sizeof path, "%s/rope/manifest.json", vec_dir());
-    size_t len;
-    char *txt = slurp(path, &len);
-    cr_assert(txt != NULL, "cannot read %s (set KVR_VECTORS)", path);
-    cJSON *m = cJSON_ParseWithLength(txt, len);
-    cr_assert(m != NULL);
+    cJSON *m = kvt_rope_manifest();
     const cJSON *cs = cJSON_GetObjectItem(m, "cases"), *c;
     n_cases = 0;
     cJSON_ArrayForEach(c, cs) {
@@ -97,22 +72,7 @@ static void load_cases(void)
         v->n_tokens = (size_t)cJSON_GetObjectItem(c, "n_tokens")->valueint;
         v->tol = cJSON_GetObjectItem(c, "tolerance_abs")->valuedouble;
         /* the config.json a model with these parameters would ship */
-        cJSON *cfgj = cJSON_CreateObject();
-        cJSON_AddNumberToObject(cfgj, "head_dim", (double)v->hd);
-        cJSON_AddNumberToObject(cfgj, "rotary_dim", cJSON_GetObjectItem(c, "rotary_dim")->valuedouble);
-        cJSON_AddNumberToObject(cfgj, "rope_theta", cJSON_GetObjectItem(c, "theta_base")->valuedouble);
-        cJSON_AddNumberToObject(cfgj, "num_attention_heads", (double)v->n_heads);
-        const cJSON *rs = cJSON_GetObjectItem(c, "rope_scaling");
-        if (rs && !cJSON_IsNull(rs))
-            cJSON_AddItemToObject(cfgj, "rope_scaling", cJSON_Duplicate(rs, 1));
-        char *ct = cJSON_PrintUnformatted(cfgj);
-        kvr_error err = { 0 };
-        int rc = kvr_rope_config_from_json(&v->cfg, ct, strlen(ct),
-                                           cJSON_GetObjectItem(c, "style")->valuestring,
-                                           &err);
-        cr_assert_eq(rc, 0, "%s: config refused: %s", v->name, err.msg);
-        free(ct);
-        cJSON_Delete(cfgj);
+        kvt_rope_case_config(c, (double)v->n_heads, &v->cfg);
         const cJSON *f = cJSON_GetObjectItem(c, "files");
         size_t nel = v->n_tokens * v->n_heads * v->hd;
         v->x = load_file(cJSON_GetObjectItem(f, "x")->valuestring, nel * 4);
@@ -122,7 +82,6 @@ static void load_cases(void)
         v->pos_new = load_pos(cJSON_GetObjectItem(f, "pos_new")->valuestring, v->n_tokens);
     }
     cJSON_Delete(m);
-    free(txt);
     cr_assert(n_cases >= 12, "manifest has %d cases", n_cases);
 }
 

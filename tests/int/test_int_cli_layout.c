@@ -15,39 +15,27 @@
 #include <cjson/cJSON.h>
 #include <math.h>
 
-#include "tests/common/kvr_testd.h"
+#include "tests/common/kvt_daemon.h"
+#include "tests/common/kvt.h"
 
-static kvr_testd D;
-static kvr_client *C;
-static kvr_rope *R;
+/* The suite's daemon, client and tiny model (kvt_daemon.h). */
+#define D kvt_suite_d
+#define C kvt_suite_c
+#define R kvt_suite_r
 static char OUT[1 << 18];
 static const kvr_dtype DT = KVR_DTYPE_F16;
 
-static void setup(void)
-{
-    cr_assert_eq(testd_start(&D, NULL), 0, "daemon did not start");
-    C = testd_connect(&D);
-    cr_assert_not_null(C);
-    kvr_model m;
-    cr_assert_eq(testd_register(C, "tiny", DT, &m), 0, "%s", kvr_client_last_error(C));
-    kvr_error err = { 0 };
-    cr_assert_eq(kvr_rope_create(&R, &m.rope, &err), 0, "%s", err.msg);
-}
-
+/* The files the CLI wrote go before the daemon's directory does. */
 static void teardown(void)
 {
-    kvr_rope_destroy(R);
-    R = NULL;
-    kvr_client_close(C);
-    C = NULL;
     char cmd[2048];
     snprintf(cmd, sizeof cmd, "rm -f %s/*.raw %s/*.safetensors", D.dir, D.dir);
     if (system(cmd) != 0) {
     }
-    testd_stop(&D);
+    kvt_tiny_suite_fini();
 }
 
-TestSuite(int_cli_layout, .init = setup, .fini = teardown, .timeout = 180);
+TestSuite(int_cli_layout, .init = kvt_tiny_suite_init, .fini = teardown, .timeout = 180);
 
 #define CLI(...) testd_cli(&D, OUT, sizeof OUT, (const char *const[]){ __VA_ARGS__, NULL })
 
@@ -77,57 +65,13 @@ static void path(char *buf, size_t cap, const char *name)
     snprintf(buf, cap, "%s/%s", D.dir, name);
 }
 
-static void write_file(const char *p, const void *data, size_t len)
-{
-    FILE *f = fopen(p, "wb");
-    cr_assert_not_null(f);
-    cr_assert_eq(fwrite(data, 1, len, f), len);
-    fclose(f);
-}
-
-static void *read_file(const char *p, size_t *len)
-{
-    FILE *f = fopen(p, "rb");
-    cr_assert_not_null(f, "%s missing", p);
-    fseek(f, 0, SEEK_END);
-    *len = (size_t)ftell(f);
-    fseek(f, 0, SEEK_SET);
-    void *b = malloc(*len + 1);
-    cr_assert_eq(fread(b, 1, *len, f), *len);
-    fclose(f);
-    return b;
-}
-
 /* ---- the reference ------------------------------------------------------ */
-
-static void embed(uint32_t id, uint32_t layer, uint32_t kv, float *out)
-{
-    for (uint32_t h = 0; h < T_HEADS; h++)
-        for (uint32_t d = 0; d < T_DIM; d++)
-            out[h * T_DIM + d] = testd_val(id, layer, kv, 0, h, d);
-}
 
 /* Layer-major K|V of tokens tok at positions pos, keys rotated there. */
 static void *make_kv(const uint32_t *tok, const int64_t *pos, size_t n, kvr_dtype dt,
                      size_t *len)
 {
-    const size_t per = (size_t)T_HEADS * T_DIM;
-    *len = kvr_payload_size(T_LAYERS, n, T_HEADS, T_DIM, dt);
-    uint8_t *buf = malloc(*len ? *len : 1);
-    float *x = malloc((n ? n : 1) * per * sizeof *x);
-    size_t half = n * per * kvr_dtype_size(dt);
-    for (uint32_t l = 0; l < T_LAYERS; l++) {
-        uint8_t *k = buf + (size_t)l * 2 * half, *v = k + half;
-        for (size_t i = 0; i < n; i++)
-            embed(tok[i], l, 0, x + i * per);
-        if (n)
-            cr_assert_eq(kvr_rope_apply(R, k, dt, x, KVR_DTYPE_F32, n, T_HEADS, pos, NULL), 0);
-        for (size_t i = 0; i < n; i++)
-            embed(tok[i], l, 1, x + i * per);
-        kvr_convert(v, dt, x, KVR_DTYPE_F32, n * per);
-    }
-    free(x);
-    return buf;
+    return kvt_tiny_kv(R, tok, pos, n, dt, len);
 }
 
 static float elem(const uint8_t *p, kvr_dtype dt, size_t i)
@@ -180,7 +124,7 @@ static void raw_file(const char *name, const uint32_t *tok, size_t n, int64_t p0
     size_t len;
     void *pl = make_kv(tok, pos, n, DT, &len);
     path(file, fcap, name);
-    write_file(file, pl, len);
+    kvt_write_file(file, pl, len);
     free(pl);
     size_t o = 0;
     ids[0] = 0;
@@ -199,7 +143,7 @@ typedef struct st_file {
 
 static void st_open(st_file *f, const char *p)
 {
-    f->buf = read_file(p, &f->len);
+    f->buf = kvt_read_file(p, &f->len);
     uint64_t hl;
     cr_assert_geq(f->len, 8);
     memcpy(&hl, f->buf, 8);
@@ -435,7 +379,7 @@ Test(int_cli_layout, assemble_sequential_explicit_folded)
     }
     cJSON_Delete(j);
     size_t len;
-    uint8_t *b = read_file(raw, &len);
+    uint8_t *b = kvt_read_file(raw, &len);
     cr_assert_eq(len, kvr_payload_size(T_LAYERS, 18, T_HEADS, T_DIM, KVR_DTYPE_F32));
     size_t half = len / T_LAYERS / 2;
     for (uint32_t l = 0; l < T_LAYERS; l++)

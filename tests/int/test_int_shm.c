@@ -22,7 +22,8 @@
 
 #include "kvrope.pb-c.h"
 #include "proto/frame.h"
-#include "tests/common/kvr_testd.h"
+#include "tests/common/kvt_daemon.h"
+#include "tests/common/kvt.h"
 
 static kvr_testd D;
 static kvr_client *C;
@@ -30,16 +31,12 @@ static kvr_client *C;
 static void setup(void)
 {
     const char *extra[] = { "--max-regions", "4", "--max-region-bytes", "64M", NULL };
-    cr_assert_eq(testd_start(&D, extra), 0, "daemon did not start");
-    C = testd_connect(&D);
-    cr_assert_not_null(C);
+    C = kvt_daemon_up(&D, extra);
 }
 
 static void teardown(void)
 {
-    kvr_client_close(C);
-    C = NULL;
-    testd_stop(&D);
+    kvt_daemon_down(&D, &C, NULL);
 }
 
 TestSuite(int_shm, .init = setup, .fini = teardown, .timeout = 180);
@@ -349,21 +346,10 @@ Test(int_shm, refusals)
     cr_assert_eq(kvr_client_ping(C, NULL), 0);
 }
 
-static int free_tcp_port(void)
-{
-    int s = socket(AF_INET, SOCK_STREAM, 0);
-    struct sockaddr_in a = { .sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK) };
-    cr_assert_eq(bind(s, (struct sockaddr *)&a, sizeof a), 0);
-    socklen_t l = sizeof a;
-    getsockname(s, (struct sockaddr *)&a, &l);
-    close(s);
-    return ntohs(a.sin_port);
-}
-
 Test(int_shm, tcp_refuses_shared_memory, .init = NULL, .fini = NULL)
 {
     char listen[64], addr[80];
-    int port = free_tcp_port();
+    int port = kvt_free_tcp_port();
     snprintf(listen, sizeof listen, "127.0.0.1:%d", port);
     snprintf(addr, sizeof addr, "tcp:127.0.0.1:%d", port);
     const char *extra[] = { "--listen", listen, NULL };
@@ -579,14 +565,7 @@ Test(int_shm, cli_put_and_get_through_shared_memory)
 
 static int raw_connect(void)
 {
-    int fd = socket(AF_UNIX, SOCK_STREAM, 0);
-    struct sockaddr_un sa = { .sun_family = AF_UNIX };
-    cr_assert_lt(strlen(D.sock), sizeof sa.sun_path);
-    memcpy(sa.sun_path, D.sock, strlen(D.sock) + 1);
-    cr_assert_eq(connect(fd, (struct sockaddr *)&sa, sizeof sa), 0);
-    struct timeval tv = { 20, 0 };
-    setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
-    return fd;
+    return kvt_unix_connect(D.sock, 20);
 }
 
 /* Sends req, with `pass` (>= 0) attached by SCM_RIGHTS; returns the status. */
@@ -626,19 +605,6 @@ static int raw_call(int fd, Kvrope__Request *req, int pass)
     int st = (int)r->status;
     kvrope__response__free_unpacked(r, NULL);
     return st;
-}
-
-static int count_fds(pid_t pid)
-{
-    char path[64];
-    snprintf(path, sizeof path, "/proc/%d/fd", (int)pid);
-    DIR *d = opendir(path);
-    cr_assert_not_null(d);
-    int n = 0;
-    while (readdir(d))
-        n++;
-    closedir(d);
-    return n;
 }
 
 /* Frames written together are read together (the daemon reads a header
@@ -716,10 +682,10 @@ static void expect_fd_refusal(int fd, uint64_t id, uint64_t alt)
 /* Waits (up to 5 s) for the daemon's descriptors to drop to at most max. */
 static int fds_settle(int max)
 {
-    int n = count_fds(D.pid);
+    int n = kvt_count_fds(D.pid);
     for (int i = 0; i < 250 && n > max; i++) {
         usleep(20000);
-        n = count_fds(D.pid);
+        n = kvt_count_fds(D.pid);
     }
     return n;
 }
@@ -745,7 +711,7 @@ Test(int_shm, descriptors_on_frames_that_take_none_are_refused)
     Kvrope__Request q;
     Kvrope__Ping ping;
     int fd = pinged_connect(&q, &ping);
-    int before = count_fds(D.pid);
+    int before = kvt_count_fds(D.pid);
     int mfd = raw_memfd(4096, F_SEAL_SHRINK);
     uint8_t buf[512];
     size_t off = 0;
@@ -778,7 +744,7 @@ Test(int_shm, descriptors_of_pipelined_frames)
     Kvrope__Request q;
     Kvrope__Ping ping;
     int fd = pinged_connect(&q, &ping);
-    int before = count_fds(D.pid);
+    int before = kvt_count_fds(D.pid);
     int mfd = raw_memfd(4096, F_SEAL_SHRINK);
     Kvrope__RegisterRegion rr = KVROPE__REGISTER_REGION__INIT;
     rr.size = 4096;
@@ -870,7 +836,7 @@ static void send_put_head(int fd, uint64_t id, const char *ctx, uint32_t *tok, s
 Test(int_shm, descriptors_on_payload_bytes_are_refused)
 {
     cr_assert_eq(testd_register(C, "pm", KVR_DTYPE_F16, NULL), 0);
-    int before = count_fds(D.pid);
+    int before = kvt_count_fds(D.pid);
     int mfd = raw_memfd(4096, F_SEAL_SHRINK);
     const size_t n = 70;   /* two blocks: several iovecs */
     size_t len;
@@ -968,7 +934,7 @@ Test(int_shm, a_client_cannot_hoard_descriptors)
     Kvrope__Ping ping;
     for (int i = 0; i < NC; i++)
         fds[i] = pinged_connect(&q, &ping);
-    int before = count_fds(D.pid);
+    int before = kvt_count_fds(D.pid);
     for (size_t b = 0; b + 1 < sizeof hdr; b++) {   /* never a whole header */
         for (int i = 0; i < NC; i++) {
             if (fds[i] < 0)

@@ -23,7 +23,8 @@
 
 #include "kvrope.pb-c.h"
 #include "proto/frame.h"
-#include "tests/common/kvr_testd.h"
+#include "tests/common/kvt_daemon.h"
+#include "tests/common/kvt.h"
 
 #define NL 32
 #define NH 8
@@ -42,19 +43,8 @@ static const char *const *EXTRA;   /* the daemon's extra options */
 
 static void setup(void)
 {
-    cr_assert_eq(testd_start(&D, EXTRA), 0, "daemon did not start");
-    C = testd_connect(&D);
-    cr_assert_not_null(C);
-    kvr_rope_config rc;
-    kvr_rope_config_init(&rc);
-    rc.head_dim = ND;
-    rc.rotary_dim = ND;
-    kvr_model_params p = { .name = "big", .n_layers = NL, .n_kv_heads = NH, .head_dim = ND,
-                           .dtype = KVR_DTYPE_F16, .rope = &rc };
-    kvr_model m;
-    cr_assert_eq(kvr_client_model_register(C, &p, &m), 0, "%s", kvr_client_last_error(C));
-    kvr_error err = { 0 };
-    cr_assert_eq(kvr_rope_create(&R, &m.rope, &err), 0, "%s", err.msg);
+    C = kvt_daemon_up(&D, EXTRA);
+    R = kvt_register_model(C, "big", NL, NH, ND, KVR_DTYPE_F16, NULL);
     PL_LEN = kvr_payload_size(NL, NT, NH, ND, KVR_DTYPE_F16);
     PL = malloc(PL_LEN);
     cr_assert_not_null(PL);
@@ -65,14 +55,10 @@ static void setup(void)
 
 static void teardown(void)
 {
-    kvr_rope_destroy(R);
-    R = NULL;
     free(PL);
     PL = NULL;
-    kvr_client_close(C);
-    C = NULL;
     /* Exit status 0: under ASan/LSan, nothing leaked. */
-    cr_expect_eq(testd_stop(&D), 0, "the daemon did not exit cleanly");
+    cr_expect_eq(kvt_daemon_down(&D, &C, &R), 0, "the daemon did not exit cleanly");
 }
 
 TestSuite(int_stream, .init = setup, .fini = teardown, .timeout = 240);
@@ -236,14 +222,7 @@ Test(int_stream, unedited_get_is_zero_copy_and_not_streamed)
 
 static int raw_connect(void)
 {
-    int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
-    cr_assert_geq(fd, 0);
-    struct sockaddr_un sa = { .sun_family = AF_UNIX };
-    size_t sl = strlen(D.sock);
-    cr_assert_lt(sl, sizeof sa.sun_path);
-    memcpy(sa.sun_path, D.sock, sl + 1);
-    cr_assert_eq(connect(fd, (struct sockaddr *)&sa, sizeof sa), 0, "connect %s", D.sock);
-    return fd;
+    return kvt_unix_connect(D.sock, 0);
 }
 
 static void send_all(int fd, const uint8_t *p, size_t n)

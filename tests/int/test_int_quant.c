@@ -17,7 +17,7 @@
 #include <criterion/criterion.h>
 #include <math.h>
 
-#include "tests/common/kvr_testd.h"
+#include "tests/common/kvt_daemon.h"
 #include "cache/codec.h"
 
 #define QL 2
@@ -33,29 +33,15 @@ static kvr_rope *R;
 
 static void setup(void)
 {
-    cr_assert_eq(testd_start(&D, NULL), 0, "daemon did not start");
-    C = testd_connect(&D);
-    cr_assert_not_null(C);
-    kvr_rope_config rc;
-    kvr_rope_config_init(&rc);
-    rc.head_dim = QD;
-    rc.rotary_dim = QD;
-    kvr_model_params p = { .name = "q", .n_layers = QL, .n_kv_heads = QH, .head_dim = QD,
-                           .dtype = KVR_DTYPE_F32, .rope = &rc };
+    C = kvt_daemon_up(&D, NULL);
     kvr_model m;
-    cr_assert_eq(kvr_client_model_register(C, &p, &m), 0, "%s", kvr_client_last_error(C));
+    R = kvt_register_model(C, "q", QL, QH, QD, KVR_DTYPE_F32, &m);
     cr_assert_str_eq(m.codec, "f32");
-    kvr_error err = { 0 };
-    cr_assert_eq(kvr_rope_create(&R, &m.rope, &err), 0, "%s", err.msg);
 }
 
 static void teardown(void)
 {
-    kvr_rope_destroy(R);
-    R = NULL;
-    kvr_client_close(C);
-    C = NULL;
-    testd_stop(&D);
+    kvt_daemon_down(&D, &C, &R);
 }
 
 TestSuite(int_quant, .init = setup, .fini = teardown, .timeout = 240);

@@ -23,24 +23,21 @@
 #include "kvrope.pb-c.h"
 #include "proto/check.h"
 #include "proto/frame.h"
-#include "tests/common/kvr_testd.h"
+#include "tests/common/kvt_daemon.h"
+#include "tests/common/kvt.h"
 
 static kvr_testd D;
 static kvr_client *C;
 
 static void setup(void)
 {
-    cr_assert_eq(testd_start(&D, NULL), 0, "daemon did not start");
-    C = testd_connect(&D);
-    cr_assert_not_null(C);
+    C = kvt_daemon_up(&D, NULL);
     cr_assert_eq(testd_register(C, "m", KVR_DTYPE_F16, NULL), 0);
 }
 
 static void teardown(void)
 {
-    kvr_client_close(C);
-    C = NULL;
-    testd_stop(&D);
+    kvt_daemon_down(&D, &C, NULL);
 }
 
 TestSuite(int_harden, .init = setup, .fini = teardown, .timeout = 120);
@@ -49,15 +46,7 @@ TestSuite(int_harden, .init = setup, .fini = teardown, .timeout = 120);
 
 static int raw_connect(void)
 {
-    int fd = socket(AF_UNIX, SOCK_STREAM, 0);
-    cr_assert_geq(fd, 0);
-    struct sockaddr_un a = { .sun_family = AF_UNIX };
-    cr_assert_lt(strlen(D.sock), sizeof a.sun_path);
-    memcpy(a.sun_path, D.sock, strlen(D.sock) + 1);
-    cr_assert_eq(connect(fd, (struct sockaddr *)&a, sizeof a), 0);
-    struct timeval tv = { 20, 0 };
-    setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
-    return fd;
+    return kvt_unix_connect(D.sock, 20);
 }
 
 static void write_all(int fd, const void *p, size_t n)

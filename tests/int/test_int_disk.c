@@ -30,6 +30,7 @@
 #include "tests/common/cache_stream.h"
 #include "tests/common/kvr_testd.h"
 #include "tests/common/kvr_tmpdir.h"
+#include "tests/common/kvt.h"
 
 
 static void disk_dir(char *out, size_t cap)
@@ -45,16 +46,6 @@ static int start(kvr_testd *d, const char *dir, const char *engine, const char *
     return testd_start(d, args);
 }
 
-static uint64_t fnv(uint64_t h, const void *p, size_t n)
-{
-    const uint8_t *b = p;
-    for (size_t i = 0; i < n; i++) {
-        h ^= b[i];
-        h *= 1099511628211ull;
-    }
-    return h;
-}
-
 /* Hash of a context as a get sees it (tokens, positions, flags, KV); 0 if
  * it does not exist, 1 on another error. */
 static uint64_t ctx_hash(kvr_client *c, const char *id, kvr_dtype dt)
@@ -67,11 +58,11 @@ static uint64_t ctx_hash(kvr_client *c, const char *id, kvr_dtype dt)
     if (r != 0)
         return 1;
     uint64_t h = 14695981039346656037ull;
-    h = fnv(h, &kv.n_tokens, sizeof kv.n_tokens);
-    h = fnv(h, kv.tokens, kv.n_tokens * 4);
-    h = fnv(h, kv.positions, kv.n_tokens * 8);
-    h = fnv(h, kv.flags, kv.n_tokens * 4);
-    h = fnv(h, kv.payload, kv.payload_len);
+    h = kvt_fnv(h, &kv.n_tokens, sizeof kv.n_tokens);
+    h = kvt_fnv(h, kv.tokens, kv.n_tokens * 4);
+    h = kvt_fnv(h, kv.positions, kv.n_tokens * 8);
+    h = kvt_fnv(h, kv.flags, kv.n_tokens * 4);
+    h = kvt_fnv(h, kv.payload, kv.payload_len);
     kvr_kv_release(&kv);
     return h | 2;
 }

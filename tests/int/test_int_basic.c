@@ -6,23 +6,19 @@
  */
 #include <criterion/criterion.h>
 
-#include "tests/common/kvr_testd.h"
+#include "tests/common/kvt_daemon.h"
 
 static kvr_testd D;
 static kvr_client *C;
 
 static void setup(void)
 {
-    cr_assert_eq(testd_start(&D, NULL), 0, "daemon did not start");
-    C = testd_connect(&D);
-    cr_assert_not_null(C);
+    C = kvt_daemon_up(&D, NULL);
 }
 
 static void teardown(void)
 {
-    kvr_client_close(C);
-    C = NULL;
-    testd_stop(&D);
+    kvt_daemon_down(&D, &C, NULL);
 }
 
 TestSuite(int_basic, .init = setup, .fini = teardown, .timeout = 120);

@@ -8,60 +8,15 @@
 #include <criterion/criterion.h>
 #include <math.h>
 
-#include "tests/common/kvr_testd.h"
+#include "tests/common/kvt_daemon.h"
 
-static kvr_testd D;
-static kvr_client *C;
-static kvr_rope *R;
+/* The suite's daemon, client and tiny model (kvt_daemon.h). */
+#define D kvt_suite_d
+#define C kvt_suite_c
+#define R kvt_suite_r
 static const kvr_dtype DT = KVR_DTYPE_F16;
 
-static void setup(void)
-{
-    cr_assert_eq(testd_start(&D, NULL), 0, "daemon did not start");
-    C = testd_connect(&D);
-    cr_assert_not_null(C);
-    kvr_model m;
-    cr_assert_eq(testd_register(C, "tiny", DT, &m), 0, "%s", kvr_client_last_error(C));
-    kvr_error err = { 0 };
-    cr_assert_eq(kvr_rope_create(&R, &m.rope, &err), 0, "%s", err.msg);
-}
-
-static void teardown(void)
-{
-    kvr_rope_destroy(R);
-    kvr_client_close(C);
-    testd_stop(&D);
-}
-
-TestSuite(int_layout, .init = setup, .fini = teardown, .timeout = 180);
-
-static void embed(uint32_t id, uint32_t layer, uint32_t kv, float *out)
-{
-    for (uint32_t h = 0; h < T_HEADS; h++)
-        for (uint32_t d = 0; d < T_DIM; d++)
-            out[h * T_DIM + d] = testd_val(id, layer, kv, 0, h, d);
-}
-
-static void *make_kv(const uint32_t *tok, const int64_t *pos, size_t n, size_t *len)
-{
-    const size_t per = (size_t)T_HEADS * T_DIM;
-    *len = kvr_payload_size(T_LAYERS, n, T_HEADS, T_DIM, DT);
-    uint8_t *buf = malloc(*len ? *len : 1);
-    float *x = malloc((n ? n : 1) * per * sizeof *x);
-    size_t half = n * per * 2;
-    for (uint32_t l = 0; l < T_LAYERS; l++) {
-        uint8_t *k = buf + (size_t)l * 2 * half, *v = k + half;
-        for (size_t i = 0; i < n; i++)
-            embed(tok[i], l, 0, x + i * per);
-        if (n)
-            cr_assert_eq(kvr_rope_apply(R, k, DT, x, KVR_DTYPE_F32, n, T_HEADS, pos, NULL), 0);
-        for (size_t i = 0; i < n; i++)
-            embed(tok[i], l, 1, x + i * per);
-        kvr_convert(v, DT, x, KVR_DTYPE_F32, n * per);
-    }
-    free(x);
-    return buf;
-}
+TestSuite(int_layout, .init = kvt_tiny_suite_init, .fini = kvt_tiny_suite_fini, .timeout = 180);
 
 static float h2f(const uint8_t *p)
 {
@@ -80,7 +35,7 @@ static void check_kv(const kvr_kv *kv, const uint32_t *tok, const int64_t *pos, 
                      (long long)kv->positions[i], (long long)pos[i]);
     }
     size_t len;
-    uint8_t *want = make_kv(tok, pos, n, &len);
+    uint8_t *want = kvt_tiny_kv(R, tok, pos, n, DT, &len);
     cr_assert_eq(kv->payload_len, len);
     const uint8_t *got = kv->payload;
     size_t half = n * T_HEADS * T_DIM * 2;
@@ -104,7 +59,7 @@ static void put_at(const char *ctx, const uint32_t *tok, size_t n, int64_t p0,
     for (size_t i = 0; i < n; i++)
         pos[i] = p0 + (int64_t)i;
     size_t len;
-    void *pl = make_kv(tok, pos, n, &len);
+    void *pl = kvt_tiny_kv(R, tok, pos, n, DT, &len);
     kvr_put_args a = o ? *o : (kvr_put_args){ 0 };
     a.ctx_id = ctx, a.model = "tiny", a.dtype = DT, a.tokens = tok, a.n_tokens = n;
     a.has_pos_start = o == NULL || o->prefix_ctx == NULL, a.pos_start = p0;
@@ -205,7 +160,7 @@ static void group_put(const char *ctx, const char *group, const uint32_t *tok, s
     for (size_t i = 0; i < n; i++)
         pos[i] = expect_first + (int64_t)i;
     size_t len;
-    void *pl = make_kv(tok, pos, n, &len);
+    void *pl = kvt_tiny_kv(R, tok, pos, n, DT, &len);
     kvr_put_args a = o ? *o : (kvr_put_args){ 0 };
     a.ctx_id = ctx, a.model = "tiny", a.dtype = DT, a.tokens = tok, a.n_tokens = n;
     a.payload = pl, a.payload_len = len, a.mode = KVR_PUT_UPSERT;
@@ -282,7 +237,7 @@ Test(int_layout, sinks_and_window)
     uint32_t more[] = { 800, 801 };
     size_t len;
     int64_t mp[] = { 6, 7 };
-    void *pl = make_kv(more, mp, 2, &len);
+    void *pl = kvt_tiny_kv(R, more, mp, 2, DT, &len);
     kvr_put_args a = { .mode = KVR_PUT_UPSERT, .ctx_id = "w", .model = "tiny", .dtype = DT, .tokens = more,
                        .n_tokens = 2, .payload = pl, .payload_len = len };
     cr_assert_eq(kvr_client_put(C, &a, NULL), 0, "%s", kvr_client_last_error(C));
@@ -310,7 +265,7 @@ Test(int_layout, protect_first_with_retention)
     uint32_t more[] = { 950, 951 };
     int64_t mp[] = { 6, 7 };
     size_t len;
-    void *pl = make_kv(more, mp, 2, &len);
+    void *pl = kvt_tiny_kv(R, more, mp, 2, DT, &len);
     kvr_put_args a = { .ctx_id = "pw", .model = "tiny", .dtype = DT, .tokens = more,
                        .n_tokens = 2, .payload = pl, .payload_len = len, .mode = KVR_PUT_UPSERT,
                        .protect_first = 8, .has_protect = true };

@@ -7,7 +7,8 @@
 #include <criterion/criterion.h>
 #include <cjson/cJSON.h>
 
-#include "tests/common/kvr_testd.h"
+#include "tests/common/kvt_daemon.h"
+#include "tests/common/kvt.h"
 
 static kvr_testd D;
 static kvr_client *C;
@@ -15,9 +16,7 @@ static char OUT[1 << 16];
 
 static void setup(void)
 {
-    cr_assert_eq(testd_start(&D, NULL), 0, "daemon did not start");
-    C = testd_connect(&D);
-    cr_assert_not_null(C);
+    C = kvt_daemon_up(&D, NULL);
 }
 
 static void teardown(void)
@@ -48,27 +47,6 @@ static void path(char *buf, size_t cap, const char *name)
     snprintf(buf, cap, "%s/%s", D.dir, name);
 }
 
-static void write_file(const char *p, const void *data, size_t len)
-{
-    FILE *f = fopen(p, "wb");
-    cr_assert_not_null(f);
-    cr_assert_eq(fwrite(data, 1, len, f), len);
-    fclose(f);
-}
-
-static void *read_file(const char *p, size_t *len)
-{
-    FILE *f = fopen(p, "rb");
-    cr_assert_not_null(f, "%s missing", p);
-    fseek(f, 0, SEEK_END);
-    *len = (size_t)ftell(f);
-    fseek(f, 0, SEEK_SET);
-    void *b = malloc(*len + 1);
-    cr_assert_eq(fread(b, 1, *len, f), *len);
-    fclose(f);
-    return b;
-}
-
 Test(int_cli, ping_stats_models_json)
 {
     cr_assert_eq(CLI("ping"), 0);
@@ -83,7 +61,7 @@ Test(int_cli, ping_stats_models_json)
     const char *txt = "{\"model_type\":\"llama\",\"num_hidden_layers\":3,"
                       "\"num_attention_heads\":4,\"num_key_value_heads\":2,"
                       "\"hidden_size\":64,\"rope_theta\":10000.0}";
-    write_file(cfg, txt, strlen(txt));
+    kvt_write_file(cfg, txt, strlen(txt));
     cr_assert_eq(CLI("models", "add", "cfgm", "--config", cfg, "--dtype", "bf16", "--json"), 0);
     j = json_out();
     cr_assert_eq(cJSON_GetObjectItem(j, "n_layers")->valueint, 3);
@@ -113,16 +91,16 @@ Test(int_cli, raw_put_get_roundtrip)
     path(in, sizeof in, "in.raw");
     path(out, sizeof out, "out.raw");
     path(toks, sizeof toks, "tokens.txt");
-    write_file(in, pl, len);
+    kvt_write_file(in, pl, len);
     const char *tt = "10 11 12 13 14 15 16 17 18 19\n20,21,22,23,24,25,26,27,28,29\n";
-    write_file(toks, tt, strlen(tt));
+    kvt_write_file(toks, tt, strlen(tt));
     cr_assert_eq(CLI("put", "raw", in, "--model", "m", "--tokens-file", toks, "--json"), 0);
     cJSON *j = json_out();
     cr_assert_eq(cJSON_GetObjectItem(j, "n_tokens")->valueint, 20);
     cJSON_Delete(j);
     cr_assert_eq(CLI("get", "raw", "-o", out), 0);
     size_t got_len;
-    void *got = read_file(out, &got_len);
+    void *got = kvt_read_file(out, &got_len);
     cr_assert_eq(got_len, len);
     cr_assert(memcmp(got, pl, len) == 0);
     free(got);
@@ -142,7 +120,7 @@ Test(int_cli, raw_put_get_roundtrip)
     cr_assert_eq(cJSON_GetArrayItem(tk, 19)->valueint, 29);
     cJSON_Delete(j);
     /* Wrong file size for the shape: refused before sending, exit 1. */
-    write_file(in, pl, len - 2);
+    kvt_write_file(in, pl, len - 2);
     cr_assert_eq(CLI("put", "raw2", in, "--model", "m", "--tokens-file", toks), 1);
     free(pl);
 }
@@ -179,7 +157,7 @@ Test(int_cli, safetensors_roundtrip)
     path(st2, sizeof st2, "kv2.safetensors");
     cr_assert_eq(CLI("get", "src", "-o", st), 0);
     size_t flen;
-    uint8_t *f = read_file(st, &flen);
+    uint8_t *f = kvt_read_file(st, &flen);
     char dt[16];
     size_t shape[8];
     int nd;
@@ -307,7 +285,7 @@ Test(int_cli_persist, put_persist_survives_restart, .timeout = 120)
     char in[300], out[300];
     snprintf(in, sizeof in, "%s/in.raw", disk);
     snprintf(out, sizeof out, "%s/out.raw", disk);
-    write_file(in, pl, len);
+    kvt_write_file(in, pl, len);
     cr_assert_eq(testd_cli(&d, OUT, sizeof OUT,
                            (const char *const[]){ "put", "p", in, "--model", "m", "--tokens",
                                                   "1,2,3,4,5,6,7,8,9,10,11,12", "--persist",
@@ -318,7 +296,7 @@ Test(int_cli_persist, put_persist_survives_restart, .timeout = 120)
     cr_assert_eq(testd_cli(&d, OUT, sizeof OUT,
                            (const char *const[]){ "get", "p", "-o", out, NULL }), 0, "%s", OUT);
     size_t got_len;
-    void *got = read_file(out, &got_len);
+    void *got = kvt_read_file(out, &got_len);
     cr_assert_eq(got_len, len);
     cr_assert(memcmp(got, pl, len) == 0);
     free(got);

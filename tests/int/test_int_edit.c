@@ -14,66 +14,24 @@
 #include <criterion/criterion.h>
 #include <math.h>
 
-#include "tests/common/kvr_testd.h"
+#include "tests/common/kvt_daemon.h"
 
-static kvr_testd D;
-static kvr_client *C;
-static kvr_rope *R;
+/* The suite's daemon, client and tiny model (kvt_daemon.h). */
+#define D kvt_suite_d
+#define C kvt_suite_c
+#define R kvt_suite_r
 static const kvr_dtype DT = KVR_DTYPE_F16;
 
-static void setup(void)
-{
-    cr_assert_eq(testd_start(&D, NULL), 0, "daemon did not start");
-    C = testd_connect(&D);
-    cr_assert_not_null(C);
-    kvr_model m;
-    cr_assert_eq(testd_register(C, "tiny", DT, &m), 0, "%s", kvr_client_last_error(C));
-    kvr_error err = { 0 };
-    cr_assert_eq(kvr_rope_create(&R, &m.rope, &err), 0, "%s", err.msg);
-}
-
-static void teardown(void)
-{
-    kvr_rope_destroy(R);
-    R = NULL;
-    kvr_client_close(C);
-    C = NULL;
-    testd_stop(&D);
-}
-
-TestSuite(int_edit, .init = setup, .fini = teardown, .timeout = 180);
+TestSuite(int_edit, .init = kvt_tiny_suite_init, .fini = kvt_tiny_suite_fini, .timeout = 180);
 
 /* ---- the reference ------------------------------------------------------ */
 
 /* E[id] (kv = 0) or V[id] (kv = 1) of one layer: [T_HEADS][T_DIM] floats. */
-static void embed(uint32_t id, uint32_t layer, uint32_t kv, float *out)
-{
-    for (uint32_t h = 0; h < T_HEADS; h++)
-        for (uint32_t d = 0; d < T_DIM; d++)
-            out[h * T_DIM + d] = testd_val(id, layer, kv, 0, h, d);
-}
 
 /* Layer-major KV (f16) of tokens at positions: K = rope(E, pos), V. */
 static void *make_kv(const uint32_t *tok, const int64_t *pos, size_t n, size_t *len)
 {
-    const size_t per = (size_t)T_HEADS * T_DIM;
-    *len = kvr_payload_size(T_LAYERS, n, T_HEADS, T_DIM, DT);
-    uint8_t *buf = malloc(*len ? *len : 1);
-    float *x = malloc((n ? n : 1) * per * sizeof *x);
-    cr_assert(buf && x);
-    size_t half = n * per * 2;
-    for (uint32_t l = 0; l < T_LAYERS; l++) {
-        uint8_t *k = buf + (size_t)l * 2 * half, *v = k + half;
-        for (size_t i = 0; i < n; i++)
-            embed(tok[i], l, 0, x + i * per);
-        if (n)
-            cr_assert_eq(kvr_rope_apply(R, k, DT, x, KVR_DTYPE_F32, n, T_HEADS, pos, NULL), 0);
-        for (size_t i = 0; i < n; i++)
-            embed(tok[i], l, 1, x + i * per);
-        kvr_convert(v, DT, x, KVR_DTYPE_F32, n * per);
-    }
-    free(x);
-    return buf;
+    return kvt_tiny_kv(R, tok, pos, n, DT, len);
 }
 
 /* The expected sequence of a context, kept alongside the daemon's. */

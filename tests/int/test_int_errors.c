@@ -7,25 +7,21 @@
 #include <criterion/criterion.h>
 #include <math.h>
 
-#include "tests/common/kvr_testd.h"
+#include "tests/common/kvt_daemon.h"
 
 static kvr_testd D;
 static kvr_client *C;
 
 static void setup(void)
 {
-    cr_assert_eq(testd_start(&D, NULL), 0, "daemon did not start");
-    C = testd_connect(&D);
-    cr_assert_not_null(C);
+    C = kvt_daemon_up(&D, NULL);
     cr_assert_eq(testd_register(C, "m", KVR_DTYPE_F16, NULL), 0);
     cr_assert_eq(testd_put(C, "keep", "m", KVR_DTYPE_F16, 3, 0, 0, 64), 0);
 }
 
 static void teardown(void)
 {
-    kvr_client_close(C);
-    C = NULL;
-    testd_stop(&D);
+    kvt_daemon_down(&D, &C, NULL);
 }
 
 TestSuite(int_errors, .init = setup, .fini = teardown, .timeout = 120);

@@ -29,16 +29,11 @@
 #include "kvrope.pb-c.h"
 #include "proto/frame.h"
 #include "tests/common/kvr_testd.h"
+#include "tests/common/kvt.h"
 
 static int raw_connect(const kvr_testd *d)
 {
-    int fd = socket(AF_UNIX, SOCK_STREAM, 0);
-    cr_assert_geq(fd, 0);
-    struct sockaddr_un a = { .sun_family = AF_UNIX };
-    cr_assert_lt(strlen(d->sock), sizeof a.sun_path);
-    memcpy(a.sun_path, d->sock, strlen(d->sock) + 1);
-    cr_assert_eq(connect(fd, (struct sockaddr *)&a, sizeof a), 0);
-    return fd;
+    return kvt_unix_connect(d->sock, 0);
 }
 
 static int send_all(int fd, const void *p, size_t n)

@@ -27,10 +27,32 @@
 #include "proto/frame.h"
 
 #include "tests/common/kvr_rawd.h"
+#include "tests/common/kvt.h"
 
 /* ---- tests ---------------------------------------------------------------------- */
 
 TestSuite(daemon_wire, .init = setup, .fini = teardown, .timeout = 120);
+
+/* Writes len bytes of frame to fd, expects one response with status st,
+ * then the daemon's close, and closes fd. */
+static void refused_then_closed(int fd, const void *frame, size_t len, Kvrope__Status st)
+{
+    cr_assert_eq(write_all(fd, frame, len), 0);
+    Kvrope__Response *r = recv_resp(fd, NULL, NULL);
+    cr_assert_eq(r->status, st, "status %d, want %d", r->status, st);
+    kvrope__response__free_unpacked(r, NULL);
+    expect_eof(fd);
+    close(fd);
+}
+
+/* The daemon still answers a ping on fd: close it, stop the daemon (it
+ * must exit cleanly). */
+static void answers_then_stop(int fd, uint64_t id)
+{
+    cr_assert_eq(ping(fd, id), KVROPE__STATUS__OK);
+    close(fd);
+    stop_daemon_clean();
+}
 
 Test(daemon_wire, ping_and_pipelining)
 {
@@ -210,28 +232,16 @@ Test(daemon_wire, garbage_closes_only_that_connection)
     uint8_t h[KVR_FRAME_HEADER_SIZE];
     kvr_frame_header_encode(h, 0, 0);
     h[4] = 9;
-    cr_assert_eq(write_all(bad2, h, sizeof h), 0);
-    r = recv_resp(bad2, NULL, NULL);
-    cr_assert_eq(r->status, KVROPE__STATUS__E_BAD_FRAME);
-    kvrope__response__free_unpacked(r, NULL);
-    expect_eof(bad2);
-    close(bad2);
+    refused_then_closed(bad2, h, sizeof h, KVROPE__STATUS__E_BAD_FRAME);
 
     /* A valid header with an undecodable message. */
     int bad3 = connect_unix(D.sock);
     uint8_t f[KVR_FRAME_HEADER_SIZE + 4];
     kvr_frame_header_encode(f, 4, 0);
     memcpy(f + KVR_FRAME_HEADER_SIZE, "\xff\xff\xff\xff", 4);
-    cr_assert_eq(write_all(bad3, f, sizeof f), 0);
-    r = recv_resp(bad3, NULL, NULL);
-    cr_assert_eq(r->status, KVROPE__STATUS__E_BAD_FRAME);
-    kvrope__response__free_unpacked(r, NULL);
-    expect_eof(bad3);
-    close(bad3);
+    refused_then_closed(bad3, f, sizeof f, KVROPE__STATUS__E_BAD_FRAME);
 
-    cr_assert_eq(ping(good, 2), KVROPE__STATUS__OK);
-    close(good);
-    stop_daemon_clean();
+    answers_then_stop(good, 2);
 }
 
 Test(daemon_wire, oversize_frame)
@@ -241,27 +251,15 @@ Test(daemon_wire, oversize_frame)
     int fd = connect_unix(D.sock);
     uint8_t h[KVR_FRAME_HEADER_SIZE];
     kvr_frame_header_encode(h, 4097, 0);
-    cr_assert_eq(write_all(fd, h, sizeof h), 0);
-    Kvrope__Response *r = recv_resp(fd, NULL, NULL);
-    cr_assert_eq(r->status, KVROPE__STATUS__E_TOO_LARGE);
-    kvrope__response__free_unpacked(r, NULL);
-    expect_eof(fd);
-    close(fd);
+    refused_then_closed(fd, h, sizeof h, KVROPE__STATUS__E_TOO_LARGE);
 
     /* A payload over the memory cap: refused before anything is read. */
     fd = connect_unix(D.sock);
     kvr_frame_header_encode(h, 2, 1ull << 40);
-    cr_assert_eq(write_all(fd, h, sizeof h), 0);
-    r = recv_resp(fd, NULL, NULL);
-    cr_assert_eq(r->status, KVROPE__STATUS__E_TOO_LARGE);
-    kvrope__response__free_unpacked(r, NULL);
-    expect_eof(fd);
-    close(fd);
+    refused_then_closed(fd, h, sizeof h, KVROPE__STATUS__E_TOO_LARGE);
 
     fd = connect_unix(D.sock);
-    cr_assert_eq(ping(fd, 3), KVROPE__STATUS__OK);
-    close(fd);
-    stop_daemon_clean();
+    answers_then_stop(fd, 3);
 }
 
 Test(daemon_wire, truncated_frames_then_disconnect)
@@ -277,9 +275,7 @@ Test(daemon_wire, truncated_frames_then_disconnect)
     cr_assert_eq(write_all(fd, "\x08\x01", 2), 0);
     close(fd);
     fd = connect_unix(D.sock);
-    cr_assert_eq(ping(fd, 5), KVROPE__STATUS__OK);
-    close(fd);
-    stop_daemon_clean();
+    answers_then_stop(fd, 5);
 }
 
 static Kvrope__Response *get_all(int fd, const char *ctx, uint8_t **payload, uint64_t *plen)
@@ -481,17 +477,6 @@ Test(daemon_wire, match_stat_list_stats)
     stop_daemon_clean();
 }
 
-static int free_tcp_port(void)
-{
-    int s = socket(AF_INET, SOCK_STREAM, 0);
-    struct sockaddr_in a = { .sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK) };
-    cr_assert_eq(bind(s, (struct sockaddr *)&a, sizeof a), 0);
-    socklen_t l = sizeof a;
-    getsockname(s, (struct sockaddr *)&a, &l);
-    close(s);
-    return ntohs(a.sin_port);
-}
-
 static int connect_tcp(int port)
 {
     int fd = socket(AF_INET, SOCK_STREAM, 0);
@@ -530,7 +515,7 @@ Test(daemon_wire, tcp_auth_required)
     fputs("s3cret-token\n", f);
     fclose(f);
     cr_assert_eq(chmod(tokpath, 0600), 0);   /* a token others can read is refused */
-    int port = free_tcp_port();
+    int port = kvt_free_tcp_port();
     snprintf(listen, sizeof listen, "127.0.0.1:%d", port);
     const char *extra[] = { "--listen", listen, "--auth-token-file", tokpath, NULL };
     start_daemon(extra);
@@ -557,9 +542,7 @@ Test(daemon_wire, tcp_auth_required)
 
     /* Unix-socket clients need no auth. */
     fd = connect_unix(D.sock);
-    cr_assert_eq(ping(fd, 3), KVROPE__STATUS__OK);
-    close(fd);
-    stop_daemon_clean();
+    answers_then_stop(fd, 3);
 }
 
 Test(daemon_wire, non_loopback_needs_token)
@@ -608,9 +591,7 @@ Test(daemon_wire, stale_socket_is_replaced)
     close(s);
     start_daemon(NULL);
     int fd = connect_unix(D.sock);
-    cr_assert_eq(ping(fd, 1), KVROPE__STATUS__OK);
-    close(fd);
-    stop_daemon_clean();
+    answers_then_stop(fd, 1);
 }
 
 /* An f32 put into an f16 model converts on the threadpool; an f32 get
@@ -727,7 +708,7 @@ static int start_tcp_daemon_with_token(const char *const *more)
     fputs("s3cret-token\n", f);
     fclose(f);
     cr_assert_eq(chmod(tokpath, 0600), 0);   /* a token others can read is refused */
-    int port = free_tcp_port();
+    int port = kvt_free_tcp_port();
     snprintf(listen, sizeof listen, "127.0.0.1:%d", port);
     const char *extra[24] = { "--listen", listen, "--auth-token-file", tokpath };
     int n = 4;
@@ -830,9 +811,7 @@ Test(daemon_wire, partial_header_times_out_idle_is_kept)
     cr_assert_eq(write_all(fd, h, 10), 0);
     expect_eof(fd);
     close(fd);
-    cr_assert_eq(ping(idle, 2), KVROPE__STATUS__OK);
-    close(idle);
-    stop_daemon_clean();
+    answers_then_stop(idle, 2);
 }
 
 /* A TCP client that connects and never authenticates is closed after
@@ -856,9 +835,7 @@ Test(daemon_wire, unauthenticated_tcp_client_times_out)
     fd = connect_tcp(port);
     cr_assert_eq(auth(fd, "s3cret-token"), KVROPE__STATUS__OK);
     sleep_ms(1500);
-    cr_assert_eq(ping(fd, 2), KVROPE__STATUS__OK);
-    close(fd);
-    stop_daemon_clean();
+    answers_then_stop(fd, 2);
 }
 
 /* A Unix connection that a ping shows admitted (retrying while the
@@ -999,28 +976,16 @@ Test(daemon_wire, large_frame_before_auth_is_refused)
     int fd = tcp_connect_retry(port);
     uint8_t h[KVR_FRAME_HEADER_SIZE];
     kvr_frame_header_encode(h, 512u << 10, 0);    /* under --max-frame */
-    cr_assert_eq(write_all(fd, h, sizeof h), 0);
-    Kvrope__Response *r = recv_resp(fd, NULL, NULL);
-    cr_assert_eq(r->status, KVROPE__STATUS__E_UNAUTHENTICATED, "status %d", r->status);
-    kvrope__response__free_unpacked(r, NULL);
-    expect_eof(fd);
-    close(fd);
+    refused_then_closed(fd, h, sizeof h, KVROPE__STATUS__E_UNAUTHENTICATED);
 
     fd = connect_tcp(port);
     kvr_frame_header_encode(h, 8, 1u << 20);       /* a payload before Auth */
-    cr_assert_eq(write_all(fd, h, sizeof h), 0);
-    r = recv_resp(fd, NULL, NULL);
-    cr_assert_eq(r->status, KVROPE__STATUS__E_UNAUTHENTICATED, "status %d", r->status);
-    kvrope__response__free_unpacked(r, NULL);
-    expect_eof(fd);
-    close(fd);
+    refused_then_closed(fd, h, sizeof h, KVROPE__STATUS__E_UNAUTHENTICATED);
 
     /* After Auth the usual limits apply. */
     fd = connect_tcp(port);
     cr_assert_eq(auth(fd, "s3cret-token"), KVROPE__STATUS__OK);
-    cr_assert_eq(ping(fd, 2), KVROPE__STATUS__OK);
-    close(fd);
-    stop_daemon_clean();
+    answers_then_stop(fd, 2);
 }
 
 /* With a small memory cap the message limit drops below --max-frame, so
@@ -1032,14 +997,7 @@ Test(daemon_wire, message_limit_follows_memory_cap)
     int fd = connect_unix(D.sock);
     uint8_t h[KVR_FRAME_HEADER_SIZE];
     kvr_frame_header_encode(h, 64u << 10, 0);     /* under --max-frame 1M */
-    cr_assert_eq(write_all(fd, h, sizeof h), 0);
-    Kvrope__Response *r = recv_resp(fd, NULL, NULL);
-    cr_assert_eq(r->status, KVROPE__STATUS__E_TOO_LARGE, "status %d", r->status);
-    kvrope__response__free_unpacked(r, NULL);
-    expect_eof(fd);
-    close(fd);
+    refused_then_closed(fd, h, sizeof h, KVROPE__STATUS__E_TOO_LARGE);
     fd = connect_unix(D.sock);
-    cr_assert_eq(ping(fd, 1), KVROPE__STATUS__OK);
-    close(fd);
-    stop_daemon_clean();
+    answers_then_stop(fd, 1);
 }

@@ -34,6 +34,7 @@
 #include "proto/frame.h"
 
 #include "tests/common/kvr_rawd.h"
+#include "tests/common/kvt.h"
 
 /* ---- a pipelined script and its expected replies ---------------------------- */
 
@@ -375,19 +376,6 @@ Test(daemon_readahead, a_flood_of_pipelined_frames_starves_no_other_connection)
 
 /* ---- descriptors: strays on every kind of read, none kept --------------------- */
 
-static int count_fds(pid_t pid)
-{
-    char path[64];
-    snprintf(path, sizeof path, "/proc/%d/fd", (int)pid);
-    DIR *d = opendir(path);
-    cr_assert_not_null(d);
-    int n = 0;
-    while (readdir(d))
-        n++;
-    closedir(d);
-    return n;
-}
-
 /* Writes buf[0..len) with nfd copies of fd attached (SCM_RIGHTS). */
 static void send_fds(int fd, const void *buf, size_t len, int pass, int nfd)
 {
@@ -410,7 +398,7 @@ static void send_fds(int fd, const void *buf, size_t len, int pass, int nfd)
 
 static void wait_fds_at_most(int limit)
 {
-    for (int i = 0; i < 200 && count_fds(D.pid) > limit; i++)
+    for (int i = 0; i < 200 && kvt_count_fds(D.pid) > limit; i++)
         sleep_ms(20);
 }
 
@@ -451,7 +439,7 @@ Test(daemon_readahead, stray_descriptors_on_every_kind_of_read)
     cr_assert_geq(fd, 0);
     register_model(fd);
     cr_assert_eq(ping(fd, 1), KVROPE__STATUS__OK);
-    int before = count_fds(D.pid);
+    int before = kvt_count_fds(D.pid);
     int mfd = memfd_create("t", MFD_CLOEXEC | MFD_ALLOW_SEALING);
     cr_assert_geq(mfd, 0);
     cr_assert_eq(ftruncate(mfd, 4096), 0);
@@ -517,8 +505,8 @@ Test(daemon_readahead, stray_descriptors_on_every_kind_of_read)
         sc_free(&s);
         cr_assert_eq(ping(fd, 3), KVROPE__STATUS__OK, "the other connection carries on");
         wait_fds_at_most(before);
-        cr_assert_leq(count_fds(D.pid), before, "round %d: the daemon kept descriptors: %d -> %d",
-                      round, before, count_fds(D.pid));
+        cr_assert_leq(kvt_count_fds(D.pid), before, "round %d: the daemon kept descriptors: %d -> %d",
+                      round, before, kvt_count_fds(D.pid));
     }
     /* 5. two RegisterRegions in one write, one fd: the first has it, the
      *    second is refused; both answered */
@@ -541,8 +529,8 @@ Test(daemon_readahead, stray_descriptors_on_every_kind_of_read)
     cr_assert_eq(ping(fd, 2), KVROPE__STATUS__OK);
     close(fd);
     wait_fds_at_most(before - 1);
-    cr_assert_leq(count_fds(D.pid), before - 1, "after the close: %d -> %d", before,
-                  count_fds(D.pid));
+    cr_assert_leq(kvt_count_fds(D.pid), before - 1, "after the close: %d -> %d", before,
+                  kvt_count_fds(D.pid));
     stop_daemon_clean();
 }
 

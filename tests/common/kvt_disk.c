@@ -1,0 +1,32 @@
+/*
+ * kvt_disk.c — tests/common/kvt_disk.h: open-and-recover, byte flips.
+ */
+#include "tests/common/kvt_disk.h"
+
+#include <criterion/criterion.h>
+#include <fcntl.h>
+#include <unistd.h>
+
+kvr_disk *kvt_disk_open(const kvr_disk_config *cfg, kvr_disk_record_fn on_record,
+                        kvr_disk_corrupt_fn on_corrupt, void *arg, kvr_disk_recovery *rs,
+                        bool ready)
+{
+    kvr_disk *d = NULL;
+    kvr_error err = { 0 };
+    cr_assert_eq(kvr_disk_open(&d, cfg, &err), 0, "%s", err.msg);
+    cr_assert_eq(kvr_disk_recover(d, on_record, on_corrupt, arg, rs, &err), 0, "%s", err.msg);
+    if (ready)
+        cr_assert_eq(kvr_disk_recover_done(d, &err), 0, "%s", err.msg);
+    return d;
+}
+
+void kvt_flip_byte(const char *path, uint64_t off, uint8_t mask)
+{
+    int fd = open(path, O_RDWR);
+    cr_assert_geq(fd, 0, "%s", path);
+    uint8_t c;
+    cr_assert_eq(pread(fd, &c, 1, (off_t)off), 1, "%s", path);
+    c ^= mask;
+    cr_assert_eq(pwrite(fd, &c, 1, (off_t)off), 1, "%s", path);
+    close(fd);
+}

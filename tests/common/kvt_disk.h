@@ -1,0 +1,34 @@
+/*
+ * kvt_disk.h — fixtures for the disk tier's storage-layer tests
+ * (cache/disk.h): open and recover a directory in one call, flip a byte of
+ * a file. Compiled into libtestcommon.a (tests/common/kvt_disk.c); failures
+ * are Criterion assertions in the calling test.
+ */
+#ifndef KVR_TESTS_KVT_DISK_H
+#define KVR_TESTS_KVT_DISK_H
+
+#include <stdbool.h>
+#include <stdint.h>
+
+#include "cache/disk.h"
+
+/* Opens cfg->dir and recovers it, asserting both succeed: each record goes
+ * to on_record and each skipped range to on_corrupt (with arg; either may be
+ * NULL), the summary to *rs (if not NULL). With ready, recovery is also
+ * ended (kvr_disk_recover_done) and the disk takes writes; without, the
+ * caller claims handles and ends it. */
+kvr_disk *kvt_disk_open(const kvr_disk_config *cfg, kvr_disk_record_fn on_record,
+                        kvr_disk_corrupt_fn on_corrupt, void *arg, kvr_disk_recovery *rs,
+                        bool ready);
+
+/* The byte at off of path, xor mask, written back. */
+void kvt_flip_byte(const char *path, uint64_t off, uint8_t mask);
+
+/* Criterion tests suite::name_uring and suite::name_posix running fn on
+ * io_uring and on the forced POSIX engine (the test files include
+ * criterion.h). */
+#define KVT_DISK_TESTS(suite, name, fn)                               \
+    Test(suite, name##_uring) { fn(KVR_DISK_ENGINE_URING); }          \
+    Test(suite, name##_posix) { fn(KVR_DISK_ENGINE_POSIX); }
+
+#endif
