@@ -201,12 +201,17 @@ static void free_block(kvr_block *b)
     kvr_mem_free(b);
 }
 
-/* A cached block of this K/V length and cap (taken out of the cache), or NULL. */
-static kvr_block *cache_take(kvr_block_pool *p, size_t len, uint32_t cap)
+/* A cached block whose two allocations are this block's (taken out of the
+ * cache), or NULL: the same K/V length, cut at the same place (head bytes
+ * in data; the rest with cap slots of metadata in tail). The K/V length
+ * alone is not enough: 18 layers of 256-dim rows and 36 of 128 have the
+ * same length but different cuts, and a block laid out by the other cut
+ * writes past its data or its tail. */
+static kvr_block *cache_take(kvr_block_pool *p, size_t len, size_t head, uint32_t cap)
 {
     for (size_t i = p->cache_n; i-- > 0;) {
         kvr_block *b = p->cached[i];
-        if (b->kv_len != len || b->cap != cap)
+        if (b->kv_len != len || b->head_len != head || b->cap != cap)
             continue;
         p->cached[i] = p->cached[--p->cache_n];
         p->cached[p->cache_n] = NULL;
@@ -255,7 +260,7 @@ kvr_block *kvr_block_create(kvr_block_pool *p, const kvr_block_geom *g, uint8_t 
     size_t meta = (size_t)g->cap * KVR_BLOCK_META_SLOT, per = (kv - hdr) / g->n_layers;
     uint32_t split;
     size_t head = split_at(hdr, per, g->n_layers, meta, &split);
-    kvr_block *b = fresh && p->cache_n > 0 ? cache_take(p, kv, g->cap) : NULL;
+    kvr_block *b = fresh && p->cache_n > 0 ? cache_take(p, kv, head, g->cap) : NULL;
     size_t bytes = 0;
     if (b) {
         bytes = b->bytes;
