@@ -54,14 +54,30 @@ static size_t geom_kv_bytes(const kvr_block_geom *g)
  * 36 layers of 64 KiB are 2 MiB + (256 KiB + metadata), not a 2.5 MiB
  * class. The same inputs always give the same cut (disk recovery relies
  * on it). */
+/* The size classes the cut is chosen by: jemalloc's own, and in a build
+ * on libc malloc (make check) the same spacing computed (four classes per
+ * doubling: 8 MiB + 1 KiB is a 10 MiB class), so a sanitizer build cuts
+ * blocks exactly where a release build does and checks those paths too. */
+static size_t cut_class(size_t n)
+{
+#ifdef KVR_JEMALLOC
+    return kvr_mem_size_class(n);
+#else
+    if (n <= 16)
+        return 16;
+    unsigned lg = 63u - (unsigned)__builtin_clzll((unsigned long long)(n - 1));
+    size_t delta = (size_t)1 << (lg >= 4 ? lg - 2 : 2);
+    return (n + delta - 1) & ~(delta - 1);
+#endif
+}
+
 static size_t split_at(size_t hdr, size_t per, uint32_t L, size_t meta, uint32_t *split)
 {
-    size_t whole = kvr_mem_size_class(hdr + per * L) + kvr_mem_size_class(meta);
+    size_t whole = cut_class(hdr + per * L) + cut_class(meta);
     size_t best = whole;
     uint32_t a = L;
     for (uint32_t k = 1; k < L; k++) {
-        size_t c = kvr_mem_size_class(hdr + per * k) +
-                   kvr_mem_size_class(per * (L - k) + meta);
+        size_t c = cut_class(hdr + per * k) + cut_class(per * (L - k) + meta);
         if (c < best) {
             best = c;
             a = k;
