@@ -29,6 +29,7 @@
 #include <stdatomic.h>
 #include <uv.h>
 
+#include "base/clock.h"
 #include "cache/cache.h"
 #include "daemon/convert.h"
 #include "daemon/daemon.h"
@@ -266,7 +267,6 @@ int  kvr__daemon_read_token(const char *path, uint8_t **tok, size_t *len, kvr_er
 /* ---- metrics.c (besides metrics.h) ----------------------------------- */
 /* Is this bound/listening socket address loopback (127/8, ::1, ::ffff:127/8)? */
 bool kvr__daemon_sockaddr_is_loopback(const struct sockaddr *sa);
-uint64_t kvr__now_ns(void);     /* CLOCK_MONOTONIC, request latencies */
 
 /* ---- conn.c ----------------------------------------------------------- */
 void kvr__conn_start(kvr_daemon *d, kvr_conn *c, bool is_tcp);
@@ -284,7 +284,6 @@ void kvr__conn_sweep(kvr_conn *c, uint64_t now_ms, bool force);
 extern int kvr__conn_test_write_failures;
 /* Marks c authenticated (leaves the unauthenticated count). */
 void kvr__conn_set_authed(kvr_conn *c);
-uint64_t kvr__now_ms(void);
 
 /* Queues buf (header + message, kvr_mem; taken in every case, NULL for
  * none) and then payload_len bytes from iov. On 0, cb(arg, status) runs

@@ -14,6 +14,7 @@
  * waited for; every queued job's done callback runs exactly once on the
  * loop thread, at shutdown too.
  */
+#include "base/clock.h"
 #include "daemon/remote_internal.h"
 
 #include <errno.h>
@@ -49,20 +50,13 @@ struct pub_job {
 
 
 
-static uint64_t mono_ms(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (uint64_t)ts.tv_sec * 1000u + (uint64_t)ts.tv_nsec / 1000000u;
-}
-
 /* Is the cluster usable? If we have not joined, try (at most every
  * REJOIN_MS; between tries callers get a fast "no"). */
 bool kvr__remote_up(kvr_remote *r)
 {
     if (atomic_load(&r->joined))
         return true;
-    uint64_t now = mono_ms(), last = atomic_load(&r->last_try_ms);
+    uint64_t now = kvr_clock_mono_ms(), last = atomic_load(&r->last_try_ms);
     if (last && now - last < REJOIN_MS)
         return false;
     if (!atomic_compare_exchange_strong(&r->last_try_ms, &last, now))
@@ -338,13 +332,11 @@ static void *publisher(void *arg)
         while (!r->stop && !r->q_head) {
             if (!atomic_load(&r->joined)) {
                 /* Not joined yet: look for the cluster every REJOIN_MS. */
-                struct timespec ts;
-                clock_gettime(CLOCK_REALTIME, &ts);
-                ts.tv_sec += 1;
+                struct timespec ts = kvr_clock_deadline(1000);
                 pthread_cond_timedwait(&r->cv, &r->mu, &ts);
                 if (!r->stop && !r->q_head) {
                     pthread_mutex_unlock(&r->mu);
-                    kvr__rc_set_deadline(kvr__rc_now_ms() + FETCH_MS);
+                    kvr__rc_set_deadline(kvr_clock_mono_ms() + FETCH_MS);
                     kvr__remote_up(r);
                     kvr__rc_set_deadline(0);
                     pthread_mutex_lock(&r->mu);
@@ -363,7 +355,7 @@ static void *publisher(void *arg)
         pthread_mutex_unlock(&r->mu);
         /* Everything it does ends by its deadline, so whatever waits behind
          * it is answered by its own. */
-        if (kvr__rc_now_ms() >= j->deadline_ms) {
+        if (kvr_clock_mono_ms() >= j->deadline_ms) {
             j->rc = KVR_EIO;
             snprintf(j->msg, sizeof j->msg, "remote tier: '%.200s' was not published within "
                      "%d ms of its share (the cluster is slow or hung)", j->m.ctx_id, PUBLISH_MS);
@@ -489,7 +481,7 @@ int kvr__remote_create(kvr_remote **out, kvr_daemon *d, kvr_error *err)
         return rc;
     }
     kvr_error e = { 0 };
-    kvr__rc_set_deadline(kvr__rc_now_ms() + FETCH_MS);    /* start-up waits no longer */
+    kvr__rc_set_deadline(kvr_clock_mono_ms() + FETCH_MS);    /* start-up waits no longer */
     rc = kvr__rc_refresh(r->rc, &e);
     kvr__rc_set_deadline(0);
     if (rc == KVR_EUNAUTH) {
@@ -506,7 +498,7 @@ int kvr__remote_create(kvr_remote **out, kvr_daemon *d, kvr_error *err)
         kvr_log(KVR_LOG_INFO, "remote tier: cluster %s, %u slot ranges", cfg->remote_tier,
                 st.n_masters);
     } else {
-        atomic_store(&r->last_try_ms, mono_ms());
+        atomic_store(&r->last_try_ms, kvr_clock_mono_ms());
         kvr_log(KVR_LOG_WARN, "remote tier: cluster %s unreachable (%s); serving from memory"
                 "%s, joining when it answers", cfg->remote_tier, e.msg,
                 cfg->disk_dir[0] ? " and disk" : "");
@@ -735,7 +727,7 @@ int kvr__remote_publish(kvr_remote *r, const char *ctx_id, kvr_remote_done_fn do
     j->m.n_protected = ci.n_protected;
     j->done = done;
     j->done_arg = arg;
-    j->deadline_ms = kvr__rc_now_ms() + PUBLISH_MS + ci.kv_bytes / SLOW_BYTES_PER_MS;
+    j->deadline_ms = kvr_clock_mono_ms() + PUBLISH_MS + ci.kv_bytes / SLOW_BYTES_PER_MS;
     j->bytes = ci.kv_bytes;
     pthread_mutex_lock(&r->mu);
     r->pending_bytes += j->bytes;

@@ -520,7 +520,7 @@ static void idle_purge(kvr_daemon *d, uint64_t now)
 static void on_sweep(uv_timer_t *t)
 {
     kvr_daemon *d = t->data;
-    uint64_t now = kvr__now_ms();
+    uint64_t now = kvr_clock_mono_ms();
     idle_purge(d, now);
     bool force = d->stopping && now >= d->stop_ms + KVR_STOP_GRACE_MS;
     for (kvr_conn *c = d->conns, *n; c; c = n) {
@@ -733,7 +733,7 @@ void kvr_daemon_stop(kvr_daemon *d)
     if (d->stopping)
         return;
     d->stopping = true;
-    d->stop_ms = kvr__now_ms();
+    d->stop_ms = kvr_clock_mono_ms();
     notify_status(d, "STOPPING=1\n");
     kvr__metrics_stop(d);
     remove_socket(d);
@@ -765,7 +765,7 @@ int kvr_daemon_create(kvr_daemon **out, const kvr_daemon_config *cfg, kvr_error 
     if (!d)
         return kvr_error_set(err, KVR_ENOMEM, "out of memory");
     d->cfg = *cfg;
-    d->start_ms = kvr__now_ms();
+    d->start_ms = kvr_clock_mono_ms();
     d->limits.max_msg_len = cfg->max_frame;
     d->limits.max_payload_len = cfg->max_memory;
     uint64_t unpack_max = cfg->max_memory / (4u * KVR_UNPACK_FACTOR);
