@@ -133,12 +133,7 @@ static void on_close(uv_handle_t *h)
     /* libuv has called back every write by now; a request still open is in
      * work, a stream or a held reply, each of which holds a reference. */
     assert(c->closing && c->writes_pending == 0);
-    if (c->prev)
-        c->prev->next = c->next;
-    else
-        d->conns = c->next;
-    if (c->next)
-        c->next->prev = c->prev;
+    kvr_list_remove(&c->link);
     d->n_conns--;
     if (!c->authed)
         d->n_unauth--;
@@ -1274,10 +1269,7 @@ void kvr__conn_start(kvr_daemon *d, kvr_conn *c, bool is_tcp)
         c->auth_deadline_ms = kvr_clock_mono_ms() + (uint64_t)d->cfg.auth_timeout * 1000u;
     }
     c->h.handle.data = c;
-    c->next = d->conns;
-    if (d->conns)
-        d->conns->prev = c;
-    d->conns = c;
+    kvr_list_insert_head(&d->conns, &c->link);
     d->n_conns++;
     d->n_conn_total++;
     c->st = KVR_CONN_HDR;

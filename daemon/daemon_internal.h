@@ -30,6 +30,8 @@
 #include <uv.h>
 
 #include "base/clock.h"
+#include "base/list.h"
+#include "base/ref.h"
 #include "cache/cache.h"
 #include "daemon/convert.h"
 #include "daemon/daemon.h"
@@ -84,7 +86,7 @@ typedef struct kvr_cork {
 typedef struct kvr_region kvr_region;
 struct kvr_region {
     uint32_t     id;
-    int          refs;           /* loop thread only */
+    kvr_ref      refs;           /* taken on the loop thread */
     uint8_t     *base;           /* mapped read-write, size bytes */
     size_t       size;
     kvr_region *next;           /* the connection's list */
@@ -142,7 +144,7 @@ struct kvr_daemon {
 
     bool       stopping;
     uint64_t   stop_ms;
-    kvr_conn  *conns;            /* doubly linked, open connections */
+    kvr_list   conns;            /* open connections (kvr_conn.link) */
     size_t     n_conns;
     size_t     n_unauth;         /* of n_conns: still owing Auth */
 
@@ -185,7 +187,7 @@ struct kvr_conn {
         uv_tcp_t    tcp;
     } h;
     kvr_daemon *d;
-    kvr_conn   *prev, *next;
+    kvr_list    link;             /* on d->conns */
     int         refs;
     bool        is_tcp, authed;
     bool        closing;          /* uv_close called */
