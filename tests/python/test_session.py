@@ -390,7 +390,7 @@ def test_diff_hunks_long_sequences():
     a = list(src)
     sites = len(re.findall(rb"\bkvr__wk_fail\b", src))
     assert sites >= 10
-    b = list(re.sub(rb"\bkvr__wk_fail\b", b"kvr_worker_fail", src))
+    b = list(re.sub(rb"\bkvr__wk_fail\b", b"kvr__worker_fail", src))
     h = kvrope.diff_hunks(a, b)
     assert apply_hunks(a, b, h) == b
     assert len(h) == sites                                   # one region per site
