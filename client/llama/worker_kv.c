@@ -11,6 +11,7 @@
  *  - kvr__wk_fork_prefix deletes its destination first: callers never pass
  *    a destination they are reading from (the session engine's rule).
  */
+#include <assert.h>
 #include <errno.h>
 #include <stdarg.h>
 #include <stdio.h>
@@ -254,6 +255,7 @@ int kvr__wk_del_quiet(kvr__wk_env *e, const char *ctx)
 int kvr__wk_fork_prefix(kvr__wk_env *e, const char *src, const char *dst, size_t n, size_t len)
 {
     int r;
+    assert(strcmp(src, dst) != 0);   /* callers never fork over their source */
     if ((r = kvr__wk_del_quiet(e, dst)) < 0)
         return r;
     if ((r = kvr_client_fork(e->kc, src, dst)) < 0)

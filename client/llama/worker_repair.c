@@ -36,6 +36,7 @@
  *    afterwards, as after kvr__wk_sync.
  *  - The selection pass leaves seq 1 empty and seq 0 as it was.
  */
+#include <assert.h>
 #include <errno.h>
 #include <math.h>
 #include <stdio.h>
@@ -316,6 +317,10 @@ int kvr__wk_repair(kvr__wk_lm *lm, const int32_t *toks, size_t n, const uint8_t 
         goto out;
     res->n_repaired = kvr__wk_repair_plan(placed, run_start, n, dev, o, cmp);
     cmp[n - 1] = 1;   /* its logits */
+#ifndef NDEBUG
+    for (size_t i = 0; i < n; i++)
+        assert(placed[i] || cmp[i]);   /* gaps are always computed */
+#endif
     double t0 = kvr__wk_now_ms();
     for (size_t i = 0; i < n;) {
         if (!cmp[i]) {

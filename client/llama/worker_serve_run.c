@@ -23,6 +23,7 @@
  * re-checks `stopping`; a failed kvrope step never fails the request when
  * the prompt can be computed without it.
  */
+#include <assert.h>
 #include <errno.h>
 #include <math.h>
 #include <stdarg.h>
@@ -384,6 +385,7 @@ static void finish(srv *s, srv_job *j, int status, const char *type, const char 
     }
     if (j->cancelled)
         s->m.cancelled++;       /* counted with done, under one lock (st_free) */
+    assert(!j->done);           /* a job is marked done exactly once */
     j->done = true;
     pthread_cond_broadcast(&s->progress);
     pthread_mutex_unlock(&s->mu);
