@@ -364,7 +364,7 @@ eval: deps-eval
 	KVR_BUILD=$(abspath $(BUILD)) $(PYTHON) eval/run.py
 	KVR_BUILD=$(abspath $(BUILD)) nice $(PYTHON) eval/reuse.py
 
-# Reuse anywhere alone (issue 27; a few minutes): chunks cached in one prompt,
+# Reuse anywhere alone (a few minutes): chunks cached in one prompt,
 # placed in another by kvroped's re-rotation, seams repaired by the engine
 # (kvrope-llama repair); the table into docs/eval.md, docs/eval/reuse.png.
 eval-reuse: deps-eval

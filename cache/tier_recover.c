@@ -14,6 +14,7 @@
  * reported), never served partly; on failure every context rebuilt so far
  * goes and the directory is left as it was.
  */
+#include "base/clock.h"
 #include <inttypes.h>
 #include <stddef.h>
 #include <malloc.h>
@@ -466,12 +467,6 @@ static int recover_ctx(kvr_store *s, kvr_tier *t, hmap *blocks, const trec *r)
 }
 
 
-static double mono_ms(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec * 1e3 + (double)ts.tv_nsec / 1e6;
-}
 
 int kvr_store_tier_open(kvr_store *s, const kvr_tier_config *cfg, kvr_tier_log_fn log,
                         void *arg, kvr_tier_recovery *out, kvr_error *err)
@@ -482,7 +477,7 @@ int kvr_store_tier_open(kvr_store *s, const kvr_tier_config *cfg, kvr_tier_log_f
         return kvr_error_set(err, KVR_EINVAL, "disk tier: no directory");
     if (s->n_ctx)
         return kvr_error_set(err, KVR_EINVAL, "disk tier: open it before any context exists");
-    double t0 = mono_ms();
+    double t0 = kvr_clock_mono_msf();
     /* From now on blocks may carry a disk copy: its release is ours. */
     s->pool.on_release = kvr_tier_on_block_release;
     s->pool.release_arg = s;
@@ -595,7 +590,7 @@ int kvr_store_tier_open(kvr_store *s, const kvr_tier_config *cfg, kvr_tier_log_f
     t->rec.records = dr.records;
     t->rec.quarantined = dr.quarantined + rv.bad;
     t->rec.torn_bytes = dr.torn_bytes;
-    t->rec.ms = mono_ms() - t0;
+    t->rec.ms = kvr_clock_mono_msf() - t0;
     t->rec.at_ms = kvr_store_now_ms();
     if (out)
         *out = t->rec;

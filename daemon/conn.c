@@ -58,6 +58,7 @@
  *    d->msg_buffer_limit (--max-msg-buffers): one that would pass it is
  *    refused (E_LIMIT, closed) before the memory is taken.
  */
+#include "base/clock.h"
 #include "daemon/daemon_internal.h"
 #include "proto/check.h"
 
@@ -76,18 +77,11 @@ typedef struct write_req {
     void      *arg;
 } write_req;
 
-uint64_t kvr__now_ms(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (uint64_t)ts.tv_sec * 1000u + (uint64_t)ts.tv_nsec / 1000000u;
-}
-
-/* The loop's time (ms, CLOCK_MONOTONIC as kvr__now_ms, taken once per loop
+/* The loop's time (ms, CLOCK_MONOTONIC as kvr_clock_mono_ms, taken once per loop
  * iteration when epoll returns): what the per-read and per-write stall
  * clocks (read_ms, write_ms, frame_ms) need, whose limits are seconds,
  * without a clock_gettime for each read and write of every request. Never
- * ahead of kvr__now_ms, so now - these stays >= 0 in the sweep. */
+ * ahead of kvr_clock_mono_ms, so now - these stays >= 0 in the sweep. */
 static inline uint64_t loop_ms(const kvr_conn *c)
 {
     return uv_now(&c->d->loop);
@@ -139,12 +133,7 @@ static void on_close(uv_handle_t *h)
     /* libuv has called back every write by now; a request still open is in
      * work, a stream or a held reply, each of which holds a reference. */
     assert(c->closing && c->writes_pending == 0);
-    if (c->prev)
-        c->prev->next = c->next;
-    else
-        d->conns = c->next;
-    if (c->next)
-        c->next->prev = c->prev;
+    kvr_list_remove(&c->link);
     d->n_conns--;
     if (!c->authed)
         d->n_unauth--;
@@ -188,7 +177,7 @@ static void start_linger(kvr_conn *c)
         return;
     c->st = KVR_CONN_LINGER;
     c->linger_left = KVR_LINGER_BYTES;
-    c->linger_deadline_ms = kvr__now_ms() + KVR_LINGER_MS;
+    c->linger_deadline_ms = kvr_clock_mono_ms() + KVR_LINGER_MS;
     uv_shutdown_t *sr = kvr_mem_malloc(sizeof *sr);
     if (!sr || uv_shutdown(sr, &c->h.stream, on_shutdown) < 0) {
         kvr_mem_free(sr);
@@ -1277,13 +1266,10 @@ void kvr__conn_start(kvr_daemon *d, kvr_conn *c, bool is_tcp)
     c->authed = !is_tcp || d->token == NULL;
     if (!c->authed) {
         d->n_unauth++;
-        c->auth_deadline_ms = kvr__now_ms() + (uint64_t)d->cfg.auth_timeout * 1000u;
+        c->auth_deadline_ms = kvr_clock_mono_ms() + (uint64_t)d->cfg.auth_timeout * 1000u;
     }
     c->h.handle.data = c;
-    c->next = d->conns;
-    if (d->conns)
-        d->conns->prev = c;
-    d->conns = c;
+    kvr_list_insert_head(&d->conns, &c->link);
     d->n_conns++;
     d->n_conn_total++;
     c->st = KVR_CONN_HDR;

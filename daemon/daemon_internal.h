@@ -29,6 +29,9 @@
 #include <stdatomic.h>
 #include <uv.h>
 
+#include "base/clock.h"
+#include "base/list.h"
+#include "base/ref.h"
 #include "cache/cache.h"
 #include "daemon/convert.h"
 #include "daemon/daemon.h"
@@ -83,7 +86,7 @@ typedef struct kvr_cork {
 typedef struct kvr_region kvr_region;
 struct kvr_region {
     uint32_t     id;
-    int          refs;           /* loop thread only */
+    kvr_ref      refs;           /* taken on the loop thread */
     uint8_t     *base;           /* mapped read-write, size bytes */
     size_t       size;
     kvr_region *next;           /* the connection's list */
@@ -141,7 +144,7 @@ struct kvr_daemon {
 
     bool       stopping;
     uint64_t   stop_ms;
-    kvr_conn  *conns;            /* doubly linked, open connections */
+    kvr_list   conns;            /* open connections (kvr_conn.link) */
     size_t     n_conns;
     size_t     n_unauth;         /* of n_conns: still owing Auth */
 
@@ -184,7 +187,7 @@ struct kvr_conn {
         uv_tcp_t    tcp;
     } h;
     kvr_daemon *d;
-    kvr_conn   *prev, *next;
+    kvr_list    link;             /* on d->conns */
     int         refs;
     bool        is_tcp, authed;
     bool        closing;          /* uv_close called */
@@ -266,7 +269,6 @@ int  kvr__daemon_read_token(const char *path, uint8_t **tok, size_t *len, kvr_er
 /* ---- metrics.c (besides metrics.h) ----------------------------------- */
 /* Is this bound/listening socket address loopback (127/8, ::1, ::ffff:127/8)? */
 bool kvr__daemon_sockaddr_is_loopback(const struct sockaddr *sa);
-uint64_t kvr__now_ns(void);     /* CLOCK_MONOTONIC, request latencies */
 
 /* ---- conn.c ----------------------------------------------------------- */
 void kvr__conn_start(kvr_daemon *d, kvr_conn *c, bool is_tcp);
@@ -284,7 +286,6 @@ void kvr__conn_sweep(kvr_conn *c, uint64_t now_ms, bool force);
 extern int kvr__conn_test_write_failures;
 /* Marks c authenticated (leaves the unauthenticated count). */
 void kvr__conn_set_authed(kvr_conn *c);
-uint64_t kvr__now_ms(void);
 
 /* Queues buf (header + message, kvr_mem; taken in every case, NULL for
  * none) and then payload_len bytes from iov. On 0, cb(arg, status) runs

@@ -12,6 +12,7 @@
  * destination under the lock, so a reopen (SIGHUP, log rotation) loses no
  * line and never writes to a closed FILE.
  */
+#include "base/clock.h"
 #include "daemon/daemon.h"
 
 #include <errno.h>
@@ -141,14 +142,14 @@ void kvr_log(kvr_log_level l, const char *fmt, ...)
 {
     if ((int)l < g_level)
         return;
-    struct timespec ts;
-    clock_gettime(CLOCK_REALTIME, &ts);
+    uint64_t wall = kvr_clock_wall_ms();
+    time_t sec = (time_t)(wall / 1000u);
     struct tm tm;
-    gmtime_r(&ts.tv_sec, &tm);
+    gmtime_r(&sec, &tm);
     char stamp[96];
     snprintf(stamp, sizeof stamp, "%04d-%02d-%02dT%02d:%02d:%02d.%03ldZ", tm.tm_year + 1900,
              tm.tm_mon + 1, tm.tm_mday, tm.tm_hour, tm.tm_min, tm.tm_sec,
-             ts.tv_nsec / 1000000L);
+             (long)(wall % 1000u));
     char msg[1024];
     va_list ap;
     va_start(ap, fmt);

@@ -37,6 +37,7 @@
  * Names follow Prometheus conventions: kvrope_ prefix, base units
  * (_seconds, _bytes), _total for counters, HELP and TYPE for every family.
  */
+#include "base/clock.h"
 #include "daemon/daemon_internal.h"
 #include "daemon/metrics.h"
 #include "daemon/remote.h"
@@ -66,7 +67,7 @@
 typedef struct scrape_conn {
     bool     used;
     int      fd;
-    uint64_t deadline_ms;   /* kvr__now_ms; 0: shut down already */
+    uint64_t deadline_ms;   /* kvr_clock_mono_ms; 0: shut down already */
 } scrape_conn;
 
 /* Latency buckets (seconds): 50 us .. 10 s. */
@@ -333,18 +334,9 @@ struct kvr_metrics {
     bool        has_watchdog;
 };
 
-uint64_t kvr__now_ns(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
-}
-
 static double now_unix(void)
 {
-    struct timespec ts;
-    clock_gettime(CLOCK_REALTIME, &ts);
-    return (double)ts.tv_sec + (double)ts.tv_nsec / 1e9;
+    return (double)kvr_clock_wall_ms() / 1e3;
 }
 
 /* ---- observations (loop thread) ------------------------------------------ */
@@ -412,7 +404,7 @@ static void build(kvr_daemon *d, snapshot *s)
     s->msg_limited = d->n_msg_limited;
     s->slow_closed = d->n_slow_closed;
     s->start_unix = m ? m->start_unix : 0;
-    s->uptime = (double)(kvr__now_ms() - d->start_ms) / 1000.0;
+    s->uptime = (double)(kvr_clock_mono_ms() - d->start_ms) / 1000.0;
     s->published_unix = now_unix();
 }
 
@@ -800,9 +792,7 @@ static enum MHD_Result on_http(void *cls, struct MHD_Connection *conn, const cha
     pthread_mutex_unlock(&m->lock);
     if (!closing)
         uv_async_send(&m->async);
-    struct timespec dl;
-    clock_gettime(CLOCK_REALTIME, &dl);
-    dl.tv_sec += SNAP_WAIT_MS / 1000;
+    struct timespec dl = kvr_clock_deadline(SNAP_WAIT_MS);
     pthread_mutex_lock(&m->lock);
     while (!m->closing && m->served < ticket)
         if (pthread_cond_timedwait(&m->cond, &m->lock, &dl) == ETIMEDOUT)
@@ -885,7 +875,7 @@ static void on_mhd_conn(void *cls, struct MHD_Connection *conn, void **socket_co
             if (m->conns[i].used)
                 continue;
             m->conns[i] = (scrape_conn){ .used = true, .fd = ci->connect_fd,
-                                         .deadline_ms = kvr__now_ms() + REQUEST_DEADLINE_MS };
+                                         .deadline_ms = kvr_clock_mono_ms() + REQUEST_DEADLINE_MS };
             *socket_context = &m->conns[i];
             break;
         }
@@ -909,7 +899,7 @@ static void on_mhd_done(void *cls, struct MHD_Connection *conn, void **con_cls,
     pthread_mutex_lock(&m->conn_lock);
     scrape_conn *sc = ci ? ci->socket_context : NULL;
     if (sc && sc->used && sc->deadline_ms)
-        sc->deadline_ms = kvr__now_ms() + REQUEST_DEADLINE_MS;
+        sc->deadline_ms = kvr_clock_mono_ms() + REQUEST_DEADLINE_MS;
     pthread_mutex_unlock(&m->conn_lock);
 }
 
@@ -918,7 +908,7 @@ static void on_mhd_done(void *cls, struct MHD_Connection *conn, void **con_cls,
 static void on_watchdog(uv_timer_t *t)
 {
     kvr_metrics *m = t->data;
-    uint64_t now = kvr__now_ms();
+    uint64_t now = kvr_clock_mono_ms();
     unsigned n = 0;
     pthread_mutex_lock(&m->conn_lock);
     for (size_t i = 0; i < MAX_SCRAPE_CONNS; i++) {

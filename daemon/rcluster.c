@@ -24,6 +24,7 @@
  * cluster whose nodes accept and never answer costs a caller its deadline,
  * not the sum of every node's I/O timeout.
  */
+#include "base/clock.h"
 #include "daemon/rcluster.h"
 
 #include <errno.h>
@@ -72,24 +73,12 @@ struct kvr_rc {
     uint64_t moved, ask, refreshes, conn_errors, tryagain, commands;
 };
 
-static uint64_t now_ms(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (uint64_t)ts.tv_sec * 1000u + (uint64_t)ts.tv_nsec / 1000000u;
-}
-
 /* The calling thread's deadline (kvr__rc_set_deadline), 0 = none. */
 static _Thread_local uint64_t tl_deadline;
 
 void kvr__rc_set_deadline(uint64_t deadline_ms)
 {
     tl_deadline = deadline_ms;
-}
-
-uint64_t kvr__rc_now_ms(void)
-{
-    return now_ms();
 }
 
 /* The earlier of two deadlines (0 = none). */
@@ -104,7 +93,7 @@ static int dl_left(uint64_t deadline, int cap)
 {
     if (!deadline)
         return cap;
-    uint64_t now = now_ms();
+    uint64_t now = kvr_clock_mono_ms();
     if (now >= deadline)
         return 0;
     return deadline - now < (uint64_t)cap ? (int)(deadline - now) : cap;
@@ -449,7 +438,7 @@ static int refresh_now(kvr_rc *rc, kvr_error *err, uint64_t deadline)
     int rc_auth = 0;
     for (int i = 0; i < n; i++) {
         kvr_error e = { 0 };
-        if (deadline && now_ms() >= deadline) {
+        if (deadline && kvr_clock_mono_ms() >= deadline) {
             kvr_error_set(&last, KVR_EIO, "no node answered CLUSTER SLOTS before the deadline "
                           "(last: %.300s)", last.msg);
             break;
@@ -501,7 +490,7 @@ int kvr__rc_refresh(kvr_rc *rc, kvr_error *err)
     }
     int r = refresh_now(rc, err, deadline);
     pthread_mutex_lock(&rc->mu);
-    rc->last_refresh_ms = now_ms();
+    rc->last_refresh_ms = kvr_clock_mono_ms();
     pthread_mutex_unlock(&rc->mu);
     pthread_mutex_unlock(&rc->refresh_mu);
     return r;
@@ -512,7 +501,7 @@ int kvr__rc_refresh(kvr_rc *rc, kvr_error *err)
  * retries with the map it has, which the refresh then updates). */
 static void refresh_soon(kvr_rc *rc, uint64_t deadline)
 {
-    uint64_t t0 = now_ms();
+    uint64_t t0 = kvr_clock_mono_ms();
     if (pthread_mutex_trylock(&rc->refresh_mu) != 0)
         return;
     pthread_mutex_lock(&rc->mu);
@@ -522,7 +511,7 @@ static void refresh_soon(kvr_rc *rc, uint64_t deadline)
     if (!recent) {
         refresh_now(rc, NULL, deadline);
         pthread_mutex_lock(&rc->mu);
-        rc->last_refresh_ms = now_ms();
+        rc->last_refresh_ms = kvr_clock_mono_ms();
         pthread_mutex_unlock(&rc->mu);
     }
     pthread_mutex_unlock(&rc->refresh_mu);
@@ -666,7 +655,7 @@ int kvr__rc_command(kvr_rc *rc, int argc, const char **argv, const size_t *argvl
                    redisReply **out, kvr_error *err)
 {
     return command_until(rc, argc, argv, argvlen, out, err,
-                         dl_min(now_ms() + (uint64_t)rc->retry_ms, tl_deadline));
+                         dl_min(kvr_clock_mono_ms() + (uint64_t)rc->retry_ms, tl_deadline));
 }
 
 /* One node's share of a batch: a pipeline on one connection. Each part
@@ -941,7 +930,7 @@ static void part_recv(batch_part *p)
     if (!x)
         return;
     bool healthy = p->healthy;
-    uint64_t set_ms = now_ms();          /* node_get set the timeouts */
+    uint64_t set_ms = kvr_clock_mono_ms();          /* node_get set the timeouts */
     for (size_t k = 0; k < p->nix && healthy; k++) {
         size_t j = p->ix[k];
         redisReply *r = NULL;
@@ -950,7 +939,7 @@ static void part_recv(batch_part *p)
              * what is left, reset at most every DL_RESET_MS (a probe reads
              * hundreds of small replies; two setsockopt calls each would
              * cost more than the replies), so at most that late. */
-            uint64_t now = now_ms();
+            uint64_t now = kvr_clock_mono_ms();
             if (now >= p->deadline) {
                 healthy = false;
                 break;
@@ -994,7 +983,7 @@ static size_t batch_run(kvr_rc *rc, size_t n, const kvr_rc_cmd *cmds, redisReply
                         kvr_rc_reply_fn cb, const kvr_rc_sink *sink, void *ud)
 {
     /* One retry budget for the whole batch, not one per command. */
-    uint64_t deadline = dl_min(now_ms() + (uint64_t)rc->retry_ms, tl_deadline);
+    uint64_t deadline = dl_min(kvr_clock_mono_ms() + (uint64_t)rc->retry_ms, tl_deadline);
     if (n == 0)
         return 0;
     for (size_t i = 0; out && i < n; i++)

@@ -26,6 +26,7 @@
 
 #include <hiredis/hiredis.h>
 
+#include "base/clock.h"
 #include "base/error.h"
 
 #define KVR_RC_SLOTS 16384u
@@ -124,13 +125,12 @@ size_t kvr__rc_batch_sink(kvr_rc *rc, size_t n, const kvr_rc_cmd *cmds, const kv
 void kvr__rc_get_stats(kvr_rc *rc, kvr_rc_stats *out);
 
 /* The calling thread's deadline (CLOCK_MONOTONIC milliseconds, as
- * kvr__rc_now_ms; 0 = none) for every call it makes until it sets another:
+ * kvr_clock_mono_ms; 0 = none) for every call it makes until it sets another:
  * each connection attempt, socket read and write, map refresh and retry
  * sleep ends by then, so no call returns more than a few milliseconds
  * after it (the rest fails with KVR_EIO or as a failed command of a
  * batch). Without one, each step has its own timeout (connect 500 ms, each
  * reply 5 s) and an operation retries for its budget (3 s). */
 void     kvr__rc_set_deadline(uint64_t deadline_ms);
-uint64_t kvr__rc_now_ms(void);
 
 #endif /* KVR_RCLUSTER_H */

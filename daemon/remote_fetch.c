@@ -50,7 +50,7 @@ struct kvr_rjob {
     size_t      niov;
     size_t     *starts;
     uint64_t    t0_ns;          /* created (loop), for the fetch histogram */
-    uint64_t    deadline_ms;    /* created + FETCH_MS (kvr__rc_now_ms's clock) */
+    uint64_t    deadline_ms;    /* created + FETCH_MS (kvr_clock_mono_ms's clock) */
     bool        worked;         /* reached the cluster (counted when freed) */
 };
 
@@ -62,12 +62,12 @@ kvr_rjob *kvr__remote_job_get(kvr_remote *r, const char *ctx_id)
         return NULL;
     kvr_rjob *j = kvr_mem_calloc(1, sizeof *j);
     if (j)
-        j->t0_ns = kvr__now_ns();
+        j->t0_ns = kvr_clock_mono_ns();
     if (!j)
         return NULL;
     j->r = r;
     j->by_id = true;
-    j->deadline_ms = kvr__rc_now_ms() + FETCH_MS;
+    j->deadline_ms = kvr_clock_mono_ms() + FETCH_MS;
     snprintf(j->ctx_id, sizeof j->ctx_id, "%s", ctx_id);
     return j;
 }
@@ -82,11 +82,11 @@ kvr_rjob *kvr__remote_job_prefix(kvr_remote *r, const char *model, const uint32_
         return NULL;
     kvr_rjob *j = kvr_mem_calloc(1, sizeof *j);
     if (j)
-        j->t0_ns = kvr__now_ns();
+        j->t0_ns = kvr_clock_mono_ns();
     if (!j)
         return NULL;
     j->r = r;
-    j->deadline_ms = kvr__rc_now_ms() + FETCH_MS;
+    j->deadline_ms = kvr_clock_mono_ms() + FETCH_MS;
     snprintf(j->model, sizeof j->model, "%s", mi.name);
     /* Contexts of the model's own dtype are the ones we look for. */
     j->desc = (kvr_rt_desc){ mi.fingerprint, mi.n_layers, mi.n_kv_heads, mi.head_dim,
@@ -102,7 +102,7 @@ void kvr__remote_job_free(kvr_rjob *j)
     if (!j)
         return;
     if (j->worked) {
-        uint64_t ns = kvr__now_ns() - j->t0_ns;
+        uint64_t ns = kvr_clock_mono_ns() - j->t0_ns;
         kvr_remote *r = j->r;
         atomic_fetch_add(&r->fetch_hist[kvr__metrics_bucket((double)ns / 1e9)], 1);
         atomic_fetch_add(&r->fetch_ns, ns);
@@ -901,7 +901,7 @@ out:
 void kvr__remote_job_work(kvr_rjob *j)
 {
     /* The whole fetch (both phases of a get) ends by its deadline. */
-    if (kvr__rc_now_ms() >= j->deadline_ms) {
+    if (kvr_clock_mono_ms() >= j->deadline_ms) {
         miss(j, false, "the fetch deadline passed (the cluster is slow or hung)");
         return;
     }
@@ -1076,7 +1076,7 @@ int kvr__remote_job_land(kvr_rjob *j)
         j->niov = niov;
         j->phase = 1;
         /* The blocks get a deadline of their own, by their size. */
-        j->deadline_ms = kvr__rc_now_ms() + FETCH_MS + want / SLOW_BYTES_PER_MS;
+        j->deadline_ms = kvr_clock_mono_ms() + FETCH_MS + want / SLOW_BYTES_PER_MS;
         return 1;
     }
     size_t off = 0;

@@ -160,7 +160,8 @@ struct kvr_remote {
     pthread_mutex_t mu;
     pthread_cond_t  cv;
     bool            stop;
-    pub_job        *q_head, *q_tail, *done;
+    kvr_list        queue;           /* pub_job.link, oldest first (mu) */
+    kvr_list        finished;        /* published or failed, oldest first (mu) */
     size_t          q_len;
     size_t          pending_bytes;   /* snapshots queued or being published (mu) */
     uv_async_t      async;

@@ -14,6 +14,7 @@
  * waited for; every queued job's done callback runs exactly once on the
  * loop thread, at shutdown too.
  */
+#include "base/clock.h"
 #include "daemon/remote_internal.h"
 
 #include <errno.h>
@@ -28,7 +29,7 @@
 /* ---- the tier ---------------------------------------------------------- */
 
 struct pub_job {
-    struct pub_job *next;
+    kvr_list        link;       /* on r->queue, then r->finished */
     kvr_rt_manifest m;
     kvr_get  *get;              /* the snapshot: leased blocks (ended on the loop);
                                    quantized: a raw get of the encoded tokens */
@@ -49,20 +50,13 @@ struct pub_job {
 
 
 
-static uint64_t mono_ms(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (uint64_t)ts.tv_sec * 1000u + (uint64_t)ts.tv_nsec / 1000000u;
-}
-
 /* Is the cluster usable? If we have not joined, try (at most every
  * REJOIN_MS; between tries callers get a fast "no"). */
 bool kvr__remote_up(kvr_remote *r)
 {
     if (atomic_load(&r->joined))
         return true;
-    uint64_t now = mono_ms(), last = atomic_load(&r->last_try_ms);
+    uint64_t now = kvr_clock_mono_ms(), last = atomic_load(&r->last_try_ms);
     if (last && now - last < REJOIN_MS)
         return false;
     if (!atomic_compare_exchange_strong(&r->last_try_ms, &last, now))
@@ -335,16 +329,14 @@ static void *publisher(void *arg)
     kvr_remote *r = arg;
     pthread_mutex_lock(&r->mu);
     for (;;) {
-        while (!r->stop && !r->q_head) {
+        while (!r->stop && kvr_list_empty(&r->queue)) {
             if (!atomic_load(&r->joined)) {
                 /* Not joined yet: look for the cluster every REJOIN_MS. */
-                struct timespec ts;
-                clock_gettime(CLOCK_REALTIME, &ts);
-                ts.tv_sec += 1;
+                struct timespec ts = kvr_clock_deadline(1000);
                 pthread_cond_timedwait(&r->cv, &r->mu, &ts);
-                if (!r->stop && !r->q_head) {
+                if (!r->stop && kvr_list_empty(&r->queue)) {
                     pthread_mutex_unlock(&r->mu);
-                    kvr__rc_set_deadline(kvr__rc_now_ms() + FETCH_MS);
+                    kvr__rc_set_deadline(kvr_clock_mono_ms() + FETCH_MS);
                     kvr__remote_up(r);
                     kvr__rc_set_deadline(0);
                     pthread_mutex_lock(&r->mu);
@@ -355,15 +347,13 @@ static void *publisher(void *arg)
         }
         if (r->stop)
             break;
-        pub_job *j = r->q_head;
-        r->q_head = j->next;
-        if (!r->q_head)
-            r->q_tail = NULL;
+        pub_job *j = kvr_list_entry(kvr_list_first(&r->queue), pub_job, link);
+        kvr_list_remove(&j->link);
         r->q_len--;
         pthread_mutex_unlock(&r->mu);
         /* Everything it does ends by its deadline, so whatever waits behind
          * it is answered by its own. */
-        if (kvr__rc_now_ms() >= j->deadline_ms) {
+        if (kvr_clock_mono_ms() >= j->deadline_ms) {
             j->rc = KVR_EIO;
             snprintf(j->msg, sizeof j->msg, "remote tier: '%.200s' was not published within "
                      "%d ms of its share (the cluster is slow or hung)", j->m.ctx_id, PUBLISH_MS);
@@ -374,8 +364,7 @@ static void *publisher(void *arg)
             kvr__rc_set_deadline(0);
         }
         pthread_mutex_lock(&r->mu);
-        j->next = r->done;
-        r->done = j;
+        kvr_list_insert_tail(&r->finished, &j->link);
         pthread_mutex_unlock(&r->mu);
         uv_async_send(&r->async);
         pthread_mutex_lock(&r->mu);
@@ -401,25 +390,27 @@ static void job_finish(kvr_remote *r, pub_job *j)
     kvr_mem_free(j);
 }
 
+/* Moves every job of `from` (r's, under mu) to the end of `to`, in order. */
+static void take_all(kvr_remote *r, kvr_list *from, kvr_list *to)
+{
+    pthread_mutex_lock(&r->mu);
+    for (kvr_list *n; (n = kvr_list_first(from));) {
+        kvr_list_remove(n);
+        kvr_list_insert_tail(to, n);
+    }
+    pthread_mutex_unlock(&r->mu);
+}
+
 static void on_async(uv_async_t *a)
 {
     kvr_remote *r = a->data;
-    pthread_mutex_lock(&r->mu);
-    pub_job *list = r->done;
-    r->done = NULL;
-    pthread_mutex_unlock(&r->mu);
+    kvr_list list;
+    kvr_list_init(&list);
+    take_all(r, &r->finished, &list);
     /* Oldest first. */
-    pub_job *rev = NULL;
-    while (list) {
-        pub_job *n = list->next;
-        list->next = rev;
-        rev = list;
-        list = n;
-    }
-    while (rev) {
-        pub_job *n = rev->next;
-        job_finish(r, rev);
-        rev = n;
+    for (kvr_list *n; (n = kvr_list_first(&list));) {
+        kvr_list_remove(n);
+        job_finish(r, kvr_list_entry(n, pub_job, link));
     }
 }
 
@@ -467,6 +458,8 @@ int kvr__remote_create(kvr_remote **out, kvr_daemon *d, kvr_error *err)
     if (!r)
         return kvr_error_set(err, KVR_ENOMEM, "remote tier: out of memory");
     r->d = d;
+    kvr_list_init(&r->queue);
+    kvr_list_init(&r->finished);
     if (cfg->remote_key_file[0]) {
         if ((rc = kvr__rt_key_read(cfg->remote_key_file, r->key, err)) < 0) {
             kvr_mem_free(r);
@@ -489,7 +482,7 @@ int kvr__remote_create(kvr_remote **out, kvr_daemon *d, kvr_error *err)
         return rc;
     }
     kvr_error e = { 0 };
-    kvr__rc_set_deadline(kvr__rc_now_ms() + FETCH_MS);    /* start-up waits no longer */
+    kvr__rc_set_deadline(kvr_clock_mono_ms() + FETCH_MS);    /* start-up waits no longer */
     rc = kvr__rc_refresh(r->rc, &e);
     kvr__rc_set_deadline(0);
     if (rc == KVR_EUNAUTH) {
@@ -506,7 +499,7 @@ int kvr__remote_create(kvr_remote **out, kvr_daemon *d, kvr_error *err)
         kvr_log(KVR_LOG_INFO, "remote tier: cluster %s, %u slot ranges", cfg->remote_tier,
                 st.n_masters);
     } else {
-        atomic_store(&r->last_try_ms, mono_ms());
+        atomic_store(&r->last_try_ms, kvr_clock_mono_ms());
         kvr_log(KVR_LOG_WARN, "remote tier: cluster %s unreachable (%s); serving from memory"
                 "%s, joining when it answers", cfg->remote_tier, e.msg,
                 cfg->disk_dir[0] ? " and disk" : "");
@@ -543,17 +536,16 @@ void kvr__remote_close(kvr_remote *r)
     /* What finished, then what never ran (a failure: shutting down). */
     if (r->has_async)
         on_async(&r->async);
-    pthread_mutex_lock(&r->mu);
-    pub_job *j = r->q_head;
-    r->q_head = r->q_tail = NULL;
-    pthread_mutex_unlock(&r->mu);
-    while (j) {
-        pub_job *n = j->next;
+    kvr_list left;
+    kvr_list_init(&left);
+    take_all(r, &r->queue, &left);
+    for (kvr_list *n; (n = kvr_list_first(&left));) {
+        kvr_list_remove(n);
+        pub_job *j = kvr_list_entry(n, pub_job, link);
         j->rc = KVR_EIO;
         snprintf(j->msg, sizeof j->msg, "remote tier: shutting down before '%.200s' was published",
                  j->m.ctx_id);
         job_finish(r, j);
-        j = n;
     }
     if (r->has_async) {
         uv_close((uv_handle_t *)&r->async, NULL);
@@ -735,15 +727,11 @@ int kvr__remote_publish(kvr_remote *r, const char *ctx_id, kvr_remote_done_fn do
     j->m.n_protected = ci.n_protected;
     j->done = done;
     j->done_arg = arg;
-    j->deadline_ms = kvr__rc_now_ms() + PUBLISH_MS + ci.kv_bytes / SLOW_BYTES_PER_MS;
+    j->deadline_ms = kvr_clock_mono_ms() + PUBLISH_MS + ci.kv_bytes / SLOW_BYTES_PER_MS;
     j->bytes = ci.kv_bytes;
     pthread_mutex_lock(&r->mu);
     r->pending_bytes += j->bytes;
-    if (r->q_tail)
-        r->q_tail->next = j;
-    else
-        r->q_head = j;
-    r->q_tail = j;
+    kvr_list_insert_tail(&r->queue, &j->link);
     r->q_len++;
     pthread_cond_signal(&r->cv);
     pthread_mutex_unlock(&r->mu);

@@ -520,11 +520,12 @@ static void idle_purge(kvr_daemon *d, uint64_t now)
 static void on_sweep(uv_timer_t *t)
 {
     kvr_daemon *d = t->data;
-    uint64_t now = kvr__now_ms();
+    uint64_t now = kvr_clock_mono_ms();
     idle_purge(d, now);
     bool force = d->stopping && now >= d->stop_ms + KVR_STOP_GRACE_MS;
-    for (kvr_conn *c = d->conns, *n; c; c = n) {
-        n = c->next;
+    for (kvr_list *l = d->conns.next, *n; l != &d->conns; l = n) {
+        n = l->next;
+        kvr_conn *c = kvr_list_entry(l, kvr_conn, link);
         kvr__conn_sweep(c, now, force);
     }
     if (d->stopping && d->n_conns == 0 && d->has_sweep) {
@@ -733,7 +734,7 @@ void kvr_daemon_stop(kvr_daemon *d)
     if (d->stopping)
         return;
     d->stopping = true;
-    d->stop_ms = kvr__now_ms();
+    d->stop_ms = kvr_clock_mono_ms();
     notify_status(d, "STOPPING=1\n");
     kvr__metrics_stop(d);
     remove_socket(d);
@@ -746,8 +747,9 @@ void kvr_daemon_stop(kvr_daemon *d)
         d->has_tcp = false;
     }
     close_signals(d);
-    for (kvr_conn *c = d->conns, *n; c; c = n) {
-        n = c->next;
+    for (kvr_list *l = d->conns.next, *n; l != &d->conns; l = n) {
+        n = l->next;
+        kvr_conn *c = kvr_list_entry(l, kvr_conn, link);
         kvr__conn_stop(c);
     }
     /* The sweep timer keeps the loop alive until the grace period ends. */
@@ -764,8 +766,9 @@ int kvr_daemon_create(kvr_daemon **out, const kvr_daemon_config *cfg, kvr_error 
     kvr_daemon *d = kvr_mem_calloc(1, sizeof *d);
     if (!d)
         return kvr_error_set(err, KVR_ENOMEM, "out of memory");
+    kvr_list_init(&d->conns);
     d->cfg = *cfg;
-    d->start_ms = kvr__now_ms();
+    d->start_ms = kvr_clock_mono_ms();
     d->limits.max_msg_len = cfg->max_frame;
     d->limits.max_payload_len = cfg->max_memory;
     uint64_t unpack_max = cfg->max_memory / (4u * KVR_UNPACK_FACTOR);
@@ -874,8 +877,9 @@ void kvr_daemon_destroy(kvr_daemon *d)
         return;
     remove_socket(d);
     /* Close whatever is left and let the close callbacks run. */
-    for (kvr_conn *c = d->conns, *n; c; c = n) {
-        n = c->next;
+    for (kvr_list *l = d->conns.next, *n; l != &d->conns; l = n) {
+        n = l->next;
+        kvr_conn *c = kvr_list_entry(l, kvr_conn, link);
         kvr__conn_close(c);
     }
     if (d->has_unix)

@@ -98,12 +98,12 @@ static void region_free(kvr_region *g)
 
 void kvr__region_ref(kvr_region *g)
 {
-    g->refs++;
+    kvr_ref_get(&g->refs);
 }
 
 void kvr__region_unref(kvr_region *g)
 {
-    if (g && --g->refs == 0)
+    if (g && kvr_ref_put(&g->refs))
         region_free(g);
 }
 
@@ -211,7 +211,7 @@ int kvr__shm_register(kvr_conn *c, int fd, uint64_t size, kvr_region **out, kvr_
     }
     g->base = p;
     g->size = (size_t)size;
-    g->refs = 1;                  /* the connection's */
+    kvr_ref_init(&g->refs, 1);    /* the connection's */
     g->id = ++c->region_seq;
     if (g->id == 0)
         g->id = ++c->region_seq;

@@ -17,6 +17,7 @@
  * once when the daemon stops (kvr__warm_stop joins it). Without jemalloc
  * (sanitizer builds) it does nothing.
  */
+#include "base/clock.h"
 #include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -31,12 +32,6 @@
 #define WARM_CHUNK ((size_t)64 << 20)
 
 #ifdef KVR_JEMALLOC
-static double mono_ms(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec * 1e3 + (double)ts.tv_nsec / 1e6;
-}
 
 static void *warm_main(void *arg)
 {
@@ -45,7 +40,7 @@ static void *warm_main(void *arg)
     (void)mallctl("thread.arena", NULL, NULL, &arena, sizeof arena);
     size_t n_max = (size_t)(d->warm_want / WARM_CHUNK) + 1, n = 0, held = 0;
     void **chunks = calloc(n_max, sizeof *chunks);
-    double t0 = mono_ms();
+    double t0 = kvr_clock_mono_msf();
     while (chunks && n < n_max && held < d->warm_want &&
            !atomic_load_explicit(&d->warm_stop, memory_order_relaxed)) {
         size_t k = d->warm_want - held < WARM_CHUNK ? (size_t)(d->warm_want - held) : WARM_CHUNK;
@@ -62,7 +57,7 @@ static void *warm_main(void *arg)
         chunks[n++] = p;
         held += k;
     }
-    double ms = mono_ms() - t0;
+    double ms = kvr_clock_mono_msf() - t0;
     for (size_t i = 0; i < n; i++)
         free(chunks[i]);
     free(chunks);

@@ -759,7 +759,7 @@ def parse_repair_policy(s):
 
 
 def repair_plan(placed, run_start=None, dev=None, first_k=0, blend_share=0.0, all=False, **_):
-    """The repair set, exactly as kvr_wk_repair_plan. placed per token: 0 a
+    """The repair set, exactly as kvr__wk_repair_plan. placed per token: 0 a
     gap, 1 placed approximate (a candidate), 2 placed exact (never repaired);
     booleans mean 0 / 1. Gaps always; with `all` every token; EPIC: the first
     first_k tokens of every placed run (runs begin where run_start says,

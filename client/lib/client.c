@@ -739,6 +739,11 @@ int kvr__call(kvr_client *c, Kvrope__Request *req, const struct iovec *piov, siz
      * the read-ahead belongs to no request yet (the daemon sends nothing
      * unasked but id-0 errors). */
     assert(c->rpos <= c->rlen && c->rlen <= c->rcap);
+    /* The placement was consumed above (one-shot); the deferred frames fit
+     * their buffer and their id table. */
+    assert(!c->shm_next);
+    assert(c->n_deferred <= KVR_DEFER_MAX && c->dlen <= c->dcap);
+    assert(c->n_regions <= c->cap_regions);
     req->id = c->next_id++;
     size_t mlen = kvrope__request__get_packed_size(req);
     if (mlen > MAX_MSG_LEN)

@@ -12,6 +12,7 @@
  */
 #include "client/lib/client_int.h"
 
+#include <assert.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <stdlib.h>
@@ -92,6 +93,7 @@ static int table_add(kvr_client *c, const struct kvr__region *g)
         c->regions = n;
         c->cap_regions = ncap;
     }
+    assert(c->n_regions < c->cap_regions);   /* the table's bounds */
     c->regions[c->n_regions++] = *g;
     return 0;
 }

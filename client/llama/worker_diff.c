@@ -16,20 +16,20 @@
 
 #include "client/llama/worker.h"
 
-static int push(kvr_wk_hunk **h, size_t *n, size_t *cap, size_t a0, size_t a1, size_t b0,
+static int push(kvr__wk_hunk **h, size_t *n, size_t *cap, size_t a0, size_t a1, size_t b0,
                 size_t b1)
 {
     if (a0 == a1 && b0 == b1)
         return 0;
     if (*n == *cap) {
         size_t nc = *cap ? *cap * 2 : 8;
-        kvr_wk_hunk *p = realloc(*h, nc * sizeof *p);
+        kvr__wk_hunk *p = realloc(*h, nc * sizeof *p);
         if (!p)
             return KVR_ENOMEM;
         *h = p;
         *cap = nc;
     }
-    (*h)[(*n)++] = (kvr_wk_hunk){ a0, a1, b0, b1 };
+    (*h)[(*n)++] = (kvr__wk_hunk){ a0, a1, b0, b1 };
     return 0;
 }
 
@@ -120,8 +120,8 @@ static int myers(const int32_t *a, long N, const int32_t *b, long M, long max_d,
     return 0;
 }
 
-int kvr_wk_diff(const int32_t *a, size_t na, const int32_t *b, size_t nb, size_t max_d,
-                kvr_wk_hunk **out, size_t *n_out)
+int kvr__wk_diff(const int32_t *a, size_t na, const int32_t *b, size_t nb, size_t max_d,
+                kvr__wk_hunk **out, size_t *n_out)
 {
     *out = NULL;
     *n_out = 0;
@@ -132,7 +132,7 @@ int kvr_wk_diff(const int32_t *a, size_t na, const int32_t *b, size_t nb, size_t
     while (s < na - p && s < nb - p && a[na - 1 - s] == b[nb - 1 - s])
         s++;
     size_t N = na - p - s, M = nb - p - s;
-    kvr_wk_hunk *h = NULL;
+    kvr__wk_hunk *h = NULL;
     size_t n = 0, cap = 0;
     if (N == 0 || M == 0) {
         if (push(&h, &n, &cap, p, p + N, p, p + M) < 0)
@@ -171,7 +171,7 @@ int kvr_wk_diff(const int32_t *a, size_t na, const int32_t *b, size_t nb, size_t
     return 0;
 }
 
-void kvr_wk_hunks_merge(kvr_wk_hunk *h, size_t *n, size_t min_gap)
+void kvr__wk_hunks_merge(kvr__wk_hunk *h, size_t *n, size_t min_gap)
 {
     size_t o = 0;
     for (size_t i = 0; i < *n; i++) {

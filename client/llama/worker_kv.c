@@ -7,10 +7,11 @@
  *
  * Invariants:
  *  - Payloads are kvrope's layer-major f16 layout for the model's n_layer x
- *    n_embd (kvr_wk_payload_bytes); states are llama.cpp's seq-0 bytes.
- *  - kvr_wk_fork_prefix deletes its destination first: callers never pass
+ *    n_embd (kvr__wk_payload_bytes); states are llama.cpp's seq-0 bytes.
+ *  - kvr__wk_fork_prefix deletes its destination first: callers never pass
  *    a destination they are reading from (the session engine's rule).
  */
+#include <assert.h>
 #include <errno.h>
 #include <stdarg.h>
 #include <stdio.h>
@@ -22,7 +23,7 @@
 
 #define F16 KVR_DTYPE_F16
 
-int kvr_wk_fail(kvr_wk_env *e, int r, const char *fmt, ...)
+int kvr__wk_fail(kvr__wk_env *e, int r, const char *fmt, ...)
 {
     va_list ap;
     va_start(ap, fmt);
@@ -32,7 +33,7 @@ int kvr_wk_fail(kvr_wk_env *e, int r, const char *fmt, ...)
 }
 
 /* A kvrope call failed: remember its code and say what was being done. */
-int kvr_wk_kv_fail(kvr_wk_env *e, int r, const char *what, const char *ctx)
+int kvr__wk_kv_fail(kvr__wk_env *e, int r, const char *what, const char *ctx)
 {
     e->kv_code = r;
     snprintf(e->err, sizeof e->err, "kvrope %s%s%s: %s", what, ctx ? " " : "", ctx ? ctx : "",
@@ -48,7 +49,7 @@ static uint64_t hash_toks(uint64_t h, const int32_t *t, size_t n)
     return (h ^ n) * 1099511628211ull;
 }
 
-void kvr_wk_ctx_name(const kvr_wk_env *e, char *out, size_t cap, const char *kind,
+void kvr__wk_ctx_name(const kvr__wk_env *e, char *out, size_t cap, const char *kind,
                      const int32_t *t, size_t n, const int32_t *t2, size_t n2)
 {
     uint64_t h = hash_toks(1469598103934665603ull ^ e->fingerprint, t, n);
@@ -57,24 +58,24 @@ void kvr_wk_ctx_name(const kvr_wk_env *e, char *out, size_t cap, const char *kin
     snprintf(out, cap, "kvl-%s-%016llx", kind, (unsigned long long)h);
 }
 
-size_t kvr_wk_n_embd(const kvr_wk_env *e)
+size_t kvr__wk_n_embd(const kvr__wk_env *e)
 {
-    const kvr_wk_lm_info *in = kvr_wk_lm_info_get(e->lm);
+    const kvr__wk_lm_info *in = kvr__wk_lm_info_get(e->lm);
     return (size_t)in->n_head_kv * in->head_dim;
 }
 
-uint32_t kvr_wk_n_layer(const kvr_wk_env *e) { return kvr_wk_lm_info_get(e->lm)->n_layer; }
+uint32_t kvr__wk_n_layer(const kvr__wk_env *e) { return kvr__wk_lm_info_get(e->lm)->n_layer; }
 
-size_t kvr_wk_payload_bytes(const kvr_wk_env *e, size_t n_tok)
+size_t kvr__wk_payload_bytes(const kvr__wk_env *e, size_t n_tok)
 {
-    return (size_t)kvr_wk_n_layer(e) * 2 * n_tok * kvr_wk_n_embd(e) * 2;
+    return (size_t)kvr__wk_n_layer(e) * 2 * n_tok * kvr__wk_n_embd(e) * 2;
 }
 
-int kvr_wk_check_kv_shape(kvr_wk_env *e, const kvr_kv *kv, const char *ctx)
+int kvr__wk_check_kv_shape(kvr__wk_env *e, const kvr_kv *kv, const char *ctx)
 {
-    if (kv->n_layers != kvr_wk_n_layer(e) || (size_t)kv->n_kv_heads * kv->head_dim != kvr_wk_n_embd(e) ||
+    if (kv->n_layers != kvr__wk_n_layer(e) || (size_t)kv->n_kv_heads * kv->head_dim != kvr__wk_n_embd(e) ||
         kv->dtype != F16)
-        return kvr_wk_fail(e, KVR_EINVAL, "context %s: KV of %zu layers x %u x %u does not fit the model",
+        return kvr__wk_fail(e, KVR_EINVAL, "context %s: KV of %zu layers x %u x %u does not fit the model",
                     ctx, kv->n_layers, kv->n_kv_heads, kv->head_dim);
     return 0;
 }
@@ -83,7 +84,7 @@ int kvr_wk_check_kv_shape(kvr_wk_env *e, const kvr_kv *kv, const char *ctx)
 
 /* Writes every page of a fresh buffer once (its bytes unchanged), so that
  * the kernel's first-touch faults happen here rather than in a timed step. */
-void kvr_wk_prefault(void *buf, size_t len)
+void kvr__wk_prefault(void *buf, size_t len)
 {
     volatile uint8_t *p = buf;
     for (size_t i = 0; i < len; i += 4096)
@@ -92,14 +93,14 @@ void kvr_wk_prefault(void *buf, size_t len)
         p[len - 1] = p[len - 1];
 }
 
-/* The state bytes of n f16 (or the cache type's) cells, as kvr_wk_sbuild
+/* The state bytes of n f16 (or the cache type's) cells, as kvr__wk_sbuild
  * and the bridge's raw export lay them out. */
-size_t kvr_wk_state_bytes(const kvr_wk_env *e, size_t n)
+size_t kvr__wk_state_bytes(const kvr__wk_env *e, size_t n)
 {
-    return 16 + n * 12 + 8 + (size_t)kvr_wk_n_layer(e) * (24 + 2 * n * kvr_wk_n_embd(e) * 2);
+    return 16 + n * 12 + 8 + (size_t)kvr__wk_n_layer(e) * (24 + 2 * n * kvr__wk_n_embd(e) * 2);
 }
 
-void kvr_wk_env_bufs_free(kvr_wk_env *e)
+void kvr__wk_env_bufs_free(kvr__wk_env *e)
 {
     free(e->pf_fetch);
     free(e->pf_state);
@@ -110,41 +111,41 @@ void kvr_wk_env_bufs_free(kvr_wk_env *e)
 /* Buffers for loading up to n cells, faulted in now (a fresh process's first
  * touch of them costs 50 ms to 0.9 s on this machine: kernel page faults);
  * without memory, loads allocate their own as before. */
-void kvr_wk_prefault_bufs(kvr_wk_env *e, size_t n)
+void kvr__wk_prefault_bufs(kvr__wk_env *e, size_t n)
 {
-    size_t fc = kvr_wk_payload_bytes(e, n), sc = kvr_wk_state_bytes(e, n);
+    size_t fc = kvr__wk_payload_bytes(e, n), sc = kvr__wk_state_bytes(e, n);
     if (e->pf_fetch_cap >= fc && e->pf_state_cap >= sc)
         return;
-    kvr_wk_env_bufs_free(e);
+    kvr__wk_env_bufs_free(e);
     e->pf_fetch = malloc(fc);
     e->pf_state = malloc(sc);
     if (!e->pf_fetch || !e->pf_state) {
-        kvr_wk_env_bufs_free(e);
+        kvr__wk_env_bufs_free(e);
         return;
     }
     e->pf_fetch_cap = fc;
     e->pf_state_cap = sc;
-    kvr_wk_prefault(e->pf_fetch, fc);
-    kvr_wk_prefault(e->pf_state, sc);
+    kvr__wk_prefault(e->pf_fetch, fc);
+    kvr__wk_prefault(e->pf_state, sc);
 }
 
 /* Loads tokens [0, n) of ctx into seq 0 at positions 0..n-1: the bridge's
  * export (keys re-rotated by the daemon where they are stored elsewhere),
  * then llama_state_seq_set_data. */
-int kvr_wk_load_prefix(kvr_wk_env *e, const char *ctx, size_t n, double *t_fetch,
+int kvr__wk_load_prefix(kvr__wk_env *e, const char *ctx, size_t n, double *t_fetch,
                        double *t_load)
 {
     if (n == 0)
         return 0;
-    double t0 = kvr_wk_now_ms();
+    double t0 = kvr__wk_now_ms();
     kvr_llama_export_opts xo = { .model = e->model, .start = 0, .end = n,
                                  .has_pos_start = true, .pos_start = 0,
                                  .type_k = KVR_LLAMA_F16, .type_v = KVR_LLAMA_F16,
-                                 .v_trans = kvr_wk_lm_v_trans(e->lm),
+                                 .v_trans = kvr__wk_lm_v_trans(e->lm),
                                  .form = KVR_LLAMA_FORM_RAW,
                                  .dst = e->pf_state, .dst_cap = e->pf_state_cap,
                                  .scratch = e->pf_fetch, .scratch_cap = e->pf_fetch_cap };
-    if (e->pf_state_cap < kvr_wk_state_bytes(e, n))
+    if (e->pf_state_cap < kvr__wk_state_bytes(e, n))
         xo.dst = NULL, xo.dst_cap = 0;
     void *st = NULL;
     size_t len = 0;
@@ -153,48 +154,48 @@ int kvr_wk_load_prefix(kvr_wk_env *e, const char *ctx, size_t n, double *t_fetch
                                    sizeof err);
     if (r < 0) {
         e->kv_code = r;
-        return kvr_wk_fail(e, r, "loading %zu tokens of %s: %s", n, ctx, err);
+        return kvr__wk_fail(e, r, "loading %zu tokens of %s: %s", n, ctx, err);
     }
-    double t1 = kvr_wk_now_ms();
-    r = kvr_wk_lm_state_set(e->lm, st, len, e->err, sizeof e->err);
+    double t1 = kvr__wk_now_ms();
+    r = kvr__wk_lm_state_set(e->lm, st, len, e->err, sizeof e->err);
     if (st != e->pf_state)
         kvr_llama_free(st);
     *t_fetch += t1 - t0;
-    *t_load += kvr_wk_now_ms() - t1;
+    *t_load += kvr__wk_now_ms() - t1;
     return r;
 }
 
 
 
-void kvr_wk_seqstate_free(kvr_wk_seqstate *s)
+void kvr__wk_seqstate_free(kvr__wk_seqstate *s)
 {
-    kvr_wk_state_free(&s->st);
+    kvr__wk_state_free(&s->st);
     free(s->buf);
     free(s->cell);
     memset(s, 0, sizeof *s);
 }
 
-int kvr_wk_seqstate_get(kvr_wk_env *e, kvr_wk_seqstate *s, size_t np)
+int kvr__wk_seqstate_get(kvr__wk_env *e, kvr__wk_seqstate *s, size_t np)
 {
     memset(s, 0, sizeof *s);
-    int r = kvr_wk_lm_state_get(e->lm, &s->buf, &s->len, e->err, sizeof e->err);
+    int r = kvr__wk_lm_state_get(e->lm, &s->buf, &s->len, e->err, sizeof e->err);
     if (r < 0)
         return r;
     char why[256];
-    if ((r = kvr_wk_state_parse(&s->st, s->buf, s->len, why, sizeof why)) < 0) {
-        kvr_wk_seqstate_free(s);
-        return kvr_wk_fail(e, r, "llama.cpp's own state: %s", why);
+    if ((r = kvr__wk_state_parse(&s->st, s->buf, s->len, why, sizeof why)) < 0) {
+        kvr__wk_seqstate_free(s);
+        return kvr__wk_fail(e, r, "llama.cpp's own state: %s", why);
     }
-    if (s->st.n_cells && (s->st.n_layer != kvr_wk_n_layer(e) || s->st.n_embd != kvr_wk_n_embd(e))) {
-        kvr_wk_seqstate_free(s);
-        return kvr_wk_fail(e, KVR_EINVAL, "llama.cpp's state has %u layers x %u, the model %u x %zu",
-                    s->st.n_layer, s->st.n_embd, kvr_wk_n_layer(e), kvr_wk_n_embd(e));
+    if (s->st.n_cells && (s->st.n_layer != kvr__wk_n_layer(e) || s->st.n_embd != kvr__wk_n_embd(e))) {
+        kvr__wk_seqstate_free(s);
+        return kvr__wk_fail(e, KVR_EINVAL, "llama.cpp's state has %u layers x %u, the model %u x %zu",
+                    s->st.n_layer, s->st.n_embd, kvr__wk_n_layer(e), kvr__wk_n_embd(e));
     }
     s->np = np;
     s->cell = malloc((np ? np : 1) * sizeof *s->cell);
     if (!s->cell) {
-        kvr_wk_seqstate_free(s);
-        return kvr_wk_fail(e, KVR_ENOMEM, "out of memory");
+        kvr__wk_seqstate_free(s);
+        return kvr__wk_fail(e, KVR_ENOMEM, "out of memory");
     }
     for (size_t i = 0; i < np; i++)
         s->cell[i] = -1;
@@ -203,8 +204,8 @@ int kvr_wk_seqstate_get(kvr_wk_env *e, kvr_wk_seqstate *s, size_t np)
         if (p < 0 || (size_t)p >= np)
             continue;
         if (s->cell[p] >= 0) {
-            kvr_wk_seqstate_free(s);
-            return kvr_wk_fail(e, KVR_EINVAL, "llama.cpp's state holds position %d twice", p);
+            kvr__wk_seqstate_free(s);
+            return kvr__wk_fail(e, KVR_EINVAL, "llama.cpp's state holds position %d twice", p);
         }
         s->cell[p] = c;
     }
@@ -212,15 +213,15 @@ int kvr_wk_seqstate_get(kvr_wk_env *e, kvr_wk_seqstate *s, size_t np)
 }
 
 /* Payload of the cells at positions pos[0..n) (layer-major, the caller's). */
-void *kvr_wk_seqstate_payload(kvr_wk_env *e, const kvr_wk_seqstate *s, const int64_t *pos,
+void *kvr__wk_seqstate_payload(kvr__wk_env *e, const kvr__wk_seqstate *s, const int64_t *pos,
                               size_t n, size_t p0)
 {
     uint32_t *cells = malloc((n ? n : 1) * sizeof *cells);
-    void *out = malloc(kvr_wk_payload_bytes(e, n) ? kvr_wk_payload_bytes(e, n) : 1);
+    void *out = malloc(kvr__wk_payload_bytes(e, n) ? kvr__wk_payload_bytes(e, n) : 1);
     if (!cells || !out) {
         free(cells);
         free(out);
-        kvr_wk_fail(e, KVR_ENOMEM, "out of memory");
+        kvr__wk_fail(e, KVR_ENOMEM, "out of memory");
         return NULL;
     }
     for (size_t i = 0; i < n; i++) {
@@ -228,37 +229,38 @@ void *kvr_wk_seqstate_payload(kvr_wk_env *e, const kvr_wk_seqstate *s, const int
         if (p < 0 || (size_t)p >= s->np || s->cell[p] < 0) {
             free(cells);
             free(out);
-            kvr_wk_fail(e, KVR_EINVAL, "llama.cpp's state has no cell at position %lld", (long long)p);
+            kvr__wk_fail(e, KVR_EINVAL, "llama.cpp's state has no cell at position %lld", (long long)p);
             return NULL;
         }
         cells[i] = (uint32_t)s->cell[p];
     }
-    kvr_wk_state_gather(&s->st, cells, n, out);
+    kvr__wk_state_gather(&s->st, cells, n, out);
     free(cells);
     return out;
 }
 
-int kvr_wk_ctx_len(kvr_wk_env *e, const char *ctx, kvr_context *info)
+int kvr__wk_ctx_len(kvr__wk_env *e, const char *ctx, kvr_context *info)
 {
     int r = kvr_client_stat(e->kc, ctx, info);
-    return r < 0 ? kvr_wk_kv_fail(e, r, "stat", ctx) : 0;
+    return r < 0 ? kvr__wk_kv_fail(e, r, "stat", ctx) : 0;
 }
 
-int kvr_wk_del_quiet(kvr_wk_env *e, const char *ctx)
+int kvr__wk_del_quiet(kvr__wk_env *e, const char *ctx)
 {
     int r = kvr_client_delete(e->kc, ctx);
-    return r < 0 && r != KVR_ENOCTX ? kvr_wk_kv_fail(e, r, "delete", ctx) : 0;
+    return r < 0 && r != KVR_ENOCTX ? kvr__wk_kv_fail(e, r, "delete", ctx) : 0;
 }
 
 /* A fresh context `dst` holding tokens [0, n) of `src` (copy-on-write). */
-int kvr_wk_fork_prefix(kvr_wk_env *e, const char *src, const char *dst, size_t n, size_t len)
+int kvr__wk_fork_prefix(kvr__wk_env *e, const char *src, const char *dst, size_t n, size_t len)
 {
     int r;
-    if ((r = kvr_wk_del_quiet(e, dst)) < 0)
+    assert(strcmp(src, dst) != 0);   /* callers never fork over their source */
+    if ((r = kvr__wk_del_quiet(e, dst)) < 0)
         return r;
     if ((r = kvr_client_fork(e->kc, src, dst)) < 0)
-        return kvr_wk_kv_fail(e, r, "fork", src);
+        return kvr__wk_kv_fail(e, r, "fork", src);
     if (n < len && (r = kvr_client_keep(e->kc, dst, 0, n)) < 0)
-        return kvr_wk_kv_fail(e, r, "keep", dst);
+        return kvr__wk_kv_fail(e, r, "keep", dst);
     return 0;
 }

@@ -7,11 +7,11 @@
  * sequence to start right after the last position it holds, so tokens that
  * go in the middle of seq 0 (an edit, a refresh) are decoded in seq 1 over
  * a metadata-only copy of seq 0's cells before them, then handed to seq 0
- * (kvr_wk_lm_decode_middle). Attention masks by position within a sequence,
+ * (kvr__wk_lm_decode_middle). Attention masks by position within a sequence,
  * so those tokens see exactly the cells before them.
  *
  * Probing (seam repair's CacheBlend selection): a context created after
- * kvr_wk_lm_set_probe(lm, true) carries llama.cpp's eval callback; it asks
+ * kvr__wk_lm_set_probe(lm, true) carries llama.cpp's eval callback; it asks
  * for no tensor unless a probe decode is running, so other decodes compute
  * the whole graph as before (one graph view, the same kernels). A probe
  * decode copies layer L's RoPE'd K and V out and stops the graph there.
@@ -40,11 +40,11 @@
 #define KVR_LLAMA_LIBDIR ""
 #endif
 
-struct kvr_wk_lm {
+struct kvr__wk_lm {
     struct llama_model       *model;
     struct llama_context     *ctx;
     const struct llama_vocab *vocab;
-    kvr_wk_lm_info            info;
+    kvr__wk_lm_info            info;
     int                       n_threads;
     uint32_t                  n_batch, n_ctx;
     struct llama_batch        batch;
@@ -55,7 +55,7 @@ struct kvr_wk_lm {
     uint32_t                  n_seq;        /* n_seq_max of the next context (>= 2) */
     struct ggml_threadpool   *tp;           /* sleeping threads (poll 0), or NULL */
     bool                      probe_on;     /* contexts get the eval callback below */
-    kvr_wk_probe             *probe;        /* the active probe of a decode, or NULL */
+    kvr__wk_probe             *probe;        /* the active probe of a decode, or NULL */
 };
 
 /* llama.cpp's eval callback (set only when probing is on): asks for no
@@ -65,8 +65,8 @@ struct kvr_wk_lm {
  * (ggml's scheduler breaks out of the split when the callback says false). */
 static bool probe_cb(struct ggml_tensor *t, bool ask, void *ud)
 {
-    kvr_wk_lm *lm = ud;
-    kvr_wk_probe *p = lm->probe;
+    kvr__wk_lm *lm = ud;
+    kvr__wk_probe *p = lm->probe;
     if (!p)
         return ask ? false : true;
     const char *nm = ggml_get_name(t);
@@ -90,21 +90,21 @@ static bool probe_cb(struct ggml_tensor *t, bool ask, void *ud)
     return p->k_off != p->v_off;
 }
 
-void kvr_wk_lm_set_probe(kvr_wk_lm *lm, bool on) { lm->probe_on = on; }
-bool kvr_wk_lm_probe_on(const kvr_wk_lm *lm) { return lm->probe_on && lm->ctx; }
+void kvr__wk_lm_set_probe(kvr__wk_lm *lm, bool on) { lm->probe_on = on; }
+bool kvr__wk_lm_probe_on(const kvr__wk_lm *lm) { return lm->probe_on && lm->ctx; }
 
-int kvr_wk_lm_probe_decode(kvr_wk_lm *lm, kvr_wk_probe *p, const int32_t *toks, size_t n,
+int kvr__wk_lm_probe_decode(kvr__wk_lm *lm, kvr__wk_probe *p, const int32_t *toks, size_t n,
                            int32_t pos0, int seq, char *err, size_t errlen)
 {
     if (!lm->probe_on) {
-        snprintf(err, errlen, "the context was created without probing (kvr_wk_lm_set_probe)");
+        snprintf(err, errlen, "the context was created without probing (kvr__wk_lm_set_probe)");
         return -EINVAL;
     }
     snprintf(p->kname, sizeof p->kname, "Kcur-%u", p->layer);
     snprintf(p->vname, sizeof p->vname, "Vcur-%u", p->layer);
     p->k_off = p->v_off = 0;
     lm->probe = p;
-    int r = kvr_wk_lm_decode(lm, toks, n, pos0, seq, KVR_WK_LOGITS_NONE, NULL, NULL, err, errlen);
+    int r = kvr__wk_lm_decode(lm, toks, n, pos0, seq, KVR_WK_LOGITS_NONE, NULL, NULL, err, errlen);
     lm->probe = NULL;
     lm->last_logits = NULL;      /* whatever the cut graph left is not logits */
     if (r == 0 && (p->k_off != n || p->v_off != n)) {
@@ -115,19 +115,19 @@ int kvr_wk_lm_probe_decode(kvr_wk_lm *lm, kvr_wk_probe *p, const int32_t *toks, 
     return r;
 }
 
-void kvr_wk_lm_set_profile(kvr_wk_lm *lm, const kvr_llama_model *m) { lm->profile = m; }
+void kvr__wk_lm_set_profile(kvr__wk_lm *lm, const kvr_llama_model *m) { lm->profile = m; }
 
-void kvr_wk_lm_set_cache(kvr_wk_lm *lm, int32_t type, uint32_t n_seq)
+void kvr__wk_lm_set_cache(kvr__wk_lm *lm, int32_t type, uint32_t n_seq)
 {
     lm->cache_type = type;
     lm->n_seq = n_seq < 2 ? 2 : n_seq > 256 ? 256 : n_seq;
 }
 
-uint32_t kvr_wk_lm_n_seq(const kvr_wk_lm *lm) { return lm->n_seq; }
+uint32_t kvr__wk_lm_n_seq(const kvr__wk_lm *lm) { return lm->n_seq; }
 
-uint32_t kvr_wk_lm_n_batch(const kvr_wk_lm *lm) { return lm->n_batch; }
+uint32_t kvr__wk_lm_n_batch(const kvr__wk_lm *lm) { return lm->n_batch; }
 
-uint32_t kvr_wk_lm_n_ctx(const kvr_wk_lm *lm)
+uint32_t kvr__wk_lm_n_ctx(const kvr__wk_lm *lm)
 {
     return lm->ctx ? (uint32_t)llama_n_ctx(lm->ctx) : 0;
 }
@@ -153,7 +153,7 @@ static void log_cb(enum ggml_log_level level, const char *text, void *ud)
     }
 }
 
-double kvr_wk_now_ms(void)
+double kvr__wk_now_ms(void)
 {
     return kvr_clock_mono_msf();
 }
@@ -183,7 +183,7 @@ static int default_threads(void)
     return n < 1 ? 1 : n > 8 ? 8 : (int)n;
 }
 
-int kvr_wk_lm_load(kvr_wk_lm **out, const char *gguf, int n_threads, char *err, size_t errlen)
+int kvr__wk_lm_load(kvr__wk_lm **out, const char *gguf, int n_threads, char *err, size_t errlen)
 {
     *out = NULL;
     struct stat sb;
@@ -205,7 +205,7 @@ int kvr_wk_lm_load(kvr_wk_lm **out, const char *gguf, int n_threads, char *err, 
     }
     fclose(f);
     init_once();
-    kvr_wk_lm *lm = calloc(1, sizeof *lm);
+    kvr__wk_lm *lm = calloc(1, sizeof *lm);
     if (!lm) {
         snprintf(err, errlen, "out of memory");
         return KVR_ENOMEM;
@@ -227,7 +227,7 @@ int kvr_wk_lm_load(kvr_wk_lm **out, const char *gguf, int n_threads, char *err, 
         return KVR_EINVAL;
     }
     lm->vocab = llama_model_get_vocab(lm->model);
-    kvr_wk_lm_info *in = &lm->info;
+    kvr__wk_lm_info *in = &lm->info;
     in->n_layer = (uint32_t)llama_model_n_layer(lm->model);
     in->n_head = (uint32_t)llama_model_n_head(lm->model);
     in->n_head_kv = (uint32_t)llama_model_n_head_kv(lm->model);
@@ -255,7 +255,7 @@ int kvr_wk_lm_load(kvr_wk_lm **out, const char *gguf, int n_threads, char *err, 
     return 0;
 }
 
-int kvr_wk_lm_context(kvr_wk_lm *lm, uint32_t n_ctx, char *err, size_t errlen)
+int kvr__wk_lm_context(kvr__wk_lm *lm, uint32_t n_ctx, char *err, size_t errlen)
 {
     if (lm->ctx) {
         llama_free(lm->ctx);
@@ -299,18 +299,18 @@ int kvr_wk_lm_context(kvr_wk_lm *lm, uint32_t n_ctx, char *err, size_t errlen)
     /* One throw-away decode (seq 1, removed after): threads, buffers and the
      * weights' cache lines come up here rather than in the first timed step,
      * as they would be in a worker that has served a request before. */
-    double t0 = kvr_wk_now_ms();
+    double t0 = kvr__wk_now_ms();
     int32_t tok = lm->info.bos >= 0 ? lm->info.bos : 0;
-    int r = kvr_wk_lm_decode(lm, &tok, 1, 0, 1, KVR_WK_LOGITS_LAST, NULL, NULL, err, errlen);
+    int r = kvr__wk_lm_decode(lm, &tok, 1, 0, 1, KVR_WK_LOGITS_LAST, NULL, NULL, err, errlen);
     llama_memory_seq_rm(llama_get_memory(lm->ctx), 1, -1, -1);
     lm->last_logits = NULL;
-    lm->warmup_ms = kvr_wk_now_ms() - t0;
+    lm->warmup_ms = kvr__wk_now_ms() - t0;
     return r;
 }
 
-double kvr_wk_lm_warmup_ms(const kvr_wk_lm *lm) { return lm->warmup_ms; }
+double kvr__wk_lm_warmup_ms(const kvr__wk_lm *lm) { return lm->warmup_ms; }
 
-void kvr_wk_lm_destroy(kvr_wk_lm *lm)
+void kvr__wk_lm_destroy(kvr__wk_lm *lm)
 {
     if (!lm)
         return;
@@ -331,11 +331,11 @@ void kvr_wk_lm_destroy(kvr_wk_lm *lm)
     free(lm);
 }
 
-const kvr_wk_lm_info *kvr_wk_lm_info_get(const kvr_wk_lm *lm) { return &lm->info; }
+const kvr__wk_lm_info *kvr__wk_lm_info_get(const kvr__wk_lm *lm) { return &lm->info; }
 
-const struct llama_model *kvr_wk_lm_model(const kvr_wk_lm *lm) { return lm->model; }
+const struct llama_model *kvr__wk_lm_model(const kvr__wk_lm *lm) { return lm->model; }
 
-int kvr_wk_lm_tokenize(kvr_wk_lm *lm, const char *text, size_t len, bool bos, int32_t **out,
+int kvr__wk_lm_tokenize(kvr__wk_lm *lm, const char *text, size_t len, bool bos, int32_t **out,
                        size_t *n, char *err, size_t errlen)
 {
     *out = NULL;
@@ -371,7 +371,7 @@ int kvr_wk_lm_tokenize(kvr_wk_lm *lm, const char *text, size_t len, bool bos, in
     return 0;
 }
 
-size_t kvr_wk_lm_piece(kvr_wk_lm *lm, int32_t tok, char *buf, size_t cap)
+size_t kvr__wk_lm_piece(kvr__wk_lm *lm, int32_t tok, char *buf, size_t cap)
 {
     int32_t r = llama_token_to_piece(lm->vocab, tok, buf, (int32_t)(cap - 1), 0, false);
     if (r < 0)
@@ -380,8 +380,8 @@ size_t kvr_wk_lm_piece(kvr_wk_lm *lm, int32_t tok, char *buf, size_t cap)
     return (size_t)r;
 }
 
-int kvr_wk_lm_decode(kvr_wk_lm *lm, const int32_t *toks, size_t n, int32_t pos0, int seq,
-                     kvr_wk_logits_mode mode, kvr_wk_rows_fn fn, void *ud, char *err,
+int kvr__wk_lm_decode(kvr__wk_lm *lm, const int32_t *toks, size_t n, int32_t pos0, int seq,
+                     kvr__wk_logits_mode mode, kvr__wk_rows_fn fn, void *ud, char *err,
                      size_t errlen)
 {
     lm->last_logits = NULL;
@@ -420,7 +420,7 @@ int kvr_wk_lm_decode(kvr_wk_lm *lm, const int32_t *toks, size_t n, int32_t pos0,
     return 0;
 }
 
-int kvr_wk_lm_decode_batch(kvr_wk_lm *lm, const kvr_wk_btok *t, size_t n, kvr_wk_row_fn fn,
+int kvr__wk_lm_decode_batch(kvr__wk_lm *lm, const kvr__wk_btok *t, size_t n, kvr__wk_row_fn fn,
                            void *ud, char *err, size_t errlen)
 {
     lm->last_logits = NULL;
@@ -461,9 +461,9 @@ int kvr_wk_lm_decode_batch(kvr_wk_lm *lm, const kvr_wk_btok *t, size_t n, kvr_wk
     return 0;
 }
 
-const float *kvr_wk_lm_logits(kvr_wk_lm *lm) { return lm->last_logits; }
+const float *kvr__wk_lm_logits(kvr__wk_lm *lm) { return lm->last_logits; }
 
-int32_t kvr_wk_argmax(const float *x, size_t n)
+int32_t kvr__wk_argmax(const float *x, size_t n)
 {
     size_t best = 0;
     for (size_t i = 1; i < n; i++)
@@ -472,29 +472,29 @@ int32_t kvr_wk_argmax(const float *x, size_t n)
     return (int32_t)best;
 }
 
-void kvr_wk_lm_clear(kvr_wk_lm *lm) { llama_memory_clear(llama_get_memory(lm->ctx), true); }
+void kvr__wk_lm_clear(kvr__wk_lm *lm) { llama_memory_clear(llama_get_memory(lm->ctx), true); }
 
-bool kvr_wk_lm_seq_rm(kvr_wk_lm *lm, int seq, int32_t p0, int32_t p1)
+bool kvr__wk_lm_seq_rm(kvr__wk_lm *lm, int seq, int32_t p0, int32_t p1)
 {
     return llama_memory_seq_rm(llama_get_memory(lm->ctx), seq, p0, p1);
 }
 
-void kvr_wk_lm_seq_cp(kvr_wk_lm *lm, int src, int dst, int32_t p0, int32_t p1)
+void kvr__wk_lm_seq_cp(kvr__wk_lm *lm, int src, int dst, int32_t p0, int32_t p1)
 {
     llama_memory_seq_cp(llama_get_memory(lm->ctx), src, dst, p0, p1);
 }
 
-void kvr_wk_lm_seq_add(kvr_wk_lm *lm, int seq, int32_t p0, int32_t p1, int32_t delta)
+void kvr__wk_lm_seq_add(kvr__wk_lm *lm, int seq, int32_t p0, int32_t p1, int32_t delta)
 {
     llama_memory_seq_add(llama_get_memory(lm->ctx), seq, p0, p1, delta);
 }
 
-int32_t kvr_wk_lm_pos_max(kvr_wk_lm *lm, int seq)
+int32_t kvr__wk_lm_pos_max(kvr__wk_lm *lm, int seq)
 {
     return llama_memory_seq_pos_max(llama_get_memory(lm->ctx), seq);
 }
 
-int kvr_wk_lm_decode_middle(kvr_wk_lm *lm, const int32_t *toks, size_t n, int32_t pos0,
+int kvr__wk_lm_decode_middle(kvr__wk_lm *lm, const int32_t *toks, size_t n, int32_t pos0,
                             char *err, size_t errlen)
 {
     llama_memory_t mem = llama_get_memory(lm->ctx);
@@ -502,19 +502,19 @@ int kvr_wk_lm_decode_middle(kvr_wk_lm *lm, const int32_t *toks, size_t n, int32_
         return 0;
     llama_memory_seq_rm(mem, 0, pos0, pos0 + (int32_t)n);
     if (llama_memory_seq_pos_max(mem, 0) < pos0)     /* nothing after: plain append */
-        return kvr_wk_lm_decode(lm, toks, n, pos0, 0, KVR_WK_LOGITS_LAST, NULL, NULL, err,
+        return kvr__wk_lm_decode(lm, toks, n, pos0, 0, KVR_WK_LOGITS_LAST, NULL, NULL, err,
                                 errlen);
     llama_memory_seq_rm(mem, 1, -1, -1);
     if (pos0 > 0)
         llama_memory_seq_cp(mem, 0, 1, 0, pos0);
-    int r = kvr_wk_lm_decode(lm, toks, n, pos0, 1, KVR_WK_LOGITS_LAST, NULL, NULL, err, errlen);
+    int r = kvr__wk_lm_decode(lm, toks, n, pos0, 1, KVR_WK_LOGITS_LAST, NULL, NULL, err, errlen);
     if (r == 0)
         llama_memory_seq_cp(mem, 1, 0, pos0, pos0 + (int32_t)n);
     llama_memory_seq_rm(mem, 1, -1, -1);
     return r;
 }
 
-int kvr_wk_lm_state_get(kvr_wk_lm *lm, uint8_t **out, size_t *len, char *err, size_t errlen)
+int kvr__wk_lm_state_get(kvr__wk_lm *lm, uint8_t **out, size_t *len, char *err, size_t errlen)
 {
     size_t n = llama_state_seq_get_size(lm->ctx, 0);
     uint8_t *b = malloc(n ? n : 1);
@@ -534,7 +534,7 @@ int kvr_wk_lm_state_get(kvr_wk_lm *lm, uint8_t **out, size_t *len, char *err, si
     return 0;
 }
 
-int kvr_wk_lm_state_set(kvr_wk_lm *lm, const uint8_t *buf, size_t len, char *err,
+int kvr__wk_lm_state_set(kvr__wk_lm *lm, const uint8_t *buf, size_t len, char *err,
                         size_t errlen)
 {
     log_last[0] = 0;
@@ -547,15 +547,15 @@ int kvr_wk_lm_state_set(kvr_wk_lm *lm, const uint8_t *buf, size_t len, char *err
     return 0;
 }
 
-int32_t kvr_wk_lm_cache_type(const kvr_wk_lm *lm) { return lm->cache_type; }
+int32_t kvr__wk_lm_cache_type(const kvr__wk_lm *lm) { return lm->cache_type; }
 
-bool kvr_wk_lm_v_trans(const kvr_wk_lm *lm)
+bool kvr__wk_lm_v_trans(const kvr__wk_lm *lm)
 {
     (void)lm;
     return false;   /* flash attention on */
 }
 
-int kvr_wk_lm_threads_sleep(kvr_wk_lm *lm, char *err, size_t errlen)
+int kvr__wk_lm_threads_sleep(kvr__wk_lm *lm, char *err, size_t errlen)
 {
     if (lm->tp)
         return 0;
@@ -581,4 +581,4 @@ int kvr_wk_lm_threads_sleep(kvr_wk_lm *lm, char *err, size_t errlen)
     return 0;
 }
 
-int kvr_wk_lm_n_threads(const kvr_wk_lm *lm) { return lm->n_threads; }
+int kvr__wk_lm_n_threads(const kvr__wk_lm *lm) { return lm->n_threads; }

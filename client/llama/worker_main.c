@@ -105,7 +105,7 @@ typedef struct args {
     const char *policy;
     size_t      runs[8192], n_runs;
     long        from, next_pos, stop;
-    kvr_wk_gen_req gen[1024];
+    kvr__wk_gen_req gen[1024];
     size_t      n_points;
     int         serve_argc;      /* the words after "serve" */
     char      **serve_argv;
@@ -344,7 +344,7 @@ static int parse(int argc, char **argv, args *a)
                                      "1..100000");
                 if (a->n_points == sizeof a->gen / sizeof a->gen[0])
                     return usage_err("too many --generate points (1024 at most)");
-                a->gen[a->n_points++] = (kvr_wk_gen_req){ .at = at, .n = cnt };
+                a->gen[a->n_points++] = (kvr__wk_gen_req){ .at = at, .n = cnt };
                 q += l;
                 if (*q == ',' && *++q == 0)
                     return usage_err("--generate takes I:N[,I:N...]");
@@ -359,7 +359,7 @@ static int parse(int argc, char **argv, args *a)
                 a->serve_argv = argv + i + 1;
                 for (int k = 0; k < a->serve_argc; k++)   /* help needs no model */
                     if (!strcmp(a->serve_argv[k], "--help") || !strcmp(a->serve_argv[k], "-h"))
-                        exit(kvr_wk_serve_main(NULL, NULL, NULL, 0, 1, a->serve_argv + k));
+                        exit(kvr__wk_serve_main(NULL, NULL, NULL, 0, 1, a->serve_argv + k));
                 break;
             }
         } else if (!strcmp(a->command, "ppl") && !a->ppl_file) {
@@ -463,16 +463,16 @@ static int read_file(const char *what, const char *path, text *t)
     return 0;
 }
 
-static int tokenize(kvr_wk_env *e, const text *t, bool bos, const char *what, const char *path,
+static int tokenize(kvr__wk_env *e, const text *t, bool bos, const char *what, const char *path,
                     int32_t **out, size_t *n)
 {
-    if (kvr_wk_lm_tokenize(e->lm, t->data, t->len, bos, out, n, e->err, sizeof e->err) < 0)
+    if (kvr__wk_lm_tokenize(e->lm, t->data, t->len, bos, out, n, e->err, sizeof e->err) < 0)
         return die(EX_FAIL, "%s %s: %s", what, path, e->err);
     return 0;
 }
 
 /* One session per file: "kvl-f-<hash of the model and the file's real path>". */
-static void file_session(const kvr_wk_env *e, const char *path, char *out, size_t cap)
+static void file_session(const kvr__wk_env *e, const char *path, char *out, size_t cap)
 {
     char *rp = realpath(path, NULL);
     const char *p = rp ? rp : path;
@@ -483,7 +483,7 @@ static void file_session(const kvr_wk_env *e, const char *path, char *out, size_
     free(rp);
 }
 
-static int exit_of(const kvr_wk_env *e)
+static int exit_of(const kvr__wk_env *e)
 {
     if (e->kv_code == KVR_ESYS || e->kv_code == KVR_ECLOSED)
         return EX_CONNECT;
@@ -506,11 +506,11 @@ int main(int argc, char **argv)
             snprintf(ssock, sizeof ssock, "%s", a.socket);
         else
             default_socket(ssock, sizeof ssock);
-        kvr_wk_env se;
+        kvr__wk_env se;
         memset(&se, 0, sizeof se);
-        rc = kvr_wk_serve_main(&se, a.model, ssock, a.threads, a.serve_argc, a.serve_argv);
-        kvr_wk_lm_destroy(se.lm);
-        kvr_wk_env_bufs_free(&se);
+        rc = kvr__wk_serve_main(&se, a.model, ssock, a.threads, a.serve_argc, a.serve_argv);
+        kvr__wk_lm_destroy(se.lm);
+        kvr__wk_env_bufs_free(&se);
         free(se.profile);
         kvr_client_close(se.kc);
         return rc;
@@ -524,11 +524,11 @@ int main(int argc, char **argv)
     memset(files, 0, sizeof files);
     int32_t *tk[260] = { 0 };
     size_t ntk[260] = { 0 };
-    kvr_wk_env e;
+    kvr__wk_env e;
     memset(&e, 0, sizeof e);
     e.n_gen = a.n_gen;
-    kvr_wk_report rep;
-    kvr_wk_rep_init(&rep, a.command);
+    kvr__wk_report rep;
+    kvr__wk_rep_init(&rep, a.command);
     e.rep = &rep;
 
     /* Inputs first: a missing file is reported before anything is loaded. */
@@ -588,27 +588,27 @@ int main(int argc, char **argv)
             goto done;
         }
     }
-    double t_load0 = kvr_wk_now_ms();
-    if (kvr_wk_lm_load(&e.lm, a.model, a.threads, e.err, sizeof e.err) < 0) {
+    double t_load0 = kvr__wk_now_ms();
+    if (kvr__wk_lm_load(&e.lm, a.model, a.threads, e.err, sizeof e.err) < 0) {
         rc = die(EX_FAIL, "%s", e.err);
         goto done;
     }
-    double t_model = kvr_wk_now_ms() - t_load0;
+    double t_model = kvr__wk_now_ms() - t_load0;
     /* ppl and score run without the profile if the bridge does not know the model. */
-    if (kvr_wk_profile(&e, a.model) < 0 && !offline) {
+    if (kvr__wk_profile(&e, a.model) < 0 && !offline) {
         rc = die(EX_FAIL, "%s", e.err);
         goto done;
     }
-    if (!offline && kvr_wk_register(&e, a.model) < 0) {
+    if (!offline && kvr__wk_register(&e, a.model) < 0) {
         rc = die(exit_of(&e) == EX_CONNECT ? EX_CONNECT : EX_FAIL, "%s", e.err);
         goto done;
     }
-    const kvr_wk_lm_info *in = kvr_wk_lm_info_get(e.lm);
-    kvr_wk_rep_str(&rep, NULL, "model", a.model);
+    const kvr__wk_lm_info *in = kvr__wk_lm_info_get(e.lm);
+    kvr__wk_rep_str(&rep, NULL, "model", a.model);
     if (!offline)
-        kvr_wk_rep_str(&rep, NULL, "kvrope_model", e.model);
-    kvr_wk_rep_num(&rep, "timings_ms", "model_load", t_model);
-    kvr_wk_rep_line(&rep, "model: %s (%s, %u layers, %u KV heads x %u, vocab %u)%s%s", a.model,
+        kvr__wk_rep_str(&rep, NULL, "kvrope_model", e.model);
+    kvr__wk_rep_num(&rep, "timings_ms", "model_load", t_model);
+    kvr__wk_rep_line(&rep, "model: %s (%s, %u layers, %u KV heads x %u, vocab %u)%s%s", a.model,
                     in->arch, in->n_layer, in->n_head_kv, in->head_dim, in->n_vocab,
                     offline ? "" : " as kvrope model ", offline ? "" : e.model);
 
@@ -616,7 +616,7 @@ int main(int argc, char **argv)
     if (!strcmp(a.command, "complete")) {
         if ((rc = tokenize(&e, &files[0], in->add_bos, "prompt file", a.prompt, &tk[0], &ntk[0])))
             goto done;
-        r = kvr_wk_complete(&e, tk[0], ntk[0], !a.no_cache);
+        r = kvr__wk_complete(&e, tk[0], ntk[0], !a.no_cache);
     } else if (!strcmp(a.command, "edit")) {
         if ((rc = tokenize(&e, &files[0], in->add_bos, "new file", a.new_f, &tk[0], &ntk[0])) ||
             (a.old_f &&
@@ -627,27 +627,27 @@ int main(int argc, char **argv)
             snprintf(sid, sizeof sid, "%s", a.session);
         else
             file_session(&e, a.new_f, sid, sizeof sid);
-        kvr_wk_edit_opts eo = { .session = sid, .refresh = (uint32_t)a.refresh,
+        kvr__wk_edit_opts eo = { .session = sid, .refresh = (uint32_t)a.refresh,
                                 .max_age = (uint32_t)a.max_age, .refresh_all = a.refresh_all,
                                 .check = a.check };
-        r = kvr_wk_edit(&e, a.old_f ? tk[1] : NULL, ntk[1], tk[0], ntk[0], &eo);
+        r = kvr__wk_edit(&e, a.old_f ? tk[1] : NULL, ntk[1], tk[0], ntk[0], &eo);
     } else if (!strcmp(a.command, "replay")) {
         FILE *lf = NULL;
         if (a.lines_f && !(lf = strcmp(a.lines_f, "-") ? fopen(a.lines_f, "w") : stdout)) {
             rc = die(EX_FAIL, "--lines %s: %s", a.lines_f, strerror(errno));
             goto done;
         }
-        kvr_wk_replay_opts ro = {
+        kvr__wk_replay_opts ro = {
             .dir = a.history, .max_versions = (size_t)a.max_versions,
             .sync = { .session = a.session ? a.session : "kvl-replay",
                       .refresh = (uint32_t)a.refresh, .max_age = (uint32_t)a.max_age },
             .background = a.background, .check_all = a.check, .check_at = a.check_at,
             .n_check_at = a.n_check_at, .lines = lf };
-        r = kvr_wk_replay(&e, &ro);
+        r = kvr__wk_replay(&e, &ro);
         if (lf && lf != stdout)
             fclose(lf);
     } else if (!strcmp(a.command, "refresh")) {
-        r = kvr_wk_refresh_cmd(&e, a.session, a.budget < 0 ? SIZE_MAX : (size_t)a.budget,
+        r = kvr__wk_refresh_cmd(&e, a.session, a.budget < 0 ? SIZE_MAX : (size_t)a.budget,
                                a.cursor < 0 ? SIZE_MAX : (size_t)a.cursor);
     } else if (!strcmp(a.command, "rag")) {
         if ((rc = tokenize(&e, &files[0], in->add_bos, "prefix file", a.prefix, &tk[0], &ntk[0])) ||
@@ -657,10 +657,10 @@ int main(int argc, char **argv)
             if ((rc = tokenize(&e, &files[2 + i], false, "document", a.docs[i], &tk[2 + i],
                                &ntk[2 + i])))
                 goto done;
-        r = kvr_wk_rag(&e, tk[0], ntk[0], (const int32_t *const *)(tk + 2), ntk + 2, a.n_docs,
+        r = kvr__wk_rag(&e, tk[0], ntk[0], (const int32_t *const *)(tk + 2), ntk + 2, a.n_docs,
                        tk[1], ntk[1], a.parallel, a.check);
     } else if (is_score) {
-        kvr_wk_score_opts so = {
+        kvr__wk_score_opts so = {
             .tokens = (const uint8_t *)files[0].data, .tokens_len = files[0].len,
             .kv = a.kv_f ? (const uint8_t *)files[1].data : NULL,
             .kv_len = a.kv_f ? files[1].len : 0,
@@ -668,33 +668,33 @@ int main(int argc, char **argv)
             .has_next_pos = a.has_next_pos, .next_pos = a.next_pos,
             .has_stop = a.has_stop, .stop = (int32_t)a.stop, .exact = a.exact,
             .logits_out = a.logits_f, .kv_out = a.kv_out_f, .gen = a.gen, .n_gen = a.n_points };
-        r = kvr_wk_score(&e, &so);
+        r = kvr__wk_score(&e, &so);
     } else if (is_repair) {
-        kvr_wk_repair_cmd_opts ro = {
+        kvr__wk_repair_cmd_opts ro = {
             .tokens = (const uint8_t *)files[0].data, .tokens_len = files[0].len,
             .kv = a.kv_f ? (const uint8_t *)files[1].data : NULL,
             .kv_len = a.kv_f ? files[1].len : 0, .n_prompt = (size_t)a.prompt_len,
             .run_starts = a.runs, .n_run_starts = a.n_runs, .policy = a.policy,
             .logits_out = a.logits_f };
-        r = kvr_wk_repair_cmd(&e, &ro);
+        r = kvr__wk_repair_cmd(&e, &ro);
     } else {
         if ((rc = tokenize(&e, &files[0], in->add_bos, "file", a.ppl_file, &tk[0], &ntk[0])))
             goto done;
-        r = kvr_wk_ppl(&e, tk[0], ntk[0], files[0].len, in->add_bos);
+        r = kvr__wk_ppl(&e, tk[0], ntk[0], files[0].len, in->add_bos);
     }
-    kvr_wk_rep_num(&rep, "timings_ms", "warmup", kvr_wk_lm_warmup_ms(e.lm));
+    kvr__wk_rep_num(&rep, "timings_ms", "warmup", kvr__wk_lm_warmup_ms(e.lm));
     if (r < 0)
         rc = die(exit_of(&e), "%s: %s", a.command, e.err);
     else
-        kvr_wk_rep_print(&rep, a.json, stdout);
+        kvr__wk_rep_print(&rep, a.json, stdout);
 done:
     for (size_t i = 0; i < 260; i++) {
         free(tk[i]);
         free(files[i].data);
     }
-    kvr_wk_rep_free(&rep);
-    kvr_wk_lm_destroy(e.lm);
-    kvr_wk_env_bufs_free(&e);
+    kvr__wk_rep_free(&rep);
+    kvr__wk_lm_destroy(e.lm);
+    kvr__wk_env_bufs_free(&e);
     free(e.profile);
     kvr_client_close(e.kc);
     return rc;

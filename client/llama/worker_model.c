@@ -18,7 +18,7 @@
 #include "client/llama/kvrope_llama.h"
 #include "client/llama/worker.h"
 
-int kvr_wk_profile(kvr_wk_env *e, const char *gguf)
+int kvr__wk_profile(kvr__wk_env *e, const char *gguf)
 {
     kvr_llama_model *m = calloc(1, sizeof *m);
     if (!m) {
@@ -32,7 +32,7 @@ int kvr_wk_profile(kvr_wk_env *e, const char *gguf)
         snprintf(e->err, sizeof e->err, "model %s: %s", gguf, err);
         return r;
     }
-    const kvr_wk_lm_info *in = kvr_wk_lm_info_get(e->lm);
+    const kvr__wk_lm_info *in = kvr__wk_lm_info_get(e->lm);
     if (m->n_layers != in->n_layer || m->n_kv_heads != in->n_head_kv ||
         m->head_dim != in->head_dim) {
         snprintf(e->err, sizeof e->err, "model %s: the GGUF profile (%u layers, %u KV heads x "
@@ -42,14 +42,14 @@ int kvr_wk_profile(kvr_wk_env *e, const char *gguf)
         return KVR_EINVAL;
     }
     e->profile = m;
-    kvr_wk_lm_set_profile(e->lm, m);
+    kvr__wk_lm_set_profile(e->lm, m);
     return 0;
 }
 
-int kvr_wk_register(kvr_wk_env *e, const char *gguf)
+int kvr__wk_register(kvr__wk_env *e, const char *gguf)
 {
     if (!e->profile) {
-        int r = kvr_wk_profile(e, gguf);
+        int r = kvr__wk_profile(e, gguf);
         if (r < 0)
             return r;
     }

@@ -17,7 +17,7 @@
  *    whole prompt, which a probe decode does (every token through seq 1, the
  *    graph cut right after layer L's K and V projections: L layers of
  *    attention and FFN plus one projection per token, about L / n_layer of
- *    a full encode; kvr_wk_repair_res.probe_layers). For L = 1 the fresh
+ *    a full encode; kvr__wk_repair_res.probe_layers). For L = 1 the fresh
  *    K/V the selection compares against is exactly the full encode's. What
  *    is approximated is CacheBlend's premise itself: that the tokens that
  *    deviate most at layer L are the ones whose recomputation helps most at
@@ -31,11 +31,12 @@
  *    position, each seeing everything before it).
  *  - Tokens are decoded in increasing position: when a run is decoded,
  *    every position before it holds a cell (placed or computed), so
- *    llama.cpp's batch rules hold (kvr_wk_lm_decode_middle).
+ *    llama.cpp's batch rules hold (kvr__wk_lm_decode_middle).
  *  - The prompt's last token is always computed: its logits are current
- *    afterwards, as after kvr_wk_sync.
+ *    afterwards, as after kvr__wk_sync.
  *  - The selection pass leaves seq 1 empty and seq 0 as it was.
  */
+#include <assert.h>
 #include <errno.h>
 #include <math.h>
 #include <stdio.h>
@@ -48,7 +49,7 @@
 
 /* ---- policy text ---------------------------------------------------------- */
 
-static int parse_one(const char *s, size_t len, kvr_wk_repair_opts *o, char *err, size_t errlen)
+static int parse_one(const char *s, size_t len, kvr__wk_repair_opts *o, char *err, size_t errlen)
 {
     char buf[64];
     if (len == 0 || len >= sizeof buf)
@@ -96,7 +97,7 @@ bad:
     return -EINVAL;
 }
 
-int kvr_wk_repair_parse(const char *s, kvr_wk_repair_opts *o, char *err, size_t errlen)
+int kvr__wk_repair_parse(const char *s, kvr__wk_repair_opts *o, char *err, size_t errlen)
 {
     memset(o, 0, sizeof *o);
     if (!s || !*s)
@@ -128,8 +129,8 @@ static int by_dev_desc(const void *a, const void *b)
     return x->i < y->i ? -1 : x->i > y->i;
 }
 
-size_t kvr_wk_repair_plan(const uint8_t *placed, const uint8_t *run_start, size_t n,
-                          const float *dev, const kvr_wk_repair_opts *o, uint8_t *compute)
+size_t kvr__wk_repair_plan(const uint8_t *placed, const uint8_t *run_start, size_t n,
+                          const float *dev, const kvr__wk_repair_opts *o, uint8_t *compute)
 {
     size_t n_cand = 0, chosen = 0;     /* candidates: placed approximate tokens */
     for (size_t i = 0; i < n; i++) {
@@ -203,26 +204,26 @@ static float elem(const uint8_t *base, size_t idx, int32_t type)
 
 /* dev[i] for every placed token: squared distance of layer L's K and V in
  * seq 0 (placed) from the probe's (full-encode) K and V. */
-static int deviations(kvr_wk_lm *lm, const int32_t *toks, size_t n, const uint8_t *placed,
-                      uint32_t layer, float *dev, kvr_wk_repair_res *res, char *err,
+static int deviations(kvr__wk_lm *lm, const int32_t *toks, size_t n, const uint8_t *placed,
+                      uint32_t layer, float *dev, kvr__wk_repair_res *res, char *err,
                       size_t errlen)
 {
-    const kvr_wk_lm_info *in = kvr_wk_lm_info_get(lm);
+    const kvr__wk_lm_info *in = kvr__wk_lm_info_get(lm);
     if (layer >= in->n_layer) {
         snprintf(err, errlen, "blend layer %u: the model has %u layers", layer, in->n_layer);
         return -EINVAL;
     }
-    if (!kvr_wk_lm_probe_on(lm)) {
-        snprintf(err, errlen, "blend repair needs a probing context (kvr_wk_lm_set_probe)");
+    if (!kvr__wk_lm_probe_on(lm)) {
+        snprintf(err, errlen, "blend repair needs a probing context (kvr__wk_lm_set_probe)");
         return -EINVAL;
     }
     size_t row = (size_t)in->n_head_kv * in->head_dim;
-    kvr_wk_probe p = { .layer = layer, .row = row, .cap = n };
+    kvr__wk_probe p = { .layer = layer, .row = row, .cap = n };
     p.k = malloc(n * row * sizeof(float));
     p.v = malloc(n * row * sizeof(float));
     uint8_t *sb = NULL;
     size_t slen = 0;
-    kvr_wk_state st;
+    kvr__wk_state st;
     memset(&st, 0, sizeof st);
     long *cell = malloc(n * sizeof *cell);
     int r = 0;
@@ -231,18 +232,18 @@ static int deviations(kvr_wk_lm *lm, const int32_t *toks, size_t n, const uint8_
         r = -ENOMEM;
         goto out;
     }
-    double t0 = kvr_wk_now_ms();
-    kvr_wk_lm_seq_rm(lm, 1, -1, -1);
-    r = kvr_wk_lm_probe_decode(lm, &p, toks, n, 0, 1, err, errlen);
-    kvr_wk_lm_seq_rm(lm, 1, -1, -1);
+    double t0 = kvr__wk_now_ms();
+    kvr__wk_lm_seq_rm(lm, 1, -1, -1);
+    r = kvr__wk_lm_probe_decode(lm, &p, toks, n, 0, 1, err, errlen);
+    kvr__wk_lm_seq_rm(lm, 1, -1, -1);
     if (r < 0)
         goto out;
     res->n_probed = n;
     res->probe_layers = layer + 0.5;   /* L full layers + the QKV projection (~half a layer) */
-    if ((r = kvr_wk_lm_state_get(lm, &sb, &slen, err, errlen)) < 0)
+    if ((r = kvr__wk_lm_state_get(lm, &sb, &slen, err, errlen)) < 0)
         goto out;
     char why[256];
-    if ((r = kvr_wk_state_parse(&st, sb, slen, why, sizeof why)) < 0) {
+    if ((r = kvr__wk_state_parse(&st, sb, slen, why, sizeof why)) < 0) {
         snprintf(err, errlen, "llama.cpp's own state: %s", why);
         goto out;
     }
@@ -276,9 +277,9 @@ static int deviations(kvr_wk_lm *lm, const int32_t *toks, size_t n, const uint8_
         }
         dev[i] = (float)d;
     }
-    res->t_probe_ms += kvr_wk_now_ms() - t0;
+    res->t_probe_ms += kvr__wk_now_ms() - t0;
 out:
-    kvr_wk_state_free(&st);
+    kvr__wk_state_free(&st);
     free(sb);
     free(cell);
     free(p.k);
@@ -288,9 +289,9 @@ out:
 
 /* ---- repair ------------------------------------------------------------------ */
 
-int kvr_wk_repair(kvr_wk_lm *lm, const int32_t *toks, size_t n, const uint8_t *placed,
-                  const uint8_t *run_start, const kvr_wk_repair_opts *o, uint8_t *compute_out,
-                  kvr_wk_repair_res *res, char *err, size_t errlen)
+int kvr__wk_repair(kvr__wk_lm *lm, const int32_t *toks, size_t n, const uint8_t *placed,
+                  const uint8_t *run_start, const kvr__wk_repair_opts *o, uint8_t *compute_out,
+                  kvr__wk_repair_res *res, char *err, size_t errlen)
 {
     memset(res, 0, sizeof *res);
     res->n_prompt = n;
@@ -314,9 +315,13 @@ int kvr_wk_repair(kvr_wk_lm *lm, const int32_t *toks, size_t n, const uint8_t *p
     if (dev && (r = deviations(lm, toks, n, placed, o->blend_layer ? o->blend_layer : 1, dev,
                                res, err, errlen)) < 0)
         goto out;
-    res->n_repaired = kvr_wk_repair_plan(placed, run_start, n, dev, o, cmp);
+    res->n_repaired = kvr__wk_repair_plan(placed, run_start, n, dev, o, cmp);
     cmp[n - 1] = 1;   /* its logits */
-    double t0 = kvr_wk_now_ms();
+#ifndef NDEBUG
+    for (size_t i = 0; i < n; i++)
+        assert(placed[i] || cmp[i]);   /* gaps are always computed */
+#endif
+    double t0 = kvr__wk_now_ms();
     for (size_t i = 0; i < n;) {
         if (!cmp[i]) {
             i++;
@@ -325,12 +330,12 @@ int kvr_wk_repair(kvr_wk_lm *lm, const int32_t *toks, size_t n, const uint8_t *p
         size_t j = i;
         while (j < n && cmp[j])
             j++;
-        if ((r = kvr_wk_lm_decode_middle(lm, toks + i, j - i, (int32_t)i, err, errlen)) < 0)
+        if ((r = kvr__wk_lm_decode_middle(lm, toks + i, j - i, (int32_t)i, err, errlen)) < 0)
             goto out;
         res->n_computed += j - i;
         i = j;
     }
-    res->t_decode_ms = kvr_wk_now_ms() - t0;
+    res->t_decode_ms = kvr__wk_now_ms() - t0;
 out:
     if (cmp != compute_out)
         free(cmp);
@@ -362,27 +367,27 @@ static void on_rows(void *ud, size_t first, size_t n, const float *const *rows)
             put_row(o, rows[j]);
 }
 
-int kvr_wk_repair_cmd(kvr_wk_env *e, const kvr_wk_repair_cmd_opts *o)
+int kvr__wk_repair_cmd(kvr__wk_env *e, const kvr__wk_repair_cmd_opts *o)
 {
-    kvr_wk_repair_opts ro;
-    int r = kvr_wk_repair_parse(o->policy ? o->policy : "none", &ro, e->err, sizeof e->err);
+    kvr__wk_repair_opts ro;
+    int r = kvr__wk_repair_parse(o->policy ? o->policy : "none", &ro, e->err, sizeof e->err);
     if (r < 0)
         return r;
     if (o->tokens_len % 4)
-        return kvr_wk_fail(e, -EINVAL, "token file: %zu bytes is not a whole number of int32 ids",
+        return kvr__wk_fail(e, -EINVAL, "token file: %zu bytes is not a whole number of int32 ids",
                            o->tokens_len);
     size_t N = o->tokens_len / 4, np = o->n_prompt;
     if (np == 0 || np > N)
-        return kvr_wk_fail(e, -EINVAL, "--prompt-len %zu: the token file holds %zu tokens", np, N);
-    const kvr_wk_lm_info *in = kvr_wk_lm_info_get(e->lm);
+        return kvr__wk_fail(e, -EINVAL, "--prompt-len %zu: the token file holds %zu tokens", np, N);
+    const kvr__wk_lm_info *in = kvr__wk_lm_info_get(e->lm);
     int32_t *T = malloc(N * sizeof *T);
     uint8_t *placed = calloc(np, 1), *starts = calloc(np, 1), *cmp = calloc(np, 1);
-    kvr_wk_kvbin kv;
+    kvr__wk_kvbin kv;
     memset(&kv, 0, sizeof kv);
     FILE *f = NULL;
     char tmp[4200] = "";
     if (!T || !placed || !starts || !cmp) {
-        r = kvr_wk_fail(e, -ENOMEM, "out of memory for %zu tokens", N);
+        r = kvr__wk_fail(e, -ENOMEM, "out of memory for %zu tokens", N);
         goto out;
     }
     for (size_t i = 0; i < N; i++) {
@@ -390,28 +395,28 @@ int kvr_wk_repair_cmd(kvr_wk_env *e, const kvr_wk_repair_cmd_opts *o)
         T[i] = (int32_t)((uint32_t)b[0] | (uint32_t)b[1] << 8 | (uint32_t)b[2] << 16 |
                          (uint32_t)b[3] << 24);
         if (T[i] < 0 || (uint32_t)T[i] >= in->n_vocab) {
-            r = kvr_wk_fail(e, -EINVAL, "token %zu is %d: outside the vocabulary (0..%u)", i,
+            r = kvr__wk_fail(e, -EINVAL, "token %zu is %d: outside the vocabulary (0..%u)", i,
                             T[i], in->n_vocab - 1);
             goto out;
         }
     }
-    if (o->kv && (r = kvr_wk_kvbin_parse(e, o->kv, o->kv_len, &kv)) < 0)
+    if (o->kv && (r = kvr__wk_kvbin_parse(e, o->kv, o->kv_len, &kv)) < 0)
         goto out;
     for (uint32_t j = 0; j < kv.m; j++) {
         if (kv.pos[j] >= (int64_t)np) {
-            r = kvr_wk_fail(e, -EINVAL, "KV file: cell %u at position %lld is not in the prompt "
+            r = kvr__wk_fail(e, -EINVAL, "KV file: cell %u at position %lld is not in the prompt "
                             "(0..%zu)", j, (long long)kv.pos[j], np - 1);
             goto out;
         }
         if (placed[kv.pos[j]]) {
-            r = kvr_wk_fail(e, -EINVAL, "KV file: position %lld twice", (long long)kv.pos[j]);
+            r = kvr__wk_fail(e, -EINVAL, "KV file: position %lld twice", (long long)kv.pos[j]);
             goto out;
         }
         placed[kv.pos[j]] = 1;
     }
     for (size_t i = 0; i < o->n_run_starts; i++) {
         if (o->run_starts[i] >= np || !placed[o->run_starts[i]]) {
-            r = kvr_wk_fail(e, -EINVAL, "--runs: %zu is not a placed position of the prompt",
+            r = kvr__wk_fail(e, -EINVAL, "--runs: %zu is not a placed position of the prompt",
                             o->run_starts[i]);
             goto out;
         }
@@ -420,61 +425,61 @@ int kvr_wk_repair_cmd(kvr_wk_env *e, const kvr_wk_repair_cmd_opts *o)
     if (!o->n_run_starts)
         for (size_t i = 0; i < np; i++)
             starts[i] = placed[i] && (i == 0 || !placed[i - 1]);
-    kvr_wk_lm_set_cache(e->lm, kv.m ? kv.ggml_type : KVR_WK_GGML_F16, 2);
-    kvr_wk_lm_set_probe(e->lm, ro.blend_share > 0 && !ro.all);
+    kvr__wk_lm_set_cache(e->lm, kv.m ? kv.ggml_type : KVR_WK_GGML_F16, 2);
+    kvr__wk_lm_set_probe(e->lm, ro.blend_share > 0 && !ro.all);
     /* the selection pass holds the prompt twice (placed cells in seq 0, the
      * probe's in seq 1) */
     size_t cells = N + 16 + (ro.blend_share > 0 && !ro.all ? np : 0);
-    if ((r = kvr_wk_lm_context(e->lm, (uint32_t)cells, e->err, sizeof e->err)) < 0)
+    if ((r = kvr__wk_lm_context(e->lm, (uint32_t)cells, e->err, sizeof e->err)) < 0)
         goto out;
-    if ((r = kvr_wk_kvbin_load(e, &kv, kv.pos)) < 0)
+    if ((r = kvr__wk_kvbin_load(e, &kv, kv.pos)) < 0)
         goto out;
-    kvr_wk_repair_res res;
-    if ((r = kvr_wk_repair(e->lm, T, np, placed, starts, &ro, cmp, &res, e->err,
+    kvr__wk_repair_res res;
+    if ((r = kvr__wk_repair(e->lm, T, np, placed, starts, &ro, cmp, &res, e->err,
                            sizeof e->err)) < 0)
         goto out;
     rows_out ro_ = { .nv = in->n_vocab, .n = N - np };
     if (o->logits_out) {
         snprintf(tmp, sizeof tmp, "%s.tmp-%ld", o->logits_out, (long)getpid());
         if (!(f = fopen(tmp, "wb"))) {
-            r = kvr_wk_fail(e, -errno, "logits file %s: %s", o->logits_out, strerror(errno));
+            r = kvr__wk_fail(e, -errno, "logits file %s: %s", o->logits_out, strerror(errno));
             goto out;
         }
         ro_.f = f;
     }
     if (N > np)
-        put_row(&ro_, kvr_wk_lm_logits(e->lm));
-    double t0 = kvr_wk_now_ms();
-    if (N - np > 1 && (r = kvr_wk_lm_decode(e->lm, T + np, N - np, (int32_t)np, 0,
+        put_row(&ro_, kvr__wk_lm_logits(e->lm));
+    double t0 = kvr__wk_now_ms();
+    if (N - np > 1 && (r = kvr__wk_lm_decode(e->lm, T + np, N - np, (int32_t)np, 0,
                                             KVR_WK_LOGITS_ALL, on_rows, &ro_, e->err,
                                             sizeof e->err)) < 0)
         goto out;
-    double t_cont = kvr_wk_now_ms() - t0;
+    double t_cont = kvr__wk_now_ms() - t0;
     if (f) {
         int fe = ro_.werr;
         if (fclose(f) != 0 && !fe)
             fe = errno ? errno : EIO;
         f = NULL;
         if (fe || rename(tmp, o->logits_out) != 0) {
-            r = kvr_wk_fail(e, -EIO, "logits file %s: %s", o->logits_out,
+            r = kvr__wk_fail(e, -EIO, "logits file %s: %s", o->logits_out,
                             strerror(fe ? fe : errno));
             goto out;
         }
         tmp[0] = 0;
     }
-    kvr_wk_rep_num(e->rep, "repair", "prompt", (double)res.n_prompt);
-    kvr_wk_rep_num(e->rep, "repair", "placed", (double)res.n_placed);
-    kvr_wk_rep_num(e->rep, "repair", "gaps", (double)res.n_gap);
-    kvr_wk_rep_num(e->rep, "repair", "repaired", (double)res.n_repaired);
-    kvr_wk_rep_num(e->rep, "repair", "computed", (double)res.n_computed);
-    kvr_wk_rep_num(e->rep, "repair", "probed", (double)res.n_probed);
-    kvr_wk_rep_num(e->rep, "repair", "probe_layers", res.probe_layers);
-    kvr_wk_rep_num(e->rep, "repair", "n_layer", (double)in->n_layer);
-    kvr_wk_rep_num(e->rep, NULL, "rows", (double)ro_.written);
-    kvr_wk_rep_num(e->rep, "timings_ms", "probe", res.t_probe_ms);
-    kvr_wk_rep_num(e->rep, "timings_ms", "repair_decode", res.t_decode_ms);
-    kvr_wk_rep_num(e->rep, "timings_ms", "continuation", t_cont);
-    kvr_wk_rep_line(e->rep, "repair: %zu prompt tokens, %zu placed, %zu gaps; %zu placed tokens "
+    kvr__wk_rep_num(e->rep, "repair", "prompt", (double)res.n_prompt);
+    kvr__wk_rep_num(e->rep, "repair", "placed", (double)res.n_placed);
+    kvr__wk_rep_num(e->rep, "repair", "gaps", (double)res.n_gap);
+    kvr__wk_rep_num(e->rep, "repair", "repaired", (double)res.n_repaired);
+    kvr__wk_rep_num(e->rep, "repair", "computed", (double)res.n_computed);
+    kvr__wk_rep_num(e->rep, "repair", "probed", (double)res.n_probed);
+    kvr__wk_rep_num(e->rep, "repair", "probe_layers", res.probe_layers);
+    kvr__wk_rep_num(e->rep, "repair", "n_layer", (double)in->n_layer);
+    kvr__wk_rep_num(e->rep, NULL, "rows", (double)ro_.written);
+    kvr__wk_rep_num(e->rep, "timings_ms", "probe", res.t_probe_ms);
+    kvr__wk_rep_num(e->rep, "timings_ms", "repair_decode", res.t_decode_ms);
+    kvr__wk_rep_num(e->rep, "timings_ms", "continuation", t_cont);
+    kvr__wk_rep_line(e->rep, "repair: %zu prompt tokens, %zu placed, %zu gaps; %zu placed tokens "
                     "repaired, %zu computed%s", res.n_prompt, res.n_placed, res.n_gap,
                     res.n_repaired, res.n_computed, res.n_probed ? " (after a selection pass)" : "");
 out:

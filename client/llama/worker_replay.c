@@ -84,11 +84,11 @@ static bool in_list(const size_t *at, size_t n_at, size_t i)
     return false;
 }
 
-int kvr_wk_replay(kvr_wk_env *e, const kvr_wk_replay_opts *o)
+int kvr__wk_replay(kvr__wk_env *e, const kvr__wk_replay_opts *o)
 {
-    kvr_wk_report *R = e->rep;
-    size_t nv = kvr_wk_lm_info_get(e->lm)->n_vocab;
-    bool bos = kvr_wk_lm_info_get(e->lm)->add_bos;
+    kvr__wk_report *R = e->rep;
+    size_t nv = kvr__wk_lm_info_get(e->lm)->n_vocab;
+    bool bos = kvr__wk_lm_info_get(e->lm)->add_bos;
     /* The versions, tokenized; the context sized for the largest. */
     size_t n_ver = 0, cap = 0, max_n = 0;
     int32_t **ver = NULL;
@@ -113,13 +113,13 @@ int kvr_wk_replay(kvr_wk_env *e, const kvr_wk_replay_opts *o)
                 ver = nv2;
             if (!nv2 || !nn2) {
                 free(text);
-                r = kvr_wk_fail(e, KVR_ENOMEM, "out of memory");
+                r = kvr__wk_fail(e, KVR_ENOMEM, "out of memory");
                 goto out;
             }
             nver = nn2;
         }
         ver[n_ver] = NULL;
-        r = kvr_wk_lm_tokenize(e->lm, text, len, bos, &ver[n_ver], &nver[n_ver], e->err,
+        r = kvr__wk_lm_tokenize(e->lm, text, len, bos, &ver[n_ver], &nver[n_ver], e->err,
                                sizeof e->err);
         free(text);
         if (r < 0)
@@ -128,15 +128,15 @@ int kvr_wk_replay(kvr_wk_env *e, const kvr_wk_replay_opts *o)
             max_n = nver[n_ver];
     }
     if (n_ver < 2) {
-        r = kvr_wk_fail(e, KVR_EINVAL, "%s holds %zu versions (v0000.txt, v0001.txt, ...): an "
+        r = kvr__wk_fail(e, KVR_EINVAL, "%s holds %zu versions (v0000.txt, v0001.txt, ...): an "
                         "edit history needs two at least (scripts/edit-history.py)", o->dir,
                         n_ver);
         goto out;
     }
-    if ((r = kvr_wk_lm_context(e->lm, (uint32_t)max_n + 16, e->err, sizeof e->err)) < 0)
+    if ((r = kvr__wk_lm_context(e->lm, (uint32_t)max_n + 16, e->err, sizeof e->err)) < 0)
         goto out;
     /* Version 0 starts the session afresh. */
-    if ((r = kvr_wk_del_quiet(e, o->sync.session)) < 0)
+    if ((r = kvr__wk_del_quiet(e, o->sync.session)) < 0)
         goto out;
 
     size_t n_ed = n_ver - 1, fails = 0, n_chk = 0;
@@ -148,31 +148,31 @@ int kvr_wk_replay(kvr_wk_env *e, const kvr_wk_replay_opts *o)
         free(t_first);
         free(speed);
         free(lg);
-        r = kvr_wk_fail(e, KVR_ENOMEM, "out of memory");
+        r = kvr__wk_fail(e, KVR_ENOMEM, "out of memory");
         goto out;
     }
     double sum_share = 0, kl_sum = 0;
     size_t n_ok = 0, comp_total = 0, tok_total = 0;
     for (size_t i = 0; i < n_ver; i++) {
-        kvr_wk_step *st = NULL;
-        kvr_wk_sync_res sr;
-        double t0 = kvr_wk_now_ms();
-        int q = kvr_wk_sync(e, ver[i], nver[i], &o->sync, &st, &sr);
-        double tf = kvr_wk_now_ms() - t0;
+        kvr__wk_step *st = NULL;
+        kvr__wk_sync_res sr;
+        double t0 = kvr__wk_now_ms();
+        int q = kvr__wk_sync(e, ver[i], nver[i], &o->sync, &st, &sr);
+        double tf = kvr__wk_now_ms() - t0;
         if (q == 0)
-            memcpy(lg, kvr_wk_lm_logits(e->lm), nv * sizeof *lg);
-        size_t n_new = kvr_wk_step_new_tokens(st);
-        double ts0 = kvr_wk_now_ms();
+            memcpy(lg, kvr__wk_lm_logits(e->lm), nv * sizeof *lg);
+        size_t n_new = kvr__wk_step_new_tokens(st);
+        double ts0 = kvr__wk_now_ms();
         if (q == 0)
-            q = kvr_wk_commit(e, st);
-        double t_store = kvr_wk_now_ms() - ts0;
-        kvr_wk_step_free(st);
+            q = kvr__wk_commit(e, st);
+        double t_store = kvr__wk_now_ms() - ts0;
+        kvr__wk_step_free(st);
         size_t bg = 0;
         double t_bg = 0;
         if (q == 0 && o->background) {
-            double tb0 = kvr_wk_now_ms();
-            q = kvr_wk_refresh_idle(e, o->sync.session, SIZE_MAX, SIZE_MAX, &bg);
-            t_bg = kvr_wk_now_ms() - tb0;
+            double tb0 = kvr__wk_now_ms();
+            q = kvr__wk_refresh_idle(e, o->sync.session, SIZE_MAX, SIZE_MAX, &bg);
+            t_bg = kvr__wk_now_ms() - tb0;
         }
         if (o->lines) {
             fprintf(o->lines, "{\"version\": %zu, \"tokens\": %zu", i, nver[i]);
@@ -203,25 +203,25 @@ int kvr_wk_replay(kvr_wk_env *e, const kvr_wk_replay_opts *o)
             n_ok++;
         }
         if (o->check_all || in_list(o->check_at, o->n_check_at, i)) {
-            kvr_wk_sync_opts full = { .no_cache = true };
-            kvr_wk_step *fs = NULL;
-            kvr_wk_sync_res fr;
-            double tc0 = kvr_wk_now_ms();
-            q = kvr_wk_sync(e, ver[i], nver[i], &full, &fs, &fr);
-            double t_full = kvr_wk_now_ms() - tc0;
-            kvr_wk_step_free(fs);
+            kvr__wk_sync_opts full = { .no_cache = true };
+            kvr__wk_step *fs = NULL;
+            kvr__wk_sync_res fr;
+            double tc0 = kvr__wk_now_ms();
+            q = kvr__wk_sync(e, ver[i], nver[i], &full, &fs, &fr);
+            double t_full = kvr__wk_now_ms() - tc0;
+            kvr__wk_step_free(fs);
             if (q < 0) {
                 r = q;
                 if (o->lines)
                     fprintf(o->lines, "}\n");
                 goto out_m;
             }
-            const float *ref = kvr_wk_lm_logits(e->lm);
+            const float *ref = kvr__wk_lm_logits(e->lm);
             double kl = kl_of(ref, lg, nv), rms = 0;
             for (size_t k = 0; k < nv; k++)
                 rms += ((double)lg[k] - (double)ref[k]) * ((double)lg[k] - (double)ref[k]);
             rms = sqrt(rms / (double)nv);
-            bool agree = kvr_wk_argmax(lg, nv) == kvr_wk_argmax(ref, nv);
+            bool agree = kvr__wk_argmax(lg, nv) == kvr__wk_argmax(ref, nv);
             if (i > 0) {
                 speed[n_chk++] = t_full / tf;
                 kl_sum += kl;
@@ -235,20 +235,20 @@ int kvr_wk_replay(kvr_wk_env *e, const kvr_wk_replay_opts *o)
             fflush(o->lines);
         }
     }
-    kvr_wk_rep_str(R, NULL, "session", o->sync.session);
-    kvr_wk_rep_num(R, NULL, "versions", (double)n_ver);
-    kvr_wk_rep_num(R, NULL, "edits", (double)n_ed);
-    kvr_wk_rep_num(R, NULL, "failures", (double)fails);
-    kvr_wk_rep_num(R, NULL, "computed_share", tok_total ? (double)comp_total / (double)tok_total
+    kvr__wk_rep_str(R, NULL, "session", o->sync.session);
+    kvr__wk_rep_num(R, NULL, "versions", (double)n_ver);
+    kvr__wk_rep_num(R, NULL, "edits", (double)n_ed);
+    kvr__wk_rep_num(R, NULL, "failures", (double)fails);
+    kvr__wk_rep_num(R, NULL, "computed_share", tok_total ? (double)comp_total / (double)tok_total
                                                         : (double)NAN);
-    kvr_wk_rep_num(R, NULL, "mean_share", n_ok ? sum_share / (double)n_ok : (double)NAN);
-    kvr_wk_rep_num(R, NULL, "median_share", median(share, n_ok));
-    kvr_wk_rep_num(R, "timings_ms", "median_first_token", median(t_first, n_ok));
+    kvr__wk_rep_num(R, NULL, "mean_share", n_ok ? sum_share / (double)n_ok : (double)NAN);
+    kvr__wk_rep_num(R, NULL, "median_share", median(share, n_ok));
+    kvr__wk_rep_num(R, "timings_ms", "median_first_token", median(t_first, n_ok));
     if (n_chk) {
-        kvr_wk_rep_num(R, NULL, "median_speedup", median(speed, n_chk));
-        kvr_wk_rep_num(R, NULL, "mean_kl", kl_sum / (double)n_chk);
+        kvr__wk_rep_num(R, NULL, "median_speedup", median(speed, n_chk));
+        kvr__wk_rep_num(R, NULL, "mean_kl", kl_sum / (double)n_chk);
     }
-    kvr_wk_rep_line(R, "replayed %zu edits of %s into session %s: %zu failed; tokens computed "
+    kvr__wk_rep_line(R, "replayed %zu edits of %s into session %s: %zu failed; tokens computed "
                     "%.1f%% of a re-encode (median per edit %.1f%%), median first token %.2f ms",
                     n_ed, o->dir, o->sync.session, fails,
                     tok_total ? 100.0 * (double)comp_total / (double)tok_total : 0.0,

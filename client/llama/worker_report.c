@@ -2,7 +2,7 @@
  * worker_report.c — what a kvrope-llama command reports: one JSON object
  * (cJSON; nested one level by group, e.g. "timings_ms") for --json, and the
  * same facts as plain lines of text otherwise. The bench reads numbers back
- * with kvr_wk_rep_get.
+ * with kvr__wk_rep_get.
  */
 #include <math.h>
 #include <stdarg.h>
@@ -14,7 +14,7 @@
 
 #include "client/llama/worker.h"
 
-void kvr_wk_rep_init(kvr_wk_report *r, const char *command)
+void kvr__wk_rep_init(kvr__wk_report *r, const char *command)
 {
     memset(r, 0, sizeof *r);
     r->json = cJSON_CreateObject();
@@ -22,7 +22,7 @@ void kvr_wk_rep_init(kvr_wk_report *r, const char *command)
         cJSON_AddStringToObject(r->json, "command", command);
 }
 
-void kvr_wk_rep_free(kvr_wk_report *r)
+void kvr__wk_rep_free(kvr__wk_report *r)
 {
     if (!r)
         return;
@@ -31,7 +31,7 @@ void kvr_wk_rep_free(kvr_wk_report *r)
     memset(r, 0, sizeof *r);
 }
 
-static cJSON *group_of(kvr_wk_report *r, const char *group)
+static cJSON *group_of(kvr__wk_report *r, const char *group)
 {
     if (!r->json)
         return NULL;
@@ -43,7 +43,7 @@ static cJSON *group_of(kvr_wk_report *r, const char *group)
     return g;
 }
 
-void kvr_wk_rep_num(kvr_wk_report *r, const char *group, const char *key, double v)
+void kvr__wk_rep_num(kvr__wk_report *r, const char *group, const char *key, double v)
 {
     cJSON *g = group_of(r, group);
     if (!g)
@@ -62,7 +62,7 @@ void kvr_wk_rep_num(kvr_wk_report *r, const char *group, const char *key, double
         cJSON_AddNumberToObject(g, key, rounded);
 }
 
-void kvr_wk_rep_str(kvr_wk_report *r, const char *group, const char *key, const char *s)
+void kvr__wk_rep_str(kvr__wk_report *r, const char *group, const char *key, const char *s)
 {
     cJSON *g = group_of(r, group);
     if (!g)
@@ -71,7 +71,7 @@ void kvr_wk_rep_str(kvr_wk_report *r, const char *group, const char *key, const 
     cJSON_AddStringToObject(g, key, s ? s : "");
 }
 
-void kvr_wk_rep_bool(kvr_wk_report *r, const char *group, const char *key, bool v)
+void kvr__wk_rep_bool(kvr__wk_report *r, const char *group, const char *key, bool v)
 {
     cJSON *g = group_of(r, group);
     if (!g)
@@ -80,7 +80,7 @@ void kvr_wk_rep_bool(kvr_wk_report *r, const char *group, const char *key, bool 
     cJSON_AddBoolToObject(g, key, v);
 }
 
-void kvr_wk_rep_tokens(kvr_wk_report *r, const char *key, const int32_t *t, size_t n)
+void kvr__wk_rep_tokens(kvr__wk_report *r, const char *key, const int32_t *t, size_t n)
 {
     if (!r->json)
         return;
@@ -91,7 +91,7 @@ void kvr_wk_rep_tokens(kvr_wk_report *r, const char *key, const int32_t *t, size
     cJSON_AddItemToObject(r->json, key, a);
 }
 
-void kvr_wk_rep_line(kvr_wk_report *r, const char *fmt, ...)
+void kvr__wk_rep_line(kvr__wk_report *r, const char *fmt, ...)
 {
     char buf[2048];
     va_list ap;
@@ -115,7 +115,7 @@ void kvr_wk_rep_line(kvr_wk_report *r, const char *fmt, ...)
     r->text[r->len] = 0;
 }
 
-double kvr_wk_rep_get(const kvr_wk_report *r, const char *group, const char *key)
+double kvr__wk_rep_get(const kvr__wk_report *r, const char *group, const char *key)
 {
     const cJSON *g = group ? cJSON_GetObjectItemCaseSensitive(r->json, group) : r->json;
     const cJSON *v = g ? cJSON_GetObjectItemCaseSensitive(g, key) : NULL;
@@ -126,7 +126,7 @@ double kvr_wk_rep_get(const kvr_wk_report *r, const char *group, const char *key
     return (double)NAN;
 }
 
-void kvr_wk_rep_print(const kvr_wk_report *r, bool json, FILE *out)
+void kvr__wk_rep_print(const kvr__wk_report *r, bool json, FILE *out)
 {
     if (json) {
         char *s = r->json ? cJSON_PrintUnformatted(r->json) : NULL;
@@ -139,7 +139,7 @@ void kvr_wk_rep_print(const kvr_wk_report *r, bool json, FILE *out)
 }
 
 /* A token string for the text report: printable ASCII kept, the rest escaped. */
-void kvr_wk_quote(const char *s, size_t n, char *out, size_t cap)
+void kvr__wk_quote(const char *s, size_t n, char *out, size_t cap)
 {
     size_t o = 0;
     if (cap < 8)

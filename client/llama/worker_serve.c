@@ -543,7 +543,7 @@ typedef struct result {
     bool     truncated, has_new_line;
     int      slot, status;
     char     err_type[40], err[512];
-    kvr_wk_sync_res sync;
+    kvr__wk_sync_res sync;
     bool     via_cache;
 } result;
 
@@ -620,7 +620,7 @@ static cJSON *usage_json(const result *r)
  * it): where the KV came from, the PIE ops, refreshes, and the steps' times. */
 static cJSON *kvrope_json(const result *r)
 {
-    const kvr_wk_sync_res *y = &r->sync;
+    const kvr__wk_sync_res *y = &r->sync;
     cJSON *k = cJSON_CreateObject();
     cJSON_AddBoolToObject(k, "cache", r->via_cache);
     cJSON_AddStringToObject(k, "source", y->source);
@@ -1078,7 +1078,7 @@ static char *chat_prompt(srv *s, const cJSON *msgs, const char **why)
         total += strlen(owned[i]) + strlen(role->valuestring) + 64;
         i++;
     }
-    const char *tmpl = llama_model_chat_template(kvr_wk_lm_model(s->e.lm), NULL);
+    const char *tmpl = llama_model_chat_template(kvr__wk_lm_model(s->e.lm), NULL);
     if (!tmpl)
         tmpl = "chatml";
     size_t cap = total * 2 + 256;
@@ -1421,8 +1421,8 @@ static int handle_apply_template(conn *cn, struct MHD_Connection *c)
 
 static cJSON *model_meta(srv *s)
 {
-    const kvr_wk_lm_info *in = kvr_wk_lm_info_get(s->e.lm);
-    const struct llama_model *m = kvr_wk_lm_model(s->e.lm);
+    const kvr__wk_lm_info *in = kvr__wk_lm_info_get(s->e.lm);
+    const struct llama_model *m = kvr__wk_lm_model(s->e.lm);
     cJSON *meta = cJSON_CreateObject();
     cJSON_AddNumberToObject(meta, "vocab_type", llama_vocab_type(s->vocab));
     cJSON_AddNumberToObject(meta, "n_vocab", in->n_vocab);
@@ -1469,7 +1469,7 @@ static int handle_props(srv *s, struct MHD_Connection *c)
     cJSON *mod = cJSON_AddObjectToObject(o, "modalities");
     cJSON_AddBoolToObject(mod, "vision", false);
     cJSON_AddBoolToObject(mod, "audio", false);
-    const char *tmpl = llama_model_chat_template(kvr_wk_lm_model(s->e.lm), NULL);
+    const char *tmpl = llama_model_chat_template(kvr__wk_lm_model(s->e.lm), NULL);
     cJSON_AddStringToObject(o, "chat_template", tmpl ? tmpl : "chatml");
     char piece[64];
     int32_t r = llama_token_to_piece(s->vocab, llama_vocab_bos(s->vocab), piece, 63, 0, true);
@@ -1868,7 +1868,7 @@ static bool arg_num(const char *v, long lo, long hi, long *out)
     return true;
 }
 
-int kvr_wk_serve_main(kvr_wk_env *e, const char *model_path, const char *socket, int threads,
+int kvr__wk_serve_main(kvr__wk_env *e, const char *model_path, const char *socket, int threads,
                       int argc, char **argv)
 {
     static srv S;
@@ -1903,7 +1903,7 @@ int kvr_wk_serve_main(kvr_wk_env *e, const char *model_path, const char *socket,
             s->o.alias = v, i++;
         } else if (!strcmp(a, "--repair") && v) {
             char why[256];
-            if (kvr_wk_repair_parse(v, &s->o.repair, why, sizeof why) < 0) {
+            if (kvr__wk_repair_parse(v, &s->o.repair, why, sizeof why) < 0) {
                 fprintf(stderr, "kvrope-llama serve: %s\n", why);
                 return 2;
             }
@@ -1954,16 +1954,16 @@ int kvr_wk_serve_main(kvr_wk_env *e, const char *model_path, const char *socket,
             model_path);
 
     int rc = 1;
-    if (kvr_wk_lm_load(&e->lm, model_path, threads ? threads : free_cores(), e->err,
+    if (kvr__wk_lm_load(&e->lm, model_path, threads ? threads : free_cores(), e->err,
                        sizeof e->err) < 0 ||
-        kvr_wk_profile(e, model_path) < 0) {
+        kvr__wk_profile(e, model_path) < 0) {
         fprintf(stderr, "kvrope-llama serve: %s\n", e->err);
         goto stop_http;
     }
     /* kvroped may be down at start too: answer without the cache, and the
      * engine registers the model when it connects */
     bool up = kvr_client_connect(&e->kc, socket, NULL) == 0 && kvr_client_ping(e->kc, NULL) == 0;
-    if (up && kvr_wk_register(e, model_path) < 0) {
+    if (up && kvr__wk_register(e, model_path) < 0) {
         fprintf(stderr, "kvrope-llama serve: registering the model in kvroped: %s\n", e->err);
         up = false;
     }
@@ -1973,24 +1973,24 @@ int kvr_wk_serve_main(kvr_wk_env *e, const char *model_path, const char *socket,
         kvr_llama_model_default_name(e->profile, e->model, sizeof e->model);
         e->kv_code = 0;
     }
-    if (kvr_wk_lm_threads_sleep(e->lm, err, sizeof err) < 0)
+    if (kvr__wk_lm_threads_sleep(e->lm, err, sizeof err) < 0)
         fprintf(stderr, "kvrope serve: compute threads will spin: %s\n", err);
-    const kvr_wk_lm_info *in = kvr_wk_lm_info_get(e->lm);
+    const kvr__wk_lm_info *in = kvr__wk_lm_info_get(e->lm);
     s->n_ctx = s->o.n_ctx ? s->o.n_ctx : in->n_ctx_train ? in->n_ctx_train : 4096;
     /* blend repair's selection pass runs the prompt through layer 1 */
-    kvr_wk_lm_set_probe(e->lm, s->o.repair.blend_share > 0 && !s->o.repair.all);
-    if (kvr_wk_lm_context(e->lm, s->n_ctx, e->err, sizeof e->err) < 0) {
+    kvr__wk_lm_set_probe(e->lm, s->o.repair.blend_share > 0 && !s->o.repair.all);
+    if (kvr__wk_lm_context(e->lm, s->n_ctx, e->err, sizeof e->err) < 0) {
         fprintf(stderr, "kvrope-llama serve: %s\n", e->err);
         goto stop_http;
     }
     s->n_batch = s->o.n_batch ? s->o.n_batch : s->n_ctx / 2 < 2048 ? s->n_ctx / 2 : 2048;
-    s->vocab = llama_model_get_vocab(kvr_wk_lm_model(e->lm));
+    s->vocab = llama_model_get_vocab(kvr__wk_lm_model(e->lm));
     /* reuse anywhere: the daemon's cover verb (a daemon without it refuses
      * the call, and the engine goes on with prefix and PIE reuse) */
-    e->cover = (kvr_wk_cover_api){ kvr_client_cover, kvr_client_cover_get, kvr_cover_release };
+    e->cover = (kvr__wk_cover_api){ kvr_client_cover, kvr_client_cover_get, kvr_cover_release };
     s->e = *e;
     s->connected = up;
-    s->t_reconnect = kvr_wk_now_ms() - 1000;
+    s->t_reconnect = kvr__wk_now_ms() - 1000;
     s->model_hash = 1469598103934665603ull;
     for (const char *p = e->model; *p; p++)
         s->model_hash = (s->model_hash ^ (unsigned char)*p) * 1099511628211ull;
@@ -2010,7 +2010,7 @@ int kvr_wk_serve_main(kvr_wk_env *e, const char *model_path, const char *socket,
     pthread_mutex_unlock(&s->mu);
     fprintf(stderr, "kvrope serve: ready: %s (%s, %u layers), context %u, %d slots, %d threads, "
             "kvrope model %s\n", s->model_name, in->arch, in->n_layer, s->n_ctx, s->n_slots,
-            kvr_wk_lm_n_threads(e->lm), s->e.model);
+            kvr__wk_lm_n_threads(e->lm), s->e.model);
 
     int sig = 0;
     sigwait(&sigs, &sig);

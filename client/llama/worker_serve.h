@@ -6,7 +6,7 @@
  *  worker_serve.c      HTTP (libmicrohttpd, a thread per connection): routes,
  *                      request fields, response and SSE shapes, errors.
  *  worker_serve_run.c  the engine thread: the job queue, every prompt through
- *                      the session engine (kvr_wk_sync, one session per slot),
+ *                      the session engine (kvr__wk_sync, one session per slot),
  *                      sampling and stop rules, the commit after the response,
  *                      background refresh when idle, kvroped reconnects, metrics.
  *
@@ -43,7 +43,7 @@ typedef struct srv_opts {
     uint32_t    refresh;         /* tokens refreshed after each edit point */
     uint32_t    idle_ms;         /* idle time before background refresh; default 300 */
     const char *alias;           /* model name in responses; default the file's name */
-    kvr_wk_repair_opts repair;   /* seams of placed runs (reuse anywhere); default
+    kvr__wk_repair_opts repair;   /* seams of placed runs (reuse anywhere); default
                                     EPIC first KVR_WK_REPAIR_DEFAULT_K */
 } srv_opts;
 
@@ -97,7 +97,7 @@ typedef struct srv_job {
     bool         truncated, has_new_line;
     int          slot;
     size_t       n_cache, n_eval, tokens_cached, n_saved;
-    kvr_wk_sync_res sync;        /* the engine's account of the prompt */
+    kvr__wk_sync_res sync;        /* the engine's account of the prompt */
     bool         via_cache;
     double       t_prompt_ms, t_gen_ms, t_op_ms;
     /* queue and sharing (srv.mu) */
@@ -127,7 +127,7 @@ typedef struct srv_metrics {
 
 typedef struct srv {
     srv_opts         o;
-    kvr_wk_env       e;          /* engine thread only, after start */
+    kvr__wk_env       e;          /* engine thread only, after start */
     const char      *socket;     /* kvroped address */
     const char      *model_path;
     char             model_name[256];
@@ -168,7 +168,7 @@ void     kvr__srv_params_default(srv_params *p);
 /* The serve command: argv holds the words after "serve". Returns the exit
  * status (0 after SIGINT / SIGTERM, 1 the model or the port cannot be used,
  * 2 usage). kvroped need not be up: the server answers without it meanwhile. */
-int kvr_wk_serve_main(kvr_wk_env *e, const char *model_path, const char *socket, int threads,
+int kvr__wk_serve_main(kvr__wk_env *e, const char *model_path, const char *socket, int threads,
                       int argc, char **argv);
 
 #endif

@@ -6,7 +6,7 @@
  * the session engine works in seq 0). A generation job:
  *   slot   id_slot, else the slot whose last prompt shares the longest
  *          prefix with this one, else the least recently used;
- *   prompt kvr_wk_sync with the slot's session (cached prefix, PIE edits of
+ *   prompt kvr__wk_sync with the slot's session (cached prefix, PIE edits of
  *          the session's context, chunks placed; only new and refreshed
  *          tokens decoded). cache_prompt false, or kvroped unreachable:
  *          the whole prompt decoded here, no store (counted, logged);
@@ -15,7 +15,7 @@
  *          t_max_predict_ms), published to the job as they come;
  *   commit after the job is marked done (its client gets the answer first),
  *          then the next job.
- * Idle (no job for idle_ms): kvr_wk_refresh_idle on slots whose sessions
+ * Idle (no job for idle_ms): kvr__wk_refresh_idle on slots whose sessions
  * hold approximate tokens, a small budget at a time, so a cache converges
  * to exact without delaying requests by more than one budget.
  *
@@ -23,6 +23,7 @@
  * re-checks `stopping`; a failed kvrope step never fails the request when
  * the prompt can be computed without it.
  */
+#include <assert.h>
 #include <errno.h>
 #include <math.h>
 #include <stdarg.h>
@@ -211,7 +212,7 @@ static int32_t sample(const srv_params *p, const float *logits, size_t nv, cand 
                       uint64_t *rng)
 {
     if (p->temperature <= 0.0f)
-        return kvr_wk_argmax(logits, nv);
+        return kvr__wk_argmax(logits, nv);
     size_t n = nv;
     for (size_t i = 0; i < nv; i++)
         c[i] = (cand){ logits[i], (int32_t)i };
@@ -297,7 +298,7 @@ static bool is_conn_err(int code) { return code == KVR_ESYS || code == KVR_ECLOS
 /* Reconnects to kvroped at most once a second while it is unreachable. */
 static void reconnect(srv *s)
 {
-    double now = kvr_wk_now_ms();
+    double now = kvr__wk_now_ms();
     if (s->connected || now - s->t_reconnect < 1000)
         return;
     s->t_reconnect = now;
@@ -305,7 +306,7 @@ static void reconnect(srv *s)
     s->e.kc = NULL;
     if (kvr_client_connect(&s->e.kc, s->socket, NULL) < 0 || kvr_client_ping(s->e.kc, NULL) < 0)
         return;
-    if (kvr_wk_register(&s->e, s->model_path) < 0) {
+    if (kvr__wk_register(&s->e, s->model_path) < 0) {
         log_line("kvroped at %s is back but registering the model failed: %s", s->socket,
                  s->e.err);
         return;
@@ -321,7 +322,7 @@ static void lost(srv *s, const char *what)
     pthread_mutex_unlock(&s->mu);
     if (is_conn_err(s->e.kv_code) && s->connected) {
         s->connected = false;
-        s->t_reconnect = kvr_wk_now_ms();
+        s->t_reconnect = kvr__wk_now_ms();
         log_line("kvroped unreachable (%s: %s): answering without the cache", what, s->e.err);
     } else {
         log_line("%s failed, answering without the cache: %s", what, s->e.err);
@@ -384,6 +385,7 @@ static void finish(srv *s, srv_job *j, int status, const char *type, const char 
     }
     if (j->cancelled)
         s->m.cancelled++;       /* counted with done, under one lock (st_free) */
+    assert(!j->done);           /* a job is marked done exactly once */
     j->done = true;
     pthread_cond_broadcast(&s->progress);
     pthread_mutex_unlock(&s->mu);
@@ -392,8 +394,8 @@ static void finish(srv *s, srv_job *j, int status, const char *type, const char 
 /* Decodes the prompt into seq 0 without kvrope. */
 static int prompt_direct(srv *s, const srv_job *j)
 {
-    kvr_wk_lm_clear(s->e.lm);
-    return kvr_wk_lm_decode(s->e.lm, j->toks, j->n, 0, 0, KVR_WK_LOGITS_LAST, NULL, NULL,
+    kvr__wk_lm_clear(s->e.lm);
+    return kvr__wk_lm_decode(s->e.lm, j->toks, j->n, 0, 0, KVR_WK_LOGITS_LAST, NULL, NULL,
                             s->e.err, sizeof s->e.err);
 }
 
@@ -408,22 +410,22 @@ static void run_gen(srv *s, srv_job *j)
     sl->id_task = s->next_task++;
     pthread_mutex_unlock(&s->mu);
 
-    double t0 = kvr_wk_now_ms();
-    kvr_wk_step *step = NULL;
-    kvr_wk_sync_res res = { 0 };
+    double t0 = kvr__wk_now_ms();
+    kvr__wk_step *step = NULL;
+    kvr__wk_sync_res res = { 0 };
     bool via_cache = false;
     reconnect(s);
     if (j->p.cache_prompt && s->connected) {
-        kvr_wk_sync_opts so = { .session = sl->session, .refresh = s->o.refresh,
+        kvr__wk_sync_opts so = { .session = sl->session, .refresh = s->o.refresh,
                                 .repair = &s->o.repair };
-        int r = kvr_wk_sync(&s->e, j->toks, j->n, &so, &step, &res);
+        int r = kvr__wk_sync(&s->e, j->toks, j->n, &so, &step, &res);
         if (r == 0)
             via_cache = true;
         else
-            lost(s, "kvr_wk_sync");
+            lost(s, "kvr__wk_sync");
     }
     if (!via_cache) {
-        kvr_wk_step_free(step);
+        kvr__wk_step_free(step);
         step = NULL;
         if (prompt_direct(s, j) < 0) {
             log_line("decoding a prompt of %zu tokens failed: %s", j->n, s->e.err);
@@ -437,8 +439,8 @@ static void run_gen(srv *s, srv_job *j)
     size_t n_eval = via_cache ? res.n_computed : j->n;
     if (n_eval > j->n)
         n_eval = j->n;
-    double t1 = kvr_wk_now_ms();
-    const kvr_wk_lm_info *in = kvr_wk_lm_info_get(s->e.lm);
+    double t1 = kvr__wk_now_ms();
+    const kvr__wk_lm_info *in = kvr__wk_lm_info_get(s->e.lm);
     pthread_mutex_lock(&s->mu);
     j->n_eval = n_eval;
     j->n_cache = j->n - n_eval;
@@ -467,7 +469,7 @@ static void run_gen(srv *s, srv_job *j)
     char msg[600] = "";
     bool first = true;
     for (size_t i = 0; i < limit; i++) {
-        const float *lg = kvr_wk_lm_logits(s->e.lm);
+        const float *lg = kvr__wk_lm_logits(s->e.lm);
         if (!c || !lg) {
             status = 500;
             snprintf(msg, sizeof msg, "%s", c ? "llama.cpp returned no logits" : "out of memory");
@@ -475,7 +477,7 @@ static void run_gen(srv *s, srv_job *j)
         }
         int32_t tok = sample(&j->p, lg, in->n_vocab, c, &rng);
         if (first) {
-            double ttft = (kvr_wk_now_ms() - t0) / 1e3;
+            double ttft = (kvr__wk_now_ms() - t0) / 1e3;
             pthread_mutex_lock(&s->mu);
             for (int b = 0; b < 12; b++)
                 if (ttft <= kvr__srv_ttft_le[b])
@@ -541,7 +543,7 @@ static void run_gen(srv *s, srv_job *j)
                     last_nl = (size_t)(nl - j->text) + 1;
             }
             if (!stop && j->has_new_line && j->p.t_max_predict_ms > 0 &&
-                kvr_wk_now_ms() - t1 > j->p.t_max_predict_ms) {
+                kvr__wk_now_ms() - t1 > j->p.t_max_predict_ms) {
                 j->stop_type = SRV_STOP_LIMIT;
                 stop = true;
             }
@@ -552,7 +554,7 @@ static void run_gen(srv *s, srv_job *j)
         pthread_mutex_unlock(&s->mu);
         if (stop || i + 1 == limit)
             break;
-        int r = kvr_wk_lm_decode(s->e.lm, &tok, 1, (int32_t)(j->n + i), 0, KVR_WK_LOGITS_LAST,
+        int r = kvr__wk_lm_decode(s->e.lm, &tok, 1, (int32_t)(j->n + i), 0, KVR_WK_LOGITS_LAST,
                                  NULL, NULL, s->e.err, sizeof s->e.err);
         if (r < 0) {
             status = 500;
@@ -561,7 +563,7 @@ static void run_gen(srv *s, srv_job *j)
         }
     }
     free(c);
-    double t2 = kvr_wk_now_ms();
+    double t2 = kvr__wk_now_ms();
     pthread_mutex_lock(&s->mu);
     if (j->stop_type == SRV_STOP_NONE && j->n_gen >= limit && !j->cancelled)
         j->stop_type = SRV_STOP_LIMIT;
@@ -577,13 +579,13 @@ static void run_gen(srv *s, srv_job *j)
 
     /* after the answer: the prompt's KV into the slot's session */
     if (step) {
-        if (kvr_wk_commit(&s->e, step) < 0) {
+        if (kvr__wk_commit(&s->e, step) < 0) {
             pthread_mutex_lock(&s->mu);
             s->m.commit_failed++;
             pthread_mutex_unlock(&s->mu);
-            lost(s, "kvr_wk_commit");
+            lost(s, "kvr__wk_commit");
         }
-        kvr_wk_step_free(step);
+        kvr__wk_step_free(step);
     }
     int32_t *keep = realloc(sl->toks, (j->n ? j->n : 1) * sizeof *keep);
     if (keep) {
@@ -611,7 +613,7 @@ static void saved_name(const srv *s, const char *file, char *out, size_t cap)
 static void run_slot_op(srv *s, srv_job *j)
 {
     srv_slot *sl = &s->slots[j->p.id_slot];
-    double t0 = kvr_wk_now_ms();
+    double t0 = kvr__wk_now_ms();
     reconnect(s);
     if (!s->connected) {
         finish(s, j, 503, "unavailable_error", "kvroped is unreachable");
@@ -649,7 +651,7 @@ static void run_slot_op(srv *s, srv_job *j)
             sl->n = 0;
         }
     }
-    double t1 = kvr_wk_now_ms();
+    double t1 = kvr__wk_now_ms();
     if (r == KVR_ENOCTX) {
         char m[400];
         if (j->kind == SRV_JOB_SLOT_SAVE)
@@ -688,7 +690,7 @@ static void idle_refresh(srv *s)
         if (!sl->n_approx)
             continue;
         size_t done = 0;
-        if (kvr_wk_refresh_idle(&s->e, sl->session, REFRESH_BUDGET, SIZE_MAX, &done) < 0) {
+        if (kvr__wk_refresh_idle(&s->e, sl->session, REFRESH_BUDGET, SIZE_MAX, &done) < 0) {
             lost(s, "background refresh");
             sl->n_approx = 0;
             return;

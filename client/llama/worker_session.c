@@ -29,7 +29,7 @@
  *                    rest appended;
  *            CREATE  (no source) put REPLACE of the whole prompt;
  *            COVER   (the daemon's cover placed cached runs anywhere in the
- *                    prompt, seams repaired: kvr_wk_repair) put REPLACE of
+ *                    prompt, seams repaired: kvr__wk_repair) put REPLACE of
  *                    the exact part, then the rest as one insert flagged
  *                    approximate, so the stored context says what it is.
  *
@@ -60,7 +60,7 @@ typedef struct run {
     size_t s, e;            /* [s, e) in prompt coordinates */
 } run;
 
-struct kvr_wk_step {
+struct kvr__wk_step {
     commit_kind  kind;
     char         target[KVR_ID_MAX + 1];
     char         source[KVR_ID_MAX + 1];
@@ -70,7 +70,7 @@ struct kvr_wk_step {
      * coordinates, b: prompt), and the recomputed runs of old tokens. */
     size_t       na;
     uint64_t     a_hash;
-    kvr_wk_hunk *hk;
+    kvr__wk_hunk *hk;
     size_t       nh;
     run         *rf;
     size_t       nrf;
@@ -83,7 +83,7 @@ struct kvr_wk_step {
     size_t       apx_from;
 };
 
-void kvr_wk_step_free(kvr_wk_step *st)
+void kvr__wk_step_free(kvr__wk_step *st)
 {
     if (!st)
         return;
@@ -94,7 +94,7 @@ void kvr_wk_step_free(kvr_wk_step *st)
     free(st);
 }
 
-size_t kvr_wk_step_new_tokens(const kvr_wk_step *st)
+size_t kvr__wk_step_new_tokens(const kvr__wk_step *st)
 {
     size_t n = 0;
     if (st && st->kind == COMMIT_EDIT)
@@ -105,7 +105,7 @@ size_t kvr_wk_step_new_tokens(const kvr_wk_step *st)
     return n;
 }
 
-size_t kvr_wk_step_removed_tokens(const kvr_wk_step *st)
+size_t kvr__wk_step_removed_tokens(const kvr__wk_step *st)
 {
     size_t n = 0;
     if (st && st->kind == COMMIT_EDIT)
@@ -127,7 +127,7 @@ typedef struct sess {
     kvr_kv    meta;
 } sess;
 
-static int sess_read(kvr_wk_env *e, const char *id, sess *s)
+static int sess_read(kvr__wk_env *e, const char *id, sess *s)
 {
     memset(s, 0, sizeof *s);
     kvr_get_args g = { .ctx_id = id, .start = 0, .end = 0, .dtype = F16, .meta_only = true };
@@ -139,7 +139,7 @@ static int sess_read(kvr_wk_env *e, const char *id, sess *s)
         return 0;
     }
     if (r < 0)
-        return kvr_wk_kv_fail(e, r, "get (meta)", id);
+        return kvr__wk_kv_fail(e, r, "get (meta)", id);
     s->exists = true;
     s->ok = strcmp(s->meta.model, e->model) == 0 && s->meta.n_tokens > 0;
     for (size_t i = 0; s->ok && i < s->meta.n_tokens; i++)
@@ -188,14 +188,14 @@ static int runs_of(const uint8_t *m, size_t n, run **out, size_t *nr)
  * before it is (the frontier f, the first approximate index, is at or after
  * its start); then the frontier moves past it. rx[i] of each decoded token:
  * 1 exact, 2 computed against approximate tokens. */
-static int decode_runs(kvr_wk_env *e, const int32_t *b, const run *rs, size_t nr,
+static int decode_runs(kvr__wk_env *e, const int32_t *b, const run *rs, size_t nr,
                        uint8_t *apx, uint8_t *rx, size_t n, size_t *n_dec)
 {
     size_t f = 0;
     while (f < n && !apx[f])
         f++;
     for (size_t i = 0; i < nr; i++) {
-        int r = kvr_wk_lm_decode_middle(e->lm, b + rs[i].s, rs[i].e - rs[i].s,
+        int r = kvr__wk_lm_decode_middle(e->lm, b + rs[i].s, rs[i].e - rs[i].s,
                                         (int32_t)rs[i].s, e->err, sizeof e->err);
         if (r < 0)
             return r;
@@ -211,31 +211,31 @@ static int decode_runs(kvr_wk_env *e, const int32_t *b, const run *rs, size_t nr
     return 0;
 }
 
-static int lm_fits(kvr_wk_env *e, size_t n)
+static int lm_fits(kvr__wk_env *e, size_t n)
 {
-    uint32_t cap = kvr_wk_lm_n_ctx(e->lm);
+    uint32_t cap = kvr__wk_lm_n_ctx(e->lm);
     if (n >= cap)
-        return kvr_wk_fail(e, -E2BIG, "a prompt of %zu tokens does not fit the context "
+        return kvr__wk_fail(e, -E2BIG, "a prompt of %zu tokens does not fit the context "
                            "of %u cells", n, cap);
     return 0;
 }
 
 /* The prompt computed whole (no usable cache). */
-static int sync_full(kvr_wk_env *e, const int32_t *b, size_t nb, kvr_wk_sync_res *res)
+static int sync_full(kvr__wk_env *e, const int32_t *b, size_t nb, kvr__wk_sync_res *res)
 {
-    kvr_wk_lm_clear(e->lm);
-    double t0 = kvr_wk_now_ms();
-    int r = kvr_wk_lm_decode(e->lm, b, nb, 0, 0, KVR_WK_LOGITS_LAST, NULL, NULL, e->err,
+    kvr__wk_lm_clear(e->lm);
+    double t0 = kvr__wk_now_ms();
+    int r = kvr__wk_lm_decode(e->lm, b, nb, 0, 0, KVR_WK_LOGITS_LAST, NULL, NULL, e->err,
                              sizeof e->err);
-    res->t_decode_ms += kvr_wk_now_ms() - t0;
+    res->t_decode_ms += kvr__wk_now_ms() - t0;
     res->n_computed = nb;
     return r;
 }
 
 /* Source = the session (edit path). hunks: session -> prompt. */
-static int sync_edit(kvr_wk_env *e, const sess *ss, const int32_t *b, size_t nb,
-                     kvr_wk_hunk *hk, size_t nh, const kvr_wk_sync_opts *o,
-                     kvr_wk_step *st, kvr_wk_sync_res *res)
+static int sync_edit(kvr__wk_env *e, const sess *ss, const int32_t *b, size_t nb,
+                     kvr__wk_hunk *hk, size_t nh, const kvr__wk_sync_opts *o,
+                     kvr__wk_step *st, kvr__wk_sync_res *res)
 {
     const kvr_kv *A = &ss->meta;
     size_t na = (size_t)A->n_tokens;
@@ -249,11 +249,11 @@ static int sync_edit(kvr_wk_env *e, const sess *ss, const int32_t *b, size_t nb,
     uint8_t *rx = calloc(nb, 1);
     void *fbuf = NULL;
     kvr_kv kv = { 0 };
-    kvr_wk_sbuild sb = { 0 };
+    kvr__wk_sbuild sb = { 0 };
     run *rs = NULL;
     size_t nr = 0;
     if (!comp || !isnew || !newpos || !kept || !apx || !rx) {
-        r = kvr_wk_fail(e, KVR_ENOMEM, "out of memory");
+        r = kvr__wk_fail(e, KVR_ENOMEM, "out of memory");
         goto out;
     }
     /* Where each old token lands (kept: not inside a hunk); what is new;
@@ -289,7 +289,7 @@ static int sync_edit(kvr_wk_env *e, const sess *ss, const int32_t *b, size_t nb,
     bool last_extra = !comp[nb - 1];
     comp[nb - 1] = 1;                           /* the last token's logits */
     if ((r = runs_of(comp, nb, &rs, &nr)) < 0) {
-        r = kvr_wk_fail(e, r, "out of memory");
+        r = kvr__wk_fail(e, r, "out of memory");
         goto out;
     }
 
@@ -297,56 +297,56 @@ static int sync_edit(kvr_wk_env *e, const sess *ss, const int32_t *b, size_t nb,
      * fetch and the state go through the env's warm buffers (allocated and
      * faulted in once, reused by every step of a long-lived worker). */
     size_t n_keep = nb - n_new;
-    kvr_wk_lm_clear(e->lm);
+    kvr__wk_lm_clear(e->lm);
     if (n_keep > 0) {
-        double t0 = kvr_wk_now_ms();
-        size_t cap = kvr_wk_payload_bytes(e, na);
-        kvr_wk_prefault_bufs(e, na > n_keep ? na : n_keep);
+        double t0 = kvr__wk_now_ms();
+        size_t cap = kvr__wk_payload_bytes(e, na);
+        kvr__wk_prefault_bufs(e, na > n_keep ? na : n_keep);
         void *dst = e->pf_fetch_cap >= cap ? e->pf_fetch : (fbuf = malloc(cap ? cap : 1));
         if (!dst) {
-            r = kvr_wk_fail(e, KVR_ENOMEM, "out of memory");
+            r = kvr__wk_fail(e, KVR_ENOMEM, "out of memory");
             goto out;
         }
         kvr_get_args g = { .ctx_id = st->target, .start = 0, .end = na, .dtype = F16,
                            .positions = newpos, .n_positions = na, .dst = dst,
                            .dst_cap = cap };
         if ((r = kvr_client_get(e->kc, &g, &kv)) < 0) {
-            r = kvr_wk_kv_fail(e, r, "get", st->target);
+            r = kvr__wk_kv_fail(e, r, "get", st->target);
             goto out;
         }
-        if ((r = kvr_wk_check_kv_shape(e, &kv, st->target)) < 0)
+        if ((r = kvr__wk_check_kv_shape(e, &kv, st->target)) < 0)
             goto out;
-        double t1 = kvr_wk_now_ms();
+        double t1 = kvr__wk_now_ms();
         res->t_fetch_ms += t1 - t0;
-        r = kvr_wk_sbuild_init_in(&sb, e->pf_state, e->pf_state_cap, (uint32_t)n_keep,
-                                  kvr_wk_n_layer(e), kvr_wk_lm_cache_type(e->lm),
-                                  (uint32_t)kvr_wk_n_embd(e), kvr_wk_lm_v_trans(e->lm));
+        r = kvr__wk_sbuild_init_in(&sb, e->pf_state, e->pf_state_cap, (uint32_t)n_keep,
+                                  kvr__wk_n_layer(e), kvr__wk_lm_cache_type(e->lm),
+                                  (uint32_t)kvr__wk_n_embd(e), kvr__wk_lm_v_trans(e->lm));
         if (r < 0) {
-            r = kvr_wk_fail(e, r, "out of memory");
+            r = kvr__wk_fail(e, r, "out of memory");
             goto out;
         }
         size_t s0 = 0;
         for (size_t i = 0; r == 0 && i <= nh; i++) {
             size_t end = i < nh ? hk[i].a0 : na;
             if (end > s0)
-                r = kvr_wk_sbuild_add(&sb, kv.payload, na, s0, end, newpos + s0);
+                r = kvr__wk_sbuild_add(&sb, kv.payload, na, s0, end, newpos + s0);
             if (i < nh)
                 s0 = hk[i].a1;
         }
         if (r < 0) {
-            r = kvr_wk_fail(e, r, "cannot build the state of %zu kept tokens", n_keep);
+            r = kvr__wk_fail(e, r, "cannot build the state of %zu kept tokens", n_keep);
             goto out;
         }
         kvr_kv_release(&kv);
-        if ((r = kvr_wk_lm_state_set(e->lm, sb.buf, sb.len, e->err, sizeof e->err)) < 0)
+        if ((r = kvr__wk_lm_state_set(e->lm, sb.buf, sb.len, e->err, sizeof e->err)) < 0)
             goto out;
-        res->t_load_ms += kvr_wk_now_ms() - t1;
+        res->t_load_ms += kvr__wk_now_ms() - t1;
     }
-    double td = kvr_wk_now_ms();
+    double td = kvr__wk_now_ms();
     size_t n_dec = 0;
     if ((r = decode_runs(e, b, rs, nr, apx, rx, nb, &n_dec)) < 0)
         goto out;
-    res->t_decode_ms += kvr_wk_now_ms() - td;
+    res->t_decode_ms += kvr__wk_now_ms() - td;
 
     /* Counts; what commit refreshes: recomputed old tokens, but not exact
      * ones before the first edit point (their KV did not change). */
@@ -367,7 +367,7 @@ static int sync_edit(kvr_wk_env *e, const sess *ss, const int32_t *b, size_t nb,
     free(rs);
     rs = NULL;
     if ((r = runs_of(comp, nb, &rs, &nr)) < 0) {
-        r = kvr_wk_fail(e, r, "out of memory");
+        r = kvr__wk_fail(e, r, "out of memory");
         goto out;
     }
     st->rx = rx;
@@ -395,7 +395,7 @@ out:
     free(fbuf);
     free(rs);
     kvr_kv_release(&kv);
-    kvr_wk_sbuild_free(&sb);
+    kvr__wk_sbuild_free(&sb);
     return r;
 }
 
@@ -404,10 +404,10 @@ out:
  * reuse). Returns 1 when taken (seq 0 holds the prompt, st set up for
  * COMMIT_COVER), 0 when not (nothing changed; a daemon without the verb
  * answers so), or an error. */
-static int sync_cover(kvr_wk_env *e, const int32_t *toks, size_t n, size_t best,
-                      const kvr_wk_sync_opts *o, kvr_wk_step *st, kvr_wk_sync_res *res)
+static int sync_cover(kvr__wk_env *e, const int32_t *toks, size_t n, size_t best,
+                      const kvr__wk_sync_opts *o, kvr__wk_step *st, kvr__wk_sync_res *res)
 {
-    double t0 = kvr_wk_now_ms();
+    double t0 = kvr__wk_now_ms();
     kvr_cover_args ca = { .model = e->model, .tokens = (const uint32_t *)toks, .n_tokens = n,
                           .dtype = F16 };
     kvr_cover_res cr;
@@ -419,47 +419,47 @@ static int sync_cover(kvr_wk_env *e, const int32_t *toks, size_t n, size_t best,
     memset(&cr, 0, sizeof cr);
     if (covered < best + KVR_COVER_MIN_RUN || covered > n)
         return 0;
-    kvr_wk_prefault_bufs(e, n);
-    if (e->pf_fetch_cap >= kvr_wk_payload_bytes(e, n)) {
+    kvr__wk_prefault_bufs(e, n);
+    if (e->pf_fetch_cap >= kvr__wk_payload_bytes(e, n)) {
         ca.dst = e->pf_fetch;
         ca.dst_cap = e->pf_fetch_cap;
     }
     int r = e->cover.cover_get(e->kc, &ca, &cr);
     if (r < 0)
-        return kvr_wk_kv_fail(e, r, "cover get", NULL);
-    res->t_fetch_ms += kvr_wk_now_ms() - t0;
-    kvr_wk_repair_opts ro_ = o->repair ? *o->repair
-                                       : (kvr_wk_repair_opts){ .first_k = KVR_WK_REPAIR_DEFAULT_K };
+        return kvr__wk_kv_fail(e, r, "cover get", NULL);
+    res->t_fetch_ms += kvr__wk_now_ms() - t0;
+    kvr__wk_repair_opts ro_ = o->repair ? *o->repair
+                                       : (kvr__wk_repair_opts){ .first_k = KVR_WK_REPAIR_DEFAULT_K };
     /* blend's selection pass holds the prompt twice in the cache: without
      * the room (or a probing context) the seams get EPIC's part alone */
-    if (ro_.blend_share > 0 && (!kvr_wk_lm_probe_on(e->lm) || 2 * n + 1 > kvr_wk_lm_n_ctx(e->lm)))
+    if (ro_.blend_share > 0 && (!kvr__wk_lm_probe_on(e->lm) || 2 * n + 1 > kvr__wk_lm_n_ctx(e->lm)))
         ro_.blend_share = 0;
-    const kvr_wk_repair_opts *ro = &ro_;
+    const kvr__wk_repair_opts *ro = &ro_;
     uint8_t *placed = calloc(n, 1), *starts = calloc(n, 1), *cmp = calloc(n, 1);
-    kvr_wk_sbuild sb = { 0 };
+    kvr__wk_sbuild sb = { 0 };
     covered = (size_t)cr.n_covered;
     if (!placed || !starts || !cmp) {
-        r = kvr_wk_fail(e, -ENOMEM, "out of memory");
+        r = kvr__wk_fail(e, -ENOMEM, "out of memory");
         goto out;
     }
     if (!cr.has_kv || cr.kv.n_tokens != covered || covered == 0 || covered > n) {
-        r = kvr_wk_fail(e, -EINVAL, "the daemon's cover holds %llu tokens of K/V for %zu "
+        r = kvr__wk_fail(e, -EINVAL, "the daemon's cover holds %llu tokens of K/V for %zu "
                         "covered", (unsigned long long)(cr.has_kv ? cr.kv.n_tokens : 0), covered);
         goto out;
     }
-    if ((r = kvr_wk_check_kv_shape(e, &cr.kv, "(cover)")) < 0)
+    if ((r = kvr__wk_check_kv_shape(e, &cr.kv, "(cover)")) < 0)
         goto out;
     for (size_t i = 0; i < cr.n_runs; i++) {
         const kvr_cover_run *u = &cr.runs[i];
         if (u->prompt_off + u->n_tokens > n || u->stream_off + u->n_tokens > covered) {
-            r = kvr_wk_fail(e, -EINVAL, "the daemon's cover run %zu lies outside the prompt", i);
+            r = kvr__wk_fail(e, -EINVAL, "the daemon's cover run %zu lies outside the prompt", i);
             goto out;
         }
         for (size_t t = 0; t < u->n_tokens; t++) {
             size_t at = (size_t)u->prompt_off + t, so = (size_t)u->stream_off + t;
             if (placed[at] || cr.kv.tokens[so] != (uint32_t)toks[at] ||
                 cr.kv.positions[so] != (int64_t)at) {
-                r = kvr_wk_fail(e, -EINVAL, "the daemon's cover does not match the prompt at "
+                r = kvr__wk_fail(e, -EINVAL, "the daemon's cover does not match the prompt at "
                                 "token %zu", at);
                 goto out;
             }
@@ -468,22 +468,22 @@ static int sync_cover(kvr_wk_env *e, const int32_t *toks, size_t n, size_t best,
         }
         starts[u->prompt_off] = 1;
     }
-    double t1 = kvr_wk_now_ms();
-    r = kvr_wk_sbuild_init_in(&sb, e->pf_state, e->pf_state_cap, (uint32_t)covered,
-                              kvr_wk_n_layer(e), kvr_wk_lm_cache_type(e->lm),
-                              (uint32_t)kvr_wk_n_embd(e), kvr_wk_lm_v_trans(e->lm));
+    double t1 = kvr__wk_now_ms();
+    r = kvr__wk_sbuild_init_in(&sb, e->pf_state, e->pf_state_cap, (uint32_t)covered,
+                              kvr__wk_n_layer(e), kvr__wk_lm_cache_type(e->lm),
+                              (uint32_t)kvr__wk_n_embd(e), kvr__wk_lm_v_trans(e->lm));
     if (r == 0)
-        r = kvr_wk_sbuild_add(&sb, cr.kv.payload, covered, 0, covered, cr.kv.positions);
+        r = kvr__wk_sbuild_add(&sb, cr.kv.payload, covered, 0, covered, cr.kv.positions);
     if (r < 0) {
-        r = kvr_wk_fail(e, r, "cannot build the state of %zu placed tokens", covered);
+        r = kvr__wk_fail(e, r, "cannot build the state of %zu placed tokens", covered);
         goto out;
     }
-    kvr_wk_lm_clear(e->lm);
-    if ((r = kvr_wk_lm_state_set(e->lm, sb.buf, sb.len, e->err, sizeof e->err)) < 0)
+    kvr__wk_lm_clear(e->lm);
+    if ((r = kvr__wk_lm_state_set(e->lm, sb.buf, sb.len, e->err, sizeof e->err)) < 0)
         goto out;
-    res->t_load_ms += kvr_wk_now_ms() - t1;
-    kvr_wk_repair_res rr;
-    if ((r = kvr_wk_repair(e->lm, toks, n, placed, starts, ro, cmp, &rr, e->err,
+    res->t_load_ms += kvr__wk_now_ms() - t1;
+    kvr__wk_repair_res rr;
+    if ((r = kvr__wk_repair(e->lm, toks, n, placed, starts, ro, cmp, &rr, e->err,
                            sizeof e->err)) < 0)
         goto out;
     res->t_decode_ms += rr.t_probe_ms + rr.t_decode_ms;
@@ -503,48 +503,48 @@ static int sync_cover(kvr_wk_env *e, const int32_t *toks, size_t n, size_t best,
     r = 1;
 out:
     e->cover.release(&cr);
-    kvr_wk_sbuild_free(&sb);
+    kvr__wk_sbuild_free(&sb);
     free(placed);
     free(starts);
     free(cmp);
     return r;
 }
 
-int kvr_wk_sync(kvr_wk_env *e, const int32_t *toks, size_t n, const kvr_wk_sync_opts *o,
-                kvr_wk_step **step, kvr_wk_sync_res *res)
+int kvr__wk_sync(kvr__wk_env *e, const int32_t *toks, size_t n, const kvr__wk_sync_opts *o,
+                kvr__wk_step **step, kvr__wk_sync_res *res)
 {
-    static const kvr_wk_sync_opts none = { 0 };
+    static const kvr__wk_sync_opts none = { 0 };
     if (!o)
         o = &none;
     *step = NULL;
     memset(res, 0, sizeof *res);
     res->n_prompt = n;
     if (n == 0)
-        return kvr_wk_fail(e, KVR_EINVAL, "an empty prompt");
+        return kvr__wk_fail(e, KVR_EINVAL, "an empty prompt");
     int r = lm_fits(e, n);
     if (r < 0)
         return r;
-    double t0 = kvr_wk_now_ms();
+    double t0 = kvr__wk_now_ms();
     if (o->no_cache || !e->kc) {
         r = sync_full(e, toks, n, res);
-        res->t_total_ms = kvr_wk_now_ms() - t0;
+        res->t_total_ms = kvr__wk_now_ms() - t0;
         return r;
     }
-    kvr_wk_step *st = calloc(1, sizeof *st);
+    kvr__wk_step *st = calloc(1, sizeof *st);
     if (!st || !(st->b = malloc(n * sizeof *st->b))) {
-        kvr_wk_step_free(st);
-        return kvr_wk_fail(e, KVR_ENOMEM, "out of memory");
+        kvr__wk_step_free(st);
+        return kvr__wk_fail(e, KVR_ENOMEM, "out of memory");
     }
     memcpy(st->b, toks, n * sizeof *toks);
     st->nb = n;
     if (o->session) {
         if (strlen(o->session) > KVR_ID_MAX) {
-            kvr_wk_step_free(st);
-            return kvr_wk_fail(e, KVR_EINVAL, "session id longer than %d bytes", KVR_ID_MAX);
+            kvr__wk_step_free(st);
+            return kvr__wk_fail(e, KVR_EINVAL, "session id longer than %d bytes", KVR_ID_MAX);
         }
         snprintf(st->target, sizeof st->target, "%s", o->session);
     } else {
-        kvr_wk_ctx_name(e, st->target, sizeof st->target, "s", toks, n, NULL, 0);
+        kvr__wk_ctx_name(e, st->target, sizeof st->target, "s", toks, n, NULL, 0);
     }
 
     /* The two candidates: the session, and the longest exact prefix. */
@@ -554,13 +554,13 @@ int kvr_wk_sync(kvr_wk_env *e, const int32_t *toks, size_t n, const kvr_wk_sync_
     kvr_match_res m;
     kvr_match_args ma = { .model = e->model, .tokens = (const uint32_t *)toks, .n_tokens = n };
     if ((r = kvr_client_match(e->kc, &ma, &m)) < 0) {
-        r = kvr_wk_kv_fail(e, r, "match", NULL);
+        r = kvr__wk_kv_fail(e, r, "match", NULL);
         goto fail;
     }
-    res->t_match_ms = kvr_wk_now_ms() - t0;
+    res->t_match_ms = kvr__wk_now_ms() - t0;
     size_t L = (size_t)m.length;
 
-    kvr_wk_hunk *hk = NULL;
+    kvr__wk_hunk *hk = NULL;
     size_t nh = 0, keep = 0;
     if (ss.ok) {
         const int32_t *A = (const int32_t *)ss.meta.tokens;
@@ -573,18 +573,18 @@ int kvr_wk_sync(kvr_wk_env *e, const int32_t *toks, size_t n, const kvr_wk_sync_
             if (p == n && n == na && p > 0)
                 p--;                         /* still one op: the last token */
             if (!(hk = malloc(sizeof *hk))) {
-                r = kvr_wk_fail(e, KVR_ENOMEM, "out of memory");
+                r = kvr__wk_fail(e, KVR_ENOMEM, "out of memory");
                 goto fail;
             }
-            hk[0] = (kvr_wk_hunk){ p, na, p, n };
+            hk[0] = (kvr__wk_hunk){ p, na, p, n };
             nh = 1;
             keep = p;
         } else {
-            if ((r = kvr_wk_diff(A, na, toks, n, o->max_d ? o->max_d : 2048, &hk, &nh)) < 0) {
-                r = kvr_wk_fail(e, r, "out of memory in the diff");
+            if ((r = kvr__wk_diff(A, na, toks, n, o->max_d ? o->max_d : 2048, &hk, &nh)) < 0) {
+                r = kvr__wk_fail(e, r, "out of memory in the diff");
                 goto fail;
             }
-            kvr_wk_hunks_merge(hk, &nh, o->min_gap ? o->min_gap : 8);
+            kvr__wk_hunks_merge(hk, &nh, o->min_gap ? o->min_gap : 8);
             keep = n;
             for (size_t i = 0; i < nh; i++)
                 keep -= hk[i].b1 - hk[i].b0;
@@ -617,28 +617,28 @@ int kvr_wk_sync(kvr_wk_env *e, const int32_t *toks, size_t n, const kvr_wk_sync_
         if (L > 0 && strcmp(m.ctx_id, st->target) != 0) {
             /* Another context's exact prefix. */
             kvr_context info;
-            if ((r = kvr_wk_ctx_len(e, m.ctx_id, &info)) < 0)
+            if ((r = kvr__wk_ctx_len(e, m.ctx_id, &info)) < 0)
                 goto fail;
             snprintf(res->source, sizeof res->source, "%s", m.ctx_id);
             snprintf(st->source, sizeof st->source, "%s", m.ctx_id);
             st->kind = COMMIT_FORK;
             st->src_len = (size_t)info.n_tokens;
             st->L = L < n ? L : n - 1;        /* the last token is decoded */
-            kvr_wk_lm_clear(e->lm);
-            if (st->L > 0 && (r = kvr_wk_load_prefix(e, m.ctx_id, st->L, &res->t_fetch_ms,
+            kvr__wk_lm_clear(e->lm);
+            if (st->L > 0 && (r = kvr__wk_load_prefix(e, m.ctx_id, st->L, &res->t_fetch_ms,
                                                      &res->t_load_ms)) < 0)
                 goto fail;
-            double td = kvr_wk_now_ms();
-            r = kvr_wk_lm_decode(e->lm, toks + st->L, n - st->L, (int32_t)st->L, 0,
+            double td = kvr__wk_now_ms();
+            r = kvr__wk_lm_decode(e->lm, toks + st->L, n - st->L, (int32_t)st->L, 0,
                                  KVR_WK_LOGITS_LAST, NULL, NULL, e->err, sizeof e->err);
-            res->t_decode_ms += kvr_wk_now_ms() - td;
+            res->t_decode_ms += kvr__wk_now_ms() - td;
             if (r < 0)
                 goto fail;
             res->n_reused = st->L;
             res->n_computed = n - st->L;
             if (L >= n && st->src_len == n && !o->session) {
                 /* The prompt is that context: nothing to store. */
-                kvr_wk_step_free(st);
+                kvr__wk_step_free(st);
                 st = NULL;
             }
         } else {
@@ -649,33 +649,33 @@ int kvr_wk_sync(kvr_wk_env *e, const int32_t *toks, size_t n, const kvr_wk_sync_
     }
 done:
     kvr_kv_release(&ss.meta);
-    res->t_total_ms = kvr_wk_now_ms() - t0;
+    res->t_total_ms = kvr__wk_now_ms() - t0;
     *step = st;
     return 0;
 fail:
     kvr_kv_release(&ss.meta);
-    kvr_wk_step_free(st);
+    kvr__wk_step_free(st);
     return r;
 }
 
 /* The cells of seq 0 at [s, e) as a payload, sent as a refresh with CAS. */
-static int refresh_run(kvr_wk_env *e, const kvr_wk_seqstate *q, const char *ctx, size_t s,
+static int refresh_run(kvr__wk_env *e, const kvr__wk_seqstate *q, const char *ctx, size_t s,
                        size_t en, size_t n, uint64_t h, bool approx)
 {
-    void *pl = kvr_wk_seqstate_payload(e, q, NULL, en - s, s);
+    void *pl = kvr__wk_seqstate_payload(e, q, NULL, en - s, s);
     if (!pl)
         return KVR_EINVAL;
     kvr_refresh_args ra = { .ctx_id = ctx, .start = s, .end = en, .model = e->model,
                             .fingerprint = e->fingerprint, .dtype = F16, .payload = pl,
-                            .payload_len = kvr_wk_payload_bytes(e, en - s), .expect = true,
+                            .payload_len = kvr__wk_payload_bytes(e, en - s), .expect = true,
                             .expect_n_tokens = n, .expect_hash = h, .approx = approx };
     int r = kvr_client_refresh(e->kc, &ra, NULL);
     free(pl);
-    return r < 0 ? kvr_wk_kv_fail(e, r, "refresh", ctx) : 0;
+    return r < 0 ? kvr__wk_kv_fail(e, r, "refresh", ctx) : 0;
 }
 
 /* [s, en) in pieces of one exactness (rx: 1 exact, 2 approximate). */
-static int refresh_runs(kvr_wk_env *e, const kvr_wk_seqstate *q, const char *ctx, size_t s,
+static int refresh_runs(kvr__wk_env *e, const kvr__wk_seqstate *q, const char *ctx, size_t s,
                         size_t en, const uint8_t *rx, size_t n, uint64_t h)
 {
     while (s < en) {
@@ -690,7 +690,7 @@ static int refresh_runs(kvr_wk_env *e, const kvr_wk_seqstate *q, const char *ctx
     return 0;
 }
 
-static int commit_edit(kvr_wk_env *e, kvr_wk_step *st, const kvr_wk_seqstate *q)
+static int commit_edit(kvr__wk_env *e, kvr__wk_step *st, const kvr__wk_seqstate *q)
 {
     size_t n_new = 0;
     for (size_t i = 0; i < st->nh; i++)
@@ -703,11 +703,11 @@ static int commit_edit(kvr_wk_env *e, kvr_wk_step *st, const kvr_wk_seqstate *q)
         if (!ops || !pos) {
             free(ops);
             free(pos);
-            return kvr_wk_fail(e, KVR_ENOMEM, "out of memory");
+            return kvr__wk_fail(e, KVR_ENOMEM, "out of memory");
         }
         size_t k = 0;
         for (size_t i = 0; i < st->nh; i++) {
-            const kvr_wk_hunk *h = &st->hk[i];
+            const kvr__wk_hunk *h = &st->hk[i];
             ops[i] = (kvr_edit_range){ .start = h->a0, .end = h->a1,
                                        .tokens = (const uint32_t *)st->b + h->b0,
                                        .n_tokens = h->b1 - h->b0,
@@ -715,25 +715,25 @@ static int commit_edit(kvr_wk_env *e, kvr_wk_step *st, const kvr_wk_seqstate *q)
             for (size_t p = h->b0; p < h->b1; p++)
                 pos[k++] = (int64_t)p;
         }
-        if (n_new && !(pl = kvr_wk_seqstate_payload(e, q, pos, n_new, 0)))
+        if (n_new && !(pl = kvr__wk_seqstate_payload(e, q, pos, n_new, 0)))
             r = KVR_EINVAL;
         if (r == 0) {
             kvr_edit_args ea = { .ctx_id = st->target, .ops = ops, .n_ops = st->nh,
                                  .model = e->model, .fingerprint = e->fingerprint,
                                  .with_kv = n_new > 0, .dtype = F16, .payload = pl,
-                                 .payload_len = n_new ? kvr_wk_payload_bytes(e, n_new) : 0,
+                                 .payload_len = n_new ? kvr__wk_payload_bytes(e, n_new) : 0,
                                  .expect = true, .expect_n_tokens = st->na,
                                  .expect_hash = st->a_hash };
             kvr_edit_res er = { 0 };
             if ((r = kvr_client_edit(e->kc, &ea, &er)) < 0)
-                r = kvr_wk_kv_fail(e, r, "edit", st->target);
+                r = kvr__wk_kv_fail(e, r, "edit", st->target);
             else if (er.n_tokens != st->nb)
-                r = kvr_wk_fail(e, KVR_EINVAL, "session %s holds %llu tokens after the edit, "
+                r = kvr__wk_fail(e, KVR_EINVAL, "session %s holds %llu tokens after the edit, "
                                 "not %zu", st->target, (unsigned long long)er.n_tokens,
                                 st->nb);
             for (size_t i = 0; r == 0 && i < er.n_spans; i++)
                 if (er.spans[i].first_pos != (int64_t)er.spans[i].index)
-                    r = kvr_wk_fail(e, KVR_EINVAL, "session %s: new tokens at position %lld, "
+                    r = kvr__wk_fail(e, KVR_EINVAL, "session %s: new tokens at position %lld, "
                                     "index %llu", st->target,
                                     (long long)er.spans[i].first_pos,
                                     (unsigned long long)er.spans[i].index);
@@ -754,24 +754,24 @@ static int commit_edit(kvr_wk_env *e, kvr_wk_step *st, const kvr_wk_seqstate *q)
 }
 
 /* The prompt's tokens [from, to) from seq 0 into ctx (append or create). */
-static int put_range(kvr_wk_env *e, const kvr_wk_step *st, const kvr_wk_seqstate *q,
+static int put_range(kvr__wk_env *e, const kvr__wk_step *st, const kvr__wk_seqstate *q,
                      size_t from, size_t to, kvr_put_mode mode)
 {
-    void *pl = kvr_wk_seqstate_payload(e, q, NULL, to - from, from);
+    void *pl = kvr__wk_seqstate_payload(e, q, NULL, to - from, from);
     if (!pl)
         return KVR_EINVAL;
     kvr_put_args p = { .ctx_id = st->target, .model = e->model, .mode = mode,
                        .fingerprint = e->fingerprint, .dtype = F16,
                        .tokens = (const uint32_t *)st->b + from, .n_tokens = to - from,
                        .has_pos_start = true, .pos_start = (int64_t)from, .payload = pl,
-                       .payload_len = kvr_wk_payload_bytes(e, to - from),
-                       .v_trans = kvr_wk_lm_v_trans(e->lm) };
+                       .payload_len = kvr__wk_payload_bytes(e, to - from),
+                       .v_trans = kvr__wk_lm_v_trans(e->lm) };
     int r = kvr_client_put(e->kc, &p, NULL);
     free(pl);
-    return r < 0 ? kvr_wk_kv_fail(e, r, "put", st->target) : 0;
+    return r < 0 ? kvr__wk_kv_fail(e, r, "put", st->target) : 0;
 }
 
-static int put_rest(kvr_wk_env *e, const kvr_wk_step *st, const kvr_wk_seqstate *q,
+static int put_rest(kvr__wk_env *e, const kvr__wk_step *st, const kvr__wk_seqstate *q,
                     size_t from, kvr_put_mode mode)
 {
     return put_range(e, st, q, from, st->nb, mode);
@@ -780,7 +780,7 @@ static int put_rest(kvr_wk_env *e, const kvr_wk_step *st, const kvr_wk_seqstate 
 /* COVER: the exact part put, the approximate rest inserted flagged so (one
  * edit, CAS on what the put left); everything approximate: put, then a
  * refresh that flags it all. */
-static int commit_cover(kvr_wk_env *e, kvr_wk_step *st, const kvr_wk_seqstate *q)
+static int commit_cover(kvr__wk_env *e, kvr__wk_step *st, const kvr__wk_seqstate *q)
 {
     size_t f = st->apx_from < st->nb ? st->apx_from : st->nb;
     if (f == 0) {
@@ -792,33 +792,33 @@ static int commit_cover(kvr_wk_env *e, kvr_wk_step *st, const kvr_wk_seqstate *q
     if (r < 0 || f == st->nb)
         return r;
     size_t m = st->nb - f;
-    void *pl = kvr_wk_seqstate_payload(e, q, NULL, m, f);
+    void *pl = kvr__wk_seqstate_payload(e, q, NULL, m, f);
     if (!pl)
         return -EINVAL;
     kvr_edit_range op = { .start = f, .end = f, .tokens = (const uint32_t *)st->b + f,
                           .n_tokens = m, .approx = true };
     kvr_edit_args ea = { .ctx_id = st->target, .ops = &op, .n_ops = 1, .model = e->model,
                          .fingerprint = e->fingerprint, .with_kv = true, .dtype = F16,
-                         .payload = pl, .payload_len = kvr_wk_payload_bytes(e, m),
+                         .payload = pl, .payload_len = kvr__wk_payload_bytes(e, m),
                          .expect = true, .expect_n_tokens = f,
                          .expect_hash = seq_hash(st->b, f) };
     kvr_edit_res er = { 0 };
     if ((r = kvr_client_edit(e->kc, &ea, &er)) < 0)
-        r = kvr_wk_kv_fail(e, r, "edit", st->target);
+        r = kvr__wk_kv_fail(e, r, "edit", st->target);
     else if (er.n_tokens != st->nb || (er.n_spans == 1 && er.spans[0].first_pos != (int64_t)f))
-        r = kvr_wk_fail(e, -EINVAL, "context %s after the cover's insert: %llu tokens, not %zu",
+        r = kvr__wk_fail(e, -EINVAL, "context %s after the cover's insert: %llu tokens, not %zu",
                         st->target, (unsigned long long)er.n_tokens, st->nb);
     kvr_client_free(er.spans);
     free(pl);
     return r;
 }
 
-int kvr_wk_commit(kvr_wk_env *e, kvr_wk_step *st)
+int kvr__wk_commit(kvr__wk_env *e, kvr__wk_step *st)
 {
     if (!st)
         return 0;
-    kvr_wk_seqstate q;
-    int r = kvr_wk_seqstate_get(e, &q, st->nb);
+    kvr__wk_seqstate q;
+    int r = kvr__wk_seqstate_get(e, &q, st->nb);
     if (r < 0)
         return r;
     switch (st->kind) {
@@ -827,10 +827,10 @@ int kvr_wk_commit(kvr_wk_env *e, kvr_wk_step *st)
         break;
     case COMMIT_FORK:
         if (strcmp(st->source, st->target) == 0) {
-            r = kvr_wk_fail(e, KVR_EINVAL, "internal: a fork onto its own source %s", st->source);
+            r = kvr__wk_fail(e, KVR_EINVAL, "internal: a fork onto its own source %s", st->source);
             break;
         }
-        if ((r = kvr_wk_fork_prefix(e, st->source, st->target, st->L, st->src_len)) == 0 &&
+        if ((r = kvr__wk_fork_prefix(e, st->source, st->target, st->L, st->src_len)) == 0 &&
             st->L < st->nb)
             r = put_rest(e, st, &q, st->L, KVR_PUT_APPEND);
         break;
@@ -841,7 +841,7 @@ int kvr_wk_commit(kvr_wk_env *e, kvr_wk_step *st)
         r = commit_cover(e, st, &q);
         break;
     }
-    kvr_wk_seqstate_free(&q);
+    kvr__wk_seqstate_free(&q);
     return r;
 }
 
@@ -862,7 +862,7 @@ static int cand_cmp(const void *x, const void *y)
     return a->i < b->i ? -1 : a->i > b->i;
 }
 
-int kvr_wk_refresh_idle(kvr_wk_env *e, const char *session, size_t budget, size_t cursor,
+int kvr__wk_refresh_idle(kvr__wk_env *e, const char *session, size_t budget, size_t cursor,
                         size_t *n_done)
 {
     *n_done = 0;
@@ -872,9 +872,9 @@ int kvr_wk_refresh_idle(kvr_wk_env *e, const char *session, size_t budget, size_
         return r;
     if (!ss.ok) {
         kvr_kv_release(&ss.meta);
-        return ss.exists ? kvr_wk_fail(e, KVR_EINVAL, "context %s is not a session this "
+        return ss.exists ? kvr__wk_fail(e, KVR_EINVAL, "context %s is not a session this "
                                        "engine can refresh (positions or KV missing)", session)
-                         : kvr_wk_fail(e, KVR_ENOCTX, "no session %s", session);
+                         : kvr__wk_fail(e, KVR_ENOCTX, "no session %s", session);
     }
     size_t n = (size_t)ss.meta.n_tokens, nc = 0;
     cand *c = malloc(n * sizeof *c);
@@ -882,9 +882,9 @@ int kvr_wk_refresh_idle(kvr_wk_env *e, const char *session, size_t budget, size_
     run *rs = NULL;
     size_t nr = 0;
     uint8_t *apx = NULL, *rx = NULL;
-    kvr_wk_seqstate q = { 0 };
+    kvr__wk_seqstate q = { 0 };
     if (!c || !m) {
-        r = kvr_wk_fail(e, KVR_ENOMEM, "out of memory");
+        r = kvr__wk_fail(e, KVR_ENOMEM, "out of memory");
         goto out;
     }
     for (size_t i = 0; i < n; i++)
@@ -903,24 +903,24 @@ int kvr_wk_refresh_idle(kvr_wk_env *e, const char *session, size_t budget, size_
     for (size_t i = 0; i < budget; i++)
         m[c[i].i] = 1;
     if ((r = runs_of(m, n, &rs, &nr)) < 0) {
-        r = kvr_wk_fail(e, r, "out of memory");
+        r = kvr__wk_fail(e, r, "out of memory");
         goto out;
     }
     double tf = 0, tl = 0;
-    kvr_wk_lm_clear(e->lm);
-    if ((r = kvr_wk_load_prefix(e, session, n, &tf, &tl)) < 0)
+    kvr__wk_lm_clear(e->lm);
+    if ((r = kvr__wk_load_prefix(e, session, n, &tf, &tl)) < 0)
         goto out;
     size_t n_dec = 0;
     const int32_t *toks = (const int32_t *)ss.meta.tokens;
     if (!(apx = malloc(n)) || !(rx = calloc(n, 1))) {
-        r = kvr_wk_fail(e, KVR_ENOMEM, "out of memory");
+        r = kvr__wk_fail(e, KVR_ENOMEM, "out of memory");
         goto out;
     }
     for (size_t i = 0; i < n; i++)
         apx[i] = !!(ss.meta.flags[i] & KVR_TOKEN_APPROX);
     if ((r = decode_runs(e, toks, rs, nr, apx, rx, n, &n_dec)) < 0)
         goto out;
-    if ((r = kvr_wk_seqstate_get(e, &q, n)) < 0)
+    if ((r = kvr__wk_seqstate_get(e, &q, n)) < 0)
         goto out;
     uint64_t h = seq_hash(toks, n);
     for (size_t i = 0; i < nr; i++) {
@@ -930,7 +930,7 @@ int kvr_wk_refresh_idle(kvr_wk_env *e, const char *session, size_t budget, size_
     }
     r = 0;
 out:
-    kvr_wk_seqstate_free(&q);
+    kvr__wk_seqstate_free(&q);
     kvr_kv_release(&ss.meta);
     free(c);
     free(m);

@@ -33,7 +33,7 @@ static uint32_t type_size(int32_t t)
     return t == KVR_WK_GGML_F32 ? 4 : (t == KVR_WK_GGML_F16 || t == KVR_WK_GGML_BF16) ? 2 : 0;
 }
 
-int kvr_wk_state_parse(kvr_wk_state *st, const uint8_t *buf, size_t len, char *err,
+int kvr__wk_state_parse(kvr__wk_state *st, const uint8_t *buf, size_t len, char *err,
                        size_t errlen)
 {
     memset(st, 0, sizeof *st);
@@ -59,7 +59,7 @@ int kvr_wk_state_parse(kvr_wk_state *st, const uint8_t *buf, size_t len, char *e
                      "(it uses f16) and equal K and V rows",
                      kvr_llama_type_name(ls->type_k), ls->n_embd_k,
                      kvr_llama_type_name(ls->type_v), ls->n_embd_v);
-        kvr_wk_state_free(st);
+        kvr__wk_state_free(st);
         return KVR_EINVAL;
     }
     st->n_layer = ls->n_layers;
@@ -73,7 +73,7 @@ int kvr_wk_state_parse(kvr_wk_state *st, const uint8_t *buf, size_t len, char *e
     return 0;
 }
 
-void kvr_wk_state_free(kvr_wk_state *st)
+void kvr__wk_state_free(kvr__wk_state *st)
 {
     if (!st)
         return;
@@ -81,7 +81,7 @@ void kvr_wk_state_free(kvr_wk_state *st)
     memset(st, 0, sizeof *st);
 }
 
-long kvr_wk_state_find(const kvr_wk_state *st, int32_t p)
+long kvr__wk_state_find(const kvr__wk_state *st, int32_t p)
 {
     for (uint32_t i = 0; i < st->n_cells; i++)
         if (st->pos[i] == p)
@@ -89,7 +89,7 @@ long kvr_wk_state_find(const kvr_wk_state *st, int32_t p)
     return -1;
 }
 
-void kvr_wk_state_gather(const kvr_wk_state *st, const uint32_t *cells, size_t n, void *dst)
+void kvr__wk_state_gather(const kvr__wk_state *st, const uint32_t *cells, size_t n, void *dst)
 {
     size_t row = (size_t)st->n_embd * st->el;
     uint8_t *o = dst;
@@ -113,13 +113,13 @@ void kvr_wk_state_gather(const kvr_wk_state *st, const uint32_t *cells, size_t n
 static void put32(uint8_t *p, uint32_t v) { memcpy(p, &v, 4); }
 static void put64(uint8_t *p, uint64_t v) { memcpy(p, &v, 8); }
 
-int kvr_wk_sbuild_init(kvr_wk_sbuild *b, uint32_t n_cells, uint32_t n_layer, int32_t type,
+int kvr__wk_sbuild_init(kvr__wk_sbuild *b, uint32_t n_cells, uint32_t n_layer, int32_t type,
                        uint32_t n_embd, bool v_trans)
 {
-    return kvr_wk_sbuild_init_in(b, NULL, 0, n_cells, n_layer, type, n_embd, v_trans);
+    return kvr__wk_sbuild_init_in(b, NULL, 0, n_cells, n_layer, type, n_embd, v_trans);
 }
 
-int kvr_wk_sbuild_init_in(kvr_wk_sbuild *b, void *mem, size_t cap, uint32_t n_cells,
+int kvr__wk_sbuild_init_in(kvr__wk_sbuild *b, void *mem, size_t cap, uint32_t n_cells,
                           uint32_t n_layer, int32_t type, uint32_t n_embd, bool v_trans)
 {
     memset(b, 0, sizeof *b);
@@ -175,7 +175,7 @@ int kvr_wk_sbuild_init_in(kvr_wk_sbuild *b, void *mem, size_t cap, uint32_t n_ce
     return 0;
 }
 
-int kvr_wk_sbuild_add(kvr_wk_sbuild *b, const void *payload, size_t n_tok, size_t t0,
+int kvr__wk_sbuild_add(kvr__wk_sbuild *b, const void *payload, size_t n_tok, size_t t0,
                       size_t t1, const int64_t *pos)
 {
     size_t n = t1 - t0;
@@ -210,7 +210,7 @@ int kvr_wk_sbuild_add(kvr_wk_sbuild *b, const void *payload, size_t n_tok, size_
     return 0;
 }
 
-void kvr_wk_sbuild_free(kvr_wk_sbuild *b)
+void kvr__wk_sbuild_free(kvr__wk_sbuild *b)
 {
     if (!b)
         return;

@@ -128,7 +128,7 @@ typedef struct own {
     struct llama_model   *m;
     struct llama_context *lc;
     struct llama_batch    b;
-    kvr_wk_sbuild         sb;       /* the old file's state */
+    kvr__wk_sbuild         sb;       /* the old file's state */
     int32_t              *tok;      /* the new file's tokens */
     int32_t               n_tok, p, n_ins;
     bool                  ok;
@@ -168,9 +168,9 @@ static int own_setup(own *o, const char *model, const char *ctx, size_t n_old, c
     int r = -1;
     if (c && o->n_tok == (int)n_new + 1 && kvr_client_get(c, &g, &kv) == 0) {
         if (kv.n_tokens == n_old + 1 &&
-            kvr_wk_sbuild_init(&o->sb, (uint32_t)kv.n_tokens, (uint32_t)kv.n_layers,
+            kvr__wk_sbuild_init(&o->sb, (uint32_t)kv.n_tokens, (uint32_t)kv.n_layers,
                                KVR_WK_GGML_F16, kv.n_kv_heads * kv.head_dim, false) == 0 &&
-            kvr_wk_sbuild_add(&o->sb, kv.payload, kv.n_tokens, 0, kv.n_tokens, kv.positions) == 0)
+            kvr__wk_sbuild_add(&o->sb, kv.payload, kv.n_tokens, 0, kv.n_tokens, kv.positions) == 0)
             r = 0;
         kvr_kv_release(&kv);
     }
@@ -230,7 +230,7 @@ static void own_free(own *o)
     }
     if (o->m)
         llama_model_free(o->m);
-    kvr_wk_sbuild_free(&o->sb);
+    kvr__wk_sbuild_free(&o->sb);
     free(o->tok);
 }
 

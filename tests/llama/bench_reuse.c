@@ -1,6 +1,6 @@
 /*
  * bench_reuse.c — reuse anywhere on the 0.7 B benchmark model, through the
- * session engine kvrope serve runs for every prompt (kvr_wk_sync with the
+ * session engine kvrope serve runs for every prompt (kvr__wk_sync with the
  * daemon's cover verb), in one process against a test daemon.
  *
  * A RAG-shaped request: 8 chunks of ~256 tokens (text of this repository's
@@ -65,26 +65,26 @@ static char *slurp(const char *path, size_t *len)
     return b;
 }
 
-static int tok(kvr_wk_env *e, const char *s, size_t n, bool bos, int32_t **out, size_t *nt)
+static int tok(kvr__wk_env *e, const char *s, size_t n, bool bos, int32_t **out, size_t *nt)
 {
-    return kvr_wk_lm_tokenize(e->lm, s, n, bos, out, nt, e->err, sizeof e->err);
+    return kvr__wk_lm_tokenize(e->lm, s, n, bos, out, nt, e->err, sizeof e->err);
 }
 
 /* Times sync of toks (opts o) REPS times, committing nothing; the median,
  * the last run's result, and its last logits into lg. */
-static int timed_sync(kvr_wk_env *e, const int32_t *t, size_t n, const kvr_wk_sync_opts *o,
-                      double *median, kvr_wk_sync_res *res, float *lg, size_t nv)
+static int timed_sync(kvr__wk_env *e, const int32_t *t, size_t n, const kvr__wk_sync_opts *o,
+                      double *median, kvr__wk_sync_res *res, float *lg, size_t nv)
 {
     double ms[REPS];
     for (int i = 0; i < REPS; i++) {
-        kvr_wk_step *st = NULL;
+        kvr__wk_step *st = NULL;
         double t0 = llb_now_ms();
-        int r = kvr_wk_sync(e, t, n, o, &st, res);
+        int r = kvr__wk_sync(e, t, n, o, &st, res);
         ms[i] = llb_now_ms() - t0;
-        kvr_wk_step_free(st);
+        kvr__wk_step_free(st);
         if (r < 0)
             return r;
-        memcpy(lg, kvr_wk_lm_logits(e->lm), nv * sizeof *lg);
+        memcpy(lg, kvr__wk_lm_logits(e->lm), nv * sizeof *lg);
     }
     qsort(ms, REPS, sizeof *ms, cmp_d);
     *median = ms[REPS / 2];
@@ -100,9 +100,9 @@ int main(void)
     if (testd_start(&D, NULL) < 0)
         return 1;
     int rc = 1;
-    kvr_wk_report rep;
-    kvr_wk_rep_init(&rep, "bench");
-    kvr_wk_env e;
+    kvr__wk_report rep;
+    kvr__wk_rep_init(&rep, "bench");
+    kvr__wk_env e;
     memset(&e, 0, sizeof e);
     e.rep = &rep;
     e.n_gen = 1;
@@ -111,14 +111,14 @@ int main(void)
     float *lg_full = NULL, *lg_cov = NULL;
     char *src = NULL;
     if (kvr_client_connect(&e.kc, D.addr, NULL) < 0 ||
-        kvr_wk_lm_load(&e.lm, model, atoi(LLB_THREADS), e.err, sizeof e.err) < 0 ||
-        kvr_wk_register(&e, model) < 0 || kvr_wk_lm_threads_sleep(e.lm, e.err, sizeof e.err) < 0 ||
-        kvr_wk_lm_context(e.lm, 4096, e.err, sizeof e.err) < 0) {
+        kvr__wk_lm_load(&e.lm, model, atoi(LLB_THREADS), e.err, sizeof e.err) < 0 ||
+        kvr__wk_register(&e, model) < 0 || kvr__wk_lm_threads_sleep(e.lm, e.err, sizeof e.err) < 0 ||
+        kvr__wk_lm_context(e.lm, 4096, e.err, sizeof e.err) < 0) {
         fprintf(stderr, "bench_reuse: setup: %s\n", e.err);
         goto out;
     }
-    e.cover = (kvr_wk_cover_api){ kvr_client_cover, kvr_client_cover_get, kvr_cover_release };
-    const kvr_wk_lm_info *in = kvr_wk_lm_info_get(e.lm);
+    e.cover = (kvr__wk_cover_api){ kvr_client_cover, kvr_client_cover_get, kvr_cover_release };
+    const kvr__wk_lm_info *in = kvr__wk_lm_info_get(e.lm);
     char path[600];
     size_t len = 0;
     snprintf(path, sizeof path, "%s/cache/put.c", kvr_repo_root());
@@ -165,25 +165,25 @@ int main(void)
            "(%zu tokens)\n", LLB_THREADS, N_CHUNKS, tot / N_CHUNKS, na, nq, nb);
 
     /* A, stored once (the cache every chunk comes from) */
-    kvr_wk_sync_opts oa = { .session = "bench-a", .no_cover = true };
-    kvr_wk_sync_res res;
-    kvr_wk_step *st = NULL;
+    kvr__wk_sync_opts oa = { .session = "bench-a", .no_cover = true };
+    kvr__wk_sync_res res;
+    kvr__wk_step *st = NULL;
     double t0 = llb_now_ms();
-    if (kvr_wk_sync(&e, A, na, &oa, &st, &res) < 0 || kvr_wk_commit(&e, st) < 0) {
-        kvr_wk_step_free(st);
+    if (kvr__wk_sync(&e, A, na, &oa, &st, &res) < 0 || kvr__wk_commit(&e, st) < 0) {
+        kvr__wk_step_free(st);
         fprintf(stderr, "bench_reuse: storing A: %s\n", e.err);
         goto out;
     }
-    kvr_wk_step_free(st);
+    kvr__wk_step_free(st);
     printf("  A prefilled and stored in %.0f ms\n", llb_now_ms() - t0);
 
     double full_ms, cov_ms;
-    kvr_wk_sync_opts of = { .no_cache = true };
+    kvr__wk_sync_opts of = { .no_cache = true };
     if (timed_sync(&e, B, nb, &of, &full_ms, &res, lg_full, in->n_vocab) < 0) {
         fprintf(stderr, "bench_reuse: full prefill: %s\n", e.err);
         goto out;
     }
-    kvr_wk_sync_opts ob = { .session = "bench-b" };
+    kvr__wk_sync_opts ob = { .session = "bench-b" };
     if (timed_sync(&e, B, nb, &ob, &cov_ms, &res, lg_cov, in->n_vocab) < 0) {
         fprintf(stderr, "bench_reuse: reuse: %s\n", e.err);
         goto out;
@@ -202,7 +202,7 @@ int main(void)
         double la = (double)lg_full[k] - ma - log(za), lb = (double)lg_cov[k] - mb - log(zb);
         kl += exp(la) * (la - lb);
     }
-    bool agree = kvr_wk_argmax(lg_full, in->n_vocab) == kvr_wk_argmax(lg_cov, in->n_vocab);
+    bool agree = kvr__wk_argmax(lg_full, in->n_vocab) == kvr__wk_argmax(lg_cov, in->n_vocab);
     printf("\n| prompt B, %zu tokens | time to first token | tokens computed |\n"
            "| --- | --- | --- |\n", nb);
     printf("| full prefill | %.0f ms | %zu (100%%) |\n", full_ms, nb);
@@ -236,11 +236,11 @@ out:
     free(B);
     free(lg_full);
     free(lg_cov);
-    kvr_wk_lm_destroy(e.lm);
-    kvr_wk_env_bufs_free(&e);
+    kvr__wk_lm_destroy(e.lm);
+    kvr__wk_env_bufs_free(&e);
     free(e.profile);
     kvr_client_close(e.kc);
-    kvr_wk_rep_free(&rep);
+    kvr__wk_rep_free(&rep);
     testd_stop(&D);
     return rc;
 }

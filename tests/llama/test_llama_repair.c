@@ -21,7 +21,7 @@
  *    repair (plus KL_EPS for the f16 noise of recomputing the same KV);
  *  - the probe decode's layer-1 K and V equal the full encode's cells (f16);
  *  - plans and policy strings, without llama.cpp;
- *  - the session engine's cover path (kvr_wk_sync with a stand-in for the
+ *  - the session engine's cover path (kvr__wk_sync with a stand-in for the
  *    daemon's cover verb over a real test daemon): runs placed, the default
  *    seams repaired, the stored context exact up to the first unrepaired
  *    placed token and flagged approximate after it; with every token
@@ -63,14 +63,14 @@ static const char *CHUNK[3] = {
 static const char QUESTION[] = "\n# and now the function that wraps a paragraph:\ndef wrap(";
 static const char CONT[] = "text, width=70, **kwargs):\n    w = TextWrapper(width=width, **kwargs)\n";
 
-static kvr_wk_lm *LM;
+static kvr__wk_lm *LM;
 static char err[1024];
-static const kvr_wk_lm_info *IN;
+static const kvr__wk_lm_info *IN;
 
 static int32_t *tokens(const char *s, bool bos, size_t *n)
 {
     int32_t *t = NULL;
-    cr_assert_eq(kvr_wk_lm_tokenize(LM, s, strlen(s), bos, &t, n, err, sizeof err), 0, "%s", err);
+    cr_assert_eq(kvr__wk_lm_tokenize(LM, s, strlen(s), bos, &t, n, err, sizeof err), 0, "%s", err);
     return t;
 }
 
@@ -79,15 +79,15 @@ static void setup(void)
     char model[600];
     snprintf(model, sizeof model, "%s/eval/kvrope-code.gguf", testd_build_dir());
     cr_assert_eq(access(model, R_OK), 0, "the trained model %s is built (make)", model);
-    cr_assert_eq(kvr_wk_lm_load(&LM, model, 1, err, sizeof err), 0, "%s", err);
-    kvr_wk_lm_set_probe(LM, true);
-    cr_assert_eq(kvr_wk_lm_context(LM, 2048, err, sizeof err), 0, "%s", err);
-    IN = kvr_wk_lm_info_get(LM);
+    cr_assert_eq(kvr__wk_lm_load(&LM, model, 1, err, sizeof err), 0, "%s", err);
+    kvr__wk_lm_set_probe(LM, true);
+    cr_assert_eq(kvr__wk_lm_context(LM, 2048, err, sizeof err), 0, "%s", err);
+    IN = kvr__wk_lm_info_get(LM);
 }
 
 static void teardown(void)
 {
-    kvr_wk_lm_destroy(LM);
+    kvr__wk_lm_destroy(LM);
     LM = NULL;
 }
 
@@ -170,23 +170,23 @@ static void rotate_payload(uint16_t *pay, size_t n, int64_t delta)
 typedef struct source {
     uint8_t     *buf;
     size_t       len;
-    kvr_wk_state st;
+    kvr__wk_state st;
 } source;
 
 static void encode_source(const prompts *p, source *s)
 {
-    kvr_wk_lm_clear(LM);
-    cr_assert_eq(kvr_wk_lm_decode(LM, p->a, p->na, 0, 0, KVR_WK_LOGITS_NONE, NULL, NULL, err,
+    kvr__wk_lm_clear(LM);
+    cr_assert_eq(kvr__wk_lm_decode(LM, p->a, p->na, 0, 0, KVR_WK_LOGITS_NONE, NULL, NULL, err,
                                   sizeof err), 0, "%s", err);
-    cr_assert_eq(kvr_wk_lm_state_get(LM, &s->buf, &s->len, err, sizeof err), 0, "%s", err);
+    cr_assert_eq(kvr__wk_lm_state_get(LM, &s->buf, &s->len, err, sizeof err), 0, "%s", err);
     char why[256];
-    cr_assert_eq(kvr_wk_state_parse(&s->st, s->buf, s->len, why, sizeof why), 0, "%s", why);
-    kvr_wk_lm_clear(LM);
+    cr_assert_eq(kvr__wk_state_parse(&s->st, s->buf, s->len, why, sizeof why), 0, "%s", why);
+    kvr__wk_lm_clear(LM);
 }
 
 static void free_source(source *s)
 {
-    kvr_wk_state_free(&s->st);
+    kvr__wk_state_free(&s->st);
     free(s->buf);
 }
 
@@ -199,9 +199,9 @@ static void load_placed(const prompts *p, const source *s, uint8_t *placed, uint
     memset(run_start, 0, p->nb);
     for (int i = 0; i < 3; i++)
         total += p->len[i];
-    kvr_wk_sbuild sb;
-    cr_assert_eq(kvr_wk_sbuild_init(&sb, (uint32_t)total, IN->n_layer, s->st.type, (uint32_t)row,
-                                     kvr_wk_lm_v_trans(LM)), 0);
+    kvr__wk_sbuild sb;
+    cr_assert_eq(kvr__wk_sbuild_init(&sb, (uint32_t)total, IN->n_layer, s->st.type, (uint32_t)row,
+                                     kvr__wk_lm_v_trans(LM)), 0);
     for (int j = 0; j < 3; j++) {
         int i = p->order_b[j];
         size_t n = p->len[i];
@@ -210,23 +210,23 @@ static void load_placed(const prompts *p, const source *s, uint8_t *placed, uint
         uint16_t *pay = malloc((size_t)IN->n_layer * 2 * n * row * 2);
         cr_assert(cells && pos && pay);
         for (size_t t = 0; t < n; t++) {
-            long c = kvr_wk_state_find(&s->st, (int32_t)(p->a_off[i] + t));
+            long c = kvr__wk_state_find(&s->st, (int32_t)(p->a_off[i] + t));
             cr_assert_geq(c, 0);
             cells[t] = (uint32_t)c;
             pos[t] = (int64_t)(p->b_off[i] + t);
             placed[p->b_off[i] + t] = 1;
         }
         run_start[p->b_off[i]] = 1;
-        kvr_wk_state_gather(&s->st, cells, n, pay);
+        kvr__wk_state_gather(&s->st, cells, n, pay);
         rotate_payload(pay, n, (int64_t)p->b_off[i] - (int64_t)p->a_off[i]);
-        cr_assert_eq(kvr_wk_sbuild_add(&sb, pay, n, 0, n, pos), 0);
+        cr_assert_eq(kvr__wk_sbuild_add(&sb, pay, n, 0, n, pos), 0);
         free(cells);
         free(pos);
         free(pay);
     }
-    kvr_wk_lm_clear(LM);
-    cr_assert_eq(kvr_wk_lm_state_set(LM, sb.buf, sb.len, err, sizeof err), 0, "%s", err);
-    kvr_wk_sbuild_free(&sb);
+    kvr__wk_lm_clear(LM);
+    cr_assert_eq(kvr__wk_lm_state_set(LM, sb.buf, sb.len, err, sizeof err), 0, "%s", err);
+    kvr__wk_sbuild_free(&sb);
 }
 
 /* ---- runs ----------------------------------------------------------------------------- */
@@ -246,26 +246,26 @@ static void on_rows(void *ud, size_t first, size_t n, const float *const *r)
 /* B repaired by `policy` (placed: the chunks; NULL policy: nothing placed,
  * i.e. a full encode), then the continuation. */
 static void run(const prompts *p, const source *s, const char *policy, rows *out,
-                kvr_wk_repair_res *res)
+                kvr__wk_repair_res *res)
 {
     uint8_t *placed = calloc(p->nb, 1), *rs = calloc(p->nb, 1);
     cr_assert(placed && rs);
-    kvr_wk_repair_opts o;
+    kvr__wk_repair_opts o;
     if (policy) {
-        cr_assert_eq(kvr_wk_repair_parse(policy, &o, err, sizeof err), 0, "%s", err);
+        cr_assert_eq(kvr__wk_repair_parse(policy, &o, err, sizeof err), 0, "%s", err);
         load_placed(p, s, placed, rs);
     } else {
         memset(&o, 0, sizeof o);
-        kvr_wk_lm_clear(LM);
+        kvr__wk_lm_clear(LM);
     }
-    cr_assert_eq(kvr_wk_repair(LM, p->b, p->nb, placed, rs, &o, NULL, res, err, sizeof err), 0,
+    cr_assert_eq(kvr__wk_repair(LM, p->b, p->nb, placed, rs, &o, NULL, res, err, sizeof err), 0,
                  "%s: %s", policy ? policy : "full", err);
     out->nv = IN->n_vocab;
     out->n = p->ncont;
     out->x = malloc(out->n * out->nv * sizeof(float));
     cr_assert_not_null(out->x);
-    memcpy(out->x, kvr_wk_lm_logits(LM), out->nv * sizeof(float));
-    cr_assert_eq(kvr_wk_lm_decode(LM, p->cont, p->ncont, (int32_t)p->nb, 0, KVR_WK_LOGITS_ALL,
+    memcpy(out->x, kvr__wk_lm_logits(LM), out->nv * sizeof(float));
+    cr_assert_eq(kvr__wk_lm_decode(LM, p->cont, p->ncont, (int32_t)p->nb, 0, KVR_WK_LOGITS_ALL,
                                   on_rows, out, err, sizeof err), 0, "%s", err);
     free(placed);
     free(rs);
@@ -314,7 +314,7 @@ Test(llama_repair, all_equals_full_and_repair_never_hurts)
     make_prompts(&p);
     source s;
     encode_source(&p, &s);
-    kvr_wk_repair_res res;
+    kvr__wk_repair_res res;
     rows full, none, all;
     run(&p, &s, NULL, &full, &res);
     cr_assert_eq(res.n_computed, p.nb);
@@ -361,27 +361,27 @@ Test(llama_repair, probe_matches_full_encode)
 {
     prompts p;
     make_prompts(&p);
-    kvr_wk_lm_clear(LM);
-    cr_assert_eq(kvr_wk_lm_decode(LM, p.b, p.nb, 0, 0, KVR_WK_LOGITS_NONE, NULL, NULL, err,
+    kvr__wk_lm_clear(LM);
+    cr_assert_eq(kvr__wk_lm_decode(LM, p.b, p.nb, 0, 0, KVR_WK_LOGITS_NONE, NULL, NULL, err,
                                   sizeof err), 0, "%s", err);
     uint8_t *before = NULL;
     size_t nbefore = 0;
-    cr_assert_eq(kvr_wk_lm_state_get(LM, &before, &nbefore, err, sizeof err), 0);
-    kvr_wk_state st;
+    cr_assert_eq(kvr__wk_lm_state_get(LM, &before, &nbefore, err, sizeof err), 0);
+    kvr__wk_state st;
     char why[256];
-    cr_assert_eq(kvr_wk_state_parse(&st, before, nbefore, why, sizeof why), 0, "%s", why);
+    cr_assert_eq(kvr__wk_state_parse(&st, before, nbefore, why, sizeof why), 0, "%s", why);
     size_t row = (size_t)IN->n_head_kv * IN->head_dim;
     for (uint32_t layer = 1; layer < IN->n_layer && layer <= 2; layer++) {
-        kvr_wk_probe pr = { .layer = layer, .row = row, .cap = p.nb };
+        kvr__wk_probe pr = { .layer = layer, .row = row, .cap = p.nb };
         pr.k = malloc(p.nb * row * sizeof(float));
         pr.v = malloc(p.nb * row * sizeof(float));
         cr_assert(pr.k && pr.v);
-        cr_assert_eq(kvr_wk_lm_probe_decode(LM, &pr, p.b, p.nb, 0, 1, err, sizeof err), 0, "%s",
+        cr_assert_eq(kvr__wk_lm_probe_decode(LM, &pr, p.b, p.nb, 0, 1, err, sizeof err), 0, "%s",
                      err);
-        kvr_wk_lm_seq_rm(LM, 1, -1, -1);
+        kvr__wk_lm_seq_rm(LM, 1, -1, -1);
         double dk = 0, dv = 0, mk = 0;
         for (size_t i = 0; i < p.nb; i++) {
-            long c = kvr_wk_state_find(&st, (int32_t)i);
+            long c = kvr__wk_state_find(&st, (int32_t)i);
             cr_assert_geq(c, 0);
             for (size_t j = 0; j < row; j++) {
                 uint16_t hk, hv;
@@ -403,11 +403,11 @@ Test(llama_repair, probe_matches_full_encode)
     }
     uint8_t *after = NULL;
     size_t nafter = 0;
-    cr_assert_eq(kvr_wk_lm_state_get(LM, &after, &nafter, err, sizeof err), 0);
+    cr_assert_eq(kvr__wk_lm_state_get(LM, &after, &nafter, err, sizeof err), 0);
     cr_assert(nafter == nbefore && memcmp(before, after, nbefore) == 0,
               "seq 0 is unchanged by probes");
-    cr_assert_lt(kvr_wk_lm_pos_max(LM, 1), 0, "seq 1 is empty after probes");
-    kvr_wk_state_free(&st);
+    cr_assert_lt(kvr__wk_lm_pos_max(LM, 1), 0, "seq 1 is empty after probes");
+    kvr__wk_state_free(&st);
     free(before);
     free(after);
     free_prompts(&p);
@@ -421,15 +421,15 @@ Test(llama_repair, probing_context_computes_the_same)
     make_prompts(&p);
     float *with = malloc(IN->n_vocab * sizeof *with);
     cr_assert_not_null(with);
-    kvr_wk_lm_clear(LM);
-    cr_assert_eq(kvr_wk_lm_decode(LM, p.b, p.nb, 0, 0, KVR_WK_LOGITS_LAST, NULL, NULL, err,
+    kvr__wk_lm_clear(LM);
+    cr_assert_eq(kvr__wk_lm_decode(LM, p.b, p.nb, 0, 0, KVR_WK_LOGITS_LAST, NULL, NULL, err,
                                   sizeof err), 0, "%s", err);
-    memcpy(with, kvr_wk_lm_logits(LM), IN->n_vocab * sizeof *with);
-    kvr_wk_lm_set_probe(LM, false);
-    cr_assert_eq(kvr_wk_lm_context(LM, 2048, err, sizeof err), 0, "%s", err);
-    cr_assert_eq(kvr_wk_lm_decode(LM, p.b, p.nb, 0, 0, KVR_WK_LOGITS_LAST, NULL, NULL, err,
+    memcpy(with, kvr__wk_lm_logits(LM), IN->n_vocab * sizeof *with);
+    kvr__wk_lm_set_probe(LM, false);
+    cr_assert_eq(kvr__wk_lm_context(LM, 2048, err, sizeof err), 0, "%s", err);
+    cr_assert_eq(kvr__wk_lm_decode(LM, p.b, p.nb, 0, 0, KVR_WK_LOGITS_LAST, NULL, NULL, err,
                                   sizeof err), 0, "%s", err);
-    cr_assert_eq(memcmp(with, kvr_wk_lm_logits(LM), IN->n_vocab * sizeof *with), 0,
+    cr_assert_eq(memcmp(with, kvr__wk_lm_logits(LM), IN->n_vocab * sizeof *with), 0,
                  "the same logits with and without the probe callback");
     free(with);
     free_prompts(&p);
@@ -438,18 +438,18 @@ Test(llama_repair, probing_context_computes_the_same)
 /* A context made without probing refuses blend, with a reason. */
 Test(llama_repair, blend_needs_probe)
 {
-    kvr_wk_lm_set_probe(LM, false);
-    cr_assert_eq(kvr_wk_lm_context(LM, 512, err, sizeof err), 0, "%s", err);
+    kvr__wk_lm_set_probe(LM, false);
+    cr_assert_eq(kvr__wk_lm_context(LM, 512, err, sizeof err), 0, "%s", err);
     int32_t t[8] = { 1, 40, 41, 42, 43, 44, 45, 46 };
     uint8_t placed[8] = { 0, 0, 1, 1, 1, 1, 0, 0 };
-    kvr_wk_repair_opts o = { .blend_share = 0.5 };
-    kvr_wk_repair_res res;
-    kvr_wk_lm_clear(LM);
-    cr_assert_eq(kvr_wk_lm_decode(LM, t, 6, 0, 0, KVR_WK_LOGITS_NONE, NULL, NULL, err, sizeof err),
+    kvr__wk_repair_opts o = { .blend_share = 0.5 };
+    kvr__wk_repair_res res;
+    kvr__wk_lm_clear(LM);
+    cr_assert_eq(kvr__wk_lm_decode(LM, t, 6, 0, 0, KVR_WK_LOGITS_NONE, NULL, NULL, err, sizeof err),
                  0);
-    kvr_wk_lm_seq_rm(LM, 0, 0, 2);
+    kvr__wk_lm_seq_rm(LM, 0, 0, 2);
     err[0] = 0;
-    cr_assert_lt(kvr_wk_repair(LM, t, 8, placed, NULL, &o, NULL, &res, err, sizeof err), 0);
+    cr_assert_lt(kvr__wk_repair(LM, t, 8, placed, NULL, &o, NULL, &res, err, sizeof err), 0);
     cr_assert(strstr(err, "probing"), "%s", err);
 }
 
@@ -461,22 +461,22 @@ Test(repair_plan, epic_runs_and_gaps)
     uint8_t placed[13] = { 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 0, 1, 1 };
     uint8_t starts[13] = { 0, 0, 1, 0, 0, 0, 0, 1, 0, 0, 0, 1, 0 };
     uint8_t c[13];
-    kvr_wk_repair_opts o = { .first_k = 2 };
-    size_t k = kvr_wk_repair_plan(placed, starts, 13, NULL, &o, c);
+    kvr__wk_repair_opts o = { .first_k = 2 };
+    size_t k = kvr__wk_repair_plan(placed, starts, 13, NULL, &o, c);
     uint8_t want[13] = { 1, 1, 1, 1, 0, 0, 0, 1, 1, 0, 1, 1, 1 };
     cr_assert_arr_eq(c, want, 13);
     cr_assert_eq(k, 6);
     /* without run starts: runs begin after gaps only */
-    k = kvr_wk_repair_plan(placed, NULL, 13, NULL, &o, c);
+    k = kvr__wk_repair_plan(placed, NULL, 13, NULL, &o, c);
     uint8_t want2[13] = { 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 1, 1, 1 };
     cr_assert_arr_eq(c, want2, 13);
     cr_assert_eq(k, 4);
-    o = (kvr_wk_repair_opts){ .all = true };
-    cr_assert_eq(kvr_wk_repair_plan(placed, starts, 13, NULL, &o, c), 10);
+    o = (kvr__wk_repair_opts){ .all = true };
+    cr_assert_eq(kvr__wk_repair_plan(placed, starts, 13, NULL, &o, c), 10);
     for (int i = 0; i < 13; i++)
         cr_assert_eq(c[i], 1);
-    o = (kvr_wk_repair_opts){ 0 };
-    cr_assert_eq(kvr_wk_repair_plan(placed, starts, 13, NULL, &o, c), 0);
+    o = (kvr__wk_repair_opts){ 0 };
+    cr_assert_eq(kvr__wk_repair_plan(placed, starts, 13, NULL, &o, c), 0);
     for (int i = 0; i < 13; i++)
         cr_assert_eq(c[i], !placed[i]);
 }
@@ -488,46 +488,46 @@ Test(repair_plan, blend_budget_and_ties)
     uint8_t c[8];
     /* 7 placed, 30% -> ceil(2.1) = 3: NaN counts as largest, then the tie at
      * 3 goes to both (index 2 and 3) */
-    kvr_wk_repair_opts o = { .blend_share = 0.3 };
-    cr_assert_eq(kvr_wk_repair_plan(placed, NULL, 8, dev, &o, c), 3);
+    kvr__wk_repair_opts o = { .blend_share = 0.3 };
+    cr_assert_eq(kvr__wk_repair_plan(placed, NULL, 8, dev, &o, c), 3);
     uint8_t want[8] = { 1, 0, 1, 1, 0, 1, 0, 0 };
     cr_assert_arr_eq(c, want, 8);
     /* 2/7 -> ceil(0.2857*7) = 2: NaN, then the earlier of the tie */
     o.blend_share = 2.0 / 7.0;
-    cr_assert_eq(kvr_wk_repair_plan(placed, NULL, 8, dev, &o, c), 2);
+    cr_assert_eq(kvr__wk_repair_plan(placed, NULL, 8, dev, &o, c), 2);
     uint8_t want2[8] = { 1, 0, 1, 0, 0, 1, 0, 0 };
     cr_assert_arr_eq(c, want2, 8);
     /* EPIC + blend: the blend's budget is its own */
-    o = (kvr_wk_repair_opts){ .first_k = 1, .blend_share = 2.0 / 7.0 };
-    cr_assert_eq(kvr_wk_repair_plan(placed, NULL, 8, dev, &o, c), 3);
+    o = (kvr__wk_repair_opts){ .first_k = 1, .blend_share = 2.0 / 7.0 };
+    cr_assert_eq(kvr__wk_repair_plan(placed, NULL, 8, dev, &o, c), 3);
 }
 
 Test(repair_plan, policy_strings)
 {
-    kvr_wk_repair_opts o;
+    kvr__wk_repair_opts o;
     char e[256];
-    cr_assert_eq(kvr_wk_repair_parse("epic:16+blend:15%@2", &o, e, sizeof e), 0, "%s", e);
+    cr_assert_eq(kvr__wk_repair_parse("epic:16+blend:15%@2", &o, e, sizeof e), 0, "%s", e);
     cr_assert_eq(o.first_k, 16);
     cr_assert_float_eq(o.blend_share, 0.15, 1e-12);
     cr_assert_eq(o.blend_layer, 2);
-    cr_assert_eq(kvr_wk_repair_parse("all", &o, e, sizeof e), 0);
+    cr_assert_eq(kvr__wk_repair_parse("all", &o, e, sizeof e), 0);
     cr_assert(o.all);
-    cr_assert_eq(kvr_wk_repair_parse("none", &o, e, sizeof e), 0);
+    cr_assert_eq(kvr__wk_repair_parse("none", &o, e, sizeof e), 0);
     cr_assert(!o.all && !o.first_k && o.blend_share == 0);
     const char *bad[] = { "epic", "epic:x", "blend:0", "blend:1.5", "blend:0.1@0", "foo",
                           "epic:4+", "+", "blend:", "epic:-3" };
     for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
         e[0] = 0;
-        cr_assert_lt(kvr_wk_repair_parse(bad[i], &o, e, sizeof e), 0, "%s refused", bad[i]);
+        cr_assert_lt(kvr__wk_repair_parse(bad[i], &o, e, sizeof e), 0, "%s refused", bad[i]);
         cr_assert(strstr(e, "repair policy"), "%s: %s", bad[i], e);
     }
 }
 
-/* ---- the session engine's cover path (kvr_wk_sync), with a stand-in verb ----
+/* ---- the session engine's cover path (kvr__wk_sync), with a stand-in verb ----
  *
  * A real kvroped (the test daemon) holds prompt A's context, stored by the
  * session engine itself. The daemon's cover verb is the other half of issue
- * 27 (w-cover); here a stand-in with the same signature (kvr_wk_cover_api)
+ * 27 (w-cover); here a stand-in with the same signature (kvr__wk_cover_api)
  * answers the runs the test knows, each fetched by a real get re-rotated to
  * its place in B: what the verb's get returns. */
 
@@ -630,8 +630,8 @@ static void fake_release(kvr_cover_res *r)
     memset(r, 0, sizeof *r);
 }
 
-static kvr_wk_env E;
-static kvr_wk_report REP;
+static kvr__wk_env E;
+static kvr__wk_report REP;
 
 static void cover_setup(void)
 {
@@ -640,59 +640,59 @@ static void cover_setup(void)
     snprintf(model, sizeof model, "%s/eval/kvrope-code.gguf", testd_build_dir());
     cr_assert_eq(access(model, R_OK), 0, "the trained model %s is built (make)", model);
     memset(&E, 0, sizeof E);
-    kvr_wk_rep_init(&REP, "test");
+    kvr__wk_rep_init(&REP, "test");
     E.rep = &REP;
     E.n_gen = 1;
     cr_assert_eq(kvr_client_connect(&E.kc, D.addr, NULL), 0);
-    cr_assert_eq(kvr_wk_lm_load(&E.lm, model, 1, E.err, sizeof E.err), 0, "%s", E.err);
-    cr_assert_eq(kvr_wk_register(&E, model), 0, "%s", E.err);
-    cr_assert_eq(kvr_wk_lm_context(E.lm, 2048, E.err, sizeof E.err), 0, "%s", E.err);
+    cr_assert_eq(kvr__wk_lm_load(&E.lm, model, 1, E.err, sizeof E.err), 0, "%s", E.err);
+    cr_assert_eq(kvr__wk_register(&E, model), 0, "%s", E.err);
+    cr_assert_eq(kvr__wk_lm_context(E.lm, 2048, E.err, sizeof E.err), 0, "%s", E.err);
     LM = E.lm;
-    IN = kvr_wk_lm_info_get(LM);
+    IN = kvr__wk_lm_info_get(LM);
     NFR = 0;
     F_CORRUPT = false;
 }
 
 static void cover_teardown(void)
 {
-    kvr_wk_lm_destroy(E.lm);
+    kvr__wk_lm_destroy(E.lm);
     LM = NULL;
-    kvr_wk_env_bufs_free(&E);
+    kvr__wk_env_bufs_free(&E);
     free(E.profile);
     kvr_client_close(E.kc);
-    kvr_wk_rep_free(&REP);
+    kvr__wk_rep_free(&REP);
     testd_stop(&D);
 }
 
-static void sync_commit(const int32_t *t, size_t n, const kvr_wk_sync_opts *o,
-                        kvr_wk_sync_res *res)
+static void sync_commit(const int32_t *t, size_t n, const kvr__wk_sync_opts *o,
+                        kvr__wk_sync_res *res)
 {
-    kvr_wk_step *st = NULL;
-    cr_assert_eq(kvr_wk_sync(&E, t, n, o, &st, res), 0, "%s", E.err);
-    cr_assert_eq(kvr_wk_commit(&E, st), 0, "%s", E.err);
-    kvr_wk_step_free(st);
+    kvr__wk_step *st = NULL;
+    cr_assert_eq(kvr__wk_sync(&E, t, n, o, &st, res), 0, "%s", E.err);
+    cr_assert_eq(kvr__wk_commit(&E, st), 0, "%s", E.err);
+    kvr__wk_step_free(st);
 }
 
 /* n greedy tokens after the synced prompt of length np (seq 0). */
 static void greedy(size_t np, int32_t *out, size_t n)
 {
-    const float *lg = kvr_wk_lm_logits(LM);
+    const float *lg = kvr__wk_lm_logits(LM);
     for (size_t i = 0; i < n; i++) {
-        out[i] = kvr_wk_argmax(lg, IN->n_vocab);
-        cr_assert_eq(kvr_wk_lm_decode(LM, &out[i], 1, (int32_t)(np + i), 0, KVR_WK_LOGITS_LAST,
+        out[i] = kvr__wk_argmax(lg, IN->n_vocab);
+        cr_assert_eq(kvr__wk_lm_decode(LM, &out[i], 1, (int32_t)(np + i), 0, KVR_WK_LOGITS_LAST,
                                       NULL, NULL, err, sizeof err), 0, "%s", err);
-        lg = kvr_wk_lm_logits(LM);
+        lg = kvr__wk_lm_logits(LM);
     }
 }
 
 /* Prompt A stored as context ctx-a by the session engine; the stand-in verb
  * answers B's three chunks from it. */
-static void cover_prompt_a(const prompts *p, kvr_wk_sync_res *res)
+static void cover_prompt_a(const prompts *p, kvr__wk_sync_res *res)
 {
-    kvr_wk_sync_opts oa = { .session = "ctx-a", .no_cover = true };
+    kvr__wk_sync_opts oa = { .session = "ctx-a", .no_cover = true };
     sync_commit(p->a, p->na, &oa, res);
     F_CTX = "ctx-a";
-    E.cover = (kvr_wk_cover_api){ fake_cover, fake_cover_get, fake_release };
+    E.cover = (kvr__wk_cover_api){ fake_cover, fake_cover_get, fake_release };
     NFR = 0;
     for (int j = 0; j < 3; j++) {
         int i = p->order_b[j];
@@ -706,12 +706,12 @@ Test(llama_cover, sync_places_runs_repairs_seams_and_stores_flags)
 {
     prompts p;
     make_prompts(&p);
-    kvr_wk_sync_res res;
+    kvr__wk_sync_res res;
     cover_prompt_a(&p, &res);
     size_t placed = p.len[0] + p.len[1] + p.len[2];
 
     /* the default repair: EPIC first 16 of each run */
-    kvr_wk_sync_opts ob = { .session = "ctx-b" };
+    kvr__wk_sync_opts ob = { .session = "ctx-b" };
     sync_commit(p.b, p.nb, &ob, &res);
     cr_assert_str_eq(res.source, "cover");
     cr_assert_eq(res.n_placed, placed);
@@ -737,13 +737,13 @@ Test(llama_cover, sync_places_runs_repairs_seams_and_stores_flags)
 
     /* everything repaired: the greedy continuation is a full encode's */
     int32_t want[16], got[16];
-    kvr_wk_sync_opts full = { .no_cache = true };
-    kvr_wk_step *st = NULL;
-    cr_assert_eq(kvr_wk_sync(&E, p.b, p.nb, &full, &st, &res), 0, "%s", E.err);
-    kvr_wk_step_free(st);
+    kvr__wk_sync_opts full = { .no_cache = true };
+    kvr__wk_step *st = NULL;
+    cr_assert_eq(kvr__wk_sync(&E, p.b, p.nb, &full, &st, &res), 0, "%s", E.err);
+    kvr__wk_step_free(st);
     greedy(p.nb, want, 16);
-    kvr_wk_repair_opts all = { .all = true };
-    kvr_wk_sync_opts oc = { .session = "ctx-c", .repair = &all };
+    kvr__wk_repair_opts all = { .all = true };
+    kvr__wk_sync_opts oc = { .session = "ctx-c", .repair = &all };
     sync_commit(p.b, p.nb, &oc, &res);
     cr_assert_str_eq(res.source, "cover");
     cr_assert_eq(res.n_repaired, placed);
@@ -760,12 +760,12 @@ Test(llama_cover, small_or_wrong_covers)
 {
     prompts p;
     make_prompts(&p);
-    kvr_wk_sync_res res;
+    kvr__wk_sync_res res;
     cover_prompt_a(&p, &res);
     F_CORRUPT = true;
-    kvr_wk_step *st = NULL;
-    kvr_wk_sync_opts od = { .session = "ctx-d" };
-    cr_assert_lt(kvr_wk_sync(&E, p.b, p.nb, &od, &st, &res), 0);
+    kvr__wk_step *st = NULL;
+    kvr__wk_sync_opts od = { .session = "ctx-d" };
+    cr_assert_lt(kvr__wk_sync(&E, p.b, p.nb, &od, &st, &res), 0);
     cr_assert_null(st);
     cr_assert(strstr(E.err, "does not match the prompt"), "%s", E.err);
     kvr_context info;
@@ -774,7 +774,7 @@ Test(llama_cover, small_or_wrong_covers)
     int i = p.order_b[1];
     NFR = 1;
     FR[0] = (fake_run){ p.a_off[i], p.b_off[i], KVR_COVER_MIN_RUN - 1 };
-    kvr_wk_sync_opts ob = { .session = "ctx-b" };
+    kvr__wk_sync_opts ob = { .session = "ctx-b" };
     sync_commit(p.b, p.nb, &ob, &res);
     cr_assert_str_neq(res.source, "cover");
     cr_assert_eq(res.n_placed, 0);

@@ -200,25 +200,25 @@ static kvfile kv_of_llama(const int32_t *T, int m, int pos0)
     uint8_t *st = malloc(n);
     cr_assert_eq(llama_state_seq_get_data(c, st, n, 0), n);
     llama_free(c);
-    kvr_wk_state s;
+    kvr__wk_state s;
     char err[256];
-    cr_assert_eq(kvr_wk_state_parse(&s, st, n, err, sizeof err), 0, "%s", err);
+    cr_assert_eq(kvr__wk_state_parse(&s, st, n, err, sizeof err), 0, "%s", err);
     cr_assert_eq(s.n_cells, (uint32_t)m);
     cr_assert_eq(s.type, KVR_WK_GGML_F16);
     cr_assert_eq(s.n_embd, (uint32_t)(NKV * HD));
     uint32_t *cells = malloc((size_t)m * sizeof *cells);
     int64_t *pos = malloc((size_t)m * sizeof *pos);
     for (int i = 0; i < m; i++) {
-        long cc = kvr_wk_state_find(&s, pos0 + i);
+        long cc = kvr__wk_state_find(&s, pos0 + i);
         cr_assert_geq(cc, 0);
         cells[i] = (uint32_t)cc;
         pos[i] = pos0 + i;
     }
     size_t pl_len = (size_t)NL * 2 * (size_t)m * (size_t)(NKV * HD) * 2;
     void *pl = malloc(pl_len);
-    kvr_wk_state_gather(&s, cells, (size_t)m, pl);
+    kvr__wk_state_gather(&s, cells, (size_t)m, pl);
     kvfile k = kv_make((uint32_t)NL, (uint32_t)m, (uint32_t)NKV, (uint32_t)HD, 1, pos, pl, pl_len);
-    kvr_wk_state_free(&s);
+    kvr__wk_state_free(&s);
     free(st);
     free(cells);
     free(pos);

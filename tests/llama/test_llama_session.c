@@ -101,38 +101,38 @@ static void version_path(int i, char *out, size_t cap)
 
 /* ---- an in-process worker ------------------------------------------------ */
 typedef struct wk {
-    kvr_wk_env    e;
-    kvr_wk_report rep;
+    kvr__wk_env    e;
+    kvr__wk_report rep;
 } wk;
 
 static void wk_open(wk *w, uint32_t n_ctx)
 {
     memset(w, 0, sizeof *w);
-    kvr_wk_rep_init(&w->rep, "test");
+    kvr__wk_rep_init(&w->rep, "test");
     w->e.rep = &w->rep;
     w->e.n_gen = 1;
     cr_assert_eq(kvr_client_connect(&w->e.kc, D.addr, NULL), 0);
-    cr_assert_eq(kvr_wk_lm_load(&w->e.lm, model, 1, w->e.err, sizeof w->e.err), 0, "%s",
+    cr_assert_eq(kvr__wk_lm_load(&w->e.lm, model, 1, w->e.err, sizeof w->e.err), 0, "%s",
                  w->e.err);
-    cr_assert_eq(kvr_wk_register(&w->e, model), 0, "%s", w->e.err);
-    cr_assert_eq(kvr_wk_lm_context(w->e.lm, n_ctx, w->e.err, sizeof w->e.err), 0, "%s",
+    cr_assert_eq(kvr__wk_register(&w->e, model), 0, "%s", w->e.err);
+    cr_assert_eq(kvr__wk_lm_context(w->e.lm, n_ctx, w->e.err, sizeof w->e.err), 0, "%s",
                  w->e.err);
 }
 
 static void wk_close(wk *w)
 {
-    kvr_wk_lm_destroy(w->e.lm);
-    kvr_wk_env_bufs_free(&w->e);
+    kvr__wk_lm_destroy(w->e.lm);
+    kvr__wk_env_bufs_free(&w->e);
     free(w->e.profile);
     kvr_client_close(w->e.kc);
-    kvr_wk_rep_free(&w->rep);
+    kvr__wk_rep_free(&w->rep);
 }
 
 static int32_t *tok(wk *w, const char *text, size_t len, size_t *n)
 {
     int32_t *t = NULL;
-    bool bos = kvr_wk_lm_info_get(w->e.lm)->add_bos;
-    cr_assert_eq(kvr_wk_lm_tokenize(w->e.lm, text, len, bos, &t, n, w->e.err,
+    bool bos = kvr__wk_lm_info_get(w->e.lm)->add_bos;
+    cr_assert_eq(kvr__wk_lm_tokenize(w->e.lm, text, len, bos, &t, n, w->e.err,
                                     sizeof w->e.err), 0, "%s", w->e.err);
     return t;
 }
@@ -163,18 +163,18 @@ static size_t n_old_enough(wk *w, const char *sid)
 static void step(wk *w, const char *sid, const int32_t *t, size_t n, const char *what)
 {
     size_t aged = n_old_enough(w, sid);
-    kvr_wk_sync_opts o = { .session = sid, .refresh = K_REFRESH, .max_age = MAX_AGE };
-    kvr_wk_step *st = NULL;
-    kvr_wk_sync_res res;
-    int r = kvr_wk_sync(&w->e, t, n, &o, &st, &res);
+    kvr__wk_sync_opts o = { .session = sid, .refresh = K_REFRESH, .max_age = MAX_AGE };
+    kvr__wk_step *st = NULL;
+    kvr__wk_sync_res res;
+    int r = kvr__wk_sync(&w->e, t, n, &o, &st, &res);
     cr_assert_eq(r, 0, "%s: sync: %s", what, w->e.err);
-    size_t nv = kvr_wk_lm_info_get(w->e.lm)->n_vocab;
-    const float *lg = kvr_wk_lm_logits(w->e.lm);
+    size_t nv = kvr__wk_lm_info_get(w->e.lm)->n_vocab;
+    const float *lg = kvr__wk_lm_logits(w->e.lm);
     for (size_t i = 0; i < nv; i++)
         cr_assert(isfinite(lg[i]), "%s: logit %zu", what, i);
-    size_t n_new = kvr_wk_step_new_tokens(st);
-    cr_assert_eq(kvr_wk_commit(&w->e, st), 0, "%s: commit: %s", what, w->e.err);
-    kvr_wk_step_free(st);
+    size_t n_new = kvr__wk_step_new_tokens(st);
+    cr_assert_eq(kvr__wk_commit(&w->e, st), 0, "%s: commit: %s", what, w->e.err);
+    kvr__wk_step_free(st);
     cr_assert_eq(res.n_reused + res.n_computed, n, "%s: reused + computed = the prompt", what);
     if (res.source[0] && !strcmp(res.source, sid))
         cr_assert_leq(res.n_computed, n_new + (size_t)K_REFRESH * res.n_ops + aged + 1,
@@ -487,7 +487,7 @@ Test(llama_session, daemon_restart_and_killed_worker, .fini = teardown, .timeout
     testd_stop(&old);            /* reaps nothing; removes its socket dir files */
     cr_assert_eq(testd_start(&D, extra), 0, "kvroped restarts on %s", disk);
     cr_assert_eq(kvr_client_connect(&w.e.kc, D.addr, NULL), 0);
-    cr_assert_eq(kvr_wk_register(&w.e, model), 0, "%s", w.e.err);
+    cr_assert_eq(kvr__wk_register(&w.e, model), 0, "%s", w.e.err);
     expect_session_is(&w, sid, 5);
     for (int i = 6; i < 10; i++)
         cr_assert_eq(cli_edit(sid, i, false, 0), 0, "edit %d after the restart: %s", i, outbuf);
@@ -574,7 +574,7 @@ Test(llama_session, two_editors_at_once, .init = setup, .fini = teardown, .timeo
     wk_close(&w);
 }
 
-/* KL at versions 1 and 20 of a replay (kvr_wk_replay's JSON lines). */
+/* KL at versions 1 and 20 of a replay (kvr__wk_replay's JSON lines). */
 static void replay_kl(wk *w, const char *hdir, bool background, double *kl1, double *kl20)
 {
     char lp[400];
@@ -582,15 +582,15 @@ static void replay_kl(wk *w, const char *hdir, bool background, double *kl1, dou
     FILE *lf = fopen(lp, "w+");
     cr_assert_not_null(lf);
     size_t at[2] = { 1, 20 };
-    kvr_wk_replay_opts ro = { .dir = hdir, .max_versions = 21,
+    kvr__wk_replay_opts ro = { .dir = hdir, .max_versions = 21,
                               .sync = { .session = "editor:drift", .refresh = K_REFRESH,
                                         .max_age = background ? 16 : 255 },
                               .background = background, .check_at = at, .n_check_at = 2,
                               .lines = lf };
     if (!background)
         ro.sync.refresh = 0;
-    cr_assert_eq(kvr_wk_replay(&w->e, &ro), 0, "%s", w->e.err);
-    cr_assert_eq(kvr_wk_rep_get(&w->rep, NULL, "failures"), 0);
+    cr_assert_eq(kvr__wk_replay(&w->e, &ro), 0, "%s", w->e.err);
+    cr_assert_eq(kvr__wk_rep_get(&w->rep, NULL, "failures"), 0);
     rewind(lf);
     char line[8192];
     *kl1 = *kl20 = -1;

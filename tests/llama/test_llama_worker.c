@@ -431,7 +431,7 @@ Test(llama_worker, bad_inputs_are_clear_errors, .init = setup, .fini = teardown,
 }
 
 /* ---- the diff on its own ------------------------------------------------- */
-static void apply_hunks(const int32_t *a, size_t na, const int32_t *b, const kvr_wk_hunk *h,
+static void apply_hunks(const int32_t *a, size_t na, const int32_t *b, const kvr__wk_hunk *h,
                         size_t nh, int32_t *out, size_t *no)
 {
     size_t o = 0, j = 0;
@@ -470,18 +470,18 @@ Test(llama_worker, diff_rebuilds_the_new_sequence)
                 b[nb++] = 99;                      /* insert */
             b[nb++] = r == 2 ? 77 : a[i];          /* replace / keep */
         }
-        kvr_wk_hunk *h;
+        kvr__wk_hunk *h;
         size_t nh, no;
-        cr_assert_eq(kvr_wk_diff(a, na, b, nb, trial % 3 ? 2048 : 4, &h, &nh), 0);
+        cr_assert_eq(kvr__wk_diff(a, na, b, nb, trial % 3 ? 2048 : 4, &h, &nh), 0);
         apply_hunks(a, na, b, h, nh, out, &no);
         cr_assert_eq(no, nb, "trial %d: length", trial);
         cr_assert_eq(memcmp(out, b, nb * sizeof *b), 0, "trial %d: content", trial);
         /* Merged hunks still rebuild b, and keep min_gap equal tokens apart. */
-        kvr_wk_hunk *hm = malloc((nh ? nh : 1) * sizeof *hm);
+        kvr__wk_hunk *hm = malloc((nh ? nh : 1) * sizeof *hm);
         if (nh)
             memcpy(hm, h, nh * sizeof *hm);
         size_t nm = nh;
-        kvr_wk_hunks_merge(hm, &nm, 8);
+        kvr__wk_hunks_merge(hm, &nm, 8);
         cr_assert_leq(nm, nh);
         for (size_t i = 1; i < nm; i++)
             cr_assert_geq(hm[i].a0 - hm[i - 1].a1, 8);
@@ -495,14 +495,14 @@ Test(llama_worker, diff_rebuilds_the_new_sequence)
             cr_assert_leq(changed, 4 * na / 40 + 40, "trial %d: minimal-ish (%zu)", trial, changed);
         free(h);
     }
-    kvr_wk_hunk *h;
+    kvr__wk_hunk *h;
     size_t nh;
     int32_t s[] = { 1, 2, 3 };
-    cr_assert_eq(kvr_wk_diff(s, 3, s, 3, 16, &h, &nh), 0);
+    cr_assert_eq(kvr__wk_diff(s, 3, s, 3, 16, &h, &nh), 0);
     cr_assert_eq(nh, 0);
     free(h);
     int32_t t[] = { 1, 2, 9, 3 };
-    cr_assert_eq(kvr_wk_diff(s, 3, t, 4, 16, &h, &nh), 0);
+    cr_assert_eq(kvr__wk_diff(s, 3, t, 4, 16, &h, &nh), 0);
     cr_assert_eq(nh, 1);
     cr_assert(h[0].a0 == 2 && h[0].a1 == 2 && h[0].b0 == 2 && h[0].b1 == 3, "an insert at 2");
     free(h);
@@ -517,33 +517,33 @@ Test(llama_worker, state_build_parse_gather_round_trip)
         for (size_t i = 0; i < sizeof pl / sizeof pl[0]; i++)
             pl[i] = (uint16_t)(i * 31 + 7);
         int64_t pos[5] = { 0, 1, 7, 7, 3 };
-        kvr_wk_sbuild b;
-        cr_assert_eq(kvr_wk_sbuild_init(&b, n, nl, KVR_WK_GGML_F16, ne, vt), 0);
-        cr_assert_eq(kvr_wk_sbuild_add(&b, pl, n, 0, 2, pos), 0);
-        cr_assert_eq(kvr_wk_sbuild_add(&b, pl, n, 2, 5, pos + 2), 0);
-        cr_assert_neq(kvr_wk_sbuild_add(&b, pl, n, 0, 1, pos), 0, "full");
-        kvr_wk_state st;
+        kvr__wk_sbuild b;
+        cr_assert_eq(kvr__wk_sbuild_init(&b, n, nl, KVR_WK_GGML_F16, ne, vt), 0);
+        cr_assert_eq(kvr__wk_sbuild_add(&b, pl, n, 0, 2, pos), 0);
+        cr_assert_eq(kvr__wk_sbuild_add(&b, pl, n, 2, 5, pos + 2), 0);
+        cr_assert_neq(kvr__wk_sbuild_add(&b, pl, n, 0, 1, pos), 0, "full");
+        kvr__wk_state st;
         char err[256];
-        cr_assert_eq(kvr_wk_state_parse(&st, b.buf, b.len, err, sizeof err), 0, "%s", err);
+        cr_assert_eq(kvr__wk_state_parse(&st, b.buf, b.len, err, sizeof err), 0, "%s", err);
         cr_assert_eq(st.n_cells, n);
         cr_assert_eq(st.v_trans, vt);
         cr_assert_eq(st.pos[2], 7);
         uint32_t cells[5] = { 0, 1, 2, 3, 4 };
         uint16_t back[sizeof pl / sizeof pl[0]];
-        kvr_wk_state_gather(&st, cells, n, back);
+        kvr__wk_state_gather(&st, cells, n, back);
         cr_assert_eq(memcmp(back, pl, sizeof pl), 0, "v_trans %d round trip", vt);
-        kvr_wk_state_free(&st);
+        kvr__wk_state_free(&st);
         /* Truncated and trailing bytes are refused. */
-        cr_assert_neq(kvr_wk_state_parse(&st, b.buf, b.len - 1, err, sizeof err), 0);
+        cr_assert_neq(kvr__wk_state_parse(&st, b.buf, b.len - 1, err, sizeof err), 0);
         cr_assert(strstr(err, "truncated") != NULL, "%s", err);
         uint8_t *big = malloc(b.len + 1);
         memcpy(big, b.buf, b.len);
         big[b.len] = 0;
-        cr_assert_neq(kvr_wk_state_parse(&st, big, b.len + 1, err, sizeof err), 0);
+        cr_assert_neq(kvr__wk_state_parse(&st, big, b.len + 1, err, sizeof err), 0);
         cr_assert(strstr(err, "after the end") != NULL, "%s", err);
         big[0] ^= 1;
-        cr_assert_neq(kvr_wk_state_parse(&st, big, b.len, err, sizeof err), 0);
+        cr_assert_neq(kvr__wk_state_parse(&st, big, b.len, err, sizeof err), 0);
         free(big);
-        kvr_wk_sbuild_free(&b);
+        kvr__wk_sbuild_free(&b);
     }
 }

@@ -129,7 +129,7 @@ def test_numpy_all_is_full_and_repair_never_hurts(model, case):
 
 
 def test_numpy_plan_matches_c_plan():
-    """llama.repair_plan is kvr_wk_repair_plan (test_llama_repair's cases)."""
+    """llama.repair_plan is kvr__wk_repair_plan (test_llama_repair's cases)."""
     placed = np.array([0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 0, 1, 1], bool)
     starts = np.array([0, 0, 1, 0, 0, 0, 0, 1, 0, 0, 0, 1, 0], bool)
     c, k = L.repair_plan(placed, starts, first_k=2)

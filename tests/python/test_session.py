@@ -388,9 +388,9 @@ def test_diff_hunks_long_sequences():
     with open(f"{ROOT}/client/llama/worker_session.c", "rb") as f:
         src = f.read()
     a = list(src)
-    sites = len(re.findall(rb"\bkvr_wk_fail\b", src))
+    sites = len(re.findall(rb"\bkvr__wk_fail\b", src))
     assert sites >= 10
-    b = list(re.sub(rb"\bkvr_wk_fail\b", b"kvr_worker_fail", src))
+    b = list(re.sub(rb"\bkvr__wk_fail\b", b"kvr__worker_fail", src))
     h = kvrope.diff_hunks(a, b)
     assert apply_hunks(a, b, h) == b
     assert len(h) == sites                                   # one region per site
