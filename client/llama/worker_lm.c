@@ -212,7 +212,7 @@ int kvr_wk_lm_load(kvr_wk_lm **out, const char *gguf, int n_threads, char *err, 
     }
     lm->n_threads = n_threads > 0 ? n_threads : default_threads();
     lm->cache_type = KVR_WK_GGML_F16;
-    lm->n_seq = 2;
+    lm->n_seq = KVR_WK_LM_SEQS;
     struct llama_model_params mp = llama_model_default_params();
     mp.n_gpu_layers = 0;
     /* Read the weights in now, not page by page during the first decodes:

@@ -29,9 +29,11 @@
  *  - Gaps are always computed; `all` computes every token, so the result
  *    is a full encode in the same decode order (runs in increasing
  *    position, each seeing everything before it).
- *  - Tokens are decoded in increasing position: when a run is decoded,
- *    every position before it holds a cell (placed or computed), so
- *    llama.cpp's batch rules hold (kvr_wk_lm_decode_middle).
+ *  - Tokens are decoded in increasing position, runs batched into as few
+ *    llama_decode calls as the scratch sequences and free cells allow
+ *    (decode_plan): a run sees every gap before it computed, the repaired
+ *    KV of earlier groups and the placed KV of earlier runs of its group. A
+ *    gap ends a group. `all` is one run, one group: a full encode.
  *  - The prompt's last token is always computed: its logits are current
  *    afterwards, as after kvr_wk_sync.
  *  - The selection pass leaves seq 1 empty and seq 0 as it was.
@@ -288,6 +290,104 @@ out:
 
 /* ---- repair ------------------------------------------------------------------ */
 
+/* One llama_decode for a group of computed runs [s, e): run g in scratch
+ * sequence 1 + g over a metadata copy of seq 0's cells before s (llama.cpp
+ * wants each sequence's batch positions consecutive and right after its
+ * last cell, so runs with placed cells between them cannot share one
+ * sequence). Every run sees seq 0 as it was before the group: the repaired
+ * KV of earlier groups, the placed (not yet repaired) KV of earlier runs of
+ * its own group. The new cells are handed to seq 0 afterwards. */
+typedef struct crun {
+    size_t s, e;
+} crun;
+
+static int decode_group(kvr_wk_lm *lm, const int32_t *toks, size_t n, const crun *g, size_t ng,
+                        kvr_wk_btok *bt, char *err, size_t errlen)
+{
+    size_t m = 0;
+    for (size_t k = 0; k < ng; k++) {
+        int q = 1 + (int)k;
+        kvr_wk_lm_seq_rm(lm, q, -1, -1);
+        if (g[k].s > 0)
+            kvr_wk_lm_seq_cp(lm, 0, q, 0, (int32_t)g[k].s);
+        for (size_t i = g[k].s; i < g[k].e; i++)
+            bt[m++] = (kvr_wk_btok){ toks[i], (int32_t)i, q, i == n - 1 };
+    }
+    for (size_t k = 0; k < ng; k++)
+        kvr_wk_lm_seq_rm(lm, 0, (int32_t)g[k].s, (int32_t)g[k].e);
+    int r = kvr_wk_lm_decode_batch(lm, bt, m, NULL, NULL, err, errlen);
+    for (size_t k = 0; k < ng; k++) {
+        if (r == 0)
+            kvr_wk_lm_seq_cp(lm, 1 + (int)k, 0, (int32_t)g[k].s, (int32_t)g[k].e);
+        kvr_wk_lm_seq_rm(lm, 1 + (int)k, -1, -1);
+    }
+    return r;
+}
+
+/* Decodes the plan's runs in increasing position, as few decodes as the
+ * scratch sequences allow (kvr_wk_lm_n_seq - 1 runs a group). A run holding
+ * a gap token ends its group: runs after it must see the gap's KV, which
+ * only exists once it is decoded. With one scratch sequence every run is
+ * its own decode, each seeing every run before it repaired. */
+static int decode_plan(kvr_wk_lm *lm, const int32_t *toks, size_t n, const uint8_t *placed,
+                       const uint8_t *cmp, kvr_wk_repair_res *res, char *err, size_t errlen)
+{
+    size_t max_g = kvr_wk_lm_n_seq(lm) > 1 ? kvr_wk_lm_n_seq(lm) - 1 : 1;
+    size_t n_c = 0;
+    for (size_t i = 0; i < n; i++)
+        n_c += cmp[i] != 0;
+    crun *g = malloc(max_g * sizeof *g);
+    kvr_wk_btok *bt = malloc((n_c ? n_c : 1) * sizeof *bt);
+    int r = 0;
+    if (!g || !bt) {
+        snprintf(err, errlen, "out of memory for the repair decode of %zu tokens", n_c);
+        r = -ENOMEM;
+        goto out;
+    }
+    /* free cells: the removed cells of a group's earlier runs stay held by
+     * the later runs' scratch copies while the group decodes */
+    uint32_t cap = kvr_wk_lm_n_ctx(lm);
+    size_t room = cap > n + 1 ? cap - n - 1 : 0, held_next = 0;
+    size_t ng = 0;
+    for (size_t i = 0; i < n;) {
+        if (!cmp[i]) {
+            i++;
+            continue;
+        }
+        size_t j = i, n_pl = 0;
+        bool gap = false;
+        while (j < n && cmp[j]) {
+            n_pl += placed[j] != 0;
+            gap |= !placed[j++];
+        }
+        if (ng && held_next + j - i > room) {   /* this run's cells would not fit */
+            if ((r = decode_group(lm, toks, n, g, ng, bt, err, errlen)) < 0)
+                goto out;
+            res->n_decodes++;
+            ng = 0;
+            held_next = 0;
+        }
+        held_next += n_pl;
+        g[ng++] = (crun){ i, j };
+        res->n_computed += j - i;
+        i = j;
+        if (gap || ng == max_g || i >= n) {
+            if ((r = decode_group(lm, toks, n, g, ng, bt, err, errlen)) < 0)
+                goto out;
+            res->n_decodes++;
+            ng = 0;
+            held_next = 0;
+        }
+    }
+    if (ng && (r = decode_group(lm, toks, n, g, ng, bt, err, errlen)) == 0)
+        res->n_decodes++;
+out:
+    free(g);
+    free(bt);
+    return r;
+}
+
+
 int kvr_wk_repair(kvr_wk_lm *lm, const int32_t *toks, size_t n, const uint8_t *placed,
                   const uint8_t *run_start, const kvr_wk_repair_opts *o, uint8_t *compute_out,
                   kvr_wk_repair_res *res, char *err, size_t errlen)
@@ -317,19 +417,8 @@ int kvr_wk_repair(kvr_wk_lm *lm, const int32_t *toks, size_t n, const uint8_t *p
     res->n_repaired = kvr_wk_repair_plan(placed, run_start, n, dev, o, cmp);
     cmp[n - 1] = 1;   /* its logits */
     double t0 = kvr_wk_now_ms();
-    for (size_t i = 0; i < n;) {
-        if (!cmp[i]) {
-            i++;
-            continue;
-        }
-        size_t j = i;
-        while (j < n && cmp[j])
-            j++;
-        if ((r = kvr_wk_lm_decode_middle(lm, toks + i, j - i, (int32_t)i, err, errlen)) < 0)
-            goto out;
-        res->n_computed += j - i;
-        i = j;
-    }
+    if ((r = decode_plan(lm, toks, n, placed, cmp, res, err, errlen)) < 0)
+        goto out;
     res->t_decode_ms = kvr_wk_now_ms() - t0;
 out:
     if (cmp != compute_out)
@@ -420,11 +509,11 @@ int kvr_wk_repair_cmd(kvr_wk_env *e, const kvr_wk_repair_cmd_opts *o)
     if (!o->n_run_starts)
         for (size_t i = 0; i < np; i++)
             starts[i] = placed[i] && (i == 0 || !placed[i - 1]);
-    kvr_wk_lm_set_cache(e->lm, kv.m ? kv.ggml_type : KVR_WK_GGML_F16, 2);
+    kvr_wk_lm_set_cache(e->lm, kv.m ? kv.ggml_type : KVR_WK_GGML_F16, KVR_WK_LM_SEQS);
     kvr_wk_lm_set_probe(e->lm, ro.blend_share > 0 && !ro.all);
     /* the selection pass holds the prompt twice (placed cells in seq 0, the
-     * probe's in seq 1) */
-    size_t cells = N + 16 + (ro.blend_share > 0 && !ro.all ? np : 0);
+     * probe's in seq 1); so does a batched repair decode, at most */
+    size_t cells = N + 16 + np;
     if ((r = kvr_wk_lm_context(e->lm, (uint32_t)cells, e->err, sizeof e->err)) < 0)
         goto out;
     if ((r = kvr_wk_kvbin_load(e, &kv, kv.pos)) < 0)
@@ -468,6 +557,7 @@ int kvr_wk_repair_cmd(kvr_wk_env *e, const kvr_wk_repair_cmd_opts *o)
     kvr_wk_rep_num(e->rep, "repair", "repaired", (double)res.n_repaired);
     kvr_wk_rep_num(e->rep, "repair", "computed", (double)res.n_computed);
     kvr_wk_rep_num(e->rep, "repair", "probed", (double)res.n_probed);
+    kvr_wk_rep_num(e->rep, "repair", "decodes", (double)res.n_decodes);
     kvr_wk_rep_num(e->rep, "repair", "probe_layers", res.probe_layers);
     kvr_wk_rep_num(e->rep, "repair", "n_layer", (double)in->n_layer);
     kvr_wk_rep_num(e->rep, NULL, "rows", (double)ro_.written);
