@@ -261,6 +261,10 @@ typedef struct kvr__wk_repair_opts {
 } kvr__wk_repair_opts;
 /* The default policy: from docs/eval.md's reuse table (EPIC first 16). */
 #define KVR_WK_REPAIR_DEFAULT_K 16u
+/* Sequences of a context by default: seq 0, seq 1 scratch, and up to 16
+ * scratch sequences in all so seam repair decodes 16 runs at once
+ * (kvr__wk_repair). With kv_unified the cells are shared: no memory cost. */
+#define KVR_WK_LM_SEQS 17u
 
 typedef struct kvr__wk_repair_res {
     size_t n_prompt, n_placed, n_gap;
@@ -268,6 +272,7 @@ typedef struct kvr__wk_repair_res {
     size_t n_computed;       /* gaps + repaired (+ the last token if placed and not chosen) */
     size_t n_probed;         /* tokens through the selection pass (0 without blend) */
     double probe_layers;     /* layers the selection pass ran for each of them */
+    size_t n_decodes;        /* llama_decode groups the computed runs went in */
     double t_probe_ms, t_decode_ms;
 } kvr__wk_repair_res;
 

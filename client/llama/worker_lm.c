@@ -98,7 +98,7 @@ int kvr__wk_lm_probe_decode(kvr__wk_lm *lm, kvr__wk_probe *p, const int32_t *tok
 {
     if (!lm->probe_on) {
         snprintf(err, errlen, "the context was created without probing (kvr__wk_lm_set_probe)");
-        return -EINVAL;
+        return KVR_EINVAL;
     }
     snprintf(p->kname, sizeof p->kname, "Kcur-%u", p->layer);
     snprintf(p->vname, sizeof p->vname, "Vcur-%u", p->layer);
@@ -212,7 +212,7 @@ int kvr__wk_lm_load(kvr__wk_lm **out, const char *gguf, int n_threads, char *err
     }
     lm->n_threads = n_threads > 0 ? n_threads : default_threads();
     lm->cache_type = KVR_WK_GGML_F16;
-    lm->n_seq = 2;
+    lm->n_seq = KVR_WK_LM_SEQS;
     struct llama_model_params mp = llama_model_default_params();
     mp.n_gpu_layers = 0;
     /* Read the weights in now, not page by page during the first decodes:

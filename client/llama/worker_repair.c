@@ -29,9 +29,11 @@
  *  - Gaps are always computed; `all` computes every token, so the result
  *    is a full encode in the same decode order (runs in increasing
  *    position, each seeing everything before it).
- *  - Tokens are decoded in increasing position: when a run is decoded,
- *    every position before it holds a cell (placed or computed), so
- *    llama.cpp's batch rules hold (kvr__wk_lm_decode_middle).
+ *  - Tokens are decoded in increasing position, runs batched into as few
+ *    llama_decode calls as the scratch sequences and free cells allow
+ *    (decode_plan): a run sees every gap before it computed, the repaired
+ *    KV of earlier groups and the placed KV of earlier runs of its group. A
+ *    gap ends a group. `all` is one run, one group: a full encode.
  *  - The prompt's last token is always computed: its logits are current
  *    afterwards, as after kvr__wk_sync.
  *  - The selection pass leaves seq 1 empty and seq 0 as it was.
@@ -94,7 +96,7 @@ bad:
     snprintf(err, errlen,
              "repair policy '%.*s': expected none, all, epic:K or blend:SHARE[@LAYER] "
              "(SHARE in (0, 1] or N%%), joined by '+'", (int)(len < 64 ? len : 64), s);
-    return -EINVAL;
+    return KVR_EINVAL;
 }
 
 int kvr__wk_repair_parse(const char *s, kvr__wk_repair_opts *o, char *err, size_t errlen)
@@ -211,11 +213,11 @@ static int deviations(kvr__wk_lm *lm, const int32_t *toks, size_t n, const uint8
     const kvr__wk_lm_info *in = kvr__wk_lm_info_get(lm);
     if (layer >= in->n_layer) {
         snprintf(err, errlen, "blend layer %u: the model has %u layers", layer, in->n_layer);
-        return -EINVAL;
+        return KVR_EINVAL;
     }
     if (!kvr__wk_lm_probe_on(lm)) {
         snprintf(err, errlen, "blend repair needs a probing context (kvr__wk_lm_set_probe)");
-        return -EINVAL;
+        return KVR_EINVAL;
     }
     size_t row = (size_t)in->n_head_kv * in->head_dim;
     kvr__wk_probe p = { .layer = layer, .row = row, .cap = n };
@@ -229,7 +231,7 @@ static int deviations(kvr__wk_lm *lm, const int32_t *toks, size_t n, const uint8
     int r = 0;
     if (!p.k || !p.v || !cell) {
         snprintf(err, errlen, "out of memory for the selection pass of %zu tokens", n);
-        r = -ENOMEM;
+        r = KVR_ENOMEM;
         goto out;
     }
     double t0 = kvr__wk_now_ms();
@@ -250,7 +252,7 @@ static int deviations(kvr__wk_lm *lm, const int32_t *toks, size_t n, const uint8
     if (st.n_cells && (st.n_layer != in->n_layer || st.n_embd != row)) {
         snprintf(err, errlen, "llama.cpp's state has %u layers x %u, the model %u x %zu",
                  st.n_layer, st.n_embd, in->n_layer, row);
-        r = -EINVAL;
+        r = KVR_EINVAL;
         goto out;
     }
     for (size_t i = 0; i < n; i++)
@@ -264,7 +266,7 @@ static int deviations(kvr__wk_lm *lm, const int32_t *toks, size_t n, const uint8
             continue;
         if (cell[i] < 0) {
             snprintf(err, errlen, "placed token %zu has no cell in seq 0", i);
-            r = -EINVAL;
+            r = KVR_EINVAL;
             goto out;
         }
         size_t c = (size_t)cell[i];
@@ -289,6 +291,104 @@ out:
 
 /* ---- repair ------------------------------------------------------------------ */
 
+/* One llama_decode for a group of computed runs [s, e): run g in scratch
+ * sequence 1 + g over a metadata copy of seq 0's cells before s (llama.cpp
+ * wants each sequence's batch positions consecutive and right after its
+ * last cell, so runs with placed cells between them cannot share one
+ * sequence). Every run sees seq 0 as it was before the group: the repaired
+ * KV of earlier groups, the placed (not yet repaired) KV of earlier runs of
+ * its own group. The new cells are handed to seq 0 afterwards. */
+typedef struct crun {
+    size_t s, e;
+} crun;
+
+static int decode_group(kvr__wk_lm *lm, const int32_t *toks, size_t n, const crun *g, size_t ng,
+                        kvr__wk_btok *bt, char *err, size_t errlen)
+{
+    size_t m = 0;
+    for (size_t k = 0; k < ng; k++) {
+        int q = 1 + (int)k;
+        kvr__wk_lm_seq_rm(lm, q, -1, -1);
+        if (g[k].s > 0)
+            kvr__wk_lm_seq_cp(lm, 0, q, 0, (int32_t)g[k].s);
+        for (size_t i = g[k].s; i < g[k].e; i++)
+            bt[m++] = (kvr__wk_btok){ toks[i], (int32_t)i, q, i == n - 1 };
+    }
+    for (size_t k = 0; k < ng; k++)
+        kvr__wk_lm_seq_rm(lm, 0, (int32_t)g[k].s, (int32_t)g[k].e);
+    int r = kvr__wk_lm_decode_batch(lm, bt, m, NULL, NULL, err, errlen);
+    for (size_t k = 0; k < ng; k++) {
+        if (r == 0)
+            kvr__wk_lm_seq_cp(lm, 1 + (int)k, 0, (int32_t)g[k].s, (int32_t)g[k].e);
+        kvr__wk_lm_seq_rm(lm, 1 + (int)k, -1, -1);
+    }
+    return r;
+}
+
+/* Decodes the plan's runs in increasing position, as few decodes as the
+ * scratch sequences allow (kvr__wk_lm_n_seq - 1 runs a group). A run holding
+ * a gap token ends its group: runs after it must see the gap's KV, which
+ * only exists once it is decoded. With one scratch sequence every run is
+ * its own decode, each seeing every run before it repaired. */
+static int decode_plan(kvr__wk_lm *lm, const int32_t *toks, size_t n, const uint8_t *placed,
+                       const uint8_t *cmp, kvr__wk_repair_res *res, char *err, size_t errlen)
+{
+    size_t max_g = kvr__wk_lm_n_seq(lm) > 1 ? kvr__wk_lm_n_seq(lm) - 1 : 1;
+    size_t n_c = 0;
+    for (size_t i = 0; i < n; i++)
+        n_c += cmp[i] != 0;
+    crun *g = malloc(max_g * sizeof *g);
+    kvr__wk_btok *bt = malloc((n_c ? n_c : 1) * sizeof *bt);
+    int r = 0;
+    if (!g || !bt) {
+        snprintf(err, errlen, "out of memory for the repair decode of %zu tokens", n_c);
+        r = KVR_ENOMEM;
+        goto out;
+    }
+    /* free cells: the removed cells of a group's earlier runs stay held by
+     * the later runs' scratch copies while the group decodes */
+    uint32_t cap = kvr__wk_lm_n_ctx(lm);
+    size_t room = cap > n + 1 ? cap - n - 1 : 0, held_next = 0;
+    size_t ng = 0;
+    for (size_t i = 0; i < n;) {
+        if (!cmp[i]) {
+            i++;
+            continue;
+        }
+        size_t j = i, n_pl = 0;
+        bool gap = false;
+        while (j < n && cmp[j]) {
+            n_pl += placed[j] != 0;
+            gap |= !placed[j++];
+        }
+        if (ng && held_next + j - i > room) {   /* this run's cells would not fit */
+            if ((r = decode_group(lm, toks, n, g, ng, bt, err, errlen)) < 0)
+                goto out;
+            res->n_decodes++;
+            ng = 0;
+            held_next = 0;
+        }
+        held_next += n_pl;
+        g[ng++] = (crun){ i, j };
+        res->n_computed += j - i;
+        i = j;
+        if (gap || ng == max_g || i >= n) {
+            if ((r = decode_group(lm, toks, n, g, ng, bt, err, errlen)) < 0)
+                goto out;
+            res->n_decodes++;
+            ng = 0;
+            held_next = 0;
+        }
+    }
+    if (ng && (r = decode_group(lm, toks, n, g, ng, bt, err, errlen)) == 0)
+        res->n_decodes++;
+out:
+    free(g);
+    free(bt);
+    return r;
+}
+
+
 int kvr__wk_repair(kvr__wk_lm *lm, const int32_t *toks, size_t n, const uint8_t *placed,
                   const uint8_t *run_start, const kvr__wk_repair_opts *o, uint8_t *compute_out,
                   kvr__wk_repair_res *res, char *err, size_t errlen)
@@ -309,7 +409,7 @@ int kvr__wk_repair(kvr__wk_lm *lm, const int32_t *toks, size_t n, const uint8_t 
     int r = 0;
     if (!cmp || (blend && !dev)) {
         snprintf(err, errlen, "out of memory for the repair plan of %zu tokens", n);
-        r = -ENOMEM;
+        r = KVR_ENOMEM;
         goto out;
     }
     if (dev && (r = deviations(lm, toks, n, placed, o->blend_layer ? o->blend_layer : 1, dev,
@@ -317,24 +417,9 @@ int kvr__wk_repair(kvr__wk_lm *lm, const int32_t *toks, size_t n, const uint8_t 
         goto out;
     res->n_repaired = kvr__wk_repair_plan(placed, run_start, n, dev, o, cmp);
     cmp[n - 1] = 1;   /* its logits */
-#ifndef NDEBUG
-    for (size_t i = 0; i < n; i++)
-        assert(placed[i] || cmp[i]);   /* gaps are always computed */
-#endif
     double t0 = kvr__wk_now_ms();
-    for (size_t i = 0; i < n;) {
-        if (!cmp[i]) {
-            i++;
-            continue;
-        }
-        size_t j = i;
-        while (j < n && cmp[j])
-            j++;
-        if ((r = kvr__wk_lm_decode_middle(lm, toks + i, j - i, (int32_t)i, err, errlen)) < 0)
-            goto out;
-        res->n_computed += j - i;
-        i = j;
-    }
+    if ((r = decode_plan(lm, toks, n, placed, cmp, res, err, errlen)) < 0)
+        goto out;
     res->t_decode_ms = kvr__wk_now_ms() - t0;
 out:
     if (cmp != compute_out)
@@ -374,11 +459,11 @@ int kvr__wk_repair_cmd(kvr__wk_env *e, const kvr__wk_repair_cmd_opts *o)
     if (r < 0)
         return r;
     if (o->tokens_len % 4)
-        return kvr__wk_fail(e, -EINVAL, "token file: %zu bytes is not a whole number of int32 ids",
+        return kvr__wk_fail(e, KVR_EINVAL, "token file: %zu bytes is not a whole number of int32 ids",
                            o->tokens_len);
     size_t N = o->tokens_len / 4, np = o->n_prompt;
     if (np == 0 || np > N)
-        return kvr__wk_fail(e, -EINVAL, "--prompt-len %zu: the token file holds %zu tokens", np, N);
+        return kvr__wk_fail(e, KVR_EINVAL, "--prompt-len %zu: the token file holds %zu tokens", np, N);
     const kvr__wk_lm_info *in = kvr__wk_lm_info_get(e->lm);
     int32_t *T = malloc(N * sizeof *T);
     uint8_t *placed = calloc(np, 1), *starts = calloc(np, 1), *cmp = calloc(np, 1);
@@ -387,7 +472,7 @@ int kvr__wk_repair_cmd(kvr__wk_env *e, const kvr__wk_repair_cmd_opts *o)
     FILE *f = NULL;
     char tmp[4200] = "";
     if (!T || !placed || !starts || !cmp) {
-        r = kvr__wk_fail(e, -ENOMEM, "out of memory for %zu tokens", N);
+        r = kvr__wk_fail(e, KVR_ENOMEM, "out of memory for %zu tokens", N);
         goto out;
     }
     for (size_t i = 0; i < N; i++) {
@@ -395,7 +480,7 @@ int kvr__wk_repair_cmd(kvr__wk_env *e, const kvr__wk_repair_cmd_opts *o)
         T[i] = (int32_t)((uint32_t)b[0] | (uint32_t)b[1] << 8 | (uint32_t)b[2] << 16 |
                          (uint32_t)b[3] << 24);
         if (T[i] < 0 || (uint32_t)T[i] >= in->n_vocab) {
-            r = kvr__wk_fail(e, -EINVAL, "token %zu is %d: outside the vocabulary (0..%u)", i,
+            r = kvr__wk_fail(e, KVR_EINVAL, "token %zu is %d: outside the vocabulary (0..%u)", i,
                             T[i], in->n_vocab - 1);
             goto out;
         }
@@ -404,19 +489,19 @@ int kvr__wk_repair_cmd(kvr__wk_env *e, const kvr__wk_repair_cmd_opts *o)
         goto out;
     for (uint32_t j = 0; j < kv.m; j++) {
         if (kv.pos[j] >= (int64_t)np) {
-            r = kvr__wk_fail(e, -EINVAL, "KV file: cell %u at position %lld is not in the prompt "
+            r = kvr__wk_fail(e, KVR_EINVAL, "KV file: cell %u at position %lld is not in the prompt "
                             "(0..%zu)", j, (long long)kv.pos[j], np - 1);
             goto out;
         }
         if (placed[kv.pos[j]]) {
-            r = kvr__wk_fail(e, -EINVAL, "KV file: position %lld twice", (long long)kv.pos[j]);
+            r = kvr__wk_fail(e, KVR_EINVAL, "KV file: position %lld twice", (long long)kv.pos[j]);
             goto out;
         }
         placed[kv.pos[j]] = 1;
     }
     for (size_t i = 0; i < o->n_run_starts; i++) {
         if (o->run_starts[i] >= np || !placed[o->run_starts[i]]) {
-            r = kvr__wk_fail(e, -EINVAL, "--runs: %zu is not a placed position of the prompt",
+            r = kvr__wk_fail(e, KVR_EINVAL, "--runs: %zu is not a placed position of the prompt",
                             o->run_starts[i]);
             goto out;
         }
@@ -425,11 +510,11 @@ int kvr__wk_repair_cmd(kvr__wk_env *e, const kvr__wk_repair_cmd_opts *o)
     if (!o->n_run_starts)
         for (size_t i = 0; i < np; i++)
             starts[i] = placed[i] && (i == 0 || !placed[i - 1]);
-    kvr__wk_lm_set_cache(e->lm, kv.m ? kv.ggml_type : KVR_WK_GGML_F16, 2);
+    kvr__wk_lm_set_cache(e->lm, kv.m ? kv.ggml_type : KVR_WK_GGML_F16, KVR_WK_LM_SEQS);
     kvr__wk_lm_set_probe(e->lm, ro.blend_share > 0 && !ro.all);
     /* the selection pass holds the prompt twice (placed cells in seq 0, the
-     * probe's in seq 1) */
-    size_t cells = N + 16 + (ro.blend_share > 0 && !ro.all ? np : 0);
+     * probe's in seq 1); so does a batched repair decode, at most */
+    size_t cells = N + 16 + np;
     if ((r = kvr__wk_lm_context(e->lm, (uint32_t)cells, e->err, sizeof e->err)) < 0)
         goto out;
     if ((r = kvr__wk_kvbin_load(e, &kv, kv.pos)) < 0)
@@ -473,6 +558,7 @@ int kvr__wk_repair_cmd(kvr__wk_env *e, const kvr__wk_repair_cmd_opts *o)
     kvr__wk_rep_num(e->rep, "repair", "repaired", (double)res.n_repaired);
     kvr__wk_rep_num(e->rep, "repair", "computed", (double)res.n_computed);
     kvr__wk_rep_num(e->rep, "repair", "probed", (double)res.n_probed);
+    kvr__wk_rep_num(e->rep, "repair", "decodes", (double)res.n_decodes);
     kvr__wk_rep_num(e->rep, "repair", "probe_layers", res.probe_layers);
     kvr__wk_rep_num(e->rep, "repair", "n_layer", (double)in->n_layer);
     kvr__wk_rep_num(e->rep, NULL, "rows", (double)ro_.written);

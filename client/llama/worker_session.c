@@ -439,11 +439,11 @@ static int sync_cover(kvr__wk_env *e, const int32_t *toks, size_t n, size_t best
     kvr__wk_sbuild sb = { 0 };
     covered = (size_t)cr.n_covered;
     if (!placed || !starts || !cmp) {
-        r = kvr__wk_fail(e, -ENOMEM, "out of memory");
+        r = kvr__wk_fail(e, KVR_ENOMEM, "out of memory");
         goto out;
     }
     if (!cr.has_kv || cr.kv.n_tokens != covered || covered == 0 || covered > n) {
-        r = kvr__wk_fail(e, -EINVAL, "the daemon's cover holds %llu tokens of K/V for %zu "
+        r = kvr__wk_fail(e, KVR_EINVAL, "the daemon's cover holds %llu tokens of K/V for %zu "
                         "covered", (unsigned long long)(cr.has_kv ? cr.kv.n_tokens : 0), covered);
         goto out;
     }
@@ -452,14 +452,14 @@ static int sync_cover(kvr__wk_env *e, const int32_t *toks, size_t n, size_t best
     for (size_t i = 0; i < cr.n_runs; i++) {
         const kvr_cover_run *u = &cr.runs[i];
         if (u->prompt_off + u->n_tokens > n || u->stream_off + u->n_tokens > covered) {
-            r = kvr__wk_fail(e, -EINVAL, "the daemon's cover run %zu lies outside the prompt", i);
+            r = kvr__wk_fail(e, KVR_EINVAL, "the daemon's cover run %zu lies outside the prompt", i);
             goto out;
         }
         for (size_t t = 0; t < u->n_tokens; t++) {
             size_t at = (size_t)u->prompt_off + t, so = (size_t)u->stream_off + t;
             if (placed[at] || cr.kv.tokens[so] != (uint32_t)toks[at] ||
                 cr.kv.positions[so] != (int64_t)at) {
-                r = kvr__wk_fail(e, -EINVAL, "the daemon's cover does not match the prompt at "
+                r = kvr__wk_fail(e, KVR_EINVAL, "the daemon's cover does not match the prompt at "
                                 "token %zu", at);
                 goto out;
             }
@@ -794,7 +794,7 @@ static int commit_cover(kvr__wk_env *e, kvr__wk_step *st, const kvr__wk_seqstate
     size_t m = st->nb - f;
     void *pl = kvr__wk_seqstate_payload(e, q, NULL, m, f);
     if (!pl)
-        return -EINVAL;
+        return KVR_EINVAL;
     kvr_edit_range op = { .start = f, .end = f, .tokens = (const uint32_t *)st->b + f,
                           .n_tokens = m, .approx = true };
     kvr_edit_args ea = { .ctx_id = st->target, .ops = &op, .n_ops = 1, .model = e->model,
@@ -806,7 +806,7 @@ static int commit_cover(kvr__wk_env *e, kvr__wk_step *st, const kvr__wk_seqstate
     if ((r = kvr_client_edit(e->kc, &ea, &er)) < 0)
         r = kvr__wk_kv_fail(e, r, "edit", st->target);
     else if (er.n_tokens != st->nb || (er.n_spans == 1 && er.spans[0].first_pos != (int64_t)f))
-        r = kvr__wk_fail(e, -EINVAL, "context %s after the cover's insert: %llu tokens, not %zu",
+        r = kvr__wk_fail(e, KVR_EINVAL, "context %s after the cover's insert: %llu tokens, not %zu",
                         st->target, (unsigned long long)er.n_tokens, st->nb);
     kvr_client_free(er.spans);
     free(pl);

@@ -19,6 +19,8 @@
  *    cell order, so the sums may round differently; printed);
  *  - no repair policy makes the mean KL from the full encode larger than no
  *    repair (plus KL_EPS for the f16 noise of recomputing the same KV);
+ *  - the computed runs go into fewer llama_decode calls than runs (runs
+ *    batched in scratch sequences; a run holding a gap ends a group);
  *  - the probe decode's layer-1 K and V equal the full encode's cells (f16);
  *  - plans and policy strings, without llama.cpp;
  *  - the session engine's cover path (kvr__wk_sync with a stand-in for the
@@ -258,8 +260,26 @@ static void run(const prompts *p, const source *s, const char *policy, rows *out
         memset(&o, 0, sizeof o);
         kvr__wk_lm_clear(LM);
     }
-    cr_assert_eq(kvr__wk_repair(LM, p->b, p->nb, placed, rs, &o, NULL, res, err, sizeof err), 0,
+    uint8_t *cmp = calloc(p->nb, 1);
+    cr_assert_not_null(cmp);
+    cr_assert_eq(kvr__wk_repair(LM, p->b, p->nb, placed, rs, &o, cmp, res, err, sizeof err), 0,
                  "%s: %s", policy ? policy : "full", err);
+    /* the computed runs went into groups of up to n_seq - 1 runs (a run
+     * holding a gap ends a group), at least one decode */
+    size_t n_runs = 0, n_gap_runs = 0;
+    for (size_t i = 0; i < p->nb; i++)
+        if (cmp[i] && (i == 0 || !cmp[i - 1])) {
+            n_runs++;
+            size_t j = i;
+            while (j < p->nb && cmp[j] && placed[j])
+                j++;
+            n_gap_runs += j < p->nb && cmp[j];
+        }
+    size_t per = kvr__wk_lm_n_seq(LM) - 1;
+    cr_assert(res->n_decodes >= 1 && res->n_decodes <= n_gap_runs + 1 + n_runs / per &&
+              res->n_decodes <= n_runs, "%s: %zu decodes for %zu runs (%zu with gaps)",
+              policy ? policy : "full", res->n_decodes, n_runs, n_gap_runs);
+    free(cmp);
     out->nv = IN->n_vocab;
     out->n = p->ncont;
     out->x = malloc(out->n * out->nv * sizeof(float));
@@ -338,8 +358,8 @@ Test(llama_repair, all_equals_full_and_repair_never_hurts)
         rows r;
         run(&p, &s, pol[i], &r, &res);
         double kl = mean_kl(&full, &r);
-        cr_log_info("%-18s repaired %3zu of %zu placed: KL %.4g (no repair %.4g)", pol[i],
-                    res.n_repaired, res.n_placed, kl, kl_none);
+        cr_log_info("%-18s repaired %3zu of %zu placed in %zu decodes: KL %.4g (no repair "
+                    "%.4g)", pol[i], res.n_repaired, res.n_placed, res.n_decodes, kl, kl_none);
         cr_assert_gt(res.n_repaired, 0, "%s repairs something", pol[i]);
         cr_assert_leq(kl, kl_none + KL_EPS, "%s: repair made the KL from a full encode larger "
                       "(%g > %g)", pol[i], kl, kl_none);
@@ -547,7 +567,7 @@ static int fake_fill(kvr_client *c, const kvr_cover_args *a, kvr_cover_res *out,
     out->n_prompt = a->n_tokens;
     out->runs = calloc(NFR ? NFR : 1, sizeof *out->runs);
     if (!out->runs)
-        return -ENOMEM;
+        return KVR_ENOMEM;
     out->n_runs = NFR;
     size_t covered = 0;
     for (size_t i = 0; i < NFR; i++) {
