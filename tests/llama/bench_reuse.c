@@ -3,7 +3,7 @@
  * session engine kvrope serve runs for every prompt (kvr__wk_sync with the
  * daemon's cover verb), in one process against a test daemon.
  *
- * A RAG-shaped request: 8 chunks of ~256 tokens (text of this repository's
+ * A RAG-shaped request: 8 chunks of ~512 tokens (text of this repository's
  * sources) cached once in prompt A (a header, the chunks in one order);
  * prompt B is a new ~200-token question, then the same chunks in another
  * order. Time to first token of B (sync: cover, fetch re-rotated, load, gaps
@@ -12,11 +12,11 @@
  * Quality of that first token: whether its argmax agrees with the full
  * prefill's and the KL between them.
  *
- * Scale: the issue's setting is 8 chunks of 512 tokens out of a store of
- * 1,000 cached chunks, and llama-server --cache-reuse 256 as a peer; this
- * machine (2 shared cores) runs a smaller prompt, a store of this one
- * context, and no peer (what is not measured is printed as such). The
- * cover lookup's own latency against 1M cached tokens is bench_cover's.
+ * Scale: the issue's chunks (8 of 512 tokens; KVR_REUSE_CHUNK=N bytes for
+ * another size, ~1 token a byte), but a store of this one context rather
+ * than 1,000 cached chunks, and no llama-server --cache-reuse 256 peer
+ * (what is not measured is printed as such). The cover lookup's own
+ * latency against 1M cached tokens is bench_cover's.
  *
  * Goal (issue 27): >= 8x faster than a full prefill with the default repair.
  */
@@ -33,7 +33,7 @@
 #include "tests/common/kvr_testd.h"
 
 #define N_CHUNKS    8
-#define CHUNK_BYTES 256     /* byte-level vocabulary: ~1 token a byte */
+#define CHUNK_DEFAULT 512   /* byte-level vocabulary: ~1 token a byte */
 #define Q_BYTES     200
 #define REPS        3
 
@@ -110,19 +110,23 @@ int main(void)
     size_t nhdr = 0, nq = 0, nch[N_CHUNKS] = { 0 }, na = 0, nb = 0;
     float *lg_full = NULL, *lg_cov = NULL;
     char *src = NULL;
+    const char *ce = getenv("KVR_REUSE_CHUNK");
+    size_t chunk_bytes = ce && atoi(ce) >= 32 && atoi(ce) <= 4096 ? (size_t)atoi(ce) : CHUNK_DEFAULT;
+    /* room for A or B (header or question, the chunks) and the first token */
+    uint32_t n_ctx = (uint32_t)((N_CHUNKS * chunk_bytes + Q_BYTES + 1024 + 1023) / 1024 * 1024);
     if (kvr_client_connect(&e.kc, D.addr, NULL) < 0 ||
         kvr__wk_lm_load(&e.lm, model, atoi(LLB_THREADS), e.err, sizeof e.err) < 0 ||
         kvr__wk_register(&e, model) < 0 || kvr__wk_lm_threads_sleep(e.lm, e.err, sizeof e.err) < 0 ||
-        kvr__wk_lm_context(e.lm, 4096, e.err, sizeof e.err) < 0) {
+        kvr__wk_lm_context(e.lm, n_ctx, e.err, sizeof e.err) < 0) {
         fprintf(stderr, "bench_reuse: setup: %s\n", e.err);
         goto out;
     }
     e.cover = (kvr__wk_cover_api){ kvr_client_cover, kvr_client_cover_get, kvr_cover_release };
     const kvr__wk_lm_info *in = kvr__wk_lm_info_get(e.lm);
-    char path[600];
+    char path[1100];
     size_t len = 0;
     snprintf(path, sizeof path, "%s/cache/put.c", kvr_repo_root());
-    if (!(src = slurp(path, &len)) || len < (N_CHUNKS + 2) * CHUNK_BYTES + Q_BYTES) {
+    if (!(src = slurp(path, &len)) || len < (N_CHUNKS + 2) * chunk_bytes + Q_BYTES) {
         fprintf(stderr, "bench_reuse: %s: too short or unreadable\n", path);
         goto out;
     }
@@ -134,7 +138,7 @@ int main(void)
         tok(&e, qtext, strlen(qtext), in->add_bos, &q, &nq) < 0)
         goto tokfail;
     for (int i = 0; i < N_CHUNKS; i++)
-        if (tok(&e, src + 1024 + (size_t)i * CHUNK_BYTES, CHUNK_BYTES, false, &ch[i], &nch[i]) < 0)
+        if (tok(&e, src + 1024 + (size_t)i * chunk_bytes, chunk_bytes, false, &ch[i], &nch[i]) < 0)
             goto tokfail;
     size_t tot = 0;
     for (int i = 0; i < N_CHUNKS; i++)
@@ -215,7 +219,7 @@ int main(void)
     printf("  first token: argmax %s the full prefill's, KL %.3g nats (random weights: the "
            "quality figures that mean something are docs/eval.md's, on the trained model)\n",
            agree ? "agrees with" : "differs from", kl);
-    printf("  not measured here: a store of 1,000 cached chunks, 512-token chunks, llama-server "
+    printf("  not measured here: a store of 1,000 cached chunks (one context here), llama-server "
            "--cache-reuse 256 as a peer\n");
     double x = full_ms / cov_ms;
     printf("goal: time to first token >= 8x faster than a full prefill: %.1fx (%s)\n", x,
