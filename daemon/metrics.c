@@ -90,6 +90,36 @@ typedef struct obs {
     double   hsum[N_VERB_SLOTS];
 } obs;
 
+/* Per model, as a tenant of the cap (--max-memory-per-model): one row of
+ * figures per model, in the stats verb as model_<name>_<stat> and in
+ * /metrics as <prom>{model="<name>"}. A snapshot holds the first
+ * SNAP_MODELS models (the store counts at most 63 apart as tenants). */
+#define SNAP_MODELS 64
+#define FIG_MODEL(X)                                                                             \
+    X("bytes", "kvrope_model_bytes", "gauge",                                                    \
+      "KV bytes of a model's blocks: its share of the cap as a tenant (--max-memory-per-model "  \
+      "bounds it; 0 past the 63rd model).", mf->bytes)                                            \
+    X("evicted_blocks", "kvrope_model_evicted_blocks_total", "counter",                          \
+      "Blocks evicted (dropped or spilled) from a model's contexts.", mf->n_evicted_blocks)        \
+    X("evicted_bytes", "kvrope_model_evicted_bytes_total", "counter",                            \
+      "KV bytes evicted (dropped or spilled) from a model's contexts.", mf->n_evicted_bytes)      \
+    X("matches", "kvrope_model_prefix_matches_total", "counter",                                 \
+      "Prefix matches asked for a model.", mf->n_matches)                                         \
+    X("match_hits", "kvrope_model_prefix_match_hits_total", "counter",                           \
+      "Prefix matches of a model that found at least one cached token.", mf->n_match_hits)        \
+    X("refused_bound", "kvrope_model_refused_writes_total", "counter",                           \
+      "Writes refused because a model reached its bound (--max-memory-per-model).",             \
+      mf->n_refused_bound)
+
+#define MODEL_FIG_N(st, pn, ty, help, expr) +1
+enum { N_MODEL_FIG = 0 FIG_MODEL(MODEL_FIG_N) };
+#undef MODEL_FIG_N
+
+typedef struct model_row {
+    char     name[KVR_ID_MAX + 1];
+    uint64_t v[N_MODEL_FIG];
+} model_row;
+
 typedef struct snapshot {
     obs             o;
     kvr_store_stats s;
@@ -103,6 +133,10 @@ typedef struct snapshot {
     uint64_t per_verb[KVR_N_VERBS];          /* requests dispatched, by verb */
     uint64_t msg_buffered, msg_buffer_limit, msg_limited, slow_closed;
     double   start_unix, uptime, published_unix;
+    uint64_t warm_bytes;
+    double   warm_seconds;
+    size_t    n_models;
+    model_row models[SNAP_MODELS];
     uint64_t gen;
 } snapshot;
 
@@ -123,6 +157,11 @@ typedef struct snapshot {
       "Highest value of kvrope_memory_allocated_bytes since start.", s->s.mem_peak)       \
     X("mem_cap_bytes", "kvrope_memory_cap_bytes", "gauge", "The memory cap (--max-memory).", \
       s->s.mem_cap)                                                                       \
+    X("prefault_bytes", "kvrope_memory_prefaulted_bytes", "gauge",                        \
+      "Memory --prefault faulted in at start and left mapped for the store (0 until "     \
+      "it is done, and without --prefault or jemalloc).", s->warm_bytes)                  \
+    X("prefault_seconds", "kvrope_memory_prefault_seconds", "gauge",                      \
+      "How long --prefault took (its first-touch cost).", s->warm_seconds)                \
     X("block_bytes", "kvrope_memory_block_bytes", "gauge",                                \
       "Bytes held in KV blocks in memory.", s->s.block_bytes)                             \
     X("kv_held_bytes", "", "", "", s->s.kv_held_bytes)                                    \
@@ -406,6 +445,25 @@ static void build(kvr_daemon *d, snapshot *s)
     s->start_unix = m ? m->start_unix : 0;
     s->uptime = (double)(kvr_clock_mono_ms() - d->start_ms) / 1000.0;
     s->published_unix = now_unix();
+    s->warm_bytes = atomic_load(&d->warm_done_bytes);
+    s->warm_seconds = (double)atomic_load(&d->warm_done_us) / 1e6;
+    s->n_models = 0;
+    kvr_model_info *mi = kvr_mem_calloc(SNAP_MODELS, sizeof *mi);
+    if (mi) {   /* out of memory: the rows are left out of this snapshot */
+        size_t n = kvr_store_model_list(d->store, mi, SNAP_MODELS);
+        s->n_models = n < SNAP_MODELS ? n : SNAP_MODELS;
+        for (size_t i = 0; i < s->n_models; i++) {
+            const kvr_model_info *mf = &mi[i];
+            model_row *r = &s->models[i];
+            snprintf(r->name, sizeof r->name, "%s", mf->name);
+            size_t k = 0;
+#define ROW_FIG(st, pn, ty, help, expr) r->v[k++] = (uint64_t)(expr);
+            FIG_MODEL(ROW_FIG)
+#undef ROW_FIG
+            assert(k == N_MODEL_FIG);
+        }
+        kvr_mem_free(mi);
+    }
 }
 
 static void publish(kvr_metrics *m)
@@ -471,6 +529,20 @@ static void sb_printf(sbuf *b, const char *fmt, ...)
 static void family(sbuf *b, const char *name, const char *type, const char *help)
 {
     sb_printf(b, "# HELP %s %s\n# TYPE %s %s\n", name, help, name, type);
+}
+
+/* A label value as the exposition format writes it: backslash, double
+ * quote and newline escaped. */
+static void sb_label(sbuf *b, const char *v)
+{
+    for (; *v; v++) {
+        if (*v == '\\' || *v == '"')
+            sb_printf(b, "\\%c", *v);
+        else if (*v == '\n')
+            sb_printf(b, "\\n");
+        else
+            sb_printf(b, "%c", *v);
+    }
 }
 
 static void scalar(sbuf *b, const char *name, const char *type, const char *help, double v)
@@ -616,6 +688,22 @@ static void render(const kvr_metrics *m, const snapshot *s, sbuf *b)
     }
 #undef RENDER_FIG
 
+    /* Per model (tenant). */
+    if (s->n_models) {
+        size_t k = 0;
+#define RENDER_MODEL(st, pn, ty, help, expr)                                  \
+        family(b, pn, ty, help);                                               \
+        for (size_t i = 0; i < s->n_models; i++) {                             \
+            sb_printf(b, "%s{model=\"", pn);                                    \
+            sb_label(b, s->models[i].name);                                    \
+            sb_printf(b, "\"} %llu\n", (unsigned long long)s->models[i].v[k]); \
+        }                                                                      \
+        k++;
+        FIG_MODEL(RENDER_MODEL)
+#undef RENDER_MODEL
+        assert(k == N_MODEL_FIG);
+    }
+
     /* Process. */
     family(b, "kvrope_build_info", "gauge", "kvroped's version (value 1).");
     sb_printf(b, "kvrope_build_info{version=\"%s\",protocol=\"%u\"} 1\n", KVR_DAEMON_VERSION,
@@ -630,28 +718,19 @@ static void render(const kvr_metrics *m, const snapshot *s, sbuf *b)
 
 int kvr__metrics_list(kvr_daemon *d, kvr_metric_list *out, kvr_error *err)
 {
-    enum { NT = 6, VN = 40, MN = KVR_ID_MAX + 32 };
+    enum { VN = 40, MN = KVR_ID_MAX + 32 };
     memset(out, 0, sizeof *out);
     snapshot *s = kvr_mem_malloc(sizeof *s);
     if (!s)
         return kvr_error_set(err, KVR_ENOMEM, "out of memory for the stats");
     build(d, s);
-    /* Per model, as a tenant of the cap (--max-memory-per-model): its
-     * bytes, evictions, prefix matches and hits, writes refused at its
-     * bound: model_<name>_<figure>, read in the same loop turn. */
-    size_t n_models = kvr_store_model_list(d->store, NULL, 0);
-    kvr_model_info *mi = n_models ? kvr_mem_calloc(n_models, sizeof *mi) : NULL;
-    if (mi)
-        n_models = kvr_store_model_list(d->store, mi, n_models);
-    else
-        n_models = 0;
-    size_t cap = N_FIGURES + KVR_N_VERBS + NT * n_models;
+    size_t n_rows = N_MODEL_FIG * s->n_models;
+    size_t cap = N_FIGURES + KVR_N_VERBS + n_rows;
     out->names = kvr_mem_calloc(cap, sizeof *out->names);
     out->values = kvr_mem_calloc(cap, sizeof *out->values);
-    out->buf = kvr_mem_calloc(KVR_N_VERBS * VN + NT * n_models * MN + 1, 1);
+    out->buf = kvr_mem_calloc(KVR_N_VERBS * VN + n_rows * MN + 1, 1);
     if (!out->names || !out->values || !out->buf) {
         kvr_mem_free(s);
-        kvr_mem_free(mi);
         kvr__metrics_list_free(out);
         return kvr_error_set(err, KVR_ENOMEM, "out of memory for the stats");
     }
@@ -673,20 +752,20 @@ int kvr__metrics_list(kvr_daemon *d, kvr_metric_list *out, kvr_error *err)
         FIG_REMOTE(LIST_FIG)
     }
 #undef LIST_FIG
-    for (size_t k = 0; k < NT * n_models; k++, nb += MN) {
-        const kvr_model_info *m = &mi[k / NT];
-        static const char *const fig[NT] = { "bytes", "evicted_blocks", "evicted_bytes",
-                                             "matches", "match_hits", "refused_bound" };
-        double v[NT] = { (double)m->bytes, (double)m->n_evicted_blocks,
-                         (double)m->n_evicted_bytes, (double)m->n_matches,
-                         (double)m->n_match_hits, (double)m->n_refused_bound };
-        snprintf(nb, MN, "model_%s_%s", m->name, fig[k % NT]);
+    /* Per model: model_<name>_<figure>, from the same snapshot. */
+    static const char *const model_stat[N_MODEL_FIG] = {
+#define STAT_NAME(st, pn, ty, help, expr) st,
+        FIG_MODEL(STAT_NAME)
+#undef STAT_NAME
+    };
+    for (size_t k = 0; k < n_rows; k++, nb += MN) {
+        const model_row *r = &s->models[k / N_MODEL_FIG];
+        snprintf(nb, MN, "model_%s_%s", r->name, model_stat[k % N_MODEL_FIG]);
         out->names[n] = nb;
-        out->values[n++] = v[k % NT];
+        out->values[n++] = (double)r->v[k % N_MODEL_FIG];
     }
     assert(n <= cap);
     out->n = n;
-    kvr_mem_free(mi);
     kvr_mem_free(s);
     return 0;
 }

@@ -44,7 +44,12 @@ static void *warm_main(void *arg)
     while (chunks && n < n_max && held < d->warm_want &&
            !atomic_load_explicit(&d->warm_stop, memory_order_relaxed)) {
         size_t k = d->warm_want - held < WARM_CHUNK ? (size_t)(d->warm_want - held) : WARM_CHUNK;
-        if (d->cfg.max_memory && kvr_mem_allocated() + held + k > d->cfg.max_memory)
+        if (d->cfg.max_memory) {   /* what the cap leaves beside the store's own */
+            size_t used = kvr_mem_allocated() + held;
+            size_t room = d->cfg.max_memory > used ? (size_t)d->cfg.max_memory - used : 0;
+            k = k < room ? k : room;
+        }
+        if (k < 4096)
             break;
         void *p = malloc(k);
         if (!p)

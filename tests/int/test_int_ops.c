@@ -947,3 +947,139 @@ Test(ops, a_socket_in_a_world_writable_directory_is_warned_about)
     cr_assert(t && !strstr(t, "every user can write"), "%s", t);
     free(t);
 }
+
+/* ---- tenants and --prefault in the figures ---------------------------------- */
+
+/* Two models on one daemon with --max-memory-per-model: one floods with
+ * puts, the other keeps its hot contexts. /metrics carries both as
+ * tenants (bytes, evictions, matches, refusals by model label) from the
+ * same snapshot the stats verb lists, and promtool accepts it. */
+Test(ops, tenants_are_figures_in_metrics_and_stats)
+{
+    char sock[320], log[320];
+    path(sock, sizeof sock, "t.sock");
+    path(log, sizeof log, "t.log");
+    const char *argv[] = { "--socket", sock, "--metrics-listen", "127.0.0.1:0", "--max-memory", "16M",
+                           "--max-memory-per-model", "1M", NULL };
+    opsd_spawn sp = { .argv = argv, .log = log };
+    pid_t pid = opsd_start(&sp);
+    cr_assert(pid > 0);
+    int port = opsd_metrics_port(log);
+    if (port <= 0)
+        dump_log(log);
+    cr_assert(port > 0);
+    cr_assert_eq(opsd_wait_ping(sock, 30000), 0);
+
+    kvr_client *c = NULL;
+    cr_assert_eq(kvr_client_connect(&c, sock, NULL), 0);
+    cr_assert_eq(testd_register(c, "hot", KVR_DTYPE_F16, NULL), 0);
+    cr_assert_eq(testd_register(c, "flood", KVR_DTYPE_F16, NULL), 0);
+    enum { T = 256, HOT = 4, FLOOD = 40 };
+    size_t ctx_bytes = kvr_payload_size(T_LAYERS, T, T_HEADS, T_DIM, KVR_DTYPE_F16);
+    for (int i = 0; i < HOT; i++) {
+        char id[16];
+        snprintf(id, sizeof id, "h%d", i);
+        cr_assert_eq(testd_put(c, id, "hot", KVR_DTYPE_F16, (uint32_t)i, 1000u * (uint32_t)i, 0, T), 0);
+    }
+    for (int i = 0; i < FLOOD; i++) {
+        char id[16];
+        snprintf(id, sizeof id, "f%d", i);
+        cr_assert_eq(testd_put(c, id, "flood", KVR_DTYPE_F16, 100u + (uint32_t)i,
+                               100000u + 1000u * (uint32_t)i, 0, T), 0, "%s", kvr_client_last_error(c));
+    }
+    /* The hot set: every context still whole, and a match of each hits. */
+    for (int i = 0; i < HOT; i++) {
+        char id[16];
+        snprintf(id, sizeof id, "h%d", i);
+        kvr_kv kv;
+        kvr_get_args ga = { .ctx_id = id, .dtype = KVR_DTYPE_F16 };
+        cr_assert_eq(kvr_client_get(c, &ga, &kv), 0, "%s: %s", id, kvr_client_last_error(c));
+        cr_assert_eq(kv.n_tokens, T);
+        kvr_kv_release(&kv);
+        uint32_t *tok = testd_tokens(1000u * (uint32_t)i, T);
+        kvr_match_args ma = { .model = "hot", .tokens = tok, .n_tokens = T };
+        kvr_match_res mr;
+        cr_assert_eq(kvr_client_match(c, &ma, &mr), 0, "%s", kvr_client_last_error(c));
+        cr_assert_eq(mr.length, T);
+        free(tok);
+    }
+
+    char *m = scrape(port);
+    cr_assert_eq(opsd_promtool(m), 0);
+    double flood_bytes = sample(m, "kvrope_model_bytes{model=\"flood\"}");
+    double hot_bytes = sample(m, "kvrope_model_bytes{model=\"hot\"}");
+    cr_assert(flood_bytes > 0 && flood_bytes <= 1024.0 * 1024, "flood holds %g bytes", flood_bytes);
+    cr_assert(hot_bytes >= (double)(HOT * ctx_bytes), "hot holds %g bytes", hot_bytes);
+    cr_assert(sample(m, "kvrope_model_evicted_blocks_total{model=\"flood\"}") > 0);
+    cr_assert(sample(m, "kvrope_model_evicted_bytes_total{model=\"flood\"}") > 0);
+    cr_assert_eq(sample(m, "kvrope_model_evicted_blocks_total{model=\"hot\"}"), 0);
+    cr_assert_eq(sample(m, "kvrope_model_prefix_matches_total{model=\"hot\"}"), HOT);
+    cr_assert_eq(sample(m, "kvrope_model_prefix_match_hits_total{model=\"hot\"}"), HOT);
+    cr_assert_eq(sample(m, "kvrope_model_prefix_matches_total{model=\"flood\"}"), 0);
+    cr_assert_eq(sample(m, "kvrope_model_refused_writes_total{model=\"hot\"}"), 0);
+    /* The stats verb lists the same figures (no traffic in between). */
+    cr_assert_eq(testd_metric(c, "model_flood_bytes"), flood_bytes);
+    cr_assert_eq(testd_metric(c, "model_hot_bytes"), hot_bytes);
+    cr_assert_eq(testd_metric(c, "model_hot_match_hits"), HOT);
+    cr_assert(testd_metric(c, "model_flood_evicted_blocks") > 0);
+    free(m);
+    kvr_client_close(c);
+    cr_assert_eq(opsd_stop(pid), 0);
+}
+
+static long rss_kib(pid_t pid)
+{
+    char p[64], line[256];
+    snprintf(p, sizeof p, "/proc/%ld/status", (long)pid);
+    FILE *f = fopen(p, "r");
+    long v = -1;
+    while (f && fgets(line, sizeof line, f))
+        if (sscanf(line, "VmRSS: %ld kB", &v) == 1)
+            break;
+    if (f)
+        fclose(f);
+    return v;
+}
+
+/* --prefault faults memory in at start, in the background, and leaves it
+ * mapped: its figures say how much and how long, the daemon's RSS holds
+ * it, puts and gets work during and after it, and `cap` stops at the cap.
+ * Without jemalloc (sanitizer builds) it says so and does nothing. */
+Test(ops, prefault_warms_memory_and_reports_it)
+{
+    char sock[320], log[320];
+    path(sock, sizeof sock, "p.sock");
+    path(log, sizeof log, "p.log");
+    const char *argv[] = { "--socket", sock, "--max-memory", "48M", "--prefault", "cap", NULL };
+    opsd_spawn sp = { .argv = argv, .log = log };
+    pid_t pid = opsd_start(&sp);
+    cr_assert(pid > 0);
+    cr_assert_eq(opsd_wait_ping(sock, 30000), 0);
+    kvr_client *c = NULL;
+    cr_assert_eq(kvr_client_connect(&c, sock, NULL), 0);
+    cr_assert_eq(testd_register(c, "m", KVR_DTYPE_F16, NULL), 0);
+    cr_assert_eq(testd_put(c, "a", "m", KVR_DTYPE_F16, 1, 0, 0, 300), 0);
+#ifdef KVR_JEMALLOC
+    double bytes = 0;
+    for (int i = 0; i < 600 && (bytes = testd_metric(c, "prefault_bytes")) <= 0; i++)
+        usleep(50 * 1000);
+    /* Up to the cap, less what the store held when it began. */
+    cr_assert(bytes >= 40.0 * 1024 * 1024 && bytes <= 48.0 * 1024 * 1024,
+              "prefaulted %g bytes", bytes);
+    cr_assert(testd_metric(c, "prefault_seconds") > 0);
+    cr_assert(rss_kib(pid) >= 40 * 1024, "RSS %ld KiB after a 48 MiB prefault", rss_kib(pid));
+    cr_assert(opsd_wait_log(log, "prefault: ", 1000));
+#else
+    cr_assert(opsd_wait_log(log, "prefault: not in this build", 10000));
+    cr_assert_eq(testd_metric(c, "prefault_bytes"), 0);
+#endif
+    /* The store is unharmed: the context reads back, more puts land. */
+    cr_assert_eq(testd_put(c, "b", "m", KVR_DTYPE_F16, 2, 0, 0, 300), 0);
+    kvr_kv kv;
+    kvr_get_args ga = { .ctx_id = "a", .dtype = KVR_DTYPE_F16 };
+    cr_assert_eq(kvr_client_get(c, &ga, &kv), 0, "%s", kvr_client_last_error(c));
+    cr_assert_eq(kv.n_tokens, 300);
+    kvr_kv_release(&kv);
+    kvr_client_close(c);
+    cr_assert_eq(opsd_stop(pid), 0);
+}
