@@ -38,6 +38,7 @@ import cases as C  # noqa: E402
 import corpus  # noqa: E402
 import engines as E  # noqa: E402
 import infill as I  # noqa: E402
+import infill_serve as IS  # noqa: E402
 import measure as M  # noqa: E402
 
 MODEL_DIR = os.environ.get("KVR_EVAL_MODEL") or os.path.join(HERE, "model")
@@ -276,6 +277,40 @@ def quant_table(res):
     return "\n".join(lines), pts
 
 
+def run_infill_serve(build, cases_, log):
+    """The infill cases through kvrope serve on the cached paths (eval/infill_serve.py)."""
+    gguf = os.path.join(build, "eval", "kvrope-code.gguf")
+    log(f"infill through kvrope serve: {len(cases_)} cases per path")
+    r = IS.run(build, gguf, cases_, log=log)
+    for p, _ in IS.PATHS:
+        x = r[p]
+        log(f"  {p}: exact cached {pct(x['cached_exact'])} / full {pct(x['full_exact'])}, "
+            f"changed {pct(x['changed'])}, cache supplied {pct(x['cached_share'])}")
+    return r
+
+
+def infill_serve_section(res):
+    rows = ["| path | cases | exact match, cached | exact match, full re-encode | bytes right before the "
+            "first miss, cached / full | completion differs from full | prompt tokens from the cache |",
+            "| --- | --- | --- | --- | --- | --- | --- |"]
+    for p, name in IS.PATHS:
+        if p in res:
+            x = res[p]
+            rows.append(f"| {name} | {x['n']} | {pct(x['cached_exact'])} | {pct(x['full_exact'])} | "
+                        f"{pct(x['cached_right'])} / {pct(x['full_right'])} | {pct(x['changed'])} | "
+                        f"{pct(x['cached_share'])} |")
+    cap = ("The same middle-line cases sent to kvrope serve (build/kvrope-llama serve on the committed "
+           f"model's GGUF, -c {I.SERVER['n_ctx']} -b {I.SERVER['n_batch']}, kvroped behind it) as llama.vim "
+           "sends /infill, each after a warm-up request that leaves the cache on one of its "
+           "paths: PIE edit (one line of the kept prefix changed since the warm-up: kept tokens re-rotated, the "
+           "changed line and the default refresh decoded) or chunk placement (the input_extra chunks cached in "
+           "the reverse order: found by content, placed, seams repaired with EPIC k = 16). Each is compared "
+           "with the same request sent with cache_prompt false (a full re-encode on the same server). "
+           "Greedy. Made by eval/infill_serve.py (run by `make eval` and `eval/run.py --only infill`).")
+    return ["### Infill through kvrope serve: does the cache change the completion?", "", cap, "",
+            "\n".join(rows), ""]
+
+
 def infill_table(res):
     rows = ["| request | middle-line exact match | bytes right before the first miss | cases |",
             "| --- | --- | --- | --- |"]
@@ -296,8 +331,8 @@ def infill_caption(res, per_file):
             f"-c {I.SERVER['n_ctx']} -b {I.SERVER['n_batch']} -n {I.SERVER['n_predict']} (eval/fim.py "
             "format_infill, token for token); left to right gets the same prefix without FIM tokens or "
             "suffix. Greedy; the line ends at a newline or a special token (EOT). Exact match: the whole "
-            "rest of the line, nothing more. Not measured here yet: the same requests through kvrope "
-            "serve after PIE edits and chunk placement (that server is built in parallel).")
+            "rest of the line, nothing more. The same requests through kvrope serve's cached paths: the "
+            "next table.")
 
 
 def stream_table(res, window=256, sinks=4):
@@ -424,6 +459,7 @@ def main(argv):
             eng = make_engine(en, a.build)
             log(f"engine {eng.name}: {len(ic)} infill cases")
             results["engines"].setdefault(eng.name, {})["infill"] = run_infill(eng, ic, log)
+        results["infill_serve"] = run_infill_serve(a.build, ic, log)
         results["seconds_infill"] = time.time() - t0
         with open(os.path.join(MODEL_DIR, "train.json")) as f:   # eval/score.py may have filled it in meanwhile
             results["infill_model"] = json.load(f)
@@ -466,6 +502,7 @@ def main(argv):
                 results["engines"][eng.name] = r
     finally:
         d.stop()
+    results["infill_serve"] = run_infill_serve(a.build, ic, log)
     results["seconds"] = time.time() - t0
     write_report(results, a, results["seconds"], log)
     return 0
@@ -635,6 +672,8 @@ def write_report(results, a, seconds, log):
                       "", cap, "", pt, "", dcap, "", dt, "", qcap, "", qt, "", scap, "", st]
             if "infill" in r:
                 readme += ["", icap, "", it]
+    if "infill_serve" in results:
+        md += infill_serve_section(results["infill_serve"])
     fnd = findings(results)
     md += fnd
     readme = readme + [""] + fnd[3:-1]
