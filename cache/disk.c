@@ -875,78 +875,134 @@ int kvr_disk_recover(kvr_disk *d, kvr_disk_record_fn on_record,
     return rc;
 }
 
-/* Reads an extent header through the engine. */
-static int read_header(kvr_disk *d, const seg *s, uint64_t off, uint8_t *h)
+/* One claim, its header (when it needs one) already read into hb with
+ * result io; under d->mu. */
+static int claim_one(kvr_disk *d, const kvr_disk_handle *h, const uint8_t *hb, int io,
+                     kvr_error *err)
 {
-    kvr_dio_req q = { .fd = s->fd, .write = false, .iovcnt = 1, .off = off };
-    q.iov[0].iov_base = h;
-    q.iov[0].iov_len = EXT_HDR;
-    return kvr_dio_run(d->io, &q, 1);
-}
-
-int kvr_disk_claim(kvr_disk *d, const kvr_disk_handle *h, kvr_error *err)
-{
-    pthread_mutex_lock(&d->mu);
-    int rc = 0;
-    seg *s = d->state == ST_RECOVERING ? seg_find(d, h->seg) : NULL;
-    if (d->state != ST_RECOVERING) {
-        rc = kvr_error_set(err, KVR_EINVAL, "disk: claim only between recover and "
-                                            "recover_done");
-        goto out;
-    }
-    if (!s || h->off % EXT_ALIGN || h->off >= s->size) {
-        rc = kvr_error_set(err, KVR_EIO, "disk: handle seg %" PRIu32 " off %" PRIu64
-                           " points at no extent", h->seg, h->off);
-        goto out;
-    }
+    seg *s = seg_find(d, h->seg);
     ext *e = ext_find(s, h);
-    if (e) {
+    if (e) {   /* claimed before (or earlier in this batch): one more reference */
         e->refs++;
-        goto out;
+        return 0;
     }
-    /* A handle whose extent runs past the end of its segment (a truncated
-     * file) names a lost extent: corrupt, not an I/O error. */
-    uint64_t hat = h->off + img_hdr_at(s->fmt, h->len);
-    if (h->off + EXT_HDR + (uint64_t)h->len > s->size) {
-        d->n_quarantined++;
-        rc = kvr_error_set(err, KVR_EIO, "disk: extent seg %" PRIu32 " off %" PRIu64
-                           " runs past the end of its segment (%" PRIu64 " bytes): "
-                           "truncated", h->seg, h->off, s->size);
-        goto out;
-    }
-    uint8_t hb[EXT_HDR];
-    int io = read_header(d, s, hat, hb);
     if (io) {
         /* Not proof that the extent is bad: recover_done must not reclaim
          * what it could not read (a transient error would lose data). */
         d->claim_io_failed = true;
-        rc = io_error(io, "read of an extent header", err);
-        goto out;
+        return io_error(io, "read of an extent header", err);
     }
     if (!ext_header_ok(hb, s->fmt, h)) {
         d->n_quarantined++;
-        rc = kvr_error_set(err, KVR_EIO, "disk: extent seg %" PRIu32 " off %" PRIu64
-                           " is corrupt or not the one the handle names",
-                           h->seg, h->off);
-        goto out;
+        return kvr_error_set(err, KVR_EIO, "disk: extent seg %" PRIu32 " off %" PRIu64
+                             " is corrupt or not the one the handle names", h->seg, h->off);
     }
     uint64_t alloc = align_up(EXT_HDR + (uint64_t)h->len);
     size_t i = ext_lower(s, h->off);
     if ((i > 0 && s->ext[i - 1].off + s->ext[i - 1].alloc > h->off) ||
-        (i < s->n_ext && h->off + alloc > s->ext[i].off)) {
-        rc = kvr_error_set(err, KVR_EIO, "disk: extent seg %" PRIu32 " off %" PRIu64
-                           " overlaps another", h->seg, h->off);
+        (i < s->n_ext && h->off + alloc > s->ext[i].off))
+        return kvr_error_set(err, KVR_EIO, "disk: extent seg %" PRIu32 " off %" PRIu64
+                             " overlaps another", h->seg, h->off);
+    if (ext_insert(s, h->off, h->seq, (uint32_t)alloc) != 0)
+        return kvr_error_set(err, KVR_ENOMEM, "disk: out of memory");
+    d->data_bytes += alloc;
+    d->data_blocks++;
+    return 0;
+}
+
+/* The checks a claim makes before reading anything; under d->mu. */
+static int claim_check(kvr_disk *d, const kvr_disk_handle *h, kvr_error *err)
+{
+    seg *s = seg_find(d, h->seg);
+    if (!s || h->off % EXT_ALIGN || h->off >= s->size)
+        return kvr_error_set(err, KVR_EIO, "disk: handle seg %" PRIu32 " off %" PRIu64
+                             " points at no extent", h->seg, h->off);
+    /* A handle whose extent runs past the end of its segment (a truncated
+     * file) names a lost extent: corrupt, not an I/O error. */
+    if (h->off + EXT_HDR + (uint64_t)h->len > s->size) {
+        d->n_quarantined++;
+        return kvr_error_set(err, KVR_EIO, "disk: extent seg %" PRIu32 " off %" PRIu64
+                             " runs past the end of its segment (%" PRIu64 " bytes): "
+                             "truncated", h->seg, h->off, s->size);
+    }
+    return 0;
+}
+
+/* Claims in batches: the headers of a batch are read together (one engine
+ * run, io_uring's queue depth in flight), so recovery does not wait for
+ * one small read per block in turn (10^6 tokens took 12 s so). The
+ * outcome is the sequential claims' exactly: handles are claimed in order
+ * up to the first that fails. */
+#define CLAIM_BATCH 256
+
+int kvr_disk_claim_n(kvr_disk *d, const kvr_disk_handle *h, size_t n, size_t *claimed,
+                     kvr_error *err)
+{
+    size_t done = 0;
+    int rc = 0;
+    uint8_t *hb = NULL;
+    kvr_dio_req *q = NULL;
+    size_t *qi = NULL;
+    pthread_mutex_lock(&d->mu);
+    if (d->state != ST_RECOVERING) {
+        rc = kvr_error_set(err, KVR_EINVAL, "disk: claim only between recover and recover_done");
         goto out;
     }
-    if (ext_insert(s, h->off, h->seq, (uint32_t)alloc) != 0) {
+    size_t batch = n < CLAIM_BATCH ? n : CLAIM_BATCH;
+    hb = kvr_mem_malloc((batch ? batch : 1) * EXT_HDR);
+    q = kvr_mem_calloc(batch ? batch : 1, sizeof *q);
+    qi = kvr_mem_calloc(batch ? batch : 1, sizeof *qi);
+    if (!hb || !q || !qi) {
         rc = kvr_error_set(err, KVR_ENOMEM, "disk: out of memory");
         goto out;
     }
-    d->data_bytes += alloc;
-    d->data_blocks++;
+    while (done < n && rc == 0) {
+        size_t base = done, end = done + batch < n ? done + batch : n, nq = 0, stop = end;
+        kvr_error ce = { 0 };
+        int crc = 0;
+        /* The checks first, in order: the batch ends at the first failure. */
+        for (size_t i = base; i < end; i++) {
+            if ((crc = claim_check(d, &h[i], &ce)) != 0) {
+                stop = i;
+                break;
+            }
+            seg *s = seg_find(d, h[i].seg);
+            qi[i - base] = SIZE_MAX;
+            if (ext_find(s, &h[i]))
+                continue;
+            q[nq] = (kvr_dio_req){ .fd = s->fd, .write = false, .iovcnt = 1,
+                                   .off = h[i].off + img_hdr_at(s->fmt, h[i].len) };
+            q[nq].iov[0] = (struct iovec){ hb + nq * EXT_HDR, EXT_HDR };
+            qi[i - base] = nq++;
+        }
+        if (nq)
+            (void)kvr_dio_run(d->io, q, nq);   /* each request's res is its own */
+        for (size_t i = base; i < stop && rc == 0; i++) {
+            size_t k = qi[i - base];
+            rc = claim_one(d, &h[i], k == SIZE_MAX ? NULL : hb + k * EXT_HDR,
+                           k == SIZE_MAX ? 0 : q[k].res, err);
+            if (rc == 0)
+                done++;
+        }
+        if (rc == 0 && stop < end) {
+            rc = crc;
+            if (err)
+                *err = ce;
+        }
+    }
 out:
     pthread_mutex_unlock(&d->mu);
+    kvr_mem_free(hb);
+    kvr_mem_free(q);
+    kvr_mem_free(qi);
+    if (claimed)
+        *claimed = done;
     return rc;
+}
+
+int kvr_disk_claim(kvr_disk *d, const kvr_disk_handle *h, kvr_error *err)
+{
+    return kvr_disk_claim_n(d, h, 1, NULL, err);
 }
 
 int kvr_disk_recover_done(kvr_disk *d, kvr_error *err)

@@ -252,6 +252,11 @@ int kvr_disk_recover(kvr_disk *d, kvr_disk_record_fn on_record,
 /* Declares a recovered handle live (checks its extent header: KVR_EIO if it
  * does not match). Claiming twice takes two references. */
 int kvr_disk_claim(kvr_disk *d, const kvr_disk_handle *h, kvr_error *err);
+/* kvr_disk_claim of h[0..n) in order, up to the first that fails (its
+ * error returned, *claimed = how many were claimed before it); the extent
+ * headers are read in batches, many in flight. */
+int kvr_disk_claim_n(kvr_disk *d, const kvr_disk_handle *h, size_t n, size_t *claimed,
+                     kvr_error *err);
 /* Reclaims every unclaimed extent; then writes are allowed. */
 int kvr_disk_recover_done(kvr_disk *d, kvr_error *err);
 

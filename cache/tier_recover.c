@@ -277,22 +277,35 @@ static int recover_ctx(kvr_store *s, kvr_tier *t, hmap *blocks, const trec *r)
         return KVR_EINVAL;
     }
     /* Claim and load the blocks not already recovered for another context. */
-    size_t nf = 0;
+    /* (The headers are read in batches: one small read per block in turn
+     * made recovery of 10^6 tokens take 12 s.) */
+    kvr_disk_handle *ch = kvr_mem_calloc(nb ? nb : 1, sizeof *ch);
+    uint32_t *ci = kvr_mem_calloc(nb ? nb : 1, sizeof *ci);
+    size_t nc = 0;
+    if (!ch || !ci) {
+        rc = KVR_ENOMEM;
+        kvr_tier_log(t, KVR_TIER_LOG_WARN, "disk: context '%s': out of memory: dropped", id);
+    }
     for (uint32_t i = 0; i < nb && rc == 0; i++) {
         hnode *n = kvr_tier_hmap_find(blocks, hkey(&rb[i].h));
         if (n) {
             rb[i].b = (kvr_block *)(uintptr_t)n->val;
             continue;
         }
-        kvr_error e;
-        if ((rc = kvr_disk_claim(t->d, &rb[i].h, &e)) != 0) {
-            kvr_tier_log(t, KVR_TIER_LOG_WARN, "disk: context '%s': block %u: %s: dropped", id, i,
-                 e.msg);
-            break;
-        }
-        rb[i].fresh = true;
-        nf++;
+        ci[nc] = i;
+        ch[nc++] = rb[i].h;
     }
+    if (rc == 0 && nc) {
+        size_t got = 0;
+        kvr_error e;
+        if ((rc = kvr_disk_claim_n(t->d, ch, nc, &got, &e)) != 0)
+            kvr_tier_log(t, KVR_TIER_LOG_WARN, "disk: context '%s': block %u: %s: dropped", id,
+                 ci[got], e.msg);
+        for (size_t k = 0; k < got; k++)
+            rb[ci[k]].fresh = true;
+    }
+    kvr_mem_free(ch);
+    kvr_mem_free(ci);
     /* Read the new blocks back in chunks (checksums verified), building
      * each; over the memory cap a block keeps only its metadata (it is on
      * disk already: no I/O), so recovery needs memory for one chunk. */
