@@ -91,3 +91,30 @@ def test_fim_completions_end(results):
     ended = sum(1 for p in r["fim"]["per_case"] if p["ended"])
     print(f"{ended} of {len(cases)} FIM completions ended within the budget")
     assert ended * 2 >= len(cases)
+
+
+def test_serve_paths_take_the_prompt_from_the_cache():
+    """eval/infill_serve.py on a few cases: after a warm-up whose prefix had one
+    line changed (PIE edit) or whose input_extra chunks came in another order
+    (placement), kvrope serve takes most of the prompt from kvroped, answers
+    every request, and reports a completion for the cached and the full
+    re-encode path alike (how often they agree is docs/eval.md's table)."""
+    from conftest import BUILD
+    import infill_serve as IS
+    gguf = os.path.join(BUILD, "eval", "kvrope-code.gguf")
+    for p in (os.path.join(BUILD, "kvrope-llama"), os.path.join(BUILD, "kvroped"), gguf):
+        if not os.path.exists(p):
+            pytest.skip(f"{p} is not built")
+    cases = I.cases(["ssl.py", "http/server.py"], 2)
+    assert all(len(c["chunks"]) >= 2 for c in cases)
+    r = IS.run(BUILD, gguf, cases)
+    for path in ("edit", "placement"):
+        x = r[path]
+        print(f"{path}: {x['n']} cases, cache supplied {x['cached_share']:.3f} of the prompt, "
+              f"completion differs from full in {x['changed']:.3f}")
+        assert x["n"] == len(cases)
+        for p in x["per_case"]:
+            assert p["cache_n"] + p["prompt_n"] > 0 and p["prompt_n"] >= 1
+        # the edit path keeps all but the changed line (and its refresh); the
+        # placement path the chunks (the prefix and suffix after them move)
+        assert x["cached_share"] > (0.8 if path == "edit" else 0.3), x["cached_share"]
