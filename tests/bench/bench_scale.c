@@ -55,6 +55,24 @@ static size_t rss_bytes(void)
     return (size_t)res * (size_t)sysconf(_SC_PAGESIZE);
 }
 
+/* jemalloc's own view (bytes the application holds, pages in active
+ * extents, resident pages, its metadata), to tell where RSS beyond the
+ * store's accounting lives. */
+static void je_stats(size_t *alloc, size_t *active, size_t *resident, size_t *meta)
+{
+    *alloc = *active = *resident = *meta = 0;
+#ifdef KVR_JEMALLOC
+    uint64_t epoch = 1;
+    size_t sz = sizeof epoch;
+    (void)mallctl("epoch", &epoch, &sz, &epoch, sz);
+    sz = sizeof(size_t);
+    (void)mallctl("stats.allocated", alloc, &sz, NULL, 0);
+    (void)mallctl("stats.active", active, &sz, NULL, 0);
+    (void)mallctl("stats.resident", resident, &sz, NULL, 0);
+    (void)mallctl("stats.metadata", meta, &sz, NULL, 0);
+#endif
+}
+
 /* Freed pages back to the kernel, so RSS measures what is live. */
 static void purge(void)
 {
@@ -169,6 +187,11 @@ int main(void)
         double rss = (double)(rss_bytes() - rss0) / (double)acct;
         purge();   /* what is live: freed pages given back */
         double rss_live = (double)(rss_bytes() - rss0) / (double)acct;
+        size_t ja, jact, jres, jmeta;
+        je_stats(&ja, &jact, &jres, &jmeta);
+        fprintf(stderr, "  jemalloc: allocated %.1f MB, active %.1f MB, resident %.1f MB, metadata %.1f MB; "
+                "accounted (all) %.1f MB; RSS %.1f MB\n", ja / 1e6, jact / 1e6, jres / 1e6, jmeta / 1e6,
+                kvr_mem_allocated() / 1e6, rss_bytes() / 1e6);
         printf("%9zu %8zu %8.2fus %8.2fus %12.1f %12.0f %10.3f %10.3f\n", st.n_tokens, n, p50, p99,
                meta / (double)st.n_tokens, meta / (double)n, rss, rss_live);
         if (k == 0)
