@@ -569,19 +569,34 @@ def findings(results):
 def model_paragraph(meta):
     v = meta.get("vocab", 260)
     toks = "260 byte tokens" if v == 260 else f"{v} tokens: 260 byte-level ones and {v - 260} fill-in-the-middle ones"
+    with open(os.path.join(MODEL_DIR, "config.json")) as f:
+        c = json.load(f)
     head = (f"A {meta['params'] / 1e6:.2f} M-parameter Llama-architecture model (eval/model/config.json: "
-            "4 layers, width 256, 8 query heads and 2 KV heads of dimension 32, SwiGLU FFN of 704, "
-            f"RMSNorm, interleaved RoPE with base 10000, {toks}) trained by `make eval-model` (eval/train.py) "
+            f"{c['num_hidden_layers']} layers, width {c['hidden_size']}, {c['num_attention_heads']} query heads "
+            f"and {c['num_key_value_heads']} KV heads of dimension {c['head_dim']}, SwiGLU FFN of "
+            f"{c['intermediate_size']}, RMSNorm, interleaved RoPE with base {c['rope_theta']:g}, context "
+            f"{c['max_position_embeddings']}, {toks}) trained by `make eval-model` (eval/train.py) "
             f"on the Python standard library of Debian 12 ({meta['train_files']} files, "
             f"{meta['train_tokens'] / 1e6:.1f} M bytes), ")
-    run = lambda m: (f"{m['steps']} steps of {m['batch']} x {m['seq']} tokens ({m['tokens_seen'] / 1e6:.1f} M "
-                     f"tokens seen, {m['train_seconds'] / 60:.0f} min of wall time)")
+    run = lambda m: (f"{m['steps']} steps of {m['batch']} x {m['seq']} tokens"
+                     + (f" (the last {m['steps'] - m['long_from']} of {m['batch'] * m['seq'] // m['context']} x "
+                        f"{m['context']}, so the whole context is trained)" if m.get("long_from") is not None else "")
+                     + f" ({m['tokens_seen'] / 1e6:.1f} M "
+                     f"tokens seen, {m['train_seconds'] / 60:.0f} min of wall time, "
+                     f"{m['tokens_seen'] / max(1.0, m['train_seconds']) / 1e3:.1f} k tokens a second"
+                     + (", bfloat16 matrix products" if m.get("bf16") else "") + ")")
     p = meta.get("init_model")
     if p:
         body = (f"first left to right, {run(p)}, then from those weights {run(meta)} with "
                 f"{meta['fim_rate']:.0%} of the rows fill-in-the-middle samples laid out as llama-server's "
                 f"/infill prompt (PSM; {meta['repo_share']:.0%} of them with the repo-level FIM_REP / FIM_SEP "
                 "context of input_extra; eval/fim.py), the rest left to right. ")
+    elif meta.get("fim_rate"):
+        body = (f"from random weights, {run(meta)}, with {meta['fim_rate']:.0%} of the rows "
+                "fill-in-the-middle samples laid out as llama-server's /infill prompt (PSM; "
+                f"{meta['repo_share']:.0%} of them with the repo-level FIM_REP / FIM_SEP context of input_extra; "
+                f"a middle's tokens weigh {meta.get('mid_weight', 1):g} in the loss; eval/fim.py), the rest left "
+                "to right. ")
     else:
         body = run(meta) + ". "
     o = meta.get("other_python")
@@ -595,8 +610,9 @@ def model_paragraph(meta):
     hb = meta.get("held_out_bpb")
     return (head + body + f"**Held-out bits per byte, left to right: "
             f"{'not scored (eval/score.py)' if hb is None else format(hb, '.3f')}** over "
-            f"{meta['held_out_files']} files never trained on ({meta['held_out_tokens']} bytes; random "
-            f"weights give ~8).{other} The committed weights are float16 (eval/model/weights.npz, the numpy "
+            f"{meta['held_out_files']} files never trained on ({meta['held_out_tokens']} bytes"
+            + (f", scored through llama.cpp in windows of {meta['score_window']} tokens" if meta.get("score_window") else "")
+            + f"; random weights give ~8).{other} The committed weights are float16 (eval/model/weights.npz, the numpy "
             "Llama's format); `scripts/gen-gguf.py --hf eval/model` writes the GGUF llama.cpp runs "
             "(build/eval/kvrope-code.gguf), with the FIM token ids under the keys llama.cpp reads.")
 

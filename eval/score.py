@@ -11,8 +11,9 @@ never trained on:
     training corpus is /usr/lib/python3.11 only, so none of it was seen.
 
 Both are scored as eval/train.py scores its held-out stream: the files'
-tokens (each after a BOS) concatenated, cut into windows of 512 + 1 tokens,
-each window's first token context only, BOS targets not counted. Writes
+tokens (each after a BOS) concatenated, cut into windows of the model's
+context (config.json max_position_embeddings) + 1 tokens, each window's
+first token context only, BOS targets not counted. Writes
 held_out_bpb and other_python into DIR/train.json (default eval/model).
 
     /usr/bin/python3 eval/score.py [--build build] [--model-dir eval/model] [--no-write]
@@ -32,7 +33,7 @@ import engines as E  # noqa: E402
 
 OTHER_ROOT = "/usr/lib/python3/dist-packages/numpy"
 OTHER_PACKAGE = "python3-numpy"
-SEQ = 512
+SEQ = 512          # windows when config.json has no max_position_embeddings
 
 
 def other_files():
@@ -72,17 +73,19 @@ def main(argv):
     eng = E.LlamaEngine(os.path.join(a.build, "eval", "kvrope-code.gguf"),
                         os.path.join(a.build, "kvrope-llama"), cfg)
     _, held = corpus.split()
-    bpb, n = stream_bpb(eng, stream(held, corpus.ROOT))
-    print(f"held-out standard library ({len(held)} files, {n} bytes): {bpb:.4f} bits/byte", flush=True)
+    seq = int(cfg.get("max_position_embeddings", SEQ))
+    bpb, n = stream_bpb(eng, stream(held, corpus.ROOT), seq)
+    print(f"held-out standard library ({len(held)} files, {n} bytes, windows of {seq}): {bpb:.4f} bits/byte",
+          flush=True)
     of = other_files()
-    obpb, on = stream_bpb(eng, stream(of, OTHER_ROOT))
+    obpb, on = stream_bpb(eng, stream(of, OTHER_ROOT), seq)
     print(f"{OTHER_PACKAGE} ({len(of)} files, {on} bytes): {obpb:.4f} bits/byte", flush=True)
     if not a.no_write:
         path = os.path.join(a.model_dir, "train.json")
         with open(path) as f:
             meta = json.load(f)
         meta.update({"held_out_bpb": bpb, "held_out_bpb_engine": "llama.cpp f16",
-                     "held_out_files": len(held), "held_out_tokens": int(n),
+                     "held_out_files": len(held), "held_out_tokens": int(n), "score_window": seq,
                      "other_python": {"package": OTHER_PACKAGE, "root": OTHER_ROOT, "files": of,
                                       "bytes": int(on), "bpb": obpb}})
         with open(path, "w") as f:

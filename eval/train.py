@@ -6,7 +6,9 @@ Python standard library (eval/corpus.py), on the CPU with Debian's
 python3-torch. Run with /usr/bin/python3 (`make eval-model`).
 
     /usr/bin/python3 eval/train.py --out DIR [--steps N] [--seed S] [--threads T]
-        [--lr LR] [--batch B] [--fim RATE] [--repo SHARE]
+        [--lr LR] [--batch B] [--seq S] [--context C] [--long-from STEP]
+        [--fim RATE] [--repo SHARE] [--mid-weight W] [shape: --hidden --layers
+        --heads --kv-heads --head-dim --ffn] [--no-bf16]
 
 Writes DIR/train.pt (checkpoint, resumed when present: the run can be
 interrupted) and, at the end, DIR/weights.npz (HF tensor names, [out, in],
@@ -29,6 +31,14 @@ A run can be cut short on a loaded machine without changing a step taken:
 --steps resumes there (warmup-stable-decay: the steps before the new decay
 are the same). make eval-model does exactly what the committed model went
 through.
+
+Speed on a 2-core CPU: matrix products in bfloat16 (autocast; weights,
+gradients and optimizer state stay float32), rows shorter than the context
+for most of the run (--seq, then --long-from: the whole context with half
+the rows), and glibc kept from handing the step's large buffers back to the
+kernel (see the re-exec below). docs/eval.md compares the tokens a second
+of this run with the previous committed run of the same shape (float32,
+glibc's defaults).
 
 Reproducible: the weights, the data order (numpy PCG64 seeded from --seed)
 and the schedule depend only on the arguments and the corpus; float
@@ -53,6 +63,17 @@ import time
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
+# glibc serves every buffer over 32 MiB (the attention scores of a batch) with
+# a fresh mmap and unmaps it on free, so each step writes ~1 GB of never-touched
+# pages; on VMs that hand free pages back to the host that first write runs
+# ~67x slower than a warm one and made a step 10x slower. Keep every
+# allocation on the heap and never trim it: glibc reads these at start, hence
+# the re-exec (`KVR_TRAIN_MALLOC=0` keeps glibc's defaults).
+_MALLOC = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(1 << 40), "MALLOC_TOP_PAD_": str(1 << 30)}
+if __name__ == "__main__" and os.environ.get("KVR_TRAIN_MALLOC", "1") != "0" and \
+        any(os.environ.get(k) != v for k, v in _MALLOC.items()):
+    os.execve(sys.executable, [sys.executable] + sys.argv, dict(os.environ, **_MALLOC))
+
 import numpy as np
 import torch
 import torch.nn as nn
@@ -65,7 +86,7 @@ import fim  # noqa: E402
 SHAPE = dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=8,
              num_key_value_heads=2, head_dim=32, intermediate_size=704,
              vocab_size=corpus.VOCAB, rope_theta=10000.0, rms_norm_eps=1e-5)
-SEQ = 512          # the model's context (tokens); rows are --seq long (default SEQ)
+SEQ = 1024         # the model's context (tokens, --context); rows are --seq long
 BATCH = 16
 
 
@@ -275,7 +296,19 @@ def main(argv):
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--batch", type=int, default=BATCH)
-    p.add_argument("--seq", type=int, default=SEQ, help="tokens per training row (at most the context)")
+    p.add_argument("--seq", type=int, default=None, help="tokens per training row (default and at most the context)")
+    p.add_argument("--context", type=int, default=SEQ, help="the model's context (max_position_embeddings)")
+    p.add_argument("--hidden", type=int, default=SHAPE["hidden_size"])
+    p.add_argument("--layers", type=int, default=SHAPE["num_hidden_layers"])
+    p.add_argument("--heads", type=int, default=SHAPE["num_attention_heads"])
+    p.add_argument("--kv-heads", type=int, default=SHAPE["num_key_value_heads"])
+    p.add_argument("--head-dim", type=int, default=SHAPE["head_dim"])
+    p.add_argument("--ffn", type=int, default=SHAPE["intermediate_size"])
+    p.add_argument("--long-from", type=int, default=None,
+                   help="from this step on, rows of the whole --context with half as many rows a step (the "
+                        "same tokens a step): the steps before train on --seq rows, which are faster")
+    p.add_argument("--no-bf16", dest="bf16", action="store_false",
+                   help="float32 matrix products (default: bfloat16 autocast, weights and optimizer in float32)")
     p.add_argument("--decay", type=float, default=0.3, help="share of the steps spent decaying the lr")
     p.add_argument("--fim", type=float, default=0.5, help="share of rows that are FIM samples")
     p.add_argument("--repo", type=float, default=0.5, help="share of FIM rows with repo-level context")
@@ -291,8 +324,11 @@ def main(argv):
     p.add_argument("--init", default=None,
                    help="start from this trained model's weights (eval/model layout) instead of random ones")
     a = p.parse_args(argv)
-    if not 16 <= a.seq <= SEQ:
-        p.error(f"--seq must be in 16..{SEQ}")
+    a.seq = a.context if a.seq is None else a.seq
+    if not 16 <= a.seq <= a.context:
+        p.error(f"--seq must be in 16..{a.context}")
+    if a.heads % a.kv_heads or a.head_dim % 2 or min(a.hidden, a.layers, a.heads, a.ffn) < 1:
+        p.error("--heads must be a multiple of --kv-heads, --head-dim even, every size positive")
     torch.set_num_threads(a.threads)
     torch.set_flush_denormal(True)   # subnormal gradients are ~100x slower on x86 and change nothing
     os.makedirs(a.out, exist_ok=True)
@@ -300,9 +336,10 @@ def main(argv):
     data, starts = stream(train_files)
     held_ids = stream(held)[0]
     batches = Batches(train_files, data, starts, a.seed, a.fim, a.repo)
-    cfg = dict(SHAPE)
+    cfg = dict(SHAPE, hidden_size=a.hidden, num_hidden_layers=a.layers, num_attention_heads=a.heads,
+               num_key_value_heads=a.kv_heads, head_dim=a.head_dim, intermediate_size=a.ffn)
     torch.manual_seed(a.seed)
-    m = Model(cfg, SEQ)
+    m = Model(cfg, a.context)
     init_sha = None
     if a.init:
         load_init(m, a.init)
@@ -320,15 +357,23 @@ def main(argv):
         opt.load_state_dict(st["opt"])
         step, spent, log = st["step"], st["seconds"], st["log"]
         print(f"resumed at step {step}", flush=True)
+        if a.stop_after is not None and step >= a.stop_after:
+            print(f"already at step {step} (--stop-after {a.stop_after}): nothing to do", flush=True)
+            return 0
     t_run, c_run = time.time(), time.process_time()
     while step < a.steps:
-        x = batches.rows(step, a.batch, a.seq)
+        if a.long_from is not None and step >= a.long_from:
+            x = batches.rows(step, max(1, a.batch * a.seq // a.context), a.context)
+        else:
+            x = batches.rows(step, a.batch, a.seq)
         lr = a.lr * lr_factor(step, a.steps, a.decay)
         for g in opt.param_groups:
             g["lr"] = lr
         t0 = time.time()
         tgt = x[:, 1:]
-        nll = F.cross_entropy(m(x[:, :-1]).reshape(-1, cfg["vocab_size"]), tgt.reshape(-1),
+        with torch.cpu.amp.autocast(enabled=a.bf16, dtype=torch.bfloat16):
+            logits = m(x[:, :-1])
+        nll = F.cross_entropy(logits.float().reshape(-1, cfg["vocab_size"]), tgt.reshape(-1),
                               ignore_index=fim.PAD, reduction="none").view(tgt.shape)
         # a FIM row's middle (the targets after FIM_MID, EOT included) weighs --mid-weight
         w = 1.0 + (a.mid_weight - 1.0) * ((x[:, :-1] == fim.MID).cumsum(1) > 0).float()
@@ -344,7 +389,7 @@ def main(argv):
             print(f"step {step}/{a.steps} loss {loss.item() / math.log(2):.3f} bits/byte lr {lr:.2e} "
                   f"{spent:.0f}s (cpu {time.process_time() - c_run:.0f}s this run)", flush=True)
         if step % a.eval_every == 0 or step == a.steps or step == a.stop_after:
-            bpb = held_out_bpb(m, held_ids[:a.eval_bytes], SEQ)
+            bpb = held_out_bpb(m, held_ids[:a.eval_bytes], a.context)
             log.append({"step": step, "held_out_bpb_start": bpb, "eval_tokens": a.eval_bytes, "seconds": spent})
             print(f"  held-out (first {a.eval_bytes} tokens) {bpb:.3f} bits/byte", flush=True)
             torch.save({"model": m.state_dict(), "opt": opt.state_dict(), "step": step,
@@ -353,22 +398,22 @@ def main(argv):
             if step == a.stop_after:
                 print(f"stopped after step {step} (--stop-after)", flush=True)
                 return 0
-    bpb = None if a.no_final_eval else held_out_bpb(m, held_ids, SEQ)
+    bpb = None if a.no_final_eval else held_out_bpb(m, held_ids, a.context)
     if bpb is not None:
         print(f"held-out bits per byte (all {len(held)} files, {len(held_ids)} tokens): {bpb:.4f}")
     w = hf_weights(m)
     np.savez(os.path.join(a.out, "weights.npz"), **w)
     hf = dict(cfg, architectures=["LlamaForCausalLM"], model_type="llama", hidden_act="silu",
-              max_position_embeddings=SEQ, tie_word_embeddings=False, attention_bias=False,
+              max_position_embeddings=a.context, tie_word_embeddings=False, attention_bias=False,
               mlp_bias=False, rope_scaling=None, torch_dtype="float32", rope_style="gptj",
               bos_token_id=corpus.BOS, eos_token_id=2)
     with open(os.path.join(a.out, "config.json"), "w") as f:
         json.dump(hf, f, indent=1, sort_keys=True)
     meta = {"held_out_bpb": bpb, "held_out_files": len(held), "held_out_tokens": int(len(held_ids)),
             "train_files": len(train_files), "train_tokens": int(len(data)), "steps": a.steps,
-            "batch": a.batch, "seq": a.seq, "context": SEQ, "lr": a.lr, "seed": a.seed, "threads": a.threads,
+            "batch": a.batch, "seq": a.seq, "context": a.context, "bf16": a.bf16, "lr": a.lr, "seed": a.seed, "threads": a.threads,
             "decay": a.decay, "init": a.init, "init_weights_sha256": init_sha, "fim_rate": a.fim, "mid_weight": a.mid_weight, "repo_share": a.repo, "vocab": cfg["vocab_size"],
-            "tokens_seen": a.steps * a.batch * a.seq, "train_seconds": round(spent, 1),
+            "tokens_seen": a.steps * a.batch * a.seq, "long_from": a.long_from, "train_seconds": round(spent, 1),
             "wall_seconds_last_run": round(time.time() - t_run, 1),
             "cpu_seconds_last_run": round(time.process_time() - c_run, 1),
             "corpus_digest": corpus.corpus_digest(train_files + held), "log": log,
