@@ -448,7 +448,10 @@ static void build(kvr_daemon *d, snapshot *s)
     s->warm_bytes = atomic_load(&d->warm_done_bytes);
     s->warm_seconds = (double)atomic_load(&d->warm_done_us) / 1e6;
     s->n_models = 0;
-    kvr_model_info *mi = kvr_mem_calloc(SNAP_MODELS, sizeof *mi);
+    /* Scratch of the loop thread for one call, plain calloc: not the
+     * store's memory, so it does not count against the cap (a stats call
+     * on a full store must not push the accounted peak over it). */
+    kvr_model_info *mi = calloc(SNAP_MODELS, sizeof *mi);
     if (mi) {   /* out of memory: the rows are left out of this snapshot */
         size_t n = kvr_store_model_list(d->store, mi, SNAP_MODELS);
         s->n_models = n < SNAP_MODELS ? n : SNAP_MODELS;
@@ -462,7 +465,7 @@ static void build(kvr_daemon *d, snapshot *s)
 #undef ROW_FIG
             assert(k == N_MODEL_FIG);
         }
-        kvr_mem_free(mi);
+        free(mi);
     }
 }
 
@@ -720,7 +723,7 @@ int kvr__metrics_list(kvr_daemon *d, kvr_metric_list *out, kvr_error *err)
 {
     enum { VN = 40, MN = KVR_ID_MAX + 32 };
     memset(out, 0, sizeof *out);
-    snapshot *s = kvr_mem_malloc(sizeof *s);
+    snapshot *s = malloc(sizeof *s);   /* transient, plain malloc as build()'s scratch */
     if (!s)
         return kvr_error_set(err, KVR_ENOMEM, "out of memory for the stats");
     build(d, s);
@@ -730,7 +733,7 @@ int kvr__metrics_list(kvr_daemon *d, kvr_metric_list *out, kvr_error *err)
     out->values = kvr_mem_calloc(cap, sizeof *out->values);
     out->buf = kvr_mem_calloc(KVR_N_VERBS * VN + n_rows * MN + 1, 1);
     if (!out->names || !out->values || !out->buf) {
-        kvr_mem_free(s);
+        free(s);
         kvr__metrics_list_free(out);
         return kvr_error_set(err, KVR_ENOMEM, "out of memory for the stats");
     }
@@ -766,7 +769,7 @@ int kvr__metrics_list(kvr_daemon *d, kvr_metric_list *out, kvr_error *err)
     }
     assert(n <= cap);
     out->n = n;
-    kvr_mem_free(s);
+    free(s);
     return 0;
 }
 
