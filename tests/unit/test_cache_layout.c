@@ -58,14 +58,7 @@ static void key_at(uint32_t uid, uint32_t l, int64_t pos, float *out)
 static int put(const char *id, kvr_put_params p, const uint32_t *uids, const int64_t *pos,
                size_t n, kvr_put_result *res, kvr_error *e)
 {
-    p.ctx_id = id;
-    p.model = "m";
-    p.n_layers = L;
-    p.n_kv_heads = H;
-    p.head_dim = D;
-    p.dtype = KVR_DTYPE_F32;
-    p.n_tokens = n;
-    p.tokens = uids;
+    kvt_put_shape(&p, id, L, H, D, KVR_DTYPE_F32, uids, n);
     size_t row = H * D;
     float *pl = malloc(L * 2 * n * row * sizeof *pl);
     for (uint32_t l = 0; l < L; l++) {
