@@ -182,6 +182,60 @@ static inline kvr_client *testd_connect(const kvr_testd *d)
     return c;
 }
 
+/* Starts argv[0] with argv (NULL-ended), its stdout on the returned pipe
+ * end (-1 if it could not start); *pid the child, killed with the test and
+ * after limit_s seconds. */
+static inline int testd_spawn_stdout(const char *const *argv, unsigned limit_s, pid_t *pid)
+{
+    int pfd[2];
+    if (pipe(pfd) < 0)
+        return -1;
+    *pid = fork();
+    if (*pid < 0)
+        return -1;
+    if (*pid == 0) {
+        prctl(PR_SET_PDEATHSIG, SIGKILL);
+        alarm(limit_s);
+        dup2(pfd[1], 1);
+        close(pfd[0]);
+        close(pfd[1]);
+        execv(argv[0], (char *const *)(uintptr_t)argv);
+        _exit(127);
+    }
+    close(pfd[1]);
+    return pfd[0];
+}
+
+/* Reads fd to its end into out (NUL-terminated, cut at cap; out may be
+ * NULL: discarded) and closes it. */
+static inline void testd_drain(int fd, char *out, size_t cap)
+{
+    size_t len = 0;
+    for (;;) {
+        char tmp[4096];
+        ssize_t r = read(fd, tmp, sizeof tmp);
+        if (r < 0 && errno == EINTR)
+            continue;
+        if (r <= 0)
+            break;
+        for (ssize_t i = 0; i < r; i++)
+            if (out && len + 1 < cap)
+                out[len++] = tmp[i];
+    }
+    if (out && cap)
+        out[len] = 0;
+    close(fd);
+}
+
+/* The exit status of child pid, once it ends (-1 if a signal ended it). */
+static inline int testd_wait_exit(pid_t pid)
+{
+    int st;
+    if (waitpid(pid, &st, 0) != pid || !WIFEXITED(st))
+        return -1;
+    return WEXITSTATUS(st);
+}
+
 /* Runs build/kvrope --socket SOCK args... with a 60 s limit, stdout into out
  * (NUL-terminated, truncated to cap-1), stderr into the test's stderr.
  * Returns the exit status, or -1. */
@@ -197,41 +251,12 @@ static inline int testd_cli(const kvr_testd *d, char *out, size_t cap, const cha
     for (int i = 0; args[i] && n < 63; i++)
         argv[n++] = args[i];
     argv[n] = NULL;
-    int pfd[2];
-    if (pipe(pfd) < 0)
+    pid_t pid;
+    int fd = testd_spawn_stdout(argv, 60, &pid);
+    if (fd < 0)
         return -1;
-    pid_t pid = fork();
-    if (pid < 0)
-        return -1;
-    if (pid == 0) {
-        prctl(PR_SET_PDEATHSIG, SIGKILL);
-        alarm(60);
-        dup2(pfd[1], 1);
-        close(pfd[0]);
-        close(pfd[1]);
-        execv(bin, (char *const *)(uintptr_t)argv);
-        _exit(127);
-    }
-    close(pfd[1]);
-    size_t len = 0;
-    for (;;) {
-        char tmp[4096];
-        ssize_t r = read(pfd[0], tmp, sizeof tmp);
-        if (r < 0 && errno == EINTR)
-            continue;
-        if (r <= 0)
-            break;
-        for (ssize_t i = 0; i < r; i++)
-            if (out && len + 1 < cap)
-                out[len++] = tmp[i];
-    }
-    if (out && cap)
-        out[len] = 0;
-    close(pfd[0]);
-    int st;
-    if (waitpid(pid, &st, 0) != pid)
-        return -1;
-    return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
+    testd_drain(fd, out, cap);
+    return testd_wait_exit(pid);
 }
 
 /* ---- the test model and data ------------------------------------------- */
