@@ -29,6 +29,7 @@
 
 #include "kvrope.pb-c.h"
 #include "proto/frame.h"
+#include "tests/common/kvt_io.h"
 
 typedef struct daemon_proc {
     pid_t pid;
@@ -181,17 +182,7 @@ static inline void teardown(void)
 
 static inline int write_all(int fd, const void *p, size_t n)
 {
-    const uint8_t *b = p;
-    while (n > 0) {
-        ssize_t k = write(fd, b, n);
-        if (k < 0 && errno == EINTR)
-            continue;
-        if (k <= 0)
-            return -1;
-        b += k;
-        n -= (size_t)k;
-    }
-    return 0;
+    return kvt_write_all(fd, p, n);
 }
 
 /* 1 = all read, 0 = EOF at once, -1 = error / short. */

@@ -30,25 +30,11 @@
 #include "proto/frame.h"
 #include "tests/common/kvr_testd.h"
 #include "tests/common/kvt.h"
+#include "tests/common/kvt_io.h"
 
 static int raw_connect(const kvr_testd *d)
 {
     return kvt_unix_connect(d->sock, 0);
-}
-
-static int send_all(int fd, const void *p, size_t n)
-{
-    const uint8_t *b = p;
-    while (n > 0) {
-        ssize_t k = send(fd, b, n, MSG_NOSIGNAL);
-        if (k < 0 && errno == EINTR)
-            continue;
-        if (k <= 0)
-            return -1;
-        b += k;
-        n -= (size_t)k;
-    }
-    return 0;
 }
 
 /* Waits (up to ms) for the daemon to close fd; returns 1 if it did. Any
@@ -133,7 +119,7 @@ Test(int_limits, trickled_put_is_aborted_and_frees_its_context, .timeout = 120)
     size_t flen;
     uint64_t plen;
     uint8_t *fr = put_frame("x", 400, &flen, &plen);    /* ~150 KB: ~2.4 s at 64K/s + 2 s */
-    cr_assert_eq(send_all(fd, fr, flen), 0);
+    cr_assert_eq(kvt_write_all(fd, fr, flen), 0);
     free(fr);
     /* Wait until the daemon has opened the put (x busy), without touching x. */
     kvr_context st;
@@ -148,7 +134,7 @@ Test(int_limits, trickled_put_is_aborted_and_frees_its_context, .timeout = 120)
     int busy_seen = 0, closed = 0;
     uint64_t sent = 0;
     for (int i = 0; i < 400 && !closed; i++) {
-        if (sent + sizeof chunk < plen && send_all(fd, chunk, sizeof chunk) == 0)
+        if (sent + sizeof chunk < plen && kvt_write_all(fd, chunk, sizeof chunk) == 0)
             sent += sizeof chunk;
         if (i % 4 == 0) {
             int r = kvr_client_delete(c, "x");
@@ -190,8 +176,8 @@ Test(int_limits, message_buffers_are_bounded, .timeout = 120)
         fds[i] = raw_connect(&d);
         uint8_t h[KVR_FRAME_HEADER_SIZE];
         kvr_frame_header_encode(h, (uint32_t)sizeof junk + 1000, 0);   /* never finished */
-        cr_assert_eq(send_all(fds[i], h, sizeof h), 0);
-        (void)send_all(fds[i], junk, sizeof junk);
+        cr_assert_eq(kvt_write_all(fds[i], h, sizeof h), 0);
+        (void)kvt_write_all(fds[i], junk, sizeof junk);
     }
     int limited = 0;
     for (int i = 0; i < N; i++) {

@@ -25,6 +25,7 @@
 #include "proto/frame.h"
 #include "tests/common/kvt_daemon.h"
 #include "tests/common/kvt.h"
+#include "tests/common/kvt_io.h"
 
 #define NL 32
 #define NH 8
@@ -227,12 +228,7 @@ static int raw_connect(void)
 
 static void send_all(int fd, const uint8_t *p, size_t n)
 {
-    while (n > 0) {
-        ssize_t w = write(fd, p, n);
-        cr_assert_gt(w, 0);
-        p += w;
-        n -= (size_t)w;
-    }
+    cr_assert_eq(kvt_write_all(fd, p, n), 0);
 }
 
 /* Sends rq framed on fd, announcing payload_len bytes of payload to follow
