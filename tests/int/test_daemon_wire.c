@@ -93,18 +93,6 @@ static Kvrope__Status request_status(int fd, Kvrope__Request *q, const void *pay
     return st;
 }
 
-/* Puts n tokens (payload pay, pb bytes) into ctx with mode: asserted OK. */
-static void put_ok(int fd, const char *ctx, uint32_t *toks, size_t n, Kvrope__PutMode mode,
-                   const void *pay, size_t pb)
-{
-    Kvrope__Request q;
-    Kvrope__Put p;
-    make_put(&q, &p, ctx, toks, n, mode);
-    Kvrope__Response *r = request(fd, &q, pay, pb, NULL, NULL);
-    cr_assert_eq(r->status, KVROPE__STATUS__OK, "put: %s", r->message);
-    kvrope__response__free_unpacked(r, NULL);
-}
-
 /* A Stat of ctx (request id 301), asserted OK; the caller frees the reply. */
 static Kvrope__Response *stat_ok(int fd, const char *ctx)
 {
@@ -358,9 +346,8 @@ Test(daemon_wire, put_get_and_disconnect_mid_payload)
     register_model(fd);
 
     uint32_t toks[4] = { 11, 12, 13, 14 };
-    size_t pb = payload_bytes(4);
-    uint16_t *pay = malloc(pb);
-    fill_payload(pay, 4, 1);
+    size_t pb;
+    uint16_t *pay = new_payload(4, 1, &pb);
     Kvrope__Request q;
     Kvrope__Put p;
     make_put(&q, &p, "ctx-a", toks, 4, KVROPE__PUT_MODE__CREATE);
@@ -442,9 +429,8 @@ Test(daemon_wire, match_stat_list_stats)
     int fd = start_and_connect(NULL);
     register_model(fd);
     uint32_t toks[3] = { 1, 2, 3 };
-    size_t pb = payload_bytes(3);
-    uint16_t *pay = malloc(pb);
-    fill_payload(pay, 3, 5);
+    size_t pb;
+    uint16_t *pay = new_payload(3, 5, &pb);
     put_ok(fd, "doc", toks, 3, KVROPE__PUT_MODE__UPSERT, pay, pb);
     Kvrope__Request q;
 
@@ -902,9 +888,8 @@ Test(daemon_wire, unread_replies_time_out)
     uint32_t *toks = malloc(T * sizeof *toks);
     for (uint32_t i = 0; i < T; i++)
         toks[i] = i;
-    size_t pb = payload_bytes(T);
-    uint16_t *pay = malloc(pb);
-    fill_payload(pay, T, 3);
+    size_t pb;
+    uint16_t *pay = new_payload(T, 3, &pb);
     put_ok(fd, "big", toks, T, KVROPE__PUT_MODE__CREATE, pay, pb);
     Kvrope__Request q;
 
