@@ -27,6 +27,7 @@
 #include "tests/common/kvr_cluster.h"
 #include "tests/common/kvr_opsd.h"
 #include "tests/common/kvr_testd.h"
+#include "tests/common/kvt_daemon.h"
 
 /* How a test put publishes. */
 #define SHARE      1u
@@ -1409,10 +1410,7 @@ Test(int_cluster, big_values_refused_unread)
     kvr_testd C;
     const char *extra[] = { "--remote-tier", T.seeds, "--remote-auth-file", AUTH,
                             "--max-memory", "64M", NULL };
-    cr_assert_eq(testd_start(&C, extra), 0);
-    kvr_client *cc = testd_connect(&C);
-    cr_assert_not_null(cc);
-    cr_assert_eq(testd_register(cc, "tiny", KVR_DTYPE_F16, NULL), 0);
+    kvr_client *cc = kvt_daemon_up_model(&C, extra, "tiny", KVR_DTYPE_F16);
     size_t big = (size_t)16 << 20;
     uint8_t *v = calloc(1, big);
     cr_assert_not_null(v);

@@ -29,6 +29,7 @@
 
 #include "tests/common/cache_stream.h"
 #include "tests/common/kvr_testd.h"
+#include "tests/common/kvt_daemon.h"
 #include "tests/common/kvr_tmpdir.h"
 #include "tests/common/kvt.h"
 
@@ -325,9 +326,7 @@ static void kill9(const char *engine)
     disk_dir(dir, sizeof dir);
     kvr_testd ref;
     const char *rargs[] = { "--max-memory", "256M", NULL };
-    cr_assert_eq(testd_start(&ref, rargs), 0);
-    kvr_client *rc = testd_connect(&ref);
-    cr_assert_eq(testd_register(rc, "m", KVR_DTYPE_F16, NULL), 0);
+    kvr_client *rc = kvt_daemon_up_model(&ref, rargs, "m", KVR_DTYPE_F16);
     world w = { .next_base = 1 };
     unsigned seed = 12345;
     int inflight_seen = 0;
@@ -411,10 +410,7 @@ Test(int_disk, killed_daemon_gives_errors, .timeout = 120)
     signal(SIGPIPE, SIG_DFL);
     kvr_testd d;
     const char *args[] = { "--max-memory", "256M", NULL };
-    cr_assert_eq(testd_start(&d, args), 0);
-    kvr_client *c = testd_connect(&d);
-    cr_assert(c);
-    cr_assert_eq(testd_register(c, "m", KVR_DTYPE_F32, NULL), 0);
+    kvr_client *c = kvt_daemon_up_model(&d, args, "m", KVR_DTYPE_F32);
     cr_assert_eq(put_p(c, "a", KVR_DTYPE_F32, 1, 0, 10, false, NULL), 0);
     kill(d.pid, SIGKILL);
     waitpid(d.pid, NULL, 0);

@@ -29,6 +29,7 @@
 #include "kvrope.pb-c.h"
 #include "proto/frame.h"
 #include "tests/common/kvr_testd.h"
+#include "tests/common/kvt_daemon.h"
 #include "tests/common/kvt.h"
 #include "tests/common/kvt_io.h"
 
@@ -106,9 +107,7 @@ Test(int_limits, trickled_put_is_aborted_and_frees_its_context, .timeout = 120)
     kvr_testd d;
     const char *args[] = { "--io-timeout", "2", "--min-rate", "64K", "--max-memory", "64M",
                            NULL };
-    cr_assert_eq(testd_start(&d, args), 0);
-    kvr_client *c = testd_connect(&d);
-    cr_assert_eq(testd_register(c, "m", KVR_DTYPE_F16, NULL), 0);
+    kvr_client *c = kvt_daemon_up_model(&d, args, "m", KVR_DTYPE_F16);
     cr_assert_eq(testd_put(c, "x", "m", KVR_DTYPE_F16, 1, 0, 0, 10), 0);
 
     /* A put at a normal rate of the same size is not cut. */
@@ -212,9 +211,7 @@ Test(int_limits, models_limit_and_removal, .timeout = 120)
 {
     kvr_testd d;
     const char *args[] = { "--max-models", "3", NULL };
-    cr_assert_eq(testd_start(&d, args), 0);
-    kvr_client *c = testd_connect(&d);
-    cr_assert_eq(testd_register(c, "m1", KVR_DTYPE_F16, NULL), 0);
+    kvr_client *c = kvt_daemon_up_model(&d, args, "m1", KVR_DTYPE_F16);
     cr_assert_eq(testd_register(c, "m2", KVR_DTYPE_F16, NULL), 0);
     cr_assert_eq(testd_register(c, "m3", KVR_DTYPE_F16, NULL), 0);
     cr_assert_eq(testd_register(c, "m4", KVR_DTYPE_F16, NULL), KVR_ELIMIT);
@@ -246,9 +243,7 @@ Test(int_limits, contexts_limit_counts_forks, .timeout = 120)
 {
     kvr_testd d;
     const char *args[] = { "--max-contexts", "4", NULL };
-    cr_assert_eq(testd_start(&d, args), 0);
-    kvr_client *c = testd_connect(&d);
-    cr_assert_eq(testd_register(c, "m", KVR_DTYPE_F16, NULL), 0);
+    kvr_client *c = kvt_daemon_up_model(&d, args, "m", KVR_DTYPE_F16);
     cr_assert_eq(testd_put(c, "a", "m", KVR_DTYPE_F16, 1, 0, 0, 1), 0);
     cr_assert_eq(kvr_client_fork(c, "a", "b"), 0);
     cr_assert_eq(kvr_client_fork(c, "a", "c"), 0);
