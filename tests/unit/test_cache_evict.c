@@ -31,14 +31,8 @@ static void fill_seed(void *arg, void *p, size_t bytes)
  * f16 model "m". */
 static kvr_store *store_with_model(size_t max_memory)
 {
-    kvr_store *s = NULL;
     kvr_store_config c = { .block_tokens = B, .max_memory = max_memory };
-    cr_assert_eq(kvr_store_create(&s, &c, NULL), 0);
-    kvr_model_desc d = { .name = "m", .n_layers = L, .n_kv_heads = H, .head_dim = D,
-                         .dtype = KVR_DTYPE_F16 };
-    kvr_rope_config_init(&d.rope);
-    cr_assert_eq(kvr_store_model_register(s, &d, NULL, NULL), 0);
-    return s;
+    return kvt_store_with_model(&c, L, H, D, KVR_DTYPE_F16, NULL);
 }
 
 /* Destroys s: the memory accounted is back to base. */

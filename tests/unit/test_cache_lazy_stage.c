@@ -12,6 +12,7 @@
 #include <string.h>
 
 #include "cache/cache.h"
+#include "tests/common/kvt_store.h"
 
 #define L 16
 #define H 2
@@ -21,15 +22,9 @@
 
 static kvr_store *mk(size_t cap_above)
 {
-    kvr_store *s = NULL;
     kvr_store_config c = { .block_tokens = B,
                            .max_memory = cap_above ? kvr_mem_allocated() + cap_above : 0 };
-    cr_assert_eq(kvr_store_create(&s, &c, NULL), 0);
-    kvr_model_desc d = { .name = "m", .n_layers = L, .n_kv_heads = H, .head_dim = D,
-                         .dtype = KVR_DTYPE_F16 };
-    kvr_rope_config_init(&d.rope);
-    cr_assert_eq(kvr_store_model_register(s, &d, NULL, NULL), 0);
-    return s;
+    return kvt_store_with_model(&c, L, H, D, KVR_DTYPE_F16, NULL);
 }
 
 static void fill(uint8_t *p, size_t n, uint32_t seed)
