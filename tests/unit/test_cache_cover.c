@@ -19,6 +19,7 @@
 
 #include "cache/cache.h"
 #include "cache/store.h"
+#include "tests/common/kvt.h"
 
 #define L 2
 #define H 2
@@ -201,20 +202,6 @@ static void prompt3(uint32_t *q, size_t head, uint32_t head_seed, const uint32_t
     seq(q, head, 9000000, head_seed);
     memcpy(q + head, x, xn * 4);
     memcpy(q + head + xn, y, yn * 4);
-}
-
-/* The tier's directory DIR_: made fresh, and removed. */
-static void tier_dir_make(void)
-{
-    snprintf(DIR_, sizeof DIR_, "/tmp/kvr-cover-XXXXXX");
-    cr_assert(mkdtemp(DIR_));
-}
-
-static void tier_dir_remove(void)
-{
-    char cmd[128];
-    snprintf(cmd, sizeof cmd, "rm -rf %s", DIR_);
-    cr_assert_eq(system(cmd), 0);
 }
 
 /* Context id: seq(t, n, base, seq_seed), put with values of put_seed. */
@@ -420,7 +407,7 @@ Test(cache_cover, eviction_takes_grains_with_it)
 
 Test(cache_cover, restart_recovers_the_index)
 {
-    tier_dir_make();
+    kvt_tmpdir(DIR_, sizeof DIR_, "kvr-cover");
     kvr_store *s = open_store(0, true);
     kvr_error e = { 0 };
     uint32_t a[200], b[100];
@@ -440,14 +427,15 @@ Test(cache_cover, restart_recovers_the_index)
     kvr_cover_result r;
     cover_expect(s, q, 150, 2, 130, &r);
     destroy_with(s, &r);
-    tier_dir_remove();
+    kvt_rmrf(DIR_);
+    cr_assert_neq(access(DIR_, F_OK), 0, "%s was not removed", DIR_);
 }
 
 /* Spilled blocks keep their token ids: a cover still finds them, and its
  * placed get reloads their K/V from the disk tier, bit for bit. */
 Test(cache_cover, spilled_contexts_are_found_and_reloaded)
 {
-    tier_dir_make();
+    kvt_tmpdir(DIR_, sizeof DIR_, "kvr-cover");
     kvr_store *s = open_store(0, true);
     uint32_t a[160], b[160];
     put_seq(s, "a", a, 160, 1000000, 71, 1);
@@ -485,7 +473,8 @@ Test(cache_cover, spilled_contexts_are_found_and_reloaded)
               "(%llu reloads, %llu disk reads)", (unsigned long long)ts.n_reloads,
               (unsigned long long)ts.reads_disk);
     destroy_with(s, &r);
-    tier_dir_remove();
+    kvt_rmrf(DIR_);
+    cr_assert_neq(access(DIR_, F_OK), 0, "%s was not removed", DIR_);
 }
 
 /* A run at prompt offset 0 from its context's offset 0 is exact only when
