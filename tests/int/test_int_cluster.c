@@ -1447,8 +1447,7 @@ Test(int_cluster, big_values_refused_unread)
     cr_assert_lt(p1 - p0, 8 * 1024, "peak memory grew by %ld KiB reading refused values",
                  p1 - p0);
     kvr__rc_destroy(rc);
-    kvr_client_close(cc);
-    testd_stop(&C);
+    kvt_daemon_down(&C, &cc, NULL);
 }
 
 /* ---- a hung cluster (issue 29, finding 4) ---------------------------------- */

@@ -420,8 +420,7 @@ Test(int_disk, killed_daemon_gives_errors, .timeout = 120)
     cr_assert(r == KVR_ECLOSED || r == KVR_ESYS, "%d: %s", r, kvr_client_last_error(c));
     cr_assert_eq(kvr_client_ping(c, NULL), KVR_ECLOSED);
     cr_assert_eq(ctx_hash(c, "a", KVR_DTYPE_F32), 1);
-    kvr_client_close(c);
-    testd_stop(&d);
+    kvt_daemon_down(&d, &c, NULL);
 }
 
 ENGINE_TESTS(kill9, kill9, 600)

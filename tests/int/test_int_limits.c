@@ -156,8 +156,7 @@ Test(int_limits, trickled_put_is_aborted_and_frees_its_context, .timeout = 120)
     int r = kvr_client_delete(c, "x");
     cr_assert(r == 0 || r == KVR_ENOCTX, "%d: %s", r, kvr_client_last_error(c));
     cr_assert_geq(testd_metric(c, "slow_frames_closed"), 1.0);
-    kvr_client_close(c);
-    testd_stop(&d);
+    kvt_daemon_down(&d, &c, NULL);
 }
 
 Test(int_limits, message_buffers_are_bounded, .timeout = 120)
@@ -203,8 +202,7 @@ Test(int_limits, message_buffers_are_bounded, .timeout = 120)
         left = testd_metric(c, "msg_buffered_bytes");
     }
     cr_assert_leq(left, 65536.0, "closed connections give their buffers back (%g left)", left);
-    kvr_client_close(c);
-    testd_stop(&d);
+    kvt_daemon_down(&d, &c, NULL);
 }
 
 Test(int_limits, models_limit_and_removal, .timeout = 120)
@@ -235,8 +233,7 @@ Test(int_limits, models_limit_and_removal, .timeout = 120)
     cr_assert_str_eq(ms[0].name, "m4");
     kvr_client_free(ms);
     cr_assert_eq(testd_put(c, "ctx2", "m1", KVR_DTYPE_F16, 1, 0, 0, 10), KVR_ENOMODEL);
-    kvr_client_close(c);
-    testd_stop(&d);
+    kvt_daemon_down(&d, &c, NULL);
 }
 
 Test(int_limits, contexts_limit_counts_forks, .timeout = 120)
@@ -256,6 +253,5 @@ Test(int_limits, contexts_limit_counts_forks, .timeout = 120)
     cr_assert_eq(kvr_client_delete(c, "b"), 0);
     cr_assert_eq(kvr_client_fork(c, "a", "e"), 0);
     cr_assert_eq(testd_metric(c, "contexts"), 4.0);
-    kvr_client_close(c);
-    testd_stop(&d);
+    kvt_daemon_down(&d, &c, NULL);
 }

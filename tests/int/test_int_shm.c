@@ -369,8 +369,7 @@ Test(int_shm, tcp_refuses_shared_memory, .init = NULL, .fini = NULL)
     kvr_kv kv;
     cr_assert_eq(kvr_client_get(t, &g, &kv), KVR_EUNSUPPORTED);
     cr_assert_eq(kvr_client_ping(t, NULL), 0);
-    kvr_client_close(t);
-    testd_stop(&D);
+    kvt_daemon_down(&D, &t, NULL);
 }
 
 /* A child that registers a region and asks for a large re-rotating get
@@ -1030,8 +1029,7 @@ Test(int_shm, regions_of_all_connections_are_capped, .init = NULL, .fini = NULL)
     }
     cr_assert_eq(rc, 0, "%s", kvr_client_last_error(p));
     kvr_client_close(b);
-    kvr_client_close(p);
-    testd_stop(&D);
+    kvt_daemon_down(&D, &p, NULL);
 }
 
 /* Without --max-regions-total the cap comes from vm.max_map_count, with
