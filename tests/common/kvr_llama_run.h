@@ -42,11 +42,8 @@ static inline int kvr_llama_spawn(const char *const *args, pid_t *pid)
     char bin[512];
     snprintf(bin, sizeof bin, "%s/kvrope-llama", testd_build_dir());
     const char *argv[64];
-    int n = 0;
-    argv[n++] = bin;
-    for (int i = 0; args[i] && n < 63; i++)
-        argv[n++] = args[i];
-    argv[n] = NULL;
+    argv[0] = bin;
+    testd_argv_end(argv, 1, 64, args);
     return testd_spawn_stdout(argv, 300, pid);
 }
 

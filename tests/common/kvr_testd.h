@@ -63,6 +63,24 @@ static inline void testd_print_log(const kvr_testd *d)
     fclose(f);
 }
 
+/* argv[0..3): bin --socket sock; returns 3, the next index. */
+static inline int testd_argv_begin(const char **argv, const char *bin, const char *sock)
+{
+    argv[0] = bin;
+    argv[1] = "--socket";
+    argv[2] = sock;
+    return 3;
+}
+
+/* Appends more (NULL-ended, may be NULL) to argv from index n while fewer
+ * than cap - 1 are taken, then the NULL that ends argv (cap entries). */
+static inline void testd_argv_end(const char **argv, int n, int cap, const char *const *more)
+{
+    for (int i = 0; more && more[i] && n < cap - 1; i++)
+        argv[n++] = more[i];
+    argv[n] = NULL;
+}
+
 /* Starts kvroped with --socket DIR/kvroped.sock plus `extra` (NULL-ended,
  * may be NULL). Returns 0 once a ping succeeds, -1 after printing why. */
 static inline int testd_start(kvr_testd *d, const char *const *extra)
@@ -79,15 +97,10 @@ static inline int testd_start(kvr_testd *d, const char *const *extra)
     char bin[512];
     snprintf(bin, sizeof bin, "%s/kvroped", testd_build_dir());
     const char *argv[48];
-    int n = 0;
-    argv[n++] = bin;
-    argv[n++] = "--socket";
-    argv[n++] = d->sock;
+    int n = testd_argv_begin(argv, bin, d->sock);
     argv[n++] = "--log-level";
     argv[n++] = "warn";
-    for (int i = 0; extra && extra[i] && n < 46; i++)
-        argv[n++] = extra[i];
-    argv[n] = NULL;
+    testd_argv_end(argv, n, 47, extra);
     pid_t parent = getpid();
     pid_t pid = fork();
     if (pid < 0) {
@@ -244,13 +257,7 @@ static inline int testd_cli(const kvr_testd *d, char *out, size_t cap, const cha
     char bin[512];
     snprintf(bin, sizeof bin, "%s/kvrope", testd_build_dir());
     const char *argv[64];
-    int n = 0;
-    argv[n++] = bin;
-    argv[n++] = "--socket";
-    argv[n++] = d->sock;
-    for (int i = 0; args[i] && n < 63; i++)
-        argv[n++] = args[i];
-    argv[n] = NULL;
+    testd_argv_end(argv, testd_argv_begin(argv, bin, d->sock), 64, args);
     pid_t pid;
     int fd = testd_spawn_stdout(argv, 60, &pid);
     if (fd < 0)
