@@ -13,6 +13,7 @@
 #include <string.h>
 
 #include "cache/cache.h"
+#include "tests/common/kvt.h"
 #include "tests/common/kvt_store.h"
 
 #define NL 4
@@ -44,17 +45,6 @@ static void same(kvr_store *s, kvr_get_params p)
     same_at(s, p, 0);
 }
 
-/* The buffers of iov[0..niov), in order, copied to dst; how many bytes. */
-static size_t gather(uint8_t *dst, const struct iovec *iov, size_t niov)
-{
-    size_t off = 0;
-    for (size_t i = 0; i < niov; i++) {
-        memcpy(dst + off, iov[i].iov_base, iov[i].iov_len);
-        off += iov[i].iov_len;
-    }
-    return off;
-}
-
 static void same_at(kvr_store *s, kvr_get_params p, size_t at)
 {
     kvr_error e = { 0 };
@@ -69,7 +59,7 @@ static void same_at(kvr_store *s, kvr_get_params p, size_t at)
     const struct iovec *iov;
     size_t niov;
     kvr_get_payload_iov(a, &iov, &niov);
-    cr_assert_eq(gather(ref, iov, niov), n);
+    cr_assert_eq(kvt_gather(ref, iov, niov), n);
     memset(got, 0xEE, n + 1);
     cr_assert_eq(kvr_get_copy_into(b, got, n + 1, &e), KVR_EINVAL);
     cr_assert_eq(kvr_get_copy_into(b, got, n, &e), 0, "%s", e.msg);
@@ -279,7 +269,7 @@ Test(get_into, assemble_every_layout)
                 const struct iovec *iov;
                 size_t niov;
                 kvr_assemble_payload_iov(a, &iov, &niov);
-                cr_assert_eq(gather(ref, iov, niov), n);
+                cr_assert_eq(kvt_gather(ref, iov, niov), n);
                 cr_assert_eq(kvr_assemble_copy_into(b, got, n - 1, &e), KVR_EINVAL);
                 cr_assert_eq(kvr_assemble_copy_into(b, got, n, &e), 0, "%s", e.msg);
                 cr_assert_eq(memcmp(ref, got, n), 0, "layout %d fold %d dtype %d", k, fold, d);

@@ -17,6 +17,7 @@
 
 #include "cache/cache.h"
 #include "cache/codec.h"
+#include "tests/common/kvt.h"
 #include "tests/common/kvt_store.h"
 
 #define L 2
@@ -121,16 +122,6 @@ static void scatter(const struct iovec *iov, size_t niov, const void *src)
     size_t off = 0;
     for (size_t i = 0; i < niov; i++) {
         memcpy(iov[i].iov_base, (const uint8_t *)src + off, iov[i].iov_len);
-        off += iov[i].iov_len;
-    }
-}
-
-/* The buffers of iov[0..niov), in order, into dst. */
-static void gather(void *dst, const struct iovec *iov, size_t niov)
-{
-    size_t off = 0;
-    for (size_t i = 0; i < niov; i++) {
-        memcpy((uint8_t *)dst + off, iov[i].iov_base, iov[i].iov_len);
         off += iov[i].iov_len;
     }
 }
@@ -575,7 +566,7 @@ Test(quant, assemble_explicit_positions)
     size_t tot = kvr_assemble_payload_size(a);
     cr_assert_eq(tot, (size_t)L * 2 * (P + N) * ROW * sizeof(float));
     float *got = malloc(tot);
-    gather(got, iov, niov);
+    kvt_gather(got, iov, niov);
     kvr_assemble_end(a);
     size_t n = P + N;
     int64_t pos[56];
