@@ -24,6 +24,7 @@
 #include <time.h>
 
 #include "cache/cache.h"
+#include "tests/common/kvt_bench.h"
 
 #define CHUNK 512
 #define PROMPT 4096
@@ -46,19 +47,10 @@ static double cpu_s(void)
     return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
 }
 
-static size_t envz(const char *k, size_t d)
-{
-    const char *v = getenv(k);
-    return v && *v ? (size_t)strtoull(v, NULL, 10) : d;
-}
-
 static uint64_t rng = 0x9E3779B97F4A7C15ull;
 static uint32_t rnd(void)
 {
-    rng ^= rng << 13;
-    rng ^= rng >> 7;
-    rng ^= rng << 17;
-    return (uint32_t)(rng >> 11);
+    return (uint32_t)(kvt_xorshift(&rng) >> 11);
 }
 
 /* A Zipf-like id: small ids much more often. */
@@ -83,7 +75,7 @@ static double pct(double *v, size_t n, double p)
 
 int main(void)
 {
-    size_t n_chunks = envz("KVR_BENCH_CHUNKS", 2000), iters = envz("KVR_BENCH_ITERS", 2000);
+    size_t n_chunks = kvt_env_size("KVR_BENCH_CHUNKS", 2000), iters = kvt_env_size("KVR_BENCH_ITERS", 2000);
     kvr_store *s;
     kvr_error e = { 0 };
     if (kvr_store_create(&s, NULL, &e) != 0) {

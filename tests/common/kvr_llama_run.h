@@ -42,48 +42,15 @@ static inline int kvr_llama_spawn(const char *const *args, pid_t *pid)
     char bin[512];
     snprintf(bin, sizeof bin, "%s/kvrope-llama", testd_build_dir());
     const char *argv[64];
-    int n = 0;
-    argv[n++] = bin;
-    for (int i = 0; args[i] && n < 63; i++)
-        argv[n++] = args[i];
-    argv[n] = NULL;
-    int pfd[2];
-    if (pipe(pfd) != 0)
-        return -1;
-    *pid = fork();
-    if (*pid < 0)
-        return -1;
-    if (*pid == 0) {
-        prctl(PR_SET_PDEATHSIG, SIGKILL);
-        alarm(300);
-        dup2(pfd[1], 1);
-        close(pfd[0]);
-        close(pfd[1]);
-        execv(bin, (char *const *)(uintptr_t)argv);
-        _exit(127);
-    }
-    close(pfd[1]);
-    return pfd[0];
+    argv[0] = bin;
+    testd_argv_end(argv, 1, 64, args);
+    return testd_spawn_stdout(argv, 300, pid);
 }
 
 /* Reads fd to its end into out (NUL-terminated, cut at cap) and closes it. */
 static inline void kvr_llama_drain(int fd, char *out, size_t cap)
 {
-    size_t len = 0;
-    for (;;) {
-        char tmp[4096];
-        ssize_t r = read(fd, tmp, sizeof tmp);
-        if (r < 0 && errno == EINTR)
-            continue;
-        if (r <= 0)
-            break;
-        for (ssize_t i = 0; i < r; i++)
-            if (len + 1 < cap)
-                out[len++] = tmp[i];
-    }
-    if (cap)
-        out[len] = 0;
-    close(fd);
+    testd_drain(fd, out, cap);
 }
 
 /* Runs kvrope-llama with args to its end, stdout into out; its exit status
@@ -95,10 +62,7 @@ static inline int kvr_llama_run(char *out, size_t cap, const char *const *args)
     if (fd < 0)
         return -1;
     kvr_llama_drain(fd, out, cap);
-    int st;
-    if (waitpid(pid, &st, 0) != pid || !WIFEXITED(st))
-        return -1;
-    return WEXITSTATUS(st);
+    return testd_wait_exit(pid);
 }
 
 #endif /* KVR_LLAMA_RUN_H */

@@ -2,7 +2,7 @@
  * kvr_rawd.h — a real kvroped ($KVR_BUILD/kvroped, else ./build/kvroped) on a
  * temporary socket, spoken to in raw frames built with the generated
  * protobuf-c code (no client library): start / wait / stop, exact reads and
- * writes, one request and its reply, the tiny model and its put. Shared by
+ * writes, one request and its reply, the tiny model, its payloads and puts. Shared by
  * the raw-wire tests (test_daemon_wire.c, test_daemon_readahead.c); each
  * includes it once and uses setup / teardown as its suite's init / fini.
  * Every socket has a receive timeout and every daemon is killed at
@@ -29,6 +29,7 @@
 
 #include "kvrope.pb-c.h"
 #include "proto/frame.h"
+#include "tests/common/kvt_io.h"
 
 typedef struct daemon_proc {
     pid_t pid;
@@ -181,17 +182,7 @@ static inline void teardown(void)
 
 static inline int write_all(int fd, const void *p, size_t n)
 {
-    const uint8_t *b = p;
-    while (n > 0) {
-        ssize_t k = write(fd, b, n);
-        if (k < 0 && errno == EINTR)
-            continue;
-        if (k <= 0)
-            return -1;
-        b += k;
-        n -= (size_t)k;
-    }
-    return 0;
+    return kvt_write_all(fd, p, n);
 }
 
 /* 1 = all read, 0 = EOF at once, -1 = error / short. */
@@ -336,6 +327,30 @@ static inline void make_put(Kvrope__Request *q, Kvrope__Put *p, const char *ctx,
     q->id = 100;
     q->body_case = KVROPE__REQUEST__BODY_PUT;
     q->put = p;
+}
+
+/* A malloc'd f16 payload of ntok tokens (fill_payload with seed), its size
+ * in *pb; the caller frees it. */
+static inline uint16_t *new_payload(size_t ntok, unsigned seed, size_t *pb)
+{
+    *pb = payload_bytes(ntok);
+    uint16_t *p = malloc(*pb);
+    cr_assert_not_null(p);
+    fill_payload(p, ntok, seed);
+    return p;
+}
+
+/* Puts n tokens (payload pay, pb bytes) into ctx with mode: asserted OK. */
+static inline void put_ok(int fd, const char *ctx, uint32_t *toks, size_t n,
+                          Kvrope__PutMode mode, const void *pay, size_t pb)
+{
+    Kvrope__Request q;
+    Kvrope__Put p;
+    make_put(&q, &p, ctx, toks, n, mode);
+    send_req(fd, &q, pay, pb);
+    Kvrope__Response *r = recv_resp(fd, NULL, NULL);
+    cr_assert_eq(r->status, KVROPE__STATUS__OK, "put: %s", r->message);
+    kvrope__response__free_unpacked(r, NULL);
 }
 
 #endif /* KVR_RAWD_H */

@@ -63,6 +63,24 @@ static inline void testd_print_log(const kvr_testd *d)
     fclose(f);
 }
 
+/* argv[0..3): bin --socket sock; returns 3, the next index. */
+static inline int testd_argv_begin(const char **argv, const char *bin, const char *sock)
+{
+    argv[0] = bin;
+    argv[1] = "--socket";
+    argv[2] = sock;
+    return 3;
+}
+
+/* Appends more (NULL-ended, may be NULL) to argv from index n while fewer
+ * than cap - 1 are taken, then the NULL that ends argv (cap entries). */
+static inline void testd_argv_end(const char **argv, int n, int cap, const char *const *more)
+{
+    for (int i = 0; more && more[i] && n < cap - 1; i++)
+        argv[n++] = more[i];
+    argv[n] = NULL;
+}
+
 /* Starts kvroped with --socket DIR/kvroped.sock plus `extra` (NULL-ended,
  * may be NULL). Returns 0 once a ping succeeds, -1 after printing why. */
 static inline int testd_start(kvr_testd *d, const char *const *extra)
@@ -79,15 +97,10 @@ static inline int testd_start(kvr_testd *d, const char *const *extra)
     char bin[512];
     snprintf(bin, sizeof bin, "%s/kvroped", testd_build_dir());
     const char *argv[48];
-    int n = 0;
-    argv[n++] = bin;
-    argv[n++] = "--socket";
-    argv[n++] = d->sock;
+    int n = testd_argv_begin(argv, bin, d->sock);
     argv[n++] = "--log-level";
     argv[n++] = "warn";
-    for (int i = 0; extra && extra[i] && n < 46; i++)
-        argv[n++] = extra[i];
-    argv[n] = NULL;
+    testd_argv_end(argv, n, 47, extra);
     pid_t parent = getpid();
     pid_t pid = fork();
     if (pid < 0) {
@@ -182,41 +195,38 @@ static inline kvr_client *testd_connect(const kvr_testd *d)
     return c;
 }
 
-/* Runs build/kvrope --socket SOCK args... with a 60 s limit, stdout into out
- * (NUL-terminated, truncated to cap-1), stderr into the test's stderr.
- * Returns the exit status, or -1. */
-static inline int testd_cli(const kvr_testd *d, char *out, size_t cap, const char *const *args)
+/* Starts argv[0] with argv (NULL-ended), its stdout on the returned pipe
+ * end (-1 if it could not start); *pid the child, killed with the test and
+ * after limit_s seconds. */
+static inline int testd_spawn_stdout(const char *const *argv, unsigned limit_s, pid_t *pid)
 {
-    char bin[512];
-    snprintf(bin, sizeof bin, "%s/kvrope", testd_build_dir());
-    const char *argv[64];
-    int n = 0;
-    argv[n++] = bin;
-    argv[n++] = "--socket";
-    argv[n++] = d->sock;
-    for (int i = 0; args[i] && n < 63; i++)
-        argv[n++] = args[i];
-    argv[n] = NULL;
     int pfd[2];
     if (pipe(pfd) < 0)
         return -1;
-    pid_t pid = fork();
-    if (pid < 0)
+    *pid = fork();
+    if (*pid < 0)
         return -1;
-    if (pid == 0) {
+    if (*pid == 0) {
         prctl(PR_SET_PDEATHSIG, SIGKILL);
-        alarm(60);
+        alarm(limit_s);
         dup2(pfd[1], 1);
         close(pfd[0]);
         close(pfd[1]);
-        execv(bin, (char *const *)(uintptr_t)argv);
+        execv(argv[0], (char *const *)(uintptr_t)argv);
         _exit(127);
     }
     close(pfd[1]);
+    return pfd[0];
+}
+
+/* Reads fd to its end into out (NUL-terminated, cut at cap; out may be
+ * NULL: discarded) and closes it. */
+static inline void testd_drain(int fd, char *out, size_t cap)
+{
     size_t len = 0;
     for (;;) {
         char tmp[4096];
-        ssize_t r = read(pfd[0], tmp, sizeof tmp);
+        ssize_t r = read(fd, tmp, sizeof tmp);
         if (r < 0 && errno == EINTR)
             continue;
         if (r <= 0)
@@ -227,11 +237,33 @@ static inline int testd_cli(const kvr_testd *d, char *out, size_t cap, const cha
     }
     if (out && cap)
         out[len] = 0;
-    close(pfd[0]);
+    close(fd);
+}
+
+/* The exit status of child pid, once it ends (-1 if a signal ended it). */
+static inline int testd_wait_exit(pid_t pid)
+{
     int st;
-    if (waitpid(pid, &st, 0) != pid)
+    if (waitpid(pid, &st, 0) != pid || !WIFEXITED(st))
         return -1;
-    return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
+    return WEXITSTATUS(st);
+}
+
+/* Runs build/kvrope --socket SOCK args... with a 60 s limit, stdout into out
+ * (NUL-terminated, truncated to cap-1), stderr into the test's stderr.
+ * Returns the exit status, or -1. */
+static inline int testd_cli(const kvr_testd *d, char *out, size_t cap, const char *const *args)
+{
+    char bin[512];
+    snprintf(bin, sizeof bin, "%s/kvrope", testd_build_dir());
+    const char *argv[64];
+    testd_argv_end(argv, testd_argv_begin(argv, bin, d->sock), 64, args);
+    pid_t pid;
+    int fd = testd_spawn_stdout(argv, 60, &pid);
+    if (fd < 0)
+        return -1;
+    testd_drain(fd, out, cap);
+    return testd_wait_exit(pid);
 }
 
 /* ---- the test model and data ------------------------------------------- */

@@ -18,6 +18,7 @@
 #include <sys/socket.h>
 #include <sys/time.h>
 #include <sys/un.h>
+#include <sys/uio.h>
 
 void kvt_tmpdir(char *buf, size_t cap, const char *name)
 {
@@ -120,6 +121,16 @@ uint64_t kvt_fnv(uint64_t h, const void *p, size_t n)
         h *= 1099511628211ull;
     }
     return h;
+}
+
+size_t kvt_gather(void *dst, const struct iovec *iov, size_t niov)
+{
+    size_t off = 0;
+    for (size_t i = 0; i < niov; i++) {
+        memcpy((uint8_t *)dst + off, iov[i].iov_base, iov[i].iov_len);
+        off += iov[i].iov_len;
+    }
+    return off;
 }
 
 int kvt_count_fds(pid_t pid)

@@ -12,6 +12,7 @@
 #include <stddef.h>
 #include <stdint.h>
 #include <sys/types.h>
+#include <sys/uio.h>
 
 /* Makes a fresh directory $TMPDIR/<name>-XXXXXX (/tmp without TMPDIR) in
  * buf (cap bytes). */
@@ -43,6 +44,9 @@ bool kvt_same_f32(float a, float b);
 
 /* The same for f16 bit patterns. */
 bool kvt_same_f16(uint16_t a, uint16_t b);
+
+/* The buffers of iov[0..niov), in order, copied to dst; how many bytes. */
+size_t kvt_gather(void *dst, const struct iovec *iov, size_t niov);
 
 /* FNV-1a of n bytes at p, continuing from h (start: 14695981039346656037). */
 uint64_t kvt_fnv(uint64_t h, const void *p, size_t n);

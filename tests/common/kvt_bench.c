@@ -1,5 +1,6 @@
 /*
- * kvt_bench.c — tests/common/kvt_bench.h: the clock and the environment.
+ * kvt_bench.c — tests/common/kvt_bench.h: the clock, the environment and
+ * xorshift64.
  */
 #include "tests/common/kvt_bench.h"
 
@@ -11,6 +12,14 @@ double kvt_now_s(void)
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
     return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+uint64_t kvt_xorshift(uint64_t *state)
+{
+    *state ^= *state << 13;
+    *state ^= *state >> 7;
+    *state ^= *state << 17;
+    return *state;
 }
 
 size_t kvt_env_size(const char *name, size_t dflt)

@@ -1,15 +1,20 @@
 /*
- * kvt_bench.h — what the benchmarks share: a monotonic clock in seconds and
- * sizes read from the environment. Compiled into libtestcommon.a
+ * kvt_bench.h — what the benchmarks share: a monotonic clock in seconds,
+ * sizes read from the environment and a cheap random stream. Compiled into libtestcommon.a
  * (tests/common/kvt_bench.c), which needs no Criterion: benches link it too.
  */
 #ifndef KVR_TESTS_KVT_BENCH_H
 #define KVR_TESTS_KVT_BENCH_H
 
 #include <stddef.h>
+#include <stdint.h>
 
 /* CLOCK_MONOTONIC in seconds. */
 double kvt_now_s(void);
+
+/* One xorshift64 step of *state (13, 7, 17; never 0 from a state that is
+ * not): the new state. */
+uint64_t kvt_xorshift(uint64_t *state);
 
 /* $name as a whole number, or dflt when unset or empty. */
 size_t kvt_env_size(const char *name, size_t dflt);

@@ -14,6 +14,14 @@ kvr_client *kvt_daemon_up(kvr_testd *d, const char *const *extra)
     return c;
 }
 
+kvr_client *kvt_daemon_up_model(kvr_testd *d, const char *const *extra, const char *name,
+                                kvr_dtype dtype)
+{
+    kvr_client *c = kvt_daemon_up(d, extra);
+    cr_assert_eq(testd_register(c, name, dtype, NULL), 0);
+    return c;
+}
+
 int kvt_daemon_down(kvr_testd *d, kvr_client **c, kvr_rope **r)
 {
     if (r) {

@@ -15,6 +15,11 @@
  * returns a client connected to it. */
 kvr_client *kvt_daemon_up(kvr_testd *d, const char *const *extra);
 
+/* kvt_daemon_up, then the test model registered on the client as name in
+ * dtype (testd_register, asserted). */
+kvr_client *kvt_daemon_up_model(kvr_testd *d, const char *const *extra, const char *name,
+                                kvr_dtype dtype);
+
 /* Destroys *r and closes *c (each if set; both left NULL; either pointer may
  * be NULL), then stops the daemon: testd_stop's result. */
 int kvt_daemon_down(kvr_testd *d, kvr_client **c, kvr_rope **r);

@@ -35,6 +35,14 @@ void kvt_model_add(kvr_store *s, const kvr_model_desc *d, kvr_model_info *out)
     cr_assert_eq(kvr_store_model_register(s, d, out, &e), 0, "model %s: %s", d->name, e.msg);
 }
 
+void kvt_put_shape(kvr_put_params *p, const char *id, uint32_t n_layers, uint32_t n_kv_heads,
+                   uint32_t head_dim, kvr_dtype dtype, const uint32_t *tokens, size_t n)
+{
+    p->ctx_id = id, p->model = "m";
+    p->n_layers = n_layers, p->n_kv_heads = n_kv_heads, p->head_dim = head_dim;
+    p->dtype = dtype, p->tokens = tokens, p->n_tokens = n;
+}
+
 kvr_store *kvt_store_with_model(const kvr_store_config *cfg, uint32_t n_layers,
                                 uint32_t n_kv_heads, uint32_t head_dim, kvr_dtype dtype,
                                 kvr_model_info *out)

@@ -43,6 +43,12 @@ kvr_store *kvt_store_open(const kvr_store_config *cfg, const kvr_tier_config *tc
                           kvr_tier_recovery *rec, uint32_t n_layers, uint32_t n_kv_heads,
                           uint32_t head_dim, kvr_dtype dtype);
 
+/* Sets the shape of put *p: context id of model "m", n_layers x
+ * n_kv_heads x head_dim in dtype, the n tokens (borrowed, not copied).
+ * The other fields are left as they are. */
+void kvt_put_shape(kvr_put_params *p, const char *id, uint32_t n_layers, uint32_t n_kv_heads,
+                   uint32_t head_dim, kvr_dtype dtype, const uint32_t *tokens, size_t n);
+
 /* Fills one payload iovec of bytes bytes at p (arg: the caller's state;
  * iovecs come in payload order). */
 typedef void (*kvt_fill_fn)(void *arg, void *p, size_t bytes);

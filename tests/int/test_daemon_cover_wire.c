@@ -21,16 +21,9 @@ static void put_ctx(int fd)
 {
     for (uint32_t i = 0; i < 64; i++)
         TOK[i] = 500 + i * 3;
-    size_t pb = payload_bytes(64);
-    uint16_t *pay = malloc(pb);
-    fill_payload(pay, 64, 2);
-    Kvrope__Request q;
-    Kvrope__Put p;
-    make_put(&q, &p, "doc", TOK, 64, KVROPE__PUT_MODE__CREATE);
-    send_req(fd, &q, pay, pb);
-    Kvrope__Response *r = recv_resp(fd, NULL, NULL);
-    cr_assert_eq(r->status, KVROPE__STATUS__OK, "put: %s", r->message);
-    kvrope__response__free_unpacked(r, NULL);
+    size_t pb;
+    uint16_t *pay = new_payload(64, 2, &pb);
+    put_ok(fd, "doc", TOK, 64, KVROPE__PUT_MODE__CREATE, pay, pb);
     free(pay);
 }
 

@@ -422,6 +422,15 @@ static bool refused_then_closed(int c)
     }
 }
 
+/* c was refused and closed (refused_then_closed) in round `round` of the
+ * case `what`: closes c and frees its script. */
+static void closed_after_fds(int c, script *s, int round, const char *what)
+{
+    cr_assert(refused_then_closed(c), "round %d: %s", round, what);
+    close(c);
+    sc_free(s);
+}
+
 /* A hostile peer attaches descriptors to a ping, to a put's header (its
  * payload past the read-ahead), to a put's payload bytes alone, to the
  * bytes after a put's payload, several at once (the daemon's rule,
@@ -451,9 +460,7 @@ Test(daemon_readahead, stray_descriptors_on_every_kind_of_read)
         s.id = 100;
         sc_ping(&s);
         send_fds(c, s.buf, s.len, mfd, 8);
-        cr_assert(refused_then_closed(c), "round %d: fds on a ping", round);
-        close(c);
-        sc_free(&s);
+        closed_after_fds(c, &s, round, "fds on a ping");
         /* 2. on a put's header; its payload is past the read-ahead */
         c = connect_unix(D.sock);
         s.id = 200;
@@ -461,9 +468,7 @@ Test(daemon_readahead, stray_descriptors_on_every_kind_of_read)
         send_fds(c, s.buf, 64, mfd, 2);
         if (write_all(c, s.buf + 64, s.len - 64) != 0) {
         }
-        cr_assert(refused_then_closed(c), "round %d: fds on a put's header", round);
-        close(c);
-        sc_free(&s);
+        closed_after_fds(c, &s, round, "fds on a put's header");
         /* 3. on the payload bytes alone, with a ping after it in the same write */
         c = connect_unix(D.sock);
         s.id = 300;
@@ -473,9 +478,7 @@ Test(daemon_readahead, stray_descriptors_on_every_kind_of_read)
         cr_assert_eq(write_all(c, s.buf, cut), 0);
         sleep_ms(5);   /* likelier that the daemon is reading the payload now */
         send_fds(c, s.buf + cut, s.len - cut, mfd, 3);
-        cr_assert(refused_then_closed(c), "round %d: fds on a payload", round);
-        close(c);
-        sc_free(&s);
+        closed_after_fds(c, &s, round, "fds on a payload");
         /* Neither put stored anything. */
         s.id = 350;
         sc_get(&s, "big", KVROPE__STATUS__E_UNKNOWN_CONTEXT, NULL, 0);
@@ -491,9 +494,7 @@ Test(daemon_readahead, stray_descriptors_on_every_kind_of_read)
         sc_get(&s, "big4", KVROPE__STATUS__OK, P16B, payload_bytes(TB));
         cr_assert_eq(write_all(c, s.buf, cut), 0);
         send_fds(c, s.buf + cut, s.len - cut, mfd, 1);
-        cr_assert(refused_then_closed(c), "round %d: fds after a payload", round);
-        close(c);
-        sc_free(&s);
+        closed_after_fds(c, &s, round, "fds after a payload");
         s.id = 500;
         sc_delete(&s, "big4");
         cr_assert_eq(write_all(fd, s.buf, s.len), 0);

@@ -45,19 +45,71 @@ static void refused_then_closed(int fd, const void *frame, size_t len, Kvrope__S
     close(fd);
 }
 
+/* Closes fd, stops the daemon (it must exit cleanly). */
+static void close_and_stop(int fd)
+{
+    close(fd);
+    stop_daemon_clean();
+}
+
 /* The daemon still answers a ping on fd: close it, stop the daemon (it
  * must exit cleanly). */
 static void answers_then_stop(int fd, uint64_t id)
 {
     cr_assert_eq(ping(fd, id), KVROPE__STATUS__OK);
-    close(fd);
-    stop_daemon_clean();
+    close_and_stop(fd);
+}
+
+/* A frame header alone, announcing msg_len bytes of message and plen of
+ * payload, refused with st and then closed (refused_then_closed). */
+static void header_refused(int fd, uint32_t msg_len, uint64_t plen, Kvrope__Status st)
+{
+    uint8_t h[KVR_FRAME_HEADER_SIZE];
+    kvr_frame_header_encode(h, msg_len, plen);
+    refused_then_closed(fd, h, sizeof h, st);
+}
+
+/* Starts the daemon with extra args; a connection to it. */
+static int start_and_connect(const char *const *extra)
+{
+    start_daemon(extra);
+    return connect_unix(D.sock);
+}
+
+/* Sends q (with plen bytes of payload) and reads its reply. */
+static Kvrope__Response *request(int fd, Kvrope__Request *q, const void *payload, uint64_t plen,
+                                 uint8_t **got, uint64_t *glen)
+{
+    send_req(fd, q, payload, plen);
+    return recv_resp(fd, got, glen);
+}
+
+/* The status of q's reply (sent with plen bytes of payload). */
+static Kvrope__Status request_status(int fd, Kvrope__Request *q, const void *payload, uint64_t plen)
+{
+    Kvrope__Response *r = request(fd, q, payload, plen, NULL, NULL);
+    Kvrope__Status st = r->status;
+    kvrope__response__free_unpacked(r, NULL);
+    return st;
+}
+
+/* A Stat of ctx (request id 301), asserted OK; the caller frees the reply. */
+static Kvrope__Response *stat_ok(int fd, const char *ctx)
+{
+    Kvrope__Request q = KVROPE__REQUEST__INIT;
+    Kvrope__Stat s = KVROPE__STAT__INIT;
+    s.context_id = (char *)(uintptr_t)ctx;
+    q.id = 301;
+    q.body_case = KVROPE__REQUEST__BODY_STAT;
+    q.stat = &s;
+    Kvrope__Response *r = request(fd, &q, NULL, 0, NULL, NULL);
+    cr_assert_eq(r->status, KVROPE__STATUS__OK);
+    return r;
 }
 
 Test(daemon_wire, ping_and_pipelining)
 {
-    start_daemon(NULL);
-    int fd = connect_unix(D.sock);
+    int fd = start_and_connect(NULL);
     cr_assert_geq(fd, 0);
     cr_assert_eq(ping(fd, 1), KVROPE__STATUS__OK);
     /* Three requests in one write; three responses, in order. */
@@ -80,8 +132,18 @@ Test(daemon_wire, ping_and_pipelining)
         cr_assert_eq(r->status, KVROPE__STATUS__OK);
         kvrope__response__free_unpacked(r, NULL);
     }
-    close(fd);
-    stop_daemon_clean();
+    close_and_stop(fd);
+}
+
+/* Makes q (request id) a get of ctx through g, both initialised. */
+static void make_get(Kvrope__Request *q, Kvrope__Get *g, const char *ctx, uint64_t id)
+{
+    kvrope__request__init(q);
+    kvrope__get__init(g);
+    g->context_id = (char *)(uintptr_t)ctx;
+    q->id = id;
+    q->body_case = KVROPE__REQUEST__BODY_GET;
+    q->get = g;
 }
 
 /* Appends one frame (request q, then payload) to buf at *off. */
@@ -105,8 +167,7 @@ static void frame_into(uint8_t *buf, size_t cap, size_t *off, Kvrope__Request *q
  * answer comes, in order, with the right data, then EOF. */
 Test(daemon_wire, pipelined_batch_answered_in_order_after_half_close)
 {
-    start_daemon(NULL);
-    int fd = connect_unix(D.sock);
+    int fd = start_and_connect(NULL);
     register_model(fd);
     enum { T = 5, ROUNDS = 12 };
     uint32_t toks[T] = { 1, 2, 3, 4, 5 };
@@ -132,12 +193,8 @@ Test(daemon_wire, pipelined_batch_answered_in_order_after_half_close)
         p.dtype = KVROPE__DTYPE__F32;
         q.id = id++;
         frame_into(all, cap, &off, &q, p32, n32);
-        Kvrope__Get g = KVROPE__GET__INIT;
-        g.context_id = ctx[0];
-        kvrope__request__init(&q);
-        q.id = id++;
-        q.body_case = KVROPE__REQUEST__BODY_GET;
-        q.get = &g;
+        Kvrope__Get g;
+        make_get(&q, &g, ctx[0], id++);
         frame_into(all, cap, &off, &q, NULL, 0);
         g.context_id = "nope";
         q.id = id++;
@@ -247,16 +304,12 @@ Test(daemon_wire, garbage_closes_only_that_connection)
 Test(daemon_wire, oversize_frame)
 {
     const char *extra[] = { "--max-frame", "4096", NULL };
-    start_daemon(extra);
-    int fd = connect_unix(D.sock);
-    uint8_t h[KVR_FRAME_HEADER_SIZE];
-    kvr_frame_header_encode(h, 4097, 0);
-    refused_then_closed(fd, h, sizeof h, KVROPE__STATUS__E_TOO_LARGE);
+    int fd = start_and_connect(extra);
+    header_refused(fd, 4097, 0, KVROPE__STATUS__E_TOO_LARGE);
 
     /* A payload over the memory cap: refused before anything is read. */
     fd = connect_unix(D.sock);
-    kvr_frame_header_encode(h, 2, 1ull << 40);
-    refused_then_closed(fd, h, sizeof h, KVROPE__STATUS__E_TOO_LARGE);
+    header_refused(fd, 2, 1ull << 40, KVROPE__STATUS__E_TOO_LARGE);
 
     fd = connect_unix(D.sock);
     answers_then_stop(fd, 3);
@@ -264,8 +317,7 @@ Test(daemon_wire, oversize_frame)
 
 Test(daemon_wire, truncated_frames_then_disconnect)
 {
-    start_daemon(NULL);
-    int fd = connect_unix(D.sock);
+    int fd = start_and_connect(NULL);
     uint8_t h[KVR_FRAME_HEADER_SIZE];
     kvr_frame_header_encode(h, 100, 0);
     cr_assert_eq(write_all(fd, h, 10), 0);          /* half a header */
@@ -280,56 +332,40 @@ Test(daemon_wire, truncated_frames_then_disconnect)
 
 static Kvrope__Response *get_all(int fd, const char *ctx, uint8_t **payload, uint64_t *plen)
 {
-    Kvrope__Request q = KVROPE__REQUEST__INIT;
-    Kvrope__Get g = KVROPE__GET__INIT;
-    g.context_id = (char *)(uintptr_t)ctx;
+    Kvrope__Request q;
+    Kvrope__Get g;
+    make_get(&q, &g, ctx, 200);
     g.has_dtype = 1;
     g.dtype = KVROPE__DTYPE__F16;
-    q.id = 200;
-    q.body_case = KVROPE__REQUEST__BODY_GET;
-    q.get = &g;
-    send_req(fd, &q, NULL, 0);
-    return recv_resp(fd, payload, plen);
+    return request(fd, &q, NULL, 0, payload, plen);
 }
 
 Test(daemon_wire, put_get_and_disconnect_mid_payload)
 {
-    start_daemon(NULL);
-    int fd = connect_unix(D.sock);
+    int fd = start_and_connect(NULL);
     register_model(fd);
 
     uint32_t toks[4] = { 11, 12, 13, 14 };
-    size_t pb = payload_bytes(4);
-    uint16_t *pay = malloc(pb);
-    fill_payload(pay, 4, 1);
+    size_t pb;
+    uint16_t *pay = new_payload(4, 1, &pb);
     Kvrope__Request q;
     Kvrope__Put p;
     make_put(&q, &p, "ctx-a", toks, 4, KVROPE__PUT_MODE__CREATE);
-    send_req(fd, &q, pay, pb);
-    Kvrope__Response *r = recv_resp(fd, NULL, NULL);
+    Kvrope__Response *r = request(fd, &q, pay, pb, NULL, NULL);
     cr_assert_eq(r->status, KVROPE__STATUS__OK, "put: %s", r->message);
     cr_assert_eq(r->body_case, KVROPE__RESPONSE__BODY_PUT);
     cr_assert_eq(r->put->n_tokens, 4);
     kvrope__response__free_unpacked(r, NULL);
 
     /* Same id again with CREATE: E_EXISTS, payload drained, connection usable. */
-    send_req(fd, &q, pay, pb);
-    r = recv_resp(fd, NULL, NULL);
-    cr_assert_eq(r->status, KVROPE__STATUS__E_EXISTS);
-    kvrope__response__free_unpacked(r, NULL);
+    cr_assert_eq(request_status(fd, &q, pay, pb), KVROPE__STATUS__E_EXISTS);
     /* Wrong payload length: E_PAYLOAD_LENGTH, drained. */
     make_put(&q, &p, "ctx-b", toks, 4, KVROPE__PUT_MODE__CREATE);
-    send_req(fd, &q, pay, pb - 2);
-    r = recv_resp(fd, NULL, NULL);
-    cr_assert_eq(r->status, KVROPE__STATUS__E_PAYLOAD_LENGTH);
-    kvrope__response__free_unpacked(r, NULL);
+    cr_assert_eq(request_status(fd, &q, pay, pb - 2), KVROPE__STATUS__E_PAYLOAD_LENGTH);
     /* Unknown model: E_UNKNOWN_MODEL. */
     make_put(&q, &p, "ctx-c", toks, 4, KVROPE__PUT_MODE__CREATE);
     p.model = "nope";
-    send_req(fd, &q, pay, pb);
-    r = recv_resp(fd, NULL, NULL);
-    cr_assert_eq(r->status, KVROPE__STATUS__E_UNKNOWN_MODEL);
-    kvrope__response__free_unpacked(r, NULL);
+    cr_assert_eq(request_status(fd, &q, pay, pb), KVROPE__STATUS__E_UNKNOWN_MODEL);
     cr_assert_eq(ping(fd, 9), KVROPE__STATUS__OK);
 
     /* Round trip. */
@@ -371,10 +407,7 @@ Test(daemon_wire, put_get_and_disconnect_mid_payload)
         kvrope__response__free_unpacked(r, NULL);
         /* And the context is writable again (not left busy). */
         make_put(&q, &p, "ctx-a", more, 4, KVROPE__PUT_MODE__APPEND);
-        send_req(fd, &q, pay2, pb);
-        r = recv_resp(fd, NULL, NULL);
-        Kvrope__Status st = r->status;
-        kvrope__response__free_unpacked(r, NULL);
+        Kvrope__Status st = request_status(fd, &q, pay2, pb);
         if (st == KVROPE__STATUS__OK)
             break;
         cr_assert_eq(st, KVROPE__STATUS__E_BUSY);   /* abort not seen yet */
@@ -388,26 +421,18 @@ Test(daemon_wire, put_get_and_disconnect_mid_payload)
     kvrope__response__free_unpacked(r, NULL);
     free(pay);
     free(pay2);
-    close(fd);
-    stop_daemon_clean();
+    close_and_stop(fd);
 }
 
 Test(daemon_wire, match_stat_list_stats)
 {
-    start_daemon(NULL);
-    int fd = connect_unix(D.sock);
+    int fd = start_and_connect(NULL);
     register_model(fd);
     uint32_t toks[3] = { 1, 2, 3 };
-    size_t pb = payload_bytes(3);
-    uint16_t *pay = malloc(pb);
-    fill_payload(pay, 3, 5);
+    size_t pb;
+    uint16_t *pay = new_payload(3, 5, &pb);
+    put_ok(fd, "doc", toks, 3, KVROPE__PUT_MODE__UPSERT, pay, pb);
     Kvrope__Request q;
-    Kvrope__Put p;
-    make_put(&q, &p, "doc", toks, 3, KVROPE__PUT_MODE__UPSERT);
-    send_req(fd, &q, pay, pb);
-    Kvrope__Response *r = recv_resp(fd, NULL, NULL);
-    cr_assert_eq(r->status, KVROPE__STATUS__OK, "%s", r->message);
-    kvrope__response__free_unpacked(r, NULL);
 
     Kvrope__Match m = KVROPE__MATCH__INIT;
     uint32_t query[5] = { 1, 2, 3, 9, 9 };
@@ -420,10 +445,9 @@ Test(daemon_wire, match_stat_list_stats)
     q.id = 300;
     q.body_case = KVROPE__REQUEST__BODY_MATCH;
     q.match = &m;
-    send_req(fd, &q, NULL, 0);
     uint8_t *got;
     uint64_t glen;
-    r = recv_resp(fd, &got, &glen);
+    Kvrope__Response *r = request(fd, &q, NULL, 0, &got, &glen);
     cr_assert_eq(r->status, KVROPE__STATUS__OK, "%s", r->message);
     cr_assert_eq(r->match->length, 3);
     cr_assert_str_eq(r->match->context_id, "doc");
@@ -433,15 +457,7 @@ Test(daemon_wire, match_stat_list_stats)
     free(got);
     kvrope__response__free_unpacked(r, NULL);
 
-    Kvrope__Stat s = KVROPE__STAT__INIT;
-    s.context_id = "doc";
-    kvrope__request__init(&q);
-    q.id = 301;
-    q.body_case = KVROPE__REQUEST__BODY_STAT;
-    q.stat = &s;
-    send_req(fd, &q, NULL, 0);
-    r = recv_resp(fd, NULL, NULL);
-    cr_assert_eq(r->status, KVROPE__STATUS__OK);
+    r = stat_ok(fd, "doc");
     cr_assert_eq(r->context->n_tokens, 3);
     kvrope__response__free_unpacked(r, NULL);
 
@@ -450,8 +466,7 @@ Test(daemon_wire, match_stat_list_stats)
     q.id = 302;
     q.body_case = KVROPE__REQUEST__BODY_STATS;
     q.stats = &st;
-    send_req(fd, &q, NULL, 0);
-    r = recv_resp(fd, NULL, NULL);
+    r = request(fd, &q, NULL, 0, NULL, NULL);
     cr_assert_eq(r->status, KVROPE__STATUS__OK);
     bool found = false;
     for (size_t i = 0; i < r->stats->n_metrics; i++)
@@ -467,14 +482,10 @@ Test(daemon_wire, match_stat_list_stats)
     q.id = 303;
     q.body_case = KVROPE__REQUEST__BODY_STATS;
     q.stats = &st;
-    send_req(fd, &q, "abcdefgh", 8);
-    r = recv_resp(fd, NULL, NULL);
-    cr_assert_eq(r->status, KVROPE__STATUS__E_BAD_REQUEST);
-    kvrope__response__free_unpacked(r, NULL);
+    cr_assert_eq(request_status(fd, &q, "abcdefgh", 8), KVROPE__STATUS__E_BAD_REQUEST);
     cr_assert_eq(ping(fd, 304), KVROPE__STATUS__OK);
     free(pay);
-    close(fd);
-    stop_daemon_clean();
+    close_and_stop(fd);
 }
 
 static int connect_tcp(int port)
@@ -500,25 +511,11 @@ static Kvrope__Status auth(int fd, const char *tok)
     q.id = 1;
     q.body_case = KVROPE__REQUEST__BODY_AUTH;
     q.auth = &a;
-    send_req(fd, &q, NULL, 0);
-    Kvrope__Response *r = recv_resp(fd, NULL, NULL);
-    Kvrope__Status st = r->status;
-    kvrope__response__free_unpacked(r, NULL);
-    return st;
+    return request_status(fd, &q, NULL, 0);
 }
 
-Test(daemon_wire, tcp_auth_required)
+static int tcp_connect_retry(int port)
 {
-    char tokpath[128], listen[64];
-    snprintf(tokpath, sizeof tokpath, "%s/token", D.dir);
-    FILE *f = fopen(tokpath, "w");
-    fputs("s3cret-token\n", f);
-    fclose(f);
-    cr_assert_eq(chmod(tokpath, 0600), 0);   /* a token others can read is refused */
-    int port = kvt_free_tcp_port();
-    snprintf(listen, sizeof listen, "127.0.0.1:%d", port);
-    const char *extra[] = { "--listen", listen, "--auth-token-file", tokpath, NULL };
-    start_daemon(extra);
     int fd = -1;
     for (int i = 0; i < 500 && fd < 0; i++) {
         fd = connect_tcp(port);
@@ -526,6 +523,32 @@ Test(daemon_wire, tcp_auth_required)
             sleep_ms(10);
     }
     cr_assert_geq(fd, 0);
+    return fd;
+}
+
+static int start_tcp_daemon_with_token(const char *const *more)
+{
+    static char tokpath[128], listen[64];
+    snprintf(tokpath, sizeof tokpath, "%s/token", D.dir);
+    FILE *f = fopen(tokpath, "w");
+    fputs("s3cret-token\n", f);
+    fclose(f);
+    cr_assert_eq(chmod(tokpath, 0600), 0);   /* a token others can read is refused */
+    int port = kvt_free_tcp_port();
+    snprintf(listen, sizeof listen, "127.0.0.1:%d", port);
+    const char *extra[24] = { "--listen", listen, "--auth-token-file", tokpath };
+    int n = 4;
+    for (int i = 0; more && more[i] && n < 23; i++)
+        extra[n++] = more[i];
+    extra[n] = NULL;
+    start_daemon(extra);
+    return port;
+}
+
+Test(daemon_wire, tcp_auth_required)
+{
+    int port = start_tcp_daemon_with_token(NULL);
+    int fd = tcp_connect_retry(port);
     cr_assert_eq(ping(fd, 1), KVROPE__STATUS__E_UNAUTHENTICATED);
     expect_eof(fd);
     close(fd);
@@ -589,8 +612,7 @@ Test(daemon_wire, stale_socket_is_replaced)
     snprintf(sa.sun_path, sizeof sa.sun_path, "%s", D.sock);
     cr_assert_eq(bind(s, (struct sockaddr *)&sa, sizeof sa), 0);
     close(s);
-    start_daemon(NULL);
-    int fd = connect_unix(D.sock);
+    int fd = start_and_connect(NULL);
     answers_then_stop(fd, 1);
 }
 
@@ -599,8 +621,7 @@ Test(daemon_wire, stale_socket_is_replaced)
  * exact. Re-rotating to the same positions is the identity (within f16). */
 Test(daemon_wire, put_f32_converts_off_loop)
 {
-    start_daemon(NULL);
-    int fd = connect_unix(D.sock);
+    int fd = start_and_connect(NULL);
     register_model(fd);
     enum { T = 40 };
     uint32_t toks[T];
@@ -614,24 +635,18 @@ Test(daemon_wire, put_f32_converts_off_loop)
     Kvrope__Put p;
     make_put(&q, &p, "f32", toks, T, KVROPE__PUT_MODE__CREATE);
     p.dtype = KVROPE__DTYPE__F32;
-    send_req(fd, &q, pay, n * sizeof *pay);
-    Kvrope__Response *r = recv_resp(fd, NULL, NULL);
+    Kvrope__Response *r = request(fd, &q, pay, n * sizeof *pay, NULL, NULL);
     cr_assert_eq(r->status, KVROPE__STATUS__OK, "put: %s", r->message);
     cr_assert_eq(r->put->n_tokens, T);
     kvrope__response__free_unpacked(r, NULL);
 
-    Kvrope__Get g = KVROPE__GET__INIT;
-    g.context_id = "f32";
+    Kvrope__Get g;
+    make_get(&q, &g, "f32", 400);
     g.has_dtype = 1;
     g.dtype = KVROPE__DTYPE__F32;
-    kvrope__request__init(&q);
-    q.id = 400;
-    q.body_case = KVROPE__REQUEST__BODY_GET;
-    q.get = &g;
-    send_req(fd, &q, NULL, 0);
     uint8_t *got;
     uint64_t glen;
-    r = recv_resp(fd, &got, &glen);
+    r = request(fd, &q, NULL, 0, &got, &glen);
     cr_assert_eq(r->status, KVROPE__STATUS__OK, "get: %s", r->message);
     cr_assert_eq(glen, n * sizeof(float));
     cr_assert_arr_eq(got, pay, n * sizeof(float));
@@ -645,8 +660,7 @@ Test(daemon_wire, put_f32_converts_off_loop)
     g.has_start = g.has_end = 1;
     g.start = 4;
     g.end = 6;
-    send_req(fd, &q, NULL, 0);
-    r = recv_resp(fd, &got, &glen);
+    r = request(fd, &q, NULL, 0, &got, &glen);
     cr_assert_eq(r->status, KVROPE__STATUS__OK, "get: %s", r->message);
     cr_assert_eq(r->kv->token_count, 2);
     cr_assert_eq(r->kv->tokens[0], 1004);
@@ -657,14 +671,12 @@ Test(daemon_wire, put_f32_converts_off_loop)
     /* Out of range: E_RANGE; the connection goes on. */
     g.start = 10;
     g.end = 1000;
-    send_req(fd, &q, NULL, 0);
-    r = recv_resp(fd, NULL, NULL);
+    r = request(fd, &q, NULL, 0, NULL, NULL);
     cr_assert_eq(r->status, KVROPE__STATUS__E_RANGE, "status %d: %s", r->status, r->message);
     kvrope__response__free_unpacked(r, NULL);
     cr_assert_eq(ping(fd, 401), KVROPE__STATUS__OK);
     free(pay);
-    close(fd);
-    stop_daemon_clean();
+    close_and_stop(fd);
 }
 
 /* ---- timeouts and connection limits -------------------------------------------- */
@@ -677,8 +689,7 @@ static double stat_metric(int fd, const char *name)
     q.id = 900;
     q.body_case = KVROPE__REQUEST__BODY_STATS;
     q.stats = &st;
-    send_req(fd, &q, NULL, 0);
-    Kvrope__Response *r = recv_resp(fd, NULL, NULL);
+    Kvrope__Response *r = request(fd, &q, NULL, 0, NULL, NULL);
     cr_assert_eq(r->status, KVROPE__STATUS__OK);
     double v = -1;
     for (size_t i = 0; i < r->stats->n_metrics; i++)
@@ -688,37 +699,6 @@ static double stat_metric(int fd, const char *name)
     return v;
 }
 
-static int tcp_connect_retry(int port)
-{
-    int fd = -1;
-    for (int i = 0; i < 500 && fd < 0; i++) {
-        fd = connect_tcp(port);
-        if (fd < 0)
-            sleep_ms(10);
-    }
-    cr_assert_geq(fd, 0);
-    return fd;
-}
-
-static int start_tcp_daemon_with_token(const char *const *more)
-{
-    static char tokpath[128], listen[64];
-    snprintf(tokpath, sizeof tokpath, "%s/token", D.dir);
-    FILE *f = fopen(tokpath, "w");
-    fputs("s3cret-token\n", f);
-    fclose(f);
-    cr_assert_eq(chmod(tokpath, 0600), 0);   /* a token others can read is refused */
-    int port = kvt_free_tcp_port();
-    snprintf(listen, sizeof listen, "127.0.0.1:%d", port);
-    const char *extra[24] = { "--listen", listen, "--auth-token-file", tokpath };
-    int n = 4;
-    for (int i = 0; more && more[i] && n < 23; i++)
-        extra[n++] = more[i];
-    extra[n] = NULL;
-    start_daemon(extra);
-    return port;
-}
-
 /* A client that sends a put's header, message and half its payload, then
  * stalls with the connection open: after --io-timeout the put is aborted
  * and the connection closed, so the context is writable again and holds
@@ -726,21 +706,17 @@ static int start_tcp_daemon_with_token(const char *const *more)
 Test(daemon_wire, stalled_put_is_aborted_after_io_timeout)
 {
     const char *extra[] = { "--io-timeout", "1", NULL };
-    start_daemon(extra);
-    int fd = connect_unix(D.sock);
+    int fd = start_and_connect(extra);
     register_model(fd);
     uint32_t toks[4] = { 11, 12, 13, 14 }, more[4] = { 15, 16, 17, 18 };
     size_t pb = payload_bytes(4);
     uint16_t *pay = malloc(pb), *pay2 = malloc(pb);
     fill_payload(pay, 4, 1);
     fill_payload(pay2, 4, 99);
+    put_ok(fd, "ctx-a", toks, 4, KVROPE__PUT_MODE__CREATE, pay, pb);
     Kvrope__Request q;
     Kvrope__Put p;
-    make_put(&q, &p, "ctx-a", toks, 4, KVROPE__PUT_MODE__CREATE);
-    send_req(fd, &q, pay, pb);
-    Kvrope__Response *r = recv_resp(fd, NULL, NULL);
-    cr_assert_eq(r->status, KVROPE__STATUS__OK, "put: %s", r->message);
-    kvrope__response__free_unpacked(r, NULL);
+    Kvrope__Response *r;
 
     int stall = connect_unix(D.sock);
     make_put(&q, &p, "ctx-a", more, 4, KVROPE__PUT_MODE__APPEND);
@@ -750,15 +726,7 @@ Test(daemon_wire, stalled_put_is_aborted_after_io_timeout)
      * put holds the context. */
     bool busy = false;
     for (int i = 0; i < 1000 && !busy; i++) {
-        Kvrope__Stat sq = KVROPE__STAT__INIT;
-        sq.context_id = "ctx-a";
-        kvrope__request__init(&q);
-        q.id = 301;
-        q.body_case = KVROPE__REQUEST__BODY_STAT;
-        q.stat = &sq;
-        send_req(fd, &q, NULL, 0);
-        r = recv_resp(fd, NULL, NULL);
-        cr_assert_eq(r->status, KVROPE__STATUS__OK);
+        r = stat_ok(fd, "ctx-a");
         busy = r->context->busy;
         kvrope__response__free_unpacked(r, NULL);
         if (!busy)
@@ -769,10 +737,7 @@ Test(daemon_wire, stalled_put_is_aborted_after_io_timeout)
     Kvrope__Status st = KVROPE__STATUS__E_BUSY;
     for (int i = 0; i < 1000 && st == KVROPE__STATUS__E_BUSY; i++) {
         make_put(&q, &p, "ctx-a", more, 4, KVROPE__PUT_MODE__APPEND);
-        send_req(fd, &q, pay2, pb);
-        r = recv_resp(fd, NULL, NULL);
-        st = r->status;
-        kvrope__response__free_unpacked(r, NULL);
+        st = request_status(fd, &q, pay2, pb);
         if (st == KVROPE__STATUS__E_BUSY)
             sleep_ms(10);
     }
@@ -793,8 +758,7 @@ Test(daemon_wire, stalled_put_is_aborted_after_io_timeout)
     kvrope__response__free_unpacked(r, NULL);
     free(pay);
     free(pay2);
-    close(fd);
-    stop_daemon_clean();
+    close_and_stop(fd);
 }
 
 /* Half a header, then nothing: closed after --io-timeout. An idle
@@ -850,10 +814,7 @@ static int unix_conn_admitted(void)
         q.id = 77;
         q.body_case = KVROPE__REQUEST__BODY_PING;
         q.ping = &p;
-        send_req(fd, &q, NULL, 0);
-        Kvrope__Response *r = recv_resp(fd, NULL, NULL);
-        Kvrope__Status st = r->status;
-        kvrope__response__free_unpacked(r, NULL);
+        Kvrope__Status st = request_status(fd, &q, NULL, 0);
         if (st == KVROPE__STATUS__OK)
             return fd;
         cr_assert_eq(st, KVROPE__STATUS__E_LIMIT);
@@ -921,36 +882,25 @@ Test(daemon_wire, unauthenticated_connection_limit)
 Test(daemon_wire, unread_replies_time_out)
 {
     const char *extra[] = { "--io-timeout", "1", "--max-conn-buffer", "4096", NULL };
-    start_daemon(extra);
-    int fd = connect_unix(D.sock);
+    int fd = start_and_connect(extra);
     register_model(fd);
     enum { T = 4096 };
     uint32_t *toks = malloc(T * sizeof *toks);
     for (uint32_t i = 0; i < T; i++)
         toks[i] = i;
-    size_t pb = payload_bytes(T);
-    uint16_t *pay = malloc(pb);
-    fill_payload(pay, T, 3);
+    size_t pb;
+    uint16_t *pay = new_payload(T, 3, &pb);
+    put_ok(fd, "big", toks, T, KVROPE__PUT_MODE__CREATE, pay, pb);
     Kvrope__Request q;
-    Kvrope__Put p;
-    make_put(&q, &p, "big", toks, T, KVROPE__PUT_MODE__CREATE);
-    send_req(fd, &q, pay, pb);
-    Kvrope__Response *r = recv_resp(fd, NULL, NULL);
-    cr_assert_eq(r->status, KVROPE__STATUS__OK, "put: %s", r->message);
-    kvrope__response__free_unpacked(r, NULL);
 
     int slow = connect_unix(D.sock);
     /* 40 replies of 512 KiB: more than the daemon's socket send buffer (4 MiB,
      * doubled by the kernel) holds, so some reply must stay queued. */
     for (int i = 0; i < 40; i++) {
-        Kvrope__Get g = KVROPE__GET__INIT;
-        g.context_id = "big";
+        Kvrope__Get g;
+        make_get(&q, &g, "big", 500 + (uint64_t)i);
         g.has_dtype = 1;
         g.dtype = KVROPE__DTYPE__F32;
-        kvrope__request__init(&q);
-        q.id = 500 + (uint64_t)i;
-        q.body_case = KVROPE__REQUEST__BODY_GET;
-        q.get = &g;
         send_req(slow, &q, NULL, 0);
     }
     double n = 2;
@@ -963,8 +913,7 @@ Test(daemon_wire, unread_replies_time_out)
     close(slow);
     free(toks);
     free(pay);
-    close(fd);
-    stop_daemon_clean();
+    close_and_stop(fd);
 }
 
 /* Before Auth a frame may carry a few KiB of message and no payload: a
@@ -974,13 +923,11 @@ Test(daemon_wire, large_frame_before_auth_is_refused)
 {
     int port = start_tcp_daemon_with_token(NULL);
     int fd = tcp_connect_retry(port);
-    uint8_t h[KVR_FRAME_HEADER_SIZE];
-    kvr_frame_header_encode(h, 512u << 10, 0);    /* under --max-frame */
-    refused_then_closed(fd, h, sizeof h, KVROPE__STATUS__E_UNAUTHENTICATED);
+    header_refused(fd, 512u << 10, 0, KVROPE__STATUS__E_UNAUTHENTICATED);   /* under --max-frame */
 
     fd = connect_tcp(port);
-    kvr_frame_header_encode(h, 8, 1u << 20);       /* a payload before Auth */
-    refused_then_closed(fd, h, sizeof h, KVROPE__STATUS__E_UNAUTHENTICATED);
+    /* a payload before Auth */
+    header_refused(fd, 8, 1u << 20, KVROPE__STATUS__E_UNAUTHENTICATED);
 
     /* After Auth the usual limits apply. */
     fd = connect_tcp(port);
@@ -993,11 +940,8 @@ Test(daemon_wire, large_frame_before_auth_is_refused)
 Test(daemon_wire, message_limit_follows_memory_cap)
 {
     const char *extra[] = { "--max-memory", "1M", NULL };
-    start_daemon(extra);
-    int fd = connect_unix(D.sock);
-    uint8_t h[KVR_FRAME_HEADER_SIZE];
-    kvr_frame_header_encode(h, 64u << 10, 0);     /* under --max-frame 1M */
-    refused_then_closed(fd, h, sizeof h, KVROPE__STATUS__E_TOO_LARGE);
+    int fd = start_and_connect(extra);
+    header_refused(fd, 64u << 10, 0, KVROPE__STATUS__E_TOO_LARGE);   /* under --max-frame 1M */
     fd = connect_unix(D.sock);
     answers_then_stop(fd, 1);
 }

@@ -277,9 +277,7 @@ Test(int_cli_persist, put_persist_survives_restart, .timeout = 120)
     cr_assert_not_null(mkdtemp(disk));
     const char *const extra[] = { "--disk-dir", disk, NULL };
     kvr_testd d;
-    cr_assert_eq(testd_start(&d, extra), 0);
-    kvr_client *c = testd_connect(&d);
-    cr_assert_eq(testd_register(c, "m", KVR_DTYPE_F16, NULL), 0);
+    kvr_client *c = kvt_daemon_up_model(&d, extra, "m", KVR_DTYPE_F16);
     size_t len;
     void *pl = testd_payload(9, T_LAYERS, 0, 12, KVR_DTYPE_F16, &len);
     char in[300], out[300];

@@ -27,6 +27,7 @@
 #include "tests/common/kvr_cluster.h"
 #include "tests/common/kvr_opsd.h"
 #include "tests/common/kvr_testd.h"
+#include "tests/common/kvt_daemon.h"
 
 /* How a test put publishes. */
 #define SHARE      1u
@@ -133,6 +134,26 @@ static void assert_same(const kvr_kv *x, const kvr_kv *y)
     cr_assert_eq(memcmp(x->positions, y->positions, x->n_tokens * 8), 0);
 }
 
+/* The whole of ctx is the same from A as from B (assert_same). */
+static void same_on_both(const char *ctx)
+{
+    kvr_kv ka, kb;
+    cr_assert_eq(get_kv(CA, ctx, 0, 0, NULL, &ka), 0);
+    cr_assert_eq(get_kv(CB, ctx, 0, 0, NULL, &kb), 0, "%s", kvr_client_last_error(CB));
+    assert_same(&ka, &kb);
+    kvr_kv_release(&ka);
+    kvr_kv_release(&kb);
+}
+
+/* tok with tokens [from, n) set to t (a prompt that goes on past a
+ * stored context's tokens); returns tok. */
+static uint32_t *prompt_after(uint32_t *tok, size_t from, size_t n, uint32_t t)
+{
+    for (size_t i = from; i < n; i++)
+        tok[i] = t;
+    return tok;
+}
+
 TestSuite(int_cluster, .init = setup, .fini = teardown, .timeout = 240);
 
 Test(int_cluster, share_on_a_get_and_match_on_b)
@@ -140,11 +161,7 @@ Test(int_cluster, share_on_a_get_and_match_on_b)
     cr_assert_eq(put_flags(CA, "doc", 7, 1000, 200, SHARE_SYNC), 0);
     /* B has never seen it: the get fetches manifest + blocks. */
     kvr_kv ka, kb;
-    cr_assert_eq(get_kv(CA, "doc", 0, 0, NULL, &ka), 0);
-    cr_assert_eq(get_kv(CB, "doc", 0, 0, NULL, &kb), 0, "%s", kvr_client_last_error(CB));
-    assert_same(&ka, &kb);
-    kvr_kv_release(&kb);
-    kvr_kv_release(&ka);
+    same_on_both("doc");
     /* Positional work on the fetched data: re-rotated to 1000.. on both. */
     int64_t pos[50];
     for (int i = 0; i < 50; i++)
@@ -158,9 +175,7 @@ Test(int_cluster, share_on_a_get_and_match_on_b)
     /* A prompt that starts with doc's tokens, on B (contexts at B: the
      * fetched "doc" matches it locally, so delete it first). */
     cr_assert_eq(kvr_client_delete(CB, "doc"), 0);
-    uint32_t *prompt = testd_tokens(1000, 260);
-    for (int i = 200; i < 260; i++)
-        prompt[i] = 5;
+    uint32_t *prompt = prompt_after(testd_tokens(1000, 260), 200, 260, 5);
     kvr_match_res m;
     cr_assert_eq(match_kv(CB, prompt, 260, &m), 0);
     /* All 200: three whole blocks and doc's last, shorter one. */
@@ -274,6 +289,14 @@ Test(int_cluster, share_on_a_get_and_match_on_b)
 /* ---- quantized contexts travel as their codes ------------------------------ */
 
 static kvr_rc *test_rc(void);
+/* testd_tokens(first, n), their positions 0.. in pos[0..n). */
+static uint32_t *tokens_from_zero(uint32_t first, size_t n, int64_t *pos)
+{
+    for (size_t i = 0; i < n; i++)
+        pos[i] = (int64_t)i;
+    return testd_tokens(first, n);
+}
+
 static void rc_set(kvr_rc *rc, const char *key, const void *v, size_t n);
 
 /* Puts n tokens of codec `codec` on A in two puts (the second shares). */
@@ -375,11 +398,7 @@ Test(int_cluster, quantized_travels)
         cr_assert_eq(kvr_client_put(CB, &a, NULL), 0, "%s", kvr_client_last_error(CB));
         free(pl);
         free(tok);
-        cr_assert_eq(get_kv(CA, q[i].id, 0, 0, NULL, &ka), 0);
-        cr_assert_eq(get_kv(CB, q[i].id, 0, 0, NULL, &kb), 0);
-        assert_same(&ka, &kb);
-        kvr_kv_release(&ka);
-        kvr_kv_release(&kb);
+        same_on_both(q[i].id);
     }
     /* The default grouping, k4v2 (K int4 per channel over 128 tokens, V
      * int2 over 256 channels, 128-token window), on a model whose rows are
@@ -406,12 +425,7 @@ Test(int_cluster, quantized_travels)
         kvr_context sa, sb;
         cr_assert_eq(kvr_client_stat(CA, "q-k4v2", &sa), 0);
         cr_assert_eq(sa.n_window, 144);
-        kvr_kv ka, kb;
-        cr_assert_eq(get_kv(CA, "q-k4v2", 0, 0, NULL, &ka), 0);
-        cr_assert_eq(get_kv(CB, "q-k4v2", 0, 0, NULL, &kb), 0, "%s", kvr_client_last_error(CB));
-        assert_same(&ka, &kb);
-        kvr_kv_release(&ka);
-        kvr_kv_release(&kb);
+        same_on_both("q-k4v2");
         cr_assert_eq(kvr_client_stat(CB, "q-k4v2", &sb), 0);
         cr_assert_str_eq(sa.codec, sb.codec);
         cr_assert_eq(sa.n_window, sb.n_window);
@@ -481,15 +495,27 @@ static void rc_set(kvr_rc *rc, const char *key, const void *v, size_t n)
     freeReplyObject(r);
 }
 
+/* Prefix key pk set to the n bytes of v: a match on B of the 130 tokens
+ * of pr finds nothing, and counts a corrupt fetch. */
+static void prefix_value_misses(kvr_rc *rc, const char *pk, const void *v, size_t n,
+                                const uint32_t *pr)
+{
+    rc_set(rc, pk, v, n);
+    double c0 = testd_metric(CB, "remote_fetch_corrupt");
+    kvr_match_res m;
+    cr_assert_eq(kvr_client_match(CB, &(kvr_match_args){ .model = "tiny", .tokens = pr,
+                                                        .n_tokens = 130 }, &m), 0);
+    cr_assert_eq(m.length, 0);
+    cr_assert_gt(testd_metric(CB, "remote_fetch_corrupt"), c0);
+}
+
 Test(int_cluster, garbage_is_a_miss)
 {
     cr_assert_eq(put_flags(CA, "g1", 3, 10, 130, SHARE_SYNC), 0);
     cr_assert_eq(put_flags(CA, "g2", 4, 10, 10, SHARE_SYNC), 0);
     kvr_rt_desc desc = { MA.fingerprint, T_LAYERS, T_HEADS, T_DIM, KVR_DTYPE_F16 };
-    uint32_t *tok = testd_tokens(10, 130);
     int64_t pos[130];
-    for (int i = 0; i < 130; i++)
-        pos[i] = i;
+    uint32_t *tok = tokens_from_zero(10, 130, pos);
     uint64_t h = kvr__rt_chain_seed(&desc);
     h = kvr__rt_chain_next(h, tok, pos, 64);
     h = kvr__rt_chain_next(h, tok + 64, pos + 64, 64);   /* the second block */
@@ -520,36 +546,19 @@ Test(int_cluster, garbage_is_a_miss)
     uint64_t seed = kvr__rt_chain_seed(&desc);
     char pk[KVR_RT_KEY_MAX];
     kvr__rt_sub_key(kvr__rt_chain_next(seed, tok, pos, 16), pk);
-    uint32_t *pr = testd_tokens(10, 130);
-    for (int i = 20; i < 130; i++)
-        pr[i] = 3;
-    double c0 = testd_metric(CB, "remote_fetch_corrupt");
+    uint32_t *pr = prompt_after(testd_tokens(10, 130), 20, 130, 3);
     cr_assert_eq(kvr_client_match(CB, &(kvr_match_args){ .model = "tiny", .tokens = pr,
                                                         .n_tokens = 130 }, &m), 0);
     cr_assert_eq(m.length, 16, "the prefix key works before it is spoilt");
     cr_assert_eq(kvr_client_delete(CB, m.ctx_id), 0);
-    rc_set(rc, pk, "garbage!", 8);
-    cr_assert_eq(kvr_client_match(CB, &(kvr_match_args){ .model = "tiny", .tokens = pr,
-                                                        .n_tokens = 130 }, &m), 0);
-    cr_assert_eq(m.length, 0);
-    cr_assert_gt(testd_metric(CB, "remote_fetch_corrupt"), c0);
+    prefix_value_misses(rc, pk, "garbage!", 8, pr);
     uint8_t sv[KVR_RT_SUB_LEN];
     uint32_t *t2 = testd_tokens(10, 10);
     kvr__rt_sub_encode(&desc, kvr__rt_chain_next(seed, t2, pos, 10), 10, 16, sv);
     free(t2);
-    rc_set(rc, pk, sv, sizeof sv);
-    c0 = testd_metric(CB, "remote_fetch_corrupt");
-    cr_assert_eq(kvr_client_match(CB, &(kvr_match_args){ .model = "tiny", .tokens = pr,
-                                                        .n_tokens = 130 }, &m), 0);
-    cr_assert_eq(m.length, 0);
-    cr_assert_gt(testd_metric(CB, "remote_fetch_corrupt"), c0);
+    prefix_value_misses(rc, pk, sv, sizeof sv, pr);
     kvr__rt_sub_encode(&desc, h, 64, 16, sv);
-    rc_set(rc, pk, sv, sizeof sv);
-    c0 = testd_metric(CB, "remote_fetch_corrupt");
-    cr_assert_eq(kvr_client_match(CB, &(kvr_match_args){ .model = "tiny", .tokens = pr,
-                                                        .n_tokens = 130 }, &m), 0);
-    cr_assert_eq(m.length, 0);
-    cr_assert_gt(testd_metric(CB, "remote_fetch_corrupt"), c0);
+    prefix_value_misses(rc, pk, sv, sizeof sv, pr);
     free(pr);
     /* The manifest of g2, one byte flipped: a miss. */
     char mk[KVR_RT_KEY_MAX];
@@ -916,6 +925,24 @@ static void assert_same_layout(const char *ctx)
     cr_assert_eq(sa.n_protected, sb.n_protected);
 }
 
+/* Releases ka and kb, then compares ctx's layout on A and B
+ * (assert_same_layout). */
+static void release_same_layout(kvr_kv *ka, kvr_kv *kb, const char *ctx)
+{
+    kvr_kv_release(ka);
+    kvr_kv_release(kb);
+    assert_same_layout(ctx);
+}
+
+/* The whole of ctx from A (into ka) and from B (kb), whose metadata are
+ * the same (assert_same_meta). */
+static void get_both_same_meta(const char *ctx, kvr_kv *ka, kvr_kv *kb)
+{
+    cr_assert_eq(get_kv(CA, ctx, 0, 0, NULL, ka), 0);
+    cr_assert_eq(get_kv(CB, ctx, 0, 0, NULL, kb), 0, "%s", kvr_client_last_error(CB));
+    assert_same_meta(ka, kb);
+}
+
 Test(int_cluster, layout_travels)
 {
     /* A grouped context: "sys" from 0, "doc" moved to 1000, tokens of both
@@ -937,9 +964,7 @@ Test(int_cluster, layout_travels)
     cr_assert_eq(ka.groups[0], 0);
     cr_assert_eq(ka.groups[40], 1);
     cr_assert_eq(ka.positions[40], 1000);
-    kvr_kv_release(&ka);
-    kvr_kv_release(&kb);
-    assert_same_layout("gp");
+    release_same_layout(&ka, &kb, "gp");
     /* The layout works on B as on A: the next tokens of a group take the
      * same positions, a new group offset moves the same tokens. */
     cr_assert_eq(group_put(CA, "gp", "doc", 4, 400, 5, NULL, 0, NULL, false, 0), 0);
@@ -947,14 +972,10 @@ Test(int_cluster, layout_travels)
                  "%s", kvr_client_last_error(CB));
     cr_assert_eq(kvr_client_set_group_offset(CA, "gp", "sys", 7, NULL), 0);
     cr_assert_eq(kvr_client_set_group_offset(CB, "gp", "sys", 7, NULL), 0);
-    cr_assert_eq(get_kv(CA, "gp", 0, 0, NULL, &ka), 0);
-    cr_assert_eq(get_kv(CB, "gp", 0, 0, NULL, &kb), 0);
-    assert_same_meta(&ka, &kb);
+    get_both_same_meta("gp", &ka, &kb);
     cr_assert_eq(ka.positions[0], 7);
     cr_assert_eq(ka.positions[170], 1100);
-    kvr_kv_release(&ka);
-    kvr_kv_release(&kb);
-    assert_same_layout("gp");
+    release_same_layout(&ka, &kb, "gp");
     /* Protection travelled (assert_same_layout compared it). */
     kvr_context sb;
     cr_assert_eq(kvr_client_stat(CB, "gp", &sb), 0);
@@ -972,13 +993,9 @@ Test(int_cluster, layout_travels)
     cr_assert_eq(kvr_client_put(CA, &a, NULL), 0, "%s", kvr_client_last_error(CA));
     free(pl);
     free(tok);
-    cr_assert_eq(get_kv(CA, "ape", 0, 0, NULL, &ka), 0);
-    cr_assert_eq(get_kv(CB, "ape", 0, 0, NULL, &kb), 0, "%s", kvr_client_last_error(CB));
-    assert_same_meta(&ka, &kb);
+    get_both_same_meta("ape", &ka, &kb);
     cr_assert_eq(ka.positions[0], 20);
-    kvr_kv_release(&ka);
-    kvr_kv_release(&kb);
-    assert_same_layout("ape");
+    release_same_layout(&ka, &kb, "ape");
     kvr_layout_res lb;
     cr_assert_eq(kvr_client_layout_stat(CB, "ape", &lb), 0);
     cr_assert(lb.has_prefix);
@@ -1072,9 +1089,7 @@ Test(int_cluster, crafted_layouts_are_misses)
         cr_assert_eq(get_kv(CB, kinds[k], 0, 0, NULL, &kb), 0, "%s: %s", kinds[k],
                      kvr_client_last_error(CB));
         assert_same_meta(&ka, &kb);
-        kvr_kv_release(&ka);
-        kvr_kv_release(&kb);
-        assert_same_layout(kinds[k]);
+        release_same_layout(&ka, &kb, kinds[k]);
     }
     /* Now planted manifests (well-formed, checksum right) whose layout no
      * verb would have set: each a miss on B, counted, B unharmed. */
@@ -1191,6 +1206,20 @@ static uint32_t crc32c_sw(const uint8_t *p, size_t n)
     return ~c;
 }
 
+/* A daemon with the remote tier keyed by keyf does not start, and its log
+ * names --remote-key-file and why; its directory is removed. */
+static void key_refused(const char *keyf, const char *why)
+{
+    kvr_testd w;
+    cr_assert_neq(start_keyed(&w, "127.0.0.1:1", keyf), 0, "started with key file %s", keyf);
+    cr_assert(log_has(&w, "remote-key-file") && log_has(&w, why), "no clear error in %s",
+              w.log);
+    char rm[400];
+    snprintf(rm, sizeof rm, "rm -rf %s", w.dir);
+    if (system(rm) != 0)
+        fprintf(stderr, "could not remove %s\n", w.dir);
+}
+
 Test(int_cluster_mac, sealed_values_travel_forged_ones_are_misses)
 {
     cr_assert(log_has(&A, "keyed BLAKE2b MAC"), "no log line about the key");
@@ -1206,12 +1235,8 @@ Test(int_cluster_mac, sealed_values_travel_forged_ones_are_misses)
                                                          .n_tokens = 100 }, &mr), 0);
     cr_assert_eq(mr.length, 32, "a prefix key under the MAC");
     free(pr);
-    kvr_kv ka, kb;
-    cr_assert_eq(get_kv(CA, "m1", 0, 0, NULL, &ka), 0);
-    cr_assert_eq(get_kv(CB, "m1", 0, 0, NULL, &kb), 0, "%s", kvr_client_last_error(CB));
-    assert_same(&ka, &kb);
-    kvr_kv_release(&ka);
-    kvr_kv_release(&kb);
+    kvr_kv kb;
+    same_on_both("m1");
     cr_assert_eq(testd_metric(CB, "remote_fetch_forged"), 0);
 
     kvr_rc *rc = test_rc();
@@ -1258,10 +1283,8 @@ Test(int_cluster_mac, sealed_values_travel_forged_ones_are_misses)
      * or none at all): a miss, counted, never served. */
     cr_assert_eq(put_flags(CA, "m4", 6, 2000, 64, SHARE_SYNC), 0);
     kvr_rt_desc desc = { MA.fingerprint, T_LAYERS, T_HEADS, T_DIM, KVR_DTYPE_F16 };
-    uint32_t *tok = testd_tokens(2000, 64);
     int64_t pos[64];
-    for (int i = 0; i < 64; i++)
-        pos[i] = i;
+    uint32_t *tok = tokens_from_zero(2000, 64, pos);
     char bk[KVR_RT_KEY_MAX];
     kvr__rt_block_key(kvr__rt_chain_next(kvr__rt_chain_seed(&desc), tok, pos, 64), bk);
     free(tok);
@@ -1304,42 +1327,26 @@ Test(int_cluster_start, key_file_refused_unless_private_and_long)
     };
     for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
         write_key(KEYF, bad[i].secret, bad[i].mode);
-        kvr_testd w;
-        cr_assert_neq(start_keyed(&w, "127.0.0.1:1", KEYF), 0, "started with a bad key file");
-        cr_assert(log_has(&w, "remote-key-file") && log_has(&w, bad[i].why),
-                  "no clear error in %s", w.log);
-        char rm[400];
-        snprintf(rm, sizeof rm, "rm -rf %s", w.dir);
-        if (system(rm) != 0)
-            fprintf(stderr, "could not remove %s\n", w.dir);
+        key_refused(KEYF, bad[i].why);
     }
     /* The I/O errors of reading it: a missing file (open fails), a
      * directory (open succeeds, the read fails with EISDIR). */
     char kd[400];
     snprintf(kd, sizeof kd, "%s/keydir", T.dir);
     cr_assert_eq(mkdir(kd, 0700), 0);
-    kvr_testd wd;
-    cr_assert_neq(start_keyed(&wd, "127.0.0.1:1", kd), 0, "started with a directory as key");
-    cr_assert(log_has(&wd, "remote-key-file") && log_has(&wd, "read error"),
-              "no clear error in %s", wd.log);
-    char rmd[400];
-    snprintf(rmd, sizeof rmd, "rm -rf %s", wd.dir);
-    if (system(rmd) != 0)
-        fprintf(stderr, "could not remove %s\n", wd.dir);
+    key_refused(kd, "read error");
     char missing[400];
     snprintf(missing, sizeof missing, "%s/nope", T.dir);
-    kvr_testd w;
-    cr_assert_neq(start_keyed(&w, "127.0.0.1:1", missing), 0);
-    cr_assert(log_has(&w, "remote-key-file"), "no clear error in %s", w.log);
+    key_refused(missing, "remote-key-file");
     /* Without a key the log says whom the tier trusts. */
     kvr_testd d;
     cr_assert_eq(start_node(&d, "127.0.0.1:1"), 0);
     cr_assert(log_has(&d, "trusts everyone who can write"), "no warning in %s", d.log);
     testd_stop(&d);
     char rm[400];
-    snprintf(rm, sizeof rm, "rm -rf %s %s", w.dir, T.dir);
+    snprintf(rm, sizeof rm, "rm -rf %s", T.dir);
     if (system(rm) != 0)
-        fprintf(stderr, "could not remove %s\n", w.dir);
+        fprintf(stderr, "could not remove %s\n", T.dir);
 }
 
 Test(int_cluster_mac, quantized_values_sealed_and_checked)
@@ -1403,10 +1410,7 @@ Test(int_cluster, big_values_refused_unread)
     kvr_testd C;
     const char *extra[] = { "--remote-tier", T.seeds, "--remote-auth-file", AUTH,
                             "--max-memory", "64M", NULL };
-    cr_assert_eq(testd_start(&C, extra), 0);
-    kvr_client *cc = testd_connect(&C);
-    cr_assert_not_null(cc);
-    cr_assert_eq(testd_register(cc, "tiny", KVR_DTYPE_F16, NULL), 0);
+    kvr_client *cc = kvt_daemon_up_model(&C, extra, "tiny", KVR_DTYPE_F16);
     size_t big = (size_t)16 << 20;
     uint8_t *v = calloc(1, big);
     cr_assert_not_null(v);
@@ -1443,8 +1447,7 @@ Test(int_cluster, big_values_refused_unread)
     cr_assert_lt(p1 - p0, 8 * 1024, "peak memory grew by %ld KiB reading refused values",
                  p1 - p0);
     kvr__rc_destroy(rc);
-    kvr_client_close(cc);
-    testd_stop(&C);
+    kvt_daemon_down(&C, &cc, NULL);
 }
 
 /* ---- a hung cluster (issue 29, finding 4) ---------------------------------- */
@@ -1591,9 +1594,7 @@ Test(int_cluster, every_verb_sees_published_contexts)
     cr_assert_eq(kvr_client_delete(CB, "pub"), 0);
 
     /* A match of its tokens (and more): all 150 found, bit-exact. */
-    uint32_t *prompt = testd_tokens(3000, 170);
-    for (int i = 150; i < 170; i++)
-        prompt[i] = 9;
+    uint32_t *prompt = prompt_after(testd_tokens(3000, 170), 150, 170, 9);
     kvr_match_res m;
     cr_assert_eq(match_kv(CB, prompt, 170, &m), 0);
     cr_assert_eq(m.length, 150, "match: %llu", (unsigned long long)m.length);

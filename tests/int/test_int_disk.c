@@ -29,6 +29,7 @@
 
 #include "tests/common/cache_stream.h"
 #include "tests/common/kvr_testd.h"
+#include "tests/common/kvt_daemon.h"
 #include "tests/common/kvr_tmpdir.h"
 #include "tests/common/kvt.h"
 
@@ -86,6 +87,43 @@ static int put_p(kvr_client *c, const char *ctx, kvr_dtype dt, uint32_t seed, ui
     return r;
 }
 
+/* Criterion tests suite int_disk::name_auto and name_posix running fn on
+ * each disk engine, with a timeout of secs. */
+#define ENGINE_TESTS(name, fn, secs)                                           \
+    Test(int_disk, name##_auto, .timeout = secs) { fn("auto"); }              \
+    Test(int_disk, name##_posix, .timeout = secs) { fn("posix"); }
+
+/* Closes c, stops d and starts it again on dir with engine: a client of
+ * the new daemon. */
+static kvr_client *restart_daemon(kvr_client *c, kvr_testd *d, const char *dir,
+                                  const char *engine)
+{
+    kvr_client_close(c);
+    testd_stop(d);
+    cr_assert_eq(start(d, dir, engine, NULL), 0);
+    return testd_connect(d);
+}
+
+/* Starts a daemon on a fresh disk directory (disk_dir: into dir, cap
+ * bytes) with engine (start) and registers the f16 test model "m" on a
+ * client of it, which it returns. */
+static kvr_client *start_with_model(kvr_testd *d, char *dir, size_t cap, const char *engine)
+{
+    disk_dir(dir, cap);
+    cr_assert_eq(start(d, dir, engine, NULL), 0);
+    kvr_client *c = testd_connect(d);
+    cr_assert_eq(testd_register(c, "m", KVR_DTYPE_F16, NULL), 0);
+    return c;
+}
+
+/* Closes c, stops d and removes its disk directory dir. */
+static void stop_and_remove(kvr_client *c, kvr_testd *d, const char *dir)
+{
+    kvr_client_close(c);
+    testd_stop(d);
+    kvt_rm_tree(dir);
+}
+
 /* ---- spill and reload --------------------------------------------------------- */
 
 static void spill_reload(const char *engine)
@@ -131,24 +169,18 @@ static void spill_reload(const char *engine)
     cr_assert_eq(e, 1.0);
     if (!strcmp(engine, "posix"))
         cr_assert_eq(testd_metric(c, "disk_engine_posix"), 1.0);
-    kvr_client_close(c);
-    testd_stop(&d);
-    kvt_rm_tree(dir);
+    stop_and_remove(c, &d, dir);
 }
 
-Test(int_disk, spill_reload_auto, .timeout = 120) { spill_reload("auto"); }
-Test(int_disk, spill_reload_posix, .timeout = 120) { spill_reload("posix"); }
+ENGINE_TESTS(spill_reload, spill_reload, 120)
 
 /* ---- restart -------------------------------------------------------------------- */
 
 static void restart(const char *engine)
 {
     char dir[64];
-    disk_dir(dir, sizeof dir);
     kvr_testd d;
-    cr_assert_eq(start(&d, dir, engine, NULL), 0);
-    kvr_client *c = testd_connect(&d);
-    cr_assert_eq(testd_register(c, "m", KVR_DTYPE_F16, NULL), 0);
+    kvr_client *c = start_with_model(&d, dir, sizeof dir, engine);
     cr_assert_eq(put_p(c, "p", KVR_DTYPE_F16, 1, 0, 200, true, NULL), 0, "%s",
                  kvr_client_last_error(c));
     cr_assert_eq(put_p(c, "p", KVR_DTYPE_F16, 1, 200, 77, false, NULL), 0);
@@ -163,20 +195,15 @@ static void restart(const char *engine)
     cr_assert_eq(kvr_client_delete(c, "del"), 0);
     uint64_t hp = ctx_hash(c, "p", KVR_DTYPE_F16), hq = ctx_hash(c, "q", KVR_DTYPE_F32);
     cr_assert_eq(testd_metric(c, "persist_contexts"), 2.0);
-    kvr_client_close(c);
-    testd_stop(&d);
 
-    cr_assert_eq(start(&d, dir, engine, NULL), 0);
-    c = testd_connect(&d);
+    c = restart_daemon(c, &d, dir, engine);
     cr_assert_eq(ctx_hash(c, "p", KVR_DTYPE_F16), hp);
     cr_assert_eq(ctx_hash(c, "q", KVR_DTYPE_F32), hq);
     cr_assert_eq(ctx_hash(c, "v", KVR_DTYPE_F16), 0, "non-persistent context came back");
     cr_assert_eq(ctx_hash(c, "del", KVR_DTYPE_F16), 0, "deleted context came back");
     cr_assert_eq(testd_metric(c, "recovery_contexts"), 2.0);
     cr_assert_geq(testd_metric(c, "recovery_ms"), 0.0);
-    kvr_client_close(c);
-    testd_stop(&d);
-    kvt_rm_tree(dir);
+    stop_and_remove(c, &d, dir);
 }
 
 static int put_replace(kvr_client *c, const char *ctx, uint32_t seed, size_t n, bool persist)
@@ -199,35 +226,26 @@ static int put_replace(kvr_client *c, const char *ctx, uint32_t seed, size_t n, 
 Test(int_disk, replace_survives_restart, .timeout = 120)
 {
     char dir[64];
-    disk_dir(dir, sizeof dir);
     kvr_testd d;
-    cr_assert_eq(start(&d, dir, "auto", NULL), 0);
-    kvr_client *c = testd_connect(&d);
-    cr_assert_eq(testd_register(c, "m", KVR_DTYPE_F16, NULL), 0);
+    kvr_client *c = start_with_model(&d, dir, sizeof dir, "auto");
     cr_assert_eq(put_replace(c, "a", 1, 120, true), 0, "%s", kvr_client_last_error(c));
     cr_assert_eq(put_replace(c, "b", 2, 80, true), 0, "%s", kvr_client_last_error(c));
     cr_assert_eq(put_replace(c, "a", 3, 40, true), 0, "%s", kvr_client_last_error(c));
     cr_assert_eq(put_replace(c, "b", 4, 30, false), 0, "%s", kvr_client_last_error(c));
     uint64_t ha = ctx_hash(c, "a", KVR_DTYPE_F16);
     cr_assert_eq(testd_metric(c, "persist_contexts"), 1.0);
-    kvr_client_close(c);
-    testd_stop(&d);
 
-    cr_assert_eq(start(&d, dir, "auto", NULL), 0);
-    c = testd_connect(&d);
+    c = restart_daemon(c, &d, dir, "auto");
     cr_assert_eq(ctx_hash(c, "a", KVR_DTYPE_F16), ha, "the replacement did not come back");
     kvr_context ci;
     cr_assert_eq(kvr_client_stat(c, "a", &ci), 0);
     cr_assert_eq(ci.n_tokens, 40);
     cr_assert_eq(ctx_hash(c, "b", KVR_DTYPE_F16), 0, "a replaced context came back");
     cr_assert_eq(testd_metric(c, "recovery_contexts"), 1.0);
-    kvr_client_close(c);
-    testd_stop(&d);
-    kvt_rm_tree(dir);
+    stop_and_remove(c, &d, dir);
 }
 
-Test(int_disk, restart_auto, .timeout = 120) { restart("auto"); }
-Test(int_disk, restart_posix, .timeout = 120) { restart("posix"); }
+ENGINE_TESTS(restart, restart, 120)
 
 /* ---- kill -9 ----------------------------------------------------------------------- */
 
@@ -308,9 +326,7 @@ static void kill9(const char *engine)
     disk_dir(dir, sizeof dir);
     kvr_testd ref;
     const char *rargs[] = { "--max-memory", "256M", NULL };
-    cr_assert_eq(testd_start(&ref, rargs), 0);
-    kvr_client *rc = testd_connect(&ref);
-    cr_assert_eq(testd_register(rc, "m", KVR_DTYPE_F16, NULL), 0);
+    kvr_client *rc = kvt_daemon_up_model(&ref, rargs, "m", KVR_DTYPE_F16);
     world w = { .next_base = 1 };
     unsigned seed = 12345;
     int inflight_seen = 0;
@@ -394,10 +410,7 @@ Test(int_disk, killed_daemon_gives_errors, .timeout = 120)
     signal(SIGPIPE, SIG_DFL);
     kvr_testd d;
     const char *args[] = { "--max-memory", "256M", NULL };
-    cr_assert_eq(testd_start(&d, args), 0);
-    kvr_client *c = testd_connect(&d);
-    cr_assert(c);
-    cr_assert_eq(testd_register(c, "m", KVR_DTYPE_F32, NULL), 0);
+    kvr_client *c = kvt_daemon_up_model(&d, args, "m", KVR_DTYPE_F32);
     cr_assert_eq(put_p(c, "a", KVR_DTYPE_F32, 1, 0, 10, false, NULL), 0);
     kill(d.pid, SIGKILL);
     waitpid(d.pid, NULL, 0);
@@ -407,23 +420,18 @@ Test(int_disk, killed_daemon_gives_errors, .timeout = 120)
     cr_assert(r == KVR_ECLOSED || r == KVR_ESYS, "%d: %s", r, kvr_client_last_error(c));
     cr_assert_eq(kvr_client_ping(c, NULL), KVR_ECLOSED);
     cr_assert_eq(ctx_hash(c, "a", KVR_DTYPE_F32), 1);
-    kvr_client_close(c);
-    testd_stop(&d);
+    kvt_daemon_down(&d, &c, NULL);
 }
 
-Test(int_disk, kill9_auto, .timeout = 600) { kill9("auto"); }
-Test(int_disk, kill9_posix, .timeout = 600) { kill9("posix"); }
+ENGINE_TESTS(kill9, kill9, 600)
 
 /* ---- corruption ----------------------------------------------------------------------- */
 
 static void corrupt(const char *engine)
 {
     char dir[64];
-    disk_dir(dir, sizeof dir);
     kvr_testd d;
-    cr_assert_eq(start(&d, dir, engine, NULL), 0);
-    kvr_client *c = testd_connect(&d);
-    cr_assert_eq(testd_register(c, "m", KVR_DTYPE_F16, NULL), 0);
+    kvr_client *c = start_with_model(&d, dir, sizeof dir, engine);
     enum { NC = 8 };
     uint64_t h[NC];
     for (int i = 0; i < NC; i++) {
@@ -496,13 +504,10 @@ static void corrupt(const char *engine)
     cr_assert_eq(testd_register(c, "m", KVR_DTYPE_F16, NULL), 0);
     cr_assert_eq(put_p(c, "after", KVR_DTYPE_F16, 99, 0, 10, true, NULL), 0, "%s",
                  kvr_client_last_error(c));
-    kvr_client_close(c);
-    testd_stop(&d);
-    kvt_rm_tree(dir);
+    stop_and_remove(c, &d, dir);
 }
 
-Test(int_disk, corrupt_auto, .timeout = 120) { corrupt("auto"); }
-Test(int_disk, corrupt_posix, .timeout = 120) { corrupt("posix"); }
+ENGINE_TESTS(corrupt, corrupt, 120)
 
 /* ---- disk errors ------------------------------------------------------------------------ */
 
@@ -536,19 +541,13 @@ static void fsync_fault(const char *engine)
     cr_assert_gt(ctx_hash(c, "mem", KVR_DTYPE_F16), 2);
     cr_assert_eq(testd_metric(c, "disk_failed"), 1.0);
     cr_assert_gt(testd_metric(c, "persist_errors"), 0);
-    kvr_client_close(c);
-    testd_stop(&d);
     /* What was acknowledged is there after a restart; nothing else half. */
-    cr_assert_eq(start(&d, dir, engine, NULL), 0);
-    c = testd_connect(&d);
+    c = restart_daemon(c, &d, dir, engine);
     cr_assert_geq(testd_metric(c, "recovery_contexts"), (double)ok);
-    kvr_client_close(c);
-    testd_stop(&d);
-    kvt_rm_tree(dir);
+    stop_and_remove(c, &d, dir);
 }
 
-Test(int_disk, fsync_fault_auto, .timeout = 120) { fsync_fault("auto"); }
-Test(int_disk, fsync_fault_posix, .timeout = 120) { fsync_fault("posix"); }
+ENGINE_TESTS(fsync_fault, fsync_fault, 120)
 
 /* ENOSPC from a real small filesystem (needs root to mount a 1 MiB tmpfs). */
 Test(int_disk, enospc_small_tmpfs, .timeout = 120)
@@ -580,10 +579,7 @@ Test(int_disk, enospc_small_tmpfs, .timeout = 120)
     }
     cr_assert_gt(io, 0, "a 1 MiB filesystem took 40 x 38 KiB");
     cr_assert_eq(put_p(c, "mem", KVR_DTYPE_F32, 9, 0, 50, false, NULL), 0);
-    kvr_client_close(c);
-    testd_stop(&d);
-    cr_assert_eq(start(&d, dir, "auto", NULL), 0);
-    c = testd_connect(&d);
+    c = restart_daemon(c, &d, dir, "auto");
     for (int i = 0; i < 40; i++) {
         if (!hashes[i])
             continue;
@@ -684,11 +680,8 @@ static int log_has(const kvr_testd *d, const char *needle)
 static void corrupt_newest(int how)
 {
     char dir[64], logp[128];
-    disk_dir(dir, sizeof dir);
     kvr_testd d;
-    cr_assert_eq(start(&d, dir, "auto", NULL), 0);
-    kvr_client *c = testd_connect(&d);
-    cr_assert_eq(testd_register(c, "m", KVR_DTYPE_F16, NULL), 0);
+    kvr_client *c = start_with_model(&d, dir, sizeof dir, "auto");
     cr_assert_eq(put_p(c, "x", KVR_DTYPE_F16, 1, 0, 100, true, NULL), 0);
     cr_assert_eq(put_p(c, "y", KVR_DTYPE_F16, 2, 0, 50, true, NULL), 0);
     cr_assert_eq(kvr_client_shift(c, "x", 0, UINT64_MAX, 1000), 0);   /* x's newest state */

@@ -178,6 +178,22 @@ static uint32_t *flags_of(const char *ctx, size_t *n)
     return f;
 }
 
+/* The edit of ctx by the one op *op. */
+static kvr_edit_args one_op(const char *ctx, const kvr_edit_range *op)
+{
+    return (kvr_edit_args){ .ctx_id = ctx, .ops = op, .n_ops = 1 };
+}
+
+/* Span i of an edit's result: at index, its first position first_pos,
+ * the tokens after it moved by shift. */
+static void span_is(const kvr_edit_res *r, size_t i, uint64_t index, int64_t first_pos,
+                    int64_t shift)
+{
+    cr_assert_eq(r->spans[i].index, index, "span %zu", i);
+    cr_assert_eq(r->spans[i].first_pos, first_pos, "span %zu", i);
+    cr_assert_eq(r->spans[i].shift, shift, "span %zu", i);
+}
+
 /* ---- tests -------------------------------------------------------------- */
 
 Test(int_edit, plan_then_edit_with_kv)
@@ -187,13 +203,11 @@ Test(int_edit, plan_then_edit_with_kv)
     check_ctx("doc", &s);
     uint32_t nt[] = { 900, 901, 902, 903 };
     kvr_edit_range op = { .start = 5, .end = 8, .tokens = nt, .n_tokens = 4 };
-    kvr_edit_args e = { .ctx_id = "doc", .ops = &op, .n_ops = 1 };
     kvr_edit_res plan;
+    kvr_edit_args e = one_op("doc", &op);
     cr_assert_eq(kvr_client_edit_plan(C, &e, &plan), 0, "%s", kvr_client_last_error(C));
     cr_assert_eq(plan.n_spans, 1);
-    cr_assert_eq(plan.spans[0].index, 5);
-    cr_assert_eq(plan.spans[0].first_pos, 5);
-    cr_assert_eq(plan.spans[0].shift, 1);
+    span_is(&plan, 0, 5, 5, 1);
     cr_assert_eq(plan.n_tokens, 41);
     cr_assert_eq(plan.first_change, 5);
     kvr_client_free(plan.spans);
@@ -236,13 +250,11 @@ Test(int_edit, pending_then_refresh)
     put_seq("p", &s, 200, 30, 0);
     uint32_t nt[] = { 7000, 7001, 7002 };
     kvr_edit_range op = { .start = 10, .end = 10, .tokens = nt, .n_tokens = 3 };
-    kvr_edit_args e = { .ctx_id = "p", .ops = &op, .n_ops = 1 };
+    kvr_edit_args e = one_op("p", &op);
     kvr_edit_res res;
     cr_assert_eq(kvr_client_edit(C, &e, &res), 0, "%s", kvr_client_last_error(C));
     cr_assert_eq(res.n_pending, 3);
-    cr_assert_eq(res.spans[0].index, 10);
-    cr_assert_eq(res.spans[0].first_pos, 10);
-    cr_assert_eq(res.spans[0].shift, 3);
+    span_is(&res, 0, 10, 10, 3);
     kvr_client_free(res.spans);
     apply_ops(&s, &op, 1);
 
@@ -396,7 +408,7 @@ Test(int_edit, refusals_leave_context_identical)
 
     uint32_t t[] = { 1, 2, 3 };
     kvr_edit_range out_of_range = { .start = 20, .end = 30, .tokens = t, .n_tokens = 1 };
-    kvr_edit_args e = { .ctx_id = "r", .ops = &out_of_range, .n_ops = 1 };
+    kvr_edit_args e = one_op("r", &out_of_range);
     refused(&e, KVR_ERANGE, &sn);
 
     kvr_edit_range overlap[2] = { { .start = 5, .end = 9 }, { .start = 8, .end = 12 } };

@@ -75,6 +75,15 @@ static void read_all(int fd, void *p, size_t n)
     }
 }
 
+/* A request of that id and body (the body's pointer is the caller's). */
+static Kvrope__Request request(uint64_t id, Kvrope__Request__BodyCase body)
+{
+    Kvrope__Request q = KVROPE__REQUEST__INIT;
+    q.id = id;
+    q.body_case = body;
+    return q;
+}
+
 /* Packs r, then, where the bytes of the string `marked` (a field value of
  * r) appear in the message, turns its '\x01' bytes into NULs: the field
  * arrives with a real NUL (pack itself stops at one). Sends it with `plen`
@@ -133,6 +142,16 @@ static void expect_status(int fd, uint64_t id, Kvrope__Status st, const char *wh
     kvrope__response__free_unpacked(r, NULL);
 }
 
+/* q (its field `field` holding a 0x01 that send_with_nul turns into a NUL,
+ * plen bytes of payload after it) is refused as a bad request, answered
+ * under q's id. */
+static void nul_refused(int fd, Kvrope__Request *q, const char *field, size_t plen,
+                        const char *what)
+{
+    send_with_nul(fd, q, field, plen);
+    expect_status(fd, q->id, KVROPE__STATUS__E_BAD_REQUEST, what);
+}
+
 static void raw_ping(int fd, uint64_t id)
 {
     Kvrope__Request q = KVROPE__REQUEST__INIT;
@@ -167,39 +186,30 @@ Test(int_harden, nul_in_ids_is_refused_never_aliased)
     int fd = raw_connect();
 
     /* delete "alice\0x" must not delete "alice". */
-    Kvrope__Request q = KVROPE__REQUEST__INIT;
+    Kvrope__Request q = request(11, KVROPE__REQUEST__BODY_DELETE);
     Kvrope__Delete del = KVROPE__DELETE__INIT;
-    q.id = 11;
-    q.body_case = KVROPE__REQUEST__BODY_DELETE;
     del.context_id = "alice\x01x";
     q.delete_ = &del;
-    send_with_nul(fd, &q, del.context_id, 0);
-    expect_status(fd, 11, KVROPE__STATUS__E_BAD_REQUEST, "delete");
+    nul_refused(fd, &q, del.context_id, 0, "delete");
     cr_assert_eq(n_tokens("alice"), 10, "delete of alice\\0x touched alice");
 
     /* fork into "bob\0y" must not overwrite or alias "bob". */
-    Kvrope__Request q2 = KVROPE__REQUEST__INIT;
+    Kvrope__Request q2 = request(12, KVROPE__REQUEST__BODY_FORK);
     Kvrope__Fork fk = KVROPE__FORK__INIT;
-    q2.id = 12;
-    q2.body_case = KVROPE__REQUEST__BODY_FORK;
     fk.src = "alice";
     fk.dst = "b\x01";
     q2.fork = &fk;
-    send_with_nul(fd, &q2, fk.dst, 0);
-    expect_status(fd, 12, KVROPE__STATUS__E_BAD_REQUEST, "fork");
+    nul_refused(fd, &q2, fk.dst, 0, "fork");
     cr_assert_eq(n_tokens("b"), (uint64_t)-1, "fork created a context cut at the NUL");
 
     /* keep on "alice\0": a NUL at the very end is still refused. */
-    Kvrope__Request q3 = KVROPE__REQUEST__INIT;
+    Kvrope__Request q3 = request(13, KVROPE__REQUEST__BODY_KEEP);
     Kvrope__Keep kp = KVROPE__KEEP__INIT;
-    q3.id = 13;
-    q3.body_case = KVROPE__REQUEST__BODY_KEEP;
     kp.context_id = "alice\x01";
     kp.start = 0;
     kp.end = 1;
     q3.keep = &kp;
-    send_with_nul(fd, &q3, kp.context_id, 0);
-    expect_status(fd, 13, KVROPE__STATUS__E_BAD_REQUEST, "keep");
+    nul_refused(fd, &q3, kp.context_id, 0, "keep");
     cr_assert_eq(n_tokens("alice"), 10);
 
     /* A put with a payload: refused, payload drained, connection usable. */
@@ -207,10 +217,8 @@ Test(int_harden, nul_in_ids_is_refused_never_aliased)
     void *pl = testd_payload(3, T_LAYERS, 0, 5, KVR_DTYPE_F16, &plen);
     free(pl);
     uint32_t toks[5] = { 1, 2, 3, 4, 5 };
-    Kvrope__Request q4 = KVROPE__REQUEST__INIT;
+    Kvrope__Request q4 = request(14, KVROPE__REQUEST__BODY_PUT);
     Kvrope__Put put = KVROPE__PUT__INIT;
-    q4.id = 14;
-    q4.body_case = KVROPE__REQUEST__BODY_PUT;
     put.context_id = "bob\x01z";
     put.model = "m";
     put.n_tokens = 5;
@@ -218,23 +226,19 @@ Test(int_harden, nul_in_ids_is_refused_never_aliased)
     put.has_dtype = 1;
     put.dtype = KVROPE__DTYPE__F16;
     q4.put = &put;
-    send_with_nul(fd, &q4, put.context_id, plen);
-    expect_status(fd, 14, KVROPE__STATUS__E_BAD_REQUEST, "put");
+    nul_refused(fd, &q4, put.context_id, plen, "put");
     cr_assert_eq(n_tokens("bob"), 7, "put to bob\\0z changed bob");
 
     /* A model name with a NUL (register_model) is refused too. */
-    Kvrope__Request q5 = KVROPE__REQUEST__INIT;
+    Kvrope__Request q5 = request(15, KVROPE__REQUEST__BODY_REGISTER_MODEL);
     Kvrope__RegisterModel rm = KVROPE__REGISTER_MODEL__INIT;
-    q5.id = 15;
-    q5.body_case = KVROPE__REQUEST__BODY_REGISTER_MODEL;
     rm.name = "m\x01" "2";
     rm.has_n_layers = rm.has_n_kv_heads = rm.has_head_dim = 1;
     rm.n_layers = T_LAYERS;
     rm.n_kv_heads = T_HEADS;
     rm.head_dim = T_DIM;
     q5.register_model = &rm;
-    send_with_nul(fd, &q5, rm.name, 0);
-    expect_status(fd, 15, KVROPE__STATUS__E_BAD_REQUEST, "register_model");
+    nul_refused(fd, &q5, rm.name, 0, "register_model");
 
     raw_ping(fd, 16);
     close(fd);

@@ -51,21 +51,53 @@ static void check_kv(const kvr_kv *kv, const uint32_t *tok, const int64_t *pos, 
     free(want);
 }
 
+/* pos[i] = p0 + i for i < n. */
+static void seq_pos(int64_t *pos, size_t n, int64_t p0)
+{
+    for (size_t i = 0; i < n; i++)
+        pos[i] = p0 + (int64_t)i;
+}
+
+/* An upsert of ctx (model "tiny", DT) of tokens tok[0..n) whose KV is
+ * computed at pos, with o's layout fields (o may be NULL); the payload is
+ * malloc'd (the caller frees a.payload). */
+static kvr_put_args tiny_put(const char *ctx, const uint32_t *tok, const int64_t *pos, size_t n,
+                             const kvr_put_args *o)
+{
+    size_t len;
+    void *pl = kvt_tiny_kv(R, tok, pos, n, DT, &len);
+    kvr_put_args a = o ? *o : (kvr_put_args){ 0 };
+    a.ctx_id = ctx, a.model = "tiny", a.dtype = DT, a.tokens = tok, a.n_tokens = n;
+    a.payload = pl, a.payload_len = len, a.mode = KVR_PUT_UPSERT;
+    return a;
+}
+
 /* o: the layout fields of the put (prefix_ctx, groups, ...), or NULL. */
 static void put_at(const char *ctx, const uint32_t *tok, size_t n, int64_t p0,
                    const kvr_put_args *o)
 {
     int64_t pos[256];
-    for (size_t i = 0; i < n; i++)
-        pos[i] = p0 + (int64_t)i;
-    size_t len;
-    void *pl = kvt_tiny_kv(R, tok, pos, n, DT, &len);
-    kvr_put_args a = o ? *o : (kvr_put_args){ 0 };
-    a.ctx_id = ctx, a.model = "tiny", a.dtype = DT, a.tokens = tok, a.n_tokens = n;
+    cr_assert_leq(n, 256);
+    seq_pos(pos, n, p0);
+    kvr_put_args a = tiny_put(ctx, tok, pos, n, o);
     a.has_pos_start = o == NULL || o->prefix_ctx == NULL, a.pos_start = p0;
-    a.payload = pl, a.payload_len = len, a.mode = KVR_PUT_UPSERT;
     cr_assert_eq(kvr_client_put(C, &a, NULL), 0, "%s", kvr_client_last_error(C));
-    free(pl);
+    free((void *)(uintptr_t)a.payload);
+}
+
+/* Context ctx of the n tokens first.. at positions 0.., then retention of
+ * 2 sinks and a window of 4 set on it (asserted): its layout. */
+static kvr_layout_res put_run_retained(const char *ctx, uint32_t first, size_t n)
+{
+    uint32_t tok[16];
+    cr_assert_leq(n, 16);
+    for (uint32_t i = 0; i < n; i++)
+        tok[i] = first + i;
+    put_at(ctx, tok, n, 0, NULL);
+    kvr_layout_res lr;
+    cr_assert_eq(kvr_client_set_retention(C, ctx, 2, 4, false, &lr), 0, "%s",
+                 kvr_client_last_error(C));
+    return lr;
 }
 
 Test(int_layout, assemble_parallel_and_sequential)
@@ -93,12 +125,9 @@ Test(int_layout, assemble_parallel_and_sequential)
     memcpy(tok + 8, d1, sizeof d1);
     memcpy(tok + 14, d2, sizeof d2);
     int64_t pos[18];
-    for (int i = 0; i < 8; i++)
-        pos[i] = i;
-    for (int i = 0; i < 6; i++)
-        pos[8 + i] = 8 + i;
-    for (int i = 0; i < 4; i++)
-        pos[14 + i] = 8 + i;
+    seq_pos(pos, 8, 0);        /* the prefix, then both documents after it */
+    seq_pos(pos + 8, 6, 8);
+    seq_pos(pos + 14, 4, 8);
 
     kvr_assemble_args a = { .prefix = "pre", .docs = docs, .n_docs = 2,
                             .layout = KVR_LAYOUT_PARALLEL, .dtype = DT };
@@ -157,19 +186,15 @@ static void group_put(const char *ctx, const char *group, const uint32_t *tok, s
 {
     /* The KV is computed at the positions the group will give. */
     int64_t pos[64];
-    for (size_t i = 0; i < n; i++)
-        pos[i] = expect_first + (int64_t)i;
-    size_t len;
-    void *pl = kvt_tiny_kv(R, tok, pos, n, DT, &len);
-    kvr_put_args a = o ? *o : (kvr_put_args){ 0 };
-    a.ctx_id = ctx, a.model = "tiny", a.dtype = DT, a.tokens = tok, a.n_tokens = n;
-    a.payload = pl, a.payload_len = len, a.mode = KVR_PUT_UPSERT;
+    cr_assert_leq(n, 64);
+    seq_pos(pos, n, expect_first);
+    kvr_put_args a = tiny_put(ctx, tok, pos, n, o);
     kvr_put_res res;
     cr_assert_eq(kvr_client_group_append(C, &a, group, &res), 0, "%s",
                  kvr_client_last_error(C));
     cr_assert_eq(res.first_pos, expect_first);
     cr_assert_eq(res.last_pos, expect_first + (int64_t)n - 1);
-    free(pl);
+    free((void *)(uintptr_t)a.payload);
 }
 
 Test(int_layout, groups)
@@ -214,13 +239,7 @@ Test(int_layout, groups)
 
 Test(int_layout, sinks_and_window)
 {
-    uint32_t tok[10];
-    for (uint32_t i = 0; i < 10; i++)
-        tok[i] = 700 + i;
-    put_at("w", tok, 10, 0, NULL);
-    kvr_layout_res lr;
-    cr_assert_eq(kvr_client_set_retention(C, "w", 2, 4, false, &lr), 0, "%s",
-                 kvr_client_last_error(C));
+    kvr_layout_res lr = put_run_retained("w", 700, 10);
     cr_assert(lr.retention);
     cr_assert_eq(lr.sinks, 2);
     cr_assert_eq(lr.window, 4);
@@ -255,13 +274,7 @@ Test(int_layout, sinks_and_window)
  * remaining token protected. */
 Test(int_layout, protect_first_with_retention)
 {
-    uint32_t tok[6];
-    for (uint32_t i = 0; i < 6; i++)
-        tok[i] = 900 + i;
-    put_at("pw", tok, 6, 0, NULL);
-    kvr_layout_res lr;
-    cr_assert_eq(kvr_client_set_retention(C, "pw", 2, 4, false, &lr), 0, "%s",
-                 kvr_client_last_error(C));
+    put_run_retained("pw", 900, 6);
     uint32_t more[] = { 950, 951 };
     int64_t mp[] = { 6, 7 };
     size_t len;

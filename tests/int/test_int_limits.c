@@ -29,26 +29,13 @@
 #include "kvrope.pb-c.h"
 #include "proto/frame.h"
 #include "tests/common/kvr_testd.h"
+#include "tests/common/kvt_daemon.h"
 #include "tests/common/kvt.h"
+#include "tests/common/kvt_io.h"
 
 static int raw_connect(const kvr_testd *d)
 {
     return kvt_unix_connect(d->sock, 0);
-}
-
-static int send_all(int fd, const void *p, size_t n)
-{
-    const uint8_t *b = p;
-    while (n > 0) {
-        ssize_t k = send(fd, b, n, MSG_NOSIGNAL);
-        if (k < 0 && errno == EINTR)
-            continue;
-        if (k <= 0)
-            return -1;
-        b += k;
-        n -= (size_t)k;
-    }
-    return 0;
 }
 
 /* Waits (up to ms) for the daemon to close fd; returns 1 if it did. Any
@@ -120,9 +107,7 @@ Test(int_limits, trickled_put_is_aborted_and_frees_its_context, .timeout = 120)
     kvr_testd d;
     const char *args[] = { "--io-timeout", "2", "--min-rate", "64K", "--max-memory", "64M",
                            NULL };
-    cr_assert_eq(testd_start(&d, args), 0);
-    kvr_client *c = testd_connect(&d);
-    cr_assert_eq(testd_register(c, "m", KVR_DTYPE_F16, NULL), 0);
+    kvr_client *c = kvt_daemon_up_model(&d, args, "m", KVR_DTYPE_F16);
     cr_assert_eq(testd_put(c, "x", "m", KVR_DTYPE_F16, 1, 0, 0, 10), 0);
 
     /* A put at a normal rate of the same size is not cut. */
@@ -133,7 +118,7 @@ Test(int_limits, trickled_put_is_aborted_and_frees_its_context, .timeout = 120)
     size_t flen;
     uint64_t plen;
     uint8_t *fr = put_frame("x", 400, &flen, &plen);    /* ~150 KB: ~2.4 s at 64K/s + 2 s */
-    cr_assert_eq(send_all(fd, fr, flen), 0);
+    cr_assert_eq(kvt_write_all(fd, fr, flen), 0);
     free(fr);
     /* Wait until the daemon has opened the put (x busy), without touching x. */
     kvr_context st;
@@ -148,7 +133,7 @@ Test(int_limits, trickled_put_is_aborted_and_frees_its_context, .timeout = 120)
     int busy_seen = 0, closed = 0;
     uint64_t sent = 0;
     for (int i = 0; i < 400 && !closed; i++) {
-        if (sent + sizeof chunk < plen && send_all(fd, chunk, sizeof chunk) == 0)
+        if (sent + sizeof chunk < plen && kvt_write_all(fd, chunk, sizeof chunk) == 0)
             sent += sizeof chunk;
         if (i % 4 == 0) {
             int r = kvr_client_delete(c, "x");
@@ -171,8 +156,7 @@ Test(int_limits, trickled_put_is_aborted_and_frees_its_context, .timeout = 120)
     int r = kvr_client_delete(c, "x");
     cr_assert(r == 0 || r == KVR_ENOCTX, "%d: %s", r, kvr_client_last_error(c));
     cr_assert_geq(testd_metric(c, "slow_frames_closed"), 1.0);
-    kvr_client_close(c);
-    testd_stop(&d);
+    kvt_daemon_down(&d, &c, NULL);
 }
 
 Test(int_limits, message_buffers_are_bounded, .timeout = 120)
@@ -190,8 +174,8 @@ Test(int_limits, message_buffers_are_bounded, .timeout = 120)
         fds[i] = raw_connect(&d);
         uint8_t h[KVR_FRAME_HEADER_SIZE];
         kvr_frame_header_encode(h, (uint32_t)sizeof junk + 1000, 0);   /* never finished */
-        cr_assert_eq(send_all(fds[i], h, sizeof h), 0);
-        (void)send_all(fds[i], junk, sizeof junk);
+        cr_assert_eq(kvt_write_all(fds[i], h, sizeof h), 0);
+        (void)kvt_write_all(fds[i], junk, sizeof junk);
     }
     int limited = 0;
     for (int i = 0; i < N; i++) {
@@ -218,17 +202,14 @@ Test(int_limits, message_buffers_are_bounded, .timeout = 120)
         left = testd_metric(c, "msg_buffered_bytes");
     }
     cr_assert_leq(left, 65536.0, "closed connections give their buffers back (%g left)", left);
-    kvr_client_close(c);
-    testd_stop(&d);
+    kvt_daemon_down(&d, &c, NULL);
 }
 
 Test(int_limits, models_limit_and_removal, .timeout = 120)
 {
     kvr_testd d;
     const char *args[] = { "--max-models", "3", NULL };
-    cr_assert_eq(testd_start(&d, args), 0);
-    kvr_client *c = testd_connect(&d);
-    cr_assert_eq(testd_register(c, "m1", KVR_DTYPE_F16, NULL), 0);
+    kvr_client *c = kvt_daemon_up_model(&d, args, "m1", KVR_DTYPE_F16);
     cr_assert_eq(testd_register(c, "m2", KVR_DTYPE_F16, NULL), 0);
     cr_assert_eq(testd_register(c, "m3", KVR_DTYPE_F16, NULL), 0);
     cr_assert_eq(testd_register(c, "m4", KVR_DTYPE_F16, NULL), KVR_ELIMIT);
@@ -252,17 +233,14 @@ Test(int_limits, models_limit_and_removal, .timeout = 120)
     cr_assert_str_eq(ms[0].name, "m4");
     kvr_client_free(ms);
     cr_assert_eq(testd_put(c, "ctx2", "m1", KVR_DTYPE_F16, 1, 0, 0, 10), KVR_ENOMODEL);
-    kvr_client_close(c);
-    testd_stop(&d);
+    kvt_daemon_down(&d, &c, NULL);
 }
 
 Test(int_limits, contexts_limit_counts_forks, .timeout = 120)
 {
     kvr_testd d;
     const char *args[] = { "--max-contexts", "4", NULL };
-    cr_assert_eq(testd_start(&d, args), 0);
-    kvr_client *c = testd_connect(&d);
-    cr_assert_eq(testd_register(c, "m", KVR_DTYPE_F16, NULL), 0);
+    kvr_client *c = kvt_daemon_up_model(&d, args, "m", KVR_DTYPE_F16);
     cr_assert_eq(testd_put(c, "a", "m", KVR_DTYPE_F16, 1, 0, 0, 1), 0);
     cr_assert_eq(kvr_client_fork(c, "a", "b"), 0);
     cr_assert_eq(kvr_client_fork(c, "a", "c"), 0);
@@ -275,6 +253,5 @@ Test(int_limits, contexts_limit_counts_forks, .timeout = 120)
     cr_assert_eq(kvr_client_delete(c, "b"), 0);
     cr_assert_eq(kvr_client_fork(c, "a", "e"), 0);
     cr_assert_eq(testd_metric(c, "contexts"), 4.0);
-    kvr_client_close(c);
-    testd_stop(&d);
+    kvt_daemon_down(&d, &c, NULL);
 }

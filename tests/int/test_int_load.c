@@ -8,6 +8,7 @@
 #include <stdatomic.h>
 
 #include "tests/common/kvr_testd.h"
+#include "tests/common/kvt_daemon.h"
 
 static kvr_testd D;
 
@@ -84,10 +85,7 @@ static void *worker(void *arg)
 
 Test(int_load, sixteen_clients, .fini = teardown, .timeout = 300)
 {
-    cr_assert_eq(testd_start(&D, NULL), 0);
-    kvr_client *c = testd_connect(&D);
-    cr_assert_not_null(c);
-    cr_assert_eq(testd_register(c, "m", KVR_DTYPE_F16, NULL), 0);
+    kvr_client *c = kvt_daemon_up_model(&D, NULL, "m", KVR_DTYPE_F16);
     pthread_t th[N_THREADS];
     for (int i = 0; i < N_THREADS; i++)
         cr_assert_eq(pthread_create(&th[i], NULL, worker, (void *)(intptr_t)i), 0);
@@ -108,10 +106,7 @@ Test(int_load, sixteen_clients, .fini = teardown, .timeout = 300)
 Test(int_load, eviction_under_small_cap, .fini = teardown, .timeout = 300)
 {
     const char *args[] = { "--max-memory", "8M", "--block-tokens", "32", NULL };
-    cr_assert_eq(testd_start(&D, args), 0);
-    kvr_client *c = testd_connect(&D);
-    cr_assert_not_null(c);
-    cr_assert_eq(testd_register(c, "m", KVR_DTYPE_F32, NULL), 0);
+    kvr_client *c = kvt_daemon_up_model(&D, args, "m", KVR_DTYPE_F32);
     /* One block: 32 tokens of all layers, K and V, f32. */
     const double block = (double)kvr_payload_size(T_LAYERS, 32, T_HEADS, T_DIM, KVR_DTYPE_F32);
     double cap = testd_metric(c, "mem_cap_bytes");
@@ -186,10 +181,7 @@ Test(int_load, block_cache_metric_reuse_and_idle_purge, .fini = teardown, .timeo
 {
     /* The idle purge runs only when asked (--idle-purge: issue 32). */
     const char *args[] = { "--block-tokens", "32", "--idle-purge", "1", NULL };
-    cr_assert_eq(testd_start(&D, args), 0);
-    kvr_client *c = testd_connect(&D);
-    cr_assert_not_null(c);
-    cr_assert_eq(testd_register(c, "m", KVR_DTYPE_F32, NULL), 0);
+    kvr_client *c = kvt_daemon_up_model(&D, args, "m", KVR_DTYPE_F32);
     cr_assert_eq(testd_metric(c, "block_cache_bytes"), 0);
     cr_assert_eq(testd_put(c, "a", "m", KVR_DTYPE_F32, 1, 100, 0, 96), 0);   /* 3 blocks */
     double bb = testd_metric(c, "block_bytes");

@@ -42,6 +42,13 @@ static void path(char *buf, size_t cap, const char *name)
     snprintf(buf, cap, "%s/%s", g_dir, name);
 }
 
+/* The usual daemon socket (s.sock) and log (d.log) paths, 320 bytes each. */
+static void sock_and_log(char *sock, char *log)
+{
+    path(sock, 320, "s.sock");
+    path(log, 320, "d.log");
+}
+
 static void dump_log(const char *log)
 {
     char *t = opsd_slurp(log, NULL);
@@ -50,6 +57,36 @@ static void dump_log(const char *log)
 }
 
 /* ---- /metrics ------------------------------------------------------------ */
+
+/* Starts kvroped with argv (its stderr into out_log) and waits for the
+ * metrics port it writes to log (*port; the log is dumped if none comes),
+ * then, if sock is not NULL, for it to answer a ping there. The pid. */
+static pid_t start_metrics(const char *const *argv, const char *out_log, const char *log,
+                           const char *sock, int *port)
+{
+    opsd_spawn sp = { .argv = argv, .log = out_log };
+    pid_t pid = opsd_start(&sp);
+    cr_assert(pid > 0);
+    *port = opsd_metrics_port(log);
+    if (*port <= 0)
+        dump_log(out_log);
+    cr_assert(*port > 0);
+    if (sock)
+        cr_assert_eq(opsd_wait_ping(sock, 30000), 0);
+    return pid;
+}
+
+/* A client of sock with the test model (f16) registered as m1 and, if m2
+ * is not NULL, as m2. */
+static kvr_client *connect_with_models(const char *sock, const char *m1, const char *m2)
+{
+    kvr_client *c = NULL;
+    cr_assert_eq(kvr_client_connect(&c, sock, NULL), 0);
+    cr_assert_eq(testd_register(c, m1, KVR_DTYPE_F16, NULL), 0);
+    if (m2)
+        cr_assert_eq(testd_register(c, m2, KVR_DTYPE_F16, NULL), 0);
+    return c;
+}
 
 static char *scrape(int port)
 {
@@ -118,20 +155,13 @@ static void *ping_traffic(void *arg)
 Test(ops, metrics_follow_traffic_and_pass_promtool)
 {
     char sock[320], log[320], disk[320];
-    path(sock, sizeof sock, "s.sock");
-    path(log, sizeof log, "d.log");
+    sock_and_log(sock, log);
     path(disk, sizeof disk, "disk");
     cr_assert_eq(mkdir(disk, 0700), 0);
     const char *argv[] = { "--socket", sock, "--metrics-listen", "127.0.0.1:0", "--disk-dir", disk,
                            "--max-memory", "64M", NULL };
-    opsd_spawn sp = { .argv = argv, .log = log };
-    pid_t pid = opsd_start(&sp);
-    cr_assert(pid > 0);
-    int port = opsd_metrics_port(log);
-    if (port <= 0)
-        dump_log(log);
-    cr_assert(port > 0);
-    cr_assert_eq(opsd_wait_ping(sock, 30000), 0);
+    int port;
+    pid_t pid = start_metrics(argv, log, log, sock, &port);
 
     char *m0 = scrape(port);
     cr_assert_eq(opsd_promtool(m0), 0);
@@ -143,9 +173,7 @@ Test(ops, metrics_follow_traffic_and_pass_promtool)
     free(m0);
 
     /* Known traffic: N puts of T tokens, M gets, one unknown-context get. */
-    kvr_client *c = NULL;
-    cr_assert_eq(kvr_client_connect(&c, sock, NULL), 0);
-    cr_assert_eq(testd_register(c, "m", KVR_DTYPE_F16, NULL), 0);
+    kvr_client *c = connect_with_models(sock, "m", NULL);
     enum { N = 5, T = 40, M = 3 };
     size_t plen = kvr_payload_size(T_LAYERS, T, T_HEADS, T_DIM, KVR_DTYPE_F16);
     for (int i = 0; i < N; i++) {
@@ -337,15 +365,10 @@ static int drip(int *fds, int n)
 Test(ops, metrics_slowloris_cannot_hold_the_scrape_slots)
 {
     char sock[320], log[320];
-    path(sock, sizeof sock, "s.sock");
-    path(log, sizeof log, "d.log");
+    sock_and_log(sock, log);
     const char *argv[] = { "--socket", sock, "--metrics-listen", "127.0.0.1:0", NULL };
-    opsd_spawn sp = { .argv = argv, .log = log };
-    pid_t pid = opsd_start(&sp);
-    cr_assert(pid > 0);
-    int port = opsd_metrics_port(log);
-    cr_assert(port > 0);
-    cr_assert_eq(opsd_wait_ping(sock, 30000), 0);
+    int port;
+    pid_t pid = start_metrics(argv, log, log, sock, &port);
     enum { N = 16 };
     int one[N], many[N];
     /* One peer: 16 dribblers, of which at most 4 keep a slot. */
@@ -391,16 +414,13 @@ Test(ops, metrics_slowloris_cannot_hold_the_scrape_slots)
 Test(ops, metrics_need_the_bearer_token_when_there_is_one)
 {
     char sock[320], log[320], tok[320];
-    path(sock, sizeof sock, "s.sock");
-    path(log, sizeof log, "d.log");
+    sock_and_log(sock, log);
     path(tok, sizeof tok, "token");
     cr_assert_eq(opsd_write_file(tok, "s3cret\n", 0600), 0);
     const char *argv[] = { "--socket", sock, "--metrics-listen", "127.0.0.1:0",
                            "--auth-token-file", tok, NULL };
-    opsd_spawn sp = { .argv = argv, .log = log };
-    pid_t pid = opsd_start(&sp);
-    int port = opsd_metrics_port(log);
-    cr_assert(port > 0);
+    int port;
+    pid_t pid = start_metrics(argv, log, log, NULL, &port);
     char *body;
     cr_assert_eq(opsd_http(port, "GET", "/metrics", NULL, &body), 401);
     cr_assert(strstr(body, "Bearer"), "%s", body);
@@ -420,8 +440,7 @@ Test(ops, metrics_need_the_bearer_token_when_there_is_one)
 Test(ops, a_non_loopback_metrics_address_needs_a_token)
 {
     char log[320], sock[320];
-    path(log, sizeof log, "d.log");
-    path(sock, sizeof sock, "s.sock");
+    sock_and_log(sock, log);
     const char *argv[] = { "--socket", sock, "--metrics-listen", "0.0.0.0:0", NULL };
     opsd_spawn sp = { .argv = argv, .log = log };
     pid_t pid = opsd_start(&sp);
@@ -434,8 +453,7 @@ Test(ops, a_non_loopback_metrics_address_needs_a_token)
 Test(ops, json_logs_are_one_object_per_line)
 {
     char sock[320], log[320];
-    path(sock, sizeof sock, "s.sock");
-    path(log, sizeof log, "d.log");
+    sock_and_log(sock, log);
     const char *argv[] = { "--socket", sock, "--log-format", "json", "--log-level", "debug", NULL };
     opsd_spawn sp = { .argv = argv, .log = log };
     pid_t pid = opsd_start(&sp);
@@ -503,13 +521,8 @@ Test(ops, sighup_reopens_the_log_and_reloads_what_can_change)
              sock, log, tok);
     cr_assert_eq(opsd_write_file(cfg, text, 0600), 0);
     const char *argv[] = { "--config", cfg, NULL };
-    opsd_spawn sp = { .argv = argv, .log = out };
-    pid_t pid = opsd_start(&sp);
-    int port = opsd_metrics_port(log);
-    if (port <= 0)
-        dump_log(out);
-    cr_assert(port > 0);
-    cr_assert_eq(opsd_wait_ping(sock, 30000), 0);
+    int port;
+    pid_t pid = start_metrics(argv, out, log, sock, &port);
     char *body;
     cr_assert_eq(opsd_http(port, "GET", "/metrics", "Authorization: Bearer first", &body), 200);
     free(body);
@@ -653,8 +666,7 @@ static int wait_notify(int fd, const char *needle, char *last, size_t cap, int m
 Test(ops, sd_notify_ready_reloading_stopping)
 {
     char sock[320], log[320], ns[320];
-    path(sock, sizeof sock, "s.sock");
-    path(log, sizeof log, "d.log");
+    sock_and_log(sock, log);
     path(ns, sizeof ns, "notify.sock");
     int fd = socket(AF_UNIX, SOCK_DGRAM | SOCK_CLOEXEC, 0);
     cr_assert(fd >= 0);
@@ -749,8 +761,7 @@ Test(ops, socket_activation_serves_the_passed_fds)
 Test(ops, an_activated_non_unix_non_tcp_fd_is_refused)
 {
     char log[320], sock[320];
-    path(log, sizeof log, "d.log");
-    path(sock, sizeof sock, "s.sock");
+    sock_and_log(sock, log);
     int p[2];
     cr_assert_eq(pipe(p), 0);
     const char *argv[] = { "--socket", sock, NULL };
@@ -887,8 +898,7 @@ Test(ops, another_users_tmp_kvrope_dir_is_refused)
 Test(ops, a_token_file_others_can_read_is_refused)
 {
     char sock[320], log[320], tok[320], conf[320];
-    path(sock, sizeof sock, "s.sock");
-    path(log, sizeof log, "d.log");
+    sock_and_log(sock, log);
     path(tok, sizeof tok, "token");
     path(conf, sizeof conf, "c.conf");
     cr_assert_eq(opsd_write_file(tok, "t\n", 0644), 0);
@@ -961,19 +971,10 @@ Test(ops, tenants_are_figures_in_metrics_and_stats)
     path(log, sizeof log, "t.log");
     const char *argv[] = { "--socket", sock, "--metrics-listen", "127.0.0.1:0", "--max-memory", "16M",
                            "--max-memory-per-model", "1M", NULL };
-    opsd_spawn sp = { .argv = argv, .log = log };
-    pid_t pid = opsd_start(&sp);
-    cr_assert(pid > 0);
-    int port = opsd_metrics_port(log);
-    if (port <= 0)
-        dump_log(log);
-    cr_assert(port > 0);
-    cr_assert_eq(opsd_wait_ping(sock, 30000), 0);
+    int port;
+    pid_t pid = start_metrics(argv, log, log, sock, &port);
 
-    kvr_client *c = NULL;
-    cr_assert_eq(kvr_client_connect(&c, sock, NULL), 0);
-    cr_assert_eq(testd_register(c, "hot", KVR_DTYPE_F16, NULL), 0);
-    cr_assert_eq(testd_register(c, "flood", KVR_DTYPE_F16, NULL), 0);
+    kvr_client *c = connect_with_models(sock, "hot", "flood");
     enum { T = 256, HOT = 4, FLOOD = 40 };
     size_t ctx_bytes = kvr_payload_size(T_LAYERS, T, T_HEADS, T_DIM, KVR_DTYPE_F16);
     for (int i = 0; i < HOT; i++) {
@@ -1055,9 +1056,7 @@ Test(ops, prefault_warms_memory_and_reports_it)
     pid_t pid = opsd_start(&sp);
     cr_assert(pid > 0);
     cr_assert_eq(opsd_wait_ping(sock, 30000), 0);
-    kvr_client *c = NULL;
-    cr_assert_eq(kvr_client_connect(&c, sock, NULL), 0);
-    cr_assert_eq(testd_register(c, "m", KVR_DTYPE_F16, NULL), 0);
+    kvr_client *c = connect_with_models(sock, "m", NULL);
     cr_assert_eq(testd_put(c, "a", "m", KVR_DTYPE_F16, 1, 0, 0, 300), 0);
 #ifdef KVR_JEMALLOC
     double bytes = 0;

@@ -290,6 +290,19 @@ static void cmp_row(const float *got, const float *exp, float rel, const char *w
 
 /* ---- round trips -------------------------------------------------------- */
 
+/* The first nq of the n token rows of each layer's K and V in x
+ * ([l][kv][n][ROW]), as [l][kv][nq][ROW] (malloc'd). */
+static float *first_rows(const float *x, size_t n, size_t nq)
+{
+    float *out = malloc((size_t)QL * 2 * nq * ROW * sizeof *out);
+    cr_assert_not_null(out);
+    for (int l = 0; l < QL; l++)
+        for (int kvi = 0; kvi < 2; kvi++)
+            memcpy(out + ((size_t)l * 2 + (size_t)kvi) * nq * ROW,
+                   x + ((size_t)l * 2 + (size_t)kvi) * n * ROW, nq * ROW * sizeof *out);
+    return out;
+}
+
 static void round_trip(const char *spec, int idx)
 {
     char id[32];
@@ -348,11 +361,7 @@ static void round_trip(const char *spec, int idx)
     cr_assert_eq(kvr_kv_raw_v(&kv, 1),
                  (const uint8_t *)kv.payload + rl.k_bytes * 2 + rl.v_bytes);
     /* pre-RoPE reference of just the quantized range, [l][kv][nq][ROW] */
-    float *preq = malloc((size_t)QL * 2 * nq * ROW * sizeof *preq);
-    for (int l = 0; l < QL; l++)
-        for (int kvi = 0; kvi < 2; kvi++)
-            memcpy(preq + ((size_t)l * 2 + (size_t)kvi) * nq * ROW,
-                   pre + ((size_t)l * 2 + (size_t)kvi) * N * ROW, nq * ROW * sizeof *preq);
+    float *preq = first_rows(pre, N, nq);
     float *q = check_raw(kv.payload, &rl, nq, preq);
     kvr_kv_release(&kv);
     /* The dequantized get: rope(Q, pos) for the quantized range, the input
@@ -528,11 +537,7 @@ static void edit_on(const char *spec, const char *id)
     kvr_raw_layout rl;
     cr_assert_eq(get_raw(&ga, &kv, &rl), 0, "%s", kvr_client_last_error(C));
     float *pre = pre_rope(pl, pos, N);
-    float *preq = malloc((size_t)QL * 2 * nq * ROW * sizeof *preq);
-    for (int l = 0; l < QL; l++)
-        for (int kvi = 0; kvi < 2; kvi++)
-            memcpy(preq + ((size_t)l * 2 + (size_t)kvi) * nq * ROW,
-                   pre + ((size_t)l * 2 + (size_t)kvi) * N * ROW, nq * ROW * sizeof *preq);
+    float *preq = first_rows(pre, N, nq);
     float *q = check_raw(kv.payload, &rl, nq, preq);
     kvr_kv_release(&kv);
     /* Delete [10, 30), insert 3 new tokens before old index 100. */

@@ -369,8 +369,7 @@ Test(int_shm, tcp_refuses_shared_memory, .init = NULL, .fini = NULL)
     kvr_kv kv;
     cr_assert_eq(kvr_client_get(t, &g, &kv), KVR_EUNSUPPORTED);
     cr_assert_eq(kvr_client_ping(t, NULL), 0);
-    kvr_client_close(t);
-    testd_stop(&D);
+    kvt_daemon_down(&D, &t, NULL);
 }
 
 /* A child that registers a region and asks for a large re-rotating get
@@ -704,15 +703,35 @@ static int pinged_connect(Kvrope__Request *q, Kvrope__Ping *ping)
     return fd;
 }
 
+/* pinged_connect, then the daemon's descriptor count (*before) and a
+ * 4096-byte memfd sealed against shrinking (*mfd). The connection. */
+static int pinged_with_memfd(Kvrope__Request *q, Kvrope__Ping *ping, int *before, int *mfd)
+{
+    int fd = pinged_connect(q, ping);
+    *before = kvt_count_fds(D.pid);
+    *mfd = raw_memfd(4096, F_SEAL_SHRINK);
+    return fd;
+}
+
+/* q (request id) a RegisterRegion of 4096 bytes through rr. */
+static void region_request(Kvrope__Request *q, Kvrope__RegisterRegion *rr, uint64_t id)
+{
+    kvrope__register_region__init(rr);
+    rr->size = 4096;
+    kvrope__request__init(q);
+    q->id = id;
+    q->body_case = KVROPE__REQUEST__BODY_REGISTER_REGION;
+    q->register_region = rr;
+}
+
 /* Issue 29 item 6: a descriptor on a frame that takes none (here pings)
  * is refused, not silently closed: the peer learns its fd went nowhere. */
 Test(int_shm, descriptors_on_frames_that_take_none_are_refused)
 {
     Kvrope__Request q;
     Kvrope__Ping ping;
-    int fd = pinged_connect(&q, &ping);
-    int before = kvt_count_fds(D.pid);
-    int mfd = raw_memfd(4096, F_SEAL_SHRINK);
+    int before, mfd;
+    int fd = pinged_with_memfd(&q, &ping, &before, &mfd);
     uint8_t buf[512];
     size_t off = 0;
     q.id = 7;
@@ -724,12 +743,9 @@ Test(int_shm, descriptors_on_frames_that_take_none_are_refused)
     cr_assert_leq(after, before, "the daemon kept descriptors: %d -> %d", before, after);
     /* a RegisterRegion without a descriptor: refused, the connection stays */
     fd = raw_connect();
-    Kvrope__RegisterRegion rr = KVROPE__REGISTER_REGION__INIT;
-    rr.size = 4096;
-    Kvrope__Request g = KVROPE__REQUEST__INIT;
-    g.id = 2;
-    g.body_case = KVROPE__REQUEST__BODY_REGISTER_REGION;
-    g.register_region = &rr;
+    Kvrope__RegisterRegion rr;
+    Kvrope__Request g;
+    region_request(&g, &rr, 2);
     cr_assert_eq(raw_call(fd, &g, -1), KVROPE__STATUS__E_BAD_REQUEST);
     cr_assert_eq(raw_call(fd, &q, -1), KVROPE__STATUS__OK);
     /* and with one it works; the connection's close unmaps it */
@@ -743,14 +759,11 @@ Test(int_shm, descriptors_of_pipelined_frames)
 {
     Kvrope__Request q;
     Kvrope__Ping ping;
-    int fd = pinged_connect(&q, &ping);
-    int before = kvt_count_fds(D.pid);
-    int mfd = raw_memfd(4096, F_SEAL_SHRINK);
-    Kvrope__RegisterRegion rr = KVROPE__REGISTER_REGION__INIT;
-    rr.size = 4096;
-    Kvrope__Request g = KVROPE__REQUEST__INIT;
-    g.body_case = KVROPE__REQUEST__BODY_REGISTER_REGION;
-    g.register_region = &rr;
+    int before, mfd;
+    int fd = pinged_with_memfd(&q, &ping, &before, &mfd);
+    Kvrope__RegisterRegion rr;
+    Kvrope__Request g;
+    region_request(&g, &rr, 0);
     uint32_t regions[4];   /* --max-regions 4 */
     for (int i = 0; i < 4; i++) {
         /* two pings, then the RegisterRegion, in one write, the fd on its
@@ -867,12 +880,9 @@ Test(int_shm, descriptors_on_payload_bytes_are_refused)
     int fd = raw_connect();
     send_put_head(fd, 20, "fp-ok", tok, n, len);
     cr_assert_eq(send(fd, pl, len / 2, MSG_NOSIGNAL), (ssize_t)(len / 2));
-    Kvrope__RegisterRegion rr = KVROPE__REGISTER_REGION__INIT;
-    rr.size = 4096;
-    Kvrope__Request rg = KVROPE__REQUEST__INIT;
-    rg.id = 21;
-    rg.body_case = KVROPE__REQUEST__BODY_REGISTER_REGION;
-    rg.register_region = &rr;
+    Kvrope__RegisterRegion rr;
+    Kvrope__Request rg;
+    region_request(&rg, &rr, 21);
     size_t rest = len - len / 2, off = rest;
     uint8_t *buf = malloc(rest + 512);
     memcpy(buf, (uint8_t *)pl + len / 2, rest);
@@ -1019,8 +1029,7 @@ Test(int_shm, regions_of_all_connections_are_capped, .init = NULL, .fini = NULL)
     }
     cr_assert_eq(rc, 0, "%s", kvr_client_last_error(p));
     kvr_client_close(b);
-    kvr_client_close(p);
-    testd_stop(&D);
+    kvt_daemon_down(&D, &p, NULL);
 }
 
 /* Without --max-regions-total the cap comes from vm.max_map_count, with

@@ -25,6 +25,7 @@
 #include "proto/frame.h"
 #include "tests/common/kvt_daemon.h"
 #include "tests/common/kvt.h"
+#include "tests/common/kvt_io.h"
 
 #define NL 32
 #define NH 8
@@ -227,16 +228,25 @@ static int raw_connect(void)
 
 static void send_all(int fd, const uint8_t *p, size_t n)
 {
-    while (n > 0) {
-        ssize_t w = write(fd, p, n);
-        cr_assert_gt(w, 0);
-        p += w;
-        n -= (size_t)w;
-    }
+    cr_assert_eq(kvt_write_all(fd, p, n), 0);
 }
 
-/* Sends a get of the whole context, reads `read_bytes` of the reply, closes. */
-static void get_and_leave(const char *ctx, size_t read_bytes)
+/* Sends rq framed on fd, announcing payload_len bytes of payload to follow
+ * (which the caller sends, or not). */
+static void send_request(int fd, const Kvrope__Request *rq, uint64_t payload_len)
+{
+    size_t n = kvrope__request__get_packed_size(rq);
+    uint8_t *buf = malloc(KVR_FRAME_HEADER_SIZE + n);
+    cr_assert_not_null(buf);
+    kvrope__request__pack(rq, buf + KVR_FRAME_HEADER_SIZE);
+    kvr_frame_header_encode(buf, (uint32_t)n, payload_len);
+    send_all(fd, buf, KVR_FRAME_HEADER_SIZE + n);
+    free(buf);
+}
+
+/* Opens a raw connection and sends a get (f16, request id 1) of the whole
+ * of ctx on it; returns the descriptor, the reply unread. */
+static int raw_get(const char *ctx)
 {
     int fd = raw_connect();
     Kvrope__Get g = KVROPE__GET__INIT;
@@ -246,13 +256,14 @@ static void get_and_leave(const char *ctx, size_t read_bytes)
     rq.id = 1;
     rq.body_case = KVROPE__REQUEST__BODY_GET;
     rq.get = &g;
-    size_t n = kvrope__request__get_packed_size(&rq);
-    uint8_t *buf = malloc(KVR_FRAME_HEADER_SIZE + n);
-    cr_assert_not_null(buf);
-    kvrope__request__pack(&rq, buf + KVR_FRAME_HEADER_SIZE);
-    kvr_frame_header_encode(buf, (uint32_t)n, 0);
-    send_all(fd, buf, KVR_FRAME_HEADER_SIZE + n);
-    free(buf);
+    send_request(fd, &rq, 0);
+    return fd;
+}
+
+/* Sends a get of the whole context, reads `read_bytes` of the reply, closes. */
+static void get_and_leave(const char *ctx, size_t read_bytes)
+{
+    int fd = raw_get(ctx);
     static uint8_t sink[1 << 16];
     size_t got = 0;
     while (got < read_bytes) {
@@ -337,21 +348,7 @@ Test(int_stream, replace_while_another_client_streams_or_writes_it)
     uint8_t *want_old = expected_shifted();
     /* A reader that stops after 100 KiB of its streamed reply: the stream
      * stalls with its leases held. */
-    int fd = raw_connect();
-    Kvrope__Get g = KVROPE__GET__INIT;
-    g.context_id = (char *)"rp";
-    g.dtype = KVROPE__DTYPE__F16;
-    Kvrope__Request rq = KVROPE__REQUEST__INIT;
-    rq.id = 1;
-    rq.body_case = KVROPE__REQUEST__BODY_GET;
-    rq.get = &g;
-    size_t n = kvrope__request__get_packed_size(&rq);
-    uint8_t *buf = malloc(KVR_FRAME_HEADER_SIZE + n);
-    cr_assert_not_null(buf);
-    kvrope__request__pack(&rq, buf + KVR_FRAME_HEADER_SIZE);
-    kvr_frame_header_encode(buf, (uint32_t)n, 0);
-    send_all(fd, buf, KVR_FRAME_HEADER_SIZE + n);
-    free(buf);
+    int fd = raw_get("rp");
     uint8_t hdr[KVR_FRAME_HEADER_SIZE];
     recv_all(fd, hdr, sizeof hdr);
     uint32_t msg_len;
@@ -404,17 +401,11 @@ Test(int_stream, replace_while_another_client_streams_or_writes_it)
     p.mode = KVROPE__PUT_MODE__APPEND;
     p.n_tokens = NT;
     p.tokens = TOK;
-    rq = (Kvrope__Request)KVROPE__REQUEST__INIT;
+    Kvrope__Request rq = KVROPE__REQUEST__INIT;
     rq.id = 2;
     rq.body_case = KVROPE__REQUEST__BODY_PUT;
     rq.put = &p;
-    n = kvrope__request__get_packed_size(&rq);
-    buf = malloc(KVR_FRAME_HEADER_SIZE + n);
-    cr_assert_not_null(buf);
-    kvrope__request__pack(&rq, buf + KVR_FRAME_HEADER_SIZE);
-    kvr_frame_header_encode(buf, (uint32_t)n, PL_LEN);
-    send_all(fd, buf, KVR_FRAME_HEADER_SIZE + n);
-    free(buf);
+    send_request(fd, &rq, PL_LEN);
     send_all(fd, pl2, 4096);
     /* (64 tokens, 8 MiB: under --max-drain, so the refusal keeps C open) */
     size_t small = kvr_payload_size(NL, 64, NH, ND, KVR_DTYPE_F16);

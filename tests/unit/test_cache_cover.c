@@ -19,6 +19,7 @@
 
 #include "cache/cache.h"
 #include "cache/store.h"
+#include "tests/common/kvt.h"
 
 #define L 2
 #define H 2
@@ -111,6 +112,13 @@ static void edit_pending(kvr_store *s, const char *id, size_t start, size_t end,
     cr_assert_eq(kvr_edit_commit(t, NULL, NULL, &e), 0, "%s", e.msg);
 }
 
+/* Frees a cover result, then its store. */
+static void destroy_with(kvr_store *s, kvr_cover_result *r)
+{
+    kvr_cover_result_free(r);
+    kvr_store_destroy(s);
+}
+
 static void check_index(kvr_store *s)
 {
     kvr_error e = { 0 };
@@ -159,6 +167,15 @@ static void cover(kvr_store *s, const uint32_t *q, size_t n, size_t min_run,
     cr_assert_eq(res->n_covered, covered);
 }
 
+/* cover (min_run 16) that must find n_pieces pieces covering n_covered. */
+static void cover_expect(kvr_store *s, const uint32_t *q, size_t n, size_t n_pieces,
+                         size_t n_covered, kvr_cover_result *res)
+{
+    cover(s, q, n, 16, res);
+    cr_assert_eq(res->n_pieces, n_pieces, "%zu pieces", res->n_pieces);
+    cr_assert_eq(res->n_covered, n_covered);
+}
+
 static const kvr_cover_piece *piece_at(const kvr_cover_result *r, size_t prompt_off)
 {
     for (size_t i = 0; i < r->n_pieces; i++)
@@ -177,18 +194,33 @@ static void seq(uint32_t *t, size_t n, uint32_t base, uint32_t seed)
     }
 }
 
+/* A prompt q: head new tokens (seq seed head_seed), then x[0..xn), then
+ * y[0..yn). */
+static void prompt3(uint32_t *q, size_t head, uint32_t head_seed, const uint32_t *x, size_t xn,
+                    const uint32_t *y, size_t yn)
+{
+    seq(q, head, 9000000, head_seed);
+    memcpy(q + head, x, xn * 4);
+    memcpy(q + head + xn, y, yn * 4);
+}
+
+/* Context id: seq(t, n, base, seq_seed), put with values of put_seed. */
+static void put_seq(kvr_store *s, const char *id, uint32_t *t, size_t n, uint32_t base,
+                    uint32_t seq_seed, uint32_t put_seed)
+{
+    seq(t, n, base, seq_seed);
+    put(s, id, KVR_PUT_CREATE, t, n, put_seed);
+}
+
 /* ---- a prompt of shuffled chunks behind a new header ---------------------- */
 
 Test(cache_cover, shuffled_chunks_behind_a_header)
 {
     kvr_store *s = open_store(0, false);
     uint32_t a[200], b[200], c[200];
-    seq(a, 200, 1000000, 1);
-    seq(b, 200, 2000000, 2);
-    seq(c, 200, 3000000, 3);
-    put(s, "a", KVR_PUT_CREATE, a, 200, 1);
-    put(s, "b", KVR_PUT_CREATE, b, 200, 2);
-    put(s, "c", KVR_PUT_CREATE, c, 200, 3);
+    put_seq(s, "a", a, 200, 1000000, 1, 1);
+    put_seq(s, "b", b, 200, 2000000, 2, 2);
+    put_seq(s, "c", c, 200, 3000000, 3, 3);
     check_index(s);
     /* header(37) C[50..150) A[0..120) B[30..200) tail(10) */
     uint32_t q[37 + 100 + 120 + 170 + 10];
@@ -235,8 +267,7 @@ Test(cache_cover, shuffled_chunks_behind_a_header)
     /* Shorter than a grain: nothing to find. */
     cover(s, q, 15, 1, &r);
     cr_assert_eq(r.n_pieces, 0);
-    kvr_cover_result_free(&r);
-    kvr_store_destroy(s);
+    destroy_with(s, &r);
 }
 
 /* A chunk that appears twice in the prompt is used twice; a run that
@@ -246,8 +277,7 @@ Test(cache_cover, unaligned_and_repeated)
 {
     kvr_store *s = open_store(0, false);
     uint32_t a[300];
-    seq(a, 300, 1000000, 4);
-    put(s, "a", KVR_PUT_CREATE, a, 300, 4);
+    put_seq(s, "a", a, 300, 1000000, 4, 4);
     uint32_t q[5 + 60 + 3 + 60];
     seq(q, 5, 9000000, 1);
     memcpy(q + 5, a + 7, 60 * 4);
@@ -261,8 +291,7 @@ Test(cache_cover, unaligned_and_repeated)
     cr_assert_eq(r.pieces[0].n_tokens, 60);
     cr_assert_eq(r.pieces[1].prompt_off, 68);
     cr_assert_eq(r.pieces[1].ctx_off, 7);
-    kvr_cover_result_free(&r);
-    kvr_store_destroy(s);
+    destroy_with(s, &r);
 }
 
 /* ---- the index through every path that changes tokens ---------------------- */
@@ -378,8 +407,7 @@ Test(cache_cover, eviction_takes_grains_with_it)
 
 Test(cache_cover, restart_recovers_the_index)
 {
-    snprintf(DIR_, sizeof DIR_, "/tmp/kvr-cover-XXXXXX");
-    cr_assert(mkdtemp(DIR_));
+    kvt_tmpdir(DIR_, sizeof DIR_, "kvr-cover");
     kvr_store *s = open_store(0, true);
     kvr_error e = { 0 };
     uint32_t a[200], b[100];
@@ -395,32 +423,23 @@ Test(cache_cover, restart_recovers_the_index)
     s = open_store(0, true);
     check_index(s);
     uint32_t q[150];
-    seq(q, 20, 9000000, 1);
-    memcpy(q + 20, b + 10, 60 * 4);
-    memcpy(q + 80, a + 100, 70 * 4);
+    prompt3(q, 20, 1, b + 10, 60, a + 100, 70);
     kvr_cover_result r;
-    cover(s, q, 150, 16, &r);
-    cr_assert_eq(r.n_covered, 130);
-    cr_assert_eq(r.n_pieces, 2);
-    kvr_cover_result_free(&r);
-    kvr_store_destroy(s);
-    char cmd[128];
-    snprintf(cmd, sizeof cmd, "rm -rf %s", DIR_);
-    cr_assert_eq(system(cmd), 0);
+    cover_expect(s, q, 150, 2, 130, &r);
+    destroy_with(s, &r);
+    kvt_rmrf(DIR_);
+    cr_assert_neq(access(DIR_, F_OK), 0, "%s was not removed", DIR_);
 }
 
 /* Spilled blocks keep their token ids: a cover still finds them, and its
  * placed get reloads their K/V from the disk tier, bit for bit. */
 Test(cache_cover, spilled_contexts_are_found_and_reloaded)
 {
-    snprintf(DIR_, sizeof DIR_, "/tmp/kvr-cover-XXXXXX");
-    cr_assert(mkdtemp(DIR_));
+    kvt_tmpdir(DIR_, sizeof DIR_, "kvr-cover");
     kvr_store *s = open_store(0, true);
     uint32_t a[160], b[160];
-    seq(a, 160, 1000000, 71);
-    seq(b, 160, 2000000, 72);
-    put(s, "a", KVR_PUT_CREATE, a, 160, 1);
-    put(s, "b", KVR_PUT_CREATE, b, 160, 2);
+    put_seq(s, "a", a, 160, 1000000, 71, 1);
+    put_seq(s, "b", b, 160, 2000000, 72, 2);
     kvr_error e = { 0 };
     cr_assert_gt(kvr_store_tier_evict(s, SIZE_MAX, &e), 0, "%s", e.msg);
     kvr_tier_stats ts;
@@ -428,13 +447,9 @@ Test(cache_cover, spilled_contexts_are_found_and_reloaded)
     cr_assert_gt(ts.spilled_blocks, 0);
     check_index(s);
     uint32_t q[150];
-    seq(q, 10, 9000000, 1);
-    memcpy(q + 10, b + 40, 70 * 4);
-    memcpy(q + 80, a + 90, 70 * 4);
+    prompt3(q, 10, 1, b + 40, 70, a + 90, 70);
     kvr_cover_result r;
-    cover(s, q, 150, 16, &r);
-    cr_assert_eq(r.n_pieces, 2);
-    cr_assert_eq(r.n_covered, 140);
+    cover_expect(s, q, 150, 2, 140, &r);
     kvr_cover_params p = { .model = "m", .tokens = q, .n_tokens = 150, .min_run = 16,
                            .dtype = KVR_DTYPE_F32 };
     kvr_assemble *t;
@@ -457,11 +472,9 @@ Test(cache_cover, spilled_contexts_are_found_and_reloaded)
     cr_assert(ts.n_reloads > 0 || ts.reads_disk > 0, "the get did not read the disk "
               "(%llu reloads, %llu disk reads)", (unsigned long long)ts.n_reloads,
               (unsigned long long)ts.reads_disk);
-    kvr_cover_result_free(&r);
-    kvr_store_destroy(s);
-    char cmd[128];
-    snprintf(cmd, sizeof cmd, "rm -rf %s", DIR_);
-    cr_assert_eq(system(cmd), 0);
+    destroy_with(s, &r);
+    kvt_rmrf(DIR_);
+    cr_assert_neq(access(DIR_, F_OK), 0, "%s was not removed", DIR_);
 }
 
 /* A run at prompt offset 0 from its context's offset 0 is exact only when
@@ -472,9 +485,8 @@ Test(cache_cover, exact_needs_the_context_encoded_from_its_start)
     kvr_store *s = open_store(0, false);
     kvr_error e = { 0 };
     uint32_t pre[32], d[64];
-    seq(pre, 32, 1000000, 81);
     seq(d, 64, 2000000, 82);
-    put(s, "pre", KVR_PUT_CREATE, pre, 32, 1);
+    put_seq(s, "pre", pre, 32, 1000000, 81, 1);
     kvr_put_params p = { .ctx_id = "doc", .model = "m", .mode = KVR_PUT_CREATE, .n_layers = L,
                          .n_kv_heads = H, .head_dim = D, .dtype = KVR_DTYPE_F32,
                          .n_tokens = 64, .tokens = d, .prefix_ctx = "pre" };
@@ -497,8 +509,7 @@ Test(cache_cover, exact_needs_the_context_encoded_from_its_start)
     cr_assert_eq(kvr_store_shift(s, "pre", 20, SIZE_MAX, 3, &e), 0, "%s", e.msg);
     cover(s, pre, 32, 16, &r);        /* a gap in its positions: not */
     cr_assert_not(r.pieces[0].exact);
-    kvr_cover_result_free(&r);
-    kvr_store_destroy(s);
+    destroy_with(s, &r);
 }
 
 /* ---- hashes are hints --------------------------------------------------------- */
@@ -510,15 +521,11 @@ Test(cache_cover, collisions_are_refused)
     kvr_grain_test_mask = 0x3;
     kvr_store *s = open_store(0, false);
     uint32_t a[64], b[64];
-    seq(a, 64, 1000000, 21);
-    seq(b, 64, 2000000, 22);
-    put(s, "a", KVR_PUT_CREATE, a, 64, 1);
-    put(s, "b", KVR_PUT_CREATE, b, 64, 2);
+    put_seq(s, "a", a, 64, 1000000, 21, 1);
+    put_seq(s, "b", b, 64, 2000000, 22, 2);
     check_index(s);
     uint32_t q[100];
-    seq(q, 20, 9000000, 3);
-    memcpy(q + 20, b + 8, 40 * 4);
-    memcpy(q + 60, a + 16, 40 * 4);
+    prompt3(q, 20, 3, b + 8, 40, a + 16, 40);
     kvr_cover_result r;
     cover(s, q, 100, 16, &r);
     cr_assert_gt(r.n_rejected, 0, "no collision was met");
@@ -533,8 +540,7 @@ Test(cache_cover, collisions_are_refused)
     cover(s, q, 100, 16, &r);
     cr_assert_eq(r.n_covered, 0);
     cr_assert_eq(r.n_rejected, r.n_hits);
-    kvr_cover_result_free(&r);
-    kvr_store_destroy(s);
+    destroy_with(s, &r);
     kvr_grain_test_mask = ~0ull;
 }
 
@@ -585,8 +591,7 @@ Test(cache_cover, bad_input_is_refused_and_changes_nothing)
 {
     kvr_store *s = open_store(0, false);
     uint32_t a[64];
-    seq(a, 64, 1000000, 31);
-    put(s, "a", KVR_PUT_CREATE, a, 64, 1);
+    put_seq(s, "a", a, 64, 1000000, 31, 1);
     kvr_store_stats before, after;
     kvr_store_get_stats(s, &before);
     uint32_t *huge = calloc(KVR_COVER_MAX_TOKENS + 1, sizeof *huge);
@@ -638,9 +643,8 @@ Test(cache_cover, stale_cover_get_is_refused)
 {
     kvr_store *s = open_store(0, false);
     uint32_t a[64], x[64];
-    seq(a, 64, 1000000, 41);
     seq(x, 64, 3000000, 42);
-    put(s, "a", KVR_PUT_CREATE, a, 64, 1);
+    put_seq(s, "a", a, 64, 1000000, 41, 1);
     kvr_cover_params p = { .model = "m", .tokens = a, .n_tokens = 64, .min_run = 16,
                            .dtype = KVR_DTYPE_F32 };
     kvr_cover_result r;
@@ -650,8 +654,7 @@ Test(cache_cover, stale_cover_get_is_refused)
     kvr_error e = { 0 };
     cr_assert_eq(kvr_store_cover_get_begin(s, &p, &r, &t, &e), KVR_EBUSY, "%s", e.msg);
     cr_assert_null(t);
-    kvr_cover_result_free(&r);
-    kvr_store_destroy(s);
+    destroy_with(s, &r);
 }
 
 /* ---- the placed get ---------------------------------------------------------- */
@@ -660,9 +663,8 @@ Test(cache_cover, placed_get_is_the_exact_rotation)
 {
     kvr_store *s = open_store(0, false);
     uint32_t a[200], b[200];
-    seq(a, 200, 1000000, 51);
     seq(b, 200, 2000000, 52);
-    put(s, "a", KVR_PUT_CREATE, a, 200, 1);
+    put_seq(s, "a", a, 200, 1000000, 51, 1);
     put(s, "b", KVR_PUT_CREATE, b, 100, 2);
     put(s, "b", KVR_PUT_APPEND, b + 100, 100, 3);   /* stored at 100.. */
     /* prompt: A[0..80) (exact) gap(9) B[120..200) gap(5) A[30..90) */
@@ -737,8 +739,7 @@ Test(cache_cover, placed_get_is_the_exact_rotation)
     cr_assert_eq(kvr_store_cover_get_begin(s, &p, &r, &t, &e), 0, "%s", e.msg);
     cr_assert_eq(kvr_assemble_get_info(t)->n_tokens, N);
     kvr_assemble_end(t);
-    kvr_cover_result_free(&r);
-    kvr_store_destroy(s);
+    destroy_with(s, &r);
 }
 
 /* Tokens edited in without KV are never placed; the cover goes around them. */
@@ -746,8 +747,7 @@ Test(cache_cover, pending_tokens_are_gaps)
 {
     kvr_store *s = open_store(0, false);
     uint32_t a[128];
-    seq(a, 128, 1000000, 61);
-    put(s, "a", KVR_PUT_CREATE, a, 128, 1);
+    put_seq(s, "a", a, 128, 1000000, 61, 1);
     uint32_t same[4] = { a[60], a[61], a[62], a[63] };
     edit_pending(s, "a", 60, 64, same, 4);
     kvr_error e = { 0 };
@@ -764,6 +764,5 @@ Test(cache_cover, pending_tokens_are_gaps)
     kvr_assemble *g;
     cr_assert_eq(kvr_store_cover_get_begin(s, &p, &r, &g, &e), 0, "%s", e.msg);
     kvr_assemble_end(g);
-    kvr_cover_result_free(&r);
-    kvr_store_destroy(s);
+    destroy_with(s, &r);
 }

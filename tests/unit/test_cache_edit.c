@@ -170,6 +170,23 @@ static void world_put(world *w, const char *id, const uint32_t *tok, size_t n)
     w->n = n;
 }
 
+/* A world of the manifest's case fam_i (storage dt, blocks of 16 tokens,
+ * memory cap cap_mem) holding context id: tokens mul * i + add for i < n,
+ * left in init[0..n) unless init is NULL. */
+static void world_start(world *w, int fam_i, kvr_dtype dt, size_t cap_mem, const char *id,
+                        uint32_t *init, size_t n, uint32_t mul, uint32_t add)
+{
+    fam fams[32];
+    load_families(fams, 32);
+    world_init(w, &fams[fam_i].cfg, dt, 16, cap_mem);
+    uint32_t *tok = init ? init : malloc(n * sizeof *tok);
+    for (uint32_t i = 0; i < n; i++)
+        tok[i] = mul * i + add;
+    world_put(w, id, tok, n);
+    if (!init)
+        free(tok);
+}
+
 static double dt_eps(kvr_dtype dt)
 {
     return dt == KVR_DTYPE_F32 ? 0x1p-22 : dt == KVR_DTYPE_F16 ? 0x1p-10 : 0x1p-7;
@@ -465,14 +482,8 @@ static uint8_t *raw_get(kvr_store *s, const char *id, size_t *bytes, kvr_dtype d
 
 Test(cache_edit, no_accumulation)
 {
-    fam fams[32];
-    load_families(fams, 32);
     world w;
-    world_init(&w, &fams[0].cfg, KVR_DTYPE_F16, 16, 0);
-    uint32_t init[64];
-    for (uint32_t i = 0; i < 64; i++)
-        init[i] = 100 + i;
-    world_put(&w, "c", init, 64);
+    world_start(&w, 0, KVR_DTYPE_F16, 0, "c", NULL, 64, 1, 100);
     size_t b0, b1;
     uint8_t *before = raw_get(w.s, "c", &b0, KVR_DTYPE_F32);
     uint32_t ins[3] = { 7, 8, 9 };
@@ -507,6 +518,14 @@ typedef struct snap {
     size_t   m_exact, m_all;
     kvr_store_stats st;
 } snap;
+
+static void snap_free(snap *s)
+{
+    free(s->kv);
+    free(s->tok);
+    free(s->flags);
+    free(s->pos);
+}
 
 static void take(world *w, const char *id, snap *s)
 {
@@ -565,7 +584,7 @@ static void same_ex(world *w, const char *id, const snap *a, const char *what,
         cr_assert_eq(a->st.n_blocks, b.st.n_blocks, "%s: blocks leaked", what);
         cr_assert_eq(a->st.block_bytes, b.st.block_bytes, "%s", what);
     }
-    free(b.kv); free(b.tok); free(b.flags); free(b.pos);
+    snap_free(&b);
 }
 
 static void same(world *w, const char *id, const snap *a, const char *what)
@@ -590,14 +609,8 @@ static int try_edit(world *w, kvr_edit_params p, const char *what, int want)
 
 Test(cache_edit, refusals_leave_context_identical)
 {
-    fam fams[32];
-    load_families(fams, 32);
     world w;
-    world_init(&w, &fams[0].cfg, KVR_DTYPE_F16, 16, 0);
-    uint32_t init[100];
-    for (uint32_t i = 0; i < 100; i++)
-        init[i] = 1000 + i;
-    world_put(&w, "c", init, 100);
+    world_start(&w, 0, KVR_DTYPE_F16, 0, "c", NULL, 100, 1, 1000);
     kvr_error e = { 0 };
     uint32_t nt[4] = { 1, 2, 3, 4 };
     kvr_edit_op first = { 40, 42, 3, nt, false };
@@ -695,27 +708,21 @@ Test(cache_edit, refusals_leave_context_identical)
         p.payload_bytes = 2 * L * 3 * rowb;
         try_edit(&w, p, "overflow at the end", KVR_EINVAL);
         same(&w, "big", &b, "overflow end");
-        free(b.kv); free(b.tok); free(b.flags); free(b.pos);
+        snap_free(&b);
         cr_assert_eq(kvr_store_delete(w.s, "big", &e), 0);
     }
     same(&w, "c", &a, "end");
-    free(a.kv); free(a.tok); free(a.flags); free(a.pos);
+    snap_free(&a);
     world_free(&w);
 }
 
 Test(cache_edit, enomem_is_harmless)
 {
-    fam fams[32];
-    load_families(fams, 32);
     world w;
     /* Cap: what the process holds now + 40 MiB, filled with pinned
      * contexts; the edit wants ~8 MiB of new blocks (under the quarter of
      * the cap one request may use) and nothing can be evicted. */
-    world_init(&w, &fams[0].cfg, KVR_DTYPE_F16, 16, kvr_mem_allocated() + (40u << 20));
-    uint32_t init[64];
-    for (uint32_t i = 0; i < 64; i++)
-        init[i] = i;
-    world_put(&w, "c", init, 64);
+    world_start(&w, 0, KVR_DTYPE_F16, kvr_mem_allocated() + (40u << 20), "c", NULL, 64, 1, 0);
     kvr_error e = { 0 };
     cr_assert_eq(kvr_store_pin(w.s, "c", true, &e), 0);
     uint32_t *fill_tok = calloc(1024, 4);
@@ -750,7 +757,7 @@ Test(cache_edit, enomem_is_harmless)
                           .dtype = KVR_DTYPE_F16, .payload_bytes = 2 * L * 4096 * rowb };
     try_edit(&w, p, "cap", KVR_ENOMEM);
     same(&w, "c", &a, "enomem");
-    free(a.kv); free(a.tok); free(a.flags); free(a.pos);
+    snap_free(&a);
     free(many);
     world_free(&w);
 }
@@ -759,14 +766,9 @@ Test(cache_edit, enomem_is_harmless)
 
 Test(cache_edit, plan_pending_refresh)
 {
-    fam fams[32];
-    load_families(fams, 32);
     world w;
-    world_init(&w, &fams[0].cfg, KVR_DTYPE_F32, 16, 0);
     uint32_t init[50];
-    for (uint32_t i = 0; i < 50; i++)
-        init[i] = 10 + i;
-    world_put(&w, "c", init, 50);
+    world_start(&w, 0, KVR_DTYPE_F32, 0, "c", init, 50, 1, 10);
     kvr_error e = { 0 };
     uint32_t nt[3] = { 900, 901, 902 };
     kvr_edit_op ops[2] = { { 20, 20, 3, nt, false }, { 5, 7, 1, nt, false } };
@@ -836,14 +838,8 @@ Test(cache_edit, plan_pending_refresh)
 
 Test(cache_edit, forks_are_copy_on_write)
 {
-    fam fams[32];
-    load_families(fams, 32);
     world w;
-    world_init(&w, &fams[1].cfg, KVR_DTYPE_BF16, 16, 0);
-    uint32_t init[80];
-    for (uint32_t i = 0; i < 80; i++)
-        init[i] = 3 * i + 1;
-    world_put(&w, "a", init, 80);
+    world_start(&w, 1, KVR_DTYPE_BF16, 0, "a", NULL, 80, 3, 1);
     kvr_error e = { 0 };
     uint32_t nt[2] = { 77, 78 };
     kvr_edit_op op = { 30, 31, 2, nt, false };
@@ -867,7 +863,7 @@ Test(cache_edit, forks_are_copy_on_write)
     world_check(&wb, "b", "fork after refresh+edit");
     free(wb.seq);
     free(wb.approx);
-    free(sa.kv); free(sa.tok); free(sa.flags); free(sa.pos);
+    snap_free(&sa);
     world_free(&w);
 }
 
@@ -875,14 +871,9 @@ Test(cache_edit, forks_are_copy_on_write)
 
 Test(cache_edit, match_after_edits)
 {
-    fam fams[32];
-    load_families(fams, 32);
     world w;
-    world_init(&w, &fams[0].cfg, KVR_DTYPE_F16, 16, 0);
     uint32_t *init = malloc(600 * 4);
-    for (uint32_t i = 0; i < 600; i++)
-        init[i] = 20000 + i;
-    world_put(&w, "c", init, 600);
+    world_start(&w, 0, KVR_DTYPE_F16, 0, "c", init, 600, 1, 20000);
     kvr_error e = { 0 };
     uint32_t nt[2] = { 5, 6 };
     /* Edit near the start: the full-sequence entry goes stale (suffix of
@@ -923,14 +914,8 @@ Test(cache_edit, match_after_edits)
 
 Test(cache_edit, protected_sinks)
 {
-    fam fams[32];
-    load_families(fams, 32);
     world w;
-    world_init(&w, &fams[0].cfg, KVR_DTYPE_F32, 16, 0);
-    uint32_t init[40];
-    for (uint32_t i = 0; i < 40; i++)
-        init[i] = i;
-    world_put(&w, "c", init, 40);
+    world_start(&w, 0, KVR_DTYPE_F32, 0, "c", NULL, 40, 1, 0);
     kvr_error e = { 0 };
     cr_assert_eq(kvr_store_protect(w.s, "c", 41, &e), KVR_ERANGE);
     cr_assert_eq(kvr_store_protect(w.s, "c", 4, &e), 0);
@@ -973,15 +958,10 @@ static void flags_of(world *w, const char *id, uint32_t *out, size_t n)
 
 Test(cache_edit, approximation_age)
 {
-    fam fams[32];
-    load_families(fams, 32);
     world w;
-    world_init(&w, &fams[0].cfg, KVR_DTYPE_F16, 16, 0);
-    uint32_t init[100], fl[400];
+    uint32_t fl[400];
     memset(fl, 0, sizeof fl);
-    for (uint32_t i = 0; i < 100; i++)
-        init[i] = 1000 + i;
-    world_put(&w, "c", init, 100);
+    world_start(&w, 0, KVR_DTYPE_F16, 0, "c", NULL, 100, 1, 1000);
     kvr_error e = { 0 };
     uint32_t ins[3] = { 7, 8, 9 };
     /* Edit 1 at 50: tokens 53.. (old 50..) age 1; before: exact; new: exact. */
@@ -1063,14 +1043,9 @@ Test(cache_edit, approximation_age)
 
 Test(cache_edit, compare_and_swap)
 {
-    fam fams[32];
-    load_families(fams, 32);
     world w;
-    world_init(&w, &fams[0].cfg, KVR_DTYPE_F16, 16, 0);
     uint32_t init[40], ins[2] = { 5, 6 };
-    for (uint32_t i = 0; i < 40; i++)
-        init[i] = 2000 + i;
-    world_put(&w, "c", init, 40);
+    world_start(&w, 0, KVR_DTYPE_F16, 0, "c", init, 40, 1, 2000);
     kvr_edit_op op = { .start = 10, .end = 12, .n_tokens = 2, .tokens = ins };
     uint64_t h = kvr_tokens_hash(KVR_TOKENS_HASH_INIT, init, 40);
     kvr_edit_params p = { .ctx_id = "c", .model = "m", .ops = &op, .n_ops = 1 };
@@ -1101,6 +1076,6 @@ Test(cache_edit, compare_and_swap)
     cr_assert_eq(kvr_edit_commit(t, NULL, NULL, &e), 0, "%s", e.msg);
     cr_assert_eq(kvr_store_edit_begin(w.s, &p, &t, &e), KVR_EBUSY, "a second writer planned "
                  "against the old sequence is refused");
-    free(s0.kv); free(s0.tok); free(s0.flags); free(s0.pos);
+    snap_free(&s0);
     world_free(&w);
 }

@@ -27,15 +27,24 @@ static void fill_seed(void *arg, void *p, size_t bytes)
     fill(p, bytes, *(const uint32_t *)arg);
 }
 
+/* A store of blocks of B tokens, capped at max_memory (0: none), with the
+ * f16 model "m". */
+static kvr_store *store_with_model(size_t max_memory)
+{
+    kvr_store_config c = { .block_tokens = B, .max_memory = max_memory };
+    return kvt_store_with_model(&c, L, H, D, KVR_DTYPE_F16, NULL);
+}
+
+/* Destroys s: the memory accounted is back to base. */
+static void destroy_all_freed(kvr_store *s, size_t base)
+{
+    kvr_store_destroy(s);
+    cr_assert_eq(kvr_mem_allocated(), base);
+}
+
 static kvr_store *setup(size_t extra_blocks, size_t *block_bytes)
 {
-    kvr_store *s = NULL;
-    kvr_store_config c = { .block_tokens = B };
-    cr_assert_eq(kvr_store_create(&s, &c, NULL), 0);
-    kvr_model_desc d = { .name = "m", .n_layers = L, .n_kv_heads = H, .head_dim = D,
-                         .dtype = KVR_DTYPE_F16 };
-    kvr_rope_config_init(&d.rope);
-    cr_assert_eq(kvr_store_model_register(s, &d, NULL, NULL), 0);
+    kvr_store *s = store_with_model(0);
     size_t with_model = kvr_mem_allocated();
     /* Measure a block: one context of one full block (a shorter context's
      * last block holds only what its tokens need). */
@@ -58,10 +67,7 @@ static kvr_store *setup(size_t extra_blocks, size_t *block_bytes)
      * the content index of covers, grain.h: a copy of each context's token
      * ids and the model's grain table, which the 8-token probe does not
      * show.) */
-    c.max_memory = with_model + 4608 + 1024 + extra_blocks * *block_bytes + ctx_bytes;
-    cr_assert_eq(kvr_store_create(&s, &c, NULL), 0);
-    cr_assert_eq(kvr_store_model_register(s, &d, NULL, NULL), 0);
-    return s;
+    return store_with_model(with_model + 4608 + 1024 + extra_blocks * *block_bytes + ctx_bytes);
 }
 
 static int put(kvr_store *s, const char *id, uint32_t seed, size_t n, kvr_error *e)
@@ -147,8 +153,7 @@ Test(cache_evict, lru_tail_eviction_under_cap)
     }
     kvr_mem_free(li);
     (void)saw_partial;   /* depends on sizes; covered when it happens */
-    kvr_store_destroy(s);
-    cr_assert_eq(kvr_mem_allocated(), base);
+    destroy_all_freed(s, base);
 }
 
 Test(cache_evict, enomem_when_all_pinned_harms_nothing)
@@ -181,8 +186,7 @@ Test(cache_evict, enomem_when_all_pinned_harms_nothing)
     kvr_store_stats st;
     kvr_store_get_stats(s, &st);
     cr_assert_geq(st.n_refused_nomem, 1);
-    kvr_store_destroy(s);
-    cr_assert_eq(kvr_mem_allocated(), base);
+    destroy_all_freed(s, base);
 }
 
 /* One request may reserve at most a quarter of the cap (4 MiB at least):
@@ -191,13 +195,7 @@ Test(cache_evict, enomem_when_all_pinned_harms_nothing)
 Test(cache_evict, one_request_uses_at_most_a_quarter_of_the_cap)
 {
     size_t base = kvr_mem_allocated();
-    kvr_store *s = NULL;
-    kvr_store_config c = { .block_tokens = B, .max_memory = base + (64u << 20) };
-    cr_assert_eq(kvr_store_create(&s, &c, NULL), 0);
-    kvr_model_desc d = { .name = "m", .n_layers = L, .n_kv_heads = H, .head_dim = D,
-                         .dtype = KVR_DTYPE_F16 };
-    kvr_rope_config_init(&d.rope);
-    cr_assert_eq(kvr_store_model_register(s, &d, NULL, NULL), 0);
+    kvr_store *s = store_with_model(base + (64u << 20));
     kvr_error e = { 0 };
     size_t tok_bytes = 2u * L * H * D * 2;           /* K and V, f16 */
     size_t chunk = (4u << 20) / tok_bytes;          /* ~4 MiB per context */
@@ -234,15 +232,14 @@ Test(cache_evict, one_request_uses_at_most_a_quarter_of_the_cap)
      * the oldest to make room. */
     cr_assert_eq(put(s, "big", 99, 2 * chunk, &e), 0, "%s", e.msg);
     check_intact(s, "big", 99, 2 * chunk);
-    kvr_store_destroy(s);
-    cr_assert_eq(kvr_mem_allocated(), base);
+    destroy_all_freed(s, base);
 }
 
 Test(cache_evict, leased_blocks_survive_eviction)
 {
+    kvr_error e = { 0 };
     size_t base = kvr_mem_allocated(), bb;
     kvr_store *s = setup(6, &bb);
-    kvr_error e = { 0 };
     cr_assert_eq(put(s, "old", 1, 2 * B, &e), 0);
     kvr_get_params p = { .ctx_id = "old", .end = SIZE_MAX, .dtype = KVR_DTYPE_F16 };
     kvr_get *g;
@@ -267,8 +264,7 @@ Test(cache_evict, leased_blocks_survive_eviction)
     check_intact(s, "new", 2, 3 * B);
     kvr_ctx_info ci;
     cr_assert_eq(kvr_store_stat(s, "old", &ci, &e), KVR_ENOCTX);
-    kvr_store_destroy(s);
-    cr_assert_eq(kvr_mem_allocated(), base);
+    destroy_all_freed(s, base);
 }
 
 /* A put whose declared payload length does not match its shape is refused
@@ -306,13 +302,7 @@ Test(cache_evict, refused_length_evicts_nothing)
 Test(cache_evict, reads_cannot_evict_the_cache)
 {
     size_t base = kvr_mem_allocated();
-    kvr_store *s = NULL;
-    kvr_store_config c = { .block_tokens = B, .max_memory = base + (32u << 20) };
-    cr_assert_eq(kvr_store_create(&s, &c, NULL), 0);
-    kvr_model_desc d = { .name = "m", .n_layers = L, .n_kv_heads = H, .head_dim = D,
-                         .dtype = KVR_DTYPE_F16 };
-    kvr_rope_config_init(&d.rope);
-    cr_assert_eq(kvr_store_model_register(s, &d, NULL, NULL), 0);
+    kvr_store *s = store_with_model(base + (32u << 20));
     kvr_error e = { 0 };
     for (int i = 0; i < 4; i++)            /* 40000 tokens: 5 MiB of f16 K/V */
         cr_assert_eq(put(s, "big", 7, 10000, &e), 0, "%s", e.msg);
@@ -368,6 +358,5 @@ Test(cache_evict, reads_cannot_evict_the_cache)
     p.end = 10000;
     cr_assert_eq(kvr_store_get_begin(s, &p, &g, &e), 0, "%s", e.msg);
     kvr_get_end(g);
-    kvr_store_destroy(s);
-    cr_assert_eq(kvr_mem_allocated(), base);
+    destroy_all_freed(s, base);
 }

@@ -13,6 +13,7 @@
 #include <string.h>
 
 #include "cache/cache.h"
+#include "tests/common/kvt.h"
 #include "tests/common/kvt_store.h"
 
 #define NL 4
@@ -56,13 +57,9 @@ static void same_at(kvr_store *s, kvr_get_params p, size_t at)
     uint8_t *got = buf + at;
     if (kvr_get_needs_work(a)) cr_assert_eq(kvr_get_work(a, &e), 0, "%s", e.msg);
     const struct iovec *iov;
-    size_t niov, off = 0;
+    size_t niov;
     kvr_get_payload_iov(a, &iov, &niov);
-    for (size_t i = 0; i < niov; i++) {
-        memcpy(ref + off, iov[i].iov_base, iov[i].iov_len);
-        off += iov[i].iov_len;
-    }
-    cr_assert_eq(off, n);
+    cr_assert_eq(kvt_gather(ref, iov, niov), n);
     memset(got, 0xEE, n + 1);
     cr_assert_eq(kvr_get_copy_into(b, got, n + 1, &e), KVR_EINVAL);
     cr_assert_eq(kvr_get_copy_into(b, got, n, &e), 0, "%s", e.msg);
@@ -270,13 +267,9 @@ Test(get_into, assemble_every_layout)
                 if (kvr_assemble_needs_work(a))
                     cr_assert_eq(kvr_assemble_work(a, &e), 0, "%s", e.msg);
                 const struct iovec *iov;
-                size_t niov, off = 0;
+                size_t niov;
                 kvr_assemble_payload_iov(a, &iov, &niov);
-                for (size_t i = 0; i < niov; i++) {
-                    memcpy(ref + off, iov[i].iov_base, iov[i].iov_len);
-                    off += iov[i].iov_len;
-                }
-                cr_assert_eq(off, n);
+                cr_assert_eq(kvt_gather(ref, iov, niov), n);
                 cr_assert_eq(kvr_assemble_copy_into(b, got, n - 1, &e), KVR_EINVAL);
                 cr_assert_eq(kvr_assemble_copy_into(b, got, n, &e), 0, "%s", e.msg);
                 cr_assert_eq(memcmp(ref, got, n), 0, "layout %d fold %d dtype %d", k, fold, d);

@@ -54,18 +54,20 @@ static void key_at(uint32_t uid, uint32_t l, int64_t pos, float *out)
                                 &pos, NULL), 0);
 }
 
+/* n token ids id0.. in u, at positions pos0.. in p. */
+static void ids_at(uint32_t *u, int64_t *p, size_t n, uint32_t id0, int64_t pos0)
+{
+    for (size_t i = 0; i < n; i++) {
+        u[i] = id0 + (uint32_t)i;
+        p[i] = pos0 + (int64_t)i;
+    }
+}
+
 /* Puts tokens uids[0..n) (token id = uid) whose keys are rotated at pos. */
 static int put(const char *id, kvr_put_params p, const uint32_t *uids, const int64_t *pos,
                size_t n, kvr_put_result *res, kvr_error *e)
 {
-    p.ctx_id = id;
-    p.model = "m";
-    p.n_layers = L;
-    p.n_kv_heads = H;
-    p.head_dim = D;
-    p.dtype = KVR_DTYPE_F32;
-    p.n_tokens = n;
-    p.tokens = uids;
+    kvt_put_shape(&p, id, L, H, D, KVR_DTYPE_F32, uids, n);
     size_t row = H * D;
     float *pl = malloc(L * 2 * n * row * sizeof *pl);
     for (uint32_t l = 0; l < L; l++) {
@@ -453,10 +455,7 @@ Test(layout_retention, policy_on_long_context_drops_now_and_no_sinks, .fini = te
     setup(8);
     uint32_t u[40];
     int64_t p[40];
-    for (int i = 0; i < 40; i++) {
-        u[i] = (uint32_t)i;
-        p[i] = 100 + i;
-    }
+    ids_at(u, p, 40, 0, 100);
     kvr_error e = { 0 };
     cr_assert_eq(put("r", (kvr_put_params){ .mode = KVR_PUT_CREATE, .positions = p }, u, p,
                      40, NULL, &e), 0, "%s", e.msg);
@@ -465,17 +464,11 @@ Test(layout_retention, policy_on_long_context_drops_now_and_no_sinks, .fini = te
     /* Without sinks the window starts where the oldest token was. */
     uint32_t want[10];
     int64_t wpos[10];
-    for (int i = 0; i < 10; i++) {
-        want[i] = (uint32_t)(30 + i);
-        wpos[i] = 100 + i;
-    }
+    ids_at(want, wpos, 10, 30, 100);
     check_ctx("r", want, wpos, NULL, 10);
     r.off = true;
     cr_assert_eq(kvr_store_set_retention(S_, "r", &r, &e), 0);
-    for (int i = 0; i < 5; i++) {
-        u[i] = (uint32_t)(40 + i);
-        p[i] = 110 + i;
-    }
+    ids_at(u, p, 5, 40, 110);
     cr_assert_eq(put("r", (kvr_put_params){ .mode = KVR_PUT_APPEND }, u, p, 5, NULL, &e), 0);
     kvr_ctx_info ci;
     cr_assert_eq(kvr_store_stat(S_, "r", &ci, NULL), 0);
@@ -510,13 +503,10 @@ Test(layout_retention, refusals, .fini = teardown)
 Test(layout_retention, protect_first_applies_after_retention, .fini = teardown)
 {
     setup(8);
+    kvr_error e = { 0 };
     uint32_t u[8];
     int64_t p[8];
-    for (int i = 0; i < 8; i++) {
-        u[i] = (uint32_t)i;
-        p[i] = i;
-    }
-    kvr_error e = { 0 };
+    ids_at(u, p, 8, 0, 0);
     cr_assert_eq(put("r", (kvr_put_params){ .mode = KVR_PUT_CREATE }, u, p, 6, NULL, &e), 0);
     kvr_retention r = { .sinks = 2, .window = 4 };
     cr_assert_eq(kvr_store_set_retention(S_, "r", &r, &e), 0, "%s", e.msg);

@@ -301,6 +301,15 @@ static void ape_ref(const kvr_assemble_info *in, const float *pl, size_t H, size
         out[d] = (w0 * acc[0][d] + w1 * acc[1][d]) / (w0 + w1);
 }
 
+/* The small model with its contexts built (small, build). */
+static fam small_built(void)
+{
+    fam f = { 0 };
+    small(&f);
+    build(&f);
+    return f;
+}
+
 /* Plain softmax attention over the stream + the query token. */
 static void plain_ref(const kvr_assemble_info *in, const float *pl, size_t H, size_t D,
                       uint32_t l, size_t h, const float *q, const float *qk, const float *qv,
@@ -333,9 +342,7 @@ static void plain_ref(const kvr_assemble_info *in, const float *pl, size_t H, si
 
 Test(layout_ape, reference_attention)
 {
-    fam f = { 0 };
-    small(&f);
-    build(&f);
+    fam f = small_built();
     float q[16], qk[16], qv[16];
     for (int d = 0; d < 16; d++) {
         q[d] = (float)((d * 7) % 11 - 5) / 4.0f;
@@ -405,9 +412,7 @@ Test(layout_ape, reference_attention)
 /* f16 output with folding and a layer subset: close to the f32 result. */
 Test(layout_ape, f16_layers_subset)
 {
-    fam f = { 0 };
-    small(&f);
-    build(&f);
+    fam f = small_built();
     uint32_t layers[1] = { 1 };
     kvr_assemble_params p = { .prefix = "pre", .docs = DOCS, .n_docs = 3,
                               .layout = KVR_LAYOUT_SEQUENTIAL, .dtype = KVR_DTYPE_F32,
@@ -432,9 +437,7 @@ Test(layout_ape, f16_layers_subset)
  * their staging (and evict the cache for it) by repeating what they ask. */
 Test(layout_ape, duplicates_refused)
 {
-    fam f = { 0 };
-    small(&f);
-    build(&f);
+    fam f = small_built();
     kvr_error e = { 0 };
     kvr_assemble *t = NULL;
     const char *d[3] = { "A", "B", "A" };
@@ -462,9 +465,7 @@ Test(layout_ape, duplicates_refused)
 
 Test(layout_ape, refusals)
 {
-    fam f = { 0 };
-    small(&f);
-    build(&f);
+    fam f = small_built();
     kvr_error e = { 0 };
     /* A second prefix, a document encoded against it, a document without a
      * prefix, and a model of another shape with its own prefix + document. */

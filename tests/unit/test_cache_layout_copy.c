@@ -47,14 +47,7 @@ static int put(kvr_store *s, const char *id, kvr_put_params p, uint32_t base, si
         tok[i] = base + (uint32_t)i;
     for (size_t i = 0; i < (size_t)L * 2 * n * ROW; i++)
         pl[i] = (float)(i % 97) / 8.0f;
-    p.ctx_id = id;
-    p.model = "m";
-    p.n_layers = L;
-    p.n_kv_heads = H;
-    p.head_dim = D;
-    p.dtype = KVR_DTYPE_F32;
-    p.n_tokens = n;
-    p.tokens = tok;
+    kvt_put_shape(&p, id, L, H, D, KVR_DTYPE_F32, tok, n);
     if (!p.mode)
         p.mode = KVR_PUT_UPSERT;
     kvt_src src = { pl, (size_t)L * 2 * n * ROW * sizeof *pl, 0 };

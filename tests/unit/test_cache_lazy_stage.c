@@ -12,6 +12,7 @@
 #include <string.h>
 
 #include "cache/cache.h"
+#include "tests/common/kvt_store.h"
 
 #define L 16
 #define H 2
@@ -21,21 +22,27 @@
 
 static kvr_store *mk(size_t cap_above)
 {
-    kvr_store *s = NULL;
     kvr_store_config c = { .block_tokens = B,
                            .max_memory = cap_above ? kvr_mem_allocated() + cap_above : 0 };
-    cr_assert_eq(kvr_store_create(&s, &c, NULL), 0);
-    kvr_model_desc d = { .name = "m", .n_layers = L, .n_kv_heads = H, .head_dim = D,
-                         .dtype = KVR_DTYPE_F16 };
-    kvr_rope_config_init(&d.rope);
-    cr_assert_eq(kvr_store_model_register(s, &d, NULL, NULL), 0);
-    return s;
+    return kvt_store_with_model(&c, L, H, D, KVR_DTYPE_F16, NULL);
 }
 
 static void fill(uint8_t *p, size_t n, uint32_t seed)
 {
     for (size_t i = 0; i < n; i++)   /* f16 bit patterns, finite: high byte < 0x7c */
         p[i] = (uint8_t)((i & 1) ? (seed + i / 2 * 13u) % 0x70 : seed * 31u + i * 7u);
+}
+
+/* Fills iov[0..niov): each with the byte `byte`, or (byte < 0) iov[i]
+ * with fill(seed + i). */
+static void fill_iovs(const struct iovec *iov, size_t niov, int byte, uint32_t seed)
+{
+    for (size_t i = 0; i < niov; i++) {
+        if (byte >= 0)
+            memset(iov[i].iov_base, byte, iov[i].iov_len);
+        else
+            fill(iov[i].iov_base, iov[i].iov_len, seed + (uint32_t)i);
+    }
 }
 
 /* n tokens, appended 128 at a time (each put under a quarter of the cap) */
@@ -55,8 +62,7 @@ static void put(kvr_store *s, const char *id, uint32_t seed, size_t n)
         const struct iovec *iov;
         size_t niov;
         kvr_put_payload_iov(t, &iov, &niov);
-        for (size_t i = 0; i < niov; i++)
-            fill(iov[i].iov_base, iov[i].iov_len, seed + (uint32_t)(t0 + i));
+        fill_iovs(iov, niov, -1, seed + (uint32_t)t0);
         cr_assert_eq(kvr_put_commit(t, NULL, &e), 0, "%s", e.msg);
     }
 }
@@ -76,8 +82,7 @@ static void edit(kvr_store *s, const char *id)
     const struct iovec *iov;
     size_t niov;
     kvr_edit_payload_iov(t, &iov, &niov);
-    for (size_t i = 0; i < niov; i++)
-        memset(iov[i].iov_base, 0x21, iov[i].iov_len);
+    fill_iovs(iov, niov, 0x21, 0);
     if (kvr_edit_needs_work(t))
         cr_assert_eq(kvr_edit_work(t, &e), 0, "%s", e.msg);
     cr_assert_eq(kvr_edit_commit(t, NULL, NULL, &e), 0, "%s", e.msg);
@@ -96,16 +101,24 @@ static bool has(kvr_store *s, const char *id)
     return kvr_store_stat(s, id, &ci, NULL) == 0;
 }
 
+/* A get of the whole of "big" in f16, begun (asserted). */
+static kvr_get *begin_big(kvr_store *s)
+{
+    kvr_get_params p = { .ctx_id = "big", .end = SIZE_MAX, .dtype = KVR_DTYPE_F16 };
+    kvr_get *g;
+    kvr_error e = { 0 };
+    cr_assert_eq(kvr_store_get_begin(s, &p, &g, &e), 0, "%s", e.msg);
+    return g;
+}
+
 /* The whole edited context into a buffer, the reference (no cap). */
 static uint8_t *reference(size_t ntok, size_t *len)
 {
     kvr_store *s = mk(0);
     put(s, "big", 1, ntok);
     edit(s, "big");
-    kvr_get_params p = { .ctx_id = "big", .end = SIZE_MAX, .dtype = KVR_DTYPE_F16 };
-    kvr_get *g;
+    kvr_get *g = begin_big(s);
     kvr_error e = { 0 };
-    cr_assert_eq(kvr_store_get_begin(s, &p, &g, &e), 0, "%s", e.msg);
     *len = kvr_get_payload_size(g);
     uint8_t *ref = malloc(*len);
     cr_assert_eq(kvr_get_copy_into(g, ref, *len, &e), 0, "%s", e.msg);
@@ -161,11 +174,8 @@ Test(lazy_stage, begin_reserves_no_staging)
 {
     kvr_store *s = near_cap();
     uint64_t ev0 = evicted(s);
-    kvr_get_params p = { .ctx_id = "big", .end = SIZE_MAX, .dtype = KVR_DTYPE_F16 };
-    kvr_get *g;
-    kvr_error e = { 0 };
     size_t a0 = kvr_mem_allocated();
-    cr_assert_eq(kvr_store_get_begin(s, &p, &g, &e), 0, "%s", e.msg);
+    kvr_get *g = begin_big(s);
     size_t payload = kvr_get_payload_size(g);
     cr_assert(kvr_get_needs_work(g));
     cr_assert_lt(kvr_mem_allocated() - a0, payload / 8, "begin allocated %zu bytes",
@@ -187,11 +197,9 @@ Test(lazy_stage, streamed_get_near_the_cap_reserves_only_its_ring)
     uint8_t *ref = reference(NTOK, &len);
     kvr_store *s = near_cap();
     uint64_t ev0 = evicted(s);
-    kvr_get_params p = { .ctx_id = "big", .end = SIZE_MAX, .dtype = KVR_DTYPE_F16 };
     kvr_error e = { 0 };
     /* Streamed, 2 layers a chunk, 2 slots: only the ring. */
-    kvr_get *g;
-    cr_assert_eq(kvr_store_get_begin(s, &p, &g, &e), 0, "%s", e.msg);
+    kvr_get *g = begin_big(s);
     cr_assert_eq(kvr_get_payload_size(g), len);
     size_t a0 = kvr_mem_allocated();
     cr_assert_eq(kvr_get_stage_ring(g, 2, 2, &e), 0, "%s", e.msg);
@@ -217,8 +225,7 @@ Test(lazy_stage, streamed_get_near_the_cap_reserves_only_its_ring)
     all_cold_there(s);
     /* What reserving the whole staging at begin did: refused, or room made
      * by evicting cold contexts. */
-    kvr_get *w;
-    cr_assert_eq(kvr_store_get_begin(s, &p, &w, &e), 0, "%s", e.msg);
+    kvr_get *w = begin_big(s);
     int rc = kvr_get_stage(w, &e);
     cr_assert(rc != 0 || evicted(s) > ev0, "the whole staging fit: the test proves nothing");
     kvr_get_end(w);
@@ -235,11 +242,9 @@ Test(lazy_stage, copy_into_near_the_cap_stages_nothing)
     memset(got, 0xEE, len);
     kvr_store *s = near_cap();
     uint64_t ev0 = evicted(s);
-    kvr_get_params p = { .ctx_id = "big", .end = SIZE_MAX, .dtype = KVR_DTYPE_F16 };
-    kvr_get *g;
     kvr_error e = { 0 };
     size_t a0 = kvr_mem_allocated();
-    cr_assert_eq(kvr_store_get_begin(s, &p, &g, &e), 0, "%s", e.msg);
+    kvr_get *g = begin_big(s);
     cr_assert_eq(kvr_get_copy_into(g, got, len, &e), 0, "%s", e.msg);
     cr_assert_lt(kvr_mem_allocated() - a0, len / 8);
     cr_assert_eq(memcmp(ref, got, len), 0);

@@ -83,6 +83,24 @@ static int put(kvr_store *s, const char *id, kvr_put_mode mode, uint32_t seed, s
     return kvr_put_commit(t, NULL, e);
 }
 
+/* A put of p with seed's payload: every step asserted. */
+static void put_ok(kvr_store *s, const kvr_put_params *p, uint32_t seed)
+{
+    kvr_error e = { 0 };
+    kvr_put *t = NULL;
+    cr_assert_eq(kvr_store_put_begin(s, p, &t, &e), 0, "%s", e.msg);
+    size_t bytes;
+    void *pl = payload(seed, p->n_tokens, &bytes);
+    const struct iovec *iov;
+    size_t niov;
+    kvr_put_payload_iov(t, &iov, &niov);
+    fill_iov(iov, niov, pl, bytes);
+    free(pl);
+    if (kvr_put_needs_work(t))
+        cr_assert_eq(kvr_put_work(t, &e), 0, "%s", e.msg);
+    cr_assert_eq(kvr_put_commit(t, NULL, &e), 0, "%s", e.msg);
+}
+
 static uint32_t last_tokens[512];
 static size_t last_n;
 
@@ -205,31 +223,13 @@ static kvr_store *setup(void)
     uint32_t tk[8] = { 1, 2, 3, 4, 5, 6, 7, 8 };
     gp.n_tokens = 8;
     gp.tokens = tk;
-    kvr_put *t = NULL;
-    cr_assert_eq(kvr_store_put_begin(s, &gp, &t, &e), 0, "%s", e.msg);
-    size_t bytes;
-    void *pl = payload(9, 8, &bytes);
-    const struct iovec *iov;
-    size_t niov;
-    kvr_put_payload_iov(t, &iov, &niov);
-    fill_iov(iov, niov, pl, bytes);
-    free(pl);
-    if (kvr_put_needs_work(t))
-        cr_assert_eq(kvr_put_work(t, &e), 0, "%s", e.msg);
-    cr_assert_eq(kvr_put_commit(t, NULL, &e), 0, "%s", e.msg);
+    put_ok(s, &gp, 9);
     cr_assert_eq(put(s, "pre", KVR_PUT_CREATE, 3, 10, NULL, NULL, &e), 0, "%s", e.msg);
     kvr_put_params dp = { .ctx_id = "doc", .model = "m", .mode = KVR_PUT_CREATE,
                           .n_layers = L, .n_kv_heads = H, .head_dim = D,
                           .dtype = KVR_DTYPE_F32, .n_tokens = 8, .tokens = tk,
                           .prefix_ctx = "pre" };
-    cr_assert_eq(kvr_store_put_begin(s, &dp, &t, &e), 0, "%s", e.msg);
-    pl = payload(10, 8, &bytes);
-    kvr_put_payload_iov(t, &iov, &niov);
-    fill_iov(iov, niov, pl, bytes);
-    free(pl);
-    if (kvr_put_needs_work(t))
-        cr_assert_eq(kvr_put_work(t, &e), 0, "%s", e.msg);
-    cr_assert_eq(kvr_put_commit(t, NULL, &e), 0, "%s", e.msg);
+    put_ok(s, &dp, 10);
     return s;
 }
 
@@ -280,6 +280,28 @@ static int r_list(kvr_store *s, kvr_error *e)
     return rc;
 }
 
+/* The rest of an edit or refresh that began with rc (t open if 0): its
+ * payload pl (bytes; NULL: none) in and freed, the work done, committed
+ * (spans into sp, which may be NULL). Aborted on a failed work. */
+static int edit_finish(kvr_edit *t, int rc, void *pl, size_t bytes, kvr_edit_span *sp,
+                       kvr_error *e)
+{
+    if (rc == 0 && pl) {
+        const struct iovec *iov;
+        size_t niov;
+        kvr_edit_payload_iov(t, &iov, &niov);
+        fill_iov(iov, niov, pl, bytes);
+    }
+    free(pl);
+    if (rc)
+        return rc;
+    if (kvr_edit_needs_work(t) && (rc = kvr_edit_work(t, e)) != 0) {
+        kvr_edit_abort(t);
+        return rc;
+    }
+    return kvr_edit_commit(t, sp, NULL, e);
+}
+
 static int edit(kvr_store *s, bool with_kv, kvr_error *e)
 {
     uint32_t nt[3] = { 77, 78, 79 };
@@ -293,21 +315,8 @@ static int edit(kvr_store *s, bool with_kv, kvr_error *e)
     p.payload_bytes = bytes;
     kvr_edit *t = NULL;
     int rc = kvr_store_edit_begin(s, &p, &t, e);
-    if (rc == 0 && with_kv) {
-        const struct iovec *iov;
-        size_t niov;
-        kvr_edit_payload_iov(t, &iov, &niov);
-        fill_iov(iov, niov, pl, bytes);
-    }
-    free(pl);
-    if (rc)
-        return rc;
-    if (kvr_edit_needs_work(t) && (rc = kvr_edit_work(t, e)) != 0) {
-        kvr_edit_abort(t);
-        return rc;
-    }
     kvr_edit_span sp[2];
-    return kvr_edit_commit(t, sp, NULL, e);
+    return edit_finish(t, rc, pl, bytes, sp, e);
 }
 static int r_edit_kv(kvr_store *s, kvr_error *e) { return edit(s, true, e); }
 static int r_edit_pending(kvr_store *s, kvr_error *e) { return edit(s, false, e); }
@@ -328,20 +337,7 @@ static int r_refresh(kvr_store *s, kvr_error *e)
                              .payload_bytes = bytes };
     kvr_edit *t = NULL;
     int rc = kvr_store_refresh_begin(s, &p, &t, e);
-    if (rc == 0) {
-        const struct iovec *iov;
-        size_t niov;
-        kvr_edit_payload_iov(t, &iov, &niov);
-        fill_iov(iov, niov, pl, bytes);
-    }
-    free(pl);
-    if (rc)
-        return rc;
-    if (kvr_edit_needs_work(t) && (rc = kvr_edit_work(t, e)) != 0) {
-        kvr_edit_abort(t);
-        return rc;
-    }
-    return kvr_edit_commit(t, NULL, NULL, e);
+    return edit_finish(t, rc, pl, bytes, NULL, e);
 }
 static int r_assemble(kvr_store *s, kvr_error *e)
 {

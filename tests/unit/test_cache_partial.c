@@ -78,6 +78,18 @@ static kvr_store_stats stats(const kvr_store *s)
     return st;
 }
 
+/* The whole get of id is the nw bytes of want (codec and what name it in
+ * failures). */
+static void same_bytes(kvr_store *s, const char *id, const uint8_t *want, size_t nw,
+                       const char *codec, const char *what)
+{
+    size_t n;
+    uint8_t *g = get_all(s, id, &n);
+    cr_assert_eq(n, nw, "codec '%s': %s length", codec, what);
+    cr_assert(memcmp(g, want, n) == 0, "codec '%s': %s bytes differ", codec, what);
+    free(g);
+}
+
 /* A 200-token context is three full blocks and one sized to its 8 tokens:
  * what is accounted is within a few percent of the K/V its tokens need. */
 Test(partial, last_block_sized_at_the_put)
@@ -228,11 +240,7 @@ Test(partial, spill_reload_restart)
     for (size_t c = 0; c < N_CODECS; c++) {
         char id[16];
         snprintf(id, sizeof id, "p%zu", c);
-        size_t n;
-        uint8_t *g = get_all(s, id, &n);
-        cr_assert_eq(n, nw[c], "%s", CODECS[c]);
-        cr_assert(memcmp(g, want[c], n) == 0, "codec '%s': reloaded bytes differ", CODECS[c]);
-        free(g);
+        same_bytes(s, id, want[c], nw[c], CODECS[c], "reloaded");
         /* Append after the reload, then check against a fresh whole put of
          * the same stream and codec (plain: bit-exact; quantized: the same
          * tile boundaries, so the same bytes too). */
@@ -255,11 +263,7 @@ Test(partial, spill_reload_restart)
     for (size_t c = 0; c < N_CODECS; c++) {
         char id[16];
         snprintf(id, sizeof id, "p%zu", c);
-        size_t n;
-        uint8_t *g = get_all(r, id, &n);
-        cr_assert_eq(n, nw[c]);
-        cr_assert(memcmp(g, want[c], n) == 0, "codec '%s': recovered bytes differ", CODECS[c]);
-        free(g);
+        same_bytes(r, id, want[c], nw[c], CODECS[c], "recovered");
         free(want[c]);
     }
     kvr_store_destroy(r);

@@ -59,24 +59,51 @@ static void row_writes_all(const kvr_codec *c, const void *x, kvr_dtype sdt, siz
     free(d1);
 }
 
-Test(qfill, row_and_tile_encoders_write_every_byte)
+/* codecs[a] at ISA isa. */
+static void codec_at(kvr_codec *c, size_t a, int isa)
+{
+    cr_assert_eq(kvr_codec_parse(codecs[a], c), 0);
+    c->isa = (kvr_isa)isa;
+}
+
+/* row_writes_all for every codec, ISA and a range of lengths, the input
+ * in sdt (f32, or f16 converted from the same values). The rows compared. */
+static size_t rows_write_all(kvr_dtype sdt)
 {
     static const size_t lens[] = { 1, 7, 32, 33, 64, 96, 128, 1000, 1024 };
     size_t compared = 0;
     for (size_t a = 0; a < N_CODECS; a++)
         for (int isa = KVR_ISA_SCALAR; isa <= KVR_ISA_AVX512; isa++) {
             kvr_codec c;
-            cr_assert_eq(kvr_codec_parse(codecs[a], &c), 0);
-            c.isa = (kvr_isa)isa;
+            codec_at(&c, a, isa);
             for (size_t z = 0; z < sizeof lens / sizeof lens[0]; z++) {
                 size_t n = lens[z], rb = kvr_codec_row_bytes(&c, n);
                 if (rb == 0)
                     continue;   /* ggml blocks: n % 32 != 0 */
                 float *x = values(n, 0.37);
-                row_writes_all(&c, x, KVR_DTYPE_F32, n, rb, codecs[a]);
+                if (sdt == KVR_DTYPE_F16) {
+                    uint16_t *xh = malloc(n * sizeof *xh);
+                    cr_assert_not_null(xh);
+                    kvr_convert(xh, KVR_DTYPE_F16, x, KVR_DTYPE_F32, n);
+                    row_writes_all(&c, xh, KVR_DTYPE_F16, n, rb, codecs[a]);
+                    free(xh);
+                } else {
+                    row_writes_all(&c, x, KVR_DTYPE_F32, n, rb, codecs[a]);
+                }
                 compared++;
                 free(x);
             }
+        }
+    return compared;
+}
+
+Test(qfill, row_and_tile_encoders_write_every_byte)
+{
+    size_t compared = rows_write_all(KVR_DTYPE_F32);
+    for (size_t a = 0; a < N_CODECS; a++)
+        for (int isa = KVR_ISA_SCALAR; isa <= KVR_ISA_AVX512; isa++) {
+            kvr_codec c;
+            codec_at(&c, a, isa);
             if (!kvr_codec_is_uniform(c.type))
                 continue;
             for (size_t ch = 1; ch <= 130; ch += 43) {
@@ -159,27 +186,7 @@ Test(qfill, fresh_block_zeroes_what_is_not_filled)
 
 Test(qfill, f16_rows_write_every_byte)
 {
-    static const size_t lens[] = { 1, 7, 32, 33, 64, 96, 128, 1000, 1024 };
-    size_t compared = 0;
-    for (size_t a = 0; a < N_CODECS; a++)
-        for (int isa = KVR_ISA_SCALAR; isa <= KVR_ISA_AVX512; isa++) {
-            kvr_codec c;
-            cr_assert_eq(kvr_codec_parse(codecs[a], &c), 0);
-            c.isa = (kvr_isa)isa;
-            for (size_t z = 0; z < sizeof lens / sizeof lens[0]; z++) {
-                size_t n = lens[z], rb = kvr_codec_row_bytes(&c, n);
-                if (rb == 0)
-                    continue;
-                float *x = values(n, 0.37);
-                uint16_t *xh = malloc(n * sizeof *xh);
-                cr_assert_not_null(xh);
-                kvr_convert(xh, KVR_DTYPE_F16, x, KVR_DTYPE_F32, n);
-                row_writes_all(&c, xh, KVR_DTYPE_F16, n, rb, codecs[a]);
-                compared++;
-                free(x); free(xh);
-            }
-        }
-    cr_assert_gt(compared, 200);
+    cr_assert_gt(rows_write_all(KVR_DTYPE_F16), 200);
 }
 
 enum { SL = 4, SH = 2, SD = 64 };

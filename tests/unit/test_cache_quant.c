@@ -17,6 +17,7 @@
 
 #include "cache/cache.h"
 #include "cache/codec.h"
+#include "tests/common/kvt.h"
 #include "tests/common/kvt_store.h"
 
 #define L 2
@@ -78,20 +79,29 @@ static float *payload(size_t t0, size_t n, int64_t pos0)
     return p;
 }
 
+/* The f32 put into id of n tokens t0.. at positions pos0..; the tokens
+ * are malloc'd (the caller frees p->tokens). */
+static kvr_put_params put_params(const char *id, kvr_put_mode mode, const char *codec, size_t t0,
+                                 size_t n, int64_t pos0)
+{
+    uint32_t *tok = malloc(n * sizeof *tok);
+    cr_assert_not_null(tok);
+    for (size_t i = 0; i < n; i++)
+        tok[i] = (uint32_t)(t0 + i);
+    return (kvr_put_params){ .ctx_id = id, .model = "m", .mode = mode, .n_layers = L,
+                             .n_kv_heads = H, .head_dim = D, .dtype = KVR_DTYPE_F32,
+                             .n_tokens = n, .tokens = tok, .codec = codec,
+                             .has_pos_start = true, .pos_start = pos0 };
+}
+
 static int put_raw(const char *id, kvr_put_mode mode, const char *codec, size_t t0, size_t n,
                    int64_t pos0, const float *pl, kvr_error *e)
 {
-    uint32_t *tok = malloc(n * sizeof *tok);
-    for (size_t i = 0; i < n; i++)
-        tok[i] = (uint32_t)(t0 + i);
-    kvr_put_params p = { .ctx_id = id, .model = "m", .mode = mode, .n_layers = L,
-                         .n_kv_heads = H, .head_dim = D, .dtype = KVR_DTYPE_F32,
-                         .n_tokens = n, .tokens = tok, .codec = codec,
-                         .has_pos_start = true, .pos_start = pos0 };
+    kvr_put_params p = put_params(id, mode, codec, t0, n, pos0);
     size_t bytes = (size_t)L * 2 * n * ROW * sizeof(float);
     kvt_src src = { pl, bytes, 0 };
     int rc = kvt_put_try(S, &p, kvt_fill_src, &src, NULL, e);
-    free(tok);
+    free((void *)(uintptr_t)p.tokens);
     if (rc == 0)
         cr_assert_eq(src.off, bytes);
     return rc;
@@ -104,6 +114,38 @@ static int put(const char *id, kvr_put_mode mode, const char *codec, size_t t0, 
     int rc = put_raw(id, mode, codec, t0, n, pos0, pl, e);
     free(pl);
     return rc;
+}
+
+/* src's bytes into the buffers of iov[0..niov), in order. */
+static void scatter(const struct iovec *iov, size_t niov, const void *src)
+{
+    size_t off = 0;
+    for (size_t i = 0; i < niov; i++) {
+        memcpy(iov[i].iov_base, (const uint8_t *)src + off, iov[i].iov_len);
+        off += iov[i].iov_len;
+    }
+}
+
+/* An append to id of n tokens from t0 (at position t0) with channel ch of
+ * token tok of layer l's K (kv 0) or V (1) set to bad (nan or inf):
+ * refused as KVR_EINVAL with both m1 and m2 in the message. */
+static void append_bad_refused(const char *id, size_t t0, size_t n, size_t l, size_t kv,
+                               size_t tok, size_t ch, float bad, const char *m1, const char *m2)
+{
+    kvr_error e = { 0 };
+    float *pl = payload(t0, n, (int64_t)t0);
+    pl[(l * 2 + kv) * n * ROW + tok * ROW + ch] = bad;
+    int rc = put_raw(id, KVR_PUT_APPEND, NULL, t0, n, (int64_t)t0, pl, &e);
+    cr_assert_eq(rc, KVR_EINVAL);
+    cr_assert(strstr(e.msg, m1) && strstr(e.msg, m2), "%s", e.msg);
+    free(pl);
+}
+
+/* A create of n tokens of id from token 0 at position 0, asserted. */
+static void create_ok(const char *id, const char *codec, size_t n)
+{
+    kvr_error e = { 0 };
+    cr_assert_eq(put(id, KVR_PUT_CREATE, codec, 0, n, 0, &e), 0, "%s", e.msg);
 }
 
 static uint8_t *get(const char *id, bool raw, size_t start, size_t end, const int64_t *pos,
@@ -212,6 +254,22 @@ static float *pre_rope_ref(size_t t0, size_t n, int64_t pos0)
     return pl;
 }
 
+/* got, n rows of layer l's K (kv 0) or V (1), must equal src's rows
+ * rotated to pos (K) or as they are (V) within 1e-5 relative; exp is
+ * scratch of n rows. */
+static void check_rows(const float *got, const float *src, float *exp, size_t n,
+                       const int64_t *pos, int l, int kv, const char *what)
+{
+    if (kv == 0)
+        kvr_rope_apply(ENG, exp, KVR_DTYPE_F32, src, KVR_DTYPE_F32, n, H, pos, NULL);
+    else
+        memcpy(exp, src, n * ROW * sizeof *exp);
+    for (size_t i = 0; i < n * ROW; i++)
+        cr_assert_leq(fabsf(got[i] - exp[i]), 1e-5f * (fabsf(exp[i]) + 1),
+                      "%s l%d kv%d elem %zu: %g vs %g", what, l, kv, i, (double)got[i],
+                      (double)exp[i]);
+}
+
 /* get (f32, at pos or logical) must equal rope(Q, pos) / Q values. */
 static void check_get(const char *id, const float *q, size_t qn, const size_t *map, size_t n,
                       const int64_t *pos)
@@ -220,21 +278,16 @@ static void check_get(const char *id, const float *q, size_t qn, const size_t *m
     uint8_t *g = get(id, false, 0, SIZE_MAX, NULL, &bytes, NULL, NULL);
     cr_assert_eq(bytes, (size_t)L * 2 * n * ROW * sizeof(float));
     const float *gf = (const float *)(const void *)g;
+    char what[160];
+    snprintf(what, sizeof what, "%s n%zu", id, n);
     float *src = malloc(n * ROW * sizeof *src), *exp = malloc(n * ROW * sizeof *exp);
     for (int l = 0; l < L; l++)
         for (int kv = 0; kv < 2; kv++) {
             const float *qs = q + ((size_t)l * 2 + (size_t)kv) * qn * ROW;
             for (size_t i = 0; i < n; i++)
                 memcpy(src + i * ROW, qs + map[i] * ROW, ROW * sizeof *src);
-            if (kv == 0)
-                kvr_rope_apply(ENG, exp, KVR_DTYPE_F32, src, KVR_DTYPE_F32, n, H, pos, NULL);
-            else
-                memcpy(exp, src, n * ROW * sizeof *exp);
-            const float *got = gf + ((size_t)l * 2 + (size_t)kv) * n * ROW;
-            for (size_t i = 0; i < n * ROW; i++)
-                cr_assert_leq(fabsf(got[i] - exp[i]), 1e-5f * (fabsf(exp[i]) + 1),
-                              "%s n%zu l%d kv%d elem %zu: %g vs %g", id, n, l, kv, i,
-                              (double)got[i], (double)exp[i]);
+            check_rows(gf + ((size_t)l * 2 + (size_t)kv) * n * ROW, src, exp, n, pos, l,
+                       kv, what);
         }
     free(src);
     free(exp);
@@ -358,7 +411,7 @@ Test(quant, window_fills_and_flushes)
     kvr_codec_pair pair = { .k = cod(KVR_CODEC_INT4, 32, KVR_CODEC_AXIS_CHANNEL),
                             .v = cod(KVR_CODEC_INT2, 32, 0), .window = 64 };
     size_t n = 0;
-    cr_assert_eq(put("w", KVR_PUT_CREATE, "kivi:k4v2:g32:r64", 0, 1, 0, &e), 0, "%s", e.msg);
+    create_ok("w", "kivi:k4v2:g32:r64", 1);
     n = 1;
     size_t steps[] = { 1, 1, 5, 30, 40, 1, 1, 64, 3, 100, 1, 7 };
     for (size_t s = 0; s < sizeof steps / sizeof *steps; s++) {
@@ -406,20 +459,11 @@ Test(quant, window_fills_and_flushes)
 Test(quant, nan_inf_refused_context_unchanged)
 {
     kvr_error e = { 0 };
-    cr_assert_eq(put("n", KVR_PUT_CREATE, "int4", 0, 64, 0, &e), 0, "%s", e.msg);
+    create_ok("n", "int4", 64);
     size_t b0;
     uint8_t *before = get("n", false, 0, SIZE_MAX, NULL, &b0, NULL, NULL);
-    float *pl = payload(64, 10, 64);
-    pl[((size_t)1 * 2 + 1) * 10 * ROW + 5 * ROW + 3] = NAN;   /* layer 1, V, token 5 */
-    int rc = put_raw("n", KVR_PUT_APPEND, NULL, 64, 10, 64, pl, &e);
-    cr_assert_eq(rc, KVR_EINVAL);
-    cr_assert(strstr(e.msg, "layer 1") && strstr(e.msg, "token 5"), "%s", e.msg);
-    pl[((size_t)1 * 2 + 1) * 10 * ROW + 5 * ROW + 3] = 0;
-    pl[((size_t)0 * 2) * 10 * ROW + 2 * ROW] = INFINITY;      /* layer 0, K, token 2 */
-    rc = put_raw("n", KVR_PUT_APPEND, NULL, 64, 10, 64, pl, &e);
-    cr_assert_eq(rc, KVR_EINVAL);
-    cr_assert(strstr(e.msg, "layer 0") && strstr(e.msg, "token 2"), "%s", e.msg);
-    free(pl);
+    append_bad_refused("n", 64, 10, 1, 1, 5, 3, NAN, "layer 1", "token 5");
+    append_bad_refused("n", 64, 10, 0, 0, 2, 0, INFINITY, "layer 0", "token 2");
     kvr_ctx_info ci;
     cr_assert_eq(kvr_store_stat(S, "n", &ci, &e), 0);
     cr_assert_eq(ci.n_tokens, 64);
@@ -487,7 +531,7 @@ Test(quant, assemble_explicit_positions)
 {
     kvr_error e = { 0 };
     const size_t P = 16, N = 40;
-    cr_assert_eq(put("p", KVR_PUT_CREATE, "int8", 0, P, 0, &e), 0, "%s", e.msg);
+    create_ok("p", "int8", P);
     float *pl = payload(500, N, (int64_t)P);
     uint32_t tok[40];
     for (size_t i = 0; i < N; i++)
@@ -498,12 +542,9 @@ Test(quant, assemble_explicit_positions)
     kvr_put *t = NULL;
     cr_assert_eq(kvr_store_put_begin(S, &pp, &t, &e), 0, "%s", e.msg);
     const struct iovec *iov;
-    size_t niov, off = 0;
+    size_t niov;
     kvr_put_payload_iov(t, &iov, &niov);
-    for (size_t i = 0; i < niov; i++) {
-        memcpy(iov[i].iov_base, (uint8_t *)pl + off, iov[i].iov_len);
-        off += iov[i].iov_len;
-    }
+    scatter(iov, niov, pl);
     cr_assert_eq(kvr_put_work(t, &e), 0, "%s", e.msg);
     cr_assert_eq(kvr_put_commit(t, NULL, &e), 0, "%s", e.msg);
     free(pl);
@@ -525,11 +566,7 @@ Test(quant, assemble_explicit_positions)
     size_t tot = kvr_assemble_payload_size(a);
     cr_assert_eq(tot, (size_t)L * 2 * (P + N) * ROW * sizeof(float));
     float *got = malloc(tot);
-    off = 0;
-    for (size_t i = 0; i < niov; i++) {
-        memcpy((uint8_t *)got + off, iov[i].iov_base, iov[i].iov_len);
-        off += iov[i].iov_len;
-    }
+    kvt_gather(got, iov, niov);
     kvr_assemble_end(a);
     size_t n = P + N;
     int64_t pos[56];
@@ -541,14 +578,8 @@ Test(quant, assemble_explicit_positions)
             memcpy(src, qp + ((size_t)l * 2 + (size_t)kv) * P * ROW, P * ROW * sizeof *src);
             memcpy(src + P * ROW, qd + ((size_t)l * 2 + (size_t)kv) * N * ROW,
                    N * ROW * sizeof *src);
-            if (kv == 0)
-                kvr_rope_apply(ENG, exp, KVR_DTYPE_F32, src, KVR_DTYPE_F32, n, H, pos, NULL);
-            else
-                memcpy(exp, src, n * ROW * sizeof *exp);
-            const float *g = got + ((size_t)l * 2 + (size_t)kv) * n * ROW;
-            for (size_t i = 0; i < n * ROW; i++)
-                cr_assert_leq(fabsf(g[i] - exp[i]), 1e-5f * (fabsf(exp[i]) + 1),
-                              "l%d kv%d elem %zu", l, kv, i);
+            check_rows(got + ((size_t)l * 2 + (size_t)kv) * n * ROW, src, exp, n, pos, l,
+                       kv, "assemble");
         }
     free(src);
     free(exp);
@@ -566,7 +597,7 @@ Test(quant, assemble_explicit_positions)
 Test(quant, edit_with_kv_then_flush)
 {
     kvr_error e = { 0 };
-    cr_assert_eq(put("e", KVR_PUT_CREATE, "int8", 0, 64, 0, &e), 0, "%s", e.msg);
+    create_ok("e", "int8", 64);
     kvr_edit_op op = { .start = 10, .end = 10, .n_tokens = 4,
                        .tokens = (const uint32_t[]){ 900, 901, 902, 903 } };
     kvr_edit_params ep = { .ctx_id = "e", .ops = &op, .n_ops = 1, .with_kv = true,
@@ -577,12 +608,9 @@ Test(quant, edit_with_kv_then_flush)
     cr_assert_eq(kvr_store_edit_begin(S, &ep, &t, &e), 0, "%s", e.msg);
     float *pl = payload(900, 4, 10);
     const struct iovec *iov;
-    size_t niov, off = 0;
+    size_t niov;
     kvr_edit_payload_iov(t, &iov, &niov);
-    for (size_t i = 0; i < niov; i++) {
-        memcpy(iov[i].iov_base, (uint8_t *)pl + off, iov[i].iov_len);
-        off += iov[i].iov_len;
-    }
+    scatter(iov, niov, pl);
     cr_assert_eq(kvr_edit_work(t, &e), 0, "%s", e.msg);
     cr_assert_eq(kvr_edit_commit(t, NULL, NULL, &e), 0, "%s", e.msg);
     kvr_ctx_info ci;
@@ -606,8 +634,8 @@ Test(quant, edit_with_kv_then_flush)
  * one run was quantized), and the bytes are those of separate gets. */
 Test(quant, window_v_zero_copy_in_a_mixed_get)
 {
+    create_ok("z", "kivi:k4v2:g32:r64", 300);
     kvr_error e = { 0 };
-    cr_assert_eq(put("z", KVR_PUT_CREATE, "kivi:k4v2:g32:r64", 0, 300, 0, &e), 0, "%s", e.msg);
     kvr_ctx_info ci;
     cr_assert_eq(kvr_store_stat(S, "z", &ci, &e), 0);
     cr_assert_gt(ci.n_window, 0);
@@ -821,20 +849,10 @@ Test(quant, nan_in_window_tokens_refused)
 {
     kvr_error e = { 0 };
     const char *spec = "k=int4/g64/c,v=int2,r=128";
-    cr_assert_eq(put("w", KVR_PUT_CREATE, spec, 0, 100, 0, &e), 0, "%s", e.msg);
-    float *pl = payload(100, 10, 100);
-    pl[((size_t)1 * 2 + 1) * 10 * ROW + 4 * ROW + 1] = INFINITY;   /* layer 1, V, token 4 */
-    int rc = put_raw("w", KVR_PUT_APPEND, NULL, 100, 10, 100, pl, &e);
-    cr_assert_eq(rc, KVR_EINVAL);
-    cr_assert(strstr(e.msg, "V of layer 1, token 4") && strstr(e.msg, "nan or inf"), "%s", e.msg);
-    free(pl);
+    create_ok("w", spec, 100);
+    append_bad_refused("w", 100, 10, 1, 1, 4, 1, INFINITY, "V of layer 1, token 4", "nan or inf");
     /* 200 more: the first tokens flush into tiles, a nan among them */
-    pl = payload(100, 200, 100);
-    pl[((size_t)0 * 2) * 200 * ROW + 3 * ROW + 2] = NAN;            /* layer 0, K, token 3 */
-    rc = put_raw("w", KVR_PUT_APPEND, NULL, 100, 200, 100, pl, &e);
-    cr_assert_eq(rc, KVR_EINVAL);
-    cr_assert(strstr(e.msg, "K of layer 0, token 3") && strstr(e.msg, "nan or inf"), "%s", e.msg);
-    free(pl);
+    append_bad_refused("w", 100, 200, 0, 0, 3, 2, NAN, "K of layer 0, token 3", "nan or inf");
     kvr_ctx_info ci;
     cr_assert_eq(kvr_store_stat(S, "w", &ci, &e), 0);
     cr_assert_eq(ci.n_tokens, 100);
@@ -848,16 +866,11 @@ Test(quant, nan_in_window_tokens_refused)
 static int put_from(const char *id, kvr_put_mode mode, const char *codec, size_t t0, size_t n,
                     int64_t pos0, const float *pl, size_t len, kvr_error *e)
 {
-    uint32_t *tok = malloc(n * sizeof *tok);
-    for (size_t i = 0; i < n; i++)
-        tok[i] = (uint32_t)(t0 + i);
-    kvr_put_params p = { .ctx_id = id, .model = "m", .mode = mode, .n_layers = L,
-                         .n_kv_heads = H, .head_dim = D, .dtype = KVR_DTYPE_F32,
-                         .n_tokens = n, .tokens = tok, .codec = codec,
-                         .has_pos_start = true, .pos_start = pos0, .work_from = true };
+    kvr_put_params p = put_params(id, mode, codec, t0, n, pos0);
+    p.work_from = true;
     kvr_put *t = NULL;
     int rc = kvr_store_put_begin(S, &p, &t, e);
-    free(tok);
+    free((void *)(uintptr_t)p.tokens);
     if (rc)
         return rc;
     if ((rc = kvr_put_work_from(t, pl, len, e)) != 0) {

@@ -16,6 +16,7 @@
 #include <string.h>
 
 #include "cache/cache.h"
+#include "tests/common/kvt.h"
 #include "tests/common/kvt_store.h"
 
 static uint32_t rng = 12345;
@@ -348,12 +349,13 @@ Test(read_fused, assemble_equals_reference)
                 if (kvr_assemble_needs_work(b))
                     cr_assert_eq(kvr_assemble_work(b, &e), 0, "%s", e.msg);
                 const struct iovec *iov;
-                size_t niov, off = 0;
+                size_t niov;
                 kvr_assemble_payload_iov(b, &iov, &niov);
-                for (size_t v = 0; v < niov; v++) {
-                    cr_assert_eq(memcmp(ref + off, iov[v].iov_base, iov[v].iov_len), 0);
-                    off += iov[v].iov_len;
-                }
+                uint8_t *viaiov = malloc(bytes);
+                cr_assert_eq(kvt_gather(viaiov, iov, niov), bytes);
+                cr_assert_eq(memcmp(ref, viaiov, bytes), 0, "iovecs: layout %d fold %d dtype %d",
+                             lay, fold, di);
+                free(viaiov);
                 kvr_assemble_end(b);
                 kvr_assemble_end(a);
                 free(got);
@@ -409,12 +411,9 @@ Test(read_fused, get_after_edit_equals_reference)
                 if (kvr_get_needs_work(g))
                     cr_assert_eq(kvr_get_work(g, &e), 0, "%s", e.msg);
                 const struct iovec *gi;
-                size_t gn, off = 0;
+                size_t gn;
                 kvr_get_payload_iov(g, &gi, &gn);
-                for (size_t v = 0; v < gn; v++) {
-                    memcpy(got + off, gi[v].iov_base, gi[v].iov_len);
-                    off += gi[v].iov_len;
-                }
+                cr_assert_eq(kvt_gather(got, gi, gn), bytes);
             }
             /* the suffix: original tokens [12, n0) now at [13, n0 + 1) */
             size_t cnt = n0 - 12;

@@ -172,15 +172,31 @@ static void check_layers(const model *m, const float *got, const double *E, cons
     free(ref);
 }
 
-Test(rope_layers, gemma3_every_read_path_uses_the_layers_base)
+/* A get of id (at positions at, NULL: as stored) checked against E
+ * rotated to want, per layer (check_layers). */
+static void get_check(model *m, const char *id, const int64_t *at, const double *E,
+                      const int64_t *want, double tol, const char *what)
+{
+    float *got = get(m, id, at);
+    check_layers(m, got, E, want, tol, what);
+    free(got);
+}
+
+/* Model "gemma3" (one KV head) of shared/configs' gemma3-1b.json. */
+static void mk_gemma3(model *m)
 {
     kvr_rope_config rc;
     kvr_error err = { 0 };
     const char *path = configs_path("gemma3-1b.json");
     cr_assert_eq(kvr_rope_config_from_file(&rc, path, NULL, &err), 0, "%s: %s",
                  path, err.msg);
+    mk(m, "gemma3", &rc, 1);
+}
+
+Test(rope_layers, gemma3_every_read_path_uses_the_layers_base)
+{
     model m = { 0 };
-    mk(&m, "gemma3", &rc, 1);
+    mk_gemma3(&m);
     cr_assert_eq(m.theta[0], 10000.0);
     cr_assert_eq(m.theta[5], 1e6);
     double *E = pre_keys(&m);
@@ -191,26 +207,18 @@ Test(rope_layers, gemma3_every_read_path_uses_the_layers_base)
     }
     /* plain: stored rotated, re-rotated on read (a shift, then explicit targets) */
     put(&m, "plain", NULL, E, pos);
-    float *got = get(&m, "plain", NULL);
-    check_layers(&m, got, E, pos, 1e-6, "plain get at stored positions");
-    free(got);
+    get_check(&m, "plain", NULL, E, pos, 1e-6, "plain get at stored positions");
     kvr_error e = { 0 };
     cr_assert_eq(kvr_store_shift(m.s, "plain", 0, T, SHIFT, &e), 0, "%s", e.msg);
-    got = get(&m, "plain", NULL);
-    check_layers(&m, got, E, to, 2e-6, "plain get after a shift");
-    free(got);
+    get_check(&m, "plain", NULL, E, to, 2e-6, "plain get after a shift");
     /* quantized at rest: un-rotated at put and rotated at get, per layer */
     put(&m, "q", "int8", E, pos);
-    got = get(&m, "q", to);
-    check_layers(&m, got, E, to, 2e-2, "int8 get at other positions");
-    free(got);
+    get_check(&m, "q", to, E, to, 2e-2, "int8 get at other positions");
     cr_assert_eq(kvr_store_shift(m.s, "q", 0, T, 7, &e), 0, "%s", e.msg);
     int64_t to7[T];
     for (int i = 0; i < T; i++)
         to7[i] = i + 7;
-    got = get(&m, "q", NULL);
-    check_layers(&m, got, E, to7, 2e-2, "int8 get after a shift");
-    free(got);
+    get_check(&m, "q", NULL, E, to7, 2e-2, "int8 get after a shift");
     free(E);
     kvr_store_destroy(m.s);
 }
@@ -218,13 +226,8 @@ Test(rope_layers, gemma3_every_read_path_uses_the_layers_base)
 /* APE assemble: a document moved to an explicit start rotates per layer. */
 Test(rope_layers, gemma3_assemble_uses_the_layers_base)
 {
-    kvr_rope_config rc;
-    kvr_error err = { 0 };
-    const char *path = configs_path("gemma3-1b.json");
-    cr_assert_eq(kvr_rope_config_from_file(&rc, path, NULL, &err), 0, "%s: %s",
-                 path, err.msg);
     model m = { 0 };
-    mk(&m, "gemma3", &rc, 1);
+    mk_gemma3(&m);
     double *E = pre_keys(&m);
     int64_t pos[T], dpos[T], to[T];
     for (int i = 0; i < T; i++) {
@@ -309,9 +312,7 @@ Test(rope_layers, nope_layers_pass_keys_through)
             cr_assert_eq(got[3 * 2 * part + i], (float)E[3 * part + i]);
         free(got);
         put(&m, "q", "int8", E, pos);
-        got = get(&m, "q", to);
-        check_layers(&m, got, E, to, 2e-2, "int8 get");
-        free(got);
+        get_check(&m, "q", to, E, to, 2e-2, "int8 get");
         free(E);
         kvr_store_destroy(m.s);
     }

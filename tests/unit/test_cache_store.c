@@ -58,6 +58,60 @@ static uint32_t *seq_tokens(uint32_t base, size_t n)
     return t;
 }
 
+/* A store of blocks of B tokens with model "m" (model_dt) and context id:
+ * n tokens 0.. (in *tok if tok is not NULL, the caller frees them) of
+ * seed's values, put as put_dt. */
+static kvr_store *store_with_ctx(uint32_t B, kvr_dtype model_dt, const char *id, uint32_t seed,
+                                 size_t n, kvr_dtype put_dt, uint32_t **tok)
+{
+    kvr_store *s = mk_store(0, B);
+    mk_model(s, "m", model_dt, NULL);
+    kvr_error e = { 0 };
+    uint32_t *t = seq_tokens(0, n);
+    cr_assert_eq(do_put(s, id, "m", KVR_PUT_CREATE, seed, 0, n, t, put_dt, &e), 0, "%s", e.msg);
+    if (tok)
+        *tok = t;
+    else
+        free(t);
+    return s;
+}
+
+/* Puts pieces of sizes[0..n) tokens (tokens and values continuing) into
+ * "c" of model "m", f16: the first creates it, the rest append. The total. */
+static size_t put_pieces(kvr_store *s, uint32_t seed, const size_t *sizes, size_t n)
+{
+    kvr_error e = { 0 };
+    size_t total = 0;
+    for (size_t i = 0; i < n; i++) {
+        uint32_t *tok = seq_tokens((uint32_t)total, sizes[i]);
+        cr_assert_eq(do_put(s, "c", "m", i ? KVR_PUT_APPEND : KVR_PUT_CREATE, seed, total,
+                            sizes[i], tok, KVR_DTYPE_F16, &e), 0, "%s", e.msg);
+        free(tok);
+        total += sizes[i];
+    }
+    return total;
+}
+
+/* A get's payload, read through its iovecs, is the n bytes of want. */
+static void check_iov(kvr_get *g, const uint8_t *want, size_t n)
+{
+    const struct iovec *iov;
+    size_t niov, off = 0;
+    kvr_get_payload_iov(g, &iov, &niov);
+    for (size_t i = 0; i < niov; i++) {
+        cr_assert(memcmp(iov[i].iov_base, want + off, iov[i].iov_len) == 0);
+        off += iov[i].iov_len;
+    }
+    cr_assert_eq(off, n);
+}
+
+/* vidx[i] = start + i for i < n. */
+static void seq_vidx(uint64_t *vidx, size_t n, uint64_t start)
+{
+    for (size_t i = 0; i < n; i++)
+        vidx[i] = start + i;
+}
+
 /* Gathers a get's payload into one malloc'ed buffer. */
 static uint8_t *do_get(kvr_store *s, const kvr_get_params *p, size_t *bytes,
                        kvr_get **keep_open)
@@ -95,8 +149,7 @@ static void check_range(kvr_store *s, const char *id, uint32_t seed, size_t star
     size_t got_n, exp_n;
     uint8_t *got = do_get(s, &p, &got_n, NULL);
     uint64_t *vidx = malloc((end - start + 1) * sizeof *vidx);
-    for (size_t i = start; i < end; i++)
-        vidx[i - start] = i;
+    seq_vidx(vidx, end - start, start);
     void *exp = expect_payload(seed, vidx, end - start, layers ? layers : ALL,
                                layers ? nl : L, dt, &exp_n);
     cr_assert_eq(got_n, exp_n);
@@ -140,14 +193,8 @@ Test(cache_store, appends_ranges_layers)
     kvr_store *s = mk_store(0, 16);
     mk_model(s, "m", KVR_DTYPE_F16, NULL);
     kvr_error e = { 0 };
-    size_t sizes[] = { 5, 11, 16, 1, 33, 7 }, total = 0;
-    for (size_t i = 0; i < 6; i++) {
-        uint32_t *tok = seq_tokens((uint32_t)total, sizes[i]);
-        cr_assert_eq(do_put(s, "c", "m", i ? KVR_PUT_APPEND : KVR_PUT_CREATE, 3, total,
-                            sizes[i], tok, KVR_DTYPE_F16, &e), 0, "%s", e.msg);
-        free(tok);
-        total += sizes[i];
-    }
+    const size_t sizes[] = { 5, 11, 16, 1, 33, 7 };
+    size_t total = put_pieces(s, 3, sizes, 6);
     kvr_ctx_info ci;
     cr_assert_eq(kvr_store_stat(s, "c", &ci, &e), 0);
     cr_assert_eq(ci.n_tokens, total);
@@ -184,11 +231,9 @@ Test(cache_store, appends_ranges_layers)
 
 Test(cache_store, put_conversion)
 {
-    kvr_store *s = mk_store(0, 8);
-    mk_model(s, "m", KVR_DTYPE_BF16, NULL);
+    uint32_t *tok;
+    kvr_store *s = store_with_ctx(8, KVR_DTYPE_BF16, "c", 9, 20, KVR_DTYPE_F32, &tok);
     kvr_error e = { 0 };
-    uint32_t *tok = seq_tokens(0, 20);
-    cr_assert_eq(do_put(s, "c", "m", KVR_PUT_CREATE, 9, 0, 20, tok, KVR_DTYPE_F32, &e), 0);
     cr_assert_eq(do_put(s, "c", "m", KVR_PUT_APPEND, 9, 20, 5, tok, KVR_DTYPE_F16, &e), 0);
     check_range(s, "c", 9, 0, 25, KVR_DTYPE_BF16, NULL, 0);
     check_range(s, "c", 9, 0, 25, KVR_DTYPE_F32, NULL, 0);
@@ -214,8 +259,7 @@ static void check_rotated(kvr_store *s, const char *id, uint32_t seed, size_t st
         cr_assert_eq(gi->positions[i], target[i]);
     kvr_get_end(g);
     uint64_t *vidx = malloc(n * sizeof *vidx);
-    for (size_t i = 0; i < n; i++)
-        vidx[i] = start + i;
+    seq_vidx(vidx, n, start);
     size_t sn, on;
     uint8_t *stored_kv = expect_payload(seed, vidx, n, ALL, L, sdt, &sn);
     uint8_t *exp = expect_payload(seed, vidx, n, ALL, L, odt, &on);
@@ -234,11 +278,9 @@ static void check_rotated(kvr_store *s, const char *id, uint32_t seed, size_t st
 
 Test(cache_store, get_at_positions_and_shift)
 {
-    kvr_store *s = mk_store(0, 8);
-    mk_model(s, "m", KVR_DTYPE_F32, NULL);
+    uint32_t *tok;
+    kvr_store *s = store_with_ctx(8, KVR_DTYPE_F32, "c", 5, 30, KVR_DTYPE_F32, &tok);
     kvr_error e = { 0 };
-    uint32_t *tok = seq_tokens(0, 30);
-    cr_assert_eq(do_put(s, "c", "m", KVR_PUT_CREATE, 5, 0, 30, tok, KVR_DTYPE_F32, &e), 0);
     int64_t stored[30], target[30];
     for (int i = 0; i < 30; i++) {
         stored[i] = i;
@@ -285,11 +327,8 @@ Test(cache_store, get_at_positions_and_shift)
 
 Test(cache_store, keep)
 {
-    kvr_store *s = mk_store(0, 8);
-    mk_model(s, "m", KVR_DTYPE_F16, NULL);
+    kvr_store *s = store_with_ctx(8, KVR_DTYPE_F16, "c", 2, 40, KVR_DTYPE_F16, NULL);
     kvr_error e = { 0 };
-    uint32_t *tok = seq_tokens(0, 40);
-    cr_assert_eq(do_put(s, "c", "m", KVR_PUT_CREATE, 2, 0, 40, tok, KVR_DTYPE_F16, &e), 0);
     cr_assert_eq(kvr_store_keep(s, "c", 5, 30, &e), 0);
     kvr_get_params p = { .ctx_id = "c", .end = SIZE_MAX, .dtype = KVR_DTYPE_F16 };
     kvr_get *g;
@@ -302,8 +341,7 @@ Test(cache_store, keep)
     }
     kvr_get_end(g);
     uint64_t vidx[25];
-    for (int i = 0; i < 25; i++)
-        vidx[i] = 5 + (uint64_t)i;
+    seq_vidx(vidx, 25, 5);
     size_t gn, en;
     uint8_t *got = do_get(s, &p, &gn, NULL);
     void *exp = expect_payload(2, vidx, 25, ALL, L, KVR_DTYPE_F16, &en);
@@ -315,18 +353,15 @@ Test(cache_store, keep)
     cr_assert_eq(kvr_store_stat(s, "c", &ci, &e), 0);
     cr_assert_eq(ci.n_blocks, 4);     /* blocks 0..3 hold tokens 5..29 */
     cr_assert_eq(kvr_store_keep(s, "c", 0, 26, &e), KVR_ERANGE);
-    free(tok);
     kvr_store_destroy(s);
 }
 
 Test(cache_store, fork_cow)
 {
     size_t base = kvr_mem_allocated();
-    kvr_store *s = mk_store(0, 8);
-    mk_model(s, "m", KVR_DTYPE_F16, NULL);
+    uint32_t *tok;
+    kvr_store *s = store_with_ctx(8, KVR_DTYPE_F16, "a", 1, 20, KVR_DTYPE_F16, &tok);
     kvr_error e = { 0 };
-    uint32_t *tok = seq_tokens(0, 20);
-    cr_assert_eq(do_put(s, "a", "m", KVR_PUT_CREATE, 1, 0, 20, tok, KVR_DTYPE_F16, &e), 0);
     cr_assert_eq(kvr_store_fork(s, "a", "b", &e), 0, "%s", e.msg);
     cr_assert_eq(kvr_store_fork(s, "a", "b", &e), KVR_EEXIST);
     cr_assert_eq(kvr_store_fork(s, "zz", "y", &e), KVR_ENOCTX);
@@ -372,11 +407,8 @@ Test(cache_store, fork_cow)
 Test(cache_store, delete_while_leased)
 {
     size_t base = kvr_mem_allocated();
-    kvr_store *s = mk_store(0, 8);
-    mk_model(s, "m", KVR_DTYPE_F32, NULL);
+    kvr_store *s = store_with_ctx(8, KVR_DTYPE_F32, "c", 4, 20, KVR_DTYPE_F32, NULL);
     kvr_error e = { 0 };
-    uint32_t *tok = seq_tokens(0, 20);
-    cr_assert_eq(do_put(s, "c", "m", KVR_PUT_CREATE, 4, 0, 20, tok, KVR_DTYPE_F32, &e), 0);
     kvr_get_params p = { .ctx_id = "c", .end = SIZE_MAX, .dtype = KVR_DTYPE_F32 };
     kvr_get *g;
     cr_assert_eq(kvr_store_get_begin(s, &p, &g, &e), 0);
@@ -390,22 +422,15 @@ Test(cache_store, delete_while_leased)
     cr_assert_eq(st.n_blocks, 3);                 /* still held by the lease */
     cr_assert_geq(kvr_mem_allocated() + 4096, held - 4096);
     /* Data still readable. */
-    const struct iovec *iov;
-    size_t niov, off = 0, bytes;
-    kvr_get_payload_iov(g, &iov, &niov);
+    size_t bytes;
     uint8_t *exp = make_payload(4, 0, 20, KVR_DTYPE_F32, &bytes);
-    for (size_t i = 0; i < niov; i++) {
-        cr_assert(memcmp(iov[i].iov_base, exp + off, iov[i].iov_len) == 0);
-        off += iov[i].iov_len;
-    }
-    cr_assert_eq(off, bytes);
+    check_iov(g, exp, bytes);
     free(exp);
     kvr_get_end(g);
     kvr_store_get_stats(s, &st);
     cr_assert_eq(st.n_blocks, 0);
     cr_assert_eq(st.n_leased_blocks, 0);
     cr_assert_eq(st.block_bytes, 0);
-    free(tok);
     kvr_store_destroy(s);
     cr_assert_eq(kvr_mem_allocated(), base);
 }
@@ -504,11 +529,9 @@ Test(cache_store, errors)
 
 Test(cache_store, abort_leaves_context_identical)
 {
-    kvr_store *s = mk_store(0, 8);
-    mk_model(s, "m", KVR_DTYPE_F16, NULL);
+    uint32_t *tok;
+    kvr_store *s = store_with_ctx(8, KVR_DTYPE_F16, "c", 6, 13, KVR_DTYPE_F16, &tok);
     kvr_error e = { 0 };
-    uint32_t *tok = seq_tokens(0, 13);
-    cr_assert_eq(do_put(s, "c", "m", KVR_PUT_CREATE, 6, 0, 13, tok, KVR_DTYPE_F16, &e), 0);
     size_t n1, n2;
     kvr_get_params gp = { .ctx_id = "c", .end = SIZE_MAX, .dtype = KVR_DTYPE_F16 };
     uint8_t *before = do_get(s, &gp, &n1, NULL);
@@ -620,8 +643,7 @@ Test(cache_store, non_composing_rope_moves_with_its_length)
     size_t got_n, exp_n;
     uint8_t *got = do_get(s, &p, &got_n, NULL);
     uint64_t vidx[10];
-    for (size_t i = 0; i < 10; i++)
-        vidx[i] = i;
+    seq_vidx(vidx, 10, 0);
     float *exp = expect_payload(1, vidx, 10, ALL, L, KVR_DTYPE_F32, &exp_n);
     cr_assert_eq(got_n, exp_n);
     kvr_rope_config rc = d.rope;
@@ -748,14 +770,7 @@ Test(cache_store, replace_swaps_at_commit)
     cr_assert_eq(match_len(s, b, 24, who), 24);
     cr_assert_str_eq(who, "x");
     /* The reader still has the old bytes; they go with its end. */
-    const struct iovec *iov;
-    size_t niov, off = 0;
-    kvr_get_payload_iov(reader, &iov, &niov);
-    for (size_t i = 0; i < niov; i++) {
-        cr_assert(memcmp((const uint8_t *)iov[i].iov_base, before + off, iov[i].iov_len) == 0);
-        off += iov[i].iov_len;
-    }
-    cr_assert_eq(off, rn);
+    check_iov(reader, before, rn);
     kvr_get_end(reader);
     free(before);
     /* The new context is an ordinary one: appendable, deletable. */
@@ -857,14 +872,8 @@ Test(cache_store, large_blocks_roundtrip)
     kvr_store *s = mk_store(0, 4096);
     mk_model(s, "m", KVR_DTYPE_F16, NULL);
     kvr_error e = { 0 };
-    size_t sizes[] = { 4096 + 100, 4000, 8192 + 3 }, total = 0;
-    for (size_t i = 0; i < 3; i++) {
-        uint32_t *tok = seq_tokens((uint32_t)total, sizes[i]);
-        cr_assert_eq(do_put(s, "c", "m", i ? KVR_PUT_APPEND : KVR_PUT_CREATE, 5, total,
-                            sizes[i], tok, KVR_DTYPE_F16, &e), 0, "%s", e.msg);
-        free(tok);
-        total += sizes[i];
-    }
+    const size_t sizes[] = { 4096 + 100, 4000, 8192 + 3 };
+    size_t total = put_pieces(s, 5, sizes, 3);
     kvr_ctx_info ci;
     cr_assert_eq(kvr_store_stat(s, "c", &ci, &e), 0);
     cr_assert_eq(ci.n_blocks, (total + 4095) / 4096);

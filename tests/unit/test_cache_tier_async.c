@@ -160,20 +160,41 @@ static void job_start(job *j)
     cr_assert_eq(pthread_create(&j->th, NULL, job_run, j), 0);
 }
 
+/* A get of the whole of id (f32), begun (get_begin) and its work started
+ * on another thread as *j; the get. */
+static kvr_get *get_job(kvr_store *s, const char *id, job *j, kvr_error *e)
+{
+    kvr_get *g = get_begin(s, id, false, e);
+    *j = (job){ .g = g };
+    job_start(j);
+    return g;
+}
+
 static void job_join(job *j)
 {
     cr_assert_eq(pthread_join(j->th, NULL), 0);
+}
+
+/* A store (cap, engine) holding context "a" (codec, seed 1, NTOK tokens)
+ * whose whole get is in *g0 (*n0 bytes), then pushed out of memory by
+ * `fill` contexts "x..." (push_out). */
+static kvr_store *pushed_out(size_t cap, int engine, const char *codec, int fill, uint8_t **g0,
+                             size_t *n0)
+{
+    kvr_store *s = open_store(cap, engine);
+    cr_assert_eq(put(s, "a", codec, 1, NTOK), 0);
+    *g0 = get_sync(s, "a", false, n0);
+    push_out(s, "x", fill);
+    return s;
 }
 
 /* ---- tests ------------------------------------------------------------------ */
 
 static void get_while_loop_serves(int engine, const char *codec)
 {
-    kvr_store *s = open_store(4u << 20, engine);
-    cr_assert_eq(put(s, "a", codec, 1, NTOK), 0);
     size_t n0, n1;
-    uint8_t *g0 = get_sync(s, "a", false, &n0);
-    push_out(s, "x", 24);
+    uint8_t *g0;
+    kvr_store *s = pushed_out(4u << 20, engine, codec, 24, &g0, &n0);
     cr_assert(spilled_all(s));
     kvr_tier_stats ts0, ts1;
     kvr_store_tier_stats(s, &ts0);
@@ -219,17 +240,14 @@ Test(tier_async, get_while_loop_serves_f16) { get_while_loop_serves(2, "f16"); }
 
 Test(tier_async, delete_while_loading)
 {
-    kvr_store *s = open_store(4u << 20, 0);
-    cr_assert_eq(put(s, "a", "", 1, NTOK), 0);
     size_t n0, n1;
-    uint8_t *g0 = get_sync(s, "a", false, &n0);
-    push_out(s, "x", 24);
+    uint8_t *g0;
+    kvr_store *s = pushed_out(4u << 20, 0, "", 24, &g0, &n0);
     kvr_store_stats st0, st1;
     kvr_store_get_stats(s, &st0);
     kvr_error e = { 0 };
-    kvr_get *g = get_begin(s, "a", false, &e);
-    job j = { .g = g };
-    job_start(&j);
+    job j;
+    kvr_get *g = get_job(s, "a", &j, &e);
     cr_assert_eq(kvr_store_delete(s, "a", &e), 0, "%s", e.msg);
     cr_assert_neq(kvr_store_stat(s, "a", &(kvr_ctx_info){ 0 }, NULL), 0);
     push_out(s, "y", 4);     /* and the loop keeps spilling meanwhile */
@@ -254,11 +272,9 @@ Test(tier_async, delete_while_loading)
 Test(tier_async, delete_before_work)
 {
     /* Deleted between begin and work: work still reads the leased copy. */
-    kvr_store *s = open_store(4u << 20, 2);
-    cr_assert_eq(put(s, "a", "int8", 1, NTOK), 0);
     size_t n0, n1;
-    uint8_t *g0 = get_sync(s, "a", false, &n0);
-    push_out(s, "x", 24);
+    uint8_t *g0;
+    kvr_store *s = pushed_out(4u << 20, 2, "int8", 24, &g0, &n0);
     kvr_error e = { 0 };
     kvr_get *g = get_begin(s, "a", false, &e);
     cr_assert_eq(kvr_store_delete(s, "a", &e), 0);
@@ -286,11 +302,9 @@ Test(tier_async, delete_before_work)
 
 static void concurrent_same(bool first_ends_first)
 {
-    kvr_store *s = open_store(8u << 20, 0);
-    cr_assert_eq(put(s, "a", "", 1, NTOK), 0);
     size_t n0, n1, n2;
-    uint8_t *g0 = get_sync(s, "a", false, &n0);
-    push_out(s, "x", 48);
+    uint8_t *g0;
+    kvr_store *s = pushed_out(8u << 20, 0, "", 48, &g0, &n0);
     cr_assert(spilled_all(s));
     kvr_tier_stats ts0, ts1;
     kvr_store_tier_stats(s, &ts0);
@@ -450,9 +464,8 @@ static void load_failure(int engine)
     kvr_store_tier_stats(s, &ts0);
 
     kvr_error e = { 0 };
-    kvr_get *g = get_begin(s, "a", false, &e);
-    job j = { .g = g };
-    job_start(&j);
+    job j;
+    kvr_get *g = get_job(s, "a", &j, &e);
     push_out(s, "y", 2);
     job_join(&j);
     cr_assert_eq(j.rc, KVR_EIO, "a corrupt block was served (rc %d)", j.rc);
@@ -492,9 +505,8 @@ Test(tier_async, injected_read_fault_fails_only_that_get)
     uint8_t *g0 = get_sync(s, "a", false, &n0);
     push_out(s, "x", 24);
     kvr_error e = { 0 };
-    kvr_get *g = get_begin(s, "a", false, &e);
-    job j = { .g = g };
-    job_start(&j);
+    job j;
+    kvr_get *g = get_job(s, "a", &j, &e);
     job_join(&j);
     cr_assert_eq(j.rc, KVR_EIO, "rc %d", j.rc);
     cr_assert(j.e.msg[0]);

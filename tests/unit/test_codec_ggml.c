@@ -20,6 +20,7 @@
 #include "cache/codec.h"
 #include "cache/cache.h"
 #include "tests/common/kvt.h"
+#include "tests/common/kvt_codec.h"
 
 static char vec_dir[PATH_MAX + 64];
 
@@ -242,6 +243,20 @@ static double urand(void)            /* [0, 1) */
     return (double)(rng >> 11) * 0x1p-53;
 }
 
+/* n values of the blocks at e decode to the same bytes with sc (scalar)
+ * and vc, as f32 (y0, y1) and as f16 (h0, h1). */
+static void decode_same(const kvr_codec *sc, const kvr_codec *vc, const uint8_t *e, size_t n,
+                        float *y0, float *y1, uint16_t *h0, uint16_t *h1, const char *name,
+                        const char *what)
+{
+    cr_assert_eq(kvr_codec_decode(sc, y0, KVR_DTYPE_F32, e, n), 0);
+    cr_assert_eq(kvr_codec_decode(vc, y1, KVR_DTYPE_F32, e, n), 0);
+    cr_assert_eq(memcmp(y0, y1, n * 4), 0, "%s %s f32", name, what);
+    cr_assert_eq(kvr_codec_decode(sc, h0, KVR_DTYPE_F16, e, n), 0);
+    cr_assert_eq(kvr_codec_decode(vc, h1, KVR_DTYPE_F16, e, n), 0);
+    cr_assert_eq(memcmp(h0, h1, n * 2), 0, "%s %s f16", name, what);
+}
+
 /* Block b of 32 values, of a kind chosen by b: random at several scales,
  * constants, zeros of both signs, ties in magnitude of both signs, a zero as
  * min or max, values near the f16 limit of d, small quants' halfway points. */
@@ -303,12 +318,7 @@ Test(codec_ggml, simd_equals_scalar)
                     cr_assert_eq(memcmp(e0 + b * cases[k].block, e1 + b * cases[k].block,
                                         cases[k].block), 0, "%s %s %s: block %zu (kind %zu)",
                                  cases[k].name, kvr_isa_name(isas[ii]), h ? "f16" : "f32", b, b % 14);
-                cr_assert_eq(kvr_codec_decode(&sc, y0, KVR_DTYPE_F32, e0, n), 0);
-                cr_assert_eq(kvr_codec_decode(&vc, y1, KVR_DTYPE_F32, e0, n), 0);
-                cr_assert_eq(memcmp(y0, y1, n * 4), 0, "%s decode f32", cases[k].name);
-                cr_assert_eq(kvr_codec_decode(&sc, h0, KVR_DTYPE_F16, e0, n), 0);
-                cr_assert_eq(kvr_codec_decode(&vc, h1, KVR_DTYPE_F16, e0, n), 0);
-                cr_assert_eq(memcmp(h0, h1, n * 2), 0, "%s decode f16", cases[k].name);
+                decode_same(&sc, &vc, e0, n, y0, y1, h0, h1, cases[k].name, "decode");
                 compared++;
             }
             /* random bytes decode the same too (any block is decodable) */
@@ -317,12 +327,8 @@ Test(codec_ggml, simd_equals_scalar)
                 e0[b * cases[k].block + 1] &= 0x3B;
                 if (cases[k].type == KVR_CODEC_Q4_1) e0[b * cases[k].block + 3] &= 0xBB;
             }
-            cr_assert_eq(kvr_codec_decode(&sc, y0, KVR_DTYPE_F32, e0, n), 0);
-            cr_assert_eq(kvr_codec_decode(&vc, y1, KVR_DTYPE_F32, e0, n), 0);
-            cr_assert_eq(memcmp(y0, y1, n * 4), 0, "%s decode of random blocks", cases[k].name);
-            cr_assert_eq(kvr_codec_decode(&sc, h0, KVR_DTYPE_F16, e0, n), 0);
-            cr_assert_eq(kvr_codec_decode(&vc, h1, KVR_DTYPE_F16, e0, n), 0);
-            cr_assert_eq(memcmp(h0, h1, n * 2), 0, "%s f16 decode of random blocks", cases[k].name);
+            decode_same(&sc, &vc, e0, n, y0, y1, h0, h1, cases[k].name,
+                        "decode of random blocks");
         }
     }
     cr_log_info("%d encode/decode comparisons of %zu blocks", compared, nb);
@@ -384,29 +390,11 @@ Test(codec_ggml, decode_random_bytes_simd_equals_scalar)
                               cases[k].name, kvr_isa_name((kvr_isa)isa), i, h1[i], h0[i]);
                 /* streamed (non-temporal stores where dst is on 64 bytes,
                  * else ordinary ones): the same values */
-                for (size_t off = 0; off <= 16; off += 16) {
-                    float *ys = (float *)(void *)(ba + off);
-                    uint16_t *hs = (uint16_t *)(void *)(ba + off);
-                    memset(ba, 0xa5, n * 4 + 64);
-                    cr_assert_eq(kvr_codec_decode_stream(&vc, ys, KVR_DTYPE_F32, src, len), 0);
-                    for (size_t i = 0; i < len; i++)
-                        cr_assert(kvt_same_f32(y0[i], ys[i]), "stream %s %s off %zu f32 elem %zu",
-                                  cases[k].name, kvr_isa_name((kvr_isa)isa), off, i);
-                    cr_assert_eq(ba[off + len * 4], 0xa5, "wrote past the row");
-                    memset(ba, 0xa5, n * 4 + 64);
-                    cr_assert_eq(kvr_codec_decode_stream(&vc, hs, KVR_DTYPE_F16, src, len), 0);
-                    for (size_t i = 0; i < len; i++)
-                        cr_assert(kvt_same_f16(h0[i], hs[i]), "stream %s %s off %zu f16 elem %zu",
-                                  cases[k].name, kvr_isa_name((kvr_isa)isa), off, i);
-                    cr_assert_eq(ba[off + len * 2], 0xa5, "wrote past the row");
-                }
+                char what[64];
+                snprintf(what, sizeof what, "%s %s", cases[k].name, kvr_isa_name((kvr_isa)isa));
+                kvt_decode_stream_check(&vc, src, len, y0, h0, ba, n * 4 + 64, what);
             }
         }
     }
-    free(src);
-    free(y0);
-    free(y1);
-    free(h0);
-    free(h1);
-    free(ba);
+    free(src); free(y0); free(y1); free(h0); free(h1); free(ba);
 }

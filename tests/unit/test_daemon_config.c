@@ -44,6 +44,13 @@ static int parse(kvr_daemon_config *c, const char **args, int n)
     return rc;
 }
 
+/* parse on a freshly initialised *c. */
+static int parse_fresh(kvr_daemon_config *c, const char **argv, int argc)
+{
+    kvr_daemon_config_init(c);
+    return parse(c, argv, argc);
+}
+
 Test(daemon_config, defaults_and_flags)
 {
     kvr_daemon_config c;
@@ -65,35 +72,29 @@ Test(daemon_config, defaults_and_flags)
 Test(daemon_config, refusals)
 {
     kvr_daemon_config c;
-    kvr_daemon_config_init(&c);
     const char *a1[] = { "--bogus", "1" };
-    cr_assert_lt(parse(&c, a1, 2), 0);
+    cr_assert_lt(parse_fresh(&c, a1, 2), 0);
     const char *a2[] = { "--max-memory" };
     cr_assert_lt(parse(&c, a2, 1), 0);
     const char *a3[] = { "--log-level", "loud" };
     cr_assert_lt(parse(&c, a3, 2), 0);
     const char *a4[] = { "--listen", "0.0.0.0:7420" };
     cr_assert_lt(parse(&c, a4, 2), 0);   /* non-loopback without a token */
-    kvr_daemon_config_init(&c);
     const char *a5[] = { "--listen", "0.0.0.0:7420", "--auth-token-file", "/tmp/t" };
-    cr_assert_eq(parse(&c, a5, 4), 0);
-    kvr_daemon_config_init(&c);
+    cr_assert_eq(parse_fresh(&c, a5, 4), 0);
     const char *a6[] = { "--listen", "127.0.0.1:7420" };
-    cr_assert_eq(parse(&c, a6, 2), 0);
-    kvr_daemon_config_init(&c);
+    cr_assert_eq(parse_fresh(&c, a6, 2), 0);
     const char *a7[] = { "--listen", "[::1]:7420" };
-    cr_assert_eq(parse(&c, a7, 2), 0);
+    cr_assert_eq(parse_fresh(&c, a7, 2), 0);
     const char *a8[] = { "--listen", "nocolon" };
     cr_assert_lt(parse(&c, a8, 2), 0);
-    kvr_daemon_config_init(&c);
     const char *a9[] = { "--socket", "none" };
-    cr_assert_lt(parse(&c, a9, 2), 0);   /* nothing to listen on */
+    cr_assert_lt(parse_fresh(&c, a9, 2), 0);   /* nothing to listen on */
     const char *a10[] = { "stray" };
     cr_assert_lt(parse(&c, a10, 1), 0);
     /* Unpacking a message takes up to ~20x its size: 64 MiB at most. */
-    kvr_daemon_config_init(&c);
     const char *a11[] = { "--max-frame", "128M" };
-    cr_assert_lt(parse(&c, a11, 2), 0);
+    cr_assert_lt(parse_fresh(&c, a11, 2), 0);
     const char *a12[] = { "--max-frame", "64M" };
     cr_assert_eq(parse(&c, a12, 2), 0);
 }
@@ -111,9 +112,8 @@ Test(daemon_config, file_then_flags)
     cr_assert_eq(write(fd, text, strlen(text)), (ssize_t)strlen(text));
     close(fd);
     kvr_daemon_config c;
-    kvr_daemon_config_init(&c);
     const char *a[] = { "--max-memory", "2G", "--config", path };
-    cr_assert_eq(parse(&c, a, 4), 0);
+    cr_assert_eq(parse_fresh(&c, a, 4), 0);
     cr_assert_str_eq(c.socket_path, "/tmp/from-file.sock");
     cr_assert_eq(c.max_memory, 2ull << 30);   /* the flag wins */
     cr_assert_eq(c.log_level, KVR_LOG_WARN);
@@ -121,9 +121,8 @@ Test(daemon_config, file_then_flags)
     FILE *f = fopen(path, "w");
     fputs("max-memory 1G\n", f);
     fclose(f);
-    kvr_daemon_config_init(&c);
     const char *b[] = { "--config", path };
-    cr_assert_lt(parse(&c, b, 2), 0);
+    cr_assert_lt(parse_fresh(&c, b, 2), 0);
     f = fopen(path, "w");
     fputs("no-such-option = 1\n", f);
     fclose(f);
@@ -148,9 +147,8 @@ Test(daemon_config, help_names_every_flag)
         cr_assert_not_null(strstr(buf, flags[i]), "--help lacks %s", flags[i]);
     free(buf);
     kvr_daemon_config c;
-    kvr_daemon_config_init(&c);
     const char *h[] = { "--help" };
-    cr_assert_eq(parse(&c, h, 1), 1);
+    cr_assert_eq(parse_fresh(&c, h, 1), 1);
     const char *v[] = { "--version" };
     cr_assert_eq(parse(&c, v, 1), 1);
 }
@@ -219,7 +217,6 @@ Test(daemon_config, file_refuses_nul_duplicates_and_huge_sizes)
     const char *edge = "max-memory = 1024T\ndisk-max = 1024T\n";
     cr_assert_eq(load_text(edge, strlen(edge), &c, &e), 0, "%s", e.msg);
     /* and on the command line */
-    kvr_daemon_config_init(&c);
     const char *a[] = { "--max-memory", "18446744073709551615" };
-    cr_assert_lt(parse(&c, a, 2), 0);
+    cr_assert_lt(parse_fresh(&c, a, 2), 0);
 }

@@ -52,6 +52,41 @@ static int open_recovering(kvr_disk **d, const char *dir, kvr_disk_engine e, kvr
     return rc;
 }
 
+/* A fresh directory dir (cap bytes) with an empty disk on it, recovered
+ * and taking writes. */
+static kvr_disk *open_fresh(char *dir, size_t cap, kvr_disk_engine e)
+{
+    kvr_disk *d;
+    kvr_error err = { 0 };
+    kvt_tmpdir(dir, cap, "kvr_dfmt");
+    cr_assert_eq(open_recovering(&d, dir, e, &err), 0, "%s", err.msg);
+    cr_assert_eq(kvr_disk_recover_done(d, &err), 0, "%s", err.msg);
+    return d;
+}
+
+/* Reopens dir, claims the n extents of h (each must claim), ends recovery. */
+static kvr_disk *reopen_claim_all(const char *dir, kvr_disk_engine e, const kvr_disk_handle *h,
+                                  int n)
+{
+    kvr_disk *d;
+    kvr_error err = { 0 };
+    cr_assert_eq(open_recovering(&d, dir, e, &err), 0, "%s", err.msg);
+    for (int i = 0; i < n; i++)
+        cr_assert_eq(kvr_disk_claim(d, &h[i], &err), 0, "extent %d: %s", i, err.msg);
+    cr_assert_eq(kvr_disk_recover_done(d, &err), 0, "%s", err.msg);
+    return d;
+}
+
+/* Closes d (if open), frees the n buffers of bufs, removes dir. */
+static void finish(kvr_disk *d, const char *dir, uint8_t **bufs, int n)
+{
+    if (d)
+        kvr_disk_close(d);
+    for (int i = 0; i < n; i++)
+        free(bufs[i]);
+    kvt_rmrf(dir);
+}
+
 static void file_path(char *p, size_t cap, const char *dir, uint32_t seg, bool v2)
 {
     snprintf(p, cap, "%s/seg-%08x%s.dat", dir, seg, v2 ? ".v2" : "");
@@ -127,20 +162,14 @@ static void load_check(kvr_disk *d, const kvr_disk_handle *h, uint8_t **want, in
 static void v1_read(kvr_disk_engine e)
 {
     char dir[256];
-    kvt_tmpdir(dir, sizeof dir, "kvr_dfmt");
-    kvr_disk *d;
+    kvr_disk *d = open_fresh(dir, sizeof dir, e);
     kvr_error err = { 0 };
-    cr_assert_eq(open_recovering(&d, dir, e, &err), 0, "%s", err.msg);
-    cr_assert_eq(kvr_disk_recover_done(d, &err), 0, "%s", err.msg);
     kvr_disk_close(d);
     kvr_disk_handle h[V1N + 1];
     uint8_t *data[V1N + 1];
     write_v1(dir, h, data);
 
-    cr_assert_eq(open_recovering(&d, dir, e, &err), 0, "%s", err.msg);
-    for (int i = 0; i < V1N; i++)
-        cr_assert_eq(kvr_disk_claim(d, &h[i], &err), 0, "extent %d: %s", i, err.msg);
-    cr_assert_eq(kvr_disk_recover_done(d, &err), 0, "%s", err.msg);
+    d = reopen_claim_all(dir, e, h, V1N);
     int ok[V1N + 1] = { 0 };
     load_check(d, h, data, V1N, ok);
     /* A new spill goes to a new, v2 segment; a batch mixes both formats. */
@@ -181,10 +210,7 @@ static void v1_read(kvr_disk_engine e)
         }
     ex[1] = KVR_EIO;
     load_check(d, h2, d2, V1N, ex);
-    kvr_disk_close(d);
-    for (int i = 0; i <= V1N; i++)
-        free(data[i]);
-    kvt_rmrf(dir);
+    finish(d, dir, data, V1N + 1);
 }
 
 KVT_DISK_TESTS(disk_format, v1_read, v1_read)
@@ -194,11 +220,8 @@ KVT_DISK_TESTS(disk_format, v1_read, v1_read)
 static void v1_truncated(kvr_disk_engine e)
 {
     char dir[256];
-    kvt_tmpdir(dir, sizeof dir, "kvr_dfmt");
-    kvr_disk *d;
+    kvr_disk *d = open_fresh(dir, sizeof dir, e);
     kvr_error err = { 0 };
-    cr_assert_eq(open_recovering(&d, dir, e, &err), 0, "%s", err.msg);
-    cr_assert_eq(kvr_disk_recover_done(d, &err), 0, "%s", err.msg);
     kvr_disk_close(d);
     kvr_disk_handle h[V1N];
     uint8_t *data[V1N];
@@ -218,10 +241,7 @@ static void v1_truncated(kvr_disk_engine e)
     kvr_disk_get_stats(d, &st);
     cr_assert_eq(st.data_blocks, 3);
     cr_assert_geq(st.n_quarantined, 1);     /* extent 4 starts past the end: no extent */
-    kvr_disk_close(d);
-    for (int i = 0; i < V1N; i++)
-        free(data[i]);
-    kvt_rmrf(dir);
+    finish(d, dir, data, V1N);
 }
 
 KVT_DISK_TESTS(disk_format, v1_truncated, v1_truncated)
@@ -234,11 +254,8 @@ static const size_t v2_sizes[V2N] = { 4065, 4095, 8192, 1, (2u << 20), (9u << 20
 static void v2_damage(kvr_disk_engine e)
 {
     char dir[256];
-    kvt_tmpdir(dir, sizeof dir, "kvr_dfmt");
-    kvr_disk *d;
+    kvr_disk *d = open_fresh(dir, sizeof dir, e);
     kvr_error err = { 0 };
-    cr_assert_eq(open_recovering(&d, dir, e, &err), 0, "%s", err.msg);
-    cr_assert_eq(kvr_disk_recover_done(d, &err), 0, "%s", err.msg);
     uint8_t *data[V2N];
     kvr_disk_buf b[V2N];
     kvr_disk_handle h[V2N];
@@ -289,10 +306,7 @@ static void v2_damage(kvr_disk_engine e)
     cr_assert_eq(kvr_disk_recover_done(d, &err), 0, "%s", err.msg);
     int ex2[5] = { 0, 0, 0, KVR_EIO, 0 };
     load_check(d, h + 2, data + 2, 5, ex2);
-    kvr_disk_close(d);
-    for (int i = 0; i < V2N; i++)
-        free(data[i]);
-    kvt_rmrf(dir);
+    finish(d, dir, data, V2N);
 }
 
 KVT_DISK_TESTS(disk_format, v2_damage, v2_damage)
@@ -303,11 +317,8 @@ KVT_DISK_TESTS(disk_format, v2_damage, v2_damage)
 static void alignments(kvr_disk_engine e)
 {
     char dir[256];
-    kvt_tmpdir(dir, sizeof dir, "kvr_dfmt");
-    kvr_disk *d;
+    kvr_disk *d = open_fresh(dir, sizeof dir, e);
     kvr_error err = { 0 };
-    cr_assert_eq(open_recovering(&d, dir, e, &err), 0, "%s", err.msg);
-    cr_assert_eq(kvr_disk_recover_done(d, &err), 0, "%s", err.msg);
     enum { N = 12 };
     static const size_t sizes[N] = { 2u << 20, 2u << 20, (2u << 20) + 1, 4096, 4097,
                                      (5u << 20) + 4000, 64u << 10, 1u << 20, 4095,
@@ -342,16 +353,10 @@ static void alignments(kvr_disk_engine e)
         }
     }
     kvr_disk_close(d);
-    cr_assert_eq(open_recovering(&d, dir, e, &err), 0, "%s", err.msg);
-    for (int i = 0; i < N; i++)
-        cr_assert_eq(kvr_disk_claim(d, &h[i], &err), 0, "%s", err.msg);
-    cr_assert_eq(kvr_disk_recover_done(d, &err), 0, "%s", err.msg);
+    d = reopen_claim_all(dir, e, h, N);
     int ok[N] = { 0 };
     load_check(d, h, want, N, ok);
-    kvr_disk_close(d);
-    for (int i = 0; i < N; i++)
-        free(raw[i]);
-    kvt_rmrf(dir);
+    finish(d, dir, raw, N);
 }
 
 KVT_DISK_TESTS(disk_format, alignments, alignments)
@@ -363,11 +368,8 @@ Test(disk_format, unknown_and_duplicate_segments)
 {
     for (size_t k = 0; k < sizeof engines / sizeof *engines; k++) {
         char dir[256], path[512];
-        kvt_tmpdir(dir, sizeof dir, "kvr_dfmt");
-        kvr_disk *d;
+        kvr_disk *d = open_fresh(dir, sizeof dir, engines[k]);
         kvr_error err = { 0 };
-        cr_assert_eq(open_recovering(&d, dir, engines[k], &err), 0, "%s", err.msg);
-        cr_assert_eq(kvr_disk_recover_done(d, &err), 0, "%s", err.msg);
         kvr_disk_close(d);
 
         snprintf(path, sizeof path, "%s/seg-00000007.v3.dat", dir);
@@ -390,9 +392,7 @@ Test(disk_format, unknown_and_duplicate_segments)
         cr_assert_not_null(strstr(err.msg, "two data segments"), "%s", err.msg);
         file_path(path, sizeof path, dir, 1, false);
         cr_assert_eq(access(path, F_OK), 0);
-        for (int i = 0; i < V1N; i++)
-            free(data[i]);
-        kvt_rmrf(dir);
+        finish(NULL, dir, data, V1N);
     }
 }
 
@@ -423,11 +423,8 @@ static void t_load(kvr_disk *d, const kvr_disk_handle *h, uint8_t **want, uint8_
 static void last_requests(kvr_disk_engine e)
 {
     char dir[256];
-    kvt_tmpdir(dir, sizeof dir, "kvr_dfmt");
-    kvr_disk *d;
+    kvr_disk *d = open_fresh(dir, sizeof dir, e);
     kvr_error err = { 0 };
-    cr_assert_eq(open_recovering(&d, dir, e, &err), 0, "%s", err.msg);
-    cr_assert_eq(kvr_disk_recover_done(d, &err), 0, "%s", err.msg);
     uint8_t *data[TN], *dst[TN];
     kvr_disk_buf b[TN];
     kvr_disk_handle h[TN];
@@ -496,20 +493,14 @@ static void last_requests(kvr_disk_engine e)
     file_path(path, sizeof path, dir, h[0].seg, true);
     flip(path, h[TN - 2].off + h[TN - 2].len - 1);     /* the last granule of extent 4 */
     flip(path, h[TN - 1].off + 100);                   /* extent 5's data (staged) */
-    cr_assert_eq(open_recovering(&d, dir, e, &err), 0, "%s", err.msg);
-    for (int i = 0; i < TN; i++)
-        cr_assert_eq(kvr_disk_claim(d, &h[i], &err), 0, "extent %d: %s", i, err.msg);
-    cr_assert_eq(kvr_disk_recover_done(d, &err), 0, "%s", err.msg);
+    d = reopen_claim_all(dir, e, h, TN);
     t_load(d, h, data, dst, st, &rc);
     cr_assert_eq(rc, KVR_EIO);
     for (int i = 0; i < TN; i++)
         cr_assert_eq(st[i], i >= TN - 2 ? KVR_EIO : 0, "extent %d: %d", i, st[i]);
-    kvr_disk_close(d);
-    for (int i = 0; i < TN; i++) {
-        free(data[i]);
+    for (int i = 0; i < TN; i++)
         free(dst[i]);
-    }
-    kvt_rmrf(dir);
+    finish(d, dir, data, TN);
 }
 
 KVT_DISK_TESTS(disk_format, last_requests, last_requests)

@@ -69,29 +69,28 @@ Test(proto_frame, wrong_magic)
     cr_assert_eq(kvr_frame_header_decode(b, NULL, &LIM), KVR_EBADFRAME);
 }
 
-Test(proto_frame, wrong_version)
+/* A valid header (4 bytes of message, no payload) with byte off set to
+ * val is refused as a bad frame. */
+static void byte_refused(size_t off, uint8_t val)
 {
     uint8_t b[KVR_FRAME_HEADER_SIZE];
     kvr_frame_header_encode(b, 4, 0);
-    b[4] = 2;
-    cr_assert_eq(kvr_frame_header_decode(b, NULL, &LIM), KVR_EBADFRAME);
-    kvr_frame_header_encode(b, 4, 0);
-    b[5] = 1;   /* version 257 */
-    cr_assert_eq(kvr_frame_header_decode(b, NULL, &LIM), KVR_EBADFRAME);
-    kvr_frame_header_encode(b, 4, 0);
-    b[4] = 0;
-    cr_assert_eq(kvr_frame_header_decode(b, NULL, &LIM), KVR_EBADFRAME);
+    b[off] = val;
+    cr_assert_eq(kvr_frame_header_decode(b, NULL, &LIM), KVR_EBADFRAME, "byte %zu = %#x", off,
+                 (unsigned)val);
+}
+
+Test(proto_frame, wrong_version)
+{
+    byte_refused(4, 2);
+    byte_refused(5, 1);   /* version 257 */
+    byte_refused(4, 0);
 }
 
 Test(proto_frame, wrong_header_len_and_flags)
 {
-    uint8_t b[KVR_FRAME_HEADER_SIZE];
-    kvr_frame_header_encode(b, 4, 0);
-    b[6] = 32;
-    cr_assert_eq(kvr_frame_header_decode(b, NULL, &LIM), KVR_EBADFRAME);
-    kvr_frame_header_encode(b, 4, 0);
-    b[15] = 0x80;
-    cr_assert_eq(kvr_frame_header_decode(b, NULL, &LIM), KVR_EBADFRAME);
+    byte_refused(6, 32);
+    byte_refused(15, 0x80);
 }
 
 Test(proto_frame, oversize)

@@ -124,65 +124,56 @@ Test(rope_cli, i64_positions_f16_out_and_style)
 
 Test(rope_cli, bad_arguments_exit_2)
 {
-    const char *none[] = { NULL };
-    cr_assert_eq(run(none), 2);
-    const char *v[] = { "spin", NULL };
-    cr_assert_eq(run(v), 2);
-    const char *a[] = { "apply", "--config", path_cfg, "--tokens", "32", "--heads", "2",
-                        "--in", path_x, "--out", path_out, NULL };              /* no --pos */
-    cr_assert_eq(run(a), 2);
-    const char *b[] = { "apply", "--config", path_cfg, "--tokens", "zero", "--heads", "2",
-                        "--in", path_x, "--pos", path_po, "--out", path_out, NULL };
-    cr_assert_eq(run(b), 2);
-    const char *c[] = { "apply", "--config", path_cfg, "--tokens", "32", "--heads", "2",
-                        "--dtype", "f64", "--in", path_x, "--pos", path_po, "--out", path_out, NULL };
-    cr_assert_eq(run(c), 2);
-    const char *d[] = { "reposition", "--config", path_cfg, "--tokens", "32", "--heads", "2",
-                        "--in", path_x, "--pos", path_po, "--out", path_out, NULL }; /* no --from-pos */
-    cr_assert_eq(run(d), 2);
-    const char *e[] = { "apply", "--config", path_cfg, "--tokens", "32", "--heads", "2",
-                        "--in", path_x, "--pos", path_po, "--out", path_out, "--bogus", "1", NULL };
-    cr_assert_eq(run(e), 2);
-    const char *f[] = { "apply", "--config", path_cfg, "--tokens", "32", "--heads", "2",
-                        "--in", path_x, "--pos", path_po, "--out", NULL };     /* missing value */
-    cr_assert_eq(run(f), 2);
-    const char *g[] = { "apply", "--config", path_cfg, "--style", "diagonal", "--tokens", "32",
-                        "--heads", "2", "--in", path_x, "--pos", path_po, "--out", path_out, NULL };
-    cr_assert_eq(run(g), 2);
-    const char *h[] = { "apply", "--config", path_cfg, "--tokens", "32", "--heads", "2",
-                        "--pos-dtype", "i16", "--in", path_x, "--pos", path_po, "--out", path_out, NULL };
-    cr_assert_eq(run(h), 2);
+    const char *cases[][20] = {
+        { NULL },
+        { "spin", NULL },
+        { "apply", "--config", path_cfg, "--tokens", "32", "--heads", "2", "--in", path_x,
+          "--out", path_out, NULL }, /* no --pos */
+        { "apply", "--config", path_cfg, "--tokens", "zero", "--heads", "2", "--in", path_x,
+          "--pos", path_po, "--out", path_out, NULL },
+        { "apply", "--config", path_cfg, "--tokens", "32", "--heads", "2", "--dtype", "f64",
+          "--in", path_x, "--pos", path_po, "--out", path_out, NULL },
+        { "reposition", "--config", path_cfg, "--tokens", "32", "--heads", "2", "--in", path_x,
+          "--pos", path_po, "--out", path_out, NULL }, /* no --from-pos */
+        { "apply", "--config", path_cfg, "--tokens", "32", "--heads", "2", "--in", path_x,
+          "--pos", path_po, "--out", path_out, "--bogus", "1", NULL },
+        { "apply", "--config", path_cfg, "--tokens", "32", "--heads", "2", "--in", path_x,
+          "--pos", path_po, "--out", NULL }, /* missing value */
+        { "apply", "--config", path_cfg, "--style", "diagonal", "--tokens", "32", "--heads", "2",
+          "--in", path_x, "--pos", path_po, "--out", path_out, NULL },
+        { "apply", "--config", path_cfg, "--tokens", "32", "--heads", "2", "--pos-dtype", "i16",
+          "--in", path_x, "--pos", path_po, "--out", path_out, NULL },
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof *cases; i++)
+        cr_assert_eq(run(cases[i]), 2, "case %zu", i);
 }
 
 Test(rope_cli, io_and_size_errors_exit_1)
 {
-    /* tokens * heads * head_dim does not match the file */
-    const char *a[] = { "apply", "--config", path_cfg, "--tokens", "31", "--heads", "2",
-                        "--in", path_x, "--pos", path_po, "--out", path_out, NULL };
-    cr_assert_eq(run(a), 1);
-    const char *b[] = { "apply", "--config", path_cfg, "--tokens", "32", "--heads", "2",
-                        "--dtype", "f16", "--in", path_x, "--pos", path_po, "--out", path_out, NULL };
-    cr_assert_eq(run(b), 1);
-    /* i64 positions claimed on an i32 file */
-    const char *c[] = { "apply", "--config", path_cfg, "--tokens", "32", "--heads", "2",
-                        "--pos-dtype", "i64", "--in", path_x, "--pos", path_po, "--out", path_out, NULL };
-    cr_assert_eq(run(c), 1);
-    const char *d[] = { "apply", "--config", "/nonexistent/config.json", "--tokens", "32",
-                        "--heads", "2", "--in", path_x, "--pos", path_po, "--out", path_out, NULL };
-    cr_assert_eq(run(d), 1);
-    const char *e[] = { "apply", "--config", path_cfg, "--tokens", "32", "--heads", "2",
-                        "--in", "/nonexistent/x", "--pos", path_po, "--out", path_out, NULL };
-    cr_assert_eq(run(e), 1);
-    const char *f[] = { "apply", "--config", path_cfg, "--tokens", "32", "--heads", "2",
-                        "--in", path_x, "--pos", path_po, "--out", "/nonexistent/dir/out", NULL };
-    cr_assert_eq(run(f), 1);
-    /* a config the engine refuses */
+    /* a config the engine refuses (the last case) */
     char bad[160];
     snprintf(bad, sizeof bad, "%s/bad.json", dir);
     const char *bj = "{\"head_dim\":128,\"rope_scaling\":{\"rope_type\":\"linear\"}}";
     kvt_write_file(bad, bj, strlen(bj));
-    const char *g[] = { "apply", "--config", bad, "--tokens", "32", "--heads", "2",
-                        "--in", path_x, "--pos", path_po, "--out", path_out, NULL };
-    cr_assert_eq(run(g), 1);
+    const char *cases[][20] = {
+        /* tokens * heads * head_dim does not match the file */
+        { "apply", "--config", path_cfg, "--tokens", "31", "--heads", "2", "--in", path_x,
+          "--pos", path_po, "--out", path_out, NULL },
+        { "apply", "--config", path_cfg, "--tokens", "32", "--heads", "2", "--dtype", "f16",
+          "--in", path_x, "--pos", path_po, "--out", path_out, NULL },
+        /* i64 positions claimed on an i32 file */
+        { "apply", "--config", path_cfg, "--tokens", "32", "--heads", "2", "--pos-dtype", "i64",
+          "--in", path_x, "--pos", path_po, "--out", path_out, NULL },
+        { "apply", "--config", "/nonexistent/config.json", "--tokens", "32", "--heads", "2",
+          "--in", path_x, "--pos", path_po, "--out", path_out, NULL },
+        { "apply", "--config", path_cfg, "--tokens", "32", "--heads", "2", "--in",
+          "/nonexistent/x", "--pos", path_po, "--out", path_out, NULL },
+        { "apply", "--config", path_cfg, "--tokens", "32", "--heads", "2", "--in", path_x,
+          "--pos", path_po, "--out", "/nonexistent/dir/out", NULL },
+        { "apply", "--config", bad, "--tokens", "32", "--heads", "2", "--in", path_x, "--pos",
+          path_po, "--out", path_out, NULL },
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof *cases; i++)
+        cr_assert_eq(run(cases[i]), 1, "case %zu", i);
     unlink(bad);
 }

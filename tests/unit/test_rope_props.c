@@ -9,6 +9,7 @@
  */
 #include <criterion/criterion.h>
 #include <math.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <errno.h>
@@ -59,6 +60,46 @@ static double row_norm(const float *x, size_t n)
     return sqrt(s);
 }
 
+/* Row by row (rows of D), got is within tol times the norm of norm_of's
+ * row of ref. */
+static void rows_close(const float *got, const float *ref, const float *norm_of, size_t rows,
+                       size_t D, double tol, const char *what)
+{
+    for (size_t row = 0; row < rows; row++) {
+        double nrm = row_norm(norm_of + row * D, D);
+        for (size_t j = 0; j < D; j++)
+            cr_assert_leq(fabs((double)got[row * D + j] - (double)ref[row * D + j]), tol * nrm,
+                          "%s: row %zu dim %zu", what, row, j);
+    }
+}
+
+/* An engine and T x H rows of D random floats (x) with two position
+ * arrays (a, b) for the caller to fill. */
+typedef struct fixture {
+    kvr_rope *r;
+    size_t T, H, D, n;
+    float *x;
+    int64_t *a, *b;
+} fixture;
+
+static void fx_init(fixture *f, kvr_rope *r, size_t T, size_t H, size_t D)
+{
+    *f = (fixture){ .r = r, .T = T, .H = H, .D = D, .n = T * H * D };
+    f->x = malloc(f->n * 4);
+    f->a = malloc(T * 8);
+    f->b = malloc(T * 8);
+    cr_assert(f->x && f->a && f->b);
+    fill(f->x, f->n);
+}
+
+static void fx_free(fixture *f)
+{
+    free(f->x);
+    free(f->a);
+    free(f->b);
+    kvr_rope_destroy(f->r);
+}
+
 Test(rope_props, reposition_zero_is_identity)
 {
     kvr_rope_style styles[] = { KVR_ROPE_NEOX, KVR_ROPE_GPTJ };
@@ -78,19 +119,16 @@ Test(rope_props, reposition_zero_is_identity)
 
 Test(rope_props, reposition_there_and_back)
 {
-    kvr_rope *r = make(128, 128, KVR_ROPE_NEOX, 500000, KVR_ROPE_SCALING_LLAMA3, 8.0);
-    size_t T = 100, H = 2, D = 128, n = T * H * D;
-    float *x = malloc(n * 4), *y = malloc(n * 4), *z = malloc(n * 4);
-    int64_t *a = malloc(T * 8), *b = malloc(T * 8);
-    fill(x, n);
+    fixture f;
+    fx_init(&f, make(128, 128, KVR_ROPE_NEOX, 500000, KVR_ROPE_SCALING_LLAMA3, 8.0), 100, 2, 128);
+    kvr_rope *r = f.r;
+    size_t T = f.T, H = f.H, D = f.D, n = f.n;
+    float *x = f.x, *y = malloc(n * 4), *z = malloc(n * 4);
+    int64_t *a = f.a, *b = f.b;
     for (size_t t = 0; t < T; t++) { a[t] = (int64_t)t * 3; b[t] = a[t] + (t < 50 ? 1000 : -77); }
     kvr_rope_reposition(r, y, KVR_DTYPE_F32, x, KVR_DTYPE_F32, T, H, a, b, NULL);
     kvr_rope_reposition(r, z, KVR_DTYPE_F32, y, KVR_DTYPE_F32, T, H, b, a, NULL);
-    for (size_t row = 0; row < T * H; row++) {
-        double nrm = row_norm(x + row * D, D);
-        for (size_t j = 0; j < D; j++)
-            cr_assert_leq(fabs((double)z[row * D + j] - (double)x[row * D + j]), 4e-7 * nrm);
-    }
+    rows_close(z, x, x, T * H, D, 4e-7, "there and back");
     /* and in f16: there and back stays within two f16 roundings */
     uint16_t *h = malloc(n * 2);
     kvr_convert(h, KVR_DTYPE_F16, x, KVR_DTYPE_F32, n);
@@ -98,34 +136,31 @@ Test(rope_props, reposition_there_and_back)
     kvr_rope_reposition(r, h, KVR_DTYPE_F16, h, KVR_DTYPE_F16, T, H, a, b, NULL);
     kvr_rope_reposition(r, h, KVR_DTYPE_F16, h, KVR_DTYPE_F16, T, H, b, a, NULL);
     kvr_convert(z, KVR_DTYPE_F32, h, KVR_DTYPE_F16, n);
-    for (size_t row = 0; row < T * H; row++) {
-        double nrm = row_norm(y + row * D, D);
-        for (size_t j = 0; j < D; j++)
-            cr_assert_leq(fabs((double)z[row * D + j] - (double)y[row * D + j]), 4 * 0x1p-11 * nrm);
-    }
-    free(h); free(x); free(y); free(z); free(a); free(b);
-    kvr_rope_destroy(r);
+    rows_close(z, y, y, T * H, D, 4 * 0x1p-11, "there and back in f16");
+    free(h); free(y); free(z);
+    fx_free(&f);
 }
 
 Test(rope_props, reposition_preserves_norm_yarn)
 {
-    kvr_rope *r = make(64, 64, KVR_ROPE_GPTJ, 10000, KVR_ROPE_SCALING_YARN, 16.0);
-    size_t T = 64, H = 4, D = 64, n = T * H * D;
-    float *x = malloc(n * 4), *k = malloc(n * 4), *k2 = malloc(n * 4);
-    int64_t *a = malloc(T * 8), *b = malloc(T * 8);
-    fill(x, n);
-    for (size_t t = 0; t < T; t++) { a[t] = (int64_t)t; b[t] = (int64_t)t + 12345; }
-    kvr_rope_apply(r, k, KVR_DTYPE_F32, x, KVR_DTYPE_F32, T, H, a, NULL);
-    kvr_rope_reposition(r, k2, KVR_DTYPE_F32, k, KVR_DTYPE_F32, T, H, a, b, NULL);
+    fixture f;
+    fx_init(&f, make(64, 64, KVR_ROPE_GPTJ, 10000, KVR_ROPE_SCALING_YARN, 16.0), 64, 4, 64);
+    float *k = malloc(f.n * 4), *k2 = malloc(f.n * 4);
+    for (size_t t = 0; t < f.T; t++) {
+        f.a[t] = (int64_t)t;
+        f.b[t] = (int64_t)t + 12345;
+    }
+    kvr_rope_apply(f.r, k, KVR_DTYPE_F32, f.x, KVR_DTYPE_F32, f.T, f.H, f.a, NULL);
+    kvr_rope_reposition(f.r, k2, KVR_DTYPE_F32, k, KVR_DTYPE_F32, f.T, f.H, f.a, f.b, NULL);
     double ms = 0.1 * log(16.0) + 1.0;
-    for (size_t row = 0; row < T * H; row++) {
-        double n0 = row_norm(x + row * D, D), n1 = row_norm(k + row * D, D),
-               n2 = row_norm(k2 + row * D, D);
+    for (size_t row = 0; row < f.T * f.H; row++) {
+        double n0 = row_norm(f.x + row * f.D, f.D), n1 = row_norm(k + row * f.D, f.D),
+               n2 = row_norm(k2 + row * f.D, f.D);
         cr_assert_float_eq(n1 / n0, ms, 1e-5, "apply must scale by attention_factor");
         cr_assert_float_eq(n2 / n1, 1.0, 1e-5, "reposition must not touch the magnitude");
     }
-    free(x); free(k); free(k2); free(a); free(b);
-    kvr_rope_destroy(r);
+    free(k); free(k2);
+    fx_free(&f);
 }
 
 Test(rope_props, reposition_equals_apply_of_remove)
@@ -133,11 +168,13 @@ Test(rope_props, reposition_equals_apply_of_remove)
     kvr_rope_scaling scs[] = { KVR_ROPE_SCALING_DEFAULT, KVR_ROPE_SCALING_LINEAR,
                                KVR_ROPE_SCALING_YARN, KVR_ROPE_SCALING_LLAMA3 };
     for (int s = 0; s < 4; s++) {
-        kvr_rope *r = make(128, 128, s % 2 ? KVR_ROPE_GPTJ : KVR_ROPE_NEOX, 10000, scs[s], 4.0);
-        size_t T = 90, H = 2, D = 128, n = T * H * D;
-        float *k = malloc(n * 4), *u = malloc(n * 4), *ref = malloc(n * 4), *got = malloc(n * 4);
-        int64_t *a = malloc(T * 8), *b = malloc(T * 8);
-        fill(k, n);
+        fixture f;
+        fx_init(&f, make(128, 128, s % 2 ? KVR_ROPE_GPTJ : KVR_ROPE_NEOX, 10000, scs[s], 4.0),
+                90, 2, 128);
+        kvr_rope *r = f.r;
+        size_t T = f.T, H = f.H, D = f.D, n = f.n;
+        float *k = f.x, *u = malloc(n * 4), *ref = malloc(n * 4), *got = malloc(n * 4);
+        int64_t *a = f.a, *b = f.b;
         for (size_t t = 0; t < T; t++) {
             a[t] = (int64_t)(urand() * 5000.0) + 5000;
             b[t] = t % 3 == 0 ? a[t] : (int64_t)(urand() * 5000.0) + 5000; /* repeated, negative */
@@ -145,14 +182,11 @@ Test(rope_props, reposition_equals_apply_of_remove)
         kvr_rope_remove(r, u, KVR_DTYPE_F32, k, KVR_DTYPE_F32, T, H, a, NULL);
         kvr_rope_apply(r, ref, KVR_DTYPE_F32, u, KVR_DTYPE_F32, T, H, b, NULL);
         kvr_rope_reposition(r, got, KVR_DTYPE_F32, k, KVR_DTYPE_F32, T, H, a, b, NULL);
-        for (size_t row = 0; row < T * H; row++) {
-            double nrm = row_norm(k + row * D, D);
-            for (size_t j = 0; j < D; j++)
-                cr_assert_leq(fabs((double)got[row * D + j] - (double)ref[row * D + j]), 1e-6 * nrm,
-                              "scaling %d row %zu dim %zu", s, row, j);
-        }
-        free(k); free(u); free(ref); free(got); free(a); free(b);
-        kvr_rope_destroy(r);
+        char what[32];
+        snprintf(what, sizeof what, "scaling %d", s);
+        rows_close(got, ref, k, T * H, D, 1e-6, what);
+        free(u); free(ref); free(got);
+        fx_free(&f);
     }
 }
 
@@ -313,11 +347,12 @@ Test(rope_props, distinct_deltas_bit_identical_across_isas)
  * the recurrence's last bits matter (large, 1e5..1e6). */
 Test(rope_props, runs_bit_identical_across_isas_and_threads)
 {
-    kvr_rope *r = make(128, 128, KVR_ROPE_NEOX, 500000, KVR_ROPE_SCALING_YARN, 4.0);
-    size_t T = 1000, H = 2, n = T * H * 128;
-    float *x = malloc(n * 4);
-    fill(x, n);
-    int64_t *from = malloc(T * 8), *to = malloc(T * 8);
+    fixture f;
+    fx_init(&f, make(128, 128, KVR_ROPE_NEOX, 500000, KVR_ROPE_SCALING_YARN, 4.0), 1000, 2, 128);
+    kvr_rope *r = f.r;
+    size_t T = f.T, H = f.H, n = f.n;
+    float *x = f.x;
+    int64_t *from = f.a, *to = f.b;
     for (size_t t = 0; t < T; t++) {
         from[t] = 100000 + (int64_t)t * 7;
         to[t] = t < 333 ? from[t] + 250000 : t < 700 ? from[t] - 3 : 900000 + (int64_t)(t / 5);
@@ -349,8 +384,8 @@ Test(rope_props, runs_bit_identical_across_isas_and_threads)
                 }
         }
     cr_assert_gt(compared, 0);
-    free(x); free(from); free(to); free(in); free(ref); free(o);
-    kvr_rope_destroy(r);
+    free(in); free(ref); free(o);
+    fx_free(&f);
 }
 
 /* kvr_rope_apply_src (rows on demand) writes kvr_rope_apply's bytes for
