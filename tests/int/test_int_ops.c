@@ -1028,6 +1028,7 @@ Test(ops, tenants_are_figures_in_metrics_and_stats)
     cr_assert_eq(opsd_stop(pid), 0);
 }
 
+#ifdef KVR_JEMALLOC   /* only the prefault test reads it, in jemalloc builds */
 static long rss_kib(pid_t pid)
 {
     char p[64], line[256];
@@ -1041,6 +1042,7 @@ static long rss_kib(pid_t pid)
         fclose(f);
     return v;
 }
+#endif
 
 /* --prefault faults memory in at start, in the background, and leaves it
  * mapped: its figures say how much and how long, the daemon's RSS holds
