@@ -237,8 +237,9 @@ class Batches:
     """The rows of step `step`: a function of (seed, step) only, so a run
     resumes and repeats exactly."""
 
-    def __init__(s, files, data, starts, seed, fim_rate, repo_share):
+    def __init__(s, files, data, starts, seed, fim_rate, repo_share, pack=False):
         s.files, s.data, s.starts = files, data, starts
+        s.pack = pack
         s.ends = np.append(starts[1:], len(data))
         s.seed, s.fim_rate, s.repo_share = seed, fim_rate, repo_share
         by_dir = {}
@@ -265,6 +266,33 @@ class Batches:
             return out
         return pick
 
+    def fim_sample(s, rng, seq):
+        while True:
+            i = int(np.searchsorted(s.starts, rng.integers(0, len(s.data)), "right") - 1)
+            if s.ends[i] - s.starts[i] < 16:
+                continue
+            src = s.chunks(i) if rng.random() < s.repo_share else None
+            row = fim.sample(rng, s.tokens(i), seq, src)
+            if row is not None:
+                return row
+
+    def fim_row(s, rng, seq):
+        """One FIM sample padded to seq + 1 tokens; with pack, the padding is
+        filled with further samples while at least 96 tokens are left (each
+        begins with its own prompt, so every middle is still a whole /infill
+        answer; the attention sees the samples before it, as after a
+        BOS-separated document)."""
+        row = s.fim_sample(rng, seq)
+        if not s.pack:
+            return row
+        used = len(row) - row[::-1].index(fim.EOT) if fim.EOT in row else len(row)
+        out = row[:used]
+        while seq + 1 - len(out) >= 96:
+            more = s.fim_sample(rng, seq - len(out))
+            k = len(more) - more[::-1].index(fim.EOT)
+            out += more[:k]
+        return out + [fim.PAD] * (seq + 1 - len(out))
+
     def rows(s, step, n, seq):
         rng = np.random.Generator(np.random.PCG64([s.seed, step]))
         data, starts = s.data, s.starts
@@ -272,12 +300,7 @@ class Batches:
         for _ in range(n):
             row = None
             if rng.random() < s.fim_rate:
-                while row is None:
-                    i = int(np.searchsorted(starts, rng.integers(0, len(data)), "right") - 1)
-                    if s.ends[i] - starts[i] < 16:
-                        continue
-                    src = s.chunks(i) if rng.random() < s.repo_share else None
-                    row = fim.sample(rng, s.tokens(i), seq, src)
+                row = s.fim_row(rng, seq)
             else:
                 o = int(rng.integers(0, len(data) - seq - 1))
                 if rng.random() < 0.25:      # a quarter of windows begin at a file's BOS
@@ -314,6 +337,11 @@ def main(argv):
     p.add_argument("--repo", type=float, default=0.5, help="share of FIM rows with repo-level context")
     p.add_argument("--mid-weight", type=float, default=1.0,
                    help="loss weight of a FIM row's middle tokens (the rest weigh 1)")
+    p.add_argument("--mid-first", type=int, default=0,
+                   help="the first N targets of each FIM middle weigh --mid-first-weight (0: off)")
+    p.add_argument("--mid-first-weight", type=float, default=8.0)
+    p.add_argument("--fim-pack", action="store_true",
+                   help="fill a FIM row's padding with further FIM samples (more middles a step)")
     p.add_argument("--eval-every", type=int, default=100)
     p.add_argument("--eval-bytes", type=int, default=65536,
                    help="held-out tokens scored at each --eval-every (the start of the held-out stream)")
@@ -335,7 +363,7 @@ def main(argv):
     train_files, held = corpus.split()
     data, starts = stream(train_files)
     held_ids = stream(held)[0]
-    batches = Batches(train_files, data, starts, a.seed, a.fim, a.repo)
+    batches = Batches(train_files, data, starts, a.seed, a.fim, a.repo, a.fim_pack)
     cfg = dict(SHAPE, hidden_size=a.hidden, num_hidden_layers=a.layers, num_attention_heads=a.heads,
                num_key_value_heads=a.kv_heads, head_dim=a.head_dim, intermediate_size=a.ffn)
     torch.manual_seed(a.seed)
@@ -375,8 +403,21 @@ def main(argv):
             logits = m(x[:, :-1])
         nll = F.cross_entropy(logits.float().reshape(-1, cfg["vocab_size"]), tgt.reshape(-1),
                               ignore_index=fim.PAD, reduction="none").view(tgt.shape)
-        # a FIM row's middle (the targets after FIM_MID, EOT included) weighs --mid-weight
-        w = 1.0 + (a.mid_weight - 1.0) * ((x[:, :-1] == fim.MID).cumsum(1) > 0).float()
+        # a FIM middle (the targets after a FIM_MID up to its EOT, EOT included)
+        # weighs --mid-weight; a packed row has several
+        inp = x[:, :-1]
+        in_mid = (inp == fim.MID).cumsum(1) > (inp == fim.EOT).cumsum(1)
+        w = 1.0 + (a.mid_weight - 1.0) * in_mid.float()
+        if a.mid_first:
+            # the first --mid-first targets of each middle (the ones only the
+            # cursor's context, far back before FIM_SUF, can predict) weigh
+            # --mid-first-weight
+            seg = (inp == fim.MID).cumsum(1)
+            start = torch.zeros_like(seg)
+            pos = torch.arange(inp.shape[1]).expand_as(inp)
+            start = torch.cummax(torch.where(inp == fim.MID, pos, start), 1).values
+            first = in_mid & (seg > 0) & (pos - start < a.mid_first)
+            w = torch.where(first, torch.full_like(w, a.mid_first_weight), w)
         w = w * (tgt != fim.PAD).float()
         loss = (nll * w).sum() / w.sum()
         opt.zero_grad(set_to_none=True)
@@ -412,7 +453,7 @@ def main(argv):
     meta = {"held_out_bpb": bpb, "held_out_files": len(held), "held_out_tokens": int(len(held_ids)),
             "train_files": len(train_files), "train_tokens": int(len(data)), "steps": a.steps,
             "batch": a.batch, "seq": a.seq, "context": a.context, "bf16": a.bf16, "lr": a.lr, "seed": a.seed, "threads": a.threads,
-            "decay": a.decay, "init": a.init, "init_weights_sha256": init_sha, "fim_rate": a.fim, "mid_weight": a.mid_weight, "repo_share": a.repo, "vocab": cfg["vocab_size"],
+            "decay": a.decay, "init": a.init, "init_weights_sha256": init_sha, "fim_rate": a.fim, "mid_weight": a.mid_weight, "repo_share": a.repo, "fim_pack": a.fim_pack, "mid_first": a.mid_first, "mid_first_weight": a.mid_first_weight, "vocab": cfg["vocab_size"],
             "tokens_seen": a.steps * a.batch * a.seq, "long_from": a.long_from, "train_seconds": round(spent, 1),
             "wall_seconds_last_run": round(time.time() - t_run, 1),
             "cpu_seconds_last_run": round(time.process_time() - c_run, 1),
