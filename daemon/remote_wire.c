@@ -173,10 +173,15 @@ int kvr__rt_key_read(const char *path, uint8_t key[KVR_RT_KEY_BYTES], kvr_error 
 
 
 
-static void dst_write(const rt_dst *d, size_t off, const uint8_t *src, size_t len)
+/* Copies len bytes between d's payload at offset off and mem: into d
+ * (to_d), or out of it. */
+static void rt_copy(const rt_dst *d, size_t off, uint8_t *mem, size_t len, bool to_d)
 {
     if (d->flat) {
-        memcpy(d->flat + off, src, len);
+        if (to_d)
+            memcpy(d->flat + off, mem, len);
+        else
+            memcpy(mem, d->flat + off, len);
         return;
     }
     size_t lo = 0, hi = d->niov;
@@ -191,37 +196,25 @@ static void dst_write(const rt_dst *d, size_t off, const uint8_t *src, size_t le
         size_t in = off - d->starts[i], take = d->iov[i].iov_len - in;
         if (take > len)
             take = len;
-        memcpy((uint8_t *)d->iov[i].iov_base + in, src, take);
-        src += take;
+        uint8_t *p = (uint8_t *)d->iov[i].iov_base + in;
+        if (to_d)
+            memcpy(p, mem, take);
+        else
+            memcpy(mem, p, take);
+        mem += take;
         off += take;
         len -= take;
     }
 }
 
+static void dst_write(const rt_dst *d, size_t off, const uint8_t *src, size_t len)
+{
+    rt_copy(d, off, (uint8_t *)(uintptr_t)src, len, true);
+}
 
 static void src_read(const rt_src *d, size_t off, uint8_t *out, size_t len)
 {
-    if (d->flat) {
-        memcpy(out, d->flat + off, len);
-        return;
-    }
-    size_t lo = 0, hi = d->niov;
-    while (hi - lo > 1) {
-        size_t mid = (lo + hi) / 2;
-        if (d->starts[mid] <= off)
-            lo = mid;
-        else
-            hi = mid;
-    }
-    for (size_t i = lo; len && i < d->niov; i++) {
-        size_t in = off - d->starts[i], take = d->iov[i].iov_len - in;
-        if (take > len)
-            take = len;
-        memcpy(out, (const uint8_t *)d->iov[i].iov_base + in, take);
-        out += take;
-        off += take;
-        len -= take;
-    }
+    rt_copy(d, off, out, len, false);
 }
 
 uint8_t *kvr__rt_block_encode(const kvr_rt_desc *d, uint64_t chain, uint64_t start,
