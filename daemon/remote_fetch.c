@@ -56,18 +56,24 @@ struct kvr_rjob {
 
 /* ---- fetch jobs ---------------------------------------------------------- */
 
-kvr_rjob *kvr__remote_job_get(kvr_remote *r, const char *ctx_id)
+/* A new job of r's, its clock started (NULL: out of memory). */
+static kvr_rjob *job_new(kvr_remote *r)
 {
-    if (!r)
-        return NULL;
     kvr_rjob *j = kvr_mem_calloc(1, sizeof *j);
-    if (j)
-        j->t0_ns = kvr_clock_mono_ns();
     if (!j)
         return NULL;
+    j->t0_ns = kvr_clock_mono_ns();
     j->r = r;
-    j->by_id = true;
     j->deadline_ms = kvr_clock_mono_ms() + FETCH_MS;
+    return j;
+}
+
+kvr_rjob *kvr__remote_job_get(kvr_remote *r, const char *ctx_id)
+{
+    kvr_rjob *j = r ? job_new(r) : NULL;
+    if (!j)
+        return NULL;
+    j->by_id = true;
     snprintf(j->ctx_id, sizeof j->ctx_id, "%s", ctx_id);
     return j;
 }
@@ -80,13 +86,9 @@ kvr_rjob *kvr__remote_job_prefix(kvr_remote *r, const char *model, const uint32_
     kvr_model_info mi;
     if (kvr_store_model_find(r->d->store, model, &mi) < 0)
         return NULL;
-    kvr_rjob *j = kvr_mem_calloc(1, sizeof *j);
-    if (j)
-        j->t0_ns = kvr_clock_mono_ns();
+    kvr_rjob *j = job_new(r);
     if (!j)
         return NULL;
-    j->r = r;
-    j->deadline_ms = kvr_clock_mono_ms() + FETCH_MS;
     snprintf(j->model, sizeof j->model, "%s", mi.name);
     /* Contexts of the model's own dtype are the ones we look for. */
     j->desc = (kvr_rt_desc){ mi.fingerprint, mi.n_layers, mi.n_kv_heads, mi.head_dim,

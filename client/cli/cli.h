@@ -51,6 +51,8 @@ int kvr__cli_write_kv(const cli_args *a, const kvr_kv *kv, const char *out);
 
 /* Maps a libkvrope code to an exit code, printing the error. */
 int kvr__cli_fail(const cli_args *a, kvr_client *c, int code, const char *what);
+/* Context ctx (*x) and its model (*m): 0, or the libkvrope code. */
+int kvr__cli_ctx_model(kvr_client *c, const char *ctx, kvr_context *x, kvr_model *m);
 /* With --json: prints {"error": {code, name, message}} on stdout. */
 void kvr__cli_error_json(const cli_args *a, int code, const char *msg);
 

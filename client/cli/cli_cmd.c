@@ -261,6 +261,12 @@ void kvr__cli_kv_rows_json(cJSON *j, const kvr_kv *kv, const char *file)
         cJSON_AddStringToObject(j, "file", file);
 }
 
+int kvr__cli_ctx_model(kvr_client *c, const char *ctx, kvr_context *x, kvr_model *m)
+{
+    int r = kvr_client_stat(c, ctx, x);
+    return r < 0 ? r : kvr_client_model_get(c, x->model, m);
+}
+
 static cJSON *ctx_json(const kvr_context *x)
 {
     cJSON *j = cJSON_CreateObject();
@@ -892,10 +898,7 @@ static int cmd_get(kvr_client *c, const cli_args *a)
     if (!has_dt && !raw) {   /* default: the model's native dtype */
         kvr_context x;
         kvr_model m;
-        r = kvr_client_stat(c, g.ctx_id, &x);
-        if (r == 0)
-            r = kvr_client_model_get(c, x.model, &m);
-        if (r < 0)
+        if ((r = kvr__cli_ctx_model(c, g.ctx_id, &x, &m)) < 0)
             return kvr__cli_fail(a, c, r, "get");
         g.dtype = m.dtype;
     }
@@ -941,10 +944,7 @@ static int cmd_get(kvr_client *c, const cli_args *a)
          * from the context's length and the model's shape. */
         kvr_context x;
         kvr_model m;
-        r = kvr_client_stat(c, g.ctx_id, &x);
-        if (r == 0)
-            r = kvr_client_model_get(c, x.model, &m);
-        if (r < 0) {
+        if ((r = kvr__cli_ctx_model(c, g.ctx_id, &x, &m)) < 0) {
             free(pos);
             free(layers);
             return kvr__cli_fail(a, c, r, "get --shm");
@@ -1244,9 +1244,7 @@ static int kv_src_load(kvr_client *c, const cli_args *a, const char *ctx, const 
         return kvr__cli_io_err(a, err);
     kvr_context x;
     kvr_model m;
-    int r = kvr_client_stat(c, ctx, &x);
-    if (r == 0)
-        r = kvr_client_model_get(c, x.model, &m);
+    int r = kvr__cli_ctx_model(c, ctx, &x, &m);
     if (r < 0)
         return kvr__cli_fail(a, c, r, "edit");
     k->dtype = has_dt ? dt : m.dtype;

@@ -556,10 +556,7 @@ static int cmd_assemble(kvr_client *c, const cli_args *a)
     if (!dv) {   /* default: the model's native dtype */
         kvr_context x;
         kvr_model m;
-        r = kvr_client_stat(c, g.prefix, &x);
-        if (r == 0)
-            r = kvr_client_model_get(c, x.model, &m);
-        if (r < 0) {
+        if ((r = kvr__cli_ctx_model(c, g.prefix, &x, &m)) < 0) {
             rc = kvr__cli_fail(a, c, r, "assemble");
             goto out;
         }
