@@ -429,17 +429,21 @@ static uint64_t manifest_seed(const kvr_rt_manifest *m)
     return fin(h);
 }
 
+/* The chain after block b of m, from h, the one before it. */
+static uint64_t manifest_chain_next(const kvr_rt_manifest *m, size_t b, uint64_t h)
+{
+    size_t s, n;
+    bool ch;
+    kvr__rt_manifest_block(m, b, &s, &n, &ch);
+    return kvr__rt_chain_next(h, m->tokens + s, m->positions + s, n);
+}
+
 void kvr__rt_manifest_chains(const kvr_rt_manifest *m, uint64_t *out)
 {
     uint64_t h = manifest_seed(m);
     size_t nb = kvr__rt_manifest_blocks(m);
-    for (size_t b = 0; b < nb; b++) {
-        size_t s, n;
-        bool ch;
-        kvr__rt_manifest_block(m, b, &s, &n, &ch);
-        h = kvr__rt_chain_next(h, m->tokens + s, m->positions + s, n);
-        out[b] = h;
-    }
+    for (size_t b = 0; b < nb; b++)
+        out[b] = h = manifest_chain_next(m, b, h);
 }
 
 /* ---- encoded chunks of a quantized context ------------------------------ */
@@ -744,10 +748,7 @@ int kvr__rt_manifest_decode(const uint8_t *v, size_t len, const char *want_id,
     /* The chains must be the ones these tokens and positions give. */
     uint64_t h = manifest_seed(m);
     for (size_t b = 0; b < nb; b++) {
-        size_t s, n;
-        bool ch;
-        kvr__rt_manifest_block(m, b, &s, &n, &ch);
-        h = kvr__rt_chain_next(h, m->tokens + s, m->positions + s, n);
+        h = manifest_chain_next(m, b, h);
         if (h != m->chains[b]) {
             kvr__rt_manifest_free(m);
             return kvr_error_set(err, KVR_EIO, "manifest: chain of block %zu is wrong", b);

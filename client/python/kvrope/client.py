@@ -44,6 +44,16 @@ def _u64(x, what):
     return int(x)
 
 
+def _token_range(start, end):
+    """start and end (None: to the end) checked as u64s, end after start."""
+    start = _u64(start, "start")
+    if end is not None:
+        end = _u64(end, "end")
+        if end <= start:
+            raise ValueError(f"empty or reversed token range [{start}, {end})")
+    return start, end
+
+
 def _i64(x, what):
     if isinstance(x, bool) or not isinstance(x, (int, np.integer)):
         raise TypeError(f"{what} must be an int, got {type(x).__name__}")
@@ -794,11 +804,7 @@ class Client:
         if raw:
             if positions is not None or out is not None or on_layer is not None:
                 raise ValueError("raw get: positions, out and on_layer do not apply")
-            start = _u64(start, "start")
-            if end is not None:
-                end = _u64(end, "end")
-                if end <= start:
-                    raise ValueError(f"empty or reversed token range [{start}, {end})")
+            start, end = _token_range(start, end)
             lay = self._layers(layers)
             a = _lib.kvr_get_args()
             a.ctx_id, a.start, a.end, a.dtype = cid, start, end or 0, T.CODES["f32"]
@@ -807,11 +813,7 @@ class Client:
             kvs = _lib.kvr_kv()
             self._call("kvr_client_get", byref(a), byref(kvs))
             return self._take_raw(kvs, kvs.raw)
-        start = _u64(start, "start")
-        if end is not None:
-            end = _u64(end, "end")
-            if end <= start:
-                raise ValueError(f"empty or reversed token range [{start}, {end})")
+        start, end = _token_range(start, end)
         dt = T.dtype_name(dtype)
         lay = self._layers(layers)
         pos = None
