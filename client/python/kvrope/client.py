@@ -370,6 +370,15 @@ def _shm_place(shm):
     raise TypeError("shm must be a Region or (Region, offset)")
 
 
+def _shm_out(what, shm, out):
+    """Where a get's or cover's payload lands when shm is given (out may not
+    be): (Region, the kvr_shm placement)."""
+    if out is not None:
+        raise ValueError(f"{what}: out and shm exclude each other")
+    reg, off = _shm_place(shm)
+    return reg, _lib.kvr_shm(reg.id, off or 0, 0)
+
+
 @dataclass
 class Match:
     length: int                 # cached exact prefix length, 0 = none
@@ -832,10 +841,7 @@ class Client:
         a.dst, a.dst_cap = dst, cap
         a.on_layer = cb
         if shm is not None:
-            if out is not None:
-                raise ValueError("get: out and shm exclude each other")
-            reg, off = _shm_place(shm)
-            place = _lib.kvr_shm(reg.id, off or 0, 0)
+            reg, place = _shm_out("get", shm, out)
             self._call("kvr_client_get_shm", byref(a), byref(place), byref(kvs))
             res = self._take(kvs, None, reg)
             if errs:
@@ -1223,10 +1229,7 @@ class Client:
         r = _lib.kvr_cover_res()
         reg = None
         if shm is not None:
-            if out is not None:
-                raise ValueError("cover: out and shm exclude each other")
-            reg, off = _shm_place(shm)
-            place = _lib.kvr_shm(reg.id, off or 0, 0)
+            reg, place = _shm_out("cover", shm, out)
             self._call("kvr_client_cover_shm", byref(a), byref(place), byref(r))
         elif get:
             self._call("kvr_client_cover_get", byref(a), byref(r))
