@@ -62,4 +62,33 @@ static inline kvr_list *kvr_list_first(const kvr_list *h)
     return h->next == h ? NULL : h->next;
 }
 
+/* The last node of h, or NULL when h is empty. */
+static inline kvr_list *kvr_list_last(const kvr_list *h)
+{
+    return h->prev == h ? NULL : h->prev;
+}
+
+/* The node after / before n on the list headed by h, or NULL at its end. */
+static inline kvr_list *kvr_list_next(const kvr_list *h, const kvr_list *n)
+{
+    return n->next == h ? NULL : n->next;
+}
+static inline kvr_list *kvr_list_prev(const kvr_list *h, const kvr_list *n)
+{
+    return n->prev == h ? NULL : n->prev;
+}
+
+/* Moves every node of from, in order, to the end of to; from is empty after. */
+static inline void kvr_list_move_tail(kvr_list *to, kvr_list *from)
+{
+    if (kvr_list_empty(from))
+        return;
+    kvr_list *first = from->next, *last = from->prev;
+    first->prev = to->prev;
+    to->prev->next = first;
+    last->next = to;
+    to->prev = last;
+    kvr_list_init(from);
+}
+
 #endif /* KVR_BASE_LIST_H */

@@ -22,6 +22,7 @@ kvr_ctx *kvr_ctx_create(kvr_model *m, const char *id, uint64_t hash, uint64_t no
     c->codec = m->codec;
     c->dtype = m->codec.dtype;
     c->pending = true;
+    kvr_list_init(&c->lru);
     c->created_ms = c->accessed_ms = now;
     c->idx[0].owner = c->idx[1].owner = c;
     return c;

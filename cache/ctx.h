@@ -21,6 +21,7 @@
 #ifndef KVR_CACHE_CTX_H
 #define KVR_CACHE_CTX_H
 
+#include "base/list.h"
 #include "cache/block.h"
 #include "cache/grain.h"
 #include "cache/prefix.h"
@@ -62,7 +63,7 @@ struct kvr_ctx {
     size_t      id_len;
     uint64_t    hash;
     kvr_ctx    *hnext;          /* store.c: hash chain */
-    kvr_ctx    *lru_prev, *lru_next;  /* store.c: prev = more recent */
+    kvr_list    lru;            /* store.c: on the store's LRU list once committed */
     kvr_model  *model;
     kvr_dtype   dtype;          /* plain (window) blocks' storage dtype */
     kvr_qspec   codec;

@@ -60,6 +60,7 @@ int kvr_store_create(kvr_store **out, const kvr_store_config *cfg, kvr_error *er
     if (s->cfg.max_memory && s->pool.cache_max > s->cfg.max_memory / 16)
         s->pool.cache_max = s->cfg.max_memory / 16;
     s->cfg.block_tokens = s->B;
+    kvr_list_init(&s->lru);
     s->n_buckets = 64;
     s->buckets = kvr_mem_calloc(s->n_buckets, sizeof *s->buckets);
     if (!s->buckets) {
@@ -202,31 +203,13 @@ static void map_grow(kvr_store *s)
     s->n_buckets = nb;
 }
 
-static void lru_unlink(kvr_store *s, kvr_ctx *c)
-{
-    if (c->lru_prev)
-        c->lru_prev->lru_next = c->lru_next;
-    else if (s->lru_head == c)
-        s->lru_head = c->lru_next;
-    if (c->lru_next)
-        c->lru_next->lru_prev = c->lru_prev;
-    else if (s->lru_tail == c)
-        s->lru_tail = c->lru_prev;
-    c->lru_prev = c->lru_next = NULL;
-}
-
 void kvr_store_touch(kvr_store *s, kvr_ctx *c)
 {
     c->accessed_ms = kvr_store_now_ms();
     if (c->pending)
         return;
-    lru_unlink(s, c);
-    c->lru_next = s->lru_head;
-    if (s->lru_head)
-        s->lru_head->lru_prev = c;
-    s->lru_head = c;
-    if (!s->lru_tail)
-        s->lru_tail = c;
+    kvr_list_remove(&c->lru);   /* a node on no list points at itself: a no-op */
+    kvr_list_insert_head(&s->lru, &c->lru);
 }
 
 int kvr_store_ctx_limit(const kvr_store *s, const char *id, kvr_error *err)
@@ -292,7 +275,7 @@ void kvr_store_ctx_destroy(kvr_store *s, kvr_ctx *c)
     if (s->hooks && c->persist && !c->pending)
         s->hooks->ctx_gone(s, c);
     if (!c->pending) {
-        lru_unlink(s, c);
+        kvr_list_remove(&c->lru);
         c->model->n_contexts--;
     }
     kvr_ctx_free(&s->pool, c);
@@ -349,12 +332,12 @@ static void count_refs(const kvr_ctx *c, uint32_t ep)
 static size_t freeable_bytes(kvr_store *s)
 {
     uint32_t ep = ++s->epoch;
-    for (kvr_ctx *c = s->lru_head; c; c = c->lru_next)
+    for (kvr_ctx *c = kvr_lru_first(s); c; c = kvr_lru_next(s, c))
         if (evictable(c))
             count_refs(c, ep);
     size_t total = 0;
     ep = ++s->epoch;
-    for (kvr_ctx *c = s->lru_head; c; c = c->lru_next) {
+    for (kvr_ctx *c = kvr_lru_first(s); c; c = kvr_lru_next(s, c)) {
         if (!evictable(c))
             continue;
         for (size_t i = 0; i < c->n_ext; i++) {
@@ -394,9 +377,9 @@ int kvr_store_reserve(kvr_store *s, size_t need, kvr_error *err)
         int sp = s->hooks ? s->hooks->evict(s, kvr_mem_allocated() + need - cap) : 0;
         if (sp == 1)
             continue;
-        kvr_ctx *v = s->lru_tail;
+        kvr_ctx *v = kvr_lru_last(s);
         while (v && (!evictable(v) || (s->tier && v->persist)))
-            v = v->lru_prev;
+            v = kvr_lru_prev(s, v);
         if (!v) {
             s->n_refused_nomem++;
             rc = kvr_error_set(err, KVR_ENOMEM,
@@ -463,9 +446,9 @@ int kvr_store_reserve_for(kvr_store *s, kvr_model *m, size_t need, const char *w
     s->pool.cache_max = 0;
     int rc = 0;
     while (tenant_bytes(s, m) + need > bound) {
-        kvr_ctx *v = s->lru_tail;
+        kvr_ctx *v = kvr_lru_last(s);
         while (v && (v->model != m || !evictable(v) || (s->tier && v->persist)))
-            v = v->lru_prev;
+            v = kvr_lru_prev(s, v);
         if (!v) {
             m->n_refused_bound++;
             rc = kvr_error_set(err, KVR_ENOMEM, "model '%s' holds %zu bytes of its %zu-byte "
@@ -814,7 +797,7 @@ int kvr_store_fault_in(kvr_store *s, kvr_block *const *bs, size_t n, kvr_error *
  * (best effort: on allocation failure a context stays stale). */
 static void index_fresh(kvr_store *s, kvr_model *m)
 {
-    for (kvr_ctx *c = s->lru_head; c && m->n_stale; c = c->lru_next) {
+    for (kvr_ctx *c = kvr_lru_first(s); c && m->n_stale; c = kvr_lru_next(s, c)) {
         if (c->model != m || !c->idx_stale)
             continue;
         if (kvr_ctx_index_extend(c, 1, c->n_tokens))
@@ -952,14 +935,14 @@ int kvr_store_list(kvr_store *s, const char *model, kvr_ctx_info **out, size_t *
     if (model && !(m = kvr_store_model(s, model)))
         return kvr_error_set(err, KVR_ENOMODEL, "no model '%s'", model);
     size_t k = 0;
-    for (kvr_ctx *c = s->lru_head; c; c = c->lru_next)
+    for (kvr_ctx *c = kvr_lru_first(s); c; c = kvr_lru_next(s, c))
         if (!m || c->model == m)
             k++;
     kvr_ctx_info *a = kvr_mem_malloc((k ? k : 1) * sizeof *a);
     if (!a)
         return kvr_error_set(err, KVR_ENOMEM, "out of memory listing %zu contexts", k);
     size_t i = 0;
-    for (kvr_ctx *c = s->lru_head; c; c = c->lru_next)
+    for (kvr_ctx *c = kvr_lru_first(s); c; c = kvr_lru_next(s, c))
         if (!m || c->model == m)
             ctx_fill_info(s, c, &a[i++]);
     qsort(a, k, sizeof *a, cmp_info);
@@ -1095,7 +1078,7 @@ void kvr_store_get_stats(const kvr_store *s, kvr_store_stats *out)
     out->n_blocks = s->pool.n_blocks;
     kvr_store *ms = (kvr_store *)(uintptr_t)s;    /* the scan's marks only */
     uint32_t ep = ++ms->epoch;
-    for (const kvr_ctx *c = s->lru_head; c; c = c->lru_next) {
+    for (const kvr_ctx *c = kvr_lru_first(s); c; c = kvr_lru_next(s, c)) {
         out->n_contexts++;
         out->n_tokens += c->n_tokens;
         for (size_t i = 0; i < c->n_ext; i++) {
@@ -1117,7 +1100,7 @@ void kvr_store_get_stats(const kvr_store *s, kvr_store_stats *out)
     out->n_leased_blocks = s->pool.n_leased;
     /* Codec figures: the same sums stat makes, over quantized contexts. */
     double bits = 0, values = 0;
-    for (const kvr_ctx *c = s->lru_head; c; c = c->lru_next) {
+    for (const kvr_ctx *c = kvr_lru_first(s); c; c = kvr_lru_next(s, c)) {
         if (!c->codec.quant || c->pending)
             continue;
         kvr_ctx_info ci;

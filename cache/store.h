@@ -62,7 +62,7 @@ struct kvr_store {
     size_t       n_models, cap_models;
     kvr_ctx    **buckets;
     size_t       n_buckets, n_ctx;   /* n_ctx includes pending */
-    kvr_ctx     *lru_head, *lru_tail;   /* head = most recent */
+    kvr_list     lru;                /* kvr_ctx.lru, most recent first */
     kvr_block_pool pool;
     uint64_t     n_evicted_blocks, n_evicted_bytes;
     uint64_t     n_puts, n_gets, n_matches, n_match_hits, n_refused_nomem;
@@ -73,6 +73,29 @@ struct kvr_store {
     const kvr_tier_hooks *hooks;     /* set with tier */
     bool         persist_all;        /* tier: every new context is persistent */
 };
+
+/* The LRU list, most recently used first: the first / last context, the one
+ * after (less recent) / before (more recent) c; NULL past the ends. */
+static inline kvr_ctx *kvr_lru_first(const kvr_store *s)
+{
+    kvr_list *n = kvr_list_first(&s->lru);
+    return n ? kvr_list_entry(n, kvr_ctx, lru) : NULL;
+}
+static inline kvr_ctx *kvr_lru_last(const kvr_store *s)
+{
+    kvr_list *n = kvr_list_last(&s->lru);
+    return n ? kvr_list_entry(n, kvr_ctx, lru) : NULL;
+}
+static inline kvr_ctx *kvr_lru_next(const kvr_store *s, const kvr_ctx *c)
+{
+    kvr_list *n = kvr_list_next(&s->lru, &c->lru);
+    return n ? kvr_list_entry(n, kvr_ctx, lru) : NULL;
+}
+static inline kvr_ctx *kvr_lru_prev(const kvr_store *s, const kvr_ctx *c)
+{
+    kvr_list *n = kvr_list_prev(&s->lru, &c->lru);
+    return n ? kvr_list_entry(n, kvr_ctx, lru) : NULL;
+}
 
 uint64_t   kvr_store_now_ms(void);
 uint64_t   kvr_fnv1a(const void *p, size_t n, uint64_t h);

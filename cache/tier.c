@@ -342,7 +342,7 @@ static size_t tier_freeable(kvr_store *s)
         return 0;
     uint32_t ep = ++s->epoch;
     size_t total = 0;
-    for (kvr_ctx *c = s->lru_head; c; c = c->lru_next) {
+    for (kvr_ctx *c = kvr_lru_first(s); c; c = kvr_lru_next(s, c)) {
         if (!evictable(c))
             continue;
         for (size_t i = 0; i < c->n_ext; i++) {
@@ -377,7 +377,7 @@ static int tier_evict(kvr_store *s, size_t want)
     kvr_disk_buf bufs[TIER_SPILL_BATCH_MAX];
     size_t n = 0, nio = 0, freed = 0, io_bytes = 0;
     uint32_t ep = ++s->epoch;
-    for (kvr_ctx *c = s->lru_tail; c && n < TIER_SPILL_BATCH_MAX; c = c->lru_prev) {
+    for (kvr_ctx *c = kvr_lru_last(s); c && n < TIER_SPILL_BATCH_MAX; c = kvr_lru_prev(s, c)) {
         if (!evictable(c))
             continue;
         for (size_t i = c->n_ext; i-- > 0 && n < TIER_SPILL_BATCH_MAX;) {
@@ -690,8 +690,9 @@ static void tier_destroy(kvr_store *s)
     if (!t)
         return;
     t->closing = true;
-    for (pjob *j = t->q_head, *nx; j; j = nx) {
-        nx = j->next;
+    for (kvr_list *n; (n = kvr_list_first(&t->queue));) {
+        kvr_list_remove(n);
+        pjob *j = kvr_list_entry(n, pjob, link);
         if (j->done) {
             kvr_error e;
             kvr_error_set(&e, KVR_EIO, "the store closed before the record was written");
@@ -699,7 +700,6 @@ static void tier_destroy(kvr_store *s)
         }
         kvr_tier_job_free(s, j);
     }
-    t->q_head = t->q_tail = NULL;
 }
 
 static void tier_close(kvr_store *s)
@@ -761,7 +761,7 @@ void kvr_store_tier_stats(const kvr_store *s, kvr_tier_stats *out)
     /* Resident vs spilled: one pass over the contexts' blocks. */
     uint32_t ep = ++((kvr_store *)(uintptr_t)s)->epoch;
     size_t spilled = 0, spilled_bytes = 0;
-    for (kvr_ctx *c = s->lru_head; c; c = c->lru_next) {
+    for (kvr_ctx *c = kvr_lru_first(s); c; c = kvr_lru_next(s, c)) {
         if (c->persist)
             out->persistent_contexts++;
         for (size_t i = 0; i < c->n_ext; i++) {

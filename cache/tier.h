@@ -141,6 +141,11 @@ static inline void r_head(rbuf *r, char *name, size_t cap)
 
 /* ---- jobs and batches ---------------------------------------------------------- */
 
+/* for (pjob *j = first job of list h; j; j = next): no removal inside. */
+#define tier_jobs_foreach(j, h) \
+    for (pjob *j = kvr_list_entry((h)->next, pjob, link); &j->link != (h); \
+         j = kvr_list_entry(j->link.next, pjob, link))
+
 typedef struct pspill {
     kvr_block      *b;           /* leased (ref + hold) until the batch ends */
     kvr_disk_buf    img;         /* its two parts */
@@ -149,7 +154,7 @@ typedef struct pspill {
 } pspill;
 
 typedef struct pjob {
-    struct pjob   *next;
+    kvr_list       link;         /* on the tier's queue, then its batch's jobs */
     uint32_t       type;
     char           name[KVR_ID_MAX + 1];
     wbuf           rec;
@@ -162,7 +167,7 @@ typedef struct pjob {
 
 struct kvr_persist_batch {
     kvr_store     *s;
-    pjob          *jobs;
+    kvr_list       jobs;         /* pjob.link, in queue order */
     size_t         n_jobs;
     int            rc;
     kvr_error      err;
@@ -182,7 +187,7 @@ typedef struct kvr_tier {
     table            tab;
     kvr_model      **logged;     /* models whose MODEL record is queued/durable */
     size_t           n_logged, cap_logged;
-    pjob            *q_head, *q_tail;
+    kvr_list         queue;      /* pjob.link: records waiting for a batch, oldest first */
     bool             in_flight;
     kvr_disk_handle *pending;    /* handles waiting for no record to point at them */
     size_t           n_pending, cap_pending;

@@ -369,15 +369,6 @@ void kvr_tier_job_free(kvr_store *s, pjob *j)
     kvr_mem_free(j);
 }
 
-static void enqueue(kvr_tier *t, pjob *j)
-{
-    if (t->q_tail)
-        t->q_tail->next = j;
-    else
-        t->q_head = j;
-    t->q_tail = j;
-}
-
 bool kvr_store_ctx_persistent(const kvr_store *s, const char *ctx_id)
 {
     kvr_ctx *c = kvr_store_ctx_find(s, ctx_id);
@@ -447,24 +438,24 @@ int kvr_store_persist(kvr_store *s, const char *ctx_id, kvr_persist_done_fn done
         t->deleted[di] = t->deleted[--t->n_deleted];
     }
     if (mj)
-        enqueue(t, mj);
-    enqueue(t, j);
+        kvr_list_insert_tail(&t->queue, &mj->link);
+    kvr_list_insert_tail(&t->queue, &j->link);
     return 1;
 }
 
 kvr_persist_batch *kvr_store_persist_take(kvr_store *s)
 {
     kvr_tier *t = s->tier;
-    if (!t || t->in_flight || !t->q_head)
+    if (!t || t->in_flight || kvr_list_empty(&t->queue))
         return NULL;
     kvr_persist_batch *b = kvr_mem_calloc(1, sizeof *b);
     if (!b)
         return NULL;
     b->s = s;
-    b->jobs = t->q_head;
-    for (pjob *j = b->jobs; j; j = j->next)
+    kvr_list_init(&b->jobs);
+    kvr_list_move_tail(&b->jobs, &t->queue);
+    tier_jobs_foreach(j, &b->jobs)
         b->n_jobs++;
-    t->q_head = t->q_tail = NULL;
     t->in_flight = true;
     return b;
 }
@@ -473,7 +464,7 @@ void kvr_persist_batch_work(kvr_persist_batch *b)
 {
     kvr_tier *t = b->s->tier;
     size_t total = 0;
-    for (pjob *j = b->jobs; j; j = j->next)
+    tier_jobs_foreach(j, &b->jobs)
         total += j->n_sp;
     b->u = kvr_mem_calloc(total ? total : 1, sizeof *b->u);
     b->hs = kvr_mem_calloc(total ? total : 1, sizeof *b->hs);
@@ -488,7 +479,7 @@ void kvr_persist_batch_work(kvr_persist_batch *b)
     }
     /* Unique blocks of the batch (a fork's blocks can be in two records). */
     size_t k = 0;
-    for (pjob *j = b->jobs; j; j = j->next)
+    tier_jobs_foreach(j, &b->jobs)
         for (size_t i = 0; i < j->n_sp; i++) {
             uint64_t key = (uint64_t)(uintptr_t)j->sp[i].b;
             hnode *n = kvr_tier_hmap_find(&seen, key);
@@ -512,7 +503,7 @@ void kvr_persist_batch_work(kvr_persist_batch *b)
     }
     k = 0;
     size_t r = 0;
-    for (pjob *j = b->jobs; j; j = j->next, r++) {
+    tier_jobs_foreach(j, &b->jobs) {
         for (size_t i = 0; i < j->n_sp; i++)
             kvr_disk_handle_encode(&b->hs[idx[k++]], j->rec.p + j->sp[i].off);
         recs[r] = (kvr_disk_rec_in){ j->type, j->rec.p, j->rec.len };
@@ -520,11 +511,12 @@ void kvr_persist_batch_work(kvr_persist_batch *b)
             r++;
             recs[r] = recs[r - 1];
         }
+        r++;
     }
     b->rc = kvr_disk_log_append(t->d, recs, r, NULL, &b->err);
     if (b->rc != 0)
         goto out;
-    for (pjob *j = b->jobs; j; j = j->next)
+    tier_jobs_foreach(j, &b->jobs)
         kvr_tier_tab_apply(&t->tab, j->type, j->rec.p, j->rec.len);
     if (kvr_disk_log_wants_checkpoint(t->d)) {
         kvr_error ce;
@@ -552,8 +544,9 @@ void kvr_persist_batch_end(kvr_persist_batch *b)
     }
     if (b->checkpointed)
         t->n_checkpoints++;
-    for (pjob *j = b->jobs, *nx; j; j = nx) {
-        nx = j->next;
+    for (kvr_list *n; (n = kvr_list_first(&b->jobs));) {
+        kvr_list_remove(n);
+        pjob *j = kvr_list_entry(n, pjob, link);
         if (b->rc == 0) {
             t->n_records++;
         } else if (j->model) {

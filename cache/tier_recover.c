@@ -497,6 +497,7 @@ int kvr_store_tier_open(kvr_store *s, const kvr_tier_config *cfg, kvr_tier_log_f
     kvr_tier *t = kvr_mem_calloc(1, sizeof *t);
     if (!t)
         return kvr_error_set(err, KVR_ENOMEM, "out of memory opening the disk tier");
+    kvr_list_init(&t->queue);
     t->cfg = *cfg;
     snprintf(t->dir, sizeof t->dir, "%s", cfg->dir);
     t->cfg.dir = t->dir;

@@ -1263,6 +1263,7 @@ void kvr__conn_start(kvr_daemon *d, kvr_conn *c, bool is_tcp)
     c->read_fd = -1;
     c->refs = 1;
     c->is_tcp = is_tcp;
+    kvr_list_init(&c->regions);
     c->authed = !is_tcp || d->token == NULL;
     if (!c->authed) {
         d->n_unauth++;

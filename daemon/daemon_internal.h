@@ -89,7 +89,7 @@ struct kvr_region {
     kvr_ref      refs;           /* taken on the loop thread */
     uint8_t     *base;           /* mapped read-write, size bytes */
     size_t       size;
-    kvr_region *next;           /* the connection's list */
+    kvr_list     link;           /* on the connection's regions, newest first */
 };
 /* One request in progress (dispatch.c; opaque elsewhere). */
 typedef struct kvr_request kvr_request;
@@ -241,7 +241,7 @@ struct kvr_conn {
     uint64_t    out_queued;
 
     /* Shared-memory regions (shm.c), Unix socket only. */
-    kvr_region *regions;
+    kvr_list    regions;        /* kvr_region.link, newest first */
     uint32_t    n_regions, region_seq;
     uint64_t    region_bytes;
 

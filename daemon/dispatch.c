@@ -188,30 +188,51 @@ void kvr__send_ok(kvr_request *r, Kvrope__Response *resp, const struct iovec *io
     kvr__request_end(r, 0);
 }
 
-/* The reply to a change of a persistent context: held until its record is
- * on disk (kvr__request_persisted), or sent now if the context is not. */
-static void reply_durable(kvr_request *r, Kvrope__Response *resp, const char *ctx_id)
+/* An OK reply packed and held (phase PERSIST, a reference on the
+ * connection) until a wait ends: true, or false after answering ENOMEM
+ * with oom_msg. */
+static bool reply_hold(kvr_request *r, Kvrope__Response *resp, const char *oom_msg)
 {
     resp->id = r->id;
     resp->status = KVROPE__STATUS__OK;
     size_t len;
     uint8_t *buf = kvr__pack_response(resp, 0, &len);
     if (!buf) {
-        kvr__reply_error(r, KVR_ENOMEM, "out of memory holding a reply");
-        return;
+        kvr__reply_error(r, KVR_ENOMEM, oom_msg);
+        return false;
     }
-    kvr_conn *c = r->c;
     r->held = buf;
     r->held_len = len;
     r->phase = RQ_PERSIST;
-    kvr__conn_ref(c);
+    kvr__conn_ref(r->c);
+    return true;
+}
+
+/* The wait did not start after all: the held reply back (the caller's), the
+ * phase RUN again, the connection's reference dropped (the handle's is still
+ * there). */
+static uint8_t *reply_unhold(kvr_request *r)
+{
+    uint8_t *buf = r->held;
+    r->phase = RQ_RUN;
+    r->held = NULL;
+    kvr__conn_unref(r->c);
+    return buf;
+}
+
+/* The reply to a change of a persistent context: held until its record is
+ * on disk (kvr__request_persisted), or sent now if the context is not. */
+static void reply_durable(kvr_request *r, Kvrope__Response *resp, const char *ctx_id)
+{
+    if (!reply_hold(r, resp, "out of memory holding a reply"))
+        return;
+    kvr_conn *c = r->c;
+    size_t len = r->held_len;
     kvr_error e = { 0 };
     int rc = kvr__persist_defer(r->d, ctx_id, r, &e);
     if (rc > 0)
         return;     /* r may be gone already */
-    r->phase = RQ_RUN;
-    r->held = NULL;
-    kvr__conn_unref(c);      /* the handle's reference is still there */
+    uint8_t *buf = reply_unhold(r);
     if (rc == 0) {
         r->bytes_out += len;
         kvr__conn_write(c, buf, len, NULL, 0, 0, NULL, NULL);
@@ -225,9 +246,12 @@ static void reply_durable(kvr_request *r, Kvrope__Response *resp, const char *ct
     kvr__reply_error(r, rc == KVR_ENOMEM ? rc : KVR_EIO, m);
 }
 
-void kvr__request_persisted(void *arg, int rc, const kvr_error *e)
+/* The end of a held reply's wait (phase PERSIST): the reply goes out when rc
+ * is 0, and r ends quietly when its connection is closing; false: rc is a
+ * failure on an open connection, the held reply is gone, and the caller
+ * answers with the error. */
+static bool held_reply_end(kvr_request *r, int rc)
 {
-    kvr_request *r = arg;
     kvr_conn *c = r->c;
     assert(r->phase == RQ_PERSIST && r->held);
     r->phase = RQ_RUN;
@@ -236,12 +260,23 @@ void kvr__request_persisted(void *arg, int rc, const kvr_error *e)
     if (c->closing) {
         kvr_mem_free(buf);
         kvr__request_end(r, rc ? rc : KVR_EIO);
-    } else if (rc == 0) {
+        return true;
+    }
+    if (rc == 0) {
         r->bytes_out += r->held_len;
         kvr__conn_write(c, buf, r->held_len, NULL, 0, 0, NULL, NULL);
         kvr__request_end(r, 0);
-    } else {
-        kvr_mem_free(buf);
+        return true;
+    }
+    kvr_mem_free(buf);
+    return false;
+}
+
+void kvr__request_persisted(void *arg, int rc, const kvr_error *e)
+{
+    kvr_request *r = arg;
+    kvr_conn *c = r->c;   /* r may end here: the connection's reference goes after */
+    if (!held_reply_end(r, rc)) {
         kvr_log(KVR_LOG_WARN, "persistence failed: %s", e && e->msg[0] ? e->msg : "");
         kvr__reply_err(r, rc, e);
     }
@@ -268,19 +303,7 @@ static void shared_done(void *arg, int rc, const char *msg)
 {
     kvr_request *r = arg;
     kvr_conn *c = r->c;
-    assert(r->phase == RQ_PERSIST && r->held);
-    r->phase = RQ_RUN;
-    uint8_t *buf = r->held;
-    r->held = NULL;
-    if (c->closing) {
-        kvr_mem_free(buf);
-        kvr__request_end(r, rc ? rc : KVR_EIO);
-    } else if (rc == 0) {
-        r->bytes_out += r->held_len;
-        kvr__conn_write(c, buf, r->held_len, NULL, 0, 0, NULL, NULL);
-        kvr__request_end(r, 0);
-    } else {
-        kvr_mem_free(buf);
+    if (!held_reply_end(r, rc)) {
         kvr__reply_errf(r, rc == KVR_ENOMEM ? rc : KVR_EIO, "stored locally, not shared: %s",
                    msg ? msg : kvr_strerror(rc));
     }
@@ -289,25 +312,12 @@ static void shared_done(void *arg, int rc, const char *msg)
 
 void kvr__reply_shared(kvr_request *r, Kvrope__Response *resp, const char *ctx_id)
 {
-    resp->id = r->id;
-    resp->status = KVROPE__STATUS__OK;
-    size_t len;
-    uint8_t *buf = kvr__pack_response(resp, 0, &len);
-    if (!buf) {
-        kvr__reply_error(r, KVR_ENOMEM, "stored locally, not shared: out of memory");
+    if (!reply_hold(r, resp, "stored locally, not shared: out of memory"))
         return;
-    }
-    r->held = buf;
-    r->held_len = len;
-    r->phase = RQ_PERSIST;
-    kvr__conn_ref(r->c);
     kvr_error e = { 0 };
     if (kvr__remote_publish(r->d->remote, ctx_id, shared_done, r, &e) == 0)
         return;     /* shared_done answers */
-    r->phase = RQ_RUN;
-    r->held = NULL;
-    kvr_mem_free(buf);
-    kvr__conn_unref(r->c);
+    kvr_mem_free(reply_unhold(r));
     kvr__reply_errf(r, e.code ? e.code : KVR_EIO, "stored locally, not shared: %s", e.msg);
 }
 

@@ -156,6 +156,10 @@ void kvr__reply_simple(kvr_request *r, int rc, const kvr_error *e, const char *c
 
 /* ---- t_*.c: the verbs (start handlers: do_<name>) ------------------------- */
 void kvr__do_assemble(kvr_request *r);
+/* An assembly begun (r->as, r->meta): its payload must fit the region slice
+ * if any ("shm: the <what> payload is ..."), its staging is reserved, then
+ * it runs (t_kv.c; cover's placed K/V too). */
+void kvr__assemble_run(kvr_request *r, const char *what);
 void kvr__do_auth(kvr_request *r);
 void kvr__do_delete(kvr_request *r);
 void kvr__do_edit(kvr_request *r);
@@ -194,5 +198,12 @@ void kvr__do_cover(kvr_request *r);
 void kvr__finish_cover(kvr_request *r);
 /* t_kv.c: ends the assemble a reply's payload came from (send_ok's callback). */
 void kvr__end_assemble_cb(void *arg, int status);
+/* t_kv.c: an OK reply whose payload (payload bytes) is in the client's
+ * region already (r->shm): resp names the slice. */
+void kvr__send_shm_ok(kvr_request *r, Kvrope__Response *resp, size_t payload);
+/* t_kv.c: an assembly's OK reply (t NULL: no payload): its payload named in
+ * the client's region, or sent from t's memory; t ends either way. */
+void kvr__send_assembled(kvr_request *r, Kvrope__Response *resp, kvr_assemble *t,
+                         size_t payload);
 
 #endif /* KVR_DAEMON_DISPATCH_H */

@@ -56,18 +56,24 @@ struct kvr_rjob {
 
 /* ---- fetch jobs ---------------------------------------------------------- */
 
-kvr_rjob *kvr__remote_job_get(kvr_remote *r, const char *ctx_id)
+/* A new job of r's, its clock started (NULL: out of memory). */
+static kvr_rjob *job_new(kvr_remote *r)
 {
-    if (!r)
-        return NULL;
     kvr_rjob *j = kvr_mem_calloc(1, sizeof *j);
-    if (j)
-        j->t0_ns = kvr_clock_mono_ns();
     if (!j)
         return NULL;
+    j->t0_ns = kvr_clock_mono_ns();
     j->r = r;
-    j->by_id = true;
     j->deadline_ms = kvr_clock_mono_ms() + FETCH_MS;
+    return j;
+}
+
+kvr_rjob *kvr__remote_job_get(kvr_remote *r, const char *ctx_id)
+{
+    kvr_rjob *j = r ? job_new(r) : NULL;
+    if (!j)
+        return NULL;
+    j->by_id = true;
     snprintf(j->ctx_id, sizeof j->ctx_id, "%s", ctx_id);
     return j;
 }
@@ -80,13 +86,9 @@ kvr_rjob *kvr__remote_job_prefix(kvr_remote *r, const char *model, const uint32_
     kvr_model_info mi;
     if (kvr_store_model_find(r->d->store, model, &mi) < 0)
         return NULL;
-    kvr_rjob *j = kvr_mem_calloc(1, sizeof *j);
-    if (j)
-        j->t0_ns = kvr_clock_mono_ns();
+    kvr_rjob *j = job_new(r);
     if (!j)
         return NULL;
-    j->r = r;
-    j->deadline_ms = kvr_clock_mono_ms() + FETCH_MS;
     snprintf(j->model, sizeof j->model, "%s", mi.name);
     /* Contexts of the model's own dtype are the ones we look for. */
     j->desc = (kvr_rt_desc){ mi.fingerprint, mi.n_layers, mi.n_kv_heads, mi.head_dim,
@@ -127,6 +129,29 @@ static void miss(kvr_rjob *j, bool corrupt, const char *why)
         kvr_log(KVR_LOG_WARN, "remote tier: %s (treated as a miss)", why);
     else
         kvr_log(KVR_LOG_DEBUG, "remote tier: miss: %s", why);
+}
+
+/* Where only a value's length is known: small begins with the magic and
+ * the version, so the check reports the value as the one-shot check would. */
+static const uint8_t *short_head(uint8_t *small, const char *magic)
+{
+    memcpy(small, magic, 4);
+    put32(small + 4, RT_VERSION);
+    return small;
+}
+
+/* The end of a value's check: rc < 0 (why in e) is a corrupt value, a miss
+ * naming its key; else it is good. */
+static bool value_checked(kvr_rjob *j, const char *key, int rc, const kvr_error *e, bool *good)
+{
+    if (rc < 0) {
+        char why[400];
+        snprintf(why, sizeof why, "%s: %s", key, e->msg);
+        miss(j, true, why);
+        return false;
+    }
+    *good = true;
+    return true;
 }
 
 static void forged(kvr_rjob *j, const char *rkey)
@@ -369,21 +394,11 @@ static bool blk_end(void *ud, size_t b, bool is_string)
     bool crc_ok = st->sized && st->crc == get32(st->tail);
     uint8_t small[BLOCK_HDR];
     const uint8_t *hv = st->hdr;
-    if (!st->sized) {
-        /* Only the length is known: report it as the one-shot check would. */
-        memcpy(small, BLOCK_MAGIC, 4);
-        put32(small + 4, RT_VERSION);
-        hv = small;
-    }
-    if (kvr__rt_block_check(hv, st->got_len, crc_ok, &f->j->desc, f->chains[b], s, f->tokens + s,
-                    f->pos + s, n, &e) < 0) {
-        char why[400];
-        snprintf(why, sizeof why, "%s: %s", f->keys[b], e.msg);
-        miss(f->j, true, why);
-        return false;
-    }
-    f->good[b] = true;
-    return true;
+    if (!st->sized)
+        hv = short_head(small, BLOCK_MAGIC);
+    int rc = kvr__rt_block_check(hv, st->got_len, crc_ok, &f->j->desc, f->chains[b], s,
+                                 f->tokens + s, f->pos + s, n, &e);
+    return value_checked(f->j, f->keys[b], rc, &e, &f->good[b]);
 }
 
 static const kvr_rc_sink blk_sink = { blk_begin, blk_span, blk_got, blk_end };
@@ -543,19 +558,10 @@ static bool q_end(void *ud, size_t i, bool is_string)
     bool crc_ok = q->sized[i] && q->crc[i] == get32(q->tail[i]);
     uint8_t small[CHUNK_HDR] = { 0 };
     const uint8_t *hv = q->hdr + i * q->hmax;
-    if (!q->sized[i]) {
-        memcpy(small, CHUNK_MAGIC, 4);
-        put32(small + 4, RT_VERSION);
-        hv = small;
-    }
-    if (kvr__rt_chunk_check(hv, q->got_len[i], crc_ok, &q->j->m, i, q->j->m.chains[i], &e) < 0) {
-        char why[400];
-        snprintf(why, sizeof why, "%s: %s", q->keys[i], e.msg);
-        miss(q->j, true, why);
-        return false;
-    }
-    q->good[i] = true;
-    return true;
+    if (!q->sized[i])
+        hv = short_head(small, CHUNK_MAGIC);
+    int rc = kvr__rt_chunk_check(hv, q->got_len[i], crc_ok, &q->j->m, i, q->j->m.chains[i], &e);
+    return value_checked(q->j, q->keys[i], rc, &e, &q->good[i]);
 }
 
 static const kvr_rc_sink q_sink = { q_begin, q_span, q_got, q_end };

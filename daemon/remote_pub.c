@@ -394,10 +394,7 @@ static void job_finish(kvr_remote *r, pub_job *j)
 static void take_all(kvr_remote *r, kvr_list *from, kvr_list *to)
 {
     pthread_mutex_lock(&r->mu);
-    for (kvr_list *n; (n = kvr_list_first(from));) {
-        kvr_list_remove(n);
-        kvr_list_insert_tail(to, n);
-    }
+    kvr_list_move_tail(to, from);
     pthread_mutex_unlock(&r->mu);
 }
 

@@ -173,10 +173,48 @@ int kvr__rt_key_read(const char *path, uint8_t key[KVR_RT_KEY_BYTES], kvr_error 
 
 
 
-static void dst_write(const rt_dst *d, size_t off, const uint8_t *src, size_t len)
+/* The checks of a block or chunk value (`kind`) up to its model's
+ * fingerprint, in this order: magic (and at least hdr + 4 bytes), version,
+ * length (want), checksum (crc_ok), fingerprint. */
+static int check_head(const uint8_t *v, size_t len, size_t hdr, size_t want, bool crc_ok,
+                      const char *magic, const kvr_rt_desc *d, const char *kind, kvr_error *err)
+{
+    if (len < hdr + 4 || memcmp(v, magic, 4) != 0)
+        return kvr_error_set(err, KVR_EIO, "%s value: not a kvrope %s (%zu bytes)", kind, kind,
+                             len);
+    if (get32(v + 4) != RT_VERSION)
+        return kvr_error_set(err, KVR_EIO, "%s value: version %u", kind, get32(v + 4));
+    if (len != want)
+        return kvr_error_set(err, KVR_EIO, "%s value: %zu bytes, expected %zu", kind, len, want);
+    if (!crc_ok)
+        return kvr_error_set(err, KVR_EIO, "%s value: checksum mismatch", kind);
+    if (get64(v + 8) != d->fingerprint)
+        return kvr_error_set(err, KVR_EFINGERPRINT, "%s value: fingerprint %016" PRIx64
+                             ", expected %016" PRIx64, kind, get64(v + 8), d->fingerprint);
+    return 0;
+}
+
+/* The head every value starts with: magic, version, then the model's shape
+ * (fingerprint, n_layers, n_kv_heads, head_dim), bytes [0, 28). */
+static void put_head(uint8_t *v, const char *magic, uint32_t version, const kvr_rt_desc *d)
+{
+    memcpy(v, magic, 4);
+    put32(v + 4, version);
+    put64(v + 8, d->fingerprint);
+    put32(v + 16, d->n_layers);
+    put32(v + 20, d->n_kv_heads);
+    put32(v + 24, d->head_dim);
+}
+
+/* Copies len bytes between d's payload at offset off and mem: into d
+ * (to_d), or out of it. */
+static void rt_copy(const rt_dst *d, size_t off, uint8_t *mem, size_t len, bool to_d)
 {
     if (d->flat) {
-        memcpy(d->flat + off, src, len);
+        if (to_d)
+            memcpy(d->flat + off, mem, len);
+        else
+            memcpy(mem, d->flat + off, len);
         return;
     }
     size_t lo = 0, hi = d->niov;
@@ -191,37 +229,25 @@ static void dst_write(const rt_dst *d, size_t off, const uint8_t *src, size_t le
         size_t in = off - d->starts[i], take = d->iov[i].iov_len - in;
         if (take > len)
             take = len;
-        memcpy((uint8_t *)d->iov[i].iov_base + in, src, take);
-        src += take;
+        uint8_t *p = (uint8_t *)d->iov[i].iov_base + in;
+        if (to_d)
+            memcpy(p, mem, take);
+        else
+            memcpy(mem, p, take);
+        mem += take;
         off += take;
         len -= take;
     }
 }
 
+static void dst_write(const rt_dst *d, size_t off, const uint8_t *src, size_t len)
+{
+    rt_copy(d, off, (uint8_t *)(uintptr_t)src, len, true);
+}
 
 static void src_read(const rt_src *d, size_t off, uint8_t *out, size_t len)
 {
-    if (d->flat) {
-        memcpy(out, d->flat + off, len);
-        return;
-    }
-    size_t lo = 0, hi = d->niov;
-    while (hi - lo > 1) {
-        size_t mid = (lo + hi) / 2;
-        if (d->starts[mid] <= off)
-            lo = mid;
-        else
-            hi = mid;
-    }
-    for (size_t i = lo; len && i < d->niov; i++) {
-        size_t in = off - d->starts[i], take = d->iov[i].iov_len - in;
-        if (take > len)
-            take = len;
-        memcpy(out, (const uint8_t *)d->iov[i].iov_base + in, take);
-        out += take;
-        off += take;
-        len -= take;
-    }
+    rt_copy(d, off, out, len, false);
 }
 
 uint8_t *kvr__rt_block_encode(const kvr_rt_desc *d, uint64_t chain, uint64_t start,
@@ -241,12 +267,7 @@ uint8_t *kvr__rt_encode_from(const kvr_rt_desc *d, uint64_t chain, uint64_t star
     uint8_t *v = kvr_mem_malloc(total);
     if (!v)
         return NULL;
-    memcpy(v, BLOCK_MAGIC, 4);
-    put32(v + 4, RT_VERSION);
-    put64(v + 8, d->fingerprint);
-    put32(v + 16, d->n_layers);
-    put32(v + 20, d->n_kv_heads);
-    put32(v + 24, d->head_dim);
+    put_head(v, BLOCK_MAGIC, RT_VERSION, d);
     put32(v + 28, (uint32_t)d->dtype);
     put32(v + 32, KVR_RT_BLOCK);
     put32(v + 36, (uint32_t)n);
@@ -286,18 +307,10 @@ static int block_check_n(const uint8_t *v, size_t len, bool crc_ok, const kvr_rt
                          const int64_t *pos, size_t n, size_t n_cmp, kvr_error *err)
 {
     size_t kv = kv_bytes(d, n);
-    if (len < BLOCK_HDR + 4 || memcmp(v, BLOCK_MAGIC, 4) != 0)
-        return kvr_error_set(err, KVR_EIO, "block value: not a kvrope block (%zu bytes)", len);
-    if (get32(v + 4) != RT_VERSION)
-        return kvr_error_set(err, KVR_EIO, "block value: version %u", get32(v + 4));
-    if (len != BLOCK_HDR + n * 12 + kv + 4)
-        return kvr_error_set(err, KVR_EIO, "block value: %zu bytes, expected %zu", len,
-                             BLOCK_HDR + n * 12 + kv + 4);
-    if (!crc_ok)
-        return kvr_error_set(err, KVR_EIO, "block value: checksum mismatch");
-    if (get64(v + 8) != d->fingerprint)
-        return kvr_error_set(err, KVR_EFINGERPRINT, "block value: fingerprint %016" PRIx64
-                             ", expected %016" PRIx64, get64(v + 8), d->fingerprint);
+    int rc = check_head(v, len, BLOCK_HDR, BLOCK_HDR + n * 12 + kv + 4, crc_ok, BLOCK_MAGIC, d,
+                        "block", err);
+    if (rc < 0)
+        return rc;
     if (get32(v + 16) != d->n_layers || get32(v + 20) != d->n_kv_heads ||
         get32(v + 24) != d->head_dim || get32(v + 28) != (uint32_t)d->dtype ||
         get32(v + 32) != KVR_RT_BLOCK || get32(v + 36) != n)
@@ -416,17 +429,21 @@ static uint64_t manifest_seed(const kvr_rt_manifest *m)
     return fin(h);
 }
 
+/* The chain after block b of m, from h, the one before it. */
+static uint64_t manifest_chain_next(const kvr_rt_manifest *m, size_t b, uint64_t h)
+{
+    size_t s, n;
+    bool ch;
+    kvr__rt_manifest_block(m, b, &s, &n, &ch);
+    return kvr__rt_chain_next(h, m->tokens + s, m->positions + s, n);
+}
+
 void kvr__rt_manifest_chains(const kvr_rt_manifest *m, uint64_t *out)
 {
     uint64_t h = manifest_seed(m);
     size_t nb = kvr__rt_manifest_blocks(m);
-    for (size_t b = 0; b < nb; b++) {
-        size_t s, n;
-        bool ch;
-        kvr__rt_manifest_block(m, b, &s, &n, &ch);
-        h = kvr__rt_chain_next(h, m->tokens + s, m->positions + s, n);
-        out[b] = h;
-    }
+    for (size_t b = 0; b < nb; b++)
+        out[b] = h = manifest_chain_next(m, b, h);
 }
 
 /* ---- encoded chunks of a quantized context ------------------------------ */
@@ -443,12 +460,7 @@ uint8_t *kvr__rt_chunk_encode(const kvr_rt_manifest *m, size_t b, uint64_t chain
     uint8_t *v = kvr_mem_calloc(1, total);
     if (!v)
         return NULL;
-    memcpy(v, CHUNK_MAGIC, 4);
-    put32(v + 4, RT_VERSION);
-    put64(v + 8, m->desc.fingerprint);
-    put32(v + 16, m->desc.n_layers);
-    put32(v + 20, m->desc.n_kv_heads);
-    put32(v + 24, m->desc.head_dim);
+    put_head(v, CHUNK_MAGIC, RT_VERSION, &m->desc);
     put32(v + 28, m->chunk);
     put32(v + 32, (uint32_t)n);
     put32(v + 36, m->ktile);
@@ -478,18 +490,10 @@ int kvr__rt_chunk_check(const uint8_t *v, size_t len, bool crc_ok, const kvr_rt_
     size_t s, n;
     bool ch;
     kvr__rt_manifest_block(m, b, &s, &n, &ch);
-    if (len < CHUNK_HDR + 4 || memcmp(v, CHUNK_MAGIC, 4) != 0)
-        return kvr_error_set(err, KVR_EIO, "chunk value: not a kvrope chunk (%zu bytes)", len);
-    if (get32(v + 4) != RT_VERSION)
-        return kvr_error_set(err, KVR_EIO, "chunk value: version %u", get32(v + 4));
-    if (len != chunk_len(m, n))
-        return kvr_error_set(err, KVR_EIO, "chunk value: %zu bytes, expected %zu", len,
-                             chunk_len(m, n));
-    if (!crc_ok)
-        return kvr_error_set(err, KVR_EIO, "chunk value: checksum mismatch");
-    if (get64(v + 8) != m->desc.fingerprint)
-        return kvr_error_set(err, KVR_EFINGERPRINT, "chunk value: fingerprint %016" PRIx64
-                             ", expected %016" PRIx64, get64(v + 8), m->desc.fingerprint);
+    int rc = check_head(v, len, CHUNK_HDR, chunk_len(m, n), crc_ok, CHUNK_MAGIC, &m->desc,
+                        "chunk", err);
+    if (rc < 0)
+        return rc;
     if (get32(v + 16) != m->desc.n_layers || get32(v + 20) != m->desc.n_kv_heads ||
         get32(v + 24) != m->desc.head_dim || get32(v + 28) != m->chunk ||
         get32(v + 32) != n || get32(v + 36) != m->ktile)
@@ -548,12 +552,7 @@ uint8_t *kvr__rt_manifest_encode(const kvr_rt_manifest *m, size_t *len)
     uint8_t *v = kvr_mem_calloc(1, total);
     if (!v)
         return NULL;
-    memcpy(v, MANIFEST_MAGIC, 4);
-    put32(v + 4, MANIFEST_VERSION);
-    put64(v + 8, m->desc.fingerprint);
-    put32(v + 16, m->desc.n_layers);
-    put32(v + 20, m->desc.n_kv_heads);
-    put32(v + 24, m->desc.head_dim);
+    put_head(v, MANIFEST_MAGIC, MANIFEST_VERSION, &m->desc);
     put32(v + 28, (uint32_t)m->desc.dtype);
     put32(v + 32, KVR_RT_BLOCK);
     put64(v + 40, m->n_tokens);
@@ -749,10 +748,7 @@ int kvr__rt_manifest_decode(const uint8_t *v, size_t len, const char *want_id,
     /* The chains must be the ones these tokens and positions give. */
     uint64_t h = manifest_seed(m);
     for (size_t b = 0; b < nb; b++) {
-        size_t s, n;
-        bool ch;
-        kvr__rt_manifest_block(m, b, &s, &n, &ch);
-        h = kvr__rt_chain_next(h, m->tokens + s, m->positions + s, n);
+        h = manifest_chain_next(m, b, h);
         if (h != m->chains[b]) {
             kvr__rt_manifest_free(m);
             return kvr_error_set(err, KVR_EIO, "manifest: chain of block %zu is wrong", b);

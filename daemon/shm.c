@@ -215,8 +215,7 @@ int kvr__shm_register(kvr_conn *c, int fd, uint64_t size, kvr_region **out, kvr_
     g->id = ++c->region_seq;
     if (g->id == 0)
         g->id = ++c->region_seq;
-    g->next = c->regions;
-    c->regions = g;
+    kvr_list_insert_head(&c->regions, &g->link);
     c->n_regions++;
     d->n_regions_all++;
     c->region_bytes += size;
@@ -226,39 +225,38 @@ int kvr__shm_register(kvr_conn *c, int fd, uint64_t size, kvr_region **out, kvr_
 
 kvr_region *kvr__shm_find(kvr_conn *c, uint32_t id)
 {
-    for (kvr_region *g = c->regions; g; g = g->next)
+    kvr_list *n;
+    kvr_list_foreach(n, &c->regions) {
+        kvr_region *g = kvr_list_entry(n, kvr_region, link);
         if (g->id == id)
             return g;
+    }
     return NULL;
 }
 
 int kvr__shm_release(kvr_conn *c, uint32_t id, kvr_error *e)
 {
-    for (kvr_region **pp = &c->regions; *pp; pp = &(*pp)->next) {
-        kvr_region *g = *pp;
-        if (g->id != id)
-            continue;
-        *pp = g->next;
-        c->n_regions--;
-        c->d->n_regions_all--;
-        c->region_bytes -= g->size;
-        kvr__region_unref(g);
-        return 0;
-    }
-    return kvr_error_set(e, KVR_EINVAL, "release_region: no region %u on this connection", id);
+    kvr_region *g = kvr__shm_find(c, id);
+    if (!g)
+        return kvr_error_set(e, KVR_EINVAL, "release_region: no region %u on this connection",
+                             id);
+    kvr_list_remove(&g->link);
+    c->n_regions--;
+    c->d->n_regions_all--;
+    c->region_bytes -= g->size;
+    kvr__region_unref(g);
+    return 0;
 }
 
 void kvr__shm_conn_closed(kvr_conn *c)
 {
-    kvr_region *g = c->regions;
-    c->regions = NULL;
     c->d->n_regions_all -= c->n_regions;
     c->n_regions = 0;
     c->region_bytes = 0;
-    while (g) {
-        kvr_region *n = g->next;
-        kvr__region_unref(g);     /* a request using it keeps its own */
-        g = n;
+    for (kvr_list *n; (n = kvr_list_first(&c->regions));) {
+        kvr_list_remove(n);
+        /* A request using the region keeps its own reference. */
+        kvr__region_unref(kvr_list_entry(n, kvr_region, link));
     }
 }
 

@@ -161,20 +161,7 @@ void kvr__do_cover(kvr_request *r)
         return;
     }
     r->meta = kvr__cover_meta(r->cover);
-    size_t need = r->meta ? 0 : kvr_assemble_payload_size(r->as);
-    if (r->shm && need > r->shm_len) {
-        kvr__release_txn(r);
-        kvr__reply_errf(r, KVR_ERANGE, "shm: the placed payload is %zu bytes, the region slice "
-                        "holds %zu", need, r->shm_len);
-        return;
-    }
-    bool work = !r->meta && kvr_assemble_needs_work(r->as);
-    if (work && (rc = kvr_assemble_stage(r->as, &e)) < 0) {
-        kvr__release_txn(r);
-        kvr__reply_err(r, rc, &e);
-        return;
-    }
-    kvr__run(r, work);
+    kvr__assemble_run(r, "placed");
 }
 
 void kvr__finish_cover(kvr_request *r)
@@ -195,20 +182,6 @@ void kvr__finish_cover(kvr_request *r)
         return;
     }
     size_t payload = r->meta ? 0 : kvr_assemble_payload_size(t);
-    Kvrope__ShmSlice sl = KVROPE__SHM_SLICE__INIT;
-    const struct iovec *iov = NULL;
-    size_t niov = 0;
-    if (r->shm && t) {
-        sl.region = r->shm->id;
-        sl.offset = (uint64_t)(r->shm_p - r->shm->base);
-        sl.length = payload;
-        resp.shm = &sl;
-        kvr__send_ok(r, &resp, NULL, 0, 0, NULL, NULL);
-        kvr_assemble_end(t);
-    } else {
-        if (payload > 0)
-            kvr_assemble_payload_iov(t, &iov, &niov);
-        kvr__send_ok(r, &resp, iov, niov, payload, t ? kvr__end_assemble_cb : NULL, t);
-    }
+    kvr__send_assembled(r, &resp, t, payload);
     kvr__cover_free(cv);
 }

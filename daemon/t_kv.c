@@ -348,13 +348,8 @@ static void send_get(kvr_request *r, bool stream)
         resp.body_case = KVROPE__RESPONSE__BODY_MATCH;
         resp.match = &mr;
     }
-    Kvrope__ShmSlice sl = KVROPE__SHM_SLICE__INIT;
     if (r->shm) {   /* the payload is in the client's region already */
-        sl.region = r->shm->id;
-        sl.offset = (uint64_t)(r->shm_p - r->shm->base);
-        sl.length = payload;
-        resp.shm = &sl;
-        kvr__send_ok(r, &resp, NULL, 0, 0, NULL, NULL);
+        kvr__send_shm_ok(r, &resp, payload);
         kvr_get_end(t);
         return;
     }
@@ -413,16 +408,23 @@ void kvr__do_assemble(kvr_request *r)
         return;
     }
     r->meta = ap.meta_only;
-    size_t need = ap.meta_only ? 0 : kvr_assemble_payload_size(r->as);
+    kvr__assemble_run(r, "assembled");
+}
+
+void kvr__assemble_run(kvr_request *r, const char *what)
+{
+    size_t need = r->meta ? 0 : kvr_assemble_payload_size(r->as);
     if (r->shm && need > r->shm_len) {
         kvr__release_txn(r);
-        kvr__reply_errf(r, KVR_ERANGE, "shm: the assembled payload is %zu bytes, the region slice "
-                   "holds %zu", need, r->shm_len);
+        kvr__reply_errf(r, KVR_ERANGE, "shm: the %s payload is %zu bytes, the region slice "
+                        "holds %zu", what, need, r->shm_len);
         return;
     }
-    bool work = !ap.meta_only && kvr_assemble_needs_work(r->as);
+    bool work = !r->meta && kvr_assemble_needs_work(r->as);
     /* The staging the iovecs need, reserved now on the loop thread (an
      * assembly placed in a region needs none: a no-op then). */
+    kvr_error e = { 0 };
+    int rc;
     if (work && (rc = kvr_assemble_stage(r->as, &e)) < 0) {
         kvr__release_txn(r);
         kvr__reply_err(r, rc, &e);
@@ -453,22 +455,33 @@ void kvr__finish_assemble(kvr_request *r)
     Kvrope__Response resp = KVROPE__RESPONSE__INIT;
     resp.body_case = KVROPE__RESPONSE__BODY_ASSEMBLE;
     resp.assemble = &ar;
+    kvr__send_assembled(r, &resp, t, payload);
+    kvr__pb_assemble_result_free(&ar);
+}
+
+void kvr__send_shm_ok(kvr_request *r, Kvrope__Response *resp, size_t payload)
+{
     Kvrope__ShmSlice sl = KVROPE__SHM_SLICE__INIT;
-    if (r->shm) {
-        sl.region = r->shm->id;
-        sl.offset = (uint64_t)(r->shm_p - r->shm->base);
-        sl.length = payload;
-        resp.shm = &sl;
-        kvr__send_ok(r, &resp, NULL, 0, 0, NULL, NULL);
+    sl.region = r->shm->id;
+    sl.offset = (uint64_t)(r->shm_p - r->shm->base);
+    sl.length = payload;
+    resp->shm = &sl;
+    kvr__send_ok(r, resp, NULL, 0, 0, NULL, NULL);
+    resp->shm = NULL;
+}
+
+void kvr__send_assembled(kvr_request *r, Kvrope__Response *resp, kvr_assemble *t,
+                         size_t payload)
+{
+    if (r->shm && t) {
+        kvr__send_shm_ok(r, resp, payload);
         kvr_assemble_end(t);
-        kvr__pb_assemble_result_free(&ar);
         return;
     }
     const struct iovec *iov = NULL;
     size_t niov = 0;
     if (payload > 0)
         kvr_assemble_payload_iov(t, &iov, &niov);
-    kvr__send_ok(r, &resp, iov, niov, payload, kvr__end_assemble_cb, t);
-    kvr__pb_assemble_result_free(&ar);
+    kvr__send_ok(r, resp, iov, niov, payload, t ? kvr__end_assemble_cb : NULL, t);
 }
 

@@ -16,6 +16,7 @@ gives the same tables (up to llama.cpp's threading: its float sums may
 differ in the last bits between thread counts).
 """
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -362,52 +363,55 @@ def can_plot(log):
         return False
 
 
-def plot_pie(res, kinds, path, engine_name):
+@contextlib.contextmanager
+def _figure(path):
+    """One plot: yields its axes, then lays the figure out and saves it to path."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
-    xs = [0] + list(M.REFRESH_KS)
-    for k in kinds:
-        sub = [c for c in res if c["kind"] == k]
-        ys = []
-        for key in ["pie"] + [f"pie+{x}" for x in M.REFRESH_KS]:
-            s = pool(sub, key)
-            ys.append(s["kl"] / s["n"])
-        line, = ax.plot(xs, [max(y, 1e-6) for y in ys], marker="o", label=f"PIE, {k} ({len(sub)})")
-        s = pool(sub, "naive")
-        ax.axhline(s["kl"] / s["n"], color=line.get_color(), linestyle=":", linewidth=1)
-    ax.plot([], [], color="gray", linestyle=":", label="naive reuse (same colour)")
-    ax.set_yscale("log")
-    ax.set_xscale("symlog", linthresh=16)
-    ax.set_xticks(xs)
-    ax.set_xticklabels([str(x) for x in xs])
-    ax.set_xlabel("tokens refreshed after each edit point")
-    ax.set_ylabel("mean KL from full re-encode (nats/token, log;\nfull re-encode = 0)")
-    ax.set_title(f"PIE edits: divergence vs refresh ({engine_name})")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    try:
+        yield ax
+        fig.tight_layout()
+        fig.savefig(path, dpi=110)
+    finally:
+        plt.close(fig)
+
+
+def plot_pie(res, kinds, path, engine_name):
+    with _figure(path) as ax:
+        xs = [0] + list(M.REFRESH_KS)
+        for k in kinds:
+            sub = [c for c in res if c["kind"] == k]
+            ys = []
+            for key in ["pie"] + [f"pie+{x}" for x in M.REFRESH_KS]:
+                s = pool(sub, key)
+                ys.append(s["kl"] / s["n"])
+            line, = ax.plot(xs, [max(y, 1e-6) for y in ys], marker="o", label=f"PIE, {k} ({len(sub)})")
+            s = pool(sub, "naive")
+            ax.axhline(s["kl"] / s["n"], color=line.get_color(), linestyle=":", linewidth=1)
+        ax.plot([], [], color="gray", linestyle=":", label="naive reuse (same colour)")
+        ax.set_yscale("log")
+        ax.set_xscale("symlog", linthresh=16)
+        ax.set_xticks(xs)
+        ax.set_xticklabels([str(x) for x in xs])
+        ax.set_xlabel("tokens refreshed after each edit point")
+        ax.set_ylabel("mean KL from full re-encode (nats/token, log;\nfull re-encode = 0)")
+        ax.set_title(f"PIE edits: divergence vs refresh ({engine_name})")
+        ax.legend(fontsize=8)
 
 
 def plot_quant(pts, path, engine_name):
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(6.4, 4.2))
-    for i, (name, bpt, add) in enumerate(sorted(pts, key=lambda p: (p[1], p[2]))):
-        ax.scatter([bpt], [add])
-        ax.annotate(name, (bpt, add), textcoords="offset points", xytext=(6, 6 if i % 2 else -7),
-                    fontsize=7, va="center")
-    ax.set_yscale("symlog", linthresh=1e-3)
-    ax.set_xlabel("bytes per token at rest (K+V, all layers, scales included)")
-    ax.set_ylabel("added bits per byte vs f16 (symlog)")
-    ax.set_title(f"Quantization at rest: cost vs size ({engine_name})")
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    with _figure(path) as ax:
+        for i, (name, bpt, add) in enumerate(sorted(pts, key=lambda p: (p[1], p[2]))):
+            ax.scatter([bpt], [add])
+            ax.annotate(name, (bpt, add), textcoords="offset points", xytext=(6, 6 if i % 2 else -7),
+                        fontsize=7, va="center")
+        ax.set_yscale("symlog", linthresh=1e-3)
+        ax.set_xlabel("bytes per token at rest (K+V, all layers, scales included)")
+        ax.set_ylabel("added bits per byte vs f16 (symlog)")
+        ax.set_title(f"Quantization at rest: cost vs size ({engine_name})")
+        ax.grid(alpha=0.3)
 
 
 # ---- main ----------------------------------------------------------------------------

@@ -629,15 +629,24 @@ static int one_table(const kvr_rope *r, kvr_dtype dt, void *dst, const void *src
     return run(&j, n_tokens, opts);
 }
 
+/* kvr_rope_apply (sign +1) and kvr_rope_remove (-1): one position each. */
+static int one_pos(const kvr_rope *r, void *dst, kvr_dtype dst_type, const void *src,
+                   kvr_dtype src_type, size_t n_tokens, size_t n_heads, const int64_t *pos,
+                   const kvr_rope_opts *opts, int sign)
+{
+    int rc = check_args(r, dst, dst_type, src, src_type, n_tokens, n_heads, pos, pos);
+    if (rc <= 0) return rc;
+    int64_t seq_len = opts ? (sign > 0 ? opts->seq_len_to : opts->seq_len_from) : 0;
+    return one_table(r, dst_type, dst, src, src_type, n_tokens, n_heads, pos, seq_len, sign,
+                     opts);
+}
+
 int kvr_rope_apply(const kvr_rope *r, void *dst, kvr_dtype dst_type,
                    const void *src, kvr_dtype src_type,
                    size_t n_tokens, size_t n_heads, const int64_t *pos,
                    const kvr_rope_opts *opts)
 {
-    int rc = check_args(r, dst, dst_type, src, src_type, n_tokens, n_heads, pos, pos);
-    if (rc <= 0) return rc;
-    return one_table(r, dst_type, dst, src, src_type, n_tokens, n_heads, pos,
-                     opts ? opts->seq_len_to : 0, +1, opts);
+    return one_pos(r, dst, dst_type, src, src_type, n_tokens, n_heads, pos, opts, +1);
 }
 
 int kvr_rope_apply_src(const kvr_rope *r, void *dst, kvr_dtype dst_type,
@@ -678,10 +687,7 @@ int kvr_rope_remove(const kvr_rope *r, void *dst, kvr_dtype dst_type,
                     size_t n_tokens, size_t n_heads, const int64_t *pos,
                     const kvr_rope_opts *opts)
 {
-    int rc = check_args(r, dst, dst_type, src, src_type, n_tokens, n_heads, pos, pos);
-    if (rc <= 0) return rc;
-    return one_table(r, dst_type, dst, src, src_type, n_tokens, n_heads, pos,
-                     opts ? opts->seq_len_from : 0, -1, opts);
+    return one_pos(r, dst, dst_type, src, src_type, n_tokens, n_heads, pos, opts, -1);
 }
 
 int kvr_rope_reposition(const kvr_rope *r, void *dst, kvr_dtype dst_type,

@@ -51,6 +51,10 @@ int kvr__cli_write_kv(const cli_args *a, const kvr_kv *kv, const char *out);
 
 /* Maps a libkvrope code to an exit code, printing the error. */
 int kvr__cli_fail(const cli_args *a, kvr_client *c, int code, const char *what);
+/* Context ctx (*x) and its model (*m): 0, or the libkvrope code. */
+int kvr__cli_ctx_model(kvr_client *c, const char *ctx, kvr_context *x, kvr_model *m);
+/* With --json: prints {"error": {code, name, message}} on stdout. */
+void kvr__cli_error_json(const cli_args *a, int code, const char *msg);
 
 /* Progress bar on stderr (only when it is a terminal). */
 void kvr__cli_progress_begin(kvr_client *c, const char *label);
@@ -131,10 +135,16 @@ int  kvr__cli_npy_write(const char *path, const char *descr, const size_t *shape
 int kvr__cli_write_iov(const char *path, struct iovec *iov, size_t n, char *err, size_t errlen);
 
 bool kvr__cli_has_suffix(const char *s, const char *suffix);
+/* Whether s is one of the strings of the NULL-terminated v. */
+bool kvr__cli_in_list(const char *const *v, const char *s);
 
 /* Parses "1,2,3" (also spaces, brackets: a JSON array works) into a new
  * array (free). Returns count or -1. */
 long kvr__cli_parse_u32_list(const char *s, uint32_t **out);
+/* The --layers value ls (comma-separated layer indexes; NULL: not given,
+ * nothing set) into *layers (malloc'd: the caller frees) and *n: CLI_OK, or
+ * the usage error's exit code. */
+int  kvr__cli_opt_layers(const char *ls, uint32_t **layers, size_t *n);
 long kvr__cli_parse_i64_list(const char *s, int64_t **out);
 /* Tokens from a file: *.bin = little-endian u32, *.npy = a 1-D integer
  * array, else text as above. */
@@ -198,9 +208,13 @@ bool kvr__cli_cover_option_takes_value(const char *name);
 
 /* Shared by the command files (cli_cmd.c defines them). */
 void kvr__cli_print_json(struct cJSON *j);         /* prints and frees j */
+/* A KV result's JSON: its dtype, n_kv_heads, head_dim and layers; its
+ * tokens, positions, flags, payload_bytes and the file it went to (if any). */
+void kvr__cli_kv_shape_json(struct cJSON *j, const kvr_kv *kv);
+void kvr__cli_kv_rows_json(struct cJSON *j, const kvr_kv *kv, const char *file);
 int  kvr__cli_usage_err(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
 int  kvr__cli_io_err(const cli_args *a, const char *msg);
 int  kvr__cli_parse_u64(const char *v, uint64_t *out);   /* 0, or -1 if not a u64 */
-int  kvr__cli_parse_i64(const char *v, int64_t *out);    /* 0, or -1 if not an i64 (cli_layout.c) */
+int  kvr__cli_parse_i64(const char *v, int64_t *out);    /* 0, or -1 if not an i64 */
 
 #endif

@@ -56,20 +56,25 @@ int kvr__cli_io_err(const cli_args *a, const char *msg)
     return CLI_ERR;
 }
 
+void kvr__cli_error_json(const cli_args *a, int code, const char *msg)
+{
+    if (!a->json)
+        return;
+    cJSON *j = cJSON_CreateObject();
+    cJSON *e = cJSON_AddObjectToObject(j, "error");
+    cJSON_AddNumberToObject(e, "code", code);
+    cJSON_AddStringToObject(e, "name", kvr_error_name(code));
+    cJSON_AddStringToObject(e, "message", msg);
+    kvr__cli_print_json(j);
+}
+
 int kvr__cli_fail(const cli_args *a, kvr_client *c, int code, const char *what)
 {
     const char *msg = kvr_client_last_error(c);
     if (!msg || !*msg)
         msg = kvr_strerror(code);
     fprintf(stderr, "kvrope: %s: %s (%s)\n", what, msg, kvr_error_name(code));
-    if (a->json) {
-        cJSON *j = cJSON_CreateObject();
-        cJSON *e = cJSON_AddObjectToObject(j, "error");
-        cJSON_AddNumberToObject(e, "code", code);
-        cJSON_AddStringToObject(e, "name", kvr_error_name(code));
-        cJSON_AddStringToObject(e, "message", msg);
-        kvr__cli_print_json(j);
-    }
+    kvr__cli_error_json(a, code, msg);
     if (code == KVR_ENOCTX || code == KVR_ENOMODEL)
         return CLI_NOTFOUND;
     if (code == KVR_EINVAL && c == NULL)
@@ -145,15 +150,7 @@ static int opt_u64(const cli_args *a, const char *name, uint64_t *out, bool *pre
     const char *v = kvr__cli_opt(a, name);
     if (present)
         *present = v != NULL;
-    if (!v)
-        return 0;
-    char *end;
-    errno = 0;
-    unsigned long long x = strtoull(v, &end, 0);
-    if (errno || end == v || *end || v[0] == '-')
-        return -1;
-    *out = x;
-    return 0;
+    return v ? kvr__cli_parse_u64(v, out) : 0;
 }
 
 static int opt_i64(const cli_args *a, const char *name, int64_t *out, bool *present)
@@ -161,8 +158,11 @@ static int opt_i64(const cli_args *a, const char *name, int64_t *out, bool *pres
     const char *v = kvr__cli_opt(a, name);
     if (present)
         *present = v != NULL;
-    if (!v)
-        return 0;
+    return v ? kvr__cli_parse_i64(v, out) : 0;
+}
+
+int kvr__cli_parse_i64(const char *v, int64_t *out)
+{
     char *end;
     errno = 0;
     long long x = strtoll(v, &end, 0);
@@ -236,6 +236,37 @@ static cJSON *model_json(const kvr_model *m)
     return j;
 }
 
+void kvr__cli_kv_shape_json(cJSON *j, const kvr_kv *kv)
+{
+    cJSON_AddStringToObject(j, "dtype", kvr_dtype_name(kv->dtype));
+    cJSON_AddNumberToObject(j, "n_kv_heads", kv->n_kv_heads);
+    cJSON_AddNumberToObject(j, "head_dim", kv->head_dim);
+    cJSON *ls = cJSON_AddArrayToObject(j, "layers");
+    for (size_t i = 0; i < kv->n_layers; i++)
+        cJSON_AddItemToArray(ls, cJSON_CreateNumber(kv->layers[i]));
+}
+
+void kvr__cli_kv_rows_json(cJSON *j, const kvr_kv *kv, const char *file)
+{
+    cJSON *t = cJSON_AddArrayToObject(j, "tokens");
+    cJSON *p = cJSON_AddArrayToObject(j, "positions");
+    cJSON *f = cJSON_AddArrayToObject(j, "flags");
+    for (size_t i = 0; i < kv->n_tokens; i++) {
+        cJSON_AddItemToArray(t, cJSON_CreateNumber(kv->tokens[i]));
+        cJSON_AddItemToArray(p, cJSON_CreateNumber((double)kv->positions[i]));
+        cJSON_AddItemToArray(f, cJSON_CreateNumber(kv->flags[i]));
+    }
+    cJSON_AddNumberToObject(j, "payload_bytes", (double)kv->payload_len);
+    if (file)
+        cJSON_AddStringToObject(j, "file", file);
+}
+
+int kvr__cli_ctx_model(kvr_client *c, const char *ctx, kvr_context *x, kvr_model *m)
+{
+    int r = kvr_client_stat(c, ctx, x);
+    return r < 0 ? r : kvr_client_model_get(c, x->model, m);
+}
+
 static cJSON *ctx_json(const kvr_context *x)
 {
     cJSON *j = cJSON_CreateObject();
@@ -263,23 +294,8 @@ static cJSON *kv_json(const kvr_kv *kv, const char *file)
     cJSON_AddStringToObject(j, "model", kv->model);
     cJSON_AddNumberToObject(j, "start", (double)kv->start);
     cJSON_AddNumberToObject(j, "n_tokens", (double)kv->n_tokens);
-    cJSON_AddStringToObject(j, "dtype", kvr_dtype_name(kv->dtype));
-    cJSON_AddNumberToObject(j, "n_kv_heads", kv->n_kv_heads);
-    cJSON_AddNumberToObject(j, "head_dim", kv->head_dim);
-    cJSON *ls = cJSON_AddArrayToObject(j, "layers");
-    for (size_t i = 0; i < kv->n_layers; i++)
-        cJSON_AddItemToArray(ls, cJSON_CreateNumber(kv->layers[i]));
-    cJSON *t = cJSON_AddArrayToObject(j, "tokens");
-    cJSON *p = cJSON_AddArrayToObject(j, "positions");
-    cJSON *f = cJSON_AddArrayToObject(j, "flags");
-    for (size_t i = 0; i < kv->n_tokens; i++) {
-        cJSON_AddItemToArray(t, cJSON_CreateNumber(kv->tokens[i]));
-        cJSON_AddItemToArray(p, cJSON_CreateNumber((double)kv->positions[i]));
-        cJSON_AddItemToArray(f, cJSON_CreateNumber(kv->flags[i]));
-    }
-    cJSON_AddNumberToObject(j, "payload_bytes", (double)kv->payload_len);
-    if (file)
-        cJSON_AddStringToObject(j, "file", file);
+    kvr__cli_kv_shape_json(j, kv);
+    kvr__cli_kv_rows_json(j, kv, file);
     return j;
 }
 
@@ -882,10 +898,7 @@ static int cmd_get(kvr_client *c, const cli_args *a)
     if (!has_dt && !raw) {   /* default: the model's native dtype */
         kvr_context x;
         kvr_model m;
-        r = kvr_client_stat(c, g.ctx_id, &x);
-        if (r == 0)
-            r = kvr_client_model_get(c, x.model, &m);
-        if (r < 0)
+        if ((r = kvr__cli_ctx_model(c, g.ctx_id, &x, &m)) < 0)
             return kvr__cli_fail(a, c, r, "get");
         g.dtype = m.dtype;
     }
@@ -919,25 +932,19 @@ static int cmd_get(kvr_client *c, const cli_args *a)
         g.positions = pos;
         g.n_positions = n;
     }
-    if (ls) {
-        long n = kvr__cli_parse_u32_list(ls, &layers);
-        if (n < 0) {
-            free(pos);
-            return kvr__cli_usage_err("--layers: want comma-separated layer indexes");
-        }
-        g.layers = layers;
-        g.n_layers = (size_t)n;
+    int lr = kvr__cli_opt_layers(ls, &layers, &g.n_layers);
+    if (lr != CLI_OK) {
+        free(pos);
+        return lr;
     }
+    g.layers = layers;
     kvr_kv kv;
     if (kvr__cli_flag(a, "shm") && !meta) {
         /* The daemon writes the KV into a memfd region of ours: size it
          * from the context's length and the model's shape. */
         kvr_context x;
         kvr_model m;
-        r = kvr_client_stat(c, g.ctx_id, &x);
-        if (r == 0)
-            r = kvr_client_model_get(c, x.model, &m);
-        if (r < 0) {
+        if ((r = kvr__cli_ctx_model(c, g.ctx_id, &x, &m)) < 0) {
             free(pos);
             free(layers);
             return kvr__cli_fail(a, c, r, "get --shm");
@@ -1237,9 +1244,7 @@ static int kv_src_load(kvr_client *c, const cli_args *a, const char *ctx, const 
         return kvr__cli_io_err(a, err);
     kvr_context x;
     kvr_model m;
-    int r = kvr_client_stat(c, ctx, &x);
-    if (r == 0)
-        r = kvr_client_model_get(c, x.model, &m);
+    int r = kvr__cli_ctx_model(c, ctx, &x, &m);
     if (r < 0)
         return kvr__cli_fail(a, c, r, "edit");
     k->dtype = has_dt ? dt : m.dtype;
@@ -1407,10 +1412,7 @@ static const char *const commands[] = { "ping", "stats", "models", "ls", "list",
 
 bool kvr__cli_known_command(const char *cmd)
 {
-    for (int i = 0; commands[i]; i++)
-        if (!strcmp(commands[i], cmd))
-            return true;
-    return false;
+    return kvr__cli_in_list(commands, cmd);
 }
 
 bool kvr__cli_option_takes_value(const char *n)
@@ -1421,10 +1423,7 @@ bool kvr__cli_option_takes_value(const char *n)
                                      "fingerprint", "start", "end", "output", "theta",
                                      "rotary-dim", "timeout", "protect", "ops", "kv",
                                      "codec", NULL };
-    for (int i = 0; v[i]; i++)
-        if (!strcmp(v[i], n))
-            return true;
-    return false;
+    return kvr__cli_in_list(v, n);
 }
 
 int kvr__cli_run(kvr_client *c, const cli_args *a)

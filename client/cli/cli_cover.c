@@ -192,15 +192,11 @@ static int cmd_cover(kvr_client *c, const cli_args *a)
         return rc;
     g.tokens = tok;
     g.n_tokens = (size_t)n;
-    if (ls) {
-        long nl = kvr__cli_parse_u32_list(ls, &layers);
-        if (nl < 0) {
-            free(tok);
-            return kvr__cli_usage_err("--layers: want comma-separated layer indexes");
-        }
-        g.layers = layers;
-        g.n_layers = (size_t)nl;
+    if ((rc = kvr__cli_opt_layers(ls, &layers, &g.n_layers)) != CLI_OK) {
+        free(tok);
+        return rc;
     }
+    g.layers = layers;
     int r;
     if (get && !dv) {   /* default: the model's native dtype */
         kvr_model m;

@@ -18,6 +18,7 @@
  */
 #include "client/cli/cli.h"
 #include "client/cli/cli_parse.h"
+#include "base/iov.h"
 
 #include <cjson/cJSON.h>
 #include <errno.h>
@@ -29,6 +30,14 @@
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
+
+bool kvr__cli_in_list(const char *const *v, const char *s)
+{
+    for (size_t i = 0; v[i]; i++)
+        if (!strcmp(v[i], s))
+            return true;
+    return false;
+}
 
 bool kvr__cli_has_suffix(const char *s, const char *suffix)
 {
@@ -159,6 +168,17 @@ long kvr__cli_parse_u32_list(const char *s, uint32_t **out)
     long n = parse_list(s, &p, false);
     *out = p;
     return n;
+}
+
+int kvr__cli_opt_layers(const char *ls, uint32_t **layers, size_t *n)
+{
+    if (!ls)
+        return CLI_OK;
+    long k = kvr__cli_parse_u32_list(ls, layers);
+    if (k < 0)
+        return kvr__cli_usage_err("--layers: want comma-separated layer indexes");
+    *n = (size_t)k;
+    return CLI_OK;
 }
 
 long kvr__cli_parse_i64_list(const char *s, int64_t **out)
@@ -455,15 +475,7 @@ int kvr__cli_write_iov(const char *path, struct iovec *iov, size_t n, char *err,
             rc = -1;
             break;
         }
-        size_t left = (size_t)w;
-        while (i < n && left >= iov[i].iov_len) {
-            left -= iov[i].iov_len;
-            i++;
-        }
-        if (i < n) {
-            iov[i].iov_base = (uint8_t *)iov[i].iov_base + left;
-            iov[i].iov_len -= left;
-        }
+        kvr_iov_advance(iov, n, &i, (size_t)w);
     }
     if (fd != 1 && close(fd) < 0 && rc == 0) {
         snprintf(err, errlen, "%s: %s", path, strerror(errno));

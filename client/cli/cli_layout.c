@@ -82,17 +82,6 @@ const char kvr__cli_layout_help_file[] =
 
 /* ---- output helpers (as cli_cmd.c's) ------------------------------------ */
 
-int kvr__cli_parse_i64(const char *v, int64_t *out)
-{
-    char *end;
-    errno = 0;
-    long long x = strtoll(v, &end, 0);
-    if (errno || end == v || *end)
-        return -1;
-    *out = x;
-    return 0;
-}
-
 /* A positive finite number, or -1. */
 static int parse_pos_double(const char *v, double *out)
 {
@@ -111,20 +100,14 @@ static const char *const commands[] = { "assemble", "group", "retain", NULL };
 
 bool kvr__cli_layout_command(const char *cmd)
 {
-    for (int i = 0; commands[i]; i++)
-        if (!strcmp(commands[i], cmd))
-            return true;
-    return false;
+    return kvr__cli_in_list(commands, cmd);
 }
 
 bool kvr__cli_layout_option_takes_value(const char *name)
 {
     static const char *const v[] = { "layout", "starts", "temperature", "scale", "prefix-ctx",
                                      "group", "groups", "sinks", "window", NULL };
-    for (int i = 0; v[i]; i++)
-        if (!strcmp(v[i], name))
-            return true;
-    return false;
+    return kvr__cli_in_list(v, name);
 }
 
 bool kvr__cli_layout_option_is_flag(const char *name)
@@ -417,29 +400,14 @@ static cJSON *assemble_json(const cli_args *a, kvr_layout_kind lay,
     cJSON_AddStringToObject(j, "layout", layout_name(lay));
     cJSON_AddStringToObject(j, "model", kv->model);
     cJSON_AddNumberToObject(j, "n_tokens", (double)kv->n_tokens);
-    cJSON_AddStringToObject(j, "dtype", kvr_dtype_name(kv->dtype));
-    cJSON_AddNumberToObject(j, "n_kv_heads", kv->n_kv_heads);
-    cJSON_AddNumberToObject(j, "head_dim", kv->head_dim);
-    cJSON *ls = cJSON_AddArrayToObject(j, "layers");
-    for (size_t i = 0; i < kv->n_layers; i++)
-        cJSON_AddItemToArray(ls, cJSON_CreateNumber(kv->layers[i]));
+    kvr__cli_kv_shape_json(j, kv);
     cJSON_AddNumberToObject(j, "prefix_len", (double)r->prefix_len);
     cJSON_AddNumberToObject(j, "query_pos", (double)r->query_pos);
     cJSON_AddNumberToObject(j, "temperature", r->temperature);
     cJSON_AddNumberToObject(j, "scale", r->scale);
     cJSON_AddBoolToObject(j, "temperature_folded", r->temperature_folded);
     cJSON_AddItemToObject(j, "segments", segments_json(r));
-    cJSON *t = cJSON_AddArrayToObject(j, "tokens");
-    cJSON *p = cJSON_AddArrayToObject(j, "positions");
-    cJSON *f = cJSON_AddArrayToObject(j, "flags");
-    for (size_t i = 0; i < kv->n_tokens; i++) {
-        cJSON_AddItemToArray(t, cJSON_CreateNumber(kv->tokens[i]));
-        cJSON_AddItemToArray(p, cJSON_CreateNumber((double)kv->positions[i]));
-        cJSON_AddItemToArray(f, cJSON_CreateNumber(kv->flags[i]));
-    }
-    cJSON_AddNumberToObject(j, "payload_bytes", (double)kv->payload_len);
-    if (file)
-        cJSON_AddStringToObject(j, "file", file);
+    kvr__cli_kv_rows_json(j, kv, file);
     return j;
 }
 
@@ -579,23 +547,16 @@ static int cmd_assemble(kvr_client *c, const cli_args *a)
         }
         g.starts = starts;
     }
-    if (ls) {
-        long n = kvr__cli_parse_u32_list(ls, &layers);
-        if (n < 0) {
-            free(starts);
-            return kvr__cli_usage_err("--layers: want comma-separated layer indexes");
-        }
-        g.layers = layers;
-        g.n_layers = (size_t)n;
+    int r, rc = kvr__cli_opt_layers(ls, &layers, &g.n_layers);
+    if (rc != CLI_OK) {
+        free(starts);
+        return rc;
     }
-    int r, rc;
+    g.layers = layers;
     if (!dv) {   /* default: the model's native dtype */
         kvr_context x;
         kvr_model m;
-        r = kvr_client_stat(c, g.prefix, &x);
-        if (r == 0)
-            r = kvr_client_model_get(c, x.model, &m);
-        if (r < 0) {
+        if ((r = kvr__cli_ctx_model(c, g.prefix, &x, &m)) < 0) {
             rc = kvr__cli_fail(a, c, r, "assemble");
             goto out;
         }

@@ -49,31 +49,20 @@ bool kvr__cli_llama_command(const char *cmd) { return cmd && !strcmp(cmd, "llama
 bool kvr__cli_llama_option_takes_value(const char *n)
 {
     static const char *const v[] = { "gguf", "type-k", "type-v", "seq-id", NULL };
-    for (int i = 0; v[i]; i++)
-        if (!strcmp(v[i], n)) return true;
-    return false;
+    return kvr__cli_in_list(v, n);
 }
 
 bool kvr__cli_llama_option_is_flag(const char *n)
 {
     static const char *const v[] = { "append", "replace", "session", "v-trans", "no-v-trans",
                                      "no-attn-rot", NULL };
-    for (int i = 0; v[i]; i++)
-        if (!strcmp(v[i], n)) return true;
-    return false;
+    return kvr__cli_in_list(v, n);
 }
 
 static int fail(const cli_args *a, int code, const char *msg)
 {
     fprintf(stderr, "kvrope: llama: %s (%s)\n", msg, kvr_error_name(code));
-    if (a->json) {
-        cJSON *j = cJSON_CreateObject();
-        cJSON *e = cJSON_AddObjectToObject(j, "error");
-        cJSON_AddNumberToObject(e, "code", code);
-        cJSON_AddStringToObject(e, "name", kvr_error_name(code));
-        cJSON_AddStringToObject(e, "message", msg);
-        kvr__cli_print_json(j);
-    }
+    kvr__cli_error_json(a, code, msg);
     if (code == KVR_ENOCTX || code == KVR_ENOMODEL) return CLI_NOTFOUND;
     return CLI_ERR;
 }

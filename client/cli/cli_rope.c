@@ -134,6 +134,16 @@ int kvr_cli_rope_main(int argc, char **argv)
     const char *dtype_s = "f32", *out_dtype_s = NULL, *pos_dtype = "i32";
     const char *tokens_s = NULL, *heads_s = NULL;
     const char *layer_s = NULL, *seq_s = NULL, *from_seq_s = NULL;
+    /* Every option takes a value: its name, and where the value goes. */
+    static const char *const names[] = { "--config", "--style", "--tokens", "--heads",
+                                         "--dtype", "--out-dtype", "--in", "--pos",
+                                         "--pos-dtype", "--from-pos", "--out", "--layer",
+                                         "--seq-len", "--from-seq-len" };
+    const char **const slots[] = { &config, &style, &tokens_s, &heads_s, &dtype_s,
+                                   &out_dtype_s, &in, &pos, &pos_dtype, &from, &out,
+                                   &layer_s, &seq_s, &from_seq_s };
+    _Static_assert(sizeof names / sizeof *names == sizeof slots / sizeof *slots,
+                   "one slot per option");
     for (int i = 2; i < argc; i++) {
         const char *a = argv[i];
         const char **slot = NULL;
@@ -141,21 +151,10 @@ int kvr_cli_rope_main(int argc, char **argv)
             fputs(cli_rope_usage, stdout);
             return 0;
         }
-        if (!strcmp(a, "--config")) slot = &config;
-        else if (!strcmp(a, "--style")) slot = &style;
-        else if (!strcmp(a, "--tokens")) slot = &tokens_s;
-        else if (!strcmp(a, "--heads")) slot = &heads_s;
-        else if (!strcmp(a, "--dtype")) slot = &dtype_s;
-        else if (!strcmp(a, "--out-dtype")) slot = &out_dtype_s;
-        else if (!strcmp(a, "--in")) slot = &in;
-        else if (!strcmp(a, "--pos")) slot = &pos;
-        else if (!strcmp(a, "--pos-dtype")) slot = &pos_dtype;
-        else if (!strcmp(a, "--from-pos")) slot = &from;
-        else if (!strcmp(a, "--out")) slot = &out;
-        else if (!strcmp(a, "--layer")) slot = &layer_s;
-        else if (!strcmp(a, "--seq-len")) slot = &seq_s;
-        else if (!strcmp(a, "--from-seq-len")) slot = &from_seq_s;
-        else {
+        for (size_t k = 0; k < sizeof names / sizeof *names && !slot; k++)
+            if (!strcmp(a, names[k]))
+                slot = slots[k];
+        if (!slot) {
             fprintf(stderr, "kvrope rope: unknown option '%s'\n", a);
             return usage(NULL);
         }

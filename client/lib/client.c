@@ -35,6 +35,7 @@
 #include <sys/un.h>
 #include <unistd.h>
 
+#include "base/iov.h"
 #include "proto/frame.h"
 
 #define RBUF_SIZE        (64u * 1024u)
@@ -317,15 +318,7 @@ static int send_all(kvr_client *c, struct iovec *iov, size_t n, size_t head_byte
             return -errno;
         }
         sent += (uint64_t)w;
-        size_t left = (size_t)w;
-        while (i < n && left >= iov[i].iov_len) {
-            left -= iov[i].iov_len;
-            i++;
-        }
-        if (i < n) {
-            iov[i].iov_base = (uint8_t *)iov[i].iov_base + left;
-            iov[i].iov_len -= left;
-        }
+        kvr_iov_advance(iov, n, &i, (size_t)w);
         if (c->progress && payload_len > 0 && sent > head_bytes)
             c->progress(c->progress_ud, sent - head_bytes, payload_len);
     }
@@ -352,6 +345,8 @@ static int recv_some(kvr_client *c, void *dst, size_t cap, size_t *got)
         int w = wait_readable(c);
         if (w < 0)
             return w;
+        if (w > 0)
+            flags = 0;
     }
     for (;;) {
         ssize_t r = recv(c->fd, dst, cap, flags);
@@ -364,16 +359,12 @@ static int recv_some(kvr_client *c, void *dst, size_t cap, size_t *got)
         if (errno == EINTR)
             continue;
         if ((errno == EAGAIN || errno == EWOULDBLOCK) && flags) {
-            struct pollfd pf = { .fd = c->fd, .events = POLLIN };
-            int pr = poll(&pf, 1, c->timeout_ms > 0 ? c->timeout_ms : -1);
-            if (pr < 0 && errno == EINTR)
-                continue;
-            if (pr == 0)
-                return fatal(c, KVR_ESYS, "receive timed out");
-            /* Readable, an error or a hang-up: recv says which. */
-            flags = pr < 0 ? 0 : MSG_DONTWAIT;
-            if (pr < 0)
-                continue;
+            int w = wait_readable(c);
+            if (w < 0)
+                return w;
+            /* Readable, an error or a hang-up: recv says which (a blocking
+             * one when poll itself failed). */
+            flags = w > 0 ? 0 : MSG_DONTWAIT;
             continue;
         }
         if (errno == EAGAIN || errno == EWOULDBLOCK)
@@ -464,7 +455,8 @@ void kvr__place_next(kvr_client *c, void *dst, size_t cap)
 }
 
 /* Sleeps until the socket is readable (or has an error or hang-up, which
- * the next recv reports); 0, or the handle is closed on a timeout. */
+ * the next recv reports): 0, 1 when poll itself failed (a blocking recv
+ * then says why), or the handle is closed on a timeout. */
 static int wait_readable(kvr_client *c)
 {
     for (;;) {
@@ -474,7 +466,7 @@ static int wait_readable(kvr_client *c)
             continue;
         if (pr == 0)
             return fatal(c, KVR_ESYS, "receive timed out");
-        return 0;
+        return pr < 0;
     }
 }
 

@@ -67,6 +67,16 @@ static int check_id(kvr_client *c, const char *what, const char *id)
     return 0;
 }
 
+/* The part of a call before its message: its result (out_len bytes at out,
+ * if any) zeroed, the last error cleared, the id checked. */
+static int call_begin(kvr_client *c, void *out, size_t out_len, const char *what, const char *id)
+{
+    if (out)
+        memset(out, 0, out_len);
+    c->err[0] = 0;
+    return check_id(c, what, id);
+}
+
 /* Sends req (no payload) and reads the response: 0 with *out (the caller's,
  * kvrope__response__free_unpacked) of body `body`, else the error. */
 static int call_expect(kvr_client *c, Kvrope__Request *req, Kvrope__Response__BodyCase body,
@@ -78,6 +88,34 @@ static int call_expect(kvr_client *c, Kvrope__Request *req, Kvrope__Response__Bo
     if ((*out)->body_case != body)
         return bad_body(c, *out, what);
     return 0;
+}
+
+/* A response of the wrong body whose payload (pl bytes) is not taken: the
+ * payload drained, the response freed, the error KVR_EPROTO (or the drain's). */
+static int bad_kv_body(kvr_client *c, Kvrope__Response *resp, uint64_t pl, const char *what)
+{
+    int r = kvr__drain(c, pl);
+    if (r < 0) {
+        kvrope__response__free_unpacked(resp, NULL);
+        return r;
+    }
+    return bad_body(c, resp, what);
+}
+
+/* Sends req, whose answer may carry a K/V payload: placed straight at dst
+ * when dst is given and no shared-memory slice is set for it. 0 with *out
+ * (the caller's) of body `body` and *pl, the payload bytes the caller takes
+ * (take_kv) or drains; else the error. */
+static int call_kv(kvr_client *c, Kvrope__Request *req, void *dst, size_t dst_cap,
+                   Kvrope__Response__BodyCase body, const char *what, Kvrope__Response **out,
+                   uint64_t *pl)
+{
+    if (dst && !c->shm_next)   /* the payload may land there at once */
+        kvr__place_next(c, dst, dst_cap);
+    int r = kvr__call(c, req, NULL, 0, 0, out, pl);
+    if (r < 0)
+        return r;
+    return (*out)->body_case == body ? 0 : bad_kv_body(c, *out, *pl, what);
 }
 
 /* A verb that answers with a list (models, contexts, metrics): the body
@@ -690,9 +728,7 @@ const void *kvr_kv_raw_v(const kvr_kv *kv, size_t i)
 
 int kvr_client_get(kvr_client *c, const kvr_get_args *a, kvr_kv *out)
 {
-    memset(out, 0, sizeof *out);
-    c->err[0] = 0;
-    int r = check_id(c, "get", a->ctx_id);
+    int r = call_begin(c, out, sizeof *out, "get", a->ctx_id);
     if (r < 0)
         return r;
     Kvrope__Get g = KVROPE__GET__INIT;
@@ -715,15 +751,10 @@ int kvr_client_get(kvr_client *c, const kvr_get_args *a, kvr_kv *out)
     REQUEST(req, GET, get, &g);
     Kvrope__Response *resp;
     uint64_t pl;
-    if (a->dst && !a->meta_only && !c->shm_next)   /* the payload may land there at once */
-        kvr__place_next(c, a->dst, a->dst_cap);
-    r = kvr__call(c, &req, NULL, 0, 0, &resp, &pl);
+    r = call_kv(c, &req, a->meta_only ? NULL : a->dst, a->dst_cap, KVROPE__RESPONSE__BODY_KV,
+                "get", &resp, &pl);
     if (r < 0)
         return r;
-    if (resp->body_case != KVROPE__RESPONSE__BODY_KV) {
-        r = kvr__drain(c, pl);
-        return r < 0 ? r : bad_body(c, resp, "get");
-    }
     r = take_kv(c, resp->kv, pl, out, a->meta_only, a->dst, a->dst_cap, a->on_layer,
                 a->on_layer_ud);
     if (r == 0)
@@ -734,9 +765,7 @@ int kvr_client_get(kvr_client *c, const kvr_get_args *a, kvr_kv *out)
 
 int kvr_client_match(kvr_client *c, const kvr_match_args *a, kvr_match_res *out)
 {
-    memset(out, 0, sizeof *out);
-    c->err[0] = 0;
-    int r = check_id(c, "match model", a->model);
+    int r = call_begin(c, out, sizeof *out, "match model", a->model);
     if (r < 0)
         return r;
     Kvrope__Match m = KVROPE__MATCH__INIT;
@@ -757,15 +786,10 @@ int kvr_client_match(kvr_client *c, const kvr_match_args *a, kvr_match_res *out)
     REQUEST(req, MATCH, match, &m);
     Kvrope__Response *resp;
     uint64_t pl;
-    if (a->get && a->dst && !c->shm_next)
-        kvr__place_next(c, a->dst, a->dst_cap);
-    r = kvr__call(c, &req, NULL, 0, 0, &resp, &pl);
+    r = call_kv(c, &req, a->get ? a->dst : NULL, a->dst_cap, KVROPE__RESPONSE__BODY_MATCH,
+                "match", &resp, &pl);
     if (r < 0)
         return r;
-    if (resp->body_case != KVROPE__RESPONSE__BODY_MATCH) {
-        r = kvr__drain(c, pl);
-        return r < 0 ? r : bad_body(c, resp, "match");
-    }
     out->length = resp->match->length;
     copy_str(out->ctx_id, sizeof out->ctx_id, resp->match->context_id);
     if (resp->match->kv) {
@@ -1037,15 +1061,6 @@ static int edit_ops(kvr_client *c, const kvr_edit_args *a, Kvrope__EditOp **ops,
     return 0;
 }
 
-/* The part of every edit-family call before its message: zero out, check the
- * id. */
-static int edit_begin(kvr_client *c, const char *what, const char *ctx_id, kvr_edit_res *out)
-{
-    if (out)
-        memset(out, 0, sizeof *out);
-    c->err[0] = 0;
-    return check_id(c, what, ctx_id);
-}
 
 /* Edit and EditPlan carry the same target fields. */
 #define SET_EDIT_TARGET(msg, a, ptrs)                                           \
@@ -1067,7 +1082,7 @@ static int edit_begin(kvr_client *c, const char *what, const char *ctx_id, kvr_e
 static int edit_call(kvr_client *c, const kvr_edit_args *a, bool plan, kvr_edit_res *out)
 {
     const char *what = plan ? "edit plan" : "edit";
-    int r = edit_begin(c, what, a->ctx_id, out);
+    int r = call_begin(c, out, sizeof *out, what, a->ctx_id);
     if (r < 0)
         return r;
     wire_payload w = { .len = 0 };
@@ -1118,7 +1133,7 @@ int kvr_client_edit_plan(kvr_client *c, const kvr_edit_args *a, kvr_edit_res *ou
 
 int kvr_client_refresh(kvr_client *c, const kvr_refresh_args *a, kvr_edit_res *out)
 {
-    int r = edit_begin(c, "refresh", a->ctx_id, out);
+    int r = call_begin(c, out, sizeof *out, "refresh", a->ctx_id);
     if (r < 0)
         return r;
     wire_payload w;
@@ -1159,9 +1174,7 @@ void kvr_assemble_release(kvr_assemble_res *r)
 
 int kvr_client_assemble(kvr_client *c, const kvr_assemble_args *a, kvr_assemble_res *out)
 {
-    memset(out, 0, sizeof *out);
-    c->err[0] = 0;
-    int r = check_id(c, "assemble prefix", a->prefix);
+    int r = call_begin(c, out, sizeof *out, "assemble prefix", a->prefix);
     if (r < 0)
         return r;
     if (a->n_docs && !a->docs)
@@ -1200,13 +1213,11 @@ int kvr_client_assemble(kvr_client *c, const kvr_assemble_args *a, kvr_assemble_
     REQUEST(req, ASSEMBLE, assemble, &m);
     Kvrope__Response *resp;
     uint64_t pl;
-    r = kvr__call(c, &req, NULL, 0, 0, &resp, &pl);
+    r = call_kv(c, &req, NULL, 0, KVROPE__RESPONSE__BODY_ASSEMBLE, "assemble", &resp, &pl);
     if (r < 0)
         return r;
-    if (resp->body_case != KVROPE__RESPONSE__BODY_ASSEMBLE || !resp->assemble->kv) {
-        r = kvr__drain(c, pl);
-        return r < 0 ? r : bad_body(c, resp, "assemble");
-    }
+    if (!resp->assemble->kv)
+        return bad_kv_body(c, resp, pl, "assemble");
     const Kvrope__AssembleResult *ar = resp->assemble;
     size_t ns = ar->n_segments;
     out->segments = calloc(ns ? ns : 1, sizeof *out->segments);
@@ -1375,9 +1386,7 @@ static int cover_from_wire(kvr_client *c, const Kvrope__CoverResult *w, kvr_cove
 
 static int cover_call(kvr_client *c, const kvr_cover_args *a, bool get, kvr_cover_res *out)
 {
-    memset(out, 0, sizeof *out);
-    c->err[0] = 0;
-    int r = check_id(c, "cover model", a->model);
+    int r = call_begin(c, out, sizeof *out, "cover model", a->model);
     if (r < 0)
         return r;
     if (a->n_tokens && !a->tokens)
@@ -1401,15 +1410,12 @@ static int cover_call(kvr_client *c, const kvr_cover_args *a, bool get, kvr_cove
     REQUEST(req, COVER, cover, &m);
     Kvrope__Response *resp;
     uint64_t pl;
-    if (get && a->dst && !a->meta_only && !c->shm_next)
-        kvr__place_next(c, a->dst, a->dst_cap);
-    r = kvr__call(c, &req, NULL, 0, 0, &resp, &pl);
+    r = call_kv(c, &req, get && !a->meta_only ? a->dst : NULL, a->dst_cap,
+                KVROPE__RESPONSE__BODY_COVER, "cover", &resp, &pl);
     if (r < 0)
         return r;
-    if (resp->body_case != KVROPE__RESPONSE__BODY_COVER || (get && !resp->cover->kv)) {
-        r = kvr__drain(c, pl);
-        return r < 0 ? r : bad_body(c, resp, "cover");
-    }
+    if (get && !resp->cover->kv)
+        return bad_kv_body(c, resp, pl, "cover");
     r = cover_from_wire(c, resp->cover, out);
     if (r == 0 && get) {
         r = take_kv(c, resp->cover->kv, pl, &out->kv, a->meta_only, a->dst, a->dst_cap, NULL,

@@ -195,6 +195,8 @@ int kvr__wk_lm_decode_batch(kvr__wk_lm *lm, const kvr__wk_btok *t, size_t n, kvr
 /* The last token's logits after a LAST decode (n_vocab floats, borrowed). */
 const float *kvr__wk_lm_logits(kvr__wk_lm *lm);
 int32_t      kvr__wk_argmax(const float *x, size_t n);
+/* -log softmax(x)[target] over n logits, in double (max-shifted). */
+double       kvr__wk_nll(const float *x, size_t n, int32_t target);
 
 /* The KV cache (llama_memory_*). */
 void    kvr__wk_lm_clear(kvr__wk_lm *lm);

@@ -276,6 +276,22 @@ static void report_check(kvr__wk_env *e, const cmp *c, const int32_t *gen,
                     n_gen);
 }
 
+/* --check: the full re-encode of toks (its logits into *ref, its greedy
+ * continuation into ref_gen) against what the cached path gave (logits,
+ * gen, in t_path ms), reported as `path`. */
+static int check_reference(kvr__wk_env *e, const int32_t *toks, size_t n, float **ref,
+                           const float *logits, size_t nv, const int32_t *gen, int32_t *ref_gen,
+                           size_t n_gen, double t_path, const char *path)
+{
+    double t_full = 0;
+    int r = reference(e, toks, n, ref, ref_gen, n_gen, &t_full);
+    if (r < 0)
+        return r;
+    cmp c = compare(logits, *ref, nv);
+    report_check(e, &c, gen, ref_gen, n_gen, t_full, t_path, path);
+    return 0;
+}
+
 /* ---- complete ----------------------------------------------------------- */
 int kvr__wk_complete(kvr__wk_env *e, const int32_t *toks, size_t n, bool use_cache)
 {
@@ -538,15 +554,13 @@ int kvr__wk_edit(kvr__wk_env *e, const int32_t *a, size_t na, const int32_t *b, 
     kvr__wk_rep_line(R, "next: %s", text);
     if (o->check) {
         ref_gen = calloc(n_gen, sizeof *ref_gen);
-        double t_full = 0;
         if (!ref_gen) {
             r = kvr__wk_fail(e, KVR_ENOMEM, "out of memory");
             goto out;
         }
-        if ((r = reference(e, b, nb, &ref, ref_gen, n_gen, &t_full)) < 0)
+        if ((r = check_reference(e, b, nb, &ref, logits, nv, gen, ref_gen, n_gen, t_predict,
+                                 "edit")) < 0)
             goto out;
-        cmp c = compare(logits, ref, nv);
-        report_check(e, &c, gen, ref_gen, n_gen, t_full, t_predict, "edit");
     }
     r = 0;
 out:
@@ -787,11 +801,9 @@ int kvr__wk_rag(kvr__wk_env *e, const int32_t *P, size_t np, const int32_t *cons
             o += nd[i];
         }
         memcpy(full + o, Q, nq * sizeof *full);
-        double t_full = 0;
-        if ((r = reference(e, full, total, &ref, ref_gen, n_gen, &t_full)) < 0)
+        if ((r = check_reference(e, full, total, &ref, logits, nv, gen, ref_gen, n_gen,
+                                 t_query_path, "assemble + query")) < 0)
             goto out;
-        cmp c = compare(logits, ref, nv);
-        report_check(e, &c, gen, ref_gen, n_gen, t_full, t_query_path, "assemble + query");
     }
     r = 0;
 out:
@@ -822,15 +834,7 @@ static void ppl_rows(void *ud, size_t first, size_t n, const float *const *rows)
         size_t t = a->start + first + j;
         if (t + 1 >= a->end)
             continue;
-        const float *x = rows[j];
-        double mx = (double)x[0];
-        for (size_t i = 1; i < a->nv; i++)
-            if ((double)x[i] > mx)
-                mx = (double)x[i];
-        double s = 0;
-        for (size_t i = 0; i < a->nv; i++)
-            s += exp((double)x[i] - mx);
-        a->nll += mx + log(s) - (double)x[a->toks[t + 1]];
+        a->nll += kvr__wk_nll(rows[j], a->nv, a->toks[t + 1]);
         a->count++;
     }
 }

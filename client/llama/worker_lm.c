@@ -472,6 +472,18 @@ int32_t kvr__wk_argmax(const float *x, size_t n)
     return (int32_t)best;
 }
 
+double kvr__wk_nll(const float *x, size_t n, int32_t target)
+{
+    double mx = (double)x[0];
+    for (size_t i = 1; i < n; i++)
+        if ((double)x[i] > mx)
+            mx = (double)x[i];
+    double s = 0;
+    for (size_t i = 0; i < n; i++)
+        s += exp((double)x[i] - mx);
+    return mx + log(s) - (double)x[target];
+}
+
 void kvr__wk_lm_clear(kvr__wk_lm *lm) { llama_memory_clear(llama_get_memory(lm->ctx), true); }
 
 bool kvr__wk_lm_seq_rm(kvr__wk_lm *lm, int seq, int32_t p0, int32_t p1)

@@ -266,14 +266,7 @@ static void on_row(void *ud, size_t bi, const float *row)
     int32_t next = s->T[i + 1];
     if (s->f && fwrite(row, sizeof *row, s->nv, s->f) != s->nv)
         s->werr = errno ? errno : EIO;
-    double mx = (double)row[0];
-    for (size_t k = 1; k < s->nv; k++)
-        if ((double)row[k] > mx)
-            mx = (double)row[k];
-    double sum = 0;
-    for (size_t k = 0; k < s->nv; k++)
-        sum += exp((double)row[k] - mx);
-    s->nll += mx + log(sum) - (double)row[next];
+    s->nll += kvr__wk_nll(row, s->nv, next);
     s->top1 += kvr__wk_argmax(row, s->nv) == next;
     s->rows++;
 }

@@ -1687,21 +1687,8 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *c, const cha
             cn->too_big = true;     /* read and dropped, answered at the end */
             return MHD_YES;
         }
-        if (cn->len + n + 1 > cn->cap) {
-            size_t cap = cn->cap ? cn->cap : 4096;
-            while (cap < cn->len + n + 1)
-                cap *= 2;
-            char *b = realloc(cn->body, cap);
-            if (!b) {
-                cn->too_big = true;
-                return MHD_YES;
-            }
-            cn->body = b;
-            cn->cap = cap;
-        }
-        memcpy(cn->body + cn->len, upload, n);
-        cn->len += n;
-        cn->body[cn->len] = 0;
+        if (kvr__srv_buf_add(&cn->body, &cn->len, &cn->cap, 4096, upload, n) != 0)
+            cn->too_big = true;
         return MHD_YES;
     }
     bool get = !strcmp(method, "GET"), post = !strcmp(method, "POST");

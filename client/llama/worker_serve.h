@@ -163,6 +163,10 @@ int      kvr__srv_submit(srv *s, srv_job *j);
 void     kvr__srv_job_release(srv *s, srv_job *j);     /* mu held by the caller: no */
 void     kvr__srv_params_free(srv_params *p);
 void     kvr__srv_params_default(srv_params *p);
+/* Appends n bytes of p to the NUL-terminated *buf of *len bytes (capacity
+ * *cap, doubling from cap0): 0, or KVR_ENOMEM with *buf as it was. */
+int      kvr__srv_buf_add(char **buf, size_t *len, size_t *cap, size_t cap0, const void *p,
+                          size_t n);
 
 /* worker_serve.c */
 /* The serve command: argv holds the words after "serve". Returns the exit

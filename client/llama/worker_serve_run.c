@@ -105,22 +105,27 @@ int kvr__srv_submit(srv *s, srv_job *j)
 
 /* ---- text and stop rules ------------------------------------------------ */
 
-static int text_add(srv_job *j, const char *p, size_t n)
+int kvr__srv_buf_add(char **buf, size_t *len, size_t *cap, size_t cap0, const void *p, size_t n)
 {
-    if (j->len + n + 1 > j->cap) {
-        size_t c = j->cap ? j->cap : 256;
-        while (c < j->len + n + 1)
+    if (*len + n + 1 > *cap) {
+        size_t c = *cap ? *cap : cap0;
+        while (c < *len + n + 1)
             c *= 2;
-        char *t = realloc(j->text, c);
+        char *t = realloc(*buf, c);
         if (!t)
             return KVR_ENOMEM;
-        j->text = t;
-        j->cap = c;
+        *buf = t;
+        *cap = c;
     }
-    memcpy(j->text + j->len, p, n);
-    j->len += n;
-    j->text[j->len] = 0;
+    memcpy(*buf + *len, p, n);
+    *len += n;
+    (*buf)[*len] = 0;
     return 0;
+}
+
+static int text_add(srv_job *j, const char *p, size_t n)
+{
+    return kvr__srv_buf_add(&j->text, &j->len, &j->cap, 256, p, n);
 }
 
 /* Bytes of the text that hold whole UTF-8 characters. */

@@ -44,6 +44,16 @@ def _u64(x, what):
     return int(x)
 
 
+def _token_range(start, end):
+    """start and end (None: to the end) checked as u64s, end after start."""
+    start = _u64(start, "start")
+    if end is not None:
+        end = _u64(end, "end")
+        if end <= start:
+            raise ValueError(f"empty or reversed token range [{start}, {end})")
+    return start, end
+
+
 def _i64(x, what):
     if isinstance(x, bool) or not isinstance(x, (int, np.integer)):
         raise TypeError(f"{what} must be an int, got {type(x).__name__}")
@@ -358,6 +368,15 @@ def _shm_place(shm):
     if isinstance(shm, tuple) and len(shm) == 2 and isinstance(shm[0], Region):
         return shm[0], _u64(shm[1], "shm offset")
     raise TypeError("shm must be a Region or (Region, offset)")
+
+
+def _shm_out(what, shm, out):
+    """Where a get's or cover's payload lands when shm is given (out may not
+    be): (Region, the kvr_shm placement)."""
+    if out is not None:
+        raise ValueError(f"{what}: out and shm exclude each other")
+    reg, off = _shm_place(shm)
+    return reg, _lib.kvr_shm(reg.id, off or 0, 0)
 
 
 @dataclass
@@ -794,11 +813,7 @@ class Client:
         if raw:
             if positions is not None or out is not None or on_layer is not None:
                 raise ValueError("raw get: positions, out and on_layer do not apply")
-            start = _u64(start, "start")
-            if end is not None:
-                end = _u64(end, "end")
-                if end <= start:
-                    raise ValueError(f"empty or reversed token range [{start}, {end})")
+            start, end = _token_range(start, end)
             lay = self._layers(layers)
             a = _lib.kvr_get_args()
             a.ctx_id, a.start, a.end, a.dtype = cid, start, end or 0, T.CODES["f32"]
@@ -807,11 +822,7 @@ class Client:
             kvs = _lib.kvr_kv()
             self._call("kvr_client_get", byref(a), byref(kvs))
             return self._take_raw(kvs, kvs.raw)
-        start = _u64(start, "start")
-        if end is not None:
-            end = _u64(end, "end")
-            if end <= start:
-                raise ValueError(f"empty or reversed token range [{start}, {end})")
+        start, end = _token_range(start, end)
         dt = T.dtype_name(dtype)
         lay = self._layers(layers)
         pos = None
@@ -830,10 +841,7 @@ class Client:
         a.dst, a.dst_cap = dst, cap
         a.on_layer = cb
         if shm is not None:
-            if out is not None:
-                raise ValueError("get: out and shm exclude each other")
-            reg, off = _shm_place(shm)
-            place = _lib.kvr_shm(reg.id, off or 0, 0)
+            reg, place = _shm_out("get", shm, out)
             self._call("kvr_client_get_shm", byref(a), byref(place), byref(kvs))
             res = self._take(kvs, None, reg)
             if errs:
@@ -1221,10 +1229,7 @@ class Client:
         r = _lib.kvr_cover_res()
         reg = None
         if shm is not None:
-            if out is not None:
-                raise ValueError("cover: out and shm exclude each other")
-            reg, off = _shm_place(shm)
-            place = _lib.kvr_shm(reg.id, off or 0, 0)
+            reg, place = _shm_out("cover", shm, out)
             self._call("kvr_client_cover_shm", byref(a), byref(place), byref(r))
         elif get:
             self._call("kvr_client_cover_get", byref(a), byref(r))
