@@ -33,7 +33,7 @@
 #                                          kvroped, the CLI or Redis themselves
 #   tests/common/*.c                    -> libtestcommon.a, linked by every test and
 #                                          benchmark (kvt_bench.c needs no Criterion)
-#   tests/common/*.h                    -> its declarations, and header-only helpers
+#   tests/common/*.h                    -> their declarations (no code in headers)
 #   tests/bench/bench_*.c               -> one benchmark binary each
 #   tests/fuzz/fuzz_*.c                 -> one libFuzzer target each
 #   client/llama/, tests/llama/         -> see client/llama/llama.mk (llama.cpp from npm)

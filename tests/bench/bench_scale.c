@@ -230,7 +230,7 @@ int main(void)
         printf("recovery: %zu contexts, %zu tokens back in %.3f s\n", st.n_contexts,
                st.n_tokens, rec_s);
         kvr_store_destroy(s);
-        kvt_rm_tree(dir);
+        kvt_rmrf(dir);
     }
     double meta_8b = meta_tok_last / 131072.0;
     printf("goal: match p99 at %zu tokens <= 2x at 10^3: %.2fx (%s)\n", total,

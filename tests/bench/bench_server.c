@@ -179,7 +179,7 @@ static void floor_serve(const char *path)
             floor_req an = { rq.op, 0, rq.op == 1 ? rq.len : 0 };
             struct iovec v[2] = { { &an, sizeof an }, { src, (size_t)an.len } };
             if ((rq.op == 2 && read_full(fd, sink, (size_t)rq.len) < 0) ||
-                write_all(fd, v, an.len ? 2 : 1) < 0) {
+                resp_writev(fd, v, an.len ? 2 : 1) < 0) {
                 epoll_ctl(ep, EPOLL_CTL_DEL, fd, NULL);
                 close(fd);
             }
@@ -200,7 +200,7 @@ static int floor_op(int fd, op_kind op, uint32_t slot, uint8_t *buf, size_t len)
 {
     floor_req rq = { op == OP_GET ? 1 : 2, slot, len }, an;
     struct iovec v[2] = { { &rq, sizeof rq }, { buf, len } };
-    if (write_all(fd, v, op == OP_PUT ? 2 : 1) < 0)
+    if (resp_writev(fd, v, op == OP_PUT ? 2 : 1) < 0)
         return -1;
     if (op == OP_PUT)
         return read_full(fd, &an, sizeof an);
@@ -535,10 +535,10 @@ int main(void)
 
     const char *kv_argv[] = { bin, "--socket", kvsock, "--max-memory", "4G", "--log-level",
                               "warn", NULL };
-    pid_t kvpid = spawn(kv_argv, kvlog);
+    pid_t kvpid = bench_spawn(kv_argv, kvlog);
     const char *r_argv[] = { "redis-server", "--port", "0", "--unixsocket", rsock,
                              "--save", "", "--appendonly", "no", "--dir", dir, NULL };
-    pid_t rpid = spawn(r_argv, rlog);
+    pid_t rpid = bench_spawn(r_argv, rlog);
     pid_t parent = getpid(), fpid = fork();
     if (fpid == 0) {
         prctl(PR_SET_PDEATHSIG, SIGTERM);
@@ -551,7 +551,7 @@ int main(void)
     for (int i = 0; i < 500 && !c; i++) {
         if (kvr_client_connect(&c, addr, NULL) < 0) {
             c = NULL;
-            sleep_ms(10);
+            kvt_sleep_ms(10);
         }
     }
     int have_redis = 0;
@@ -561,7 +561,7 @@ int main(void)
             have_redis = 1;
             close(r.fd);
         } else {
-            sleep_ms(10);
+            kvt_sleep_ms(10);
         }
     }
     int have_floor = 0;
@@ -571,14 +571,14 @@ int main(void)
             have_floor = 1;
             close(fd);
         } else {
-            sleep_ms(10);
+            kvt_sleep_ms(10);
         }
     }
     if (!c) {
         fprintf(stderr, "bench_server: kvroped (%s) did not start; see %s\n", bin, kvlog);
-        stop(kvpid);
-        stop(rpid);
-        stop(fpid);
+        bench_stop(kvpid);
+        bench_stop(rpid);
+        bench_stop(fpid);
         return 1;
     }
     if (!have_redis)
@@ -589,9 +589,9 @@ int main(void)
                             .head_dim = B_DIM, .dtype = KVR_DTYPE_F16, .rope = &rc };
     if (kvr_client_model_register(c, &mp, NULL) < 0) {
         fprintf(stderr, "bench_server: register: %s\n", kvr_client_last_error(c));
-        stop(kvpid);
-        stop(rpid);
-        stop(fpid);
+        bench_stop(kvpid);
+        bench_stop(rpid);
+        bench_stop(fpid);
         return 1;
     }
     kvr_client_close(c);
@@ -714,9 +714,9 @@ int main(void)
             printf("\nmatch: failed\n");
     }
 
-    stop(kvpid);
-    stop(rpid);
-    stop(fpid);
+    bench_stop(kvpid);
+    bench_stop(rpid);
+    bench_stop(fpid);
     unlink(kvsock);
     unlink(fsock);
     unlink(rsock);

@@ -410,16 +410,16 @@ int main(void)
 
     const char *kv_argv[] = { bin, "--socket", kvsock, "--max-memory", "4G", "--log-level",
                               "warn", NULL };
-    pid_t kvpid = spawn(kv_argv, kvlog);
+    pid_t kvpid = bench_spawn(kv_argv, kvlog);
     const char *r_argv[] = { "redis-server", "--port", "0", "--unixsocket", rsock,
                              "--save", "", "--appendonly", "no", "--dir", dir, NULL };
-    pid_t rpid = spawn(r_argv, rlog);
+    pid_t rpid = bench_spawn(r_argv, rlog);
 
     kvr_client *c = NULL;
     for (int i = 0; i < 500 && !c; i++) {
         if (kvr_client_connect(&c, addr, NULL) < 0) {
             c = NULL;
-            sleep_ms(10);
+            kvt_sleep_ms(10);
         }
     }
     int have_redis = 0;
@@ -429,13 +429,13 @@ int main(void)
             have_redis = 1;
             close(r.fd);
         } else {
-            sleep_ms(10);
+            kvt_sleep_ms(10);
         }
     }
     if (!c) {
         fprintf(stderr, "bench_shm: kvroped (%s) did not start; see %s\n", bin, kvlog);
-        stop(kvpid);
-        stop(rpid);
+        bench_stop(kvpid);
+        bench_stop(rpid);
         return 1;
     }
     if (!have_redis)
@@ -446,8 +446,8 @@ int main(void)
                             .head_dim = B_DIM, .dtype = KVR_DTYPE_F16, .rope = &rc };
     if (kvr_client_model_register(c, &mp, NULL) < 0) {
         fprintf(stderr, "bench_shm: register: %s\n", kvr_client_last_error(c));
-        stop(kvpid);
-        stop(rpid);
+        bench_stop(kvpid);
+        bench_stop(rpid);
         return 1;
     }
     kvr_client_close(c);
@@ -556,8 +556,8 @@ int main(void)
     goal_line("re-rotated shm get, 1 client, 64 MiB", rot, rot_base, 0.7);
     goal_line("shm put, 1 client, 64 MiB", g_put, g_put_base, 0.7);
 
-    stop(kvpid);
-    stop(rpid);
+    bench_stop(kvpid);
+    bench_stop(rpid);
     unlink(kvsock);
     unlink(rsock);
     unlink(kvlog);

@@ -6,7 +6,6 @@
 
 #include <criterion/criterion.h>
 #include <dirent.h>
-#include <ftw.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -26,17 +25,6 @@ void kvt_tmpdir(char *buf, size_t cap, const char *name)
     int n = snprintf(buf, cap, "%s/%s-XXXXXX", t && *t ? t : "/tmp", name);
     cr_assert(n > 0 && (size_t)n < cap, "temporary directory name too long: %s", buf);
     cr_assert_not_null(mkdtemp(buf), "mkdtemp %s", buf);
-}
-
-static int rm_one(const char *p, const struct stat *sb, int flag, struct FTW *f)
-{
-    (void)sb; (void)flag; (void)f;
-    return remove(p);
-}
-
-void kvt_rmrf(const char *dir)
-{
-    nftw(dir, rm_one, 16, FTW_DEPTH | FTW_PHYS);
 }
 
 void kvt_fill(uint8_t *p, size_t n, uint64_t seed)

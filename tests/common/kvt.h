@@ -18,7 +18,8 @@
  * buf (cap bytes). */
 void kvt_tmpdir(char *buf, size_t cap, const char *name);
 
-/* Removes dir and everything below it (no error if it is gone). */
+/* Removes dir and everything below it (no error if it is gone). In
+ * kvt_io.c, which needs no Criterion: benches may call it. */
 void kvt_rmrf(const char *dir);
 
 /* n bytes of a xorshift64 stream from seed: the same seed, the same bytes. */

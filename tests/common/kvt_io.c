@@ -1,12 +1,17 @@
 /*
- * kvt_io.c — tests/common/kvt_io.h: whole writes.
+ * kvt_io.c — tests/common/kvt_io.h: whole writes; and kvt.h's kvt_rmrf, here
+ * because this file needs no Criterion (benches link it too).
  */
 #include "tests/common/kvt_io.h"
+#include "tests/common/kvt.h"
 
 #include <errno.h>
+#include <ftw.h>
+#include <stdio.h>
 #include <stdbool.h>
 #include <stdint.h>
 #include <sys/socket.h>
+#include <time.h>
 #include <unistd.h>
 
 int kvt_write_all(int fd, const void *p, size_t n)
@@ -27,4 +32,22 @@ int kvt_write_all(int fd, const void *p, size_t n)
         n -= (size_t)k;
     }
     return 0;
+}
+
+static int rm_one(const char *p, const struct stat *sb, int flag, struct FTW *f)
+{
+    (void)sb; (void)flag; (void)f;
+    return remove(p);
+}
+
+void kvt_rmrf(const char *dir)
+{
+    nftw(dir, rm_one, 16, FTW_DEPTH | FTW_PHYS);
+}
+
+void kvt_sleep_ms(int ms)
+{
+    struct timespec ts = { ms / 1000, (long)(ms % 1000) * 1000000L };
+    while (nanosleep(&ts, &ts) < 0 && errno == EINTR) {
+    }
 }

@@ -1,5 +1,5 @@
 /*
- * kvt_io.h — whole writes to a descriptor, for the tests and benches that
+ * kvt_io.h — whole writes to a descriptor and a sleep, for the tests and benches that
  * speak raw bytes to a daemon. Compiled into libtestcommon.a
  * (tests/common/kvt_io.c), which needs no Criterion: benches may link it.
  */
@@ -12,5 +12,8 @@
  * -1 (errno set) if fd failed or closed first. A socket is written with
  * MSG_NOSIGNAL, so a peer that has gone is an error here, never SIGPIPE. */
 int kvt_write_all(int fd, const void *p, size_t n);
+
+/* Sleeps ms milliseconds (the whole of them, through EINTR). */
+void kvt_sleep_ms(int ms);
 
 #endif

@@ -562,7 +562,7 @@ Test(int_basic, deferred_deletes_ride_with_the_next_call)
     /* Until it is busy (a put meanwhile only appends to d3). */
     for (int i = 0; i < 200 && testd_put(o, "d3", "m", KVR_DTYPE_F16, 3, 0, 0, 1) != KVR_EBUSY;
          i++)
-        testd_sleep_ms(10);
+        kvt_sleep_ms(10);
     cr_assert_eq(kvr_client_delete_deferred(C, "d3"), 0);
     kvr_pong pong;
     cr_assert_eq(kvr_client_ping(C, &pong), 0, "%s", kvr_client_last_error(C));
@@ -577,7 +577,7 @@ Test(int_basic, deferred_deletes_ride_with_the_next_call)
     close(raw);   /* its put is aborted: d3 is as it was */
     for (int i = 0; i < 200 && kvr_client_delete_deferred(C, "d3") == 0 &&
                     kvr_client_flush(C) == KVR_EBUSY; i++)
-        testd_sleep_ms(10);
+        kvt_sleep_ms(10);
     cr_assert_eq(kvr_client_stat(o, "d3", &x), KVR_ENOCTX);
 
     /* More than KVR_DEFER_MAX: the queue is flushed on its own. */

@@ -30,7 +30,7 @@
 #include "tests/common/cache_stream.h"
 #include "tests/common/kvr_testd.h"
 #include "tests/common/kvt_daemon.h"
-#include "tests/common/kvr_tmpdir.h"
+#include "tests/common/kvt.h"
 #include "tests/common/kvt.h"
 
 
@@ -121,7 +121,7 @@ static void stop_and_remove(kvr_client *c, kvr_testd *d, const char *dir)
 {
     kvr_client_close(c);
     testd_stop(d);
-    kvt_rm_tree(dir);
+    kvt_rmrf(dir);
 }
 
 /* ---- spill and reload --------------------------------------------------------- */
@@ -398,7 +398,7 @@ static void kill9(const char *engine)
             trials, inflight_seen);
     kvr_client_close(rc);
     testd_stop(&ref);
-    kvt_rm_tree(dir);
+    kvt_rmrf(dir);
 }
 
 /* A worker whose kvroped is killed gets an error from every call, never a
@@ -591,7 +591,7 @@ Test(int_disk, enospc_small_tmpfs, .timeout = 120)
     kvr_client_close(c);
     testd_stop(&d);
     umount(dir);
-    kvt_rm_tree(dir);
+    kvt_rmrf(dir);
 }
 
 /* ---- a corrupt newest record: stale marks, never a silent roll-back --------- */
@@ -735,7 +735,7 @@ static void corrupt_newest(int how)
         kvr_client_close(c);
         testd_stop(&d);
     }
-    kvt_rm_tree(dir);
+    kvt_rmrf(dir);
 }
 
 Test(int_disk, corrupt_newest_record_attributed, .timeout = 120) { corrupt_newest(0); }

@@ -126,7 +126,7 @@ Test(int_limits, trickled_put_is_aborted_and_frees_its_context, .timeout = 120)
         cr_assert_eq(kvr_client_stat(c, "x", &st), 0);
         if (st.busy)
             break;
-        testd_sleep_ms(10);
+        kvt_sleep_ms(10);
     }
     cr_assert(st.busy, "the put was not opened");
     uint8_t chunk[256] = { 0 };
@@ -198,7 +198,7 @@ Test(int_limits, message_buffers_are_bounded, .timeout = 120)
     /* What stays is this client's own small buffer, kept between frames. */
     double left = 1e9;
     for (int i = 0; i < 200 && left > 65536; i++) {
-        testd_sleep_ms(20);
+        kvt_sleep_ms(20);
         left = testd_metric(c, "msg_buffered_bytes");
     }
     cr_assert_leq(left, 65536.0, "closed connections give their buffers back (%g left)", left);

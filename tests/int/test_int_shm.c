@@ -356,7 +356,7 @@ Test(int_shm, tcp_refuses_shared_memory, .init = NULL, .fini = NULL)
     cr_assert_eq(testd_start(&D, extra), 0);
     kvr_client *t = NULL;
     for (int i = 0; i < 500 && kvr_client_connect(&t, addr, NULL) < 0; i++)
-        testd_sleep_ms(10);
+        kvt_sleep_ms(10);
     cr_assert_not_null(t);
     uint32_t id;
     /* SCM_RIGHTS does not cross TCP: the fd never arrives, the frame is refused */
@@ -1025,7 +1025,7 @@ Test(int_shm, regions_of_all_connections_are_capped, .init = NULL, .fini = NULL)
     for (int i = 0; i < 1000 && rc != 0; i++) {   /* the close is seen by the loop soon */
         rc = kvr_client_region_create(p, 4096, &id, &base);
         if (rc != 0)
-            testd_sleep_ms(10);
+            kvt_sleep_ms(10);
     }
     cr_assert_eq(rc, 0, "%s", kvr_client_last_error(p));
     kvr_client_close(b);
@@ -1064,7 +1064,7 @@ Test(int_shm, the_default_region_cap_leaves_room_for_the_daemons_maps, .init = N
             if ((log = strstr(buf, want)))
                 break;
         }
-        testd_sleep_ms(10);
+        kvt_sleep_ms(10);
     }
     cr_assert_not_null(log, "no '%s' in %s", want, D.log);
     testd_stop(&D);

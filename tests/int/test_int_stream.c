@@ -297,7 +297,7 @@ Test(int_stream, client_leaving_mid_stream_leaves_the_daemon_healthy)
         if (aborted >= 4 && testd_metric(C, "leased_blocks") == leased0 &&
             testd_metric(C, "connections") == 1)
             break;
-        testd_sleep_ms(10);
+        kvt_sleep_ms(10);
     }
     cr_assert_eq(aborted, 4, "streams_aborted %g", aborted);
     cr_assert_eq(testd_metric(C, "leased_blocks"), leased0, "leases were not released");
@@ -415,7 +415,7 @@ Test(int_stream, replace_while_another_client_streams_or_writes_it)
          * once the writer holds it, E_BUSY. */
         rc = put_n("rp", KVR_PUT_REPLACE, PL, small, 0, 64);
         if (rc == 0) {
-            testd_sleep_ms(10);
+            kvt_sleep_ms(10);
             rc = KVR_EBUSY;
             continue;
         }
@@ -427,7 +427,7 @@ Test(int_stream, replace_while_another_client_streams_or_writes_it)
     for (int i = 0; i < 500 && rc == KVR_EBUSY; i++) {
         rc = put_n("rp", KVR_PUT_REPLACE, PL, small, 0, 64);
         if (rc == KVR_EBUSY)
-            testd_sleep_ms(10);
+            kvt_sleep_ms(10);
     }
     cr_assert_eq(rc, 0, "%s", kvr_client_last_error(C));
     cr_assert_eq(kvr_client_stat(C, "rp", &ci), 0);

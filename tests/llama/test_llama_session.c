@@ -391,7 +391,7 @@ static int worker(char *out, size_t cap, const char *const *args, pid_t *child, 
         *child = pid;
         return fd;
     }
-    testd_sleep_ms(kill_ms);
+    kvt_sleep_ms(kill_ms);
     kill(pid, SIGKILL);
     kvr_llama_drain(fd, out, cap);
     int st;
