@@ -173,32 +173,16 @@ static int drop_caches(void)
 static void plain(const char *dir, size_t total, double *w, double *r)
 {
     char path[512];
-    snprintf(path, sizeof path, "%s/plain.dat", dir);
+    int fd = kvt_plain_open(dir, path, sizeof path);
     size_t chunk = 4u << 20;
     uint8_t *buf = kvr_mem_aligned(4096, chunk);
     memset(buf, 0x5A, chunk);
-    int fd = open(path, O_RDWR | O_CREAT | O_TRUNC | O_DIRECT, 0644);
-    int direct = 1;
-    if (fd < 0) {
-        direct = 0;
-        fd = open(path, O_RDWR | O_CREAT | O_TRUNC, 0644);
-    }
     devstat x = dev_read(1);
-    double t0 = kvt_now_s();
-    for (size_t o = 0; o < total; o += chunk)
-        if (pwrite(fd, buf, chunk, (off_t)o) != (ssize_t)chunk)
-            break;
-    fdatasync(fd);
-    *w = (double)total / (kvt_now_s() - t0) / 1e9;
+    *w = kvt_plain_pass(fd, buf, chunk, total, 1);
     dev_add(&dv_plain_w, x, dev_read(1));
-    (void)direct;
     drop_caches();      /* as before each reload: the same state of the machine */
     x = dev_read(0);
-    t0 = kvt_now_s();
-    for (size_t o = 0; o < total; o += chunk)
-        if (pread(fd, buf, chunk, (off_t)o) != (ssize_t)chunk)
-            break;
-    *r = (double)total / (kvt_now_s() - t0) / 1e9;
+    *r = kvt_plain_pass(fd, buf, chunk, total, 0);
     dev_add(&dv_plain_r, x, dev_read(0));
     pr_plain[cur_round] = phys_run(buf, chunk);
     close(fd);

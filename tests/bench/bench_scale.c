@@ -37,10 +37,7 @@
 static uint64_t rng = 0x9E3779B97F4A7C15ull;
 static uint32_t rnd(void)
 {
-    rng ^= rng << 13;
-    rng ^= rng >> 7;
-    rng ^= rng << 17;
-    return (uint32_t)(rng >> 11);
+    return (uint32_t)(kvt_xorshift(&rng) >> 11);
 }
 
 static size_t rss_bytes(void)

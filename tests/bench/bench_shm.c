@@ -385,7 +385,6 @@ static void goal_line(const char *what, double v, double base, double want)
 
 int main(void)
 {
-    const char *b = getenv("KVR_BUILD");
     const char *secs = getenv("KVR_BENCH_SECONDS");
     /* KVR_BENCH_CELLS: only the cells named (e.g. "put-64M-1,get-1M-4"; for
      * profiling one of them; the goals of cells not run print no figure) */
@@ -395,62 +394,11 @@ int main(void)
     double seconds = secs ? atof(secs) : 1.0;
     if (seconds <= 0)
         seconds = 1.0;
-    char dir[] = "/tmp/kvr-bshm-XXXXXX";
-    if (!mkdtemp(dir)) {
-        perror("mkdtemp");
+    bench_peers P;
+    if (bench_peers_start(&P, "bench_shm", "/tmp/kvr-bshm-XXXXXX", B_LAYERS, B_HEADS, B_DIM) < 0)
         return 1;
-    }
-    char kvsock[128], rsock[128], kvlog[128], rlog[128], bin[512], addr[160];
-    snprintf(kvsock, sizeof kvsock, "%s/kvroped.sock", dir);
-    snprintf(rsock, sizeof rsock, "%s/redis.sock", dir);
-    snprintf(kvlog, sizeof kvlog, "%s/kvroped.log", dir);
-    snprintf(rlog, sizeof rlog, "%s/redis.log", dir);
-    snprintf(bin, sizeof bin, "%s/kvroped", b && *b ? b : "./build");
-    snprintf(addr, sizeof addr, "unix:%s", kvsock);
-
-    const char *kv_argv[] = { bin, "--socket", kvsock, "--max-memory", "4G", "--log-level",
-                              "warn", NULL };
-    pid_t kvpid = bench_spawn(kv_argv, kvlog);
-    const char *r_argv[] = { "redis-server", "--port", "0", "--unixsocket", rsock,
-                             "--save", "", "--appendonly", "no", "--dir", dir, NULL };
-    pid_t rpid = bench_spawn(r_argv, rlog);
-
-    kvr_client *c = NULL;
-    for (int i = 0; i < 500 && !c; i++) {
-        if (kvr_client_connect(&c, addr, NULL) < 0) {
-            c = NULL;
-            kvt_sleep_ms(10);
-        }
-    }
-    int have_redis = 0;
-    for (int i = 0; i < 500 && !have_redis; i++) {
-        resp r;
-        if (resp_connect(&r, rsock) == 0) {
-            have_redis = 1;
-            close(r.fd);
-        } else {
-            kvt_sleep_ms(10);
-        }
-    }
-    if (!c) {
-        fprintf(stderr, "bench_shm: kvroped (%s) did not start; see %s\n", bin, kvlog);
-        bench_stop(kvpid);
-        bench_stop(rpid);
-        return 1;
-    }
-    if (!have_redis)
-        fprintf(stderr, "bench_shm: redis-server did not start; Redis columns absent\n");
-    kvr_rope_config rc;
-    kvr_rope_config_init(&rc);
-    kvr_model_params mp = { .name = "bench", .n_layers = B_LAYERS, .n_kv_heads = B_HEADS,
-                            .head_dim = B_DIM, .dtype = KVR_DTYPE_F16, .rope = &rc };
-    if (kvr_client_model_register(c, &mp, NULL) < 0) {
-        fprintf(stderr, "bench_shm: register: %s\n", kvr_client_last_error(c));
-        bench_stop(kvpid);
-        bench_stop(rpid);
-        return 1;
-    }
-    kvr_client_close(c);
+    const char *addr = P.addr, *rsock = P.rsock;
+    const int have_redis = P.have_redis;
 
     printf("shared memory vs Unix socket vs redis-server vs memcpy, %.1f s per cell "
            "(MiB/s of payload over all clients, higher is better)\n\n", seconds);
@@ -556,15 +504,6 @@ int main(void)
     goal_line("re-rotated shm get, 1 client, 64 MiB", rot, rot_base, 0.7);
     goal_line("shm put, 1 client, 64 MiB", g_put, g_put_base, 0.7);
 
-    bench_stop(kvpid);
-    bench_stop(rpid);
-    unlink(kvsock);
-    unlink(rsock);
-    unlink(kvlog);
-    unlink(rlog);
-    char dump[200];
-    snprintf(dump, sizeof dump, "%s/dump.rdb", dir);
-    unlink(dump);
-    rmdir(dir);
+    bench_peers_stop(&P);
     return 0;
 }

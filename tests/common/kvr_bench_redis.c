@@ -4,6 +4,8 @@
  */
 #include "tests/common/kvr_bench_redis.h"
 
+#include "client/kvrope.h"
+
 pid_t bench_spawn(const char *const *argv, const char *log)
 {
     pid_t parent = getpid();
@@ -154,4 +156,81 @@ int resp_get(resp *r, const char *key, void *dst, size_t cap)
     if (resp_read(r, dst, (size_t)n) < 0 || resp_read(r, crlf, 2) < 0)
         return -1;
     return 0;
+}
+
+int bench_peers_start(bench_peers *b, const char *name, const char *tmpl, uint32_t layers,
+                      uint32_t heads, uint32_t dim)
+{
+    memset(b, 0, sizeof *b);
+    snprintf(b->dir, sizeof b->dir, "%s", tmpl);
+    if (!mkdtemp(b->dir)) {
+        perror("mkdtemp");
+        return -1;
+    }
+    const char *bd = getenv("KVR_BUILD");
+    snprintf(b->kvsock, sizeof b->kvsock, "%s/kvroped.sock", b->dir);
+    snprintf(b->rsock, sizeof b->rsock, "%s/redis.sock", b->dir);
+    snprintf(b->kvlog, sizeof b->kvlog, "%s/kvroped.log", b->dir);
+    snprintf(b->rlog, sizeof b->rlog, "%s/redis.log", b->dir);
+    snprintf(b->bin, sizeof b->bin, "%s/kvroped", bd && *bd ? bd : "./build");
+    snprintf(b->addr, sizeof b->addr, "unix:%s", b->kvsock);
+
+    const char *kv_argv[] = { b->bin, "--socket", b->kvsock, "--max-memory", "4G",
+                              "--log-level", "warn", NULL };
+    b->kvpid = bench_spawn(kv_argv, b->kvlog);
+    const char *r_argv[] = { "redis-server", "--port", "0", "--unixsocket", b->rsock,
+                             "--save", "", "--appendonly", "no", "--dir", b->dir, NULL };
+    b->rpid = bench_spawn(r_argv, b->rlog);
+
+    kvr_client *c = NULL;
+    for (int i = 0; i < 500 && !c; i++) {
+        if (kvr_client_connect(&c, b->addr, NULL) < 0) {
+            c = NULL;
+            kvt_sleep_ms(10);
+        }
+    }
+    for (int i = 0; i < 500 && !b->have_redis; i++) {
+        resp r;
+        if (resp_connect(&r, b->rsock) == 0) {
+            b->have_redis = 1;
+            close(r.fd);
+        } else {
+            kvt_sleep_ms(10);
+        }
+    }
+    if (!c) {
+        fprintf(stderr, "%s: kvroped (%s) did not start; see %s\n", name, b->bin, b->kvlog);
+        bench_peers_stop(b);
+        return -1;
+    }
+    if (!b->have_redis)
+        fprintf(stderr, "%s: redis-server did not start; Redis columns absent\n", name);
+    kvr_rope_config rc;
+    kvr_rope_config_init(&rc);
+    kvr_model_params mp = { .name = "bench", .n_layers = layers, .n_kv_heads = heads,
+                            .head_dim = dim, .dtype = KVR_DTYPE_F16, .rope = &rc };
+    int rr = kvr_client_model_register(c, &mp, NULL);
+    if (rr < 0)
+        fprintf(stderr, "%s: register: %s\n", name, kvr_client_last_error(c));
+    kvr_client_close(c);
+    if (rr < 0) {
+        bench_peers_stop(b);
+        return -1;
+    }
+    return 0;
+}
+
+void bench_peers_stop(bench_peers *b)
+{
+    bench_stop(b->kvpid);
+    bench_stop(b->rpid);
+    b->kvpid = b->rpid = 0;
+    unlink(b->kvsock);
+    unlink(b->rsock);
+    unlink(b->kvlog);
+    unlink(b->rlog);
+    char dump[200];
+    snprintf(dump, sizeof dump, "%s/dump.rdb", b->dir);
+    unlink(dump);
+    rmdir(b->dir);
 }

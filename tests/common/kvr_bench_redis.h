@@ -18,6 +18,7 @@
 #include <sys/un.h>
 #include <sys/wait.h>
 #include <time.h>
+#include <stdint.h>
 #include <unistd.h>
 
 #include "tests/common/kvt_bench.h"
@@ -49,5 +50,25 @@ int resp_writev(int fd, struct iovec *iov, int n);
 int resp_set(resp *r, const char *key, const void *val, size_t len);
 
 int resp_get(resp *r, const char *key, void *dst, size_t cap);
+
+/* ---- the two peers: kvroped and redis-server ---------------------------- */
+
+/* Both servers of a socket benchmark in one temporary directory. */
+typedef struct bench_peers {
+    char  dir[64], kvsock[128], rsock[128], kvlog[128], rlog[128], bin[512], addr[160];
+    pid_t kvpid, rpid;
+    int   have_redis;   /* 0: redis-server did not start (its columns absent) */
+} bench_peers;
+
+/* Makes dir (tmpl, e.g. "/tmp/kvr-bench-XXXXXX"), starts $KVR_BUILD/kvroped
+ * (--max-memory 4G) and redis-server (no persistence) there, waits for both
+ * (5 s each) and registers model "bench" (f16, the given shape, default
+ * rope) on kvroped. 0; -1 after printing why (messages start with name) and
+ * stopping both if kvroped did not come up. */
+int bench_peers_start(bench_peers *b, const char *name, const char *tmpl, uint32_t layers,
+                      uint32_t heads, uint32_t dim);
+
+/* Stops both and removes the directory and what the servers left in it. */
+void bench_peers_stop(bench_peers *b);
 
 #endif /* KVR_BENCH_REDIS_H */

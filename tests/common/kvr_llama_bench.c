@@ -66,3 +66,11 @@ double llb_jnum(const cJSON *j, const char *group, const char *key)
     const cJSON *v = g ? cJSON_GetObjectItemCaseSensitive(g, key) : NULL;
     return cJSON_IsNumber(v) ? v->valuedouble : (double)NAN;
 }
+
+int llb_begin(char *model, size_t cap, kvr_testd *d)
+{
+    setvbuf(stdout, NULL, _IOLBF, 0);
+    if (llb_ensure_model(model, cap) < 0)
+        return -1;
+    return testd_start(d, NULL);
+}

@@ -33,4 +33,8 @@ cJSON *llb_worker(const char *sock, const char *model, const char *const *args);
 
 double llb_jnum(const cJSON *j, const char *group, const char *key);
 
+/* A benchmark's start: stdout line-buffered, the model (llb_ensure_model)
+ * into model, and a test daemon d started. 0, or -1 after printing why. */
+int llb_begin(char *model, size_t cap, kvr_testd *d);
+
 #endif /* KVR_LLAMA_BENCH_H */

@@ -42,3 +42,13 @@ int kvr_llama_run(char *out, size_t cap, const char *const *args)
     kvr_llama_drain(fd, out, cap);
     return testd_wait_exit(pid);
 }
+
+void kvr_llama_json_argv(const char **argv, const char *model, const char *sock,
+                         const char *threads, const char *const *args)
+{
+    const char *head[] = { "--model", model, "--socket", sock, "--threads", threads, "--json" };
+    int n = 0;
+    for (; n < 7; n++)
+        argv[n] = head[n];
+    testd_argv_end(argv, n, 63, args);
+}

@@ -33,4 +33,10 @@ void kvr_llama_drain(int fd, char *out, size_t cap);
  * (-1 if a signal ended it). */
 int kvr_llama_run(char *out, size_t cap, const char *const *args);
 
+/* argv (64 entries) for a worker command against a test daemon: --model
+ * model --socket sock --threads threads --json, then args (NULL-ended; at
+ * most 62 in all) and the NULL that ends it. */
+void kvr_llama_json_argv(const char **argv, const char *model, const char *sock,
+                         const char *threads, const char *const *args);
+
 #endif /* KVR_LLAMA_RUN_H */

@@ -1,11 +1,14 @@
 /*
- * kvt_bench.c — tests/common/kvt_bench.h: the clock, the environment and
- * xorshift64.
+ * kvt_bench.c — tests/common/kvt_bench.h: the clock, the environment,
+ * xorshift64 and the disk benches' plain-file baseline.
  */
 #include "tests/common/kvt_bench.h"
 
+#include <fcntl.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <time.h>
+#include <unistd.h>
 
 double kvt_now_s(void)
 {
@@ -26,4 +29,25 @@ size_t kvt_env_size(const char *name, size_t dflt)
 {
     const char *v = getenv(name);
     return v && *v ? (size_t)strtoull(v, NULL, 10) : dflt;
+}
+
+int kvt_plain_open(const char *dir, char *path, size_t cap)
+{
+    snprintf(path, cap, "%s/plain.dat", dir);
+    int fd = open(path, O_RDWR | O_CREAT | O_TRUNC | O_DIRECT, 0644);
+    if (fd < 0)
+        fd = open(path, O_RDWR | O_CREAT | O_TRUNC, 0644);
+    return fd;
+}
+
+double kvt_plain_pass(int fd, uint8_t *buf, size_t chunk, size_t total, int write)
+{
+    double t0 = kvt_now_s();
+    for (size_t o = 0; o < total; o += chunk)
+        if ((write ? pwrite(fd, buf, chunk, (off_t)o) : pread(fd, buf, chunk, (off_t)o)) !=
+            (ssize_t)chunk)
+            break;
+    if (write)
+        fdatasync(fd);
+    return (double)total / (kvt_now_s() - t0) / 1e9;
 }

@@ -19,4 +19,13 @@ uint64_t kvt_xorshift(uint64_t *state);
 /* $name as a whole number, or dflt when unset or empty. */
 size_t kvt_env_size(const char *name, size_t dflt);
 
+/* The disk benches' baseline file: dir/plain.dat (its path into path, cap
+ * bytes) created with O_DIRECT, or without if the filesystem refuses it.
+ * The descriptor, or -1. */
+int kvt_plain_open(const char *dir, char *path, size_t cap);
+
+/* GB/s of one sequential pass over [0, total) of fd in chunk-byte requests
+ * from / into buf: pwrite and then fdatasync (write), or pread. */
+double kvt_plain_pass(int fd, uint8_t *buf, size_t chunk, size_t total, int write);
+
 #endif

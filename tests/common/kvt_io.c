@@ -1,5 +1,5 @@
 /*
- * kvt_io.c — tests/common/kvt_io.h: whole writes; and kvt.h's kvt_rmrf, here
+ * kvt_io.c — tests/common/kvt_io.h: whole reads and writes, a sleep; and kvt.h's kvt_rmrf, here
  * because this file needs no Criterion (benches link it too).
  */
 #include "tests/common/kvt_io.h"
@@ -14,12 +14,17 @@
 #include <time.h>
 #include <unistd.h>
 
-int kvt_write_all(int fd, const void *p, size_t n)
+/* Moves all n bytes between fd and b: a socket with send (MSG_NOSIGNAL) or
+ * recv (MSG_WAITALL), anything else with write or read. */
+static int io_full(int fd, uint8_t *b, size_t n, bool wr)
 {
-    const uint8_t *b = p;
     bool sock = true;
     while (n > 0) {
-        ssize_t k = sock ? send(fd, b, n, MSG_NOSIGNAL) : write(fd, b, n);
+        ssize_t k;
+        if (sock)
+            k = wr ? send(fd, b, n, MSG_NOSIGNAL) : recv(fd, b, n, MSG_WAITALL);
+        else
+            k = wr ? write(fd, b, n) : read(fd, b, n);
         if (k < 0 && sock && errno == ENOTSOCK) {
             sock = false;
             continue;
@@ -32,6 +37,16 @@ int kvt_write_all(int fd, const void *p, size_t n)
         n -= (size_t)k;
     }
     return 0;
+}
+
+int kvt_read_full(int fd, void *dst, size_t n)
+{
+    return io_full(fd, dst, n, false);
+}
+
+int kvt_write_all(int fd, const void *p, size_t n)
+{
+    return io_full(fd, (uint8_t *)(uintptr_t)p, n, true);
 }
 
 static int rm_one(const char *p, const struct stat *sb, int flag, struct FTW *f)

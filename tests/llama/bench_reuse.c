@@ -93,11 +93,8 @@ static int timed_sync(kvr__wk_env *e, const int32_t *t, size_t n, const kvr__wk_
 
 int main(void)
 {
-    setvbuf(stdout, NULL, _IOLBF, 0);
     char model[1024];
-    if (llb_ensure_model(model, sizeof model) < 0)
-        return 1;
-    if (testd_start(&D, NULL) < 0)
+    if (llb_begin(model, sizeof model, &D) < 0)
         return 1;
     int rc = 1;
     kvr__wk_report rep;

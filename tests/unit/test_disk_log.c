@@ -21,16 +21,14 @@
 #include "cache/disk.h"
 #include "tests/common/kvt.h"
 #include "tests/common/kvt_disk.h"
+#include "tests/common/kvt_bench.h"
 
 static const kvr_disk_engine engines[] = { KVR_DISK_ENGINE_URING, KVR_DISK_ENGINE_POSIX };
 
 static uint64_t rng_state = 0x1234567887654321ull;
 static uint64_t rnd(void)
 {
-    rng_state ^= rng_state << 13;
-    rng_state ^= rng_state >> 7;
-    rng_state ^= rng_state << 17;
-    return rng_state;
+    return kvt_xorshift(&rng_state);
 }
 
 /* Record i: type 1 + i%5, payload = u32 i, then kvt_fill(i) of a length from i. */
@@ -121,10 +119,8 @@ static void log_path(char *p, size_t cap, const char *dir)
     snprintf(p, cap, "%s/%s", dir, name);
 }
 
-static void append_reopen(kvr_disk_engine e)
+KVT_DISK_TEST(disk_log, append_reopen)
 {
-    char dir[256];
-    kvt_tmpdir(dir, sizeof dir, "kvr_disk");
     got *g = calloc(1, sizeof *g);
     kvr_disk_recovery rs;
     kvr_disk *d = reopen(dir, e, g, &rs);
@@ -159,10 +155,7 @@ static void append_reopen(kvr_disk_engine e)
         kvr_disk_close(d);
     }
     free(g);
-    kvt_rmrf(dir);
 }
-
-KVT_DISK_TESTS(disk_log, append_reopen, append_reopen)
 
 typedef struct snap { uint32_t from, n; int fail; } snap;
 static int snapshot(void *arg, kvr_disk_cp *cp)
@@ -177,10 +170,8 @@ static int snapshot(void *arg, kvr_disk_cp *cp)
     return s->fail;
 }
 
-static void checkpoint(kvr_disk_engine e)
+KVT_DISK_TEST(disk_log, checkpoint)
 {
-    char dir[256];
-    kvt_tmpdir(dir, sizeof dir, "kvr_disk");
     got *g = calloc(1, sizeof *g);
     kvr_disk_recovery rs;
     kvr_disk_config cfg = { .dir = dir, .engine = e, .checkpoint_bytes = 100000 };
@@ -221,10 +212,7 @@ static void checkpoint(kvr_disk_engine e)
     cr_assert_eq(system(cmd), 0);
     kvr_disk_close(d);
     free(g);
-    kvt_rmrf(dir);
 }
-
-KVT_DISK_TESTS(disk_log, checkpoint, checkpoint)
 
 typedef struct list_snap { uint32_t idx[64]; size_t n; } list_snap;
 static int snapshot_list(void *arg, kvr_disk_cp *cp)
@@ -342,10 +330,8 @@ static void truncated(kvr_disk_engine e)
 KVT_DISK_TESTS(disk_log, truncated, truncated)
 
 /* Injected faults. */
-static void faults(kvr_disk_engine e)
+KVT_DISK_TEST(disk_log, faults)
 {
-    char dir[256];
-    kvt_tmpdir(dir, sizeof dir, "kvr_disk");
     got *g = calloc(1, sizeof *g);
     kvr_disk_recovery rs;
     kvr_error err = { 0 };
@@ -443,10 +429,7 @@ static void faults(kvr_disk_engine e)
     cr_assert_eq(kvr_disk_recover(d, NULL, NULL, NULL, NULL, &err), KVR_EIO);
     kvr_disk_close(d);
     free(g);
-    kvt_rmrf(dir);
 }
-
-KVT_DISK_TESTS(disk_log, faults, faults)
 
 /* A real ENOSPC: a 1 MiB tmpfs (needs CAP_SYS_ADMIN; skipped otherwise). */
 static void real_enospc(kvr_disk_engine e)

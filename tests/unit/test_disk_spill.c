@@ -18,6 +18,7 @@
 #include "cache/disk.h"
 #include "tests/common/kvt.h"
 #include "tests/common/kvt_disk.h"
+#include "tests/common/kvt_bench.h"
 
 static const kvr_disk_engine engines[] = { KVR_DISK_ENGINE_URING, KVR_DISK_ENGINE_POSIX };
 
@@ -32,10 +33,7 @@ static kvr_disk *open_ready(const char *dir, kvr_disk_engine e, uint64_t max,
 static uint64_t rng_state = 0x9E3779B97F4A7C15ull;
 static uint64_t rnd(void)
 {
-    rng_state ^= rng_state << 13;
-    rng_state ^= rng_state >> 7;
-    rng_state ^= rng_state << 17;
-    return rng_state;
+    return kvt_xorshift(&rng_state);
 }
 
 static size_t count_files(const char *dir, const char *prefix)
@@ -88,10 +86,8 @@ Test(disk_spill, engine_names)
     kvt_rmrf(dir);
 }
 
-static void round_trips(kvr_disk_engine e)
+KVT_DISK_TEST(disk_spill, round_trips)
 {
-    char dir[256];
-    kvt_tmpdir(dir, sizeof dir, "kvr_disk");
     kvr_disk *d = open_ready(dir, e, 0, 1u << 20);   /* small segments: rolls */
     enum { N = 96 };
     size_t len[N];
@@ -153,19 +149,14 @@ static void round_trips(kvr_disk_engine e)
         free(dst[i]);
     }
     kvr_disk_close(d);
-    kvt_rmrf(dir);
 }
-
-KVT_DISK_TESTS(disk_spill, round_trips, round_trips)
 
 /* Two-part extents (a block's K/V, then its metadata, in two allocations):
  * written from and read into any split, page-aligned or not, the image is
  * the concatenation; a whole load of one matches, and a split load puts
  * each part where it belongs. */
-static void two_part(kvr_disk_engine e)
+KVT_DISK_TEST(disk_spill, two_part)
 {
-    char dir[256];
-    kvt_tmpdir(dir, sizeof dir, "kvr_disk");
     kvr_disk *d = open_ready(dir, e, 0, 4u << 20);
     enum { N = 24 };
     size_t len[N], cut[N];
@@ -234,17 +225,12 @@ static void two_part(kvr_disk_engine e)
         free(dst[i]);
     }
     kvr_disk_close(d);
-    kvt_rmrf(dir);
 }
-
-KVT_DISK_TESTS(disk_spill, two_part, two_part)
 
 /* Spilled + synced data survives a reopen; claimed handles stay, the rest
  * is reclaimed. */
-static void reopen_claim(kvr_disk_engine e)
+KVT_DISK_TEST(disk_spill, reopen_claim)
 {
-    char dir[256];
-    kvt_tmpdir(dir, sizeof dir, "kvr_disk");
     kvr_disk *d = open_ready(dir, e, 0, 256u << 10);
     enum { N = 40 };
     kvr_disk_handle h[N];
@@ -294,15 +280,10 @@ static void reopen_claim(kvr_disk_engine e)
     cr_assert_eq(kvr_disk_spill(d, &b0, 1, &hn, true, &err), 0, "%s", err.msg);
     cr_assert_gt(hn.seg, h[N - 1].seg);
     kvr_disk_close(d);
-    kvt_rmrf(dir);
 }
 
-KVT_DISK_TESTS(disk_spill, reopen_claim, reopen_claim)
-
-static void refs(kvr_disk_engine e)
+KVT_DISK_TEST(disk_spill, refs)
 {
-    char dir[256];
-    kvt_tmpdir(dir, sizeof dir, "kvr_disk");
     kvr_disk *d = open_ready(dir, e, 0, 0);
     kvr_error err = { 0 };
     uint8_t b[5000];
@@ -319,15 +300,10 @@ static void refs(kvr_disk_engine e)
     cr_assert_eq(kvr_disk_free(d, &h, &err), 0);
     cr_assert_eq(kvr_disk_ref(d, &h, &err), KVR_EINVAL);
     kvr_disk_close(d);
-    kvt_rmrf(dir);
 }
 
-KVT_DISK_TESTS(disk_spill, refs, refs)
-
-static void disk_max(kvr_disk_engine e)
+KVT_DISK_TEST(disk_spill, disk_max)
 {
-    char dir[256];
-    kvt_tmpdir(dir, sizeof dir, "kvr_disk");
     kvr_disk *d = open_ready(dir, e, 1u << 20, 0);   /* 1 MiB */
     kvr_error err = { 0 };
     static uint8_t b[100000];
@@ -356,17 +332,12 @@ static void disk_max(kvr_disk_engine e)
     cr_assert_eq(kvr_disk_load(d, &h[1], &dst, 1, NULL, &err), 0);
     cr_assert_eq(memcmp(out, b, sizeof b), 0);
     kvr_disk_close(d);
-    kvt_rmrf(dir);
 }
-
-KVT_DISK_TESTS(disk_spill, disk_max, disk_max)
 
 /* A flipped byte inside an extent fails its load (quarantined); the
  * neighbours still load. */
-static void corrupt_extent(kvr_disk_engine e)
+KVT_DISK_TEST(disk_spill, corrupt_extent)
 {
-    char dir[256];
-    kvt_tmpdir(dir, sizeof dir, "kvr_disk");
     kvr_disk *d = open_ready(dir, e, 0, 0);
     kvr_error err = { 0 };
     enum { N = 12 };
@@ -411,10 +382,7 @@ static void corrupt_extent(kvr_disk_engine e)
     kvr_disk_get_stats(d, &s);
     cr_assert_eq(s.n_quarantined, 2);
     kvr_disk_close(d);
-    kvt_rmrf(dir);
 }
-
-KVT_DISK_TESTS(disk_spill, corrupt_extent, corrupt_extent)
 
 Test(disk_spill, lock_and_args)
 {
