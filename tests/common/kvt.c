@@ -36,6 +36,12 @@ void kvt_fill(uint8_t *p, size_t n, uint64_t seed)
     }
 }
 
+void kvt_iota(uint32_t *t, size_t n, uint32_t base)
+{
+    for (size_t i = 0; i < n; i++)
+        t[i] = base + (uint32_t)i;
+}
+
 void kvt_write_file(const char *path, const void *data, size_t n)
 {
     FILE *f = fopen(path, "wb");

@@ -25,6 +25,9 @@ void kvt_rmrf(const char *dir);
 /* n bytes of a xorshift64 stream from seed: the same seed, the same bytes. */
 void kvt_fill(uint8_t *p, size_t n, uint64_t seed);
 
+/* t[i] = base + i for i < n: token ids in a run. */
+void kvt_iota(uint32_t *t, size_t n, uint32_t base);
+
 /* Writes n bytes to path (created or truncated). */
 void kvt_write_file(const char *path, const void *data, size_t n);
 

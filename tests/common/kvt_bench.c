@@ -5,6 +5,7 @@
 #include "tests/common/kvt_bench.h"
 
 #include <fcntl.h>
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <time.h>
@@ -50,4 +51,22 @@ double kvt_plain_pass(int fd, uint8_t *buf, size_t chunk, size_t total, int writ
     if (write)
         fdatasync(fd);
     return (double)total / (kvt_now_s() - t0) / 1e9;
+}
+
+double kvt_kl_logits(const float *a, const float *b, size_t n)
+{
+    double ma = -INFINITY, mb = -INFINITY, za = 0, zb = 0, kl = 0;
+    for (size_t k = 0; k < n; k++) {
+        ma = fmax(ma, (double)a[k]);
+        mb = fmax(mb, (double)b[k]);
+    }
+    for (size_t k = 0; k < n; k++) {
+        za += exp((double)a[k] - ma);
+        zb += exp((double)b[k] - mb);
+    }
+    for (size_t k = 0; k < n; k++) {
+        double la = (double)a[k] - ma - log(za), lb = (double)b[k] - mb - log(zb);
+        kl += exp(la) * (la - lb);
+    }
+    return kl;
 }

@@ -19,6 +19,10 @@ uint64_t kvt_xorshift(uint64_t *state);
 /* $name as a whole number, or dflt when unset or empty. */
 size_t kvt_env_size(const char *name, size_t dflt);
 
+/* KL(softmax(a) || softmax(b)) in nats over n logits (one next-token
+ * distribution against another; 0 when they are the same). */
+double kvt_kl_logits(const float *a, const float *b, size_t n);
+
 /* The disk benches' baseline file: dir/plain.dat (its path into path, cap
  * bytes) created with O_DIRECT, or without if the filesystem refuses it.
  * The descriptor, or -1. */
