@@ -3,6 +3,7 @@
  * Compiled once into libtestcommon.a.
  */
 #include "tests/common/kvr_testd.h"
+#include "tests/common/kvt_bench.h"
 
 const char *testd_build_dir(void)
 {
@@ -210,10 +211,7 @@ int testd_cli(const kvr_testd *d, char *out, size_t cap, const char *const *args
 
 int testd_register(kvr_client *c, const char *name, kvr_dtype dtype, kvr_model *out)
 {
-    kvr_rope_config rc;
-    kvr_rope_config_init(&rc);
-    rc.head_dim = T_DIM;
-    rc.rotary_dim = T_DIM;
+    kvr_rope_config rc = kvt_rope_config(T_DIM, 0);
     kvr_model_params p = { .name = name, .n_layers = T_LAYERS, .n_kv_heads = T_HEADS,
                            .head_dim = T_DIM, .dtype = dtype, .rope = &rc };
     return kvr_client_model_register(c, &p, out);

@@ -155,3 +155,26 @@ int kvt_unix_connect(const char *path, int rcv_timeout_s)
     }
     return fd;
 }
+
+ssize_t kvt_send_fds(int fd, const void *buf, size_t len, int pass, int copies)
+{
+    struct iovec iov = { (void *)(uintptr_t)buf, len };
+    union {
+        struct cmsghdr h;
+        char b[CMSG_SPACE(253 * sizeof(int))];
+    } cm;
+    memset(&cm, 0, sizeof cm);
+    struct msghdr mh = { .msg_iov = &iov, .msg_iovlen = 1 };
+    if (copies > 0) {
+        cr_assert_leq(copies, 253);
+        mh.msg_control = cm.b;
+        mh.msg_controllen = CMSG_SPACE((size_t)copies * sizeof(int));
+        struct cmsghdr *h = CMSG_FIRSTHDR(&mh);
+        h->cmsg_level = SOL_SOCKET;
+        h->cmsg_type = SCM_RIGHTS;
+        h->cmsg_len = CMSG_LEN((size_t)copies * sizeof(int));
+        for (int i = 0; i < copies; i++)
+            memcpy(CMSG_DATA(h) + (size_t)i * sizeof(int), &pass, sizeof(int));
+    }
+    return sendmsg(fd, &mh, MSG_NOSIGNAL);
+}

@@ -63,6 +63,10 @@ int kvt_count_fds(pid_t pid);
  * receive timeout of rcv_timeout_s seconds if that is > 0. */
 int kvt_unix_connect(const char *path, int rcv_timeout_s);
 
+/* sendmsg of len bytes of buf on fd with `copies` copies (0..253) of
+ * descriptor pass attached (SCM_RIGHTS): what sendmsg returned. */
+ssize_t kvt_send_fds(int fd, const void *buf, size_t len, int pass, int copies);
+
 /* A TCP port on 127.0.0.1 that was free a moment ago (bound, then let go). */
 int kvt_free_tcp_port(void);
 

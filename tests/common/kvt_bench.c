@@ -70,3 +70,14 @@ double kvt_kl_logits(const float *a, const float *b, size_t n)
     }
     return kl;
 }
+
+kvr_rope_config kvt_rope_config(uint32_t dim, uint32_t heads)
+{
+    kvr_rope_config c;
+    kvr_rope_config_init(&c);
+    c.head_dim = dim;
+    c.rotary_dim = dim;
+    if (heads > 0)
+        c.num_kv_heads = heads;
+    return c;
+}

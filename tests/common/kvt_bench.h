@@ -9,6 +9,8 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "base/config.h"
+
 /* CLOCK_MONOTONIC in seconds. */
 double kvt_now_s(void);
 
@@ -18,6 +20,10 @@ uint64_t kvt_xorshift(uint64_t *state);
 
 /* $name as a whole number, or dflt when unset or empty. */
 size_t kvt_env_size(const char *name, size_t dflt);
+
+/* kvr_rope_config_init's defaults with head_dim = rotary_dim = dim (full
+ * rotation) and, if heads > 0, num_kv_heads = heads. */
+kvr_rope_config kvt_rope_config(uint32_t dim, uint32_t heads);
 
 /* KL(softmax(a) || softmax(b)) in nats over n logits (one next-token
  * distribution against another; 0 when they are the same). */

@@ -379,21 +379,7 @@ Test(daemon_readahead, a_flood_of_pipelined_frames_starves_no_other_connection)
 /* Writes buf[0..len) with nfd copies of fd attached (SCM_RIGHTS). */
 static void send_fds(int fd, const void *buf, size_t len, int pass, int nfd)
 {
-    struct iovec iov = { (void *)(uintptr_t)buf, len };
-    union {
-        struct cmsghdr h;
-        char b[CMSG_SPACE(16 * sizeof(int))];
-    } cm;
-    memset(&cm, 0, sizeof cm);
-    struct msghdr mh = { .msg_iov = &iov, .msg_iovlen = 1, .msg_control = cm.b,
-                         .msg_controllen = CMSG_SPACE((size_t)nfd * sizeof(int)) };
-    struct cmsghdr *h = CMSG_FIRSTHDR(&mh);
-    h->cmsg_level = SOL_SOCKET;
-    h->cmsg_type = SCM_RIGHTS;
-    h->cmsg_len = CMSG_LEN((size_t)nfd * sizeof(int));
-    for (int i = 0; i < nfd; i++)
-        memcpy(CMSG_DATA(h) + (size_t)i * sizeof(int), &pass, sizeof(int));
-    cr_assert_eq(sendmsg(fd, &mh, MSG_NOSIGNAL), (ssize_t)len);
+    cr_assert_eq(kvt_send_fds(fd, buf, len, pass, nfd), (ssize_t)len);
 }
 
 static void wait_fds_at_most(int limit)

@@ -7,6 +7,7 @@
 #include <criterion/criterion.h>
 
 #include "tests/common/kvt_daemon.h"
+#include "tests/common/kvt_wire.h"
 
 static kvr_testd D;
 static kvr_client *C;
@@ -482,10 +483,7 @@ static int open_put_without_payload(const char *sock, const char *ctx, const cha
     p.mode = KVROPE__PUT_MODE__APPEND;
     p.n_tokens = 1;
     p.tokens = tok;
-    Kvrope__Request q = KVROPE__REQUEST__INIT;
-    q.id = 1;
-    q.body_case = KVROPE__REQUEST__BODY_PUT;
-    q.put = &p;
+    Kvrope__Request q = kvt_put_request(1, &p);
     uint8_t buf[512];
     size_t n = kvrope__request__pack(&q, buf + KVR_FRAME_HEADER_SIZE);
     kvr_frame_header_encode(buf, (uint32_t)n, kvr_payload_size(T_LAYERS, 1, T_HEADS, T_DIM,

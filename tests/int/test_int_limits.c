@@ -32,6 +32,7 @@
 #include "tests/common/kvt_daemon.h"
 #include "tests/common/kvt.h"
 #include "tests/common/kvt_io.h"
+#include "tests/common/kvt_wire.h"
 
 static int raw_connect(const kvr_testd *d)
 {
@@ -88,10 +89,7 @@ static uint8_t *put_frame(const char *ctx, size_t n_tok, size_t *len, uint64_t *
     p.dtype = KVROPE__DTYPE__F16;
     p.n_tokens = n_tok;
     p.tokens = tok;
-    Kvrope__Request q = KVROPE__REQUEST__INIT;
-    q.id = 7;
-    q.body_case = KVROPE__REQUEST__BODY_PUT;
-    q.put = &p;
+    Kvrope__Request q = kvt_put_request(7, &p);
     size_t m = kvrope__request__get_packed_size(&q);
     uint8_t *b = malloc(KVR_FRAME_HEADER_SIZE + m);
     kvrope__request__pack(&q, b + KVR_FRAME_HEADER_SIZE);
