@@ -146,6 +146,22 @@ typedef struct job {
     pthread_barrier_t *bar;
 } job;
 
+/* One put of context id for job j: the payload from buf over the socket
+ * (M_UNIX) or from the job's registered region (shared memory). */
+static int put_once(kvr_client *c, const job *j, const char *id, const uint32_t *tok,
+                    size_t n_tokens, const uint8_t *buf, uint32_t region)
+{
+    kvr_put_args p = { .ctx_id = id, .model = "bench", .dtype = KVR_DTYPE_F16,
+                       .mode = KVR_PUT_CREATE, .tokens = tok, .n_tokens = n_tokens };
+    if (j->mode == M_UNIX) {
+        p.payload = buf;
+        p.payload_len = j->bytes;
+        return kvr_client_put(c, &p, NULL);
+    }
+    kvr_shm at = { region, 0, j->bytes };
+    return kvr_client_put_shm(c, &p, &at, NULL);
+}
+
 static void *run_job(void *arg)
 {
     job *j = arg;
@@ -226,16 +242,7 @@ static void *run_job(void *arg)
         if (j->op == OP_PUT) {
             for (long k = 0; k <= keep && rc == 0; k++) {
                 snprintf(id, sizeof id, "w%d-%d-%ld", j->id, j->slice, k);
-                kvr_put_args p = { .ctx_id = id, .model = "bench", .dtype = KVR_DTYPE_F16,
-                                   .mode = KVR_PUT_CREATE, .tokens = tok,
-                                   .n_tokens = n_tokens };
-                if (j->mode == M_UNIX) {
-                    p.payload = buf;
-                    p.payload_len = j->bytes;
-                    rc = kvr_client_put(c, &p, NULL);
-                } else {
-                    rc = kvr_client_put_shm(c, &p, &at, NULL);
-                }
+                rc = put_once(c, j, id, tok, n_tokens, buf, region);
             }
             for (long k = 0; k <= keep && rc == 0; k++) {
                 snprintf(id, sizeof id, "w%d-%d-%ld", j->id, j->slice, k);
@@ -275,17 +282,7 @@ static void *run_job(void *arg)
                                  : resp_get(&r, key, buf, j->bytes);
         } else if (j->op == OP_PUT) {
             snprintf(id, sizeof id, "p%d-%d-%ld", j->id, j->slice, ops);
-            kvr_put_args p = { .ctx_id = id, .model = "bench", .dtype = KVR_DTYPE_F16,
-                               .mode = KVR_PUT_CREATE, .tokens = tok,
-                               .n_tokens = n_tokens };
-            if (j->mode == M_UNIX) {
-                p.payload = buf;
-                p.payload_len = j->bytes;
-                rc = kvr_client_put(c, &p, NULL);
-            } else {
-                kvr_shm at = { region, 0, j->bytes };
-                rc = kvr_client_put_shm(c, &p, &at, NULL);
-            }
+            rc = put_once(c, j, id, tok, n_tokens, buf, region);
             if (rc == 0 && ops >= keep) {
                 snprintf(old, sizeof old, "p%d-%d-%ld", j->id, j->slice, ops - keep);
                 rc = kvr_client_delete_deferred(c, old);
