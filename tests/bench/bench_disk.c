@@ -430,14 +430,8 @@ static double median(const double *v0, int n)
 int main(void)
 {
     const char *t = getenv("TMPDIR");
-    const char *mb = getenv("KVR_BENCH_DISK_MB");
-    const char *rn = getenv("KVR_BENCH_DISK_ROUNDS");
-    int rounds = rn ? atoi(rn) : 3;
-    if (rounds < 1)
-        rounds = 1;
-    if (rounds > MAX_ROUNDS)
-        rounds = MAX_ROUNDS;
-    size_t total = (size_t)(mb ? atoi(mb) : 512) << 20;
+    int rounds = kvt_env_int("KVR_BENCH_DISK_ROUNDS", 3, 1, MAX_ROUNDS);
+    size_t total = (size_t)kvt_env_int("KVR_BENCH_DISK_MB", 512, 1, 1 << 20) << 20;
     total = (total / ((size_t)BATCH * BLOCK)) * BATCH * BLOCK;
     if (!total)
         total = (size_t)BATCH * BLOCK;

@@ -248,9 +248,7 @@ static void *run_job(void *arg)
         if ((ffd = floor_connect(j->floor_sock)) < 0)
             j->err = 1;
     } else if (j->side == SIDE_REDIS) {
-        if (resp_connect(&r, j->redis_sock) < 0)
-            j->err = 1;
-        else if (j->op == OP_GET && resp_set(&r, key, buf, j->bytes) < 0)
+        if (resp_prepare(&r, j->redis_sock, j->op == OP_GET, key, buf, j->bytes) < 0)
             j->err = 1;
     } else {
         if (kvr_client_connect(&c, j->kvr_addr, NULL) < 0) {

@@ -199,9 +199,7 @@ static void *run_job(void *arg)
             memset(reg, j->mode == M_POOL_ZERO ? 0 : 0x3c, j->bytes);
         }
     } else if (j->mode == M_REDIS) {
-        if (resp_connect(&r, j->redis_sock) < 0)
-            j->err = 1;
-        else if (j->op == OP_GET && resp_set(&r, key, buf, j->bytes) < 0)
+        if (resp_prepare(&r, j->redis_sock, j->op == OP_GET, key, buf, j->bytes) < 0)
             j->err = 1;
     } else {
         if (kvr_client_connect(&c, j->kvr_addr, NULL) < 0) {

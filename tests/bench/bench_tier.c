@@ -171,14 +171,8 @@ static double median(double *v, int n)
 
 int main(void)
 {
-    const char *mb = getenv("KVR_BENCH_TIER_MB");
-    const char *rn = getenv("KVR_BENCH_TIER_ROUNDS");
-    int rounds = rn ? atoi(rn) : 3;
-    if (rounds < 1)
-        rounds = 1;
-    if (rounds > MAX_ROUNDS)
-        rounds = MAX_ROUNDS;
-    size_t total = (size_t)(mb ? atoi(mb) : 256) << 20;
+    int rounds = kvt_env_int("KVR_BENCH_TIER_ROUNDS", 3, 1, MAX_ROUNDS);
+    size_t total = (size_t)kvt_env_int("KVR_BENCH_TIER_MB", 256, 1, 1 << 20) << 20;
     size_t ctx_bytes = (size_t)NL * 2 * CTX_TOKENS * NH * HD * 2;
     size_t n_ctx = total / ctx_bytes ? total / ctx_bytes : 1;
     total = n_ctx * ctx_bytes;

@@ -158,6 +158,14 @@ int resp_get(resp *r, const char *key, void *dst, size_t cap)
     return 0;
 }
 
+int resp_prepare(resp *r, const char *sock, int set, const char *key, const void *val,
+                 size_t len)
+{
+    if (resp_connect(r, sock) < 0)
+        return -1;
+    return set && resp_set(r, key, val, len) < 0 ? -1 : 0;
+}
+
 int bench_peers_start(bench_peers *b, const char *name, const char *tmpl, uint32_t layers,
                       uint32_t heads, uint32_t dim)
 {

@@ -51,6 +51,11 @@ int resp_set(resp *r, const char *key, const void *val, size_t len);
 
 int resp_get(resp *r, const char *key, void *dst, size_t cap);
 
+/* Connects r to the Redis socket and, when set, stores key = val (len
+ * bytes) for the gets to come. 0, or -1 if either failed. */
+int resp_prepare(resp *r, const char *sock, int set, const char *key, const void *val,
+                 size_t len);
+
 /* ---- the two peers: kvroped and redis-server ---------------------------- */
 
 /* Both servers of a socket benchmark in one temporary directory. */

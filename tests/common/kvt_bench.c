@@ -32,6 +32,13 @@ size_t kvt_env_size(const char *name, size_t dflt)
     return v && *v ? (size_t)strtoull(v, NULL, 10) : dflt;
 }
 
+int kvt_env_int(const char *name, int dflt, int lo, int hi)
+{
+    const char *v = getenv(name);
+    int n = v && *v ? atoi(v) : dflt;
+    return n < lo ? lo : n > hi ? hi : n;
+}
+
 int kvt_plain_open(const char *dir, char *path, size_t cap)
 {
     snprintf(path, cap, "%s/plain.dat", dir);

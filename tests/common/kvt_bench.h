@@ -21,6 +21,10 @@ uint64_t kvt_xorshift(uint64_t *state);
 /* $name as a whole number, or dflt when unset or empty. */
 size_t kvt_env_size(const char *name, size_t dflt);
 
+/* $name as a whole number (dflt when unset or empty) brought into [lo, hi]:
+ * a round count, a size in MiB. */
+int kvt_env_int(const char *name, int dflt, int lo, int hi);
+
 /* kvr_rope_config_init's defaults with head_dim = rotary_dim = dim (full
  * rotation) and, if heads > 0, num_kv_heads = heads. */
 kvr_rope_config kvt_rope_config(uint32_t dim, uint32_t heads);

@@ -107,6 +107,17 @@ static void append_n(kvr_disk *d, uint32_t from, uint32_t n, uint64_t *ends)
     }
 }
 
+/* A fresh got (*g; free it) and dir's log opened with records 0..n-1
+ * appended. */
+static kvr_disk *log_of(const char *dir, kvr_disk_engine e, got **g, kvr_disk_recovery *rs,
+                        uint32_t n)
+{
+    *g = calloc(1, sizeof **g);
+    kvr_disk *d = reopen(dir, e, *g, rs);
+    append_n(d, 0, n, NULL);
+    return d;
+}
+
 static void log_path(char *p, size_t cap, const char *dir)
 {
     /* The one live generation. */
@@ -332,11 +343,10 @@ KVT_DISK_TESTS(disk_log, truncated, truncated)
 /* Injected faults. */
 KVT_DISK_TEST(disk_log, faults)
 {
-    got *g = calloc(1, sizeof *g);
+    got *g;
     kvr_disk_recovery rs;
+    kvr_disk *d = log_of(dir, e, &g, &rs, 5);
     kvr_error err = { 0 };
-    kvr_disk *d = reopen(dir, e, g, &rs);
-    append_n(d, 0, 5, NULL);
     static uint8_t buf[4096];
     kvr_disk_rec_in r;
 
@@ -440,11 +450,10 @@ static void real_enospc(kvr_disk_engine e)
         rmdir(dir);
         cr_skip_test("cannot mount a tmpfs here (%s)", strerror(errno));
     }
-    got *g = calloc(1, sizeof *g);
+    got *g;
     kvr_disk_recovery rs;
+    kvr_disk *d = log_of(dir, e, &g, &rs, 3);
     kvr_error err = { 0 };
-    kvr_disk *d = reopen(dir, e, g, &rs);
-    append_n(d, 0, 3, NULL);
     static uint8_t data[100000];
     kvt_fill(data, sizeof data, 5);
     kvr_disk_buf kb = { .data = data, .len = sizeof data };

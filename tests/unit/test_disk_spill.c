@@ -36,6 +36,13 @@ static uint64_t rnd(void)
     return kvt_xorshift(&rng_state);
 }
 
+/* free() of a[0..n). */
+static void free_n(void **a, int n)
+{
+    for (int i = 0; i < n; i++)
+        free(a[i]);
+}
+
 static size_t count_files(const char *dir, const char *prefix)
 {
     char cmd[512];
@@ -144,10 +151,8 @@ KVT_DISK_TEST(disk_spill, round_trips)
     cr_assert_eq(st.data_bytes, 0);
     cr_assert_leq(st.segments, 1);
     cr_assert_leq(count_files(dir, "seg-"), 1);
-    for (int i = 0; i < N; i++) {
-        free(src[i]);
-        free(dst[i]);
-    }
+    free_n((void **)src, N);
+    free_n(dst, N);
     kvr_disk_close(d);
 }
 
@@ -219,11 +224,9 @@ KVT_DISK_TEST(disk_spill, two_part)
     kvr_disk_buf nb = { .data = kv[0], .len = 10, .tail = NULL, .tail_len = 5 };
     kvr_disk_handle hx;
     cr_assert_eq(kvr_disk_spill(d, &nb, 1, &hx, false, &err), KVR_EINVAL);
-    for (int i = 0; i < N; i++) {
-        free(src[i]);
-        free(kv[i]);
-        free(dst[i]);
-    }
+    free_n((void **)src, N);
+    free_n((void **)kv, N);
+    free_n(dst, N);
     kvr_disk_close(d);
 }
 
