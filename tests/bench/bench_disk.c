@@ -172,21 +172,17 @@ static int drop_caches(void)
 /* dd-equivalent: O_DIRECT sequential write + fdatasync, then read. */
 static void plain(const char *dir, size_t total, double *w, double *r)
 {
-    char path[512];
-    int fd = kvt_plain_open(dir, path, sizeof path);
-    size_t chunk = 4u << 20;
-    uint8_t *buf = kvr_mem_aligned(4096, chunk);
-    memset(buf, 0x5A, chunk);
+    kvt_plain p;
+    kvt_plain_open(&p, dir);
     devstat x = dev_read(1);
-    *w = kvt_plain_pass(fd, buf, chunk, total, 1);
+    *w = kvt_plain_pass(&p, total, 1);
     dev_add(&dv_plain_w, x, dev_read(1));
     drop_caches();      /* as before each reload: the same state of the machine */
     x = dev_read(0);
-    *r = kvt_plain_pass(fd, buf, chunk, total, 0);
+    *r = kvt_plain_pass(&p, total, 0);
     dev_add(&dv_plain_r, x, dev_read(0));
-    pr_plain[cur_round] = phys_run(buf, chunk);
-    close(fd);
-    kvr_mem_free(buf);
+    pr_plain[cur_round] = phys_run(p.buf, p.chunk);
+    kvt_plain_close(&p);
 }
 
 static double median(const double *v0, int n);

@@ -294,10 +294,8 @@ static void *run_job(void *arg)
                                    .n_tokens = n_tokens, .payload = buf,
                                    .payload_len = j->bytes };
                 rc = kvr_client_put(c, &p, NULL);
-                if (rc == 0 && ops >= KEEP) {
-                    snprintf(old, sizeof old, "p%d-%d-%ld", j->id, j->slice, ops - KEEP);
-                    rc = kvr_client_delete_deferred(c, old);
-                }
+                if (rc == 0)
+                    rc = bench_drop_old(c, j->id, j->slice, ops, KEEP);
             } else {
                 kvr_kv kv;
                 kvr_get_args g = { .ctx_id = key, .dtype = KVR_DTYPE_F16, .dst = buf,

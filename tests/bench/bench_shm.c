@@ -281,10 +281,8 @@ static void *run_job(void *arg)
         } else if (j->op == OP_PUT) {
             snprintf(id, sizeof id, "p%d-%d-%ld", j->id, j->slice, ops);
             rc = put_once(c, j, id, tok, n_tokens, buf, region);
-            if (rc == 0 && ops >= keep) {
-                snprintf(old, sizeof old, "p%d-%d-%ld", j->id, j->slice, ops - keep);
-                rc = kvr_client_delete_deferred(c, old);
-            }
+            if (rc == 0)
+                rc = bench_drop_old(c, j->id, j->slice, ops, keep);
         } else {
             kvr_kv kv;
             kvr_get_args g = { .ctx_id = key, .dtype = KVR_DTYPE_F16, .dst = buf,

@@ -53,17 +53,13 @@ static void drop_caches(void)
 
 static void plain(const char *dir, size_t total, double *w, double *r)
 {
-    char path[600];
-    int fd = kvt_plain_open(dir, path, sizeof path);
-    size_t chunk = 4u << 20;
-    uint8_t *buf = kvr_mem_aligned(4096, chunk);
-    memset(buf, 0x5A, chunk);
-    *w = kvt_plain_pass(fd, buf, chunk, total, 1);
+    kvt_plain p;
+    kvt_plain_open(&p, dir);
+    *w = kvt_plain_pass(&p, total, 1);
     drop_caches();
-    *r = kvt_plain_pass(fd, buf, chunk, total, 0);
-    close(fd);
-    unlink(path);
-    kvr_mem_free(buf);
+    *r = kvt_plain_pass(&p, total, 0);
+    kvt_plain_close(&p);
+    unlink(p.path);
 }
 
 static kvr_store *open_store(const char *dir, int engine, kvr_tier_recovery *rec)

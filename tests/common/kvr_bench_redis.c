@@ -166,6 +166,15 @@ int resp_prepare(resp *r, const char *sock, int set, const char *key, const void
     return set && resp_set(r, key, val, len) < 0 ? -1 : 0;
 }
 
+int bench_drop_old(struct kvr_client *c, int job, int slice, long ops, long keep)
+{
+    if (ops < keep)
+        return 0;
+    char old[64];
+    snprintf(old, sizeof old, "p%d-%d-%ld", job, slice, ops - keep);
+    return kvr_client_delete_deferred(c, old);
+}
+
 int bench_peers_start(bench_peers *b, const char *name, const char *tmpl, uint32_t layers,
                       uint32_t heads, uint32_t dim)
 {

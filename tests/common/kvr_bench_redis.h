@@ -56,6 +56,15 @@ int resp_get(resp *r, const char *key, void *dst, size_t cap);
 int resp_prepare(resp *r, const char *sock, int set, const char *key, const void *val,
                  size_t len);
 
+struct kvr_client;
+
+/* ---- kvroped's side ------------------------------------------------------ */
+
+/* After the put of "p<job>-<slice>-<ops>", the deferred delete of the one
+ * keep puts back, so that a timed put loop holds keep contexts at most.
+ * 0, or what the delete returned. */
+int bench_drop_old(struct kvr_client *c, int job, int slice, long ops, long keep);
+
 /* ---- the two peers: kvroped and redis-server ---------------------------- */
 
 /* Both servers of a socket benchmark in one temporary directory. */

@@ -8,6 +8,7 @@
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -39,25 +40,38 @@ int kvt_env_int(const char *name, int dflt, int lo, int hi)
     return n < lo ? lo : n > hi ? hi : n;
 }
 
-int kvt_plain_open(const char *dir, char *path, size_t cap)
+int kvt_plain_open(kvt_plain *p, const char *dir)
 {
-    snprintf(path, cap, "%s/plain.dat", dir);
-    int fd = open(path, O_RDWR | O_CREAT | O_TRUNC | O_DIRECT, 0644);
-    if (fd < 0)
-        fd = open(path, O_RDWR | O_CREAT | O_TRUNC, 0644);
-    return fd;
+    snprintf(p->path, sizeof p->path, "%.500s/plain.dat", dir);
+    p->chunk = 4u << 20;
+    p->buf = aligned_alloc(4096, p->chunk);
+    p->fd = open(p->path, O_RDWR | O_CREAT | O_TRUNC | O_DIRECT, 0644);
+    if (p->fd < 0)
+        p->fd = open(p->path, O_RDWR | O_CREAT | O_TRUNC, 0644);
+    if (p->buf)
+        memset(p->buf, 0x5A, p->chunk);
+    return p->fd >= 0 && p->buf ? 0 : -1;
 }
 
-double kvt_plain_pass(int fd, uint8_t *buf, size_t chunk, size_t total, int write)
+double kvt_plain_pass(kvt_plain *p, size_t total, int write)
 {
     double t0 = kvt_now_s();
-    for (size_t o = 0; o < total; o += chunk)
-        if ((write ? pwrite(fd, buf, chunk, (off_t)o) : pread(fd, buf, chunk, (off_t)o)) !=
-            (ssize_t)chunk)
+    for (size_t o = 0; o < total; o += p->chunk)
+        if ((write ? pwrite(p->fd, p->buf, p->chunk, (off_t)o)
+                   : pread(p->fd, p->buf, p->chunk, (off_t)o)) != (ssize_t)p->chunk)
             break;
     if (write)
-        fdatasync(fd);
+        fdatasync(p->fd);
     return (double)total / (kvt_now_s() - t0) / 1e9;
+}
+
+void kvt_plain_close(kvt_plain *p)
+{
+    if (p->fd >= 0)
+        close(p->fd);
+    free(p->buf);
+    p->fd = -1;
+    p->buf = NULL;
 }
 
 double kvt_kl_logits(const float *a, const float *b, size_t n)

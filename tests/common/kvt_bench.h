@@ -33,13 +33,24 @@ kvr_rope_config kvt_rope_config(uint32_t dim, uint32_t heads);
  * distribution against another; 0 when they are the same). */
 double kvt_kl_logits(const float *a, const float *b, size_t n);
 
-/* The disk benches' baseline file: dir/plain.dat (its path into path, cap
- * bytes) created with O_DIRECT, or without if the filesystem refuses it.
- * The descriptor, or -1. */
-int kvt_plain_open(const char *dir, char *path, size_t cap);
+/* The disk benches' baseline: a plain file written and read in 4 MiB
+ * requests, as dd would. */
+typedef struct kvt_plain {
+    char     path[600];
+    int      fd;
+    uint8_t *buf;      /* chunk bytes, 4 KiB aligned, 0x5A */
+    size_t   chunk;
+} kvt_plain;
 
-/* GB/s of one sequential pass over [0, total) of fd in chunk-byte requests
- * from / into buf: pwrite and then fdatasync (write), or pread. */
-double kvt_plain_pass(int fd, uint8_t *buf, size_t chunk, size_t total, int write);
+/* dir/plain.dat created with O_DIRECT (without if the filesystem refuses
+ * it) and the buffer. 0, or -1 if either failed. */
+int kvt_plain_open(kvt_plain *p, const char *dir);
+
+/* GB/s of one sequential pass over [0, total) of the file: pwrite and then
+ * fdatasync (write), or pread. */
+double kvt_plain_pass(kvt_plain *p, size_t total, int write);
+
+/* Closes the file (it stays) and frees the buffer. */
+void kvt_plain_close(kvt_plain *p);
 
 #endif
