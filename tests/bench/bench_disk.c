@@ -187,6 +187,22 @@ static void plain(const char *dir, size_t total, double *w, double *r)
 
 static double median(const double *v0, int n);
 
+/* Seconds to load handles h[0..n) in batches of BATCH into dst (exits on
+ * an error: a benchmark with a failing disk measures nothing). */
+static double load_all(kvr_disk *d, const kvr_disk_handle *h, void **dst, size_t n)
+{
+    kvr_error err = { 0 };
+    double t0 = kvt_now_s();
+    for (size_t i = 0; i < n; i += BATCH) {
+        size_t b = n - i < BATCH ? n - i : BATCH;
+        if (kvr_disk_load(d, &h[i], dst, b, NULL, &err)) {
+            fprintf(stderr, "bench_disk: %s\n", err.msg);
+            exit(1);
+        }
+    }
+    return kvt_now_s() - t0;
+}
+
 /* Seconds of a plain read of [off, off + len) of fd into buf, in 4 MiB
  * requests one at a time (the baseline's own pattern). */
 static double plain_part(int fd, uint8_t *buf, size_t off, size_t len)
@@ -300,15 +316,7 @@ static void spill_reload(const char *dir, kvr_disk_engine e, size_t total, doubl
         dst[k] = src + (size_t)k * BLOCK;
     pr_layer[e == KVR_DISK_ENGINE_POSIX][cur_round] = phys_run(src, (size_t)BATCH * BLOCK);
     x = dev_read(0);
-    double t0 = kvt_now_s();
-    for (size_t i = 0; i < n; i += BATCH) {
-        size_t b = n - i < BATCH ? n - i : BATCH;
-        if (kvr_disk_load(d, &h[i], dst, b, NULL, &err)) {
-            fprintf(stderr, "bench_disk: %s\n", err.msg);
-            exit(1);
-        }
-    }
-    *r = (double)(n * BLOCK) / (kvt_now_s() - t0) / 1e9;
+    *r = (double)(n * BLOCK) / load_all(d, h, dst, n) / 1e9;
     dev_add(dr, x, dev_read(0));
     /* Side by side: a plain read of the round's plain file (the same
      * number of bytes, 4 MiB requests one at a time) into the same memory,
@@ -328,15 +336,7 @@ static void spill_reload(const char *dir, kvr_disk_engine e, size_t total, doubl
             size_t b = n - i < BATCH ? n - i : BATCH;
             tp += plain_part(pfd, src, i * BLOCK, b * BLOCK) / 2;
         }
-        double t1 = kvt_now_s();
-        for (size_t i = 0; i < n; i += BATCH) {
-            size_t b = n - i < BATCH ? n - i : BATCH;
-            if (kvr_disk_load(d, &h[i], dst, b, NULL, &err)) {
-                fprintf(stderr, "bench_disk: %s\n", err.msg);
-                exit(1);
-            }
-        }
-        double tl = kvt_now_s() - t1;
+        double tl = load_all(d, h, dst, n);
         for (size_t i = 0; i < n; i += BATCH) {
             size_t b = n - i < BATCH ? n - i : BATCH;
             tp += plain_part(pfd, src, i * BLOCK, b * BLOCK) / 2;
