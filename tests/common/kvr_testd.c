@@ -268,20 +268,29 @@ uint32_t *testd_tokens(uint32_t base, size_t n)
     return t;
 }
 
-int testd_put(kvr_client *c, const char *ctx, const char *model, kvr_dtype dt,
-                            uint32_t seed, uint32_t base, uint64_t t0, size_t n)
+int testd_put_with(kvr_client *c, kvr_put_args *a, uint32_t seed, uint32_t base, uint64_t t0,
+                   size_t n)
 {
     size_t len;
-    void *pl = testd_payload(seed, T_LAYERS, t0, n, dt, &len);
+    void *pl = testd_payload(seed, T_LAYERS, t0, n, a->dtype, &len);
     uint32_t *tok = testd_tokens(base, n);
-    kvr_put_args a = { .mode = KVR_PUT_UPSERT, .ctx_id = ctx, .model = model, .dtype = dt, .tokens = tok, .n_tokens = n,
-                       .has_pos_start = true, .pos_start = (int64_t)t0,
-                       .n_layers = T_LAYERS, .n_kv_heads = T_HEADS, .head_dim = T_DIM,
-                       .payload = pl, .payload_len = len };
-    int r = kvr_client_put(c, &a, NULL);
+    a->tokens = tok;
+    a->n_tokens = n;
+    a->payload = pl;
+    a->payload_len = len;
+    int r = kvr_client_put(c, a, NULL);
     free(pl);
     free(tok);
     return r;
+}
+
+int testd_put(kvr_client *c, const char *ctx, const char *model, kvr_dtype dt, uint32_t seed,
+              uint32_t base, uint64_t t0, size_t n)
+{
+    kvr_put_args a = { .mode = KVR_PUT_UPSERT, .ctx_id = ctx, .model = model, .dtype = dt,
+                       .has_pos_start = true, .pos_start = (int64_t)t0,
+                       .n_layers = T_LAYERS, .n_kv_heads = T_HEADS, .head_dim = T_DIM };
+    return testd_put_with(c, &a, seed, base, t0, n);
 }
 
 double testd_metric(kvr_client *c, const char *name)

@@ -104,6 +104,12 @@ void *testd_payload(uint32_t seed, uint32_t nl, uint64_t t0, size_t n,
 
 uint32_t *testd_tokens(uint32_t base, size_t n);
 
+/* Puts n tokens (ids base.., payload of stream seed at positions from t0,
+ * a->dtype) with the rest of *a as the caller set it (tokens and payload
+ * filled in here). */
+int testd_put_with(kvr_client *c, kvr_put_args *a, uint32_t seed, uint32_t base, uint64_t t0,
+                   size_t n);
+
 /* Puts n tokens (ids base.., data seed, positions from t0) into ctx. */
 int testd_put(kvr_client *c, const char *ctx, const char *model, kvr_dtype dt,
                             uint32_t seed, uint32_t base, uint64_t t0, size_t n);

@@ -39,3 +39,13 @@ void kvt_disk_in_tmpdir(void (*fn)(kvr_disk_engine e, const char *dir), kvr_disk
     fn(e, dir);
     kvt_rmrf(dir);
 }
+
+int kvt_spill_until(kvr_disk *d, const kvr_disk_buf *kb, kvr_disk_handle *h, int cap,
+                    bool sync, int *rc, kvr_error *err)
+{
+    int n = 0;
+    *rc = 0;
+    while (n < cap && (*rc = kvr_disk_spill(d, kb, 1, &h[n], sync, err)) == 0)
+        n++;
+    return n;
+}

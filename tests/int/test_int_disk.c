@@ -208,16 +208,9 @@ static void restart(const char *engine)
 
 static int put_replace(kvr_client *c, const char *ctx, uint32_t seed, size_t n, bool persist)
 {
-    size_t len;
-    void *pl = testd_payload(seed, T_LAYERS, 0, n, KVR_DTYPE_F16, &len);
-    uint32_t *tok = testd_tokens(seed * 1000, n);
-    kvr_put_args a = { .ctx_id = ctx, .model = "m", .dtype = KVR_DTYPE_F16, .tokens = tok,
-                       .n_tokens = n, .payload = pl, .payload_len = len,
+    kvr_put_args a = { .ctx_id = ctx, .model = "m", .dtype = KVR_DTYPE_F16,
                        .mode = KVR_PUT_REPLACE, .persist = persist };
-    int r = kvr_client_put(c, &a, NULL);
-    free(pl);
-    free(tok);
-    return r;
+    return testd_put_with(c, &a, seed, seed * 1000, 0, n);
 }
 
 /* put REPLACE of persistent contexts: the replacement is what a restart

@@ -458,9 +458,7 @@ static void real_enospc(kvr_disk_engine e)
     kvt_fill(data, sizeof data, 5);
     kvr_disk_buf kb = { .data = data, .len = sizeof data };
     kvr_disk_handle h[32];
-    int n = 0, rc = 0;
-    while (n < 32 && (rc = kvr_disk_spill(d, &kb, 1, &h[n], true, &err)) == 0)
-        n++;
+    int rc, n = kvt_spill_until(d, &kb, h, 32, true, &rc, &err);
     cr_assert_eq(rc, KVR_EIO);
     cr_assert(strstr(err.msg, "No space left"), "%s", err.msg);
     cr_assert_gt(n, 3);

@@ -313,9 +313,7 @@ KVT_DISK_TEST(disk_spill, disk_max)
     kvt_fill(b, sizeof b, 9);
     kvr_disk_buf kb = { .data = b, .len = sizeof b };
     kvr_disk_handle h[16];
-    int ok = 0, rc = 0;
-    while (ok < 16 && (rc = kvr_disk_spill(d, &kb, 1, &h[ok], false, &err)) == 0)
-        ok++;
+    int rc, ok = kvt_spill_until(d, &kb, h, 16, false, &rc, &err);
     cr_assert_eq(rc, KVR_ELIMIT);
     cr_assert(strstr(err.msg, "--disk-max"), "%s", err.msg);
     cr_assert_geq(ok, 8);
