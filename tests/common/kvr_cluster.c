@@ -51,7 +51,7 @@ void tcluster_stop(kvr_tcluster *t)
 }
 
 int tcluster_cli_for(const kvr_tcluster *t, int port, const char *args, char *out,
-                                   size_t cap, int secs)
+                     size_t cap, int secs)
 {
     (void)t;
     char cmd[1024];
@@ -72,7 +72,7 @@ int tcluster_cli_for(const kvr_tcluster *t, int port, const char *args, char *ou
 }
 
 int tcluster_cli(const kvr_tcluster *t, int port, const char *args, char *out,
-                               size_t cap)
+                 size_t cap)
 {
     return tcluster_cli_for(t, port, args, out, cap, 20);
 }

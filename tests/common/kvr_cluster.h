@@ -32,11 +32,11 @@ void tcluster_stop(kvr_tcluster *t);
 /* Runs redis-cli against port with the given arguments, for at most secs
  * seconds; output in out. */
 int tcluster_cli_for(const kvr_tcluster *t, int port, const char *args, char *out,
-                                   size_t cap, int secs);
+                     size_t cap, int secs);
 
 /* The same for a command that answers at once (20 s at most). */
 int tcluster_cli(const kvr_tcluster *t, int port, const char *args, char *out,
-                               size_t cap);
+                 size_t cap);
 
 /* SIGKILLs the server on port (a failover test). */
 int tcluster_kill(const kvr_tcluster *t, int port);

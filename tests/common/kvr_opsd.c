@@ -137,7 +137,7 @@ int opsd_metrics_port(const char *log)
 }
 
 int opsd_http(int port, const char *method, const char *path, const char *hdr,
-                            char **body)
+              char **body)
 {
     if (body)
         *body = NULL;

@@ -47,7 +47,7 @@ int opsd_metrics_port(const char *log);
 /* GET path from 127.0.0.1:port with an optional extra header line (no
  * CRLF). Returns the HTTP status (or -1) and the body in *body (malloc). */
 int opsd_http(int port, const char *method, const char *path, const char *hdr,
-                            char **body);
+              char **body);
 
 /* The value of the sample whose name+labels are exactly `series`, or -1. */
 double opsd_sample(const char *text, const char *series);

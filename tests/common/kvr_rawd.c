@@ -256,7 +256,7 @@ void fill_payload(uint16_t *p, size_t ntok, unsigned seed)
 }
 
 void make_put(Kvrope__Request *q, Kvrope__Put *p, const char *ctx, uint32_t *tokens,
-                     size_t ntok, Kvrope__PutMode mode)
+              size_t ntok, Kvrope__PutMode mode)
 {
     kvrope__request__init(q);
     kvrope__put__init(p);
@@ -283,7 +283,7 @@ uint16_t *new_payload(size_t ntok, unsigned seed, size_t *pb)
 }
 
 void put_ok(int fd, const char *ctx, uint32_t *toks, size_t n,
-                          Kvrope__PutMode mode, const void *pay, size_t pb)
+            Kvrope__PutMode mode, const void *pay, size_t pb)
 {
     Kvrope__Request q;
     Kvrope__Put p;

@@ -87,7 +87,7 @@ size_t payload_bytes(size_t ntok);
 void fill_payload(uint16_t *p, size_t ntok, unsigned seed);
 
 void make_put(Kvrope__Request *q, Kvrope__Put *p, const char *ctx, uint32_t *tokens,
-                     size_t ntok, Kvrope__PutMode mode);
+              size_t ntok, Kvrope__PutMode mode);
 
 /* A malloc'd f16 payload of ntok tokens (fill_payload with seed), its size
  * in *pb; the caller frees it. */
@@ -95,6 +95,6 @@ uint16_t *new_payload(size_t ntok, unsigned seed, size_t *pb);
 
 /* Puts n tokens (payload pay, pb bytes) into ctx with mode: asserted OK. */
 void put_ok(int fd, const char *ctx, uint32_t *toks, size_t n,
-                          Kvrope__PutMode mode, const void *pay, size_t pb);
+            Kvrope__PutMode mode, const void *pay, size_t pb);
 
 #endif /* KVR_RAWD_H */

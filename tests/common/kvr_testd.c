@@ -218,7 +218,7 @@ int testd_register(kvr_client *c, const char *name, kvr_dtype dtype, kvr_model *
 }
 
 float testd_val(uint32_t seed, uint32_t l, uint32_t kv, uint64_t t, uint32_t h,
-                              uint32_t d)
+                uint32_t d)
 {
     uint64_t x = ((uint64_t)seed * 0x9E3779B97F4A7C15ull) ^ ((uint64_t)l << 56) ^
                  ((uint64_t)kv << 55) ^ (t << 20) ^ ((uint64_t)h << 10) ^ d;
@@ -231,7 +231,7 @@ float testd_val(uint32_t seed, uint32_t l, uint32_t kv, uint64_t t, uint32_t h,
 }
 
 void testd_fill(void *buf, uint32_t seed, const uint32_t *layers, uint32_t nl,
-                              uint64_t t0, size_t n, uint32_t heads, uint32_t dim, kvr_dtype dt)
+                uint64_t t0, size_t n, uint32_t heads, uint32_t dim, kvr_dtype dt)
 {
     size_t es = kvr_dtype_size(dt), i = 0;
     uint8_t *p = buf;
@@ -251,7 +251,7 @@ void testd_fill(void *buf, uint32_t seed, const uint32_t *layers, uint32_t nl,
 }
 
 void *testd_payload(uint32_t seed, uint32_t nl, uint64_t t0, size_t n,
-                                  kvr_dtype dt, size_t *len)
+                    kvr_dtype dt, size_t *len)
 {
     *len = kvr_payload_size(nl, n, T_HEADS, T_DIM, dt);
     void *b = malloc(*len ? *len : 1);
@@ -307,7 +307,7 @@ double testd_metric(kvr_client *c, const char *name)
 }
 
 void *testd_rope_kv(const kvr_rope *R, kvr_dtype dt, const uint32_t *tok,
-                                  const int64_t *pos, size_t n, size_t *len)
+                    const int64_t *pos, size_t n, size_t *len)
 {
     const size_t per = (size_t)T_HEADS * T_DIM, es = kvr_dtype_size(dt);
     *len = kvr_payload_size(T_LAYERS, n, T_HEADS, T_DIM, dt);
@@ -338,7 +338,7 @@ fail:
 }
 
 int testd_rope_kv_check(const kvr_rope *R, const kvr_kv *kv, const void *payload,
-                                      char *msg, size_t cap)
+                        char *msg, size_t cap)
 {
     size_t n = kv->n_tokens, len, es = kvr_dtype_size(kv->dtype);
     uint8_t *want = testd_rope_kv(R, kv->dtype, kv->tokens, kv->positions, n, &len);

@@ -92,15 +92,15 @@ int testd_register(kvr_client *c, const char *name, kvr_dtype dtype, kvr_model *
 /* A deterministic value in [-1, 1) for (seed, layer, k|v, token, head, dim):
  * any token range of a context can be regenerated for verification. */
 float testd_val(uint32_t seed, uint32_t l, uint32_t kv, uint64_t t, uint32_t h,
-                              uint32_t d);
+                uint32_t d);
 
 /* Fills a layer-major payload for tokens [t0, t0+n) of `layers` (NULL =
  * 0..nl-1) in dtype. buf must hold kvr_payload_size(nl, n, ...). */
 void testd_fill(void *buf, uint32_t seed, const uint32_t *layers, uint32_t nl,
-                              uint64_t t0, size_t n, uint32_t heads, uint32_t dim, kvr_dtype dt);
+                uint64_t t0, size_t n, uint32_t heads, uint32_t dim, kvr_dtype dt);
 
 void *testd_payload(uint32_t seed, uint32_t nl, uint64_t t0, size_t n,
-                                  kvr_dtype dt, size_t *len);
+                    kvr_dtype dt, size_t *len);
 
 uint32_t *testd_tokens(uint32_t base, size_t n);
 
@@ -112,7 +112,7 @@ int testd_put_with(kvr_client *c, kvr_put_args *a, uint32_t seed, uint32_t base,
 
 /* Puts n tokens (ids base.., data seed, positions from t0) into ctx. */
 int testd_put(kvr_client *c, const char *ctx, const char *model, kvr_dtype dt,
-                            uint32_t seed, uint32_t base, uint64_t t0, size_t n);
+              uint32_t seed, uint32_t base, uint64_t t0, size_t n);
 
 double testd_metric(kvr_client *c, const char *name);
 
@@ -122,12 +122,12 @@ double testd_metric(kvr_client *c, const char *name);
  * token at any position can be made again, so a read that moved keys can be
  * checked (R: the model's rope). NULL on failure; free it. */
 void *testd_rope_kv(const kvr_rope *R, kvr_dtype dt, const uint32_t *tok,
-                                  const int64_t *pos, size_t n, size_t *len);
+                    const int64_t *pos, size_t n, size_t *len);
 
 /* kv's payload against testd_rope_kv of its own tokens and positions: keys
  * within one rounding of the dtype (1/1024 for f16, relative to 1), values
  * bit for bit. 0, or -1 with what differs in msg. */
 int testd_rope_kv_check(const kvr_rope *R, const kvr_kv *kv, const void *payload,
-                                      char *msg, size_t cap);
+                        char *msg, size_t cap);
 
 #endif /* KVR_TESTD_H */

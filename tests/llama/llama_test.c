@@ -19,7 +19,7 @@ void lt_engine_init(void)
 }
 
 int lt_gen_model(char *path, size_t cap, const char *dir, const char *name,
-                               const char *args)
+                 const char *args)
 {
     snprintf(path, cap, "%s/%s.gguf", dir, name);
     char cmd[2048];

@@ -24,7 +24,7 @@ void lt_engine_init(void);
 
 /* Writes a model with gen-gguf.py `args` into dir/name; returns 0 or -1. */
 int lt_gen_model(char *path, size_t cap, const char *dir, const char *name,
-                               const char *args);
+                 const char *args);
 
 typedef struct lt_lm {
     struct llama_model   *model;
