@@ -3,6 +3,7 @@
  * Compiled once into libtestcommon.a.
  */
 #include "tests/common/kvr_rawd.h"
+#include "tests/common/kvt_wire.h"
 
 daemon_proc D;
 
@@ -258,19 +259,15 @@ void fill_payload(uint16_t *p, size_t ntok, unsigned seed)
 void make_put(Kvrope__Request *q, Kvrope__Put *p, const char *ctx, uint32_t *tokens,
               size_t ntok, Kvrope__PutMode mode)
 {
-    kvrope__request__init(q);
     kvrope__put__init(p);
     p->context_id = (char *)(uintptr_t)ctx;
     p->model = "tiny";
-    p->has_mode = 1;
+    p->has_mode = p->has_dtype = 1;
     p->mode = mode;
-    p->has_dtype = 1;
     p->dtype = KVROPE__DTYPE__F16;
     p->n_tokens = ntok;
     p->tokens = tokens;
-    q->id = 100;
-    q->body_case = KVROPE__REQUEST__BODY_PUT;
-    q->put = p;
+    *q = kvt_put_request(100, p);
 }
 
 uint16_t *new_payload(size_t ntok, unsigned seed, size_t *pb)
