@@ -5,7 +5,8 @@
 #                   needs, run kvroped (and kvrope serve) with embedded defaults
 #   make test       install what is missing, build, run every test
 #   make test-fast  the rope, codec, cache and proto unit tests alone (no daemon,
-#                   no llama.cpp, no Python): about a minute of CPU
+#                   no llama.cpp, no Python), four binaries at a time: under a
+#                   minute
 #   make check      the tests under ASan + UBSan with libc malloc (build/check),
 #                   and make check-symbols (the kvr_ / kvr__ naming line)
 #   make check-symbols  nm over every archive: globals carry kvr_ or kvr__
@@ -33,7 +34,7 @@
 #                                          kvroped, the CLI or Redis themselves
 #   tests/common/*.c                    -> libtestcommon.a, linked by every test and
 #                                          benchmark (kvt_bench.c needs no Criterion)
-#   tests/common/*.h                    -> its declarations, and header-only helpers
+#   tests/common/*.h                    -> their declarations (no code in headers)
 #   tests/bench/bench_*.c               -> one benchmark binary each
 #   tests/fuzz/fuzz_*.c                 -> one libFuzzer target each
 #   client/llama/, tests/llama/         -> see client/llama/llama.mk (llama.cpp from npm)
@@ -148,8 +149,13 @@ TESTS      := $(UNIT_TESTS) $(INT_TESTS)
 # 32 MiB streamed gets (test_cache_get_into, a minute and more of one core)
 # and the kill -9 trials (test_disk_crash).
 FAST_SLOW  := $(addprefix $(BUILD)/tests/,test_cache_get_into test_disk_crash)
+# They run four binaries at a time (scripts/run-tests.sh --parallel), the
+# longest first so that none is left running alone at the end.
+FAST_FIRST := $(addprefix $(BUILD)/tests/,test_cache_edit test_disk_log test_disk_spill \
+                test_disk_faults test_disk_format test_cache_tier)
 FAST_TESTS := $(filter-out $(FAST_SLOW),$(filter $(addprefix $(BUILD)/tests/test_,rope_% codec_% \
                 cache_% disk_% proto_%),$(UNIT_TESTS)))
+FAST_TESTS := $(filter $(FAST_TESTS),$(FAST_FIRST)) $(filter-out $(FAST_FIRST),$(FAST_TESTS))
 BENCHES    := $(patsubst tests/bench/%.c,$(BUILD)/bench/%,$(BENCH_SRC))
 FUZZERS    := $(patsubst tests/fuzz/%.c,$(BUILD)/fuzz/%,$(FUZZ_SRC))
 
@@ -316,7 +322,7 @@ test: deps
 # No deps step and no `all`: only what these tests link is built.
 test-fast: $(FAST_TESTS)
 	@KVR_BUILD=$(abspath $(BUILD)) KVR_VECTORS=$(SHARED)/vectors KVR_CONFIGS=$(SHARED)/configs \
-	  scripts/run-tests.sh --c-only $(FAST_TESTS)
+	  scripts/run-tests.sh --c-only --parallel 4 $(FAST_TESTS)
 
 check: deps
 	@$(MAKE) --no-print-directory BUILD=build/check MODE=check all

@@ -3,21 +3,40 @@
 # the pytest suite with Debian's /usr/bin/python3), then prints one closing
 # line "N passed, N failed" summed over all of them. Exit status is non-zero
 # if anything failed or crashed. Binaries named after the options are run
-# instead of all of them (make test-fast), and pytest is not.
-#   scripts/run-tests.sh [--c-only] [BINARY...]
+# instead of all of them (make test-fast), and pytest is not. --parallel N
+# runs up to N binaries at once (make test-fast: in-process tests that share
+# nothing; the daemon-starting ones run one at a time); the summary is printed
+# in the binaries' order either way.
+#   scripts/run-tests.sh [--c-only] [--parallel N] [BINARY...]
 set -u
 build=${KVR_BUILD:?KVR_BUILD must name the build directory}
 c_only=0; [ "${1:-}" = "--c-only" ] && { c_only=1; shift; }
+par=1; [ "${1:-}" = "--parallel" ] && { par=${2:?--parallel needs a count}; shift 2; }
 if [ $# -gt 0 ]; then bins=("$@"); c_only=1; else bins=("$build"/tests/test_*); fi
 export KVR_BUILD KVR_VECTORS=${KVR_VECTORS:-$(cd "$(dirname "$0")/../.." && pwd)/shared/vectors}
 pass=0; fail=0; bad_bins=""
 logdir=$build/test-logs; mkdir -p "$logdir"
+# One binary, its output in $logdir/NAME.log and its exit status in NAME.rc.
+run_one() {
+  timeout 1200 "$1" --jobs 2 >"$logdir/$2.log" 2>&1
+  echo $? >"$logdir/$2.rc"
+}
+if [ "$par" -gt 1 ]; then
+  running=0
+  for t in "${bins[@]}"; do
+    [ -x "$t" ] || continue
+    if [ $running -ge "$par" ]; then wait -n; running=$((running - 1)); fi
+    run_one "$t" "$(basename "$t")" &
+    running=$((running + 1))
+  done
+  wait
+fi
 for t in "${bins[@]}"; do
   [ -x "$t" ] || continue
   name=$(basename "$t")
   echo "== $name"
-  timeout 1200 "$t" --jobs 2 >"$logdir/$name.log" 2>&1
-  rc=$?
+  [ "$par" -gt 1 ] || run_one "$t" "$name"
+  rc=$(cat "$logdir/$name.rc")
   syn=$(grep -a 'Synthesis:' "$logdir/$name.log" | tail -1)
   tested=$(echo "$syn" | sed -n 's/.*Tested: \([0-9]*\).*/\1/p')
   passing=$(echo "$syn" | sed -n 's/.*Passing: \([0-9]*\).*/\1/p')

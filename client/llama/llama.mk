@@ -71,6 +71,8 @@ KVROPE_LLAMA    := $(BUILD)/kvrope-llama
 
 $(BUILD)/obj/tests/llama/%.o:      XFLAGS += $(LLAMA_CFLAGS)
 $(BUILD)/obj/client/llama/worker%.o: XFLAGS += $(LLAMA_CFLAGS)
+# The llama benches' shared helper names scripts/gen-gguf.py (KVR_LLAMA_GEN_GGUF).
+$(BUILD)/obj/tests/common/kvr_llama_bench.o: XFLAGS += $(LLAMA_CFLAGS)
 
 ifeq ($(LLAMA_OK),1)
 LLAMA_TESTS   := $(patsubst tests/llama/%.c,$(BUILD)/tests/%,$(LLAMA_TEST_SRC))
@@ -84,11 +86,17 @@ WORKER_A := $(BUILD)/lib/libworker.a
 $(WORKER_A): $(call obj,$(filter-out client/llama/worker_main.c,$(LLAMA_WORKER_SRC)))
 	$(archive)
 
-$(LLAMA_TESTS): $(BUILD)/tests/%: $(BUILD)/obj/tests/llama/%.o $(WORKER_A) $(ALL_A)
+# The llama tests' engine helpers (tests/llama/llama_test.c) need llama.h:
+# their own small archive, next to libtestcommon.a.
+TESTLLAMA_A := $(BUILD)/lib/libtestllama.a
+$(TESTLLAMA_A): $(BUILD)/obj/tests/llama/llama_test.o
+	$(archive)
+
+$(LLAMA_TESTS): $(BUILD)/tests/%: $(BUILD)/obj/tests/llama/%.o $(TESTLLAMA_A) $(TESTCOMMON_A) $(WORKER_A) $(ALL_A)
 	@mkdir -p $(dir $@)
 	$(CC) $(LDFLAGS_ALL) -o $@ $^ -lcriterion $(LLAMA_LIBS) $(LIBS) $(MALLOC_LIB)
 
-$(LLAMA_BENCHES): $(BUILD)/bench/%: $(BUILD)/obj/tests/llama/%.o $(WORKER_A) $(ALL_A)
+$(LLAMA_BENCHES): $(BUILD)/bench/%: $(BUILD)/obj/tests/llama/%.o $(TESTLLAMA_A) $(TESTCOMMON_A) $(WORKER_A) $(ALL_A)
 	@mkdir -p $(dir $@)
 	$(CC) $(LDFLAGS_ALL) -o $@ $^ $(LLAMA_LIBS) $(LIBS) $(MALLOC_LIB)
 

@@ -37,10 +37,7 @@
 static uint64_t rng = 0x243F6A8885A308D3ull;
 static uint32_t rnd(void)
 {
-    rng ^= rng << 13;
-    rng ^= rng >> 7;
-    rng ^= rng << 17;
-    return (uint32_t)(rng >> 11);
+    return (uint32_t)(kvt_xorshift(&rng) >> 11);
 }
 
 typedef struct tally {

@@ -172,40 +172,36 @@ static int drop_caches(void)
 /* dd-equivalent: O_DIRECT sequential write + fdatasync, then read. */
 static void plain(const char *dir, size_t total, double *w, double *r)
 {
-    char path[512];
-    snprintf(path, sizeof path, "%s/plain.dat", dir);
-    size_t chunk = 4u << 20;
-    uint8_t *buf = kvr_mem_aligned(4096, chunk);
-    memset(buf, 0x5A, chunk);
-    int fd = open(path, O_RDWR | O_CREAT | O_TRUNC | O_DIRECT, 0644);
-    int direct = 1;
-    if (fd < 0) {
-        direct = 0;
-        fd = open(path, O_RDWR | O_CREAT | O_TRUNC, 0644);
-    }
+    kvt_plain p;
+    kvt_plain_open(&p, dir);
     devstat x = dev_read(1);
-    double t0 = kvt_now_s();
-    for (size_t o = 0; o < total; o += chunk)
-        if (pwrite(fd, buf, chunk, (off_t)o) != (ssize_t)chunk)
-            break;
-    fdatasync(fd);
-    *w = (double)total / (kvt_now_s() - t0) / 1e9;
+    *w = kvt_plain_pass(&p, total, 1);
     dev_add(&dv_plain_w, x, dev_read(1));
-    (void)direct;
     drop_caches();      /* as before each reload: the same state of the machine */
     x = dev_read(0);
-    t0 = kvt_now_s();
-    for (size_t o = 0; o < total; o += chunk)
-        if (pread(fd, buf, chunk, (off_t)o) != (ssize_t)chunk)
-            break;
-    *r = (double)total / (kvt_now_s() - t0) / 1e9;
+    *r = kvt_plain_pass(&p, total, 0);
     dev_add(&dv_plain_r, x, dev_read(0));
-    pr_plain[cur_round] = phys_run(buf, chunk);
-    close(fd);
-    kvr_mem_free(buf);
+    pr_plain[cur_round] = phys_run(p.buf, p.chunk);
+    kvt_plain_close(&p);
 }
 
 static double median(const double *v0, int n);
+
+/* Seconds to load handles h[0..n) in batches of BATCH into dst (exits on
+ * an error: a benchmark with a failing disk measures nothing). */
+static double load_all(kvr_disk *d, const kvr_disk_handle *h, void **dst, size_t n)
+{
+    kvr_error err = { 0 };
+    double t0 = kvt_now_s();
+    for (size_t i = 0; i < n; i += BATCH) {
+        size_t b = n - i < BATCH ? n - i : BATCH;
+        if (kvr_disk_load(d, &h[i], dst, b, NULL, &err)) {
+            fprintf(stderr, "bench_disk: %s\n", err.msg);
+            exit(1);
+        }
+    }
+    return kvt_now_s() - t0;
+}
 
 /* Seconds of a plain read of [off, off + len) of fd into buf, in 4 MiB
  * requests one at a time (the baseline's own pattern). */
@@ -320,15 +316,7 @@ static void spill_reload(const char *dir, kvr_disk_engine e, size_t total, doubl
         dst[k] = src + (size_t)k * BLOCK;
     pr_layer[e == KVR_DISK_ENGINE_POSIX][cur_round] = phys_run(src, (size_t)BATCH * BLOCK);
     x = dev_read(0);
-    double t0 = kvt_now_s();
-    for (size_t i = 0; i < n; i += BATCH) {
-        size_t b = n - i < BATCH ? n - i : BATCH;
-        if (kvr_disk_load(d, &h[i], dst, b, NULL, &err)) {
-            fprintf(stderr, "bench_disk: %s\n", err.msg);
-            exit(1);
-        }
-    }
-    *r = (double)(n * BLOCK) / (kvt_now_s() - t0) / 1e9;
+    *r = (double)(n * BLOCK) / load_all(d, h, dst, n) / 1e9;
     dev_add(dr, x, dev_read(0));
     /* Side by side: a plain read of the round's plain file (the same
      * number of bytes, 4 MiB requests one at a time) into the same memory,
@@ -348,15 +336,7 @@ static void spill_reload(const char *dir, kvr_disk_engine e, size_t total, doubl
             size_t b = n - i < BATCH ? n - i : BATCH;
             tp += plain_part(pfd, src, i * BLOCK, b * BLOCK) / 2;
         }
-        double t1 = kvt_now_s();
-        for (size_t i = 0; i < n; i += BATCH) {
-            size_t b = n - i < BATCH ? n - i : BATCH;
-            if (kvr_disk_load(d, &h[i], dst, b, NULL, &err)) {
-                fprintf(stderr, "bench_disk: %s\n", err.msg);
-                exit(1);
-            }
-        }
-        double tl = kvt_now_s() - t1;
+        double tl = load_all(d, h, dst, n);
         for (size_t i = 0; i < n; i += BATCH) {
             size_t b = n - i < BATCH ? n - i : BATCH;
             tp += plain_part(pfd, src, i * BLOCK, b * BLOCK) / 2;
@@ -446,14 +426,8 @@ static double median(const double *v0, int n)
 int main(void)
 {
     const char *t = getenv("TMPDIR");
-    const char *mb = getenv("KVR_BENCH_DISK_MB");
-    const char *rn = getenv("KVR_BENCH_DISK_ROUNDS");
-    int rounds = rn ? atoi(rn) : 3;
-    if (rounds < 1)
-        rounds = 1;
-    if (rounds > MAX_ROUNDS)
-        rounds = MAX_ROUNDS;
-    size_t total = (size_t)(mb ? atoi(mb) : 512) << 20;
+    int rounds = kvt_env_int("KVR_BENCH_DISK_ROUNDS", 3, 1, MAX_ROUNDS);
+    size_t total = (size_t)kvt_env_int("KVR_BENCH_DISK_MB", 512, 1, 1 << 20) << 20;
     total = (total / ((size_t)BATCH * BLOCK)) * BATCH * BLOCK;
     if (!total)
         total = (size_t)BATCH * BLOCK;

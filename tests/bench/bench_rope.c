@@ -171,11 +171,7 @@ typedef struct row {
 
 int main(void)
 {
-    kvr_rope_config cfg;
-    kvr_rope_config_init(&cfg);
-    cfg.head_dim = HD;
-    cfg.rotary_dim = HD;
-    cfg.num_kv_heads = N_HEAD;
+    kvr_rope_config cfg = kvt_rope_config(HD, N_HEAD);
     kvr_rope *r = NULL;
     if (kvr_rope_create(&r, &cfg, NULL)) { fprintf(stderr, "create failed\n"); return 1; }
 

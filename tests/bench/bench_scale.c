@@ -37,10 +37,7 @@
 static uint64_t rng = 0x9E3779B97F4A7C15ull;
 static uint32_t rnd(void)
 {
-    rng ^= rng << 13;
-    rng ^= rng >> 7;
-    rng ^= rng << 17;
-    return (uint32_t)(rng >> 11);
+    return (uint32_t)(kvt_xorshift(&rng) >> 11);
 }
 
 static size_t rss_bytes(void)
@@ -230,7 +227,7 @@ int main(void)
         printf("recovery: %zu contexts, %zu tokens back in %.3f s\n", st.n_contexts,
                st.n_tokens, rec_s);
         kvr_store_destroy(s);
-        kvt_rm_tree(dir);
+        kvt_rmrf(dir);
     }
     double meta_8b = meta_tok_last / 131072.0;
     printf("goal: match p99 at %zu tokens <= 2x at 10^3: %.2fx (%s)\n", total,

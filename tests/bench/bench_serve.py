@@ -30,7 +30,6 @@ import http.client
 import json
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -46,14 +45,6 @@ N_VERSIONS = int(os.environ.get("KVR_SERVE_VERSIONS", "21"))
 HISTORY = os.environ.get("KVR_SERVE_FILE", "daemon/dispatch.c")
 UNTIL = "3e761cf"     # a fixed history, whatever is committed later
 N_CHECK = 16          # greedy tokens compared with a full re-encode
-
-
-def free_port():
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    p = s.getsockname()[1]
-    s.close()
-    return p
 
 
 def post(port, path, obj, timeout=120):
@@ -152,6 +143,7 @@ def ttft(port, prompt, **kw):
 
 def main():
     sys.path.insert(0, os.path.join(ROOT, "tests", "python"))
+    from conftest import free_tcp_port as free_port  # the tests' helper, not repeated here
     for p in (MODEL, os.path.join(BUILD, "kvrope-llama"), os.path.join(BUILD, "kvroped")):
         if not os.path.exists(p):
             print(f"bench_serve: {p} is not built; skipped")

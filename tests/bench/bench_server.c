@@ -65,6 +65,7 @@
 #include "client/kvrope.h"
 
 #include "tests/common/kvr_bench_redis.h"
+#include "tests/common/kvt_io.h"
 
 
 static double thread_cpu_s(void)
@@ -123,21 +124,6 @@ typedef struct floor_req {
     uint64_t len;
 } floor_req;
 
-static int read_full(int fd, void *dst, size_t n)
-{
-    uint8_t *p = dst;
-    while (n > 0) {
-        ssize_t k = recv(fd, p, n, MSG_WAITALL);
-        if (k < 0 && errno == EINTR)
-            continue;
-        if (k <= 0)
-            return -1;
-        p += k;
-        n -= (size_t)k;
-    }
-    return 0;
-}
-
 static void floor_serve(const char *path)
 {
     int ls = socket(AF_UNIX, SOCK_STREAM, 0);
@@ -169,7 +155,7 @@ static void floor_serve(const char *path)
                 continue;
             }
             floor_req rq;
-            if (read_full(fd, &rq, sizeof rq) < 0 || rq.len > cap || rq.slot >= FLOOR_SLOTS ||
+            if (kvt_read_full(fd, &rq, sizeof rq) < 0 || rq.len > cap || rq.slot >= FLOOR_SLOTS ||
                 (rq.op == 2 && !slots[rq.slot] && !(slots[rq.slot] = calloc(1, cap)))) {
                 epoll_ctl(ep, EPOLL_CTL_DEL, fd, NULL);
                 close(fd);
@@ -178,8 +164,8 @@ static void floor_serve(const char *path)
             uint8_t *sink = slots[rq.slot];
             floor_req an = { rq.op, 0, rq.op == 1 ? rq.len : 0 };
             struct iovec v[2] = { { &an, sizeof an }, { src, (size_t)an.len } };
-            if ((rq.op == 2 && read_full(fd, sink, (size_t)rq.len) < 0) ||
-                write_all(fd, v, an.len ? 2 : 1) < 0) {
+            if ((rq.op == 2 && kvt_read_full(fd, sink, (size_t)rq.len) < 0) ||
+                resp_writev(fd, v, an.len ? 2 : 1) < 0) {
                 epoll_ctl(ep, EPOLL_CTL_DEL, fd, NULL);
                 close(fd);
             }
@@ -200,10 +186,10 @@ static int floor_op(int fd, op_kind op, uint32_t slot, uint8_t *buf, size_t len)
 {
     floor_req rq = { op == OP_GET ? 1 : 2, slot, len }, an;
     struct iovec v[2] = { { &rq, sizeof rq }, { buf, len } };
-    if (write_all(fd, v, op == OP_PUT ? 2 : 1) < 0)
+    if (resp_writev(fd, v, op == OP_PUT ? 2 : 1) < 0)
         return -1;
     if (op == OP_PUT)
-        return read_full(fd, &an, sizeof an);
+        return kvt_read_full(fd, &an, sizeof an);
     size_t got = 0, want = sizeof an + len;
     while (got < want) {   /* header and payload into the caller's buffer, as libkvrope */
         struct iovec r[2] = { { (uint8_t *)&an + (got < sizeof an ? got : sizeof an),
@@ -262,9 +248,7 @@ static void *run_job(void *arg)
         if ((ffd = floor_connect(j->floor_sock)) < 0)
             j->err = 1;
     } else if (j->side == SIDE_REDIS) {
-        if (resp_connect(&r, j->redis_sock) < 0)
-            j->err = 1;
-        else if (j->op == OP_GET && resp_set(&r, key, buf, j->bytes) < 0)
+        if (resp_prepare(&r, j->redis_sock, j->op == OP_GET, key, buf, j->bytes) < 0)
             j->err = 1;
     } else {
         if (kvr_client_connect(&c, j->kvr_addr, NULL) < 0) {
@@ -310,10 +294,8 @@ static void *run_job(void *arg)
                                    .n_tokens = n_tokens, .payload = buf,
                                    .payload_len = j->bytes };
                 rc = kvr_client_put(c, &p, NULL);
-                if (rc == 0 && ops >= KEEP) {
-                    snprintf(old, sizeof old, "p%d-%d-%ld", j->id, j->slice, ops - KEEP);
-                    rc = kvr_client_delete_deferred(c, old);
-                }
+                if (rc == 0)
+                    rc = bench_drop_old(c, j->id, j->slice, ops, KEEP);
             } else {
                 kvr_kv kv;
                 kvr_get_args g = { .ctx_id = key, .dtype = KVR_DTYPE_F16, .dst = buf,
@@ -514,55 +496,26 @@ static int side_wanted(int side)
 
 int main(void)
 {
-    const char *b = getenv("KVR_BUILD");
     const char *secs = getenv("KVR_BENCH_SECONDS");
     double seconds = secs ? atof(secs) : 1.0;
     if (seconds <= 0)
         seconds = 1.0;
-    char dir[] = "/tmp/kvr-bench-XXXXXX";
-    if (!mkdtemp(dir)) {
-        perror("mkdtemp");
+    bench_peers P;
+    if (bench_peers_start(&P, "bench_server", "/tmp/kvr-bench-XXXXXX", B_LAYERS, B_HEADS,
+                          B_DIM) < 0)
         return 1;
-    }
-    char kvsock[128], rsock[128], fsock[128], kvlog[128], rlog[128], bin[512], addr[160];
-    snprintf(kvsock, sizeof kvsock, "%s/kvroped.sock", dir);
-    snprintf(fsock, sizeof fsock, "%s/floor.sock", dir);
-    snprintf(rsock, sizeof rsock, "%s/redis.sock", dir);
-    snprintf(kvlog, sizeof kvlog, "%s/kvroped.log", dir);
-    snprintf(rlog, sizeof rlog, "%s/redis.log", dir);
-    snprintf(bin, sizeof bin, "%s/kvroped", b && *b ? b : "./build");
-    snprintf(addr, sizeof addr, "unix:%s", kvsock);
-
-    const char *kv_argv[] = { bin, "--socket", kvsock, "--max-memory", "4G", "--log-level",
-                              "warn", NULL };
-    pid_t kvpid = spawn(kv_argv, kvlog);
-    const char *r_argv[] = { "redis-server", "--port", "0", "--unixsocket", rsock,
-                             "--save", "", "--appendonly", "no", "--dir", dir, NULL };
-    pid_t rpid = spawn(r_argv, rlog);
+    const char *addr = P.addr, *rsock = P.rsock;
+    const int have_redis = P.have_redis;
+    const pid_t kvpid = P.kvpid, rpid = P.rpid;
+    /* The floor: a server that answers from memory (what a socket costs). */
+    char fsock[128];
+    snprintf(fsock, sizeof fsock, "%s/floor.sock", P.dir);
     pid_t parent = getpid(), fpid = fork();
     if (fpid == 0) {
         prctl(PR_SET_PDEATHSIG, SIGTERM);
         if (getppid() == parent)
             floor_serve(fsock);
         _exit(0);
-    }
-
-    kvr_client *c = NULL;
-    for (int i = 0; i < 500 && !c; i++) {
-        if (kvr_client_connect(&c, addr, NULL) < 0) {
-            c = NULL;
-            sleep_ms(10);
-        }
-    }
-    int have_redis = 0;
-    for (int i = 0; i < 500 && !have_redis; i++) {
-        resp r;
-        if (resp_connect(&r, rsock) == 0) {
-            have_redis = 1;
-            close(r.fd);
-        } else {
-            sleep_ms(10);
-        }
     }
     int have_floor = 0;
     for (int i = 0; i < 500 && !have_floor && fpid > 0; i++) {
@@ -571,30 +524,9 @@ int main(void)
             have_floor = 1;
             close(fd);
         } else {
-            sleep_ms(10);
+            kvt_sleep_ms(10);
         }
     }
-    if (!c) {
-        fprintf(stderr, "bench_server: kvroped (%s) did not start; see %s\n", bin, kvlog);
-        stop(kvpid);
-        stop(rpid);
-        stop(fpid);
-        return 1;
-    }
-    if (!have_redis)
-        fprintf(stderr, "bench_server: redis-server did not start; Redis columns absent\n");
-    kvr_rope_config rc;
-    kvr_rope_config_init(&rc);
-    kvr_model_params mp = { .name = "bench", .n_layers = B_LAYERS, .n_kv_heads = B_HEADS,
-                            .head_dim = B_DIM, .dtype = KVR_DTYPE_F16, .rope = &rc };
-    if (kvr_client_model_register(c, &mp, NULL) < 0) {
-        fprintf(stderr, "bench_server: register: %s\n", kvr_client_last_error(c));
-        stop(kvpid);
-        stop(rpid);
-        stop(fpid);
-        return 1;
-    }
-    kvr_client_close(c);
 
     printf("kvroped vs redis-server over Unix sockets, %.1f s per cell "
            "(MiB/s of payload, higher is better)\n\n", seconds);
@@ -714,17 +646,8 @@ int main(void)
             printf("\nmatch: failed\n");
     }
 
-    stop(kvpid);
-    stop(rpid);
-    stop(fpid);
-    unlink(kvsock);
+    bench_stop(fpid);
     unlink(fsock);
-    unlink(rsock);
-    unlink(kvlog);
-    unlink(rlog);
-    char dump[200];
-    snprintf(dump, sizeof dump, "%s/dump.rdb", dir);
-    unlink(dump);
-    rmdir(dir);
+    bench_peers_stop(&P);
     return 0;
 }

@@ -146,6 +146,22 @@ typedef struct job {
     pthread_barrier_t *bar;
 } job;
 
+/* One put of context id for job j: the payload from buf over the socket
+ * (M_UNIX) or from the job's registered region (shared memory). */
+static int put_once(kvr_client *c, const job *j, const char *id, const uint32_t *tok,
+                    size_t n_tokens, const uint8_t *buf, uint32_t region)
+{
+    kvr_put_args p = { .ctx_id = id, .model = "bench", .dtype = KVR_DTYPE_F16,
+                       .mode = KVR_PUT_CREATE, .tokens = tok, .n_tokens = n_tokens };
+    if (j->mode == M_UNIX) {
+        p.payload = buf;
+        p.payload_len = j->bytes;
+        return kvr_client_put(c, &p, NULL);
+    }
+    kvr_shm at = { region, 0, j->bytes };
+    return kvr_client_put_shm(c, &p, &at, NULL);
+}
+
 static void *run_job(void *arg)
 {
     job *j = arg;
@@ -183,9 +199,7 @@ static void *run_job(void *arg)
             memset(reg, j->mode == M_POOL_ZERO ? 0 : 0x3c, j->bytes);
         }
     } else if (j->mode == M_REDIS) {
-        if (resp_connect(&r, j->redis_sock) < 0)
-            j->err = 1;
-        else if (j->op == OP_GET && resp_set(&r, key, buf, j->bytes) < 0)
+        if (resp_prepare(&r, j->redis_sock, j->op == OP_GET, key, buf, j->bytes) < 0)
             j->err = 1;
     } else {
         if (kvr_client_connect(&c, j->kvr_addr, NULL) < 0) {
@@ -226,16 +240,7 @@ static void *run_job(void *arg)
         if (j->op == OP_PUT) {
             for (long k = 0; k <= keep && rc == 0; k++) {
                 snprintf(id, sizeof id, "w%d-%d-%ld", j->id, j->slice, k);
-                kvr_put_args p = { .ctx_id = id, .model = "bench", .dtype = KVR_DTYPE_F16,
-                                   .mode = KVR_PUT_CREATE, .tokens = tok,
-                                   .n_tokens = n_tokens };
-                if (j->mode == M_UNIX) {
-                    p.payload = buf;
-                    p.payload_len = j->bytes;
-                    rc = kvr_client_put(c, &p, NULL);
-                } else {
-                    rc = kvr_client_put_shm(c, &p, &at, NULL);
-                }
+                rc = put_once(c, j, id, tok, n_tokens, buf, region);
             }
             for (long k = 0; k <= keep && rc == 0; k++) {
                 snprintf(id, sizeof id, "w%d-%d-%ld", j->id, j->slice, k);
@@ -275,21 +280,9 @@ static void *run_job(void *arg)
                                  : resp_get(&r, key, buf, j->bytes);
         } else if (j->op == OP_PUT) {
             snprintf(id, sizeof id, "p%d-%d-%ld", j->id, j->slice, ops);
-            kvr_put_args p = { .ctx_id = id, .model = "bench", .dtype = KVR_DTYPE_F16,
-                               .mode = KVR_PUT_CREATE, .tokens = tok,
-                               .n_tokens = n_tokens };
-            if (j->mode == M_UNIX) {
-                p.payload = buf;
-                p.payload_len = j->bytes;
-                rc = kvr_client_put(c, &p, NULL);
-            } else {
-                kvr_shm at = { region, 0, j->bytes };
-                rc = kvr_client_put_shm(c, &p, &at, NULL);
-            }
-            if (rc == 0 && ops >= keep) {
-                snprintf(old, sizeof old, "p%d-%d-%ld", j->id, j->slice, ops - keep);
-                rc = kvr_client_delete_deferred(c, old);
-            }
+            rc = put_once(c, j, id, tok, n_tokens, buf, region);
+            if (rc == 0)
+                rc = bench_drop_old(c, j->id, j->slice, ops, keep);
         } else {
             kvr_kv kv;
             kvr_get_args g = { .ctx_id = key, .dtype = KVR_DTYPE_F16, .dst = buf,
@@ -385,7 +378,6 @@ static void goal_line(const char *what, double v, double base, double want)
 
 int main(void)
 {
-    const char *b = getenv("KVR_BUILD");
     const char *secs = getenv("KVR_BENCH_SECONDS");
     /* KVR_BENCH_CELLS: only the cells named (e.g. "put-64M-1,get-1M-4"; for
      * profiling one of them; the goals of cells not run print no figure) */
@@ -395,62 +387,11 @@ int main(void)
     double seconds = secs ? atof(secs) : 1.0;
     if (seconds <= 0)
         seconds = 1.0;
-    char dir[] = "/tmp/kvr-bshm-XXXXXX";
-    if (!mkdtemp(dir)) {
-        perror("mkdtemp");
+    bench_peers P;
+    if (bench_peers_start(&P, "bench_shm", "/tmp/kvr-bshm-XXXXXX", B_LAYERS, B_HEADS, B_DIM) < 0)
         return 1;
-    }
-    char kvsock[128], rsock[128], kvlog[128], rlog[128], bin[512], addr[160];
-    snprintf(kvsock, sizeof kvsock, "%s/kvroped.sock", dir);
-    snprintf(rsock, sizeof rsock, "%s/redis.sock", dir);
-    snprintf(kvlog, sizeof kvlog, "%s/kvroped.log", dir);
-    snprintf(rlog, sizeof rlog, "%s/redis.log", dir);
-    snprintf(bin, sizeof bin, "%s/kvroped", b && *b ? b : "./build");
-    snprintf(addr, sizeof addr, "unix:%s", kvsock);
-
-    const char *kv_argv[] = { bin, "--socket", kvsock, "--max-memory", "4G", "--log-level",
-                              "warn", NULL };
-    pid_t kvpid = spawn(kv_argv, kvlog);
-    const char *r_argv[] = { "redis-server", "--port", "0", "--unixsocket", rsock,
-                             "--save", "", "--appendonly", "no", "--dir", dir, NULL };
-    pid_t rpid = spawn(r_argv, rlog);
-
-    kvr_client *c = NULL;
-    for (int i = 0; i < 500 && !c; i++) {
-        if (kvr_client_connect(&c, addr, NULL) < 0) {
-            c = NULL;
-            sleep_ms(10);
-        }
-    }
-    int have_redis = 0;
-    for (int i = 0; i < 500 && !have_redis; i++) {
-        resp r;
-        if (resp_connect(&r, rsock) == 0) {
-            have_redis = 1;
-            close(r.fd);
-        } else {
-            sleep_ms(10);
-        }
-    }
-    if (!c) {
-        fprintf(stderr, "bench_shm: kvroped (%s) did not start; see %s\n", bin, kvlog);
-        stop(kvpid);
-        stop(rpid);
-        return 1;
-    }
-    if (!have_redis)
-        fprintf(stderr, "bench_shm: redis-server did not start; Redis columns absent\n");
-    kvr_rope_config rc;
-    kvr_rope_config_init(&rc);
-    kvr_model_params mp = { .name = "bench", .n_layers = B_LAYERS, .n_kv_heads = B_HEADS,
-                            .head_dim = B_DIM, .dtype = KVR_DTYPE_F16, .rope = &rc };
-    if (kvr_client_model_register(c, &mp, NULL) < 0) {
-        fprintf(stderr, "bench_shm: register: %s\n", kvr_client_last_error(c));
-        stop(kvpid);
-        stop(rpid);
-        return 1;
-    }
-    kvr_client_close(c);
+    const char *addr = P.addr, *rsock = P.rsock;
+    const int have_redis = P.have_redis;
 
     printf("shared memory vs Unix socket vs redis-server vs memcpy, %.1f s per cell "
            "(MiB/s of payload over all clients, higher is better)\n\n", seconds);
@@ -556,15 +497,6 @@ int main(void)
     goal_line("re-rotated shm get, 1 client, 64 MiB", rot, rot_base, 0.7);
     goal_line("shm put, 1 client, 64 MiB", g_put, g_put_base, 0.7);
 
-    stop(kvpid);
-    stop(rpid);
-    unlink(kvsock);
-    unlink(rsock);
-    unlink(kvlog);
-    unlink(rlog);
-    char dump[200];
-    snprintf(dump, sizeof dump, "%s/dump.rdb", dir);
-    unlink(dump);
-    rmdir(dir);
+    bench_peers_stop(&P);
     return 0;
 }

@@ -53,29 +53,13 @@ static void drop_caches(void)
 
 static void plain(const char *dir, size_t total, double *w, double *r)
 {
-    char path[600];
-    snprintf(path, sizeof path, "%.500s/plain.dat", dir);
-    size_t chunk = 4u << 20;
-    uint8_t *buf = kvr_mem_aligned(4096, chunk);
-    memset(buf, 0x5A, chunk);
-    int fd = open(path, O_RDWR | O_CREAT | O_TRUNC | O_DIRECT, 0644);
-    if (fd < 0)
-        fd = open(path, O_RDWR | O_CREAT | O_TRUNC, 0644);
-    double t0 = kvt_now_s();
-    for (size_t o = 0; o < total; o += chunk)
-        if (pwrite(fd, buf, chunk, (off_t)o) != (ssize_t)chunk)
-            break;
-    fdatasync(fd);
-    *w = (double)total / (kvt_now_s() - t0) / 1e9;
+    kvt_plain p;
+    kvt_plain_open(&p, dir);
+    *w = kvt_plain_pass(&p, total, 1);
     drop_caches();
-    t0 = kvt_now_s();
-    for (size_t o = 0; o < total; o += chunk)
-        if (pread(fd, buf, chunk, (off_t)o) != (ssize_t)chunk)
-            break;
-    *r = (double)total / (kvt_now_s() - t0) / 1e9;
-    close(fd);
-    unlink(path);
-    kvr_mem_free(buf);
+    *r = kvt_plain_pass(&p, total, 0);
+    kvt_plain_close(&p);
+    unlink(p.path);
 }
 
 static kvr_store *open_store(const char *dir, int engine, kvr_tier_recovery *rec)
@@ -183,14 +167,8 @@ static double median(double *v, int n)
 
 int main(void)
 {
-    const char *mb = getenv("KVR_BENCH_TIER_MB");
-    const char *rn = getenv("KVR_BENCH_TIER_ROUNDS");
-    int rounds = rn ? atoi(rn) : 3;
-    if (rounds < 1)
-        rounds = 1;
-    if (rounds > MAX_ROUNDS)
-        rounds = MAX_ROUNDS;
-    size_t total = (size_t)(mb ? atoi(mb) : 256) << 20;
+    int rounds = kvt_env_int("KVR_BENCH_TIER_ROUNDS", 3, 1, MAX_ROUNDS);
+    size_t total = (size_t)kvt_env_int("KVR_BENCH_TIER_MB", 256, 1, 1 << 20) << 20;
     size_t ctx_bytes = (size_t)NL * 2 * CTX_TOKENS * NH * HD * 2;
     size_t n_ctx = total / ctx_bytes ? total / ctx_bytes : 1;
     total = n_ctx * ctx_bytes;

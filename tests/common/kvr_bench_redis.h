@@ -1,6 +1,6 @@
 /*
- * kvr_bench_redis.h — what the socket benchmarks share (header-only, static
- * functions, like kvr_testd.h): a clock, spawning and stopping the peer
+ * kvr_bench_redis.h — what the socket benchmarks share (kvr_bench_redis.c, in
+ * libtestcommon.a, which benches link without Criterion): a clock, spawning and stopping the peer
  * processes (kvroped, redis-server), and a minimal blocking RESP client for
  * the Redis baseline (SET / GET of binary values over a Unix socket).
  */
@@ -18,45 +18,15 @@
 #include <sys/un.h>
 #include <sys/wait.h>
 #include <time.h>
+#include <stdint.h>
 #include <unistd.h>
 
 #include "tests/common/kvt_bench.h"
+#include "tests/common/kvt_io.h"
 
-static void sleep_ms(int ms)
-{
-    struct timespec ts = { ms / 1000, (long)(ms % 1000) * 1000000L };
-    nanosleep(&ts, NULL);
-}
+pid_t bench_spawn(const char *const *argv, const char *log);
 
-static pid_t spawn(const char *const *argv, const char *log)
-{
-    pid_t parent = getpid();
-    pid_t pid = fork();
-    if (pid == 0) {
-        prctl(PR_SET_PDEATHSIG, SIGTERM);
-        if (getppid() != parent)
-            _exit(127);
-        if (!freopen(log, "w", stdout) || !freopen(log, "a", stderr))
-            _exit(127);
-        execvp(argv[0], (char *const *)(uintptr_t)argv);
-        _exit(127);
-    }
-    return pid;
-}
-
-static void stop(pid_t pid)
-{
-    if (pid <= 0)
-        return;
-    kill(pid, SIGTERM);
-    for (int i = 0; i < 500; i++) {
-        if (waitpid(pid, NULL, WNOHANG) == pid)
-            return;
-        sleep_ms(10);
-    }
-    kill(pid, SIGKILL);
-    waitpid(pid, NULL, 0);
-}
+void bench_stop(pid_t pid);
 
 /* ---- minimal RESP client ------------------------------------------------ */
 
@@ -66,127 +36,53 @@ typedef struct resp {
     size_t  pos, len;
 } resp;
 
-static int resp_connect(resp *r, const char *path)
-{
-    memset(r, 0, sizeof *r);
-    struct sockaddr_un sa = { .sun_family = AF_UNIX };
-    snprintf(sa.sun_path, sizeof sa.sun_path, "%s", path);
-    r->fd = socket(AF_UNIX, SOCK_STREAM, 0);
-    if (r->fd < 0 || connect(r->fd, (struct sockaddr *)&sa, sizeof sa) < 0) {
-        if (r->fd >= 0)
-            close(r->fd);
-        return -1;
-    }
-    int sz = 4 << 20;
-    setsockopt(r->fd, SOL_SOCKET, SO_SNDBUF, &sz, sizeof sz);
-    setsockopt(r->fd, SOL_SOCKET, SO_RCVBUF, &sz, sizeof sz);
-    return 0;
-}
+int resp_connect(resp *r, const char *path);
 
-static int resp_fill(resp *r)
-{
-    if (r->pos == r->len)
-        r->pos = r->len = 0;
-    ssize_t n = read(r->fd, r->buf + r->len, sizeof r->buf - r->len);
-    if (n <= 0)
-        return -1;
-    r->len += (size_t)n;
-    return 0;
-}
+int resp_fill(resp *r);
 
 /* Reads one line (without CRLF) into line. */
-static int resp_line(resp *r, char *line, size_t cap)
-{
-    for (;;) {
-        char *nl = memchr(r->buf + r->pos, '\n', r->len - r->pos);
-        if (nl) {
-            size_t n = (size_t)(nl - (r->buf + r->pos));
-            if (n && nl[-1] == '\r')
-                n--;
-            if (n >= cap)
-                n = cap - 1;
-            memcpy(line, r->buf + r->pos, n);
-            line[n] = 0;
-            r->pos = (size_t)(nl - r->buf) + 1;
-            return 0;
-        }
-        if (r->pos > 0 && r->len == sizeof r->buf) {
-            memmove(r->buf, r->buf + r->pos, r->len - r->pos);
-            r->len -= r->pos;
-            r->pos = 0;
-        }
-        if (resp_fill(r) < 0)
-            return -1;
-    }
-}
+int resp_line(resp *r, char *line, size_t cap);
 
-static int resp_read(resp *r, void *dst, size_t n)
-{
-    uint8_t *p = dst;
-    size_t have = r->len - r->pos, k = have < n ? have : n;
-    memcpy(p, r->buf + r->pos, k);
-    r->pos += k;
-    while (k < n) {
-        ssize_t got = read(r->fd, p + k, n - k);
-        if (got <= 0)
-            return -1;
-        k += (size_t)got;
-    }
-    return 0;
-}
+int resp_read(resp *r, void *dst, size_t n);
 
-static int write_all(int fd, struct iovec *iov, int n)
-{
-    while (n > 0) {
-        ssize_t w = writev(fd, iov, n);
-        if (w < 0) {
-            if (errno == EINTR)
-                continue;
-            return -1;
-        }
-        while (n > 0 && (size_t)w >= iov->iov_len) {
-            w -= (ssize_t)iov->iov_len;
-            iov++;
-            n--;
-        }
-        if (n > 0) {
-            iov->iov_base = (char *)iov->iov_base + w;
-            iov->iov_len -= (size_t)w;
-        }
-    }
-    return 0;
-}
+int resp_writev(int fd, struct iovec *iov, int n);
 
-static int resp_set(resp *r, const char *key, const void *val, size_t len)
-{
-    char hdr[256];
-    int hl = snprintf(hdr, sizeof hdr, "*3\r\n$3\r\nSET\r\n$%zu\r\n%s\r\n$%zu\r\n", strlen(key),
-                      key, len);
-    struct iovec iov[3] = { { hdr, (size_t)hl }, { (void *)(uintptr_t)val, len }, { "\r\n", 2 } };
-    if (write_all(r->fd, iov, 3) < 0)
-        return -1;
-    char line[128];
-    if (resp_line(r, line, sizeof line) < 0 || line[0] != '+')
-        return -1;
-    return 0;
-}
+int resp_set(resp *r, const char *key, const void *val, size_t len);
 
-static int resp_get(resp *r, const char *key, void *dst, size_t cap)
-{
-    char hdr[256];
-    int hl = snprintf(hdr, sizeof hdr, "*2\r\n$3\r\nGET\r\n$%zu\r\n%s\r\n", strlen(key), key);
-    struct iovec iov[1] = { { hdr, (size_t)hl } };
-    if (write_all(r->fd, iov, 1) < 0)
-        return -1;
-    char line[128], crlf[2];
-    if (resp_line(r, line, sizeof line) < 0 || line[0] != '$')
-        return -1;
-    long n = atol(line + 1);
-    if (n < 0 || (size_t)n > cap)
-        return -1;
-    if (resp_read(r, dst, (size_t)n) < 0 || resp_read(r, crlf, 2) < 0)
-        return -1;
-    return 0;
-}
+int resp_get(resp *r, const char *key, void *dst, size_t cap);
+
+/* Connects r to the Redis socket and, when set, stores key = val (len
+ * bytes) for the gets to come. 0, or -1 if either failed. */
+int resp_prepare(resp *r, const char *sock, int set, const char *key, const void *val,
+                 size_t len);
+
+struct kvr_client;
+
+/* ---- kvroped's side ------------------------------------------------------ */
+
+/* After the put of "p<job>-<slice>-<ops>", the deferred delete of the one
+ * keep puts back, so that a timed put loop holds keep contexts at most.
+ * 0, or what the delete returned. */
+int bench_drop_old(struct kvr_client *c, int job, int slice, long ops, long keep);
+
+/* ---- the two peers: kvroped and redis-server ---------------------------- */
+
+/* Both servers of a socket benchmark in one temporary directory. */
+typedef struct bench_peers {
+    char  dir[64], kvsock[128], rsock[128], kvlog[128], rlog[128], bin[512], addr[160];
+    pid_t kvpid, rpid;
+    int   have_redis;   /* 0: redis-server did not start (its columns absent) */
+} bench_peers;
+
+/* Makes dir (tmpl, e.g. "/tmp/kvr-bench-XXXXXX"), starts $KVR_BUILD/kvroped
+ * (--max-memory 4G) and redis-server (no persistence) there, waits for both
+ * (5 s each) and registers model "bench" (f16, the given shape, default
+ * rope) on kvroped. 0; -1 after printing why (messages start with name) and
+ * stopping both if kvroped did not come up. */
+int bench_peers_start(bench_peers *b, const char *name, const char *tmpl, uint32_t layers,
+                      uint32_t heads, uint32_t dim);
+
+/* Stops both and removes the directory and what the servers left in it. */
+void bench_peers_stop(bench_peers *b);
 
 #endif /* KVR_BENCH_REDIS_H */

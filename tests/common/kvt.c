@@ -6,7 +6,6 @@
 
 #include <criterion/criterion.h>
 #include <dirent.h>
-#include <ftw.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -28,17 +27,6 @@ void kvt_tmpdir(char *buf, size_t cap, const char *name)
     cr_assert_not_null(mkdtemp(buf), "mkdtemp %s", buf);
 }
 
-static int rm_one(const char *p, const struct stat *sb, int flag, struct FTW *f)
-{
-    (void)sb; (void)flag; (void)f;
-    return remove(p);
-}
-
-void kvt_rmrf(const char *dir)
-{
-    nftw(dir, rm_one, 16, FTW_DEPTH | FTW_PHYS);
-}
-
 void kvt_fill(uint8_t *p, size_t n, uint64_t seed)
 {
     uint64_t s = seed * 0x2545F4914F6CDD1Dull + 1;
@@ -46,6 +34,12 @@ void kvt_fill(uint8_t *p, size_t n, uint64_t seed)
         s ^= s << 13; s ^= s >> 7; s ^= s << 17;
         p[i] = (uint8_t)s;
     }
+}
+
+void kvt_iota(uint32_t *t, size_t n, uint32_t base)
+{
+    for (size_t i = 0; i < n; i++)
+        t[i] = base + (uint32_t)i;
 }
 
 void kvt_write_file(const char *path, const void *data, size_t n)
@@ -160,4 +154,27 @@ int kvt_unix_connect(const char *path, int rcv_timeout_s)
         setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
     }
     return fd;
+}
+
+ssize_t kvt_send_fds(int fd, const void *buf, size_t len, int pass, int copies)
+{
+    struct iovec iov = { (void *)(uintptr_t)buf, len };
+    union {
+        struct cmsghdr h;
+        char b[CMSG_SPACE(253 * sizeof(int))];
+    } cm;
+    memset(&cm, 0, sizeof cm);
+    struct msghdr mh = { .msg_iov = &iov, .msg_iovlen = 1 };
+    if (copies > 0) {
+        cr_assert_leq(copies, 253);
+        mh.msg_control = cm.b;
+        mh.msg_controllen = CMSG_SPACE((size_t)copies * sizeof(int));
+        struct cmsghdr *h = CMSG_FIRSTHDR(&mh);
+        h->cmsg_level = SOL_SOCKET;
+        h->cmsg_type = SCM_RIGHTS;
+        h->cmsg_len = CMSG_LEN((size_t)copies * sizeof(int));
+        for (int i = 0; i < copies; i++)
+            memcpy(CMSG_DATA(h) + (size_t)i * sizeof(int), &pass, sizeof(int));
+    }
+    return sendmsg(fd, &mh, MSG_NOSIGNAL);
 }

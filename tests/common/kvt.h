@@ -18,11 +18,15 @@
  * buf (cap bytes). */
 void kvt_tmpdir(char *buf, size_t cap, const char *name);
 
-/* Removes dir and everything below it (no error if it is gone). */
+/* Removes dir and everything below it (no error if it is gone). In
+ * kvt_io.c, which needs no Criterion: benches may call it. */
 void kvt_rmrf(const char *dir);
 
 /* n bytes of a xorshift64 stream from seed: the same seed, the same bytes. */
 void kvt_fill(uint8_t *p, size_t n, uint64_t seed);
+
+/* t[i] = base + i for i < n: token ids in a run. */
+void kvt_iota(uint32_t *t, size_t n, uint32_t base);
 
 /* Writes n bytes to path (created or truncated). */
 void kvt_write_file(const char *path, const void *data, size_t n);
@@ -58,6 +62,10 @@ int kvt_count_fds(pid_t pid);
 /* A connected Unix stream socket to path (asserted; close-on-exec), with a
  * receive timeout of rcv_timeout_s seconds if that is > 0. */
 int kvt_unix_connect(const char *path, int rcv_timeout_s);
+
+/* sendmsg of len bytes of buf on fd with `copies` copies (0..253) of
+ * descriptor pass attached (SCM_RIGHTS): what sendmsg returned. */
+ssize_t kvt_send_fds(int fd, const void *buf, size_t len, int pass, int copies);
 
 /* A TCP port on 127.0.0.1 that was free a moment ago (bound, then let go). */
 int kvt_free_tcp_port(void);

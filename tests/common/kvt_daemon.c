@@ -4,6 +4,7 @@
  */
 #include "tests/common/kvt_daemon.h"
 
+#include <cjson/cJSON.h>
 #include <criterion/criterion.h>
 
 kvr_client *kvt_daemon_up(kvr_testd *d, const char *const *extra)
@@ -112,4 +113,11 @@ void *kvt_tiny_kv(const kvr_rope *r, const uint32_t *tok, const int64_t *pos, si
     }
     free(x);
     return buf;
+}
+
+struct cJSON *kvt_json_out(const char *out)
+{
+    cJSON *j = cJSON_Parse(out);
+    cr_assert_not_null(j, "not JSON: %s", out);
+    return j;
 }

@@ -57,4 +57,12 @@ void kvt_tiny_embed(uint32_t id, uint32_t layer, uint32_t kv, float *out);
 void *kvt_tiny_kv(const kvr_rope *r, const uint32_t *tok, const int64_t *pos, size_t n,
                   kvr_dtype dt, size_t *len);
 
+/* out (a command's --json output) parsed, asserted to be JSON; the caller
+ * deletes it. */
+struct cJSON *kvt_json_out(const char *out);
+
+/* testd_cli of the arguments given inline (NULL added), stdout into out (an
+ * array): #define CLI(...) KVT_CLI(&D, OUT, __VA_ARGS__). */
+#define KVT_CLI(d, out, ...) testd_cli(d, out, sizeof out, (const char *const[]){ __VA_ARGS__, NULL })
+
 #endif

@@ -2,6 +2,7 @@
  * kvt_disk.c — tests/common/kvt_disk.h: open-and-recover, byte flips.
  */
 #include "tests/common/kvt_disk.h"
+#include "tests/common/kvt.h"
 
 #include <criterion/criterion.h>
 #include <fcntl.h>
@@ -29,4 +30,22 @@ void kvt_flip_byte(const char *path, uint64_t off, uint8_t mask)
     c ^= mask;
     cr_assert_eq(pwrite(fd, &c, 1, (off_t)off), 1, "%s", path);
     close(fd);
+}
+
+void kvt_disk_in_tmpdir(void (*fn)(kvr_disk_engine e, const char *dir), kvr_disk_engine e)
+{
+    char dir[256];
+    kvt_tmpdir(dir, sizeof dir, "kvr_disk");
+    fn(e, dir);
+    kvt_rmrf(dir);
+}
+
+int kvt_spill_until(kvr_disk *d, const kvr_disk_buf *kb, kvr_disk_handle *h, int cap,
+                    bool sync, int *rc, kvr_error *err)
+{
+    int n = 0;
+    *rc = 0;
+    while (n < cap && (*rc = kvr_disk_spill(d, kb, 1, &h[n], sync, err)) == 0)
+        n++;
+    return n;
 }

@@ -31,4 +31,26 @@ void kvt_flip_byte(const char *path, uint64_t off, uint8_t mask);
     Test(suite, name##_uring) { fn(KVR_DISK_ENGINE_URING); }          \
     Test(suite, name##_posix) { fn(KVR_DISK_ENGINE_POSIX); }
 
+/* Spills kb (one buffer; durable with sync) into h[0], h[1], ... until a
+ * spill fails or cap have been made: how many were made; the failing
+ * spill's result in *rc (0 if none failed), its message in *err. */
+int kvt_spill_until(kvr_disk *d, const kvr_disk_buf *kb, kvr_disk_handle *h, int cap,
+                    bool sync, int *rc, kvr_error *err);
+
+/* fn(e, dir) in a fresh temporary directory dir, removed afterwards. */
+void kvt_disk_in_tmpdir(void (*fn)(kvr_disk_engine e, const char *dir), kvr_disk_engine e);
+
+/* Defines the body that follows as static void name(e, dir), run by
+ * suite::name_uring and suite::name_posix (kvt_disk_in_tmpdir) on each
+ * engine in a fresh directory:
+ *     KVT_DISK_TEST(disk_spill, round_trips)
+ *     {
+ *         kvr_disk *d = open_ready(dir, e, ...);
+ */
+#define KVT_DISK_TEST(suite, name)                                                  \
+    static void name(kvr_disk_engine e, const char *dir);                           \
+    Test(suite, name##_uring) { kvt_disk_in_tmpdir(name, KVR_DISK_ENGINE_URING); }  \
+    Test(suite, name##_posix) { kvt_disk_in_tmpdir(name, KVR_DISK_ENGINE_POSIX); }  \
+    static void name(kvr_disk_engine e, const char *dir)
+
 #endif

@@ -43,3 +43,11 @@ void kvt_rope_case_config(const cJSON *c, double n_heads, kvr_rope_config *out)
     free(ct);
     cJSON_Delete(j);
 }
+
+kvr_rope *kvt_rope_new(const kvr_rope_config *c)
+{
+    kvr_rope *r = NULL;
+    kvr_error err = { 0 };
+    cr_assert_eq(kvr_rope_create(&r, c, &err), 0, "%s", err.msg);
+    return r;
+}

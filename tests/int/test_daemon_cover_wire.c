@@ -117,7 +117,7 @@ Test(daemon_cover_wire, refusals_and_a_placed_payload)
     uint8_t *buf = malloc(KVR_FRAME_HEADER_SIZE + n);
     kvrope__request__pack(&q, buf + KVR_FRAME_HEADER_SIZE);
     kvr_frame_header_encode(buf, (uint32_t)(n - 30), 0);
-    cr_assert_eq(write_all(fd, buf, KVR_FRAME_HEADER_SIZE + n - 30), 0);
+    cr_assert_eq(kvt_write_all(fd, buf, KVR_FRAME_HEADER_SIZE + n - 30), 0);
     r = recv_resp(fd, NULL, NULL);
     cr_assert_eq(r->status, KVROPE__STATUS__E_BAD_FRAME, "%s", r->message);
     kvrope__response__free_unpacked(r, NULL);

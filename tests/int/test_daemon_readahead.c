@@ -213,7 +213,7 @@ static void *writer_main(void *arg)
         }
         if (k > w->len - off)
             k = w->len - off;
-        if (write_all(w->fd, w->buf + off, k) != 0) {
+        if (kvt_write_all(w->fd, w->buf + off, k) != 0) {
             w->rc = -1;
             return NULL;
         }
@@ -325,7 +325,7 @@ static void *flood_writer(void *arg)
     for (int i = 0; i < 256; i++)
         sc_ping(&s);
     while (!atomic_load(&f->stop)) {
-        if (write_all(f->fd, s.buf, s.len) != 0)
+        if (kvt_write_all(f->fd, s.buf, s.len) != 0)
             break;
         f->sent += s.n_ex;
     }
@@ -379,27 +379,13 @@ Test(daemon_readahead, a_flood_of_pipelined_frames_starves_no_other_connection)
 /* Writes buf[0..len) with nfd copies of fd attached (SCM_RIGHTS). */
 static void send_fds(int fd, const void *buf, size_t len, int pass, int nfd)
 {
-    struct iovec iov = { (void *)(uintptr_t)buf, len };
-    union {
-        struct cmsghdr h;
-        char b[CMSG_SPACE(16 * sizeof(int))];
-    } cm;
-    memset(&cm, 0, sizeof cm);
-    struct msghdr mh = { .msg_iov = &iov, .msg_iovlen = 1, .msg_control = cm.b,
-                         .msg_controllen = CMSG_SPACE((size_t)nfd * sizeof(int)) };
-    struct cmsghdr *h = CMSG_FIRSTHDR(&mh);
-    h->cmsg_level = SOL_SOCKET;
-    h->cmsg_type = SCM_RIGHTS;
-    h->cmsg_len = CMSG_LEN((size_t)nfd * sizeof(int));
-    for (int i = 0; i < nfd; i++)
-        memcpy(CMSG_DATA(h) + (size_t)i * sizeof(int), &pass, sizeof(int));
-    cr_assert_eq(sendmsg(fd, &mh, MSG_NOSIGNAL), (ssize_t)len);
+    cr_assert_eq(kvt_send_fds(fd, buf, len, pass, nfd), (ssize_t)len);
 }
 
 static void wait_fds_at_most(int limit)
 {
     for (int i = 0; i < 200 && kvt_count_fds(D.pid) > limit; i++)
-        sleep_ms(20);
+        kvt_sleep_ms(20);
 }
 
 /* Reads c until the daemon closes it (10 s at most); true when it did and
@@ -466,7 +452,7 @@ Test(daemon_readahead, stray_descriptors_on_every_kind_of_read)
         s.id = 200;
         sc_put(&s, "big", "tiny", KVROPE__DTYPE__F16, P16B, TB, KVROPE__STATUS__OK);
         send_fds(c, s.buf, 64, mfd, 2);
-        if (write_all(c, s.buf + 64, s.len - 64) != 0) {
+        if (kvt_write_all(c, s.buf + 64, s.len - 64) != 0) {
         }
         closed_after_fds(c, &s, round, "fds on a put's header");
         /* 3. on the payload bytes alone, with a ping after it in the same write */
@@ -475,14 +461,14 @@ Test(daemon_readahead, stray_descriptors_on_every_kind_of_read)
         sc_put(&s, "big", "tiny", KVROPE__DTYPE__F16, P16B, TB, KVROPE__STATUS__OK);
         size_t cut = s.len - payload_bytes(TB) + 100;
         sc_ping(&s);
-        cr_assert_eq(write_all(c, s.buf, cut), 0);
-        sleep_ms(5);   /* likelier that the daemon is reading the payload now */
+        cr_assert_eq(kvt_write_all(c, s.buf, cut), 0);
+        kvt_sleep_ms(5);   /* likelier that the daemon is reading the payload now */
         send_fds(c, s.buf + cut, s.len - cut, mfd, 3);
         closed_after_fds(c, &s, round, "fds on a payload");
         /* Neither put stored anything. */
         s.id = 350;
         sc_get(&s, "big", KVROPE__STATUS__E_UNKNOWN_CONTEXT, NULL, 0);
-        cr_assert_eq(write_all(fd, s.buf, s.len), 0);
+        cr_assert_eq(kvt_write_all(fd, s.buf, s.len), 0);
         check_replies(fd, &s);
         sc_free(&s);
         /* 4. on the bytes after a put's payload: a ping and a get */
@@ -492,12 +478,12 @@ Test(daemon_readahead, stray_descriptors_on_every_kind_of_read)
         cut = s.len;
         sc_ping(&s);
         sc_get(&s, "big4", KVROPE__STATUS__OK, P16B, payload_bytes(TB));
-        cr_assert_eq(write_all(c, s.buf, cut), 0);
+        cr_assert_eq(kvt_write_all(c, s.buf, cut), 0);
         send_fds(c, s.buf + cut, s.len - cut, mfd, 1);
         closed_after_fds(c, &s, round, "fds after a payload");
         s.id = 500;
         sc_delete(&s, "big4");
-        cr_assert_eq(write_all(fd, s.buf, s.len), 0);
+        cr_assert_eq(kvt_write_all(fd, s.buf, s.len), 0);
         uint8_t *got = NULL;
         uint64_t glen = 0;
         Kvrope__Response *r = recv_resp(fd, &got, &glen);   /* stored or not: racy */
@@ -575,8 +561,8 @@ Test(daemon_readahead, a_frame_read_ahead_is_timed_from_when_it_is_taken_up)
     sc_put(&s, "p2", "tiny", KVROPE__DTYPE__F16, P16S, TS, KVROPE__STATUS__OK);
     size_t cut = s.len - payload_bytes(TS) + 100;
     cr_assert_lt(cut, 4096);   /* one read-ahead holds it all */
-    cr_assert_eq(write_all(fd, s.buf, cut), 0);
-    sleep_ms(3000);
+    cr_assert_eq(kvt_write_all(fd, s.buf, cut), 0);
+    kvt_sleep_ms(3000);
     for (int i = 0; i < NG; i++) {
         uint8_t *got = NULL;
         uint64_t glen = 0;
@@ -588,8 +574,8 @@ Test(daemon_readahead, a_frame_read_ahead_is_timed_from_when_it_is_taken_up)
         free(got);
         kvrope__response__free_unpacked(r, NULL);
     }
-    sleep_ms(2000);
-    cr_assert_eq(write_all(fd, s.buf + cut, s.len - cut), 0, "the put was cut off");
+    kvt_sleep_ms(2000);
+    cr_assert_eq(kvt_write_all(fd, s.buf + cut, s.len - cut), 0, "the put was cut off");
     r = recv_resp(fd, NULL, NULL);
     cr_assert_eq(r->id, 10 + NG);
     cr_assert_eq(r->status, KVROPE__STATUS__OK, "%s", r->message);

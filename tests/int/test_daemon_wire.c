@@ -37,7 +37,7 @@ TestSuite(daemon_wire, .init = setup, .fini = teardown, .timeout = 120);
  * then the daemon's close, and closes fd. */
 static void refused_then_closed(int fd, const void *frame, size_t len, Kvrope__Status st)
 {
-    cr_assert_eq(write_all(fd, frame, len), 0);
+    cr_assert_eq(kvt_write_all(fd, frame, len), 0);
     Kvrope__Response *r = recv_resp(fd, NULL, NULL);
     cr_assert_eq(r->status, st, "status %d, want %d", r->status, st);
     kvrope__response__free_unpacked(r, NULL);
@@ -125,7 +125,7 @@ Test(daemon_wire, ping_and_pipelining)
         kvr_frame_header_encode(all + off, (uint32_t)n, 0);
         off += KVR_FRAME_HEADER_SIZE + n;
     }
-    cr_assert_eq(write_all(fd, all, off), 0);
+    cr_assert_eq(kvt_write_all(fd, all, off), 0);
     for (uint64_t id = 10; id < 13; id++) {
         Kvrope__Response *r = recv_resp(fd, NULL, NULL);
         cr_assert_eq(r->id, id);
@@ -207,7 +207,7 @@ Test(daemon_wire, pipelined_batch_answered_in_order_after_half_close)
         q.delete_ = &dl;
         frame_into(all, cap, &off, &q, NULL, 0);
     }
-    cr_assert_eq(write_all(fd, all, off), 0);
+    cr_assert_eq(kvt_write_all(fd, all, off), 0);
     cr_assert_eq(shutdown(fd, SHUT_WR), 0);
     id = 1000;
     for (int k = 0; k < ROUNDS; k++) {
@@ -275,7 +275,7 @@ Test(daemon_wire, garbage_closes_only_that_connection)
 
     int bad = connect_unix(D.sock);
     const char junk[] = "GET / HTTP/1.1\r\nHost: localhost\r\n\r\nmore garbage here";
-    cr_assert_eq(write_all(bad, junk, sizeof junk), 0);
+    cr_assert_eq(kvt_write_all(bad, junk, sizeof junk), 0);
     Kvrope__Response *r = recv_resp(bad, NULL, NULL);
     cr_assert_eq(r->status, KVROPE__STATUS__E_BAD_FRAME);
     cr_assert_not_null(r->message);
@@ -320,11 +320,11 @@ Test(daemon_wire, truncated_frames_then_disconnect)
     int fd = start_and_connect(NULL);
     uint8_t h[KVR_FRAME_HEADER_SIZE];
     kvr_frame_header_encode(h, 100, 0);
-    cr_assert_eq(write_all(fd, h, 10), 0);          /* half a header */
+    cr_assert_eq(kvt_write_all(fd, h, 10), 0);          /* half a header */
     close(fd);
     fd = connect_unix(D.sock);
-    cr_assert_eq(write_all(fd, h, sizeof h), 0);    /* header, no message */
-    cr_assert_eq(write_all(fd, "\x08\x01", 2), 0);
+    cr_assert_eq(kvt_write_all(fd, h, sizeof h), 0);    /* header, no message */
+    cr_assert_eq(kvt_write_all(fd, "\x08\x01", 2), 0);
     close(fd);
     fd = connect_unix(D.sock);
     answers_then_stop(fd, 5);
@@ -411,7 +411,7 @@ Test(daemon_wire, put_get_and_disconnect_mid_payload)
         if (st == KVROPE__STATUS__OK)
             break;
         cr_assert_eq(st, KVROPE__STATUS__E_BUSY);   /* abort not seen yet */
-        sleep_ms(10);
+        kvt_sleep_ms(10);
     }
     r = get_all(fd, "ctx-a", &got, &glen);
     cr_assert_eq(r->kv->token_count, 8);
@@ -520,7 +520,7 @@ static int tcp_connect_retry(int port)
     for (int i = 0; i < 500 && fd < 0; i++) {
         fd = connect_tcp(port);
         if (fd < 0)
-            sleep_ms(10);
+            kvt_sleep_ms(10);
     }
     cr_assert_geq(fd, 0);
     return fd;
@@ -721,7 +721,7 @@ Test(daemon_wire, stalled_put_is_aborted_after_io_timeout)
     int stall = connect_unix(D.sock);
     make_put(&q, &p, "ctx-a", more, 4, KVROPE__PUT_MODE__APPEND);
     send_req(stall, &q, NULL, pb);               /* declares pb bytes ... */
-    cr_assert_eq(write_all(stall, pay2, pb / 2), 0);   /* ... sends half */
+    cr_assert_eq(kvt_write_all(stall, pay2, pb / 2), 0);   /* ... sends half */
     /* Wait (via Stat's busy flag, which changes nothing) until the stalled
      * put holds the context. */
     bool busy = false;
@@ -730,7 +730,7 @@ Test(daemon_wire, stalled_put_is_aborted_after_io_timeout)
         busy = r->context->busy;
         kvrope__response__free_unpacked(r, NULL);
         if (!busy)
-            sleep_ms(5);
+            kvt_sleep_ms(5);
     }
     cr_assert(busy, "the stalled put never held the context");
     /* Others get E_BUSY until the put is aborted. */
@@ -739,7 +739,7 @@ Test(daemon_wire, stalled_put_is_aborted_after_io_timeout)
         make_put(&q, &p, "ctx-a", more, 4, KVROPE__PUT_MODE__APPEND);
         st = request_status(fd, &q, pay2, pb);
         if (st == KVROPE__STATUS__E_BUSY)
-            sleep_ms(10);
+            kvt_sleep_ms(10);
     }
     cr_assert_eq(st, KVROPE__STATUS__OK, "context still busy after the stalled put");
     expect_eof(stall);
@@ -772,7 +772,7 @@ Test(daemon_wire, partial_header_times_out_idle_is_kept)
     int fd = connect_unix(D.sock);
     uint8_t h[KVR_FRAME_HEADER_SIZE];
     kvr_frame_header_encode(h, 100, 0);
-    cr_assert_eq(write_all(fd, h, 10), 0);
+    cr_assert_eq(kvt_write_all(fd, h, 10), 0);
     expect_eof(fd);
     close(fd);
     answers_then_stop(idle, 2);
@@ -790,15 +790,15 @@ Test(daemon_wire, unauthenticated_tcp_client_times_out)
     fd = connect_tcp(port);
     uint8_t h[KVR_FRAME_HEADER_SIZE];
     kvr_frame_header_encode(h, 100, 0);
-    cr_assert_eq(write_all(fd, h, 5), 0);
-    sleep_ms(300);
+    cr_assert_eq(kvt_write_all(fd, h, 5), 0);
+    kvt_sleep_ms(300);
     (void)!write(fd, h + 5, 5);
     expect_eof(fd);
     close(fd);
     /* An authenticated one is kept. */
     fd = connect_tcp(port);
     cr_assert_eq(auth(fd, "s3cret-token"), KVROPE__STATUS__OK);
-    sleep_ms(1500);
+    kvt_sleep_ms(1500);
     answers_then_stop(fd, 2);
 }
 
@@ -819,7 +819,7 @@ static int unix_conn_admitted(void)
             return fd;
         cr_assert_eq(st, KVROPE__STATUS__E_LIMIT);
         close(fd);
-        sleep_ms(10);
+        kvt_sleep_ms(10);
     }
     cr_assert_fail("no Unix connection admitted");
     return -1;
@@ -866,7 +866,7 @@ Test(daemon_wire, unauthenticated_connection_limit)
         if (st == KVROPE__STATUS__E_LIMIT) {
             close(b);
             b = -1;
-            sleep_ms(10);
+            kvt_sleep_ms(10);
         }
     }
     cr_assert_eq(st, KVROPE__STATUS__OK);
@@ -907,7 +907,7 @@ Test(daemon_wire, unread_replies_time_out)
     for (int i = 0; i < 1000 && n > 1; i++) {
         n = stat_metric(fd, "connections");
         if (n > 1)
-            sleep_ms(10);
+            kvt_sleep_ms(10);
     }
     cr_assert_eq(n, 1, "the connection that reads nothing is still open");
     close(slow);

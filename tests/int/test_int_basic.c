@@ -7,6 +7,7 @@
 #include <criterion/criterion.h>
 
 #include "tests/common/kvt_daemon.h"
+#include "tests/common/kvt_wire.h"
 
 static kvr_testd D;
 static kvr_client *C;
@@ -482,10 +483,7 @@ static int open_put_without_payload(const char *sock, const char *ctx, const cha
     p.mode = KVROPE__PUT_MODE__APPEND;
     p.n_tokens = 1;
     p.tokens = tok;
-    Kvrope__Request q = KVROPE__REQUEST__INIT;
-    q.id = 1;
-    q.body_case = KVROPE__REQUEST__BODY_PUT;
-    q.put = &p;
+    Kvrope__Request q = kvt_put_request(1, &p);
     uint8_t buf[512];
     size_t n = kvrope__request__pack(&q, buf + KVR_FRAME_HEADER_SIZE);
     kvr_frame_header_encode(buf, (uint32_t)n, kvr_payload_size(T_LAYERS, 1, T_HEADS, T_DIM,
@@ -562,7 +560,7 @@ Test(int_basic, deferred_deletes_ride_with_the_next_call)
     /* Until it is busy (a put meanwhile only appends to d3). */
     for (int i = 0; i < 200 && testd_put(o, "d3", "m", KVR_DTYPE_F16, 3, 0, 0, 1) != KVR_EBUSY;
          i++)
-        testd_sleep_ms(10);
+        kvt_sleep_ms(10);
     cr_assert_eq(kvr_client_delete_deferred(C, "d3"), 0);
     kvr_pong pong;
     cr_assert_eq(kvr_client_ping(C, &pong), 0, "%s", kvr_client_last_error(C));
@@ -577,7 +575,7 @@ Test(int_basic, deferred_deletes_ride_with_the_next_call)
     close(raw);   /* its put is aborted: d3 is as it was */
     for (int i = 0; i < 200 && kvr_client_delete_deferred(C, "d3") == 0 &&
                     kvr_client_flush(C) == KVR_EBUSY; i++)
-        testd_sleep_ms(10);
+        kvt_sleep_ms(10);
     cr_assert_eq(kvr_client_stat(o, "d3", &x), KVR_ENOCTX);
 
     /* More than KVR_DEFER_MAX: the queue is flushed on its own. */

@@ -33,14 +33,7 @@ static void teardown(void)
 
 TestSuite(int_cli, .init = setup, .fini = teardown, .timeout = 120);
 
-#define CLI(...) testd_cli(&D, OUT, sizeof OUT, (const char *const[]){ __VA_ARGS__, NULL })
-
-static cJSON *json_out(void)
-{
-    cJSON *j = cJSON_Parse(OUT);
-    cr_assert_not_null(j, "not JSON: %s", OUT);
-    return j;
-}
+#define CLI(...) KVT_CLI(&D, OUT, __VA_ARGS__)
 
 static void path(char *buf, size_t cap, const char *name)
 {
@@ -52,7 +45,7 @@ Test(int_cli, ping_stats_models_json)
     cr_assert_eq(CLI("ping"), 0);
     cr_assert(strstr(OUT, "kvroped") != NULL);
     cr_assert_eq(CLI("--json", "ping"), 0);
-    cJSON *j = json_out();
+    cJSON *j = kvt_json_out(OUT);
     cr_assert_eq(cJSON_GetObjectItem(j, "protocol")->valueint, 1);
     cJSON_Delete(j);
 
@@ -63,18 +56,18 @@ Test(int_cli, ping_stats_models_json)
                       "\"hidden_size\":64,\"rope_theta\":10000.0}";
     kvt_write_file(cfg, txt, strlen(txt));
     cr_assert_eq(CLI("models", "add", "cfgm", "--config", cfg, "--dtype", "bf16", "--json"), 0);
-    j = json_out();
+    j = kvt_json_out(OUT);
     cr_assert_eq(cJSON_GetObjectItem(j, "n_layers")->valueint, 3);
     cr_assert_eq(cJSON_GetObjectItem(j, "head_dim")->valueint, 16);
     cr_assert_str_eq(cJSON_GetObjectItem(j, "dtype")->valuestring, "bf16");
     cJSON_Delete(j);
     cr_assert_eq(CLI("models", "--json"), 0);
-    j = json_out();
+    j = kvt_json_out(OUT);
     cr_assert(cJSON_IsArray(j));
     cr_assert_eq(cJSON_GetArraySize(j), 1);
     cJSON_Delete(j);
     cr_assert_eq(CLI("stats", "--json"), 0);
-    j = json_out();
+    j = kvt_json_out(OUT);
     cr_assert(cJSON_IsNumber(cJSON_GetObjectItem(j, "models")));
     cr_assert_eq(cJSON_GetObjectItem(j, "models")->valueint, 1);
     cJSON_Delete(j);
@@ -95,7 +88,7 @@ Test(int_cli, raw_put_get_roundtrip)
     const char *tt = "10 11 12 13 14 15 16 17 18 19\n20,21,22,23,24,25,26,27,28,29\n";
     kvt_write_file(toks, tt, strlen(tt));
     cr_assert_eq(CLI("put", "raw", in, "--model", "m", "--tokens-file", toks, "--json"), 0);
-    cJSON *j = json_out();
+    cJSON *j = kvt_json_out(OUT);
     cr_assert_eq(cJSON_GetObjectItem(j, "n_tokens")->valueint, 20);
     cJSON_Delete(j);
     cr_assert_eq(CLI("get", "raw", "-o", out), 0);
@@ -114,7 +107,7 @@ Test(int_cli, raw_put_get_roundtrip)
     free(want);
     /* --meta --json carries tokens and positions. */
     cr_assert_eq(CLI("get", "raw", "--meta", "--json"), 0);
-    j = json_out();
+    j = kvt_json_out(OUT);
     cJSON *tk = cJSON_GetObjectItem(j, "tokens");
     cr_assert_eq(cJSON_GetArraySize(tk), 20);
     cr_assert_eq(cJSON_GetArrayItem(tk, 19)->valueint, 29);
@@ -213,7 +206,7 @@ Test(int_cli, safetensors_roundtrip)
     free(pl);
     /* match through the CLI finds the copy's prefix. */
     cr_assert_eq(CLI("match", "--model", "m", "--tokens", "400,401,402,9", "--json"), 0);
-    cJSON *j = json_out();
+    cJSON *j = kvt_json_out(OUT);
     cr_assert_eq(cJSON_GetObjectItem(j, "length")->valueint, 3);
     cJSON_Delete(j);
 }
@@ -223,20 +216,20 @@ Test(int_cli, management_and_exit_codes)
     cr_assert_eq(testd_register(C, "m", KVR_DTYPE_F16, NULL), 0);
     cr_assert_eq(testd_put(C, "a", "m", KVR_DTYPE_F16, 1, 0, 0, 50), 0);
     cr_assert_eq(CLI("ls", "--json"), 0);
-    cJSON *j = json_out();
+    cJSON *j = kvt_json_out(OUT);
     cr_assert_eq(cJSON_GetArraySize(j), 1);
     cr_assert_str_eq(cJSON_GetObjectItem(cJSON_GetArrayItem(j, 0), "id")->valuestring, "a");
     cJSON_Delete(j);
     cr_assert_eq(CLI("fork", "a", "b"), 0);
     cr_assert_eq(CLI("shift", "b", "10", "50", "-5"), 0);
     cr_assert_eq(CLI("stat", "b", "--json"), 0);
-    j = json_out();
+    j = kvt_json_out(OUT);
     cr_assert_eq(cJSON_GetObjectItem(j, "pos_max")->valueint, 44);
     cJSON_Delete(j);
     cr_assert_eq(CLI("keep", "b", "0", "20"), 0);
     cr_assert_eq(CLI("pin", "b"), 0);
     cr_assert_eq(CLI("stat", "b", "--json"), 0);
-    j = json_out();
+    j = kvt_json_out(OUT);
     cr_assert(cJSON_IsTrue(cJSON_GetObjectItem(j, "pinned")));
     cr_assert_eq(cJSON_GetObjectItem(j, "n_tokens")->valueint, 20);
     cJSON_Delete(j);
@@ -245,7 +238,7 @@ Test(int_cli, management_and_exit_codes)
 
     /* not found: 3, with a JSON error document */
     cr_assert_eq(CLI("stat", "b", "--json"), 3);
-    j = json_out();
+    j = kvt_json_out(OUT);
     cr_assert_str_eq(cJSON_GetObjectItem(cJSON_GetObjectItem(j, "error"), "name")->valuestring,
                      "KVR_ENOCTX");
     cJSON_Delete(j);

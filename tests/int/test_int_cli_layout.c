@@ -37,14 +37,7 @@ static void teardown(void)
 
 TestSuite(int_cli_layout, .init = kvt_tiny_suite_init, .fini = teardown, .timeout = 180);
 
-#define CLI(...) testd_cli(&D, OUT, sizeof OUT, (const char *const[]){ __VA_ARGS__, NULL })
-
-static cJSON *json_out(void)
-{
-    cJSON *j = cJSON_Parse(OUT);
-    cr_assert_not_null(j, "not JSON: %s", OUT);
-    return j;
-}
+#define CLI(...) KVT_CLI(&D, OUT, __VA_ARGS__)
 
 static double jnum(const cJSON *o, const char *k)
 {
@@ -190,12 +183,9 @@ static uint32_t PRE[8], D1[6], D2[4];
 
 static void put_prefix_and_docs(void)
 {
-    for (uint32_t i = 0; i < 8; i++)
-        PRE[i] = 10 + i;
-    for (uint32_t i = 0; i < 6; i++)
-        D1[i] = 100 + i;
-    for (uint32_t i = 0; i < 4; i++)
-        D2[i] = 200 + i;
+    kvt_iota(PRE, 8, 10);
+    kvt_iota(D1, 6, 100);
+    kvt_iota(D2, 4, 200);
     char f[300], ids[300];
     raw_file("pre.raw", PRE, 8, 0, f, sizeof f, ids, sizeof ids);
     cr_assert_eq(CLI("put", "pre", f, "--model", "tiny", "--tokens", ids), 0);
@@ -203,7 +193,7 @@ static void put_prefix_and_docs(void)
     raw_file("d1.raw", D1, 6, 8, f, sizeof f, ids, sizeof ids);
     cr_assert_eq(CLI("put", "d1", f, "--model", "tiny", "--tokens", ids, "--prefix-ctx", "pre",
                      "--json"), 0);
-    cJSON *j = json_out();
+    cJSON *j = kvt_json_out(OUT);
     cr_assert_eq(jnum(j, "first_pos"), 8);
     cr_assert_eq(jnum(j, "last_pos"), 13);
     cJSON_Delete(j);
@@ -253,7 +243,7 @@ Test(int_cli_layout, assemble_parallel_safetensors)
 {
     put_prefix_and_docs();
     cr_assert_eq(CLI("stat", "d1", "--json"), 0);
-    cJSON *j = json_out();
+    cJSON *j = kvt_json_out(OUT);
     const cJSON *lay = cJSON_GetObjectItem(j, "layout");
     cr_assert_not_null(lay);
     const cJSON *pre = cJSON_GetObjectItem(lay, "prefix");
@@ -267,7 +257,7 @@ Test(int_cli_layout, assemble_parallel_safetensors)
     char st[300];
     path(st, sizeof st, "par.safetensors");
     cr_assert_eq(CLI("assemble", "pre", "d1", "d2", "-o", st, "--json"), 0);
-    j = json_out();
+    j = kvt_json_out(OUT);
     cr_assert_str_eq(jstr(j, "layout"), "parallel");
     cr_assert_str_eq(jstr(j, "dtype"), "f16");     /* the model's */
     cr_assert_eq(jnum(j, "n_tokens"), 18);
@@ -364,7 +354,7 @@ Test(int_cli_layout, assemble_sequential_explicit_folded)
     path(raw, sizeof raw, "seq.raw");
     cr_assert_eq(CLI("assemble", "pre", "d1", "d2", "--layout", "sequential", "--temperature",
                      "0.5", "--scale", "0.8", "--dtype", "f32", "-o", raw, "--json"), 0);
-    cJSON *j = json_out();
+    cJSON *j = kvt_json_out(OUT);
     cr_assert_str_eq(jstr(j, "layout"), "sequential");
     cr_assert_eq(jnum(j, "query_pos"), 18);
     const cJSON *segs = cJSON_GetObjectItem(j, "segments");
@@ -392,7 +382,7 @@ Test(int_cli_layout, assemble_sequential_explicit_folded)
     path(st, sizeof st, "exp.safetensors");
     cr_assert_eq(CLI("assemble", "pre", "d1", "d2", "--starts", "20,40", "--temperature", "0.5",
                      "--fold-temperature", "--layers", "1", "-o", st, "--json"), 0);
-    j = json_out();
+    j = kvt_json_out(OUT);
     cr_assert_str_eq(jstr(j, "layout"), "explicit");
     cr_assert(cJSON_IsTrue(cJSON_GetObjectItem(j, "temperature_folded")));
     cr_assert_eq(jnum(j, "query_pos"), 44);
@@ -430,7 +420,7 @@ Test(int_cli_layout, assemble_bad_input)
                  0);
     /* A document of another prefix: the daemon refuses (1), naming it. */
     cr_assert_eq(CLI("assemble", "pre", "d1", "d3", "--meta", "--json"), 1);
-    cJSON *j = json_out();
+    cJSON *j = kvt_json_out(OUT);
     const cJSON *e = cJSON_GetObjectItem(j, "error");
     cr_assert_str_eq(jstr(e, "name"), "KVR_EPREFIX");
     cr_assert(strstr(jstr(e, "message"), "d3") != NULL, "%s", jstr(e, "message"));
@@ -439,7 +429,7 @@ Test(int_cli_layout, assemble_bad_input)
     cr_assert_eq(CLI("assemble", "pre", "d1", "pre2", "--meta"), 1);
     /* Unknown document or prefix: not found (3), as every unknown context. */
     cr_assert_eq(CLI("assemble", "pre", "d1", "nope", "--meta", "--json"), 3);
-    j = json_out();
+    j = kvt_json_out(OUT);
     e = cJSON_GetObjectItem(j, "error");
     cr_assert_str_eq(jstr(e, "name"), "KVR_ENOCTX");
     cr_assert(strstr(jstr(e, "message"), "nope") != NULL, "%s", jstr(e, "message"));
@@ -475,14 +465,14 @@ Test(int_cli_layout, groups)
     raw_file("s1.raw", s1, 3, 0, f, sizeof f, ids, sizeof ids);
     cr_assert_eq(CLI("put", "g", f, "--model", "tiny", "--tokens", ids, "--group", "src",
                      "--groups", "src,tgt:100", "--json"), 0);
-    cJSON *j = json_out();
+    cJSON *j = kvt_json_out(OUT);
     cr_assert_eq(jnum(j, "first_pos"), 0);
     cr_assert_eq(jnum(j, "last_pos"), 2);
     cJSON_Delete(j);
     raw_file("t1.raw", t1, 2, 100, f, sizeof f, ids, sizeof ids);
     cr_assert_eq(CLI("group", "append", "g", "tgt", f, "--model", "tiny", "--tokens", ids,
                      "--json"), 0);
-    j = json_out();
+    j = kvt_json_out(OUT);
     cr_assert_eq(jnum(j, "first_pos"), 100);
     cr_assert_eq(jnum(j, "last_pos"), 101);
     cJSON_Delete(j);
@@ -491,7 +481,7 @@ Test(int_cli_layout, groups)
     cr_assert(strstr(OUT, "positions 3..4") != NULL, "%s", OUT);
 
     cr_assert_eq(CLI("stat", "g", "--json"), 0);
-    j = json_out();
+    j = kvt_json_out(OUT);
     const cJSON *gs = cJSON_GetObjectItem(cJSON_GetObjectItem(j, "layout"), "groups");
     cr_assert_eq(cJSON_GetArraySize(gs), 2);
     const cJSON *g0 = cJSON_GetArrayItem(gs, 0), *g1 = cJSON_GetArrayItem(gs, 1);
@@ -507,7 +497,7 @@ Test(int_cli_layout, groups)
 
     /* Move tgt to phi = -7 (a negative positional). */
     cr_assert_eq(CLI("group", "offset", "g", "tgt", "-7", "--json"), 0);
-    j = json_out();
+    j = kvt_json_out(OUT);
     gs = cJSON_GetObjectItem(cJSON_GetObjectItem(j, "layout"), "groups");
     cr_assert_eq(jnum(cJSON_GetArrayItem(gs, 1), "offset"), -7);
     cJSON_Delete(j);
@@ -533,7 +523,7 @@ Test(int_cli_layout, groups)
 
     /* Refusals: unknown group (1), no such context (3), usage (2). */
     cr_assert_eq(CLI("group", "offset", "g", "nope", "1", "--json"), 1);
-    j = json_out();
+    j = kvt_json_out(OUT);
     cr_assert_str_eq(jstr(cJSON_GetObjectItem(j, "error"), "name"), "KVR_EINVAL");
     cJSON_Delete(j);
     cr_assert_eq(CLI("group", "append", "g", "nope", f, "--model", "tiny", "--tokens", ids), 1);
@@ -563,14 +553,14 @@ Test(int_cli_layout, retain)
     raw_file("w.raw", tok, 10, 0, f, sizeof f, ids, sizeof ids);
     cr_assert_eq(CLI("put", "w", f, "--model", "tiny", "--tokens", ids), 0);
     cr_assert_eq(CLI("retain", "w", "--sinks", "2", "--window", "4", "--json"), 0);
-    cJSON *j = json_out();
+    cJSON *j = kvt_json_out(OUT);
     const cJSON *r = cJSON_GetObjectItem(cJSON_GetObjectItem(j, "layout"), "retention");
     cr_assert_eq(jnum(r, "sinks"), 2);
     cr_assert_eq(jnum(r, "window"), 4);
     cr_assert_eq(jnum(r, "n_dropped"), 4);
     cJSON_Delete(j);
     cr_assert_eq(CLI("get", "w", "--meta", "--json"), 0);
-    j = json_out();
+    j = kvt_json_out(OUT);
     uint32_t kept[] = { 700, 701, 706, 707, 708, 709 };
     int64_t pos[] = { 0, 1, 2, 3, 4, 5 };
     check_positions_json(j, pos, 6);
@@ -591,7 +581,7 @@ Test(int_cli_layout, retain)
     raw_file("more.raw", more, 2, 6, f, sizeof f, ids, sizeof ids);
     cr_assert_eq(CLI("put", "w", f, "--model", "tiny", "--tokens", ids), 0);
     cr_assert_eq(CLI("get", "w", "--meta", "--json"), 0);
-    j = json_out();
+    j = kvt_json_out(OUT);
     uint32_t kept2[] = { 700, 701, 708, 709, 800, 801 };
     tk = cJSON_GetObjectItem(j, "tokens");
     cr_assert_eq(cJSON_GetArraySize(tk), 6);
@@ -604,7 +594,7 @@ Test(int_cli_layout, retain)
               OUT);
 
     cr_assert_eq(CLI("retain", "w", "--off", "--json"), 0);
-    j = json_out();
+    j = kvt_json_out(OUT);
     cr_assert(cJSON_IsNull(cJSON_GetObjectItem(cJSON_GetObjectItem(j, "layout"), "retention")));
     cJSON_Delete(j);
     cr_assert_eq(CLI("retain", "w", "--off"), 0);

@@ -227,7 +227,7 @@ Test(int_cluster, share_on_a_get_and_match_on_b)
     for (int i = 0; i < 500 && r != 0; i++) {
         r = get_kv(CB, "later", 0, 0, NULL, &kb);
         if (r != 0)
-            testd_sleep_ms(20);
+            kvt_sleep_ms(20);
     }
     cr_assert_eq(r, 0, "the async share never showed up on B");
     cr_assert_eq(get_kv(CA, "later", 0, 0, NULL, &ka), 0);
@@ -629,7 +629,7 @@ static void *a_traffic(void *arg)
         pthread_mutex_lock(&t->mu);
         t->next = k + 1;
         pthread_mutex_unlock(&t->mu);
-        testd_sleep_ms(20);
+        kvt_sleep_ms(20);
     }
     kvr_client_close(c);
     return NULL;
@@ -645,7 +645,7 @@ static void *b_traffic(void *arg)
         int n = t->next;
         pthread_mutex_unlock(&t->mu);
         if (n == 0) {
-            testd_sleep_ms(10);
+            kvt_sleep_ms(10);
             continue;
         }
         int k = (int)(i++ % (unsigned)n);
@@ -711,7 +711,7 @@ Test(int_cluster, master_killed_during_traffic)
     traffic t;
     pthread_t ta, tb;
     run_traffic(&t, &ta, &tb);
-    testd_sleep_ms(1500);
+    kvt_sleep_ms(1500);
     int victim = tcluster_master_of(&T, 0);
     cr_assert_gt(victim, 0);
     cr_assert_eq(tcluster_kill(&T, victim), 0);
@@ -719,15 +719,15 @@ Test(int_cluster, master_killed_during_traffic)
      * master serves slot 0 and the cluster says ok. */
     int owner = victim;
     for (int i = 0; i < 300 && (owner == victim || owner <= 0); i++) {
-        testd_sleep_ms(100);
+        kvt_sleep_ms(100);
         owner = tcluster_master_of(&T, 0);
     }
     cr_assert(owner > 0 && owner != victim, "no failover");
     cr_assert_eq(tcluster_wait_ok(&T, 30), 0, "no failover");
     /* A put in flight may spend its whole retry budget (3 s). */
-    testd_sleep_ms(3500);
+    kvt_sleep_ms(3500);
     int before = t.n_put;
-    testd_sleep_ms(2000);
+    kvt_sleep_ms(2000);
     stop_traffic(&t, ta, tb);
     if (t.n_put <= before) {
         testd_print_log(&A);
@@ -769,13 +769,13 @@ Test(int_cluster, reshard_during_traffic)
     traffic t;
     pthread_t ta, tb, tr;
     run_traffic(&t, &ta, &tb);
-    testd_sleep_ms(1000);
+    kvt_sleep_ms(1000);
     pthread_create(&tr, NULL, reshard, NULL);
     void *res;
     pthread_join(tr, &res);
     cr_assert_eq(*(int *)res, 0, "reshard failed");
     free(res);
-    testd_sleep_ms(1000);
+    kvt_sleep_ms(1000);
     stop_traffic(&t, ta, tb);
     cr_assert_gt(t.n_get_hit, 0);
     /* Everything published is still there for B, wherever it moved. */
@@ -852,7 +852,7 @@ Test(int_cluster_start, unreachable_then_joined, .timeout = 240)
         snprintf(id, sizeof id, "s2-%d", i);
         r = put_flags(c, id, 2, 2, 100, SHARE_SYNC);
         if (r != 0)
-            testd_sleep_ms(100);
+            kvt_sleep_ms(100);
     }
     cr_assert_eq(r, 0, "never joined: %s", kvr_client_last_error(c));
     cr_assert(log_has(&d, "joined"));

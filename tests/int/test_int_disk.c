@@ -30,7 +30,7 @@
 #include "tests/common/cache_stream.h"
 #include "tests/common/kvr_testd.h"
 #include "tests/common/kvt_daemon.h"
-#include "tests/common/kvr_tmpdir.h"
+#include "tests/common/kvt.h"
 #include "tests/common/kvt.h"
 
 
@@ -121,7 +121,7 @@ static void stop_and_remove(kvr_client *c, kvr_testd *d, const char *dir)
 {
     kvr_client_close(c);
     testd_stop(d);
-    kvt_rm_tree(dir);
+    kvt_rmrf(dir);
 }
 
 /* ---- spill and reload --------------------------------------------------------- */
@@ -208,16 +208,9 @@ static void restart(const char *engine)
 
 static int put_replace(kvr_client *c, const char *ctx, uint32_t seed, size_t n, bool persist)
 {
-    size_t len;
-    void *pl = testd_payload(seed, T_LAYERS, 0, n, KVR_DTYPE_F16, &len);
-    uint32_t *tok = testd_tokens(seed * 1000, n);
-    kvr_put_args a = { .ctx_id = ctx, .model = "m", .dtype = KVR_DTYPE_F16, .tokens = tok,
-                       .n_tokens = n, .payload = pl, .payload_len = len,
+    kvr_put_args a = { .ctx_id = ctx, .model = "m", .dtype = KVR_DTYPE_F16,
                        .mode = KVR_PUT_REPLACE, .persist = persist };
-    int r = kvr_client_put(c, &a, NULL);
-    free(pl);
-    free(tok);
-    return r;
+    return testd_put_with(c, &a, seed, seed * 1000, 0, n);
 }
 
 /* put REPLACE of persistent contexts: the replacement is what a restart
@@ -398,7 +391,7 @@ static void kill9(const char *engine)
             trials, inflight_seen);
     kvr_client_close(rc);
     testd_stop(&ref);
-    kvt_rm_tree(dir);
+    kvt_rmrf(dir);
 }
 
 /* A worker whose kvroped is killed gets an error from every call, never a
@@ -591,7 +584,7 @@ Test(int_disk, enospc_small_tmpfs, .timeout = 120)
     kvr_client_close(c);
     testd_stop(&d);
     umount(dir);
-    kvt_rm_tree(dir);
+    kvt_rmrf(dir);
 }
 
 /* ---- a corrupt newest record: stale marks, never a silent roll-back --------- */
@@ -735,7 +728,7 @@ static void corrupt_newest(int how)
         kvr_client_close(c);
         testd_stop(&d);
     }
-    kvt_rm_tree(dir);
+    kvt_rmrf(dir);
 }
 
 Test(int_disk, corrupt_newest_record_attributed, .timeout = 120) { corrupt_newest(0); }

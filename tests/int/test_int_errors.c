@@ -8,6 +8,7 @@
 #include <math.h>
 
 #include "tests/common/kvt_daemon.h"
+#include "tests/common/kvt_bench.h"
 
 static kvr_testd D;
 static kvr_client *C;
@@ -193,11 +194,7 @@ Test(int_errors, connect_failures)
 
 static kvr_rope *local_rope(void)
 {
-    kvr_rope_config rc;
-    kvr_rope_config_init(&rc);
-    rc.head_dim = T_DIM;
-    rc.rotary_dim = T_DIM;
-    rc.num_kv_heads = T_HEADS;
+    kvr_rope_config rc = kvt_rope_config(T_DIM, T_HEADS);
     kvr_rope *r = NULL;
     kvr_error err = { 0 };
     cr_assert_eq(kvr_rope_create(&r, &rc, &err), 0, "%s", err.msg);

@@ -8,6 +8,7 @@
 #include <criterion/criterion.h>
 #include <math.h>
 
+#include "tests/common/kvt.h"
 #include "tests/common/kvt_daemon.h"
 
 /* The suite's daemon, client and tiny model (kvt_daemon.h). */
@@ -103,12 +104,9 @@ static kvr_layout_res put_run_retained(const char *ctx, uint32_t first, size_t n
 Test(int_layout, assemble_parallel_and_sequential)
 {
     uint32_t pre[8], d1[6], d2[4];
-    for (uint32_t i = 0; i < 8; i++)
-        pre[i] = 10 + i;
-    for (uint32_t i = 0; i < 6; i++)
-        d1[i] = 100 + i;
-    for (uint32_t i = 0; i < 4; i++)
-        d2[i] = 200 + i;
+    kvt_iota(pre, 8, 10);
+    kvt_iota(d1, 6, 100);
+    kvt_iota(d2, 4, 200);
     put_at("pre", pre, 8, 0, NULL);
     kvr_put_args o = { .prefix_ctx = "pre" };
     put_at("d1", d1, 6, 8, &o);

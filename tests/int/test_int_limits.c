@@ -32,6 +32,7 @@
 #include "tests/common/kvt_daemon.h"
 #include "tests/common/kvt.h"
 #include "tests/common/kvt_io.h"
+#include "tests/common/kvt_wire.h"
 
 static int raw_connect(const kvr_testd *d)
 {
@@ -88,10 +89,7 @@ static uint8_t *put_frame(const char *ctx, size_t n_tok, size_t *len, uint64_t *
     p.dtype = KVROPE__DTYPE__F16;
     p.n_tokens = n_tok;
     p.tokens = tok;
-    Kvrope__Request q = KVROPE__REQUEST__INIT;
-    q.id = 7;
-    q.body_case = KVROPE__REQUEST__BODY_PUT;
-    q.put = &p;
+    Kvrope__Request q = kvt_put_request(7, &p);
     size_t m = kvrope__request__get_packed_size(&q);
     uint8_t *b = malloc(KVR_FRAME_HEADER_SIZE + m);
     kvrope__request__pack(&q, b + KVR_FRAME_HEADER_SIZE);
@@ -126,7 +124,7 @@ Test(int_limits, trickled_put_is_aborted_and_frees_its_context, .timeout = 120)
         cr_assert_eq(kvr_client_stat(c, "x", &st), 0);
         if (st.busy)
             break;
-        testd_sleep_ms(10);
+        kvt_sleep_ms(10);
     }
     cr_assert(st.busy, "the put was not opened");
     uint8_t chunk[256] = { 0 };
@@ -198,7 +196,7 @@ Test(int_limits, message_buffers_are_bounded, .timeout = 120)
     /* What stays is this client's own small buffer, kept between frames. */
     double left = 1e9;
     for (int i = 0; i < 200 && left > 65536; i++) {
-        testd_sleep_ms(20);
+        kvt_sleep_ms(20);
         left = testd_metric(c, "msg_buffered_bytes");
     }
     cr_assert_leq(left, 65536.0, "closed connections give their buffers back (%g left)", left);

@@ -209,7 +209,7 @@ Test(int_load, block_cache_metric_reuse_and_idle_purge, .fini = teardown, .timeo
     /* No request for a while: the idle purge empties the cache. */
     double left = -1;
     for (int tries = 0; tries < 10 && left != 0; tries++) {
-        testd_sleep_ms(3000);
+        kvt_sleep_ms(3000);
         left = testd_metric(c, "block_cache_bytes");
     }
     cr_assert_eq(left, 0, "the idle purge left %.0f bytes in the block cache", left);

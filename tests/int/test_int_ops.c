@@ -374,7 +374,7 @@ Test(ops, metrics_slowloris_cannot_hold_the_scrape_slots)
     /* One peer: 16 dribblers, of which at most 4 keep a slot. */
     for (int i = 0; i < N; i++)
         one[i] = dribbler("127.0.0.2", port);
-    testd_sleep_ms(300);
+    kvt_sleep_ms(300);
     int open = drip(one, N);
     cr_assert_leq(open, 4, "one peer holds %d scrape connections", open);
     char *body = NULL;
@@ -397,13 +397,13 @@ Test(ops, metrics_slowloris_cannot_hold_the_scrape_slots)
         st = opsd_http(port, "GET", "/metrics", NULL, &body);
         free(body);
         if (st != 200)
-            testd_sleep_ms(1000);
+            kvt_sleep_ms(1000);
     }
     cr_assert_eq(st, 200, "no scrape got through within 40 s");
     /* Every dribbler is dropped, though each keeps dripping. */
     int left = N;
     while (left > 0 && mono_ms() - t0 < 40000) {
-        testd_sleep_ms(1000);
+        kvt_sleep_ms(1000);
         left = drip(one, N) + drip(many, N);
     }
     cr_assert_eq(left, 0, "%d dribblers still hold a connection after 40 s", left);

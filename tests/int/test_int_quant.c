@@ -18,6 +18,7 @@
 #include <math.h>
 
 #include "tests/common/kvt_daemon.h"
+#include "tests/common/kvt_bench.h"
 #include "cache/codec.h"
 
 #define QL 2
@@ -406,10 +407,7 @@ Test(int_quant, round_trip_every_codec)
 
 Test(int_quant, model_default_codec_and_bad_specs)
 {
-    kvr_rope_config rc;
-    kvr_rope_config_init(&rc);
-    rc.head_dim = QD;
-    rc.rotary_dim = QD;
+    kvr_rope_config rc = kvt_rope_config(QD, 0);
     kvr_model_params p = { .name = "qd", .n_layers = QL, .n_kv_heads = QH, .head_dim = QD,
                            .dtype = KVR_DTYPE_F32, .rope = &rc };
     kvr_model mx;

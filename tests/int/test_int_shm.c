@@ -356,7 +356,7 @@ Test(int_shm, tcp_refuses_shared_memory, .init = NULL, .fini = NULL)
     cr_assert_eq(testd_start(&D, extra), 0);
     kvr_client *t = NULL;
     for (int i = 0; i < 500 && kvr_client_connect(&t, addr, NULL) < 0; i++)
-        testd_sleep_ms(10);
+        kvt_sleep_ms(10);
     cr_assert_not_null(t);
     uint32_t id;
     /* SCM_RIGHTS does not cross TCP: the fd never arrives, the frame is refused */
@@ -575,23 +575,8 @@ static int raw_call(int fd, Kvrope__Request *req, int pass)
     cr_assert(n + KVR_FRAME_HEADER_SIZE <= sizeof buf);
     kvr_frame_header_encode(buf, (uint32_t)n, 0);
     kvrope__request__pack(req, buf + KVR_FRAME_HEADER_SIZE);
-    struct iovec iov = { buf, n + KVR_FRAME_HEADER_SIZE };
-    union {
-        struct cmsghdr h;
-        char b[CMSG_SPACE(sizeof(int))];
-    } cm;
-    struct msghdr mh = { .msg_iov = &iov, .msg_iovlen = 1 };
-    if (pass >= 0) {
-        memset(&cm, 0, sizeof cm);
-        mh.msg_control = cm.b;
-        mh.msg_controllen = sizeof cm.b;
-        struct cmsghdr *h = CMSG_FIRSTHDR(&mh);
-        h->cmsg_level = SOL_SOCKET;
-        h->cmsg_type = SCM_RIGHTS;
-        h->cmsg_len = CMSG_LEN(sizeof(int));
-        memcpy(CMSG_DATA(h), &pass, sizeof(int));
-    }
-    cr_assert_eq(sendmsg(fd, &mh, MSG_NOSIGNAL), (ssize_t)iov.iov_len);
+    size_t len = n + KVR_FRAME_HEADER_SIZE;
+    cr_assert_eq(kvt_send_fds(fd, buf, len, pass, pass >= 0 ? 1 : 0), (ssize_t)len);
     uint8_t hdr[KVR_FRAME_HEADER_SIZE];
     cr_assert_eq(recv(fd, hdr, sizeof hdr, MSG_WAITALL), (ssize_t)sizeof hdr);
     kvr_frame_header fh;
@@ -620,32 +605,9 @@ static void pack_frame(uint8_t *buf, size_t cap, size_t *off, Kvrope__Request *q
 
 /* sendmsg of len bytes with `copies` copies of fd `pass` (none if 0);
  * the bytes sent, or -1. */
-static ssize_t send_fds(int fd, const void *buf, size_t len, int pass, int copies)
-{
-    struct iovec iov = { (void *)(uintptr_t)buf, len };
-    union {
-        struct cmsghdr h;
-        char b[CMSG_SPACE(253 * sizeof(int))];
-    } cm;
-    memset(&cm, 0, sizeof cm);
-    struct msghdr mh = { .msg_iov = &iov, .msg_iovlen = 1 };
-    if (copies > 0) {
-        cr_assert_leq(copies, 253);
-        mh.msg_control = cm.b;
-        mh.msg_controllen = CMSG_SPACE((size_t)copies * sizeof(int));
-        struct cmsghdr *h = CMSG_FIRSTHDR(&mh);
-        h->cmsg_level = SOL_SOCKET;
-        h->cmsg_type = SCM_RIGHTS;
-        h->cmsg_len = CMSG_LEN((size_t)copies * sizeof(int));
-        for (int i = 0; i < copies; i++)
-            memcpy(CMSG_DATA(h) + (size_t)i * sizeof(int), &pass, sizeof(int));
-    }
-    return sendmsg(fd, &mh, MSG_NOSIGNAL);
-}
-
 static void send_with_fd(int fd, const uint8_t *buf, size_t len, int pass)
 {
-    cr_assert_eq(send_fds(fd, buf, len, pass, 1), (ssize_t)len);
+    cr_assert_eq(kvt_send_fds(fd, buf, len, pass, 1), (ssize_t)len);
 }
 
 static Kvrope__Response *recv_answer(int fd)
@@ -861,9 +823,9 @@ Test(int_shm, descriptors_on_payload_bytes_are_refused)
         char id[16];
         snprintf(id, sizeof id, "fp%d", part);
         send_put_head(fd, 10, id, tok, n, len);
-        cr_assert_eq(send_fds(fd, pl, len / 3, mfd, part == 0), (ssize_t)(len / 3));
+        cr_assert_eq(kvt_send_fds(fd, pl, len / 3, mfd, part == 0), (ssize_t)(len / 3));
         usleep(20000);   /* read apart, when the daemon is still reading */
-        ssize_t w = send_fds(fd, (uint8_t *)pl + len / 3, len - len / 3, mfd, part == 1);
+        ssize_t w = kvt_send_fds(fd, (uint8_t *)pl + len / 3, len - len / 3, mfd, part == 1);
         cr_assert(w == (ssize_t)(len - len / 3) || part == 0, "%zd", w);
         /* id 0: they came with payload bytes; 10: read with the put's
          * message (the kernel joined the two writes), so the put's own */
@@ -949,7 +911,7 @@ Test(int_shm, a_client_cannot_hoard_descriptors)
         for (int i = 0; i < NC; i++) {
             if (fds[i] < 0)
                 continue;
-            if (send_fds(fds[i], hdr + b, 1, mfd, 253) != 1) {
+            if (kvt_send_fds(fds[i], hdr + b, 1, mfd, 253) != 1) {
                 close(fds[i]);    /* refused and closed already */
                 fds[i] = -1;
                 refused++;
@@ -1025,7 +987,7 @@ Test(int_shm, regions_of_all_connections_are_capped, .init = NULL, .fini = NULL)
     for (int i = 0; i < 1000 && rc != 0; i++) {   /* the close is seen by the loop soon */
         rc = kvr_client_region_create(p, 4096, &id, &base);
         if (rc != 0)
-            testd_sleep_ms(10);
+            kvt_sleep_ms(10);
     }
     cr_assert_eq(rc, 0, "%s", kvr_client_last_error(p));
     kvr_client_close(b);
@@ -1064,7 +1026,7 @@ Test(int_shm, the_default_region_cap_leaves_room_for_the_daemons_maps, .init = N
             if ((log = strstr(buf, want)))
                 break;
         }
-        testd_sleep_ms(10);
+        kvt_sleep_ms(10);
     }
     cr_assert_not_null(log, "no '%s' in %s", want, D.log);
     testd_stop(&D);

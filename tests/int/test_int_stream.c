@@ -26,6 +26,8 @@
 #include "tests/common/kvt_daemon.h"
 #include "tests/common/kvt.h"
 #include "tests/common/kvt_io.h"
+#include "tests/common/kvt_bench.h"
+#include "tests/common/kvt_wire.h"
 
 #define NL 32
 #define NH 8
@@ -297,7 +299,7 @@ Test(int_stream, client_leaving_mid_stream_leaves_the_daemon_healthy)
         if (aborted >= 4 && testd_metric(C, "leased_blocks") == leased0 &&
             testd_metric(C, "connections") == 1)
             break;
-        testd_sleep_ms(10);
+        kvt_sleep_ms(10);
     }
     cr_assert_eq(aborted, 4, "streams_aborted %g", aborted);
     cr_assert_eq(testd_metric(C, "leased_blocks"), leased0, "leases were not released");
@@ -401,10 +403,7 @@ Test(int_stream, replace_while_another_client_streams_or_writes_it)
     p.mode = KVROPE__PUT_MODE__APPEND;
     p.n_tokens = NT;
     p.tokens = TOK;
-    Kvrope__Request rq = KVROPE__REQUEST__INIT;
-    rq.id = 2;
-    rq.body_case = KVROPE__REQUEST__BODY_PUT;
-    rq.put = &p;
+    Kvrope__Request rq = kvt_put_request(2, &p);
     send_request(fd, &rq, PL_LEN);
     send_all(fd, pl2, 4096);
     /* (64 tokens, 8 MiB: under --max-drain, so the refusal keeps C open) */
@@ -415,7 +414,7 @@ Test(int_stream, replace_while_another_client_streams_or_writes_it)
          * once the writer holds it, E_BUSY. */
         rc = put_n("rp", KVR_PUT_REPLACE, PL, small, 0, 64);
         if (rc == 0) {
-            testd_sleep_ms(10);
+            kvt_sleep_ms(10);
             rc = KVR_EBUSY;
             continue;
         }
@@ -427,7 +426,7 @@ Test(int_stream, replace_while_another_client_streams_or_writes_it)
     for (int i = 0; i < 500 && rc == KVR_EBUSY; i++) {
         rc = put_n("rp", KVR_PUT_REPLACE, PL, small, 0, 64);
         if (rc == KVR_EBUSY)
-            testd_sleep_ms(10);
+            kvt_sleep_ms(10);
     }
     cr_assert_eq(rc, 0, "%s", kvr_client_last_error(C));
     cr_assert_eq(kvr_client_stat(C, "rp", &ci), 0);
@@ -446,10 +445,7 @@ Test(int_stream, replace_while_another_client_streams_or_writes_it)
 Test(int_stream, wide_layers_stream_in_pieces)
 {
     enum { WL = 4, WH = 32, WT = 1000 };
-    kvr_rope_config rc;
-    kvr_rope_config_init(&rc);
-    rc.head_dim = ND;
-    rc.rotary_dim = ND;
+    kvr_rope_config rc = kvt_rope_config(ND, 0);
     kvr_model_params mp = { .name = "wide", .n_layers = WL, .n_kv_heads = WH, .head_dim = ND,
                             .dtype = KVR_DTYPE_F16, .rope = &rc };
     cr_assert_eq(kvr_client_model_register(C, &mp, NULL), 0, "%s", kvr_client_last_error(C));

@@ -12,6 +12,7 @@
 
 #include "client/llama/kvrope_llama.h"
 #include "tests/common/kvr_opsd.h"   /* kvr_testd.h, opsd_slurp */
+#include "tests/common/kvt_llama.h"
 
 static char TMP[256];
 
@@ -505,16 +506,6 @@ static void dteardown(void)
 }
 TestSuite(llama_import, .init = dsetup, .fini = dteardown, .timeout = 120);
 
-static unsigned char *exp_state(kvr_client *c, const char *ctx, const kvr_llama_model *m,
-                                const kvr_llama_export_opts *o, size_t *len)
-{
-    void *st;
-    char err[400];
-    int rc = kvr_llama_state_export(c, ctx, m, o, &st, len, NULL, err, sizeof err);
-    cr_assert_eq(rc, 0, "export: %s", err);
-    return st;
-}
-
 Test(llama_import, modes_append_refresh_replace)
 {
     kvr_client *c = testd_connect(&D);
@@ -538,7 +529,7 @@ Test(llama_import, modes_append_refresh_replace)
     cr_assert_eq(info.pos_first, 25);
     kvr_llama_export_opts eo = { .form = KVR_LLAMA_FORM_SESSION };
     size_t l1;
-    unsigned char *e = exp_state(c, "doc", &m, &eo, &l1);
+    unsigned char *e = kvt_llama_export(c, "doc", &m, &eo, &l1);
     cr_assert(l1 == len && memcmp(e, s, len) == 0, "create + append = the whole state, byte for byte");
     kvr_llama_free(e);
     /* create again: refused, context unchanged */
@@ -592,7 +583,7 @@ Test(llama_import, modes_append_refresh_replace)
     cr_assert_eq(kvr_llama_state_import(c, "q", q, lq, &m, NULL, &info, err, sizeof err), 0, "%s", err);
     cr_assert_str_eq(info.codec, "f32");
     kvr_llama_export_opts qo = { .form = KVR_LLAMA_FORM_SESSION, .type_k = KVR_LLAMA_Q8_0, .type_v = KVR_LLAMA_Q4_0 };
-    e = exp_state(c, "q", &m, &qo, &l1);
+    e = kvt_llama_export(c, "q", &m, &qo, &l1);
     cr_assert(l1 == lq && memcmp(e, q, lq) == 0, "q8_0/q4_0 state back byte for byte");
     kvr_llama_free(e);
     kvr_llama_free(q);
@@ -606,7 +597,8 @@ Test(llama_import, modes_append_refresh_replace)
     kvr_llama_export_opts sh = { .has_pos_start = true, .pos_start = 500, .type_k = KVR_LLAMA_F32,
                                  .type_v = KVR_LLAMA_F32 };
     size_t la, lb;
-    unsigned char *xa = exp_state(c, "i8", &m, &sh, &la), *xb = exp_state(c, "plain", &m, &sh, &lb);
+    unsigned char *xa = kvt_llama_export(c, "i8", &m, &sh, &la);
+    unsigned char *xb = kvt_llama_export(c, "plain", &m, &sh, &lb);
     cr_assert_eq(la, lb);
     kvr_llama_state *sa, *sb;
     cr_assert_eq(kvr_llama_state_parse(xa, la, &m, &sa, err, sizeof err), 0, "%s", err);

@@ -242,11 +242,8 @@ static void goal(const char *what, double v, double target)
 
 int main(void)
 {
-    setvbuf(stdout, NULL, _IOLBF, 0);
     char model[1024];
-    if (llb_ensure_model(model, sizeof model) < 0)
-        return 1;
-    if (testd_start(&D, NULL) < 0)
+    if (llb_begin(model, sizeof model, &D) < 0)
         return 1;
     int rc = 1;
     char p_old[400], p_new[400];

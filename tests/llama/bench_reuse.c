@@ -29,6 +29,7 @@
 
 #include "client/llama/worker.h"
 #include "tests/common/kvr_llama_bench.h"
+#include "tests/common/kvt_bench.h"
 #include "tests/common/kvr_llama_run.h"
 #include "tests/common/kvr_testd.h"
 
@@ -93,11 +94,8 @@ static int timed_sync(kvr__wk_env *e, const int32_t *t, size_t n, const kvr__wk_
 
 int main(void)
 {
-    setvbuf(stdout, NULL, _IOLBF, 0);
     char model[1024];
-    if (llb_ensure_model(model, sizeof model) < 0)
-        return 1;
-    if (testd_start(&D, NULL) < 0)
+    if (llb_begin(model, sizeof model, &D) < 0)
         return 1;
     int rc = 1;
     kvr__wk_report rep;
@@ -193,19 +191,7 @@ int main(void)
         goto out;
     }
     /* first-token quality */
-    double ma = -INFINITY, mb = -INFINITY, za = 0, zb = 0, kl = 0;
-    for (uint32_t k = 0; k < in->n_vocab; k++) {
-        ma = fmax(ma, (double)lg_full[k]);
-        mb = fmax(mb, (double)lg_cov[k]);
-    }
-    for (uint32_t k = 0; k < in->n_vocab; k++) {
-        za += exp((double)lg_full[k] - ma);
-        zb += exp((double)lg_cov[k] - mb);
-    }
-    for (uint32_t k = 0; k < in->n_vocab; k++) {
-        double la = (double)lg_full[k] - ma - log(za), lb = (double)lg_cov[k] - mb - log(zb);
-        kl += exp(la) * (la - lb);
-    }
+    double kl = kvt_kl_logits(lg_full, lg_cov, in->n_vocab);
     bool agree = kvr__wk_argmax(lg_full, in->n_vocab) == kvr__wk_argmax(lg_cov, in->n_vocab);
     printf("\n| prompt B, %zu tokens | time to first token | tokens computed |\n"
            "| --- | --- | --- |\n", nb);

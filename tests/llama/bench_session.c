@@ -45,11 +45,8 @@ static double pct(double *v, size_t n, double q)
 
 int main(void)
 {
-    setvbuf(stdout, NULL, _IOLBF, 0);
     char model[1024];
-    if (llb_ensure_model(model, sizeof model) < 0)
-        return 1;
-    if (testd_start(&D, NULL) < 0)
+    if (llb_begin(model, sizeof model, &D) < 0)
         return 1;
     int rc = 1;
     char hist[400], lines[420], cmd[4096];

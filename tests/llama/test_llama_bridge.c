@@ -21,6 +21,7 @@
 #include "tests/llama/llama_test.h"   /* llama.h first: kvrope_llama.h's context helper */
 #include "client/llama/kvrope_llama.h"
 #include "tests/common/kvr_opsd.h"   /* kvr_testd.h, opsd_slurp */
+#include "tests/common/kvt_llama.h"
 
 #define N_PROMPT 48
 
@@ -77,16 +78,6 @@ static void import_state(kvr_client *c, const char *ctx, const kvr_llama_model *
     cr_assert_eq(info.n_taken, (uint32_t)n);
 }
 
-static unsigned char *export_state(kvr_client *c, const char *ctx, const kvr_llama_model *m,
-                                   const kvr_llama_export_opts *o, size_t *len)
-{
-    void *st;
-    char err[400];
-    int rc = kvr_llama_state_export(c, ctx, m, o, &st, len, NULL, err, sizeof err);
-    cr_assert_eq(rc, 0, "export: %s", err);
-    return st;
-}
-
 /* ---- round trip -------------------------------------------------------------- */
 
 static const struct rt_case {
@@ -125,7 +116,7 @@ Test(llama_bridge, round_trip_gives_bit_identical_logits)
         import_state(c, ctx, &m, s0, len, toks, N_PROMPT);
         kvr_llama_export_opts o = { .type_k = r->tk, .type_v = r->tv, .v_trans = !r->fa };
         size_t l1;
-        unsigned char *s1 = export_state(c, ctx, &m, &o, &l1);
+        unsigned char *s1 = kvt_llama_export(c, ctx, &m, &o, &l1);
         cr_expect(l1 == len && memcmp(s0, s1, len) == 0,
                   "case %zu: the exported state equals llama.cpp's bytes", k);
 
@@ -464,7 +455,7 @@ static shift_res shift_case(kvr_client *c, const char *path, const kvr_llama_mod
     kvr_llama_export_opts o = { .type_k = kt, .type_v = KVR_LLAMA_F16, .has_pos_start = true,
                                 .pos_start = pos0 + delta };
     size_t l1;
-    unsigned char *s1 = export_state(c, ctx, m, &o, &l1);
+    unsigned char *s1 = kvt_llama_export(c, ctx, m, &o, &l1);
     cr_assert_eq(lt_open(&b, path, type, GGML_TYPE_F16, 1, 256), 0);
     cr_assert_eq(llama_state_seq_set_data(b.ctx, s1, l1, 0), l1);
     cr_assert_eq(lt_decode(&b, toks + N_PROMPT, 1, pos0 + N_PROMPT + delta, lb), 0);
@@ -623,7 +614,7 @@ Test(llama_bridge, yarn_shift_keeps_norms_and_llama_shift_is_measured)
         kvr_llama_export_opts o = { .type_k = TY[t].kt, .type_v = TY[t].kt, .has_pos_start = true,
                                     .pos_start = delta };
         size_t l1;
-        unsigned char *s1 = export_state(c, ctx, &m, &o, &l1);
+        unsigned char *s1 = kvt_llama_export(c, ctx, &m, &o, &l1);
         /* llama.cpp's own shift, applied by the next decode */
         llama_memory_seq_add(llama_get_memory(a.ctx), 0, -1, -1, delta);
         cr_assert_eq(lt_decode(&a, toks + N_PROMPT, 1, N_PROMPT + delta, NULL), 0);
@@ -685,7 +676,7 @@ Test(llama_bridge, quantized_cache_without_hadamard_shifts_through_kvrope)
     kvr_llama_export_opts o = { .type_k = KVR_LLAMA_Q8_0, .type_v = KVR_LLAMA_F16,
                                 .has_pos_start = true, .pos_start = 300 };
     size_t l1;
-    unsigned char *s1 = export_state(c, "q32", &m, &o, &l1);
+    unsigned char *s1 = kvt_llama_export(c, "q32", &m, &o, &l1);
     float *lb = malloc((size_t)a.n_vocab * 4), *lf = malloc((size_t)a.n_vocab * 4);
     cr_assert_eq(lt_open(&b, path, GGML_TYPE_Q8_0, GGML_TYPE_F16, 1, 256), 0);
     cr_assert_eq(llama_state_seq_set_data(b.ctx, s1, l1, 0), l1);

@@ -42,6 +42,7 @@
 #include "client/llama/worker.h"
 #include "rope/rope.h"
 #include "tests/common/kvr_testd.h"
+#include "tests/common/kvt_bench.h"
 
 #define TOL_ALL 1e-4
 #define KL_EPS  1e-5
@@ -295,21 +296,7 @@ static double mean_kl(const rows *ref, const rows *x)
 {
     double s = 0;
     for (size_t j = 0; j < ref->n; j++) {
-        const float *a = ref->x + j * ref->nv, *b = x->x + j * x->nv;
-        double ma = (double)a[0], mb = (double)b[0], za = 0, zb = 0, kl = 0;
-        for (size_t k = 1; k < ref->nv; k++) {
-            ma = fmax(ma, (double)a[k]);
-            mb = fmax(mb, (double)b[k]);
-        }
-        for (size_t k = 0; k < ref->nv; k++) {
-            za += exp((double)a[k] - ma);
-            zb += exp((double)b[k] - mb);
-        }
-        for (size_t k = 0; k < ref->nv; k++) {
-            double la = (double)a[k] - ma - log(za), lb = (double)b[k] - mb - log(zb);
-            kl += exp(la) * (la - lb);
-        }
-        s += kl;
+        s += kvt_kl_logits(ref->x + j * ref->nv, x->x + j * x->nv, ref->nv);
     }
     return s / (double)ref->n;
 }

@@ -226,6 +226,28 @@ static kvfile kv_of_llama(const int32_t *T, int m, int pos0)
     return k;
 }
 
+/* The tokens T (n of them) into tp and llama.cpp's KV of the first m
+ * (positions from 0) into kp: the inputs of a score; the KV file (free
+ * its b). */
+static kvfile score_inputs(const int32_t *T, int n, int m, const char *tp, const char *kp)
+{
+    write_bytes(tp, T, (size_t)n * sizeof *T);
+    kvfile k = kv_of_llama(T, m, 0);
+    write_bytes(kp, k.b, k.len);
+    return k;
+}
+
+/* llama.cpp's logits of all n tokens of T decoded in one context from
+ * position 0 (n x NV floats; free it). */
+static float *full_logits(const int32_t *T, int n)
+{
+    float *ref = malloc((size_t)n * NV * 4);
+    struct llama_context *c = ctx_new(512);
+    decode(c, T, n, 0, ref, NULL);
+    llama_free(c);
+    return ref;
+}
+
 static char out_s[1 << 20], err_s[1 << 16];
 
 /* Runs kvrope-llama --model M --threads 1 [--json] args...; stdout and stderr
@@ -353,13 +375,8 @@ Test(llama_score, kv_from_llama_reproduces_the_full_forward, .init = setup, .fin
     path(kp, sizeof kp, "kv.bin");
     path(lp, sizeof lp, "l.bin");
     path(lp2, sizeof lp2, "l2.bin");
-    write_bytes(tp, T, sizeof T);
-    kvfile k = kv_of_llama(T, m, 0);
-    write_bytes(kp, k.b, k.len);
-    float *ref = malloc((size_t)N * NV * 4);
-    struct llama_context *c = ctx_new(512);
-    decode(c, T, N, 0, ref, NULL);
-    llama_free(c);
+    kvfile k = score_inputs(T, N, m, tp, kp);
+    float *ref = full_logits(T, N);
 
     const char *a[] = { "score", "--tokens", tp, "--kv", kp, "--from", "1", "--logits-out", lp,
                         NULL };
@@ -410,7 +427,7 @@ Test(llama_score, kv_from_llama_reproduces_the_full_forward, .init = setup, .fin
     kvfile k2 = kv_of_llama(T, m, 1000);
     write_bytes(kp, k2.b, k2.len);
     float *ref2 = malloc((size_t)N * NV * 4);
-    c = ctx_new(512);
+    struct llama_context *c = ctx_new(512);
     decode(c, T, N, 1000, ref2, NULL);
     llama_free(c);
     cJSON *j3 = run_ok(a);
@@ -454,13 +471,8 @@ Test(llama_score, qwen2_kv_reproduces_the_full_forward, .init = setup, .fini = t
     path(tp, sizeof tp, "t.bin");
     path(kp, sizeof kp, "kv.bin");
     path(lp, sizeof lp, "l.bin");
-    write_bytes(tp, T, sizeof T);
-    kvfile k = kv_of_llama(T, m, 0);
-    write_bytes(kp, k.b, k.len);
-    float *ref = malloc((size_t)N * NV * 4);
-    struct llama_context *c = ctx_new(512);
-    decode(c, T, N, 0, ref, NULL);
-    llama_free(c);
+    kvfile k = score_inputs(T, N, m, tp, kp);
+    float *ref = full_logits(T, N);
     const char *a[] = { "score", "--tokens", tp, "--kv", kp, "--from", "1", "--logits-out", lp,
                         NULL };
     cJSON *j = run_ok(a);
@@ -511,9 +523,7 @@ Test(llama_score, generate_from_a_cache_is_plain_greedy, .init = setup, .fini = 
     char tp[400], kp[400];
     path(tp, sizeof tp, "t.bin");
     path(kp, sizeof kp, "kv.bin");
-    write_bytes(tp, T, sizeof T);
-    kvfile k = kv_of_llama(T, m, 0);
-    write_bytes(kp, k.b, k.len);
+    kvfile k = score_inputs(T, N, m, tp, kp);
     const int at[] = { 40, m - 1, m, 100, N - 1 };
     enum { NA = sizeof at / sizeof at[0] };
     char spec[256];
@@ -666,9 +676,7 @@ Test(llama_score, f32_and_bf16_caches, .init = setup, .fini = teardown, .timeout
     path(kp, sizeof kp, "kv.bin");
     path(lp, sizeof lp, "l.bin");
     path(lp16, sizeof lp16, "l16.bin");
-    write_bytes(tp, T, sizeof T);
-    kvfile k = kv_of_llama(T, m, 0);
-    write_bytes(kp, k.b, k.len);
+    kvfile k = score_inputs(T, N, m, tp, kp);
     const char *a16[] = { "score", "--tokens", tp, "--kv", kp, "--from", "1", "--logits-out",
                           lp16, NULL };
     cJSON *j = run_ok(a16);

@@ -29,6 +29,7 @@
 #include "client/llama/worker.h"
 #include "tests/common/kvr_llama_run.h"
 #include "tests/common/kvr_testd.h"
+#include "tests/common/kvt_bench.h"
 
 #define K_REFRESH 8
 #define MAX_AGE   6
@@ -198,10 +199,7 @@ static void step(wk *w, const char *sid, const int32_t *t, size_t n, const char 
 static uint64_t rs = 0x9e3779b97f4a7c15ull;
 static uint32_t rnd(uint32_t n)
 {
-    rs ^= rs << 13;
-    rs ^= rs >> 7;
-    rs ^= rs << 17;
-    return (uint32_t)(rs % n);
+    return (uint32_t)(kvt_xorshift(&rs) % n);
 }
 
 /* Start of line k of s (or its end). */
@@ -368,17 +366,7 @@ Test(llama_session, real_history_one_process, .init = setup, .fini = teardown, .
 static int worker(char *out, size_t cap, const char *const *args, pid_t *child, int kill_ms)
 {
     const char *argv[64];
-    int n = 0;
-    argv[n++] = "--model";
-    argv[n++] = model;
-    argv[n++] = "--socket";
-    argv[n++] = D.sock;
-    argv[n++] = "--threads";
-    argv[n++] = "1";
-    argv[n++] = "--json";
-    for (int i = 0; args[i] && n < 62; i++)
-        argv[n++] = args[i];
-    argv[n] = NULL;
+    kvr_llama_json_argv(argv, model, D.sock, "1", args);
     if (!child && kill_ms <= 0) {
         int rc = kvr_llama_run(out, cap, argv);
         cr_assert_geq(rc, 0, "kvrope-llama died: %s", out);
@@ -391,7 +379,7 @@ static int worker(char *out, size_t cap, const char *const *args, pid_t *child, 
         *child = pid;
         return fd;
     }
-    testd_sleep_ms(kill_ms);
+    kvt_sleep_ms(kill_ms);
     kill(pid, SIGKILL);
     kvr_llama_drain(fd, out, cap);
     int st;

@@ -77,17 +77,7 @@ static char outbuf[1 << 20];
 static cJSON *run_json(const char *const *args)
 {
     const char *argv[64];
-    int n = 0;
-    argv[n++] = "--model";
-    argv[n++] = model;
-    argv[n++] = "--socket";
-    argv[n++] = D.sock;
-    argv[n++] = "--threads";
-    argv[n++] = "2";
-    argv[n++] = "--json";
-    for (int i = 0; args[i]; i++)
-        argv[n++] = args[i];
-    argv[n] = NULL;
+    kvr_llama_json_argv(argv, model, D.sock, "2", args);
     int rc = worker(outbuf, sizeof outbuf, argv);
     cr_assert_eq(rc, 0, "kvrope-llama %s exits 0 (got %d): %s", args[0], rc, outbuf);
     cJSON *j = cJSON_Parse(outbuf);

@@ -29,7 +29,7 @@ import time
 
 import pytest
 
-from conftest import BUILD, PYTHON, ROOT
+from conftest import BUILD, PYTHON, ROOT, free_tcp_port
 
 RUN = os.path.join(ROOT, "scripts", "run-daemon.sh")
 SERVE_ADDR = "127.0.0.1:8012"       # make run's default, as the blocks write it
@@ -60,14 +60,6 @@ def runnable_blocks(root=ROOT):
 
 
 BLOCKS = runnable_blocks()
-
-
-def free_port():
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
 
 
 def children(pid):
@@ -177,7 +169,7 @@ def docs_env():
     if not os.access(os.path.join(BUILD, "kvrope"), os.X_OK):
         pytest.skip("build/kvrope is not built")
     tmp = tempfile.mkdtemp(prefix="kvr-docw-")
-    port = free_port()
+    port = free_tcp_port()
     run = MakeRun({"KVROPE_RUN_DIR": os.path.join(tmp, "run"),
                    "KVROPE_DISK_DIR": os.path.join(tmp, "disk"),
                    "KVROPE_LISTEN": f"127.0.0.1:{port}"})
@@ -360,7 +352,7 @@ def test_make_run_starts_the_server_and_stops_both(tmp_path):
     fake.chmod(0o755)
     model = tmp_path / "m.gguf"
     model.write_bytes(b"GGUF")
-    port = free_port()
+    port = free_tcp_port()
     run = MakeRun({"KVROPE_RUN_DIR": str(tmp_path / "run"), "KVROPE_DISK_DIR": str(tmp_path / "d"),
                    "KVROPE_LISTEN": f"127.0.0.1:{port}", "KVROPE_LLAMA": str(fake),
                    "KVROPE_MODEL": str(model)})
@@ -425,7 +417,7 @@ def test_make_run_from_a_fresh_clone(tmp_path):
     subprocess.run(["git", "clone", "--quiet", ROOT, str(clone)], check=True, timeout=300,
                    capture_output=True)
     env = {"XDG_RUNTIME_DIR": str(tmp_path / "xdg"), "KVROPE_DISK_DIR": str(tmp_path / "disk"),
-           "KVROPE_LISTEN": f"127.0.0.1:{free_port()}"}
+           "KVROPE_LISTEN": f"127.0.0.1:{free_tcp_port()}"}
     (tmp_path / "xdg").mkdir(mode=0o700)
     cache = os.environ.get("LLAMA_CACHE") or os.path.join(BUILD, "llama")
     if os.path.isdir(os.path.join(cache, "npm")):

@@ -12,6 +12,7 @@
 #include <string.h>
 
 #include "cache/cache.h"
+#include "tests/common/kvt.h"
 #include "tests/common/kvt_store.h"
 
 #define L 2
@@ -110,13 +111,9 @@ static void check_ctx(const char *id, const uint32_t *uids, const int64_t *pos,
     size_t row = H * D, bytes = kvr_get_payload_size(g);
     float *pl = malloc(bytes ? bytes : 1);
     const struct iovec *iov;
-    size_t niov, off = 0;
+    size_t niov;
     kvr_get_payload_iov(g, &iov, &niov);
-    for (size_t i = 0; i < niov; i++) {
-        memcpy((char *)pl + off, iov[i].iov_base, iov[i].iov_len);
-        off += iov[i].iov_len;
-    }
-    cr_assert_eq(off, bytes);
+    cr_assert_eq(kvt_gather(pl, iov, niov), bytes);
     for (uint32_t l = 0; l < L; l++) {
         const float *k = pl + (size_t)l * 2 * n * row, *v = k + n * row;
         for (size_t i = 0; i < n; i++) {
@@ -226,12 +223,11 @@ Test(layout_groups, append_never_touches_other_group, .fini = teardown)
     kvr_get *g = NULL;
     cr_assert_eq(kvr_store_get_begin(S_, &gp, &g, &e), 0);
     kvr_get_work(g, &e);
-    size_t bytes = kvr_get_payload_size(g), off = 0, niov;
+    size_t bytes = kvr_get_payload_size(g), niov;
     char *before = malloc(bytes);
     const struct iovec *iov;
     kvr_get_payload_iov(g, &iov, &niov);
-    for (size_t i = 0; i < niov; i++, off += iov[i - 1].iov_len)
-        memcpy(before + off, iov[i].iov_base, iov[i].iov_len);
+    kvt_gather(before, iov, niov);
     size_t n0 = M.n;
     kvr_get_end(g);
     for (int i = 0; i < 10; i++)
@@ -244,11 +240,8 @@ Test(layout_groups, append_never_touches_other_group, .fini = teardown)
     for (size_t i = 0; i < n0; i++)
         cr_assert_eq(in->positions[i], M.pos[i]);
     char *after = malloc(bytes);
-    off = 0;
     kvr_get_payload_iov(g, &iov, &niov);
-    for (size_t i = 0; i < niov; i++, off += iov[i - 1].iov_len)
-        memcpy(after + off, iov[i].iov_base, iov[i].iov_len);
-    cr_assert_eq(off, bytes);
+    cr_assert_eq(kvt_gather(after, iov, niov), bytes);
     cr_assert_eq(memcmp(before, after, bytes), 0);
     kvr_get_end(g);
     free(before);

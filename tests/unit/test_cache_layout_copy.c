@@ -20,7 +20,7 @@
 #include "cache/cache.h"
 #include "tests/common/kvt.h"
 #include "tests/common/kvt_store.h"
-#include "tests/common/kvr_tmpdir.h"
+#include "tests/common/kvt.h"
 
 #define L 2
 #define H 2
@@ -222,7 +222,7 @@ Test(layout_copy, every_kind_through_persistence_and_restart)
         kvr_store_persist_flush(s);
         kvr_store_destroy(s);
     }
-    rm_tree(DIR_);
+    kvt_rmrf(DIR_);
 }
 
 /* ---- restore checks ------------------------------------------------------- */

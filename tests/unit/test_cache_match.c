@@ -10,6 +10,7 @@
 
 #include "cache/cache.h"
 #include "tests/common/kvt_store.h"
+#include "tests/common/kvt_bench.h"
 
 
 
@@ -107,10 +108,7 @@ typedef struct ref_ctx {
 static uint64_t rng = 88172645463325252ull;
 static uint32_t rnd(uint32_t n)
 {
-    rng ^= rng << 13;
-    rng ^= rng >> 7;
-    rng ^= rng << 17;
-    return (uint32_t)(rng % n);
+    return (uint32_t)(kvt_xorshift(&rng) % n);
 }
 
 static size_t brute(const ref_ctx *r, const uint32_t *q, size_t n)

@@ -267,7 +267,7 @@ Test(partial, spill_reload_restart)
         free(want[c]);
     }
     kvr_store_destroy(r);
-    kvt_rm_tree(DIR_);
+    kvt_rmrf(DIR_);
 }
 
 /* Quantized contexts: the last quantized block holds its tiles only (a
@@ -359,5 +359,5 @@ Test(partial, blocks_cut_in_two)
     free(w0);
     free(w1);
     kvr_store_destroy(r);
-    kvt_rm_tree(DIR_);
+    kvt_rmrf(DIR_);
 }

@@ -18,6 +18,7 @@
 #include "cache/cache.h"
 #include "tests/common/kvt.h"
 #include "tests/common/kvt_store.h"
+#include "tests/common/kvt_vectors.h"
 
 static uint32_t rng = 12345;
 static float frand(void)
@@ -51,9 +52,7 @@ static kvr_rope *engine(int gptj, int hd, int rot, kvr_rope_scaling sc)
         c.high_freq_factor = 4;
         c.original_max_position_embeddings = 8192;
     }
-    kvr_rope *r = NULL;
-    kvr_error e = { 0 };
-    cr_assert_eq(kvr_rope_create(&r, &c, &e), 0, "%s", e.msg);
+    kvr_rope *r = kvt_rope_new(&c);
     return r;
 }
 
@@ -300,8 +299,7 @@ Test(read_fused, assemble_equals_reference)
     size_t len[3] = { 70, 33, 100 };
     for (int i = 0; i < 3; i++) put(s, docs[i], "pre", len[i], 1000 + 1000 * (uint32_t)i);
     kvr_rope_config rc = model_rope();
-    kvr_rope *r = NULL;
-    cr_assert_eq(kvr_rope_create(&r, &rc, NULL), 0);
+    kvr_rope *r = kvt_rope_new(&rc);
     kvr_dtype dts[3] = { KVR_DTYPE_F16, KVR_DTYPE_F32, KVR_DTYPE_BF16 };
     for (int lay = 0; lay < 2; lay++)
         for (int fold = 0; fold < 2; fold++)
@@ -391,8 +389,7 @@ Test(read_fused, get_after_edit_equals_reference)
         cr_assert_eq(kvr_edit_work(t, &e), 0, "%s", e.msg);
     cr_assert_eq(kvr_edit_commit(t, NULL, NULL, &e), 0, "%s", e.msg);
     kvr_rope_config rc = model_rope();
-    kvr_rope *r = NULL;
-    cr_assert_eq(kvr_rope_create(&r, &rc, NULL), 0);
+    kvr_rope *r = kvt_rope_new(&rc);
     kvr_dtype dts[3] = { KVR_DTYPE_F16, KVR_DTYPE_F32, KVR_DTYPE_BF16 };
     for (int di = 0; di < 3; di++) {
         kvr_dtype dt = dts[di];

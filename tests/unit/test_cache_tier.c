@@ -16,7 +16,7 @@
 #include "cache/cache.h"
 #include "tests/common/kvt.h"
 #include "tests/common/kvt_store.h"
-#include "tests/common/kvr_tmpdir.h"
+#include "tests/common/kvt.h"
 #include "tests/common/cache_stream.h"
 
 #define L 2
@@ -117,7 +117,7 @@ static void spill_reload(int engine)
         free(g0);
         free(g1);
         kvr_store_destroy(s);
-        kvt_rm_tree(DIR_);
+        kvt_rmrf(DIR_);
     }
 }
 
@@ -173,7 +173,7 @@ static void restart(int engine)
     s = open_store(1u << 20, engine, &rec);     /* small: recovery spills */
     cr_assert_eq(rec.contexts, N_CODECS);
     kvr_store_destroy(s);
-    kvt_rm_tree(DIR_);
+    kvt_rmrf(DIR_);
 }
 
 Test(tier, restart_recovers_persistent_only_uring) { restart(0); }
@@ -217,7 +217,7 @@ Test(tier, corrupt_log_quarantined_rest_served)
     free(ga);
     free(ga2);
     kvr_store_destroy(s);
-    kvt_rm_tree(DIR_);
+    kvt_rmrf(DIR_);
 }
 
 Test(tier, persist_without_disk_refused)

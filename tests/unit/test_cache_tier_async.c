@@ -28,7 +28,7 @@
 #include "cache/cache.h"
 #include "tests/common/kvt.h"
 #include "tests/common/kvt_store.h"
-#include "tests/common/kvr_tmpdir.h"
+#include "tests/common/kvt.h"
 #include "tests/common/cache_stream.h"
 
 #define L 2
@@ -51,7 +51,7 @@ static kvr_store *open_store(size_t cap, int engine)
 static void close_store(kvr_store *s)
 {
     kvr_store_destroy(s);
-    kvt_rm_tree(DIR_);
+    kvt_rmrf(DIR_);
 }
 
 static int put_ex(kvr_store *s, const char *id, const char *codec, uint32_t seed, size_t n,

@@ -15,6 +15,7 @@
 #include <unistd.h>
 
 #include "daemon/daemon_internal.h"
+#include "tests/common/kvt_wire.h"
 
 static void sleep_ms(int ms)
 {
@@ -83,10 +84,7 @@ Test(daemon_conn, drained_refusal_whose_reply_write_fails_frees_the_request, .ti
     p.model = "no-such-model";
     p.n_tokens = 1;
     p.tokens = tok;
-    Kvrope__Request q = KVROPE__REQUEST__INIT;
-    q.id = 5;
-    q.body_case = KVROPE__REQUEST__BODY_PUT;
-    q.put = &p;
+    Kvrope__Request q = kvt_put_request(5, &p);
     uint8_t buf[512], payload[64] = { 0 };
     size_t n = kvrope__request__pack(&q, buf + KVR_FRAME_HEADER_SIZE);
     kvr_frame_header_encode(buf, (uint32_t)n, sizeof payload);

@@ -27,15 +27,10 @@
 
 static const kvr_disk_engine engines[] = { KVR_DISK_ENGINE_URING, KVR_DISK_ENGINE_POSIX };
 
-static void put32(uint8_t *p, uint32_t v)
+/* v little-endian into the `bytes` bytes at p (a header field). */
+static void put_le(uint8_t *p, uint64_t v, int bytes)
 {
-    for (int i = 0; i < 4; i++)
-        p[i] = (uint8_t)(v >> (8 * i));
-}
-
-static void put64(uint8_t *p, uint64_t v)
-{
-    for (int i = 0; i < 8; i++)
+    for (int i = 0; i < bytes; i++)
         p[i] = (uint8_t)(v >> (8 * i));
 }
 
@@ -124,13 +119,13 @@ static void write_v1(const char *dir, kvr_disk_handle *h, uint8_t **data)
                                   .seq = 1000u + (uint64_t)i,
                                   .crc = kvr_crc32c(0, data[i], n) };
         uint8_t hd[32] = { 0 }, o[8];
-        put32(hd, 0x5852564Bu);                 /* "KVRX" */
-        put64(hd + 8, h[i].seq);
-        put32(hd + 16, 1);
-        put32(hd + 20, h[i].len);
-        put32(hd + 24, h[i].crc);
-        put64(o, off);
-        put32(hd + 4, kvr_crc32c(kvr_crc32c(0, hd + 8, 24), o, 8));
+        put_le(hd, 0x5852564Bu, 4);                 /* "KVRX" */
+        put_le(hd + 8, h[i].seq, 8);
+        put_le(hd + 16, 1, 4);
+        put_le(hd + 20, h[i].len, 4);
+        put_le(hd + 24, h[i].crc, 4);
+        put_le(o, off, 8);
+        put_le(hd + 4, kvr_crc32c(kvr_crc32c(0, hd + 8, 24), o, 8), 4);
         cr_assert_eq(pwrite(fd, hd, 32, (off_t)off), 32);
         cr_assert_eq(pwrite(fd, data[i], n, (off_t)(off + 32)), (ssize_t)n);
         off += (32 + n + 4095) & ~(uint64_t)4095;

@@ -21,16 +21,14 @@
 #include "cache/disk.h"
 #include "tests/common/kvt.h"
 #include "tests/common/kvt_disk.h"
+#include "tests/common/kvt_bench.h"
 
 static const kvr_disk_engine engines[] = { KVR_DISK_ENGINE_URING, KVR_DISK_ENGINE_POSIX };
 
 static uint64_t rng_state = 0x1234567887654321ull;
 static uint64_t rnd(void)
 {
-    rng_state ^= rng_state << 13;
-    rng_state ^= rng_state >> 7;
-    rng_state ^= rng_state << 17;
-    return rng_state;
+    return kvt_xorshift(&rng_state);
 }
 
 /* Record i: type 1 + i%5, payload = u32 i, then kvt_fill(i) of a length from i. */
@@ -109,6 +107,17 @@ static void append_n(kvr_disk *d, uint32_t from, uint32_t n, uint64_t *ends)
     }
 }
 
+/* A fresh got (*g; free it) and dir's log opened with records 0..n-1
+ * appended. */
+static kvr_disk *log_of(const char *dir, kvr_disk_engine e, got **g, kvr_disk_recovery *rs,
+                        uint32_t n)
+{
+    *g = calloc(1, sizeof **g);
+    kvr_disk *d = reopen(dir, e, *g, rs);
+    append_n(d, 0, n, NULL);
+    return d;
+}
+
 static void log_path(char *p, size_t cap, const char *dir)
 {
     /* The one live generation. */
@@ -121,10 +130,8 @@ static void log_path(char *p, size_t cap, const char *dir)
     snprintf(p, cap, "%s/%s", dir, name);
 }
 
-static void append_reopen(kvr_disk_engine e)
+KVT_DISK_TEST(disk_log, append_reopen)
 {
-    char dir[256];
-    kvt_tmpdir(dir, sizeof dir, "kvr_disk");
     got *g = calloc(1, sizeof *g);
     kvr_disk_recovery rs;
     kvr_disk *d = reopen(dir, e, g, &rs);
@@ -159,10 +166,7 @@ static void append_reopen(kvr_disk_engine e)
         kvr_disk_close(d);
     }
     free(g);
-    kvt_rmrf(dir);
 }
-
-KVT_DISK_TESTS(disk_log, append_reopen, append_reopen)
 
 typedef struct snap { uint32_t from, n; int fail; } snap;
 static int snapshot(void *arg, kvr_disk_cp *cp)
@@ -177,10 +181,8 @@ static int snapshot(void *arg, kvr_disk_cp *cp)
     return s->fail;
 }
 
-static void checkpoint(kvr_disk_engine e)
+KVT_DISK_TEST(disk_log, checkpoint)
 {
-    char dir[256];
-    kvt_tmpdir(dir, sizeof dir, "kvr_disk");
     got *g = calloc(1, sizeof *g);
     kvr_disk_recovery rs;
     kvr_disk_config cfg = { .dir = dir, .engine = e, .checkpoint_bytes = 100000 };
@@ -221,10 +223,7 @@ static void checkpoint(kvr_disk_engine e)
     cr_assert_eq(system(cmd), 0);
     kvr_disk_close(d);
     free(g);
-    kvt_rmrf(dir);
 }
-
-KVT_DISK_TESTS(disk_log, checkpoint, checkpoint)
 
 typedef struct list_snap { uint32_t idx[64]; size_t n; } list_snap;
 static int snapshot_list(void *arg, kvr_disk_cp *cp)
@@ -240,6 +239,11 @@ static int snapshot_list(void *arg, kvr_disk_cp *cp)
     return 0;
 }
 
+/* Random trials per engine of the flipped-byte and cut-tail tests, each on a
+ * fresh log of 60 (40) records: 12 trials are about 30 flipped bytes and 12
+ * cuts per engine, spread over the header, middle and tail records. */
+#define KVT_LOG_TRIALS 12
+
 /* Flip 1..4 random bytes at random offsets; every surviving record is exact,
  * at most one record is lost per flip, losses are reported; a checkpoint of
  * what survived makes the log clean again. */
@@ -248,7 +252,7 @@ static void corrupt(kvr_disk_engine e)
     char dir[256];
     got *g = calloc(1, sizeof *g);
     kvr_disk_recovery rs;
-    for (int trial = 0; trial < 25; trial++) {
+    for (int trial = 0; trial < KVT_LOG_TRIALS; trial++) {
         kvt_tmpdir(dir, sizeof dir, "kvr_disk");
         kvr_disk *d = reopen(dir, e, g, &rs);
         append_n(d, 0, 60, NULL);
@@ -302,7 +306,7 @@ static void truncated(kvr_disk_engine e)
     got *g = calloc(1, sizeof *g);
     kvr_disk_recovery rs;
     static uint64_t ends[64];
-    for (int trial = 0; trial < 25; trial++) {
+    for (int trial = 0; trial < KVT_LOG_TRIALS; trial++) {
         kvt_tmpdir(dir, sizeof dir, "kvr_disk");
         kvr_disk *d = reopen(dir, e, g, &rs);
         kvr_disk_stats st;
@@ -337,15 +341,12 @@ static void truncated(kvr_disk_engine e)
 KVT_DISK_TESTS(disk_log, truncated, truncated)
 
 /* Injected faults. */
-static void faults(kvr_disk_engine e)
+KVT_DISK_TEST(disk_log, faults)
 {
-    char dir[256];
-    kvt_tmpdir(dir, sizeof dir, "kvr_disk");
-    got *g = calloc(1, sizeof *g);
+    got *g;
     kvr_disk_recovery rs;
+    kvr_disk *d = log_of(dir, e, &g, &rs, 5);
     kvr_error err = { 0 };
-    kvr_disk *d = reopen(dir, e, g, &rs);
-    append_n(d, 0, 5, NULL);
     static uint8_t buf[4096];
     kvr_disk_rec_in r;
 
@@ -438,10 +439,7 @@ static void faults(kvr_disk_engine e)
     cr_assert_eq(kvr_disk_recover(d, NULL, NULL, NULL, NULL, &err), KVR_EIO);
     kvr_disk_close(d);
     free(g);
-    kvt_rmrf(dir);
 }
-
-KVT_DISK_TESTS(disk_log, faults, faults)
 
 /* A real ENOSPC: a 1 MiB tmpfs (needs CAP_SYS_ADMIN; skipped otherwise). */
 static void real_enospc(kvr_disk_engine e)
@@ -452,18 +450,15 @@ static void real_enospc(kvr_disk_engine e)
         rmdir(dir);
         cr_skip_test("cannot mount a tmpfs here (%s)", strerror(errno));
     }
-    got *g = calloc(1, sizeof *g);
+    got *g;
     kvr_disk_recovery rs;
+    kvr_disk *d = log_of(dir, e, &g, &rs, 3);
     kvr_error err = { 0 };
-    kvr_disk *d = reopen(dir, e, g, &rs);
-    append_n(d, 0, 3, NULL);
     static uint8_t data[100000];
     kvt_fill(data, sizeof data, 5);
     kvr_disk_buf kb = { .data = data, .len = sizeof data };
     kvr_disk_handle h[32];
-    int n = 0, rc = 0;
-    while (n < 32 && (rc = kvr_disk_spill(d, &kb, 1, &h[n], true, &err)) == 0)
-        n++;
+    int rc, n = kvt_spill_until(d, &kb, h, 32, true, &rc, &err);
     cr_assert_eq(rc, KVR_EIO);
     cr_assert(strstr(err.msg, "No space left"), "%s", err.msg);
     cr_assert_gt(n, 3);

@@ -18,6 +18,7 @@
 #include "cache/disk.h"
 #include "tests/common/kvt.h"
 #include "tests/common/kvt_disk.h"
+#include "tests/common/kvt_bench.h"
 
 static const kvr_disk_engine engines[] = { KVR_DISK_ENGINE_URING, KVR_DISK_ENGINE_POSIX };
 
@@ -32,10 +33,14 @@ static kvr_disk *open_ready(const char *dir, kvr_disk_engine e, uint64_t max,
 static uint64_t rng_state = 0x9E3779B97F4A7C15ull;
 static uint64_t rnd(void)
 {
-    rng_state ^= rng_state << 13;
-    rng_state ^= rng_state >> 7;
-    rng_state ^= rng_state << 17;
-    return rng_state;
+    return kvt_xorshift(&rng_state);
+}
+
+/* free() of a[0..n). */
+static void free_n(void **a, int n)
+{
+    for (int i = 0; i < n; i++)
+        free(a[i]);
 }
 
 static size_t count_files(const char *dir, const char *prefix)
@@ -88,10 +93,8 @@ Test(disk_spill, engine_names)
     kvt_rmrf(dir);
 }
 
-static void round_trips(kvr_disk_engine e)
+KVT_DISK_TEST(disk_spill, round_trips)
 {
-    char dir[256];
-    kvt_tmpdir(dir, sizeof dir, "kvr_disk");
     kvr_disk *d = open_ready(dir, e, 0, 1u << 20);   /* small segments: rolls */
     enum { N = 96 };
     size_t len[N];
@@ -148,24 +151,17 @@ static void round_trips(kvr_disk_engine e)
     cr_assert_eq(st.data_bytes, 0);
     cr_assert_leq(st.segments, 1);
     cr_assert_leq(count_files(dir, "seg-"), 1);
-    for (int i = 0; i < N; i++) {
-        free(src[i]);
-        free(dst[i]);
-    }
+    free_n((void **)src, N);
+    free_n(dst, N);
     kvr_disk_close(d);
-    kvt_rmrf(dir);
 }
-
-KVT_DISK_TESTS(disk_spill, round_trips, round_trips)
 
 /* Two-part extents (a block's K/V, then its metadata, in two allocations):
  * written from and read into any split, page-aligned or not, the image is
  * the concatenation; a whole load of one matches, and a split load puts
  * each part where it belongs. */
-static void two_part(kvr_disk_engine e)
+KVT_DISK_TEST(disk_spill, two_part)
 {
-    char dir[256];
-    kvt_tmpdir(dir, sizeof dir, "kvr_disk");
     kvr_disk *d = open_ready(dir, e, 0, 4u << 20);
     enum { N = 24 };
     size_t len[N], cut[N];
@@ -228,23 +224,16 @@ static void two_part(kvr_disk_engine e)
     kvr_disk_buf nb = { .data = kv[0], .len = 10, .tail = NULL, .tail_len = 5 };
     kvr_disk_handle hx;
     cr_assert_eq(kvr_disk_spill(d, &nb, 1, &hx, false, &err), KVR_EINVAL);
-    for (int i = 0; i < N; i++) {
-        free(src[i]);
-        free(kv[i]);
-        free(dst[i]);
-    }
+    free_n((void **)src, N);
+    free_n((void **)kv, N);
+    free_n(dst, N);
     kvr_disk_close(d);
-    kvt_rmrf(dir);
 }
-
-KVT_DISK_TESTS(disk_spill, two_part, two_part)
 
 /* Spilled + synced data survives a reopen; claimed handles stay, the rest
  * is reclaimed. */
-static void reopen_claim(kvr_disk_engine e)
+KVT_DISK_TEST(disk_spill, reopen_claim)
 {
-    char dir[256];
-    kvt_tmpdir(dir, sizeof dir, "kvr_disk");
     kvr_disk *d = open_ready(dir, e, 0, 256u << 10);
     enum { N = 40 };
     kvr_disk_handle h[N];
@@ -294,15 +283,10 @@ static void reopen_claim(kvr_disk_engine e)
     cr_assert_eq(kvr_disk_spill(d, &b0, 1, &hn, true, &err), 0, "%s", err.msg);
     cr_assert_gt(hn.seg, h[N - 1].seg);
     kvr_disk_close(d);
-    kvt_rmrf(dir);
 }
 
-KVT_DISK_TESTS(disk_spill, reopen_claim, reopen_claim)
-
-static void refs(kvr_disk_engine e)
+KVT_DISK_TEST(disk_spill, refs)
 {
-    char dir[256];
-    kvt_tmpdir(dir, sizeof dir, "kvr_disk");
     kvr_disk *d = open_ready(dir, e, 0, 0);
     kvr_error err = { 0 };
     uint8_t b[5000];
@@ -319,24 +303,17 @@ static void refs(kvr_disk_engine e)
     cr_assert_eq(kvr_disk_free(d, &h, &err), 0);
     cr_assert_eq(kvr_disk_ref(d, &h, &err), KVR_EINVAL);
     kvr_disk_close(d);
-    kvt_rmrf(dir);
 }
 
-KVT_DISK_TESTS(disk_spill, refs, refs)
-
-static void disk_max(kvr_disk_engine e)
+KVT_DISK_TEST(disk_spill, disk_max)
 {
-    char dir[256];
-    kvt_tmpdir(dir, sizeof dir, "kvr_disk");
     kvr_disk *d = open_ready(dir, e, 1u << 20, 0);   /* 1 MiB */
     kvr_error err = { 0 };
     static uint8_t b[100000];
     kvt_fill(b, sizeof b, 9);
     kvr_disk_buf kb = { .data = b, .len = sizeof b };
     kvr_disk_handle h[16];
-    int ok = 0, rc = 0;
-    while (ok < 16 && (rc = kvr_disk_spill(d, &kb, 1, &h[ok], false, &err)) == 0)
-        ok++;
+    int rc, ok = kvt_spill_until(d, &kb, h, 16, false, &rc, &err);
     cr_assert_eq(rc, KVR_ELIMIT);
     cr_assert(strstr(err.msg, "--disk-max"), "%s", err.msg);
     cr_assert_geq(ok, 8);
@@ -356,17 +333,12 @@ static void disk_max(kvr_disk_engine e)
     cr_assert_eq(kvr_disk_load(d, &h[1], &dst, 1, NULL, &err), 0);
     cr_assert_eq(memcmp(out, b, sizeof b), 0);
     kvr_disk_close(d);
-    kvt_rmrf(dir);
 }
-
-KVT_DISK_TESTS(disk_spill, disk_max, disk_max)
 
 /* A flipped byte inside an extent fails its load (quarantined); the
  * neighbours still load. */
-static void corrupt_extent(kvr_disk_engine e)
+KVT_DISK_TEST(disk_spill, corrupt_extent)
 {
-    char dir[256];
-    kvt_tmpdir(dir, sizeof dir, "kvr_disk");
     kvr_disk *d = open_ready(dir, e, 0, 0);
     kvr_error err = { 0 };
     enum { N = 12 };
@@ -411,10 +383,7 @@ static void corrupt_extent(kvr_disk_engine e)
     kvr_disk_get_stats(d, &s);
     cr_assert_eq(s.n_quarantined, 2);
     kvr_disk_close(d);
-    kvt_rmrf(dir);
 }
-
-KVT_DISK_TESTS(disk_spill, corrupt_extent, corrupt_extent)
 
 Test(disk_spill, lock_and_args)
 {

@@ -12,6 +12,7 @@
 #include <unistd.h>
 
 #include "rope/rope.h"
+#include "tests/common/kvt_vectors.h"
 
 static kvr_rope_config parse_ok(const char *json, const char *style)
 {
@@ -35,8 +36,7 @@ static void refuse(const char *json, const char *field)
  * inv_freq[i] back: apply at pos 1 to a unit vector gives (cos f, sin f). */
 static double engine_freq(const kvr_rope_config *c, int i)
 {
-    kvr_rope *r = NULL;
-    cr_assert_eq(kvr_rope_create(&r, c, NULL), 0);
+    kvr_rope *r = kvt_rope_new(c);
     float x[KVR_ROPE_MAX_HEAD_DIM] = { 0 }, y[KVR_ROPE_MAX_HEAD_DIM];
     int rot = c->rotary_dim;
     int i0 = c->style == KVR_ROPE_GPTJ ? 2 * i : i, i1 = c->style == KVR_ROPE_GPTJ ? 2 * i + 1 : i + rot / 2;

@@ -16,6 +16,7 @@
 
 #include "rope/rope.h"
 #include "rope/rope_internal.h"
+#include "tests/common/kvt_vectors.h"
 
 static uint64_t rng = 0x9e3779b97f4a7c15ull;
 static double urand(void)            /* [-1, 1) */
@@ -47,9 +48,7 @@ static kvr_rope *make(int head_dim, int rot, kvr_rope_style style, double theta,
         c.low_freq_factor = 1.0;
         c.high_freq_factor = 4.0;
     }
-    kvr_rope *r = NULL;
-    kvr_error err = { 0 };
-    cr_assert_eq(kvr_rope_create(&r, &c, &err), 0, "%s", err.msg);
+    kvr_rope *r = kvt_rope_new(&c);
     return r;
 }
 
@@ -518,9 +517,7 @@ static void direct_inv_freq(const kvr_rope_config *c, int64_t seq_len, long doub
 
 static void check_len_dependent(const kvr_rope_config *c, long double mscale)
 {
-    kvr_rope *r = NULL;
-    kvr_error err = { 0 };
-    cr_assert_eq(kvr_rope_create(&r, c, &err), 0, "%s", err.msg);
+    kvr_rope *r = kvt_rope_new(c);
     cr_assert(!kvr_rope_config_composes(c));
     size_t T = 40, H = 2, D = (size_t)c->head_dim, n = T * H * D;
     int rot = c->rotary_dim;

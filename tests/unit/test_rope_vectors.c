@@ -109,9 +109,7 @@ static double pair_mag(const float *row, const kvr_rope_config *cfg, size_t j)
 
 static void check_case(const vcase *v, enum op op, kvr_dtype dt, kvr_isa isa)
 {
-    kvr_rope *r = NULL;
-    kvr_error err = { 0 };
-    cr_assert_eq(kvr_rope_create(&r, &v->cfg, &err), 0, "%s", err.msg);
+    kvr_rope *r = kvt_rope_new(&v->cfg);
     size_t nel = v->n_tokens * v->n_heads * v->hd;
     size_t es = kvr_dtype_size(dt);
     void *in = malloc(nel * es), *out = malloc(nel * es);
@@ -183,8 +181,7 @@ Test(rope_vectors, apply_mixed_dtypes)
 {
     for (int c = 0; c < n_cases; c++) {
         const vcase *v = &cases[c];
-        kvr_rope *r = NULL;
-        cr_assert_eq(kvr_rope_create(&r, &v->cfg, NULL), 0);
+        kvr_rope *r = kvt_rope_new(&v->cfg);
         size_t nel = v->n_tokens * v->n_heads * v->hd;
         uint16_t *h = malloc(nel * 2);
         float *back = malloc(nel * 4);
