@@ -136,7 +136,10 @@ class Model(nn.Module):
         x0, x1 = x[..., 0::2], x[..., 1::2]
         return torch.stack([x0 * c - x1 * sn, x0 * sn + x1 * c], -1).flatten(-2)
 
-    def forward(s, t):
+    def forward(s, t, probe=None):
+        """Logits for token ids t [batch, n]; probe(attn) is called with
+        each layer's attention weights [batch, heads, n, n], first layer
+        first (eval/fim_probe.py)."""
         c = s.c
         H, K, D = c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"]
         b, n = t.shape
@@ -148,6 +151,8 @@ class Model(nn.Module):
             k = s.rope(blk.k(h).view(b, n, K, D).transpose(1, 2)).repeat_interleave(H // K, 1)
             v = blk.v(h).view(b, n, K, D).transpose(1, 2).repeat_interleave(H // K, 1)
             a = ((q @ k.transpose(-1, -2)) / math.sqrt(D) + mask).softmax(-1)
+            if probe is not None:
+                probe(a)
             x = x + blk.o((a @ v).transpose(1, 2).reshape(b, n, H * D))
             h = s.rms(x, blk.ln2)
             x = x + blk.down(F.silu(blk.gate(h)) * blk.up(h))

@@ -1,0 +1,108 @@
+#!/usr/bin/python3
+"""fim_probe.py — does a trained model fill in the middle, and if not, why.
+Debian's /usr/bin/python3 (torch from apt).
+
+    /usr/bin/python3 eval/fim_probe.py [MODEL_DIR | TRAIN_DIR] [--rows N]
+
+MODEL_DIR is an exported model (eval/model: weights.npz, config.json);
+TRAIN_DIR a training run's --out (its train.pt checkpoint, shape from
+eval/model/config.json). On N training-distribution FIM rows (the
+/infill layout of eval/fim.py, seeded, no repo-level context) it prints:
+
+  1. the bits of the first middle token (the one after FIM_MID) by the
+     length of the suffix between FIM_SUF and FIM_MID, beside the bits of
+     the same bytes scored left to right (the prefix, then the middle: no
+     FIM tokens, no suffix) and of the rest of the middle. A model that
+     reads the prefix's end from FIM_MID does at least as well as left to
+     right at every suffix length;
+  2. where FIM_MID's attention goes, per layer and head: itself, FIM_SUF,
+     the prefix's last three tokens, the suffix, the rest of the prefix.
+     Infilling needs some head to reach the prefix's end (directly, or via
+     FIM_SUF after FIM_SUF has gathered it).
+
+Nothing is asserted: this is the measurement behind docs/eval.md's
+paragraph on why the committed model does not infill yet.
+"""
+import argparse
+import json
+import os
+import sys
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+import corpus  # noqa: E402
+import fim  # noqa: E402
+import train  # noqa: E402
+
+REGIONS = ("self", "FIM_SUF", "prefix last 3", "suffix", "prefix rest")
+
+
+def load(d):
+    cfg_dir = d if os.path.exists(os.path.join(d, "config.json")) else os.path.join(HERE, "model")
+    with open(os.path.join(cfg_dir, "config.json")) as f:
+        cfg = json.load(f)
+    m = train.Model(cfg, cfg["max_position_embeddings"])
+    ck = os.path.join(d, "train.pt")
+    if os.path.exists(ck):
+        m.load_state_dict(torch.load(ck)["model"])
+    else:
+        train.load_init(m, d)
+    return m.eval(), cfg
+
+
+def bucket(n):
+    return "0" if n == 0 else "1-8" if n <= 8 else "9-32" if n <= 32 else ">32"
+
+
+def main(argv):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("model", nargs="?", default=os.path.join(HERE, "model"))
+    ap.add_argument("--rows", type=int, default=64)
+    ap.add_argument("--threads", type=int, default=2)
+    a = ap.parse_args(argv)
+    torch.set_num_threads(a.threads)
+    m, cfg = load(a.model)
+    tr, _ = corpus.split()
+    data, starts = train.stream(tr)
+    rows = train.Batches(tr, data, starts, 7, 1.0, 0.0).rows(30000, a.rows, 512)[:, :-1]
+    mids = [r.tolist().index(fim.MID) for r in rows]
+    sufs = [r.tolist().index(fim.SUF) for r in rows]
+    attn = []
+    with torch.no_grad():
+        lp = F.log_softmax(m(rows, probe=lambda w: attn.append(
+            torch.stack([w[i, :, j, :] for i, j in enumerate(mids)]).numpy())).float(), -1)
+    first, rest, ltr = {}, [], []
+    for i, r in enumerate(rows.tolist()):
+        j, s = mids[i], sufs[i]
+        k = r.index(fim.EOT) if fim.EOT in r else len(r) - 1
+        bits = [-lp[i, p, r[p + 1]].item() / np.log(2) for p in range(j, k)]
+        first.setdefault(bucket(j - s - 1), []).append(bits[0])
+        rest += bits[1:]
+        # the same byte left to right: the prefix without FIM_PRE, then the middle
+        ltr_in = torch.tensor([[t for t in r[:s] if t != fim.PRE]])
+        with torch.no_grad():
+            ltr.append(-F.log_softmax(m(ltr_in)[0, -1].float(), -1)[r[j + 1]].item() / np.log(2))
+    print(f"{a.model}: {a.rows} FIM rows")
+    print("first middle token, bits by suffix length (tokens):")
+    for b in ("0", "1-8", "9-32", ">32"):
+        if b in first:
+            print(f"  {b:>5}: {np.mean(first[b]):.2f} bits ({len(first[b])} rows)")
+    print(f"the same first bytes left to right (prefix, then the middle): {np.mean(ltr):.2f} bits")
+    print(f"rest of the middle: {np.mean(rest):.2f} bits")
+    print("FIM_MID's attention mass (mean over rows), per layer and head: " + " | ".join(REGIONS))
+    for li, w in enumerate(attn):
+        for h in range(w.shape[1]):
+            acc = np.zeros(len(REGIONS))
+            for i in range(w.shape[0]):
+                j, s, x = mids[i], sufs[i], w[i, h]
+                acc += [x[j], x[s], x[max(0, s - 3):s].sum(), x[s + 1:j].sum(), x[:max(0, s - 3)].sum()]
+            print(f"  layer {li} head {h}: " + " ".join(f"{v:.2f}" for v in acc / w.shape[0]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
