@@ -63,9 +63,18 @@ def extra_tokens(chunks):
     return out + [SEP] + enc(CUR_FILE)
 
 
-def format_infill(prefix, suffix, prompt=b"", chunks=(), n_batch=256, n_ctx=512, n_predict=32):
+def _order(pre, suf, spm):
+    """PSM: <s> FIM_PRE pre FIM_SUF suf FIM_MID; SPM (llama-server
+    --spm-infill): <s> FIM_SUF suf FIM_PRE pre FIM_MID."""
+    if spm:
+        return [corpus.BOS, SUF] + suf + [PRE] + pre + [MID]
+    return [corpus.BOS, PRE] + pre + [SUF] + suf + [MID]
+
+
+def format_infill(prefix, suffix, prompt=b"", chunks=(), n_batch=256, n_ctx=512, n_predict=32, spm=False):
     """llama-server's /infill prompt (token ids) for input_prefix, input_suffix,
-    prompt and input_extra chunks, with its batch, slot context and n_predict."""
+    prompt and input_extra chunks, with its batch, slot context and n_predict
+    (spm: as started with --spm-infill)."""
     tp, ts, tq = enc(prefix), enc(suffix), enc(prompt)
     ex = extra_tokens(chunks)
     n_pre = min(len(tp), 3 * (n_batch // 4))
@@ -73,7 +82,7 @@ def format_infill(prefix, suffix, prompt=b"", chunks=(), n_batch=256, n_ctx=512,
     n_ex = min(max(0, n_ctx - n_batch - 2 * n_predict), len(ex))
     tp = tp[len(tp) - n_pre:]
     ts = ts[:n_suf]
-    return ex[len(ex) - n_ex:] + [corpus.BOS, PRE] + tp + tq + [SUF] + ts + [MID]
+    return ex[len(ex) - n_ex:] + _order(tp + tq, ts, spm)
 
 
 def _line_end(ft, c, nl):
@@ -81,7 +90,7 @@ def _line_end(ft, c, nl):
     return int(nl[j]) if j < len(nl) else len(ft)
 
 
-def sample(rng, ft, seq, chunk_src=None):
+def sample(rng, ft, seq, chunk_src=None, spm=False):
     """One FIM training sequence of seq + 1 tokens from file tokens ft (no BOS):
     the /infill prompt (a cursor, mostly mid-line with the rest of the line or a
     few lines as the middle, else a random span), then the middle and EOT,
@@ -104,12 +113,13 @@ def sample(rng, ft, seq, chunk_src=None):
     n_batch = int(rng.choice([128, 192, 256, 384]))
     n_pre = min(ls, 3 * (n_batch // 4))
     n_suf = min(n - e, max(0, n_batch // 4 - (2 + c - ls)))
-    head = [corpus.BOS, PRE] + list(ft[ls - n_pre:c]) + [SUF] + list(ft[e:e + n_suf]) + [MID]
-    if len(head) > budget:   # a long middle or line: drop prefix from the front
-        cut = len(head) - budget
-        if cut > c - (ls - n_pre):
+    pre, suf = list(ft[ls - n_pre:c]), list(ft[e:e + n_suf])
+    if len(pre) + len(suf) + 4 > budget:   # a long middle or line: drop prefix from the front
+        cut = len(pre) + len(suf) + 4 - budget
+        if cut > len(pre):
             return None      # not even the suffix fits: draw another sample
-        head = [corpus.BOS, PRE] + head[2 + cut:]
+        pre = pre[cut:]
+    head = _order(pre, suf, spm)
     if chunk_src is not None:
         ex = extra_tokens_ids(chunk_src(rng))
         room = budget - len(head)
