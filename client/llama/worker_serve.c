@@ -948,7 +948,7 @@ static int fim_layout(srv *s, const cJSON *b, const srv_params *p, tokv *out, co
     /* llama-server's repo-level layout (arXiv 2409.12186):
      *   [FIM_REP]myproject\n [FIM_SEP]file\n chunk ... [FIM_SEP]filename\n
      *   [FIM_PRE]prefix[FIM_SUF]suffix[FIM_MID]prompt-continuation
-     * without FIM_SEP each chunk follows "\n\n--- snippet ---\n\n". */
+     * (--spm-infill: [FIM_SUF]suffix[FIM_PRE]prefix[FIM_MID]); without FIM_SEP each chunk follows "\n\n--- snippet ---\n\n". */
     if (fim && frep != LLAMA_TOKEN_NULL) {
         tv_one(&extra, frep);
         tv_text(s, &extra, "myproject\n", false, false);
@@ -986,11 +986,17 @@ static int fim_layout(srv *s, const cJSON *b, const srv_params *p, tokv *out, co
         tv_tail(out, &extra, n_ext);
         if (bos)
             tv_one(out, llama_vocab_bos(s->vocab));
+        if (s->o.spm_infill) {   /* --spm-infill: FIM_SUF suffix FIM_PRE prefix prompt */
+            tv_one(out, fsuf);
+            tv_add(out, tsuf.v, n_suf);
+        }
         tv_one(out, fpre);
         tv_tail(out, &tpre, n_pre);
         tv_add(out, tp.v, tp.n);
-        tv_one(out, fsuf);
-        tv_add(out, tsuf.v, n_suf);
+        if (!s->o.spm_infill) {
+            tv_one(out, fsuf);
+            tv_add(out, tsuf.v, n_suf);
+        }
         tv_one(out, fmid);
     } else {
         /* No FIM tokens (a plain code model): the model continues the text
@@ -1765,13 +1771,15 @@ static void on_completed(void *cls, struct MHD_Connection *c, void **con_cls,
 static const char serve_usage[] =
 "usage: kvrope-llama --model M.gguf [--socket S] [--threads N] serve [--listen HOST:PORT]\n"
 "        [--parallel N] [--ctx-size N] [--batch-size N] [--api-key-file F] [--refresh K]\n"
-"        [--alias NAME] [--repair P]\n"
+"        [--alias NAME] [--repair P] [--spm-infill]\n"
 "  llama-server's HTTP API (/completion, /infill, /v1/completions, /v1/chat/completions,\n"
 "  /tokenize, /detokenize, /apply-template, /health, /props, /v1/models, /metrics,\n"
 "  /slots) on the model, kvroped as its cache. --listen defaults to 127.0.0.1:8080;\n"
 "  --threads to the cores not busy now. --repair: how the seams of cached runs\n"
 "  placed anywhere in a prompt are repaired (none, epic:K, blend:SHARE[@L], all,\n"
-"  joined by '+'; default epic:16, docs/eval.md). SIGINT / SIGTERM stop it.\n";
+"  joined by '+'; default epic:16, docs/eval.md). --spm-infill: /infill puts the\n"
+"  suffix first (FIM_SUF suffix FIM_PRE prefix FIM_MID), as llama-server's flag of\n"
+"  that name. SIGINT / SIGTERM stop it.\n";
 
 static int parse_listen(const char *l, struct sockaddr_storage *ss, socklen_t *len, char *err,
                         size_t errlen)
@@ -1886,6 +1894,8 @@ int kvr__wk_serve_main(kvr__wk_env *e, const char *model_path, const char *socke
             s->o.refresh = (uint32_t)n, i++;
         } else if (!strcmp(a, "--api-key-file") && v) {
             s->o.api_key_file = v, i++;
+        } else if (!strcmp(a, "--spm-infill")) {
+            s->o.spm_infill = true;
         } else if (!strcmp(a, "--alias") && v) {
             s->o.alias = v, i++;
         } else if (!strcmp(a, "--repair") && v) {

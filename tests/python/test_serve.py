@@ -447,6 +447,35 @@ def test_infill_layout_truncation(servers):
     assert r["tokens_evaluated"] == len(want)
 
 
+@pytest.mark.parametrize("spm", [True, False])
+def test_infill_spm_layout(servers, spm):
+    """--spm-infill lays /infill out suffix first, as llama-server's flag does
+    (eval/fim.py format_infill(spm=True)). Compared token for token through
+    the cache: a /completion whose prompt is the expected token list, sent to
+    the same slot, finds all of it but the last token cached (it is decoded
+    again for its logits); the PSM order would match only up to its first
+    FIM token. Without the flag the same request keeps the PSM order (a
+    daemon each: neither order is in kvroped before its server sends it)."""
+    sys.path.insert(0, os.path.join(ROOT, "eval"))
+    import fim
+    req = {"input_prefix": "def add(a, b):\n    return ", "input_suffix": "\n\nprint(add(1, 2))\n",
+           "prompt": "a", "n_predict": 1, "temperature": 0, "id_slot": 0}
+    s = servers("--ctx-size", "512", "--batch-size", "128", *(["--spm-infill"] if spm else []))
+    st, r = s.post("/infill", req)
+    assert st == 200, r
+    want = fim.format_infill(req["input_prefix"].encode(), req["input_suffix"].encode(), b"a", [],
+                             n_batch=128, n_ctx=512, n_predict=1, spm=spm)
+    assert r["tokens_evaluated"] == len(want)
+    st, c = s.post("/completion", {"prompt": want, "n_predict": 1, "temperature": 0, "id_slot": 0})
+    assert st == 200, c
+    assert c["timings"]["cache_n"] == len(want) - 1, (spm, c["timings"])
+    other = fim.format_infill(req["input_prefix"].encode(), req["input_suffix"].encode(), b"a", [],
+                              n_batch=128, n_ctx=512, n_predict=1, spm=not spm)
+    st, c = s.post("/completion", {"prompt": other, "n_predict": 1, "temperature": 0, "id_slot": 0})
+    assert st == 200, c
+    assert c["timings"]["cache_n"] < len(want) - 1, (spm, c["timings"])
+
+
 # ---- the cache across processes --------------------------------------------------
 
 def test_restart_and_two_servers(daemon, servers):
