@@ -90,7 +90,10 @@ def _line_end(ft, c, nl):
     return int(nl[j]) if j < len(nl) else len(ft)
 
 
-def sample(rng, ft, seq, chunk_src=None, spm=False):
+N_BATCHES = (128, 192, 256, 384)   # the /infill batch sizes a sample is laid out for
+
+
+def sample(rng, ft, seq, chunk_src=None, spm=False, n_batches=N_BATCHES):
     """One FIM training sequence of seq + 1 tokens from file tokens ft (no BOS):
     the /infill prompt (a cursor, mostly mid-line with the rest of the line or a
     few lines as the middle, else a random span), then the middle and EOT,
@@ -110,7 +113,7 @@ def sample(rng, ft, seq, chunk_src=None, spm=False):
     # llama.vim: prompt = current line up to the cursor, prefix = lines before
     ls = int(nl[np.searchsorted(nl, c) - 1]) + 1 if np.searchsorted(nl, c) > 0 else 0
     budget = seq + 1 - len(mid) - 1
-    n_batch = int(rng.choice([128, 192, 256, 384]))
+    n_batch = int(rng.choice(list(n_batches)))
     n_pre = min(ls, 3 * (n_batch // 4))
     n_suf = min(n - e, max(0, n_batch // 4 - (2 + c - ls)))
     pre, suf = list(ft[ls - n_pre:c]), list(ft[e:e + n_suf])
