@@ -47,6 +47,9 @@ static inline void kvr_list__link(kvr_list *prev, kvr_list *n, kvr_list *next)
 static inline void kvr_list_insert_head(kvr_list *h, kvr_list *n) { kvr_list__link(h, n, h->next); }
 static inline void kvr_list_insert_tail(kvr_list *h, kvr_list *n) { kvr_list__link(h->prev, n, h); }
 
+/* n just before node at (at may be the head: then n goes last). */
+static inline void kvr_list_insert_before(kvr_list *at, kvr_list *n) { kvr_list__link(at->prev, n, at); }
+
 /* Takes n off its list. */
 static inline void kvr_list_remove(kvr_list *n)
 {

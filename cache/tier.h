@@ -22,6 +22,7 @@
 #include <stdarg.h>
 #include <string.h>
 
+#include "base/list.h"
 #include "cache/disk.h"
 #include "cache/layout.h"
 
@@ -68,11 +69,12 @@ typedef struct trec {
     size_t        len;
     uint64_t      order;         /* tab_put count when it was put (recovery) */
     bool          stale;         /* recovery: a newer record of it was lost */
-    struct trec  *next;
+    kvr_list      link;          /* on table.recs */
 } trec;
 
 typedef struct table {
-    trec  *head;                 /* models first (appended in order), then ctxs */
+    kvr_list recs;               /* trec.link: models first (the newest first), then ctxs
+                                    (the newest first among them); kvr_tier_tab_init */
     size_t n_ctx;
     hmap   refs;                 /* handle key -> references from CTX records */
     uint64_t n_put;
@@ -231,6 +233,13 @@ extern const kvr_tier_hooks kvr_tier_disk_hooks;
 void kvr_tier_tab_apply(table *tb, uint32_t type, const void *p, size_t len);
 void kvr_tier_tab_free(table *tb);
 void kvr_tier_tab_refs(table *tb, const trec *r, int delta);
+void kvr_tier_tab_init(table *tb);
+/* Takes r off tb and frees it (its references, the context count). */
+void kvr_tier_tab_drop(table *tb, trec *r);
+/* The records of tb in order (r: trec *; no removal inside). */
+#define kvr_tier_tab_foreach(r, tb) \
+    for (kvr_list *r##_n_ = (tb)->recs.next; \
+         r##_n_ != &(tb)->recs && ((r) = kvr_list_entry(r##_n_, trec, link), 1); r##_n_ = r##_n_->next)
 /* The name at the head of record p (false: unreadable). */
 bool kvr_tier_rec_name(const void *p, size_t len, char *out);
 bool kvr_tier_model_logged(kvr_tier *t, const kvr_model *m);

@@ -208,12 +208,20 @@ static int ctx_rec_handles(const uint8_t *p, size_t len, kvr_disk_handle **out, 
 
 /* ---- table ----------------------------------------------------------------------------------- */
 
-static __attribute__((unused)) trec *tab_find(table *tb, uint32_t type, const char *name)
+void kvr_tier_tab_init(table *tb)
 {
-    for (trec *r = tb->head; r; r = r->next)
-        if (r->type == type && strcmp(r->name, name) == 0)
-            return r;
-    return NULL;
+    memset(tb, 0, sizeof *tb);
+    kvr_list_init(&tb->recs);
+}
+
+void kvr_tier_tab_drop(table *tb, trec *r)
+{
+    kvr_tier_tab_refs(tb, r, -1);
+    kvr_list_remove(&r->link);
+    if (r->type == REC_CTX)
+        tb->n_ctx--;
+    kvr_mem_free(r->p);
+    kvr_mem_free(r);
 }
 
 void kvr_tier_tab_refs(table *tb, const trec *r, int delta)
@@ -231,15 +239,10 @@ void kvr_tier_tab_refs(table *tb, const trec *r, int delta)
 
 static void tab_remove(table *tb, uint32_t type, const char *name)
 {
-    for (trec **pp = &tb->head; *pp; pp = &(*pp)->next) {
-        trec *r = *pp;
+    trec *r;
+    kvr_tier_tab_foreach(r, tb) {
         if (r->type == type && strcmp(r->name, name) == 0) {
-            kvr_tier_tab_refs(tb, r, -1);
-            *pp = r->next;
-            if (type == REC_CTX)
-                tb->n_ctx--;
-            kvr_mem_free(r->p);
-            kvr_mem_free(r);
+            kvr_tier_tab_drop(tb, r);
             return;
         }
     }
@@ -266,14 +269,12 @@ static int tab_put(table *tb, uint32_t type, const char *name, const void *p, si
     tab_remove(tb, type, name);
     kvr_tier_tab_refs(tb, r, +1);
     if (type == REC_MODEL) {
-        r->next = tb->head;
-        tb->head = r;
+        kvr_list_insert_head(&tb->recs, &r->link);
     } else {
-        trec **pp = &tb->head;
-        while (*pp && (*pp)->type == REC_MODEL)
-            pp = &(*pp)->next;
-        r->next = *pp;
-        *pp = r;
+        kvr_list *at = tb->recs.next;      /* before the first context */
+        while (at != &tb->recs && kvr_list_entry(at, trec, link)->type == REC_MODEL)
+            at = at->next;
+        kvr_list_insert_before(at, &r->link);
         tb->n_ctx++;
     }
     return 0;
@@ -281,13 +282,17 @@ static int tab_put(table *tb, uint32_t type, const char *name, const void *p, si
 
 void kvr_tier_tab_free(table *tb)
 {
-    for (trec *r = tb->head, *nx; r; r = nx) {
-        nx = r->next;
-        kvr_mem_free(r->p);
-        kvr_mem_free(r);
+    if (tb->recs.next) {                   /* initialised (kvr_tier_tab_init) */
+        kvr_list *n;
+        while ((n = kvr_list_first(&tb->recs))) {
+            trec *r = kvr_list_entry(n, trec, link);
+            kvr_list_remove(n);
+            kvr_mem_free(r->p);
+            kvr_mem_free(r);
+        }
     }
     kvr_tier_hmap_free(&tb->refs);
-    memset(tb, 0, sizeof *tb);
+    kvr_tier_tab_init(tb);
 }
 
 /* Name of a record (its id / model name), from the payload. */
@@ -312,7 +317,8 @@ void kvr_tier_tab_apply(table *tb, uint32_t type, const void *p, size_t len)
 int kvr_tier_snapshot_cb(void *arg, kvr_disk_cp *cp)
 {
     table *tb = arg;
-    for (trec *r = tb->head; r; r = r->next) {
+    trec *r;
+    kvr_tier_tab_foreach(r, tb) {
         int rc = kvr_disk_cp_add(cp, r->type, r->p, r->len);
         if (rc == 0 && r->type == REC_MODEL)    /* twice, as appended */
             rc = kvr_disk_cp_add(cp, r->type, r->p, r->len);

@@ -137,8 +137,8 @@ static void mark_stale(recov *rv)
 {
     kvr_tier *t = rv->t;
     for (size_t i = 0; i < rv->n_lost; i++) {
-        trec *hit = NULL;
-        for (trec *r = t->tab.head; r; r = r->next)
+        trec *hit = NULL, *r;
+        kvr_tier_tab_foreach(r, &t->tab)
             if (r->type == REC_CTX && !strcmp(r->name, rv->lost[i].name))
                 hit = r;
         bool dup = false;         /* lost twice: report once */
@@ -154,8 +154,9 @@ static void mark_stale(recov *rv)
                  "checksum and no older one exists: the context is lost", rv->lost[i].name);
         }
     }
+    trec *r;
     if (rv->unattributed_at)
-        for (trec *r = t->tab.head; r; r = r->next)
+        kvr_tier_tab_foreach(r, &t->tab)
             if (r->type == REC_CTX && r->order <= rv->unattributed_at)
                 r->stale = true;
 }
@@ -498,6 +499,7 @@ int kvr_store_tier_open(kvr_store *s, const kvr_tier_config *cfg, kvr_tier_log_f
     if (!t)
         return kvr_error_set(err, KVR_ENOMEM, "out of memory opening the disk tier");
     kvr_list_init(&t->queue);
+    kvr_tier_tab_init(&t->tab);
     t->cfg = *cfg;
     snprintf(t->dir, sizeof t->dir, "%s", cfg->dir);
     t->cfg.dir = t->dir;
@@ -522,7 +524,8 @@ int kvr_store_tier_open(kvr_store *s, const kvr_tier_config *cfg, kvr_tier_log_f
         goto fail;
     mark_stale(&rv);
     /* Models, then contexts (blocks shared between contexts: one block). */
-    for (trec *r = t->tab.head; r; r = r->next)
+    trec *r;
+    kvr_tier_tab_foreach(r, &t->tab)
         if (r->type == REC_MODEL)
             recover_model(s, t, r);
     /* Eviction during recovery spills (blocks are on disk: no I/O). */
@@ -530,26 +533,14 @@ int kvr_store_tier_open(kvr_store *s, const kvr_tier_config *cfg, kvr_tier_log_f
     s->hooks = &kvr_tier_disk_hooks;
     s->persist_all = t->cfg.persist_all;
     hmap blocks = { 0 };
-    trec *prev = NULL;
-    for (trec *r = t->tab.head; r;) {
-        if (r->type != REC_CTX) {
-            prev = r;
-            r = r->next;
+    for (kvr_list *n = t->tab.recs.next, *nx; n != &t->tab.recs; n = nx) {
+        nx = n->next;
+        r = kvr_list_entry(n, trec, link);
+        if (r->type != REC_CTX)
             continue;
-        }
-        int crc = recover_ctx(s, t, &blocks, r);
-        if (crc != 0) {
+        if (recover_ctx(s, t, &blocks, r) != 0) {
             t->rec.dropped_contexts++;
-            trec *dead = r;
-            r = r->next;
-            if (prev)
-                prev->next = r;
-            else
-                t->tab.head = r;
-            kvr_tier_tab_refs(&t->tab, dead, -1);
-            t->tab.n_ctx--;
-            kvr_mem_free(dead->p);
-            kvr_mem_free(dead);
+            kvr_tier_tab_drop(&t->tab, r);
             continue;
         }
         if (r->stale) {
@@ -558,8 +549,6 @@ int kvr_store_tier_open(kvr_store *s, const kvr_tier_config *cfg, kvr_tier_log_f
                  "lost (corrupt log record): restored from its previous state, every token "
                  "flagged stale", r->name);
         }
-        prev = r;
-        r = r->next;
     }
     kvr_tier_hmap_free(&blocks);
     if ((rc = kvr_disk_recover_done(t->d, err)) != 0) {
@@ -592,7 +581,7 @@ int kvr_store_tier_open(kvr_store *s, const kvr_tier_config *cfg, kvr_tier_log_f
      * survives the next restart (the checkpoint above kept their old
      * records, which do not carry it). */
     if (t->rec.stale_contexts) {
-        for (trec *r = t->tab.head; r; r = r->next) {
+        kvr_tier_tab_foreach(r, &t->tab) {
             kvr_error pe;
             if (r->type == REC_CTX && r->stale && kvr_store_persist(s, r->name, NULL, NULL,
                                                                      &pe) < 0)
