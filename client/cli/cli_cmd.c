@@ -32,17 +32,6 @@ void kvr__cli_print_json(struct cJSON *j)
     cJSON_Delete(j);
 }
 
-int kvr__cli_usage_err(const char *fmt, ...)
-{
-    va_list ap;
-    va_start(ap, fmt);
-    fprintf(stderr, "kvrope: ");
-    vfprintf(stderr, fmt, ap);
-    fprintf(stderr, "\n(see kvrope --help)\n");
-    va_end(ap);
-    return CLI_USAGE;
-}
-
 int kvr__cli_io_err(const cli_args *a, const char *msg)
 {
     fprintf(stderr, "kvrope: %s\n", msg);

@@ -24,6 +24,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <limits.h>
+#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -168,6 +169,19 @@ long kvr__cli_parse_u32_list(const char *s, uint32_t **out)
     long n = parse_list(s, &p, false);
     *out = p;
     return n;
+}
+
+/* Here, beside the parsers that use it, so that the fuzzers (which link
+ * only the parsing files) have it. */
+int kvr__cli_usage_err(const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    fprintf(stderr, "kvrope: ");
+    vfprintf(stderr, fmt, ap);
+    fprintf(stderr, "\n(see kvrope --help)\n");
+    va_end(ap);
+    return CLI_USAGE;
 }
 
 int kvr__cli_opt_layers(const char *ls, uint32_t **layers, size_t *n)
