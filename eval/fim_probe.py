@@ -20,6 +20,14 @@ eval/model/config.json). On N training-distribution FIM rows (the
      Infilling needs some head to reach the prefix's end (directly, or via
      FIM_SUF after FIM_SUF has gathered it).
 
+With --cases N (a model directory with weights.npz: eval/model, or a
+finished run's --out), it also scores eval/infill.py's middle-line cases
+on the held-out files (N cursors per file, first --files files) through
+the numpy Llama, for the layouts left to right, PSM /infill and SPM
+/infill (llama-server --spm-infill): bits of the first byte of the rest of
+the line, mean bits of the rest of the line (+ its end), greedy exact
+match.
+
 Nothing is asserted: this is the measurement behind docs/eval.md's
 paragraph on why the committed model does not infill yet.
 """
@@ -63,6 +71,8 @@ def main(argv):
     ap.add_argument("model", nargs="?", default=os.path.join(HERE, "model"))
     ap.add_argument("--rows", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--cases", type=int, default=0, help="middle-line cursors a held-out file (0: skip)")
+    ap.add_argument("--files", type=int, default=12, help="held-out files for --cases")
     a = ap.parse_args(argv)
     torch.set_num_threads(a.threads)
     m, cfg = load(a.model)
@@ -101,7 +111,36 @@ def main(argv):
                 j, s, x = mids[i], sufs[i], w[i, h]
                 acc += [x[j], x[s], x[max(0, s - 3):s].sum(), x[s + 1:j].sum(), x[:max(0, s - 3)].sum()]
             print(f"  layer {li} head {h}: " + " ".join(f"{v:.2f}" for v in acc / w.shape[0]))
+    if a.cases:
+        held_out_cases(a)
     return 0
+
+
+def held_out_cases(a):
+    import engines
+    import infill
+    eng = engines.NumpyEngine(a.model)
+    _, ho = corpus.split()
+    cs = infill.cases(ho[:a.files], a.cases)
+    srv = infill.SERVER
+    lays = {"left to right": lambda c: infill.prompt_tokens(c, "ltr"),
+            "FIM, PSM": lambda c: fim.format_infill(c["prefix"], c["suffix"], c["prompt"], [], **srv),
+            "FIM, SPM": lambda c: fim.format_infill(c["prefix"], c["suffix"], c["prompt"], [], spm=True, **srv)}
+    print(f"held-out middle-line cases: {len(cs)} ({a.cases} a file, {a.files} files)")
+    for name, build in lays.items():
+        first, mean, exact = [], [], 0
+        for c in cs:
+            p = build(c)
+            tgt = fim.enc(c["target"]) + ([infill.NEWLINE] if name == "left to right" else [fim.EOT])
+            toks = p + tgt
+            logits, _ = eng.forward(toks, np.arange(len(toks)))
+            lp = engines.log_softmax(logits[len(p) - 1:len(toks) - 1])
+            bits = -np.array([lp[i, t] for i, t in enumerate(tgt)]) / np.log(2)
+            first.append(bits[0])
+            mean.append(bits.mean())
+            exact += infill.score(c, eng.complete(p, len(c["target"]) + 1, stop=infill.NEWLINE))["exact"]
+        print(f"  {name:14s} first byte {np.mean(first):.2f} bits, line {np.mean(mean):.2f} bits/token, "
+              f"exact {exact}/{len(cs)}")
 
 
 if __name__ == "__main__":
