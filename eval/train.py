@@ -291,13 +291,12 @@ class Batches:
         row = s.fim_sample(rng, seq)
         if not s.pack:
             return row
-        used = len(row) - row[::-1].index(fim.EOT) if fim.EOT in row else len(row)
-        out = row[:used]
-        while seq + 1 - len(out) >= 96:
-            more = s.fim_sample(rng, seq - len(out))
-            k = len(more) - more[::-1].index(fim.EOT)
-            out += more[:k]
-        return out + [fim.PAD] * (seq + 1 - len(out))
+        out = []
+        while True:
+            out += row[:len(row) - row[::-1].index(fim.EOT)]   # up to its EOT (every sample has one)
+            if seq + 1 - len(out) < 96:
+                return out + [fim.PAD] * (seq + 1 - len(out))
+            row = s.fim_sample(rng, seq - len(out))
 
     def rows(s, step, n, seq):
         rng = np.random.Generator(np.random.PCG64([s.seed, step]))
@@ -424,11 +423,9 @@ def main(argv):
             # the first --mid-first targets of each middle (the ones only the
             # cursor's context, far back before FIM_SUF, can predict) weigh
             # --mid-first-weight
-            seg = (inp == fim.MID).cumsum(1)
-            start = torch.zeros_like(seg)
             pos = torch.arange(inp.shape[1]).expand_as(inp)
-            start = torch.cummax(torch.where(inp == fim.MID, pos, start), 1).values
-            first = in_mid & (seg > 0) & (pos - start < a.mid_first)
+            last_mid = torch.cummax(torch.where(inp == fim.MID, pos, torch.zeros_like(pos)), 1).values
+            first = in_mid & (pos - last_mid < a.mid_first)
             w = torch.where(first, torch.full_like(w, a.mid_first_weight), w)
         w = w * (tgt != fim.PAD).float()
         loss = (nll * w).sum() / w.sum()
