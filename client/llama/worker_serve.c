@@ -15,11 +15,13 @@
  * says reaches kvrope except through the engine's checked paths; the HTTP
  * server is up before the model is loaded (/health answers 503 until then).
  */
+#include <ctype.h>
 #include <errno.h>
 #include <netdb.h>
 #include <poll.h>
 #include <signal.h>
 #include <stdarg.h>
+#include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -373,7 +375,60 @@ static cJSON *str_json(const char *p, size_t n)
 
 /* ---- request fields ---------------------------------------------------- */
 
-static const char *samp_names[] = { "top_k", "top_p", "min_p", "temperature" };
+static const char *const samp_names[SRV_SAMP_COUNT] = {
+    [SRV_SAMP_PENALTIES] = "penalties", [SRV_SAMP_DRY] = "dry",
+    [SRV_SAMP_TOP_N_SIGMA] = "top_n_sigma", [SRV_SAMP_TOP_K] = "top_k",
+    [SRV_SAMP_TYP_P] = "typ_p", [SRV_SAMP_TOP_P] = "top_p", [SRV_SAMP_MIN_P] = "min_p",
+    [SRV_SAMP_XTC] = "xtc", [SRV_SAMP_TEMP] = "temperature", [SRV_SAMP_INFILL] = "infill",
+    [SRV_SAMP_ADAPTIVE_P] = "adaptive_p",
+};
+
+/* A sampler by llama.cpp's names: canonical, kebab-case, without the
+ * underscore, any case, and nucleus / temp / typ. -1: unknown (ignored,
+ * as llama-server does). */
+static int samp_by_name(const char *name)
+{
+    char low[32], bare[32];
+    size_t n = strlen(name);
+    if (n >= sizeof low)
+        return -1;
+    size_t b = 0;
+    for (size_t i = 0; i <= n; i++) {
+        char ch = (char)tolower((unsigned char)name[i]);
+        low[i] = ch == '-' ? '_' : ch;
+        if (ch != '_' && ch != '-')
+            bare[b++] = ch;
+    }
+    static const struct { const char *n; int s; } alias[] = {
+        { "nucleus", SRV_SAMP_TOP_P }, { "temp", SRV_SAMP_TEMP }, { "typ", SRV_SAMP_TYP_P } };
+    for (size_t i = 0; i < sizeof alias / sizeof alias[0]; i++)
+        if (!strcmp(low, alias[i].n))
+            return alias[i].s;
+    for (int k = 0; k < SRV_SAMP_COUNT; k++) {
+        char kb[32];
+        size_t m = 0;
+        for (const char *q = samp_names[k]; *q; q++)
+            if (*q != '_')
+                kb[m++] = *q;
+        kb[m] = 0;
+        if (!strcmp(low, samp_names[k]) || (strchr(samp_names[k], '_') && !strcmp(bare, kb)))
+            return k;
+    }
+    return -1;
+}
+
+static int samp_by_char(char ch)
+{
+    static const struct { char c; int s; } map[] = {
+        { 'e', SRV_SAMP_PENALTIES }, { 'd', SRV_SAMP_DRY }, { 's', SRV_SAMP_TOP_N_SIGMA },
+        { 'k', SRV_SAMP_TOP_K }, { 'y', SRV_SAMP_TYP_P }, { 'p', SRV_SAMP_TOP_P },
+        { 'm', SRV_SAMP_MIN_P }, { 'x', SRV_SAMP_XTC }, { 't', SRV_SAMP_TEMP },
+        { 'i', SRV_SAMP_INFILL }, { 'a', SRV_SAMP_ADAPTIVE_P } };
+    for (size_t i = 0; i < sizeof map / sizeof map[0]; i++)
+        if (map[i].c == ch)
+            return map[i].s;
+    return -1;
+}
 
 /* Reads the generation fields llama-server honours (unknown fields ignored).
  * Returns NULL or the reason the request is refused. */
@@ -417,6 +472,59 @@ static const char *parse_params(srv *s, const cJSON *b, enum route rt, srv_param
     if (NUM("min_p")) {
         WANT_NUM("min_p");
         p->min_p = (float)x->valuedouble;
+    }
+#define F(name) { #name, offsetof(srv_params, name), "\"" #name "\" must be a number" }
+    static const struct { const char *name; size_t off; const char *err; } floats[] = {
+        F(typical_p), F(top_n_sigma), F(xtc_probability), F(xtc_threshold), F(repeat_penalty),
+        F(frequency_penalty), F(presence_penalty), F(dry_multiplier), F(dry_base),
+    };
+#undef F
+    for (size_t k = 0; k < sizeof floats / sizeof floats[0]; k++)
+        if (NUM(floats[k].name)) {
+            if (!cJSON_IsNumber(x))
+                return floats[k].err;
+            *(float *)((char *)p + floats[k].off) = (float)x->valuedouble;
+        }
+    if (p->dry_base < 1.0f)     /* llama-server: below 1, the default */
+        p->dry_base = 1.75f;
+    if (p->xtc_probability < 0.0f)
+        p->xtc_probability = 0.0f;
+    if (p->xtc_probability > 1.0f)
+        p->xtc_probability = 1.0f;
+    static const struct { const char *name; size_t off; const char *err; } ints[] = {
+        { "repeat_last_n", offsetof(srv_params, repeat_last_n),
+          "\"repeat_last_n\" must be an integer >= 0" },
+        { "dry_allowed_length", offsetof(srv_params, dry_allowed_length),
+          "\"dry_allowed_length\" must be an integer >= 0" },
+        { "dry_penalty_last_n", offsetof(srv_params, dry_penalty_last_n),
+          "\"dry_penalty_last_n\" must be an integer >= 0" },
+        { "min_keep", offsetof(srv_params, min_keep), "\"min_keep\" must be an integer >= 0" },
+    };
+    for (size_t k = 0; k < sizeof ints / sizeof ints[0]; k++)
+        if (NUM(ints[k].name)) {
+            if (!cJSON_IsNumber(x) || x->valuedouble < 0 ||
+                x->valuedouble != (double)(long long)x->valuedouble)
+                return ints[k].err;
+            *(int *)((char *)p + ints[k].off) =
+                x->valuedouble > 2147483647.0 ? 2147483647 : (int)x->valuedouble;
+        }
+    if ((x = cJSON_GetObjectItemCaseSensitive(b, "dry_sequence_breakers")) && !cJSON_IsNull(x)) {
+        static const char *const bad = "\"dry_sequence_breakers\" must be a non-empty array of strings";
+        if (!cJSON_IsArray(x) || !cJSON_GetArraySize(x))
+            return bad;
+        const cJSON *w;
+        p->n_dry_breakers = 0;
+        p->dry_breakers_owned = true;
+        cJSON_ArrayForEach(w, x) {
+            if (!cJSON_IsString(w))
+                return bad;
+            if (p->n_dry_breakers == SRV_MAX_BREAKERS)
+                return "\"dry_sequence_breakers\" takes at most 16 strings";
+            if (strlen(w->valuestring) > 64)
+                return "a DRY sequence breaker is at most 64 bytes";
+            if (!(p->dry_breakers[p->n_dry_breakers++] = strdup(w->valuestring)))
+                return "out of memory";
+        }
     }
     if (NUM("seed")) {
         WANT_NUM("seed");
@@ -479,24 +587,29 @@ static const char *parse_params(srv *s, const cJSON *b, enum route rt, srv_param
         }
     }
     if ((x = cJSON_GetObjectItemCaseSensitive(b, "samplers")) && !cJSON_IsNull(x)) {
-        if (!cJSON_IsArray(x))
-            return "\"samplers\" must be an array of sampler names";
+        /* an array of names, or a string of llama.cpp's one-letter names;
+         * unknown names are skipped, as llama-server does */
+        static const char *const bad = "\"samplers\" must be an array of sampler names or a "
+                                       "string of sampler letters";
         p->n_samplers = 0;
-        const cJSON *w;
-        cJSON_ArrayForEach(w, x) {
-            if (!cJSON_IsString(w))
-                return "\"samplers\" must be an array of sampler names";
-            for (int k = 0; k < 4; k++)
-                if (!strcmp(w->valuestring, samp_names[k]) && p->n_samplers < 8)
+        if (cJSON_IsString(x)) {
+            for (const char *q = x->valuestring; *q && p->n_samplers < SRV_MAX_SAMPLERS; q++) {
+                int k = samp_by_char(*q);
+                if (k >= 0)
                     p->samplers[p->n_samplers++] = k;
-            /* others (penalties, dry, typ_p, xtc, infill, ...) are not implemented:
-             * ignored as unknown fields are */
+            }
+        } else if (cJSON_IsArray(x)) {
+            const cJSON *w;
+            cJSON_ArrayForEach(w, x) {
+                if (!cJSON_IsString(w))
+                    return bad;
+                int k = samp_by_name(w->valuestring);
+                if (k >= 0 && p->n_samplers < SRV_MAX_SAMPLERS)
+                    p->samplers[p->n_samplers++] = k;
+            }
+        } else {
+            return bad;
         }
-        bool has_temp = false;
-        for (int k = 0; k < p->n_samplers; k++)
-            has_temp |= p->samplers[k] == SRV_SAMP_TEMP;
-        if (!has_temp && p->n_samplers < 8)
-            p->samplers[p->n_samplers++] = SRV_SAMP_TEMP;
     }
 #undef NUM
 #undef WANT_NUM
@@ -514,6 +627,22 @@ static cJSON *params_json(const srv *s, const srv_params *p)
     cJSON_AddNumberToObject(o, "top_k", p->top_k);
     cJSON_AddNumberToObject(o, "top_p", p->top_p);
     cJSON_AddNumberToObject(o, "min_p", p->min_p);
+    cJSON_AddNumberToObject(o, "top_n_sigma", p->top_n_sigma);
+    cJSON_AddNumberToObject(o, "xtc_probability", p->xtc_probability);
+    cJSON_AddNumberToObject(o, "xtc_threshold", p->xtc_threshold);
+    cJSON_AddNumberToObject(o, "typical_p", p->typical_p);
+    cJSON_AddNumberToObject(o, "repeat_last_n", p->repeat_last_n);
+    cJSON_AddNumberToObject(o, "repeat_penalty", p->repeat_penalty);
+    cJSON_AddNumberToObject(o, "presence_penalty", p->presence_penalty);
+    cJSON_AddNumberToObject(o, "frequency_penalty", p->frequency_penalty);
+    cJSON_AddNumberToObject(o, "dry_multiplier", p->dry_multiplier);
+    cJSON_AddNumberToObject(o, "dry_base", p->dry_base);
+    cJSON_AddNumberToObject(o, "dry_allowed_length", p->dry_allowed_length);
+    cJSON_AddNumberToObject(o, "dry_penalty_last_n", p->dry_penalty_last_n);
+    cJSON *db = cJSON_AddArrayToObject(o, "dry_sequence_breakers");
+    for (int i = 0; i < p->n_dry_breakers; i++)
+        cJSON_AddItemToArray(db, cJSON_CreateString(p->dry_breakers[i]));
+    cJSON_AddNumberToObject(o, "min_keep", p->min_keep);
     cJSON_AddNumberToObject(o, "n_indent", p->n_indent);
     cJSON_AddNumberToObject(o, "t_max_predict_ms", p->t_max_predict_ms);
     cJSON *st = cJSON_AddArrayToObject(o, "stop");

@@ -52,15 +52,32 @@ typedef enum srv_stop {
     SRV_STOP_NONE, SRV_STOP_EOS, SRV_STOP_LIMIT, SRV_STOP_WORD
 } srv_stop;
 
-enum { SRV_SAMP_TOP_K, SRV_SAMP_TOP_P, SRV_SAMP_MIN_P, SRV_SAMP_TEMP };
+/* llama-server's samplers (worker_serve_sample.c); names in samp_names[] */
+enum {
+    SRV_SAMP_PENALTIES, SRV_SAMP_DRY, SRV_SAMP_TOP_N_SIGMA, SRV_SAMP_TOP_K, SRV_SAMP_TYP_P,
+    SRV_SAMP_TOP_P, SRV_SAMP_MIN_P, SRV_SAMP_XTC, SRV_SAMP_TEMP, SRV_SAMP_INFILL,
+    SRV_SAMP_ADAPTIVE_P, SRV_SAMP_COUNT
+};
+#define SRV_MAX_SAMPLERS 32
+#define SRV_MAX_BREAKERS 16
 
 typedef struct srv_params {
     int      n_predict;          /* -1 = up to the end of the context */
     float    temperature, top_p, min_p;
     int      top_k;
     uint32_t seed;               /* 0xFFFFFFFF = random */
-    int      samplers[8];        /* SRV_SAMP_*, in order */
+    int      samplers[SRV_MAX_SAMPLERS];   /* SRV_SAMP_*, in order */
     int      n_samplers;
+    int      min_keep;
+    float    typical_p, top_n_sigma, xtc_probability, xtc_threshold;
+    int      repeat_last_n;      /* penalties: window of prompt + output (0 = off) */
+    float    repeat_penalty, frequency_penalty, presence_penalty;
+    float    dry_multiplier, dry_base;
+    int      dry_allowed_length, dry_penalty_last_n;
+    char    *dry_breakers[SRV_MAX_BREAKERS];   /* owned when dry_breakers_owned (a
+                                                   request's), else the defaults */
+    int      n_dry_breakers;
+    bool     dry_breakers_owned;
     char    *stop[SRV_MAX_STOP]; /* owned */
     int      n_stop;
     int      n_indent;
@@ -71,6 +88,17 @@ typedef struct srv_params {
     bool     ignore_eos;        /* llama-server's: generate past end-of-generation tokens */
     int      n_cmpl;             /* completions of the prompt (1..slots) */
 } srv_params;
+
+/* The sampler chain of one generation (worker_serve_sample.c). p is
+ * borrowed and must outlive it. kvr__srv_sample returns the next token, or
+ * KVR_ENOMEM. */
+struct llama_vocab;
+typedef struct srv_sampler srv_sampler;
+int     kvr__srv_sampler_new(srv_sampler **out, const srv_params *p, const struct llama_vocab *vocab,
+                             size_t n_vocab, uint64_t seed);
+int32_t kvr__srv_sample(srv_sampler *s, const float *logits, const int32_t *prompt, size_t n_prompt,
+                        const int32_t *gen, size_t n_gen);
+void    kvr__srv_sampler_free(srv_sampler *s);
 
 typedef enum srv_job_kind {
     SRV_JOB_GEN, SRV_JOB_SLOT_SAVE, SRV_JOB_SLOT_RESTORE, SRV_JOB_SLOT_ERASE

@@ -51,11 +51,24 @@ void kvr__srv_params_default(srv_params *p)
     p->top_p = 0.95f;
     p->min_p = 0.05f;
     p->seed = 0xFFFFFFFFu;
-    p->samplers[0] = SRV_SAMP_TOP_K;
-    p->samplers[1] = SRV_SAMP_TOP_P;
-    p->samplers[2] = SRV_SAMP_MIN_P;
-    p->samplers[3] = SRV_SAMP_TEMP;
-    p->n_samplers = 4;
+    /* llama.cpp's common_params_sampling defaults */
+    static const int order[] = { SRV_SAMP_PENALTIES, SRV_SAMP_DRY, SRV_SAMP_TOP_N_SIGMA,
+                                 SRV_SAMP_TOP_K, SRV_SAMP_TYP_P, SRV_SAMP_TOP_P, SRV_SAMP_MIN_P,
+                                 SRV_SAMP_XTC, SRV_SAMP_TEMP };
+    memcpy(p->samplers, order, sizeof order);
+    p->n_samplers = (int)(sizeof order / sizeof order[0]);
+    p->typical_p = 1.0f;
+    p->top_n_sigma = -1.0f;
+    p->xtc_threshold = 0.1f;
+    p->repeat_last_n = 64;
+    p->repeat_penalty = 1.0f;
+    p->dry_base = 1.75f;
+    p->dry_allowed_length = 2;
+    p->dry_penalty_last_n = 64;
+    static char nl[] = "\n", colon[] = ":", quote[] = "\"", star[] = "*";   /* never written */
+    char *breakers[] = { nl, colon, quote, star };
+    memcpy(p->dry_breakers, breakers, sizeof breakers);   /* not owned: dry_breakers_owned */
+    p->n_dry_breakers = 4;
     p->cache_prompt = true;
     p->id_slot = -1;
     p->n_cmpl = 1;
@@ -66,6 +79,9 @@ void kvr__srv_params_free(srv_params *p)
     for (int i = 0; i < p->n_stop; i++)
         free(p->stop[i]);
     p->n_stop = 0;
+    for (int i = 0; p->dry_breakers_owned && i < p->n_dry_breakers; i++)
+        free(p->dry_breakers[i]);
+    p->n_dry_breakers = 0;
 }
 
 static void job_free(srv_job *j)
@@ -178,108 +194,6 @@ static bool stop_words(srv_job *j, size_t from)
         }
     j->safe = utf8_whole(j->text, safe);
     return hit;
-}
-
-/* ---- sampling ----------------------------------------------------------- */
-
-typedef struct cand {
-    float   p;
-    int32_t id;
-} cand;
-
-static int cand_desc(const void *a, const void *b)
-{
-    float x = ((const cand *)a)->p, y = ((const cand *)b)->p;
-    return x < y ? 1 : x > y ? -1 : 0;
-}
-
-/* c[0..n) from logits to probabilities (c sorted, c[0] the largest). */
-static void softmax(cand *c, size_t n)
-{
-    double mx = c[0].p, sum = 0;
-    for (size_t i = 0; i < n; i++)
-        sum += exp((double)c[i].p - mx);
-    for (size_t i = 0; i < n; i++)
-        c[i].p = (float)(exp((double)c[i].p - mx) / sum);
-}
-
-static uint64_t rng_next(uint64_t *st)
-{
-    uint64_t z = (*st += 0x9E3779B97F4A7C15ull);
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-    return z ^ (z >> 31);
-}
-
-/* One token from the logits: greedy at temperature <= 0, else the samplers
- * in order (top_k, top_p, min_p, temperature), then a draw. cands: n_vocab. */
-static int32_t sample(const srv_params *p, const float *logits, size_t nv, cand *c,
-                      uint64_t *rng)
-{
-    if (p->temperature <= 0.0f)
-        return kvr__wk_argmax(logits, nv);
-    size_t n = nv;
-    for (size_t i = 0; i < nv; i++)
-        c[i] = (cand){ logits[i], (int32_t)i };
-    qsort(c, n, sizeof *c, cand_desc);
-    float temp = 1.0f;
-    bool soft = false;   /* c[].p holds probabilities (else logits) */
-    for (int k = 0; k < p->n_samplers; k++) {
-        switch (p->samplers[k]) {
-        case SRV_SAMP_TOP_K:
-            if (p->top_k > 0 && (size_t)p->top_k < n)
-                n = (size_t)p->top_k;
-            break;
-        case SRV_SAMP_TEMP:
-            temp = p->temperature;
-            if (soft) {   /* back to logits, then rescale below */
-                for (size_t i = 0; i < n; i++)
-                    c[i].p = logf(c[i].p > 0 ? c[i].p : 1e-30f);
-                soft = false;
-            }
-            for (size_t i = 0; i < n; i++)
-                c[i].p /= temp;
-            break;
-        case SRV_SAMP_TOP_P:
-        case SRV_SAMP_MIN_P: {
-            if (!soft) {
-                softmax(c, n);
-                soft = true;
-            }
-            if (p->samplers[k] == SRV_SAMP_TOP_P && p->top_p < 1.0f) {
-                double cum = 0;
-                size_t keep = n;
-                for (size_t i = 0; i < n; i++) {
-                    cum += (double)c[i].p;
-                    if (cum >= (double)p->top_p) {
-                        keep = i + 1;
-                        break;
-                    }
-                }
-                n = keep;
-            } else if (p->samplers[k] == SRV_SAMP_MIN_P && p->min_p > 0.0f) {
-                float lim = c[0].p * p->min_p;
-                size_t keep = 1;
-                while (keep < n && c[keep].p >= lim)
-                    keep++;
-                n = keep;
-            }
-            break;
-        }
-        }
-    }
-    if (!soft)
-        softmax(c, n);
-    double tot = 0;
-    for (size_t i = 0; i < n; i++)
-        tot += (double)c[i].p;
-    double r = (double)(rng_next(rng) >> 11) / 9007199254740992.0 * tot, acc = 0;
-    for (size_t i = 0; i < n; i++) {
-        acc += (double)c[i].p;
-        if (r < acc)
-            return c[i].id;
-    }
-    return c[n - 1].id;
 }
 
 /* ---- the cache connection ---------------------------------------------- */
@@ -466,21 +380,23 @@ static void run_gen(srv *s, srv_job *j)
     bool ctx_cut = limit > room;
     if (ctx_cut)
         limit = room;
-    cand *c = malloc(in->n_vocab * sizeof *c);
-    uint64_t rng = j->p.seed == 0xFFFFFFFFu ? (uint64_t)time(NULL) ^ (uint64_t)(t0 * 1e3)
-                                            : j->p.seed;
+    uint64_t seed = j->p.seed == 0xFFFFFFFFu ? (uint64_t)time(NULL) ^ (uint64_t)(t0 * 1e3)
+                                             : j->p.seed;
+    srv_sampler *sm = NULL;
+    int sr = kvr__srv_sampler_new(&sm, &j->p, s->vocab, in->n_vocab, seed);
     size_t last_nl = 0;
     int status = 0;
     char msg[600] = "";
     bool first = true;
     for (size_t i = 0; i < limit; i++) {
         const float *lg = kvr__wk_lm_logits(s->e.lm);
-        if (!c || !lg) {
+        int32_t tok = sr < 0 || !lg ? KVR_ENOMEM : kvr__srv_sample(sm, lg, j->toks, j->n, j->gen,
+                                                                   j->n_gen);
+        if (tok < 0) {
             status = 500;
-            snprintf(msg, sizeof msg, "%s", c ? "llama.cpp returned no logits" : "out of memory");
+            snprintf(msg, sizeof msg, "%s", lg ? "out of memory" : "llama.cpp returned no logits");
             break;
         }
-        int32_t tok = sample(&j->p, lg, in->n_vocab, c, &rng);
         if (first) {
             double ttft = (kvr__wk_now_ms() - t0) / 1e3;
             pthread_mutex_lock(&s->mu);
@@ -567,7 +483,7 @@ static void run_gen(srv *s, srv_job *j)
             break;
         }
     }
-    free(c);
+    kvr__srv_sampler_free(sm);
     double t2 = kvr__wk_now_ms();
     pthread_mutex_lock(&s->mu);
     if (j->stop_type == SRV_STOP_NONE && j->n_gen >= limit && !j->cancelled)

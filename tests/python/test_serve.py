@@ -583,6 +583,35 @@ def test_slots_save_restore_erase(server):
     check_error(st, r, 400)
 
 
+def test_samplers_as_llama_server_names_them(server):
+    """The default chain and the penalty fields in /props; sampler names in
+    llama.cpp's spellings and as a string of letters; a presence penalty
+    that forbids every token of the window makes greedy output avoid them
+    (the chain's arithmetic is tests/llama/test_llama_sample.c's)."""
+    p = json.loads(server.get("/props")[1])["default_generation_settings"]["params"]
+    assert p["samplers"] == ["penalties", "dry", "top_n_sigma", "top_k", "typ_p", "top_p", "min_p",
+                             "xtc", "temperature"]
+    assert p["repeat_last_n"] == 64 and p["repeat_penalty"] == 1 and p["dry_multiplier"] == 0
+    assert p["dry_sequence_breakers"] == ["\n", ":", "\"", "*"]
+    base = server.post("/completion", greedy(CODE, 8))[1]["tokens"]
+    for samplers in (["Top-K", "temp"], ["topk", "min_p", "temperature"], "kt", "kpmt"):
+        st, r = server.post("/completion", greedy(CODE, 8, samplers=samplers))
+        assert st == 200 and r["tokens"] == base, samplers   # greedy: none drops the best
+    # unknown names are skipped, as llama-server does
+    st, r = server.post("/completion", greedy(CODE, 8, samplers=["no_such", "temperature"]))
+    assert st == 200 and r["tokens"] == base
+    ids = server.post("/tokenize", {"content": CODE})[1]["tokens"]
+    st, r = server.post("/completion", greedy(CODE, 12, presence_penalty=1e9, repeat_last_n=1024))
+    assert st == 200
+    seen = list(ids)
+    for t in r["tokens"]:
+        assert t not in seen, (t, r["tokens"])
+        seen.append(t)
+    # a window of 0 is no penalty: the plain greedy output
+    st, r = server.post("/completion", greedy(CODE, 8, presence_penalty=1e9, repeat_last_n=0))
+    assert r["tokens"] == base
+
+
 # ---- bad input -------------------------------------------------------------------
 
 def test_bad_input(server):
@@ -604,7 +633,14 @@ def test_bad_input(server):
         {"prompt": [1, 99999]},
         {"prompt": [1, -1]},
         {"prompt": ["a", "b"]},
-        {"prompt": "x", "samplers": "top_k"},
+        {"prompt": "x", "samplers": 5},
+        {"prompt": "x", "samplers": ["top_k", 3]},
+        {"prompt": "x", "repeat_last_n": -1},
+        {"prompt": "x", "dry_allowed_length": 1.5},
+        {"prompt": "x", "dry_base": "x"},
+        {"prompt": "x", "dry_sequence_breakers": []},
+        {"prompt": "x", "dry_sequence_breakers": "\n"},
+        {"prompt": "x", "dry_sequence_breakers": ["\n", 4]},
         {"prompt": "x", "n_cmpl": 9},
         {"prompt": "x", "n_cmpl": 0},
         {"prompt": "x", "n_cmpl": 2, "stream": True},
