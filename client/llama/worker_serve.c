@@ -613,8 +613,6 @@ static const char *parse_params(srv *s, const cJSON *b, enum route rt, srv_param
     }
 #undef NUM
 #undef WANT_NUM
-    if (p->stream && p->n_cmpl > 1)
-        return "several completions (\"n_cmpl\" > 1) cannot be streamed";
     return NULL;
 }
 
@@ -847,7 +845,10 @@ static void oai_head(srv *s, cJSON *o, const char *id, time_t created, const cha
 
 typedef struct stream {
     srv         *s;
-    srv_job     *j;
+    srv_job     *j;              /* jobs[cur]: the completion being streamed */
+    srv_job     *jobs[SRV_MAX_SLOTS];   /* n_cmpl completions, streamed one after another */
+    int          nj, cur;
+    size_t       gen_total;      /* completion tokens of the finished ones (usage) */
     enum route   rt;
     int          fd;
     size_t       sent;           /* text bytes turned into events */
@@ -891,7 +892,7 @@ static cJSON *oai_chunk(stream *st, const char *text, size_t tlen, const char *f
         cJSON_AddStringToObject(c, "finish_reason", finish);
     else
         cJSON_AddNullToObject(c, "finish_reason");
-    cJSON_AddNumberToObject(c, "index", 0);
+    cJSON_AddNumberToObject(c, "index", st->cur);
     if (st->rt == R_OAI_CHAT) {
         cJSON *d = cJSON_AddObjectToObject(c, "delta");
         if (!st->head_sent) {
@@ -946,7 +947,7 @@ static bool st_produce(stream *st)
     if (dlen && !(done && st->rt != R_OAI_CHAT && st->rt != R_OAI_CMPL)) {
         if (st->rt == R_COMPLETION || st->rt == R_INFILL) {
             cJSON *o = cJSON_CreateObject();
-            cJSON_AddNumberToObject(o, "index", 0);
+            cJSON_AddNumberToObject(o, "index", st->cur);
             cJSON_AddItemToObject(o, "content", str_json(delta, dlen));
             cJSON_AddArrayToObject(o, "tokens");
             cJSON_AddBoolToObject(o, "stop", false);
@@ -963,17 +964,21 @@ static bool st_produce(stream *st)
     if (done) {
         result r;
         snapshot(s, j, &r);
+        bool last = st->cur + 1 >= st->nj;
         if (st->rt == R_COMPLETION || st->rt == R_INFILL) {
             cJSON *o = completion_json(s, &j->p, &r, delta ? delta : "", dlen, true);
             cJSON_ReplaceItemInObject(o, "prompt", cJSON_CreateString(""));
+            cJSON_ReplaceItemInObject(o, "index", cJSON_CreateNumber(st->cur));
             st_emit(st, st->fields ? select_fields(o, st->fields) : o, false);
         } else {
             cJSON *o = oai_chunk(st, NULL, 0, finish_reason(r.stop_type));
             cJSON_AddItemToObject(o, "timings", timings_json(&r));
             if (!st->include_usage)
                 cJSON_AddItemToObject(o, "usage", usage_json(&r));
-            st_emit(st, o, !st->include_usage);
-            if (st->include_usage) {
+            st_emit(st, o, last && !st->include_usage);
+            if (last && st->include_usage) {
+                /* OpenAI's: the prompt once, the completions' tokens summed */
+                r.n_gen += st->gen_total;
                 cJSON *u = cJSON_CreateObject();
                 cJSON_AddArrayToObject(u, "choices");
                 oai_head(s, u, st->id, st->created,
@@ -982,8 +987,15 @@ static bool st_produce(stream *st)
                 st_emit(st, u, true);
             }
         }
+        st->gen_total += r.n_gen;
         result_free(&r);
-        st->end = true;
+        if (last) {
+            st->end = true;
+        } else {            /* the next completion of n_cmpl */
+            st->j = st->jobs[++st->cur];
+            st->sent = 0;
+            st->head_sent = false;
+        }
     }
     free(delta);
     return true;
@@ -1015,22 +1027,24 @@ static void st_free(void *cls)
 {
     stream *st = cls;
     srv *s = st->s;
-    srv_job *j = st->j;
     /* A stream dropped before its end: the client went away (MHD failed a
-     * write, or the connection closed). Cancel the job if it still runs (the
-     * engine counts it when it stops); count it here if it had finished
+     * write, or the connection closed). Cancel the jobs that still run (the
+     * engine counts them when they stop); count the ones that had finished
      * before the answer reached the client. */
-    if (!st->delivered) {
-        pthread_mutex_lock(&s->mu);
-        if (!j->done) {
-            j->cancelled = true;
-            pthread_cond_broadcast(&s->wake);
-        } else if (!j->cancelled) {
-            s->m.cancelled++;
+    for (int k = 0; k < st->nj; k++) {
+        srv_job *j = st->jobs[k];
+        if (!st->delivered) {
+            pthread_mutex_lock(&s->mu);
+            if (!j->done) {
+                j->cancelled = true;
+                pthread_cond_broadcast(&s->wake);
+            } else if (!j->cancelled) {
+                s->m.cancelled++;
+            }
+            pthread_mutex_unlock(&s->mu);
         }
-        pthread_mutex_unlock(&s->mu);
+        kvr__srv_job_release(s, j);
     }
-    kvr__srv_job_release(s, j);
     cJSON_Delete(st->fields);
     free(st->buf);
     free(st);
@@ -1283,14 +1297,24 @@ static srv_job *job_clone(const srv_job *j)
     c->n = j->n;
     c->kind = j->kind;
     c->p = j->p;
-    for (int i = 0; i < j->p.n_stop; i++)
-        if (!(c->p.stop[i] = strdup(j->p.stop[i]))) {
-            c->p.n_stop = i;
-            kvr__srv_params_free(&c->p);
-            free(c->toks);
-            free(c);
-            return NULL;
-        }
+    c->p.n_stop = c->p.n_dry_breakers = 0;    /* the copies are its own */
+    bool ok = true;
+    for (int i = 0; ok && i < j->p.n_stop; i++)
+        if ((ok = (c->p.stop[i] = strdup(j->p.stop[i])) != NULL))
+            c->p.n_stop++;
+    for (int i = 0; ok && i < j->p.n_dry_breakers; i++) {
+        if (!j->p.dry_breakers_owned)
+            c->p.dry_breakers[i] = j->p.dry_breakers[i];
+        else
+            ok = (c->p.dry_breakers[i] = strdup(j->p.dry_breakers[i])) != NULL;
+        c->p.n_dry_breakers += ok;
+    }
+    if (!ok) {
+        kvr__srv_params_free(&c->p);
+        free(c->toks);
+        free(c);
+        return NULL;
+    }
     return c;
 }
 
@@ -1363,30 +1387,6 @@ static int handle_generate(conn *cn, struct MHD_Connection *c, enum route rt)
     char id[64];
     snprintf(id, sizeof id, "%s%08x%08x", rt == R_OAI_CHAT ? "chatcmpl-" : "cmpl-",
              (unsigned)time(NULL), (unsigned)rand());
-    if (j->p.stream) {
-        stream *st = calloc(1, sizeof *st);
-        struct MHD_Response *r = NULL;
-        if (st) {
-            *st = (stream){ .s = s, .j = j, .rt = rt, .fd = conn_fd(c),
-                            .include_usage = include_usage, .created = time(NULL),
-                            .fields = fields };
-            snprintf(st->id, sizeof st->id, "%s", id);
-            r = MHD_create_response_from_callback(MHD_SIZE_UNKNOWN, 16 * 1024, st_read, st,
-                                                  st_free);
-        }
-        if (!r) {
-            free(st);
-            cJSON_Delete(fields);
-            kvr__srv_job_release(s, j);
-            return send_error(c, 500, "server_error", "out of memory");
-        }
-        MHD_add_response_header(r, "Content-Type", "text/event-stream");
-        MHD_add_response_header(r, "Cache-Control", "no-cache");
-        MHD_add_response_header(r, "Access-Control-Allow-Origin", "*");
-        int ret = MHD_queue_response(c, 200, r);
-        MHD_destroy_response(r);
-        return ret;
-    }
     /* n_cmpl > 1: the other completions are jobs of their own, queued now */
     srv_job *jobs[SRV_MAX_SLOTS] = { j };
     int nj = 1;
@@ -1399,6 +1399,32 @@ static int handle_generate(conn *cn, struct MHD_Connection *c, enum route rt)
             }
             break;
         }
+    if (j->p.stream) {
+        stream *st = calloc(1, sizeof *st);
+        struct MHD_Response *r = NULL;
+        if (st) {
+            *st = (stream){ .s = s, .j = j, .nj = nj, .rt = rt, .fd = conn_fd(c),
+                            .include_usage = include_usage, .created = time(NULL),
+                            .fields = fields };
+            memcpy(st->jobs, jobs, sizeof jobs);
+            snprintf(st->id, sizeof st->id, "%s", id);
+            r = MHD_create_response_from_callback(MHD_SIZE_UNKNOWN, 16 * 1024, st_read, st,
+                                                  st_free);
+        }
+        if (!r) {
+            free(st);
+            cJSON_Delete(fields);
+            for (int k = 0; k < nj; k++)
+                kvr__srv_job_release(s, jobs[k]);
+            return send_error(c, 500, "server_error", "out of memory");
+        }
+        MHD_add_response_header(r, "Content-Type", "text/event-stream");
+        MHD_add_response_header(r, "Cache-Control", "no-cache");
+        MHD_add_response_header(r, "Access-Control-Allow-Origin", "*");
+        int ret = MHD_queue_response(c, 200, r);
+        MHD_destroy_response(r);
+        return ret;
+    }
     bool gone = false;
     for (int k = 0; k < nj && !gone; k++)
         gone = !wait_job(s, jobs[k], SIZE_MAX, conn_fd(c));

@@ -295,6 +295,38 @@ def test_several_completions(server):
     assert st == 200 and [c["index"] for c in o["choices"]] == [0, 1, 2]
 
 
+def test_several_completions_streamed(server):
+    """n_cmpl / n > 1 with stream: every completion's events carry its index,
+    each ends (stop / finish_reason) once, the texts equal the unstreamed
+    ones, and [DONE] and the usage chunk come once, at the end."""
+    plain = server.post("/completion", greedy(CODE, 6, n_cmpl=3))[1]
+    ev = server.stream("/completion", greedy(CODE, 6, n_cmpl=3, stream=True))
+    for k in range(3):
+        mine = [e for e in ev if e["index"] == k]
+        assert sum(1 for e in mine if e["stop"]) == 1 and mine[-1]["stop"], mine
+        assert "".join(e["content"] for e in mine) == plain[k]["content"]
+    st, o = server.post("/v1/completions", {"prompt": CODE, "max_tokens": 5, "n": 2,
+                                            "temperature": 0})
+    ev = server.stream("/v1/completions", {"prompt": CODE, "max_tokens": 5, "n": 2,
+                                           "temperature": 0, "stream": True,
+                                           "stream_options": {"include_usage": True}})
+    assert ev.count("[DONE]") == 1 and ev[-1] == "[DONE]"
+    usage = [e for e in ev[:-1] if e.get("usage")]
+    assert len(usage) == 1 and usage[0]["choices"] == []
+    assert usage[0]["usage"]["completion_tokens"] == 10
+    for k in range(2):
+        mine = [e["choices"][0] for e in ev[:-1] if e["choices"] and e["choices"][0]["index"] == k]
+        assert "".join(c["text"] for c in mine) == o["choices"][k]["text"]
+        assert [c["finish_reason"] for c in mine if c["finish_reason"]] == ["length"]
+    msgs = [{"role": "user", "content": "count words"}]
+    ev = server.stream("/v1/chat/completions", {"messages": msgs, "max_tokens": 4, "n": 2,
+                                                "temperature": 0, "stream": True})
+    assert ev.count("[DONE]") == 1 and ev[-1] == "[DONE]"
+    for k in range(2):
+        mine = [e["choices"][0] for e in ev[:-1] if e["choices"][0]["index"] == k]
+        assert mine[0]["delta"]["role"] == "assistant" and mine[-1]["finish_reason"]
+
+
 def test_sampling_seeded(server):
     body = {"prompt": CODE, "n_predict": 16, "temperature": 1.0, "seed": 42, "top_k": 20,
             "top_p": 0.9, "min_p": 0.01, "return_tokens": True}
@@ -643,7 +675,6 @@ def test_bad_input(server):
         {"prompt": "x", "dry_sequence_breakers": ["\n", 4]},
         {"prompt": "x", "n_cmpl": 9},
         {"prompt": "x", "n_cmpl": 0},
-        {"prompt": "x", "n_cmpl": 2, "stream": True},
         {},
     ]
     for c in cases:
