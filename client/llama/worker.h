@@ -161,6 +161,10 @@ void kvr__wk_lm_set_profile(kvr__wk_lm *lm, const struct kvr_llama_model *m);
  * number of sequences (2..256; 2 by default) of contexts created after. */
 void     kvr__wk_lm_set_cache(kvr__wk_lm *lm, int32_t type, uint32_t n_seq);
 uint32_t kvr__wk_lm_n_seq(const kvr__wk_lm *lm);
+/* n sequences for the caller after the scratch ones (ids kvr__wk_lm_n_seq
+ * and up), from the next kvr__wk_lm_context on; kvr__wk_lm_clear then
+ * clears the scratch sequences only, and leaves the reserved ones' cells. */
+void     kvr__wk_lm_reserve_seqs(kvr__wk_lm *lm, uint32_t n);
 /* Cells of the current context (0 = none yet). */
 uint32_t kvr__wk_lm_n_ctx(const kvr__wk_lm *lm);
 /* Tokens per llama_decode (and per ubatch) of the current context. */

@@ -52,7 +52,9 @@ struct kvr__wk_lm {
     double                    warmup_ms;
     const kvr_llama_model    *profile;
     int32_t                   cache_type;   /* ggml type of K and V (F16 unless set) */
-    uint32_t                  n_seq;        /* n_seq_max of the next context (>= 2) */
+    uint32_t                  n_seq;        /* scratch sequences 0..n_seq-1 (>= 2) */
+    uint32_t                  n_reserved;   /* the caller's sequences after them, which
+                                               kvr__wk_lm_clear leaves alone */
     struct ggml_threadpool   *tp;           /* sleeping threads (poll 0), or NULL */
     bool                      probe_on;     /* contexts get the eval callback below */
     kvr__wk_probe             *probe;        /* the active probe of a decode, or NULL */
@@ -124,6 +126,11 @@ void kvr__wk_lm_set_cache(kvr__wk_lm *lm, int32_t type, uint32_t n_seq)
 }
 
 uint32_t kvr__wk_lm_n_seq(const kvr__wk_lm *lm) { return lm->n_seq; }
+
+void kvr__wk_lm_reserve_seqs(kvr__wk_lm *lm, uint32_t n)
+{
+    lm->n_reserved = n > 256 - lm->n_seq ? 256 - lm->n_seq : n;
+}
 
 uint32_t kvr__wk_lm_n_batch(const kvr__wk_lm *lm) { return lm->n_batch; }
 
@@ -269,7 +276,7 @@ int kvr__wk_lm_context(kvr__wk_lm *lm, uint32_t n_ctx, char *err, size_t errlen)
     cp.n_ctx = n_ctx;
     cp.n_batch = 512;
     cp.n_ubatch = 512;
-    cp.n_seq_max = lm->n_seq;
+    cp.n_seq_max = lm->n_seq + lm->n_reserved;
     cp.kv_unified = true;
     cp.n_threads = lm->n_threads;
     cp.n_threads_batch = lm->n_threads;
@@ -484,7 +491,16 @@ double kvr__wk_nll(const float *x, size_t n, int32_t target)
     return mx + log(s) - (double)x[target];
 }
 
-void kvr__wk_lm_clear(kvr__wk_lm *lm) { llama_memory_clear(llama_get_memory(lm->ctx), true); }
+void kvr__wk_lm_clear(kvr__wk_lm *lm)
+{
+    llama_memory_t mem = llama_get_memory(lm->ctx);
+    if (!lm->n_reserved) {
+        llama_memory_clear(mem, true);
+        return;
+    }
+    for (uint32_t q = 0; q < lm->n_seq; q++)
+        llama_memory_seq_rm(mem, (llama_seq_id)q, -1, -1);
+}
 
 bool kvr__wk_lm_seq_rm(kvr__wk_lm *lm, int seq, int32_t p0, int32_t p1)
 {

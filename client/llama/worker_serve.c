@@ -2131,7 +2131,12 @@ int kvr__wk_serve_main(kvr__wk_env *e, const char *model_path, const char *socke
     s->n_ctx = s->o.n_ctx ? s->o.n_ctx : in->n_ctx_train ? in->n_ctx_train : 4096;
     /* blend repair's selection pass runs the prompt through layer 1 */
     kvr__wk_lm_set_probe(e->lm, s->o.repair.blend_share > 0 && !s->o.repair.all);
-    if (kvr__wk_lm_context(e->lm, s->n_ctx, e->err, sizeof e->err) < 0) {
+    /* continuous batching: each slot generates in a sequence of its own
+     * (after the session engine's scratch ones), and the cache holds the
+     * slots' contexts beside the one being prepared */
+    kvr__wk_lm_reserve_seqs(e->lm, (uint32_t)s->o.parallel);
+    if (kvr__wk_lm_context(e->lm, s->n_ctx * (uint32_t)(s->o.parallel + 1), e->err,
+                          sizeof e->err) < 0) {
         fprintf(stderr, "kvrope-llama serve: %s\n", e->err);
         goto stop_http;
     }

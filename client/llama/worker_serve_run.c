@@ -1,27 +1,35 @@
 /*
  * worker_serve_run.c — the engine thread of `kvrope-llama serve`.
  *
- * One thread owns llama.cpp's context and the kvrope connection and runs the
- * queued jobs one at a time (slots are sessions, not concurrent sequences:
- * the session engine works in seq 0). A generation job:
- *   slot   id_slot, else the slot whose last prompt shares the longest
- *          prefix with this one, else the least recently used;
- *   prompt kvr__wk_sync with the slot's session (cached prefix, PIE edits of
- *          the session's context, chunks placed; only new and refreshed
- *          tokens decoded). cache_prompt false, or kvroped unreachable:
- *          the whole prompt decoded here, no store (counted, logged);
- *   tokens sampled (greedy at temperature <= 0) under llama-server's stop
- *          rules (EOG, n_predict, the context's end, stop words, n_indent,
+ * One thread owns llama.cpp's context and the kvrope connection. Slots
+ * generate together (continuous batching): each slot has a llama.cpp
+ * sequence of its own after the session engine's scratch sequences
+ * (kvr__wk_lm_reserve_seqs). The loop takes one queued job that can start,
+ * then decodes the next token of every generation in flight in one batch:
+ *   admit  a generation whose slot is free (id_slot, else the slot whose last
+ *          prompt shares the most with it, else the least recently used
+ *          free one; a busy slot makes the job wait), or a slot operation on
+ *          a free slot;
+ *   prompt kvr__wk_sync with the slot's session in seq 0 (cached prefix, PIE
+ *          edits of the session's context, chunks placed; only new and
+ *          refreshed tokens decoded). cache_prompt false, or kvroped
+ *          unreachable: the whole prompt decoded here, no store (counted,
+ *          logged). The first token is sampled from its logits, then the
+ *          cells move to the slot's sequence (metadata only);
+ *   tokens one per step and generation, sampled by the chain of
+ *          worker_serve_sample.c under llama-server's stop rules (EOG,
+ *          n_predict, the context's end, stop words, n_indent,
  *          t_max_predict_ms), published to the job as they come;
- *   commit after the job is marked done (its client gets the answer first),
- *          then the next job.
- * Idle (no job for idle_ms): kvr__wk_refresh_idle on slots whose sessions
- * hold approximate tokens, a small budget at a time, so a cache converges
- * to exact without delaying requests by more than one budget.
+ *   commit after the job is marked done (its client gets the answer first):
+ *          the prompt's cells copied back to seq 0 for kvr__wk_commit.
+ * Idle (no job and no generation for idle_ms): kvr__wk_refresh_idle on slots
+ * whose sessions hold approximate tokens, a small budget at a time, so a
+ * cache converges to exact without delaying requests by more than one budget.
  *
- * Invariants: a job is marked done exactly once; every wait on srv.mu
- * re-checks `stopping`; a failed kvrope step never fails the request when
- * the prompt can be computed without it.
+ * Invariants: a job is marked done exactly once; a slot runs one job at a
+ * time (srv_slot.processing); seq 0 and the scratch sequences are empty
+ * between jobs; every wait on srv.mu re-checks `stopping`; a failed kvrope
+ * step never fails the request when the prompt can be computed without it.
  */
 #include <assert.h>
 #include <errno.h>
@@ -263,11 +271,12 @@ static size_t common_prefix(const int32_t *a, size_t na, const int32_t *b, size_
  * most with it, counting the common prefix and the common suffix (an edit in
  * the middle of a file keeps both: the file's slot, whose session the engine
  * can edit), when that is at least half the prompt (llama-server's similarity
- * threshold); else the least recently used slot. */
+ * threshold); else the least recently used free slot. -1: the slot it needs
+ * is busy (or all are): the job waits. Called under srv.mu. */
 static int pick_slot(srv *s, const srv_job *j)
 {
     if (j->p.id_slot >= 0)
-        return j->p.id_slot;
+        return s->slots[j->p.id_slot].processing ? -1 : j->p.id_slot;
     int best = -1;
     size_t best_n = 0;
     for (int i = 0; i < s->n_slots; i++) {
@@ -283,10 +292,11 @@ static int pick_slot(srv *s, const srv_job *j)
         }
     }
     if (best >= 0)
-        return best;
-    best = 0;
-    for (int i = 1; i < s->n_slots; i++)
-        if (s->slots[i].last_used < s->slots[best].last_used)
+        return s->slots[best].processing ? -1 : best;
+    best = -1;
+    for (int i = 0; i < s->n_slots; i++)
+        if (!s->slots[i].processing &&
+            (best < 0 || s->slots[i].last_used < s->slots[best].last_used))
             best = i;
     return best;
 }
@@ -318,207 +328,286 @@ static int prompt_direct(srv *s, const srv_job *j)
                             s->e.err, sizeof s->e.err);
 }
 
-static void run_gen(srv *s, srv_job *j)
-{
-    int slot = pick_slot(s, j);
-    srv_slot *sl = &s->slots[slot];
-    pthread_mutex_lock(&s->mu);
-    j->slot = slot;
-    j->started = true;
-    sl->processing = true;
-    sl->id_task = s->next_task++;
-    pthread_mutex_unlock(&s->mu);
+/* A generation in flight: its KV in llama.cpp sequence `seq` (one per slot,
+ * after the session engine's scratch sequences) while tokens are decoded
+ * together with the other slots' (continuous batching). */
+typedef struct gen {
+    srv_job         *j;
+    srv_slot        *sl;
+    int              seq;
+    srv_sampler     *sm;
+    kvr__wk_step    *step;
+    kvr__wk_sync_res res;
+    bool             via_cache, first;
+    double           t0, t1;
+    size_t           limit, i, last_nl;
+    int32_t          next;          /* the token to decode next, at j->n + i - 1 */
+    int              status;
+    char             msg[600];
+} gen;
 
-    double t0 = kvr__wk_now_ms();
-    kvr__wk_step *step = NULL;
-    kvr__wk_sync_res res = { 0 };
-    bool via_cache = false;
+/* One sampled token from lg: stop rules, publication. Returns true when
+ * the generation goes on (g->next to decode), false when it ends. */
+static bool gen_token(srv *s, gen *g, const float *lg)
+{
+    srv_job *j = g->j;
+    const kvr__wk_lm_info *in = kvr__wk_lm_info_get(s->e.lm);
+    if (g->i >= g->limit)
+        return false;
+    int32_t tok = !g->sm || !lg ? KVR_ENOMEM : kvr__srv_sample(g->sm, lg, j->toks, j->n, j->gen,
+                                                             j->n_gen);
+    if (tok < 0) {
+        g->status = 500;
+        snprintf(g->msg, sizeof g->msg, "%s", lg ? "out of memory" : "llama.cpp returned no logits");
+        return false;
+    }
+    (void)in;
+    if (g->first) {
+        double ttft = (kvr__wk_now_ms() - g->t0) / 1e3;
+        pthread_mutex_lock(&s->mu);
+        for (int b = 0; b < 12; b++)
+            if (ttft <= kvr__srv_ttft_le[b])
+                s->m.ttft_bucket[b]++;
+        s->m.ttft_sum += ttft;
+        s->m.ttft_count++;
+        pthread_mutex_unlock(&s->mu);
+        g->first = false;
+    }
+    pthread_mutex_lock(&s->mu);
+    bool stop = j->cancelled || s->stopping;
+    if (!stop && !j->p.ignore_eos && llama_vocab_is_eog(s->vocab, tok)) {
+        j->stop_type = SRV_STOP_EOS;
+        stop = true;
+    }
+    if (!stop) {
+        char piece[256];
+        int32_t pl = llama_token_to_piece(s->vocab, tok, piece, sizeof piece, 0, false);
+        if (pl < 0)
+            pl = 0;
+        if (j->n_gen == j->gen_cap) {
+            size_t gc = j->gen_cap ? j->gen_cap * 2 : 64;
+            int32_t *gv = realloc(j->gen, gc * sizeof *gv);
+            if (!gv) {
+                pthread_mutex_unlock(&s->mu);
+                g->status = 500;
+                snprintf(g->msg, sizeof g->msg, "out of memory");
+                return false;
+            }
+            j->gen = gv;
+            j->gen_cap = gc;
+        }
+        j->gen[j->n_gen++] = tok;
+        size_t before = j->len;
+        if (text_add(j, piece, (size_t)pl) < 0) {
+            pthread_mutex_unlock(&s->mu);
+            g->status = 500;
+            snprintf(g->msg, sizeof g->msg, "out of memory");
+            return false;
+        }
+        if (memchr(piece, '\n', (size_t)pl))
+            j->has_new_line = true;
+        if (stop_words(j, before))
+            stop = true;
+        /* llama-server's n_indent: once a line is complete, a new line
+         * indented less than n_indent ends the completion (cut there) */
+        if (!stop && j->p.n_indent > 0) {
+            if (g->last_nl > 0) {
+                size_t pos = g->last_nl, ind = 0;
+                while (pos < j->len && (j->text[pos] == ' ' || j->text[pos] == '\t')) {
+                    ind++;
+                    pos++;
+                }
+                if (pos < j->len && ind < (size_t)j->p.n_indent) {
+                    j->len = pos;
+                    j->text[pos] = 0;
+                    j->stop_type = SRV_STOP_LIMIT;
+                    stop = true;
+                }
+            }
+            char *nl = memchr(j->text + g->last_nl, '\n', j->len - g->last_nl);
+            if (nl)
+                g->last_nl = (size_t)(nl - j->text) + 1;
+        }
+        if (!stop && j->has_new_line && j->p.t_max_predict_ms > 0 &&
+            kvr__wk_now_ms() - g->t1 > j->p.t_max_predict_ms) {
+            j->stop_type = SRV_STOP_LIMIT;
+            stop = true;
+        }
+        if (stop)
+            j->safe = utf8_whole(j->text, j->len);
+        pthread_cond_broadcast(&s->progress);
+    }
+    pthread_mutex_unlock(&s->mu);
+    g->i++;
+    if (stop || g->i == g->limit)
+        return false;
+    g->next = tok;
+    return true;
+}
+
+/* The prompt of job j into slot sl (seq 0 through the session engine, or
+ * decoded directly), the first token sampled, the KV moved to the slot's
+ * generation sequence. Returns true when tokens are to be decoded. */
+static bool gen_start(srv *s, gen *g, srv_job *j, int slot)
+{
+    srv_slot *sl = &s->slots[slot];
+    *g = (gen){ .j = j, .sl = sl, .seq = (int)kvr__wk_lm_n_seq(s->e.lm) + slot, .first = true };
+    g->t0 = kvr__wk_now_ms();
     reconnect(s);
     if (j->p.cache_prompt && s->connected) {
         kvr__wk_sync_opts so = { .session = sl->session, .refresh = s->o.refresh,
                                 .repair = &s->o.repair };
-        int r = kvr__wk_sync(&s->e, j->toks, j->n, &so, &step, &res);
+        int r = kvr__wk_sync(&s->e, j->toks, j->n, &so, &g->step, &g->res);
         if (r == 0)
-            via_cache = true;
+            g->via_cache = true;
         else
             lost(s, "kvr__wk_sync");
     }
-    if (!via_cache) {
-        kvr__wk_step_free(step);
-        step = NULL;
+    if (!g->via_cache) {
+        kvr__wk_step_free(g->step);
+        g->step = NULL;
+        g->res = (kvr__wk_sync_res){ 0 };
         if (prompt_direct(s, j) < 0) {
             log_line("decoding a prompt of %zu tokens failed: %s", j->n, s->e.err);
+            kvr__wk_lm_clear(s->e.lm);
             pthread_mutex_lock(&s->mu);
             sl->processing = false;
             pthread_mutex_unlock(&s->mu);
             finish(s, j, 500, "server_error", s->e.err);
-            return;
+            kvr__srv_job_release(s, j);
+            g->j = NULL;        /* ended here: the slot keeps what it held */
+            return false;
         }
     }
-    size_t n_eval = via_cache ? res.n_computed : j->n;
+    size_t n_eval = g->via_cache ? g->res.n_computed : j->n;
     if (n_eval > j->n)
         n_eval = j->n;
-    double t1 = kvr__wk_now_ms();
-    const kvr__wk_lm_info *in = kvr__wk_lm_info_get(s->e.lm);
+    g->t1 = kvr__wk_now_ms();
     pthread_mutex_lock(&s->mu);
     j->n_eval = n_eval;
     j->n_cache = j->n - n_eval;
-    j->sync = res;
-    j->via_cache = via_cache;
-    j->t_prompt_ms = t1 - t0;
+    j->sync = g->res;
+    j->via_cache = g->via_cache;
+    j->t_prompt_ms = g->t1 - g->t0;
     s->m.prompt_tokens += n_eval;
     s->m.prompt_reused += j->n - n_eval;
-    s->m.prompt_refreshed += via_cache ? res.n_refreshed : 0;
-    s->m.prompt_placed += via_cache ? res.n_placed : 0;
-    s->m.prompt_repaired += via_cache ? res.n_repaired : 0;
-    s->m.prompt_seconds += (t1 - t0) / 1e3;
+    s->m.prompt_refreshed += g->via_cache ? g->res.n_refreshed : 0;
+    s->m.prompt_placed += g->via_cache ? g->res.n_placed : 0;
+    s->m.prompt_repaired += g->via_cache ? g->res.n_repaired : 0;
+    s->m.prompt_seconds += (g->t1 - g->t0) / 1e3;
     pthread_mutex_unlock(&s->mu);
 
-    /* generation */
     size_t room = s->n_ctx > j->n ? s->n_ctx - j->n : 0;
-    size_t limit = j->p.n_predict < 0 ? room : (size_t)j->p.n_predict;
-    bool ctx_cut = limit > room;
-    if (ctx_cut)
-        limit = room;
-    uint64_t seed = j->p.seed == 0xFFFFFFFFu ? (uint64_t)time(NULL) ^ (uint64_t)(t0 * 1e3)
+    g->limit = j->p.n_predict < 0 ? room : (size_t)j->p.n_predict;
+    if (g->limit > room)
+        g->limit = room;
+    uint64_t seed = j->p.seed == 0xFFFFFFFFu ? (uint64_t)time(NULL) ^ (uint64_t)(g->t0 * 1e3)
                                              : j->p.seed;
-    srv_sampler *sm = NULL;
-    int sr = kvr__srv_sampler_new(&sm, &j->p, s->vocab, in->n_vocab, seed);
-    size_t last_nl = 0;
-    int status = 0;
-    char msg[600] = "";
-    bool first = true;
-    for (size_t i = 0; i < limit; i++) {
-        const float *lg = kvr__wk_lm_logits(s->e.lm);
-        int32_t tok = sr < 0 || !lg ? KVR_ENOMEM : kvr__srv_sample(sm, lg, j->toks, j->n, j->gen,
-                                                                   j->n_gen);
-        if (tok < 0) {
-            status = 500;
-            snprintf(msg, sizeof msg, "%s", lg ? "out of memory" : "llama.cpp returned no logits");
-            break;
-        }
-        if (first) {
-            double ttft = (kvr__wk_now_ms() - t0) / 1e3;
-            pthread_mutex_lock(&s->mu);
-            for (int b = 0; b < 12; b++)
-                if (ttft <= kvr__srv_ttft_le[b])
-                    s->m.ttft_bucket[b]++;
-            s->m.ttft_sum += ttft;
-            s->m.ttft_count++;
-            pthread_mutex_unlock(&s->mu);
-            first = false;
-        }
-        pthread_mutex_lock(&s->mu);
-        bool stop = j->cancelled || s->stopping;
-        if (!stop && !j->p.ignore_eos && llama_vocab_is_eog(s->vocab, tok)) {
-            j->stop_type = SRV_STOP_EOS;
-            stop = true;
-        }
-        if (!stop) {
-            char piece[256];
-            int32_t pl = llama_token_to_piece(s->vocab, tok, piece, sizeof piece, 0, false);
-            if (pl < 0)
-                pl = 0;
-            if (j->n_gen == j->gen_cap) {
-                size_t gc = j->gen_cap ? j->gen_cap * 2 : 64;
-                int32_t *g = realloc(j->gen, gc * sizeof *g);
-                if (!g) {
-                    pthread_mutex_unlock(&s->mu);
-                    status = 500;
-                    snprintf(msg, sizeof msg, "out of memory");
-                    break;
-                }
-                j->gen = g;
-                j->gen_cap = gc;
-            }
-            j->gen[j->n_gen++] = tok;
-            size_t before = j->len;
-            if (text_add(j, piece, (size_t)pl) < 0) {
-                pthread_mutex_unlock(&s->mu);
-                status = 500;
-                snprintf(msg, sizeof msg, "out of memory");
-                break;
-            }
-            if (memchr(piece, '\n', (size_t)pl))
-                j->has_new_line = true;
-            if (stop_words(j, before))
-                stop = true;
-            /* llama-server's n_indent: once a line is complete, a new line
-             * indented less than n_indent ends the completion (cut there) */
-            if (!stop && j->p.n_indent > 0) {
-                if (last_nl > 0) {
-                    size_t pos = last_nl, ind = 0;
-                    while (pos < j->len && (j->text[pos] == ' ' || j->text[pos] == '\t')) {
-                        ind++;
-                        pos++;
-                    }
-                    if (pos < j->len && ind < (size_t)j->p.n_indent) {
-                        j->len = pos;
-                        j->text[pos] = 0;
-                        j->stop_type = SRV_STOP_LIMIT;
-                        stop = true;
-                    }
-                }
-                char *nl = memchr(j->text + last_nl, '\n', j->len - last_nl);
-                if (nl)
-                    last_nl = (size_t)(nl - j->text) + 1;
-            }
-            if (!stop && j->has_new_line && j->p.t_max_predict_ms > 0 &&
-                kvr__wk_now_ms() - t1 > j->p.t_max_predict_ms) {
-                j->stop_type = SRV_STOP_LIMIT;
-                stop = true;
-            }
-            if (stop)
-                j->safe = utf8_whole(j->text, j->len);
-            pthread_cond_broadcast(&s->progress);
-        }
-        pthread_mutex_unlock(&s->mu);
-        if (stop || i + 1 == limit)
-            break;
-        int r = kvr__wk_lm_decode(s->e.lm, &tok, 1, (int32_t)(j->n + i), 0, KVR_WK_LOGITS_LAST,
-                                 NULL, NULL, s->e.err, sizeof s->e.err);
-        if (r < 0) {
-            status = 500;
-            snprintf(msg, sizeof msg, "%.500s", s->e.err);
-            break;
-        }
-    }
-    kvr__srv_sampler_free(sm);
+    const kvr__wk_lm_info *in = kvr__wk_lm_info_get(s->e.lm);
+    if (kvr__srv_sampler_new(&g->sm, &j->p, s->vocab, in->n_vocab, seed) < 0)
+        g->sm = NULL;
+    /* the first token from the prompt's logits, before anything else decodes */
+    bool more = gen_token(s, g, kvr__wk_lm_logits(s->e.lm));
+    /* seq 0 is the session engine's: the prompt's cells move to the slot's
+     * sequence (metadata only in the unified cache) */
+    kvr__wk_lm_seq_rm(s->e.lm, g->seq, -1, -1);
+    kvr__wk_lm_seq_cp(s->e.lm, 0, g->seq, -1, -1);
+    kvr__wk_lm_clear(s->e.lm);
+    return more;
+}
+
+/* The end of a generation: the answer marked done, then the prompt's KV
+ * committed to the slot's session (seq 0 borrowed for it), the slot freed. */
+static void gen_end(srv *s, gen *g)
+{
+    srv_job *j = g->j;
+    srv_slot *sl = g->sl;
+    kvr__srv_sampler_free(g->sm);
+    g->sm = NULL;
     double t2 = kvr__wk_now_ms();
     pthread_mutex_lock(&s->mu);
-    if (j->stop_type == SRV_STOP_NONE && j->n_gen >= limit && !j->cancelled)
+    if (j->stop_type == SRV_STOP_NONE && j->n_gen >= g->limit && !j->cancelled && !g->status)
         j->stop_type = SRV_STOP_LIMIT;
     j->truncated = false;
     j->safe = utf8_whole(j->text ? j->text : "", j->len);
-    j->t_gen_ms = t2 - t1;
+    j->t_gen_ms = t2 - g->t1;
     j->tokens_cached = j->n + (j->n_gen ? j->n_gen - 1 : 0);
     s->m.requests++;
     s->m.tokens_predicted += j->n_gen;
-    s->m.predicted_seconds += (t2 - t1) / 1e3;
+    s->m.predicted_seconds += (t2 - g->t1) / 1e3;
     pthread_mutex_unlock(&s->mu);
-    finish(s, j, status, "server_error", msg);
+    finish(s, j, g->status, "server_error", g->msg);
 
     /* after the answer: the prompt's KV into the slot's session */
-    if (step) {
-        if (kvr__wk_commit(&s->e, step) < 0) {
+    if (g->step) {
+        kvr__wk_lm_clear(s->e.lm);
+        kvr__wk_lm_seq_cp(s->e.lm, g->seq, 0, 0, (int32_t)j->n);
+        if (kvr__wk_commit(&s->e, g->step) < 0) {
             pthread_mutex_lock(&s->mu);
             s->m.commit_failed++;
             pthread_mutex_unlock(&s->mu);
             lost(s, "kvr__wk_commit");
         }
-        kvr__wk_step_free(step);
+        kvr__wk_lm_clear(s->e.lm);
+        kvr__wk_step_free(g->step);
+        g->step = NULL;
     }
+    kvr__wk_lm_seq_rm(s->e.lm, g->seq, -1, -1);
     int32_t *keep = realloc(sl->toks, (j->n ? j->n : 1) * sizeof *keep);
     if (keep) {
         memcpy(keep, j->toks, j->n * sizeof *keep);
         sl->toks = keep;
         sl->n = j->n;
     }
-    sl->n_approx = via_cache ? res.n_approx : 0;
+    sl->n_approx = g->via_cache ? g->res.n_approx : 0;
     sl->last_used = (uint64_t)(t2 * 1e3);
     pthread_mutex_lock(&s->mu);
     sl->processing = false;
     pthread_mutex_unlock(&s->mu);
+    kvr__srv_job_release(s, j);
+    g->j = NULL;
+}
+
+/* One decode of the next token of every generation in flight, then a token
+ * sampled for each from its row. */
+typedef struct step_rows {
+    srv  *s;
+    gen **g;
+    bool *more;
+} step_rows;
+
+static void on_row(void *ud, size_t i, const float *row)
+{
+    step_rows *r = ud;
+    r->more[i] = gen_token(r->s, r->g[i], row);
+}
+
+static void decode_step(srv *s, gen *gens)
+{
+    gen *act[SRV_MAX_SLOTS];
+    kvr__wk_btok bt[SRV_MAX_SLOTS];
+    bool more[SRV_MAX_SLOTS] = { false };
+    size_t n = 0;
+    for (int k = 0; k < s->n_slots; k++)
+        if (gens[k].j) {
+            act[n] = &gens[k];
+            bt[n] = (kvr__wk_btok){ .tok = gens[k].next,
+                                   .pos = (int32_t)(gens[k].j->n + gens[k].i - 1),
+                                   .seq = gens[k].seq, .logits = true };
+            n++;
+        }
+    if (!n)
+        return;
+    step_rows rows = { s, act, more };
+    int r = kvr__wk_lm_decode_batch(s->e.lm, bt, n, on_row, &rows, s->e.err, sizeof s->e.err);
+    for (size_t i = 0; i < n; i++) {
+        if (r < 0 && !act[i]->status) {
+            act[i]->status = 500;
+            snprintf(act[i]->msg, sizeof act[i]->msg, "%.500s", s->e.err);
+        }
+        if (r < 0 || !more[i])
+            gen_end(s, act[i]);
+    }
 }
 
 /* ---- slot save / restore / erase: kvrope contexts ---------------------- */
@@ -624,42 +713,79 @@ static void idle_refresh(srv *s)
     }
 }
 
+/* The first queued job that can start now, taken off the queue: a
+ * cancelled one (*slot -1), a generation whose slot is free, a slot
+ * operation on a free slot. NULL: none. Called under srv.mu. */
+static srv_job *admit(srv *s, int *slot)
+{
+    kvr_list *n;
+    kvr_list_foreach(n, &s->queue) {
+        srv_job *j = kvr_list_entry(n, srv_job, node);
+        int k = j->cancelled || s->stopping ? -1
+              : j->kind == SRV_JOB_GEN ? pick_slot(s, j)
+              : s->slots[j->p.id_slot].processing ? -2 : j->p.id_slot;
+        if (k == -2 || (k == -1 && !(j->cancelled || s->stopping)))
+            continue;
+        kvr_list_remove(&j->node);
+        s->q_len--;
+        *slot = k;
+        return j;
+    }
+    return NULL;
+}
+
 static void *engine_main(void *arg)
 {
     srv *s = arg;
+    gen gens[SRV_MAX_SLOTS];
+    memset(gens, 0, sizeof gens);
     pthread_mutex_lock(&s->mu);
     for (;;) {
-        while (!s->stopping && kvr_list_empty(&s->queue)) {
+        int active = 0;
+        for (int k = 0; k < s->n_slots; k++)
+            active += gens[k].j != NULL;
+        int slot = -1;
+        srv_job *j = admit(s, &slot);
+        if (!j && !active) {
+            if (s->stopping && kvr_list_empty(&s->queue))
+                break;
+            /* idle: background refresh of approximate tokens, a budget at a time */
             bool pending = false;
             for (int i = 0; i < s->n_slots; i++)
                 pending |= s->slots[i].n_approx > 0;
-            if (!pending) {
+            if (!pending || !kvr_list_empty(&s->queue)) {
                 pthread_cond_wait(&s->wake, &s->mu);
                 continue;
             }
             struct timespec ts = kvr_clock_deadline((uint64_t)s->o.idle_ms);
             if (pthread_cond_timedwait(&s->wake, &s->mu, &ts) == ETIMEDOUT &&
-                kvr_list_empty(&s->queue) &&
-                !s->stopping) {
+                kvr_list_empty(&s->queue) && !s->stopping) {
                 pthread_mutex_unlock(&s->mu);
                 idle_refresh(s);
                 pthread_mutex_lock(&s->mu);
             }
+            continue;
         }
-        if (s->stopping && kvr_list_empty(&s->queue))
-            break;
-        srv_job *j = kvr_list_entry(kvr_list_first(&s->queue), srv_job, node);
-        kvr_list_remove(&j->node);
-        s->q_len--;
-        bool skip = j->cancelled || s->stopping;
+        if (j && slot >= 0 && j->kind == SRV_JOB_GEN) {
+            srv_slot *sl = &s->slots[slot];
+            j->slot = slot;
+            j->started = true;
+            sl->processing = true;
+            sl->id_task = s->next_task++;
+        }
         pthread_mutex_unlock(&s->mu);
-        if (skip)
+        if (j && slot < 0) {
             finish(s, j, 503, "unavailable_error", "cancelled");
-        else if (j->kind == SRV_JOB_GEN)
-            run_gen(s, j);
-        else
+            kvr__srv_job_release(s, j);
+        } else if (j && j->kind == SRV_JOB_GEN) {
+            if (!gen_start(s, &gens[slot], j, slot) && gens[slot].j)
+                gen_end(s, &gens[slot]);
+        } else if (j) {
             run_slot_op(s, j);
-        kvr__srv_job_release(s, j);
+            kvr__srv_job_release(s, j);
+        }
+        /* one token for every generation in flight, then the queue again */
+        decode_step(s, gens);
         pthread_mutex_lock(&s->mu);
     }
     pthread_mutex_unlock(&s->mu);

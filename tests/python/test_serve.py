@@ -593,6 +593,47 @@ def test_four_concurrent_requests(server):
         assert st == 200 and r["tokens"] == refs[i]
 
 
+def test_slots_decode_together(server):
+    """--parallel: two streamed generations on two slots decode together
+    (continuous batching): the second's tokens arrive while the first is
+    still generating, and both are what each gives alone (greedy)."""
+    prompts = ["def add(a, b):\n", "class Stack:\n    def __init__(self):\n"]
+    n = 200
+    alone = [server.post("/completion", greedy(p, n, ignore_eos=True, cache_prompt=False))[1]
+             ["content"] for p in prompts]
+    arrivals, texts, lock = [], ["", ""], threading.Lock()
+
+    def go(i):
+        c = http.client.HTTPConnection("127.0.0.1", server.port, timeout=120)
+        c.request("POST", "/completion", body=json.dumps(
+            greedy(prompts[i], n, ignore_eos=True, stream=True, id_slot=i)))
+        r = c.getresponse()
+        assert r.status == 200
+        buf = b""
+        while True:
+            chunk = r.read1(65536)
+            if not chunk:
+                break
+            buf += chunk
+            while b"\n\n" in buf:
+                ev, buf = buf.split(b"\n\n", 1)
+                e = json.loads(ev[len(b"data: "):])
+                with lock:
+                    arrivals.append(i)
+                    texts[i] += e["content"]
+        c.close()
+    th = [threading.Thread(target=go, args=(i,)) for i in range(2)]
+    for t in th:
+        t.start()
+    for t in th:
+        t.join(120)
+    assert texts == alone
+    # interleaved: some event of each stream comes between two of the other's
+    first0, last0 = arrivals.index(0), len(arrivals) - 1 - arrivals[::-1].index(0)
+    first1, last1 = arrivals.index(1), len(arrivals) - 1 - arrivals[::-1].index(1)
+    assert first1 < last0 and first0 < last1, arrivals
+
+
 def test_slots_save_restore_erase(server):
     body = greedy(CODE, 4, id_slot=2)
     server.post("/completion", body)
