@@ -26,7 +26,7 @@ on the held-out files (N cursors per file, first --files files) through
 the numpy Llama, for the layouts left to right, PSM /infill and SPM
 /infill (llama-server --spm-infill): bits of the first byte of the rest of
 the line, mean bits of the rest of the line (+ its end), greedy exact
-match.
+match, the bits of its first four bytes and of its end one by one.
 
 Nothing is asserted: this is the measurement behind docs/eval.md's
 paragraph on why the committed model does not infill yet.
@@ -128,7 +128,7 @@ def held_out_cases(a):
             "FIM, SPM": lambda c: fim.format_infill(c["prefix"], c["suffix"], c["prompt"], [], spm=True, **srv)}
     print(f"held-out middle-line cases: {len(cs)} ({a.cases} a file, {a.files} files)")
     for name, build in lays.items():
-        first, mean, exact = [], [], 0
+        first, mean, exact, by_pos, end = [], [], 0, {}, []
         for c in cs:
             p = build(c)
             tgt = fim.enc(c["target"]) + ([infill.NEWLINE] if name == "left to right" else [fim.EOT])
@@ -138,9 +138,14 @@ def held_out_cases(a):
             bits = -np.array([lp[i, t] for i, t in enumerate(tgt)]) / np.log(2)
             first.append(bits[0])
             mean.append(bits.mean())
+            for i, b in enumerate(bits[:-1][:4]):
+                by_pos.setdefault(i, []).append(b)
+            end.append(bits[-1])
             exact += infill.score(c, eng.complete(p, len(c["target"]) + 1, stop=infill.NEWLINE))["exact"]
         print(f"  {name:14s} first byte {np.mean(first):.2f} bits, line {np.mean(mean):.2f} bits/token, "
-              f"exact {exact}/{len(cs)}")
+              f"exact {exact}/{len(cs)}; bytes 1-4: "
+              + " ".join(f"{np.mean(by_pos[i]):.2f}" for i in sorted(by_pos))
+              + f", the line's end (newline / EOT) {np.mean(end):.2f}")
 
 
 if __name__ == "__main__":
