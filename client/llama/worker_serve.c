@@ -17,6 +17,7 @@
  */
 #include <ctype.h>
 #include <errno.h>
+#include <math.h>
 #include <netdb.h>
 #include <poll.h>
 #include <signal.h>
@@ -446,7 +447,7 @@ static const char *parse_params(srv *s, const cJSON *b, enum route rt, srv_param
     for (int k = 0; k < 2; k++) {
         const char *name = k == 0 ? "n_predict" : np;
         if ((x = cJSON_GetObjectItemCaseSensitive(b, name)) && !cJSON_IsNull(x)) {
-            if (!cJSON_IsNumber(x) || x->valuedouble != (double)(long long)x->valuedouble)
+            if (!cJSON_IsNumber(x) || x->valuedouble != floor(x->valuedouble))
                 return k == 0 ? "\"n_predict\" must be an integer"
                               : "\"max_tokens\" must be an integer";
             if (x->valuedouble < -1)
@@ -473,7 +474,7 @@ static const char *parse_params(srv *s, const cJSON *b, enum route rt, srv_param
         WANT_NUM("min_p");
         p->min_p = (float)x->valuedouble;
     }
-#define F(name) { #name, offsetof(srv_params, name), "\"" #name "\" must be a number" }
+#define F(name) { #name, offsetof(srv_params, name), "\"" #name "\" must be a finite number" }
     static const struct { const char *name; size_t off; const char *err; } floats[] = {
         F(typical_p), F(top_n_sigma), F(xtc_probability), F(xtc_threshold), F(repeat_penalty),
         F(frequency_penalty), F(presence_penalty), F(dry_multiplier), F(dry_base),
@@ -481,10 +482,12 @@ static const char *parse_params(srv *s, const cJSON *b, enum route rt, srv_param
 #undef F
     for (size_t k = 0; k < sizeof floats / sizeof floats[0]; k++)
         if (NUM(floats[k].name)) {
-            if (!cJSON_IsNumber(x))
+            if (!cJSON_IsNumber(x) || !isfinite((float)x->valuedouble))
                 return floats[k].err;
             *(float *)((char *)p + floats[k].off) = (float)x->valuedouble;
         }
+    if (!(p->repeat_penalty > 0.0f))    /* llama.cpp refuses it too */
+        return "\"repeat_penalty\" must be > 0 (1 = off)";
     if (p->dry_base < 1.0f)     /* llama-server: below 1, the default */
         p->dry_base = 1.75f;
     if (p->xtc_probability < 0.0f)
@@ -502,8 +505,7 @@ static const char *parse_params(srv *s, const cJSON *b, enum route rt, srv_param
     };
     for (size_t k = 0; k < sizeof ints / sizeof ints[0]; k++)
         if (NUM(ints[k].name)) {
-            if (!cJSON_IsNumber(x) || x->valuedouble < 0 ||
-                x->valuedouble != (double)(long long)x->valuedouble)
+            if (!cJSON_IsNumber(x) || x->valuedouble < 0 || x->valuedouble != floor(x->valuedouble))
                 return ints[k].err;
             *(int *)((char *)p + ints[k].off) =
                 x->valuedouble > 2147483647.0 ? 2147483647 : (int)x->valuedouble;
@@ -1029,20 +1031,19 @@ static void st_free(void *cls)
     srv *s = st->s;
     /* A stream dropped before its end: the client went away (MHD failed a
      * write, or the connection closed). Cancel the jobs that still run (the
-     * engine counts them when they stop); count the ones that had finished
-     * before the answer reached the client. */
+     * engine counts them when they stop: also the completions after one that
+     * failed); count the ones that had finished before the answer reached the
+     * client. */
     for (int k = 0; k < st->nj; k++) {
         srv_job *j = st->jobs[k];
-        if (!st->delivered) {
-            pthread_mutex_lock(&s->mu);
-            if (!j->done) {
-                j->cancelled = true;
-                pthread_cond_broadcast(&s->wake);
-            } else if (!j->cancelled) {
-                s->m.cancelled++;
-            }
-            pthread_mutex_unlock(&s->mu);
+        pthread_mutex_lock(&s->mu);
+        if (!j->done) {         /* also after an error that ended the stream early */
+            j->cancelled = true;
+            pthread_cond_broadcast(&s->wake);
+        } else if (!st->delivered && !j->cancelled) {
+            s->m.cancelled++;
         }
+        pthread_mutex_unlock(&s->mu);
         kvr__srv_job_release(s, j);
     }
     cJSON_Delete(st->fields);
@@ -1430,6 +1431,12 @@ static int handle_generate(conn *cn, struct MHD_Connection *c, enum route rt)
         gone = !wait_job(s, jobs[k], SIZE_MAX, conn_fd(c));
     if (gone) {
         cJSON_Delete(fields);
+        pthread_mutex_lock(&s->mu);
+        for (int k = 0; k < nj; k++)
+            if (!jobs[k]->done)
+                jobs[k]->cancelled = true;
+        pthread_cond_broadcast(&s->wake);
+        pthread_mutex_unlock(&s->mu);
         for (int k = 0; k < nj; k++)
             kvr__srv_job_release(s, jobs[k]);
         return MHD_NO;      /* the client is gone: close */
@@ -1925,8 +1932,8 @@ static void on_completed(void *cls, struct MHD_Connection *c, void **con_cls,
 
 static const char serve_usage[] =
 "usage: kvrope-llama --model M.gguf [--socket S] [--threads N] serve [--listen HOST:PORT]\n"
-"        [--parallel N] [--ctx-size N] [--batch-size N] [--api-key-file F] [--refresh K]\n"
-"        [--alias NAME] [--repair P] [--spm-infill]\n"
+"        [--parallel N] [--ctx-size N] [--kv-size N] [--batch-size N] [--api-key-file F]\n"
+"        [--refresh K] [--alias NAME] [--repair P] [--spm-infill]\n"
 "  llama-server's HTTP API (/completion, /infill, /v1/completions, /v1/chat/completions,\n"
 "  /tokenize, /detokenize, /apply-template, /health, /props, /v1/models, /metrics,\n"
 "  /slots) on the model, kvroped as its cache. --listen defaults to 127.0.0.1:8080;\n"
@@ -1934,7 +1941,10 @@ static const char serve_usage[] =
 "  placed anywhere in a prompt are repaired (none, epic:K, blend:SHARE[@L], all,\n"
 "  joined by '+'; default epic:16, docs/eval.md). --spm-infill: /infill puts the\n"
 "  suffix first (FIM_SUF suffix FIM_PRE prefix FIM_MID), as llama-server's flag of\n"
-"  that name. SIGINT / SIGTERM stop it.\n";
+"  that name. --ctx-size: a request's context (default the model's); --kv-size:\n"
+"  the KV cache's cells for all slots (default ctx x (parallel + 1), at most\n"
+"  max(2 ctx, 131072)): kv-size / ctx - 1 slots generate at once. SIGINT /\n"
+"  SIGTERM stop it.\n";
 
 static int parse_listen(const char *l, struct sockaddr_storage *ss, socklen_t *len, char *err,
                         size_t errlen)
@@ -2043,6 +2053,8 @@ int kvr__wk_serve_main(kvr__wk_env *e, const char *model_path, const char *socke
             s->o.parallel = (int)n, i++;
         } else if (!strcmp(a, "--ctx-size") && arg_num(v, 0, 1 << 24, &n)) {
             s->o.n_ctx = (uint32_t)n, i++;
+        } else if (!strcmp(a, "--kv-size") && arg_num(v, 512, 1 << 26, &n)) {
+            s->o.kv_size = (uint32_t)n, i++;
         } else if (!strcmp(a, "--batch-size") && arg_num(v, 32, 1 << 20, &n)) {
             s->o.n_batch = (uint32_t)n, i++;
         } else if (!strcmp(a, "--refresh") && arg_num(v, 0, 1 << 20, &n)) {
@@ -2133,10 +2145,26 @@ int kvr__wk_serve_main(kvr__wk_env *e, const char *model_path, const char *socke
     kvr__wk_lm_set_probe(e->lm, s->o.repair.blend_share > 0 && !s->o.repair.all);
     /* continuous batching: each slot generates in a sequence of its own
      * (after the session engine's scratch ones), and the cache holds the
-     * slots' contexts beside the one being prepared */
+     * generating slots' contexts beside the one being prepared: kv_size /
+     * n_ctx - 1 of them at once (the default holds every slot, unless that
+     * is more than max(2 n_ctx, 131072) cells: long-context models) */
+    uint64_t kv = s->o.kv_size;
+    if (!kv) {
+        uint64_t cap = 2ull * s->n_ctx > 131072 ? 2ull * s->n_ctx : 131072;
+        kv = (uint64_t)s->n_ctx * (uint64_t)(s->o.parallel + 1);
+        if (kv > cap)
+            kv = cap;
+    }
+    if (kv < 2ull * s->n_ctx || kv > UINT32_MAX) {
+        fprintf(stderr, "kvrope-llama serve: --kv-size %llu cannot hold two contexts of %u "
+                "tokens (one being prepared, one generating)\n", (unsigned long long)kv,
+                s->n_ctx);
+        goto stop_http;
+    }
+    s->n_gen_max = (int)(kv / s->n_ctx - 1) < s->o.parallel ? (int)(kv / s->n_ctx - 1)
+                                                            : s->o.parallel;
     kvr__wk_lm_reserve_seqs(e->lm, (uint32_t)s->o.parallel);
-    if (kvr__wk_lm_context(e->lm, s->n_ctx * (uint32_t)(s->o.parallel + 1), e->err,
-                          sizeof e->err) < 0) {
+    if (kvr__wk_lm_context(e->lm, (uint32_t)kv, e->err, sizeof e->err) < 0) {
         fprintf(stderr, "kvrope-llama serve: %s\n", e->err);
         goto stop_http;
     }

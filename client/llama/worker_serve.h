@@ -37,7 +37,9 @@
 typedef struct srv_opts {
     const char *listen;          /* HOST:PORT (default 127.0.0.1:8080) */
     int         parallel;        /* slots (sessions); default 4 */
-    uint32_t    n_ctx;           /* 0 = the model's training context */
+    uint32_t    n_ctx;           /* a request's context; 0 = the model's training context */
+    uint32_t    kv_size;         /* KV cache cells for all slots; 0 = n_ctx x (parallel + 1),
+                                    at most max(2 n_ctx, 131072) */
     uint32_t    n_batch;         /* /infill's layout budget; 0 = min(2048, n_ctx / 2) */
     const char *api_key_file;
     uint32_t    refresh;         /* tokens refreshed after each edit point */
@@ -136,9 +138,9 @@ typedef struct srv_job {
 
 typedef struct srv_slot {
     char     session[KVR_ID_MAX + 1];
-    int32_t *toks;               /* the last prompt (engine thread) */
-    size_t   n;
-    size_t   n_approx;           /* approximate tokens after the last step */
+    int32_t *toks;               /* the last prompt (engine thread; written under srv.mu) */
+    size_t   n;                  /* written by the engine under srv.mu (/slots reads it) */
+    size_t   n_approx;           /* approximate tokens after the last step (likewise) */
     bool     processing;         /* srv.mu */
     uint64_t last_used;
     int      id_task;
@@ -174,6 +176,7 @@ typedef struct srv {
     bool             stopping, ready;
     srv_slot         slots[SRV_MAX_SLOTS];
     int              n_slots;
+    int              n_gen_max;     /* slots generating at once: kv_size / n_ctx - 1 */
     int              next_task;
     srv_metrics      m;
     char           **keys;       /* API keys (NULL = none) */

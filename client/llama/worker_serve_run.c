@@ -267,12 +267,14 @@ static size_t common_prefix(const int32_t *a, size_t na, const int32_t *b, size_
     return i;
 }
 
-/* The slot for a prompt: id_slot, else the slot whose last prompt shares the
- * most with it, counting the common prefix and the common suffix (an edit in
- * the middle of a file keeps both: the file's slot, whose session the engine
- * can edit), when that is at least half the prompt (llama-server's similarity
- * threshold); else the least recently used free slot. -1: the slot it needs
- * is busy (or all are): the job waits. Called under srv.mu. */
+/* The slot for a prompt, among the free ones (as llama-server): id_slot
+ * (-1 while it is busy: the job waits), else the free slot whose last prompt
+ * shares the most with it, counting the common prefix and the common suffix
+ * (an edit in the middle of a file keeps both: the file's slot, whose session
+ * the engine can edit), when that is at least half the prompt (llama-server's
+ * similarity threshold); else the least recently used free slot; -1 when all
+ * are busy. A slot that is busy is not waited for: another slot's prompt
+ * still comes from kvroped (its longest cached prefix). Called under srv.mu. */
 static int pick_slot(srv *s, const srv_job *j)
 {
     if (j->p.id_slot >= 0)
@@ -281,6 +283,8 @@ static int pick_slot(srv *s, const srv_job *j)
     size_t best_n = 0;
     for (int i = 0; i < s->n_slots; i++) {
         const srv_slot *sl = &s->slots[i];
+        if (sl->processing)
+            continue;
         size_t c = common_prefix(sl->toks, sl->n, j->toks, j->n);
         size_t m = sl->n < j->n ? sl->n : j->n;
         size_t e = 0;
@@ -292,8 +296,7 @@ static int pick_slot(srv *s, const srv_job *j)
         }
     }
     if (best >= 0)
-        return s->slots[best].processing ? -1 : best;
-    best = -1;
+        return best;
     for (int i = 0; i < s->n_slots; i++)
         if (!s->slots[i].processing &&
             (best < 0 || s->slots[i].last_used < s->slots[best].last_used))
@@ -351,7 +354,6 @@ typedef struct gen {
 static bool gen_token(srv *s, gen *g, const float *lg)
 {
     srv_job *j = g->j;
-    const kvr__wk_lm_info *in = kvr__wk_lm_info_get(s->e.lm);
     if (g->i >= g->limit)
         return false;
     int32_t tok = !g->sm || !lg ? KVR_ENOMEM : kvr__srv_sample(g->sm, lg, j->toks, j->n, j->gen,
@@ -361,7 +363,6 @@ static bool gen_token(srv *s, gen *g, const float *lg)
         snprintf(g->msg, sizeof g->msg, "%s", lg ? "out of memory" : "llama.cpp returned no logits");
         return false;
     }
-    (void)in;
     if (g->first) {
         double ttft = (kvr__wk_now_ms() - g->t0) / 1e3;
         pthread_mutex_lock(&s->mu);
@@ -554,14 +555,15 @@ static void gen_end(srv *s, gen *g)
     }
     kvr__wk_lm_seq_rm(s->e.lm, g->seq, -1, -1);
     int32_t *keep = realloc(sl->toks, (j->n ? j->n : 1) * sizeof *keep);
-    if (keep) {
+    if (keep)
         memcpy(keep, j->toks, j->n * sizeof *keep);
+    pthread_mutex_lock(&s->mu);     /* /slots reads n and n_approx */
+    if (keep) {
         sl->toks = keep;
         sl->n = j->n;
     }
     sl->n_approx = g->via_cache ? g->res.n_approx : 0;
     sl->last_used = (uint64_t)(t2 * 1e3);
-    pthread_mutex_lock(&s->mu);
     sl->processing = false;
     pthread_mutex_unlock(&s->mu);
     kvr__srv_job_release(s, j);
@@ -642,9 +644,11 @@ static void run_slot_op(srv *s, srv_job *j)
         if (r == KVR_ENOCTX)
             r = 0, info.n_tokens = 0;
         if (r == 0) {
+            pthread_mutex_lock(&s->mu);
             free(sl->toks);
             sl->toks = NULL;
             sl->n = 0;
+            pthread_mutex_unlock(&s->mu);
         }
     } else {
         r = kvr_client_stat(s->e.kc, from, &info);
@@ -656,9 +660,11 @@ static void run_slot_op(srv *s, srv_job *j)
         if (r == 0)
             r = kvr_client_fork(s->e.kc, from, to);
         if (r == 0 && j->kind == SRV_JOB_SLOT_RESTORE) {
+            pthread_mutex_lock(&s->mu);
             free(sl->toks);   /* the next request finds the context by its session */
             sl->toks = NULL;
             sl->n = 0;
+            pthread_mutex_unlock(&s->mu);
         }
     }
     double t1 = kvr__wk_now_ms();
@@ -700,29 +706,29 @@ static void idle_refresh(srv *s)
         if (!sl->n_approx)
             continue;
         size_t done = 0;
-        if (kvr__wk_refresh_idle(&s->e, sl->session, REFRESH_BUDGET, SIZE_MAX, &done) < 0) {
+        int r = kvr__wk_refresh_idle(&s->e, sl->session, REFRESH_BUDGET, SIZE_MAX, &done);
+        if (r < 0)
             lost(s, "background refresh");
-            sl->n_approx = 0;
-            return;
-        }
-        sl->n_approx = done >= sl->n_approx || done == 0 ? 0 : sl->n_approx - done;
         pthread_mutex_lock(&s->mu);
-        s->m.refreshed_idle += done;
+        sl->n_approx = r < 0 || done >= sl->n_approx || done == 0 ? 0 : sl->n_approx - done;
+        s->m.refreshed_idle += r < 0 ? 0 : done;
         pthread_mutex_unlock(&s->mu);
-        return;     /* one budget, then look at the queue again */
+        return;     /* one budget (or a failure), then look at the queue again */
     }
 }
 
 /* The first queued job that can start now, taken off the queue: a
- * cancelled one (*slot -1), a generation whose slot is free, a slot
- * operation on a free slot. NULL: none. Called under srv.mu. */
-static srv_job *admit(srv *s, int *slot)
+ * cancelled one (*slot -1), a generation when fewer than n_gen_max generate
+ * (the KV cache holds that many beside the prompt being prepared) and a slot
+ * for it is free, a slot operation on a free slot. NULL: none. Called under
+ * srv.mu. */
+static srv_job *admit(srv *s, int *slot, int active)
 {
     kvr_list *n;
     kvr_list_foreach(n, &s->queue) {
         srv_job *j = kvr_list_entry(n, srv_job, node);
         int k = j->cancelled || s->stopping ? -1
-              : j->kind == SRV_JOB_GEN ? pick_slot(s, j)
+              : j->kind == SRV_JOB_GEN ? (active < s->n_gen_max ? pick_slot(s, j) : -2)
               : s->slots[j->p.id_slot].processing ? -2 : j->p.id_slot;
         if (k == -2 || (k == -1 && !(j->cancelled || s->stopping)))
             continue;
@@ -745,7 +751,7 @@ static void *engine_main(void *arg)
         for (int k = 0; k < s->n_slots; k++)
             active += gens[k].j != NULL;
         int slot = -1;
-        srv_job *j = admit(s, &slot);
+        srv_job *j = admit(s, &slot, active);
         if (!j && !active) {
             if (s->stopping && kvr_list_empty(&s->queue))
                 break;

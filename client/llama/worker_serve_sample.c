@@ -18,8 +18,8 @@
  *   xtc          with probability xtc_probability, the tokens at or above
  *                xtc_threshold except the least likely of them are removed;
  *   infill       llama.cpp's infill sampler (end-of-generation when text is
- *                unlikely; tokens that are prefixes of others merged; cut
- *                below 0.2, then below 1 / (kept + 1));
+ *                unlikely; tokens that are prefixes of others merged, among
+ *                the 256 likeliest; cut below 0.2, then below 1 / (kept + 1));
  *   temperature  logits / t; t <= 0 keeps only the largest (greedy).
  *
  * The draw is from the softmax of the logits left (as llama.cpp's dist:
@@ -62,7 +62,9 @@ struct srv_sampler {
     int32_t  *z;             /* DRY scratch: window + 1 */
     int32_t  *win;
     size_t    win_cap;
-    char      piece[2][256];
+    char      piece[256];
+    char      pieces[256][64];  /* infill: the texts of its candidates (cut at 64 bytes) */
+    uint16_t  plen[256];
 };
 
 static int cand_desc(const void *a, const void *b)
@@ -176,13 +178,13 @@ static int dry_setup(srv_sampler *s)
     }
     /* every token whose text holds a breaker breaks a sequence by itself */
     for (size_t t = 0; t < s->nv; t++) {
-        int32_t pl = llama_token_to_piece(s->vocab, (int32_t)t, s->piece[0], sizeof s->piece[0] - 1,
+        int32_t pl = llama_token_to_piece(s->vocab, (int32_t)t, s->piece, sizeof s->piece - 1,
                                           0, true);
         if (pl <= 0)
             continue;
-        s->piece[0][pl] = 0;
+        s->piece[pl] = 0;
         for (int b = 0; b < p->n_dry_breakers && !s->brk1[t]; b++)
-            if (*p->dry_breakers[b] && memmem(s->piece[0], (size_t)pl, p->dry_breakers[b],
+            if (*p->dry_breakers[b] && memmem(s->piece, (size_t)pl, p->dry_breakers[b],
                                               strlen(p->dry_breakers[b])))
                 s->brk1[t] = 1;
     }
@@ -385,12 +387,6 @@ static void xtc(srv_sampler *s, float prob, float thold, size_t min_keep)
     }
 }
 
-static size_t piece_of(srv_sampler *s, int k, int32_t id)
-{
-    int32_t pl = llama_token_to_piece(s->vocab, id, s->piece[k], sizeof s->piece[k], 0, false);
-    return pl > 0 ? (size_t)pl : 0;
-}
-
 /* Keeps the end-of-generation tokens and the survivors above thold (p
  * renormalised); returns how many kept tokens are text. */
 static size_t infill_cut(srv_sampler *s, float thold)
@@ -411,7 +407,8 @@ static size_t infill_cut(srv_sampler *s, float thold)
     return text;
 }
 
-#define INFILL_MERGE_MAX 4096   /* the prefix merge is quadratic: its top candidates only */
+#define INFILL_MERGE_MAX 256    /* the prefix merge is quadratic: the likeliest candidates
+                                   only (llama.vim puts top_k 40 before it) */
 
 static void infill(srv_sampler *s)
 {
@@ -435,14 +432,19 @@ static void infill(srv_sampler *s)
     }
     /* a token that is a prefix of another: the two merged into the likelier */
     size_t m = s->n < INFILL_MERGE_MAX ? s->n : INFILL_MERGE_MAX;
+    for (size_t i = 0; i < m; i++) {
+        int32_t pl = llama_token_to_piece(s->vocab, s->c[i].id, s->pieces[i],
+                                          sizeof s->pieces[i], 0, false);
+        s->plen[i] = pl > 0 ? (uint16_t)pl : 0;
+    }
     for (size_t i0 = 0; i0 < m; i0++) {
         for (size_t i1 = 0; i1 < m; i1++) {
             if (s->c[i0].logit == -INFINITY)
                 break;
             if (i0 == i1 || s->c[i1].logit == -INFINITY)
                 continue;
-            size_t l0 = piece_of(s, 0, s->c[i0].id), l1 = piece_of(s, 1, s->c[i1].id);
-            if (l0 > 0 && l0 <= l1 && !memcmp(s->piece[0], s->piece[1], l0)) {
+            size_t l0 = s->plen[i0], l1 = s->plen[i1];
+            if (l0 > 0 && l0 <= l1 && !memcmp(s->pieces[i0], s->pieces[i1], l0)) {
                 size_t dst = i0, src = i1;
                 if (s->c[i1].p > s->c[i0].p)
                     dst = i1, src = i0;
@@ -456,8 +458,13 @@ static void infill(srv_sampler *s)
     size_t text = infill_cut(s, 0.2f);
     if (!text) {            /* nothing likely enough: end the middle */
         int32_t eot = llama_vocab_eot(s->vocab);
-        s->c[0] = (cand){ .logit = 1.0f, .p = 1.0f,
-                          .id = eot != LLAMA_TOKEN_NULL ? eot : llama_vocab_eos(s->vocab) };
+        if (eot == LLAMA_TOKEN_NULL)
+            eot = llama_vocab_eos(s->vocab);
+        if (eot == LLAMA_TOKEN_NULL || eot < 0 || (size_t)eot >= s->nv) {
+            s->n = s->n ? 1 : 0;    /* no end token: the likeliest left */
+            return;
+        }
+        s->c[0] = (cand){ .logit = 1.0f, .p = 1.0f, .id = eot };
         s->n = 1;
         return;
     }
@@ -484,13 +491,18 @@ static void temperature(srv_sampler *s, float t)
 
 /* ---- the chain ---------------------------------------------------------- */
 
-/* Whether the chain can drop the most likely token (else a greedy request
- * is an argmax after the logit penalties). */
+/* Whether the chain can drop the most likely token, or penalise after the
+ * greedy cut (else a greedy request is an argmax after the logit penalties). */
 static bool may_drop_best(const srv_params *p)
 {
     bool temp = false;
     for (int k = 0; k < p->n_samplers; k++)
         switch (p->samplers[k]) {
+        case SRV_SAMP_PENALTIES:
+        case SRV_SAMP_DRY:
+            if (temp)       /* after greedy's cut: they change nothing, the fast path would */
+                return true;
+            break;
         case SRV_SAMP_TYP_P:
             if (p->typical_p < 1.0f)
                 return true;

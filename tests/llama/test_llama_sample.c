@@ -139,6 +139,12 @@ Test(sample, penalties_follow_llama_cpp)
     p.repeat_penalty = 2.0f;
     cr_expect_eq(one(&p, l, hist, 1, NULL, 0, 1), b);
     cr_expect_eq(one(&p, l, NULL, 0, hist, 1, 1), b, "the output counts as the prompt does");
+    {   /* penalties after greedy's cut change nothing (llama.cpp's order) */
+        srv_params q = p;
+        const char *const names[] = { "temperature", "penalties" };
+        chain(&q, names, 2);
+        cr_expect_eq(one(&q, l, hist, 1, NULL, 0, 1), a);
+    }
     p.repeat_last_n = 0;
     cr_expect_eq(one(&p, l, hist, 1, NULL, 0, 1), a, "repeat_last_n 0 turns penalties off");
     p.repeat_last_n = 3;      /* a is 4 back: outside */

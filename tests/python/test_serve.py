@@ -593,20 +593,15 @@ def test_four_concurrent_requests(server):
         assert st == 200 and r["tokens"] == refs[i]
 
 
-def test_slots_decode_together(server):
-    """--parallel: two streamed generations on two slots decode together
-    (continuous batching): the second's tokens arrive while the first is
-    still generating, and both are what each gives alone (greedy)."""
-    prompts = ["def add(a, b):\n", "class Stack:\n    def __init__(self):\n"]
-    n = 200
-    alone = [server.post("/completion", greedy(p, n, ignore_eos=True, cache_prompt=False))[1]
-             ["content"] for p in prompts]
+def two_streams(server, prompts, n, **kw):
+    """Two streamed greedy generations sent at once (id_slot 0 and 1): their
+    texts, and the order in which their events arrived (0s and 1s)."""
     arrivals, texts, lock = [], ["", ""], threading.Lock()
 
     def go(i):
         c = http.client.HTTPConnection("127.0.0.1", server.port, timeout=120)
         c.request("POST", "/completion", body=json.dumps(
-            greedy(prompts[i], n, ignore_eos=True, stream=True, id_slot=i)))
+            greedy(prompts[i], n, ignore_eos=True, stream=True, id_slot=i, **kw)))
         r = c.getresponse()
         assert r.status == 200
         buf = b""
@@ -627,11 +622,43 @@ def test_slots_decode_together(server):
         t.start()
     for t in th:
         t.join(120)
-    assert texts == alone
-    # interleaved: some event of each stream comes between two of the other's
+    return texts, arrivals
+
+
+def interleaved(arrivals):
     first0, last0 = arrivals.index(0), len(arrivals) - 1 - arrivals[::-1].index(0)
     first1, last1 = arrivals.index(1), len(arrivals) - 1 - arrivals[::-1].index(1)
-    assert first1 < last0 and first0 < last1, arrivals
+    return first1 < last0 and first0 < last1
+
+
+PAIR = ["def add(a, b):\n", "class Stack:\n    def __init__(self):\n"]
+
+
+def test_slots_decode_together(server):
+    """--parallel: two streamed generations on two slots decode together
+    (continuous batching): the second's tokens arrive while the first is
+    still generating, and both are what each gives alone (greedy)."""
+    n = 200
+    alone = [server.post("/completion", greedy(p, n, ignore_eos=True, cache_prompt=False))[1]
+             ["content"] for p in PAIR]
+    texts, arrivals = two_streams(server, PAIR, n)
+    assert texts == alone
+    assert interleaved(arrivals), arrivals
+
+
+def test_kv_size_bounds_the_slots_generating(servers):
+    """--kv-size holds kv_size / ctx - 1 generations beside the prompt being
+    prepared: with room for one, two requests on two slots take turns (and
+    still give what each gives alone); a cache that cannot hold two
+    contexts is refused at start."""
+    s = servers("--ctx-size", "512", "--kv-size", "1024")
+    alone = [s.post("/completion", greedy(p, 120, ignore_eos=True, cache_prompt=False))[1]
+             ["content"] for p in PAIR]
+    texts, arrivals = two_streams(s, PAIR, 120)
+    assert texts == alone
+    assert not interleaved(arrivals), arrivals
+    with pytest.raises(RuntimeError, match="cannot hold two contexts"):
+        servers("--ctx-size", "512", "--kv-size", "600")
 
 
 def test_slots_save_restore_erase(server):
@@ -680,6 +707,9 @@ def test_samplers_as_llama_server_names_them(server):
     for t in r["tokens"]:
         assert t not in seen, (t, r["tokens"])
         seen.append(t)
+    # huge windows are clamped, not refused
+    st, r = server.post("/completion", greedy(CODE, 4, dry_penalty_last_n=1e300, repeat_last_n=1e20))
+    assert st == 200 and len(r["tokens"]) == 4
     # a window of 0 is no penalty: the plain greedy output
     st, r = server.post("/completion", greedy(CODE, 8, presence_penalty=1e9, repeat_last_n=0))
     assert r["tokens"] == base
@@ -714,6 +744,10 @@ def test_bad_input(server):
         {"prompt": "x", "dry_sequence_breakers": []},
         {"prompt": "x", "dry_sequence_breakers": "\n"},
         {"prompt": "x", "dry_sequence_breakers": ["\n", 4]},
+        {"prompt": "x", "repeat_penalty": 0},
+        {"prompt": "x", "repeat_penalty": -1.5},
+        {"prompt": "x", "presence_penalty": 1e39},
+        {"prompt": "x", "dry_multiplier": -1e300},
         {"prompt": "x", "n_cmpl": 9},
         {"prompt": "x", "n_cmpl": 0},
         {},
