@@ -847,9 +847,8 @@ static void oai_head(srv *s, cJSON *o, const char *id, time_t created, const cha
 
 typedef struct stream {
     srv         *s;
-    srv_job     *j;              /* jobs[cur]: the completion being streamed */
     srv_job     *jobs[SRV_MAX_SLOTS];   /* n_cmpl completions, streamed one after another */
-    int          nj, cur;
+    int          nj, cur;        /* jobs[cur]: the completion being streamed */
     size_t       gen_total;      /* completion tokens of the finished ones (usage) */
     enum route   rt;
     int          fd;
@@ -917,7 +916,7 @@ static cJSON *oai_chunk(stream *st, const char *text, size_t tlen, const char *f
 static bool st_produce(stream *st)
 {
     srv *s = st->s;
-    srv_job *j = st->j;
+    srv_job *j = st->jobs[st->cur];
     if (!wait_job(s, j, st->sent, st->fd))
         return false;
     pthread_mutex_lock(&s->mu);
@@ -994,7 +993,7 @@ static bool st_produce(stream *st)
         if (last) {
             st->end = true;
         } else {            /* the next completion of n_cmpl */
-            st->j = st->jobs[++st->cur];
+            st->cur++;
             st->sent = 0;
             st->head_sent = false;
         }
@@ -1404,7 +1403,7 @@ static int handle_generate(conn *cn, struct MHD_Connection *c, enum route rt)
         stream *st = calloc(1, sizeof *st);
         struct MHD_Response *r = NULL;
         if (st) {
-            *st = (stream){ .s = s, .j = j, .nj = nj, .rt = rt, .fd = conn_fd(c),
+            *st = (stream){ .s = s, .nj = nj, .rt = rt, .fd = conn_fd(c),
                             .include_usage = include_usage, .created = time(NULL),
                             .fields = fields };
             memcpy(st->jobs, jobs, sizeof jobs);

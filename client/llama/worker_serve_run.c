@@ -6,10 +6,10 @@
  * sequence of its own after the session engine's scratch sequences
  * (kvr__wk_lm_reserve_seqs). The loop takes one queued job that can start,
  * then decodes the next token of every generation in flight in one batch:
- *   admit  a generation whose slot is free (id_slot, else the slot whose last
+ *   admit  a generation, while fewer than n_gen_max generate, on a free slot
+ *          (id_slot, waited for while busy; else the free slot whose last
  *          prompt shares the most with it, else the least recently used
- *          free one; a busy slot makes the job wait), or a slot operation on
- *          a free slot;
+ *          free one), or a slot operation on a free slot;
  *   prompt kvr__wk_sync with the slot's session in seq 0 (cached prefix, PIE
  *          edits of the session's context, chunks placed; only new and
  *          refreshed tokens decoded). cache_prompt false, or kvroped

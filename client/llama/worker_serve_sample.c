@@ -116,11 +116,16 @@ static int32_t hist_at(const hist *h, size_t i) { return i < h->na ? h->a[i] : h
 
 /* ---- penalties ---------------------------------------------------------- */
 
+static bool penalties_on(const srv_params *p)
+{
+    return p->repeat_last_n != 0 && (p->repeat_penalty != 1.0f || p->frequency_penalty != 0.0f ||
+                                     p->presence_penalty != 0.0f);
+}
+
 static void penalties(srv_sampler *s, const hist *h)
 {
     const srv_params *p = s->p;
-    if (p->repeat_last_n == 0 ||
-        (p->repeat_penalty == 1.0f && p->frequency_penalty == 0.0f && p->presence_penalty == 0.0f))
+    if (!penalties_on(p))
         return;
     size_t len = h->na + h->nb, w = (size_t)p->repeat_last_n < len ? (size_t)p->repeat_last_n : len;
     for (size_t i = len - w; i < len; i++) {
@@ -211,10 +216,15 @@ static void z_array(const int32_t *r, size_t n, int32_t *z)
     }
 }
 
+static bool dry_on(const srv_params *p)
+{
+    return p->dry_multiplier != 0.0f && p->dry_base >= 1.0f && p->dry_penalty_last_n != 0;
+}
+
 static int dry(srv_sampler *s, const hist *h)
 {
     const srv_params *p = s->p;
-    if (p->dry_multiplier == 0.0f || p->dry_base < 1.0f || p->dry_penalty_last_n == 0)
+    if (!dry_on(p))
         return 0;
     size_t len = h->na + h->nb;
     size_t w = (size_t)p->dry_penalty_last_n < len ? (size_t)p->dry_penalty_last_n : len;
@@ -564,11 +574,13 @@ int32_t kvr__srv_sample(srv_sampler *s, const float *logits, const int32_t *prom
 {
     const srv_params *p = s->p;
     hist h = { prompt, gen, n_prompt, n_gen };
+    bool fast = p->temperature <= 0.0f && !may_drop_best(p);
+    if (fast && !penalties_on(p) && !dry_on(p))
+        return kvr__wk_argmax(logits, s->nv);       /* greedy, nothing to change: no copy */
     for (size_t i = 0; i < s->nv; i++)
         s->c[i] = (cand){ .logit = logits[i], .id = (int32_t)i };
     s->n = s->nv;
     s->sorted = false;
-    bool fast = p->temperature <= 0.0f && !may_drop_best(p);
     for (int k = 0; k < p->n_samplers; k++) {
         switch (p->samplers[k]) {
         case SRV_SAMP_PENALTIES:
