@@ -74,7 +74,8 @@ def _order(pre, suf, spm):
 def format_infill(prefix, suffix, prompt=b"", chunks=(), n_batch=256, n_ctx=512, n_predict=32, spm=False):
     """llama-server's /infill prompt (token ids) for input_prefix, input_suffix,
     prompt and input_extra chunks, with its batch, slot context and n_predict
-    (spm: as started with --spm-infill)."""
+    (spm: as started with --spm-infill). n_predict is the server's (its -n,
+    default -1), not a request's: llama-server budgets the chunks with it."""
     tp, ts, tq = enc(prefix), enc(suffix), enc(prompt)
     ex = extra_tokens(chunks)
     n_pre = min(len(tp), 3 * (n_batch // 4))

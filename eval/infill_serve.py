@@ -66,7 +66,7 @@ class Serve:
         self.proc = subprocess.Popen(
             [exe, "--model", gguf, "--socket", self.d.socket, "--threads", str(threads), "serve",
              "--listen", f"127.0.0.1:{self.port}", "--ctx-size", str(I.SERVER["n_ctx"]),
-             "--batch-size", str(I.SERVER["n_batch"])],
+             "--batch-size", str(I.SERVER["n_batch"]), "--n-predict", str(I.SERVER["n_predict"])],
             stdout=self.log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
         deadline = time.monotonic() + 120
         while True:
@@ -109,10 +109,10 @@ class Serve:
 
 
 def body(case, prefix=None, chunks=None, cache=True):
-    """llama.vim's /infill request for a case (text as UTF-8 strings). Every
-    request of a case asks for the same n_predict (eval/infill.py's -n), so
-    the server cuts the prompt the same way (its budget for input_extra is
-    n_ctx - n_batch - 2 n_predict); the line stops at the newline."""
+    """llama.vim's /infill request for a case (text as UTF-8 strings). The
+    server is started with eval/infill.py's -n, which sets its budget for
+    input_extra (n_ctx - n_batch - 2 n_predict, whatever a request asks);
+    the line stops at the newline."""
     ch = case["chunks"] if chunks is None else chunks
     return {"input_prefix": (case["prefix"] if prefix is None else prefix).decode("utf-8", "replace"),
             "prompt": case["prompt"].decode("utf-8", "replace"),

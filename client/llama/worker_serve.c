@@ -436,6 +436,7 @@ static int samp_by_char(char ch)
 static const char *parse_params(srv *s, const cJSON *b, enum route rt, srv_params *p)
 {
     kvr__srv_params_default(p);
+    p->n_predict = s->o.n_predict;
     const cJSON *x;
 #define NUM(name) ((x = cJSON_GetObjectItemCaseSensitive(b, name)) && !cJSON_IsNull(x))
 #define WANT_NUM(name)                                                          \
@@ -1052,7 +1053,7 @@ static void st_free(void *cls)
 
 /* ---- generation routes ------------------------------------------------- */
 
-static int fim_layout(srv *s, const cJSON *b, const srv_params *p, tokv *out, const char **why)
+static int fim_layout(srv *s, const cJSON *b, tokv *out, const char **why)
 {
     const cJSON *pre = cJSON_GetObjectItemCaseSensitive(b, "input_prefix");
     const cJSON *suf = cJSON_GetObjectItemCaseSensitive(b, "input_suffix");
@@ -1122,7 +1123,9 @@ static int fim_layout(srv *s, const cJSON *b, const srv_params *p, tokv *out, co
     size_t n_pre = tpre.n < (size_t)(3 * (nb / 4)) ? tpre.n : (size_t)(3 * (nb / 4));
     long sb = (long)(nb / 4) - (long)(2 + tp.n);
     size_t n_suf = sb < 0 ? 0 : tsuf.n < (size_t)sb ? tsuf.n : (size_t)sb;
-    long eb = (long)nctx - nb - 2L * p->n_predict;
+    /* llama-server budgets the chunks with its own n_predict (params.n_predict:
+     * -1 unless started with -n), not the request's */
+    long eb = (long)nctx - nb - 2L * s->o.n_predict;
     size_t n_ext = eb < 0 ? 0 : extra.n < (size_t)eb ? extra.n : (size_t)eb;
     bool bos = llama_vocab_get_add_bos(s->vocab);
     if (fim) {
@@ -1335,7 +1338,7 @@ static int handle_generate(conn *cn, struct MHD_Connection *c, enum route rt)
     tokv t = { 0 };
     if (!why) {
         if (rt == R_INFILL) {
-            fim_layout(s, b, &j->p, &t, &why);
+            fim_layout(s, b, &t, &why);
         } else if (rt == R_OAI_CHAT) {
             char *text = chat_prompt(s, cJSON_GetObjectItemCaseSensitive(b, "messages"), &why);
             if (text) {
@@ -1623,6 +1626,7 @@ static int handle_props(srv *s, struct MHD_Connection *c)
 {
     srv_params p;
     kvr__srv_params_default(&p);
+    p.n_predict = s->o.n_predict;
     cJSON *o = cJSON_CreateObject(), *d = cJSON_AddObjectToObject(o, "default_generation_settings");
     cJSON_AddNumberToObject(d, "id", 0);
     cJSON_AddNumberToObject(d, "id_task", -1);
@@ -1657,6 +1661,7 @@ static int handle_slots_get(srv *s, struct MHD_Connection *c)
 {
     srv_params p;
     kvr__srv_params_default(&p);
+    p.n_predict = s->o.n_predict;
     cJSON *a = cJSON_CreateArray();
     pthread_mutex_lock(&s->mu);
     for (int i = 0; i < s->n_slots; i++) {
@@ -1931,8 +1936,8 @@ static void on_completed(void *cls, struct MHD_Connection *c, void **con_cls,
 
 static const char serve_usage[] =
 "usage: kvrope-llama --model M.gguf [--socket S] [--threads N] serve [--listen HOST:PORT]\n"
-"        [--parallel N] [--ctx-size N] [--kv-size N] [--batch-size N] [--api-key-file F]\n"
-"        [--refresh K] [--alias NAME] [--repair P] [--spm-infill]\n"
+"        [--parallel N] [--ctx-size N] [--kv-size N] [--batch-size N] [--n-predict N]\n"
+"        [--api-key-file F] [--refresh K] [--alias NAME] [--repair P] [--spm-infill]\n"
 "  llama-server's HTTP API (/completion, /infill, /v1/completions, /v1/chat/completions,\n"
 "  /tokenize, /detokenize, /apply-template, /health, /props, /v1/models, /metrics,\n"
 "  /slots) on the model, kvroped as its cache. --listen defaults to 127.0.0.1:8080;\n"
@@ -1940,7 +1945,9 @@ static const char serve_usage[] =
 "  placed anywhere in a prompt are repaired (none, epic:K, blend:SHARE[@L], all,\n"
 "  joined by '+'; default epic:16, docs/eval.md). --spm-infill: /infill puts the\n"
 "  suffix first (FIM_SUF suffix FIM_PRE prefix FIM_MID), as llama-server's flag of\n"
-"  that name. --ctx-size: a request's context (default the model's); --kv-size:\n"
+"  that name. --n-predict (-n): a request's default n_predict (-1: to the end of the\n"
+"  context), which /infill's budget for input_extra also uses, as llama-server's -n.\n"
+"  --ctx-size: a request's context (default the model's); --kv-size:\n"
 "  the KV cache's cells for all slots (default ctx x (parallel + 1), at most\n"
 "  max(2 ctx, 131072)): kv-size / ctx - 1 slots generate at once. SIGINT /\n"
 "  SIGTERM stop it.\n";
@@ -2036,7 +2043,7 @@ int kvr__wk_serve_main(kvr__wk_env *e, const char *model_path, const char *socke
     /* refresh 16: docs/eval.md's PIE table (llama.cpp), 98.4% argmax agreement
      * with a full re-encode for 20% of its tokens, against 97.6% for 13.5% */
     s->o = (srv_opts){ .listen = "127.0.0.1:8080", .parallel = 4, .idle_ms = 300,
-                       .refresh = 16,
+                       .refresh = 16, .n_predict = -1,
                        .repair = { .first_k = KVR_WK_REPAIR_DEFAULT_K } };
     s->model_path = model_path;
     s->socket = socket;
@@ -2054,6 +2061,8 @@ int kvr__wk_serve_main(kvr__wk_env *e, const char *model_path, const char *socke
             s->o.n_ctx = (uint32_t)n, i++;
         } else if (!strcmp(a, "--kv-size") && arg_num(v, 512, 1 << 26, &n)) {
             s->o.kv_size = (uint32_t)n, i++;
+        } else if ((!strcmp(a, "--n-predict") || !strcmp(a, "-n")) && arg_num(v, -1, 1 << 30, &n)) {
+            s->o.n_predict = (int)n, i++;
         } else if (!strcmp(a, "--batch-size") && arg_num(v, 32, 1 << 20, &n)) {
             s->o.n_batch = (uint32_t)n, i++;
         } else if (!strcmp(a, "--refresh") && arg_num(v, 0, 1 << 20, &n)) {

@@ -41,6 +41,9 @@ typedef struct srv_opts {
     uint32_t    kv_size;         /* KV cache cells for all slots; 0 = n_ctx x (parallel + 1),
                                     at most max(2 n_ctx, 131072) */
     uint32_t    n_batch;         /* /infill's layout budget; 0 = min(2048, n_ctx / 2) */
+    int         n_predict;       /* a request's default n_predict, and /infill's budget for
+                                    input_extra (n_ctx - n_batch - 2 n_predict), as
+                                    llama-server's -n; default -1 */
     const char *api_key_file;
     uint32_t    refresh;         /* tokens refreshed after each edit point */
     uint32_t    idle_ms;         /* idle time before background refresh; default 300 */

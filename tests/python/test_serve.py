@@ -459,7 +459,8 @@ def test_infill_layout_truncation(servers):
     tokens: the repo-level form (FIM_REP, FIM_SEP and file names), then
     FIM_PRE prefix FIM_SUF suffix FIM_MID, prefix and chunks cut by its
     budgets (3/4 of the batch for the prefix, n_ctx - batch - 2 n_predict for
-    the chunks). eval/fim.py's format_infill is a token-for-token copy of
+    the chunks, where n_predict is the server's default, -1, whatever the
+    request asks). eval/fim.py's format_infill is a token-for-token copy of
     llama-server v0.5.0's builder: the prompt lengths must be its."""
     sys.path.insert(0, os.path.join(ROOT, "eval"))
     import fim
@@ -468,15 +469,31 @@ def test_infill_layout_truncation(servers):
     st, r = s.post("/infill", {"input_prefix": big, "input_suffix": "", "prompt": "",
                                "n_predict": 1, "temperature": 0})
     assert st == 200, r
-    want = fim.format_infill(big.encode(), b"", b"", [], n_batch=128, n_ctx=512, n_predict=1)
+    want = fim.format_infill(big.encode(), b"", b"", [], n_batch=128, n_ctx=512, n_predict=-1)
     assert r["tokens_evaluated"] == len(want) == 1 + 1 + 96 + 1 + 1 + 21
     extra = [{"filename": "a.py", "text": big}]
     st, r = s.post("/infill", {"input_prefix": "y = 2\n", "input_extra": extra, "prompt": "",
                                "n_predict": 8, "temperature": 0})
     assert st == 200, r
     want = fim.format_infill(b"y = 2\n", b"", b"", [("a.py", big)], n_batch=128, n_ctx=512,
-                             n_predict=8)
+                             n_predict=-1)
     assert r["tokens_evaluated"] == len(want)
+    # the chunks' budget does not depend on the request's n_predict
+    for n in (0, 64):
+        st, r2 = s.post("/infill", {"input_prefix": "y = 2\n", "input_extra": extra, "prompt": "",
+                                    "n_predict": n, "temperature": 0})
+        assert st == 200, r2
+        assert r2["tokens_evaluated"] == len(want)
+    # started with -n 8, as llama-server's -n: the budget and a request's default
+    s8 = servers("--ctx-size", "512", "--batch-size", "128", "--n-predict", "8")
+    st, r = s8.post("/infill", {"input_prefix": "y = 2\n", "input_extra": extra, "prompt": "",
+                                "temperature": 0, "ignore_eos": True})
+    assert st == 200, r
+    assert r["tokens_evaluated"] == len(fim.format_infill(
+        b"y = 2\n", b"", b"", [("a.py", big)], n_batch=128, n_ctx=512, n_predict=8))
+    assert r["tokens_predicted"] == 8
+    st, props = s8.get("/props")
+    assert json.loads(props)["default_generation_settings"]["params"]["n_predict"] == 8
 
 
 @pytest.mark.parametrize("spm", [True, False])
