@@ -1378,7 +1378,9 @@ static int handle_generate(conn *cn, struct MHD_Connection *c, enum route rt)
     j->n = t.n;
     const cJSON *so = cJSON_GetObjectItemCaseSensitive(b, "stream_options");
     bool include_usage = cJSON_IsTrue(cJSON_GetObjectItemCaseSensitive(so, "include_usage"));
-    cJSON *fields = cJSON_Duplicate(cJSON_GetObjectItemCaseSensitive(b, "response_fields"), true);
+    /* an empty list selects nothing out, as llama-server (the whole answer) */
+    const cJSON *rf = cJSON_GetObjectItemCaseSensitive(b, "response_fields");
+    cJSON *fields = cJSON_GetArraySize(rf) > 0 ? cJSON_Duplicate(rf, true) : NULL;
     cJSON_Delete(b);
     if (kvr__srv_submit(s, j) < 0) {
         cJSON_Delete(fields);
@@ -2181,6 +2183,17 @@ int kvr__wk_serve_main(kvr__wk_env *e, const char *model_path, const char *socke
     /* reuse anywhere: the daemon's cover verb (a daemon without it refuses
      * the call, and the engine goes on with prefix and PIE reuse) */
     e->cover = (kvr__wk_cover_api){ kvr_client_cover, kvr_client_cover_get, kvr_cover_release };
+    /* A fresh process's first touch of its load buffers cost 0.5-0.8 s of
+     * the first cached request's 56 MiB fetch here (tests/bench/bench_serve.py,
+     * after a restart): fault them in before /health says ok, for a whole
+     * context or 512 MiB, whichever is less (they grow on demand beyond). */
+    size_t pn = s->n_ctx;
+    while (pn > 1 && kvr__wk_payload_bytes(e, pn) + kvr__wk_state_bytes(e, pn) > ((size_t)512 << 20))
+        pn /= 2;
+    double tpf = kvr__wk_now_ms();
+    kvr__wk_prefault_bufs(e, pn);
+    fprintf(stderr, "kvrope serve: load buffers for %zu tokens faulted in (%.0f ms)\n", pn,
+            kvr__wk_now_ms() - tpf);
     s->e = *e;
     s->connected = up;
     s->t_reconnect = kvr__wk_now_ms() - 1000;

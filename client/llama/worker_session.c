@@ -817,6 +817,11 @@ int kvr__wk_commit(kvr__wk_env *e, kvr__wk_step *st)
 {
     if (!st)
         return 0;
+    /* the session already holds the prompt (no op, nothing refreshed): no
+     * export of llama.cpp's state (185 ms for 1,781 tokens of the 0.7 B
+     * benchmark model, which delayed a client's next request) */
+    if (st->kind == COMMIT_EDIT && st->nh == 0 && st->nrf == 0)
+        return 0;
     kvr__wk_seqstate q;
     int r = kvr__wk_seqstate_get(e, &q, st->nb);
     if (r < 0)

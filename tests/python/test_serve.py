@@ -255,6 +255,11 @@ def test_stop_words_and_response_fields(server):
     assert set(r) == {"content", "timings/prompt_n", "tokens_cached",
                       "generation_settings/n_predict"}
     assert r["generation_settings/n_predict"] == 4
+    # an empty list is no selection (llama-server: the whole answer), stream or not
+    r = server.post("/completion", greedy(CODE, 4, response_fields=[]))[1]
+    assert "timings" in r and "content" in r and r["stop"] is True
+    ev = server.stream("/completion", greedy(CODE, 4, response_fields=[], stream=True))
+    assert "timings" in ev[-1] and ev[-1]["stop"] is True
 
 
 def test_openai_routes(server):
