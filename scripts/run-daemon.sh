@@ -15,6 +15,7 @@
 #   KVROPE_LLAMA, KVROPE_MODEL  the server and its GGUF (build/kvrope-llama,
 #                     build/eval/kvrope-code.gguf next to kvroped)
 #   KVROPE_SERVE=0    the daemon only
+# The server runs with --persist: its sessions survive a restart of both.
 # Memory cap: 4 GiB or a quarter of RAM, whichever is smaller. Invariant: the
 # script never leaves a child running after it exits.
 set -eu
@@ -86,7 +87,7 @@ elif [ ! -f "$model" ]; then
 elif ! "$llama" serve --help 2>&1 | grep -q -- '--listen'; then
   why="this kvrope-llama has no serve subcommand yet"
 else
-  "$llama" --model "$model" --socket "$sock" serve --listen "$listen" &
+  "$llama" --model "$model" --socket "$sock" serve --listen "$listen" --persist &
   spid=$!
   server=1
 fi

@@ -351,6 +351,9 @@ typedef struct kvr__wk_env {
     kvr__wk_report *rep;
     int            n_gen;                 /* tokens to generate / predict */
     int            kv_code;               /* the kvrope error of a failure, else 0 */
+    bool           persist;               /* sessions put persistent (a daemon with a
+                                             disk tier keeps them across its restart);
+                                             cleared when the daemon has none */
     /* A prefix load's buffers (the daemon's payload, the state), allocated
      * and faulted in before the timed steps; freed by kvr__wk_env_bufs_free. */
     void          *pf_fetch, *pf_state;

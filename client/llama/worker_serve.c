@@ -1940,6 +1940,7 @@ static const char serve_usage[] =
 "usage: kvrope-llama --model M.gguf [--socket S] [--threads N] serve [--listen HOST:PORT]\n"
 "        [--parallel N] [--ctx-size N] [--kv-size N] [--batch-size N] [--n-predict N]\n"
 "        [--api-key-file F] [--refresh K] [--alias NAME] [--repair P] [--spm-infill]\n"
+"        [--persist]\n"
 "  llama-server's HTTP API (/completion, /infill, /v1/completions, /v1/chat/completions,\n"
 "  /tokenize, /detokenize, /apply-template, /health, /props, /v1/models, /metrics,\n"
 "  /slots) on the model, kvroped as its cache. --listen defaults to 127.0.0.1:8080;\n"
@@ -1949,6 +1950,8 @@ static const char serve_usage[] =
 "  suffix first (FIM_SUF suffix FIM_PRE prefix FIM_MID), as llama-server's flag of\n"
 "  that name. --n-predict (-n): a request's default n_predict (-1: to the end of the\n"
 "  context), which /infill's budget for input_extra also uses, as llama-server's -n.\n"
+"  --persist: the slots' sessions are persistent, so a kvroped with --disk-dir keeps\n"
+"  them across its restart (ignored with a warning when it has no disk tier).\n"
 "  --ctx-size: a request's context (default the model's); --kv-size:\n"
 "  the KV cache's cells for all slots (default ctx x (parallel + 1), at most\n"
 "  max(2 ctx, 131072)): kv-size / ctx - 1 slots generate at once. SIGINT /\n"
@@ -2071,6 +2074,8 @@ int kvr__wk_serve_main(kvr__wk_env *e, const char *model_path, const char *socke
             s->o.refresh = (uint32_t)n, i++;
         } else if (!strcmp(a, "--api-key-file") && v) {
             s->o.api_key_file = v, i++;
+        } else if (!strcmp(a, "--persist")) {
+            s->o.persist = true;
         } else if (!strcmp(a, "--spm-infill")) {
             s->o.spm_infill = true;
         } else if (!strcmp(a, "--alias") && v) {
@@ -2194,6 +2199,7 @@ int kvr__wk_serve_main(kvr__wk_env *e, const char *model_path, const char *socke
     kvr__wk_prefault_bufs(e, pn);
     fprintf(stderr, "kvrope serve: load buffers for %zu tokens faulted in (%.0f ms)\n", pn,
             kvr__wk_now_ms() - tpf);
+    e->persist = s->o.persist;
     s->e = *e;
     s->connected = up;
     s->t_reconnect = kvr__wk_now_ms() - 1000;

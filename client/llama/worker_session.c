@@ -765,8 +765,15 @@ static int put_range(kvr__wk_env *e, const kvr__wk_step *st, const kvr__wk_seqst
                        .tokens = (const uint32_t *)st->b + from, .n_tokens = to - from,
                        .has_pos_start = true, .pos_start = (int64_t)from, .payload = pl,
                        .payload_len = kvr__wk_payload_bytes(e, to - from),
-                       .v_trans = kvr__wk_lm_v_trans(e->lm) };
+                       .v_trans = kvr__wk_lm_v_trans(e->lm), .persist = e->persist };
     int r = kvr_client_put(e->kc, &p, NULL);
+    if (r == KVR_EUNSUPPORTED && p.persist) {
+        /* no disk tier: sessions are kept as they were, in memory */
+        fprintf(stderr, "kvrope-llama: kvroped has no disk tier (--disk-dir): sessions are "
+                "not persistent\n");
+        e->persist = p.persist = false;
+        r = kvr_client_put(e->kc, &p, NULL);
+    }
     free(pl);
     return r < 0 ? kvr__wk_kv_fail(e, r, "put", st->target) : 0;
 }
@@ -830,15 +837,20 @@ int kvr__wk_commit(kvr__wk_env *e, kvr__wk_step *st)
     case COMMIT_EDIT:
         r = commit_edit(e, st, &q);
         break;
-    case COMMIT_FORK:
+    case COMMIT_FORK: {
         if (strcmp(st->source, st->target) == 0) {
             r = kvr__wk_fail(e, KVR_EINVAL, "internal: a fork onto its own source %s", st->source);
             break;
         }
-        if ((r = kvr__wk_fork_prefix(e, st->source, st->target, st->L, st->src_len)) == 0 &&
-            st->L < st->nb)
-            r = put_rest(e, st, &q, st->L, KVR_PUT_APPEND);
+        /* A fork is persistent only if its source is: a persistent session
+         * appends at least its last token (a put with persist marks it),
+         * computed in this step like every prompt's last token. */
+        size_t keep = e->persist && st->L == st->nb && st->L > 0 ? st->L - 1 : st->L;
+        if ((r = kvr__wk_fork_prefix(e, st->source, st->target, keep, st->src_len)) == 0 &&
+            keep < st->nb)
+            r = put_rest(e, st, &q, keep, KVR_PUT_APPEND);
         break;
+    }
     case COMMIT_CREATE:
         r = put_rest(e, st, &q, 0, KVR_PUT_REPLACE);
         break;

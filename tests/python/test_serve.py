@@ -532,6 +532,48 @@ def test_infill_spm_layout(servers, spm):
 
 # ---- the cache across processes --------------------------------------------------
 
+def test_persist_survives_a_daemon_restart(tmp_path):
+    """make run's restart: kvroped (with --disk-dir) and the server (--persist)
+    both stopped and started again; the next request takes its prompt from the
+    disk tier. Then an edit of the restored session, and a second restart. On a
+    daemon without a disk tier --persist is ignored and the cache still works."""
+    disk = str(tmp_path / "disk")
+    body = greedy(CODE, 8)
+    edited = greedy(CODE.replace("total = 0", "total = 0  # words"), 8)
+    d = Daemon("--disk-dir", disk)
+    s = Server(d.socket, "--persist")
+    try:
+        first = s.post("/completion", body)[1]
+        n = first["tokens_evaluated"]
+        assert first["timings"]["cache_n"] < 5
+    finally:
+        assert s.stop() == 0, s.log()
+        assert d.stop() == 0
+    for round_ in range(2):
+        d = Daemon("--disk-dir", disk)
+        s = Server(d.socket, "--persist")
+        try:
+            again = s.post("/completion", body if round_ == 0 else edited)[1]
+            assert again["timings"]["cache_n"] >= n - 40, (round_, again["timings"])
+            if round_ == 0:
+                assert again["tokens"] == first["tokens"]
+                assert again["timings"]["cache_n"] == n - 1
+        finally:
+            assert s.stop() == 0, s.log()
+            assert d.stop() == 0
+    d = Daemon()                                      # no disk tier: --persist is ignored
+    s = Server(d.socket, "--persist")
+    try:
+        a = s.post("/completion", body)[1]
+        b = s.post("/completion", body)[1]
+        assert a["tokens"] == b["tokens"] == first["tokens"]
+        assert b["timings"]["cache_n"] == n - 1
+        assert "no disk tier" in s.log()
+    finally:
+        assert s.stop() == 0, s.log()
+        assert d.stop() == 0
+
+
 def test_restart_and_two_servers(daemon, servers):
     a = servers()
     body = greedy(CODE, 8)
