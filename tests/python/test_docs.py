@@ -365,8 +365,9 @@ def test_make_run_starts_the_server_and_stops_both(tmp_path):
             assert want in out, out
         socket.create_connection(("127.0.0.1", port), timeout=5).close()
         args = (tmp_path / "kvrope-llama.args").read_text().split()
+        # --persist: the sessions outlive a restart of both (the disk tier keeps them)
         assert args == ["--model", str(model), "--socket", run.socket, "serve", "--listen",
-                        f"127.0.0.1:{port}"], args
+                        f"127.0.0.1:{port}", "--persist"], args
     finally:
         kids = run.stop()
     assert len(kids) >= 2, kids   # kvroped, the server (and perhaps a sleep of the wait loop)
