@@ -362,14 +362,20 @@ def main():
               f"| {r['restart']['ms']:.0f} |")
     print()
     names = list(rows)
-    print("per request: tokens evaluated / prompt tokens, TTFT ms (" + "; ".join(names) + ")")
-    for series, label in (("sess", "edit"), ("line", "line insert")):
+    print("per request: tokens evaluated / prompt tokens, TTFT ms (" + "; ".join(names) + "); "
+          "kvrope's completion equal to a full re-encode (= / x) on the random-weight and the "
+          "trained model")
+
+    def mark(a, i):
+        return "=" if i < len(a) and a[i] else "x" if i < len(a) else "-"
+    for series, label, off in (("sess", "edit", 1), ("line", "line insert", len(sess))):
         for i in range(len(rows[names[0]][series])):
             cells = []
             for n in names:
                 m = rows[n][series][i]
                 cells.append(f"{m['n']}/{m['total']} {m['ms']:.0f}")
-            print(f"  {label} {i + 1}: " + " | ".join(cells))
+            print(f"  {label} {i + 1}: " + " | ".join(cells) +
+                  f" | agree {mark(agree, off + i)} {mark(agree_trained, off + i)}")
     k, ls = rows["kvrope serve"], rows["llama-server --cache-reuse 256"]
     share = med([m["share"] for m in k["line"]])
     sp = med([m["ms"] for m in ls["line"]]) / med([m["ms"] for m in k["line"]])
