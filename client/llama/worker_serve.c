@@ -433,10 +433,16 @@ static int samp_by_char(char ch)
 
 /* Reads the generation fields llama-server honours (unknown fields ignored).
  * Returns NULL or the reason the request is refused. */
-static const char *parse_params(srv *s, const cJSON *b, enum route rt, srv_params *p)
+/* A request's defaults: llama-server's, with the server's -n. */
+static void params_default(const srv *s, srv_params *p)
 {
     kvr__srv_params_default(p);
     p->n_predict = s->o.n_predict;
+}
+
+static const char *parse_params(srv *s, const cJSON *b, enum route rt, srv_params *p)
+{
+    params_default(s, p);
     const cJSON *x;
 #define NUM(name) ((x = cJSON_GetObjectItemCaseSensitive(b, name)) && !cJSON_IsNull(x))
 #define WANT_NUM(name)                                                          \
@@ -1627,8 +1633,7 @@ static int handle_models(srv *s, struct MHD_Connection *c)
 static int handle_props(srv *s, struct MHD_Connection *c)
 {
     srv_params p;
-    kvr__srv_params_default(&p);
-    p.n_predict = s->o.n_predict;
+    params_default(s, &p);
     cJSON *o = cJSON_CreateObject(), *d = cJSON_AddObjectToObject(o, "default_generation_settings");
     cJSON_AddNumberToObject(d, "id", 0);
     cJSON_AddNumberToObject(d, "id_task", -1);
@@ -1662,8 +1667,7 @@ static int handle_props(srv *s, struct MHD_Connection *c)
 static int handle_slots_get(srv *s, struct MHD_Connection *c)
 {
     srv_params p;
-    kvr__srv_params_default(&p);
-    p.n_predict = s->o.n_predict;
+    params_default(s, &p);
     cJSON *a = cJSON_CreateArray();
     pthread_mutex_lock(&s->mu);
     for (int i = 0; i < s->n_slots; i++) {
