@@ -66,7 +66,10 @@ static const char usage[] =
 "        (KL, logit error, time); --lines: one JSON object per version (- = stdout)\n"
 "  rag --prefix F --doc F [F...] --query F [--layout sequential|parallel] [--check]\n"
 "        documents encoded once against the prefix, assembled by kvrope, the\n"
-"        query decoded on top; --check: against a full sequential encode\n"
+"        query decoded on top; --check: against a full sequential encode.\n"
+"        Layout: sequential (default: documents re-rotated one after another)\n"
+"        or parallel (APE's shared positions; llama.cpp cannot apply its\n"
+"        temperature and scale, so it agrees with a full encode less)\n"
 "  ppl FILE\n"
 "        bits per byte of FILE under the model (no cache)\n"
 "  score --tokens T.bin [--kv KV.bin] [--from F] [--next-pos P] [--logits-out L.bin]\n"
@@ -173,7 +176,7 @@ static int parse(int argc, char **argv, args *a)
 {
     memset(a, 0, sizeof *a);
     a->n_gen = 16;
-    a->parallel = true;
+    a->parallel = false;   /* sequential keeps what a full encode gives (docs/reuse.md) */
     a->refresh = 8;
     a->budget = -1;
     a->cursor = -1;

@@ -278,6 +278,19 @@ def ensure_model():
     return True
 
 
+def build_peer(who):
+    """llama-server from the bundled source (scripts/llama-server.sh, cached
+    under BUILD/llama-server) -> its path, or None (said why)."""
+    peer = subprocess.run([os.path.join(ROOT, "scripts", "llama-server.sh"),
+                           os.path.join(BUILD, "llama-server"),
+                           os.environ.get("LLAMA_CACHE", os.path.join(BUILD, "llama"))],
+                          capture_output=True, text=True, cwd=ROOT)
+    if peer.returncode != 0:
+        print(f"{who}: llama-server could not be built: " + peer.stderr.strip()[-300:])
+        return None
+    return os.path.abspath(os.path.join(ROOT, peer.stdout.strip().splitlines()[-1]))
+
+
 def med(xs):
     return statistics.median(xs) if xs else float("nan")
 
@@ -291,14 +304,9 @@ def main():
             return 0
     if not ensure_model():
         return 0
-    peer = subprocess.run([os.path.join(ROOT, "scripts", "llama-server.sh"),
-                           os.path.join(BUILD, "llama-server"),
-                           os.environ.get("LLAMA_CACHE", os.path.join(BUILD, "llama"))],
-                          capture_output=True, text=True, cwd=ROOT)
-    if peer.returncode != 0:
-        print("bench_serve: llama-server could not be built: " + peer.stderr.strip()[-300:])
+    llama_server = build_peer("bench_serve")
+    if not llama_server:
         return 0
-    llama_server = os.path.abspath(os.path.join(ROOT, peer.stdout.strip().splitlines()[-1]))
     tmp = tempfile.mkdtemp(prefix="kvr-bsv-")
     sess = session_requests(tmp)
     inserts = line_insert_requests(N_LINES)

@@ -321,10 +321,12 @@ Test(llama_worker, rag_encodes_each_document_once, .init = setup, .fini = teardo
                "{ return a - b; }\n", d2, sizeof d2);
     write_file("d3.txt", "#define MAX(a, b) ((a) > (b) ? (a) : (b))\n", d3, sizeof d3);
     write_file("q.txt", "Question: what does ring_pop return when empty?\nAnswer:", q, sizeof q);
-    const char *layouts[] = { "parallel", "sequential" };
+    const char *layouts[] = { "parallel", "sequential (the default)" };
     for (int li = 0; li < 2; li++) {
         const char *a[] = { "rag", "--prefix", pre, "--doc", d1, d2, "--doc", d3, "--query", q,
-                            "--layout", layouts[li], "--check", "--n", "4", NULL };
+                            "--check", "--n", "4", "--layout", "parallel", NULL };
+        if (li == 1)
+            a[13] = NULL;   /* no --layout: sequential */
         cJSON *j = run_json(a);
         cr_expect_eq(num(j, NULL, "documents"), 3);
         cr_expect_eq(num(j, NULL, "documents_cached"), li == 0 ? 0 : 3,
