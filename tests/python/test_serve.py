@@ -459,6 +459,37 @@ def test_reuse_anywhere_input_extra(servers, repair):
         assert isinstance(r["content"], str)
 
 
+def test_reuse_anywhere_chat_documents(server):
+    """An OpenAI chat whose system prompt changed above documents pasted into
+    the user's message, in another order: no prefix of the earlier prompt
+    survives past the system line, yet the documents' KV is found by content
+    (the cover), placed and repaired, and the answer is whole; three turns in
+    a row, each with a new system prompt and order."""
+    docs = [c["text"] for c in REUSE_CHUNKS]
+
+    def chat(system, order):
+        msgs = [{"role": "system", "content": system},
+                {"role": "user", "content": "Documents:\n" + "\n".join(docs[i] for i in order) +
+                 "\nWhich function counts words?"}]
+        return server.post("/v1/chat/completions", {"messages": msgs, "max_tokens": 6,
+                                                    "temperature": 0})
+    st, c = chat("You answer questions about code.", [0, 1, 2])
+    assert st == 200, c
+    assert c["usage"]["prompt_tokens"] > 300
+    placed = server.metric("kvrope:prompt_tokens_placed_total")
+    for system, order in (("Answer briefly.", [2, 0, 1]), ("Be precise, cite the file.", [1, 2, 0]),
+                          ("You review Python.", [0, 2, 1])):
+        st, c = chat(system, order)
+        assert st == 200, c
+        assert c["choices"][0]["finish_reason"] in ("length", "stop")
+        assert isinstance(c["choices"][0]["message"]["content"], str)
+        # most of the prompt came from the cache, not from a prefix of the last turn
+        assert c["usage"]["prompt_tokens_details"]["cached_tokens"] > 200, c["usage"]
+        now = server.metric("kvrope:prompt_tokens_placed_total")
+        assert now - placed > 200, (system, now - placed)
+        placed = now
+
+
 def test_infill_layout_truncation(servers):
     """/infill lays the prompt out as llama-server does, for this model's FIM
     tokens: the repo-level form (FIM_REP, FIM_SEP and file names), then
