@@ -162,17 +162,10 @@ def gain_kept_from_eval():
 
 
 def main():
-    sys.path.insert(0, os.path.join(ROOT, "tests", "python"))
-    from conftest import free_tcp_port as free_port
-    for p in (os.path.join(BUILD, "kvrope-llama"), os.path.join(BUILD, "kvroped")):
-        if not os.path.exists(p):
-            print(f"bench_rag_serve: {p} is not built; skipped")
-            return 0
-    if not S.ensure_model():
+    pre = S.prerequisites("bench_rag_serve")
+    if not pre:
         return 0
-    llama_server = S.build_peer("bench_rag_serve")
-    if not llama_server:
-        return 0
+    free_port, llama_server = pre
     model = S.MODEL
     rng = random.Random(27)
     docs = [[rng.randrange(VOCAB) for _ in range(CHUNK)] for _ in range(N_DOCS)]
@@ -266,11 +259,11 @@ def main():
     gain, src = gain_kept_from_eval()
     gain_txt = (f"{100 * gain:.1f}% of the full encode's gain kept on the trained model "
                 f"({src})" if gain is not None else f"gain kept not measured: {src}")
-    ok = sp_full >= 8 and gain is not None and gain >= 0.95
-    print(f"goal: >= 8x faster than a full prefill at >= 95% of its gain kept (default repair): "
-          f"{sp_full:.2f}x, {gain_txt} ({'met' if ok else 'not met'})")
-    print(f"goal: >= 5x faster than llama-server --cache-reuse 256: {sp_ls:.2f}x "
-          f"({'met' if sp_ls >= 5 else 'not met'})")
+    S.goal("a RAG request >= 8x faster than a full prefill at >= 95% of its gain kept "
+           "(default repair)", f"{sp_full:.2f}x, {gain_txt}",
+           sp_full >= 8 and gain is not None and gain >= 0.95)
+    S.goal("a RAG request >= 5x faster than llama-server --cache-reuse 256", f"{sp_ls:.2f}x",
+           sp_ls >= 5)
     return 0
 
 

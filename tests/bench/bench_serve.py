@@ -291,22 +291,36 @@ def build_peer(who):
     return os.path.abspath(os.path.join(ROOT, peer.stdout.strip().splitlines()[-1]))
 
 
+def goal(text, figure, met):
+    """One `goal:` line as make bench prints them."""
+    print(f"goal: {text}: {figure} ({'met' if met else 'not met'})")
+
+
 def med(xs):
     return statistics.median(xs) if xs else float("nan")
 
 
-def main():
+def prerequisites(who):
+    """What a serve benchmark needs: kvroped and kvrope-llama built, the
+    model, llama-server -> (free_port, llama-server's path), or None (said
+    why: the bench is skipped)."""
     sys.path.insert(0, os.path.join(ROOT, "tests", "python"))
-    from conftest import free_tcp_port as free_port  # the tests' helper, not repeated here
+    from conftest import free_tcp_port  # the tests' helper, not repeated here
     for p in (os.path.join(BUILD, "kvrope-llama"), os.path.join(BUILD, "kvroped")):
         if not os.path.exists(p):
-            print(f"bench_serve: {p} is not built; skipped")
-            return 0
+            print(f"{who}: {p} is not built; skipped")
+            return None
     if not ensure_model():
+        return None
+    llama_server = build_peer(who)
+    return (free_tcp_port, llama_server) if llama_server else None
+
+
+def main():
+    pre = prerequisites("bench_serve")
+    if not pre:
         return 0
-    llama_server = build_peer("bench_serve")
-    if not llama_server:
-        return 0
+    free_port, llama_server = pre
     tmp = tempfile.mkdtemp(prefix="kvr-bsv-")
     sess = session_requests(tmp)
     inserts = line_insert_requests(N_LINES)
@@ -397,14 +411,14 @@ def main():
           f"request of both series): trained model {sum(agree_trained)} of {len(agree_trained)}; "
           f"0.7 B random-weight model {sum(agree)} of {len(agree)}")
     print(f"editor session TTFT vs llama-server --cache-reuse 256: {sps:.2f}x")
-    print(f"goal: prompt tokens evaluated after a mid-prompt line insert <= 5% of the prompt: "
-          f"{100 * share:.1f}% ({'met' if share <= 0.05 else 'not met'})")
-    print(f"goal: median TTFT after it >= 5x faster than llama-server --cache-reuse 256: "
-          f"{sp:.2f}x ({'met' if sp >= 5 else 'not met'})")
-    print(f"goal: after a restart >= 50x faster than llama-server after its restart: {rs:.2f}x "
-          f"({'met' if rs >= 50 else 'not met'})")
-    print(f"goal: completions identical to a full re-encode in >= 95% of requests (trained model): "
-          f"{100 * ag:.0f}% ({'met' if ag >= 0.95 else 'not met'})")
+    goal("prompt tokens evaluated after a mid-prompt line insert <= 5% of the prompt",
+         f"{100 * share:.1f}%", share <= 0.05)
+    goal("median TTFT after it >= 5x faster than llama-server --cache-reuse 256", f"{sp:.2f}x",
+         sp >= 5)
+    goal("after a restart >= 50x faster than llama-server after its restart", f"{rs:.2f}x",
+         rs >= 50)
+    goal("completions identical to a full re-encode in >= 95% of requests (trained model)",
+         f"{100 * ag:.0f}%", ag >= 0.95)
     return 0
 
 
