@@ -145,11 +145,7 @@ def line_of(r):
 
 def score(case, r):
     got, ended = line_of(r)
-    tgt = case["target"]
-    k = 0
-    while k < min(len(got), len(tgt)) and got[k] == tgt[k]:
-        k += 1
-    return {"exact": bool(ended and got == tgt), "right_before_miss": k / len(tgt), "got": got.decode("utf-8", "replace")}
+    return I.line_score(case["target"], got, ended) | {"got": got.decode("utf-8", "replace")}
 
 
 def run(build, gguf, cases_, paths=tuple(p for p, _ in PATHS), log=None):
