@@ -33,8 +33,9 @@ import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import infill as I  # noqa: E402
+import paths  # noqa: F401  (the repository's Python on sys.path)
+
+import infill as I
 
 PATHS = [("edit", "after a PIE edit (a line above the cursor changed)"),
          ("placement", "after chunk placement (input_extra cached in another order)")]

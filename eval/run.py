@@ -29,18 +29,14 @@ import time
 
 import numpy as np
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
-for p in (HERE, os.path.join(ROOT, "client", "python"), os.path.join(ROOT, "examples")):
-    if p not in sys.path:
-        sys.path.insert(0, p)
+from paths import HERE, ROOT  # also puts the repository's Python on sys.path
 
-import cases as C  # noqa: E402
-import corpus  # noqa: E402
-import engines as E  # noqa: E402
-import infill as I  # noqa: E402
-import infill_serve as IS  # noqa: E402
-import measure as M  # noqa: E402
+import cases as C
+import corpus
+import engines as E
+import infill as I
+import infill_serve as IS
+import measure as M
 
 MODEL_DIR = os.environ.get("KVR_EVAL_MODEL") or os.path.join(HERE, "model")
 CODECS = [  # (row name, spec) — docs/quantized.md
