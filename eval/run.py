@@ -20,8 +20,6 @@ import contextlib
 import json
 import os
 import shutil
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -37,6 +35,7 @@ import engines as E
 import infill as I
 import infill_serve as IS
 import measure as M
+import procs as P
 
 MODEL_DIR = os.environ.get("KVR_EVAL_MODEL") or os.path.join(HERE, "model")
 CODECS = [  # (row name, spec) — docs/quantized.md
@@ -65,30 +64,14 @@ class Daemon:
                                       "--log-level", "warn"], stdout=self.log, stderr=subprocess.STDOUT,
                                      stdin=subprocess.DEVNULL)
         deadline = time.monotonic() + 15
-        while not self._answers():
+        while not P.unix_socket_answers(self.socket):
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 self.stop()
                 raise SystemExit("eval: kvroped did not start")
             time.sleep(0.02)
 
-    def _answers(self):
-        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            s.connect(self.socket)
-            return True
-        except OSError:
-            return False
-        finally:
-            s.close()
-
     def stop(self):
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        P.stop_process(self.proc, 15)
         self.log.close()
         shutil.rmtree(self.dir, ignore_errors=True)
 
