@@ -92,14 +92,19 @@ def completion_line(ids):
     return corpus.decode(out), False
 
 
+def line_score(target, got, ended):
+    """How a completed line (bytes) meets the target: exact (it ended and
+    equals it) and right_before_miss (the share of the target's bytes it got
+    right before the first wrong one). eval/infill_serve.py scores with it too."""
+    k = 0
+    while k < min(len(got), len(target)) and got[k] == target[k]:
+        k += 1
+    return {"exact": bool(ended and got == target), "right_before_miss": k / len(target)}
+
+
 def score(case, ids):
     got, ended = completion_line(ids)
-    tgt = case["target"]
-    k = 0
-    while k < min(len(got), len(tgt)) and got[k] == tgt[k]:
-        k += 1
-    return {"exact": bool(ended and got == tgt), "right_before_miss": k / len(tgt), "got": got,
-            "ended": ended}
+    return line_score(case["target"], got, ended) | {"got": got, "ended": ended}
 
 
 def run(engine, cases_, rows=tuple(r for r, _ in ROWS), log=None):

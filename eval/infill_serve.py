@@ -25,27 +25,16 @@ eval/run.py (`--only infill`) and tests/python/test_infill.py.
 import http.client
 import json
 import os
-import shutil
-import signal
-import socket
 import subprocess
 import sys
-import tempfile
-import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import infill as I  # noqa: E402
+import paths  # noqa: F401  (the repository's Python on sys.path)
+
+import infill as I
+import procs as P
 
 PATHS = [("edit", "after a PIE edit (a line above the cursor changed)"),
          ("placement", "after chunk placement (input_extra cached in another order)")]
-
-
-def free_port():
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    p = s.getsockname()[1]
-    s.close()
-    return p
 
 
 class Serve:
@@ -55,7 +44,7 @@ class Serve:
     def __init__(self, build, gguf, threads=1):
         import run as R
         self.d = R.Daemon(build)
-        self.port = free_port()
+        self.port = P.free_tcp_port()
         self.log_path = os.path.join(self.d.dir, "serve.log")
         self.log = open(self.log_path, "wb")
         exe = os.path.join(build, "kvrope-llama")
@@ -68,17 +57,11 @@ class Serve:
              "--listen", f"127.0.0.1:{self.port}", "--ctx-size", str(I.SERVER["n_ctx"]),
              "--batch-size", str(I.SERVER["n_batch"]), "--n-predict", str(I.SERVER["n_predict"])],
             stdout=self.log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
-        deadline = time.monotonic() + 120
-        while True:
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.stop()
-                raise SystemExit("eval: kvrope serve did not start")
-            try:
-                if self.request("GET", "/health", timeout=2)[0] == 200:
-                    break
-            except OSError:
-                pass
-            time.sleep(0.05)
+        try:
+            P.wait_health(self.port, self.proc, "kvrope serve", timeout=120)
+        except RuntimeError:
+            self.stop()
+            raise SystemExit("eval: kvrope serve did not start")
 
     def request(self, method, path, body=None, timeout=300):
         c = http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout)
@@ -97,13 +80,8 @@ class Serve:
         return json.loads(data)
 
     def stop(self):
-        if getattr(self, "proc", None) is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        if getattr(self, "proc", None) is not None:
+            P.stop_process(self.proc, 30)
         self.log.close()
         self.d.stop()
 
@@ -145,11 +123,7 @@ def line_of(r):
 
 def score(case, r):
     got, ended = line_of(r)
-    tgt = case["target"]
-    k = 0
-    while k < min(len(got), len(tgt)) and got[k] == tgt[k]:
-        k += 1
-    return {"exact": bool(ended and got == tgt), "right_before_miss": k / len(tgt), "got": got.decode("utf-8", "replace")}
+    return I.line_score(case["target"], got, ended) | {"got": got.decode("utf-8", "replace")}
 
 
 def run(build, gguf, cases_, paths=tuple(p for p, _ in PATHS), log=None):

@@ -13,20 +13,14 @@ Cases come from eval/cases.py. Each function returns plain dicts of
 per-case numbers; run.py averages them into tables.
 """
 import math
-import os
-import sys
 
 import numpy as np
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
-for p in (HERE, os.path.join(ROOT, "client", "python"), os.path.join(ROOT, "examples")):
-    if p not in sys.path:
-        sys.path.insert(0, p)
+import paths  # noqa: F401  (the repository's Python on sys.path)
 
-import corpus  # noqa: E402
-import engines as E  # noqa: E402
-import llama as L  # noqa: E402
+import corpus
+import engines as E
+import llama as L
 
 LN2 = math.log(2.0)
 NEWLINE = int(corpus.encode(b"\n", bos=False)[0])

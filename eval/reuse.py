@@ -52,17 +52,13 @@ import time
 
 import numpy as np
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
-for p in (HERE, os.path.join(ROOT, "client", "python"), os.path.join(ROOT, "examples")):
-    if p not in sys.path:
-        sys.path.insert(0, p)
+from paths import HERE, ROOT  # also puts the repository's Python on sys.path
 
-import cases as C  # noqa: E402
-import corpus  # noqa: E402
-import engines as E  # noqa: E402
-import llama as L  # noqa: E402
-import measure as M  # noqa: E402
+import cases as C
+import corpus
+import engines as E
+import llama as L
+import measure as M
 
 LN2 = math.log(2.0)
 METHODS = ["full", "none_repair", "epic:4", "epic:16", "epic:32", "blend:0.05", "blend:0.15",

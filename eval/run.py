@@ -20,8 +20,6 @@ import contextlib
 import json
 import os
 import shutil
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -29,18 +27,15 @@ import time
 
 import numpy as np
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
-for p in (HERE, os.path.join(ROOT, "client", "python"), os.path.join(ROOT, "examples")):
-    if p not in sys.path:
-        sys.path.insert(0, p)
+from paths import HERE, ROOT  # also puts the repository's Python on sys.path
 
-import cases as C  # noqa: E402
-import corpus  # noqa: E402
-import engines as E  # noqa: E402
-import infill as I  # noqa: E402
-import infill_serve as IS  # noqa: E402
-import measure as M  # noqa: E402
+import cases as C
+import corpus
+import engines as E
+import infill as I
+import infill_serve as IS
+import measure as M
+import procs as P
 
 MODEL_DIR = os.environ.get("KVR_EVAL_MODEL") or os.path.join(HERE, "model")
 CODECS = [  # (row name, spec) — docs/quantized.md
@@ -69,30 +64,14 @@ class Daemon:
                                       "--log-level", "warn"], stdout=self.log, stderr=subprocess.STDOUT,
                                      stdin=subprocess.DEVNULL)
         deadline = time.monotonic() + 15
-        while not self._answers():
+        while not P.unix_socket_answers(self.socket):
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 self.stop()
                 raise SystemExit("eval: kvroped did not start")
             time.sleep(0.02)
 
-    def _answers(self):
-        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            s.connect(self.socket)
-            return True
-        except OSError:
-            return False
-        finally:
-            s.close()
-
     def stop(self):
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        P.stop_process(self.proc, 15)
         self.log.close()
         shutil.rmtree(self.dir, ignore_errors=True)
 

@@ -2,7 +2,8 @@
 """What the example programs (editor.py, rag.py, streaming.py, worker.py)
 share: the --socket option, the toy model with a name that carries its
 config and seed, and reaching the daemon with a clear message when it is not
-running. Kept apart from llama.py, which is the model alone.
+running or this libkvrope lacks a verb the example needs. Kept apart from
+llama.py, which is the model alone.
 """
 import hashlib
 import json
@@ -29,14 +30,21 @@ def toy_model(rope, seed, prefix):
     return config, model, f"{prefix}-llama-{digest.hexdigest()[:10]}", digest
 
 
-def connect(socket):
-    """(client, path) of the daemon at `socket` (None: the default); the
-    client is None, after saying on stderr how to start the daemon, if it
-    cannot be reached."""
+def connect(socket, needs=None):
+    """(client, path) of the daemon at `socket` (None: the default). The
+    client is None, after saying on stderr what to do, if the daemon cannot
+    be reached (start it) or, with `needs` = (C function, what it does), if
+    this libkvrope predates that verb (rebuild it)."""
     sock = socket or kvrope.default_socket()
     try:
-        return kvrope.connect(sock), sock
+        c = kvrope.connect(sock)
     except kvrope.KvropeError as e:
         print(f"cannot reach kvroped at {sock}: {e.message}\n"
               f"start it with `make run` (or pass --socket PATH)", file=sys.stderr)
         return None, sock
+    if needs and not c._lib.has(needs[0]):
+        print(f"this libkvrope has no {needs[1]}; rebuild it (make build/libkvrope.so)",
+              file=sys.stderr)
+        c.close()
+        return None, sock
+    return c, sock

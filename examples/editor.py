@@ -232,12 +232,8 @@ def main(argv=None):
         ap.error("--bytes must be >= 64 and --edits >= 1")
 
     config, model, name, _ = C.toy_model(args.rope, args.seed, "editor")
-    c, sock = C.connect(args.socket)
+    c, sock = C.connect(args.socket, needs=("kvr_client_edit", "edit verbs"))
     if c is None:
-        return 2
-    if not c._lib.has("kvr_client_edit"):
-        print("this libkvrope has no edit verbs; rebuild it (make build/libkvrope.so)",
-              file=sys.stderr)
         return 2
 
     text = load_source(args.file, args.bytes)

@@ -107,12 +107,8 @@ def main(argv=None):
     args = ap.parse_args(argv)
 
     config, model, name, _ = C.toy_model("default", args.seed, "rag")
-    c, sock = C.connect(args.socket)
+    c, sock = C.connect(args.socket, needs=("kvr_client_assemble", "assemble"))
     if c is None:
-        return 2
-    if not c._lib.has("kvr_client_assemble"):
-        print("this libkvrope has no assemble; rebuild it (make build/libkvrope.so)",
-              file=sys.stderr)
         return 2
     failed = False
     with c, tempfile.TemporaryDirectory() as tmp:

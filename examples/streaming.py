@@ -67,12 +67,8 @@ def main(argv=None):
     args = ap.parse_args(argv)
 
     config, model, name, digest = C.toy_model("default", args.seed, "stream")
-    c, sock = C.connect(args.socket)
+    c, sock = C.connect(args.socket, needs=("kvr_client_group_append", "group append"))
     if c is None:
-        return 2
-    if not c._lib.has("kvr_client_group_append"):
-        print("this libkvrope has no group append; rebuild it (make build/libkvrope.so)",
-              file=sys.stderr)
         return 2
     offsets = {"src": 0, "tgt": args.target_offset}
     with c, tempfile.TemporaryDirectory() as tmp:

@@ -59,6 +59,9 @@ import tempfile
 import time
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
+sys.path.insert(0, os.path.join(ROOT, "tests", "python"))
+from procs import stop_process, wait_health  # noqa: E402  (shared with the tests and eval)
+
 BUILD = os.path.abspath(os.environ.get("KVR_BUILD") or os.path.join(ROOT, "build"))
 MODEL = os.environ.get("KVR_SERVE_MODEL") or os.path.join(
     BUILD, "llama-models", "bench-l16-w2048-kv8-f16-fim.gguf")
@@ -89,22 +92,6 @@ def post(port, path, obj, timeout=600):
         c.close()
 
 
-def wait_health(port, proc, what, timeout=300):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{what} exited {proc.returncode}")
-        try:
-            c = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
-            c.request("GET", "/health")
-            if c.getresponse().status == 200:
-                return
-        except OSError:
-            pass
-        time.sleep(0.05)
-    raise RuntimeError(f"{what} not ready")
-
-
 class Proc:
     def __init__(self, argv, port, what, log):
         self.argv, self.port, self.what, self.log = argv, port, what, log
@@ -117,13 +104,8 @@ class Proc:
         wait_health(self.port, self.proc, self.what)
 
     def stop(self):
-        if self.proc and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        if self.proc:
+            stop_process(self.proc, 30)
 
 
 # ---- what llama.vim sends ------------------------------------------------------

@@ -11,6 +11,8 @@
   client               a kvrope.Client connected to `kvroped` (closed after)
   uid                  a unique string for context ids / model names in the
                        shared daemon
+  free_tcp_port()      a free loopback port (from procs.py, the process helpers
+                       conftest shares with tests/bench and eval/run.py)
 
 sys.path gets client/python (the kvrope package) and examples/ (llama.py);
 KVROPE_LIB defaults to $KVR_BUILD/libkvrope.so so the binding uses the
@@ -18,8 +20,6 @@ library of the same build as the daemon.
 """
 import os
 import shutil
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -27,6 +27,9 @@ import time
 import uuid
 
 import pytest
+
+# free_tcp_port: the tests import it from here
+from procs import free_tcp_port, stop_process, unix_socket_answers  # noqa: F401
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 BUILD = os.path.abspath(os.environ.get("KVR_BUILD") or os.path.join(ROOT, "build"))
@@ -59,24 +62,12 @@ class Daemon:
         while True:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"kvroped exited {self.proc.returncode} at start:\n{self.log()}")
-            if self._answers():
+            if unix_socket_answers(self.socket):
                 break
             if time.monotonic() > deadline:
                 self.stop()
                 raise RuntimeError(f"kvroped did not listen on {self.socket}:\n{self.log()}")
             time.sleep(0.02)
-
-    def _answers(self):
-        if not os.path.exists(self.socket):
-            return False
-        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            s.connect(self.socket)
-            return True
-        except OSError:
-            return False
-        finally:
-            s.close()
 
     def log(self):
         try:
@@ -87,25 +78,10 @@ class Daemon:
 
     def stop(self, timeout=15.0):
         """SIGTERM, wait; SIGKILL if it hangs. Returns the exit status."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        rc = stop_process(self.proc, timeout)
         self._log.close()
-        rc = self.proc.returncode
         shutil.rmtree(self.dir, ignore_errors=True)
         return rc
-
-
-def free_tcp_port():
-    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
 
 
 @pytest.fixture(scope="session")

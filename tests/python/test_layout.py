@@ -83,10 +83,16 @@ def need(client, fn):
         pytest.skip(f"libkvrope without {fn}")
 
 
-def rag_setup(client, llm, uid, docs=("Doc A: cats purr.\n", "Doc B: dogs bark loudly.\n")):
-    need(client, "kvr_client_assemble")
-    name = f"lay-{uid}"
+def new_model(client, name, fn):
+    """`name` registered with CFG on the shared daemon, the test skipped first
+    if libkvrope lacks `fn` (the verb it tests)."""
+    need(client, fn)
     client.register_model(name, CFG, dtype="f32")
+    return name
+
+
+def rag_setup(client, llm, uid, docs=("Doc A: cats purr.\n", "Doc B: dogs bark loudly.\n")):
+    name = new_model(client, f"lay-{uid}", "kvr_client_assemble")
     pre = L.encode("System: answer from the documents.\n")
     _, kvp = llm.forward(pre)
     client.put(f"p-{uid}", name, pre, kvp, mode="create")
@@ -159,9 +165,7 @@ def test_assemble_refusals(client, llm, uid):
 
 
 def test_group_append_positions(client, llm, uid):
-    need(client, "kvr_client_group_append")
-    name = f"grp-{uid}"
-    client.register_model(name, CFG, dtype="f32")
+    name = new_model(client, f"grp-{uid}", "kvr_client_group_append")
     src, tgt = L.encode("Hallo Welt"), L.encode("Hello world")
     _, ks = llm.forward(src)
     _, kt = llm.forward(tgt)
@@ -187,9 +191,7 @@ def test_group_append_positions(client, llm, uid):
 
 
 def test_retention_sinks_and_window(client, llm, uid):
-    need(client, "kvr_client_set_retention")
-    name = f"ret-{uid}"
-    client.register_model(name, CFG, dtype="f32")
+    name = new_model(client, f"ret-{uid}", "kvr_client_set_retention")
     t = L.encode("abcdefghij")
     _, kv = llm.forward(t)
     cid = f"r-{uid}"
@@ -250,9 +252,7 @@ def test_put_records_the_v_layout(client, llm, uid):
     # v_trans=True on create is a record the context keeps (llama export's
     # default layout), a fork copies it, an append cannot change it, and a
     # context put without it records False.
-    need(client, "kvr_client_layout_stat")
-    name = f"vt-{uid}"
-    client.register_model(name, CFG, dtype="f32")
+    name = new_model(client, f"vt-{uid}", "kvr_client_layout_stat")
     t = L.encode("def f(x):\n    return x\n")
     _, kv = llm.forward(t)
     client.put(f"vt1-{uid}", name, t, kv, mode="create", v_trans=True)

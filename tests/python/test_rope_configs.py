@@ -1,11 +1,13 @@
 """Every real Hugging Face config.json in ../shared/configs (issue 18), through
 the CLI (`kvrope rope apply|remove|reposition`) and through the daemon (put
 rotated keys, get them at other positions; quantized contexts un-rotate at put
-and rotate at get), against an independent float64 reference written here
-from transformers' formulas (modeling_rope_utils.py: default, linear, dynamic,
-yarn, longrope, llama3 inv_freq and attention scaling; dynamic_rope_update /
-longrope_frequency_update for the length-dependent tables; each model's
-modeling code for the pairing and the rotated dims).
+and rotate at get), against a float64 reference independent of the C code:
+transformers' formulas as examples/llama.py's rope_parameters computes them
+(modeling_rope_utils.py: default, linear, dynamic, yarn, longrope, llama3
+inv_freq and attention scaling; dynamic_rope_update /
+longrope_frequency_update for the length-dependent tables), with each model's
+reading of its config and its modeling code for the pairing and the rotated
+dims written here.
 
 The configs are read in place: $KVR_CONFIGS (set by the Makefile to
 $(SHARED)/configs), else the sibling of $KVR_VECTORS, else ../shared/configs.
@@ -18,7 +20,6 @@ printed at the end of the session (pytest -s) and must stay under
 TOL[dtype]: a wrong table is off by O(1) there.
 """
 import json
-import math
 import os
 import subprocess
 import tempfile
@@ -31,6 +32,7 @@ import pytest
 from conftest import BUILD, ROOT
 
 import kvrope
+import llama as L
 
 
 def _configs_dir():
@@ -109,7 +111,15 @@ class Ref:
                 "sliding_attention" if (i + 1) % pat else "full_attention"
                 for i in range(self.n_layers)]
             self.local = [t == "sliding_attention" for t in types]
-            self.local_theta = float(cfg.get("rope_local_base_freq", 10000.0))
+        # The config as examples/llama.py reads it, with this model's reading of
+        # each field settled here: its rotated dims, theta, context and family.
+        self.hf = {"head_dim": self.head_dim, "rotary_dim": self.rot, "rope_theta": self.theta,
+                   "max_position_embeddings": self.max_pos,
+                   "rope_scaling": dict(rs, rope_type=self.type, rope_theta=self.theta)}
+        if "original_max_position_embeddings" in cfg:      # Phi-3's longrope
+            self.hf["original_max_position_embeddings"] = cfg["original_max_position_embeddings"]
+        self.local_hf = {"head_dim": self.head_dim, "rotary_dim": self.rot,
+                         "rope_theta": float(cfg.get("rope_local_base_freq", 10000.0))}
 
     # the threshold of the length-dependent tables
     def original(self):
@@ -118,69 +128,10 @@ class Ref:
         return int(self.rs.get("original_max_position_embeddings") or self.max_pos)
 
     def inv_freq(self, seq_len, layer=0):
-        """(inv_freq [rot/2] float64, attention_factor)."""
-        dim = self.rot
-        exps = np.arange(0, dim, 2, dtype=np.int64).astype(np.float64) / dim
-        if self.local[layer]:
-            return 1.0 / (self.local_theta ** exps), 1.0
-        base, rs, t = self.theta, self.rs, self.type
-        if t == "default":
-            return 1.0 / (base ** exps), 1.0
-        if t == "linear":
-            return 1.0 / (base ** exps) / float(rs["factor"]), 1.0
-        if t == "dynamic":
-            factor, mp = float(rs["factor"]), self.max_pos
-            sl = max(seq_len, mp)          # dynamic_rope_update: original table within mp
-            base = base * ((factor * sl / mp) - (factor - 1)) ** (dim / (dim - 2))
-            return 1.0 / (base ** exps), 1.0
-        if t == "yarn":
-            factor = float(rs["factor"])   # the stated factor (transformers PR #40320)
-            orig = int(rs.get("original_max_position_embeddings") or self.max_pos)
-
-            def get_mscale(scale, m=1.0):
-                return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
-
-            att = rs.get("attention_factor")
-            if att is None:
-                ms, msa = rs.get("mscale"), rs.get("mscale_all_dim")
-                att = get_mscale(factor, ms) / get_mscale(factor, msa) if ms and msa else get_mscale(factor)
-            bf, bs = rs.get("beta_fast") or 32, rs.get("beta_slow") or 1
-
-            def corr(n):
-                return (dim * math.log(orig / (n * 2 * math.pi))) / (2 * math.log(base))
-
-            lo, hi = corr(bf), corr(bs)
-            if rs.get("truncate", True):
-                lo, hi = math.floor(lo), math.ceil(hi)
-            lo, hi = max(lo, 0), min(hi, dim - 1)
-            if lo == hi:
-                hi += 0.001
-            ramp = np.clip((np.arange(dim // 2, dtype=np.float64) - lo) / (hi - lo), 0, 1)
-            extra = 1.0 - ramp
-            pf = base ** exps
-            return (1.0 / (factor * pf)) * (1 - extra) + (1.0 / pf) * extra, float(att)
-        if t == "longrope":
-            orig = self.original()
-            factor = rs.get("factor")
-            if "original_max_position_embeddings" in self.cfg:
-                factor = self.max_pos / orig
-            att = rs.get("attention_factor")
-            if att is None:
-                att = 1.0 if not factor or factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(orig))
-            ext = np.asarray(rs["long_factor"] if seq_len > orig else rs["short_factor"], np.float64)
-            return 1.0 / (ext * base ** exps), float(att)
-        if t == "llama3":
-            inv = 1.0 / (base ** exps)
-            factor, lf, hf = float(rs["factor"]), float(rs["low_freq_factor"]), float(rs["high_freq_factor"])
-            old = float(rs["original_max_position_embeddings"])
-            lwl, hwl = old / lf, old / hf
-            wl = 2 * math.pi / inv
-            inv_l = np.where(wl > lwl, inv / factor, inv)
-            sm = (old / wl - lf) / (hf - lf)
-            smoothed = (1 - sm) * inv_l / factor + sm * inv_l
-            med = ~(wl < hwl) & ~(wl > lwl)
-            return np.where(med, smoothed, inv_l), 1.0
-        raise AssertionError(t)
+        """(inv_freq [rot/2] float64, attention_factor): examples/llama.py's
+        rope_parameters (ROPE_INIT_FUNCTIONS[rope_type]) on the config as this
+        model's code reads it (self.hf; Gemma 3's sliding layers: self.local_hf)."""
+        return L.rope_parameters(self.local_hf if self.local[layer] else self.hf, seq_len)
 
     def rotate(self, x, pos, seq_len, layer=0, sign=1):
         """x [T, H, D] float64 -> R(sign * pos) x * att^sign (HF: cos/sin * attention_factor)."""
