@@ -5,10 +5,8 @@
  * 16 elements a step with base/simd_avx512.h, masked tails, bit for bit the
  * scalar conversion (and its multiply, for the scaled one).
  */
-#include <string.h>
-
 #include "base/simd_avx512.h"
-#include "base/base_internal.h"
+#include "base/simd_span_inl.h"
 
 void kvr__copy_stream_avx512(void *dst, const void *src, size_t n)
 {
@@ -28,16 +26,9 @@ void kvr__copy_stream_avx512(void *dst, const void *src, size_t n)
     _mm_sfence();
 }
 
-#define CONV_CASE(S, D) \
-    if (st == S && dt == D) { conv_span(dst, D, src, S, 0, n); return; }
-
 void kvr__convert_avx512(void *dst, kvr_dtype dt, const void *src, kvr_dtype st, size_t n)
 {
-    if (dt == st) {
-        if (dst != src) memmove(dst, src, n * kvr_dtype_size(st));
-        return;
-    }
-    KVR__DTYPE_PAIRS_CONVERTED(CONV_CASE)
+    copy_span(dst, dt, src, st, 0, n);
 }
 
 #define CONV_SCALED_CASE(S, D) \
@@ -47,13 +38,5 @@ void kvr__convert_scaled_avx512(void *dst, kvr_dtype dt, const void *src, kvr_dt
                                 size_t n, float k)
 {
     const __m512 kv = _mm512_set1_ps(k);
-    CONV_SCALED_CASE(KVR_DTYPE_F32, KVR_DTYPE_F32)
-    CONV_SCALED_CASE(KVR_DTYPE_F32, KVR_DTYPE_F16)
-    CONV_SCALED_CASE(KVR_DTYPE_F32, KVR_DTYPE_BF16)
-    CONV_SCALED_CASE(KVR_DTYPE_F16, KVR_DTYPE_F32)
-    CONV_SCALED_CASE(KVR_DTYPE_F16, KVR_DTYPE_F16)
-    CONV_SCALED_CASE(KVR_DTYPE_F16, KVR_DTYPE_BF16)
-    CONV_SCALED_CASE(KVR_DTYPE_BF16, KVR_DTYPE_F32)
-    CONV_SCALED_CASE(KVR_DTYPE_BF16, KVR_DTYPE_F16)
-    CONV_SCALED_CASE(KVR_DTYPE_BF16, KVR_DTYPE_BF16)
+    SIMD_DTYPE_PAIRS_ALL(CONV_SCALED_CASE)
 }

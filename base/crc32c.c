@@ -13,6 +13,24 @@
 static uint32_t table[8][256];
 static atomic_int table_ready;
 
+/* Runs init the first time only; every caller returns after it has run
+ * (the tables are read only once their ready flag is set, with release
+ * order). Racing initialisers would write identical tables: harmless, but
+ * one runs while the others wait. */
+static inline void init_once(atomic_int *ready, void (*init)(void))
+{
+    if (atomic_load_explicit(ready, memory_order_acquire))
+        return;
+    static atomic_flag busy = ATOMIC_FLAG_INIT;
+    while (atomic_flag_test_and_set_explicit(&busy, memory_order_acquire))
+        ;
+    if (!atomic_load_explicit(ready, memory_order_relaxed)) {
+        init();
+        atomic_store_explicit(ready, 1, memory_order_release);
+    }
+    atomic_flag_clear_explicit(&busy, memory_order_release);
+}
+
 static void table_init(void)
 {
     for (uint32_t i = 0; i < 256; i++) {
@@ -107,16 +125,7 @@ static uint32_t crc_hw(uint32_t crc, const uint8_t *p, size_t n)
 {
     if (n < 3 * LANE)
         return crc_hw1(crc, p, n);
-    if (!atomic_load_explicit(&zeros_ready, memory_order_acquire)) {
-        static atomic_flag busy = ATOMIC_FLAG_INIT;
-        while (atomic_flag_test_and_set_explicit(&busy, memory_order_acquire))
-            ;
-        if (!atomic_load_explicit(&zeros_ready, memory_order_relaxed)) {
-            zeros_init();
-            atomic_store_explicit(&zeros_ready, 1, memory_order_release);
-        }
-        atomic_flag_clear_explicit(&busy, memory_order_release);
-    }
+    init_once(&zeros_ready, zeros_init);
     uint64_t a = crc;
     while (n >= 3 * LANE) {
         uint64_t b = 0, c = 0;
@@ -141,17 +150,7 @@ static atomic_int use_hw = -1;
 
 uint32_t kvr_crc32c_portable(uint32_t crc, const void *p, size_t n)
 {
-    /* Racing initialisers write identical tables: harmless but keep one. */
-    if (!atomic_load_explicit(&table_ready, memory_order_acquire)) {
-        static atomic_flag busy = ATOMIC_FLAG_INIT;
-        while (atomic_flag_test_and_set_explicit(&busy, memory_order_acquire))
-            ;
-        if (!atomic_load_explicit(&table_ready, memory_order_relaxed)) {
-            table_init();
-            atomic_store_explicit(&table_ready, 1, memory_order_release);
-        }
-        atomic_flag_clear_explicit(&busy, memory_order_release);
-    }
+    init_once(&table_ready, table_init);
     return ~crc_sw(~crc, p, n);
 }
 

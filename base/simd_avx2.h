@@ -37,12 +37,17 @@ AI __m128i to_bf16(__m256 v)
     return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
 }
 
+/* v as 8 values of the 16-bit type t (f16 or bf16). */
+AI __m128i to_16bit(__m256 v, kvr_dtype t)
+{
+    return t == KVR_DTYPE_F16 ? _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
+                              : to_bf16(v);
+}
+
 AI void st(void *p, size_t i, kvr_dtype t, __m256 v)
 {
     if (t == KVR_DTYPE_F32) { _mm256_storeu_ps((float *)p + i, v); return; }
-    __m128i h = t == KVR_DTYPE_F16 ? _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
-                                   : to_bf16(v);
-    _mm_storeu_si128((__m128i *)((uint16_t *)p + i), h);
+    _mm_storeu_si128((__m128i *)((uint16_t *)p + i), to_16bit(v, t));
 }
 
 AI void conv_span(void *dst, kvr_dtype dt, const void *src, kvr_dtype st_, size_t i0, size_t i1)

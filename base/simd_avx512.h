@@ -46,20 +46,23 @@ AI __m256i to_bf16(__m512 v)
     return _mm512_cvtepi32_epi16(r);
 }
 
+/* v as 16 values of the 16-bit type t (f16 or bf16). */
+AI __m256i to_16bit(__m512 v, kvr_dtype t)
+{
+    return t == KVR_DTYPE_F16 ? _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
+                              : to_bf16(v);
+}
+
 AI void st(void *p, size_t i, kvr_dtype t, __m512 v)
 {
     if (t == KVR_DTYPE_F32) { _mm512_storeu_ps((float *)p + i, v); return; }
-    __m256i h = t == KVR_DTYPE_F16 ? _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
-                                   : to_bf16(v);
-    _mm256_storeu_si256((__m256i *)((uint16_t *)p + i), h);
+    _mm256_storeu_si256((__m256i *)((uint16_t *)p + i), to_16bit(v, t));
 }
 
 AI void stm(void *p, size_t i, kvr_dtype t, __m512 v, __mmask16 m)
 {
     if (t == KVR_DTYPE_F32) { _mm512_mask_storeu_ps((float *)p + i, m, v); return; }
-    __m256i h = t == KVR_DTYPE_F16 ? _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
-                                   : to_bf16(v);
-    _mm256_mask_storeu_epi16((uint16_t *)p + i, m, h);
+    _mm256_mask_storeu_epi16((uint16_t *)p + i, m, to_16bit(v, t));
 }
 
 /* st() with a non-temporal store (dst aligned to the vector: the caller
@@ -67,25 +70,16 @@ AI void stm(void *p, size_t i, kvr_dtype t, __m512 v, __mmask16 m)
 AI void st_nt(void *p, size_t i, kvr_dtype t, __m512 v)
 {
     if (t == KVR_DTYPE_F32) { _mm512_stream_ps((float *)p + i, v); return; }
-    __m256i h = t == KVR_DTYPE_F16 ? _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
-                                   : to_bf16(v);
-    _mm256_stream_si256((__m256i *)((uint16_t *)p + i), h);
+    _mm256_stream_si256((__m256i *)((uint16_t *)p + i), to_16bit(v, t));
 }
 
 /* Two vectors of 16-bit results, elements [i, i + 32), in one
  * non-temporal 64-byte store (p + i aligned to 64 bytes). */
 AI void st_line(void *p, size_t i, kvr_dtype t, __m512 v0, __m512 v1)
 {
-    __m256i h0, h1;
-    if (t == KVR_DTYPE_F16) {
-        h0 = _mm512_cvtps_ph(v0, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-        h1 = _mm512_cvtps_ph(v1, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    } else {
-        h0 = to_bf16(v0);
-        h1 = to_bf16(v1);
-    }
     _mm512_stream_si512((__m512i *)((uint16_t *)p + i),
-                        _mm512_inserti64x4(_mm512_castsi256_si512(h0), h1, 1));
+                        _mm512_inserti64x4(_mm512_castsi256_si512(to_16bit(v0, t)),
+                                           to_16bit(v1, t), 1));
 }
 
 #define ST(nt, p, i, t, v) do { if (nt) st_nt(p, i, t, v); else st(p, i, t, v); } while (0)

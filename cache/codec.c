@@ -12,6 +12,7 @@
  * dispatch.
  */
 #include "cache/codec.h"
+#include "cache/codec_inl.h"
 #include "cache/cache.h"
 #include "base/ggml_quants.h"
 
@@ -23,8 +24,6 @@
 
 /* ---- small helpers ------------------------------------------------------ */
 
-static uint16_t rd16(const uint8_t *p) { return (uint16_t)(p[0] | (p[1] << 8)); }
-static void wr16(uint8_t *p, uint16_t v) { p[0] = (uint8_t)v; p[1] = (uint8_t)(v >> 8); }
 static uint32_t rd32(const uint8_t *p)
 {
     return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24;
@@ -35,18 +34,6 @@ static void wr32(uint8_t *p, uint32_t v)
 }
 static uint32_t f32_bits(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
 static float bits_f32(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
-
-/* Next f16 towards +inf / -inf (finite inputs only). */
-static uint16_t f16_up(uint16_t h)
-{
-    if (h == 0x8000 || h == 0x0000) return 0x0001;
-    return (h & 0x8000) ? (uint16_t)(h - 1) : (uint16_t)(h + 1);
-}
-static uint16_t f16_down(uint16_t h)
-{
-    if (h == 0x8000 || h == 0x0000) return 0x8001;
-    return (h & 0x8000) ? (uint16_t)(h + 1) : (uint16_t)(h - 1);
-}
 
 static float load_elem(const void *src, kvr_dtype t, size_t i)
 {

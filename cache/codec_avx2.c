@@ -20,51 +20,8 @@
 #include <string.h>
 
 #define AI static inline __attribute__((always_inline))
-
-AI __m256 ld8(const void *src, size_t i, int h)
-{
-    if (h) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)src + i)));
-    return _mm256_loadu_ps((const float *)src + i);
-}
-
-AI void st8(void *dst, size_t i, __m256 y, int h)
-{
-    if (h) {
-        const __m256 lim = _mm256_set1_ps(KVR_CODEC_F16_LIMIT);
-        y = _mm256_min_ps(lim, _mm256_max_ps(_mm256_sub_ps(_mm256_setzero_ps(), lim), y));
-        _mm_storeu_si128((__m128i *)((uint16_t *)dst + i),
-                         _mm256_cvtps_ph(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-    } else {
-        _mm256_storeu_ps((float *)dst + i, y);
-    }
-}
-
-AI float hmin8(__m256 v)
-{
-    __m128 a = _mm_min_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    a = _mm_min_ps(a, _mm_movehl_ps(a, a));
-    a = _mm_min_ss(a, _mm_shuffle_ps(a, a, 1));
-    return _mm_cvtss_f32(a);
-}
-
-AI float hmax8(__m256 v)
-{
-    __m128 a = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    a = _mm_max_ps(a, _mm_movehl_ps(a, a));
-    a = _mm_max_ss(a, _mm_shuffle_ps(a, a, 1));
-    return _mm_cvtss_f32(a);
-}
-
-static uint16_t f16_up(uint16_t h)
-{
-    if (h == 0x8000 || h == 0x0000) return 0x0001;
-    return (h & 0x8000) ? (uint16_t)(h - 1) : (uint16_t)(h + 1);
-}
-static uint16_t f16_down(uint16_t h)
-{
-    if (h == 0x8000 || h == 0x0000) return 0x8001;
-    return (h & 0x8000) ? (uint16_t)(h + 1) : (uint16_t)(h - 1);
-}
+#include "cache/codec_inl.h"
+#include "cache/codec_avx2_inl.h"
 
 /* kvr_codec_scale_covers, inlined (the same double expression). */
 AI int covers(float m, float s, float hi, double L)
@@ -187,20 +144,7 @@ AI size_t dec_group(void *dst, size_t i0, const uint8_t *src, uint32_t G, unsign
     const __m256 vs = _mm256_set1_ps(s), vm = _mm256_set1_ps(m);
     for (size_t c = 0; c < G / 32; c++) {
         __m128i Q0, Q1;
-        if (bits == 8) {
-            Q0 = _mm_loadu_si128((const __m128i *)(qs + 32 * c));
-            Q1 = _mm_loadu_si128((const __m128i *)(qs + 32 * c + 16));
-        } else if (bits == 4) {
-            const __m128i m4 = _mm_set1_epi8(0x0F);
-            __m128i b = _mm_loadu_si128((const __m128i *)(qs + 16 * c));
-            Q0 = _mm_and_si128(b, m4);
-            Q1 = _mm_and_si128(_mm_srli_epi16(b, 4), m4);
-        } else {
-            const __m128i m2 = _mm_set1_epi8(0x03);
-            __m128i b = _mm_loadl_epi64((const __m128i *)(qs + 8 * c));
-            Q0 = _mm_and_si128(_mm_unpacklo_epi64(b, _mm_srli_epi16(b, 2)), m2);
-            Q1 = _mm_and_si128(_mm_unpacklo_epi64(_mm_srli_epi16(b, 4), _mm_srli_epi16(b, 6)), m2);
-        }
+        unpack_chunk(qs, c, bits, &Q0, &Q1);
         __m256i q0 = _mm256_cvtepu8_epi32(Q0), q1 = _mm256_cvtepu8_epi32(_mm_srli_si128(Q0, 8));
         __m256i q2 = _mm256_cvtepu8_epi32(Q1), q3 = _mm256_cvtepu8_epi32(_mm_srli_si128(Q1, 8));
         size_t o = i0 + 32 * c;
@@ -212,30 +156,33 @@ AI size_t dec_group(void *dst, size_t i0, const uint8_t *src, uint32_t G, unsign
     return pb + G / 32 * 4 * bits;
 }
 
-static int av_enc_f32(uint8_t *dst, const float *src, size_t n, unsigned bits,
-                      uint32_t group, kvr_codec_params params)
+/* The full groups of a row, then its short last group with the scalar
+ * kernel (h: f16 input). */
+AI int enc_row(uint8_t *dst, const void *src, size_t n, unsigned bits, uint32_t group,
+               kvr_codec_params params, const int h)
 {
     size_t i = 0;
     for (; i + group <= n; i += group) {
-        size_t w = enc_group(dst, src, i, group, bits, params, 0);
+        size_t w = enc_group(dst, src, i, group, bits, params, h);
         if (!w) return -1;
         dst += w;
     }
-    if (i < n) return kvr_codec_kernels_scalar.enc_f32(dst, src + i, n - i, bits, group, params);
-    return 0;
+    if (i == n) return 0;
+    if (h) return kvr_codec_kernels_scalar.enc_f16(dst, (const uint16_t *)src + i, n - i, bits,
+                                                   group, params);
+    return kvr_codec_kernels_scalar.enc_f32(dst, (const float *)src + i, n - i, bits, group, params);
+}
+
+static int av_enc_f32(uint8_t *dst, const float *src, size_t n, unsigned bits,
+                      uint32_t group, kvr_codec_params params)
+{
+    return enc_row(dst, src, n, bits, group, params, 0);
 }
 
 static int av_enc_f16(uint8_t *dst, const uint16_t *src, size_t n, unsigned bits,
                       uint32_t group, kvr_codec_params params)
 {
-    size_t i = 0;
-    for (; i + group <= n; i += group) {
-        size_t w = enc_group(dst, src, i, group, bits, params, 1);
-        if (!w) return -1;
-        dst += w;
-    }
-    if (i < n) return kvr_codec_kernels_scalar.enc_f16(dst, src + i, n - i, bits, group, params);
-    return 0;
+    return enc_row(dst, src, n, bits, group, params, 1);
 }
 
 /* Full groups of a row: one loop per (bits, parameter type, output), so the
@@ -423,6 +370,15 @@ AI void err4x16(const void *a, const float *b, size_t len, size_t k, __m256d *E,
     }
 }
 
+/* The scalar reference's terms of elements k0.. of rows [i0, i1), added to
+ * their chains (h: f16 reference rows). */
+AI void err_tail(const void *ref, const float *dec, size_t i0, size_t i1, size_t k0, size_t len,
+                 double *e, double *q, int h)
+{
+    if (h) kvr_codec_err_rows_tail_h(ref, dec, i0, i1, k0, len, e, q);
+    else   kvr_codec_err_rows_tail(ref, dec, i0, i1, k0, len, e, q);
+}
+
 AI void err8(const void *ref, const float *dec, size_t i0, size_t len, size_t kv,
              double *e, double *q, int h)
 {
@@ -438,27 +394,30 @@ AI void err8(const void *ref, const float *dec, size_t i0, size_t len, size_t kv
     _mm256_storeu_pd(e + i0 + 4, e1);
     _mm256_storeu_pd(q + i0, q0);
     _mm256_storeu_pd(q + i0 + 4, q1);
-    if (h) kvr_codec_err_rows_tail_h(ref, dec, i0, i0 + 8, kv, len, e, q);
-    else   kvr_codec_err_rows_tail(ref, dec, i0, i0 + 8, kv, len, e, q);
+    err_tail(ref, dec, i0, i0 + 8, kv, len, e, q, h);
 }
 #undef ERR_STEP
+
+/* Every row: 8 at a time, then the rows left over by the scalar tail. */
+AI void err_rows(const void *ref, const float *dec, size_t n_rows, size_t len, double *e,
+                 double *q, const int h)
+{
+    size_t i = 0, kv = len / 16 * 16;
+    for (; i + 8 <= n_rows; i += 8) err8(ref, dec, i, len, kv, e, q, h);
+    for (size_t r = i; r < n_rows; r++) e[r] = q[r] = 0.0;
+    err_tail(ref, dec, i, n_rows, 0, len, e, q, h);
+}
 
 static void av_err_rows(const float *ref, const float *dec, size_t n_rows, size_t len,
                         double *e, double *q)
 {
-    size_t i = 0, kv = len / 16 * 16;
-    for (; i + 8 <= n_rows; i += 8) err8(ref, dec, i, len, kv, e, q, 0);
-    for (size_t r = i; r < n_rows; r++) e[r] = q[r] = 0.0;
-    kvr_codec_err_rows_tail(ref, dec, i, n_rows, 0, len, e, q);
+    err_rows(ref, dec, n_rows, len, e, q, 0);
 }
 
 static void av_err_rows_h(const uint16_t *ref, const float *dec, size_t n_rows, size_t len,
                           double *e, double *q)
 {
-    size_t i = 0, kv = len / 16 * 16;
-    for (; i + 8 <= n_rows; i += 8) err8(ref, dec, i, len, kv, e, q, 1);
-    for (size_t r = i; r < n_rows; r++) e[r] = q[r] = 0.0;
-    kvr_codec_err_rows_tail_h(ref, dec, i, n_rows, 0, len, e, q);
+    err_rows(ref, dec, n_rows, len, e, q, 1);
 }
 
 const kvr_codec_kernels kvr_codec_kernels_avx2 = {

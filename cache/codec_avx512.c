@@ -40,6 +40,7 @@
 #include <string.h>
 
 #define AI static inline __attribute__((always_inline))
+#include "cache/codec_avx2_inl.h"
 #include "cache/codec_avx512_inl.h"
 
 /* bits of 65504.0f: |x| <= 65504 (and not NaN) iff (bits & 0x7fffffff) <= it. */
@@ -62,13 +63,7 @@ AI __m512 ld16m(const void *src, size_t i, __mmask16 k, int h, __m512i *acc)
     return v;
 }
 
-/* Without the check (second pass over data already checked). */
-AI __m512 ld16q(const void *src, size_t i, int h)
-{
-    if (h) return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)src + i)));
-    return _mm512_loadu_ps((const float *)src + i);
-}
-
+/* ld16q with a mask (lanes not in k read 0). */
 AI __m512 ld16qm(const void *src, size_t i, __mmask16 k, int h)
 {
     if (h) return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, (const uint16_t *)src + i));
@@ -270,32 +265,35 @@ AI long enc_rows_any(uint8_t *dst, const void *src, size_t n, unsigned bits, uin
 #undef ER
 }
 
+/* A row: its full groups (f16 parameters), then its short last group with
+ * the scalar kernel; f32 parameters: the AVX2 kernel (h: f16 input). */
+AI int enc_row(uint8_t *dst, const void *src, size_t n, unsigned bits, uint32_t group,
+               kvr_codec_params params, const int h)
+{
+    if (params != KVR_CODEC_PARAMS_F16)
+        return h ? kvr_codec_kernels_avx2.enc_f16(dst, src, n, bits, group, params)
+                 : kvr_codec_kernels_avx2.enc_f32(dst, src, n, bits, group, params);
+    long ng = enc_rows_any(dst, src, n, bits, group, h);
+    if (ng < 0) return -1;
+    size_t i = (size_t)ng * group;
+    if (i == n) return 0;
+    dst += (size_t)ng * (4 + group * bits / 8);
+    return h ? kvr_codec_kernels_scalar.enc_f16(dst, (const uint16_t *)src + i, n - i, bits,
+                                                group, params)
+             : kvr_codec_kernels_scalar.enc_f32(dst, (const float *)src + i, n - i, bits,
+                                                group, params);
+}
+
 static int x5_enc_f32(uint8_t *dst, const float *src, size_t n, unsigned bits,
                       uint32_t group, kvr_codec_params params)
 {
-    if (params != KVR_CODEC_PARAMS_F16)
-        return kvr_codec_kernels_avx2.enc_f32(dst, src, n, bits, group, params);
-    long ng = enc_rows_any(dst, src, n, bits, group, 0);
-    if (ng < 0) return -1;
-    size_t i = (size_t)ng * group;
-    if (i < n)
-        return kvr_codec_kernels_scalar.enc_f32(dst + (size_t)ng * (4 + group * bits / 8),
-                                                src + i, n - i, bits, group, params);
-    return 0;
+    return enc_row(dst, src, n, bits, group, params, 0);
 }
 
 static int x5_enc_f16(uint8_t *dst, const uint16_t *src, size_t n, unsigned bits,
                       uint32_t group, kvr_codec_params params)
 {
-    if (params != KVR_CODEC_PARAMS_F16)
-        return kvr_codec_kernels_avx2.enc_f16(dst, src, n, bits, group, params);
-    long ng = enc_rows_any(dst, src, n, bits, group, 1);
-    if (ng < 0) return -1;
-    size_t i = (size_t)ng * group;
-    if (i < n)
-        return kvr_codec_kernels_scalar.enc_f16(dst + (size_t)ng * (4 + group * bits / 8),
-                                                src + i, n - i, bits, group, params);
-    return 0;
+    return enc_row(dst, src, n, bits, group, params, 1);
 }
 
 /* ---- KIVI tiles --------------------------------------------------------- */
@@ -399,16 +397,11 @@ static int x5_tile_enc(uint8_t *dst, const void *src, kvr_dtype t, size_t n_ch, 
     return 0;
 }
 
+/* st16 of the lanes in k. */
 AI void st16m(void *dst, size_t i, __mmask16 k, __m512 y, int h)
 {
-    if (h) {
-        const __m512 lim = _mm512_set1_ps(KVR_CODEC_F16_LIMIT);
-        y = _mm512_min_ps(lim, _mm512_max_ps(_mm512_sub_ps(_mm512_setzero_ps(), lim), y));
-        _mm256_mask_storeu_epi16((uint16_t *)dst + i, k,
-                                 _mm512_cvtps_ph(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-    } else {
-        _mm512_mask_storeu_ps((float *)dst + i, k, y);
-    }
+    if (h) _mm256_mask_storeu_epi16((uint16_t *)dst + i, k, to_f16_clamped(y));
+    else   _mm512_mask_storeu_ps((float *)dst + i, k, y);
 }
 
 AI void tile_dec_strip(void *dst, size_t ld, const uint8_t *src, size_t c0, size_t cc, size_t G,
@@ -476,9 +469,8 @@ static int x5_tile_dec(void *dst, kvr_dtype t, size_t ld, const uint8_t *src, si
 }
 
 /* Row decoding, f16 parameters: a group's 32-quant chunks become two
- * vectors of 16 (INT8: the bytes in order; INT4: low then high nibbles;
- * INT2: bit pairs 0-1 | 2-3, then 4-5 | 6-7, as the AVX2 kernel unpacks
- * them), y = (float)q * s + m as a multiply then an add, f16 output clamped
+ * vectors of 16 (unpack_chunk, as the AVX2 kernel unpacks them),
+ * y = (float)q * s + m as a multiply then an add, f16 output clamped
  * to +-65504 and rounded to nearest even: the scalar reference's values.
  * f32 parameters and a row's short last group: the AVX2 / scalar kernels. */
 AI size_t dec_rows16(void *dst, const uint8_t *src, size_t n, const unsigned bits,
@@ -494,20 +486,7 @@ AI size_t dec_rows16(void *dst, const uint8_t *src, size_t n, const unsigned bit
         const uint8_t *qs = src + 4;
         for (size_t c = 0; c < G / 32; c++) {
             __m128i Q0, Q1;
-            if (bits == 8) {
-                Q0 = _mm_loadu_si128((const __m128i *)(qs + 32 * c));
-                Q1 = _mm_loadu_si128((const __m128i *)(qs + 32 * c + 16));
-            } else if (bits == 4) {
-                const __m128i m4 = _mm_set1_epi8(0x0F);
-                __m128i b = _mm_loadu_si128((const __m128i *)(qs + 16 * c));
-                Q0 = _mm_and_si128(b, m4);
-                Q1 = _mm_and_si128(_mm_srli_epi16(b, 4), m4);
-            } else {
-                const __m128i m2 = _mm_set1_epi8(0x03);
-                __m128i b = _mm_loadl_epi64((const __m128i *)(qs + 8 * c));
-                Q0 = _mm_and_si128(_mm_unpacklo_epi64(b, _mm_srli_epi16(b, 2)), m2);
-                Q1 = _mm_and_si128(_mm_unpacklo_epi64(_mm_srli_epi16(b, 4), _mm_srli_epi16(b, 6)), m2);
-            }
+            unpack_chunk(qs, c, bits, &Q0, &Q1);
             __m512 y0 = _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(Q0)), vs), vm);
             __m512 y1 = _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(Q1)), vs), vm);
             if (nt) {
@@ -533,30 +512,38 @@ AI size_t dec_rows_any(void *dst, const uint8_t *src, size_t n, unsigned bits, u
 #undef DR
 }
 
+/* Elements [i, n) of a row (its short last group) with the scalar kernel. */
+static void dec_tail(void *dst, const uint8_t *src, size_t i, size_t n, unsigned bits,
+                     uint32_t group, kvr_codec_params params, int h)
+{
+    src += i / group * (4 + group * bits / 8);
+    if (h) kvr_codec_kernels_scalar.dec_f16((uint16_t *)dst + i, src, n - i, bits, group, params);
+    else   kvr_codec_kernels_scalar.dec_f32((float *)dst + i, src, n - i, bits, group, params);
+}
+
+/* A row (h: f16 output); f32 parameters: the AVX2 kernel. */
+AI void dec_row(void *dst, const uint8_t *src, size_t n, unsigned bits, uint32_t group,
+                kvr_codec_params params, const int h)
+{
+    if (params != KVR_CODEC_PARAMS_F16) {
+        if (h) kvr_codec_kernels_avx2.dec_f16(dst, src, n, bits, group, params);
+        else   kvr_codec_kernels_avx2.dec_f32(dst, src, n, bits, group, params);
+        return;
+    }
+    size_t i = dec_rows_any(dst, src, n, bits, group, h, 0);
+    if (i < n) dec_tail(dst, src, i, n, bits, group, params, h);
+}
+
 static void x5_dec_f32(float *dst, const uint8_t *src, size_t n, unsigned bits,
                        uint32_t group, kvr_codec_params params)
 {
-    if (params != KVR_CODEC_PARAMS_F16) {
-        kvr_codec_kernels_avx2.dec_f32(dst, src, n, bits, group, params);
-        return;
-    }
-    size_t i = dec_rows_any(dst, src, n, bits, group, 0, 0);
-    if (i < n)
-        kvr_codec_kernels_scalar.dec_f32(dst + i, src + i / group * (4 + group * bits / 8),
-                                         n - i, bits, group, params);
+    dec_row(dst, src, n, bits, group, params, 0);
 }
 
 static void x5_dec_f16(uint16_t *dst, const uint8_t *src, size_t n, unsigned bits,
                        uint32_t group, kvr_codec_params params)
 {
-    if (params != KVR_CODEC_PARAMS_F16) {
-        kvr_codec_kernels_avx2.dec_f16(dst, src, n, bits, group, params);
-        return;
-    }
-    size_t i = dec_rows_any(dst, src, n, bits, group, 1, 0);
-    if (i < n)
-        kvr_codec_kernels_scalar.dec_f16(dst + i, src + i / group * (4 + group * bits / 8),
-                                         n - i, bits, group, params);
+    dec_row(dst, src, n, bits, group, params, 1);
 }
 
 /* dec_f32 / dec_f16 with non-temporal stores (codec.h: dec_nt): dst on 64
@@ -571,13 +558,7 @@ static bool x5_dec_nt(void *dst, kvr_dtype dt, const uint8_t *src, size_t n, uns
     size_t i = h ? dec_rows_any(dst, src, n, bits, group, 1, 1)
                  : dec_rows_any(dst, src, n, bits, group, 0, 1);
     _mm_sfence();
-    if (i < n) {
-        const uint8_t *s = src + i / group * (4 + group * bits / 8);
-        if (h)
-            kvr_codec_kernels_scalar.dec_f16((uint16_t *)dst + i, s, n - i, bits, group, params);
-        else
-            kvr_codec_kernels_scalar.dec_f32((float *)dst + i, s, n - i, bits, group, params);
-    }
+    if (i < n) dec_tail(dst, src, i, n, bits, group, params, h);
     return true;
 }
 

@@ -24,19 +24,29 @@ AI __m512 ld16(const void *src, size_t i, int h, __m512i *acc)
     return v;
 }
 
-/* 16 values as f32 (or f16: clamped to +-65504, rounded to nearest even)
- * at dst[i]. y second in max / min: they return it when it is a NaN, which
- * then converts as the scalar kvr_f32_to_f16 does (quiet, payload kept). */
+/* ld16 without the check (a second pass over data already checked). */
+AI __m512 ld16q(const void *src, size_t i, int h)
+{
+    if (h) return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)src + i)));
+    return _mm512_loadu_ps((const float *)src + i);
+}
+
+/* 16 values as f16 as the scalar decoder stores them: clamped to +-65504,
+ * rounded to nearest even. y second in max / min: they return it when it
+ * is a NaN, which then converts as the scalar kvr_f32_to_f16 does (quiet,
+ * payload kept). */
+AI __m256i to_f16_clamped(__m512 y)
+{
+    const __m512 lim = _mm512_set1_ps(KVR_CODEC_F16_LIMIT);
+    y = _mm512_min_ps(lim, _mm512_max_ps(_mm512_sub_ps(_mm512_setzero_ps(), lim), y));
+    return _mm512_cvtps_ph(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+}
+
+/* 16 values as f32 (or f16: to_f16_clamped) at dst[i]. */
 AI void st16(void *dst, size_t i, __m512 y, int h)
 {
-    if (h) {
-        const __m512 lim = _mm512_set1_ps(KVR_CODEC_F16_LIMIT);
-        y = _mm512_min_ps(lim, _mm512_max_ps(_mm512_sub_ps(_mm512_setzero_ps(), lim), y));
-        _mm256_storeu_si256((__m256i *)((uint16_t *)dst + i),
-                            _mm512_cvtps_ph(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-    } else {
-        _mm512_storeu_ps((float *)dst + i, y);
-    }
+    if (h) _mm256_storeu_si256((__m256i *)((uint16_t *)dst + i), to_f16_clamped(y));
+    else   _mm512_storeu_ps((float *)dst + i, y);
 }
 
 /* Two vectors, elements [i, i + 32), with non-temporal stores (dst + i on
@@ -44,14 +54,9 @@ AI void st16(void *dst, size_t i, __m512 y, int h)
 AI void st32_nt(void *dst, size_t i, __m512 y0, __m512 y1, int h)
 {
     if (h) {
-        const __m512 lim = _mm512_set1_ps(KVR_CODEC_F16_LIMIT);
-        const __m512 nlim = _mm512_sub_ps(_mm512_setzero_ps(), lim);
-        y0 = _mm512_min_ps(lim, _mm512_max_ps(nlim, y0));
-        y1 = _mm512_min_ps(lim, _mm512_max_ps(nlim, y1));
-        __m256i a = _mm512_cvtps_ph(y0, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-        __m256i b = _mm512_cvtps_ph(y1, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
         _mm512_stream_si512((__m512i *)((uint16_t *)dst + i),
-                            _mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1));
+                            _mm512_inserti64x4(_mm512_castsi256_si512(to_f16_clamped(y0)),
+                                               to_f16_clamped(y1), 1));
     } else {
         _mm512_stream_ps((float *)dst + i, y0);
         _mm512_stream_ps((float *)dst + i + 16, y1);

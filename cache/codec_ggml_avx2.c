@@ -26,49 +26,15 @@
  * return -1: the caller reruns the scalar path, which names the element.
  */
 #include "cache/codec.h"
+#include "cache/codec_inl.h"
 
 #include <float.h>
 #include <immintrin.h>
 #include <string.h>
 
 #define AI static inline __attribute__((always_inline))
+#include "cache/codec_avx2_inl.h"
 #define QK 32
-
-AI __m256 ld8(const void *src, size_t i, int h)
-{
-    if (h) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)src + i)));
-    return _mm256_loadu_ps((const float *)src + i);
-}
-
-AI void st8(void *dst, size_t i, __m256 y, int h)
-{
-    if (h) {
-        const __m256 lim = _mm256_set1_ps(KVR_CODEC_F16_LIMIT);
-        /* y second: max / min return it when it is a NaN (a block with a
-         * NaN scale), which then converts as kvr_f32_to_f16 does */
-        y = _mm256_min_ps(lim, _mm256_max_ps(_mm256_sub_ps(_mm256_setzero_ps(), lim), y));
-        _mm_storeu_si128((__m128i *)((uint16_t *)dst + i),
-                         _mm256_cvtps_ph(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-    } else {
-        _mm256_storeu_ps((float *)dst + i, y);
-    }
-}
-
-AI float hmax8(__m256 v)
-{
-    __m128 a = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    a = _mm_max_ps(a, _mm_movehl_ps(a, a));
-    a = _mm_max_ss(a, _mm_shuffle_ps(a, a, 1));
-    return _mm_cvtss_f32(a);
-}
-
-AI float hmin8(__m256 v)
-{
-    __m128 a = _mm_min_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    a = _mm_min_ps(a, _mm_movehl_ps(a, a));
-    a = _mm_min_ss(a, _mm_shuffle_ps(a, a, 1));
-    return _mm_cvtss_f32(a);
-}
 
 /* 4 x 8 int32 (each in int8 range) -> 32 bytes in element order. */
 AI __m256i narrow32(__m256i q0, __m256i q1, __m256i q2, __m256i q3)
@@ -78,8 +44,6 @@ AI __m256i narrow32(__m256i q0, __m256i q1, __m256i q2, __m256i q3)
     return _mm256_permutevar8x32_epi32(c, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
 }
 
-static void wr16(uint8_t *p, uint16_t v) { p[0] = (uint8_t)v; p[1] = (uint8_t)(v >> 8); }
-static uint16_t rd16(const uint8_t *p) { return (uint16_t)(p[0] | (p[1] << 8)); }
 static bool f16_finite(uint16_t h) { return (h & 0x7C00) != 0x7C00; }
 
 /* byte j = q[j] | q[j+16] << 4, for 32 quants below 16 in element order */
@@ -97,16 +61,6 @@ AI __m256i round_away_epi32(__m256 v)
     const __m256 sign = _mm256_set1_ps(-0.0f);
     __m256 h = _mm256_or_ps(_mm256_set1_ps(0x1.fffffep-2f), _mm256_and_ps(sign, v));
     return _mm256_cvttps_epi32(_mm256_add_ps(v, h));
-}
-
-static size_t block_bytes(kvr_codec_type t)
-{
-    switch (t) {
-    case KVR_CODEC_Q8_0: return 34;
-    case KVR_CODEC_Q4_0: return 18;
-    case KVR_CODEC_Q4_1: return 20;
-    default:             return 22;
-    }
 }
 
 /* One block; returns 0, -1 bad input (non-finite / f16 overflow), 1 "use the
@@ -332,7 +286,7 @@ int kvr_codec_ggml_enc_avx2(kvr_codec_type t, uint8_t *dst, const void *src, kvr
                             size_t n)
 {
     const int h = st == KVR_DTYPE_F16;
-    const size_t bb = block_bytes(t);
+    const size_t bb = ggml_block_bytes(t);
     size_t i = 0;
     switch (t) {
     ENC_CASE(KVR_CODEC_Q8_0)
@@ -419,7 +373,7 @@ void kvr_codec_ggml_dec_avx2(kvr_codec_type t, void *dst, kvr_dtype dt, const ui
 #define DEC_LOOP(T, H)                                                              \
     for (size_t i = 0; i < n; i += QK) dec_block(T, dst, i, src + i / QK * bb, H);  \
     return;
-    const size_t bb = block_bytes(t);
+    const size_t bb = ggml_block_bytes(t);
     int h = dt == KVR_DTYPE_F16;
     switch (t) {
     case KVR_CODEC_Q8_0: if (h) { DEC_LOOP(KVR_CODEC_Q8_0, 1) } DEC_LOOP(KVR_CODEC_Q8_0, 0)

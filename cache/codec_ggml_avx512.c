@@ -13,6 +13,7 @@
  * caller reruns the scalar path, which names it).
  */
 #include "cache/codec.h"
+#include "cache/codec_inl.h"
 
 #include <float.h>
 #include <immintrin.h>
@@ -26,24 +27,6 @@ AI int acc_bad(__m512i acc, int h)
 {
     if (h) return _mm512_cmpgt_epu16_mask(acc, _mm512_set1_epi16(0x7bff)) != 0;
     return _mm512_cmpgt_epu32_mask(acc, _mm512_set1_epi32(0x7f7fffff)) != 0;
-}
-
-AI __m512 ld16u(const void *src, size_t i, int h)
-{
-    if (h) return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)src + i)));
-    return _mm512_loadu_ps((const float *)src + i);
-}
-
-static void wr16(uint8_t *p, uint16_t v) { p[0] = (uint8_t)v; p[1] = (uint8_t)(v >> 8); }
-
-AI size_t block_bytes(kvr_codec_type t)
-{
-    switch (t) {
-    case KVR_CODEC_Q8_0: return 34;
-    case KVR_CODEC_Q4_0: return 18;
-    case KVR_CODEC_Q4_1: return 20;
-    default:             return 22;
-    }
 }
 
 /* roundf (half away from zero) as trunc(v + copysign(0x1.fffffep-2f, v)): the
@@ -213,14 +196,14 @@ AI int scales8(kvr_codec_type t, const void *src, size_t i, int h, sc8 *s)
 /* The quants of the eight blocks at i with scales8's parameters. */
 AI int quant8(kvr_codec_type t, uint8_t *dst, const void *src, size_t i, int h, const sc8 *s)
 {
-    const size_t bb = block_bytes(t);   /* a constant: t is */
+    const size_t bb = ggml_block_bytes(t);   /* a constant: t is */
 #pragma GCC unroll 8
     for (int b = 0; b < 8; b++) {
         size_t o = i + 32 * (size_t)b;
         uint8_t *y = dst + o / QK * bb;
         /* loaded again (from L1): kept in registers beside the 16
          * extremes they spilled to the stack, a third of the time */
-        __m512 x0 = ld16u(src, o, h), x1 = ld16u(src, o + 16, h);
+        __m512 x0 = ld16q(src, o, h), x1 = ld16q(src, o + 16, h);
         if (s->fb & (1u << b)) {
             float xs[QK];
             _mm512_storeu_ps(xs, x0);
@@ -274,7 +257,7 @@ int kvr_codec_ggml_enc_avx512(kvr_codec_type t, uint8_t *dst, const void *src, k
                               size_t n)
 {
     const int h = st == KVR_DTYPE_F16;
-    const size_t bb = block_bytes(t);
+    const size_t bb = ggml_block_bytes(t);
     size_t i = 0;
     switch (t) {
     ENC_CASE(KVR_CODEC_Q8_0)
@@ -297,8 +280,6 @@ int kvr_codec_ggml_enc_avx512(kvr_codec_type t, uint8_t *dst, const void *src, k
  * -ffp-contract=off). f16 output is clamped to +-KVR_CODEC_F16_LIMIT, a NaN
  * left a NaN (the scalar clamp's comparisons are false for it), and
  * converted with round-to-nearest-even: the scalar decoder's bytes. */
-static uint16_t rd16(const uint8_t *p) { return (uint16_t)(p[0] | (p[1] << 8)); }
-
 AI void dec_block16(kvr_codec_type t, void *dst, size_t i, const uint8_t *x, int h, int nt)
 {
     /* F16C's conversion is exact, as kvr_f16_to_f32 */
@@ -366,14 +347,14 @@ AI void dec_block16(kvr_codec_type t, void *dst, size_t i, const uint8_t *x, int
 void kvr_codec_ggml_dec_avx512(kvr_codec_type t, void *dst, kvr_dtype dt, const uint8_t *src,
                                size_t n)
 {
-    const size_t bb = block_bytes(t);
+    const size_t bb = ggml_block_bytes(t);
     int h = dt == KVR_DTYPE_F16;
     DEC_SWITCH(0)
 }
 
 static void dec_nt(kvr_codec_type t, void *dst, kvr_dtype dt, const uint8_t *src, size_t n)
 {
-    const size_t bb = block_bytes(t);
+    const size_t bb = ggml_block_bytes(t);
     int h = dt == KVR_DTYPE_F16;
     DEC_SWITCH(1)
 }

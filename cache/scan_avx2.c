@@ -8,40 +8,45 @@
 
 #include "cache/quant.h"
 
+/* Lanes of v (32-bit for w == 4, else 16-bit) with every bit of m set. */
+static inline __attribute__((always_inline)) __m256i all_set(__m256i v, __m256i m, int w)
+{
+    v = _mm256_and_si256(v, m);
+    return w == 4 ? _mm256_cmpeq_epi32(v, m) : _mm256_cmpeq_epi16(v, m);
+}
+
+/* Whether a lane of width w in b[0, *done) has every bit of m set, 128
+ * bytes a step: *done is the bytes looked at (the rest, under 128, is the
+ * caller's). */
+static inline __attribute__((always_inline)) bool any_all_set(const uint8_t *b, size_t bytes,
+                                                              __m256i m, int w, size_t *done)
+{
+    __m256i acc = _mm256_setzero_si256();
+    size_t i = 0;
+    for (; i + 128 <= bytes; i += 128) {
+        __m256i a = all_set(_mm256_loadu_si256((const __m256i *)(b + i)), m, w);
+        __m256i c = all_set(_mm256_loadu_si256((const __m256i *)(b + i + 32)), m, w);
+        __m256i d = all_set(_mm256_loadu_si256((const __m256i *)(b + i + 64)), m, w);
+        __m256i e = all_set(_mm256_loadu_si256((const __m256i *)(b + i + 96)), m, w);
+        acc = _mm256_or_si256(acc, _mm256_or_si256(_mm256_or_si256(a, c), _mm256_or_si256(d, e)));
+    }
+    *done = i;
+    return !_mm256_testz_si256(acc, acc);
+}
+
 bool kvr_any_nonfinite_avx2(const void *p, kvr_dtype dt, size_t n)
 {
     const uint8_t *b = p;
-    size_t bytes = n * kvr_dtype_size(dt), i = 0;
-    __m256i acc = _mm256_setzero_si256();
+    size_t bytes = n * kvr_dtype_size(dt), i;
     if (dt == KVR_DTYPE_F32) {
-        const __m256i m = _mm256_set1_epi32(0x7f800000);
-        for (; i + 128 <= bytes; i += 128) {
-            __m256i a = _mm256_and_si256(_mm256_loadu_si256((const __m256i *)(b + i)), m);
-            __m256i c = _mm256_and_si256(_mm256_loadu_si256((const __m256i *)(b + i + 32)), m);
-            __m256i d = _mm256_and_si256(_mm256_loadu_si256((const __m256i *)(b + i + 64)), m);
-            __m256i e = _mm256_and_si256(_mm256_loadu_si256((const __m256i *)(b + i + 96)), m);
-            acc = _mm256_or_si256(acc, _mm256_or_si256(
-                      _mm256_or_si256(_mm256_cmpeq_epi32(a, m), _mm256_cmpeq_epi32(c, m)),
-                      _mm256_or_si256(_mm256_cmpeq_epi32(d, m), _mm256_cmpeq_epi32(e, m))));
-        }
-        if (!_mm256_testz_si256(acc, acc)) return true;
+        if (any_all_set(b, bytes, _mm256_set1_epi32(0x7f800000), 4, &i)) return true;
         const uint32_t *u = (const uint32_t *)(b + i);
         for (size_t k = 0; k < (bytes - i) / 4; k++)
             if ((u[k] & 0x7f800000u) == 0x7f800000u) return true;
         return false;
     }
     const uint16_t mk = dt == KVR_DTYPE_F16 ? 0x7c00u : 0x7f80u;
-    const __m256i m = _mm256_set1_epi16((short)mk);
-    for (; i + 128 <= bytes; i += 128) {
-        __m256i a = _mm256_and_si256(_mm256_loadu_si256((const __m256i *)(b + i)), m);
-        __m256i c = _mm256_and_si256(_mm256_loadu_si256((const __m256i *)(b + i + 32)), m);
-        __m256i d = _mm256_and_si256(_mm256_loadu_si256((const __m256i *)(b + i + 64)), m);
-        __m256i e = _mm256_and_si256(_mm256_loadu_si256((const __m256i *)(b + i + 96)), m);
-        acc = _mm256_or_si256(acc, _mm256_or_si256(
-                  _mm256_or_si256(_mm256_cmpeq_epi16(a, m), _mm256_cmpeq_epi16(c, m)),
-                  _mm256_or_si256(_mm256_cmpeq_epi16(d, m), _mm256_cmpeq_epi16(e, m))));
-    }
-    if (!_mm256_testz_si256(acc, acc)) return true;
+    if (any_all_set(b, bytes, _mm256_set1_epi16((short)mk), 2, &i)) return true;
     const uint16_t *h = (const uint16_t *)(b + i);
     for (size_t k = 0; k < (bytes - i) / 2; k++)
         if ((h[k] & mk) == mk) return true;

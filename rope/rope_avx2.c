@@ -11,10 +11,10 @@
  *   GPTJ rot=8 --> [cscscscs]: o = fmadd(x, c', swap_pairs(x) * s'), s' = [-s, s]
  */
 #include <immintrin.h>
-#include <string.h>
 
 #include "rope/rope_internal.h"
 #include "base/simd_avx2.h"
+#include "base/simd_span_inl.h"
 
 AI void rows_t(void *dst, const kvr_dtype dt, const void *src, const kvr_dtype st_,
                size_t n_heads, int head_dim, int rot, const int gptj,
@@ -53,16 +53,8 @@ AI void rows_t(void *dst, const kvr_dtype dt, const void *src, const kvr_dtype s
                 kvr__store1(dst, dt, b + i + half, fmaf(x1, c[i], x0 * s[i]));
             }
         }
-        if (r < hd) {
-            if (dt == st_) {
-                if (dst != src)
-                    memcpy((char *)dst + (b + r) * kvr_dtype_size(dt),
-                           (const char *)src + (b + r) * kvr_dtype_size(st_),
-                           (hd - r) * kvr_dtype_size(dt));
-            } else {
-                conv_span(dst, dt, src, st_, b + r, b + hd);
-            }
-        }
+        if (r < hd)
+            copy_span(dst, dt, src, st_, b + r, b + hd);   /* the dims not rotated */
     }
 }
 
@@ -77,13 +69,5 @@ void kvr__rope_rows_avx2(void *dst, kvr_dtype dt, const void *src, kvr_dtype st,
                     size_t n_heads, int head_dim, int rot, int gptj,
                     const float *c, const float *s)
 {
-    ROWS_CASE(KVR_DTYPE_F32, KVR_DTYPE_F32)
-    ROWS_CASE(KVR_DTYPE_F32, KVR_DTYPE_F16)
-    ROWS_CASE(KVR_DTYPE_F32, KVR_DTYPE_BF16)
-    ROWS_CASE(KVR_DTYPE_F16, KVR_DTYPE_F32)
-    ROWS_CASE(KVR_DTYPE_F16, KVR_DTYPE_F16)
-    ROWS_CASE(KVR_DTYPE_F16, KVR_DTYPE_BF16)
-    ROWS_CASE(KVR_DTYPE_BF16, KVR_DTYPE_F32)
-    ROWS_CASE(KVR_DTYPE_BF16, KVR_DTYPE_F16)
-    ROWS_CASE(KVR_DTYPE_BF16, KVR_DTYPE_BF16)
+    SIMD_DTYPE_PAIRS_ALL(ROWS_CASE)
 }

@@ -13,10 +13,10 @@
  *   GPTJ rot=8 --> [cscscscs]: o = fmadd(x, c', swap_pairs(x) * s'), s' = [-s, s]
  */
 #include <immintrin.h>
-#include <string.h>
 
 #include "rope/rope_internal.h"
 #include "base/simd_avx512.h"
+#include "base/simd_span_inl.h"
 
 #define SC(v) (sc ? _mm512_mul_ps((v), kv) : (v))
 
@@ -104,18 +104,11 @@ AI void rows_t(void *dst, const kvr_dtype dt, const void *src, const kvr_dtype s
                 stm(dst, b + i + half, dt, SC(o1), m);
             }
         }
-        if (r < hd && sc) {
+        /* the dims not rotated */
+        if (r < hd && sc)
             conv_span_scaled(dst, dt, src, st_, b + r, b + hd, kv);
-        } else if (r < hd) {
-            if (dt == st_) {
-                if (dst != src)
-                    memcpy((char *)dst + (b + r) * kvr_dtype_size(dt),
-                           (const char *)src + (b + r) * kvr_dtype_size(st_),
-                           (hd - r) * kvr_dtype_size(dt));
-            } else {
-                conv_span(dst, dt, src, st_, b + r, b + hd);
-            }
-        }
+        else if (r < hd)
+            copy_span(dst, dt, src, st_, b + r, b + hd);
     }
 }
 
@@ -137,30 +130,14 @@ void kvr__rope_rows_avx512(void *dst, kvr_dtype dt, const void *src, kvr_dtype s
                       size_t n_heads, int head_dim, int rot, int gptj,
                       const float *c, const float *s)
 {
-    ROWS_CASE(KVR_DTYPE_F32, KVR_DTYPE_F32)
-    ROWS_CASE(KVR_DTYPE_F32, KVR_DTYPE_F16)
-    ROWS_CASE(KVR_DTYPE_F32, KVR_DTYPE_BF16)
-    ROWS_CASE(KVR_DTYPE_F16, KVR_DTYPE_F32)
-    ROWS_CASE(KVR_DTYPE_F16, KVR_DTYPE_F16)
-    ROWS_CASE(KVR_DTYPE_F16, KVR_DTYPE_BF16)
-    ROWS_CASE(KVR_DTYPE_BF16, KVR_DTYPE_F32)
-    ROWS_CASE(KVR_DTYPE_BF16, KVR_DTYPE_F16)
-    ROWS_CASE(KVR_DTYPE_BF16, KVR_DTYPE_BF16)
+    SIMD_DTYPE_PAIRS_ALL(ROWS_CASE)
 }
 
 void kvr__rope_rows_scaled_avx512(void *dst, kvr_dtype dt, const void *src, kvr_dtype st,
                              size_t n_heads, int head_dim, int rot, int gptj,
                              const float *c, const float *s, float k)
 {
-    ROWS_SCALED_CASE(KVR_DTYPE_F32, KVR_DTYPE_F32)
-    ROWS_SCALED_CASE(KVR_DTYPE_F32, KVR_DTYPE_F16)
-    ROWS_SCALED_CASE(KVR_DTYPE_F32, KVR_DTYPE_BF16)
-    ROWS_SCALED_CASE(KVR_DTYPE_F16, KVR_DTYPE_F32)
-    ROWS_SCALED_CASE(KVR_DTYPE_F16, KVR_DTYPE_F16)
-    ROWS_SCALED_CASE(KVR_DTYPE_F16, KVR_DTYPE_BF16)
-    ROWS_SCALED_CASE(KVR_DTYPE_BF16, KVR_DTYPE_F32)
-    ROWS_SCALED_CASE(KVR_DTYPE_BF16, KVR_DTYPE_F16)
-    ROWS_SCALED_CASE(KVR_DTYPE_BF16, KVR_DTYPE_BF16)
+    SIMD_DTYPE_PAIRS_ALL(ROWS_SCALED_CASE)
 }
 
 #define ROWS_STREAM_CASE(S, D)                                                            \
@@ -189,15 +166,7 @@ bool kvr__rope_rows_stream_avx512(void *dst, kvr_dtype dt, const void *src, kvr_
     size_t part = gptj ? (size_t)rot : (size_t)rot / 2;   /* the full-vector spans */
     if (((uintptr_t)dst % 64) || ((size_t)head_dim * esz) % vb || (part * esz) % vb)
         return false;
-    ROWS_STREAM_CASE(KVR_DTYPE_F32, KVR_DTYPE_F32)
-    ROWS_STREAM_CASE(KVR_DTYPE_F32, KVR_DTYPE_F16)
-    ROWS_STREAM_CASE(KVR_DTYPE_F32, KVR_DTYPE_BF16)
-    ROWS_STREAM_CASE(KVR_DTYPE_F16, KVR_DTYPE_F32)
-    ROWS_STREAM_CASE(KVR_DTYPE_F16, KVR_DTYPE_F16)
-    ROWS_STREAM_CASE(KVR_DTYPE_F16, KVR_DTYPE_BF16)
-    ROWS_STREAM_CASE(KVR_DTYPE_BF16, KVR_DTYPE_F32)
-    ROWS_STREAM_CASE(KVR_DTYPE_BF16, KVR_DTYPE_F16)
-    ROWS_STREAM_CASE(KVR_DTYPE_BF16, KVR_DTYPE_BF16)
+    SIMD_DTYPE_PAIRS_ALL(ROWS_STREAM_CASE)
     return false;
 }
 

@@ -8,7 +8,9 @@
  * quotient), each one IEEE-rounded: no fused multiply-add (the Makefile
  * builds this file with -ffp-contract=off), so the table is bit for bit the
  * scalar one. Tables with an angle at or beyond FAST_MAX (or NaN) go to
- * libm's sincos element by element, as the scalar path does.
+ * libm's sincos element by element, as the scalar path does. The
+ * reduction, the polynomials and the table step are rope/sincos_simd_inl.h's
+ * (shared with sincos_avx512.c); the quadrant is applied here.
  */
 #include <immintrin.h>
 #include <math.h>
@@ -17,33 +19,22 @@
 
 #define W 4
 
+#define VD        __m256d
+#define VD_W      W
+#define VD_SET1   _mm256_set1_pd
+#define VD_ADD    _mm256_add_pd
+#define VD_SUB    _mm256_sub_pd
+#define VD_MUL    _mm256_mul_pd
+#define VD_FMADD  _mm256_fmadd_pd
+#define VD_FNMADD _mm256_fnmadd_pd
+#define VD_LOADU  _mm256_loadu_pd
+#define VD_STOREU _mm256_storeu_pd
+#include "rope/sincos_simd_inl.h"
+
 static inline __m256d sincos4(__m256d x, __m256d *cp)
 {
-    const __m256d shift = _mm256_set1_pd(0x1.8p52);
-    __m256d kk = _mm256_add_pd(_mm256_mul_pd(x, _mm256_set1_pd(M_2_PI)), shift);
-    __m256d k = _mm256_sub_pd(kk, shift);
-    __m256i kb = _mm256_castpd_si256(kk);
-    __m256d r = _mm256_sub_pd(x, _mm256_mul_pd(k, _mm256_set1_pd(ROPE_PIO2_1)));
-    r = _mm256_sub_pd(r, _mm256_mul_pd(k, _mm256_set1_pd(ROPE_PIO2_2)));
-    r = _mm256_sub_pd(r, _mm256_mul_pd(k, _mm256_set1_pd(ROPE_PIO2_3)));
-    __m256d z = _mm256_mul_pd(r, r);
-#define C(v) _mm256_set1_pd(v)
-#define MA(a, b, c) _mm256_add_pd((c), _mm256_mul_pd((a), (b)))   /* c + a*b, two roundings */
-    __m256d ps = MA(z, C(ROPE_S6), C(ROPE_S5));
-    ps = MA(z, ps, C(ROPE_S4));
-    ps = MA(z, ps, C(ROPE_S3));
-    ps = MA(z, ps, C(ROPE_S2));
-    ps = MA(z, ps, C(ROPE_S1));
-    __m256d sr = _mm256_add_pd(r, _mm256_mul_pd(_mm256_mul_pd(r, z), ps));
-    __m256d pc = MA(z, C(ROPE_C6), C(ROPE_C5));
-    pc = MA(z, pc, C(ROPE_C4));
-    pc = MA(z, pc, C(ROPE_C3));
-    pc = MA(z, pc, C(ROPE_C2));
-    pc = MA(z, pc, C(ROPE_C1));
-    __m256d cr = _mm256_add_pd(_mm256_sub_pd(C(1.0), _mm256_mul_pd(C(0.5), z)),
-                               _mm256_mul_pd(_mm256_mul_pd(z, z), pc));
-#undef MA
-#undef C
+    __m256d sr, cr;
+    __m256i kb = _mm256_castpd_si256(sincos_kernel(x, &sr, &cr, 0));
     __m256i one = _mm256_set1_epi64x(1), two = _mm256_set1_epi64x(2);
     __m256d odd = _mm256_castsi256_pd(_mm256_cmpeq_epi64(_mm256_and_si256(kb, one), one));
     __m256d s = _mm256_blendv_pd(sr, cr, odd), c = _mm256_blendv_pd(cr, sr, odd);
@@ -124,18 +115,7 @@ void kvr__rope_tofloat_avx2(const double *c, const double *s, int n, double m, i
     }
 }
 
-/* kvr__rope_step_scalar, 4 pairs at a time (the same products and sums). */
 void kvr__rope_step_avx2(const double *stc, const double *sts, int n, double *c, double *s)
 {
-    int i = 0;
-    for (; i + 4 <= n; i += 4) {
-        __m256d c0 = _mm256_loadu_pd(c + i), s0 = _mm256_loadu_pd(s + i), a = _mm256_loadu_pd(stc + i), b = _mm256_loadu_pd(sts + i);
-        _mm256_storeu_pd(c + i, _mm256_sub_pd(_mm256_mul_pd(c0, a), _mm256_mul_pd(s0, b)));
-        _mm256_storeu_pd(s + i, _mm256_add_pd(_mm256_mul_pd(s0, a), _mm256_mul_pd(c0, b)));
-    }
-    for (; i < n; i++) {
-        double c0 = c[i], s0 = s[i];
-        c[i] = c0 * stc[i] - s0 * sts[i];
-        s[i] = s0 * stc[i] + c0 * sts[i];
-    }
+    rope_step(stc, sts, n, c, s);
 }
