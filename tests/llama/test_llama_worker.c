@@ -53,6 +53,10 @@ static void teardown(void)
     testd_stop(&D);
 }
 
+/* llama_worker: the worker's flows, each against its own daemon and model;
+ * llama_worker_parts (at the end): its parts on their own, no fixture. */
+TestSuite(llama_worker, .init = setup, .fini = teardown, .timeout = 600);
+
 static void write_file(const char *name, const char *text, char *path, size_t cap)
 {
     snprintf(path, cap, "%s/%s", dir, name);
@@ -146,8 +150,7 @@ static size_t n_contexts(void)
 }
 
 /* ---- complete ------------------------------------------------------------ */
-Test(llama_worker, complete_reuses_the_cached_prefix, .init = setup, .fini = teardown,
-     .timeout = 600)
+Test(llama_worker, complete_reuses_the_cached_prefix)
 {
     char p[512], p2[512];
     write_file("p.txt", SRC, p, sizeof p);
@@ -198,8 +201,7 @@ Test(llama_worker, complete_reuses_the_cached_prefix, .init = setup, .fini = tea
 }
 
 /* ---- edit ---------------------------------------------------------------- */
-Test(llama_worker, edit_decodes_only_the_new_tokens, .init = setup, .fini = teardown,
-     .timeout = 600)
+Test(llama_worker, edit_decodes_only_the_new_tokens)
 {
     char o[512], nw[512], app[512];
     write_file("old.txt", SRC, o, sizeof o);
@@ -264,8 +266,7 @@ Test(llama_worker, edit_decodes_only_the_new_tokens, .init = setup, .fini = tear
 }
 
 /* ---- NEOX pairing (qwen2) ----------------------------------------------- */
-Test(llama_worker, qwen2_neox_complete_and_edit, .init = setup, .fini = teardown,
-     .timeout = 600)
+Test(llama_worker, qwen2_neox_complete_and_edit)
 {
     snprintf(model, sizeof model, "%s/q.gguf", dir);
     gen_model(model, "--arch qwen2 --layers 2 --width 128 --heads 2 --kv-heads 1 --qkv-bias "
@@ -310,8 +311,7 @@ Test(llama_worker, qwen2_neox_complete_and_edit, .init = setup, .fini = teardown
 }
 
 /* ---- rag ----------------------------------------------------------------- */
-Test(llama_worker, rag_encodes_each_document_once, .init = setup, .fini = teardown,
-     .timeout = 600)
+Test(llama_worker, rag_encodes_each_document_once)
 {
     char pre[512], d1[512], d2[512], d3[512], q[512];
     write_file("pre.txt", "You answer questions about C code using the snippets below.\n", pre,
@@ -349,7 +349,7 @@ Test(llama_worker, rag_encodes_each_document_once, .init = setup, .fini = teardo
 }
 
 /* ---- ppl ----------------------------------------------------------------- */
-Test(llama_worker, ppl_prints_bits_per_byte, .init = setup, .fini = teardown, .timeout = 600)
+Test(llama_worker, ppl_prints_bits_per_byte)
 {
     char f[512];
     write_file("t.txt", SRC, f, sizeof f);
@@ -367,8 +367,7 @@ Test(llama_worker, ppl_prints_bits_per_byte, .init = setup, .fini = teardown, .t
 }
 
 /* ---- errors -------------------------------------------------------------- */
-Test(llama_worker, bad_inputs_are_clear_errors, .init = setup, .fini = teardown,
-     .timeout = 600)
+Test(llama_worker, bad_inputs_are_clear_errors)
 {
     char p[512], notgguf[512], missing[512];
     write_file("p.txt", SRC, p, sizeof p);
@@ -442,7 +441,7 @@ static void apply_hunks(const int32_t *a, size_t na, const int32_t *b, const kvr
     *no = o;
 }
 
-Test(llama_worker, diff_rebuilds_the_new_sequence)
+Test(llama_worker_parts, diff_rebuilds_the_new_sequence)
 {
     uint64_t x = 12345;
     for (int trial = 0; trial < 300; trial++) {
@@ -501,7 +500,7 @@ Test(llama_worker, diff_rebuilds_the_new_sequence)
 }
 
 /* ---- the state codec on its own ------------------------------------------ */
-Test(llama_worker, state_build_parse_gather_round_trip)
+Test(llama_worker_parts, state_build_parse_gather_round_trip)
 {
     for (int vt = 0; vt < 2; vt++) {
         const uint32_t nl = 3, ne = 8, n = 5;
