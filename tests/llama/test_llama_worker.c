@@ -201,9 +201,28 @@ Test(llama_worker, complete_reuses_the_cached_prefix)
 }
 
 /* ---- edit ---------------------------------------------------------------- */
+/* An edit of old (a file of SRC) that appends a line: asserted to be exact
+ * (nothing approximate; the next token and logits a full encode's, up to
+ * llama.cpp's batch rounding) on the model `what`; its JSON (delete it). */
+static cJSON *edit_append_is_exact(const char *old, const char *what)
+{
+    char appended[4096], app[512];
+    snprintf(appended, sizeof appended, "%s/* end */\n", SRC);
+    write_file("app.txt", appended, app, sizeof app);
+    const char *a[] = { "edit", "--old", old, "--new", app, "--check", "--n", "4", NULL };
+    cJSON *j = run_json(a);
+    cr_expect_eq(num(j, NULL, "approximate_tokens"), 0, "%s: an append approximates nothing",
+                 what);
+    cr_expect_eq(num(j, "check", "next_token_agrees"), 1, "%s: next token as a full encode's",
+                 what);
+    cr_expect_lt(num(j, "check", "logit_max_abs_err"), 0.05, "%s: logits as a full encode's",
+                 what);
+    return j;
+}
+
 Test(llama_worker, edit_decodes_only_the_new_tokens)
 {
-    char o[512], nw[512], app[512];
+    char o[512], nw[512];
     write_file("old.txt", SRC, o, sizeof o);
     /* One line inserted in the middle, one word changed further down. */
     char edited[4096];
@@ -249,17 +268,10 @@ Test(llama_worker, edit_decodes_only_the_new_tokens)
     /* An edit at the very end changes nothing before it: nothing is
      * approximate and the next token is exactly what a full encode gives
      * (up to llama.cpp's batch rounding). */
-    char appended[4096];
-    snprintf(appended, sizeof appended, "%s/* end */\n", SRC);
-    write_file("app.txt", appended, app, sizeof app);
-    const char *b[] = { "edit", "--old", o, "--new", app, "--check", "--n", "4", NULL };
-    cJSON *j3 = run_json(b);
+    cJSON *j3 = edit_append_is_exact(o, "llama");
     cr_expect_eq(num(j3, NULL, "edit_ops"), 1);
     cr_expect_eq(num(j3, NULL, "inserted_tokens"), 10);
     cr_expect_eq(num(j3, NULL, "computed_tokens"), 10);
-    cr_expect_eq(num(j3, NULL, "approximate_tokens"), 0);
-    cr_expect_eq(num(j3, "check", "next_token_agrees"), 1);
-    cr_expect_lt(num(j3, "check", "logit_max_abs_err"), 0.05);
     cJSON_Delete(j);
     cJSON_Delete(j2);
     cJSON_Delete(j3);
@@ -271,7 +283,7 @@ Test(llama_worker, qwen2_neox_complete_and_edit)
     snprintf(model, sizeof model, "%s/q.gguf", dir);
     gen_model(model, "--arch qwen2 --layers 2 --width 128 --heads 2 --kv-heads 1 --qkv-bias "
                      "--dtype f16 --seed 3");
-    char p[512], app[512], mid[512];
+    char p[512], mid[512];
     write_file("p.txt", SRC, p, sizeof p);
     const char *a[] = { "complete", "--prompt-file", p, "--n", "8", NULL };
     cJSON *cold = run_json(a), *warm = run_json(a);
@@ -280,14 +292,7 @@ Test(llama_worker, qwen2_neox_complete_and_edit)
     cr_expect_eq(num(warm, NULL, "reused_tokens"), (double)strlen(SRC));
     cr_expect(same_tokens(warm, plain) && same_tokens(cold, plain));
     /* Appending at the end: exact. */
-    char appended[4096];
-    snprintf(appended, sizeof appended, "%s/* end */\n", SRC);
-    write_file("app.txt", appended, app, sizeof app);
-    const char *c[] = { "edit", "--old", p, "--new", app, "--check", "--n", "4", NULL };
-    cJSON *j = run_json(c);
-    cr_expect_eq(num(j, NULL, "approximate_tokens"), 0);
-    cr_expect_eq(num(j, "check", "next_token_agrees"), 1);
-    cr_expect_lt(num(j, "check", "logit_max_abs_err"), 0.05);
+    cJSON *j = edit_append_is_exact(p, "qwen2");
     /* A line removed in the middle: the suffix moves back (keys re-rotated
      * by kvrope in NEOX pairs); close to a full re-encode. */
     char removed[4096];
