@@ -18,6 +18,7 @@
 
 #include "cache/cache.h"
 #include "tests/common/kvt_bench.h"
+#include "tests/common/kvt_bench_put.h"
 
 #define NLAY 32
 #define NH 8
@@ -38,14 +39,7 @@ static void put(kvr_store *s, const char *id, const char *prefix, size_t n, uint
         fprintf(stderr, "put %s: %s\n", id, e.msg);
         exit(1);
     }
-    const struct iovec *iov;
-    size_t niov;
-    kvr_put_payload_iov(x, &iov, &niov);
-    for (size_t i = 0; i < niov; i++) {
-        uint16_t *h = iov[i].iov_base;
-        for (size_t j = 0; j < iov[i].iov_len / 2; j++)
-            h[j] = (uint16_t)(0x3000 + ((i * 131 + j * 7) & 0x0fff));
-    }
+    kvt_put_fill_f16(x);
     kvr_put_result r;
     if (kvr_put_commit(x, &r, &e) != 0) {
         fprintf(stderr, "commit %s: %s\n", id, e.msg);

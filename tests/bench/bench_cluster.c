@@ -109,6 +109,29 @@ static redisContext *conn_for(const kvr_tcluster *t, redisContext **pool, const 
     return NULL;
 }
 
+/* The seconds since t0 (kvt_now_s) into *best if fewer: best of the rounds. */
+static void keep_best(double *best, double t0)
+{
+    double dt = kvt_now_s() - t0;
+    if (dt < *best)
+        *best = dt;
+}
+
+/* A get of *a on c, timed (keep_best); 0, or -1 (said on stderr after what)
+ * if it failed. */
+static int timed_get(kvr_client *c, const kvr_get_args *a, double *best, const char *what)
+{
+    kvr_kv kv;
+    double t0 = kvt_now_s();
+    if (kvr_client_get(c, a, &kv) != 0) {
+        fprintf(stderr, "%s: %s\n", what, kvr_client_last_error(c));
+        return -1;
+    }
+    keep_best(best, t0);
+    kvr_kv_release(&kv);
+    return 0;
+}
+
 int main(void)
 {
     double scale = getenv("KVR_BENCH_SECONDS") ? atof(getenv("KVR_BENCH_SECONDS")) : 1.0;
@@ -187,44 +210,26 @@ int main(void)
      * and its load swings, so no path gets a quieter minute than another. */
     for (int i = 0; i < reps; i++) {
         kvr_client_delete(cb, "doc");
-        kvr_kv kv;
-        double t0 = kvt_now_s();
-        int r = kvr_client_get(cb, &(kvr_get_args){ .ctx_id = "doc", .dtype = KVR_DTYPE_F16,
-                                                    .dst = buf, .dst_cap = bytes }, &kv);
-        double dt = kvt_now_s() - t0;
-        if (r != 0) {
-            fprintf(stderr, "B get: %s\n", kvr_client_last_error(cb));
+        const kvr_get_args whole = { .ctx_id = "doc", .dtype = KVR_DTYPE_F16, .dst = buf,
+                                     .dst_cap = bytes };
+        if (timed_get(cb, &whole, &t_fetch, "B get") != 0 ||
+            timed_get(cb, &whole, &t_local, "B local get") != 0)
             return 1;
-        }
-        kvr_kv_release(&kv);
-        if (dt < t_fetch)
-            t_fetch = dt;
-        t0 = kvt_now_s();
-        kvr_client_get(cb, &(kvr_get_args){ .ctx_id = "doc", .dtype = KVR_DTYPE_F16,
-                                            .dst = buf, .dst_cap = bytes }, &kv);
-        dt = kvt_now_s() - t0;
-        kvr_kv_release(&kv);
-        if (dt < t_local)
-            t_local = dt;
-        t0 = kvt_now_s();
+        double t0 = kvt_now_s();
         vbytes = 0;
         for (size_t b = 0; b < nb; b++) {
             redisReply *x = redisCommand(where[b], "GET %s", keys[b]);
             vbytes += x && x->type == REDIS_REPLY_STRING ? x->len : 0;
             freeReplyObject(x);
         }
-        dt = kvt_now_s() - t0;
-        if (dt < t_serial)
-            t_serial = dt;
+        keep_best(&t_serial, t0);
         t0 = kvt_now_s();
         size_t pb = 0;
         for (int k = 0; k < nmast; k++) {
             pipe_gets(&pa_[k]);
             pb += pa_[k].bytes;
         }
-        dt = kvt_now_s() - t0;
-        if (dt < t_pipe)
-            t_pipe = dt;
+        keep_best(&t_pipe, t0);
         t0 = kvt_now_s();
         pthread_t th[6];
         for (int k = 0; k < nmast; k++)
@@ -234,20 +239,11 @@ int main(void)
             pthread_join(th[k], NULL);
             qb += pa_[k].bytes;
         }
-        dt = kvt_now_s() - t0;
-        if (dt < t_par)
-            t_par = dt;
+        keep_best(&t_par, t0);
         kvr_client_delete(cb, "doc");
-        t0 = kvt_now_s();
-        r = kvr_client_get(cb, &(kvr_get_args){ .ctx_id = "doc", .meta_only = true }, &kv);
-        dt = kvt_now_s() - t0;
-        if (r != 0) {
-            fprintf(stderr, "B get (meta only): %s\n", kvr_client_last_error(cb));
+        if (timed_get(cb, &(kvr_get_args){ .ctx_id = "doc", .meta_only = true }, &t_land,
+                      "B get (meta only)") != 0)
             return 1;
-        }
-        kvr_kv_release(&kv);
-        if (dt < t_land)
-            t_land = dt;
         if (pb != vbytes || qb != vbytes) {
             fprintf(stderr, "hiredis baselines read %zu / %zu / %zu bytes\n", vbytes, pb, qb);
             return 1;

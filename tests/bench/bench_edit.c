@@ -26,6 +26,7 @@
 
 #include "cache/cache.h"
 #include "tests/common/kvt_bench.h"
+#include "tests/common/kvt_bench_put.h"
 
 #define NL 32
 #define NH 8
@@ -51,16 +52,8 @@ static void put_ctx(kvr_store *s, const char *id, size_t n, bool write)
     kvr_put *t;
     kvr_error e = { 0 };
     die(kvr_store_put_begin(s, &p, &t, &e), &e, "put_begin");
-    if (write) {
-        const struct iovec *iov;
-        size_t niov;
-        kvr_put_payload_iov(t, &iov, &niov);
-        for (size_t i = 0; i < niov; i++) {
-            uint16_t *h = iov[i].iov_base;
-            for (size_t j = 0; j < iov[i].iov_len / 2; j++)
-                h[j] = (uint16_t)(0x3000 + (j * 31 + i) % 0x0800);   /* small f16 values */
-        }
-    }
+    if (write)
+        kvt_put_fill_f16(t);
     die(kvr_put_commit(t, NULL, &e), &e, "put_commit");
     free(tok);
 }

@@ -99,23 +99,39 @@ static int run(kvr_store *s, const char *id, const char *codec, const uint16_t *
     return kvr_store_stat(s, id, ci, &e);
 }
 
-/* Best of REPS (put and get separately); the context is deleted after each. */
+/* The best of a series of run()s: put and get, in wall and in CPU time. */
+typedef struct best_times {
+    double put, get, put_cpu, get_cpu;
+} best_times;
+#define BEST_NONE ((best_times){ 1e30, 1e30, 1e30, 1e30 })
+
+/* run() once into context id, deleted after it; each time kept in *b where
+ * it is the best so far. */
+static int run_keep(kvr_store *s, const char *id, const char *codec, const uint16_t *pl,
+                    uint8_t *copy, uint8_t *into, best_times *b, kvr_ctx_info *ci)
+{
+    double ps, gs;
+    if (run(s, id, codec, pl, copy, into, &ps, &gs, ci) != 0)
+        return -1;
+    kvr_store_delete(s, id, NULL);
+    b->put = ps < b->put ? ps : b->put;
+    b->get = gs < b->get ? gs : b->get;
+    b->put_cpu = last_put_cpu < b->put_cpu ? last_put_cpu : b->put_cpu;
+    b->get_cpu = last_get_cpu < b->get_cpu ? last_get_cpu : b->get_cpu;
+    return 0;
+}
+
+/* Best of REPS (put and get separately). */
 #define REPS 5
 static int run_best(kvr_store *s, const char *codec, const uint16_t *pl, uint8_t *copy,
                     double *put_s, double *get_s, kvr_ctx_info *ci)
 {
-    kvr_error e = { 0 };
-    *put_s = *get_s = 1e30;
-    for (int r = 0; r < REPS; r++) {
-        double ps, gs;
-        if (run(s, "bench", codec, pl, copy, NULL, &ps, &gs, ci) != 0)
+    best_times b = BEST_NONE;
+    for (int r = 0; r < REPS; r++)
+        if (run_keep(s, "bench", codec, pl, copy, NULL, &b, ci) != 0)
             return -1;
-        kvr_store_delete(s, "bench", &e);
-        if (ps < *put_s)
-            *put_s = ps;
-        if (gs < *get_s)
-            *get_s = gs;
-    }
+    *put_s = b.put;
+    *get_s = b.get;
     return 0;
 }
 
@@ -241,39 +257,27 @@ int main(int argc, char **argv)
     for (size_t i = 0; i < n_codecs; i++) {
         /* The f16 baseline runs alternately with the codec, best of each:
          * both see the same load on a shared machine. */
-        double ps = 1e30, gs = 1e30, bp = 1e30, bg = 1e30;
-        double cps = 1e30, cgs = 1e30, cbp = 1e30, cbg = 1e30;   /* CPU time, best */
+        best_times base = BEST_NONE, q = BEST_NONE;
         kvr_ctx_info fi;
-        for (int r = 0; r < REPS; r++) {
-            double a, b;
-            if (run(s, "base", "f16", pl, copy, NULL, &a, &b, &fi) != 0)
+        for (int r = 0; r < REPS; r++)
+            if (run_keep(s, "base", "f16", pl, copy, NULL, &base, &fi) != 0 ||
+                run_keep(s, "bench", codecs[i], pl, NULL, copy, &q, &ci) != 0)
                 return 1;
-            kvr_store_delete(s, "base", &e);
-            if (a < bp) bp = a;
-            if (b < bg) bg = b;
-            if (last_put_cpu < cbp) cbp = last_put_cpu;
-            if (last_get_cpu < cbg) cbg = last_get_cpu;
-            if (run(s, "bench", codecs[i], pl, NULL, copy, &a, &b, &ci) != 0)
-                return 1;
-            kvr_store_delete(s, "bench", &e);
-            if (a < ps) ps = a;
-            if (b < gs) gs = b;
-            if (last_put_cpu < cps) cps = last_put_cpu;
-            if (last_get_cpu < cgs) cgs = last_get_cpu;
-        }
+        double put_x = q.put / base.put, buf_x = base.get / q.get;
         double bpt = (double)ci.bytes / NTOK, kv = (double)ci.kv_bytes / NTOK + 16.0;
         printf("%-32s %10.0f %10.0f %6.2f %7.3f %9.4f %9.4f %8.1f %6.2f %8.1f %8.2f %6.2f %6.2f %6.2f\n",
                ci.codec, bpt, kv, f16_kv / kv, ci.bits_per_value, ci.rel_rms_k, ci.rel_rms_v,
-               ps * 1e3, ps / bp, gs * 1e3, gb / gs, bg / gs, cps / cbp, cbg / cgs);
+               q.put * 1e3, put_x, q.get * 1e3, gb / q.get, buf_x, q.put_cpu / base.put_cpu,
+               base.get_cpu / q.get_cpu);
         bool ggml = strstr(ci.codec, "q8_0") || strstr(ci.codec, "q4_") || strstr(ci.codec, "q5_0");
         bool integer = strstr(ci.codec, "int") != NULL && strstr(ci.codec, "/c") == NULL &&
                        strstr(ci.codec, "r=0") != NULL;
-        if (ggml && ps / bp > worst_put[1]) worst_put[1] = ps / bp;
-        if (integer && ps / bp > worst_put[0]) worst_put[0] = ps / bp;
-        if (integer && bg / gs < worst_get) worst_get = bg / gs;
+        if (ggml && put_x > worst_put[1]) worst_put[1] = put_x;
+        if (integer && put_x > worst_put[0]) worst_put[0] = put_x;
+        if (integer && buf_x < worst_get) worst_get = buf_x;
         bool eight = strcmp(ci.codec, "k=int8/g64,v=int8/g64,r=0") == 0 ||
                      strcmp(ci.codec, "k=q8_0,v=q8_0,r=0") == 0;
-        if (eight && bg / gs < worst_get8) worst_get8 = bg / gs;
+        if (eight && buf_x < worst_get8) worst_get8 = buf_x;
     }
     printf("\nB/tok(kv): K/V bytes incl. scales + 16 B/token metadata; x f16 uses it. "
            "put x: put time relative to f16 (lower is faster). get: every token as f16 "

@@ -1,11 +1,13 @@
 /*
- * kvt_disk.c — tests/common/kvt_disk.h: open-and-recover, byte flips.
+ * kvt_disk.c — tests/common/kvt_disk.h: open-and-recover, byte flips,
+ * spilling until the disk is full.
  */
 #include "tests/common/kvt_disk.h"
 #include "tests/common/kvt.h"
 
 #include <criterion/criterion.h>
 #include <fcntl.h>
+#include <string.h>
 #include <unistd.h>
 
 kvr_disk *kvt_disk_open(const kvr_disk_config *cfg, kvr_disk_record_fn on_record,
@@ -40,12 +42,15 @@ void kvt_disk_in_tmpdir(void (*fn)(kvr_disk_engine e, const char *dir), kvr_disk
     kvt_rmrf(dir);
 }
 
-int kvt_spill_until(kvr_disk *d, const kvr_disk_buf *kb, kvr_disk_handle *h, int cap,
-                    bool sync, int *rc, kvr_error *err)
+int kvt_spill_until_refused(kvr_disk *d, const kvr_disk_buf *kb, kvr_disk_handle *h, int cap,
+                            bool sync, int code, const char *needle)
 {
-    int n = 0;
-    *rc = 0;
-    while (n < cap && (*rc = kvr_disk_spill(d, kb, 1, &h[n], sync, err)) == 0)
+    kvr_error err = { 0 };
+    int n = 0, rc = 0;
+    while (n < cap && (rc = kvr_disk_spill(d, kb, 1, &h[n], sync, &err)) == 0)
         n++;
+    cr_assert_eq(rc, code, "spill %d of at most %d: %s (want %s): %s", n, cap,
+                 kvr_error_name(rc), kvr_error_name(code), err.msg);
+    cr_assert(strstr(err.msg, needle), "spill %d refused: '%s' names '%s'", n, err.msg, needle);
     return n;
 }

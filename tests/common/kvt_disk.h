@@ -32,10 +32,10 @@ void kvt_flip_byte(const char *path, uint64_t off, uint8_t mask);
     Test(suite, name##_posix) { fn(KVR_DISK_ENGINE_POSIX); }
 
 /* Spills kb (one buffer; durable with sync) into h[0], h[1], ... until a
- * spill fails or cap have been made: how many were made; the failing
- * spill's result in *rc (0 if none failed), its message in *err. */
-int kvt_spill_until(kvr_disk *d, const kvr_disk_buf *kb, kvr_disk_handle *h, int cap,
-                    bool sync, int *rc, kvr_error *err);
+ * spill fails, asserted to come before cap were made and to fail with code
+ * and a message naming needle (a full disk's refusal): how many were made. */
+int kvt_spill_until_refused(kvr_disk *d, const kvr_disk_buf *kb, kvr_disk_handle *h, int cap,
+                            bool sync, int code, const char *needle);
 
 /* fn(e, dir) in a fresh temporary directory dir, removed afterwards. */
 void kvt_disk_in_tmpdir(void (*fn)(kvr_disk_engine e, const char *dir), kvr_disk_engine e);

@@ -182,6 +182,25 @@ static void llama_kvs(gb *g)
     gb_kv_u32(g, "llama.attention.head_count", 2);
 }
 
+/* The two tensors the parser looks for: a model's, not an adapter's. */
+static void model_tensors(gb *g)
+{
+    gb_tensor(g, "token_embd.weight");
+    gb_tensor(g, "blk.0.attn_k.weight");
+}
+
+/* A llama model with one more string key, key = val, that the parser does
+ * not support: refused with KVR_EUNSUPPORTED, naming needle. */
+static void expect_llama_key_unsupported(gb *g, const char *key, const char *val,
+                                         const char *needle)
+{
+    gb_head(g, 2, 5);
+    llama_kvs(g);
+    gb_kv_str(g, key, val);
+    model_tensors(g);
+    expect_gguf_err(g, KVR_EUNSUPPORTED, needle);
+}
+
 Test(llama_gguf, bad_files_are_named)
 {
     gb g;
@@ -208,21 +227,11 @@ Test(llama_gguf, bad_files_are_named)
     gb_kv_u32(&g, "mamba.block_count", 2);
     gb_kv_u32(&g, "mamba.embedding_length", 64);
     gb_kv_u32(&g, "mamba.attention.head_count", 2);
-    gb_tensor(&g, "token_embd.weight");
-    gb_tensor(&g, "blk.0.attn_k.weight");
+    model_tensors(&g);
     expect_gguf_err(&g, KVR_EUNSUPPORTED, "architecture 'mamba' is not supported");
-    gb_head(&g, 2, 5);
-    llama_kvs(&g);
-    gb_kv_str(&g, "llama.rope.dimension_sections", "x");
-    gb_tensor(&g, "token_embd.weight");
-    gb_tensor(&g, "blk.0.attn_k.weight");
-    expect_gguf_err(&g, KVR_EUNSUPPORTED, "M-RoPE");
-    gb_head(&g, 2, 5);
-    llama_kvs(&g);
-    gb_kv_str(&g, "llama.rope.scaling.type", "longrope");
-    gb_tensor(&g, "token_embd.weight");
-    gb_tensor(&g, "blk.0.attn_k.weight");
-    expect_gguf_err(&g, KVR_EUNSUPPORTED, "'longrope' is not supported");
+    expect_llama_key_unsupported(&g, "llama.rope.dimension_sections", "x", "M-RoPE");
+    expect_llama_key_unsupported(&g, "llama.rope.scaling.type", "longrope",
+                                 "'longrope' is not supported");
     /* huge declared lengths */
     gb_head(&g, 0, 1);
     gb_u64(&g, 1ull << 60);

@@ -31,9 +31,11 @@ static char dir[256];
 static struct llama_model *model;
 static const struct llama_vocab *vocab;
 static int nv;
+static srv_params p;    /* each test's parameters: the defaults, freed after it */
 
 static void setup(void)
 {
+    kvr__srv_params_default(&p);
     snprintf(dir, sizeof dir, "/tmp/kvr-sample-XXXXXX");
     cr_assert_not_null(mkdtemp(dir));
     lt_engine_init();
@@ -47,6 +49,7 @@ static void setup(void)
 
 static void teardown(void)
 {
+    kvr__srv_params_free(&p);
     llama_model_free(model);
     char cmd[320];
     snprintf(cmd, sizeof cmd, "rm -rf %s", dir);
@@ -75,26 +78,26 @@ static float *logits(float base, int n, const int32_t *ids, const float *vals)
     return l;
 }
 
-static void chain(srv_params *p, const char *const *names, int n)
+static void chain(srv_params *sp, const char *const *names, int n)
 {
     static const char *const all[] = { "penalties", "dry", "top_n_sigma", "top_k", "typ_p",
                                        "top_p", "min_p", "xtc", "temperature", "infill" };
     static const int ids[] = { SRV_SAMP_PENALTIES, SRV_SAMP_DRY, SRV_SAMP_TOP_N_SIGMA, SRV_SAMP_TOP_K,
                                SRV_SAMP_TYP_P, SRV_SAMP_TOP_P, SRV_SAMP_MIN_P, SRV_SAMP_XTC,
                                SRV_SAMP_TEMP, SRV_SAMP_INFILL };
-    p->n_samplers = 0;
+    sp->n_samplers = 0;
     for (int i = 0; i < n; i++)
         for (int k = 0; k < 10; k++)
             if (!strcmp(names[i], all[k]))
-                p->samplers[p->n_samplers++] = ids[k];
-    cr_assert_eq(p->n_samplers, n);
+                sp->samplers[sp->n_samplers++] = ids[k];
+    cr_assert_eq(sp->n_samplers, n);
 }
 
-static int32_t one(const srv_params *p, const float *l, const int32_t *prompt, size_t np,
+static int32_t one(const srv_params *sp, const float *l, const int32_t *prompt, size_t np,
                    const int32_t *gen, size_t ng, uint64_t seed)
 {
     srv_sampler *s = NULL;
-    cr_assert_eq(kvr__srv_sampler_new(&s, p, vocab, (size_t)nv, seed), 0);
+    cr_assert_eq(kvr__srv_sampler_new(&s, sp, vocab, (size_t)nv, seed), 0);
     float *copy = malloc((size_t)nv * sizeof *copy);
     memcpy(copy, l, (size_t)nv * sizeof *copy);
     int32_t t = kvr__srv_sample(s, l, prompt, np, gen, ng);
@@ -107,8 +110,6 @@ static int32_t one(const srv_params *p, const float *l, const int32_t *prompt, s
 
 Test(sample, greedy_default_chain_is_argmax)
 {
-    srv_params p;
-    kvr__srv_params_default(&p);
     p.temperature = 0.0f;
     float *l = malloc((size_t)nv * sizeof *l);
     unsigned x = 7;
@@ -123,13 +124,10 @@ Test(sample, greedy_default_chain_is_argmax)
         cr_expect_eq(one(&p, l, NULL, 0, NULL, 0, 1), best);
     }
     free(l);
-    kvr__srv_params_free(&p);
 }
 
 Test(sample, penalties_follow_llama_cpp)
 {
-    srv_params p;
-    kvr__srv_params_default(&p);
     p.temperature = 0.0f;
     int32_t a = tok("a"), b = tok("b"), c = tok("c");
     int32_t hist[] = { a, c, c, c };
@@ -165,13 +163,10 @@ Test(sample, penalties_follow_llama_cpp)
     p.presence_penalty = 2.0f;
     cr_expect_eq(one(&p, l, hist, 4, NULL, 0, 1), c, "5 - 2 = 3 > 2.5");
     free(l);
-    kvr__srv_params_free(&p);
 }
 
 Test(sample, dry_penalises_extending_a_repeat)
 {
-    srv_params p;
-    kvr__srv_params_default(&p);
     p.temperature = 0.0f;
     p.dry_multiplier = 1.0f;
     p.dry_base = 2.0f;
@@ -212,13 +207,10 @@ Test(sample, dry_penalises_extending_a_repeat)
     p.dry_penalty_last_n = 64;
     cr_expect_eq(one(&p, l, h1, 6, NULL, 0, 1), c, "multiplier 0 turns DRY off");
     free(l);
-    kvr__srv_params_free(&p);
 }
 
 Test(sample, xtc_keeps_the_least_likely_of_the_likely)
 {
-    srv_params p;
-    kvr__srv_params_default(&p);
     const char *const names[] = { "xtc", "temperature" };
     chain(&p, names, 2);
     p.temperature = 0.0f;
@@ -235,13 +227,10 @@ Test(sample, xtc_keeps_the_least_likely_of_the_likely)
     p.xtc_probability = 0.0f;
     cr_expect_eq(one(&p, l, NULL, 0, NULL, 0, 1), a);
     free(l);
-    kvr__srv_params_free(&p);
 }
 
 Test(sample, top_n_sigma_keeps_the_top)
 {
-    srv_params p;
-    kvr__srv_params_default(&p);
     const char *const names[] = { "top_n_sigma", "temperature" };
     chain(&p, names, 2);
     p.temperature = 1.0f;
@@ -258,13 +247,10 @@ Test(sample, top_n_sigma_keeps_the_top)
     cr_expect_eq(top, 40, "within one sigma of the top: the top alone");
     cr_expect_lt(top_off, 30, "off: the draw spreads (%d of 40 were the top)", top_off);
     free(l);
-    kvr__srv_params_free(&p);
 }
 
 Test(sample, typical_can_drop_the_most_likely)
 {
-    srv_params p;
-    kvr__srv_params_default(&p);
     const char *const names[] = { "typ_p", "temperature" };
     chain(&p, names, 2);
     p.temperature = 0.0f;
@@ -289,13 +275,10 @@ Test(sample, typical_can_drop_the_most_likely)
     p.typical_p = 1.0f;
     cr_expect_eq(one(&p, l, NULL, 0, NULL, 0, 1), ids[0], "typical_p 1 turns it off");
     free(l);
-    kvr__srv_params_free(&p);
 }
 
 Test(sample, infill_ends_when_text_is_unlikely)
 {
-    srv_params p;
-    kvr__srv_params_default(&p);
     const char *const names[] = { "top_k", "infill" };
     chain(&p, names, 2);
     p.temperature = 0.8f;
@@ -332,13 +315,10 @@ Test(sample, infill_ends_when_text_is_unlikely)
     for (uint64_t seed = 1; seed <= 10; seed++)
         cr_expect_eq(one(&p, l, NULL, 0, NULL, 0, seed), ids[0]);
     free(l);
-    kvr__srv_params_free(&p);
 }
 
 Test(sample, seeded_draws_repeat)
 {
-    srv_params p;
-    kvr__srv_params_default(&p);
     p.temperature = 1.5f;
     p.top_k = 0;
     p.top_p = 1.0f;
@@ -353,5 +333,4 @@ Test(sample, seeded_draws_repeat)
     }
     cr_expect_gt(distinct, 8, "a flat distribution drawn with 16 seeds");
     free(l);
-    kvr__srv_params_free(&p);
 }

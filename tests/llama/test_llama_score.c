@@ -36,6 +36,8 @@
 static char dir[256], model[320];
 static struct llama_model *M;
 static int NV, NL, NKV, HD;
+/* Every test's token, KV and logits files (in dir). */
+static char tp[400], kp[400], lp[400];
 
 static void quiet(enum ggml_log_level level, const char *text, void *ud)
 {
@@ -44,24 +46,35 @@ static void quiet(enum ggml_log_level level, const char *text, void *ud)
         fputs(text, stderr);
 }
 
-static void setup(void)
+static void path(char *p, size_t cap, const char *name) { snprintf(p, cap, "%s/%s", dir, name); }
+
+/* Writes dir/name with scripts/gen-gguf.py (args: the shape) and loads it as
+ * M, with its dimensions. */
+static void load_model(const char *name, const char *args)
 {
-    snprintf(dir, sizeof dir, "/tmp/kvr-score-XXXXXX");
-    cr_assert_not_null(mkdtemp(dir));
-    snprintf(model, sizeof model, "%s/m.gguf", dir);
+    path(model, sizeof model, name);
     char cmd[1024];
-    snprintf(cmd, sizeof cmd, "/usr/bin/python3 %s -o %s --arch llama --layers 2 --width 128 "
-             "--heads 4 --kv-heads 2 --seed 7", KVR_LLAMA_GEN_GGUF, model);
+    snprintf(cmd, sizeof cmd, "/usr/bin/python3 %s -o %s %s", KVR_LLAMA_GEN_GGUF, model, args);
     cr_assert_eq(system(cmd), 0, "%s", cmd);
-    llama_log_set(quiet, NULL);
-    ggml_backend_load_all_from_path(KVR_LLAMA_LIBDIR);
-    llama_backend_init();
     M = llama_model_load_from_file(model, llama_model_default_params());
     cr_assert_not_null(M);
     NV = llama_vocab_n_tokens(llama_model_get_vocab(M));
     NL = llama_model_n_layer(M);
     NKV = llama_model_n_head_kv(M);
     HD = llama_model_n_embd(M) / llama_model_n_head(M);
+}
+
+static void setup(void)
+{
+    snprintf(dir, sizeof dir, "/tmp/kvr-score-XXXXXX");
+    cr_assert_not_null(mkdtemp(dir));
+    path(tp, sizeof tp, "t.bin");
+    path(kp, sizeof kp, "kv.bin");
+    path(lp, sizeof lp, "l.bin");
+    llama_log_set(quiet, NULL);
+    ggml_backend_load_all_from_path(KVR_LLAMA_LIBDIR);
+    llama_backend_init();
+    load_model("m.gguf", "--arch llama --layers 2 --width 128 --heads 4 --kv-heads 2 --seed 7");
 }
 
 static void teardown(void)
@@ -74,6 +87,8 @@ static void teardown(void)
     if (system(cmd)) {
     }
 }
+
+TestSuite(llama_score, .init = setup, .fini = teardown, .timeout = 600);
 
 /* A context as the worker makes them: f16 K and V, flash attention on. */
 static struct llama_context *ctx_new(int n_ctx)
@@ -229,7 +244,7 @@ static kvfile kv_of_llama(const int32_t *T, int m, int pos0)
 /* The tokens T (n of them) into tp and llama.cpp's KV of the first m
  * (positions from 0) into kp: the inputs of a score; the KV file (free
  * its b). */
-static kvfile score_inputs(const int32_t *T, int n, int m, const char *tp, const char *kp)
+static kvfile score_inputs(const int32_t *T, int n, int m)
 {
     write_bytes(tp, T, (size_t)n * sizeof *T);
     kvfile k = kv_of_llama(T, m, 0);
@@ -307,17 +322,12 @@ static double rel_err(const float *a, const float *b, size_t n)
     return mx > 0 ? d / mx : d;
 }
 
-static void path(char *p, size_t cap, const char *name) { snprintf(p, cap, "%s/%s", dir, name); }
-
 /* ---- (1) no KV = a plain full decode ------------------------------------ */
-Test(llama_score, no_kv_equals_a_full_decode, .init = setup, .fini = teardown, .timeout = 600)
+Test(llama_score, no_kv_equals_a_full_decode)
 {
     enum { N = 700 };       /* two decodes of 512 and 188 on both sides */
     int32_t T[N];
     tokens(T, N, 11);
-    char tp[400], lp[400];
-    path(tp, sizeof tp, "t.bin");
-    path(lp, sizeof lp, "l.bin");
     write_bytes(tp, T, sizeof T);
     const char *a[] = { "score", "--tokens", tp, "--from", "0", "--logits-out", lp, NULL };
     cJSON *j = run_ok(a);
@@ -364,18 +374,14 @@ Test(llama_score, no_kv_equals_a_full_decode, .init = setup, .fini = teardown, .
 }
 
 /* ---- (2) KV from llama.cpp: in-cache and continuation rows --------------- */
-Test(llama_score, kv_from_llama_reproduces_the_full_forward, .init = setup, .fini = teardown,
-     .timeout = 600)
+Test(llama_score, kv_from_llama_reproduces_the_full_forward)
 {
     enum { N = 300, m = 200 };   /* 199 in-cache rows: two decodes of queries */
     int32_t T[N];
     tokens(T, N, 5);
-    char tp[400], kp[400], lp[400], lp2[400];
-    path(tp, sizeof tp, "t.bin");
-    path(kp, sizeof kp, "kv.bin");
-    path(lp, sizeof lp, "l.bin");
+    char lp2[400];
     path(lp2, sizeof lp2, "l2.bin");
-    kvfile k = score_inputs(T, N, m, tp, kp);
+    kvfile k = score_inputs(T, N, m);
     float *ref = full_logits(T, N);
 
     const char *a[] = { "score", "--tokens", tp, "--kv", kp, "--from", "1", "--logits-out", lp,
@@ -449,29 +455,16 @@ Test(llama_score, kv_from_llama_reproduces_the_full_forward, .init = setup, .fin
 }
 
 /* The same on a NEOX model (qwen2, biases, f16 weights). */
-Test(llama_score, qwen2_kv_reproduces_the_full_forward, .init = setup, .fini = teardown,
-     .timeout = 600)
+Test(llama_score, qwen2_kv_reproduces_the_full_forward)
 {
     llama_model_free(M);
-    snprintf(model, sizeof model, "%s/q.gguf", dir);
-    char cmd[1024];
-    snprintf(cmd, sizeof cmd, "/usr/bin/python3 %s -o %s --arch qwen2 --layers 2 --width 128 "
-             "--heads 2 --kv-heads 1 --qkv-bias --dtype f16 --seed 3", KVR_LLAMA_GEN_GGUF, model);
-    cr_assert_eq(system(cmd), 0, "%s", cmd);
-    M = llama_model_load_from_file(model, llama_model_default_params());
-    cr_assert_not_null(M);
-    NV = llama_vocab_n_tokens(llama_model_get_vocab(M));
-    NL = llama_model_n_layer(M);
-    NKV = llama_model_n_head_kv(M);
-    HD = llama_model_n_embd(M) / llama_model_n_head(M);
+    M = NULL;
+    load_model("q.gguf", "--arch qwen2 --layers 2 --width 128 --heads 2 --kv-heads 1 --qkv-bias "
+               "--dtype f16 --seed 3");
     enum { N = 140, m = 90 };
     int32_t T[N];
     tokens(T, N, 8);
-    char tp[400], kp[400], lp[400];
-    path(tp, sizeof tp, "t.bin");
-    path(kp, sizeof kp, "kv.bin");
-    path(lp, sizeof lp, "l.bin");
-    kvfile k = score_inputs(T, N, m, tp, kp);
+    kvfile k = score_inputs(T, N, m);
     float *ref = full_logits(T, N);
     const char *a[] = { "score", "--tokens", tp, "--kv", kp, "--from", "1", "--logits-out", lp,
                         NULL };
@@ -514,16 +507,12 @@ Test(llama_score, qwen2_kv_reproduces_the_full_forward, .init = setup, .fini = t
 }
 
 /* ---- (3) generation from a cache = plain greedy ------------------------- */
-Test(llama_score, generate_from_a_cache_is_plain_greedy, .init = setup, .fini = teardown,
-     .timeout = 600)
+Test(llama_score, generate_from_a_cache_is_plain_greedy)
 {
     enum { N = 120, m = 80, G = 12 };
     int32_t T[N];
     tokens(T, N, 9);
-    char tp[400], kp[400];
-    path(tp, sizeof tp, "t.bin");
-    path(kp, sizeof kp, "kv.bin");
-    kvfile k = score_inputs(T, N, m, tp, kp);
+    kvfile k = score_inputs(T, N, m);
     const int at[] = { 40, m - 1, m, 100, N - 1 };
     enum { NA = sizeof at / sizeof at[0] };
     char spec[256];
@@ -586,16 +575,12 @@ static float h2f(uint16_t h)
  * the gap that needs P > max + 1, elsewhere it is llama.cpp's plain decode.
  * Batched in-cache rows agree to float rounding. (The keys are not rotated
  * for these positions: this checks which cells each row sees, not RoPE.) */
-Test(llama_score, position_gaps_see_the_right_cells, .init = setup, .fini = teardown,
-     .timeout = 600)
+Test(llama_score, position_gaps_see_the_right_cells)
 {
     enum { N = 90, m = 70, GAP = 10 };
     int32_t T[N];
     tokens(T, N, 21);
-    char tp[400], kp[400], lp[400], tp2[400], kp2[400], lp2[400];
-    path(tp, sizeof tp, "t.bin");
-    path(kp, sizeof kp, "kv.bin");
-    path(lp, sizeof lp, "l.bin");
+    char tp2[400], kp2[400], lp2[400];
     path(tp2, sizeof tp2, "t2.bin");
     path(kp2, sizeof kp2, "kv2.bin");
     path(lp2, sizeof lp2, "l2.bin");
@@ -666,17 +651,14 @@ Test(llama_score, position_gaps_see_the_right_cells, .init = setup, .fini = tear
  * llama.cpp casts f32 K and V to f16 for the attention (llama-graph.cpp), so
  * an f32 file holding llama.cpp's f16 values gives the f16 run's rows (0 seen);
  * bf16 rounds the values and takes the other attention kernel (~2e-3). */
-Test(llama_score, f32_and_bf16_caches, .init = setup, .fini = teardown, .timeout = 600)
+Test(llama_score, f32_and_bf16_caches)
 {
     enum { N = 100, m = 70 };
     int32_t T[N];
     tokens(T, N, 4);
-    char tp[400], kp[400], lp[400], lp16[400];
-    path(tp, sizeof tp, "t.bin");
-    path(kp, sizeof kp, "kv.bin");
-    path(lp, sizeof lp, "l.bin");
+    char lp16[400];
     path(lp16, sizeof lp16, "l16.bin");
-    kvfile k = score_inputs(T, N, m, tp, kp);
+    kvfile k = score_inputs(T, N, m);
     const char *a16[] = { "score", "--tokens", tp, "--kv", kp, "--from", "1", "--logits-out",
                           lp16, NULL };
     cJSON *j = run_ok(a16);
@@ -723,7 +705,8 @@ Test(llama_score, f32_and_bf16_caches, .init = setup, .fini = teardown, .timeout
 }
 
 /* ---- (4) refusals ------------------------------------------------------- */
-static void expect_refused(const char *const *args, const char *msg, const char *lp)
+/* args refused: exit 1, a message naming msg, no logits file at lp. */
+static void expect_refused(const char *const *args, const char *msg)
 {
     int rc = run(false, args);
     cr_expect_eq(rc, 1, "exit %d for '%s': %s", rc, msg, err_s);
@@ -732,15 +715,12 @@ static void expect_refused(const char *const *args, const char *msg, const char 
     cr_expect(stat(lp, &sb) != 0, "no logits file after a refusal (%s)", msg);
 }
 
-Test(llama_score, bad_inputs_are_refused, .init = setup, .fini = teardown, .timeout = 600)
+Test(llama_score, bad_inputs_are_refused)
 {
     enum { N = 40, m = 20 };
     int32_t T[N];
     tokens(T, N, 3);
-    char tp[400], kp[400], lp[400], bp[400];
-    path(tp, sizeof tp, "t.bin");
-    path(kp, sizeof kp, "kv.bin");
-    path(lp, sizeof lp, "l.bin");
+    char bp[400];
     path(bp, sizeof bp, "bad.bin");
     write_bytes(tp, T, sizeof T);
     size_t row = (size_t)NKV * HD * 2, pl_len = (size_t)NL * 2 * m * row;
@@ -760,16 +740,16 @@ Test(llama_score, bad_inputs_are_refused, .init = setup, .fini = teardown, .time
 
     k.b[0] = 'X';
     write_bytes(kp, k.b, k.len);
-    expect_refused(a, "magic", lp);
+    expect_refused(a, "magic");
     k.b[0] = 'K';
     write_bytes(kp, k.b, k.len - 1);
-    expect_refused(a, "truncated", lp);
+    expect_refused(a, "truncated");
     write_bytes(kp, k.b, 20);
-    expect_refused(a, "truncated", lp);
+    expect_refused(a, "truncated");
     uint8_t *big = calloc(1, k.len + 3);
     memcpy(big, k.b, k.len);
     write_bytes(kp, big, k.len + 3);
-    expect_refused(a, "3 trailing bytes", lp);
+    expect_refused(a, "3 trailing bytes");
     free(big);
     free(k.b);
 
@@ -785,7 +765,7 @@ Test(llama_score, bad_inputs_are_refused, .init = setup, .fini = teardown, .time
         kvfile w = kv_make(shapes[i].nl, m, shapes[i].nkv, shapes[i].hd, shapes[i].dt, pos, p,
                            len);
         write_bytes(kp, w.b, w.len);
-        expect_refused(a, shapes[i].msg, lp);
+        expect_refused(a, shapes[i].msg);
         free(w.b);
         free(p);
     }
@@ -794,13 +774,13 @@ Test(llama_score, bad_inputs_are_refused, .init = setup, .fini = teardown, .time
     uint32_t huge = 0xffffffffu;
     memcpy(k.b + 12, &huge, 4);
     write_bytes(kp, k.b, k.len);
-    expect_refused(a, "truncated", lp);
+    expect_refused(a, "truncated");
     /* Negative position. */
     memcpy(k.b + 12, &(uint32_t){ m }, 4);
     int64_t neg = -5;
     memcpy(k.b + 32 + 8 * 3, &neg, 8);
     write_bytes(kp, k.b, k.len);
-    expect_refused(a, "out of range", lp);
+    expect_refused(a, "out of range");
     free(k.b);
 
     /* Positions not strictly increasing: refused for in-cache scoring,
@@ -810,14 +790,14 @@ Test(llama_score, bad_inputs_are_refused, .init = setup, .fini = teardown, .time
         ape[i] = i < 10 ? i : i - 5;
     k = kv_make((uint32_t)NL, m, (uint32_t)NKV, (uint32_t)HD, 1, ape, pl, pl_len);
     write_bytes(kp, k.b, k.len);
-    expect_refused(a, "strictly increasing", lp);
+    expect_refused(a, "strictly increasing");
     cJSON *j = run_ok(dflt);
     cr_expect_eq(num(j, "next_pos"), 15, "max position + 1");
     cr_expect_eq(num(j, "n_scored"), N - 1 - m);
     cJSON_Delete(j);
     unlink(lp);
     const char *g[] = { "score", "--tokens", tp, "--kv", kp, "--generate", "5:3", NULL };
-    expect_refused(g, "strictly increasing", lp);
+    expect_refused(g, "strictly increasing");
     free(k.b);
 
     /* More cached tokens than tokens. */
@@ -827,7 +807,7 @@ Test(llama_score, bad_inputs_are_refused, .init = setup, .fini = teardown, .time
     k = kv_make((uint32_t)NL, m, (uint32_t)NKV, (uint32_t)HD, 1, pos, pl, pl_len);
     write_bytes(kp, k.b, k.len);
     const char *c[] = { "score", "--tokens", bp, "--kv", kp, "--logits-out", lp, NULL };
-    expect_refused(c, "more than", lp);
+    expect_refused(c, "more than");
     free(k.b);
 
     /* Token files: an id past the vocabulary, a partial id, none at all. */
@@ -836,24 +816,24 @@ Test(llama_score, bad_inputs_are_refused, .init = setup, .fini = teardown, .time
     badt[7] = NV;
     write_bytes(bp, badt, sizeof badt);
     const char *d[] = { "score", "--tokens", bp, "--logits-out", lp, NULL };
-    expect_refused(d, "vocabulary", lp);
+    expect_refused(d, "vocabulary");
     badt[7] = -1;
     write_bytes(bp, badt, sizeof badt);
-    expect_refused(d, "vocabulary", lp);
+    expect_refused(d, "vocabulary");
     write_bytes(bp, T, 10);
-    expect_refused(d, "whole number", lp);
+    expect_refused(d, "whole number");
     write_bytes(bp, T, 0);
-    expect_refused(d, "no tokens", lp);
+    expect_refused(d, "no tokens");
 
     /* Options out of range. */
     const char *e1[] = { "score", "--tokens", tp, "--from", "41", NULL };
-    expect_refused(e1, "--from", lp);
+    expect_refused(e1, "--from");
     const char *e2[] = { "score", "--tokens", tp, "--generate", "40:3", NULL };
-    expect_refused(e2, "past the last token", lp);
+    expect_refused(e2, "past the last token");
     char sv[32];
     snprintf(sv, sizeof sv, "%d", NV);
     const char *e3[] = { "score", "--tokens", tp, "--generate", "3:3", "--stop-token", sv, NULL };
-    expect_refused(e3, "vocabulary", lp);
+    expect_refused(e3, "vocabulary");
     /* Usage and missing files: the worker's other exit codes. */
     const char *u[] = { "score", NULL };
     cr_expect_eq(run(false, u), 2);
@@ -878,14 +858,12 @@ Test(llama_score, bad_inputs_are_refused, .init = setup, .fini = teardown, .time
  * byte for byte what llama.cpp's own state holds for them, with no cache
  * and after a cache (there: the appended rows of a full decode's state).
  * Refused when nothing follows the cache. */
-Test(llama_score, kv_out_is_llamas_own_kv, .init = setup, .fini = teardown, .timeout = 600)
+Test(llama_score, kv_out_is_llamas_own_kv)
 {
     enum { N = 160, m = 100 };
     int32_t T[N];
     tokens(T, N, 11);
-    char tp[400], kp[400], op[400];
-    path(tp, sizeof tp, "t.bin");
-    path(kp, sizeof kp, "kv.bin");
+    char op[400];
     path(op, sizeof op, "kvo.bin");
     /* No cache: the KV of T[0..m) equals kv_of_llama's. */
     write_bytes(tp, T, (size_t)m * 4);

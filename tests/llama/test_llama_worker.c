@@ -53,6 +53,10 @@ static void teardown(void)
     testd_stop(&D);
 }
 
+/* llama_worker: the worker's flows, each against its own daemon and model;
+ * llama_worker_parts (at the end): its parts on their own, no fixture. */
+TestSuite(llama_worker, .init = setup, .fini = teardown, .timeout = 600);
+
 static void write_file(const char *name, const char *text, char *path, size_t cap)
 {
     snprintf(path, cap, "%s/%s", dir, name);
@@ -146,8 +150,7 @@ static size_t n_contexts(void)
 }
 
 /* ---- complete ------------------------------------------------------------ */
-Test(llama_worker, complete_reuses_the_cached_prefix, .init = setup, .fini = teardown,
-     .timeout = 600)
+Test(llama_worker, complete_reuses_the_cached_prefix)
 {
     char p[512], p2[512];
     write_file("p.txt", SRC, p, sizeof p);
@@ -198,10 +201,28 @@ Test(llama_worker, complete_reuses_the_cached_prefix, .init = setup, .fini = tea
 }
 
 /* ---- edit ---------------------------------------------------------------- */
-Test(llama_worker, edit_decodes_only_the_new_tokens, .init = setup, .fini = teardown,
-     .timeout = 600)
+/* An edit of old (a file of SRC) that appends a line: asserted to be exact
+ * (nothing approximate; the next token and logits a full encode's, up to
+ * llama.cpp's batch rounding) on the model `what`; its JSON (delete it). */
+static cJSON *edit_append_is_exact(const char *old, const char *what)
 {
-    char o[512], nw[512], app[512];
+    char appended[4096], app[512];
+    snprintf(appended, sizeof appended, "%s/* end */\n", SRC);
+    write_file("app.txt", appended, app, sizeof app);
+    const char *a[] = { "edit", "--old", old, "--new", app, "--check", "--n", "4", NULL };
+    cJSON *j = run_json(a);
+    cr_expect_eq(num(j, NULL, "approximate_tokens"), 0, "%s: an append approximates nothing",
+                 what);
+    cr_expect_eq(num(j, "check", "next_token_agrees"), 1, "%s: next token as a full encode's",
+                 what);
+    cr_expect_lt(num(j, "check", "logit_max_abs_err"), 0.05, "%s: logits as a full encode's",
+                 what);
+    return j;
+}
+
+Test(llama_worker, edit_decodes_only_the_new_tokens)
+{
+    char o[512], nw[512];
     write_file("old.txt", SRC, o, sizeof o);
     /* One line inserted in the middle, one word changed further down. */
     char edited[4096];
@@ -247,30 +268,22 @@ Test(llama_worker, edit_decodes_only_the_new_tokens, .init = setup, .fini = tear
     /* An edit at the very end changes nothing before it: nothing is
      * approximate and the next token is exactly what a full encode gives
      * (up to llama.cpp's batch rounding). */
-    char appended[4096];
-    snprintf(appended, sizeof appended, "%s/* end */\n", SRC);
-    write_file("app.txt", appended, app, sizeof app);
-    const char *b[] = { "edit", "--old", o, "--new", app, "--check", "--n", "4", NULL };
-    cJSON *j3 = run_json(b);
+    cJSON *j3 = edit_append_is_exact(o, "llama");
     cr_expect_eq(num(j3, NULL, "edit_ops"), 1);
     cr_expect_eq(num(j3, NULL, "inserted_tokens"), 10);
     cr_expect_eq(num(j3, NULL, "computed_tokens"), 10);
-    cr_expect_eq(num(j3, NULL, "approximate_tokens"), 0);
-    cr_expect_eq(num(j3, "check", "next_token_agrees"), 1);
-    cr_expect_lt(num(j3, "check", "logit_max_abs_err"), 0.05);
     cJSON_Delete(j);
     cJSON_Delete(j2);
     cJSON_Delete(j3);
 }
 
 /* ---- NEOX pairing (qwen2) ----------------------------------------------- */
-Test(llama_worker, qwen2_neox_complete_and_edit, .init = setup, .fini = teardown,
-     .timeout = 600)
+Test(llama_worker, qwen2_neox_complete_and_edit)
 {
     snprintf(model, sizeof model, "%s/q.gguf", dir);
     gen_model(model, "--arch qwen2 --layers 2 --width 128 --heads 2 --kv-heads 1 --qkv-bias "
                      "--dtype f16 --seed 3");
-    char p[512], app[512], mid[512];
+    char p[512], mid[512];
     write_file("p.txt", SRC, p, sizeof p);
     const char *a[] = { "complete", "--prompt-file", p, "--n", "8", NULL };
     cJSON *cold = run_json(a), *warm = run_json(a);
@@ -279,14 +292,7 @@ Test(llama_worker, qwen2_neox_complete_and_edit, .init = setup, .fini = teardown
     cr_expect_eq(num(warm, NULL, "reused_tokens"), (double)strlen(SRC));
     cr_expect(same_tokens(warm, plain) && same_tokens(cold, plain));
     /* Appending at the end: exact. */
-    char appended[4096];
-    snprintf(appended, sizeof appended, "%s/* end */\n", SRC);
-    write_file("app.txt", appended, app, sizeof app);
-    const char *c[] = { "edit", "--old", p, "--new", app, "--check", "--n", "4", NULL };
-    cJSON *j = run_json(c);
-    cr_expect_eq(num(j, NULL, "approximate_tokens"), 0);
-    cr_expect_eq(num(j, "check", "next_token_agrees"), 1);
-    cr_expect_lt(num(j, "check", "logit_max_abs_err"), 0.05);
+    cJSON *j = edit_append_is_exact(p, "qwen2");
     /* A line removed in the middle: the suffix moves back (keys re-rotated
      * by kvrope in NEOX pairs); close to a full re-encode. */
     char removed[4096];
@@ -310,8 +316,7 @@ Test(llama_worker, qwen2_neox_complete_and_edit, .init = setup, .fini = teardown
 }
 
 /* ---- rag ----------------------------------------------------------------- */
-Test(llama_worker, rag_encodes_each_document_once, .init = setup, .fini = teardown,
-     .timeout = 600)
+Test(llama_worker, rag_encodes_each_document_once)
 {
     char pre[512], d1[512], d2[512], d3[512], q[512];
     write_file("pre.txt", "You answer questions about C code using the snippets below.\n", pre,
@@ -349,7 +354,7 @@ Test(llama_worker, rag_encodes_each_document_once, .init = setup, .fini = teardo
 }
 
 /* ---- ppl ----------------------------------------------------------------- */
-Test(llama_worker, ppl_prints_bits_per_byte, .init = setup, .fini = teardown, .timeout = 600)
+Test(llama_worker, ppl_prints_bits_per_byte)
 {
     char f[512];
     write_file("t.txt", SRC, f, sizeof f);
@@ -367,8 +372,7 @@ Test(llama_worker, ppl_prints_bits_per_byte, .init = setup, .fini = teardown, .t
 }
 
 /* ---- errors -------------------------------------------------------------- */
-Test(llama_worker, bad_inputs_are_clear_errors, .init = setup, .fini = teardown,
-     .timeout = 600)
+Test(llama_worker, bad_inputs_are_clear_errors)
 {
     char p[512], notgguf[512], missing[512];
     write_file("p.txt", SRC, p, sizeof p);
@@ -442,7 +446,7 @@ static void apply_hunks(const int32_t *a, size_t na, const int32_t *b, const kvr
     *no = o;
 }
 
-Test(llama_worker, diff_rebuilds_the_new_sequence)
+Test(llama_worker_parts, diff_rebuilds_the_new_sequence)
 {
     uint64_t x = 12345;
     for (int trial = 0; trial < 300; trial++) {
@@ -501,7 +505,7 @@ Test(llama_worker, diff_rebuilds_the_new_sequence)
 }
 
 /* ---- the state codec on its own ------------------------------------------ */
-Test(llama_worker, state_build_parse_gather_round_trip)
+Test(llama_worker_parts, state_build_parse_gather_round_trip)
 {
     for (int vt = 0; vt < 2; vt++) {
         const uint32_t nl = 3, ne = 8, n = 5;
