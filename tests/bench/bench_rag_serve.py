@@ -48,7 +48,6 @@ Run: KVR_BUILD=$PWD/build /usr/bin/python3 tests/bench/bench_rag_serve.py
 import json
 import os
 import random
-import signal
 import statistics
 import subprocess
 import sys
@@ -224,8 +223,7 @@ def main():
                    p, "llama-server", log),
             prompt_a, prompts_b)
     finally:
-        kd.send_signal(signal.SIGTERM)
-        kd.wait(60)
+        S.stop_process(kd, 60)
         log.close()
     k, ls = rows["kvrope serve"], rows["llama-server --cache-reuse 256"]
     med = statistics.median

@@ -60,7 +60,7 @@ import time
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 sys.path.insert(0, os.path.join(ROOT, "tests", "python"))
-from procs import stop_process, wait_health  # noqa: E402  (shared with the tests and eval)
+from procs import free_tcp_port, stop_process, wait_health  # noqa: E402  (shared with the tests and eval)
 
 BUILD = os.path.abspath(os.environ.get("KVR_BUILD") or os.path.join(ROOT, "build"))
 MODEL = os.environ.get("KVR_SERVE_MODEL") or os.path.join(
@@ -286,8 +286,6 @@ def prerequisites(who):
     """What a serve benchmark needs: kvroped and kvrope-llama built, the
     model, llama-server -> (free_port, llama-server's path), or None (said
     why: the bench is skipped)."""
-    sys.path.insert(0, os.path.join(ROOT, "tests", "python"))
-    from conftest import free_tcp_port  # the tests' helper, not repeated here
     for p in (os.path.join(BUILD, "kvrope-llama"), os.path.join(BUILD, "kvroped")):
         if not os.path.exists(p):
             print(f"{who}: {p} is not built; skipped")
