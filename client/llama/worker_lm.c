@@ -387,6 +387,18 @@ size_t kvr__wk_lm_piece(kvr__wk_lm *lm, int32_t tok, char *buf, size_t cap)
     return (size_t)r;
 }
 
+/* Row j of a batch: one token of one sequence at pos (common_batch_add's
+ * job), with its logits asked for or not. */
+static void batch_set(struct llama_batch *b, size_t j, int32_t tok, int32_t pos, int seq,
+                      bool logits)
+{
+    b->token[j] = tok;
+    b->pos[j] = pos;
+    b->n_seq_id[j] = 1;
+    b->seq_id[j][0] = seq;
+    b->logits[j] = logits;
+}
+
 int kvr__wk_lm_decode(kvr__wk_lm *lm, const int32_t *toks, size_t n, int32_t pos0, int seq,
                      kvr__wk_logits_mode mode, kvr__wk_rows_fn fn, void *ud, char *err,
                      size_t errlen)
@@ -396,14 +408,9 @@ int kvr__wk_lm_decode(kvr__wk_lm *lm, const int32_t *toks, size_t n, int32_t pos
         size_t m = n - i < lm->n_batch ? n - i : lm->n_batch;
         struct llama_batch *b = &lm->batch;
         b->n_tokens = (int32_t)m;
-        for (size_t j = 0; j < m; j++) {
-            b->token[j] = toks[i + j];
-            b->pos[j] = pos0 + (int32_t)(i + j);
-            b->n_seq_id[j] = 1;
-            b->seq_id[j][0] = seq;
-            b->logits[j] = mode == KVR_WK_LOGITS_ALL ||
-                           (mode == KVR_WK_LOGITS_LAST && i + j == n - 1);
-        }
+        for (size_t j = 0; j < m; j++)
+            batch_set(b, j, toks[i + j], pos0 + (int32_t)(i + j), seq,
+                      mode == KVR_WK_LOGITS_ALL || (mode == KVR_WK_LOGITS_LAST && i + j == n - 1));
         log_last[0] = 0;
         int r = llama_decode(lm->ctx, *b);
         if (r != 0) {
@@ -435,13 +442,8 @@ int kvr__wk_lm_decode_batch(kvr__wk_lm *lm, const kvr__wk_btok *t, size_t n, kvr
         size_t m = n - i < lm->n_batch ? n - i : lm->n_batch;
         struct llama_batch *b = &lm->batch;
         b->n_tokens = (int32_t)m;
-        for (size_t j = 0; j < m; j++) {
-            b->token[j] = t[i + j].tok;
-            b->pos[j] = t[i + j].pos;
-            b->n_seq_id[j] = 1;
-            b->seq_id[j][0] = t[i + j].seq;
-            b->logits[j] = t[i + j].logits;
-        }
+        for (size_t j = 0; j < m; j++)
+            batch_set(b, j, t[i + j].tok, t[i + j].pos, t[i + j].seq, t[i + j].logits);
         log_last[0] = 0;
         int r = llama_decode(lm->ctx, *b);
         if (r != 0) {
