@@ -635,6 +635,14 @@ static int st_ints(const st_tensor *t, size_t n, int64_t *out, const char *name,
     return 0;
 }
 
+void kvr__cli_st_free(cli_st_kv *st)
+{
+    kvr__cli_unmap(&st->file);
+    free(st->tokens);
+    free(st->positions);
+    memset(st, 0, sizeof *st);
+}
+
 /* The optional integer tensor `name` (n entries) into out: 0, 1 when the file
  * has none, -1 with err set (naming path). */
 static int st_opt_ints(const cJSON *root, const char *name, const uint8_t *data, size_t data_len,
@@ -646,14 +654,6 @@ static int st_opt_ints(const cJSON *root, const char *name, const uint8_t *data,
     if (r < 0 || (r == 0 && st_ints(&t, n, out, name, e2, sizeof e2) < 0))
         return kvr__cli_errf(err, errlen, "%s: %s", path, e2);
     return r;
-}
-
-void kvr__cli_st_free(cli_st_kv *st)
-{
-    kvr__cli_unmap(&st->file);
-    free(st->tokens);
-    free(st->positions);
-    memset(st, 0, sizeof *st);
 }
 
 /* The parse of a safetensors image base[0..len) (borrowed: st->k/v point
