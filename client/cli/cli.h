@@ -67,6 +67,10 @@ typedef struct cli_mapped {
     bool   mapped;   /* munmap, else free */
 } cli_mapped;
 
+/* How the file readers and parsers fail: the reason written into err
+ * (errlen bytes), -1 returned. */
+int  kvr__cli_errf(char *err, size_t errlen, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
 int  kvr__cli_map_file(const char *path, cli_mapped *m, char *err, size_t errlen);
 void kvr__cli_unmap(cli_mapped *m);
 

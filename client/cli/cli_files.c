@@ -32,6 +32,15 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+int kvr__cli_errf(char *err, size_t errlen, const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(err, errlen, fmt, ap);
+    va_end(ap);
+    return -1;
+}
+
 bool kvr__cli_in_list(const char *const *v, const char *s)
 {
     for (size_t i = 0; v[i]; i++)
@@ -53,10 +62,8 @@ int kvr__cli_map_file(const char *path, cli_mapped *m, char *err, size_t errlen)
         size_t cap = 1 << 16, len = 0;
         uint8_t *buf = malloc(cap);
         for (;;) {
-            if (!buf) {
-                snprintf(err, errlen, "out of memory reading stdin");
-                return -1;
-            }
+            if (!buf)
+                return kvr__cli_errf(err, errlen, "out of memory reading stdin");
             ssize_t r = read(0, buf + len, cap - len);
             if (r < 0 && errno == EINTR)
                 continue;
@@ -81,10 +88,8 @@ int kvr__cli_map_file(const char *path, cli_mapped *m, char *err, size_t errlen)
         return 0;
     }
     int fd = open(path, O_RDONLY | O_CLOEXEC);
-    if (fd < 0) {
-        snprintf(err, errlen, "%s: %s", path, strerror(errno));
-        return -1;
-    }
+    if (fd < 0)
+        return kvr__cli_errf(err, errlen, "%s: %s", path, strerror(errno));
     struct stat st;
     if (fstat(fd, &st) < 0 || !S_ISREG(st.st_mode)) {
         snprintf(err, errlen, "%s: not a regular file", path);
@@ -99,10 +104,8 @@ int kvr__cli_map_file(const char *path, cli_mapped *m, char *err, size_t errlen)
     }
     void *p = mmap(NULL, m->len, PROT_READ, MAP_PRIVATE, fd, 0);
     close(fd);
-    if (p == MAP_FAILED) {
-        snprintf(err, errlen, "%s: mmap: %s", path, strerror(errno));
-        return -1;
-    }
+    if (p == MAP_FAILED)
+        return kvr__cli_errf(err, errlen, "%s: mmap: %s", path, strerror(errno));
     (void)madvise(p, m->len, MADV_SEQUENTIAL);
     m->base = p;
     m->mapped = true;
@@ -285,49 +288,37 @@ int kvr__cli_npy_parse(const void *buf, size_t len, cli_npy *n, char *err, size_
 {
     const uint8_t *b = buf;
     memset(n, 0, sizeof *n);
-    if (len < 10 || memcmp(b, "\x93NUMPY", 6) != 0) {
-        snprintf(err, errlen, "not a .npy file (no \\x93NUMPY magic)");
-        return -1;
-    }
+    if (len < 10 || memcmp(b, "\x93NUMPY", 6) != 0)
+        return kvr__cli_errf(err, errlen, "not a .npy file (no \\x93NUMPY magic)");
     size_t hlen, hoff;
     if (b[6] == 1) {
         hlen = (size_t)b[8] | (size_t)b[9] << 8;
         hoff = 10;
     } else if (b[6] == 2 || b[6] == 3) {
-        if (len < 12) {
-            snprintf(err, errlen, "truncated .npy header");
-            return -1;
-        }
+        if (len < 12)
+            return kvr__cli_errf(err, errlen, "truncated .npy header");
         hlen = (size_t)b[8] | (size_t)b[9] << 8 | (size_t)b[10] << 16 | (size_t)b[11] << 24;
         hoff = 12;
     } else {
-        snprintf(err, errlen, ".npy version %u.%u is not supported (1, 2 or 3)", b[6], b[7]);
-        return -1;
+        return kvr__cli_errf(err, errlen, ".npy version %u.%u is not supported (1, 2 or 3)", b[6],
+                             b[7]);
     }
-    if (hlen > len - hoff || hlen > 65536) {
-        snprintf(err, errlen, "truncated .npy header");
-        return -1;
-    }
+    if (hlen > len - hoff || hlen > 65536)
+        return kvr__cli_errf(err, errlen, "truncated .npy header");
     char h[65537];
     memcpy(h, b + hoff, hlen);
     h[hlen] = 0;
     const char *d = strstr(h, "'descr'"), *f = strstr(h, "'fortran_order'"),
                *sh = strstr(h, "'shape'");
-    if (!d || !f || !sh) {
-        snprintf(err, errlen, ".npy header lacks descr, fortran_order or shape");
-        return -1;
-    }
+    if (!d || !f || !sh)
+        return kvr__cli_errf(err, errlen, ".npy header lacks descr, fortran_order or shape");
     d = strchr(d + 7, '\'');
-    if (!d) {
-        snprintf(err, errlen, ".npy header: bad descr");
-        return -1;
-    }
+    if (!d)
+        return kvr__cli_errf(err, errlen, ".npy header: bad descr");
     d++;
     const char *de = strchr(d, '\'');
-    if (!de || de - d >= (ptrdiff_t)sizeof n->descr) {
-        snprintf(err, errlen, ".npy header: bad descr");
-        return -1;
-    }
+    if (!de || de - d >= (ptrdiff_t)sizeof n->descr)
+        return kvr__cli_errf(err, errlen, ".npy header: bad descr");
     memcpy(n->descr, d, (size_t)(de - d));
     n->descr[de - d] = 0;
     if (n->descr[0] == '=')   /* native order: little-endian on every host we build for */
@@ -335,23 +326,18 @@ int kvr__cli_npy_parse(const void *buf, size_t len, cli_npy *n, char *err, size_
     for (size_t i = 0; i < sizeof npy_types / sizeof npy_types[0]; i++)
         if (!strcmp(n->descr, npy_types[i].descr))
             n->elem = npy_types[i].size;
-    if (!n->elem) {
-        snprintf(err, errlen, ".npy dtype '%s' is not supported (float32 '<f4', float16 '<f2', "
-                 "int32/uint32/int64 for ids)", n->descr);
-        return -1;
-    }
+    if (!n->elem)
+        return kvr__cli_errf(err, errlen, ".npy dtype '%s' is not supported (float32 '<f4', "
+                             "float16 '<f2', int32/uint32/int64 for ids)", n->descr);
     f += 15;
     while (*f == ' ' || *f == ':')
         f++;
-    if (strncmp(f, "False", 5) != 0) {
-        snprintf(err, errlen, ".npy in Fortran order: save it C-contiguous (np.ascontiguousarray)");
-        return -1;
-    }
+    if (strncmp(f, "False", 5) != 0)
+        return kvr__cli_errf(err, errlen,
+                             ".npy in Fortran order: save it C-contiguous (np.ascontiguousarray)");
     sh = strchr(sh + 7, '(');
-    if (!sh) {
-        snprintf(err, errlen, ".npy header: bad shape");
-        return -1;
-    }
+    if (!sh)
+        return kvr__cli_errf(err, errlen, ".npy header: bad shape");
     sh++;
     size_t count = 1;
     for (;;) {
@@ -363,21 +349,18 @@ int kvr__cli_npy_parse(const void *buf, size_t len, cli_npy *n, char *err, size_
         errno = 0;
         unsigned long long v = strtoull(sh, &end, 10);
         if (end == sh || errno || n->ndim == CLI_NPY_MAX_DIMS || v > (1ull << 40) ||
-            (v && count > SIZE_MAX / v)) {
-            snprintf(err, errlen, ".npy header: bad shape (at most %d dimensions)",
-                     CLI_NPY_MAX_DIMS);
-            return -1;
-        }
+            (v && count > SIZE_MAX / v))
+            return kvr__cli_errf(err, errlen, ".npy header: bad shape (at most %d dimensions)",
+                                 CLI_NPY_MAX_DIMS);
         n->shape[n->ndim++] = (size_t)v;
         count *= (size_t)v;
         sh = end;
     }
     size_t off = hoff + hlen;
-    if (count > SIZE_MAX / n->elem || len - off != count * n->elem) {
-        snprintf(err, errlen, ".npy data: %zu bytes after the header, the shape needs %zu",
-                 len - off, count > SIZE_MAX / n->elem ? SIZE_MAX : count * n->elem);
-        return -1;
-    }
+    if (count > SIZE_MAX / n->elem || len - off != count * n->elem)
+        return kvr__cli_errf(err, errlen,
+                             ".npy data: %zu bytes after the header, the shape needs %zu",
+                             len - off, count > SIZE_MAX / n->elem ? SIZE_MAX : count * n->elem);
     n->data = b + off;
     n->data_len = len - off;
     n->count = count;
@@ -406,16 +389,13 @@ int kvr__cli_npy_kv_shape(const cli_npy *n, const char *path, kvr_dtype *dt, uin
         *dt = KVR_DTYPE_F32;
     else if (!strcmp(n->descr, "<f2"))
         *dt = KVR_DTYPE_F16;
-    else {
-        snprintf(err, errlen, "%s: KV must be float32 or float16, not '%s'", path, n->descr);
-        return -1;
-    }
+    else
+        return kvr__cli_errf(err, errlen, "%s: KV must be float32 or float16, not '%s'", path,
+                             n->descr);
     if (n->ndim != 5 || n->shape[1] != 2 || n->shape[0] > UINT32_MAX ||
-        n->shape[3] > UINT32_MAX || n->shape[4] > UINT32_MAX) {
-        snprintf(err, errlen, "%s: KV must have shape [layers, 2, tokens, kv_heads, head_dim] "
-                 "(K then V per layer, docs/formats.md)", path);
-        return -1;
-    }
+        n->shape[3] > UINT32_MAX || n->shape[4] > UINT32_MAX)
+        return kvr__cli_errf(err, errlen, "%s: KV must have shape [layers, 2, tokens, kv_heads, "
+                             "head_dim] (K then V per layer, docs/formats.md)", path);
     *layers = (uint32_t)n->shape[0];
     *tokens = n->shape[2];
     *heads = (uint32_t)n->shape[3];
@@ -440,10 +420,8 @@ int kvr__cli_npy_write(const char *path, const char *descr, const size_t *shape,
     char h[320];
     int hl = snprintf(h, sizeof h, "{'descr': '%s', 'fortran_order': False, 'shape': (%s), }",
                       descr, dims);
-    if (hl < 0 || (size_t)hl + 10 + 64 > sizeof h) {
-        snprintf(err, errlen, "%s: .npy header too long", path);
-        return -1;
-    }
+    if (hl < 0 || (size_t)hl + 10 + 64 > sizeof h)
+        return kvr__cli_errf(err, errlen, "%s: .npy header too long", path);
     size_t total = 10 + (size_t)hl + 1;
     size_t pad = (64 - total % 64) % 64;
     memset(h + hl, ' ', pad);
@@ -452,10 +430,8 @@ int kvr__cli_npy_write(const char *path, const char *descr, const size_t *shape,
     uint8_t pre[10] = { 0x93, 'N', 'U', 'M', 'P', 'Y', 1, 0, (uint8_t)(hlen & 0xff),
                         (uint8_t)(hlen >> 8) };
     struct iovec *all = malloc((n_iov + 2) * sizeof *all);
-    if (!all) {
-        snprintf(err, errlen, "out of memory");
-        return -1;
-    }
+    if (!all)
+        return kvr__cli_errf(err, errlen, "out of memory");
     all[0] = (struct iovec){ pre, sizeof pre };
     all[1] = (struct iovec){ h, hlen };
     if (n_iov)
@@ -470,10 +446,8 @@ int kvr__cli_npy_write(const char *path, const char *descr, const size_t *shape,
 int kvr__cli_write_iov(const char *path, struct iovec *iov, size_t n, char *err, size_t errlen)
 {
     int fd = strcmp(path, "-") == 0 ? 1 : open(path, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-    if (fd < 0) {
-        snprintf(err, errlen, "%s: %s", path, strerror(errno));
-        return -1;
-    }
+    if (fd < 0)
+        return kvr__cli_errf(err, errlen, "%s: %s", path, strerror(errno));
     size_t i = 0;
     int rc = 0;
     while (i < n) {
@@ -560,10 +534,8 @@ int kvr__cli_st_write_ex(const char *path, const kvr_kv *kv, const char *const *
                    extra[i].bytes);
     char *json = cJSON_PrintUnformatted(root);
     cJSON_Delete(root);
-    if (!json) {
-        snprintf(err, errlen, "out of memory");
-        return -1;
-    }
+    if (!json)
+        return kvr__cli_errf(err, errlen, "out of memory");
     size_t jl = strlen(json), padded = (jl + 7) & ~(size_t)7;
     char *hdr = malloc(8 + padded);
     struct iovec *iov = malloc((2 * L + 6 + n_extra) * sizeof *iov);
@@ -571,8 +543,7 @@ int kvr__cli_st_write_ex(const char *path, const kvr_kv *kv, const char *const *
         free(json);
         free(hdr);
         free(iov);
-        snprintf(err, errlen, "out of memory");
-        return -1;
+        return kvr__cli_errf(err, errlen, "out of memory");
     }
     uint64_t hl = padded;
     for (int i = 0; i < 8; i++)
@@ -618,25 +589,19 @@ static int st_find(const cJSON *root, const char *name, const uint8_t *data, siz
     const cJSON *sh = cJSON_GetObjectItemCaseSensitive(o, "shape");
     const cJSON *off = cJSON_GetObjectItemCaseSensitive(o, "data_offsets");
     if (!cJSON_IsString(dt) || !cJSON_IsArray(sh) || !cJSON_IsArray(off) ||
-        cJSON_GetArraySize(off) != 2 || cJSON_GetArraySize(sh) > 8) {
-        snprintf(err, errlen, "tensor '%s': malformed entry", name);
-        return -1;
-    }
+        cJSON_GetArraySize(off) != 2 || cJSON_GetArraySize(sh) > 8)
+        return kvr__cli_errf(err, errlen, "tensor '%s': malformed entry", name);
     t->dtype = dt->valuestring;
     t->ndim = 0;
     const cJSON *d;
     cJSON_ArrayForEach(d, sh) {
-        if (!cJSON_IsNumber(d) || d->valuedouble < 0) {
-            snprintf(err, errlen, "tensor '%s': bad shape", name);
-            return -1;
-        }
+        if (!cJSON_IsNumber(d) || d->valuedouble < 0)
+            return kvr__cli_errf(err, errlen, "tensor '%s': bad shape", name);
         t->shape[t->ndim++] = (size_t)d->valuedouble;
     }
     double a = cJSON_GetArrayItem(off, 0)->valuedouble, b = cJSON_GetArrayItem(off, 1)->valuedouble;
-    if (!(a >= 0 && b >= a && b <= (double)data_len)) {
-        snprintf(err, errlen, "tensor '%s': data offsets out of the file", name);
-        return -1;
-    }
+    if (!(a >= 0 && b >= a && b <= (double)data_len))
+        return kvr__cli_errf(err, errlen, "tensor '%s': data offsets out of the file", name);
     t->data = data + (size_t)a;
     t->bytes = (size_t)b - (size_t)a;
     return 0;
@@ -656,10 +621,8 @@ static int st_ints(const st_tensor *t, size_t n, int64_t *out, const char *name,
 {
     size_t es = (!strcmp(t->dtype, "I32") || !strcmp(t->dtype, "U32")) ? 4
               : (!strcmp(t->dtype, "I64") || !strcmp(t->dtype, "U64")) ? 8 : 0;
-    if (!es || t->ndim != 1 || t->shape[0] != n || t->bytes != n * es) {
-        snprintf(err, errlen, "tensor '%s': want [%zu] of I32/U32/I64/U64", name, n);
-        return -1;
-    }
+    if (!es || t->ndim != 1 || t->shape[0] != n || t->bytes != n * es)
+        return kvr__cli_errf(err, errlen, "tensor '%s': want [%zu] of I32/U32/I64/U64", name, n);
     for (size_t i = 0; i < n; i++) {
         if (es == 4) {
             uint32_t u;
@@ -678,6 +641,19 @@ void kvr__cli_st_free(cli_st_kv *st)
     free(st->tokens);
     free(st->positions);
     memset(st, 0, sizeof *st);
+}
+
+/* The optional integer tensor `name` (n entries) into out: 0, 1 when the file
+ * has none, -1 with err set (naming path). */
+static int st_opt_ints(const cJSON *root, const char *name, const uint8_t *data, size_t data_len,
+                       size_t n, int64_t *out, const char *path, char *err, size_t errlen)
+{
+    st_tensor t;
+    char e2[200] = "";
+    int r = st_find(root, name, data, data_len, &t, e2, sizeof e2);
+    if (r < 0 || (r == 0 && st_ints(&t, n, out, name, e2, sizeof e2) < 0))
+        return kvr__cli_errf(err, errlen, "%s: %s", path, e2);
+    return r;
 }
 
 /* The parse of a safetensors image base[0..len) (borrowed: st->k/v point
@@ -703,7 +679,7 @@ static int st_parse(cli_st_kv *st, const uint8_t *base, size_t len, const char *
     }
     const uint8_t *data = base + 8 + hl;
     size_t data_len = len - 8 - (size_t)hl;
-    st_tensor k, v, tok, pos;
+    st_tensor k, v;
     char e2[200] = "";
     int rk = st_find(root, "k", data, data_len, &k, e2, sizeof e2);
     int rv = rk == 0 ? st_find(root, "v", data, data_len, &v, e2, sizeof e2) : rk;
@@ -739,9 +715,8 @@ static int st_parse(cli_st_kv *st, const uint8_t *base, size_t len, const char *
         snprintf(err, errlen, "out of memory");
         goto fail_json;
     }
-    int rt = st_find(root, "tokens", data, data_len, &tok, e2, sizeof e2);
-    if (rt < 0 || (rt == 0 && st_ints(&tok, n, tmp, "tokens", e2, sizeof e2) < 0)) {
-        snprintf(err, errlen, "%s: %s", path, e2);
+    int rt = st_opt_ints(root, "tokens", data, data_len, n, tmp, path, err, errlen);
+    if (rt < 0) {
         free(tmp);
         goto fail_json;
     }
@@ -756,9 +731,8 @@ static int st_parse(cli_st_kv *st, const uint8_t *base, size_t len, const char *
             st->tokens[i] = (uint32_t)tmp[i];
         }
     }
-    int rp = st_find(root, "positions", data, data_len, &pos, e2, sizeof e2);
-    if (rp < 0 || (rp == 0 && st_ints(&pos, n, tmp, "positions", e2, sizeof e2) < 0)) {
-        snprintf(err, errlen, "%s: %s", path, e2);
+    int rp = st_opt_ints(root, "positions", data, data_len, n, tmp, path, err, errlen);
+    if (rp < 0) {
         free(tmp);
         goto fail_json;
     }

@@ -7,20 +7,8 @@
 #include "client/cli/cli_parse.h"
 
 #include <cjson/cJSON.h>
-#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
-
-static int refuse(char *err, size_t errlen, const char *fmt, ...)
-    __attribute__((format(printf, 3, 4)));
-static int refuse(char *err, size_t errlen, const char *fmt, ...)
-{
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(err, errlen, fmt, ap);
-    va_end(ap);
-    return -1;
-}
 
 /* A JSON number that is an integer in [0, max]. */
 static bool whole(const cJSON *x, double max)
@@ -38,8 +26,8 @@ int kvr__cli_edit_ops_parse(const char *json, size_t len, kvr_edit_range **out, 
     cJSON *j = cJSON_ParseWithLength(json ? json : "", json ? len : 0);
     if (!j || !cJSON_IsArray(j) || cJSON_GetArraySize(j) == 0) {
         cJSON_Delete(j);
-        return refuse(err, errlen, "want a non-empty JSON array of {\"start\", \"end\", "
-                      "\"tokens\"}");
+        return kvr__cli_errf(err, errlen, "want a non-empty JSON array of {\"start\", \"end\", "
+                             "\"tokens\"}");
     }
     size_t k = (size_t)cJSON_GetArraySize(j), total = 0;
     const cJSON *it;
@@ -48,7 +36,7 @@ int kvr__cli_edit_ops_parse(const char *json, size_t len, kvr_edit_range **out, 
                                             : NULL;
         if (t && !cJSON_IsArray(t)) {
             cJSON_Delete(j);
-            return refuse(err, errlen, "\"tokens\" must be an array of token ids");
+            return kvr__cli_errf(err, errlen, "\"tokens\" must be an array of token ids");
         }
         total += t ? (size_t)cJSON_GetArraySize(t) : 0;
     }
@@ -71,8 +59,8 @@ int kvr__cli_edit_ops_parse(const char *json, size_t len, kvr_edit_range **out, 
         const cJSON *e = s ? cJSON_GetObjectItemCaseSensitive(it, "end") : NULL;
         const cJSON *t = s ? cJSON_GetObjectItemCaseSensitive(it, "tokens") : NULL;
         if (!s || !whole(s, u64_max) || (e && !whole(e, u64_max))) {
-            rc = refuse(err, errlen, "op %zu needs \"start\" (and optionally \"end\") as "
-                        "non-negative integers", i);
+            rc = kvr__cli_errf(err, errlen, "op %zu needs \"start\" (and optionally \"end\") as "
+                               "non-negative integers", i);
             break;
         }
         ops[i].start = (uint64_t)s->valuedouble;
@@ -81,7 +69,8 @@ int kvr__cli_edit_ops_parse(const char *json, size_t len, kvr_edit_range **out, 
         const cJSON *x;
         cJSON_ArrayForEach(x, t) {
             if (!whole(x, 4294967295.0)) {
-                rc = refuse(err, errlen, "op %zu: token ids are unsigned 32-bit integers", i);
+                rc = kvr__cli_errf(err, errlen, "op %zu: token ids are unsigned 32-bit integers",
+                                   i);
                 break;
             }
             tb[off++] = (uint32_t)x->valuedouble;

@@ -256,9 +256,7 @@ int kvr_client_connect(kvr_client **out, const char *addr, const kvr_client_opts
         Kvrope__Auth auth = KVROPE__AUTH__INIT;
         auth.token.data = (uint8_t *)(uintptr_t)opts->token;
         auth.token.len = tl;
-        Kvrope__Request req = KVROPE__REQUEST__INIT;
-        req.body_case = KVROPE__REQUEST__BODY_AUTH;
-        req.auth = &auth;
+        KVR_REQUEST(req, AUTH, auth, &auth);
         Kvrope__Response *resp = NULL;
         r = kvr__call(c, &req, NULL, 0, 0, &resp, NULL);
         if (resp)
@@ -955,9 +953,7 @@ int kvr__recv_payload(kvr_client *c, uint64_t pl, kvr_kv *kv, void *dst, size_t 
 int kvr_client_ping(kvr_client *c, kvr_pong *out)
 {
     Kvrope__Ping ping = KVROPE__PING__INIT;
-    Kvrope__Request req = KVROPE__REQUEST__INIT;
-    req.body_case = KVROPE__REQUEST__BODY_PING;
-    req.ping = &ping;
+    KVR_REQUEST(req, PING, ping, &ping);
     Kvrope__Response *resp;
     int r = kvr__call(c, &req, NULL, 0, 0, &resp, NULL);
     if (r < 0)

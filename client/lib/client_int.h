@@ -72,6 +72,13 @@ KVR_HIDDEN int kvr__fail(kvr_client *c, int code, const char *fmt, ...)
  * stored and the payload is left on the socket for kvr__recv_payload. */
 KVR_HIDDEN int kvr__call(kvr_client *c, Kvrope__Request *req, const struct iovec *piov, size_t piovcnt,
               uint64_t payload_len, Kvrope__Response **out, uint64_t *resp_payload);
+/* Declares req, a request whose body is `body` in its oneof case CASE
+ * (field: the member protobuf-c gives it). */
+#define KVR_REQUEST(req, CASE, field, body)                                     \
+    Kvrope__Request req = KVROPE__REQUEST__INIT;                                \
+    req.body_case = KVROPE__REQUEST__BODY_##CASE;                               \
+    req.field = (body)
+
 /* Where the next kvr__call's answer payload will go (the caller's buffer,
  * given to kvr__recv_payload as dst): it may be received there together
  * with the message, with no copy. Cleared by that call. */

@@ -42,10 +42,6 @@ static char *unconst(const char *s) { return (char *)(uintptr_t)s; }
         (msg).has_dtype = 1;                                                    \
         (msg).dtype = (Kvrope__DType)(a)->dtype;                                \
     } while (0)
-#define REQUEST(req, CASE, field, body)                                         \
-    Kvrope__Request req = KVROPE__REQUEST__INIT;                                \
-    req.body_case = KVROPE__REQUEST__BODY_##CASE;                               \
-    req.field = (body)
 
 static void copy_str(char *dst, size_t cap, const char *src)
 {
@@ -342,7 +338,7 @@ int kvr_client_model_register(kvr_client *c, const kvr_model_params *p, kvr_mode
     rm.dtype = (Kvrope__DType)p->dtype;
     if (p->codec && p->codec[0])
         rm.codec = unconst(p->codec);
-    REQUEST(req, REGISTER_MODEL, register_model, &rm);
+    KVR_REQUEST(req, REGISTER_MODEL, register_model, &rm);
     Kvrope__Response *resp;
     r = kvr__call(c, &req, NULL, 0, 0, &resp, NULL);
     free(json);
@@ -420,7 +416,7 @@ static const list_kind MODEL_LIST = { KVROPE__RESPONSE__BODY_MODELS, "list model
 int kvr_client_model_list(kvr_client *c, kvr_model **out, size_t *n)
 {
     Kvrope__ListModels lm = KVROPE__LIST_MODELS__INIT;
-    REQUEST(req, LIST_MODELS, list_models, &lm);
+    KVR_REQUEST(req, LIST_MODELS, list_models, &lm);
     return list_call(c, &req, &MODEL_LIST, out, n);
 }
 
@@ -748,7 +744,7 @@ int kvr_client_get(kvr_client *c, const kvr_get_args *a, kvr_kv *out)
     }
     SET_FLAG(g, meta_only, a->meta_only);
     SET_FLAG(g, raw, a->raw);
-    REQUEST(req, GET, get, &g);
+    KVR_REQUEST(req, GET, get, &g);
     Kvrope__Response *resp;
     uint64_t pl;
     r = call_kv(c, &req, a->meta_only ? NULL : a->dst, a->dst_cap, KVROPE__RESPONSE__BODY_KV,
@@ -783,7 +779,7 @@ int kvr_client_match(kvr_client *c, const kvr_match_args *a, kvr_match_res *out)
             m.layers = (uint32_t *)(uintptr_t)a->layers;
         }
     }
-    REQUEST(req, MATCH, match, &m);
+    KVR_REQUEST(req, MATCH, match, &m);
     Kvrope__Response *resp;
     uint64_t pl;
     r = call_kv(c, &req, a->get ? a->dst : NULL, a->dst_cap, KVROPE__RESPONSE__BODY_MATCH,
@@ -811,9 +807,7 @@ int kvr_client_model_remove(kvr_client *c, const char *name)
         return r;
     Kvrope__RemoveModel rm = KVROPE__REMOVE_MODEL__INIT;
     rm.name = unconst(name);
-    Kvrope__Request req = KVROPE__REQUEST__INIT;
-    req.body_case = KVROPE__REQUEST__BODY_REMOVE_MODEL;
-    req.remove_model = &rm;
+    KVR_REQUEST(req, REMOVE_MODEL, remove_model, &rm);
     return simple_call(c, &req);
 }
 
@@ -824,7 +818,7 @@ int kvr_client_delete(kvr_client *c, const char *ctx_id)
         return r;
     Kvrope__Delete d = KVROPE__DELETE__INIT;
     d.context_id = unconst(ctx_id);
-    REQUEST(req, DELETE, delete_, &d);
+    KVR_REQUEST(req, DELETE, delete_, &d);
     return simple_call(c, &req);
 }
 
@@ -836,7 +830,7 @@ int kvr_client_delete_deferred(kvr_client *c, const char *ctx_id)
         return r;
     Kvrope__Delete d = KVROPE__DELETE__INIT;
     d.context_id = unconst(ctx_id);
-    REQUEST(req, DELETE, delete_, &d);
+    KVR_REQUEST(req, DELETE, delete_, &d);
     return kvr__defer(c, &req);
 }
 
@@ -849,7 +843,7 @@ int kvr_client_stat(kvr_client *c, const char *ctx_id, kvr_context *out)
         return r;
     Kvrope__Stat s = KVROPE__STAT__INIT;
     s.context_id = unconst(ctx_id);
-    REQUEST(req, STAT, stat, &s);
+    KVR_REQUEST(req, STAT, stat, &s);
     Kvrope__Response *resp;
     r = call_expect(c, &req, KVROPE__RESPONSE__BODY_CONTEXT, "stat", &resp);
     if (r < 0)
@@ -903,7 +897,7 @@ int kvr_client_list(kvr_client *c, const char *model, kvr_context **out, size_t 
     c->err[0] = 0;
     Kvrope__List l = KVROPE__LIST__INIT;
     l.model = model ? unconst(model) : NULL;
-    REQUEST(req, LIST, list, &l);
+    KVR_REQUEST(req, LIST, list, &l);
     return list_call(c, &req, &CONTEXT_LIST, out, n);
 }
 
@@ -916,7 +910,7 @@ int kvr_client_pin(kvr_client *c, const char *ctx_id, bool pin)
     p.context_id = unconst(ctx_id);
     p.has_pin = 1;
     p.pin = pin;
-    REQUEST(req, PIN, pin, &p);
+    KVR_REQUEST(req, PIN, pin, &p);
     return simple_call(c, &req);
 }
 
@@ -928,7 +922,7 @@ int kvr_client_fork(kvr_client *c, const char *src, const char *dst)
     Kvrope__Fork f = KVROPE__FORK__INIT;
     f.src = unconst(src);
     f.dst = unconst(dst);
-    REQUEST(req, FORK, fork, &f);
+    KVR_REQUEST(req, FORK, fork, &f);
     return simple_call(c, &req);
 }
 
@@ -943,7 +937,7 @@ int kvr_client_shift(kvr_client *c, const char *ctx_id, uint64_t start, uint64_t
     s.start = start;
     s.end = end;
     s.delta = delta;
-    REQUEST(req, SHIFT, shift, &s);
+    KVR_REQUEST(req, SHIFT, shift, &s);
     return simple_call(c, &req);
 }
 
@@ -956,7 +950,7 @@ int kvr_client_keep(kvr_client *c, const char *ctx_id, uint64_t start, uint64_t 
     k.context_id = unconst(ctx_id);
     k.start = start;
     k.end = end;
-    REQUEST(req, KEEP, keep, &k);
+    KVR_REQUEST(req, KEEP, keep, &k);
     return simple_call(c, &req);
 }
 
@@ -975,7 +969,7 @@ static const list_kind METRIC_LIST = { KVROPE__RESPONSE__BODY_STATS, "stats",
 int kvr_client_stats(kvr_client *c, kvr_metric **out, size_t *n)
 {
     Kvrope__Stats s = KVROPE__STATS__INIT;
-    REQUEST(req, STATS, stats, &s);
+    KVR_REQUEST(req, STATS, stats, &s);
     return list_call(c, &req, &METRIC_LIST, out, n);
 }
 
@@ -1153,7 +1147,7 @@ int kvr_client_refresh(kvr_client *c, const kvr_refresh_args *a, kvr_edit_res *o
         f.expect_length = a->expect_n_tokens;
         f.expect_hash = a->expect_hash;
     }
-    REQUEST(req, REFRESH, refresh, &f);
+    KVR_REQUEST(req, REFRESH, refresh, &f);
     Kvrope__Response *resp;
     r = kvr__call(c, &req, w.iov, w.iovcnt, w.len, &resp, NULL);
     if (r < 0)
@@ -1210,7 +1204,7 @@ int kvr_client_assemble(kvr_client *c, const kvr_assemble_args *a, kvr_assemble_
     }
     SET_FLAG(m, fold_temperature, a->fold_temperature);
     SET_FLAG(m, meta_only, a->meta_only);
-    REQUEST(req, ASSEMBLE, assemble, &m);
+    KVR_REQUEST(req, ASSEMBLE, assemble, &m);
     Kvrope__Response *resp;
     uint64_t pl;
     r = call_kv(c, &req, NULL, 0, KVROPE__RESPONSE__BODY_ASSEMBLE, "assemble", &resp, &pl);
@@ -1295,7 +1289,7 @@ int kvr_client_layout_stat(kvr_client *c, const char *ctx_id, kvr_layout_res *ou
         return r;
     Kvrope__LayoutStat m = KVROPE__LAYOUT_STAT__INIT;
     m.context_id = unconst(ctx_id);
-    REQUEST(req, LAYOUT_STAT, layout_stat, &m);
+    KVR_REQUEST(req, LAYOUT_STAT, layout_stat, &m);
     return layout_call(c, &req, "layout stat", out);
 }
 
@@ -1309,7 +1303,7 @@ int kvr_client_set_group_offset(kvr_client *c, const char *ctx_id, const char *g
     m.context_id = unconst(ctx_id);
     m.group = unconst(group);
     m.offset = offset;
-    REQUEST(req, SET_GROUP_OFFSET, set_group_offset, &m);
+    KVR_REQUEST(req, SET_GROUP_OFFSET, set_group_offset, &m);
     return layout_call(c, &req, "set group offset", out);
 }
 
@@ -1329,7 +1323,7 @@ int kvr_client_set_retention(kvr_client *c, const char *ctx_id, uint64_t sinks,
         m.sinks = sinks;
         m.window = window;
     }
-    REQUEST(req, SET_RETENTION, set_retention, &m);
+    KVR_REQUEST(req, SET_RETENTION, set_retention, &m);
     return layout_call(c, &req, "set retention", out);
 }
 
@@ -1407,7 +1401,7 @@ static int cover_call(kvr_client *c, const kvr_cover_args *a, bool get, kvr_cove
         }
         SET_FLAG(m, meta_only, a->meta_only);
     }
-    REQUEST(req, COVER, cover, &m);
+    KVR_REQUEST(req, COVER, cover, &m);
     Kvrope__Response *resp;
     uint64_t pl;
     r = call_kv(c, &req, get && !a->meta_only ? a->dst : NULL, a->dst_cap,

@@ -60,18 +60,24 @@ void kvr__shm_free_all(kvr_client *c)
     c->n_regions = c->cap_regions = 0;
 }
 
+/* A region request: never placed in a region itself; fd (or -1) passed
+ * along with the frame. */
+static int region_call(kvr_client *c, Kvrope__Request *req, int fd, Kvrope__Response **resp)
+{
+    c->shm_next = false;
+    c->send_fd = fd;
+    int r = kvr__call(c, req, NULL, 0, 0, resp, NULL);
+    c->send_fd = -1;
+    return r;
+}
+
 static int do_register(kvr_client *c, int fd, uint64_t size, uint32_t *id)
 {
     Kvrope__RegisterRegion rr = KVROPE__REGISTER_REGION__INIT;
     rr.size = size;
-    Kvrope__Request req = KVROPE__REQUEST__INIT;
-    req.body_case = KVROPE__REQUEST__BODY_REGISTER_REGION;
-    req.register_region = &rr;
+    KVR_REQUEST(req, REGISTER_REGION, register_region, &rr);
     Kvrope__Response *resp;
-    c->shm_next = false;
-    c->send_fd = fd;
-    int r = kvr__call(c, &req, NULL, 0, 0, &resp, NULL);
-    c->send_fd = -1;
+    int r = region_call(c, &req, fd, &resp);
     if (r < 0)
         return r;
     if (resp->body_case != KVROPE__RESPONSE__BODY_REGION) {
@@ -168,12 +174,9 @@ int kvr_client_region_release(kvr_client *c, uint32_t id)
         return kvr__fail(c, KVR_EINVAL, "region_release: no region %u", id);
     Kvrope__ReleaseRegion rr = KVROPE__RELEASE_REGION__INIT;
     rr.region = id;
-    Kvrope__Request req = KVROPE__REQUEST__INIT;
-    req.body_case = KVROPE__REQUEST__BODY_RELEASE_REGION;
-    req.release_region = &rr;
+    KVR_REQUEST(req, RELEASE_REGION, release_region, &rr);
     Kvrope__Response *resp;
-    c->shm_next = false;
-    int r = kvr__call(c, &req, NULL, 0, 0, &resp, NULL);
+    int r = region_call(c, &req, -1, &resp);
     if (r == 0)
         kvrope__response__free_unpacked(resp, NULL);
     /* Gone from the table either way: a closed connection has no regions. */
@@ -218,52 +221,20 @@ static void place_out(kvr_client *c, const kvr_shm *at)
     kvr_client_shm_next(c, &p);
 }
 
-int kvr_client_put_shm(kvr_client *c, const kvr_put_args *a, const kvr_shm *at,
-                       kvr_put_res *out)
-{
-    kvr_client_shm_next(c, at);
-    return shm_done(c, kvr_client_put(c, a, out));
-}
+/* The *_shm verbs: the placement set (a get's room: place_out), the call,
+ * the placement cleared whatever the call did. */
+#define SHM_VERB(verb, call, args_t, res_t, place)                              \
+    int kvr_client_##verb##_shm(kvr_client *c, const args_t *a, const kvr_shm *at, \
+                                res_t *out)                                     \
+    {                                                                           \
+        place(c, at);                                                           \
+        return shm_done(c, call(c, a, out));                                    \
+    }
 
-int kvr_client_get_shm(kvr_client *c, const kvr_get_args *a, const kvr_shm *at, kvr_kv *out)
-{
-    place_out(c, at);
-    return shm_done(c, kvr_client_get(c, a, out));
-}
-
-int kvr_client_match_shm(kvr_client *c, const kvr_match_args *a, const kvr_shm *at,
-                         kvr_match_res *out)
-{
-    place_out(c, at);
-    return shm_done(c, kvr_client_match(c, a, out));
-}
-
-int kvr_client_assemble_shm(kvr_client *c, const kvr_assemble_args *a, const kvr_shm *at,
-                            kvr_assemble_res *out)
-{
-    place_out(c, at);
-    return shm_done(c, kvr_client_assemble(c, a, out));
-}
-
-int kvr_client_cover_shm(kvr_client *c, const kvr_cover_args *a, const kvr_shm *at,
-                         kvr_cover_res *out)
-{
-    place_out(c, at);
-    int r = kvr_client_cover_get(c, a, out);
-    c->shm_next = false;
-    return r;
-}
-
-int kvr_client_edit_shm(kvr_client *c, const kvr_edit_args *a, const kvr_shm *at,
-                        kvr_edit_res *out)
-{
-    kvr_client_shm_next(c, at);
-    return shm_done(c, kvr_client_edit(c, a, out));
-}
-
-int kvr_client_refresh_shm(kvr_client *c, const kvr_refresh_args *a, const kvr_shm *at,
-                           kvr_edit_res *out)
-{
-    kvr_client_shm_next(c, at);
-    return shm_done(c, kvr_client_refresh(c, a, out));
-}
+SHM_VERB(put, kvr_client_put, kvr_put_args, kvr_put_res, kvr_client_shm_next)
+SHM_VERB(edit, kvr_client_edit, kvr_edit_args, kvr_edit_res, kvr_client_shm_next)
+SHM_VERB(refresh, kvr_client_refresh, kvr_refresh_args, kvr_edit_res, kvr_client_shm_next)
+SHM_VERB(get, kvr_client_get, kvr_get_args, kvr_kv, place_out)
+SHM_VERB(match, kvr_client_match, kvr_match_args, kvr_match_res, place_out)
+SHM_VERB(assemble, kvr_client_assemble, kvr_assemble_args, kvr_assemble_res, place_out)
+SHM_VERB(cover, kvr_client_cover_get, kvr_cover_args, kvr_cover_res, place_out)

@@ -205,13 +205,8 @@ int kvr_llama_state_import(kvr_client *c, const char *ctx, const void *state, si
             goto out;
         }
         kvr_kv meta;
-        kvr_get_args ga;
-        memset(&ga, 0, sizeof ga);
-        ga.ctx_id = ctx;
-        ga.start = s0;
-        ga.end = s0 + n;
-        ga.dtype = KVR_DTYPE_F16;
-        ga.meta_only = true;
+        kvr_get_args ga = { .ctx_id = ctx, .start = s0, .end = s0 + n, .dtype = KVR_DTYPE_F16,
+                            .meta_only = true };
         if ((rc = kvr_client_get(c, &ga, &meta)) != 0) {
             rc = kvr__br_fail(err, errlen, rc, "context '%s': %s", ctx, kvr_client_last_error(c));
             goto out;
@@ -225,17 +220,9 @@ int kvr_llama_state_import(kvr_client *c, const char *ctx, const void *state, si
                                  (long long)meta.positions[i]);
         kvr_kv_release(&meta);
         if (rc) goto out;
-        kvr_refresh_args ra;
-        memset(&ra, 0, sizeof ra);
-        ra.ctx_id = ctx;
-        ra.start = s0;
-        ra.end = s0 + n;
-        ra.model = name;
-        ra.dtype = dt;
-        ra.payload = iov ? NULL : buf;
-        ra.payload_len = iov ? 0 : plen;
-        ra.iov = iov;
-        ra.iovcnt = iovcnt;
+        kvr_refresh_args ra = { .ctx_id = ctx, .start = s0, .end = s0 + n, .model = name,
+                                .dtype = dt, .payload = iov ? NULL : buf,
+                                .payload_len = iov ? 0 : plen, .iov = iov, .iovcnt = iovcnt };
         kvr_edit_res er;
         if ((rc = kvr_client_refresh(c, &ra, &er)) != 0) {
             rc = kvr__br_fail(err, errlen, rc, "refresh of '%s': %s", ctx, kvr_client_last_error(c));
@@ -245,22 +232,15 @@ int kvr_llama_state_import(kvr_client *c, const char *ctx, const void *state, si
         kvr_client_free(er.spans);
     } else {
         bool replace = opts->mode == KVR_LLAMA_IMPORT_REPLACE;
-        kvr_put_args pa;
-        memset(&pa, 0, sizeof pa);
-        pa.ctx_id = ctx;
-        pa.model = name;
-        pa.mode = replace ? KVR_PUT_REPLACE : exists ? KVR_PUT_APPEND : KVR_PUT_CREATE;
-        pa.dtype = dt;
-        pa.tokens = toks;
-        pa.n_tokens = n;
-        pa.positions = pos;
-        pa.payload = iov ? NULL : buf;
-        pa.payload_len = iov ? 0 : plen;
-        pa.iov = iov;
-        pa.iovcnt = iovcnt;
-        pa.codec = exists && !replace ? NULL : codec;
-        pa.persist = opts->persist;
-        pa.v_trans = st->v_trans;   /* recorded on create: export's default */
+        kvr_put_args pa = {
+            .ctx_id = ctx, .model = name,
+            .mode = replace ? KVR_PUT_REPLACE : exists ? KVR_PUT_APPEND : KVR_PUT_CREATE,
+            .dtype = dt, .tokens = toks, .n_tokens = n, .positions = pos,
+            .payload = iov ? NULL : buf, .payload_len = iov ? 0 : plen, .iov = iov,
+            .iovcnt = iovcnt, .codec = exists && !replace ? NULL : codec,
+            .persist = opts->persist,
+            .v_trans = st->v_trans,   /* recorded on create: export's default */
+        };
         kvr_put_res pr;
         rc = kvr_client_put(c, &pa, &pr);
         if (rc == KVR_EFINGERPRINT && replace) {

@@ -322,6 +322,12 @@ void   kvr__wk_rep_init(kvr__wk_report *r, const char *command);
 void   kvr__wk_rep_free(kvr__wk_report *r);
 /* group NULL = top level, else a nested object of that name. */
 void   kvr__wk_rep_num(kvr__wk_report *r, const char *group, const char *key, double v);
+/* Several numbers of one group in this order, e.g. a command's timings_ms. */
+typedef struct kvr__wk_rep_kv {
+    const char *key;
+    double      v;
+} kvr__wk_rep_kv;
+void   kvr__wk_rep_nums(kvr__wk_report *r, const char *group, const kvr__wk_rep_kv *kv, size_t n);
 void   kvr__wk_rep_str(kvr__wk_report *r, const char *group, const char *key, const char *s);
 void   kvr__wk_rep_bool(kvr__wk_report *r, const char *group, const char *key, bool v);
 void   kvr__wk_rep_tokens(kvr__wk_report *r, const char *key, const int32_t *t, size_t n);

@@ -362,15 +362,12 @@ int kvr__wk_complete(kvr__wk_env *e, const int32_t *toks, size_t n, bool use_cac
     kvr__wk_rep_str(R, NULL, "store", st.how);
     kvr__wk_rep_num(R, NULL, "stored_tokens", (double)st.n_new);
     kvr__wk_rep_tokens(R, "tokens", gen, n_gen);
-    kvr__wk_rep_num(R, "timings_ms", "prefault", t_prefault);
-    kvr__wk_rep_num(R, "timings_ms", "match", t_match);
-    kvr__wk_rep_num(R, "timings_ms", "fetch", t_fetch);
-    kvr__wk_rep_num(R, "timings_ms", "load", t_load);
-    kvr__wk_rep_num(R, "timings_ms", "prefill", t_prefill);
-    kvr__wk_rep_num(R, "timings_ms", "first_token", t_first);
-    kvr__wk_rep_num(R, "timings_ms", "generate", t_gen);
-    kvr__wk_rep_num(R, "timings_ms", "store", t_store);
-    kvr__wk_rep_num(R, "timings_ms", "total", total);
+    const kvr__wk_rep_kv tm[] = {
+        { "prefault", t_prefault }, { "match", t_match }, { "fetch", t_fetch },
+        { "load", t_load }, { "prefill", t_prefill }, { "first_token", t_first },
+        { "generate", t_gen }, { "store", t_store }, { "total", total },
+    };
+    kvr__wk_rep_nums(R, "timings_ms", tm, sizeof tm / sizeof tm[0]);
     if (reuse)
         kvr__wk_rep_line(R, "reused: %zu of %zu prompt tokens from kvrope context %s "
                         "(%zu cached)", reuse, n, m.ctx_id, cached);
@@ -520,17 +517,13 @@ int kvr__wk_edit(kvr__wk_env *e, const int32_t *a, size_t na, const int32_t *b, 
     kvr__wk_rep_str(R, NULL, "context", o->session);
     kvr__wk_rep_str(R, NULL, "store", commit_how(&sr, o->session));
     kvr__wk_rep_tokens(R, "tokens", gen, n_gen);
-    kvr__wk_rep_num(R, "timings_ms", "prepare", t_prepare);
-    kvr__wk_rep_num(R, "timings_ms", "prefault", t_prefault);
-    kvr__wk_rep_num(R, "timings_ms", "match", sr.t_match_ms);
-    kvr__wk_rep_num(R, "timings_ms", "fetch", sr.t_fetch_ms);
-    kvr__wk_rep_num(R, "timings_ms", "load", sr.t_load_ms);
-    kvr__wk_rep_num(R, "timings_ms", "decode", sr.t_decode_ms);
-    kvr__wk_rep_num(R, "timings_ms", "first_token", t_predict);
-    kvr__wk_rep_num(R, "timings_ms", "store", t_store);
-    kvr__wk_rep_num(R, "timings_ms", "background_refresh", t_bg);
-    kvr__wk_rep_num(R, "timings_ms", "edit_total", t_total);
-    kvr__wk_rep_num(R, "timings_ms", "generate", t_gen);
+    const kvr__wk_rep_kv tm[] = {
+        { "prepare", t_prepare }, { "prefault", t_prefault }, { "match", sr.t_match_ms },
+        { "fetch", sr.t_fetch_ms }, { "load", sr.t_load_ms }, { "decode", sr.t_decode_ms },
+        { "first_token", t_predict }, { "store", t_store }, { "background_refresh", t_bg },
+        { "edit_total", t_total }, { "generate", t_gen },
+    };
+    kvr__wk_rep_nums(R, "timings_ms", tm, sizeof tm / sizeof tm[0]);
     if (a)
         kvr__wk_rep_line(R, "old file: %zu tokens; session %s (%s%s)", na, o->session, old_how,
                         old_computed ? ", encoded now" : "");
@@ -770,14 +763,12 @@ int kvr__wk_rag(kvr__wk_env *e, const int32_t *P, size_t np, const int32_t *cons
     kvr__wk_rep_num(R, NULL, "query_pos", (double)qpos);
     kvr__wk_rep_str(R, NULL, "prefix_context", pctx);
     kvr__wk_rep_tokens(R, "tokens", gen, n_gen);
-    kvr__wk_rep_num(R, "timings_ms", "prefix", t_prefix);
-    kvr__wk_rep_num(R, "timings_ms", "documents", t_docs);
-    kvr__wk_rep_num(R, "timings_ms", "assemble", ta1 - ta0);
-    kvr__wk_rep_num(R, "timings_ms", "load", ta2 - ta1);
-    kvr__wk_rep_num(R, "timings_ms", "query", ta3 - ta2);
-    kvr__wk_rep_num(R, "timings_ms", "first_token", t_first);
-    kvr__wk_rep_num(R, "timings_ms", "assemble_to_token", t_query_path);
-    kvr__wk_rep_num(R, "timings_ms", "generate", t_gen);
+    const kvr__wk_rep_kv tm[] = {
+        { "prefix", t_prefix }, { "documents", t_docs }, { "assemble", ta1 - ta0 },
+        { "load", ta2 - ta1 }, { "query", ta3 - ta2 }, { "first_token", t_first },
+        { "assemble_to_token", t_query_path }, { "generate", t_gen },
+    };
+    kvr__wk_rep_nums(R, "timings_ms", tm, sizeof tm / sizeof tm[0]);
     kvr__wk_rep_line(R, "prefix: %zu tokens in %s (%s)", np, pctx,
                     prefix_cached ? "cached" : "encoded now");
     kvr__wk_rep_line(R, "documents: %zu (%zu tokens), %zu cached, %zu encoded against the "

@@ -160,6 +160,22 @@ static void log_cb(enum ggml_log_level level, const char *text, void *ud)
     }
 }
 
+/* The reason a llama.cpp call failed: fmt's text, then llama.cpp's last
+ * warning or error when it logged one since log_last was cleared (before
+ * the call). Returns code. */
+static int llama_fail(char *err, size_t errlen, int code, const char *fmt, ...)
+    __attribute__((format(printf, 4, 5)));
+static int llama_fail(char *err, size_t errlen, int code, const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    int n = vsnprintf(err, errlen, fmt, ap);
+    va_end(ap);
+    if (log_last[0] && n >= 0 && (size_t)n < errlen)
+        snprintf(err + n, errlen - (size_t)n, ": %s", log_last);
+    return code;
+}
+
 double kvr__wk_now_ms(void)
 {
     return kvr_clock_mono_msf();
@@ -228,10 +244,8 @@ int kvr__wk_lm_load(kvr__wk_lm **out, const char *gguf, int n_threads, char *err
     log_last[0] = 0;
     lm->model = llama_model_load_from_file(gguf, mp);
     if (!lm->model) {
-        snprintf(err, errlen, "model %s: llama.cpp cannot load it%s%s", gguf,
-                 log_last[0] ? ": " : "", log_last);
         free(lm);
-        return KVR_EINVAL;
+        return llama_fail(err, errlen, KVR_EINVAL, "model %s: llama.cpp cannot load it", gguf);
     }
     lm->vocab = llama_model_get_vocab(lm->model);
     kvr__wk_lm_info *in = &lm->info;
@@ -292,11 +306,9 @@ int kvr__wk_lm_context(kvr__wk_lm *lm, uint32_t n_ctx, char *err, size_t errlen)
         kvr_llama_model_context_params(lm->profile, &cp);
     log_last[0] = 0;
     lm->ctx = llama_init_from_model(lm->model, cp);
-    if (!lm->ctx) {
-        snprintf(err, errlen, "llama.cpp cannot create a context of %u cells%s%s", n_ctx,
-                 log_last[0] ? ": " : "", log_last);
-        return KVR_EINVAL;
-    }
+    if (!lm->ctx)
+        return llama_fail(err, errlen, KVR_EINVAL,
+                          "llama.cpp cannot create a context of %u cells", n_ctx);
     if (lm->tp)
         llama_attach_threadpool(lm->ctx, lm->tp, lm->tp);
     lm->n_ctx = llama_n_ctx(lm->ctx);
@@ -387,6 +399,27 @@ size_t kvr__wk_lm_piece(kvr__wk_lm *lm, int32_t tok, char *buf, size_t cap)
     return (size_t)r;
 }
 
+/* Row j of a batch: one token of one sequence at pos (common_batch_add's
+ * job), with its logits asked for or not. */
+static void batch_set(struct llama_batch *b, size_t j, int32_t tok, int32_t pos, int seq,
+                      bool logits)
+{
+    b->token[j] = tok;
+    b->pos[j] = pos;
+    b->n_seq_id[j] = 1;
+    b->seq_id[j][0] = seq;
+    b->logits[j] = logits;
+}
+
+/* llama_decode of the batch's first m rows (batch_set), log_last cleared
+ * first so that a failure can quote llama.cpp. */
+static int batch_decode(kvr__wk_lm *lm, size_t m)
+{
+    lm->batch.n_tokens = (int32_t)m;
+    log_last[0] = 0;
+    return llama_decode(lm->ctx, lm->batch);
+}
+
 int kvr__wk_lm_decode(kvr__wk_lm *lm, const int32_t *toks, size_t n, int32_t pos0, int seq,
                      kvr__wk_logits_mode mode, kvr__wk_rows_fn fn, void *ud, char *err,
                      size_t errlen)
@@ -395,22 +428,14 @@ int kvr__wk_lm_decode(kvr__wk_lm *lm, const int32_t *toks, size_t n, int32_t pos
     for (size_t i = 0; i < n;) {
         size_t m = n - i < lm->n_batch ? n - i : lm->n_batch;
         struct llama_batch *b = &lm->batch;
-        b->n_tokens = (int32_t)m;
-        for (size_t j = 0; j < m; j++) {
-            b->token[j] = toks[i + j];
-            b->pos[j] = pos0 + (int32_t)(i + j);
-            b->n_seq_id[j] = 1;
-            b->seq_id[j][0] = seq;
-            b->logits[j] = mode == KVR_WK_LOGITS_ALL ||
-                           (mode == KVR_WK_LOGITS_LAST && i + j == n - 1);
-        }
-        log_last[0] = 0;
-        int r = llama_decode(lm->ctx, *b);
-        if (r != 0) {
-            snprintf(err, errlen, "llama_decode of %zu tokens at position %d failed (%d)%s%s", m,
-                     pos0 + (int)i, r, log_last[0] ? ": " : "", log_last);
-            return KVR_EIO;
-        }
+        for (size_t j = 0; j < m; j++)
+            batch_set(b, j, toks[i + j], pos0 + (int32_t)(i + j), seq,
+                      mode == KVR_WK_LOGITS_ALL || (mode == KVR_WK_LOGITS_LAST && i + j == n - 1));
+        int r = batch_decode(lm, m);
+        if (r != 0)
+            return llama_fail(err, errlen, KVR_EIO,
+                              "llama_decode of %zu tokens at position %d failed (%d)", m,
+                              pos0 + (int)i, r);
         if (mode == KVR_WK_LOGITS_ALL && fn) {
             const float *rows[512];
             for (size_t j0 = 0; j0 < m; j0 += 512) {
@@ -434,22 +459,13 @@ int kvr__wk_lm_decode_batch(kvr__wk_lm *lm, const kvr__wk_btok *t, size_t n, kvr
     for (size_t i = 0; i < n;) {
         size_t m = n - i < lm->n_batch ? n - i : lm->n_batch;
         struct llama_batch *b = &lm->batch;
-        b->n_tokens = (int32_t)m;
-        for (size_t j = 0; j < m; j++) {
-            b->token[j] = t[i + j].tok;
-            b->pos[j] = t[i + j].pos;
-            b->n_seq_id[j] = 1;
-            b->seq_id[j][0] = t[i + j].seq;
-            b->logits[j] = t[i + j].logits;
-        }
-        log_last[0] = 0;
-        int r = llama_decode(lm->ctx, *b);
-        if (r != 0) {
-            snprintf(err, errlen, "llama_decode of %zu tokens (the first at position %d, "
-                     "sequence %d) failed (%d)%s%s", m, t[i].pos, t[i].seq, r,
-                     log_last[0] ? ": " : "", log_last);
-            return KVR_EIO;
-        }
+        for (size_t j = 0; j < m; j++)
+            batch_set(b, j, t[i + j].tok, t[i + j].pos, t[i + j].seq, t[i + j].logits);
+        int r = batch_decode(lm, m);
+        if (r != 0)
+            return llama_fail(err, errlen, KVR_EIO,
+                              "llama_decode of %zu tokens (the first at position %d, sequence "
+                              "%d) failed (%d)", m, t[i].pos, t[i].seq, r);
         for (size_t j = 0; j < m; j++) {
             if (!t[i + j].logits)
                 continue;

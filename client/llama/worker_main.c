@@ -92,7 +92,7 @@ static const char usage[] =
 
 typedef struct args {
     const char *model, *socket, *command;
-    int         threads, n_gen;
+    long        threads, n_gen;
     bool        json, check, no_cache, parallel, refresh_all, has_refresh;
     long        refresh, max_age, budget, cursor;
     const char *session, *history, *lines_f;
@@ -172,6 +172,87 @@ static bool parse_list(const char *v, size_t *out, size_t cap, size_t *n)
     return true;
 }
 
+/* The options whose value is more than a string or a number check. Each
+ * gets the value v at argv[*i] and returns 0 or the exit code. */
+typedef int opt_fn(args *a, const char *v, int argc, char **argv, int *i);
+
+static int opt_session(args *a, const char *v, int argc, char **argv, int *i)
+{
+    (void)argc, (void)argv, (void)i;
+    if (!*v || strlen(v) > KVR_ID_MAX)
+        return usage_err("--session takes a context id of 1..255 bytes");
+    a->session = v;
+    return 0;
+}
+
+/* --doc F [F...]: the files up to the next option. */
+static int opt_doc(args *a, const char *v, int argc, char **argv, int *i)
+{
+    (void)v;
+    do {
+        if (a->n_docs == sizeof a->docs / sizeof a->docs[0])
+            return usage_err("too many documents (256 at most)");
+        a->docs[a->n_docs++] = argv[*i];
+    } while (*i + 1 < argc && argv[*i + 1][0] != '-' && ++*i);
+    return 0;
+}
+
+static int opt_layout(args *a, const char *v, int argc, char **argv, int *i)
+{
+    (void)argc, (void)argv, (void)i;
+    if (!strcmp(v, "parallel"))
+        a->parallel = true;
+    else if (!strcmp(v, "sequential"))
+        a->parallel = false;
+    else
+        return usage_err("--layout is sequential or parallel");
+    return 0;
+}
+
+/* --generate I:N[,I:N...]: greedy continuations of N tokens from points I. */
+static int opt_generate(args *a, const char *v, int argc, char **argv, int *i)
+{
+    (void)argc, (void)argv, (void)i;
+    for (const char *q = v; *q;) {
+        char item[64];
+        size_t l = strcspn(q, ",");
+        long at, cnt;
+        char *colon;
+        if (l == 0 || l >= sizeof item)
+            return usage_err("--generate takes I:N[,I:N...]");
+        memcpy(item, q, l);
+        item[l] = 0;
+        if (!(colon = strchr(item, ':')))
+            return usage_err("--generate takes I:N[,I:N...]");
+        *colon = 0;
+        if (!parse_int(item, 0, INT32_MAX, &at) || !parse_int(colon + 1, 1, 100000, &cnt))
+            return usage_err("--generate takes I:N with I a token index and N of 1..100000");
+        if (a->n_points == sizeof a->gen / sizeof a->gen[0])
+            return usage_err("too many --generate points (1024 at most)");
+        a->gen[a->n_points++] = (kvr__wk_gen_req){ .at = at, .n = cnt };
+        q += l;
+        if (*q == ',' && *++q == 0)
+            return usage_err("--generate takes I:N[,I:N...]");
+    }
+    return 0;
+}
+
+/* One option of the table: a flag, a string kept as given, a number in
+ * [lo, hi], a list of numbers (at most cap, appended at list[*n]), or a value
+ * fn reads. `given`, when set, records that the option was on the command
+ * line; `bad` is the usage error for a malformed or out-of-range value. */
+typedef enum { OPT_FLAG, OPT_STR, OPT_NUM, OPT_LIST, OPT_FN } opt_kind;
+typedef struct opt {
+    const char  *name;
+    opt_kind     kind;
+    bool        *flag, *given;
+    const char **str;
+    long        *num, lo, hi;
+    size_t      *list, cap, *n;
+    opt_fn      *fn;
+    const char  *bad;
+} opt;
+
 static int parse(int argc, char **argv, args *a)
 {
     memset(a, 0, sizeof *a);
@@ -180,178 +261,97 @@ static int parse(int argc, char **argv, args *a)
     a->refresh = 8;
     a->budget = -1;
     a->cursor = -1;
+    /* The table's entries point into *a. */
+#define FLAG(nm, f)  { .name = nm, .kind = OPT_FLAG, .flag = &a->f }
+#define STR(nm, f)   { .name = nm, .kind = OPT_STR, .str = &a->f }
+#define NUM(nm, f, l, h, b)                                                     \
+    { .name = nm, .kind = OPT_NUM, .num = &a->f, .lo = l, .hi = h, .bad = b }
+#define NUM_HAS(nm, f, l, h, b, g)                                              \
+    { .name = nm, .kind = OPT_NUM, .num = &a->f, .lo = l, .hi = h, .bad = b, .given = &a->g }
+#define LIST(nm, f, b)                                                          \
+    { .name = nm, .kind = OPT_LIST, .list = a->f, .cap = sizeof a->f / sizeof a->f[0], \
+      .n = &a->n_##f, .bad = b }
+#define FN(nm, f)    { .name = nm, .kind = OPT_FN, .fn = f }
+    const opt opts[] = {
+        STR("--model", model),
+        STR("--socket", socket),
+        NUM("--threads", threads, 1, 256, "--threads takes a count of 1..256"),
+        FLAG("--json", json),
+        STR("--prompt-file", prompt),
+        NUM("--n", n_gen, 1, 100000, "--n takes a count of 1..100000"),
+        FLAG("--no-cache", no_cache),
+        STR("--old", old_f),
+        STR("--new", new_f),
+        NUM_HAS("--refresh", refresh, 0, 1 << 20, "--refresh takes a token count", has_refresh),
+        FN("--session", opt_session),
+        NUM("--max-age", max_age, 1, 255, "--max-age takes a count of edits, 1..255"),
+        FLAG("--refresh-all", refresh_all),
+        STR("--history", history),
+        STR("--lines", lines_f),
+        FLAG("--background", background),
+        NUM("--max-versions", max_versions, 2, INT32_MAX,
+            "--max-versions takes a count of 2 or more"),
+        LIST("--check-at", check_at, "--check-at takes up to 64 version numbers I,I,..."),
+        NUM("--budget", budget, 0, INT32_MAX, "--budget takes a token count"),
+        NUM("--cursor", cursor, 0, INT32_MAX, "--cursor takes a token index"),
+        FLAG("--check", check),
+        STR("--prefix", prefix),
+        STR("--query", query),
+        FN("--doc", opt_doc),
+        FN("--layout", opt_layout),
+        NUM("--prompt-len", prompt_len, 1, INT32_MAX,
+            "--prompt-len takes a token count of 1 or more"),
+        STR("--policy", policy),
+        LIST("--runs", runs, "--runs takes up to 8192 token indexes S,S,..."),
+        FLAG("--exact", exact),
+        STR("--tokens", tokens_f),
+        STR("--kv", kv_f),
+        STR("--logits-out", logits_f),
+        STR("--kv-out", kv_out_f),
+        NUM_HAS("--from", from, 0, INT32_MAX, "--from takes a token index", has_from),
+        NUM_HAS("--next-pos", next_pos, 0, INT32_MAX,
+                "--next-pos takes a position of 0..2147483647", has_next_pos),
+        NUM_HAS("--stop-token", stop, 0, INT32_MAX, "--stop-token takes a token id", has_stop),
+        FN("--generate", opt_generate),
+    };
+#undef FLAG
+#undef STR
+#undef NUM
+#undef NUM_HAS
+#undef LIST
+#undef FN
     char msg[256];
     for (int i = 1; i < argc; i++) {
         const char *s = argv[i];
         const char *v = i + 1 < argc ? argv[i + 1] : NULL;
-#define NEED()                                                              \
-    do {                                                                    \
-        if (!v) {                                                           \
-            snprintf(msg, sizeof msg, "%s needs a value", s);               \
-            return usage_err(msg);                                          \
-        }                                                                   \
-        i++;                                                                \
-    } while (0)
-        long n;
-        if (!strcmp(s, "--help") || !strcmp(s, "-h")) {
+        const opt *o = NULL;
+        for (size_t k = 0; k < sizeof opts / sizeof opts[0] && !o; k++)
+            if (!strcmp(s, opts[k].name))
+                o = &opts[k];
+        if (o) {
+            if (o->kind == OPT_FLAG) {
+                *o->flag = true;
+                continue;
+            }
+            if (!v) {
+                snprintf(msg, sizeof msg, "%s needs a value", s);
+                return usage_err(msg);
+            }
+            i++;
+            int rc = 0;
+            if (o->kind == OPT_STR)
+                *o->str = v;
+            else if (o->kind == OPT_NUM && !parse_int(v, o->lo, o->hi, o->num))
+                return usage_err(o->bad);
+            else if (o->kind == OPT_LIST && !parse_list(v, o->list, o->cap, o->n))
+                return usage_err(o->bad);
+            else if (o->kind == OPT_FN && (rc = o->fn(a, v, argc, argv, &i)))
+                return rc;
+            if (o->given)
+                *o->given = true;
+        } else if (!strcmp(s, "--help") || !strcmp(s, "-h")) {
             fputs(usage, stdout);
             exit(0);
-        } else if (!strcmp(s, "--model")) {
-            NEED();
-            a->model = v;
-        } else if (!strcmp(s, "--socket")) {
-            NEED();
-            a->socket = v;
-        } else if (!strcmp(s, "--threads")) {
-            NEED();
-            if (!parse_int(v, 1, 256, &n))
-                return usage_err("--threads takes a count of 1..256");
-            a->threads = (int)n;
-        } else if (!strcmp(s, "--json")) {
-            a->json = true;
-        } else if (!strcmp(s, "--prompt-file")) {
-            NEED();
-            a->prompt = v;
-        } else if (!strcmp(s, "--n")) {
-            NEED();
-            if (!parse_int(v, 1, 100000, &n))
-                return usage_err("--n takes a count of 1..100000");
-            a->n_gen = (int)n;
-        } else if (!strcmp(s, "--no-cache")) {
-            a->no_cache = true;
-        } else if (!strcmp(s, "--old")) {
-            NEED();
-            a->old_f = v;
-        } else if (!strcmp(s, "--new")) {
-            NEED();
-            a->new_f = v;
-        } else if (!strcmp(s, "--refresh")) {
-            NEED();
-            if (!parse_int(v, 0, 1 << 20, &a->refresh))
-                return usage_err("--refresh takes a token count");
-            a->has_refresh = true;
-        } else if (!strcmp(s, "--session")) {
-            NEED();
-            if (!*v || strlen(v) > KVR_ID_MAX)
-                return usage_err("--session takes a context id of 1..255 bytes");
-            a->session = v;
-        } else if (!strcmp(s, "--max-age")) {
-            NEED();
-            if (!parse_int(v, 1, 255, &a->max_age))
-                return usage_err("--max-age takes a count of edits, 1..255");
-        } else if (!strcmp(s, "--refresh-all")) {
-            a->refresh_all = true;
-        } else if (!strcmp(s, "--history")) {
-            NEED();
-            a->history = v;
-        } else if (!strcmp(s, "--lines")) {
-            NEED();
-            a->lines_f = v;
-        } else if (!strcmp(s, "--background")) {
-            a->background = true;
-        } else if (!strcmp(s, "--max-versions")) {
-            NEED();
-            if (!parse_int(v, 2, INT32_MAX, &a->max_versions))
-                return usage_err("--max-versions takes a count of 2 or more");
-        } else if (!strcmp(s, "--check-at")) {
-            NEED();
-            if (!parse_list(v, a->check_at, 64, &a->n_check_at))
-                return usage_err("--check-at takes up to 64 version numbers I,I,...");
-        } else if (!strcmp(s, "--budget")) {
-            NEED();
-            if (!parse_int(v, 0, INT32_MAX, &a->budget))
-                return usage_err("--budget takes a token count");
-        } else if (!strcmp(s, "--cursor")) {
-            NEED();
-            if (!parse_int(v, 0, INT32_MAX, &a->cursor))
-                return usage_err("--cursor takes a token index");
-        } else if (!strcmp(s, "--check")) {
-            a->check = true;
-        } else if (!strcmp(s, "--prefix")) {
-            NEED();
-            a->prefix = v;
-        } else if (!strcmp(s, "--query")) {
-            NEED();
-            a->query = v;
-        } else if (!strcmp(s, "--doc")) {
-            NEED();
-            do {
-                if (a->n_docs == sizeof a->docs / sizeof a->docs[0])
-                    return usage_err("too many documents (256 at most)");
-                a->docs[a->n_docs++] = argv[i];
-            } while (i + 1 < argc && argv[i + 1][0] != '-' && ++i);
-        } else if (!strcmp(s, "--layout")) {
-            NEED();
-            if (!strcmp(v, "parallel"))
-                a->parallel = true;
-            else if (!strcmp(v, "sequential"))
-                a->parallel = false;
-            else
-                return usage_err("--layout is sequential or parallel");
-        } else if (!strcmp(s, "--prompt-len")) {
-            NEED();
-            if (!parse_int(v, 1, INT32_MAX, &a->prompt_len))
-                return usage_err("--prompt-len takes a token count of 1 or more");
-        } else if (!strcmp(s, "--policy")) {
-            NEED();
-            a->policy = v;
-        } else if (!strcmp(s, "--runs")) {
-            NEED();
-            if (!parse_list(v, a->runs, sizeof a->runs / sizeof a->runs[0], &a->n_runs))
-                return usage_err("--runs takes up to 8192 token indexes S,S,...");
-        } else if (!strcmp(s, "--exact")) {
-            a->exact = true;
-        } else if (!strcmp(s, "--tokens")) {
-            NEED();
-            a->tokens_f = v;
-        } else if (!strcmp(s, "--kv")) {
-            NEED();
-            a->kv_f = v;
-        } else if (!strcmp(s, "--logits-out")) {
-            NEED();
-            a->logits_f = v;
-        } else if (!strcmp(s, "--kv-out")) {
-            NEED();
-            a->kv_out_f = v;
-        } else if (!strcmp(s, "--from")) {
-            NEED();
-            if (!parse_int(v, 0, INT32_MAX, &a->from))
-                return usage_err("--from takes a token index");
-            a->has_from = true;
-        } else if (!strcmp(s, "--next-pos")) {
-            NEED();
-            if (!parse_int(v, 0, INT32_MAX, &a->next_pos))
-                return usage_err("--next-pos takes a position of 0..2147483647");
-            a->has_next_pos = true;
-        } else if (!strcmp(s, "--stop-token")) {
-            NEED();
-            if (!parse_int(v, 0, INT32_MAX, &a->stop))
-                return usage_err("--stop-token takes a token id");
-            a->has_stop = true;
-        } else if (!strcmp(s, "--generate")) {
-            NEED();
-            for (const char *q = v; *q;) {
-                char item[64];
-                size_t l = strcspn(q, ",");
-                long at, cnt;
-                char *colon;
-                if (l == 0 || l >= sizeof item)
-                    return usage_err("--generate takes I:N[,I:N...]");
-                memcpy(item, q, l);
-                item[l] = 0;
-                if (!(colon = strchr(item, ':')))
-                    return usage_err("--generate takes I:N[,I:N...]");
-                *colon = 0;
-                if (!parse_int(item, 0, INT32_MAX, &at) || !parse_int(colon + 1, 1, 100000, &cnt))
-                    return usage_err("--generate takes I:N with I a token index and N of "
-                                     "1..100000");
-                if (a->n_points == sizeof a->gen / sizeof a->gen[0])
-                    return usage_err("too many --generate points (1024 at most)");
-                a->gen[a->n_points++] = (kvr__wk_gen_req){ .at = at, .n = cnt };
-                q += l;
-                if (*q == ',' && *++q == 0)
-                    return usage_err("--generate takes I:N[,I:N...]");
-            }
         } else if (s[0] == '-' && s[1]) {
             snprintf(msg, sizeof msg, "unknown option %s", s);
             return usage_err(msg);
@@ -371,42 +371,45 @@ static int parse(int argc, char **argv, args *a)
             snprintf(msg, sizeof msg, "unexpected argument %s", s);
             return usage_err(msg);
         }
-#undef NEED
     }
     if (!a->command)
         return usage_err("no command");
-    const char *c = a->command;
-    if (strcmp(c, "complete") && strcmp(c, "edit") && strcmp(c, "rag") && strcmp(c, "ppl") &&
-        strcmp(c, "score") && strcmp(c, "repair") && strcmp(c, "refresh") && strcmp(c, "replay") &&
-        strcmp(c, "serve")) {
-        snprintf(msg, sizeof msg, "unknown command %s", c);
+    /* Each command and what it cannot do without. */
+    const struct { const char *name; bool ready; const char *needs; } cmds[] = {
+        { "complete", a->prompt != NULL, "complete needs --prompt-file F" },
+        { "edit", a->new_f != NULL, "edit needs --new F2 (and --old F1 the first time)" },
+        { "rag", a->prefix && a->query && a->n_docs,
+          "rag needs --prefix F, at least one --doc F and --query F" },
+        { "ppl", a->ppl_file != NULL, "ppl needs a FILE" },
+        { "score", a->tokens_f != NULL, "score needs --tokens T.bin" },
+        { "repair", a->tokens_f && a->prompt_len,
+          "repair needs --tokens T.bin and --prompt-len N" },
+        { "refresh", a->session != NULL, "refresh needs --session ID" },
+        { "replay", a->history != NULL, "replay needs --history DIR" },
+        { "serve", true, NULL },
+    };
+    size_t k = 0;
+    while (k < sizeof cmds / sizeof cmds[0] && strcmp(a->command, cmds[k].name))
+        k++;
+    if (k == sizeof cmds / sizeof cmds[0]) {
+        snprintf(msg, sizeof msg, "unknown command %s", a->command);
         return usage_err(msg);
     }
     if (!a->model)
         return usage_err("--model M.gguf is required");
-    if (!strcmp(c, "complete") && !a->prompt)
-        return usage_err("complete needs --prompt-file F");
-    if (!strcmp(c, "edit") && !a->new_f)
-        return usage_err("edit needs --new F2 (and --old F1 the first time)");
-    if (!strcmp(c, "refresh") && !a->session)
-        return usage_err("refresh needs --session ID");
-    if (!strcmp(c, "replay") && !a->history)
-        return usage_err("replay needs --history DIR");
-    if (!strcmp(c, "rag") && (!a->prefix || !a->query || !a->n_docs))
-        return usage_err("rag needs --prefix F, at least one --doc F and --query F");
-    if (!strcmp(c, "ppl") && !a->ppl_file)
-        return usage_err("ppl needs a FILE");
-    if (!strcmp(c, "score") && !a->tokens_f)
-        return usage_err("score needs --tokens T.bin");
-    if (!strcmp(c, "repair") && (!a->tokens_f || !a->prompt_len))
-        return usage_err("repair needs --tokens T.bin and --prompt-len N");
+    if (!cmds[k].ready)
+        return usage_err(cmds[k].needs);
     return 0;
 }
 
-static void default_socket(char *buf, size_t cap)
+/* The daemon's address: --socket as given, else $KVROPE_SOCKET, else where
+ * kvrope's CLI looks. */
+static void socket_path(const char *given, char *buf, size_t cap)
 {
     const char *env = getenv("KVROPE_SOCKET"), *xdg = getenv("XDG_RUNTIME_DIR");
-    if (env && *env)
+    if (given)
+        snprintf(buf, cap, "%s", given);
+    else if (env && *env)
         snprintf(buf, cap, "%s", env);
     else if (xdg && *xdg)
         snprintf(buf, cap, "%s/kvrope/kvroped.sock", xdg);
@@ -495,6 +498,16 @@ static int exit_of(const kvr__wk_env *e)
     return EX_FAIL;
 }
 
+/* What a command's environment holds: the model, its buffers, the profile
+ * and the connection. */
+static void env_release(kvr__wk_env *e)
+{
+    kvr__wk_lm_destroy(e->lm);
+    kvr__wk_env_bufs_free(e);
+    free(e->profile);
+    kvr_client_close(e->kc);
+}
+
 int main(int argc, char **argv)
 {
     args a;
@@ -505,17 +518,11 @@ int main(int argc, char **argv)
     g_command = a.command;
     if (!strcmp(a.command, "serve")) {
         char ssock[512];
-        if (a.socket)
-            snprintf(ssock, sizeof ssock, "%s", a.socket);
-        else
-            default_socket(ssock, sizeof ssock);
+        socket_path(a.socket, ssock, sizeof ssock);
         kvr__wk_env se;
         memset(&se, 0, sizeof se);
-        rc = kvr__wk_serve_main(&se, a.model, ssock, a.threads, a.serve_argc, a.serve_argv);
-        kvr__wk_lm_destroy(se.lm);
-        kvr__wk_env_bufs_free(&se);
-        free(se.profile);
-        kvr_client_close(se.kc);
+        rc = kvr__wk_serve_main(&se, a.model, ssock, (int)a.threads, a.serve_argc, a.serve_argv);
+        env_release(&se);
         return rc;
     }
     bool is_ppl = !strcmp(a.command, "ppl"), is_score = !strcmp(a.command, "score");
@@ -529,7 +536,7 @@ int main(int argc, char **argv)
     size_t ntk[260] = { 0 };
     kvr__wk_env e;
     memset(&e, 0, sizeof e);
-    e.n_gen = a.n_gen;
+    e.n_gen = (int)a.n_gen;
     kvr__wk_report rep;
     kvr__wk_rep_init(&rep, a.command);
     e.rep = &rep;
@@ -575,10 +582,7 @@ int main(int argc, char **argv)
 
     char sock[512];
     if (!offline) {
-        if (a.socket)
-            snprintf(sock, sizeof sock, "%s", a.socket);
-        else
-            default_socket(sock, sizeof sock);
+        socket_path(a.socket, sock, sizeof sock);
         if (kvr_client_connect(&e.kc, sock, NULL) < 0) {
             rc = die(EX_CONNECT, "cannot connect to kvroped at %s: %s", sock,
                      kvr_client_last_error(NULL));
@@ -592,7 +596,7 @@ int main(int argc, char **argv)
         }
     }
     double t_load0 = kvr__wk_now_ms();
-    if (kvr__wk_lm_load(&e.lm, a.model, a.threads, e.err, sizeof e.err) < 0) {
+    if (kvr__wk_lm_load(&e.lm, a.model, (int)a.threads, e.err, sizeof e.err) < 0) {
         rc = die(EX_FAIL, "%s", e.err);
         goto done;
     }
@@ -696,9 +700,6 @@ done:
         free(files[i].data);
     }
     kvr__wk_rep_free(&rep);
-    kvr__wk_lm_destroy(e.lm);
-    kvr__wk_env_bufs_free(&e);
-    free(e.profile);
-    kvr_client_close(e.kc);
+    env_release(&e);
     return rc;
 }

@@ -62,6 +62,12 @@ void kvr__wk_rep_num(kvr__wk_report *r, const char *group, const char *key, doub
         cJSON_AddNumberToObject(g, key, rounded);
 }
 
+void kvr__wk_rep_nums(kvr__wk_report *r, const char *group, const kvr__wk_rep_kv *kv, size_t n)
+{
+    for (size_t i = 0; i < n; i++)
+        kvr__wk_rep_num(r, group, kv[i].key, kv[i].v);
+}
+
 void kvr__wk_rep_str(kvr__wk_report *r, const char *group, const char *key, const char *s)
 {
     cJSON *g = group_of(r, group);

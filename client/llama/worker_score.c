@@ -682,11 +682,11 @@ int kvr__wk_score(kvr__wk_env *e, const kvr__wk_score_opts *o)
     kvr__wk_rep_num(R, NULL, "nll_sum", sk.nll);
     kvr__wk_rep_num(R, NULL, "bits_per_token", bpt);
     kvr__wk_rep_num(R, NULL, "top1_correct", (double)sk.top1);
-    kvr__wk_rep_num(R, "timings_ms", "context", t_ctx);
-    kvr__wk_rep_num(R, "timings_ms", "load", t_load);
-    kvr__wk_rep_num(R, "timings_ms", "in_cache", t_a);
-    kvr__wk_rep_num(R, "timings_ms", "append", t_b);
-    kvr__wk_rep_num(R, "timings_ms", "generate", t_gen);
+    const kvr__wk_rep_kv tm[] = {
+        { "context", t_ctx }, { "load", t_load }, { "in_cache", t_a }, { "append", t_b },
+        { "generate", t_gen },
+    };
+    kvr__wk_rep_nums(R, "timings_ms", tm, sizeof tm / sizeof tm[0]);
     kvr__wk_rep_line(R, "score: %zu tokens, %zu cached (%s), next position %lld", N, m,
                     dtype_name(kv.m ? kv.dtype : 1), (long long)P);
     if (n_scored)

@@ -465,33 +465,33 @@ static const char *parse_params(srv *s, const cJSON *b, enum route rt, srv_param
     if ((x = cJSON_GetObjectItemCaseSensitive(b, "max_completion_tokens")) && cJSON_IsNumber(x) &&
         x->valuedouble >= -1)
         p->n_predict = x->valuedouble > 1e9 ? 1000000000 : (int)x->valuedouble;
-    if (NUM("temperature")) {
-        WANT_NUM("temperature");
-        p->temperature = (float)x->valuedouble;
-    }
-    if (NUM("top_k")) {
-        WANT_NUM("top_k");
-        p->top_k = x->valuedouble > 1e9 ? 1000000000 : (int)x->valuedouble;
-    }
-    if (NUM("top_p")) {
-        WANT_NUM("top_p");
-        p->top_p = (float)x->valuedouble;
-    }
-    if (NUM("min_p")) {
-        WANT_NUM("min_p");
-        p->min_p = (float)x->valuedouble;
-    }
-#define F(name) { #name, offsetof(srv_params, name), "\"" #name "\" must be a finite number" }
-    static const struct { const char *name; size_t off; const char *err; } floats[] = {
-        F(typical_p), F(top_n_sigma), F(xtc_probability), F(xtc_threshold), F(repeat_penalty),
-        F(frequency_penalty), F(presence_penalty), F(dry_multiplier), F(dry_base),
+    /* The sampling numbers, in the order they are checked: floats that take
+     * any number (temperature, top_p, min_p, as llama-server reads them) or
+     * only a finite one, and top_k, an int capped at 1e9. */
+    enum { ANY_FLOAT, FINITE_FLOAT, CAPPED_INT };
+#define F(name, kind, what)                                                     \
+    { #name, offsetof(srv_params, name), kind, "\"" #name "\" must be " what }
+#define ANY(name)    F(name, ANY_FLOAT, "a number")
+#define FINITE(name) F(name, FINITE_FLOAT, "a finite number")
+    static const struct { const char *name; size_t off; int kind; const char *err; } nums[] = {
+        ANY(temperature), F(top_k, CAPPED_INT, "a number"), ANY(top_p), ANY(min_p),
+        FINITE(typical_p), FINITE(top_n_sigma), FINITE(xtc_probability), FINITE(xtc_threshold),
+        FINITE(repeat_penalty), FINITE(frequency_penalty), FINITE(presence_penalty),
+        FINITE(dry_multiplier), FINITE(dry_base),
     };
+#undef FINITE
+#undef ANY
 #undef F
-    for (size_t k = 0; k < sizeof floats / sizeof floats[0]; k++)
-        if (NUM(floats[k].name)) {
-            if (!cJSON_IsNumber(x) || !isfinite((float)x->valuedouble))
-                return floats[k].err;
-            *(float *)((char *)p + floats[k].off) = (float)x->valuedouble;
+    for (size_t k = 0; k < sizeof nums / sizeof nums[0]; k++)
+        if (NUM(nums[k].name)) {
+            if (!cJSON_IsNumber(x) ||
+                (nums[k].kind == FINITE_FLOAT && !isfinite((float)x->valuedouble)))
+                return nums[k].err;
+            char *dst = (char *)p + nums[k].off;
+            if (nums[k].kind == CAPPED_INT)
+                *(int *)dst = x->valuedouble > 1e9 ? 1000000000 : (int)x->valuedouble;
+            else
+                *(float *)dst = (float)x->valuedouble;
         }
     if (!(p->repeat_penalty > 0.0f))    /* llama.cpp refuses it too */
         return "\"repeat_penalty\" must be > 0 (1 = off)";
