@@ -377,12 +377,8 @@ KVR_READ_TXN_API(kvr_assemble, kvr_assemble_info, kvr_assemble,
 
 int kvr_assemble_copy_into(kvr_assemble *t, void *dst, size_t size, kvr_error *err)
 {
-    if (size != t->r.out.bytes || (size && !dst))
-        return kvr_error_set(err, KVR_EINVAL, "assemble into a %zu-byte buffer: the payload "
-                             "is %zu bytes", size, t->r.out.bytes);
-    if (size == 0)
-        return 0;
-    return kvr_read_work_into(&t->r, dst, "out of memory for an assemble", err);
+    return kvr_read_work_into(&t->r, dst, size, "assemble", "out of memory for an assemble",
+                              err);
 }
 
 void kvr_assemble_end(kvr_assemble *t)

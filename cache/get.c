@@ -173,12 +173,7 @@ void kvr_get_payload_iov_piece(const kvr_get *t, size_t k, const struct iovec **
 
 int kvr_get_copy_into(kvr_get *t, void *dst, size_t size, kvr_error *err)
 {
-    if (size != t->r.out.bytes || (size && !dst))
-        return kvr_error_set(err, KVR_EINVAL, "get into a %zu-byte buffer: the payload is "
-                             "%zu bytes", size, t->r.out.bytes);
-    if (size == 0)
-        return 0;
-    return kvr_read_work_into(&t->r, dst, "out of memory dequantizing", err);
+    return kvr_read_work_into(&t->r, dst, size, "get", "out of memory dequantizing", err);
 }
 
 void kvr_get_payload_iov_layers(const kvr_get *t, size_t l0, size_t l1,
