@@ -143,6 +143,19 @@ static int parse_u32(const char *s, uint32_t lo, uint32_t hi, uint32_t *out)
     return 0;
 }
 
+/* A switch given a value (the config file's `share-all = yes`): 1, true,
+ * yes or on; 0, false, no or off. */
+static int parse_bool(const char *v, bool *out)
+{
+    if (!strcmp(v, "1") || !strcmp(v, "true") || !strcmp(v, "yes") || !strcmp(v, "on"))
+        *out = true;
+    else if (!strcmp(v, "0") || !strcmp(v, "false") || !strcmp(v, "no") || !strcmp(v, "off"))
+        *out = false;
+    else
+        return KVR_EINVAL;
+    return 0;
+}
+
 static int copy_str(char *dst, size_t cap, const char *v)
 {
     size_t n = strlen(v);
@@ -221,10 +234,7 @@ int kvr_daemon_config_set(kvr_daemon_config *c, const char *key, const char *v,
     } else if (!strcmp(key, "metrics-listen")) {
         rc = copy_str(c->metrics_listen, sizeof c->metrics_listen, v);
     } else if (!strcmp(key, "disk-dir")) {
-        if (strlen(v) >= sizeof c->disk_dir)
-            rc = KVR_EINVAL;
-        else
-            snprintf(c->disk_dir, sizeof c->disk_dir, "%s", v);
+        rc = copy_str(c->disk_dir, sizeof c->disk_dir, v);
     } else if (!strcmp(key, "disk-max")) {
         rc = parse_size_opt(key, v, 0, &sz, err);
         if (rc == 0)
@@ -239,22 +249,13 @@ int kvr_daemon_config_set(kvr_daemon_config *c, const char *key, const char *v,
         else
             rc = KVR_EINVAL;
     } else if (!strcmp(key, "remote-tier")) {
-        if (strlen(v) >= sizeof c->remote_tier)
-            rc = KVR_EINVAL;
-        else
-            snprintf(c->remote_tier, sizeof c->remote_tier, "%s", v);
+        rc = copy_str(c->remote_tier, sizeof c->remote_tier, v);
     } else if (!strcmp(key, "remote-auth-file")) {
         rc = copy_str(c->remote_auth_file, sizeof c->remote_auth_file, v);
     } else if (!strcmp(key, "remote-key-file")) {
         rc = copy_str(c->remote_key_file, sizeof c->remote_key_file, v);
     } else if (!strcmp(key, "share-all")) {
-        if (!strcmp(v, "1") || !strcmp(v, "true") || !strcmp(v, "yes") || !strcmp(v, "on"))
-            c->share_all = true;
-        else if (!strcmp(v, "0") || !strcmp(v, "false") || !strcmp(v, "no") ||
-                 !strcmp(v, "off"))
-            c->share_all = false;
-        else
-            rc = KVR_EINVAL;
+        rc = parse_bool(v, &c->share_all);
     } else if (!strcmp(key, "min-rate")) {
         rc = parse_size_opt(key, v, 0, &sz, err);
         if (rc == 0)
@@ -273,13 +274,7 @@ int kvr_daemon_config_set(kvr_daemon_config *c, const char *key, const char *v,
         if (rc == 0)
             c->max_contexts = n32;
     } else if (!strcmp(key, "persist-all")) {
-        if (!strcmp(v, "1") || !strcmp(v, "true") || !strcmp(v, "yes") || !strcmp(v, "on"))
-            c->persist_all = true;
-        else if (!strcmp(v, "0") || !strcmp(v, "false") || !strcmp(v, "no") ||
-                 !strcmp(v, "off"))
-            c->persist_all = false;
-        else
-            rc = KVR_EINVAL;
+        rc = parse_bool(v, &c->persist_all);
     } else {
         seterr(err, "unknown option '%s' (see kvroped --help)", key);
         return KVR_EINVAL;
