@@ -572,14 +572,8 @@ int kvr_daemon_handle_signals(kvr_daemon *d)
 /* No new connections; each listener is closed once (stop, then destroy). */
 static void close_listeners(kvr_daemon *d)
 {
-    if (d->has_unix) {
-        uv_close((uv_handle_t *)&d->unix_srv, NULL);
-        d->has_unix = false;
-    }
-    if (d->has_tcp) {
-        uv_close((uv_handle_t *)&d->tcp_srv, NULL);
-        d->has_tcp = false;
-    }
+    kvr__uv_close_once((uv_handle_t *)&d->unix_srv, &d->has_unix);
+    kvr__uv_close_once((uv_handle_t *)&d->tcp_srv, &d->has_tcp);
 }
 
 /* fn on every open connection; fn may unlink the one it is given. */
@@ -893,9 +887,7 @@ void kvr_daemon_destroy(kvr_daemon *d)
     close_signals(d);
     kvr__warm_stop(d);
     kvr__metrics_stop(d);
-    if (d->has_sweep)
-        uv_close((uv_handle_t *)&d->sweep, NULL);
-    d->has_sweep = false;
+    kvr__uv_close_once((uv_handle_t *)&d->sweep, &d->has_sweep);
     kvr__remote_close(d->remote);
     uv_run(&d->loop, UV_RUN_DEFAULT);
     if (uv_loop_close(&d->loop) == UV_EBUSY) {
