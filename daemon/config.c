@@ -118,7 +118,8 @@ int kvr_parse_size(const char *s, uint64_t *out)
 #define SIZE_OPT_MAX (1024ull * 1024ull * GIB)
 
 /* A size option's value, within [lo, SIZE_OPT_MAX]: KVR_EINVAL otherwise,
- * with the range in err. */
+ * with the range in err. *out is written only on success (a refused value
+ * leaves the option as it was). */
 static int parse_size_opt(const char *key, const char *s, uint64_t lo, uint64_t *out,
                           kvr_error *err)
 {
@@ -181,40 +182,30 @@ int kvr_daemon_config_set(kvr_daemon_config *c, const char *key, const char *v,
     } else if (!strcmp(key, "auth-token-file")) {
         rc = copy_str(c->auth_token_file, sizeof c->auth_token_file, v);
     } else if (!strcmp(key, "max-memory")) {
-        rc = parse_size_opt(key, v, MIB, &sz, err);
-        if (rc == 0)
-            c->max_memory = sz;
+        rc = parse_size_opt(key, v, MIB, &c->max_memory, err);
     } else if (!strcmp(key, "prefault")) {
         if (!strcmp(v, "cap") || !strcmp(v, "max"))
             c->prefault = UINT64_MAX;
-        else if ((rc = parse_size_opt(key, v, 0, &sz, err)) == 0)
-            c->prefault = sz;
+        else
+            rc = parse_size_opt(key, v, 0, &c->prefault, err);
     } else if (!strcmp(key, "idle-purge")) {
         rc = parse_u32(v, 0, 7u * 86400u, &c->idle_purge);
     } else if (!strcmp(key, "max-memory-per-model")) {
-        rc = parse_size_opt(key, v, 0, &sz, err);
-        if (rc == 0)
-            c->max_memory_per_model = sz;
+        rc = parse_size_opt(key, v, 0, &c->max_memory_per_model, err);
     } else if (!strcmp(key, "max-connections")) {
         rc = parse_u32(v, 1, 1000000, &c->max_connections);
     } else if (!strcmp(key, "max-frame")) {
         rc = parse_u32(v, 64, KVR_MAX_FRAME_CEILING, &c->max_frame);
     } else if (!strcmp(key, "max-conn-buffer")) {
-        rc = parse_size_opt(key, v, 4096, &sz, err);
-        if (rc == 0)
-            c->max_conn_buffer = sz;
+        rc = parse_size_opt(key, v, 4096, &c->max_conn_buffer, err);
     } else if (!strcmp(key, "max-drain")) {
-        rc = parse_size_opt(key, v, 0, &sz, err);
-        if (rc == 0)
-            c->max_drain = sz;
+        rc = parse_size_opt(key, v, 0, &c->max_drain, err);
     } else if (!strcmp(key, "max-regions")) {
         rc = parse_u32(v, 0, 1u << 16, &c->max_regions);
     } else if (!strcmp(key, "max-regions-total")) {
         rc = parse_u32(v, 0, 1u << 30, &c->max_regions_total);
     } else if (!strcmp(key, "max-region-bytes")) {
-        rc = parse_size_opt(key, v, 0, &sz, err);
-        if (rc == 0)
-            c->max_region_bytes = sz;
+        rc = parse_size_opt(key, v, 0, &c->max_region_bytes, err);
     } else if (!strcmp(key, "block-tokens")) {
         rc = parse_u32(v, 1, 1u << 20, &c->block_tokens);
     } else if (!strcmp(key, "threads")) {
@@ -236,9 +227,7 @@ int kvr_daemon_config_set(kvr_daemon_config *c, const char *key, const char *v,
     } else if (!strcmp(key, "disk-dir")) {
         rc = copy_str(c->disk_dir, sizeof c->disk_dir, v);
     } else if (!strcmp(key, "disk-max")) {
-        rc = parse_size_opt(key, v, 0, &sz, err);
-        if (rc == 0)
-            c->disk_max = sz;
+        rc = parse_size_opt(key, v, 0, &c->disk_max, err);
     } else if (!strcmp(key, "disk-engine")) {
         if (!strcmp(v, "auto"))
             c->disk_engine = 0;
@@ -257,9 +246,7 @@ int kvr_daemon_config_set(kvr_daemon_config *c, const char *key, const char *v,
     } else if (!strcmp(key, "share-all")) {
         rc = parse_bool(v, &c->share_all);
     } else if (!strcmp(key, "min-rate")) {
-        rc = parse_size_opt(key, v, 0, &sz, err);
-        if (rc == 0)
-            c->min_rate = sz;
+        rc = parse_size_opt(key, v, 0, &c->min_rate, err);
     } else if (!strcmp(key, "max-msg-buffers")) {
         rc = parse_size_opt(key, v, 0, &sz, err);
         if (rc == 0 && sz != 0 && sz < 64 * 1024)
