@@ -51,10 +51,8 @@ int kvr_store_get_begin(kvr_store *s, const kvr_get_params *p, kvr_get **out,
     size_t osize = kvr_dtype_size(p->dtype);
     if (!p->meta_only && osize == 0)
         return kvr_error_set(err, KVR_EINVAL, "unknown output dtype %d", (int)p->dtype);
-    if (p->layers && p->n_layers_sel == 0)
-        return kvr_error_set(err, KVR_EINVAL, "empty layer selection");
-    size_t nl = p->layers ? p->n_layers_sel : m->n_layers;
-    if (p->layers && (rc = kvr_layers_check(m, p->layers, nl, err)) != 0)
+    size_t nl;
+    if ((rc = kvr_layers_check(m, p->layers, p->n_layers_sel, &nl, err)) != 0)
         return rc;
 
     kvr_get *t = kvr_mem_calloc(1, sizeof *t);
