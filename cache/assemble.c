@@ -166,10 +166,8 @@ int kvr_store_assemble_begin(kvr_store *s, const kvr_assemble_params *p,
         return kvr_error_set(err, rc, "prefix context '%s' not found",
                              p->prefix ? p->prefix : "");
     kvr_model *m = pc->model;
-    if (p->layers && p->n_layers_sel == 0)
-        return kvr_error_set(err, KVR_EINVAL, "empty layer selection");
-    size_t nl = p->layers ? p->n_layers_sel : m->n_layers;
-    if (p->layers && (rc = kvr_layers_check(m, p->layers, nl, err)) != 0)
+    size_t nl;
+    if ((rc = kvr_layers_check(m, p->layers, p->n_layers_sel, &nl, err)) != 0)
         return rc;
     if ((rc = docs_unique(s, p, err)) != 0)
         return rc;
@@ -305,10 +303,8 @@ int kvr_assemble_place_begin(kvr_store *s, kvr_model *m, const kvr_place *pc, si
     int rc;
     if (!o->meta_only && kvr_dtype_size(o->dtype) == 0)
         return kvr_error_set(err, KVR_EINVAL, "unknown output dtype %d", (int)o->dtype);
-    if (o->layers && o->n_layers_sel == 0)
-        return kvr_error_set(err, KVR_EINVAL, "empty layer selection");
-    size_t nl = o->layers ? o->n_layers_sel : m->n_layers;
-    if (o->layers && (rc = kvr_layers_check(m, o->layers, nl, err)) != 0)
+    size_t nl;
+    if ((rc = kvr_layers_check(m, o->layers, o->n_layers_sel, &nl, err)) != 0)
         return rc;
     size_t N = 0, n_ext = 0, i, k;
     for (size_t p = 0; p < n_pc; p++) {
@@ -377,12 +373,8 @@ KVR_READ_TXN_API(kvr_assemble, kvr_assemble_info, kvr_assemble,
 
 int kvr_assemble_copy_into(kvr_assemble *t, void *dst, size_t size, kvr_error *err)
 {
-    if (size != t->r.out.bytes || (size && !dst))
-        return kvr_error_set(err, KVR_EINVAL, "assemble into a %zu-byte buffer: the payload "
-                             "is %zu bytes", size, t->r.out.bytes);
-    if (size == 0)
-        return 0;
-    return kvr_read_work_into(&t->r, dst, "out of memory for an assemble", err);
+    return kvr_read_work_into(&t->r, dst, size, "assemble", "out of memory for an assemble",
+                              err);
 }
 
 void kvr_assemble_end(kvr_assemble *t)

@@ -51,10 +51,8 @@ int kvr_store_get_begin(kvr_store *s, const kvr_get_params *p, kvr_get **out,
     size_t osize = kvr_dtype_size(p->dtype);
     if (!p->meta_only && osize == 0)
         return kvr_error_set(err, KVR_EINVAL, "unknown output dtype %d", (int)p->dtype);
-    if (p->layers && p->n_layers_sel == 0)
-        return kvr_error_set(err, KVR_EINVAL, "empty layer selection");
-    size_t nl = p->layers ? p->n_layers_sel : m->n_layers;
-    if (p->layers && (rc = kvr_layers_check(m, p->layers, nl, err)) != 0)
+    size_t nl;
+    if ((rc = kvr_layers_check(m, p->layers, p->n_layers_sel, &nl, err)) != 0)
         return rc;
 
     kvr_get *t = kvr_mem_calloc(1, sizeof *t);
@@ -173,12 +171,7 @@ void kvr_get_payload_iov_piece(const kvr_get *t, size_t k, const struct iovec **
 
 int kvr_get_copy_into(kvr_get *t, void *dst, size_t size, kvr_error *err)
 {
-    if (size != t->r.out.bytes || (size && !dst))
-        return kvr_error_set(err, KVR_EINVAL, "get into a %zu-byte buffer: the payload is "
-                             "%zu bytes", size, t->r.out.bytes);
-    if (size == 0)
-        return 0;
-    return kvr_read_work_into(&t->r, dst, "out of memory dequantizing", err);
+    return kvr_read_work_into(&t->r, dst, size, "get", "out of memory dequantizing", err);
 }
 
 void kvr_get_payload_iov_layers(const kvr_get *t, size_t l0, size_t l1,

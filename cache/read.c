@@ -725,8 +725,14 @@ static int copy_layer_into(void *ud, size_t li)
     return 0;
 }
 
-int kvr_read_work_into(kvr_read *r, void *dst, const char *nomem, kvr_error *err)
+int kvr_read_work_into(kvr_read *r, void *dst, size_t size, const char *what,
+                       const char *nomem, kvr_error *err)
 {
+    if (size != r->out.bytes || (size && !dst))
+        return kvr_error_set(err, KVR_EINVAL, "%s into a %zu-byte buffer: the payload is "
+                             "%zu bytes", what, size, r->out.bytes);
+    if (size == 0)
+        return 0;
     int rc = kvr_store_reload_work(r->s, r->rl, err);
     if (rc != 0)
         return rc;

@@ -154,8 +154,11 @@ bool kvr_read_needs_work(const kvr_read *r);
 int  kvr_read_stage_ring(kvr_read *r, size_t per, size_t slots, kvr_error *err);
 /* The whole read straight into dst (out.bytes, wire order), staged parts
  * computed in place, zero-copy ones copied; the staging is not used. Same
- * bytes as work + the iovecs. */
-int  kvr_read_work_into(kvr_read *r, void *dst, const char *nomem, kvr_error *err);
+ * bytes as work + the iovecs. size: dst's, which must be out.bytes
+ * (KVR_EINVAL naming the transaction `what` otherwise; nothing to do for
+ * an empty payload). */
+int  kvr_read_work_into(kvr_read *r, void *dst, size_t size, const char *what,
+                        const char *nomem, kvr_error *err);
 /* The store's thread, before any work: a streamed read sent in pieces of
  * about piece_bytes (whole rows, a side of a layer split at token
  * boundaries; a side with nothing staged is one piece, straight from block

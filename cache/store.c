@@ -402,22 +402,26 @@ size_t kvr_store_request_max(const kvr_store *s)
     return cap / 4 > floor ? cap / 4 : floor;
 }
 
-int kvr_layers_check(const kvr_model *m, const uint32_t *layers, size_t nl, kvr_error *err)
+int kvr_layers_check(const kvr_model *m, const uint32_t *layers, size_t n_sel, size_t *nl,
+                     kvr_error *err)
 {
-    if (nl == 0)
+    *nl = layers ? n_sel : m->n_layers;
+    if (!layers)
+        return 0;
+    if (n_sel == 0)
         return kvr_error_set(err, KVR_EINVAL, "empty layer selection");
-    for (size_t i = 0; i < nl; i++)
+    for (size_t i = 0; i < n_sel; i++)
         if (layers[i] >= m->n_layers)
             return kvr_error_set(err, KVR_ERANGE, "layer %u out of range (model '%s' has %u)",
                                  layers[i], m->name, m->n_layers);
-    if (nl > m->n_layers)
+    if (n_sel > m->n_layers)
         return kvr_error_set(err, KVR_EINVAL, "%zu layers selected of %u: a layer is "
-                             "listed twice", nl, m->n_layers);
+                             "listed twice", n_sel, m->n_layers);
     uint64_t *seen = kvr_mem_calloc(((size_t)m->n_layers + 63) / 64, sizeof *seen);
     if (!seen)
         return kvr_error_set(err, KVR_ENOMEM, "out of memory checking the layers");
     int rc = 0;
-    for (size_t i = 0; i < nl && rc == 0; i++) {
+    for (size_t i = 0; i < n_sel && rc == 0; i++) {
         uint64_t bit = 1ull << (layers[i] % 64);
         if (seen[layers[i] / 64] & bit)
             rc = kvr_error_set(err, KVR_EINVAL, "layer %u is listed twice", layers[i]);

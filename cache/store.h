@@ -174,11 +174,12 @@ size_t     kvr_store_request_max(const kvr_store *s);
  * cannot evict the whole cache before it sends a byte. */
 int        kvr_store_reserve_request(kvr_store *s, size_t need, const char *what,
                                      kvr_error *err);
-/* A read's layer selection: every id below m->n_layers and none twice (a
- * read cannot ask for 64x the context's bytes of staging). 0, KVR_ERANGE,
- * KVR_EINVAL or KVR_ENOMEM. */
-int        kvr_layers_check(const kvr_model *m, const uint32_t *layers, size_t nl,
-                            kvr_error *err);
+/* A read's layer selection: all of m's layers (layers NULL) or the n_sel
+ * listed, at least one, every id below m->n_layers and none twice (a read
+ * cannot ask for 64x the context's bytes of staging). *nl: how many layers
+ * the read has. 0, KVR_ERANGE, KVR_EINVAL or KVR_ENOMEM. */
+int        kvr_layers_check(const kvr_model *m, const uint32_t *layers, size_t n_sel,
+                            size_t *nl, kvr_error *err);
 
 /* ---- disk tier hooks ---------------------------------------------------- */
 /* A transaction's reload of spilled blocks, off the loop thread:

@@ -118,7 +118,8 @@ int kvr_parse_size(const char *s, uint64_t *out)
 #define SIZE_OPT_MAX (1024ull * 1024ull * GIB)
 
 /* A size option's value, within [lo, SIZE_OPT_MAX]: KVR_EINVAL otherwise,
- * with the range in err. */
+ * with the range in err. *out is written only on success (a refused value
+ * leaves the option as it was). */
 static int parse_size_opt(const char *key, const char *s, uint64_t lo, uint64_t *out,
                           kvr_error *err)
 {
@@ -140,6 +141,19 @@ static int parse_u32(const char *s, uint32_t lo, uint32_t hi, uint32_t *out)
     if (kvr_parse_size(s, &v) < 0 || v < lo || v > hi)
         return KVR_EINVAL;
     *out = (uint32_t)v;
+    return 0;
+}
+
+/* A switch given a value (the config file's `share-all = yes`): 1, true,
+ * yes or on; 0, false, no or off. */
+static int parse_bool(const char *v, bool *out)
+{
+    if (!strcmp(v, "1") || !strcmp(v, "true") || !strcmp(v, "yes") || !strcmp(v, "on"))
+        *out = true;
+    else if (!strcmp(v, "0") || !strcmp(v, "false") || !strcmp(v, "no") || !strcmp(v, "off"))
+        *out = false;
+    else
+        return KVR_EINVAL;
     return 0;
 }
 
@@ -168,40 +182,30 @@ int kvr_daemon_config_set(kvr_daemon_config *c, const char *key, const char *v,
     } else if (!strcmp(key, "auth-token-file")) {
         rc = copy_str(c->auth_token_file, sizeof c->auth_token_file, v);
     } else if (!strcmp(key, "max-memory")) {
-        rc = parse_size_opt(key, v, MIB, &sz, err);
-        if (rc == 0)
-            c->max_memory = sz;
+        rc = parse_size_opt(key, v, MIB, &c->max_memory, err);
     } else if (!strcmp(key, "prefault")) {
         if (!strcmp(v, "cap") || !strcmp(v, "max"))
             c->prefault = UINT64_MAX;
-        else if ((rc = parse_size_opt(key, v, 0, &sz, err)) == 0)
-            c->prefault = sz;
+        else
+            rc = parse_size_opt(key, v, 0, &c->prefault, err);
     } else if (!strcmp(key, "idle-purge")) {
         rc = parse_u32(v, 0, 7u * 86400u, &c->idle_purge);
     } else if (!strcmp(key, "max-memory-per-model")) {
-        rc = parse_size_opt(key, v, 0, &sz, err);
-        if (rc == 0)
-            c->max_memory_per_model = sz;
+        rc = parse_size_opt(key, v, 0, &c->max_memory_per_model, err);
     } else if (!strcmp(key, "max-connections")) {
         rc = parse_u32(v, 1, 1000000, &c->max_connections);
     } else if (!strcmp(key, "max-frame")) {
         rc = parse_u32(v, 64, KVR_MAX_FRAME_CEILING, &c->max_frame);
     } else if (!strcmp(key, "max-conn-buffer")) {
-        rc = parse_size_opt(key, v, 4096, &sz, err);
-        if (rc == 0)
-            c->max_conn_buffer = sz;
+        rc = parse_size_opt(key, v, 4096, &c->max_conn_buffer, err);
     } else if (!strcmp(key, "max-drain")) {
-        rc = parse_size_opt(key, v, 0, &sz, err);
-        if (rc == 0)
-            c->max_drain = sz;
+        rc = parse_size_opt(key, v, 0, &c->max_drain, err);
     } else if (!strcmp(key, "max-regions")) {
         rc = parse_u32(v, 0, 1u << 16, &c->max_regions);
     } else if (!strcmp(key, "max-regions-total")) {
         rc = parse_u32(v, 0, 1u << 30, &c->max_regions_total);
     } else if (!strcmp(key, "max-region-bytes")) {
-        rc = parse_size_opt(key, v, 0, &sz, err);
-        if (rc == 0)
-            c->max_region_bytes = sz;
+        rc = parse_size_opt(key, v, 0, &c->max_region_bytes, err);
     } else if (!strcmp(key, "block-tokens")) {
         rc = parse_u32(v, 1, 1u << 20, &c->block_tokens);
     } else if (!strcmp(key, "threads")) {
@@ -221,14 +225,9 @@ int kvr_daemon_config_set(kvr_daemon_config *c, const char *key, const char *v,
     } else if (!strcmp(key, "metrics-listen")) {
         rc = copy_str(c->metrics_listen, sizeof c->metrics_listen, v);
     } else if (!strcmp(key, "disk-dir")) {
-        if (strlen(v) >= sizeof c->disk_dir)
-            rc = KVR_EINVAL;
-        else
-            snprintf(c->disk_dir, sizeof c->disk_dir, "%s", v);
+        rc = copy_str(c->disk_dir, sizeof c->disk_dir, v);
     } else if (!strcmp(key, "disk-max")) {
-        rc = parse_size_opt(key, v, 0, &sz, err);
-        if (rc == 0)
-            c->disk_max = sz;
+        rc = parse_size_opt(key, v, 0, &c->disk_max, err);
     } else if (!strcmp(key, "disk-engine")) {
         if (!strcmp(v, "auto"))
             c->disk_engine = 0;
@@ -239,26 +238,15 @@ int kvr_daemon_config_set(kvr_daemon_config *c, const char *key, const char *v,
         else
             rc = KVR_EINVAL;
     } else if (!strcmp(key, "remote-tier")) {
-        if (strlen(v) >= sizeof c->remote_tier)
-            rc = KVR_EINVAL;
-        else
-            snprintf(c->remote_tier, sizeof c->remote_tier, "%s", v);
+        rc = copy_str(c->remote_tier, sizeof c->remote_tier, v);
     } else if (!strcmp(key, "remote-auth-file")) {
         rc = copy_str(c->remote_auth_file, sizeof c->remote_auth_file, v);
     } else if (!strcmp(key, "remote-key-file")) {
         rc = copy_str(c->remote_key_file, sizeof c->remote_key_file, v);
     } else if (!strcmp(key, "share-all")) {
-        if (!strcmp(v, "1") || !strcmp(v, "true") || !strcmp(v, "yes") || !strcmp(v, "on"))
-            c->share_all = true;
-        else if (!strcmp(v, "0") || !strcmp(v, "false") || !strcmp(v, "no") ||
-                 !strcmp(v, "off"))
-            c->share_all = false;
-        else
-            rc = KVR_EINVAL;
+        rc = parse_bool(v, &c->share_all);
     } else if (!strcmp(key, "min-rate")) {
-        rc = parse_size_opt(key, v, 0, &sz, err);
-        if (rc == 0)
-            c->min_rate = sz;
+        rc = parse_size_opt(key, v, 0, &c->min_rate, err);
     } else if (!strcmp(key, "max-msg-buffers")) {
         rc = parse_size_opt(key, v, 0, &sz, err);
         if (rc == 0 && sz != 0 && sz < 64 * 1024)
@@ -273,13 +261,7 @@ int kvr_daemon_config_set(kvr_daemon_config *c, const char *key, const char *v,
         if (rc == 0)
             c->max_contexts = n32;
     } else if (!strcmp(key, "persist-all")) {
-        if (!strcmp(v, "1") || !strcmp(v, "true") || !strcmp(v, "yes") || !strcmp(v, "on"))
-            c->persist_all = true;
-        else if (!strcmp(v, "0") || !strcmp(v, "false") || !strcmp(v, "no") ||
-                 !strcmp(v, "off"))
-            c->persist_all = false;
-        else
-            rc = KVR_EINVAL;
+        rc = parse_bool(v, &c->persist_all);
     } else {
         seterr(err, "unknown option '%s' (see kvroped --help)", key);
         return KVR_EINVAL;

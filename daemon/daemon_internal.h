@@ -55,6 +55,17 @@
 #define KVR_UNPACK_FACTOR 20u
 #define KVR_MAX_FRAME_CEILING (64u << 20)
 
+/* Closes a handle the owner keeps with an `open` flag (no close callback:
+ * its memory is the owner's and outlives the loop's run) and clears the
+ * flag, so the stop and destroy paths may both ask and it closes once. */
+static inline void kvr__uv_close_once(uv_handle_t *h, bool *open)
+{
+    if (*open) {
+        uv_close(h, NULL);
+        *open = false;
+    }
+}
+
 typedef enum kvr_conn_state {
     KVR_CONN_HDR = 0,      /* reading the 24-byte header */
     KVR_CONN_MSG,          /* reading msg_len bytes of protobuf */

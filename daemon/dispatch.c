@@ -89,6 +89,15 @@ void kvr__release_txn(kvr_request *r)
     r->as = NULL;
 }
 
+bool kvr__work_failed(kvr_request *r)
+{
+    if (r->work_rc >= 0)
+        return false;
+    kvr__release_txn(r);
+    kvr__reply_err(r, r->work_rc, &r->work_err);
+    return true;
+}
+
 void kvr__request_end(kvr_request *r, int status)
 {
     kvr_conn *c = r->c;

@@ -124,6 +124,11 @@ struct kvr_request {
 /* ---- dispatch.c: ending, replying, running ------------------------------- */
 /* Aborts the request's open transaction (and a fetch it holds), if any. */
 void kvr__release_txn(kvr_request *r);
+/* A finish handler's first step: when the verb's work failed (work_rc <
+ * 0), aborts the open transaction, replies the work's error and returns
+ * true (the request has ended, or is parked on its fetch); false when the
+ * work succeeded and the transaction is still the request's to finish. */
+bool kvr__work_failed(kvr_request *r);
 /* Errors (code < 0; KVR_EFETCH parks the request on its fetch instead):
  * reply and end the request. */
 void kvr__reply_error(kvr_request *r, int code, const char *msg);

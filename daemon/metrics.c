@@ -1183,14 +1183,8 @@ void kvr__metrics_stop(kvr_daemon *d)
         MHD_stop_daemon(m->mhd);     /* joins the HTTP thread */
         m->mhd = NULL;
     }
-    if (m->has_async) {
-        uv_close((uv_handle_t *)&m->async, NULL);
-        m->has_async = false;
-    }
-    if (m->has_watchdog) {
-        uv_close((uv_handle_t *)&m->watchdog, NULL);
-        m->has_watchdog = false;
-    }
+    kvr__uv_close_once((uv_handle_t *)&m->async, &m->has_async);
+    kvr__uv_close_once((uv_handle_t *)&m->watchdog, &m->has_watchdog);
 }
 
 void kvr__metrics_destroy(kvr_daemon *d)

@@ -508,8 +508,7 @@ int kvr__remote_create(kvr_remote **out, kvr_daemon *d, kvr_error *err)
     r->has_async = true;
     uv_unref((uv_handle_t *)&r->async);
     if (pthread_create(&r->th, NULL, publisher, r) != 0) {
-        uv_close((uv_handle_t *)&r->async, NULL);
-        r->has_async = false;
+        kvr__uv_close_once((uv_handle_t *)&r->async, &r->has_async);
         kvr__remote_destroy(r);
         return kvr_error_set(err, KVR_EINTERNAL, "remote tier: cannot start its thread");
     }
@@ -544,10 +543,7 @@ void kvr__remote_close(kvr_remote *r)
                  j->m.ctx_id);
         job_finish(r, j);
     }
-    if (r->has_async) {
-        uv_close((uv_handle_t *)&r->async, NULL);
-        r->has_async = false;
-    }
+    kvr__uv_close_once((uv_handle_t *)&r->async, &r->has_async);
 }
 
 void kvr__remote_destroy(kvr_remote *r)

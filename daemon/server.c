@@ -569,6 +569,22 @@ int kvr_daemon_handle_signals(kvr_daemon *d)
     return 0;
 }
 
+/* No new connections; each listener is closed once (stop, then destroy). */
+static void close_listeners(kvr_daemon *d)
+{
+    kvr__uv_close_once((uv_handle_t *)&d->unix_srv, &d->has_unix);
+    kvr__uv_close_once((uv_handle_t *)&d->tcp_srv, &d->has_tcp);
+}
+
+/* fn on every open connection; fn may unlink the one it is given. */
+static void conns_each(kvr_daemon *d, void (*fn)(kvr_conn *c))
+{
+    for (kvr_list *l = d->conns.next, *n; l != &d->conns; l = n) {
+        n = l->next;
+        fn(kvr_list_entry(l, kvr_conn, link));
+    }
+}
+
 static void close_signals(kvr_daemon *d)
 {
     if (d->has_signals) {
@@ -738,20 +754,9 @@ void kvr_daemon_stop(kvr_daemon *d)
     notify_status(d, "STOPPING=1\n");
     kvr__metrics_stop(d);
     remove_socket(d);
-    if (d->has_unix) {
-        uv_close((uv_handle_t *)&d->unix_srv, NULL);
-        d->has_unix = false;
-    }
-    if (d->has_tcp) {
-        uv_close((uv_handle_t *)&d->tcp_srv, NULL);
-        d->has_tcp = false;
-    }
+    close_listeners(d);
     close_signals(d);
-    for (kvr_list *l = d->conns.next, *n; l != &d->conns; l = n) {
-        n = l->next;
-        kvr_conn *c = kvr_list_entry(l, kvr_conn, link);
-        kvr__conn_stop(c);
-    }
+    conns_each(d, kvr__conn_stop);
     /* The sweep timer keeps the loop alive until the grace period ends. */
     if (d->has_sweep)
         uv_ref((uv_handle_t *)&d->sweep);
@@ -877,21 +882,12 @@ void kvr_daemon_destroy(kvr_daemon *d)
         return;
     remove_socket(d);
     /* Close whatever is left and let the close callbacks run. */
-    for (kvr_list *l = d->conns.next, *n; l != &d->conns; l = n) {
-        n = l->next;
-        kvr_conn *c = kvr_list_entry(l, kvr_conn, link);
-        kvr__conn_close(c);
-    }
-    if (d->has_unix)
-        uv_close((uv_handle_t *)&d->unix_srv, NULL);
-    if (d->has_tcp)
-        uv_close((uv_handle_t *)&d->tcp_srv, NULL);
+    conns_each(d, kvr__conn_close);
+    close_listeners(d);
     close_signals(d);
     kvr__warm_stop(d);
     kvr__metrics_stop(d);
-    if (d->has_sweep)
-        uv_close((uv_handle_t *)&d->sweep, NULL);
-    d->has_unix = d->has_tcp = d->has_signals = d->has_sweep = false;
+    kvr__uv_close_once((uv_handle_t *)&d->sweep, &d->has_sweep);
     kvr__remote_close(d->remote);
     uv_run(&d->loop, UV_RUN_DEFAULT);
     if (uv_loop_close(&d->loop) == UV_EBUSY) {

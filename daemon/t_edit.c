@@ -177,13 +177,10 @@ void kvr__do_edit_plan(kvr_request *r)
 
 void kvr__finish_edit(kvr_request *r)
 {
+    if (kvr__work_failed(r))
+        return;
     kvr_edit *t = r->edit;
     r->edit = NULL;
-    if (r->work_rc < 0) {
-        kvr_edit_abort(t);
-        kvr__reply_err(r, r->work_rc, &r->work_err);
-        return;
-    }
     size_t n = r->verb->body == KVROPE__REQUEST__BODY_EDIT ? r->msg->edit->n_ops : 1;
     kvr_edit_span *spans = kvr_mem_calloc(n ? n : 1, sizeof *spans);
     if (!spans) {

@@ -136,13 +136,10 @@ void kvr__do_group_append(kvr_request *r)
 
 void kvr__finish_put(kvr_request *r)
 {
+    if (kvr__work_failed(r))
+        return;
     kvr_put *t = r->put;
     r->put = NULL;
-    if (r->work_rc < 0) {
-        kvr_put_abort(t);
-        kvr__reply_err(r, r->work_rc, &r->work_err);
-        return;
-    }
     kvr_put_result res;
     kvr_error e = { 0 };
     int rc = kvr_put_commit(t, &res, &e);
@@ -320,13 +317,10 @@ void kvr__do_match(kvr_request *r)
  * the payload is written (stream.c). */
 static void send_get(kvr_request *r, bool stream)
 {
+    if (kvr__work_failed(r))
+        return;
     kvr_get *t = r->get;
     r->get = NULL;
-    if (r->work_rc < 0) {
-        kvr_get_end(t);
-        kvr__reply_err(r, r->work_rc, &r->work_err);
-        return;
-    }
     bool is_get = r->verb->body == KVROPE__REQUEST__BODY_GET;
     const kvr_get_info *gi = kvr_get_get_info(t);
     bool meta_only = is_get && r->msg->get->has_meta_only && r->msg->get->meta_only;
@@ -435,13 +429,10 @@ void kvr__assemble_run(kvr_request *r, const char *what)
 
 void kvr__finish_assemble(kvr_request *r)
 {
+    if (kvr__work_failed(r))
+        return;
     kvr_assemble *t = r->as;
     r->as = NULL;
-    if (r->work_rc < 0) {
-        kvr_assemble_end(t);
-        kvr__reply_err(r, r->work_rc, &r->work_err);
-        return;
-    }
     const Kvrope__Assemble *q = r->msg->assemble;
     bool meta = q->has_meta_only && q->meta_only;
     size_t payload = meta ? 0 : kvr_assemble_payload_size(t);
