@@ -10,19 +10,9 @@
 
 #include "base/ggml_quants.h"
 #include "base/half.h"
+#include "base/le.h"
 
 #define QK KVR_GGML_QK
-
-static inline uint16_t rd16(const uint8_t *p) { return (uint16_t)(p[0] | (p[1] << 8)); }
-static inline void wr16(uint8_t *p, uint16_t v) { p[0] = (uint8_t)v; p[1] = (uint8_t)(v >> 8); }
-static inline uint32_t rd32(const uint8_t *p)
-{
-    return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24;
-}
-static inline void wr32(uint8_t *p, uint32_t v)
-{
-    p[0] = (uint8_t)v; p[1] = (uint8_t)(v >> 8); p[2] = (uint8_t)(v >> 16); p[3] = (uint8_t)(v >> 24);
-}
 
 static inline int f16_finite(uint16_t h) { return (h & 0x7C00) != 0x7C00; }
 
@@ -49,7 +39,7 @@ int kvr_ggml_block_enc(kvr_ggml_qtype t, uint8_t *y, const float *x)
         const float d = amax / ((1 << 7) - 1);
         const float id = d != 0.0f ? 1.0f / d : 0.0f;
         uint16_t dh = kvr__f2h(d);
-        wr16(y, dh);
+        kvr_le16_put(y, dh);
         for (int j = 0; j < QK; ++j)
             y[2 + j] = (uint8_t)(int8_t)roundf(x[j] * id);
         return f16_finite(dh) ? 0 : -1;
@@ -63,7 +53,7 @@ int kvr_ggml_block_enc(kvr_ggml_qtype t, uint8_t *y, const float *x)
         const float d = q5 ? max / -16 : max / -8;
         const float id = d != 0.0f ? 1.0f / d : 0.0f;
         uint16_t dh = kvr__f2h(d);
-        wr16(y, dh);
+        kvr_le16_put(y, dh);
         if (!q5) {
             for (int j = 0; j < QK / 2; ++j) {
                 int a = (int8_t)(x[j] * id + 8.5f), b = (int8_t)(x[QK / 2 + j] * id + 8.5f);
@@ -78,7 +68,7 @@ int kvr_ggml_block_enc(kvr_ggml_qtype t, uint8_t *y, const float *x)
                 qh |= ((x0 & 0x10u) >> 4) << (j + 0);
                 qh |= ((x1 & 0x10u) >> 4) << (j + QK / 2);
             }
-            wr32(y + 2, qh);
+            kvr_le32_put(y + 2, qh);
         }
         return f16_finite(dh) ? 0 : -1;
     }
@@ -91,8 +81,8 @@ int kvr_ggml_block_enc(kvr_ggml_qtype t, uint8_t *y, const float *x)
         const float d = (max - min) / ((1 << 4) - 1);
         const float id = d != 0.0f ? 1.0f / d : 0.0f;
         uint16_t dh = kvr__f2h(d), mh = kvr__f2h(min);
-        wr16(y, dh);
-        wr16(y + 2, mh);
+        kvr_le16_put(y, dh);
+        kvr_le16_put(y + 2, mh);
         for (int j = 0; j < QK / 2; ++j) {
             int a = (int8_t)((x[j] - min) * id + 0.5f);
             int b = (int8_t)((x[QK / 2 + j] - min) * id + 0.5f);
@@ -106,7 +96,7 @@ int kvr_ggml_block_enc(kvr_ggml_qtype t, uint8_t *y, const float *x)
 
 void kvr_ggml_block_dec(kvr_ggml_qtype t, float *y, const uint8_t *x)
 {
-    const float d = kvr__h2f(rd16(x));
+    const float d = kvr__h2f(kvr_le16_get(x));
     switch (t) {
     case KVR_GGML_Q8_0:
         for (int j = 0; j < QK; ++j) y[j] = (float)(int8_t)x[2 + j] * d;
@@ -118,7 +108,7 @@ void kvr_ggml_block_dec(kvr_ggml_qtype t, float *y, const uint8_t *x)
         }
         break;
     case KVR_GGML_Q4_1: {
-        const float m = kvr__h2f(rd16(x + 2));
+        const float m = kvr__h2f(kvr_le16_get(x + 2));
         for (int j = 0; j < QK / 2; ++j) {
             float p0 = (float)(x[4 + j] & 0x0F) * d, p1 = (float)(x[4 + j] >> 4) * d;
             y[j] = p0 + m;
@@ -127,7 +117,7 @@ void kvr_ggml_block_dec(kvr_ggml_qtype t, float *y, const uint8_t *x)
         break;
     }
     case KVR_GGML_Q5_0: {
-        const uint32_t qh = rd32(x + 2);
+        const uint32_t qh = kvr_le32_get(x + 2);
         for (int j = 0; j < QK / 2; ++j) {
             const uint8_t h0 = (uint8_t)(((qh >> (j + 0)) << 4) & 0x10);
             const uint8_t h1 = (uint8_t)(((qh >> (j + 12))) & 0x10);

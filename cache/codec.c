@@ -13,6 +13,7 @@
  */
 #include "cache/codec.h"
 #include "cache/codec_inl.h"
+#include "base/le.h"
 #include "cache/cache.h"
 #include "base/ggml_quants.h"
 
@@ -24,14 +25,6 @@
 
 /* ---- small helpers ------------------------------------------------------ */
 
-static uint32_t rd32(const uint8_t *p)
-{
-    return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24;
-}
-static void wr32(uint8_t *p, uint32_t v)
-{
-    p[0] = (uint8_t)v; p[1] = (uint8_t)(v >> 8); p[2] = (uint8_t)(v >> 16); p[3] = (uint8_t)(v >> 24);
-}
 static uint32_t f32_bits(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
 static float bits_f32(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
 
@@ -330,18 +323,18 @@ static void unpack_chunk(uint8_t *q, const uint8_t *qs, unsigned bits)
 static void write_params(uint8_t *dst, const kvr_codec_gparams *gp, kvr_codec_params params)
 {
     if (params == KVR_CODEC_PARAMS_F32) {
-        wr32(dst, gp->s_bits); wr32(dst + 4, gp->m_bits);
+        kvr_le32_put(dst, gp->s_bits); kvr_le32_put(dst + 4, gp->m_bits);
     } else {
-        wr16(dst, (uint16_t)gp->s_bits); wr16(dst + 2, (uint16_t)gp->m_bits);
+        kvr_le16_put(dst, (uint16_t)gp->s_bits); kvr_le16_put(dst + 2, (uint16_t)gp->m_bits);
     }
 }
 
 static void read_params(const uint8_t *src, float *s, float *m, kvr_codec_params params)
 {
     if (params == KVR_CODEC_PARAMS_F32) {
-        *s = bits_f32(rd32(src)); *m = bits_f32(rd32(src + 4));
+        *s = bits_f32(kvr_le32_get(src)); *m = bits_f32(kvr_le32_get(src + 4));
     } else {
-        *s = kvr_f16_to_f32(rd16(src)); *m = kvr_f16_to_f32(rd16(src + 2));
+        *s = kvr_f16_to_f32(kvr_le16_get(src)); *m = kvr_f16_to_f32(kvr_le16_get(src + 2));
     }
 }
 

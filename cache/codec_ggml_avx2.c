@@ -85,7 +85,7 @@ AI int enc_block(kvr_codec_type t, uint8_t *y, const void *src, size_t i, int h)
         const float id = d != 0.0f ? 1.0f / d : 0.0f;
         uint16_t dh = kvr_f32_to_f16(d);
         if (!f16_finite(dh)) return -1;
-        wr16(y, dh);
+        kvr_le16_put(y, dh);
         const __m256 vid = _mm256_set1_ps(id);
         __m256i q[4];
         for (int k = 0; k < 4; k++) q[k] = round_away_epi32(_mm256_mul_ps(x[k], vid));
@@ -111,7 +111,7 @@ AI int enc_block(kvr_codec_type t, uint8_t *y, const void *src, size_t i, int h)
         const float id = d != 0.0f ? 1.0f / d : 0.0f;
         uint16_t dh = kvr_f32_to_f16(d);
         if (!f16_finite(dh)) return -1;
-        wr16(y, dh);
+        kvr_le16_put(y, dh);
         const __m256 vid = _mm256_set1_ps(id), off = _mm256_set1_ps(q5 ? 16.5f : 8.5f);
         const __m256i top = _mm256_set1_epi32(q5 ? 31 : 15);
         __m256i q[4];
@@ -123,7 +123,7 @@ AI int enc_block(kvr_codec_type t, uint8_t *y, const void *src, size_t i, int h)
             _mm_storeu_si128((__m128i *)(y + 2), nibbles(b));
         } else {
             uint32_t qh = (uint32_t)_mm256_movemask_epi8(_mm256_slli_epi16(b, 3));
-            memcpy(y + 2, &qh, 4);   /* little-endian, as wr32 */
+            memcpy(y + 2, &qh, 4);   /* little-endian, as kvr_le32_put */
             _mm_storeu_si128((__m128i *)(y + 6), nibbles(_mm256_and_si256(b, _mm256_set1_epi8(0x0F))));
         }
         return 0;
@@ -137,8 +137,8 @@ AI int enc_block(kvr_codec_type t, uint8_t *y, const void *src, size_t i, int h)
         const float id = d != 0.0f ? 1.0f / d : 0.0f;
         uint16_t dh = kvr_f32_to_f16(d), mh = kvr_f32_to_f16(min);
         if (!f16_finite(dh) || !f16_finite(mh)) return -1;
-        wr16(y, dh);
-        wr16(y + 2, mh);
+        kvr_le16_put(y, dh);
+        kvr_le16_put(y + 2, mh);
         const __m256 vid = _mm256_set1_ps(id), vm = _mm256_set1_ps(min), half = _mm256_set1_ps(0.5f);
         const __m256i top = _mm256_set1_epi32(15);
         __m256i q[4];
@@ -179,7 +179,7 @@ AI void quant_block(kvr_codec_type t, uint8_t *y, const __m256 *x, float id, flo
     __m256i b = narrow32(q0, q1, q2, q3);
     if (q5) {
         uint32_t qh = (uint32_t)_mm256_movemask_epi8(_mm256_slli_epi16(b, 3));
-        memcpy(y + 2, &qh, 4);   /* little-endian, as wr32 */
+        memcpy(y + 2, &qh, 4);   /* little-endian, as kvr_le32_put */
         _mm_storeu_si128((__m128i *)(y + 6), nibbles(_mm256_and_si256(b, _mm256_set1_epi8(0x0F))));
     } else {
         _mm_storeu_si128((__m128i *)(y + (q41 ? 4 : 2)), nibbles(b));
@@ -268,8 +268,8 @@ AI int enc8(kvr_codec_type t, uint8_t *dst, size_t bb, const void *src, size_t i
             if (kvr_codec_ggml_block_enc(t, y, xs) != 0) return -1;
             continue;
         }
-        wr16(y, dhs[b]);
-        if (t == KVR_CODEC_Q4_1) wr16(y + 2, mhs[b]);
+        kvr_le16_put(y, dhs[b]);
+        if (t == KVR_CODEC_Q4_1) kvr_le16_put(y + 2, mhs[b]);
         quant_block(t, y, x, ids[b], p0[b]);
     }
     return 0;
@@ -324,7 +324,7 @@ AI void dec_block(kvr_codec_type t, void *dst, size_t i, const uint8_t *x, int h
 {
     /* F16C's conversion is exact, as kvr_f16_to_f32 (NaN payloads quieted
      * either way once multiplied) */
-    const __m256 d = _mm256_set1_ps(_cvtsh_ss(rd16(x)));
+    const __m256 d = _mm256_set1_ps(_cvtsh_ss(kvr_le16_get(x)));
     __m256i b;   /* the 32 quants as signed bytes, element order */
     __m256 m = _mm256_setzero_ps();
     int add_m = 0;
@@ -333,7 +333,7 @@ AI void dec_block(kvr_codec_type t, void *dst, size_t i, const uint8_t *x, int h
         b = _mm256_loadu_si256((const __m256i *)(x + 2));
         break;
     case KVR_CODEC_Q4_1:
-        m = _mm256_set1_ps(_cvtsh_ss(rd16(x + 2)));
+        m = _mm256_set1_ps(_cvtsh_ss(kvr_le16_get(x + 2)));
         add_m = 1;
         /* fall through */
     case KVR_CODEC_Q4_0: {

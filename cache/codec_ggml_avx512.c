@@ -63,7 +63,7 @@ AI void quant_block(kvr_codec_type t, uint8_t *y, __m512 x0, __m512 x1, float id
         const __m512i b4 = _mm512_set1_epi32(0x10), m4 = _mm512_set1_epi32(0x0F);
         uint32_t qh = (uint32_t)_mm512_test_epi32_mask(lo, b4) |
                       (uint32_t)_mm512_test_epi32_mask(hi, b4) << 16;
-        memcpy(y + 2, &qh, 4);   /* little-endian, as wr32 */
+        memcpy(y + 2, &qh, 4);   /* little-endian, as kvr_le32_put */
         /* bits 0-3 from lo, the rest from hi << 4 (bit select, 0xE4:
          * m4 ? lo : hi << 4); vpmovdb keeps bits 0-7 */
         __m512i nb = _mm512_ternarylogic_epi32(lo, _mm512_slli_epi32(hi, 4), m4, 0xE4);
@@ -211,8 +211,8 @@ AI int quant8(kvr_codec_type t, uint8_t *dst, const void *src, size_t i, int h, 
             if (kvr_codec_ggml_block_enc(t, y, xs) != 0) return -1;
             continue;
         }
-        wr16(y, s->dhs[b]);
-        if (t == KVR_CODEC_Q4_1) wr16(y + 2, s->mhs[b]);
+        kvr_le16_put(y, s->dhs[b]);
+        if (t == KVR_CODEC_Q4_1) kvr_le16_put(y + 2, s->mhs[b]);
         quant_block(t, y, x0, x1, s->ids[b], s->p0[b]);
     }
     return 0;
@@ -283,7 +283,7 @@ int kvr_codec_ggml_enc_avx512(kvr_codec_type t, uint8_t *dst, const void *src, k
 AI void dec_block16(kvr_codec_type t, void *dst, size_t i, const uint8_t *x, int h, int nt)
 {
     /* F16C's conversion is exact, as kvr_f16_to_f32 */
-    const __m512 d = _mm512_set1_ps(_cvtsh_ss(rd16(x)));
+    const __m512 d = _mm512_set1_ps(_cvtsh_ss(kvr_le16_get(x)));
     __m512i q0, q1;
     switch (t) {
     case KVR_CODEC_Q8_0:
@@ -320,7 +320,7 @@ AI void dec_block16(kvr_codec_type t, void *dst, size_t i, const uint8_t *x, int
     __m512 y0 = _mm512_mul_ps(_mm512_cvtepi32_ps(q0), d);
     __m512 y1 = _mm512_mul_ps(_mm512_cvtepi32_ps(q1), d);
     if (t == KVR_CODEC_Q4_1) {
-        const __m512 m = _mm512_set1_ps(_cvtsh_ss(rd16(x + 2)));
+        const __m512 m = _mm512_set1_ps(_cvtsh_ss(kvr_le16_get(x + 2)));
         y0 = _mm512_add_ps(y0, m);
         y1 = _mm512_add_ps(y1, m);
     }

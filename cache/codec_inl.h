@@ -1,8 +1,8 @@
 /*
  * codec_inl.h — small helpers shared by the scalar codecs (codec.c) and
  * their SIMD kernels (codec_avx2.c, codec_ggml_avx2.c, codec_ggml_avx512.c):
- * little-endian 16-bit fields, the neighbouring f16 values, the size of a
- * ggml block. Plain C (no ISA flags); include after cache/codec.h. Header
+ * the neighbouring f16 values, the size of a ggml block (little-endian
+ * fields: base/le.h). Plain C (no ISA flags); include after cache/codec.h. Header
  * only (static inline; the block size always inlined, so that a kernel's
  * folds to a constant where its type is one).
  */
@@ -12,8 +12,8 @@
 #include <stddef.h>
 #include <stdint.h>
 
-static inline uint16_t rd16(const uint8_t *p) { return (uint16_t)(p[0] | (p[1] << 8)); }
-static inline void wr16(uint8_t *p, uint16_t v) { p[0] = (uint8_t)v; p[1] = (uint8_t)(v >> 8); }
+#include "base/le.h"       /* kvr_le16_get / _put: the blocks' f16 fields */
+
 
 /* Next f16 towards +inf / -inf (finite inputs only). */
 static inline uint16_t f16_up(uint16_t h)

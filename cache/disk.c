@@ -34,6 +34,7 @@
 
 #include "cache/disk.h"
 #include "base/clock.h"
+#include "base/le.h"
 
 #define EXT_ALIGN     4096u
 #define EXT_HDR       32u
@@ -102,34 +103,6 @@ struct kvr_disk_cp {
 };
 
 /* ---- little helpers ---------------------------------------------------------- */
-static void put32(uint8_t *p, uint32_t v)
-{
-    for (int i = 0; i < 4; i++)
-        p[i] = (uint8_t)(v >> (8 * i));
-}
-
-static void put64(uint8_t *p, uint64_t v)
-{
-    for (int i = 0; i < 8; i++)
-        p[i] = (uint8_t)(v >> (8 * i));
-}
-
-static uint32_t get32(const uint8_t *p)
-{
-    uint32_t v = 0;
-    for (int i = 3; i >= 0; i--)
-        v = (v << 8) | p[i];
-    return v;
-}
-
-static uint64_t get64(const uint8_t *p)
-{
-    uint64_t v = 0;
-    for (int i = 7; i >= 0; i--)
-        v = (v << 8) | p[i];
-    return v;
-}
-
 static uint64_t align_up(uint64_t n)
 {
     return (n + EXT_ALIGN - 1) & ~(uint64_t)(EXT_ALIGN - 1);
@@ -138,20 +111,20 @@ static uint64_t align_up(uint64_t n)
 
 void kvr_disk_handle_encode(const kvr_disk_handle *h, uint8_t out[KVR_DISK_HANDLE_BYTES])
 {
-    put32(out, h->seg);
-    put32(out + 4, h->len);
-    put64(out + 8, h->off);
-    put64(out + 16, h->seq);
-    put32(out + 24, h->crc);
+    kvr_le32_put(out, h->seg);
+    kvr_le32_put(out + 4, h->len);
+    kvr_le64_put(out + 8, h->off);
+    kvr_le64_put(out + 16, h->seq);
+    kvr_le32_put(out + 24, h->crc);
 }
 
 void kvr_disk_handle_decode(const uint8_t in[KVR_DISK_HANDLE_BYTES], kvr_disk_handle *h)
 {
-    h->seg = get32(in);
-    h->len = get32(in + 4);
-    h->off = get64(in + 8);
-    h->seq = get64(in + 16);
-    h->crc = get32(in + 24);
+    h->seg = kvr_le32_get(in);
+    h->len = kvr_le32_get(in + 4);
+    h->off = kvr_le64_get(in + 8);
+    h->seq = kvr_le64_get(in + 16);
+    h->crc = kvr_le32_get(in + 24);
 }
 
 /* An extent's header (v1, in front of the data) or trailer (v2, after it):
@@ -161,33 +134,33 @@ static void ext_header(uint8_t *h, uint32_t fmt, uint64_t seq, uint32_t segid,
 {
     uint8_t o[8];
     memset(h, 0, EXT_HDR);
-    put32(h, fmt == FMT_V1 ? MAGIC_EXT : MAGIC_TRL);
-    put64(h + 8, seq);
-    put32(h + 16, segid);
-    put32(h + 20, len);
-    put32(h + 24, dcrc);
-    put64(o, off);
-    put32(h + 4, kvr_crc32c(kvr_crc32c(0, h + 8, EXT_HDR - 8), o, 8));
+    kvr_le32_put(h, fmt == FMT_V1 ? MAGIC_EXT : MAGIC_TRL);
+    kvr_le64_put(h + 8, seq);
+    kvr_le32_put(h + 16, segid);
+    kvr_le32_put(h + 20, len);
+    kvr_le32_put(h + 24, dcrc);
+    kvr_le64_put(o, off);
+    kvr_le32_put(h + 4, kvr_crc32c(kvr_crc32c(0, h + 8, EXT_HDR - 8), o, 8));
 }
 
 static bool ext_header_ok(const uint8_t *h, uint32_t fmt, const kvr_disk_handle *want)
 {
     uint8_t o[8];
-    put64(o, want->off);
-    return get32(h) == (fmt == FMT_V1 ? MAGIC_EXT : MAGIC_TRL) &&
-           get32(h + 4) == kvr_crc32c(kvr_crc32c(0, h + 8, EXT_HDR - 8), o, 8) &&
-           get64(h + 8) == want->seq && get32(h + 16) == want->seg &&
-           get32(h + 20) == want->len && get32(h + 24) == want->crc;
+    kvr_le64_put(o, want->off);
+    return kvr_le32_get(h) == (fmt == FMT_V1 ? MAGIC_EXT : MAGIC_TRL) &&
+           kvr_le32_get(h + 4) == kvr_crc32c(kvr_crc32c(0, h + 8, EXT_HDR - 8), o, 8) &&
+           kvr_le64_get(h + 8) == want->seq && kvr_le32_get(h + 16) == want->seg &&
+           kvr_le32_get(h + 20) == want->len && kvr_le32_get(h + 24) == want->crc;
 }
 
 static void rec_header(uint8_t *h, uint64_t seq, uint32_t type, const void *p,
                        uint32_t len)
 {
-    put32(h, MAGIC_REC);
-    put64(h + 8, seq);
-    put32(h + 16, type);
-    put32(h + 20, len);
-    put32(h + 4, kvr_crc32c(kvr_crc32c(0, h + 8, REC_HDR - 8), p, len));
+    kvr_le32_put(h, MAGIC_REC);
+    kvr_le64_put(h + 8, seq);
+    kvr_le32_put(h + 16, type);
+    kvr_le32_put(h + 20, len);
+    kvr_le32_put(h + 4, kvr_crc32c(kvr_crc32c(0, h + 8, REC_HDR - 8), p, len));
 }
 
 /* Marks d failed after an fsync error (never retried) and fills err. */
@@ -596,19 +569,19 @@ static const char *parse_at(reader *r, uint64_t off, uint64_t last, parsed *p)
     const uint8_t *h = rd_get(r, off, REC_HDR);
     if (!h)
         return "incomplete record header";
-    if (get32(h) != MAGIC_REC)
+    if (kvr_le32_get(h) != MAGIC_REC)
         return "bad record magic";
-    uint32_t len = get32(h + 20);
+    uint32_t len = kvr_le32_get(h + 20);
     if (len > KVR_DISK_MAX_RECORD)
         return "record length out of range";
-    uint32_t crc = get32(h + 4);
+    uint32_t crc = kvr_le32_get(h + 4);
     h = rd_get(r, off, REC_HDR + (size_t)len);
     if (!h)
         return "record runs past the end of the file";
     if (crc != kvr_crc32c(kvr_crc32c(0, h + 8, REC_HDR - 8), h + REC_HDR, len))
         return "record checksum mismatch";
-    p->seq = get64(h + 8);
-    p->type = get32(h + 16);
+    p->seq = kvr_le64_get(h + 8);
+    p->type = kvr_le32_get(h + 16);
     p->len = len;
     p->payload = h + REC_HDR;
     if (p->seq <= last)
@@ -622,7 +595,7 @@ static uint64_t find_next(reader *r, uint64_t from, uint64_t last)
         const uint8_t *m = rd_get(r, y, 4);
         if (!m)
             return UINT64_MAX;
-        if (get32(m) != MAGIC_REC)
+        if (kvr_le32_get(m) != MAGIC_REC)
             continue;
         parsed p;
         if (!parse_at(r, y, last, &p))
@@ -657,9 +630,9 @@ static int log_create_first(kvr_disk *d, kvr_error *err)
                              name, strerror(errno));
     uint8_t b[2 * REC_HDR + 12];
     uint8_t *p0 = b + REC_HDR, *p1 = b + 2 * REC_HDR + 4;
-    put32(p0, 1);
+    kvr_le32_put(p0, 1);
     rec_header(b, ++d->seq, REC_CP_BEGIN, p0, 4);
-    put64(p1, 0);
+    kvr_le64_put(p1, 0);
     rec_header(b + REC_HDR + 4, ++d->seq, REC_CP_END, p1, 8);
     int rc = write_all(d, fd, 0, b, sizeof b);
     if (rc == 0)
@@ -2199,7 +2172,7 @@ int kvr_disk_checkpoint(kvr_disk *d, kvr_disk_snapshot_fn fn, void *arg, kvr_err
         goto out;
     }
     uint8_t g[8];
-    put32(g, d->gen + 1);
+    kvr_le32_put(g, d->gen + 1);
     cp_put(&cp, REC_CP_BEGIN, g, 4);
     int frc = fn(arg, &cp);
     if (frc) {
@@ -2207,7 +2180,7 @@ int kvr_disk_checkpoint(kvr_disk *d, kvr_disk_snapshot_fn fn, void *arg, kvr_err
                            "disk: checkpoint snapshot aborted (%d)", frc);
         goto out_unlink;
     }
-    put64(g, cp.count);
+    kvr_le64_put(g, cp.count);
     cp_put(&cp, REC_CP_END, g, 8);
     if (cp_flush(&cp)) {
         rc = io_error(cp.err, "checkpoint write", err);

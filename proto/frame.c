@@ -11,6 +11,7 @@
 
 #include "kvrope.pb-c.h"
 #include "base/error.h"
+#include "base/le.h"
 #include "base/types.h"
 
 /* The error space (base/error.h) and the wire's Status enum are one list:
@@ -39,66 +40,27 @@ _Static_assert((int)KVR_SEGMENT_PREFIX == KVROPE__SEGMENT_KIND__SEGMENT_PREFIX &
                (int)KVR_SEGMENT_DOCUMENT == KVROPE__SEGMENT_KIND__SEGMENT_DOCUMENT &&
                (int)KVR_SEGMENT_QUERY == KVROPE__SEGMENT_KIND__SEGMENT_QUERY, "segment kinds");
 
-static void put_u16(uint8_t *p, uint16_t v)
-{
-    p[0] = (uint8_t)v;
-    p[1] = (uint8_t)(v >> 8);
-}
-
-static void put_u32(uint8_t *p, uint32_t v)
-{
-    for (int i = 0; i < 4; i++)
-        p[i] = (uint8_t)(v >> (8 * i));
-}
-
-static void put_u64(uint8_t *p, uint64_t v)
-{
-    for (int i = 0; i < 8; i++)
-        p[i] = (uint8_t)(v >> (8 * i));
-}
-
-static uint16_t get_u16(const uint8_t *p)
-{
-    return (uint16_t)(p[0] | (p[1] << 8));
-}
-
-static uint32_t get_u32(const uint8_t *p)
-{
-    uint32_t v = 0;
-    for (int i = 3; i >= 0; i--)
-        v = (v << 8) | p[i];
-    return v;
-}
-
-static uint64_t get_u64(const uint8_t *p)
-{
-    uint64_t v = 0;
-    for (int i = 7; i >= 0; i--)
-        v = (v << 8) | p[i];
-    return v;
-}
-
 void kvr_frame_header_encode(uint8_t out[KVR_FRAME_HEADER_SIZE],
                              uint32_t msg_len, uint64_t payload_len)
 {
-    put_u32(out + 0, KVR_FRAME_MAGIC);
-    put_u16(out + 4, (uint16_t)KVR_FRAME_VERSION);
-    put_u16(out + 6, (uint16_t)KVR_FRAME_HEADER_SIZE);
-    put_u32(out + 8, msg_len);
-    put_u32(out + 12, 0);
-    put_u64(out + 16, payload_len);
+    kvr_le32_put(out + 0, KVR_FRAME_MAGIC);
+    kvr_le16_put(out + 4, (uint16_t)KVR_FRAME_VERSION);
+    kvr_le16_put(out + 6, (uint16_t)KVR_FRAME_HEADER_SIZE);
+    kvr_le32_put(out + 8, msg_len);
+    kvr_le32_put(out + 12, 0);
+    kvr_le64_put(out + 16, payload_len);
 }
 
 int kvr_frame_header_decode(const uint8_t in[KVR_FRAME_HEADER_SIZE],
                             kvr_frame_header *h, const kvr_frame_limits *lim)
 {
     kvr_frame_header t;
-    t.magic = get_u32(in + 0);
-    t.version = get_u16(in + 4);
-    t.header_len = get_u16(in + 6);
-    t.msg_len = get_u32(in + 8);
-    t.flags = get_u32(in + 12);
-    t.payload_len = get_u64(in + 16);
+    t.magic = kvr_le32_get(in + 0);
+    t.version = kvr_le16_get(in + 4);
+    t.header_len = kvr_le16_get(in + 6);
+    t.msg_len = kvr_le32_get(in + 8);
+    t.flags = kvr_le32_get(in + 12);
+    t.payload_len = kvr_le64_get(in + 16);
     if (h)
         *h = t;
     if (t.magic != KVR_FRAME_MAGIC || t.version != KVR_FRAME_VERSION ||

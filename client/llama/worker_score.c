@@ -67,6 +67,7 @@
 #include <cjson/cJSON.h>
 
 #include "client/llama/worker.h"
+#include "base/le.h"
 
 #define KVBIN_MAGIC "KVRKV1\0\0"
 #define KVBIN_HDR   32
@@ -74,18 +75,6 @@
 #define MAX_QUERIES 126           /* scratch sequences per in-cache decode */
 #define PAD_MIN     64            /* tokens per llama_decode at least (GGML_FA_TILE_Q) */
 
-static uint32_t rd32(const uint8_t *p)
-{
-    return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24;
-}
-
-static int64_t rd64(const uint8_t *p)
-{
-    uint64_t v = 0;
-    for (int i = 7; i >= 0; i--)
-        v = v << 8 | p[i];
-    return (int64_t)v;
-}
 
 /* ---- KV.bin ------------------------------------------------------------- */
 /* Writes the KV of the n appended tokens (positions P..P+n-1 of sequence 0)
@@ -178,12 +167,12 @@ int kvr__wk_kvbin_parse(kvr__wk_env *e, const uint8_t *b, size_t len, kvbin *kv)
     if (len < KVBIN_HDR)
         return kvr__wk_fail(e, KVR_EINVAL, "KV file: truncated in its header (%zu of %d bytes)", len,
                     KVBIN_HDR);
-    kv->n_layers = rd32(b + 8);
-    kv->m = rd32(b + 12);
-    kv->n_kv_heads = rd32(b + 16);
-    kv->head_dim = rd32(b + 20);
-    kv->dtype = rd32(b + 24);
-    uint32_t reserved = rd32(b + 28);
+    kv->n_layers = kvr_le32_get(b + 8);
+    kv->m = kvr_le32_get(b + 12);
+    kv->n_kv_heads = kvr_le32_get(b + 16);
+    kv->head_dim = kvr_le32_get(b + 20);
+    kv->dtype = kvr_le32_get(b + 24);
+    uint32_t reserved = kvr_le32_get(b + 28);
     if (reserved != 0)
         return kvr__wk_fail(e, KVR_EINVAL, "KV file: reserved header field is %u (must be 0)", reserved);
     if (kv->dtype > 2)
@@ -215,7 +204,7 @@ int kvr__wk_kvbin_parse(kvr__wk_env *e, const uint8_t *b, size_t len, kvbin *kv)
         return kvr__wk_fail(e, KVR_ENOMEM, "out of memory for %u positions", kv->m);
     kv->pos_max = -1;
     for (uint32_t j = 0; j < kv->m; j++) {
-        int64_t p = rd64(b + KVBIN_HDR + 8 * (size_t)j);
+        int64_t p = (int64_t)kvr_le64_get(b + KVBIN_HDR + 8 * (size_t)j);
         if (p < 0 || p >= INT32_MAX)
             return kvr__wk_fail(e, KVR_EINVAL, "KV file: position %lld of token %u is out of range "
                         "(0..%d)", (long long)p, j, INT32_MAX - 1);
@@ -376,7 +365,7 @@ int kvr__wk_score(kvr__wk_env *e, const kvr__wk_score_opts *o)
     if (!T)
         return kvr__wk_fail(e, KVR_ENOMEM, "out of memory for %zu tokens", N);
     for (size_t i = 0; i < N; i++) {
-        T[i] = (int32_t)rd32(o->tokens + 4 * i);
+        T[i] = (int32_t)kvr_le32_get(o->tokens + 4 * i);
         if (T[i] < 0 || (uint32_t)T[i] >= nv) {
             r = kvr__wk_fail(e, KVR_EINVAL, "token file: id %d at index %zu is not in the vocabulary "
                      "(0..%zu)", T[i], i, nv - 1);
