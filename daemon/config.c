@@ -8,6 +8,8 @@
  * The file is refused whole, with the line number, for a line holding a
  * NUL byte, a key set twice (both lines named) or any bad value; sizes
  * are at most 1024T (SIZE_OPT_MAX), so nothing computed from them overflows.
+ * Every option is one row of OPTS: the file and the command line both set
+ * through it, so a name the one takes the other takes too.
  */
 #include "daemon/daemon_internal.h"
 
@@ -16,6 +18,7 @@
 #include <inttypes.h>
 #include <limits.h>
 #include <stdarg.h>
+#include <stddef.h>
 #include <stdlib.h>
 #include <string.h>
 #include <arpa/inet.h>
@@ -166,108 +169,179 @@ static int copy_str(char *dst, size_t cap, const char *v)
     return 0;
 }
 
+/* The options that do more than store a checked value. Each returns 0,
+ * KVR_ERANGE with err saying why, or another negative code for the
+ * caller's "invalid value". */
+static int set_socket(kvr_daemon_config *c, const char *key, const char *v, kvr_error *err)
+{
+    (void)key;
+    int rc = copy_str(c->socket_path, sizeof c->socket_path, v);
+    if (rc == 0 && strcmp(v, "none") && strlen(v) >= 108) {
+        seterr(err, "--socket: path longer than 107 bytes: %s", v);
+        return KVR_ERANGE;
+    }
+    return rc;
+}
+
+static int set_prefault(kvr_daemon_config *c, const char *key, const char *v, kvr_error *err)
+{
+    if (!strcmp(v, "cap") || !strcmp(v, "max")) {
+        c->prefault = UINT64_MAX;
+        return 0;
+    }
+    return parse_size_opt(key, v, 0, &c->prefault, err);
+}
+
+static int set_log_level(kvr_daemon_config *c, const char *key, const char *v, kvr_error *err)
+{
+    (void)key;
+    (void)err;
+    return kvr_log_level_parse(v, &c->log_level);
+}
+
+static int set_log_format(kvr_daemon_config *c, const char *key, const char *v, kvr_error *err)
+{
+    (void)key;
+    (void)err;
+    return kvr_log_format_parse(v, &c->log_format);
+}
+
+static int set_disk_engine(kvr_daemon_config *c, const char *key, const char *v, kvr_error *err)
+{
+    (void)key;
+    (void)err;
+    if (!strcmp(v, "auto"))
+        c->disk_engine = 0;
+    else if (!strcmp(v, "uring") || !strcmp(v, "io_uring"))
+        c->disk_engine = 1;
+    else if (!strcmp(v, "posix"))
+        c->disk_engine = 2;
+    else
+        return KVR_EINVAL;
+    return 0;
+}
+
+/* 0 (max-memory / 8) or at least 64K. */
+static int set_max_msg_buffers(kvr_daemon_config *c, const char *key, const char *v,
+                               kvr_error *err)
+{
+    uint64_t sz;
+    int rc = parse_size_opt(key, v, 0, &sz, err);
+    if (rc == 0 && sz != 0 && sz < 64 * 1024)
+        rc = KVR_EINVAL;
+    if (rc == 0)
+        c->max_msg_buffers = sz;
+    return rc;
+}
+
+/* A count like the others, kept in a 64-bit field. */
+static int set_max_contexts(kvr_daemon_config *c, const char *key, const char *v,
+                            kvr_error *err)
+{
+    (void)key;
+    (void)err;
+    uint32_t n32;
+    int rc = parse_u32(v, 0, 100000000, &n32);
+    if (rc == 0)
+        c->max_contexts = n32;
+    return rc;
+}
+
+/* One option: its long flag's name (the config file's key) and how its
+ * value is kept: a string of at most cap - 1 bytes, a size in [lo,
+ * SIZE_OPT_MAX], a count in [lo, hi], a switch, or what fn does. The field
+ * is at `off` in kvr_daemon_config. */
+typedef enum { OPT_STR, OPT_SIZE, OPT_COUNT, OPT_BOOL, OPT_FN } opt_kind;
+typedef struct opt {
+    const char *name;
+    opt_kind    kind;
+    size_t      off, cap;
+    uint64_t    lo, hi;
+    int       (*fn)(kvr_daemon_config *c, const char *key, const char *v, kvr_error *err);
+} opt;
+
+/* The offset of field f, which must be of type T: comparing the pointers
+ * refuses any other type at compile time, and sizeof evaluates nothing. */
+#define AT(f, T) (offsetof(kvr_daemon_config, f) + \
+                  0 * sizeof((T *)0 == &((kvr_daemon_config *)0)->f))
+#define STR(nm, f)          { nm, OPT_STR, AT(f[0], char), sizeof ((kvr_daemon_config *)0)->f, \
+                              0, 0, NULL }
+#define SIZE(nm, f, l)      { nm, OPT_SIZE, AT(f, uint64_t), 0, l, SIZE_OPT_MAX, NULL }
+#define COUNT(nm, f, l, h)  { nm, OPT_COUNT, AT(f, uint32_t), 0, l, h, NULL }
+#define BOOL(nm, f)         { nm, OPT_BOOL, AT(f, bool), 0, 0, 0, NULL }
+#define FN(nm, fn)          { nm, OPT_FN, 0, 0, 0, 0, fn }
+static const opt OPTS[] = {
+    FN("socket", set_socket),
+    STR("listen", listen),
+    STR("auth-token-file", auth_token_file),
+    SIZE("max-memory", max_memory, MIB),
+    FN("prefault", set_prefault),
+    COUNT("idle-purge", idle_purge, 0, 7u * 86400u),
+    SIZE("max-memory-per-model", max_memory_per_model, 0),
+    COUNT("max-connections", max_connections, 1, 1000000),
+    COUNT("max-frame", max_frame, 64, KVR_MAX_FRAME_CEILING),
+    SIZE("max-conn-buffer", max_conn_buffer, 4096),
+    SIZE("max-drain", max_drain, 0),
+    COUNT("max-regions", max_regions, 0, 1u << 16),
+    COUNT("max-regions-total", max_regions_total, 0, 1u << 30),
+    SIZE("max-region-bytes", max_region_bytes, 0),
+    COUNT("block-tokens", block_tokens, 1, 1u << 20),
+    COUNT("threads", threads, 1, 1024),
+    COUNT("io-timeout", io_timeout, 0, 86400),
+    COUNT("auth-timeout", auth_timeout, 0, 3600),
+    COUNT("max-unauth-connections", max_unauth_connections, 1, 1000000),
+    FN("log-level", set_log_level),
+    FN("log-format", set_log_format),
+    STR("log-file", log_file),
+    STR("metrics-listen", metrics_listen),
+    STR("disk-dir", disk_dir),
+    SIZE("disk-max", disk_max, 0),
+    FN("disk-engine", set_disk_engine),
+    STR("remote-tier", remote_tier),
+    STR("remote-auth-file", remote_auth_file),
+    STR("remote-key-file", remote_key_file),
+    BOOL("share-all", share_all),
+    SIZE("min-rate", min_rate, 0),
+    FN("max-msg-buffers", set_max_msg_buffers),
+    COUNT("max-models", max_models, 1, 1000000),
+    FN("max-contexts", set_max_contexts),
+    BOOL("persist-all", persist_all),
+};
+#undef AT
+#undef STR
+#undef SIZE
+#undef COUNT
+#undef BOOL
+#undef FN
+
+static const opt *find_opt(const char *name)
+{
+    for (size_t i = 0; i < sizeof OPTS / sizeof OPTS[0]; i++)
+        if (!strcmp(name, OPTS[i].name))
+            return &OPTS[i];
+    return NULL;
+}
+
 int kvr_daemon_config_set(kvr_daemon_config *c, const char *key, const char *v,
                           kvr_error *err)
 {
-    int rc = 0;
-    uint64_t sz;
-    if (!strcmp(key, "socket")) {
-        rc = copy_str(c->socket_path, sizeof c->socket_path, v);
-        if (rc == 0 && strcmp(v, "none") && strlen(v) >= 108) {
-            seterr(err, "--socket: path longer than 107 bytes: %s", v);
-            return KVR_EINVAL;
-        }
-    } else if (!strcmp(key, "listen")) {
-        rc = copy_str(c->listen, sizeof c->listen, v);
-    } else if (!strcmp(key, "auth-token-file")) {
-        rc = copy_str(c->auth_token_file, sizeof c->auth_token_file, v);
-    } else if (!strcmp(key, "max-memory")) {
-        rc = parse_size_opt(key, v, MIB, &c->max_memory, err);
-    } else if (!strcmp(key, "prefault")) {
-        if (!strcmp(v, "cap") || !strcmp(v, "max"))
-            c->prefault = UINT64_MAX;
-        else
-            rc = parse_size_opt(key, v, 0, &c->prefault, err);
-    } else if (!strcmp(key, "idle-purge")) {
-        rc = parse_u32(v, 0, 7u * 86400u, &c->idle_purge);
-    } else if (!strcmp(key, "max-memory-per-model")) {
-        rc = parse_size_opt(key, v, 0, &c->max_memory_per_model, err);
-    } else if (!strcmp(key, "max-connections")) {
-        rc = parse_u32(v, 1, 1000000, &c->max_connections);
-    } else if (!strcmp(key, "max-frame")) {
-        rc = parse_u32(v, 64, KVR_MAX_FRAME_CEILING, &c->max_frame);
-    } else if (!strcmp(key, "max-conn-buffer")) {
-        rc = parse_size_opt(key, v, 4096, &c->max_conn_buffer, err);
-    } else if (!strcmp(key, "max-drain")) {
-        rc = parse_size_opt(key, v, 0, &c->max_drain, err);
-    } else if (!strcmp(key, "max-regions")) {
-        rc = parse_u32(v, 0, 1u << 16, &c->max_regions);
-    } else if (!strcmp(key, "max-regions-total")) {
-        rc = parse_u32(v, 0, 1u << 30, &c->max_regions_total);
-    } else if (!strcmp(key, "max-region-bytes")) {
-        rc = parse_size_opt(key, v, 0, &c->max_region_bytes, err);
-    } else if (!strcmp(key, "block-tokens")) {
-        rc = parse_u32(v, 1, 1u << 20, &c->block_tokens);
-    } else if (!strcmp(key, "threads")) {
-        rc = parse_u32(v, 1, 1024, &c->threads);
-    } else if (!strcmp(key, "io-timeout")) {
-        rc = parse_u32(v, 0, 86400, &c->io_timeout);
-    } else if (!strcmp(key, "auth-timeout")) {
-        rc = parse_u32(v, 0, 3600, &c->auth_timeout);
-    } else if (!strcmp(key, "max-unauth-connections")) {
-        rc = parse_u32(v, 1, 1000000, &c->max_unauth_connections);
-    } else if (!strcmp(key, "log-level")) {
-        rc = kvr_log_level_parse(v, &c->log_level);
-    } else if (!strcmp(key, "log-format")) {
-        rc = kvr_log_format_parse(v, &c->log_format);
-    } else if (!strcmp(key, "log-file")) {
-        rc = copy_str(c->log_file, sizeof c->log_file, v);
-    } else if (!strcmp(key, "metrics-listen")) {
-        rc = copy_str(c->metrics_listen, sizeof c->metrics_listen, v);
-    } else if (!strcmp(key, "disk-dir")) {
-        rc = copy_str(c->disk_dir, sizeof c->disk_dir, v);
-    } else if (!strcmp(key, "disk-max")) {
-        rc = parse_size_opt(key, v, 0, &c->disk_max, err);
-    } else if (!strcmp(key, "disk-engine")) {
-        if (!strcmp(v, "auto"))
-            c->disk_engine = 0;
-        else if (!strcmp(v, "uring") || !strcmp(v, "io_uring"))
-            c->disk_engine = 1;
-        else if (!strcmp(v, "posix"))
-            c->disk_engine = 2;
-        else
-            rc = KVR_EINVAL;
-    } else if (!strcmp(key, "remote-tier")) {
-        rc = copy_str(c->remote_tier, sizeof c->remote_tier, v);
-    } else if (!strcmp(key, "remote-auth-file")) {
-        rc = copy_str(c->remote_auth_file, sizeof c->remote_auth_file, v);
-    } else if (!strcmp(key, "remote-key-file")) {
-        rc = copy_str(c->remote_key_file, sizeof c->remote_key_file, v);
-    } else if (!strcmp(key, "share-all")) {
-        rc = parse_bool(v, &c->share_all);
-    } else if (!strcmp(key, "min-rate")) {
-        rc = parse_size_opt(key, v, 0, &c->min_rate, err);
-    } else if (!strcmp(key, "max-msg-buffers")) {
-        rc = parse_size_opt(key, v, 0, &sz, err);
-        if (rc == 0 && sz != 0 && sz < 64 * 1024)
-            rc = KVR_EINVAL;
-        if (rc == 0)
-            c->max_msg_buffers = sz;
-    } else if (!strcmp(key, "max-models")) {
-        rc = parse_u32(v, 1, 1000000, &c->max_models);
-    } else if (!strcmp(key, "max-contexts")) {
-        uint32_t n32;
-        rc = parse_u32(v, 0, 100000000, &n32);
-        if (rc == 0)
-            c->max_contexts = n32;
-    } else if (!strcmp(key, "persist-all")) {
-        rc = parse_bool(v, &c->persist_all);
-    } else {
+    const opt *o = find_opt(key);
+    if (!o) {
         seterr(err, "unknown option '%s' (see kvroped --help)", key);
         return KVR_EINVAL;
     }
+    char *field = (char *)c + o->off;
+    int rc = 0;
+    switch (o->kind) {
+    case OPT_STR:   rc = copy_str(field, o->cap, v); break;
+    case OPT_SIZE:  rc = parse_size_opt(key, v, o->lo, (uint64_t *)(void *)field, err); break;
+    case OPT_COUNT: rc = parse_u32(v, (uint32_t)o->lo, (uint32_t)o->hi,
+                                   (uint32_t *)(void *)field); break;
+    case OPT_BOOL:  rc = parse_bool(v, (bool *)(void *)field); break;
+    case OPT_FN:    rc = o->fn(c, key, v, err); break;
+    }
     if (rc == KVR_ERANGE)
-        return KVR_EINVAL;    /* parse_size_opt said why */
+        return KVR_EINVAL;    /* the option said why */
     if (rc < 0) {
         seterr(err, "invalid value for --%s: '%s' (see kvroped --help)", key, v);
         rc = KVR_EINVAL;
@@ -526,23 +600,11 @@ void kvr_daemon_print_help(FILE *out)
     fputs(HELP_TAIL, out);
 }
 
+/* An option the command line takes with a value: those of the table, and
+ * --config (read in the first pass; a config file cannot name it). */
 static bool known_option(const char *name)
 {
-    static const char *names[] = {
-        "socket", "listen", "auth-token-file", "max-memory", "max-memory-per-model",
-        "prefault", "idle-purge", "max-connections", "max-frame",
-        "max-conn-buffer", "max-drain", "max-regions", "max-region-bytes", "max-regions-total",
-        "block-tokens", "threads", "log-level", "config",
-        "io-timeout", "auth-timeout", "max-unauth-connections",
-        "disk-dir", "disk-max", "disk-engine", "persist-all",
-        "remote-tier", "remote-auth-file", "remote-key-file", "share-all",
-        "min-rate", "max-msg-buffers", "max-models", "max-contexts",
-        "metrics-listen", "log-format", "log-file",
-    };
-    for (size_t i = 0; i < sizeof names / sizeof names[0]; i++)
-        if (!strcmp(name, names[i]))
-            return true;
-    return false;
+    return !strcmp(name, "config") || find_opt(name);
 }
 
 static bool takes_no_value(const char *name)
