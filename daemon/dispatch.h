@@ -142,6 +142,17 @@ void kvr__send_ok(kvr_request *r, Kvrope__Response *resp, const struct iovec *io
 /* A reply with no payload: held until the record is on disk when the verb
  * changes a persistent context. Ends the request (then or later). */
 void kvr__reply_ok(kvr_request *r, Kvrope__Response *resp);
+/* kvr__reply_ok with a response whose only field is one body of the
+ * oneof: REPLY_BODY(r, MODEL, model, &mi) sends body_case
+ * KVROPE__RESPONSE__BODY_MODEL with .model = &mi (the compiler checks the
+ * body's type against the field's). The body is borrowed until it returns. */
+#define REPLY_BODY(r, CASE, member, body)                \
+    do {                                                 \
+        Kvrope__Response resp_ = KVROPE__RESPONSE__INIT; \
+        resp_.body_case = KVROPE__RESPONSE__BODY_##CASE; \
+        resp_.member = (body);                           \
+        kvr__reply_ok((r), &resp_);                      \
+    } while (0)
 /* A put with share_sync: the reply waits for the publication. */
 void kvr__reply_shared(kvr_request *r, Kvrope__Response *resp, const char *ctx_id);
 /* The verb's work on the threadpool when needs_work (or inline), then its

@@ -6,7 +6,8 @@
  *
  * Invariants: each is one store call on the loop thread; a refused call
  * changes nothing; a change replies with the context's state after it,
- * through kvr__reply_ok (held for the record of a persistent context).
+ * through kvr__reply_ok or REPLY_BODY (held for the record of a persistent
+ * context).
  */
 #include "daemon/dispatch.h"
 
@@ -22,10 +23,7 @@ void kvr__reply_ctx(kvr_request *r, const char *id)
     }
     Kvrope__ContextInfo ci;
     kvr__pb_context(&info, &ci);
-    Kvrope__Response resp = KVROPE__RESPONSE__INIT;
-    resp.body_case = KVROPE__RESPONSE__BODY_CONTEXT;
-    resp.context = &ci;
-    kvr__reply_ok(r, &resp);
+    REPLY_BODY(r, CONTEXT, context, &ci);
 }
 
 /* A store call's outcome: the error, else ContextInfo of ctx_for_info, or
@@ -63,10 +61,7 @@ void kvr__do_list(kvr_request *r)
         kvr__reply_errf(r, KVR_ENOMEM, "out of memory listing contexts");
         return;
     }
-    Kvrope__Response resp = KVROPE__RESPONSE__INIT;
-    resp.body_case = KVROPE__RESPONSE__BODY_CONTEXTS;
-    resp.contexts = &cl;
-    kvr__reply_ok(r, &resp);
+    REPLY_BODY(r, CONTEXTS, contexts, &cl);
     kvr__pb_context_list_free(&cl);
     kvr_mem_free(infos);
 }
@@ -151,10 +146,7 @@ static void reply_layout(kvr_request *r, const char *id)
     Kvrope__GroupInfo *gp[KVR_MAX_GROUPS];
     Kvrope__LayoutInfo lo;
     kvr__pb_layout(li, id, &lo, gi, gp);
-    Kvrope__Response resp = KVROPE__RESPONSE__INIT;
-    resp.body_case = KVROPE__RESPONSE__BODY_LAYOUT;
-    resp.layout = &lo;
-    kvr__reply_ok(r, &resp);
+    REPLY_BODY(r, LAYOUT, layout, &lo);
     kvr_mem_free(li);
 }
 

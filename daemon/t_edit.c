@@ -52,10 +52,7 @@ static void reply_edit(kvr_request *r, const kvr_edit_result *res, const kvr_edi
         kvr__reply_errf(r, KVR_ENOMEM, "out of memory for the edit result");
         return;
     }
-    Kvrope__Response resp = KVROPE__RESPONSE__INIT;
-    resp.body_case = KVROPE__RESPONSE__BODY_EDIT;
-    resp.edit = &er;
-    kvr__reply_ok(r, &resp);
+    REPLY_BODY(r, EDIT, edit, &er);
     kvr__pb_edit_result_free(&er);
 }
 

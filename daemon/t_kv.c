@@ -305,10 +305,7 @@ void kvr__do_match(kvr_request *r)
     res.length = mr.length;
     if (mr.length > 0)
         res.context_id = r->match_ctx;
-    Kvrope__Response resp = KVROPE__RESPONSE__INIT;
-    resp.body_case = KVROPE__RESPONSE__BODY_MATCH;
-    resp.match = &res;
-    kvr__reply_ok(r, &resp);
+    REPLY_BODY(r, MATCH, match, &res);
 }
 
 /* Sends the KV reply of a finished get / match+get; the payload is written

@@ -28,10 +28,7 @@ void kvr__do_register_model(kvr_request *r)
     Kvrope__ModelInfo mi;
     Kvrope__RopeParams rp;
     kvr__pb_model(&info, &mi, &rp);
-    Kvrope__Response resp = KVROPE__RESPONSE__INIT;
-    resp.body_case = KVROPE__RESPONSE__BODY_MODEL;
-    resp.model = &mi;
-    kvr__reply_ok(r, &resp);
+    REPLY_BODY(r, MODEL, model, &mi);
 }
 
 void kvr__do_list_models(kvr_request *r)
@@ -49,10 +46,7 @@ void kvr__do_list_models(kvr_request *r)
         kvr__reply_errf(r, KVR_ENOMEM, "out of memory listing models");
         return;
     }
-    Kvrope__Response resp = KVROPE__RESPONSE__INIT;
-    resp.body_case = KVROPE__RESPONSE__BODY_MODELS;
-    resp.models = &ml;
-    kvr__reply_ok(r, &resp);
+    REPLY_BODY(r, MODELS, models, &ml);
     kvr__pb_model_list_free(&ml);
     kvr_mem_free(infos);
 }

@@ -48,10 +48,7 @@ void kvr__do_ping(kvr_request *r)
     snprintf(server, sizeof server, "kvroped %s", KVR_DAEMON_VERSION);
     p.server = server;
     p.protocol = KVR_PROTOCOL_VERSION;
-    Kvrope__Response resp = KVROPE__RESPONSE__INIT;
-    resp.body_case = KVROPE__RESPONSE__BODY_PONG;
-    resp.pong = &p;
-    kvr__reply_ok(r, &resp);
+    REPLY_BODY(r, PONG, pong, &p);
 }
 
 
@@ -83,10 +80,7 @@ void kvr__do_stats(kvr_request *r)
     Kvrope__StatsResult sr = KVROPE__STATS_RESULT__INIT;
     sr.n_metrics = l.n;
     sr.metrics = ptrs;
-    Kvrope__Response resp = KVROPE__RESPONSE__INIT;
-    resp.body_case = KVROPE__RESPONSE__BODY_STATS;
-    resp.stats = &sr;
-    kvr__reply_ok(r, &resp);
+    REPLY_BODY(r, STATS, stats, &sr);
     kvr_mem_free(ms);
     kvr_mem_free(ptrs);
     kvr__metrics_list_free(&l);
@@ -102,10 +96,7 @@ static void reply_region(kvr_request *r, uint32_t id, uint64_t size)
     ri.size = size;
     ri.n_regions = r->c->n_regions;
     ri.bytes = r->c->region_bytes;
-    Kvrope__Response resp = KVROPE__RESPONSE__INIT;
-    resp.body_case = KVROPE__RESPONSE__BODY_REGION;
-    resp.region = &ri;
-    kvr__reply_ok(r, &resp);
+    REPLY_BODY(r, REGION, region, &ri);
 }
 
 void kvr__do_register_region(kvr_request *r)
