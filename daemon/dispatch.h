@@ -153,6 +153,7 @@ void kvr__reply_ok(kvr_request *r, Kvrope__Response *resp);
         resp_.member = (body);                           \
         kvr__reply_ok((r), &resp_);                      \
     } while (0)
+
 /* A put with share_sync: the reply waits for the publication. */
 void kvr__reply_shared(kvr_request *r, Kvrope__Response *resp, const char *ctx_id);
 /* The verb's work on the threadpool when needs_work (or inline), then its
