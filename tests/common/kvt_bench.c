@@ -1,16 +1,27 @@
 /*
- * kvt_bench.c — tests/common/kvt_bench.h: the clock, the environment,
- * xorshift64 and the disk benches' plain-file baseline.
+ * kvt_bench.c — tests/common/kvt_bench.h: the goal line, the clock, the
+ * environment, xorshift64 and the disk benches' plain-file baseline.
  */
 #include "tests/common/kvt_bench.h"
 
 #include <fcntl.h>
 #include <math.h>
+#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
 #include <unistd.h>
+
+void kvt_goal(bool met, const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    fputs("goal: ", stdout);
+    vprintf(fmt, ap);
+    va_end(ap);
+    printf(" (%s)\n", met ? "met" : "not met");
+}
 
 double kvt_now_s(void)
 {

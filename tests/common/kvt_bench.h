@@ -1,15 +1,23 @@
 /*
- * kvt_bench.h — what the benchmarks share: a monotonic clock in seconds,
- * sizes read from the environment and a cheap random stream. Compiled into libtestcommon.a
+ * kvt_bench.h — what the benchmarks share: the goal line every bench prints
+ * (scripts/run-bench.sh annotates it by its ending, "(met)" or "(not met)";
+ * the Python benches print the same line, tests/bench/bench_serve.py's
+ * goal()), a monotonic clock in seconds, sizes read from the environment
+ * and a cheap random stream. Compiled into libtestcommon.a
  * (tests/common/kvt_bench.c), which needs no Criterion: benches link it too.
  */
 #ifndef KVR_TESTS_KVT_BENCH_H
 #define KVR_TESTS_KVT_BENCH_H
 
+#include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
 
 #include "base/config.h"
+
+/* One line on stdout: "goal: ", fmt formatted, then " (met)" or
+ * " (not met)" and a newline. */
+void kvt_goal(bool met, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 
 /* CLOCK_MONOTONIC in seconds. */
 double kvt_now_s(void);
