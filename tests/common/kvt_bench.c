@@ -1,6 +1,6 @@
 /*
  * kvt_bench.c — tests/common/kvt_bench.h: the goal line, the clock, the
- * environment, xorshift64 and the disk benches' plain-file baseline.
+ * environment, xorshift64 and the disk benches' plain-file baseline and goals.
  */
 #include "tests/common/kvt_bench.h"
 
@@ -83,6 +83,15 @@ void kvt_plain_close(kvt_plain *p)
     free(p->buf);
     p->fd = -1;
     p->buf = NULL;
+}
+
+void kvt_plain_goals(const char *spill_what, const char *reload_what, const char *how,
+                     double spill, double reload)
+{
+    kvt_goal(spill >= 0.8, "disk spill (%s) >= 0.8x an O_DIRECT sequential write + fdatasync "
+             "of the same bytes%s: %.3fx", spill_what, how, spill);
+    kvt_goal(reload >= 0.8, "disk reload (%s) >= 0.8x an O_DIRECT sequential read of the same "
+             "bytes%s: %.3fx", reload_what, how, reload);
 }
 
 double kvt_kl_logits(const float *a, const float *b, size_t n)

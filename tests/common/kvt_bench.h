@@ -61,4 +61,12 @@ double kvt_plain_pass(kvt_plain *p, size_t total, int write);
 /* Closes the file (it stays) and frees the buffer. */
 void kvt_plain_close(kvt_plain *p);
 
+/* The disk tier's two goals against the plain passes of the same bytes:
+ * spill (ratio spill) >= 0.8x the plain write + fdatasync, reload >= 0.8x
+ * the plain read. spill_what and reload_what say what was measured (e.g.
+ * "layer, io_uring"), how how the plain passes were timed ("" or e.g.
+ * " (side by side)"). */
+void kvt_plain_goals(const char *spill_what, const char *reload_what, const char *how,
+                     double spill, double reload);
+
 #endif
