@@ -233,10 +233,9 @@ static void bench_throughput(void)
     printf("\n");
     for (size_t i = 0; i < sizeof cases / sizeof *cases; i++) {
         if (!kvr_codec_is_ggml(cases[i].c.type) || cases[i].c.isa == KVR_ISA_SCALAR) continue;
-        printf("goal: %s quantize >= 0.5x memcpy: %.2fx (%s)\n", cases[i].name, ratio_e[i],
-               ratio_e[i] >= 0.5 ? "met" : "not met");
-        printf("goal: %s dequantize >= 0.5x memcpy: %.2fx (%s)\n", cases[i].name, ratio_d[i],
-               ratio_d[i] >= 0.5 ? "met" : "not met");
+        kvt_goal(ratio_e[i] >= 0.5, "%s quantize >= 0.5x memcpy: %.2fx", cases[i].name, ratio_e[i]);
+        kvt_goal(ratio_d[i] >= 0.5, "%s dequantize >= 0.5x memcpy: %.2fx", cases[i].name,
+                 ratio_d[i]);
     }
     printf("\n");
     /* The store's error measure (a quantized put computes it for every
@@ -415,10 +414,10 @@ static void bench_error(void)
            ratio, ratio256, ratio >= 5.0 ? "yes" : ratio256 >= 5.0 ? "only with g256" : "no");
     printf("| int4 error <= ggml q4_0 at the same bits/value (4.5) | int4 g64 %.5f vs q4_0 %.5f%s%s | %s |\n",
            int4g64, q40, peer_note, peer.h ? "" : ")", int4g64 <= q40 ? "yes" : "no");
-    printf("\ngoal: K4V2 >= 5x smaller than f16 incl. scales (default g64): %.2fx (%s)\n", ratio,
-           ratio >= 5.0 ? "met" : "not met");
-    printf("goal: int4 g64 error <= ggml q4_0 at 4.5 bits/value: %.5f vs %.5f (%s)\n", int4g64, q40,
-           int4g64 <= q40 ? "met" : "not met");
+    printf("\n");
+    kvt_goal(ratio >= 5.0, "K4V2 >= 5x smaller than f16 incl. scales (default g64): %.2fx", ratio);
+    kvt_goal(int4g64 <= q40, "int4 g64 error <= ggml q4_0 at 4.5 bits/value: %.5f vs %.5f", int4g64,
+             q40);
     free(x);
 }
 

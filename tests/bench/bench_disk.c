@@ -534,12 +534,9 @@ int main(void)
     }
     printf("\n");
     for (int i = 0; i < 2; i++) {
-        printf("goal: disk spill (layer, %s) >= 0.8x an O_DIRECT sequential write + fdatasync "
-               "of the same bytes (side by side): %.3fx (%s)\n", names[i], mwside[i],
-               mwside[i] >= 0.8 ? "met" : "not met");
-        printf("goal: disk reload (layer, %s) >= 0.8x an O_DIRECT sequential read of the same "
-               "bytes (side by side): %.3fx (%s)\n", names[i], mside[i],
-               mside[i] >= 0.8 ? "met" : "not met");
+        char what[64];
+        snprintf(what, sizeof what, "layer, %s", names[i]);
+        kvt_plain_goals(what, what, " (side by side)", mwside[i], mside[i]);
     }
     nftw(dir, rm_one, 16, FTW_DEPTH | FTW_PHYS);
     return 0;

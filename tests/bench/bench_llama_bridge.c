@@ -175,10 +175,9 @@ int main(void)
         kvr_llama_state_free(ps);
         kvr_llama_free(st);
     }
-    printf("goal: import of an f16 state >= 0.5x memcpy: %.2fx (%s)\n", imp_f16,
-           imp_f16 >= 0.5 ? "met" : "not met");
-    printf("goal: export to an f16 state >= 0.5x memcpy: %.2fx (%s)\n\n", exp_f16,
-           exp_f16 >= 0.5 ? "met" : "not met");
+    kvt_goal(imp_f16 >= 0.5, "import of an f16 state >= 0.5x memcpy: %.2fx", imp_f16);
+    kvt_goal(exp_f16 >= 0.5, "export to an f16 state >= 0.5x memcpy: %.2fx", exp_f16);
+    printf("\n");
 
     /* through the daemon */
     kvr_testd d;

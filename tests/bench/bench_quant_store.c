@@ -300,20 +300,24 @@ int main(int argc, char **argv)
            cpy_s * 1e3, gb / cpy_s, wr2_s * 1e3, erate * 1e-9, (double)n / erate * 1e3,
            (double)n * 1e-6, err_ms, nthr, err_ms * 1e-3 / f16_put,
            (double)n * 2 / 1048576.0, wr2_s * 1e3, f16_get_buf / wr2_s);
-    if (worst_put[0] > 0)
-        printf("\ngoal: int-quantized put <= 1.5x an f16 put (worst per-token int codec): %.2fx (%s)\n",
-               worst_put[0], worst_put[0] <= 1.5 ? "met" : "not met");
+    if (worst_put[0] > 0) {
+        printf("\n");
+        kvt_goal(worst_put[0] <= 1.5,
+                 "int-quantized put <= 1.5x an f16 put (worst per-token int codec): %.2fx",
+                 worst_put[0]);
+    }
     if (worst_put[1] > 0)
-        printf("goal: ggml-quantized put <= 1.5x an f16 put (worst of q8_0/q4_0/q4_1/q5_0): %.2fx (%s)\n",
-               worst_put[1], worst_put[1] <= 1.5 ? "met" : "not met");
+        kvt_goal(worst_put[1] <= 1.5,
+                 "ggml-quantized put <= 1.5x an f16 put (worst of q8_0/q4_0/q4_1/q5_0): %.2fx",
+                 worst_put[1]);
     if (worst_get < 1e30)
-        printf("goal: get of an int-quantized context as f16 >= 0.9x an f16 get copied into a "
-               "buffer (worst int codec): %.2fx (%s)\n", worst_get,
-               worst_get >= 0.9 ? "met" : "not met");
+        kvt_goal(worst_get >= 0.9,
+                 "get of an int-quantized context as f16 >= 0.9x an f16 get copied into a "
+                 "buffer (worst int codec): %.2fx", worst_get);
     if (worst_get8 < 1e30)
-        printf("goal: get of an int8 / q8_0 context as f16 >= 0.9x an f16 get copied into a "
-               "buffer (worse of the two): %.2fx (%s)\n", worst_get8,
-               worst_get8 >= 0.9 ? "met" : "not met");
+        kvt_goal(worst_get8 >= 0.9,
+                 "get of an int8 / q8_0 context as f16 >= 0.9x an f16 get copied into a "
+                 "buffer (worse of the two): %.2fx", worst_get8);
     free(pl);
     free(copy);
     kvr_store_destroy(s);

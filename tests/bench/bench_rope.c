@@ -268,24 +268,21 @@ int main(void)
         bool f16 = !strcmp(rw->dtype, "f16"), f32 = !strcmp(rw->dtype, "f32");
         bool runs = !strcmp(rw->pattern, "runs");
         if (f16 && runs) {
-            printf("goal: f16 reposition, deltas in runs, >= 0.6x memcpy: %.2fx (%s)\n", m,
-                   m >= 0.6 ? "met" : "not met");
+            kvt_goal(m >= 0.6, "f16 reposition, deltas in runs, >= 0.6x memcpy: %.2fx", m);
             if (gr > 0)
-                printf("goal: f16 reposition, deltas in runs, >= 5x ggml: %.1fx (%s)\n", gr,
-                       gr >= 5.0 ? "met" : "not met");
+                kvt_goal(gr >= 5.0, "f16 reposition, deltas in runs, >= 5x ggml: %.1fx", gr);
             else
-                printf("goal: f16 reposition, deltas in runs, >= 5x ggml: no ggml peer (not met)\n");
+                kvt_goal(false, "f16 reposition, deltas in runs, >= 5x ggml: no ggml peer");
         }
         if (f32 && runs) {
             if (gr > 0)
-                printf("goal: f32 reposition, deltas in runs, >= 1.5x ggml: %.1fx (%s)\n", gr,
-                       gr >= 1.5 ? "met" : "not met");
+                kvt_goal(gr >= 1.5, "f32 reposition, deltas in runs, >= 1.5x ggml: %.1fx", gr);
             else
-                printf("goal: f32 reposition, deltas in runs, >= 1.5x ggml: no ggml peer (not met)\n");
+                kvt_goal(false, "f32 reposition, deltas in runs, >= 1.5x ggml: no ggml peer");
         }
         if (f16 && !runs)
-            printf("goal: f16 reposition, a different delta per token, >= 0.5x memcpy: %.2fx (%s)\n",
-                   m, m >= 0.5 ? "met" : "not met");
+            kvt_goal(m >= 0.5, "f16 reposition, a different delta per token, >= 0.5x memcpy: %.2fx",
+                     m);
     }
     free(x); free(src); free(dst); free(from); free(to_runs); free(to_rand);
     free(d_runs); free(d_rand);

@@ -230,14 +230,13 @@ int main(void)
         kvt_rmrf(dir);
     }
     double meta_8b = meta_tok_last / 131072.0;
-    printf("goal: match p99 at %zu tokens <= 2x at 10^3: %.2fx (%s)\n", total,
-           p99_last / p99_first, p99_last <= 2 * p99_first ? "met" : "not met");
-    printf("goal: metadata <= 1%% of K/V for the Llama-3-8B shape (%.1f B a token against "
-           "128 KiB): %.4f%% (%s)\n", meta_tok_last, meta_8b * 100,
-           meta_8b <= 0.01 ? "met" : "not met");
-    printf("goal: RSS within 5%% of accounted at %zu tokens: %.3f (%s)\n", total, rss_worst,
-           rss_worst <= 1.05 && rss_worst >= 0.95 ? "met" : "not met");
-    printf("goal: recovery of 10^6 tokens <= 2 s: %.3f s (%s)\n", rec_s,
-           rec_s >= 0 && rec_s <= 2.0 ? "met" : "not met");
+    kvt_goal(p99_last <= 2 * p99_first, "match p99 at %zu tokens <= 2x at 10^3: %.2fx", total,
+             p99_last / p99_first);
+    kvt_goal(meta_8b <= 0.01,
+             "metadata <= 1%% of K/V for the Llama-3-8B shape (%.1f B a token against "
+             "128 KiB): %.4f%%", meta_tok_last, meta_8b * 100);
+    kvt_goal(rss_worst <= 1.05 && rss_worst >= 0.95,
+             "RSS within 5%% of accounted at %zu tokens: %.3f", total, rss_worst);
+    kvt_goal(rec_s >= 0 && rec_s <= 2.0, "recovery of 10^6 tokens <= 2 s: %.3f s", rec_s);
     return 0;
 }

@@ -65,6 +65,7 @@
 #include "client/kvrope.h"
 
 #include "tests/common/kvr_bench_redis.h"
+#include "tests/common/kvt_bench.h"
 #include "tests/common/kvt_io.h"
 
 
@@ -626,13 +627,13 @@ int main(void)
                     snprintf(bound + bl, sizeof bound - (size_t)bl,
                              "; by CPU per request %.2fx (the floor %.2fx)", cpu_of[op][s][k],
                              cpu_floor_of[op][s][k]);
-                printf("goal: %s %s x %d client%s >= %.1fx Redis (one round trip each%s): %s%s "
-                       "(%s)\n", op == 0 ? "get" : "put", s ? "1 MiB" : "64 KiB", clients[k],
-                       clients[k] > 1 ? "s" : "", want,
-                       op == 0 ? "" : put_delete_mode() ? "; put + deferred delete vs SET"
-                                                        : "; put REPLACE vs SET",
-                       fig, bound,
-                       got >= want ? "met" : "not met");
+                kvt_goal(got >= want,
+                         "%s %s x %d client%s >= %.1fx Redis (one round trip each%s): %s%s",
+                         op == 0 ? "get" : "put", s ? "1 MiB" : "64 KiB", clients[k],
+                         clients[k] > 1 ? "s" : "", want,
+                         op == 0 ? "" : put_delete_mode() ? "; put + deferred delete vs SET"
+                                                          : "; put REPLACE vs SET",
+                         fig, bound);
             }
 
     double p50, p99;

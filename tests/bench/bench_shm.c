@@ -370,10 +370,10 @@ static double run(op_kind op, mode_kind mode, size_t bytes, int threads, const c
 static void goal_line(const char *what, double v, double base, double want)
 {
     if (v > 0 && base > 0)
-        printf("goal: %s >= %.1fx memcpy (pool threads): %.2fx (%s)\n", what, want, v / base,
-               v / base >= want ? "met" : "not met");
+        kvt_goal(v / base >= want, "%s >= %.1fx memcpy (pool threads): %.2fx", what, want,
+                 v / base);
     else
-        printf("goal: %s >= %.1fx memcpy (pool threads): no figure (not met)\n", what, want);
+        kvt_goal(false, "%s >= %.1fx memcpy (pool threads): no figure", what, want);
 }
 
 int main(void)

@@ -1,16 +1,27 @@
 /*
- * kvt_bench.c — tests/common/kvt_bench.h: the clock, the environment,
- * xorshift64 and the disk benches' plain-file baseline.
+ * kvt_bench.c — tests/common/kvt_bench.h: the goal line, the clock, the
+ * environment, xorshift64 and the disk benches' plain-file baseline and goals.
  */
 #include "tests/common/kvt_bench.h"
 
 #include <fcntl.h>
 #include <math.h>
+#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
 #include <unistd.h>
+
+void kvt_goal(bool met, const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    fputs("goal: ", stdout);
+    vprintf(fmt, ap);
+    va_end(ap);
+    printf(" (%s)\n", met ? "met" : "not met");
+}
 
 double kvt_now_s(void)
 {
@@ -72,6 +83,15 @@ void kvt_plain_close(kvt_plain *p)
     free(p->buf);
     p->fd = -1;
     p->buf = NULL;
+}
+
+void kvt_plain_goals(const char *spill_what, const char *reload_what, const char *how,
+                     double spill, double reload)
+{
+    kvt_goal(spill >= 0.8, "disk spill (%s) >= 0.8x an O_DIRECT sequential write + fdatasync "
+             "of the same bytes%s: %.3fx", spill_what, how, spill);
+    kvt_goal(reload >= 0.8, "disk reload (%s) >= 0.8x an O_DIRECT sequential read of the same "
+             "bytes%s: %.3fx", reload_what, how, reload);
 }
 
 double kvt_kl_logits(const float *a, const float *b, size_t n)

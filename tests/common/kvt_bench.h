@@ -1,15 +1,23 @@
 /*
- * kvt_bench.h — what the benchmarks share: a monotonic clock in seconds,
- * sizes read from the environment and a cheap random stream. Compiled into libtestcommon.a
+ * kvt_bench.h — what the benchmarks share: the goal line every bench prints
+ * (scripts/run-bench.sh annotates it by its ending, "(met)" or "(not met)";
+ * the Python benches print the same line, tests/bench/bench_serve.py's
+ * goal()), a monotonic clock in seconds, sizes read from the environment
+ * and a cheap random stream. Compiled into libtestcommon.a
  * (tests/common/kvt_bench.c), which needs no Criterion: benches link it too.
  */
 #ifndef KVR_TESTS_KVT_BENCH_H
 #define KVR_TESTS_KVT_BENCH_H
 
+#include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
 
 #include "base/config.h"
+
+/* One line on stdout: "goal: ", fmt formatted, then " (met)" or
+ * " (not met)" and a newline. */
+void kvt_goal(bool met, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 
 /* CLOCK_MONOTONIC in seconds. */
 double kvt_now_s(void);
@@ -52,5 +60,13 @@ double kvt_plain_pass(kvt_plain *p, size_t total, int write);
 
 /* Closes the file (it stays) and frees the buffer. */
 void kvt_plain_close(kvt_plain *p);
+
+/* The disk tier's two goals against the plain passes of the same bytes:
+ * spill (ratio spill) >= 0.8x the plain write + fdatasync, reload >= 0.8x
+ * the plain read. spill_what and reload_what say what was measured (e.g.
+ * "layer, io_uring"), how how the plain passes were timed ("" or e.g.
+ * " (side by side)"). */
+void kvt_plain_goals(const char *spill_what, const char *reload_what, const char *how,
+                     double spill, double reload);
 
 #endif

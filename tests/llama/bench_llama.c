@@ -34,6 +34,7 @@
 #include "client/llama/worker.h"
 #include "tests/common/kvr_llama_bench.h"
 #include "tests/common/kvr_testd.h"
+#include "tests/common/kvt_bench.h"
 
 /* The worker's parts come from build/lib/libworker.a (client/llama/llama.mk). */
 
@@ -236,8 +237,7 @@ static void own_free(own *o)
 
 static void goal(const char *what, double v, double target)
 {
-    printf("goal: %s >= %gx: %.2fx (%s)\n", what, target, v,
-           isfinite(v) && v >= target ? "met" : "not met");
+    kvt_goal(isfinite(v) && v >= target, "%s >= %gx: %.2fx", what, target, v);
 }
 
 int main(void)

@@ -25,6 +25,7 @@
 #include "tests/common/kvr_llama_bench.h"
 #include "tests/common/kvr_llama_run.h"
 #include "tests/common/kvr_testd.h"
+#include "tests/common/kvt_bench.h"
 
 static kvr_testd D;
 
@@ -115,12 +116,11 @@ int main(void)
            "| speedup vs a full re-encode (%.2f ms per token) | %.1fx | worst %.1fx |\n"
            "| failures | %zu of %zu | |\n\n",
            100 * sh_med, 100 * sh_p90, fi_med, r_full, sp_med, sp_min, fails, n + fails);
-    printf("goal: median share of tokens computed per edit <= 15%%: %.1f%% (%s)\n",
-           100 * sh_med, sh_med <= 0.15 ? "met" : "not met");
-    printf("goal: median speedup to the next token vs a full re-encode >= 10x: %.1fx (%s)\n",
-           sp_med, sp_med >= 10 ? "met" : "not met");
-    printf("goal: failures in 50 consecutive edits == 0: %zu (%s)\n", fails,
-           fails == 0 && n == 50 ? "met" : "not met");
+    kvt_goal(sh_med <= 0.15, "median share of tokens computed per edit <= 15%%: %.1f%%",
+             100 * sh_med);
+    kvt_goal(sp_med >= 10, "median speedup to the next token vs a full re-encode >= 10x: %.1fx",
+             sp_med);
+    kvt_goal(fails == 0 && n == 50, "failures in 50 consecutive edits == 0: %zu", fails);
     rc = 0;
 out_j:
     cJSON_Delete(rep);
