@@ -141,6 +141,12 @@ int kvr__cli_write_iov(const char *path, struct iovec *iov, size_t n, char *err,
 bool kvr__cli_has_suffix(const char *s, const char *suffix);
 /* Whether s is one of the strings of the NULL-terminated v. */
 bool kvr__cli_in_list(const char *const *v, const char *s);
+/* An enum's names as a designated-initialiser table of n entries (names[v]
+ * for value v): the name of v ("?" outside the table or at a gap in it),
+ * and the value named s (-1 if none). */
+const char *kvr__cli_enum_name(const char *const *names, size_t n, int v);
+int         kvr__cli_enum_parse(const char *const *names, size_t n, const char *s);
+#define CLI_COUNT(a) (sizeof (a) / sizeof (a)[0])
 
 /* Parses "1,2,3" (also spaces, brackets: a JSON array works) into a new
  * array (free). Returns count or -1. */

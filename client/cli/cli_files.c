@@ -49,6 +49,19 @@ bool kvr__cli_in_list(const char *const *v, const char *s)
     return false;
 }
 
+const char *kvr__cli_enum_name(const char *const *names, size_t n, int v)
+{
+    return v >= 0 && (size_t)v < n && names[v] ? names[v] : "?";
+}
+
+int kvr__cli_enum_parse(const char *const *names, size_t n, const char *s)
+{
+    for (size_t i = 0; i < n; i++)
+        if (names[i] && !strcmp(names[i], s))
+            return (int)i;
+    return -1;
+}
+
 bool kvr__cli_has_suffix(const char *s, const char *suffix)
 {
     size_t a = strlen(s), b = strlen(suffix);
@@ -472,14 +485,15 @@ int kvr__cli_write_iov(const char *path, struct iovec *iov, size_t n, char *err,
     return rc;
 }
 
+/* safetensors' names of the K/V dtypes (kvr_dtype_name's, in capitals):
+ * written by st_dtype_name, read back by st_dtype_parse. */
+static const char *const ST_DTYPES[] = {
+    [KVR_DTYPE_F32] = "F32", [KVR_DTYPE_F16] = "F16", [KVR_DTYPE_BF16] = "BF16",
+};
+
 static const char *st_dtype_name(kvr_dtype t)
 {
-    switch (t) {
-    case KVR_DTYPE_F32:  return "F32";
-    case KVR_DTYPE_F16:  return "F16";
-    case KVR_DTYPE_BF16: return "BF16";
-    }
-    return "?";
+    return kvr__cli_enum_name(ST_DTYPES, CLI_COUNT(ST_DTYPES), (int)t);
 }
 
 static void add_tensor(cJSON *root, const char *name, const char *dtype, const size_t *shape,
@@ -609,10 +623,11 @@ static int st_find(const cJSON *root, const char *name, const uint8_t *data, siz
 
 static int st_dtype_parse(const char *s, kvr_dtype *out)
 {
-    if (!strcmp(s, "F32"))  { *out = KVR_DTYPE_F32;  return 0; }
-    if (!strcmp(s, "F16"))  { *out = KVR_DTYPE_F16;  return 0; }
-    if (!strcmp(s, "BF16")) { *out = KVR_DTYPE_BF16; return 0; }
-    return -1;
+    int v = kvr__cli_enum_parse(ST_DTYPES, CLI_COUNT(ST_DTYPES), s);
+    if (v < 0)
+        return -1;
+    *out = (kvr_dtype)v;
+    return 0;
 }
 
 /* Integer vector of n entries of I32/U32/I64/U64 into int64. */

@@ -343,24 +343,25 @@ static int cmd_retain(kvr_client *c, const cli_args *a)
 
 /* ---- assemble ----------------------------------------------------------- */
 
+/* The names the output gives segment kinds, and layouts (--layout takes
+ * the same). */
+static const char *const SEG_KINDS[] = {
+    [KVR_SEGMENT_PREFIX] = "prefix", [KVR_SEGMENT_DOCUMENT] = "document",
+    [KVR_SEGMENT_QUERY] = "query",
+};
+static const char *const LAYOUTS[] = {
+    [KVR_LAYOUT_PARALLEL] = "parallel", [KVR_LAYOUT_SEQUENTIAL] = "sequential",
+    [KVR_LAYOUT_EXPLICIT] = "explicit",
+};
+
 static const char *seg_kind(kvr_segment_kind k)
 {
-    switch (k) {
-    case KVR_SEGMENT_PREFIX:   return "prefix";
-    case KVR_SEGMENT_DOCUMENT: return "document";
-    case KVR_SEGMENT_QUERY:    return "query";
-    }
-    return "?";
+    return kvr__cli_enum_name(SEG_KINDS, CLI_COUNT(SEG_KINDS), (int)k);
 }
 
 static const char *layout_name(kvr_layout_kind l)
 {
-    switch (l) {
-    case KVR_LAYOUT_PARALLEL:   return "parallel";
-    case KVR_LAYOUT_SEQUENTIAL: return "sequential";
-    case KVR_LAYOUT_EXPLICIT:   return "explicit";
-    }
-    return "?";
+    return kvr__cli_enum_name(LAYOUTS, CLI_COUNT(LAYOUTS), (int)l);
 }
 
 static cJSON *segments_json(const kvr_assemble_res *r)
@@ -515,10 +516,10 @@ static int cmd_assemble(kvr_client *c, const cli_args *a)
                             .layout = KVR_LAYOUT_PARALLEL, .meta_only = meta,
                             .fold_temperature = kvr__cli_flag(a, "fold-temperature") };
     if (lv) {
-        if (!strcmp(lv, "parallel"))        g.layout = KVR_LAYOUT_PARALLEL;
-        else if (!strcmp(lv, "sequential")) g.layout = KVR_LAYOUT_SEQUENTIAL;
-        else if (!strcmp(lv, "explicit"))   g.layout = KVR_LAYOUT_EXPLICIT;
-        else return kvr__cli_usage_err("--layout: want parallel, sequential or explicit");
+        int v = kvr__cli_enum_parse(LAYOUTS, CLI_COUNT(LAYOUTS), lv);
+        if (v < 0)
+            return kvr__cli_usage_err("--layout: want parallel, sequential or explicit");
+        g.layout = (kvr_layout_kind)v;
         if (sv && g.layout != KVR_LAYOUT_EXPLICIT)
             return kvr__cli_usage_err("--starts goes with --layout explicit");
         if (!sv && g.layout == KVR_LAYOUT_EXPLICIT)

@@ -190,6 +190,14 @@ static int simple_call(kvr_client *c, Kvrope__Request *req)
     return 0;
 }
 
+/* A verb about the one object id names, whose answer is only a status: the
+ * id checked (as `what`) before req, already built, is sent. */
+static int id_call(kvr_client *c, const char *what, const char *id, Kvrope__Request *req)
+{
+    int r = check_id(c, what, id);
+    return r < 0 ? r : simple_call(c, req);
+}
+
 /* ---- models ------------------------------------------------------------- */
 
 static void rope_from_wire(kvr_rope_config *cfg, const Kvrope__RopeParams *p)
@@ -802,27 +810,15 @@ int kvr_client_match(kvr_client *c, const kvr_match_args *a, kvr_match_res *out)
 
 int kvr_client_model_remove(kvr_client *c, const char *name)
 {
-    int r = check_id(c, "remove model", name);
-    if (r < 0)
-        return r;
     Kvrope__RemoveModel rm = KVROPE__REMOVE_MODEL__INIT;
     rm.name = unconst(name);
     KVR_REQUEST(req, REMOVE_MODEL, remove_model, &rm);
-    return simple_call(c, &req);
+    return id_call(c, "remove model", name, &req);
 }
 
-int kvr_client_delete(kvr_client *c, const char *ctx_id)
-{
-    int r = check_id(c, "delete", ctx_id);
-    if (r < 0)
-        return r;
-    Kvrope__Delete d = KVROPE__DELETE__INIT;
-    d.context_id = unconst(ctx_id);
-    KVR_REQUEST(req, DELETE, delete_, &d);
-    return simple_call(c, &req);
-}
-
-int kvr_client_delete_deferred(kvr_client *c, const char *ctx_id)
+/* A delete now, or (deferred) queued to go out ahead of the next call's
+ * frame, its failure counted then (kvr__defer). */
+static int delete_call(kvr_client *c, const char *ctx_id, bool deferred)
 {
     c->err[0] = 0;
     int r = check_id(c, "delete", ctx_id);
@@ -831,7 +827,17 @@ int kvr_client_delete_deferred(kvr_client *c, const char *ctx_id)
     Kvrope__Delete d = KVROPE__DELETE__INIT;
     d.context_id = unconst(ctx_id);
     KVR_REQUEST(req, DELETE, delete_, &d);
-    return kvr__defer(c, &req);
+    return deferred ? kvr__defer(c, &req) : simple_call(c, &req);
+}
+
+int kvr_client_delete(kvr_client *c, const char *ctx_id)
+{
+    return delete_call(c, ctx_id, false);
+}
+
+int kvr_client_delete_deferred(kvr_client *c, const char *ctx_id)
+{
+    return delete_call(c, ctx_id, true);
 }
 
 static void ctx_from_wire(kvr_context *o, const Kvrope__ContextInfo *ci);
@@ -903,15 +909,12 @@ int kvr_client_list(kvr_client *c, const char *model, kvr_context **out, size_t 
 
 int kvr_client_pin(kvr_client *c, const char *ctx_id, bool pin)
 {
-    int r = check_id(c, "pin", ctx_id);
-    if (r < 0)
-        return r;
     Kvrope__Pin p = KVROPE__PIN__INIT;
     p.context_id = unconst(ctx_id);
     p.has_pin = 1;
     p.pin = pin;
     KVR_REQUEST(req, PIN, pin, &p);
-    return simple_call(c, &req);
+    return id_call(c, "pin", ctx_id, &req);
 }
 
 int kvr_client_fork(kvr_client *c, const char *src, const char *dst)
@@ -929,29 +932,23 @@ int kvr_client_fork(kvr_client *c, const char *src, const char *dst)
 int kvr_client_shift(kvr_client *c, const char *ctx_id, uint64_t start, uint64_t end,
                      int64_t delta)
 {
-    int r = check_id(c, "shift", ctx_id);
-    if (r < 0)
-        return r;
     Kvrope__Shift s = KVROPE__SHIFT__INIT;
     s.context_id = unconst(ctx_id);
     s.start = start;
     s.end = end;
     s.delta = delta;
     KVR_REQUEST(req, SHIFT, shift, &s);
-    return simple_call(c, &req);
+    return id_call(c, "shift", ctx_id, &req);
 }
 
 int kvr_client_keep(kvr_client *c, const char *ctx_id, uint64_t start, uint64_t end)
 {
-    int r = check_id(c, "keep", ctx_id);
-    if (r < 0)
-        return r;
     Kvrope__Keep k = KVROPE__KEEP__INIT;
     k.context_id = unconst(ctx_id);
     k.start = start;
     k.end = end;
     KVR_REQUEST(req, KEEP, keep, &k);
-    return simple_call(c, &req);
+    return id_call(c, "keep", ctx_id, &req);
 }
 
 /* ---- statistics --------------------------------------------------------- */

@@ -110,6 +110,37 @@ static int bad(struct MHD_Connection *c, const char *msg)
     return send_error(c, 400, "invalid_request_error", "%s", msg);
 }
 
+/* The request's body parsed as JSON (the caller's: cJSON_Delete); NULL when
+ * it is not JSON, which every cJSON_Is* check then refuses. */
+static cJSON *body_json(const conn *cn)
+{
+    return cJSON_ParseWithLength(cn->body ? cn->body : "", cn->len);
+}
+
+/* The body as a JSON object (the caller's: cJSON_Delete); NULL when it is
+ * not one, the 400 then answered and its result in *ret. */
+static cJSON *body_object(const conn *cn, struct MHD_Connection *c, int *ret)
+{
+    cJSON *b = body_json(cn);
+    if (cJSON_IsObject(b))
+        return b;
+    cJSON_Delete(b);
+    *ret = bad(c, "the request body is not a JSON object");
+    return NULL;
+}
+
+/* A zeroed job (the caller's until submitted); NULL when out of memory, the
+ * request's body b then released, the 500 answered and its result in *ret. */
+static srv_job *job_new(struct MHD_Connection *c, cJSON *b, int *ret)
+{
+    srv_job *j = calloc(1, sizeof *j);
+    if (!j) {
+        cJSON_Delete(b);
+        *ret = send_error(c, 500, "server_error", "out of memory");
+    }
+    return j;
+}
+
 /* Whether the client closed its end (or the socket failed). */
 static bool peer_gone(int fd)
 {
@@ -1330,16 +1361,13 @@ static srv_job *job_clone(const srv_job *j)
 static int handle_generate(conn *cn, struct MHD_Connection *c, enum route rt)
 {
     srv *s = cn->s;
-    cJSON *b = cJSON_ParseWithLength(cn->body ? cn->body : "", cn->len);
-    if (!b || !cJSON_IsObject(b)) {
-        cJSON_Delete(b);
-        return bad(c, "the request body is not a JSON object");
-    }
-    srv_job *j = calloc(1, sizeof *j);
-    if (!j) {
-        cJSON_Delete(b);
-        return send_error(c, 500, "server_error", "out of memory");
-    }
+    int ret;
+    cJSON *b = body_object(cn, c, &ret);
+    if (!b)
+        return ret;
+    srv_job *j = job_new(c, b, &ret);
+    if (!j)
+        return ret;
     const char *why = parse_params(s, b, rt, &j->p);
     tokv t = { 0 };
     if (!why) {
@@ -1432,7 +1460,7 @@ static int handle_generate(conn *cn, struct MHD_Connection *c, enum route rt)
         MHD_add_response_header(r, "Content-Type", "text/event-stream");
         MHD_add_response_header(r, "Cache-Control", "no-cache");
         MHD_add_response_header(r, "Access-Control-Allow-Origin", "*");
-        int ret = MHD_queue_response(c, 200, r);
+        ret = MHD_queue_response(c, 200, r);
         MHD_destroy_response(r);
         return ret;
     }
@@ -1451,7 +1479,6 @@ static int handle_generate(conn *cn, struct MHD_Connection *c, enum route rt)
             kvr__srv_job_release(s, jobs[k]);
         return MHD_NO;      /* the client is gone: close */
     }
-    int ret;
     cJSON *arr = cJSON_CreateArray(), *err = NULL;
     unsigned err_code = 0;
     for (int k = 0; k < nj; k++) {
@@ -1499,7 +1526,7 @@ static int handle_generate(conn *cn, struct MHD_Connection *c, enum route rt)
 static int handle_tokenize(conn *cn, struct MHD_Connection *c)
 {
     srv *s = cn->s;
-    cJSON *b = cJSON_ParseWithLength(cn->body ? cn->body : "", cn->len);
+    cJSON *b = body_json(cn);
     const cJSON *content = cJSON_GetObjectItemCaseSensitive(b, "content");
     const cJSON *as = cJSON_GetObjectItemCaseSensitive(b, "add_special");
     const cJSON *ps = cJSON_GetObjectItemCaseSensitive(b, "parse_special");
@@ -1547,7 +1574,7 @@ static int handle_tokenize(conn *cn, struct MHD_Connection *c)
 static int handle_detokenize(conn *cn, struct MHD_Connection *c)
 {
     srv *s = cn->s;
-    cJSON *b = cJSON_ParseWithLength(cn->body ? cn->body : "", cn->len);
+    cJSON *b = body_json(cn);
     const cJSON *a = cJSON_GetObjectItemCaseSensitive(b, "tokens"), *x;
     uint32_t nv = (uint32_t)llama_vocab_n_tokens(s->vocab);
     bool ok = cJSON_IsObject(b) && cJSON_IsArray(a);
@@ -1581,11 +1608,10 @@ static int handle_detokenize(conn *cn, struct MHD_Connection *c)
 
 static int handle_apply_template(conn *cn, struct MHD_Connection *c)
 {
-    cJSON *b = cJSON_ParseWithLength(cn->body ? cn->body : "", cn->len);
-    if (!cJSON_IsObject(b)) {
-        cJSON_Delete(b);
-        return bad(c, "the request body is not a JSON object");
-    }
+    int ret;
+    cJSON *b = body_object(cn, c, &ret);
+    if (!b)
+        return ret;
     const char *why = NULL;
     char *p = chat_prompt(cn->s, cJSON_GetObjectItemCaseSensitive(b, "messages"), &why);
     cJSON_Delete(b);
@@ -1708,7 +1734,7 @@ static int handle_slots_post(conn *cn, struct MHD_Connection *c, const char *url
     cJSON *b = NULL;
     const cJSON *fn = NULL;
     if (k != SRV_JOB_SLOT_ERASE) {
-        b = cJSON_ParseWithLength(cn->body ? cn->body : "", cn->len);
+        b = body_json(cn);
         fn = cJSON_GetObjectItemCaseSensitive(b, "filename");
         if (!cJSON_IsString(fn) || !*fn->valuestring || strlen(fn->valuestring) > 200 ||
             strstr(fn->valuestring, "..") || strchr(fn->valuestring, '/')) {
@@ -1716,11 +1742,10 @@ static int handle_slots_post(conn *cn, struct MHD_Connection *c, const char *url
             return bad(c, "Invalid filename");
         }
     }
-    srv_job *j = calloc(1, sizeof *j);
-    if (!j) {
-        cJSON_Delete(b);
-        return send_error(c, 500, "server_error", "out of memory");
-    }
+    int ret;
+    srv_job *j = job_new(c, b, &ret);
+    if (!j)
+        return ret;
     kvr__srv_params_default(&j->p);
     j->kind = k;
     j->p.id_slot = (int)id;
