@@ -294,7 +294,9 @@ $(BUILD)/fuzz/fuzz_cli_%: $(BUILD)/obj/tests/fuzz/fuzz_cli_%.o $(CLI_PARSE_OBJ) 
 	@mkdir -p $(dir $@)
 	$(CC) $(LDFLAGS_ALL) -o $@ $^ $(LIBS)
 
-$(BUILD)/fuzz/%: $(BUILD)/obj/tests/fuzz/%.o $(ALL_A)
+# A fuzz target links the one compiled fixture it may use (no Criterion in it),
+# not the fixtures' archive, which the fuzz build does not make.
+$(BUILD)/fuzz/%: $(BUILD)/obj/tests/fuzz/%.o $(BUILD)/obj/tests/common/kvt_inproc.o $(ALL_A)
 	@mkdir -p $(dir $@)
 	$(CC) $(LDFLAGS_ALL) -o $@ $^ $(LIBS)
 

@@ -23,6 +23,7 @@
 #include <unistd.h>
 
 #include "daemon/daemon_internal.h"
+#include "tests/common/kvt_inproc.h"
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
 
@@ -33,14 +34,10 @@ static void init_daemon(void)
     signal(SIGPIPE, SIG_IGN);
     kvr_daemon_init_allocator();
     kvr_daemon_config cfg;
-    kvr_daemon_config_init(&cfg);
-    snprintf(cfg.socket_path, sizeof cfg.socket_path, "none");
-    cfg.max_memory = 64u << 20;
+    kvt_inproc_config(&cfg);
     cfg.max_frame = 64u << 10;
     cfg.max_drain = 64u << 10;
     cfg.max_conn_buffer = 1u << 20;
-    cfg.log_level = KVR_LOG_ERROR;
-    kvr_log_set_level(KVR_LOG_ERROR);
     if (kvr_daemon_create(&D, &cfg, NULL) < 0)
         abort();
 }

@@ -16,6 +16,7 @@
 
 #include "daemon/daemon_internal.h"
 #include "tests/common/kvt_wire.h"
+#include "tests/common/kvt_inproc.h"
 
 static void sleep_ms(int ms)
 {
@@ -36,11 +37,7 @@ static kvr_daemon *start(void)
     signal(SIGPIPE, SIG_IGN);
     kvr_daemon_init_allocator();
     kvr_daemon_config cfg;
-    kvr_daemon_config_init(&cfg);
-    snprintf(cfg.socket_path, sizeof cfg.socket_path, "none");
-    cfg.max_memory = 64u << 20;
-    cfg.log_level = KVR_LOG_ERROR;
-    kvr_log_set_level(KVR_LOG_ERROR);
+    kvt_inproc_config(&cfg);
     kvr_daemon *d = NULL;
     kvr_error err = { 0 };
     cr_assert_eq(kvr_daemon_create(&d, &cfg, &err), 0, "%s", err.msg);

@@ -14,6 +14,7 @@
 #include <unistd.h>
 
 #include "daemon/daemon_internal.h"
+#include "tests/common/kvt_inproc.h"
 
 void *__real_kvr_mem_malloc(size_t n);
 void *__wrap_kvr_mem_malloc(size_t n);
@@ -44,12 +45,8 @@ static void token_file(char *path, size_t cap)
 
 static void config(kvr_daemon_config *cfg, const char *token_path)
 {
-    kvr_daemon_config_init(cfg);
-    snprintf(cfg->socket_path, sizeof cfg->socket_path, "none");
+    kvt_inproc_config(cfg);
     snprintf(cfg->auth_token_file, sizeof cfg->auth_token_file, "%s", token_path);
-    cfg->max_memory = 64u << 20;
-    cfg->log_level = KVR_LOG_ERROR;
-    kvr_log_set_level(KVR_LOG_ERROR);
 }
 
 Test(daemon_start, token_allocation_failure_says_out_of_memory)
