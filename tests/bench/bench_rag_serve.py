@@ -91,13 +91,11 @@ def completion(port, prompt, n_predict, cache_prompt=True):
                                      "cache_prompt": cache_prompt, "return_tokens": True},
                timeout=1800)
     ms = (time.monotonic() - t0) * 1e3
-    t = r["timings"]
+    t, k = r["timings"], r.get("kvrope") or {}     # llama-server has no "kvrope"
     return {"ms": ms, "n": t["prompt_n"], "total": t["prompt_n"] + t["cache_n"],
             "gen_ms": t.get("predicted_ms", 0.0), "tokens": r.get("tokens"),
-            "placed": (r.get("kvrope") or {}).get("n_placed"),
-            "repaired": (r.get("kvrope") or {}).get("n_repaired"),
-            "runs": (r.get("kvrope") or {}).get("n_runs"),
-            "sync_ms": (r.get("kvrope") or {}).get("sync_ms")}
+            "placed": k.get("n_placed"), "repaired": k.get("n_repaired"),
+            "runs": k.get("n_runs"), "sync_ms": k.get("sync_ms")}
 
 
 def fill_store(sock, rng, chunks, n_filler):
@@ -131,7 +129,7 @@ def run(name, proc, prompts_a, prompts_b, before=None, after=None):
         for b in prompts_b:
             rows["B"].append(completion(proc.port, b, 1))
         if after:
-            after(proc.port, rows)
+            after(proc.port)
     finally:
         proc.stop()
     print(f"  {name}: A {rows['A']['ms']:,.0f} ms; B " +
@@ -195,7 +193,7 @@ def main():
     def before():
         fill["s"] = fill_store(sock, random.Random(1000), docs, N_STORE - N_DOCS)
 
-    def after(port, r):
+    def after(port):
         for b in prompts_b:
             cached = completion(port, b, N_CHECK)
             full = completion(port, b, N_CHECK, cache_prompt=False)

@@ -27,6 +27,7 @@ import time
 import pytest
 
 from conftest import BUILD, ROOT, Daemon, free_tcp_port
+from procs import wait_health
 
 KVL = os.path.join(BUILD, "kvrope-llama")
 MODEL = os.path.join(BUILD, "eval", "kvrope-code.gguf")
@@ -75,20 +76,12 @@ class Server(Daemon):
                      "--listen", f"127.0.0.1:{self.port}", *flags]
         self.proc = subprocess.Popen(self.argv, stdout=self._log, stderr=subprocess.STDOUT,
                                      stdin=subprocess.DEVNULL, env=env)
-        deadline = time.monotonic() + ready_timeout
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"serve exited {self.proc.returncode}:\n{self.log()}")
-            try:
-                st, _ = self.get("/health", timeout=2)
-                if st == 200:
-                    break
-            except OSError:
-                pass
-            if time.monotonic() > deadline:
+        try:
+            wait_health(self.port, self.proc, "serve", ready_timeout)
+        except RuntimeError as e:       # exited, or not ready in time (then stopped)
+            if self.proc.poll() is None:
                 self.stop()
-                raise RuntimeError(f"serve not ready:\n{self.log()}")
-            time.sleep(0.05)
+            raise RuntimeError(f"{e}:\n{self.log()}") from None
 
     def request(self, method, path, body=None, headers=None, timeout=120):
         c = http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout)
