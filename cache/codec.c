@@ -133,11 +133,11 @@ int kvr_codec_parse(const char *s, kvr_codec *out)
 kvr_codec_pair kvr_codec_pair_default(void)
 {
     kvr_codec_pair p = {
-        .k = { .type = KVR_CODEC_INT4, .group = KVR_CODEC_GROUP_DEFAULT,
+        .k = { .type = KVR_CODEC_INT4, .group = KVR_CODEC_K4V2_KTILE,
                .axis = KVR_CODEC_AXIS_CHANNEL },
-        .v = { .type = KVR_CODEC_INT2, .group = KVR_CODEC_GROUP_DEFAULT,
+        .v = { .type = KVR_CODEC_INT2, .group = KVR_CODEC_K4V2_VGROUP,
                .axis = KVR_CODEC_AXIS_TOKEN },
-        .window = 128,
+        .window = KVR_CODEC_K4V2_WINDOW,
     };
     return p;
 }

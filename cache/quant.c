@@ -34,9 +34,9 @@
 
 /* ---- specs --------------------------------------------------------------- */
 
-#define DEFAULT_KTILE  128u   /* "k4v2": keys per channel over 128 tokens */
-#define DEFAULT_VGROUP 256u   /* "k4v2": values per token over 256 channels */
-#define DEFAULT_WINDOW 128u
+#define DEFAULT_KTILE  KVR_CODEC_K4V2_KTILE    /* "k4v2": keys per channel, 128 tokens */
+#define DEFAULT_VGROUP KVR_CODEC_K4V2_VGROUP   /* "k4v2": values per token, 256 channels */
+#define DEFAULT_WINDOW KVR_CODEC_K4V2_WINDOW
 #define MAX_WINDOW     (1u << 20)
 
 static int parse_bits(const char *s, kvr_codec_type *t)

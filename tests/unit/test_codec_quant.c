@@ -584,7 +584,8 @@ Test(codec_kivi, value_rows_per_token)
 
 Test(codec_kivi, window_split_counts)
 {
-    kvr_codec_pair p = kvr_codec_pair_default();   /* K int4/ch G64, V int2, window 128 */
+    kvr_codec_pair p = kvr_codec_pair_default();   /* K int4/ch, V int2, window 128 */
+    p.k.group = 64;                                /* tiles of 64 tokens */
     size_t k, v, prev_k = 0;
     size_t flushes = 0;
     for (size_t n = 0; n <= 1000; n++) {
@@ -644,9 +645,10 @@ Test(codec_desc, sizes_and_bits)
     kvr_codec h = { .type = KVR_CODEC_BF16 };
     cr_assert_eq(kvr_codec_row_bytes(&h, 10), 20);
 
-    kvr_codec_pair p = kvr_codec_pair_default();
+    kvr_codec_pair p = kvr_codec_pair_default();   /* K g128 tiles, V g256: the 5x line */
     double bpt = kvr_codec_pair_bytes_per_token(&p, 32, 8, 128);
-    cr_assert_float_eq(bpt, 32.0 * 8 * 128 * (4.5 + 2.5) / 8.0, 1e-9);
+    cr_assert_float_eq(bpt, 32.0 * 8 * 128 * (4.25 + 2.125) / 8.0, 1e-9);
+    cr_assert_geq(32.0 * 8 * 128 * 2 * 2 / bpt, 5.0);
 
     kvr_codec bad = { .type = KVR_CODEC_INT4, .group = 48 };
     cr_assert_eq(kvr_codec_validate(&bad), KVR_EINVAL);
