@@ -326,13 +326,18 @@ static int txn_alloc(kvr_edit *t, size_t payload, kvr_error *err)
     kvr_model *m = t->m;
     kvr_ctx *c = t->c;
     size_t n_blocks = (t->n_new + s->B - 1) / s->B;
-    size_t bb = kvr_store_block_bytes(s, c, false);
+    /* Full blocks of B, and a last one sized to the tokens it holds (an
+     * editor's keystroke inserts a few tokens: a whole block each would
+     * hold a cap's worth of memory for them). */
+    uint32_t last = (uint32_t)(t->n_new % s->B);
+    size_t bb = (n_blocks - (last ? 1 : 0)) * kvr_store_block_alloc(s, c, false, 0) +
+                (last ? kvr_store_block_alloc(s, c, false, last) : 0);
     /* Quantized contexts: new tokens join the full-precision window (plain
      * blocks in the window dtype) and are quantized by a later put's flush;
      * their payload is staged so work can refuse nan/inf first. */
     bool zero_copy = t->pdt == c->dtype && !c->codec.quant;
     size_t n_iov = !payload ? 0 : zero_copy ? 2u * m->n_layers * n_blocks : 1;
-    size_t need = n_blocks * (bb + sizeof(kvr_block) + 64) + (zero_copy ? 0 : payload) +
+    size_t need = bb + n_blocks * (sizeof(kvr_block) + 64) + (zero_copy ? 0 : payload) +
                   n_iov * sizeof(struct iovec) + n_blocks * sizeof(kvr_brun) +
                   (c->n_ext + 3 * t->n_ops + n_blocks + 1) * sizeof(kvr_extent);
     int rc = kvr_store_reserve_request(s, need, t->refresh ? "refresh" : "edit", err);
@@ -343,10 +348,10 @@ static int txn_alloc(kvr_edit *t, size_t payload, kvr_error *err)
         goto nomem;
     size_t left = t->n_new;
     while (left) {
-        kvr_block *b = kvr_store_block_new(s, c, false, 0);
+        uint32_t k = left < s->B ? (uint32_t)left : s->B;
+        kvr_block *b = kvr_store_block_new_for(s, c, false, 0, k);
         if (!b)
             goto nomem;
-        uint32_t k = left < s->B ? (uint32_t)left : s->B;
         t->runs[t->n_runs++] = (kvr_brun){ b, 0, k };
         left -= k;
     }

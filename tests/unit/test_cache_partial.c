@@ -201,6 +201,95 @@ Test(partial, forks_and_edits_of_a_partial_block)
     kvr_store_destroy(s);
 }
 
+/* The K/V payload alone, in the store's f16 ([layer][K|V][token][row]). */
+static uint8_t *get_kv_f16(kvr_store *s, const char *id, size_t *len)
+{
+    kvr_error e = { 0 };
+    kvr_get_params gp = { .ctx_id = id, .start = 0, .end = SIZE_MAX, .dtype = KVR_DTYPE_F16 };
+    kvr_get *g;
+    cr_assert_eq(kvr_store_get_begin(s, &gp, &g, &e), 0, "get %s: %s", id, e.msg);
+    if (kvr_get_needs_work(g))
+        cr_assert_eq(kvr_get_work(g, &e), 0, "get %s: %s", id, e.msg);
+    *len = kvr_get_payload_size(g);
+    uint8_t *out = malloc(*len ? *len : 1), *w = out;
+    const struct iovec *iov;
+    size_t ni;
+    kvr_get_payload_iov(g, &iov, &ni);
+    for (size_t i = 0; i < ni; i++) {
+        memcpy(w, iov[i].iov_base, iov[i].iov_len);
+        w += iov[i].iov_len;
+    }
+    kvr_get_end(g);
+    return out;
+}
+
+/* An editor's keystrokes: 20 edits in a row, each inserting 3 tokens with
+ * their K/V somewhere in a 200-token context. Each edit's new tokens get a
+ * block sized to them (not a whole B-token block), so what is accounted
+ * stays within a few percent of the K/V the tokens need; the context reads
+ * back the inserted values where they went and the old ones around them. */
+Test(partial, edit_inserts_sized_to_their_tokens)
+{
+    size_t base = kvr_mem_allocated();
+    kvr_store *s = open_store(0, false);
+    kvr_error e = { 0 };
+    put_range(s, "c", "", 7, 0, 200, false);
+    size_t n = 200;
+    const size_t row_b = (size_t)ROW * 2, K = 3;
+    for (int i = 0; i < 20; i++) {
+        size_t at = (size_t)(i * 37 + 11) % n;
+        uint32_t tok[3] = { 5000u + (uint32_t)i, 6000u + (uint32_t)i, 7000u + (uint32_t)i };
+        kvr_edit_op op = { .start = at, .end = at, .n_tokens = K, .tokens = tok };
+        kvr_edit_params p = { .ctx_id = "c", .ops = &op, .n_ops = 1, .with_kv = true,
+                              .n_layers = L, .n_kv_heads = H, .head_dim = D,
+                              .dtype = KVR_DTYPE_F16, .payload_bytes = 2 * L * K * row_b };
+        size_t before_n;
+        uint8_t *before = get_kv_f16(s, "c", &before_n);
+        kvr_edit *t;
+        cr_assert_eq(kvr_store_edit_begin(s, &p, &t, &e), 0, "edit %d: %s", i, e.msg);
+        const struct iovec *iov;
+        size_t niov, w = 0;
+        kvr_edit_payload_iov(t, &iov, &niov);
+        for (size_t k = 0; k < niov; k++)   /* every payload byte: (edit, offset) */
+            for (size_t b = 0; b < iov[k].iov_len; b++, w++)
+                ((uint8_t *)iov[k].iov_base)[b] = (uint8_t)(i * 7 + (int)(w % 61));
+        if (kvr_edit_needs_work(t))
+            cr_assert_eq(kvr_edit_work(t, &e), 0, "%s", e.msg);
+        cr_assert_eq(kvr_edit_commit(t, NULL, NULL, &e), 0, "edit %d: %s", i, e.msg);
+        n += K;
+        /* The get is laid out [layer][K|V][token][row]: old rows around
+         * the insert are where they were, shifted by K past it (the keys
+         * after it re-rotated, so only values are compared byte for
+         * byte); the values of the new rows are the payload's. */
+        size_t after_n;
+        uint8_t *after = get_kv_f16(s, "c", &after_n);
+        cr_assert_eq(after_n, before_n + 2 * L * K * row_b);
+        size_t old_t = n - K;
+        for (uint32_t l = 0; l < L; l++) {
+            const uint8_t *vb = before + ((size_t)l * 2 + 1) * old_t * row_b;
+            const uint8_t *va = after + ((size_t)l * 2 + 1) * n * row_b;
+            cr_assert(memcmp(va, vb, at * row_b) == 0, "edit %d layer %u: values before", i, l);
+            cr_assert(memcmp(va + (at + K) * row_b, vb + at * row_b, (old_t - at) * row_b) == 0,
+                      "edit %d layer %u: values after the insert", i, l);
+            size_t voff = ((size_t)l * 2 + 1) * K * row_b;   /* payload: [layer][K|V][tok] */
+            for (size_t b = 0; b < K * row_b; b++)
+                cr_assert_eq(va[at * row_b + b], (uint8_t)(i * 7 + (int)((voff + b) % 61)),
+                             "edit %d layer %u: inserted value byte %zu", i, l, b);
+        }
+        free(before);
+        free(after);
+    }
+    kvr_store_stats st = stats(s);
+    cr_assert_eq(st.n_tokens, 260);
+    cr_assert_eq(st.kv_held_bytes, 260 * TOK_KV);
+    /* 20 inserted blocks of 3 tokens (12 KiB each, and their metadata) and
+     * the split 200: a whole 64-token block per keystroke would be 5 MiB. */
+    cr_assert_geq((double)st.kv_held_bytes / (double)st.block_bytes, 0.9, "%zu / %zu",
+                  st.kv_held_bytes, st.block_bytes);
+    kvr_store_destroy(s);
+    cr_assert_eq(kvr_mem_allocated(), base);
+}
+
 /* Partial blocks of every kind go to disk and come back exactly: spilled
  * under a small cap and reloaded, appended to after the reload (a block
  * with a disk copy is not grown: a new one follows), and recovered by a
