@@ -1,8 +1,10 @@
 /*
  * kvt_bench.c — tests/common/kvt_bench.h: the goal line, the clock, the
- * environment, xorshift64 and the disk benches' plain-file baseline and goals.
+ * environment, xorshift64 and the disk benches' plain-file baseline and goals;
+ * and kvroped's allocator options for every benchmark that links it.
  */
 #include "tests/common/kvt_bench.h"
+#include "base/malloc_conf.h"
 
 #include <fcntl.h>
 #include <math.h>
@@ -12,6 +14,15 @@
 #include <string.h>
 #include <time.h>
 #include <unistd.h>
+
+#ifdef KVR_JEMALLOC
+/* Benchmarks run the store in-process under kvroped's allocator options
+ * (this object is linked by every benchmark, for kvt_goal): without them a
+ * staging buffer over jemalloc's 8 MiB oversize threshold goes back to the
+ * kernel when freed and is faulted in again by the next request, which
+ * kvroped never does. */
+const char *malloc_conf = KVR_MALLOC_CONF;
+#endif
 
 void kvt_goal(bool met, const char *fmt, ...)
 {
