@@ -138,6 +138,12 @@ int main(void)
         }
         size_t bytes2 = kvr_payload_size(NL, n + 2, NH, ND, KVR_DTYPE_F16);
         void *dst2 = malloc(bytes2);
+        /* touched once, as the unedited gets' buffer (the payload) is: a
+         * worker's buffer is warm, and first touch of fresh pages is not
+         * what either get costs */
+        if (!dst2)
+            return 1;
+        memset(dst2, 0x5a, bytes2);   /* not 0: malloc + memset 0 may become calloc */
         int reps = n >= 8192 ? 7 : 11;
         /* KVR_BENCH_REPS: more gets (profiling: `perf record -p` the daemon
          * once "gets of N tokens" is on stderr) */
