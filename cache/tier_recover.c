@@ -21,8 +21,9 @@
  * it, never serving it partly). Records written before the checksums
  * (and blocks in v1 segments) are read whole as before: K/V and metadata,
  * checksum verified, then built in memory while under the cap.
- * (10^6 tokens of 256 B took 5.5-6.2 s to read back whole on the
- * development VM; bench_scale prints both ways side by side.)
+ * (10^6 tokens of 256 B: 0.3-0.9 s from a cold page cache, 3.4-5.0 s
+ * read whole, on the development VM; bench_scale prints both side by
+ * side, and the first get of every context after it: the deferred reads.)
  *
  * Invariants: recovery runs before any context exists, on the opening
  * thread; a context whose metadata or extents cannot be read, or whose
