@@ -905,11 +905,14 @@ static int claim_check(kvr_disk *d, const kvr_disk_handle *h, kvr_error *err)
  * run, io_uring's queue depth in flight), so recovery does not wait for
  * one small read per block in turn (10^6 tokens took 12 s so). The
  * outcome is the sequential claims' exactly: handles are claimed in order
- * up to the first that fails. */
+ * up to the first that fails. With pk (kvr_disk_claim_peek_n), each
+ * extent's peeked bytes come in the same requests: its last tail_len
+ * bytes of data and the trailer after them (one read: they are adjacent
+ * in format v2), its first head_len bytes in a second. */
 #define CLAIM_BATCH 256
 
-int kvr_disk_claim_n(kvr_disk *d, const kvr_disk_handle *h, size_t n, size_t *claimed,
-                     kvr_error *err)
+static int claim_batches(kvr_disk *d, const kvr_disk_handle *h, const kvr_disk_peek *pk,
+                         size_t n, size_t *claimed, kvr_error *err)
 {
     size_t done = 0;
     int rc = 0;
@@ -921,9 +924,24 @@ int kvr_disk_claim_n(kvr_disk *d, const kvr_disk_handle *h, size_t n, size_t *cl
         rc = kvr_error_set(err, KVR_EINVAL, "disk: claim only between recover and recover_done");
         goto out;
     }
+    /* Peeks read v2 images only, and inside the extent's data: refused
+     * before anything is claimed. */
+    for (size_t i = 0; pk && i < n && rc == 0; i++) {
+        seg *s = seg_find(d, h[i].seg);
+        if (s && s->fmt == FMT_V1)
+            rc = kvr_error_set(err, KVR_EUNSUPPORTED, "disk: extent seg %" PRIu32 " off %"
+                               PRIu64 " is of format v1: no peek", h[i].seg, h[i].off);
+        else if (pk[i].tail_len > h[i].len || pk[i].head_len > h[i].len ||
+                 (pk[i].tail_len && !pk[i].tail) || (pk[i].head_len && !pk[i].head))
+            rc = kvr_error_set(err, KVR_EINVAL, "disk: a peek of %zu + %zu bytes of a "
+                               "%" PRIu32 "-byte extent", pk[i].head_len, pk[i].tail_len,
+                               h[i].len);
+    }
+    if (rc)
+        goto out;
     size_t batch = n < CLAIM_BATCH ? n : CLAIM_BATCH;
     hb = kvr_mem_malloc((batch ? batch : 1) * EXT_HDR);
-    q = kvr_mem_calloc(batch ? batch : 1, sizeof *q);
+    q = kvr_mem_calloc(2 * (batch ? batch : 1), sizeof *q);
     qi = kvr_mem_calloc(batch ? batch : 1, sizeof *qi);
     if (!hb || !q || !qi) {
         rc = kvr_error_set(err, KVR_ENOMEM, "disk: out of memory");
@@ -941,19 +959,49 @@ int kvr_disk_claim_n(kvr_disk *d, const kvr_disk_handle *h, size_t n, size_t *cl
             }
             seg *s = seg_find(d, h[i].seg);
             qi[i - base] = SIZE_MAX;
+            if (pk) {
+                /* Read even when claimed before: the caller wants the bytes. */
+                size_t tl = pk[i].tail_len;
+                q[nq] = (kvr_dio_req){ .fd = s->fd, .write = false, .iovcnt = 2,
+                                       .off = h[i].off + h[i].len - tl };
+                q[nq].iov[0] = (struct iovec){ pk[i].tail, tl };
+                q[nq].iov[1] = (struct iovec){ hb + (i - base) * EXT_HDR, EXT_HDR };
+                qi[i - base] = nq++;
+                if (pk[i].head_len) {
+                    q[nq] = (kvr_dio_req){ .fd = s->fd, .write = false, .iovcnt = 1,
+                                           .off = h[i].off };
+                    q[nq++].iov[0] = (struct iovec){ pk[i].head, pk[i].head_len };
+                }
+                continue;
+            }
             if (ext_find(s, &h[i]))
                 continue;
             q[nq] = (kvr_dio_req){ .fd = s->fd, .write = false, .iovcnt = 1,
                                    .off = h[i].off + img_hdr_at(s->fmt, h[i].len) };
-            q[nq].iov[0] = (struct iovec){ hb + nq * EXT_HDR, EXT_HDR };
+            q[nq].iov[0] = (struct iovec){ hb + (i - base) * EXT_HDR, EXT_HDR };
             qi[i - base] = nq++;
         }
         if (nq)
             (void)kvr_dio_run(d->io, q, nq);   /* each request's res is its own */
         for (size_t i = base; i < stop && rc == 0; i++) {
             size_t k = qi[i - base];
-            rc = claim_one(d, &h[i], k == SIZE_MAX ? NULL : hb + k * EXT_HDR,
-                           k == SIZE_MAX ? 0 : q[k].res, err);
+            int io = k == SIZE_MAX ? 0 : q[k].res;
+            if (io == 0 && k != SIZE_MAX && pk && pk[i].head_len)
+                io = q[k + 1].res;
+            const uint8_t *th = k == SIZE_MAX ? NULL : hb + (i - base) * EXT_HDR;
+            if (pk && ext_find(seg_find(d, h[i].seg), &h[i]) &&
+                (io || !ext_header_ok(th, FMT_V2, &h[i]))) {
+                /* Claimed before, but its peek failed or came with a
+                 * trailer that is not this extent's. */
+                if (io)
+                    d->claim_io_failed = true;
+                rc = io ? io_error(io, "read of an extent's trailer and metadata", err)
+                        : kvr_error_set(err, KVR_EIO, "disk: extent seg %" PRIu32 " off %"
+                                        PRIu64 " is corrupt or not the one the handle names",
+                                        h[i].seg, h[i].off);
+            } else {
+                rc = claim_one(d, &h[i], th, io, err);
+            }
             if (rc == 0)
                 done++;
         }
@@ -971,6 +1019,18 @@ out:
     if (claimed)
         *claimed = done;
     return rc;
+}
+
+int kvr_disk_claim_n(kvr_disk *d, const kvr_disk_handle *h, size_t n, size_t *claimed,
+                     kvr_error *err)
+{
+    return claim_batches(d, h, NULL, n, claimed, err);
+}
+
+int kvr_disk_claim_peek_n(kvr_disk *d, const kvr_disk_handle *h, const kvr_disk_peek *pk,
+                          size_t n, size_t *claimed, kvr_error *err)
+{
+    return claim_batches(d, h, pk, n, claimed, err);
 }
 
 int kvr_disk_claim(kvr_disk *d, const kvr_disk_handle *h, kvr_error *err)

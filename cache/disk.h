@@ -257,6 +257,25 @@ int kvr_disk_claim(kvr_disk *d, const kvr_disk_handle *h, kvr_error *err);
  * headers are read in batches, many in flight. */
 int kvr_disk_claim_n(kvr_disk *d, const kvr_disk_handle *h, size_t n, size_t *claimed,
                      kvr_error *err);
+/* What a claim reads of an extent's data besides its trailer (the
+ * caller's buffers): its last tail_len bytes into tail, its first
+ * head_len bytes into head (0: none). */
+typedef struct kvr_disk_peek {
+    void  *head;
+    size_t head_len;
+    void  *tail;
+    size_t tail_len;
+} kvr_disk_peek;
+/* kvr_disk_claim_n that also reads pk[i] of each extent (an extent
+ * claimed before is read too), in the same requests as the trailers: the
+ * disk tier's recovery reads a block's metadata so, not its K/V. The
+ * trailer is checked as by a claim; the data checksum is NOT (it covers
+ * the whole extent: the caller checks what it peeked its own way, and a
+ * load verifies the whole extent). Format v1 segments: KVR_EUNSUPPORTED,
+ * nothing claimed (*claimed = 0); a peek longer than the extent:
+ * KVR_EINVAL, nothing claimed. */
+int kvr_disk_claim_peek_n(kvr_disk *d, const kvr_disk_handle *h, const kvr_disk_peek *pk,
+                          size_t n, size_t *claimed, kvr_error *err);
 /* Reclaims every unclaimed extent; then writes are allowed. */
 int kvr_disk_recover_done(kvr_disk *d, kvr_error *err);
 

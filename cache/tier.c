@@ -53,7 +53,9 @@
  *               fingerprint, codec, dtype, pinned, created, protected
  *               count, quantization error sums, layout blob, its blocks
  *               (disk handle, used, cap, dtype, quant, metadata offset) and
- *               its extents (block index, first, count, flags, pos_delta).
+ *               its extents (block index, first, count, flags, pos_delta),
+ *               then its blocks' metadata checksums (tier.h REC_MCRC_TAG:
+ *               recovery reads and checks a block's metadata, not its K/V).
  *               Token ids, stored-at positions and groups are in the
  *               blocks' data. The latest CTX record of an id is its state.
  *   DELETE (3): id.

@@ -34,6 +34,30 @@ enum { REC_MODEL = 1, REC_CTX = 2, REC_DELETE = 3 };
  * its context when its head is intact (recovery's stale marks); version 1
  * records are still read. */
 #define REC_VERSION 2u
+/* A CTX record ends with its blocks' metadata checksums (kvrope from
+ * issue 32 on; older records end after their extents, and older readers
+ * ignore what follows them): REC_MCRC_TAG, then a u32 per block in the
+ * record's block order, kvr_tier_meta_crc of it. Recovery reads a block's
+ * metadata (and a quantized block's header) from its extent without its
+ * K/V and checks them against these; the K/V is checked when a load reads
+ * the whole extent (the extent's own checksum). A record without them has
+ * its blocks read whole at recovery. */
+#define REC_MCRC_TAG 0x4352434Du      /* "MCRC" */
+
+/* crc32c of a block's quantized header (qhdr: KVR_QHDR_BYTES, NULL for a
+ * plain block) and of its committed slots' metadata: stored_pos, tokens
+ * and groups of slots [0, used) of the metadata at meta (cap slots, laid
+ * out as block.h says). Slots below used never change, so the checksum of
+ * a block's record holds for every copy of it. */
+static inline uint32_t kvr_tier_meta_crc(const void *qhdr, const void *meta, uint32_t cap,
+                                         uint32_t used)
+{
+    const uint8_t *m = meta;
+    uint32_t c = qhdr ? kvr_crc32c(0, qhdr, KVR_QHDR_BYTES) : 0;
+    c = kvr_crc32c(c, m, (size_t)used * 8u);
+    c = kvr_crc32c(c, m + (size_t)cap * 8u, (size_t)used * 4u);
+    return kvr_crc32c(c, m + (size_t)cap * 12u, (size_t)used * 4u);
+}
 
 /* ---- small maps (tier.c) ------------------------------------------------------ */
 

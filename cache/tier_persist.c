@@ -166,6 +166,16 @@ static int enc_ctx(kvr_store *s, kvr_ctx *c, pjob *j)
         w_u32(w, e->flags);
         w_u64(w, (uint64_t)e->pos_delta);
     }
+    /* The blocks' metadata checksums, in the same order (tier.h). */
+    w_u32(w, REC_MCRC_TAG);
+    ep = ++s->epoch;
+    for (size_t i = 0; i < c->n_ext; i++) {
+        kvr_block *b = c->ext[i].block;
+        if (b->mark == ep)
+            continue;
+        b->mark = ep;
+        w_u32(w, kvr_tier_meta_crc(b->quant ? b->data : NULL, b->stored_pos, b->cap, b->used));
+    }
     return w->oom ? KVR_ENOMEM : 0;
 }
 

@@ -15,6 +15,8 @@
  * token); RSS within 5% of accounted; recovery of 10^6 tokens <= 2 s.
  * Timings are printed, never asserted.
  */
+#include <dirent.h>
+#include <fcntl.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -167,6 +169,9 @@ int main(void)
     static const size_t sizes[] = { 1000, 10000, 100000, 1000000 };
     enum { NS = sizeof sizes / sizeof sizes[0] };
     double p99_first = 0, p99_last = 0, meta_tok_last = 0, rss_worst = 0;
+    const char *only = getenv("KVR_SCALE_ONLY");    /* "recovery": only its section */
+    if (only && !strcmp(only, "recovery"))
+        goto recovery;
     printf("store of N tokens (contexts of 256..32k, %zu B of K/V a token):\n", TOK_KV);
     printf("%9s %8s %10s %10s %12s %12s %10s %10s\n", "tokens", "ctxs", "match p50", "match p99",
            "meta B/tok", "meta B/ctx", "dRSS/acct", "(purged)");
@@ -212,22 +217,77 @@ int main(void)
            "%.0f blocks evicted, %.1f MB/s of K/V put\n", n, total, st.mem_cap, ev_s,
            (double)st.n_evicted_blocks, (double)total * TOK_KV / ev_s / 1e6);
     kvr_store_destroy(s);
-    /* Recovery of 10^6 persisted tokens. */
+    /* Recovery of 10^6 persisted tokens, from a cold page cache (the
+     * directory's files dropped from it first): the default (blocks come
+     * back spilled: each block's metadata read and checked, its K/V read
+     * and checked by the first get that needs it, timed after it) against
+     * the whole read (KVR_TIER_RECOVER_EAGER: every block's K/V read back
+     * and checked at start, as recovery did before) in the same run. */
+recovery:;
+    bool only_rec = only && !strcmp(only, "recovery");
+    total = sizes[NS - 1];
     char dir[] = "/tmp/kvr-scale-XXXXXX";
-    double rec_s = -1;
+    double rec_s = -1, whole_s = -1, first_get_s = 0;
     if (mkdtemp(dir)) {
         s = mk(0, dir);
         n = fill(s, total, 32768, lens, sizeof lens / sizeof lens[0], true);
         kvr_store_persist_flush(s);
         kvr_store_destroy(s);
-        t0 = kvt_now_s();
-        s = mk(0, dir);
-        rec_s = kvt_now_s() - t0;
-        kvr_store_get_stats(s, &st);
-        printf("recovery: %zu contexts, %zu tokens back in %.3f s\n", st.n_contexts,
-               st.n_tokens, rec_s);
-        kvr_store_destroy(s);
+        for (int way = 0; way < 2; way++) {
+            DIR *dp = opendir(dir);
+            for (struct dirent *de; dp && (de = readdir(dp)) != NULL;) {
+                char p[600];
+                snprintf(p, sizeof p, "%s/%s", dir, de->d_name);
+                int fd = de->d_name[0] != '.' ? open(p, O_RDONLY) : -1;
+                if (fd >= 0) {
+                    (void)posix_fadvise(fd, 0, 0, POSIX_FADV_DONTNEED);
+                    close(fd);
+                }
+            }
+            if (dp)
+                closedir(dp);
+            if (way)
+                setenv("KVR_TIER_RECOVER_EAGER", "1", 1);
+            t0 = kvt_now_s();
+            s = mk(0, dir);
+            double dt = kvt_now_s() - t0;
+            unsetenv("KVR_TIER_RECOVER_EAGER");
+            kvr_store_get_stats(s, &st);
+            printf("recovery (%s): %zu contexts, %zu tokens back in %.3f s\n",
+                   way ? "whole read, K/V checked at start" : "metadata, K/V on first use",
+                   st.n_contexts, st.n_tokens, dt);
+            double tg = kvt_now_s();
+            for (size_t i = 0; i < n && !way; i++) {
+                char id[32];
+                snprintf(id, sizeof id, "c%zu", i);
+                kvr_get_params gp = { .ctx_id = id, .end = SIZE_MAX, .dtype = KVR_DTYPE_F16 };
+                kvr_get *g;
+                kvr_error e;
+                if (kvr_store_get_begin(s, &gp, &g, &e) != 0) {
+                    fprintf(stderr, "get %s after recovery: %s\n", id, e.msg);
+                    continue;
+                }
+                size_t sz = kvr_get_payload_size(g);
+                void *buf = malloc(sz ? sz : 1);
+                if (buf && kvr_get_copy_into(g, buf, sz, &e) != 0)
+                    fprintf(stderr, "get %s after recovery: %s\n", id, e.msg);
+                free(buf);
+                kvr_get_end(g);
+            }
+            if (way)
+                whole_s = dt;
+            else
+                rec_s = dt, first_get_s = kvt_now_s() - tg;
+            kvr_store_destroy(s);
+        }
         kvt_rmrf(dir);
+    }
+    printf("recovery: %.3f s against %.3f s for the whole read (%.2fx); then the first get "
+           "of every context %.3f s (their K/V read then)\n", rec_s, whole_s, rec_s / whole_s,
+           first_get_s);
+    if (only_rec) {
+        kvt_goal(rec_s >= 0 && rec_s <= 2.0, "recovery of 10^6 tokens <= 2 s: %.3f s", rec_s);
+        return 0;
     }
     double meta_8b = meta_tok_last / 131072.0;
     kvt_goal(p99_last <= 2 * p99_first, "match p99 at %zu tokens <= 2x at 10^3: %.2fx", total,

@@ -10,7 +10,9 @@
  * newer format or two files of one id are refused with a clear error.
  * Memory that O_DIRECT cannot use directly (unaligned) is staged and gives
  * the same bytes. A load's last, smaller requests fail alone and lose
- * nothing. Every behaviour runs on io_uring and on POSIX.
+ * nothing. Claims that peek at an extent's first and last bytes (recovery
+ * reading a block's metadata) read v2 extents only. Every behaviour runs on
+ * io_uring and on POSIX.
  */
 #include <criterion/criterion.h>
 #include <errno.h>
@@ -209,6 +211,85 @@ static void v1_read(kvr_disk_engine e)
 }
 
 KVT_DISK_TESTS(disk_format, v1_read, v1_read)
+
+/* kvr_disk_claim_peek_n: claims that also read each v2 extent's first and
+ * last bytes (the tier's recovery reads a block's metadata so, not its
+ * K/V): the bytes are the extent's, an extent claimed before is read
+ * again, the claimed extents load as after any claim; a peek longer than
+ * its extent is refused with nothing claimed; a corrupt trailer stops the
+ * claims in order as kvr_disk_claim_n does; an extent of a v1 segment
+ * refuses the call with nothing claimed (the caller reads it whole). */
+static void peek(kvr_disk_engine e)
+{
+    char dir[256];
+    kvr_disk *d = open_fresh(dir, sizeof dir, e);
+    kvr_error err = { 0 };
+    enum { N = 4 };
+    static const size_t sz[N] = { 5000, 8192, 100, (1u << 20) + 3 };
+    uint8_t *data[N];
+    kvr_disk_handle h[N];
+    kvr_disk_buf b[N];
+    for (int i = 0; i < N; i++) {
+        data[i] = malloc(sz[i]);
+        kvt_fill(data[i], sz[i], 900u + (uint64_t)i);
+        b[i] = (kvr_disk_buf){ .data = data[i], .len = sz[i] };
+    }
+    cr_assert_eq(kvr_disk_spill(d, b, N, h, true, &err), 0, "%s", err.msg);
+    kvr_disk_close(d);
+
+    cr_assert_eq(open_recovering(&d, dir, e, &err), 0, "%s", err.msg);
+    uint8_t head[N][64], tail[N][96];
+    kvr_disk_peek pk[N];
+    size_t tl[N];
+    for (int i = 0; i < N; i++) {
+        tl[i] = sz[i] < 96 ? sz[i] : 96;
+        pk[i] = (kvr_disk_peek){ head[i], 64, tail[i], tl[i] };
+    }
+    size_t got = 99;
+    kvr_disk_peek big = { NULL, 0, tail[2], sz[2] + 1 };
+    cr_assert_eq(kvr_disk_claim_peek_n(d, &h[2], &big, 1, &got, &err), KVR_EINVAL);
+    cr_assert_eq(got, 0);
+    cr_assert_eq(kvr_disk_claim_peek_n(d, h, pk, N, &got, &err), 0, "%s", err.msg);
+    cr_assert_eq(got, N);
+    for (int i = 0; i < N; i++) {
+        cr_assert_eq(memcmp(head[i], data[i], 64), 0, "extent %d's head", i);
+        cr_assert_eq(memcmp(tail[i], data[i] + sz[i] - tl[i], tl[i]), 0, "extent %d's tail", i);
+    }
+    memset(tail[0], 0, sizeof tail[0]);
+    cr_assert_eq(kvr_disk_claim_peek_n(d, h, pk, 1, &got, &err), 0, "%s", err.msg);
+    cr_assert_eq(memcmp(tail[0], data[0] + sz[0] - tl[0], tl[0]), 0, "claimed twice: read again");
+    cr_assert_eq(kvr_disk_recover_done(d, &err), 0, "%s", err.msg);
+    int ok[N] = { 0 };
+    load_check(d, h, data, N, ok);
+    kvr_disk_close(d);
+
+    char path[512];
+    file_path(path, sizeof path, dir, h[1].seg, true);
+    flip(path, h[1].off + h[1].len + 9);          /* extent 1's trailer */
+    cr_assert_eq(open_recovering(&d, dir, e, &err), 0, "%s", err.msg);
+    got = 99;
+    cr_assert_eq(kvr_disk_claim_peek_n(d, h, pk, N, &got, &err), KVR_EIO);
+    cr_assert_eq(got, 1, "claimed %zu: in order up to the corrupt trailer", got);
+    cr_assert(strstr(err.msg, "corrupt"), "%s", err.msg);
+    cr_assert_eq(kvr_disk_recover_done(d, &err), 0, "%s", err.msg);
+    finish(d, dir, data, N);
+
+    /* v1: refused before anything is claimed; a plain claim still works. */
+    d = open_fresh(dir, sizeof dir, e);
+    kvr_disk_close(d);
+    kvr_disk_handle h1[V1N];
+    uint8_t *d1[V1N];
+    write_v1(dir, h1, d1);
+    cr_assert_eq(open_recovering(&d, dir, e, &err), 0, "%s", err.msg);
+    got = 99;
+    cr_assert_eq(kvr_disk_claim_peek_n(d, h1, pk, 1, &got, &err), KVR_EUNSUPPORTED);
+    cr_assert_eq(got, 0);
+    cr_assert_eq(kvr_disk_claim_n(d, h1, V1N, &got, &err), 0, "%s", err.msg);
+    cr_assert_eq(kvr_disk_recover_done(d, &err), 0, "%s", err.msg);
+    finish(d, dir, d1, V1N);
+}
+
+KVT_DISK_TESTS(disk_format, peek, peek)
 
 /* A v1 segment cut inside an extent: that claim fails as corrupt (not as
  * an I/O error: recover_done still reclaims), the earlier ones load. */
