@@ -894,7 +894,7 @@ typedef struct kvr_tier_config {
 
 typedef struct kvr_tier_recovery {
     size_t   models, contexts, tokens, blocks;
-    uint64_t bytes;             /* block bytes read back */
+    uint64_t bytes;             /* block bytes recovered (their extents; read later) */
     uint64_t records;           /* log records replayed */
     uint64_t quarantined;       /* corrupt records / extents skipped */
     uint64_t torn_bytes;        /* cut from the log's tail */
