@@ -9,14 +9,14 @@
  * allocation, and a shape whose layers do not add up to a size class is cut
  * in two (block.h), so a block's K/V is (about) the allocations' size, and
  * what is accounted is what the allocator holds for them
- * (malloc_usable_size). A block is freed when its last
+ * (kvr_mem_held: the usable size; kvr_mem_aligned keeps a large block's
+ * extra jemalloc page out of memory, mem.c). A block is freed when its last
  * reference goes, never earlier
  * (into the pool's bounded cache of freed blocks when it has one: block.h;
  * a reused block is initialised exactly as a fresh one, its data as
  * uninitialised as kvr_mem_aligned's, a quantized block's unwritten bytes
  * zeroed again for the new fill).
  */
-#include <malloc.h>
 #include <string.h>
 
 #include "cache/block.h"
@@ -185,8 +185,7 @@ static void set_ptrs(kvr_block *b)
 
 static size_t held_bytes(const kvr_block *b)
 {
-    return (b->data ? malloc_usable_size(b->data) : 0) + malloc_usable_size(b->tail) +
-           malloc_usable_size((void *)(uintptr_t)b);
+    return kvr_mem_held(b->data) + kvr_mem_held(b->tail) + kvr_mem_held(b);
 }
 
 /* The pool's totals (and b's tenant's) gain or lose b's bytes. */

@@ -49,7 +49,12 @@ void  *kvr_mem_calloc(size_t count, size_t size);
 void  *kvr_mem_realloc(void *p, size_t n);
 void  *kvr_mem_aligned(size_t align, size_t n);    /* free with kvr_mem_free */
 void   kvr_mem_free(void *p);
-size_t kvr_mem_size_class(size_t n); /* what an allocation of n will really hold */
+/* What an allocation of n will really hold (its size class; a large one
+ * from kvr_mem_malloc / calloc / realloc also holds a page more: kvr_mem_held). */
+size_t kvr_mem_size_class(size_t n);
+/* What the allocator holds for p, a kvr_mem_* pointer: what is accounted
+ * for it (mem.c). 0 for NULL. */
+size_t kvr_mem_held(const void *p);
 /* A request's staging buffer (at least 64-byte aligned): large ones are kept
  * for the next request of about their size instead of being handed back
  * (no page faults; one kept per process, of at most 256 MiB, unaccounted

@@ -31,7 +31,7 @@ struct kvr_pnode {
     size_t       depth;      /* tokens from the root to the end of the label */
     size_t       n_pass;     /* entries whose sequence covers the whole label */
     kvr_pnode   *parent;
-    kvr_pnode  **children;   /* sorted by label[0] */
+    kvr_pnode  **children;   /* sorted by label[0]; one allocation with the keys */
     uint32_t     n_children, cap_children;
     kvr_pentry **ends;       /* entries whose sequence ends exactly here */
     uint32_t     n_ends, cap_ends;

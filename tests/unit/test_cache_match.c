@@ -278,3 +278,92 @@ Test(cache_match, miss_hooks_ask_the_tier_above)
     cr_assert_eq(kvr_store_stat(s, "far", &ci, &e), KVR_ENOCTX);
     kvr_store_destroy(s);
 }
+
+/* Wide nodes (prefix.c keeps each node's children's first tokens in an
+ * array beside the pointers, searched alone): 600 contexts, half under
+ * the root with first tokens of their own, half under one shared first
+ * token with second tokens of their own, created, deleted and created
+ * again in random orders (the arrays grow, shift on removal, and move
+ * when a node is split or merged with its only child). After each phase
+ * every context's tokens, with a tail no context holds, match exactly as
+ * far as brute force over the live ones says, and the match names a
+ * context that holds them. */
+#define WIDE_N 600
+#define WIDE_LEN 8
+
+static uint32_t wide_tok[WIDE_N][WIDE_LEN];
+static bool wide_live[WIDE_N];
+
+static void wide_check(kvr_store *s, int phase)
+{
+    for (int i = 0; i < WIDE_N; i++) {
+        uint32_t q[WIDE_LEN + 2];
+        memcpy(q, wide_tok[i], sizeof wide_tok[i]);
+        q[WIDE_LEN] = q[WIDE_LEN + 1] = 999999u;
+        size_t best = 0;
+        for (int j = 0; j < WIDE_N; j++) {
+            size_t k = 0;
+            while (wide_live[j] && k < WIDE_LEN && wide_tok[j][k] == q[k])
+                k++;
+            if (k > best)
+                best = k;
+        }
+        char id[300];
+        size_t got = match(s, q, WIDE_LEN + 2, id);
+        cr_assert_eq(got, best, "phase %d, context %d: match %zu, brute force %zu", phase, i,
+                     got, best);
+        if (got) {
+            int k = atoi(id + 1);
+            cr_assert(wide_live[k], "phase %d: %s is not live", phase, id);
+            cr_assert(memcmp(wide_tok[k], q, got * sizeof(uint32_t)) == 0,
+                      "phase %d: %s does not hold the %zu tokens matched", phase, id, got);
+        }
+    }
+}
+
+Test(cache_match, wide_nodes_vs_brute_force)
+{
+    size_t base = kvr_mem_allocated();
+    kvr_store *s = kvt_index_store();
+    kvr_error e = { 0 };
+    int order[WIDE_N];
+    for (int i = 0; i < WIDE_N; i++) {
+        /* Odd ones under the shared token 7; firsts/seconds distinct. */
+        wide_tok[i][0] = i % 2 ? 7u : 1000u + (uint32_t)i * 7919u % 100003u;
+        wide_tok[i][1] = i % 2 ? 2000u + (uint32_t)i * 104729u % 100019u : rnd(5);
+        for (int k = 2; k < WIDE_LEN; k++)
+            wide_tok[i][k] = rnd(5);
+        order[i] = i;
+    }
+    char name[16];
+    for (int round = 0; round < 3; round++) {
+        for (int i = WIDE_N - 1; i > 0; i--) {
+            int j = (int)rnd((uint32_t)i + 1), t = order[i];
+            order[i] = order[j];
+            order[j] = t;
+        }
+        for (int i = 0; i < WIDE_N; i++) {
+            int c = order[i];
+            if (wide_live[c])
+                continue;
+            snprintf(name, sizeof name, "c%d", c);
+            cr_assert_eq(kvt_index_put(s, name, KVR_PUT_CREATE, wide_tok[c], WIDE_LEN), 0);
+            wide_live[c] = true;
+        }
+        wide_check(s, round * 2);
+        /* Delete all but a few in a new order: nodes shrink to one child
+         * and merge with it. */
+        for (int i = 0; i < WIDE_N; i++) {
+            int c = order[(i * 7 + round) % WIDE_N];
+            if (rnd(50) == 0)
+                continue;
+            snprintf(name, sizeof name, "c%d", c);
+            cr_assert_eq(kvr_store_delete(s, name, &e), 0, "%s", e.msg);
+            wide_live[c] = false;
+        }
+        wide_check(s, round * 2 + 1);
+    }
+    kvr_store_destroy(s);
+    memset(wide_live, 0, sizeof wide_live);
+    cr_assert_eq(kvr_mem_allocated(), base);
+}
