@@ -1715,6 +1715,7 @@ Test(int_cluster, stop_while_a_request_waits_for_a_fetch)
 #include <sys/un.h>
 #include "kvrope.pb-c.h"
 #include "proto/frame.h"
+#include "tests/common/kvt_wire.h"
 
 /* Sends a get of ctx on a raw connection to sock and returns the socket
  * without reading anything (-1 on failure). */
@@ -1743,6 +1744,70 @@ static int send_get_raw(const char *sock, const char *ctx)
         return -1;
     }
     return fd;
+}
+
+/* Opens a create-put of ctx (one token of the tiny model) on a raw
+ * connection to sock and sends no payload: the context stays pending (the
+ * put open) until the socket closes. The socket, or -1. */
+static int open_put_raw(const char *sock, const char *ctx)
+{
+    int fd = socket(AF_UNIX, SOCK_STREAM, 0);
+    struct sockaddr_un sa = { .sun_family = AF_UNIX };
+    if (fd < 0 || strlen(sock) >= sizeof sa.sun_path)
+        return -1;
+    memcpy(sa.sun_path, sock, strlen(sock) + 1);
+    if (connect(fd, (struct sockaddr *)&sa, sizeof sa) < 0) {
+        close(fd);
+        return -1;
+    }
+    uint32_t tok[1] = { 5 };
+    Kvrope__Put p = KVROPE__PUT__INIT;
+    p.context_id = (char *)(uintptr_t)ctx;
+    p.model = (char *)(uintptr_t)"tiny";
+    p.has_mode = 1;
+    p.mode = KVROPE__PUT_MODE__CREATE;
+    p.n_tokens = 1;
+    p.tokens = tok;
+    Kvrope__Request q = kvt_put_request(1, &p);
+    uint8_t buf[512];
+    size_t n = kvrope__request__pack(&q, buf + KVR_FRAME_HEADER_SIZE);
+    kvr_frame_header_encode(buf, (uint32_t)n, kvr_payload_size(T_LAYERS, 1, T_HEADS, T_DIM,
+                                                                KVR_DTYPE_F16));
+    if (write(fd, buf, KVR_FRAME_HEADER_SIZE + n) != (ssize_t)(KVR_FRAME_HEADER_SIZE + n)) {
+        close(fd);
+        return -1;
+    }
+    return fd;
+}
+
+/* A client's own put of an id is open on B (its payload not sent) while
+ * another client gets that id, which the cluster holds: the get is a plain
+ * miss at once (no wait: only a fetch's put is waited for; nothing of the
+ * cluster's lands over the open put). Once the put is gone, the get
+ * fetches it. */
+Test(int_cluster, a_clients_open_put_is_not_waited_for)
+{
+    cr_assert_eq(put_flags(CA, "busy", 41, 9000, 300, SHARE_SYNC), 0);
+    kvr_kv ka;
+    cr_assert_eq(get_kv(CA, "busy", 0, 0, NULL, &ka), 0);
+    double puts = testd_metric(CB, "requests_put");
+    int fd = open_put_raw(B.sock, "busy");
+    cr_assert(fd >= 0);
+    /* The put is open (pending) once B counted it (stats never fetch). */
+    for (int i = 0; i < 200 && testd_metric(CB, "requests_put") < puts + 1; i++)
+        usleep(5000);
+    cr_assert_eq(testd_metric(CB, "requests_put"), puts + 1, "the raw put never came");
+    kvr_kv kb;
+    cr_assert_eq(get_kv(CB, "busy", 0, 0, NULL, &kb), KVR_ENOCTX, "%s",
+                 kvr_client_last_error(CB));
+    close(fd);
+    int rc = KVR_ENOCTX;
+    for (int i = 0; i < 200 && (rc = get_kv(CB, "busy", 0, 0, NULL, &kb)) != 0; i++)
+        usleep(5000);    /* until B saw the close and aborted the put */
+    cr_assert_eq(rc, 0, "%s", kvr_client_last_error(CB));
+    assert_same(&ka, &kb);
+    kvr_kv_release(&kb);
+    kvr_kv_release(&ka);
 }
 
 /* A client asks B for a context only the cluster holds and closes its
