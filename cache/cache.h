@@ -117,8 +117,9 @@ size_t kvr_store_trim(kvr_store *s);
  * verb sees the plain miss). Both hooks run on the thread that called the
  * verb, with the store's arguments borrowed for the call. */
 typedef struct kvr_store_miss_hooks {
-    /* Context id (a valid id) is not in the store, not even pending:
-     * true to take the miss. */
+    /* Context id (a valid id) is not in the store, or only pending (an
+     * open create-put, which readers do not see): true to take the miss.
+     * Delete and put never ask. */
     bool  (*ctx)(void *arg, const char *id);
     /* A match of n tokens of model found only `local` of them: true to take
      * the miss. */

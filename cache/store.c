@@ -143,7 +143,10 @@ int kvr_store_ctx_live(const kvr_store *s, const char *id, kvr_ctx **out, kvr_er
     if (rc != 0)
         return rc;
     kvr_ctx *c = kvr_store_ctx_find(s, id);
-    if (!c && s->miss.ctx && s->miss.ctx(s->miss.arg, id))
+    /* A pending context (an open create-put) is absent to readers: the tier
+     * is asked as for one not here at all (the daemon's shared tier then
+     * waits for its own fetch that holds that put). */
+    if ((!c || c->pending) && s->miss.ctx && s->miss.ctx(s->miss.arg, id))
         return kvr_error_set(err, KVR_EFETCH, "context '%s' is not here: asked the tier "
                              "above the store", id);
     if (!c || c->pending)

@@ -130,6 +130,9 @@ struct kvr_daemon {
     /* The request whose verb is starting, while it may still ask the shared
      * tier: the store's miss hooks give their fetch to it (dispatch.c). */
     struct kvr_request *fetch_req;
+    /* Requests waiting for another request's fetch of the context they
+     * missed to end (kvr_request.wait_link, dispatch.c; loop thread). */
+    kvr_list   fetch_waiters;
     kvr_frame_limits   limits;
 
     uv_pipe_t  unix_srv;

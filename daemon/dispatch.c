@@ -20,6 +20,8 @@
  *   RUN --reply to a change of a persistent context--> PERSIST --> RUN
  *   RUN --large get that needs work--> STREAM (stream.c)
  *   RUN --a miss the shared tier took--> WORK (fetch) --landed--> RUN (start again)
+ *   RUN --a miss of what another request's fetch is landing--> WAIT
+ *       --that fetch ended--> WORK (a no-op hop) --> RUN (start again)
  *
  * Invariants: every path ends in exactly one kvr__request_end (after the
  * reply was handed to conn.c, or when the connection closed under it);
@@ -69,6 +71,8 @@ void kvr__msg_free(kvr_request *r)
 
 static const kvr_verb VERBS[KVR_N_VERBS];
 
+static void fetch_end(kvr_request *r);
+
 /* ---- ending a request ------------------------------------------------------ */
 
 void kvr__release_txn(kvr_request *r)
@@ -77,8 +81,7 @@ void kvr__release_txn(kvr_request *r)
         kvr_put_abort(r->put);
     if (r->edit)
         kvr_edit_abort(r->edit);
-    kvr__remote_job_free(r->rjob);   /* aborts the put a fetch may hold open */
-    r->rjob = NULL;
+    fetch_end(r);   /* aborts the put a fetch may hold open */
     kvr_get_end(r->get);
     kvr_assemble_end(r->as);
     kvr__cover_free(r->cover);
@@ -104,8 +107,7 @@ void kvr__request_end(kvr_request *r, int status)
     assert(c->req == r);
     assert(r->phase == RQ_RUN || r->phase == RQ_STREAM);
     assert(!r->put && !r->edit && !r->get && !r->as && !r->cover && !r->held);
-    kvr__remote_job_free(r->rjob);   /* taken by a probe the verb went past */
-    r->rjob = NULL;
+    fetch_end(r);   /* taken by a probe the verb went past */
     if (c->d->fetch_req == r)
         c->d->fetch_req = NULL;
     /* Every request passes here exactly once, whatever its path: this is
@@ -362,7 +364,7 @@ static bool take_fetch(kvr_daemon *d, kvr_rjob *j)
     if (!j)
         return false;
     kvr_request *r = d->fetch_req;
-    kvr__remote_job_free(r->rjob);
+    fetch_end(r);
     r->rjob = j;
     return true;
 }
@@ -390,6 +392,91 @@ void kvr__dispatch_tier_install(kvr_daemon *d)
 
 static void fetch_queue(kvr_request *r);
 
+/* ---- two requests, one context: the second waits for the first's fetch -- */
+
+/* A request that misses a context another request's fetch is landing (its
+ * local put is open, so the store would answer "being written" to a second
+ * put of it) parks on d->fetch_waiters (phase WAIT, a reference on its
+ * connection) instead of fetching it again. When that fetch ends, landed
+ * or not (fetch_end), each of its waiters starts its verb again from a
+ * threadpool callback, on a stack of its own (fetch_end runs inside other
+ * requests' handlers): it finds the context local, or misses and fetches
+ * it itself. A fetch ends by its deadline, so a wait does too; a waiter
+ * counts as a fetch round (FETCH_ROUNDS). */
+static void wait_park(kvr_request *r)
+{
+    snprintf(r->wait_id, sizeof r->wait_id, "%s", kvr__remote_job_id(r->rjob));
+    kvr__remote_job_free(r->rjob);
+    r->rjob = NULL;
+    if (++r->n_fetches >= FETCH_ROUNDS)
+        r->remote_tried = true;
+    kvr_log(KVR_LOG_DEBUG, "request id %llu: waits for another request's fetch of '%s'",
+            (unsigned long long)r->id, r->wait_id);
+    r->phase = RQ_WAIT;
+    kvr__conn_ref(r->c);
+    kvr_list_insert_tail(&r->d->fetch_waiters, &r->wait_link);
+}
+
+static void wait_work_cb(uv_work_t *w)
+{
+    (void)w;
+}
+
+static void wait_after_cb(uv_work_t *w, int status)
+{
+    (void)status;     /* never cancelled */
+    kvr_request *r = w->data;
+    kvr_conn *c = r->c;
+    assert(r->phase == RQ_WORK);
+    r->phase = RQ_RUN;
+    if (c->closing)
+        kvr__request_end(r, KVR_EIO);
+    else
+        start_verb(r);
+    kvr__conn_unref(c);   /* wait_park's */
+}
+
+/* The fetch of ctx_id that held its put open ended: its waiters start
+ * again. */
+static void waiters_wake(kvr_daemon *d, const char *ctx_id)
+{
+    kvr_list *n = kvr_list_first(&d->fetch_waiters);
+    while (n) {
+        kvr_list *next = kvr_list_next(&d->fetch_waiters, n);
+        kvr_request *w = kvr_list_entry(n, kvr_request, wait_link);
+        if (strcmp(w->wait_id, ctx_id) == 0) {
+            kvr_list_remove(n);
+            w->phase = RQ_WORK;
+            w->work.data = w;
+            if (uv_queue_work(&d->loop, &w->work, wait_work_cb, wait_after_cb) < 0)
+                wait_after_cb(&w->work, 0);     /* rather than leave it waiting */
+        }
+        n = next;
+    }
+}
+
+/* Frees r's fetch job; was_open: it held its put open until now (it may
+ * still: then freeing it aborts the put), so the requests waiting for that
+ * context start again. */
+static void fetch_free(kvr_request *r, bool was_open)
+{
+    kvr_rjob *j = r->rjob;
+    r->rjob = NULL;
+    if (!j)
+        return;
+    char id[KVR_ID_MAX + 1];
+    was_open = was_open || kvr__remote_job_open(j);
+    snprintf(id, sizeof id, "%s", kvr__remote_job_id(j));
+    kvr__remote_job_free(j);
+    if (was_open)
+        waiters_wake(r->d, id);
+}
+
+static void fetch_end(kvr_request *r)
+{
+    fetch_free(r, false);
+}
+
 static void fetch_work_cb(uv_work_t *w)
 {
     kvr_request *r = w->data;
@@ -403,15 +490,18 @@ static void fetch_work_cb(uv_work_t *w)
 static void fetch_done(kvr_request *r)
 {
     kvr_rjob *j = r->rjob;
-    r->rjob = NULL;
+    bool was_open = kvr__remote_job_open(j);
     int rc = kvr__remote_job_land(j);
     if (rc == 1) {
-        r->rjob = j;
         fetch_queue(r);
         return;
     }
+    if (rc == KVR_RT_WAIT) {
+        wait_park(r);
+        return;
+    }
     bool prefix = !kvr__remote_job_by_id(j);
-    kvr__remote_job_free(j);
+    fetch_free(r, was_open);   /* landed or not: its waiters start again */
     if (rc < 0 || prefix || ++r->n_fetches >= FETCH_ROUNDS)
         r->remote_tried = true;
     start_verb(r);
@@ -457,6 +547,11 @@ static bool fetch_park(kvr_request *r)
     }
     if (r->d->fetch_req == r)
         r->d->fetch_req = NULL;
+    if (kvr__remote_job_by_id(r->rjob) &&
+        kvr__remote_landing(r->d->remote, kvr__remote_job_id(r->rjob))) {
+        wait_park(r);     /* another request's fetch of it is landing */
+        return true;
+    }
     fetch_queue(r);
     return true;
 }
@@ -640,8 +735,7 @@ void kvr__run(kvr_request *r, bool needs_work)
     /* Past its lookups: what it calls now does not ask the shared tier. */
     if (r->d->fetch_req == r)
         r->d->fetch_req = NULL;
-    kvr__remote_job_free(r->rjob);
-    r->rjob = NULL;
+    fetch_end(r);
     r->work_rc = 0;
     r->needs_work = needs_work;
     if (!needs_work && !r->shm) {

@@ -47,6 +47,7 @@ typedef enum rq_phase {
     RQ_WORK,        /* the threadpool works on the transaction */
     RQ_PERSIST,     /* the reply is held until the record is on disk */
     RQ_STREAM,      /* stream.c owns the get and ends the request */
+    RQ_WAIT,        /* parked until another request's fetch of its context ends */
 } rq_phase;
 
 enum {
@@ -108,6 +109,9 @@ struct kvr_request {
     uv_work_t        work;
     int              work_rc;
     kvr_error        work_err;
+    /* RQ_WAIT: on d->fetch_waiters, waiting for the fetch of wait_id */
+    kvr_list         wait_link;
+    char             wait_id[KVR_ID_MAX + 1];
     /* match: what matched (the get half reads it) */
     uint64_t         match_len;
     char             match_ctx[KVR_ID_MAX + 1];

@@ -167,6 +167,10 @@ int  kvr__remote_publish(kvr_remote *r, const char *ctx_id, kvr_remote_done_fn d
  * a get by id opens its local put after the manifest and fetches the
  * blocks straight into it). Free aborts a put still open. */
 kvr_rjob *kvr__remote_job_get(kvr_remote *r, const char *ctx_id);
+/* What land returns when another fetch of the same id holds its local put
+ * open (the store answers "being written"): the caller waits for that
+ * fetch to end (kvr__remote_landing) and starts its verb again. */
+#define KVR_RT_WAIT 2
 kvr_rjob *kvr__remote_job_prefix(kvr_remote *r, const char *model, const uint32_t *tokens,
                                 size_t n, size_t local_len);
 void kvr__remote_job_work(kvr_rjob *j);
@@ -174,6 +178,14 @@ int  kvr__remote_job_land(kvr_rjob *j);
 void kvr__remote_job_free(kvr_rjob *j);
 /* A fetch by context id (else of a prompt's prefix). */
 bool kvr__remote_job_by_id(const kvr_rjob *j);
+/* The context id a fetch by id asks for (borrowed from j). */
+const char *kvr__remote_job_id(const kvr_rjob *j);
+/* Does j hold its local put open (a get by id between its two phases)? */
+bool kvr__remote_job_open(const kvr_rjob *j);
+/* Loop thread: is a fetch of ctx_id holding its local put open? Requests
+ * that miss ctx_id meanwhile wait for that fetch instead of fetching it
+ * again (their own put would be refused as "being written"). */
+bool kvr__remote_landing(const kvr_remote *r, const char *ctx_id);
 
 /* The tier's counters, read from atomics (each exact, not one instant
  * together: workers count while it is read). fetch_hist counts every

@@ -14,6 +14,9 @@
  * the loop thread only (land, free); each job ends by its deadline
  * (FETCH_MS after it was built, plus its bytes at SLOW_BYTES_PER_MS),
  * whatever the cluster does; a job freed with its put open aborts it.
+ * A job with its put open is on r->landing (loop thread), so a request
+ * that misses the same id meanwhile waits for it (KVR_RT_WAIT, dispatch.c)
+ * rather than fetch what its own put could not land ("being written").
  */
 #include "daemon/remote_internal.h"
 
@@ -45,7 +48,8 @@ struct kvr_rjob {
      * the local put, the blocks straight into its memory (phase 1). */
     int         phase;
     bool        have_manifest;
-    kvr_put    *put;
+    kvr_put    *put;             /* open: on r->landing through link */
+    kvr_list    link;
     const struct iovec *iov;
     size_t      niov;
     size_t     *starts;
@@ -109,8 +113,10 @@ void kvr__remote_job_free(kvr_rjob *j)
         atomic_fetch_add(&r->fetch_hist[kvr__metrics_bucket((double)ns / 1e9)], 1);
         atomic_fetch_add(&r->fetch_ns, ns);
     }
-    if (j->put)
+    if (j->put) {
+        kvr_list_remove(&j->link);
         kvr_put_abort(j->put);      /* loop thread: nothing was committed */
+    }
     kvr_mem_free(j->starts);
     kvr__rt_manifest_free(&j->m);
     kvr_mem_free(j->payload);
@@ -120,6 +126,27 @@ void kvr__remote_job_free(kvr_rjob *j)
 bool kvr__remote_job_by_id(const kvr_rjob *j)
 {
     return j->by_id;
+}
+
+const char *kvr__remote_job_id(const kvr_rjob *j)
+{
+    return j->ctx_id;
+}
+
+bool kvr__remote_job_open(const kvr_rjob *j)
+{
+    return j->put != NULL;
+}
+
+bool kvr__remote_landing(const kvr_remote *r, const char *ctx_id)
+{
+    kvr_list *n;
+    if (!r)
+        return false;
+    kvr_list_foreach(n, &r->landing)
+        if (strcmp(kvr_list_entry(n, kvr_rjob, link)->ctx_id, ctx_id) == 0)
+            return true;
+    return false;
 }
 
 static void miss(kvr_rjob *j, bool corrupt, const char *why)
@@ -991,6 +1018,7 @@ int kvr__remote_job_land(kvr_rjob *j)
     if (j->by_id && j->phase == 1) {
         kvr_put *t = j->put;
         j->put = NULL;
+        kvr_list_remove(&j->link);
         if (!j->hit) {
             kvr_put_abort(t);
             return KVR_ENOCTX;
@@ -1048,6 +1076,12 @@ int kvr__remote_job_land(kvr_rjob *j)
     int rc = kvr_store_put_begin(s, &pp, &t, &e);
     if (rc == KVR_EEXIST)
         return 0;
+    if (rc == KVR_EBUSY && j->by_id && kvr__remote_landing(r, j->ctx_id))
+        return KVR_RT_WAIT;     /* another request's fetch of it is landing */
+    if (rc == KVR_EBUSY) {      /* a client's put of that id is open: absent for now */
+        miss(j, false, "the id is being written locally");
+        return KVR_ENOCTX;
+    }
     if (rc < 0) {
         kvr_log(KVR_LOG_WARN, "remote tier: cannot keep '%s' locally: %s", j->ctx_id, e.msg);
         return rc;
@@ -1078,6 +1112,7 @@ int kvr__remote_job_land(kvr_rjob *j)
             off += iov[i].iov_len;
         }
         j->put = t;
+        kvr_list_insert_tail(&r->landing, &j->link);
         j->iov = iov;
         j->niov = niov;
         j->phase = 1;

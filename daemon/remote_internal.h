@@ -162,6 +162,8 @@ struct kvr_remote {
     bool            stop;
     kvr_list        queue;           /* pub_job.link, oldest first (mu) */
     kvr_list        finished;        /* published or failed, oldest first (mu) */
+    kvr_list        landing;         /* fetch jobs with their local put open
+                                      * (kvr_rjob.link; loop thread) */
     size_t          q_len;
     size_t          pending_bytes;   /* snapshots queued or being published (mu) */
     uv_async_t      async;

@@ -457,6 +457,7 @@ int kvr__remote_create(kvr_remote **out, kvr_daemon *d, kvr_error *err)
     r->d = d;
     kvr_list_init(&r->queue);
     kvr_list_init(&r->finished);
+    kvr_list_init(&r->landing);
     if (cfg->remote_key_file[0]) {
         if ((rc = kvr__rt_key_read(cfg->remote_key_file, r->key, err)) < 0) {
             kvr_mem_free(r);

@@ -772,6 +772,7 @@ int kvr_daemon_create(kvr_daemon **out, const kvr_daemon_config *cfg, kvr_error 
     if (!d)
         return kvr_error_set(err, KVR_ENOMEM, "out of memory");
     kvr_list_init(&d->conns);
+    kvr_list_init(&d->fetch_waiters);
     d->cfg = *cfg;
     d->start_ms = kvr_clock_mono_ms();
     d->limits.max_msg_len = cfg->max_frame;

@@ -1612,3 +1612,244 @@ Test(int_cluster, every_verb_sees_published_contexts)
                                                                        raw, NULL }) != 0, 1);
     kvr_kv_release(&ka);
 }
+
+/* ---- two clients asking B for the same id at once ------------------------ */
+
+typedef struct same_get {
+    kvr_client        *c;
+    pthread_barrier_t *go;
+    const char        *id;          /* NULL: "both" */
+    kvr_kv             kv;
+    int                rc;
+    char               err[300];
+} same_get;
+
+static void *same_get_run(void *arg)
+{
+    same_get *s = arg;
+    pthread_barrier_wait(s->go);
+    s->rc = get_kv(s->c, s->id ? s->id : "both", 0, 0, NULL, &s->kv);
+    if (s->rc != 0)
+        snprintf(s->err, sizeof s->err, "%s", kvr_client_last_error(s->c));
+    return NULL;
+}
+
+/* Two clients of B get a context only the cluster holds at the same moment:
+ * whichever misses while the other's fetch is landing waits for it (its own
+ * put of the same id would be refused as "being written") and is then
+ * answered from what landed. Both get A's bytes; B fetched it once a round. */
+Test(int_cluster, two_clients_get_one_id_at_once)
+{
+    enum { N = 8192, ROUNDS = 6 };
+    cr_assert_eq(put_flags(CA, "both", 21, 4000, N, SHARE_SYNC), 0);
+    kvr_kv ka;
+    cr_assert_eq(get_kv(CA, "both", 0, 0, NULL, &ka), 0);
+    kvr_client *c1 = testd_connect(&B), *c2 = testd_connect(&B);
+    cr_assert(c1 && c2);
+    pthread_barrier_t go;
+    pthread_barrier_init(&go, NULL, 3);
+    double hits0 = testd_metric(CB, "remote_fetch_hits");
+    for (int round = 0; round < ROUNDS; round++) {
+        same_get s1 = { .c = c1, .go = &go }, s2 = { .c = c2, .go = &go };
+        pthread_t t1, t2;
+        pthread_create(&t1, NULL, same_get_run, &s1);
+        pthread_create(&t2, NULL, same_get_run, &s2);
+        pthread_barrier_wait(&go);
+        pthread_join(t1, NULL);
+        pthread_join(t2, NULL);
+        cr_assert_eq(s1.rc, 0, "round %d, first client: %s", round, s1.err);
+        cr_assert_eq(s2.rc, 0, "round %d, second client: %s", round, s2.err);
+        assert_same(&ka, &s1.kv);
+        assert_same(&ka, &s2.kv);
+        kvr_kv_release(&s1.kv);
+        kvr_kv_release(&s2.kv);
+        cr_assert_eq(testd_metric(CB, "remote_fetch_hits"), hits0 + round + 1,
+                     "round %d: B fetched the context more than once", round);
+        cr_assert_eq(kvr_client_delete(CB, "both"), 0);
+    }
+    pthread_barrier_destroy(&go);
+    kvr_client_close(c1);
+    kvr_client_close(c2);
+    kvr_kv_release(&ka);
+}
+
+/* B is stopped while one client's request fetches a context and another's
+ * waits for that fetch: both are answered (the fetch lands within the stop's
+ * grace, the waiter is served from it) or see their connection end, none
+ * hangs, and B exits cleanly (under the sanitizers: nothing leaked, the
+ * waiter's parking included). */
+Test(int_cluster, stop_while_a_request_waits_for_a_fetch)
+{
+    enum { N = 32768 };
+    cr_assert_eq(put_flags(CA, "late", 31, 7000, N, SHARE_SYNC), 0);
+    kvr_kv ka;
+    cr_assert_eq(get_kv(CA, "late", 0, 0, NULL, &ka), 0);
+    kvr_client *c1 = testd_connect(&B), *c2 = testd_connect(&B);
+    cr_assert(c1 && c2);
+    pthread_barrier_t go;
+    pthread_barrier_init(&go, NULL, 3);
+    same_get s1 = { .c = c1, .go = &go, .id = "late" }, s2 = { .c = c2, .go = &go, .id = "late" };
+    pthread_t t1, t2;
+    pthread_create(&t1, NULL, same_get_run, &s1);
+    pthread_create(&t2, NULL, same_get_run, &s2);
+    pthread_barrier_wait(&go);
+    usleep(3000);
+    cr_assert_eq(testd_stop(&B), 0, "B did not exit cleanly while a request waited for a fetch");
+    pthread_join(t1, NULL);
+    pthread_join(t2, NULL);
+    if (s1.rc == 0)
+        assert_same(&ka, &s1.kv);
+    if (s2.rc == 0)
+        assert_same(&ka, &s2.kv);
+    kvr_kv_release(&s1.kv);
+    kvr_kv_release(&s2.kv);
+    pthread_barrier_destroy(&go);
+    kvr_client_close(c1);
+    kvr_client_close(c2);
+    kvr_kv_release(&ka);
+}
+
+/* ---- a client that goes away while B fetches for it ------------------------ */
+
+#include <sys/socket.h>
+#include <sys/un.h>
+#include "kvrope.pb-c.h"
+#include "proto/frame.h"
+#include "tests/common/kvt_wire.h"
+
+/* Sends a get of ctx on a raw connection to sock and returns the socket
+ * without reading anything (-1 on failure). */
+static int send_get_raw(const char *sock, const char *ctx)
+{
+    int fd = socket(AF_UNIX, SOCK_STREAM, 0);
+    struct sockaddr_un sa = { .sun_family = AF_UNIX };
+    if (fd < 0 || strlen(sock) >= sizeof sa.sun_path)
+        return -1;
+    memcpy(sa.sun_path, sock, strlen(sock) + 1);
+    if (connect(fd, (struct sockaddr *)&sa, sizeof sa) < 0) {
+        close(fd);
+        return -1;
+    }
+    Kvrope__Get g = KVROPE__GET__INIT;
+    g.context_id = (char *)(uintptr_t)ctx;
+    Kvrope__Request q = KVROPE__REQUEST__INIT;
+    q.id = 1;
+    q.body_case = KVROPE__REQUEST__BODY_GET;
+    q.get = &g;
+    uint8_t buf[512];
+    size_t n = kvrope__request__pack(&q, buf + KVR_FRAME_HEADER_SIZE);
+    kvr_frame_header_encode(buf, (uint32_t)n, 0);
+    if (write(fd, buf, KVR_FRAME_HEADER_SIZE + n) != (ssize_t)(KVR_FRAME_HEADER_SIZE + n)) {
+        close(fd);
+        return -1;
+    }
+    return fd;
+}
+
+/* Opens a create-put of ctx (one token of the tiny model) on a raw
+ * connection to sock and sends no payload: the context stays pending (the
+ * put open) until the socket closes. The socket, or -1. */
+static int open_put_raw(const char *sock, const char *ctx)
+{
+    int fd = socket(AF_UNIX, SOCK_STREAM, 0);
+    struct sockaddr_un sa = { .sun_family = AF_UNIX };
+    if (fd < 0 || strlen(sock) >= sizeof sa.sun_path)
+        return -1;
+    memcpy(sa.sun_path, sock, strlen(sock) + 1);
+    if (connect(fd, (struct sockaddr *)&sa, sizeof sa) < 0) {
+        close(fd);
+        return -1;
+    }
+    uint32_t tok[1] = { 5 };
+    Kvrope__Put p = KVROPE__PUT__INIT;
+    p.context_id = (char *)(uintptr_t)ctx;
+    p.model = (char *)(uintptr_t)"tiny";
+    p.has_mode = 1;
+    p.mode = KVROPE__PUT_MODE__CREATE;
+    p.n_tokens = 1;
+    p.tokens = tok;
+    Kvrope__Request q = kvt_put_request(1, &p);
+    uint8_t buf[512];
+    size_t n = kvrope__request__pack(&q, buf + KVR_FRAME_HEADER_SIZE);
+    kvr_frame_header_encode(buf, (uint32_t)n, kvr_payload_size(T_LAYERS, 1, T_HEADS, T_DIM,
+                                                                KVR_DTYPE_F16));
+    if (write(fd, buf, KVR_FRAME_HEADER_SIZE + n) != (ssize_t)(KVR_FRAME_HEADER_SIZE + n)) {
+        close(fd);
+        return -1;
+    }
+    return fd;
+}
+
+/* A client's own put of an id is open on B (its payload not sent) while
+ * another client gets that id, which the cluster holds: the get is a plain
+ * miss at once (no wait: only a fetch's put is waited for; nothing of the
+ * cluster's lands over the open put). Once the put is gone, the get
+ * fetches it. */
+Test(int_cluster, a_clients_open_put_is_not_waited_for)
+{
+    cr_assert_eq(put_flags(CA, "busy", 41, 9000, 300, SHARE_SYNC), 0);
+    kvr_kv ka;
+    cr_assert_eq(get_kv(CA, "busy", 0, 0, NULL, &ka), 0);
+    double puts = testd_metric(CB, "requests_put");
+    int fd = open_put_raw(B.sock, "busy");
+    cr_assert(fd >= 0);
+    /* The put is open (pending) once B counted it (stats never fetch). */
+    for (int i = 0; i < 200 && testd_metric(CB, "requests_put") < puts + 1; i++)
+        usleep(5000);
+    cr_assert_eq(testd_metric(CB, "requests_put"), puts + 1, "the raw put never came");
+    kvr_kv kb;
+    cr_assert_eq(get_kv(CB, "busy", 0, 0, NULL, &kb), KVR_ENOCTX, "%s",
+                 kvr_client_last_error(CB));
+    close(fd);
+    int rc = KVR_ENOCTX;
+    for (int i = 0; i < 200 && (rc = get_kv(CB, "busy", 0, 0, NULL, &kb)) != 0; i++)
+        usleep(5000);    /* until B saw the close and aborted the put */
+    cr_assert_eq(rc, 0, "%s", kvr_client_last_error(CB));
+    assert_same(&ka, &kb);
+    kvr_kv_release(&kb);
+    kvr_kv_release(&ka);
+}
+
+/* A client asks B for a context only the cluster holds and closes its
+ * connection at once, while a second client asks for the same id: whether
+ * the second waited for the first's fetch (then aborted with its
+ * connection: nothing half-landed) or fetched it itself, it gets A's bytes,
+ * and B goes on serving. */
+Test(int_cluster, client_gone_during_fetch)
+{
+    enum { N = 8192, ROUNDS = 6 };
+    kvr_kv ka[ROUNDS];
+    char id[ROUNDS][16];
+    for (int round = 0; round < ROUNDS; round++) {
+        snprintf(id[round], sizeof id[round], "gone%d", round);
+        /* Tokens of their own: equal tokens would be equal blocks (keys). */
+        uint32_t base = 100000 + 10000 * (uint32_t)round;
+        cr_assert_eq(put_flags(CA, id[round], 23 + (uint32_t)round, base, N, SHARE_SYNC), 0);
+        cr_assert_eq(get_kv(CA, id[round], 0, 0, NULL, &ka[round]), 0);
+    }
+    for (int round = 0; round < ROUNDS; round++) {
+        int fd = send_get_raw(B.sock, id[round]);
+        cr_assert(fd >= 0);
+        if (round % 2)
+            usleep(2000);       /* the first fetch under way (its put open, likely) */
+        close(fd);
+        kvr_kv kb;
+        cr_assert_eq(get_kv(CB, id[round], 0, 0, NULL, &kb), 0, "round %d: %s", round,
+                     kvr_client_last_error(CB));
+        assert_same(&ka[round], &kb);
+        kvr_kv_release(&kb);
+    }
+    /* The abandoned requests end too (their fetches landed whole before the
+     * close was seen, or were aborted with it): whatever B holds of each id
+     * now is all of A's. */
+    usleep(200 * 1000);
+    for (int round = 0; round < ROUNDS; round++) {
+        kvr_kv kb;
+        cr_assert_eq(get_kv(CB, id[round], 0, 0, NULL, &kb), 0, "%s",
+                     kvr_client_last_error(CB));
+        assert_same(&ka[round], &kb);
+        kvr_kv_release(&kb);
+        kvr_kv_release(&ka[round]);
+    }
+    cr_assert(testd_alive(&B));
+}

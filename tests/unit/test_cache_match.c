@@ -268,6 +268,18 @@ Test(cache_match, miss_hooks_ask_the_tier_above)
     cr_assert_eq(st1.n_matches, st0.n_matches, "a match handed to the tier was counted");
     cr_assert_eq(kvr_store_match(s, "m", a, 6, false, &r, &e), 0, "a whole match asked");
     cr_assert_eq(l.n_prefix, 1);
+    /* A context being created (its put open) is not there for readers
+     * either: the tier is asked for it too. */
+    kvr_put_params pp = { .ctx_id = "open", .model = "m", .mode = KVR_PUT_CREATE,
+                          .n_layers = 1, .n_kv_heads = 1, .head_dim = 2,
+                          .dtype = KVR_DTYPE_F16, .n_tokens = 6, .tokens = a };
+    kvr_put *t;
+    cr_assert_eq(kvr_store_put_begin(s, &pp, &t, &e), 0, "%s", e.msg);
+    int n_ctx = l.n_ctx;
+    cr_assert_eq(kvr_store_stat(s, "open", &ci, &e), KVR_EFETCH);
+    cr_assert_eq(l.n_ctx, n_ctx + 1);
+    cr_assert_str_eq(l.id, "open");
+    kvr_put_abort(t);
     /* Declined: the plain misses. */
     l.take = false;
     cr_assert_eq(kvr_store_stat(s, "far", &ci, &e), KVR_ENOCTX);
