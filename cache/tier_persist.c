@@ -92,6 +92,21 @@ static void enc_model(wbuf *w, const kvr_model *m)
     w_u64(w, m->fingerprint);
 }
 
+/* The next of c's blocks from extent *i on that is not marked ep yet (it
+ * is marked now), or NULL: each block once, in first-use order. */
+static kvr_block *next_unmarked(const kvr_ctx *c, size_t *i, uint32_t ep)
+{
+    for (; *i < c->n_ext; (*i)++) {
+        kvr_block *b = c->ext[*i].block;
+        if (b->mark != ep) {
+            b->mark = ep;
+            (*i)++;
+            return b;
+        }
+    }
+    return NULL;
+}
+
 /* Encodes c's state. Blocks without a valid disk copy get a zero handle
  * and an entry in *sp (leased) so the batch writes and patches them. */
 static int enc_ctx(kvr_store *s, kvr_ctx *c, pjob *j)
@@ -124,23 +139,15 @@ static int enc_ctx(kvr_store *s, kvr_ctx *c, pjob *j)
     /* Unique blocks, in first-use order. */
     uint32_t ep = ++s->epoch;
     uint32_t nb = 0;
-    for (size_t i = 0; i < c->n_ext; i++) {
-        kvr_block *b = c->ext[i].block;
-        if (b->mark != ep) {
-            b->mark = ep;
-            b->mcount = nb++;
-        }
-    }
+    kvr_block *b;
+    for (size_t i = 0; (b = next_unmarked(c, &i, ep)) != NULL;)
+        b->mcount = nb++;
     j->sp = kvr_mem_calloc(nb ? nb : 1, sizeof *j->sp);
     if (!j->sp)
         return KVR_ENOMEM;
     w_u32(w, nb);
     ep = ++s->epoch;
-    for (size_t i = 0; i < c->n_ext; i++) {
-        kvr_block *b = c->ext[i].block;
-        if (b->mark == ep)
-            continue;
-        b->mark = ep;
+    for (size_t i = 0; (b = next_unmarked(c, &i, ep)) != NULL;) {
         uint8_t hb[KVR_DISK_HANDLE_BYTES];
         memset(hb, 0, sizeof hb);
         if (b->disk && b->disk->used == b->used) {
@@ -169,13 +176,8 @@ static int enc_ctx(kvr_store *s, kvr_ctx *c, pjob *j)
     /* The blocks' metadata checksums, in the same order (tier.h). */
     w_u32(w, REC_MCRC_TAG);
     ep = ++s->epoch;
-    for (size_t i = 0; i < c->n_ext; i++) {
-        kvr_block *b = c->ext[i].block;
-        if (b->mark == ep)
-            continue;
-        b->mark = ep;
+    for (size_t i = 0; (b = next_unmarked(c, &i, ep)) != NULL;)
         w_u32(w, kvr_tier_meta_crc(b->quant ? b->data : NULL, b->stored_pos, b->cap, b->used));
-    }
     return w->oom ? KVR_ENOMEM : 0;
 }
 

@@ -55,9 +55,12 @@ int kvt_stream_put(kvr_store *s, const kvt_range *a, kvr_error *e)
     return rc;
 }
 
-uint8_t *kvt_get_all(kvr_store *s, const char *id, size_t *len, kvr_error *e)
+/* A whole get of id in dtype dt, worked, then its payload and (meta) its
+ * tokens, positions and flags into one malloc'd buffer. */
+static uint8_t *get_whole(kvr_store *s, const char *id, kvr_dtype dt, bool meta, size_t *len,
+                          kvr_error *e)
 {
-    kvr_get_params gp = { .ctx_id = id, .start = 0, .end = SIZE_MAX, .dtype = KVR_DTYPE_F32 };
+    kvr_get_params gp = { .ctx_id = id, .start = 0, .end = SIZE_MAX, .dtype = dt };
     kvr_get *g;
     if (kvr_store_get_begin(s, &gp, &g, e) != 0)
         return NULL;
@@ -66,7 +69,7 @@ uint8_t *kvt_get_all(kvr_store *s, const char *id, size_t *len, kvr_error *e)
         return NULL;
     }
     const kvr_get_info *gi = kvr_get_get_info(g);
-    *len = kvr_get_payload_size(g) + gi->n_tokens * (4 + 8 + 4);
+    *len = kvr_get_payload_size(g) + (meta ? gi->n_tokens * (4 + 8 + 4) : 0);
     uint8_t *out = malloc(*len ? *len : 1), *w = out;
     const struct iovec *iov;
     size_t ni;
@@ -75,11 +78,23 @@ uint8_t *kvt_get_all(kvr_store *s, const char *id, size_t *len, kvr_error *e)
         memcpy(w, iov[i].iov_base, iov[i].iov_len);
         w += iov[i].iov_len;
     }
-    memcpy(w, gi->tokens, gi->n_tokens * 4);
-    w += gi->n_tokens * 4;
-    memcpy(w, gi->positions, gi->n_tokens * 8);
-    w += gi->n_tokens * 8;
-    memcpy(w, gi->flags, gi->n_tokens * 4);
+    if (meta) {
+        memcpy(w, gi->tokens, gi->n_tokens * 4);
+        w += gi->n_tokens * 4;
+        memcpy(w, gi->positions, gi->n_tokens * 8);
+        w += gi->n_tokens * 8;
+        memcpy(w, gi->flags, gi->n_tokens * 4);
+    }
     kvr_get_end(g);
     return out;
+}
+
+uint8_t *kvt_get_all(kvr_store *s, const char *id, size_t *len, kvr_error *e)
+{
+    return get_whole(s, id, KVR_DTYPE_F32, true, len, e);
+}
+
+uint8_t *kvt_get_kv(kvr_store *s, const char *id, kvr_dtype dt, size_t *len, kvr_error *e)
+{
+    return get_whole(s, id, dt, false, len, e);
 }

@@ -38,5 +38,7 @@ int kvt_stream_put(kvr_store *s, const kvt_range *a, kvr_error *e);
 /* The whole context as f32, then its tokens, positions and flags (*len
  * bytes, the caller frees); NULL (the reason in *e) if the get failed. */
 uint8_t *kvt_get_all(kvr_store *s, const char *id, size_t *len, kvr_error *e);
+/* The K/V payload alone, in dtype dt ([layer][K|V][token][row]). */
+uint8_t *kvt_get_kv(kvr_store *s, const char *id, kvr_dtype dt, size_t *len, kvr_error *e);
 
 #endif /* KVR_TESTS_CACHE_STREAM_H */

@@ -459,42 +459,6 @@ Test(int_basic, list_stat_pin_delete_stats)
     kvr_client_free(ms);
 }
 
-/* A put whose payload never comes keeps its context busy (E_BUSY for a
- * delete meanwhile): header and message only, on a raw socket. */
-#include <sys/socket.h>
-#include <sys/un.h>
-#include "kvrope.pb-c.h"
-#include "proto/frame.h"
-
-static int open_put_without_payload(const char *sock, const char *ctx, const char *model)
-{
-    int fd = socket(AF_UNIX, SOCK_STREAM, 0);
-    struct sockaddr_un sa = { .sun_family = AF_UNIX };
-    if (strlen(sock) >= sizeof sa.sun_path)
-        return -1;
-    memcpy(sa.sun_path, sock, strlen(sock) + 1);
-    if (fd < 0 || connect(fd, (struct sockaddr *)&sa, sizeof sa) < 0)
-        return -1;
-    uint32_t tok[1] = { 5 };
-    Kvrope__Put p = KVROPE__PUT__INIT;
-    p.context_id = (char *)(uintptr_t)ctx;
-    p.model = (char *)(uintptr_t)model;
-    p.has_mode = 1;
-    p.mode = KVROPE__PUT_MODE__APPEND;
-    p.n_tokens = 1;
-    p.tokens = tok;
-    Kvrope__Request q = kvt_put_request(1, &p);
-    uint8_t buf[512];
-    size_t n = kvrope__request__pack(&q, buf + KVR_FRAME_HEADER_SIZE);
-    kvr_frame_header_encode(buf, (uint32_t)n, kvr_payload_size(T_LAYERS, 1, T_HEADS, T_DIM,
-                                                                KVR_DTYPE_F16));
-    if (write(fd, buf, KVR_FRAME_HEADER_SIZE + n) != (ssize_t)(KVR_FRAME_HEADER_SIZE + n)) {
-        close(fd);
-        return -1;
-    }
-    return fd;
-}
-
 Test(int_basic, deferred_deletes_ride_with_the_next_call)
 {
     cr_assert_eq(testd_register(C, "m", KVR_DTYPE_F16, NULL), 0);
@@ -555,7 +519,8 @@ Test(int_basic, deferred_deletes_ride_with_the_next_call)
 
     /* A deferred failure is counted and kept; it does not fail the call it
      * rode with. d3 is busy while a put into it waits for its payload. */
-    int raw = open_put_without_payload(D.sock, "d3", "m");
+    int raw = kvt_wire_open_put(D.sock, "d3", "m", KVROPE__PUT_MODE__APPEND,
+                                kvr_payload_size(T_LAYERS, 1, T_HEADS, T_DIM, KVR_DTYPE_F16));
     cr_assert_geq(raw, 0);
     /* Until it is busy (a put meanwhile only appends to d3). */
     for (int i = 0; i < 200 && testd_put(o, "d3", "m", KVR_DTYPE_F16, 3, 0, 0, 1) != KVR_EBUSY;

@@ -1721,29 +1721,13 @@ Test(int_cluster, stop_while_a_request_waits_for_a_fetch)
  * without reading anything (-1 on failure). */
 static int send_get_raw(const char *sock, const char *ctx)
 {
-    int fd = socket(AF_UNIX, SOCK_STREAM, 0);
-    struct sockaddr_un sa = { .sun_family = AF_UNIX };
-    if (fd < 0 || strlen(sock) >= sizeof sa.sun_path)
-        return -1;
-    memcpy(sa.sun_path, sock, strlen(sock) + 1);
-    if (connect(fd, (struct sockaddr *)&sa, sizeof sa) < 0) {
-        close(fd);
-        return -1;
-    }
     Kvrope__Get g = KVROPE__GET__INIT;
     g.context_id = (char *)(uintptr_t)ctx;
     Kvrope__Request q = KVROPE__REQUEST__INIT;
     q.id = 1;
     q.body_case = KVROPE__REQUEST__BODY_GET;
     q.get = &g;
-    uint8_t buf[512];
-    size_t n = kvrope__request__pack(&q, buf + KVR_FRAME_HEADER_SIZE);
-    kvr_frame_header_encode(buf, (uint32_t)n, 0);
-    if (write(fd, buf, KVR_FRAME_HEADER_SIZE + n) != (ssize_t)(KVR_FRAME_HEADER_SIZE + n)) {
-        close(fd);
-        return -1;
-    }
-    return fd;
+    return kvt_wire_send_raw(sock, &q, 0);
 }
 
 /* Opens a create-put of ctx (one token of the tiny model) on a raw
@@ -1751,33 +1735,8 @@ static int send_get_raw(const char *sock, const char *ctx)
  * put open) until the socket closes. The socket, or -1. */
 static int open_put_raw(const char *sock, const char *ctx)
 {
-    int fd = socket(AF_UNIX, SOCK_STREAM, 0);
-    struct sockaddr_un sa = { .sun_family = AF_UNIX };
-    if (fd < 0 || strlen(sock) >= sizeof sa.sun_path)
-        return -1;
-    memcpy(sa.sun_path, sock, strlen(sock) + 1);
-    if (connect(fd, (struct sockaddr *)&sa, sizeof sa) < 0) {
-        close(fd);
-        return -1;
-    }
-    uint32_t tok[1] = { 5 };
-    Kvrope__Put p = KVROPE__PUT__INIT;
-    p.context_id = (char *)(uintptr_t)ctx;
-    p.model = (char *)(uintptr_t)"tiny";
-    p.has_mode = 1;
-    p.mode = KVROPE__PUT_MODE__CREATE;
-    p.n_tokens = 1;
-    p.tokens = tok;
-    Kvrope__Request q = kvt_put_request(1, &p);
-    uint8_t buf[512];
-    size_t n = kvrope__request__pack(&q, buf + KVR_FRAME_HEADER_SIZE);
-    kvr_frame_header_encode(buf, (uint32_t)n, kvr_payload_size(T_LAYERS, 1, T_HEADS, T_DIM,
-                                                                KVR_DTYPE_F16));
-    if (write(fd, buf, KVR_FRAME_HEADER_SIZE + n) != (ssize_t)(KVR_FRAME_HEADER_SIZE + n)) {
-        close(fd);
-        return -1;
-    }
-    return fd;
+    return kvt_wire_open_put(sock, ctx, "tiny", KVROPE__PUT_MODE__CREATE,
+                             kvr_payload_size(T_LAYERS, 1, T_HEADS, T_DIM, KVR_DTYPE_F16));
 }
 
 /* A client's own put of an id is open on B (its payload not sent) while

@@ -205,22 +205,9 @@ Test(partial, forks_and_edits_of_a_partial_block)
 static uint8_t *get_kv_f16(kvr_store *s, const char *id, size_t *len)
 {
     kvr_error e = { 0 };
-    kvr_get_params gp = { .ctx_id = id, .start = 0, .end = SIZE_MAX, .dtype = KVR_DTYPE_F16 };
-    kvr_get *g;
-    cr_assert_eq(kvr_store_get_begin(s, &gp, &g, &e), 0, "get %s: %s", id, e.msg);
-    if (kvr_get_needs_work(g))
-        cr_assert_eq(kvr_get_work(g, &e), 0, "get %s: %s", id, e.msg);
-    *len = kvr_get_payload_size(g);
-    uint8_t *out = malloc(*len ? *len : 1), *w = out;
-    const struct iovec *iov;
-    size_t ni;
-    kvr_get_payload_iov(g, &iov, &ni);
-    for (size_t i = 0; i < ni; i++) {
-        memcpy(w, iov[i].iov_base, iov[i].iov_len);
-        w += iov[i].iov_len;
-    }
-    kvr_get_end(g);
-    return out;
+    uint8_t *g = kvt_get_kv(s, id, KVR_DTYPE_F16, len, &e);
+    cr_assert_not_null(g, "get %s: %s", id, e.msg);
+    return g;
 }
 
 /* An editor's keystrokes: 20 edits in a row, each inserting 3 tokens with
