@@ -1634,6 +1634,32 @@ static void *same_get_run(void *arg)
     return NULL;
 }
 
+/* Two clients' gets of one id, released at the same moment. */
+typedef struct get_pair {
+    pthread_barrier_t go;
+    same_get          s[2];
+    pthread_t         t[2];
+} get_pair;
+
+/* Starts both gets (c1's and c2's of id) and returns once they are released. */
+static void pair_start(get_pair *p, kvr_client *c1, kvr_client *c2, const char *id)
+{
+    kvr_client *c[2] = { c1, c2 };
+    pthread_barrier_init(&p->go, NULL, 3);
+    for (int k = 0; k < 2; k++) {
+        p->s[k] = (same_get){ .c = c[k], .go = &p->go, .id = id };
+        pthread_create(&p->t[k], NULL, same_get_run, &p->s[k]);
+    }
+    pthread_barrier_wait(&p->go);
+}
+
+static void pair_join(get_pair *p)
+{
+    for (int k = 0; k < 2; k++)
+        pthread_join(p->t[k], NULL);
+    pthread_barrier_destroy(&p->go);
+}
+
 /* Two clients of B get a context only the cluster holds at the same moment:
  * whichever misses while the other's fetch is landing waits for it (its own
  * put of the same id would be refused as "being written") and is then
@@ -1646,28 +1672,20 @@ Test(int_cluster, two_clients_get_one_id_at_once)
     cr_assert_eq(get_kv(CA, "both", 0, 0, NULL, &ka), 0);
     kvr_client *c1 = testd_connect(&B), *c2 = testd_connect(&B);
     cr_assert(c1 && c2);
-    pthread_barrier_t go;
-    pthread_barrier_init(&go, NULL, 3);
     double hits0 = testd_metric(CB, "remote_fetch_hits");
     for (int round = 0; round < ROUNDS; round++) {
-        same_get s1 = { .c = c1, .go = &go }, s2 = { .c = c2, .go = &go };
-        pthread_t t1, t2;
-        pthread_create(&t1, NULL, same_get_run, &s1);
-        pthread_create(&t2, NULL, same_get_run, &s2);
-        pthread_barrier_wait(&go);
-        pthread_join(t1, NULL);
-        pthread_join(t2, NULL);
-        cr_assert_eq(s1.rc, 0, "round %d, first client: %s", round, s1.err);
-        cr_assert_eq(s2.rc, 0, "round %d, second client: %s", round, s2.err);
-        assert_same(&ka, &s1.kv);
-        assert_same(&ka, &s2.kv);
-        kvr_kv_release(&s1.kv);
-        kvr_kv_release(&s2.kv);
+        get_pair p;
+        pair_start(&p, c1, c2, "both");
+        pair_join(&p);
+        for (int k = 0; k < 2; k++) {
+            cr_assert_eq(p.s[k].rc, 0, "round %d, client %d: %s", round, k + 1, p.s[k].err);
+            assert_same(&ka, &p.s[k].kv);
+            kvr_kv_release(&p.s[k].kv);
+        }
         cr_assert_eq(testd_metric(CB, "remote_fetch_hits"), hits0 + round + 1,
                      "round %d: B fetched the context more than once", round);
         cr_assert_eq(kvr_client_delete(CB, "both"), 0);
     }
-    pthread_barrier_destroy(&go);
     kvr_client_close(c1);
     kvr_client_close(c2);
     kvr_kv_release(&ka);
@@ -1686,24 +1704,16 @@ Test(int_cluster, stop_while_a_request_waits_for_a_fetch)
     cr_assert_eq(get_kv(CA, "late", 0, 0, NULL, &ka), 0);
     kvr_client *c1 = testd_connect(&B), *c2 = testd_connect(&B);
     cr_assert(c1 && c2);
-    pthread_barrier_t go;
-    pthread_barrier_init(&go, NULL, 3);
-    same_get s1 = { .c = c1, .go = &go, .id = "late" }, s2 = { .c = c2, .go = &go, .id = "late" };
-    pthread_t t1, t2;
-    pthread_create(&t1, NULL, same_get_run, &s1);
-    pthread_create(&t2, NULL, same_get_run, &s2);
-    pthread_barrier_wait(&go);
+    get_pair p;
+    pair_start(&p, c1, c2, "late");
     usleep(3000);
     cr_assert_eq(testd_stop(&B), 0, "B did not exit cleanly while a request waited for a fetch");
-    pthread_join(t1, NULL);
-    pthread_join(t2, NULL);
-    if (s1.rc == 0)
-        assert_same(&ka, &s1.kv);
-    if (s2.rc == 0)
-        assert_same(&ka, &s2.kv);
-    kvr_kv_release(&s1.kv);
-    kvr_kv_release(&s2.kv);
-    pthread_barrier_destroy(&go);
+    pair_join(&p);
+    for (int k = 0; k < 2; k++) {
+        if (p.s[k].rc == 0)
+            assert_same(&ka, &p.s[k].kv);
+        kvr_kv_release(&p.s[k].kv);
+    }
     kvr_client_close(c1);
     kvr_client_close(c2);
     kvr_kv_release(&ka);
