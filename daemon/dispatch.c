@@ -422,13 +422,23 @@ static void wait_work_cb(uv_work_t *w)
     (void)w;
 }
 
-static void wait_after_cb(uv_work_t *w, int status)
+/* Back on the loop after r's threadpool work: phase RUN; r's connection,
+ * which the queued work still holds a reference on (the caller drops it
+ * once r is handled). The wait and fetch works are never cancelled. */
+static kvr_conn *work_back(uv_work_t *w, kvr_request **out)
 {
-    (void)status;     /* never cancelled */
     kvr_request *r = w->data;
-    kvr_conn *c = r->c;
     assert(r->phase == RQ_WORK);
     r->phase = RQ_RUN;
+    *out = r;
+    return r->c;
+}
+
+static void wait_after_cb(uv_work_t *w, int status)
+{
+    (void)status;
+    kvr_request *r;
+    kvr_conn *c = work_back(w, &r);
     if (c->closing)
         kvr__request_end(r, KVR_EIO);
     else
@@ -509,11 +519,9 @@ static void fetch_done(kvr_request *r)
 
 static void fetch_after_cb(uv_work_t *w, int status)
 {
-    (void)status;     /* never cancelled */
-    kvr_request *r = w->data;
-    kvr_conn *c = r->c;
-    assert(r->phase == RQ_WORK);
-    r->phase = RQ_RUN;
+    (void)status;
+    kvr_request *r;
+    kvr_conn *c = work_back(w, &r);
     if (c->closing) {
         kvr__release_txn(r);
         kvr__request_end(r, KVR_EIO);
@@ -687,10 +695,8 @@ static void work_cb(uv_work_t *w)
 
 static void after_work_cb(uv_work_t *w, int status)
 {
-    kvr_request *r = w->data;
-    kvr_conn *c = r->c;
-    assert(r->phase == RQ_WORK);
-    r->phase = RQ_RUN;
+    kvr_request *r;
+    kvr_conn *c = work_back(w, &r);
     if (status < 0 && r->work_rc == 0) {
         r->work_rc = KVR_EINTERNAL;
         kvr_error_set(&r->work_err, KVR_EINTERNAL, "work cancelled");

@@ -7,6 +7,7 @@
 
 #include <criterion/criterion.h>
 #include <fcntl.h>
+#include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
 
@@ -53,4 +54,17 @@ int kvt_spill_until_refused(kvr_disk *d, const kvr_disk_buf *kb, kvr_disk_handle
                  kvr_error_name(rc), kvr_error_name(code), err.msg);
     cr_assert(strstr(err.msg, needle), "spill %d refused: '%s' names '%s'", n, err.msg, needle);
     return n;
+}
+
+void kvt_disk_fill_bufs(size_t n, const size_t *sizes, uint64_t seed, bool aligned,
+                        uint8_t **data, kvr_disk_buf *b)
+{
+    for (size_t i = 0; i < n; i++) {
+        if (aligned)
+            cr_assert_eq(posix_memalign((void **)&data[i], 4096, sizes[i]), 0);
+        else
+            cr_assert_not_null(data[i] = malloc(sizes[i]));
+        kvt_fill(data[i], sizes[i], seed + (uint64_t)i);
+        b[i] = (kvr_disk_buf){ .data = data[i], .len = sizes[i] };
+    }
 }

@@ -21,6 +21,12 @@ kvr_disk *kvt_disk_open(const kvr_disk_config *cfg, kvr_disk_record_fn on_record
                         kvr_disk_corrupt_fn on_corrupt, void *arg, kvr_disk_recovery *rs,
                         bool ready);
 
+/* n buffers: data[i] gets sizes[i] bytes (malloc'd, or 4096-aligned with
+ * aligned; the caller frees), filled with kvt_fill(seed + i), and b[i]
+ * describes it. */
+void kvt_disk_fill_bufs(size_t n, const size_t *sizes, uint64_t seed, bool aligned,
+                        uint8_t **data, kvr_disk_buf *b);
+
 /* The byte at off of path, xor mask, written back. */
 void kvt_flip_byte(const char *path, uint64_t off, uint8_t mask);
 

@@ -229,11 +229,7 @@ static void peek(kvr_disk_engine e)
     uint8_t *data[N];
     kvr_disk_handle h[N];
     kvr_disk_buf b[N];
-    for (int i = 0; i < N; i++) {
-        data[i] = malloc(sz[i]);
-        kvt_fill(data[i], sz[i], 900u + (uint64_t)i);
-        b[i] = (kvr_disk_buf){ .data = data[i], .len = sz[i] };
-    }
+    kvt_disk_fill_bufs(N, sz, 900, false, data, b);
     cr_assert_eq(kvr_disk_spill(d, b, N, h, true, &err), 0, "%s", err.msg);
     kvr_disk_close(d);
 
@@ -335,11 +331,7 @@ static void v2_damage(kvr_disk_engine e)
     uint8_t *data[V2N];
     kvr_disk_buf b[V2N];
     kvr_disk_handle h[V2N];
-    for (int i = 0; i < V2N; i++) {
-        cr_assert_eq(posix_memalign((void **)&data[i], 4096, v2_sizes[i]), 0);
-        kvt_fill(data[i], v2_sizes[i], 900u + (uint64_t)i);
-        b[i] = (kvr_disk_buf){ .data = data[i], .len = v2_sizes[i] };
-    }
+    kvt_disk_fill_bufs(V2N, v2_sizes, 900, true, data, b);
     cr_assert_eq(kvr_disk_spill(d, b, V2N, h, true, &err), 0, "%s", err.msg);
     for (int i = 1; i < V2N; i++)
         cr_assert_eq(h[i].seg, h[0].seg);

@@ -494,11 +494,7 @@ static void cross_path(kvr_disk_engine e, bool write_buffered)
     uint8_t *src[N];
     kvr_disk_buf bufs[N];
     kvr_disk_handle h[N];
-    for (int i = 0; i < N; i++) {
-        src[i] = malloc(sizes[i]);
-        kvt_fill(src[i], sizes[i], 1000u + (uint64_t)i);
-        bufs[i] = (kvr_disk_buf){ .data = src[i], .len = sizes[i] };
-    }
+    kvt_disk_fill_bufs(N, sizes, 1000, false, src, bufs);
     /* Batches of 1, 5 and 10 extents. */
     cr_assert_eq(kvr_disk_spill(d, bufs, 1, h, false, &err), 0, "%s", err.msg);
     cr_assert_eq(kvr_disk_spill(d, bufs + 1, 5, h + 1, false, &err), 0, "%s", err.msg);
