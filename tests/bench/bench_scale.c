@@ -54,8 +54,10 @@
 #endif
 
 #include "cache/cache.h"
+#include "tests/common/cache_stream.h"
 #include "tests/common/kvt.h"
 #include "tests/common/kvt_bench.h"
+#include "tests/common/kvt_store.h"
 
 typedef struct shape {
     const char *name;
@@ -166,6 +168,12 @@ static kvr_store *mk(size_t cap, const char *dir)
     return s;
 }
 
+/* kvt_put_try's fill: every byte *(const int *)arg. */
+static void fill_byte(void *arg, void *p, size_t n)
+{
+    memset(p, *(const int *)arg, n);
+}
+
 /* Context "c<c>" of len tokens (tok_of), its K/V written straight into the
  * put's payload (f16, the model's dtype: the daemon's zero-copy path). */
 static int put_ctx(kvr_store *s, size_t c, size_t len, bool persist, kvr_error *e)
@@ -179,22 +187,8 @@ static int put_ctx(kvr_store *s, size_t c, size_t len, bool persist, kvr_error *
                           .n_layers = cur->nl, .n_kv_heads = cur->nh, .head_dim = cur->hd,
                           .dtype = KVR_DTYPE_F16, .n_tokens = len, .tokens = tok,
                           .persist = persist };
-    kvr_put *t;
-    int rc = kvr_store_put_begin(s, &pp, &t, e);
-    if (rc != 0)
-        return rc;
-    const struct iovec *iov;
-    size_t ni;
-    kvr_put_payload_iov(t, &iov, &ni);
-    for (size_t i = 0; i < ni; i++)
-        memset(iov[i].iov_base, 0x30 + (int)(c & 15), iov[i].iov_len);
-    if (kvr_put_needs_work(t))
-        rc = kvr_put_work(t, e);
-    if (rc == 0)
-        rc = kvr_put_commit(t, NULL, e);
-    else
-        kvr_put_abort(t);
-    return rc;
+    int byte = 0x30 + (int)(c & 15);
+    return kvt_put_try(s, &pp, fill_byte, &byte, NULL, e);
 }
 
 /* Contexts of 256 .. max tokens (log-uniform) until `total` tokens; their

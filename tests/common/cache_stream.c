@@ -3,6 +3,7 @@
  * Compiled once into libtestcommon.a.
  */
 #include "tests/common/cache_stream.h"
+#include "tests/common/kvt_store.h"
 
 float kvt_val(uint32_t seed, int l, int kv, size_t t, size_t j)
 {
@@ -12,6 +13,34 @@ float kvt_val(uint32_t seed, int l, int kv, size_t t, size_t j)
     h *= 0x5bd1e995u;
     h ^= h >> 15;
     return (float)(h % 20001u) / 10000.0f - 1.0f;
+}
+
+/* (kvt_store.h; here, without Criterion, so benchmarks link it too) */
+int kvt_put_try(kvr_store *s, const kvr_put_params *p, kvt_fill_fn fill, void *arg,
+                kvr_put_result *res, kvr_error *e)
+{
+    kvr_put *t = NULL;
+    int rc = kvr_store_put_begin(s, p, &t, e);
+    if (rc)
+        return rc;
+    const struct iovec *iov;
+    size_t niov;
+    kvr_put_payload_iov(t, &iov, &niov);
+    for (size_t i = 0; i < niov; i++)
+        fill(arg, iov[i].iov_base, iov[i].iov_len);
+    if (kvr_put_needs_work(t) && (rc = kvr_put_work(t, e)) != 0) {
+        kvr_put_abort(t);
+        return rc;
+    }
+    return kvr_put_commit(t, res, e);
+}
+
+/* kvt_put_try's fill: the next bytes from *(const uint8_t **)arg. */
+static void copy_on(void *arg, void *p, size_t n)
+{
+    const uint8_t **src = arg;
+    memcpy(p, *src, n);
+    *src += n;
 }
 
 int kvt_stream_put(kvr_store *s, const kvt_range *a, kvr_error *e)
@@ -32,24 +61,8 @@ int kvt_stream_put(kvr_store *s, const kvt_range *a, kvr_error *e)
                           .head_dim = a->head_dim,
                           .dtype = KVR_DTYPE_F32, .n_tokens = n, .tokens = tok,
                           .codec = a->codec, .prefix_ctx = a->prefix, .persist = a->persist };
-    kvr_put *t;
-    int rc = kvr_store_put_begin(s, &pp, &t, e);
-    if (rc == 0) {
-        const struct iovec *iov;
-        size_t ni;
-        kvr_put_payload_iov(t, &iov, &ni);
-        const uint8_t *src = (const uint8_t *)p;
-        for (size_t i = 0; i < ni; i++) {
-            memcpy(iov[i].iov_base, src, iov[i].iov_len);
-            src += iov[i].iov_len;
-        }
-        if (kvr_put_needs_work(t))
-            rc = kvr_put_work(t, e);
-        if (rc == 0)
-            rc = kvr_put_commit(t, NULL, e);
-        else
-            kvr_put_abort(t);
-    }
+    const uint8_t *src = (const uint8_t *)p;
+    int rc = kvt_put_try(s, &pp, copy_on, &src, NULL, e);
     free(p);
     free(tok);
     return rc;

@@ -35,6 +35,7 @@ typedef struct kvt_range {
 /* 0 or the store's error (in *e; the put aborted). */
 int kvt_stream_put(kvr_store *s, const kvt_range *a, kvr_error *e);
 
+
 /* The whole context as f32, then its tokens, positions and flags (*len
  * bytes, the caller frees); NULL (the reason in *e) if the get failed. */
 uint8_t *kvt_get_all(kvr_store *s, const char *id, size_t *len, kvr_error *e);

@@ -76,25 +76,6 @@ kvr_store *kvt_store_open(const kvr_store_config *cfg, const kvr_tier_config *tc
     return s;
 }
 
-int kvt_put_try(kvr_store *s, const kvr_put_params *p, kvt_fill_fn fill, void *arg,
-                kvr_put_result *res, kvr_error *e)
-{
-    kvr_put *t = NULL;
-    int rc = kvr_store_put_begin(s, p, &t, e);
-    if (rc)
-        return rc;
-    const struct iovec *iov;
-    size_t niov;
-    kvr_put_payload_iov(t, &iov, &niov);
-    for (size_t i = 0; i < niov; i++)
-        fill(arg, iov[i].iov_base, iov[i].iov_len);
-    if (kvr_put_needs_work(t) && (rc = kvr_put_work(t, e)) != 0) {
-        kvr_put_abort(t);
-        return rc;
-    }
-    return kvr_put_commit(t, res, e);
-}
-
 void kvt_put(kvr_store *s, const kvr_put_params *p, kvt_fill_fn fill, void *arg)
 {
     kvr_error e = { 0 };
