@@ -94,16 +94,17 @@ class NumpyEngine:
         logits, new = self.forward([tokens[i]], [p], past if i > 0 else None)
         return self._decode(logits, L.kv_concat(past[0], new) if i > 0 else new, p, n, stop)
 
-    def complete(self, tokens, n, stop=None):
+    def complete(self, tokens, n, stop=None, pick=None):
         logits, cur = self.forward(tokens, np.arange(len(tokens)))
-        return self._decode(logits, cur, len(tokens) - 1, n, stop)
+        return self._decode(logits, cur, len(tokens) - 1, n, stop, pick)
 
-    def _decode(self, logits, cur, p, n, stop):
-        """Up to n greedy tokens after the one at position p (logits: its row
-        last; cur: the cache including it), stopping after `stop`."""
+    def _decode(self, logits, cur, p, n, stop, pick=None):
+        """Up to n tokens after the one at position p (logits: its row last;
+        cur: the cache including it), stopping after `stop`; each the argmax,
+        or pick(logits) (eval/infill.py's llama.vim sampler chain)."""
         out = []
         for _ in range(n):
-            t = int(np.argmax(logits[-1]))
+            t = int(np.argmax(logits[-1])) if pick is None else int(pick(logits[-1]))
             out.append(t)
             if t == stop or len(out) == n:
                 break

@@ -13,7 +13,6 @@ llama.cpp runs is made from these by `scripts/gen-gguf.py --hf eval/model
 """
 import json
 import os
-import shutil
 import sys
 
 import numpy as np
@@ -32,9 +31,15 @@ def main(argv):
     if bad:
         raise SystemExit(f"export: {bad[0]} has values that do not fit float16")
     np.savez_compressed(os.path.join(dst, "weights.npz"), **w)
-    shutil.copyfile(os.path.join(src, "config.json"), os.path.join(dst, "config.json"))
     with open(os.path.join(src, "train.json")) as f:
         meta = json.load(f)
+    with open(os.path.join(src, "config.json")) as f:
+        cfg = json.load(f)
+    # which /infill layout the FIM rows were written in: scripts/gen-gguf.py
+    # turns "spm" into the GGUF key kvrope serve reads (kvrope.infill.spm)
+    cfg["fim_order"] = "spm" if meta.get("spm") else "psm"
+    with open(os.path.join(dst, "config.json"), "w") as f:
+        json.dump(cfg, f, indent=1)
     meta["weights_dtype"] = "f16"
     init = meta.get("init")
     if init and os.path.exists(os.path.join(init, "train.json")):

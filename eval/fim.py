@@ -94,16 +94,31 @@ def _line_end(ft, c, nl):
 N_BATCHES = (128, 192, 256, 384)   # the /infill batch sizes a sample is laid out for
 
 
-def sample(rng, ft, seq, chunk_src=None, spm=False, n_batches=N_BATCHES):
+def sample(rng, ft, seq, chunk_src=None, spm=False, n_batches=N_BATCHES, line=None):
     """One FIM training sequence of seq + 1 tokens from file tokens ft (no BOS):
     the /infill prompt (a cursor, mostly mid-line with the rest of the line or a
     few lines as the middle, else a random span), then the middle and EOT,
     padded with FIM_PAD. chunk_src(rng) -> [(name, tokens)] gives other files'
-    chunks for the repo-level form (None: no extra)."""
+    chunks for the repo-level form (None: no extra). line: the share of
+    samples whose middle is exactly the rest of the cursor's line (the rest
+    split evenly between the rest of the line and more lines, and a random
+    span); None: 70% cursor cases with a geometric number of extra lines
+    (0 with p 0.6), 30% random spans."""
     n = len(ft)
     nl = np.flatnonzero(ft == corpus.encode(b"\n", bos=False)[0])
     c = int(rng.integers(0, n))
-    if rng.random() < 0.7:   # the editor's case: cursor in a line, the rest of it (+ lines)
+    u = rng.random()
+    if line is not None:
+        if u < line:
+            e = _line_end(ft, c, nl)
+        elif u < line + (1 - line) / 2:
+            e = _line_end(ft, c, nl)
+            for _ in range(int(rng.geometric(0.5))):
+                if e < n:
+                    e = _line_end(ft, e + 1, nl)
+        else:
+            e = min(n, c + int(rng.integers(0, 160)))
+    elif u < 0.7:   # the editor's case: cursor in a line, the rest of it (+ lines)
         e = _line_end(ft, c, nl)
         for _ in range(int(rng.geometric(0.6)) - 1):
             if e < n:

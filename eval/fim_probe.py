@@ -73,6 +73,9 @@ def main(argv):
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--cases", type=int, default=0, help="middle-line cursors a held-out file (0: skip)")
     ap.add_argument("--files", type=int, default=12, help="held-out files for --cases")
+    ap.add_argument("--batch", type=int, default=0,
+                    help="the server's -b for --cases (its -c is then -b + 256; default eval/infill.py's "
+                         "-c 384 -b 192): 768 keeps ~180 bytes of suffix")
     a = ap.parse_args(argv)
     torch.set_num_threads(a.threads)
     m, cfg = load(a.model)
@@ -122,13 +125,16 @@ def held_out_cases(a):
     eng = engines.NumpyEngine(a.model)
     _, ho = corpus.split()
     cs = infill.cases(ho[:a.files], a.cases)
+    if a.batch:
+        infill.SERVER.update(n_batch=a.batch, n_ctx=a.batch + 256)
     srv = infill.SERVER
     lays = {"left to right": lambda c: infill.prompt_tokens(c, "ltr"),
             "FIM, PSM": lambda c: fim.format_infill(c["prefix"], c["suffix"], c["prompt"], [], **srv),
             "FIM, SPM": lambda c: fim.format_infill(c["prefix"], c["suffix"], c["prompt"], [], spm=True, **srv)}
-    print(f"held-out middle-line cases: {len(cs)} ({a.cases} a file, {a.files} files)")
+    print(f"held-out middle-line cases: {len(cs)} ({a.cases} a file, {a.files} files), "
+          f"-c {srv['n_ctx']} -b {srv['n_batch']}")
     for name, build in lays.items():
-        first, mean, exact, by_pos, end = [], [], 0, {}, []
+        first, mean, exact, vim, by_pos, end = [], [], 0, 0, {}, []
         for c in cs:
             p = build(c)
             tgt = fim.enc(c["target"]) + ([infill.NEWLINE] if name == "left to right" else [fim.EOT])
@@ -142,8 +148,13 @@ def held_out_cases(a):
                 by_pos.setdefault(i, []).append(b)
             end.append(bits[-1])
             exact += infill.score(c, eng.complete(p, len(c["target"]) + 1, stop=infill.NEWLINE))["exact"]
+            if name != "left to right":   # as llama.vim asks: its sampler chain (infill.vim_pick)
+                vim += infill.score(c, eng.complete(p, len(c["target"]) + 1, stop=infill.NEWLINE,
+                                                    pick=infill.vim_pick))["exact"]
         print(f"  {name:14s} first byte {np.mean(first):.2f} bits, line {np.mean(mean):.2f} bits/token, "
-              f"exact {exact}/{len(cs)}; bytes 1-4: "
+              f"exact {exact}/{len(cs)}"
+              + (f" (llama.vim's sampler chain {vim}/{len(cs)})" if name != "left to right" else "")
+              + "; bytes 1-4: "
               + " ".join(f"{np.mean(by_pos[i]):.2f}" for i in sorted(by_pos))
               + f", the line's end (newline / EOT) {np.mean(end):.2f}")
 

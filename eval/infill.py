@@ -14,7 +14,10 @@ top-level modules count as one package). llama-server started with -c 384
 -b 192 -n 32 builds the prompt (eval/fim.py format_infill: prefix cut to its
 last 144 tokens, suffix to 46 minus the prompt, extra context to its last
 128 tokens), so a prompt stays within the 320-token rows the model was
-fine-tuned on for FIM. Rows:
+fine-tuned on for FIM (eval/fim_probe.py --batch 768 measures the same
+cases with ~180 bytes of suffix). The layout is the one the model was
+trained on: suffix first (llama-server --spm-infill) when its config.json
+says "fim_order": "spm", else PSM. Rows:
 
   left to right   <s> + the same prefix and prompt, no FIM tokens, no suffix
   FIM             /infill without input_extra
@@ -72,13 +75,44 @@ def cases(rels, per_file, root=corpus.ROOT):
     return out
 
 
-def prompt_tokens(case, row):
+def spm_of(config):
+    """Whether a model (its config.json) was trained on the suffix-first
+    /infill layout (eval/export.py writes "fim_order")."""
+    return config.get("fim_order", "psm") == "spm"
+
+
+def prompt_tokens(case, row, spm=False):
     if row == "ltr":
         # the same prefix llama-server keeps (its last 3/4 of the batch) and the prompt
         p = fim.enc(case["prefix"])
         return [corpus.BOS] + p[max(0, len(p) - 3 * (SERVER["n_batch"] // 4)):] + fim.enc(case["prompt"])
     chunks = [(f, t) for f, t in case["chunks"]] if row == "fim_extra" else []
-    return fim.format_infill(case["prefix"], case["suffix"], case["prompt"], chunks, **SERVER)
+    return fim.format_infill(case["prefix"], case["suffix"], case["prompt"], chunks, spm=spm, **SERVER)
+
+
+EOG = (2, fim.PAD, fim.REP, fim.SEP, fim.EOT)   # llama_vocab_is_eog here: </s> and four FIM tokens
+
+
+def vim_pick(logits, top_k=40, top_p=0.99):
+    """The token llama.vim's /infill sampler chain leaves on top, decoded
+    greedily: top_k 40, top_p 0.99, then llama.cpp's infill sampler (end of
+    generation when 3 p(eog) n > p(text) among the n candidates left, or when
+    no text token has p >= 0.2 of them; byte tokens never prefix one another,
+    so its merge step changes nothing here), then the likeliest that is left.
+    The same chain as kvrope serve's (client/llama/worker_serve_sample.c)."""
+    lg = np.asarray(logits, dtype=np.float64)
+    idx = np.argsort(-lg, kind="stable")[:top_k]
+    p = np.exp(lg[idx] - lg[idx[0]])
+    p /= p.sum()
+    keep = int(np.searchsorted(np.cumsum(p), top_p) + 1)   # top_p: smallest set reaching it
+    idx, p = idx[:keep], p[:keep] / p[:keep].sum()
+    eog = np.isin(idx, EOG)
+    pe, pt = p[eog].sum(), p[~eog].sum()
+    if 3 * pe * len(idx) > pt:
+        return int(idx[eog][0])
+    if not (p[~eog] >= 0.2).any():
+        return fim.EOT
+    return int(idx[0])
 
 
 def completion_line(ids):
@@ -110,10 +144,11 @@ def score(case, ids):
 def run(engine, cases_, rows=tuple(r for r, _ in ROWS), log=None):
     """{row: {"exact": rate, "right_before_miss": mean share, "n": cases, "per_case": [...]}}"""
     res = {}
+    spm = spm_of(engine.config)
     for row in rows:
         per = []
         for i, c in enumerate(cases_):
-            ids = engine.complete(prompt_tokens(c, row), len(c["target"]) + 1, stop=NEWLINE)
+            ids = engine.complete(prompt_tokens(c, row, spm), len(c["target"]) + 1, stop=NEWLINE)
             per.append(score(c, ids))
             if log and i % 20 == 19:
                 log(f"  infill {row} {i + 1}/{len(cases_)}")

@@ -568,15 +568,17 @@ def model_paragraph(meta):
                      f"tokens seen, {m['train_seconds'] / 60:.0f} min of wall time, "
                      f"{m['tokens_seen'] / max(1.0, m['train_seconds']) / 1e3:.1f} k tokens a second"
                      + (", bfloat16 matrix products" if m.get("bf16") else "") + ")")
+    order = ("SPM: suffix first, as llama-server --spm-infill builds it; the GGUF says so and kvrope serve "
+             "follows" if meta.get("spm") else "PSM")
     p = meta.get("init_model")
     if p:
         body = (f"first left to right, {run(p)}, then from those weights {run(meta)} with "
                 f"{meta['fim_rate']:.0%} of the rows fill-in-the-middle samples laid out as llama-server's "
-                f"/infill prompt (PSM; {meta['repo_share']:.0%} of them with the repo-level FIM_REP / FIM_SEP "
+                f"/infill prompt ({order}; {meta['repo_share']:.0%} of them with the repo-level FIM_REP / FIM_SEP "
                 "context of input_extra; eval/fim.py), the rest left to right. ")
     elif meta.get("fim_rate"):
         body = (f"from random weights, {run(meta)}, with {meta['fim_rate']:.0%} of the rows "
-                "fill-in-the-middle samples laid out as llama-server's /infill prompt (PSM; "
+                f"fill-in-the-middle samples laid out as llama-server's /infill prompt ({order}; "
                 f"{meta['repo_share']:.0%} of them with the repo-level FIM_REP / FIM_SEP context of input_extra; "
                 f"a middle's tokens weigh {meta.get('mid_weight', 1):g} in the loss; eval/fim.py), the rest left "
                 "to right. ")

@@ -243,9 +243,9 @@ class Batches:
     resumes and repeats exactly."""
 
     def __init__(s, files, data, starts, seed, fim_rate, repo_share, pack=False, spm=False,
-                 n_batches=fim.N_BATCHES):
+                 n_batches=fim.N_BATCHES, line=None):
         s.files, s.data, s.starts = files, data, starts
-        s.pack, s.spm, s.n_batches = pack, spm, n_batches
+        s.pack, s.spm, s.n_batches, s.line = pack, spm, n_batches, line
         s.ends = np.append(starts[1:], len(data))
         s.seed, s.fim_rate, s.repo_share = seed, fim_rate, repo_share
         by_dir = {}
@@ -278,7 +278,7 @@ class Batches:
             if s.ends[i] - s.starts[i] < 16:
                 continue
             src = s.chunks(i) if rng.random() < s.repo_share else None
-            row = fim.sample(rng, s.tokens(i), seq, src, s.spm, s.n_batches)
+            row = fim.sample(rng, s.tokens(i), seq, src, s.spm, s.n_batches, s.line)
             if row is not None:
                 return row
 
@@ -350,6 +350,9 @@ def main(argv):
     p.add_argument("--fim-batches", default=",".join(map(str, fim.N_BATCHES)),
                    help="the /infill batch sizes FIM samples are laid out for (prefix <= 3/4, suffix <= 1/4 "
                         "of one): smaller ones pack more middles into a row")
+    p.add_argument("--fim-line", type=float, default=None,
+                   help="share of FIM samples whose middle is exactly the rest of the cursor's line "
+                        "(default: eval/fim.py sample's mix)")
     p.add_argument("--fim-pack", action="store_true",
                    help="fill a FIM row's padding with further FIM samples (more middles a step)")
     p.add_argument("--eval-every", type=int, default=100)
@@ -374,7 +377,7 @@ def main(argv):
     data, starts = stream(train_files)
     held_ids = stream(held)[0]
     batches = Batches(train_files, data, starts, a.seed, a.fim, a.repo, a.fim_pack, a.spm,
-                      tuple(int(v) for v in a.fim_batches.split(",")))
+                      tuple(int(v) for v in a.fim_batches.split(",")), a.fim_line)
     cfg = dict(SHAPE, hidden_size=a.hidden, num_hidden_layers=a.layers, num_attention_heads=a.heads,
                num_key_value_heads=a.kv_heads, head_dim=a.head_dim, intermediate_size=a.ffn)
     torch.manual_seed(a.seed)
@@ -462,7 +465,7 @@ def main(argv):
     meta = {"held_out_bpb": bpb, "held_out_files": len(held), "held_out_tokens": int(len(held_ids)),
             "train_files": len(train_files), "train_tokens": int(len(data)), "steps": a.steps,
             "batch": a.batch, "seq": a.seq, "context": a.context, "bf16": a.bf16, "lr": a.lr, "seed": a.seed, "threads": a.threads,
-            "decay": a.decay, "init": a.init, "init_weights_sha256": init_sha, "fim_rate": a.fim, "mid_weight": a.mid_weight, "repo_share": a.repo, "fim_pack": a.fim_pack, "spm": a.spm, "fim_batches": a.fim_batches, "mid_first": a.mid_first, "mid_first_weight": a.mid_first_weight, "vocab": cfg["vocab_size"],
+            "decay": a.decay, "init": a.init, "init_weights_sha256": init_sha, "fim_rate": a.fim, "mid_weight": a.mid_weight, "repo_share": a.repo, "fim_pack": a.fim_pack, "spm": a.spm, "fim_batches": a.fim_batches, "fim_line": a.fim_line, "mid_first": a.mid_first, "mid_first_weight": a.mid_first_weight, "vocab": cfg["vocab_size"],
             "tokens_seen": a.steps * a.batch * a.seq, "long_from": a.long_from, "train_seconds": round(spent, 1),
             "wall_seconds_last_run": round(time.time() - t_run, 1),
             "cpu_seconds_last_run": round(time.process_time() - c_run, 1),

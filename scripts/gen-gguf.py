@@ -180,6 +180,10 @@ def parse_args(argv):
     p.add_argument("--hf", default=None, help="trained weights: a directory with config.json (the shape) and weights.npz (HF tensor names)")
     p.add_argument("--fim", action="store_true",
                    help="add the fill-in-the-middle tokens (ids 260..266) and their GGUF keys")
+    p.add_argument("--spm-infill", action="store_true",
+                   help="write kvrope.infill.spm = true: the model was trained on /infill's suffix-first "
+                        "layout, and kvrope serve lays its prompts out so (implied by an --hf config "
+                        "with \"fim_order\": \"spm\")")
     a = p.parse_args(argv)
     a.weights = None
     if a.hf is not None:
@@ -191,6 +195,8 @@ def parse_args(argv):
 
     def die(msg):
         p.error(msg)
+    if a.spm_infill and not a.fim:
+        die("--spm-infill needs the FIM tokens (--fim)")
     if min(a.layers, a.width, a.heads, a.kv_heads, a.head_dim, a.ffn) <= 0:
         die("shape values must be positive")
     if a.heads % a.kv_heads:
@@ -246,6 +252,8 @@ def hf_shape(a, p):
     a.weights = {k: w[k] for k in w.files}
     if int(c["vocab_size"]) == len(vocab(True)[0]):
         a.fim = True
+    if c.get("fim_order", "psm") == "spm":
+        a.spm_infill = True
     elif int(c["vocab_size"]) != len(vocab(a.fim)[0]):
         p.error("--hf: vocab_size %s, the byte tokenizer has %d (%d with the FIM tokens)"
                 % (c["vocab_size"], len(vocab(False)[0]), len(vocab(True)[0])))
@@ -349,6 +357,8 @@ def main(argv):
     if a.fim:
         for i, (_, _, key) in enumerate(FIM_TOKENS):
             kv.u32(key, FIM_FIRST_ID + i)
+    if a.spm_infill:
+        kv.b("kvrope.infill.spm", True)
 
     tlist = tensors(a, n_vocab)
     wtype = GGML_F16 if a.dtype == "f16" else GGML_F32

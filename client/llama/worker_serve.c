@@ -1968,8 +1968,8 @@ static void on_completed(void *cls, struct MHD_Connection *c, void **con_cls,
 static const char serve_usage[] =
 "usage: kvrope-llama --model M.gguf [--socket S] [--threads N] serve [--listen HOST:PORT]\n"
 "        [--parallel N] [--ctx-size N] [--kv-size N] [--batch-size N] [--n-predict N]\n"
-"        [--api-key-file F] [--refresh K] [--alias NAME] [--repair P] [--spm-infill]\n"
-"        [--persist]\n"
+"        [--api-key-file F] [--refresh K] [--alias NAME] [--repair P]\n"
+"        [--spm-infill | --no-spm-infill] [--persist]\n"
 "  llama-server's HTTP API (/completion, /infill, /v1/completions, /v1/chat/completions,\n"
 "  /tokenize, /detokenize, /apply-template, /health, /props, /v1/models, /metrics,\n"
 "  /slots) on the model, kvroped as its cache. --listen defaults to 127.0.0.1:8080;\n"
@@ -1977,7 +1977,9 @@ static const char serve_usage[] =
 "  placed anywhere in a prompt are repaired (none, epic:K, blend:SHARE[@L], all,\n"
 "  joined by '+'; default epic:16, docs/eval.md). --spm-infill: /infill puts the\n"
 "  suffix first (FIM_SUF suffix FIM_PRE prefix FIM_MID), as llama-server's flag of\n"
-"  that name. --n-predict (-n): a request's default n_predict (-1: to the end of the\n"
+"  that name; the default when the model's GGUF has kvrope.infill.spm = true\n"
+"  (scripts/gen-gguf.py --spm-infill), which --no-spm-infill overrides.\n"
+"  --n-predict (-n): a request's default n_predict (-1: to the end of the\n"
 "  context), which /infill's budget for input_extra also uses, as llama-server's -n.\n"
 "  --persist: the slots' sessions are persistent, so a kvroped with --disk-dir keeps\n"
 "  them across its restart (ignored with a warning when it has no disk tier).\n"
@@ -2105,8 +2107,9 @@ int kvr__wk_serve_main(kvr__wk_env *e, const char *model_path, const char *socke
             s->o.api_key_file = v, i++;
         } else if (!strcmp(a, "--persist")) {
             s->o.persist = true;
-        } else if (!strcmp(a, "--spm-infill")) {
-            s->o.spm_infill = true;
+        } else if (!strcmp(a, "--spm-infill") || !strcmp(a, "--no-spm-infill")) {
+            s->o.spm_infill = a[2] == 's';
+            s->o.spm_infill_set = true;
         } else if (!strcmp(a, "--alias") && v) {
             s->o.alias = v, i++;
         } else if (!strcmp(a, "--repair") && v) {
@@ -2214,6 +2217,18 @@ int kvr__wk_serve_main(kvr__wk_env *e, const char *model_path, const char *socke
     }
     s->n_batch = s->o.n_batch ? s->o.n_batch : s->n_ctx / 2 < 2048 ? s->n_ctx / 2 : 2048;
     s->vocab = llama_model_get_vocab(kvr__wk_lm_model(e->lm));
+    /* A model trained on the suffix-first layout says so (scripts/gen-gguf.py
+     * writes kvrope.infill.spm for eval/model): /infill then lays it out that
+     * way without --spm-infill. llama-server has no such key: started on that
+     * model it needs the flag. */
+    char spm[8];
+    if (!s->o.spm_infill_set &&
+        llama_model_meta_val_str(kvr__wk_lm_model(e->lm), "kvrope.infill.spm", spm, sizeof spm) > 0 &&
+        !strcmp(spm, "true")) {
+        s->o.spm_infill = true;
+        fprintf(stderr, "kvrope serve: the model was trained suffix first (kvrope.infill.spm): "
+                "/infill lays its prompt out as --spm-infill\n");
+    }
     /* reuse anywhere: the daemon's cover verb (a daemon without it refuses
      * the call, and the engine goes on with prefix and PIE reuse) */
     e->cover = (kvr__wk_cover_api){ kvr_client_cover, kvr_client_cover_get, kvr_cover_release };

@@ -49,6 +49,7 @@ typedef struct srv_opts {
     uint32_t    idle_ms;         /* idle time before background refresh; default 300 */
     const char *alias;           /* model name in responses; default the file's name */
     bool        spm_infill;      /* /infill lays out suffix first (llama-server's --spm-infill) */
+    bool        spm_infill_set;  /* by --spm-infill / --no-spm-infill, not by the model's key */
     bool        persist;         /* sessions put persistent (kvroped's disk tier keeps them) */
     kvr__wk_repair_opts repair;   /* seams of placed runs (reuse anywhere); default
                                     EPIC first KVR_WK_REPAIR_DEFAULT_K */

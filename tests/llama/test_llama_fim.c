@@ -11,7 +11,11 @@
  *    token; EOT, pad, rep and sep end generation (llama_vocab_is_eog);
  *  - the text of each token, tokenized with special parsing, is that one id,
  *    and ordinary text still tokenizes to one byte token per byte;
- *  - a model written without --fim reports no FIM tokens (LLAMA_TOKEN_NULL).
+ *  - a model written without --fim reports no FIM tokens (LLAMA_TOKEN_NULL);
+ *  - the /infill layout a model was trained on: --spm-infill (or an --hf
+ *    config with "fim_order": "spm") writes kvrope.infill.spm = true, which
+ *    kvrope serve reads through llama_model_meta_val_str; without it the key
+ *    is absent (PSM), and --spm-infill without --fim is refused.
  */
 #include <criterion/criterion.h>
 #include <libgen.h>
@@ -118,4 +122,26 @@ Test(llama_fim, generated_model_without_fim_has_none)
     cr_expect_eq(llama_vocab_fim_rep(v), LLAMA_TOKEN_NULL);
     cr_expect_eq(llama_vocab_fim_sep(v), LLAMA_TOKEN_NULL);
     llama_model_free(m);
+}
+
+/* kvrope.infill.spm as libllama reads it back: "true", or absent (< 0). */
+static int spm_key(const char *path, char *val, size_t cap)
+{
+    struct llama_model *m = llama_model_load_from_file(path, llama_model_default_params());
+    cr_assert_not_null(m, "libllama could not load %s", path);
+    int n = llama_model_meta_val_str(m, "kvrope.infill.spm", val, cap);
+    llama_model_free(m);
+    return n;
+}
+
+Test(llama_fim, the_trained_layout_is_in_the_gguf)
+{
+    char path[400], val[16];
+    cr_assert_eq(lt_gen_model(path, sizeof path, dir, "spm", "--layers 2 --width 64 --heads 2 --fim --spm-infill"),
+                 0);
+    cr_expect(spm_key(path, val, sizeof val) > 0 && !strcmp(val, "true"), "kvrope.infill.spm: %s", val);
+    cr_assert_eq(lt_gen_model(path, sizeof path, dir, "psm", "--layers 2 --width 64 --heads 2 --fim"), 0);
+    cr_expect_lt(spm_key(path, val, sizeof val), 0, "a PSM model has kvrope.infill.spm");
+    cr_expect_neq(lt_gen_model(path, sizeof path, dir, "nofim", "--layers 2 --width 64 --heads 2 --spm-infill"), 0,
+                  "--spm-infill without --fim was accepted");
 }

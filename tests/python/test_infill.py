@@ -55,6 +55,26 @@ def test_fim_ids_follow_the_bytes():
     assert corpus.VOCAB == 267 and not corpus.is_byte_id(fim.PRE) and corpus.is_byte_id(259)
 
 
+def test_vim_pick_is_llama_vims_chain():
+    """eval/infill.py's vim_pick: top_k 40, top_p 0.99, llama.cpp's infill
+    sampler, then the likeliest left (kvrope serve's chain, decoded greedily)."""
+    import numpy as np
+    lg = np.full(corpus.VOCAB, -30.0)
+    a, b = fim.enc("a")[0], fim.enc("b")[0]
+    lg[a], lg[b] = 3.0, 1.0                 # a clear text token: it is the pick
+    assert I.vim_pick(lg) == a
+    lg2 = lg.copy()
+    lg2[fim.EOT] = 0.0                      # p(EOT) 0.04 of 3 left by top_p: 3 p n < p(text)
+    assert I.vim_pick(lg2) == a
+    lg2[fim.EOT] = 1.5                      # p(EOT) 0.16: 3 p n > p(text) -> the end
+    assert I.vim_pick(lg2) == fim.EOT
+    flat = np.full(corpus.VOCAB, -30.0)
+    flat[[fim.enc(c)[0] for c in "abcdefgh"]] = 0.0   # no text token reaches 0.2: the end
+    assert I.vim_pick(flat) == fim.EOT
+    flat[a] = 2.0                           # one does: it is the pick
+    assert I.vim_pick(flat) == a
+
+
 @pytest.fixture(scope="module")
 def results():
     _, held = corpus.split()

@@ -65,14 +65,14 @@ class Server(Daemon):
     """build/kvrope-llama serve on 127.0.0.1:<free port> against a kvroped socket
     (log() and stop() as conftest.Daemon's: SIGTERM, wait, the exit status)."""
 
-    def __init__(self, sock, *flags, port=None, ready_timeout=60.0):   # noqa: super not called
+    def __init__(self, sock, *flags, port=None, ready_timeout=60.0, model=None):   # noqa: super not called
         need_build()
         self.port = port or free_tcp_port()
         self.dir = tempfile.mkdtemp(prefix="kvr-serve-")
         self.log_path = os.path.join(self.dir, "serve.log")
         self._log = open(self.log_path, "wb")
         env = {k: v for k, v in os.environ.items() if not k.startswith("LLAMA_ARG_")}
-        self.argv = [KVL, "--model", MODEL, "--socket", sock, "--threads", "1", "serve",
+        self.argv = [KVL, "--model", model or MODEL, "--socket", sock, "--threads", "1", "serve",
                      "--listen", f"127.0.0.1:{self.port}", *flags]
         self.proc = subprocess.Popen(self.argv, stdout=self._log, stderr=subprocess.STDOUT,
                                      stdin=subprocess.DEVNULL, env=env)
@@ -525,20 +525,25 @@ def test_infill_layout_truncation(servers):
     assert json.loads(props)["default_generation_settings"]["params"]["n_predict"] == 8
 
 
-@pytest.mark.parametrize("spm", [True, False])
-def test_infill_spm_layout(servers, spm):
+@pytest.mark.parametrize("flag", ["--spm-infill", "--no-spm-infill", None])
+def test_infill_spm_layout(servers, flag):
     """--spm-infill lays /infill out suffix first, as llama-server's flag does
-    (eval/fim.py format_infill(spm=True)). Compared token for token through
-    the cache: a /completion whose prompt is the expected token list, sent to
-    the same slot, finds all of it but the last token cached (it is decoded
-    again for its logits); the PSM order would match only up to its first
-    FIM token. Without the flag the same request keeps the PSM order (a
-    daemon each: neither order is in kvroped before its server sends it)."""
+    (eval/fim.py format_infill(spm=True)); --no-spm-infill prefix first;
+    without either, the order the model was trained on (eval/model's
+    config.json fim_order, which scripts/gen-gguf.py writes into the GGUF as
+    kvrope.infill.spm). Compared token for token through the cache: a
+    /completion whose prompt is the expected token list, sent to the same
+    slot, finds all of it but the last token cached (it is decoded again for
+    its logits); the other order would match only up to its first FIM token
+    (a daemon each: neither order is in kvroped before its server sends it)."""
+    with open(os.path.join(ROOT, "eval", "model", "config.json")) as f:
+        trained_spm = json.load(f).get("fim_order", "psm") == "spm"
+    spm = flag == "--spm-infill" or (flag is None and trained_spm)
     sys.path.insert(0, os.path.join(ROOT, "eval"))
     import fim
     req = {"input_prefix": "def add(a, b):\n    return ", "input_suffix": "\n\nprint(add(1, 2))\n",
            "prompt": "a", "n_predict": 1, "temperature": 0, "id_slot": 0}
-    s = servers("--ctx-size", "512", "--batch-size", "128", *(["--spm-infill"] if spm else []))
+    s = servers("--ctx-size", "512", "--batch-size", "128", *([flag] if flag else []))
     st, r = s.post("/infill", req)
     assert st == 200, r
     want = fim.format_infill(req["input_prefix"].encode(), req["input_suffix"].encode(), b"a", [],
@@ -552,6 +557,30 @@ def test_infill_spm_layout(servers, spm):
     st, c = s.post("/completion", {"prompt": other, "n_predict": 1, "temperature": 0, "id_slot": 0})
     assert st == 200, c
     assert c["timings"]["cache_n"] < len(want) - 1, (spm, c["timings"])
+
+
+def test_infill_layout_from_the_model(servers, tmp_path):
+    """A GGUF that says it was trained suffix first (kvrope.infill.spm, written
+    by scripts/gen-gguf.py --spm-infill) gets the SPM layout without the flag;
+    --no-spm-infill still lays it out prefix first."""
+    sys.path.insert(0, os.path.join(ROOT, "eval"))
+    import fim
+    gguf = str(tmp_path / "spm.gguf")
+    subprocess.run(["/usr/bin/python3", os.path.join(ROOT, "scripts", "gen-gguf.py"), "-o", gguf,
+                    "--hf", os.path.join(ROOT, "eval", "model"), "--dtype", "f16", "--spm-infill"],
+                   check=True, capture_output=True)
+    req = {"input_prefix": "x = 1\n", "input_suffix": "\ny = 2\n", "prompt": "z", "n_predict": 1,
+           "temperature": 0, "id_slot": 0}
+    for flags, spm in (((), True), (("--no-spm-infill",), False)):
+        s = servers("--ctx-size", "512", "--batch-size", "128", *flags, model=gguf)
+        assert ("trained suffix first" in s.log()) == spm, s.log()
+        st, r = s.post("/infill", req)
+        assert st == 200, r
+        want = fim.format_infill(b"x = 1\n", b"\ny = 2\n", b"z", [], n_batch=128, n_ctx=512, n_predict=1,
+                                 spm=spm)
+        st, c = s.post("/completion", {"prompt": want, "n_predict": 1, "temperature": 0, "id_slot": 0})
+        assert st == 200, c
+        assert c["timings"]["cache_n"] == len(want) - 1, (flags, c["timings"])
 
 
 # ---- the cache across processes --------------------------------------------------
