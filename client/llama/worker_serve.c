@@ -2218,9 +2218,9 @@ int kvr__wk_serve_main(kvr__wk_env *e, const char *model_path, const char *socke
     s->n_batch = s->o.n_batch ? s->o.n_batch : s->n_ctx / 2 < 2048 ? s->n_ctx / 2 : 2048;
     s->vocab = llama_model_get_vocab(kvr__wk_lm_model(e->lm));
     /* A model trained on the suffix-first layout says so (scripts/gen-gguf.py
-     * writes kvrope.infill.spm for eval/model): /infill then lays it out that
-     * way without --spm-infill. llama-server has no such key: started on that
-     * model it needs the flag. */
+     * --spm-infill, or an --hf config with fim_order "spm", writes kvrope.infill.spm):
+     * /infill then lays it out that way without --spm-infill. llama-server has
+     * no such key: started on that model it needs the flag. */
     char spm[8];
     if (!s->o.spm_infill_set &&
         llama_model_meta_val_str(kvr__wk_lm_model(e->lm), "kvrope.infill.spm", spm, sizeof spm) > 0 &&
