@@ -47,6 +47,11 @@ extern "C" {
 void  *kvr_mem_malloc(size_t n);
 void  *kvr_mem_calloc(size_t count, size_t size);
 void  *kvr_mem_realloc(void *p, size_t n);
+/* The same, from the prefix index's own arena (huge pages under jemalloc:
+ * mem.c); freed with kvr_mem_free. */
+void  *kvr_mem_index_malloc(size_t n);
+void  *kvr_mem_index_calloc(size_t count, size_t size);
+void  *kvr_mem_index_realloc(void *p, size_t n);
 void  *kvr_mem_aligned(size_t align, size_t n);    /* free with kvr_mem_free */
 void   kvr_mem_free(void *p);
 /* What an allocation of n will really hold (its size class; a large one

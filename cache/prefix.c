@@ -29,11 +29,11 @@
 
 static kvr_pnode *node_new(const uint32_t *label, size_t len)
 {
-    kvr_pnode *n = kvr_mem_calloc(1, sizeof *n);
+    kvr_pnode *n = kvr_mem_index_calloc(1, sizeof *n);
     if (!n)
         return NULL;
     if (len) {
-        n->label = kvr_mem_malloc(len * sizeof *label);
+        n->label = kvr_mem_index_malloc(len * sizeof *label);
         if (!n->label) {
             kvr_mem_free(n);
             return NULL;
@@ -76,7 +76,7 @@ static inline uint32_t *child_keys(const kvr_pnode *n)
 /* A children array (with its keys) of cap entries. */
 static kvr_pnode **kids_alloc(uint32_t cap)
 {
-    return kvr_mem_malloc((size_t)cap * (sizeof(kvr_pnode *) + sizeof(uint32_t)));
+    return kvr_mem_index_malloc((size_t)cap * (sizeof(kvr_pnode *) + sizeof(uint32_t)));
 }
 
 /* Index of the child whose label starts with tok, or the insertion point
@@ -143,7 +143,7 @@ static int ends_add(kvr_pnode *n, kvr_pentry *c)
 {
     if (n->n_ends == n->cap_ends) {
         uint32_t cap = n->cap_ends ? n->cap_ends * 2 : 1;
-        kvr_pentry **a = kvr_mem_realloc(n->ends, cap * sizeof *a);
+        kvr_pentry **a = kvr_mem_index_realloc(n->ends, cap * sizeof *a);
         if (!a)
             return KVR_ENOMEM;
         n->ends = a;
@@ -208,7 +208,7 @@ static void node_compact(kvr_ptree *t, kvr_pnode *n)
     if (n == &t->root || n->n_ends || n->n_children != 1)
         return;
     kvr_pnode *c = n->children[0];
-    uint32_t *lab = kvr_mem_realloc(n->label, (n->len + c->len) * sizeof *lab);
+    uint32_t *lab = kvr_mem_index_realloc(n->label, (n->len + c->len) * sizeof *lab);
     if (!lab)
         return;
     memcpy(lab + n->len, c->label, c->len * sizeof *lab);
