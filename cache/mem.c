@@ -183,6 +183,13 @@ void *kvr_mem_calloc(size_t count, size_t size)
     return p;
 }
 
+/* A reallocation that held `old` bytes now lives at q. */
+static void account_moved(size_t old, void *q)
+{
+    atomic_fetch_sub_explicit(&allocated, old, memory_order_relaxed);
+    account_add(q);
+}
+
 void *kvr_mem_realloc(void *p, size_t n)
 {
     if (!p)
@@ -193,8 +200,7 @@ void *kvr_mem_realloc(void *p, size_t n)
     void *q = realloc(p, n ? n : 1);
     if (!q)
         return NULL;    /* p is untouched and still accounted */
-    atomic_fetch_sub_explicit(&allocated, old, memory_order_relaxed);
-    account_add(q);
+    account_moved(old, q);
     return q;
 }
 
@@ -417,8 +423,7 @@ size_t kvr_mem_peak(void)
  * kvr_mem_malloc / calloc / realloc. Accounted as those are. */
 #ifdef KVR_JEMALLOC
 static extent_hooks_t *idx_def, idx_hooks;
-static unsigned idx_arena;
-static int idx_flags;
+static int idx_flags;   /* MALLOCX_ARENA of the index's arena; 0 until it exists */
 static pthread_once_t idx_once = PTHREAD_ONCE_INIT;
 
 static void *idx_alloc(extent_hooks_t *h, void *addr, size_t size, size_t align, bool *zero,
@@ -443,7 +448,6 @@ static void idx_init(void)
     size_t usz = sizeof ind;
     if (mallctl("arenas.create", &ind, &usz, &hp, sizeof hp) != 0)
         return;
-    idx_arena = ind;
     idx_flags = MALLOCX_ARENA(ind) | MALLOCX_TCACHE_NONE;
 }
 
@@ -487,9 +491,8 @@ void *kvr_mem_index_realloc(void *p, size_t n)
     size_t old = kvr_mem_held(p);
     void *q = rallocx(p, n ? n : 1, idx_flags);
     if (!q)
-        return NULL;
-    atomic_fetch_sub_explicit(&allocated, old, memory_order_relaxed);
-    account_add(q);
+        return NULL;    /* p is untouched and still accounted */
+    account_moved(old, q);
     return q;
 }
 #else
