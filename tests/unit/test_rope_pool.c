@@ -67,14 +67,25 @@ static int fail_at_7(void *ud, size_t i)
 
 Test(pool, first_failure_is_returned_and_stops_the_loop)
 {
+    /* Alone, the caller runs items in order: the failure at 7 is the last. */
     kvr_pool *p;
+    cr_assert_eq(kvr_pool_create(&p, 0), 0);
+    atomic_int ran = 0;
+    cr_assert_eq(kvr_pool_for(p, 100000, 4, fail_at_7, &ran), -42);
+    cr_assert_eq(atomic_load(&ran), 8);
+    kvr_pool_destroy(p);
+
+    /* With helpers, items already claimed finish. A thread preempted between
+     * claiming 7 and running it can see every other item done first (CI's
+     * make check once did), so only "stops early" in some round is asserted. */
     cr_assert_eq(kvr_pool_create(&p, 3), 0);
+    int early = 0;
     for (int k = 0; k < 50; k++) {
-        atomic_int ran = 0;
+        atomic_store(&ran, 0);
         cr_assert_eq(kvr_pool_for(p, 100000, 4, fail_at_7, &ran), -42);
-        /* Items already claimed finish, nothing much after the failure. */
-        cr_assert_lt(atomic_load(&ran), 100000);
+        early += atomic_load(&ran) < 100000;
     }
+    cr_assert_gt(early, 0);
     kvr_pool_destroy(p);
 }
 
