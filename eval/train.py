@@ -22,7 +22,11 @@ a cursor mostly in the middle of a line, the rest of the line or a few lines
 as the middle, then EOT); --repo of those carry the repo-level context
 (FIM_REP / FIM_SEP, file names, chunks of other files of the same package)
 that /infill builds from input_extra. The other rows are plain windows of
-the corpus, left to right. Padding (FIM_PAD) is not scored; a FIM row's
+the corpus, left to right; with --mid-noise K each carries K FIM_MID tokens
+at random places, not scored, so the byte after a FIM_MID is read as
+continuing the text before it (in the suffix-first layout, --spm, that is
+all a middle's first byte needs, and a FIM row teaches it only once).
+Padding (FIM_PAD) and FIM_MID targets are not scored; a FIM row's
 middle (after FIM_MID, EOT included) weighs --mid-weight in the loss, so the
 few tokens that teach infilling are not drowned by the prefix and suffix.
 
@@ -243,8 +247,9 @@ class Batches:
     resumes and repeats exactly."""
 
     def __init__(s, files, data, starts, seed, fim_rate, repo_share, pack=False, spm=False,
-                 n_batches=fim.N_BATCHES, line=None):
+                 n_batches=fim.N_BATCHES, line=None, mid_noise=0):
         s.files, s.data, s.starts = files, data, starts
+        s.mid_noise = mid_noise
         s.pack, s.spm, s.n_batches, s.line = pack, spm, n_batches, line
         s.ends = np.append(starts[1:], len(data))
         s.seed, s.fim_rate, s.repo_share = seed, fim_rate, repo_share
@@ -298,6 +303,19 @@ class Batches:
                 return out + [fim.PAD] * (seq + 1 - len(out))
             row = s.fim_sample(rng, seq - len(out))
 
+    def with_mids(s, rng, row, seq):
+        """A left-to-right row with mid_noise FIM_MID tokens put between its
+        bytes at random places (the row keeps seq + 1 tokens). The loss skips
+        the MIDs themselves, so the model learns that the byte after a MID
+        continues the text before it: the one thing an SPM middle's first
+        byte needs, which the FIM rows teach only once each."""
+        k = min(s.mid_noise, seq // 8)
+        text = list(row[:seq + 1 - k])
+        at = np.sort(rng.choice(np.arange(1, len(text)), size=k, replace=False))
+        for j, a in enumerate(at):
+            text.insert(int(a) + j, fim.MID)
+        return text
+
     def rows(s, step, n, seq):
         rng = np.random.Generator(np.random.PCG64([s.seed, step]))
         data, starts = s.data, s.starts
@@ -312,6 +330,8 @@ class Batches:
                     pk = int(starts[rng.integers(0, len(starts))])
                     o = pk if pk < len(data) - seq - 1 else o
                 row = data[o:o + seq + 1]
+                if s.mid_noise:
+                    row = s.with_mids(rng, row, seq)
             out.append(np.asarray(row, dtype=np.int64))
         return torch.from_numpy(np.stack(out))
 
@@ -353,6 +373,9 @@ def main(argv):
     p.add_argument("--fim-line", type=float, default=None,
                    help="share of FIM samples whose middle is exactly the rest of the cursor's line "
                         "(default: eval/fim.py sample's mix)")
+    p.add_argument("--mid-noise", type=int, default=0,
+                   help="FIM_MID tokens put at random places in each left-to-right row (not scored), "
+                        "so a MID is read as transparent")
     p.add_argument("--fim-pack", action="store_true",
                    help="fill a FIM row's padding with further FIM samples (more middles a step)")
     p.add_argument("--eval-every", type=int, default=100)
@@ -377,7 +400,7 @@ def main(argv):
     data, starts = stream(train_files)
     held_ids = stream(held)[0]
     batches = Batches(train_files, data, starts, a.seed, a.fim, a.repo, a.fim_pack, a.spm,
-                      tuple(int(v) for v in a.fim_batches.split(",")), a.fim_line)
+                      tuple(int(v) for v in a.fim_batches.split(",")), a.fim_line, a.mid_noise)
     cfg = dict(SHAPE, hidden_size=a.hidden, num_hidden_layers=a.layers, num_attention_heads=a.heads,
                num_key_value_heads=a.kv_heads, head_dim=a.head_dim, intermediate_size=a.ffn)
     torch.manual_seed(a.seed)
@@ -421,6 +444,7 @@ def main(argv):
         # weighs --mid-weight; a packed row has several
         inp = x[:, :-1]
         in_mid = (inp == fim.MID).cumsum(1) > (inp == fim.EOT).cumsum(1)
+        in_mid &= (inp == fim.SUF).any(1, keepdim=True)   # a FIM row's, not a --mid-noise MID's
         w = 1.0 + (a.mid_weight - 1.0) * in_mid.float()
         if a.mid_first:
             # the first --mid-first targets of each middle (the ones only the
@@ -430,7 +454,7 @@ def main(argv):
             last_mid = torch.cummax(torch.where(inp == fim.MID, pos, torch.zeros_like(pos)), 1).values
             first = in_mid & (pos - last_mid < a.mid_first)
             w = torch.where(first, torch.full_like(w, a.mid_first_weight), w)
-        w = w * (tgt != fim.PAD).float()
+        w = w * ((tgt != fim.PAD) & (tgt != fim.MID)).float()
         loss = (nll * w).sum() / w.sum()
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -465,7 +489,7 @@ def main(argv):
     meta = {"held_out_bpb": bpb, "held_out_files": len(held), "held_out_tokens": int(len(held_ids)),
             "train_files": len(train_files), "train_tokens": int(len(data)), "steps": a.steps,
             "batch": a.batch, "seq": a.seq, "context": a.context, "bf16": a.bf16, "lr": a.lr, "seed": a.seed, "threads": a.threads,
-            "decay": a.decay, "init": a.init, "init_weights_sha256": init_sha, "fim_rate": a.fim, "mid_weight": a.mid_weight, "repo_share": a.repo, "fim_pack": a.fim_pack, "spm": a.spm, "fim_batches": a.fim_batches, "fim_line": a.fim_line, "mid_first": a.mid_first, "mid_first_weight": a.mid_first_weight, "vocab": cfg["vocab_size"],
+            "decay": a.decay, "init": a.init, "init_weights_sha256": init_sha, "fim_rate": a.fim, "mid_weight": a.mid_weight, "repo_share": a.repo, "fim_pack": a.fim_pack, "spm": a.spm, "fim_batches": a.fim_batches, "fim_line": a.fim_line, "mid_noise": a.mid_noise, "mid_first": a.mid_first, "mid_first_weight": a.mid_first_weight, "vocab": cfg["vocab_size"],
             "tokens_seen": a.steps * a.batch * a.seq, "long_from": a.long_from, "train_seconds": round(spent, 1),
             "wall_seconds_last_run": round(time.time() - t_run, 1),
             "cpu_seconds_last_run": round(time.process_time() - c_run, 1),
