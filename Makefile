@@ -343,24 +343,24 @@ bench: deps-bench
 # eval/model holds the committed float16 weights; the GGUF llama.cpp runs is
 # made from them (same weights in both engines; a vocabulary of 267 gets the
 # FIM token ids under llama.cpp's keys). `make eval-model` retrains it from
-# random weights (eval/train.py: half the rows fill-in-the-middle, context
-# 1024, bfloat16 matrix products; about 25 min on the 2-core machine),
-# re-exports, and scores the GGUF on the held-out code (eval/score.py).
-# `make eval` writes docs/eval.md and docs/eval/*.png (the README keeps a
-# summary line; not part of make test).
-# The committed model's run (lr: docs/eval.md says how it was chosen): an
-# 1800-step schedule cut at step 360 to 800 steps (decay over the last 240,
-# the last 100 on whole-context rows), as it was trained; each command
-# resumes from the checkpoint in $(BUILD)/eval/train.
-EVAL_TRAIN_ARGS  := --batch 16 --seq 512 --context 1024 --fim 0.5 --repo 0.5 --mid-weight 2 --lr 5e-3 \
-                    --threads 2 --eval-every 120 --eval-bytes 8192 --no-final-eval
+# random weights (eval/train.py: half the rows fill-in-the-middle in the
+# suffix-first layout, 16 unscored FIM_MID tokens sprinkled into each
+# left-to-right row, context 1024, bfloat16 matrix products; about 33 min on
+# the 2-core machine), re-exports, and scores the GGUF on the held-out code
+# (eval/score.py). `make eval` writes docs/eval.md and docs/eval/*.png (the
+# README keeps a summary line; not part of make test).
+# The committed model's run (lr: docs/eval.md says how it was chosen): 1200
+# steps (decay over the last 360, the last 150 on whole-context rows); it
+# resumes from the checkpoint in $(BUILD)/eval/train when interrupted.
+EVAL_TRAIN_ARGS  := --batch 16 --seq 512 --context 1024 --spm --fim 0.5 --repo 0.5 --mid-weight 2 \
+                    --mid-first 4 --mid-first-weight 10 --fim-batches 128,192,384,768 --mid-noise 16 \
+                    --lr 5e-3 --threads 2 --eval-every 300 --eval-bytes 8192 --no-final-eval
 $(EVAL_GGUF): eval/model/weights.npz eval/model/config.json scripts/gen-gguf.py
 	@mkdir -p $(dir $@)
 	@$(PYTHON) scripts/gen-gguf.py -o $@.tmp --hf eval/model --dtype f16 --name kvrope-code && mv $@.tmp $@
 
 eval-model: deps-eval
-	$(PYTHON) eval/train.py --out $(BUILD)/eval/train $(EVAL_TRAIN_ARGS) --steps 1800 --long-from 1440 --stop-after 360
-	$(PYTHON) eval/train.py --out $(BUILD)/eval/train $(EVAL_TRAIN_ARGS) --steps 800 --long-from 700
+	$(PYTHON) eval/train.py --out $(BUILD)/eval/train $(EVAL_TRAIN_ARGS) --steps 1200 --long-from 1050
 	$(PYTHON) eval/export.py $(BUILD)/eval/train eval/model
 	@$(MAKE) --no-print-directory $(EVAL_GGUF) $(KVROPE_LLAMA)
 	$(PYTHON) eval/score.py --build $(BUILD)

@@ -581,7 +581,9 @@ def model_paragraph(meta):
                 f"fill-in-the-middle samples laid out as llama-server's /infill prompt ({order}; "
                 f"{meta['repo_share']:.0%} of them with the repo-level FIM_REP / FIM_SEP context of input_extra; "
                 f"a middle's tokens weigh {meta.get('mid_weight', 1):g} in the loss; eval/fim.py), the rest left "
-                "to right. ")
+                "to right" + (f", each of those with {meta['mid_noise']} FIM_MID tokens put at random places and "
+                              "not scored (so the model reads the byte after a FIM_MID as continuing the text "
+                              "before it: an SPM middle's first byte)" if meta.get("mid_noise") else "") + ". ")
     else:
         body = run(meta) + ". "
     o = meta.get("other_python")
@@ -602,6 +604,11 @@ def model_paragraph(meta):
             "(build/eval/kvrope-code.gguf), with the FIM token ids under the keys llama.cpp reads.")
 
 
+# Where docs/eval.md's hand-written account of the FIM training goes (kept
+# from the file being replaced; this placeholder when there is none).
+FIM_NOTES = "<!-- fim:begin (hand-written, kept by eval/run.py) -->\n<!-- fim:end -->"
+
+
 def write_report(results, a, seconds, log):
     meta = results["model"]
     ts = results["ape_ts"]
@@ -615,6 +622,7 @@ def write_report(results, a, seconds, log):
              f"fill-in-the-middle training (held-out {meta['held_out_bpb']:.3f} bits/byte); the next full "
              "`make eval` measures them on this one.", ""]
             if results.get("infill_model", meta) is not meta and results["infill_model"] != meta else []),
+          FIM_NOTES, "",
           "Every cache below lives in a kvroped that eval/run.py starts: the edits, re-rotations, "
           "layouts, codecs and retention are the daemon's. An engine only encodes tokens and scores "
           "them from the KV kvrope returns. llama.cpp (`kvrope-llama score`, docs/llama.md) is the "
@@ -691,12 +699,20 @@ def write_report(results, a, seconds, log):
     if a.no_write:
         print(text)
         return
-    # the reuse section (eval/reuse.py, its own run) is kept as it is
+    # the reuse section (eval/reuse.py, its own run) and the drift section
+    # (eval/drift.py) are kept as they are, and so is the hand-written
+    # history of the FIM training, each between its markers
     ep = os.path.join(ROOT, "docs", "eval.md")
     rb, re_ = "<!-- reuse:begin", "<!-- reuse:end"
     if os.path.exists(ep):
         with open(ep) as f:
             old = f.read()
+        fb, fe = "<!-- fim:begin", "<!-- fim:end -->"
+        if fb in old and fe in old:
+            text = text.replace(FIM_NOTES, old[old.index(fb):old.index(fe) + len(fe)], 1)
+        db, de = "<!-- drift:begin", "<!-- drift:end -->"
+        if db in old and de in old:   # eval/drift.py's table, pasted by hand (its own 20-minute run)
+            text = text.rstrip("\n") + "\n\n" + old[old.index(db):old.index(de) + len(de)] + "\n"
         if rb in old and re_ in old:
             end = old.index("-->", old.rindex(re_)) + 3
             text = text.rstrip("\n") + "\n\n" + old[old.index(rb):end] + "\n"
