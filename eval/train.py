@@ -310,11 +310,9 @@ class Batches:
         continues the text before it: the one thing an SPM middle's first
         byte needs, which the FIM rows teach only once each."""
         k = min(s.mid_noise, seq // 8)
-        text = list(row[:seq + 1 - k])
+        text = np.asarray(row[:seq + 1 - k])
         at = np.sort(rng.choice(np.arange(1, len(text)), size=k, replace=False))
-        for j, a in enumerate(at):
-            text.insert(int(a) + j, fim.MID)
-        return text
+        return np.insert(text, at, fim.MID)   # each MID before the byte at `at`
 
     def rows(s, step, n, seq):
         rng = np.random.Generator(np.random.PCG64([s.seed, step]))
