@@ -24,7 +24,9 @@ With --cases N (a model directory with weights.npz: eval/model, or a
 finished run's --out), it also scores eval/infill.py's middle-line cases
 on the held-out files (N cursors per file, first --files files) through
 the numpy Llama, for the layouts left to right, PSM /infill and SPM
-/infill (llama-server --spm-infill): bits of the first byte of the rest of
+/infill (llama-server --spm-infill), and SPM's two differences from left
+to right taken one at a time (left to right with a FIM_MID after the
+cursor; SPM with an empty suffix): bits of the first byte of the rest of
 the line, mean bits of the rest of the line (+ its end), greedy exact
 match, the bits of its first four bytes and of its end one by one.
 
@@ -130,14 +132,19 @@ def held_out_cases(a):
     srv = infill.SERVER
     lays = {"left to right": lambda c: infill.prompt_tokens(c, "ltr"),
             "FIM, PSM": lambda c: fim.format_infill(c["prefix"], c["suffix"], c["prompt"], [], **srv),
-            "FIM, SPM": lambda c: fim.format_infill(c["prefix"], c["suffix"], c["prompt"], [], spm=True, **srv)}
+            "FIM, SPM": lambda c: fim.format_infill(c["prefix"], c["suffix"], c["prompt"], [], spm=True, **srv),
+            # the two halves of SPM's difference from left to right: the
+            # FIM_MID between the cursor and the middle, and the suffix
+            "ltr + FIM_MID": lambda c: infill.prompt_tokens(c, "ltr") + [fim.MID],
+            "SPM, no suffix": lambda c: fim.format_infill(c["prefix"], b"", c["prompt"], [], spm=True, **srv)}
     print(f"held-out middle-line cases: {len(cs)} ({a.cases} a file, {a.files} files), "
           f"-c {srv['n_ctx']} -b {srv['n_batch']}")
     for name, build in lays.items():
         first, mean, exact, vim, by_pos, end = [], [], 0, 0, {}, []
         for c in cs:
             p = build(c)
-            tgt = fim.enc(c["target"]) + ([infill.NEWLINE] if name == "left to right" else [fim.EOT])
+            ltr = name in ("left to right", "ltr + FIM_MID")
+            tgt = fim.enc(c["target"]) + ([infill.NEWLINE] if ltr else [fim.EOT])
             toks = p + tgt
             logits, _ = eng.forward(toks, np.arange(len(toks)))
             lp = engines.log_softmax(logits[len(p) - 1:len(toks) - 1])
@@ -148,12 +155,12 @@ def held_out_cases(a):
                 by_pos.setdefault(i, []).append(b)
             end.append(bits[-1])
             exact += infill.score(c, eng.complete(p, len(c["target"]) + 1, stop=infill.NEWLINE))["exact"]
-            if name != "left to right":   # as llama.vim asks: its sampler chain (infill.vim_pick)
+            if not ltr:   # as llama.vim asks: its sampler chain (infill.vim_pick)
                 vim += infill.score(c, eng.complete(p, len(c["target"]) + 1, stop=infill.NEWLINE,
                                                     pick=infill.vim_pick))["exact"]
         print(f"  {name:14s} first byte {np.mean(first):.2f} bits, line {np.mean(mean):.2f} bits/token, "
               f"exact {exact}/{len(cs)}"
-              + (f" (llama.vim's sampler chain {vim}/{len(cs)})" if name != "left to right" else "")
+              + (f" (llama.vim's sampler chain {vim}/{len(cs)})" if not ltr else "")
               + "; bytes 1-4: "
               + " ".join(f"{np.mean(by_pos[i]):.2f}" for i in sorted(by_pos))
               + f", the line's end (newline / EOT) {np.mean(end):.2f}")
