@@ -374,6 +374,8 @@ def main(argv):
     p.add_argument("--mid-noise", type=int, default=0,
                    help="FIM_MID tokens put at random places in each left-to-right row (not scored), "
                         "so a MID is read as transparent")
+    p.add_argument("--mid-noise-weight", type=float, default=1.0,
+                   help="loss weight of the byte right after each --mid-noise MID")
     p.add_argument("--fim-pack", action="store_true",
                    help="fill a FIM row's padding with further FIM samples (more middles a step)")
     p.add_argument("--eval-every", type=int, default=100)
@@ -452,6 +454,11 @@ def main(argv):
             last_mid = torch.cummax(torch.where(inp == fim.MID, pos, torch.zeros_like(pos)), 1).values
             first = in_mid & (pos - last_mid < a.mid_first)
             w = torch.where(first, torch.full_like(w, a.mid_first_weight), w)
+        if a.mid_noise_weight != 1.0:
+            # the byte right after a --mid-noise MID (a left-to-right row's):
+            # the one an SPM middle's first byte is like
+            after = (inp == fim.MID) & ~(inp == fim.SUF).any(1, keepdim=True)
+            w = torch.where(after, torch.full_like(w, a.mid_noise_weight), w)
         w = w * ((tgt != fim.PAD) & (tgt != fim.MID)).float()
         loss = (nll * w).sum() / w.sum()
         opt.zero_grad(set_to_none=True)
@@ -487,7 +494,7 @@ def main(argv):
     meta = {"held_out_bpb": bpb, "held_out_files": len(held), "held_out_tokens": int(len(held_ids)),
             "train_files": len(train_files), "train_tokens": int(len(data)), "steps": a.steps,
             "batch": a.batch, "seq": a.seq, "context": a.context, "bf16": a.bf16, "lr": a.lr, "seed": a.seed, "threads": a.threads,
-            "decay": a.decay, "init": a.init, "init_weights_sha256": init_sha, "fim_rate": a.fim, "mid_weight": a.mid_weight, "repo_share": a.repo, "fim_pack": a.fim_pack, "spm": a.spm, "fim_batches": a.fim_batches, "fim_line": a.fim_line, "mid_noise": a.mid_noise, "mid_first": a.mid_first, "mid_first_weight": a.mid_first_weight, "vocab": cfg["vocab_size"],
+            "decay": a.decay, "init": a.init, "init_weights_sha256": init_sha, "fim_rate": a.fim, "mid_weight": a.mid_weight, "repo_share": a.repo, "fim_pack": a.fim_pack, "spm": a.spm, "fim_batches": a.fim_batches, "fim_line": a.fim_line, "mid_noise": a.mid_noise, "mid_noise_weight": a.mid_noise_weight, "mid_first": a.mid_first, "mid_first_weight": a.mid_first_weight, "vocab": cfg["vocab_size"],
             "tokens_seen": a.steps * a.batch * a.seq, "long_from": a.long_from, "train_seconds": round(spent, 1),
             "wall_seconds_last_run": round(time.time() - t_run, 1),
             "cpu_seconds_last_run": round(time.process_time() - c_run, 1),
