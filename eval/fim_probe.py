@@ -141,9 +141,9 @@ def held_out_cases(a):
           f"-c {srv['n_ctx']} -b {srv['n_batch']}")
     for name, build in lays.items():
         first, mean, exact, vim, by_pos, end = [], [], 0, 0, {}, []
+        ltr = name in ("left to right", "ltr + FIM_MID")   # ends with a newline, not EOT
         for c in cs:
             p = build(c)
-            ltr = name in ("left to right", "ltr + FIM_MID")
             tgt = fim.enc(c["target"]) + ([infill.NEWLINE] if ltr else [fim.EOT])
             toks = p + tgt
             logits, _ = eng.forward(toks, np.arange(len(toks)))

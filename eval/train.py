@@ -444,7 +444,8 @@ def main(argv):
         # weighs --mid-weight; a packed row has several
         inp = x[:, :-1]
         in_mid = (inp == fim.MID).cumsum(1) > (inp == fim.EOT).cumsum(1)
-        in_mid &= (inp == fim.SUF).any(1, keepdim=True)   # a FIM row's, not a --mid-noise MID's
+        fim_row = (inp == fim.SUF).any(1, keepdim=True)
+        in_mid &= fim_row   # a FIM row's, not a --mid-noise MID's
         w = 1.0 + (a.mid_weight - 1.0) * in_mid.float()
         if a.mid_first:
             # the first --mid-first targets of each middle (the ones only the
@@ -457,7 +458,7 @@ def main(argv):
         if a.mid_noise_weight != 1.0:
             # the byte right after a --mid-noise MID (a left-to-right row's):
             # the one an SPM middle's first byte is like
-            after = (inp == fim.MID) & ~(inp == fim.SUF).any(1, keepdim=True)
+            after = (inp == fim.MID) & ~fim_row
             w = torch.where(after, torch.full_like(w, a.mid_noise_weight), w)
         w = w * ((tgt != fim.PAD) & (tgt != fim.MID)).float()
         loss = (nll * w).sum() / w.sum()
