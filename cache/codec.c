@@ -456,72 +456,71 @@ static void sc_tile_scatter(void *dst, kvr_dtype t, size_t ld, const float *buf,
         for (size_t j = 0; j < cc; j++) store_elem(dst, t, tk * ld + j, buf[j * G + tk]);
 }
 
-/* Rows [r0, r1), elements [k0, len) continuing e[i], q[i]: four rows'
- * chains at a time (independent chains, the same additions per chain).
- * REF(p, k) is the reference value p[k] as a float (f32, or f16 converted
- * exactly). */
-#define ERR_ROWS_TAIL(NAME, RT, REF)                                                     \
-void NAME(const RT *ref, const float *dec, size_t r0, size_t r1, size_t k0, size_t len,  \
-          double *e, double *q)                                                          \
-{                                                                                        \
-    size_t i = r0;                                                                       \
-    for (; i + 4 <= r1; i += 4) {                                                        \
-        const RT *a0 = ref + i * len, *a1 = a0 + len, *a2 = a1 + len, *a3 = a2 + len;    \
-        const float *b0 = dec + i * len, *b1 = b0 + len, *b2 = b1 + len, *b3 = b2 + len; \
-        double e0 = e[i], e1 = e[i + 1], e2 = e[i + 2], e3 = e[i + 3];                   \
-        double q0 = q[i], q1 = q[i + 1], q2 = q[i + 2], q3 = q[i + 3];                   \
-        for (size_t k = k0; k < len; k++) {                                              \
-            double x0 = (double)REF(a0, k), x1 = (double)REF(a1, k);                     \
-            double x2 = (double)REF(a2, k), x3 = (double)REF(a3, k);                     \
-            double d0 = (double)b0[k] - x0, d1 = (double)b1[k] - x1;                     \
-            double d2 = (double)b2[k] - x2, d3 = (double)b3[k] - x3;                     \
-            double s0 = d0 * d0, s1 = d1 * d1, s2 = d2 * d2, s3 = d3 * d3;               \
-            double t0 = x0 * x0, t1 = x1 * x1, t2 = x2 * x2, t3 = x3 * x3;               \
-            e0 += s0;                                                                    \
-            e1 += s1;                                                                    \
-            e2 += s2;                                                                    \
-            e3 += s3;                                                                    \
-            q0 += t0;                                                                    \
-            q1 += t1;                                                                    \
-            q2 += t2;                                                                    \
-            q3 += t3;                                                                    \
-        }                                                                                \
-        e[i] = e0; e[i + 1] = e1; e[i + 2] = e2; e[i + 3] = e3;                          \
-        q[i] = q0; q[i + 1] = q1; q[i + 2] = q2; q[i + 3] = q3;                          \
-    }                                                                                    \
-    for (; i < r1; i++) {                                                                \
-        const RT *a0 = ref + i * len;                                                    \
-        const float *b0 = dec + i * len;                                                 \
-        double e0 = e[i], q0 = q[i];                                                     \
-        for (size_t k = k0; k < len; k++) {                                              \
-            double x0 = (double)REF(a0, k), d0 = (double)b0[k] - x0;                     \
-            double s0 = d0 * d0, t0 = x0 * x0;                                           \
-            e0 += s0;                                                                    \
-            q0 += t0;                                                                    \
-        }                                                                                \
-        e[i] = e0; q[i] = q0;                                                            \
-    }                                                                                    \
+/* ---- the error measure (codec.h: kvr_codec_err_rows) -------------------- */
+
+void kvr_codec_err_row_wide(const void *ref, int h, const float *dec, size_t len, double *e,
+                            double *q)
+{
+    const float *rf = ref;
+    const uint16_t *rh = ref;
+    double se = 0.0, sq = 0.0;
+    for (size_t k = 0; k < len; k++) {
+        double x = h ? (double)kvr_f16_to_f32(rh[k]) : (double)rf[k];
+        double d = (double)dec[k] - x;
+        double s = d * d, t = x * x;
+        se += s;
+        sq += t;
+    }
+    *e = se;
+    *q = sq;
 }
-#define REF_F32(p, k) ((p)[k])
-#define REF_F16(p, k) kvr_f16_to_f32((p)[k])
-ERR_ROWS_TAIL(kvr_codec_err_rows_tail, float, REF_F32)
-ERR_ROWS_TAIL(kvr_codec_err_rows_tail_h, uint16_t, REF_F16)
-#undef REF_F32
-#undef REF_F16
-#undef ERR_ROWS_TAIL
+
+/* One row in the lanes' order, one element at a time (the reference the
+ * SIMD kernels follow). */
+static void sc_err_row(const void *ref, int h, const float *dec, size_t len, double *e,
+                       double *q)
+{
+    const float *rf = ref;
+    const uint16_t *rh = ref;
+    double E[KVR_ERR_LANES] = { 0 }, Q[KVR_ERR_LANES] = { 0 };
+    for (size_t b = 0; b < len; b += KVR_ERR_BLOCK) {
+        float fe[KVR_ERR_LANES] = { 0 }, fq[KVR_ERR_LANES] = { 0 };
+        size_t end = len - b < KVR_ERR_BLOCK ? len : b + KVR_ERR_BLOCK;
+        for (size_t k = b; k < end; k++) {
+            float r = h ? kvr_f16_to_f32(rh[k]) : rf[k];
+            float t = dec[k] - r;
+            float s = t * t, r2 = r * r;
+            fe[k % KVR_ERR_LANES] += s;
+            fq[k % KVR_ERR_LANES] += r2;
+        }
+        for (size_t l = 0; l < KVR_ERR_LANES; l++) {
+            E[l] += (double)fe[l];
+            Q[l] += (double)fq[l];
+        }
+    }
+    if (!kvr_codec_err_finish(E, Q, e, q))
+        kvr_codec_err_row_wide(ref, h, dec, len, e, q);
+}
 
 static void sc_err_rows(const float *ref, const float *dec, size_t n_rows, size_t len,
                         double *e, double *q)
 {
-    for (size_t i = 0; i < n_rows; i++) e[i] = q[i] = 0.0;
-    kvr_codec_err_rows_tail(ref, dec, 0, n_rows, 0, len, e, q);
+    for (size_t i = 0; i < n_rows; i++)
+        sc_err_row(ref + i * len, 0, dec + i * len, len, &e[i], &q[i]);
+}
+
+static void sc_err_rows_h(const uint16_t *ref, const float *dec, size_t n_rows, size_t len,
+                          double *e, double *q)
+{
+    for (size_t i = 0; i < n_rows; i++)
+        sc_err_row(ref + i * len, 1, dec + i * len, len, &e[i], &q[i]);
 }
 
 const kvr_codec_kernels kvr_codec_kernels_scalar = {
     .enc_f32 = sc_enc_f32, .enc_f16 = sc_enc_f16,
     .dec_f32 = sc_dec_f32, .dec_f16 = sc_dec_f16,
     .tile_gather = sc_tile_gather, .tile_scatter = sc_tile_scatter,
-    .err_rows = sc_err_rows,
+    .err_rows = sc_err_rows, .err_rows_h = sc_err_rows_h,
 };
 
 /* ---- dispatch ----------------------------------------------------------- */
@@ -836,12 +835,7 @@ void kvr_codec_err_rows_f16(kvr_isa isa, const uint16_t *ref, const float *dec, 
                             size_t len, double *e, double *q)
 {
     const kvr_codec_kernels *k = kernels_for(isa);
-    if (k->err_rows_h) {
-        k->err_rows_h(ref, dec, n_rows, len, e, q);
-        return;
-    }
-    for (size_t i = 0; i < n_rows; i++) e[i] = q[i] = 0.0;
-    kvr_codec_err_rows_tail_h(ref, dec, 0, n_rows, 0, len, e, q);
+    (k->err_rows_h ? k->err_rows_h : sc_err_rows_h)(ref, dec, n_rows, len, e, q);
 }
 
 double kvr_codec_rel_rms(const float *ref, const void *dec, kvr_dtype dec_type, size_t n)

@@ -258,13 +258,21 @@ void kvr_kivi_split(const kvr_codec_pair *p, size_t n_tokens,
 double kvr_codec_rel_rms(const float *ref, const void *dec, kvr_dtype dec_type, size_t n);
 
 /* The store's error measure of n_rows rows of len values each (row i at
- * ref + i*len, dec + i*len): e[i] = sum over k of ((double)dec - (double)ref)^2
- * and q[i] = sum of (double)ref^2, each accumulated from 0 in element order,
- * every product and sum rounded on its own (no fused multiply-add for e; q's
- * squares of floats are exact in double, so the SIMD kernel adds them with an
- * FMA: the same doubles). The SIMD kernel (AVX2, also used for AVX-512) runs
- * 8 rows' chains side by side (one row per double lane after 4x4
- * transposes), so every ISA returns the same doubles. */
+ * ref + i*len, dec + i*len): e[i] ~ sum over k of (dec - ref)^2 and q[i] ~
+ * sum of ref^2, computed in a fixed order that every ISA follows, so every
+ * ISA returns the same doubles. A row's elements go to KVR_ERR_LANES = 64
+ * lanes (element k to lane k mod 64); each lane adds, in element order and
+ * in float, t*t (t = dec - ref, the product and each sum rounded on their
+ * own: no fused multiply-add) and ref*ref, from 0 for every block of
+ * KVR_ERR_BLOCK = 1024 elements, at whose end each lane's two floats are
+ * added to its two doubles; the row's e and q are its 64 doubles added in
+ * a fixed tree (lane l + w onto lane l, w = 32, 16, .., 1:
+ * kvr_codec_err_finish). Floats keep every term's relative
+ * error near 1e-7 and the sums' near 1e-6. A row whose float sums overflow
+ * (values past about 1e18) or whose q is under 2^-60 (values under about
+ * 1e-20, whose squares underflow in float) is measured again in double
+ * (kvr_codec_err_row_wide: one chain in element order, each product and
+ * sum rounded on its own; q's exact squares may be added with an FMA). */
 void kvr_codec_err_rows(kvr_isa isa, const float *ref, const float *dec, size_t n_rows,
                         size_t len, double *e, double *q);
 /* The same with the reference rows in f16 (each value converted exactly, as
@@ -351,13 +359,31 @@ bool kvr_codec_ggml_dec_nt_avx512(kvr_codec_type t, void *dst, kvr_dtype dt,
 size_t kvr_codec_scalar_group(uint8_t *dst, const float *x, size_t m, unsigned bits,
                               kvr_codec_params params);
 
-/* The scalar reference of err_rows, from row `from` on (the SIMD kernels'
- * leftover rows and elements: e[i], q[i] hold the sums so far and the chains
- * continue from element k0). */
-void kvr_codec_err_rows_tail(const float *ref, const float *dec, size_t r0, size_t r1,
-                             size_t k0, size_t len, double *e, double *q);
-void kvr_codec_err_rows_tail_h(const uint16_t *ref, const float *dec, size_t r0, size_t r1,
-                               size_t k0, size_t len, double *e, double *q);
+/* The error measure's fixed order (kvr_codec_err_rows above). */
+#define KVR_ERR_LANES 64
+#define KVR_ERR_BLOCK 1024
+/* A row's e and q from its lanes' doubles E[64], Q[64] (added in the
+ * fixed tree); false when the row must be measured wide instead. */
+static inline bool kvr_codec_err_finish(const double *E, const double *Q, double *e, double *q)
+{
+    /* lane l + w added onto lane l, w = 32, 16, .., 1 */
+    double se[KVR_ERR_LANES / 2], sq[KVR_ERR_LANES / 2];
+    for (size_t l = 0; l < KVR_ERR_LANES / 2; l++) {
+        se[l] = E[l] + E[l + KVR_ERR_LANES / 2];
+        sq[l] = Q[l] + Q[l + KVR_ERR_LANES / 2];
+    }
+    for (size_t w = KVR_ERR_LANES / 4; w >= 1; w /= 2)
+        for (size_t l = 0; l < w; l++) {
+            se[l] += se[l + w];
+            sq[l] += sq[l + w];
+        }
+    *e = se[0];
+    *q = sq[0];
+    return se[0] - se[0] == 0.0 && sq[0] - sq[0] == 0.0 && sq[0] >= 0x1p-60;   /* finite */
+}
+/* One row measured in double (the wide measure; h: ref is f16). */
+void kvr_codec_err_row_wide(const void *ref, int h, const float *dec, size_t len, double *e,
+                            double *q);
 
 extern const kvr_codec_kernels kvr_codec_kernels_scalar;
 extern const kvr_codec_kernels kvr_codec_kernels_avx2;    /* codec_avx2.c */

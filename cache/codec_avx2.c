@@ -295,117 +295,85 @@ static void av_tile_scatter(void *dst, kvr_dtype t, size_t ld, const float *buf,
     else kvr_codec_kernels_scalar.tile_scatter(dst, t, ld, buf, G, cc);
 }
 
-/* The error measure (kvr_codec_err_rows), 8 rows at a time as two blocks
- * of 4: a 4x4 block of each row's next 4 elements is transposed so that
- * double lane r carries row r's chains (e and q, for both blocks: four
- * independent chains), each adding its row's terms in element order, as
- * the scalar reference does. q's term x*x of a float x is exact in double
- * (24-bit significands: a 48-bit product, no overflow or underflow in
- * double's range), so q + x*x rounded once (an FMA) is the reference's
- * q + round(x*x) bit for bit; e's (dec - ref)^2 is rounded, so e keeps its
- * multiply and add. */
-#define ERR_STEP(XV, YV, E, Q)                                                 \
+/* The error measure (kvr_codec_err_rows) in its lanes' order: each block
+ * of 1024 elements in two passes, lanes 0-31 then lanes 32-63 of every
+ * 64-element group (four float accumulators for e, four for q: eight
+ * independent chains, no shuffles), each lane's floats added to its double
+ * at the block's end. A block's last, partial group is copied into
+ * zero-filled lanes first (a zero adds +0: nothing). */
+#define ERR_ACC(RV, DV, EA, QA)                                                \
     do {                                                                       \
-        __m256d X_ = _mm256_cvtps_pd(XV), A_ = _mm256_sub_pd(_mm256_cvtps_pd(YV), X_); \
-        E = _mm256_add_pd(E, _mm256_mul_pd(A_, A_));                           \
-        Q = _mm256_fmadd_pd(X_, X_, Q);                                        \
+        __m256 r_ = (RV), t_ = _mm256_sub_ps((DV), r_);                        \
+        EA = _mm256_add_ps(EA, _mm256_mul_ps(t_, t_));                         \
+        QA = _mm256_add_ps(QA, _mm256_mul_ps(r_, r_));                         \
     } while (0)
 
-/* Four rows' next 16 elements (one cache line each, used up at once: rows
- * 4 KiB apart share an L1 set, so only 8 such lines stay there), as four
- * 4x4 transposes feeding the chains E, Q in element order. The reference
- * rows are f32 (h = 0) or f16 (h = 1: converted exactly by F16C, as
- * kvr_f16_to_f32). */
-AI __m128 ref4(const void *a, size_t o, int h)
+AI __m256 err_ref8(const void *a, size_t k, int h)
 {
-    if (h) return _mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)((const uint16_t *)a + o)));
-    return _mm_loadu_ps((const float *)a + o);
+    if (h) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)a + k)));
+    return _mm256_loadu_ps((const float *)a + k);
 }
 
-AI void err4x16(const void *a, const float *b, size_t len, size_t k, __m256d *E, __m256d *Q,
-                int h)
+/* Lanes l..l+7 of the doubles D += the floats of v. */
+AI void err_flush8(double *D, size_t l, __m256 v)
 {
-    if (h) {
-        /* f16 rows: 4 rows x 8 halves transposed as 16-bit words (two
-         * unpack steps leave element k's 4 rows in one 64-bit lane), then
-         * converted 4 at a time: fewer shuffles than transposing floats. */
-        const uint16_t *ah = a;
-        for (size_t c = 0; c < 16; c += 8) {
-            __m128i r0 = _mm_loadu_si128((const __m128i *)(ah + k + c));
-            __m128i r1 = _mm_loadu_si128((const __m128i *)(ah + len + k + c));
-            __m128i r2 = _mm_loadu_si128((const __m128i *)(ah + 2 * len + k + c));
-            __m128i r3 = _mm_loadu_si128((const __m128i *)(ah + 3 * len + k + c));
-            __m128i a01 = _mm_unpacklo_epi16(r0, r1), b01 = _mm_unpackhi_epi16(r0, r1);
-            __m128i a23 = _mm_unpacklo_epi16(r2, r3), b23 = _mm_unpackhi_epi16(r2, r3);
-            /* t[j]: elements 2j, 2j+1 (of these 8), 4 rows each */
-            __m128i t[4] = { _mm_unpacklo_epi32(a01, a23), _mm_unpackhi_epi32(a01, a23),
-                             _mm_unpacklo_epi32(b01, b23), _mm_unpackhi_epi32(b01, b23) };
-            for (int hf = 0; hf < 2; hf++) {
-                size_t o = k + c + 4 * (size_t)hf;
-                __m128i u0 = t[2 * hf], u1 = t[2 * hf + 1];
-                __m128 x0 = _mm_cvtph_ps(u0), x1 = _mm_cvtph_ps(_mm_unpackhi_epi64(u0, u0));
-                __m128 x2 = _mm_cvtph_ps(u1), x3 = _mm_cvtph_ps(_mm_unpackhi_epi64(u1, u1));
-                __m128 y0 = _mm_loadu_ps(b + o), y1 = _mm_loadu_ps(b + len + o);
-                __m128 y2 = _mm_loadu_ps(b + 2 * len + o), y3 = _mm_loadu_ps(b + 3 * len + o);
-                _MM_TRANSPOSE4_PS(y0, y1, y2, y3);
-                ERR_STEP(x0, y0, *E, *Q);
-                ERR_STEP(x1, y1, *E, *Q);
-                ERR_STEP(x2, y2, *E, *Q);
-                ERR_STEP(x3, y3, *E, *Q);
-            }
+    __m256d lo = _mm256_cvtps_pd(_mm256_castps256_ps128(v));
+    __m256d hi = _mm256_cvtps_pd(_mm256_extractf128_ps(v, 1));
+    _mm256_storeu_pd(D + l, _mm256_add_pd(_mm256_loadu_pd(D + l), lo));
+    _mm256_storeu_pd(D + l + 4, _mm256_add_pd(_mm256_loadu_pd(D + l + 4), hi));
+}
+
+AI void err_row(const void *ref, const float *dec, size_t len, double *pe, double *pq, int h)
+{
+    double E[KVR_ERR_LANES] = { 0 }, Q[KVR_ERR_LANES] = { 0 };
+    float rt[KVR_ERR_LANES], dt[KVR_ERR_LANES];
+    for (size_t b = 0; b < len; b += KVR_ERR_BLOCK) {
+        size_t end = len - b < KVR_ERR_BLOCK ? len : b + KVR_ERR_BLOCK;
+        size_t full = b + (end - b) / KVR_ERR_LANES * KVR_ERR_LANES, rest = end - full;
+        for (size_t j = 0; j < rest; j++) {
+            rt[j] = h ? kvr_f16_to_f32(((const uint16_t *)ref)[full + j])
+                      : ((const float *)ref)[full + j];
+            dt[j] = dec[full + j];
         }
-        return;
+        for (size_t j = rest; rest && j < KVR_ERR_LANES; j++)
+            rt[j] = dt[j] = 0.0f;
+        for (size_t half = 0; half < KVR_ERR_LANES; half += 32) {
+            __m256 e0 = _mm256_setzero_ps(), e1 = e0, e2 = e0, e3 = e0;
+            __m256 q0 = e0, q1 = e0, q2 = e0, q3 = e0;
+            for (size_t g = b; g < full; g += KVR_ERR_LANES) {
+                size_t k = g + half;
+                ERR_ACC(err_ref8(ref, k, h), _mm256_loadu_ps(dec + k), e0, q0);
+                ERR_ACC(err_ref8(ref, k + 8, h), _mm256_loadu_ps(dec + k + 8), e1, q1);
+                ERR_ACC(err_ref8(ref, k + 16, h), _mm256_loadu_ps(dec + k + 16), e2, q2);
+                ERR_ACC(err_ref8(ref, k + 24, h), _mm256_loadu_ps(dec + k + 24), e3, q3);
+            }
+            if (rest) {
+                ERR_ACC(_mm256_loadu_ps(rt + half), _mm256_loadu_ps(dt + half), e0, q0);
+                ERR_ACC(_mm256_loadu_ps(rt + half + 8), _mm256_loadu_ps(dt + half + 8), e1, q1);
+                ERR_ACC(_mm256_loadu_ps(rt + half + 16), _mm256_loadu_ps(dt + half + 16), e2, q2);
+                ERR_ACC(_mm256_loadu_ps(rt + half + 24), _mm256_loadu_ps(dt + half + 24), e3, q3);
+            }
+            err_flush8(E, half, e0);
+            err_flush8(E, half + 8, e1);
+            err_flush8(E, half + 16, e2);
+            err_flush8(E, half + 24, e3);
+            err_flush8(Q, half, q0);
+            err_flush8(Q, half + 8, q1);
+            err_flush8(Q, half + 16, q2);
+            err_flush8(Q, half + 24, q3);
+        }
     }
-    for (size_t c = 0; c < 16; c += 4) {
-        __m128 x0 = ref4(a, k + c, h), x1 = ref4(a, len + k + c, h);
-        __m128 x2 = ref4(a, 2 * len + k + c, h), x3 = ref4(a, 3 * len + k + c, h);
-        __m128 y0 = _mm_loadu_ps(b + k + c), y1 = _mm_loadu_ps(b + len + k + c);
-        __m128 y2 = _mm_loadu_ps(b + 2 * len + k + c), y3 = _mm_loadu_ps(b + 3 * len + k + c);
-        _MM_TRANSPOSE4_PS(x0, x1, x2, x3);
-        _MM_TRANSPOSE4_PS(y0, y1, y2, y3);
-        ERR_STEP(x0, y0, *E, *Q);
-        ERR_STEP(x1, y1, *E, *Q);
-        ERR_STEP(x2, y2, *E, *Q);
-        ERR_STEP(x3, y3, *E, *Q);
-    }
+    if (!kvr_codec_err_finish(E, Q, pe, pq))
+        kvr_codec_err_row_wide(ref, h, dec, len, pe, pq);
 }
+#undef ERR_ACC
 
-/* The scalar reference's terms of elements k0.. of rows [i0, i1), added to
- * their chains (h: f16 reference rows). */
-AI void err_tail(const void *ref, const float *dec, size_t i0, size_t i1, size_t k0, size_t len,
-                 double *e, double *q, int h)
-{
-    if (h) kvr_codec_err_rows_tail_h(ref, dec, i0, i1, k0, len, e, q);
-    else   kvr_codec_err_rows_tail(ref, dec, i0, i1, k0, len, e, q);
-}
-
-AI void err8(const void *ref, const float *dec, size_t i0, size_t len, size_t kv,
-             double *e, double *q, int h)
-{
-    __m256d e0 = _mm256_setzero_pd(), e1 = e0, q0 = e0, q1 = e0;
-    size_t es = h ? 2 : 4;
-    const char *a = (const char *)ref + i0 * len * es;
-    const float *b = dec + i0 * len;
-    for (size_t k = 0; k < kv; k += 16) {
-        err4x16(a, b, len, k, &e0, &q0, h);
-        err4x16(a + 4 * len * es, b + 4 * len, len, k, &e1, &q1, h);
-    }
-    _mm256_storeu_pd(e + i0, e0);
-    _mm256_storeu_pd(e + i0 + 4, e1);
-    _mm256_storeu_pd(q + i0, q0);
-    _mm256_storeu_pd(q + i0 + 4, q1);
-    err_tail(ref, dec, i0, i0 + 8, kv, len, e, q, h);
-}
-#undef ERR_STEP
-
-/* Every row: 8 at a time, then the rows left over by the scalar tail. */
 AI void err_rows(const void *ref, const float *dec, size_t n_rows, size_t len, double *e,
                  double *q, const int h)
 {
-    size_t i = 0, kv = len / 16 * 16;
-    for (; i + 8 <= n_rows; i += 8) err8(ref, dec, i, len, kv, e, q, h);
-    for (size_t r = i; r < n_rows; r++) e[r] = q[r] = 0.0;
-    err_tail(ref, dec, i, n_rows, 0, len, e, q, h);
+    size_t es = h ? 2 : 4;
+    for (size_t i = 0; i < n_rows; i++)
+        err_row((const char *)ref + i * len * es, dec + i * len, len, &e[i], &q[i], h);
 }
 
 static void av_err_rows(const float *ref, const float *dec, size_t n_rows, size_t len,

@@ -574,19 +574,101 @@ static void x5_tile_scatter(void *dst, kvr_dtype t, size_t ld, const float *buf,
     kvr_codec_kernels_avx2.tile_scatter(dst, t, ld, buf, G, cc);
 }
 
-/* The error measure: the AVX2 kernel (4x4 transposes, double lanes). An
- * AVX-512 one (8x8 transposes into 8-lane doubles) measured slower here:
- * the shuffles and register pressure cost more than the wider adds save. */
+/* The error measure in its lanes' order (codec_avx2.c's err_row, one pass
+ * a block: the 64 lanes are four vectors of 16 floats). */
+#define ERR_ACC(RV, DV, EA, QA)                                                \
+    do {                                                                       \
+        __m512 r_ = (RV), t_ = _mm512_sub_ps((DV), r_);                        \
+        EA = _mm512_add_ps(EA, _mm512_mul_ps(t_, t_));                         \
+        QA = _mm512_add_ps(QA, _mm512_mul_ps(r_, r_));                         \
+    } while (0)
+
+static inline __m512 err_ref16(const void *a, size_t k, int h)
+{
+    if (h) return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)a + k)));
+    return _mm512_loadu_ps((const float *)a + k);
+}
+
+/* Lanes 16j..16j+15 of the doubles (vectors D[2j], D[2j+1]) += v's floats. */
+#define ERR_FLUSH(D, J, V)                                                     \
+    do {                                                                       \
+        D[2 * (J)] = _mm512_add_pd(D[2 * (J)], _mm512_cvtps_pd(_mm512_castps512_ps256(V))); \
+        D[2 * (J) + 1] = _mm512_add_pd(D[2 * (J) + 1],                         \
+                                       _mm512_cvtps_pd(_mm512_extractf32x8_ps(V, 1))); \
+    } while (0)
+
+/* kvr_codec_err_finish's tree on lanes held as eight vectors of eight
+ * (lane l in D[l / 8]): + 32 lanes, + 16, + 8 as whole vectors, then + 4,
+ * + 2, + 1 inside the first. */
+static inline double err_tree(__m512d *D)
+{
+    for (int j = 0; j < 4; j++) D[j] = _mm512_add_pd(D[j], D[j + 4]);
+    for (int j = 0; j < 2; j++) D[j] = _mm512_add_pd(D[j], D[j + 2]);
+    __m512d v = _mm512_add_pd(D[0], D[1]);
+    __m256d h = _mm256_add_pd(_mm512_castpd512_pd256(v), _mm512_extractf64x4_pd(v, 1));
+    __m128d p = _mm_add_pd(_mm256_castpd256_pd128(h), _mm256_extractf128_pd(h, 1));
+    return _mm_cvtsd_f64(_mm_add_sd(p, _mm_unpackhi_pd(p, p)));
+}
+
+static inline void x5_err_row(const void *ref, const float *dec, size_t len, double *pe,
+                              double *pq, int h)
+{
+    __m512d E[8], Q[8];
+    for (int j = 0; j < 8; j++) E[j] = Q[j] = _mm512_setzero_pd();
+    float rt[KVR_ERR_LANES], dt[KVR_ERR_LANES];
+    for (size_t b = 0; b < len; b += KVR_ERR_BLOCK) {
+        size_t end = len - b < KVR_ERR_BLOCK ? len : b + KVR_ERR_BLOCK;
+        size_t full = b + (end - b) / KVR_ERR_LANES * KVR_ERR_LANES, rest = end - full;
+        __m512 e0 = _mm512_setzero_ps(), e1 = e0, e2 = e0, e3 = e0;
+        __m512 q0 = e0, q1 = e0, q2 = e0, q3 = e0;
+        for (size_t k = b; k < full; k += KVR_ERR_LANES) {
+            ERR_ACC(err_ref16(ref, k, h), _mm512_loadu_ps(dec + k), e0, q0);
+            ERR_ACC(err_ref16(ref, k + 16, h), _mm512_loadu_ps(dec + k + 16), e1, q1);
+            ERR_ACC(err_ref16(ref, k + 32, h), _mm512_loadu_ps(dec + k + 32), e2, q2);
+            ERR_ACC(err_ref16(ref, k + 48, h), _mm512_loadu_ps(dec + k + 48), e3, q3);
+        }
+        if (rest) {
+            for (size_t j = 0; j < KVR_ERR_LANES; j++) {
+                rt[j] = j >= rest ? 0.0f
+                        : h ? kvr_f16_to_f32(((const uint16_t *)ref)[full + j])
+                            : ((const float *)ref)[full + j];
+                dt[j] = j >= rest ? 0.0f : dec[full + j];
+            }
+            ERR_ACC(_mm512_loadu_ps(rt), _mm512_loadu_ps(dt), e0, q0);
+            ERR_ACC(_mm512_loadu_ps(rt + 16), _mm512_loadu_ps(dt + 16), e1, q1);
+            ERR_ACC(_mm512_loadu_ps(rt + 32), _mm512_loadu_ps(dt + 32), e2, q2);
+            ERR_ACC(_mm512_loadu_ps(rt + 48), _mm512_loadu_ps(dt + 48), e3, q3);
+        }
+        ERR_FLUSH(E, 0, e0);
+        ERR_FLUSH(E, 1, e1);
+        ERR_FLUSH(E, 2, e2);
+        ERR_FLUSH(E, 3, e3);
+        ERR_FLUSH(Q, 0, q0);
+        ERR_FLUSH(Q, 1, q1);
+        ERR_FLUSH(Q, 2, q2);
+        ERR_FLUSH(Q, 3, q3);
+    }
+    double se = err_tree(E), sq = err_tree(Q);
+    *pe = se;
+    *pq = sq;
+    if (!(se - se == 0.0 && sq - sq == 0.0 && sq >= 0x1p-60))
+        kvr_codec_err_row_wide(ref, h, dec, len, pe, pq);
+}
+#undef ERR_FLUSH
+#undef ERR_ACC
+
 static void x5_err_rows(const float *ref, const float *dec, size_t n_rows, size_t len,
                         double *e, double *q)
 {
-    kvr_codec_kernels_avx2.err_rows(ref, dec, n_rows, len, e, q);
+    for (size_t i = 0; i < n_rows; i++)
+        x5_err_row(ref + i * len, dec + i * len, len, &e[i], &q[i], 0);
 }
 
 static void x5_err_rows_h(const uint16_t *ref, const float *dec, size_t n_rows, size_t len,
                           double *e, double *q)
 {
-    kvr_codec_kernels_avx2.err_rows_h(ref, dec, n_rows, len, e, q);
+    for (size_t i = 0; i < n_rows; i++)
+        x5_err_row(ref + i * len, dec + i * len, len, &e[i], &q[i], 1);
 }
 
 const kvr_codec_kernels kvr_codec_kernels_avx512 = {

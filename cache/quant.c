@@ -255,13 +255,11 @@ static bool rows_concat(const kvr_codec *c, size_t row)
                                          : kvr_codec_is_ggml(c->type) && row % 32 == 0;
 }
 
-/* The error measure: per row (or per tile), e = sum (dec - ref)^2 and r =
- * sum ref^2, each accumulated in element order from 0 in double, then added
- * to *sse / *ss in row order. Several rows' sums are independent chains, so
- * they run side by side (kvr_codec_err_rows: 4 in the scalar kernel, 8 in
- * double vector lanes in the SIMD one; the same additions in the same order per
- * chain), then are added in row order: the totals are bit-identical to one
- * row at a time. */
+/* The error measure: per row (or per tile), e ~ sum (dec - ref)^2 and q ~
+ * sum ref^2 in the fixed order codec.h defines (kvr_codec_err_rows: float
+ * lanes flushed into doubles, the same doubles on every ISA), then added to
+ * *sse / *ss in row order: the totals do not depend on the ISA or on how
+ * the sides were spread over threads. */
 static inline void acc_add(kvr_qacc *a, double e, double q)
 {
     if (a->rec) {
@@ -283,9 +281,8 @@ void kvr_qacc_replay(const kvr_qacc *a, double *sse, double *ss)
     }
 }
 
-/* The sums of n_rows rows (kvr_codec_err_rows: the SIMD kernel runs eight
- * rows' chains side by side, the same doubles as one row at a time), added
- * to acc in row order. */
+/* The sums of n_rows rows (kvr_codec_err_rows), added to acc in row
+ * order. */
 #define ACC_ROWS 64u
 static void acc_rows(const kvr_codec *c, const void *ref, kvr_dtype rdt, const float *dec,
                      size_t n_rows, size_t len, kvr_qacc *acc)
@@ -356,8 +353,8 @@ int kvr_quant_encode_side(const kvr_brun *runs, size_t n_runs, uint32_t layer, i
             }
             continue;
         }
-        /* K tiles: up to 4 whole tiles are decoded side by side so their error
-         * sums run as parallel chains (acc_rows, one chain per tile). */
+        /* K tiles: up to 4 whole tiles encoded and decoded, then measured
+         * (acc_rows, one row of the measure per tile). */
         assert(x);
         uint32_t G = KVR_QH(b)->ktile;
         size_t tile = (size_t)G * row;

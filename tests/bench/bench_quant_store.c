@@ -176,7 +176,7 @@ static void mem_bounds(uint8_t *dst, const uint16_t *src, size_t bytes, double *
 
 /* The error measure's rate on one thread (kvr_codec_err_rows over rows of
  * the payload, 64 at a time as a put runs it): every quantized put runs it
- * over all its values, bit-exact double chains whatever else is optimised. */
+ * over all its values (codec.h's fixed order: float lanes into doubles). */
 static double err_rate(const uint16_t *pl)
 {
     size_t rows = 64, len = (size_t)NH * HD, m = rows * len;

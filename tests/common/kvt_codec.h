@@ -21,4 +21,9 @@
 void kvt_decode_stream_check(const kvr_codec *c, const void *src, size_t len, const float *y0,
                              const uint16_t *h0, uint8_t *buf, size_t cap, const char *what);
 
+/* The store's error measure of one row of len values (codec.h,
+ * kvr_codec_err_rows), written out on its own from its definition: what
+ * every ISA's kernel and the store's rel_rms must reproduce bit for bit. */
+void kvt_err_row_def(const float *ref, const float *dec, size_t len, double *e, double *q);
+
 #endif

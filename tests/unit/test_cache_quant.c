@@ -17,6 +17,7 @@
 
 #include "cache/cache.h"
 #include "cache/codec.h"
+#include "tests/common/kvt_codec.h"
 #include "tests/common/kvt.h"
 #include "tests/common/kvt_store.h"
 
@@ -710,8 +711,8 @@ Test(quant, reregister_with_other_codec_refused)
 
 /* ---- the error measure -----------------------------------------------------
  * rel_rms_k / rel_rms_v are the store's definition, recomputed here from the
- * codec API: per row (per tile for per-channel keys) e = sum (dec - ref)^2 and
- * q = sum ref^2 accumulated in element order from 0 in double, added to the
+ * codec API: per row (per tile for per-channel keys) e ~ sum (dec - ref)^2 and
+ * q ~ sum ref^2 as codec.h defines them (kvt_err_row_def), added to the
  * totals in row order, layer after layer (keys: the f32 pre-RoPE keys of
  * kvr_rope_remove; a partial last tile is padded with its last token and
  * measured over its real tokens). The stat must be these exact doubles,
@@ -729,12 +730,8 @@ static void ref_err(const kvr_codec *c, const float *x, size_t n, bool tile, dou
             const float *r = x + i * ROW;
             cr_assert_eq(kvr_codec_encode(&sc, b, r, KVR_DTYPE_F32, ROW, NULL), 0);
             kvr_codec_decode(&sc, d, KVR_DTYPE_F32, b, ROW);
-            double e = 0, q = 0;
-            for (size_t k = 0; k < ROW; k++) {
-                double a = (double)d[k] - (double)r[k];
-                e += a * a;
-                q += (double)r[k] * (double)r[k];
-            }
+            double e, q;
+            kvt_err_row_def(r, d, ROW, &e, &q);
             *sse += e;
             *ss += q;
         }
@@ -751,12 +748,8 @@ static void ref_err(const kvr_codec *c, const float *x, size_t n, bool tile, dou
             memcpy(in + t * ROW, x + (t0 + (t < k ? t : k - 1)) * ROW, ROW * sizeof *in);
         cr_assert_eq(kvr_codec_encode_tile(&sc, b, in, KVR_DTYPE_F32, ROW, ROW, NULL), 0);
         kvr_codec_decode_tile(&sc, d, KVR_DTYPE_F32, ROW, b, ROW);
-        double e = 0, q = 0;
-        for (size_t j = 0; j < k * ROW; j++) {
-            double a = (double)d[j] - (double)in[j];
-            e += a * a;
-            q += (double)in[j] * (double)in[j];
-        }
+        double e, q;
+        kvt_err_row_def(in, d, k * ROW, &e, &q);
         *sse += e;
         *ss += q;
     }

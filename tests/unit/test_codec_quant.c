@@ -718,23 +718,13 @@ Test(codec_desc, bad_arguments)
 }
 
 /* n <= 64 rows of len: every ISA's kvr_codec_err_rows gives the doubles of
- * the plain sequential chains (e of the rounded squared differences, q of
- * the squares), bit for bit. Returns the number of ISAs checked. */
+ * the definition, bit for bit. Returns the number of ISAs checked. */
 static long check_err_rows(const float *ref, const float *dec, size_t n, size_t len, int set)
 {
     double e0[64], q0[64], e1[64], q1[64];
     cr_assert_leq(n, 64);
-    for (size_t i = 0; i < n; i++) {
-        double e = 0, q = 0;
-        for (size_t k = 0; k < len; k++) {
-            double a = (double)dec[i * len + k] - (double)ref[i * len + k];
-            double a2 = a * a, r2 = (double)ref[i * len + k] * (double)ref[i * len + k];
-            e += a2;
-            q += r2;
-        }
-        e0[i] = e;
-        q0[i] = q;
-    }
+    for (size_t i = 0; i < n; i++)
+        kvt_err_row_def(ref + i * len, dec + i * len, len, &e0[i], &q0[i]);
     long checked = 0;
     for (int isa = KVR_ISA_SCALAR; isa <= KVR_ISA_AVX512; isa++) {
         memset(e1, 0xff, sizeof e1);
@@ -748,16 +738,15 @@ static long check_err_rows(const float *ref, const float *dec, size_t n, size_t 
     return checked;
 }
 
-/* The error measure kernel: every ISA returns the bytes of one sequential
- * double chain per row (sum in element order, products and sums rounded
- * one at a time), for row counts around the 8- and 16-row blocks, lengths
- * around the 8-element transposes, and values of very different sizes (so
- * the order of additions shows in the last bits). */
+/* The error measure kernel: every ISA returns the doubles of the
+ * definition, for lengths around the 16-element vectors, the 64 lanes and
+ * the 1024-element blocks, and values of very different sizes (so the order
+ * of additions shows in the last bits). */
 Test(codec_simd, err_rows_same_doubles_as_one_chain_per_row)
 {
     size_t rows[] = { 1, 3, 7, 8, 9, 15, 16, 17, 24, 31, 40, 64 };
-    size_t lens[] = { 1, 5, 8, 13, 64, 100, 1024 };
-    float *ref = malloc(64 * 1024 * sizeof *ref), *dec = malloc(64 * 1024 * sizeof *dec);
+    size_t lens[] = { 1, 5, 8, 13, 64, 100, 1024, 1025, 2100 };
+    float *ref = malloc(64 * 2100 * sizeof *ref), *dec = malloc(64 * 2100 * sizeof *dec);
     long checked = 0;
     for (size_t li = 0; li < sizeof lens / sizeof *lens; li++)
         for (size_t ri = 0; ri < sizeof rows / sizeof *rows; ri++) {
@@ -776,8 +765,8 @@ Test(codec_simd, err_rows_same_doubles_as_one_chain_per_row)
 }
 
 /* The same with edge values: subnormals, the smallest normal, FLT_MAX,
- * signed zeros, huge and tiny differences (the FMA of q's exact square,
- * the rounded square of e's difference, chains reaching inf). */
+ * signed zeros, huge and tiny differences (float sums reaching inf and q
+ * under 2^-60: the rows measured in double instead). */
 Test(codec_simd, err_rows_edge_values_same_doubles)
 {
     static const float vals[] = { 0.0f, -0.0f, 1.4e-45f, -1.4e-45f, 1.17549435e-38f,
@@ -787,15 +776,25 @@ Test(codec_simd, err_rows_edge_values_same_doubles)
      * significant bits, so a fused e + d*d would show in the last bits */
     static const float mid[] = { 1.0f, 3e-8f, -0.7f, 1e-9f, 2.5f, -1.3e-7f, 0.33333334f,
                                  -5e-9f, 1.7f, 7e-10f, -2.2f, 4e-8f, 0.9f, -3e-9f, 1.1f, 0.0f };
+    /* values whose float squares stay finite, subnormals among them (the
+     * float lanes measure these rows), and values so small that q stays
+     * under 2^-60 (measured in double) */
+    static const float small[] = { 0.0f, -0.0f, 1.4e-45f, -1.4e-45f, 1.17549435e-38f,
+                                   -5.9e-39f, 1e-30f, -1e-30f, 3e-8f, 6.1e-5f, 1.0f,
+                                   65504.0f, -1.0000001f, 1e-25f, 2e-21f, 7.0f };
+    static const float tiny[] = { 0.0f, -0.0f, 1.4e-45f, -1.4e-45f, 1.17549435e-38f,
+                                  -5.9e-39f, 1e-30f, -1e-30f, 3e-21f, -1e-25f, 1e-35f,
+                                  -2e-22f, 5e-23f, 1e-24f, -7e-26f, 4e-21f };
+    const float *sets[] = { vals, mid, small, tiny };
     size_t nv = sizeof vals / sizeof *vals;
     size_t rows[] = { 8, 13, 16, 24 };
-    size_t lens[] = { 16, 48, 1024 };
-    float *ref = malloc(24 * 1024 * sizeof *ref), *dec = malloc(24 * 1024 * sizeof *dec);
-    for (int set = 0; set < 2; set++)
+    size_t lens[] = { 16, 48, 1024, 1100 };
+    float *ref = malloc(24 * 1100 * sizeof *ref), *dec = malloc(24 * 1100 * sizeof *dec);
+    for (int set = 0; set < 4; set++)
     for (size_t li = 0; li < sizeof lens / sizeof *lens; li++)
         for (size_t ri = 0; ri < sizeof rows / sizeof *rows; ri++) {
             size_t n = rows[ri], len = lens[li];
-            const float *vs = set ? mid : vals;
+            const float *vs = sets[set];
             rng_state = 991 + li * 17 + ri + (uint64_t)set * 1000;
             for (size_t i = 0; i < n * len; i++) {
                 ref[i] = vs[(size_t)((uint32_t)(rng_next() >> 32) % nv)];
