@@ -61,6 +61,10 @@ struct kvr_model {
 struct kvr_ctx {
     char        id[KVR_ID_MAX + 1];
     size_t      id_len;
+    /* Beside id_len, which a match reads: what a match hit writes
+     * (kvr_store_touch_match), on a line it has already loaded. */
+    uint64_t    accessed_ms;
+    bool        matched;        /* hit by a match since it last moved on the LRU list */
     uint64_t    hash;
     kvr_ctx    *hnext;          /* store.c: hash chain */
     kvr_list    lru;            /* store.c: on the store's LRU list once committed */
@@ -73,7 +77,7 @@ struct kvr_ctx {
     size_t      n_tokens;
     size_t      n_exact;
     bool        pinned, busy, pending;  /* pending: created by an open put */
-    uint64_t    created_ms, accessed_ms;
+    uint64_t    created_ms;
     size_t      n_evicted_tokens;
     kvr_pentry  idx[2];         /* place in model->tree[0] / [1] */
     bool        idx_stale;

@@ -211,8 +211,36 @@ void kvr_store_touch(kvr_store *s, kvr_ctx *c)
     c->accessed_ms = kvr_store_now_ms();
     if (c->pending)
         return;
+    c->matched = false;
     kvr_list_remove(&c->lru);   /* a node on no list points at itself: a no-op */
     kvr_list_insert_head(&s->lru, &c->lru);
+}
+
+/* A match hit marks the context instead of moving it: the move writes the
+ * list links of the context and of three others (its neighbours, the
+ * head), lines no match reads, which on a large store are cold (bench_scale:
+ * cold p99 ~30 us with the move against ~6 us without). Whoever walks the
+ * list from its cold end for a victim (kvr_lru_victim) moves a marked
+ * context to the head then, as the touch would have: it is not a victim
+ * before every context used less recently than its last move. */
+static void touch_match(kvr_ctx *c)
+{
+    c->accessed_ms = kvr_store_now_ms();
+    if (!c->pending)
+        c->matched = true;
+}
+
+kvr_ctx *kvr_lru_victim(kvr_store *s, kvr_ctx *c)
+{
+    kvr_ctx *v = c ? kvr_lru_prev(s, c) : kvr_lru_last(s);
+    while (v && v->matched) {
+        kvr_ctx *p = kvr_lru_prev(s, v);
+        v->matched = false;
+        kvr_list_remove(&v->lru);
+        kvr_list_insert_head(&s->lru, &v->lru);
+        v = p;
+    }
+    return v;
 }
 
 int kvr_store_ctx_limit(const kvr_store *s, const char *id, kvr_error *err)
@@ -380,9 +408,9 @@ int kvr_store_reserve(kvr_store *s, size_t need, kvr_error *err)
         int sp = s->hooks ? s->hooks->evict(s, kvr_mem_allocated() + need - cap) : 0;
         if (sp == 1)
             continue;
-        kvr_ctx *v = kvr_lru_last(s);
+        kvr_ctx *v = kvr_lru_victim(s, NULL);
         while (v && (!evictable(v) || (s->tier && v->persist)))
-            v = kvr_lru_prev(s, v);
+            v = kvr_lru_victim(s, v);
         if (!v) {
             s->n_refused_nomem++;
             rc = kvr_error_set(err, KVR_ENOMEM,
@@ -453,9 +481,9 @@ int kvr_store_reserve_for(kvr_store *s, kvr_model *m, size_t need, const char *w
     s->pool.cache_max = 0;
     int rc = 0;
     while (tenant_bytes(s, m) + need > bound) {
-        kvr_ctx *v = kvr_lru_last(s);
+        kvr_ctx *v = kvr_lru_victim(s, NULL);
         while (v && (v->model != m || !evictable(v) || (s->tier && v->persist)))
-            v = kvr_lru_prev(s, v);
+            v = kvr_lru_victim(s, v);
         if (!v) {
             m->n_refused_bound++;
             rc = kvr_error_set(err, KVR_ENOMEM, "model '%s' holds %zu bytes of its %zu-byte "
@@ -835,13 +863,10 @@ int kvr_store_match(kvr_store *s, const char *model, const uint32_t *tokens,
     s->n_matches++;
     m->n_matches++;
     if (rep && len) {
-        /* The LRU neighbours the touch below relinks: fetched while the id is copied. */
-        __builtin_prefetch(rep->lru.prev, 1);
-        __builtin_prefetch(rep->lru.next, 1);
         memcpy(res->ctx_id, rep->id, rep->id_len + 1);
         s->n_match_hits++;
         m->n_match_hits++;
-        kvr_store_touch(s, rep);
+        touch_match(rep);
     }
     return 0;
 }

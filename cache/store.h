@@ -96,6 +96,11 @@ static inline kvr_ctx *kvr_lru_prev(const kvr_store *s, const kvr_ctx *c)
     kvr_list *n = kvr_list_prev(&s->lru, &c->lru);
     return n ? kvr_list_entry(n, kvr_ctx, lru) : NULL;
 }
+/* For a walk from the cold end looking for victims: the least recently
+ * used context (c NULL), or the next one after c towards the head. A
+ * context a match marked (kvr_ctx.matched) is moved to the head on the
+ * way instead of being returned (store.c). */
+kvr_ctx *kvr_lru_victim(kvr_store *s, kvr_ctx *c);
 
 uint64_t   kvr_store_now_ms(void);
 uint64_t   kvr_fnv1a(const void *p, size_t n, uint64_t h);

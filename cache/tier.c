@@ -379,7 +379,8 @@ static int tier_evict(kvr_store *s, size_t want)
     kvr_disk_buf bufs[TIER_SPILL_BATCH_MAX];
     size_t n = 0, nio = 0, freed = 0, io_bytes = 0;
     uint32_t ep = ++s->epoch;
-    for (kvr_ctx *c = kvr_lru_last(s); c && n < TIER_SPILL_BATCH_MAX; c = kvr_lru_prev(s, c)) {
+    for (kvr_ctx *c = kvr_lru_victim(s, NULL); c && n < TIER_SPILL_BATCH_MAX;
+         c = kvr_lru_victim(s, c)) {
         if (!evictable(c))
             continue;
         for (size_t i = c->n_ext; i-- > 0 && n < TIER_SPILL_BATCH_MAX;) {

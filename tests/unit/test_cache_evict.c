@@ -156,6 +156,56 @@ Test(cache_evict, lru_tail_eviction_under_cap)
     destroy_all_freed(s, base);
 }
 
+/* A match hit keeps its context off the eviction tail as a get does: the
+ * hit only marks it (store.c: no LRU links written on the match's path),
+ * and the eviction that reaches it moves it to the head and takes the next
+ * one. Contexts matched by no one go in the order they were used. */
+Test(cache_evict, a_match_hit_keeps_its_context_like_a_get)
+{
+    size_t base = kvr_mem_allocated(), bb;
+    kvr_store *s = setup(10, &bb);
+    kvr_error e = { 0 };
+    char id[16];
+    for (uint32_t i = 0; i < 4; i++) {
+        snprintf(id, sizeof id, "c%u", i);
+        cr_assert_eq(put(s, id, i, 2 * B, &e), 0, "%s", e.msg);
+    }
+    uint32_t q[2 * B];
+    for (uint32_t k = 0; k < 2 * B; k++)
+        q[k] = 0 * 1000u + k;                  /* c0's tokens: the oldest context */
+    kvr_match_result mr;
+    cr_assert_eq(kvr_store_match(s, "m", q, 2 * B, false, &mr, &e), 0, "%s", e.msg);
+    cr_assert_eq(mr.length, 2 * B);
+    cr_assert_str_eq(mr.ctx_id, "c0");
+    kvr_store_stats st0, st;
+    kvr_store_get_stats(s, &st0);
+    for (uint32_t i = 4; i < 7; i++) {
+        snprintf(id, sizeof id, "c%u", i);
+        cr_assert_eq(put(s, id, i, 2 * B, &e), 0, "%s", e.msg);
+    }
+    kvr_store_get_stats(s, &st);
+    cr_assert_gt(st.n_evicted_blocks, st0.n_evicted_blocks, "the puts evicted nothing");
+    check_intact(s, "c0", 0, 2 * B);           /* matched: kept whole */
+    kvr_ctx_info ci;
+    cr_assert_eq(kvr_store_stat(s, "c1", &ci, &e), KVR_ENOCTX, "c1 (used least recently) "
+                 "should have gone first");
+    check_intact(s, "c6", 6, 2 * B);
+    /* Marked once, moved once: every context still here is read now, so
+     * c0, used by nothing since its move, is the least recently used. */
+    for (uint32_t i = 2; i < 7; i++) {
+        snprintf(id, sizeof id, "c%u", i);
+        kvr_get_params gp = { .ctx_id = id, .end = SIZE_MAX, .dtype = KVR_DTYPE_F16 };
+        kvr_get *g;
+        if (kvr_store_get_begin(s, &gp, &g, &e) == 0)
+            kvr_get_end(g);
+    }
+    cr_assert_eq(put(s, "c7", 7, 2 * B, &e), 0, "%s", e.msg);
+    cr_assert_eq(put(s, "c8", 8, 2 * B, &e), 0, "%s", e.msg);
+    cr_assert_eq(kvr_store_stat(s, "c0", &ci, &e), KVR_ENOCTX, "c0 was moved once for its "
+                 "match and used by nothing since: it goes before the contexts read after it");
+    destroy_all_freed(s, base);
+}
+
 Test(cache_evict, enomem_when_all_pinned_harms_nothing)
 {
     size_t base = kvr_mem_allocated(), bb;
