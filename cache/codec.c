@@ -838,6 +838,36 @@ void kvr_codec_err_rows_f16(kvr_isa isa, const uint16_t *ref, const float *dec, 
     (k->err_rows_h ? k->err_rows_h : sc_err_rows_h)(ref, dec, n_rows, len, e, q);
 }
 
+int kvr_codec_err_rows_enc(const kvr_codec *c, const uint8_t *src, const void *ref,
+                           kvr_dtype rdt, size_t n_rows, size_t len, float *scratch,
+                           double *e, double *q)
+{
+    const kvr_codec_kernels *k = kernels_for(c->isa);
+    if (!k->err_rows_enc || !kvr_codec_is_uniform(c->type) ||
+        c->params != KVR_CODEC_PARAMS_F16 || (rdt != KVR_DTYPE_F32 && rdt != KVR_DTYPE_F16))
+        return -1;
+    uint32_t G = kvr_codec_group(c);
+    if (G < 32 || G > 256 || (G & (G - 1)) || len == 0 || len % G)
+        return -1;
+    unsigned bits = kvr_codec_value_bits(c->type);
+    int h = rdt == KVR_DTYPE_F16;
+    size_t rb = row_bytes(c, len), es = h ? 2 : 4;
+    bool wide[64];
+    for (size_t i0 = 0; i0 < n_rows; i0 += 64) {
+        size_t m = n_rows - i0 < 64 ? n_rows - i0 : 64;
+        k->err_rows_enc(src + i0 * rb, (const char *)ref + i0 * len * es, h, m, len, bits, G,
+                        e + i0, q + i0, wide);
+        for (size_t i = 0; i < m; i++) {
+            if (!wide[i])
+                continue;
+            k->dec_f32(scratch, src + (i0 + i) * rb, len, bits, G, c->params);
+            kvr_codec_err_row_wide((const char *)ref + (i0 + i) * len * es, h, scratch, len,
+                                   &e[i0 + i], &q[i0 + i]);
+        }
+    }
+    return 0;
+}
+
 double kvr_codec_rel_rms(const float *ref, const void *dec, kvr_dtype dec_type, size_t n)
 {
     double num = 0.0, den = 0.0;

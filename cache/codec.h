@@ -281,6 +281,18 @@ void kvr_codec_err_rows(kvr_isa isa, const float *ref, const float *dec, size_t 
 void kvr_codec_err_rows_f16(kvr_isa isa, const uint16_t *ref, const float *dec, size_t n_rows,
                             size_t len, double *e, double *q);
 
+/* The same measure of n_rows rows encoded back to back at src by a uniform
+ * codec c (each row len values), against the reference rows ref (rdt f32
+ * or f16): the doubles kvr_codec_err_rows returns for the rows decoded to
+ * f32, without writing them (the decode and the measure in one pass).
+ * scratch holds len floats (a row measured wide is decoded into it).
+ * Returns 0, or -1 when no kernel measures this codec so (another ISA, f32
+ * parameters, a group that is not 32, 64, 128 or 256 or does not divide
+ * len): the caller decodes and uses kvr_codec_err_rows. */
+int kvr_codec_err_rows_enc(const kvr_codec *c, const uint8_t *src, const void *ref,
+                           kvr_dtype rdt, size_t n_rows, size_t len, float *scratch,
+                           double *e, double *q);
+
 /* ---- internal: kernels and dispatch (codec*.c only) --------------------- */
 
 /* Parameters of one uniform group, as stored (see the rule above). */
@@ -338,6 +350,11 @@ typedef struct kvr_codec_kernels {
     /* kvr_codec_err_rows_f16 (optional; NULL: the scalar reference). */
     void (*err_rows_h)(const uint16_t *ref, const float *dec, size_t n_rows, size_t len,
                        double *e, double *q);
+    /* kvr_codec_err_rows_enc (optional), f16 parameters, G in 32..256
+     * dividing len: wide[i] is set for a row kvr_codec_err_finish refused
+     * (its e[i], q[i] are then to be measured wide by the caller). */
+    void (*err_rows_enc)(const uint8_t *src, const void *ref, int h, size_t n_rows, size_t len,
+                         unsigned bits, uint32_t G, double *e, double *q, bool *wide);
 } kvr_codec_kernels;
 
 /* The scalar encoder of one ggml block of 32 checked values (0, or -1 when d

@@ -589,12 +589,15 @@ static inline __m512 err_ref16(const void *a, size_t k, int h)
     return _mm512_loadu_ps((const float *)a + k);
 }
 
-/* Lanes 16j..16j+15 of the doubles (vectors D[2j], D[2j+1]) += v's floats. */
+/* Lanes 16j..16j+15 of the doubles (vectors D[2j], D[2j+1]) += v's floats;
+ * the first block's set them (0 + x is x: the doubles start from zero
+ * without a store of zeros). */
 #define ERR_FLUSH(D, J, V)                                                     \
     do {                                                                       \
-        D[2 * (J)] = _mm512_add_pd(D[2 * (J)], _mm512_cvtps_pd(_mm512_castps512_ps256(V))); \
-        D[2 * (J) + 1] = _mm512_add_pd(D[2 * (J) + 1],                         \
-                                       _mm512_cvtps_pd(_mm512_extractf32x8_ps(V, 1))); \
+        __m512d lo_ = _mm512_cvtps_pd(_mm512_castps512_ps256(V));             \
+        __m512d hi_ = _mm512_cvtps_pd(_mm512_extractf32x8_ps(V, 1));          \
+        D[2 * (J)] = first_ ? lo_ : _mm512_add_pd(D[2 * (J)], lo_);            \
+        D[2 * (J) + 1] = first_ ? hi_ : _mm512_add_pd(D[2 * (J) + 1], hi_);    \
     } while (0)
 
 /* kvr_codec_err_finish's tree on lanes held as eight vectors of eight
@@ -614,9 +617,9 @@ static inline void x5_err_row(const void *ref, const float *dec, size_t len, dou
                               double *pq, int h)
 {
     __m512d E[8], Q[8];
-    for (int j = 0; j < 8; j++) E[j] = Q[j] = _mm512_setzero_pd();
     float rt[KVR_ERR_LANES], dt[KVR_ERR_LANES];
     for (size_t b = 0; b < len; b += KVR_ERR_BLOCK) {
+        const int first_ = b == 0;
         size_t end = len - b < KVR_ERR_BLOCK ? len : b + KVR_ERR_BLOCK;
         size_t full = b + (end - b) / KVR_ERR_LANES * KVR_ERR_LANES, rest = end - full;
         __m512 e0 = _mm512_setzero_ps(), e1 = e0, e2 = e0, e3 = e0;
@@ -654,6 +657,82 @@ static inline void x5_err_row(const void *ref, const float *dec, size_t len, dou
     if (!(se - se == 0.0 && sq - sq == 0.0 && sq >= 0x1p-60))
         kvr_codec_err_row_wide(ref, h, dec, len, pe, pq);
 }
+/* kvr_codec_err_rows_enc: each row decoded a 32-value chunk at a time as
+ * dec_rows16 decodes it (the same floats) and measured in the lanes at
+ * once; the chunk's 32 values are lanes (k mod 64) .. + 31, and a block of
+ * 1024 ends on a chunk's end (G divides 1024). */
+AI void enc_err_row(const uint8_t *src, const void *ref, size_t len, const unsigned bits,
+                    const uint32_t G, const int h, double *pe, double *pq, bool *wide)
+{
+    const size_t gb = 4 + (size_t)G * bits / 8;
+    __m512d E[8], Q[8];
+    __m512 e0 = _mm512_setzero_ps(), e1 = e0, e2 = e0, e3 = e0;
+    __m512 q0 = e0, q1 = e0, q2 = e0, q3 = e0;
+    int first_ = 1;
+    for (size_t i = 0; i < len; i += G, src += gb) {
+        uint16_t sh, mh;
+        memcpy(&sh, src, 2);
+        memcpy(&mh, src + 2, 2);
+        const __m512 vs = _mm512_set1_ps(_cvtsh_ss(sh)), vm = _mm512_set1_ps(_cvtsh_ss(mh));
+        for (size_t c = 0; c < G / 32; c++) {
+            __m128i Q0, Q1;
+            unpack_chunk(src + 4, c, bits, &Q0, &Q1);
+            __m512 y0 = _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(Q0)), vs), vm);
+            __m512 y1 = _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(Q1)), vs), vm);
+            size_t k = i + 32 * c;
+            if (k & 32) {
+                ERR_ACC(err_ref16(ref, k, h), y0, e2, q2);
+                ERR_ACC(err_ref16(ref, k + 16, h), y1, e3, q3);
+            } else {
+                ERR_ACC(err_ref16(ref, k, h), y0, e0, q0);
+                ERR_ACC(err_ref16(ref, k + 16, h), y1, e1, q1);
+            }
+            if (((k + 32) & (KVR_ERR_BLOCK - 1)) == 0 || k + 32 == len) {
+                ERR_FLUSH(E, 0, e0);
+                ERR_FLUSH(E, 1, e1);
+                ERR_FLUSH(E, 2, e2);
+                ERR_FLUSH(E, 3, e3);
+                ERR_FLUSH(Q, 0, q0);
+                ERR_FLUSH(Q, 1, q1);
+                ERR_FLUSH(Q, 2, q2);
+                ERR_FLUSH(Q, 3, q3);
+                e0 = e1 = e2 = e3 = q0 = q1 = q2 = q3 = _mm512_setzero_ps();
+                first_ = 0;
+            }
+        }
+    }
+    double se = err_tree(E), sq = err_tree(Q);
+    *pe = se;
+    *pq = sq;
+    *wide = !(se - se == 0.0 && sq - sq == 0.0 && sq >= 0x1p-60);
+}
+
+AI void enc_err_rows(const uint8_t *src, const void *ref, int h, size_t n_rows, size_t len,
+                     const unsigned bits, const uint32_t G, double *e, double *q, bool *wide)
+{
+    const size_t rb = len / G * (4 + (size_t)G * bits / 8), es = h ? 2 : 4;
+    for (size_t i = 0; i < n_rows; i++) {
+        const void *r = (const char *)ref + i * len * es;
+        if (h) enc_err_row(src + i * rb, r, len, bits, G, 1, &e[i], &q[i], &wide[i]);
+        else   enc_err_row(src + i * rb, r, len, bits, G, 0, &e[i], &q[i], &wide[i]);
+    }
+}
+
+/* One loop per bit width, and a constant group for the default 64. */
+static void x5_err_rows_enc(const uint8_t *src, const void *ref, int h, size_t n_rows,
+                            size_t len, unsigned bits, uint32_t G, double *e, double *q,
+                            bool *wide)
+{
+#define EE(B) do {                                                                    \
+        if (G == 64) enc_err_rows(src, ref, h, n_rows, len, B, 64, e, q, wide);        \
+        else         enc_err_rows(src, ref, h, n_rows, len, B, G, e, q, wide);         \
+        return;                                                                       \
+    } while (0)
+    if (bits == 8) EE(8);
+    if (bits == 4) EE(4);
+    EE(2);
+#undef EE
+}
 #undef ERR_FLUSH
 #undef ERR_ACC
 
@@ -678,5 +757,5 @@ const kvr_codec_kernels kvr_codec_kernels_avx512 = {
     .tile_enc = x5_tile_enc, .tile_dec = x5_tile_dec,
     .ggml_enc = kvr_codec_ggml_enc_avx512, .ggml_dec = kvr_codec_ggml_dec_avx512,
     .ggml_dec_nt = kvr_codec_ggml_dec_nt_avx512,
-    .err_rows = x5_err_rows, .err_rows_h = x5_err_rows_h,
+    .err_rows = x5_err_rows, .err_rows_h = x5_err_rows_h, .err_rows_enc = x5_err_rows_enc,
 };
