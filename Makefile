@@ -200,11 +200,13 @@ $(BUILD)/obj/gen/kvrope.pb-c.o: $(PROTO_GEN_C)
 # ---- objects ---------------------------------------------------------------
 $(BUILD)/obj/%_avx2.o:   XFLAGS += $(AVX2_FLAGS)
 $(BUILD)/obj/%_avx512.o: XFLAGS += $(AVX512_FLAGS)
-# The sin/cos tables and the ggml block kernels: the SIMD versions must round
-# every product and sum as the scalar one does (no fused multiply-add), so
-# all ISAs agree bit for bit.
+# The sin/cos tables, the ggml block kernels and the row codecs (their
+# decoders and the error measure): the SIMD versions must round every product
+# and sum as the scalar one does (no fused multiply-add), so all ISAs agree
+# bit for bit.
 $(BUILD)/obj/rope/rope.o $(BUILD)/obj/rope/sincos_avx2.o $(BUILD)/obj/rope/sincos_avx512.o \
-  $(BUILD)/obj/cache/codec_ggml_avx2.o $(BUILD)/obj/cache/codec_ggml_avx512.o: \
+  $(BUILD)/obj/cache/codec_ggml_avx2.o $(BUILD)/obj/cache/codec_ggml_avx512.o \
+  $(BUILD)/obj/cache/codec_avx2.o $(BUILD)/obj/cache/codec_avx512.o: \
   XFLAGS += -ffp-contract=off
 
 $(BUILD)/obj/%.o: %.c | $(PROTO_GEN_H)

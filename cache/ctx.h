@@ -61,8 +61,9 @@ struct kvr_model {
 struct kvr_ctx {
     char        id[KVR_ID_MAX + 1];
     size_t      id_len;
-    /* Beside id_len, which a match reads: what a match hit writes
-     * (kvr_store_touch_match), on a line it has already loaded. */
+    /* Beside id_len, which a match reads: what a match hit writes (store.c
+     * touch_match), in the same cache line when the context is 64-byte
+     * aligned (id_len at offset 256), else the next. */
     uint64_t    accessed_ms;
     bool        matched;        /* hit by a match since it last moved on the LRU list */
     uint64_t    hash;

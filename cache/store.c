@@ -218,11 +218,12 @@ void kvr_store_touch(kvr_store *s, kvr_ctx *c)
 
 /* A match hit marks the context instead of moving it: the move writes the
  * list links of the context and of three others (its neighbours, the
- * head), lines no match reads, which on a large store are cold (bench_scale:
- * cold p99 ~30 us with the move against ~6 us without). Whoever walks the
- * list from its cold end for a victim (kvr_lru_victim) moves a marked
- * context to the head then, as the touch would have: it is not a victim
- * before every context used less recently than its last move. */
+ * head), lines no match reads, which on a large store are cold. Whoever
+ * walks the list from its cold end for a victim (kvr_lru_victim) gives a
+ * marked context a second chance (CLOCK's): it is unmarked and moved to the
+ * head then, and the walk goes on. So a matched context is kept over every
+ * context not used since the walk began, though not ordered among the
+ * contexts used after its match as an immediate move would order it. */
 static void touch_match(kvr_ctx *c)
 {
     c->accessed_ms = kvr_store_now_ms();
@@ -236,6 +237,8 @@ kvr_ctx *kvr_lru_victim(kvr_store *s, kvr_ctx *c)
     while (v && v->matched) {
         kvr_ctx *p = kvr_lru_prev(s, v);
         v->matched = false;
+        if (!p)
+            return v;   /* the head: no context was used after it */
         kvr_list_remove(&v->lru);
         kvr_list_insert_head(&s->lru, &v->lru);
         v = p;

@@ -98,8 +98,9 @@ static inline kvr_ctx *kvr_lru_prev(const kvr_store *s, const kvr_ctx *c)
 }
 /* For a walk from the cold end looking for victims: the least recently
  * used context (c NULL), or the next one after c towards the head. A
- * context a match marked (kvr_ctx.matched) is moved to the head on the
- * way instead of being returned (store.c). */
+ * context a match marked (kvr_ctx.matched) is unmarked and moved to the
+ * head on the way instead of being returned, unless it is the head
+ * already (store.c: a second chance). */
 kvr_ctx *kvr_lru_victim(kvr_store *s, kvr_ctx *c);
 
 uint64_t   kvr_store_now_ms(void);

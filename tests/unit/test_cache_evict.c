@@ -206,6 +206,29 @@ Test(cache_evict, a_match_hit_keeps_its_context_like_a_get)
     destroy_all_freed(s, base);
 }
 
+/* The only context, matched (so marked) and at the head of the LRU list:
+ * eviction still finds it (a second chance has nowhere to move it), and
+ * the put that needs its room succeeds. */
+Test(cache_evict, a_matched_head_is_still_a_victim)
+{
+    size_t base = kvr_mem_allocated(), bb;
+    kvr_store *s = setup(2, &bb);
+    kvr_error e = { 0 };
+    cr_assert_eq(put(s, "a", 1, 2 * B, &e), 0, "%s", e.msg);
+    uint32_t q[2 * B];
+    for (uint32_t k = 0; k < 2 * B; k++)
+        q[k] = 1 * 1000u + k;
+    kvr_match_result mr;
+    cr_assert_eq(kvr_store_match(s, "m", q, 2 * B, false, &mr, &e), 0, "%s", e.msg);
+    cr_assert_str_eq(mr.ctx_id, "a");
+    cr_assert_eq(put(s, "b", 2, 2 * B, &e), 0, "%s", e.msg);
+    kvr_store_stats st;
+    kvr_store_get_stats(s, &st);
+    cr_assert_eq(st.n_refused_nomem, 0);
+    check_intact(s, "b", 2, 2 * B);
+    destroy_all_freed(s, base);
+}
+
 Test(cache_evict, enomem_when_all_pinned_harms_nothing)
 {
     size_t base = kvr_mem_allocated(), bb;

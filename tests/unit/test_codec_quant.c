@@ -954,9 +954,9 @@ Test(codec_simd, err_rows_enc_same_doubles_as_decode_then_measure)
 Test(codec_simd, err_rows_f16_same_doubles_as_f32)
 {
     size_t rows[] = { 1, 7, 8, 9, 16, 17, 24 };
-    size_t lens[] = { 1, 13, 16, 100, 1024 };
-    uint16_t *rh = malloc(24 * 1024 * sizeof *rh);
-    float *ref = malloc(24 * 1024 * sizeof *ref), *dec = malloc(24 * 1024 * sizeof *dec);
+    size_t lens[] = { 1, 13, 16, 100, 1024, 1100, 2100 };
+    uint16_t *rh = malloc(24 * 2100 * sizeof *rh);
+    float *ref = malloc(24 * 2100 * sizeof *ref), *dec = malloc(24 * 2100 * sizeof *dec);
     double e0[24], q0[24], e1[24], q1[24];
     for (size_t li = 0; li < sizeof lens / sizeof *lens; li++)
         for (size_t ri = 0; ri < sizeof rows / sizeof *rows; ri++) {
@@ -973,6 +973,11 @@ Test(codec_simd, err_rows_f16_same_doubles_as_f32)
                 dec[i] = k == 0 ? ref[i] : k == 1 ? ref[i] * 1.0078125f + 3e-8f
                                                    : (float)rng_gauss();
             }
+            if (ri % 3 == 1)   /* a row of signed zeros: q = 0, measured wide */
+                for (size_t i = 0; i < len; i++) {
+                    rh[i] = i % 2 ? 0x8000 : 0;
+                    ref[i] = kvr_f16_to_f32(rh[i]);
+                }
             kvr_codec_err_rows(KVR_ISA_SCALAR, ref, dec, n, len, e0, q0);
             for (int isa = KVR_ISA_SCALAR; isa <= KVR_ISA_AVX512; isa++) {
                 memset(e1, 0xff, sizeof e1);
