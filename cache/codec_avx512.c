@@ -600,6 +600,30 @@ static inline __m512 err_ref16(const void *a, size_t k, int h)
         D[2 * (J) + 1] = first_ ? hi_ : _mm512_add_pd(D[2 * (J) + 1], hi_);    \
     } while (0)
 
+/* The four float accumulators of e and of q into their doubles. */
+#define ERR_FLUSH_ALL()                                                        \
+    do {                                                                       \
+        ERR_FLUSH(E, 0, e0);                                                   \
+        ERR_FLUSH(E, 1, e1);                                                   \
+        ERR_FLUSH(E, 2, e2);                                                   \
+        ERR_FLUSH(E, 3, e3);                                                   \
+        ERR_FLUSH(Q, 0, q0);                                                   \
+        ERR_FLUSH(Q, 1, q1);                                                   \
+        ERR_FLUSH(Q, 2, q2);                                                   \
+        ERR_FLUSH(Q, 3, q3);                                                   \
+    } while (0)
+
+/* A row's e and q from its lanes' doubles (kvr_codec_err_finish's tree and
+ * test); false: it is to be measured wide. */
+static inline double err_tree(__m512d *D);
+static inline bool err_finish16(__m512d *E, __m512d *Q, double *pe, double *pq)
+{
+    double se = err_tree(E), sq = err_tree(Q);
+    *pe = se;
+    *pq = sq;
+    return se - se == 0.0 && sq - sq == 0.0 && sq >= 0x1p-60;
+}
+
 /* kvr_codec_err_finish's tree on lanes held as eight vectors of eight
  * (lane l in D[l / 8]): + 32 lanes, + 16, + 8 as whole vectors, then + 4,
  * + 2, + 1 inside the first. */
@@ -642,19 +666,9 @@ static inline void x5_err_row(const void *ref, const float *dec, size_t len, dou
             ERR_ACC(_mm512_loadu_ps(rt + 32), _mm512_loadu_ps(dt + 32), e2, q2);
             ERR_ACC(_mm512_loadu_ps(rt + 48), _mm512_loadu_ps(dt + 48), e3, q3);
         }
-        ERR_FLUSH(E, 0, e0);
-        ERR_FLUSH(E, 1, e1);
-        ERR_FLUSH(E, 2, e2);
-        ERR_FLUSH(E, 3, e3);
-        ERR_FLUSH(Q, 0, q0);
-        ERR_FLUSH(Q, 1, q1);
-        ERR_FLUSH(Q, 2, q2);
-        ERR_FLUSH(Q, 3, q3);
+        ERR_FLUSH_ALL();
     }
-    double se = err_tree(E), sq = err_tree(Q);
-    *pe = se;
-    *pq = sq;
-    if (!(se - se == 0.0 && sq - sq == 0.0 && sq >= 0x1p-60))
+    if (!err_finish16(E, Q, pe, pq))
         kvr_codec_err_row_wide(ref, h, dec, len, pe, pq);
 }
 /* kvr_codec_err_rows_enc: each row decoded a 32-value chunk at a time as
@@ -688,23 +702,13 @@ AI void enc_err_row(const uint8_t *src, const void *ref, size_t len, const unsig
                 ERR_ACC(err_ref16(ref, k + 16, h), y1, e1, q1);
             }
             if (((k + 32) & (KVR_ERR_BLOCK - 1)) == 0 || k + 32 == len) {
-                ERR_FLUSH(E, 0, e0);
-                ERR_FLUSH(E, 1, e1);
-                ERR_FLUSH(E, 2, e2);
-                ERR_FLUSH(E, 3, e3);
-                ERR_FLUSH(Q, 0, q0);
-                ERR_FLUSH(Q, 1, q1);
-                ERR_FLUSH(Q, 2, q2);
-                ERR_FLUSH(Q, 3, q3);
+                ERR_FLUSH_ALL();
                 e0 = e1 = e2 = e3 = q0 = q1 = q2 = q3 = _mm512_setzero_ps();
                 first_ = 0;
             }
         }
     }
-    double se = err_tree(E), sq = err_tree(Q);
-    *pe = se;
-    *pq = sq;
-    *wide = !(se - se == 0.0 && sq - sq == 0.0 && sq >= 0x1p-60);
+    *wide = !err_finish16(E, Q, pe, pq);
 }
 
 AI void enc_err_rows(const uint8_t *src, const void *ref, int h, size_t n_rows, size_t len,
@@ -733,6 +737,7 @@ static void x5_err_rows_enc(const uint8_t *src, const void *ref, int h, size_t n
     EE(2);
 #undef EE
 }
+#undef ERR_FLUSH_ALL
 #undef ERR_FLUSH
 #undef ERR_ACC
 
