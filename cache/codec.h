@@ -381,6 +381,13 @@ size_t kvr_codec_scalar_group(uint8_t *dst, const float *x, size_t m, unsigned b
 #define KVR_ERR_BLOCK 1024
 /* A row's e and q from its lanes' doubles E[64], Q[64] (added in the
  * fixed tree); false when the row must be measured wide instead. */
+/* Whether a row's sums e, q from the lanes stand (finite, q >= 2^-60);
+ * else the row is measured wide. */
+static inline bool kvr_codec_err_ok(double e, double q)
+{
+    return e - e == 0.0 && q - q == 0.0 && q >= 0x1p-60;   /* finite */
+}
+
 static inline bool kvr_codec_err_finish(const double *E, const double *Q, double *e, double *q)
 {
     /* lane l + w added onto lane l, w = 32, 16, .., 1 */
@@ -396,7 +403,7 @@ static inline bool kvr_codec_err_finish(const double *E, const double *Q, double
         }
     *e = se[0];
     *q = sq[0];
-    return se[0] - se[0] == 0.0 && sq[0] - sq[0] == 0.0 && sq[0] >= 0x1p-60;   /* finite */
+    return kvr_codec_err_ok(se[0], sq[0]);
 }
 /* One row measured in double (the wide measure; h: ref is f16). */
 void kvr_codec_err_row_wide(const void *ref, int h, const float *dec, size_t len, double *e,

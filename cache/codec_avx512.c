@@ -613,17 +613,6 @@ static inline __m512 err_ref16(const void *a, size_t k, int h)
         ERR_FLUSH(Q, 3, q3);                                                   \
     } while (0)
 
-/* A row's e and q from its lanes' doubles (kvr_codec_err_finish's tree and
- * test); false: it is to be measured wide. */
-static inline double err_tree(__m512d *D);
-static inline bool err_finish16(__m512d *E, __m512d *Q, double *pe, double *pq)
-{
-    double se = err_tree(E), sq = err_tree(Q);
-    *pe = se;
-    *pq = sq;
-    return se - se == 0.0 && sq - sq == 0.0 && sq >= 0x1p-60;
-}
-
 /* kvr_codec_err_finish's tree on lanes held as eight vectors of eight
  * (lane l in D[l / 8]): + 32 lanes, + 16, + 8 as whole vectors, then + 4,
  * + 2, + 1 inside the first. */
@@ -635,6 +624,16 @@ static inline double err_tree(__m512d *D)
     __m256d h = _mm256_add_pd(_mm512_castpd512_pd256(v), _mm512_extractf64x4_pd(v, 1));
     __m128d p = _mm_add_pd(_mm256_castpd256_pd128(h), _mm256_extractf128_pd(h, 1));
     return _mm_cvtsd_f64(_mm_add_sd(p, _mm_unpackhi_pd(p, p)));
+}
+
+/* A row's e and q from its lanes' doubles (kvr_codec_err_finish's tree and
+ * test); false: it is to be measured wide. */
+static inline bool err_finish16(__m512d *E, __m512d *Q, double *pe, double *pq)
+{
+    double se = err_tree(E), sq = err_tree(Q);
+    *pe = se;
+    *pq = sq;
+    return kvr_codec_err_ok(se, sq);
 }
 
 static inline void x5_err_row(const void *ref, const float *dec, size_t len, double *pe,

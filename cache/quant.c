@@ -309,9 +309,9 @@ static bool enc_rows_measured(const kvr_codec *c, const uint8_t *dst, const void
                               kvr_qacc *acc)
 {
     double e[ACC_ROWS], q[ACC_ROWS];
+    size_t rb = kvr_codec_row_bytes(c, row), es = kvr_dtype_size(rdt);
     for (size_t i0 = 0; i0 < n_rows; i0 += ACC_ROWS) {
         size_t k = n_rows - i0 < ACC_ROWS ? n_rows - i0 : ACC_ROWS;
-        size_t rb = kvr_codec_row_bytes(c, row), es = kvr_dtype_size(rdt);
         if (kvr_codec_err_rows_enc(c, dst + i0 * rb, (const char *)ref + i0 * row * es, rdt, k,
                                    row, scratch, e, q) != 0) {
             assert(i0 == 0);   /* the same answer for every batch */
