@@ -838,31 +838,44 @@ void kvr_codec_err_rows_f16(kvr_isa isa, const uint16_t *ref, const float *dec, 
     (k->err_rows_h ? k->err_rows_h : sc_err_rows_h)(ref, dec, n_rows, len, e, q);
 }
 
-int kvr_codec_err_rows_enc(const kvr_codec *c, const uint8_t *src, const void *ref,
-                           kvr_dtype rdt, size_t n_rows, size_t len, float *scratch,
-                           double *e, double *q)
+int kvr_codec_encode_measured(const kvr_codec *c, void *dst, const void *src,
+                              kvr_dtype src_type, size_t n_rows, size_t len, float *scratch,
+                              double *e, double *q, size_t *bad)
 {
+    if (kvr_codec_validate(c) != 0 || !dst || !src || n_rows == 0 ||
+        (src_type != KVR_DTYPE_F32 && src_type != KVR_DTYPE_F16))
+        return 1;
     const kvr_codec_kernels *k = kernels_for(c->isa);
-    if (!k->err_rows_enc || !kvr_codec_is_uniform(c->type) ||
-        c->params != KVR_CODEC_PARAMS_F16 || (rdt != KVR_DTYPE_F32 && rdt != KVR_DTYPE_F16))
-        return -1;
-    uint32_t G = kvr_codec_group(c);
-    if (G < 32 || G > 256 || (G & (G - 1)) || len == 0 || len % G)
-        return -1;
-    unsigned bits = kvr_codec_value_bits(c->type);
-    int h = rdt == KVR_DTYPE_F16;
+    bool ggml = kvr_codec_is_ggml(c->type);
+    uint32_t G = ggml ? QK : kvr_codec_group(c);
+    if (ggml ? !k->ggml_enc_err
+             : !k->enc_err_rows || !kvr_codec_is_uniform(c->type) ||
+                   c->params != KVR_CODEC_PARAMS_F16 || G < 32 || G > 256 || (G & (G - 1)))
+        return 1;
+    if (len == 0 || len % G)
+        return 1;
+    unsigned bits = ggml ? 0 : kvr_codec_value_bits(c->type);
+    int h = src_type == KVR_DTYPE_F16;
     size_t rb = row_bytes(c, len), es = h ? 2 : 4;
     bool wide[64];
     for (size_t i0 = 0; i0 < n_rows; i0 += 64) {
         size_t m = n_rows - i0 < 64 ? n_rows - i0 : 64;
-        k->err_rows_enc(src + i0 * rb, (const char *)ref + i0 * len * es, h, m, len, bits, G,
-                        e + i0, q + i0, wide);
+        uint8_t *d = (uint8_t *)dst + i0 * rb;
+        const char *s = (const char *)src + i0 * len * es;
+        if ((ggml ? k->ggml_enc_err(c->type, d, s, src_type, m, len, e + i0, q + i0, wide)
+                  : k->enc_err_rows(d, s, h, m, len, bits, G, e + i0, q + i0, wide)) != 0) {
+            /* a bad value: the encoder names it (rows before i0 are done;
+             * it refuses the same values, so 1 is never returned here) */
+            int rc = kvr_codec_encode(c, d, s, src_type, (n_rows - i0) * len, bad);
+            if (rc != 0 && bad)
+                *bad += i0 * len;
+            return rc != 0 ? rc : 1;
+        }
         for (size_t i = 0; i < m; i++) {
             if (!wide[i])
                 continue;
-            k->dec_f32(scratch, src + (i0 + i) * rb, len, bits, G, c->params);
-            kvr_codec_err_row_wide((const char *)ref + (i0 + i) * len * es, h, scratch, len,
-                                   &e[i0 + i], &q[i0 + i]);
+            kvr_codec_decode(c, scratch, KVR_DTYPE_F32, d + i * rb, len);
+            kvr_codec_err_row_wide(s + i * len * es, h, scratch, len, &e[i0 + i], &q[i0 + i]);
         }
     }
     return 0;

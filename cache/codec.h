@@ -281,17 +281,20 @@ void kvr_codec_err_rows(kvr_isa isa, const float *ref, const float *dec, size_t 
 void kvr_codec_err_rows_f16(kvr_isa isa, const uint16_t *ref, const float *dec, size_t n_rows,
                             size_t len, double *e, double *q);
 
-/* The same measure of n_rows rows encoded back to back at src by a uniform
- * codec c (each row len values), against the reference rows ref (rdt f32
- * or f16): the doubles kvr_codec_err_rows returns for the rows decoded to
- * f32, without writing them (the decode and the measure in one pass).
- * scratch holds len floats (a row measured wide is decoded into it).
- * Returns 0, or -1 when no kernel measures this codec so (another ISA, f32
- * parameters, a group that is not 32, 64, 128 or 256 or does not divide
- * len): the caller decodes and uses kvr_codec_err_rows. */
-int kvr_codec_err_rows_enc(const kvr_codec *c, const uint8_t *src, const void *ref,
-                           kvr_dtype rdt, size_t n_rows, size_t len, float *scratch,
-                           double *e, double *q);
+/* Encodes n_rows rows of len values each (src_type f32 or f16), back to
+ * back at dst, exactly as kvr_codec_encode encodes their n_rows * len
+ * values, and measures each row as it is quantized: e[i], q[i] are the
+ * doubles kvr_codec_err_rows returns for row i decoded to f32 against its
+ * values at src (one pass; nothing is decoded). scratch holds len floats
+ * (a row measured wide is decoded into it). Returns 0; the error
+ * kvr_codec_encode returns (and its *bad) for a value the codec refuses; or
+ * 1 where no kernel does it (another ISA; a
+ * uniform codec with f32 parameters or a group that is not 32, 64, 128 or
+ * 256 or does not divide len; a ggml codec whose rows are not whole
+ * blocks; any other codec): the caller encodes, decodes and measures. */
+int kvr_codec_encode_measured(const kvr_codec *c, void *dst, const void *src,
+                              kvr_dtype src_type, size_t n_rows, size_t len, float *scratch,
+                              double *e, double *q, size_t *bad);
 
 /* ---- internal: kernels and dispatch (codec*.c only) --------------------- */
 
@@ -344,16 +347,22 @@ typedef struct kvr_codec_kernels {
     /* Optional: ggml_dec with non-temporal stores, as dec_nt. */
     bool (*ggml_dec_nt)(kvr_codec_type t, void *dst, kvr_dtype dt, const uint8_t *src,
                         size_t n);
+    /* Optional: kvr_codec_encode_measured for a ggml codec, n_rows rows of
+     * len values (a multiple of 32) back to back, f32 or f16 input: 0, or
+     * -1 at a bad value; wide[i] as enc_err_rows. */
+    int  (*ggml_enc_err)(kvr_codec_type t, uint8_t *dst, const void *src, kvr_dtype st,
+                         size_t n_rows, size_t len, double *e, double *q, bool *wide);
     /* kvr_codec_err_rows (required). */
     void (*err_rows)(const float *ref, const float *dec, size_t n_rows, size_t len,
                      double *e, double *q);
     /* kvr_codec_err_rows_f16 (optional; NULL: the scalar reference). */
     void (*err_rows_h)(const uint16_t *ref, const float *dec, size_t n_rows, size_t len,
                        double *e, double *q);
-    /* kvr_codec_err_rows_enc (optional), f16 parameters, G in 32..256
-     * dividing len: wide[i] is set for a row kvr_codec_err_finish refused
-     * (its e[i], q[i] are then to be measured wide by the caller). */
-    void (*err_rows_enc)(const uint8_t *src, const void *ref, int h, size_t n_rows, size_t len,
+    /* kvr_codec_encode_measured (optional), f16 parameters, G in 32..256
+     * dividing len, h: f16 input: 0, or -1 at a bad value (dst then holds
+     * anything). wide[i] is set for a row kvr_codec_err_finish refused (its
+     * e[i], q[i] are then to be measured wide by the caller). */
+    int  (*enc_err_rows)(uint8_t *dst, const void *src, int h, size_t n_rows, size_t len,
                          unsigned bits, uint32_t G, double *e, double *q, bool *wide);
 } kvr_codec_kernels;
 
@@ -368,6 +377,9 @@ int  kvr_codec_ggml_enc_avx512(kvr_codec_type t, uint8_t *dst, const void *src, 
                                size_t n);
 void kvr_codec_ggml_dec_avx512(kvr_codec_type t, void *dst, kvr_dtype dt, const uint8_t *src,
                                size_t n);
+int  kvr_codec_ggml_enc_err_avx512(kvr_codec_type t, uint8_t *dst, const void *src,
+                                   kvr_dtype st, size_t n_rows, size_t len, double *e,
+                                   double *q, bool *wide);
 bool kvr_codec_ggml_dec_nt_avx512(kvr_codec_type t, void *dst, kvr_dtype dt,
                                   const uint8_t *src, size_t n);
 

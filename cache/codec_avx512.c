@@ -169,54 +169,100 @@ AI __m512i quant16(__m512 x, __m512 vm, __m512 vinv, __m512i vL)
     return _mm512_min_epi32(_mm512_max_epi32(q, _mm512_setzero_si512()), vL);
 }
 
-/* Quantizes and packs one full group (params already chosen). */
-AI void quant_group(uint8_t *qs, const void *src, size_t base, uint32_t G, unsigned bits,
-                    __m512 vm, __m512 vinv, int h)
+/* quant16 for the values of a row's own group (every x in [lo, hi] of the
+ * group): the clamp never acts, so it is left out. x >= lo >= m makes
+ * x - m >= 0, and inv >= 0. Above: the coverage check makes hi - m <= L*s
+ * in reals, and L*s (19 significant bits) is a float, so fl(x - m) <=
+ * fl(hi - m) <= L*s; with inv = fl(1/s) <= (1 + 2^-24)/s the product
+ * rounds to at most L * (1 + 2^-24)^2 < L + 1/2 (L <= 255), which rounds
+ * to at most L. An inactive group (s = 0) has inv = 0: q = 0. */
+AI __m512i quant16_own(__m512 x, __m512 vm, __m512 vinv)
 {
-    const __m512i vL = _mm512_set1_epi32((1 << bits) - 1);
-    const size_t nc = G / 32;
-    if (bits == 8) {
-        for (size_t c = 0; c < nc; c++) {
-            __m512i q0 = quant16(ld16q(src, base + 32 * c, h), vm, vinv, vL);
-            __m512i q1 = quant16(ld16q(src, base + 32 * c + 16, h), vm, vinv, vL);
-            _mm_storeu_si128((__m128i *)(qs + 32 * c), _mm512_cvtepi32_epi8(q0));
-            _mm_storeu_si128((__m128i *)(qs + 32 * c + 16), _mm512_cvtepi32_epi8(q1));
-        }
-    } else if (bits == 4) {
-        for (size_t c = 0; c < nc; c++) {
-            __m512i q0 = quant16(ld16q(src, base + 32 * c, h), vm, vinv, vL);
-            __m512i q1 = quant16(ld16q(src, base + 32 * c + 16, h), vm, vinv, vL);
-            _mm_storeu_si128((__m128i *)(qs + 16 * c),
-                             _mm512_cvtepi32_epi8(_mm512_or_si512(q0, _mm512_slli_epi32(q1, 4))));
-        }
-    } else {
-        size_t c = 0;
-        for (; c + 2 <= nc; c += 2) {
-            __m512i p0 = _mm512_or_si512(quant16(ld16q(src, base + 32 * c, h), vm, vinv, vL),
-                         _mm512_slli_epi32(quant16(ld16q(src, base + 32 * c + 16, h), vm, vinv, vL), 4));
-            __m512i p1 = _mm512_or_si512(quant16(ld16q(src, base + 32 * c + 32, h), vm, vinv, vL),
-                         _mm512_slli_epi32(quant16(ld16q(src, base + 32 * c + 48, h), vm, vinv, vL), 4));
-            __m512i lo = _mm512_shuffle_i32x4(p0, p1, 0x44), hi = _mm512_shuffle_i32x4(p0, p1, 0xEE);
-            _mm_storeu_si128((__m128i *)(qs + 8 * c),
-                             _mm512_cvtepi32_epi8(_mm512_or_si512(lo, _mm512_slli_epi32(hi, 2))));
-        }
-        if (c < nc) {
-            __m512i p0 = _mm512_or_si512(quant16(ld16q(src, base + 32 * c, h), vm, vinv, vL),
-                         _mm512_slli_epi32(quant16(ld16q(src, base + 32 * c + 16, h), vm, vinv, vL), 4));
-            __m512i hi = _mm512_shuffle_i32x4(p0, p0, 0xEE);
-            _mm_storel_epi64((__m128i *)(qs + 8 * c),
-                             _mm512_cvtepi32_epi8(_mm512_or_si512(p0, _mm512_slli_epi32(hi, 2))));
-        }
-    }
+    return _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_sub_ps(x, vm), vinv));
 }
 
-/* Full groups of a row, 16 at a time; returns the groups done or -1 on a bad
- * value. */
+/* The 16 values at src[i] quantized; with M, the values they decode to
+ * (y = q * s + m, multiply then add, as every decoder computes them) are
+ * measured against them into L's lanes ln*16 .. ln*16 + 15 at once (src a
+ * row's start, i = ln*16 mod 64; ln a constant where it is called, so the
+ * lane's choice folds away). */
+AI __m512i quant16m(const void *src, size_t i, __m512 vm, __m512 vinv, int h, const int M,
+                    mlanes *L, const int ln, __m512 vs)
+{
+    __m512 x = ld16q(src, i, h);
+    __m512i q = quant16_own(x, vm, vinv);
+    if (M)
+        mlanes_acc(L, (size_t)ln * 16, x,
+                   _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(q), vs), vm));
+    return q;
+}
+
+/* Quantizes and packs one full group (params already chosen; vs the
+ * group's scale, for the measure when M). A group of 64 or more starts on
+ * lane 0 and its 32-value chunks take lanes 0-31, 32-63 in turn; a group
+ * of 32 takes the half its place in the row gives. */
+AI void quant_group(uint8_t *qs, const void *src, size_t base, uint32_t G, unsigned bits,
+                    __m512 vm, __m512 vinv, int h, const int M, mlanes *L, __m512 vs)
+{
+    const size_t nc = G / 32;
+#define QM(I, LN) quant16m(src, I, vm, vinv, h, M, L, LN, vs)
+/* chunk C (32 values) of the group, its lanes from LN */
+#define CHUNK(C, LN)                                                                        \
+    do {                                                                                    \
+        __m512i q0 = QM(base + 32 * (C), LN), q1 = QM(base + 32 * (C) + 16, (LN) + 1);      \
+        if (bits == 8) {                                                                    \
+            _mm_storeu_si128((__m128i *)(qs + 32 * (C)), _mm512_cvtepi32_epi8(q0));         \
+            _mm_storeu_si128((__m128i *)(qs + 32 * (C) + 16), _mm512_cvtepi32_epi8(q1));    \
+        } else if (bits == 4) {                                                             \
+            _mm_storeu_si128((__m128i *)(qs + 16 * (C)),                                    \
+                             _mm512_cvtepi32_epi8(_mm512_or_si512(q0, _mm512_slli_epi32(q1, 4)))); \
+        } else {   /* INT2, a group of 32: the chunk alone */                               \
+            __m512i p0 = _mm512_or_si512(q0, _mm512_slli_epi32(q1, 4));                     \
+            __m512i hi = _mm512_shuffle_i32x4(p0, p0, 0xEE);                                \
+            _mm_storel_epi64((__m128i *)(qs + 8 * (C)),                                     \
+                             _mm512_cvtepi32_epi8(_mm512_or_si512(p0, _mm512_slli_epi32(hi, 2)))); \
+        }                                                                                   \
+    } while (0)
+    /* (an odd count of chunks past one: groups such as 96, never measured,
+     * whose G is then a power of two) */
+    size_t c = 0;
+    if (nc == 1) {
+        if (M && (base & 32)) CHUNK(0, 2);
+        else                  CHUNK(0, 0);
+        return;
+    }
+    for (; c + 2 <= nc; c += 2) {
+        if (bits != 2) {
+            CHUNK(c, 0);
+            CHUNK(c + 1, 2);
+            continue;
+        }
+        __m512i a0 = QM(base + 32 * c, 0), a1 = QM(base + 32 * c + 16, 1);
+        __m512i a2 = QM(base + 32 * c + 32, 2), a3 = QM(base + 32 * c + 48, 3);
+        __m512i p0 = _mm512_or_si512(a0, _mm512_slli_epi32(a1, 4));
+        __m512i p1 = _mm512_or_si512(a2, _mm512_slli_epi32(a3, 4));
+        __m512i lo = _mm512_shuffle_i32x4(p0, p1, 0x44), hi = _mm512_shuffle_i32x4(p0, p1, 0xEE);
+        _mm_storeu_si128((__m128i *)(qs + 8 * c),
+                         _mm512_cvtepi32_epi8(_mm512_or_si512(lo, _mm512_slli_epi32(hi, 2))));
+    }
+    if (c < nc)
+        CHUNK(c, 0);
+#undef CHUNK
+#undef QM
+}
+
+/* Full groups of n values, 16 at a time; returns the groups done or -1 on
+ * a bad value. With M, src..src+n is one row whose groups are all full (G
+ * divides n), measured as it is quantized: its e and q go to *pe, *pq, and
+ * *wide says the row is to be measured wide instead (err_finish16). */
 AI long enc_rows(uint8_t *dst, const void *src, size_t n, const unsigned bits, const uint32_t G,
-                 const int h)
+                 const int h, const int M, double *pe, double *pq, bool *wide)
 {
     const size_t gb = 4 + (size_t)G * bits / 8, ng = n / G, nv = G / 16;
     __m512i acc = _mm512_setzero_si512();
+    mlanes L = MLANES_ZERO;
+    __m512d E[8], Q[8];
+    int first_ = 1;
     for (size_t g0 = 0; g0 < ng; g0 += 16) {
         size_t k = ng - g0 < 16 ? ng - g0 : 16;
         __m512 mn[16], mx[16];
@@ -238,18 +284,28 @@ AI long enc_rows(uint8_t *dst, const void *src, size_t n, const unsigned bits, c
         }
         gp16 p;
         gparams16(&p, red16_min(mn), red16_max(mx), bits);
-        float vm[16], vinv[16];
+        float vm[16], vinv[16], vs[16];
         uint32_t hdr[16];
         _mm512_storeu_ps(vm, p.m);
         _mm512_storeu_ps(vinv, p.inv);
+        _mm512_storeu_ps(vs, p.s);
         _mm512_storeu_si512(hdr, p.hdr);
         for (size_t j = 0; j < k; j++) {
             uint8_t *o = dst + (g0 + j) * gb;
             memcpy(o, &hdr[j], 4);
             quant_group(o + 4, src, (g0 + j) * G, G, bits, _mm512_set1_ps(vm[j]),
-                        _mm512_set1_ps(vinv[j]), h);
+                        _mm512_set1_ps(vinv[j]), h, M, &L, _mm512_set1_ps(vs[j]));
+            /* a block of the measure ends on a group's end (G divides it) */
+            size_t end = (g0 + j + 1) * G;
+            if (M && (end % KVR_ERR_BLOCK == 0 || end == n)) {
+                ERR_FLUSH_ALL(L);
+                L = MLANES_ZERO;
+                first_ = 0;
+            }
         }
     }
+    if (M)
+        *wide = !err_finish16(E, Q, pe, pq);
     return (long)ng;
 }
 
@@ -258,7 +314,9 @@ AI long enc_rows(uint8_t *dst, const void *src, size_t n, const unsigned bits, c
 AI long enc_rows_any(uint8_t *dst, const void *src, size_t n, unsigned bits, uint32_t G,
                      const int h)
 {
-#define ER(B) return G == 64 ? enc_rows(dst, src, n, B, 64, h) : enc_rows(dst, src, n, B, G, h)
+#define ER(B)                                                                           \
+    return G == 64 ? enc_rows(dst, src, n, B, 64, h, 0, NULL, NULL, NULL)                \
+                   : enc_rows(dst, src, n, B, G, h, 0, NULL, NULL, NULL)
     if (bits == 8) ER(8);
     if (bits == 4) ER(4);
     ER(2);
@@ -574,68 +632,6 @@ static void x5_tile_scatter(void *dst, kvr_dtype t, size_t ld, const float *buf,
     kvr_codec_kernels_avx2.tile_scatter(dst, t, ld, buf, G, cc);
 }
 
-/* The error measure in its lanes' order (codec_avx2.c's err_row, one pass
- * a block: the 64 lanes are four vectors of 16 floats). */
-#define ERR_ACC(RV, DV, EA, QA)                                                \
-    do {                                                                       \
-        __m512 r_ = (RV), t_ = _mm512_sub_ps((DV), r_);                        \
-        EA = _mm512_add_ps(EA, _mm512_mul_ps(t_, t_));                         \
-        QA = _mm512_add_ps(QA, _mm512_mul_ps(r_, r_));                         \
-    } while (0)
-
-static inline __m512 err_ref16(const void *a, size_t k, int h)
-{
-    if (h) return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)a + k)));
-    return _mm512_loadu_ps((const float *)a + k);
-}
-
-/* Lanes 16j..16j+15 of the doubles (vectors D[2j], D[2j+1]) += v's floats;
- * the first block's set them (0 + x is x: the doubles start from zero
- * without a store of zeros). */
-#define ERR_FLUSH(D, J, V)                                                     \
-    do {                                                                       \
-        __m512d lo_ = _mm512_cvtps_pd(_mm512_castps512_ps256(V));             \
-        __m512d hi_ = _mm512_cvtps_pd(_mm512_extractf32x8_ps(V, 1));          \
-        D[2 * (J)] = first_ ? lo_ : _mm512_add_pd(D[2 * (J)], lo_);            \
-        D[2 * (J) + 1] = first_ ? hi_ : _mm512_add_pd(D[2 * (J) + 1], hi_);    \
-    } while (0)
-
-/* The four float accumulators of e and of q into their doubles. */
-#define ERR_FLUSH_ALL()                                                        \
-    do {                                                                       \
-        ERR_FLUSH(E, 0, e0);                                                   \
-        ERR_FLUSH(E, 1, e1);                                                   \
-        ERR_FLUSH(E, 2, e2);                                                   \
-        ERR_FLUSH(E, 3, e3);                                                   \
-        ERR_FLUSH(Q, 0, q0);                                                   \
-        ERR_FLUSH(Q, 1, q1);                                                   \
-        ERR_FLUSH(Q, 2, q2);                                                   \
-        ERR_FLUSH(Q, 3, q3);                                                   \
-    } while (0)
-
-/* kvr_codec_err_finish's tree on lanes held as eight vectors of eight
- * (lane l in D[l / 8]): + 32 lanes, + 16, + 8 as whole vectors, then + 4,
- * + 2, + 1 inside the first. */
-static inline double err_tree(__m512d *D)
-{
-    for (int j = 0; j < 4; j++) D[j] = _mm512_add_pd(D[j], D[j + 4]);
-    for (int j = 0; j < 2; j++) D[j] = _mm512_add_pd(D[j], D[j + 2]);
-    __m512d v = _mm512_add_pd(D[0], D[1]);
-    __m256d h = _mm256_add_pd(_mm512_castpd512_pd256(v), _mm512_extractf64x4_pd(v, 1));
-    __m128d p = _mm_add_pd(_mm256_castpd256_pd128(h), _mm256_extractf128_pd(h, 1));
-    return _mm_cvtsd_f64(_mm_add_sd(p, _mm_unpackhi_pd(p, p)));
-}
-
-/* A row's e and q from its lanes' doubles (kvr_codec_err_finish's tree and
- * test); false: it is to be measured wide. */
-static inline bool err_finish16(__m512d *E, __m512d *Q, double *pe, double *pq)
-{
-    double se = err_tree(E), sq = err_tree(Q);
-    *pe = se;
-    *pq = sq;
-    return kvr_codec_err_ok(se, sq);
-}
-
 static inline void x5_err_row(const void *ref, const float *dec, size_t len, double *pe,
                               double *pq, int h)
 {
@@ -645,13 +641,12 @@ static inline void x5_err_row(const void *ref, const float *dec, size_t len, dou
         const int first_ = b == 0;
         size_t end = len - b < KVR_ERR_BLOCK ? len : b + KVR_ERR_BLOCK;
         size_t full = b + (end - b) / KVR_ERR_LANES * KVR_ERR_LANES, rest = end - full;
-        __m512 e0 = _mm512_setzero_ps(), e1 = e0, e2 = e0, e3 = e0;
-        __m512 q0 = e0, q1 = e0, q2 = e0, q3 = e0;
+        mlanes L = MLANES_ZERO;
         for (size_t k = b; k < full; k += KVR_ERR_LANES) {
-            ERR_ACC(err_ref16(ref, k, h), _mm512_loadu_ps(dec + k), e0, q0);
-            ERR_ACC(err_ref16(ref, k + 16, h), _mm512_loadu_ps(dec + k + 16), e1, q1);
-            ERR_ACC(err_ref16(ref, k + 32, h), _mm512_loadu_ps(dec + k + 32), e2, q2);
-            ERR_ACC(err_ref16(ref, k + 48, h), _mm512_loadu_ps(dec + k + 48), e3, q3);
+            ERR_ACC(err_ref16(ref, k, h), _mm512_loadu_ps(dec + k), L.e0, L.q0);
+            ERR_ACC(err_ref16(ref, k + 16, h), _mm512_loadu_ps(dec + k + 16), L.e1, L.q1);
+            ERR_ACC(err_ref16(ref, k + 32, h), _mm512_loadu_ps(dec + k + 32), L.e2, L.q2);
+            ERR_ACC(err_ref16(ref, k + 48, h), _mm512_loadu_ps(dec + k + 48), L.e3, L.q3);
         }
         if (rest) {
             for (size_t j = 0; j < KVR_ERR_LANES; j++) {
@@ -660,85 +655,49 @@ static inline void x5_err_row(const void *ref, const float *dec, size_t len, dou
                             : ((const float *)ref)[full + j];
                 dt[j] = j >= rest ? 0.0f : dec[full + j];
             }
-            ERR_ACC(_mm512_loadu_ps(rt), _mm512_loadu_ps(dt), e0, q0);
-            ERR_ACC(_mm512_loadu_ps(rt + 16), _mm512_loadu_ps(dt + 16), e1, q1);
-            ERR_ACC(_mm512_loadu_ps(rt + 32), _mm512_loadu_ps(dt + 32), e2, q2);
-            ERR_ACC(_mm512_loadu_ps(rt + 48), _mm512_loadu_ps(dt + 48), e3, q3);
+            ERR_ACC(_mm512_loadu_ps(rt), _mm512_loadu_ps(dt), L.e0, L.q0);
+            ERR_ACC(_mm512_loadu_ps(rt + 16), _mm512_loadu_ps(dt + 16), L.e1, L.q1);
+            ERR_ACC(_mm512_loadu_ps(rt + 32), _mm512_loadu_ps(dt + 32), L.e2, L.q2);
+            ERR_ACC(_mm512_loadu_ps(rt + 48), _mm512_loadu_ps(dt + 48), L.e3, L.q3);
         }
-        ERR_FLUSH_ALL();
+        ERR_FLUSH_ALL(L);
     }
     if (!err_finish16(E, Q, pe, pq))
         kvr_codec_err_row_wide(ref, h, dec, len, pe, pq);
 }
-/* kvr_codec_err_rows_enc: each row decoded a 32-value chunk at a time as
- * dec_rows16 decodes it (the same floats) and measured in the lanes at
- * once; the chunk's 32 values are lanes (k mod 64) .. + 31, and a block of
- * 1024 ends on a chunk's end (G divides 1024). */
-AI void enc_err_row(const uint8_t *src, const void *ref, size_t len, const unsigned bits,
-                    const uint32_t G, const int h, double *pe, double *pq, bool *wide)
-{
-    const size_t gb = 4 + (size_t)G * bits / 8;
-    __m512d E[8], Q[8];
-    __m512 e0 = _mm512_setzero_ps(), e1 = e0, e2 = e0, e3 = e0;
-    __m512 q0 = e0, q1 = e0, q2 = e0, q3 = e0;
-    int first_ = 1;
-    for (size_t i = 0; i < len; i += G, src += gb) {
-        uint16_t sh, mh;
-        memcpy(&sh, src, 2);
-        memcpy(&mh, src + 2, 2);
-        const __m512 vs = _mm512_set1_ps(_cvtsh_ss(sh)), vm = _mm512_set1_ps(_cvtsh_ss(mh));
-        for (size_t c = 0; c < G / 32; c++) {
-            __m128i Q0, Q1;
-            unpack_chunk(src + 4, c, bits, &Q0, &Q1);
-            __m512 y0 = _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(Q0)), vs), vm);
-            __m512 y1 = _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(Q1)), vs), vm);
-            size_t k = i + 32 * c;
-            if (k & 32) {
-                ERR_ACC(err_ref16(ref, k, h), y0, e2, q2);
-                ERR_ACC(err_ref16(ref, k + 16, h), y1, e3, q3);
-            } else {
-                ERR_ACC(err_ref16(ref, k, h), y0, e0, q0);
-                ERR_ACC(err_ref16(ref, k + 16, h), y1, e1, q1);
-            }
-            if (((k + 32) & (KVR_ERR_BLOCK - 1)) == 0 || k + 32 == len) {
-                ERR_FLUSH_ALL();
-                e0 = e1 = e2 = e3 = q0 = q1 = q2 = q3 = _mm512_setzero_ps();
-                first_ = 0;
-            }
-        }
-    }
-    *wide = !err_finish16(E, Q, pe, pq);
-}
 
-AI void enc_err_rows(const uint8_t *src, const void *ref, int h, size_t n_rows, size_t len,
-                     const unsigned bits, const uint32_t G, double *e, double *q, bool *wide)
+/* kvr_codec_encode_measured: rows encoded as enc_f32 / enc_f16 encode
+ * them (the same bytes), each measured as it is quantized (enc_rows with
+ * M). 0, or -1 at a bad value. */
+AI int enc_err_rows(uint8_t *dst, const void *src, size_t n_rows, size_t len,
+                    const unsigned bits, const uint32_t G, const int h, double *e, double *q,
+                    bool *wide)
 {
     const size_t rb = len / G * (4 + (size_t)G * bits / 8), es = h ? 2 : 4;
-    for (size_t i = 0; i < n_rows; i++) {
-        const void *r = (const char *)ref + i * len * es;
-        if (h) enc_err_row(src + i * rb, r, len, bits, G, 1, &e[i], &q[i], &wide[i]);
-        else   enc_err_row(src + i * rb, r, len, bits, G, 0, &e[i], &q[i], &wide[i]);
-    }
+    for (size_t i = 0; i < n_rows; i++)
+        if (enc_rows(dst + i * rb, (const char *)src + i * len * es, len, bits, G, h, 1, &e[i],
+                     &q[i], &wide[i]) < 0)
+            return -1;
+    return 0;
 }
 
-/* One loop per bit width, and a constant group for the default 64. */
-static void x5_err_rows_enc(const uint8_t *src, const void *ref, int h, size_t n_rows,
-                            size_t len, unsigned bits, uint32_t G, double *e, double *q,
-                            bool *wide)
+/* One loop per bit width and input, and a constant group for the default
+ * 64. */
+static int x5_enc_err_rows(uint8_t *dst, const void *src, int h, size_t n_rows, size_t len,
+                           unsigned bits, uint32_t G, double *e, double *q, bool *wide)
 {
-#define EE(B) do {                                                                    \
-        if (G == 64) enc_err_rows(src, ref, h, n_rows, len, B, 64, e, q, wide);        \
-        else         enc_err_rows(src, ref, h, n_rows, len, B, G, e, q, wide);         \
-        return;                                                                       \
+#define EH(B, GG) return h ? enc_err_rows(dst, src, n_rows, len, B, GG, 1, e, q, wide)      \
+                           : enc_err_rows(dst, src, n_rows, len, B, GG, 0, e, q, wide)
+#define EE(B) do {                                                                     \
+        if (G == 64) EH(B, 64);                                                        \
+        EH(B, G);                                                                      \
     } while (0)
     if (bits == 8) EE(8);
     if (bits == 4) EE(4);
     EE(2);
 #undef EE
+#undef EH
 }
-#undef ERR_FLUSH_ALL
-#undef ERR_FLUSH
-#undef ERR_ACC
 
 static void x5_err_rows(const float *ref, const float *dec, size_t n_rows, size_t len,
                         double *e, double *q)
@@ -760,6 +719,6 @@ const kvr_codec_kernels kvr_codec_kernels_avx512 = {
     .tile_gather = x5_tile_gather, .tile_scatter = x5_tile_scatter,
     .tile_enc = x5_tile_enc, .tile_dec = x5_tile_dec,
     .ggml_enc = kvr_codec_ggml_enc_avx512, .ggml_dec = kvr_codec_ggml_dec_avx512,
-    .ggml_dec_nt = kvr_codec_ggml_dec_nt_avx512,
-    .err_rows = x5_err_rows, .err_rows_h = x5_err_rows_h, .err_rows_enc = x5_err_rows_enc,
+    .ggml_dec_nt = kvr_codec_ggml_dec_nt_avx512, .ggml_enc_err = kvr_codec_ggml_enc_err_avx512,
+    .err_rows = x5_err_rows, .err_rows_h = x5_err_rows_h, .enc_err_rows = x5_enc_err_rows,
 };

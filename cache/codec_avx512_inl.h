@@ -63,4 +63,91 @@ AI void st32_nt(void *dst, size_t i, __m512 y0, __m512 y1, int h)
     }
 }
 
+/* ---- the error measure's lanes (codec.h: kvr_codec_err_rows) ------------
+ * ERR_FLUSH and ERR_FLUSH_ALL expect the row's doubles in E[8], Q[8] and a
+ * flag first_ (the first block of the row) in scope. */
+
+/* The error measure in its lanes' order (codec_avx2.c's err_row, one pass
+ * a block: the 64 lanes are four vectors of 16 floats). */
+#define ERR_ACC(RV, DV, EA, QA)                                                \
+    do {                                                                       \
+        __m512 r_ = (RV), t_ = _mm512_sub_ps((DV), r_);                        \
+        EA = _mm512_add_ps(EA, _mm512_mul_ps(t_, t_));                         \
+        QA = _mm512_add_ps(QA, _mm512_mul_ps(r_, r_));                         \
+    } while (0)
+
+AI __m512 err_ref16(const void *a, size_t k, int h)
+{
+    if (h) return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)a + k)));
+    return _mm512_loadu_ps((const float *)a + k);
+}
+
+/* Lanes 16j..16j+15 of the doubles (vectors D[2j], D[2j+1]) += v's floats;
+ * the first block's set them (0 + x is x: the doubles start from zero
+ * without a store of zeros). */
+#define ERR_FLUSH(D, J, V)                                                     \
+    do {                                                                       \
+        __m512d lo_ = _mm512_cvtps_pd(_mm512_castps512_ps256(V));             \
+        __m512d hi_ = _mm512_cvtps_pd(_mm512_extractf32x8_ps(V, 1));          \
+        D[2 * (J)] = first_ ? lo_ : _mm512_add_pd(D[2 * (J)], lo_);            \
+        D[2 * (J) + 1] = first_ ? hi_ : _mm512_add_pd(D[2 * (J) + 1], hi_);    \
+    } while (0)
+
+/* A row's 64 float lanes of e and of q: lane l in vector l / 16. */
+typedef struct mlanes {
+    __m512 e0, e1, e2, e3, q0, q1, q2, q3;
+} mlanes;
+
+#define MLANES_ZERO ((mlanes){ _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), \
+                               _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), \
+                               _mm512_setzero_ps(), _mm512_setzero_ps() })
+
+/* The 16 values at a row's element k (a multiple of 16), reference r and
+ * decoded d, into their lanes. */
+AI void mlanes_acc(mlanes *L, size_t k, __m512 r, __m512 d)
+{
+    switch ((k >> 4) & 3) {
+    case 0: ERR_ACC(r, d, L->e0, L->q0); break;
+    case 1: ERR_ACC(r, d, L->e1, L->q1); break;
+    case 2: ERR_ACC(r, d, L->e2, L->q2); break;
+    default: ERR_ACC(r, d, L->e3, L->q3); break;
+    }
+}
+
+/* A block's float lanes L into their doubles E, Q. */
+#define ERR_FLUSH_ALL(L)                                                       \
+    do {                                                                       \
+        ERR_FLUSH(E, 0, (L).e0);                                               \
+        ERR_FLUSH(E, 1, (L).e1);                                               \
+        ERR_FLUSH(E, 2, (L).e2);                                               \
+        ERR_FLUSH(E, 3, (L).e3);                                               \
+        ERR_FLUSH(Q, 0, (L).q0);                                               \
+        ERR_FLUSH(Q, 1, (L).q1);                                               \
+        ERR_FLUSH(Q, 2, (L).q2);                                               \
+        ERR_FLUSH(Q, 3, (L).q3);                                               \
+    } while (0)
+
+/* kvr_codec_err_finish's tree on lanes held as eight vectors of eight
+ * (lane l in D[l / 8]): + 32 lanes, + 16, + 8 as whole vectors, then + 4,
+ * + 2, + 1 inside the first. */
+AI double err_tree(__m512d *D)
+{
+    for (int j = 0; j < 4; j++) D[j] = _mm512_add_pd(D[j], D[j + 4]);
+    for (int j = 0; j < 2; j++) D[j] = _mm512_add_pd(D[j], D[j + 2]);
+    __m512d v = _mm512_add_pd(D[0], D[1]);
+    __m256d h = _mm256_add_pd(_mm512_castpd512_pd256(v), _mm512_extractf64x4_pd(v, 1));
+    __m128d p = _mm_add_pd(_mm256_castpd256_pd128(h), _mm256_extractf128_pd(h, 1));
+    return _mm_cvtsd_f64(_mm_add_sd(p, _mm_unpackhi_pd(p, p)));
+}
+
+/* A row's e and q from its lanes' doubles (kvr_codec_err_finish's tree and
+ * test); false: it is to be measured wide. */
+AI bool err_finish16(__m512d *E, __m512d *Q, double *pe, double *pq)
+{
+    double se = err_tree(E), sq = err_tree(Q);
+    *pe = se;
+    *pq = sq;
+    return kvr_codec_err_ok(se, sq);
+}
+
 #endif

@@ -280,7 +280,7 @@ int kvr_codec_ggml_enc_avx512(kvr_codec_type t, uint8_t *dst, const void *src, k
  * -ffp-contract=off). f16 output is clamped to +-KVR_CODEC_F16_LIMIT, a NaN
  * left a NaN (the scalar clamp's comparisons are false for it), and
  * converted with round-to-nearest-even: the scalar decoder's bytes. */
-AI void dec_block16(kvr_codec_type t, void *dst, size_t i, const uint8_t *x, int h, int nt)
+AI void dec_block_v(kvr_codec_type t, const uint8_t *x, __m512 *py0, __m512 *py1)
 {
     /* F16C's conversion is exact, as kvr_f16_to_f32 */
     const __m512 d = _mm512_set1_ps(_cvtsh_ss(kvr_le16_get(x)));
@@ -324,6 +324,14 @@ AI void dec_block16(kvr_codec_type t, void *dst, size_t i, const uint8_t *x, int
         y0 = _mm512_add_ps(y0, m);
         y1 = _mm512_add_ps(y1, m);
     }
+    *py0 = y0;
+    *py1 = y1;
+}
+
+AI void dec_block16(kvr_codec_type t, void *dst, size_t i, const uint8_t *x, int h, int nt)
+{
+    __m512 y0, y1;
+    dec_block_v(t, x, &y0, &y1);
     if (nt) {
         st32_nt(dst, i, y0, y1, h);
     } else {
@@ -372,3 +380,62 @@ bool kvr_codec_ggml_dec_nt_avx512(kvr_codec_type t, void *dst, kvr_dtype dt, con
     _mm_sfence();
     return true;
 }
+
+/* ---- encode and measure (kvr_codec_encode_measured) ----------------------
+ * A row is encoded as kvr_codec_ggml_enc_avx512 encodes it, then measured
+ * while it is in L1: each block decoded in registers (dec_block_v, the
+ * decoder's values) against the row's values, into the lanes (a block's 32
+ * values are lanes (k mod 64) .. + 31; a block of the measure, 1024, ends on
+ * a ggml block's end). */
+AI void err_row_blocks(kvr_codec_type t, const uint8_t *codes, const void *ref, size_t len,
+                       int h, double *pe, double *pq, bool *wide)
+{
+    const size_t bb = ggml_block_bytes(t);
+    __m512d E[8], Q[8];
+    mlanes L = MLANES_ZERO;
+    int first_ = 1;
+    for (size_t k = 0; k < len; k += QK, codes += bb) {
+        __m512 y0, y1;
+        dec_block_v(t, codes, &y0, &y1);
+        if (k & 32) {
+            ERR_ACC(err_ref16(ref, k, h), y0, L.e2, L.q2);
+            ERR_ACC(err_ref16(ref, k + 16, h), y1, L.e3, L.q3);
+        } else {
+            ERR_ACC(err_ref16(ref, k, h), y0, L.e0, L.q0);
+            ERR_ACC(err_ref16(ref, k + 16, h), y1, L.e1, L.q1);
+        }
+        if (((k + QK) & (KVR_ERR_BLOCK - 1)) == 0 || k + QK == len) {
+            ERR_FLUSH_ALL(L);
+            L = MLANES_ZERO;
+            first_ = 0;
+        }
+    }
+    *wide = !err_finish16(E, Q, pe, pq);
+}
+
+#define ERR_CASE(T)                                                                      \
+    case T:                                                                              \
+        for (size_t r = 0; r < n_rows; r++) {                                            \
+            uint8_t *d = dst + r * rb;                                                   \
+            const char *x = (const char *)src + r * len * es;                            \
+            if (kvr_codec_ggml_enc_avx512(T, d, x, st, len) != 0)                        \
+                return -1;                                                               \
+            if (h) err_row_blocks(T, d, x, len, 1, &e[r], &q[r], &wide[r]);              \
+            else   err_row_blocks(T, d, x, len, 0, &e[r], &q[r], &wide[r]);              \
+        }                                                                                \
+        return 0;
+
+int kvr_codec_ggml_enc_err_avx512(kvr_codec_type t, uint8_t *dst, const void *src, kvr_dtype st,
+                                  size_t n_rows, size_t len, double *e, double *q, bool *wide)
+{
+    const int h = st == KVR_DTYPE_F16;
+    const size_t rb = len / QK * ggml_block_bytes(t), es = h ? 2 : 4;
+    switch (t) {
+    ERR_CASE(KVR_CODEC_Q8_0)
+    ERR_CASE(KVR_CODEC_Q4_0)
+    ERR_CASE(KVR_CODEC_Q4_1)
+    ERR_CASE(KVR_CODEC_Q5_0)
+    default: return -1;
+    }
+}
+#undef ERR_CASE

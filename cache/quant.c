@@ -301,28 +301,6 @@ static void acc_rows(const kvr_codec *c, const void *ref, kvr_dtype rdt, const f
     }
 }
 
-/* The same sums as decoding rows [0, n_rows) of dst and acc_rows, in one
- * pass over the codes where a kernel does it (kvr_codec_err_rows_enc);
- * false when none does. scratch: row floats. */
-static bool enc_rows_measured(const kvr_codec *c, const uint8_t *dst, const void *ref,
-                              kvr_dtype rdt, size_t n_rows, size_t row, float *scratch,
-                              kvr_qacc *acc)
-{
-    double e[ACC_ROWS], q[ACC_ROWS];
-    size_t rb = kvr_codec_row_bytes(c, row), es = kvr_dtype_size(rdt);
-    for (size_t i0 = 0; i0 < n_rows; i0 += ACC_ROWS) {
-        size_t k = n_rows - i0 < ACC_ROWS ? n_rows - i0 : ACC_ROWS;
-        if (kvr_codec_err_rows_enc(c, dst + i0 * rb, (const char *)ref + i0 * row * es, rdt, k,
-                                   row, scratch, e, q) != 0) {
-            assert(i0 == 0);   /* the same answer for every batch */
-            return false;
-        }
-        for (size_t i = 0; i < k; i++)
-            acc_add(acc, e[i], q[i]);
-    }
-    return true;
-}
-
 /* Makes *buf hold at least n floats (contents not kept). */
 static bool grow(float **buf, size_t *cap, size_t n)
 {
@@ -362,8 +340,16 @@ int kvr_quant_encode_side(const kvr_brun *runs, size_t n_runs, uint32_t layer, i
                 uint8_t *dst = kvr_block_kv(b, layer, kv, runs[r].first + j);
                 float *dec = cat ? big : scratch;
                 const void *xs = xh ? (const void *)xh : (const void *)x;
-                rc = kvr_codec_encode(c, dst, xs, sdt, (size_t)k * row, &bad);
-                if (rc == 0 && !(cat && enc_rows_measured(c, dst, xs, sdt, k, row, dec, acc))) {
+                /* encoded and measured in one pass where a kernel does it;
+                 * else encoded, decoded and measured */
+                double e[ACC_BATCH], q[ACC_BATCH];
+                rc = cat ? kvr_codec_encode_measured(c, dst, xs, sdt, k, row, dec, e, q, &bad)
+                         : 1;
+                if (rc == 0) {
+                    for (uint32_t i = 0; i < k; i++)
+                        acc_add(acc, e[i], q[i]);
+                } else if (rc == 1 &&
+                           (rc = kvr_codec_encode(c, dst, xs, sdt, (size_t)k * row, &bad)) == 0) {
                     kvr_codec_decode(c, dec, KVR_DTYPE_F32, dst, (size_t)k * row);
                     acc_rows(c, xs, sdt, dec, k, row, acc);
                 }

@@ -275,6 +275,56 @@ static void bench_throughput(void)
                ts / best);
     }
     printf("\n");
+    /* A quantized put's work on its f16 rows: encode, and measure what the
+     * encoding cost. With kvr_codec_encode_measured (one pass: a value is
+     * measured as it is quantized) against encoding, decoding into a
+     * buffer and measuring it (kvr_codec_err_rows_f16), the route of a
+     * codec or ISA no kernel does so. Thread CPU time, 64 rows a call,
+     * alternated, the best of 5 each. */
+    printf("| encode + error measure of f16 rows (rows of %d, 64 a call; thread CPU time) | "
+           "encode alone, Gvalues/s | encode + decode + measure | encode and measure in one "
+           "pass | one pass x three |\n", ROW);
+    printf("| --- | ---: | ---: | ---: | ---: |\n");
+    const char *const mc[] = { "int8 g64", "int4 g64", "int2 g64", "q8_0", "q4_0", "q4_1",
+                               "q5_0" };
+    for (size_t i = 0; i < sizeof mc / sizeof *mc; i++) {
+        const kvr_codec *c = NULL;
+        for (size_t j = 0; j < sizeof cases / sizeof *cases; j++)
+            if (strcmp(cases[j].name, mc[i]) == 0) c = &cases[j].c;
+        size_t rb = kvr_codec_row_bytes(c, ROW), batch = 64 * (size_t)ROW;
+        double t3[3] = { 1e30, 1e30, 1e30 };
+        int one = 1;
+        for (int r = 0; r < 5; r++)
+            for (int m = 0; m < 3; m++) {
+                struct timespec a, b;
+                clock_gettime(CLOCK_THREAD_CPUTIME_ID, &a);
+                for (size_t k = 0; k + batch <= g_n; k += batch) {
+                    uint8_t *o = g_enc + k / ROW * rb;
+                    if (m == 2) {
+                        if (kvr_codec_encode_measured(c, o, g_src16 + k, KVR_DTYPE_F16, 64, ROW,
+                                                      dec, ee, qq, NULL) != 0)
+                            one = 0;
+                        continue;
+                    }
+                    kvr_codec_encode(c, o, g_src16 + k, KVR_DTYPE_F16, batch, NULL);
+                    if (m == 1) {
+                        kvr_codec_decode(c, dec, KVR_DTYPE_F32, o, batch);
+                        kvr_codec_err_rows_f16(KVR_ISA_AUTO, g_src16 + k, dec, 64, ROW, ee, qq);
+                    }
+                }
+                clock_gettime(CLOCK_THREAD_CPUTIME_ID, &b);
+                double t = (double)(b.tv_sec - a.tv_sec) + (double)(b.tv_nsec - a.tv_nsec) * 1e-9;
+                if (t < t3[m]) t3[m] = t;
+            }
+        if (!one) {
+            printf("| %s | %.2f | %.2f | (no kernel on this CPU) | |\n", mc[i], g_n / t3[0] * 1e-9,
+                   g_n / t3[1] * 1e-9);
+            continue;
+        }
+        printf("| %s | %.2f | %.2f | %.2f | %.2f |\n", mc[i], g_n / t3[0] * 1e-9,
+               g_n / t3[1] * 1e-9, g_n / t3[2] * 1e-9, t3[1] / t3[2]);
+    }
+    printf("\n");
     free(dec);
     free(x); free(g_src16); free(g_dst16); free(g_enc);
 }

@@ -398,3 +398,88 @@ Test(codec_ggml, decode_random_bytes_simd_equals_scalar)
     }
     free(src); free(y0); free(y1); free(h0); free(h1); free(ba);
 }
+
+/* kvr_codec_encode_measured for the ggml codecs: the bytes of the scalar
+ * encoder, and for each row the doubles of its blocks decoded and measured
+ * by the definition (kvt_err_row_def), on the adversarial blocks (blocks
+ * the SIMD encoder leaves to the scalar one included), f32 and f16 input,
+ * rows of one block to past two blocks of the measure, more than 64 rows;
+ * a value no codec takes gets kvr_codec_encode's error and index. 1 only
+ * where no kernel does it. */
+Test(codec_ggml, encode_measured_same_bytes_and_doubles)
+{
+    static const size_t lens[] = { 32, 96, 256, 288, 1024, 1056, 2080 };
+    static const size_t rows[] = { 1, 3, 5, 70 };
+    size_t nmax = 70 * 2080;
+    float *x = malloc(nmax * 4), *dec = malloc(2080 * 4), *scratch = malloc(2080 * 4);
+    uint16_t *xh = malloc(nmax * 2);
+    float *xf = malloc(nmax * 4);
+    uint8_t *e0 = malloc(nmax * 2), *e1 = malloc(nmax * 2);
+    long ran = 0, refused = 0;
+    for (size_t nb = 0; nb < nmax / 32; nb++) adversarial_block(x + nb * 32, nb * 7 + 3);
+    for (size_t i = 0; i < nmax; i++) {
+        xh[i] = kvr_f32_to_f16(x[i]);
+        xf[i] = kvr_f16_to_f32(xh[i]);
+    }
+    for (int k = 0; k < 4; k++)
+        for (size_t li = 0; li < sizeof lens / sizeof *lens; li++)
+            for (size_t ri = 0; ri < sizeof rows / sizeof *rows; ri++)
+                for (int h = 0; h < 2; h++)
+                    for (int bad = 0; bad < 2; bad++) {
+                        size_t len = lens[li], nr = rows[ri], n = nr * len;
+                        if (n > nmax || (nr == 70 && len > 256)) continue;
+                        size_t at = (len * (nr / 2) + 37) % n;
+                        float keep = x[at];
+                        uint16_t keeph = xh[at];
+                        if (bad) {
+                            x[at] = NAN;
+                            xh[at] = 0x7e00;
+                        }
+                        const void *src = h ? (const void *)xh : (const void *)x;
+                        const float *r32 = h ? xf : x;
+                        kvr_dtype st = h ? KVR_DTYPE_F16 : KVR_DTYPE_F32;
+                        kvr_codec sc = { .type = cases[k].type, .isa = KVR_ISA_SCALAR };
+                        size_t rb = kvr_codec_row_bytes(&sc, len), b0 = SIZE_MAX, b1 = SIZE_MAX;
+                        int rc0 = kvr_codec_encode(&sc, e0, src, st, n, &b0);
+                        cr_assert_eq(rc0 != 0, bad);
+                        double q0[70], s0[70], q1[70], s1[70];
+                        for (size_t r = 0; r < nr && !bad; r++) {
+                            kvr_codec_decode(&sc, dec, KVR_DTYPE_F32, e0 + r * rb, len);
+                            kvt_err_row_def(r32 + r * len, dec, len, &s0[r], &q0[r]);
+                        }
+                        for (int isa = KVR_ISA_SCALAR; isa <= KVR_ISA_AVX512; isa++) {
+                            kvr_codec vc = { .type = cases[k].type, .isa = (kvr_isa)isa };
+                            memset(e1, 0xa5, nr * rb);
+                            int rc = kvr_codec_encode_measured(&vc, e1, src, st, nr, len,
+                                                               scratch, s1, q1, &b1);
+                            if (rc == 1) {
+                                cr_assert(isa != KVR_ISA_AVX512 || kvr_isa_best() < KVR_ISA_AVX512,
+                                          "%s: the AVX-512 kernel refused", cases[k].name);
+                                continue;
+                            }
+                            if (bad) {
+                                cr_assert_eq(rc, rc0);
+                                cr_assert_eq(b1, b0, "%s: bad at %zu named %zu, encode %zu",
+                                             cases[k].name, at, b1, b0);
+                                refused++;
+                                continue;
+                            }
+                            ran++;
+                            cr_assert_eq(rc, 0);
+                            cr_assert(!memcmp(e0, e1, nr * rb), "%s len %zu rows %zu f16 %d: "
+                                      "other bytes", cases[k].name, len, nr, h);
+                            cr_assert(!memcmp(s0, s1, nr * sizeof *s0) &&
+                                      !memcmp(q0, q1, nr * sizeof *q0),
+                                      "%s len %zu rows %zu f16 %d: e %.17g vs %.17g, q %.17g vs "
+                                      "%.17g", cases[k].name, len, nr, h, s1[0], s0[0], q1[0],
+                                      q0[0]);
+                        }
+                        x[at] = keep;
+                        xh[at] = keeph;
+                    }
+    cr_log_info("best ISA %s: %ld encoded and measured in one pass, %ld refused",
+                kvr_isa_name(kvr_isa_best()), ran, refused);
+    if (kvr_isa_best() >= KVR_ISA_AVX512)
+        cr_assert(ran > 0 && refused > 0);
+    free(x); free(dec); free(scratch); free(xh); free(xf); free(e0); free(e1);
+}
