@@ -121,8 +121,11 @@ static int run_keep(kvr_store *s, const char *id, const char *codec, const uint1
     return 0;
 }
 
-/* Best of REPS (put and get separately). */
-#define REPS 5
+/* Best of REPS (put and get separately). 11, not 5: on a shared machine
+ * the same binary's best of 5 moved by 15% from run to run, and the goal
+ * lines with it (a codec's put and the f16 put are each the best of their
+ * REPS, alternated). */
+#define REPS 11
 static int run_best(kvr_store *s, const char *codec, const uint16_t *pl, uint8_t *copy,
                     double *put_s, double *get_s, kvr_ctx_info *ci)
 {
