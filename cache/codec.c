@@ -862,10 +862,14 @@ int kvr_codec_encode_measured(const kvr_codec *c, void *dst, const void *src,
         size_t m = n_rows - i0 < 64 ? n_rows - i0 : 64;
         uint8_t *d = (uint8_t *)dst + i0 * rb;
         const char *s = (const char *)src + i0 * len * es;
-        if ((ggml ? k->ggml_enc_err(c->type, d, s, src_type, m, len, e + i0, q + i0, wide)
-                  : k->enc_err_rows(d, s, h, m, len, bits, G, e + i0, q + i0, wide)) != 0) {
-            /* a bad value: the encoder names it (rows before i0 are done;
-             * it refuses the same values, so 1 is never returned here) */
+        int kr = ggml ? k->ggml_enc_err(c->type, d, s, src_type, m, len, e + i0, q + i0, wide)
+                      : k->enc_err_rows(d, s, h, m, len, bits, G, e + i0, q + i0, wide);
+        if (kr > 0)
+            return 1;   /* not handled after all: the caller encodes it all again */
+        if (kr < 0) {
+            /* A bad value: kvr_codec_encode names it (rows before i0 are
+             * done). Its kernels refuse the same values; were it to take
+             * them, the rows are encoded and the caller measures them (1). */
             int rc = kvr_codec_encode(c, d, s, src_type, (n_rows - i0) * len, bad);
             if (rc != 0 && bad)
                 *bad += i0 * len;

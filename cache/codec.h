@@ -291,7 +291,9 @@ void kvr_codec_err_rows_f16(kvr_isa isa, const uint16_t *ref, const float *dec, 
  * 1 where no kernel does it (another ISA; a
  * uniform codec with f32 parameters or a group that is not 32, 64, 128 or
  * 256 or does not divide len; a ggml codec whose rows are not whole
- * blocks; any other codec): the caller encodes, decodes and measures. */
+ * blocks; any other codec; bf16 input) or the arguments are not valid (an
+ * invalid codec, NULL pointers, no rows): the caller encodes, decodes and
+ * measures, and kvr_codec_encode reports what is wrong. */
 int kvr_codec_encode_measured(const kvr_codec *c, void *dst, const void *src,
                               kvr_dtype src_type, size_t n_rows, size_t len, float *scratch,
                               double *e, double *q, size_t *bad);
@@ -348,8 +350,9 @@ typedef struct kvr_codec_kernels {
     bool (*ggml_dec_nt)(kvr_codec_type t, void *dst, kvr_dtype dt, const uint8_t *src,
                         size_t n);
     /* Optional: kvr_codec_encode_measured for a ggml codec, n_rows rows of
-     * len values (a multiple of 32) back to back, f32 or f16 input: 0, or
-     * -1 at a bad value; wide[i] as enc_err_rows. */
+     * len values (a multiple of 32) back to back, f32 or f16 input: 0, -1
+     * at a bad value, 1 for a type it does not know; wide[i] as
+     * enc_err_rows. */
     int  (*ggml_enc_err)(kvr_codec_type t, uint8_t *dst, const void *src, kvr_dtype st,
                          size_t n_rows, size_t len, double *e, double *q, bool *wide);
     /* kvr_codec_err_rows (required). */

@@ -391,7 +391,7 @@ AI void err_row_blocks(kvr_codec_type t, const uint8_t *codes, const void *ref, 
                        int h, double *pe, double *pq, bool *wide)
 {
     const size_t bb = ggml_block_bytes(t);
-    __m512d E[8], Q[8];
+    __m512d E[8] = { 0 }, Q[8] = { 0 };   /* (set by the first flush) */
     mlanes L = MLANES_ZERO;
     int first_ = 1;
     for (size_t k = 0; k < len; k += QK, codes += bb) {
@@ -435,7 +435,7 @@ int kvr_codec_ggml_enc_err_avx512(kvr_codec_type t, uint8_t *dst, const void *sr
     ERR_CASE(KVR_CODEC_Q4_0)
     ERR_CASE(KVR_CODEC_Q4_1)
     ERR_CASE(KVR_CODEC_Q5_0)
-    default: return -1;
+    default: return 1;   /* not one of these types: not handled */
     }
 }
 #undef ERR_CASE
