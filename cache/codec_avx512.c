@@ -261,7 +261,7 @@ AI long enc_rows(uint8_t *dst, const void *src, size_t n, const unsigned bits, c
     const size_t gb = 4 + (size_t)G * bits / 8, ng = n / G, nv = G / 16;
     __m512i acc = _mm512_setzero_si512();
     mlanes L = MLANES_ZERO;
-    __m512d E[8] = { 0 }, Q[8] = { 0 };   /* (set by the first flush) */
+    __m512d E[8], Q[8];   /* set by the first flush */
     int first_ = 1;
     for (size_t g0 = 0; g0 < ng; g0 += 16) {
         size_t k = ng - g0 < 16 ? ng - g0 : 16;
@@ -635,7 +635,7 @@ static void x5_tile_scatter(void *dst, kvr_dtype t, size_t ld, const float *buf,
 static inline void x5_err_row(const void *ref, const float *dec, size_t len, double *pe,
                               double *pq, int h)
 {
-    __m512d E[8] = { 0 }, Q[8] = { 0 };   /* (set by the first flush) */
+    __m512d E[8], Q[8];   /* set by the first flush */
     float rt[KVR_ERR_LANES], dt[KVR_ERR_LANES];
     for (size_t b = 0; b < len; b += KVR_ERR_BLOCK) {
         const int first_ = b == 0;

@@ -391,20 +391,21 @@ AI void err_row_blocks(kvr_codec_type t, const uint8_t *codes, const void *ref, 
                        int h, double *pe, double *pq, bool *wide)
 {
     const size_t bb = ggml_block_bytes(t);
-    __m512d E[8] = { 0 }, Q[8] = { 0 };   /* (set by the first flush) */
+    __m512d E[8], Q[8];   /* set by the first flush */
     mlanes L = MLANES_ZERO;
     int first_ = 1;
-    for (size_t k = 0; k < len; k += QK, codes += bb) {
+    /* two blocks a step (lanes 0-31, then 32-63), a last one alone */
+    for (size_t k = 0; k < len; k += 2 * QK, codes += 2 * bb) {
         __m512 y0, y1;
         dec_block_v(t, codes, &y0, &y1);
-        if (k & 32) {
-            ERR_ACC(err_ref16(ref, k, h), y0, L.e2, L.q2);
-            ERR_ACC(err_ref16(ref, k + 16, h), y1, L.e3, L.q3);
-        } else {
-            ERR_ACC(err_ref16(ref, k, h), y0, L.e0, L.q0);
-            ERR_ACC(err_ref16(ref, k + 16, h), y1, L.e1, L.q1);
+        ERR_ACC(err_ref16(ref, k, h), y0, L.e0, L.q0);
+        ERR_ACC(err_ref16(ref, k + 16, h), y1, L.e1, L.q1);
+        if (k + QK < len) {
+            dec_block_v(t, codes + bb, &y0, &y1);
+            ERR_ACC(err_ref16(ref, k + 32, h), y0, L.e2, L.q2);
+            ERR_ACC(err_ref16(ref, k + 48, h), y1, L.e3, L.q3);
         }
-        if (((k + QK) & (KVR_ERR_BLOCK - 1)) == 0 || k + QK == len) {
+        if (((k + 2 * QK) & (KVR_ERR_BLOCK - 1)) == 0 || k + 2 * QK >= len) {
             ERR_FLUSH_ALL(L);
             L = MLANES_ZERO;
             first_ = 0;
