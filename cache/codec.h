@@ -394,8 +394,6 @@ size_t kvr_codec_scalar_group(uint8_t *dst, const float *x, size_t m, unsigned b
 /* The error measure's fixed order (kvr_codec_err_rows above). */
 #define KVR_ERR_LANES 64
 #define KVR_ERR_BLOCK 1024
-/* A row's e and q from its lanes' doubles E[64], Q[64] (added in the
- * fixed tree); false when the row must be measured wide instead. */
 /* Whether a row's sums e, q from the lanes stand (finite, q >= 2^-60);
  * else the row is measured wide. */
 static inline bool kvr_codec_err_ok(double e, double q)
@@ -403,6 +401,8 @@ static inline bool kvr_codec_err_ok(double e, double q)
     return e - e == 0.0 && q - q == 0.0 && q >= 0x1p-60;   /* finite */
 }
 
+/* A row's e and q from its lanes' doubles E[64], Q[64] (added in the
+ * fixed tree); false when the row must be measured wide instead. */
 static inline bool kvr_codec_err_finish(const double *E, const double *Q, double *e, double *q)
 {
     /* lane l + w added onto lane l, w = 32, 16, .., 1 */

@@ -314,9 +314,29 @@ static bool grow(float **buf, size_t *cap, size_t n)
     return true;
 }
 
-/* Rows per batch when decoding for the error measure (the tile path needs
- * its own buffer anyway; rows use `scratch` two at a time otherwise). */
+/* Rows per batch of a row-coded side: encoded and measured in one pass
+ * (kvr_codec_encode_measured), or else decoded into `big` for the measure
+ * (the tile path needs its own buffer anyway). */
 #define ACC_BATCH 64u
+
+/* The sums of k rows encoded back to back at dst (codec c, row values
+ * each) against src: decoded into *big (grown to k rows) and measured, or
+ * one row at a time through scratch where *big cannot grow. */
+static void measure_decoded(const kvr_codec *c, const uint8_t *dst, const void *src,
+                            kvr_dtype sdt, uint32_t k, size_t row, float **big, size_t *big_n,
+                            float *scratch, kvr_qacc *acc)
+{
+    if (k > 1 && grow(big, big_n, (size_t)k * row)) {
+        kvr_codec_decode(c, *big, KVR_DTYPE_F32, dst, (size_t)k * row);
+        acc_rows(c, src, sdt, *big, k, row, acc);
+        return;
+    }
+    size_t rb = kvr_codec_row_bytes(c, row), es = kvr_dtype_size(sdt);
+    for (uint32_t i = 0; i < k; i++) {
+        kvr_codec_decode(c, scratch, KVR_DTYPE_F32, dst + i * rb, row);
+        acc_rows(c, (const char *)src + i * row * es, sdt, scratch, 1, row, acc);
+    }
+}
 
 int kvr_quant_encode_side(const kvr_brun *runs, size_t n_runs, uint32_t layer, int kv,
                           const void *src, kvr_dtype sdt, float *scratch, kvr_qacc *acc)
@@ -332,26 +352,26 @@ int kvr_quant_encode_side(const kvr_brun *runs, size_t n_runs, uint32_t layer, i
         const kvr_block *b = runs[r].b;
         const kvr_codec *c = kv ? &KVR_QH(b)->vc : &KVR_QH(b)->kc;
         if (kv || KVR_QH(b)->ktile == 1) {
-            bool cat = rows_concat(c, row) && grow(&big, &big_n, (size_t)ACC_BATCH * row);
+            bool cat = rows_concat(c, row);
             for (uint32_t j = 0; j < runs[r].count && rc == 0;) {
                 uint32_t k = cat ? (runs[r].count - j < ACC_BATCH ? runs[r].count - j
                                                                    : ACC_BATCH)
                                  : 1;
                 uint8_t *dst = kvr_block_kv(b, layer, kv, runs[r].first + j);
-                float *dec = cat ? big : scratch;
                 const void *xs = xh ? (const void *)xh : (const void *)x;
-                /* encoded and measured in one pass where a kernel does it;
-                 * else encoded, decoded and measured */
+                /* encoded and measured in one pass where a kernel does it
+                 * (nothing decoded: no batch buffer); else encoded, decoded
+                 * and measured */
                 double e[ACC_BATCH], q[ACC_BATCH];
-                rc = cat ? kvr_codec_encode_measured(c, dst, xs, sdt, k, row, dec, e, q, &bad)
+                rc = cat ? kvr_codec_encode_measured(c, dst, xs, sdt, k, row, scratch, e, q,
+                                                     &bad)
                          : 1;
                 if (rc == 0) {
                     for (uint32_t i = 0; i < k; i++)
                         acc_add(acc, e[i], q[i]);
                 } else if (rc == 1 &&
                            (rc = kvr_codec_encode(c, dst, xs, sdt, (size_t)k * row, &bad)) == 0) {
-                    kvr_codec_decode(c, dec, KVR_DTYPE_F32, dst, (size_t)k * row);
-                    acc_rows(c, xs, sdt, dec, k, row, acc);
+                    measure_decoded(c, dst, xs, sdt, k, row, &big, &big_n, scratch, acc);
                 }
                 if (xh)
                     xh += (size_t)k * row;
