@@ -314,7 +314,8 @@ Test(daemon_readahead, pipelined_mix_under_back_pressure)
 typedef struct flood {
     int fd;
     atomic_bool stop;
-    size_t sent, answered;
+    size_t sent;
+    atomic_size_t answered;
 } flood;
 
 static void *flood_writer(void *arg)
@@ -344,14 +345,28 @@ static void *flood_reader(void *arg)
             continue;
         if (k <= 0)
             break;
-        f->answered += (size_t)k;
+        atomic_fetch_add(&f->answered, (size_t)k);
     }
     return NULL;
 }
 
+/* Waits up to 10 s for the flood's answers to pass `above` bytes. */
+static bool flood_answered_past(flood *f, size_t above)
+{
+    for (int i = 0; i < 10000; i++) {
+        if (atomic_load(&f->answered) > above)
+            return true;
+        usleep(1000);
+    }
+    return false;
+}
+
 /* One connection writes pipelined pings as fast as it can (the daemon's
  * read-ahead always has frames left); another connection's requests are
- * still answered, each within the socket's receive timeout. */
+ * still answered, each within the socket's receive timeout. The quiet
+ * connection starts only once the flood is being answered (else its 200 pings
+ * can all be done before the flood's thread has run), and the flood is still
+ * answered after them. */
 Test(daemon_readahead, a_flood_of_pipelined_frames_starves_no_other_connection)
 {
     start_daemon(NULL);
@@ -361,14 +376,16 @@ Test(daemon_readahead, a_flood_of_pipelined_frames_starves_no_other_connection)
     pthread_t tw, tr;
     cr_assert_eq(pthread_create(&tr, NULL, flood_reader, &f), 0);
     cr_assert_eq(pthread_create(&tw, NULL, flood_writer, &f), 0);
+    cr_assert(flood_answered_past(&f, 0), "the flood was never answered");
     int fd = connect_unix(D.sock);
     cr_assert_geq(fd, 0);
     for (uint64_t i = 0; i < 200; i++)
         cr_assert_eq(ping(fd, 5000 + i), KVROPE__STATUS__OK);
+    size_t mid = atomic_load(&f.answered);
+    cr_assert(flood_answered_past(&f, mid), "the flood stopped being answered");
     atomic_store(&f.stop, true);
     pthread_join(tw, NULL);
     pthread_join(tr, NULL);
-    cr_assert_gt(f.answered, 0);
     close(f.fd);
     close(fd);
     stop_daemon_clean();
