@@ -41,6 +41,15 @@ static void teardown(void)
 
 TestSuite(int_shm, .init = setup, .fini = teardown, .timeout = 180);
 
+/* For a test that starts its own daemon: stops the suite's (a test's
+ * .init = NULL does not skip the suite's setup in Criterion: it runs all the
+ * same, and a second testd_start on D would orphan that daemon and leave its
+ * directory behind). The suite's teardown then stops the test's daemon. */
+static void own_daemon(void)
+{
+    kvt_daemon_down(&D, &C, NULL);
+}
+
 #define REGION (4u << 20)
 
 static uint32_t make_region(kvr_client *c, void **base)
@@ -346,8 +355,9 @@ Test(int_shm, refusals)
     cr_assert_eq(kvr_client_ping(C, NULL), 0);
 }
 
-Test(int_shm, tcp_refuses_shared_memory, .init = NULL, .fini = NULL)
+Test(int_shm, tcp_refuses_shared_memory)
 {
+    own_daemon();
     char listen[64], addr[80];
     int port = kvt_free_tcp_port();
     snprintf(listen, sizeof listen, "127.0.0.1:%d", port);
@@ -948,8 +958,9 @@ Test(int_shm, a_client_cannot_hoard_descriptors)
  * the client that asks past the cap gets E_LIMIT saying so, the others
  * keep working (puts, gets and their own regions), and a release or a
  * closed connection gives the room back. */
-Test(int_shm, regions_of_all_connections_are_capped, .init = NULL, .fini = NULL)
+Test(int_shm, regions_of_all_connections_are_capped)
 {
+    own_daemon();
     const char *extra[] = { "--max-regions", "4", "--max-regions-total", "6", NULL };
     cr_assert_eq(testd_start(&D, extra), 0, "daemon did not start");
     kvr_client *a = testd_connect(&D), *b = testd_connect(&D), *p = testd_connect(&D);
@@ -996,9 +1007,9 @@ Test(int_shm, regions_of_all_connections_are_capped, .init = NULL, .fini = NULL)
 
 /* Without --max-regions-total the cap comes from vm.max_map_count, with
  * room left for the daemon's own mappings. */
-Test(int_shm, the_default_region_cap_leaves_room_for_the_daemons_maps, .init = NULL,
-     .fini = NULL)
+Test(int_shm, the_default_region_cap_leaves_room_for_the_daemons_maps)
 {
+    own_daemon();
     const char *extra[] = { "--log-level", "info", NULL };
     cr_assert_eq(testd_start(&D, extra), 0, "daemon did not start");
     unsigned long long maps = 65530;
