@@ -40,11 +40,6 @@
 #include <string.h>
 
 #define AI static inline __attribute__((always_inline))
-/* A row's doubles E, Q are set by its first flush (ERR_FLUSH with first_);
- * gcc -O3 cannot see it and calls them maybe uninitialized. */
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-#endif
 #include "cache/codec_avx2_inl.h"
 #include "cache/codec_avx512_inl.h"
 

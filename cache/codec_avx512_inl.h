@@ -7,6 +7,13 @@
 #ifndef KVR_CACHE_CODEC_AVX512_INL_H
 #define KVR_CACHE_CODEC_AVX512_INL_H
 
+/* A row's doubles E, Q are set by its first flush (ERR_FLUSH with first_);
+ * gcc -O3 cannot see it and calls them maybe uninitialized (in every file
+ * that includes this one, from here on). */
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
+
 /* 16 values at src[i] as f32; folds the magnitude bits into *acc (f16
  * input: the f16 bits & 0x7fff, in 16-bit lanes; f32: the f32 bits &
  * 0x7fffffff, in 32-bit lanes) for one unsigned max check at the end. */
